@@ -1,0 +1,102 @@
+#include "core/allocator.h"
+
+#include <cstdlib>
+
+namespace tessera {
+
+namespace {
+int64_t RoundUpToAlignment(int64_t bytes) {
+  int64_t rounded = (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+  return rounded == 0 ? kBufferAlignment : rounded;
+}
+}  // namespace
+
+Result<void*> Allocator::Allocate(int64_t bytes) {
+  TESSERA_CHECK(bytes >= 0, "negative allocation size {}", bytes);
+  void* ptr = DoAllocate(bytes);
+  if (ptr == nullptr) {
+    return ResourceExhausted("host allocation of {} bytes failed ({} bytes live)", bytes,
+                             live_bytes_.load());
+  }
+  int64_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  int64_t peak = peak_bytes_.load(std::memory_order_relaxed);
+  while (live > peak && !peak_bytes_.compare_exchange_weak(peak, live)) {
+  }
+  return ptr;
+}
+
+void Allocator::Deallocate(void* ptr, int64_t bytes) {
+  live_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  DoDeallocate(ptr, bytes);
+}
+
+MemoryStats Allocator::stats() const {
+  MemoryStats stats;
+  stats.live_bytes = live_bytes_.load();
+  stats.peak_bytes = peak_bytes_.load();
+  stats.reserved_bytes = stats.live_bytes + CachedBytes();
+  return stats;
+}
+
+void Allocator::ResetPeak() { peak_bytes_.store(live_bytes_.load()); }
+
+void* AlignedHostAllocator::DoAllocate(int64_t bytes) {
+  return std::aligned_alloc(kBufferAlignment, static_cast<size_t>(RoundUpToAlignment(bytes)));
+}
+
+void AlignedHostAllocator::DoDeallocate(void* ptr, int64_t /*bytes*/) { std::free(ptr); }
+
+CachingHostAllocator::~CachingHostAllocator() { ReleaseCache(); }
+
+void CachingHostAllocator::ReleaseCache() {
+  std::lock_guard lock(mutex_);
+  for (auto& [size, blocks] : free_blocks_) {
+    for (void* block : blocks) std::free(block);
+  }
+  free_blocks_.clear();
+  cached_bytes_ = 0;
+}
+
+void* CachingHostAllocator::DoAllocate(int64_t bytes) {
+  const int64_t rounded = RoundUpToAlignment(bytes);
+  {
+    std::lock_guard lock(mutex_);
+    auto it = free_blocks_.find(rounded);
+    if (it != free_blocks_.end() && !it->second.empty()) {
+      void* block = it->second.back();
+      it->second.pop_back();
+      cached_bytes_ -= rounded;
+      return block;
+    }
+  }
+  void* block = std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+  if (block == nullptr) {
+    // Out of memory with blocks of other sizes parked in the cache: give them back and retry.
+    ReleaseCache();
+    block = std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+  }
+  return block;
+}
+
+void CachingHostAllocator::DoDeallocate(void* ptr, int64_t bytes) {
+  const int64_t rounded = RoundUpToAlignment(bytes);
+  std::lock_guard lock(mutex_);
+  free_blocks_[rounded].push_back(ptr);
+  cached_bytes_ += rounded;
+}
+
+int64_t CachingHostAllocator::CachedBytes() const {
+  std::lock_guard lock(mutex_);
+  return cached_bytes_;
+}
+
+Result<std::shared_ptr<Buffer>> Buffer::Allocate(int64_t bytes,
+                                                 std::shared_ptr<Allocator> allocator) {
+  TESSERA_CHECK(allocator != nullptr);
+  TESSERA_ASSIGN_OR_RETURN(void* data, allocator->Allocate(bytes));
+  return std::shared_ptr<Buffer>(new Buffer(data, bytes, std::move(allocator)));
+}
+
+Buffer::~Buffer() { allocator_->Deallocate(data_, size_); }
+
+}  // namespace tessera

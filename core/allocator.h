@@ -1,0 +1,103 @@
+// Host memory allocation with accounting.
+//
+// Every tensor buffer comes from an Allocator. The base class counts live and peak bytes of
+// the buffers it handed out (what the step's tensors occupy, not what a cache holds), so an
+// executor can report a step's peak memory and, later, a planner can hold a tier under a cap.
+// Implementations supply DoAllocate/DoDeallocate:
+//   - AlignedHostAllocator: aligned_alloc/free, nothing cached.
+//   - CachingHostAllocator: keeps freed blocks by exact size and hands them out again. A step
+//     graph allocates the same sizes every step, so after the first step nothing reaches the
+//     system allocator; in particular large buffers stop paying mmap + page faults each step.
+//
+// Thread safety: Allocate/Deallocate and the statistics may be called from any thread.
+// Ownership: an Allocator must outlive its buffers; Buffer holds a shared_ptr to guarantee it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "core/status.h"
+
+namespace tessera {
+
+// Every buffer is aligned to this many bytes (one AVX-512 vector, one cache line).
+inline constexpr int64_t kBufferAlignment = 64;
+
+struct MemoryStats {
+  int64_t live_bytes = 0;      // bytes in buffers currently allocated
+  int64_t peak_bytes = 0;      // max live_bytes since construction or the last ResetPeak()
+  int64_t reserved_bytes = 0;  // live bytes plus bytes held in a cache
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+
+  // Returns kBufferAlignment-aligned memory of `bytes` (>= 0), or ResourceExhausted.
+  Result<void*> Allocate(int64_t bytes);
+  // REQUIRES: ptr came from Allocate(bytes) on this allocator and was not freed since.
+  void Deallocate(void* ptr, int64_t bytes);
+
+  MemoryStats stats() const;
+  // Starts a new peak-measurement window at the current live size.
+  void ResetPeak();
+
+ protected:
+  virtual void* DoAllocate(int64_t bytes) = 0;  // nullptr when exhausted
+  virtual void DoDeallocate(void* ptr, int64_t bytes) = 0;
+  virtual int64_t CachedBytes() const { return 0; }
+
+ private:
+  std::atomic<int64_t> live_bytes_{0};
+  std::atomic<int64_t> peak_bytes_{0};
+};
+
+class AlignedHostAllocator final : public Allocator {
+ protected:
+  void* DoAllocate(int64_t bytes) override;
+  void DoDeallocate(void* ptr, int64_t bytes) override;
+};
+
+class CachingHostAllocator final : public Allocator {
+ public:
+  ~CachingHostAllocator() override;
+  // Returns every cached block to the system.
+  void ReleaseCache();
+
+ protected:
+  void* DoAllocate(int64_t bytes) override;
+  void DoDeallocate(void* ptr, int64_t bytes) override;
+  int64_t CachedBytes() const override;
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<int64_t, std::vector<void*>> free_blocks_;  // rounded size -> blocks; under mutex_
+  int64_t cached_bytes_ = 0;                           // under mutex_
+};
+
+// A contiguous block of host memory owned by one Allocator, shared by the tensors that view it.
+class Buffer {
+ public:
+  static Result<std::shared_ptr<Buffer>> Allocate(int64_t bytes,
+                                                  std::shared_ptr<Allocator> allocator);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  Buffer(void* data, int64_t size, std::shared_ptr<Allocator> allocator)
+      : data_(data), size_(size), allocator_(std::move(allocator)) {}
+
+  void* data_;
+  int64_t size_;
+  std::shared_ptr<Allocator> allocator_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,50 @@
+#include "core/atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+namespace tessera {
+
+Status WriteFileAtomically(const std::string& path, std::string_view contents) {
+  const std::string temp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return Unavailable("cannot create '{}': {}", temp, std::strerror(errno));
+  }
+  size_t written = 0;
+  while (written < contents.size()) {
+    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;
+      ::close(fd);
+      ::unlink(temp.c_str());
+      return DataLoss("writing '{}' failed: {}", temp, std::strerror(error));
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    return DataLoss("flushing '{}' failed: {}", temp, std::strerror(error));
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    return Unavailable("renaming '{}' to '{}' failed: {}", temp, path, std::strerror(error));
+  }
+  // Persist the rename itself.
+  const std::string directory = std::filesystem::path(path).parent_path().string();
+  const int dir_fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera

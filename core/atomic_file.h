@@ -1,0 +1,17 @@
+// Atomic file writes: the content goes to a temporary file beside the target, is fsynced, and
+// is renamed over the target, so a reader (or a crash) sees the old file or the new one, never
+// a partial one.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "core/status.h"
+
+namespace tessera {
+
+// Unavailable/DataLoss naming the path and the system error otherwise; the target is untouched
+// on failure.
+Status WriteFileAtomically(const std::string& path, std::string_view contents);
+
+}  // namespace tessera

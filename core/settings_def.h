@@ -1,0 +1,21 @@
+// Every Tessera setting, declared once: type, name, default, unit, and what it trades off.
+// Included by settings.h/settings.cc with TESSERA_SETTING defined; do not include elsewhere.
+// Each can be overridden by the environment variable TESSERA_<NAME IN CAPITALS>.
+//
+// TESSERA_SETTING(type, name, default, unit, description)
+
+TESSERA_SETTING(int64_t, cpu_threads, 0, "threads",
+                "Threads in the CPU executor's TBB arena (kernels and independent tasks share "
+                "them). 0 means one per core. More than the cores only adds contention.")
+
+TESSERA_SETTING(int64_t, gemm_split_min_flops, 4000000, "flop",
+                "GEMMs smaller than this run on one thread; larger ones are split across the "
+                "arena. Lower splits more small GEMMs (more overhead per split).")
+
+TESSERA_SETTING(bool, cache_host_allocations, true, "",
+                "Keep freed host buffers for reuse by size. A step graph allocates the same "
+                "sizes every step, so this removes malloc/mmap and page faults from the hot "
+                "path, at the cost of holding the step's peak memory between steps.")
+
+TESSERA_SETTING(std::string, log_level, "info", "",
+                "spdlog level for every component: trace, debug, info, warn, error, off.")

@@ -1,0 +1,116 @@
+// Gpt2Trainer: trains a GPT-2 model by running its step graph, one step per call.
+//
+// The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
+// moment buffers), a prepared step graph from the single-worker planner (zero/), and the
+// executor that runs it (worker/). Each Step binds a batch, the learning rate and the step
+// number, moves the state into the run (so the optimizer updates it in place through
+// donation), and takes the updated state back from the graph's outputs.
+//
+// Parameters are addressed by the names of tests/reference/make_gpt2_reference.py and
+// nanoGPT: "wte", "wpe", "h.<l>.<tensor>" (ln1_w, qkv_w, ...; see ops/flat_layout.h), "lnf_w",
+// "lnf_b".
+//
+// Not thread-safe: one caller at a time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "ops/op_registry.h"
+#include "worker/in_process_executor.h"
+#include "zero/model.h"
+#include "zero/step_graph.h"
+
+namespace tessera {
+
+struct StepReport {
+  int64_t step = 0;  // 1-based number of the step just taken
+  float loss = 0;
+  float grad_norm = 0;  // before clipping
+  double step_ms = 0;
+  int64_t peak_bytes = 0;  // peak host bytes live during the step (state included)
+};
+
+class Gpt2Trainer {
+ public:
+  // Validates the model and plan and prepares the step graph. Parameters start at zero; call
+  // InitializeParameters or SetParameter before training.
+  static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
+                                                     const TrainingPlan& plan,
+                                                     const ExecutorOptions& executor_options);
+
+  // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
+  // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
+  // Deterministic in the seed. Resets the optimizer state and the step count.
+  void InitializeParameters(uint64_t seed);
+
+  // Copies values into the named parameter. InvalidArgument on an unknown name or a shape that
+  // differs from the model's.
+  Status SetParameter(const std::string& name, const std::vector<float>& values,
+                      const Shape& shape);
+  Result<std::vector<float>> GetParameter(const std::string& name) const;
+  // The gradient of the named parameter from the last step (before clipping). Requires a step.
+  Result<std::vector<float>> GetGradient(const std::string& name) const;
+  // Every parameter name, in model order.
+  std::vector<std::string> ParameterNames() const;
+
+  // One training step on tokens/targets of [batch, seq_len] (the plan's shape). A batch with a
+  // token outside the vocabulary is refused before anything runs; if a step fails anyway, the
+  // model state is left as it was (or DataLoss says what was already updated).
+  Result<StepReport> Step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
+                          float lr);
+  // Mean loss of a batch of the plan's shape, without updating anything.
+  Result<float> EvalLoss(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets);
+  // Logits [batch, seq_len, vocab] of a batch of any shape with seq_len <= max_seq_len.
+  Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
+                                    int64_t seq_len);
+
+  // Keep each step's parameter gradients readable through GetGradient (tests; costs memory).
+  void set_keep_gradients(bool keep) { keep_gradients_ = keep; }
+
+  const ModelSpec& model() const { return model_; }
+  const TrainingPlan& plan() const { return plan_; }
+  int64_t steps_taken() const { return steps_taken_; }
+  InProcessExecutor& executor() { return *executor_; }
+  // Bytes of model state: parameters, and optimizer state.
+  int64_t ParameterBytes() const;
+  int64_t OptimizerStateBytes() const;
+
+ private:
+  Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+              std::unique_ptr<InProcessExecutor> executor);
+
+  struct ParameterRef {
+    size_t group;
+    const FlatSlot* slot;
+  };
+  Result<ParameterRef> FindParameter(const std::string& name) const;
+  Result<Tensor> Scalar(DType dtype, double value) const;
+  Result<Tensor> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) const;
+  Status PrepareStepGraph();
+  // After a failed step: takes back the state the executor returned intact. Returns `error`
+  // when everything came back, DataLoss naming what the optimizer had already changed.
+  Status RecoverState(const Status& error, ObjectMap& intact);
+  Status CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const;
+
+  ModelSpec model_;
+  TrainingPlan plan_;
+  std::unique_ptr<OpRegistry> registry_;
+  std::unique_ptr<InProcessExecutor> executor_;
+  StepGraph step_graph_;
+  std::unique_ptr<PreparedGraph> prepared_step_;
+  std::unique_ptr<PreparedGraph> prepared_eval_;
+  ForwardGraph eval_graph_;
+  std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, PreparedGraph>> logits_graphs_;
+
+  std::vector<Tensor> params_, exp_avg_, exp_avg_sq_;  // one per model layer
+  std::vector<Tensor> last_grads_;
+  bool keep_gradients_ = false;
+  int64_t steps_taken_ = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,77 @@
+// Token datasets and batch sampling for language-model training.
+//
+// Sources:
+//   - a text file, tokenized as bytes (vocab 256): what ships in data/ for the main job;
+//   - a .bin token file in the llm.c / nanoGPT format: a header of 256 int32 (magic 20240520,
+//     version 1, token count) followed by that many uint16 tokens;
+//   - synthetic tokens (uniform random), for benchmarks.
+// Errors name the file and what is wrong with it (missing, empty, bad magic, truncated).
+//
+// BatchSampler draws batches of B windows of T+1 consecutive tokens (inputs and next-token
+// targets) at random offsets from a seeded generator: the same seed gives the same batches.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace tessera {
+
+inline constexpr int32_t kTokenFileMagic = 20240520;
+inline constexpr int32_t kTokenFileVersion = 1;
+inline constexpr int kTokenFileHeaderInts = 256;
+
+class TokenDataset {
+ public:
+  // By content: a file starting with the .bin magic is read as tokens, anything else as text.
+  static Result<TokenDataset> Load(const std::string& path);
+  static Result<TokenDataset> LoadText(const std::string& path);
+  static Result<TokenDataset> LoadTokenFile(const std::string& path);
+  static TokenDataset Synthetic(int64_t num_tokens, int32_t vocab, uint64_t seed);
+
+  // Writes tokens in the .bin format (atomically: temp file, fsync, rename).
+  static Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens);
+
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
+  int32_t max_token() const { return max_token_; }
+  const std::string& source() const { return source_; }
+  bool is_text() const { return is_text_; }
+
+  // The first (1 - fraction) and the last `fraction` of the tokens.
+  // REQUIRES: 0 <= fraction < 1.
+  std::pair<TokenDataset, TokenDataset> Split(double fraction) const;
+
+ private:
+  TokenDataset(std::vector<int32_t> tokens, std::string source, bool is_text);
+  std::vector<int32_t> tokens_;
+  int32_t max_token_ = -1;
+  std::string source_;
+  bool is_text_ = false;
+};
+
+class BatchSampler {
+ public:
+  // InvalidArgument when the dataset has fewer than seq_len + 1 tokens.
+  static Result<BatchSampler> Create(const TokenDataset& dataset, int64_t batch, int64_t seq_len,
+                                     uint64_t seed);
+  // Fills inputs and targets, each [batch * seq_len], row-major.
+  void Next(int32_t* inputs, int32_t* targets);
+  // The i-th batch of a fixed, sequential pass (for evaluation): window b starts at
+  // ((i * batch + b) * seq_len) modulo the usable length.
+  void Sequential(int64_t index, int32_t* inputs, int32_t* targets) const;
+
+ private:
+  BatchSampler(const TokenDataset& dataset, int64_t batch, int64_t seq_len, uint64_t seed)
+      : dataset_(&dataset), batch_(batch), seq_len_(seq_len), rng_(seed) {}
+  void FillWindow(int64_t start, int32_t* inputs, int32_t* targets) const;
+
+  const TokenDataset* dataset_;
+  int64_t batch_, seq_len_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,326 @@
+// train_gpt2: trains a GPT-2 model with Tessera and prints its progress.
+//
+//   build/bin/train_gpt2                          # tiny model on the bundled Shakespeare text
+//   build/bin/train_gpt2 --preset small --steps 500 --eval-every 100 --sample 300
+//   build/bin/train_gpt2 --data train.bin --preset gpt2-124m --seq-len 64 --batch 4
+//
+// Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
+//   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M
+// Diagnostics go to stderr, so stdout stays easy to parse.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "core/logging.h"
+#include "core/settings.h"
+#include "driver/gpt2_trainer.h"
+#include "driver/token_dataset.h"
+
+namespace {
+
+using tessera::Gpt2Config;
+using tessera::Status;
+
+#ifndef TESSERA_DEFAULT_DATA
+#define TESSERA_DEFAULT_DATA "data/tinyshakespeare.txt"
+#endif
+
+struct Flags {
+  std::string preset = "tiny";
+  int64_t layers = 0, channels = 0, heads = 0, vocab = 0, seq_len = 0, batch = 0;
+  int64_t max_seq_len = 0;
+  int64_t steps = 200;
+  double lr = 1e-3;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+  std::string optimizer = "adamw";
+  uint64_t seed = 1337;
+  int threads = 0;
+  std::string data = TESSERA_DEFAULT_DATA;
+  double val_fraction = 0.1;
+  int64_t eval_every = 0;
+  int64_t eval_batches = 8;
+  int64_t sample = 0;
+  double temperature = 1.0;
+  std::string prompt = "\n";
+  int64_t log_every = 1;
+};
+
+struct ResolvedShape {
+  Gpt2Config config;
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+};
+
+// Preset values, overridden by any dimension flag given explicitly.
+tessera::Result<ResolvedShape> ResolveShape(const Flags& flags) {
+  ResolvedShape shape;
+  TESSERA_ASSIGN_OR_RETURN(shape.config, Gpt2Config::Preset(flags.preset));
+  Gpt2Config& config = shape.config;
+  const bool big = flags.preset == "gpt2-124m";
+  shape.batch = flags.batch ? flags.batch : (big ? 4 : 8);
+  // gpt2-124m keeps its 1024 positions but trains on a CPU-sized context by default.
+  shape.seq_len = flags.seq_len ? flags.seq_len : (big ? 64 : config.max_seq_len);
+  if (flags.layers) config.layers = flags.layers;
+  if (flags.channels) config.channels = flags.channels;
+  if (flags.heads) config.heads = flags.heads;
+  if (flags.vocab) config.vocab = flags.vocab;
+  if (flags.max_seq_len) {
+    config.max_seq_len = flags.max_seq_len;
+  } else if (!big) {
+    config.max_seq_len = shape.seq_len;
+  }
+  if (shape.seq_len > config.max_seq_len) {
+    return tessera::InvalidArgument("--seq-len {} exceeds the model's {} positions; raise "
+                                    "--max-seq-len",
+                                    shape.seq_len, config.max_seq_len);
+  }
+  TESSERA_RETURN_IF_ERROR(config.Validate());
+  return shape;
+}
+
+std::string Printable(const std::vector<int32_t>& tokens, bool text) {
+  std::string out;
+  for (int32_t token : tokens) {
+    if (!text || token > 255) {
+      out += fmt::format("<{}>", token);
+    } else if (token == '\n' || token == '\t' || (token >= 32 && token < 127)) {
+      out += static_cast<char>(token);
+    } else {
+      out += fmt::format("\\x{:02x}", token);
+    }
+  }
+  return out;
+}
+
+tessera::Result<std::vector<int32_t>> Sample(tessera::Gpt2Trainer& trainer,
+                                             std::vector<int32_t> context, int64_t count,
+                                             int64_t seq_len, double temperature, uint64_t seed) {
+  const int64_t vocab = trainer.model().config.vocab;
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> generated;
+  std::vector<int32_t> window(static_cast<size_t>(seq_len));
+  for (int64_t i = 0; i < count; ++i) {
+    // The last seq_len tokens, left-aligned and zero-padded: causal attention makes the padding
+    // invisible to the position we read.
+    const int64_t used = std::min<int64_t>(static_cast<int64_t>(context.size()), seq_len);
+    std::fill(window.begin(), window.end(), 0);
+    std::copy(context.end() - used, context.end(), window.begin());
+    TESSERA_ASSIGN_OR_RETURN(std::vector<float> logits, trainer.Logits(window, 1, seq_len));
+    const float* row = logits.data() + (used - 1) * vocab;
+    std::vector<double> weights(static_cast<size_t>(vocab));
+    const float max_logit = *std::max_element(row, row + vocab);
+    for (int64_t v = 0; v < vocab; ++v) {
+      weights[static_cast<size_t>(v)] =
+          std::exp((static_cast<double>(row[v]) - max_logit) / std::max(temperature, 1e-6));
+    }
+    std::discrete_distribution<int32_t> pick(weights.begin(), weights.end());
+    const int32_t next = pick(rng);
+    context.push_back(next);
+    generated.push_back(next);
+  }
+  return generated;
+}
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "train_gpt2: error: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+int Run(const Flags& flags) {
+  tessera::Result<ResolvedShape> shape = ResolveShape(flags);
+  if (!shape.ok()) return Fail(shape.status());
+  const Gpt2Config config = shape->config;
+  const int64_t batch = shape->batch;
+  const int64_t seq_len = shape->seq_len;
+
+  tessera::Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  if (!settings.ok()) return Fail(settings.status());
+  tessera::ExecutorOptions executor = tessera::ExecutorOptions::FromSettings(*settings);
+  if (flags.threads > 0) executor.threads = flags.threads;
+
+  // Data.
+  tessera::Result<tessera::TokenDataset> dataset =
+      flags.data == "synthetic"
+          ? tessera::Result<tessera::TokenDataset>(tessera::TokenDataset::Synthetic(
+                std::max<int64_t>(1 << 20, 16 * batch * (seq_len + 1)),
+                static_cast<int32_t>(config.vocab), flags.seed))
+          : tessera::TokenDataset::Load(flags.data);
+  if (!dataset.ok()) return Fail(dataset.status());
+  if (dataset->max_token() >= config.vocab) {
+    return Fail(tessera::InvalidArgument(
+        "data '{}' has token id {} but the vocabulary is {}; use --vocab {} or more",
+        dataset->source(), dataset->max_token(), config.vocab, dataset->max_token() + 1));
+  }
+  auto [train_data, val_data] = dataset->Split(flags.eval_every > 0 ? flags.val_fraction : 0.0);
+  auto train_sampler = tessera::BatchSampler::Create(train_data, batch, seq_len, flags.seed);
+  if (!train_sampler.ok()) return Fail(train_sampler.status());
+  tessera::Result<tessera::BatchSampler> val_sampler =
+      flags.eval_every > 0 ? tessera::BatchSampler::Create(val_data, batch, seq_len, flags.seed)
+                           : tessera::Result<tessera::BatchSampler>(*train_sampler);
+  if (!val_sampler.ok()) return Fail(val_sampler.status());
+
+  // Model.
+  tessera::TrainingPlan plan;
+  plan.batch = batch;
+  plan.seq_len = seq_len;
+  plan.optimizer.weight_decay = flags.weight_decay;
+  plan.optimizer.max_grad_norm = flags.grad_clip;
+  if (flags.optimizer == "sgd") plan.optimizer.kind = tessera::OptimizerConfig::Kind::kSgd;
+  auto trainer = tessera::Gpt2Trainer::Create(config, plan, executor);
+  if (!trainer.ok()) return Fail(trainer.status());
+  (*trainer)->InitializeParameters(flags.seed);
+  std::fprintf(stderr,
+               "train_gpt2: %s, %lld parameters, batch %lld x %lld tokens, %d threads, data %s "
+               "(%lld tokens)\n",
+               config.ToString().c_str(), static_cast<long long>(config.NumParameters()),
+               static_cast<long long>(batch), static_cast<long long>(seq_len),
+               (*trainer)->executor().threads(), dataset->source().c_str(),
+               static_cast<long long>(dataset->size()));
+
+  std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
+  std::vector<int32_t> targets(tokens.size());
+  std::vector<double> step_ms;
+  int64_t peak_bytes = 0;
+  float last_loss = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed_s = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  double last_progress_s = 0;
+  for (int64_t i = 1; i <= flags.steps; ++i) {
+    train_sampler->Next(tokens.data(), targets.data());
+    tessera::Result<tessera::StepReport> report =
+        (*trainer)->Step(tokens, targets, static_cast<float>(flags.lr));
+    if (!report.ok()) return Fail(report.status().WithContext(fmt::format("step {}", i)));
+    step_ms.push_back(report->step_ms);
+    peak_bytes = std::max(peak_bytes, report->peak_bytes);
+    last_loss = report->loss;
+    if (!std::isfinite(report->loss)) {
+      return Fail(tessera::Internal("loss became {} at step {}; try a lower --lr", report->loss, i));
+    }
+    if (i % flags.log_every == 0 || i == flags.steps || i == 1) {
+      std::printf("step %lld/%lld loss %.4f  %.1f ms  %.0f tok/s\n", static_cast<long long>(i),
+                  static_cast<long long>(flags.steps), report->loss, report->step_ms,
+                  static_cast<double>(batch * seq_len) / (report->step_ms / 1000.0));
+      std::fflush(stdout);
+    }
+    // A progress line every ~10 s on long runs, with the time left.
+    if (elapsed_s() - last_progress_s >= 10.0 && i < flags.steps) {
+      last_progress_s = elapsed_s();
+      const double eta = last_progress_s / static_cast<double>(i) *
+                         static_cast<double>(flags.steps - i);
+      std::fprintf(stderr, "progress: %lld/%lld steps (%.0f%%), elapsed %.0f s, eta %.0f s\n",
+                   static_cast<long long>(i), static_cast<long long>(flags.steps),
+                   100.0 * static_cast<double>(i) / static_cast<double>(flags.steps),
+                   last_progress_s, eta);
+    }
+    if (flags.eval_every > 0 && (i % flags.eval_every == 0 || i == flags.steps)) {
+      double total = 0;
+      for (int64_t b = 0; b < flags.eval_batches; ++b) {
+        val_sampler->Sequential(b, tokens.data(), targets.data());
+        tessera::Result<float> loss = (*trainer)->EvalLoss(tokens, targets);
+        if (!loss.ok()) return Fail(loss.status());
+        total += *loss;
+      }
+      std::printf("eval step %lld: val_loss %.4f\n", static_cast<long long>(i),
+                  total / static_cast<double>(flags.eval_batches));
+      std::fflush(stdout);
+    }
+  }
+
+  if (flags.sample > 0) {
+    std::vector<int32_t> context;
+    for (unsigned char c : flags.prompt) context.push_back(c);
+    if (!dataset->is_text() || context.empty()) context = {0};
+    for (int32_t& token : context) token = std::min<int32_t>(token, static_cast<int32_t>(config.vocab - 1));
+    tessera::Result<std::vector<int32_t>> sample =
+        Sample(**trainer, context, flags.sample, seq_len, flags.temperature, flags.seed + 1);
+    if (!sample.ok()) return Fail(sample.status());
+    std::printf("sample:\n%s%s\n", Printable(context, dataset->is_text()).c_str(),
+                Printable(*sample, dataset->is_text() && config.vocab <= 256).c_str());
+  }
+
+  std::vector<double> sorted = step_ms;
+  double median = 0;
+  if (!sorted.empty()) {
+    // Skip the first step (allocation warm-up) when there are others.
+    if (sorted.size() > 1) sorted.erase(sorted.begin());
+    std::sort(sorted.begin(), sorted.end());
+    median = sorted[sorted.size() / 2];
+  }
+  std::printf("summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.4f "
+              "peak_mb=%.1f\n",
+              static_cast<long long>(flags.steps), median,
+              median > 0 ? static_cast<double>(batch * seq_len) / (median / 1000.0) : 0.0,
+              last_loss, static_cast<double>(peak_bytes) / (1024.0 * 1024.0));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  CLI::App app{"Train a GPT-2 model with Tessera (single worker, CPU).\n"
+               "Output: one line per step, then 'summary: ...'. Settings such as "
+               "TESSERA_CPU_THREADS can also come from the environment:\n" +
+               tessera::Settings::Describe()};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--preset", flags.preset, "Model preset: tiny, small, gpt2-124m")
+      ->check(CLI::IsMember({"tiny", "small", "gpt2-124m"}));
+  app.add_option("--layers", flags.layers, "Transformer blocks (overrides the preset)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--channels", flags.channels, "Embedding width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", flags.heads, "Attention heads (must divide --channels)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--vocab", flags.vocab, "Vocabulary size (>= 256 for byte-level text)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", flags.seq_len, "Tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--max-seq-len", flags.max_seq_len,
+                 "Positions in the position embedding (default: the preset's or --seq-len)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch", flags.batch, "Sequences per step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", flags.steps, "Training steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--lr", flags.lr, "Learning rate (constant)")->check(CLI::PositiveNumber);
+  app.add_option("--weight-decay", flags.weight_decay, "AdamW weight decay on matrices")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--grad-clip", flags.grad_clip, "Global gradient-norm bound (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer", flags.optimizer, "adamw or sgd")
+      ->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--seed", flags.seed, "Seed for initialisation, batches and sampling");
+  app.add_option("--threads", flags.threads, "CPU threads (0: one per core)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--data", flags.data,
+                 "Text file (tokenized as bytes), llm.c .bin token file, or 'synthetic'");
+  app.add_option("--val-fraction", flags.val_fraction,
+                 "Share of the data held out for --eval-every")
+      ->check(CLI::Range(0.0, 0.5));
+  app.add_option("--eval-every", flags.eval_every, "Validation loss every N steps (0: never)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-batches", flags.eval_batches, "Batches per validation")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--sample", flags.sample, "Generate N tokens after training")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--temperature", flags.temperature, "Sampling temperature")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--prompt", flags.prompt, "Text that starts the sample");
+  app.add_option("--log-every", flags.log_every, "Print every N-th step line")
+      ->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "train_gpt2: %s\n\n%s", e.what(), app.help().c_str());
+    return 2;
+  }
+  if (Status status = tessera::SetLogLevel("warn"); !status.ok()) return Fail(status);
+  return Run(flags);
+}

@@ -1,0 +1,61 @@
+#include "ops/cpu/blas.h"
+
+#include <algorithm>
+
+#include <cblas.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+namespace tessera::cpu {
+
+namespace {
+
+void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n,
+                   int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, transpose_a == Transpose::kYes ? CblasTrans : CblasNoTrans,
+              transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(ldc));
+}
+
+}  // namespace
+
+void Gemm(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,
+          float alpha, const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
+          float* c, int64_t ldc, int64_t split_min_flops) {
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const int threads = tbb::this_task_arena::max_concurrency();
+  if (threads <= 1 || flops < static_cast<double>(split_min_flops) || std::max(m, n) < 32) {
+    GemmOneThread(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const bool split_rows = m >= n;
+  const int64_t extent = split_rows ? m : n;
+  // Piece boundaries on multiples of 16 keep each piece's edges SIMD-friendly.
+  const int64_t pieces = std::min<int64_t>(threads, extent / 16);
+  const int64_t step = (extent / pieces + 15) / 16 * 16;
+  tbb::parallel_for(
+      int64_t{0}, pieces,
+      [&](int64_t piece) {
+        const int64_t begin = piece * step;
+        const int64_t end = piece == pieces - 1 ? extent : std::min(extent, begin + step);
+        if (begin >= end) return;
+        if (split_rows) {
+          // Rows of op(A): A is [M,K] (offset by rows) or, transposed, [K,M] (by columns).
+          const float* a_piece = transpose_a == Transpose::kNo ? a + begin * lda : a + begin;
+          GemmOneThread(transpose_a, transpose_b, end - begin, n, k, alpha, a_piece, lda, b, ldb,
+                        beta, c + begin * ldc, ldc);
+        } else {
+          // Columns of op(B): B is [K,N] (offset by columns) or, transposed, [N,K] (by rows).
+          const float* b_piece = transpose_b == Transpose::kNo ? b + begin : b + begin * ldb;
+          GemmOneThread(transpose_a, transpose_b, m, end - begin, k, alpha, a, lda, b_piece, ldb,
+                        beta, c + begin, ldc);
+        }
+      },
+      tbb::simple_partitioner());
+}
+
+}  // namespace tessera::cpu

@@ -1,0 +1,148 @@
+#include "ops/cpu/gpt2_layers.h"
+
+#include <cstring>
+
+#include "ops/cpu/kernels.h"
+#include "ops/flat_layout.h"
+
+namespace tessera::cpu {
+
+namespace {
+
+// Pointers to the named tensors of a flat buffer.
+template <typename T>
+class FlatView {
+ public:
+  FlatView(T* base, const FlatLayout& layout) : base_(base), layout_(layout) {}
+  T* operator[](std::string_view name) const { return base_ + layout_.offset(name); }
+
+ private:
+  T* base_;
+  const FlatLayout& layout_;
+};
+
+}  // namespace
+
+Status Gpt2EmbeddingForward(float* x, const int32_t* tokens, const float* emb_params,
+                            const Gpt2Dims& dims) {
+  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+  FlatView<const float> p(emb_params, layout);
+  return EmbeddingForward(x, tokens, p["wte"], p["wpe"], dims.batch, dims.seq_len, dims.channels,
+                          dims.vocab);
+}
+
+void Gpt2EmbeddingBackward(float* demb, const float* dx, const int32_t* tokens,
+                           const Gpt2Dims& dims) {
+  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+  FlatView<float> g(demb, layout);
+  EmbeddingBackward(g["wte"], g["wpe"], dx, tokens, dims.batch, dims.seq_len, dims.channels);
+}
+
+void Gpt2BlockForward(float* y, float* saved, const float* x, const float* params,
+                      const Gpt2Dims& dims, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
+  const FlatLayout saved_layout =
+      Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  FlatView<const float> p(params, param_layout);
+  FlatView<float> s(saved, saved_layout);
+
+  LayerNormForward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], x, p["ln1_w"], p["ln1_b"], n, c);
+  LinearForward(s["qkv"], s["ln1"], p["qkv_w"], p["qkv_b"], nullptr, n, c, 3 * c,
+                split_min_flops);
+  AttentionForward(s["atty"], s["lse"], s["qkv"], dims.batch, dims.seq_len, c, dims.heads);
+  LinearForward(s["x_mid"], s["atty"], p["proj_w"], p["proj_b"], /*residual=*/x, n, c, c,
+                split_min_flops);
+  LayerNormForward(s["ln2"], s["ln2_mean"], s["ln2_rstd"], s["x_mid"], p["ln2_w"], p["ln2_b"], n,
+                   c);
+  LinearForward(s["fch"], s["ln2"], p["fc_w"], p["fc_b"], nullptr, n, c, 4 * c, split_min_flops);
+  GeluForward(s["fch_gelu"], s["fch"], n * 4 * c);
+  LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n,
+                4 * c, c, split_min_flops);
+}
+
+void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* saved,
+                       const float* params, const Gpt2Dims& dims, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
+  const FlatLayout saved_layout =
+      Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  FlatView<const float> p(params, param_layout);
+  FlatView<const float> s(saved, saved_layout);
+  FlatView<float> g(dparams, param_layout);
+
+  // Workspace: the MLP's hidden gradient [N,4C] (reused for the qkv gradient [N,3C]) and the
+  // gradient entering a layernorm [N,C].
+  std::vector<float> hidden(static_cast<size_t>(n * 4 * c));
+  std::vector<float> ln_grad(static_cast<size_t>(n * c));
+
+  // MLP branch: y = x_mid + fcproj(gelu(fc(ln2(x_mid)))). d = dL/dy = dL/dx_mid so far.
+  LinearBackward(hidden.data(), g["fcproj_w"], g["fcproj_b"], d, s["fch_gelu"], p["fcproj_w"], n,
+                 4 * c, c, /*accumulate_dx=*/false, split_min_flops);
+  GeluBackward(hidden.data(), hidden.data(), s["fch"], n * 4 * c);
+  LinearBackward(ln_grad.data(), g["fc_w"], g["fc_b"], hidden.data(), s["ln2"], p["fc_w"], n, c,
+                 4 * c, false, split_min_flops);
+  LayerNormBackward(d, g["ln2_w"], g["ln2_b"], ln_grad.data(), s["x_mid"], p["ln2_w"],
+                    s["ln2_mean"], s["ln2_rstd"], n, c, /*accumulate_dx=*/true);
+
+  // Attention branch: x_mid = x + proj(attention(qkv(ln1(x)))). d = dL/dx_mid now.
+  float* datty = ln_grad.data();
+  LinearBackward(datty, g["proj_w"], g["proj_b"], d, s["atty"], p["proj_w"], n, c, c, false,
+                 split_min_flops);
+  float* dqkv = hidden.data();
+  AttentionBackward(dqkv, datty, s["qkv"], s["lse"], dims.batch, dims.seq_len, c, dims.heads);
+  float* dln1 = ln_grad.data();
+  LinearBackward(dln1, g["qkv_w"], g["qkv_b"], dqkv, s["ln1"], p["qkv_w"], n, c, 3 * c, false,
+                 split_min_flops);
+  LayerNormBackward(d, g["ln1_w"], g["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"],
+                    s["ln1_rstd"], n, c, /*accumulate_dx=*/true);
+}
+
+Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_params,
+                              const float* wte, const int32_t* targets, const Gpt2Dims& dims,
+                              float grad_scale, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  const FlatLayout saved_layout = Gpt2HeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
+  FlatView<const float> p(head_params, head_layout);
+  FlatView<float> s(saved, saved_layout);
+  LayerNormForward(s["lnf"], s["lnf_mean"], s["lnf_rstd"], x, p["lnf_w"], p["lnf_b"], n, c);
+  float* logits = s["dlogits"];
+  LinearForward(logits, s["lnf"], wte, nullptr, nullptr, n, c, dims.vocab, split_min_flops);
+  return SoftmaxCrossEntropy(logits, logits, targets, n, dims.vocab, grad_scale);
+}
+
+void Gpt2HeadBackward(float* dx, float* dhead, float* demb, const float* x, const float* saved,
+                      const float* head_params, const float* wte, const Gpt2Dims& dims,
+                      int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  const FlatLayout saved_layout = Gpt2HeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
+  const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, c);
+  FlatView<const float> p(head_params, head_layout);
+  FlatView<const float> s(saved, saved_layout);
+  FlatView<float> g(dhead, head_layout);
+  FlatView<float> ge(demb, emb_layout);
+
+  std::vector<float> dlnf(static_cast<size_t>(n * c));
+  // logits = lnf @ wte^T: dlnf = dlogits @ wte, dwte = dlogits^T @ lnf.
+  LinearBackward(dlnf.data(), ge["wte"], nullptr, s["dlogits"], s["lnf"], wte, n, c, dims.vocab,
+                 false, split_min_flops);
+  std::memset(ge["wpe"], 0, static_cast<size_t>(dims.max_seq_len * c) * sizeof(float));
+  LayerNormBackward(dx, g["lnf_w"], g["lnf_b"], dlnf.data(), x, p["lnf_w"], s["lnf_mean"],
+                    s["lnf_rstd"], n, c, /*accumulate_dx=*/false);
+}
+
+void Gpt2HeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
+                    const float* wte, const Gpt2Dims& dims, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  FlatView<const float> p(head_params, head_layout);
+  float* lnf = workspace;
+  float* mean = lnf + n * c;
+  float* rstd = mean + n;
+  LayerNormForward(lnf, mean, rstd, x, p["lnf_w"], p["lnf_b"], n, c);
+  LinearForward(logits, lnf, wte, nullptr, nullptr, n, c, dims.vocab, split_min_flops);
+}
+
+}  // namespace tessera::cpu

@@ -1,0 +1,56 @@
+// GPT-2 layer kernels on the CPU: whole-layer forward and backward composed from the primitive
+// kernels, over flat parameter and saved-activation buffers (layouts in ops/flat_layout.h).
+//
+// These are what a step graph's tasks run: one task per layer per direction. Each function
+// documents what it reads and writes; none allocates except small per-call workspaces.
+#pragma once
+
+#include <cstdint>
+
+#include "core/status.h"
+
+namespace tessera::cpu {
+
+struct Gpt2Dims {
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+  int64_t channels = 0;
+  int64_t heads = 0;
+  int64_t vocab = 0;
+  int64_t max_seq_len = 0;
+  int64_t rows() const { return batch * seq_len; }
+};
+
+// x[B,T,C] = wte[tokens] + wpe[0..T). emb_params: the embedding layout. InvalidArgument on a
+// token outside the vocabulary.
+Status Gpt2EmbeddingForward(float* x, const int32_t* tokens, const float* emb_params,
+                            const Gpt2Dims& dims);
+// demb (embedding layout) accumulates dx scattered by token and position. On entry it holds the
+// classifier's part of the tied wte gradient (and zeros for wpe).
+void Gpt2EmbeddingBackward(float* demb, const float* dx, const int32_t* tokens,
+                           const Gpt2Dims& dims);
+
+// y[B,T,C] = block(x); saved: the block saved layout.
+void Gpt2BlockForward(float* y, float* saved, const float* x, const float* params,
+                      const Gpt2Dims& dims, int64_t split_min_flops);
+// On entry d holds dL/dy; on exit dL/dx (computed in place: the residual stream's gradient
+// flows through unchanged and the branches add to it). dparams (block layout) is overwritten.
+void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* saved,
+                       const float* params, const Gpt2Dims& dims, int64_t split_min_flops);
+
+// Training forward of the head: lnf, logits = lnf @ wte^T, and the fused classifier, leaving the
+// loss's gradient w.r.t. the logits (times grad_scale) in saved's "dlogits". Returns the mean
+// loss. InvalidArgument on a target outside the vocabulary.
+Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_params,
+                              const float* wte, const int32_t* targets, const Gpt2Dims& dims,
+                              float grad_scale, int64_t split_min_flops);
+// dx (overwritten), dhead (head layout, overwritten), demb (embedding layout, overwritten: the
+// wte part gets dlogits^T lnf, the wpe part zeros).
+void Gpt2HeadBackward(float* dx, float* dhead, float* demb, const float* x, const float* saved,
+                      const float* head_params, const float* wte, const Gpt2Dims& dims,
+                      int64_t split_min_flops);
+// logits[B,T,V] for inference; workspace: [B*T*C + 2*B*T] floats.
+void Gpt2HeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
+                    const float* wte, const Gpt2Dims& dims, int64_t split_min_flops);
+
+}  // namespace tessera::cpu

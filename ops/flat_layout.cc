@@ -1,0 +1,101 @@
+#include "ops/flat_layout.h"
+
+namespace tessera {
+
+int64_t FlatLayout::Add(std::string name, Shape shape, bool weight_decay) {
+  const int64_t offset = numel_;
+  numel_ += shape.numel();
+  slots_.push_back(FlatSlot{std::move(name), std::move(shape), offset, weight_decay});
+  return offset;
+}
+
+Result<const FlatSlot*> FlatLayout::Find(std::string_view name) const {
+  for (const FlatSlot& slot : slots_) {
+    if (slot.name == name) return &slot;
+  }
+  return NotFound("layout has no tensor named '{}'", name);
+}
+
+const FlatSlot& FlatLayout::slot(std::string_view name) const {
+  Result<const FlatSlot*> found = Find(name);
+  TESSERA_CHECK(found.ok(), "{}", found.status().ToString());
+  return **found;
+}
+
+std::vector<int64_t> FlatLayout::DecayRanges() const {
+  std::vector<int64_t> ranges;
+  for (const FlatSlot& slot : slots_) {
+    if (!slot.weight_decay) continue;
+    const int64_t end = slot.offset + slot.shape.numel();
+    if (!ranges.empty() && ranges.back() == slot.offset) {
+      ranges.back() = end;
+    } else {
+      ranges.push_back(slot.offset);
+      ranges.push_back(end);
+    }
+  }
+  return ranges;
+}
+
+FlatLayout Gpt2EmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels) {
+  FlatLayout layout;
+  layout.Add("wte", {vocab, channels}, /*weight_decay=*/true);
+  layout.Add("wpe", {max_seq_len, channels}, /*weight_decay=*/true);
+  return layout;
+}
+
+FlatLayout Gpt2BlockParamLayout(int64_t channels) {
+  const int64_t c = channels;
+  FlatLayout layout;
+  layout.Add("ln1_w", {c});
+  layout.Add("ln1_b", {c});
+  layout.Add("qkv_w", {3 * c, c}, true);
+  layout.Add("qkv_b", {3 * c});
+  layout.Add("proj_w", {c, c}, true);
+  layout.Add("proj_b", {c});
+  layout.Add("ln2_w", {c});
+  layout.Add("ln2_b", {c});
+  layout.Add("fc_w", {4 * c, c}, true);
+  layout.Add("fc_b", {4 * c});
+  layout.Add("fcproj_w", {c, 4 * c}, true);
+  layout.Add("fcproj_b", {c});
+  return layout;
+}
+
+FlatLayout Gpt2HeadParamLayout(int64_t channels) {
+  FlatLayout layout;
+  layout.Add("lnf_w", {channels});
+  layout.Add("lnf_b", {channels});
+  return layout;
+}
+
+FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                int64_t heads) {
+  const int64_t b = batch, t = seq_len, c = channels;
+  FlatLayout layout;
+  layout.Add("ln1", {b, t, c});
+  layout.Add("ln1_mean", {b * t});
+  layout.Add("ln1_rstd", {b * t});
+  layout.Add("qkv", {b, t, 3 * c});
+  layout.Add("atty", {b, t, c});
+  layout.Add("lse", {b, heads, t});
+  layout.Add("x_mid", {b, t, c});
+  layout.Add("ln2", {b, t, c});
+  layout.Add("ln2_mean", {b * t});
+  layout.Add("ln2_rstd", {b * t});
+  layout.Add("fch", {b, t, 4 * c});
+  layout.Add("fch_gelu", {b, t, 4 * c});
+  return layout;
+}
+
+FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab) {
+  const int64_t b = batch, t = seq_len;
+  FlatLayout layout;
+  layout.Add("lnf", {b, t, channels});
+  layout.Add("lnf_mean", {b * t});
+  layout.Add("lnf_rstd", {b * t});
+  layout.Add("dlogits", {b * t, vocab});
+  return layout;
+}
+
+}  // namespace tessera

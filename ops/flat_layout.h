@@ -1,0 +1,69 @@
+// FlatLayout: named tensors packed back to back in one flat f32 buffer.
+//
+// Tessera keeps each layer's parameters as one flat object (so a ZeRO planner can shard a layer
+// by slicing, and an optimizer task updates a whole group in one pass), and each layer's saved
+// activations as another. A FlatLayout says where each named tensor sits inside such a buffer.
+// Layouts are pure functions of model dimensions, so shape inference, kernels, the planner and
+// checkpoint code all compute the same one independently.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace tessera {
+
+struct FlatSlot {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0;         // in elements from the start of the buffer
+  bool weight_decay = false;  // for parameter layouts: does AdamW decay this tensor
+};
+
+class FlatLayout {
+ public:
+  // Appends a tensor; returns its offset.
+  int64_t Add(std::string name, Shape shape, bool weight_decay = false);
+
+  int64_t numel() const { return numel_; }
+  const std::vector<FlatSlot>& slots() const { return slots_; }
+  // REQUIRES: the layout has a slot of that name (layouts are fixed by code, so a miss is a bug).
+  const FlatSlot& slot(std::string_view name) const;
+  int64_t offset(std::string_view name) const { return slot(name).offset; }
+  // NotFound otherwise.
+  Result<const FlatSlot*> Find(std::string_view name) const;
+
+  // [start, end) element ranges of the weight-decayed slots, merged where adjacent.
+  std::vector<int64_t> DecayRanges() const;
+
+ private:
+  std::vector<FlatSlot> slots_;
+  int64_t numel_ = 0;
+};
+
+// GPT-2 layers (the model follows GPT-2 / nanoGPT: pre-norm blocks, tied embedding/classifier).
+// Names match tests/reference/make_gpt2_reference.py.
+//   embedding: wte [V, C], wpe [max_T, C]
+//   block:     ln1_w ln1_b [C], qkv_w [3C, C], qkv_b [3C], proj_w [C, C], proj_b [C],
+//              ln2_w ln2_b [C], fc_w [4C, C], fc_b [4C], fcproj_w [C, 4C], fcproj_b [C]
+//   head:      lnf_w lnf_b [C]   (the classifier weight is the embedding's wte)
+// Weight decay applies to matrices (rank 2), never to biases or layernorm gains, as in nanoGPT.
+FlatLayout Gpt2EmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels);
+FlatLayout Gpt2BlockParamLayout(int64_t channels);
+FlatLayout Gpt2HeadParamLayout(int64_t channels);
+
+// What a block's forward keeps for its backward, for a batch of B x T tokens:
+//   ln1 [B,T,C], ln1_mean, ln1_rstd [B*T], qkv [B,T,3C], atty [B,T,C], lse [B,NH,T],
+//   x_mid [B,T,C] (residual after attention), ln2 [B,T,C], ln2_mean, ln2_rstd [B*T],
+//   fch [B,T,4C] (before GELU), fch_gelu [B,T,4C]
+FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                int64_t heads);
+// What the head's forward keeps: lnf [B,T,C], lnf_mean, lnf_rstd [B*T], and dlogits [B*T, V]
+// (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
+FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
+
+}  // namespace tessera

@@ -1,0 +1,76 @@
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+Status OpRegistry::AddOp(OpDef def) {
+  if (!def.infer || !def.cost) {
+    return InvalidArgument("op '{}' needs both shape inference and a cost function", def.name);
+  }
+  if (ops_.contains(def.name)) return AlreadyExists("op '{}' is already registered", def.name);
+  std::string name = def.name;
+  ops_.emplace(std::move(name), Entry{std::move(def), {}});
+  return Status::Ok();
+}
+
+Status OpRegistry::AddKernel(std::string_view op, DeviceKind device, KernelFn kernel) {
+  auto it = ops_.find(op);
+  if (it == ops_.end()) return NotFound("cannot add a kernel to unknown op '{}'", op);
+  if (!it->second.kernels.emplace(device, std::move(kernel)).second) {
+    return AlreadyExists("op '{}' already has a {} kernel", op, DeviceKindName(device));
+  }
+  return Status::Ok();
+}
+
+Result<const OpDef*> OpRegistry::Find(std::string_view op) const {
+  auto it = ops_.find(op);
+  if (it == ops_.end()) return NotFound("unknown op '{}'", op);
+  return &it->second.def;
+}
+
+bool OpRegistry::Supports(std::string_view op, DeviceKind device) const {
+  auto it = ops_.find(op);
+  return it != ops_.end() && it->second.kernels.contains(device);
+}
+
+Result<const KernelFn*> OpRegistry::FindKernel(std::string_view op, DeviceKind device) const {
+  auto it = ops_.find(op);
+  if (it == ops_.end()) return NotFound("unknown op '{}'", op);
+  auto kernel = it->second.kernels.find(device);
+  if (kernel == it->second.kernels.end()) {
+    return NotFound("op '{}' has no {} kernel", op, DeviceKindName(device));
+  }
+  return &kernel->second;
+}
+
+Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
+                                                        const std::vector<TensorMeta>& inputs,
+                                                        const Attrs& attrs) const {
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
+  const size_t arity = def->input_names.size();
+  if (def->variadic_inputs ? inputs.empty() : inputs.size() != arity) {
+    return InvalidArgument("op '{}' takes {} inputs, got {}", op,
+                           def->variadic_inputs ? "one or more" : std::to_string(arity),
+                           inputs.size());
+  }
+  Result<std::vector<TensorMeta>> outputs = def->infer(inputs, attrs);
+  if (!outputs.ok()) return outputs.status().WithContext(fmt::format("op '{}'", op));
+  if (outputs->size() != def->output_names.size()) {
+    return Internal("op '{}' inferred {} outputs, declares {}", op, outputs->size(),
+                    def->output_names.size());
+  }
+  return outputs;
+}
+
+Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
+                                const Attrs& attrs) const {
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
+  return def->cost(inputs, attrs);
+}
+
+std::vector<std::string> OpRegistry::OpNames() const {
+  std::vector<std::string> names;
+  for (const auto& [name, entry] : ops_) names.push_back(name);
+  return names;
+}
+
+}  // namespace tessera

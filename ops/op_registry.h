@@ -1,0 +1,99 @@
+// The op registry: op name -> shape inference, cost, and one kernel per device kind.
+//
+// An op is defined once (OpDef: its named inputs and outputs, shape inference, FLOP/byte cost,
+// in-place pairs) and gets kernels per device separately, so what an op *is* (all a planner or
+// the scheduler needs) is apart from how it runs (what a worker needs). Capability
+// (Supports(op, device)) is separate from dispatch (FindKernel).
+//
+// In-place pairs: an op may declare that output j starts as a copy of input i and is updated
+// in place (AdamW's parameter, the embedding gradient that accumulates the tied classifier's
+// part). The executor guarantees that when a kernel starts, output j holds input i's contents:
+// either it *is* input i's buffer (donated, when the task is that input's last user) or a
+// copy. Kernels therefore read and write such data through the output only.
+//
+// The registry is built explicitly at start-up (RegisterStandardOps, then e.g.
+// RegisterCpuKernels) and is read-only afterwards: concurrent lookups are safe, registration
+// is not.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/attrs.h"
+#include "core/device.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace tessera {
+
+struct OpCost {
+  double flops = 0;  // floating-point operations (a multiply-add counts 2)
+  double bytes = 0;  // bytes read and written by the kernel, at least once each
+};
+
+// What a kernel gets besides its tensors.
+struct KernelContext {
+  // Scratch memory for workspaces; freed by the kernel before it returns.
+  std::shared_ptr<Allocator> allocator;
+  // GEMMs below this many flops run on one thread (Settings::gemm_split_min_flops).
+  int64_t gemm_split_min_flops = 4'000'000;
+};
+
+using InferFn = std::function<Result<std::vector<TensorMeta>>(
+    const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+using CostFn = std::function<OpCost(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+// REQUIRES: inputs/outputs match the op's inferred metas; outputs are allocated, and in-place
+// outputs hold their input's contents. Returns InvalidArgument for data-dependent errors (a
+// token id out of range); shape errors are caught earlier by inference.
+using KernelFn = std::function<Status(const KernelContext& context,
+                                      const std::vector<Tensor>& inputs,
+                                      const std::vector<Tensor>& outputs, const Attrs& attrs)>;
+
+struct OpDef {
+  std::string name;
+  std::string doc;
+  std::vector<std::string> input_names;  // for messages; its size is the arity
+  std::vector<std::string> output_names;
+  bool variadic_inputs = false;  // any number >= 1 of inputs named input_names[0]
+  std::vector<std::pair<int, int>> in_place;  // (input index, output index)
+  InferFn infer;
+  CostFn cost;
+};
+
+class OpRegistry {
+ public:
+  // AlreadyExists when the name is taken; InvalidArgument when infer or cost is missing.
+  Status AddOp(OpDef def);
+  // NotFound for an unknown op; AlreadyExists for a second kernel on the same device kind.
+  Status AddKernel(std::string_view op, DeviceKind device, KernelFn kernel);
+
+  // NotFound naming the op otherwise.
+  Result<const OpDef*> Find(std::string_view op) const;
+  bool Supports(std::string_view op, DeviceKind device) const;
+  // NotFound naming the op and device otherwise.
+  Result<const KernelFn*> FindKernel(std::string_view op, DeviceKind device) const;
+
+  // Checks the arity, then runs the op's inference. Errors name the op.
+  Result<std::vector<TensorMeta>> InferShapes(std::string_view op,
+                                              const std::vector<TensorMeta>& inputs,
+                                              const Attrs& attrs) const;
+  Result<OpCost> Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
+                      const Attrs& attrs) const;
+
+  std::vector<std::string> OpNames() const;
+
+ private:
+  struct Entry {
+    OpDef def;
+    std::map<DeviceKind, KernelFn> kernels;
+  };
+  std::map<std::string, Entry, std::less<>> ops_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,607 @@
+#include "ops/standard_ops.h"
+
+#include <vector>
+
+#include "ops/flat_layout.h"
+
+namespace tessera {
+
+namespace {
+
+using Metas = std::vector<TensorMeta>;
+
+TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
+TensorMeta Scalar() { return F32(Shape{}); }
+
+// ---- checks whose messages name the input and both shapes ----
+
+Status CheckDType(const char* name, const TensorMeta& meta, DType dtype) {
+  if (meta.dtype != dtype) {
+    return InvalidArgument("input '{}' is {} but must be {}", name, meta.ToString(),
+                           DTypeName(dtype));
+  }
+  return Status::Ok();
+}
+
+Status CheckShape(const char* name, const TensorMeta& meta, const Shape& expected,
+                  DType dtype = DType::kF32) {
+  TESSERA_RETURN_IF_ERROR(CheckDType(name, meta, dtype));
+  if (meta.shape != expected) {
+    return InvalidArgument("input '{}' has shape {} but {} was expected", name,
+                           meta.shape.ToString(), expected.ToString());
+  }
+  return Status::Ok();
+}
+
+Status CheckRankAtLeast(const char* name, const TensorMeta& meta, int rank) {
+  if (meta.shape.rank() < rank) {
+    return InvalidArgument("input '{}' has shape {} but needs rank >= {}", name,
+                           meta.shape.ToString(), rank);
+  }
+  return Status::Ok();
+}
+
+Status CheckSameShape(const char* name, const TensorMeta& meta, const char* other_name,
+                      const TensorMeta& other) {
+  if (meta.shape != other.shape || meta.dtype != other.dtype) {
+    return InvalidArgument("input '{}' is {} but input '{}' is {}; they must match", name,
+                           meta.ToString(), other_name, other.ToString());
+  }
+  return Status::Ok();
+}
+
+// Shape with the last dimension replaced.
+Shape WithLastDim(const Shape& shape, int64_t last) {
+  std::vector<int64_t> dims = shape.dims();
+  dims.back() = last;
+  return Shape(std::move(dims));
+}
+
+int64_t RowsOf(const Shape& shape) { return shape.rank() == 0 ? 1 : shape.numel() / shape[-1]; }
+
+Result<int64_t> PositiveAttr(const Attrs& attrs, const char* name) {
+  TESSERA_ASSIGN_OR_RETURN(int64_t value, attrs.GetInt(name));
+  if (value <= 0) return InvalidArgument("attribute '{}' must be positive, got {}", name, value);
+  return value;
+}
+
+double Bytes(const Metas& metas) {
+  double bytes = 0;
+  for (const TensorMeta& meta : metas) bytes += static_cast<double>(meta.bytes());
+  return bytes;
+}
+
+// Elementwise-style cost: a few flops per element of the first input, every byte touched once.
+CostFn ElementwiseCost(double flops_per_element) {
+  return [flops_per_element](const Metas& in, const Attrs&) {
+    return OpCost{flops_per_element * static_cast<double>(in[0].numel()), 2 * Bytes(in)};
+  };
+}
+
+// ---- GPT-2 dimensions from attributes and the activation x[B,T,C] ----
+
+struct Gpt2Shape {
+  int64_t batch, seq_len, channels, heads, vocab, max_seq_len;
+};
+
+// Reads channels (always), and heads / vocab+max_seq_len when asked; checks x is f32[B,T,C].
+Result<Gpt2Shape> ReadGpt2Shape(const Attrs& attrs, const TensorMeta& x, bool needs_heads,
+                                bool needs_vocab) {
+  Gpt2Shape s{};
+  TESSERA_ASSIGN_OR_RETURN(s.channels, PositiveAttr(attrs, "channels"));
+  if (needs_heads) {
+    TESSERA_ASSIGN_OR_RETURN(s.heads, PositiveAttr(attrs, "heads"));
+    if (s.channels % s.heads != 0) {
+      return InvalidArgument("channels {} is not divisible by heads {}", s.channels, s.heads);
+    }
+  }
+  if (needs_vocab) {
+    TESSERA_ASSIGN_OR_RETURN(s.vocab, PositiveAttr(attrs, "vocab"));
+    TESSERA_ASSIGN_OR_RETURN(s.max_seq_len, PositiveAttr(attrs, "max_seq_len"));
+  }
+  TESSERA_RETURN_IF_ERROR(CheckDType("x", x, DType::kF32));
+  if (x.shape.rank() != 3 || x.shape[2] != s.channels) {
+    return InvalidArgument("input 'x' has shape {} but the layer expects [B, T, {}] (channels={})",
+                           x.shape.ToString(), s.channels, s.channels);
+  }
+  s.batch = x.shape[0];
+  s.seq_len = x.shape[1];
+  return s;
+}
+
+Status CheckParams(const char* name, const TensorMeta& meta, const FlatLayout& layout) {
+  return CheckShape(name, meta, Shape{layout.numel()});
+}
+
+Status CheckTokens(const char* name, const TensorMeta& meta, int64_t batch, int64_t seq_len) {
+  return CheckShape(name, meta, Shape{batch, seq_len}, DType::kI32);
+}
+
+// Forward flops of a GPT-2 block on B*T tokens: the four linears plus causal attention.
+double BlockForwardFlops(const Gpt2Shape& s) {
+  const double n = static_cast<double>(s.batch * s.seq_len), c = static_cast<double>(s.channels);
+  const double linears = 2.0 * n * 12.0 * c * c;
+  const double attention = 2.0 * 2.0 * static_cast<double>(s.batch) *
+                           static_cast<double>(s.seq_len) * static_cast<double>(s.seq_len) * c;
+  return linears + attention;
+}
+
+// ---- primitive ops ----
+
+Status AddEmbeddingOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "embedding_forward",
+      .doc = "out[b,t] = wte[tokens[b,t]] + wpe[t]",
+      .input_names = {"tokens", "wte", "wpe"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("tokens", in[0], DType::kI32));
+        if (in[0].shape.rank() != 2) {
+          return InvalidArgument("input 'tokens' has shape {} but must be [B, T]",
+                                 in[0].shape.ToString());
+        }
+        if (in[1].shape.rank() != 2) {
+          return InvalidArgument("input 'wte' has shape {} but must be [V, C]",
+                                 in[1].shape.ToString());
+        }
+        const int64_t c = in[1].shape[1];
+        if (in[2].shape.rank() != 2 || in[2].shape[1] != c || in[2].shape[0] < in[0].shape[1]) {
+          return InvalidArgument("input 'wpe' has shape {} but must be [>= {}, {}]",
+                                 in[2].shape.ToString(), in[0].shape[1], c);
+        }
+        return Metas{F32({in[0].shape[0], in[0].shape[1], c})};
+      },
+      .cost = ElementwiseCost(0),
+  }));
+  return r.AddOp(OpDef{
+      .name = "embedding_backward",
+      .doc = "dwte, dwpe: dout scattered by token and position",
+      .input_names = {"dout", "tokens"},
+      .output_names = {"dwte", "dwpe"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(int64_t vocab, PositiveAttr(attrs, "vocab"));
+        TESSERA_ASSIGN_OR_RETURN(int64_t max_seq_len, PositiveAttr(attrs, "max_seq_len"));
+        TESSERA_RETURN_IF_ERROR(CheckDType("dout", in[0], DType::kF32));
+        if (in[0].shape.rank() != 3) {
+          return InvalidArgument("input 'dout' has shape {} but must be [B, T, C]",
+                                 in[0].shape.ToString());
+        }
+        TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], in[0].shape[0], in[0].shape[1]));
+        const int64_t c = in[0].shape[2];
+        return Metas{F32({vocab, c}), F32({max_seq_len, c})};
+      },
+      .cost = ElementwiseCost(2),
+  });
+}
+
+Status AddLayerNormOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "layernorm_forward",
+      .doc = "LayerNorm over the last dimension (eps 1e-5); also returns mean and 1/std per row",
+      .input_names = {"x", "weight", "bias"},
+      .output_names = {"out", "mean", "rstd"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        const int64_t c = in[0].shape[-1];
+        TESSERA_RETURN_IF_ERROR(CheckShape("weight", in[1], Shape{c}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{c}));
+        const int64_t rows = RowsOf(in[0].shape);
+        return Metas{in[0], F32({rows}), F32({rows})};
+      },
+      .cost = ElementwiseCost(8),
+  }));
+  return r.AddOp(OpDef{
+      .name = "layernorm_backward",
+      .input_names = {"dout", "x", "weight", "mean", "rstd"},
+      .output_names = {"dx", "dweight", "dbias"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[1], 1));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("dout", in[0], "x", in[1]));
+        const int64_t c = in[1].shape[-1];
+        const int64_t rows = RowsOf(in[1].shape);
+        TESSERA_RETURN_IF_ERROR(CheckShape("weight", in[2], Shape{c}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("mean", in[3], Shape{rows}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("rstd", in[4], Shape{rows}));
+        return Metas{in[1], F32({c}), F32({c})};
+      },
+      .cost = ElementwiseCost(12),
+  });
+}
+
+Status AddLinearOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "linear_forward",
+      .doc = "out = x @ weight^T + bias, weight [OC, K]",
+      .input_names = {"x", "weight", "bias"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
+        const int64_t k = in[0].shape[-1];
+        if (in[1].shape.rank() != 2 || in[1].shape[1] != k) {
+          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
+                                 in[1].shape.ToString(), in[0].shape.ToString(), k);
+        }
+        const int64_t oc = in[1].shape[0];
+        TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
+        return Metas{F32(WithLastDim(in[0].shape, oc))};
+      },
+      .cost = [](const Metas& in, const Attrs&) {
+        return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
+      },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "linear_backward",
+      .input_names = {"dout", "x", "weight"},
+      .output_names = {"dx", "dweight", "dbias"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[1], 1));
+        const int64_t k = in[1].shape[-1];
+        if (in[2].shape.rank() != 2 || in[2].shape[1] != k) {
+          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
+                                 in[2].shape.ToString(), in[1].shape.ToString(), k);
+        }
+        const int64_t oc = in[2].shape[0];
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], WithLastDim(in[1].shape, oc)));
+        return Metas{in[1], in[2], F32({oc})};
+      },
+      .cost = [](const Metas& in, const Attrs&) {
+        return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
+      },
+  }));
+  auto matmul_dims = [](const Metas& in, int a, int b) -> Status {
+    TESSERA_RETURN_IF_ERROR(CheckDType("a", in[a], DType::kF32));
+    TESSERA_RETURN_IF_ERROR(CheckDType("b", in[b], DType::kF32));
+    if (in[a].shape.rank() != 2 || in[b].shape.rank() != 2 || in[a].shape[1] != in[b].shape[0]) {
+      return InvalidArgument("inputs 'a' {} and 'b' {} cannot be multiplied ([M,K] @ [K,N])",
+                             in[a].shape.ToString(), in[b].shape.ToString());
+    }
+    return Status::Ok();
+  };
+  auto matmul_flops = [](const Metas& in, int a, int b) {
+    return 2.0 * static_cast<double>(in[a].shape[0] * in[a].shape[1] * in[b].shape[1]);
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "matmul_forward",
+      .doc = "c = a @ b",
+      .input_names = {"a", "b"},
+      .output_names = {"c"},
+      .infer = [matmul_dims](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(matmul_dims(in, 0, 1));
+        return Metas{F32({in[0].shape[0], in[1].shape[1]})};
+      },
+      .cost = [matmul_flops](const Metas& in, const Attrs&) {
+        return OpCost{matmul_flops(in, 0, 1), 2 * Bytes(in)};
+      },
+  }));
+  return r.AddOp(OpDef{
+      .name = "matmul_backward",
+      .input_names = {"dc", "a", "b"},
+      .output_names = {"da", "db"},
+      .infer = [matmul_dims](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(matmul_dims(in, 1, 2));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dc", in[0], Shape{in[1].shape[0], in[2].shape[1]}));
+        return Metas{in[1], in[2]};
+      },
+      .cost = [matmul_flops](const Metas& in, const Attrs&) {
+        return OpCost{2 * matmul_flops(in, 1, 2), 2 * Bytes(in)};
+      },
+  });
+}
+
+Status AddAttentionOps(OpRegistry& r) {
+  // qkv [B,T,3C] -> (B, T, C, heads)
+  auto read = [](const TensorMeta& qkv, const Attrs& attrs) -> Result<Gpt2Shape> {
+    TESSERA_ASSIGN_OR_RETURN(int64_t heads, PositiveAttr(attrs, "heads"));
+    TESSERA_RETURN_IF_ERROR(CheckDType("qkv", qkv, DType::kF32));
+    if (qkv.shape.rank() != 3 || qkv.shape[2] % 3 != 0 || (qkv.shape[2] / 3) % heads != 0) {
+      return InvalidArgument("input 'qkv' has shape {} but must be [B, T, 3C] with C divisible "
+                             "by heads={}",
+                             qkv.shape.ToString(), heads);
+    }
+    return Gpt2Shape{qkv.shape[0], qkv.shape[1], qkv.shape[2] / 3, heads, 0, 0};
+  };
+  auto cost = [read](double factor) -> CostFn {
+    return [read, factor](const Metas& in, const Attrs& attrs) {
+      Result<Gpt2Shape> s = read(in.back().shape.rank() == 3 ? in[in.size() == 1 ? 0 : 1]
+                                                             : in[0],
+                                 attrs);
+      if (!s.ok()) return OpCost{0, 2 * Bytes(in)};
+      return OpCost{factor * 4.0 * static_cast<double>(s->batch * s->seq_len * s->seq_len *
+                                                       s->channels),
+                    2 * Bytes(in)};
+    };
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "attention_forward",
+      .doc = "causal multi-head self-attention over packed qkv; keeps the softmax log-sum-exp",
+      .input_names = {"qkv"},
+      .output_names = {"out", "lse"},
+      .infer = [read](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, read(in[0], attrs));
+        return Metas{F32({s.batch, s.seq_len, s.channels}), F32({s.batch, s.heads, s.seq_len})};
+      },
+      .cost = cost(1.0),
+  }));
+  return r.AddOp(OpDef{
+      .name = "attention_backward",
+      .input_names = {"dout", "qkv", "lse"},
+      .output_names = {"dqkv"},
+      .infer = [read](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, read(in[1], attrs));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], Shape{s.batch, s.seq_len, s.channels}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lse", in[2], Shape{s.batch, s.heads, s.seq_len}));
+        return Metas{in[1]};
+      },
+      .cost = cost(2.5),
+  });
+}
+
+Status AddElementwiseOps(OpRegistry& r) {
+  auto same_as_first = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+    for (size_t i = 1; i < in.size(); ++i) {
+      TESSERA_RETURN_IF_ERROR(CheckSameShape("input", in[i], "x", in[0]));
+    }
+    return Metas{in[0]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "gelu_forward",
+                                        .doc = "GELU, tanh approximation",
+                                        .input_names = {"x"},
+                                        .output_names = {"out"},
+                                        .infer = same_as_first,
+                                        .cost = ElementwiseCost(10)}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "gelu_backward",
+                                        .input_names = {"dout", "x"},
+                                        .output_names = {"dx"},
+                                        .infer = same_as_first,
+                                        .cost = ElementwiseCost(16)}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "add_forward",
+                                        .doc = "out = a + b (residual connection)",
+                                        .input_names = {"a", "b"},
+                                        .output_names = {"out"},
+                                        .infer = same_as_first,
+                                        .cost = ElementwiseCost(1)}));
+  return r.AddOp(OpDef{.name = "add_backward",
+                       .doc = "da = db = dout",
+                       .input_names = {"dout"},
+                       .output_names = {"da", "db"},
+                       .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+                         TESSERA_RETURN_IF_ERROR(CheckDType("dout", in[0], DType::kF32));
+                         return Metas{in[0], in[0]};
+                       },
+                       .cost = ElementwiseCost(0)});
+}
+
+Status AddLossAndOptimizerOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "softmax_cross_entropy",
+      .doc = "mean cross-entropy of softmax(logits) against targets, and its gradient "
+             "(times grad_scale) computed in place over the logits",
+      .input_names = {"logits", "targets"},
+      .output_names = {"loss", "dlogits"},
+      .in_place = {{0, 1}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("logits", in[0], DType::kF32));
+        if (in[0].shape.rank() != 2) {
+          return InvalidArgument("input 'logits' has shape {} but must be [N, V]",
+                                 in[0].shape.ToString());
+        }
+        TESSERA_RETURN_IF_ERROR(CheckShape("targets", in[1], Shape{in[0].shape[0]}, DType::kI32));
+        return Metas{Scalar(), in[0]};
+      },
+      .cost = ElementwiseCost(8),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "adamw",
+      .doc = "AdamW update of a flat parameter group in place (torch.optim.AdamW arithmetic), "
+             "gradients scaled by the clipping factor",
+      .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "clip_scale", "lr", "step"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
+      .in_place = {{0, 0}, {2, 1}, {3, 2}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("step", in[6], Shape{}, DType::kI64));
+        if (attrs.Has("decay_ranges")) {
+          TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
+          if (ranges.size() % 2 != 0) {
+            return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
+          }
+        }
+        return Metas{in[0], in[0], in[0]};
+      },
+      .cost = ElementwiseCost(14),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sgd",
+      .doc = "p -= lr * (grad * clip_scale + weight_decay * p), in place",
+      .input_names = {"param", "grad", "clip_scale", "lr"},
+      .output_names = {"param_out"},
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[2], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(4),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sum_of_squares",
+      .doc = "sum of squared elements (a gradient's contribution to the global norm)",
+      .input_names = {"x"},
+      .output_names = {"sum"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        return Metas{Scalar()};
+      },
+      .cost = ElementwiseCost(2),
+  }));
+  return r.AddOp(OpDef{
+      .name = "clip_scale",
+      .doc = "global norm = sqrt(sum of the inputs); scale = min(1, max_norm / (norm + 1e-6))",
+      .input_names = {"sum_of_squares"},
+      .output_names = {"scale", "norm"},
+      .variadic_inputs = true,
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        for (const TensorMeta& meta : in) {
+          TESSERA_RETURN_IF_ERROR(CheckShape("sum_of_squares", meta, Shape{}));
+        }
+        return Metas{Scalar(), Scalar()};
+      },
+      .cost = ElementwiseCost(1),
+  });
+}
+
+// ---- GPT-2 layer ops ----
+
+Status AddGpt2Ops(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_embedding_forward",
+      .doc = "token + position embedding",
+      .input_names = {"tokens", "params"},
+      .output_names = {"x"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(int64_t c, PositiveAttr(attrs, "channels"));
+        TESSERA_ASSIGN_OR_RETURN(int64_t vocab, PositiveAttr(attrs, "vocab"));
+        TESSERA_ASSIGN_OR_RETURN(int64_t max_t, PositiveAttr(attrs, "max_seq_len"));
+        TESSERA_RETURN_IF_ERROR(CheckDType("tokens", in[0], DType::kI32));
+        if (in[0].shape.rank() != 2 || in[0].shape[1] > max_t) {
+          return InvalidArgument("input 'tokens' has shape {} but must be [B, T] with T <= {}",
+                                 in[0].shape.ToString(), max_t);
+        }
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("params", in[1], Gpt2EmbeddingParamLayout(vocab, max_t, c)));
+        return Metas{F32({in[0].shape[0], in[0].shape[1], c})};
+      },
+      .cost = ElementwiseCost(0),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_embedding_backward",
+      .doc = "adds dx, scattered by token and position, to the tied classifier's gradient",
+      .input_names = {"dx", "tokens", "dparams_partial"},
+      .output_names = {"dparams"},
+      .in_place = {{2, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], s.batch, s.seq_len));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "dparams_partial", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        return Metas{in[2]};
+      },
+      .cost = ElementwiseCost(2),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_block_forward",
+      .doc = "pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(.))",
+      .input_names = {"x", "params"},
+      .output_names = {"y", "saved"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], true, false));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels)));
+        const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+        return Metas{in[0], F32({saved.numel()})};
+      },
+      .cost = [](const Metas& in, const Attrs& attrs) {
+        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], true, false);
+        return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+      },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_block_backward",
+      .input_names = {"dy", "x", "saved", "params"},
+      .output_names = {"dx", "dparams"},
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
+        const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+        TESSERA_RETURN_IF_ERROR(CheckParams("saved", in[2], saved));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels)));
+        return Metas{in[1], in[3]};
+      },
+      .cost = [](const Metas& in, const Attrs& attrs) {
+        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
+        return OpCost{s.ok() ? 2.5 * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+      },
+  }));
+  auto head_flops = [](const Gpt2Shape& s, double factor) {
+    return factor * 2.0 * static_cast<double>(s.batch * s.seq_len * s.channels * s.vocab);
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_head_forward",
+      .doc = "final layernorm, tied classifier and fused softmax cross-entropy; keeps dlogits",
+      .input_names = {"x", "params", "embedding_params", "targets"},
+      .output_names = {"loss", "saved"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
+        const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
+        return Metas{Scalar(), F32({saved.numel()})};
+      },
+      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
+        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+        return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
+      },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "gpt2_head_backward",
+      .input_names = {"x", "saved", "params", "embedding_params"},
+      .output_names = {"dx", "dparams", "dembedding_partial"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
+        TESSERA_RETURN_IF_ERROR(CheckParams("saved", in[1], saved));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[3], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        return Metas{in[0], in[2], in[3]};
+      },
+      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
+        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+        return OpCost{s.ok() ? head_flops(*s, 2.0) : 0.0, 2 * Bytes(in)};
+      },
+  }));
+  return r.AddOp(OpDef{
+      .name = "gpt2_head_logits",
+      .doc = "final layernorm and tied classifier: logits for inference",
+      .input_names = {"x", "params", "embedding_params"},
+      .output_names = {"logits"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        return Metas{F32({s.batch, s.seq_len, s.vocab})};
+      },
+      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
+        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+        return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
+      },
+  });
+}
+
+}  // namespace
+
+Status RegisterStandardOps(OpRegistry& registry) {
+  TESSERA_RETURN_IF_ERROR(AddEmbeddingOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddLayerNormOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddLinearOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddAttentionOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddElementwiseOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddLossAndOptimizerOps(registry));
+  return AddGpt2Ops(registry);
+}
+
+}  // namespace tessera

@@ -1,0 +1,32 @@
+// The definitions (shape inference, cost, in-place pairs) of Tessera's built-in ops. Kernels are
+// registered separately per device (ops/cpu/cpu_kernels.h), so a planner or scheduler can link
+// this without any kernel code.
+//
+// Primitive ops, each a forward and a backward (unit-tested against finite differences):
+//   embedding_forward/backward, layernorm_forward/backward, linear_forward/backward,
+//   matmul_forward/backward, attention_forward/backward, gelu_forward/backward,
+//   add_forward/backward, softmax_cross_entropy (loss and its gradient in one pass),
+//   adamw, sgd, sum_of_squares, clip_scale.
+// GPT-2 layer ops (what a step graph's tasks run, one task per layer per direction):
+//   gpt2_embedding_forward/backward, gpt2_block_forward/backward, gpt2_head_forward/backward,
+//   gpt2_head_logits.
+//
+// Attribute names used by several ops:
+//   channels, heads, vocab, max_seq_len   GPT-2 dimensions
+//   grad_scale                            multiplies the loss's gradient (1/K for K-way
+//                                         gradient accumulation)
+//   beta1, beta2, eps, weight_decay       AdamW; decay_ranges = [begin, end, ...) element pairs
+//                                         of the group that take weight decay (absent: all);
+//                                         element_offset = index of the group's first element
+//   max_norm                              clip_scale: global gradient-norm bound (<= 0: none)
+#pragma once
+
+#include "core/status.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+// Adds every built-in op definition. AlreadyExists if called twice on one registry.
+Status RegisterStandardOps(OpRegistry& registry);
+
+}  // namespace tessera

@@ -1,0 +1,242 @@
+#include "worker/in_process_executor.h"
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <tbb/task_group.h>
+
+namespace tessera {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
+int Index(TaskId id) { return static_cast<int>(id.value()) - 1; }
+
+std::string TaskContext(const TaskSpec& task) {
+  return task.layer.empty() ? fmt::format("task '{}' (op {})", task.name, task.op)
+                            : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer,
+                                          task.op);
+}
+
+}  // namespace
+
+ExecutorOptions ExecutorOptions::FromSettings(const Settings& settings) {
+  ExecutorOptions options;
+  options.threads = static_cast<int>(settings.cpu_threads);
+  options.gemm_split_min_flops = settings.gemm_split_min_flops;
+  options.cache_host_allocations = settings.cache_host_allocations;
+  return options;
+}
+
+InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorOptions& options)
+    : registry_(registry), options_(options) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads_ = options.threads > 0 ? options.threads : cores;
+  if (options.cache_host_allocations) {
+    allocator_ = std::make_shared<CachingHostAllocator>();
+  } else {
+    allocator_ = std::make_shared<AlignedHostAllocator>();
+  }
+  arena_ = std::make_unique<tbb::task_arena>(threads_);
+}
+
+InProcessExecutor::~InProcessExecutor() = default;
+
+Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
+  TESSERA_RETURN_IF_ERROR(graph.Validate());
+  PreparedGraph prepared;
+  const int num_tasks = graph.num_tasks();
+  const int num_objects = graph.num_objects();
+  prepared.kernels_.resize(num_tasks);
+  prepared.dependents_.resize(num_tasks);
+  prepared.initial_pending_.assign(num_tasks, 0);
+  prepared.initial_refcount_.assign(num_objects, 0);
+  prepared.is_output_.assign(num_objects, false);
+  for (ObjectId output : graph.OutputObjects()) prepared.is_output_[Index(output)] = true;
+  for (ObjectId input : graph.InputObjects()) prepared.input_objects_.push_back(Index(input));
+
+  for (const TaskSpec& task : graph.tasks()) {
+    const int t = Index(task.id);
+    Result<const KernelFn*> kernel = registry_.FindKernel(task.op, DeviceKind::kCpu);
+    if (!kernel.ok()) return kernel.status().WithContext(TaskContext(task));
+    prepared.kernels_[t] = *kernel;
+    for (ObjectId input : task.inputs) {
+      ++prepared.initial_refcount_[Index(input)];
+      const TaskId producer = graph.object(input).producer;
+      if (producer.valid()) {
+        ++prepared.initial_pending_[t];
+        prepared.dependents_[Index(producer)].push_back(t);
+      }
+    }
+  }
+  prepared.graph_ = std::make_shared<const Graph>(std::move(graph));
+  return prepared;
+}
+
+Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
+                                         ObjectMap* intact_inputs) {
+  const Graph& graph = prepared.graph();
+  const int num_tasks = graph.num_tasks();
+  const int num_objects = graph.num_objects();
+
+  // Object slots: written once by the producer (or here, for inputs), read by consumers after
+  // the producer finished (ordered by the pending counters), cleared by the last consumer.
+  std::vector<Tensor> slots(num_objects);
+  for (int index : prepared.input_objects_) {
+    const ObjectSpec& spec = graph.objects()[index];
+    auto it = inputs.find(spec.id);
+    if (it == inputs.end() || !it->second.defined()) {
+      return InvalidArgument("graph input '{}' ({}) is not bound", spec.name,
+                             spec.meta.ToString());
+    }
+    if (it->second.meta() != spec.meta) {
+      return InvalidArgument("graph input '{}' is bound to {} but the graph expects {}",
+                             spec.name, it->second.meta().ToString(), spec.meta.ToString());
+    }
+    slots[index] = std::move(it->second);
+  }
+  inputs.clear();
+
+  std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[num_tasks]);
+  for (int t = 0; t < num_tasks; ++t) pending[t].store(prepared.initial_pending_[t]);
+  std::unique_ptr<std::atomic<int>[]> refcount(new std::atomic<int>[num_objects]);
+  for (int o = 0; o < num_objects; ++o) refcount[o].store(prepared.initial_refcount_[o]);
+
+  RunStats stats;
+  stats.timings.resize(num_tasks);
+  std::atomic<bool> failed{false};
+  std::atomic<int> tasks_run{0}, donations_taken{0}, donations_copied{0};
+  std::mutex error_mutex;
+  Status first_error;
+  const KernelContext context{allocator_, options_.gemm_split_min_flops};
+
+  allocator_->ResetPeak();
+  const Clock::time_point start = Clock::now();
+  auto micros_since_start = [&] {
+    return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  };
+
+  auto fail = [&](Status status) {
+    std::lock_guard lock(error_mutex);
+    if (first_error.ok()) first_error = std::move(status);
+    failed.store(true);
+  };
+
+  // Releases one use of an object; frees it after its last use unless it is a graph output.
+  auto release = [&](int object) {
+    if (refcount[object].fetch_sub(1) == 1 && !prepared.is_output_[object]) {
+      slots[object] = Tensor();
+    }
+  };
+
+  tbb::task_group group;
+  std::function<void(int)> run_task = [&](int t) {
+    if (failed.load()) return;
+    const TaskSpec& task = graph.tasks()[t];
+    TaskTiming& timing = stats.timings[t];
+    timing.task = task.id;
+    timing.start_us = micros_since_start();
+    timing.thread_slot = tbb::this_task_arena::current_thread_index();
+
+    std::vector<Tensor> in;
+    in.reserve(task.inputs.size());
+    for (ObjectId input : task.inputs) in.push_back(slots[Index(input)]);
+
+    std::vector<Tensor> out(task.outputs.size());
+    for (const Donation& donation : task.donations) {
+      const int object = Index(task.inputs[donation.input_index]);
+      const TensorMeta& out_meta = graph.object(task.outputs[donation.output_index]).meta;
+      int uses_here = 0;
+      for (ObjectId input : task.inputs) uses_here += Index(input) == object;
+      Tensor& source = in[donation.input_index];
+      // Holders of the buffer now: the slot and `in` (once per use in this task).
+      const bool sole_holder = source.buffer().use_count() == 1 + uses_here;
+      if (!prepared.is_output_[object] && refcount[object].load() == uses_here && sole_holder &&
+          source.dtype() == out_meta.dtype) {
+        Result<Tensor> view = source.View(out_meta.shape);
+        if (view.ok()) {
+          out[donation.output_index] = *std::move(view);
+          ++donations_taken;
+          continue;
+        }
+      }
+      Result<Tensor> copy = Tensor::Empty(out_meta, allocator_);
+      if (!copy.ok()) return fail(copy.status().WithContext(TaskContext(task)));
+      std::memcpy(copy->raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
+      out[donation.output_index] = *std::move(copy);
+      ++donations_copied;
+    }
+    for (size_t j = 0; j < out.size(); ++j) {
+      if (out[j].defined()) continue;
+      Result<Tensor> tensor = Tensor::Empty(graph.object(task.outputs[j]).meta, allocator_);
+      if (!tensor.ok()) return fail(tensor.status().WithContext(TaskContext(task)));
+      out[j] = *std::move(tensor);
+    }
+
+    Status status;
+    try {
+      status = (*prepared.kernels_[t])(context, in, out, task.attrs);
+    } catch (const std::bad_alloc&) {
+      status = ResourceExhausted("out of host memory in a kernel workspace");
+    } catch (const std::exception& e) {
+      status = Internal("kernel threw: {}", e.what());
+    }
+    in.clear();  // drop our references before releasing, so donation checks stay exact
+    if (!status.ok()) return fail(status.WithContext(TaskContext(task)));
+
+    for (size_t j = 0; j < out.size(); ++j) {
+      const int object = Index(task.outputs[j]);
+      if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
+        slots[object] = std::move(out[j]);
+      }
+    }
+    for (ObjectId input : task.inputs) release(Index(input));
+    timing.end_us = micros_since_start();
+    ++tasks_run;
+    for (int dependent : prepared.dependents_[t]) {
+      if (pending[dependent].fetch_sub(1) == 1) group.run([&, dependent] { run_task(dependent); });
+    }
+  };
+
+  arena_->execute([&] {
+    for (int t = 0; t < num_tasks; ++t) {
+      if (prepared.initial_pending_[t] == 0) group.run([&, t] { run_task(t); });
+    }
+    group.wait();
+  });
+
+  if (failed.load()) {
+    if (intact_inputs != nullptr) {
+      for (int index : prepared.input_objects_) {
+        // Still in its slot and never handed to a donating task: unchanged.
+        if (slots[index].defined() && refcount[index].load() == prepared.initial_refcount_[index]) {
+          intact_inputs->emplace(graph.objects()[index].id, std::move(slots[index]));
+        }
+      }
+    }
+    return first_error;
+  }
+  if (tasks_run.load() != num_tasks) {
+    return Internal("only {} of {} tasks ran", tasks_run.load(), num_tasks);
+  }
+
+  RunResult result;
+  for (ObjectId output : graph.OutputObjects()) {
+    result.outputs.emplace(output, std::move(slots[Index(output)]));
+  }
+  slots.clear();
+  stats.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  stats.peak_bytes = allocator_->stats().peak_bytes;
+  stats.live_bytes_after = allocator_->stats().live_bytes;
+  stats.tasks_run = tasks_run.load();
+  stats.donations_taken = donations_taken.load();
+  stats.donations_copied = donations_copied.load();
+  result.stats = std::move(stats);
+  return result;
+}
+
+}  // namespace tessera

@@ -1,0 +1,124 @@
+// InProcessExecutor: runs a task graph inside one process on a TBB arena.
+//
+// This is the single-worker runtime: the step graph a planner built runs here task by task,
+// kernels from the op registry, objects as host tensors. The distributed runtime (scheduler +
+// worker processes) will run the same graphs; this executor is also what each worker uses for
+// its share of a graph.
+//
+// Lifecycle of a graph:
+//   1. Prepare(graph) once: validates it, resolves every task's kernel, counts each object's
+//      consumers and lists each task's dependents. A graph is registered once ...
+//   2. Run(prepared, inputs) per step: ... and instantiated per step with new input objects.
+//      A task starts when all its inputs exist; independent tasks run concurrently, and each
+//      kernel parallelises inside the same arena. Every object that is not a graph output is
+//      freed right after its last consumer finishes (reference counts), so a step's memory is
+//      the live set of the schedule, not the sum of all objects.
+//   3. Donation: when a task has an in-place pair (input i -> output j) and it is input i's last
+//      consumer, and nothing outside the run holds input i's buffer (the caller moved it in, it
+//      is not a graph output), output j takes over the buffer: no allocation, no copy. Otherwise
+//      output j is allocated and initialised with a copy of input i, so kernels see the same
+//      contents either way.
+//
+// Errors: the first failing task stops the run (no new tasks start; running ones finish) and
+// Run returns that task's error prefixed with the task, layer and op. A missing or misshapen
+// input binding is InvalidArgument naming the object.
+//
+// Thread safety: Run may be called from one thread at a time per executor. The executor owns
+// its arena and allocator; tensors it returns hold the allocator alive.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include <tbb/task_arena.h>
+
+#include "core/allocator.h"
+#include "core/graph.h"
+#include "core/settings.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+using ObjectMap = std::unordered_map<ObjectId, Tensor>;
+
+struct ExecutorOptions {
+  int threads = 0;  // 0: one per core
+  int64_t gemm_split_min_flops = Settings{}.gemm_split_min_flops;
+  bool cache_host_allocations = Settings{}.cache_host_allocations;
+
+  static ExecutorOptions FromSettings(const Settings& settings);
+};
+
+// When a task ran, relative to the start of its run (for traces and per-layer timing).
+struct TaskTiming {
+  TaskId task;
+  double start_us = 0;
+  double end_us = 0;
+  int thread_slot = 0;  // TBB arena slot that ran it
+};
+
+struct RunStats {
+  double wall_ms = 0;
+  int64_t peak_bytes = 0;  // max bytes live in this executor's allocator during the run
+  int64_t live_bytes_after = 0;
+  int tasks_run = 0;
+  int donations_taken = 0;   // in-place pairs that reused the input's buffer
+  int donations_copied = 0;  // in-place pairs that had to copy
+  std::vector<TaskTiming> timings;  // one per task, in task-id order
+};
+
+struct RunResult {
+  ObjectMap outputs;  // the graph's output objects
+  RunStats stats;
+};
+
+// A graph made ready to run repeatedly: resolved kernels and dependency structure.
+class PreparedGraph {
+ public:
+  const Graph& graph() const { return *graph_; }
+
+ private:
+  friend class InProcessExecutor;
+  std::shared_ptr<const Graph> graph_;
+  std::vector<const KernelFn*> kernels_;             // per task index
+  std::vector<std::vector<int>> dependents_;         // task index -> tasks reading its outputs
+  std::vector<int> initial_pending_;                 // task index -> number of produced inputs
+  std::vector<int> initial_refcount_;                // object index -> number of input slots
+  std::vector<bool> is_output_;                      // object index -> graph output
+  std::vector<int> input_objects_;                   // object indices bound by the caller
+};
+
+class InProcessExecutor {
+ public:
+  // REQUIRES: registry outlives the executor.
+  InProcessExecutor(const OpRegistry& registry, const ExecutorOptions& options);
+  ~InProcessExecutor();
+
+  // Validates the graph and resolves kernels (NotFound naming a task whose op has no CPU
+  // kernel).
+  Result<PreparedGraph> Prepare(Graph graph) const;
+
+  // Runs one instance. `inputs` must bind every graph input with a tensor of its meta.
+  // On error, when `intact_inputs` is given, it receives the graph inputs that no task had
+  // consumed or donated yet, so a caller that moved its state in can take it back.
+  Result<RunResult> Run(const PreparedGraph& prepared, ObjectMap inputs,
+                        ObjectMap* intact_inputs = nullptr);
+
+  // Allocator for tensors the caller creates for this executor (parameters, batches), so they
+  // count toward the peak the executor reports.
+  const std::shared_ptr<Allocator>& allocator() const { return allocator_; }
+  int threads() const { return threads_; }
+
+ private:
+  const OpRegistry& registry_;
+  ExecutorOptions options_;
+  int threads_;
+  std::shared_ptr<Allocator> allocator_;
+  std::unique_ptr<tbb::task_arena> arena_;
+};
+
+}  // namespace tessera
