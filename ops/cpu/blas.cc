@@ -1,19 +1,54 @@
 #include "ops/cpu/blas.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include <cblas.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include "core/logging.h"
+
+// OpenBLAS extensions (declared in its cblas.h as well; repeated to keep the dependency explicit).
+extern "C" {
+void openblas_set_num_threads(int num_threads);
+int openblas_get_parallel(void);
+}
+
 namespace tessera::cpu {
 
 namespace {
+
+// How concurrent calls into BLAS are made safe. OpenBLAS threaded builds lock their buffer
+// pool; a sequential build (openblas_get_parallel() == 0) does not, so calls are serialised.
+struct BlasState {
+  bool serialise = false;
+  std::mutex mutex;
+};
+
+BlasState& Blas() {
+  static BlasState* state = [] {
+    auto* s = new BlasState;
+    // One thread per call: parallelism comes from the TBB arena, never from a second pool.
+    openblas_set_num_threads(1);
+    if (openblas_get_parallel() == 0) {
+      s->serialise = true;
+      GetLogger("ops")->warn(
+          "OpenBLAS is a sequential build without locking; GEMMs are serialised. Link the "
+          "pthread flavour (libopenblas-pthread-dev) for parallel GEMMs.");
+    }
+    return s;
+  }();
+  return *state;
+}
 
 void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n,
                    int64_t k, float alpha, const float* a, int64_t lda, const float* b,
                    int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  BlasState& blas = Blas();
+  std::unique_lock<std::mutex> lock(blas.mutex, std::defer_lock);
+  if (blas.serialise) lock.lock();
   cblas_sgemm(CblasRowMajor, transpose_a == Transpose::kYes ? CblasTrans : CblasNoTrans,
               transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans,
               static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,

@@ -1,4 +1,4 @@
-// The one wrapper around BLAS (single-threaded OpenBLAS; see cmake/OpenBlasSerial.cmake).
+// The one wrapper around BLAS (OpenBLAS set to one thread per call; see cmake/OpenBlas.cmake).
 //
 // Gemm computes, row-major, C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C. When the
 // product is large enough (2*M*N*K >= split_min_flops) it is cut into one piece per thread of

@@ -92,7 +92,7 @@ struct AdamWConfig {
 };
 // One fused pass, element for element the arithmetic of torch.optim.AdamW (foreach=False):
 //   g = grad * grad_scale; p *= 1 - lr * wd (inside decay ranges only);
-//   m = lerp(m, g, 1 - beta1); v = beta2 * v + (1 - beta2) * g^2;
+//   m = beta1 * m + (1 - beta1) * g; v = beta2 * v + (1 - beta2) * g^2;
 //   p -= (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps).
 // decay_ranges holds [begin, end) element pairs of the group that take weight decay;
 // element_offset is the group's first element's index (for a shard of a larger group).

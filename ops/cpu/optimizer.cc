@@ -23,7 +23,8 @@ void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
   const float bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   const float decay_factor =
       static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(config.weight_decay));
-  const float lerp_weight = static_cast<float>(1.0 - static_cast<double>(config.beta1));
+  const float beta1 = config.beta1;
+  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
   const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
   const float beta2 = config.beta2;
   const float eps = config.eps;
@@ -32,7 +33,7 @@ void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
     for (int64_t i = begin; i < end; ++i) {
       const float g = grad[i] * grad_scale;
       const float p = decay ? param[i] * decay_factor : param[i];
-      const float m_new = m[i] + lerp_weight * (g - m[i]);
+      const float m_new = m[i] * beta1 + one_minus_beta1 * g;
       const float v_new = v[i] * beta2 + one_minus_beta2 * g * g;
       const float denom = std::sqrt(v_new) / bias_correction2_sqrt + eps;
       m[i] = m_new;

@@ -1,0 +1,132 @@
+// train_gpt2 as a user runs it: a real process, its output and exit status.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+ProcessResult RunTrainGpt2(const std::string& arguments) {
+  const std::string command = BinaryPath("train_gpt2") + " " + arguments + " 2>&1";
+  ProcessResult result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+double FirstMatch(const std::string& text, const std::string& pattern) {
+  std::smatch match;
+  if (!std::regex_search(text, match, std::regex(pattern))) return -1;
+  return std::stod(match[1]);
+}
+
+TEST(TrainGpt2Test, TinyPresetOnTheBundledTextLearnsAndSamples) {
+  ProcessResult run = RunTrainGpt2("--preset tiny --steps 200 --sample 120 --threads 2");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const double first = FirstMatch(run.output, R"(step 1/200 loss ([0-9.]+)  [0-9.]+ ms  [0-9]+ tok/s)");
+  const double final_loss = FirstMatch(run.output, R"(summary: steps=200 step_ms_median=[0-9.]+ tokens_per_s=[0-9]+ final_loss=([0-9.]+) peak_mb=[0-9.]+)");
+  ASSERT_GT(first, 0) << run.output;
+  ASSERT_GT(final_loss, 0) << run.output;
+  // Byte-level text starts near ln(256) = 5.5; 200 steps must get well below that.
+  EXPECT_GT(first, 5.0);
+  EXPECT_LT(final_loss, 0.6 * first) << run.output;
+  const size_t sample = run.output.find("sample:\n");
+  ASSERT_NE(sample, std::string::npos) << run.output;
+  const size_t summary = run.output.find("summary:", sample);
+  EXPECT_GE(summary - sample, 120u) << "the sample should print 120 tokens of text";
+}
+
+TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
+  ProcessResult run = RunTrainGpt2("--steps 20 --eval-every 10 --eval-batches 2 --log-every 10");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_GT(FirstMatch(run.output, R"(eval step 10: val_loss ([0-9.]+))"), 0) << run.output;
+  EXPECT_GT(FirstMatch(run.output, R"(eval step 20: val_loss ([0-9.]+))"), 0) << run.output;
+}
+
+TEST(TrainGpt2Test, HelpListsEveryFlag) {
+  ProcessResult run = RunTrainGpt2("--help");
+  EXPECT_EQ(run.exit_code, 0);
+  for (const char* flag : {"--layers", "--channels", "--heads", "--vocab", "--seq-len", "--batch",
+                           "--preset", "--steps", "--lr", "--seed", "--threads", "--data",
+                           "--eval-every", "--sample"}) {
+    EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
+  }
+}
+
+TEST(TrainGpt2Test, NonsenseFlagsPrintUsage) {
+  for (const char* arguments : {"--bogus", "--steps many", "--preset huge", "--batch -3"}) {
+    ProcessResult run = RunTrainGpt2(arguments);
+    EXPECT_EQ(run.exit_code, 2) << arguments << "\n" << run.output;
+    EXPECT_NE(run.output.find("Usage"), std::string::npos) << arguments << "\n" << run.output;
+  }
+}
+
+TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
+  ProcessResult heads = RunTrainGpt2("--channels 64 --heads 5 --steps 1");
+  EXPECT_EQ(heads.exit_code, 1);
+  EXPECT_NE(heads.output.find("divisible by heads"), std::string::npos) << heads.output;
+
+  ProcessResult missing = RunTrainGpt2("--data /nonexistent/tokens.bin --steps 1");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("/nonexistent/tokens.bin"), std::string::npos) << missing.output;
+
+  // A .bin file whose header promises more tokens than it holds.
+  const std::string truncated = ::testing::TempDir() + "/truncated_tokens.bin";
+  {
+    std::ofstream out(truncated, std::ios::binary);
+    int32_t header[256] = {20240520, 1, 1000};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    out.write("\x01\x00\x02\x00", 4);
+  }
+  ProcessResult short_file = RunTrainGpt2("--data " + truncated + " --steps 1");
+  EXPECT_EQ(short_file.exit_code, 1);
+  EXPECT_NE(short_file.output.find("truncated"), std::string::npos) << short_file.output;
+
+  // Tokens beyond the vocabulary.
+  const std::string wide = ::testing::TempDir() + "/wide_tokens.bin";
+  {
+    std::ofstream out(wide, std::ios::binary);
+    int32_t header[256] = {20240520, 1, 200};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    std::vector<uint16_t> tokens(200, 300);
+    out.write(reinterpret_cast<const char*>(tokens.data()), 400);
+  }
+  ProcessResult too_wide = RunTrainGpt2("--data " + wide + " --steps 1");
+  EXPECT_EQ(too_wide.exit_code, 1);
+  EXPECT_NE(too_wide.output.find("--vocab 301"), std::string::npos) << too_wide.output;
+}
+
+TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
+  const std::string path = ::testing::TempDir() + "/ramp_tokens.bin";
+  {
+    std::ofstream out(path, std::ios::binary);
+    int32_t header[256] = {20240520, 1, 5000};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    for (int i = 0; i < 5000; ++i) {
+      const uint16_t token = static_cast<uint16_t>(i % 97);
+      out.write(reinterpret_cast<const char*>(&token), 2);
+    }
+  }
+  ProcessResult run = RunTrainGpt2("--data " + path + " --vocab 97 --steps 30 --log-every 30");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  // A repeating ramp is easy to predict: the loss must fall clearly.
+  EXPECT_LT(FirstMatch(run.output, R"(final_loss=([0-9.]+))"),
+            FirstMatch(run.output, R"(step 1/30 loss ([0-9.]+))"));
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,159 @@
+#include "test_util.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "ops/cpu/cpu_kernels.h"
+
+namespace tessera::testing {
+
+std::shared_ptr<Allocator> TestAllocator() {
+  static auto allocator = std::make_shared<AlignedHostAllocator>();
+  return allocator;
+}
+
+const OpRegistry& CpuRegistry() {
+  static const OpRegistry registry = [] {
+    Result<OpRegistry> built = MakeCpuOpRegistry();
+    TESSERA_CHECK(built.ok(), "{}", built.status().ToString());
+    return std::move(built).value();
+  }();
+  return registry;
+}
+
+namespace {
+Tensor Allocate(const TensorMeta& meta) {
+  Result<Tensor> tensor = Tensor::Zeros(meta, TestAllocator());
+  TESSERA_CHECK(tensor.ok(), "{}", tensor.status().ToString());
+  return *std::move(tensor);
+}
+}  // namespace
+
+Tensor FloatTensor(const Shape& shape, const std::vector<float>& values) {
+  Tensor t = Allocate(TensorMeta{shape, DType::kF32, Device::Cpu()});
+  TESSERA_CHECK(static_cast<int64_t>(values.size()) == t.numel());
+  std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+Tensor IntTensor(const Shape& shape, const std::vector<int32_t>& values) {
+  Tensor t = Allocate(TensorMeta{shape, DType::kI32, Device::Cpu()});
+  TESSERA_CHECK(static_cast<int64_t>(values.size()) == t.numel());
+  std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(int32_t));
+  return t;
+}
+
+Tensor RandomTensor(const Shape& shape, uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> values(static_cast<size_t>(shape.numel()));
+  for (float& v : values) v = dist(rng);
+  return FloatTensor(shape, values);
+}
+
+Tensor RandomTokens(const Shape& shape, int32_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, vocab - 1);
+  std::vector<int32_t> values(static_cast<size_t>(shape.numel()));
+  for (int32_t& v : values) v = dist(rng);
+  return IntTensor(shape, values);
+}
+
+Tensor ScalarTensor(float value) { return FloatTensor(Shape{}, {value}); }
+
+Tensor Int64Scalar(int64_t value) {
+  Tensor t = Allocate(TensorMeta{Shape{}, DType::kI64, Device::Cpu()});
+  *t.data<int64_t>() = value;
+  return t;
+}
+
+std::vector<float> ToVector(const Tensor& tensor) {
+  const float* data = tensor.data<float>();
+  return std::vector<float>(data, data + tensor.numel());
+}
+
+Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<Tensor>& inputs,
+                                      const Attrs& attrs) {
+  const OpRegistry& registry = CpuRegistry();
+  std::vector<TensorMeta> metas;
+  for (const Tensor& t : inputs) metas.push_back(t.meta());
+  TESSERA_ASSIGN_OR_RETURN(std::vector<TensorMeta> out_metas,
+                           registry.InferShapes(op, metas, attrs));
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op));
+  std::vector<Tensor> outputs;
+  for (const TensorMeta& meta : out_metas) outputs.push_back(Allocate(meta));
+  for (const auto& [in, out] : def->in_place) {
+    std::memcpy(outputs[out].raw_data(), inputs[in].raw_data(),
+                static_cast<size_t>(inputs[in].bytes()));
+  }
+  TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry.FindKernel(op, DeviceKind::kCpu));
+  KernelContext context{TestAllocator(), 1};  // split every GEMM: exercises the split path
+  TESSERA_RETURN_IF_ERROR((*kernel)(context, inputs, outputs, attrs));
+  return outputs;
+}
+
+double ScaledMaxError(const std::vector<float>& actual, const std::vector<float>& expected,
+                      double floor) {
+  TESSERA_CHECK(actual.size() == expected.size());
+  double max_error = 0, max_reference = floor;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    max_error = std::max(max_error, std::abs(static_cast<double>(actual[i]) - expected[i]));
+    max_reference = std::max(max_reference, std::abs(static_cast<double>(expected[i])));
+  }
+  return max_error / max_reference;
+}
+
+Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return NotFound("cannot open reference file '{}'", path);
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  size_t position = 0;
+  auto read = [&](void* out, size_t n) -> Status {
+    if (position + n > bytes.size()) return DataLoss("reference file '{}' is truncated", path);
+    std::memcpy(out, bytes.data() + position, n);
+    position += n;
+    return Status::Ok();
+  };
+  char magic[4];
+  uint32_t version = 0, count = 0;
+  TESSERA_RETURN_IF_ERROR(read(magic, 4));
+  if (std::memcmp(magic, "TSRF", 4) != 0) return DataLoss("'{}' is not a TSRF file", path);
+  TESSERA_RETURN_IF_ERROR(read(&version, 4));
+  TESSERA_RETURN_IF_ERROR(read(&count, 4));
+  std::map<std::string, ReferenceTensor> tensors;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t name_length = 0;
+    TESSERA_RETURN_IF_ERROR(read(&name_length, 4));
+    std::string name(name_length, '\0');
+    TESSERA_RETURN_IF_ERROR(read(name.data(), name_length));
+    uint8_t dtype = 0, rank = 0;
+    TESSERA_RETURN_IF_ERROR(read(&dtype, 1));
+    TESSERA_RETURN_IF_ERROR(read(&rank, 1));
+    std::vector<int64_t> dims(rank);
+    TESSERA_RETURN_IF_ERROR(read(dims.data(), rank * sizeof(int64_t)));
+    ReferenceTensor tensor;
+    tensor.shape = Shape(dims);
+    const size_t n = static_cast<size_t>(tensor.shape.numel());
+    if (dtype == 0) {
+      tensor.floats.resize(n);
+      TESSERA_RETURN_IF_ERROR(read(tensor.floats.data(), n * sizeof(float)));
+    } else {
+      tensor.ints.resize(n);
+      TESSERA_RETURN_IF_ERROR(read(tensor.ints.data(), n * sizeof(int32_t)));
+    }
+    tensors.emplace(std::move(name), std::move(tensor));
+  }
+  return tensors;
+}
+
+std::string SourcePath(const std::string& relative) {
+  return std::string(TESSERA_SOURCE_DIR) + "/" + relative;
+}
+
+std::string BinaryPath(const std::string& name) {
+  return std::string(TESSERA_BIN_DIR) + "/" + name;
+}
+
+}  // namespace tessera::testing

@@ -1,0 +1,73 @@
+// Helpers shared by Tessera's tests: random tensors, running one kernel the way the executor
+// would, and reading the PyTorch reference file (tests/reference/make_gpt2_reference.py).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/attrs.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/op_registry.h"
+
+namespace tessera::testing {
+
+// gtest assertion helpers for Status/Result.
+#define ASSERT_OK(expr)                                              \
+  do {                                                               \
+    const ::tessera::Status assert_ok_status = (expr);               \
+    ASSERT_TRUE(assert_ok_status.ok()) << assert_ok_status.ToString(); \
+  } while (0)
+#define EXPECT_OK(expr)                                              \
+  do {                                                               \
+    const ::tessera::Status expect_ok_status = (expr);               \
+    EXPECT_TRUE(expect_ok_status.ok()) << expect_ok_status.ToString(); \
+  } while (0)
+// Unwraps a Result or fails the test.
+#define ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  ASSERT_OK_AND_ASSIGN_IMPL(TESSERA_CONCAT(test_result_, __COUNTER__), lhs, expr)
+#define ASSERT_OK_AND_ASSIGN_IMPL(result, lhs, expr)           \
+  auto result = (expr);                                        \
+  ASSERT_TRUE(result.ok()) << result.status().ToString();      \
+  lhs = std::move(result).value()
+
+std::shared_ptr<Allocator> TestAllocator();
+// The registry with every standard op and its CPU kernel (built once per process).
+const OpRegistry& CpuRegistry();
+
+Tensor FloatTensor(const Shape& shape, const std::vector<float>& values);
+Tensor IntTensor(const Shape& shape, const std::vector<int32_t>& values);
+// Uniform in [-scale, scale), deterministic in seed.
+Tensor RandomTensor(const Shape& shape, uint64_t seed, float scale = 1.0f);
+Tensor RandomTokens(const Shape& shape, int32_t vocab, uint64_t seed);
+Tensor ScalarTensor(float value);
+Tensor Int64Scalar(int64_t value);
+std::vector<float> ToVector(const Tensor& tensor);
+
+// Infers the op's outputs, allocates them (in-place outputs start as copies of their inputs,
+// as the executor guarantees), and runs the CPU kernel.
+Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<Tensor>& inputs,
+                                      const Attrs& attrs = {});
+
+// max |a - b| / max(max |b|, floor): the error relative to the reference tensor's scale.
+double ScaledMaxError(const std::vector<float>& actual, const std::vector<float>& expected,
+                      double floor = 1e-12);
+
+// The TSRF file written by tests/reference/make_gpt2_reference.py.
+struct ReferenceTensor {
+  Shape shape;
+  std::vector<float> floats;  // for f32 tensors
+  std::vector<int32_t> ints;  // for i32 tensors
+};
+Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::string& path);
+
+// Absolute paths: the source tree and build/bin.
+std::string SourcePath(const std::string& relative);
+std::string BinaryPath(const std::string& name);
+
+}  // namespace tessera::testing

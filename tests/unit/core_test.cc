@@ -1,0 +1,184 @@
+// core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings.
+#include <fstream>
+#include <map>
+
+#include "core/atomic_file.h"
+#include "core/attrs.h"
+#include "core/device.h"
+#include "core/settings.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+Result<int> Half(int x) {
+  if (x % 2 != 0) return InvalidArgument("{} is odd", x);
+  return x / 2;
+}
+
+Result<int> Quarter(int x) {
+  TESSERA_ASSIGN_OR_RETURN(int half, Half(x));
+  TESSERA_ASSIGN_OR_RETURN(int quarter, Half(half));
+  return quarter;
+}
+
+TEST(StatusTest, CodesMessagesAndContext) {
+  EXPECT_TRUE(Status::Ok().ok());
+  Status s = NotFound("no op '{}'", "foo");
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.ToString(), "NotFound: no op 'foo'");
+  EXPECT_EQ(s.WithContext("task 't'").message(), "task 't': no op 'foo'");
+  EXPECT_TRUE(Status::Ok().WithContext("ignored").ok());
+}
+
+TEST(StatusTest, ResultPropagatesErrorsThroughMacros) {
+  EXPECT_EQ(*Quarter(8), 2);
+  Result<int> odd = Quarter(6);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_EQ(odd.status().message(), "3 is odd");
+}
+
+TEST(StatusTest, ResultIsCopyableAndMovableLikeItsValue) {
+  Result<std::vector<int>> a = std::vector<int>{1, 2, 3};
+  Result<std::vector<int>> b = a;  // copy
+  Result<std::vector<int>> c = std::move(a);
+  EXPECT_EQ(b->size(), 3u);
+  EXPECT_EQ(c->size(), 3u);
+  Result<std::unique_ptr<int>> unique = std::make_unique<int>(7);  // move-only value
+  std::unique_ptr<int> taken = std::move(unique).value();
+  EXPECT_EQ(*taken, 7);
+}
+
+TEST(StatusTest, ResultFromOkStatusBecomesInternalError) {
+  Result<int> r = Status::Ok();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+}
+
+TEST(StatusDeathTest, AccessingErrorValueAborts) {
+  Result<int> r = InvalidArgument("bad");
+  EXPECT_DEATH((void)r.value(), "bad");
+}
+
+TEST(DTypeTest, SizesNamesAndParsing) {
+  EXPECT_EQ(DTypeSize(DType::kF32), 4);
+  EXPECT_EQ(DTypeSize(DType::kBF16), 2);
+  EXPECT_EQ(DTypeSize(DType::kI64), 8);
+  EXPECT_EQ(DTypeSize(DType::kU16), 2);
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DType::kI64, DType::kU16}) {
+    EXPECT_EQ(*ParseDType(DTypeName(d)), d);
+  }
+  EXPECT_FALSE(ParseDType("f64").ok());
+}
+
+TEST(DeviceTest, ParseAndPrint) {
+  EXPECT_EQ(*ParseDevice("cpu"), Device::Cpu());
+  EXPECT_EQ(*ParseDevice("cuda"), Device::Cuda(0));
+  EXPECT_EQ(*ParseDevice("cuda:3"), Device::Cuda(3));
+  EXPECT_EQ(Device::Cuda(2).ToString(), "cuda:2");
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:1x"}) {
+    Result<Device> d = ParseDevice(bad);
+    ASSERT_FALSE(d.ok()) << bad;
+    EXPECT_NE(d.status().message().find(bad), std::string::npos);
+  }
+}
+
+TEST(TensorTest, MetaBytesAndToString) {
+  TensorMeta meta{Shape{4, 64, 256}, DType::kBF16, Device::Cuda(1)};
+  EXPECT_EQ(meta.numel(), 4 * 64 * 256);
+  EXPECT_EQ(meta.bytes(), 4 * 64 * 256 * 2);
+  EXPECT_EQ(meta.ToString(), "bf16[4, 64, 256]@cuda:1");
+  EXPECT_EQ(Shape{}.numel(), 1);
+  EXPECT_EQ((Shape{3, 0}).numel(), 0);
+}
+
+TEST(TensorTest, ViewsShareTheBuffer) {
+  Tensor flat = FloatTensor({6}, {0, 1, 2, 3, 4, 5});
+  ASSERT_OK_AND_ASSIGN(Tensor view, flat.View(Shape{2, 2}, 2));
+  EXPECT_EQ(view.data<float>()[0], 2.0f);
+  view.data<float>()[3] = 50.0f;
+  EXPECT_EQ(flat.data<float>()[5], 50.0f);
+  EXPECT_FALSE(flat.View(Shape{4}, 3).ok());
+  EXPECT_FALSE(flat.Reshape(Shape{7}).ok());
+}
+
+TEST(TensorDeathTest, WrongElementTypeAborts) {
+  Tensor t = FloatTensor({1}, {1});
+  EXPECT_DEATH((void)t.data<int32_t>(), "accessed as i32");
+}
+
+TEST(AllocatorTest, TracksLiveAndPeakBytes) {
+  auto allocator = std::make_shared<AlignedHostAllocator>();
+  {
+    ASSERT_OK_AND_ASSIGN(Tensor a, Tensor::Empty({Shape{1000}, DType::kF32}, allocator));
+    ASSERT_OK_AND_ASSIGN(Tensor b, Tensor::Empty({Shape{500}, DType::kF32}, allocator));
+    EXPECT_EQ(allocator->stats().live_bytes, 6000);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.raw_data()) % kBufferAlignment, 0u);
+  }
+  EXPECT_EQ(allocator->stats().live_bytes, 0);
+  EXPECT_EQ(allocator->stats().peak_bytes, 6000);
+  allocator->ResetPeak();
+  EXPECT_EQ(allocator->stats().peak_bytes, 0);
+}
+
+TEST(AllocatorTest, CachingAllocatorReusesBlocksOfTheSameSize) {
+  auto allocator = std::make_shared<CachingHostAllocator>();
+  void* first = nullptr;
+  {
+    ASSERT_OK_AND_ASSIGN(Tensor a, Tensor::Empty({Shape{4096}, DType::kF32}, allocator));
+    first = a.raw_data();
+  }
+  EXPECT_EQ(allocator->stats().live_bytes, 0);
+  EXPECT_EQ(allocator->stats().reserved_bytes, 4096 * 4);
+  ASSERT_OK_AND_ASSIGN(Tensor b, Tensor::Empty({Shape{4096}, DType::kF32}, allocator));
+  EXPECT_EQ(b.raw_data(), first);
+  EXPECT_EQ(allocator->stats().live_bytes, 4096 * 4);
+}
+
+TEST(AttrsTest, TypedGettersNameTheAttribute) {
+  Attrs attrs{{"heads", int64_t{4}}, {"eps", 1e-5}, {"mode", std::string("train")},
+              {"ranges", std::vector<int64_t>{0, 10}}};
+  EXPECT_EQ(*attrs.GetInt("heads"), 4);
+  EXPECT_DOUBLE_EQ(*attrs.GetFloat("heads"), 4.0);  // ints convert to float
+  EXPECT_EQ(*attrs.GetString("mode"), "train");
+  EXPECT_EQ(attrs.GetInts("ranges")->size(), 2u);
+  EXPECT_EQ(attrs.GetInt("missing", 9), 9);
+  Result<int64_t> wrong = attrs.GetInt("eps");
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("'eps'"), std::string::npos);
+  EXPECT_EQ(attrs.ToString(), "{eps=1e-05, heads=4, mode=train, ranges=[0,10]}");
+}
+
+TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {
+  std::map<std::string, std::string> env = {{"TESSERA_CPU_THREADS", "3"},
+                                            {"TESSERA_CACHE_HOST_ALLOCATIONS", "off"}};
+  auto lookup = [&](const std::string& name) -> std::optional<std::string> {
+    auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+  ASSERT_OK_AND_ASSIGN(Settings settings, Settings::FromEnvironment(lookup));
+  EXPECT_EQ(settings.cpu_threads, 3);
+  EXPECT_FALSE(settings.cache_host_allocations);
+  EXPECT_EQ(settings.log_level, "info");
+  env["TESSERA_CPU_THREADS"] = "three";
+  Result<Settings> bad = Settings::FromEnvironment(lookup);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("TESSERA_CPU_THREADS"), std::string::npos);
+  EXPECT_NE(Settings::Describe().find("TESSERA_GEMM_SPLIT_MIN_FLOPS"), std::string::npos);
+}
+
+TEST(AtomicFileTest, WritesWholeFileAndReplacesAtomically) {
+  const std::string path = ::testing::TempDir() + "/tessera_atomic_test.txt";
+  ASSERT_OK(WriteFileAtomically(path, "first"));
+  ASSERT_OK(WriteFileAtomically(path, "second version"));
+  std::ifstream in(path);
+  std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content, "second version");
+  Status missing_dir = WriteFileAtomically("/nonexistent-dir/x.txt", "data");
+  ASSERT_FALSE(missing_dir.ok());
+  EXPECT_NE(missing_dir.message().find("/nonexistent-dir/x.txt"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,185 @@
+// The in-process executor: dependencies, frees after last use, donation, errors.
+#include "ops/graph_builder.h"
+#include "ops/standard_ops.h"
+#include "test_util.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera::testing {
+namespace {
+
+TensorMeta F32(Shape shape) { return {std::move(shape), DType::kF32, Device::Cpu()}; }
+
+ExecutorOptions TwoThreads() {
+  ExecutorOptions options;
+  options.threads = 2;
+  options.cache_host_allocations = false;  // exact live-byte accounting
+  return options;
+}
+
+// x -> gelu -> gelu -> ... (n times); returns the builder's graph, input and last output.
+struct Chain {
+  Graph graph;
+  ObjectId input, output;
+};
+Chain GeluChain(int length, int64_t numel) {
+  GraphBuilder builder(CpuRegistry());
+  Chain chain;
+  chain.input = builder.AddInput("x", F32({numel}), ObjectRole::kInput);
+  ObjectId x = chain.input;
+  for (int i = 0; i < length; ++i) {
+    Result<std::vector<ObjectId>> out =
+        builder.AddTask("gelu." + std::to_string(i), "gelu_forward", {x}, {});
+    TESSERA_CHECK(out.ok());
+    x = (*out)[0];
+  }
+  chain.output = x;
+  builder.MarkOutput(x);
+  chain.graph = *builder.Build();
+  return chain;
+}
+
+TEST(ExecutorTest, RunsAChainAndMatchesTheKernelsRunDirectly) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  Chain chain = GeluChain(3, 1000);
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(chain.graph));
+  Tensor x = RandomTensor({1000}, 1, 2.0f);
+  Tensor expected = x;
+  for (int i = 0; i < 3; ++i) expected = (*RunKernel("gelu_forward", {expected}))[0];
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{chain.input, x}}));
+  EXPECT_EQ(result.stats.tasks_run, 3);
+  EXPECT_EQ(ToVector(result.outputs.at(chain.output)), ToVector(expected));
+}
+
+TEST(ExecutorTest, FreesEachObjectAfterItsLastUse) {
+  const int64_t n = 1 << 16, bytes = n * 4;
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  Chain chain = GeluChain(6, n);
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(chain.graph));
+  ASSERT_OK_AND_ASSIGN(Tensor x, Tensor::Empty(F32({n}), executor.allocator()));
+  std::fill(x.data<float>(), x.data<float>() + n, 0.5f);
+  ObjectMap inputs{{chain.input, std::move(x)}};
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, std::move(inputs)));
+  // Seven objects of `bytes` each exist over the run, but never more than two at once (a task's
+  // input and output): everything but the output is freed after its consumer.
+  EXPECT_EQ(result.stats.peak_bytes, 2 * bytes);
+  EXPECT_EQ(result.stats.live_bytes_after, bytes);
+}
+
+Graph CrossEntropyGraph(ObjectId* logits, ObjectId* loss, ObjectId* dlogits) {
+  GraphBuilder builder(CpuRegistry());
+  *logits = builder.AddInput("logits", F32({8, 50}), ObjectRole::kActivation);
+  ObjectId targets =
+      builder.AddInput("targets", {Shape{8}, DType::kI32, Device::Cpu()}, ObjectRole::kInput);
+  auto out = *builder.AddTask("xent", "softmax_cross_entropy", {*logits, targets}, {});
+  *loss = out[0];
+  *dlogits = out[1];
+  builder.MarkOutput(out[0]);
+  builder.MarkOutput(out[1]);
+  return *builder.Build();
+}
+
+TEST(ExecutorTest, DonationReusesTheBufferOnlyWhenNobodyElseHoldsIt) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ObjectId logits_id, loss_id, dlogits_id;
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared,
+                       executor.Prepare(CrossEntropyGraph(&logits_id, &loss_id, &dlogits_id)));
+  const ObjectId targets_id = prepared.graph().InputObjects()[1];
+  Tensor targets = RandomTokens({8}, 50, 2);
+
+  // Moved in: the gradient is computed in the logits' own buffer.
+  Tensor logits = RandomTensor({8, 50}, 1);
+  void* buffer = logits.raw_data();
+  ObjectMap moved{{logits_id, std::move(logits)}, {targets_id, targets}};
+  ASSERT_OK_AND_ASSIGN(RunResult in_place, executor.Run(prepared, std::move(moved)));
+  EXPECT_EQ(in_place.stats.donations_taken, 1);
+  EXPECT_EQ(in_place.outputs.at(dlogits_id).raw_data(), buffer);
+
+  // Still held by the caller: the executor copies, and the caller's logits stay intact.
+  Tensor kept = RandomTensor({8, 50}, 1);
+  const std::vector<float> before = ToVector(kept);
+  ASSERT_OK_AND_ASSIGN(RunResult copied,
+                       executor.Run(prepared, {{logits_id, kept}, {targets_id, targets}}));
+  EXPECT_EQ(copied.stats.donations_copied, 1);
+  EXPECT_EQ(ToVector(kept), before);
+  EXPECT_EQ(ToVector(copied.outputs.at(dlogits_id)), ToVector(in_place.outputs.at(dlogits_id)));
+}
+
+TEST(ExecutorTest, AKernelErrorNamesTheTaskAndHandsBackIntactInputs) {
+  GraphBuilder builder(CpuRegistry());
+  ObjectId tokens =
+      builder.AddInput("tokens", {Shape{1, 3}, DType::kI32, Device::Cpu()}, ObjectRole::kInput);
+  ObjectId wte = builder.AddInput("wte", F32({5, 4}), ObjectRole::kParameter);
+  ObjectId wpe = builder.AddInput("wpe", F32({3, 4}), ObjectRole::kParameter);
+  TaskOptions options;
+  options.layer = "embedding";
+  auto out = *builder.AddTask("embedding/forward", "embedding_forward", {tokens, wte, wpe}, {},
+                              options);
+  builder.MarkOutput(out[0]);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  ObjectMap intact;
+  Result<RunResult> result = executor.Run(
+      prepared,
+      {{tokens, IntTensor({1, 3}, {0, 9, 1})}, {wte, RandomTensor({5, 4}, 1)},
+       {wpe, RandomTensor({3, 4}, 2)}},
+      &intact);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  const std::string message = result.status().message();
+  EXPECT_NE(message.find("task 'embedding/forward'"), std::string::npos) << message;
+  EXPECT_NE(message.find("layer embedding"), std::string::npos) << message;
+  EXPECT_NE(message.find("token id 9"), std::string::npos) << message;
+  EXPECT_TRUE(intact.contains(wte));
+  EXPECT_TRUE(intact.contains(wpe));
+}
+
+TEST(ExecutorTest, UnboundOrMisshapenInputsAreRefused) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  Chain chain = GeluChain(1, 10);
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(chain.graph));
+  Result<RunResult> unbound = executor.Run(prepared, {});
+  ASSERT_FALSE(unbound.ok());
+  EXPECT_NE(unbound.status().message().find("graph input 'x'"), std::string::npos);
+  Result<RunResult> misshapen = executor.Run(prepared, {{chain.input, RandomTensor({11}, 1)}});
+  ASSERT_FALSE(misshapen.ok());
+  EXPECT_NE(misshapen.status().message().find("f32[11]"), std::string::npos);
+  EXPECT_NE(misshapen.status().message().find("f32[10]"), std::string::npos);
+}
+
+TEST(ExecutorTest, PrepareRefusesATaskWithoutACpuKernel) {
+  OpRegistry registry;
+  ASSERT_OK(RegisterStandardOps(registry));  // definitions only, no kernels
+  GraphBuilder builder(registry);
+  ObjectId x = builder.AddInput("x", F32({4}), ObjectRole::kInput);
+  ASSERT_OK(builder.AddTask("g", "gelu_forward", {x}, {}).status());
+  InProcessExecutor executor(registry, TwoThreads());
+  Result<PreparedGraph> prepared = executor.Prepare(*builder.Build());
+  ASSERT_FALSE(prepared.ok());
+  EXPECT_EQ(prepared.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(prepared.status().message().find("task 'g'"), std::string::npos);
+}
+
+TEST(ExecutorTest, IndependentBranchesAllRunAndJoin) {
+  GraphBuilder builder(CpuRegistry());
+  ObjectId x = builder.AddInput("x", F32({256}), ObjectRole::kInput);
+  std::vector<ObjectId> branches;
+  for (int i = 0; i < 8; ++i) {
+    branches.push_back((*builder.AddTask("b" + std::to_string(i), "gelu_forward", {x}, {}))[0]);
+  }
+  ObjectId sum = branches[0];
+  for (int i = 1; i < 8; ++i) {
+    sum = (*builder.AddTask("add" + std::to_string(i), "add_forward", {sum, branches[i]}, {}))[0];
+  }
+  builder.MarkOutput(sum);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  Tensor input = RandomTensor({256}, 3);
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{x, input}}));
+  EXPECT_EQ(result.stats.tasks_run, 15);
+  std::vector<float> gelu = ToVector((*RunKernel("gelu_forward", {input}))[0]);
+  std::vector<float> got = ToVector(result.outputs.at(sum));
+  for (size_t i = 0; i < gelu.size(); ++i) EXPECT_NEAR(got[i], 8 * gelu[i], 1e-5);
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,103 @@
+// Optimizer and gradient-norm ops against naive references.
+#include <cmath>
+
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+// torch.optim.AdamW's single-tensor update for one element, in double.
+struct NaiveAdamW {
+  double p, m, v;
+  void Step(double g, double lr, double beta1, double beta2, double eps, double wd, int step) {
+    p *= 1 - lr * wd;
+    m = beta1 * m + (1 - beta1) * g;
+    v = beta2 * v + (1 - beta2) * g * g;
+    const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+    p -= lr / bc1 * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
+  }
+};
+
+TEST(OptimizerTest, AdamWMatchesNaiveUpdateWithDecayRangesAndClipping) {
+  const int64_t n = 1000;
+  Tensor param = RandomTensor({n}, 1), grad = RandomTensor({n}, 2);
+  Tensor m = RandomTensor({n}, 3, 0.1f), v = RandomTensor({n}, 4, 0.1f);
+  for (int64_t i = 0; i < n; ++i) v.data<float>()[i] = std::abs(v.data<float>()[i]);
+  std::vector<NaiveAdamW> naive(n);
+  for (int64_t i = 0; i < n; ++i) {
+    naive[i] = {param.data<float>()[i], m.data<float>()[i], v.data<float>()[i]};
+  }
+  // This tensor is the shard [500, 1500) of a group whose decayed ranges are [400, 700) and
+  // [900, 1000): decay applies to local elements [0, 200) and [400, 500).
+  const Attrs attrs{{"beta1", 0.9},          {"beta2", 0.95},
+                    {"eps", 1e-8},           {"weight_decay", 0.1},
+                    {"element_offset", int64_t{500}},
+                    {"decay_ranges", std::vector<int64_t>{400, 700, 900, 1000}}};
+  const float lr = 0.01f, clip = 0.5f;
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(auto out, RunKernel("adamw",
+                                             {param, grad, m, v, ScalarTensor(clip),
+                                              ScalarTensor(lr), Int64Scalar(step)},
+                                             attrs));
+    param = out[0];
+    m = out[1];
+    v = out[2];
+    for (int64_t i = 0; i < n; ++i) {
+      const bool decay = (i < 200) || (i >= 400 && i < 500);
+      naive[i].Step(static_cast<double>(grad.data<float>()[i]) * clip, lr, 0.9, 0.95, 1e-8,
+                    decay ? 0.1 : 0.0, step);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(param.data<float>()[i], naive[i].p, 1e-5 * (1 + std::abs(naive[i].p))) << i;
+    ASSERT_NEAR(m.data<float>()[i], naive[i].m, 1e-6) << i;
+    ASSERT_NEAR(v.data<float>()[i], naive[i].v, 1e-6) << i;
+  }
+}
+
+TEST(OptimizerTest, AdamWRejectsStepZero) {
+  Tensor p = RandomTensor({4}, 1);
+  Result<std::vector<Tensor>> out =
+      RunKernel("adamw", {p, p, p, p, ScalarTensor(1), ScalarTensor(0.1f), Int64Scalar(0)});
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("step must be >= 1"), std::string::npos);
+}
+
+TEST(OptimizerTest, SgdMatchesNaiveUpdate) {
+  Tensor param = RandomTensor({100}, 1), grad = RandomTensor({100}, 2);
+  const std::vector<float> before = ToVector(param);
+  ASSERT_OK_AND_ASSIGN(auto out, RunKernel("sgd", {param, grad, ScalarTensor(0.5f),
+                                                   ScalarTensor(0.1f)},
+                                           Attrs{{"weight_decay", 0.01}}));
+  for (int64_t i = 0; i < 100; ++i) {
+    const double g = grad.data<float>()[i] * 0.5;
+    const double expected = before[i] - 0.1 * (g + 0.01 * before[i]);
+    EXPECT_NEAR(out[0].data<float>()[i], expected, 1e-6);
+  }
+}
+
+TEST(OptimizerTest, SumOfSquaresAndClipScale) {
+  Tensor a = RandomTensor({100'003}, 1), b = RandomTensor({17}, 2);
+  double expected_a = 0, expected_b = 0;
+  for (float x : ToVector(a)) expected_a += static_cast<double>(x) * x;
+  for (float x : ToVector(b)) expected_b += static_cast<double>(x) * x;
+  ASSERT_OK_AND_ASSIGN(auto sa, RunKernel("sum_of_squares", {a}));
+  ASSERT_OK_AND_ASSIGN(auto sb, RunKernel("sum_of_squares", {b}));
+  EXPECT_NEAR(*sa[0].data<float>(), expected_a, 1e-6 * expected_a);
+  EXPECT_NEAR(*sb[0].data<float>(), expected_b, 1e-6 * expected_b);
+
+  const double norm = std::sqrt(expected_a + expected_b);
+  ASSERT_OK_AND_ASSIGN(auto clipped,
+                       RunKernel("clip_scale", {sa[0], sb[0]}, Attrs{{"max_norm", 1.0}}));
+  EXPECT_NEAR(*clipped[1].data<float>(), norm, 1e-5 * norm);
+  EXPECT_NEAR(*clipped[0].data<float>(), 1.0 / (norm + 1e-6), 1e-7);
+  // A norm already below the bound is left alone; max_norm 0 disables clipping.
+  ASSERT_OK_AND_ASSIGN(auto loose,
+                       RunKernel("clip_scale", {sa[0], sb[0]}, Attrs{{"max_norm", 1e9}}));
+  EXPECT_EQ(*loose[0].data<float>(), 1.0f);
+  ASSERT_OK_AND_ASSIGN(auto off, RunKernel("clip_scale", {sa[0]}, Attrs{{"max_norm", 0.0}}));
+  EXPECT_EQ(*off[0].data<float>(), 1.0f);
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,128 @@
+// The single-worker planner's step graph, and the trainer that runs it.
+#include "driver/gpt2_trainer.h"
+#include "ops/cpu/cpu_kernels.h"
+#include "test_util.h"
+#include "zero/step_graph.h"
+
+namespace tessera::testing {
+namespace {
+
+Gpt2Config TinyConfig() { return Gpt2Config{2, 32, 4, 50, 16}; }
+
+TrainingPlan TinyPlan() {
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.seq_len = 16;
+  return plan;
+}
+
+TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
+  const ModelSpec model = DescribeGpt2(TinyConfig());
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, TinyPlan(), CpuRegistry()));
+  const Graph& g = step.graph;
+  for (const char* name : {"embedding/forward", "h.0/forward", "h.1/forward", "head/forward",
+                           "head/backward", "h.1/backward", "h.0/backward", "embedding/backward",
+                           "clip", "embedding/adamw", "h.0/adamw", "h.1/adamw", "head/adamw",
+                           "h.1/grad_norm"}) {
+    EXPECT_TRUE(g.FindTask(name).ok()) << name;
+  }
+  // 4 layers: 4 forward + 4 backward + 4 norms + clip + 4 updates.
+  EXPECT_EQ(g.num_tasks(), 17);
+  ASSERT_EQ(step.groups.size(), 4u);
+  const int64_t params = model.NumParameters();
+  EXPECT_EQ(params, TinyConfig().NumParameters());
+  EXPECT_EQ(g.BytesOfRole(ObjectRole::kGradient) - g.object(*g.FindObject("embedding.grad_from_head")).meta.bytes(),
+            4 * params);
+  // Inputs (params, moments) and outputs (their next values) of the optimizer state.
+  EXPECT_EQ(g.BytesOfRole(ObjectRole::kOptimizerState), 4 * 4 * params);
+  // The optimizer updates in place; the block backward works in place on its gradient.
+  EXPECT_EQ(g.task(*g.FindTask("h.0/adamw")).donations.size(), 3u);
+  EXPECT_EQ(g.task(*g.FindTask("h.1/backward")).donations.size(), 1u);
+  EXPECT_EQ(g.task(*g.FindTask("embedding/backward")).donations.size(), 1u);
+  // Every task's layer is set for messages and traces.
+  EXPECT_EQ(g.task(*g.FindTask("h.1/backward")).layer, "h.1");
+}
+
+TEST(StepGraphTest, SgdPlanHasNoOptimizerState) {
+  TrainingPlan plan = TinyPlan();
+  plan.optimizer.kind = OptimizerConfig::Kind::kSgd;
+  ASSERT_OK_AND_ASSIGN(StepGraph step,
+                       PlanTrainingStep(DescribeGpt2(TinyConfig()), plan, CpuRegistry()));
+  EXPECT_TRUE(step.graph.FindTask("h.0/sgd").ok());
+  EXPECT_EQ(step.graph.BytesOfRole(ObjectRole::kOptimizerState), 0);
+}
+
+TEST(StepGraphTest, BadPlansAreRefusedWithWhatToChange) {
+  const ModelSpec model = DescribeGpt2(TinyConfig());
+  TrainingPlan long_sequences = TinyPlan();
+  long_sequences.seq_len = 17;
+  Result<StepGraph> too_long = PlanTrainingStep(model, long_sequences, CpuRegistry());
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_NE(too_long.status().message().find("max_seq_len"), std::string::npos);
+  TrainingPlan empty = TinyPlan();
+  empty.batch = 0;
+  EXPECT_FALSE(PlanTrainingStep(model, empty, CpuRegistry()).ok());
+  Gpt2Config odd = TinyConfig();
+  odd.heads = 5;
+  Status heads = odd.Validate();
+  ASSERT_FALSE(heads.ok());
+  EXPECT_NE(heads.message().find("divisible by heads"), std::string::npos);
+}
+
+std::vector<int32_t> Batch(int64_t n, int32_t vocab, uint64_t seed) {
+  const Tensor tokens = RandomTokens({n}, vocab, seed);
+  return std::vector<int32_t>(tokens.data<int32_t>(), tokens.data<int32_t>() + n);
+}
+
+std::vector<float> Losses(int threads, int steps) {
+  ExecutorOptions options;
+  options.threads = threads;
+  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  trainer->InitializeParameters(42);
+  const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
+  std::vector<float> losses;
+  for (int i = 0; i < steps; ++i) losses.push_back(trainer->Step(tokens, targets, 3e-3f)->loss);
+  return losses;
+}
+
+TEST(TrainerTest, LossFallsOnARepeatedBatch) {
+  std::vector<float> losses = Losses(2, 30);
+  EXPECT_NEAR(losses.front(), std::log(50.0), 0.1);  // near-uniform predictions at init
+  EXPECT_LT(losses.back(), 0.5 * losses.front());
+}
+
+TEST(TrainerTest, ResultsDoNotDependOnTheThreadCount) {
+  // Every reduction sums fixed chunks in a fixed order, so 1 and 3 threads agree bit for bit.
+  EXPECT_EQ(Losses(1, 3), Losses(3, 3));
+}
+
+TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
+  ExecutorOptions options;
+  options.threads = 2;
+  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  trainer->InitializeParameters(1);
+  ASSERT_OK_AND_ASSIGN(StepReport report,
+                       trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
+  const int64_t state = trainer->ParameterBytes() + trainer->OptimizerStateBytes();
+  EXPECT_EQ(state, 12 * TinyConfig().NumParameters());
+  EXPECT_GT(report.peak_bytes, state);
+  EXPECT_LT(report.peak_bytes, 3 * state + (8 << 20));
+}
+
+TEST(TrainerTest, ABadBatchIsRefusedAndTheModelIsUnchanged) {
+  ExecutorOptions options;
+  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  trainer->InitializeParameters(1);
+  const std::vector<float> before = *trainer->GetParameter("h.0.qkv_w");
+  std::vector<int32_t> tokens = Batch(32, 50, 1);
+  tokens[5] = 50;
+  Result<StepReport> bad = trainer->Step(tokens, Batch(32, 50, 2), 1e-3f);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("token id 50"), std::string::npos);
+  EXPECT_EQ(*trainer->GetParameter("h.0.qkv_w"), before);
+  // And it still trains afterwards.
+  EXPECT_OK(trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f).status());
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,97 @@
+// Token datasets: text, llm.c .bin files, and what is wrong with a bad file.
+#include <fstream>
+
+#include "driver/token_dataset.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+std::string TempPath(const std::string& name) { return ::testing::TempDir() + "/" + name; }
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(TokenDatasetTest, TextIsTokenizedAsBytes) {
+  const std::string path = TempPath("text.txt");
+  WriteBytes(path, "Hi!\n\xff");
+  ASSERT_OK_AND_ASSIGN(TokenDataset data, TokenDataset::Load(path));
+  EXPECT_TRUE(data.is_text());
+  EXPECT_EQ(data.tokens(), (std::vector<int32_t>{'H', 'i', '!', '\n', 255}));
+  EXPECT_EQ(data.max_token(), 255);
+}
+
+TEST(TokenDatasetTest, TokenFilesRoundTripThroughTheLlmcFormat) {
+  const std::string path = TempPath("tokens.bin");
+  const std::vector<uint16_t> tokens = {50256, 1, 2, 3, 65535};
+  ASSERT_OK(TokenDataset::WriteTokenFile(path, tokens));
+  ASSERT_OK_AND_ASSIGN(TokenDataset data, TokenDataset::Load(path));
+  EXPECT_FALSE(data.is_text());
+  EXPECT_EQ(data.tokens(), (std::vector<int32_t>{50256, 1, 2, 3, 65535}));
+}
+
+TEST(TokenDatasetTest, BadFilesSayWhichFileAndWhy) {
+  Result<TokenDataset> missing = TokenDataset::Load(TempPath("does_not_exist.bin"));
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("does_not_exist.bin"), std::string::npos);
+
+  const std::string empty = TempPath("empty.txt");
+  WriteBytes(empty, "");
+  EXPECT_NE(TokenDataset::Load(empty).status().message().find("is empty"), std::string::npos);
+
+  const std::string not_tokens = TempPath("not_tokens.bin");
+  WriteBytes(not_tokens, std::string(2048, 'x'));
+  Result<TokenDataset> bad_magic = TokenDataset::LoadTokenFile(not_tokens);
+  ASSERT_FALSE(bad_magic.ok());
+  EXPECT_NE(bad_magic.status().message().find("magic"), std::string::npos);
+
+  const std::string truncated = TempPath("truncated.bin");
+  ASSERT_OK(TokenDataset::WriteTokenFile(truncated, std::vector<uint16_t>(100, 7)));
+  std::ifstream in(truncated, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  WriteBytes(truncated, bytes.substr(0, bytes.size() - 11));
+  Result<TokenDataset> short_file = TokenDataset::Load(truncated);
+  ASSERT_FALSE(short_file.ok());
+  EXPECT_EQ(short_file.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(short_file.status().message().find("truncated"), std::string::npos);
+  EXPECT_NE(short_file.status().message().find("declares 100 tokens"), std::string::npos);
+
+  const std::string header_only = TempPath("header_only.bin");
+  WriteBytes(header_only, bytes.substr(0, 100));
+  ASSERT_FALSE(TokenDataset::LoadTokenFile(header_only).ok());
+}
+
+TEST(TokenDatasetTest, SplitKeepsOrderAndProportions) {
+  TokenDataset data = TokenDataset::Synthetic(1000, 50, 1);
+  auto [train, val] = data.Split(0.1);
+  EXPECT_EQ(train.size(), 900);
+  EXPECT_EQ(val.size(), 100);
+  EXPECT_EQ(val.tokens().front(), data.tokens()[900]);
+}
+
+TEST(BatchSamplerTest, TargetsAreInputsShiftedByOneAndSeedsRepeat) {
+  std::vector<int32_t> ramp(100);
+  for (int i = 0; i < 100; ++i) ramp[i] = i;
+  const std::string path = TempPath("ramp.bin");
+  ASSERT_OK(TokenDataset::WriteTokenFile(path, std::vector<uint16_t>(ramp.begin(), ramp.end())));
+  ASSERT_OK_AND_ASSIGN(TokenDataset data, TokenDataset::Load(path));
+  ASSERT_OK_AND_ASSIGN(BatchSampler a, BatchSampler::Create(data, 3, 8, 7));
+  ASSERT_OK_AND_ASSIGN(BatchSampler b, BatchSampler::Create(data, 3, 8, 7));
+  std::vector<int32_t> in_a(24), tgt_a(24), in_b(24), tgt_b(24);
+  a.Next(in_a.data(), tgt_a.data());
+  b.Next(in_b.data(), tgt_b.data());
+  EXPECT_EQ(in_a, in_b);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(tgt_a[i], in_a[i] + 1);
+  a.Sequential(0, in_a.data(), tgt_a.data());
+  EXPECT_EQ(in_a[0], 0);
+  EXPECT_EQ(in_a[8], 8);
+
+  Result<BatchSampler> too_short = BatchSampler::Create(data, 1, 100, 1);
+  ASSERT_FALSE(too_short.ok());
+  EXPECT_NE(too_short.status().message().find("fewer than seq_len + 1"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessera::testing
