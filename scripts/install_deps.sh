@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages Tessera builds and tests with. Idempotent: packages already
+# present are skipped, and apt-get runs only when something is missing.
+#   scripts/install_deps.sh            build and test dependencies
+#   scripts/install_deps.sh --bench    also PyTorch (CPU) for the side-by-side benchmarks
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
+  libopenblas-dev libopenblas-pthread-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+if [[ "${1:-}" == "--bench" ]]; then
+  packages+=(python3-torch)
+fi
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=()
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "install_deps: run as root or install sudo" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "install_deps: installing ${missing[*]}"
+"${sudo[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}"
