@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/build.sh
-exec build/bin/train_gpt2 --preset tiny --steps 500 --log-every 25 --eval-every 100 \
+exec build/bin/train_gpt2 --preset tiny --steps 1000 --lr 3e-3 --log-every 50 --eval-every 200 \
   --sample 300 "$@"
