@@ -18,8 +18,12 @@ std::vector<float> Filled(int64_t n, float value) {
 }
 
 Gpt2Dims Dims(int64_t channels, int64_t vocab) {
-  return Gpt2Dims{.batch = 4, .seq_len = 64, .channels = channels, .heads = channels / 64,
-                  .vocab = vocab, .max_seq_len = 1024};
+  return Gpt2Dims{.batch = 4,
+                  .seq_len = 64,
+                  .channels = channels,
+                  .heads = channels / 64,
+                  .vocab = vocab,
+                  .max_seq_len = 1024};
 }
 
 double BlockFlops(const Gpt2Dims& d) {
@@ -36,7 +40,8 @@ void BM_BlockForward(benchmark::State& state) {
     Gpt2BlockForward(y.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
     benchmark::DoNotOptimize(y.data());
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(BlockFlops(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(BlockFlops(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_BlockBackward(benchmark::State& state) {
@@ -51,7 +56,8 @@ void BM_BlockBackward(benchmark::State& state) {
                       4'000'000);
     benchmark::DoNotOptimize(dparams.data());
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(2 * BlockFlops(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2 * BlockFlops(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_HeadForwardBackward(benchmark::State& state) {
@@ -63,14 +69,15 @@ void BM_HeadForwardBackward(benchmark::State& state) {
   auto saved = Filled(Gpt2HeadSavedLayout(d.batch, d.seq_len, d.channels, d.vocab).numel(), 0);
   std::vector<int32_t> targets(static_cast<size_t>(d.rows()), 7);
   for (auto _ : state) {
-    auto loss = Gpt2HeadForward(saved.data(), x.data(), head.data(), emb.data(), targets.data(),
-                                d, 1.0f, 4'000'000);
+    auto loss = Gpt2HeadForward(saved.data(), x.data(), head.data(), emb.data(), targets.data(), d,
+                                1.0f, 4'000'000);
     Gpt2HeadBackward(dx.data(), dhead.data(), demb.data(), x.data(), saved.data(), head.data(),
                      emb.data(), d, 4'000'000);
     benchmark::DoNotOptimize(loss);
   }
   const double flops = 3 * 2.0 * static_cast<double>(d.rows() * d.channels * d.vocab);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_AdamW(benchmark::State& state) {

@@ -19,8 +19,7 @@ using AttrValue = std::variant<int64_t, double, std::string, std::vector<int64_t
 class Attrs {
  public:
   Attrs() = default;
-  Attrs(std::initializer_list<std::pair<const std::string, AttrValue>> values)
-      : values_(values) {}
+  Attrs(std::initializer_list<std::pair<const std::string, AttrValue>> values) : values_(values) {}
 
   Attrs& Set(const std::string& name, AttrValue value) {
     values_[name] = std::move(value);

@@ -16,12 +16,18 @@ enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kI64, kU16 };
 // Bytes per element.
 constexpr int64_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kBF16: return 2;
-    case DType::kF16: return 2;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
-    case DType::kU16: return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kF16:
+      return 2;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    case DType::kU16:
+      return 2;
   }
   return 0;
 }

@@ -8,12 +8,18 @@ namespace tessera {
 
 std::string_view ObjectRoleName(ObjectRole role) {
   switch (role) {
-    case ObjectRole::kInput: return "input";
-    case ObjectRole::kParameter: return "parameter";
-    case ObjectRole::kGradient: return "gradient";
-    case ObjectRole::kOptimizerState: return "optimizer_state";
-    case ObjectRole::kActivation: return "activation";
-    case ObjectRole::kOutput: return "output";
+    case ObjectRole::kInput:
+      return "input";
+    case ObjectRole::kParameter:
+      return "parameter";
+    case ObjectRole::kGradient:
+      return "gradient";
+    case ObjectRole::kOptimizerState:
+      return "optimizer_state";
+    case ObjectRole::kActivation:
+      return "activation";
+    case ObjectRole::kOutput:
+      return "output";
   }
   return "?";
 }
@@ -117,8 +123,8 @@ Status Graph::Validate() const {
           donation.input_index >= static_cast<int>(task.inputs.size()) ||
           donation.output_index < 0 ||
           donation.output_index >= static_cast<int>(task.outputs.size())) {
-        return InvalidArgument("task '{}' donates input #{} to output #{}: no such slot",
-                               task.name, donation.input_index, donation.output_index);
+        return InvalidArgument("task '{}' donates input #{} to output #{}: no such slot", task.name,
+                               donation.input_index, donation.output_index);
       }
       const TensorMeta& in = object(task.inputs[donation.input_index]).meta;
       const TensorMeta& out = object(task.outputs[donation.output_index]).meta;

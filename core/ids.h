@@ -50,5 +50,7 @@ using WorkerId = Id<WorkerIdTag>;
 
 template <typename Tag>
 struct std::hash<tessera::Id<Tag>> {
-  size_t operator()(tessera::Id<Tag> id) const noexcept { return std::hash<uint64_t>()(id.value()); }
+  size_t operator()(tessera::Id<Tag> id) const noexcept {
+    return std::hash<uint64_t>()(id.value());
+  }
 };

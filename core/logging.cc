@@ -19,8 +19,7 @@ std::shared_ptr<spdlog::logger> GetLogger(const std::string& component) {
 Status SetLogLevel(std::string_view level) {
   spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(level));
   if (parsed == spdlog::level::off && level != "off") {
-    return InvalidArgument("unknown log level '{}' (trace, debug, info, warn, error, off)",
-                           level);
+    return InvalidArgument("unknown log level '{}' (trace, debug, info, warn, error, off)", level);
   }
   spdlog::set_level(parsed);  // applies to every registered logger and the default for new ones
   return Status::Ok();

@@ -42,9 +42,9 @@ Status ParseValue(const std::string& text, std::string* out) {
 
 Result<Settings> Settings::FromEnvironment(const EnvLookup& getenv) {
   Settings settings;
-#define TESSERA_SETTING(type, name, default_value, unit, description)                     \
-  if (std::optional<std::string> text = getenv(EnvName(#name))) {                         \
-    TESSERA_RETURN_IF_ERROR(                                                              \
+#define TESSERA_SETTING(type, name, default_value, unit, description)                    \
+  if (std::optional<std::string> text = getenv(EnvName(#name))) {                        \
+    TESSERA_RETURN_IF_ERROR(                                                             \
         ParseValue(*text, &settings.name).WithContext("environment " + EnvName(#name))); \
   }
 #include "core/settings_def.h"
@@ -62,8 +62,8 @@ Result<Settings> Settings::FromProcessEnvironment() {
 
 std::string Settings::Describe() {
   std::string text;
-#define TESSERA_SETTING(type, name, default_value, unit, description)                    \
-  text += fmt::format("  {}={}{} -- {}\n", EnvName(#name), Settings{}.name,             \
+#define TESSERA_SETTING(type, name, default_value, unit, description)       \
+  text += fmt::format("  {}={}{} -- {}\n", EnvName(#name), Settings{}.name, \
                       std::string_view(unit).empty() ? "" : " (" unit ")", description);
 #include "core/settings_def.h"
 #undef TESSERA_SETTING

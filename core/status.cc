@@ -6,17 +6,28 @@ namespace tessera {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kInfeasible: return "Infeasible";
-    case StatusCode::kTimedOut: return "TimedOut";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kDataLoss: return "DataLoss";
-    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExists";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case StatusCode::kInfeasible:
+      return "Infeasible";
+    case StatusCode::kTimedOut:
+      return "TimedOut";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kDataLoss:
+      return "DataLoss";
+    case StatusCode::kInternal:
+      return "Internal";
   }
   return "Unknown";
 }

@@ -73,9 +73,9 @@ class [[nodiscard]] Status {
 
 // Constructors named after codes, with fmt-style formatting:
 //   return InvalidArgument("layer {} expects {} channels", name, c);
-#define TESSERA_DEFINE_STATUS_FACTORY(Name)                                          \
-  template <typename... Args>                                                        \
-  Status Name(fmt::format_string<Args...> format, Args&&... args) {                  \
+#define TESSERA_DEFINE_STATUS_FACTORY(Name)                                               \
+  template <typename... Args>                                                             \
+  Status Name(fmt::format_string<Args...> format, Args&&... args) {                       \
     return Status(StatusCode::k##Name, fmt::format(format, std::forward<Args>(args)...)); \
   }
 TESSERA_DEFINE_STATUS_FACTORY(InvalidArgument)
@@ -96,7 +96,7 @@ class [[nodiscard]] Result {
   static_assert(!std::is_same_v<T, Status>, "use Status directly");
 
  public:
-  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}  // NOLINT: implicit
+  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}        // NOLINT: implicit
   Result(Status status) : state_(std::in_place_index<1>, std::move(status)) {  // NOLINT
     if (std::get<1>(state_).ok()) {
       state_.template emplace<1>(StatusCode::kInternal, "Result constructed from an OK Status");
@@ -146,12 +146,12 @@ void Result<T>::CheckHasValue() const {
 }  // namespace tessera
 
 // Aborts with file:line when an invariant is broken. For bugs only; never for bad input.
-#define TESSERA_CHECK(condition, ...)                                                     \
-  do {                                                                                    \
-    if (!(condition)) [[unlikely]] {                                                      \
-      ::tessera::detail::CheckFailed(__FILE__, __LINE__, #condition,                      \
-                                     ::fmt::format("" __VA_ARGS__));                      \
-    }                                                                                     \
+#define TESSERA_CHECK(condition, ...)                                \
+  do {                                                               \
+    if (!(condition)) [[unlikely]] {                                 \
+      ::tessera::detail::CheckFailed(__FILE__, __LINE__, #condition, \
+                                     ::fmt::format("" __VA_ARGS__)); \
+    }                                                                \
   } while (0)
 
 #define TESSERA_CONCAT_INNER(a, b) a##b
@@ -160,10 +160,11 @@ void Result<T>::CheckHasValue() const {
 // Returns the Status from the enclosing function when `expr` (a Status) is not OK.
 #define TESSERA_RETURN_IF_ERROR(expr) \
   TESSERA_RETURN_IF_ERROR_IMPL(TESSERA_CONCAT(tessera_status_, __COUNTER__), expr)
-#define TESSERA_RETURN_IF_ERROR_IMPL(status, expr)       \
-  do {                                                   \
-    ::tessera::Status status = (expr);                   \
-    if (!status.ok()) [[unlikely]] return status;        \
+#define TESSERA_RETURN_IF_ERROR_IMPL(status, expr) \
+  do {                                             \
+    ::tessera::Status status = (expr);             \
+    if (!status.ok()) [[unlikely]]                 \
+      return status;                               \
   } while (0)
 
 // `TESSERA_ASSIGN_OR_RETURN(auto x, MakeX());` declares x from a Result or returns its error.
@@ -171,5 +172,6 @@ void Result<T>::CheckHasValue() const {
   TESSERA_ASSIGN_OR_RETURN_IMPL(TESSERA_CONCAT(tessera_result_, __COUNTER__), lhs, expr)
 #define TESSERA_ASSIGN_OR_RETURN_IMPL(result, lhs, expr) \
   auto result = (expr);                                  \
-  if (!result.ok()) [[unlikely]] return result.status(); \
+  if (!result.ok()) [[unlikely]]                         \
+    return result.status();                              \
   lhs = std::move(result).value()

@@ -39,9 +39,8 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& confi
       new Gpt2Trainer(std::move(model), plan, std::move(owned_registry), std::move(executor)));
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
 
-  TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_,
-                           PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len,
-                                        *trainer->registry_));
+  TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_, PlanEvalLoss(trainer->model_, plan.batch,
+                                                              plan.seq_len, *trainer->registry_));
   TESSERA_ASSIGN_OR_RETURN(PreparedGraph eval,
                            trainer->executor_->Prepare(trainer->eval_graph_.graph));
   trainer->prepared_eval_ = std::make_unique<PreparedGraph>(std::move(eval));
@@ -111,7 +110,8 @@ Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& 
 std::vector<std::string> Gpt2Trainer::ParameterNames() const {
   std::vector<std::string> names;
   for (const LayerSpec& layer : model_.layers) {
-    for (const FlatSlot& slot : layer.params.slots()) names.push_back(NamePrefix(layer) + slot.name);
+    for (const FlatSlot& slot : layer.params.slots())
+      names.push_back(NamePrefix(layer) + slot.name);
   }
   return names;
 }
@@ -235,17 +235,19 @@ Status Gpt2Trainer::RecoverState(const Status& error, ObjectMap& intact) {
     }
   }
   if (lost.empty()) return error;  // state unchanged; the step can be retried
-  return DataLoss("{}; the step failed after the optimizer had updated {} object(s) in place "
-                  "(e.g. '{}'): restore the model from a checkpoint",
-                  error.ToString(), lost.size(), lost.front());
+  return DataLoss(
+      "{}; the step failed after the optimizer had updated {} object(s) in place "
+      "(e.g. '{}'): restore the model from a checkpoint",
+      error.ToString(), lost.size(), lost.front());
 }
 
 Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= model_.config.vocab) {
-      return InvalidArgument("{} id {} at index {} is outside the vocabulary [0, {}); use a "
-                             "larger --vocab or other data",
-                             what, tokens[i], i, model_.config.vocab);
+      return InvalidArgument(
+          "{} id {} at index {} is outside the vocabulary [0, {}); use a "
+          "larger --vocab or other data",
+          what, tokens[i], i, model_.config.vocab);
     }
   }
   return Status::Ok();

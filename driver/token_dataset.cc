@@ -54,9 +54,10 @@ Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
   int32_t header[kTokenFileHeaderInts];
   std::memcpy(header, bytes.data(), kHeaderBytes);
   if (header[0] != kTokenFileMagic) {
-    return InvalidArgument("token file '{}' has magic {} but {} was expected (is it a llm.c "
-                           ".bin token file?)",
-                           path, header[0], kTokenFileMagic);
+    return InvalidArgument(
+        "token file '{}' has magic {} but {} was expected (is it a llm.c "
+        ".bin token file?)",
+        path, header[0], kTokenFileMagic);
   }
   if (header[1] != kTokenFileVersion) {
     return InvalidArgument("token file '{}' has version {}; only version {} is supported", path,
@@ -65,9 +66,10 @@ Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
   const int64_t count = header[2];
   const size_t expected = kHeaderBytes + static_cast<size_t>(count) * sizeof(uint16_t);
   if (count <= 0 || bytes.size() != expected) {
-    return DataLoss("token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated "
-                    "or corrupt)",
-                    path, count, expected, bytes.size());
+    return DataLoss(
+        "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated "
+        "or corrupt)",
+        path, count, expected, bytes.size());
   }
   std::vector<int32_t> tokens(static_cast<size_t>(count));
   const char* data = bytes.data() + kHeaderBytes;

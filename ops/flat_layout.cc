@@ -69,8 +69,7 @@ FlatLayout Gpt2HeadParamLayout(int64_t channels) {
   return layout;
 }
 
-FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
-                                int64_t heads) {
+FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t heads) {
   const int64_t b = batch, t = seq_len, c = channels;
   FlatLayout layout;
   layout.Add("ln1", {b, t, c});

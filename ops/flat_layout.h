@@ -60,8 +60,7 @@ FlatLayout Gpt2HeadParamLayout(int64_t channels);
 //   ln1 [B,T,C], ln1_mean, ln1_rstd [B*T], qkv [B,T,3C], atty [B,T,C], lse [B,NH,T],
 //   x_mid [B,T,C] (residual after attention), ln2 [B,T,C], ln2_mean, ln2_rstd [B*T],
 //   fch [B,T,4C] (before GELU), fch_gelu [B,T,4C]
-FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
-                                int64_t heads);
+FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t heads);
 // What the head's forward keeps: lnf [B,T,C], lnf_mean, lnf_rstd [B*T], and dlogits [B*T, V]
 // (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
 FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);

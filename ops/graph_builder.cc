@@ -9,9 +9,9 @@ ObjectId GraphBuilder::AddInput(std::string name, TensorMeta meta, ObjectRole ro
 Result<std::vector<ObjectId>> GraphBuilder::AddTask(std::string name, const std::string& op,
                                                     std::vector<ObjectId> inputs, Attrs attrs,
                                                     TaskOptions options) {
-  const std::string context =
-      options.layer.empty() ? fmt::format("task '{}'", name)
-                            : fmt::format("task '{}' (layer {})", name, options.layer);
+  const std::string context = options.layer.empty()
+                                  ? fmt::format("task '{}'", name)
+                                  : fmt::format("task '{}' (layer {})", name, options.layer);
   std::vector<TensorMeta> input_metas;
   input_metas.reserve(inputs.size());
   for (ObjectId input : inputs) {

@@ -45,22 +45,22 @@ struct KernelContext {
   int64_t gemm_split_min_flops = 4'000'000;
 };
 
-using InferFn = std::function<Result<std::vector<TensorMeta>>(
-    const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,
+                                                              const Attrs& attrs)>;
 using CostFn = std::function<OpCost(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
 // REQUIRES: inputs/outputs match the op's inferred metas; outputs are allocated, and in-place
 // outputs hold their input's contents. Returns InvalidArgument for data-dependent errors (a
 // token id out of range); shape errors are caught earlier by inference.
-using KernelFn = std::function<Status(const KernelContext& context,
-                                      const std::vector<Tensor>& inputs,
-                                      const std::vector<Tensor>& outputs, const Attrs& attrs)>;
+using KernelFn =
+    std::function<Status(const KernelContext& context, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& outputs, const Attrs& attrs)>;
 
 struct OpDef {
   std::string name;
   std::string doc;
   std::vector<std::string> input_names;  // for messages; its size is the arity
   std::vector<std::string> output_names;
-  bool variadic_inputs = false;  // any number >= 1 of inputs named input_names[0]
+  bool variadic_inputs = false;               // any number >= 1 of inputs named input_names[0]
   std::vector<std::pair<int, int>> in_place;  // (input index, output index)
   InferFn infer;
   CostFn cost;

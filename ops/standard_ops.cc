@@ -228,9 +228,10 @@ Status AddLinearOps(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
         return Metas{F32(WithLastDim(in[0].shape, oc))};
       },
-      .cost = [](const Metas& in, const Attrs&) {
-        return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_backward",
@@ -247,9 +248,10 @@ Status AddLinearOps(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], WithLastDim(in[1].shape, oc)));
         return Metas{in[1], in[2], F32({oc})};
       },
-      .cost = [](const Metas& in, const Attrs&) {
-        return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
+          },
   }));
   auto matmul_dims = [](const Metas& in, int a, int b) -> Status {
     TESSERA_RETURN_IF_ERROR(CheckDType("a", in[a], DType::kF32));
@@ -272,9 +274,10 @@ Status AddLinearOps(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(matmul_dims(in, 0, 1));
         return Metas{F32({in[0].shape[0], in[1].shape[1]})};
       },
-      .cost = [matmul_flops](const Metas& in, const Attrs&) {
-        return OpCost{matmul_flops(in, 0, 1), 2 * Bytes(in)};
-      },
+      .cost =
+          [matmul_flops](const Metas& in, const Attrs&) {
+            return OpCost{matmul_flops(in, 0, 1), 2 * Bytes(in)};
+          },
   }));
   return r.AddOp(OpDef{
       .name = "matmul_backward",
@@ -285,9 +288,10 @@ Status AddLinearOps(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckShape("dc", in[0], Shape{in[1].shape[0], in[2].shape[1]}));
         return Metas{in[1], in[2]};
       },
-      .cost = [matmul_flops](const Metas& in, const Attrs&) {
-        return OpCost{2 * matmul_flops(in, 1, 2), 2 * Bytes(in)};
-      },
+      .cost =
+          [matmul_flops](const Metas& in, const Attrs&) {
+            return OpCost{2 * matmul_flops(in, 1, 2), 2 * Bytes(in)};
+          },
   });
 }
 
@@ -297,21 +301,21 @@ Status AddAttentionOps(OpRegistry& r) {
     TESSERA_ASSIGN_OR_RETURN(int64_t heads, PositiveAttr(attrs, "heads"));
     TESSERA_RETURN_IF_ERROR(CheckDType("qkv", qkv, DType::kF32));
     if (qkv.shape.rank() != 3 || qkv.shape[2] % 3 != 0 || (qkv.shape[2] / 3) % heads != 0) {
-      return InvalidArgument("input 'qkv' has shape {} but must be [B, T, 3C] with C divisible "
-                             "by heads={}",
-                             qkv.shape.ToString(), heads);
+      return InvalidArgument(
+          "input 'qkv' has shape {} but must be [B, T, 3C] with C divisible "
+          "by heads={}",
+          qkv.shape.ToString(), heads);
     }
     return Gpt2Shape{qkv.shape[0], qkv.shape[1], qkv.shape[2] / 3, heads, 0, 0};
   };
   auto cost = [read](double factor) -> CostFn {
     return [read, factor](const Metas& in, const Attrs& attrs) {
-      Result<Gpt2Shape> s = read(in.back().shape.rank() == 3 ? in[in.size() == 1 ? 0 : 1]
-                                                             : in[0],
-                                 attrs);
+      Result<Gpt2Shape> s =
+          read(in.back().shape.rank() == 3 ? in[in.size() == 1 ? 0 : 1] : in[0], attrs);
       if (!s.ok()) return OpCost{0, 2 * Bytes(in)};
-      return OpCost{factor * 4.0 * static_cast<double>(s->batch * s->seq_len * s->seq_len *
-                                                       s->channels),
-                    2 * Bytes(in)};
+      return OpCost{
+          factor * 4.0 * static_cast<double>(s->batch * s->seq_len * s->seq_len * s->channels),
+          2 * Bytes(in)};
     };
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
@@ -493,8 +497,9 @@ Status AddGpt2Ops(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], s.batch, s.seq_len));
-        TESSERA_RETURN_IF_ERROR(CheckParams(
-            "dparams_partial", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("dparams_partial", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
         return Metas{in[2]};
       },
       .cost = ElementwiseCost(2),
@@ -510,10 +515,11 @@ Status AddGpt2Ops(OpRegistry& r) {
         const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
         return Metas{in[0], F32({saved.numel()})};
       },
-      .cost = [](const Metas& in, const Attrs& attrs) {
-        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], true, false);
-        return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], true, false);
+            return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "gpt2_block_backward",
@@ -528,10 +534,11 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels)));
         return Metas{in[1], in[3]};
       },
-      .cost = [](const Metas& in, const Attrs& attrs) {
-        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
-        return OpCost{s.ok() ? 2.5 * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
+            return OpCost{s.ok() ? 2.5 * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+          },
   }));
   auto head_flops = [](const Gpt2Shape& s, double factor) {
     return factor * 2.0 * static_cast<double>(s.batch * s.seq_len * s.channels * s.vocab);
@@ -544,16 +551,18 @@ Status AddGpt2Ops(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
-        TESSERA_RETURN_IF_ERROR(CheckParams(
-            "embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
         TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
         return Metas{Scalar(), F32({saved.numel()})};
       },
-      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
-        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
-        return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
-      },
+      .cost =
+          [head_flops](const Metas& in, const Attrs& attrs) {
+            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "gpt2_head_backward",
@@ -564,14 +573,16 @@ Status AddGpt2Ops(OpRegistry& r) {
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
         TESSERA_RETURN_IF_ERROR(CheckParams("saved", in[1], saved));
         TESSERA_RETURN_IF_ERROR(CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels)));
-        TESSERA_RETURN_IF_ERROR(CheckParams(
-            "embedding_params", in[3], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[3],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
         return Metas{in[0], in[2], in[3]};
       },
-      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
-        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
-        return OpCost{s.ok() ? head_flops(*s, 2.0) : 0.0, 2 * Bytes(in)};
-      },
+      .cost =
+          [head_flops](const Metas& in, const Attrs& attrs) {
+            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            return OpCost{s.ok() ? head_flops(*s, 2.0) : 0.0, 2 * Bytes(in)};
+          },
   }));
   return r.AddOp(OpDef{
       .name = "gpt2_head_logits",
@@ -581,14 +592,16 @@ Status AddGpt2Ops(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
-        TESSERA_RETURN_IF_ERROR(CheckParams(
-            "embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
         return Metas{F32({s.batch, s.seq_len, s.vocab})};
       },
-      .cost = [head_flops](const Metas& in, const Attrs& attrs) {
-        Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
-        return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
-      },
+      .cost =
+          [head_flops](const Metas& in, const Attrs& attrs) {
+            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
+          },
   });
 }
 

@@ -18,22 +18,22 @@
 namespace tessera::testing {
 
 // gtest assertion helpers for Status/Result.
-#define ASSERT_OK(expr)                                              \
-  do {                                                               \
-    const ::tessera::Status assert_ok_status = (expr);               \
+#define ASSERT_OK(expr)                                                \
+  do {                                                                 \
+    const ::tessera::Status assert_ok_status = (expr);                 \
     ASSERT_TRUE(assert_ok_status.ok()) << assert_ok_status.ToString(); \
   } while (0)
-#define EXPECT_OK(expr)                                              \
-  do {                                                               \
-    const ::tessera::Status expect_ok_status = (expr);               \
+#define EXPECT_OK(expr)                                                \
+  do {                                                                 \
+    const ::tessera::Status expect_ok_status = (expr);                 \
     EXPECT_TRUE(expect_ok_status.ok()) << expect_ok_status.ToString(); \
   } while (0)
 // Unwraps a Result or fails the test.
 #define ASSERT_OK_AND_ASSIGN(lhs, expr) \
   ASSERT_OK_AND_ASSIGN_IMPL(TESSERA_CONCAT(test_result_, __COUNTER__), lhs, expr)
-#define ASSERT_OK_AND_ASSIGN_IMPL(result, lhs, expr)           \
-  auto result = (expr);                                        \
-  ASSERT_TRUE(result.ok()) << result.status().ToString();      \
+#define ASSERT_OK_AND_ASSIGN_IMPL(result, lhs, expr)      \
+  auto result = (expr);                                   \
+  ASSERT_TRUE(result.ok()) << result.status().ToString(); \
   lhs = std::move(result).value()
 
 std::shared_ptr<Allocator> TestAllocator();

@@ -17,9 +17,9 @@ int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
 int Index(TaskId id) { return static_cast<int>(id.value()) - 1; }
 
 std::string TaskContext(const TaskSpec& task) {
-  return task.layer.empty() ? fmt::format("task '{}' (op {})", task.name, task.op)
-                            : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer,
-                                          task.op);
+  return task.layer.empty()
+             ? fmt::format("task '{}' (op {})", task.name, task.op)
+             : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
 }
 
 }  // namespace
@@ -90,12 +90,11 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     const ObjectSpec& spec = graph.objects()[index];
     auto it = inputs.find(spec.id);
     if (it == inputs.end() || !it->second.defined()) {
-      return InvalidArgument("graph input '{}' ({}) is not bound", spec.name,
-                             spec.meta.ToString());
+      return InvalidArgument("graph input '{}' ({}) is not bound", spec.name, spec.meta.ToString());
     }
     if (it->second.meta() != spec.meta) {
-      return InvalidArgument("graph input '{}' is bound to {} but the graph expects {}",
-                             spec.name, it->second.meta().ToString(), spec.meta.ToString());
+      return InvalidArgument("graph input '{}' is bound to {} but the graph expects {}", spec.name,
+                             it->second.meta().ToString(), spec.meta.ToString());
     }
     slots[index] = std::move(it->second);
   }

@@ -66,8 +66,8 @@ struct RunStats {
   int64_t peak_bytes = 0;  // max bytes live in this executor's allocator during the run
   int64_t live_bytes_after = 0;
   int tasks_run = 0;
-  int donations_taken = 0;   // in-place pairs that reused the input's buffer
-  int donations_copied = 0;  // in-place pairs that had to copy
+  int donations_taken = 0;          // in-place pairs that reused the input's buffer
+  int donations_copied = 0;         // in-place pairs that had to copy
   std::vector<TaskTiming> timings;  // one per task, in task-id order
 };
 
@@ -84,12 +84,12 @@ class PreparedGraph {
  private:
   friend class InProcessExecutor;
   std::shared_ptr<const Graph> graph_;
-  std::vector<const KernelFn*> kernels_;             // per task index
-  std::vector<std::vector<int>> dependents_;         // task index -> tasks reading its outputs
-  std::vector<int> initial_pending_;                 // task index -> number of produced inputs
-  std::vector<int> initial_refcount_;                // object index -> number of input slots
-  std::vector<bool> is_output_;                      // object index -> graph output
-  std::vector<int> input_objects_;                   // object indices bound by the caller
+  std::vector<const KernelFn*> kernels_;      // per task index
+  std::vector<std::vector<int>> dependents_;  // task index -> tasks reading its outputs
+  std::vector<int> initial_pending_;          // task index -> number of produced inputs
+  std::vector<int> initial_refcount_;         // object index -> number of input slots
+  std::vector<bool> is_output_;               // object index -> graph output
+  std::vector<int> input_objects_;            // object indices bound by the caller
 };
 
 class InProcessExecutor {

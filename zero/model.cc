@@ -59,8 +59,7 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
     model.layers.push_back(LayerSpec{fmt::format("h.{}", l), LayerKind::kBlock,
                                      Gpt2BlockParamLayout(config.channels)});
   }
-  model.layers.push_back(
-      LayerSpec{"head", LayerKind::kHead, Gpt2HeadParamLayout(config.channels)});
+  model.layers.push_back(LayerSpec{"head", LayerKind::kHead, Gpt2HeadParamLayout(config.channels)});
   return model;
 }
 

@@ -45,9 +45,9 @@ Result<ForwardPass> AddForward(GraphBuilder& builder, const ModelSpec& model, Ob
   const Attrs attrs = Gpt2Attrs(model.config);
   ForwardPass pass;
   TESSERA_ASSIGN_OR_RETURN(
-      auto embedded, builder.AddTask("embedding/forward", "gpt2_embedding_forward",
-                                     {tokens, params[0]}, attrs,
-                                     Options("embedding", kForwardPriority)));
+      auto embedded,
+      builder.AddTask("embedding/forward", "gpt2_embedding_forward", {tokens, params[0]}, attrs,
+                      Options("embedding", kForwardPriority)));
   ObjectId x = embedded[0];
   for (size_t l = 1; l + 1 < model.layers.size(); ++l) {
     const std::string& name = model.layers[l].name;
@@ -80,8 +80,7 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
                                          ObjectRole role = ObjectRole::kParameter) {
   std::vector<ObjectId> params;
   for (const LayerSpec& layer : model.layers) {
-    params.push_back(
-        builder.AddInput(layer.name + ".params", F32({layer.params.numel()}), role));
+    params.push_back(builder.AddInput(layer.name + ".params", F32({layer.params.numel()}), role));
   }
   return params;
 }
@@ -115,8 +114,8 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
   step.tokens = builder.AddInput("tokens", token_meta, ObjectRole::kInput);
   step.targets = builder.AddInput("targets", token_meta, ObjectRole::kInput);
   step.lr = builder.AddInput("lr", F32(Shape{}), ObjectRole::kInput);
-  step.step = builder.AddInput("step", TensorMeta{Shape{}, DType::kI64, Device::Cpu()},
-                               ObjectRole::kInput);
+  step.step =
+      builder.AddInput("step", TensorMeta{Shape{}, DType::kI64, Device::Cpu()}, ObjectRole::kInput);
   std::vector<ObjectId> params = AddParameterInputs(builder, model);
   step.groups.resize(num_layers);
   for (size_t l = 0; l < num_layers; ++l) {
@@ -126,8 +125,7 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
     group.param = params[l];
     if (adamw) {
       const TensorMeta meta = F32({group.numel});
-      group.exp_avg =
-          builder.AddInput(group.layer + ".exp_avg", meta, ObjectRole::kOptimizerState);
+      group.exp_avg = builder.AddInput(group.layer + ".exp_avg", meta, ObjectRole::kOptimizerState);
       group.exp_avg_sq =
           builder.AddInput(group.layer + ".exp_avg_sq", meta, ObjectRole::kOptimizerState);
     }
@@ -149,34 +147,31 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
   // Backward.
   TESSERA_ASSIGN_OR_RETURN(
       auto head_grads,
-      builder.AddTask(head + "/backward", "gpt2_head_backward",
-                      {forward.final_x, head_out[1], params.back(), params.front()}, attrs,
-                      Options(head, kBackwardPriority,
-                              {head + "/backward:dx", head + ".grad",
-                               embedding + ".grad_from_head"},
-                              {ObjectRole::kActivation, ObjectRole::kGradient,
-                               ObjectRole::kGradient})));
+      builder.AddTask(
+          head + "/backward", "gpt2_head_backward",
+          {forward.final_x, head_out[1], params.back(), params.front()}, attrs,
+          Options(head, kBackwardPriority,
+                  {head + "/backward:dx", head + ".grad", embedding + ".grad_from_head"},
+                  {ObjectRole::kActivation, ObjectRole::kGradient, ObjectRole::kGradient})));
   ObjectId dx = head_grads[0];
   step.groups.back().grad = head_grads[1];
   for (size_t l = num_layers - 2; l >= 1; --l) {
     const std::string& name = model.layers[l].name;
     TESSERA_ASSIGN_OR_RETURN(
-        auto grads, builder.AddTask(name + "/backward", "gpt2_block_backward",
-                                    {dx, forward.block_inputs[l - 1], forward.saved[l - 1],
-                                     params[l]},
-                                    attrs,
-                                    Options(name, kBackwardPriority,
-                                            {name + "/backward:dx", name + ".grad"},
-                                            {ObjectRole::kActivation, ObjectRole::kGradient})));
+        auto grads,
+        builder.AddTask(name + "/backward", "gpt2_block_backward",
+                        {dx, forward.block_inputs[l - 1], forward.saved[l - 1], params[l]}, attrs,
+                        Options(name, kBackwardPriority, {name + "/backward:dx", name + ".grad"},
+                                {ObjectRole::kActivation, ObjectRole::kGradient})));
     dx = grads[0];
     step.groups[l].grad = grads[1];
   }
   TESSERA_ASSIGN_OR_RETURN(
       auto embedding_grad,
-      builder.AddTask(embedding + "/backward", "gpt2_embedding_backward",
-                      {dx, step.tokens, head_grads[2]}, attrs,
-                      Options(embedding, kBackwardPriority, {embedding + ".grad"},
-                              {ObjectRole::kGradient})));
+      builder.AddTask(
+          embedding + "/backward", "gpt2_embedding_backward", {dx, step.tokens, head_grads[2]},
+          attrs,
+          Options(embedding, kBackwardPriority, {embedding + ".grad"}, {ObjectRole::kGradient})));
   step.groups.front().grad = embedding_grad[0];
 
   // Global gradient norm and clipping factor.
@@ -188,10 +183,10 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
     sums.push_back(sum[0]);
   }
   TESSERA_ASSIGN_OR_RETURN(
-      auto clip, builder.AddTask("clip", "clip_scale", sums,
-                                 Attrs{{"max_norm", plan.optimizer.max_grad_norm}},
-                                 Options("", kOptimizerPriority, {"clip_scale", "grad_norm"},
-                                         {ObjectRole::kOutput, ObjectRole::kOutput})));
+      auto clip,
+      builder.AddTask("clip", "clip_scale", sums, Attrs{{"max_norm", plan.optimizer.max_grad_norm}},
+                      Options("", kOptimizerPriority, {"clip_scale", "grad_norm"},
+                              {ObjectRole::kOutput, ObjectRole::kOutput})));
   step.grad_norm = clip[1];
 
   // Optimizer: one task per parameter group, updating it in place.
@@ -207,15 +202,15 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
                             {"decay_ranges", layout.DecayRanges()}};
       TESSERA_ASSIGN_OR_RETURN(
           auto updated,
-          builder.AddTask(group.layer + "/adamw", "adamw",
-                          {group.param, group.grad, group.exp_avg, group.exp_avg_sq, clip[0],
-                           step.lr, step.step},
-                          std::move(optimizer_attrs),
-                          Options(group.layer, kOptimizerPriority,
-                                  {next, group.layer + ".exp_avg.next",
-                                   group.layer + ".exp_avg_sq.next"},
-                                  {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                                   ObjectRole::kOptimizerState})));
+          builder.AddTask(
+              group.layer + "/adamw", "adamw",
+              {group.param, group.grad, group.exp_avg, group.exp_avg_sq, clip[0], step.lr,
+               step.step},
+              std::move(optimizer_attrs),
+              Options(group.layer, kOptimizerPriority,
+                      {next, group.layer + ".exp_avg.next", group.layer + ".exp_avg_sq.next"},
+                      {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                       ObjectRole::kOptimizerState})));
       group.next_param = updated[0];
       group.next_exp_avg = updated[1];
       group.next_exp_avg_sq = updated[2];
@@ -224,10 +219,10 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
     } else {
       TESSERA_ASSIGN_OR_RETURN(
           auto updated,
-          builder.AddTask(group.layer + "/sgd", "sgd", {group.param, group.grad, clip[0], step.lr},
-                          Attrs{{"weight_decay", plan.optimizer.weight_decay}},
-                          Options(group.layer, kOptimizerPriority, {next},
-                                  {ObjectRole::kParameter})));
+          builder.AddTask(
+              group.layer + "/sgd", "sgd", {group.param, group.grad, clip[0], step.lr},
+              Attrs{{"weight_decay", plan.optimizer.weight_decay}},
+              Options(group.layer, kOptimizerPriority, {next}, {ObjectRole::kParameter})));
       group.next_param = updated[0];
     }
     builder.MarkOutput(group.next_param);
@@ -261,12 +256,11 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
     result.result = out[0];
   } else {
     TESSERA_ASSIGN_OR_RETURN(
-        auto out, builder.AddTask(head + "/forward", "gpt2_head_forward",
-                                  {forward.final_x, result.params.back(), result.params.front(),
-                                   result.targets},
-                                  attrs,
-                                  Options(head, kForwardPriority, {"loss"},
-                                          {ObjectRole::kOutput})));
+        auto out,
+        builder.AddTask(
+            head + "/forward", "gpt2_head_forward",
+            {forward.final_x, result.params.back(), result.params.front(), result.targets}, attrs,
+            Options(head, kForwardPriority, {"loss"}, {ObjectRole::kOutput})));
     result.result = out[0];
   }
   builder.MarkOutput(result.result);

@@ -38,7 +38,7 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double weight_decay = 0.1;  // on matrices only (FlatLayout::DecayRanges)
+  double weight_decay = 0.1;   // on matrices only (FlatLayout::DecayRanges)
   double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
 };
 
@@ -62,11 +62,11 @@ struct ParameterGroupObjects {
 
 struct StepGraph {
   Graph graph;
-  ObjectId tokens, targets;  // i32 [B, T]
-  ObjectId lr;               // f32 scalar
-  ObjectId step;             // i64 scalar, 1-based (AdamW bias correction)
-  ObjectId loss;             // f32 scalar: mean cross-entropy
-  ObjectId grad_norm;        // f32 scalar: global gradient norm before clipping
+  ObjectId tokens, targets;                   // i32 [B, T]
+  ObjectId lr;                                // f32 scalar
+  ObjectId step;                              // i64 scalar, 1-based (AdamW bias correction)
+  ObjectId loss;                              // f32 scalar: mean cross-entropy
+  ObjectId grad_norm;                         // f32 scalar: global gradient norm before clipping
   std::vector<ParameterGroupObjects> groups;  // model layer order
 };
 
@@ -77,8 +77,8 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
 struct ForwardGraph {
   Graph graph;
   ObjectId tokens;
-  ObjectId targets;  // invalid for the logits graph
-  ObjectId result;   // loss (f32 scalar) or logits (f32 [B, T, V])
+  ObjectId targets;              // invalid for the logits graph
+  ObjectId result;               // loss (f32 scalar) or logits (f32 [B, T, V])
   std::vector<ObjectId> params;  // one per model layer, model order
 };
 

@@ -77,9 +77,10 @@ tessera::Result<ResolvedShape> ResolveShape(const Flags& flags) {
     config.max_seq_len = shape.seq_len;
   }
   if (shape.seq_len > config.max_seq_len) {
-    return tessera::InvalidArgument("--seq-len {} exceeds the model's {} positions; raise "
-                                    "--max-seq-len",
-                                    shape.seq_len, config.max_seq_len);
+    return tessera::InvalidArgument(
+        "--seq-len {} exceeds the model's {} positions; raise "
+        "--max-seq-len",
+        shape.seq_len, config.max_seq_len);
   }
   TESSERA_RETURN_IF_ERROR(config.Validate());
   return shape;
@@ -203,7 +204,8 @@ int Run(const Flags& flags) {
     peak_bytes = std::max(peak_bytes, report->peak_bytes);
     last_loss = report->loss;
     if (!std::isfinite(report->loss)) {
-      return Fail(tessera::Internal("loss became {} at step {}; try a lower --lr", report->loss, i));
+      return Fail(
+          tessera::Internal("loss became {} at step {}; try a lower --lr", report->loss, i));
     }
     if (i % flags.log_every == 0 || i == flags.steps || i == 1) {
       std::printf("step %lld/%lld loss %.4f  %.1f ms  %.0f tok/s\n", static_cast<long long>(i),
@@ -214,8 +216,8 @@ int Run(const Flags& flags) {
     // A progress line every ~10 s on long runs, with the time left.
     if (elapsed_s() - last_progress_s >= 10.0 && i < flags.steps) {
       last_progress_s = elapsed_s();
-      const double eta = last_progress_s / static_cast<double>(i) *
-                         static_cast<double>(flags.steps - i);
+      const double eta =
+          last_progress_s / static_cast<double>(i) * static_cast<double>(flags.steps - i);
       std::fprintf(stderr, "progress: %lld/%lld steps (%.0f%%), elapsed %.0f s, eta %.0f s\n",
                    static_cast<long long>(i), static_cast<long long>(flags.steps),
                    100.0 * static_cast<double>(i) / static_cast<double>(flags.steps),
@@ -239,7 +241,8 @@ int Run(const Flags& flags) {
     std::vector<int32_t> context;
     for (unsigned char c : flags.prompt) context.push_back(c);
     if (!dataset->is_text() || context.empty()) context = {0};
-    for (int32_t& token : context) token = std::min<int32_t>(token, static_cast<int32_t>(config.vocab - 1));
+    for (int32_t& token : context)
+      token = std::min<int32_t>(token, static_cast<int32_t>(config.vocab - 1));
     tessera::Result<std::vector<int32_t>> sample =
         Sample(**trainer, context, flags.sample, seq_len, flags.temperature, flags.seed + 1);
     if (!sample.ok()) return Fail(sample.status());
@@ -255,11 +258,12 @@ int Run(const Flags& flags) {
     std::sort(sorted.begin(), sorted.end());
     median = sorted[sorted.size() / 2];
   }
-  std::printf("summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.4f "
-              "peak_mb=%.1f\n",
-              static_cast<long long>(flags.steps), median,
-              median > 0 ? static_cast<double>(batch * seq_len) / (median / 1000.0) : 0.0,
-              last_loss, static_cast<double>(peak_bytes) / (1024.0 * 1024.0));
+  std::printf(
+      "summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.4f "
+      "peak_mb=%.1f\n",
+      static_cast<long long>(flags.steps), median,
+      median > 0 ? static_cast<double>(batch * seq_len) / (median / 1000.0) : 0.0, last_loss,
+      static_cast<double>(peak_bytes) / (1024.0 * 1024.0));
   return 0;
 }
 
@@ -267,10 +271,11 @@ int Run(const Flags& flags) {
 
 int main(int argc, char** argv) {
   Flags flags;
-  CLI::App app{"Train a GPT-2 model with Tessera (single worker, CPU).\n"
-               "Output: one line per step, then 'summary: ...'. Settings such as "
-               "TESSERA_CPU_THREADS can also come from the environment:\n" +
-               tessera::Settings::Describe()};
+  CLI::App app{
+      "Train a GPT-2 model with Tessera (single worker, CPU).\n"
+      "Output: one line per step, then 'summary: ...'. Settings such as "
+      "TESSERA_CPU_THREADS can also come from the environment:\n" +
+      tessera::Settings::Describe()};
   app.option_defaults()->always_capture_default();
   app.add_option("--preset", flags.preset, "Model preset: tiny, small, gpt2-124m")
       ->check(CLI::IsMember({"tiny", "small", "gpt2-124m"}));

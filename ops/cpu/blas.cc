@@ -42,18 +42,17 @@ BlasState& Blas() {
   return *state;
 }
 
-void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n,
-                   int64_t k, float alpha, const float* a, int64_t lda, const float* b,
-                   int64_t ldb, float beta, float* c, int64_t ldc) {
+void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,
+                   float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+                   float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   BlasState& blas = Blas();
   std::unique_lock<std::mutex> lock(blas.mutex, std::defer_lock);
   if (blas.serialise) lock.lock();
   cblas_sgemm(CblasRowMajor, transpose_a == Transpose::kYes ? CblasTrans : CblasNoTrans,
-              transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
-              static_cast<blasint>(ldc));
+              transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda),
+              b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
 }  // namespace
@@ -61,7 +60,8 @@ void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int6
 void Gemm(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,
           float alpha, const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
           float* c, int64_t ldc, int64_t split_min_flops) {
-  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const double flops =
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   const int threads = tbb::this_task_arena::max_concurrency();
   if (threads <= 1 || flops < static_cast<double>(split_min_flops) || std::max(m, n) < 32) {
     GemmOneThread(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

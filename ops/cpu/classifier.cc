@@ -12,8 +12,8 @@ Result<float> SoftmaxCrossEntropy(float* dlogits, const float* logits, const int
                                   int64_t rows, int64_t vocab, float grad_scale) {
   for (int64_t r = 0; r < rows; ++r) {
     if (targets[r] < 0 || targets[r] >= vocab) {
-      return InvalidArgument("target id {} at row {} is outside the vocabulary [0, {})",
-                             targets[r], r, vocab);
+      return InvalidArgument("target id {} at row {} is outside the vocabulary [0, {})", targets[r],
+                             r, vocab);
     }
   }
   std::vector<double> row_loss(static_cast<size_t>(rows));

@@ -35,91 +35,105 @@ Status Register(OpRegistry& r, std::string_view op, KernelFn kernel) {
 
 Status RegisterPrimitiveKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "embedding_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+      r, "embedding_forward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
         return cpu::EmbeddingForward(F(out[0]), I(in[0]), F(in[1]), F(in[2]), in[0].shape()[0],
                                      in[0].shape()[1], in[1].shape()[1], in[1].shape()[0]);
       }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "embedding_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 std::memset(out[0].raw_data(), 0, static_cast<size_t>(out[0].bytes()));
+                 std::memset(out[1].raw_data(), 0, static_cast<size_t>(out[1].bytes()));
+                 for (int64_t i = 0; i < in[1].numel(); ++i) {
+                   if (I(in[1])[i] < 0 || I(in[1])[i] >= out[0].shape()[0]) {
+                     return InvalidArgument("token id {} is outside the vocabulary [0, {})",
+                                            I(in[1])[i], out[0].shape()[0]);
+                   }
+                 }
+                 cpu::EmbeddingBackward(F(out[0]), F(out[1]), F(in[0]), I(in[1]), in[0].shape()[0],
+                                        in[0].shape()[1], in[0].shape()[2]);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "layernorm_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LayerNormForward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]),
+                                       F(in[2]), Rows(in[0]), LastDim(in[0]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "layernorm_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LayerNormBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]),
+                                        F(in[2]), F(in[3]), F(in[4]), Rows(in[1]), LastDim(in[1]),
+                                        /*accumulate_dx=*/false);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "linear_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LinearForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), nullptr, Rows(in[0]),
+                                    LastDim(in[0]), in[1].shape()[0], ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "linear_backward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LinearBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
+                                     Rows(in[1]), LastDim(in[1]), in[2].shape()[0], false,
+                                     ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "matmul_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::MatmulForward(F(out[0]), F(in[0]), F(in[1]), in[0].shape()[0],
+                                    in[0].shape()[1], in[1].shape()[1], ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "embedding_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        std::memset(out[0].raw_data(), 0, static_cast<size_t>(out[0].bytes()));
-        std::memset(out[1].raw_data(), 0, static_cast<size_t>(out[1].bytes()));
-        for (int64_t i = 0; i < in[1].numel(); ++i) {
-          if (I(in[1])[i] < 0 || I(in[1])[i] >= out[0].shape()[0]) {
-            return InvalidArgument("token id {} is outside the vocabulary [0, {})", I(in[1])[i],
-                                   out[0].shape()[0]);
-          }
-        }
-        cpu::EmbeddingBackward(F(out[0]), F(out[1]), F(in[0]), I(in[1]), in[0].shape()[0],
-                               in[0].shape()[1], in[0].shape()[2]);
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "layernorm_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::LayerNormForward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
-                              Rows(in[0]), LastDim(in[0]));
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "layernorm_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::LayerNormBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
-                               F(in[3]), F(in[4]), Rows(in[1]), LastDim(in[1]),
-                               /*accumulate_dx=*/false);
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "linear_forward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::LinearForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), nullptr, Rows(in[0]),
-                           LastDim(in[0]), in[1].shape()[0], ctx.gemm_split_min_flops);
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "linear_backward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::LinearBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
-                            Rows(in[1]), LastDim(in[1]), in[2].shape()[0], false,
-                            ctx.gemm_split_min_flops);
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "matmul_forward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::MatmulForward(F(out[0]), F(in[0]), F(in[1]), in[0].shape()[0], in[0].shape()[1],
-                           in[1].shape()[1], ctx.gemm_split_min_flops);
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "matmul_backward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+      r, "matmul_backward",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
         cpu::MatmulBackward(F(out[0]), F(out[1]), F(in[0]), F(in[1]), F(in[2]), in[1].shape()[0],
                             in[1].shape()[1], in[2].shape()[1], ctx.gemm_split_min_flops);
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "attention_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "attention_forward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         cpu::AttentionForward(F(out[0]), F(out[1]), F(in[0]), in[0].shape()[0], in[0].shape()[1],
                               in[0].shape()[2] / 3, attrs.GetInt("heads", 1));
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "attention_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "attention_backward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         cpu::AttentionBackward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), in[1].shape()[0],
                                in[1].shape()[1], in[1].shape()[2] / 3, attrs.GetInt("heads", 1));
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gelu_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::GeluForward(F(out[0]), F(in[0]), in[0].numel());
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gelu_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::GeluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "add_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        cpu::Add(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gelu_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::GeluForward(F(out[0]), F(in[0]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gelu_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::GeluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "add_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::Add(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                 return Status::Ok();
+               }));
   return Register(
-      r, "add_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+      r, "add_backward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
         std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
         std::memcpy(out[1].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
         return Status::Ok();
@@ -129,49 +143,56 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
 Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
       r, "softmax_cross_entropy",
-      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+      [](const KernelContext&, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
         // out[1] holds the logits (in place); the kernel overwrites them with their gradient.
         TESSERA_ASSIGN_OR_RETURN(
-            float loss, cpu::SoftmaxCrossEntropy(F(out[1]), F(out[1]), I(in[1]), Rows(out[1]),
-                                                 LastDim(out[1]),
-                                                 static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
+            float loss,
+            cpu::SoftmaxCrossEntropy(F(out[1]), F(out[1]), I(in[1]), Rows(out[1]), LastDim(out[1]),
+                                     static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
         *F(out[0]) = loss;
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "adamw", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
-        cpu::AdamWConfig config{
-            .beta1 = static_cast<float>(attrs.GetFloat("beta1", 0.9)),
-            .beta2 = static_cast<float>(attrs.GetFloat("beta2", 0.999)),
-            .eps = static_cast<float>(attrs.GetFloat("eps", 1e-8)),
-            .weight_decay = static_cast<float>(attrs.GetFloat("weight_decay", 0.0)),
-        };
-        const int64_t step = *in[6].data<int64_t>();
-        if (step < 1) return InvalidArgument("adamw step must be >= 1, got {}", step);
-        std::vector<int64_t> ranges;
-        if (attrs.Has("decay_ranges")) {
-          ranges = *attrs.GetInts("decay_ranges");
-        } else {
-          ranges = {0, out[0].numel() + attrs.GetInt("element_offset", 0)};
-        }
-        cpu::AdamWUpdate(F(out[0]), F(out[1]), F(out[2]), F(in[1]), out[0].numel(), config,
-                         *F(in[5]), step, *F(in[4]), ranges.data(),
-                         static_cast<int64_t>(ranges.size() / 2), attrs.GetInt("element_offset", 0));
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "sgd", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        cpu::SgdUpdate(F(out[0]), F(in[1]), out[0].numel(), *F(in[3]),
-                       static_cast<float>(attrs.GetFloat("weight_decay", 0.0)), *F(in[2]));
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "sum_of_squares", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-        *F(out[0]) = static_cast<float>(cpu::SumOfSquares(F(in[0]), in[0].numel()));
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "adamw",
+               [](const KernelContext&, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 cpu::AdamWConfig config{
+                     .beta1 = static_cast<float>(attrs.GetFloat("beta1", 0.9)),
+                     .beta2 = static_cast<float>(attrs.GetFloat("beta2", 0.999)),
+                     .eps = static_cast<float>(attrs.GetFloat("eps", 1e-8)),
+                     .weight_decay = static_cast<float>(attrs.GetFloat("weight_decay", 0.0)),
+                 };
+                 const int64_t step = *in[6].data<int64_t>();
+                 if (step < 1) return InvalidArgument("adamw step must be >= 1, got {}", step);
+                 std::vector<int64_t> ranges;
+                 if (attrs.Has("decay_ranges")) {
+                   ranges = *attrs.GetInts("decay_ranges");
+                 } else {
+                   ranges = {0, out[0].numel() + attrs.GetInt("element_offset", 0)};
+                 }
+                 cpu::AdamWUpdate(F(out[0]), F(out[1]), F(out[2]), F(in[1]), out[0].numel(), config,
+                                  *F(in[5]), step, *F(in[4]), ranges.data(),
+                                  static_cast<int64_t>(ranges.size() / 2),
+                                  attrs.GetInt("element_offset", 0));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "sgd",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 cpu::SgdUpdate(F(out[0]), F(in[1]), out[0].numel(), *F(in[3]),
+                                static_cast<float>(attrs.GetFloat("weight_decay", 0.0)), *F(in[2]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "sum_of_squares",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 *F(out[0]) = static_cast<float>(cpu::SumOfSquares(F(in[0]), in[0].numel()));
+                 return Status::Ok();
+               }));
   return Register(
-      r, "clip_scale", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "clip_scale",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         double sum = 0.0;
         for (const Tensor& t : in) sum += static_cast<double>(*F(t));
         const double norm = std::sqrt(sum);
@@ -183,22 +204,26 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
 
 Status RegisterGpt2Kernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_embedding_forward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "gpt2_embedding_forward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         return cpu::Gpt2EmbeddingForward(F(out[0]), I(in[0]), F(in[1]), Dims(attrs, out[0]));
       }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gpt2_embedding_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 cpu::Gpt2EmbeddingBackward(F(out[0]), F(in[0]), I(in[1]), Dims(attrs, in[0]));
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_embedding_backward", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        cpu::Gpt2EmbeddingBackward(F(out[0]), F(in[0]), I(in[1]), Dims(attrs, in[0]));
-        return Status::Ok();
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_forward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "gpt2_block_forward",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         cpu::Gpt2BlockForward(F(out[0]), F(out[1]), F(in[0]), F(in[1]), Dims(attrs, in[0]),
                               ctx.gemm_split_min_flops);
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_backward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "gpt2_block_backward",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         // out[0] holds dy on entry (in place) and dx on exit.
         cpu::Gpt2BlockBackward(F(out[0]), F(out[1]), F(in[1]), F(in[2]), F(in[3]),
                                Dims(attrs, in[1]), ctx.gemm_split_min_flops);
@@ -206,7 +231,8 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
       }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "gpt2_head_forward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
         TESSERA_ASSIGN_OR_RETURN(
             float loss, cpu::Gpt2HeadForward(F(out[1]), F(in[0]), F(in[1]), F(in[2]), I(in[3]),
                                              Dims(attrs, in[0]),
@@ -216,22 +242,24 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_head_backward", [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+      r, "gpt2_head_backward",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         cpu::Gpt2HeadBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
                               F(in[3]), Dims(attrs, in[0]), ctx.gemm_split_min_flops);
         return Status::Ok();
       }));
-  return Register(
-      r, "gpt2_head_logits",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
-        const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
-        TensorMeta workspace_meta{Shape{dims.rows() * (dims.channels + 2)}, DType::kF32,
-                                  Device::Cpu()};
-        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Tensor::Empty(workspace_meta, ctx.allocator));
-        cpu::Gpt2HeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]), dims,
-                            ctx.gemm_split_min_flops);
-        return Status::Ok();
-      });
+  return Register(r, "gpt2_head_logits",
+                  [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                     const Attrs& attrs) -> Status {
+                    const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
+                    TensorMeta workspace_meta{Shape{dims.rows() * (dims.channels + 2)}, DType::kF32,
+                                              Device::Cpu()};
+                    TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                             Tensor::Empty(workspace_meta, ctx.allocator));
+                    cpu::Gpt2HeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]), dims,
+                                        ctx.gemm_split_min_flops);
+                    return Status::Ok();
+                  });
 }
 
 }  // namespace

@@ -22,19 +22,22 @@ Status EmbeddingForward(float* out, const int32_t* tokens, const float* wte, con
   const int64_t rows = batch * seq_len;
   for (int64_t r = 0; r < rows; ++r) {
     if (tokens[r] < 0 || tokens[r] >= vocab) {
-      return InvalidArgument("token id {} at batch {}, position {} is outside the vocabulary "
-                             "[0, {})",
-                             tokens[r], r / seq_len, r % seq_len, vocab);
+      return InvalidArgument(
+          "token id {} at batch {}, position {} is outside the vocabulary "
+          "[0, {})",
+          tokens[r], r / seq_len, r % seq_len, vocab);
     }
   }
-  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / channels), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* token_row = wte + static_cast<int64_t>(tokens[r]) * channels;
-      const float* position_row = wpe + (r % seq_len) * channels;
-      float* out_row = out + r * channels;
-      for (int64_t c = 0; c < channels; ++c) out_row[c] = token_row[c] + position_row[c];
-    }
-  });
+  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / channels),
+              [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                  const float* token_row = wte + static_cast<int64_t>(tokens[r]) * channels;
+                  const float* position_row = wpe + (r % seq_len) * channels;
+                  float* out_row = out + r * channels;
+                  for (int64_t c = 0; c < channels; ++c)
+                    out_row[c] = token_row[c] + position_row[c];
+                }
+              });
   return Status::Ok();
 }
 

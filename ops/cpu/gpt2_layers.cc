@@ -42,14 +42,12 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
                       const Gpt2Dims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout =
-      Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   FlatView<const float> p(params, param_layout);
   FlatView<float> s(saved, saved_layout);
 
   LayerNormForward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], x, p["ln1_w"], p["ln1_b"], n, c);
-  LinearForward(s["qkv"], s["ln1"], p["qkv_w"], p["qkv_b"], nullptr, n, c, 3 * c,
-                split_min_flops);
+  LinearForward(s["qkv"], s["ln1"], p["qkv_w"], p["qkv_b"], nullptr, n, c, 3 * c, split_min_flops);
   AttentionForward(s["atty"], s["lse"], s["qkv"], dims.batch, dims.seq_len, c, dims.heads);
   LinearForward(s["x_mid"], s["atty"], p["proj_w"], p["proj_b"], /*residual=*/x, n, c, c,
                 split_min_flops);
@@ -57,16 +55,15 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
                    c);
   LinearForward(s["fch"], s["ln2"], p["fc_w"], p["fc_b"], nullptr, n, c, 4 * c, split_min_flops);
   GeluForward(s["fch_gelu"], s["fch"], n * 4 * c);
-  LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n,
-                4 * c, c, split_min_flops);
+  LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n, 4 * c,
+                c, split_min_flops);
 }
 
 void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* saved,
                        const float* params, const Gpt2Dims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout =
-      Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   FlatView<const float> p(params, param_layout);
   FlatView<const float> s(saved, saved_layout);
   FlatView<float> g(dparams, param_layout);
@@ -94,8 +91,8 @@ void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* sa
   float* dln1 = ln_grad.data();
   LinearBackward(dln1, g["qkv_w"], g["qkv_b"], dqkv, s["ln1"], p["qkv_w"], n, c, 3 * c, false,
                  split_min_flops);
-  LayerNormBackward(d, g["ln1_w"], g["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"],
-                    s["ln1_rstd"], n, c, /*accumulate_dx=*/true);
+  LayerNormBackward(d, g["ln1_w"], g["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"], s["ln1_rstd"], n,
+                    c, /*accumulate_dx=*/true);
 }
 
 Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_params,

@@ -31,9 +31,9 @@ inline constexpr float kLayerNormEps = 1e-5f;
 void LayerNormForward(float* out, float* mean, float* rstd, const float* x, const float* weight,
                       const float* bias, int64_t rows, int64_t channels);
 // dx accumulates when accumulate_dx, else is overwritten; dweight and dbias are overwritten.
-void LayerNormBackward(float* dx, float* dweight, float* dbias, const float* dout,
-                       const float* x, const float* weight, const float* mean, const float* rstd,
-                       int64_t rows, int64_t channels, bool accumulate_dx);
+void LayerNormBackward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
+                       const float* weight, const float* mean, const float* rstd, int64_t rows,
+                       int64_t channels, bool accumulate_dx);
 
 // ---- linear: out[N,OC] = x[N,K] @ w[OC,K]^T + bias[OC] (+ residual[N,OC]) ----
 // bias and residual may be null. residual may alias out (out += x w^T + b).
@@ -43,8 +43,8 @@ void LinearForward(float* out, const float* x, const float* weight, const float*
 // dx (null to skip) accumulates when accumulate_dx; dweight is overwritten; dbias (null to
 // skip) is overwritten.
 void LinearBackward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
-                    const float* weight, int64_t rows, int64_t in_features,
-                    int64_t out_features, bool accumulate_dx, int64_t split_min_flops);
+                    const float* weight, int64_t rows, int64_t in_features, int64_t out_features,
+                    bool accumulate_dx, int64_t split_min_flops);
 
 // ---- matmul: c[M,N] = a[M,K] @ b[K,N] ----
 void MatmulForward(float* c, const float* a, const float* b, int64_t m, int64_t k, int64_t n,

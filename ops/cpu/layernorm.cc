@@ -34,9 +34,9 @@ void LayerNormForward(float* out, float* mean, float* rstd, const float* x, cons
   });
 }
 
-void LayerNormBackward(float* dx, float* dweight, float* dbias, const float* dout,
-                       const float* x, const float* weight, const float* mean, const float* rstd,
-                       int64_t rows, int64_t channels, bool accumulate_dx) {
+void LayerNormBackward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
+                       const float* weight, const float* mean, const float* rstd, int64_t rows,
+                       int64_t channels, bool accumulate_dx) {
   // Rows in fixed chunks; each chunk sums its own dweight/dbias partials, combined in order.
   constexpr int64_t kRowChunk = 64;
   const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;

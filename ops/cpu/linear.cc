@@ -26,15 +26,14 @@ void LinearForward(float* out, const float* x, const float* weight, const float*
 }
 
 void LinearBackward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
-                    const float* weight, int64_t rows, int64_t in_features,
-                    int64_t out_features, bool accumulate_dx, int64_t split_min_flops) {
+                    const float* weight, int64_t rows, int64_t in_features, int64_t out_features,
+                    bool accumulate_dx, int64_t split_min_flops) {
   if (dx != nullptr) {
-    Gemm(Transpose::kNo, Transpose::kNo, rows, in_features, out_features, 1.0f, dout,
-         out_features, weight, in_features, accumulate_dx ? 1.0f : 0.0f, dx, in_features,
-         split_min_flops);
+    Gemm(Transpose::kNo, Transpose::kNo, rows, in_features, out_features, 1.0f, dout, out_features,
+         weight, in_features, accumulate_dx ? 1.0f : 0.0f, dx, in_features, split_min_flops);
   }
-  Gemm(Transpose::kYes, Transpose::kNo, out_features, in_features, rows, 1.0f, dout,
-       out_features, x, in_features, 0.0f, dweight, in_features, split_min_flops);
+  Gemm(Transpose::kYes, Transpose::kNo, out_features, in_features, rows, 1.0f, dout, out_features,
+       x, in_features, 0.0f, dweight, in_features, split_min_flops);
   if (dbias != nullptr) SumRows(dbias, dout, rows, out_features);
 }
 

@@ -17,8 +17,9 @@ void ParallelFor(int64_t n, int64_t grain, const Fn& fn) {
     fn(int64_t{0}, n);
     return;
   }
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, grain),
-                    [&](const tbb::blocked_range<int64_t>& range) { fn(range.begin(), range.end()); });
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, n, grain),
+      [&](const tbb::blocked_range<int64_t>& range) { fn(range.begin(), range.end()); });
 }
 
 // fn(chunk_index, begin, end) for the fixed chunks [i*chunk, min(n, (i+1)*chunk)), in parallel.

@@ -37,8 +37,11 @@ double FirstMatch(const std::string& text, const std::string& pattern) {
 TEST(TrainGpt2Test, TinyPresetOnTheBundledTextLearnsAndSamples) {
   ProcessResult run = RunTrainGpt2("--preset tiny --steps 200 --sample 120 --threads 2");
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  const double first = FirstMatch(run.output, R"(step 1/200 loss ([0-9.]+)  [0-9.]+ ms  [0-9]+ tok/s)");
-  const double final_loss = FirstMatch(run.output, R"(summary: steps=200 step_ms_median=[0-9.]+ tokens_per_s=[0-9]+ final_loss=([0-9.]+) peak_mb=[0-9.]+)");
+  const double first =
+      FirstMatch(run.output, R"(step 1/200 loss ([0-9.]+)  [0-9.]+ ms  [0-9]+ tok/s)");
+  const double final_loss = FirstMatch(
+      run.output,
+      R"(summary: steps=200 step_ms_median=[0-9.]+ tokens_per_s=[0-9]+ final_loss=([0-9.]+) peak_mb=[0-9.]+)");
   ASSERT_GT(first, 0) << run.output;
   ASSERT_GT(final_loss, 0) << run.output;
   // Byte-level text starts near ln(256) = 5.5; 200 steps must get well below that.
@@ -60,9 +63,9 @@ TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
-  for (const char* flag : {"--layers", "--channels", "--heads", "--vocab", "--seq-len", "--batch",
-                           "--preset", "--steps", "--lr", "--seed", "--threads", "--data",
-                           "--eval-every", "--sample"}) {
+  for (const char* flag :
+       {"--layers", "--channels", "--heads", "--vocab", "--seq-len", "--batch", "--preset",
+        "--steps", "--lr", "--seed", "--threads", "--data", "--eval-every", "--sample"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }

@@ -136,7 +136,9 @@ TEST(AllocatorTest, CachingAllocatorReusesBlocksOfTheSameSize) {
 }
 
 TEST(AttrsTest, TypedGettersNameTheAttribute) {
-  Attrs attrs{{"heads", int64_t{4}}, {"eps", 1e-5}, {"mode", std::string("train")},
+  Attrs attrs{{"heads", int64_t{4}},
+              {"eps", 1e-5},
+              {"mode", std::string("train")},
               {"ranges", std::vector<int64_t>{0, 10}}};
   EXPECT_EQ(*attrs.GetInt("heads"), 4);
   EXPECT_DOUBLE_EQ(*attrs.GetFloat("heads"), 4.0);  // ints convert to float

@@ -112,17 +112,17 @@ TEST(ExecutorTest, AKernelErrorNamesTheTaskAndHandsBackIntactInputs) {
   ObjectId wpe = builder.AddInput("wpe", F32({3, 4}), ObjectRole::kParameter);
   TaskOptions options;
   options.layer = "embedding";
-  auto out = *builder.AddTask("embedding/forward", "embedding_forward", {tokens, wte, wpe}, {},
-                              options);
+  auto out =
+      *builder.AddTask("embedding/forward", "embedding_forward", {tokens, wte, wpe}, {}, options);
   builder.MarkOutput(out[0]);
   InProcessExecutor executor(CpuRegistry(), TwoThreads());
   ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
   ObjectMap intact;
-  Result<RunResult> result = executor.Run(
-      prepared,
-      {{tokens, IntTensor({1, 3}, {0, 9, 1})}, {wte, RandomTensor({5, 4}, 1)},
-       {wpe, RandomTensor({3, 4}, 2)}},
-      &intact);
+  Result<RunResult> result = executor.Run(prepared,
+                                          {{tokens, IntTensor({1, 3}, {0, 9, 1})},
+                                           {wte, RandomTensor({5, 4}, 1)},
+                                           {wpe, RandomTensor({3, 4}, 2)}},
+                                          &intact);
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
   const std::string message = result.status().message();

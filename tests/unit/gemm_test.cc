@@ -48,14 +48,13 @@ TEST_P(GemmTest, SplitEqualsUnsplitAndNaive) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, GemmTest,
-    ::testing::Values(GemmCase{Transpose::kNo, Transpose::kNo, 97, 33, 17},
-                      GemmCase{Transpose::kNo, Transpose::kYes, 33, 130, 9},
-                      GemmCase{Transpose::kYes, Transpose::kNo, 64, 50, 31},
-                      GemmCase{Transpose::kYes, Transpose::kYes, 41, 77, 5},
-                      GemmCase{Transpose::kNo, Transpose::kYes, 1, 300, 8},
-                      GemmCase{Transpose::kNo, Transpose::kNo, 300, 1, 8}));
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
+                         ::testing::Values(GemmCase{Transpose::kNo, Transpose::kNo, 97, 33, 17},
+                                           GemmCase{Transpose::kNo, Transpose::kYes, 33, 130, 9},
+                                           GemmCase{Transpose::kYes, Transpose::kNo, 64, 50, 31},
+                                           GemmCase{Transpose::kYes, Transpose::kYes, 41, 77, 5},
+                                           GemmCase{Transpose::kNo, Transpose::kYes, 1, 300, 8},
+                                           GemmCase{Transpose::kNo, Transpose::kNo, 300, 1, 8}));
 
 }  // namespace
 }  // namespace tessera::testing

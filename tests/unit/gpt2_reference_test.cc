@@ -62,8 +62,7 @@ TEST_F(Gpt2ReferenceTest, LossAndEveryGradientMatchPyTorch) {
     ASSERT_OK_AND_ASSIGN(std::vector<float> grad, trainer_->GetGradient(name));
     const double error = ScaledMaxError(grad, ref_.at("grad." + name).floats);
     worst = std::max(worst, error);
-    EXPECT_LE(error, 1e-4) << "gradient of " << name << " differs by " << error
-                           << " of its scale";
+    EXPECT_LE(error, 1e-4) << "gradient of " << name << " differs by " << error << " of its scale";
     ++checked;
   }
   EXPECT_EQ(checked, 2 + 12 * config_.layers + 2);

@@ -103,8 +103,8 @@ TEST(GraphTest, TopologicalOrderPrefersHigherPriorityAndDetectsCycles) {
 }
 
 TEST(GraphTest, CostsComeFromTheRegistry) {
-  ASSERT_OK_AND_ASSIGN(OpCost cost, CpuRegistry().Cost("matmul_forward",
-                                                       {F32({4, 8}), F32({8, 3})}, {}));
+  ASSERT_OK_AND_ASSIGN(OpCost cost,
+                       CpuRegistry().Cost("matmul_forward", {F32({4, 8}), F32({8, 3})}, {}));
   EXPECT_DOUBLE_EQ(cost.flops, 2.0 * 4 * 8 * 3);
   EXPECT_GT(cost.bytes, 0);
 }

@@ -113,8 +113,9 @@ TEST(OpGradientTest, Embedding) {
       .inputs = {RandomTokens({2, 5}, 11, 1), RandomTensor({11, 8}, 2), RandomTensor({7, 8}, 3)},
       .differentiable_outputs = {0},
       .checked = {{1, 0}, {2, 1}},
-      .backward_inputs = [](const Tensors& in, const Tensors&,
-                            const Tensors& g) -> Tensors { return {g[0], in[0]}; },
+      .backward_inputs = [](const Tensors& in, const Tensors&, const Tensors& g) -> Tensors {
+        return {g[0], in[0]};
+      },
   });
 }
 
@@ -289,8 +290,9 @@ TEST(OpGradientTest, SoftmaxCrossEntropy) {
 
 TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
   // logits [1, 3] = {1, 2, 3}, target 2: loss = log(e^1 + e^2 + e^3) - 3.
-  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("softmax_cross_entropy",
-                                              {FloatTensor({1, 3}, {1, 2, 3}), IntTensor({1}, {2})}));
+  ASSERT_OK_AND_ASSIGN(
+      Tensors out,
+      RunKernel("softmax_cross_entropy", {FloatTensor({1, 3}, {1, 2, 3}), IntTensor({1}, {2})}));
   const double expected = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0)) - 3.0;
   EXPECT_NEAR(*out[0].data<float>(), expected, 1e-6);
 }
@@ -301,14 +303,27 @@ const std::set<std::string> kCheckedElsewhere = {"adamw", "sgd", "sum_of_squares
                                                  "gpt2_head_logits"};
 
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
-  const std::set<std::string> checked_here = {
-      "embedding_forward",      "embedding_backward",      "layernorm_forward",
-      "layernorm_backward",     "linear_forward",          "linear_backward",
-      "matmul_forward",         "matmul_backward",         "attention_forward",
-      "attention_backward",     "gelu_forward",            "gelu_backward",
-      "add_forward",            "add_backward",            "gpt2_embedding_forward",
-      "gpt2_embedding_backward", "gpt2_block_forward",     "gpt2_block_backward",
-      "gpt2_head_forward",      "gpt2_head_backward",      "softmax_cross_entropy"};
+  const std::set<std::string> checked_here = {"embedding_forward",
+                                              "embedding_backward",
+                                              "layernorm_forward",
+                                              "layernorm_backward",
+                                              "linear_forward",
+                                              "linear_backward",
+                                              "matmul_forward",
+                                              "matmul_backward",
+                                              "attention_forward",
+                                              "attention_backward",
+                                              "gelu_forward",
+                                              "gelu_backward",
+                                              "add_forward",
+                                              "add_backward",
+                                              "gpt2_embedding_forward",
+                                              "gpt2_embedding_backward",
+                                              "gpt2_block_forward",
+                                              "gpt2_block_backward",
+                                              "gpt2_head_forward",
+                                              "gpt2_head_backward",
+                                              "softmax_cross_entropy"};
   for (const std::string& op : CpuRegistry().OpNames()) {
     EXPECT_TRUE(checked_here.contains(op) || kCheckedElsewhere.contains(op))
         << "op '" << op << "' has no correctness test";

@@ -29,8 +29,10 @@ TEST(OptimizerTest, AdamWMatchesNaiveUpdateWithDecayRangesAndClipping) {
   }
   // This tensor is the shard [500, 1500) of a group whose decayed ranges are [400, 700) and
   // [900, 1000): decay applies to local elements [0, 200) and [400, 500).
-  const Attrs attrs{{"beta1", 0.9},          {"beta2", 0.95},
-                    {"eps", 1e-8},           {"weight_decay", 0.1},
+  const Attrs attrs{{"beta1", 0.9},
+                    {"beta2", 0.95},
+                    {"eps", 1e-8},
+                    {"weight_decay", 0.1},
                     {"element_offset", int64_t{500}},
                     {"decay_ranges", std::vector<int64_t>{400, 700, 900, 1000}}};
   const float lr = 0.01f, clip = 0.5f;
@@ -66,9 +68,9 @@ TEST(OptimizerTest, AdamWRejectsStepZero) {
 TEST(OptimizerTest, SgdMatchesNaiveUpdate) {
   Tensor param = RandomTensor({100}, 1), grad = RandomTensor({100}, 2);
   const std::vector<float> before = ToVector(param);
-  ASSERT_OK_AND_ASSIGN(auto out, RunKernel("sgd", {param, grad, ScalarTensor(0.5f),
-                                                   ScalarTensor(0.1f)},
-                                           Attrs{{"weight_decay", 0.01}}));
+  ASSERT_OK_AND_ASSIGN(auto out,
+                       RunKernel("sgd", {param, grad, ScalarTensor(0.5f), ScalarTensor(0.1f)},
+                                 Attrs{{"weight_decay", 0.01}}));
   for (int64_t i = 0; i < 100; ++i) {
     const double g = grad.data<float>()[i] * 0.5;
     const double expected = before[i] - 0.1 * (g + 0.01 * before[i]);

@@ -22,9 +22,9 @@ TEST(ShapeErrorTest, BlockInputWithTheWrongWidthNamesOpLayerAndShapes) {
   ObjectId params = builder.AddInput("p", F32({12 * 256 * 256 + 13 * 256}), ObjectRole::kParameter);
   TaskOptions options;
   options.layer = "h.2";
-  Result<std::vector<ObjectId>> out = builder.AddTask(
-      "h.2/forward", "gpt2_block_forward", {x, params},
-      Attrs{{"channels", int64_t{256}}, {"heads", int64_t{4}}}, options);
+  Result<std::vector<ObjectId>> out =
+      builder.AddTask("h.2/forward", "gpt2_block_forward", {x, params},
+                      Attrs{{"channels", int64_t{256}}, {"heads", int64_t{4}}}, options);
   ExpectAll(out.status(), {"gpt2_block_forward", "layer h.2", "[4, 64, 128]", "[B, T, 256]"});
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
 }
@@ -52,8 +52,8 @@ TEST(ShapeErrorTest, WrongParameterGroupSizeNamesTheExpectedSize) {
 }
 
 TEST(ShapeErrorTest, SettingAParameterOfTheWrongShapeNamesItAndBothShapes) {
-  auto trainer = *Gpt2Trainer::Create(Gpt2Config{1, 16, 2, 20, 8}, TrainingPlan{2, 8, {}},
-                                      ExecutorOptions{});
+  auto trainer =
+      *Gpt2Trainer::Create(Gpt2Config{1, 16, 2, 20, 8}, TrainingPlan{2, 8, {}}, ExecutorOptions{});
   Status status = trainer->SetParameter("h.0.fc_w", std::vector<float>(16 * 16), Shape{16, 16});
   ExpectAll(status, {"h.0.fc_w", "[64, 16]", "[16, 16]"});
   ExpectAll(trainer->SetParameter("h.7.fc_w", {}, Shape{0}), {"no parameter named 'h.7.fc_w'"});

@@ -1,8 +1,8 @@
 // The single-worker planner's step graph, and the trainer that runs it.
+#include "zero/step_graph.h"
 #include "driver/gpt2_trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
-#include "zero/step_graph.h"
 
 namespace tessera::testing {
 namespace {
@@ -20,10 +20,10 @@ TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
   const ModelSpec model = DescribeGpt2(TinyConfig());
   ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, TinyPlan(), CpuRegistry()));
   const Graph& g = step.graph;
-  for (const char* name : {"embedding/forward", "h.0/forward", "h.1/forward", "head/forward",
-                           "head/backward", "h.1/backward", "h.0/backward", "embedding/backward",
-                           "clip", "embedding/adamw", "h.0/adamw", "h.1/adamw", "head/adamw",
-                           "h.1/grad_norm"}) {
+  for (const char* name :
+       {"embedding/forward", "h.0/forward", "h.1/forward", "head/forward", "head/backward",
+        "h.1/backward", "h.0/backward", "embedding/backward", "clip", "embedding/adamw",
+        "h.0/adamw", "h.1/adamw", "head/adamw", "h.1/grad_norm"}) {
     EXPECT_TRUE(g.FindTask(name).ok()) << name;
   }
   // 4 layers: 4 forward + 4 backward + 4 norms + clip + 4 updates.
@@ -31,7 +31,8 @@ TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
   ASSERT_EQ(step.groups.size(), 4u);
   const int64_t params = model.NumParameters();
   EXPECT_EQ(params, TinyConfig().NumParameters());
-  EXPECT_EQ(g.BytesOfRole(ObjectRole::kGradient) - g.object(*g.FindObject("embedding.grad_from_head")).meta.bytes(),
+  EXPECT_EQ(g.BytesOfRole(ObjectRole::kGradient) -
+                g.object(*g.FindObject("embedding.grad_from_head")).meta.bytes(),
             4 * params);
   // Inputs (params, moments) and outputs (their next values) of the optimizer state.
   EXPECT_EQ(g.BytesOfRole(ObjectRole::kOptimizerState), 4 * 4 * params);
@@ -101,8 +102,7 @@ TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
   options.threads = 2;
   auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
   trainer->InitializeParameters(1);
-  ASSERT_OK_AND_ASSIGN(StepReport report,
-                       trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
+  ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
   const int64_t state = trainer->ParameterBytes() + trainer->OptimizerStateBytes();
   EXPECT_EQ(state, 12 * TinyConfig().NumParameters());
   EXPECT_GT(report.peak_bytes, state);
