@@ -49,11 +49,12 @@ void BM_BlockBackward(benchmark::State& state) {
   auto x = Filled(d.rows() * d.channels, 0.1f), dy = x;
   auto params = Filled(Gpt2BlockParamLayout(d.channels).numel(), 0.01f), dparams = params;
   auto saved = Filled(Gpt2BlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
+  auto workspace = Filled(Gpt2BlockBackwardWorkspace(d), 0);
   Gpt2BlockForward(dy.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
   for (auto _ : state) {
     std::fill(dy.begin(), dy.end(), 0.01f);
-    Gpt2BlockBackward(dy.data(), dparams.data(), x.data(), saved.data(), params.data(), d,
-                      4'000'000);
+    Gpt2BlockBackward(dy.data(), dparams.data(), workspace.data(), x.data(), saved.data(),
+                      params.data(), d, 4'000'000);
     benchmark::DoNotOptimize(dparams.data());
   }
   state.counters["GFLOP/s"] =
@@ -67,12 +68,13 @@ void BM_HeadForwardBackward(benchmark::State& state) {
   auto emb = Filled(Gpt2EmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels).numel(), 0.01f);
   auto demb = emb;
   auto saved = Filled(Gpt2HeadSavedLayout(d.batch, d.seq_len, d.channels, d.vocab).numel(), 0);
+  auto workspace = Filled(Gpt2HeadWorkspace(d), 0);
   std::vector<int32_t> targets(static_cast<size_t>(d.rows()), 7);
   for (auto _ : state) {
     auto loss = Gpt2HeadForward(saved.data(), x.data(), head.data(), emb.data(), targets.data(), d,
                                 1.0f, 4'000'000);
-    Gpt2HeadBackward(dx.data(), dhead.data(), demb.data(), x.data(), saved.data(), head.data(),
-                     emb.data(), d, 4'000'000);
+    Gpt2HeadBackward(dx.data(), dhead.data(), demb.data(), workspace.data(), x.data(), saved.data(),
+                     head.data(), emb.data(), d, 4'000'000);
     benchmark::DoNotOptimize(loss);
   }
   const double flops = 3 * 2.0 * static_cast<double>(d.rows() * d.channels * d.vocab);

@@ -72,6 +72,12 @@ Status Gpt2Trainer::PrepareStepGraph() {
   return Status::Ok();
 }
 
+Status Gpt2Trainer::SetKeepGradients(bool keep) {
+  keep_gradients_ = keep;
+  last_grads_.clear();
+  return PrepareStepGraph();
+}
+
 void Gpt2Trainer::InitializeParameters(uint64_t seed) {
   std::mt19937_64 rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(model_.config.layers));
@@ -169,9 +175,6 @@ Result<Tensor> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t b
 
 Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
                                      const std::vector<int32_t>& targets, float lr) {
-  if (keep_gradients_ && last_grads_.empty() && steps_taken_ == 0) {
-    TESSERA_RETURN_IF_ERROR(PrepareStepGraph());
-  }
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
   const int64_t step_number = steps_taken_ + 1;

@@ -69,8 +69,9 @@ class Gpt2Trainer {
   Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
                                     int64_t seq_len);
 
-  // Keep each step's parameter gradients readable through GetGradient (tests; costs memory).
-  void set_keep_gradients(bool keep) { keep_gradients_ = keep; }
+  // Keeps each step's parameter gradients readable through GetGradient (for tests and
+  // debugging; they stay alive until the next step). Re-plans the step graph.
+  Status SetKeepGradients(bool keep);
 
   const ModelSpec& model() const { return model_; }
   const TrainingPlan& plan() const { return plan_; }

@@ -33,19 +33,29 @@ Result<TokenDataset> TokenDataset::Load(const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
   int32_t magic = 0;
   if (bytes.size() >= sizeof(magic)) std::memcpy(&magic, bytes.data(), sizeof(magic));
-  return magic == kTokenFileMagic ? LoadTokenFile(path) : LoadText(path);
+  return magic == kTokenFileMagic ? FromTokenFileBytes(bytes, path) : FromTextBytes(bytes, path);
 }
 
 Result<TokenDataset> TokenDataset::LoadText(const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  return FromTextBytes(bytes, path);
+}
+
+Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  return FromTokenFileBytes(bytes, path);
+}
+
+Result<TokenDataset> TokenDataset::FromTextBytes(const std::string& bytes,
+                                                 const std::string& path) {
   if (bytes.empty()) return InvalidArgument("data file '{}' is empty", path);
   std::vector<int32_t> tokens(bytes.size());
   for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
   return TokenDataset(std::move(tokens), path, /*is_text=*/true);
 }
 
-Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+Result<TokenDataset> TokenDataset::FromTokenFileBytes(const std::string& bytes,
+                                                      const std::string& path) {
   constexpr size_t kHeaderBytes = kTokenFileHeaderInts * sizeof(int32_t);
   if (bytes.size() < kHeaderBytes) {
     return DataLoss("token file '{}' is {} bytes, shorter than its {}-byte header (truncated?)",
@@ -55,9 +65,8 @@ Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
   std::memcpy(header, bytes.data(), kHeaderBytes);
   if (header[0] != kTokenFileMagic) {
     return InvalidArgument(
-        "token file '{}' has magic {} but {} was expected (is it a llm.c "
-        ".bin token file?)",
-        path, header[0], kTokenFileMagic);
+        "token file '{}' has magic {} but {} was expected (is it a llm.c .bin token file?)", path,
+        header[0], kTokenFileMagic);
   }
   if (header[1] != kTokenFileVersion) {
     return InvalidArgument("token file '{}' has version {}; only version {} is supported", path,
@@ -67,8 +76,7 @@ Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
   const size_t expected = kHeaderBytes + static_cast<size_t>(count) * sizeof(uint16_t);
   if (count <= 0 || bytes.size() != expected) {
     return DataLoss(
-        "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated "
-        "or corrupt)",
+        "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated or corrupt)",
         path, count, expected, bytes.size());
   }
   std::vector<int32_t> tokens(static_cast<size_t>(count));

@@ -47,6 +47,8 @@ class TokenDataset {
 
  private:
   TokenDataset(std::vector<int32_t> tokens, std::string source, bool is_text);
+  static Result<TokenDataset> FromTextBytes(const std::string& bytes, const std::string& path);
+  static Result<TokenDataset> FromTokenFileBytes(const std::string& bytes, const std::string& path);
   std::vector<int32_t> tokens_;
   int32_t max_token_ = -1;
   std::string source_;

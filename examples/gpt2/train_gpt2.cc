@@ -143,6 +143,9 @@ int Run(const Flags& flags) {
 
   tessera::Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
   if (!settings.ok()) return Fail(settings.status());
+  if (Status status = tessera::SetLogLevel(settings->log_level); !status.ok()) {
+    return Fail(status.WithContext("TESSERA_LOG_LEVEL"));
+  }
   tessera::ExecutorOptions executor = tessera::ExecutorOptions::FromSettings(*settings);
   if (flags.threads > 0) executor.threads = flags.threads;
 
@@ -326,6 +329,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_gpt2: %s\n\n%s", e.what(), app.help().c_str());
     return 2;
   }
-  if (Status status = tessera::SetLogLevel("warn"); !status.ok()) return Fail(status);
   return Run(flags);
 }

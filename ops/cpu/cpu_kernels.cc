@@ -29,6 +29,11 @@ cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
                        .max_seq_len = attrs.GetInt("max_seq_len", 0)};
 }
 
+// Scratch memory for a kernel, from the executor's allocator so it counts toward the peak.
+Result<Tensor> Workspace(const KernelContext& context, int64_t floats) {
+  return Tensor::Empty(TensorMeta{Shape{floats}, DType::kF32, Device::Cpu()}, context.allocator);
+}
+
 Status Register(OpRegistry& r, std::string_view op, KernelFn kernel) {
   return r.AddKernel(op, DeviceKind::kCpu, std::move(kernel));
 }
@@ -221,14 +226,18 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
                               ctx.gemm_split_min_flops);
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_backward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        // out[0] holds dy on entry (in place) and dx on exit.
-        cpu::Gpt2BlockBackward(F(out[0]), F(out[1]), F(in[1]), F(in[2]), F(in[3]),
-                               Dims(attrs, in[1]), ctx.gemm_split_min_flops);
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gpt2_block_backward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                          Workspace(ctx, cpu::Gpt2BlockBackwardWorkspace(dims)));
+                 // out[0] holds dy on entry (in place) and dx on exit.
+                 cpu::Gpt2BlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
+                                        F(in[3]), dims, ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "gpt2_head_forward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
@@ -243,19 +252,20 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
       }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "gpt2_head_backward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        cpu::Gpt2HeadBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
-                              F(in[3]), Dims(attrs, in[0]), ctx.gemm_split_min_flops);
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
+        const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
+        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, cpu::Gpt2HeadWorkspace(dims)));
+        cpu::Gpt2HeadBackward(F(out[0]), F(out[1]), F(out[2]), F(workspace), F(in[0]), F(in[1]),
+                              F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
         return Status::Ok();
       }));
   return Register(r, "gpt2_head_logits",
                   [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
                      const Attrs& attrs) -> Status {
                     const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
-                    TensorMeta workspace_meta{Shape{dims.rows() * (dims.channels + 2)}, DType::kF32,
-                                              Device::Cpu()};
                     TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                             Tensor::Empty(workspace_meta, ctx.allocator));
+                                             Workspace(ctx, cpu::Gpt2HeadWorkspace(dims)));
                     cpu::Gpt2HeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]), dims,
                                         ctx.gemm_split_min_flops);
                     return Status::Ok();

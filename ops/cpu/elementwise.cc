@@ -91,12 +91,6 @@ void Add(float* out, const float* a, const float* b, int64_t n) {
   });
 }
 
-void Axpy(float* y, float alpha, const float* x, int64_t n) {
-  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) y[i] += alpha * x[i];
-  });
-}
-
 void SumRows(float* out, const float* x, int64_t rows, int64_t cols) {
   constexpr int64_t kColumnBlock = 256;
   ParallelChunks(cols, kColumnBlock, [&](int64_t, int64_t c0, int64_t c1) {

@@ -59,8 +59,11 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
                 c, split_min_flops);
 }
 
-void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* saved,
-                       const float* params, const Gpt2Dims& dims, int64_t split_min_flops) {
+int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims) { return dims.rows() * 5 * dims.channels; }
+
+void Gpt2BlockBackward(float* d, float* dparams, float* workspace, const float* x,
+                       const float* saved, const float* params, const Gpt2Dims& dims,
+                       int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = Gpt2BlockParamLayout(c);
   const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
@@ -70,25 +73,25 @@ void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* sa
 
   // Workspace: the MLP's hidden gradient [N,4C] (reused for the qkv gradient [N,3C]) and the
   // gradient entering a layernorm [N,C].
-  std::vector<float> hidden(static_cast<size_t>(n * 4 * c));
-  std::vector<float> ln_grad(static_cast<size_t>(n * c));
+  float* hidden = workspace;
+  float* ln_grad = workspace + n * 4 * c;
 
   // MLP branch: y = x_mid + fcproj(gelu(fc(ln2(x_mid)))). d = dL/dy = dL/dx_mid so far.
-  LinearBackward(hidden.data(), g["fcproj_w"], g["fcproj_b"], d, s["fch_gelu"], p["fcproj_w"], n,
-                 4 * c, c, /*accumulate_dx=*/false, split_min_flops);
-  GeluBackward(hidden.data(), hidden.data(), s["fch"], n * 4 * c);
-  LinearBackward(ln_grad.data(), g["fc_w"], g["fc_b"], hidden.data(), s["ln2"], p["fc_w"], n, c,
-                 4 * c, false, split_min_flops);
-  LayerNormBackward(d, g["ln2_w"], g["ln2_b"], ln_grad.data(), s["x_mid"], p["ln2_w"],
-                    s["ln2_mean"], s["ln2_rstd"], n, c, /*accumulate_dx=*/true);
+  LinearBackward(hidden, g["fcproj_w"], g["fcproj_b"], d, s["fch_gelu"], p["fcproj_w"], n, 4 * c, c,
+                 /*accumulate_dx=*/false, split_min_flops);
+  GeluBackward(hidden, hidden, s["fch"], n * 4 * c);
+  LinearBackward(ln_grad, g["fc_w"], g["fc_b"], hidden, s["ln2"], p["fc_w"], n, c, 4 * c, false,
+                 split_min_flops);
+  LayerNormBackward(d, g["ln2_w"], g["ln2_b"], ln_grad, s["x_mid"], p["ln2_w"], s["ln2_mean"],
+                    s["ln2_rstd"], n, c, /*accumulate_dx=*/true);
 
   // Attention branch: x_mid = x + proj(attention(qkv(ln1(x)))). d = dL/dx_mid now.
-  float* datty = ln_grad.data();
+  float* datty = ln_grad;
   LinearBackward(datty, g["proj_w"], g["proj_b"], d, s["atty"], p["proj_w"], n, c, c, false,
                  split_min_flops);
-  float* dqkv = hidden.data();
+  float* dqkv = hidden;
   AttentionBackward(dqkv, datty, s["qkv"], s["lse"], dims.batch, dims.seq_len, c, dims.heads);
-  float* dln1 = ln_grad.data();
+  float* dln1 = ln_grad;
   LinearBackward(dln1, g["qkv_w"], g["qkv_b"], dqkv, s["ln1"], p["qkv_w"], n, c, 3 * c, false,
                  split_min_flops);
   LayerNormBackward(d, g["ln1_w"], g["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"], s["ln1_rstd"], n,
@@ -109,9 +112,11 @@ Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_pa
   return SoftmaxCrossEntropy(logits, logits, targets, n, dims.vocab, grad_scale);
 }
 
-void Gpt2HeadBackward(float* dx, float* dhead, float* demb, const float* x, const float* saved,
-                      const float* head_params, const float* wte, const Gpt2Dims& dims,
-                      int64_t split_min_flops) {
+int64_t Gpt2HeadWorkspace(const Gpt2Dims& dims) { return dims.rows() * (dims.channels + 2); }
+
+void Gpt2HeadBackward(float* dx, float* dhead, float* demb, float* workspace, const float* x,
+                      const float* saved, const float* head_params, const float* wte,
+                      const Gpt2Dims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout head_layout = Gpt2HeadParamLayout(c);
   const FlatLayout saved_layout = Gpt2HeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
@@ -121,13 +126,13 @@ void Gpt2HeadBackward(float* dx, float* dhead, float* demb, const float* x, cons
   FlatView<float> g(dhead, head_layout);
   FlatView<float> ge(demb, emb_layout);
 
-  std::vector<float> dlnf(static_cast<size_t>(n * c));
+  float* dlnf = workspace;
   // logits = lnf @ wte^T: dlnf = dlogits @ wte, dwte = dlogits^T @ lnf.
-  LinearBackward(dlnf.data(), ge["wte"], nullptr, s["dlogits"], s["lnf"], wte, n, c, dims.vocab,
-                 false, split_min_flops);
+  LinearBackward(dlnf, ge["wte"], nullptr, s["dlogits"], s["lnf"], wte, n, c, dims.vocab, false,
+                 split_min_flops);
   std::memset(ge["wpe"], 0, static_cast<size_t>(dims.max_seq_len * c) * sizeof(float));
-  LayerNormBackward(dx, g["lnf_w"], g["lnf_b"], dlnf.data(), x, p["lnf_w"], s["lnf_mean"],
-                    s["lnf_rstd"], n, c, /*accumulate_dx=*/false);
+  LayerNormBackward(dx, g["lnf_w"], g["lnf_b"], dlnf, x, p["lnf_w"], s["lnf_mean"], s["lnf_rstd"],
+                    n, c, /*accumulate_dx=*/false);
 }
 
 void Gpt2HeadLogits(float* logits, float* workspace, const float* x, const float* head_params,

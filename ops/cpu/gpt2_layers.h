@@ -35,8 +35,11 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
                       const Gpt2Dims& dims, int64_t split_min_flops);
 // On entry d holds dL/dy; on exit dL/dx (computed in place: the residual stream's gradient
 // flows through unchanged and the branches add to it). dparams (block layout) is overwritten.
-void Gpt2BlockBackward(float* d, float* dparams, const float* x, const float* saved,
-                       const float* params, const Gpt2Dims& dims, int64_t split_min_flops);
+// workspace: Gpt2BlockBackwardWorkspace(dims) floats.
+void Gpt2BlockBackward(float* d, float* dparams, float* workspace, const float* x,
+                       const float* saved, const float* params, const Gpt2Dims& dims,
+                       int64_t split_min_flops);
+int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims);
 
 // Training forward of the head: lnf, logits = lnf @ wte^T, and the fused classifier, leaving the
 // loss's gradient w.r.t. the logits (times grad_scale) in saved's "dlogits". Returns the mean
@@ -45,11 +48,12 @@ Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_pa
                               const float* wte, const int32_t* targets, const Gpt2Dims& dims,
                               float grad_scale, int64_t split_min_flops);
 // dx (overwritten), dhead (head layout, overwritten), demb (embedding layout, overwritten: the
-// wte part gets dlogits^T lnf, the wpe part zeros).
-void Gpt2HeadBackward(float* dx, float* dhead, float* demb, const float* x, const float* saved,
-                      const float* head_params, const float* wte, const Gpt2Dims& dims,
-                      int64_t split_min_flops);
-// logits[B,T,V] for inference; workspace: [B*T*C + 2*B*T] floats.
+// wte part gets dlogits^T lnf, the wpe part zeros). workspace: Gpt2HeadWorkspace(dims) floats.
+void Gpt2HeadBackward(float* dx, float* dhead, float* demb, float* workspace, const float* x,
+                      const float* saved, const float* head_params, const float* wte,
+                      const Gpt2Dims& dims, int64_t split_min_flops);
+// logits[B,T,V] for inference; workspace: Gpt2HeadWorkspace(dims) floats.
+int64_t Gpt2HeadWorkspace(const Gpt2Dims& dims);
 void Gpt2HeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
                     const float* wte, const Gpt2Dims& dims, int64_t split_min_flops);
 

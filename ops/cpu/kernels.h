@@ -71,8 +71,6 @@ void GeluBackward(float* dx, const float* dout, const float* x, int64_t n);
 // ---- elementwise ----
 // out = a + b. out may alias a or b.
 void Add(float* out, const float* a, const float* b, int64_t n);
-// y += alpha * x
-void Axpy(float* y, float alpha, const float* x, int64_t n);
 
 // ---- fused softmax + cross-entropy over the vocabulary ----
 // For each row n: loss_n = logsumexp(logits[n,:]) - logits[n, targets[n]], and

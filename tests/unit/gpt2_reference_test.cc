@@ -51,7 +51,7 @@ TEST_F(Gpt2ReferenceTest, LogitsMatchPyTorch) {
 }
 
 TEST_F(Gpt2ReferenceTest, LossAndEveryGradientMatchPyTorch) {
-  trainer_->set_keep_gradients(true);
+  ASSERT_OK(trainer_->SetKeepGradients(true));
   ASSERT_OK_AND_ASSIGN(StepReport step,
                        trainer_->Step(ref_.at("tokens").ints, ref_.at("targets").ints, lr_));
   const float expected_loss = ref_.at("loss").floats[0];
