@@ -1,0 +1,231 @@
+# Tessera's wire schema: every control-plane message between drivers, the scheduler and
+# workers. One frame carries one Envelope; messages that come in numbers (tasks, results,
+# frees) carry lists, so one frame moves a whole batch.
+#
+# Evolution rules: never renumber or retype a field; add new fields and union members with
+# new ordinals at the end. Bump kProtocolVersion (core/rpc/wire.h) for incompatible changes.
+@0xae6831ea8b7958cf;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("tessera::proto");
+
+# ---- shared pieces ----
+
+struct TensorMeta {
+  shape @0 :List(Int64);
+  dtype @1 :UInt8;        # tessera::DType
+  deviceKind @2 :UInt8;   # tessera::DeviceKind
+  deviceIndex @3 :Int16;
+}
+
+struct Attr {
+  name @0 :Text;
+  value :union {
+    int @1 :Int64;
+    float @2 :Float64;
+    text @3 :Text;
+    ints @4 :List(Int64);
+  }
+}
+
+struct Error {
+  code @0 :UInt8;         # tessera::StatusCode; 0 (OK) never travels
+  message @1 :Text;
+}
+
+struct ObjectDecl {
+  id @0 :UInt64;
+  name @1 :Text;
+  meta @2 :TensorMeta;
+  role @3 :UInt8;         # tessera::ObjectRole
+}
+
+struct Donation {
+  input @0 :UInt16;
+  output @1 :UInt16;
+}
+
+struct Task {
+  id @0 :UInt64;
+  name @1 :Text;
+  layer @2 :Text;
+  op @3 :Text;
+  attrs @4 :List(Attr);
+  inputs @5 :List(UInt64);
+  outputs @6 :List(ObjectDecl);
+  pinnedWorker @7 :UInt64;     # 0: the scheduler decides
+  priority @8 :Int32;
+  memoryEstimate @9 :Int64;
+  donations @10 :List(Donation);
+}
+
+# Where an object can be pulled from: the holder's id and data-plane address.
+struct Source {
+  object @0 :UInt64;
+  holder @1 :UInt64;
+  address @2 :Text;
+  bytes @3 :Int64;
+}
+
+# ---- joining and liveness ----
+
+enum Role {
+  worker @0;
+  driver @1;
+  admin @2;               # tessera status / stop
+}
+
+struct Hello {
+  protocolVersion @0 :UInt32;
+  role @1 :Role;
+  token @2 :Text;
+  hostname @3 :Text;
+  pid @4 :Int32;
+  dataAddress @5 :Text;   # where peers pull this process's objects
+  cpuThreads @6 :Int32;
+  hostCapacity @7 :Int64; # bytes of the host tier
+}
+
+struct Welcome {
+  id @0 :UInt64;          # the worker's or driver's id in this cluster
+  heartbeatIntervalMs @1 :UInt32;
+  sessionDir @2 :Text;
+}
+
+struct Heartbeat {
+  hostUsed @0 :Int64;
+  hostCapacity @1 :Int64;
+  spilledBytes @2 :Int64;
+  tasksRunning @3 :Int32;
+  tasksDone @4 :Int64;
+}
+
+# ---- dynamic tasks and objects ----
+
+struct SubmitTasks { tasks @0 :List(Task); }
+
+struct DispatchedTask {
+  task @0 :Task;
+  sources @1 :List(Source);   # for inputs held elsewhere
+}
+struct DispatchTasks { tasks @0 :List(DispatchedTask); }
+
+struct SealedObject {
+  id @0 :UInt64;
+  bytes @1 :Int64;
+  inline @2 :Data;             # the contents, when small enough to travel with the message
+}
+
+struct TaskResult {
+  task @0 :UInt64;
+  error @1 :Error;             # absent on success
+  outputs @2 :List(SealedObject);
+}
+struct TasksFinished { results @0 :List(TaskResult); }
+
+# A driver registers objects it holds (Put) with the scheduler.
+struct PutObjects {
+  objects @0 :List(ObjectDecl);
+  inline @1 :List(Data);       # per object: the contents if small, else empty
+}
+
+# Reference counting: a driver's ObjectRefs pin objects; the scheduler frees at zero.
+struct ReleaseObjects { ids @0 :List(UInt64); }
+struct FreeObjects { ids @0 :List(UInt64); }
+
+# A driver waits for objects: the scheduler answers (once each) when they are sealed or lost.
+struct WatchObjects { ids @0 :List(UInt64); }
+struct ObjectState {
+  id @0 :UInt64;
+  source @1 :Source;           # where to pull it
+  inline @2 :Data;
+  error @3 :Error;             # lost or failed
+}
+struct ObjectsReady { objects @0 :List(ObjectState); }
+
+# ---- registered graphs ----
+
+struct RegisterGraph {
+  graphId @0 :UInt64;
+  objects @1 :List(ObjectDecl);   # every object of the graph, dense: index i has id i+1
+  tasks @2 :List(Task);           # ids are graph-local (1-based)
+  outputs @3 :List(UInt64);       # graph-local object ids returned to the driver
+}
+
+# The scheduler's placement of a registered graph, sent once to each worker that runs a part.
+struct GraphPart {
+  graphId @0 :UInt64;
+  objects @1 :List(ObjectDecl);
+  tasks @2 :List(Task);           # the tasks placed on this worker
+  taskWorkers @3 :List(UInt64);   # per graph task: the worker that runs it
+  workerAddresses @4 :List(Source);  # holder = worker id, address = its data plane
+  outputs @5 :List(UInt64);
+}
+
+struct Binding {
+  object @0 :UInt64;     # graph-local object id of a graph input
+  source @1 :Source;     # the cluster object bound to it and where it lives
+}
+
+struct RunGraph {
+  graphId @0 :UInt64;
+  instance @1 :UInt64;
+  inputs @2 :List(Binding);
+}
+
+struct InstanceFinished {
+  graphId @0 :UInt64;
+  instance @1 :UInt64;
+  error @2 :Error;
+  outputs @3 :List(ObjectState);  # graph outputs this worker produced, as cluster objects
+}
+
+# ---- administration ----
+
+struct WorkerStatus {
+  id @0 :UInt64;
+  hostname @1 :Text;
+  pid @2 :Int32;
+  alive @3 :Bool;
+  heartbeat @4 :Heartbeat;
+  dataAddress @5 :Text;
+  tasksQueued @6 :Int32;
+}
+
+struct ClusterStatus {
+  workers @0 :List(WorkerStatus);
+  drivers @1 :Int32;
+  objects @2 :Int64;
+  tasksQueued @3 :Int64;
+  tasksRunning @4 :Int64;
+  tasksDone @5 :Int64;
+  sessionDir @6 :Text;
+}
+
+struct Empty {}
+
+struct Envelope {
+  requestId @0 :UInt64;    # echoed by the reply; 0 for one-way messages
+  body :union {
+    hello @1 :Hello;
+    welcome @2 :Welcome;
+    refused @3 :Error;
+    heartbeat @4 :Heartbeat;
+    submitTasks @5 :SubmitTasks;
+    dispatchTasks @6 :DispatchTasks;
+    tasksFinished @7 :TasksFinished;
+    putObjects @8 :PutObjects;
+    releaseObjects @9 :ReleaseObjects;
+    freeObjects @10 :FreeObjects;
+    watchObjects @11 :WatchObjects;
+    objectsReady @12 :ObjectsReady;
+    registerGraph @13 :RegisterGraph;
+    graphPart @14 :GraphPart;
+    runGraph @15 :RunGraph;
+    instanceFinished @16 :InstanceFinished;
+    statusRequest @17 :Empty;
+    statusReply @18 :ClusterStatus;
+    shutdown @19 :Empty;
+    reply @20 :Error;      # generic acknowledgement: OK when absent code, else the error
+  }
+}

@@ -1,0 +1,263 @@
+#include "core/rpc/connection.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+
+namespace tessera::rpc {
+
+namespace {
+constexpr size_t kReadChunkBytes = 256 * 1024;
+}  // namespace
+
+std::shared_ptr<Connection> Connection::Create(GenericSocket socket, std::string peer,
+                                               uint32_t max_frame_bytes) {
+  return std::shared_ptr<Connection>(
+      new Connection(std::move(socket), std::move(peer), max_frame_bytes));
+}
+
+Connection::Connection(GenericSocket socket, std::string peer, uint32_t max_frame_bytes)
+    : socket_(std::move(socket)),
+      peer_(std::move(peer)),
+      decoder_(max_frame_bytes),
+      read_buffer_(kReadChunkBytes) {}
+
+Connection::~Connection() {
+  boost::system::error_code ignored;
+  socket_.close(ignored);
+}
+
+void Connection::Start(MessageHandler on_message, CloseHandler on_close) {
+  on_message_ = std::move(on_message);
+  on_close_ = std::move(on_close);
+  asio::post(socket_.get_executor(), [self = shared_from_this()] { self->ReadMore(); });
+}
+
+void Connection::ReadMore() {
+  if (closed_) return;
+  socket_.async_read_some(asio::buffer(read_buffer_), [self = shared_from_this()](
+                                                          const boost::system::error_code& error,
+                                                          size_t n) {
+    if (self->closed_) return;
+    if (error) {
+      self->CloseOnIoThread(error == asio::error::eof
+                                ? Unavailable("{} closed the connection", self->peer_)
+                                : Unavailable("reading from {}: {}", self->peer_, error.message()));
+      return;
+    }
+    self->bytes_received_ += static_cast<int64_t>(n);
+    Status fed = self->decoder_.Feed({self->read_buffer_.data(), n});
+    while (self->decoder_.HasMessage() && !self->closed_) {
+      std::unique_ptr<ReceivedMessage> message = self->decoder_.PopMessage();
+      Status handled = CatchMalformed([&] { return self->on_message_(*self, *message); });
+      if (!handled.ok()) {
+        self->CloseOnIoThread(handled.WithContext("message from " + self->peer_));
+        return;
+      }
+    }
+    if (!fed.ok()) {
+      self->CloseOnIoThread(fed.WithContext("stream from " + self->peer_));
+      return;
+    }
+    self->ReadMore();
+  });
+}
+
+void Connection::Send(capnp::MessageBuilder& message) { SendFrame(EncodeFrame(message)); }
+
+void Connection::SendFrame(std::vector<uint8_t> frame) {
+  if (closed_) return;
+  bool start = false;
+  {
+    std::lock_guard lock(write_mutex_);
+    queued_.push_back(std::move(frame));
+    if (!writing_) {
+      writing_ = true;
+      start = true;
+    }
+  }
+  if (start)
+    asio::post(socket_.get_executor(), [self = shared_from_this()] { self->WriteQueued(); });
+}
+
+void Connection::WriteQueued() {
+  {
+    std::lock_guard lock(write_mutex_);
+    if (closed_ || queued_.empty()) {
+      writing_ = false;
+      return;
+    }
+    in_flight_.swap(queued_);
+  }
+  std::vector<asio::const_buffer> buffers;
+  buffers.reserve(in_flight_.size());
+  for (const std::vector<uint8_t>& frame : in_flight_) buffers.push_back(asio::buffer(frame));
+  asio::async_write(
+      socket_, buffers,
+      [self = shared_from_this()](const boost::system::error_code& error, size_t) {
+        self->in_flight_.clear();
+        if (error) {
+          self->CloseOnIoThread(Unavailable("writing to {}: {}", self->peer_, error.message()));
+          return;
+        }
+        self->WriteQueued();
+      });
+}
+
+void Connection::Close(const Status& reason) {
+  asio::post(socket_.get_executor(),
+             [self = shared_from_this(), reason] { self->CloseOnIoThread(reason); });
+}
+
+void Connection::CloseOnIoThread(const Status& reason) {
+  if (closed_.exchange(true)) return;
+  boost::system::error_code ignored;
+  socket_.shutdown(asio::socket_base::shutdown_both, ignored);
+  socket_.close(ignored);
+  {
+    std::lock_guard lock(write_mutex_);
+    queued_.clear();
+    writing_ = false;
+  }
+  if (on_close_) on_close_(*this, reason);
+  on_message_ = nullptr;
+  on_close_ = nullptr;
+}
+
+Result<GenericSocket> ConnectSocket(asio::io_context& io, const Address& address, int timeout_ms) {
+  // A private io_context runs the connect with a deadline; the socket then moves to `io`.
+  asio::io_context connect_io;
+  boost::system::error_code error = asio::error::timed_out;
+  GenericSocket socket(connect_io);
+  asio::steady_timer timer(connect_io, std::chrono::milliseconds(timeout_ms));
+  bool done = false;
+  auto finish = [&](const boost::system::error_code& e) {
+    if (done) return;
+    done = true;
+    error = e;
+    timer.cancel();
+  };
+  if (address.kind == Address::Kind::kUnix) {
+    asio::local::stream_protocol::socket unix_socket(connect_io);
+    unix_socket.async_connect(asio::local::stream_protocol::endpoint(address.path), finish);
+    timer.async_wait([&](const boost::system::error_code& e) {
+      if (!e && !done) {
+        done = true;
+        unix_socket.close();
+      }
+    });
+    connect_io.run();
+    if (error) {
+      return Unavailable("cannot connect to {}: {}", address.ToString(), error.message());
+    }
+    socket = GenericSocket(std::move(unix_socket));
+  } else {
+    asio::ip::tcp::resolver resolver(connect_io);
+    boost::system::error_code resolve_error;
+    auto endpoints = resolver.resolve(address.host, std::to_string(address.port), resolve_error);
+    if (resolve_error) {
+      return Unavailable("cannot resolve {}: {}", address.ToString(), resolve_error.message());
+    }
+    asio::ip::tcp::socket tcp_socket(connect_io);
+    asio::async_connect(
+        tcp_socket, endpoints,
+        [&](const boost::system::error_code& e, const asio::ip::tcp::endpoint&) { finish(e); });
+    timer.async_wait([&](const boost::system::error_code& e) {
+      if (!e && !done) {
+        done = true;
+        tcp_socket.close();
+      }
+    });
+    connect_io.run();
+    if (error) {
+      return Unavailable("cannot connect to {}: {}", address.ToString(), error.message());
+    }
+    tcp_socket.set_option(asio::ip::tcp::no_delay(true));
+    socket = GenericSocket(std::move(tcp_socket));
+  }
+  // Re-home the file descriptor on the caller's io_context.
+  const int fd = ::dup(socket.native_handle());
+  const auto protocol = socket.local_endpoint().protocol();
+  boost::system::error_code assign_error;
+  GenericSocket result(io);
+  result.assign(protocol, fd, assign_error);
+  if (assign_error) {
+    ::close(fd);
+    return Internal("adopting the socket to {} failed: {}", address.ToString(),
+                    assign_error.message());
+  }
+  return result;
+}
+
+Listener::Listener(asio::io_context& io, Address address, AcceptHandler on_accept)
+    : io_(io), address_(std::move(address)), on_accept_(std::move(on_accept)) {}
+
+Listener::~Listener() { Close(); }
+
+Result<std::unique_ptr<Listener>> Listener::Listen(asio::io_context& io, const Address& address,
+                                                   AcceptHandler on_accept) {
+  std::unique_ptr<Listener> listener(new Listener(io, address, std::move(on_accept)));
+  boost::system::error_code error;
+  if (address.kind == Address::Kind::kUnix) {
+    ::unlink(address.path.c_str());  // a stale socket file from a dead process
+    listener->unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(io);
+    asio::local::stream_protocol::endpoint endpoint(address.path);
+    listener->unix_->open(endpoint.protocol(), error);
+    if (!error) listener->unix_->bind(endpoint, error);
+    if (!error) listener->unix_->listen(asio::socket_base::max_listen_connections, error);
+  } else {
+    listener->tcp_ = std::make_unique<asio::ip::tcp::acceptor>(io);
+    asio::ip::tcp::resolver resolver(io);
+    auto endpoints = resolver.resolve(address.host, std::to_string(address.port), error);
+    if (!error) {
+      const asio::ip::tcp::endpoint endpoint = *endpoints.begin();
+      listener->tcp_->open(endpoint.protocol(), error);
+      if (!error) listener->tcp_->set_option(asio::socket_base::reuse_address(true), error);
+      if (!error) listener->tcp_->bind(endpoint, error);
+      if (!error) listener->tcp_->listen(asio::socket_base::max_listen_connections, error);
+      if (!error) listener->address_.port = listener->tcp_->local_endpoint().port();
+    }
+  }
+  if (error) {
+    return Unavailable("cannot listen on {}: {}", address.ToString(), error.message());
+  }
+  listener->AcceptNext();
+  return listener;
+}
+
+void Listener::AcceptNext() {
+  if (tcp_) {
+    tcp_->async_accept(
+        [this](const boost::system::error_code& error, asio::ip::tcp::socket socket) {
+          if (error == asio::error::operation_aborted) return;
+          if (!error) {
+            boost::system::error_code ignored;
+            socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+            std::string peer = socket.remote_endpoint(ignored).address().to_string() + ":" +
+                               std::to_string(socket.remote_endpoint(ignored).port());
+            on_accept_(GenericSocket(std::move(socket)), std::move(peer));
+          }
+          AcceptNext();
+        });
+  } else if (unix_) {
+    unix_->async_accept([this](const boost::system::error_code& error,
+                               asio::local::stream_protocol::socket socket) {
+      if (error == asio::error::operation_aborted) return;
+      if (!error) on_accept_(GenericSocket(std::move(socket)), "unix:" + address_.path);
+      AcceptNext();
+    });
+  }
+}
+
+void Listener::Close() {
+  boost::system::error_code ignored;
+  if (tcp_) tcp_->close(ignored);
+  if (unix_) {
+    unix_->close(ignored);
+    ::unlink(address_.path.c_str());
+  }
+}
+
+}  // namespace tessera::rpc

@@ -1,0 +1,107 @@
+// Connection: a framed, bidirectional message stream over a connected socket (TCP or Unix).
+//
+// Every control-plane link (driver <-> scheduler, worker <-> scheduler) is a Connection. It owns
+// its socket, decodes incoming frames into messages and hands each to the message handler on
+// the io thread, and sends messages queued from any thread.
+//
+// Ordering and batching: messages are sent in the order Send was called. While a write is in
+// flight, further Sends queue up and go out together in the next gather-write, so a burst of
+// small messages costs few system calls.
+//
+// Errors: a read or write failure, a malformed frame, or a handler returning an error closes the
+// connection; the close handler runs exactly once, on the io thread, with the reason. Peers that
+// send garbage therefore lose their own connection and nothing else.
+//
+// Thread safety: Send and Close may be called from any thread; the handlers run on the io thread.
+// Lifetime: the io_context must outlive the connection; handlers hold it by shared_ptr.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/rpc/address.h"
+#include "core/rpc/asio.h"
+#include "core/rpc/frame.h"
+#include "core/status.h"
+
+namespace tessera::rpc {
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  // Returns an error to close the connection (a protocol violation by the peer).
+  using MessageHandler = std::function<Status(Connection&, ReceivedMessage&)>;
+  using CloseHandler = std::function<void(Connection&, const Status& reason)>;
+
+  static std::shared_ptr<Connection> Create(GenericSocket socket, std::string peer,
+                                            uint32_t max_frame_bytes = kDefaultMaxFrameBytes);
+  ~Connection();
+
+  // Starts reading. REQUIRES: called once.
+  void Start(MessageHandler on_message, CloseHandler on_close);
+  // Queues one message; a no-op after Close.
+  void Send(capnp::MessageBuilder& message);
+  void SendFrame(std::vector<uint8_t> frame);
+  // Closes the socket; the close handler gets `reason`. Idempotent.
+  void Close(const Status& reason);
+
+  bool closed() const { return closed_.load(); }
+  const std::string& peer() const { return peer_; }
+  // A value the owner attaches (e.g. the worker id behind this connection).
+  uint64_t tag() const { return tag_.load(); }
+  void set_tag(uint64_t tag) { tag_.store(tag); }
+  int64_t bytes_received() const { return bytes_received_.load(); }
+
+ private:
+  Connection(GenericSocket socket, std::string peer, uint32_t max_frame_bytes);
+  void ReadMore();
+  void WriteQueued();  // io thread
+  void CloseOnIoThread(const Status& reason);
+
+  GenericSocket socket_;
+  std::string peer_;
+  FrameDecoder decoder_;
+  std::vector<uint8_t> read_buffer_;
+  MessageHandler on_message_;
+  CloseHandler on_close_;
+
+  std::mutex write_mutex_;
+  std::vector<std::vector<uint8_t>> queued_;     // under write_mutex_
+  bool writing_ = false;                         // under write_mutex_
+  std::vector<std::vector<uint8_t>> in_flight_;  // io thread only
+
+  std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> tag_{0};
+  std::atomic<int64_t> bytes_received_{0};
+};
+
+// Connects (blocking, from any thread other than the io thread) with a timeout. Unavailable
+// naming the address and the system error when nothing answers.
+Result<GenericSocket> ConnectSocket(asio::io_context& io, const Address& address, int timeout_ms);
+
+// Accepts connections on a TCP or Unix address and hands each socket to the accept handler on
+// the io thread. Port 0 picks a free port (see address()); a Unix path is replaced if stale.
+class Listener {
+ public:
+  using AcceptHandler = std::function<void(GenericSocket socket, std::string peer)>;
+  static Result<std::unique_ptr<Listener>> Listen(asio::io_context& io, const Address& address,
+                                                  AcceptHandler on_accept);
+  ~Listener();
+  const Address& address() const { return address_; }
+  void Close();
+
+ private:
+  Listener(asio::io_context& io, Address address, AcceptHandler on_accept);
+  void AcceptNext();
+
+  asio::io_context& io_;
+  Address address_;
+  AcceptHandler on_accept_;
+  std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
+  std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
+};
+
+}  // namespace tessera::rpc

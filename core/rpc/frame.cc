@@ -1,0 +1,86 @@
+#include "core/rpc/frame.h"
+
+#include <cstring>
+
+namespace tessera::rpc {
+
+namespace {
+
+uint32_t ReadU32(const uint8_t* p) {
+  uint32_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+// Limits on what a peer can make us traverse: the whole frame once, and a sane nesting depth.
+capnp::ReaderOptions ReaderLimits(size_t words) {
+  capnp::ReaderOptions options;
+  options.traversalLimitInWords = words + 1024;
+  options.nestingLimit = 32;
+  return options;
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodeFrame(capnp::MessageBuilder& message) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
+  const kj::ArrayPtr<const kj::byte> payload = words.asBytes();
+  std::vector<uint8_t> frame(kFrameHeaderBytes + payload.size());
+  const uint32_t magic = kFrameMagic;
+  const auto length = static_cast<uint32_t>(payload.size());
+  std::memcpy(frame.data(), &magic, 4);
+  std::memcpy(frame.data() + 4, &length, 4);
+  std::memcpy(frame.data() + kFrameHeaderBytes, payload.begin(), payload.size());
+  return frame;
+}
+
+ReceivedMessage::ReceivedMessage(kj::Array<capnp::word> words) : words_(kj::mv(words)) {
+  reader_ =
+      std::make_unique<capnp::FlatArrayMessageReader>(words_.asPtr(), ReaderLimits(words_.size()));
+}
+
+Status FrameDecoder::Feed(std::span<const uint8_t> bytes) {
+  if (!error_.ok()) return error_;
+  pending_.insert(pending_.end(), bytes.begin(), bytes.end());
+  while (pending_.size() - consumed_ >= kFrameHeaderBytes) {
+    const uint8_t* header = pending_.data() + consumed_;
+    const uint32_t magic = ReadU32(header);
+    const uint32_t length = ReadU32(header + 4);
+    if (magic != kFrameMagic) {
+      error_ = InvalidArgument("bad frame magic 0x{:08x} (not a Tessera peer?)", magic);
+      return error_;
+    }
+    if (length > max_frame_bytes_ || length % sizeof(capnp::word) != 0 || length == 0) {
+      error_ = InvalidArgument("bad frame length {} (limit {}, must be a positive multiple of 8)",
+                               length, max_frame_bytes_);
+      return error_;
+    }
+    if (pending_.size() - consumed_ < kFrameHeaderBytes + length) break;
+    auto words = kj::heapArray<capnp::word>(length / sizeof(capnp::word));
+    std::memcpy(words.begin(), header + kFrameHeaderBytes, length);
+    Status parsed = CatchMalformed([&]() -> Status {
+      messages_.push_back(std::make_unique<ReceivedMessage>(kj::mv(words)));
+      return Status::Ok();
+    });
+    if (!parsed.ok()) {
+      error_ = parsed;
+      return error_;
+    }
+    consumed_ += kFrameHeaderBytes + length;
+  }
+  // Compact once the consumed prefix dominates, so the buffer does not grow without bound.
+  if (consumed_ > 0 && consumed_ * 2 >= pending_.size()) {
+    pending_.erase(pending_.begin(), pending_.begin() + static_cast<ptrdiff_t>(consumed_));
+    consumed_ = 0;
+  }
+  return Status::Ok();
+}
+
+std::unique_ptr<ReceivedMessage> FrameDecoder::PopMessage() {
+  if (messages_.empty()) return nullptr;
+  std::unique_ptr<ReceivedMessage> message = std::move(messages_.front());
+  messages_.pop_front();
+  return message;
+}
+
+}  // namespace tessera::rpc

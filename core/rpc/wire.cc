@@ -1,0 +1,166 @@
+#include "core/rpc/wire.h"
+
+namespace tessera::rpc {
+
+namespace {
+constexpr int kMaxRank = 16;
+}  // namespace
+
+void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out) {
+  auto shape = out.initShape(static_cast<unsigned>(meta.shape.rank()));
+  for (int i = 0; i < meta.shape.rank(); ++i) shape.set(static_cast<unsigned>(i), meta.shape[i]);
+  out.setDtype(static_cast<uint8_t>(meta.dtype));
+  out.setDeviceKind(static_cast<uint8_t>(meta.device.kind));
+  out.setDeviceIndex(static_cast<int16_t>(meta.device.index));
+}
+
+Result<TensorMeta> FromWire(proto::TensorMeta::Reader in) {
+  TensorMeta meta;
+  if (in.getShape().size() > kMaxRank) {
+    return InvalidArgument("tensor rank {} exceeds {}", in.getShape().size(), kMaxRank);
+  }
+  std::vector<int64_t> dims;
+  for (int64_t d : in.getShape()) {
+    if (d < 0) return InvalidArgument("negative dimension {} on the wire", d);
+    dims.push_back(d);
+  }
+  meta.shape = Shape(std::move(dims));
+  if (in.getDtype() > static_cast<uint8_t>(DType::kU16)) {
+    return InvalidArgument("unknown dtype {} on the wire", in.getDtype());
+  }
+  meta.dtype = static_cast<DType>(in.getDtype());
+  if (in.getDeviceKind() > static_cast<uint8_t>(DeviceKind::kCuda)) {
+    return InvalidArgument("unknown device kind {} on the wire", in.getDeviceKind());
+  }
+  meta.device = Device{static_cast<DeviceKind>(in.getDeviceKind()), in.getDeviceIndex()};
+  return meta;
+}
+
+void ToWire(const Attrs& attrs, capnp::List<proto::Attr>::Builder out) {
+  unsigned i = 0;
+  for (const auto& [name, value] : attrs.values()) {
+    proto::Attr::Builder attr = out[i++];
+    attr.setName(name);
+    auto v = attr.initValue();
+    if (const int64_t* x = std::get_if<int64_t>(&value)) {
+      v.setInt(*x);
+    } else if (const double* f = std::get_if<double>(&value)) {
+      v.setFloat(*f);
+    } else if (const std::string* s = std::get_if<std::string>(&value)) {
+      v.setText(*s);
+    } else {
+      const auto& ints = std::get<std::vector<int64_t>>(value);
+      auto list = v.initInts(static_cast<unsigned>(ints.size()));
+      for (unsigned j = 0; j < ints.size(); ++j) list.set(j, ints[j]);
+    }
+  }
+}
+
+Result<Attrs> FromWire(capnp::List<proto::Attr>::Reader in) {
+  Attrs attrs;
+  for (proto::Attr::Reader attr : in) {
+    const std::string name = ToString(attr.getName());
+    auto value = attr.getValue();
+    switch (value.which()) {
+      case proto::Attr::Value::INT:
+        attrs.Set(name, value.getInt());
+        break;
+      case proto::Attr::Value::FLOAT:
+        attrs.Set(name, value.getFloat());
+        break;
+      case proto::Attr::Value::TEXT:
+        attrs.Set(name, ToString(value.getText()));
+        break;
+      case proto::Attr::Value::INTS: {
+        std::vector<int64_t> ints;
+        for (int64_t x : value.getInts()) ints.push_back(x);
+        attrs.Set(name, std::move(ints));
+        break;
+      }
+      default:
+        return InvalidArgument("attribute '{}' has an unknown type", name);
+    }
+  }
+  return attrs;
+}
+
+void ToWire(const Status& status, proto::Error::Builder out) {
+  out.setCode(static_cast<uint8_t>(status.code()));
+  out.setMessage(status.message());
+}
+
+Status FromWire(proto::Error::Reader in) {
+  if (in.getCode() == 0 || in.getCode() > static_cast<uint8_t>(StatusCode::kInternal)) {
+    return Internal("peer sent error code {}: {}", in.getCode(), ToString(in.getMessage()));
+  }
+  return Status(static_cast<StatusCode>(in.getCode()), ToString(in.getMessage()));
+}
+
+void ToWire(const ObjectSpec& object, proto::ObjectDecl::Builder out) {
+  out.setId(object.id.value());
+  out.setName(object.name);
+  ToWire(object.meta, out.initMeta());
+  out.setRole(static_cast<uint8_t>(object.role));
+}
+
+Result<ObjectSpec> FromWire(proto::ObjectDecl::Reader in) {
+  ObjectSpec object;
+  object.id = ObjectId(in.getId());
+  object.name = ToString(in.getName());
+  TESSERA_ASSIGN_OR_RETURN(object.meta, FromWire(in.getMeta()));
+  if (in.getRole() > static_cast<uint8_t>(ObjectRole::kOutput)) {
+    return InvalidArgument("object '{}' has unknown role {}", object.name, in.getRole());
+  }
+  object.role = static_cast<ObjectRole>(in.getRole());
+  return object;
+}
+
+void ToWire(const TaskSpec& task, const std::vector<ObjectSpec>& outputs,
+            proto::Task::Builder out) {
+  out.setId(task.id.value());
+  out.setName(task.name);
+  out.setLayer(task.layer);
+  out.setOp(task.op);
+  ToWire(task.attrs, out.initAttrs(static_cast<unsigned>(task.attrs.values().size())));
+  auto inputs = out.initInputs(static_cast<unsigned>(task.inputs.size()));
+  for (unsigned i = 0; i < task.inputs.size(); ++i) inputs.set(i, task.inputs[i].value());
+  auto decls = out.initOutputs(static_cast<unsigned>(outputs.size()));
+  for (unsigned i = 0; i < outputs.size(); ++i) ToWire(outputs[i], decls[i]);
+  out.setPinnedWorker(task.pinned_worker.value());
+  out.setPriority(task.priority);
+  out.setMemoryEstimate(task.memory_estimate_bytes);
+  auto donations = out.initDonations(static_cast<unsigned>(task.donations.size()));
+  for (unsigned i = 0; i < task.donations.size(); ++i) {
+    donations[i].setInput(static_cast<uint16_t>(task.donations[i].input_index));
+    donations[i].setOutput(static_cast<uint16_t>(task.donations[i].output_index));
+  }
+}
+
+Result<WireTask> FromWire(proto::Task::Reader in) {
+  WireTask task;
+  TaskSpec& spec = task.spec;
+  spec.id = TaskId(in.getId());
+  spec.name = ToString(in.getName());
+  spec.layer = ToString(in.getLayer());
+  spec.op = ToString(in.getOp());
+  TESSERA_ASSIGN_OR_RETURN(spec.attrs, FromWire(in.getAttrs()));
+  for (uint64_t input : in.getInputs()) spec.inputs.push_back(ObjectId(input));
+  for (proto::ObjectDecl::Reader decl : in.getOutputs()) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, FromWire(decl));
+    object.producer = spec.id;
+    spec.outputs.push_back(object.id);
+    task.outputs.push_back(std::move(object));
+  }
+  spec.pinned_worker = WorkerId(in.getPinnedWorker());
+  spec.priority = in.getPriority();
+  spec.memory_estimate_bytes = in.getMemoryEstimate();
+  for (proto::Donation::Reader donation : in.getDonations()) {
+    if (donation.getInput() >= spec.inputs.size() || donation.getOutput() >= spec.outputs.size()) {
+      return InvalidArgument("task '{}' donates a slot it does not have", spec.name);
+    }
+    spec.donations.push_back(Donation{donation.getInput(), donation.getOutput()});
+  }
+  return task;
+}
+
+}  // namespace tessera::rpc

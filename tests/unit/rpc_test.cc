@@ -1,0 +1,279 @@
+// The control plane's wire layer: framing, connections and conversions, including what a
+// misbehaving peer can throw at it.
+#include <sys/socket.h>
+
+#include <future>
+#include <random>
+#include <thread>
+
+#include "core/rpc/connection.h"
+#include "core/rpc/frame.h"
+#include "core/rpc/wire.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using rpc::FrameDecoder;
+
+std::vector<uint8_t> HeartbeatFrame(int64_t tasks_done) {
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(static_cast<uint64_t>(tasks_done));
+  envelope.initBody().initHeartbeat().setTasksDone(tasks_done);
+  return rpc::EncodeFrame(message);
+}
+
+TEST(FrameTest, DecodesFramesFedInArbitraryPieces) {
+  std::vector<uint8_t> stream;
+  for (int i = 0; i < 20; ++i) {
+    std::vector<uint8_t> frame = HeartbeatFrame(i);
+    stream.insert(stream.end(), frame.begin(), frame.end());
+  }
+  FrameDecoder decoder;
+  for (uint8_t byte : stream) ASSERT_OK(decoder.Feed({&byte, 1}));
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(decoder.HasMessage());
+    auto message = decoder.PopMessage();
+    auto envelope = message->reader().getRoot<proto::Envelope>();
+    ASSERT_EQ(envelope.getBody().which(), proto::Envelope::Body::HEARTBEAT);
+    EXPECT_EQ(envelope.getBody().getHeartbeat().getTasksDone(), i);
+  }
+  EXPECT_FALSE(decoder.HasMessage());
+}
+
+TEST(FrameTest, RejectsBadMagicAndOversizedFrames) {
+  FrameDecoder decoder;
+  const uint8_t garbage[] = {'G', 'E', 'T', ' ', '/', ' ', 'H', 'T', 'T', 'P'};
+  Status bad = decoder.Feed(garbage);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("magic"), std::string::npos);
+  EXPECT_FALSE(decoder.Feed(garbage).ok()) << "a failed decoder stays failed";
+
+  FrameDecoder small(1024);
+  std::vector<uint8_t> header(8);
+  const uint32_t magic = rpc::kFrameMagic, length = 4096;
+  std::memcpy(header.data(), &magic, 4);
+  std::memcpy(header.data() + 4, &length, 4);
+  Status oversized = small.Feed(header);
+  ASSERT_FALSE(oversized.ok());
+  EXPECT_NE(oversized.message().find("4096"), std::string::npos);
+}
+
+TEST(FrameTest, RandomPayloadsNeverCrashTheReader) {
+  std::mt19937_64 rng(7);
+  int rejected = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const uint32_t words = 1 + static_cast<uint32_t>(rng() % 32);
+    std::vector<uint8_t> frame(8 + words * 8);
+    const uint32_t magic = rpc::kFrameMagic, length = words * 8;
+    std::memcpy(frame.data(), &magic, 4);
+    std::memcpy(frame.data() + 4, &length, 4);
+    for (size_t i = 8; i < frame.size(); ++i) frame[i] = static_cast<uint8_t>(rng());
+    FrameDecoder decoder;
+    Status fed = decoder.Feed(frame);
+    // Either the frame is rejected, or reading it fails cleanly, or it reads as something.
+    Status read = rpc::CatchMalformed([&]() -> Status {
+      if (!fed.ok()) return fed;
+      auto envelope = decoder.PopMessage()->reader().getRoot<proto::Envelope>();
+      if (envelope.getBody().which() == proto::Envelope::Body::SUBMIT_TASKS) {
+        for (auto task : envelope.getBody().getSubmitTasks().getTasks()) {
+          TESSERA_RETURN_IF_ERROR(rpc::FromWire(task).status());
+        }
+      }
+      return Status::Ok();
+    });
+    rejected += !read.ok();
+  }
+  EXPECT_GT(rejected, 0);
+}
+
+TEST(WireTest, TaskRoundTripKeepsEverything) {
+  TaskSpec task;
+  task.id = TaskId(42);
+  task.name = "h.3/forward";
+  task.layer = "h.3";
+  task.op = "gpt2_block_forward";
+  task.attrs = Attrs{{"channels", int64_t{768}},
+                     {"eps", 1e-5},
+                     {"mode", std::string("train")},
+                     {"ranges", std::vector<int64_t>{0, 5, 9, 12}}};
+  task.inputs = {ObjectId(7), ObjectId(8)};
+  task.outputs = {ObjectId(9)};
+  task.pinned_worker = WorkerId(3);
+  task.priority = -2;
+  task.memory_estimate_bytes = 1 << 20;
+  task.donations = {{1, 0}};
+  ObjectSpec output{ObjectId(9),
+                    "h.3.y",
+                    {Shape{4, 64, 768}, DType::kBF16, Device::Cuda(1)},
+                    ObjectRole::kActivation,
+                    TaskId(42)};
+  capnp::MallocMessageBuilder message;
+  auto wire = message.initRoot<proto::Task>();
+  rpc::ToWire(task, {output}, wire);
+  ASSERT_OK_AND_ASSIGN(rpc::WireTask back, rpc::FromWire(wire.asReader()));
+  EXPECT_EQ(back.spec.name, task.name);
+  EXPECT_EQ(back.spec.layer, task.layer);
+  EXPECT_EQ(back.spec.op, task.op);
+  EXPECT_EQ(back.spec.attrs, task.attrs);
+  EXPECT_EQ(back.spec.inputs, task.inputs);
+  EXPECT_EQ(back.spec.outputs, task.outputs);
+  EXPECT_EQ(back.spec.pinned_worker, task.pinned_worker);
+  EXPECT_EQ(back.spec.priority, task.priority);
+  EXPECT_EQ(back.spec.memory_estimate_bytes, task.memory_estimate_bytes);
+  EXPECT_EQ(back.spec.donations, task.donations);
+  ASSERT_EQ(back.outputs.size(), 1u);
+  EXPECT_EQ(back.outputs[0].meta, output.meta);
+  EXPECT_EQ(back.outputs[0].name, output.name);
+}
+
+TEST(WireTest, ForgedValuesAreRejected) {
+  capnp::MallocMessageBuilder message;
+  auto meta = message.initRoot<proto::TensorMeta>();
+  meta.setDtype(200);
+  EXPECT_FALSE(rpc::FromWire(meta.asReader()).ok());
+  meta.setDtype(0);
+  meta.initShape(1).set(0, -5);
+  EXPECT_FALSE(rpc::FromWire(meta.asReader()).ok());
+  EXPECT_EQ(rpc::Address::Parse("localhost:6379")->port, 6379);
+  EXPECT_EQ(rpc::Address::Parse("unix:/tmp/x.sock")->path, "/tmp/x.sock");
+  EXPECT_FALSE(rpc::Address::Parse("localhost").ok());
+  EXPECT_FALSE(rpc::Address::Parse("host:99999").ok());
+}
+
+// Two connected endpoints on one io thread.
+class ConnectionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    rpc::GenericSocket a(io_), b(io_);
+    a.assign(rpc::asio::generic::stream_protocol(AF_UNIX, 0), fds[0]);
+    b.assign(rpc::asio::generic::stream_protocol(AF_UNIX, 0), fds[1]);
+    a_ = rpc::Connection::Create(std::move(a), "a");
+    b_ = rpc::Connection::Create(std::move(b), "b");
+    work_.emplace(io_.get_executor());
+    thread_ = std::thread([this] { io_.run(); });
+  }
+  void TearDown() override {
+    a_->Close(Cancelled("test over"));
+    b_->Close(Cancelled("test over"));
+    work_.reset();
+    thread_.join();
+  }
+
+  rpc::asio::io_context io_;
+  std::optional<rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type>> work_;
+  std::thread thread_;
+  std::shared_ptr<rpc::Connection> a_, b_;
+};
+
+TEST_F(ConnectionTest, DeliversManyMessagesInOrderFromSeveralThreads) {
+  constexpr int kPerThread = 2000;
+  std::promise<std::vector<int64_t>> received;
+  std::vector<int64_t> seen;
+  b_->Start(
+      [&](rpc::Connection&, rpc::ReceivedMessage& message) {
+        seen.push_back(
+            message.reader().getRoot<proto::Envelope>().getBody().getHeartbeat().getTasksDone());
+        if (seen.size() == 2 * kPerThread) received.set_value(seen);
+        return Status::Ok();
+      },
+      [](rpc::Connection&, const Status&) {});
+  a_->Start([](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); },
+            [](rpc::Connection&, const Status&) {});
+  auto sender = [&](int64_t base) {
+    for (int i = 0; i < kPerThread; ++i) a_->SendFrame(HeartbeatFrame(base + i));
+  };
+  std::thread t1(sender, 0), t2(sender, 1'000'000);
+  t1.join();
+  t2.join();
+  auto future = received.get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  std::vector<int64_t> all = future.get();
+  // Each sender's messages arrive in its order.
+  int64_t last_low = -1, last_high = 999'999;
+  for (int64_t value : all) {
+    if (value < 1'000'000) {
+      EXPECT_GT(value, last_low);
+      last_low = value;
+    } else {
+      EXPECT_GT(value, last_high);
+      last_high = value;
+    }
+  }
+}
+
+TEST_F(ConnectionTest, GarbageClosesOnlyTheOffendingConnection) {
+  std::promise<Status> closed;
+  b_->Start([](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); },
+            [&](rpc::Connection&, const Status& reason) { closed.set_value(reason); });
+  a_->Start([](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); },
+            [](rpc::Connection&, const Status&) {});
+  a_->SendFrame(std::vector<uint8_t>(64, 0xab));
+  auto future = closed.get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  Status reason = future.get();
+  EXPECT_NE(reason.message().find("bad frame magic"), std::string::npos) << reason.ToString();
+}
+
+TEST_F(ConnectionTest, AHandlerErrorClosesWithThatReason) {
+  std::promise<Status> closed;
+  b_->Start([](rpc::Connection&,
+               rpc::ReceivedMessage&) { return InvalidArgument("heartbeat before hello"); },
+            [&](rpc::Connection&, const Status& reason) { closed.set_value(reason); });
+  a_->Start([](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); },
+            [](rpc::Connection&, const Status&) {});
+  a_->SendFrame(HeartbeatFrame(1));
+  auto future = closed.get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_NE(future.get().message().find("heartbeat before hello"), std::string::npos);
+}
+
+TEST(ListenerTest, ConnectsOverTcpAndUnixAndReportsUnreachableAddresses) {
+  rpc::asio::io_context io;
+  auto work = rpc::asio::make_work_guard(io);
+  std::thread thread([&] { io.run(); });
+  std::vector<std::shared_ptr<rpc::Connection>> accepted;
+  std::promise<int64_t> got;
+  auto on_accept = [&](rpc::GenericSocket socket, std::string peer) {
+    auto connection = rpc::Connection::Create(std::move(socket), peer);
+    connection->Start(
+        [&](rpc::Connection&, rpc::ReceivedMessage& m) {
+          got.set_value(m.reader().getRoot<proto::Envelope>().getRequestId());
+          return Status::Ok();
+        },
+        [](rpc::Connection&, const Status&) {});
+    accepted.push_back(connection);
+  };
+  const std::string path = ::testing::TempDir() + "/tessera_listener_test.sock";
+  for (const rpc::Address& address :
+       {rpc::Address::Tcp("127.0.0.1", 0), rpc::Address::Unix(path)}) {
+    got = std::promise<int64_t>();
+    auto listener = rpc::Listener::Listen(io, address, on_accept);
+    ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+    ASSERT_OK_AND_ASSIGN(rpc::GenericSocket socket,
+                         rpc::ConnectSocket(io, (*listener)->address(), 2000));
+    auto client = rpc::Connection::Create(std::move(socket), "client");
+    client->Start([](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); },
+                  [](rpc::Connection&, const Status&) {});
+    client->SendFrame(HeartbeatFrame(77));
+    auto future = got.get_future();
+    ASSERT_EQ(future.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    EXPECT_EQ(future.get(), 77);
+    client->Close(Cancelled("done"));
+    (*listener)->Close();
+  }
+  Result<rpc::GenericSocket> refused =
+      rpc::ConnectSocket(io, rpc::Address::Tcp("127.0.0.1", 1), 1000);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.status().message().find("127.0.0.1:1"), std::string::npos);
+  for (auto& c : accepted) c->Close(Cancelled("done"));
+  work.reset();
+  thread.join();
+}
+
+}  // namespace
+}  // namespace tessera::testing
