@@ -1,0 +1,118 @@
+// The worker's tiered object store: capacity, LRU spilling, pins, restore and damaged files.
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+#include "worker/object_store.h"
+
+namespace tessera::testing {
+namespace {
+
+constexpr int64_t kFloats = 1 << 18;  // 1 MiB objects
+constexpr int64_t kBytes = kFloats * 4;
+
+Tensor Filled(float value) {
+  Tensor t = RandomTensor({kFloats}, 0);
+  std::fill(t.data<float>(), t.data<float>() + kFloats, value);
+  return t;
+}
+
+std::string SpillDir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/tessera_spill_" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+ObjectStore MakeStore(int64_t capacity, const std::string& spill_dir) {
+  return ObjectStore(ObjectStoreOptions{capacity, spill_dir}, TestAllocator());
+}
+
+TEST(ObjectStoreTest, PutGetDeleteAndErrors) {
+  ObjectStore store = MakeStore(10 * kBytes, SpillDir("basic"));
+  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+  EXPECT_EQ(store.Put(ObjectId(1), Filled(2)).code(), StatusCode::kAlreadyExists);
+  ASSERT_OK_AND_ASSIGN(PinnedObject object, store.Get(ObjectId(1)));
+  EXPECT_EQ(object.tensor().data<float>()[123], 1.0f);
+  EXPECT_EQ(store.Get(ObjectId(9)).status().code(), StatusCode::kNotFound);
+  ASSERT_OK(store.Delete(ObjectId(1)));
+  EXPECT_FALSE(store.Contains(ObjectId(1)));
+  EXPECT_EQ(store.stats().host_bytes, 0);
+  EXPECT_EQ(store.Delete(ObjectId(1)).code(), StatusCode::kNotFound);
+}
+
+TEST(ObjectStoreTest, SpillsLeastRecentlyUsedAndRestoresContents) {
+  ObjectStore store = MakeStore(3 * kBytes, SpillDir("lru"));
+  for (int i = 1; i <= 3; ++i) ASSERT_OK(store.Put(ObjectId(i), Filled(static_cast<float>(i))));
+  { ASSERT_OK_AND_ASSIGN(PinnedObject touched, store.Get(ObjectId(1))); }  // 2 is now the oldest
+  ASSERT_OK(store.Put(ObjectId(4), Filled(4)));
+  EXPECT_EQ(*store.TierOf(ObjectId(2)), StorageTier::kDisk);
+  EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kHost);
+  ObjectStoreStats stats = store.stats();
+  EXPECT_EQ(stats.host_bytes, 3 * kBytes);
+  EXPECT_EQ(stats.spilled_bytes, kBytes);
+  EXPECT_EQ(stats.spills, 1);
+  // Every object reads back intact, whichever tier it was in; restores spill others in turn.
+  for (int i = 1; i <= 4; ++i) {
+    ASSERT_OK_AND_ASSIGN(PinnedObject object, store.Get(ObjectId(i)));
+    const float* data = object.tensor().data<float>();
+    EXPECT_EQ(data[0], static_cast<float>(i));
+    EXPECT_EQ(data[kFloats - 1], static_cast<float>(i));
+  }
+  EXPECT_GE(store.stats().restores, 1);
+  EXPECT_LE(store.stats().host_bytes, 3 * kBytes);
+}
+
+TEST(ObjectStoreTest, PinnedObjectsStayInHostMemory) {
+  ObjectStore store = MakeStore(2 * kBytes, SpillDir("pins"));
+  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+  ASSERT_OK(store.Put(ObjectId(2), Filled(2)));
+  ASSERT_OK_AND_ASSIGN(PinnedObject a, store.Get(ObjectId(1)));
+  ASSERT_OK_AND_ASSIGN(PinnedObject b, store.Get(ObjectId(2)));
+  // Both pinned: a third object cannot enter the host tier, so it goes straight to disk.
+  ASSERT_OK(store.Put(ObjectId(3), Filled(3)));
+  EXPECT_EQ(*store.TierOf(ObjectId(3)), StorageTier::kDisk);
+  Result<PinnedObject> blocked = store.Get(ObjectId(3));
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(blocked.status().message().find("pinned"), std::string::npos);
+  b = PinnedObject();  // unpin 2: now 3 can come back by spilling 2
+  ASSERT_OK_AND_ASSIGN(PinnedObject c, store.Get(ObjectId(3)));
+  EXPECT_EQ(c.tensor().data<float>()[7], 3.0f);
+  EXPECT_EQ(*store.TierOf(ObjectId(2)), StorageTier::kDisk);
+  EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kHost);
+}
+
+TEST(ObjectStoreTest, DamagedSpillFilesAreDataLoss) {
+  const std::string dir = SpillDir("damaged");
+  ObjectStore store = MakeStore(kBytes, dir);
+  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+  ASSERT_OK(store.Put(ObjectId(2), Filled(2)));  // spills 1
+  const std::string path = dir + "/obj1.spill";
+  ASSERT_TRUE(std::filesystem::exists(path));
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(1000);
+    file.put('\x7f');
+  }
+  Result<PinnedObject> corrupt = store.Get(ObjectId(1));
+  ASSERT_FALSE(corrupt.ok());
+  EXPECT_EQ(corrupt.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(corrupt.status().message().find("checksum"), std::string::npos);
+  std::filesystem::resize_file(path, 4096);
+  Result<PinnedObject> truncated = store.Get(ObjectId(1));
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_NE(truncated.status().message().find("truncated"), std::string::npos);
+}
+
+TEST(ObjectStoreTest, WithoutASpillDirectoryAFullHostTierIsRefused) {
+  ObjectStore store = MakeStore(kBytes, "");
+  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+  Status full = store.Put(ObjectId(2), Filled(2));
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("no spill directory"), std::string::npos);
+  EXPECT_FALSE(store.Contains(ObjectId(2)));
+}
+
+}  // namespace
+}  // namespace tessera::testing
