@@ -106,7 +106,8 @@ struct SubmitTasks { tasks @0 :List(Task); }
 
 struct DispatchedTask {
   task @0 :Task;
-  sources @1 :List(Source);   # for inputs held elsewhere
+  sources @1 :List(Source);         # inputs to pull from other processes
+  inlineInputs @2 :List(SealedObject);  # small inputs, carried in the message
 }
 struct DispatchTasks { tasks @0 :List(DispatchedTask); }
 

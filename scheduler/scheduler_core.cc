@@ -1,0 +1,718 @@
+#include "scheduler/scheduler_core.h"
+
+#include <algorithm>
+
+#include "core/logging.h"
+#include "core/rpc/wire.h"
+
+namespace tessera {
+
+namespace {
+
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char difference = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    difference |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return difference == 0;
+}
+
+std::string ToString(capnp::Text::Reader text) { return rpc::ToString(text); }
+
+}  // namespace
+
+SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
+    : options_(std::move(options)), outbox_(outbox), now_(std::move(now)) {}
+
+WorkerId SchedulerCore::Accept() {
+  const WorkerId id(next_participant_++);
+  Participant participant;
+  participant.id = id;
+  participant.last_heard = now_();
+  participants_.emplace(id, std::move(participant));
+  return id;
+}
+
+SchedulerCore::Participant* SchedulerCore::Find(WorkerId id) {
+  auto it = participants_.find(id);
+  return it == participants_.end() ? nullptr : &it->second;
+}
+
+std::string SchedulerCore::Describe(WorkerId worker) const {
+  auto it = participants_.find(worker);
+  if (it == participants_.end()) return worker.ToString();
+  return fmt::format("{} (pid {} on {})", worker.ToString(), it->second.pid, it->second.hostname);
+}
+
+int SchedulerCore::alive_workers() const {
+  int alive = 0;
+  for (const auto& [id, p] : participants_) alive += p.role == Role::kWorker && p.alive;
+  return alive;
+}
+
+void SchedulerCore::Refuse(WorkerId who, uint64_t request_id, const Status& reason) {
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request_id);
+  rpc::ToWire(reason, envelope.initBody().initRefused());
+  outbox_->Send(who, message);
+  outbox_->Disconnect(who, reason);
+}
+
+Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
+  Participant* participant = Find(from);
+  if (participant == nullptr)
+    return Internal("message from unknown participant {}", from.ToString());
+  participant->last_heard = now_();
+  const auto body = message.getBody();
+  Status status;
+  if (participant->role == Role::kPending) {
+    if (body.which() != proto::Envelope::Body::HELLO) {
+      Status refused = Unavailable("the first message must be Hello with the cluster token");
+      Refuse(from, message.getRequestId(), refused);
+      return refused;
+    }
+    status = OnHello(*participant, body.getHello());
+    Flush();
+    return status;
+  }
+  const Role role = participant->role;
+  auto requires_role = [&](Role expected, const char* what) -> Status {
+    if (role != expected) {
+      return InvalidArgument("{} sent {}, which only a {} may send", from.ToString(), what,
+                             expected == Role::kWorker ? "worker" : "driver");
+    }
+    return Status::Ok();
+  };
+  switch (body.which()) {
+    case proto::Envelope::Body::HEARTBEAT:
+      status = requires_role(Role::kWorker, "a heartbeat");
+      if (status.ok()) status = OnHeartbeat(*participant, body.getHeartbeat());
+      break;
+    case proto::Envelope::Body::SUBMIT_TASKS:
+      status = requires_role(Role::kDriver, "tasks");
+      if (status.ok()) status = OnSubmitTasks(*participant, body.getSubmitTasks());
+      break;
+    case proto::Envelope::Body::TASKS_FINISHED:
+      status = requires_role(Role::kWorker, "task results");
+      if (status.ok()) status = OnTasksFinished(*participant, body.getTasksFinished());
+      break;
+    case proto::Envelope::Body::PUT_OBJECTS:
+      status = requires_role(Role::kDriver, "objects");
+      if (status.ok()) status = OnPutObjects(*participant, body.getPutObjects());
+      break;
+    case proto::Envelope::Body::RELEASE_OBJECTS:
+      status = requires_role(Role::kDriver, "a release");
+      if (status.ok()) status = OnReleaseObjects(*participant, body.getReleaseObjects());
+      break;
+    case proto::Envelope::Body::WATCH_OBJECTS:
+      status = requires_role(Role::kDriver, "a watch");
+      if (status.ok()) status = OnWatchObjects(*participant, body.getWatchObjects());
+      break;
+    case proto::Envelope::Body::STATUS_REQUEST:
+      OnStatusRequest(*participant, message.getRequestId());
+      break;
+    case proto::Envelope::Body::SHUTDOWN:
+      if (role == Role::kWorker) {
+        status = InvalidArgument("a worker may not shut the cluster down");
+        break;
+      }
+      shutdown_requested_ = true;
+      GetLogger("scheduler")->info("shutdown requested by {}", from.ToString());
+      for (auto& [id, p] : participants_) {
+        if (p.role != Role::kWorker || !p.alive) continue;
+        capnp::MallocMessageBuilder out;
+        out.initRoot<proto::Envelope>().initBody().initShutdown();
+        outbox_->Send(id, out);
+      }
+      break;
+    case proto::Envelope::Body::HELLO:
+      status = InvalidArgument("{} said Hello twice", from.ToString());
+      break;
+    default:
+      status = InvalidArgument("{} sent a message the scheduler does not accept (kind {})",
+                               from.ToString(), static_cast<int>(body.which()));
+      break;
+  }
+  Flush();
+  return status;
+}
+
+Status SchedulerCore::OnHello(Participant& from, proto::Hello::Reader hello) {
+  if (hello.getProtocolVersion() != rpc::kProtocolVersion) {
+    Status refused = InvalidArgument("protocol version {} is not the scheduler's {}",
+                                     hello.getProtocolVersion(), rpc::kProtocolVersion);
+    Refuse(from.id, 0, refused);
+    return refused;
+  }
+  if (!ConstantTimeEquals(ToString(hello.getToken()), options_.token)) {
+    Status refused =
+        Unavailable("invalid cluster token: pass the token the head printed (or its file {}/token)",
+                    options_.session_dir);
+    GetLogger("scheduler")
+        ->warn("refused {} from pid {} on {}: invalid token", from.id.ToString(), hello.getPid(),
+               ToString(hello.getHostname()));
+    Refuse(from.id, 0, refused);
+    return refused;
+  }
+  switch (hello.getRole()) {
+    case proto::Role::WORKER:
+      from.role = Role::kWorker;
+      break;
+    case proto::Role::DRIVER:
+      from.role = Role::kDriver;
+      break;
+    default:
+      from.role = Role::kAdmin;
+      break;
+  }
+  from.hostname = ToString(hello.getHostname());
+  from.pid = hello.getPid();
+  from.data_address = ToString(hello.getDataAddress());
+  from.cpu_threads = hello.getCpuThreads();
+  from.host_capacity = hello.getHostCapacity();
+  from.alive = true;
+  capnp::MallocMessageBuilder message;
+  auto welcome = message.initRoot<proto::Envelope>().initBody().initWelcome();
+  welcome.setId(from.id.value());
+  welcome.setHeartbeatIntervalMs(options_.heartbeat_interval_ms);
+  welcome.setSessionDir(options_.session_dir);
+  outbox_->Send(from.id, message);
+  if (from.role == Role::kWorker) {
+    GetLogger("scheduler")
+        ->info("{} joined: {} threads, {} MiB host tier, data plane {}", Describe(from.id),
+               from.cpu_threads, from.host_capacity >> 20, from.data_address);
+  }
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnHeartbeat(Participant& from, proto::Heartbeat::Reader heartbeat) {
+  from.host_used = heartbeat.getHostUsed();
+  from.spilled_bytes = heartbeat.getSpilledBytes();
+  from.tasks_done = heartbeat.getTasksDone();
+  if (heartbeat.getHostCapacity() > 0) from.host_capacity = heartbeat.getHostCapacity();
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnSubmitTasks(Participant& from, proto::SubmitTasks::Reader submit) {
+  for (proto::Task::Reader wire : submit.getTasks()) {
+    Result<rpc::WireTask> parsed = rpc::FromWire(wire);
+    if (!parsed.ok()) return parsed.status().WithContext("submitted task");
+    rpc::WireTask& task = *parsed;
+    if (!task.spec.id.valid() || tasks_.contains(task.spec.id)) {
+      return InvalidArgument("task id {} is invalid or already in use", task.spec.id.ToString());
+    }
+    for (const ObjectSpec& output : task.outputs) {
+      if (!output.id.valid() || objects_.contains(output.id)) {
+        return InvalidArgument("task '{}' declares output {} whose id is invalid or in use",
+                               task.spec.name, output.id.ToString());
+      }
+    }
+    const TaskId id = task.spec.id;
+    TaskEntry& entry = tasks_[id];
+    entry.spec = std::move(task.spec);
+    entry.outputs = std::move(task.outputs);
+    entry.driver = from.id;
+    for (const ObjectSpec& output : entry.outputs) {
+      ObjectEntry& object = objects_[output.id];
+      object.spec = output;
+      object.driver_refs = 1;
+      ++from.refs[output.id.value()];
+    }
+    Status input_error;
+    for (ObjectId input : entry.spec.inputs) {
+      auto it = objects_.find(input);
+      if (it == objects_.end()) {
+        input_error = NotFound(
+            "task '{}' reads {}, which the scheduler does not know (never "
+            "created, or already freed)",
+            entry.spec.name, input.ToString());
+        break;
+      }
+      if (!it->second.error.ok()) {
+        input_error = it->second.error;
+        break;
+      }
+    }
+    if (!input_error.ok()) {
+      FailTask(entry, input_error);
+      continue;
+    }
+    entry.uses_counted = true;
+    for (ObjectId input : entry.spec.inputs) {
+      ObjectEntry& object = objects_.at(input);
+      ++object.pending_uses;
+      if (!object.sealed) {
+        ++entry.unresolved;
+        object.waiting_tasks.push_back(id);
+      }
+    }
+    if (entry.unresolved == 0) MakeReady(id);
+  }
+  return Status::Ok();
+}
+
+std::vector<WorkerLoad> SchedulerCore::WorkerLoads() const {
+  std::vector<WorkerLoad> loads;
+  for (const auto& [id, p] : participants_) {
+    if (p.role != Role::kWorker) continue;
+    loads.push_back(WorkerLoad{id, p.alive, p.host_capacity - p.host_used - p.committed_bytes,
+                               p.tasks_in_flight});
+  }
+  return loads;
+}
+
+void SchedulerCore::MakeReady(TaskId id) {
+  TaskEntry& task = tasks_.at(id);
+  TaskDemand demand;
+  demand.pinned = task.spec.pinned_worker;
+  demand.memory_estimate_bytes = task.spec.memory_estimate_bytes;
+  for (ObjectId input : task.spec.inputs) {
+    const ObjectEntry& object = objects_.at(input);
+    for (WorkerId holder : object.holders) {
+      demand.local_bytes.emplace_back(holder, object.spec.meta.bytes());
+    }
+  }
+  Result<WorkerId> placed = PlaceTask(demand, WorkerLoads());
+  if (!placed.ok()) {
+    FailTask(task, placed.status().WithContext(fmt::format("placing task '{}'", task.spec.name)));
+    return;
+  }
+  task.worker = *placed;
+  Dispatch(task);
+}
+
+void SchedulerCore::Dispatch(TaskEntry& task) {
+  Participant& worker = participants_.at(task.worker);
+  task.state = TaskState::kDispatched;
+  ++task.attempts;
+  ++worker.tasks_in_flight;
+  worker.committed_bytes += task.spec.memory_estimate_bytes;
+  dispatch_batches_[task.worker].push_back(task.spec.id);
+}
+
+Status SchedulerCore::OnTasksFinished(Participant& from, proto::TasksFinished::Reader finished) {
+  for (proto::TaskResult::Reader result : finished.getResults()) {
+    auto it = tasks_.find(TaskId(result.getTask()));
+    if (it == tasks_.end() || it->second.worker != from.id ||
+        it->second.state != TaskState::kDispatched) {
+      GetLogger("scheduler")
+          ->warn("{} reported task {} that it was not running; ignored", from.id.ToString(),
+                 result.getTask());
+      continue;
+    }
+    TaskEntry& task = it->second;
+    --from.tasks_in_flight;
+    from.committed_bytes -= task.spec.memory_estimate_bytes;
+    if (result.hasError()) {
+      FailTask(
+          task,
+          rpc::FromWire(result.getError()).WithContext(fmt::format("on {}", Describe(from.id))));
+      continue;
+    }
+    std::unordered_map<uint64_t, proto::SealedObject::Reader> sealed;
+    for (proto::SealedObject::Reader output : result.getOutputs())
+      sealed.emplace(output.getId(), output);
+    for (const ObjectSpec& output : task.outputs) {
+      ObjectEntry& object = objects_.at(output.id);
+      auto found = sealed.find(output.id.value());
+      if (found == sealed.end()) {
+        FailObject(object, Internal("task '{}' finished on {} without producing {}", task.spec.name,
+                                    Describe(from.id), output.name));
+        continue;
+      }
+      const auto data = found->second.getInline();
+      SealObject(object, from.id, found->second.getBytes(),
+                 std::string(reinterpret_cast<const char*>(data.begin()), data.size()));
+    }
+    task.state = TaskState::kDone;
+    ++tasks_done_;
+    const std::vector<ObjectId> inputs = task.spec.inputs;
+    tasks_.erase(it);
+    for (ObjectId input : inputs) ReleaseUse(input);
+  }
+  return Status::Ok();
+}
+
+void SchedulerCore::SealObject(ObjectEntry& object, WorkerId holder, int64_t bytes,
+                               std::string inline_data) {
+  object.sealed = true;
+  object.holders = {holder};
+  object.inline_data = std::move(inline_data);
+  if (bytes != object.spec.meta.bytes()) {
+    GetLogger("scheduler")
+        ->warn("{} sealed with {} bytes, declared {}", object.spec.name, bytes,
+               object.spec.meta.bytes());
+  }
+  for (WorkerId watcher : object.watchers) QueueNotify(watcher, object.spec.id);
+  object.watchers.clear();
+  const std::vector<TaskId> waiting = std::move(object.waiting_tasks);
+  object.waiting_tasks.clear();
+  for (TaskId id : waiting) {
+    auto it = tasks_.find(id);
+    if (it != tasks_.end() && it->second.state == TaskState::kWaiting &&
+        --it->second.unresolved == 0) {
+      MakeReady(id);
+    }
+  }
+  MaybeFree(object);
+}
+
+void SchedulerCore::FailObject(ObjectEntry& object, const Status& error) {
+  object.error = error;
+  object.sealed = false;
+  for (WorkerId watcher : object.watchers) QueueNotify(watcher, object.spec.id);
+  object.watchers.clear();
+  const std::vector<TaskId> waiting = std::move(object.waiting_tasks);
+  object.waiting_tasks.clear();
+  for (TaskId id : waiting) {
+    auto it = tasks_.find(id);
+    if (it != tasks_.end() && it->second.state == TaskState::kWaiting) {
+      FailTask(it->second, error.WithContext(fmt::format("input {} of task '{}'", object.spec.name,
+                                                         it->second.spec.name)));
+    }
+  }
+  MaybeFree(object);
+}
+
+void SchedulerCore::FailTask(TaskEntry& task, const Status& error) {
+  GetLogger("scheduler")->warn("task '{}' failed: {}", task.spec.name, error.ToString());
+  if (task.state == TaskState::kDispatched) {
+    if (Participant* worker = Find(task.worker)) {
+      --worker->tasks_in_flight;
+      worker->committed_bytes -= task.spec.memory_estimate_bytes;
+    }
+  }
+  task.state = TaskState::kFailed;
+  const TaskId id = task.spec.id;
+  const std::vector<ObjectSpec> outputs = task.outputs;
+  const std::vector<ObjectId> inputs = task.spec.inputs;
+  const bool counted = task.uses_counted;
+  tasks_.erase(id);
+  for (const ObjectSpec& output : outputs) {
+    auto it = objects_.find(output.id);
+    if (it != objects_.end() && !it->second.finished()) FailObject(it->second, error);
+  }
+  if (counted) {
+    for (ObjectId input : inputs) {
+      auto it = objects_.find(input);
+      if (it == objects_.end()) continue;
+      auto& waiting = it->second.waiting_tasks;
+      waiting.erase(std::remove(waiting.begin(), waiting.end(), id), waiting.end());
+      ReleaseUse(input);
+    }
+  }
+}
+
+void SchedulerCore::ReleaseUse(ObjectId id) {
+  auto it = objects_.find(id);
+  if (it == objects_.end()) return;
+  --it->second.pending_uses;
+  MaybeFree(it->second);
+}
+
+void SchedulerCore::MaybeFree(ObjectEntry& object) {
+  if (!object.finished() || object.driver_refs > 0 || object.pending_uses > 0 ||
+      !object.waiting_tasks.empty() || !object.watchers.empty()) {
+    return;
+  }
+  for (WorkerId holder : object.holders) free_batches_[holder].push_back(object.spec.id);
+  objects_.erase(object.spec.id);
+}
+
+Status SchedulerCore::OnPutObjects(Participant& from, proto::PutObjects::Reader put) {
+  const auto inlines = put.getInline();
+  unsigned i = 0;
+  for (proto::ObjectDecl::Reader decl : put.getObjects()) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec spec, rpc::FromWire(decl));
+    if (!spec.id.valid() || objects_.contains(spec.id)) {
+      return InvalidArgument("put of {} whose id is invalid or in use", spec.id.ToString());
+    }
+    std::string data;
+    if (i < inlines.size()) {
+      data.assign(reinterpret_cast<const char*>(inlines[i].begin()), inlines[i].size());
+    }
+    ++i;
+    ObjectEntry& object = objects_[spec.id];
+    object.spec = std::move(spec);
+    object.driver_refs = 1;
+    ++from.refs[object.spec.id.value()];
+    object.sealed = true;
+    object.holders = {from.id};
+    object.inline_data = std::move(data);
+  }
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnReleaseObjects(Participant& from, proto::ReleaseObjects::Reader release) {
+  for (uint64_t raw : release.getIds()) {
+    auto ref = from.refs.find(raw);
+    if (ref == from.refs.end()) continue;  // double release: harmless, ignored
+    if (--ref->second == 0) from.refs.erase(ref);
+    auto it = objects_.find(ObjectId(raw));
+    if (it == objects_.end()) continue;
+    --it->second.driver_refs;
+    MaybeFree(it->second);
+  }
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnWatchObjects(Participant& from, proto::WatchObjects::Reader watch) {
+  for (uint64_t raw : watch.getIds()) {
+    auto it = objects_.find(ObjectId(raw));
+    if (it == objects_.end() || it->second.finished()) {
+      QueueNotify(from.id, ObjectId(raw));
+    } else {
+      it->second.watchers.push_back(from.id);
+    }
+  }
+  return Status::Ok();
+}
+
+void SchedulerCore::QueueNotify(WorkerId driver, ObjectId object) {
+  notify_batches_[driver].push_back(object);
+}
+
+void SchedulerCore::OnStatusRequest(Participant& from, uint64_t request_id) {
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request_id);
+  auto status = envelope.initBody().initStatusReply();
+  int workers = 0, drivers = 0;
+  for (const auto& [id, p] : participants_) {
+    workers += p.role == Role::kWorker;
+    drivers += p.role == Role::kDriver;
+  }
+  auto list = status.initWorkers(static_cast<unsigned>(workers));
+  unsigned i = 0;
+  int64_t queued = 0, running = 0;
+  for (const auto& [id, task] : tasks_) {
+    queued += task.state == TaskState::kWaiting;
+    running += task.state == TaskState::kDispatched;
+  }
+  for (const auto& [id, p] : participants_) {
+    if (p.role != Role::kWorker) continue;
+    auto w = list[i++];
+    w.setId(id.value());
+    w.setHostname(p.hostname);
+    w.setPid(p.pid);
+    w.setAlive(p.alive);
+    w.setDataAddress(p.data_address);
+    w.setTasksQueued(p.tasks_in_flight);
+    auto hb = w.initHeartbeat();
+    hb.setHostUsed(p.host_used);
+    hb.setHostCapacity(p.host_capacity);
+    hb.setSpilledBytes(p.spilled_bytes);
+    hb.setTasksRunning(p.tasks_in_flight);
+    hb.setTasksDone(p.tasks_done);
+  }
+  status.setDrivers(drivers);
+  status.setObjects(static_cast<int64_t>(objects_.size()));
+  status.setTasksQueued(queued);
+  status.setTasksRunning(running);
+  status.setTasksDone(tasks_done_);
+  status.setSessionDir(options_.session_dir);
+  outbox_->Send(from.id, message);
+}
+
+void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
+  Participant* participant = Find(who);
+  if (participant == nullptr) return;
+  if (participant->role == Role::kWorker && participant->alive) {
+    DeclareDead(*participant, reason);
+  } else if (participant->role == Role::kDriver) {
+    // The driver's references go with it; so do the objects it held (its Puts).
+    const auto refs = std::move(participant->refs);
+    for (const auto& [raw, count] : refs) {
+      auto it = objects_.find(ObjectId(raw));
+      if (it == objects_.end()) continue;
+      it->second.driver_refs -= count;
+      MaybeFree(it->second);
+    }
+    std::vector<ObjectId> held;
+    for (auto& [id, object] : objects_) {
+      auto& w = object.watchers;
+      w.erase(std::remove(w.begin(), w.end(), who), w.end());
+      if (std::find(object.holders.begin(), object.holders.end(), who) != object.holders.end()) {
+        held.push_back(id);
+      }
+    }
+    for (ObjectId id : held) {
+      auto it = objects_.find(id);
+      if (it == objects_.end()) continue;
+      auto& holders = it->second.holders;
+      holders.erase(std::remove(holders.begin(), holders.end(), who), holders.end());
+      if (holders.empty() && it->second.inline_data.empty()) {
+        FailObject(it->second,
+                   Unavailable("{} was lost: the driver that put it exited", it->second.spec.name));
+      }
+    }
+  }
+  participants_.erase(who);
+  notify_batches_.erase(who);
+  dispatch_batches_.erase(who);
+  free_batches_.erase(who);
+  Flush();
+}
+
+void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
+  worker.alive = false;
+  const std::string who = Describe(worker.id);
+  GetLogger("scheduler")->warn("{} is dead: {}", who, reason.ToString());
+  dispatch_batches_.erase(worker.id);
+  free_batches_.erase(worker.id);
+  // Objects whose only copy was on the dead worker are lost.
+  std::vector<ObjectId> lost;
+  for (auto& [id, object] : objects_) {
+    auto& holders = object.holders;
+    if (std::find(holders.begin(), holders.end(), worker.id) == holders.end()) continue;
+    holders.erase(std::remove(holders.begin(), holders.end(), worker.id), holders.end());
+    if (holders.empty() && object.sealed && object.inline_data.empty()) lost.push_back(id);
+  }
+  // Tasks it was running: retry elsewhere when their inputs survive, else fail them.
+  std::vector<TaskId> in_flight;
+  for (auto& [id, task] : tasks_) {
+    if (task.state == TaskState::kDispatched && task.worker == worker.id) in_flight.push_back(id);
+  }
+  worker.tasks_in_flight = 0;
+  worker.committed_bytes = 0;
+  for (ObjectId id : lost) {
+    auto it = objects_.find(id);
+    if (it == objects_.end()) continue;
+    FailObject(it->second, Unavailable("{} was lost: its only copy was on {}, which died ({})",
+                                       it->second.spec.name, who, reason.message()));
+  }
+  for (TaskId id : in_flight) {
+    auto it = tasks_.find(id);
+    if (it == tasks_.end()) continue;
+    TaskEntry& task = it->second;
+    std::vector<std::string> missing;
+    for (ObjectId input : task.spec.inputs) {
+      auto object = objects_.find(input);
+      if (object == objects_.end() || !object->second.sealed) {
+        missing.push_back(object == objects_.end() ? input.ToString() : object->second.spec.name);
+      }
+    }
+    if (missing.empty() && task.attempts < options_.max_task_attempts) {
+      GetLogger("scheduler")->info("retrying task '{}' after {} died", task.spec.name, who);
+      task.state = TaskState::kWaiting;
+      MakeReady(id);
+    } else {
+      FailTask(task, Unavailable("task '{}' was running on {}, which died ({}); {}", task.spec.name,
+                                 who, reason.message(),
+                                 missing.empty()
+                                     ? fmt::format("it already ran {} times", task.attempts)
+                                     : fmt::format("lost inputs: {}", fmt::join(missing, ", "))));
+    }
+  }
+}
+
+void SchedulerCore::Tick() {
+  const Clock::time_point now = now_();
+  const auto timeout = std::chrono::milliseconds(options_.heartbeat_timeout_ms);
+  std::vector<WorkerId> dead;
+  for (auto& [id, p] : participants_) {
+    if (p.role == Role::kWorker && p.alive && now - p.last_heard > timeout) dead.push_back(id);
+  }
+  for (WorkerId id : dead) {
+    Status reason = Unavailable("no heartbeat for {} ms", options_.heartbeat_timeout_ms);
+    DeclareDead(participants_.at(id), reason);
+    outbox_->Disconnect(id, reason);
+  }
+  Flush();
+}
+
+void SchedulerCore::Flush() {
+  for (auto& [worker, ids] : dispatch_batches_) {
+    if (ids.empty()) continue;
+    capnp::MallocMessageBuilder message;
+    auto list = message.initRoot<proto::Envelope>().initBody().initDispatchTasks().initTasks(
+        static_cast<unsigned>(ids.size()));
+    for (unsigned i = 0; i < ids.size(); ++i) {
+      const TaskEntry& task = tasks_.at(ids[i]);
+      auto out = list[i];
+      rpc::ToWire(task.spec, task.outputs, out.initTask());
+      std::vector<const ObjectEntry*> remote, inlined;
+      for (ObjectId input : task.spec.inputs) {
+        const ObjectEntry& object = objects_.at(input);
+        if (std::find(object.holders.begin(), object.holders.end(), worker) !=
+            object.holders.end()) {
+          continue;
+        }
+        (object.inline_data.empty() ? remote : inlined).push_back(&object);
+      }
+      auto sources = out.initSources(static_cast<unsigned>(remote.size()));
+      for (unsigned j = 0; j < remote.size(); ++j) {
+        const ObjectEntry& object = *remote[j];
+        const Participant& holder = participants_.at(object.holders.front());
+        sources[j].setObject(object.spec.id.value());
+        sources[j].setHolder(holder.id.value());
+        sources[j].setAddress(holder.data_address);
+        sources[j].setBytes(object.spec.meta.bytes());
+      }
+      auto inlines = out.initInlineInputs(static_cast<unsigned>(inlined.size()));
+      for (unsigned j = 0; j < inlined.size(); ++j) {
+        inlines[j].setId(inlined[j]->spec.id.value());
+        inlines[j].setBytes(static_cast<int64_t>(inlined[j]->inline_data.size()));
+        inlines[j].setInline(
+            capnp::Data::Reader(reinterpret_cast<const kj::byte*>(inlined[j]->inline_data.data()),
+                                inlined[j]->inline_data.size()));
+      }
+    }
+    outbox_->Send(worker, message);
+  }
+  dispatch_batches_.clear();
+
+  for (auto& [driver, ids] : notify_batches_) {
+    if (ids.empty()) continue;
+    capnp::MallocMessageBuilder message;
+    auto list = message.initRoot<proto::Envelope>().initBody().initObjectsReady().initObjects(
+        static_cast<unsigned>(ids.size()));
+    for (unsigned i = 0; i < ids.size(); ++i) {
+      auto out = list[i];
+      out.setId(ids[i].value());
+      auto it = objects_.find(ids[i]);
+      if (it == objects_.end()) {
+        rpc::ToWire(
+            NotFound("{} is unknown to the scheduler (never created, or freed)", ids[i].ToString()),
+            out.initError());
+        continue;
+      }
+      const ObjectEntry& object = it->second;
+      if (!object.error.ok()) {
+        rpc::ToWire(object.error, out.initError());
+        continue;
+      }
+      auto source = out.initSource();
+      source.setObject(object.spec.id.value());
+      source.setBytes(object.spec.meta.bytes());
+      if (!object.holders.empty()) {
+        const Participant& holder = participants_.at(object.holders.front());
+        source.setHolder(holder.id.value());
+        source.setAddress(holder.data_address);
+      }
+      if (!object.inline_data.empty()) {
+        out.setInline(
+            capnp::Data::Reader(reinterpret_cast<const kj::byte*>(object.inline_data.data()),
+                                object.inline_data.size()));
+      }
+    }
+    outbox_->Send(driver, message);
+  }
+  notify_batches_.clear();
+
+  for (auto& [holder, ids] : free_batches_) {
+    if (ids.empty()) continue;
+    Participant* participant = Find(holder);
+    if (participant == nullptr || !participant->alive) continue;
+    capnp::MallocMessageBuilder message;
+    auto list = message.initRoot<proto::Envelope>().initBody().initFreeObjects().initIds(
+        static_cast<unsigned>(ids.size()));
+    for (unsigned i = 0; i < ids.size(); ++i) list.set(i, ids[i].value());
+    outbox_->Send(holder, message);
+  }
+  free_batches_.clear();
+}
+
+}  // namespace tessera
