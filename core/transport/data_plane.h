@@ -1,0 +1,88 @@
+// DataPlane: moves objects between processes, peer to peer, over UCX.
+//
+// Every process that holds objects (workers, and drivers for what they Put) runs one DataPlane:
+// it serves its objects to peers that ask, and pulls objects from peers. The scheduler never
+// sees the bytes; it only tells a puller where an object lives (the holder's address()).
+//
+// Protocol (UCX active messages; UCX is behind this one wrapper):
+//   puller -> holder   kGetChunk {request, object, offset, length}
+//   holder -> puller   kChunk    {request, status, length} + the bytes, sent with UCX's
+//                       rendezvous protocol so large chunks move zero-copy (CMA or shared memory
+//                       on one host, TCP between hosts); or, on error, the message text.
+// A pull is cut into chunks of `chunk_bytes`, at most `chunks_in_flight` outstanding, so the
+// holder's sends and the puller's receives overlap (pipelining).
+//
+// Threads: one progress thread owns the UCX worker and does every UCX call. It sleeps on UCX's
+// wakeup file descriptor and an eventfd for commands, so an idle data plane uses no CPU. Pull and
+// ForgetPeer may be called from any thread; callbacks run on the progress thread and must not
+// block.
+//
+// Failures: a pull fails (never hangs) when the holder reports an error (unknown object), when
+// its deadline passes, when the peer's endpoint fails, or when ForgetPeer is called for the peer
+// (the control plane's verdict that it died). Peer-failure detection by UCX itself
+// (`detect_peer_failure`) costs shared-memory transports in UCX 1.13, so on one host the default
+// relies on the control plane and deadlines instead.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "core/ids.h"
+#include "core/status.h"
+
+namespace tessera {
+
+// What a holder serves for one object: a readable range kept alive by `keepalive` until the
+// transfer completes.
+struct ServedObject {
+  const void* data = nullptr;
+  int64_t bytes = 0;
+  std::shared_ptr<void> keepalive;
+};
+// Called on the progress thread; must be thread-safe with the caller's own use of the objects.
+using ObjectLookup = std::function<Result<ServedObject>(ObjectId)>;
+
+struct DataPlaneOptions {
+  std::string host = "127.0.0.1";  // where the listener binds; peers connect here
+  uint16_t port = 0;               // 0: any free port
+  int64_t chunk_bytes = 8 << 20;
+  int chunks_in_flight = 4;
+  int pull_timeout_ms = 30'000;
+  bool detect_peer_failure = false;  // UCX peer-failure mode (TCP only in UCX 1.13)
+};
+
+struct DataPlaneStats {
+  int64_t bytes_pulled = 0;
+  int64_t bytes_served = 0;
+  int64_t pulls = 0;
+  int64_t serves = 0;
+};
+
+class DataPlane {
+ public:
+  using PullCallback = std::function<void(const Status&)>;
+
+  // Unavailable naming the address when UCX cannot start or listen.
+  static Result<std::unique_ptr<DataPlane>> Start(const DataPlaneOptions& options,
+                                                  ObjectLookup lookup);
+  virtual ~DataPlane() = default;
+
+  // "host:port" peers use to reach this process.
+  virtual const std::string& address() const = 0;
+
+  // Copies bytes [0, bytes) of `object` held by the peer at `address` into `dest`, then calls
+  // `done` (on the progress thread). REQUIRES: dest stays valid until `done` runs.
+  virtual void Pull(const std::string& address, ObjectId object, void* dest, int64_t bytes,
+                    PullCallback done) = 0;
+  // Blocking form of Pull.
+  Status PullAndWait(const std::string& address, ObjectId object, void* dest, int64_t bytes);
+
+  // Fails every pull from the peer and closes its endpoint (the peer died).
+  virtual void ForgetPeer(const std::string& address, const Status& reason) = 0;
+
+  virtual DataPlaneStats stats() const = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,690 @@
+// The UCX implementation of DataPlane (see data_plane.h for the protocol and threading).
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <ucp/api/ucp.h>
+
+#include "core/logging.h"
+#include "core/transport/data_plane.h"
+
+namespace tessera {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Active message ids.
+constexpr uint16_t kGetChunk = 11;
+constexpr uint16_t kChunk = 12;
+
+struct GetChunkHeader {
+  uint64_t request;
+  uint64_t object;
+  int64_t offset;
+  int64_t length;
+};
+
+struct ChunkHeader {
+  uint64_t request;
+  int32_t status;  // StatusCode; 0 = OK and the payload is the bytes, else the error text
+  int32_t reserved;
+  int64_t length;
+};
+
+Status UcxError(const char* what, ucs_status_t status) {
+  return Unavailable("UCX {} failed: {}", what, ucs_status_string(status));
+}
+
+#define TESSERA_UCX_RETURN_IF_ERROR(call, what)                    \
+  do {                                                             \
+    const ucs_status_t ucx_status_ = (call);                       \
+    if (ucx_status_ != UCS_OK) return UcxError(what, ucx_status_); \
+  } while (0)
+
+Result<sockaddr_storage> Resolve(const std::string& host, uint16_t port, socklen_t* length) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  const int error = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &result);
+  if (error != 0 || result == nullptr) {
+    return Unavailable("cannot resolve data-plane host '{}': {}", host, gai_strerror(error));
+  }
+  sockaddr_storage storage{};
+  std::memcpy(&storage, result->ai_addr, result->ai_addrlen);
+  *length = result->ai_addrlen;
+  ::freeaddrinfo(result);
+  return storage;
+}
+
+Result<std::pair<std::string, uint16_t>> SplitAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    return InvalidArgument("data-plane address '{}' is not HOST:PORT", address);
+  }
+  const int port = std::atoi(address.c_str() + colon + 1);
+  if (port <= 0 || port > 65535) {
+    return InvalidArgument("data-plane address '{}' has a bad port", address);
+  }
+  return std::make_pair(address.substr(0, colon), static_cast<uint16_t>(port));
+}
+
+class UcxDataPlane final : public DataPlane {
+ public:
+  UcxDataPlane(DataPlaneOptions options, ObjectLookup lookup)
+      : options_(std::move(options)), lookup_(std::move(lookup)) {}
+  ~UcxDataPlane() override { Shutdown(); }
+
+  Status Init();
+  const std::string& address() const override { return address_; }
+  void Pull(const std::string& address, ObjectId object, void* dest, int64_t bytes,
+            PullCallback done) override;
+  void ForgetPeer(const std::string& address, const Status& reason) override;
+  DataPlaneStats stats() const override {
+    std::lock_guard lock(stats_mutex_);
+    return stats_;
+  }
+
+ private:
+  struct Peer {
+    ucp_ep_h ep = nullptr;
+    Status failure;  // set when the endpoint failed or the peer was forgotten
+  };
+  struct PullState {
+    uint64_t id;
+    std::string address;
+    ObjectId object;
+    char* dest;
+    int64_t bytes;
+    int64_t next_offset = 0;
+    int outstanding = 0;
+    Status error;
+    Clock::time_point deadline;
+    PullCallback done;
+  };
+  struct ChunkRequest {
+    uint64_t pull;
+    int64_t offset;
+    int64_t length;
+  };
+  struct ServeRequest {
+    ucp_ep_h reply_ep;
+    GetChunkHeader header;
+  };
+  struct ReceiveRequest {
+    uint64_t request;
+    void* descriptor;  // rendezvous descriptor, received with ucp_am_recv_data_nbx
+    int64_t length;
+  };
+  // One outstanding UCX operation, owned by the progress thread until its callback fires.
+  struct Operation {
+    UcxDataPlane* plane;
+    std::shared_ptr<void> keepalive;
+    std::vector<char> payload;   // header or error text that must outlive the send
+    uint64_t chunk_request = 0;  // for receives: which chunk completes
+    int64_t bytes = 0;
+  };
+
+  void Run();  // progress thread
+  void Post(std::function<void()> command);
+  void Wake();
+  void DrainCommands();
+  void ServePending();
+  void ReceivePending();
+  void CheckDeadlines();
+  void Shutdown();
+
+  Result<ucp_ep_h> PeerEndpoint(const std::string& address);
+  void IssueChunks(PullState& pull);
+  void ChunkDone(uint64_t request, const Status& status, int64_t bytes);
+  void FinishPull(uint64_t pull_id);
+  void FailPullsTo(const std::string& address, const Status& reason);
+  void SendReply(ucp_ep_h ep, uint64_t request, const Status& status, const void* data,
+                 int64_t length, std::shared_ptr<void> keepalive);
+
+  static ucs_status_t OnGetChunk(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnChunk(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static void OnConnection(ucp_conn_request_h request, void* arg);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data);
+  static void OnReceiveDone(void* request, ucs_status_t status, size_t length, void* user_data);
+
+  const DataPlaneOptions options_;
+  ObjectLookup lookup_;
+  std::string address_;
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  int ucx_fd_ = -1;
+  int event_fd_ = -1;
+  int epoll_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+
+  std::mutex command_mutex_;
+  std::vector<std::function<void()>> commands_;  // under command_mutex_
+
+  // Progress-thread state.
+  std::unordered_map<std::string, Peer> peers_;
+  std::vector<ucp_ep_h> accepted_;
+  std::unordered_map<uint64_t, PullState> pulls_;
+  std::unordered_map<uint64_t, ChunkRequest> chunks_;
+  std::vector<ServeRequest> serves_;
+  std::vector<ReceiveRequest> receives_;
+  uint64_t next_pull_ = 1;
+  uint64_t next_request_ = 1;
+
+  mutable std::mutex stats_mutex_;
+  DataPlaneStats stats_;
+};
+
+Status UcxDataPlane::Init() {
+  ucp_config_t* config = nullptr;
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.name = "tessera";
+  const ucs_status_t init = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  TESSERA_UCX_RETURN_IF_ERROR(init, "init");
+
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_create(context_, &worker_params, &worker_),
+                              "worker create");
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_efd(worker_, &ucx_fd_), "get event fd");
+
+  for (auto [id, callback] : {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk}}) {
+    ucp_am_handler_param_t handler{};
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.id = id;
+    handler.cb = callback;
+    handler.arg = this;
+    TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_set_am_recv_handler(worker_, &handler),
+                                "set active-message handler");
+  }
+
+  socklen_t length = 0;
+  TESSERA_ASSIGN_OR_RETURN(sockaddr_storage bind_address,
+                           Resolve(options_.host, options_.port, &length));
+  ucp_listener_params_t listener_params{};
+  listener_params.field_mask =
+      UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  listener_params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_address);
+  listener_params.sockaddr.addrlen = length;
+  listener_params.conn_handler.cb = &OnConnection;
+  listener_params.conn_handler.arg = this;
+  const ucs_status_t listen = ucp_listener_create(worker_, &listener_params, &listener_);
+  if (listen != UCS_OK) {
+    return Unavailable("data plane cannot listen on {}:{}: {}", options_.host, options_.port,
+                       ucs_status_string(listen));
+  }
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_listener_query(listener_, &attr), "listener query");
+  const uint16_t port = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+  address_ = fmt::format("{}:{}", options_.host, port);
+
+  event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (event_fd_ < 0 || epoll_fd_ < 0) return Internal("eventfd/epoll: {}", std::strerror(errno));
+  for (int fd : {ucx_fd_, event_fd_}) {
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.fd = fd;
+    if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event) != 0) {
+      return Internal("epoll_ctl: {}", std::strerror(errno));
+    }
+  }
+  thread_ = std::thread([this] { Run(); });
+  return Status::Ok();
+}
+
+void UcxDataPlane::Run() {
+  while (!stopping_.load()) {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    DrainCommands();
+    ServePending();
+    ReceivePending();
+    CheckDeadlines();
+    if (!serves_.empty() || !receives_.empty()) continue;
+    const ucs_status_t armed = ucp_worker_arm(worker_);
+    if (armed == UCS_ERR_BUSY) continue;  // more events arrived: progress again
+    epoll_event events[2];
+    const int timeout_ms = pulls_.empty() ? 500 : 50;  // deadlines are checked at least this often
+    ::epoll_wait(epoll_fd_, events, 2, timeout_ms);
+    uint64_t drained;
+    while (::read(event_fd_, &drained, sizeof(drained)) > 0) {
+    }
+  }
+}
+
+void UcxDataPlane::Post(std::function<void()> command) {
+  {
+    std::lock_guard lock(command_mutex_);
+    commands_.push_back(std::move(command));
+  }
+  Wake();
+}
+
+void UcxDataPlane::Wake() {
+  const uint64_t one = 1;
+  [[maybe_unused]] const ssize_t written = ::write(event_fd_, &one, sizeof(one));
+}
+
+void UcxDataPlane::DrainCommands() {
+  std::vector<std::function<void()>> commands;
+  {
+    std::lock_guard lock(command_mutex_);
+    commands.swap(commands_);
+  }
+  for (auto& command : commands) command();
+}
+
+void UcxDataPlane::OnConnection(ucp_conn_request_h request, void* arg) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.conn_request = request;
+  params.err_handler.cb = &OnEndpointError;
+  params.err_handler.arg = self;
+  if (self->options_.detect_peer_failure) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  }
+  ucp_ep_h ep = nullptr;
+  if (ucp_ep_create(self->worker_, &params, &ep) == UCS_OK) self->accepted_.push_back(ep);
+}
+
+void UcxDataPlane::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  for (auto& [address, peer] : self->peers_) {
+    if (peer.ep == ep && peer.failure.ok()) {
+      self->FailPullsTo(address, Unavailable("data-plane peer {} failed: {}", address,
+                                             ucs_status_string(status)));
+    }
+  }
+}
+
+ucs_status_t UcxDataPlane::OnGetChunk(void* arg, const void* header, size_t header_length,
+                                      void* /*data*/, size_t /*length*/,
+                                      const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  if (header_length != sizeof(GetChunkHeader) ||
+      !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    return UCS_OK;  // malformed request: drop it
+  }
+  ServeRequest serve;
+  serve.reply_ep = param->reply_ep;
+  std::memcpy(&serve.header, header, sizeof(GetChunkHeader));
+  self->serves_.push_back(serve);  // answered from the progress loop, not inside the callback
+  return UCS_OK;
+}
+
+ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  if (header_length != sizeof(ChunkHeader)) return UCS_OK;
+  ChunkHeader chunk_header;
+  std::memcpy(&chunk_header, header, sizeof(ChunkHeader));
+  auto chunk = self->chunks_.find(chunk_header.request);
+  if (chunk == self->chunks_.end()) {
+    // A reply for a pull that already failed (deadline, forgotten peer): drop its data.
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) ucp_am_data_release(self->worker_, data);
+    return UCS_OK;
+  }
+  if (chunk_header.status != 0) {
+    const std::string text(static_cast<const char*>(data), length);
+    self->ChunkDone(chunk_header.request,
+                    Status(static_cast<StatusCode>(chunk_header.status), text), 0);
+    return UCS_OK;
+  }
+  if (static_cast<int64_t>(length) != chunk->second.length) {
+    self->ChunkDone(
+        chunk_header.request,
+        DataLoss("peer sent {} bytes for a {}-byte chunk", length, chunk->second.length), 0);
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    self->receives_.push_back(
+        ReceiveRequest{chunk_header.request, data, static_cast<int64_t>(length)});
+    return UCS_INPROGRESS;
+  }
+  // Eager: the bytes are here already.
+  PullState& pull = self->pulls_.at(chunk->second.pull);
+  std::memcpy(pull.dest + chunk->second.offset, data, length);
+  self->ChunkDone(chunk_header.request, Status::Ok(), static_cast<int64_t>(length));
+  return UCS_OK;
+}
+
+void UcxDataPlane::OnSendDone(void* request, ucs_status_t /*status*/, void* user_data) {
+  // The bytes (or the error text) may be released now; a failed send surfaces on the puller.
+  delete static_cast<Operation*>(user_data);
+  ucp_request_free(request);
+}
+
+void UcxDataPlane::OnReceiveDone(void* request, ucs_status_t status, size_t length,
+                                 void* user_data) {
+  auto* operation = static_cast<Operation*>(user_data);
+  operation->plane->ChunkDone(operation->chunk_request,
+                              status == UCS_OK ? Status::Ok() : UcxError("chunk receive", status),
+                              static_cast<int64_t>(length));
+  delete operation;
+  ucp_request_free(request);
+}
+
+void UcxDataPlane::SendReply(ucp_ep_h ep, uint64_t request, const Status& status, const void* data,
+                             int64_t length, std::shared_ptr<void> keepalive) {
+  auto* operation = new Operation{this, std::move(keepalive), {}, 0, length};
+  // The payload holds the header and, for an error, its text (sent in place of the bytes).
+  const std::string& text = status.ok() ? std::string() : status.message();
+  if (!status.ok()) length = static_cast<int64_t>(text.size());
+  const ChunkHeader header{request, static_cast<int32_t>(status.code()), 0, length};
+  operation->payload.resize(sizeof(ChunkHeader) + text.size());
+  std::memcpy(operation->payload.data(), &header, sizeof(ChunkHeader));
+  if (!text.empty())
+    std::memcpy(operation->payload.data() + sizeof(ChunkHeader), text.data(), text.size());
+  const void* body = status.ok() ? data : operation->payload.data() + sizeof(ChunkHeader);
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.cb.send = &OnSendDone;
+  params.user_data = operation;
+  params.flags = status.ok() && length > 0 ? UCP_AM_SEND_FLAG_RNDV : 0;
+  ucs_status_ptr_t sent =
+      ucp_am_send_nbx(ep, kChunk, operation->payload.data(), sizeof(ChunkHeader), body,
+                      static_cast<size_t>(length), &params);
+  if (UCS_PTR_IS_ERR(sent)) {
+    GetLogger("data_plane")->warn("reply send failed: {}", ucs_status_string(UCS_PTR_STATUS(sent)));
+    delete operation;
+  }
+}
+
+void UcxDataPlane::ServePending() {
+  std::vector<ServeRequest> serves;
+  serves.swap(serves_);
+  for (const ServeRequest& serve : serves) {
+    const GetChunkHeader& h = serve.header;
+    Result<ServedObject> object = lookup_(ObjectId(h.object));
+    if (!object.ok()) {
+      SendReply(serve.reply_ep, h.request, object.status(), nullptr, 0, nullptr);
+      continue;
+    }
+    if (h.offset < 0 || h.length < 0 || h.offset + h.length > object->bytes) {
+      SendReply(serve.reply_ep, h.request,
+                InvalidArgument("chunk [{}, +{}) is outside obj{} of {} bytes", h.offset, h.length,
+                                h.object, object->bytes),
+                nullptr, 0, nullptr);
+      continue;
+    }
+    SendReply(serve.reply_ep, h.request, Status::Ok(),
+              static_cast<const char*>(object->data) + h.offset, h.length,
+              std::move(object->keepalive));
+    std::lock_guard lock(stats_mutex_);
+    stats_.bytes_served += h.length;
+    ++stats_.serves;
+  }
+}
+
+void UcxDataPlane::ReceivePending() {
+  std::vector<ReceiveRequest> receives;
+  receives.swap(receives_);
+  for (const ReceiveRequest& receive : receives) {
+    auto chunk = chunks_.find(receive.request);
+    if (chunk == chunks_.end()) continue;  // pull already failed; UCX drops the descriptor
+    PullState& pull = pulls_.at(chunk->second.pull);
+    auto* operation = new Operation{this, nullptr, {}, receive.request, receive.length};
+    ucp_request_param_t params{};
+    params.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    params.cb.recv_am = &OnReceiveDone;
+    params.user_data = operation;
+    ucs_status_ptr_t started =
+        ucp_am_recv_data_nbx(worker_, receive.descriptor, pull.dest + chunk->second.offset,
+                             static_cast<size_t>(receive.length), &params);
+    if (UCS_PTR_IS_ERR(started)) {
+      delete operation;
+      ChunkDone(receive.request, UcxError("chunk receive", UCS_PTR_STATUS(started)), 0);
+    }
+  }
+}
+
+Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
+  auto it = peers_.find(address);
+  if (it != peers_.end()) {
+    if (!it->second.failure.ok()) return it->second.failure;
+    return it->second.ep;
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto host_port, SplitAddress(address));
+  socklen_t length = 0;
+  TESSERA_ASSIGN_OR_RETURN(sockaddr_storage peer_address,
+                           Resolve(host_port.first, host_port.second, &length));
+  ucp_ep_params_t params{};
+  params.field_mask =
+      UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&peer_address);
+  params.sockaddr.addrlen = length;
+  params.err_handler.cb = &OnEndpointError;
+  params.err_handler.arg = this;
+  if (options_.detect_peer_failure) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  }
+  ucp_ep_h ep = nullptr;
+  const ucs_status_t created = ucp_ep_create(worker_, &params, &ep);
+  if (created != UCS_OK) {
+    return Unavailable("cannot reach data-plane peer {}: {}", address, ucs_status_string(created));
+  }
+  peers_[address].ep = ep;
+  return ep;
+}
+
+void UcxDataPlane::Pull(const std::string& address, ObjectId object, void* dest, int64_t bytes,
+                        PullCallback done) {
+  Post([this, address, object, dest, bytes, done = std::move(done)]() mutable {
+    const uint64_t id = next_pull_++;
+    PullState& pull = pulls_[id];
+    pull.id = id;
+    pull.address = address;
+    pull.object = object;
+    pull.dest = static_cast<char*>(dest);
+    pull.bytes = bytes;
+    pull.deadline = Clock::now() + std::chrono::milliseconds(options_.pull_timeout_ms);
+    pull.done = std::move(done);
+    IssueChunks(pull);
+    if (pull.outstanding == 0) FinishPull(id);  // zero bytes, or the first send failed
+  });
+}
+
+void UcxDataPlane::IssueChunks(PullState& pull) {
+  while (pull.error.ok() && pull.next_offset < pull.bytes &&
+         pull.outstanding < options_.chunks_in_flight) {
+    Result<ucp_ep_h> ep = PeerEndpoint(pull.address);
+    if (!ep.ok()) {
+      pull.error = ep.status();
+      return;
+    }
+    const int64_t length = std::min(options_.chunk_bytes, pull.bytes - pull.next_offset);
+    const uint64_t request = next_request_++;
+    chunks_[request] = ChunkRequest{pull.id, pull.next_offset, length};
+    auto* operation = new Operation{this, nullptr, {}, 0, 0};
+    operation->payload.resize(sizeof(GetChunkHeader));
+    const GetChunkHeader header{request, pull.object.value(), pull.next_offset, length};
+    std::memcpy(operation->payload.data(), &header, sizeof(header));
+    ucp_request_param_t params{};
+    params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    params.cb.send = &OnSendDone;
+    params.user_data = operation;
+    params.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucs_status_ptr_t sent = ucp_am_send_nbx(*ep, kGetChunk, operation->payload.data(),
+                                            sizeof(GetChunkHeader), nullptr, 0, &params);
+    if (UCS_PTR_IS_ERR(sent)) {
+      delete operation;
+      chunks_.erase(request);
+      pull.error = UcxError("chunk request", UCS_PTR_STATUS(sent));
+      return;
+    }
+    pull.next_offset += length;
+    ++pull.outstanding;
+  }
+}
+
+void UcxDataPlane::ChunkDone(uint64_t request, const Status& status, int64_t bytes) {
+  auto chunk = chunks_.find(request);
+  if (chunk == chunks_.end()) return;
+  const uint64_t pull_id = chunk->second.pull;
+  chunks_.erase(chunk);
+  auto it = pulls_.find(pull_id);
+  if (it == pulls_.end()) return;
+  PullState& pull = it->second;
+  --pull.outstanding;
+  if (!status.ok() && pull.error.ok()) pull.error = status;
+  if (status.ok()) {
+    std::lock_guard lock(stats_mutex_);
+    stats_.bytes_pulled += bytes;
+  }
+  IssueChunks(pull);
+  if (pull.outstanding == 0 && (pull.next_offset >= pull.bytes || !pull.error.ok())) {
+    FinishPull(pull_id);
+  }
+}
+
+void UcxDataPlane::FinishPull(uint64_t pull_id) {
+  auto it = pulls_.find(pull_id);
+  if (it == pulls_.end()) return;
+  PullState pull = std::move(it->second);
+  pulls_.erase(it);
+  // Forget chunks still outstanding (a failed pull): late replies are dropped by OnChunk.
+  for (auto chunk = chunks_.begin(); chunk != chunks_.end();) {
+    chunk = chunk->second.pull == pull_id ? chunks_.erase(chunk) : std::next(chunk);
+  }
+  if (pull.error.ok()) {
+    std::lock_guard lock(stats_mutex_);
+    ++stats_.pulls;
+  }
+  Status result =
+      pull.error.ok()
+          ? Status::Ok()
+          : pull.error.WithContext(fmt::format("pulling {} ({} bytes) from {}",
+                                               pull.object.ToString(), pull.bytes, pull.address));
+  pull.done(result);
+}
+
+void UcxDataPlane::FailPullsTo(const std::string& address, const Status& reason) {
+  Peer& peer = peers_[address];
+  peer.failure = reason;
+  if (peer.ep != nullptr) {
+    ucp_request_param_t params{};
+    params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    params.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t closing = ucp_ep_close_nbx(peer.ep, &params);
+    if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) ucp_request_free(closing);
+    peer.ep = nullptr;
+  }
+  std::vector<uint64_t> failed;
+  for (auto& [id, pull] : pulls_) {
+    if (pull.address == address) {
+      if (pull.error.ok()) pull.error = reason;
+      failed.push_back(id);
+    }
+  }
+  for (uint64_t id : failed) FinishPull(id);
+}
+
+void UcxDataPlane::ForgetPeer(const std::string& address, const Status& reason) {
+  Post([this, address, reason] { FailPullsTo(address, reason); });
+}
+
+void UcxDataPlane::CheckDeadlines() {
+  const Clock::time_point now = Clock::now();
+  std::vector<uint64_t> expired;
+  for (auto& [id, pull] : pulls_) {
+    if (now > pull.deadline) expired.push_back(id);
+  }
+  for (uint64_t id : expired) {
+    PullState& pull = pulls_.at(id);
+    pull.error = TimedOut("no answer within {} ms", options_.pull_timeout_ms);
+    // The peer is unresponsive: stop using it, so late data cannot land in freed buffers.
+    FailPullsTo(pull.address, pull.error);
+  }
+}
+
+void UcxDataPlane::Shutdown() {
+  if (thread_.joinable()) {
+    Post([this] {
+      for (auto& [address, pull] : pulls_) pull.error = Cancelled("data plane shutting down");
+      std::vector<uint64_t> ids;
+      for (auto& [id, pull] : pulls_) ids.push_back(id);
+      for (uint64_t id : ids) FinishPull(id);
+      std::vector<ucp_ep_h> eps = accepted_;
+      for (auto& [address, peer] : peers_) {
+        if (peer.ep != nullptr) eps.push_back(peer.ep);
+      }
+      for (ucp_ep_h ep : eps) {
+        ucp_request_param_t params{};
+        params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        params.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &params);
+        if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) {
+          while (ucp_request_check_status(closing) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+          ucp_request_free(closing);
+        }
+      }
+      peers_.clear();
+      accepted_.clear();
+      stopping_.store(true);
+    });
+    thread_.join();
+  }
+  if (listener_ != nullptr) ucp_listener_destroy(listener_);
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+  if (event_fd_ >= 0) ::close(event_fd_);
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+  listener_ = nullptr;
+  worker_ = nullptr;
+  context_ = nullptr;
+  event_fd_ = epoll_fd_ = -1;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<DataPlane>> DataPlane::Start(const DataPlaneOptions& options,
+                                                    ObjectLookup lookup) {
+  auto plane = std::make_unique<UcxDataPlane>(options, std::move(lookup));
+  TESSERA_RETURN_IF_ERROR(plane->Init());
+  return std::unique_ptr<DataPlane>(std::move(plane));
+}
+
+Status DataPlane::PullAndWait(const std::string& address, ObjectId object, void* dest,
+                              int64_t bytes) {
+  auto promise = std::make_shared<std::promise<Status>>();
+  std::future<Status> future = promise->get_future();
+  Pull(address, object, dest, bytes,
+       [promise](const Status& status) { promise->set_value(status); });
+  return future.get();
+}
+
+}  // namespace tessera
