@@ -1,5 +1,7 @@
 #include "worker/in_process_executor.h"
 
+#include "worker/task_runner.h"
+
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -15,12 +17,6 @@ using Clock = std::chrono::steady_clock;
 
 int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
 int Index(TaskId id) { return static_cast<int>(id.value()) - 1; }
-
-std::string TaskContext(const TaskSpec& task) {
-  return task.layer.empty()
-             ? fmt::format("task '{}' (op {})", task.name, task.op)
-             : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
-}
 
 }  // namespace
 
@@ -145,47 +141,26 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     in.reserve(task.inputs.size());
     for (ObjectId input : task.inputs) in.push_back(slots[Index(input)]);
 
-    std::vector<Tensor> out(task.outputs.size());
-    for (const Donation& donation : task.donations) {
-      const int object = Index(task.inputs[donation.input_index]);
-      const TensorMeta& out_meta = graph.object(task.outputs[donation.output_index]).meta;
+    std::vector<TensorMeta> output_metas;
+    output_metas.reserve(task.outputs.size());
+    for (ObjectId output : task.outputs) output_metas.push_back(graph.object(output).meta);
+    // An input may be donated when this task is its last reader and nothing outside the run
+    // holds its buffer: the slot and `in` (once per use here) are the only references.
+    auto can_donate = [&](int input_index) {
+      const int object = Index(task.inputs[input_index]);
       int uses_here = 0;
       for (ObjectId input : task.inputs) uses_here += Index(input) == object;
-      Tensor& source = in[donation.input_index];
-      // Holders of the buffer now: the slot and `in` (once per use in this task).
-      const bool sole_holder = source.buffer().use_count() == 1 + uses_here;
-      if (!prepared.is_output_[object] && refcount[object].load() == uses_here && sole_holder &&
-          source.dtype() == out_meta.dtype) {
-        Result<Tensor> view = source.View(out_meta.shape);
-        if (view.ok()) {
-          out[donation.output_index] = *std::move(view);
-          ++donations_taken;
-          continue;
-        }
-      }
-      Result<Tensor> copy = Tensor::Empty(out_meta, allocator_);
-      if (!copy.ok()) return fail(copy.status().WithContext(TaskContext(task)));
-      std::memcpy(copy->raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
-      out[donation.output_index] = *std::move(copy);
-      ++donations_copied;
-    }
-    for (size_t j = 0; j < out.size(); ++j) {
-      if (out[j].defined()) continue;
-      Result<Tensor> tensor = Tensor::Empty(graph.object(task.outputs[j]).meta, allocator_);
-      if (!tensor.ok()) return fail(tensor.status().WithContext(TaskContext(task)));
-      out[j] = *std::move(tensor);
-    }
-
-    Status status;
-    try {
-      status = (*prepared.kernels_[t])(context, in, out, task.attrs);
-    } catch (const std::bad_alloc&) {
-      status = ResourceExhausted("out of host memory in a kernel workspace");
-    } catch (const std::exception& e) {
-      status = Internal("kernel threw: {}", e.what());
-    }
-    in.clear();  // drop our references before releasing, so donation checks stay exact
-    if (!status.ok()) return fail(status.WithContext(TaskContext(task)));
+      return !prepared.is_output_[object] && refcount[object].load() == uses_here &&
+             in[input_index].buffer().use_count() == 1 + uses_here;
+    };
+    TaskRunCounters counters;
+    Result<std::vector<Tensor>> ran = RunTaskKernel(*prepared.kernels_[t], task, in, output_metas,
+                                                    context, can_donate, &counters);
+    donations_taken += counters.donations_taken;
+    donations_copied += counters.donations_copied;
+    in.clear();  // drop our references before releasing inputs
+    if (!ran.ok()) return fail(ran.status());
+    std::vector<Tensor>& out = *ran;
 
     for (size_t j = 0; j < out.size(); ++j) {
       const int object = Index(task.outputs[j]);

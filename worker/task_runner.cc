@@ -1,0 +1,55 @@
+#include "worker/task_runner.h"
+
+#include <cstring>
+
+namespace tessera {
+
+std::string TaskContext(const TaskSpec& task) {
+  return task.layer.empty()
+             ? fmt::format("task '{}' (op {})", task.name, task.op)
+             : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
+}
+
+Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
+                                          const std::vector<Tensor>& inputs,
+                                          const std::vector<TensorMeta>& output_metas,
+                                          const KernelContext& context,
+                                          const std::function<bool(int input_index)>& can_donate,
+                                          TaskRunCounters* counters) {
+  std::vector<Tensor> outputs(output_metas.size());
+  for (const Donation& donation : task.donations) {
+    const Tensor& source = inputs[donation.input_index];
+    const TensorMeta& meta = output_metas[donation.output_index];
+    if (can_donate(donation.input_index) && source.dtype() == meta.dtype) {
+      Result<Tensor> view = source.View(meta.shape);
+      if (view.ok()) {
+        outputs[donation.output_index] = *std::move(view);
+        ++counters->donations_taken;
+        continue;
+      }
+    }
+    Result<Tensor> copy = Tensor::Empty(meta, context.allocator);
+    if (!copy.ok()) return copy.status().WithContext(TaskContext(task));
+    std::memcpy(copy->raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
+    outputs[donation.output_index] = *std::move(copy);
+    ++counters->donations_copied;
+  }
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    if (outputs[j].defined()) continue;
+    Result<Tensor> tensor = Tensor::Empty(output_metas[j], context.allocator);
+    if (!tensor.ok()) return tensor.status().WithContext(TaskContext(task));
+    outputs[j] = *std::move(tensor);
+  }
+  Status status;
+  try {
+    status = kernel(context, inputs, outputs, task.attrs);
+  } catch (const std::bad_alloc&) {
+    status = ResourceExhausted("out of host memory in a kernel workspace");
+  } catch (const std::exception& e) {
+    status = Internal("kernel threw: {}", e.what());
+  }
+  if (!status.ok()) return status.WithContext(TaskContext(task));
+  return outputs;
+}
+
+}  // namespace tessera

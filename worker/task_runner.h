@@ -1,0 +1,37 @@
+// Running one task's kernel: what the in-process executor and the worker process share.
+//
+// RunTaskKernel allocates the task's outputs from the context's allocator, honours the task's
+// in-place pairs (the output takes over the input's buffer when `can_donate(input)` says the
+// caller allows it, and starts as a copy otherwise), runs the kernel, and converts exceptions
+// from kernel code into Statuses. Errors carry TaskContext(task).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+// "task 'h.3/forward' (layer h.3, op gpt2_block_forward)": the prefix of a task's errors.
+std::string TaskContext(const TaskSpec& task);
+
+struct TaskRunCounters {
+  int donations_taken = 0;
+  int donations_copied = 0;
+};
+
+// REQUIRES: inputs and output_metas match the task; can_donate(i) is only true when nothing
+// else will read input i's buffer.
+Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
+                                          const std::vector<Tensor>& inputs,
+                                          const std::vector<TensorMeta>& output_metas,
+                                          const KernelContext& context,
+                                          const std::function<bool(int input_index)>& can_donate,
+                                          TaskRunCounters* counters);
+
+}  // namespace tessera
