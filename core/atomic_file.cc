@@ -1,6 +1,7 @@
 #include "core/atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,12 +10,13 @@
 
 namespace tessera {
 
-Status WriteFileAtomically(const std::string& path, std::string_view contents) {
+Status WriteFileAtomically(const std::string& path, std::string_view contents, int mode) {
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
   if (fd < 0) {
     return Unavailable("cannot create '{}': {}", temp, std::strerror(errno));
   }
+  ::fchmod(fd, static_cast<mode_t>(mode));  // exact bits, whatever the umask
   size_t written = 0;
   while (written < contents.size()) {
     const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);

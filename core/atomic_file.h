@@ -11,7 +11,7 @@
 namespace tessera {
 
 // Unavailable/DataLoss naming the path and the system error otherwise; the target is untouched
-// on failure.
-Status WriteFileAtomically(const std::string& path, std::string_view contents);
+// on failure. `mode` is the new file's permission bits (0600 for secrets such as tokens).
+Status WriteFileAtomically(const std::string& path, std::string_view contents, int mode = 0644);
 
 }  // namespace tessera

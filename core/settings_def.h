@@ -17,5 +17,25 @@ TESSERA_SETTING(bool, cache_host_allocations, true, "",
                 "sizes every step, so this removes malloc/mmap and page faults from the hot "
                 "path, at the cost of holding the step's peak memory between steps.")
 
+TESSERA_SETTING(int64_t, inline_object_bytes, 16384, "bytes",
+                "Objects up to this size travel inside control messages (task results, small "
+                "inputs) instead of being pulled over the data plane: lower latency for scalars "
+                "and small tensors, more bytes through the scheduler.")
+
+TESSERA_SETTING(int64_t, heartbeat_interval_ms, 500, "ms",
+                "How often workers report to the scheduler.")
+
+TESSERA_SETTING(int64_t, heartbeat_timeout_ms, 3000, "ms",
+                "A worker silent this long is declared dead (a closed connection is noticed at "
+                "once). Lower detects hangs sooner; too low declares slow workers dead.")
+
+TESSERA_SETTING(int64_t, data_chunk_bytes, 8388608, "bytes",
+                "Data-plane pulls move in chunks of this size, several in flight, so sending and "
+                "receiving overlap.")
+
+TESSERA_SETTING(int64_t, pull_timeout_ms, 30000, "ms",
+                "A data-plane pull with no progress for this long fails (the peer is treated as "
+                "dead), so transfers never hang.")
+
 TESSERA_SETTING(std::string, log_level, "info", "",
                 "spdlog level for every component: trace, debug, info, warn, error, off.")

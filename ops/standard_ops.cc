@@ -368,6 +368,29 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .output_names = {"out"},
                                         .infer = same_as_first,
                                         .cost = ElementwiseCost(1)}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "noop",
+      .doc = "does nothing and returns a scalar zero (runtime overhead benchmarks and tests)",
+      .input_names = {},
+      .output_names = {"out"},
+      .infer = [](const Metas&, const Attrs&) -> Result<Metas> { return Metas{Scalar()}; },
+      .cost =
+          [](const Metas&, const Attrs&) {
+            return OpCost{0, 4};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sleep",
+      .doc = "waits attribute 'ms' milliseconds, then returns its input (failure-handling tests)",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(int64_t ms, attrs.GetInt("ms"));
+        if (ms < 0) return InvalidArgument("attribute 'ms' must be >= 0, got {}", ms);
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(0),
+  }));
   return r.AddOp(OpDef{.name = "add_backward",
                        .doc = "da = db = dout",
                        .input_names = {"dout"},

@@ -6,7 +6,8 @@
 //   embedding_forward/backward, layernorm_forward/backward, linear_forward/backward,
 //   matmul_forward/backward, attention_forward/backward, gelu_forward/backward,
 //   add_forward/backward, softmax_cross_entropy (loss and its gradient in one pass),
-//   adamw, sgd, sum_of_squares, clip_scale.
+//   adamw, sgd, sum_of_squares, clip_scale; noop (an empty task, for runtime overheads) and
+//   sleep (waits, then copies its input: for failure-handling tests).
 // GPT-2 layer ops (what a step graph's tasks run, one task per layer per direction):
 //   gpt2_embedding_forward/backward, gpt2_block_forward/backward, gpt2_head_forward/backward,
 //   gpt2_head_logits.

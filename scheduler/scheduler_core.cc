@@ -651,6 +651,10 @@ void SchedulerCore::Flush() {
         sources[j].setAddress(holder.data_address);
         sources[j].setBytes(object.spec.meta.bytes());
       }
+      auto metas = out.initInputMetas(static_cast<unsigned>(task.spec.inputs.size()));
+      for (unsigned j = 0; j < task.spec.inputs.size(); ++j) {
+        rpc::ToWire(objects_.at(task.spec.inputs[j]).spec.meta, metas[j]);
+      }
       auto inlines = out.initInlineInputs(static_cast<unsigned>(inlined.size()));
       for (unsigned j = 0; j < inlined.size(); ++j) {
         inlines[j].setId(inlined[j]->spec.id.value());

@@ -108,6 +108,7 @@ struct DispatchedTask {
   task @0 :Task;
   sources @1 :List(Source);         # inputs to pull from other processes
   inlineInputs @2 :List(SealedObject);  # small inputs, carried in the message
+  inputMetas @3 :List(TensorMeta);  # one per task input, in order
 }
 struct DispatchTasks { tasks @0 :List(DispatchedTask); }
 

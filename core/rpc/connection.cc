@@ -84,9 +84,14 @@ void Connection::SendFrame(std::vector<uint8_t> frame) {
 
 void Connection::WriteQueued() {
   {
-    std::lock_guard lock(write_mutex_);
+    std::unique_lock lock(write_mutex_);
     if (closed_ || queued_.empty()) {
       writing_ = false;
+      if (close_when_flushed_ && !closed_) {
+        const Status reason = close_reason_;
+        lock.unlock();
+        CloseOnIoThread(reason);
+      }
       return;
     }
     in_flight_.swap(queued_);
@@ -109,6 +114,17 @@ void Connection::WriteQueued() {
 void Connection::Close(const Status& reason) {
   asio::post(socket_.get_executor(),
              [self = shared_from_this(), reason] { self->CloseOnIoThread(reason); });
+}
+
+void Connection::CloseWhenFlushed(const Status& reason) {
+  {
+    std::lock_guard lock(write_mutex_);
+    close_when_flushed_ = true;
+    close_reason_ = reason;
+    if (writing_) return;  // the write loop closes when the queue drains
+    writing_ = true;
+  }
+  asio::post(socket_.get_executor(), [self = shared_from_this()] { self->WriteQueued(); });
 }
 
 void Connection::CloseOnIoThread(const Status& reason) {

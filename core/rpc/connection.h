@@ -47,6 +47,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void SendFrame(std::vector<uint8_t> frame);
   // Closes the socket; the close handler gets `reason`. Idempotent.
   void Close(const Status& reason);
+  // Closes once every message queued so far has been written (e.g. after a refusal).
+  void CloseWhenFlushed(const Status& reason);
 
   bool closed() const { return closed_.load(); }
   const std::string& peer() const { return peer_; }
@@ -71,6 +73,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::mutex write_mutex_;
   std::vector<std::vector<uint8_t>> queued_;     // under write_mutex_
   bool writing_ = false;                         // under write_mutex_
+  bool close_when_flushed_ = false;              // under write_mutex_
+  Status close_reason_;                          // under write_mutex_
   std::vector<std::vector<uint8_t>> in_flight_;  // io thread only
 
   std::atomic<bool> closed_{false};

@@ -1,7 +1,9 @@
 #include "ops/cpu/cpu_kernels.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
@@ -136,6 +138,18 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                  cpu::Add(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
                  return Status::Ok();
                }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "noop", [](const KernelContext&, const Tensors&, const Tensors& out, const Attrs&) {
+        *F(out[0]) = 0.0f;
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "sleep",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(attrs.GetInt("ms", 0)));
+        std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
+        return Status::Ok();
+      }));
   return Register(
       r, "add_backward",
       [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {

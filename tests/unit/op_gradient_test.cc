@@ -299,8 +299,22 @@ TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
 
 // Ops whose correctness is checked by other tests (not differentiable, or compared with a
 // naive reference instead): optimizer_test.cc.
-const std::set<std::string> kCheckedElsewhere = {"adamw", "sgd", "sum_of_squares", "clip_scale",
-                                                 "gpt2_head_logits"};
+const std::set<std::string> kCheckedElsewhere = {
+    "adamw", "sgd", "sum_of_squares", "clip_scale", "gpt2_head_logits", "noop", "sleep"};
+
+TEST(OpGradientTest, SleepReturnsItsInput) {
+  Tensor x = RandomTensor({5}, 1);
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("sleep", {x}, Attrs{{"ms", int64_t{1}}}));
+  EXPECT_EQ(ToVector(out[0]), ToVector(x));
+  EXPECT_FALSE(RunKernel("sleep", {x}, Attrs{{"ms", int64_t{-1}}}).ok());
+}
+
+TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("noop", {}));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].shape(), Shape{});
+  EXPECT_EQ(*out[0].data<float>(), 0.0f);
+}
 
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
   const std::set<std::string> checked_here = {"embedding_forward",

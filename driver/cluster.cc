@@ -1,0 +1,679 @@
+#include "driver/cluster.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/atomic_file.h"
+#include "core/logging.h"
+#include "core/rpc/connection.h"
+#include "core/rpc/wire.h"
+#include "core/settings.h"
+#include "core/transport/data_plane.h"
+#include "driver/process.h"
+#include "ops/standard_ops.h"
+
+namespace tessera {
+
+struct ObjectRef::State {
+  ObjectId id;
+  TensorMeta meta;
+  std::weak_ptr<detail::ClusterClient> owner;
+  ~State();
+};
+
+ObjectId ObjectRef::id() const { return state_->id; }
+const TensorMeta& ObjectRef::meta() const { return state_->meta; }
+
+namespace detail {
+
+namespace {
+constexpr int kIdSequenceBits = 40;  // ids are (driver id << 40) | sequence
+}  // namespace
+
+// Everything behind a Cluster: the control connection, the data plane, the objects this driver
+// holds, and the batches of outgoing requests.
+class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
+ public:
+  ClusterClient() : work_(rpc::asio::make_work_guard(io_)) {}
+  ~ClusterClient();
+
+  Status Connect(const std::string& address, const std::string& token,
+                 const ConnectOptions& options);
+  Result<ObjectRef> Put(const Tensor& value);
+  Result<std::vector<ObjectRef>> Submit(const std::string& op, const std::vector<ObjectRef>& inputs,
+                                        const Attrs& attrs, const SubmitOptions& options);
+  Result<Tensor> Get(const ObjectRef& ref, int timeout_ms);
+  Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms);
+  Result<ClusterInfo> Info(int timeout_ms);
+  Status Shutdown();
+  void Release(ObjectId id);
+
+ private:
+  struct ReadyState {
+    Status error;
+    std::string inline_data;
+    std::string address;
+  };
+
+  ObjectRef MakeRef(ObjectId id, const TensorMeta& meta);
+  uint64_t NextId() { return (driver_id_ << kIdSequenceBits) | next_sequence_++; }
+  Status OnMessage(rpc::ReceivedMessage& message);
+  void ScheduleFlush();  // any thread
+  void Flush();          // io thread
+  // Waits until `id` is ready or failed; returns its state.
+  Result<ReadyState> AwaitReady(ObjectId id, int timeout_ms);
+
+  rpc::asio::io_context io_;
+  rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
+  std::thread io_thread_;
+  std::shared_ptr<rpc::Connection> connection_;
+  std::unique_ptr<DataPlane> data_plane_;
+  OpRegistry registry_;
+  Settings settings_;
+  std::shared_ptr<Allocator> allocator_ = std::make_shared<AlignedHostAllocator>();
+  uint64_t driver_id_ = 0;
+  std::atomic<uint64_t> next_sequence_{1};
+  std::atomic<bool> closed_{false};
+  Status close_reason_;
+
+  std::mutex held_mutex_;
+  std::unordered_map<uint64_t, Tensor> held_;  // this driver's Puts, served to workers
+
+  std::mutex batch_mutex_;  // the outgoing batches below
+  std::vector<std::pair<ObjectSpec, std::string>> puts_;
+  std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits_;
+  std::vector<uint64_t> watches_;
+  std::vector<uint64_t> releases_;
+  bool flush_posted_ = false;
+
+  std::mutex ready_mutex_;
+  std::condition_variable ready_cv_;
+  std::unordered_map<uint64_t, ReadyState> ready_;
+  std::unordered_set<uint64_t> watched_;
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_;
+  uint64_t next_request_ = 1;
+};
+
+ClusterClient::~ClusterClient() {
+  closed_ = true;
+  if (connection_) connection_->Close(Cancelled("driver exiting"));
+  work_.reset();
+  if (io_thread_.joinable()) {
+    rpc::asio::post(io_, [this] { io_.stop(); });
+    io_thread_.join();
+  }
+  data_plane_.reset();
+}
+
+Status ClusterClient::Connect(const std::string& address, const std::string& token,
+                              const ConnectOptions& options) {
+  TESSERA_ASSIGN_OR_RETURN(settings_, Settings::FromProcessEnvironment());
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry_));
+  TESSERA_ASSIGN_OR_RETURN(rpc::Address parsed, rpc::Address::Parse(address));
+  if (!options.admin) {
+    DataPlaneOptions data_options;
+    data_options.host = options.data_host;
+    data_options.chunk_bytes = settings_.data_chunk_bytes;
+    data_options.pull_timeout_ms = static_cast<int>(settings_.pull_timeout_ms);
+    TESSERA_ASSIGN_OR_RETURN(
+        data_plane_, DataPlane::Start(data_options, [this](ObjectId id) -> Result<ServedObject> {
+          std::lock_guard lock(held_mutex_);
+          auto it = held_.find(id.value());
+          if (it == held_.end()) return NotFound("the driver no longer holds {}", id.ToString());
+          return ServedObject{it->second.raw_data(), it->second.bytes(), it->second.buffer()};
+        }));
+  }
+  TESSERA_ASSIGN_OR_RETURN(rpc::GenericSocket socket,
+                           rpc::ConnectSocket(io_, parsed, options.timeout_ms));
+  connection_ = rpc::Connection::Create(std::move(socket), address);
+  auto welcomed = std::make_shared<std::promise<Status>>();
+  auto answered = std::make_shared<std::atomic<bool>>(false);
+  connection_->Start(
+      [this, welcomed, answered](rpc::Connection&, rpc::ReceivedMessage& message) -> Status {
+        if (answered->load()) return OnMessage(message);
+        answered->store(true);
+        auto body = message.reader().getRoot<proto::Envelope>().getBody();
+        if (body.which() == proto::Envelope::Body::WELCOME) {
+          driver_id_ = body.getWelcome().getId();
+          welcomed->set_value(Status::Ok());
+          return Status::Ok();
+        }
+        Status refused = body.which() == proto::Envelope::Body::REFUSED
+                             ? rpc::FromWire(body.getRefused())
+                             : Internal("unexpected answer to Hello");
+        welcomed->set_value(refused.WithContext("the scheduler refused this driver"));
+        return refused;
+      },
+      [this, welcomed, answered](rpc::Connection&, const Status& reason) {
+        if (!answered->exchange(true)) welcomed->set_value(reason.WithContext("joining"));
+        {
+          std::lock_guard lock(ready_mutex_);
+          close_reason_ = reason.WithContext("lost the connection to the scheduler");
+          closed_ = true;
+          for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
+          status_waiters_.clear();
+        }
+        ready_cv_.notify_all();
+      });
+  io_thread_ = std::thread([this] { io_.run(); });
+
+  capnp::MallocMessageBuilder message;
+  auto hello = message.initRoot<proto::Envelope>().initBody().initHello();
+  hello.setProtocolVersion(rpc::kProtocolVersion);
+  hello.setRole(options.admin ? proto::Role::ADMIN : proto::Role::DRIVER);
+  hello.setToken(token);
+  hello.setPid(::getpid());
+  if (data_plane_) hello.setDataAddress(data_plane_->address());
+  connection_->Send(message);
+  std::future<Status> future = welcomed->get_future();
+  if (future.wait_for(std::chrono::milliseconds(options.timeout_ms)) != std::future_status::ready) {
+    return Unavailable("the scheduler at {} did not answer within {} ms", address,
+                       options.timeout_ms);
+  }
+  TESSERA_RETURN_IF_ERROR(future.get());
+  if (driver_id_ >= (uint64_t{1} << (64 - kIdSequenceBits))) {
+    return Internal("driver id {} is too large for object ids", driver_id_);
+  }
+  return Status::Ok();
+}
+
+ObjectRef ClusterClient::MakeRef(ObjectId id, const TensorMeta& meta) {
+  auto state = std::make_shared<ObjectRef::State>();
+  state->id = id;
+  state->meta = meta;
+  state->owner = weak_from_this();
+  return ObjectRef(std::move(state));
+}
+
+Result<ObjectRef> ClusterClient::Put(const Tensor& value) {
+  if (!value.defined()) return InvalidArgument("Put of an undefined tensor");
+  if (closed_) return close_reason_;
+  const ObjectId id(NextId());
+  ObjectSpec spec{id, fmt::format("put#{}", id.value() & ((uint64_t{1} << kIdSequenceBits) - 1)),
+                  value.meta(), ObjectRole::kInput, TaskId()};
+  std::string inline_data;
+  if (value.bytes() <= settings_.inline_object_bytes) {
+    inline_data.assign(static_cast<const char*>(value.raw_data()),
+                       static_cast<size_t>(value.bytes()));
+  } else {
+    // Objects are immutable: keep a private copy, so the caller may reuse its tensor.
+    TESSERA_ASSIGN_OR_RETURN(Tensor copy, value.Clone(allocator_));
+    std::lock_guard lock(held_mutex_);
+    held_[id.value()] = std::move(copy);
+  }
+  {
+    std::lock_guard lock(batch_mutex_);
+    puts_.emplace_back(std::move(spec), std::move(inline_data));
+  }
+  ScheduleFlush();
+  return MakeRef(id, value.meta());
+}
+
+Result<std::vector<ObjectRef>> ClusterClient::Submit(const std::string& op,
+                                                     const std::vector<ObjectRef>& inputs,
+                                                     const Attrs& attrs,
+                                                     const SubmitOptions& options) {
+  if (closed_) return close_reason_;
+  std::vector<TensorMeta> input_metas;
+  for (const ObjectRef& input : inputs) {
+    if (!input.valid()) return InvalidArgument("Submit of '{}' with an empty ObjectRef", op);
+    input_metas.push_back(input.meta());
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<TensorMeta> output_metas,
+                           registry_.InferShapes(op, input_metas, attrs));
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry_.Find(op));
+  TaskSpec task;
+  task.id = TaskId(NextId());
+  task.name =
+      options.name.empty()
+          ? fmt::format("{}#{}", op, task.id.value() & ((uint64_t{1} << kIdSequenceBits) - 1))
+          : options.name;
+  task.op = op;
+  task.attrs = attrs;
+  task.pinned_worker = options.pinned_worker;
+  task.priority = options.priority;
+  for (const ObjectRef& input : inputs) task.inputs.push_back(input.id());
+  for (const auto& [in, out] : def->in_place) task.donations.push_back(Donation{in, out});
+  std::vector<ObjectSpec> outputs;
+  std::vector<ObjectRef> refs;
+  for (size_t j = 0; j < output_metas.size(); ++j) {
+    const ObjectId id(NextId());
+    task.outputs.push_back(id);
+    task.memory_estimate_bytes += output_metas[j].bytes();
+    outputs.push_back(ObjectSpec{id, fmt::format("{}:{}", task.name, def->output_names[j]),
+                                 output_metas[j], ObjectRole::kOutput, task.id});
+    refs.push_back(MakeRef(id, output_metas[j]));
+  }
+  {
+    std::lock_guard lock(batch_mutex_);
+    submits_.emplace_back(std::move(task), std::move(outputs));
+  }
+  ScheduleFlush();
+  return refs;
+}
+
+void ClusterClient::Release(ObjectId id) {
+  if (closed_) return;
+  {
+    std::lock_guard lock(ready_mutex_);
+    ready_.erase(id.value());
+    watched_.erase(id.value());
+  }
+  {
+    std::lock_guard lock(batch_mutex_);
+    releases_.push_back(id.value());
+  }
+  ScheduleFlush();
+}
+
+void ClusterClient::ScheduleFlush() {
+  {
+    std::lock_guard lock(batch_mutex_);
+    if (flush_posted_) return;
+    flush_posted_ = true;
+  }
+  // `this`, not shared_from_this(): the destructor stops the io thread before members go, and a
+  // posted handler must never hold the last reference (the destructor would join itself).
+  rpc::asio::post(io_, [this] { Flush(); });
+}
+
+void ClusterClient::Flush() {
+  std::vector<std::pair<ObjectSpec, std::string>> puts;
+  std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits;
+  std::vector<uint64_t> watches, releases;
+  {
+    std::lock_guard lock(batch_mutex_);
+    flush_posted_ = false;
+    puts.swap(puts_);
+    submits.swap(submits_);
+    watches.swap(watches_);
+    releases.swap(releases_);
+  }
+  // Order matters: objects before the tasks that read them, releases last.
+  if (!puts.empty()) {
+    capnp::MallocMessageBuilder message;
+    auto put = message.initRoot<proto::Envelope>().initBody().initPutObjects();
+    auto objects = put.initObjects(static_cast<unsigned>(puts.size()));
+    auto inlines = put.initInline(static_cast<unsigned>(puts.size()));
+    for (unsigned i = 0; i < puts.size(); ++i) {
+      rpc::ToWire(puts[i].first, objects[i]);
+      const std::string& data = puts[i].second;
+      inlines.set(i,
+                  capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
+    }
+    connection_->Send(message);
+  }
+  if (!submits.empty()) {
+    capnp::MallocMessageBuilder message;
+    auto tasks = message.initRoot<proto::Envelope>().initBody().initSubmitTasks().initTasks(
+        static_cast<unsigned>(submits.size()));
+    for (unsigned i = 0; i < submits.size(); ++i) {
+      rpc::ToWire(submits[i].first, submits[i].second, tasks[i]);
+    }
+    connection_->Send(message);
+  }
+  if (!watches.empty()) {
+    capnp::MallocMessageBuilder message;
+    auto ids = message.initRoot<proto::Envelope>().initBody().initWatchObjects().initIds(
+        static_cast<unsigned>(watches.size()));
+    for (unsigned i = 0; i < watches.size(); ++i) ids.set(i, watches[i]);
+    connection_->Send(message);
+  }
+  if (!releases.empty()) {
+    capnp::MallocMessageBuilder message;
+    auto ids = message.initRoot<proto::Envelope>().initBody().initReleaseObjects().initIds(
+        static_cast<unsigned>(releases.size()));
+    for (unsigned i = 0; i < releases.size(); ++i) ids.set(i, releases[i]);
+    connection_->Send(message);
+  }
+}
+
+Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
+  auto envelope = message.reader().getRoot<proto::Envelope>();
+  auto body = envelope.getBody();
+  switch (body.which()) {
+    case proto::Envelope::Body::OBJECTS_READY: {
+      {
+        std::lock_guard lock(ready_mutex_);
+        for (auto object : body.getObjectsReady().getObjects()) {
+          ReadyState state;
+          if (object.hasError()) state.error = rpc::FromWire(object.getError());
+          const auto data = object.getInline();
+          state.inline_data.assign(reinterpret_cast<const char*>(data.begin()), data.size());
+          state.address = rpc::ToString(object.getSource().getAddress());
+          if (watched_.contains(object.getId())) ready_[object.getId()] = std::move(state);
+        }
+      }
+      ready_cv_.notify_all();
+      break;
+    }
+    case proto::Envelope::Body::FREE_OBJECTS: {
+      std::lock_guard lock(held_mutex_);
+      for (uint64_t id : body.getFreeObjects().getIds()) held_.erase(id);
+      break;
+    }
+    case proto::Envelope::Body::STATUS_REPLY: {
+      ClusterInfo info;
+      auto status = body.getStatusReply();
+      for (auto worker : status.getWorkers()) {
+        WorkerInfo w;
+        w.id = WorkerId(worker.getId());
+        w.hostname = rpc::ToString(worker.getHostname());
+        w.pid = worker.getPid();
+        w.alive = worker.getAlive();
+        w.data_address = rpc::ToString(worker.getDataAddress());
+        w.host_used_bytes = worker.getHeartbeat().getHostUsed();
+        w.host_capacity_bytes = worker.getHeartbeat().getHostCapacity();
+        w.spilled_bytes = worker.getHeartbeat().getSpilledBytes();
+        w.tasks_running = worker.getHeartbeat().getTasksRunning();
+        w.tasks_done = worker.getHeartbeat().getTasksDone();
+        info.workers.push_back(std::move(w));
+      }
+      info.drivers = status.getDrivers();
+      info.objects = status.getObjects();
+      info.tasks_queued = status.getTasksQueued();
+      info.tasks_running = status.getTasksRunning();
+      info.tasks_done = status.getTasksDone();
+      info.session_dir = rpc::ToString(status.getSessionDir());
+      std::lock_guard lock(ready_mutex_);
+      auto it = status_waiters_.find(envelope.getRequestId());
+      if (it != status_waiters_.end()) {
+        it->second->set_value(std::move(info));
+        status_waiters_.erase(it);
+      }
+      break;
+    }
+    default:
+      GetLogger("driver")->warn("ignoring message kind {} from the scheduler",
+                                static_cast<int>(body.which()));
+      break;
+  }
+  return Status::Ok();
+}
+
+Result<ClusterClient::ReadyState> ClusterClient::AwaitReady(ObjectId id, int timeout_ms) {
+  std::unique_lock lock(ready_mutex_);
+  if (!watched_.contains(id.value())) {
+    watched_.insert(id.value());
+    lock.unlock();
+    {
+      std::lock_guard batch(batch_mutex_);
+      watches_.push_back(id.value());
+    }
+    ScheduleFlush();
+    lock.lock();
+  }
+  auto ready = [&] { return closed_ || ready_.contains(id.value()); };
+  if (timeout_ms < 0) {
+    ready_cv_.wait(lock, ready);
+  } else if (!ready_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready)) {
+    return TimedOut("{} was not ready within {} ms", id.ToString(), timeout_ms);
+  }
+  auto it = ready_.find(id.value());
+  if (it == ready_.end()) return close_reason_;
+  return it->second;
+}
+
+Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
+  if (!ref.valid()) return InvalidArgument("Get of an empty ObjectRef");
+  TESSERA_ASSIGN_OR_RETURN(ReadyState state, AwaitReady(ref.id(), timeout_ms));
+  TESSERA_RETURN_IF_ERROR(state.error);
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(ref.meta(), allocator_));
+  if (!state.inline_data.empty() || tensor.bytes() == 0) {
+    if (static_cast<int64_t>(state.inline_data.size()) != tensor.bytes()) {
+      return DataLoss("{} came back with {} bytes, {} expected", ref.id().ToString(),
+                      state.inline_data.size(), tensor.bytes());
+    }
+    std::memcpy(tensor.raw_data(), state.inline_data.data(), state.inline_data.size());
+    return tensor;
+  }
+  {
+    std::lock_guard lock(held_mutex_);
+    auto it = held_.find(ref.id().value());
+    if (it != held_.end()) return it->second.Clone(allocator_);
+  }
+  if (state.address.empty())
+    return Unavailable("{} has no holder to pull from", ref.id().ToString());
+  Status pulled =
+      data_plane_->PullAndWait(state.address, ref.id(), tensor.raw_data(), tensor.bytes());
+  if (pulled.ok()) return tensor;
+  // The holder may have died since the object was sealed: the scheduler knows what happened.
+  {
+    std::lock_guard lock(ready_mutex_);
+    ready_.erase(ref.id().value());
+    watched_.erase(ref.id().value());
+  }
+  Result<ReadyState> again = AwaitReady(ref.id(), 5000);
+  if (again.ok() && !again->error.ok()) return again->error;
+  return pulled;
+}
+
+Status ClusterClient::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (const ObjectRef& ref : refs) {
+    int remaining = -1;
+    if (timeout_ms >= 0) {
+      remaining = static_cast<int>(std::max<int64_t>(
+          0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                   std::chrono::steady_clock::now())
+                 .count()));
+    }
+    TESSERA_ASSIGN_OR_RETURN(ReadyState state, AwaitReady(ref.id(), remaining));
+    TESSERA_RETURN_IF_ERROR(state.error);
+  }
+  return Status::Ok();
+}
+
+Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
+  auto promise = std::make_shared<std::promise<Result<ClusterInfo>>>();
+  uint64_t request;
+  {
+    std::lock_guard lock(ready_mutex_);
+    if (closed_) return close_reason_;
+    request = next_request_++;
+    status_waiters_[request] = promise;
+  }
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request);
+  envelope.initBody().initStatusRequest();
+  connection_->Send(message);
+  std::future<Result<ClusterInfo>> future = promise->get_future();
+  if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+    std::lock_guard lock(ready_mutex_);
+    status_waiters_.erase(request);
+    return TimedOut("the scheduler did not answer a status request within {} ms", timeout_ms);
+  }
+  return future.get();
+}
+
+Status ClusterClient::Shutdown() {
+  if (closed_) return close_reason_;
+  capnp::MallocMessageBuilder message;
+  message.initRoot<proto::Envelope>().initBody().initShutdown();
+  connection_->Send(message);
+  return Status::Ok();
+}
+
+}  // namespace detail
+
+ObjectRef::State::~State() {
+  if (auto owner_client = owner.lock()) owner_client->Release(id);
+}
+
+namespace {
+
+Result<std::string> ReadTrimmed(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return NotFound("cannot read '{}': {}", path, std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
+}
+
+Result<std::string> ResolveToken(const ConnectOptions& options) {
+  if (!options.token.empty()) return options.token;
+  std::string path = options.token_file;
+  if (path.empty()) {
+    const char* env = std::getenv("TESSERA_TOKEN_FILE");
+    path = env != nullptr ? env : "/tmp/tessera/session_latest/token";
+  }
+  Result<std::string> token = ReadTrimmed(path);
+  if (!token.ok() || token->empty()) {
+    return Unavailable("no cluster token: pass the token or --token-file (tried '{}')", path);
+  }
+  return token;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Cluster>> Cluster::Connect(const std::string& address,
+                                                  const ConnectOptions& options) {
+  TESSERA_ASSIGN_OR_RETURN(std::string token, ResolveToken(options));
+  std::unique_ptr<Cluster> cluster(new Cluster());
+  cluster->client_ = std::make_shared<detail::ClusterClient>();
+  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(address, token, options));
+  cluster->address_ = address;
+  return cluster;
+}
+
+Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& options) {
+  if (options.cpu_workers < 1) {
+    return InvalidArgument("a local cluster needs at least one worker (cpu_workers = {})",
+                           options.cpu_workers);
+  }
+  std::string binary = options.tessera_binary;
+  if (binary.empty()) {
+    const char* env = std::getenv("TESSERA_BINARY");
+    binary = env != nullptr ? env : ExecutableDirectory() + "/tessera";
+  }
+  if (::access(binary.c_str(), X_OK) != 0) {
+    return NotFound("cannot find the tessera binary at '{}' (build it, or set TESSERA_BINARY)",
+                    binary);
+  }
+  std::string dir = options.session_dir;
+  if (dir.empty()) {
+    std::filesystem::create_directories("/tmp/tessera");
+    std::string pattern = "/tmp/tessera/local-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Unavailable("cannot create a session directory under /tmp/tessera: {}",
+                         std::strerror(errno));
+    }
+    dir = pattern;
+  } else {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) return Unavailable("cannot create session directory '{}': {}", dir, error.message());
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::string token, RandomToken());
+  const std::string token_file = dir + "/token";
+  TESSERA_RETURN_IF_ERROR(WriteFileAtomically(token_file, token + "\n", 0600));
+
+  std::unique_ptr<Cluster> cluster(new Cluster());
+  cluster->session_dir_ = dir;
+  const std::string address_file = dir + "/scheduler.address";
+  std::filesystem::remove(address_file);
+  TESSERA_ASSIGN_OR_RETURN(
+      pid_t scheduler,
+      SpawnProcess({binary, "scheduler", "--host", "127.0.0.1", "--port", "0", "--token-file",
+                    token_file, "--session-dir", dir, "--address-file", address_file},
+                   SpawnOptions{.log_file = dir + "/scheduler.log"}));
+  cluster->processes_.push_back(scheduler);
+
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
+  auto log_hint = [&](const std::string& log) {
+    Result<std::string> text = ReadTrimmed(log);
+    if (!text.ok() || text->empty()) return std::string();
+    return "; its log ends: " + text->substr(text->size() > 600 ? text->size() - 600 : 0);
+  };
+  while (!std::filesystem::exists(address_file)) {
+    if (!ProcessAlive(scheduler)) {
+      return Unavailable("the scheduler exited during start-up{}",
+                         log_hint(dir + "/scheduler.log"));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return TimedOut("the scheduler did not start within {} ms", options.start_timeout_ms);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  TESSERA_ASSIGN_OR_RETURN(cluster->address_, ReadTrimmed(address_file));
+
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threads_per_worker > 0 ? options.threads_per_worker
+                                                     : std::max(1, cores / options.cpu_workers);
+  for (int i = 0; i < options.cpu_workers; ++i) {
+    TESSERA_ASSIGN_OR_RETURN(
+        pid_t worker,
+        SpawnProcess({binary, "worker", "--address", cluster->address_, "--token-file", token_file,
+                      "--threads", std::to_string(threads), "--host-memory-mb",
+                      std::to_string(options.host_capacity_bytes >> 20), "--spill-dir",
+                      fmt::format("{}/spill-{}", dir, i)},
+                     SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir, i)}));
+    cluster->processes_.push_back(worker);
+  }
+
+  cluster->client_ = std::make_shared<detail::ClusterClient>();
+  ConnectOptions connect;
+  connect.token = token;
+  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(cluster->address_, token, connect));
+  // Wait until every worker has joined.
+  while (true) {
+    Result<ClusterInfo> info = cluster->client_->Info(2000);
+    int alive = 0;
+    if (info.ok()) {
+      for (const WorkerInfo& worker : info->workers) alive += worker.alive;
+    }
+    if (alive == options.cpu_workers) break;
+    for (size_t i = 1; i < cluster->processes_.size(); ++i) {
+      if (!ProcessAlive(cluster->processes_[i])) {
+        return Unavailable("worker {} exited during start-up{}", i - 1,
+                           log_hint(fmt::format("{}/worker-{}.log", dir, i - 1)));
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return TimedOut("only {} of {} workers joined within {} ms (logs in {})", alive,
+                      options.cpu_workers, options.start_timeout_ms, dir);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return cluster;
+}
+
+Cluster::~Cluster() {
+  if (!processes_.empty() && client_) (void)client_->Shutdown();
+  client_.reset();
+  for (pid_t pid : processes_) StopProcess(pid, 2000);
+}
+
+Result<ObjectRef> Cluster::Put(const Tensor& value) { return client_->Put(value); }
+
+Result<std::vector<ObjectRef>> Cluster::Submit(const std::string& op,
+                                               const std::vector<ObjectRef>& inputs,
+                                               const Attrs& attrs, const SubmitOptions& options) {
+  return client_->Submit(op, inputs, attrs, options);
+}
+
+Result<Tensor> Cluster::Get(const ObjectRef& ref, int timeout_ms) {
+  return client_->Get(ref, timeout_ms);
+}
+
+Status Cluster::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
+  return client_->Wait(refs, timeout_ms);
+}
+
+Result<ClusterInfo> Cluster::Info() { return client_->Info(5000); }
+
+Status Cluster::Shutdown() { return client_->Shutdown(); }
+
+}  // namespace tessera

@@ -1,0 +1,136 @@
+// Cluster: the driver's handle on a Tessera cluster (the public API of driver programs).
+//
+//   auto cluster = Cluster::StartLocal({.cpu_workers = 2});    // or Cluster::Connect("host:6380")
+//   ObjectRef x = *(*cluster)->Put(tensor);
+//   ObjectRef y = (*(*cluster)->Submit("gelu_forward", {x}))[0];
+//   Tensor result = *(*cluster)->Get(y);
+//
+// Objects: Put places a tensor in the cluster (small ones travel inline with the control
+// messages; larger ones stay in this process and workers pull them over the data plane).
+// Submit returns references to a task's outputs at once; their shapes are inferred here, so a
+// shape mistake is reported by Submit, naming the op and the shapes. Get waits for an object and
+// fetches it; Wait waits for several without fetching. An ObjectRef keeps its object alive in
+// the cluster; when the last copy of a reference is destroyed the object is released (freed on
+// the workers once no task needs it).
+//
+// Local clusters: StartLocal runs a scheduler and N worker processes on this machine (the
+// `tessera` binary next to this executable, or $TESSERA_BINARY), waits until all workers joined,
+// and stops them when the Cluster is destroyed. The children are also killed if this process
+// dies, so a crashing driver leaves nothing behind.
+//
+// Thread safety: every method may be called from any thread. Errors never hang: waits take a
+// timeout, and a dead worker's objects come back as errors naming the worker.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/attrs.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace tessera {
+
+namespace detail {
+class ClusterClient;
+}  // namespace detail
+
+// A reference to an object in the cluster. Cheap to copy; see the header comment for lifetime.
+class ObjectRef {
+ public:
+  ObjectRef() = default;
+  ObjectId id() const;
+  const TensorMeta& meta() const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  friend class detail::ClusterClient;
+  struct State;
+  explicit ObjectRef(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+struct ConnectOptions {
+  std::string token;       // the cluster token; when empty, read from token_file
+  std::string token_file;  // default: $TESSERA_TOKEN_FILE, else /tmp/tessera/session_latest/token
+  int timeout_ms = 5000;
+  std::string data_host = "127.0.0.1";  // where this driver serves its Puts to workers
+  bool admin = false;  // join as an administrator (status, stop) rather than a driver
+};
+
+struct LocalClusterOptions {
+  int cpu_workers = 2;
+  int threads_per_worker = 0;  // 0: the machine's cores divided among the workers
+  int64_t host_capacity_bytes = int64_t{4} << 30;  // per worker; beyond it objects spill to disk
+  std::string session_dir;                         // default: a new directory under /tmp/tessera
+  std::string tessera_binary;  // default: $TESSERA_BINARY, else `tessera` next to this executable
+  int start_timeout_ms = 20'000;
+};
+
+struct SubmitOptions {
+  std::string name;        // default: the op name and a sequence number
+  WorkerId pinned_worker;  // invalid: the scheduler decides
+  int32_t priority = 0;
+};
+
+struct WorkerInfo {
+  WorkerId id;
+  std::string hostname;
+  int pid = 0;
+  bool alive = false;
+  std::string data_address;
+  int64_t host_used_bytes = 0;
+  int64_t host_capacity_bytes = 0;
+  int64_t spilled_bytes = 0;
+  int tasks_running = 0;
+  int64_t tasks_done = 0;
+};
+
+struct ClusterInfo {
+  std::vector<WorkerInfo> workers;
+  int drivers = 0;
+  int64_t objects = 0;
+  int64_t tasks_queued = 0;
+  int64_t tasks_running = 0;
+  int64_t tasks_done = 0;
+  std::string session_dir;
+};
+
+class Cluster {
+ public:
+  // Unavailable when nothing answers at `address` or the scheduler refuses the token.
+  static Result<std::unique_ptr<Cluster>> Connect(const std::string& address,
+                                                  const ConnectOptions& options = {});
+  static Result<std::unique_ptr<Cluster>> StartLocal(const LocalClusterOptions& options = {});
+  ~Cluster();
+
+  Result<ObjectRef> Put(const Tensor& value);
+  Result<std::vector<ObjectRef>> Submit(const std::string& op, const std::vector<ObjectRef>& inputs,
+                                        const Attrs& attrs = {}, const SubmitOptions& options = {});
+  // Waits up to timeout_ms (negative: no limit) and returns the object's contents.
+  Result<Tensor> Get(const ObjectRef& ref, int timeout_ms = -1);
+  Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms = -1);
+
+  Result<ClusterInfo> Info();
+  // Asks the scheduler to stop the cluster (its workers exit too).
+  Status Shutdown();
+
+  const std::string& address() const { return address_; }
+  const std::string& session_dir() const { return session_dir_; }
+  // Processes this Cluster started (StartLocal): the scheduler first, then the workers.
+  const std::vector<pid_t>& local_processes() const { return processes_; }
+
+ private:
+  Cluster() = default;
+  std::shared_ptr<detail::ClusterClient> client_;
+  std::string address_;
+  std::string session_dir_;
+  std::vector<pid_t> processes_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,398 @@
+// tessera: start and stop cluster processes, and look at a running cluster.
+//
+//   tessera start --head [--host 127.0.0.1] [--port 6380]     the scheduler (runs in background)
+//   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
+//   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
+//   tessera stop [--address HOST:PORT]                        stops the whole cluster
+//
+// `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
+// /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
+// scheduler's address, and every process's log. Commands without --address use the latest
+// session's scheduler; without --token-file, its token.
+//
+// `tessera scheduler ...` and `tessera worker ...` run one process in the foreground; `start`
+// and drivers' local clusters launch these.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "core/atomic_file.h"
+#include "core/logging.h"
+#include "core/rpc/address.h"
+#include "core/settings.h"
+#include "driver/cluster.h"
+#include "driver/process.h"
+#include "ops/cpu/cpu_kernels.h"
+#include "scheduler/scheduler_service.h"
+#include "worker/worker_service.h"
+
+namespace {
+
+using tessera::Result;
+using tessera::Status;
+
+constexpr const char* kSessionRoot = "/tmp/tessera";
+constexpr const char* kLatestSession = "/tmp/tessera/session_latest";
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "tessera: error: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+Result<std::string> ReadFileTrimmed(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return tessera::NotFound("cannot read '{}'", path);
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
+}
+
+// The scheduler address: the flag, else the latest session's.
+Result<std::string> ResolveAddress(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  Result<std::string> address = ReadFileTrimmed(std::string(kLatestSession) + "/scheduler.address");
+  if (!address.ok()) {
+    return tessera::NotFound(
+        "no --address given and no running session found ({}); start one "
+        "with `tessera start --head`",
+        kLatestSession);
+  }
+  return address;
+}
+
+std::string DefaultTokenFile(const std::string& flag) {
+  return flag.empty() ? std::string(kLatestSession) + "/token" : flag;
+}
+
+// Blocks SIGINT/SIGTERM in every thread (call before starting any) and runs `on_signal` from a
+// dedicated thread when one arrives.
+void HandleTerminationSignals(std::function<void()> on_signal) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread([signals, on_signal = std::move(on_signal)] {
+    int signal = 0;
+    sigwait(&signals, &signal);
+    on_signal();
+  }).detach();
+}
+
+// ---- foreground processes ----
+
+struct SchedulerFlags {
+  std::string host = "127.0.0.1";
+  int port = 6380;
+  std::string token_file;
+  std::string session_dir;
+  std::string address_file;
+};
+
+int RunScheduler(const SchedulerFlags& flags) {
+  Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  if (!settings.ok()) return Fail(settings.status());
+  (void)tessera::SetLogLevel(settings->log_level);
+  Result<std::string> token = ReadFileTrimmed(flags.token_file);
+  if (!token.ok()) return Fail(token.status().WithContext("reading the cluster token"));
+  tessera::SchedulerServiceOptions options;
+  options.address = tessera::rpc::Address::Tcp(flags.host, static_cast<uint16_t>(flags.port));
+  options.address_file = flags.address_file;
+  options.core.token = *token;
+  options.core.session_dir = flags.session_dir;
+  options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
+  options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
+  options.core.inline_object_bytes = settings->inline_object_bytes;
+  std::shared_ptr<tessera::SchedulerService> service;
+  HandleTerminationSignals([&service] {
+    if (service) service->Stop();
+  });
+  auto started = tessera::SchedulerService::Start(options);
+  if (!started.ok()) return Fail(started.status());
+  service = std::move(*started);
+  service->Wait();
+  tessera::GetLogger("scheduler")->info("stopped");
+  return 0;
+}
+
+struct WorkerFlags {
+  std::string address;
+  std::string token_file;
+  int threads = 0;
+  int64_t host_memory_mb = 4096;
+  std::string spill_dir;
+};
+
+int RunWorker(const WorkerFlags& flags) {
+  Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  if (!settings.ok()) return Fail(settings.status());
+  (void)tessera::SetLogLevel(settings->log_level);
+  Result<std::string> address = ResolveAddress(flags.address);
+  if (!address.ok()) return Fail(address.status());
+  Result<tessera::rpc::Address> parsed = tessera::rpc::Address::Parse(*address);
+  if (!parsed.ok()) return Fail(parsed.status());
+  Result<std::string> token = ReadFileTrimmed(DefaultTokenFile(flags.token_file));
+  if (!token.ok()) return Fail(token.status().WithContext("reading the cluster token"));
+  Result<tessera::OpRegistry> registry = tessera::MakeCpuOpRegistry();
+  if (!registry.ok()) return Fail(registry.status());
+  tessera::WorkerServiceOptions options;
+  options.scheduler = *parsed;
+  options.token = *token;
+  options.threads = flags.threads;
+  options.host_capacity_bytes = flags.host_memory_mb << 20;
+  options.spill_dir = flags.spill_dir;
+  options.settings = *settings;
+  std::atomic<bool> interrupted{false};
+  HandleTerminationSignals([&interrupted] {
+    interrupted = true;
+    std::_Exit(0);  // a worker holds no state worth flushing; the scheduler notices it left
+  });
+  auto started = tessera::WorkerService::Start(options, *registry);
+  if (!started.ok()) return Fail(started.status());
+  Status reason = (*started)->Wait();
+  if (!reason.ok() && !interrupted) {
+    tessera::GetLogger("worker")->warn("exiting: {}", reason.ToString());
+    return 1;
+  }
+  return 0;
+}
+
+// ---- commands ----
+
+struct StartFlags {
+  bool head = false;
+  std::string host = "127.0.0.1";
+  int port = 6380;
+  std::string session_dir;
+  std::string address;
+  int cpu_workers = 1;
+  int threads = 0;
+  int64_t host_memory_mb = 4096;
+  std::string token_file;
+};
+
+std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
+
+int StartHead(const StartFlags& flags) {
+  std::error_code error;
+  std::filesystem::create_directories(kSessionRoot, error);
+  std::string dir = flags.session_dir;
+  if (dir.empty()) {
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", std::localtime(&now));
+    dir = fmt::format("{}/session_{}_{}", kSessionRoot, stamp, ::getpid());
+  }
+  std::filesystem::create_directories(dir, error);
+  if (error) return Fail(tessera::Unavailable("cannot create '{}': {}", dir, error.message()));
+  Result<std::string> token = tessera::RandomToken();
+  if (!token.ok()) return Fail(token.status());
+  const std::string token_file = dir + "/token";
+  if (Status s = tessera::WriteFileAtomically(token_file, *token + "\n", 0600); !s.ok()) {
+    return Fail(s);
+  }
+  const std::string address_file = dir + "/scheduler.address";
+  Result<pid_t> pid = tessera::SpawnProcess(
+      {SelfBinary(), "scheduler", "--host", flags.host, "--port", std::to_string(flags.port),
+       "--token-file", token_file, "--session-dir", dir, "--address-file", address_file},
+      tessera::SpawnOptions{
+          .log_file = dir + "/scheduler.log", .die_with_parent = false, .new_session = true});
+  if (!pid.ok()) return Fail(pid.status());
+  for (int waited = 0; !std::filesystem::exists(address_file); waited += 20) {
+    if (!tessera::ProcessAlive(*pid) || waited > 10'000) {
+      Result<std::string> log = ReadFileTrimmed(dir + "/scheduler.log");
+      return Fail(tessera::Unavailable("the scheduler did not start: {}",
+                                       log.ok() ? *log : std::string("(no log)")));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  (void)tessera::WriteFileAtomically(dir + "/scheduler.pid", std::to_string(*pid) + "\n");
+  std::filesystem::remove(kLatestSession, error);
+  std::filesystem::create_directory_symlink(dir, kLatestSession, error);
+  Result<std::string> address = ReadFileTrimmed(address_file);
+  std::printf("Tessera scheduler started at %s (pid %d)\n", address->c_str(), *pid);
+  std::printf("  session:    %s (logs, token, address)\n", dir.c_str());
+  std::printf("  token file: %s (only you can read it)\n", token_file.c_str());
+  std::printf("  add workers: tessera start --address %s --cpu-workers 2\n", address->c_str());
+  return 0;
+}
+
+int StartWorkers(const StartFlags& flags) {
+  Result<std::string> address = ResolveAddress(flags.address);
+  if (!address.ok()) return Fail(address.status());
+  const std::string token_file = DefaultTokenFile(flags.token_file);
+  if (!ReadFileTrimmed(token_file).ok()) {
+    return Fail(
+        tessera::NotFound("cannot read the cluster token at '{}'; pass --token-file", token_file));
+  }
+  const std::string log_dir = std::filesystem::path(token_file).parent_path().string();
+  tessera::ConnectOptions connect;
+  connect.token_file = token_file;
+  connect.admin = true;
+  auto admin = tessera::Cluster::Connect(*address, connect);
+  if (!admin.ok()) return Fail(admin.status());
+  Result<tessera::ClusterInfo> before = (*admin)->Info();
+  if (!before.ok()) return Fail(before.status());
+  int alive_before = 0;
+  for (const auto& w : before->workers) alive_before += w.alive;
+  for (int i = 0; i < flags.cpu_workers; ++i) {
+    const std::string tag = fmt::format("{}_{}", ::getpid(), i);
+    Result<pid_t> pid = tessera::SpawnProcess(
+        {SelfBinary(), "worker", "--address", *address, "--token-file", token_file, "--threads",
+         std::to_string(flags.threads), "--host-memory-mb", std::to_string(flags.host_memory_mb),
+         "--spill-dir", fmt::format("{}/spill-{}", log_dir, tag)},
+        tessera::SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", log_dir, tag),
+                              .die_with_parent = false,
+                              .new_session = true});
+    if (!pid.ok()) return Fail(pid.status());
+  }
+  for (int waited = 0; waited < 10'000; waited += 50) {
+    Result<tessera::ClusterInfo> info = (*admin)->Info();
+    int alive = 0;
+    if (info.ok()) {
+      for (const auto& w : info->workers) alive += w.alive;
+    }
+    if (alive >= alive_before + flags.cpu_workers) {
+      std::printf("%d worker(s) joined %s; %d alive in total. Logs in %s\n", flags.cpu_workers,
+                  address->c_str(), alive, log_dir.c_str());
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Fail(
+      tessera::TimedOut("the workers did not join within 10 s; see their logs in {}", log_dir));
+}
+
+int ShowStatus(const std::string& address_flag, const std::string& token_file) {
+  Result<std::string> address = ResolveAddress(address_flag);
+  if (!address.ok()) return Fail(address.status());
+  tessera::ConnectOptions connect;
+  connect.token_file = DefaultTokenFile(token_file);
+  connect.admin = true;
+  auto cluster = tessera::Cluster::Connect(*address, connect);
+  if (!cluster.ok()) return Fail(cluster.status());
+  Result<tessera::ClusterInfo> info = (*cluster)->Info();
+  if (!info.ok()) return Fail(info.status());
+  std::printf("Tessera cluster at %s (session %s)\n", address->c_str(), info->session_dir.c_str());
+  std::printf("tasks: %lld queued, %lld running, %lld done; objects: %lld; drivers: %d\n",
+              static_cast<long long>(info->tasks_queued),
+              static_cast<long long>(info->tasks_running), static_cast<long long>(info->tasks_done),
+              static_cast<long long>(info->objects), info->drivers);
+  std::printf("%-10s %-16s %-8s %-6s %-22s %12s %12s %10s %8s %10s\n", "worker", "host", "pid",
+              "alive", "data plane", "host used", "capacity", "spilled", "running", "done");
+  for (const tessera::WorkerInfo& w : info->workers) {
+    std::printf("%-10s %-16s %-8d %-6s %-22s %9.1f MiB %9.1f MiB %6.1f MiB %8d %10lld\n",
+                w.id.ToString().c_str(), w.hostname.c_str(), w.pid, w.alive ? "yes" : "no",
+                w.data_address.c_str(), static_cast<double>(w.host_used_bytes) / (1 << 20),
+                static_cast<double>(w.host_capacity_bytes) / (1 << 20),
+                static_cast<double>(w.spilled_bytes) / (1 << 20), w.tasks_running,
+                static_cast<long long>(w.tasks_done));
+  }
+  return 0;
+}
+
+int StopCluster(const std::string& address_flag, const std::string& token_file) {
+  Result<std::string> address = ResolveAddress(address_flag);
+  if (!address.ok()) return Fail(address.status());
+  tessera::ConnectOptions connect;
+  connect.token_file = DefaultTokenFile(token_file);
+  connect.admin = true;
+  auto cluster = tessera::Cluster::Connect(*address, connect);
+  if (!cluster.ok()) return Fail(cluster.status());
+  if (Status s = (*cluster)->Shutdown(); !s.ok()) return Fail(s);
+  cluster->reset();
+  // Wait for the scheduler to stop answering.
+  for (int waited = 0; waited < 10'000; waited += 100) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    tessera::ConnectOptions probe = connect;
+    probe.timeout_ms = 500;
+    if (!tessera::Cluster::Connect(*address, probe).ok()) {
+      std::printf("stopped the cluster at %s\n", address->c_str());
+      return 0;
+    }
+  }
+  return Fail(
+      tessera::TimedOut("the scheduler at {} is still answering 10 s after stop", *address));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
+  app.require_subcommand(1);
+
+  StartFlags start;
+  CLI::App* start_cmd = app.add_subcommand("start", "Start the scheduler (--head) or workers");
+  start_cmd->add_flag("--head", start.head, "Start the scheduler of a new cluster");
+  start_cmd->add_option("--host", start.host, "Scheduler: address to listen on");
+  start_cmd->add_option("--port", start.port, "Scheduler: port (0: any free one)")
+      ->check(CLI::Range(0, 65535));
+  start_cmd->add_option("--session-dir", start.session_dir, "Scheduler: session directory");
+  start_cmd->add_option("--address", start.address, "Workers: the scheduler's HOST:PORT");
+  start_cmd->add_option("--cpu-workers", start.cpu_workers, "Workers: how many to start")
+      ->check(CLI::PositiveNumber);
+  start_cmd->add_option("--threads", start.threads, "Workers: threads each (0: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  start_cmd
+      ->add_option("--host-memory-mb", start.host_memory_mb,
+                   "Workers: host-tier capacity each, beyond which objects spill to disk")
+      ->check(CLI::PositiveNumber);
+  start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
+
+  std::string status_address, status_token;
+  CLI::App* status_cmd = app.add_subcommand("status", "Show workers, memory and tasks");
+  status_cmd->add_option("--address", status_address, "The scheduler's HOST:PORT");
+  status_cmd->add_option("--token-file", status_token, "The cluster token file");
+
+  std::string stop_address, stop_token;
+  CLI::App* stop_cmd = app.add_subcommand("stop", "Stop the cluster (scheduler and workers)");
+  stop_cmd->add_option("--address", stop_address, "The scheduler's HOST:PORT");
+  stop_cmd->add_option("--token-file", stop_token, "The cluster token file");
+
+  SchedulerFlags scheduler;
+  CLI::App* scheduler_cmd = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
+  scheduler_cmd->add_option("--host", scheduler.host);
+  scheduler_cmd->add_option("--port", scheduler.port)->check(CLI::Range(0, 65535));
+  scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
+  scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
+  scheduler_cmd->add_option("--address-file", scheduler.address_file);
+
+  WorkerFlags worker;
+  CLI::App* worker_cmd = app.add_subcommand("worker", "Run a worker in the foreground");
+  worker_cmd->add_option("--address", worker.address);
+  worker_cmd->add_option("--token-file", worker.token_file);
+  worker_cmd->add_option("--threads", worker.threads)->check(CLI::NonNegativeNumber);
+  worker_cmd->add_option("--host-memory-mb", worker.host_memory_mb)->check(CLI::PositiveNumber);
+  worker_cmd->add_option("--spill-dir", worker.spill_dir);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "tessera: %s\n\n%s", e.what(), app.help().c_str());
+    return 2;
+  }
+  if (start_cmd->parsed()) {
+    if (start.head) return StartHead(start);
+    if (start.address.empty() &&
+        !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address")) {
+      std::fprintf(stderr, "tessera: start needs --head (a scheduler) or --address (workers)\n\n%s",
+                   start_cmd->help().c_str());
+      return 2;
+    }
+    return StartWorkers(start);
+  }
+  if (status_cmd->parsed()) return ShowStatus(status_address, status_token);
+  if (stop_cmd->parsed()) return StopCluster(stop_address, stop_token);
+  if (scheduler_cmd->parsed()) return RunScheduler(scheduler);
+  if (worker_cmd->parsed()) return RunWorker(worker);
+  return 2;
+}

@@ -1,0 +1,145 @@
+#include "scheduler/scheduler_service.h"
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/atomic_file.h"
+#include "core/logging.h"
+#include "core/rpc/connection.h"
+
+namespace tessera {
+
+namespace {
+
+class SchedulerServiceImpl final : public SchedulerService, private Outbox {
+ public:
+  explicit SchedulerServiceImpl(SchedulerServiceOptions options)
+      : options_(std::move(options)),
+        work_(rpc::asio::make_work_guard(io_)),
+        core_(options_.core, this, [] { return SchedulerCore::Clock::now(); }),
+        tick_(io_) {}
+
+  ~SchedulerServiceImpl() override {
+    Stop();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  Status Init() {
+    auto listener = rpc::Listener::Listen(
+        io_, options_.address,
+        [this](rpc::GenericSocket socket, std::string peer) { OnAccept(std::move(socket), peer); });
+    if (!listener.ok()) return listener.status();
+    listener_ = std::move(*listener);
+    if (!options_.address_file.empty()) {
+      TESSERA_RETURN_IF_ERROR(
+          WriteFileAtomically(options_.address_file, listener_->address().ToString() + "\n"));
+    }
+    ScheduleTick();
+    thread_ = std::thread([this] { io_.run(); });
+    GetLogger("scheduler")->info("listening on {}", listener_->address().ToString());
+    return Status::Ok();
+  }
+
+  const rpc::Address& address() const override { return listener_->address(); }
+
+  void Wait() override {
+    std::unique_lock lock(mutex_);
+    stopped_cv_.wait(lock, [this] { return stopped_; });
+  }
+
+  void Stop() override {
+    rpc::asio::post(io_, [this] { Shutdown(); });
+  }
+
+ private:
+  void OnAccept(rpc::GenericSocket socket, const std::string& peer) {
+    const WorkerId id = core_.Accept();
+    auto connection = rpc::Connection::Create(std::move(socket), peer);
+    connections_[id] = connection;
+    connection->Start(
+        [this, id](rpc::Connection& self, rpc::ReceivedMessage& message) -> Status {
+          Status status = core_.Handle(id, message.reader().getRoot<proto::Envelope>());
+          if (core_.shutdown_requested()) ScheduleShutdown();
+          if (!status.ok()) {
+            // A protocol violation: drop the peer, but only after what the core queued for it
+            // (e.g. the reason it was refused) has gone out.
+            GetLogger("scheduler")
+                ->warn("closing {} ({}): {}", self.peer(), id.ToString(), status.ToString());
+            self.CloseWhenFlushed(status);
+          }
+          return Status::Ok();
+        },
+        [this, id](rpc::Connection&, const Status& reason) {
+          connections_.erase(id);
+          core_.Disconnected(id, reason);
+        });
+  }
+
+  // Outbox
+  void Send(WorkerId to, capnp::MessageBuilder& message) override {
+    auto it = connections_.find(to);
+    if (it != connections_.end()) it->second->Send(message);
+  }
+  void Disconnect(WorkerId who, const Status& reason) override {
+    auto it = connections_.find(who);
+    if (it != connections_.end()) it->second->CloseWhenFlushed(reason);
+  }
+
+  void ScheduleTick() {
+    tick_.expires_after(std::chrono::milliseconds(options_.core.heartbeat_interval_ms));
+    tick_.async_wait([this](const boost::system::error_code& error) {
+      if (error || stopping_) return;
+      core_.Tick();
+      ScheduleTick();
+    });
+  }
+
+  // Gives the shutdown broadcast a moment to reach the workers, then stops.
+  void ScheduleShutdown() {
+    if (stopping_) return;
+    stopping_ = true;
+    auto timer = std::make_shared<rpc::asio::steady_timer>(io_, std::chrono::milliseconds(200));
+    timer->async_wait([this, timer](const boost::system::error_code&) { Shutdown(); });
+  }
+
+  void Shutdown() {
+    stopping_ = true;
+    tick_.cancel();
+    if (listener_) listener_->Close();
+    for (auto& [id, connection] : connections_) connection->Close(Cancelled("scheduler stopping"));
+    work_.reset();
+    {
+      std::lock_guard lock(mutex_);
+      stopped_ = true;
+    }
+    stopped_cv_.notify_all();
+    rpc::asio::post(io_, [this] { io_.stop(); });
+  }
+
+  const SchedulerServiceOptions options_;
+  rpc::asio::io_context io_;
+  rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
+  SchedulerCore core_;
+  rpc::asio::steady_timer tick_;
+  std::unique_ptr<rpc::Listener> listener_;
+  std::map<WorkerId, std::shared_ptr<rpc::Connection>> connections_;
+  std::thread thread_;
+  bool stopping_ = false;
+
+  std::mutex mutex_;
+  std::condition_variable stopped_cv_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<SchedulerService>> SchedulerService::Start(
+    const SchedulerServiceOptions& options) {
+  auto service = std::make_unique<SchedulerServiceImpl>(options);
+  TESSERA_RETURN_IF_ERROR(service->Init());
+  return std::unique_ptr<SchedulerService>(std::move(service));
+}
+
+}  // namespace tessera

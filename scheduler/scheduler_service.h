@@ -1,0 +1,37 @@
+// SchedulerService: the scheduler process's network shell around SchedulerCore.
+//
+// It listens on a TCP address, gives every accepted connection a participant id, feeds each
+// received message to the core on one io thread (so the core needs no locks), delivers the
+// core's outgoing messages, ticks the core for heartbeat checks, and stops when the core has
+// been asked to shut down.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/rpc/address.h"
+#include "core/status.h"
+#include "scheduler/scheduler_core.h"
+
+namespace tessera {
+
+struct SchedulerServiceOptions {
+  rpc::Address address = rpc::Address::Tcp("127.0.0.1", 0);  // port 0: any free port
+  SchedulerOptions core;
+  // When set, the bound address is written here (atomically) once the scheduler listens, so a
+  // launcher can find a scheduler started on port 0.
+  std::string address_file;
+};
+
+class SchedulerService {
+ public:
+  // Unavailable naming the address when it cannot listen.
+  static Result<std::unique_ptr<SchedulerService>> Start(const SchedulerServiceOptions& options);
+  virtual ~SchedulerService() = default;
+  virtual const rpc::Address& address() const = 0;
+  // Blocks until a shutdown was requested (by `tessera stop` or a driver) or Stop() was called.
+  virtual void Wait() = 0;
+  virtual void Stop() = 0;
+};
+
+}  // namespace tessera

@@ -1,0 +1,196 @@
+// The distributed runtime as a user sees it: a local cluster of real scheduler and worker
+// processes, driven through the Cluster API.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "core/rpc/connection.h"
+#include "core/rpc/wire.h"
+#include "driver/cluster.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+LocalClusterOptions Local(int workers, int64_t capacity_mb = 1024) {
+  LocalClusterOptions options;
+  options.cpu_workers = workers;
+  options.threads_per_worker = 1;
+  options.host_capacity_bytes = capacity_mb << 20;
+  options.tessera_binary = BinaryPath("tessera");
+  return options;
+}
+
+TEST(ClusterTest, PutSubmitGetThroughTheDataPlane) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
+  // 4 MiB: held by the driver, pulled by a worker, pulled back by the driver.
+  Tensor x = RandomTensor({1 << 20}, 1, 3.0f);
+  ASSERT_OK_AND_ASSIGN(ObjectRef ref, cluster->Put(x));
+  ASSERT_OK_AND_ASSIGN(auto out, cluster->Submit("gelu_forward", {ref}));
+  ASSERT_OK_AND_ASSIGN(Tensor y, cluster->Get(out[0], 10'000));
+  ASSERT_OK_AND_ASSIGN(auto expected, RunKernel("gelu_forward", {x}));
+  EXPECT_EQ(ToVector(y), ToVector(expected[0]));
+  // Small objects travel inline; a chain of dependent tasks.
+  ASSERT_OK_AND_ASSIGN(ObjectRef a, cluster->Put(FloatTensor({3}, {1, 2, 3})));
+  ObjectRef sum = a;
+  for (int i = 0; i < 50; ++i) sum = (*cluster->Submit("add_forward", {sum, a}))[0];
+  ASSERT_OK_AND_ASSIGN(Tensor total, cluster->Get(sum, 10'000));
+  EXPECT_EQ(ToVector(total), (std::vector<float>{51, 102, 153}));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  EXPECT_EQ(info.workers.size(), 2u);
+  EXPECT_GE(info.tasks_done, 51);
+}
+
+TEST(ClusterTest, SubmitReportsShapeErrorsAtOnce) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(1)));
+  ASSERT_OK_AND_ASSIGN(ObjectRef a, cluster->Put(RandomTensor({4, 8}, 1)));
+  ASSERT_OK_AND_ASSIGN(ObjectRef b, cluster->Put(RandomTensor({5, 3}, 2)));
+  Result<std::vector<ObjectRef>> bad = cluster->Submit("matmul_forward", {a, b});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("matmul_forward"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("[4, 8]"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("[5, 3]"), std::string::npos);
+  EXPECT_EQ(cluster->Submit("no_such_op", {a}).status().code(), StatusCode::kNotFound);
+}
+
+TEST(ClusterTest, ObjectsBeyondAWorkersCapacitySpillAndComeBackIntact) {
+  // 8 MiB of host tier; 12 objects of 2 MiB each must spill.
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(1, /*capacity_mb=*/8)));
+  ASSERT_OK_AND_ASSIGN(ObjectRef seed, cluster->Put(RandomTensor({1 << 19}, 7)));
+  std::vector<ObjectRef> outputs;
+  std::vector<Tensor> expected;
+  Tensor base = *cluster->Get(seed, 10'000);
+  for (int i = 0; i < 12; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto out, cluster->Submit("sleep", {seed}, Attrs{{"ms", int64_t{0}}}));
+    outputs.push_back(out[0]);
+  }
+  ASSERT_OK(cluster->Wait(outputs, 20'000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // a heartbeat reports the spill
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ASSERT_EQ(info.workers.size(), 1u);
+  EXPECT_GT(info.workers[0].spilled_bytes, 0) << "12 x 2 MiB cannot fit in 8 MiB";
+  for (const ObjectRef& out : outputs) {
+    ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(out, 10'000));
+    EXPECT_EQ(ToVector(value), ToVector(base));
+  }
+}
+
+TEST(ClusterTest, AKilledWorkersObjectsFailWithItsNameAndTasksRetryElsewhere) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
+  // An object that lives only on one worker (4 MiB: not inline).
+  ASSERT_OK_AND_ASSIGN(ObjectRef big, cluster->Put(RandomTensor({1 << 20}, 3)));
+  ASSERT_OK_AND_ASSIGN(auto produced, cluster->Submit("gelu_forward", {big}));
+  ASSERT_OK(cluster->Wait(produced, 10'000));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  // Find the worker that ran it (it did one task) and kill it.
+  int victim_pid = 0;
+  std::string victim_name;
+  for (const WorkerInfo& worker : info.workers) {
+    if (worker.tasks_done > 0 || worker.tasks_running > 0) {
+      victim_pid = worker.pid;
+      victim_name = worker.id.ToString();
+    }
+  }
+  if (victim_pid == 0) {  // heartbeat not in yet: ask again shortly
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    info = *cluster->Info();
+    for (const WorkerInfo& worker : info.workers) {
+      if (worker.tasks_done > 0) {
+        victim_pid = worker.pid;
+        victim_name = worker.id.ToString();
+      }
+    }
+  }
+  ASSERT_NE(victim_pid, 0);
+  // A slow task is running when the worker dies: it must be retried on the other worker.
+  ASSERT_OK_AND_ASSIGN(ObjectRef small, cluster->Put(FloatTensor({2}, {4, 5})));
+  std::vector<ObjectRef> slow;
+  for (int i = 0; i < 2; ++i) {
+    slow.push_back((*cluster->Submit("sleep", {small}, Attrs{{"ms", int64_t{1500}}}))[0]);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(victim_pid, SIGKILL), 0);
+
+  Result<Tensor> lost = cluster->Get(produced[0], 10'000);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  ASSERT_FALSE(lost.ok()) << "the only copy died with its worker";
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(lost.status().message().find(victim_name), std::string::npos)
+      << lost.status().ToString();
+  EXPECT_NE(lost.status().message().find("died"), std::string::npos) << lost.status().ToString();
+  // A new task on the lost object fails naming it.
+  ASSERT_OK_AND_ASSIGN(auto after, cluster->Submit("gelu_forward", {produced[0]}));
+  Result<Tensor> failed = cluster->Get(after[0], 10'000);
+  ASSERT_FALSE(failed.ok());
+  // The slow tasks finish: whichever ran on the dead worker was retried.
+  for (const ObjectRef& ref : slow) {
+    ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(ref, 15'000));
+    EXPECT_EQ(ToVector(value), (std::vector<float>{4, 5}));
+  }
+}
+
+// Raw connections to the scheduler: garbage, and valid messages that make no sense.
+TEST(ClusterTest, TheSchedulerSurvivesGarbageAndWrongMessages) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(1)));
+  ASSERT_OK_AND_ASSIGN(rpc::Address address, rpc::Address::Parse(cluster->address()));
+  rpc::asio::io_context io;
+  std::mt19937_64 rng(3);
+  for (int round = 0; round < 30; ++round) {
+    ASSERT_OK_AND_ASSIGN(rpc::GenericSocket socket, rpc::ConnectSocket(io, address, 2000));
+    std::vector<uint8_t> bytes;
+    if (round % 3 == 0) {
+      bytes.resize(1 + rng() % 4096);  // pure garbage
+      for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+    } else {
+      // A well-formed frame of a random kind with random contents, no Hello first.
+      capnp::MallocMessageBuilder message;
+      auto body = message.initRoot<proto::Envelope>().initBody();
+      if (round % 3 == 1) {
+        auto result = body.initTasksFinished().initResults(3);
+        for (unsigned i = 0; i < 3; ++i) result[i].setTask(rng());
+      } else {
+        auto hello = body.initHello();
+        hello.setProtocolVersion(rpc::kProtocolVersion);
+        hello.setToken("not-the-token");
+      }
+      bytes = rpc::EncodeFrame(message);
+      if (round % 2 == 0) bytes.resize(bytes.size() / 2);  // truncated
+    }
+    boost::system::error_code ignored;
+    rpc::asio::write(socket, rpc::asio::buffer(bytes), ignored);
+    socket.close(ignored);
+  }
+  // Still serving: new tasks run and status answers.
+  ASSERT_OK_AND_ASSIGN(ObjectRef a, cluster->Put(FloatTensor({1}, {2})));
+  ASSERT_OK_AND_ASSIGN(auto out, cluster->Submit("add_forward", {a, a}));
+  ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(out[0], 10'000));
+  EXPECT_EQ(value.data<float>()[0], 4.0f);
+  EXPECT_OK(cluster->Info().status());
+}
+
+TEST(ClusterTest, AJoinWithoutTheTokenIsRefused) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(1)));
+  ConnectOptions wrong;
+  wrong.token = "0123456789abcdef";
+  Result<std::unique_ptr<Cluster>> intruder = Cluster::Connect(cluster->address(), wrong);
+  ASSERT_FALSE(intruder.ok());
+  EXPECT_NE(intruder.status().message().find("invalid cluster token"), std::string::npos)
+      << intruder.status().ToString();
+  // The token file is readable only by its owner.
+  struct stat info {};
+  ASSERT_EQ(::stat((cluster->session_dir() + "/token").c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0600);
+  // Nothing answers at an unused port: a clear error, not a hang.
+  Result<std::unique_ptr<Cluster>> nowhere = Cluster::Connect("127.0.0.1:1", wrong);
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_EQ(nowhere.status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tessera::testing

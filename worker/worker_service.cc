@@ -1,0 +1,478 @@
+#include "worker/worker_service.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <future>
+#include <queue>
+#include <thread>
+#include <unordered_map>
+
+#include <tbb/task_arena.h>
+
+#include "core/logging.h"
+#include "core/rpc/connection.h"
+#include "core/rpc/wire.h"
+#include "core/transport/data_plane.h"
+#include "worker/object_store.h"
+#include "worker/task_runner.h"
+
+namespace tessera {
+
+namespace {
+
+using rpc::asio::io_context;
+
+std::string Hostname() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+class WorkerServiceImpl final : public WorkerService {
+ public:
+  WorkerServiceImpl(WorkerServiceOptions options, const OpRegistry& registry)
+      : options_(std::move(options)),
+        registry_(registry),
+        threads_(options_.threads > 0
+                     ? options_.threads
+                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
+        allocator_(std::make_shared<CachingHostAllocator>()),
+        store_(ObjectStoreOptions{options_.host_capacity_bytes, options_.spill_dir}, allocator_),
+        arena_(threads_),
+        work_(rpc::asio::make_work_guard(io_)) {}
+
+  ~WorkerServiceImpl() override;
+
+  Status Init();
+  Status Wait() override;
+  uint64_t id() const override { return id_; }
+  const std::string& data_address() const override { return data_plane_->address(); }
+
+ private:
+  struct PendingTask {
+    rpc::WireTask task;
+    const KernelFn* kernel = nullptr;
+    std::vector<Tensor> inputs;
+    std::vector<PinnedObject> pins;  // local inputs, kept in host memory until the task ends
+    int missing = 0;
+    Status error;
+    uint64_t sequence = 0;
+  };
+  struct ReadyOrder {
+    bool operator()(const PendingTask* a, const PendingTask* b) const {
+      if (a->task.spec.priority != b->task.spec.priority) {
+        return a->task.spec.priority < b->task.spec.priority;
+      }
+      return a->sequence > b->sequence;  // FIFO among equals
+    }
+  };
+  struct TaskResult {
+    uint64_t task = 0;
+    Status error;
+    std::vector<std::pair<uint64_t, int64_t>> outputs;  // id, bytes
+    std::vector<std::string> inlines;                   // per output; empty when pulled
+  };
+
+  Status OnMessage(rpc::ReceivedMessage& message);
+  void OnDispatch(proto::DispatchTasks::Reader dispatch);
+  void InputArrived(uint64_t task, const Status& status);
+  void MakeReady(uint64_t task);
+  void StartReadyTasks();
+  void Execute(PendingTask* task);
+  // Reports a task that failed before running (bad dispatch, failed pull).
+  void Finish(uint64_t task, const Status& error);
+  void Queue(TaskResult result);
+  void FlushResults();
+  void ScheduleHeartbeat();
+  void Stop(const Status& reason);
+
+  const WorkerServiceOptions options_;
+  const OpRegistry& registry_;
+  const int threads_;
+  std::shared_ptr<Allocator> allocator_;
+  ObjectStore store_;
+  tbb::task_arena arena_;
+  io_context io_;
+  rpc::asio::executor_work_guard<io_context::executor_type> work_;
+  std::thread io_thread_;
+  std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
+  std::shared_ptr<rpc::Connection> connection_;
+  std::unique_ptr<DataPlane> data_plane_;
+  std::atomic<uint64_t> id_{0};
+  uint32_t heartbeat_ms_ = 500;
+
+  // io-thread state
+  std::unordered_map<uint64_t, std::unique_ptr<PendingTask>> tasks_;
+  std::priority_queue<PendingTask*, std::vector<PendingTask*>, ReadyOrder> ready_;
+  int running_ = 0;
+  uint64_t next_sequence_ = 0;
+  int64_t tasks_done_ = 0;
+  std::vector<TaskResult> results_;
+  bool flush_posted_ = false;
+
+  std::mutex done_mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  Status exit_reason_;
+};
+
+WorkerServiceImpl::~WorkerServiceImpl() {
+  Stop(Cancelled("worker stopping"));
+  work_.reset();
+  if (connection_) connection_->Close(Cancelled("worker stopping"));
+  if (io_thread_.joinable()) {
+    io_.stop();
+    io_thread_.join();
+  }
+  arena_.execute([] {});  // arena work finishes before the store goes away
+  data_plane_.reset();
+}
+
+Status WorkerServiceImpl::Init() {
+  // The data plane comes first: its address goes into Hello.
+  DataPlaneOptions data_options;
+  data_options.host = options_.data_host;
+  data_options.chunk_bytes = options_.settings.data_chunk_bytes;
+  data_options.pull_timeout_ms = static_cast<int>(options_.settings.pull_timeout_ms);
+  TESSERA_ASSIGN_OR_RETURN(
+      data_plane_, DataPlane::Start(data_options, [this](ObjectId id) -> Result<ServedObject> {
+        TESSERA_ASSIGN_OR_RETURN(PinnedObject pinned, store_.Get(id));
+        auto holder = std::make_shared<PinnedObject>(std::move(pinned));
+        return ServedObject{holder->tensor().raw_data(), holder->tensor().bytes(), holder};
+      }));
+
+  TESSERA_ASSIGN_OR_RETURN(
+      rpc::GenericSocket socket,
+      rpc::ConnectSocket(io_, options_.scheduler, options_.connect_timeout_ms));
+  connection_ = rpc::Connection::Create(std::move(socket), options_.scheduler.ToString());
+  auto welcomed = std::make_shared<std::promise<Status>>();
+  auto answered = std::make_shared<std::atomic<bool>>(false);
+  connection_->Start(
+      [this, welcomed, answered](rpc::Connection&, rpc::ReceivedMessage& message) -> Status {
+        if (answered->load()) return OnMessage(message);
+        answered->store(true);
+        auto body = message.reader().getRoot<proto::Envelope>().getBody();
+        if (body.which() == proto::Envelope::Body::WELCOME) {
+          id_ = body.getWelcome().getId();
+          heartbeat_ms_ = body.getWelcome().getHeartbeatIntervalMs();
+          welcomed->set_value(Status::Ok());
+          return Status::Ok();
+        }
+        Status refused = body.which() == proto::Envelope::Body::REFUSED
+                             ? rpc::FromWire(body.getRefused())
+                             : Internal("the scheduler answered Hello with message kind {}",
+                                        static_cast<int>(body.which()));
+        welcomed->set_value(refused.WithContext("the scheduler refused this worker"));
+        return refused;
+      },
+      [this, welcomed, answered](rpc::Connection&, const Status& reason) {
+        if (!answered->exchange(true)) welcomed->set_value(reason.WithContext("joining"));
+        Stop(reason.WithContext("lost the scheduler"));
+      });
+  io_thread_ = std::thread([this] { io_.run(); });
+
+  capnp::MallocMessageBuilder hello_message;
+  auto hello = hello_message.initRoot<proto::Envelope>().initBody().initHello();
+  hello.setProtocolVersion(rpc::kProtocolVersion);
+  hello.setRole(proto::Role::WORKER);
+  hello.setToken(options_.token);
+  hello.setHostname(Hostname());
+  hello.setPid(::getpid());
+  hello.setDataAddress(data_plane_->address());
+  hello.setCpuThreads(threads_);
+  hello.setHostCapacity(options_.host_capacity_bytes);
+  connection_->Send(hello_message);
+  std::future<Status> future = welcomed->get_future();
+  if (future.wait_for(std::chrono::milliseconds(options_.connect_timeout_ms)) !=
+      std::future_status::ready) {
+    return Unavailable("the scheduler at {} did not answer within {} ms",
+                       options_.scheduler.ToString(), options_.connect_timeout_ms);
+  }
+  TESSERA_RETURN_IF_ERROR(future.get());
+  heartbeat_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
+  rpc::asio::post(io_, [this] { ScheduleHeartbeat(); });
+  GetLogger("worker")->info("worker{} joined {}: {} threads, {} MiB host tier, data plane {}",
+                            id_.load(), options_.scheduler.ToString(), threads_,
+                            options_.host_capacity_bytes >> 20, data_plane_->address());
+  return Status::Ok();
+}
+
+Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
+  auto body = message.reader().getRoot<proto::Envelope>().getBody();
+  switch (body.which()) {
+    case proto::Envelope::Body::DISPATCH_TASKS:
+      OnDispatch(body.getDispatchTasks());
+      break;
+    case proto::Envelope::Body::FREE_OBJECTS:
+      for (uint64_t id : body.getFreeObjects().getIds()) {
+        (void)store_.Delete(ObjectId(id));  // NotFound is fine: it may never have sealed here
+      }
+      break;
+    case proto::Envelope::Body::SHUTDOWN:
+      Stop(Status::Ok());
+      break;
+    default:
+      GetLogger("worker")->warn("ignoring message kind {} from the scheduler",
+                                static_cast<int>(body.which()));
+      break;
+  }
+  return Status::Ok();
+}
+
+void WorkerServiceImpl::OnDispatch(proto::DispatchTasks::Reader dispatch) {
+  for (proto::DispatchedTask::Reader dispatched : dispatch.getTasks()) {
+    const uint64_t id = dispatched.getTask().getId();
+    Result<rpc::WireTask> parsed = rpc::FromWire(dispatched.getTask());
+    if (!parsed.ok()) {
+      Finish(id, parsed.status());
+      continue;
+    }
+    auto owned = std::make_unique<PendingTask>();
+    PendingTask& task = *owned;
+    task.task = std::move(*parsed);
+    task.sequence = next_sequence_++;
+    const TaskSpec& spec = task.task.spec;
+    Result<const KernelFn*> kernel = registry_.FindKernel(spec.op, DeviceKind::kCpu);
+    if (!kernel.ok()) {
+      Finish(id, kernel.status().WithContext(TaskContext(spec)));
+      continue;
+    }
+    task.kernel = *kernel;
+    const auto metas = dispatched.getInputMetas();
+    if (metas.size() != spec.inputs.size()) {
+      Finish(id, InvalidArgument("{}: dispatch has {} input metas for {} inputs", TaskContext(spec),
+                                 metas.size(), spec.inputs.size()));
+      continue;
+    }
+    std::unordered_map<uint64_t, capnp::Data::Reader> inlines;
+    for (auto object : dispatched.getInlineInputs())
+      inlines.emplace(object.getId(), object.getInline());
+    std::unordered_map<uint64_t, std::string> addresses;
+    for (auto source : dispatched.getSources()) {
+      addresses.emplace(source.getObject(), rpc::ToString(source.getAddress()));
+    }
+    task.inputs.resize(spec.inputs.size());
+    // Pulls start after the task is registered, so their callbacks always find it.
+    std::vector<std::pair<size_t, std::string>> pulls;
+    for (size_t i = 0; i < spec.inputs.size() && task.error.ok(); ++i) {
+      const ObjectId input = spec.inputs[i];
+      Result<TensorMeta> meta = rpc::FromWire(metas[static_cast<unsigned>(i)]);
+      if (!meta.ok()) {
+        task.error = meta.status();
+        break;
+      }
+      if (auto it = inlines.find(input.value()); it != inlines.end()) {
+        if (static_cast<int64_t>(it->second.size()) != meta->bytes()) {
+          task.error =
+              InvalidArgument("inline input {} has {} bytes, its meta {} needs {}",
+                              input.ToString(), it->second.size(), meta->ToString(), meta->bytes());
+          break;
+        }
+        Result<Tensor> tensor = Tensor::Empty(*meta, allocator_);
+        if (!tensor.ok()) {
+          task.error = tensor.status();
+          break;
+        }
+        std::memcpy(tensor->raw_data(), it->second.begin(), it->second.size());
+        task.inputs[i] = *std::move(tensor);
+      } else if (store_.Contains(input)) {
+        Result<PinnedObject> pinned = store_.Get(input);
+        if (!pinned.ok()) {
+          task.error = pinned.status();
+          break;
+        }
+        task.inputs[i] = pinned->tensor();
+        task.pins.push_back(std::move(*pinned));
+      } else if (auto source = addresses.find(input.value()); source != addresses.end()) {
+        Result<Tensor> tensor = Tensor::Empty(*meta, allocator_);
+        if (!tensor.ok()) {
+          task.error = tensor.status();
+          break;
+        }
+        task.inputs[i] = *std::move(tensor);
+        pulls.emplace_back(i, source->second);
+      } else {
+        task.error = Internal("{}: input {} is neither here, inline, nor given a source",
+                              TaskContext(spec), input.ToString());
+      }
+    }
+    if (!task.error.ok()) {
+      const Status error = task.error;
+      Finish(id, error);
+      continue;
+    }
+    task.missing = static_cast<int>(pulls.size());
+    PendingTask* raw = owned.get();
+    tasks_[id] = std::move(owned);
+    if (pulls.empty()) {
+      MakeReady(id);
+      continue;
+    }
+    for (const auto& [index, address] : pulls) {
+      Tensor& dest = raw->inputs[index];
+      data_plane_->Pull(address, raw->task.spec.inputs[index], dest.raw_data(), dest.bytes(),
+                        [this, id](const Status& status) {
+                          rpc::asio::post(io_, [this, id, status] { InputArrived(id, status); });
+                        });
+    }
+  }
+  StartReadyTasks();
+}
+
+void WorkerServiceImpl::InputArrived(uint64_t id, const Status& status) {
+  auto it = tasks_.find(id);
+  if (it == tasks_.end()) return;
+  PendingTask& task = *it->second;
+  if (!status.ok() && task.error.ok()) task.error = status;
+  if (--task.missing > 0) return;
+  if (!task.error.ok()) {
+    const Status error = task.error.WithContext(TaskContext(task.task.spec));
+    tasks_.erase(it);
+    Finish(id, error);
+    return;
+  }
+  MakeReady(id);
+  StartReadyTasks();
+}
+
+void WorkerServiceImpl::MakeReady(uint64_t id) { ready_.push(tasks_.at(id).get()); }
+
+void WorkerServiceImpl::StartReadyTasks() {
+  while (running_ < threads_ && !ready_.empty()) {
+    PendingTask* task = ready_.top();
+    ready_.pop();
+    ++running_;
+    arena_.enqueue([this, task] { Execute(task); });
+  }
+}
+
+void WorkerServiceImpl::Execute(PendingTask* task) {
+  const TaskSpec& spec = task->task.spec;
+  std::vector<TensorMeta> output_metas;
+  for (const ObjectSpec& output : task->task.outputs) output_metas.push_back(output.meta);
+  const KernelContext context{allocator_, options_.settings.gemm_split_min_flops};
+  TaskRunCounters counters;
+  // Inputs belong to the store or to pulls: never donate them.
+  Result<std::vector<Tensor>> outputs = RunTaskKernel(
+      *task->kernel, spec, task->inputs, output_metas, context, [](int) { return false; },
+      &counters);
+  // Seal the outputs here, off the io thread: a full host tier spills to disk.
+  TaskResult result;
+  result.task = spec.id.value();
+  result.error = outputs.status();
+  for (size_t j = 0; result.error.ok() && j < outputs->size(); ++j) {
+    Tensor& tensor = (*outputs)[j];
+    const ObjectId id = spec.outputs[j];
+    std::string inline_data;
+    if (tensor.bytes() <= options_.settings.inline_object_bytes) {
+      inline_data.assign(static_cast<const char*>(tensor.raw_data()),
+                         static_cast<size_t>(tensor.bytes()));
+    }
+    const int64_t bytes = tensor.bytes();
+    Status sealed = store_.Put(id, std::move(tensor));
+    if (!sealed.ok()) {
+      result.error = sealed.WithContext(
+          fmt::format("sealing output {} of {}", id.ToString(), TaskContext(spec)));
+      break;
+    }
+    result.outputs.emplace_back(id.value(), bytes);
+    result.inlines.push_back(std::move(inline_data));
+  }
+  rpc::asio::post(io_, [this, result = std::move(result)]() mutable {
+    tasks_.erase(result.task);  // releases the task's pins and pulled inputs
+    --running_;
+    Queue(std::move(result));
+    StartReadyTasks();
+  });
+}
+
+void WorkerServiceImpl::Finish(uint64_t task, const Status& error) {
+  TaskResult result;
+  result.task = task;
+  result.error = error;
+  Queue(std::move(result));
+}
+
+void WorkerServiceImpl::Queue(TaskResult result) {
+  results_.push_back(std::move(result));
+  ++tasks_done_;
+  if (!flush_posted_) {
+    flush_posted_ = true;
+    rpc::asio::post(io_, [this] { FlushResults(); });
+  }
+}
+
+void WorkerServiceImpl::FlushResults() {
+  flush_posted_ = false;
+  if (results_.empty() || !connection_) return;
+  capnp::MallocMessageBuilder message;
+  auto list = message.initRoot<proto::Envelope>().initBody().initTasksFinished().initResults(
+      static_cast<unsigned>(results_.size()));
+  for (unsigned i = 0; i < results_.size(); ++i) {
+    const TaskResult& result = results_[i];
+    auto out = list[i];
+    out.setTask(result.task);
+    if (!result.error.ok()) {
+      rpc::ToWire(result.error, out.initError());
+      continue;
+    }
+    auto sealed = out.initOutputs(static_cast<unsigned>(result.outputs.size()));
+    for (unsigned j = 0; j < result.outputs.size(); ++j) {
+      sealed[j].setId(result.outputs[j].first);
+      sealed[j].setBytes(result.outputs[j].second);
+      const std::string& data = result.inlines[j];
+      if (!data.empty()) {
+        sealed[j].setInline(
+            capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
+      }
+    }
+  }
+  results_.clear();
+  connection_->Send(message);
+}
+
+void WorkerServiceImpl::ScheduleHeartbeat() {
+  if (done_) return;
+  const ObjectStoreStats stats = store_.stats();
+  capnp::MallocMessageBuilder message;
+  auto heartbeat = message.initRoot<proto::Envelope>().initBody().initHeartbeat();
+  heartbeat.setHostUsed(stats.host_bytes);
+  heartbeat.setHostCapacity(stats.host_capacity_bytes);
+  heartbeat.setSpilledBytes(stats.spilled_bytes);
+  heartbeat.setTasksRunning(running_);
+  heartbeat.setTasksDone(tasks_done_);
+  connection_->Send(message);
+  heartbeat_timer_->expires_after(std::chrono::milliseconds(heartbeat_ms_));
+  heartbeat_timer_->async_wait([this](const boost::system::error_code& error) {
+    if (!error) ScheduleHeartbeat();
+  });
+}
+
+void WorkerServiceImpl::Stop(const Status& reason) {
+  {
+    std::lock_guard lock(done_mutex_);
+    if (done_) return;
+    done_ = true;
+    exit_reason_ = reason;
+  }
+  done_cv_.notify_all();
+}
+
+Status WorkerServiceImpl::Wait() {
+  std::unique_lock lock(done_mutex_);
+  done_cv_.wait(lock, [this] { return done_; });
+  return exit_reason_;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<WorkerService>> WorkerService::Start(const WorkerServiceOptions& options,
+                                                            const OpRegistry& registry) {
+  auto service = std::make_unique<WorkerServiceImpl>(options, registry);
+  TESSERA_RETURN_IF_ERROR(service->Init());
+  return std::unique_ptr<WorkerService>(std::move(service));
+}
+
+}  // namespace tessera

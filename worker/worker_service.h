@@ -1,0 +1,56 @@
+// WorkerService: one worker process's runtime.
+//
+// A worker joins the scheduler (Hello with the cluster token), reports heartbeats, and runs the
+// tasks it is dispatched:
+//   1. inputs are gathered: carried inline in the dispatch, found in the local object store, or
+//      pulled from their holder over the data plane (all pulls of a task run concurrently);
+//   2. when all are present the task waits in a ready queue ordered by priority; up to `threads`
+//      tasks run at once on the worker's TBB arena (kernels parallelise inside it too);
+//   3. outputs are sealed into the object store (which spills to disk past its capacity), and
+//      the result goes back to the scheduler, small outputs inline. Results of tasks finishing
+//      close together share one message.
+// The store's objects are served to peers over the data plane; the scheduler tells the worker
+// when to free them.
+//
+// Threads: the io thread owns the control connection and all bookkeeping; kernels run on the
+// arena; data-plane callbacks arrive on its progress thread and are handed to the io thread.
+// Lifetime: Wait() returns when the scheduler says shut down or the connection is lost; the
+// destructor stops everything.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/rpc/address.h"
+#include "core/settings.h"
+#include "core/status.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+struct WorkerServiceOptions {
+  rpc::Address scheduler;
+  std::string token;
+  int threads = 0;  // 0: one per core
+  int64_t host_capacity_bytes = int64_t{8} << 30;
+  std::string spill_dir;  // empty: no spilling
+  std::string data_host = "127.0.0.1";
+  int connect_timeout_ms = 5000;
+  Settings settings;
+};
+
+class WorkerService {
+ public:
+  // Joins the cluster. Unavailable when the scheduler cannot be reached or refuses the join
+  // (the message says why, e.g. an invalid token).
+  static Result<std::unique_ptr<WorkerService>> Start(const WorkerServiceOptions& options,
+                                                      const OpRegistry& registry);
+  virtual ~WorkerService() = default;
+  // Blocks until the worker should exit; returns why (OK for a requested shutdown).
+  virtual Status Wait() = 0;
+  virtual uint64_t id() const = 0;
+  virtual const std::string& data_address() const = 0;
+};
+
+}  // namespace tessera
