@@ -38,6 +38,7 @@ namespace detail {
 
 namespace {
 constexpr int kIdSequenceBits = 40;  // ids are (driver id << 40) | sequence
+constexpr auto kCoalesceWindow = std::chrono::microseconds(100);
 }  // namespace
 
 // Everything behind a Cluster: the control connection, the data plane, the objects this driver
@@ -68,8 +69,13 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   ObjectRef MakeRef(ObjectId id, const TensorMeta& meta);
   uint64_t NextId() { return (driver_id_ << kIdSequenceBits) | next_sequence_++; }
   Status OnMessage(rpc::ReceivedMessage& message);
-  void ScheduleFlush();  // any thread
-  void Flush();          // io thread
+  // Sends the queued batches. Urgent (a caller is blocked on the answer): at once. Otherwise a
+  // burst coalesces: within kCoalesceWindow of the previous flush, the next one waits for the
+  // window's end, so thousands of Submits become a few messages while a lone call is not delayed.
+  void ScheduleFlush(bool urgent);  // any thread
+  void Flush();                     // io thread
+  // Asks the scheduler (once per object) to say when these objects are ready.
+  void Watch(const std::vector<ObjectId>& ids);
   // Waits until `id` is ready or failed; returns its state.
   Result<ReadyState> AwaitReady(ObjectId id, int timeout_ms);
 
@@ -95,6 +101,9 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   std::vector<uint64_t> watches_;
   std::vector<uint64_t> releases_;
   bool flush_posted_ = false;
+  bool flush_timer_armed_ = false;
+  std::chrono::steady_clock::time_point last_flush_;
+  std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
 
   std::mutex ready_mutex_;
   std::condition_variable ready_cv_;
@@ -165,6 +174,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
         }
         ready_cv_.notify_all();
       });
+  flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   io_thread_ = std::thread([this] { io_.run(); });
 
   capnp::MallocMessageBuilder message;
@@ -215,7 +225,7 @@ Result<ObjectRef> ClusterClient::Put(const Tensor& value) {
     std::lock_guard lock(batch_mutex_);
     puts_.emplace_back(std::move(spec), std::move(inline_data));
   }
-  ScheduleFlush();
+  ScheduleFlush(/*urgent=*/false);
   return MakeRef(id, value.meta());
 }
 
@@ -258,7 +268,7 @@ Result<std::vector<ObjectRef>> ClusterClient::Submit(const std::string& op,
     std::lock_guard lock(batch_mutex_);
     submits_.emplace_back(std::move(task), std::move(outputs));
   }
-  ScheduleFlush();
+  ScheduleFlush(/*urgent=*/false);
   return refs;
 }
 
@@ -273,18 +283,35 @@ void ClusterClient::Release(ObjectId id) {
     std::lock_guard lock(batch_mutex_);
     releases_.push_back(id.value());
   }
-  ScheduleFlush();
+  ScheduleFlush(/*urgent=*/false);
 }
 
-void ClusterClient::ScheduleFlush() {
+void ClusterClient::ScheduleFlush(bool urgent) {
+  const auto now = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point at;
   {
     std::lock_guard lock(batch_mutex_);
     if (flush_posted_) return;
-    flush_posted_ = true;
+    if (urgent || now - last_flush_ >= kCoalesceWindow) {
+      flush_posted_ = true;
+    } else {
+      if (flush_timer_armed_) return;
+      flush_timer_armed_ = true;
+      at = last_flush_ + kCoalesceWindow;
+    }
   }
   // `this`, not shared_from_this(): the destructor stops the io thread before members go, and a
   // posted handler must never hold the last reference (the destructor would join itself).
-  rpc::asio::post(io_, [this] { Flush(); });
+  if (at == std::chrono::steady_clock::time_point()) {
+    rpc::asio::post(io_, [this] { Flush(); });
+    return;
+  }
+  rpc::asio::post(io_, [this, at] {
+    flush_timer_->expires_at(at);
+    flush_timer_->async_wait([this](const boost::system::error_code& error) {
+      if (!error) Flush();
+    });
+  });
 }
 
 void ClusterClient::Flush() {
@@ -294,6 +321,8 @@ void ClusterClient::Flush() {
   {
     std::lock_guard lock(batch_mutex_);
     flush_posted_ = false;
+    flush_timer_armed_ = false;
+    last_flush_ = std::chrono::steady_clock::now();
     puts.swap(puts_);
     submits.swap(submits_);
     watches.swap(watches_);
@@ -377,6 +406,9 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
         w.spilled_bytes = worker.getHeartbeat().getSpilledBytes();
         w.tasks_running = worker.getHeartbeat().getTasksRunning();
         w.tasks_done = worker.getHeartbeat().getTasksDone();
+        w.bytes_pulled = worker.getHeartbeat().getBytesPulled();
+        w.pull_micros = worker.getHeartbeat().getPullMicros();
+        w.bytes_served = worker.getHeartbeat().getBytesServed();
         info.workers.push_back(std::move(w));
       }
       info.drivers = status.getDrivers();
@@ -401,18 +433,24 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
   return Status::Ok();
 }
 
-Result<ClusterClient::ReadyState> ClusterClient::AwaitReady(ObjectId id, int timeout_ms) {
-  std::unique_lock lock(ready_mutex_);
-  if (!watched_.contains(id.value())) {
-    watched_.insert(id.value());
-    lock.unlock();
-    {
-      std::lock_guard batch(batch_mutex_);
-      watches_.push_back(id.value());
+void ClusterClient::Watch(const std::vector<ObjectId>& ids) {
+  bool added = false;
+  {
+    std::lock_guard lock(ready_mutex_);
+    std::lock_guard batch(batch_mutex_);
+    for (ObjectId id : ids) {
+      if (watched_.insert(id.value()).second) {
+        watches_.push_back(id.value());
+        added = true;
+      }
     }
-    ScheduleFlush();
-    lock.lock();
   }
+  if (added) ScheduleFlush(/*urgent=*/true);
+}
+
+Result<ClusterClient::ReadyState> ClusterClient::AwaitReady(ObjectId id, int timeout_ms) {
+  Watch({id});
+  std::unique_lock lock(ready_mutex_);
   auto ready = [&] { return closed_ || ready_.contains(id.value()); };
   if (timeout_ms < 0) {
     ready_cv_.wait(lock, ready);
@@ -459,17 +497,25 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
 }
 
 Status ClusterClient::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::vector<ObjectId> ids;
+  ids.reserve(refs.size());
   for (const ObjectRef& ref : refs) {
-    int remaining = -1;
-    if (timeout_ms >= 0) {
-      remaining = static_cast<int>(std::max<int64_t>(
-          0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
-                                                                   std::chrono::steady_clock::now())
-                 .count()));
+    if (!ref.valid()) return InvalidArgument("Wait on an empty ObjectRef");
+    ids.push_back(ref.id());
+  }
+  Watch(ids);  // one batch of watches; then wait for all of them
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::unique_lock lock(ready_mutex_);
+  for (ObjectId id : ids) {
+    auto ready = [&] { return closed_ || ready_.contains(id.value()); };
+    if (timeout_ms < 0) {
+      ready_cv_.wait(lock, ready);
+    } else if (!ready_cv_.wait_until(lock, deadline, ready)) {
+      return TimedOut("{} was not ready within {} ms", id.ToString(), timeout_ms);
     }
-    TESSERA_ASSIGN_OR_RETURN(ReadyState state, AwaitReady(ref.id(), remaining));
-    TESSERA_RETURN_IF_ERROR(state.error);
+    auto it = ready_.find(id.value());
+    if (it == ready_.end()) return close_reason_;
+    if (!it->second.error.ok()) return it->second.error;
   }
   return Status::Ok();
 }

@@ -89,6 +89,9 @@ struct WorkerInfo {
   int64_t spilled_bytes = 0;
   int tasks_running = 0;
   int64_t tasks_done = 0;
+  int64_t bytes_pulled = 0;  // data plane, cumulative
+  int64_t pull_micros = 0;
+  int64_t bytes_served = 0;
 };
 
 struct ClusterInfo {

@@ -73,9 +73,7 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
       Refuse(from, message.getRequestId(), refused);
       return refused;
     }
-    status = OnHello(*participant, body.getHello());
-    Flush();
-    return status;
+    return OnHello(*participant, body.getHello());
   }
   const Role role = participant->role;
   auto requires_role = [&](Role expected, const char* what) -> Status {
@@ -135,7 +133,6 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
                                from.ToString(), static_cast<int>(body.which()));
       break;
   }
-  Flush();
   return status;
 }
 
@@ -191,6 +188,9 @@ Status SchedulerCore::OnHeartbeat(Participant& from, proto::Heartbeat::Reader he
   from.host_used = heartbeat.getHostUsed();
   from.spilled_bytes = heartbeat.getSpilledBytes();
   from.tasks_done = heartbeat.getTasksDone();
+  from.bytes_pulled = heartbeat.getBytesPulled();
+  from.pull_micros = heartbeat.getPullMicros();
+  from.bytes_served = heartbeat.getBytesServed();
   if (heartbeat.getHostCapacity() > 0) from.host_capacity = heartbeat.getHostCapacity();
   return Status::Ok();
 }
@@ -506,6 +506,9 @@ void SchedulerCore::OnStatusRequest(Participant& from, uint64_t request_id) {
     hb.setSpilledBytes(p.spilled_bytes);
     hb.setTasksRunning(p.tasks_in_flight);
     hb.setTasksDone(p.tasks_done);
+    hb.setBytesPulled(p.bytes_pulled);
+    hb.setPullMicros(p.pull_micros);
+    hb.setBytesServed(p.bytes_served);
   }
   status.setDrivers(drivers);
   status.setObjects(static_cast<int64_t>(objects_.size()));
@@ -553,7 +556,6 @@ void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
   notify_batches_.erase(who);
   dispatch_batches_.erase(who);
   free_batches_.erase(who);
-  Flush();
 }
 
 void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
@@ -620,7 +622,6 @@ void SchedulerCore::Tick() {
     DeclareDead(participants_.at(id), reason);
     outbox_->Disconnect(id, reason);
   }
-  Flush();
 }
 
 void SchedulerCore::Flush() {

@@ -20,7 +20,7 @@
 //
 // Tasks (dynamic, submitted one by one or in batches): ready when every input is sealed;
 // placed by PlaceTask (pinned, else locality within memory, else load); dispatched in one batch
-// per worker per event; on completion their outputs are sealed and their dependents become
+// per worker per Flush; on completion their outputs are sealed and their dependents become
 // ready. A failed task fails the tasks that depend on it, with the original error.
 //
 // Failures: a worker that disconnects or misses heartbeats for heartbeat_timeout_ms is declared
@@ -86,6 +86,9 @@ class SchedulerCore {
   void Disconnected(WorkerId who, const Status& reason);
   // Periodic check of heartbeats (call every heartbeat_interval_ms or so).
   void Tick();
+  // Sends the messages the events so far produced: one per destination and kind. The service
+  // calls it once per io-loop turn, so a burst of incoming messages yields few outgoing ones.
+  void Flush();
 
   bool shutdown_requested() const { return shutdown_requested_; }
   // For tests and status.
@@ -107,6 +110,9 @@ class SchedulerCore {
     int64_t host_used = 0;
     int64_t spilled_bytes = 0;
     int64_t tasks_done = 0;
+    int64_t bytes_pulled = 0;
+    int64_t pull_micros = 0;
+    int64_t bytes_served = 0;
     int tasks_in_flight = 0;
     int64_t committed_bytes = 0;
     Clock::time_point last_heard;
@@ -157,8 +163,7 @@ class SchedulerCore {
   void DeclareDead(Participant& worker, const Status& reason);
   void Refuse(WorkerId who, uint64_t request_id, const Status& reason);
 
-  // Outgoing batches, flushed once per event.
-  void Flush();
+  // Outgoing batches (see Flush).
   void QueueNotify(WorkerId driver, ObjectId object);
 
   std::vector<WorkerLoad> WorkerLoads() const;

@@ -61,6 +61,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
     connection->Start(
         [this, id](rpc::Connection& self, rpc::ReceivedMessage& message) -> Status {
           Status status = core_.Handle(id, message.reader().getRoot<proto::Envelope>());
+          ScheduleFlush();
           if (core_.shutdown_requested()) ScheduleShutdown();
           if (!status.ok()) {
             // A protocol violation: drop the peer, but only after what the core queued for it
@@ -74,6 +75,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
         [this, id](rpc::Connection&, const Status& reason) {
           connections_.erase(id);
           core_.Disconnected(id, reason);
+          ScheduleFlush();
         });
   }
 
@@ -92,7 +94,19 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
     tick_.async_wait([this](const boost::system::error_code& error) {
       if (error || stopping_) return;
       core_.Tick();
+      core_.Flush();
       ScheduleTick();
+    });
+  }
+
+  // Runs the core's Flush after every handler already queued on the io thread: all messages read
+  // in this turn of the loop share the outgoing batches.
+  void ScheduleFlush() {
+    if (flush_posted_) return;
+    flush_posted_ = true;
+    rpc::asio::post(io_, [this] {
+      flush_posted_ = false;
+      core_.Flush();
     });
   }
 
@@ -127,6 +141,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   std::map<WorkerId, std::shared_ptr<rpc::Connection>> connections_;
   std::thread thread_;
   bool stopping_ = false;
+  bool flush_posted_ = false;
 
   std::mutex mutex_;
   std::condition_variable stopped_cv_;

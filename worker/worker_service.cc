@@ -24,6 +24,8 @@ namespace {
 
 using rpc::asio::io_context;
 
+constexpr auto kResultCoalesceWindow = std::chrono::microseconds(100);
+
 std::string Hostname() {
   char name[256] = {};
   ::gethostname(name, sizeof(name) - 1);
@@ -98,6 +100,7 @@ class WorkerServiceImpl final : public WorkerService {
   rpc::asio::executor_work_guard<io_context::executor_type> work_;
   std::thread io_thread_;
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
+  std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
   std::shared_ptr<rpc::Connection> connection_;
   std::unique_ptr<DataPlane> data_plane_;
   std::atomic<uint64_t> id_{0};
@@ -147,6 +150,7 @@ Status WorkerServiceImpl::Init() {
       rpc::GenericSocket socket,
       rpc::ConnectSocket(io_, options_.scheduler, options_.connect_timeout_ms));
   connection_ = rpc::Connection::Create(std::move(socket), options_.scheduler.ToString());
+  flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   auto welcomed = std::make_shared<std::promise<Status>>();
   auto answered = std::make_shared<std::atomic<bool>>(false);
   connection_->Start(
@@ -398,10 +402,19 @@ void WorkerServiceImpl::Finish(uint64_t task, const Status& error) {
 void WorkerServiceImpl::Queue(TaskResult result) {
   results_.push_back(std::move(result));
   ++tasks_done_;
-  if (!flush_posted_) {
-    flush_posted_ = true;
+  if (flush_posted_) return;
+  flush_posted_ = true;
+  // With more tasks queued or running, more results follow shortly: send them together, at most
+  // a coalescing window later. Otherwise (a lone task, someone waiting on it) send at once.
+  const bool more_coming = running_ > 0 || !ready_.empty();
+  if (!more_coming) {
     rpc::asio::post(io_, [this] { FlushResults(); });
+    return;
   }
+  flush_timer_->expires_after(kResultCoalesceWindow);
+  flush_timer_->async_wait([this](const boost::system::error_code& error) {
+    if (!error) FlushResults();
+  });
 }
 
 void WorkerServiceImpl::FlushResults() {
@@ -443,6 +456,10 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   heartbeat.setSpilledBytes(stats.spilled_bytes);
   heartbeat.setTasksRunning(running_);
   heartbeat.setTasksDone(tasks_done_);
+  const DataPlaneStats transfers = data_plane_->stats();
+  heartbeat.setBytesPulled(transfers.bytes_pulled);
+  heartbeat.setPullMicros(transfers.pull_micros);
+  heartbeat.setBytesServed(transfers.bytes_served);
   connection_->Send(message);
   heartbeat_timer_->expires_after(std::chrono::milliseconds(heartbeat_ms_));
   heartbeat_timer_->async_wait([this](const boost::system::error_code& error) {

@@ -98,6 +98,9 @@ struct Heartbeat {
   spilledBytes @2 :Int64;
   tasksRunning @3 :Int32;
   tasksDone @4 :Int64;
+  bytesPulled @5 :Int64;     # data plane, cumulative: bytes this worker pulled from peers
+  pullMicros @6 :Int64;      # ... and the time those pulls took (start to last byte)
+  bytesServed @7 :Int64;     # bytes peers pulled from this worker
 }
 
 # ---- dynamic tasks and objects ----

@@ -1,5 +1,6 @@
 #include "core/rpc/frame.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace tessera::rpc {
@@ -12,10 +13,13 @@ uint32_t ReadU32(const uint8_t* p) {
   return value;
 }
 
-// Limits on what a peer can make us traverse: the whole frame once, and a sane nesting depth.
+// Limits on what a peer can make us traverse. Cap'n Proto charges every pointer followed, so an
+// honest reader that visits parts of a message more than once (e.g. a batch of tasks, each read
+// a few times) needs a multiple of the frame's size; the cap stops messages built to make a
+// reader walk the same data over and over (amplification). Nesting stays shallow.
 capnp::ReaderOptions ReaderLimits(size_t words) {
   capnp::ReaderOptions options;
-  options.traversalLimitInWords = words + 1024;
+  options.traversalLimitInWords = std::max<uint64_t>(16 * words, uint64_t{8} << 20);
   options.nestingLimit = 32;
   return options;
 }

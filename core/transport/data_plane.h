@@ -58,6 +58,7 @@ struct DataPlaneStats {
   int64_t bytes_served = 0;
   int64_t pulls = 0;
   int64_t serves = 0;
+  int64_t pull_micros = 0;  // summed over completed pulls, from Pull() to the last byte
 };
 
 class DataPlane {

@@ -113,6 +113,7 @@ class UcxDataPlane final : public DataPlane {
     int outstanding = 0;
     Status error;
     Clock::time_point deadline;
+    Clock::time_point started;
     PullCallback done;
   };
   struct ChunkRequest {
@@ -510,7 +511,8 @@ void UcxDataPlane::Pull(const std::string& address, ObjectId object, void* dest,
     pull.object = object;
     pull.dest = static_cast<char*>(dest);
     pull.bytes = bytes;
-    pull.deadline = Clock::now() + std::chrono::milliseconds(options_.pull_timeout_ms);
+    pull.started = Clock::now();
+    pull.deadline = pull.started + std::chrono::milliseconds(options_.pull_timeout_ms);
     pull.done = std::move(done);
     IssueChunks(pull);
     if (pull.outstanding == 0) FinishPull(id);  // zero bytes, or the first send failed
@@ -583,6 +585,8 @@ void UcxDataPlane::FinishPull(uint64_t pull_id) {
   if (pull.error.ok()) {
     std::lock_guard lock(stats_mutex_);
     ++stats_.pulls;
+    stats_.pull_micros +=
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - pull.started).count();
   }
   Status result =
       pull.error.ok()

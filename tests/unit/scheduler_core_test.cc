@@ -60,7 +60,9 @@ class SchedulerCoreTest : public ::testing::Test {
     rpc::FrameDecoder decoder;
     TESSERA_CHECK(decoder.Feed(frame).ok());
     auto received = decoder.PopMessage();
-    return core_.Handle(from, received->reader().getRoot<proto::Envelope>());
+    Status status = core_.Handle(from, received->reader().getRoot<proto::Envelope>());
+    core_.Flush();
+    return status;
   }
 
   WorkerId Join(proto::Role role, const std::string& token = "secret", int64_t capacity = 1 << 30) {
@@ -242,6 +244,7 @@ TEST_F(SchedulerCoreTest, ADeadWorkersTaskIsRetriedWhenItsInputsSurvive) {
   const WorkerId survivor = victim == w1 ? w2 : w1;
   Dispatched(w2);
   core_.Disconnected(victim, Unavailable("connection reset"));
+  core_.Flush();
   EXPECT_EQ(Dispatched(survivor), (std::vector<uint64_t>{10}));
   EXPECT_EQ(core_.alive_workers(), 1);
 }
@@ -257,6 +260,7 @@ TEST_F(SchedulerCoreTest, ObjectsLostWithAWorkerFailEverythingThatNeedsThem) {
   Watch(driver, 3);
   outbox_.Take(driver, Body::OBJECTS_READY);  // 2 was already ready
   core_.Disconnected(worker, Unavailable("connection reset"));
+  core_.Flush();
   auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
   ASSERT_EQ(ready.size(), 1u);
   auto objects = BodyOf(ready[0]).getObjectsReady().getObjects();
@@ -308,9 +312,11 @@ TEST_F(SchedulerCoreTest, MissedHeartbeatsDeclareAWorkerDead) {
   ASSERT_OK(Deliver(worker, [](proto::Envelope::Builder e) { e.initBody().initHeartbeat(); }));
   now_ += std::chrono::milliseconds(2500);
   core_.Tick();
+  core_.Flush();
   EXPECT_EQ(core_.alive_workers(), 1);
   now_ += std::chrono::milliseconds(1000);
   core_.Tick();
+  core_.Flush();
   EXPECT_EQ(core_.alive_workers(), 0);
   ASSERT_TRUE(outbox_.disconnected.contains(worker));
   EXPECT_NE(outbox_.disconnected[worker].message().find("no heartbeat"), std::string::npos);
