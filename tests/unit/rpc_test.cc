@@ -88,6 +88,36 @@ TEST(FrameTest, RandomPayloadsNeverCrashTheReader) {
   EXPECT_GT(rejected, 0);
 }
 
+TEST(FrameTest, AnHonestLargeBatchReadSeveralTimesStaysWithinTheTraversalLimit) {
+  // A worker reads each dispatched task more than once; 5000 tasks in one frame must not trip
+  // the limit that guards against amplification (it once cost a worker its connection).
+  capnp::MallocMessageBuilder message;
+  auto tasks = message.initRoot<proto::Envelope>().initBody().initDispatchTasks().initTasks(5000);
+  for (unsigned i = 0; i < tasks.size(); ++i) {
+    TaskSpec spec;
+    spec.id = TaskId(i + 1);
+    spec.name = "noop#" + std::to_string(i);
+    spec.op = "noop";
+    spec.outputs = {ObjectId(i + 1)};
+    ObjectSpec out{ObjectId(i + 1), "o", {Shape{}, DType::kF32, Device::Cpu()},
+                   ObjectRole::kOutput, spec.id};
+    rpc::ToWire(spec, {out}, tasks[i].initTask());
+  }
+  FrameDecoder decoder;
+  ASSERT_OK(decoder.Feed(rpc::EncodeFrame(message)));
+  auto received = decoder.PopMessage();
+  Status read = rpc::CatchMalformed([&]() -> Status {
+    auto batch = received->reader().getRoot<proto::Envelope>().getBody().getDispatchTasks();
+    for (int pass = 0; pass < 3; ++pass) {
+      for (auto task : batch.getTasks()) {
+        TESSERA_RETURN_IF_ERROR(rpc::FromWire(task.getTask()).status());
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_OK(read);
+}
+
 TEST(WireTest, TaskRoundTripKeepsEverything) {
   TaskSpec task;
   task.id = TaskId(42);
