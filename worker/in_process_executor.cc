@@ -3,6 +3,7 @@
 #include "worker/task_runner.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -52,6 +53,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   prepared.initial_pending_.assign(num_tasks, 0);
   prepared.initial_refcount_.assign(num_objects, 0);
   prepared.is_output_.assign(num_objects, false);
+  prepared.input_consumers_.resize(num_objects);
   for (ObjectId output : graph.OutputObjects()) prepared.is_output_[Index(output)] = true;
   for (ObjectId input : graph.InputObjects()) prepared.input_objects_.push_back(Index(input));
 
@@ -62,6 +64,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
     prepared.kernels_[t] = *kernel;
     for (ObjectId input : task.inputs) {
       ++prepared.initial_refcount_[Index(input)];
+      prepared.input_consumers_[Index(input)].push_back(t);
       const TaskId producer = graph.object(input).producer;
       if (producer.valid()) {
         ++prepared.initial_pending_[t];
@@ -73,16 +76,43 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   return prepared;
 }
 
+// What Provide and Cancel need to reach the run in progress.
+struct InProcessExecutor::ActiveRun {
+  const PreparedGraph* prepared;
+  std::vector<Tensor>* slots;
+  std::atomic<int>* pending;
+  std::vector<bool> awaited;  // object index -> a late input not provided yet
+  std::function<void(int)> spawn;
+  std::function<void(Status)> fail;
+  std::mutex mutex;  // orders Provide/Cancel with the run's waiting loop
+  std::condition_variable changed;
+  int provided = 0;
+};
+
 Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
-                                         ObjectMap* intact_inputs) {
+                                         ObjectMap* intact_inputs, const RunHooks* hooks) {
   const Graph& graph = prepared.graph();
   const int num_tasks = graph.num_tasks();
   const int num_objects = graph.num_objects();
+  std::vector<bool> late(num_objects, false);
+  std::vector<bool> watched(num_objects, false);
+  if (hooks != nullptr) {
+    for (ObjectId id : hooks->late_inputs) {
+      if (!id.valid() || Index(id) >= num_objects || graph.object(id).producer.valid()) {
+        return InvalidArgument("late input {} is not an input of the graph", id.ToString());
+      }
+      late[Index(id)] = true;
+    }
+    for (ObjectId id : hooks->watched) {
+      if (id.valid() && Index(id) < num_objects) watched[Index(id)] = true;
+    }
+  }
 
   // Object slots: written once by the producer (or here, for inputs), read by consumers after
   // the producer finished (ordered by the pending counters), cleared by the last consumer.
   std::vector<Tensor> slots(num_objects);
   for (int index : prepared.input_objects_) {
+    if (late[index]) continue;
     const ObjectSpec& spec = graph.objects()[index];
     auto it = inputs.find(spec.id);
     if (it == inputs.end() || !it->second.defined()) {
@@ -98,6 +128,10 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
 
   std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[num_tasks]);
   for (int t = 0; t < num_tasks; ++t) pending[t].store(prepared.initial_pending_[t]);
+  for (int index = 0; index < num_objects; ++index) {
+    if (!late[index]) continue;
+    for (int consumer : prepared.input_consumers_[index]) ++pending[consumer];
+  }
   std::unique_ptr<std::atomic<int>[]> refcount(new std::atomic<int>[num_objects]);
   for (int o = 0; o < num_objects; ++o) refcount[o].store(prepared.initial_refcount_[o]);
 
@@ -164,6 +198,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
 
     for (size_t j = 0; j < out.size(); ++j) {
       const int object = Index(task.outputs[j]);
+      if (watched[object]) hooks->on_produced(task.outputs[j], out[j]);
       if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
         slots[object] = std::move(out[j]);
       }
@@ -176,12 +211,54 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     }
   };
 
+  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0};
+  active.spawn = [&](int t) { group.run([&, t] { run_task(t); }); };
+  active.fail = [&](Status status) {
+    fail(std::move(status));
+    std::lock_guard lock(active.mutex);
+    active.changed.notify_all();
+  };
+  int late_count = 0;
+  for (bool is_late : late) late_count += is_late;
+  {
+    std::lock_guard lock(active_mutex_);
+    active_ = &active;
+  }
+  // Collect the initially ready tasks before starting any: a running task decrements its
+  // dependents' counters, and a dependent reaching zero is spawned by that task, not here.
+  std::vector<int> initially_ready;
+  for (int t = 0; t < num_tasks; ++t) {
+    if (pending[t].load() == 0) initially_ready.push_back(t);
+  }
   arena_->execute([&] {
-    for (int t = 0; t < num_tasks; ++t) {
-      if (prepared.initial_pending_[t] == 0) group.run([&, t] { run_task(t); });
-    }
-    group.wait();
+    for (int t : initially_ready) group.run([&, t] { run_task(t); });
   });
+  // Run until every task ran or the run failed; between rounds, wait for late inputs.
+  int idle_rounds = 0;
+  while (true) {
+    const int ran_before = tasks_run.load();
+    arena_->execute([&] { group.wait(); });
+    std::unique_lock lock(active.mutex);
+    if (failed.load() || tasks_run.load() == num_tasks) break;
+    if (active.provided == late_count) {
+      // Everything arrived: tasks a late Provide spawned run in the next round. Two rounds in a
+      // row without progress mean no task can ever start: a bug, not a wait.
+      idle_rounds = tasks_run.load() == ran_before ? idle_rounds + 1 : 0;
+      if (idle_rounds > 2) {
+        fail(Internal("run stalled: {} of {} tasks ran and no input is awaited", tasks_run.load(),
+                      num_tasks));
+        break;
+      }
+      continue;
+    }
+    const int provided_before = active.provided;
+    active.changed.wait(lock, [&] { return failed.load() || active.provided != provided_before; });
+  }
+  {
+    std::lock_guard lock(active_mutex_);
+    active_ = nullptr;
+  }
+  arena_->execute([&] { group.wait(); });  // tasks spawned by a last Provide
 
   if (failed.load()) {
     if (intact_inputs != nullptr) {
@@ -211,6 +288,46 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   stats.donations_copied = donations_copied.load();
   result.stats = std::move(stats);
   return result;
+}
+
+Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
+  std::lock_guard active_lock(active_mutex_);
+  if (active_ == nullptr) return Unavailable("no run is waiting for {}", id.ToString());
+  ActiveRun& run = *active_;
+  const Graph& graph = run.prepared->graph();
+  const int index = Index(id);
+  if (!id.valid() || index >= graph.num_objects() || !run.awaited[index]) {
+    return InvalidArgument("{} is not an awaited input of the run", id.ToString());
+  }
+  if (tensor.meta() != graph.object(id).meta) {
+    return InvalidArgument("{} arrived as {} but the graph expects {}", graph.object(id).name,
+                           tensor.meta().ToString(), graph.object(id).meta.ToString());
+  }
+  std::vector<int> ready;
+  {
+    std::lock_guard lock(run.mutex);
+    run.awaited[index] = false;
+    (*run.slots)[index] = std::move(tensor);
+    for (int consumer : run.prepared->input_consumers_[index]) {
+      if (run.pending[consumer].fetch_sub(1) == 1) ready.push_back(consumer);
+    }
+  }
+  if (!ready.empty()) {
+    arena_->execute([&] {
+      for (int t : ready) run.spawn(t);
+    });
+  }
+  {
+    std::lock_guard lock(run.mutex);
+    ++run.provided;
+  }
+  run.changed.notify_all();
+  return Status::Ok();
+}
+
+void InProcessExecutor::Cancel(const Status& reason) {
+  std::lock_guard active_lock(active_mutex_);
+  if (active_ != nullptr) active_->fail(reason);
 }
 
 }  // namespace tessera

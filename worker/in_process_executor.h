@@ -23,12 +23,19 @@
 // Run returns that task's error prefixed with the task, layer and op. A missing or misshapen
 // input binding is InvalidArgument naming the object.
 //
-// Thread safety: Run may be called from one thread at a time per executor. The executor owns
-// its arena and allocator; tensors it returns hold the allocator alive.
+// Late inputs (RunHooks): a worker running its part of a registered graph starts before the
+// objects other workers produce have arrived; Provide delivers them as they come, and tasks that
+// read them start then. on_produced hands out objects other workers need as soon as they exist.
+//
+// Thread safety: Run may be called from one thread at a time per executor; Provide and Cancel
+// from any thread. The executor owns its arena and allocator; tensors it returns hold the
+// allocator alive.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -76,6 +83,18 @@ struct RunResult {
   RunStats stats;
 };
 
+// Extensions of a run for graphs split across processes (a worker's part of a registered graph).
+struct RunHooks {
+  // Graph inputs that are not bound at the start but arrive during the run through Provide
+  // (objects produced by other workers). Tasks reading them wait for them.
+  std::vector<ObjectId> late_inputs;
+  // Objects to hand to `on_produced` as soon as their producer finishes (to send them to the
+  // workers that need them), from the thread that produced them. The callback may keep the
+  // tensor; the run never reuses a buffer someone else still holds.
+  std::vector<ObjectId> watched;
+  std::function<void(ObjectId, const Tensor&)> on_produced;
+};
+
 // A graph made ready to run repeatedly: resolved kernels and dependency structure.
 class PreparedGraph {
  public:
@@ -84,12 +103,13 @@ class PreparedGraph {
  private:
   friend class InProcessExecutor;
   std::shared_ptr<const Graph> graph_;
-  std::vector<const KernelFn*> kernels_;      // per task index
-  std::vector<std::vector<int>> dependents_;  // task index -> tasks reading its outputs
-  std::vector<int> initial_pending_;          // task index -> number of produced inputs
-  std::vector<int> initial_refcount_;         // object index -> number of input slots
-  std::vector<bool> is_output_;               // object index -> graph output
-  std::vector<int> input_objects_;            // object indices bound by the caller
+  std::vector<const KernelFn*> kernels_;           // per task index
+  std::vector<std::vector<int>> dependents_;       // task index -> tasks reading its outputs
+  std::vector<int> initial_pending_;               // task index -> number of produced inputs
+  std::vector<int> initial_refcount_;              // object index -> number of input slots
+  std::vector<bool> is_output_;                    // object index -> graph output
+  std::vector<int> input_objects_;                 // object indices bound by the caller
+  std::vector<std::vector<int>> input_consumers_;  // object index -> tasks reading it
 };
 
 class InProcessExecutor {
@@ -102,11 +122,18 @@ class InProcessExecutor {
   // kernel).
   Result<PreparedGraph> Prepare(Graph graph) const;
 
-  // Runs one instance. `inputs` must bind every graph input with a tensor of its meta.
-  // On error, when `intact_inputs` is given, it receives the graph inputs that no task had
-  // consumed or donated yet, so a caller that moved its state in can take it back.
+  // Runs one instance. `inputs` must bind every graph input with a tensor of its meta (except
+  // hooks->late_inputs). On error, when `intact_inputs` is given, it receives the graph inputs
+  // that no task had consumed or donated yet, so a caller that moved its state in can take it
+  // back.
   Result<RunResult> Run(const PreparedGraph& prepared, ObjectMap inputs,
-                        ObjectMap* intact_inputs = nullptr);
+                        ObjectMap* intact_inputs = nullptr, const RunHooks* hooks = nullptr);
+  // During a Run with late inputs, from any thread: delivers one. InvalidArgument for an object
+  // that is not an awaited late input or has the wrong meta; FailedPrecondition-like
+  // Unavailable when no run is in progress.
+  Status Provide(ObjectId id, Tensor tensor);
+  // Makes the run in progress fail with `reason` (no new tasks start); a no-op when none runs.
+  void Cancel(const Status& reason);
 
   // Allocator for tensors the caller creates for this executor (parameters, batches), so they
   // count toward the peak the executor reports.
@@ -119,6 +146,11 @@ class InProcessExecutor {
   int threads_;
   std::shared_ptr<Allocator> allocator_;
   std::unique_ptr<tbb::task_arena> arena_;
+
+  // The run in progress, for Provide and Cancel from other threads.
+  struct ActiveRun;
+  std::mutex active_mutex_;
+  ActiveRun* active_ = nullptr;  // under active_mutex_
 };
 
 }  // namespace tessera

@@ -1,4 +1,7 @@
 // The in-process executor: dependencies, frees after last use, donation, errors.
+#include <future>
+#include <thread>
+
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 #include "test_util.h"
@@ -28,7 +31,7 @@ Chain GeluChain(int length, int64_t numel) {
   ObjectId x = chain.input;
   for (int i = 0; i < length; ++i) {
     Result<std::vector<ObjectId>> out =
-        builder.AddTask("gelu." + std::to_string(i), "gelu_forward", {x}, {});
+        builder.AddTask(fmt::format("gelu.{}", i), "gelu_forward", {x}, {});
     TESSERA_CHECK(out.ok());
     x = (*out)[0];
   }
@@ -164,11 +167,11 @@ TEST(ExecutorTest, IndependentBranchesAllRunAndJoin) {
   ObjectId x = builder.AddInput("x", F32({256}), ObjectRole::kInput);
   std::vector<ObjectId> branches;
   for (int i = 0; i < 8; ++i) {
-    branches.push_back((*builder.AddTask("b" + std::to_string(i), "gelu_forward", {x}, {}))[0]);
+    branches.push_back((*builder.AddTask(fmt::format("b{}", i), "gelu_forward", {x}, {}))[0]);
   }
   ObjectId sum = branches[0];
   for (int i = 1; i < 8; ++i) {
-    sum = (*builder.AddTask("add" + std::to_string(i), "add_forward", {sum, branches[i]}, {}))[0];
+    sum = (*builder.AddTask(fmt::format("add{}", i), "add_forward", {sum, branches[i]}, {}))[0];
   }
   builder.MarkOutput(sum);
   InProcessExecutor executor(CpuRegistry(), TwoThreads());
@@ -179,6 +182,71 @@ TEST(ExecutorTest, IndependentBranchesAllRunAndJoin) {
   std::vector<float> gelu = ToVector((*RunKernel("gelu_forward", {input}))[0]);
   std::vector<float> got = ToVector(result.outputs.at(sum));
   for (size_t i = 0; i < gelu.size(); ++i) EXPECT_NEAR(got[i], 8 * gelu[i], 1e-5);
+}
+
+// A worker's part of a split graph: y = gelu(x) is computed here, z = y + r where r arrives
+// later from "another worker"; y is handed out as soon as it exists.
+struct SplitGraph {
+  Graph graph;
+  ObjectId x, r, y, z;
+};
+SplitGraph MakeSplitGraph() {
+  GraphBuilder builder(CpuRegistry());
+  SplitGraph g;
+  g.x = builder.AddInput("x", F32({64}), ObjectRole::kInput);
+  g.r = builder.AddInput("r", F32({64}), ObjectRole::kActivation);
+  g.y = (*builder.AddTask("gelu", "gelu_forward", {g.x}, {}))[0];
+  g.z = (*builder.AddTask("add", "add_forward", {g.y, g.r}, {}))[0];
+  builder.MarkOutput(g.z);
+  g.graph = *builder.Build();
+  return g;
+}
+
+TEST(ExecutorTest, LateInputsArriveDuringTheRunAndProducedObjectsAreHandedOut) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  SplitGraph g = MakeSplitGraph();
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(g.graph));
+  Tensor x = RandomTensor({64}, 1), r = RandomTensor({64}, 2);
+  std::promise<Tensor> produced_y;
+  RunHooks hooks;
+  hooks.late_inputs = {g.r};
+  hooks.watched = {g.y};
+  hooks.on_produced = [&](ObjectId id, const Tensor& tensor) {
+    if (id == g.y) produced_y.set_value(tensor);
+  };
+  // The late input comes from another thread once y has been produced, like a peer's push.
+  std::thread peer([&] {
+    auto y = produced_y.get_future();
+    ASSERT_EQ(y.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    EXPECT_FALSE(executor.Provide(g.r, RandomTensor({65}, 2)).ok()) << "wrong shape refused";
+    EXPECT_OK(executor.Provide(g.r, r));
+    EXPECT_FALSE(executor.Provide(g.r, r).ok()) << "provided twice";
+  });
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{g.x, x}}, nullptr, &hooks));
+  peer.join();
+  std::vector<float> expected = ToVector((*RunKernel("gelu_forward", {x}))[0]);
+  const std::vector<float> rv = ToVector(r);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] += rv[i];
+  EXPECT_EQ(ToVector(result.outputs.at(g.z)), expected);
+}
+
+TEST(ExecutorTest, CancelEndsARunWaitingForAnInputThatNeverComes) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  SplitGraph g = MakeSplitGraph();
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(g.graph));
+  RunHooks hooks;
+  hooks.late_inputs = {g.r};
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    executor.Cancel(Unavailable("worker7 died before sending r"));
+  });
+  Result<RunResult> result =
+      executor.Run(prepared, {{g.x, RandomTensor({64}, 1)}}, nullptr, &hooks);
+  canceller.join();
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("worker7 died"), std::string::npos);
+  // Not during a run: Provide says so.
+  EXPECT_EQ(executor.Provide(g.r, RandomTensor({64}, 2)).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace
