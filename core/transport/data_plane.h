@@ -5,6 +5,7 @@
 // sees the bytes; it only tells a puller where an object lives (the holder's address()).
 //
 // Protocol (UCX active messages; UCX is behind this one wrapper):
+//   pusher -> peer     kPush {key, length} + the bytes (rendezvous): an object the peer needs
 //   puller -> holder   kGetChunk {request, object, offset, length}
 //   holder -> puller   kChunk    {request, status, length} + the bytes, sent with UCX's
 //                       rendezvous protocol so large chunks move zero-copy (CMA or shared memory
@@ -44,6 +45,21 @@ struct ServedObject {
 // Called on the progress thread; must be thread-safe with the caller's own use of the objects.
 using ObjectLookup = std::function<Result<ServedObject>(ObjectId)>;
 
+// Pushes: a producer sends an object to a peer that will need it (the parts of a registered graph
+// on different workers), without the peer asking. The key says what it is to the receiver.
+struct PushKey {
+  uint64_t graph = 0;
+  uint64_t instance = 0;
+  uint64_t object = 0;
+  friend bool operator==(const PushKey&, const PushKey&) = default;
+};
+struct PushHandlers {
+  // Where an arriving push of `bytes` goes: a buffer that stays valid until `delivered` runs
+  // for the key. An error refuses the push (its bytes are dropped) and is passed to delivered.
+  std::function<Result<void*>(const PushKey&, int64_t bytes)> accept;
+  std::function<void(const PushKey&, const Status&)> delivered;
+};
+
 struct DataPlaneOptions {
   std::string host = "127.0.0.1";  // where the listener binds; peers connect here
   uint16_t port = 0;               // 0: any free port
@@ -67,7 +83,8 @@ class DataPlane {
 
   // Unavailable naming the address when UCX cannot start or listen.
   static Result<std::unique_ptr<DataPlane>> Start(const DataPlaneOptions& options,
-                                                  ObjectLookup lookup);
+                                                  ObjectLookup lookup,
+                                                  PushHandlers push_handlers = {});
   virtual ~DataPlane() = default;
 
   // "host:port" peers use to reach this process.
@@ -79,6 +96,11 @@ class DataPlane {
                     PullCallback done) = 0;
   // Blocking form of Pull.
   Status PullAndWait(const std::string& address, ObjectId object, void* dest, int64_t bytes);
+
+  // Sends bytes [0, bytes) at `data` to the peer at `address` under `key`; `keepalive` holds the
+  // bytes until the send completes, then `done` runs (progress thread).
+  virtual void Push(const std::string& address, const PushKey& key, const void* data, int64_t bytes,
+                    std::shared_ptr<void> keepalive, PullCallback done) = 0;
 
   // Fails every pull from the peer and closes its endpoint (the peer died).
   virtual void ForgetPeer(const std::string& address, const Status& reason) = 0;

@@ -29,6 +29,12 @@ using Clock = std::chrono::steady_clock;
 // Active message ids.
 constexpr uint16_t kGetChunk = 11;
 constexpr uint16_t kChunk = 12;
+constexpr uint16_t kPush = 13;
+
+struct PushHeader {
+  PushKey key;
+  int64_t length;
+};
 
 struct GetChunkHeader {
   uint64_t request;
@@ -84,8 +90,8 @@ Result<std::pair<std::string, uint16_t>> SplitAddress(const std::string& address
 
 class UcxDataPlane final : public DataPlane {
  public:
-  UcxDataPlane(DataPlaneOptions options, ObjectLookup lookup)
-      : options_(std::move(options)), lookup_(std::move(lookup)) {}
+  UcxDataPlane(DataPlaneOptions options, ObjectLookup lookup, PushHandlers push)
+      : options_(std::move(options)), lookup_(std::move(lookup)), push_(std::move(push)) {}
   ~UcxDataPlane() override { Shutdown(); }
 
   Status Init();
@@ -93,6 +99,8 @@ class UcxDataPlane final : public DataPlane {
   void Pull(const std::string& address, ObjectId object, void* dest, int64_t bytes,
             PullCallback done) override;
   void ForgetPeer(const std::string& address, const Status& reason) override;
+  void Push(const std::string& address, const PushKey& key, const void* data, int64_t bytes,
+            std::shared_ptr<void> keepalive, PullCallback done) override;
   DataPlaneStats stats() const override {
     std::lock_guard lock(stats_mutex_);
     return stats_;
@@ -130,6 +138,11 @@ class UcxDataPlane final : public DataPlane {
     void* descriptor;  // rendezvous descriptor, received with ucp_am_recv_data_nbx
     int64_t length;
   };
+  struct PushReceive {
+    PushKey key;
+    void* descriptor;
+    int64_t length;
+  };
   // One outstanding UCX operation, owned by the progress thread until its callback fires.
   struct Operation {
     UcxDataPlane* plane;
@@ -137,6 +150,8 @@ class UcxDataPlane final : public DataPlane {
     std::vector<char> payload;   // header or error text that must outlive the send
     uint64_t chunk_request = 0;  // for receives: which chunk completes
     int64_t bytes = 0;
+    PullCallback done;  // pushes: the sender's callback
+    PushKey push_key;   // push receives: what arrived
   };
 
   void Run();  // progress thread
@@ -160,6 +175,11 @@ class UcxDataPlane final : public DataPlane {
                                  size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnChunk(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnPush(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  static void OnPushSent(void* request, ucs_status_t status, void* user_data);
+  static void OnPushReceived(void* request, ucs_status_t status, size_t length, void* user_data);
+  void ReceivePushes();
   static void OnConnection(ucp_conn_request_h request, void* arg);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
@@ -167,6 +187,7 @@ class UcxDataPlane final : public DataPlane {
 
   const DataPlaneOptions options_;
   ObjectLookup lookup_;
+  PushHandlers push_;
   std::string address_;
 
   ucp_context_h context_ = nullptr;
@@ -188,6 +209,7 @@ class UcxDataPlane final : public DataPlane {
   std::unordered_map<uint64_t, ChunkRequest> chunks_;
   std::vector<ServeRequest> serves_;
   std::vector<ReceiveRequest> receives_;
+  std::vector<PushReceive> push_receives_;
   uint64_t next_pull_ = 1;
   uint64_t next_request_ = 1;
 
@@ -213,7 +235,8 @@ Status UcxDataPlane::Init() {
                               "worker create");
   TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_efd(worker_, &ucx_fd_), "get event fd");
 
-  for (auto [id, callback] : {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk}}) {
+  for (auto [id, callback] : {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk},
+                              std::pair{kPush, &OnPush}}) {
     ucp_am_handler_param_t handler{};
     handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                          UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -267,8 +290,9 @@ void UcxDataPlane::Run() {
     DrainCommands();
     ServePending();
     ReceivePending();
+    ReceivePushes();
     CheckDeadlines();
-    if (!serves_.empty() || !receives_.empty()) continue;
+    if (!serves_.empty() || !receives_.empty() || !push_receives_.empty()) continue;
     const ucs_status_t armed = ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;  // more events arrived: progress again
     epoll_event events[2];
@@ -470,6 +494,131 @@ void UcxDataPlane::ReceivePending() {
   }
 }
 
+ucs_status_t UcxDataPlane::OnPush(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  if (header_length != sizeof(PushHeader) || !self->push_.accept) return UCS_OK;
+  PushHeader push;
+  std::memcpy(&push, header, sizeof(PushHeader));
+  if (push.length != static_cast<int64_t>(length)) {
+    self->push_.delivered(push.key, DataLoss("push of {} bytes announced {}", length, push.length));
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    self->push_receives_.push_back(PushReceive{push.key, data, push.length});
+    return UCS_INPROGRESS;
+  }
+  Result<void*> dest = self->push_.accept(push.key, push.length);
+  if (!dest.ok()) {
+    self->push_.delivered(push.key, dest.status());
+    return UCS_OK;
+  }
+  if (length > 0) std::memcpy(*dest, data, length);
+  self->push_.delivered(push.key, Status::Ok());
+  return UCS_OK;
+}
+
+void UcxDataPlane::ReceivePushes() {
+  std::vector<PushReceive> pushes;
+  pushes.swap(push_receives_);
+  for (const PushReceive& push : pushes) {
+    Result<void*> dest = push_.accept(push.key, push.length);
+    if (!dest.ok()) {
+      // Drop the bytes: receiving into a scratch buffer keeps UCX's rendezvous protocol whole.
+      auto* scratch = new Operation{
+          this, nullptr, std::vector<char>(static_cast<size_t>(push.length)), 0, push.length};
+      scratch->push_key = push.key;
+      ucp_request_param_t params{};
+      params.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+      params.cb.recv_am = [](void* request, ucs_status_t, size_t, void* user_data) {
+        delete static_cast<Operation*>(user_data);
+        ucp_request_free(request);
+      };
+      params.user_data = scratch;
+      ucs_status_ptr_t started =
+          ucp_am_recv_data_nbx(worker_, push.descriptor, scratch->payload.data(),
+                               static_cast<size_t>(push.length), &params);
+      if (UCS_PTR_IS_ERR(started)) delete scratch;
+      push_.delivered(push.key, dest.status());
+      continue;
+    }
+    auto* operation = new Operation{this, nullptr, {}, 0, push.length};
+    operation->push_key = push.key;
+    ucp_request_param_t params{};
+    params.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    params.cb.recv_am = &OnPushReceived;
+    params.user_data = operation;
+    ucs_status_ptr_t started = ucp_am_recv_data_nbx(worker_, push.descriptor, *dest,
+                                                    static_cast<size_t>(push.length), &params);
+    if (UCS_PTR_IS_ERR(started)) {
+      delete operation;
+      push_.delivered(push.key, UcxError("push receive", UCS_PTR_STATUS(started)));
+    }
+  }
+}
+
+void UcxDataPlane::OnPushReceived(void* request, ucs_status_t status, size_t length,
+                                  void* user_data) {
+  auto* operation = static_cast<Operation*>(user_data);
+  UcxDataPlane* self = operation->plane;
+  self->push_.delivered(operation->push_key,
+                        status == UCS_OK ? Status::Ok() : UcxError("push receive", status));
+  {
+    std::lock_guard lock(self->stats_mutex_);
+    self->stats_.bytes_pulled += static_cast<int64_t>(length);
+  }
+  delete operation;
+  ucp_request_free(request);
+}
+
+void UcxDataPlane::OnPushSent(void* request, ucs_status_t status, void* user_data) {
+  auto* operation = static_cast<Operation*>(user_data);
+  if (operation->done) {
+    operation->done(status == UCS_OK ? Status::Ok() : UcxError("push send", status));
+  }
+  if (status == UCS_OK) {
+    std::lock_guard lock(operation->plane->stats_mutex_);
+    operation->plane->stats_.bytes_served += operation->bytes;
+  }
+  delete operation;
+  ucp_request_free(request);
+}
+
+void UcxDataPlane::Push(const std::string& address, const PushKey& key, const void* data,
+                        int64_t bytes, std::shared_ptr<void> keepalive, PullCallback done) {
+  Post([this, address, key, data, bytes, keepalive = std::move(keepalive),
+        done = std::move(done)]() mutable {
+    Result<ucp_ep_h> ep = PeerEndpoint(address);
+    if (!ep.ok()) {
+      done(ep.status());
+      return;
+    }
+    auto* operation = new Operation{this, std::move(keepalive), {}, 0, bytes};
+    operation->done = std::move(done);
+    operation->payload.resize(sizeof(PushHeader));
+    const PushHeader header{key, bytes};
+    std::memcpy(operation->payload.data(), &header, sizeof(header));
+    ucp_request_param_t params{};
+    params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    params.cb.send = &OnPushSent;
+    params.user_data = operation;
+    // No forced rendezvous here: UCX 1.13 asserts when a fresh client endpoint is forced into it
+    // before wire-up completes. It picks rendezvous for large messages by itself.
+    params.flags = 0;
+    ucs_status_ptr_t sent =
+        ucp_am_send_nbx(*ep, kPush, operation->payload.data(), sizeof(PushHeader), data,
+                        static_cast<size_t>(bytes), &params);
+    if (UCS_PTR_IS_ERR(sent)) {
+      PullCallback failed = std::move(operation->done);
+      delete operation;
+      failed(UcxError("push send", UCS_PTR_STATUS(sent)));
+    }
+  });
+}
+
 Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
   auto it = peers_.find(address);
   if (it != peers_.end()) {
@@ -496,6 +645,14 @@ Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
   const ucs_status_t created = ucp_ep_create(worker_, &params, &ep);
   if (created != UCS_OK) {
     return Unavailable("cannot reach data-plane peer {}: {}", address, ucs_status_string(created));
+  }
+  // Finish wire-up before the endpoint carries anything: UCX 1.13 can assert on a rendezvous
+  // send from a client endpoint whose configuration is not final yet.
+  ucp_request_param_t flush_params{};
+  ucs_status_ptr_t flushing = ucp_ep_flush_nbx(ep, &flush_params);
+  if (UCS_PTR_IS_PTR(flushing)) {
+    while (ucp_request_check_status(flushing) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    ucp_request_free(flushing);
   }
   peers_[address].ep = ep;
   return ep;
@@ -676,8 +833,9 @@ void UcxDataPlane::Shutdown() {
 }  // namespace
 
 Result<std::unique_ptr<DataPlane>> DataPlane::Start(const DataPlaneOptions& options,
-                                                    ObjectLookup lookup) {
-  auto plane = std::make_unique<UcxDataPlane>(options, std::move(lookup));
+                                                    ObjectLookup lookup,
+                                                    PushHandlers push_handlers) {
+  auto plane = std::make_unique<UcxDataPlane>(options, std::move(lookup), std::move(push_handlers));
   TESSERA_RETURN_IF_ERROR(plane->Init());
   return std::unique_ptr<DataPlane>(std::move(plane));
 }

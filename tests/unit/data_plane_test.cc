@@ -1,5 +1,6 @@
 // The UCX data plane, with two instances in one process: pulls of every size, errors, and
 // peers that disappear.
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -119,6 +120,53 @@ TEST(DataPlaneTest, UnreachableAndForgottenPeersFailInsteadOfHanging) {
   Status forgotten = puller->PullAndWait(holder.plane().address(), ObjectId(1), dest.data(), 100);
   ASSERT_FALSE(forgotten.ok());
   EXPECT_NE(forgotten.message().find("worker3 died"), std::string::npos) << forgotten.ToString();
+}
+
+TEST(DataPlaneTest, PushesArriveWhereTheReceiverPutsThem) {
+  std::mutex mutex;
+  std::condition_variable arrived;
+  std::map<uint64_t, std::vector<uint8_t>> buffers;
+  std::map<uint64_t, Status> delivered;
+  PushHandlers handlers;
+  handlers.accept = [&](const PushKey& key, int64_t bytes) -> Result<void*> {
+    if (key.graph != 7) return InvalidArgument("unknown graph {}", key.graph);
+    std::lock_guard lock(mutex);
+    auto& buffer = buffers[key.object];
+    buffer.resize(static_cast<size_t>(bytes));
+    return static_cast<void*>(buffer.data());
+  };
+  handlers.delivered = [&](const PushKey& key, const Status& status) {
+    std::lock_guard lock(mutex);
+    delivered[key.graph * 1000 + key.object] = status;
+    arrived.notify_all();
+  };
+  auto receiver = DataPlane::Start(
+      {}, [](ObjectId) -> Result<ServedObject> { return NotFound("x"); }, handlers);
+  ASSERT_TRUE(receiver.ok());
+  auto sender = Puller();
+  const std::vector<int64_t> sizes = {0, 100, 3 << 20, 64 << 20};
+  std::atomic<int> sent{0};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto data = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(sizes[i]));
+    for (int64_t b = 0; b < sizes[i]; ++b) (*data)[b] = static_cast<uint8_t>(b * 7 + i);
+    sender->Push((*receiver)->address(), PushKey{7, 1, i}, data->data(), sizes[i], data,
+                 [&](const Status& status) {
+                   EXPECT_OK(status);
+                   ++sent;
+                 });
+  }
+  // A push the receiver refuses is reported to its delivered handler, not lost silently.
+  auto junk = std::make_shared<std::vector<uint8_t>>(4 << 20);
+  sender->Push((*receiver)->address(), PushKey{99, 1, 0}, junk->data(), 4 << 20, junk,
+               [](const Status&) {});
+  std::unique_lock lock(mutex);
+  ASSERT_TRUE(arrived.wait_for(lock, std::chrono::seconds(20),
+                               [&] { return delivered.size() == sizes.size() + 1; }));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_OK(delivered.at(7000 + i));
+    EXPECT_TRUE(PatternMatches(buffers.at(i), i)) << "size " << sizes[i];
+  }
+  EXPECT_NE(delivered.at(99000).message().find("unknown graph 99"), std::string::npos);
 }
 
 }  // namespace
