@@ -110,6 +110,11 @@ class UcxDataPlane final : public DataPlane {
   struct Peer {
     ucp_ep_h ep = nullptr;
     Status failure;  // set when the endpoint failed or the peer was forgotten
+    // Pushes send rendezvous data from this (client) endpoint; UCX 1.13 asserts if that happens
+    // before wire-up completes, so pushes wait for a flush (WhenWired).
+    bool wired = false;
+    bool flushing = false;
+    std::vector<std::function<void(const Status&)>> waiting;
   };
   struct PullState {
     uint64_t id;
@@ -164,6 +169,9 @@ class UcxDataPlane final : public DataPlane {
   void Shutdown();
 
   Result<ucp_ep_h> PeerEndpoint(const std::string& address);
+  // Runs `then` once the endpoint to the peer is wired up (at once if it is).
+  void WhenWired(const std::string& address, std::function<void(const Status&)> then);
+  void Wired(const std::string& address, const Status& status);
   void IssueChunks(PullState& pull);
   void ChunkDone(uint64_t request, const Status& status, int64_t bytes);
   void FinishPull(uint64_t pull_id);
@@ -180,6 +188,8 @@ class UcxDataPlane final : public DataPlane {
   static void OnPushSent(void* request, ucs_status_t status, void* user_data);
   static void OnPushReceived(void* request, ucs_status_t status, size_t length, void* user_data);
   void ReceivePushes();
+  void SendPush(ucp_ep_h ep, const PushKey& key, const void* data, int64_t bytes,
+                std::shared_ptr<void> keepalive, PullCallback done);
   static void OnConnection(ucp_conn_request_h request, void* arg);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
@@ -590,11 +600,17 @@ void UcxDataPlane::Push(const std::string& address, const PushKey& key, const vo
                         int64_t bytes, std::shared_ptr<void> keepalive, PullCallback done) {
   Post([this, address, key, data, bytes, keepalive = std::move(keepalive),
         done = std::move(done)]() mutable {
-    Result<ucp_ep_h> ep = PeerEndpoint(address);
-    if (!ep.ok()) {
-      done(ep.status());
-      return;
-    }
+    WhenWired(address, [this, address, key, data, bytes, keepalive = std::move(keepalive),
+                        done = std::move(done)](const Status& wired) mutable {
+      if (!wired.ok()) return done(wired);
+      SendPush(peers_.at(address).ep, key, data, bytes, std::move(keepalive), std::move(done));
+    });
+  });
+}
+
+void UcxDataPlane::SendPush(ucp_ep_h ep, const PushKey& key, const void* data, int64_t bytes,
+                            std::shared_ptr<void> keepalive, PullCallback done) {
+  {
     auto* operation = new Operation{this, std::move(keepalive), {}, 0, bytes};
     operation->done = std::move(done);
     operation->payload.resize(sizeof(PushHeader));
@@ -609,14 +625,14 @@ void UcxDataPlane::Push(const std::string& address, const PushKey& key, const vo
     // before wire-up completes. It picks rendezvous for large messages by itself.
     params.flags = 0;
     ucs_status_ptr_t sent =
-        ucp_am_send_nbx(*ep, kPush, operation->payload.data(), sizeof(PushHeader), data,
+        ucp_am_send_nbx(ep, kPush, operation->payload.data(), sizeof(PushHeader), data,
                         static_cast<size_t>(bytes), &params);
     if (UCS_PTR_IS_ERR(sent)) {
       PullCallback failed = std::move(operation->done);
       delete operation;
       failed(UcxError("push send", UCS_PTR_STATUS(sent)));
     }
-  });
+  }
 }
 
 Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
@@ -646,16 +662,47 @@ Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
   if (created != UCS_OK) {
     return Unavailable("cannot reach data-plane peer {}: {}", address, ucs_status_string(created));
   }
-  // Finish wire-up before the endpoint carries anything: UCX 1.13 can assert on a rendezvous
-  // send from a client endpoint whose configuration is not final yet.
-  ucp_request_param_t flush_params{};
-  ucs_status_ptr_t flushing = ucp_ep_flush_nbx(ep, &flush_params);
-  if (UCS_PTR_IS_PTR(flushing)) {
-    while (ucp_request_check_status(flushing) == UCS_INPROGRESS) ucp_worker_progress(worker_);
-    ucp_request_free(flushing);
-  }
   peers_[address].ep = ep;
   return ep;
+}
+
+void UcxDataPlane::WhenWired(const std::string& address, std::function<void(const Status&)> then) {
+  Result<ucp_ep_h> ep = PeerEndpoint(address);
+  if (!ep.ok()) return then(ep.status());
+  Peer& peer = peers_[address];
+  if (peer.wired) return then(Status::Ok());
+  peer.waiting.push_back(std::move(then));
+  if (peer.flushing) return;
+  peer.flushing = true;
+  // A flush completes once wire-up has; it never blocks the progress thread.
+  struct FlushDone {
+    UcxDataPlane* plane;
+    std::string address;
+  };
+  ucp_request_param_t params{};
+  params.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+    std::unique_ptr<FlushDone> done(static_cast<FlushDone*>(user_data));
+    done->plane->Wired(done->address,
+                       status == UCS_OK ? Status::Ok() : UcxError("endpoint wire-up", status));
+    ucp_request_free(request);
+  };
+  params.user_data = new FlushDone{this, address};
+  ucs_status_ptr_t flushing = ucp_ep_flush_nbx(*ep, &params);
+  if (UCS_PTR_IS_ERR(flushing)) {
+    delete static_cast<FlushDone*>(params.user_data);
+    Wired(address, UcxError("endpoint wire-up", UCS_PTR_STATUS(flushing)));
+  }
+}
+
+void UcxDataPlane::Wired(const std::string& address, const Status& status) {
+  Peer& peer = peers_[address];
+  peer.flushing = false;
+  peer.wired = status.ok();
+  std::vector<std::function<void(const Status&)>> waiting;
+  waiting.swap(peer.waiting);
+  for (auto& then : waiting) then(status);
 }
 
 void UcxDataPlane::Pull(const std::string& address, ObjectId object, void* dest, int64_t bytes,
@@ -756,6 +803,7 @@ void UcxDataPlane::FinishPull(uint64_t pull_id) {
 void UcxDataPlane::FailPullsTo(const std::string& address, const Status& reason) {
   Peer& peer = peers_[address];
   peer.failure = reason;
+  if (!peer.waiting.empty()) Wired(address, reason);
   if (peer.ep != nullptr) {
     ucp_request_param_t params{};
     params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
