@@ -56,6 +56,9 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   Result<Tensor> Get(const ObjectRef& ref, int timeout_ms);
   Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms);
   Result<ClusterInfo> Info(int timeout_ms);
+  Result<GraphHandle> RegisterGraph(const Graph& graph);
+  Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
+                                                 const std::map<ObjectId, ObjectRef>& inputs);
   Status Shutdown();
   void Release(ObjectId id);
 
@@ -110,6 +113,7 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   std::unordered_map<uint64_t, ReadyState> ready_;
   std::unordered_set<uint64_t> watched_;
   std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_;
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Status>>> reply_waiters_;
   uint64_t next_request_ = 1;
 };
 
@@ -171,6 +175,8 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
           closed_ = true;
           for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
           status_waiters_.clear();
+          for (auto& [id, waiter] : reply_waiters_) waiter->set_value(close_reason_);
+          reply_waiters_.clear();
         }
         ready_cv_.notify_all();
       });
@@ -425,6 +431,19 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
       }
       break;
     }
+    case proto::Envelope::Body::REPLY: {
+      Status status =
+          body.getReply().getCode() == 0 ? Status::Ok() : rpc::FromWire(body.getReply());
+      std::lock_guard lock(ready_mutex_);
+      auto it = reply_waiters_.find(envelope.getRequestId());
+      if (it != reply_waiters_.end()) {
+        it->second->set_value(status);
+        reply_waiters_.erase(it);
+      } else if (!status.ok()) {
+        GetLogger("driver")->warn("the scheduler reported: {}", status.ToString());
+      }
+      break;
+    }
     default:
       GetLogger("driver")->warn("ignoring message kind {} from the scheduler",
                                 static_cast<int>(body.which()));
@@ -541,6 +560,93 @@ Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
     return TimedOut("the scheduler did not answer a status request within {} ms", timeout_ms);
   }
   return future.get();
+}
+
+Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
+  if (closed_) return close_reason_;
+  TESSERA_RETURN_IF_ERROR(graph.Validate());
+  for (const TaskSpec& task : graph.tasks()) {
+    TESSERA_RETURN_IF_ERROR(
+        registry_.Find(task.op).status().WithContext("task '" + task.name + "'"));
+  }
+  GraphHandle handle;
+  handle.id_ = NextId();
+  handle.graph_ = std::make_shared<const Graph>(graph);
+  auto promise = std::make_shared<std::promise<Status>>();
+  uint64_t request;
+  {
+    std::lock_guard lock(ready_mutex_);
+    request = next_request_++;
+    reply_waiters_[request] = promise;
+  }
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request);
+  auto wire = envelope.initBody().initRegisterGraph();
+  wire.setGraphId(handle.id_);
+  auto objects = wire.initObjects(static_cast<unsigned>(graph.num_objects()));
+  for (unsigned i = 0; i < objects.size(); ++i) rpc::ToWire(graph.objects()[i], objects[i]);
+  auto tasks = wire.initTasks(static_cast<unsigned>(graph.num_tasks()));
+  for (unsigned i = 0; i < tasks.size(); ++i) {
+    const TaskSpec& task = graph.tasks()[i];
+    std::vector<ObjectSpec> outputs;
+    for (ObjectId output : task.outputs) outputs.push_back(graph.object(output));
+    rpc::ToWire(task, outputs, tasks[i]);
+  }
+  auto outputs = wire.initOutputs(static_cast<unsigned>(graph.OutputObjects().size()));
+  for (unsigned i = 0; i < outputs.size(); ++i) outputs.set(i, graph.OutputObjects()[i].value());
+  connection_->Send(message);
+  std::future<Status> future = promise->get_future();
+  if (future.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    return TimedOut("the scheduler did not answer the registration of a {}-task graph in 60 s",
+                    graph.num_tasks());
+  }
+  TESSERA_RETURN_IF_ERROR(future.get());
+  return handle;
+}
+
+Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
+    const GraphHandle& handle, const std::map<ObjectId, ObjectRef>& inputs) {
+  if (closed_) return close_reason_;
+  if (!handle.valid()) return InvalidArgument("RunGraph of an unregistered graph");
+  const Graph& graph = handle.graph();
+  std::vector<ObjectRef> bound;
+  for (ObjectId input : graph.InputObjects()) {
+    auto it = inputs.find(input);
+    const ObjectSpec& spec = graph.object(input);
+    if (it == inputs.end() || !it->second.valid()) {
+      return InvalidArgument("graph input '{}' ({}) is not bound", spec.name, spec.meta.ToString());
+    }
+    if (it->second.meta() != spec.meta) {
+      return InvalidArgument("graph input '{}' expects {} but is bound to {}", spec.name,
+                             spec.meta.ToString(), it->second.meta().ToString());
+    }
+    bound.push_back(it->second);
+  }
+  // The scheduler binds only finished objects: wait for them here (usually already done).
+  TESSERA_RETURN_IF_ERROR(Wait(bound, -1));
+  std::map<ObjectId, ObjectRef> outputs;
+  capnp::MallocMessageBuilder message;
+  auto run = message.initRoot<proto::Envelope>().initBody().initRunGraph();
+  run.setGraphId(handle.id());
+  run.setInstance(NextId());
+  const std::vector<ObjectId> input_ids = graph.InputObjects();
+  auto bindings = run.initInputs(static_cast<unsigned>(input_ids.size()));
+  for (unsigned i = 0; i < input_ids.size(); ++i) {
+    bindings[i].setObject(input_ids[i].value());
+    bindings[i].initSource().setObject(inputs.at(input_ids[i]).id().value());
+  }
+  const std::vector<ObjectId>& graph_outputs = graph.OutputObjects();
+  auto ids = run.initOutputIds(static_cast<unsigned>(graph_outputs.size()));
+  for (unsigned i = 0; i < graph_outputs.size(); ++i) {
+    const ObjectId id(NextId());
+    ids.set(i, id.value());
+    outputs.emplace(graph_outputs[i], MakeRef(id, graph.object(graph_outputs[i]).meta));
+  }
+  // Queued batches (a Put of an input, a Release) must reach the scheduler first.
+  Flush();
+  connection_->Send(message);
+  return outputs;
 }
 
 Status ClusterClient::Shutdown() {
@@ -719,6 +825,15 @@ Status Cluster::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
 }
 
 Result<ClusterInfo> Cluster::Info() { return client_->Info(5000); }
+
+Result<GraphHandle> Cluster::RegisterGraph(const Graph& graph) {
+  return client_->RegisterGraph(graph);
+}
+
+Result<std::map<ObjectId, ObjectRef>> Cluster::RunGraph(
+    const GraphHandle& graph, const std::map<ObjectId, ObjectRef>& inputs) {
+  return client_->RunGraph(graph, inputs);
+}
 
 Status Cluster::Shutdown() { return client_->Shutdown(); }
 

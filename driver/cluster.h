@@ -25,11 +25,13 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/attrs.h"
+#include "core/graph.h"
 #include "core/ids.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -53,6 +55,21 @@ class ObjectRef {
   struct State;
   explicit ObjectRef(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
+};
+
+// A graph registered with the cluster: its tasks are placed once, and each RunGraph of it costs a
+// few messages per involved worker, however many tasks it has.
+class GraphHandle {
+ public:
+  GraphHandle() = default;
+  uint64_t id() const { return id_; }
+  const Graph& graph() const { return *graph_; }
+  bool valid() const { return graph_ != nullptr; }
+
+ private:
+  friend class detail::ClusterClient;
+  uint64_t id_ = 0;
+  std::shared_ptr<const Graph> graph_;
 };
 
 struct ConnectOptions {
@@ -118,6 +135,15 @@ class Cluster {
   // Waits up to timeout_ms (negative: no limit) and returns the object's contents.
   Result<Tensor> Get(const ObjectRef& ref, int timeout_ms = -1);
   Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms = -1);
+
+  // Registers `graph`; tasks may be pinned to workers (TaskSpec::pinned_worker, ids from Info()).
+  // Errors (an infeasible pin, no worker alive) come back here.
+  Result<GraphHandle> RegisterGraph(const Graph& graph);
+  // Runs one instance. `inputs` binds every graph input (its id in the graph) to an object of
+  // the same meta; the result maps each graph output's id to a reference, at once (Get or Wait
+  // on them). An error of the run shows up on the outputs.
+  Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
+                                                 const std::map<ObjectId, ObjectRef>& inputs);
 
   Result<ClusterInfo> Info();
   // Asks the scheduler to stop the cluster (its workers exit too).

@@ -111,6 +111,21 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
     case proto::Envelope::Body::STATUS_REQUEST:
       OnStatusRequest(*participant, message.getRequestId());
       break;
+    case proto::Envelope::Body::REGISTER_GRAPH:
+      status = requires_role(Role::kDriver, "a graph");
+      if (status.ok()) {
+        status = OnRegisterGraph(*participant, message.getRequestId(), body.getRegisterGraph());
+      }
+      break;
+    case proto::Envelope::Body::RUN_GRAPH:
+      status = requires_role(Role::kDriver, "a graph run");
+      if (status.ok())
+        status = OnRunGraph(*participant, message.getRequestId(), body.getRunGraph());
+      break;
+    case proto::Envelope::Body::INSTANCE_FINISHED:
+      status = requires_role(Role::kWorker, "an instance result");
+      if (status.ok()) status = OnInstanceFinished(*participant, body.getInstanceFinished());
+      break;
     case proto::Envelope::Body::SHUTDOWN:
       if (role == Role::kWorker) {
         status = InvalidArgument("a worker may not shut the cluster down");
@@ -579,6 +594,22 @@ void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
   }
   worker.tasks_in_flight = 0;
   worker.committed_bytes = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> broken;
+  for (auto& [key, instance] : instances_) {
+    if (std::find(instance.pending.begin(), instance.pending.end(), worker.id) !=
+        instance.pending.end()) {
+      broken.push_back(key);
+    }
+  }
+  for (const auto& key : broken) {
+    InstanceEntry& instance = instances_.at(key);
+    auto& pending = instance.pending;
+    pending.erase(std::remove(pending.begin(), pending.end(), worker.id), pending.end());
+    FailInstance(instance, worker.id,
+                 Unavailable("{} died while running its part of graph {} (instance {}): {}", who,
+                             key.first, key.second, reason.message()));
+    MaybeFinishInstance(key);
+  }
   for (ObjectId id : lost) {
     auto it = objects_.find(id);
     if (it == objects_.end()) continue;
@@ -718,6 +749,320 @@ void SchedulerCore::Flush() {
     outbox_->Send(holder, message);
   }
   free_batches_.clear();
+}
+
+void SchedulerCore::Reply(WorkerId to, uint64_t request_id, const Status& status) {
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request_id);
+  auto reply = envelope.initBody().initReply();
+  if (!status.ok()) rpc::ToWire(status, reply);
+  outbox_->Send(to, message);
+}
+
+Status SchedulerCore::OnRegisterGraph(Participant& from, uint64_t request_id,
+                                      proto::RegisterGraph::Reader wire) {
+  GraphEntry graph;
+  graph.id = wire.getGraphId();
+  graph.driver = from.id;
+  if (graph.id == 0 || graphs_.contains(graph.id)) {
+    Reply(from.id, request_id, InvalidArgument("graph id {} is invalid or in use", graph.id));
+    return Status::Ok();
+  }
+  for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+    if (object.id != ObjectId(graph.objects.size() + 1)) {
+      return InvalidArgument("graph {} object ids must be dense from 1", graph.id);
+    }
+    graph.objects.push_back(std::move(object));
+  }
+  const auto known = [&](ObjectId id) { return id.valid() && id.value() <= graph.objects.size(); };
+  std::vector<int> load;  // tasks placed per alive worker, for the least-loaded choice
+  std::vector<WorkerId> alive;
+  for (const auto& [id, p] : participants_) {
+    if (p.role == Role::kWorker && p.alive) alive.push_back(id);
+  }
+  load.assign(alive.size(), 0);
+  if (alive.empty()) {
+    Reply(from.id, request_id, Unavailable("no worker is alive to run graph {}", graph.id));
+    return Status::Ok();
+  }
+  for (proto::Task::Reader wire_task : wire.getTasks()) {
+    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask task, rpc::FromWire(wire_task));
+    TaskSpec& spec = task.spec;
+    if (spec.id != TaskId(graph.tasks.size() + 1)) {
+      return InvalidArgument("graph {} task ids must be dense from 1", graph.id);
+    }
+    for (ObjectId input : spec.inputs) {
+      if (!known(input)) return InvalidArgument("task '{}' reads an unknown object", spec.name);
+      // Producers come first (the order GraphBuilder adds tasks in).
+      const TaskId producer = graph.objects[input.value() - 1].producer;
+      if (producer.valid() && producer.value() > graph.tasks.size()) {
+        return InvalidArgument("task '{}' comes before the producer of its input", spec.name);
+      }
+    }
+    for (ObjectId output : spec.outputs) {
+      // Producers are not on the wire: they follow from the tasks, each object from at most one.
+      if (!known(output) || graph.objects[output.value() - 1].producer.valid()) {
+        return InvalidArgument("task '{}' produces an unknown object or one another task produces",
+                               spec.name);
+      }
+      graph.objects[output.value() - 1].producer = spec.id;
+    }
+    // Placement: pinned; else beside the producer of its largest produced input; else the
+    // least loaded worker so far.
+    WorkerId place;
+    if (spec.pinned_worker.valid()) {
+      if (std::find(alive.begin(), alive.end(), spec.pinned_worker) == alive.end()) {
+        Reply(from.id, request_id,
+              Infeasible("task '{}' is pinned to {}, which is not an alive worker", spec.name,
+                         spec.pinned_worker.ToString()));
+        return Status::Ok();
+      }
+      place = spec.pinned_worker;
+    } else {
+      int64_t best_bytes = -1;
+      for (ObjectId input : spec.inputs) {
+        const ObjectSpec& object = graph.objects[input.value() - 1];
+        if (object.producer.valid() && object.meta.bytes() > best_bytes) {
+          best_bytes = object.meta.bytes();
+          place = graph.task_worker[object.producer.value() - 1];
+        }
+      }
+      if (!place.valid()) {
+        const size_t least =
+            static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+        place = alive[least];
+      }
+    }
+    ++load[static_cast<size_t>(std::find(alive.begin(), alive.end(), place) - alive.begin())];
+    graph.task_worker.push_back(place);
+    graph.tasks.push_back(std::move(spec));
+  }
+  for (uint64_t output : wire.getOutputs()) {
+    if (!known(ObjectId(output)))
+      return InvalidArgument("graph {} returns an unknown object", graph.id);
+    graph.outputs.push_back(ObjectId(output));
+  }
+  for (const ObjectSpec& object : graph.objects) {
+    if (!object.producer.valid()) graph.inputs.push_back(object.id);
+  }
+  graph.workers = graph.task_worker;
+  std::sort(graph.workers.begin(), graph.workers.end());
+  graph.workers.erase(std::unique(graph.workers.begin(), graph.workers.end()), graph.workers.end());
+  if (graph.workers.empty()) {
+    Reply(from.id, request_id, InvalidArgument("graph {} has no tasks", graph.id));
+    return Status::Ok();
+  }
+  // Each involved worker gets its part once.
+  for (WorkerId worker : graph.workers) {
+    capnp::MallocMessageBuilder message;
+    auto part = message.initRoot<proto::Envelope>().initBody().initGraphPart();
+    part.setGraphId(graph.id);
+    auto objects = part.initObjects(static_cast<unsigned>(graph.objects.size()));
+    for (unsigned i = 0; i < graph.objects.size(); ++i) rpc::ToWire(graph.objects[i], objects[i]);
+    // Every task goes to every worker: a worker runs those placed on it and needs the others'
+    // inputs to know which of its objects to push where.
+    auto tasks = part.initTasks(static_cast<unsigned>(graph.tasks.size()));
+    for (unsigned i = 0; i < graph.tasks.size(); ++i) {
+      const TaskSpec& spec = graph.tasks[i];
+      std::vector<ObjectSpec> outputs;
+      for (ObjectId output : spec.outputs) outputs.push_back(graph.objects[output.value() - 1]);
+      rpc::ToWire(spec, outputs, tasks[i]);
+    }
+    auto task_worker = part.initTaskWorkers(static_cast<unsigned>(graph.task_worker.size()));
+    for (unsigned i = 0; i < graph.task_worker.size(); ++i)
+      task_worker.set(i, graph.task_worker[i].value());
+    auto addresses = part.initWorkerAddresses(static_cast<unsigned>(graph.workers.size()));
+    for (unsigned i = 0; i < graph.workers.size(); ++i) {
+      addresses[i].setHolder(graph.workers[i].value());
+      addresses[i].setAddress(participants_.at(graph.workers[i]).data_address);
+    }
+    auto outputs = part.initOutputs(static_cast<unsigned>(graph.outputs.size()));
+    for (unsigned i = 0; i < graph.outputs.size(); ++i) outputs.set(i, graph.outputs[i].value());
+    outbox_->Send(worker, message);
+  }
+  GetLogger("scheduler")
+      ->info("{} registered graph {}: {} tasks on {} worker(s)", from.id.ToString(), graph.id,
+             graph.tasks.size(), graph.workers.size());
+  const uint64_t id = graph.id;
+  graphs_.emplace(id, std::move(graph));
+  Reply(from.id, request_id, Status::Ok());
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnRunGraph(Participant& from, uint64_t request_id,
+                                 proto::RunGraph::Reader run) {
+  auto it = graphs_.find(run.getGraphId());
+  if (it == graphs_.end() || it->second.driver != from.id) {
+    Reply(from.id, request_id,
+          NotFound("graph {} is not registered by this driver", run.getGraphId()));
+    return Status::Ok();
+  }
+  const GraphEntry& graph = it->second;
+  const auto key = std::make_pair(graph.id, run.getInstance());
+  if (instances_.contains(key)) {
+    return InvalidArgument("instance {} of graph {} is already running", key.second, key.first);
+  }
+  if (run.getOutputIds().size() != graph.outputs.size()) {
+    return InvalidArgument("run of graph {} names {} outputs, the graph has {}", graph.id,
+                           run.getOutputIds().size(), graph.outputs.size());
+  }
+  InstanceEntry instance;
+  instance.graph = graph.id;
+  instance.instance = run.getInstance();
+  instance.driver = from.id;
+  // Outputs: new cluster objects, referenced by the driver, sealed where they are produced.
+  for (unsigned i = 0; i < graph.outputs.size(); ++i) {
+    const ObjectId id(run.getOutputIds()[i]);
+    if (!id.valid() || objects_.contains(id)) {
+      return InvalidArgument("output id {} of graph {} is invalid or in use", id.ToString(),
+                             graph.id);
+    }
+    ObjectEntry& object = objects_[id];
+    object.spec = graph.objects[graph.outputs[i].value() - 1];
+    object.spec.id = id;
+    object.spec.producer = TaskId();
+    object.driver_refs = 1;
+    ++from.refs[id.value()];
+    instance.outputs.push_back(id);
+  }
+  // Inputs: every graph input bound to a sealed cluster object of the same meta.
+  Status bind_error;
+  std::map<uint64_t, const ObjectEntry*> bindings;  // graph-local id -> cluster object
+  for (proto::Binding::Reader binding : run.getInputs()) {
+    const uint64_t local = binding.getObject();
+    auto object = objects_.find(ObjectId(binding.getSource().getObject()));
+    if (local == 0 || local > graph.objects.size()) {
+      bind_error = InvalidArgument("binding of unknown graph object {}", local);
+    } else if (object == objects_.end() || !object->second.finished()) {
+      bind_error = InvalidArgument(
+          "input '{}' of graph {} is bound to an object that is not "
+          "ready (wait for it first)",
+          graph.objects[local - 1].name, graph.id);
+    } else if (!object->second.error.ok()) {
+      bind_error = object->second.error;
+    } else if (object->second.spec.meta != graph.objects[local - 1].meta) {
+      bind_error = InvalidArgument(
+          "input '{}' of graph {} is {} but was bound to {}", graph.objects[local - 1].name,
+          graph.id, graph.objects[local - 1].meta.ToString(), object->second.spec.meta.ToString());
+    } else {
+      bindings[local] = &object->second;
+    }
+  }
+  for (ObjectId input : graph.inputs) {
+    if (bind_error.ok() && !bindings.contains(input.value())) {
+      bind_error = InvalidArgument("input '{}' of graph {} is not bound",
+                                   graph.objects[input.value() - 1].name, graph.id);
+    }
+  }
+  if (!bind_error.ok()) {
+    for (ObjectId id : instance.outputs) FailObject(objects_.at(id), bind_error);
+    return Status::Ok();
+  }
+  for (const auto& [local, object] : bindings) {
+    instance.bound.push_back(object->spec.id);
+    ++objects_.at(object->spec.id).pending_uses;
+  }
+  instance.pending = graph.workers;
+  for (WorkerId worker : graph.workers) {
+    capnp::MallocMessageBuilder message;
+    auto out = message.initRoot<proto::Envelope>().initBody().initRunGraph();
+    out.setGraphId(graph.id);
+    out.setInstance(instance.instance);
+    auto ids = out.initOutputIds(static_cast<unsigned>(instance.outputs.size()));
+    for (unsigned i = 0; i < instance.outputs.size(); ++i) ids.set(i, instance.outputs[i].value());
+    std::vector<std::pair<uint64_t, const ObjectEntry*>> remote, inlined;
+    for (const auto& binding : bindings) {
+      (binding.second->inline_data.empty() ? remote : inlined).push_back(binding);
+    }
+    auto inputs = out.initInputs(static_cast<unsigned>(remote.size()));
+    for (unsigned i = 0; i < remote.size(); ++i) {
+      const ObjectEntry& object = *remote[i].second;
+      inputs[i].setObject(remote[i].first);
+      auto source = inputs[i].initSource();
+      source.setObject(object.spec.id.value());
+      source.setBytes(object.spec.meta.bytes());
+      if (!object.holders.empty()) {
+        source.setHolder(object.holders.front().value());
+        source.setAddress(participants_.at(object.holders.front()).data_address);
+      }
+    }
+    auto inlines = out.initInlineInputs(static_cast<unsigned>(inlined.size()));
+    for (unsigned i = 0; i < inlined.size(); ++i) {
+      const std::string& data = inlined[i].second->inline_data;
+      inlines[i].setId(inlined[i].first);
+      inlines[i].setBytes(static_cast<int64_t>(data.size()));
+      inlines[i].setInline(
+          capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
+    }
+    outbox_->Send(worker, message);
+  }
+  instances_.emplace(key, std::move(instance));
+  return Status::Ok();
+}
+
+Status SchedulerCore::OnInstanceFinished(Participant& from,
+                                         proto::InstanceFinished::Reader finished) {
+  const auto key = std::make_pair(finished.getGraphId(), finished.getInstance());
+  auto it = instances_.find(key);
+  if (it == instances_.end()) return Status::Ok();  // already failed and closed
+  InstanceEntry& instance = it->second;
+  auto& pending = instance.pending;
+  if (std::find(pending.begin(), pending.end(), from.id) == pending.end()) return Status::Ok();
+  pending.erase(std::remove(pending.begin(), pending.end(), from.id), pending.end());
+  if (finished.hasError()) {
+    FailInstance(instance, from.id,
+                 rpc::FromWire(finished.getError()).WithContext(Describe(from.id)));
+  } else {
+    for (proto::SealedObject::Reader output : finished.getOutputs()) {
+      const ObjectId id(output.getId());
+      if (std::find(instance.outputs.begin(), instance.outputs.end(), id) ==
+          instance.outputs.end()) {
+        return InvalidArgument("{} sealed {}, which is not an output of the instance",
+                               from.id.ToString(), id.ToString());
+      }
+      const auto data = output.getInline();
+      SealObject(objects_.at(id), from.id, output.getBytes(),
+                 std::string(reinterpret_cast<const char*>(data.begin()), data.size()));
+    }
+  }
+  MaybeFinishInstance(key);
+  return Status::Ok();
+}
+
+void SchedulerCore::FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error) {
+  if (!instance.error.ok()) return;
+  instance.error = error;
+  GetLogger("scheduler")
+      ->warn("graph {} instance {} failed: {}", instance.graph, instance.instance,
+             error.ToString());
+  for (WorkerId worker : instance.pending) {
+    if (worker == skip) continue;
+    capnp::MallocMessageBuilder message;
+    auto cancel = message.initRoot<proto::Envelope>().initBody().initCancelInstance();
+    cancel.setGraphId(instance.graph);
+    cancel.setInstance(instance.instance);
+    rpc::ToWire(error, cancel.initError());
+    outbox_->Send(worker, message);
+  }
+}
+
+void SchedulerCore::MaybeFinishInstance(std::pair<uint64_t, uint64_t> key) {
+  auto it = instances_.find(key);
+  if (it == instances_.end()) return;
+  InstanceEntry& instance = it->second;
+  if (!instance.pending.empty() && instance.error.ok()) return;
+  InstanceEntry done = std::move(instance);
+  instances_.erase(it);
+  for (ObjectId id : done.outputs) {
+    auto object = objects_.find(id);
+    if (object == objects_.end() || object->second.finished()) continue;
+    FailObject(object->second, done.error.ok() ? Internal("graph {} finished without producing {}",
+                                                          done.graph, object->second.spec.name)
+                                               : done.error);
+  }
+  for (ObjectId id : done.bound) ReleaseUse(id);
 }
 
 }  // namespace tessera

@@ -23,6 +23,13 @@
 // per worker per Flush; on completion their outputs are sealed and their dependents become
 // ready. A failed task fails the tasks that depend on it, with the original error.
 //
+// Registered graphs: a driver registers a graph once; the scheduler places every task on a worker
+// then and there (pinned, else beside the producer of its largest input, else the least loaded
+// worker) and sends each worker its part once. Each run of the graph (an instance) costs one
+// message per involved worker and one completion from each: O(workers), whatever the number of
+// tasks. Objects that cross workers move peer to peer (pushed by their producer); only the
+// graph's outputs become cluster objects, sealed where they were produced.
+//
 // Failures: a worker that disconnects or misses heartbeats for heartbeat_timeout_ms is declared
 // dead. Its in-flight tasks are re-dispatched elsewhere when all their inputs still exist;
 // objects that lived only on it are lost, and whatever needed them fails with an error naming
@@ -131,6 +138,25 @@ class SchedulerCore {
     bool finished() const { return sealed || !error.ok(); }
   };
   enum class TaskState { kWaiting, kDispatched, kDone, kFailed };
+  struct GraphEntry {
+    uint64_t id = 0;
+    WorkerId driver;
+    std::vector<ObjectSpec> objects;  // graph-local ids, dense from 1
+    std::vector<TaskSpec> tasks;      // graph-local ids, dense from 1
+    std::vector<WorkerId> task_worker;
+    std::vector<WorkerId> workers;  // involved, ascending
+    std::vector<ObjectId> inputs;   // graph-local ids of objects no task produces
+    std::vector<ObjectId> outputs;  // graph-local ids returned to the driver
+  };
+  struct InstanceEntry {
+    uint64_t graph = 0;
+    uint64_t instance = 0;
+    WorkerId driver;
+    std::vector<WorkerId> pending;  // workers still running their part
+    std::vector<ObjectId> bound;    // cluster objects bound to the inputs (pending uses)
+    std::vector<ObjectId> outputs;  // cluster objects for the outputs
+    Status error;
+  };
   struct TaskEntry {
     TaskSpec spec;
     std::vector<ObjectSpec> outputs;
@@ -151,6 +177,14 @@ class SchedulerCore {
   Status OnReleaseObjects(Participant& from, proto::ReleaseObjects::Reader release);
   Status OnWatchObjects(Participant& from, proto::WatchObjects::Reader watch);
   void OnStatusRequest(Participant& from, uint64_t request_id);
+  Status OnRegisterGraph(Participant& from, uint64_t request_id,
+                         proto::RegisterGraph::Reader graph);
+  Status OnRunGraph(Participant& from, uint64_t request_id, proto::RunGraph::Reader run);
+  Status OnInstanceFinished(Participant& from, proto::InstanceFinished::Reader finished);
+  // Ends an instance once every involved worker reported (or the instance failed).
+  void MaybeFinishInstance(std::pair<uint64_t, uint64_t> key);
+  void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);
+  void Reply(WorkerId to, uint64_t request_id, const Status& status);
 
   // State transitions.
   void MakeReady(TaskId id);
@@ -177,6 +211,8 @@ class SchedulerCore {
   std::map<WorkerId, Participant> participants_;
   std::unordered_map<ObjectId, ObjectEntry> objects_;
   std::unordered_map<TaskId, TaskEntry> tasks_;
+  std::unordered_map<uint64_t, GraphEntry> graphs_;
+  std::map<std::pair<uint64_t, uint64_t>, InstanceEntry> instances_;
   int64_t tasks_done_ = 0;
   bool shutdown_requested_ = false;
 

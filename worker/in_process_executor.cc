@@ -233,6 +233,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   arena_->execute([&] {
     for (int t : initially_ready) group.run([&, t] { run_task(t); });
   });
+  if (hooks != nullptr && hooks->on_started) hooks->on_started();
   // Run until every task ran or the run failed; between rounds, wait for late inputs.
   int idle_rounds = 0;
   while (true) {

@@ -93,6 +93,8 @@ struct RunHooks {
   // tensor; the run never reuses a buffer someone else still holds.
   std::vector<ObjectId> watched;
   std::function<void(ObjectId, const Tensor&)> on_produced;
+  // Called once the run accepts Provide (late inputs that arrived early can be handed over).
+  std::function<void()> on_started;
 };
 
 // A graph made ready to run repeatedly: resolved kernels and dependency structure.

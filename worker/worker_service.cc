@@ -15,6 +15,7 @@
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
 #include "core/transport/data_plane.h"
+#include "worker/graph_runner.h"
 #include "worker/object_store.h"
 #include "worker/task_runner.h"
 
@@ -102,6 +103,7 @@ class WorkerServiceImpl final : public WorkerService {
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
   std::shared_ptr<rpc::Connection> connection_;
+  std::unique_ptr<GraphRunner> graph_runner_;  // before the data plane: its handlers use it
   std::unique_ptr<DataPlane> data_plane_;
   std::atomic<uint64_t> id_{0};
   uint32_t heartbeat_ms_ = 500;
@@ -130,21 +132,37 @@ WorkerServiceImpl::~WorkerServiceImpl() {
     io_thread_.join();
   }
   arena_.execute([] {});  // arena work finishes before the store goes away
+  graph_runner_.reset();
   data_plane_.reset();
 }
 
 Status WorkerServiceImpl::Init() {
-  // The data plane comes first: its address goes into Hello.
+  ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
+  executor_options.threads = threads_;
+  graph_runner_ = std::make_unique<GraphRunner>(
+      registry_, executor_options, store_, options_.settings,
+      [this](capnp::MessageBuilder& message) { connection_->Send(message); });
+  // The data plane comes next: its address goes into Hello.
   DataPlaneOptions data_options;
   data_options.host = options_.data_host;
   data_options.chunk_bytes = options_.settings.data_chunk_bytes;
   data_options.pull_timeout_ms = static_cast<int>(options_.settings.pull_timeout_ms);
   TESSERA_ASSIGN_OR_RETURN(
-      data_plane_, DataPlane::Start(data_options, [this](ObjectId id) -> Result<ServedObject> {
-        TESSERA_ASSIGN_OR_RETURN(PinnedObject pinned, store_.Get(id));
-        auto holder = std::make_shared<PinnedObject>(std::move(pinned));
-        return ServedObject{holder->tensor().raw_data(), holder->tensor().bytes(), holder};
-      }));
+      data_plane_,
+      DataPlane::Start(
+          data_options,
+          [this](ObjectId id) -> Result<ServedObject> {
+            TESSERA_ASSIGN_OR_RETURN(PinnedObject pinned, store_.Get(id));
+            auto holder = std::make_shared<PinnedObject>(std::move(pinned));
+            return ServedObject{holder->tensor().raw_data(), holder->tensor().bytes(), holder};
+          },
+          PushHandlers{[this](const PushKey& key, int64_t bytes) {
+                         return graph_runner_->AcceptPush(key, bytes);
+                       },
+                       [this](const PushKey& key, const Status& status) {
+                         graph_runner_->PushDelivered(key, status);
+                       }}));
+  graph_runner_->set_data_plane(data_plane_.get());
 
   TESSERA_ASSIGN_OR_RETURN(
       rpc::GenericSocket socket,
@@ -214,6 +232,19 @@ Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
         (void)store_.Delete(ObjectId(id));  // NotFound is fine: it may never have sealed here
       }
       break;
+    case proto::Envelope::Body::GRAPH_PART:
+      graph_runner_->AddPart(id_, body.getGraphPart());
+      break;
+    case proto::Envelope::Body::RUN_GRAPH:
+      graph_runner_->Start(body.getRunGraph());
+      break;
+    case proto::Envelope::Body::CANCEL_INSTANCE: {
+      auto cancel = body.getCancelInstance();
+      graph_runner_->Cancel(cancel.getGraphId(), cancel.getInstance(),
+                            cancel.hasError() ? rpc::FromWire(cancel.getError())
+                                              : Cancelled("the scheduler cancelled the instance"));
+      break;
+    }
     case proto::Envelope::Body::SHUTDOWN:
       Stop(Status::Ok());
       break;

@@ -161,7 +161,7 @@ struct RegisterGraph {
 struct GraphPart {
   graphId @0 :UInt64;
   objects @1 :List(ObjectDecl);
-  tasks @2 :List(Task);           # the tasks placed on this worker
+  tasks @2 :List(Task);           # every task of the graph (graph-local ids)
   taskWorkers @3 :List(UInt64);   # per graph task: the worker that runs it
   workerAddresses @4 :List(Source);  # holder = worker id, address = its data plane
   outputs @5 :List(UInt64);
@@ -176,13 +176,15 @@ struct RunGraph {
   graphId @0 :UInt64;
   instance @1 :UInt64;
   inputs @2 :List(Binding);
+  outputIds @3 :List(UInt64);          # cluster object ids for the graph's outputs, in order
+  inlineInputs @4 :List(SealedObject); # scheduler -> worker: small bound inputs (id: graph-local)
 }
 
 struct InstanceFinished {
   graphId @0 :UInt64;
   instance @1 :UInt64;
   error @2 :Error;
-  outputs @3 :List(ObjectState);  # graph outputs this worker produced, as cluster objects
+  outputs @3 :List(SealedObject);  # graph outputs this worker produced, as cluster objects
 }
 
 # ---- administration ----
@@ -232,5 +234,6 @@ struct Envelope {
     statusReply @18 :ClusterStatus;
     shutdown @19 :Empty;
     reply @20 :Error;      # generic acknowledgement: OK when absent code, else the error
+    cancelInstance @21 :InstanceFinished;  # scheduler -> worker: stop this instance (error says why)
   }
 }

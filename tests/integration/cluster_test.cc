@@ -11,7 +11,9 @@
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
 #include "driver/cluster.h"
+#include "ops/graph_builder.h"
 #include "test_util.h"
+#include "worker/in_process_executor.h"
 
 namespace tessera::testing {
 namespace {
@@ -172,6 +174,49 @@ TEST(ClusterTest, TheSchedulerSurvivesGarbageAndWrongMessages) {
   ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(out[0], 10'000));
   EXPECT_EQ(value.data<float>()[0], 4.0f);
   EXPECT_OK(cluster->Info().status());
+}
+
+// x -> gelu (worker A) -> y -> gelu (worker B) -> z; out = z + x (worker A): objects cross in both
+// directions and the bound input is read on both workers.
+TEST(ClusterTest, ARegisteredGraphSplitAcrossWorkersMatchesTheInProcessRun) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ASSERT_EQ(info.workers.size(), 2u);
+  const WorkerId a = info.workers[0].id, b = info.workers[1].id;
+  GraphBuilder builder(CpuRegistry());
+  const TensorMeta meta{Shape{1 << 18}, DType::kF32, Device::Cpu()};  // 1 MiB: not inline
+  ObjectId x = builder.AddInput("x", meta, ObjectRole::kInput);
+  TaskOptions on_a, on_b;
+  on_a.pinned_worker = a;
+  on_b.pinned_worker = b;
+  ObjectId y = (*builder.AddTask("g1", "gelu_forward", {x}, {}, on_a))[0];
+  ObjectId z = (*builder.AddTask("g2", "gelu_forward", {y}, {}, on_b))[0];
+  ObjectId out = (*builder.AddTask("sum", "add_forward", {z, x}, {}, on_a))[0];
+  builder.MarkOutput(out);
+  ASSERT_OK_AND_ASSIGN(Graph graph, builder.Build());
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(graph));
+
+  InProcessExecutor local(CpuRegistry(), ExecutorOptions{});
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, local.Prepare(graph));
+  for (int instance = 0; instance < 3; ++instance) {
+    Tensor input = RandomTensor({1 << 18}, 10 + instance, 2.0f);
+    ASSERT_OK_AND_ASSIGN(ObjectRef bound, cluster->Put(input));
+    ASSERT_OK_AND_ASSIGN(auto outputs, cluster->RunGraph(handle, {{x, bound}}));
+    ASSERT_OK_AND_ASSIGN(Tensor result, cluster->Get(outputs.at(out), 20'000));
+    ASSERT_OK_AND_ASSIGN(RunResult expected, local.Run(prepared, {{x, input}}));
+    EXPECT_EQ(ToVector(result), ToVector(expected.outputs.at(out))) << "instance " << instance;
+  }
+  // A pin to a worker that does not exist is refused at registration.
+  TaskSpec stray = graph.task(TaskId(1));
+  GraphBuilder bad(CpuRegistry());
+  ObjectId bx = bad.AddInput("x", meta, ObjectRole::kInput);
+  TaskOptions nowhere;
+  nowhere.pinned_worker = WorkerId(999);
+  bad.MarkOutput((*bad.AddTask("g", "gelu_forward", {bx}, {}, nowhere))[0]);
+  Result<GraphHandle> refused = cluster->RegisterGraph(*bad.Build());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("worker999"), std::string::npos)
+      << refused.status().ToString();
 }
 
 TEST(ClusterTest, AJoinWithoutTheTokenIsRefused) {

@@ -1,0 +1,472 @@
+#include "worker/graph_runner.h"
+
+#include <cstring>
+#include <set>
+
+#include "core/logging.h"
+#include "core/rpc/wire.h"
+
+namespace tessera {
+
+namespace {
+
+bool PushKeyLess(const PushKey& a, const PushKey& b) {
+  return std::tie(a.graph, a.instance, a.object) < std::tie(b.graph, b.instance, b.object);
+}
+
+constexpr size_t kRememberedInstances = 256;
+
+}  // namespace
+
+struct GraphRunner::Part {
+  uint64_t id = 0;
+  std::vector<ObjectSpec> objects;  // the graph's, graph-local ids
+  std::vector<ObjectId> outputs;    // graph outputs, graph-local, in order
+  Graph local;                      // this worker's tasks, local ids
+  std::vector<ObjectId> local_of;   // graph-local index -> local id (invalid: not used here)
+  std::vector<ObjectId> graph_of;   // local index -> graph-local id
+  std::unique_ptr<PreparedGraph> prepared;
+  Status error;                    // why the part could not be prepared
+  std::vector<ObjectId> external;  // local inputs: graph inputs and objects pushed here
+  std::map<ObjectId, std::vector<std::string>> exports;       // local id -> consumer addresses
+  std::vector<std::pair<ObjectId, size_t>> produced_outputs;  // local id, output index
+};
+
+struct GraphRunner::Instance {
+  Key key;
+  std::vector<ObjectId> output_ids;                // cluster ids, per graph output
+  std::vector<std::pair<ObjectId, Tensor>> ready;  // local id, tensor: inputs at hand
+  struct Pull {
+    ObjectId local;
+    std::string address;
+    ObjectId cluster;
+    TensorMeta meta;
+  };
+  std::vector<Pull> pulls;
+  Status error;
+};
+
+GraphRunner::GraphRunner(const OpRegistry& registry, const ExecutorOptions& executor_options,
+                         ObjectStore& store, const Settings& settings, SendToScheduler send)
+    : registry_(registry),
+      settings_(settings),
+      store_(store),
+      send_(std::move(send)),
+      executor_(registry, executor_options),
+      incoming_(&PushKeyLess) {
+  thread_ = std::thread([this] { RunLoop(); });
+}
+
+GraphRunner::~GraphRunner() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  executor_.Cancel(Cancelled("worker stopping"));
+  queued_.notify_all();
+  thread_.join();
+}
+
+void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
+  auto part = std::make_shared<Part>();
+  part->id = wire.getGraphId();
+  Status status = [&]() -> Status {
+    for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
+      TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+      part->objects.push_back(std::move(object));
+    }
+    for (uint64_t output : wire.getOutputs()) part->outputs.push_back(ObjectId(output));
+    std::map<uint64_t, std::string> addresses;
+    for (proto::Source::Reader source : wire.getWorkerAddresses()) {
+      addresses[source.getHolder()] = rpc::ToString(source.getAddress());
+    }
+    const auto task_workers = wire.getTaskWorkers();
+    std::vector<rpc::WireTask> tasks;
+    for (proto::Task::Reader task : wire.getTasks()) {
+      TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
+      tasks.push_back(std::move(parsed));
+    }
+    if (task_workers.size() != tasks.size()) {
+      return InvalidArgument("graph part {} places {} of {} tasks", part->id, task_workers.size(),
+                             tasks.size());
+    }
+    const size_t num_objects = part->objects.size();
+    part->local_of.assign(num_objects, ObjectId());
+    std::vector<uint64_t> producer_worker(num_objects, 0);
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      for (ObjectId output : tasks[t].spec.outputs) {
+        if (output.value() == 0 || output.value() > num_objects) {
+          return InvalidArgument("graph part {}: bad output id", part->id);
+        }
+        producer_worker[output.value() - 1] = task_workers[static_cast<unsigned>(t)];
+      }
+    }
+    auto local = [&](ObjectId graph_id) {
+      ObjectId& mapped = part->local_of[graph_id.value() - 1];
+      if (!mapped.valid()) {
+        const ObjectSpec& spec = part->objects[graph_id.value() - 1];
+        mapped = part->local.AddObject(spec.name, spec.meta, spec.role);
+        part->graph_of.push_back(graph_id);
+      }
+      return mapped;
+    };
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const TaskSpec& spec = tasks[t].spec;
+      const uint64_t worker = task_workers[static_cast<unsigned>(t)];
+      if (worker != self) {
+        // Another worker's task: does it read something this worker produces? Then push it.
+        for (ObjectId input : spec.inputs) {
+          if (input.value() == 0 || input.value() > num_objects) {
+            return InvalidArgument("graph part {}: bad input id", part->id);
+          }
+          if (producer_worker[input.value() - 1] == self) {
+            std::vector<std::string>& consumers = part->exports[local(input)];
+            const std::string& address = addresses[worker];
+            if (std::find(consumers.begin(), consumers.end(), address) == consumers.end()) {
+              consumers.push_back(address);
+            }
+          }
+        }
+        continue;
+      }
+      TaskSpec mine = spec;
+      for (ObjectId& input : mine.inputs) {
+        if (input.value() == 0 || input.value() > num_objects) {
+          return InvalidArgument("graph part {}: bad input id", part->id);
+        }
+        input = local(input);
+      }
+      for (ObjectId& output : mine.outputs) output = local(output);
+      mine.pinned_worker = WorkerId();
+      part->local.AddTask(std::move(mine));
+    }
+    for (const ObjectSpec& object : part->local.objects()) {
+      if (!object.producer.valid()) part->external.push_back(object.id);
+    }
+    for (size_t i = 0; i < part->outputs.size(); ++i) {
+      const ObjectId output = part->outputs[i];
+      if (output.value() == 0 || output.value() > num_objects) {
+        return InvalidArgument("graph part {}: bad output id", part->id);
+      }
+      if (producer_worker[output.value() - 1] == self) {
+        const ObjectId mapped = local(output);
+        part->local.MarkOutput(mapped);
+        part->produced_outputs.emplace_back(mapped, i);
+      }
+    }
+    TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(part->local));
+    part->prepared = std::make_unique<PreparedGraph>(std::move(prepared));
+    return Status::Ok();
+  }();
+  if (!status.ok()) {
+    part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
+    GetLogger("worker")->warn("{}", part->error.ToString());
+  }
+  std::lock_guard lock(mutex_);
+  parts_[part->id] = std::move(part);
+}
+
+void GraphRunner::Start(proto::RunGraph::Reader run) {
+  auto instance = std::make_unique<Instance>();
+  instance->key = {run.getGraphId(), run.getInstance()};
+  for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
+  std::shared_ptr<Part> part;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = parts_.find(instance->key.first);
+    if (it != parts_.end()) part = it->second;
+  }
+  if (part == nullptr) {
+    instance->error = NotFound("graph {} has no part on this worker", instance->key.first);
+  } else if (!part->error.ok()) {
+    instance->error = part->error;
+  } else {
+    auto local_input = [&](uint64_t graph_local) -> ObjectId {
+      if (graph_local == 0 || graph_local > part->local_of.size()) return ObjectId();
+      return part->local_of[graph_local - 1];
+    };
+    for (proto::SealedObject::Reader input : run.getInlineInputs()) {
+      const ObjectId local = local_input(input.getId());
+      if (!local.valid()) continue;  // another worker's input
+      const TensorMeta& meta = part->local.object(local).meta;
+      const auto data = input.getInline();
+      Result<Tensor> tensor = Tensor::Empty(meta, executor_.allocator());
+      if (!tensor.ok() || static_cast<int64_t>(data.size()) != meta.bytes()) {
+        instance->error =
+            InvalidArgument("inline input {} does not match {}", input.getId(), meta.ToString());
+        break;
+      }
+      std::memcpy(tensor->raw_data(), data.begin(), data.size());
+      instance->ready.emplace_back(local, *std::move(tensor));
+    }
+    for (proto::Binding::Reader binding : run.getInputs()) {
+      const ObjectId local = local_input(binding.getObject());
+      if (!local.valid()) continue;
+      const ObjectId cluster(binding.getSource().getObject());
+      const TensorMeta& meta = part->local.object(local).meta;
+      if (store_.Contains(cluster)) {
+        Result<PinnedObject> pinned = store_.Get(cluster);
+        if (pinned.ok()) {
+          instance->ready.emplace_back(local, pinned->tensor());
+          continue;
+        }
+      }
+      instance->pulls.push_back(
+          Instance::Pull{local, rpc::ToString(binding.getSource().getAddress()), cluster, meta});
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(instance));
+  }
+  queued_.notify_all();
+}
+
+void GraphRunner::Cancel(uint64_t graph, uint64_t instance, const Status& reason) {
+  const Key key{graph, instance};
+  std::lock_guard lock(mutex_);
+  if (current_ == key) {
+    executor_.Cancel(reason);
+  } else {
+    cancelled_[key] = reason;
+  }
+}
+
+Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
+  std::lock_guard lock(mutex_);
+  auto it = parts_.find(key.graph);
+  if (it == parts_.end() || key.object == 0 || key.object > it->second->objects.size()) {
+    return InvalidArgument("push of object {} of unknown graph {}", key.object, key.graph);
+  }
+  const TensorMeta& meta = it->second->objects[key.object - 1].meta;
+  if (meta.bytes() != bytes) {
+    return InvalidArgument("push of {} bytes for {} ({})", bytes,
+                           it->second->objects[key.object - 1].name, meta.ToString());
+  }
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(meta, executor_.allocator()));
+  void* dest = tensor.raw_data();
+  incoming_[key] = std::move(tensor);
+  return dest;
+}
+
+void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
+  Tensor tensor;
+  ObjectId local;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = incoming_.find(key);
+    if (it != incoming_.end()) {
+      tensor = std::move(it->second);
+      incoming_.erase(it);
+    }
+    auto part = parts_.find(key.graph);
+    if (part != parts_.end() && key.object > 0 && key.object <= part->second->local_of.size()) {
+      local = part->second->local_of[key.object - 1];
+    }
+  }
+  const Key instance{key.graph, key.instance};
+  if (!status.ok() || !tensor.defined() || !local.valid()) {
+    Cancel(key.graph, key.instance,
+           status.ok() ? Internal("push of object {} could not be delivered", key.object) : status);
+    return;
+  }
+  Arrive(instance, local, std::move(tensor));
+}
+
+void GraphRunner::Arrive(const Key& key, ObjectId local, Tensor tensor) {
+  {
+    std::lock_guard lock(mutex_);
+    if (std::find(finished_.begin(), finished_.end(), key) != finished_.end()) return;
+    if (!(current_ == key && current_started_)) {
+      arrivals_[key].emplace_back(local, std::move(tensor));
+      return;
+    }
+  }
+  Status provided = executor_.Provide(local, std::move(tensor));
+  if (!provided.ok()) executor_.Cancel(provided);
+}
+
+void GraphRunner::RunLoop() {
+  while (true) {
+    std::unique_ptr<Instance> instance;
+    {
+      std::unique_lock lock(mutex_);
+      queued_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      instance = std::move(queue_.front());
+      queue_.pop_front();
+      auto cancelled = cancelled_.find(instance->key);
+      if (cancelled != cancelled_.end()) {
+        if (instance->error.ok()) instance->error = cancelled->second;
+        cancelled_.erase(cancelled);
+      }
+      current_ = instance->key;
+      current_started_ = false;
+    }
+    RunInstance(*instance);
+    std::lock_guard lock(mutex_);
+    current_ = {0, 0};
+    arrivals_.erase(instance->key);
+    finished_.push_back(instance->key);
+    if (finished_.size() > kRememberedInstances) finished_.pop_front();
+  }
+}
+
+void GraphRunner::RunInstance(Instance& instance) {
+  const Key key = instance.key;
+  if (!instance.error.ok()) return Report(key, instance.error, {});
+  std::shared_ptr<Part> part;
+  {
+    std::lock_guard lock(mutex_);
+    part = parts_.at(key.first);
+  }
+  // Inputs at hand now: bound inline/local ones, and pushes that came before the start.
+  ObjectMap inputs;
+  for (auto& [local, tensor] : instance.ready) inputs[local] = std::move(tensor);
+  {
+    std::lock_guard lock(mutex_);
+    auto early = arrivals_.find(key);
+    if (early != arrivals_.end()) {
+      for (auto& [local, tensor] : early->second) inputs[local] = std::move(tensor);
+      arrivals_.erase(early);
+    }
+  }
+  RunHooks hooks;
+  for (ObjectId external : part->external) {
+    if (!inputs.contains(external)) hooks.late_inputs.push_back(external);
+  }
+  // Pushes of this instance's exports: the report waits until all are done.
+  struct Outstanding {
+    std::mutex mutex;
+    int pushes = 0;
+    bool run_done = false;
+    Status error;
+    std::vector<std::pair<ObjectId, Tensor>> sealed;
+  };
+  auto outstanding = std::make_shared<Outstanding>();
+  auto finish_if_done = [this, key, outstanding] {
+    Status error;
+    std::vector<std::pair<ObjectId, Tensor>> sealed;
+    {
+      std::lock_guard lock(outstanding->mutex);
+      if (!outstanding->run_done || outstanding->pushes > 0) return;
+      outstanding->run_done = false;  // report once
+      error = outstanding->error;
+      sealed = std::move(outstanding->sealed);
+    }
+    Report(key, error, std::move(sealed));
+  };
+  for (const auto& [local, consumers] : part->exports) hooks.watched.push_back(local);
+  hooks.on_produced = [this, key, part, outstanding, finish_if_done](ObjectId local,
+                                                                     const Tensor& tensor) {
+    const auto& consumers = part->exports.at(local);
+    const PushKey push_key{key.first, key.second, part->graph_of[local.value() - 1].value()};
+    for (const std::string& address : consumers) {
+      {
+        std::lock_guard lock(outstanding->mutex);
+        ++outstanding->pushes;
+      }
+      data_plane_->Push(address, push_key, tensor.raw_data(), tensor.bytes(), tensor.buffer(),
+                        [outstanding, finish_if_done, address](const Status& status) {
+                          {
+                            std::lock_guard lock(outstanding->mutex);
+                            --outstanding->pushes;
+                            if (!status.ok() && outstanding->error.ok()) {
+                              outstanding->error = status.WithContext("pushing to " + address);
+                            }
+                          }
+                          finish_if_done();
+                        });
+    }
+  };
+  hooks.on_started = [this, key] {
+    std::vector<std::pair<ObjectId, Tensor>> buffered;
+    {
+      std::lock_guard lock(mutex_);
+      current_started_ = true;
+      auto it = arrivals_.find(key);
+      if (it != arrivals_.end()) {
+        buffered = std::move(it->second);
+        arrivals_.erase(it);
+      }
+    }
+    for (auto& [local, tensor] : buffered) {
+      Status provided = executor_.Provide(local, std::move(tensor));
+      if (!provided.ok()) executor_.Cancel(provided);
+    }
+  };
+  // Remote bound inputs are pulled meanwhile and arrive like pushes.
+  for (const Instance::Pull& pull : instance.pulls) {
+    Result<Tensor> tensor = Tensor::Empty(pull.meta, executor_.allocator());
+    if (!tensor.ok()) return Report(key, tensor.status(), {});
+    auto destination = std::make_shared<Tensor>(*std::move(tensor));
+    data_plane_->Pull(pull.address, pull.cluster, destination->raw_data(), destination->bytes(),
+                      [this, key, local = pull.local, destination](const Status& status) {
+                        if (!status.ok()) {
+                          Cancel(key.first, key.second, status);
+                          return;
+                        }
+                        Arrive(key, local, std::move(*destination));
+                      });
+  }
+  Result<RunResult> result = executor_.Run(*part->prepared, std::move(inputs), nullptr, &hooks);
+  std::vector<std::pair<ObjectId, Tensor>> sealed;
+  Status error = result.status();
+  if (error.ok()) {
+    for (const auto& [local, index] : part->produced_outputs) {
+      sealed.emplace_back(instance.output_ids.at(index), std::move(result->outputs.at(local)));
+    }
+  } else {
+    error = error.WithContext(fmt::format("graph {} instance {}", key.first, key.second));
+  }
+  {
+    std::lock_guard lock(outstanding->mutex);
+    outstanding->run_done = true;
+    if (!error.ok() && outstanding->error.ok()) outstanding->error = error;
+    outstanding->sealed = std::move(sealed);
+  }
+  finish_if_done();
+}
+
+void GraphRunner::Report(const Key& key, const Status& error,
+                         std::vector<std::pair<ObjectId, Tensor>> sealed) {
+  capnp::MallocMessageBuilder message;
+  auto finished = message.initRoot<proto::Envelope>().initBody().initInstanceFinished();
+  finished.setGraphId(key.first);
+  finished.setInstance(key.second);
+  Status status = error;
+  std::vector<std::pair<ObjectId, std::string>> reported;  // id, inline bytes
+  std::vector<int64_t> sizes;
+  for (auto& [id, tensor] : sealed) {
+    if (!status.ok()) break;
+    std::string data;
+    if (tensor.bytes() <= settings_.inline_object_bytes) {
+      data.assign(static_cast<const char*>(tensor.raw_data()), static_cast<size_t>(tensor.bytes()));
+    }
+    const int64_t bytes = tensor.bytes();
+    Status put = store_.Put(id, std::move(tensor));
+    if (!put.ok()) {
+      status = put.WithContext("sealing an output of graph " + std::to_string(key.first));
+      break;
+    }
+    reported.emplace_back(id, std::move(data));
+    sizes.push_back(bytes);
+  }
+  if (!status.ok()) {
+    rpc::ToWire(status, finished.initError());
+  } else {
+    auto outputs = finished.initOutputs(static_cast<unsigned>(reported.size()));
+    for (unsigned i = 0; i < reported.size(); ++i) {
+      outputs[i].setId(reported[i].first.value());
+      outputs[i].setBytes(sizes[i]);
+      const std::string& data = reported[i].second;
+      if (!data.empty()) {
+        outputs[i].setInline(
+            capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
+      }
+    }
+  }
+  send_(message);
+}
+
+}  // namespace tessera

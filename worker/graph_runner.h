@@ -1,0 +1,96 @@
+// GraphRunner: a worker's parts of registered graphs, and the instances it runs.
+//
+// When a driver registers a graph, the scheduler places every task and sends each involved
+// worker the graph with the placement (a GraphPart). The runner builds and prepares, once, the
+// local graph of this worker's tasks: its inputs are the graph inputs it reads and the objects
+// other workers produce for it; its exports are the objects it produces that other workers read.
+//
+// Each instance (RunGraph from the scheduler) then runs the prepared local graph on the worker's
+// executor:
+//   - bound inputs come inline, from the local object store, or are pulled from their holder;
+//   - objects from other workers are pushed here by their producers and delivered to the run
+//     as they arrive (late inputs); pushes that come before the instance starts wait for it;
+//   - each export is pushed to its consumers as soon as it is produced;
+//   - the graph outputs produced here are sealed into the object store under the cluster ids the
+//     scheduler assigned, and InstanceFinished reports them (once every push has completed).
+// Instances run one at a time, in arrival order, on a dedicated thread. A failure anywhere
+// (a kernel, a pull, a push, or a cancel from the scheduler) ends the instance with an error.
+//
+// Thread safety: AddPart/Start/Cancel come from the io thread; push handlers from the data
+// plane's thread; all are safe together.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <capnp/message.h>
+
+#include "core/proto/tessera.capnp.h"
+#include "core/settings.h"
+#include "core/status.h"
+#include "core/transport/data_plane.h"
+#include "worker/in_process_executor.h"
+#include "worker/object_store.h"
+
+namespace tessera {
+
+class GraphRunner {
+ public:
+  using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
+
+  GraphRunner(const OpRegistry& registry, const ExecutorOptions& executor_options,
+              ObjectStore& store, const Settings& settings, SendToScheduler send);
+  ~GraphRunner();
+  // REQUIRES: called once, before any part arrives.
+  void set_data_plane(DataPlane* data_plane) { data_plane_ = data_plane; }
+
+  // A graph part for this worker (`self` is this worker's id). InvalidArgument for a part that
+  // cannot be prepared (e.g. an op without a kernel): reported to the driver at its first run.
+  void AddPart(uint64_t self, proto::GraphPart::Reader part);
+  void Start(proto::RunGraph::Reader run);
+  void Cancel(uint64_t graph, uint64_t instance, const Status& reason);
+
+  // Data-plane push handlers.
+  Result<void*> AcceptPush(const PushKey& key, int64_t bytes);
+  void PushDelivered(const PushKey& key, const Status& status);
+
+ private:
+  struct Part;
+  struct Instance;
+  using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
+
+  void RunLoop();
+  void RunInstance(Instance& instance);
+  // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
+  // the instance starts.
+  void Arrive(const Key& key, ObjectId local, Tensor tensor);
+  void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed);
+
+  const OpRegistry& registry_;
+  const Settings settings_;
+  ObjectStore& store_;
+  SendToScheduler send_;
+  DataPlane* data_plane_ = nullptr;
+  InProcessExecutor executor_;
+
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::map<uint64_t, std::shared_ptr<Part>> parts_;
+  std::deque<std::unique_ptr<Instance>> queue_;
+  std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_;  // before their run starts
+  std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_;
+  std::map<Key, Status> cancelled_;
+  Key current_{0, 0};
+  bool current_started_ = false;
+  std::deque<Key> finished_;  // recent instances, whose late pushes are dropped
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tessera
