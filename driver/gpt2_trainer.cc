@@ -4,7 +4,7 @@
 #include <cstring>
 #include <random>
 
-#include "ops/cpu/cpu_kernels.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -20,43 +20,36 @@ std::string NamePrefix(const LayerSpec& layer) {
 }  // namespace
 
 Gpt2Trainer::Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
-                         std::unique_ptr<InProcessExecutor> executor)
+                         std::unique_ptr<GraphBackend> backend)
     : model_(std::move(model)),
       plan_(std::move(plan)),
       registry_(std::move(registry)),
-      executor_(std::move(executor)) {}
+      backend_(std::move(backend)) {}
 
 Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& config,
                                                          const TrainingPlan& plan,
                                                          const ExecutorOptions& executor_options) {
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeInProcessBackend(executor_options));
+  return Create(config, plan, std::move(backend));
+}
+
+Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& config,
+                                                         const TrainingPlan& plan,
+                                                         std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
   ModelSpec model = DescribeGpt2(config);
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
-  TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
-  auto owned_registry = std::make_unique<OpRegistry>(std::move(registry));
-  auto executor = std::make_unique<InProcessExecutor>(*owned_registry, executor_options);
+  auto registry = std::make_unique<OpRegistry>();
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
   std::unique_ptr<Gpt2Trainer> trainer(
-      new Gpt2Trainer(std::move(model), plan, std::move(owned_registry), std::move(executor)));
+      new Gpt2Trainer(std::move(model), plan, std::move(registry), std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
-
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_, PlanEvalLoss(trainer->model_, plan.batch,
                                                               plan.seq_len, *trainer->registry_));
-  TESSERA_ASSIGN_OR_RETURN(PreparedGraph eval,
-                           trainer->executor_->Prepare(trainer->eval_graph_.graph));
-  trainer->prepared_eval_ = std::make_unique<PreparedGraph>(std::move(eval));
-
-  const bool adamw = plan.optimizer.kind == OptimizerConfig::Kind::kAdamW;
-  for (const LayerSpec& layer : trainer->model_.layers) {
-    const auto& allocator = trainer->executor_->allocator();
-    TESSERA_ASSIGN_OR_RETURN(Tensor param, Tensor::Zeros(F32(layer.params.numel()), allocator));
-    trainer->params_.push_back(std::move(param));
-    if (adamw) {
-      TESSERA_ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(F32(layer.params.numel()), allocator));
-      TESSERA_ASSIGN_OR_RETURN(Tensor v, Tensor::Zeros(F32(layer.params.numel()), allocator));
-      trainer->exp_avg_.push_back(std::move(m));
-      trainer->exp_avg_sq_.push_back(std::move(v));
-    }
-  }
+  TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
+                           trainer->backend_->Register(trainer->eval_graph_.graph));
+  TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
   return trainer;
 }
 
@@ -67,8 +60,7 @@ Status Gpt2Trainer::PrepareStepGraph() {
       step_graph_.graph.MarkOutput(group.grad);
     }
   }
-  TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_->Prepare(step_graph_.graph));
-  prepared_step_ = std::make_unique<PreparedGraph>(std::move(prepared));
+  TESSERA_ASSIGN_OR_RETURN(step_handle_, backend_->Register(step_graph_.graph));
   return Status::Ok();
 }
 
@@ -78,12 +70,22 @@ Status Gpt2Trainer::SetKeepGradients(bool keep) {
   return PrepareStepGraph();
 }
 
-void Gpt2Trainer::InitializeParameters(uint64_t seed) {
-  std::mt19937_64 rng(seed);
+Status Gpt2Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
+
+Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
+  std::mt19937_64 rng(seed.value_or(0));
+  const bool zero = !seed.has_value();
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(model_.config.layers));
-  for (size_t g = 0; g < model_.layers.size(); ++g) {
-    float* data = params_[g].data<float>();
-    for (const FlatSlot& slot : model_.layers[g].params.slots()) {
+  const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  params_.clear();
+  exp_avg_.clear();
+  exp_avg_sq_.clear();
+  for (const LayerSpec& layer : model_.layers) {
+    TESSERA_ASSIGN_OR_RETURN(Tensor values,
+                             Tensor::Zeros(F32(layer.params.numel()), backend_->allocator()));
+    float* data = values.data<float>();
+    for (const FlatSlot& slot : layer.params.slots()) {
+      if (zero) break;
       float* begin = data + slot.offset;
       const int64_t n = slot.shape.numel();
       const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
@@ -96,10 +98,19 @@ void Gpt2Trainer::InitializeParameters(uint64_t seed) {
         std::fill(begin, begin + n, is_gain ? 1.0f : 0.0f);
       }
     }
+    TESSERA_ASSIGN_OR_RETURN(Value param, backend_->Upload(std::move(values)));
+    params_.push_back(std::move(param));
+    if (adamw) {
+      for (auto* moments : {&exp_avg_, &exp_avg_sq_}) {
+        TESSERA_ASSIGN_OR_RETURN(Tensor zeros,
+                                 Tensor::Zeros(F32(layer.params.numel()), backend_->allocator()));
+        TESSERA_ASSIGN_OR_RETURN(Value moment, backend_->Upload(std::move(zeros)));
+        moments->push_back(std::move(moment));
+      }
+    }
   }
-  for (Tensor& t : exp_avg_) std::memset(t.raw_data(), 0, static_cast<size_t>(t.bytes()));
-  for (Tensor& t : exp_avg_sq_) std::memset(t.raw_data(), 0, static_cast<size_t>(t.bytes()));
   steps_taken_ = 0;
+  return Status::Ok();
 }
 
 Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& name) const {
@@ -129,48 +140,66 @@ Status Gpt2Trainer::SetParameter(const std::string& name, const std::vector<floa
     return InvalidArgument("parameter '{}' has shape {} in the model but {} ({} values) was given",
                            name, ref.slot->shape.ToString(), shape.ToString(), values.size());
   }
-  std::memcpy(params_[ref.group].data<float>() + ref.slot->offset, values.data(),
-              values.size() * sizeof(float));
+  // Values are immutable in a cluster: fetch the group, change it, and store it anew.
+  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(params_[ref.group]));
+  TESSERA_ASSIGN_OR_RETURN(Tensor copy, group.Clone(backend_->allocator()));
+  std::memcpy(copy.data<float>() + ref.slot->offset, values.data(), values.size() * sizeof(float));
+  params_[ref.group] = Value();  // drop the old value first (in process: frees its buffer)
+  TESSERA_ASSIGN_OR_RETURN(params_[ref.group], backend_->Upload(std::move(copy)));
   return Status::Ok();
 }
 
-Result<std::vector<float>> Gpt2Trainer::GetParameter(const std::string& name) const {
+Result<std::vector<float>> Gpt2Trainer::GetParameter(const std::string& name) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
-  const float* begin = params_[ref.group].data<float>() + ref.slot->offset;
+  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(params_[ref.group]));
+  const float* begin = group.data<float>() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
-Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) const {
+Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
   if (last_grads_.empty()) {
-    return InvalidArgument("no gradients kept: call set_keep_gradients(true), then Step");
+    return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
   }
-  const float* begin = last_grads_[ref.group].data<float>() + ref.slot->offset;
+  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(last_grads_[ref.group]));
+  const float* begin = group.data<float>() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
-Result<Tensor> Gpt2Trainer::Scalar(DType dtype, double value) const {
+Result<Value> Gpt2Trainer::Scalar(DType dtype, double value) {
   TESSERA_ASSIGN_OR_RETURN(
-      Tensor t, Tensor::Empty(TensorMeta{Shape{}, dtype, Device::Cpu()}, executor_->allocator()));
+      Tensor t, Tensor::Empty(TensorMeta{Shape{}, dtype, Device::Cpu()}, backend_->allocator()));
   if (dtype == DType::kI64) {
     *t.data<int64_t>() = static_cast<int64_t>(value);
   } else {
     *t.data<float>() = static_cast<float>(value);
   }
-  return t;
+  return backend_->Upload(std::move(t));
 }
 
-Result<Tensor> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t batch,
-                                   int64_t seq_len) const {
+Result<Value> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t batch,
+                                  int64_t seq_len) {
   if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
     return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
                            seq_len, batch * seq_len);
   }
   TESSERA_ASSIGN_OR_RETURN(
       Tensor t, Tensor::Empty(TensorMeta{Shape{batch, seq_len}, DType::kI32, Device::Cpu()},
-                              executor_->allocator()));
+                              backend_->allocator()));
   std::memcpy(t.raw_data(), tokens.data(), tokens.size() * sizeof(int32_t));
-  return t;
+  return backend_->Upload(std::move(t));
+}
+
+Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= model_.config.vocab) {
+      return InvalidArgument(
+          "{} id {} at index {} is outside the vocabulary [0, {}); use a larger --vocab or "
+          "other data",
+          what, tokens[i], i, model_.config.vocab);
+    }
+  }
+  return Status::Ok();
 }
 
 Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
@@ -178,15 +207,16 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
   const int64_t step_number = steps_taken_ + 1;
-  ObjectMap inputs;
+  const auto start = std::chrono::steady_clock::now();
+  ValueMap inputs;
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.tokens], Tokens(tokens, plan_.batch, plan_.seq_len));
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.targets],
                            Tokens(targets, plan_.batch, plan_.seq_len));
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.step],
                            Scalar(DType::kI64, static_cast<double>(step_number)));
-  // Move the state in so the optimizer updates it in place; it comes back as outputs. If the
-  // run fails before the optimizer touched a group, the executor hands that group back.
+  // Move the state in so the optimizer can update it in place; it comes back as outputs. If the
+  // run fails before the optimizer touched a group, the backend hands that group back.
   for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
     const ParameterGroupObjects& group = step_graph_.groups[g];
     inputs[group.param] = std::move(params_[g]);
@@ -195,10 +225,10 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
       inputs[group.exp_avg_sq] = std::move(exp_avg_sq_[g]);
     }
   }
-  ObjectMap intact;
-  Result<RunResult> run = executor_->Run(*prepared_step_, std::move(inputs), &intact);
+  ValueMap intact;
+  Result<ValueMap> run = backend_->Run(step_handle_, std::move(inputs), &intact);
   if (!run.ok()) return RecoverState(run.status(), intact);
-  ObjectMap& outputs = run->outputs;
+  ValueMap& outputs = *run;
   last_grads_.clear();
   for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
     const ParameterGroupObjects& group = step_graph_.groups[g];
@@ -210,20 +240,23 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
     if (keep_gradients_) last_grads_.push_back(std::move(outputs[group.grad]));
   }
   steps_taken_ = step_number;
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[step_graph_.loss]));
+  TESSERA_ASSIGN_OR_RETURN(Tensor grad_norm, backend_->Download(outputs[step_graph_.grad_norm]));
   StepReport report;
   report.step = step_number;
-  report.loss = *outputs[step_graph_.loss].data<float>();
-  report.grad_norm = *outputs[step_graph_.grad_norm].data<float>();
-  report.step_ms = run->stats.wall_ms;
-  report.peak_bytes = run->stats.peak_bytes;
+  report.loss = *loss.data<float>();
+  report.grad_norm = *grad_norm.data<float>();
+  report.step_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  report.peak_bytes = backend_->last_peak_bytes();
   return report;
 }
 
-Status Gpt2Trainer::RecoverState(const Status& error, ObjectMap& intact) {
+Status Gpt2Trainer::RecoverState(const Status& error, ValueMap& intact) {
   std::vector<std::string> lost;
   for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
     const ParameterGroupObjects& group = step_graph_.groups[g];
-    auto take = [&](ObjectId id, Tensor& slot) {
+    auto take = [&](ObjectId id, Value& slot) {
       auto it = intact.find(id);
       if (it != intact.end()) {
         slot = std::move(it->second);
@@ -244,59 +277,44 @@ Status Gpt2Trainer::RecoverState(const Status& error, ObjectMap& intact) {
       error.ToString(), lost.size(), lost.front());
 }
 
-Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= model_.config.vocab) {
-      return InvalidArgument(
-          "{} id {} at index {} is outside the vocabulary [0, {}); use a "
-          "larger --vocab or other data",
-          what, tokens[i], i, model_.config.vocab);
-    }
-  }
-  return Status::Ok();
-}
-
 Result<float> Gpt2Trainer::EvalLoss(const std::vector<int32_t>& tokens,
                                     const std::vector<int32_t>& targets) {
-  ObjectMap inputs;
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  ValueMap inputs;
   TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.tokens], Tokens(tokens, plan_.batch, plan_.seq_len));
   TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.targets],
                            Tokens(targets, plan_.batch, plan_.seq_len));
   for (size_t g = 0; g < params_.size(); ++g) inputs[eval_graph_.params[g]] = params_[g];
-  TESSERA_ASSIGN_OR_RETURN(RunResult run, executor_->Run(*prepared_eval_, std::move(inputs)));
-  return *run.outputs[eval_graph_.result].data<float>();
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(eval_handle_, std::move(inputs)));
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[eval_graph_.result]));
+  return *loss.data<float>();
 }
 
 Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
                                                int64_t seq_len) {
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   const auto key = std::make_pair(batch, seq_len);
   auto it = logits_graphs_.find(key);
   if (it == logits_graphs_.end()) {
     TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, batch, seq_len, *registry_));
-    TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_->Prepare(graph.graph));
-    it = logits_graphs_.emplace(key, std::make_pair(std::move(graph), std::move(prepared))).first;
+    TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
+    it = logits_graphs_.emplace(key, std::make_pair(std::move(graph), handle)).first;
   }
   const ForwardGraph& graph = it->second.first;
-  ObjectMap inputs;
+  ValueMap inputs;
   TESSERA_ASSIGN_OR_RETURN(inputs[graph.tokens], Tokens(tokens, batch, seq_len));
   for (size_t g = 0; g < params_.size(); ++g) inputs[graph.params[g]] = params_[g];
-  TESSERA_ASSIGN_OR_RETURN(RunResult run, executor_->Run(it->second.second, std::move(inputs)));
-  const Tensor& logits = run.outputs[graph.result];
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(it->second.second, std::move(inputs)));
+  TESSERA_ASSIGN_OR_RETURN(Tensor logits, backend_->Download(outputs[graph.result]));
   const float* data = logits.data<float>();
   return std::vector<float>(data, data + logits.numel());
 }
 
-int64_t Gpt2Trainer::ParameterBytes() const {
-  int64_t bytes = 0;
-  for (const Tensor& t : params_) bytes += t.bytes();
-  return bytes;
-}
+int64_t Gpt2Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }
 
 int64_t Gpt2Trainer::OptimizerStateBytes() const {
-  int64_t bytes = 0;
-  for (const Tensor& t : exp_avg_) bytes += t.bytes();
-  for (const Tensor& t : exp_avg_sq_) bytes += t.bytes();
-  return bytes;
+  return plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW ? 8 * model_.NumParameters() : 0;
 }
 
 }  // namespace tessera

@@ -1,10 +1,11 @@
 // Gpt2Trainer: trains a GPT-2 model by running its step graph, one step per call.
 //
 // The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
-// moment buffers), a prepared step graph from the single-worker planner (zero/), and the
-// executor that runs it (worker/). Each Step binds a batch, the learning rate and the step
-// number, moves the state into the run (so the optimizer updates it in place through
-// donation), and takes the updated state back from the graph's outputs.
+// moment buffers), the step graph from the single-worker planner (zero/), and the backend that
+// runs it (this process, or a cluster: driver/graph_backend.h). Each Step binds a batch, the
+// learning rate and the step number, moves the state into the run (so in process the optimizer
+// updates it in place through donation), and takes the updated state from the graph's outputs.
+// On a cluster the state stays on the workers between steps; only the loss comes back.
 //
 // Parameters are addressed by the names of tests/reference/make_gpt2_reference.py and
 // nanoGPT: "wte", "wpe", "h.<l>.<tensor>" (ln1_w, qkv_w, ...; see ops/flat_layout.h), "lnf_w",
@@ -16,10 +17,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "driver/graph_backend.h"
 #include "ops/op_registry.h"
 #include "worker/in_process_executor.h"
 #include "zero/model.h"
@@ -37,8 +40,12 @@ struct StepReport {
 
 class Gpt2Trainer {
  public:
-  // Validates the model and plan and prepares the step graph. Parameters start at zero; call
-  // InitializeParameters or SetParameter before training.
+  // Validates the model and plan and prepares the step graph on `backend` (in process, or a
+  // cluster). Parameters start at zero; call InitializeParameters or SetParameter first.
+  static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
+                                                     const TrainingPlan& plan,
+                                                     std::unique_ptr<GraphBackend> backend);
+  // In this process, on an executor with these options.
   static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
                                                      const TrainingPlan& plan,
                                                      const ExecutorOptions& executor_options);
@@ -46,15 +53,15 @@ class Gpt2Trainer {
   // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
   // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
   // Deterministic in the seed. Resets the optimizer state and the step count.
-  void InitializeParameters(uint64_t seed);
+  Status InitializeParameters(uint64_t seed);
 
   // Copies values into the named parameter. InvalidArgument on an unknown name or a shape that
   // differs from the model's.
   Status SetParameter(const std::string& name, const std::vector<float>& values,
                       const Shape& shape);
-  Result<std::vector<float>> GetParameter(const std::string& name) const;
+  Result<std::vector<float>> GetParameter(const std::string& name);
   // The gradient of the named parameter from the last step (before clipping). Requires a step.
-  Result<std::vector<float>> GetGradient(const std::string& name) const;
+  Result<std::vector<float>> GetGradient(const std::string& name);
   // Every parameter name, in model order.
   std::vector<std::string> ParameterNames() const;
 
@@ -76,40 +83,42 @@ class Gpt2Trainer {
   const ModelSpec& model() const { return model_; }
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
-  InProcessExecutor& executor() { return *executor_; }
+  GraphBackend& backend() { return *backend_; }
   // Bytes of model state: parameters, and optimizer state.
   int64_t ParameterBytes() const;
   int64_t OptimizerStateBytes() const;
 
  private:
   Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
-              std::unique_ptr<InProcessExecutor> executor);
+              std::unique_ptr<GraphBackend> backend);
 
   struct ParameterRef {
     size_t group;
     const FlatSlot* slot;
   };
   Result<ParameterRef> FindParameter(const std::string& name) const;
-  Result<Tensor> Scalar(DType dtype, double value) const;
-  Result<Tensor> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) const;
+  Result<Value> Scalar(DType dtype, double value);
+  Result<Value> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len);
   Status PrepareStepGraph();
-  // After a failed step: takes back the state the executor returned intact. Returns `error`
+  // Fresh parameters (GPT-2 initialisation from `seed`, or zeros) and zeroed optimizer state.
+  Status AllocateState(std::optional<uint64_t> seed);
+  // After a failed step: takes back the state the backend returned intact. Returns `error`
   // when everything came back, DataLoss naming what the optimizer had already changed.
-  Status RecoverState(const Status& error, ObjectMap& intact);
+  Status RecoverState(const Status& error, ValueMap& intact);
   Status CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const;
 
   ModelSpec model_;
   TrainingPlan plan_;
-  std::unique_ptr<OpRegistry> registry_;
-  std::unique_ptr<InProcessExecutor> executor_;
+  std::unique_ptr<OpRegistry> registry_;  // definitions, for planning
+  std::unique_ptr<GraphBackend> backend_;
   StepGraph step_graph_;
-  std::unique_ptr<PreparedGraph> prepared_step_;
-  std::unique_ptr<PreparedGraph> prepared_eval_;
+  int step_handle_ = -1;
   ForwardGraph eval_graph_;
-  std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, PreparedGraph>> logits_graphs_;
+  int eval_handle_ = -1;
+  std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
 
-  std::vector<Tensor> params_, exp_avg_, exp_avg_sq_;  // one per model layer
-  std::vector<Tensor> last_grads_;
+  std::vector<Value> params_, exp_avg_, exp_avg_sq_;  // one per model layer
+  std::vector<Value> last_grads_;
   bool keep_gradients_ = false;
   int64_t steps_taken_ = 0;
 };

@@ -19,7 +19,9 @@
 
 #include "core/logging.h"
 #include "core/settings.h"
+#include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
+#include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
 
 namespace {
@@ -50,6 +52,10 @@ struct Flags {
   double temperature = 1.0;
   std::string prompt = "\n";
   int64_t log_every = 1;
+  int workers = 0;
+  std::string address;
+  std::string token_file;
+  std::string placement = "scheduler";
 };
 
 struct ResolvedShape {
@@ -177,16 +183,49 @@ int Run(const Flags& flags) {
   plan.optimizer.weight_decay = flags.weight_decay;
   plan.optimizer.max_grad_norm = flags.grad_clip;
   if (flags.optimizer == "sgd") plan.optimizer.kind = tessera::OptimizerConfig::Kind::kSgd;
-  auto trainer = tessera::Gpt2Trainer::Create(config, plan, executor);
+  // Where the step runs: this process, a local cluster we start, or a running cluster.
+  std::unique_ptr<tessera::Cluster> cluster;
+  std::unique_ptr<tessera::GraphBackend> backend;
+  if (!flags.address.empty() || flags.workers > 0) {
+    if (!flags.address.empty()) {
+      tessera::ConnectOptions connect;
+      connect.token_file = flags.token_file;
+      auto connected = tessera::Cluster::Connect(flags.address, connect);
+      if (!connected.ok()) return Fail(connected.status());
+      cluster = std::move(*connected);
+    } else {
+      tessera::LocalClusterOptions local;
+      local.cpu_workers = flags.workers;
+      local.threads_per_worker = flags.threads;
+      auto started = tessera::Cluster::StartLocal(local);
+      if (!started.ok()) return Fail(started.status());
+      cluster = std::move(*started);
+    }
+    auto made = tessera::MakeClusterBackend(
+        *cluster, flags.placement == "layers" ? tessera::ClusterPlacement::kLayersRoundRobin
+                                              : tessera::ClusterPlacement::kScheduler);
+    if (!made.ok()) return Fail(made.status());
+    backend = std::move(*made);
+  } else {
+    auto made = tessera::MakeInProcessBackend(executor);
+    if (!made.ok()) return Fail(made.status());
+    backend = std::move(*made);
+  }
+  auto trainer = tessera::Gpt2Trainer::Create(config, plan, std::move(backend));
   if (!trainer.ok()) return Fail(trainer.status());
-  (*trainer)->InitializeParameters(flags.seed);
+  if (Status init = (*trainer)->InitializeParameters(flags.seed); !init.ok()) return Fail(init);
   std::fprintf(stderr,
-               "train_gpt2: %s, %lld parameters, batch %lld x %lld tokens, %d threads, data %s "
+               "train_gpt2: %s, %lld parameters, batch %lld x %lld tokens, %s, data %s "
                "(%lld tokens)\n",
                config.ToString().c_str(), static_cast<long long>(config.NumParameters()),
                static_cast<long long>(batch), static_cast<long long>(seq_len),
-               (*trainer)->executor().threads(), dataset->source().c_str(),
+               (*trainer)->backend().Describe().c_str(), dataset->source().c_str(),
                static_cast<long long>(dataset->size()));
+  if (cluster != nullptr && flags.placement == "scheduler") {
+    std::fprintf(stderr,
+                 "train_gpt2: single-worker plan: the step runs on one worker (data "
+                 "parallelism and ZeRO come with their planners)\n");
+  }
 
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
   std::vector<int32_t> targets(tokens.size());
@@ -321,6 +360,16 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", flags.prompt, "Text that starts the sample");
   app.add_option("--log-every", flags.log_every, "Print every N-th step line")
       ->check(CLI::PositiveNumber);
+  app.add_option("--workers", flags.workers,
+                 "Run on a local cluster of N CPU worker processes (0: in this process)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--address", flags.address, "Run on the cluster at HOST:PORT");
+  app.add_option("--token-file", flags.token_file,
+                 "With --address: the cluster token (default: the latest session's)");
+  app.add_option("--placement", flags.placement,
+                 "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
+                 "round-robin over the workers)")
+      ->check(CLI::IsMember({"scheduler", "layers"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -113,6 +113,29 @@ TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
   EXPECT_NE(too_wide.output.find("--vocab 301"), std::string::npos) << too_wide.output;
 }
 
+TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
+  ProcessResult alone = RunTrainGpt2("--steps 20 --log-every 20 --threads 1");
+  ProcessResult cluster = RunTrainGpt2("--steps 20 --log-every 20 --threads 1 --workers 2");
+  ProcessResult spread =
+      RunTrainGpt2("--steps 20 --log-every 20 --threads 1 --workers 2 --placement layers");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(cluster.exit_code, 0) << cluster.output;
+  ASSERT_EQ(spread.exit_code, 0) << spread.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_GT(expected, 0);
+  EXPECT_EQ(FirstMatch(cluster.output, R"(final_loss=([0-9.]+))"), expected) << cluster.output;
+  EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
+  EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
+}
+
+TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
+  const std::string token = ::testing::TempDir() + "/tessera_test_token";
+  std::ofstream(token) << "0123456789abcdef\n";
+  ProcessResult run = RunTrainGpt2("--steps 1 --address 127.0.0.1:1 --token-file " + token);
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.output.find("127.0.0.1:1"), std::string::npos) << run.output;
+}
+
 TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
   const std::string path = ::testing::TempDir() + "/ramp_tokens.bin";
   {

@@ -79,7 +79,7 @@ std::vector<float> Losses(int threads, int steps) {
   ExecutorOptions options;
   options.threads = threads;
   auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
-  trainer->InitializeParameters(42);
+  EXPECT_OK(trainer->InitializeParameters(42));
   const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
   std::vector<float> losses;
   for (int i = 0; i < steps; ++i) losses.push_back(trainer->Step(tokens, targets, 3e-3f)->loss);
@@ -101,7 +101,7 @@ TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
   ExecutorOptions options;
   options.threads = 2;
   auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
-  trainer->InitializeParameters(1);
+  ASSERT_OK(trainer->InitializeParameters(1));
   ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
   const int64_t state = trainer->ParameterBytes() + trainer->OptimizerStateBytes();
   EXPECT_EQ(state, 12 * TinyConfig().NumParameters());
@@ -112,7 +112,7 @@ TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
 TEST(TrainerTest, ABadBatchIsRefusedAndTheModelIsUnchanged) {
   ExecutorOptions options;
   auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
-  trainer->InitializeParameters(1);
+  ASSERT_OK(trainer->InitializeParameters(1));
   const std::vector<float> before = *trainer->GetParameter("h.0.qkv_w");
   std::vector<int32_t> tokens = Batch(32, 50, 1);
   tokens[5] = 50;

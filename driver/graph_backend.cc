@@ -1,0 +1,145 @@
+#include "driver/graph_backend.h"
+
+#include "ops/cpu/cpu_kernels.h"
+
+namespace tessera {
+
+namespace {
+
+class InProcessBackend final : public GraphBackend {
+ public:
+  explicit InProcessBackend(std::unique_ptr<OpRegistry> registry, const ExecutorOptions& options)
+      : registry_(std::move(registry)), executor_(*registry_, options) {}
+
+  Result<int> Register(const Graph& graph) override {
+    TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(graph));
+    prepared_.push_back(std::make_unique<PreparedGraph>(std::move(prepared)));
+    return static_cast<int>(prepared_.size()) - 1;
+  }
+
+  Result<ValueMap> Run(int graph, ValueMap inputs, ValueMap* intact) override {
+    ObjectMap tensors;
+    for (auto& [id, value] : inputs) tensors.emplace(id, std::move(value.tensor));
+    inputs.clear();  // the executor must hold the only references, so it can update in place
+    ObjectMap kept;
+    Result<RunResult> run = executor_.Run(*prepared_.at(static_cast<size_t>(graph)),
+                                          std::move(tensors), intact ? &kept : nullptr);
+    if (!run.ok()) {
+      if (intact != nullptr) {
+        for (auto& [id, tensor] : kept) (*intact)[id].tensor = std::move(tensor);
+      }
+      return run.status();
+    }
+    last_peak_bytes_ = run->stats.peak_bytes;
+    ValueMap outputs;
+    for (auto& [id, tensor] : run->outputs) outputs[id].tensor = std::move(tensor);
+    return outputs;
+  }
+
+  Result<Value> Upload(Tensor tensor) override { return Value{std::move(tensor), {}}; }
+  Result<Tensor> Download(const Value& value) override { return value.tensor; }
+  std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
+  int64_t last_peak_bytes() const override { return last_peak_bytes_; }
+  std::string Describe() const override {
+    return fmt::format("in process, {} threads", executor_.threads());
+  }
+
+ private:
+  std::unique_ptr<OpRegistry> registry_;
+  InProcessExecutor executor_;
+  std::vector<std::unique_ptr<PreparedGraph>> prepared_;
+  int64_t last_peak_bytes_ = 0;
+};
+
+class ClusterBackend final : public GraphBackend {
+ public:
+  ClusterBackend(Cluster& cluster, ClusterPlacement placement, std::vector<WorkerId> workers)
+      : cluster_(cluster), placement_(placement), workers_(std::move(workers)) {}
+
+  Result<int> Register(const Graph& graph) override {
+    Graph placed = graph;
+    if (placement_ == ClusterPlacement::kLayersRoundRobin) {
+      // Pin every task of a layer to one worker, layers dealt in order of first appearance.
+      std::map<std::string, WorkerId> layer_worker;
+      Graph pinned;
+      for (const ObjectSpec& object : graph.objects()) {
+        pinned.AddObject(object.name, object.meta, object.role);
+      }
+      for (TaskSpec task : graph.tasks()) {
+        auto [it, inserted] = layer_worker.emplace(task.layer, WorkerId());
+        if (inserted) it->second = workers_[(layer_worker.size() - 1) % workers_.size()];
+        task.pinned_worker = it->second;
+        pinned.AddTask(std::move(task));
+      }
+      for (ObjectId output : graph.OutputObjects()) pinned.MarkOutput(output);
+      placed = std::move(pinned);
+    }
+    TESSERA_ASSIGN_OR_RETURN(GraphHandle handle, cluster_.RegisterGraph(placed));
+    handles_.push_back(std::move(handle));
+    return static_cast<int>(handles_.size()) - 1;
+  }
+
+  Result<ValueMap> Run(int graph, ValueMap inputs, ValueMap* intact) override {
+    std::map<ObjectId, ObjectRef> refs;
+    for (const auto& [id, value] : inputs) refs.emplace(id, value.ref);
+    Result<std::map<ObjectId, ObjectRef>> run =
+        cluster_.RunGraph(handles_.at(static_cast<size_t>(graph)), refs);
+    if (!run.ok()) {
+      if (intact != nullptr) *intact = std::move(inputs);  // nothing was consumed
+      return run.status();
+    }
+    // Wait for the instance, so errors come back from Run (and intact inputs with them).
+    std::vector<ObjectRef> outputs;
+    for (const auto& [id, ref] : *run) outputs.push_back(ref);
+    Status done = cluster_.Wait(outputs, -1);
+    if (!done.ok()) {
+      if (intact != nullptr) *intact = std::move(inputs);  // cluster objects are immutable
+      return done;
+    }
+    ValueMap result;
+    for (auto& [id, ref] : *run) result[id].ref = std::move(ref);
+    return result;
+  }
+
+  Result<Value> Upload(Tensor tensor) override {
+    TESSERA_ASSIGN_OR_RETURN(ObjectRef ref, cluster_.Put(tensor));
+    return Value{{}, std::move(ref)};
+  }
+  Result<Tensor> Download(const Value& value) override { return cluster_.Get(value.ref, 120'000); }
+  std::shared_ptr<Allocator> allocator() override { return allocator_; }
+  int64_t last_peak_bytes() const override { return 0; }
+  std::string Describe() const override {
+    return fmt::format(
+        "cluster at {}, {} worker(s), {} placement", cluster_.address(), workers_.size(),
+        placement_ == ClusterPlacement::kScheduler ? "scheduler" : "layer round-robin");
+  }
+
+ private:
+  Cluster& cluster_;
+  const ClusterPlacement placement_;
+  const std::vector<WorkerId> workers_;
+  std::vector<GraphHandle> handles_;
+  std::shared_ptr<Allocator> allocator_ = std::make_shared<AlignedHostAllocator>();
+};
+
+}  // namespace
+
+Result<std::unique_ptr<GraphBackend>> MakeInProcessBackend(const ExecutorOptions& options) {
+  TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
+  return std::unique_ptr<GraphBackend>(
+      new InProcessBackend(std::make_unique<OpRegistry>(std::move(registry)), options));
+}
+
+Result<std::unique_ptr<GraphBackend>> MakeClusterBackend(Cluster& cluster,
+                                                         ClusterPlacement placement) {
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster.Info());
+  std::vector<WorkerId> workers;
+  for (const WorkerInfo& worker : info.workers) {
+    if (worker.alive) workers.push_back(worker.id);
+  }
+  if (workers.empty())
+    return Unavailable("the cluster at {} has no alive worker", cluster.address());
+  return std::unique_ptr<GraphBackend>(new ClusterBackend(cluster, placement, std::move(workers)));
+}
+
+}  // namespace tessera

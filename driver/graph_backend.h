@@ -1,0 +1,67 @@
+// GraphBackend: where a driver's graphs run and its values live.
+//
+// A trainer plans graphs (zero/) and runs them step after step. The backend decides where:
+//   - InProcessBackend: on this process's InProcessExecutor; values are host tensors, and state
+//     moved into a run is updated in place (donation);
+//   - ClusterBackend: on a cluster's workers through RegisterGraph/RunGraph; values are
+//     ObjectRefs, so model state stays on the workers between steps and only what the driver
+//     asks for (the loss) comes back.
+// Placement on a cluster: by the scheduler (the graph's tasks follow their inputs, so a
+// single-worker plan runs on one worker), or layer by layer round-robin over the workers (each
+// layer's tasks pinned to one worker), which moves activations and gradients between workers
+// and is how tests check that a split run computes exactly what a single process does.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "driver/cluster.h"
+#include "ops/op_registry.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera {
+
+// A tensor living in a backend.
+struct Value {
+  Tensor tensor;  // InProcessBackend
+  ObjectRef ref;  // ClusterBackend
+  bool defined() const { return tensor.defined() || ref.valid(); }
+};
+using ValueMap = std::map<ObjectId, Value>;
+
+class GraphBackend {
+ public:
+  virtual ~GraphBackend() = default;
+  // Prepares a graph for repeated runs; returns its handle.
+  virtual Result<int> Register(const Graph& graph) = 0;
+  // Runs one instance. Inputs are moved in (a backend may update them in place). On error,
+  // `intact` (when given) receives the inputs that are still valid.
+  virtual Result<ValueMap> Run(int graph, ValueMap inputs, ValueMap* intact = nullptr) = 0;
+  virtual Result<Value> Upload(Tensor tensor) = 0;
+  virtual Result<Tensor> Download(const Value& value) = 0;
+  // Host allocator for tensors made to be uploaded.
+  virtual std::shared_ptr<Allocator> allocator() = 0;
+  // Peak host bytes of the last run, when the backend can tell (0 otherwise).
+  virtual int64_t last_peak_bytes() const = 0;
+  virtual std::string Describe() const = 0;
+};
+
+// InProcessExecutor on a registry with CPU kernels.
+Result<std::unique_ptr<GraphBackend>> MakeInProcessBackend(const ExecutorOptions& options);
+
+enum class ClusterPlacement {
+  kScheduler,         // tasks unpinned: they follow their inputs
+  kLayersRoundRobin,  // each layer's tasks pinned to one worker, layers dealt round-robin
+};
+
+// Runs on `cluster` (which must outlive the backend).
+Result<std::unique_ptr<GraphBackend>> MakeClusterBackend(Cluster& cluster,
+                                                         ClusterPlacement placement);
+
+}  // namespace tessera
