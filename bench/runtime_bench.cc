@@ -5,6 +5,8 @@
 //                         until all have finished
 //   task_latency_us_p50   one trivial task's round trip: Submit, then Get of its result
 //   task_latency_us_p99
+//   tasks_per_s_graph     empty tasks run through a registered graph (per worker: many tasks and
+//                         a join), instance after instance
 //   transfer_gbps         a 64 MiB object pulled from one worker by another (data plane time,
 //                         reported by the pulling worker)
 //   memcpy_gbps           single-threaded memcpy of 64 MiB in this process, for scale
@@ -20,6 +22,8 @@
 #include <CLI/CLI.hpp>
 
 #include "driver/cluster.h"
+#include "ops/graph_builder.h"
+#include "ops/standard_ops.h"
 
 namespace {
 
@@ -107,6 +111,39 @@ double TransferGbps(Cluster& cluster, int repeats) {
   return best;
 }
 
+// Per worker: `per_worker` empty tasks pinned to it and one join that waits for them all (the
+// graph's output). Each instance is one RunGraph: one message per worker through the scheduler.
+double GraphTasksPerSecond(Cluster& cluster, int per_worker, int instances) {
+  tessera::OpRegistry registry;
+  if (Status s = tessera::RegisterStandardOps(registry); !s.ok()) Die(s, "registry");
+  tessera::GraphBuilder builder(registry);
+  std::vector<tessera::WorkerId> workers;
+  for (const auto& w : Check(cluster.Info(), "status").workers) workers.push_back(w.id);
+  for (size_t w = 0; w < workers.size(); ++w) {
+    tessera::TaskOptions options;
+    options.pinned_worker = workers[w];
+    std::vector<tessera::ObjectId> outs;
+    for (int i = 0; i < per_worker; ++i) {
+      outs.push_back(Check(builder.AddTask(fmt::format("w{}.t{}", w, i), "noop", {}, {}, options),
+                           "build")[0]);
+    }
+    builder.MarkOutput(
+        Check(builder.AddTask(fmt::format("w{}.join", w), "noop", outs, {}, options), "build")[0]);
+  }
+  tessera::Graph graph = Check(builder.Build(), "build");
+  const tessera::GraphHandle handle = Check(cluster.RegisterGraph(graph), "register");
+  auto run_once = [&] {
+    auto outputs = Check(cluster.RunGraph(handle, {}), "run");
+    std::vector<ObjectRef> refs;
+    for (auto& [id, ref] : outputs) refs.push_back(ref);
+    if (Status s = cluster.Wait(refs, 60'000); !s.ok()) Die(s, "run");
+  };
+  run_once();  // warm-up: first allocations
+  const Clock::time_point start = Clock::now();
+  for (int i = 0; i < instances; ++i) run_once();
+  return static_cast<double>(instances) * graph.num_tasks() / Seconds(start);
+}
+
 double MemcpyGbps() {
   const size_t bytes = size_t{64} << 20;
   std::vector<char> source(bytes, 1), dest(bytes, 2);
@@ -123,13 +160,15 @@ double MemcpyGbps() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int tasks = 20'000, rounds = 2000, repeats = 5, workers = 2;
+  int tasks = 20'000, rounds = 2000, repeats = 5, workers = 2, graph_tasks = 50'000;
   CLI::App app{"Runtime overheads of Tessera on a local cluster (see the header for metrics)"};
   app.add_option("--tasks", tasks, "Empty tasks for the throughput runs")
       ->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds, "Round trips for latency")->check(CLI::PositiveNumber);
   app.add_option("--repeats", repeats, "64 MiB transfers")->check(CLI::PositiveNumber);
   app.add_option("--workers", workers, "CPU workers")->check(CLI::Range(2, 64));
+  app.add_option("--graph-tasks", graph_tasks, "Empty tasks per worker in the registered graph")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   tessera::LocalClusterOptions options;
@@ -141,6 +180,8 @@ int main(int argc, char** argv) {
   LatencyMicros(*cluster, 100);  // warm-up
   const auto [p50, p99] = LatencyMicros(*cluster, rounds);
   std::printf("task_latency_us_p50=%.1f\ntask_latency_us_p99=%.1f\n", p50, p99);
+  std::fflush(stdout);
+  std::printf("tasks_per_s_graph=%.0f\n", GraphTasksPerSecond(*cluster, graph_tasks, 10));
   std::fflush(stdout);
   std::printf("transfer_gbps=%.2f\n", TransferGbps(*cluster, repeats));
   std::printf("memcpy_gbps=%.2f\n", MemcpyGbps());

@@ -47,10 +47,8 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
                                                         const Attrs& attrs) const {
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
   const size_t arity = def->input_names.size();
-  if (def->variadic_inputs ? inputs.empty() : inputs.size() != arity) {
-    return InvalidArgument("op '{}' takes {} inputs, got {}", op,
-                           def->variadic_inputs ? "one or more" : std::to_string(arity),
-                           inputs.size());
+  if (!def->variadic_inputs && inputs.size() != arity) {
+    return InvalidArgument("op '{}' takes {} inputs, got {}", op, arity, inputs.size());
   }
   Result<std::vector<TensorMeta>> outputs = def->infer(inputs, attrs);
   if (!outputs.ok()) return outputs.status().WithContext(fmt::format("op '{}'", op));

@@ -370,9 +370,11 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .cost = ElementwiseCost(1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "noop",
-      .doc = "does nothing and returns a scalar zero (runtime overhead benchmarks and tests)",
-      .input_names = {},
+      .doc = "ignores its inputs (any number) and returns a scalar zero: an empty task, or a "
+             "barrier that only orders others (runtime benchmarks and tests)",
+      .input_names = {"ignored"},
       .output_names = {"out"},
+      .variadic_inputs = true,
       .infer = [](const Metas&, const Attrs&) -> Result<Metas> { return Metas{Scalar()}; },
       .cost =
           [](const Metas&, const Attrs&) {
@@ -479,6 +481,7 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .output_names = {"scale", "norm"},
       .variadic_inputs = true,
       .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        if (in.empty()) return InvalidArgument("needs at least one sum of squares");
         for (const TensorMeta& meta : in) {
           TESSERA_RETURN_IF_ERROR(CheckShape("sum_of_squares", meta, Shape{}));
         }

@@ -314,6 +314,9 @@ TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].shape(), Shape{});
   EXPECT_EQ(*out[0].data<float>(), 0.0f);
+  ASSERT_OK_AND_ASSIGN(Tensors barrier, RunKernel("noop", {RandomTensor({3}, 1), out[0]}));
+  EXPECT_EQ(*barrier[0].data<float>(), 0.0f);
+  EXPECT_FALSE(RunKernel("clip_scale", {}).ok()) << "clip_scale needs an input";
 }
 
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
