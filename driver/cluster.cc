@@ -738,7 +738,8 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   TESSERA_ASSIGN_OR_RETURN(
       pid_t scheduler,
       SpawnProcess({binary, "scheduler", "--host", "127.0.0.1", "--port", "0", "--token-file",
-                    token_file, "--session-dir", dir, "--address-file", address_file},
+                    token_file, "--session-dir", dir, "--address-file", address_file,
+                    "--unix-socket", dir + "/scheduler.sock"},
                    SpawnOptions{.log_file = dir + "/scheduler.log"}));
   cluster->processes_.push_back(scheduler);
 
@@ -760,6 +761,8 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   TESSERA_ASSIGN_OR_RETURN(cluster->address_, ReadTrimmed(address_file));
+  // Everything here is on this machine: talk over the Unix socket, not TCP.
+  const std::string local_address = "unix:" + dir + "/scheduler.sock";
 
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = options.threads_per_worker > 0 ? options.threads_per_worker
@@ -767,7 +770,7 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   for (int i = 0; i < options.cpu_workers; ++i) {
     TESSERA_ASSIGN_OR_RETURN(
         pid_t worker,
-        SpawnProcess({binary, "worker", "--address", cluster->address_, "--token-file", token_file,
+        SpawnProcess({binary, "worker", "--address", local_address, "--token-file", token_file,
                       "--threads", std::to_string(threads), "--host-memory-mb",
                       std::to_string(options.host_capacity_bytes >> 20), "--spill-dir",
                       fmt::format("{}/spill-{}", dir, i)},
@@ -778,7 +781,7 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   cluster->client_ = std::make_shared<detail::ClusterClient>();
   ConnectOptions connect;
   connect.token = token;
-  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(cluster->address_, token, connect));
+  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(local_address, token, connect));
   // Wait until every worker has joined.
   while (true) {
     Result<ClusterInfo> info = cluster->client_->Info(2000);

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -94,6 +95,7 @@ struct SchedulerFlags {
   std::string token_file;
   std::string session_dir;
   std::string address_file;
+  std::string unix_socket;
 };
 
 int RunScheduler(const SchedulerFlags& flags) {
@@ -105,6 +107,7 @@ int RunScheduler(const SchedulerFlags& flags) {
   tessera::SchedulerServiceOptions options;
   options.address = tessera::rpc::Address::Tcp(flags.host, static_cast<uint16_t>(flags.port));
   options.address_file = flags.address_file;
+  options.unix_socket = flags.unix_socket;
   options.core.token = *token;
   options.core.session_dir = flags.session_dir;
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
@@ -176,6 +179,7 @@ struct StartFlags {
   int threads = 0;
   int64_t host_memory_mb = 4096;
   std::string token_file;
+  std::string gpus;
 };
 
 std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
@@ -201,7 +205,8 @@ int StartHead(const StartFlags& flags) {
   const std::string address_file = dir + "/scheduler.address";
   Result<pid_t> pid = tessera::SpawnProcess(
       {SelfBinary(), "scheduler", "--host", flags.host, "--port", std::to_string(flags.port),
-       "--token-file", token_file, "--session-dir", dir, "--address-file", address_file},
+       "--token-file", token_file, "--session-dir", dir, "--address-file", address_file,
+       "--unix-socket", dir + "/scheduler.sock"},
       tessera::SpawnOptions{
           .log_file = dir + "/scheduler.log", .die_with_parent = false, .new_session = true});
   if (!pid.ok()) return Fail(pid.status());
@@ -214,8 +219,10 @@ int StartHead(const StartFlags& flags) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   (void)tessera::WriteFileAtomically(dir + "/scheduler.pid", std::to_string(*pid) + "\n");
-  std::filesystem::remove(kLatestSession, error);
-  std::filesystem::create_directory_symlink(dir, kLatestSession, error);
+  if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
+    std::filesystem::remove(kLatestSession, error);
+    std::filesystem::create_directory_symlink(dir, kLatestSession, error);
+  }
   Result<std::string> address = ReadFileTrimmed(address_file);
   std::printf("Tessera scheduler started at %s (pid %d)\n", address->c_str(), *pid);
   std::printf("  session:    %s (logs, token, address)\n", dir.c_str());
@@ -225,6 +232,12 @@ int StartHead(const StartFlags& flags) {
 }
 
 int StartWorkers(const StartFlags& flags) {
+  if (!flags.gpus.empty()) {
+    return Fail(tessera::Unavailable(
+        "--gpus {}: this build starts CPU workers only; GPU workers arrive with the CUDA "
+        "backend (use --cpu-workers)",
+        flags.gpus));
+  }
   Result<std::string> address = ResolveAddress(flags.address);
   if (!address.ok()) return Fail(address.status());
   const std::string token_file = DefaultTokenFile(flags.token_file);
@@ -285,6 +298,14 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
               static_cast<long long>(info->tasks_queued),
               static_cast<long long>(info->tasks_running), static_cast<long long>(info->tasks_done),
               static_cast<long long>(info->objects), info->drivers);
+  std::map<std::string, std::pair<int, int>> nodes;  // host -> workers alive, total
+  for (const tessera::WorkerInfo& w : info->workers) {
+    nodes[w.hostname].first += w.alive;
+    ++nodes[w.hostname].second;
+  }
+  for (const auto& [host, counts] : nodes) {
+    std::printf("node %s: %d of %d workers alive\n", host.c_str(), counts.first, counts.second);
+  }
   std::printf("%-10s %-16s %-8s %-6s %-22s %12s %12s %10s %8s %10s\n", "worker", "host", "pid",
               "alive", "data plane", "host used", "capacity", "spilled", "running", "done");
   for (const tessera::WorkerInfo& w : info->workers) {
@@ -345,6 +366,7 @@ int main(int argc, char** argv) {
                    "Workers: host-tier capacity each, beyond which objects spill to disk")
       ->check(CLI::PositiveNumber);
   start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
+  start_cmd->add_option("--gpus", start.gpus, "Workers: GPUs to use (all or 0,1,...)");
 
   std::string status_address, status_token;
   CLI::App* status_cmd = app.add_subcommand("status", "Show workers, memory and tasks");
@@ -363,6 +385,8 @@ int main(int argc, char** argv) {
   scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
   scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
   scheduler_cmd->add_option("--address-file", scheduler.address_file);
+  scheduler_cmd->add_option("--unix-socket", scheduler.unix_socket,
+                            "Also listen on this Unix socket (local processes)");
 
   WorkerFlags worker;
   CLI::App* worker_cmd = app.add_subcommand("worker", "Run a worker in the foreground");

@@ -32,6 +32,14 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
         [this](rpc::GenericSocket socket, std::string peer) { OnAccept(std::move(socket), peer); });
     if (!listener.ok()) return listener.status();
     listener_ = std::move(*listener);
+    if (!options_.unix_socket.empty()) {
+      auto local = rpc::Listener::Listen(io_, rpc::Address::Unix(options_.unix_socket),
+                                         [this](rpc::GenericSocket socket, std::string peer) {
+                                           OnAccept(std::move(socket), peer);
+                                         });
+      if (!local.ok()) return local.status();
+      unix_listener_ = std::move(*local);
+    }
     if (!options_.address_file.empty()) {
       TESSERA_RETURN_IF_ERROR(
           WriteFileAtomically(options_.address_file, listener_->address().ToString() + "\n"));
@@ -122,6 +130,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
     stopping_ = true;
     tick_.cancel();
     if (listener_) listener_->Close();
+    if (unix_listener_) unix_listener_->Close();
     for (auto& [id, connection] : connections_) connection->Close(Cancelled("scheduler stopping"));
     work_.reset();
     {
@@ -138,6 +147,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   SchedulerCore core_;
   rpc::asio::steady_timer tick_;
   std::unique_ptr<rpc::Listener> listener_;
+  std::unique_ptr<rpc::Listener> unix_listener_;
   std::map<WorkerId, std::shared_ptr<rpc::Connection>> connections_;
   std::thread thread_;
   bool stopping_ = false;

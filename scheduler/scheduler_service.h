@@ -17,6 +17,8 @@ namespace tessera {
 
 struct SchedulerServiceOptions {
   rpc::Address address = rpc::Address::Tcp("127.0.0.1", 0);  // port 0: any free port
+  // Also listen on this Unix socket (processes on the same machine: no TCP stack). Empty: no.
+  std::string unix_socket;
   SchedulerOptions core;
   // When set, the bound address is written here (atomically) once the scheduler listens, so a
   // launcher can find a scheduler started on port 0.

@@ -1,5 +1,13 @@
 // train_gpt2 as a user runs it: a real process, its output and exit status.
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <sstream>
+#include <thread>
 
 #include <cstdio>
 #include <fstream>
@@ -126,6 +134,64 @@ TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
   EXPECT_EQ(FirstMatch(cluster.output, R"(final_loss=([0-9.]+))"), expected) << cluster.output;
   EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
   EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
+}
+
+// Children of `parent` that are still running (zombies count as gone).
+std::vector<pid_t> LiveChildren(pid_t parent) {
+  std::vector<pid_t> children;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent && state != 'Z') children.push_back(std::stoi(name));
+  }
+  return children;
+}
+
+bool Gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string line;
+  std::getline(stat, line);
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && line.size() > close + 2 && line[close + 2] == 'Z';
+}
+
+TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
+  const pid_t driver = ::fork();
+  ASSERT_GE(driver, 0);
+  if (driver == 0) {
+    const std::string binary = BinaryPath("train_gpt2");
+    ::freopen("/dev/null", "w", stdout);
+    ::freopen("/dev/null", "w", stderr);
+    ::execl(binary.c_str(), binary.c_str(), "--workers", "2", "--threads", "1", "--steps",
+            "1000000", "--log-every", "1000000", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  std::vector<pid_t> children;
+  for (int waited = 0; waited < 15'000 && children.size() < 3; waited += 50) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    children = LiveChildren(driver);
+  }
+  ASSERT_EQ(children.size(), 3u) << "a scheduler and two workers";
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // training is under way
+  ASSERT_EQ(::kill(driver, SIGKILL), 0);
+  int status = 0;
+  ::waitpid(driver, &status, 0);
+  for (int waited = 0; waited < 5000; waited += 50) {
+    if (std::all_of(children.begin(), children.end(), Gone)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (pid_t child : children)
+    EXPECT_TRUE(Gone(child)) << "pid " << child << " outlived its driver";
 }
 
 TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
