@@ -16,6 +16,7 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/settings.h"
 #include "core/transport/data_plane.h"
@@ -146,57 +147,31 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
           return ServedObject{it->second.raw_data(), it->second.bytes(), it->second.buffer()};
         }));
   }
-  TESSERA_ASSIGN_OR_RETURN(rpc::GenericSocket socket,
-                           rpc::ConnectSocket(io_, parsed, options.timeout_ms));
-  connection_ = rpc::Connection::Create(std::move(socket), address);
-  auto welcomed = std::make_shared<std::promise<Status>>();
-  auto answered = std::make_shared<std::atomic<bool>>(false);
-  connection_->Start(
-      [this, welcomed, answered](rpc::Connection&, rpc::ReceivedMessage& message) -> Status {
-        if (answered->load()) return OnMessage(message);
-        answered->store(true);
-        auto body = message.reader().getRoot<proto::Envelope>().getBody();
-        if (body.which() == proto::Envelope::Body::WELCOME) {
-          driver_id_ = body.getWelcome().getId();
-          welcomed->set_value(Status::Ok());
-          return Status::Ok();
-        }
-        Status refused = body.which() == proto::Envelope::Body::REFUSED
-                             ? rpc::FromWire(body.getRefused())
-                             : Internal("unexpected answer to Hello");
-        welcomed->set_value(refused.WithContext("the scheduler refused this driver"));
-        return refused;
-      },
-      [this, welcomed, answered](rpc::Connection&, const Status& reason) {
-        if (!answered->exchange(true)) welcomed->set_value(reason.WithContext("joining"));
-        {
-          std::lock_guard lock(ready_mutex_);
-          close_reason_ = reason.WithContext("lost the connection to the scheduler");
-          closed_ = true;
-          for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
-          status_waiters_.clear();
-          for (auto& [id, waiter] : reply_waiters_) waiter->set_value(close_reason_);
-          reply_waiters_.clear();
-        }
-        ready_cv_.notify_all();
-      });
   flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   io_thread_ = std::thread([this] { io_.run(); });
-
-  capnp::MallocMessageBuilder message;
-  auto hello = message.initRoot<proto::Envelope>().initBody().initHello();
-  hello.setProtocolVersion(rpc::kProtocolVersion);
-  hello.setRole(options.admin ? proto::Role::ADMIN : proto::Role::DRIVER);
-  hello.setToken(token);
-  hello.setPid(::getpid());
-  if (data_plane_) hello.setDataAddress(data_plane_->address());
-  connection_->Send(message);
-  std::future<Status> future = welcomed->get_future();
-  if (future.wait_for(std::chrono::milliseconds(options.timeout_ms)) != std::future_status::ready) {
-    return Unavailable("the scheduler at {} did not answer within {} ms", address,
-                       options.timeout_ms);
-  }
-  TESSERA_RETURN_IF_ERROR(future.get());
+  rpc::HelloFields hello;
+  hello.role = options.admin ? proto::Role::ADMIN : proto::Role::DRIVER;
+  hello.token = token;
+  if (data_plane_) hello.data_address = data_plane_->address();
+  TESSERA_ASSIGN_OR_RETURN(
+      rpc::Joined joined,
+      rpc::Join(
+          io_, parsed, hello, options.timeout_ms,
+          [this](rpc::Connection&, rpc::ReceivedMessage& message) { return OnMessage(message); },
+          [this](const Status& reason) {
+            {
+              std::lock_guard lock(ready_mutex_);
+              close_reason_ = reason.WithContext("lost the connection to the scheduler");
+              closed_ = true;
+              for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
+              status_waiters_.clear();
+              for (auto& [id, waiter] : reply_waiters_) waiter->set_value(close_reason_);
+              reply_waiters_.clear();
+            }
+            ready_cv_.notify_all();
+          }));
+  connection_ = std::move(joined.connection);
+  driver_id_ = joined.id;
   if (driver_id_ >= (uint64_t{1} << (64 - kIdSequenceBits))) {
     return Internal("driver id {} is too large for object ids", driver_id_);
   }

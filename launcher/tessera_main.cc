@@ -89,6 +89,14 @@ void HandleTerminationSignals(std::function<void()> on_signal) {
 
 // ---- foreground processes ----
 
+// Settings from the environment, with the log level applied.
+Result<tessera::Settings> LoadSettings() {
+  TESSERA_ASSIGN_OR_RETURN(tessera::Settings settings, tessera::Settings::FromProcessEnvironment());
+  TESSERA_RETURN_IF_ERROR(
+      tessera::SetLogLevel(settings.log_level).WithContext("TESSERA_LOG_LEVEL"));
+  return settings;
+}
+
 struct SchedulerFlags {
   std::string host = "127.0.0.1";
   int port = 6380;
@@ -99,9 +107,8 @@ struct SchedulerFlags {
 };
 
 int RunScheduler(const SchedulerFlags& flags) {
-  Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  Result<tessera::Settings> settings = LoadSettings();
   if (!settings.ok()) return Fail(settings.status());
-  (void)tessera::SetLogLevel(settings->log_level);
   Result<std::string> token = ReadFileTrimmed(flags.token_file);
   if (!token.ok()) return Fail(token.status().WithContext("reading the cluster token"));
   tessera::SchedulerServiceOptions options;
@@ -134,9 +141,8 @@ struct WorkerFlags {
 };
 
 int RunWorker(const WorkerFlags& flags) {
-  Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  Result<tessera::Settings> settings = LoadSettings();
   if (!settings.ok()) return Fail(settings.status());
-  (void)tessera::SetLogLevel(settings->log_level);
   Result<std::string> address = ResolveAddress(flags.address);
   if (!address.ok()) return Fail(address.status());
   Result<tessera::rpc::Address> parsed = tessera::rpc::Address::Parse(*address);

@@ -13,6 +13,7 @@
 
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/transport/data_plane.h"
 #include "worker/graph_runner.h"
@@ -26,12 +27,6 @@ namespace {
 using rpc::asio::io_context;
 
 constexpr auto kResultCoalesceWindow = std::chrono::microseconds(100);
-
-std::string Hostname() {
-  char name[256] = {};
-  ::gethostname(name, sizeof(name) - 1);
-  return name;
-}
 
 class WorkerServiceImpl final : public WorkerService {
  public:
@@ -164,55 +159,23 @@ Status WorkerServiceImpl::Init() {
                        }}));
   graph_runner_->set_data_plane(data_plane_.get());
 
-  TESSERA_ASSIGN_OR_RETURN(
-      rpc::GenericSocket socket,
-      rpc::ConnectSocket(io_, options_.scheduler, options_.connect_timeout_ms));
-  connection_ = rpc::Connection::Create(std::move(socket), options_.scheduler.ToString());
   flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
-  auto welcomed = std::make_shared<std::promise<Status>>();
-  auto answered = std::make_shared<std::atomic<bool>>(false);
-  connection_->Start(
-      [this, welcomed, answered](rpc::Connection&, rpc::ReceivedMessage& message) -> Status {
-        if (answered->load()) return OnMessage(message);
-        answered->store(true);
-        auto body = message.reader().getRoot<proto::Envelope>().getBody();
-        if (body.which() == proto::Envelope::Body::WELCOME) {
-          id_ = body.getWelcome().getId();
-          heartbeat_ms_ = body.getWelcome().getHeartbeatIntervalMs();
-          welcomed->set_value(Status::Ok());
-          return Status::Ok();
-        }
-        Status refused = body.which() == proto::Envelope::Body::REFUSED
-                             ? rpc::FromWire(body.getRefused())
-                             : Internal("the scheduler answered Hello with message kind {}",
-                                        static_cast<int>(body.which()));
-        welcomed->set_value(refused.WithContext("the scheduler refused this worker"));
-        return refused;
-      },
-      [this, welcomed, answered](rpc::Connection&, const Status& reason) {
-        if (!answered->exchange(true)) welcomed->set_value(reason.WithContext("joining"));
-        Stop(reason.WithContext("lost the scheduler"));
-      });
   io_thread_ = std::thread([this] { io_.run(); });
-
-  capnp::MallocMessageBuilder hello_message;
-  auto hello = hello_message.initRoot<proto::Envelope>().initBody().initHello();
-  hello.setProtocolVersion(rpc::kProtocolVersion);
-  hello.setRole(proto::Role::WORKER);
-  hello.setToken(options_.token);
-  hello.setHostname(Hostname());
-  hello.setPid(::getpid());
-  hello.setDataAddress(data_plane_->address());
-  hello.setCpuThreads(threads_);
-  hello.setHostCapacity(options_.host_capacity_bytes);
-  connection_->Send(hello_message);
-  std::future<Status> future = welcomed->get_future();
-  if (future.wait_for(std::chrono::milliseconds(options_.connect_timeout_ms)) !=
-      std::future_status::ready) {
-    return Unavailable("the scheduler at {} did not answer within {} ms",
-                       options_.scheduler.ToString(), options_.connect_timeout_ms);
-  }
-  TESSERA_RETURN_IF_ERROR(future.get());
+  rpc::HelloFields hello;
+  hello.role = proto::Role::WORKER;
+  hello.token = options_.token;
+  hello.data_address = data_plane_->address();
+  hello.cpu_threads = threads_;
+  hello.host_capacity = options_.host_capacity_bytes;
+  TESSERA_ASSIGN_OR_RETURN(
+      rpc::Joined joined,
+      rpc::Join(
+          io_, options_.scheduler, hello, options_.connect_timeout_ms,
+          [this](rpc::Connection&, rpc::ReceivedMessage& message) { return OnMessage(message); },
+          [this](const Status& reason) { Stop(reason.WithContext("lost the scheduler")); }));
+  connection_ = std::move(joined.connection);
+  id_ = joined.id;
+  heartbeat_ms_ = joined.heartbeat_interval_ms;
   heartbeat_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   rpc::asio::post(io_, [this] { ScheduleHeartbeat(); });
   GetLogger("worker")->info("worker{} joined {}: {} threads, {} MiB host tier, data plane {}",

@@ -1,0 +1,39 @@
+// Joining a cluster: connect to the scheduler, say Hello with the cluster token, and wait for
+// Welcome (or Refused). The one handshake drivers, workers and admin clients share.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "core/proto/tessera.capnp.h"
+#include "core/rpc/address.h"
+#include "core/rpc/asio.h"
+#include "core/rpc/connection.h"
+#include "core/status.h"
+
+namespace tessera::rpc {
+
+struct HelloFields {
+  proto::Role role = proto::Role::DRIVER;
+  std::string token;
+  std::string data_address;  // where peers pull this process's objects ("" for none)
+  int cpu_threads = 0;
+  int64_t host_capacity = 0;
+};
+
+struct Joined {
+  std::shared_ptr<Connection> connection;
+  uint64_t id = 0;  // this process's participant id
+  uint32_t heartbeat_interval_ms = 0;
+};
+
+// REQUIRES: a thread runs `io` (the handshake completes on it). After Welcome, messages go to
+// `on_message`; `on_close` runs when the connection ends. Unavailable when nothing answers at
+// `address` within timeout_ms; the scheduler's reason when it refuses.
+Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFields& hello,
+                    int timeout_ms, Connection::MessageHandler on_message,
+                    std::function<void(const Status&)> on_close);
+
+}  // namespace tessera::rpc
