@@ -1,0 +1,404 @@
+// HostCommunicator: the collective algorithms, written over PeerTransport's Isend/Irecv/Wait.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace tessera {
+
+namespace {
+
+using RequestId = PeerTransport::RequestId;
+
+// Tags fit PeerTransport's 48 bits. Bit 47 marks point-to-point messages (a per-peer counter
+// below it); collectives use [call sequence: 23][step: 12][chunk: 12], so messages of different
+// calls, steps or chunks never match each other. Sequences wrap after 8M calls, long after any
+// message of the old call is gone.
+constexpr uint64_t kPointToPoint = uint64_t{1} << 47;
+constexpr int64_t kMaxChunks = 4095;
+constexpr int kMaxRanks = 2000;  // every step number (up to 2n) must fit 12 bits
+
+uint64_t CollectiveTag(uint64_t sequence, int step, int64_t chunk) {
+  return ((sequence & ((uint64_t{1} << 23) - 1)) << 24) | (static_cast<uint64_t>(step) << 12) |
+         static_cast<uint64_t>(chunk);
+}
+
+int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Element ranges of n nearly equal segments of `count` (the first count % n are one longer).
+struct Segments {
+  Segments(int64_t total, int parts) : count(total), n(parts) {}
+  int64_t begin(int i) const { return i * (count / n) + std::min<int64_t>(i, count % n); }
+  int64_t length(int i) const { return count / n + (i < count % n ? 1 : 0); }
+  int64_t count;
+  int n;
+};
+
+class HostCommunicator final : public Communicator {
+ public:
+  HostCommunicator(PeerTransport& transport, const CommunicatorOptions& options,
+                   std::shared_ptr<PeerTransport> owned = nullptr)
+      : owned_(std::move(owned)),
+        transport_(transport),
+        options_(options),
+        rank_(transport.rank()),
+        size_(transport.size()),
+        left_(Mod(rank_ - 1, size_)),
+        right_(Mod(rank_ + 1, size_)),
+        sends_to_(static_cast<size_t>(size_), 0),
+        receives_from_(static_cast<size_t>(size_), 0) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  void Abort(const Status& reason) override { transport_.Abort(reason); }
+
+  Status AllReduce(void* buffer, int64_t count, DType dtype, ReduceOp op) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-reduce"));
+    char* data = static_cast<char*>(buffer);
+    if (size_ > 1 && count > 0) {
+      if (count * DTypeSize(dtype) <= options_.small_bytes || count < size_) {
+        TESSERA_RETURN_IF_ERROR(DirectAllReduce(call, data, count, dtype, op));
+      } else {
+        // Reduce-scatter then all-gather: the ring's 2(n-1) steps in one pipeline.
+        TESSERA_RETURN_IF_ERROR(
+            Ring(call, data, Segments(count, size_), dtype, op, 0, 2 * (size_ - 1)));
+      }
+    }
+    return Finish(buffer, count, dtype, op, size_);
+  }
+
+  Status ReduceScatter(const void* send, void* recv, int64_t count, DType dtype,
+                       ReduceOp op) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "reduce-scatter"));
+    const int64_t element = DTypeSize(dtype);
+    if (count == 0) return Status::Ok();
+    // The ring reduces in place: it works on a copy of the send buffer, and block r ends up
+    // fully reduced on rank r.
+    const char* input = static_cast<const char*>(send);
+    std::vector<char> work(input, input + count * size_ * element);
+    if (size_ > 1) {
+      TESSERA_RETURN_IF_ERROR(
+          Ring(call, work.data(), Segments(count * size_, size_), dtype, op, 0, size_ - 1));
+    }
+    std::memcpy(recv, work.data() + rank_ * count * element, static_cast<size_t>(count * element));
+    return Finish(recv, count, dtype, op, size_);
+  }
+
+  Status AllGather(const void* send, void* recv, int64_t count, DType dtype) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-gather"));
+    const int64_t element = DTypeSize(dtype);
+    char* out = static_cast<char*>(recv);
+    if (count == 0) return Status::Ok();
+    std::memcpy(out + rank_ * count * element, send, static_cast<size_t>(count * element));
+    if (size_ == 1) return Status::Ok();
+    // The all-gather half of the ring: rank r starts with block r.
+    return Ring(call, out, Segments(count * size_, size_), dtype, ReduceOp::kSum, size_ - 1,
+                2 * (size_ - 1));
+  }
+
+  Status Broadcast(void* buffer, int64_t count, DType dtype, int root) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "broadcast"));
+    TESSERA_RETURN_IF_ERROR(CheckPeer(root, "root"));
+    if (size_ == 1 || count == 0) return Status::Ok();
+    char* data = static_cast<char*>(buffer);
+    const int64_t bytes = count * DTypeSize(dtype);
+    if (bytes <= options_.small_bytes) {
+      std::vector<RequestId> requests;
+      if (rank_ == root) {
+        for (int peer = 0; peer < size_; ++peer) {
+          if (peer == root) continue;
+          TESSERA_ASSIGN_OR_RETURN(auto id,
+                                   SendTo(peer, CollectiveTag(call.sequence, 0, 0), data, bytes));
+          requests.push_back(id);
+        }
+        return WaitFor(requests, call, -1);
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto id, transport_.Irecv(root, CollectiveTag(call.sequence, 0, 0), data, bytes));
+      return WaitFor({id}, call, root);
+    }
+    return ChainBroadcast(call, data, bytes, root);
+  }
+
+  Status Reduce(const void* send, void* recv, int64_t count, DType dtype, ReduceOp op,
+                int root) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "reduce"));
+    TESSERA_RETURN_IF_ERROR(CheckPeer(root, "root"));
+    if (count == 0) return Status::Ok();
+    const int64_t element = DTypeSize(dtype);
+    const int64_t bytes = count * element;
+    const char* input = static_cast<const char*>(send);
+    if (size_ == 1) {
+      std::memmove(recv, send, static_cast<size_t>(bytes));
+      return Finish(recv, count, dtype, op, size_);
+    }
+    if (bytes <= options_.small_bytes || count < size_) {
+      return DirectReduce(call, input, static_cast<char*>(recv), count, dtype, op, root);
+    }
+    // Ring reduce-scatter, then every rank sends its reduced segment to the root: the root
+    // receives (n-1)/n of the buffer instead of (n-1) buffers.
+    std::vector<char> work(input, input + bytes);
+    const Segments segments(count, size_);
+    TESSERA_RETURN_IF_ERROR(Ring(call, work.data(), segments, dtype, op, 0, size_ - 1));
+    const uint64_t tag = CollectiveTag(call.sequence, 2 * size_, 0);
+    auto segment_bytes = [&](int r) { return segments.length(r) * element; };
+    auto segment_of = [&](char* base, int r) { return base + segments.begin(r) * element; };
+    if (rank_ != root) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto id, SendTo(root, tag, segment_of(work.data(), rank_), segment_bytes(rank_)));
+      return WaitFor({id}, call, root);
+    }
+    char* out = static_cast<char*>(recv);
+    std::vector<RequestId> requests;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == root) continue;
+      TESSERA_ASSIGN_OR_RETURN(
+          auto id, transport_.Irecv(peer, tag, segment_of(out, peer), segment_bytes(peer)));
+      requests.push_back(id);
+    }
+    std::memcpy(segment_of(out, rank_), segment_of(work.data(), rank_),
+                static_cast<size_t>(segment_bytes(rank_)));
+    TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
+    return Finish(recv, count, dtype, op, size_);
+  }
+
+  Status Send(const void* data, int64_t count, DType dtype, int peer) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "send", /*collective=*/false));
+    TESSERA_RETURN_IF_ERROR(CheckPeer(peer, "peer"));
+    const uint64_t tag = kPointToPoint | (sends_to_[static_cast<size_t>(peer)]++ % kPointToPoint);
+    TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(peer, tag, data, count * DTypeSize(dtype)));
+    return WaitFor({id}, call, peer);
+  }
+
+  Status Recv(void* data, int64_t count, DType dtype, int peer) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "recv", /*collective=*/false));
+    TESSERA_RETURN_IF_ERROR(CheckPeer(peer, "peer"));
+    const uint64_t tag =
+        kPointToPoint | (receives_from_[static_cast<size_t>(peer)]++ % kPointToPoint);
+    TESSERA_ASSIGN_OR_RETURN(auto id, transport_.Irecv(peer, tag, data, count * DTypeSize(dtype)));
+    return WaitFor({id}, call, peer);
+  }
+
+ private:
+  struct Call {
+    uint64_t sequence;
+    PeerTransport::Clock::time_point deadline;
+  };
+
+  // Validates the arguments and numbers a collective call (every rank numbers its collectives
+  // alike; point-to-point calls, made by some ranks only, take no number).
+  Result<Call> Begin(int64_t count, DType dtype, const char* what, bool collective = true) {
+    if (size_ > kMaxRanks)
+      return InvalidArgument("{} over {} ranks (at most {})", what, size_, kMaxRanks);
+    if (count < 0) return InvalidArgument("{} of {} elements", what, count);
+    if (!CollectiveSupports(dtype)) {
+      return InvalidArgument("{} does not support {} (f32, bf16, f16, i32 only)", what,
+                             DTypeName(dtype));
+    }
+    return Call{collective ? next_sequence_++ : 0,
+                PeerTransport::Clock::now() + std::chrono::milliseconds(options_.timeout_ms)};
+  }
+
+  Status CheckPeer(int peer, const char* what) const {
+    if (peer < 0 || peer >= size_) {
+      return InvalidArgument("{} {} is not a rank of this {}-rank group", what, peer, size_);
+    }
+    return Status::Ok();
+  }
+
+  Result<RequestId> SendTo(int peer, uint64_t tag, const void* data, int64_t bytes) {
+    bytes_sent_ += bytes;
+    return transport_.Isend(peer, tag, data, bytes);
+  }
+
+  // Waits, adding who was waiting on whom (`peer`, or -1 for several) to an error.
+  Status WaitFor(const std::vector<RequestId>& requests, const Call& call, int peer) {
+    Status status = transport_.Wait(requests, call.deadline);
+    if (status.ok()) return status;
+    if (!reported_failure_ && options_.on_failure) {
+      reported_failure_ = true;
+      options_.on_failure(status);
+    }
+    return status.WithContext(peer >= 0 ? fmt::format("rank {} waiting on rank {}", rank_, peer)
+                                        : fmt::format("rank {}", rank_));
+  }
+
+  // Elements per chunk for segments of up to `length` elements: chunk_bytes, or larger when a
+  // segment would need more chunks than a tag can number.
+  int64_t ChunkElements(int64_t length, int64_t element) const {
+    const int64_t by_size = std::max<int64_t>(1, options_.chunk_bytes / element);
+    return std::max(by_size, (length + kMaxChunks - 1) / kMaxChunks);
+  }
+
+  // The ring. Over steps t = 0 .. 2(n-1)-1 rank r sends segment (r-t-1) mod n to its right
+  // neighbour and receives segment (r-t-2) mod n from its left one. In the first n-1 steps
+  // (reduce-scatter) a received segment is reduced into the local copy; afterwards (all-gather)
+  // it is stored. What arrives at step t is what leaves at step t+1, so each chunk is forwarded
+  // as soon as it has been reduced or stored: every link stays busy (pipelining). After step
+  // n-2 rank r holds segment r fully reduced; after step 2n-3 every rank holds every segment.
+  // Runs steps [first, last): reduce-scatter alone is [0, n-1), all-gather alone [n-1, 2n-2).
+  Status Ring(const Call& call, char* data, const Segments& segments, DType dtype, ReduceOp op,
+              int first, int last) {
+    const int64_t element = DTypeSize(dtype);
+    const int64_t chunk = ChunkElements(segments.length(0), element);
+    auto chunks_of = [&](int segment) { return (segments.length(segment) + chunk - 1) / chunk; };
+    auto chunk_elements = [&](int segment, int64_t c) {
+      return std::min(chunk, segments.length(segment) - c * chunk);
+    };
+    auto chunk_data = [&](int segment, int64_t c) {
+      return data + (segments.begin(segment) + c * chunk) * element;
+    };
+
+    std::vector<RequestId> sends;
+    const int first_segment = Mod(rank_ - first - 1, size_);
+    for (int64_t c = 0; c < chunks_of(first_segment); ++c) {
+      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(right_, CollectiveTag(call.sequence, first, c),
+                                               chunk_data(first_segment, c),
+                                               chunk_elements(first_segment, c) * element));
+      sends.push_back(id);
+    }
+    std::vector<char> scratch;
+    if (first < size_ - 1) scratch.resize(static_cast<size_t>(segments.length(0) * element));
+    for (int step = first; step < last; ++step) {
+      const int segment = Mod(rank_ - step - 2, size_);
+      const bool reducing = step < size_ - 1;
+      std::vector<RequestId> receives;
+      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+        char* into = reducing ? scratch.data() + c * chunk * element : chunk_data(segment, c);
+        TESSERA_ASSIGN_OR_RETURN(
+            auto id, transport_.Irecv(left_, CollectiveTag(call.sequence, step, c), into,
+                                      chunk_elements(segment, c) * element));
+        receives.push_back(id);
+      }
+      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+        TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
+        if (reducing) {
+          TESSERA_RETURN_IF_ERROR(Accumulate(chunk_data(segment, c),
+                                             scratch.data() + c * chunk * element,
+                                             chunk_elements(segment, c), dtype, op));
+        }
+        if (step + 1 < last) {
+          TESSERA_ASSIGN_OR_RETURN(
+              auto id, SendTo(right_, CollectiveTag(call.sequence, step + 1, c),
+                              chunk_data(segment, c), chunk_elements(segment, c) * element));
+          sends.push_back(id);
+        }
+      }
+    }
+    return WaitFor(sends, call, right_);
+  }
+
+  // Small all-reduce: every rank sends its buffer to every other and combines all of them in
+  // rank order, so every rank computes bitwise the same result. One latency, (n-1) copies.
+  Status DirectAllReduce(const Call& call, char* data, int64_t count, DType dtype, ReduceOp op) {
+    const int64_t bytes = count * DTypeSize(dtype);
+    const uint64_t tag = CollectiveTag(call.sequence, 0, 0);
+    std::vector<std::vector<char>> parts(static_cast<size_t>(size_));
+    std::vector<RequestId> requests;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      parts[static_cast<size_t>(peer)].resize(static_cast<size_t>(bytes));
+      TESSERA_ASSIGN_OR_RETURN(
+          auto receive,
+          transport_.Irecv(peer, tag, parts[static_cast<size_t>(peer)].data(), bytes));
+      TESSERA_ASSIGN_OR_RETURN(auto send, SendTo(peer, tag, data, bytes));
+      requests.push_back(receive);
+      requests.push_back(send);
+    }
+    TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
+    parts[static_cast<size_t>(rank_)].assign(data, data + bytes);
+    return CombineInRankOrder(parts, data, count, dtype, op);
+  }
+
+  // Small reduce: every rank sends to the root, which combines in rank order.
+  Status DirectReduce(const Call& call, const char* send, char* recv, int64_t count, DType dtype,
+                      ReduceOp op, int root) {
+    const int64_t bytes = count * DTypeSize(dtype);
+    const uint64_t tag = CollectiveTag(call.sequence, 0, 0);
+    if (rank_ != root) {
+      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(root, tag, send, bytes));
+      return WaitFor({id}, call, root);
+    }
+    std::vector<std::vector<char>> parts(static_cast<size_t>(size_));
+    std::vector<RequestId> requests;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == root) continue;
+      parts[static_cast<size_t>(peer)].resize(static_cast<size_t>(bytes));
+      TESSERA_ASSIGN_OR_RETURN(
+          auto id, transport_.Irecv(peer, tag, parts[static_cast<size_t>(peer)].data(), bytes));
+      requests.push_back(id);
+    }
+    TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
+    parts[static_cast<size_t>(root)].assign(send, send + bytes);
+    TESSERA_RETURN_IF_ERROR(CombineInRankOrder(parts, recv, count, dtype, op));
+    return Finish(recv, count, dtype, op, size_);
+  }
+
+  static Status CombineInRankOrder(const std::vector<std::vector<char>>& parts, char* out,
+                                   int64_t count, DType dtype, ReduceOp op) {
+    std::memcpy(out, parts[0].data(), parts[0].size());
+    for (size_t r = 1; r < parts.size(); ++r) {
+      TESSERA_RETURN_IF_ERROR(Accumulate(out, parts[r].data(), count, dtype, op));
+    }
+    return Status::Ok();
+  }
+
+  // Large broadcast: a chain root -> root+1 -> ... in chunks; each rank forwards a chunk as soon
+  // as it has it, so the time is about one buffer's transfer plus (n-2) chunks.
+  Status ChainBroadcast(const Call& call, char* data, int64_t bytes, int root) {
+    const int position = Mod(rank_ - root, size_);
+    const int64_t chunk = ChunkElements(bytes, 1);
+    const int64_t chunks = (bytes + chunk - 1) / chunk;
+    auto length = [&](int64_t c) { return std::min(chunk, bytes - c * chunk); };
+    std::vector<RequestId> receives, sends;
+    if (position > 0) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto id, transport_.Irecv(left_, CollectiveTag(call.sequence, 0, c), data + c * chunk,
+                                      length(c)));
+        receives.push_back(id);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (position > 0) {
+        TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
+      }
+      if (position < size_ - 1) {
+        TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(right_, CollectiveTag(call.sequence, 0, c),
+                                                 data + c * chunk, length(c)));
+        sends.push_back(id);
+      }
+    }
+    return WaitFor(sends, call, right_);
+  }
+
+  const std::shared_ptr<PeerTransport> owned_;  // when the communicator owns its transport
+  PeerTransport& transport_;
+  const CommunicatorOptions options_;
+  const int rank_;
+  const int size_;
+  const int left_;
+  const int right_;
+  uint64_t next_sequence_ = 1;
+  std::vector<uint64_t> sends_to_;
+  std::vector<uint64_t> receives_from_;
+  int64_t bytes_sent_ = 0;
+  bool reported_failure_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> MakeHostCommunicator(PeerTransport& transport,
+                                                   const CommunicatorOptions& options) {
+  return std::make_unique<HostCommunicator>(transport, options);
+}
+
+std::unique_ptr<Communicator> MakeHostCommunicator(std::shared_ptr<PeerTransport> transport,
+                                                   const CommunicatorOptions& options) {
+  PeerTransport& reference = *transport;
+  return std::make_unique<HostCommunicator>(reference, options, std::move(transport));
+}
+
+}  // namespace tessera

@@ -1,0 +1,565 @@
+#include "collectives/socket_rendezvous.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/ranges.h>
+
+#include "core/rpc/address.h"
+
+namespace tessera {
+
+namespace {
+
+using Clock = Rendezvous::Clock;
+
+enum class Kind : uint8_t {
+  kHello = 1,         // member -> 0: i32 rank, i32 size
+  kWelcome = 2,       // 0 -> member: the group is complete
+  kRefused = 3,       // 0 -> member: why it cannot join (text)
+  kContribution = 4,  // member -> 0: u32 round, bytes
+  kAll = 5,           // 0 -> member: u32 round, u32 count, count x (u32 length, bytes)
+  kFailure = 6,       // either way: a failure's reason text (naming the dead or stuck rank)
+  kBye = 7,           // either way: leaving normally
+};
+constexpr uint32_t kMaxFrameBytes = 64 << 20;
+
+struct Frame {
+  Kind kind;
+  std::string payload;
+};
+
+void PutU32(std::string& out, uint32_t value) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+}
+uint32_t GetU32(std::string_view in, size_t offset) {
+  uint32_t value = 0;
+  for (int i = 0; i < 4; ++i) {
+    value |= static_cast<uint32_t>(static_cast<uint8_t>(in[offset + static_cast<size_t>(i)]))
+             << (8 * i);
+  }
+  return value;
+}
+
+int RemainingMs(Clock::time_point deadline) {
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1'000'000));
+}
+
+Status SendFrame(int fd, Kind kind, std::string_view payload) {
+  std::string frame;
+  PutU32(frame, static_cast<uint32_t>(payload.size() + 1));
+  frame.push_back(static_cast<char>(kind));
+  frame.append(payload);
+  size_t sent = 0;
+  while (sent < frame.size()) {
+    const ssize_t n = ::send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Unavailable("rendezvous send failed: {}", std::strerror(errno));
+    sent += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+// Accumulates bytes from one socket and cuts them into frames.
+class FrameReader {
+ public:
+  // Reads what is available. NotFound at end of stream; Unavailable on a socket error.
+  Status ReadSome(int fd) {
+    char chunk[64 * 1024];
+    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), 0);
+    if (n == 0) return NotFound("end of stream");
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) return Status::Ok();
+      return Unavailable("{}", std::strerror(errno));
+    }
+    buffer_.append(chunk, static_cast<size_t>(n));
+    return Status::Ok();
+  }
+  // The next complete frame, if any; DataLoss for a malformed one.
+  Result<std::optional<Frame>> Next() {
+    if (buffer_.size() < 4) return std::optional<Frame>();
+    const uint32_t length = GetU32(buffer_, 0);
+    if (length == 0 || length > kMaxFrameBytes) {
+      return DataLoss("malformed rendezvous frame of {} bytes", length);
+    }
+    if (buffer_.size() < 4 + length) return std::optional<Frame>();
+    Frame frame{static_cast<Kind>(buffer_[4]), buffer_.substr(5, length - 1)};
+    buffer_.erase(0, 4 + length);
+    return std::optional<Frame>(std::move(frame));
+  }
+
+ private:
+  std::string buffer_;
+};
+
+// Blocking read of one frame by `deadline`.
+Result<Frame> ReadFrame(int fd, FrameReader& reader, Clock::time_point deadline,
+                        std::string_view from) {
+  while (true) {
+    TESSERA_ASSIGN_OR_RETURN(std::optional<Frame> frame, reader.Next());
+    if (frame) return std::move(*frame);
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, RemainingMs(deadline));
+    if (ready == 0) return TimedOut("no answer from {} in time", from);
+    if (ready < 0 && errno != EINTR) return Unavailable("poll: {}", std::strerror(errno));
+    Status status = reader.ReadSome(fd);
+    if (status.code() == StatusCode::kNotFound)
+      return Unavailable("{} closed the connection", from);
+    TESSERA_RETURN_IF_ERROR(status);
+  }
+}
+
+// A socket address for an rpc::Address.
+struct SocketAddress {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  int family = AF_INET;
+};
+
+Result<SocketAddress> Resolve(const rpc::Address& address) {
+  SocketAddress out;
+  if (address.kind == rpc::Address::Kind::kUnix) {
+    sockaddr_un un{};
+    un.sun_family = AF_UNIX;
+    if (address.path.size() >= sizeof(un.sun_path)) {
+      return InvalidArgument("unix socket path '{}' is longer than {} bytes", address.path,
+                             sizeof(un.sun_path) - 1);
+    }
+    std::memcpy(un.sun_path, address.path.c_str(), address.path.size() + 1);
+    std::memcpy(&out.storage, &un, sizeof(un));
+    out.length = sizeof(un);
+    out.family = AF_UNIX;
+    return out;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  const int error =
+      ::getaddrinfo(address.host.c_str(), std::to_string(address.port).c_str(), &hints, &result);
+  if (error != 0 || result == nullptr) {
+    return Unavailable("cannot resolve '{}': {}", address.host, gai_strerror(error));
+  }
+  std::memcpy(&out.storage, result->ai_addr, result->ai_addrlen);
+  out.length = result->ai_addrlen;
+  ::freeaddrinfo(result);
+  return out;
+}
+
+class SocketRendezvous final : public Rendezvous {
+ public:
+  SocketRendezvous(int rank, int size) : rank_(rank), size_(size) {
+    fds_.assign(static_cast<size_t>(size), -1);
+    said_bye_.assign(static_cast<size_t>(size), false);
+  }
+  ~SocketRendezvous() override;
+
+  Status JoinAsRoot(const rpc::Address& address, Clock::time_point deadline);
+  Status JoinAsMember(const rpc::Address& address, Clock::time_point deadline);
+  void StartWatching();
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Result<std::vector<std::string>> AllGather(const std::string& mine,
+                                             Clock::time_point deadline) override;
+  void OnMemberFailure(FailureHandler on_failure) override;
+  void ReportFailure(const Status& reason) override;
+
+ private:
+  void Watch();
+  // Handles one frame from `from` (rank 0 hears members; members hear rank 0). Watch thread.
+  Status Handle(int from, Frame frame);
+  void MemberLost(int rank, const std::string& why);  // watch thread
+  // Rank 0: sends a failure's reason to every member but `except` (unless one is known).
+  void Relay(int except, const std::string& reason);
+  void Fail(const Status& reason);  // records the first death, tells the handler
+  Status SendTo(int rank, Kind kind, std::string_view payload);
+
+  const int rank_;
+  const int size_;
+  std::vector<int> fds_;  // rank 0: one per member; a member: fds_[0], to rank 0
+  std::vector<std::mutex> write_mutexes_ = std::vector<std::mutex>(static_cast<size_t>(size_));
+  int wake_[2] = {-1, -1};
+  std::thread watcher_;
+  uint32_t next_round_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<bool> said_bye_;                                                 // under mutex_
+  std::map<uint32_t, std::vector<std::optional<std::string>>> contributions_;  // rank 0
+  std::map<uint32_t, std::vector<std::string>> results_;                       // members
+  Status failure_;                                                             // first death
+  FailureHandler on_failure_;
+};
+
+Status SocketRendezvous::JoinAsRoot(const rpc::Address& address, Clock::time_point deadline) {
+  TESSERA_ASSIGN_OR_RETURN(SocketAddress where, Resolve(address));
+  const int listener = ::socket(where.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listener < 0) return Unavailable("socket: {}", std::strerror(errno));
+  const int one = 1;
+  if (where.family == AF_INET) ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (where.family == AF_UNIX) ::unlink(address.path.c_str());
+  if (::bind(listener, reinterpret_cast<sockaddr*>(&where.storage), where.length) != 0 ||
+      ::listen(listener, 128) != 0) {
+    const std::string error = std::strerror(errno);
+    ::close(listener);
+    return Unavailable("rank 0 cannot listen on {}: {} (is another group using it?)",
+                       address.ToString(), error);
+  }
+  int joined = 1;
+  Status status;
+  while (joined < size_) {
+    pollfd p{listener, POLLIN, 0};
+    const int ready = ::poll(&p, 1, RemainingMs(deadline));
+    if (ready == 0) {
+      std::vector<int> missing;
+      for (int r = 1; r < size_; ++r) {
+        if (fds_[static_cast<size_t>(r)] < 0) missing.push_back(r);
+      }
+      status = TimedOut("rank 0 waited for ranks {} to join at {}; they never came",
+                        fmt::join(missing, ", "), address.ToString());
+      break;
+    }
+    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    FrameReader reader;
+    Result<Frame> hello = ReadFrame(
+        fd, reader, std::min(deadline, Clock::now() + std::chrono::seconds(5)), "a joining member");
+    if (!hello.ok() || hello->kind != Kind::kHello || hello->payload.size() != 8) {
+      ::close(fd);
+      continue;
+    }
+    const int rank = static_cast<int>(GetU32(hello->payload, 0));
+    const int size = static_cast<int>(GetU32(hello->payload, 4));
+    std::string refusal;
+    if (size != size_) {
+      refusal =
+          fmt::format("rank {} thinks the group has {} ranks; rank 0 has {}", rank, size, size_);
+    } else if (rank <= 0 || rank >= size_) {
+      refusal = fmt::format("rank {} is not a member rank of a group of {}", rank, size_);
+    } else if (fds_[static_cast<size_t>(rank)] >= 0) {
+      refusal = fmt::format("rank {} joined twice (two members were given the same rank)", rank);
+    }
+    if (!refusal.empty()) {
+      (void)SendFrame(fd, Kind::kRefused, refusal);
+      ::close(fd);
+      continue;
+    }
+    fds_[static_cast<size_t>(rank)] = fd;
+    ++joined;
+  }
+  ::close(listener);
+  if (where.family == AF_UNIX) ::unlink(address.path.c_str());
+  if (!status.ok()) return status;
+  for (int r = 1; r < size_; ++r) TESSERA_RETURN_IF_ERROR(SendTo(r, Kind::kWelcome, ""));
+  return Status::Ok();
+}
+
+Status SocketRendezvous::JoinAsMember(const rpc::Address& address, Clock::time_point deadline) {
+  TESSERA_ASSIGN_OR_RETURN(SocketAddress where, Resolve(address));
+  std::string last_error;
+  int fd = -1;
+  while (true) {  // rank 0 may not be listening yet: retry until the deadline
+    fd = ::socket(where.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Unavailable("socket: {}", std::strerror(errno));
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&where.storage), where.length) == 0) break;
+    last_error = std::strerror(errno);
+    ::close(fd);
+    fd = -1;
+    if (Clock::now() >= deadline) {
+      return TimedOut("rank {} could not reach rank 0 at {}: {}", rank_, address.ToString(),
+                      last_error);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (where.family == AF_INET) {
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  fds_[0] = fd;
+  std::string hello;
+  PutU32(hello, static_cast<uint32_t>(rank_));
+  PutU32(hello, static_cast<uint32_t>(size_));
+  TESSERA_RETURN_IF_ERROR(SendTo(0, Kind::kHello, hello));
+  FrameReader reader;
+  TESSERA_ASSIGN_OR_RETURN(
+      Frame answer,
+      ReadFrame(fd, reader, deadline, fmt::format("rank 0 at {}", address.ToString())));
+  if (answer.kind == Kind::kRefused)
+    return InvalidArgument("rank 0 refused rank {}: {}", rank_, answer.payload);
+  if (answer.kind != Kind::kWelcome)
+    return DataLoss("rank 0 answered rank {}'s hello with frame kind {}", rank_,
+                    static_cast<int>(answer.kind));
+  return Status::Ok();
+}
+
+void SocketRendezvous::StartWatching() {
+  if (::pipe2(wake_, O_CLOEXEC) != 0) return;
+  watcher_ = std::thread([this] { Watch(); });
+}
+
+SocketRendezvous::~SocketRendezvous() {
+  // Goodbye first, so the others do not take this exit for a death.
+  if (rank_ == 0) {
+    for (int r = 1; r < size_; ++r) (void)SendTo(r, Kind::kBye, "");
+  } else {
+    (void)SendTo(0, Kind::kBye, "");
+  }
+  if (watcher_.joinable()) {
+    const char byte = 0;
+    (void)!::write(wake_[1], &byte, 1);
+    watcher_.join();
+  }
+  for (int fd : wake_) {
+    if (fd >= 0) ::close(fd);
+  }
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+Status SocketRendezvous::SendTo(int rank, Kind kind, std::string_view payload) {
+  const int fd = fds_[static_cast<size_t>(rank)];
+  if (fd < 0) return Unavailable("rank {} is not connected", rank);
+  std::lock_guard lock(write_mutexes_[static_cast<size_t>(rank)]);
+  return SendFrame(fd, kind, payload);
+}
+
+void SocketRendezvous::Watch() {
+  std::vector<FrameReader> readers(static_cast<size_t>(size_));
+  std::vector<bool> open(static_cast<size_t>(size_), false);
+  for (int r = 0; r < size_; ++r) open[static_cast<size_t>(r)] = fds_[static_cast<size_t>(r)] >= 0;
+  while (true) {
+    std::vector<pollfd> polled{{wake_[0], POLLIN, 0}};
+    std::vector<int> ranks{-1};
+    for (int r = 0; r < size_; ++r) {
+      if (!open[static_cast<size_t>(r)]) continue;
+      polled.push_back({fds_[static_cast<size_t>(r)], POLLIN, 0});
+      ranks.push_back(r);
+    }
+    if (::poll(polled.data(), polled.size(), -1) < 0 && errno != EINTR) return;
+    if (polled[0].revents != 0) return;  // shutting down
+    for (size_t i = 1; i < polled.size(); ++i) {
+      if (polled[i].revents == 0) continue;
+      const int from = ranks[i];
+      FrameReader& reader = readers[static_cast<size_t>(from)];
+      Status status = reader.ReadSome(polled[i].fd);
+      while (status.ok()) {
+        Result<std::optional<Frame>> frame = reader.Next();
+        if (!frame.ok()) {
+          status = frame.status();
+          break;
+        }
+        if (!frame->has_value()) break;
+        status = Handle(from, std::move(**frame));
+      }
+      if (status.ok()) continue;
+      open[static_cast<size_t>(from)] = false;
+      bool left;
+      {
+        std::lock_guard lock(mutex_);
+        left = said_bye_[static_cast<size_t>(from)];
+        changed_.notify_all();
+      }
+      if (!left) {
+        MemberLost(from, status.code() == StatusCode::kNotFound
+                             ? "its rendezvous connection closed without a goodbye"
+                             : status.message());
+      }
+    }
+  }
+}
+
+Status SocketRendezvous::Handle(int from, Frame frame) {
+  switch (frame.kind) {
+    case Kind::kContribution: {
+      if (rank_ != 0 || frame.payload.size() < 4) return DataLoss("unexpected contribution");
+      const uint32_t round = GetU32(frame.payload, 0);
+      std::lock_guard lock(mutex_);
+      auto& slots = contributions_[round];
+      slots.resize(static_cast<size_t>(size_));
+      slots[static_cast<size_t>(from)] = frame.payload.substr(4);
+      changed_.notify_all();
+      return Status::Ok();
+    }
+    case Kind::kAll: {
+      if (rank_ == 0 || frame.payload.size() < 8) return DataLoss("unexpected all-gather result");
+      const uint32_t round = GetU32(frame.payload, 0);
+      const uint32_t count = GetU32(frame.payload, 4);
+      std::vector<std::string> all;
+      size_t offset = 8;
+      for (uint32_t i = 0; i < count; ++i) {
+        if (offset + 4 > frame.payload.size()) return DataLoss("truncated all-gather result");
+        const uint32_t length = GetU32(frame.payload, offset);
+        offset += 4;
+        if (offset + length > frame.payload.size()) return DataLoss("truncated all-gather result");
+        all.push_back(frame.payload.substr(offset, length));
+        offset += length;
+      }
+      std::lock_guard lock(mutex_);
+      results_[round] = std::move(all);
+      changed_.notify_all();
+      return Status::Ok();
+    }
+    case Kind::kFailure:
+      // A member's report goes to everyone else; rank 0's news is final.
+      if (rank_ == 0) Relay(from, frame.payload);
+      Fail(Unavailable("{}", frame.payload));
+      return Status::Ok();
+    case Kind::kBye: {
+      std::lock_guard lock(mutex_);
+      said_bye_[static_cast<size_t>(from)] = true;
+      changed_.notify_all();
+      return Status::Ok();
+    }
+    default:
+      return DataLoss("unexpected rendezvous frame kind {}", static_cast<int>(frame.kind));
+  }
+}
+
+void SocketRendezvous::MemberLost(int rank, const std::string& why) {
+  const Status reason = Unavailable("rank {} died: {}", rank, why);
+  // Tell everyone else which member it was: their own links may look merely slow.
+  if (rank_ == 0) Relay(rank, reason.message());
+  Fail(reason);
+}
+
+void SocketRendezvous::Relay(int except, const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.ok()) return;  // the group has its verdict already
+  }
+  for (int r = 1; r < size_; ++r) {
+    if (r != except) (void)SendTo(r, Kind::kFailure, reason);
+  }
+}
+
+void SocketRendezvous::ReportFailure(const Status& reason) {
+  if (size_ == 1 || reason.ok()) return;
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.ok()) return;  // what this member found is a consequence of a known failure
+  }
+  if (rank_ == 0) {
+    Relay(0, reason.message());
+  } else {
+    (void)SendTo(0, Kind::kFailure, reason.message());
+  }
+  Fail(reason);
+}
+
+void SocketRendezvous::Fail(const Status& reason) {
+  FailureHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.ok()) return;
+    failure_ = reason;
+    handler = on_failure_;
+    changed_.notify_all();
+  }
+  if (handler) handler(reason);
+}
+
+void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
+  Status known;
+  {
+    std::lock_guard lock(mutex_);
+    on_failure_ = on_failure;
+    known = failure_;
+  }
+  if (!known.ok()) on_failure(known);
+}
+
+Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& mine,
+                                                             Clock::time_point deadline) {
+  const uint32_t round = next_round_++;
+  if (size_ == 1) return std::vector<std::string>{mine};
+  std::unique_lock lock(mutex_);
+  if (rank_ != 0) {
+    lock.unlock();
+    std::string payload;
+    PutU32(payload, round);
+    payload += mine;
+    TESSERA_RETURN_IF_ERROR(SendTo(0, Kind::kContribution, payload));
+    lock.lock();
+    const bool done = changed_.wait_until(
+        lock, deadline, [&] { return results_.contains(round) || !failure_.ok() || said_bye_[0]; });
+    if (results_.contains(round)) {
+      std::vector<std::string> all = std::move(results_[round]);
+      results_.erase(round);
+      return all;
+    }
+    if (!failure_.ok()) return failure_;
+    if (said_bye_[0]) return Unavailable("rank 0 left the group before round {} completed", round);
+    (void)done;
+    return TimedOut("rank {} got no all-gather result from rank 0 in time", rank_);
+  }
+  auto& slots = contributions_[round];
+  slots.resize(static_cast<size_t>(size_));
+  slots[0] = mine;
+  auto complete = [&] {
+    return std::all_of(slots.begin(), slots.end(), [](const auto& s) { return s.has_value(); });
+  };
+  changed_.wait_until(lock, deadline, [&] { return complete() || !failure_.ok(); });
+  if (!complete()) {
+    if (!failure_.ok()) return failure_;
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (!slots[static_cast<size_t>(r)]) missing.push_back(r);
+    }
+    return TimedOut("rank 0 waited in vain for ranks {} to contribute", fmt::join(missing, ", "));
+  }
+  std::vector<std::string> all;
+  for (auto& slot : slots) all.push_back(std::move(*slot));
+  contributions_.erase(round);
+  lock.unlock();
+  std::string payload;
+  PutU32(payload, round);
+  PutU32(payload, static_cast<uint32_t>(all.size()));
+  for (const std::string& one : all) {
+    PutU32(payload, static_cast<uint32_t>(one.size()));
+    payload += one;
+  }
+  for (int r = 1; r < size_; ++r) TESSERA_RETURN_IF_ERROR(SendTo(r, Kind::kAll, payload));
+  return all;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Rendezvous>> JoinSocketRendezvous(const SocketRendezvousOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return InvalidArgument("rank {} of a group of {} is not a rank (0 <= rank < size)",
+                           options.rank, options.size);
+  }
+  TESSERA_ASSIGN_OR_RETURN(rpc::Address address, rpc::Address::Parse(options.address));
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.timeout_ms);
+  auto rendezvous = std::make_unique<SocketRendezvous>(options.rank, options.size);
+  if (options.size > 1) {
+    if (options.rank == 0) {
+      TESSERA_RETURN_IF_ERROR(rendezvous->JoinAsRoot(address, deadline));
+    } else {
+      TESSERA_RETURN_IF_ERROR(rendezvous->JoinAsMember(address, deadline));
+    }
+    rendezvous->StartWatching();
+  }
+  return std::unique_ptr<Rendezvous>(std::move(rendezvous));
+}
+
+}  // namespace tessera

@@ -1,0 +1,183 @@
+// The collective algorithms on the loopback transport (threads in one process), every op and
+// dtype against the naive reference, for groups of 1 to 8 ranks; and failures.
+#include <chrono>
+#include <thread>
+
+#include "collectives/collective_suite.h"
+#include "collectives/communicator.h"
+#include "collectives/loopback.h"
+#include "core/half.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+// Runs `body(rank, communicator)` on one thread per rank; returns each rank's status.
+template <typename Body>
+std::vector<Status> RunGroup(int size, const CommunicatorOptions& options, Body body,
+                             LoopbackGroup* group_out = nullptr) {
+  LoopbackGroup local(size);
+  LoopbackGroup& group = group_out != nullptr ? *group_out : local;
+  std::vector<Status> results(static_cast<size_t>(size));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto communicator = MakeHostCommunicator(group.transport(r), options);
+      results[static_cast<size_t>(r)] = body(r, *communicator);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return results;
+}
+
+class CollectivesSuiteTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesSuiteTest, EveryOpAndDtypeMatchesTheReference) {
+  CollectiveSuiteOptions suite;
+  suite.large_bytes = 4 << 20;
+  for (const Status& status : RunGroup(
+           GetParam(), {}, [&](int, Communicator& c) { return RunCollectiveSuite(c, suite); })) {
+    EXPECT_OK(status);
+  }
+}
+
+TEST_P(CollectivesSuiteTest, SmallChunksPipelineTheRing) {
+  // Tiny thresholds push every size but the smallest through the chunked ring and chain.
+  CommunicatorOptions options;
+  options.small_bytes = 64;
+  options.chunk_bytes = 256;
+  CollectiveSuiteOptions suite;
+  suite.sizes = {3, 64, 1021, 4099};
+  for (const Status& status : RunGroup(GetParam(), options, [&](int, Communicator& c) {
+         return RunCollectiveSuite(c, suite);
+       })) {
+    EXPECT_OK(status);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CollectivesSuiteTest, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const auto& param_info) {
+                           return std::to_string(param_info.param) + "ranks";
+                         });
+
+TEST(CollectivesTest, RingResultsAreIdenticalOnEveryRank) {
+  // Random floats (not exactly summable): every rank must still hold the same bits.
+  const int n = 4;
+  const int64_t count = 100'003;
+  std::vector<std::vector<float>> buffers(n);
+  for (int r = 0; r < n; ++r) {
+    buffers[static_cast<size_t>(r)] =
+        ToVector(RandomTensor({count}, 17 + static_cast<uint64_t>(r)));
+  }
+  for (const Status& status : RunGroup(n, {}, [&](int r, Communicator&c) {
+         return c.AllReduce(buffers[static_cast<size_t>(r)].data(), count, DType::kF32,
+                            ReduceOp::kSum);
+       })) {
+    ASSERT_OK(status);
+  }
+  for (int r = 1; r < n; ++r) {
+    EXPECT_EQ(0, std::memcmp(buffers[0].data(), buffers[static_cast<size_t>(r)].data(),
+                             count * sizeof(float)))
+        << "rank " << r;
+  }
+}
+
+TEST(CollectivesTest, BytesSentFollowTheRing) {
+  // All-reduce by ring: each rank sends 2(n-1)/n of the buffer.
+  const int n = 4;
+  const int64_t count = 1 << 20;
+  std::vector<int64_t> sent(n);
+  RunGroup(n, {}, [&](int r, Communicator& c) {
+    std::vector<float> buffer(count, 1.0f);
+    Status status = c.AllReduce(buffer.data(), count, DType::kF32, ReduceOp::kSum);
+    sent[static_cast<size_t>(r)] = c.bytes_sent();
+    return status;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[static_cast<size_t>(r)], 2 * (n - 1) * count * 4 / n);
+}
+
+TEST(CollectivesTest, BadArgumentsAreRefused) {
+  LoopbackGroup group(2);
+  auto communicator = MakeHostCommunicator(group.transport(0));
+  float x = 0;
+  Status status = communicator->AllReduce(&x, 1, DType::kI64, ReduceOp::kSum);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("i64"), std::string::npos) << status.ToString();
+  status = communicator->Broadcast(&x, 1, DType::kF32, 2);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("root 2"), std::string::npos) << status.ToString();
+  EXPECT_EQ(communicator->AllReduce(&x, -1, DType::kF32, ReduceOp::kSum).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(CollectivesTest, ADeadMemberFailsEveryOtherRankNamingIt) {
+  const int n = 4;
+  LoopbackGroup group(n);
+  CommunicatorOptions options;
+  options.timeout_ms = 600'000;  // the death must be noticed (Unavailable), not waited out
+  std::vector<Status> results = RunGroup(
+      n, options,
+      [&](int r, Communicator& c) {
+        if (r == 2) {
+          group.Kill(2);
+          return Status::Ok();
+        }
+        std::vector<float> buffer(1 << 20, 1.0f);
+        return c.AllReduce(buffer.data(), 1 << 20, DType::kF32, ReduceOp::kSum);
+      },
+      &group);
+  for (int r : {0, 1, 3}) {
+    const Status& status = results[static_cast<size_t>(r)];
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << "rank " << r << ": " << status.ToString();
+    EXPECT_NE(status.message().find("rank 2 died"), std::string::npos) << status.ToString();
+  }
+}
+
+TEST(CollectivesTest, ASilentPeerTimesOutNamingIt) {
+  const int n = 2;
+  CommunicatorOptions options;
+  options.timeout_ms = 200;
+  std::vector<Status> results = RunGroup(n, options, [&](int r, Communicator& c) {
+    if (r == 1) return Status::Ok();  // never joins the collective
+    float x = 1;
+    return c.AllReduce(&x, 1, DType::kF32, ReduceOp::kSum);
+  });
+  EXPECT_EQ(results[0].code(), StatusCode::kTimedOut) << results[0].ToString();
+  EXPECT_NE(results[0].message().find("rank 1"), std::string::npos) << results[0].ToString();
+}
+
+TEST(CollectivesTest, AbortStopsABlockedCollective) {
+  LoopbackGroup group(2);
+  auto communicator = MakeHostCommunicator(group.transport(0));
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    communicator->Abort(Unavailable("rank 1 died: the scheduler lost it"));
+  });
+  float x = 1;
+  Status status = communicator->AllReduce(&x, 1, DType::kF32, ReduceOp::kSum);
+  aborter.join();
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable);
+  EXPECT_NE(status.message().find("rank 1 died"), std::string::npos) << status.ToString();
+  // Broken for good: later calls fail with the same reason.
+  EXPECT_NE(
+      communicator->AllReduce(&x, 1, DType::kF32, ReduceOp::kSum).message().find("rank 1 died"),
+      std::string::npos);
+}
+
+TEST(HalfTest, RoundTripsAndRoundsToNearestEven) {
+  for (float v : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f}) {
+    EXPECT_EQ(HalfToFloat(FloatToHalf(v)), v) << v;
+  }
+  EXPECT_TRUE(std::isinf(HalfToFloat(FloatToHalf(1e6f))));
+  EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(NAN))));
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 1.0f / 2048)), 1.0f);  // tie -> even
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 3.0f / 2048)), 1.0f + 2.0f / 1024);
+  for (float v : {0.0f, 1.0f, -3.140625f, std::ldexp(1.0f, 100)}) {
+    EXPECT_EQ(Bf16ToFloat(FloatToBf16(v)), v) << v;
+  }
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 1.0f / 256)), 1.0f);  // tie -> even
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
+}
+
+}  // namespace
+}  // namespace tessera::testing
