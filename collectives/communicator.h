@@ -49,8 +49,13 @@ class Communicator {
   // op over every rank's `send` lands in root's `recv` (other ranks' recv is untouched).
   virtual Status Reduce(const void* send, void* recv, int64_t count, DType dtype, ReduceOp op,
                         int root) = 0;
+  // Point to point: messages between one pair arrive in the order they were sent.
   virtual Status Send(const void* data, int64_t count, DType dtype, int peer) = 0;
   virtual Status Recv(void* data, int64_t count, DType dtype, int peer) = 0;
+  // Sends to `dest` and receives from `source` at the same time (a ring shift when every rank
+  // calls it with its neighbours; pipeline stages exchanging activations and gradients).
+  virtual Status SendRecv(const void* send, int64_t send_count, int dest, void* recv,
+                          int64_t recv_count, int source, DType dtype) = 0;
 
   // Bytes this rank has sent so far (for communication accounting).
   virtual int64_t bytes_sent() const = 0;
@@ -64,9 +69,10 @@ struct CommunicatorOptions {
   int64_t small_bytes = 64 * 1024;  // direct algorithms up to this size
   int64_t chunk_bytes = 1 << 20;    // pipelining granularity of the ring and the chain
   int timeout_ms = 30'000;          // per call: a silent peer fails the call after this
-  // Runs once with the first failure this rank finds itself (not one it was told of through
-  // Abort), so a watcher can tell the other members (Rendezvous::ReportFailure).
-  std::function<void(const Status&)> on_failure;
+  // Runs once with the first failure a call of this rank meets, and returns the error the call
+  // reports instead: the group's verdict (Rendezvous::ReportFailure), which may name another
+  // rank than the one this rank happened to wait on.
+  std::function<Status(const Status&)> on_failure;
 };
 
 // REQUIRES: `transport` outlives the communicator.

@@ -15,7 +15,7 @@ using RequestId = PeerTransport::RequestId;
 // below it); collectives use [call sequence: 23][step: 12][chunk: 12], so messages of different
 // calls, steps or chunks never match each other. Sequences wrap after 8M calls, long after any
 // message of the old call is gone.
-constexpr uint64_t kPointToPoint = uint64_t{1} << 47;
+constexpr uint64_t kPointToPointTag = uint64_t{1} << 47;
 constexpr int64_t kMaxChunks = 4095;
 constexpr int kMaxRanks = 2000;  // every step number (up to 2n) must fit 12 bits
 
@@ -55,7 +55,7 @@ class HostCommunicator final : public Communicator {
   void Abort(const Status& reason) override { transport_.Abort(reason); }
 
   Status AllReduce(void* buffer, int64_t count, DType dtype, ReduceOp op) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-reduce"));
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-reduce", Kind::kReduction));
     char* data = static_cast<char*>(buffer);
     if (size_ > 1 && count > 0) {
       if (count * DTypeSize(dtype) <= options_.small_bytes || count < size_) {
@@ -71,23 +71,21 @@ class HostCommunicator final : public Communicator {
 
   Status ReduceScatter(const void* send, void* recv, int64_t count, DType dtype,
                        ReduceOp op) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "reduce-scatter"));
-    const int64_t element = DTypeSize(dtype);
+    TESSERA_ASSIGN_OR_RETURN(const Call call,
+                             Begin(count, dtype, "reduce-scatter", Kind::kReduction));
     if (count == 0) return Status::Ok();
-    // The ring reduces in place: it works on a copy of the send buffer, and block r ends up
-    // fully reduced on rank r.
-    const char* input = static_cast<const char*>(send);
-    std::vector<char> work(input, input + count * size_ * element);
-    if (size_ > 1) {
-      TESSERA_RETURN_IF_ERROR(
-          Ring(call, work.data(), Segments(count * size_, size_), dtype, op, 0, size_ - 1));
+    if (size_ == 1) {
+      std::memmove(recv, send, static_cast<size_t>(count * DTypeSize(dtype)));
+    } else {
+      TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, static_cast<const char*>(send),
+                                                static_cast<char*>(recv),
+                                                Segments(count * size_, size_), dtype, op));
     }
-    std::memcpy(recv, work.data() + rank_ * count * element, static_cast<size_t>(count * element));
     return Finish(recv, count, dtype, op, size_);
   }
 
   Status AllGather(const void* send, void* recv, int64_t count, DType dtype) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-gather"));
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-gather", Kind::kCopy));
     const int64_t element = DTypeSize(dtype);
     char* out = static_cast<char*>(recv);
     if (count == 0) return Status::Ok();
@@ -99,7 +97,7 @@ class HostCommunicator final : public Communicator {
   }
 
   Status Broadcast(void* buffer, int64_t count, DType dtype, int root) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "broadcast"));
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "broadcast", Kind::kCopy));
     TESSERA_RETURN_IF_ERROR(CheckPeer(root, "root"));
     if (size_ == 1 || count == 0) return Status::Ok();
     char* data = static_cast<char*>(buffer);
@@ -124,7 +122,7 @@ class HostCommunicator final : public Communicator {
 
   Status Reduce(const void* send, void* recv, int64_t count, DType dtype, ReduceOp op,
                 int root) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "reduce"));
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "reduce", Kind::kReduction));
     TESSERA_RETURN_IF_ERROR(CheckPeer(root, "root"));
     if (count == 0) return Status::Ok();
     const int64_t element = DTypeSize(dtype);
@@ -139,15 +137,14 @@ class HostCommunicator final : public Communicator {
     }
     // Ring reduce-scatter, then every rank sends its reduced segment to the root: the root
     // receives (n-1)/n of the buffer instead of (n-1) buffers.
-    std::vector<char> work(input, input + bytes);
     const Segments segments(count, size_);
-    TESSERA_RETURN_IF_ERROR(Ring(call, work.data(), segments, dtype, op, 0, size_ - 1));
-    const uint64_t tag = CollectiveTag(call.sequence, 2 * size_, 0);
     auto segment_bytes = [&](int r) { return segments.length(r) * element; };
     auto segment_of = [&](char* base, int r) { return base + segments.begin(r) * element; };
+    std::vector<char> mine(static_cast<size_t>(segment_bytes(rank_)));
+    TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, input, mine.data(), segments, dtype, op));
+    const uint64_t tag = CollectiveTag(call.sequence, 2 * size_, 0);
     if (rank_ != root) {
-      TESSERA_ASSIGN_OR_RETURN(
-          auto id, SendTo(root, tag, segment_of(work.data(), rank_), segment_bytes(rank_)));
+      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(root, tag, mine.data(), segment_bytes(rank_)));
       return WaitFor({id}, call, root);
     }
     char* out = static_cast<char*>(recv);
@@ -158,27 +155,47 @@ class HostCommunicator final : public Communicator {
           auto id, transport_.Irecv(peer, tag, segment_of(out, peer), segment_bytes(peer)));
       requests.push_back(id);
     }
-    std::memcpy(segment_of(out, rank_), segment_of(work.data(), rank_),
-                static_cast<size_t>(segment_bytes(rank_)));
+    std::memcpy(segment_of(out, rank_), mine.data(), static_cast<size_t>(segment_bytes(rank_)));
     TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
     return Finish(recv, count, dtype, op, size_);
   }
 
   Status Send(const void* data, int64_t count, DType dtype, int peer) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "send", /*collective=*/false));
     TESSERA_RETURN_IF_ERROR(CheckPeer(peer, "peer"));
-    const uint64_t tag = kPointToPoint | (sends_to_[static_cast<size_t>(peer)]++ % kPointToPoint);
-    TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(peer, tag, data, count * DTypeSize(dtype)));
-    return WaitFor({id}, call, peer);
+    return SendRecv(data, count, peer, nullptr, 0, -1, dtype);
   }
 
   Status Recv(void* data, int64_t count, DType dtype, int peer) override {
-    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "recv", /*collective=*/false));
     TESSERA_RETURN_IF_ERROR(CheckPeer(peer, "peer"));
-    const uint64_t tag =
-        kPointToPoint | (receives_from_[static_cast<size_t>(peer)]++ % kPointToPoint);
-    TESSERA_ASSIGN_OR_RETURN(auto id, transport_.Irecv(peer, tag, data, count * DTypeSize(dtype)));
-    return WaitFor({id}, call, peer);
+    return SendRecv(nullptr, 0, -1, data, count, peer, dtype);
+  }
+
+  Status SendRecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count,
+                  int source, DType dtype) override {
+    // Point-to-point calls take no collective number (only some ranks make them); a per-peer
+    // counter keeps successive messages between a pair apart.
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(std::min(send_count, recv_count), dtype,
+                                                    "send/recv", Kind::kPointToPoint));
+    std::vector<RequestId> requests;
+    const int64_t element = DTypeSize(dtype);
+    if (source == rank_ || dest == rank_) {
+      return InvalidArgument("rank {} cannot send to or receive from itself", rank_);
+    }
+    if (source >= 0) {
+      TESSERA_RETURN_IF_ERROR(CheckPeer(source, "source"));
+      const uint64_t tag =
+          kPointToPointTag | (receives_from_[static_cast<size_t>(source)]++ % kPointToPointTag);
+      TESSERA_ASSIGN_OR_RETURN(auto id, transport_.Irecv(source, tag, recv, recv_count * element));
+      requests.push_back(id);
+    }
+    if (dest >= 0) {
+      TESSERA_RETURN_IF_ERROR(CheckPeer(dest, "destination"));
+      const uint64_t tag =
+          kPointToPointTag | (sends_to_[static_cast<size_t>(dest)]++ % kPointToPointTag);
+      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(dest, tag, send, send_count * element));
+      requests.push_back(id);
+    }
+    return WaitFor(requests, call, source >= 0 ? source : dest);
   }
 
  private:
@@ -187,17 +204,22 @@ class HostCommunicator final : public Communicator {
     PeerTransport::Clock::time_point deadline;
   };
 
+  // What a call does with the bytes: reduces them (f32, bf16, f16, i32 only), copies them
+  // between all ranks (any dtype), or moves them between two ranks (any dtype, no number).
+  enum class Kind { kReduction, kCopy, kPointToPoint };
+
   // Validates the arguments and numbers a collective call (every rank numbers its collectives
   // alike; point-to-point calls, made by some ranks only, take no number).
-  Result<Call> Begin(int64_t count, DType dtype, const char* what, bool collective = true) {
-    if (size_ > kMaxRanks)
+  Result<Call> Begin(int64_t count, DType dtype, const char* what, Kind kind) {
+    if (size_ > kMaxRanks) {
       return InvalidArgument("{} over {} ranks (at most {})", what, size_, kMaxRanks);
+    }
     if (count < 0) return InvalidArgument("{} of {} elements", what, count);
-    if (!CollectiveSupports(dtype)) {
-      return InvalidArgument("{} does not support {} (f32, bf16, f16, i32 only)", what,
+    if (kind == Kind::kReduction && !CollectiveSupports(dtype)) {
+      return InvalidArgument("{} does not reduce {} (f32, bf16, f16, i32 only)", what,
                              DTypeName(dtype));
     }
-    return Call{collective ? next_sequence_++ : 0,
+    return Call{kind == Kind::kPointToPoint ? 0 : next_sequence_++,
                 PeerTransport::Clock::now() + std::chrono::milliseconds(options_.timeout_ms)};
   }
 
@@ -219,9 +241,9 @@ class HostCommunicator final : public Communicator {
     if (status.ok()) return status;
     if (!reported_failure_ && options_.on_failure) {
       reported_failure_ = true;
-      options_.on_failure(status);
+      status = options_.on_failure(status);
     }
-    return status.WithContext(peer >= 0 ? fmt::format("rank {} waiting on rank {}", rank_, peer)
+    return status.WithContext(peer >= 0 ? fmt::format("rank {} (waiting on rank {})", rank_, peer)
                                         : fmt::format("rank {}", rank_));
   }
 
@@ -259,14 +281,13 @@ class HostCommunicator final : public Communicator {
                                                chunk_elements(first_segment, c) * element));
       sends.push_back(id);
     }
-    std::vector<char> scratch;
-    if (first < size_ - 1) scratch.resize(static_cast<size_t>(segments.length(0) * element));
+    char* scratch = first < size_ - 1 ? Scratch(0, segments.length(0) * element) : nullptr;
     for (int step = first; step < last; ++step) {
       const int segment = Mod(rank_ - step - 2, size_);
       const bool reducing = step < size_ - 1;
       std::vector<RequestId> receives;
       for (int64_t c = 0; c < chunks_of(segment); ++c) {
-        char* into = reducing ? scratch.data() + c * chunk * element : chunk_data(segment, c);
+        char* into = reducing ? scratch + c * chunk * element : chunk_data(segment, c);
         TESSERA_ASSIGN_OR_RETURN(
             auto id, transport_.Irecv(left_, CollectiveTag(call.sequence, step, c), into,
                                       chunk_elements(segment, c) * element));
@@ -275,8 +296,7 @@ class HostCommunicator final : public Communicator {
       for (int64_t c = 0; c < chunks_of(segment); ++c) {
         TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
         if (reducing) {
-          TESSERA_RETURN_IF_ERROR(Accumulate(chunk_data(segment, c),
-                                             scratch.data() + c * chunk * element,
+          TESSERA_RETURN_IF_ERROR(Accumulate(chunk_data(segment, c), scratch + c * chunk * element,
                                              chunk_elements(segment, c), dtype, op));
         }
         if (step + 1 < last) {
@@ -288,6 +308,73 @@ class HostCommunicator final : public Communicator {
       }
     }
     return WaitFor(sends, call, right_);
+  }
+
+  // Reduce-scatter from a read-only input: the ring's first n-1 steps, except that a received
+  // partial is combined with this rank's own segment in a work buffer (two alternate: one is
+  // forwarded while the next fills), and the last step, segment rank(), lands in `output`.
+  Status RingReduceScatter(const Call& call, const char* input, char* output,
+                           const Segments& segments, DType dtype, ReduceOp op) {
+    const int64_t element = DTypeSize(dtype);
+    const int64_t chunk = ChunkElements(segments.length(0), element);
+    auto chunks_of = [&](int segment) { return (segments.length(segment) + chunk - 1) / chunk; };
+    auto chunk_elements = [&](int segment, int64_t c) {
+      return std::min(chunk, segments.length(segment) - c * chunk);
+    };
+    auto own = [&](int segment, int64_t c) {
+      return input + (segments.begin(segment) + c * chunk) * element;
+    };
+    char* work[2] = {Scratch(0, segments.length(0) * element),
+                     Scratch(1, segments.length(0) * element)};
+    // sends[t]: the chunks forwarded from what arrived at step t-1 (tagged step t).
+    std::vector<std::vector<RequestId>> sends(static_cast<size_t>(size_));
+    const int first_segment = Mod(rank_ - 1, size_);
+    for (int64_t c = 0; c < chunks_of(first_segment); ++c) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto id, SendTo(right_, CollectiveTag(call.sequence, 0, c), own(first_segment, c),
+                          chunk_elements(first_segment, c) * element));
+      sends[0].push_back(id);
+    }
+    for (int step = 0; step < size_ - 1; ++step) {
+      const int segment = Mod(rank_ - step - 2, size_);
+      const bool last = step == size_ - 2;  // segment == rank_
+      char* into = last ? output : work[step % 2];
+      // work[step % 2] was forwarded at step - 1 (tagged step - 1): those sends must be done.
+      if (step >= 2)
+        TESSERA_RETURN_IF_ERROR(WaitFor(sends[static_cast<size_t>(step - 1)], call, right_));
+      std::vector<RequestId> receives;
+      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto id,
+            transport_.Irecv(left_, CollectiveTag(call.sequence, step, c),
+                             into + c * chunk * element, chunk_elements(segment, c) * element));
+        receives.push_back(id);
+      }
+      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+        TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
+        char* partial = into + c * chunk * element;
+        TESSERA_RETURN_IF_ERROR(
+            Accumulate(partial, own(segment, c), chunk_elements(segment, c), dtype, op));
+        if (!last) {
+          TESSERA_ASSIGN_OR_RETURN(
+              auto id, SendTo(right_, CollectiveTag(call.sequence, step + 1, c), partial,
+                              chunk_elements(segment, c) * element));
+          sends[static_cast<size_t>(step + 1)].push_back(id);
+        }
+      }
+    }
+    std::vector<RequestId> outstanding;
+    for (const auto& step_sends : sends) {
+      outstanding.insert(outstanding.end(), step_sends.begin(), step_sends.end());
+    }
+    return WaitFor(outstanding, call, right_);
+  }
+
+  // Scratch buffer `which` of at least `bytes`, kept between calls (no page faults per call).
+  char* Scratch(int which, int64_t bytes) {
+    std::vector<char>& buffer = scratch_[which];
+    if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(static_cast<size_t>(bytes));
+    return buffer.data();
   }
 
   // Small all-reduce: every rank sends its buffer to every other and combines all of them in
@@ -386,6 +473,7 @@ class HostCommunicator final : public Communicator {
   std::vector<uint64_t> receives_from_;
   int64_t bytes_sent_ = 0;
   bool reported_failure_ = false;
+  std::vector<char> scratch_[2];
 };
 
 }  // namespace

@@ -1,10 +1,15 @@
 // Rendezvous: how the members of a collective group find each other, and learn that one died.
 //
 // A group of `size` ranks sets up its communicator by exchanging small blobs (UCX worker
-// addresses, an NCCL unique id) with AllGather. The same party then watches the members: when
-// one dies, every other member hears of it through the failure handler, which aborts the group's
-// transport so that a collective in progress fails at once, naming the dead rank, instead of
-// waiting for its deadline.
+// addresses, an NCCL unique id) with AllGather. The same party then watches the members and
+// gives the group one verdict when something goes wrong:
+//   - a member dies: every other member hears of it through the failure handler, which aborts
+//     the group's transport, so a collective in progress fails at once naming the dead rank
+//     instead of waiting for its deadline;
+//   - a member is stuck (alive, silent): the ranks waiting on it time out, and so, a little
+//     later, do ranks waiting on ranks waiting on it. Each reports what it saw and how long its
+//     peer had been silent (ReportFailure); the verdict names the peer whose silence began
+//     first — the stuck one, not a bystander starved by it.
 //
 // Two kinds: SocketRendezvous (socket_rendezvous.h: rank 0 hosts, the others connect — for
 // standalone programs, tests and benchmarks) and, inside a Tessera cluster, the scheduler, which
@@ -39,9 +44,12 @@ class Rendezvous {
   // (at once if a death is known already). REQUIRES: thread-safe and quick.
   virtual void OnMemberFailure(FailureHandler on_failure) = 0;
 
-  // Tells the whole group what this member found wrong (a peer silent past the deadline): every
-  // member's failure handler runs with `reason`, unless a failure is known already. Thread-safe.
-  virtual void ReportFailure(const Status& reason) = 0;
+  // Reports what this member found wrong (`reason`: a peer silent for `silent_ms`, or 0 for an
+  // error that is not a silence) and returns the group's verdict, which every member's failure
+  // handler also gets: the known failure if there is one, else the report whose silence began
+  // first among those arriving within a short window. Blocks for about that window.
+  // Thread-safe.
+  virtual Status ReportFailure(const Status& reason, int64_t silent_ms) = 0;
 };
 
 }  // namespace tessera

@@ -34,9 +34,12 @@ enum class Kind : uint8_t {
   kRefused = 3,       // 0 -> member: why it cannot join (text)
   kContribution = 4,  // member -> 0: u32 round, bytes
   kAll = 5,           // 0 -> member: u32 round, u32 count, count x (u32 length, bytes)
-  kFailure = 6,       // either way: a failure's reason text (naming the dead or stuck rank)
+  kFailure = 6,       // 0 -> member: the group's verdict: u8 code, text (naming the rank)
   kBye = 7,           // either way: leaving normally
+  kReport = 8,        // member -> 0: what it found: u8 code, u32 silent ms, text
 };
+// Reports arriving within this window of the first are weighed together (see ReportFailure).
+constexpr auto kVerdictWindow = std::chrono::milliseconds(250);
 constexpr uint32_t kMaxFrameBytes = 64 << 20;
 
 struct Frame {
@@ -180,16 +183,23 @@ class SocketRendezvous final : public Rendezvous {
   Result<std::vector<std::string>> AllGather(const std::string& mine,
                                              Clock::time_point deadline) override;
   void OnMemberFailure(FailureHandler on_failure) override;
-  void ReportFailure(const Status& reason) override;
+  Status ReportFailure(const Status& reason, int64_t silent_ms) override;
 
  private:
   void Watch();
   // Handles one frame from `from` (rank 0 hears members; members hear rank 0). Watch thread.
   Status Handle(int from, Frame frame);
   void MemberLost(int rank, const std::string& why);  // watch thread
-  // Rank 0: sends a failure's reason to every member but `except` (unless one is known).
-  void Relay(int except, const std::string& reason);
-  void Fail(const Status& reason);  // records the first death, tells the handler
+  // Rank 0: collects a report for the verdict window.
+  void AddReport(const Status& reason, int64_t silent_ms);
+  // Rank 0: at the window's end, the verdict is the report whose silence began first.
+  void DecideFromReports();
+  // Records the verdict (the first one stands) and tells the handler; rank 0 also tells every
+  // member.
+  void SetVerdict(const Status& verdict);
+  // Waits (a bounded time) for the group's verdict; `fallback` if none comes.
+  Status AwaitVerdict(Clock::time_point until, const Status& fallback);
+  void Wake();
   Status SendTo(int rank, Kind kind, std::string_view payload);
 
   const int rank_;
@@ -205,9 +215,26 @@ class SocketRendezvous final : public Rendezvous {
   std::vector<bool> said_bye_;                                                 // under mutex_
   std::map<uint32_t, std::vector<std::optional<std::string>>> contributions_;  // rank 0
   std::map<uint32_t, std::vector<std::string>> results_;                       // members
-  Status failure_;                                                             // first death
+  Status failure_;  // the group's verdict; the first one stands
   FailureHandler on_failure_;
+  struct Report {
+    Status reason;
+    Clock::time_point silent_since;
+  };
+  std::vector<Report> reports_;                  // rank 0, until the verdict
+  std::optional<Clock::time_point> window_end_;  // rank 0: when the reports are weighed
+  bool stopping_ = false;
 };
+
+std::string EncodeStatus(const Status& status) {
+  return std::string(1, static_cast<char>(status.code())) + status.message();
+}
+Status DecodeStatus(std::string_view payload) {
+  if (payload.empty()) return Unavailable("a member failed");
+  const auto code = static_cast<StatusCode>(static_cast<uint8_t>(payload[0]));
+  return Status(code == StatusCode::kOk ? StatusCode::kUnavailable : code,
+                std::string(payload.substr(1)));
+}
 
 Status SocketRendezvous::JoinAsRoot(const rpc::Address& address, Clock::time_point deadline) {
   TESSERA_ASSIGN_OR_RETURN(SocketAddress where, Resolve(address));
@@ -323,8 +350,11 @@ SocketRendezvous::~SocketRendezvous() {
     (void)SendTo(0, Kind::kBye, "");
   }
   if (watcher_.joinable()) {
-    const char byte = 0;
-    (void)!::write(wake_[1], &byte, 1);
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    Wake();
     watcher_.join();
   }
   for (int fd : wake_) {
@@ -333,6 +363,11 @@ SocketRendezvous::~SocketRendezvous() {
   for (int fd : fds_) {
     if (fd >= 0) ::close(fd);
   }
+}
+
+void SocketRendezvous::Wake() {
+  const char byte = 0;
+  (void)!::write(wake_[1], &byte, 1);
 }
 
 Status SocketRendezvous::SendTo(int rank, Kind kind, std::string_view payload) {
@@ -354,8 +389,19 @@ void SocketRendezvous::Watch() {
       polled.push_back({fds_[static_cast<size_t>(r)], POLLIN, 0});
       ranks.push_back(r);
     }
-    if (::poll(polled.data(), polled.size(), -1) < 0 && errno != EINTR) return;
-    if (polled[0].revents != 0) return;  // shutting down
+    int timeout_ms = -1;
+    {
+      std::lock_guard lock(mutex_);
+      if (window_end_) timeout_ms = RemainingMs(*window_end_);
+    }
+    if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) return;
+    if (polled[0].revents != 0) {
+      char drain[64];
+      (void)!::read(wake_[0], drain, sizeof(drain));
+      std::lock_guard lock(mutex_);
+      if (stopping_) return;
+    }
+    DecideFromReports();
     for (size_t i = 1; i < polled.size(); ++i) {
       if (polled[i].revents == 0) continue;
       const int from = ranks[i];
@@ -419,10 +465,15 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
       return Status::Ok();
     }
     case Kind::kFailure:
-      // A member's report goes to everyone else; rank 0's news is final.
-      if (rank_ == 0) Relay(from, frame.payload);
-      Fail(Unavailable("{}", frame.payload));
+      if (rank_ == 0) return DataLoss("a member sent a verdict");
+      SetVerdict(DecodeStatus(frame.payload));
       return Status::Ok();
+    case Kind::kReport: {
+      if (rank_ != 0 || frame.payload.size() < 5) return DataLoss("unexpected failure report");
+      const int64_t silent_ms = GetU32(frame.payload, 1);
+      AddReport(DecodeStatus(frame.payload.substr(0, 1) + frame.payload.substr(5)), silent_ms);
+      return Status::Ok();
+    }
     case Kind::kBye: {
       std::lock_guard lock(mutex_);
       said_bye_[static_cast<size_t>(from)] = true;
@@ -435,46 +486,56 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
 }
 
 void SocketRendezvous::MemberLost(int rank, const std::string& why) {
-  const Status reason = Unavailable("rank {} died: {}", rank, why);
-  // Tell everyone else which member it was: their own links may look merely slow.
-  if (rank_ == 0) Relay(rank, reason.message());
-  Fail(reason);
+  // A death is certain: it needs no window. On a member, the lost connection is rank 0's.
+  SetVerdict(Unavailable("rank {} died: {}", rank, why));
 }
 
-void SocketRendezvous::Relay(int except, const std::string& reason) {
+void SocketRendezvous::AddReport(const Status& reason, int64_t silent_ms) {
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.ok()) return;  // the group has its verdict already
+    if (!failure_.ok()) return;
+    reports_.push_back(Report{reason, Clock::now() - std::chrono::milliseconds(silent_ms)});
+    if (!window_end_) window_end_ = Clock::now() + kVerdictWindow;
   }
-  for (int r = 1; r < size_; ++r) {
-    if (r != except) (void)SendTo(r, Kind::kFailure, reason);
-  }
+  Wake();
 }
 
-void SocketRendezvous::ReportFailure(const Status& reason) {
-  if (size_ == 1 || reason.ok()) return;
+void SocketRendezvous::DecideFromReports() {
+  Status verdict;
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.ok()) return;  // what this member found is a consequence of a known failure
+    if (!window_end_ || Clock::now() < *window_end_ || reports_.empty()) return;
+    // A rank starved by the stuck one went silent later than the stuck one did.
+    auto first = std::min_element(
+        reports_.begin(), reports_.end(),
+        [](const auto& a, const auto& b) { return a.silent_since < b.silent_since; });
+    verdict = first->reason;
+    window_end_.reset();
   }
-  if (rank_ == 0) {
-    Relay(0, reason.message());
-  } else {
-    (void)SendTo(0, Kind::kFailure, reason.message());
-  }
-  Fail(reason);
+  SetVerdict(verdict);
 }
 
-void SocketRendezvous::Fail(const Status& reason) {
+void SocketRendezvous::SetVerdict(const Status& verdict) {
   FailureHandler handler;
   {
     std::lock_guard lock(mutex_);
     if (!failure_.ok()) return;
-    failure_ = reason;
+    failure_ = verdict;
+    reports_.clear();
+    window_end_.reset();
     handler = on_failure_;
     changed_.notify_all();
   }
-  if (handler) handler(reason);
+  if (rank_ == 0) {
+    for (int r = 1; r < size_; ++r) (void)SendTo(r, Kind::kFailure, EncodeStatus(verdict));
+  }
+  if (handler) handler(verdict);
+}
+
+Status SocketRendezvous::AwaitVerdict(Clock::time_point until, const Status& fallback) {
+  std::unique_lock lock(mutex_);
+  changed_.wait_until(lock, until, [&] { return !failure_.ok(); });
+  return failure_.ok() ? fallback : failure_;
 }
 
 void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
@@ -485,6 +546,24 @@ void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
     known = failure_;
   }
   if (!known.ok()) on_failure(known);
+}
+
+Status SocketRendezvous::ReportFailure(const Status& reason, int64_t silent_ms) {
+  if (size_ == 1 || reason.ok()) return reason;
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.ok()) return failure_;  // what this member found follows from a known failure
+  }
+  const Clock::time_point until = Clock::now() + kVerdictWindow + std::chrono::seconds(2);
+  if (rank_ == 0) {
+    AddReport(reason, silent_ms);
+  } else {
+    std::string payload = EncodeStatus(reason);
+    std::string header(1, payload[0]);
+    PutU32(header, static_cast<uint32_t>(std::clamp<int64_t>(silent_ms, 0, UINT32_MAX)));
+    if (!SendTo(0, Kind::kReport, header + payload.substr(1)).ok()) return reason;
+  }
+  return AwaitVerdict(until, reason);
 }
 
 Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& mine,

@@ -1,5 +1,9 @@
 #include "collectives/ucx_communicator.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+
 #include "core/transport/ucx_peer_transport.h"
 
 namespace tessera {
@@ -7,8 +11,18 @@ namespace tessera {
 Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezvous,
                                                              const CommunicatorOptions& options) {
   const auto deadline = Rendezvous::Clock::now() + std::chrono::milliseconds(options.timeout_ms);
-  TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<UcxPeerTransport> transport,
-                           UcxPeerTransport::Create(rendezvous.rank(), rendezvous.size()));
+  // Round 1: where everyone is. A group on one host uses shared memory only.
+  char hostname[256] = {};
+  ::gethostname(hostname, sizeof(hostname) - 1);
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> hosts,
+                           rendezvous.AllGather(hostname, deadline));
+  UcxPeerTransportOptions transport_options;
+  transport_options.local_only =
+      std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts[0]; });
+  // Round 2: the UCX worker addresses.
+  TESSERA_ASSIGN_OR_RETURN(
+      std::shared_ptr<UcxPeerTransport> transport,
+      UcxPeerTransport::Create(rendezvous.rank(), rendezvous.size(), transport_options));
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> addresses,
                            rendezvous.AllGather(transport->address(), deadline));
   TESSERA_RETURN_IF_ERROR(transport->Connect(addresses, deadline));
@@ -17,11 +31,13 @@ Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezv
   rendezvous.OnMemberFailure([watched](const Status& reason) {
     if (auto alive = watched.lock()) alive->Abort(reason);
   });
-  // What this rank finds (a peer silent past the deadline) is news to the others.
+  // What this rank finds (a peer silent past the deadline) goes to the group, whose verdict is
+  // what the call reports.
   CommunicatorOptions reporting = options;
-  reporting.on_failure = [&rendezvous, user = options.on_failure](const Status& reason) {
-    rendezvous.ReportFailure(reason);
-    if (user) user(reason);
+  UcxPeerTransport* reporter = transport.get();
+  reporting.on_failure = [&rendezvous, reporter, user = options.on_failure](const Status& reason) {
+    Status verdict = rendezvous.ReportFailure(reason, reporter->failure_silence_ms());
+    return user ? user(verdict) : verdict;
   };
   return MakeHostCommunicator(std::shared_ptr<PeerTransport>(std::move(transport)), reporting);
 }

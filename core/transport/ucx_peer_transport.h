@@ -1,20 +1,35 @@
-// UcxPeerTransport: PeerTransport between processes over UCX's tag-matching API.
+// UcxPeerTransport: PeerTransport between processes, over UCX's tag matching, with single-copy
+// transfers between processes on one host.
 //
 // Each transport owns a UCX context and worker of its own (one per communicator), so its tags
 // never meet another group's. Setting up a group takes two phases, with an exchange in
 // between that the caller provides (a rendezvous, or the scheduler):
-//   1. Create(rank, size) -> address(): this rank's UCX worker address, an opaque blob;
-//   2. Connect(addresses): endpoints to every peer from their blobs, wired up before it returns.
-// UCX picks the transport per peer: shared memory and CMA (single-copy) on one host, TCP or RDMA
-// between hosts. Large messages use UCX's rendezvous protocol, so the bytes are copied once.
+//   1. Create(rank, size) -> address(): this rank's host, pid and UCX worker address;
+//   2. Connect(addresses): endpoints to every peer from their addresses, wired before it returns.
+//
+// How bytes move:
+//   - small messages, and everything between hosts: UCX tag messages (shared memory on one host,
+//     TCP or RDMA between hosts);
+//   - large messages (>= single_copy_bytes) to a peer on this host: single copy. The sender
+//     sends a small descriptor (its pid, the buffer's address and length); the receiver copies
+//     the bytes straight out of the sender's memory with process_vm_readv and acknowledges, which
+//     completes the send. Only the receiver spends CPU on the transfer, once, so ranks that share
+//     cores (more ranks than cores) do not need to be scheduled together, as a shared-memory
+//     pipeline needs both sides at once. Connect checks the permission (ptrace scope) with a
+//     probe read and falls back to UCX for a peer it cannot read.
+//   UCX's own CMA transport is left out (unless UCX_TLS asks for it): without UCX's peer-failure
+//   mode a peer dying under a CMA transfer makes UCX abort the survivor, and with that mode UCX
+//   1.13 moves the bytes over TCP loopback instead. Here a vanished peer is an error.
 //
 // Progress happens in the caller's thread inside Wait: it polls for a few microseconds, then
-// sleeps on UCX's event fd (so oversubscribed ranks do not steal each other's cores).
+// sleeps on UCX's event fd, so oversubscribed ranks do not steal each other's cores.
 //
-// Failures: UCX runs without peer-failure detection here (in UCX 1.13 that mode gives up shared
-// memory), so a dead peer is learned through Abort (from the group's watcher) or a deadline.
-// A failed Wait cancels receives and force-closes every endpoint: the transport is then broken
-// and every later call returns the same error.
+// Failures: endpoints to other hosts run in UCX's peer-failure mode, so a dead peer or a broken
+// link fails the transfers with it; on one host a single-copy read from a dead peer fails. A
+// peer that is silent (stuck, or dead under shared memory) is learned through Abort (from the
+// group's watcher: the rendezvous or the scheduler) or the deadline. A failed Wait cancels
+// receives and force-closes every endpoint: the transport is then broken and every later call
+// returns the same error.
 //
 // Thread safety: see PeerTransport (Abort from any thread; the rest from one).
 #pragma once
@@ -29,6 +44,15 @@ namespace tessera {
 
 struct UcxPeerTransportOptions {
   int spin_microseconds = 50;  // busy-poll this long without events before sleeping on the fd
+  int64_t single_copy_bytes = 64 * 1024;  // messages this large to local peers: single copy
+  // Every peer is on this host: UCX gets shared memory only (it would otherwise also stripe
+  // large messages over TCP loopback).
+  bool local_only = false;
+};
+
+struct PeerTransportStats {
+  int64_t bytes_sent = 0;
+  int64_t single_copy_bytes_received = 0;  // read straight from local peers' memory
 };
 
 class UcxPeerTransport : public PeerTransport {
@@ -37,15 +61,18 @@ class UcxPeerTransport : public PeerTransport {
   static Result<std::unique_ptr<UcxPeerTransport>> Create(
       int rank, int size, const UcxPeerTransportOptions& options = {});
 
-  // This rank's worker address, for every peer's Connect.
+  // This rank's address, for every peer's Connect.
   virtual const std::string& address() const = 0;
 
   // REQUIRES: addresses.size() == size(), addresses[r] is rank r's address(); called once.
   // Unavailable naming the peer whose endpoint cannot be created or wired by `deadline`.
   virtual Status Connect(const std::vector<std::string>& addresses, Clock::time_point deadline) = 0;
 
-  // Bytes handed to Isend so far.
-  virtual int64_t bytes_sent() const = 0;
+  virtual PeerTransportStats stats() const = 0;
+
+  // When the transport broke on a deadline: how long the peer it waited on had been silent
+  // (since the last transfer with it completed); 0 otherwise.
+  virtual int64_t failure_silence_ms() const = 0;
 };
 
 }  // namespace tessera

@@ -192,6 +192,16 @@ Status RunOne(Communicator& comm, DType dtype, int64_t count, bool all_ops, bool
     }
   }
   if (n > 1) {
+    // A ring shift: every rank sends to its right and receives from its left at once.
+    std::vector<char> send = Inputs(rank, count, dtype);
+    std::vector<char> recv(static_cast<size_t>(count * element));
+    const int left = (rank + n - 1) % n;
+    TESSERA_RETURN_IF_ERROR(
+        comm.SendRecv(send.data(), count, (rank + 1) % n, recv.data(), count, left, dtype)
+            .WithContext("send-recv"));
+    TESSERA_RETURN_IF_ERROR(CheckCopied(recv.data(), count, dtype, left, 0, "ring shift"));
+  }
+  if (n > 1) {
     // A chain: rank 0's inputs travel 0 -> 1 -> ... -> n-1 by send/recv.
     std::vector<char> buffer = Inputs(rank, count, dtype);
     if (rank > 0) {

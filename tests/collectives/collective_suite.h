@@ -28,9 +28,9 @@ struct CollectiveSuiteOptions {
 };
 
 // Runs every collective (all-reduce, reduce-scatter and reduce with each reduce op; all-gather;
-// broadcast and reduce from two roots; a chain of send/recv) for every dtype and size, checking
-// each result against the reference. All ranks must call it with the same options. Returns the
-// first mismatch or communicator error, naming the collective, dtype, size and element.
+// broadcast from two roots; a ring shift by send-recv; a chain of send/recv) for every dtype and
+// size, checking each result against the reference. All ranks must call it with the same options.
+// Returns the first mismatch or communicator error, naming the collective, dtype, size and element.
 Status RunCollectiveSuite(Communicator& communicator, const CollectiveSuiteOptions& options);
 
 // One all-reduce (sum, f32) of `count` elements, checked. For failure tests and benchmarks.
