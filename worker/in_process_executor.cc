@@ -84,9 +84,11 @@ struct InProcessExecutor::ActiveRun {
   std::vector<bool> awaited;  // object index -> a late input not provided yet
   std::function<void(int)> spawn;
   std::function<void(Status)> fail;
-  std::mutex mutex;  // orders Provide/Cancel with the run's waiting loop
+  std::mutex mutex;  // orders Provide/Cancel/offload completions with the run's waiting loop
   std::condition_variable changed;
   int provided = 0;
+  int events = 0;                // provides and offload completions, for the waiting loop
+  int offloads_outstanding = 0;  // offloaded tasks not done yet
 };
 
 Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
@@ -163,6 +165,30 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   };
 
   tbb::task_group group;
+  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0, 0, 0};
+  auto offloaded = [&](const TaskSpec& task) {
+    return hooks != nullptr && hooks->offloaded && hooks->offloaded(task);
+  };
+
+  // The end of a task, kernel or offloaded: publish its outputs, release its inputs, start the
+  // dependents that became ready (through `spawn`).
+  auto finish_task = [&](int t, std::vector<Tensor>& out, const std::function<void(int)>& spawn) {
+    const TaskSpec& task = graph.tasks()[t];
+    for (size_t j = 0; j < out.size(); ++j) {
+      const int object = Index(task.outputs[j]);
+      if (watched[object]) hooks->on_produced(task.outputs[j], out[j]);
+      if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
+        slots[object] = std::move(out[j]);
+      }
+    }
+    for (ObjectId input : task.inputs) release(Index(input));
+    stats.timings[t].end_us = micros_since_start();
+    ++tasks_run;
+    for (int dependent : prepared.dependents_[t]) {
+      if (pending[dependent].fetch_sub(1) == 1) spawn(dependent);
+    }
+  };
+
   std::function<void(int)> run_task = [&](int t) {
     if (failed.load()) return;
     const TaskSpec& task = graph.tasks()[t];
@@ -188,30 +214,47 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
              in[input_index].buffer().use_count() == 1 + uses_here;
     };
     TaskRunCounters counters;
+    if (offloaded(task)) {
+      Result<std::vector<Tensor>> outputs =
+          PrepareTaskOutputs(task, in, output_metas, context, can_donate, &counters);
+      donations_taken += counters.donations_taken;
+      donations_copied += counters.donations_copied;
+      if (!outputs.ok()) return fail(outputs.status());
+      {
+        std::lock_guard lock(active.mutex);
+        ++active.offloads_outstanding;
+      }
+      auto shared_outputs = std::make_shared<std::vector<Tensor>>(*outputs);
+      hooks->offload(task, std::move(in), std::move(*outputs),
+                     [&, t, shared_outputs](const Status& status) {
+                       if (!status.ok()) {
+                         fail(status.WithContext(TaskContext(graph.tasks()[t])));
+                       } else if (!failed.load()) {
+                         arena_->execute([&] {
+                           finish_task(t, *shared_outputs, [&](int d) {
+                             group.run([&, d] { run_task(d); });
+                           });
+                         });
+                       }
+                       shared_outputs->clear();
+                       {
+                         std::lock_guard lock(active.mutex);
+                         --active.offloads_outstanding;
+                         ++active.events;
+                       }
+                       active.changed.notify_all();
+                     });
+      return;
+    }
     Result<std::vector<Tensor>> ran = RunTaskKernel(*prepared.kernels_[t], task, in, output_metas,
                                                     context, can_donate, &counters);
     donations_taken += counters.donations_taken;
     donations_copied += counters.donations_copied;
     in.clear();  // drop our references before releasing inputs
     if (!ran.ok()) return fail(ran.status());
-    std::vector<Tensor>& out = *ran;
-
-    for (size_t j = 0; j < out.size(); ++j) {
-      const int object = Index(task.outputs[j]);
-      if (watched[object]) hooks->on_produced(task.outputs[j], out[j]);
-      if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
-        slots[object] = std::move(out[j]);
-      }
-    }
-    for (ObjectId input : task.inputs) release(Index(input));
-    timing.end_us = micros_since_start();
-    ++tasks_run;
-    for (int dependent : prepared.dependents_[t]) {
-      if (pending[dependent].fetch_sub(1) == 1) group.run([&, dependent] { run_task(dependent); });
-    }
+    finish_task(t, *ran, [&](int d) { group.run([&, d] { run_task(d); }); });
   };
 
-  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0};
   active.spawn = [&](int t) { group.run([&, t] { run_task(t); }); };
   active.fail = [&](Status status) {
     fail(std::move(status));
@@ -234,15 +277,23 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     for (int t : initially_ready) group.run([&, t] { run_task(t); });
   });
   if (hooks != nullptr && hooks->on_started) hooks->on_started();
-  // Run until every task ran or the run failed; between rounds, wait for late inputs.
+  // Run until every task ran or the run failed. Between rounds, wait for what can start more
+  // tasks: late inputs (Provide) and offloaded tasks finishing. `events` is read before each
+  // round, so an event that lands while the round finishes is never missed.
   int idle_rounds = 0;
   while (true) {
     const int ran_before = tasks_run.load();
+    int events_before;
+    {
+      std::lock_guard lock(active.mutex);
+      events_before = active.events;
+    }
     arena_->execute([&] { group.wait(); });
     std::unique_lock lock(active.mutex);
     if (failed.load() || tasks_run.load() == num_tasks) break;
-    if (active.provided == late_count) {
-      // Everything arrived: tasks a late Provide spawned run in the next round. Two rounds in a
+    if (active.events != events_before) continue;
+    if (active.provided == late_count && active.offloads_outstanding == 0) {
+      // Nothing is awaited: tasks a last event spawned run in the next round. Two rounds in a
       // row without progress mean no task can ever start: a bug, not a wait.
       idle_rounds = tasks_run.load() == ran_before ? idle_rounds + 1 : 0;
       if (idle_rounds > 2) {
@@ -252,8 +303,16 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
       }
       continue;
     }
-    const int provided_before = active.provided;
-    active.changed.wait(lock, [&] { return failed.load() || active.provided != provided_before; });
+    active.changed.wait(lock, [&] { return failed.load() || active.events != events_before; });
+  }
+  if (failed.load() && hooks != nullptr && hooks->on_failed) {
+    std::lock_guard lock(error_mutex);
+    hooks->on_failed(first_error);
+  }
+  {
+    // Offloaded tasks hold references into this run: wait for every one.
+    std::unique_lock lock(active.mutex);
+    active.changed.wait(lock, [&] { return active.offloads_outstanding == 0; });
   }
   {
     std::lock_guard lock(active_mutex_);
@@ -321,6 +380,7 @@ Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
   {
     std::lock_guard lock(run.mutex);
     ++run.provided;
+    ++run.events;
   }
   run.changed.notify_all();
   return Status::Ok();

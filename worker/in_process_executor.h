@@ -95,6 +95,21 @@ struct RunHooks {
   std::function<void(ObjectId, const Tensor&)> on_produced;
   // Called once the run accepts Provide (late inputs that arrived early can be handed over).
   std::function<void()> on_started;
+  // Tasks run by someone else instead of a kernel (collective members, which the worker's
+  // collective engine runs on its communicators): when such a task is ready, its outputs are
+  // prepared (allocated; in-place outputs initialised, donated when possible) and `offload`
+  // gets them with the inputs, on the thread that made the task ready. It must not block;
+  // `done` (once, from any thread) finishes the task, which then releases its inputs and
+  // starts its dependents like any other.
+  using OffloadDone = std::function<void(const Status&)>;
+  std::function<bool(const TaskSpec&)> offloaded;
+  std::function<void(const TaskSpec&, std::vector<Tensor> inputs, std::vector<Tensor> outputs,
+                     OffloadDone done)>
+      offload;
+  // Called once if the run fails, with the error, while offloaded tasks may still be out: the
+  // owner should make them finish soon (abort their collectives). The run returns only after
+  // every offloaded task is done.
+  std::function<void(const Status&)> on_failed;
 };
 
 // A graph made ready to run repeatedly: resolved kernels and dependency structure.

@@ -10,12 +10,12 @@ std::string TaskContext(const TaskSpec& task) {
              : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
 }
 
-Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
-                                          const std::vector<Tensor>& inputs,
-                                          const std::vector<TensorMeta>& output_metas,
-                                          const KernelContext& context,
-                                          const std::function<bool(int input_index)>& can_donate,
-                                          TaskRunCounters* counters) {
+Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
+                                               const std::vector<Tensor>& inputs,
+                                               const std::vector<TensorMeta>& output_metas,
+                                               const KernelContext& context,
+                                               const std::function<bool(int input_index)>& can_donate,
+                                               TaskRunCounters* counters) {
   std::vector<Tensor> outputs(output_metas.size());
   for (const Donation& donation : task.donations) {
     const Tensor& source = inputs[donation.input_index];
@@ -40,6 +40,18 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
     if (!tensor.ok()) return tensor.status().WithContext(TaskContext(task));
     outputs[j] = *std::move(tensor);
   }
+  return outputs;
+}
+
+Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
+                                          const std::vector<Tensor>& inputs,
+                                          const std::vector<TensorMeta>& output_metas,
+                                          const KernelContext& context,
+                                          const std::function<bool(int input_index)>& can_donate,
+                                          TaskRunCounters* counters) {
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> outputs,
+                           PrepareTaskOutputs(task, inputs, output_metas, context, can_donate,
+                                              counters));
   Status status;
   try {
     status = kernel(context, inputs, outputs, task.attrs);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/collective_task.h"
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
 #include "ops/flat_layout.h"
@@ -143,6 +144,26 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
         *F(out[0]) = 0.0f;
         return Status::Ok();
       }));
+  // Collective members of a one-member group are copies; larger groups need a communicator,
+  // which the worker's collective engine provides (it runs those tasks instead of a kernel).
+  for (const char* collective : {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}) {
+    TESSERA_RETURN_IF_ERROR(Register(
+        r, collective,
+        [collective](const KernelContext&, const Tensors& in, const Tensors& out,
+                     const Attrs& attrs) {
+          const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+          if (size != 1) {
+            return Internal(
+                "{} of {} members needs a worker's communicator; this executor runs only "
+                "one-member collectives",
+                collective, size);
+          }
+          if (out[0].raw_data() != in[0].raw_data()) {
+            std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
+          }
+          return Status::Ok();
+        }));
+  }
   TESSERA_RETURN_IF_ERROR(Register(
       r, "sleep",
       [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -6,6 +6,8 @@
 #include "collectives/collective_suite.h"
 #include "collectives/communicator.h"
 #include "collectives/loopback.h"
+#include "collectives/socket_rendezvous.h"
+#include "collectives/ucx_communicator.h"
 #include "core/half.h"
 #include "test_util.h"
 
@@ -177,6 +179,95 @@ TEST(HalfTest, RoundTripsAndRoundsToNearestEven) {
   }
   EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 1.0f / 256)), 1.0f);  // tie -> even
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
+}
+
+}  // namespace
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+std::string RendezvousPath(const std::string& name) {
+  return "unix:" + ::testing::TempDir() + "/rendezvous_" + name + ".sock";
+}
+
+TEST(SocketRendezvousTest, GathersInRankOrder) {
+  const int n = 3;
+  const std::string address = RendezvousPath("gather");
+  std::vector<std::vector<std::string>> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      auto rendezvous = JoinSocketRendezvous({address, r, n, 10'000});
+      ASSERT_OK(rendezvous.status());
+      for (int round = 0; round < 2; ++round) {
+        auto all = (*rendezvous)->AllGather(fmt::format("r{}x{}", r, round),
+                                            Rendezvous::Clock::now() + std::chrono::seconds(10));
+        ASSERT_OK(all.status());
+        if (round == 1) results[static_cast<size_t>(r)] = *all;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(results[static_cast<size_t>(r)], (std::vector<std::string>{"r0x1", "r1x1", "r2x1"}));
+  }
+}
+
+TEST(SocketRendezvousTest, BadArgumentsAreRefusedWithTheReason) {
+  auto bad_rank = JoinSocketRendezvous({RendezvousPath("bad"), 3, 3, 1000});
+  EXPECT_EQ(bad_rank.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_rank.status().message().find("rank 3"), std::string::npos);
+  auto bad_address = JoinSocketRendezvous({"not an address", 0, 2, 1000});
+  EXPECT_EQ(bad_address.status().code(), StatusCode::kInvalidArgument)
+      << bad_address.status().ToString();
+
+  // A member that disagrees about the group's size is refused by rank 0, and says why.
+  const std::string address = RendezvousPath("mismatch");
+  Status member;
+  std::thread joiner([&] { member = JoinSocketRendezvous({address, 1, 3, 5000}).status(); });
+  auto root = JoinSocketRendezvous({address, 0, 2, 1500});
+  joiner.join();
+  EXPECT_EQ(member.code(), StatusCode::kInvalidArgument) << member.ToString();
+  EXPECT_NE(member.message().find("thinks the group has 3 ranks"), std::string::npos)
+      << member.ToString();
+  EXPECT_EQ(root.status().code(), StatusCode::kTimedOut) << root.status().ToString();
+  EXPECT_NE(root.status().message().find("ranks 1"), std::string::npos) << root.status().ToString();
+}
+
+TEST(SocketRendezvousTest, AMemberWithoutRankZeroTimesOutNamingTheAddress) {
+  const std::string address = RendezvousPath("nobody");
+  auto member = JoinSocketRendezvous({address, 1, 2, 300});
+  EXPECT_EQ(member.status().code(), StatusCode::kTimedOut);
+  EXPECT_NE(member.status().message().find(address.substr(5)), std::string::npos)
+      << member.status().ToString();
+}
+
+TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
+  // The UCX backend (single-copy path included) without separate processes.
+  const int n = 3;
+  const std::string address = RendezvousPath("ucx");
+  std::vector<Status> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      auto rendezvous = JoinSocketRendezvous({address, r, n, 10'000});
+      if (!rendezvous.ok()) {
+        results[static_cast<size_t>(r)] = rendezvous.status();
+        return;
+      }
+      auto communicator = ConnectUcxCommunicator(**rendezvous);
+      if (!communicator.ok()) {
+        results[static_cast<size_t>(r)] = communicator.status();
+        return;
+      }
+      CollectiveSuiteOptions suite;
+      suite.sizes = {0, 1, 1021, 100'003};
+      results[static_cast<size_t>(r)] = RunCollectiveSuite(**communicator, suite);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const Status& status : results) EXPECT_OK(status);
 }
 
 }  // namespace

@@ -251,3 +251,111 @@ TEST(ExecutorTest, CancelEndsARunWaitingForAnInputThatNeverComes) {
 
 }  // namespace
 }  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+// x -> all_reduce member (offloaded) -> gelu; the "engine" is a thread that doubles the buffer.
+struct OffloadGraph {
+  Graph graph;
+  ObjectId input, reduced, output;
+};
+OffloadGraph AllReduceThenGelu() {
+  GraphBuilder builder(CpuRegistry());
+  OffloadGraph g;
+  g.input = builder.AddInput("x", F32({64}), ObjectRole::kGradient);
+  Attrs member{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{2}},
+               {"reduce", std::string("sum")}};
+  g.reduced = (*builder.AddTask("grad/all_reduce", "all_reduce", {g.input}, member))[0];
+  g.output = (*builder.AddTask("after", "gelu_forward", {g.reduced}, {}))[0];
+  builder.MarkOutput(g.reduced);
+  builder.MarkOutput(g.output);
+  g.graph = *builder.Build();
+  return g;
+}
+
+TEST(ExecutorOffloadTest, OffloadedTasksFinishFromAnotherThreadAndStartTheirDependents) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  OffloadGraph g = AllReduceThenGelu();
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(g.graph));
+  std::vector<std::thread> engine;
+  RunHooks hooks;
+  hooks.offloaded = [](const TaskSpec& task) { return task.op == "all_reduce"; };
+  hooks.offload = [&](const TaskSpec&, std::vector<Tensor> in, std::vector<Tensor> out,
+                      RunHooks::OffloadDone done) {
+    engine.emplace_back([in, out, done] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      // The in-place output starts as the input; "the other member" contributed the same.
+      for (int64_t i = 0; i < out[0].numel(); ++i) out[0].data<float>()[i] *= 2;
+      done(Status::Ok());
+    });
+  };
+  Tensor x = RandomTensor({64}, 3);
+  const std::vector<float> before = ToVector(x);
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{g.input, x}}, nullptr, &hooks));
+  for (auto& thread : engine) thread.join();
+  std::vector<float> doubled = before;
+  for (float& v : doubled) v *= 2;
+  EXPECT_EQ(ToVector(result.outputs.at(g.reduced)), doubled);
+  EXPECT_EQ(ToVector(result.outputs.at(g.output)),
+            ToVector((*RunKernel("gelu_forward", {FloatTensor({64}, doubled)}))[0]));
+  EXPECT_EQ(result.stats.tasks_run, 2);
+}
+
+TEST(ExecutorOffloadTest, AFailedOffloadFailsTheRunNamingTheTask) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  OffloadGraph g = AllReduceThenGelu();
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(g.graph));
+  std::thread engine;
+  Status told;
+  RunHooks hooks;
+  hooks.offloaded = [](const TaskSpec& task) { return task.op == "all_reduce"; };
+  hooks.offload = [&](const TaskSpec&, std::vector<Tensor>, std::vector<Tensor>,
+                      RunHooks::OffloadDone done) {
+    engine = std::thread([done] { done(Unavailable("rank 1 died")); });
+  };
+  hooks.on_failed = [&](const Status& status) { told = status; };
+  Result<RunResult> result = executor.Run(prepared, {{g.input, RandomTensor({64}, 3)}}, nullptr,
+                                          &hooks);
+  engine.join();
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("grad/all_reduce"), std::string::npos)
+      << result.status().ToString();
+  EXPECT_NE(result.status().message().find("rank 1 died"), std::string::npos);
+  EXPECT_EQ(told.message(), result.status().message());
+}
+
+TEST(ExecutorOffloadTest, OneMemberCollectivesRunAsKernels) {
+  GraphBuilder builder(CpuRegistry());
+  ObjectId x = builder.AddInput("x", F32({6}), ObjectRole::kGradient);
+  Attrs one{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}},
+            {"reduce", std::string("avg")}};
+  ObjectId y = (*builder.AddTask("rs", "reduce_scatter", {x}, one))[0];
+  Attrs gather{{"collective", int64_t{2}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}}};
+  ObjectId z = (*builder.AddTask("ag", "all_gather", {y}, gather))[0];
+  builder.MarkOutput(z);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  Tensor input = FloatTensor({6}, {1, 2, 3, 4, 5, 6});
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{x, input}}));
+  EXPECT_EQ(ToVector(result.outputs.at(z)), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+}
+
+TEST(ExecutorOffloadTest, CollectiveShapesAreChecked) {
+  GraphBuilder builder(CpuRegistry());
+  ObjectId x = builder.AddInput("x", F32({7}), ObjectRole::kGradient);
+  Attrs members{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{2}},
+                {"reduce", std::string("sum")}};
+  Result<std::vector<ObjectId>> odd = builder.AddTask("rs", "reduce_scatter", {x}, members);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("not a multiple of the group's 2 members"),
+            std::string::npos)
+      << odd.status().ToString();
+  members.Set("reduce", std::string("product"));
+  Result<std::vector<ObjectId>> bad_op = builder.AddTask("ar", "all_reduce", {x}, members);
+  ASSERT_FALSE(bad_op.ok());
+  EXPECT_NE(bad_op.status().message().find("use sum, avg, max or min"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,55 @@
+// Collective tasks: how a graph says "these tasks are the members of one collective".
+//
+// A collective (an all-reduce of a gradient, an all-gather of a parameter shard, ...) is a group
+// of member tasks, one per participating worker, sharing a collective id. Each member is an
+// ordinary task of the graph (op all_reduce, reduce_scatter, all_gather or broadcast, see
+// ops/standard_ops.h) whose attributes say which collective it belongs to and its rank:
+//
+//   collective   int   the collective's id, unique within the graph; members share it
+//   rank         int   this member's rank, 0 .. group_size-1, each exactly once
+//   group_size   int   how many members
+//
+// Members are placed on distinct workers (pinned by the planner, or spread by the scheduler);
+// the workers in rank order form the collective's group, which gets one communicator per worker,
+// created the first time the group meets and reused by every later collective of that group.
+// When the scheduler places the graph it adds:
+//
+//   group        int   the group's cluster-wide key (the communicator to use)
+//   position     int   the member's place among the collectives its worker runs, in one global
+//                      order consistent with the graph's dependencies: every worker runs its
+//                      members in this order, so no two workers ever wait on each other in
+//                      opposite orders (no deadlock)
+//
+// The scheduler reads these attributes without linking the ops (hence this header in core).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "core/graph.h"
+#include "core/status.h"
+
+namespace tessera {
+
+inline constexpr const char* kCollectiveAttr = "collective";
+inline constexpr const char* kRankAttr = "rank";
+inline constexpr const char* kGroupSizeAttr = "group_size";
+inline constexpr const char* kGroupAttr = "group";
+inline constexpr const char* kPositionAttr = "position";
+
+struct CollectiveMembership {
+  int64_t collective = 0;
+  int rank = 0;
+  int group_size = 1;
+};
+
+// nullopt for an ordinary task; InvalidArgument naming the task when the attributes are
+// inconsistent (a rank outside the group, a missing group_size).
+Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
+
+// Checks every collective of a graph: members of one collective agree on group_size, have the
+// ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument naming the
+// collective and what is wrong.
+Status ValidateCollectives(const Graph& graph);
+
+}  // namespace tessera
