@@ -1,6 +1,8 @@
 #include "core/collective_task.h"
 
+#include <algorithm>
 #include <map>
+#include <queue>
 
 namespace tessera {
 
@@ -26,14 +28,14 @@ Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {
   return std::optional<CollectiveMembership>(membership);
 }
 
-Status ValidateCollectives(const Graph& graph) {
+Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
   struct Seen {
     int group_size = 0;
     std::string op;
     std::vector<std::string> members;  // by rank: the task's name
   };
   std::map<int64_t, Seen> collectives;
-  for (const TaskSpec& task : graph.tasks()) {
+  for (const TaskSpec& task : tasks) {
     TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> membership, CollectiveOf(task));
     if (!membership) continue;
     Seen& seen = collectives[membership->collective];
@@ -59,12 +61,81 @@ Status ValidateCollectives(const Graph& graph) {
   for (const auto& [id, seen] : collectives) {
     for (size_t rank = 0; rank < seen.members.size(); ++rank) {
       if (seen.members[rank].empty()) {
-        return InvalidArgument("collective {} ({}, {} ranks) has no member of rank {}", id,
-                               seen.op, seen.group_size, rank);
+        return InvalidArgument("collective {} ({}, {} ranks) has no member of rank {}", id, seen.op,
+                               seen.group_size, rank);
       }
     }
   }
   return Status::Ok();
+}
+
+Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks,
+                                              const std::function<TaskId(ObjectId)>& producer_of) {
+  // Number the collectives by their first member's position in `tasks`.
+  std::map<int64_t, int> index_of;
+  std::vector<int64_t> ids;
+  std::vector<int> member_of(tasks.size(), -1);  // task index -> collective index
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> membership,
+                             CollectiveOf(tasks[t]));
+    if (!membership) continue;
+    auto [it, added] = index_of.emplace(membership->collective, static_cast<int>(ids.size()));
+    if (added) ids.push_back(membership->collective);
+    member_of[t] = it->second;
+  }
+  const size_t n = ids.size();
+  if (n == 0) return ids;
+  // reaches[t]: the collectives task t depends on (through any chain), itself included if a
+  // member; one bit per collective.
+  const size_t words = (n + 63) / 64;
+  std::vector<std::vector<uint64_t>> reaches(tasks.size(), std::vector<uint64_t>(words, 0));
+  std::vector<std::vector<bool>> before(n, std::vector<bool>(n, false));  // before[a][b]: a -> b
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    for (ObjectId input : tasks[t].inputs) {
+      const TaskId producer = producer_of(input);
+      if (!producer.valid()) continue;
+      const auto& from = reaches[producer.value() - 1];
+      for (size_t w = 0; w < words; ++w) reaches[t][w] |= from[w];
+    }
+    if (member_of[t] < 0) continue;
+    const size_t b = static_cast<size_t>(member_of[t]);
+    for (size_t a = 0; a < n; ++a) {
+      if (a != b && (reaches[t][a / 64] >> (a % 64) & 1)) before[a][b] = true;
+    }
+    reaches[t][b / 64] |= uint64_t{1} << (b % 64);
+  }
+  // Kahn's algorithm; among the ready, the earliest-numbered first.
+  std::vector<int> blockers(n, 0);
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = 0; b < n; ++b) blockers[b] += before[a][b];
+  }
+  std::priority_queue<size_t, std::vector<size_t>, std::greater<>> ready;
+  for (size_t c = 0; c < n; ++c) {
+    if (blockers[c] == 0) ready.push(c);
+  }
+  std::vector<int64_t> order;
+  while (!ready.empty()) {
+    const size_t a = ready.top();
+    ready.pop();
+    order.push_back(ids[a]);
+    for (size_t b = 0; b < n; ++b) {
+      if (before[a][b] && --blockers[b] == 0) ready.push(b);
+    }
+  }
+  if (order.size() != n) {
+    for (size_t a = 0; a < n; ++a) {
+      for (size_t b = 0; b < n; ++b) {
+        if (blockers[a] > 0 && blockers[b] > 0 && before[a][b] && before[b][a]) {
+          return InvalidArgument(
+              "collectives {} and {} depend on each other (a member of each waits for the "
+              "other's result): every order deadlocks",
+              ids[a], ids[b]);
+        }
+      }
+    }
+    return InvalidArgument("the graph's collectives depend on each other in a cycle");
+  }
+  return order;
 }
 
 }  // namespace tessera

@@ -24,7 +24,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <vector>
 
 #include "core/graph.h"
 #include "core/status.h"
@@ -47,9 +49,18 @@ struct CollectiveMembership {
 // inconsistent (a rank outside the group, a missing group_size).
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 
-// Checks every collective of a graph: members of one collective agree on group_size, have the
-// ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument naming the
+// Checks every collective among `tasks`: members of one collective agree on group_size, have
+// the ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument naming the
 // collective and what is wrong.
-Status ValidateCollectives(const Graph& graph);
+Status ValidateCollectives(const std::vector<TaskSpec>& tasks);
+
+// The graph's collectives in an order every worker can follow: if any member of B depends,
+// through any chain of tasks, on a member of A, then A comes first (ties: the collective whose
+// first member comes first in `tasks`). `producer_of(object)` is the task producing an object
+// (invalid for graph inputs). REQUIRES: tasks are in dependency order (producers first) and
+// have dense ids 1..n. InvalidArgument naming two collectives that depend on each other (no
+// order can avoid a deadlock).
+Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks,
+                                              const std::function<TaskId(ObjectId)>& producer_of);
 
 }  // namespace tessera

@@ -39,3 +39,17 @@ TESSERA_SETTING(int64_t, pull_timeout_ms, 30000, "ms",
 
 TESSERA_SETTING(std::string, log_level, "info", "",
                 "spdlog level for every component: trace, debug, info, warn, error, off.")
+
+TESSERA_SETTING(int64_t, collective_timeout_ms, 30000, "ms",
+                "A collective whose peer stays silent this long fails on every member, naming "
+                "the silent peer (a dead peer is reported at once). Lower notices stuck workers "
+                "sooner; too low fails collectives behind a slow member.")
+
+TESSERA_SETTING(int64_t, collective_chunk_bytes, 1048576, "bytes",
+                "Ring collectives move each segment in chunks of this size, so reducing one chunk "
+                "overlaps receiving the next. Smaller pipelines better, larger costs fewer "
+                "messages.")
+
+TESSERA_SETTING(int64_t, collective_small_bytes, 65536, "bytes",
+                "All-reduces and broadcasts up to this size use the direct algorithm (one hop, "
+                "every rank sends to every other) instead of the ring: lower latency, more bytes.")

@@ -704,10 +704,11 @@ Status AddCollectiveOps(OpRegistry& r) {
         const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
         return Metas{TensorMeta{Shape{in[0].numel() * size}, in[0].dtype, in[0].device}};
       },
-      .cost = [](const Metas& in, const Attrs& attrs) {
-        const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
-        return OpCost{0, Bytes(in) * (n - 1)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+            return OpCost{0, Bytes(in) * (n - 1)};
+          },
   }));
   return r.AddOp(OpDef{
       .name = "broadcast",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/collective_task.h"
 #include "core/logging.h"
 #include "core/rpc/wire.h"
 
@@ -23,7 +24,10 @@ std::string ToString(capnp::Text::Reader text) { return rpc::ToString(text); }
 }  // namespace
 
 SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
-    : options_(std::move(options)), outbox_(outbox), now_(std::move(now)) {}
+    : options_(std::move(options)),
+      outbox_(outbox),
+      now_(std::move(now)),
+      groups_(outbox, [this](WorkerId worker) { return Describe(worker); }) {}
 
 WorkerId SchedulerCore::Accept() {
   const WorkerId id(next_participant_++);
@@ -125,6 +129,14 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
     case proto::Envelope::Body::INSTANCE_FINISHED:
       status = requires_role(Role::kWorker, "an instance result");
       if (status.ok()) status = OnInstanceFinished(*participant, body.getInstanceFinished());
+      break;
+    case proto::Envelope::Body::COLLECTIVE_JOIN:
+      status = requires_role(Role::kWorker, "a collective join");
+      if (status.ok()) status = groups_.OnJoin(from, body.getCollectiveJoin());
+      break;
+    case proto::Envelope::Body::COLLECTIVE_FAILED:
+      status = requires_role(Role::kWorker, "a collective failure");
+      if (status.ok()) status = groups_.OnFailed(from, body.getCollectiveFailed(), now_());
       break;
     case proto::Envelope::Body::SHUTDOWN:
       if (role == Role::kWorker) {
@@ -577,6 +589,8 @@ void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
   worker.alive = false;
   const std::string who = Describe(worker.id);
   GetLogger("scheduler")->warn("{} is dead: {}", who, reason.ToString());
+  // Its collective groups fail at once, naming it, on every other member.
+  groups_.WorkerDied(worker.id, reason);
   dispatch_batches_.erase(worker.id);
   free_batches_.erase(worker.id);
   // Objects whose only copy was on the dead worker are lost.
@@ -653,6 +667,7 @@ void SchedulerCore::Tick() {
     DeclareDead(participants_.at(id), reason);
     outbox_->Disconnect(id, reason);
   }
+  groups_.Tick(now);
 }
 
 void SchedulerCore::Flush() {
@@ -777,7 +792,9 @@ Status SchedulerCore::OnRegisterGraph(Participant& from, uint64_t request_id,
     graph.objects.push_back(std::move(object));
   }
   const auto known = [&](ObjectId id) { return id.valid() && id.value() <= graph.objects.size(); };
-  std::vector<int> load;  // tasks placed per alive worker, for the least-loaded choice
+  std::map<int64_t, std::vector<WorkerId>>
+      collective_workers;  // collective -> its members' workers
+  std::vector<int> load;   // tasks placed per alive worker, for the least-loaded choice
   std::vector<WorkerId> alive;
   for (const auto& [id, p] : participants_) {
     if (p.role == Role::kWorker && p.alive) alive.push_back(id);
@@ -835,9 +852,49 @@ Status SchedulerCore::OnRegisterGraph(Participant& from, uint64_t request_id,
         place = alive[least];
       }
     }
+    // Members of one collective go to distinct workers.
+    Result<std::optional<CollectiveMembership>> membership = CollectiveOf(spec);
+    if (!membership.ok()) {
+      Reply(from.id, request_id, membership.status());
+      return Status::Ok();
+    }
+    if (*membership) {
+      std::vector<WorkerId>& used = collective_workers[(*membership)->collective];
+      if (std::find(used.begin(), used.end(), place) != used.end()) {
+        if (spec.pinned_worker.valid()) {
+          Reply(from.id, request_id,
+                Infeasible("task '{}' is pinned to {}, which already runs another member of "
+                           "collective {}: members need distinct workers",
+                           spec.name, place.ToString(), (*membership)->collective));
+          return Status::Ok();
+        }
+        place = WorkerId();
+        int fewest = 0;
+        for (size_t w = 0; w < alive.size(); ++w) {
+          if (std::find(used.begin(), used.end(), alive[w]) != used.end()) continue;
+          if (!place.valid() || load[w] < fewest) {
+            place = alive[w];
+            fewest = load[w];
+          }
+        }
+        if (!place.valid()) {
+          Reply(from.id, request_id,
+                Infeasible("collective {} has {} members but only {} workers are alive: start "
+                           "more workers or plan a smaller group",
+                           (*membership)->collective, (*membership)->group_size, alive.size()));
+          return Status::Ok();
+        }
+      }
+      used.push_back(place);
+    }
     ++load[static_cast<size_t>(std::find(alive.begin(), alive.end(), place) - alive.begin())];
     graph.task_worker.push_back(place);
     graph.tasks.push_back(std::move(spec));
+  }
+  Status collectives = AssignCollectives(graph);
+  if (!collectives.ok()) {
+    Reply(from.id, request_id, collectives);
+    return Status::Ok();
   }
   for (uint64_t output : wire.getOutputs()) {
     if (!known(ObjectId(output)))
@@ -888,6 +945,35 @@ Status SchedulerCore::OnRegisterGraph(Participant& from, uint64_t request_id,
   const uint64_t id = graph.id;
   graphs_.emplace(id, std::move(graph));
   Reply(from.id, request_id, Status::Ok());
+  return Status::Ok();
+}
+
+Status SchedulerCore::AssignCollectives(GraphEntry& graph) {
+  TESSERA_RETURN_IF_ERROR(ValidateCollectives(graph.tasks));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> order,
+                           OrderCollectives(graph.tasks, [&](ObjectId object) {
+                             return graph.objects[object.value() - 1].producer;
+                           }));
+  std::map<int64_t, std::vector<size_t>> members;  // collective -> task indices by rank
+  for (size_t t = 0; t < graph.tasks.size(); ++t) {
+    std::optional<CollectiveMembership> membership = *CollectiveOf(graph.tasks[t]);
+    if (!membership) continue;
+    auto& slots = members[membership->collective];
+    slots.resize(static_cast<size_t>(membership->group_size));
+    slots[static_cast<size_t>(membership->rank)] = t;
+  }
+  // Each worker runs its members in the one global order: positions count per worker.
+  std::map<WorkerId, int64_t> next_position;
+  for (int64_t collective : order) {
+    const std::vector<size_t>& slots = members.at(collective);
+    std::vector<WorkerId> workers;
+    for (size_t t : slots) workers.push_back(graph.task_worker[t]);
+    const uint64_t group = groups_.GroupFor(workers);
+    for (size_t t : slots) {
+      graph.tasks[t].attrs.Set(kGroupAttr, static_cast<int64_t>(group));
+      graph.tasks[t].attrs.Set(kPositionAttr, next_position[graph.task_worker[t]]++);
+    }
+  }
   return Status::Ok();
 }
 

@@ -55,18 +55,11 @@
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
 #include "core/status.h"
+#include "scheduler/collective_groups.h"
+#include "scheduler/outbox.h"
 #include "scheduler/placement.h"
 
 namespace tessera {
-
-// Where the core's outgoing messages go.
-class Outbox {
- public:
-  virtual ~Outbox() = default;
-  virtual void Send(WorkerId to, capnp::MessageBuilder& message) = 0;
-  // Drops a participant's connection (after a refusal, or when declared dead).
-  virtual void Disconnect(WorkerId who, const Status& reason) = 0;
-};
 
 struct SchedulerOptions {
   std::string token;  // what joining processes must present
@@ -181,6 +174,9 @@ class SchedulerCore {
                          proto::RegisterGraph::Reader graph);
   Status OnRunGraph(Participant& from, uint64_t request_id, proto::RunGraph::Reader run);
   Status OnInstanceFinished(Participant& from, proto::InstanceFinished::Reader finished);
+  // Keys the groups of a placed graph's collectives and gives each member its group and its
+  // position on its worker (core/collective_task.h). InvalidArgument for inconsistent members.
+  Status AssignCollectives(GraphEntry& graph);
   // Ends an instance once every involved worker reported (or the instance failed).
   void MaybeFinishInstance(std::pair<uint64_t, uint64_t> key);
   void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);
@@ -212,6 +208,7 @@ class SchedulerCore {
   std::unordered_map<ObjectId, ObjectEntry> objects_;
   std::unordered_map<TaskId, TaskEntry> tasks_;
   std::unordered_map<uint64_t, GraphEntry> graphs_;
+  CollectiveGroups groups_;
   std::map<std::pair<uint64_t, uint64_t>, InstanceEntry> instances_;
   int64_t tasks_done_ = 0;
   bool shutdown_requested_ = false;

@@ -98,7 +98,9 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   }
 
   void ScheduleTick() {
-    tick_.expires_after(std::chrono::milliseconds(options_.core.heartbeat_interval_ms));
+    // Often enough for heartbeat checks and collective verdicts (a 250 ms window).
+    tick_.expires_after(
+        std::chrono::milliseconds(std::min<uint32_t>(options_.core.heartbeat_interval_ms, 100)));
     tick_.async_wait([this](const boost::system::error_code& error) {
       if (error || stopping_) return;
       core_.Tick();

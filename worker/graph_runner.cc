@@ -1,5 +1,7 @@
 #include "worker/graph_runner.h"
 
+#include "core/collective_task.h"
+
 #include <cstring>
 #include <set>
 
@@ -409,7 +411,22 @@ void GraphRunner::RunInstance(Instance& instance) {
                         Arrive(key, local, std::move(*destination));
                       });
   }
+  // Collective members go to the worker's communication stream, in the scheduler's order.
+  if (engine_ != nullptr) {
+    hooks.offloaded = [](const TaskSpec& task) {
+      return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
+    };
+    hooks.offload = [this, key](const TaskSpec& task, std::vector<Tensor> in,
+                                std::vector<Tensor> out, RunHooks::OffloadDone done) {
+      engine_->Submit(
+          key, task.attrs.GetInt(kPositionAttr, 0),
+          CollectiveMember{task.name, task.op, task.attrs, std::move(in), std::move(out)},
+          std::move(done));
+    };
+    hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
+  }
   Result<RunResult> result = executor_.Run(*part->prepared, std::move(inputs), nullptr, &hooks);
+  if (engine_ != nullptr) engine_->EndStream(key, result.status());
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   Status error = result.status();
   if (error.ok()) {

@@ -11,6 +11,8 @@
 //   - objects from other workers are pushed here by their producers and delivered to the run
 //     as they arrive (late inputs); pushes that come before the instance starts wait for it;
 //   - each export is pushed to its consumers as soon as it is produced;
+//   - collective members go to the collective engine (the worker's communication stream), which
+//     runs them in the order the scheduler assigned;
 //   - the graph outputs produced here are sealed into the object store under the cluster ids the
 //     scheduler assigned, and InstanceFinished reports them (once every push has completed).
 // Instances run one at a time, in arrival order, on a dedicated thread. A failure anywhere
@@ -35,6 +37,7 @@
 #include "core/settings.h"
 #include "core/status.h"
 #include "core/transport/data_plane.h"
+#include "worker/collective_engine.h"
 #include "worker/in_process_executor.h"
 #include "worker/object_store.h"
 
@@ -49,6 +52,9 @@ class GraphRunner {
   ~GraphRunner();
   // REQUIRES: called once, before any part arrives.
   void set_data_plane(DataPlane* data_plane) { data_plane_ = data_plane; }
+  // Where collective members run (their communicators). Without one, only one-member
+  // collectives run. REQUIRES: called once, before any part arrives; outlives the runner.
+  void set_collective_engine(CollectiveEngine* engine) { engine_ = engine; }
 
   // A graph part for this worker (`self` is this worker's id). InvalidArgument for a part that
   // cannot be prepared (e.g. an op without a kernel): reported to the driver at its first run.
@@ -77,6 +83,7 @@ class GraphRunner {
   ObjectStore& store_;
   SendToScheduler send_;
   DataPlane* data_plane_ = nullptr;
+  CollectiveEngine* engine_ = nullptr;
   InProcessExecutor executor_;
 
   std::mutex mutex_;

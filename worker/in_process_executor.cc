@@ -225,25 +225,23 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
         ++active.offloads_outstanding;
       }
       auto shared_outputs = std::make_shared<std::vector<Tensor>>(*outputs);
-      hooks->offload(task, std::move(in), std::move(*outputs),
-                     [&, t, shared_outputs](const Status& status) {
-                       if (!status.ok()) {
-                         fail(status.WithContext(TaskContext(graph.tasks()[t])));
-                       } else if (!failed.load()) {
-                         arena_->execute([&] {
-                           finish_task(t, *shared_outputs, [&](int d) {
-                             group.run([&, d] { run_task(d); });
-                           });
-                         });
-                       }
-                       shared_outputs->clear();
-                       {
-                         std::lock_guard lock(active.mutex);
-                         --active.offloads_outstanding;
-                         ++active.events;
-                       }
-                       active.changed.notify_all();
-                     });
+      hooks->offload(
+          task, std::move(in), std::move(*outputs), [&, t, shared_outputs](const Status& status) {
+            if (!status.ok()) {
+              fail(status.WithContext(TaskContext(graph.tasks()[t])));
+            } else if (!failed.load()) {
+              arena_->execute([&] {
+                finish_task(t, *shared_outputs, [&](int d) { group.run([&, d] { run_task(d); }); });
+              });
+            }
+            shared_outputs->clear();
+            {
+              std::lock_guard lock(active.mutex);
+              --active.offloads_outstanding;
+              ++active.events;
+            }
+            active.changed.notify_all();
+          });
       return;
     }
     Result<std::vector<Tensor>> ran = RunTaskKernel(*prepared.kernels_[t], task, in, output_metas,

@@ -10,12 +10,10 @@ std::string TaskContext(const TaskSpec& task) {
              : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
 }
 
-Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
-                                               const std::vector<Tensor>& inputs,
-                                               const std::vector<TensorMeta>& output_metas,
-                                               const KernelContext& context,
-                                               const std::function<bool(int input_index)>& can_donate,
-                                               TaskRunCounters* counters) {
+Result<std::vector<Tensor>> PrepareTaskOutputs(
+    const TaskSpec& task, const std::vector<Tensor>& inputs,
+    const std::vector<TensorMeta>& output_metas, const KernelContext& context,
+    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters) {
   std::vector<Tensor> outputs(output_metas.size());
   for (const Donation& donation : task.donations) {
     const Tensor& source = inputs[donation.input_index];
@@ -49,9 +47,9 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const KernelContext& context,
                                           const std::function<bool(int input_index)>& can_donate,
                                           TaskRunCounters* counters) {
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> outputs,
-                           PrepareTaskOutputs(task, inputs, output_metas, context, can_donate,
-                                              counters));
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<Tensor> outputs,
+      PrepareTaskOutputs(task, inputs, output_metas, context, can_donate, counters));
   Status status;
   try {
     status = kernel(context, inputs, outputs, task.attrs);

@@ -29,12 +29,10 @@ struct TaskRunCounters {
 // can_donate(input) allows, and starts as a copy of it otherwise.
 // REQUIRES: inputs and output_metas match the task; can_donate(i) is only true when nothing
 // else will read input i's buffer.
-Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
-                                               const std::vector<Tensor>& inputs,
-                                               const std::vector<TensorMeta>& output_metas,
-                                               const KernelContext& context,
-                                               const std::function<bool(int input_index)>& can_donate,
-                                               TaskRunCounters* counters);
+Result<std::vector<Tensor>> PrepareTaskOutputs(
+    const TaskSpec& task, const std::vector<Tensor>& inputs,
+    const std::vector<TensorMeta>& output_metas, const KernelContext& context,
+    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters);
 
 // PrepareTaskOutputs, then the kernel.
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,

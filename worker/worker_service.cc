@@ -16,6 +16,7 @@
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/transport/data_plane.h"
+#include "worker/collective_engine.h"
 #include "worker/graph_runner.h"
 #include "worker/object_store.h"
 #include "worker/task_runner.h"
@@ -98,6 +99,7 @@ class WorkerServiceImpl final : public WorkerService {
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
   std::shared_ptr<rpc::Connection> connection_;
+  std::unique_ptr<CollectiveEngine> engine_;   // before the graph runner, which uses it
   std::unique_ptr<GraphRunner> graph_runner_;  // before the data plane: its handlers use it
   std::unique_ptr<DataPlane> data_plane_;
   std::atomic<uint64_t> id_{0};
@@ -128,15 +130,18 @@ WorkerServiceImpl::~WorkerServiceImpl() {
   }
   arena_.execute([] {});  // arena work finishes before the store goes away
   graph_runner_.reset();
+  engine_.reset();
   data_plane_.reset();
 }
 
 Status WorkerServiceImpl::Init() {
   ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
   executor_options.threads = threads_;
-  graph_runner_ = std::make_unique<GraphRunner>(
-      registry_, executor_options, store_, options_.settings,
-      [this](capnp::MessageBuilder& message) { connection_->Send(message); });
+  auto send = [this](capnp::MessageBuilder& message) { connection_->Send(message); };
+  engine_ = std::make_unique<CollectiveEngine>(options_.settings, send);
+  graph_runner_ =
+      std::make_unique<GraphRunner>(registry_, executor_options, store_, options_.settings, send);
+  graph_runner_->set_collective_engine(engine_.get());
   // The data plane comes next: its address goes into Hello.
   DataPlaneOptions data_options;
   data_options.host = options_.data_host;
@@ -206,6 +211,14 @@ Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
       graph_runner_->Cancel(cancel.getGraphId(), cancel.getInstance(),
                             cancel.hasError() ? rpc::FromWire(cancel.getError())
                                               : Cancelled("the scheduler cancelled the instance"));
+      break;
+    }
+    case proto::Envelope::Body::COLLECTIVE_PEERS:
+      engine_->OnPeers(body.getCollectivePeers());
+      break;
+    case proto::Envelope::Body::COLLECTIVE_ABORT: {
+      auto abort = body.getCollectiveAbort();
+      engine_->OnAbort(abort.getGroup(), rpc::FromWire(abort.getError()));
       break;
     }
     case proto::Envelope::Body::SHUTDOWN:

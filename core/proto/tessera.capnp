@@ -187,6 +187,37 @@ struct InstanceFinished {
   outputs @3 :List(SealedObject);  # graph outputs this worker produced, as cluster objects
 }
 
+# ---- collectives: forming a group's communicator, and its failures ----
+# The scheduler is every collective group's rendezvous and watcher (see
+# scheduler/collective_groups.h and worker/collective_engine.h).
+
+struct CollectiveJoin {          # worker -> scheduler: this member's part of an exchange round
+  group @0 :UInt64;
+  epoch @1 :UInt32;              # how many times this worker has formed the group's communicator
+  round @2 :UInt32;
+  rank @3 :Int32;
+  size @4 :Int32;
+  blob @5 :Data;                 # e.g. a UCX worker address
+}
+
+struct CollectivePeers {         # scheduler -> members: every member's blob, in rank order
+  group @0 :UInt64;
+  epoch @1 :UInt32;
+  round @2 :UInt32;
+  blobs @3 :List(Data);
+}
+
+struct CollectiveFailed {        # worker -> scheduler: what a member found (a peer silent, ...)
+  group @0 :UInt64;
+  error @1 :Error;
+  silentMs @2 :Int64;            # how long the peer it blames had been silent
+}
+
+struct CollectiveAbort {         # scheduler -> members: the group's verdict; its collectives fail
+  group @0 :UInt64;
+  error @1 :Error;
+}
+
 # ---- administration ----
 
 struct WorkerStatus {
@@ -235,5 +266,9 @@ struct Envelope {
     shutdown @19 :Empty;
     reply @20 :Error;      # generic acknowledgement: OK when absent code, else the error
     cancelInstance @21 :InstanceFinished;  # scheduler -> worker: stop this instance (error says why)
+    collectiveJoin @22 :CollectiveJoin;
+    collectivePeers @23 :CollectivePeers;
+    collectiveFailed @24 :CollectiveFailed;
+    collectiveAbort @25 :CollectiveAbort;
   }
 }

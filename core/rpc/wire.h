@@ -17,7 +17,7 @@
 namespace tessera::rpc {
 
 // Bumped on incompatible changes to the schema or the protocol.
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 
 void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out);
 Result<TensorMeta> FromWire(proto::TensorMeta::Reader in);

@@ -264,7 +264,9 @@ OffloadGraph AllReduceThenGelu() {
   GraphBuilder builder(CpuRegistry());
   OffloadGraph g;
   g.input = builder.AddInput("x", F32({64}), ObjectRole::kGradient);
-  Attrs member{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{2}},
+  Attrs member{{"collective", int64_t{1}},
+               {"rank", int64_t{0}},
+               {"group_size", int64_t{2}},
                {"reduce", std::string("sum")}};
   g.reduced = (*builder.AddTask("grad/all_reduce", "all_reduce", {g.input}, member))[0];
   g.output = (*builder.AddTask("after", "gelu_forward", {g.reduced}, {}))[0];
@@ -315,8 +317,8 @@ TEST(ExecutorOffloadTest, AFailedOffloadFailsTheRunNamingTheTask) {
     engine = std::thread([done] { done(Unavailable("rank 1 died")); });
   };
   hooks.on_failed = [&](const Status& status) { told = status; };
-  Result<RunResult> result = executor.Run(prepared, {{g.input, RandomTensor({64}, 3)}}, nullptr,
-                                          &hooks);
+  Result<RunResult> result =
+      executor.Run(prepared, {{g.input, RandomTensor({64}, 3)}}, nullptr, &hooks);
   engine.join();
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.status().message().find("grad/all_reduce"), std::string::npos)
@@ -328,7 +330,9 @@ TEST(ExecutorOffloadTest, AFailedOffloadFailsTheRunNamingTheTask) {
 TEST(ExecutorOffloadTest, OneMemberCollectivesRunAsKernels) {
   GraphBuilder builder(CpuRegistry());
   ObjectId x = builder.AddInput("x", F32({6}), ObjectRole::kGradient);
-  Attrs one{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}},
+  Attrs one{{"collective", int64_t{1}},
+            {"rank", int64_t{0}},
+            {"group_size", int64_t{1}},
             {"reduce", std::string("avg")}};
   ObjectId y = (*builder.AddTask("rs", "reduce_scatter", {x}, one))[0];
   Attrs gather{{"collective", int64_t{2}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}}};
@@ -344,7 +348,9 @@ TEST(ExecutorOffloadTest, OneMemberCollectivesRunAsKernels) {
 TEST(ExecutorOffloadTest, CollectiveShapesAreChecked) {
   GraphBuilder builder(CpuRegistry());
   ObjectId x = builder.AddInput("x", F32({7}), ObjectRole::kGradient);
-  Attrs members{{"collective", int64_t{1}}, {"rank", int64_t{0}}, {"group_size", int64_t{2}},
+  Attrs members{{"collective", int64_t{1}},
+                {"rank", int64_t{0}},
+                {"group_size", int64_t{2}},
                 {"reduce", std::string("sum")}};
   Result<std::vector<ObjectId>> odd = builder.AddTask("rs", "reduce_scatter", {x}, members);
   ASSERT_FALSE(odd.ok());

@@ -1,0 +1,85 @@
+// CollectiveGroups: the scheduler as every collective group's rendezvous and watcher.
+//
+// A group is the list of workers (in rank order) that run the members of a collective; every
+// collective over the same list shares the group and its communicators. The scheduler keys
+// groups when it places graphs and tasks (GroupFor). Then:
+//
+//   Forming a communicator. A worker about to run its first member of a group creates its side
+//   (e.g. a UCX worker) and joins with a blob (its address) per exchange round; when every
+//   member's blob for a round is in, each member gets them all (CollectivePeers). A worker forms
+//   a group again after a failure, with a higher epoch; a join with a new epoch starts the
+//   group afresh.
+//
+//   Failures, and one verdict per failure. A member that dies (its connection closes or its
+//   heartbeats stop: WorkerDied) is certain: every other member gets CollectiveAbort naming it
+//   at once. A member that finds a peer silent past its deadline reports it (CollectiveFailed,
+//   with how long the peer had been silent); reports arriving within `verdict_window` of the
+//   first are weighed together and the verdict names the peer whose silence began first — the
+//   stuck one, not a bystander it starved. Every member gets the verdict, so every member's
+//   error names the same worker.
+//
+// Thread safety: none; the scheduler's io thread drives it (like SchedulerCore).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/ids.h"
+#include "core/proto/tessera.capnp.h"
+#include "core/status.h"
+#include "scheduler/outbox.h"
+
+namespace tessera {
+
+class CollectiveGroups {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Describe = std::function<std::string(WorkerId)>;
+
+  CollectiveGroups(Outbox* outbox, Describe describe,
+                   std::chrono::milliseconds verdict_window = std::chrono::milliseconds(250))
+      : outbox_(outbox), describe_(std::move(describe)), verdict_window_(verdict_window) {}
+
+  // The key of the group of these workers (in rank order); the same list always gets the same
+  // key. REQUIRES: distinct workers.
+  uint64_t GroupFor(const std::vector<WorkerId>& members);
+  const std::vector<WorkerId>* Members(uint64_t group) const;
+
+  // A member's join. InvalidArgument (a protocol violation by `from`) for an unknown group or a
+  // rank that is not `from`'s.
+  Status OnJoin(WorkerId from, proto::CollectiveJoin::Reader join);
+  Status OnFailed(WorkerId from, proto::CollectiveFailed::Reader failed, Clock::time_point now);
+  void WorkerDied(WorkerId worker, const Status& reason);
+  // Decides the verdicts whose window has passed.
+  void Tick(Clock::time_point now);
+
+ private:
+  struct Report {
+    Status reason;
+    Clock::time_point silent_since;
+  };
+  struct Group {
+    std::vector<WorkerId> members;
+    uint32_t epoch = 0;
+    std::map<uint32_t, std::vector<std::optional<std::string>>> rounds;
+    Status verdict;  // the group's failure, until a new epoch forms it again
+    std::vector<Report> reports;
+    std::optional<Clock::time_point> window_end;
+  };
+
+  void Decide(uint64_t key, Group& group, const Status& verdict);
+
+  Outbox* outbox_;
+  Describe describe_;
+  const std::chrono::milliseconds verdict_window_;
+  std::map<std::vector<WorkerId>, uint64_t> keys_;
+  std::map<uint64_t, Group> groups_;
+  uint64_t next_key_ = 1;
+};
+
+}  // namespace tessera

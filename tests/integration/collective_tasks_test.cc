@@ -1,0 +1,167 @@
+// Collective tasks in the runtime: members of all-reduce, reduce-scatter, all-gather and
+// broadcast placed on real worker processes, their communicators formed through the scheduler,
+// checked against the values computed here; and a member's worker dying mid-collective.
+#include <signal.h>
+
+#include <chrono>
+#include <thread>
+
+#include "driver/cluster.h"
+#include "ops/graph_builder.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+LocalClusterOptions Local(int workers) {
+  LocalClusterOptions options;
+  options.cpu_workers = workers;
+  options.threads_per_worker = 1;
+  options.host_capacity_bytes = int64_t{512} << 20;
+  options.tessera_binary = BinaryPath("tessera");
+  return options;
+}
+
+Attrs Member(int64_t collective, int rank, int size) {
+  return Attrs{{"collective", collective}, {"rank", int64_t{rank}}, {"group_size", int64_t{size}}};
+}
+
+// Per rank r: x_r -> all_reduce(sum) -> reduce_scatter(max) -> all_gather -> broadcast(root 1).
+struct CollectiveChain {
+  Graph graph;
+  std::vector<ObjectId> inputs, reduced, scattered, gathered, broadcast;
+};
+
+CollectiveChain BuildChain(int n, int64_t numel, const std::vector<WorkerId>& pins) {
+  GraphBuilder builder(CpuRegistry());
+  CollectiveChain chain;
+  const TensorMeta meta{Shape{numel}, DType::kF32, Device::Cpu()};
+  for (int r = 0; r < n; ++r) {
+    TaskOptions options;
+    if (!pins.empty()) options.pinned_worker = pins[static_cast<size_t>(r)];
+    const std::string rank = std::to_string(r);
+    ObjectId x = builder.AddInput(fmt::format("x{}", rank), meta, ObjectRole::kGradient);
+    ObjectId y = (*builder.AddTask("all_reduce." + rank, "all_reduce", {x},
+                                   Member(1, r, n).Set("reduce", std::string("sum")), options))[0];
+    ObjectId z = (*builder.AddTask("reduce_scatter." + rank, "reduce_scatter", {y},
+                                   Member(2, r, n).Set("reduce", std::string("max")), options))[0];
+    ObjectId w =
+        (*builder.AddTask("all_gather." + rank, "all_gather", {z}, Member(3, r, n), options))[0];
+    ObjectId b = (*builder.AddTask("broadcast." + rank, "broadcast", {w},
+                                   Member(4, r, n).Set("root", int64_t{1}), options))[0];
+    for (ObjectId out : {y, z, w, b}) builder.MarkOutput(out);
+    chain.inputs.push_back(x);
+    chain.reduced.push_back(y);
+    chain.scattered.push_back(z);
+    chain.gathered.push_back(w);
+    chain.broadcast.push_back(b);
+  }
+  chain.graph = *builder.Build();
+  return chain;
+}
+
+void RunChainAndCheck(Cluster& cluster, const CollectiveChain& chain, int n, int64_t numel,
+                      int instances) {
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster.RegisterGraph(chain.graph));
+  for (int instance = 0; instance < instances; ++instance) {
+    std::vector<std::vector<float>> values(static_cast<size_t>(n));
+    std::map<ObjectId, ObjectRef> bound;
+    for (int r = 0; r < n; ++r) {
+      // Small integers: sums are exact in any order.
+      std::vector<float>& v = values[static_cast<size_t>(r)];
+      for (int64_t i = 0; i < numel; ++i)
+        v.push_back(static_cast<float>((i * 7 + r * 3 + instance) % 11));
+      ASSERT_OK_AND_ASSIGN(bound[chain.inputs[static_cast<size_t>(r)]],
+                           cluster.Put(FloatTensor({numel}, v)));
+    }
+    std::vector<float> sum(static_cast<size_t>(numel), 0);
+    for (const auto& v : values) {
+      for (int64_t i = 0; i < numel; ++i) sum[static_cast<size_t>(i)] += v[static_cast<size_t>(i)];
+    }
+    ASSERT_OK_AND_ASSIGN(auto outputs, cluster.RunGraph(handle, bound));
+    for (int r = 0; r < n; ++r) {
+      const size_t rr = static_cast<size_t>(r);
+      ASSERT_OK_AND_ASSIGN(Tensor reduced, cluster.Get(outputs.at(chain.reduced[rr]), 30'000));
+      EXPECT_EQ(ToVector(reduced), sum) << "all-reduce, rank " << r << ", instance " << instance;
+      // Every rank holds the same sums, so the max-reduce-scatter hands rank r block r of them.
+      const int64_t block = numel / n;
+      std::vector<float> expected_block(sum.begin() + r * block, sum.begin() + (r + 1) * block);
+      ASSERT_OK_AND_ASSIGN(Tensor scattered, cluster.Get(outputs.at(chain.scattered[rr]), 30'000));
+      EXPECT_EQ(ToVector(scattered), expected_block) << "reduce-scatter, rank " << r;
+      ASSERT_OK_AND_ASSIGN(Tensor gathered, cluster.Get(outputs.at(chain.gathered[rr]), 30'000));
+      EXPECT_EQ(ToVector(gathered), sum) << "all-gather, rank " << r;
+      ASSERT_OK_AND_ASSIGN(Tensor broadcast, cluster.Get(outputs.at(chain.broadcast[rr]), 30'000));
+      EXPECT_EQ(ToVector(broadcast), sum) << "broadcast, rank " << r;
+    }
+  }
+}
+
+TEST(CollectiveTasksTest, PinnedMembersOnThreeWorkersMatchTheReference) {
+  const int n = 3;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  std::vector<WorkerId> pins;
+  for (const WorkerInfo& worker : info.workers) pins.push_back(worker.id);
+  // 300k elements (1.2 MB): the ring, in chunks; three instances reuse the communicators.
+  const int64_t numel = 300'000;
+  RunChainAndCheck(*cluster, BuildChain(n, numel, pins), n, numel, 3);
+}
+
+TEST(CollectiveTasksTest, UnpinnedMembersAreSpreadOverDistinctWorkers) {
+  const int n = 2;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  const int64_t numel = 1000;  // the direct algorithm
+  RunChainAndCheck(*cluster, BuildChain(n, numel, {}), n, numel, 2);
+  // Three members cannot fit on two workers: refused before running, saying what to change.
+  Result<GraphHandle> refused = cluster->RegisterGraph(BuildChain(3, 999, {}).graph);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("only 2 workers are alive"), std::string::npos)
+      << refused.status().ToString();
+}
+
+TEST(CollectiveTasksTest, AWorkerKilledMidCollectiveFailsTheStepNamingIt) {
+  const int n = 3;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  // Rank 2's member waits behind a slow task: ranks 0 and 1 are inside the all-reduce, waiting
+  // for it, when its worker is killed.
+  GraphBuilder builder(CpuRegistry());
+  const TensorMeta meta{Shape{1 << 16}, DType::kF32, Device::Cpu()};
+  std::vector<ObjectId> inputs, outputs;
+  for (int r = 0; r < n; ++r) {
+    TaskOptions options;
+    options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
+    ObjectId x = builder.AddInput(fmt::format("x{}", r), meta, ObjectRole::kGradient);
+    if (r == 2) {
+      x = (*builder.AddTask("slow", "sleep", {x}, Attrs{{"ms", int64_t{60'000}}}, options))[0];
+    }
+    ObjectId y = (*builder.AddTask(fmt::format("all_reduce.{}", r), "all_reduce", {x},
+                                   Member(1, r, n).Set("reduce", std::string("sum")), options))[0];
+    builder.MarkOutput(y);
+    inputs.push_back(builder.graph().InputObjects()[static_cast<size_t>(r)]);
+    outputs.push_back(y);
+  }
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(*builder.Build()));
+  std::map<ObjectId, ObjectRef> bound;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(bound[inputs[static_cast<size_t>(r)]],
+                         cluster->Put(RandomTensor({1 << 16}, 1)));
+  }
+  ASSERT_OK_AND_ASSIGN(auto result, cluster->RunGraph(handle, bound));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // ranks 0 and 1 are waiting
+  const WorkerInfo& victim = info.workers[2];
+  ::kill(victim.pid, SIGKILL);
+  // The collective deadline is 30 s; the failure must come from the death, well before.
+  Result<Tensor> rank0 = cluster->Get(result.at(outputs[0]), 15'000);
+  ASSERT_FALSE(rank0.ok());
+  EXPECT_NE(rank0.status().code(), StatusCode::kTimedOut) << rank0.status().ToString();
+  EXPECT_NE(rank0.status().message().find(victim.id.ToString()), std::string::npos)
+      << rank0.status().ToString();
+  EXPECT_NE(rank0.status().message().find("died"), std::string::npos) << rank0.status().ToString();
+  std::printf("the step failed with: %s\n", rank0.status().ToString().c_str());
+}
+
+}  // namespace
+}  // namespace tessera::testing

@@ -1,0 +1,328 @@
+#include "worker/collective_engine.h"
+
+#include "collectives/rendezvous.h"
+#include "collectives/ucx_communicator.h"
+#include "core/collective_task.h"
+#include "core/logging.h"
+#include "core/rpc/wire.h"
+
+namespace tessera {
+
+namespace {
+
+// Reports within this window of the first are weighed together by the scheduler; a member
+// waits a little longer than that for the verdict.
+constexpr auto kVerdictWait = std::chrono::milliseconds(2500);
+
+Result<ReduceOp> ParseReduce(const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString("reduce"));
+  if (name == "sum") return ReduceOp::kSum;
+  if (name == "avg") return ReduceOp::kAvg;
+  if (name == "max") return ReduceOp::kMax;
+  if (name == "min") return ReduceOp::kMin;
+  return InvalidArgument("attribute 'reduce' is '{}'; use sum, avg, max or min", name);
+}
+
+}  // namespace
+
+// The scheduler as a Rendezvous for one formation (epoch) of one group.
+class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
+ public:
+  SchedulerRendezvous(uint64_t group, uint32_t epoch, int rank, int size, SendToScheduler send)
+      : group_(group), epoch_(epoch), rank_(rank), size_(size), send_(std::move(send)) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  uint32_t epoch() const { return epoch_; }
+
+  Result<std::vector<std::string>> AllGather(const std::string& mine,
+                                             Clock::time_point deadline) override {
+    const uint32_t round = next_round_++;
+    capnp::MallocMessageBuilder message;
+    auto join = message.initRoot<proto::Envelope>().initBody().initCollectiveJoin();
+    join.setGroup(group_);
+    join.setEpoch(epoch_);
+    join.setRound(round);
+    join.setRank(rank_);
+    join.setSize(size_);
+    join.setBlob(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
+    send_(message);
+    std::unique_lock lock(mutex_);
+    changed_.wait_until(lock, deadline, [&] { return results_.contains(round) || !failure_.ok(); });
+    if (auto it = results_.find(round); it != results_.end()) {
+      std::vector<std::string> all = std::move(it->second);
+      results_.erase(it);
+      return all;
+    }
+    if (!failure_.ok()) return failure_;
+    return TimedOut(
+        "collective group {} did not form: not every member joined in time (is a member's "
+        "worker stuck or gone?)",
+        group_);
+  }
+
+  void OnMemberFailure(FailureHandler on_failure) override {
+    Status known;
+    {
+      std::lock_guard lock(mutex_);
+      handler_ = on_failure;
+      known = failure_;
+    }
+    if (!known.ok()) on_failure(known);
+  }
+
+  Status ReportFailure(const Status& reason, int64_t silent_ms) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (!failure_.ok()) return failure_;
+    }
+    capnp::MallocMessageBuilder message;
+    auto failed = message.initRoot<proto::Envelope>().initBody().initCollectiveFailed();
+    failed.setGroup(group_);
+    rpc::ToWire(reason, failed.initError());
+    failed.setSilentMs(silent_ms);
+    send_(message);
+    std::unique_lock lock(mutex_);
+    changed_.wait_for(lock, kVerdictWait, [&] { return !failure_.ok(); });
+    return failure_.ok() ? reason : failure_;
+  }
+
+  void Deliver(uint32_t round, std::vector<std::string> blobs) {
+    std::lock_guard lock(mutex_);
+    results_[round] = std::move(blobs);
+    changed_.notify_all();
+  }
+
+  // The scheduler's verdict: the group's collectives fail with it.
+  void Fail(const Status& verdict) {
+    FailureHandler handler;
+    {
+      std::lock_guard lock(mutex_);
+      if (!failure_.ok()) return;
+      failure_ = verdict;
+      handler = handler_;
+      changed_.notify_all();
+    }
+    if (handler) handler(verdict);
+  }
+
+ private:
+  const uint64_t group_;
+  const uint32_t epoch_;
+  const int rank_;
+  const int size_;
+  SendToScheduler send_;
+  uint32_t next_round_ = 0;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<uint32_t, std::vector<std::string>> results_;
+  Status failure_;
+  FailureHandler handler_;
+};
+
+CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send)
+    : settings_(settings), send_(std::move(send)), thread_([this] { Loop(); }) {}
+
+CollectiveEngine::~CollectiveEngine() {
+  std::map<StreamId, Stream> left;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    if (running_group_ != 0) {
+      auto it = groups_.find(running_group_);
+      if (it != groups_.end() && it->second.communicator) {
+        it->second.communicator->Abort(Cancelled("the worker is stopping"));
+      }
+      if (it != groups_.end() && it->second.rendezvous) {
+        it->second.rendezvous->Fail(Cancelled("the worker is stopping"));
+      }
+    }
+    left.swap(streams_);
+  }
+  changed_.notify_all();
+  thread_.join();
+  for (auto& [id, stream] : left) {
+    for (auto& [position, queued] : stream.queued) queued.done(Cancelled("the worker is stopping"));
+  }
+}
+
+void CollectiveEngine::Submit(const StreamId& stream, int64_t position, CollectiveMember member,
+                              Done done) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_) {
+      streams_[stream].queued.emplace(position, Queued{std::move(member), std::move(done)});
+      changed_.notify_all();
+      return;
+    }
+  }
+  done(Cancelled("the worker is stopping"));
+}
+
+void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
+  Stream ended;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = streams_.find(stream);
+    if (it != streams_.end()) {
+      ended = std::move(it->second);
+      streams_.erase(it);
+    }
+    if (!reason.ok() && running_group_ != 0 && running_stream_ == stream) {
+      // The collective in progress belongs to a failed instance: stop it now (the other members
+      // are being cancelled too); the group forms again next time.
+      auto group = groups_.find(running_group_);
+      if (group != groups_.end() && group->second.communicator) {
+        group->second.communicator->Abort(reason);
+      }
+    }
+  }
+  const Status why =
+      reason.ok() ? Cancelled("the instance ended before this collective ran") : reason;
+  for (auto& [position, queued] : ended.queued) queued.done(why);
+}
+
+void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
+  std::shared_ptr<SchedulerRendezvous> rendezvous;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = groups_.find(peers.getGroup());
+    if (it == groups_.end() || !it->second.rendezvous ||
+        it->second.rendezvous->epoch() != peers.getEpoch()) {
+      return;  // a formation this worker abandoned
+    }
+    rendezvous = it->second.rendezvous;
+  }
+  std::vector<std::string> blobs;
+  for (capnp::Data::Reader blob : peers.getBlobs()) blobs.emplace_back(blob.begin(), blob.end());
+  rendezvous->Deliver(peers.getRound(), std::move(blobs));
+}
+
+void CollectiveEngine::OnAbort(uint64_t group, const Status& reason) {
+  std::shared_ptr<SchedulerRendezvous> rendezvous;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = groups_.find(group);
+    if (it == groups_.end() || !it->second.rendezvous) return;
+    rendezvous = it->second.rendezvous;
+  }
+  GetLogger("worker")->warn("collective group {} aborted: {}", group, reason.ToString());
+  rendezvous->Fail(reason);  // aborts the communicator's transport (a collective in progress)
+}
+
+CollectiveEngineStats CollectiveEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void CollectiveEngine::Loop() {
+  while (true) {
+    Queued next;
+    {
+      std::unique_lock lock(mutex_);
+      StreamId chosen;
+      bool found = false;
+      changed_.wait(lock, [&] {
+        if (stopping_) return true;
+        for (auto& [id, stream] : streams_) {
+          if (stream.queued.contains(stream.next)) {
+            chosen = id;
+            found = true;
+            return true;
+          }
+        }
+        return false;
+      });
+      if (stopping_) return;
+      if (!found) continue;
+      Stream& stream = streams_.at(chosen);
+      auto item = stream.queued.find(stream.next);
+      next = std::move(item->second);
+      stream.queued.erase(item);
+      ++stream.next;
+      running_stream_ = chosen;
+      running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
+    }
+    const Status status = Run(next.member);
+    {
+      std::lock_guard lock(mutex_);
+      running_group_ = 0;
+      ++stats_.collectives_run;
+    }
+    next.done(status);
+  }
+}
+
+Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, int size) {
+  std::shared_ptr<SchedulerRendezvous> rendezvous;
+  {
+    std::lock_guard lock(mutex_);
+    Group& group = groups_[key];
+    if (group.communicator) {
+      if (group.communicator->size() != size || group.communicator->rank() != rank) {
+        return Internal(
+            "collective group {} is rank {} of {} here, but a member says rank {} of {}", key,
+            group.communicator->rank(), group.communicator->size(), rank, size);
+      }
+      return group.communicator.get();
+    }
+    group.rendezvous = std::make_shared<SchedulerRendezvous>(key, ++group.epoch, rank, size, send_);
+    rendezvous = group.rendezvous;
+  }
+  CommunicatorOptions options;
+  options.timeout_ms = static_cast<int>(settings_.collective_timeout_ms);
+  options.chunk_bytes = settings_.collective_chunk_bytes;
+  options.small_bytes = settings_.collective_small_bytes;
+  Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options);
+  std::lock_guard lock(mutex_);
+  Group& group = groups_[key];
+  if (!formed.ok()) {
+    group.rendezvous.reset();
+    return formed.status().WithContext(fmt::format("forming collective group {}", key));
+  }
+  group.communicator = std::move(*formed);
+  ++stats_.groups_formed;
+  GetLogger("worker")->info("formed collective group {} (rank {} of {})", key, rank, size);
+  return group.communicator.get();
+}
+
+Status CollectiveEngine::Run(CollectiveMember& member) {
+  const Attrs& attrs = member.attrs;
+  TESSERA_ASSIGN_OR_RETURN(int64_t key, attrs.GetInt(kGroupAttr));
+  TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kRankAttr));
+  TESSERA_ASSIGN_OR_RETURN(int64_t size, attrs.GetInt(kGroupSizeAttr));
+  TESSERA_ASSIGN_OR_RETURN(
+      Communicator * communicator,
+      CommunicatorFor(static_cast<uint64_t>(key), static_cast<int>(rank), static_cast<int>(size)));
+  const int64_t sent_before = communicator->bytes_sent();
+  const Tensor& out = member.outputs.at(0);
+  const Tensor& in = member.inputs.at(0);
+  Status status;
+  if (member.op == "all_reduce") {
+    TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
+    status = communicator->AllReduce(out.raw_data(), out.numel(), out.dtype(), op);
+  } else if (member.op == "reduce_scatter") {
+    TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
+    status =
+        communicator->ReduceScatter(in.raw_data(), out.raw_data(), out.numel(), out.dtype(), op);
+  } else if (member.op == "all_gather") {
+    status = communicator->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype());
+  } else if (member.op == "broadcast") {
+    TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
+    status =
+        communicator->Broadcast(out.raw_data(), out.numel(), out.dtype(), static_cast<int>(root));
+  } else {
+    return InvalidArgument("{} is not a collective op", member.op);
+  }
+  std::lock_guard lock(mutex_);
+  stats_.bytes_sent += communicator->bytes_sent() - sent_before;
+  if (!status.ok()) {
+    // The communicator is broken now; the group forms again at its next collective.
+    Group& group = groups_[static_cast<uint64_t>(key)];
+    group.communicator.reset();
+    group.rendezvous.reset();
+  }
+  return status;
+}
+
+}  // namespace tessera

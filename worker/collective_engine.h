@@ -1,0 +1,119 @@
+// CollectiveEngine: a worker's communication stream. It runs the worker's collective member
+// tasks on communicators, one at a time, on its own thread, while the executor goes on with
+// compute (as NCCL runs on its own CUDA stream).
+//
+// Order. Members arrive as they become ready (their inputs are local), in any order. Each
+// belongs to a stream — a graph instance, or the worker's dynamically dispatched tasks — and
+// has a position in it that the scheduler assigned from one global order consistent with the
+// graph (core/collective_task.h). A stream's members run strictly by position: every worker of
+// a group reaches the group's collectives in the same order, so none waits on another that
+// waits on it.
+//
+// Communicators. One per collective group (the workers of a collective, in rank order), formed
+// the first time the group meets, with the scheduler as rendezvous (CollectiveJoin /
+// CollectivePeers), and reused by every later collective of that group. Host buffers go over
+// the UCX communicator (collectives/ucx_communicator.h).
+//
+// Failures. The scheduler is every group's watcher: when a member dies, or members report a
+// peer silent past collective_timeout_ms, it sends the group's verdict (CollectiveAbort) and
+// the collective in progress fails at once on every member with that one message, naming the
+// worker. A failed group's communicator is dropped; the next collective of the group forms it
+// again (a new epoch).
+//
+// Thread safety: Submit, EndStream and the scheduler's messages from any thread; `done`
+// callbacks run on the engine's thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <capnp/message.h>
+
+#include "collectives/communicator.h"
+#include "core/attrs.h"
+#include "core/proto/tessera.capnp.h"
+#include "core/settings.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace tessera {
+
+struct CollectiveMember {
+  std::string task;  // the task's name, for errors
+  std::string op;    // all_reduce, reduce_scatter, all_gather, broadcast
+  Attrs attrs;       // collective, rank, group_size, group, position, reduce, root
+  std::vector<Tensor> inputs;
+  std::vector<Tensor> outputs;  // allocated; in-place outputs hold the input already
+};
+
+struct CollectiveEngineStats {
+  int64_t collectives_run = 0;
+  int64_t bytes_sent = 0;  // over every communicator
+  int groups_formed = 0;
+};
+
+class CollectiveEngine {
+ public:
+  using StreamId = std::pair<uint64_t, uint64_t>;  // (graph, instance); (0, 0): dynamic tasks
+  using Done = std::function<void(const Status&)>;
+  using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
+
+  CollectiveEngine(const Settings& settings, SendToScheduler send);
+  ~CollectiveEngine();
+
+  // Queues a member; it runs once every earlier position of its stream has. `done` gets its
+  // result.
+  void Submit(const StreamId& stream, int64_t position, CollectiveMember member, Done done);
+  // The stream is over: queued members fail with `reason`; with an error reason, a member of it
+  // in progress is aborted too.
+  void EndStream(const StreamId& stream, const Status& reason);
+
+  // From the scheduler (any thread).
+  void OnPeers(proto::CollectivePeers::Reader peers);
+  void OnAbort(uint64_t group, const Status& reason);
+
+  CollectiveEngineStats stats() const;
+
+ private:
+  class SchedulerRendezvous;
+  struct Queued {
+    CollectiveMember member;
+    Done done;
+  };
+  struct Stream {
+    int64_t next = 0;
+    std::map<int64_t, Queued> queued;  // by position
+  };
+  struct Group {
+    uint32_t epoch = 0;
+    std::shared_ptr<SchedulerRendezvous> rendezvous;
+    std::unique_ptr<Communicator> communicator;
+  };
+
+  void Loop();
+  Status Run(CollectiveMember& member);
+  Result<Communicator*> CommunicatorFor(uint64_t group_key, int rank, int size);
+
+  const Settings settings_;
+  SendToScheduler send_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<StreamId, Stream> streams_;
+  std::map<uint64_t, Group> groups_;  // engine thread, except rendezvous lookups under mutex_
+  uint64_t running_group_ = 0;        // the group of the member in progress (0: none)
+  StreamId running_stream_{0, 0};
+  CollectiveEngineStats stats_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tessera
