@@ -99,14 +99,22 @@ void CollectiveGroups::WorkerDied(WorkerId worker, const Status& reason) {
   }
 }
 
+void CollectiveGroups::Abort(uint64_t key, const Status& reason) {
+  auto it = groups_.find(key);
+  if (it == groups_.end() || !it->second.verdict.ok()) return;
+  Decide(key, it->second, reason);
+}
+
 void CollectiveGroups::Tick(Clock::time_point now) {
   for (auto& [key, group] : groups_) {
     if (!group.window_end || now < *group.window_end || !group.verdict.ok()) continue;
     // A member starved by the stuck one went silent later than the stuck one did.
-    const Report& first = *std::min_element(
-        group.reports.begin(), group.reports.end(),
-        [](const Report& a, const Report& b) { return a.silent_since < b.silent_since; });
-    Decide(key, group, first.reason);
+    const Status first = std::min_element(group.reports.begin(), group.reports.end(),
+                                          [](const Report& a, const Report& b) {
+                                            return a.silent_since < b.silent_since;
+                                          })
+                             ->reason;
+    Decide(key, group, first);  // a copy: Decide clears the reports
   }
 }
 

@@ -55,6 +55,9 @@ class CollectiveGroups {
   Status OnJoin(WorkerId from, proto::CollectiveJoin::Reader join);
   Status OnFailed(WorkerId from, proto::CollectiveFailed::Reader failed, Clock::time_point now);
   void WorkerDied(WorkerId worker, const Status& reason);
+  // A member task of the group failed outside the collective (on its worker, before it ran):
+  // the others cannot complete, so the group fails with `reason`.
+  void Abort(uint64_t group, const Status& reason);
   // Decides the verdicts whose window has passed.
   void Tick(Clock::time_point now);
 

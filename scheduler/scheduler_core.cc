@@ -292,6 +292,15 @@ std::vector<WorkerLoad> SchedulerCore::WorkerLoads() const {
 
 void SchedulerCore::MakeReady(TaskId id) {
   TaskEntry& task = tasks_.at(id);
+  Result<std::optional<CollectiveMembership>> membership = CollectiveOf(task.spec);
+  if (!membership.ok()) {
+    FailTask(task, membership.status());
+    return;
+  }
+  if (*membership && (*membership)->group_size > 1) {
+    ReadyMember(task, **membership);
+    return;
+  }
   TaskDemand demand;
   demand.pinned = task.spec.pinned_worker;
   demand.memory_estimate_bytes = task.spec.memory_estimate_bytes;
@@ -308,6 +317,111 @@ void SchedulerCore::MakeReady(TaskId id) {
   }
   task.worker = *placed;
   Dispatch(task);
+}
+
+void SchedulerCore::ReadyMember(TaskEntry& task, const CollectiveMembership& membership) {
+  const auto key = std::make_pair(task.driver, membership.collective);
+  PendingCollective& pending = pending_collectives_[key];
+  if (pending.group_size == 0) {
+    pending.group_size = membership.group_size;
+    pending.ready.resize(static_cast<size_t>(membership.group_size));
+  }
+  if (!pending.failed.ok()) {
+    FailTask(task, pending.failed);
+    return;
+  }
+  if (membership.group_size != pending.group_size ||
+      pending.ready[static_cast<size_t>(membership.rank)].valid()) {
+    FailTask(task, InvalidArgument("task '{}' is rank {} of {} in collective {}, which has {} "
+                                   "members and may have that rank taken",
+                                   task.spec.name, membership.rank, membership.group_size,
+                                   membership.collective, pending.group_size));
+    return;
+  }
+  pending.ready[static_cast<size_t>(membership.rank)] = task.spec.id;
+  if (++pending.settled < pending.group_size) return;
+
+  // Every member is ready: place them on distinct workers, together.
+  const std::vector<TaskId> members = pending.ready;
+  std::vector<WorkerId> workers;
+  Status placing;
+  for (size_t rank = 0; rank < members.size() && placing.ok(); ++rank) {
+    const TaskEntry& member = tasks_.at(members[rank]);
+    TaskDemand demand;
+    demand.pinned = member.spec.pinned_worker;
+    demand.memory_estimate_bytes = member.spec.memory_estimate_bytes;
+    for (ObjectId input : member.spec.inputs) {
+      for (WorkerId holder : objects_.at(input).holders) {
+        demand.local_bytes.emplace_back(holder, objects_.at(input).spec.meta.bytes());
+      }
+    }
+    std::vector<WorkerLoad> loads = WorkerLoads();
+    for (WorkerLoad& load : loads) {
+      if (std::find(workers.begin(), workers.end(), load.id) != workers.end()) {
+        load.alive = false;  // runs another member of this collective
+      }
+    }
+    Result<WorkerId> placed = PlaceTask(demand, loads);
+    if (!placed.ok()) {
+      placing = placed.status().WithContext(
+          fmt::format("placing rank {} of collective {} ({} members need distinct workers)", rank,
+                      membership.collective, members.size()));
+    } else {
+      workers.push_back(*placed);
+    }
+  }
+  pending_collectives_.erase(key);
+  if (!placing.ok()) {
+    for (TaskId id : members) {
+      auto it = tasks_.find(id);
+      if (it != tasks_.end()) FailTask(it->second, placing);
+    }
+    return;
+  }
+  const uint64_t group = groups_.GroupFor(workers);
+  for (size_t rank = 0; rank < members.size(); ++rank) {
+    TaskEntry& member = tasks_.at(members[rank]);
+    member.worker = workers[rank];
+    member.spec.attrs.Set(kGroupAttr, static_cast<int64_t>(group));
+    member.spec.attrs.Set(kPositionAttr, dynamic_positions_[workers[rank]]++);
+    Dispatch(member);
+  }
+}
+
+void SchedulerCore::MemberFailed(const TaskSpec& task, WorkerId driver, bool dispatched,
+                                 const Status& error) {
+  Result<std::optional<CollectiveMembership>> membership = CollectiveOf(task);
+  if (!membership.ok() || !*membership || (*membership)->group_size < 2) return;
+  const Status why = error.WithContext(
+      fmt::format("member '{}' of collective {} failed", task.name, (*membership)->collective));
+  if (dispatched) {
+    // Its siblings were dispatched with it and may be inside the collective: stop them.
+    groups_.Abort(static_cast<uint64_t>(task.attrs.GetInt(kGroupAttr, 0)), why);
+    return;
+  }
+  const auto key = std::make_pair(driver, (*membership)->collective);
+  PendingCollective& pending = pending_collectives_[key];
+  if (pending.group_size == 0) {
+    pending.group_size = (*membership)->group_size;
+    pending.ready.resize(static_cast<size_t>(pending.group_size));
+  }
+  const size_t rank = static_cast<size_t>((*membership)->rank);
+  if (rank < pending.ready.size() && pending.ready[rank] == task.id) {
+    pending.ready[rank] = TaskId();  // it was counted when it became ready
+  } else {
+    ++pending.settled;
+  }
+  if (pending.failed.ok()) pending.failed = why;
+  std::vector<TaskId> siblings;
+  for (TaskId& id : pending.ready) {
+    if (id.valid()) siblings.push_back(std::exchange(id, TaskId()));
+  }
+  const bool complete = pending.settled >= pending.group_size;
+  if (complete) pending_collectives_.erase(key);
+  for (TaskId id : siblings) {
+    auto it = tasks_.find(id);
+    if (it != tasks_.end()) FailTask(it->second, why);
+  }
 }
 
 void SchedulerCore::Dispatch(TaskEntry& task) {
@@ -411,8 +525,11 @@ void SchedulerCore::FailTask(TaskEntry& task, const Status& error) {
       worker->committed_bytes -= task.spec.memory_estimate_bytes;
     }
   }
+  const bool dispatched = task.state == TaskState::kDispatched;
   task.state = TaskState::kFailed;
   const TaskId id = task.spec.id;
+  const TaskSpec spec = task.spec;
+  const WorkerId driver = task.driver;
   const std::vector<ObjectSpec> outputs = task.outputs;
   const std::vector<ObjectId> inputs = task.spec.inputs;
   const bool counted = task.uses_counted;
@@ -430,6 +547,7 @@ void SchedulerCore::FailTask(TaskEntry& task, const Status& error) {
       ReleaseUse(input);
     }
   }
+  MemberFailed(spec, driver, dispatched, error);
 }
 
 void SchedulerCore::ReleaseUse(ObjectId id) {
@@ -641,7 +759,9 @@ void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
         missing.push_back(object == objects_.end() ? input.ToString() : object->second.spec.name);
       }
     }
-    if (missing.empty() && task.attempts < options_.max_task_attempts) {
+    // A collective member cannot move: its group is the workers it was dispatched with.
+    const bool member = task.spec.attrs.Has(kCollectiveAttr);
+    if (missing.empty() && task.attempts < options_.max_task_attempts && !member) {
       GetLogger("scheduler")->info("retrying task '{}' after {} died", task.spec.name, who);
       task.state = TaskState::kWaiting;
       MakeReady(id);

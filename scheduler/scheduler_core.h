@@ -51,6 +51,7 @@
 
 #include <capnp/message.h>
 
+#include "core/collective_task.h"
 #include "core/graph.h"
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
@@ -184,6 +185,12 @@ class SchedulerCore {
 
   // State transitions.
   void MakeReady(TaskId id);
+  // A dynamic collective member is ready: once all are, they are placed on distinct workers and
+  // dispatched together (gang), with their group and per-worker positions.
+  void ReadyMember(TaskEntry& task, const CollectiveMembership& membership);
+  // A member failed: its siblings cannot complete; fail them (and abort the group when the
+  // member had been dispatched).
+  void MemberFailed(const TaskSpec& task, WorkerId driver, bool dispatched, const Status& error);
   void Dispatch(TaskEntry& task);
   void SealObject(ObjectEntry& object, WorkerId holder, int64_t bytes, std::string inline_data);
   void FailObject(ObjectEntry& object, const Status& error);
@@ -209,6 +216,15 @@ class SchedulerCore {
   std::unordered_map<TaskId, TaskEntry> tasks_;
   std::unordered_map<uint64_t, GraphEntry> graphs_;
   CollectiveGroups groups_;
+  // Dynamic collectives waiting for all their members, by (driver, collective id).
+  struct PendingCollective {
+    int group_size = 0;
+    std::vector<TaskId> ready;  // by rank; invalid until that member is ready
+    int settled = 0;            // members ready or failed
+    Status failed;              // set when one failed: later members fail at once
+  };
+  std::map<std::pair<WorkerId, int64_t>, PendingCollective> pending_collectives_;
+  std::map<WorkerId, int64_t> dynamic_positions_;  // next position of each worker's members
   std::map<std::pair<uint64_t, uint64_t>, InstanceEntry> instances_;
   int64_t tasks_done_ = 0;
   bool shutdown_requested_ = false;

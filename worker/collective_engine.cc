@@ -287,6 +287,8 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
 }
 
 Status CollectiveEngine::Run(CollectiveMember& member) {
+  // A placeholder for a member that failed before it got here: its position just passes.
+  if (member.op.empty()) return Cancelled("the member failed before its collective");
   const Attrs& attrs = member.attrs;
   TESSERA_ASSIGN_OR_RETURN(int64_t key, attrs.GetInt(kGroupAttr));
   TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kRankAttr));

@@ -70,7 +70,8 @@ class CollectiveEngine {
   ~CollectiveEngine();
 
   // Queues a member; it runs once every earlier position of its stream has. `done` gets its
-  // result.
+  // result. A member with an empty op is a placeholder for one that failed before it got here:
+  // its position passes (done gets Cancelled).
   void Submit(const StreamId& stream, int64_t position, CollectiveMember member, Done done);
   // The stream is over: queued members fail with `reason`; with an error reason, a member of it
   // in progress is aborted too.

@@ -11,6 +11,7 @@
 
 #include <tbb/task_arena.h>
 
+#include "core/collective_task.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/join.h"
@@ -28,6 +29,8 @@ namespace {
 using rpc::asio::io_context;
 
 constexpr auto kResultCoalesceWindow = std::chrono::microseconds(100);
+// Dynamically dispatched collective members share one stream, ordered by the scheduler.
+constexpr CollectiveEngine::StreamId kDynamicStream{0, 0};
 
 class WorkerServiceImpl final : public WorkerService {
  public:
@@ -80,6 +83,12 @@ class WorkerServiceImpl final : public WorkerService {
   void MakeReady(uint64_t task);
   void StartReadyTasks();
   void Execute(PendingTask* task);
+  static bool IsMember(const TaskSpec& spec);
+  // Hands a ready collective member to the engine; its result comes back like a task's.
+  void SubmitMember(PendingTask* task);
+  // A member that failed before reaching the engine: lets its position pass.
+  void AbandonMember(const TaskSpec& spec);
+  TaskResult Seal(const TaskSpec& spec, Result<std::vector<Tensor>> outputs);
   // Reports a task that failed before running (bad dispatch, failed pull).
   void Finish(uint64_t task, const Status& error);
   void Queue(TaskResult result);
@@ -311,6 +320,7 @@ void WorkerServiceImpl::OnDispatch(proto::DispatchTasks::Reader dispatch) {
     }
     if (!task.error.ok()) {
       const Status error = task.error;
+      AbandonMember(spec);
       Finish(id, error);
       continue;
     }
@@ -340,6 +350,7 @@ void WorkerServiceImpl::InputArrived(uint64_t id, const Status& status) {
   if (--task.missing > 0) return;
   if (!task.error.ok()) {
     const Status error = task.error.WithContext(TaskContext(task.task.spec));
+    AbandonMember(task.task.spec);
     tasks_.erase(it);
     Finish(id, error);
     return;
@@ -348,7 +359,15 @@ void WorkerServiceImpl::InputArrived(uint64_t id, const Status& status) {
   StartReadyTasks();
 }
 
-void WorkerServiceImpl::MakeReady(uint64_t id) { ready_.push(tasks_.at(id).get()); }
+void WorkerServiceImpl::MakeReady(uint64_t id) {
+  PendingTask* task = tasks_.at(id).get();
+  // Collective members go to the communication stream, not the executor's slots.
+  if (IsMember(task->task.spec)) {
+    SubmitMember(task);
+    return;
+  }
+  ready_.push(task);
+}
 
 void WorkerServiceImpl::StartReadyTasks() {
   while (running_ < threads_ && !ready_.empty()) {
@@ -369,7 +388,63 @@ void WorkerServiceImpl::Execute(PendingTask* task) {
   Result<std::vector<Tensor>> outputs = RunTaskKernel(
       *task->kernel, spec, task->inputs, output_metas, context, [](int) { return false; },
       &counters);
-  // Seal the outputs here, off the io thread: a full host tier spills to disk.
+  TaskResult result = Seal(spec, std::move(outputs));
+  rpc::asio::post(io_, [this, result = std::move(result)]() mutable {
+    tasks_.erase(result.task);  // releases the task's pins and pulled inputs
+    --running_;
+    Queue(std::move(result));
+    StartReadyTasks();
+  });
+}
+
+bool WorkerServiceImpl::IsMember(const TaskSpec& spec) {
+  return spec.attrs.Has(kCollectiveAttr) && spec.attrs.GetInt(kGroupSizeAttr, 1) > 1;
+}
+
+void WorkerServiceImpl::SubmitMember(PendingTask* task) {
+  const TaskSpec& spec = task->task.spec;
+  std::vector<TensorMeta> output_metas;
+  for (const ObjectSpec& output : task->task.outputs) output_metas.push_back(output.meta);
+  const KernelContext context{allocator_, options_.settings.gemm_split_min_flops};
+  TaskRunCounters counters;
+  Result<std::vector<Tensor>> outputs = PrepareTaskOutputs(
+      spec, task->inputs, output_metas, context, [](int) { return false; }, &counters);
+  const int64_t position = spec.attrs.GetInt(kPositionAttr, 0);
+  if (!outputs.ok()) {
+    engine_->Submit(kDynamicStream, position, CollectiveMember{}, [](const Status&) {});
+    const uint64_t id = spec.id.value();
+    tasks_.erase(id);
+    Finish(id, outputs.status().WithContext(TaskContext(spec)));
+    return;
+  }
+  auto prepared = std::make_shared<std::vector<Tensor>>(*outputs);
+  engine_->Submit(
+      kDynamicStream, position,
+      CollectiveMember{spec.name, spec.op, spec.attrs, task->inputs, *std::move(outputs)},
+      [this, task, prepared](const Status& status) {
+        const TaskSpec& member = task->task.spec;
+        TaskResult result =
+            status.ok()
+                ? Seal(member, std::move(*prepared))
+                : TaskResult{member.id.value(), status.WithContext(TaskContext(member)), {}, {}};
+        rpc::asio::post(io_, [this, result = std::move(result)]() mutable {
+          tasks_.erase(result.task);
+          Queue(std::move(result));
+        });
+      });
+}
+
+void WorkerServiceImpl::AbandonMember(const TaskSpec& spec) {
+  // Its position in the communication stream must still pass, or later members would wait.
+  if (IsMember(spec)) {
+    engine_->Submit(kDynamicStream, spec.attrs.GetInt(kPositionAttr, 0), CollectiveMember{},
+                    [](const Status&) {});
+  }
+}
+
+WorkerServiceImpl::TaskResult WorkerServiceImpl::Seal(const TaskSpec& spec,
+                                                      Result<std::vector<Tensor>> outputs) {
+  // Off the io thread: a full host tier spills to disk.
   TaskResult result;
   result.task = spec.id.value();
   result.error = outputs.status();
@@ -391,12 +466,7 @@ void WorkerServiceImpl::Execute(PendingTask* task) {
     result.outputs.emplace_back(id.value(), bytes);
     result.inlines.push_back(std::move(inline_data));
   }
-  rpc::asio::post(io_, [this, result = std::move(result)]() mutable {
-    tasks_.erase(result.task);  // releases the task's pins and pulled inputs
-    --running_;
-    Queue(std::move(result));
-    StartReadyTasks();
-  });
+  return result;
 }
 
 void WorkerServiceImpl::Finish(uint64_t task, const Status& error) {

@@ -163,5 +163,78 @@ TEST(CollectiveTasksTest, AWorkerKilledMidCollectiveFailsTheStepNamingIt) {
   std::printf("the step failed with: %s\n", rank0.status().ToString().c_str());
 }
 
+// Submitted one by one, the members of a collective are held until all are ready and then
+// dispatched together to distinct workers.
+TEST(CollectiveTasksTest, DynamicallySubmittedMembersAreDispatchedTogether) {
+  const int n = 3;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  const int64_t numel = 200'000;
+  std::vector<ObjectRef> reduced, gathered;
+  std::vector<float> sum(static_cast<size_t>(numel), 0);
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> v;
+    for (int64_t i = 0; i < numel; ++i) v.push_back(static_cast<float>((i + r) % 5));
+    for (int64_t i = 0; i < numel; ++i) sum[static_cast<size_t>(i)] += v[static_cast<size_t>(i)];
+    ASSERT_OK_AND_ASSIGN(ObjectRef x, cluster->Put(FloatTensor({numel}, v)));
+    // Rank 0's input comes late, from a slow task: the others wait for it, undispatched.
+    if (r == 0) x = (*cluster->Submit("sleep", {x}, Attrs{{"ms", int64_t{500}}}))[0];
+    ASSERT_OK_AND_ASSIGN(
+        auto y,
+        cluster->Submit("all_reduce", {x}, Member(7, r, n).Set("reduce", std::string("sum"))));
+    reduced.push_back(y[0]);
+  }
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(
+        auto z, cluster->Submit("all_gather", {reduced[static_cast<size_t>(r)]}, Member(8, r, n)));
+    gathered.push_back(z[0]);
+  }
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(Tensor y, cluster->Get(reduced[static_cast<size_t>(r)], 30'000));
+    EXPECT_EQ(ToVector(y), sum) << "rank " << r;
+    ASSERT_OK_AND_ASSIGN(Tensor z, cluster->Get(gathered[static_cast<size_t>(r)], 30'000));
+    std::vector<float> expected;
+    for (int k = 0; k < n; ++k) expected.insert(expected.end(), sum.begin(), sum.end());
+    EXPECT_EQ(ToVector(z), expected) << "rank " << r;
+  }
+}
+
+// A member's worker that stops answering (SIGSTOP: alive, silent) while the others are inside
+// the collective waiting for it is declared dead after the heartbeat timeout; its group is
+// aborted and every member fails naming it.
+TEST(CollectiveTasksTest, AStuckWorkerFailsTheDynamicCollectiveNamingIt) {
+  const int n = 3;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo victim = info.workers[2];
+  std::vector<ObjectRef> inputs;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(ObjectRef x, cluster->Put(RandomTensor({1 << 16}, 4)));
+    inputs.push_back(x);
+  }
+  // Stopped before the members are dispatched: the scheduler still counts it alive (its
+  // heartbeats stop only now), so all three go out together and ranks 0 and 1 wait for it.
+  ::kill(victim.pid, SIGSTOP);
+  std::vector<ObjectRef> outputs;
+  for (int r = 0; r < n; ++r) {
+    SubmitOptions options;
+    options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
+    ASSERT_OK_AND_ASSIGN(
+        auto y, cluster->Submit("all_reduce", {inputs[static_cast<size_t>(r)]},
+                                Member(9, r, n).Set("reduce", std::string("sum")), options));
+    outputs.push_back(y[0]);
+  }
+  Result<Tensor> rank0 = cluster->Get(outputs[0], 25'000);
+  Result<Tensor> rank1 = cluster->Get(outputs[1], 25'000);
+  ::kill(victim.pid, SIGKILL);
+  for (const Result<Tensor>* result : {&rank0, &rank1}) {
+    ASSERT_FALSE(result->ok());
+    EXPECT_NE(result->status().message().find(victim.id.ToString()), std::string::npos)
+        << result->status().ToString();
+    EXPECT_NE(result->status().message().find("died"), std::string::npos)
+        << result->status().ToString();
+  }
+  std::printf("rank 0 failed with: %s\n", rank0.status().ToString().c_str());
+}
+
 }  // namespace
 }  // namespace tessera::testing

@@ -201,8 +201,9 @@ TEST(SocketRendezvousTest, GathersInRankOrder) {
       auto rendezvous = JoinSocketRendezvous({address, r, n, 10'000});
       ASSERT_OK(rendezvous.status());
       for (int round = 0; round < 2; ++round) {
-        auto all = (*rendezvous)->AllGather(fmt::format("r{}x{}", r, round),
-                                            Rendezvous::Clock::now() + std::chrono::seconds(10));
+        auto all = (*rendezvous)
+                       ->AllGather(fmt::format("r{}x{}", r, round),
+                                   Rendezvous::Clock::now() + std::chrono::seconds(10));
         ASSERT_OK(all.status());
         if (round == 1) results[static_cast<size_t>(r)] = *all;
       }

@@ -1,5 +1,6 @@
 // The graph IR and the graph builder: structure, validation, ordering, shape inference.
 #include "core/graph.h"
+#include "core/collective_task.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 
@@ -107,6 +108,80 @@ TEST(GraphTest, CostsComeFromTheRegistry) {
                        CpuRegistry().Cost("matmul_forward", {F32({4, 8}), F32({8, 3})}, {}));
   EXPECT_DOUBLE_EQ(cost.flops, 2.0 * 4 * 8 * 3);
   EXPECT_GT(cost.bytes, 0);
+}
+
+}  // namespace
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+TaskSpec MemberTask(const std::string& name, int64_t collective, int rank, int size,
+                    std::vector<ObjectId> inputs, std::vector<ObjectId> outputs) {
+  TaskSpec task;
+  task.name = name;
+  task.op = "all_reduce";
+  task.attrs =
+      Attrs{{"collective", collective}, {"rank", int64_t{rank}}, {"group_size", int64_t{size}}};
+  task.inputs = std::move(inputs);
+  task.outputs = std::move(outputs);
+  return task;
+}
+
+TEST(CollectiveTaskTest, MembersMustCoverEveryRankOnce) {
+  std::vector<TaskSpec> tasks = {MemberTask("a0", 1, 0, 2, {}, {}),
+                                 MemberTask("a1", 1, 0, 2, {}, {})};
+  Status duplicate = ValidateCollectives(tasks);
+  EXPECT_NE(duplicate.message().find("'a0' and 'a1' are both rank 0"), std::string::npos)
+      << duplicate.ToString();
+  tasks = {MemberTask("a0", 1, 0, 3, {}, {}), MemberTask("a1", 1, 1, 3, {}, {})};
+  EXPECT_NE(ValidateCollectives(tasks).message().find("no member of rank 2"), std::string::npos);
+  tasks = {MemberTask("a0", 1, 0, 2, {}, {}), MemberTask("a1", 1, 1, 3, {}, {})};
+  EXPECT_NE(ValidateCollectives(tasks).message().find("disagrees"), std::string::npos);
+  tasks = {MemberTask("a0", 1, 5, 2, {}, {})};
+  EXPECT_EQ(ValidateCollectives(tasks).code(), StatusCode::kInvalidArgument);
+}
+
+// Objects 1..8; producer[o] is the task (1-based) producing object o.
+struct TaskList {
+  std::vector<TaskSpec> tasks;
+  std::map<uint64_t, TaskId> producer;
+  void Add(TaskSpec task) {
+    task.id = TaskId(tasks.size() + 1);
+    for (ObjectId out : task.outputs) producer[out.value()] = task.id;
+    tasks.push_back(std::move(task));
+  }
+  Result<std::vector<int64_t>> Order() const {
+    return OrderCollectives(tasks, [this](ObjectId object) {
+      auto it = producer.find(object.value());
+      return it == producer.end() ? TaskId() : it->second;
+    });
+  }
+};
+
+TEST(CollectiveTaskTest, TheOrderFollowsDependenciesNotListPositions) {
+  // B's rank-0 member is listed first but B's rank-1 member depends on A: A must come first
+  // (a worker running A1 then B1 and another running B0 then A0 would deadlock otherwise).
+  TaskList list;
+  list.Add(MemberTask("b0", 2, 0, 2, {ObjectId(1)}, {ObjectId(2)}));
+  list.Add(MemberTask("a0", 1, 0, 2, {ObjectId(3)}, {ObjectId(4)}));
+  list.Add(MemberTask("a1", 1, 1, 2, {ObjectId(5)}, {ObjectId(6)}));
+  list.Add(MemberTask("b1", 2, 1, 2, {ObjectId(6)}, {ObjectId(7)}));
+  ASSERT_OK_AND_ASSIGN(std::vector<int64_t> order, list.Order());
+  EXPECT_EQ(order, (std::vector<int64_t>{1, 2}));
+}
+
+TEST(CollectiveTaskTest, CollectivesThatWaitForEachOtherAreRefused) {
+  TaskList list;
+  list.Add(MemberTask("a0", 1, 0, 2, {}, {ObjectId(1)}));
+  list.Add(MemberTask("b0", 2, 0, 2, {ObjectId(1)}, {ObjectId(2)}));  // B after A
+  list.Add(MemberTask("b1", 2, 1, 2, {}, {ObjectId(3)}));
+  list.Add(MemberTask("a1", 1, 1, 2, {ObjectId(3)}, {ObjectId(4)}));  // A after B
+  Result<std::vector<int64_t>> order = list.Order();
+  ASSERT_FALSE(order.ok());
+  EXPECT_NE(order.status().message().find("collectives 1 and 2 depend on each other"),
+            std::string::npos)
+      << order.status().ToString();
 }
 
 }  // namespace

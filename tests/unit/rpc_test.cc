@@ -99,8 +99,8 @@ TEST(FrameTest, AnHonestLargeBatchReadSeveralTimesStaysWithinTheTraversalLimit) 
     spec.name = "noop#" + std::to_string(i);
     spec.op = "noop";
     spec.outputs = {ObjectId(i + 1)};
-    ObjectSpec out{ObjectId(i + 1), "o", {Shape{}, DType::kF32, Device::Cpu()},
-                   ObjectRole::kOutput, spec.id};
+    ObjectSpec out{
+        ObjectId(i + 1), "o", {Shape{}, DType::kF32, Device::Cpu()}, ObjectRole::kOutput, spec.id};
     rpc::ToWire(spec, {out}, tasks[i].initTask());
   }
   FrameDecoder decoder;

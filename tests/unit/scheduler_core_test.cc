@@ -4,6 +4,7 @@
 
 #include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
+#include "scheduler/collective_groups.h"
 #include "scheduler/scheduler_core.h"
 #include "test_util.h"
 
@@ -361,6 +362,101 @@ TEST_F(SchedulerCoreTest, StatusDescribesWorkersAndTasks) {
   EXPECT_TRUE(status.getWorkers()[0].getAlive());
   EXPECT_EQ(status.getWorkers()[0].getHeartbeat().getHostCapacity(), 1 << 30);
   EXPECT_EQ(rpc::ToString(status.getSessionDir()), "/tmp/s");
+}
+
+}  // namespace
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+// The scheduler as collective rendezvous and watcher (scheduler/collective_groups.h).
+class CollectiveGroupsTest : public ::testing::Test {
+ protected:
+  CollectiveGroupsTest() : groups_(&outbox_, [](WorkerId worker) { return worker.ToString(); }) {}
+
+  Status Join(WorkerId from, uint64_t group, uint32_t epoch, uint32_t round, int rank, int size,
+              const std::string& blob) {
+    capnp::MallocMessageBuilder message;
+    auto join = message.initRoot<proto::CollectiveJoin>();
+    join.setGroup(group);
+    join.setEpoch(epoch);
+    join.setRound(round);
+    join.setRank(rank);
+    join.setSize(size);
+    join.setBlob(kj::arrayPtr(reinterpret_cast<const kj::byte*>(blob.data()), blob.size()));
+    return groups_.OnJoin(from, join.asReader());
+  }
+
+  Status Report(WorkerId from, uint64_t group, const std::string& why, int64_t silent_ms) {
+    capnp::MallocMessageBuilder message;
+    auto failed = message.initRoot<proto::CollectiveFailed>();
+    failed.setGroup(group);
+    rpc::ToWire(TimedOut("{}", why), failed.initError());
+    failed.setSilentMs(silent_ms);
+    return groups_.OnFailed(from, failed.asReader(), now_);
+  }
+
+  std::string AbortMessage(WorkerId to) {
+    auto aborts = outbox_.Take(to, Body::COLLECTIVE_ABORT);
+    if (aborts.size() != 1) return fmt::format("{} aborts", aborts.size());
+    return rpc::FromWire(BodyOf(aborts[0]).getCollectiveAbort().getError()).message();
+  }
+
+  FakeOutbox outbox_;
+  CollectiveGroups groups_;
+  CollectiveGroups::Clock::time_point now_{};
+  const WorkerId a_{1}, b_{2}, c_{3};
+};
+
+TEST_F(CollectiveGroupsTest, TheSameWorkersShareAGroupAndGetEveryBlobOnceAllJoined) {
+  const uint64_t group = groups_.GroupFor({a_, b_, c_});
+  EXPECT_EQ(groups_.GroupFor({a_, b_, c_}), group);
+  EXPECT_NE(groups_.GroupFor({b_, a_, c_}), group);  // rank order matters
+  ASSERT_OK(Join(a_, group, 1, 0, 0, 3, "A"));
+  ASSERT_OK(Join(c_, group, 1, 0, 2, 3, "C"));
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_PEERS).empty());
+  ASSERT_OK(Join(b_, group, 1, 0, 1, 3, "B"));
+  for (WorkerId member : {a_, b_, c_}) {
+    auto peers = outbox_.Take(member, Body::COLLECTIVE_PEERS);
+    ASSERT_EQ(peers.size(), 1u);
+    auto blobs = BodyOf(peers[0]).getCollectivePeers().getBlobs();
+    ASSERT_EQ(blobs.size(), 3u);
+    EXPECT_EQ(std::string(blobs[0].begin(), blobs[0].end()), "A");
+    EXPECT_EQ(std::string(blobs[2].begin(), blobs[2].end()), "C");
+  }
+  // A worker may only join as its own rank.
+  EXPECT_EQ(Join(c_, group, 1, 1, 0, 3, "X").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Join(a_, 99, 1, 1, 0, 3, "X").code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CollectiveGroupsTest, TheVerdictNamesThePeerWhoseSilenceBeganFirst) {
+  const uint64_t group = groups_.GroupFor({a_, b_, c_});
+  // c is stuck. b (waiting on c) has heard nothing for 5 s; a (waiting on b, starved by it)
+  // for 4.9 s, and reports first.
+  ASSERT_OK(Report(a_, group, "heard nothing from b", 4900));
+  now_ += std::chrono::milliseconds(20);
+  ASSERT_OK(Report(b_, group, "heard nothing from c", 5020));
+  groups_.Tick(now_);  // the window is still open
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_ABORT).empty());
+  now_ += std::chrono::milliseconds(300);
+  groups_.Tick(now_);
+  for (WorkerId member : {a_, b_, c_}) EXPECT_EQ(AbortMessage(member), "heard nothing from c");
+}
+
+TEST_F(CollectiveGroupsTest, ADeathIsCertainAndANewEpochFormsTheGroupAgain) {
+  const uint64_t group = groups_.GroupFor({a_, b_});
+  groups_.WorkerDied(b_, Unavailable("no heartbeat for 3000 ms"));
+  EXPECT_NE(AbortMessage(a_).find("worker2 (rank 1 of collective group"), std::string::npos);
+  // Reports after the verdict change nothing.
+  ASSERT_OK(Report(a_, group, "heard nothing", 10));
+  now_ += std::chrono::seconds(1);
+  groups_.Tick(now_);
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_ABORT).empty());
+  // The members form it again (epoch 2): the exchange works as new.
+  ASSERT_OK(Join(a_, group, 2, 0, 0, 2, "A2"));
+  ASSERT_OK(Join(b_, group, 2, 0, 1, 2, "B2"));
+  EXPECT_EQ(outbox_.Take(a_, Body::COLLECTIVE_PEERS).size(), 1u);
 }
 
 }  // namespace
