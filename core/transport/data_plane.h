@@ -5,13 +5,23 @@
 // sees the bytes; it only tells a puller where an object lives (the holder's address()).
 //
 // Protocol (UCX active messages; UCX is behind this one wrapper):
-//   pusher -> peer     kPush {key, length} + the bytes (rendezvous): an object the peer needs
-//   puller -> holder   kGetChunk {request, object, offset, length}
-//   holder -> puller   kChunk    {request, status, length} + the bytes, sent with UCX's
-//                       rendezvous protocol so large chunks move zero-copy (CMA or shared memory
-//                       on one host, TCP between hosts); or, on error, the message text.
+//   pusher -> peer     kPush {key, length, ...} + the bytes (rendezvous): an object the peer needs
+//   puller -> holder   kGetChunk {request, object, offset, length, flags}
+//   holder -> puller   kChunk    {request, status, length, holder} + the bytes, sent with UCX's
+//                       rendezvous protocol (shared memory on one host, TCP between hosts); or,
+//                       on error, the message text.
 // A pull is cut into chunks of `chunk_bytes`, at most `chunks_in_flight` outstanding, so the
 // holder's sends and the puller's receives overlap (pipelining).
+//
+// Single copy on one host (local_memory.h): every reply and push says which process sent it.
+// Once a puller has checked that it can read the holder's memory, it asks for chunks by address:
+// the holder lends the chunk (kChunk with its address, no payload) and keeps the object alive
+// until the puller has copied it out of the holder's memory and said so (kChunkRead). Pushes
+// work alike once the receiver has said it can read the pusher (kPushRead answers the first
+// push): the pusher lends, the receiver copies and acknowledges with kPushRead, which completes
+// the push. Only the reader spends CPU, once. UCX's CMA transport, which does the same, is left
+// out: without peer-failure mode UCX aborts the process when a peer dies under a CMA transfer.
+// A loan nobody returns (the borrower died) is released after pull_timeout_ms.
 //
 // Threads: one progress thread owns the UCX worker and does every UCX call. It sleeps on UCX's
 // wakeup file descriptor and an eventfd for commands, so an idle data plane uses no CPU. Pull and

@@ -8,8 +8,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -19,6 +21,7 @@
 
 #include "core/logging.h"
 #include "core/transport/data_plane.h"
+#include "core/transport/local_memory.h"
 
 namespace tessera {
 
@@ -30,10 +33,37 @@ using Clock = std::chrono::steady_clock;
 constexpr uint16_t kGetChunk = 11;
 constexpr uint16_t kChunk = 12;
 constexpr uint16_t kPush = 13;
+constexpr uint16_t kChunkRead = 14;  // puller -> holder: done reading a lent chunk
+constexpr uint16_t kPushRead = 15;   // receiver -> pusher: done with a push (and can it read us)
+
+// A process on the wire: lets a peer on the same host read its memory (local_memory.h).
+struct WireProcess {
+  int32_t pid;
+  int32_t reserved;
+  uint64_t probe;
+};
+
+WireProcess ThisWireProcess() {
+  const LocalProcess self = ThisProcess();
+  return WireProcess{self.pid, 0, self.probe};
+}
 
 struct PushHeader {
   PushKey key;
   int64_t length;
+  WireProcess sender;
+  uint64_t push_id;
+  uint64_t address;  // with kByAddress: where the bytes are in the sender
+  uint32_t flags;    // kByAddress, kAskCanRead
+  uint32_t reserved;
+};
+constexpr uint32_t kByAddress = 1;   // no payload: read the bytes from the sender's memory
+constexpr uint32_t kAskCanRead = 2;  // tell the sender whether it may lend from now on
+
+struct PushReadHeader {
+  uint64_t push_id;
+  int32_t status;     // StatusCode of reading a lent push
+  uint32_t can_read;  // the receiver can read the sender's memory
 };
 
 struct GetChunkHeader {
@@ -41,13 +71,17 @@ struct GetChunkHeader {
   uint64_t object;
   int64_t offset;
   int64_t length;
+  uint32_t flags;  // kByAddress: lend the chunk (reply with its address)
+  uint32_t reserved;
 };
 
 struct ChunkHeader {
   uint64_t request;
   int32_t status;  // StatusCode; 0 = OK and the payload is the bytes, else the error text
-  int32_t reserved;
+  uint32_t flags;  // kByAddress: no payload; the bytes are at `address` in the holder
   int64_t length;
+  WireProcess holder;
+  uint64_t address;
 };
 
 Status UcxError(const char* what, ucs_status_t status) {
@@ -115,6 +149,23 @@ class UcxDataPlane final : public DataPlane {
     bool wired = false;
     bool flushing = false;
     std::vector<std::function<void(const Status&)>> waiting;
+    // Single copy (same host): can this process read the peer's memory (pulls), and can the
+    // peer read ours (pushes)? Unknown until the first reply says.
+    enum class Reads : int8_t { kUnknown, kYes, kNo };
+    Reads reads_peer = Reads::kUnknown;
+    Reads peer_reads_us = Reads::kUnknown;
+  };
+  // Memory lent to a peer (a chunk or a push it reads itself), held until it says it is done.
+  struct Loan {
+    std::shared_ptr<void> keepalive;
+    Clock::time_point deadline;
+  };
+  struct LentPush {
+    std::string address;
+    std::shared_ptr<void> keepalive;
+    PullCallback done;
+    int64_t bytes = 0;
+    Clock::time_point deadline;
   };
   struct PullState {
     uint64_t id;
@@ -145,8 +196,10 @@ class UcxDataPlane final : public DataPlane {
   };
   struct PushReceive {
     PushKey key;
-    void* descriptor;
+    void* descriptor;  // rendezvous descriptor; null for a lent push
     int64_t length;
+    ucp_ep_h reply_ep = nullptr;
+    PushHeader header{};
   };
   // One outstanding UCX operation, owned by the progress thread until its callback fires.
   struct Operation {
@@ -176,8 +229,9 @@ class UcxDataPlane final : public DataPlane {
   void ChunkDone(uint64_t request, const Status& status, int64_t bytes);
   void FinishPull(uint64_t pull_id);
   void FailPullsTo(const std::string& address, const Status& reason);
+  // `lend`: reply with the bytes' address for a same-host puller to read itself.
   void SendReply(ucp_ep_h ep, uint64_t request, const Status& status, const void* data,
-                 int64_t length, std::shared_ptr<void> keepalive);
+                 int64_t length, std::shared_ptr<void> keepalive, bool lend = false);
 
   static ucs_status_t OnGetChunk(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param);
@@ -186,10 +240,20 @@ class UcxDataPlane final : public DataPlane {
   static ucs_status_t OnPush(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   static void OnPushSent(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t OnChunkRead(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnPushRead(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
+  // Small control messages (lent chunks and pushes, acknowledgements). `reply`: the receiver
+  // may answer on the endpoint it got it from.
+  void SendControl(ucp_ep_h ep, uint16_t id, const void* header, size_t length, bool reply = false);
+  void AcknowledgePush(const PushReceive& push, const Status& status);
+  // The peer behind an endpoint this process created (pulls and pushes go out on those).
+  Peer* PeerOf(const std::string& address);
   static void OnPushReceived(void* request, ucs_status_t status, size_t length, void* user_data);
   void ReceivePushes();
-  void SendPush(ucp_ep_h ep, const PushKey& key, const void* data, int64_t bytes,
-                std::shared_ptr<void> keepalive, PullCallback done);
+  void SendPush(const std::string& address, ucp_ep_h ep, const PushKey& key, const void* data,
+                int64_t bytes, std::shared_ptr<void> keepalive, PullCallback done);
   static void OnConnection(ucp_conn_request_h request, void* arg);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
@@ -222,6 +286,10 @@ class UcxDataPlane final : public DataPlane {
   std::vector<PushReceive> push_receives_;
   uint64_t next_pull_ = 1;
   uint64_t next_request_ = 1;
+  uint64_t next_push_ = 1;
+  std::map<std::pair<ucp_ep_h, uint64_t>, Loan> lent_chunks_;  // (puller's ep, request)
+  std::unordered_map<uint64_t, LentPush> lent_pushes_;         // push id -> the lent push
+  std::unordered_map<uint64_t, std::string> asking_pushes_;    // push id -> receiver address
 
   mutable std::mutex stats_mutex_;
   DataPlaneStats stats_;
@@ -230,6 +298,15 @@ class UcxDataPlane final : public DataPlane {
 Status UcxDataPlane::Init() {
   ucp_config_t* config = nullptr;
   TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
+  if (std::getenv("UCX_TLS") == nullptr) {
+    // Without peer-failure mode, UCX aborts the process when a peer dies under a CMA transfer
+    // (a worker killed while another pulls from it). Leave CMA out unless asked for.
+    const ucs_status_t modified = ucp_config_modify(config, "TLS", "^cma");
+    if (modified != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError("config (TLS=^cma)", modified);
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -245,8 +322,9 @@ Status UcxDataPlane::Init() {
                               "worker create");
   TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_efd(worker_, &ucx_fd_), "get event fd");
 
-  for (auto [id, callback] : {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk},
-                              std::pair{kPush, &OnPush}}) {
+  for (auto [id, callback] :
+       {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk}, std::pair{kPush, &OnPush},
+        std::pair{kChunkRead, &OnChunkRead}, std::pair{kPushRead, &OnPushRead}}) {
     ucp_am_handler_param_t handler{};
     handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                          UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -388,6 +466,31 @@ ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) ucp_am_data_release(self->worker_, data);
     return UCS_OK;
   }
+  PullState& owner = self->pulls_.at(chunk->second.pull);
+  Peer* holder = self->PeerOf(owner.address);
+  if (holder != nullptr && holder->reads_peer == Peer::Reads::kUnknown) {
+    // The first reply from this holder: may this process read its memory (same host)?
+    holder->reads_peer =
+        CanReadMemoryOf(LocalProcess{chunk_header.holder.pid, chunk_header.holder.probe})
+            ? Peer::Reads::kYes
+            : Peer::Reads::kNo;
+  }
+  if (chunk_header.status == 0 && (chunk_header.flags & kByAddress)) {
+    // A lent chunk: copy it out of the holder's memory, then tell the holder it may let go.
+    const int error = ReadMemoryOf(chunk_header.holder.pid, chunk_header.address,
+                                   owner.dest + chunk->second.offset, chunk->second.length);
+    if (holder != nullptr && holder->ep != nullptr) {
+      self->SendControl(holder->ep, kChunkRead, &chunk_header.request, sizeof(uint64_t),
+                        /*reply=*/true);
+    }
+    self->ChunkDone(chunk_header.request,
+                    error == 0
+                        ? Status::Ok()
+                        : Unavailable("the holder (pid {}) vanished while lending a chunk: {}",
+                                      chunk_header.holder.pid, std::strerror(error)),
+                    error == 0 ? chunk->second.length : 0);
+    return UCS_OK;
+  }
   if (chunk_header.status != 0) {
     const std::string text(static_cast<const char*>(data), length);
     self->ChunkDone(chunk_header.request,
@@ -406,8 +509,7 @@ ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_
     return UCS_INPROGRESS;
   }
   // Eager: the bytes are here already.
-  PullState& pull = self->pulls_.at(chunk->second.pull);
-  std::memcpy(pull.dest + chunk->second.offset, data, length);
+  std::memcpy(owner.dest + chunk->second.offset, data, length);
   self->ChunkDone(chunk_header.request, Status::Ok(), static_cast<int64_t>(length));
   return UCS_OK;
 }
@@ -429,12 +531,22 @@ void UcxDataPlane::OnReceiveDone(void* request, ucs_status_t status, size_t leng
 }
 
 void UcxDataPlane::SendReply(ucp_ep_h ep, uint64_t request, const Status& status, const void* data,
-                             int64_t length, std::shared_ptr<void> keepalive) {
+                             int64_t length, std::shared_ptr<void> keepalive, bool lend) {
+  if (status.ok() && lend) {
+    // Lend the chunk: the puller reads it from here and says when; keep it alive till then.
+    lent_chunks_[{ep, request}] = Loan{
+        std::move(keepalive), Clock::now() + std::chrono::milliseconds(options_.pull_timeout_ms)};
+    const ChunkHeader header{
+        request, 0, kByAddress, length, ThisWireProcess(), reinterpret_cast<uint64_t>(data)};
+    SendControl(ep, kChunk, &header, sizeof(header));
+    return;
+  }
   auto* operation = new Operation{this, std::move(keepalive), {}, 0, length};
   // The payload holds the header and, for an error, its text (sent in place of the bytes).
   const std::string& text = status.ok() ? std::string() : status.message();
   if (!status.ok()) length = static_cast<int64_t>(text.size());
-  const ChunkHeader header{request, static_cast<int32_t>(status.code()), 0, length};
+  const ChunkHeader header{
+      request, static_cast<int32_t>(status.code()), 0, length, ThisWireProcess(), 0};
   operation->payload.resize(sizeof(ChunkHeader) + text.size());
   std::memcpy(operation->payload.data(), &header, sizeof(ChunkHeader));
   if (!text.empty())
@@ -474,7 +586,7 @@ void UcxDataPlane::ServePending() {
     }
     SendReply(serve.reply_ep, h.request, Status::Ok(),
               static_cast<const char*>(object->data) + h.offset, h.length,
-              std::move(object->keepalive));
+              std::move(object->keepalive), /*lend=*/(h.flags & kByAddress) != 0);
     std::lock_guard lock(stats_mutex_);
     stats_.bytes_served += h.length;
     ++stats_.serves;
@@ -510,6 +622,17 @@ ucs_status_t UcxDataPlane::OnPush(void* arg, const void* header, size_t header_l
   if (header_length != sizeof(PushHeader) || !self->push_.accept) return UCS_OK;
   PushHeader push;
   std::memcpy(&push, header, sizeof(PushHeader));
+  const ucp_ep_h reply_ep =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+  if (push.flags & kByAddress) {
+    // A lent push: read it in the progress loop (accept may take locks).
+    self->push_receives_.push_back(PushReceive{push.key, nullptr, push.length, reply_ep, push});
+    return UCS_OK;
+  }
+  if ((push.flags & kAskCanRead) && reply_ep != nullptr) {
+    self->AcknowledgePush(PushReceive{push.key, nullptr, push.length, reply_ep, push},
+                          Status::Ok());
+  }
   if (push.length != static_cast<int64_t>(length)) {
     self->push_.delivered(push.key, DataLoss("push of {} bytes announced {}", length, push.length));
     return UCS_OK;
@@ -532,6 +655,24 @@ void UcxDataPlane::ReceivePushes() {
   std::vector<PushReceive> pushes;
   pushes.swap(push_receives_);
   for (const PushReceive& push : pushes) {
+    if (push.descriptor == nullptr) {  // lent: copy it out of the sender's memory
+      Result<void*> dest = push_.accept(push.key, push.length);
+      Status status = dest.status();
+      if (status.ok()) {
+        const int error =
+            ReadMemoryOf(push.header.sender.pid, push.header.address, *dest, push.length);
+        if (error != 0) {
+          status = Unavailable("the sender (pid {}) vanished while lending a push: {}",
+                               push.header.sender.pid, std::strerror(error));
+        } else {
+          std::lock_guard lock(stats_mutex_);
+          stats_.bytes_pulled += push.length;
+        }
+      }
+      AcknowledgePush(push, status);
+      push_.delivered(push.key, status);
+      continue;
+    }
     Result<void*> dest = push_.accept(push.key, push.length);
     if (!dest.ok()) {
       // Drop the bytes: receiving into a scratch buffer keeps UCX's rendezvous protocol whole.
@@ -603,18 +744,37 @@ void UcxDataPlane::Push(const std::string& address, const PushKey& key, const vo
     WhenWired(address, [this, address, key, data, bytes, keepalive = std::move(keepalive),
                         done = std::move(done)](const Status& wired) mutable {
       if (!wired.ok()) return done(wired);
-      SendPush(peers_.at(address).ep, key, data, bytes, std::move(keepalive), std::move(done));
+      SendPush(address, peers_.at(address).ep, key, data, bytes, std::move(keepalive),
+               std::move(done));
     });
   });
 }
 
-void UcxDataPlane::SendPush(ucp_ep_h ep, const PushKey& key, const void* data, int64_t bytes,
-                            std::shared_ptr<void> keepalive, PullCallback done) {
+void UcxDataPlane::SendPush(const std::string& address, ucp_ep_h ep, const PushKey& key,
+                            const void* data, int64_t bytes, std::shared_ptr<void> keepalive,
+                            PullCallback done) {
+  Peer& peer = peers_[address];
+  const uint64_t push_id = next_push_++;
+  if (peer.peer_reads_us == Peer::Reads::kYes && bytes > 0) {
+    // Lend it: the receiver reads it from here and acknowledges (OnPushRead).
+    lent_pushes_[push_id] =
+        LentPush{address, std::move(keepalive), std::move(done), bytes,
+                 Clock::now() + std::chrono::milliseconds(options_.pull_timeout_ms)};
+    const PushHeader header{
+        key, bytes, ThisWireProcess(), push_id, reinterpret_cast<uint64_t>(data), kByAddress, 0};
+    SendControl(ep, kPush, &header, sizeof(header), /*reply=*/true);
+    return;
+  }
+  uint32_t flags = 0;
+  if (peer.peer_reads_us == Peer::Reads::kUnknown) {
+    flags = kAskCanRead;
+    asking_pushes_[push_id] = address;
+  }
   {
     auto* operation = new Operation{this, std::move(keepalive), {}, 0, bytes};
     operation->done = std::move(done);
     operation->payload.resize(sizeof(PushHeader));
-    const PushHeader header{key, bytes};
+    const PushHeader header{key, bytes, ThisWireProcess(), push_id, 0, flags, 0};
     std::memcpy(operation->payload.data(), &header, sizeof(header));
     ucp_request_param_t params{};
     params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -622,8 +782,9 @@ void UcxDataPlane::SendPush(ucp_ep_h ep, const PushKey& key, const void* data, i
     params.cb.send = &OnPushSent;
     params.user_data = operation;
     // No forced rendezvous here: UCX 1.13 asserts when a fresh client endpoint is forced into it
-    // before wire-up completes. It picks rendezvous for large messages by itself.
-    params.flags = 0;
+    // before wire-up completes. It picks rendezvous for large messages by itself. REPLY lets the
+    // receiver answer the push (kPushRead).
+    params.flags = UCP_AM_SEND_FLAG_REPLY;
     ucs_status_ptr_t sent =
         ucp_am_send_nbx(ep, kPush, operation->payload.data(), sizeof(PushHeader), data,
                         static_cast<size_t>(bytes), &params);
@@ -633,6 +794,82 @@ void UcxDataPlane::SendPush(ucp_ep_h ep, const PushKey& key, const void* data, i
       failed(UcxError("push send", UCS_PTR_STATUS(sent)));
     }
   }
+}
+
+void UcxDataPlane::SendControl(ucp_ep_h ep, uint16_t id, const void* header, size_t length,
+                               bool reply) {
+  auto* operation = new Operation{this, nullptr, {}, 0, 0};
+  operation->payload.assign(static_cast<const char*>(header),
+                            static_cast<const char*>(header) + length);
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.cb.send = &OnSendDone;
+  params.user_data = operation;
+  params.flags = reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+  ucs_status_ptr_t sent =
+      ucp_am_send_nbx(ep, id, operation->payload.data(), length, nullptr, 0, &params);
+  if (UCS_PTR_IS_ERR(sent)) {
+    GetLogger("data_plane")
+        ->warn("control message {} failed: {}", id, ucs_status_string(UCS_PTR_STATUS(sent)));
+    delete operation;
+  }
+}
+
+void UcxDataPlane::AcknowledgePush(const PushReceive& push, const Status& status) {
+  if (push.reply_ep == nullptr) return;
+  const PushReadHeader ack{
+      push.header.push_id, static_cast<int32_t>(status.code()),
+      CanReadMemoryOf(LocalProcess{push.header.sender.pid, push.header.sender.probe}) ? 1u : 0u};
+  SendControl(push.reply_ep, kPushRead, &ack, sizeof(ack));
+}
+
+ucs_status_t UcxDataPlane::OnChunkRead(void* arg, const void* header, size_t header_length,
+                                       void* /*data*/, size_t /*length*/,
+                                       const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  if (header_length != sizeof(uint64_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    return UCS_OK;
+  }
+  uint64_t request;
+  std::memcpy(&request, header, sizeof(request));
+  self->lent_chunks_.erase({param->reply_ep, request});  // releases the object
+  return UCS_OK;
+}
+
+ucs_status_t UcxDataPlane::OnPushRead(void* arg, const void* header, size_t header_length,
+                                      void* /*data*/, size_t /*length*/,
+                                      const ucp_am_recv_param_t* /*param*/) {
+  auto* self = static_cast<UcxDataPlane*>(arg);
+  if (header_length != sizeof(PushReadHeader)) return UCS_OK;
+  PushReadHeader ack;
+  std::memcpy(&ack, header, sizeof(ack));
+  if (auto asked = self->asking_pushes_.find(ack.push_id); asked != self->asking_pushes_.end()) {
+    if (Peer* peer = self->PeerOf(asked->second)) {
+      peer->peer_reads_us = ack.can_read ? Peer::Reads::kYes : Peer::Reads::kNo;
+    }
+    self->asking_pushes_.erase(asked);
+  }
+  auto lent = self->lent_pushes_.find(ack.push_id);
+  if (lent == self->lent_pushes_.end()) return UCS_OK;
+  LentPush push = std::move(lent->second);
+  self->lent_pushes_.erase(lent);
+  const Status status =
+      ack.status == 0
+          ? Status::Ok()
+          : Status(static_cast<StatusCode>(ack.status),
+                   fmt::format("the receiver could not read the push from {}", self->address_));
+  if (status.ok()) {
+    std::lock_guard lock(self->stats_mutex_);
+    self->stats_.bytes_served += push.bytes;
+  }
+  push.done(status);
+  return UCS_OK;
+}
+
+UcxDataPlane::Peer* UcxDataPlane::PeerOf(const std::string& address) {
+  auto it = peers_.find(address);
+  return it == peers_.end() ? nullptr : &it->second;
 }
 
 Result<ucp_ep_h> UcxDataPlane::PeerEndpoint(const std::string& address) {
@@ -736,7 +973,10 @@ void UcxDataPlane::IssueChunks(PullState& pull) {
     chunks_[request] = ChunkRequest{pull.id, pull.next_offset, length};
     auto* operation = new Operation{this, nullptr, {}, 0, 0};
     operation->payload.resize(sizeof(GetChunkHeader));
-    const GetChunkHeader header{request, pull.object.value(), pull.next_offset, length};
+    const Peer* holder = PeerOf(pull.address);
+    const uint32_t flags =
+        holder != nullptr && holder->reads_peer == Peer::Reads::kYes ? kByAddress : 0;
+    const GetChunkHeader header{request, pull.object.value(), pull.next_offset, length, flags, 0};
     std::memcpy(operation->payload.data(), &header, sizeof(header));
     ucp_request_param_t params{};
     params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -828,6 +1068,18 @@ void UcxDataPlane::ForgetPeer(const std::string& address, const Status& reason) 
 
 void UcxDataPlane::CheckDeadlines() {
   const Clock::time_point now = Clock::now();
+  // Loans whose borrower never said it was done (it died): let go.
+  std::erase_if(lent_chunks_, [&](const auto& loan) { return now > loan.second.deadline; });
+  std::vector<uint64_t> overdue;
+  for (auto& [id, push] : lent_pushes_) {
+    if (now > push.deadline) overdue.push_back(id);
+  }
+  for (uint64_t id : overdue) {
+    LentPush push = std::move(lent_pushes_.at(id));
+    lent_pushes_.erase(id);
+    push.done(TimedOut("the receiver at {} did not take a push within {} ms", push.address,
+                       options_.pull_timeout_ms));
+  }
   std::vector<uint64_t> expired;
   for (auto& [id, pull] : pulls_) {
     if (now > pull.deadline) expired.push_back(id);
@@ -844,6 +1096,9 @@ void UcxDataPlane::Shutdown() {
   if (thread_.joinable()) {
     Post([this] {
       for (auto& [address, pull] : pulls_) pull.error = Cancelled("data plane shutting down");
+      for (auto& [id, push] : lent_pushes_) push.done(Cancelled("data plane shutting down"));
+      lent_pushes_.clear();
+      lent_chunks_.clear();
       std::vector<uint64_t> ids;
       for (auto& [id, pull] : pulls_) ids.push_back(id);
       for (uint64_t id : ids) FinishPull(id);

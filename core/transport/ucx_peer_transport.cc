@@ -2,8 +2,6 @@
 #include "core/transport/ucx_peer_transport.h"
 
 #include <poll.h>
-#include <sys/prctl.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +14,8 @@
 #include <unordered_map>
 
 #include <ucp/api/ucp.h>
+
+#include "core/transport/local_memory.h"
 
 namespace tessera {
 
@@ -54,7 +54,6 @@ struct Descriptor {
   uint64_t ack_tag;
 };
 constexpr uint64_t kDescriptorMagic = 0x3173736573736574;  // "tessess1"
-constexpr uint64_t kProbeMagic = 0x65626f7270737374;       // "tssprobe"
 const uint64_t kAckWord = 1;
 
 // A peer's address: host name, pid, the address of its probe word, its UCX worker address.
@@ -101,24 +100,6 @@ Result<PeerAddress> DecodeAddress(const std::string& blob) {
 
 int64_t MillisecondsBetween(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(to - from).count();
-}
-
-// Copies `bytes` from `address` in process `pid` into `into`. The errno on failure.
-int ReadPeerMemory(pid_t pid, uint64_t address, void* into, int64_t bytes) {
-  int64_t done = 0;
-  while (done < bytes) {
-    iovec local{static_cast<char*>(into) + done, static_cast<size_t>(bytes - done)};
-    iovec remote{reinterpret_cast<void*>(address + static_cast<uint64_t>(done)),
-                 static_cast<size_t>(bytes - done)};
-    const ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (n == 0) return EFAULT;
-    done += n;
-  }
-  return 0;
 }
 
 class UcxPeerTransportImpl final : public UcxPeerTransport {
@@ -196,7 +177,6 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
   std::string address_;
   std::vector<Peer> peers_;
   bool connected_ = false;
-  const uint64_t probe_ = kProbeMagic;  // peers read it to check they may read this process
   RequestId next_id_ = 1;
   uint64_t next_transfer_ = 1;
   std::unordered_map<RequestId, std::unique_ptr<Pending>> pending_;
@@ -246,14 +226,12 @@ Status UcxPeerTransportImpl::Init() {
   ::gethostname(hostname, sizeof(hostname) - 1);
   host_ = hostname;
   mine.host = host_;
-  mine.pid = static_cast<int32_t>(::getpid());
-  mine.probe = reinterpret_cast<uint64_t>(&probe_);
+  const LocalProcess self = ThisProcess();
+  mine.pid = self.pid;
+  mine.probe = self.probe;
   mine.worker.assign(reinterpret_cast<const char*>(worker_address), length);
   ucp_worker_release_address(worker_, worker_address);
   address_ = EncodeAddress(mine);
-  // Under Yama's ptrace scope 1 only ancestors may read a process's memory; let the group's
-  // members (same user) do it. Harmless where Yama is absent.
-  ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   return Status::Ok();
 }
 
@@ -298,10 +276,7 @@ Status UcxPeerTransportImpl::Connect(const std::vector<std::string>& addresses,
                                ucs_status_string(status)));
     }
     if (local) {
-      uint64_t probe = 0;
-      peer.single_copy =
-          ReadPeerMemory(peer.address.pid, peer.address.probe, &probe, sizeof(probe)) == 0 &&
-          probe == kProbeMagic;
+      peer.single_copy = CanReadMemoryOf(LocalProcess{peer.address.pid, peer.address.probe});
     }
   }
   connected_ = true;
@@ -476,7 +451,7 @@ std::optional<Status> UcxPeerTransportImpl::Poll(Pending& pending) {
 Status UcxPeerTransportImpl::FinishCopyReceive(Pending& pending) {
   Peer& peer = peers_[static_cast<size_t>(pending.peer)];
   const int error =
-      ReadPeerMemory(peer.address.pid, pending.descriptor.address, pending.data, pending.bytes);
+      ReadMemoryOf(peer.address.pid, pending.descriptor.address, pending.data, pending.bytes);
   if (error != 0) {
     return Unavailable("rank {} died or vanished: rank {} cannot read its memory (pid {}): {}",
                        pending.peer, rank_, peer.address.pid, std::strerror(error));
