@@ -6,8 +6,10 @@
 #include "collectives/collective_suite.h"
 #include "collectives/communicator.h"
 #include "collectives/loopback.h"
+#include "collectives/nccl_communicator.h"
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
+#include "core/cuda_device.h"
 #include "core/half.h"
 #include "test_util.h"
 
@@ -269,6 +271,36 @@ TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
   }
   for (auto& thread : threads) thread.join();
   for (const Status& status : results) EXPECT_OK(status);
+}
+
+}  // namespace
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+TEST(NcclCommunicatorTest, TheLibraryLoadsOrSaysHowToPointAtIt) {
+  Result<std::string> version = NcclVersion();
+  if (version.ok()) {
+    EXPECT_EQ(version->rfind("2.", 0), 0u) << *version;
+  } else {
+    EXPECT_EQ(version.status().code(), StatusCode::kUnavailable);
+    EXPECT_TRUE(version.status().message().find("TESSERA_NCCL_LIBRARY") != std::string::npos ||
+                version.status().message().find("no CUDA backend") != std::string::npos)
+        << version.status().ToString();
+  }
+}
+
+TEST(NcclCommunicatorTest, WithoutAGpuItSaysWhyInsteadOfFailingLater) {
+  if (!ProbeCudaDevices().devices.empty()) GTEST_SKIP() << "a GPU is present (see the gpu tests)";
+  auto rendezvous = JoinSocketRendezvous({RendezvousPath("nccl"), 0, 1, 1000});
+  ASSERT_OK(rendezvous.status());
+  Result<std::unique_ptr<DeviceCommunicator>> communicator = ConnectNcclCommunicator(**rendezvous);
+  ASSERT_FALSE(communicator.ok());
+  EXPECT_EQ(communicator.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(communicator.status().message().find("no CUDA device") != std::string::npos ||
+              communicator.status().message().find("no CUDA backend") != std::string::npos)
+      << communicator.status().ToString();
 }
 
 }  // namespace
