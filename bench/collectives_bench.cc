@@ -13,6 +13,9 @@
 //   allreduce_small_us     all-reduce of 1 KiB (the direct algorithm): latency
 //   busbw_over_p2p         allreduce_busbw / p2p
 // Each figure is the median over --iterations, each timed as the slowest rank's time.
+// Then, side by side (unless --no-torch, or PyTorch is missing), bench/torch_gloo_collectives.py
+// measures PyTorch's gloo backend the same way, and the ratios follow:
+//   allreduce_busbw_vs_torch_gloo, p2p_vs_torch_gloo   (above 1: Tessera is faster)
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
@@ -42,7 +46,27 @@ struct Flags {
   int64_t bytes = 64 << 20;
   int iterations = 10;
   int64_t chunk_bytes = 0;  // 0: the communicator's default
+  bool torch = true;
 };
+
+// Runs a command and returns its standard output (empty on failure).
+std::string Capture(const std::string& command) {
+  std::string output;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return output;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+  if (::pclose(pipe) != 0) return "";
+  return output;
+}
+
+// The value of `name=` in name=value lines, or a negative number.
+double Figure(const std::string& text, const std::string& name) {
+  const size_t at = text.find(name + "=");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + name.size() + 1);
+}
 
 [[noreturn]] void Die(int rank, const Status& status) {
   std::fprintf(stderr, "bench_collectives: rank %d: %s\n", rank, status.ToString().c_str());
@@ -66,7 +90,7 @@ double MedianSeconds(Communicator& comm, int iterations, const std::function<Sta
   return times[times.size() / 2];
 }
 
-int RunMember(const Flags& flags, int rank, const std::string& address) {
+int RunMember(const Flags& flags, int rank, const std::string& address, int report_fd) {
   tessera::SocketRendezvousOptions rendezvous_options;
   rendezvous_options.address = address;
   rendezvous_options.rank = rank;
@@ -111,18 +135,15 @@ int RunMember(const Flags& flags, int rank, const std::string& address) {
     const double busbw = bytes / allreduce * 2.0 * (n - 1) / n / gb;
     const double p2p_gbps = bytes / p2p / gb;
     const double block_bytes = static_cast<double>(block) * 4 * n;
-    std::printf("workers=%d\nbytes=%lld\n", n, static_cast<long long>(count * 4));
-    std::printf("p2p_gbps=%.2f\n", p2p_gbps);
-    std::printf("p2p_single_gbps=%.2f\n", bytes / p2p_single / gb);
-    std::printf("allreduce_busbw_gbps=%.2f\n", busbw);
-    std::printf("allreduce_algbw_gbps=%.2f\n", bytes / allreduce / gb);
-    std::printf("allreduce_ms=%.2f\n", allreduce * 1e3);
-    std::printf("reduce_scatter_busbw_gbps=%.2f\n",
-                block_bytes / reduce_scatter * (n - 1) / n / gb);
-    std::printf("all_gather_busbw_gbps=%.2f\n", block_bytes / all_gather * (n - 1) / n / gb);
-    std::printf("allreduce_small_us=%.1f\n", small * 1e6);
-    std::printf("busbw_over_p2p=%.2f\n", busbw / p2p_gbps);
-    std::fflush(stdout);
+    const std::string report = fmt::format(
+        "workers={}\nbytes={}\np2p_gbps={:.2f}\np2p_single_gbps={:.2f}\n"
+        "allreduce_busbw_gbps={:.2f}\nallreduce_algbw_gbps={:.2f}\nallreduce_ms={:.2f}\n"
+        "reduce_scatter_busbw_gbps={:.2f}\nall_gather_busbw_gbps={:.2f}\n"
+        "allreduce_small_us={:.1f}\nbusbw_over_p2p={:.2f}\n",
+        n, count * 4, p2p_gbps, bytes / p2p_single / gb, busbw, bytes / allreduce / gb,
+        allreduce * 1e3, block_bytes / reduce_scatter * (n - 1) / n / gb,
+        block_bytes / all_gather * (n - 1) / n / gb, small * 1e6, busbw / p2p_gbps);
+    if (::write(report_fd, report.data(), report.size()) < 0) return 1;
   }
   return 0;
 }
@@ -138,6 +159,7 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", flags.iterations, "Timed runs per figure (median)")
       ->check(CLI::Range(1, 10000));
   app.add_option("--chunk-bytes", flags.chunk_bytes, "Ring chunk size (default: the library's)");
+  app.add_flag("!--no-torch", flags.torch, "Skip the side-by-side PyTorch gloo measurement");
   CLI11_PARSE(app, argc, argv);
 
   const std::string directory =
@@ -148,16 +170,30 @@ int main(int argc, char** argv) {
   std::printf("bench_collectives: %d workers, %lld bytes, %d iterations\n", flags.workers,
               static_cast<long long>(flags.bytes), flags.iterations);
   std::fflush(stdout);
+  int report[2];
+  if (::pipe(report) != 0) {
+    std::perror("pipe");
+    return 1;
+  }
   std::vector<pid_t> children;
   for (int rank = 0; rank < flags.workers; ++rank) {
     const pid_t pid = fork();
-    if (pid == 0) _exit(RunMember(flags, rank, address));
+    if (pid == 0) {
+      ::close(report[0]);
+      _exit(RunMember(flags, rank, address, report[1]));
+    }
     if (pid < 0) {
       std::perror("fork");
       return 1;
     }
     children.push_back(pid);
   }
+  ::close(report[1]);
+  std::string figures;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::read(report[0], buffer, sizeof(buffer))) > 0) figures.append(buffer, static_cast<size_t>(n));
+  ::close(report[0]);
   int failed = 0;
   for (pid_t pid : children) {
     int status = 0;
@@ -165,6 +201,26 @@ int main(int argc, char** argv) {
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
   }
   std::filesystem::remove_all(directory);
-  if (failed > 0) std::fprintf(stderr, "bench_collectives: %d member(s) failed\n", failed);
-  return failed > 0 ? 1 : 0;
+  if (failed > 0) {
+    std::fprintf(stderr, "bench_collectives: %d member(s) failed\n", failed);
+    return 1;
+  }
+  std::fputs(figures.c_str(), stdout);
+  std::fflush(stdout);
+  if (!flags.torch) return 0;
+  const std::string script = std::string(TESSERA_SOURCE_DIR) + "/bench/torch_gloo_collectives.py";
+  const std::string torch = Capture(fmt::format(
+      "/usr/bin/python3 {} --workers {} --bytes {} --iterations {} 2>/dev/null", script,
+      flags.workers, flags.bytes, flags.iterations));
+  if (torch.empty()) {
+    std::printf("torch_gloo=unavailable (install python3-torch, or pass --no-torch)\n");
+    return 0;
+  }
+  std::fputs(torch.c_str(), stdout);
+  std::printf("allreduce_busbw_vs_torch_gloo=%.2f\n",
+              Figure(figures, "allreduce_busbw_gbps") /
+                  Figure(torch, "torch_gloo_allreduce_busbw_gbps"));
+  std::printf("p2p_vs_torch_gloo=%.2f\n",
+              Figure(figures, "p2p_gbps") / Figure(torch, "torch_gloo_p2p_gbps"));
+  return 0;
 }
