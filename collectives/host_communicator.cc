@@ -26,13 +26,25 @@ uint64_t CollectiveTag(uint64_t sequence, int step, int64_t chunk) {
 
 int Mod(int a, int n) { return ((a % n) + n) % n; }
 
-// Element ranges of n nearly equal segments of `count` (the first count % n are one longer).
-struct Segments {
-  Segments(int64_t total, int parts) : count(total), n(parts) {}
-  int64_t begin(int i) const { return i * (count / n) + std::min<int64_t>(i, count % n); }
-  int64_t length(int i) const { return count / n + (i < count % n ? 1 : 0); }
+// A buffer of `count` elements (of `element` bytes) as the ring sees it: n nearly equal
+// segments (the first count % n are one element longer), each moved in chunks of at most
+// `chunk` elements.
+struct RingLayout {
   int64_t count;
   int n;
+  int64_t element;
+  int64_t chunk;
+
+  int64_t begin(int s) const { return s * (count / n) + std::min<int64_t>(s, count % n); }
+  int64_t length(int s) const { return count / n + (s < count % n ? 1 : 0); }
+  int64_t segment_bytes(int s) const { return length(s) * element; }
+  int64_t max_segment_bytes() const { return segment_bytes(0); }
+  int64_t chunks(int s) const { return (length(s) + chunk - 1) / chunk; }
+  int64_t chunk_length(int s, int64_t c) const { return std::min(chunk, length(s) - c * chunk); }
+  int64_t chunk_bytes(int s, int64_t c) const { return chunk_length(s, c) * element; }
+  // Byte offsets of chunk c: within its segment, and of segment s's chunk c in the buffer.
+  int64_t within(int64_t c) const { return c * chunk * element; }
+  int64_t offset(int s, int64_t c) const { return begin(s) * element + within(c); }
 };
 
 class HostCommunicator final : public Communicator {
@@ -63,7 +75,7 @@ class HostCommunicator final : public Communicator {
       } else {
         // Reduce-scatter then all-gather: the ring's 2(n-1) steps in one pipeline.
         TESSERA_RETURN_IF_ERROR(
-            Ring(call, data, Segments(count, size_), dtype, op, 0, 2 * (size_ - 1)));
+            Ring(call, data, Layout(count, dtype), dtype, op, 0, 2 * (size_ - 1)));
       }
     }
     return Finish(buffer, count, dtype, op, size_);
@@ -79,7 +91,7 @@ class HostCommunicator final : public Communicator {
     } else {
       TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, static_cast<const char*>(send),
                                                 static_cast<char*>(recv),
-                                                Segments(count * size_, size_), dtype, op));
+                                                Layout(count * size_, dtype), dtype, op));
     }
     return Finish(recv, count, dtype, op, size_);
   }
@@ -92,7 +104,7 @@ class HostCommunicator final : public Communicator {
     std::memcpy(out + rank_ * count * element, send, static_cast<size_t>(count * element));
     if (size_ == 1) return Status::Ok();
     // The all-gather half of the ring: rank r starts with block r.
-    return Ring(call, out, Segments(count * size_, size_), dtype, ReduceOp::kSum, size_ - 1,
+    return Ring(call, out, Layout(count * size_, dtype), dtype, ReduceOp::kSum, size_ - 1,
                 2 * (size_ - 1));
   }
 
@@ -137,25 +149,25 @@ class HostCommunicator final : public Communicator {
     }
     // Ring reduce-scatter, then every rank sends its reduced segment to the root: the root
     // receives (n-1)/n of the buffer instead of (n-1) buffers.
-    const Segments segments(count, size_);
-    auto segment_bytes = [&](int r) { return segments.length(r) * element; };
-    auto segment_of = [&](char* base, int r) { return base + segments.begin(r) * element; };
-    std::vector<char> mine(static_cast<size_t>(segment_bytes(rank_)));
-    TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, input, mine.data(), segments, dtype, op));
+    const RingLayout layout = Layout(count, dtype);
+    std::vector<char> mine(static_cast<size_t>(layout.segment_bytes(rank_)));
+    TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, input, mine.data(), layout, dtype, op));
     const uint64_t tag = CollectiveTag(call.sequence, 2 * size_, 0);
     if (rank_ != root) {
-      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(root, tag, mine.data(), segment_bytes(rank_)));
+      TESSERA_ASSIGN_OR_RETURN(auto id,
+                               SendTo(root, tag, mine.data(), layout.segment_bytes(rank_)));
       return WaitFor({id}, call, root);
     }
     char* out = static_cast<char*>(recv);
     std::vector<RequestId> requests;
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == root) continue;
-      TESSERA_ASSIGN_OR_RETURN(
-          auto id, transport_.Irecv(peer, tag, segment_of(out, peer), segment_bytes(peer)));
+      TESSERA_ASSIGN_OR_RETURN(auto id, transport_.Irecv(peer, tag, out + layout.offset(peer, 0),
+                                                         layout.segment_bytes(peer)));
       requests.push_back(id);
     }
-    std::memcpy(segment_of(out, rank_), mine.data(), static_cast<size_t>(segment_bytes(rank_)));
+    std::memcpy(out + layout.offset(rank_, 0), mine.data(),
+                static_cast<size_t>(layout.segment_bytes(rank_)));
     TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
     return Finish(recv, count, dtype, op, size_);
   }
@@ -254,6 +266,12 @@ class HostCommunicator final : public Communicator {
     return std::max(by_size, (length + kMaxChunks - 1) / kMaxChunks);
   }
 
+  RingLayout Layout(int64_t count, DType dtype) const {
+    RingLayout layout{count, size_, DTypeSize(dtype), 1};
+    layout.chunk = ChunkElements(layout.length(0), layout.element);
+    return layout;
+  }
+
   // The ring. Over steps t = 0 .. 2(n-1)-1 rank r sends segment (r-t-1) mod n to its right
   // neighbour and receives segment (r-t-2) mod n from its left one. In the first n-1 steps
   // (reduce-scatter) a received segment is reduced into the local copy; afterwards (all-gather)
@@ -261,48 +279,39 @@ class HostCommunicator final : public Communicator {
   // as soon as it has been reduced or stored: every link stays busy (pipelining). After step
   // n-2 rank r holds segment r fully reduced; after step 2n-3 every rank holds every segment.
   // Runs steps [first, last): reduce-scatter alone is [0, n-1), all-gather alone [n-1, 2n-2).
-  Status Ring(const Call& call, char* data, const Segments& segments, DType dtype, ReduceOp op,
+  Status Ring(const Call& call, char* data, const RingLayout& layout, DType dtype, ReduceOp op,
               int first, int last) {
-    const int64_t element = DTypeSize(dtype);
-    const int64_t chunk = ChunkElements(segments.length(0), element);
-    auto chunks_of = [&](int segment) { return (segments.length(segment) + chunk - 1) / chunk; };
-    auto chunk_elements = [&](int segment, int64_t c) {
-      return std::min(chunk, segments.length(segment) - c * chunk);
-    };
-    auto chunk_data = [&](int segment, int64_t c) {
-      return data + (segments.begin(segment) + c * chunk) * element;
-    };
-
     std::vector<RequestId> sends;
     const int first_segment = Mod(rank_ - first - 1, size_);
-    for (int64_t c = 0; c < chunks_of(first_segment); ++c) {
+    for (int64_t c = 0; c < layout.chunks(first_segment); ++c) {
       TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(right_, CollectiveTag(call.sequence, first, c),
-                                               chunk_data(first_segment, c),
-                                               chunk_elements(first_segment, c) * element));
+                                               data + layout.offset(first_segment, c),
+                                               layout.chunk_bytes(first_segment, c)));
       sends.push_back(id);
     }
-    char* scratch = first < size_ - 1 ? Scratch(0, segments.length(0) * element) : nullptr;
+    char* scratch = first < size_ - 1 ? Scratch(0, layout.max_segment_bytes()) : nullptr;
     for (int step = first; step < last; ++step) {
       const int segment = Mod(rank_ - step - 2, size_);
       const bool reducing = step < size_ - 1;
       std::vector<RequestId> receives;
-      for (int64_t c = 0; c < chunks_of(segment); ++c) {
-        char* into = reducing ? scratch + c * chunk * element : chunk_data(segment, c);
+      for (int64_t c = 0; c < layout.chunks(segment); ++c) {
+        char* into = reducing ? scratch + layout.within(c) : data + layout.offset(segment, c);
         TESSERA_ASSIGN_OR_RETURN(
             auto id, transport_.Irecv(left_, CollectiveTag(call.sequence, step, c), into,
-                                      chunk_elements(segment, c) * element));
+                                      layout.chunk_bytes(segment, c)));
         receives.push_back(id);
       }
-      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+      for (int64_t c = 0; c < layout.chunks(segment); ++c) {
         TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
+        char* chunk = data + layout.offset(segment, c);
         if (reducing) {
-          TESSERA_RETURN_IF_ERROR(Accumulate(chunk_data(segment, c), scratch + c * chunk * element,
-                                             chunk_elements(segment, c), dtype, op));
+          TESSERA_RETURN_IF_ERROR(Accumulate(chunk, scratch + layout.within(c),
+                                             layout.chunk_length(segment, c), dtype, op));
         }
         if (step + 1 < last) {
-          TESSERA_ASSIGN_OR_RETURN(
-              auto id, SendTo(right_, CollectiveTag(call.sequence, step + 1, c),
-                              chunk_data(segment, c), chunk_elements(segment, c) * element));
+          TESSERA_ASSIGN_OR_RETURN(auto id,
+                                   SendTo(right_, CollectiveTag(call.sequence, step + 1, c), chunk,
+                                          layout.chunk_bytes(segment, c)));
           sends.push_back(id);
         }
       }
@@ -314,25 +323,16 @@ class HostCommunicator final : public Communicator {
   // partial is combined with this rank's own segment in a work buffer (two alternate: one is
   // forwarded while the next fills), and the last step, segment rank(), lands in `output`.
   Status RingReduceScatter(const Call& call, const char* input, char* output,
-                           const Segments& segments, DType dtype, ReduceOp op) {
-    const int64_t element = DTypeSize(dtype);
-    const int64_t chunk = ChunkElements(segments.length(0), element);
-    auto chunks_of = [&](int segment) { return (segments.length(segment) + chunk - 1) / chunk; };
-    auto chunk_elements = [&](int segment, int64_t c) {
-      return std::min(chunk, segments.length(segment) - c * chunk);
-    };
-    auto own = [&](int segment, int64_t c) {
-      return input + (segments.begin(segment) + c * chunk) * element;
-    };
-    char* work[2] = {Scratch(0, segments.length(0) * element),
-                     Scratch(1, segments.length(0) * element)};
+                           const RingLayout& layout, DType dtype, ReduceOp op) {
+    char* work[2] = {Scratch(0, layout.max_segment_bytes()),
+                     Scratch(1, layout.max_segment_bytes())};
     // sends[t]: the chunks forwarded from what arrived at step t-1 (tagged step t).
     std::vector<std::vector<RequestId>> sends(static_cast<size_t>(size_));
     const int first_segment = Mod(rank_ - 1, size_);
-    for (int64_t c = 0; c < chunks_of(first_segment); ++c) {
-      TESSERA_ASSIGN_OR_RETURN(
-          auto id, SendTo(right_, CollectiveTag(call.sequence, 0, c), own(first_segment, c),
-                          chunk_elements(first_segment, c) * element));
+    for (int64_t c = 0; c < layout.chunks(first_segment); ++c) {
+      TESSERA_ASSIGN_OR_RETURN(auto id, SendTo(right_, CollectiveTag(call.sequence, 0, c),
+                                               input + layout.offset(first_segment, c),
+                                               layout.chunk_bytes(first_segment, c)));
       sends[0].push_back(id);
     }
     for (int step = 0; step < size_ - 1; ++step) {
@@ -340,25 +340,25 @@ class HostCommunicator final : public Communicator {
       const bool last = step == size_ - 2;  // segment == rank_
       char* into = last ? output : work[step % 2];
       // work[step % 2] was forwarded at step - 1 (tagged step - 1): those sends must be done.
-      if (step >= 2)
+      if (step >= 2) {
         TESSERA_RETURN_IF_ERROR(WaitFor(sends[static_cast<size_t>(step - 1)], call, right_));
+      }
       std::vector<RequestId> receives;
-      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+      for (int64_t c = 0; c < layout.chunks(segment); ++c) {
         TESSERA_ASSIGN_OR_RETURN(
-            auto id,
-            transport_.Irecv(left_, CollectiveTag(call.sequence, step, c),
-                             into + c * chunk * element, chunk_elements(segment, c) * element));
+            auto id, transport_.Irecv(left_, CollectiveTag(call.sequence, step, c),
+                                      into + layout.within(c), layout.chunk_bytes(segment, c)));
         receives.push_back(id);
       }
-      for (int64_t c = 0; c < chunks_of(segment); ++c) {
+      for (int64_t c = 0; c < layout.chunks(segment); ++c) {
         TESSERA_RETURN_IF_ERROR(WaitFor({receives[static_cast<size_t>(c)]}, call, left_));
-        char* partial = into + c * chunk * element;
-        TESSERA_RETURN_IF_ERROR(
-            Accumulate(partial, own(segment, c), chunk_elements(segment, c), dtype, op));
+        char* partial = into + layout.within(c);
+        TESSERA_RETURN_IF_ERROR(Accumulate(partial, input + layout.offset(segment, c),
+                                           layout.chunk_length(segment, c), dtype, op));
         if (!last) {
           TESSERA_ASSIGN_OR_RETURN(
               auto id, SendTo(right_, CollectiveTag(call.sequence, step + 1, c), partial,
-                              chunk_elements(segment, c) * element));
+                              layout.chunk_bytes(segment, c)));
           sends[static_cast<size_t>(step + 1)].push_back(id);
         }
       }

@@ -84,6 +84,10 @@ class WorkerServiceImpl final : public WorkerService {
   void StartReadyTasks();
   void Execute(PendingTask* task);
   static bool IsMember(const TaskSpec& spec);
+  static std::vector<TensorMeta> OutputMetas(const PendingTask& task);
+  KernelContext KernelContextHere() const {
+    return KernelContext{allocator_, options_.settings.gemm_split_min_flops};
+  }
   // Hands a ready collective member to the engine; its result comes back like a task's.
   void SubmitMember(PendingTask* task);
   // A member that failed before reaching the engine: lets its position pass.
@@ -378,16 +382,19 @@ void WorkerServiceImpl::StartReadyTasks() {
   }
 }
 
+std::vector<TensorMeta> WorkerServiceImpl::OutputMetas(const PendingTask& task) {
+  std::vector<TensorMeta> metas;
+  for (const ObjectSpec& output : task.task.outputs) metas.push_back(output.meta);
+  return metas;
+}
+
 void WorkerServiceImpl::Execute(PendingTask* task) {
   const TaskSpec& spec = task->task.spec;
-  std::vector<TensorMeta> output_metas;
-  for (const ObjectSpec& output : task->task.outputs) output_metas.push_back(output.meta);
-  const KernelContext context{allocator_, options_.settings.gemm_split_min_flops};
   TaskRunCounters counters;
   // Inputs belong to the store or to pulls: never donate them.
   Result<std::vector<Tensor>> outputs = RunTaskKernel(
-      *task->kernel, spec, task->inputs, output_metas, context, [](int) { return false; },
-      &counters);
+      *task->kernel, spec, task->inputs, OutputMetas(*task), KernelContextHere(),
+      [](int) { return false; }, &counters);
   TaskResult result = Seal(spec, std::move(outputs));
   rpc::asio::post(io_, [this, result = std::move(result)]() mutable {
     tasks_.erase(result.task);  // releases the task's pins and pulled inputs
@@ -403,12 +410,10 @@ bool WorkerServiceImpl::IsMember(const TaskSpec& spec) {
 
 void WorkerServiceImpl::SubmitMember(PendingTask* task) {
   const TaskSpec& spec = task->task.spec;
-  std::vector<TensorMeta> output_metas;
-  for (const ObjectSpec& output : task->task.outputs) output_metas.push_back(output.meta);
-  const KernelContext context{allocator_, options_.settings.gemm_split_min_flops};
   TaskRunCounters counters;
   Result<std::vector<Tensor>> outputs = PrepareTaskOutputs(
-      spec, task->inputs, output_metas, context, [](int) { return false; }, &counters);
+      spec, task->inputs, OutputMetas(*task), KernelContextHere(), [](int) { return false; },
+      &counters);
   const int64_t position = spec.attrs.GetInt(kPositionAttr, 0);
   if (!outputs.ok()) {
     engine_->Submit(kDynamicStream, position, CollectiveMember{}, [](const Status&) {});

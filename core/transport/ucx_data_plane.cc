@@ -19,6 +19,8 @@
 
 #include <ucp/api/ucp.h>
 
+#include "core/transport/ucx_common.h"
+
 #include "core/logging.h"
 #include "core/transport/data_plane.h"
 #include "core/transport/local_memory.h"
@@ -26,6 +28,8 @@
 namespace tessera {
 
 namespace {
+
+using detail::UcxError;
 
 using Clock = std::chrono::steady_clock;
 
@@ -83,16 +87,6 @@ struct ChunkHeader {
   WireProcess holder;
   uint64_t address;
 };
-
-Status UcxError(const char* what, ucs_status_t status) {
-  return Unavailable("UCX {} failed: {}", what, ucs_status_string(status));
-}
-
-#define TESSERA_UCX_RETURN_IF_ERROR(call, what)                    \
-  do {                                                             \
-    const ucs_status_t ucx_status_ = (call);                       \
-    if (ucx_status_ != UCS_OK) return UcxError(what, ucx_status_); \
-  } while (0)
 
 Result<sockaddr_storage> Resolve(const std::string& host, uint16_t port, socklen_t* length) {
   addrinfo hints{};
@@ -296,31 +290,13 @@ class UcxDataPlane final : public DataPlane {
 };
 
 Status UcxDataPlane::Init() {
-  ucp_config_t* config = nullptr;
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
-  if (std::getenv("UCX_TLS") == nullptr) {
-    // Without peer-failure mode, UCX aborts the process when a peer dies under a CMA transfer
-    // (a worker killed while another pulls from it). Leave CMA out unless asked for.
-    const ucs_status_t modified = ucp_config_modify(config, "TLS", "^cma");
-    if (modified != UCS_OK) {
-      ucp_config_release(config);
-      return UcxError("config (TLS=^cma)", modified);
-    }
-  }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  params.name = "tessera";
-  const ucs_status_t init = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
-  TESSERA_UCX_RETURN_IF_ERROR(init, "init");
-
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_create(context_, &worker_params, &worker_),
-                              "worker create");
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_efd(worker_, &ucx_fd_), "get event fd");
+  // Without peer-failure mode, UCX aborts the process when a peer dies under a CMA transfer
+  // (a worker killed while another pulls from it): CMA stays out unless UCX_TLS asks for it.
+  TESSERA_ASSIGN_OR_RETURN(detail::UcxHandles handles,
+                           detail::CreateUcxWorker(UCP_FEATURE_AM, "tessera", "^cma"));
+  context_ = handles.context;
+  worker_ = handles.worker;
+  ucx_fd_ = handles.event_fd;
 
   for (auto [id, callback] :
        {std::pair{kGetChunk, &OnGetChunk}, std::pair{kChunk, &OnChunk}, std::pair{kPush, &OnPush},

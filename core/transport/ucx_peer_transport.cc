@@ -15,23 +15,17 @@
 
 #include <ucp/api/ucp.h>
 
+#include "core/transport/ucx_common.h"
+
 #include "core/transport/local_memory.h"
 
 namespace tessera {
 
 namespace {
 
+using detail::UcxError;
+
 using Clock = PeerTransport::Clock;
-
-Status UcxError(std::string_view what, ucs_status_t status) {
-  return Unavailable("UCX {} failed: {}", what, ucs_status_string(status));
-}
-
-#define TESSERA_UCX_RETURN_IF_ERROR(call, what)                    \
-  do {                                                             \
-    const ucs_status_t ucx_status_ = (call);                       \
-    if (ucx_status_ != UCS_OK) return UcxError(what, ucx_status_); \
-  } while (0)
 
 // Wire tags: the sender's rank above the caller's 48-bit tag, so a receive matches one peer.
 // Acknowledgements of single-copy transfers use the rank field's last value (no rank has it)
@@ -192,31 +186,14 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
 };
 
 Status UcxPeerTransportImpl::Init() {
-  ucp_config_t* config = nullptr;
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
-  if (std::getenv("UCX_TLS") == nullptr) {
-    // No CMA (see the header): shared memory on one host, the network between hosts.
-    const char* transports = options_.local_only ? "posix,sysv,self" : "^cma";
-    const ucs_status_t modified = ucp_config_modify(config, "TLS", transports);
-    if (modified != UCS_OK) {
-      ucp_config_release(config);
-      return UcxError(fmt::format("config (TLS={})", transports), modified);
-    }
-  }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  params.name = "tessera-collectives";
-  const ucs_status_t init = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
-  TESSERA_UCX_RETURN_IF_ERROR(init, "init");
-
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_create(context_, &worker_params, &worker_),
-                              "worker create");
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_efd(worker_, &event_fd_), "get event fd");
+  // No CMA (see the header): shared memory on one host, the network between hosts.
+  TESSERA_ASSIGN_OR_RETURN(
+      detail::UcxHandles handles,
+      detail::CreateUcxWorker(UCP_FEATURE_TAG, "tessera-collectives",
+                              options_.local_only ? "posix,sysv,self" : "^cma"));
+  context_ = handles.context;
+  worker_ = handles.worker;
+  event_fd_ = handles.event_fd;
   ucp_address_t* worker_address = nullptr;
   size_t length = 0;
   TESSERA_UCX_RETURN_IF_ERROR(ucp_worker_get_address(worker_, &worker_address, &length),

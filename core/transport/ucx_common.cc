@@ -1,0 +1,38 @@
+#include "core/transport/ucx_common.h"
+
+#include <cstdlib>
+
+namespace tessera::detail {
+
+Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports) {
+  ucp_config_t* config = nullptr;
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
+  if (std::getenv("UCX_TLS") == nullptr) {
+    const ucs_status_t modified = ucp_config_modify(config, "TLS", transports);
+    if (modified != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError(fmt::format("config (TLS={})", transports), modified);
+    }
+  }
+  UcxHandles handles;
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = features | UCP_FEATURE_WAKEUP;
+  params.name = name;
+  const ucs_status_t init = ucp_init(&params, config, &handles.context);
+  ucp_config_release(config);
+  TESSERA_UCX_RETURN_IF_ERROR(init, "init");
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucs_status_t status = ucp_worker_create(handles.context, &worker_params, &handles.worker);
+  if (status == UCS_OK) status = ucp_worker_get_efd(handles.worker, &handles.event_fd);
+  if (status != UCS_OK) {
+    if (handles.worker != nullptr) ucp_worker_destroy(handles.worker);
+    ucp_cleanup(handles.context);
+    return UcxError("worker create", status);
+  }
+  return handles;
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,33 @@
+// What both UCX users (the data plane, the peer transport) share: errors, and creating a context
+// with its worker. Internal to core/transport.
+#pragma once
+
+#include <string_view>
+
+#include <ucp/api/ucp.h>
+
+#include "core/status.h"
+
+namespace tessera::detail {
+
+inline Status UcxError(std::string_view what, ucs_status_t status) {
+  return Unavailable("UCX {} failed: {}", what, ucs_status_string(status));
+}
+
+#define TESSERA_UCX_RETURN_IF_ERROR(call, what)                                       \
+  do {                                                                                \
+    const ucs_status_t ucx_status_ = (call);                                          \
+    if (ucx_status_ != UCS_OK) return ::tessera::detail::UcxError(what, ucx_status_); \
+  } while (0)
+
+// A UCX context and a single-threaded worker with a wakeup fd.
+struct UcxHandles {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  int event_fd = -1;
+};
+
+// `transports` becomes UCX_TLS unless the user set UCX_TLS. On error nothing is left to free.
+Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports);
+
+}  // namespace tessera::detail
