@@ -1,14 +1,16 @@
 #include "worker/in_process_executor.h"
 
-#include "worker/task_runner.h"
-
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include <fmt/ranges.h>
 #include <tbb/task_group.h>
+
+#include "core/logging.h"
+#include "worker/task_runner.h"
 
 namespace tessera {
 
@@ -301,7 +303,18 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
       }
       continue;
     }
-    active.changed.wait(lock, [&] { return failed.load() || active.events != events_before; });
+    // Waiting is normal (a peer's producer may take long); a long wait says what it waits for.
+    while (!active.changed.wait_for(lock, std::chrono::seconds(10), [&] {
+      return failed.load() || active.events != events_before;
+    })) {
+      std::vector<std::string> awaited;
+      for (int index = 0; index < num_objects; ++index) {
+        if (active.awaited[static_cast<size_t>(index)]) awaited.push_back(graph.objects()[index].name);
+      }
+      GetLogger("executor")->warn(
+          "{} of {} tasks ran; still waiting for {} offloaded task(s) and for {}", tasks_run.load(),
+          num_tasks, active.offloads_outstanding, fmt::join(awaited, ", "));
+    }
   }
   if (failed.load() && hooks != nullptr && hooks->on_failed) {
     std::lock_guard lock(error_mutex);
