@@ -3,13 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "core/transport/ucx_peer_transport.h"
 
 namespace tessera {
 
 Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezvous,
-                                                             const CommunicatorOptions& options) {
+                                                             const CommunicatorOptions& options,
+                                                             const UcxCommunicatorOptions& ucx) {
   const auto deadline = Rendezvous::Clock::now() + std::chrono::milliseconds(options.timeout_ms);
   // Round 1: where everyone is. A group on one host uses shared memory only.
   char hostname[256] = {};
@@ -18,7 +20,12 @@ Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezv
                            rendezvous.AllGather(hostname, deadline));
   UcxPeerTransportOptions transport_options;
   transport_options.local_only =
+      !ucx.network_only &&
       std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts[0]; });
+  if (ucx.network_only) {
+    transport_options.single_copy_bytes = std::numeric_limits<int64_t>::max();
+    transport_options.network_only = true;
+  }
   // Round 2: the UCX worker addresses.
   TESSERA_ASSIGN_OR_RETURN(
       std::shared_ptr<UcxPeerTransport> transport,

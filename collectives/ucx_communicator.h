@@ -13,8 +13,14 @@ namespace tessera {
 // all-gathered, and every rank connects to every other. When the rendezvous reports a dead
 // member, the communicator is aborted: a collective in progress on another rank fails at once
 // with the reason naming that member. Errors from UCX or the rendezvous name the rank.
+// A group whose ranks are all on this host uses shared memory and single copies unless
+// `network_only` (then UCX's network transports carry everything, as between hosts).
 // REQUIRES: the rendezvous outlives the communicator's use (not its destruction).
+struct UcxCommunicatorOptions {
+  bool network_only = false;
+};
 Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(
-    Rendezvous& rendezvous, const CommunicatorOptions& options = {});
+    Rendezvous& rendezvous, const CommunicatorOptions& options = {},
+    const UcxCommunicatorOptions& ucx = {});
 
 }  // namespace tessera

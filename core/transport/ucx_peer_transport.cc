@@ -187,10 +187,11 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
 
 Status UcxPeerTransportImpl::Init() {
   // No CMA (see the header): shared memory on one host, the network between hosts.
-  TESSERA_ASSIGN_OR_RETURN(
-      detail::UcxHandles handles,
-      detail::CreateUcxWorker(UCP_FEATURE_TAG, "tessera-collectives",
-                              options_.local_only ? "posix,sysv,self" : "^cma"));
+  TESSERA_ASSIGN_OR_RETURN(detail::UcxHandles handles,
+                           detail::CreateUcxWorker(UCP_FEATURE_TAG, "tessera-collectives",
+                                                   options_.network_only ? "tcp,self"
+                                                   : options_.local_only ? "posix,sysv,self"
+                                                                         : "^cma"));
   context_ = handles.context;
   worker_ = handles.worker;
   event_fd_ = handles.event_fd;
@@ -238,7 +239,7 @@ Status UcxPeerTransportImpl::Connect(const std::vector<std::string>& addresses,
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     Peer& peer = peers_[static_cast<size_t>(r)];
-    const bool local = peer.address.host == host_;
+    const bool local = peer.address.host == host_ && !options_.network_only;
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;

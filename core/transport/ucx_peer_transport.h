@@ -48,6 +48,9 @@ struct UcxPeerTransportOptions {
   // Every peer is on this host: UCX gets shared memory only (it would otherwise also stripe
   // large messages over TCP loopback).
   bool local_only = false;
+  // UCX's network transports only (TCP, RDMA), even to peers on this host: the path between
+  // hosts, for tests on one machine.
+  bool network_only = false;
 };
 
 struct PeerTransportStats {

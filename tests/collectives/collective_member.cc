@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   int64_t large_mb = 0;
   int64_t loop_elements = 1 << 20;
   int timeout_ms = 30'000;
+  UcxCommunicatorOptions ucx;
   CLI::App app{"A member of a collective group (for tests)"};
   app.add_option("--rank", rendezvous_options.rank)->required();
   app.add_option("--size", rendezvous_options.size)->required();
@@ -26,6 +27,8 @@ int main(int argc, char** argv) {
   app.add_option("--large-mb", large_mb, "Also run each op at this size (suite)");
   app.add_option("--loop-elements", loop_elements, "f32 elements per all-reduce (loop)");
   app.add_option("--timeout-ms", timeout_ms, "Collective deadline");
+  app.add_flag("--network-only", ucx.network_only,
+               "TCP only, as between hosts (no shared memory, no single copy)");
   CLI11_PARSE(app, argc, argv);
   const int rank = rendezvous_options.rank;
 
@@ -40,7 +43,7 @@ int main(int argc, char** argv) {
   CommunicatorOptions options;
   options.timeout_ms = timeout_ms;
   Result<std::unique_ptr<Communicator>> communicator =
-      ConnectUcxCommunicator(**rendezvous, options);
+      ConnectUcxCommunicator(**rendezvous, options, ucx);
   if (!communicator.ok()) return fail(communicator.status());
 
   if (mode == "suite") {

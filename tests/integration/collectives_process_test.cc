@@ -122,6 +122,28 @@ TEST_P(CollectivesProcessTest, EveryOpAndDtypeMatchesTheReference) {
   EXPECT_NE(group.Logs().find("rank 0: suite passed"), std::string::npos) << group.Logs();
 }
 
+// The path between hosts, on this one: TCP over the loopback interface, UCX's peer-failure mode.
+TEST(CollectivesNetworkTest, ThreeProcessesOverTcpMatchTheReference) {
+  Group group("tcp", 3, "--mode suite --large-mb 8 --network-only");
+  ASSERT_TRUE(group.WaitForExit(std::chrono::seconds(600))) << group.Logs();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(group[r].exit_code, 0) << group.Logs();
+}
+
+TEST(CollectivesNetworkTest, AKilledMemberOverTcpFailsTheOthersNamingIt) {
+  const int size = 3, victim = 1;
+  Group group("tcp_killed", size,
+              "--mode loop --loop-elements 1000000 --timeout-ms 600000 --network-only");
+  ASSERT_TRUE(group.WaitForLogs("looping", std::chrono::seconds(60))) << group.Logs();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ::kill(group[victim].pid, SIGKILL);
+  ASSERT_TRUE(group.WaitForExit(std::chrono::seconds(60), victim)) << group.Logs();
+  for (int r : {0, 2}) {
+    const std::string log = ReadFile(group[r].log);
+    EXPECT_EQ(group[r].exit_code, 1) << log;
+    EXPECT_NE(log.find("rank 1 died"), std::string::npos) << log;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Processes, CollectivesProcessTest, ::testing::Values(2, 3, 4, 8),
                          [](const auto& param_info) {
                            return std::to_string(param_info.param) + "processes";
