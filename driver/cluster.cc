@@ -169,9 +169,11 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
               reply_waiters_.clear();
             }
             ready_cv_.notify_all();
+          },
+          [this](const rpc::Joined& welcome) {
+            connection_ = welcome.connection;
+            driver_id_ = welcome.id;
           }));
-  connection_ = std::move(joined.connection);
-  driver_id_ = joined.id;
   if (driver_id_ >= (uint64_t{1} << (64 - kIdSequenceBits))) {
     return Internal("driver id {} is too large for object ids", driver_id_);
   }

@@ -190,9 +190,12 @@ Status WorkerServiceImpl::Init() {
       rpc::Join(
           io_, options_.scheduler, hello, options_.connect_timeout_ms,
           [this](rpc::Connection&, rpc::ReceivedMessage& message) { return OnMessage(message); },
-          [this](const Status& reason) { Stop(reason.WithContext("lost the scheduler")); }));
-  connection_ = std::move(joined.connection);
-  id_ = joined.id;
+          [this](const Status& reason) { Stop(reason.WithContext("lost the scheduler")); },
+          [this](const rpc::Joined& welcome) {
+            // The scheduler may send parts and runs right behind the Welcome.
+            connection_ = welcome.connection;
+            id_ = welcome.id;
+          }));
   heartbeat_ms_ = joined.heartbeat_interval_ms;
   heartbeat_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   rpc::asio::post(io_, [this] { ScheduleHeartbeat(); });

@@ -11,7 +11,8 @@ namespace tessera::rpc {
 
 Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFields& hello,
                     int timeout_ms, Connection::MessageHandler on_message,
-                    std::function<void(const Status&)> on_close) {
+                    std::function<void(const Status&)> on_close,
+                    std::function<void(const Joined&)> on_welcome) {
   TESSERA_ASSIGN_OR_RETURN(GenericSocket socket, ConnectSocket(io, address, timeout_ms));
   Joined joined;
   joined.connection = Connection::Create(std::move(socket), address.ToString());
@@ -19,14 +20,17 @@ Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFie
   auto answered = std::make_shared<std::atomic<bool>>(false);
   auto welcome = std::make_shared<Joined>();
   joined.connection->Start(
-      [welcomed, answered, welcome, on_message = std::move(on_message)](
-          Connection& connection, ReceivedMessage& message) -> Status {
+      [welcomed, answered, welcome, on_message = std::move(on_message),
+       on_welcome = std::move(on_welcome)](Connection& connection,
+                                           ReceivedMessage& message) -> Status {
         if (answered->load()) return on_message(connection, message);
         answered->store(true);
         auto body = message.reader().getRoot<proto::Envelope>().getBody();
         if (body.which() == proto::Envelope::Body::WELCOME) {
           welcome->id = body.getWelcome().getId();
           welcome->heartbeat_interval_ms = body.getWelcome().getHeartbeatIntervalMs();
+          welcome->connection = connection.shared_from_this();
+          if (on_welcome) on_welcome(*welcome);  // before any later message is handled
           welcomed->set_value(Status::Ok());
           return Status::Ok();
         }

@@ -30,10 +30,15 @@ struct Joined {
 };
 
 // REQUIRES: a thread runs `io` (the handshake completes on it). After Welcome, messages go to
-// `on_message`; `on_close` runs when the connection ends. Unavailable when nothing answers at
-// `address` within timeout_ms; the scheduler's reason when it refuses.
+// `on_message`; `on_close` runs when the connection ends. `on_welcome`, when given, runs on the
+// io thread with the Joined as soon as Welcome arrives, before any later message is handled:
+// state the handlers need (this process's id, the connection to answer on) must be set there,
+// not after Join returns, because the scheduler may send work right behind the Welcome.
+// Unavailable when nothing answers at `address` within timeout_ms; the scheduler's reason when
+// it refuses.
 Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFields& hello,
                     int timeout_ms, Connection::MessageHandler on_message,
-                    std::function<void(const Status&)> on_close);
+                    std::function<void(const Status&)> on_close,
+                    std::function<void(const Joined&)> on_welcome = nullptr);
 
 }  // namespace tessera::rpc
