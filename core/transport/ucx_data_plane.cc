@@ -213,6 +213,8 @@ class UcxDataPlane final : public DataPlane {
   void ServePending();
   void ReceivePending();
   void CheckDeadlines();
+  // Frees endpoint-close requests that have completed.
+  void ReapClosing();
   void Shutdown();
 
   Result<ucp_ep_h> PeerEndpoint(const std::string& address);
@@ -273,6 +275,7 @@ class UcxDataPlane final : public DataPlane {
   // Progress-thread state.
   std::unordered_map<std::string, Peer> peers_;
   std::vector<ucp_ep_h> accepted_;
+  std::vector<void*> closing_;  // endpoint closes in progress
   std::unordered_map<uint64_t, PullState> pulls_;
   std::unordered_map<uint64_t, ChunkRequest> chunks_;
   std::vector<ServeRequest> serves_;
@@ -1025,7 +1028,8 @@ void UcxDataPlane::FailPullsTo(const std::string& address, const Status& reason)
     params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     params.flags = UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t closing = ucp_ep_close_nbx(peer.ep, &params);
-    if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) ucp_request_free(closing);
+    // Completed later by progress; the worker must not be destroyed before (UCX asserts).
+    if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) closing_.push_back(closing);
     peer.ep = nullptr;
   }
   std::vector<uint64_t> failed;
@@ -1042,7 +1046,16 @@ void UcxDataPlane::ForgetPeer(const std::string& address, const Status& reason) 
   Post([this, address, reason] { FailPullsTo(address, reason); });
 }
 
+void UcxDataPlane::ReapClosing() {
+  std::erase_if(closing_, [](void* request) {
+    if (ucp_request_check_status(request) == UCS_INPROGRESS) return false;
+    ucp_request_free(request);
+    return true;
+  });
+}
+
 void UcxDataPlane::CheckDeadlines() {
+  if (!closing_.empty()) ReapClosing();
   const Clock::time_point now = Clock::now();
   // Loans whose borrower never said it was done (it died): let go.
   std::erase_if(lent_chunks_, [&](const auto& loan) { return now > loan.second.deadline; });
@@ -1087,10 +1100,13 @@ void UcxDataPlane::Shutdown() {
         params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
         params.flags = UCP_EP_CLOSE_FLAG_FORCE;
         ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &params);
-        if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) {
-          while (ucp_request_check_status(closing) == UCS_INPROGRESS) ucp_worker_progress(worker_);
-          ucp_request_free(closing);
-        }
+        if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) closing_.push_back(closing);
+      }
+      // Every close (these, and earlier ones for failed peers) finishes before the worker goes.
+      const Clock::time_point deadline = Clock::now() + std::chrono::seconds(2);
+      while (!closing_.empty() && Clock::now() < deadline) {
+        ucp_worker_progress(worker_);
+        ReapClosing();
       }
       peers_.clear();
       accepted_.clear();
