@@ -101,7 +101,8 @@ class HostCommunicator final : public Communicator {
     const int64_t element = DTypeSize(dtype);
     char* out = static_cast<char*>(recv);
     if (count == 0) return Status::Ok();
-    std::memcpy(out + rank_ * count * element, send, static_cast<size_t>(count * element));
+    // memmove: an in-place all-gather passes its own block as `send`.
+    std::memmove(out + rank_ * count * element, send, static_cast<size_t>(count * element));
     if (size_ == 1) return Status::Ok();
     // The all-gather half of the ring: rank r starts with block r.
     return Ring(call, out, Layout(count * size_, dtype), dtype, ReduceOp::kSum, size_ - 1,

@@ -18,6 +18,10 @@ std::string_view ObjectRoleName(ObjectRole role) {
       return "optimizer_state";
     case ObjectRole::kActivation:
       return "activation";
+    case ObjectRole::kGatheredParameter:
+      return "gathered_parameter";
+    case ObjectRole::kGradientBucket:
+      return "gradient_bucket";
     case ObjectRole::kOutput:
       return "output";
   }

@@ -47,7 +47,13 @@ enum class ObjectRole : uint8_t {
   kOptimizerState,  // Adam moments, master weights
   kActivation,      // everything a forward leaves for its backward, and other intermediates
   kOutput,          // small results: loss, norms
+  // Transient model state (reported apart from the persistent kinds above, and bounded by the
+  // plan): a sharded parameter gathered for one layer's use (ZeRO-3), and a layer's full
+  // gradient on its way to a reduce-scatter (ZeRO-2/3 buckets).
+  kGatheredParameter,
+  kGradientBucket,
 };
+inline constexpr ObjectRole kLastObjectRole = ObjectRole::kGradientBucket;
 
 std::string_view ObjectRoleName(ObjectRole role);
 

@@ -47,6 +47,16 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
                                                         const Attrs& attrs) const {
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
   const size_t arity = def->input_names.size();
+  if (def->control_inputs) {
+    if (inputs.size() < arity) {
+      return InvalidArgument("op '{}' takes {} inputs (and any control inputs), got {}", op,
+                             arity, inputs.size());
+    }
+    const std::vector<TensorMeta> named(inputs.begin(), inputs.begin() + static_cast<long>(arity));
+    Result<std::vector<TensorMeta>> outputs = def->infer(named, attrs);
+    if (!outputs.ok()) return outputs.status().WithContext(fmt::format("op '{}'", op));
+    return outputs;
+  }
   if (!def->variadic_inputs && inputs.size() != arity) {
     return InvalidArgument("op '{}' takes {} inputs, got {}", op, arity, inputs.size());
   }
@@ -62,6 +72,10 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
 Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
                                 const Attrs& attrs) const {
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
+  if (def->control_inputs && inputs.size() > def->input_names.size()) {
+    return def->cost({inputs.begin(), inputs.begin() + static_cast<long>(def->input_names.size())},
+                     attrs);
+  }
   return def->cost(inputs, attrs);
 }
 

@@ -61,6 +61,10 @@ struct OpDef {
   std::vector<std::string> input_names;  // for messages; its size is the arity
   std::vector<std::string> output_names;
   bool variadic_inputs = false;               // any number >= 1 of inputs named input_names[0]
+  // Inputs after the named ones are control inputs: they only order the task after their
+  // producers (a ZeRO-3 gather waiting for an earlier layer's forward, bounding memory); the op
+  // ignores them, and inference and cost see the named inputs only.
+  bool control_inputs = false;
   std::vector<std::pair<int, int>> in_place;  // (input index, output index)
   InferFn infer;
   CostFn cost;

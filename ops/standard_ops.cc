@@ -383,6 +383,25 @@ Status AddElementwiseOps(OpRegistry& r) {
           },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sum_scalars",
+      .doc = "the sum of its f32 scalar inputs (any number), times attribute 'scale' (default 1)",
+      .input_names = {"x"},
+      .output_names = {"sum"},
+      .variadic_inputs = true,
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        for (size_t i = 0; i < in.size(); ++i) {
+          if (in[i].dtype != DType::kF32 || in[i].numel() != 1) {
+            return InvalidArgument("input {} is {}; sum_scalars adds f32 scalars", i,
+                                   in[i].ToString());
+          }
+        }
+        return Metas{Scalar()};
+      },
+      .cost = [](const Metas& in, const Attrs&) {
+        return OpCost{static_cast<double>(in.size()), 4.0 * static_cast<double>(in.size() + 1)};
+      },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sleep",
       .doc = "waits attribute 'ms' milliseconds, then returns its input (failure-handling tests)",
       .input_names = {"x"},
@@ -433,9 +452,21 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .in_place = {{0, 0}, {2, 1}, {3, 2}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
+        if (attrs.Has("param_offset")) {
+          // A shard's update inside the full (replicated) parameter group: ZeRO-1/2.
+          TESSERA_ASSIGN_OR_RETURN(int64_t offset, attrs.GetInt("param_offset"));
+          TESSERA_RETURN_IF_ERROR(CheckDType("grad", in[1], DType::kF32));
+          if (in[1].shape.rank() != 1 || offset < 0 ||
+              offset + in[1].numel() > in[0].numel()) {
+            return InvalidArgument(
+                "grad shard {} at param_offset {} does not fit in param {}", in[1].ToString(),
+                offset, in[0].ToString());
+          }
+        } else {
+          TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        }
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "grad", in[1]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "grad", in[1]));
         TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("step", in[6], Shape{}, DType::kI64));
@@ -445,9 +476,12 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
             return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
           }
         }
-        return Metas{in[0], in[0], in[0]};
+        return Metas{in[0], in[2], in[3]};
       },
-      .cost = ElementwiseCost(14),
+      .cost = [](const Metas& in, const Attrs&) {
+        return OpCost{14.0 * static_cast<double>(in[1].numel()),
+                      2 * Bytes({in[1], in[1], in[1], in[1]})};
+      },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sgd",
@@ -669,6 +703,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .doc = "member of an all-reduce: out = reduce (attribute 'reduce') of every member's x",
       .input_names = {"x"},
       .output_names = {"out"},
+      .control_inputs = true,
       .in_place = {{0, 0}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
@@ -682,6 +717,7 @@ Status AddCollectiveOps(OpRegistry& r) {
              "rank r keeps block r",
       .input_names = {"x"},
       .output_names = {"out"},
+      .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
         const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
@@ -699,6 +735,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .doc = "member of an all-gather: out (flat) holds every member's x, in rank order",
       .input_names = {"x"},
       .output_names = {"out"},
+      .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
         const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
@@ -710,11 +747,37 @@ Status AddCollectiveOps(OpRegistry& r) {
             return OpCost{0, Bytes(in) * (n - 1)};
           },
   }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "all_gather_in_place",
+      .doc = "member of an all-gather within one buffer: x (flat, group_size blocks) holds this "
+             "member's block at rank r; out = x with every member's block (ZeRO-1/2 parameters "
+             "after a sharded update)",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+        if (in[0].numel() % size != 0) {
+          return InvalidArgument(
+              "input 'x' has {} elements, not a multiple of the group's {} members (pad it)",
+              in[0].numel(), size);
+        }
+        return Metas{in[0]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+            return OpCost{0, Bytes(in) * (n - 1) / n};
+          },
+  }));
   return r.AddOp(OpDef{
       .name = "broadcast",
       .doc = "member of a broadcast: out = x of the member whose rank is attribute 'root'",
       .input_names = {"x"},
       .output_names = {"out"},
+      .control_inputs = true,
       .in_place = {{0, 0}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));

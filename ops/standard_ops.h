@@ -6,12 +6,13 @@
 //   embedding_forward/backward, layernorm_forward/backward, linear_forward/backward,
 //   matmul_forward/backward, attention_forward/backward, gelu_forward/backward,
 //   add_forward/backward, softmax_cross_entropy (loss and its gradient in one pass),
-//   adamw, sgd, sum_of_squares, clip_scale; noop (an empty task, for runtime overheads) and
+//   adamw (param_offset: a shard's update inside a full group), sgd, sum_of_squares,
+//   clip_scale, sum_scalars; noop (an empty task, for runtime overheads) and
 //   sleep (waits, then copies its input: for failure-handling tests).
 // Collective members (attributes in core/collective_task.h; run by a worker's communicator, or
 // by the CPU kernels when the group has one member):
 //   all_reduce (attribute reduce = sum|avg|max|min), reduce_scatter (reduce), all_gather,
-//   broadcast (root).
+//   all_gather_in_place, broadcast (root). Inputs after `x` are control inputs (ordering only).
 // GPT-2 layer ops (what a step graph's tasks run, one task per layer per direction):
 //   gpt2_embedding_forward/backward, gpt2_block_forward/backward, gpt2_head_forward/backward,
 //   gpt2_head_logits.

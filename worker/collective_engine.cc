@@ -309,6 +309,12 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
         communicator->ReduceScatter(in.raw_data(), out.raw_data(), out.numel(), out.dtype(), op);
   } else if (member.op == "all_gather") {
     status = communicator->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype());
+  } else if (member.op == "all_gather_in_place") {
+    // This member's block is already in place in `out`.
+    const int64_t block = out.numel() / size;
+    char* base = static_cast<char*>(out.raw_data());
+    status = communicator->AllGather(base + rank * block * DTypeSize(out.dtype()), base, block,
+                                     out.dtype());
   } else if (member.op == "broadcast") {
     TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
     status =

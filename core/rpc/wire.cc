@@ -108,7 +108,7 @@ Result<ObjectSpec> FromWire(proto::ObjectDecl::Reader in) {
   object.id = ObjectId(in.getId());
   object.name = ToString(in.getName());
   TESSERA_ASSIGN_OR_RETURN(object.meta, FromWire(in.getMeta()));
-  if (in.getRole() > static_cast<uint8_t>(ObjectRole::kOutput)) {
+  if (in.getRole() > static_cast<uint8_t>(kLastObjectRole)) {
     return InvalidArgument("object '{}' has unknown role {}", object.name, in.getRole());
   }
   object.role = static_cast<ObjectRole>(in.getRole());

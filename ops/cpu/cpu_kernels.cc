@@ -146,7 +146,8 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
       }));
   // Collective members of a one-member group are copies; larger groups need a communicator,
   // which the worker's collective engine provides (it runs those tasks instead of a kernel).
-  for (const char* collective : {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}) {
+  for (const char* collective :
+       {"all_reduce", "reduce_scatter", "all_gather", "all_gather_in_place", "broadcast"}) {
     TESSERA_RETURN_IF_ERROR(Register(
         r, collective,
         [collective](const KernelContext&, const Tensors& in, const Tensors& out,
@@ -164,6 +165,14 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
           return Status::Ok();
         }));
   }
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "sum_scalars",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        double sum = 0;
+        for (const Tensor& x : in) sum += *F(x);  // in order: every rank adds alike
+        *F(out[0]) = static_cast<float>(sum * attrs.GetFloat("scale", 1.0));
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "sleep",
       [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
@@ -205,16 +214,19 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
                  };
                  const int64_t step = *in[6].data<int64_t>();
                  if (step < 1) return InvalidArgument("adamw step must be >= 1, got {}", step);
+                 // With param_offset the grad is a shard of the (larger) param group.
+                 const int64_t param_offset = attrs.GetInt("param_offset", 0);
+                 const int64_t element_offset = attrs.GetInt("element_offset", param_offset);
+                 const int64_t n = in[1].numel();
                  std::vector<int64_t> ranges;
                  if (attrs.Has("decay_ranges")) {
                    ranges = *attrs.GetInts("decay_ranges");
                  } else {
-                   ranges = {0, out[0].numel() + attrs.GetInt("element_offset", 0)};
+                   ranges = {0, n + element_offset};
                  }
-                 cpu::AdamWUpdate(F(out[0]), F(out[1]), F(out[2]), F(in[1]), out[0].numel(), config,
-                                  *F(in[5]), step, *F(in[4]), ranges.data(),
-                                  static_cast<int64_t>(ranges.size() / 2),
-                                  attrs.GetInt("element_offset", 0));
+                 cpu::AdamWUpdate(F(out[0]) + param_offset, F(out[1]), F(out[2]), F(in[1]), n,
+                                  config, *F(in[5]), step, *F(in[4]), ranges.data(),
+                                  static_cast<int64_t>(ranges.size() / 2), element_offset);
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(

@@ -101,5 +101,64 @@ TEST(OptimizerTest, SumOfSquaresAndClipScale) {
   EXPECT_EQ(*off[0].data<float>(), 1.0f);
 }
 
+TEST(OptimizerTest, AdamWOnAShardUpdatesOnlyItsSliceOfTheFullParameter) {
+  // ZeRO-1/2: the gradient and Adam state are the shard [300, 700) of a 1000-element group;
+  // the update must equal the whole-tensor update on that slice and leave the rest untouched.
+  const int64_t n = 1000, begin = 300, count = 400;
+  Tensor param = RandomTensor({n}, 1), grad = RandomTensor({n}, 2);
+  Tensor m = RandomTensor({n}, 3, 0.1f), v = RandomTensor({n}, 4, 0.1f);
+  for (int64_t i = 0; i < n; ++i) v.data<float>()[i] = std::abs(v.data<float>()[i]);
+  const auto slice = [&](const Tensor& t) {
+    Tensor s = RandomTensor({count}, 9);
+    std::copy_n(t.data<float>() + begin, count, s.data<float>());
+    return s;
+  };
+  const Attrs common{{"weight_decay", 0.1},
+                     {"decay_ranges", std::vector<int64_t>{0, 100, 350, 1000}}};
+  Attrs shard_attrs = common;
+  shard_attrs.Set("param_offset", begin);
+  const std::vector<float> before = ToVector(param);
+  ASSERT_OK_AND_ASSIGN(auto full, RunKernel("adamw",
+                                            {param, grad, m, v, ScalarTensor(0.5f),
+                                             ScalarTensor(0.01f), Int64Scalar(2)},
+                                            common));
+  ASSERT_OK_AND_ASSIGN(auto shard, RunKernel("adamw",
+                                             {param, slice(grad), slice(m), slice(v),
+                                              ScalarTensor(0.5f), ScalarTensor(0.01f),
+                                              Int64Scalar(2)},
+                                             shard_attrs));
+  ASSERT_EQ(shard[0].numel(), n);
+  ASSERT_EQ(shard[1].numel(), count);
+  for (int64_t i = 0; i < n; ++i) {
+    const float expected = (i >= begin && i < begin + count) ? full[0].data<float>()[i] : before[i];
+    ASSERT_EQ(shard[0].data<float>()[i], expected) << i;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    ASSERT_EQ(shard[1].data<float>()[i], full[1].data<float>()[begin + i]) << i;
+    ASSERT_EQ(shard[2].data<float>()[i], full[2].data<float>()[begin + i]) << i;
+  }
+  // A shard that overruns the parameter is refused by name.
+  shard_attrs.Set("param_offset", int64_t{700});
+  Result<std::vector<Tensor>> overrun =
+      RunKernel("adamw",
+                {param, slice(grad), slice(m), slice(v), ScalarTensor(1), ScalarTensor(0.01f),
+                 Int64Scalar(1)},
+                shard_attrs);
+  ASSERT_FALSE(overrun.ok());
+  EXPECT_NE(overrun.status().message().find("does not fit"), std::string::npos)
+      << overrun.status().message();
+}
+
+TEST(OptimizerTest, SumScalarsAddsInOrderAndScales) {
+  ASSERT_OK_AND_ASSIGN(auto out, RunKernel("sum_scalars",
+                                           {ScalarTensor(1.5f), ScalarTensor(2.0f),
+                                            ScalarTensor(-0.25f)},
+                                           Attrs{{"scale", 0.5}}));
+  EXPECT_FLOAT_EQ(*out[0].data<float>(), 1.625f);
+  Result<std::vector<Tensor>> vector_input = RunKernel("sum_scalars", {RandomTensor({3}, 1)});
+  ASSERT_FALSE(vector_input.ok());
+  EXPECT_NE(vector_input.status().message().find("adds f32 scalars"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace tessera::testing
