@@ -1,6 +1,7 @@
 #include "driver/gpt2_trainer.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -39,14 +40,27 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& confi
                                                          std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
   ModelSpec model = DescribeGpt2(config);
-  TESSERA_RETURN_IF_ERROR(plan.Validate(model));
+  TrainingPlan placed = plan;
+  const int ranks = plan.parallel.data_parallel;
+  if (ranks > 1 && placed.parallel.workers.empty()) {
+    const std::vector<WorkerId> workers = backend->workers();
+    if (static_cast<int>(workers.size()) < ranks) {
+      return InvalidArgument(
+          "the plan has {} data-parallel ranks but {} has {} worker(s): start at least {} "
+          "workers or use --workers <= {}",
+          ranks, backend->Describe(), workers.size(), ranks, std::max<size_t>(workers.size(), 1));
+    }
+    placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
+  }
+  TESSERA_RETURN_IF_ERROR(placed.Validate(model));
   auto registry = std::make_unique<OpRegistry>();
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
   std::unique_ptr<Gpt2Trainer> trainer(
-      new Gpt2Trainer(std::move(model), plan, std::move(registry), std::move(backend)));
+      new Gpt2Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
-  TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_, PlanEvalLoss(trainer->model_, plan.batch,
-                                                              plan.seq_len, *trainer->registry_));
+  TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_,
+                           PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len,
+                                        *trainer->registry_, trainer->ParamMultiple()));
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
                            trainer->backend_->Register(trainer->eval_graph_.graph));
   TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
@@ -56,9 +70,7 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& confi
 Status Gpt2Trainer::PrepareStepGraph() {
   TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(model_, plan_, *registry_));
   if (keep_gradients_) {
-    for (const ParameterGroupObjects& group : step_graph_.groups) {
-      step_graph_.graph.MarkOutput(group.grad);
-    }
+    for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
   }
   TESSERA_ASSIGN_OR_RETURN(step_handle_, backend_->Register(step_graph_.graph));
   return Status::Ok();
@@ -72,21 +84,23 @@ Status Gpt2Trainer::SetKeepGradients(bool keep) {
 
 Status Gpt2Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
 
+int64_t Gpt2Trainer::ParamMultiple() const {
+  return plan_.parallel.sharded_optimizer() ? plan_.parallel.data_parallel : 1;
+}
+
 Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
   std::mt19937_64 rng(seed.value_or(0));
   const bool zero = !seed.has_value();
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(model_.config.layers));
   const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
-  params_.clear();
-  exp_avg_.clear();
-  exp_avg_sq_.clear();
-  for (const LayerSpec& layer : model_.layers) {
-    TESSERA_ASSIGN_OR_RETURN(Tensor values,
-                             Tensor::Zeros(F32(layer.params.numel()), backend_->allocator()));
-    float* data = values.data<float>();
+  state_.assign(step_graph_.state.size(), Value());
+  full_params_.clear();
+  for (size_t l = 0; l < model_.layers.size(); ++l) {
+    const LayerSpec& layer = model_.layers[l];
+    std::vector<float> values(static_cast<size_t>(step_graph_.group_numel[l]), 0.0f);
     for (const FlatSlot& slot : layer.params.slots()) {
       if (zero) break;
-      float* begin = data + slot.offset;
+      float* begin = values.data() + slot.offset;
       const int64_t n = slot.shape.numel();
       const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
       if (slot.shape.rank() == 2) {
@@ -98,19 +112,104 @@ Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
         std::fill(begin, begin + n, is_gain ? 1.0f : 0.0f);
       }
     }
-    TESSERA_ASSIGN_OR_RETURN(Value param, backend_->Upload(std::move(values)));
-    params_.push_back(std::move(param));
+    TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
     if (adamw) {
-      for (auto* moments : {&exp_avg_, &exp_avg_sq_}) {
-        TESSERA_ASSIGN_OR_RETURN(Tensor zeros,
-                                 Tensor::Zeros(F32(layer.params.numel()), backend_->allocator()));
-        TESSERA_ASSIGN_OR_RETURN(Value moment, backend_->Upload(std::move(zeros)));
-        moments->push_back(std::move(moment));
-      }
+      std::fill(values.begin(), values.end(), 0.0f);
+      TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvg, values));
+      TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvgSq, values));
     }
   }
   steps_taken_ = 0;
   return Status::Ok();
+}
+
+Status Gpt2Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values) {
+  if (static_cast<int64_t>(values.size()) != step_graph_.group_numel[layer]) {
+    return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
+                           model_.layers[layer].name, step_graph_.group_numel[layer],
+                           values.size());
+  }
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.piece.layer != layer || object.kind != kind) continue;
+    TESSERA_ASSIGN_OR_RETURN(Tensor piece,
+                             Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
+    std::memcpy(piece.raw_data(), values.data() + object.piece.begin,
+                static_cast<size_t>(piece.bytes()));
+    state_[i] = Value();  // drop the old value first (in process: frees its buffer)
+    TESSERA_ASSIGN_OR_RETURN(state_[i], backend_->Upload(std::move(piece)));
+  }
+  if (kind == StateKind::kParameter) full_params_.clear();
+  return Status::Ok();
+}
+
+namespace {
+
+// Assembles a group from pieces (replicated copies or disjoint shards): each element comes from
+// the first piece, in the order given, that covers it; the rest of the pieces are not fetched.
+template <typename Fetch>
+Result<std::vector<float>> Assemble(int64_t numel, const std::vector<GroupPiece>& pieces,
+                                    Fetch fetch) {
+  std::vector<float> group(static_cast<size_t>(numel), 0.0f);
+  std::vector<std::pair<int64_t, int64_t>> taken;
+  int64_t covered = 0;
+  for (size_t i = 0; i < pieces.size() && covered < numel; ++i) {
+    const GroupPiece& piece = pieces[i];
+    const int64_t end = piece.begin + piece.numel;
+    const bool redundant = std::any_of(taken.begin(), taken.end(), [&](const auto& range) {
+      return range.first <= piece.begin && end <= range.second;
+    });
+    if (redundant) continue;
+    TESSERA_ASSIGN_OR_RETURN(Tensor tensor, fetch(i));
+    std::memcpy(group.data() + piece.begin, tensor.raw_data(), static_cast<size_t>(tensor.bytes()));
+    taken.emplace_back(piece.begin, end);
+    covered += piece.numel;
+  }
+  return group;
+}
+
+}  // namespace
+
+Result<std::vector<float>> Gpt2Trainer::ReadGroup(size_t layer, StateKind kind) {
+  std::vector<GroupPiece> pieces;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.piece.layer != layer || object.kind != kind) continue;
+    pieces.push_back(object.piece);
+    index.push_back(i);
+  }
+  if (pieces.empty()) {
+    return NotFound("the plan holds no {} for layer '{}'", StateKindName(kind),
+                              model_.layers[layer].name);
+  }
+  return Assemble(step_graph_.group_numel[layer], pieces,
+                  [&](size_t i) { return backend_->Download(state_[index[i]]); });
+}
+
+Result<std::vector<Value>> Gpt2Trainer::FullParameters() {
+  std::vector<Value> params(model_.layers.size());
+  if (!plan_.parallel.sharded_parameters()) {
+    // Every rank holds whole groups: rank 0's serve.
+    for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+      const StateObject& object = step_graph_.state[i];
+      if (object.kind == StateKind::kParameter && object.piece.rank == 0) {
+        params[object.piece.layer] = state_[i];
+      }
+    }
+    return params;
+  }
+  if (full_params_.empty()) {
+    for (size_t l = 0; l < model_.layers.size(); ++l) {
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(l, StateKind::kParameter));
+      TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(F32(static_cast<int64_t>(group.size())),
+                                                            backend_->allocator()));
+      std::memcpy(tensor.raw_data(), group.data(), group.size() * sizeof(float));
+      TESSERA_ASSIGN_OR_RETURN(Value value, backend_->Upload(std::move(tensor)));
+      full_params_.push_back(std::move(value));
+    }
+  }
+  return full_params_;
 }
 
 Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& name) const {
@@ -140,19 +239,16 @@ Status Gpt2Trainer::SetParameter(const std::string& name, const std::vector<floa
     return InvalidArgument("parameter '{}' has shape {} in the model but {} ({} values) was given",
                            name, ref.slot->shape.ToString(), shape.ToString(), values.size());
   }
-  // Values are immutable in a cluster: fetch the group, change it, and store it anew.
-  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(params_[ref.group]));
-  TESSERA_ASSIGN_OR_RETURN(Tensor copy, group.Clone(backend_->allocator()));
-  std::memcpy(copy.data<float>() + ref.slot->offset, values.data(), values.size() * sizeof(float));
-  params_[ref.group] = Value();  // drop the old value first (in process: frees its buffer)
-  TESSERA_ASSIGN_OR_RETURN(params_[ref.group], backend_->Upload(std::move(copy)));
-  return Status::Ok();
+  // Values are immutable in a cluster: read the group, change it, and store it anew.
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(ref.group, StateKind::kParameter));
+  std::copy(values.begin(), values.end(), group.begin() + ref.slot->offset);
+  return WriteGroup(ref.group, StateKind::kParameter, group);
 }
 
 Result<std::vector<float>> Gpt2Trainer::GetParameter(const std::string& name) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
-  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(params_[ref.group]));
-  const float* begin = group.data<float>() + ref.slot->offset;
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(ref.group, StateKind::kParameter));
+  const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
@@ -161,8 +257,18 @@ Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) {
   if (last_grads_.empty()) {
     return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
   }
-  TESSERA_ASSIGN_OR_RETURN(Tensor group, backend_->Download(last_grads_[ref.group]));
-  const float* begin = group.data<float>() + ref.slot->offset;
+  std::vector<GroupPiece> pieces;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < step_graph_.grads.size(); ++i) {
+    if (step_graph_.grads[i].piece.layer != ref.group) continue;
+    pieces.push_back(step_graph_.grads[i].piece);
+    index.push_back(i);
+  }
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<float> group,
+      Assemble(step_graph_.group_numel[ref.group], pieces,
+               [&](size_t i) { return backend_->Download(last_grads_[index[i]]); }));
+  const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
@@ -206,38 +312,48 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
                                      const std::vector<int32_t>& targets, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  const int64_t expected = plan_.batch * plan_.seq_len;
+  for (const auto* batch : {&tokens, &targets}) {
+    if (static_cast<int64_t>(batch->size()) != expected) {
+      return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", batch->size(),
+                             plan_.batch, plan_.seq_len, expected);
+    }
+  }
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
-  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.tokens], Tokens(tokens, plan_.batch, plan_.seq_len));
-  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.targets],
-                           Tokens(targets, plan_.batch, plan_.seq_len));
+  // Rank r's micro-batch k takes rows [(r * K + k) * b, ... + b) of the global batch.
+  const int64_t micro = step_graph_.micro_batch, span = micro * plan_.seq_len;
+  for (size_t i = 0; i < step_graph_.tokens.size(); ++i) {
+    const auto begin = static_cast<std::ptrdiff_t>(i) * span;
+    TESSERA_ASSIGN_OR_RETURN(
+        inputs[step_graph_.tokens[i]],
+        Tokens({tokens.begin() + begin, tokens.begin() + begin + span}, micro, plan_.seq_len));
+    TESSERA_ASSIGN_OR_RETURN(
+        inputs[step_graph_.targets[i]],
+        Tokens({targets.begin() + begin, targets.begin() + begin + span}, micro, plan_.seq_len));
+  }
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.step],
                            Scalar(DType::kI64, static_cast<double>(step_number)));
   // Move the state in so the optimizer can update it in place; it comes back as outputs. If the
-  // run fails before the optimizer touched a group, the backend hands that group back.
-  for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
-    const ParameterGroupObjects& group = step_graph_.groups[g];
-    inputs[group.param] = std::move(params_[g]);
-    if (group.exp_avg.valid()) {
-      inputs[group.exp_avg] = std::move(exp_avg_[g]);
-      inputs[group.exp_avg_sq] = std::move(exp_avg_sq_[g]);
-    }
+  // run fails before the optimizer touched an object, the backend hands that object back.
+  full_params_.clear();
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    inputs[step_graph_.state[i].input] = std::move(state_[i]);
   }
   ValueMap intact;
   Result<ValueMap> run = backend_->Run(step_handle_, std::move(inputs), &intact);
   if (!run.ok()) return RecoverState(run.status(), intact);
   ValueMap& outputs = *run;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    state_[i] = std::move(outputs[step_graph_.state[i].output]);
+  }
   last_grads_.clear();
-  for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
-    const ParameterGroupObjects& group = step_graph_.groups[g];
-    params_[g] = std::move(outputs[group.next_param]);
-    if (group.exp_avg.valid()) {
-      exp_avg_[g] = std::move(outputs[group.next_exp_avg]);
-      exp_avg_sq_[g] = std::move(outputs[group.next_exp_avg_sq]);
+  if (keep_gradients_) {
+    for (const GradientObject& grad : step_graph_.grads) {
+      last_grads_.push_back(std::move(outputs[grad.id]));
     }
-    if (keep_gradients_) last_grads_.push_back(std::move(outputs[group.grad]));
   }
   steps_taken_ = step_number;
   TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[step_graph_.loss]));
@@ -254,20 +370,13 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
 
 Status Gpt2Trainer::RecoverState(const Status& error, ValueMap& intact) {
   std::vector<std::string> lost;
-  for (size_t g = 0; g < step_graph_.groups.size(); ++g) {
-    const ParameterGroupObjects& group = step_graph_.groups[g];
-    auto take = [&](ObjectId id, Value& slot) {
-      auto it = intact.find(id);
-      if (it != intact.end()) {
-        slot = std::move(it->second);
-      } else {
-        lost.push_back(step_graph_.graph.object(id).name);
-      }
-    };
-    take(group.param, params_[g]);
-    if (group.exp_avg.valid()) {
-      take(group.exp_avg, exp_avg_[g]);
-      take(group.exp_avg_sq, exp_avg_sq_[g]);
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const ObjectId id = step_graph_.state[i].input;
+    auto it = intact.find(id);
+    if (it != intact.end()) {
+      state_[i] = std::move(it->second);
+    } else {
+      lost.push_back(step_graph_.graph.object(id).name);
     }
   }
   if (lost.empty()) return error;  // state unchanged; the step can be retried
@@ -285,7 +394,8 @@ Result<float> Gpt2Trainer::EvalLoss(const std::vector<int32_t>& tokens,
   TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.tokens], Tokens(tokens, plan_.batch, plan_.seq_len));
   TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.targets],
                            Tokens(targets, plan_.batch, plan_.seq_len));
-  for (size_t g = 0; g < params_.size(); ++g) inputs[eval_graph_.params[g]] = params_[g];
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
+  for (size_t g = 0; g < params.size(); ++g) inputs[eval_graph_.params[g]] = params[g];
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(eval_handle_, std::move(inputs)));
   TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[eval_graph_.result]));
   return *loss.data<float>();
@@ -297,14 +407,16 @@ Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& token
   const auto key = std::make_pair(batch, seq_len);
   auto it = logits_graphs_.find(key);
   if (it == logits_graphs_.end()) {
-    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, batch, seq_len, *registry_));
+    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph,
+                             PlanLogits(model_, batch, seq_len, *registry_, ParamMultiple()));
     TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
     it = logits_graphs_.emplace(key, std::make_pair(std::move(graph), handle)).first;
   }
   const ForwardGraph& graph = it->second.first;
   ValueMap inputs;
   TESSERA_ASSIGN_OR_RETURN(inputs[graph.tokens], Tokens(tokens, batch, seq_len));
-  for (size_t g = 0; g < params_.size(); ++g) inputs[graph.params[g]] = params_[g];
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
+  for (size_t g = 0; g < params.size(); ++g) inputs[graph.params[g]] = params[g];
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(it->second.second, std::move(inputs)));
   TESSERA_ASSIGN_OR_RETURN(Tensor logits, backend_->Download(outputs[graph.result]));
   const float* data = logits.data<float>();

@@ -1,11 +1,15 @@
 // Gpt2Trainer: trains a GPT-2 model by running its step graph, one step per call.
 //
 // The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
-// moment buffers), the step graph from the single-worker planner (zero/), and the backend that
-// runs it (this process, or a cluster: driver/graph_backend.h). Each Step binds a batch, the
-// learning rate and the step number, moves the state into the run (so in process the optimizer
-// updates it in place through donation), and takes the updated state from the graph's outputs.
-// On a cluster the state stays on the workers between steps; only the loss comes back.
+// moment buffers), the step graph from the planner (zero/: one worker, data parallel or ZeRO,
+// per the plan's ParallelConfig), and the backend that runs it (this process, or a cluster:
+// driver/graph_backend.h). The state is held as the plan places it: full groups, or shards per
+// rank (StepGraph::state); the trainer reads and writes whole groups whatever the placement, so
+// parameters, gradients and checkpoints do not depend on the topology. Each Step binds a batch
+// (split into the ranks' micro-batches), the learning rate and the step number, moves the state
+// into the run (so the optimizer updates it in place through donation), and takes the updated
+// state from the graph's outputs. On a cluster the state stays on the workers between steps;
+// only the loss and the gradient norm come back.
 //
 // Parameters are addressed by the names of tests/reference/make_gpt2_reference.py and
 // nanoGPT: "wte", "wpe", "h.<l>.<tensor>" (ln1_w, qkv_w, ...; see ops/flat_layout.h), "lnf_w",
@@ -41,7 +45,9 @@ struct StepReport {
 class Gpt2Trainer {
  public:
   // Validates the model and plan and prepares the step graph on `backend` (in process, or a
-  // cluster). Parameters start at zero; call InitializeParameters or SetParameter first.
+  // cluster). A plan with N > 1 data-parallel ranks takes the backend's first N workers
+  // (InvalidArgument when it has fewer, saying how many to start). Parameters start at zero;
+  // call InitializeParameters or SetParameter first.
   static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
                                                      const TrainingPlan& plan,
                                                      std::unique_ptr<GraphBackend> backend);
@@ -117,8 +123,17 @@ class Gpt2Trainer {
   int eval_handle_ = -1;
   std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
 
-  std::vector<Value> params_, exp_avg_, exp_avg_sq_;  // one per model layer
-  std::vector<Value> last_grads_;
+  // A whole group of state (padded: group_numel elements), read from / written to every object
+  // that holds a piece of it.
+  Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
+  Status WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values);
+  // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
+  Result<std::vector<Value>> FullParameters();
+  int64_t ParamMultiple() const;
+
+  std::vector<Value> state_;  // parallel to step_graph_.state
+  std::vector<Value> last_grads_;  // parallel to step_graph_.grads (SetKeepGradients)
+  std::vector<Value> full_params_;  // FullParameters' cache (stage 3), until the next step
   bool keep_gradients_ = false;
   int64_t steps_taken_ = 0;
 };

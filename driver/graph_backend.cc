@@ -40,6 +40,7 @@ class InProcessBackend final : public GraphBackend {
   Result<Tensor> Download(const Value& value) override { return value.tensor; }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }
+  std::vector<WorkerId> workers() const override { return {}; }
   std::string Describe() const override {
     return fmt::format("in process, {} threads", executor_.threads());
   }
@@ -66,9 +67,11 @@ class ClusterBackend final : public GraphBackend {
         pinned.AddObject(object.name, object.meta, object.role);
       }
       for (TaskSpec task : graph.tasks()) {
-        auto [it, inserted] = layer_worker.emplace(task.layer, WorkerId());
-        if (inserted) it->second = workers_[(layer_worker.size() - 1) % workers_.size()];
-        task.pinned_worker = it->second;
+        if (!task.pinned_worker.valid()) {  // the plan's own pins stand
+          auto [it, inserted] = layer_worker.emplace(task.layer, WorkerId());
+          if (inserted) it->second = workers_[(layer_worker.size() - 1) % workers_.size()];
+          task.pinned_worker = it->second;
+        }
         pinned.AddTask(std::move(task));
       }
       for (ObjectId output : graph.OutputObjects()) pinned.MarkOutput(output);
@@ -108,6 +111,7 @@ class ClusterBackend final : public GraphBackend {
   Result<Tensor> Download(const Value& value) override { return cluster_.Get(value.ref, 120'000); }
   std::shared_ptr<Allocator> allocator() override { return allocator_; }
   int64_t last_peak_bytes() const override { return 0; }
+  std::vector<WorkerId> workers() const override { return workers_; }
   std::string Describe() const override {
     return fmt::format(
         "cluster at {}, {} worker(s), {} placement", cluster_.address(), workers_.size(),

@@ -50,6 +50,8 @@ class GraphBackend {
   // Peak host bytes of the last run, when the backend can tell (0 otherwise).
   virtual int64_t last_peak_bytes() const = 0;
   virtual std::string Describe() const = 0;
+  // The workers a plan may pin tasks to, in a stable order (empty in process: one executor).
+  virtual std::vector<WorkerId> workers() const = 0;
 };
 
 // InProcessExecutor on a registry with CPU kernels.
@@ -57,7 +59,7 @@ Result<std::unique_ptr<GraphBackend>> MakeInProcessBackend(const ExecutorOptions
 
 enum class ClusterPlacement {
   kScheduler,         // tasks unpinned: they follow their inputs
-  kLayersRoundRobin,  // each layer's tasks pinned to one worker, layers dealt round-robin
+  kLayersRoundRobin,  // each layer's unpinned tasks pinned to one worker, layers round-robin
 };
 
 // Runs on `cluster` (which must outlive the backend).

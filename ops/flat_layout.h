@@ -45,6 +45,11 @@ class FlatLayout {
   int64_t numel_ = 0;
 };
 
+// A group of `numel` elements padded to a multiple of `multiple` (>= 1): equal ZeRO shards.
+inline int64_t PaddedNumel(int64_t numel, int64_t multiple) {
+  return (numel + multiple - 1) / multiple * multiple;
+}
+
 // GPT-2 layers (the model follows GPT-2 / nanoGPT: pre-norm blocks, tied embedding/classifier).
 // Names match tests/reference/make_gpt2_reference.py.
 //   embedding: wte [V, C], wpe [max_T, C]

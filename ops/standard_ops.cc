@@ -110,7 +110,19 @@ Result<Gpt2Shape> ReadGpt2Shape(const Attrs& attrs, const TensorMeta& x, bool ne
   return s;
 }
 
-Status CheckParams(const char* name, const TensorMeta& meta, const FlatLayout& layout) {
+// A parameter group: the layout's elements, padded up to a multiple of attribute
+// 'param_multiple' (default 1) so that ZeRO can cut it into equal shards. Kernels ignore the
+// padding on input and write zeros there on output.
+Status CheckParams(const char* name, const TensorMeta& meta, const FlatLayout& layout,
+                   const Attrs& attrs) {
+  const int64_t multiple = attrs.GetInt(kParamMultipleAttr, 1);
+  if (multiple < 1) {
+    return InvalidArgument("attribute '{}' must be >= 1, got {}", kParamMultipleAttr, multiple);
+  }
+  return CheckShape(name, meta, Shape{PaddedNumel(layout.numel(), multiple)});
+}
+
+Status CheckSaved(const char* name, const TensorMeta& meta, const FlatLayout& layout) {
   return CheckShape(name, meta, Shape{layout.numel()});
 }
 
@@ -369,6 +381,13 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .output_names = {"out"},
                                         .infer = same_as_first,
                                         .cost = ElementwiseCost(1)}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "accumulate",
+                                        .doc = "sum = sum + x, in place (gradient accumulation)",
+                                        .input_names = {"sum", "x"},
+                                        .output_names = {"sum"},
+                                        .in_place = {{0, 0}},
+                                        .infer = same_as_first,
+                                        .cost = ElementwiseCost(1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "noop",
       .doc = "ignores its inputs (any number) and returns a scalar zero: an empty task, or a "
@@ -544,7 +563,7 @@ Status AddGpt2Ops(OpRegistry& r) {
                                  in[0].shape.ToString(), max_t);
         }
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[1], Gpt2EmbeddingParamLayout(vocab, max_t, c)));
+            CheckParams("params", in[1], Gpt2EmbeddingParamLayout(vocab, max_t, c), attrs));
         return Metas{F32({in[0].shape[0], in[0].shape[1], c})};
       },
       .cost = ElementwiseCost(0),
@@ -559,8 +578,7 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], s.batch, s.seq_len));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("dparams_partial", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+            CheckParams("dparams_partial", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[2]};
       },
       .cost = ElementwiseCost(2),
@@ -572,7 +590,7 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"y", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], true, false));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels), attrs));
         const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
         return Metas{in[0], F32({saved.numel()})};
       },
@@ -591,8 +609,8 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
         const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
-        TESSERA_RETURN_IF_ERROR(CheckParams("saved", in[2], saved));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], saved));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
         return Metas{in[1], in[3]};
       },
       .cost =
@@ -611,10 +629,9 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"loss", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+            CheckParams("embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
         return Metas{Scalar(), F32({saved.numel()})};
@@ -632,11 +649,10 @@ Status AddGpt2Ops(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
-        TESSERA_RETURN_IF_ERROR(CheckParams("saved", in[1], saved));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[1], saved));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[3],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+            CheckParams("embedding_params", in[3], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[0], in[2], in[3]};
       },
       .cost =
@@ -652,10 +668,9 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"logits"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels)));
+        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels)));
+            CheckParams("embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{F32({s.batch, s.seq_len, s.vocab})};
       },
       .cost =

@@ -7,7 +7,7 @@
 //   matmul_forward/backward, attention_forward/backward, gelu_forward/backward,
 //   add_forward/backward, softmax_cross_entropy (loss and its gradient in one pass),
 //   adamw (param_offset: a shard's update inside a full group), sgd, sum_of_squares,
-//   clip_scale, sum_scalars; noop (an empty task, for runtime overheads) and
+//   clip_scale, sum_scalars, accumulate (in-place add); noop (an empty task, for runtime overheads) and
 //   sleep (waits, then copies its input: for failure-handling tests).
 // Collective members (attributes in core/collective_task.h; run by a worker's communicator, or
 // by the CPU kernels when the group has one member):
@@ -25,12 +25,17 @@
 //                                         of the group that take weight decay (absent: all);
 //                                         element_offset = index of the group's first element
 //   max_norm                              clip_scale: global gradient-norm bound (<= 0: none)
+//   param_multiple                        GPT-2 layer ops: parameter groups are padded to a
+//                                         multiple of it (ZeRO shards); padding reads as
+//                                         nothing and gradients there are zero
 #pragma once
 
 #include "core/status.h"
 #include "ops/op_registry.h"
 
 namespace tessera {
+
+inline constexpr const char* kParamMultipleAttr = "param_multiple";
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

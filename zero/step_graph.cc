@@ -1,6 +1,14 @@
 #include "zero/step_graph.h"
 
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "core/collective_task.h"
+#include "ops/flat_layout.h"
 #include "ops/graph_builder.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -41,8 +49,7 @@ struct ForwardPass {
 };
 
 Result<ForwardPass> AddForward(GraphBuilder& builder, const ModelSpec& model, ObjectId tokens,
-                               const std::vector<ObjectId>& params) {
-  const Attrs attrs = Gpt2Attrs(model.config);
+                               const std::vector<ObjectId>& params, const Attrs& attrs) {
   ForwardPass pass;
   TESSERA_ASSIGN_OR_RETURN(
       auto embedded,
@@ -77,15 +84,45 @@ Status CheckShapeOfBatch(const ModelSpec& model, int64_t batch, int64_t seq_len)
 }
 
 std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec& model,
-                                         ObjectRole role = ObjectRole::kParameter) {
+                                         int64_t param_multiple) {
   std::vector<ObjectId> params;
   for (const LayerSpec& layer : model.layers) {
-    params.push_back(builder.AddInput(layer.name + ".params", F32({layer.params.numel()}), role));
+    params.push_back(builder.AddInput(layer.name + ".params",
+                                      F32({PaddedNumel(layer.params.numel(), param_multiple)}),
+                                      ObjectRole::kParameter));
   }
   return params;
 }
 
 }  // namespace
+
+int64_t ParallelConfig::PaddedGroup(int64_t numel) const {
+  return PaddedNumel(numel, sharded_optimizer() ? data_parallel : 1);
+}
+
+std::string ParallelConfig::ToString() const {
+  return fmt::format("data_parallel={} zero_stage={} offload={} grad_accum={}", data_parallel,
+                     zero_stage, offload == OffloadMode::kOptimizer ? "optimizer" : "none",
+                     grad_accum);
+}
+
+Result<OffloadMode> ParseOffload(std::string_view text) {
+  if (text == "none") return OffloadMode::kNone;
+  if (text == "optimizer") return OffloadMode::kOptimizer;
+  return InvalidArgument("offload '{}' is not one of: none, optimizer", text);
+}
+
+const char* StateKindName(StateKind kind) {
+  switch (kind) {
+    case StateKind::kParameter:
+      return "params";
+    case StateKind::kExpAvg:
+      return "exp_avg";
+    case StateKind::kExpAvgSq:
+      return "exp_avg_sq";
+  }
+  return "?";
+}
 
 Status TrainingPlan::Validate(const ModelSpec& model) const {
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
@@ -98,155 +135,532 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
   if (o.weight_decay < 0) {
     return InvalidArgument("weight_decay must be >= 0, got {}", o.weight_decay);
   }
+  const ParallelConfig& p = parallel;
+  if (p.zero_stage < 0 || p.zero_stage > 3) {
+    return InvalidArgument(
+        "ZeRO stage {} does not exist: use 0 (data parallel), 1 (optimizer state sharded), 2 "
+        "(+ gradients sharded) or 3 (+ parameters sharded)",
+        p.zero_stage);
+  }
+  if (p.data_parallel < 1) {
+    return InvalidArgument("data_parallel (--workers) must be >= 1, got {}", p.data_parallel);
+  }
+  if (p.grad_accum < 1) {
+    return InvalidArgument("grad_accum must be >= 1, got {}", p.grad_accum);
+  }
+  if (p.prefetch_layers < 0) {
+    return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
+  }
+  if (o.kind == OptimizerConfig::Kind::kSgd && p.zero_stage >= 1 && p.data_parallel > 1) {
+    return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");
+  }
+  const int64_t splits = int64_t{p.data_parallel} * p.grad_accum;
+  if (batch % splits != 0) {
+    return InvalidArgument(
+        "the batch of {} rows does not split evenly over {} worker(s) x {} micro-batch(es): use "
+        "a batch that is a multiple of {} (e.g. {}), or change --workers / --grad-accum",
+        batch, p.data_parallel, p.grad_accum, splits, (batch / splits + 1) * splits);
+  }
+  if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.data_parallel) {
+    return InvalidArgument("{} worker(s) given for {} data-parallel ranks", p.workers.size(),
+                           p.data_parallel);
+  }
+  if (p.workers.empty() && p.data_parallel > 1) {
+    return InvalidArgument(
+        "{} data-parallel ranks need a worker each: run on a cluster with at least {} workers",
+        p.data_parallel, p.data_parallel);
+  }
   return Status::Ok();
 }
+
+namespace {
+
+// Builds the step graph of a TrainingPlan; see the header comment for what each stage places
+// where. Ranks are numbered 0..N-1; rank r's tasks are pinned to parallel.workers[r].
+class StepPlanner {
+ public:
+  StepPlanner(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry)
+      : model_(model),
+        plan_(plan),
+        p_(plan.parallel),
+        n_(plan.parallel.data_parallel),
+        k_(plan.parallel.grad_accum),
+        layers_(model.layers.size()),
+        adamw_(plan.optimizer.kind == OptimizerConfig::Kind::kAdamW),
+        builder_(registry) {
+    layer_attrs_ = Gpt2Attrs(model.config);
+    if (p_.sharded_optimizer()) layer_attrs_.Set(kParamMultipleAttr, int64_t{n_});
+  }
+
+  Result<StepGraph> Build() {
+    step_.parallel = p_;
+    step_.micro_batch = p_.micro_batch(plan_.batch);
+    for (const LayerSpec& layer : model_.layers) {
+      step_.group_numel.push_back(p_.PaddedGroup(layer.params.numel()));
+    }
+    AddInputs();
+    for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddRank(r));
+    TESSERA_RETURN_IF_ERROR(AddReductionsAfterBackward());
+    TESSERA_RETURN_IF_ERROR(AddLoss());
+    TESSERA_RETURN_IF_ERROR(AddClipping());
+    for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddOptimizer(r));
+    TESSERA_ASSIGN_OR_RETURN(step_.graph, builder_.Build());
+    return std::move(step_);
+  }
+
+ private:
+  // Per-rank objects while the graph is being built.
+  struct Rank {
+    std::vector<ObjectId> param;      // what the layer ops read (full group; stage 3: gathered)
+    std::vector<ObjectId> state_param, exp_avg, exp_avg_sq;  // this step's state inputs
+    std::vector<ObjectId> grad;       // per layer: the accumulated gradient (full or shard)
+    std::vector<ObjectId> losses;     // per micro-batch
+    ObjectId clip;
+  };
+
+  // "rank1/h.0.params" with several ranks; "h.0.params" on one.
+  std::string Name(int r, const std::string& name) const {
+    return n_ > 1 ? fmt::format("rank{}/{}", r, name) : name;
+  }
+  std::string Micro(int k, const std::string& name) const {
+    return k_ > 1 ? fmt::format("{}@{}", name, k) : name;
+  }
+  TaskOptions On(int r, const std::string& layer, int32_t priority,
+                 std::vector<std::string> output_names = {},
+                 std::vector<ObjectRole> output_roles = {}) const {
+    TaskOptions options = Options(layer, priority, std::move(output_names), std::move(output_roles));
+    if (!p_.workers.empty()) options.pinned_worker = p_.workers[static_cast<size_t>(r)];
+    return options;
+  }
+  Attrs Collective(int64_t id, int r) const {
+    return Attrs{{kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{n_}}};
+  }
+  int64_t Shard(size_t l) const { return step_.group_numel[l] / n_; }
+  const std::string& LayerName(size_t l) const { return model_.layers[l].name; }
+
+  void AddInputs() {
+    const TensorMeta tokens{Shape{step_.micro_batch, plan_.seq_len}, DType::kI32, Device::Cpu()};
+    for (int r = 0; r < n_; ++r) {
+      for (int k = 0; k < k_; ++k) {
+        step_.tokens.push_back(
+            builder_.AddInput(Name(r, Micro(k, "tokens")), tokens, ObjectRole::kInput));
+        step_.targets.push_back(
+            builder_.AddInput(Name(r, Micro(k, "targets")), tokens, ObjectRole::kInput));
+      }
+    }
+    step_.lr = builder_.AddInput("lr", F32(Shape{}), ObjectRole::kInput);
+    step_.step = builder_.AddInput("step", TensorMeta{Shape{}, DType::kI64, Device::Cpu()},
+                                   ObjectRole::kInput);
+    ranks_.resize(static_cast<size_t>(n_));
+    for (int r = 0; r < n_; ++r) {
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      for (size_t l = 0; l < layers_; ++l) {
+        const int64_t full = step_.group_numel[l];
+        const int64_t shard = p_.sharded_optimizer() ? Shard(l) : full;
+        const int64_t begin = p_.sharded_optimizer() ? r * shard : 0;
+        const int64_t param_numel = p_.sharded_parameters() ? shard : full;
+        const int64_t param_begin = p_.sharded_parameters() ? begin : 0;
+        rank.state_param.push_back(AddState(StateKind::kParameter, r, l, param_begin, param_numel,
+                                            ObjectRole::kParameter));
+        if (adamw_) {
+          rank.exp_avg.push_back(
+              AddState(StateKind::kExpAvg, r, l, begin, shard, ObjectRole::kOptimizerState));
+          rank.exp_avg_sq.push_back(
+              AddState(StateKind::kExpAvgSq, r, l, begin, shard, ObjectRole::kOptimizerState));
+        }
+      }
+    }
+  }
+
+  ObjectId AddState(StateKind kind, int r, size_t l, int64_t begin, int64_t numel,
+                    ObjectRole role) {
+    std::string name = fmt::format("{}.{}", LayerName(l), StateKindName(kind));
+    if (p_.sharded_optimizer() && numel != step_.group_numel[l]) name += "[shard]";
+    StateObject object{.kind = kind, .piece = GroupPiece{l, r, begin, numel}};
+    object.input = builder_.AddInput(Name(r, name), F32({numel}), role);
+    step_.state.push_back(object);
+    return object.input;
+  }
+
+  // The parameters layer l's ops read on rank r: the state itself, or (ZeRO-3) a gather of
+  // every rank's shard, ordered after `after` (prefetch: not before that object exists).
+  Result<ObjectId> LayerParams(int r, size_t l, const std::string& when, ObjectId after) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    if (!p_.sharded_parameters()) return rank.state_param[l];
+    std::vector<ObjectId> inputs{rank.state_param[l]};
+    if (after.valid()) inputs.push_back(after);
+    const std::string name = fmt::format("{}/gather_{}", LayerName(l), when);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto gathered,
+        builder_.AddTask(Name(r, name), "all_gather", std::move(inputs),
+                         Collective(CollectiveId(name), r),
+                         On(r, LayerName(l), kForwardPriority + 1, {Name(r, name + ":params")},
+                            {ObjectRole::kGatheredParameter})));
+    return gathered[0];
+  }
+
+  // One collective id per (name): every rank's member of "h.0/gather_forward@1" shares it.
+  int64_t CollectiveId(const std::string& name) {
+    auto [it, inserted] = collective_ids_.emplace(name, collective_ids_.size() + 1);
+    return it->second;
+  }
+
+  ObjectRole FullGradientRole() const {
+    return p_.zero_stage >= 2 && n_ > 1 ? ObjectRole::kGradientBucket : ObjectRole::kGradient;
+  }
+
+  Status AddRank(int r) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    rank.grad.assign(layers_, ObjectId());
+    for (int k = 0; k < k_; ++k) TESSERA_RETURN_IF_ERROR(AddMicroBatch(r, k));
+    return Status::Ok();
+  }
+
+  Status AddMicroBatch(int r, int k) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    const size_t index = static_cast<size_t>(r * k_ + k);
+    const ObjectId tokens = step_.tokens[index], targets = step_.targets[index];
+    const size_t head = layers_ - 1;
+    const auto task = [&](size_t l, const char* what) {
+      return Name(r, Micro(k, LayerName(l) + "/" + what));
+    };
+    const auto object = [&](const std::string& name) { return Name(r, Micro(k, name)); };
+    const int prefetch = p_.prefetch_layers;
+
+    // Forward. act[l] is the activation entering layer l (act[0]: none, tokens instead).
+    std::vector<ObjectId> act(layers_), saved(layers_);
+    std::vector<ObjectId> params(layers_);
+    for (size_t l = 0; l < head; ++l) {
+      const ObjectId after = l >= static_cast<size_t>(prefetch) + 1 ? act[l - prefetch] : ObjectId();
+      TESSERA_ASSIGN_OR_RETURN(params[l], LayerParams(r, l, Micro(k, "forward"), after));
+      if (l == 0) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto x, builder_.AddTask(task(l, "forward"), "gpt2_embedding_forward",
+                                     {tokens, params[l]}, layer_attrs_,
+                                     On(r, LayerName(l), kForwardPriority)));
+        act[1] = x[0];
+      } else {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto y, builder_.AddTask(task(l, "forward"), "gpt2_block_forward",
+                                     {act[l], params[l]}, layer_attrs_,
+                                     On(r, LayerName(l), kForwardPriority)));
+        act[l + 1] = y[0];
+        saved[l] = y[1];
+      }
+    }
+    // The head reads its own parameters and the (tied) embedding's, in forward and backward:
+    // with ZeRO-3 both are gathered once for the two.
+    const ObjectId head_after = head >= static_cast<size_t>(prefetch) + 1 ? act[head - prefetch]
+                                                                          : ObjectId();
+    TESSERA_ASSIGN_OR_RETURN(ObjectId head_params,
+                             LayerParams(r, head, Micro(k, "head"), head_after));
+    TESSERA_ASSIGN_OR_RETURN(ObjectId tied, LayerParams(r, 0, Micro(k, "head"), head_after));
+    Attrs head_attrs = layer_attrs_;
+    const double grad_scale = 1.0 / static_cast<double>(n_ * k_);
+    if (n_ * k_ > 1) head_attrs.Set("grad_scale", grad_scale);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto head_out,
+        builder_.AddTask(task(head, "forward"), "gpt2_head_forward",
+                         {act[head], head_params, tied, targets}, head_attrs,
+                         On(r, LayerName(head), kForwardPriority,
+                            {object(n_ * k_ > 1 ? "micro_loss" : "loss"),
+                             object(LayerName(head) + "/forward:saved")},
+                            {ObjectRole::kOutput, ObjectRole::kActivation})));
+    rank.losses.push_back(head_out[0]);
+
+    // Backward.
+    const std::string embedding = LayerName(0);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto head_grads,
+        builder_.AddTask(task(head, "backward"), "gpt2_head_backward",
+                         {act[head], head_out[1], head_params, tied}, layer_attrs_,
+                         On(r, LayerName(head), kBackwardPriority,
+                            {object(LayerName(head) + "/backward:dx"),
+                             object(LayerName(head) + ".grad"), object(embedding + ".grad_from_head")},
+                            {ObjectRole::kActivation, FullGradientRole(), FullGradientRole()})));
+    TESSERA_RETURN_IF_ERROR(AddGradient(r, k, head, head_grads[1]));
+    // dy[l]: the gradient entering block l's backward.
+    std::vector<ObjectId> dy(layers_);
+    dy[head - 1] = head_grads[0];
+    for (size_t l = head - 1; l >= 1; --l) {
+      ObjectId after = head_out[1];
+      if (l + prefetch < head) after = dy[l + prefetch];
+      ObjectId block_params = params[l];
+      if (p_.sharded_parameters()) {
+        TESSERA_ASSIGN_OR_RETURN(block_params, LayerParams(r, l, Micro(k, "backward"), after));
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto grads,
+          builder_.AddTask(task(l, "backward"), "gpt2_block_backward",
+                           {dy[l], act[l], saved[l], block_params}, layer_attrs_,
+                           On(r, LayerName(l), kBackwardPriority,
+                              {object(LayerName(l) + "/backward:dx"), object(LayerName(l) + ".grad")},
+                              {ObjectRole::kActivation, FullGradientRole()})));
+      dy[l - 1] = grads[0];
+      TESSERA_RETURN_IF_ERROR(AddGradient(r, k, l, grads[1]));
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        auto embedding_grad,
+        builder_.AddTask(task(0, "backward"), "gpt2_embedding_backward",
+                         {dy[0], tokens, head_grads[2]}, layer_attrs_,
+                         On(r, embedding, kBackwardPriority, {object(embedding + ".grad")},
+                            {FullGradientRole()})));
+    return AddGradient(r, k, 0, embedding_grad[0]);
+  }
+
+  // A micro-batch's full gradient of layer l on rank r: reduced now (stage 0: all-reduce on the
+  // last micro-batch; stages 2-3: reduce-scatter every micro-batch) or later (stage 1), and
+  // accumulated in place over micro-batches.
+  Status AddGradient(int r, int k, size_t l, ObjectId full) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    const std::string& layer = LayerName(l);
+    ObjectId grad = full;
+    if (n_ > 1 && p_.zero_stage >= 2) {
+      const std::string name = Micro(k, layer + "/reduce_scatter");
+      TESSERA_ASSIGN_OR_RETURN(
+          auto shard, builder_.AddTask(Name(r, name), "reduce_scatter", {full},
+                                       Collective(CollectiveId(name), r).Set("reduce", "sum"),
+                                       On(r, layer, kBackwardPriority + 1,
+                                          {Name(r, Micro(k, layer + ".grad[shard]"))},
+                                          {ObjectRole::kGradient})));
+      grad = shard[0];
+    }
+    if (k > 0) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto sum, builder_.AddTask(Name(r, Micro(k, layer + "/accumulate")), "accumulate",
+                                     {rank.grad[l], grad}, {},
+                                     On(r, layer, kBackwardPriority,
+                                        {Name(r, Micro(k, layer + ".grad_sum"))},
+                                        {ObjectRole::kGradient})));
+      grad = sum[0];
+    }
+    rank.grad[l] = grad;
+    if (k + 1 == k_ && n_ > 1 && p_.zero_stage == 0) {
+      const std::string name = layer + "/all_reduce";
+      TESSERA_ASSIGN_OR_RETURN(
+          auto reduced, builder_.AddTask(Name(r, name), "all_reduce", {grad},
+                                         Collective(CollectiveId(name), r).Set("reduce", "sum"),
+                                         On(r, layer, kBackwardPriority + 1,
+                                            {Name(r, layer + ".grad_reduced")},
+                                            {ObjectRole::kGradient})));
+      rank.grad[l] = reduced[0];
+    }
+    return Status::Ok();
+  }
+
+  // ZeRO-1: every gradient is reduce-scattered once the whole backward is done (the last
+  // gradient, the embedding's, exists), smallest group first so the peak stays at the full
+  // gradients plus one small shard.
+  Status AddReductionsAfterBackward() {
+    if (n_ == 1 || p_.zero_stage != 1) return Status::Ok();
+    std::vector<size_t> order(layers_);
+    for (size_t l = 0; l < layers_; ++l) order[l] = l;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return step_.group_numel[a] < step_.group_numel[b];
+    });
+    for (size_t l : order) {
+      const std::string name = LayerName(l) + "/reduce_scatter";
+      for (int r = 0; r < n_; ++r) {
+        Rank& rank = ranks_[static_cast<size_t>(r)];
+        std::vector<ObjectId> inputs{rank.grad[l]};
+        if (l != 0) inputs.push_back(rank.grad[0]);  // after the whole backward
+        TESSERA_ASSIGN_OR_RETURN(
+            auto shard, builder_.AddTask(Name(r, name), "reduce_scatter", std::move(inputs),
+                                         Collective(CollectiveId(name), r).Set("reduce", "sum"),
+                                         On(r, LayerName(l), kOptimizerPriority + 1,
+                                            {Name(r, LayerName(l) + ".grad[shard]")},
+                                            {ObjectRole::kGradient})));
+        rank.grad[l] = shard[0];
+      }
+    }
+    return Status::Ok();
+  }
+
+  void RecordGradients() {
+    for (int r = 0; r < n_; ++r) {
+      for (size_t l = 0; l < layers_; ++l) {
+        const bool sharded = n_ > 1 && p_.zero_stage >= 1;
+        const int64_t numel = sharded ? Shard(l) : step_.group_numel[l];
+        step_.grads.push_back(GradientObject{
+            GroupPiece{l, r, sharded ? r * numel : 0, numel}, ranks_[static_cast<size_t>(r)].grad[l]});
+      }
+    }
+  }
+
+  // The loss over the global batch: each rank's micro-batch losses (each a mean over its rows)
+  // summed and scaled by 1/(N*K), then summed over ranks.
+  Status AddLoss() {
+    for (int r = 0; r < n_; ++r) {
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      ObjectId loss = rank.losses[0];
+      if (n_ * k_ > 1) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto sum, builder_.AddTask(Name(r, "loss/sum"), "sum_scalars", rank.losses,
+                                       Attrs{{"scale", 1.0 / static_cast<double>(n_ * k_)}},
+                                       On(r, "", kOptimizerPriority, {Name(r, "loss_part")},
+                                          {ObjectRole::kOutput})));
+        loss = sum[0];
+      }
+      if (n_ > 1) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto total, builder_.AddTask(Name(r, "loss/all_reduce"), "all_reduce", {loss},
+                                         Collective(CollectiveId("loss"), r).Set("reduce", "sum"),
+                                         On(r, "", kOptimizerPriority, {Name(r, "loss")},
+                                            {ObjectRole::kOutput})));
+        loss = total[0];
+      }
+      if (r == 0) step_.loss = loss;
+    }
+    builder_.MarkOutput(step_.loss);
+    return Status::Ok();
+  }
+
+  // Global-norm clipping. Replicated gradients (one rank, or stage 0): every rank sums the
+  // squares of every group. Sharded: each rank sums its shards, and the sums are all-reduced.
+  Status AddClipping() {
+    RecordGradients();
+    const bool sharded = n_ > 1 && p_.zero_stage >= 1;
+    const Attrs clip_attrs{{"max_norm", plan_.optimizer.max_grad_norm}};
+    for (int r = 0; r < n_; ++r) {
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      std::vector<ObjectId> sums;
+      for (size_t l = 0; l < layers_; ++l) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto sum, builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares",
+                                       {rank.grad[l]}, {}, On(r, LayerName(l), kOptimizerPriority)));
+        sums.push_back(sum[0]);
+      }
+      if (sharded) {
+        TESSERA_ASSIGN_OR_RETURN(auto local,
+                                 builder_.AddTask(Name(r, "grad_norm/sum"), "sum_scalars", sums,
+                                                  {}, On(r, "", kOptimizerPriority)));
+        TESSERA_ASSIGN_OR_RETURN(
+            auto total,
+            builder_.AddTask(Name(r, "grad_norm/all_reduce"), "all_reduce", {local[0]},
+                             Collective(CollectiveId("grad_norm"), r).Set("reduce", "sum"),
+                             On(r, "", kOptimizerPriority)));
+        sums = {total[0]};
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto clip, builder_.AddTask(Name(r, "clip"), "clip_scale", sums, clip_attrs,
+                                      On(r, "", kOptimizerPriority,
+                                         {Name(r, "clip_scale"), Name(r, "grad_norm")},
+                                         {ObjectRole::kOutput, ObjectRole::kOutput})));
+      rank.clip = clip[0];
+      if (r == 0) {
+        step_.grad_norm = clip[1];
+        builder_.MarkOutput(step_.grad_norm);
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status AddOptimizer(int r) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    // The state objects of this rank, in the order AddInputs made them.
+    std::vector<StateObject*> mine;
+    for (StateObject& object : step_.state) {
+      if (object.piece.rank == r) mine.push_back(&object);
+    }
+    const size_t per_layer = adamw_ ? 3 : 1;
+    for (size_t l = 0; l < layers_; ++l) {
+      const std::string& layer = LayerName(l);
+      StateObject& param = *mine[l * per_layer];
+      const FlatLayout& layout = model_.layers[l].params;
+      if (!adamw_) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto updated,
+            builder_.AddTask(Name(r, layer + "/sgd"), "sgd",
+                             {param.input, rank.grad[l], rank.clip, step_.lr},
+                             Attrs{{"weight_decay", plan_.optimizer.weight_decay}},
+                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.next")},
+                                {ObjectRole::kParameter})));
+        param.output = updated[0];
+        builder_.MarkOutput(param.output);
+        continue;
+      }
+      StateObject& exp_avg = *mine[l * per_layer + 1];
+      StateObject& exp_avg_sq = *mine[l * per_layer + 2];
+      Attrs attrs{{"beta1", plan_.optimizer.beta1},
+                  {"beta2", plan_.optimizer.beta2},
+                  {"eps", plan_.optimizer.eps},
+                  {"weight_decay", plan_.optimizer.weight_decay},
+                  {"decay_ranges", layout.DecayRanges()}};
+      const bool shard_in_full = p_.sharded_optimizer() && !p_.sharded_parameters();
+      if (shard_in_full) attrs.Set("param_offset", exp_avg.piece.begin);
+      if (p_.sharded_parameters()) attrs.Set("element_offset", exp_avg.piece.begin);
+      const std::string suffix = p_.sharded_optimizer() ? "[shard]" : "";
+      TESSERA_ASSIGN_OR_RETURN(
+          auto updated,
+          builder_.AddTask(Name(r, layer + "/adamw"), "adamw",
+                           {param.input, rank.grad[l], exp_avg.input, exp_avg_sq.input, rank.clip,
+                            step_.lr, step_.step},
+                           std::move(attrs),
+                           On(r, layer, kOptimizerPriority,
+                              {Name(r, layer + ".params" + (p_.sharded_parameters() ? suffix : "") +
+                                           ".next"),
+                               Name(r, layer + ".exp_avg" + suffix + ".next"),
+                               Name(r, layer + ".exp_avg_sq" + suffix + ".next")},
+                              {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                               ObjectRole::kOptimizerState})));
+      param.output = updated[0];
+      exp_avg.output = updated[1];
+      exp_avg_sq.output = updated[2];
+      if (shard_in_full) {
+        // Every rank updated its shard inside its full copy: exchange the shards in place.
+        const std::string name = layer + "/all_gather";
+        TESSERA_ASSIGN_OR_RETURN(
+            auto gathered,
+            builder_.AddTask(Name(r, name), "all_gather_in_place", {param.output},
+                             Collective(CollectiveId(name), r),
+                             On(r, layer, kOptimizerPriority,
+                                {Name(r, layer + ".params.gathered")}, {ObjectRole::kParameter})));
+        param.output = gathered[0];
+      }
+      for (const StateObject* object : {&param, &exp_avg, &exp_avg_sq}) {
+        builder_.MarkOutput(object->output);
+      }
+    }
+    return Status::Ok();
+  }
+
+  const ModelSpec& model_;
+  const TrainingPlan& plan_;
+  const ParallelConfig& p_;
+  const int n_, k_;
+  const size_t layers_;
+  const bool adamw_;
+  GraphBuilder builder_;
+  Attrs layer_attrs_;
+  StepGraph step_;
+  std::vector<Rank> ranks_;
+  std::map<std::string, int64_t> collective_ids_;
+};
+
+}  // namespace
 
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
-  const Gpt2Config& config = model.config;
-  const bool adamw = plan.optimizer.kind == OptimizerConfig::Kind::kAdamW;
-  const size_t num_layers = model.layers.size();
-  GraphBuilder builder(registry);
-  StepGraph step;
-
-  const TensorMeta token_meta{Shape{plan.batch, plan.seq_len}, DType::kI32, Device::Cpu()};
-  step.tokens = builder.AddInput("tokens", token_meta, ObjectRole::kInput);
-  step.targets = builder.AddInput("targets", token_meta, ObjectRole::kInput);
-  step.lr = builder.AddInput("lr", F32(Shape{}), ObjectRole::kInput);
-  step.step =
-      builder.AddInput("step", TensorMeta{Shape{}, DType::kI64, Device::Cpu()}, ObjectRole::kInput);
-  std::vector<ObjectId> params = AddParameterInputs(builder, model);
-  step.groups.resize(num_layers);
-  for (size_t l = 0; l < num_layers; ++l) {
-    ParameterGroupObjects& group = step.groups[l];
-    group.layer = model.layers[l].name;
-    group.numel = model.layers[l].params.numel();
-    group.param = params[l];
-    if (adamw) {
-      const TensorMeta meta = F32({group.numel});
-      group.exp_avg = builder.AddInput(group.layer + ".exp_avg", meta, ObjectRole::kOptimizerState);
-      group.exp_avg_sq =
-          builder.AddInput(group.layer + ".exp_avg_sq", meta, ObjectRole::kOptimizerState);
-    }
-  }
-
-  // Forward.
-  TESSERA_ASSIGN_OR_RETURN(ForwardPass forward, AddForward(builder, model, step.tokens, params));
-  const Attrs attrs = Gpt2Attrs(config);
-  const std::string& head = model.layers.back().name;
-  const std::string& embedding = model.layers.front().name;
-  TESSERA_ASSIGN_OR_RETURN(
-      auto head_out,
-      builder.AddTask(head + "/forward", "gpt2_head_forward",
-                      {forward.final_x, params.back(), params.front(), step.targets}, attrs,
-                      Options(head, kForwardPriority, {"loss", head + "/forward:saved"},
-                              {ObjectRole::kOutput, ObjectRole::kActivation})));
-  step.loss = head_out[0];
-
-  // Backward.
-  TESSERA_ASSIGN_OR_RETURN(
-      auto head_grads,
-      builder.AddTask(
-          head + "/backward", "gpt2_head_backward",
-          {forward.final_x, head_out[1], params.back(), params.front()}, attrs,
-          Options(head, kBackwardPriority,
-                  {head + "/backward:dx", head + ".grad", embedding + ".grad_from_head"},
-                  {ObjectRole::kActivation, ObjectRole::kGradient, ObjectRole::kGradient})));
-  ObjectId dx = head_grads[0];
-  step.groups.back().grad = head_grads[1];
-  for (size_t l = num_layers - 2; l >= 1; --l) {
-    const std::string& name = model.layers[l].name;
-    TESSERA_ASSIGN_OR_RETURN(
-        auto grads,
-        builder.AddTask(name + "/backward", "gpt2_block_backward",
-                        {dx, forward.block_inputs[l - 1], forward.saved[l - 1], params[l]}, attrs,
-                        Options(name, kBackwardPriority, {name + "/backward:dx", name + ".grad"},
-                                {ObjectRole::kActivation, ObjectRole::kGradient})));
-    dx = grads[0];
-    step.groups[l].grad = grads[1];
-  }
-  TESSERA_ASSIGN_OR_RETURN(
-      auto embedding_grad,
-      builder.AddTask(
-          embedding + "/backward", "gpt2_embedding_backward", {dx, step.tokens, head_grads[2]},
-          attrs,
-          Options(embedding, kBackwardPriority, {embedding + ".grad"}, {ObjectRole::kGradient})));
-  step.groups.front().grad = embedding_grad[0];
-
-  // Global gradient norm and clipping factor.
-  std::vector<ObjectId> sums;
-  for (const ParameterGroupObjects& group : step.groups) {
-    TESSERA_ASSIGN_OR_RETURN(
-        auto sum, builder.AddTask(group.layer + "/grad_norm", "sum_of_squares", {group.grad}, {},
-                                  Options(group.layer, kOptimizerPriority)));
-    sums.push_back(sum[0]);
-  }
-  TESSERA_ASSIGN_OR_RETURN(
-      auto clip,
-      builder.AddTask("clip", "clip_scale", sums, Attrs{{"max_norm", plan.optimizer.max_grad_norm}},
-                      Options("", kOptimizerPriority, {"clip_scale", "grad_norm"},
-                              {ObjectRole::kOutput, ObjectRole::kOutput})));
-  step.grad_norm = clip[1];
-
-  // Optimizer: one task per parameter group, updating it in place.
-  for (size_t l = 0; l < num_layers; ++l) {
-    ParameterGroupObjects& group = step.groups[l];
-    const FlatLayout& layout = model.layers[l].params;
-    const std::string next = group.layer + ".params.next";
-    if (adamw) {
-      Attrs optimizer_attrs{{"beta1", plan.optimizer.beta1},
-                            {"beta2", plan.optimizer.beta2},
-                            {"eps", plan.optimizer.eps},
-                            {"weight_decay", plan.optimizer.weight_decay},
-                            {"decay_ranges", layout.DecayRanges()}};
-      TESSERA_ASSIGN_OR_RETURN(
-          auto updated,
-          builder.AddTask(
-              group.layer + "/adamw", "adamw",
-              {group.param, group.grad, group.exp_avg, group.exp_avg_sq, clip[0], step.lr,
-               step.step},
-              std::move(optimizer_attrs),
-              Options(group.layer, kOptimizerPriority,
-                      {next, group.layer + ".exp_avg.next", group.layer + ".exp_avg_sq.next"},
-                      {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                       ObjectRole::kOptimizerState})));
-      group.next_param = updated[0];
-      group.next_exp_avg = updated[1];
-      group.next_exp_avg_sq = updated[2];
-      builder.MarkOutput(updated[1]);
-      builder.MarkOutput(updated[2]);
-    } else {
-      TESSERA_ASSIGN_OR_RETURN(
-          auto updated,
-          builder.AddTask(
-              group.layer + "/sgd", "sgd", {group.param, group.grad, clip[0], step.lr},
-              Attrs{{"weight_decay", plan.optimizer.weight_decay}},
-              Options(group.layer, kOptimizerPriority, {next}, {ObjectRole::kParameter})));
-      group.next_param = updated[0];
-    }
-    builder.MarkOutput(group.next_param);
-  }
-  builder.MarkOutput(step.loss);
-  builder.MarkOutput(step.grad_norm);
-  TESSERA_ASSIGN_OR_RETURN(step.graph, builder.Build());
-  return step;
+  return StepPlanner(model, plan, registry).Build();
 }
 
 namespace {
 
 Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                 const OpRegistry& registry, bool logits) {
+                                 const OpRegistry& registry, int64_t param_multiple, bool logits) {
+  if (param_multiple < 1) return InvalidArgument("param_multiple must be >= 1");
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
   GraphBuilder builder(registry);
   ForwardGraph result;
   const TensorMeta token_meta{Shape{batch, seq_len}, DType::kI32, Device::Cpu()};
   result.tokens = builder.AddInput("tokens", token_meta, ObjectRole::kInput);
   if (!logits) result.targets = builder.AddInput("targets", token_meta, ObjectRole::kInput);
-  result.params = AddParameterInputs(builder, model);
+  result.params = AddParameterInputs(builder, model, param_multiple);
+  Attrs attrs = Gpt2Attrs(model.config);
+  if (param_multiple > 1) attrs.Set(kParamMultipleAttr, param_multiple);
   TESSERA_ASSIGN_OR_RETURN(ForwardPass forward,
-                           AddForward(builder, model, result.tokens, result.params));
-  const Attrs attrs = Gpt2Attrs(model.config);
+                           AddForward(builder, model, result.tokens, result.params, attrs));
   const std::string& head = model.layers.back().name;
   if (logits) {
     TESSERA_ASSIGN_OR_RETURN(
@@ -271,13 +685,13 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
 }  // namespace
 
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                  const OpRegistry& registry) {
-  return PlanForward(model, batch, seq_len, registry, /*logits=*/false);
+                                  const OpRegistry& registry, int64_t param_multiple) {
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/false);
 }
 
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                const OpRegistry& registry) {
-  return PlanForward(model, batch, seq_len, registry, /*logits=*/true);
+                                const OpRegistry& registry, int64_t param_multiple) {
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/true);
 }
 
 }  // namespace tessera

@@ -1,7 +1,7 @@
-// Planners: a model description plus a plan -> the step graph.
+// Planners: a model description plus a plan -> the step graph, with placements.
 //
 // PlanTrainingStep builds one training step of a GPT-2 ModelSpec as a graph of layer-sized
-// tasks over objects:
+// tasks over objects. On one worker:
 //
 //   embedding/forward ─► h.0/forward ─► … ─► h.{L-1}/forward ─► head/forward (loss, dlogits)
 //                                                                  │
@@ -12,20 +12,38 @@
 //
 // Objects: per layer a flat parameter group (role kParameter), its gradient (kGradient), and
 // for AdamW two moment buffers (kOptimizerState); per step the batch's tokens and targets, the
-// learning rate and the step number (kInput). The updated parameters and moments are graph
-// outputs that become the next step's inputs (the trainer rebinds them). Each block's forward
-// keeps one "saved" object for its backward; the block backward works in place on the incoming
-// gradient (donation), and each AdamW task updates its group in place (donation).
+// learning rate and the step number (kInput). The updated state is the graph's output and
+// becomes the next step's input (the trainer rebinds it). Each block's forward keeps one "saved"
+// object for its backward; the block backward works in place on the incoming gradient, and each
+// AdamW task updates its state in place (donation).
 //
-// This is the single-worker plan: every task on one worker. Data parallelism and ZeRO are
-// other placements of the same tasks and objects (a later planner).
+// Data parallelism and ZeRO are placements of the same tasks (ParallelConfig; the table in
+// docs/architecture.md). With N ranks each rank r runs the forward and backward of its rows of
+// the batch on its worker (workers[r]), in K micro-batches whose gradients are accumulated in
+// place; then, per stage:
+//   0  every rank holds the whole state; each layer's gradient is all-reduced as soon as its
+//      backward is done; every rank updates everything.
+//   1  parameters replicated, optimizer state sharded: after the whole backward each gradient
+//      is reduce-scattered, rank r updates shard r of every group (AdamW with param_offset,
+//      in place inside the full parameter), then the group is all-gathered in place.
+//   2  as 1, but each layer's gradient is reduce-scattered as soon as its backward is done and
+//      the full gradient freed (the "bucket"): only gradient shards persist.
+//   3  parameters sharded too: each layer's parameters are all-gathered just before its forward
+//      (and again before its backward), prefetch_layers ahead of use, and freed after use.
+// Stages >= 1 pad each group to a multiple of N (attribute param_multiple): shards are equal.
+// Gradient clipping uses the global norm: each rank's shard norms are summed and all-reduced.
+// The loss is the mean over every rank and micro-batch (all-reduced; rank 0's is the output).
+// Offload (optimizer): optimizer state and the update live in the worker's host tier and CPU
+// executor (on CPU workers that is where everything already lives, so the plan is the same).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/graph.h"
+#include "core/ids.h"
 #include "core/status.h"
 #include "ops/op_registry.h"
 #include "zero/model.h"
@@ -42,32 +60,78 @@ struct OptimizerConfig {
   double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
 };
 
+enum class OffloadMode { kNone, kOptimizer };
+
+struct ParallelConfig {
+  int data_parallel = 1;  // N ranks, each on its own worker, each taking batch / N rows
+  int zero_stage = 0;     // 0..3, see the header comment
+  OffloadMode offload = OffloadMode::kNone;
+  int grad_accum = 1;       // K micro-batches per rank per step
+  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  std::vector<WorkerId> workers;  // the worker of each rank; empty: tasks unpinned
+
+  int64_t micro_batch(int64_t batch) const { return batch / (data_parallel * grad_accum); }
+  // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
+  int64_t PaddedGroup(int64_t numel) const;
+  // Elements of one rank's shard of such a group.
+  int64_t Shard(int64_t numel) const { return PaddedGroup(numel) / data_parallel; }
+  bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }
+  bool sharded_optimizer() const { return zero_stage >= 1 && data_parallel > 1; }
+  std::string ToString() const;
+};
+
+// "none" | "optimizer"; InvalidArgument naming the choices otherwise.
+Result<OffloadMode> ParseOffload(std::string_view text);
+
 struct TrainingPlan {
-  int64_t batch = 8;
+  int64_t batch = 8;  // the global batch: rows per step over all ranks and micro-batches
   int64_t seq_len = 64;
   OptimizerConfig optimizer;
+  ParallelConfig parallel;
 
   // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len).
   Status Validate(const ModelSpec& model) const;
 };
 
-// The step graph's objects per parameter group (one group per model layer).
-struct ParameterGroupObjects {
-  std::string layer;
+enum class StateKind : uint8_t { kParameter, kExpAvg, kExpAvgSq };
+const char* StateKindName(StateKind kind);
+
+// Where a piece of a layer's group lives: elements [begin, begin + numel) of the (padded)
+// group, on rank `rank`. Replicated state has one full piece per rank.
+struct GroupPiece {
+  size_t layer = 0;
+  int rank = 0;
+  int64_t begin = 0;
   int64_t numel = 0;
-  ObjectId param, exp_avg, exp_avg_sq;  // inputs; the moments are invalid for SGD
-  ObjectId grad;
-  ObjectId next_param, next_exp_avg, next_exp_avg_sq;  // outputs, fed back next step
+};
+
+// One object of model state: this step's value (input) and the next step's (output).
+struct StateObject {
+  StateKind kind = StateKind::kParameter;
+  GroupPiece piece;
+  ObjectId input, output;
+};
+
+// A final (reduced) gradient object: after the reduction, before clipping.
+struct GradientObject {
+  GroupPiece piece;
+  ObjectId id;
 };
 
 struct StepGraph {
   Graph graph;
-  ObjectId tokens, targets;                   // i32 [B, T]
-  ObjectId lr;                                // f32 scalar
-  ObjectId step;                              // i64 scalar, 1-based (AdamW bias correction)
-  ObjectId loss;                              // f32 scalar: mean cross-entropy
-  ObjectId grad_norm;                         // f32 scalar: global gradient norm before clipping
-  std::vector<ParameterGroupObjects> groups;  // model layer order
+  ParallelConfig parallel;
+  int64_t micro_batch = 0;
+  // Per rank and micro-batch (index rank * grad_accum + micro): i32 [micro_batch, T], rows
+  // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
+  std::vector<ObjectId> tokens, targets;
+  ObjectId lr;         // f32 scalar
+  ObjectId step;       // i64 scalar, 1-based (AdamW bias correction)
+  ObjectId loss;       // f32 scalar: mean cross-entropy over the global batch
+  ObjectId grad_norm;  // f32 scalar: global gradient norm before clipping
+  std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
+  std::vector<StateObject> state;
+  std::vector<GradientObject> grads;
 };
 
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
@@ -82,11 +146,12 @@ struct ForwardGraph {
   std::vector<ObjectId> params;  // one per model layer, model order
 };
 
-// Mean loss of a batch, no gradients.
+// Mean loss of a batch, no gradients. Parameter groups padded to a multiple of
+// `param_multiple` (as a ZeRO step graph's group_numel).
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                  const OpRegistry& registry);
+                                  const OpRegistry& registry, int64_t param_multiple = 1);
 // Logits of a batch (for sampling).
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                const OpRegistry& registry);
+                                const OpRegistry& registry, int64_t param_multiple = 1);
 
 }  // namespace tessera

@@ -32,6 +32,12 @@ cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
                        .max_seq_len = attrs.GetInt("max_seq_len", 0)};
 }
 
+// Zeros the padding of a parameter-group gradient beyond the layout's `used` elements (groups
+// padded for ZeRO shards: attribute param_multiple).
+void ZeroPadding(const Tensor& group, int64_t used) {
+  std::fill(F(group) + used, F(group) + group.numel(), 0.0f);
+}
+
 // Scratch memory for a kernel, from the executor's allocator so it counts toward the peak.
 Result<Tensor> Workspace(const KernelContext& context, int64_t floats) {
   return Tensor::Empty(TensorMeta{Shape{floats}, DType::kF32, Device::Cpu()}, context.allocator);
@@ -137,6 +143,12 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
       Register(r, "add_forward",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
                  cpu::Add(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "accumulate",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::Add(F(out[0]), F(out[0]), F(in[1]), in[0].numel());  // out[0] holds sum
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(Register(
@@ -283,6 +295,7 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
                  // out[0] holds dy on entry (in place) and dx on exit.
                  cpu::Gpt2BlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
                                         F(in[3]), dims, ctx.gemm_split_min_flops);
+                 ZeroPadding(out[1], Gpt2BlockParamLayout(dims.channels).numel());
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(Register(
@@ -305,6 +318,9 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, cpu::Gpt2HeadWorkspace(dims)));
         cpu::Gpt2HeadBackward(F(out[0]), F(out[1]), F(out[2]), F(workspace), F(in[0]), F(in[1]),
                               F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
+        ZeroPadding(out[1], Gpt2HeadParamLayout(dims.channels).numel());
+        ZeroPadding(out[2],
+                    Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
         return Status::Ok();
       }));
   return Register(r, "gpt2_head_logits",

@@ -149,6 +149,15 @@ TEST(OptimizerTest, AdamWOnAShardUpdatesOnlyItsSliceOfTheFullParameter) {
       << overrun.status().message();
 }
 
+TEST(OptimizerTest, AccumulateAddsInPlace) {
+  Tensor sum = RandomTensor({257}, 1), x = RandomTensor({257}, 2);
+  ASSERT_OK_AND_ASSIGN(auto out, RunKernel("accumulate", {sum, x}));
+  for (int64_t i = 0; i < 257; ++i) {
+    EXPECT_EQ(out[0].data<float>()[i], sum.data<float>()[i] + x.data<float>()[i]) << i;
+  }
+  EXPECT_FALSE(RunKernel("accumulate", {sum, RandomTensor({256}, 3)}).ok());
+}
+
 TEST(OptimizerTest, SumScalarsAddsInOrderAndScales) {
   ASSERT_OK_AND_ASSIGN(auto out, RunKernel("sum_scalars",
                                            {ScalarTensor(1.5f), ScalarTensor(2.0f),

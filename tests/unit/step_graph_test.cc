@@ -28,7 +28,8 @@ TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
   }
   // 4 layers: 4 forward + 4 backward + 4 norms + clip + 4 updates.
   EXPECT_EQ(g.num_tasks(), 17);
-  ASSERT_EQ(step.groups.size(), 4u);
+  ASSERT_EQ(step.group_numel.size(), 4u);
+  ASSERT_EQ(step.state.size(), 3u * 4u);  // params and two moments per group
   const int64_t params = model.NumParameters();
   EXPECT_EQ(params, TinyConfig().NumParameters());
   EXPECT_EQ(g.BytesOfRole(ObjectRole::kGradient) -

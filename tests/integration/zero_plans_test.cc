@@ -1,0 +1,154 @@
+// ZeRO plans on a local cluster of real worker processes: every parallel placement of the
+// GPT-2 tiny step computes the same training run as one worker (the equivalence the plans
+// promise), and impossible plans are refused before anything runs.
+#include <cmath>
+#include <memory>
+
+#include "driver/cluster.h"
+#include "driver/gpt2_trainer.h"
+#include "driver/graph_backend.h"
+#include "driver/token_dataset.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+constexpr int kClusterWorkers = 4;
+constexpr int kSteps = 20;
+constexpr int64_t kBatch = 8;
+constexpr int64_t kSeqLen = 64;
+
+TrainingPlan Plan(int workers, int stage, OffloadMode offload, int accum) {
+  TrainingPlan plan;
+  plan.batch = kBatch;
+  plan.seq_len = kSeqLen;
+  plan.parallel.data_parallel = workers;
+  plan.parallel.zero_stage = stage;
+  plan.parallel.offload = offload;
+  plan.parallel.grad_accum = accum;
+  return plan;
+}
+
+struct TrainingRun {
+  std::vector<float> losses, grad_norms;
+  std::vector<float> fc_w;  // a block matrix after the last step
+};
+
+Result<TrainingRun> Train(Gpt2Trainer& trainer) {
+  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
+  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+  TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
+  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
+  TrainingRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    sampler.Next(tokens.data(), targets.data());
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer.Step(tokens, targets, 3e-3f));
+    run.losses.push_back(report.loss);
+    run.grad_norms.push_back(report.grad_norm);
+  }
+  TESSERA_ASSIGN_OR_RETURN(run.fc_w, trainer.GetParameter("h.1.fc_w"));
+  return run;
+}
+
+class ZeroPlansTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    LocalClusterOptions options;
+    options.cpu_workers = kClusterWorkers;
+    options.threads_per_worker = 1;
+    options.tessera_binary = BinaryPath("tessera");
+    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+    cluster_ = std::move(*cluster).release();
+    auto reference = Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
+                                         ExecutorOptions{});
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    Result<TrainingRun> run = Train(**reference);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    reference_ = new TrainingRun(*std::move(run));
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    delete reference_;
+    cluster_ = nullptr;
+    reference_ = nullptr;
+  }
+
+  static Result<std::unique_ptr<Gpt2Trainer>> Distributed(const TrainingPlan& plan) {
+    TESSERA_ASSIGN_OR_RETURN(auto backend,
+                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+    return Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"), plan, std::move(backend));
+  }
+
+  static void ExpectSameRun(const TrainingPlan& plan) {
+    ASSERT_NE(reference_, nullptr);
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    double worst = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      const double expected = reference_->losses[step];
+      const double relative = std::abs(run.losses[step] - expected) / std::abs(expected);
+      worst = std::max(worst, relative);
+      EXPECT_LE(relative, 1e-5) << plan.parallel.ToString() << " step " << step << ": "
+                                << run.losses[step] << " vs " << expected;
+      EXPECT_NEAR(run.grad_norms[step], reference_->grad_norms[step],
+                  1e-4 * reference_->grad_norms[step])
+          << plan.parallel.ToString() << " step " << step;
+    }
+    EXPECT_LE(ScaledMaxError(run.fc_w, reference_->fc_w), 1e-4) << plan.parallel.ToString();
+    std::printf("[ %s ] worst relative loss difference over %d steps: %.2e\n",
+                plan.parallel.ToString().c_str(), kSteps, worst);
+  }
+
+  static Cluster* cluster_;
+  static TrainingRun* reference_;
+};
+
+Cluster* ZeroPlansTest::cluster_ = nullptr;
+TrainingRun* ZeroPlansTest::reference_ = nullptr;
+
+TEST_F(ZeroPlansTest, DataParallelMatchesOneWorker) {
+  for (int workers : {2, 4}) ExpectSameRun(Plan(workers, 0, OffloadMode::kNone, 1));
+}
+
+TEST_F(ZeroPlansTest, Zero1MatchesOneWorker) {
+  for (int workers : {2, 4}) ExpectSameRun(Plan(workers, 1, OffloadMode::kNone, 1));
+}
+
+TEST_F(ZeroPlansTest, Zero2MatchesOneWorker) {
+  for (int workers : {2, 4}) ExpectSameRun(Plan(workers, 2, OffloadMode::kNone, 1));
+}
+
+TEST_F(ZeroPlansTest, Zero3MatchesOneWorker) {
+  for (int workers : {2, 4}) ExpectSameRun(Plan(workers, 3, OffloadMode::kNone, 1));
+}
+
+TEST_F(ZeroPlansTest, OptimizerOffloadMatchesOneWorkerAtEveryStage) {
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (int workers : {2, 4}) ExpectSameRun(Plan(workers, stage, OffloadMode::kOptimizer, 1));
+  }
+}
+
+TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
+  ExpectSameRun(Plan(1, 0, OffloadMode::kNone, 2));
+  for (int stage = 0; stage <= 3; ++stage) ExpectSameRun(Plan(2, stage, OffloadMode::kNone, 2));
+}
+
+TEST_F(ZeroPlansTest, ImpossiblePlansAreRefusedWithWhatToChange) {
+  Result<std::unique_ptr<Gpt2Trainer>> stage5 = Distributed(Plan(2, 5, OffloadMode::kNone, 1));
+  ASSERT_FALSE(stage5.ok());
+  EXPECT_NE(stage5.status().message().find("ZeRO stage 5 does not exist"), std::string::npos)
+      << stage5.status().ToString();
+  Result<std::unique_ptr<Gpt2Trainer>> too_many = Distributed(Plan(8, 1, OffloadMode::kNone, 1));
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.status().message().find("has 4 worker(s): start at least 8"),
+            std::string::npos)
+      << too_many.status().ToString();
+  Result<std::unique_ptr<Gpt2Trainer>> uneven = Distributed(Plan(3, 1, OffloadMode::kNone, 1));
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("multiple of 3"), std::string::npos)
+      << uneven.status().ToString();
+}
+
+}  // namespace
+}  // namespace tessera::testing
