@@ -392,6 +392,18 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
         w.bytes_pulled = worker.getHeartbeat().getBytesPulled();
         w.pull_micros = worker.getHeartbeat().getPullMicros();
         w.bytes_served = worker.getHeartbeat().getBytesServed();
+        if (worker.hasLastRun()) {
+          auto run = worker.getLastRun();
+          w.last_run.graph = run.getGraphId();
+          w.last_run.instance = run.getInstance();
+          for (int64_t peak : run.getRolePeaks()) w.last_run.role_peaks.push_back(peak);
+          w.last_run.model_state_peak = run.getModelStatePeak();
+          w.last_run.transient_peak = run.getTransientPeak();
+          w.last_run.allocator_peak = run.getAllocatorPeak();
+          w.last_run.collective_bytes_sent = run.getCollectiveBytesSent();
+          w.last_run.pushed_bytes = run.getPushedBytes();
+          w.last_run.wall_ms = static_cast<double>(run.getWallMicros()) / 1000.0;
+        }
         info.workers.push_back(std::move(w));
       }
       info.drivers = status.getDrivers();

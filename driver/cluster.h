@@ -95,6 +95,23 @@ struct SubmitOptions {
   int32_t priority = 0;
 };
 
+// A worker's figures for one graph instance (worker/role_meter.h says what they mean).
+struct RunFigures {
+  uint64_t graph = 0;  // GraphHandle::id()
+  uint64_t instance = 0;
+  std::vector<int64_t> role_peaks;  // peak bytes per ObjectRole
+  int64_t model_state_peak = 0;     // parameters + gradients + optimizer state
+  int64_t transient_peak = 0;       // gathered parameters + gradient buckets
+  int64_t allocator_peak = 0;       // the worker executor allocator's peak
+  int64_t collective_bytes_sent = 0;
+  int64_t pushed_bytes = 0;
+  double wall_ms = 0;
+  int64_t peak(ObjectRole role) const {
+    const auto r = static_cast<size_t>(role);
+    return r < role_peaks.size() ? role_peaks[r] : 0;
+  }
+};
+
 struct WorkerInfo {
   WorkerId id;
   std::string hostname;
@@ -109,6 +126,7 @@ struct WorkerInfo {
   int64_t bytes_pulled = 0;  // data plane, cumulative
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
+  RunFigures last_run;  // the latest graph instance it finished
 };
 
 struct ClusterInfo {

@@ -365,6 +365,14 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
   report.step_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   report.peak_bytes = backend_->last_peak_bytes();
+  const std::vector<WorkerId>& workers = plan_.parallel.workers;
+  if (!workers.empty() || backend_->workers().empty()) {
+    TESSERA_ASSIGN_OR_RETURN(auto figures, backend_->LastRunFigures(step_handle_, workers));
+    for (size_t r = 0; r < figures.size(); ++r) {
+      report.ranks.push_back(
+          RankFigures{static_cast<int>(r), figures[r].first, std::move(figures[r].second)});
+    }
+  }
   return report;
 }
 

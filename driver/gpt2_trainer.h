@@ -34,12 +34,22 @@
 
 namespace tessera {
 
+// What one rank's worker held and sent during a step.
+struct RankFigures {
+  int rank = 0;
+  WorkerId worker;  // invalid in process
+  RunFigures figures;
+};
+
 struct StepReport {
   int64_t step = 0;  // 1-based number of the step just taken
   float loss = 0;
   float grad_norm = 0;  // before clipping
   double step_ms = 0;
   int64_t peak_bytes = 0;  // peak host bytes live during the step (state included)
+  // Per rank (in process: the one executor; on a cluster: each rank's worker; empty for a
+  // one-rank plan the scheduler placed).
+  std::vector<RankFigures> ranks;
 };
 
 class Gpt2Trainer {

@@ -1,5 +1,8 @@
 #include "driver/graph_backend.h"
 
+#include <chrono>
+#include <thread>
+
 #include "ops/cpu/cpu_kernels.h"
 
 namespace tessera {
@@ -31,6 +34,13 @@ class InProcessBackend final : public GraphBackend {
       return run.status();
     }
     last_peak_bytes_ = run->stats.peak_bytes;
+    const RoleBytes& roles = run->stats.role_bytes;
+    last_figures_ = RunFigures{};
+    last_figures_.role_peaks.assign(roles.peak.begin(), roles.peak.end());
+    last_figures_.model_state_peak = roles.model_state_peak;
+    last_figures_.transient_peak = roles.transient_peak;
+    last_figures_.allocator_peak = run->stats.peak_bytes;
+    last_figures_.wall_ms = run->stats.wall_ms;
     ValueMap outputs;
     for (auto& [id, tensor] : run->outputs) outputs[id].tensor = std::move(tensor);
     return outputs;
@@ -40,6 +50,10 @@ class InProcessBackend final : public GraphBackend {
   Result<Tensor> Download(const Value& value) override { return value.tensor; }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }
+  Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
+      int, const std::vector<WorkerId>&) override {
+    return std::vector<std::pair<WorkerId, RunFigures>>{{WorkerId(), last_figures_}};
+  }
   std::vector<WorkerId> workers() const override { return {}; }
   std::string Describe() const override {
     return fmt::format("in process, {} threads", executor_.threads());
@@ -50,6 +64,7 @@ class InProcessBackend final : public GraphBackend {
   InProcessExecutor executor_;
   std::vector<std::unique_ptr<PreparedGraph>> prepared_;
   int64_t last_peak_bytes_ = 0;
+  RunFigures last_figures_;
 };
 
 class ClusterBackend final : public GraphBackend {
@@ -112,6 +127,33 @@ class ClusterBackend final : public GraphBackend {
   std::shared_ptr<Allocator> allocator() override { return allocator_; }
   int64_t last_peak_bytes() const override { return 0; }
   std::vector<WorkerId> workers() const override { return workers_; }
+
+  Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
+      int graph, const std::vector<WorkerId>& workers) override {
+    const uint64_t id = handles_.at(static_cast<size_t>(graph)).id();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (true) {
+      TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_.Info());
+      std::vector<std::pair<WorkerId, RunFigures>> figures;
+      for (WorkerId worker : workers) {
+        for (const WorkerInfo& w : info.workers) {
+          const RunFigures& run = w.last_run;
+          if (w.id == worker && run.graph == id && run.instance > reported_[{id, worker}]) {
+            figures.emplace_back(worker, run);
+          }
+        }
+      }
+      if (figures.size() == workers.size()) {
+        for (const auto& [worker, run] : figures) reported_[{id, worker}] = run.instance;
+        return figures;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return TimedOut("{} of {} workers reported their run of graph {} within 5 s",
+                        figures.size(), workers.size(), id);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
   std::string Describe() const override {
     return fmt::format(
         "cluster at {}, {} worker(s), {} placement", cluster_.address(), workers_.size(),
@@ -123,6 +165,7 @@ class ClusterBackend final : public GraphBackend {
   const ClusterPlacement placement_;
   const std::vector<WorkerId> workers_;
   std::vector<GraphHandle> handles_;
+  std::map<std::pair<uint64_t, WorkerId>, uint64_t> reported_;  // last instance returned
   std::shared_ptr<Allocator> allocator_ = std::make_shared<AlignedHostAllocator>();
 };
 

@@ -50,6 +50,12 @@ class GraphBackend {
   // Peak host bytes of the last run, when the backend can tell (0 otherwise).
   virtual int64_t last_peak_bytes() const = 0;
   virtual std::string Describe() const = 0;
+  // Each worker's figures for the last run of `graph` (peak bytes by role, bytes sent); in
+  // process, one entry with an invalid worker id. On a cluster the figures come with each
+  // worker's InstanceFinished; this waits (up to a few seconds) until every one of `workers`
+  // reported a run of `graph` newer than the one this call last returned.
+  virtual Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
+      int graph, const std::vector<WorkerId>& workers) = 0;
   // The workers a plan may pin tasks to, in a stable order (empty in process: one executor).
   virtual std::vector<WorkerId> workers() const = 0;
 };

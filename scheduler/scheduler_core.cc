@@ -654,6 +654,7 @@ void SchedulerCore::OnStatusRequest(Participant& from, uint64_t request_id) {
     hb.setBytesPulled(p.bytes_pulled);
     hb.setPullMicros(p.pull_micros);
     hb.setBytesServed(p.bytes_served);
+    if (p.last_run != nullptr) w.setLastRun(p.last_run->getRoot<proto::RunReport>().asReader());
   }
   status.setDrivers(drivers);
   status.setObjects(static_cast<int64_t>(objects_.size()));
@@ -1211,6 +1212,10 @@ Status SchedulerCore::OnRunGraph(Participant& from, uint64_t request_id,
 Status SchedulerCore::OnInstanceFinished(Participant& from,
                                          proto::InstanceFinished::Reader finished) {
   const auto key = std::make_pair(finished.getGraphId(), finished.getInstance());
+  if (finished.hasReport()) {
+    from.last_run = std::make_unique<capnp::MallocMessageBuilder>();
+    from.last_run->setRoot(finished.getReport());
+  }
   auto it = instances_.find(key);
   if (it == instances_.end()) return Status::Ok();  // already failed and closed
   InstanceEntry& instance = it->second;

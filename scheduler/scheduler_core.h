@@ -116,6 +116,8 @@ class SchedulerCore {
     int64_t bytes_served = 0;
     int tasks_in_flight = 0;
     int64_t committed_bytes = 0;
+    // The latest InstanceFinished report, copied out of its message (reported in status).
+    std::unique_ptr<capnp::MallocMessageBuilder> last_run;
     Clock::time_point last_heard;
     std::unordered_map<uint64_t, int> refs;  // drivers: objects they reference, with counts
   };

@@ -344,19 +344,22 @@ void GraphRunner::RunInstance(Instance& instance) {
     bool run_done = false;
     Status error;
     std::vector<std::pair<ObjectId, Tensor>> sealed;
+    InstanceFigures figures;
   };
   auto outstanding = std::make_shared<Outstanding>();
   auto finish_if_done = [this, key, outstanding] {
     Status error;
     std::vector<std::pair<ObjectId, Tensor>> sealed;
+    InstanceFigures figures;
     {
       std::lock_guard lock(outstanding->mutex);
       if (!outstanding->run_done || outstanding->pushes > 0) return;
       outstanding->run_done = false;  // report once
       error = outstanding->error;
       sealed = std::move(outstanding->sealed);
+      figures = outstanding->figures;
     }
-    Report(key, error, std::move(sealed));
+    Report(key, error, std::move(sealed), figures);
   };
   for (const auto& [local, consumers] : part->exports) hooks.watched.push_back(local);
   hooks.on_produced = [this, key, part, outstanding, finish_if_done](ObjectId local,
@@ -367,6 +370,7 @@ void GraphRunner::RunInstance(Instance& instance) {
       {
         std::lock_guard lock(outstanding->mutex);
         ++outstanding->pushes;
+        outstanding->figures.pushed_bytes += tensor.bytes();
       }
       data_plane_->Push(address, push_key, tensor.raw_data(), tensor.bytes(), tensor.buffer(),
                         [outstanding, finish_if_done, address](const Status& status) {
@@ -425,8 +429,17 @@ void GraphRunner::RunInstance(Instance& instance) {
     };
     hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
   }
+  const int64_t sent_before = engine_ != nullptr ? engine_->stats().bytes_sent : 0;
   Result<RunResult> result = executor_.Run(*part->prepared, std::move(inputs), nullptr, &hooks);
   if (engine_ != nullptr) engine_->EndStream(key, result.status());
+  if (result.ok()) {
+    std::lock_guard lock(outstanding->mutex);
+    InstanceFigures& figures = outstanding->figures;
+    figures.role_bytes = result->stats.role_bytes;
+    figures.allocator_peak = result->stats.peak_bytes;
+    figures.wall_ms = result->stats.wall_ms;
+    if (engine_ != nullptr) figures.collective_bytes = engine_->stats().bytes_sent - sent_before;
+  }
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   Status error = result.status();
   if (error.ok()) {
@@ -446,11 +459,23 @@ void GraphRunner::RunInstance(Instance& instance) {
 }
 
 void GraphRunner::Report(const Key& key, const Status& error,
-                         std::vector<std::pair<ObjectId, Tensor>> sealed) {
+                         std::vector<std::pair<ObjectId, Tensor>> sealed,
+                         const InstanceFigures& figures) {
   capnp::MallocMessageBuilder message;
   auto finished = message.initRoot<proto::Envelope>().initBody().initInstanceFinished();
   finished.setGraphId(key.first);
   finished.setInstance(key.second);
+  auto report = finished.initReport();
+  report.setGraphId(key.first);
+  report.setInstance(key.second);
+  auto peaks = report.initRolePeaks(static_cast<unsigned>(kObjectRoles));
+  for (unsigned r = 0; r < kObjectRoles; ++r) peaks.set(r, figures.role_bytes.peak[r]);
+  report.setModelStatePeak(figures.role_bytes.model_state_peak);
+  report.setTransientPeak(figures.role_bytes.transient_peak);
+  report.setAllocatorPeak(figures.allocator_peak);
+  report.setCollectiveBytesSent(figures.collective_bytes);
+  report.setPushedBytes(figures.pushed_bytes);
+  report.setWallMicros(static_cast<int64_t>(figures.wall_ms * 1000));
   Status status = error;
   std::vector<std::pair<ObjectId, std::string>> reported;  // id, inline bytes
   std::vector<int64_t> sizes;

@@ -43,6 +43,15 @@
 
 namespace tessera {
 
+// What an instance cost this worker, reported with InstanceFinished.
+struct InstanceFigures {
+  RoleBytes role_bytes;
+  int64_t allocator_peak = 0;
+  int64_t collective_bytes = 0;  // sent by collective members
+  int64_t pushed_bytes = 0;      // exports pushed to other workers
+  double wall_ms = 0;
+};
+
 class GraphRunner {
  public:
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
@@ -76,7 +85,8 @@ class GraphRunner {
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
   // the instance starts.
   void Arrive(const Key& key, ObjectId local, Tensor tensor);
-  void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed);
+  void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed,
+              const InstanceFigures& figures = {});
 
   const OpRegistry& registry_;
   const Settings settings_;

@@ -91,6 +91,7 @@ struct InProcessExecutor::ActiveRun {
   int provided = 0;
   int events = 0;                // provides and offload completions, for the waiting loop
   int offloads_outstanding = 0;  // offloaded tasks not done yet
+  RoleMeter* meter = nullptr;
 };
 
 Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
@@ -160,14 +161,24 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   };
 
   // Releases one use of an object; frees it after its last use unless it is a graph output.
+  // Returns whether it freed it.
   auto release = [&](int object) {
     if (refcount[object].fetch_sub(1) == 1 && !prepared.is_output_[object]) {
       slots[object] = Tensor();
+      return true;
     }
+    return false;
   };
 
   tbb::task_group group;
-  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0, 0, 0};
+  RoleMeter meter;
+  for (int index : prepared.input_objects_) {
+    if (!late[index]) {
+      const ObjectSpec& spec = graph.objects()[index];
+      meter.Add(spec.role, spec.meta.bytes());
+    }
+  }
+  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0, 0, 0, &meter};
   auto offloaded = [&](const TaskSpec& task) {
     return hooks != nullptr && hooks->offloaded && hooks->offloaded(task);
   };
@@ -176,14 +187,30 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   // dependents that became ready (through `spawn`).
   auto finish_task = [&](int t, std::vector<Tensor>& out, const std::function<void(int)>& spawn) {
     const TaskSpec& task = graph.tasks()[t];
+    std::vector<RoleMeter::Entry> added, freed, replaced;
     for (size_t j = 0; j < out.size(); ++j) {
       const int object = Index(task.outputs[j]);
+      const ObjectSpec& spec = graph.objects()[object];
+      added.emplace_back(spec.role, spec.meta.bytes());
       if (watched[object]) hooks->on_produced(task.outputs[j], out[j]);
       if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
         slots[object] = std::move(out[j]);
+      } else {
+        freed.emplace_back(spec.role, spec.meta.bytes());  // nobody reads it
       }
     }
-    for (ObjectId input : task.inputs) release(Index(input));
+    for (ObjectId input : task.inputs) {
+      const ObjectSpec& spec = graph.object(input);
+      if (!release(Index(input))) continue;
+      freed.emplace_back(spec.role, spec.meta.bytes());
+      for (const Donation& donation : task.donations) {  // an in-place output took its place
+        if (task.inputs[donation.input_index] == input) {
+          replaced.emplace_back(spec.role, spec.meta.bytes());
+          break;
+        }
+      }
+    }
+    meter.Apply(added, freed, replaced);
     stats.timings[t].end_us = micros_since_start();
     ++tasks_run;
     for (int dependent : prepared.dependents_[t]) {
@@ -357,6 +384,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   stats.tasks_run = tasks_run.load();
   stats.donations_taken = donations_taken.load();
   stats.donations_copied = donations_copied.load();
+  stats.role_bytes = meter.bytes();
   result.stats = std::move(stats);
   return result;
 }
@@ -379,6 +407,7 @@ Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
     std::lock_guard lock(run.mutex);
     run.awaited[index] = false;
     (*run.slots)[index] = std::move(tensor);
+    run.meter->Add(graph.object(id).role, graph.object(id).meta.bytes());
     for (int consumer : run.prepared->input_consumers_[index]) {
       if (run.pending[consumer].fetch_sub(1) == 1) ready.push_back(consumer);
     }

@@ -44,6 +44,7 @@
 #include "core/allocator.h"
 #include "core/graph.h"
 #include "core/settings.h"
+#include "worker/role_meter.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "ops/op_registry.h"
@@ -75,6 +76,7 @@ struct RunStats {
   int tasks_run = 0;
   int donations_taken = 0;          // in-place pairs that reused the input's buffer
   int donations_copied = 0;         // in-place pairs that had to copy
+  RoleBytes role_bytes;             // the plan's objects by role (worker/role_meter.h)
   std::vector<TaskTiming> timings;  // one per task, in task-id order
 };
 

@@ -185,6 +185,20 @@ struct InstanceFinished {
   instance @1 :UInt64;
   error @2 :Error;
   outputs @3 :List(SealedObject);  # graph outputs this worker produced, as cluster objects
+  report @4 :RunReport;
+}
+
+# A worker's figures for one instance of a graph (worker/role_meter.h).
+struct RunReport {
+  graphId @0 :UInt64;
+  instance @1 :UInt64;
+  rolePeaks @2 :List(Int64);      # peak bytes per object role (core/graph.h ObjectRole order)
+  modelStatePeak @3 :Int64;       # parameters + gradients + optimizer state
+  transientPeak @4 :Int64;        # gathered parameters + gradient buckets
+  allocatorPeak @5 :Int64;        # the executor allocator's peak (the process's view)
+  collectiveBytesSent @6 :Int64;  # sent by this worker's collective members
+  pushedBytes @7 :Int64;          # objects pushed to other workers
+  wallMicros @8 :Int64;
 }
 
 # ---- collectives: forming a group's communicator, and its failures ----
@@ -228,6 +242,7 @@ struct WorkerStatus {
   heartbeat @4 :Heartbeat;
   dataAddress @5 :Text;
   tasksQueued @6 :Int32;
+  lastRun @7 :RunReport;           # the worker's latest finished graph instance
 }
 
 struct ClusterStatus {

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <memory>
 
+#include <fmt/format.h>
+
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
@@ -132,6 +134,70 @@ TEST_F(ZeroPlansTest, OptimizerOffloadMatchesOneWorkerAtEveryStage) {
 TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
   ExpectSameRun(Plan(1, 0, OffloadMode::kNone, 2));
   for (int stage = 0; stage <= 3; ++stage) ExpectSameRun(Plan(2, stage, OffloadMode::kNone, 2));
+}
+
+// Per-worker peak model-state bytes against the ZeRO formulas (fp32: parameters 4P, gradients
+// 4P, Adam 8P for P parameters), and bytes sent per step against the ring figures, for every
+// stage at 2 and 4 workers. Transient state (gathered layers, gradient buckets) is reported
+// apart and bounded by a few layers.
+TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
+  const Gpt2Config config = *Gpt2Config::Preset("tiny");
+  const ModelSpec model = DescribeGpt2(config);
+  const double p = static_cast<double>(model.NumParameters());
+  int64_t largest_block = 0;
+  for (const LayerSpec& layer : model.layers) {
+    if (layer.kind == LayerKind::kBlock) largest_block = std::max(largest_block, layer.params.numel());
+  }
+  const int64_t embedding = model.layers.front().params.numel();
+  const int64_t head = model.layers.back().params.numel();
+  const double transient_bound = 4.0 * (2 * embedding + 3 * largest_block + 2 * head);
+  for (int workers : {2, 4}) {
+    const double n = workers;
+    for (int stage = 0; stage <= 3; ++stage) {
+      const double expected_memory[] = {16 * p, 8 * p + 8 * p / n, 4 * p + 12 * p / n,
+                                        16 * p / n};
+      const double expected_sent = (stage == 3 ? 3 : 2) * 4 * p * (n - 1) / n;
+      ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(workers, stage, OffloadMode::kNone, 1)));
+      ASSERT_OK(trainer->InitializeParameters(1));
+      TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+      ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
+      std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
+      StepReport report;
+      for (int step = 0; step < 2; ++step) {
+        sampler.Next(tokens.data(), targets.data());
+        ASSERT_OK_AND_ASSIGN(report, trainer->Step(tokens, targets, 1e-3f));
+      }
+      ASSERT_EQ(report.ranks.size(), static_cast<size_t>(workers));
+      for (const RankFigures& rank : report.ranks) {
+        const RunFigures& f = rank.figures;
+        const std::string where = fmt::format("N={} stage {} rank {}", workers, stage, rank.rank);
+        const double memory = static_cast<double>(f.model_state_peak);
+        const double sent = static_cast<double>(f.collective_bytes_sent);
+        std::printf("[ %s ] model state %.0f B (formula %.0f, %+.2f%%), transient %lld B, sent "
+                    "%.0f B (ring %.0f, %+.2f%%)\n",
+                    where.c_str(), memory, expected_memory[stage],
+                    100 * (memory / expected_memory[stage] - 1),
+                    static_cast<long long>(f.transient_peak), sent, expected_sent,
+                    100 * (sent / expected_sent - 1));
+        EXPECT_NEAR(memory, expected_memory[stage], 0.05 * expected_memory[stage]) << where;
+        EXPECT_NEAR(sent, expected_sent, 0.05 * expected_sent) << where;
+        EXPECT_EQ(f.pushed_bytes, 0) << where << ": ranks exchange only through collectives";
+        if (stage >= 2) {
+          EXPECT_GT(f.transient_peak, 0) << where;
+          EXPECT_LE(static_cast<double>(f.transient_peak), transient_bound) << where;
+        } else {
+          EXPECT_EQ(f.transient_peak, 0) << where;
+        }
+        // Each stage shards what it promises: Adam state from stage 1, gradients from 2,
+        // parameters at 3.
+        const double shard = 4 * p / n;
+        EXPECT_NEAR(static_cast<double>(f.peak(ObjectRole::kOptimizerState)),
+                    stage >= 1 ? 2 * shard : 8 * p, 0.05 * 8 * p / n) << where;
+        EXPECT_NEAR(static_cast<double>(f.peak(ObjectRole::kParameter)),
+                    stage >= 3 ? shard : 4 * p, 0.05 * 4 * p / n) << where;
+      }
+    }
+  }
 }
 
 TEST_F(ZeroPlansTest, ImpossiblePlansAreRefusedWithWhatToChange) {

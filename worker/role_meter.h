@@ -1,0 +1,84 @@
+// RoleMeter: a run's live and peak bytes by object role (parameters, gradients, optimizer state,
+// gathered parameters, gradient buckets, activations, ...): what a plan holds on a worker.
+//
+// The executor reports every change as one event: the outputs a task produced and the inputs
+// it released. An output donated from an input it frees (an in-place update) takes that input's
+// place rather than adding to it, as the plan intends; an output that could not reuse the
+// buffer (the worker copied it) is still counted once, so these figures are the plan's memory,
+// and the allocator's peak (RunStats::peak_bytes) is the process's.
+//
+// Model state is parameters + gradients + optimizer state (the ZeRO formulas); transient state is
+// gathered parameters + gradient buckets, bounded by the plan's prefetch and bucket choices.
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "core/graph.h"
+
+namespace tessera {
+
+inline constexpr size_t kObjectRoles = static_cast<size_t>(kLastObjectRole) + 1;
+
+struct RoleBytes {
+  std::array<int64_t, kObjectRoles> peak{};  // per role, each at its own peak
+  int64_t model_state_peak = 0;              // max of parameters + gradients + optimizer state
+  int64_t transient_peak = 0;                // max of gathered parameters + gradient buckets
+  int64_t operator[](ObjectRole role) const { return peak[static_cast<size_t>(role)]; }
+};
+
+class RoleMeter {
+ public:
+  using Entry = std::pair<ObjectRole, int64_t>;
+
+  void Add(ObjectRole role, int64_t bytes) { Apply({{role, bytes}}, {}, {}); }
+  // `added` appear alongside what is live, then `freed` disappear. `replaced` are freed inputs
+  // whose buffers added outputs took over (donation): they never coexist with those outputs.
+  void Apply(const std::vector<Entry>& added, const std::vector<Entry>& freed,
+             const std::vector<Entry>& replaced) {
+    std::lock_guard lock(mutex_);
+    for (const auto& [role, bytes] : added) live_[static_cast<size_t>(role)] += bytes;
+    for (const auto& [role, bytes] : replaced) live_[static_cast<size_t>(role)] -= bytes;
+    UpdatePeaks();
+    for (const auto& [role, bytes] : replaced) live_[static_cast<size_t>(role)] += bytes;
+    for (const auto& [role, bytes] : freed) live_[static_cast<size_t>(role)] -= bytes;
+    UpdatePeaks();
+  }
+  RoleBytes bytes() const {
+    std::lock_guard lock(mutex_);
+    return bytes_;
+  }
+
+  static bool IsModelState(ObjectRole role) {
+    return role == ObjectRole::kParameter || role == ObjectRole::kGradient ||
+           role == ObjectRole::kOptimizerState;
+  }
+  static bool IsTransient(ObjectRole role) {
+    return role == ObjectRole::kGatheredParameter || role == ObjectRole::kGradientBucket;
+  }
+
+ private:
+  void UpdatePeaks() {  // REQUIRES: mutex_ held
+    int64_t model_state = 0, transient = 0;
+    for (size_t r = 0; r < kObjectRoles; ++r) {
+      const auto role = static_cast<ObjectRole>(r);
+      if (IsModelState(role)) model_state += live_[r];
+      if (IsTransient(role)) transient += live_[r];
+      bytes_.peak[r] = std::max(bytes_.peak[r], live_[r]);
+    }
+    bytes_.model_state_peak = std::max(bytes_.model_state_peak, model_state);
+    bytes_.transient_peak = std::max(bytes_.transient_peak, transient);
+  }
+
+  mutable std::mutex mutex_;
+  std::array<int64_t, kObjectRoles> live_{};
+  RoleBytes bytes_;
+};
+
+}  // namespace tessera
