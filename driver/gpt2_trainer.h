@@ -96,6 +96,17 @@ class Gpt2Trainer {
   // debugging; they stay alive until the next step). Re-plans the step graph.
   Status SetKeepGradients(bool keep);
 
+  // A whole group of state (step_graph().group_numel[layer] elements, padding included), read
+  // from / written to every object that holds a piece of it, whatever the placement.
+  Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
+  Status WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values);
+  // The value of step_graph().state[index] (a piece of a group on one rank).
+  Result<Tensor> DownloadState(size_t index) { return backend_->Download(state_.at(index)); }
+  // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
+  // correction depends on it).
+  void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
+  const StepGraph& step_graph() const { return step_graph_; }
+
   const ModelSpec& model() const { return model_; }
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
@@ -133,10 +144,6 @@ class Gpt2Trainer {
   int eval_handle_ = -1;
   std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
 
-  // A whole group of state (padded: group_numel elements), read from / written to every object
-  // that holds a piece of it.
-  Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
-  Status WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values);
   // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
   Result<std::vector<Value>> FullParameters();
   int64_t ParamMultiple() const;

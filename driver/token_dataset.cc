@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 
 #include "core/atomic_file.h"
 
@@ -139,6 +140,21 @@ void BatchSampler::Next(int32_t* inputs, int32_t* targets) {
   for (int64_t b = 0; b < batch_; ++b) {
     FillWindow(offset(rng_), inputs + b * seq_len_, targets + b * seq_len_);
   }
+}
+
+std::string BatchSampler::SaveState() const {
+  std::ostringstream out;
+  out << rng_;
+  return out.str();
+}
+
+Status BatchSampler::RestoreState(const std::string& state) {
+  std::istringstream in(state);
+  std::mt19937_64 restored;
+  in >> restored;
+  if (in.fail()) return InvalidArgument("'{}...' is not a batch sampler state", state.substr(0, 20));
+  rng_ = restored;
+  return Status::Ok();
 }
 
 void BatchSampler::Sequential(int64_t index, int32_t* inputs, int32_t* targets) const {

@@ -65,6 +65,11 @@ class BatchSampler {
   // The i-th batch of a fixed, sequential pass (for evaluation): window b starts at
   // ((i * batch + b) * seq_len) modulo the usable length.
   void Sequential(int64_t index, int32_t* inputs, int32_t* targets) const;
+  // The sampler's position (its random generator's state) as text, and back: a resumed run
+  // draws the batches the interrupted one would have. InvalidArgument for text that is not
+  // such a state.
+  std::string SaveState() const;
+  Status RestoreState(const std::string& state);
 
  private:
   BatchSampler(const TokenDataset& dataset, int64_t batch, int64_t seq_len, uint64_t seed)

@@ -2,10 +2,13 @@
 // GPT-2 tiny step computes the same training run as one worker (the equivalence the plans
 // promise), and impossible plans are refused before anything runs.
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 
 #include <fmt/format.h>
 
+#include "driver/checkpoint.h"
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
@@ -198,6 +201,115 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
       }
     }
   }
+}
+
+// Save at 4 workers ZeRO-3, resume at 2 workers ZeRO-1 and at 1 worker: the losses continue as
+// in the uninterrupted run. Damaged checkpoints are refused by name and the good one stays.
+TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
+  ASSERT_NE(reference_, nullptr);
+  const std::string dir = ::testing::TempDir() + "/zero_checkpoints";
+  std::filesystem::remove_all(dir);
+  constexpr int kSaveAfter = 8;
+  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
+  std::string saved;
+  {
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
+    ASSERT_OK(trainer->InitializeParameters(5));
+    ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
+    for (int step = 0; step < kSaveAfter; ++step) {
+      sampler.Next(tokens.data(), targets.data());
+      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, targets, 3e-3f));
+      EXPECT_LE(std::abs(report.loss - reference_->losses[step]) / reference_->losses[step], 1e-5)
+          << "before the save, step " << step;
+    }
+    ASSERT_OK_AND_ASSIGN(saved, SaveCheckpoint(*trainer, dir, sampler.SaveState()));
+  }
+  auto resume = [&](std::unique_ptr<Gpt2Trainer> trainer, const std::string& what) {
+    ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*trainer, dir));
+    EXPECT_EQ(info.step, kSaveAfter);
+    ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 0));
+    ASSERT_OK(sampler.RestoreState(info.sampler_state));
+    for (int step = kSaveAfter; step < kSteps; ++step) {
+      sampler.Next(tokens.data(), targets.data());
+      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, targets, 3e-3f));
+      const double expected = reference_->losses[step];
+      EXPECT_LE(std::abs(report.loss - expected) / expected, 1e-5)
+          << what << " step " << step << ": " << report.loss << " vs " << expected;
+    }
+  };
+  {
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(2, 1, OffloadMode::kNone, 1)));
+    resume(std::move(trainer), "resumed at 2 workers ZeRO-1");
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                                           Plan(1, 0, OffloadMode::kNone, 1),
+                                                           ExecutorOptions{}));
+    resume(std::move(trainer), "resumed at 1 worker");
+  }
+  // A truncated piece, then a corrupted one: clear errors naming the file.
+  ASSERT_OK_AND_ASSIGN(auto victim, Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                                        Plan(1, 0, OffloadMode::kNone, 1),
+                                                        ExecutorOptions{}));
+  const std::string piece = saved + "/rank2/h.1.exp_avg.bin";
+  const auto size = std::filesystem::file_size(piece);
+  std::string good;
+  {
+    std::ifstream in(piece, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::filesystem::resize_file(piece, size - 4);
+  Status truncated = LoadCheckpoint(*victim, dir).status();
+  EXPECT_EQ(truncated.code(), StatusCode::kDataLoss) << truncated.ToString();
+  EXPECT_NE(truncated.message().find("h.1.exp_avg.bin"), std::string::npos);
+  EXPECT_NE(truncated.message().find("truncated"), std::string::npos);
+  std::string flipped = good;
+  flipped[100] ^= 0x10;
+  {
+    std::ofstream out(piece, std::ios::binary | std::ios::trunc);
+    out << flipped;
+  }
+  Status corrupted = LoadCheckpoint(*victim, dir).status();
+  EXPECT_NE(corrupted.message().find("checksum mismatch"), std::string::npos)
+      << corrupted.ToString();
+  EXPECT_EQ(victim->steps_taken(), 0) << "a refused checkpoint changes nothing";
+  // A missing checkpoint says where it looked.
+  Status missing = LoadCheckpoint(*victim, dir + "/nowhere").status();
+  EXPECT_EQ(missing.code(), StatusCode::kNotFound);
+  // Saving again never touches the complete checkpoint: a later step gets its own directory
+  // and `latest` moves only when it is complete.
+  {
+    std::ofstream out(piece, std::ios::binary | std::ios::trunc);
+    out << good;
+  }
+  ASSERT_OK(LoadCheckpoint(*victim, dir).status());
+  ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 0));
+  sampler.Next(tokens.data(), targets.data());
+  ASSERT_OK(victim->Step(tokens, targets, 3e-3f).status());
+  ASSERT_OK_AND_ASSIGN(std::string next, SaveCheckpoint(*victim, dir, sampler.SaveState()));
+  EXPECT_NE(next, saved);
+  EXPECT_TRUE(std::filesystem::exists(saved + "/manifest.json"));
+}
+
+TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
+  const std::string path = ::testing::TempDir() + "/tiny_llmc.bin";
+  ASSERT_OK_AND_ASSIGN(auto source, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
+  ASSERT_OK(source->InitializeParameters(11));
+  ASSERT_OK(ExportLlmc(*source, path));
+  const Gpt2Config config = *Gpt2Config::Preset("tiny");
+  // 256-int header, wte padded to a multiple of 128 rows, then the rest.
+  EXPECT_EQ(std::filesystem::file_size(path),
+            1024 + 4 * static_cast<uintmax_t>(config.NumParameters()));
+  ASSERT_OK_AND_ASSIGN(auto target, Gpt2Trainer::Create(config, Plan(1, 0, OffloadMode::kNone, 1),
+                                                        ExecutorOptions{}));
+  ASSERT_OK(ImportLlmc(*target, path));
+  for (const std::string& name : source->ParameterNames()) {
+    EXPECT_EQ(*source->GetParameter(name), *target->GetParameter(name)) << name;
+  }
+  std::filesystem::resize_file(path, 2000);
+  Status truncated = ImportLlmc(*target, path);
+  EXPECT_NE(truncated.message().find("truncated"), std::string::npos) << truncated.ToString();
 }
 
 TEST_F(ZeroPlansTest, ImpossiblePlansAreRefusedWithWhatToChange) {

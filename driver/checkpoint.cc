@@ -1,0 +1,313 @@
+#include "driver/checkpoint.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/atomic_file.h"
+
+namespace tessera {
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int kFormatVersion = 1;
+
+uint64_t Fnv1a(const void* data, size_t bytes) {
+  uint64_t hash = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    hash ^= p[i];
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+json ConfigJson(const Gpt2Config& c) {
+  return json{{"layers", c.layers},
+              {"channels", c.channels},
+              {"heads", c.heads},
+              {"vocab", c.vocab},
+              {"max_seq_len", c.max_seq_len}};
+}
+
+Status CheckSameModel(const json& saved, const Gpt2Config& config, const std::string& path) {
+  const json expected = ConfigJson(config);
+  for (const auto& [field, value] : expected.items()) {
+    if (!saved.contains(field) || saved[field] != value) {
+      return InvalidArgument(
+          "checkpoint '{}' is of a model with {}={} but this model has {}={}: resume with the "
+          "same model shape",
+          path, field, saved.contains(field) ? saved[field].dump() : "?", field, value.dump());
+    }
+  }
+  return Status::Ok();
+}
+
+Result<StateKind> KindFromName(const std::string& name) {
+  for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    if (name == StateKindName(kind)) return kind;
+  }
+  return DataLoss("unknown state kind '{}'", name);
+}
+
+}  // namespace
+
+Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
+                                   const std::string& sampler_state) {
+  const StepGraph& step = trainer.step_graph();
+  const std::string name = fmt::format("step_{:08d}", trainer.steps_taken());
+  const fs::path final_dir = fs::path(dir) / name;
+  std::error_code error;
+  if (fs::exists(final_dir / "manifest.json", error)) return final_dir.string();  // already saved
+  const fs::path partial = fs::path(dir) / (name + ".partial");
+  fs::remove_all(partial, error);
+  if (!fs::create_directories(partial, error) && error) {
+    return Unavailable("cannot create checkpoint directory '{}': {}", partial.string(),
+                       error.message());
+  }
+  json pieces = json::array();
+  for (size_t i = 0; i < step.state.size(); ++i) {
+    const StateObject& object = step.state[i];
+    const std::string& layer = trainer.model().layers[object.piece.layer].name;
+    const std::string file =
+        fmt::format("rank{}/{}.{}.bin", object.piece.rank, layer, StateKindName(object.kind));
+    fs::create_directories(partial / fmt::format("rank{}", object.piece.rank), error);
+    TESSERA_ASSIGN_OR_RETURN(Tensor tensor, trainer.DownloadState(i));
+    const std::string_view bytes(static_cast<const char*>(tensor.raw_data()),
+                                 static_cast<size_t>(tensor.bytes()));
+    TESSERA_RETURN_IF_ERROR(WriteFileAtomically((partial / file).string(), bytes));
+    pieces.push_back(json{{"layer", layer},
+                          {"kind", StateKindName(object.kind)},
+                          {"rank", object.piece.rank},
+                          {"begin", object.piece.begin},
+                          {"numel", object.piece.numel},
+                          {"file", file},
+                          {"bytes", tensor.bytes()},
+                          {"fnv1a", Fnv1a(bytes.data(), bytes.size())}});
+  }
+  json groups = json::object();
+  for (size_t l = 0; l < step.group_numel.size(); ++l) {
+    groups[trainer.model().layers[l].name] =
+        json{{"numel", trainer.model().layers[l].params.numel()},
+             {"padded_numel", step.group_numel[l]}};
+  }
+  const json manifest{{"format", "tessera-checkpoint"},
+                      {"version", kFormatVersion},
+                      {"model", ConfigJson(trainer.model().config)},
+                      {"step", trainer.steps_taken()},
+                      {"sampler_state", sampler_state},
+                      {"plan", step.parallel.ToString()},
+                      {"groups", groups},
+                      {"pieces", pieces}};
+  TESSERA_RETURN_IF_ERROR(
+      WriteFileAtomically((partial / "manifest.json").string(), manifest.dump(1)));
+  fs::rename(partial, final_dir, error);
+  if (error) {
+    return Unavailable("cannot rename '{}' to '{}': {}", partial.string(), final_dir.string(),
+                       error.message());
+  }
+  TESSERA_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "latest").string(), name + "\n"));
+  return final_dir.string();
+}
+
+Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& path) {
+  fs::path step_dir = path;
+  std::error_code error;
+  if (!fs::exists(step_dir / "manifest.json", error)) {
+    if (!fs::exists(step_dir / "latest", error)) {
+      return NotFound(
+          "'{}' holds no checkpoint (neither a manifest.json nor a 'latest' pointer): pass a "
+          "--checkpoint-dir that a run saved into",
+          path);
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::string latest, ReadWholeFile((step_dir / "latest").string()));
+    while (!latest.empty() && (latest.back() == '\n' || latest.back() == '\r')) latest.pop_back();
+    step_dir /= latest;
+  }
+  const std::string manifest_path = (step_dir / "manifest.json").string();
+  TESSERA_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(manifest_path));
+  json manifest;
+  try {
+    manifest = json::parse(text);
+  } catch (const json::exception& e) {
+    return DataLoss("checkpoint manifest '{}' is damaged: {}", manifest_path, e.what());
+  }
+  if (manifest.value("format", "") != "tessera-checkpoint" ||
+      manifest.value("version", 0) != kFormatVersion) {
+    return DataLoss("'{}' is not a version-{} Tessera checkpoint manifest", manifest_path,
+                    kFormatVersion);
+  }
+  TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer.model().config, manifest_path));
+  // Every group of the trainer's plan, assembled from the saved pieces; only then is anything
+  // written into the trainer (a damaged checkpoint leaves it as it was).
+  const ModelSpec& model = trainer.model();
+  std::map<std::pair<std::string, StateKind>, std::vector<float>> groups;
+  std::map<std::pair<std::string, StateKind>, int64_t> covered;
+  try {
+    for (const json& piece : manifest.at("pieces")) {
+      const std::string layer = piece.at("layer");
+      TESSERA_ASSIGN_OR_RETURN(StateKind kind, KindFromName(piece.at("kind")));
+      const int64_t begin = piece.at("begin"), numel = piece.at("numel");
+      const int64_t padded = manifest.at("groups").at(layer).at("padded_numel");
+      auto [it, inserted] = groups.try_emplace({layer, kind});
+      if (inserted) it->second.assign(static_cast<size_t>(padded), 0.0f);
+      if (piece.at("rank") != 0 && begin == 0 && numel == padded) continue;  // a replica
+      const std::string file = (step_dir / piece.at("file").get<std::string>()).string();
+      TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(file));
+      if (static_cast<int64_t>(bytes.size()) != numel * 4 || begin < 0 || begin + numel > padded) {
+        return DataLoss("checkpoint piece '{}' has {} bytes but the manifest says {} (truncated?)",
+                        file, bytes.size(), numel * 4);
+      }
+      if (Fnv1a(bytes.data(), bytes.size()) != piece.at("fnv1a").get<uint64_t>()) {
+        return DataLoss("checkpoint piece '{}' is corrupted (checksum mismatch)", file);
+      }
+      std::memcpy(it->second.data() + begin, bytes.data(), bytes.size());
+      covered[{layer, kind}] += numel;
+    }
+  } catch (const json::exception& e) {
+    return DataLoss("checkpoint manifest '{}' is damaged: {}", manifest_path, e.what());
+  }
+  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  const StepGraph& step = trainer.step_graph();
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      if (kind != StateKind::kParameter && !adamw) continue;
+      auto it = groups.find({model.layers[l].name, kind});
+      const int64_t numel = model.layers[l].params.numel();
+      if (it == groups.end() || covered[it->first] < numel) {
+        return DataLoss("checkpoint '{}' lacks {} of layer '{}'", step_dir.string(),
+                        StateKindName(kind), model.layers[l].name);
+      }
+      std::vector<float> values(static_cast<size_t>(step.group_numel[l]), 0.0f);
+      std::copy_n(it->second.begin(), numel, values.begin());  // re-padded for this plan
+      TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(l, kind, values));
+    }
+  }
+  CheckpointInfo info;
+  info.path = step_dir.string();
+  info.step = manifest.at("step");
+  info.sampler_state = manifest.value("sampler_state", "");
+  trainer.set_steps_taken(info.step);
+  return info;
+}
+
+namespace {
+
+constexpr int32_t kLlmcMagic = 20240326;
+constexpr int32_t kLlmcVersionFp32 = 3;
+
+int64_t PaddedVocab(int64_t vocab) { return (vocab + 127) / 128 * 128; }
+
+// llm.c's tensor order: (name in our model, rows of our tensor, the padded rows in the file).
+struct LlmcTensor {
+  std::string prefix_free_name;  // "wte", "ln1_w", ...
+  bool per_layer;
+};
+const LlmcTensor kLlmcOrder[] = {
+    {"wte", false},     {"wpe", false},    {"ln1_w", true},    {"ln1_b", true},
+    {"qkv_w", true},    {"qkv_b", true},   {"proj_w", true},   {"proj_b", true},
+    {"ln2_w", true},    {"ln2_b", true},   {"fc_w", true},     {"fc_b", true},
+    {"fcproj_w", true}, {"fcproj_b", true}, {"lnf_w", false},  {"lnf_b", false}};
+
+}  // namespace
+
+Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
+  const Gpt2Config& c = trainer.model().config;
+  std::string out(256 * sizeof(int32_t), '\0');
+  auto* header = reinterpret_cast<int32_t*>(out.data());
+  header[0] = kLlmcMagic;
+  header[1] = kLlmcVersionFp32;
+  header[2] = static_cast<int32_t>(c.max_seq_len);
+  header[3] = static_cast<int32_t>(c.vocab);
+  header[4] = static_cast<int32_t>(c.layers);
+  header[5] = static_cast<int32_t>(c.heads);
+  header[6] = static_cast<int32_t>(c.channels);
+  header[7] = static_cast<int32_t>(PaddedVocab(c.vocab));
+  auto append = [&](const std::vector<float>& values) {
+    out.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  };
+  for (const LlmcTensor& tensor : kLlmcOrder) {
+    const int64_t copies = tensor.per_layer ? c.layers : 1;
+    for (int64_t l = 0; l < copies; ++l) {
+      const std::string name = tensor.per_layer ? fmt::format("h.{}.{}", l, tensor.prefix_free_name)
+                                                : tensor.prefix_free_name;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> values, trainer.GetParameter(name));
+      append(values);
+      if (name == "wte") {  // llm.c pads the vocabulary rows with zeros
+        append(std::vector<float>(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels)));
+      }
+    }
+  }
+  return WriteFileAtomically(path, out);
+}
+
+Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  const Gpt2Config& c = trainer.model().config;
+  if (bytes.size() < 256 * sizeof(int32_t)) {
+    return DataLoss("'{}' has {} bytes: too short for an llm.c checkpoint header", path,
+                    bytes.size());
+  }
+  const auto* header = reinterpret_cast<const int32_t*>(bytes.data());
+  if (header[0] != kLlmcMagic || header[1] != kLlmcVersionFp32) {
+    return InvalidArgument("'{}' is not an fp32 llm.c GPT-2 checkpoint (magic {}, version {})",
+                           path, header[0], header[1]);
+  }
+  const int64_t vocab_padded = header[7];
+  if (header[2] != c.max_seq_len || header[3] != c.vocab || header[4] != c.layers ||
+      header[5] != c.heads || header[6] != c.channels || vocab_padded < c.vocab) {
+    return InvalidArgument(
+        "'{}' holds a model with max_seq_len={} vocab={} layers={} heads={} channels={}, but "
+        "this model is {}",
+        path, header[2], header[3], header[4], header[5], header[6], c.ToString());
+  }
+  size_t offset = 256 * sizeof(int32_t);
+  for (const LlmcTensor& tensor : kLlmcOrder) {
+    const int64_t copies = tensor.per_layer ? c.layers : 1;
+    for (int64_t l = 0; l < copies; ++l) {
+      const std::string name = tensor.per_layer ? fmt::format("h.{}.{}", l, tensor.prefix_free_name)
+                                                : tensor.prefix_free_name;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> current, trainer.GetParameter(name));
+      const size_t count = current.size();
+      if (offset + count * sizeof(float) > bytes.size()) {
+        return DataLoss("'{}' is truncated: it ends inside tensor '{}'", path, name);
+      }
+      std::memcpy(current.data(), bytes.data() + offset, count * sizeof(float));
+      offset += count * sizeof(float);
+      if (name == "wte") offset += static_cast<size_t>((vocab_padded - c.vocab) * c.channels) * 4;
+      TESSERA_ASSIGN_OR_RETURN(const FlatSlot* slot, [&]() -> Result<const FlatSlot*> {
+        for (const LayerSpec& layer : trainer.model().layers) {
+          const std::string prefix = layer.kind == LayerKind::kBlock ? layer.name + "." : "";
+          if (!name.starts_with(prefix)) continue;
+          Result<const FlatSlot*> found = layer.params.Find(name.substr(prefix.size()));
+          if (found.ok()) return found;
+        }
+        return NotFound("no parameter '{}'", name);
+      }());
+      TESSERA_RETURN_IF_ERROR(trainer.SetParameter(name, current, slot->shape));
+    }
+  }
+  if (offset != bytes.size()) {
+    return DataLoss("'{}' has {} bytes after the last tensor: not a GPT-2 checkpoint of this shape",
+                    path, bytes.size() - offset);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera

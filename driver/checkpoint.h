@@ -1,0 +1,49 @@
+// Checkpoints: a trainer's state on disk, independent of the plan that wrote it.
+//
+//   <dir>/step_00000100/manifest.json   model config, step, the batch sampler's state, the plan
+//                                       that wrote it, and for every piece of every group: its
+//                                       layer, kind, rank, element range, file, size, checksum
+//   <dir>/step_00000100/rank<r>/<layer>.<kind>.bin   one piece, raw little-endian fp32
+//   <dir>/latest                        the name of the newest complete checkpoint
+//
+// Pieces are saved as the plan holds them (a ZeRO-3 run saves N shards of every group, a data-
+// parallel run one copy). Loading assembles each group from whatever pieces were saved and
+// writes it into the trainer's own placement, so any data-parallel size and any ZeRO stage can
+// resume any checkpoint. Every file is written atomically; the directory becomes visible under
+// its final name only once complete, and `latest` moves only after that, so a crash or a full
+// disk mid-save never touches the previous checkpoint.
+//
+// Errors: a missing checkpoint is NotFound naming the path; a truncated or corrupted piece or
+// manifest is DataLoss naming the file and what is wrong; a checkpoint of another model shape
+// is InvalidArgument naming the field.
+//
+// llm.c: ExportLlmc/ImportLlmc read and write the full fp32 weights in llm.c's GPT-2 checkpoint
+// format (gpt2_124M.bin: a 256-int header with magic 20240326, version 3, then the tensors in
+// llm.c's order, the vocabulary padded to a multiple of 128).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/status.h"
+#include "driver/gpt2_trainer.h"
+
+namespace tessera {
+
+struct CheckpointInfo {
+  std::string path;           // the step directory
+  int64_t step = 0;           // steps taken when saved
+  std::string sampler_state;  // BatchSampler::SaveState, for the data position
+};
+
+// Saves the trainer's state after trainer.steps_taken() steps; returns the step directory.
+Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
+                                   const std::string& sampler_state);
+// Loads `path`: a step directory, or a checkpoint directory (its `latest`). Sets the trainer's
+// state and step count.
+Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& path);
+
+Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path);
+Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path);
+
+}  // namespace tessera
