@@ -21,6 +21,7 @@
 #include "core/settings.h"
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
+#include "driver/checkpoint.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
 
@@ -53,6 +54,12 @@ struct Flags {
   std::string prompt = "\n";
   int64_t log_every = 1;
   int workers = 0;
+  int zero_stage = 0;
+  std::string offload = "none";
+  int grad_accum = 1;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  bool resume = false;
   std::string address;
   std::string token_file;
   std::string placement = "scheduler";
@@ -183,6 +190,21 @@ int Run(const Flags& flags) {
   plan.optimizer.weight_decay = flags.weight_decay;
   plan.optimizer.max_grad_norm = flags.grad_clip;
   if (flags.optimizer == "sgd") plan.optimizer.kind = tessera::OptimizerConfig::Kind::kSgd;
+  plan.parallel.zero_stage = flags.zero_stage;
+  plan.parallel.grad_accum = flags.grad_accum;
+  tessera::Result<tessera::OffloadMode> offload = tessera::ParseOffload(flags.offload);
+  if (!offload.ok()) return Fail(offload.status());
+  plan.parallel.offload = *offload;
+  // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
+  if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
+  if (flags.resume && flags.checkpoint_dir.empty()) {
+    return Fail(tessera::InvalidArgument("--resume needs --checkpoint-dir (where to resume from)"));
+  }
+  if (Status valid = plan.Validate(tessera::DescribeGpt2(config));
+      !valid.ok() && !(flags.workers > 0 && valid.message().find("need a worker each") !=
+                                                 std::string::npos)) {
+    return Fail(valid);  // refused before any process starts
+  }
   // Where the step runs: this process, a local cluster we start, or a running cluster.
   std::unique_ptr<tessera::Cluster> cluster;
   std::unique_ptr<tessera::GraphBackend> backend;
@@ -221,11 +243,30 @@ int Run(const Flags& flags) {
                static_cast<long long>(batch), static_cast<long long>(seq_len),
                (*trainer)->backend().Describe().c_str(), dataset->source().c_str(),
                static_cast<long long>(dataset->size()));
-  if (cluster != nullptr && flags.placement == "scheduler") {
-    std::fprintf(stderr,
-                 "train_gpt2: single-worker plan: the step runs on one worker (data "
-                 "parallelism and ZeRO come with their planners)\n");
+  std::fprintf(stderr, "train_gpt2: plan %s, micro-batch %lld\n",
+               (*trainer)->plan().parallel.ToString().c_str(),
+               static_cast<long long>((*trainer)->step_graph().micro_batch));
+  int64_t first_step = 1;
+  if (flags.resume) {
+    tessera::Result<tessera::CheckpointInfo> loaded =
+        tessera::LoadCheckpoint(**trainer, flags.checkpoint_dir);
+    if (!loaded.ok()) return Fail(loaded.status());
+    if (Status restored = train_sampler->RestoreState(loaded->sampler_state); !restored.ok()) {
+      return Fail(restored.WithContext(loaded->path));
+    }
+    first_step = loaded->step + 1;
+    std::fprintf(stderr, "train_gpt2: resumed from %s (step %lld)\n", loaded->path.c_str(),
+                 static_cast<long long>(loaded->step));
   }
+  auto save = [&]() -> Status {
+    tessera::Result<std::string> saved = tessera::SaveCheckpoint(
+        **trainer, flags.checkpoint_dir, train_sampler->SaveState());
+    if (!saved.ok()) return saved.status();
+    std::fprintf(stderr, "train_gpt2: checkpoint %s\n", saved->c_str());
+    return Status::Ok();
+  };
+  // Per rank: the largest figures of any step, and the last step's bytes sent.
+  std::vector<tessera::RankFigures> rank_peaks;
 
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
   std::vector<int32_t> targets(tokens.size());
@@ -237,13 +278,28 @@ int Run(const Flags& flags) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   double last_progress_s = 0;
-  for (int64_t i = 1; i <= flags.steps; ++i) {
+  for (int64_t i = first_step; i <= flags.steps; ++i) {
     train_sampler->Next(tokens.data(), targets.data());
     tessera::Result<tessera::StepReport> report =
         (*trainer)->Step(tokens, targets, static_cast<float>(flags.lr));
     if (!report.ok()) return Fail(report.status().WithContext(fmt::format("step {}", i)));
     step_ms.push_back(report->step_ms);
     peak_bytes = std::max(peak_bytes, report->peak_bytes);
+    if (rank_peaks.size() < report->ranks.size()) rank_peaks.resize(report->ranks.size());
+    for (size_t r = 0; r < report->ranks.size(); ++r) {
+      const tessera::RunFigures& now = report->ranks[r].figures;
+      tessera::RankFigures& kept = rank_peaks[r];
+      kept.rank = report->ranks[r].rank;
+      kept.worker = report->ranks[r].worker;
+      kept.figures.role_peaks.resize(now.role_peaks.size());
+      for (size_t role = 0; role < now.role_peaks.size(); ++role) {
+        kept.figures.role_peaks[role] = std::max(kept.figures.role_peaks[role], now.role_peaks[role]);
+      }
+      kept.figures.model_state_peak = std::max(kept.figures.model_state_peak, now.model_state_peak);
+      kept.figures.transient_peak = std::max(kept.figures.transient_peak, now.transient_peak);
+      kept.figures.collective_bytes_sent = now.collective_bytes_sent;
+      kept.figures.pushed_bytes = now.pushed_bytes;
+    }
     last_loss = report->loss;
     if (!std::isfinite(report->loss)) {
       return Fail(
@@ -264,6 +320,10 @@ int Run(const Flags& flags) {
                    static_cast<long long>(i), static_cast<long long>(flags.steps),
                    100.0 * static_cast<double>(i) / static_cast<double>(flags.steps),
                    last_progress_s, eta);
+    }
+    if (!flags.checkpoint_dir.empty() && flags.checkpoint_every > 0 &&
+        i % flags.checkpoint_every == 0) {
+      if (Status saved = save(); !saved.ok()) return Fail(saved);
     }
     if (flags.eval_every > 0 && (i % flags.eval_every == 0 || i == flags.steps)) {
       double total = 0;
@@ -292,6 +352,21 @@ int Run(const Flags& flags) {
                 Printable(*sample, dataset->is_text() && config.vocab <= 256).c_str());
   }
 
+  const bool saved_last = flags.checkpoint_every > 0 && flags.steps % flags.checkpoint_every == 0;
+  if (!flags.checkpoint_dir.empty() && (*trainer)->steps_taken() > 0 && !saved_last) {
+    if (Status saved = save(); !saved.ok()) return Fail(saved);
+  }
+  const auto mb = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); };
+  for (const tessera::RankFigures& rank : rank_peaks) {
+    const tessera::RunFigures& f = rank.figures;
+    std::printf(
+        "worker rank %d%s: peak params %.2f MB, grads %.2f MB, optimizer %.2f MB (model state "
+        "%.2f MB), transient %.2f MB; sent %.2f MB/step\n",
+        rank.rank, rank.worker.valid() ? (" (" + rank.worker.ToString() + ")").c_str() : "",
+        mb(f.peak(tessera::ObjectRole::kParameter)), mb(f.peak(tessera::ObjectRole::kGradient)),
+        mb(f.peak(tessera::ObjectRole::kOptimizerState)), mb(f.model_state_peak),
+        mb(f.transient_peak), mb(f.collective_bytes_sent + f.pushed_bytes));
+  }
   std::vector<double> sorted = step_ms;
   double median = 0;
   if (!sorted.empty()) {
@@ -361,8 +436,22 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", flags.log_every, "Print every N-th step line")
       ->check(CLI::PositiveNumber);
   app.add_option("--workers", flags.workers,
-                 "Run on a local cluster of N CPU worker processes (0: in this process)")
+                 "N data-parallel workers: a local cluster of N CPU worker processes, or N "
+                 "workers of --address (0: in this process)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--zero-stage", flags.zero_stage,
+                 "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
+                 "3 + parameters");
+  app.add_option("--offload", flags.offload,
+                 "none, or optimizer: optimizer state and update in the host tier / CPU");
+  app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
+  app.add_option("--checkpoint-dir", flags.checkpoint_dir,
+                 "Save checkpoints here (at the end, and every --checkpoint-every steps)");
+  app.add_option("--checkpoint-every", flags.checkpoint_every, "Steps between checkpoints (0: end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", flags.resume,
+               "Continue from the latest checkpoint in --checkpoint-dir (any --workers and "
+               "--zero-stage)");
   app.add_option("--address", flags.address, "Run on the cluster at HOST:PORT");
   app.add_option("--token-file", flags.token_file,
                  "With --address: the cluster token (default: the latest session's)");

@@ -73,7 +73,9 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
   EXPECT_EQ(run.exit_code, 0);
   for (const char* flag :
        {"--layers", "--channels", "--heads", "--vocab", "--seq-len", "--batch", "--preset",
-        "--steps", "--lr", "--seed", "--threads", "--data", "--eval-every", "--sample"}) {
+        "--steps", "--lr", "--seed", "--threads", "--data", "--eval-every", "--sample",
+        "--workers", "--zero-stage", "--offload", "--grad-accum", "--checkpoint-dir",
+        "--checkpoint-every", "--resume"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
@@ -134,6 +136,38 @@ TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
   EXPECT_EQ(FirstMatch(cluster.output, R"(final_loss=([0-9.]+))"), expected) << cluster.output;
   EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
   EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
+}
+
+// ZeRO-3 on 2 workers with checkpoints, resumed on 4 workers at ZeRO-1: the same final loss as
+// an uninterrupted run, and a per-worker report of peak model state and bytes sent.
+TEST(TrainGpt2Test, ZeroRunsCheckpointAndResumeOnAnotherPlan) {
+  const std::string dir = ::testing::TempDir() + "/train_gpt2_checkpoints";
+  std::filesystem::remove_all(dir);
+  ProcessResult whole = RunTrainGpt2("--steps 12 --log-every 12 --threads 1");
+  ProcessResult first = RunTrainGpt2("--steps 6 --log-every 6 --threads 1 --workers 2 "
+                                     "--zero-stage 3 --checkpoint-dir " + dir);
+  ProcessResult second = RunTrainGpt2("--steps 12 --log-every 6 --threads 1 --workers 4 "
+                                      "--zero-stage 1 --grad-accum 2 --checkpoint-dir " + dir +
+                                      " --resume");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  EXPECT_EQ(FirstMatch(second.output, R"(final_loss=([0-9.]+))"),
+            FirstMatch(whole.output, R"(final_loss=([0-9.]+))"))
+      << second.output;
+  EXPECT_GT(FirstMatch(first.output, R"(worker rank 1 \(worker\d+\): peak params ([0-9.]+) MB)"), 0)
+      << first.output;
+  EXPECT_GT(FirstMatch(second.output, R"(worker rank 3 .*sent ([0-9.]+) MB/step)"), 0)
+      << second.output;
+  // Impossible plans are refused before anything starts, saying what to change.
+  ProcessResult stage5 = RunTrainGpt2("--steps 1 --workers 2 --zero-stage 5");
+  EXPECT_NE(stage5.exit_code, 0);
+  EXPECT_NE(stage5.output.find("ZeRO stage 5 does not exist: use 0"), std::string::npos)
+      << stage5.output;
+  ProcessResult no_dir = RunTrainGpt2("--steps 1 --resume");
+  EXPECT_NE(no_dir.output.find("--resume needs --checkpoint-dir"), std::string::npos)
+      << no_dir.output;
 }
 
 // Children of `parent` that are still running (zombies count as gone).
