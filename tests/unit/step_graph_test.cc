@@ -45,6 +45,70 @@ TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
   EXPECT_EQ(g.task(*g.FindTask("h.1/backward")).layer, "h.1");
 }
 
+TrainingPlan ZeroPlan(int workers, int stage, int accum = 1) {
+  TrainingPlan plan = TinyPlan();
+  plan.batch = 4;
+  plan.parallel.data_parallel = workers;
+  plan.parallel.zero_stage = stage;
+  plan.parallel.grad_accum = accum;
+  for (int r = 0; r < workers; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
+  return plan;
+}
+
+int CountOp(const Graph& g, const std::string& op) {
+  int count = 0;
+  for (const TaskSpec& task : g.tasks()) count += task.op == op;
+  return count;
+}
+
+// Where each stage puts things, read off the graph: the collectives it adds, the shapes of the
+// state, and every task pinned to its rank's worker.
+TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
+  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const int64_t layers = static_cast<int64_t>(model.layers.size());
+  for (int stage = 0; stage <= 3; ++stage) {
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, ZeroPlan(2, stage), CpuRegistry()));
+    const Graph& g = step.graph;
+    // Per rank: one gradient reduction per group, the optimizer on its own state.
+    EXPECT_EQ(CountOp(g, "all_reduce"), 2 * (stage == 0 ? layers : 0) + 2 * (1 + (stage > 0)))
+        << "stage " << stage << ": gradients + loss (+ grad norm when sharded)";
+    EXPECT_EQ(CountOp(g, "reduce_scatter"), stage == 0 ? 0 : 2 * layers) << "stage " << stage;
+    EXPECT_EQ(CountOp(g, "all_gather_in_place"), stage == 1 || stage == 2 ? 2 * layers : 0);
+    // ZeRO-3 gathers every block twice (forward, backward), the embedding twice (forward,
+    // head) and the head once.
+    EXPECT_EQ(CountOp(g, "all_gather"), stage == 3 ? 2 * (2 * (layers - 2) + 2 + 1) : 0);
+    for (const StateObject& object : step.state) {
+      const int64_t full = step.group_numel[object.piece.layer];
+      const bool sharded = object.kind == StateKind::kParameter ? stage == 3 : stage >= 1;
+      EXPECT_EQ(object.piece.numel, sharded ? full / 2 : full);
+      EXPECT_EQ(object.piece.begin, sharded ? object.piece.rank * full / 2 : 0);
+      EXPECT_EQ(g.object(object.input).meta.numel(), object.piece.numel);
+    }
+    for (const TaskSpec& task : g.tasks()) {
+      const bool rank1 = task.name.starts_with("rank1/");
+      EXPECT_EQ(task.pinned_worker, WorkerId(rank1 ? 11 : 10)) << task.name;
+    }
+    // Groups are padded to equal shards from stage 1 on.
+    for (size_t l = 0; l < model.layers.size(); ++l) {
+      EXPECT_EQ(step.group_numel[l] % (stage >= 1 ? 2 : 1), 0);
+      EXPECT_LT(step.group_numel[l] - model.layers[l].params.numel(), 2);
+    }
+  }
+  // ZeRO-3 prefetch: a block's forward gather waits for the activation entering the layer
+  // before it (a control input), so at most two layers are gathered at once.
+  ASSERT_OK_AND_ASSIGN(StepGraph z3, PlanTrainingStep(model, ZeroPlan(2, 3), CpuRegistry()));
+  const TaskSpec& gather = z3.graph.task(*z3.graph.FindTask("rank0/h.1/gather_forward"));
+  ASSERT_EQ(gather.inputs.size(), 2u);
+  EXPECT_EQ(z3.graph.object(gather.inputs[1]).producer, *z3.graph.FindTask("rank0/embedding/forward"));
+  EXPECT_EQ(z3.graph.object(gather.outputs[0]).role, ObjectRole::kGatheredParameter);
+  // Accumulation: K micro-batches per rank, each a forward and backward, summed in place.
+  ASSERT_OK_AND_ASSIGN(StepGraph accum, PlanTrainingStep(model, ZeroPlan(2, 2, 2), CpuRegistry()));
+  EXPECT_EQ(accum.tokens.size(), 4u);
+  EXPECT_EQ(accum.micro_batch, 1);
+  EXPECT_EQ(CountOp(accum.graph, "accumulate"), 2 * layers);
+  EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
+}
+
 TEST(StepGraphTest, SgdPlanHasNoOptimizerState) {
   TrainingPlan plan = TinyPlan();
   plan.optimizer.kind = OptimizerConfig::Kind::kSgd;
