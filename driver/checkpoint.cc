@@ -103,9 +103,8 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   }
   json groups = json::object();
   for (size_t l = 0; l < step.group_numel.size(); ++l) {
-    groups[trainer.model().layers[l].name] =
-        json{{"numel", trainer.model().layers[l].params.numel()},
-             {"padded_numel", step.group_numel[l]}};
+    groups[trainer.model().layers[l].name] = json{
+        {"numel", trainer.model().layers[l].params.numel()}, {"padded_numel", step.group_numel[l]}};
   }
   const json manifest{{"format", "tessera-checkpoint"},
                       {"version", kFormatVersion},
@@ -220,10 +219,25 @@ struct LlmcTensor {
   bool per_layer;
 };
 const LlmcTensor kLlmcOrder[] = {
-    {"wte", false},     {"wpe", false},    {"ln1_w", true},    {"ln1_b", true},
-    {"qkv_w", true},    {"qkv_b", true},   {"proj_w", true},   {"proj_b", true},
-    {"ln2_w", true},    {"ln2_b", true},   {"fc_w", true},     {"fc_b", true},
-    {"fcproj_w", true}, {"fcproj_b", true}, {"lnf_w", false},  {"lnf_b", false}};
+    {"wte", false},     {"wpe", false},     {"ln1_w", true},  {"ln1_b", true},
+    {"qkv_w", true},    {"qkv_b", true},    {"proj_w", true}, {"proj_b", true},
+    {"ln2_w", true},    {"ln2_b", true},    {"fc_w", true},   {"fc_b", true},
+    {"fcproj_w", true}, {"fcproj_b", true}, {"lnf_w", false}, {"lnf_b", false}};
+
+// Our parameter names in llm.c's file order.
+std::vector<std::string> LlmcNames(const Gpt2Config& c) {
+  std::vector<std::string> names;
+  for (const LlmcTensor& tensor : kLlmcOrder) {
+    if (!tensor.per_layer) {
+      names.push_back(tensor.prefix_free_name);
+      continue;
+    }
+    for (int64_t l = 0; l < c.layers; ++l) {
+      names.push_back(fmt::format("h.{}.{}", l, tensor.prefix_free_name));
+    }
+  }
+  return names;
+}
 
 }  // namespace
 
@@ -242,15 +256,13 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   auto append = [&](const std::vector<float>& values) {
     out.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   };
-  for (const LlmcTensor& tensor : kLlmcOrder) {
-    const int64_t copies = tensor.per_layer ? c.layers : 1;
-    for (int64_t l = 0; l < copies; ++l) {
-      const std::string name = tensor.per_layer ? fmt::format("h.{}.{}", l, tensor.prefix_free_name)
-                                                : tensor.prefix_free_name;
+  for (const std::string& name : LlmcNames(c)) {
+    {
       TESSERA_ASSIGN_OR_RETURN(std::vector<float> values, trainer.GetParameter(name));
       append(values);
       if (name == "wte") {  // llm.c pads the vocabulary rows with zeros
-        append(std::vector<float>(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels)));
+        append(
+            std::vector<float>(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels)));
       }
     }
   }
@@ -278,11 +290,8 @@ Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
         path, header[2], header[3], header[4], header[5], header[6], c.ToString());
   }
   size_t offset = 256 * sizeof(int32_t);
-  for (const LlmcTensor& tensor : kLlmcOrder) {
-    const int64_t copies = tensor.per_layer ? c.layers : 1;
-    for (int64_t l = 0; l < copies; ++l) {
-      const std::string name = tensor.per_layer ? fmt::format("h.{}.{}", l, tensor.prefix_free_name)
-                                                : tensor.prefix_free_name;
+  for (const std::string& name : LlmcNames(c)) {
+    {
       TESSERA_ASSIGN_OR_RETURN(std::vector<float> current, trainer.GetParameter(name));
       const size_t count = current.size();
       if (offset + count * sizeof(float) > bytes.size()) {

@@ -1,7 +1,7 @@
 #include "driver/gpt2_trainer.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -181,7 +181,7 @@ Result<std::vector<float>> Gpt2Trainer::ReadGroup(size_t layer, StateKind kind) 
   }
   if (pieces.empty()) {
     return NotFound("the plan holds no {} for layer '{}'", StateKindName(kind),
-                              model_.layers[layer].name);
+                    model_.layers[layer].name);
   }
   return Assemble(step_graph_.group_numel[layer], pieces,
                   [&](size_t i) { return backend_->Download(state_[index[i]]); });
@@ -264,10 +264,10 @@ Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) {
     pieces.push_back(step_graph_.grads[i].piece);
     index.push_back(i);
   }
-  TESSERA_ASSIGN_OR_RETURN(
-      std::vector<float> group,
-      Assemble(step_graph_.group_numel[ref.group], pieces,
-               [&](size_t i) { return backend_->Download(last_grads_[index[i]]); }));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group,
+                           Assemble(step_graph_.group_numel[ref.group], pieces, [&](size_t i) {
+                             return backend_->Download(last_grads_[index[i]]);
+                           }));
   const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }

@@ -148,8 +148,8 @@ class Gpt2Trainer {
   Result<std::vector<Value>> FullParameters();
   int64_t ParamMultiple() const;
 
-  std::vector<Value> state_;  // parallel to step_graph_.state
-  std::vector<Value> last_grads_;  // parallel to step_graph_.grads (SetKeepGradients)
+  std::vector<Value> state_;        // parallel to step_graph_.state
+  std::vector<Value> last_grads_;   // parallel to step_graph_.grads (SetKeepGradients)
   std::vector<Value> full_params_;  // FullParameters' cache (stage 3), until the next step
   bool keep_gradients_ = false;
   int64_t steps_taken_ = 0;

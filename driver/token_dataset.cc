@@ -152,7 +152,8 @@ Status BatchSampler::RestoreState(const std::string& state) {
   std::istringstream in(state);
   std::mt19937_64 restored;
   in >> restored;
-  if (in.fail()) return InvalidArgument("'{}...' is not a batch sampler state", state.substr(0, 20));
+  if (in.fail())
+    return InvalidArgument("'{}...' is not a batch sampler state", state.substr(0, 20));
   rng_ = restored;
   return Status::Ok();
 }

@@ -49,8 +49,8 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
   const size_t arity = def->input_names.size();
   if (def->control_inputs) {
     if (inputs.size() < arity) {
-      return InvalidArgument("op '{}' takes {} inputs (and any control inputs), got {}", op,
-                             arity, inputs.size());
+      return InvalidArgument("op '{}' takes {} inputs (and any control inputs), got {}", op, arity,
+                             inputs.size());
     }
     const std::vector<TensorMeta> named(inputs.begin(), inputs.begin() + static_cast<long>(arity));
     Result<std::vector<TensorMeta>> outputs = def->infer(named, attrs);

@@ -60,7 +60,7 @@ struct OpDef {
   std::string doc;
   std::vector<std::string> input_names;  // for messages; its size is the arity
   std::vector<std::string> output_names;
-  bool variadic_inputs = false;               // any number >= 1 of inputs named input_names[0]
+  bool variadic_inputs = false;  // any number >= 1 of inputs named input_names[0]
   // Inputs after the named ones are control inputs: they only order the task after their
   // producers (a ZeRO-3 gather waiting for an earlier layer's forward, bounding memory); the op
   // ignores them, and inference and cost see the named inputs only.

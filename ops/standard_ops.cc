@@ -416,9 +416,10 @@ Status AddElementwiseOps(OpRegistry& r) {
         }
         return Metas{Scalar()};
       },
-      .cost = [](const Metas& in, const Attrs&) {
-        return OpCost{static_cast<double>(in.size()), 4.0 * static_cast<double>(in.size() + 1)};
-      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{static_cast<double>(in.size()), 4.0 * static_cast<double>(in.size() + 1)};
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sleep",
@@ -475,11 +476,9 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
           // A shard's update inside the full (replicated) parameter group: ZeRO-1/2.
           TESSERA_ASSIGN_OR_RETURN(int64_t offset, attrs.GetInt("param_offset"));
           TESSERA_RETURN_IF_ERROR(CheckDType("grad", in[1], DType::kF32));
-          if (in[1].shape.rank() != 1 || offset < 0 ||
-              offset + in[1].numel() > in[0].numel()) {
-            return InvalidArgument(
-                "grad shard {} at param_offset {} does not fit in param {}", in[1].ToString(),
-                offset, in[0].ToString());
+          if (in[1].shape.rank() != 1 || offset < 0 || offset + in[1].numel() > in[0].numel()) {
+            return InvalidArgument("grad shard {} at param_offset {} does not fit in param {}",
+                                   in[1].ToString(), offset, in[0].ToString());
           }
         } else {
           TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
@@ -497,10 +496,11 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
         }
         return Metas{in[0], in[2], in[3]};
       },
-      .cost = [](const Metas& in, const Attrs&) {
-        return OpCost{14.0 * static_cast<double>(in[1].numel()),
-                      2 * Bytes({in[1], in[1], in[1], in[1]})};
-      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{14.0 * static_cast<double>(in[1].numel()),
+                          2 * Bytes({in[1], in[1], in[1], in[1]})};
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sgd",
@@ -578,7 +578,8 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], s.batch, s.seq_len));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("dparams_partial", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("dparams_partial", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[2]};
       },
       .cost = ElementwiseCost(2),
@@ -590,7 +591,8 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"y", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], true, false));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels), attrs));
         const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
         return Metas{in[0], F32({saved.numel()})};
       },
@@ -610,7 +612,8 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
         const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
         TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], saved));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
         return Metas{in[1], in[3]};
       },
       .cost =
@@ -629,9 +632,11 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"loss", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
         return Metas{Scalar(), F32({saved.numel()})};
@@ -650,9 +655,11 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
         const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
         TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[1], saved));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[3], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[3],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[0], in[2], in[3]};
       },
       .cost =
@@ -668,9 +675,11 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"logits"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
-        TESSERA_RETURN_IF_ERROR(CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2], Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(
+            CheckParams("embedding_params", in[2],
+                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{F32({s.batch, s.seq_len, s.vocab})};
       },
       .cost =

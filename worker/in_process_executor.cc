@@ -336,11 +336,13 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     })) {
       std::vector<std::string> awaited;
       for (int index = 0; index < num_objects; ++index) {
-        if (active.awaited[static_cast<size_t>(index)]) awaited.push_back(graph.objects()[index].name);
+        if (active.awaited[static_cast<size_t>(index)])
+          awaited.push_back(graph.objects()[index].name);
       }
-      GetLogger("executor")->warn(
-          "{} of {} tasks ran; still waiting for {} offloaded task(s) and for {}", tasks_run.load(),
-          num_tasks, active.offloads_outstanding, fmt::join(awaited, ", "));
+      GetLogger("executor")
+          ->warn("{} of {} tasks ran; still waiting for {} offloaded task(s) and for {}",
+                 tasks_run.load(), num_tasks, active.offloads_outstanding,
+                 fmt::join(awaited, ", "));
     }
   }
   if (failed.load() && hooks != nullptr && hooks->on_failed) {

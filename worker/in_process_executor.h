@@ -44,10 +44,10 @@
 #include "core/allocator.h"
 #include "core/graph.h"
 #include "core/settings.h"
-#include "worker/role_meter.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "ops/op_registry.h"
+#include "worker/role_meter.h"
 
 namespace tessera {
 

@@ -211,10 +211,10 @@ class StepPlanner {
  private:
   // Per-rank objects while the graph is being built.
   struct Rank {
-    std::vector<ObjectId> param;      // what the layer ops read (full group; stage 3: gathered)
+    std::vector<ObjectId> param;  // what the layer ops read (full group; stage 3: gathered)
     std::vector<ObjectId> state_param, exp_avg, exp_avg_sq;  // this step's state inputs
-    std::vector<ObjectId> grad;       // per layer: the accumulated gradient (full or shard)
-    std::vector<ObjectId> losses;     // per micro-batch
+    std::vector<ObjectId> grad;    // per layer: the accumulated gradient (full or shard)
+    std::vector<ObjectId> losses;  // per micro-batch
     ObjectId clip;
   };
 
@@ -228,7 +228,8 @@ class StepPlanner {
   TaskOptions On(int r, const std::string& layer, int32_t priority,
                  std::vector<std::string> output_names = {},
                  std::vector<ObjectRole> output_roles = {}) const {
-    TaskOptions options = Options(layer, priority, std::move(output_names), std::move(output_roles));
+    TaskOptions options =
+        Options(layer, priority, std::move(output_names), std::move(output_roles));
     if (!p_.workers.empty()) options.pinned_worker = p_.workers[static_cast<size_t>(r)];
     return options;
   }
@@ -331,53 +332,53 @@ class StepPlanner {
     std::vector<ObjectId> act(layers_), saved(layers_);
     std::vector<ObjectId> params(layers_);
     for (size_t l = 0; l < head; ++l) {
-      const ObjectId after = l >= static_cast<size_t>(prefetch) + 1 ? act[l - prefetch] : ObjectId();
+      const ObjectId after =
+          l >= static_cast<size_t>(prefetch) + 1 ? act[l - prefetch] : ObjectId();
       TESSERA_ASSIGN_OR_RETURN(params[l], LayerParams(r, l, Micro(k, "forward"), after));
       if (l == 0) {
         TESSERA_ASSIGN_OR_RETURN(
-            auto x, builder_.AddTask(task(l, "forward"), "gpt2_embedding_forward",
-                                     {tokens, params[l]}, layer_attrs_,
-                                     On(r, LayerName(l), kForwardPriority)));
+            auto x,
+            builder_.AddTask(task(l, "forward"), "gpt2_embedding_forward", {tokens, params[l]},
+                             layer_attrs_, On(r, LayerName(l), kForwardPriority)));
         act[1] = x[0];
       } else {
         TESSERA_ASSIGN_OR_RETURN(
-            auto y, builder_.AddTask(task(l, "forward"), "gpt2_block_forward",
-                                     {act[l], params[l]}, layer_attrs_,
-                                     On(r, LayerName(l), kForwardPriority)));
+            auto y, builder_.AddTask(task(l, "forward"), "gpt2_block_forward", {act[l], params[l]},
+                                     layer_attrs_, On(r, LayerName(l), kForwardPriority)));
         act[l + 1] = y[0];
         saved[l] = y[1];
       }
     }
     // The head reads its own parameters and the (tied) embedding's, in forward and backward:
     // with ZeRO-3 both are gathered once for the two.
-    const ObjectId head_after = head >= static_cast<size_t>(prefetch) + 1 ? act[head - prefetch]
-                                                                          : ObjectId();
+    const ObjectId head_after =
+        head >= static_cast<size_t>(prefetch) + 1 ? act[head - prefetch] : ObjectId();
     TESSERA_ASSIGN_OR_RETURN(ObjectId head_params,
                              LayerParams(r, head, Micro(k, "head"), head_after));
     TESSERA_ASSIGN_OR_RETURN(ObjectId tied, LayerParams(r, 0, Micro(k, "head"), head_after));
     Attrs head_attrs = layer_attrs_;
     const double grad_scale = 1.0 / static_cast<double>(n_ * k_);
     if (n_ * k_ > 1) head_attrs.Set("grad_scale", grad_scale);
-    TESSERA_ASSIGN_OR_RETURN(
-        auto head_out,
-        builder_.AddTask(task(head, "forward"), "gpt2_head_forward",
-                         {act[head], head_params, tied, targets}, head_attrs,
-                         On(r, LayerName(head), kForwardPriority,
-                            {object(n_ * k_ > 1 ? "micro_loss" : "loss"),
-                             object(LayerName(head) + "/forward:saved")},
-                            {ObjectRole::kOutput, ObjectRole::kActivation})));
+    TESSERA_ASSIGN_OR_RETURN(auto head_out,
+                             builder_.AddTask(task(head, "forward"), "gpt2_head_forward",
+                                              {act[head], head_params, tied, targets}, head_attrs,
+                                              On(r, LayerName(head), kForwardPriority,
+                                                 {object(n_ * k_ > 1 ? "micro_loss" : "loss"),
+                                                  object(LayerName(head) + "/forward:saved")},
+                                                 {ObjectRole::kOutput, ObjectRole::kActivation})));
     rank.losses.push_back(head_out[0]);
 
     // Backward.
     const std::string embedding = LayerName(0);
     TESSERA_ASSIGN_OR_RETURN(
         auto head_grads,
-        builder_.AddTask(task(head, "backward"), "gpt2_head_backward",
-                         {act[head], head_out[1], head_params, tied}, layer_attrs_,
-                         On(r, LayerName(head), kBackwardPriority,
-                            {object(LayerName(head) + "/backward:dx"),
-                             object(LayerName(head) + ".grad"), object(embedding + ".grad_from_head")},
-                            {ObjectRole::kActivation, FullGradientRole(), FullGradientRole()})));
+        builder_.AddTask(
+            task(head, "backward"), "gpt2_head_backward",
+            {act[head], head_out[1], head_params, tied}, layer_attrs_,
+            On(r, LayerName(head), kBackwardPriority,
+               {object(LayerName(head) + "/backward:dx"), object(LayerName(head) + ".grad"),
+                object(embedding + ".grad_from_head")},
+               {ObjectRole::kActivation, FullGradientRole(), FullGradientRole()})));
     TESSERA_RETURN_IF_ERROR(AddGradient(r, k, head, head_grads[1]));
     // dy[l]: the gradient entering block l's backward.
     std::vector<ObjectId> dy(layers_);
@@ -390,12 +391,12 @@ class StepPlanner {
         TESSERA_ASSIGN_OR_RETURN(block_params, LayerParams(r, l, Micro(k, "backward"), after));
       }
       TESSERA_ASSIGN_OR_RETURN(
-          auto grads,
-          builder_.AddTask(task(l, "backward"), "gpt2_block_backward",
-                           {dy[l], act[l], saved[l], block_params}, layer_attrs_,
-                           On(r, LayerName(l), kBackwardPriority,
-                              {object(LayerName(l) + "/backward:dx"), object(LayerName(l) + ".grad")},
-                              {ObjectRole::kActivation, FullGradientRole()})));
+          auto grads, builder_.AddTask(task(l, "backward"), "gpt2_block_backward",
+                                       {dy[l], act[l], saved[l], block_params}, layer_attrs_,
+                                       On(r, LayerName(l), kBackwardPriority,
+                                          {object(LayerName(l) + "/backward:dx"),
+                                           object(LayerName(l) + ".grad")},
+                                          {ObjectRole::kActivation, FullGradientRole()})));
       dy[l - 1] = grads[0];
       TESSERA_RETURN_IF_ERROR(AddGradient(r, k, l, grads[1]));
     }
@@ -427,22 +428,22 @@ class StepPlanner {
     }
     if (k > 0) {
       TESSERA_ASSIGN_OR_RETURN(
-          auto sum, builder_.AddTask(Name(r, Micro(k, layer + "/accumulate")), "accumulate",
-                                     {rank.grad[l], grad}, {},
-                                     On(r, layer, kBackwardPriority,
-                                        {Name(r, Micro(k, layer + ".grad_sum"))},
-                                        {ObjectRole::kGradient})));
+          auto sum,
+          builder_.AddTask(Name(r, Micro(k, layer + "/accumulate")), "accumulate",
+                           {rank.grad[l], grad}, {},
+                           On(r, layer, kBackwardPriority, {Name(r, Micro(k, layer + ".grad_sum"))},
+                              {ObjectRole::kGradient})));
       grad = sum[0];
     }
     rank.grad[l] = grad;
     if (k + 1 == k_ && n_ > 1 && p_.zero_stage == 0) {
       const std::string name = layer + "/all_reduce";
       TESSERA_ASSIGN_OR_RETURN(
-          auto reduced, builder_.AddTask(Name(r, name), "all_reduce", {grad},
-                                         Collective(CollectiveId(name), r).Set("reduce", "sum"),
-                                         On(r, layer, kBackwardPriority + 1,
-                                            {Name(r, layer + ".grad_reduced")},
-                                            {ObjectRole::kGradient})));
+          auto reduced,
+          builder_.AddTask(Name(r, name), "all_reduce", {grad},
+                           Collective(CollectiveId(name), r).Set("reduce", "sum"),
+                           On(r, layer, kBackwardPriority + 1, {Name(r, layer + ".grad_reduced")},
+                              {ObjectRole::kGradient})));
       rank.grad[l] = reduced[0];
     }
     return Status::Ok();
@@ -465,11 +466,11 @@ class StepPlanner {
         std::vector<ObjectId> inputs{rank.grad[l]};
         if (l != 0) inputs.push_back(rank.grad[0]);  // after the whole backward
         TESSERA_ASSIGN_OR_RETURN(
-            auto shard, builder_.AddTask(Name(r, name), "reduce_scatter", std::move(inputs),
-                                         Collective(CollectiveId(name), r).Set("reduce", "sum"),
-                                         On(r, LayerName(l), kOptimizerPriority + 1,
-                                            {Name(r, LayerName(l) + ".grad[shard]")},
-                                            {ObjectRole::kGradient})));
+            auto shard, builder_.AddTask(
+                            Name(r, name), "reduce_scatter", std::move(inputs),
+                            Collective(CollectiveId(name), r).Set("reduce", "sum"),
+                            On(r, LayerName(l), kOptimizerPriority + 1,
+                               {Name(r, LayerName(l) + ".grad[shard]")}, {ObjectRole::kGradient})));
         rank.grad[l] = shard[0];
       }
     }
@@ -481,8 +482,8 @@ class StepPlanner {
       for (size_t l = 0; l < layers_; ++l) {
         const bool sharded = n_ > 1 && p_.zero_stage >= 1;
         const int64_t numel = sharded ? Shard(l) : step_.group_numel[l];
-        step_.grads.push_back(GradientObject{
-            GroupPiece{l, r, sharded ? r * numel : 0, numel}, ranks_[static_cast<size_t>(r)].grad[l]});
+        step_.grads.push_back(GradientObject{GroupPiece{l, r, sharded ? r * numel : 0, numel},
+                                             ranks_[static_cast<size_t>(r)].grad[l]});
       }
     }
   }
@@ -526,14 +527,15 @@ class StepPlanner {
       std::vector<ObjectId> sums;
       for (size_t l = 0; l < layers_; ++l) {
         TESSERA_ASSIGN_OR_RETURN(
-            auto sum, builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares",
-                                       {rank.grad[l]}, {}, On(r, LayerName(l), kOptimizerPriority)));
+            auto sum,
+            builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares", {rank.grad[l]},
+                             {}, On(r, LayerName(l), kOptimizerPriority)));
         sums.push_back(sum[0]);
       }
       if (sharded) {
         TESSERA_ASSIGN_OR_RETURN(auto local,
-                                 builder_.AddTask(Name(r, "grad_norm/sum"), "sum_scalars", sums,
-                                                  {}, On(r, "", kOptimizerPriority)));
+                                 builder_.AddTask(Name(r, "grad_norm/sum"), "sum_scalars", sums, {},
+                                                  On(r, "", kOptimizerPriority)));
         TESSERA_ASSIGN_OR_RETURN(
             auto total,
             builder_.AddTask(Name(r, "grad_norm/all_reduce"), "all_reduce", {local[0]},
@@ -541,11 +543,11 @@ class StepPlanner {
                              On(r, "", kOptimizerPriority)));
         sums = {total[0]};
       }
-      TESSERA_ASSIGN_OR_RETURN(
-          auto clip, builder_.AddTask(Name(r, "clip"), "clip_scale", sums, clip_attrs,
-                                      On(r, "", kOptimizerPriority,
-                                         {Name(r, "clip_scale"), Name(r, "grad_norm")},
-                                         {ObjectRole::kOutput, ObjectRole::kOutput})));
+      TESSERA_ASSIGN_OR_RETURN(auto clip,
+                               builder_.AddTask(Name(r, "clip"), "clip_scale", sums, clip_attrs,
+                                                On(r, "", kOptimizerPriority,
+                                                   {Name(r, "clip_scale"), Name(r, "grad_norm")},
+                                                   {ObjectRole::kOutput, ObjectRole::kOutput})));
       rank.clip = clip[0];
       if (r == 0) {
         step_.grad_norm = clip[1];
@@ -592,17 +594,17 @@ class StepPlanner {
       const std::string suffix = p_.sharded_optimizer() ? "[shard]" : "";
       TESSERA_ASSIGN_OR_RETURN(
           auto updated,
-          builder_.AddTask(Name(r, layer + "/adamw"), "adamw",
-                           {param.input, rank.grad[l], exp_avg.input, exp_avg_sq.input, rank.clip,
-                            step_.lr, step_.step},
-                           std::move(attrs),
-                           On(r, layer, kOptimizerPriority,
-                              {Name(r, layer + ".params" + (p_.sharded_parameters() ? suffix : "") +
-                                           ".next"),
-                               Name(r, layer + ".exp_avg" + suffix + ".next"),
-                               Name(r, layer + ".exp_avg_sq" + suffix + ".next")},
-                              {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                               ObjectRole::kOptimizerState})));
+          builder_.AddTask(
+              Name(r, layer + "/adamw"), "adamw",
+              {param.input, rank.grad[l], exp_avg.input, exp_avg_sq.input, rank.clip, step_.lr,
+               step_.step},
+              std::move(attrs),
+              On(r, layer, kOptimizerPriority,
+                 {Name(r, layer + ".params" + (p_.sharded_parameters() ? suffix : "") + ".next"),
+                  Name(r, layer + ".exp_avg" + suffix + ".next"),
+                  Name(r, layer + ".exp_avg_sq" + suffix + ".next")},
+                 {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                  ObjectRole::kOptimizerState})));
       param.output = updated[0];
       exp_avg.output = updated[1];
       exp_avg_sq.output = updated[2];
@@ -613,8 +615,8 @@ class StepPlanner {
             auto gathered,
             builder_.AddTask(Name(r, name), "all_gather_in_place", {param.output},
                              Collective(CollectiveId(name), r),
-                             On(r, layer, kOptimizerPriority,
-                                {Name(r, layer + ".params.gathered")}, {ObjectRole::kParameter})));
+                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.gathered")},
+                                {ObjectRole::kParameter})));
         param.output = gathered[0];
       }
       for (const StateObject* object : {&param, &exp_avg, &exp_avg_sq}) {

@@ -66,8 +66,8 @@ struct ParallelConfig {
   int data_parallel = 1;  // N ranks, each on its own worker, each taking batch / N rows
   int zero_stage = 0;     // 0..3, see the header comment
   OffloadMode offload = OffloadMode::kNone;
-  int grad_accum = 1;       // K micro-batches per rank per step
-  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  int grad_accum = 1;             // K micro-batches per rank per step
+  int prefetch_layers = 1;        // ZeRO-3: how many layers ahead parameters are gathered
   std::vector<WorkerId> workers;  // the worker of each rank; empty: tasks unpinned
 
   int64_t micro_batch(int64_t batch) const { return batch / (data_parallel * grad_accum); }
@@ -125,10 +125,10 @@ struct StepGraph {
   // Per rank and micro-batch (index rank * grad_accum + micro): i32 [micro_batch, T], rows
   // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
   std::vector<ObjectId> tokens, targets;
-  ObjectId lr;         // f32 scalar
-  ObjectId step;       // i64 scalar, 1-based (AdamW bias correction)
-  ObjectId loss;       // f32 scalar: mean cross-entropy over the global batch
-  ObjectId grad_norm;  // f32 scalar: global gradient norm before clipping
+  ObjectId lr;                       // f32 scalar
+  ObjectId step;                     // i64 scalar, 1-based (AdamW bias correction)
+  ObjectId loss;                     // f32 scalar: mean cross-entropy over the global batch
+  ObjectId grad_norm;                // f32 scalar: global gradient norm before clipping
   std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
   std::vector<StateObject> state;
   std::vector<GradientObject> grads;

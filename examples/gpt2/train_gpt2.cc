@@ -19,9 +19,9 @@
 
 #include "core/logging.h"
 #include "core/settings.h"
+#include "driver/checkpoint.h"
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
-#include "driver/checkpoint.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
 
@@ -201,8 +201,8 @@ int Run(const Flags& flags) {
     return Fail(tessera::InvalidArgument("--resume needs --checkpoint-dir (where to resume from)"));
   }
   if (Status valid = plan.Validate(tessera::DescribeGpt2(config));
-      !valid.ok() && !(flags.workers > 0 && valid.message().find("need a worker each") !=
-                                                 std::string::npos)) {
+      !valid.ok() &&
+      !(flags.workers > 0 && valid.message().find("need a worker each") != std::string::npos)) {
     return Fail(valid);  // refused before any process starts
   }
   // Where the step runs: this process, a local cluster we start, or a running cluster.
@@ -259,8 +259,8 @@ int Run(const Flags& flags) {
                  static_cast<long long>(loaded->step));
   }
   auto save = [&]() -> Status {
-    tessera::Result<std::string> saved = tessera::SaveCheckpoint(
-        **trainer, flags.checkpoint_dir, train_sampler->SaveState());
+    tessera::Result<std::string> saved =
+        tessera::SaveCheckpoint(**trainer, flags.checkpoint_dir, train_sampler->SaveState());
     if (!saved.ok()) return saved.status();
     std::fprintf(stderr, "train_gpt2: checkpoint %s\n", saved->c_str());
     return Status::Ok();
@@ -293,7 +293,8 @@ int Run(const Flags& flags) {
       kept.worker = report->ranks[r].worker;
       kept.figures.role_peaks.resize(now.role_peaks.size());
       for (size_t role = 0; role < now.role_peaks.size(); ++role) {
-        kept.figures.role_peaks[role] = std::max(kept.figures.role_peaks[role], now.role_peaks[role]);
+        kept.figures.role_peaks[role] =
+            std::max(kept.figures.role_peaks[role], now.role_peaks[role]);
       }
       kept.figures.model_state_peak = std::max(kept.figures.model_state_peak, now.model_state_peak);
       kept.figures.transient_peak = std::max(kept.figures.transient_peak, now.transient_peak);

@@ -177,14 +177,14 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
           return Status::Ok();
         }));
   }
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "sum_scalars",
-      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        double sum = 0;
-        for (const Tensor& x : in) sum += *F(x);  // in order: every rank adds alike
-        *F(out[0]) = static_cast<float>(sum * attrs.GetFloat("scale", 1.0));
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "sum_scalars",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 double sum = 0;
+                 for (const Tensor& x : in) sum += *F(x);  // in order: every rank adds alike
+                 *F(out[0]) = static_cast<float>(sum * attrs.GetFloat("scale", 1.0));
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "sleep",
       [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -71,11 +71,12 @@ TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
-  for (const char* flag :
-       {"--layers", "--channels", "--heads", "--vocab", "--seq-len", "--batch", "--preset",
-        "--steps", "--lr", "--seed", "--threads", "--data", "--eval-every", "--sample",
-        "--workers", "--zero-stage", "--offload", "--grad-accum", "--checkpoint-dir",
-        "--checkpoint-every", "--resume"}) {
+  for (const char* flag : {"--layers",     "--channels",   "--heads",          "--vocab",
+                           "--seq-len",    "--batch",      "--preset",         "--steps",
+                           "--lr",         "--seed",       "--threads",        "--data",
+                           "--eval-every", "--sample",     "--workers",        "--zero-stage",
+                           "--offload",    "--grad-accum", "--checkpoint-dir", "--checkpoint-every",
+                           "--resume"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
@@ -144,11 +145,14 @@ TEST(TrainGpt2Test, ZeroRunsCheckpointAndResumeOnAnotherPlan) {
   const std::string dir = ::testing::TempDir() + "/train_gpt2_checkpoints";
   std::filesystem::remove_all(dir);
   ProcessResult whole = RunTrainGpt2("--steps 12 --log-every 12 --threads 1");
-  ProcessResult first = RunTrainGpt2("--steps 6 --log-every 6 --threads 1 --workers 2 "
-                                     "--zero-stage 3 --checkpoint-dir " + dir);
-  ProcessResult second = RunTrainGpt2("--steps 12 --log-every 6 --threads 1 --workers 4 "
-                                      "--zero-stage 1 --grad-accum 2 --checkpoint-dir " + dir +
-                                      " --resume");
+  ProcessResult first = RunTrainGpt2(
+      "--steps 6 --log-every 6 --threads 1 --workers 2 "
+      "--zero-stage 3 --checkpoint-dir " +
+      dir);
+  ProcessResult second = RunTrainGpt2(
+      "--steps 12 --log-every 6 --threads 1 --workers 4 "
+      "--zero-stage 1 --grad-accum 2 --checkpoint-dir " +
+      dir + " --resume");
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_EQ(second.exit_code, 0) << second.output;

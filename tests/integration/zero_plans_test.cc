@@ -65,8 +65,8 @@ class ZeroPlansTest : public ::testing::Test {
     Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
-    auto reference = Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
-                                         ExecutorOptions{});
+    auto reference = Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                         Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
@@ -149,7 +149,8 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
   const double p = static_cast<double>(model.NumParameters());
   int64_t largest_block = 0;
   for (const LayerSpec& layer : model.layers) {
-    if (layer.kind == LayerKind::kBlock) largest_block = std::max(largest_block, layer.params.numel());
+    if (layer.kind == LayerKind::kBlock)
+      largest_block = std::max(largest_block, layer.params.numel());
   }
   const int64_t embedding = model.layers.front().params.numel();
   const int64_t head = model.layers.back().params.numel();
@@ -157,8 +158,7 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
   for (int workers : {2, 4}) {
     const double n = workers;
     for (int stage = 0; stage <= 3; ++stage) {
-      const double expected_memory[] = {16 * p, 8 * p + 8 * p / n, 4 * p + 12 * p / n,
-                                        16 * p / n};
+      const double expected_memory[] = {16 * p, 8 * p + 8 * p / n, 4 * p + 12 * p / n, 16 * p / n};
       const double expected_sent = (stage == 3 ? 3 : 2) * 4 * p * (n - 1) / n;
       ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(workers, stage, OffloadMode::kNone, 1)));
       ASSERT_OK(trainer->InitializeParameters(1));
@@ -176,12 +176,12 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
         const std::string where = fmt::format("N={} stage {} rank {}", workers, stage, rank.rank);
         const double memory = static_cast<double>(f.model_state_peak);
         const double sent = static_cast<double>(f.collective_bytes_sent);
-        std::printf("[ %s ] model state %.0f B (formula %.0f, %+.2f%%), transient %lld B, sent "
-                    "%.0f B (ring %.0f, %+.2f%%)\n",
-                    where.c_str(), memory, expected_memory[stage],
-                    100 * (memory / expected_memory[stage] - 1),
-                    static_cast<long long>(f.transient_peak), sent, expected_sent,
-                    100 * (sent / expected_sent - 1));
+        std::printf(
+            "[ %s ] model state %.0f B (formula %.0f, %+.2f%%), transient %lld B, sent "
+            "%.0f B (ring %.0f, %+.2f%%)\n",
+            where.c_str(), memory, expected_memory[stage],
+            100 * (memory / expected_memory[stage] - 1), static_cast<long long>(f.transient_peak),
+            sent, expected_sent, 100 * (sent / expected_sent - 1));
         EXPECT_NEAR(memory, expected_memory[stage], 0.05 * expected_memory[stage]) << where;
         EXPECT_NEAR(sent, expected_sent, 0.05 * expected_sent) << where;
         EXPECT_EQ(f.pushed_bytes, 0) << where << ": ranks exchange only through collectives";
@@ -195,9 +195,11 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
         // parameters at 3.
         const double shard = 4 * p / n;
         EXPECT_NEAR(static_cast<double>(f.peak(ObjectRole::kOptimizerState)),
-                    stage >= 1 ? 2 * shard : 8 * p, 0.05 * 8 * p / n) << where;
-        EXPECT_NEAR(static_cast<double>(f.peak(ObjectRole::kParameter)),
-                    stage >= 3 ? shard : 4 * p, 0.05 * 4 * p / n) << where;
+                    stage >= 1 ? 2 * shard : 8 * p, 0.05 * 8 * p / n)
+            << where;
+        EXPECT_NEAR(static_cast<double>(f.peak(ObjectRole::kParameter)), stage >= 3 ? shard : 4 * p,
+                    0.05 * 4 * p / n)
+            << where;
       }
     }
   }
@@ -243,15 +245,15 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
     resume(std::move(trainer), "resumed at 2 workers ZeRO-1");
   }
   {
-    ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
-                                                           Plan(1, 0, OffloadMode::kNone, 1),
-                                                           ExecutorOptions{}));
+    ASSERT_OK_AND_ASSIGN(auto trainer,
+                         Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                             Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
     resume(std::move(trainer), "resumed at 1 worker");
   }
   // A truncated piece, then a corrupted one: clear errors naming the file.
-  ASSERT_OK_AND_ASSIGN(auto victim, Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
-                                                        Plan(1, 0, OffloadMode::kNone, 1),
-                                                        ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto victim,
+                       Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                           Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
   const std::string piece = saved + "/rank2/h.1.exp_avg.bin";
   const auto size = std::filesystem::file_size(piece);
   std::string good;

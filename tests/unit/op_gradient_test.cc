@@ -301,10 +301,20 @@ TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
 // naive reference instead): optimizer_test.cc.
 // Collective members: against the reference in executor_test (one member) and
 // collective_tasks_test (members on worker processes).
-const std::set<std::string> kCheckedElsewhere = {
-    "adamw", "sgd",        "sum_of_squares", "clip_scale", "gpt2_head_logits", "noop",
-    "sleep", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_in_place",
-    "sum_scalars", "accumulate"};
+const std::set<std::string> kCheckedElsewhere = {"adamw",
+                                                 "sgd",
+                                                 "sum_of_squares",
+                                                 "clip_scale",
+                                                 "gpt2_head_logits",
+                                                 "noop",
+                                                 "sleep",
+                                                 "all_reduce",
+                                                 "reduce_scatter",
+                                                 "all_gather",
+                                                 "broadcast",
+                                                 "all_gather_in_place",
+                                                 "sum_scalars",
+                                                 "accumulate"};
 
 TEST(OpGradientTest, SleepReturnsItsInput) {
   Tensor x = RandomTensor({5}, 1);

@@ -122,11 +122,11 @@ TEST(OptimizerTest, AdamWOnAShardUpdatesOnlyItsSliceOfTheFullParameter) {
                                             {param, grad, m, v, ScalarTensor(0.5f),
                                              ScalarTensor(0.01f), Int64Scalar(2)},
                                             common));
-  ASSERT_OK_AND_ASSIGN(auto shard, RunKernel("adamw",
-                                             {param, slice(grad), slice(m), slice(v),
-                                              ScalarTensor(0.5f), ScalarTensor(0.01f),
-                                              Int64Scalar(2)},
-                                             shard_attrs));
+  ASSERT_OK_AND_ASSIGN(auto shard,
+                       RunKernel("adamw",
+                                 {param, slice(grad), slice(m), slice(v), ScalarTensor(0.5f),
+                                  ScalarTensor(0.01f), Int64Scalar(2)},
+                                 shard_attrs));
   ASSERT_EQ(shard[0].numel(), n);
   ASSERT_EQ(shard[1].numel(), count);
   for (int64_t i = 0; i < n; ++i) {
@@ -159,10 +159,10 @@ TEST(OptimizerTest, AccumulateAddsInPlace) {
 }
 
 TEST(OptimizerTest, SumScalarsAddsInOrderAndScales) {
-  ASSERT_OK_AND_ASSIGN(auto out, RunKernel("sum_scalars",
-                                           {ScalarTensor(1.5f), ScalarTensor(2.0f),
-                                            ScalarTensor(-0.25f)},
-                                           Attrs{{"scale", 0.5}}));
+  ASSERT_OK_AND_ASSIGN(
+      auto out,
+      RunKernel("sum_scalars", {ScalarTensor(1.5f), ScalarTensor(2.0f), ScalarTensor(-0.25f)},
+                Attrs{{"scale", 0.5}}));
   EXPECT_FLOAT_EQ(*out[0].data<float>(), 1.625f);
   Result<std::vector<Tensor>> vector_input = RunKernel("sum_scalars", {RandomTensor({3}, 1)});
   ASSERT_FALSE(vector_input.ok());

@@ -67,7 +67,8 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   const ModelSpec model = DescribeGpt2(TinyConfig());
   const int64_t layers = static_cast<int64_t>(model.layers.size());
   for (int stage = 0; stage <= 3; ++stage) {
-    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, ZeroPlan(2, stage), CpuRegistry()));
+    ASSERT_OK_AND_ASSIGN(StepGraph step,
+                         PlanTrainingStep(model, ZeroPlan(2, stage), CpuRegistry()));
     const Graph& g = step.graph;
     // Per rank: one gradient reduction per group, the optimizer on its own state.
     EXPECT_EQ(CountOp(g, "all_reduce"), 2 * (stage == 0 ? layers : 0) + 2 * (1 + (stage > 0)))
@@ -99,7 +100,8 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   ASSERT_OK_AND_ASSIGN(StepGraph z3, PlanTrainingStep(model, ZeroPlan(2, 3), CpuRegistry()));
   const TaskSpec& gather = z3.graph.task(*z3.graph.FindTask("rank0/h.1/gather_forward"));
   ASSERT_EQ(gather.inputs.size(), 2u);
-  EXPECT_EQ(z3.graph.object(gather.inputs[1]).producer, *z3.graph.FindTask("rank0/embedding/forward"));
+  EXPECT_EQ(z3.graph.object(gather.inputs[1]).producer,
+            *z3.graph.FindTask("rank0/embedding/forward"));
   EXPECT_EQ(z3.graph.object(gather.outputs[0]).role, ObjectRole::kGatheredParameter);
   // Accumulation: K micro-batches per rank, each a forward and backward, summed in place.
   ASSERT_OK_AND_ASSIGN(StepGraph accum, PlanTrainingStep(model, ZeroPlan(2, 2, 2), CpuRegistry()));
