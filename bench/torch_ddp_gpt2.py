@@ -1,0 +1,126 @@
+#!/usr/bin/python3
+"""PyTorch DistributedDataParallel (gloo, CPU) GPT-2 training step, the baseline bench_zero
+compares Tessera's data parallel and ZeRO plans with. The model and step are Tessera's:
+learned position embeddings, pre-norm blocks, GELU (tanh), final layer norm, tied classifier,
+causal attention, mean cross-entropy, global-norm clipping (1.0) and AdamW (lr 1e-3, betas
+0.9/0.95, weight decay 0.1 on matrices only), on random tokens.
+
+Spawns --workers processes (one thread each, OpenBLAS included), each taking batch/workers rows
+of the global batch. A step's time is the slowest rank's; the figure is the median over --steps
+steps after --warmup steps.
+
+usage: torch_ddp_gpt2.py --workers N --layers L --channels C --heads H --vocab V --seq-len T
+                         --batch B [--steps 20] [--warmup 3]
+prints one JSON line: {"workers": N, "median_ms": ..., "params": ..., "torch": "..."}
+"""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one thread per rank, as Tessera's workers
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Block(nn.Module):
+    def __init__(self, c, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.fc, self.fcproj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = [z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v)]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, c, heads, vocab, t):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(t, c)
+        self.blocks = nn.ModuleList([Block(c, heads) for _ in range(layers)])
+        self.lnf = nn.LayerNorm(c)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lnf(x) @ self.wte.weight.t()  # tied classifier
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def member(rank, a, init_file, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=a.workers)
+    torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
+    model = DistributedDataParallel(GPT(a.layers, a.channels, a.heads, a.vocab, a.seq_len))
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95))
+    rows = a.batch // a.workers
+    generator = torch.Generator().manual_seed(1 + rank)
+    idx = torch.randint(0, a.vocab, (rows, a.seq_len), generator=generator)
+    targets = torch.randint(0, a.vocab, (rows, a.seq_len), generator=generator)
+    times = []
+    dist.barrier()
+    for _ in range(a.warmup + a.steps):
+        start = time.perf_counter()
+        loss = model(idx, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces (averages) the gradients in buckets here
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    steps = torch.tensor(times[a.warmup:], dtype=torch.float64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # each step as the slowest rank took it
+    if rank == 0:
+        params = sum(p.numel() for p in model.module.parameters())
+        queue.put({"workers": a.workers, "median_ms": statistics.median(steps.tolist()) * 1e3,
+                   "params": params, "final_loss": loss.item(), "torch": torch.__version__})
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in ("workers", "layers", "channels", "heads", "vocab", "seq-len", "batch"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    a = parser.parse_args()
+    if a.batch % a.workers != 0:
+        sys.exit(f"--batch {a.batch} is not divisible by --workers {a.workers}")
+    with tempfile.TemporaryDirectory() as directory:
+        context = mp.get_context("spawn")
+        queue = context.SimpleQueue()
+        mp.spawn(member, args=(a, os.path.join(directory, "init"), queue), nprocs=a.workers,
+                 join=True)
+        print(json.dumps(queue.get()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+// bench_zero: GPT-2 training step time under data parallel (ZeRO stage 0) and ZeRO-1/2/3 on a
+// local cluster of CPU workers (one thread each), next to PyTorch DistributedDataParallel (gloo,
+// CPU, one thread per rank) on the same model and global batch, measured in the same run.
+//
+// For each worker count in --workers: a local cluster of that many workers, then for each stage
+// in --stages a Gpt2Trainer with plan.parallel = {data_parallel = N, zero_stage = S}, --warmup
+// steps, then --steps timed steps (StepReport::step_ms, median). PyTorch's figure comes from
+// bench/torch_ddp_gpt2.py (run once per worker count with the python in --torch; the slowest
+// rank's step time, median). Prints a table:
+//   workers stage  tessera_ms  torch_ddp_ms  ratio (tessera / torch: below 1, Tessera is faster)
+//   model_state_mb   per-rank peak parameters + gradients + optimizer state (RunFigures)
+//   sent_mb          per-rank collective bytes sent in one step
+// and, with --json PATH, the same figures as JSON.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "driver/cluster.h"
+#include "driver/gpt2_trainer.h"
+#include "driver/graph_backend.h"
+#include "driver/token_dataset.h"
+
+namespace {
+
+using tessera::Status;
+
+struct Flags {
+  int64_t layers = 4;
+  int64_t channels = 128;
+  int64_t heads = 4;
+  int64_t vocab = 256;
+  int64_t batch = 8;
+  int64_t seq_len = 64;
+  int steps = 20;
+  int warmup = 3;
+  std::vector<int> workers = {2, 4};
+  std::vector<int> stages = {0, 1, 2, 3};
+  std::string torch = "/usr/bin/python3";
+  bool no_torch = false;
+  std::string json;
+};
+
+struct Row {
+  int workers = 0;
+  int stage = 0;
+  double tessera_ms = 0;
+  double torch_ms = -1;                   // negative: not measured
+  std::vector<int64_t> model_state_peak;  // per rank, bytes
+  std::vector<int64_t> bytes_sent;        // per rank, one step
+  float final_loss = 0;
+};
+
+[[noreturn]] void Die(const Status& status, const std::string& what) {
+  std::fprintf(stderr, "bench_zero: %s: %s\n", what.c_str(), status.ToString().c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T Check(tessera::Result<T> result, const std::string& what) {
+  if (!result.ok()) Die(result.status(), what);
+  return std::move(result).value();
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+// Runs a command and returns its standard output (empty on failure).
+std::string Capture(const std::string& command) {
+  std::string output;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return output;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+  if (::pclose(pipe) != 0) return "";
+  return output;
+}
+
+// The number after `"name":` in a JSON line, or a negative number.
+double JsonNumber(const std::string& text, const std::string& name) {
+  const std::string key = "\"" + name + "\":";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + key.size());
+}
+
+// PyTorch DDP's median step ms at `workers` ranks, or a negative number when it could not run.
+double TorchDdpMs(const Flags& flags, int workers) {
+  const std::string script = std::string(TESSERA_SOURCE_DIR) + "/bench/torch_ddp_gpt2.py";
+  const std::string command = fmt::format(
+      "{} {} --workers {} --layers {} --channels {} --heads {} --vocab {} --seq-len {} "
+      "--batch {} --steps {} --warmup {} 2>/dev/null",
+      flags.torch, script, workers, flags.layers, flags.channels, flags.heads, flags.vocab,
+      flags.seq_len, flags.batch, flags.steps, flags.warmup);
+  return JsonNumber(Capture(command), "median_ms");
+}
+
+Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, int stage) {
+  tessera::Gpt2Config config;
+  config.layers = flags.layers;
+  config.channels = flags.channels;
+  config.heads = flags.heads;
+  config.vocab = flags.vocab;
+  config.max_seq_len = flags.seq_len;
+  tessera::TrainingPlan plan;
+  plan.batch = flags.batch;
+  plan.seq_len = flags.seq_len;
+  plan.parallel.data_parallel = workers;
+  plan.parallel.zero_stage = stage;
+  const std::string what = fmt::format("{} workers, stage {}", workers, stage);
+  auto backend = Check(MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
+  auto trainer = Check(tessera::Gpt2Trainer::Create(config, plan, std::move(backend)), what);
+  if (Status s = trainer->InitializeParameters(1); !s.ok()) Die(s, what);
+  const tessera::TokenDataset data =
+      tessera::TokenDataset::Synthetic(200'000, static_cast<int32_t>(flags.vocab), 9);
+  auto sampler = Check(tessera::BatchSampler::Create(data, flags.batch, flags.seq_len, 3), what);
+  std::vector<int32_t> tokens(flags.batch * flags.seq_len), targets(tokens.size());
+  Row row{.workers = workers, .stage = stage};
+  std::vector<double> times;
+  for (int step = 0; step < flags.warmup + flags.steps; ++step) {
+    sampler.Next(tokens.data(), targets.data());
+    const tessera::StepReport report = Check(trainer->Step(tokens, targets, 1e-3f), what);
+    if (step < flags.warmup) continue;
+    times.push_back(report.step_ms);
+    row.final_loss = report.loss;
+    row.model_state_peak.clear();
+    row.bytes_sent.clear();
+    for (const tessera::RankFigures& rank : report.ranks) {
+      row.model_state_peak.push_back(rank.figures.model_state_peak);
+      row.bytes_sent.push_back(rank.figures.collective_bytes_sent);
+    }
+  }
+  row.tessera_ms = Median(times);
+  return row;
+}
+
+// "1.23/1.23/..." in MB, one figure per rank.
+std::string PerRankMb(const std::vector<int64_t>& bytes) {
+  std::string out;
+  for (size_t r = 0; r < bytes.size(); ++r) {
+    out += fmt::format("{}{:.2f}", r == 0 ? "" : "/", static_cast<double>(bytes[r]) / 1e6);
+  }
+  return out.empty() ? "-" : out;
+}
+
+std::string JsonArray(const std::vector<int64_t>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i)
+    out += fmt::format("{}{}", i == 0 ? "" : ",", values[i]);
+  return out + "]";
+}
+
+void WriteJson(const Flags& flags, int64_t params, const std::vector<Row>& rows) {
+  std::ofstream out(flags.json);
+  out << fmt::format(
+      "{{\"layers\":{},\"channels\":{},\"heads\":{},\"vocab\":{},\"seq_len\":{},\"batch\":{},"
+      "\"params\":{},\"steps\":{},\"warmup\":{},\"rows\":[",
+      flags.layers, flags.channels, flags.heads, flags.vocab, flags.seq_len, flags.batch, params,
+      flags.steps, flags.warmup);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& row = rows[i];
+    out << fmt::format(
+        "{}{{\"workers\":{},\"stage\":{},\"tessera_ms\":{:.3f},\"torch_ddp_ms\":{},"
+        "\"model_state_peak_bytes\":{},\"collective_bytes_sent\":{},\"final_loss\":{:.5f}}}",
+        i == 0 ? "" : ",", row.workers, row.stage, row.tessera_ms,
+        row.torch_ms < 0 ? std::string("null") : fmt::format("{:.3f}", row.torch_ms),
+        JsonArray(row.model_state_peak), JsonArray(row.bytes_sent), row.final_loss);
+  }
+  out << "]}\n";
+  if (!out) {
+    std::fprintf(stderr, "bench_zero: could not write %s\n", flags.json.c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  CLI::App app{"GPT-2 step time: Tessera data parallel and ZeRO-1/2/3 vs PyTorch DDP (gloo)"};
+  app.add_option("--layers", flags.layers, "Transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--channels", flags.channels, "Model width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", flags.heads, "Attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--vocab", flags.vocab, "Vocabulary size")->check(CLI::PositiveNumber);
+  app.add_option("--batch", flags.batch, "Global batch (rows per step over all ranks)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", flags.seq_len, "Sequence length (also the model's max_seq_len)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", flags.steps, "Timed steps per measurement (median)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", flags.warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--workers", flags.workers, "CPU worker counts, e.g. 2,4")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 64));
+  app.add_option("--stages", flags.stages, "ZeRO stages, e.g. 0,1,2,3")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 3));
+  app.add_option("--torch", flags.torch, "Python with PyTorch for bench/torch_ddp_gpt2.py");
+  app.add_flag("--no-torch", flags.no_torch, "Skip the side-by-side PyTorch DDP measurement");
+  app.add_option("--json", flags.json, "Also write the figures as JSON to this file");
+  CLI11_PARSE(app, argc, argv);
+
+  tessera::Gpt2Config config;
+  config.layers = flags.layers;
+  config.channels = flags.channels;
+  config.heads = flags.heads;
+  config.vocab = flags.vocab;
+  config.max_seq_len = flags.seq_len;
+  if (Status s = config.Validate(); !s.ok()) Die(s, "model");
+  const int64_t params = config.NumParameters();
+  std::printf(
+      "bench_zero: GPT-2 layers=%lld channels=%lld heads=%lld vocab=%lld seq_len=%lld "
+      "global batch=%lld, %lld parameters; %d timed steps after %d warm-up, 1 thread per "
+      "worker\n",
+      static_cast<long long>(flags.layers), static_cast<long long>(flags.channels),
+      static_cast<long long>(flags.heads), static_cast<long long>(flags.vocab),
+      static_cast<long long>(flags.seq_len), static_cast<long long>(flags.batch),
+      static_cast<long long>(params), flags.steps, flags.warmup);
+  std::printf("%7s %5s %11s %13s %7s  %-27s  %s\n", "workers", "stage", "tessera_ms",
+              "torch_ddp_ms", "ratio", "model_state_mb (per rank)", "sent_mb/step (per rank)");
+  std::fflush(stdout);
+
+  std::vector<Row> rows;
+  for (int workers : flags.workers) {
+    if (flags.batch % workers != 0) {
+      std::fprintf(stderr, "bench_zero: --batch %lld is not divisible by %d workers; skipped\n",
+                   static_cast<long long>(flags.batch), workers);
+      continue;
+    }
+    double torch_ms = -1;
+    if (!flags.no_torch) {
+      torch_ms = TorchDdpMs(flags, workers);
+      if (torch_ms < 0) {
+        std::fprintf(stderr,
+                     "bench_zero: PyTorch DDP did not run with %s (install python3-torch, or "
+                     "pass --no-torch)\n",
+                     flags.torch.c_str());
+      }
+    }
+    tessera::LocalClusterOptions options;
+    options.cpu_workers = workers;
+    options.threads_per_worker = 1;
+    auto cluster = Check(tessera::Cluster::StartLocal(options),
+                         fmt::format("start a local cluster of {} workers", workers));
+    for (int stage : flags.stages) {
+      Row row = MeasureTessera(flags, *cluster, workers, stage);
+      row.torch_ms = torch_ms;
+      const std::string torch_text = torch_ms < 0 ? "-" : fmt::format("{:.2f}", torch_ms);
+      const std::string ratio =
+          torch_ms < 0 ? "-" : fmt::format("{:.3f}", row.tessera_ms / torch_ms);
+      std::printf("%7d %5d %11.2f %13s %7s  %-27s  %s\n", workers, stage, row.tessera_ms,
+                  torch_text.c_str(), ratio.c_str(), PerRankMb(row.model_state_peak).c_str(),
+                  PerRankMb(row.bytes_sent).c_str());
+      std::fflush(stdout);
+      rows.push_back(std::move(row));
+    }
+  }
+  if (!flags.json.empty()) WriteJson(flags, params, rows);
+  return 0;
+}
