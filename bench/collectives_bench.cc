@@ -28,7 +28,9 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
 #include <fmt/format.h>
+#include "bench/bench_util.h"
 
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
@@ -49,17 +51,7 @@ struct Flags {
   bool torch = true;
 };
 
-// Runs a command and returns its standard output (empty on failure).
-std::string Capture(const std::string& command) {
-  std::string output;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return output;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
-  if (::pclose(pipe) != 0) return "";
-  return output;
-}
+using tessera::bench::Capture;
 
 // The value of `name=` in name=value lines, or a negative number.
 double Figure(const std::string& text, const std::string& name) {
@@ -192,7 +184,8 @@ int main(int argc, char** argv) {
   std::string figures;
   char buffer[4096];
   ssize_t n;
-  while ((n = ::read(report[0], buffer, sizeof(buffer))) > 0) figures.append(buffer, static_cast<size_t>(n));
+  while ((n = ::read(report[0], buffer, sizeof(buffer))) > 0)
+    figures.append(buffer, static_cast<size_t>(n));
   ::close(report[0]);
   int failed = 0;
   for (pid_t pid : children) {
@@ -209,17 +202,17 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   if (!flags.torch) return 0;
   const std::string script = std::string(TESSERA_SOURCE_DIR) + "/bench/torch_gloo_collectives.py";
-  const std::string torch = Capture(fmt::format(
-      "/usr/bin/python3 {} --workers {} --bytes {} --iterations {} 2>/dev/null", script,
-      flags.workers, flags.bytes, flags.iterations));
+  const std::string torch =
+      Capture(fmt::format("/usr/bin/python3 {} --workers {} --bytes {} --iterations {} 2>/dev/null",
+                          script, flags.workers, flags.bytes, flags.iterations));
   if (torch.empty()) {
     std::printf("torch_gloo=unavailable (install python3-torch, or pass --no-torch)\n");
     return 0;
   }
   std::fputs(torch.c_str(), stdout);
-  std::printf("allreduce_busbw_vs_torch_gloo=%.2f\n",
-              Figure(figures, "allreduce_busbw_gbps") /
-                  Figure(torch, "torch_gloo_allreduce_busbw_gbps"));
+  std::printf(
+      "allreduce_busbw_vs_torch_gloo=%.2f\n",
+      Figure(figures, "allreduce_busbw_gbps") / Figure(torch, "torch_gloo_allreduce_busbw_gbps"));
   std::printf("p2p_vs_torch_gloo=%.2f\n",
               Figure(figures, "p2p_gbps") / Figure(torch, "torch_gloo_p2p_gbps"));
   return 0;

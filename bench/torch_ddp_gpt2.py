@@ -20,7 +20,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -29,45 +28,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-
-class Block(nn.Module):
-    def __init__(self, c, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
-        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-        self.fc, self.fcproj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = [z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v)]
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
-        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers, c, heads, vocab, t):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(t, c)
-        self.blocks = nn.ModuleList([Block(c, heads) for _ in range(layers)])
-        self.lnf = nn.LayerNorm(c)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lnf(x) @ self.wte.weight.t()  # tied classifier
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+from torch_gpt2_step import GPT  # the same model as the single-process comparison
 
 
 def member(rank, a, init_file, queue):

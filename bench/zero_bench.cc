@@ -23,6 +23,8 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "bench/bench_util.h"
+
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
@@ -75,17 +77,7 @@ double Median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
-// Runs a command and returns its standard output (empty on failure).
-std::string Capture(const std::string& command) {
-  std::string output;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return output;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
-  if (::pclose(pipe) != 0) return "";
-  return output;
-}
+using tessera::bench::Capture;
 
 // The number after `"name":` in a JSON line, or a negative number.
 double JsonNumber(const std::string& text, const std::string& name) {
@@ -106,13 +98,16 @@ double TorchDdpMs(const Flags& flags, int workers) {
   return JsonNumber(Capture(command), "median_ms");
 }
 
+tessera::Gpt2Config ModelConfig(const Flags& flags) {
+  return tessera::Gpt2Config{.layers = flags.layers,
+                             .channels = flags.channels,
+                             .heads = flags.heads,
+                             .vocab = flags.vocab,
+                             .max_seq_len = flags.seq_len};
+}
+
 Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, int stage) {
-  tessera::Gpt2Config config;
-  config.layers = flags.layers;
-  config.channels = flags.channels;
-  config.heads = flags.heads;
-  config.vocab = flags.vocab;
-  config.max_seq_len = flags.seq_len;
+  const tessera::Gpt2Config config = ModelConfig(flags);
   tessera::TrainingPlan plan;
   plan.batch = flags.batch;
   plan.seq_len = flags.seq_len;
@@ -211,12 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", flags.json, "Also write the figures as JSON to this file");
   CLI11_PARSE(app, argc, argv);
 
-  tessera::Gpt2Config config;
-  config.layers = flags.layers;
-  config.channels = flags.channels;
-  config.heads = flags.heads;
-  config.vocab = flags.vocab;
-  config.max_seq_len = flags.seq_len;
+  const tessera::Gpt2Config config = ModelConfig(flags);
   if (Status s = config.Validate(); !s.ok()) Die(s, "model");
   const int64_t params = config.NumParameters();
   std::printf(

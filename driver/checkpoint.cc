@@ -213,7 +213,7 @@ constexpr int32_t kLlmcVersionFp32 = 3;
 
 int64_t PaddedVocab(int64_t vocab) { return (vocab + 127) / 128 * 128; }
 
-// llm.c's tensor order: (name in our model, rows of our tensor, the padded rows in the file).
+// llm.c's tensor order: our slot name, and whether llm.c stores one per block (h.<l>.<name>).
 struct LlmcTensor {
   std::string prefix_free_name;  // "wte", "ln1_w", ...
   bool per_layer;
@@ -253,17 +253,20 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   header[5] = static_cast<int32_t>(c.heads);
   header[6] = static_cast<int32_t>(c.channels);
   header[7] = static_cast<int32_t>(PaddedVocab(c.vocab));
-  auto append = [&](const std::vector<float>& values) {
-    out.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
-  };
+  // Whole groups, each read once, then the tensors in llm.c's order.
+  std::map<size_t, std::vector<float>> groups;
   for (const std::string& name : LlmcNames(c)) {
-    {
-      TESSERA_ASSIGN_OR_RETURN(std::vector<float> values, trainer.GetParameter(name));
-      append(values);
-      if (name == "wte") {  // llm.c pads the vocabulary rows with zeros
-        append(
-            std::vector<float>(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels)));
-      }
+    TESSERA_ASSIGN_OR_RETURN(Gpt2Trainer::ParameterRef ref, trainer.FindParameter(name));
+    if (!groups.contains(ref.group)) {
+      TESSERA_ASSIGN_OR_RETURN(groups[ref.group],
+                               trainer.ReadGroup(ref.group, StateKind::kParameter));
+    }
+    const float* begin = groups[ref.group].data() + ref.slot->offset;
+    out.append(reinterpret_cast<const char*>(begin),
+               static_cast<size_t>(ref.slot->shape.numel()) * sizeof(float));
+    if (name == "wte") {  // llm.c pads the vocabulary rows with zeros
+      out.append(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels) * sizeof(float),
+                 '\0');
     }
   }
   return WriteFileAtomically(path, out);
@@ -289,32 +292,27 @@ Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
         "this model is {}",
         path, header[2], header[3], header[4], header[5], header[6], c.ToString());
   }
+  // Every group assembled from the file first: a bad file changes nothing.
+  std::map<size_t, std::vector<float>> groups;
   size_t offset = 256 * sizeof(int32_t);
   for (const std::string& name : LlmcNames(c)) {
-    {
-      TESSERA_ASSIGN_OR_RETURN(std::vector<float> current, trainer.GetParameter(name));
-      const size_t count = current.size();
-      if (offset + count * sizeof(float) > bytes.size()) {
-        return DataLoss("'{}' is truncated: it ends inside tensor '{}'", path, name);
-      }
-      std::memcpy(current.data(), bytes.data() + offset, count * sizeof(float));
-      offset += count * sizeof(float);
-      if (name == "wte") offset += static_cast<size_t>((vocab_padded - c.vocab) * c.channels) * 4;
-      TESSERA_ASSIGN_OR_RETURN(const FlatSlot* slot, [&]() -> Result<const FlatSlot*> {
-        for (const LayerSpec& layer : trainer.model().layers) {
-          const std::string prefix = layer.kind == LayerKind::kBlock ? layer.name + "." : "";
-          if (!name.starts_with(prefix)) continue;
-          Result<const FlatSlot*> found = layer.params.Find(name.substr(prefix.size()));
-          if (found.ok()) return found;
-        }
-        return NotFound("no parameter '{}'", name);
-      }());
-      TESSERA_RETURN_IF_ERROR(trainer.SetParameter(name, current, slot->shape));
+    TESSERA_ASSIGN_OR_RETURN(Gpt2Trainer::ParameterRef ref, trainer.FindParameter(name));
+    std::vector<float>& group = groups[ref.group];
+    group.resize(static_cast<size_t>(trainer.step_graph().group_numel[ref.group]));
+    const size_t count = static_cast<size_t>(ref.slot->shape.numel());
+    if (offset + count * sizeof(float) > bytes.size()) {
+      return DataLoss("'{}' is truncated: it ends inside tensor '{}'", path, name);
     }
+    std::memcpy(group.data() + ref.slot->offset, bytes.data() + offset, count * sizeof(float));
+    offset += count * sizeof(float);
+    if (name == "wte") offset += static_cast<size_t>((vocab_padded - c.vocab) * c.channels) * 4;
   }
   if (offset != bytes.size()) {
     return DataLoss("'{}' has {} bytes after the last tensor: not a GPT-2 checkpoint of this shape",
                     path, bytes.size() - offset);
+  }
+  for (const auto& [layer, values] : groups) {
+    TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(layer, StateKind::kParameter, values));
   }
   return Status::Ok();
 }

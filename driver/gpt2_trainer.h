@@ -80,6 +80,13 @@ class Gpt2Trainer {
   Result<std::vector<float>> GetGradient(const std::string& name);
   // Every parameter name, in model order.
   std::vector<std::string> ParameterNames() const;
+  // Where a named parameter lives: its layer's group and its slot there. InvalidArgument for
+  // an unknown name.
+  struct ParameterRef {
+    size_t group;
+    const FlatSlot* slot;
+  };
+  Result<ParameterRef> FindParameter(const std::string& name) const;
 
   // One training step on tokens/targets of [batch, seq_len] (the plan's shape). A batch with a
   // token outside the vocabulary is refused before anything runs; if a step fails anyway, the
@@ -119,11 +126,6 @@ class Gpt2Trainer {
   Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
               std::unique_ptr<GraphBackend> backend);
 
-  struct ParameterRef {
-    size_t group;
-    const FlatSlot* slot;
-  };
-  Result<ParameterRef> FindParameter(const std::string& name) const;
   Result<Value> Scalar(DType dtype, double value);
   Result<Value> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len);
   Status PrepareStepGraph();

@@ -713,6 +713,18 @@ Status CheckCollective(const TensorMeta& x, const Attrs& attrs, bool reduces) {
   return Status::Ok();
 }
 
+// The group size, for a member whose x holds one equal block per member (reduce-scatter,
+// all-gather in place); InvalidArgument when it does not divide.
+Result<int64_t> BlockCount(const TensorMeta& x, const Attrs& attrs) {
+  const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+  if (x.numel() % size != 0) {
+    return InvalidArgument(
+        "input 'x' has {} elements, not a multiple of the group's {} members (pad it)", x.numel(),
+        size);
+  }
+  return size;
+}
+
 // Bytes one member sends: a ring moves (n-1)/n of the buffer per phase.
 CostFn CollectiveCost(double phases) {
   return [phases](const Metas& in, const Attrs& attrs) {
@@ -744,12 +756,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
-        const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
-        if (in[0].numel() % size != 0) {
-          return InvalidArgument(
-              "input 'x' has {} elements, not a multiple of the group's {} members (pad it)",
-              in[0].numel(), size);
-        }
+        TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
         return Metas{TensorMeta{Shape{in[0].numel() / size}, in[0].dtype, in[0].device}};
       },
       .cost = CollectiveCost(1),
@@ -782,12 +789,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .in_place = {{0, 0}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
-        const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
-        if (in[0].numel() % size != 0) {
-          return InvalidArgument(
-              "input 'x' has {} elements, not a multiple of the group's {} members (pad it)",
-              in[0].numel(), size);
-        }
+        TESSERA_RETURN_IF_ERROR(BlockCount(in[0], attrs).status());
         return Metas{in[0]};
       },
       .cost =

@@ -165,11 +165,6 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
     return InvalidArgument("{} worker(s) given for {} data-parallel ranks", p.workers.size(),
                            p.data_parallel);
   }
-  if (p.workers.empty() && p.data_parallel > 1) {
-    return InvalidArgument(
-        "{} data-parallel ranks need a worker each: run on a cluster with at least {} workers",
-        p.data_parallel, p.data_parallel);
-  }
   return Status::Ok();
 }
 
@@ -201,6 +196,7 @@ class StepPlanner {
     AddInputs();
     for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddRank(r));
     TESSERA_RETURN_IF_ERROR(AddReductionsAfterBackward());
+    RecordGradients();
     TESSERA_RETURN_IF_ERROR(AddLoss());
     TESSERA_RETURN_IF_ERROR(AddClipping());
     for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddOptimizer(r));
@@ -211,8 +207,8 @@ class StepPlanner {
  private:
   // Per-rank objects while the graph is being built.
   struct Rank {
-    std::vector<ObjectId> param;  // what the layer ops read (full group; stage 3: gathered)
-    std::vector<ObjectId> state_param, exp_avg, exp_avg_sq;  // this step's state inputs
+    // Per layer: indices into step_.state of this rank's parameters and Adam moments.
+    std::vector<size_t> param, exp_avg, exp_avg_sq;
     std::vector<ObjectId> grad;    // per layer: the accumulated gradient (full or shard)
     std::vector<ObjectId> losses;  // per micro-batch
     ObjectId clip;
@@ -261,8 +257,8 @@ class StepPlanner {
         const int64_t begin = p_.sharded_optimizer() ? r * shard : 0;
         const int64_t param_numel = p_.sharded_parameters() ? shard : full;
         const int64_t param_begin = p_.sharded_parameters() ? begin : 0;
-        rank.state_param.push_back(AddState(StateKind::kParameter, r, l, param_begin, param_numel,
-                                            ObjectRole::kParameter));
+        rank.param.push_back(AddState(StateKind::kParameter, r, l, param_begin, param_numel,
+                                      ObjectRole::kParameter));
         if (adamw_) {
           rank.exp_avg.push_back(
               AddState(StateKind::kExpAvg, r, l, begin, shard, ObjectRole::kOptimizerState));
@@ -273,22 +269,23 @@ class StepPlanner {
     }
   }
 
-  ObjectId AddState(StateKind kind, int r, size_t l, int64_t begin, int64_t numel,
-                    ObjectRole role) {
+  // Adds a state input; returns its index in step_.state.
+  size_t AddState(StateKind kind, int r, size_t l, int64_t begin, int64_t numel, ObjectRole role) {
     std::string name = fmt::format("{}.{}", LayerName(l), StateKindName(kind));
     if (p_.sharded_optimizer() && numel != step_.group_numel[l]) name += "[shard]";
     StateObject object{.kind = kind, .piece = GroupPiece{l, r, begin, numel}};
     object.input = builder_.AddInput(Name(r, name), F32({numel}), role);
     step_.state.push_back(object);
-    return object.input;
+    return step_.state.size() - 1;
   }
 
   // The parameters layer l's ops read on rank r: the state itself, or (ZeRO-3) a gather of
   // every rank's shard, ordered after `after` (prefetch: not before that object exists).
   Result<ObjectId> LayerParams(int r, size_t l, const std::string& when, ObjectId after) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
-    if (!p_.sharded_parameters()) return rank.state_param[l];
-    std::vector<ObjectId> inputs{rank.state_param[l]};
+    const ObjectId param = step_.state[rank.param[l]].input;
+    if (!p_.sharded_parameters()) return param;
+    std::vector<ObjectId> inputs{param};
     if (after.valid()) inputs.push_back(after);
     const std::string name = fmt::format("{}/gather_{}", LayerName(l), when);
     TESSERA_ASSIGN_OR_RETURN(
@@ -519,7 +516,6 @@ class StepPlanner {
   // Global-norm clipping. Replicated gradients (one rank, or stage 0): every rank sums the
   // squares of every group. Sharded: each rank sums its shards, and the sums are all-reduced.
   Status AddClipping() {
-    RecordGradients();
     const bool sharded = n_ > 1 && p_.zero_stage >= 1;
     const Attrs clip_attrs{{"max_norm", plan_.optimizer.max_grad_norm}};
     for (int r = 0; r < n_; ++r) {
@@ -559,15 +555,9 @@ class StepPlanner {
 
   Status AddOptimizer(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
-    // The state objects of this rank, in the order AddInputs made them.
-    std::vector<StateObject*> mine;
-    for (StateObject& object : step_.state) {
-      if (object.piece.rank == r) mine.push_back(&object);
-    }
-    const size_t per_layer = adamw_ ? 3 : 1;
     for (size_t l = 0; l < layers_; ++l) {
       const std::string& layer = LayerName(l);
-      StateObject& param = *mine[l * per_layer];
+      StateObject& param = step_.state[rank.param[l]];
       const FlatLayout& layout = model_.layers[l].params;
       if (!adamw_) {
         TESSERA_ASSIGN_OR_RETURN(
@@ -581,8 +571,8 @@ class StepPlanner {
         builder_.MarkOutput(param.output);
         continue;
       }
-      StateObject& exp_avg = *mine[l * per_layer + 1];
-      StateObject& exp_avg_sq = *mine[l * per_layer + 2];
+      StateObject& exp_avg = step_.state[rank.exp_avg[l]];
+      StateObject& exp_avg_sq = step_.state[rank.exp_avg_sq[l]];
       Attrs attrs{{"beta1", plan_.optimizer.beta1},
                   {"beta2", plan_.optimizer.beta2},
                   {"eps", plan_.optimizer.eps},
@@ -644,6 +634,12 @@ class StepPlanner {
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
+  const ParallelConfig& p = plan.parallel;
+  if (p.workers.empty() && p.data_parallel > 1) {
+    return InvalidArgument(
+        "{} data-parallel ranks need a worker each: run on a cluster with at least {} workers",
+        p.data_parallel, p.data_parallel);
+  }
   return StepPlanner(model, plan, registry).Build();
 }
 

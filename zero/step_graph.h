@@ -89,7 +89,9 @@ struct TrainingPlan {
   OptimizerConfig optimizer;
   ParallelConfig parallel;
 
-  // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len).
+  // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
+  // batch that does not split over the ranks). Ranks need not be bound to workers yet
+  // (PlanTrainingStep requires it when there are several).
   Status Validate(const ModelSpec& model) const;
 };
 

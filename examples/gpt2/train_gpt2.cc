@@ -200,9 +200,7 @@ int Run(const Flags& flags) {
   if (flags.resume && flags.checkpoint_dir.empty()) {
     return Fail(tessera::InvalidArgument("--resume needs --checkpoint-dir (where to resume from)"));
   }
-  if (Status valid = plan.Validate(tessera::DescribeGpt2(config));
-      !valid.ok() &&
-      !(flags.workers > 0 && valid.message().find("need a worker each") != std::string::npos)) {
+  if (Status valid = plan.Validate(tessera::DescribeGpt2(config)); !valid.ok()) {
     return Fail(valid);  // refused before any process starts
   }
   // Where the step runs: this process, a local cluster we start, or a running cluster.
