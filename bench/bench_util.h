@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace tessera::bench {
@@ -17,6 +18,14 @@ inline std::string Capture(const std::string& command) {
   while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
   if (::pclose(pipe) != 0) return "";
   return output;
+}
+
+// The number after `"name": ` in a JSON line (the first one in `text`), or -1 when absent.
+inline double JsonNumber(const std::string& text, const std::string& name) {
+  const std::string key = "\"" + name + "\":";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + key.size());
 }
 
 }  // namespace tessera::bench

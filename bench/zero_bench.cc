@@ -78,14 +78,7 @@ double Median(std::vector<double> values) {
 }
 
 using tessera::bench::Capture;
-
-// The number after `"name":` in a JSON line, or a negative number.
-double JsonNumber(const std::string& text, const std::string& name) {
-  const std::string key = "\"" + name + "\":";
-  const size_t at = text.find(key);
-  if (at == std::string::npos) return -1;
-  return std::atof(text.c_str() + at + key.size());
-}
+using tessera::bench::JsonNumber;
 
 // PyTorch DDP's median step ms at `workers` ranks, or a negative number when it could not run.
 double TorchDdpMs(const Flags& flags, int workers) {

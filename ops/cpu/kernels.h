@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "core/status.h"
 #include "ops/cpu/blas.h"
@@ -88,6 +89,19 @@ struct AdamWConfig {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
 };
+// Instruction sets the optimizer kernels pick at run time (the build may target an older CPU than
+// the one it runs on, and the benchmark compares the paths on one machine).
+enum class SimdLevel : uint8_t { kScalar, kAvx2, kAvx512 };
+// The widest level this CPU supports (x86-64: cpuid; elsewhere kScalar).
+SimdLevel BestSimdLevel();
+std::string_view SimdLevelName(SimdLevel level);
+// How AdamWUpdate runs: the instruction set (capped at BestSimdLevel()) and whether the group is
+// split across the calling thread's TBB arena.
+struct KernelExecution {
+  SimdLevel simd = BestSimdLevel();
+  bool parallel = true;
+};
+
 // One fused pass, element for element the arithmetic of torch.optim.AdamW (foreach=False):
 //   g = grad * grad_scale; p *= 1 - lr * wd (inside decay ranges only);
 //   m = beta1 * m + (1 - beta1) * g; v = beta2 * v + (1 - beta2) * g^2;
@@ -97,7 +111,8 @@ struct AdamWConfig {
 // REQUIRES: step >= 1.
 void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
                  const AdamWConfig& config, float lr, int64_t step, float grad_scale,
-                 const int64_t* decay_ranges, int64_t num_decay_ranges, int64_t element_offset);
+                 const int64_t* decay_ranges, int64_t num_decay_ranges, int64_t element_offset,
+                 const KernelExecution& execution = {});
 // p -= lr * (grad * grad_scale + weight_decay * p)
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,
                float grad_scale);

@@ -1,7 +1,12 @@
 // AdamW and SGD on flat parameter groups, gradient norms and the clipping factor.
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/parallel.h"
@@ -11,49 +16,192 @@ namespace tessera::cpu {
 namespace {
 constexpr int64_t kOptimizerGrain = 1 << 15;
 constexpr int64_t kNormChunk = 1 << 16;
+
+// The per-step scalars of an AdamW update, rounded to float once.
+struct AdamWScalars {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float neg_step_size, bias_correction2_sqrt, grad_scale;
+};
+
+// One segment of constant weight decay (decay_factor 1 outside the decay ranges: p * 1 == p, so
+// one kernel serves both). Every path below computes, per element and in this order:
+//   g = grad * grad_scale;  p = param * decay_factor;
+//   m' = m * beta1 + (1 - beta1) * g;  v' = v * beta2 + ((1 - beta2) * g) * g;
+//   param = p + (neg_step_size * m') / (sqrt(v') / sqrt(bias_correction2) + eps)
+// with exact division and square root. The vector paths fuse the m', v' and parameter
+// multiply-adds (one rounding fewer), so they agree with the scalar path to an ulp or two, not bit
+// for bit; within one path an element's result never depends on where it falls in a vector.
+using AdamWSegmentFn = void (*)(const AdamWScalars&, float decay_factor, float* param, float* m,
+                                float* v, const float* grad, int64_t n);
+
+void AdamWSegmentScalar(const AdamWScalars& s, float decay_factor, float* param, float* m, float* v,
+                        const float* grad, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * s.grad_scale;
+    const float p = param[i] * decay_factor;
+    const float m_new = m[i] * s.beta1 + s.one_minus_beta1 * g;
+    const float v_new = v[i] * s.beta2 + s.one_minus_beta2 * g * g;
+    const float denom = std::sqrt(v_new) / s.bias_correction2_sqrt + s.eps;
+    m[i] = m_new;
+    v[i] = v_new;
+    param[i] = p + s.neg_step_size * m_new / denom;
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) void AdamWSegmentAvx2(const AdamWScalars& s, float decay_factor,
+                                                          float* param, float* m, float* v,
+                                                          const float* grad, int64_t n) {
+  const __m256 beta1 = _mm256_set1_ps(s.beta1), one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
+  const __m256 beta2 = _mm256_set1_ps(s.beta2), one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
+  const __m256 eps = _mm256_set1_ps(s.eps), neg_step = _mm256_set1_ps(s.neg_step_size);
+  const __m256 bc2 = _mm256_set1_ps(s.bias_correction2_sqrt);
+  const __m256 scale = _mm256_set1_ps(s.grad_scale), decay = _mm256_set1_ps(decay_factor);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), scale);
+    const __m256 m_new =
+        _mm256_fmadd_ps(_mm256_loadu_ps(m + i), beta1, _mm256_mul_ps(one_minus_beta1, g));
+    const __m256 v_new = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), beta2,
+                                         _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_new), bc2), eps);
+    _mm256_storeu_ps(m + i, m_new);
+    _mm256_storeu_ps(v + i, v_new);
+    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step, m_new), denom);
+    _mm256_storeu_ps(param + i, _mm256_fmadd_ps(_mm256_loadu_ps(param + i), decay, step));
+  }
+  // The tail with the same fused operations as the vector body, so an element's result does not
+  // depend on where a range or shard boundary puts it.
+  for (; i < n; ++i) {
+    const float g = grad[i] * s.grad_scale;
+    const float m_new = std::fma(m[i], s.beta1, s.one_minus_beta1 * g);
+    const float v_new = std::fma(v[i], s.beta2, (s.one_minus_beta2 * g) * g);
+    const float denom = std::sqrt(v_new) / s.bias_correction2_sqrt + s.eps;
+    m[i] = m_new;
+    v[i] = v_new;
+    param[i] = std::fma(param[i], decay_factor, (s.neg_step_size * m_new) / denom);
+  }
+}
+
+// GCC 12's avx512fintrin.h seeds _mm512_sqrt_ps with a self-initialised "undefined" vector and then
+// warns about it (-Wmaybe-uninitialized); the value is never read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+__attribute__((target("avx512f"))) void AdamWSegmentAvx512(const AdamWScalars& s,
+                                                           float decay_factor, float* param,
+                                                           float* m, float* v, const float* grad,
+                                                           int64_t n) {
+  const __m512 beta1 = _mm512_set1_ps(s.beta1), one_minus_beta1 = _mm512_set1_ps(s.one_minus_beta1);
+  const __m512 beta2 = _mm512_set1_ps(s.beta2), one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
+  const __m512 eps = _mm512_set1_ps(s.eps), neg_step = _mm512_set1_ps(s.neg_step_size);
+  const __m512 bc2 = _mm512_set1_ps(s.bias_correction2_sqrt);
+  const __m512 scale = _mm512_set1_ps(s.grad_scale), decay = _mm512_set1_ps(decay_factor);
+  for (int64_t i = 0; i < n; i += 16) {
+    // The tail is the same loop body under a mask: masked lanes are neither read nor written.
+    const __mmask16 lanes =
+        n - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, grad + i), scale);
+    const __m512 m_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, m + i), beta1,
+                                         _mm512_mul_ps(one_minus_beta1, g));
+    const __m512 v_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, v + i), beta2,
+                                         _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_new), bc2), eps);
+    _mm512_mask_storeu_ps(m + i, lanes, m_new);
+    _mm512_mask_storeu_ps(v + i, lanes, v_new);
+    const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step, m_new), denom);
+    _mm512_mask_storeu_ps(param + i, lanes,
+                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, param + i), decay, step));
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
+AdamWSegmentFn AdamWSegmentFor(SimdLevel level) {
+#if defined(__x86_64__)
+  switch (std::min(level, BestSimdLevel())) {
+    case SimdLevel::kAvx512:
+      return AdamWSegmentAvx512;
+    case SimdLevel::kAvx2:
+      return AdamWSegmentAvx2;
+    case SimdLevel::kScalar:
+      break;
+  }
+#else
+  (void)level;
+#endif
+  return AdamWSegmentScalar;
+}
 }  // namespace
+
+SimdLevel BestSimdLevel() {
+#if defined(__x86_64__)
+  static const SimdLevel best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return SimdLevel::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::kAvx2;
+    return SimdLevel::kScalar;
+  }();
+  return best;
+#else
+  return SimdLevel::kScalar;
+#endif
+}
+
+std::string_view SimdLevelName(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512:
+      return "avx512";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    case SimdLevel::kScalar:
+      break;
+  }
+  return "scalar";
+}
 
 void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
                  const AdamWConfig& config, float lr, int64_t step, float grad_scale,
-                 const int64_t* decay_ranges, int64_t num_decay_ranges, int64_t element_offset) {
+                 const int64_t* decay_ranges, int64_t num_decay_ranges, int64_t element_offset,
+                 const KernelExecution& execution) {
   // Scalars computed in double and rounded once, as PyTorch does with its Python floats.
   const double bias_correction1 = 1.0 - std::pow(static_cast<double>(config.beta1), step);
   const double bias_correction2 = 1.0 - std::pow(static_cast<double>(config.beta2), step);
-  const float neg_step_size = static_cast<float>(-(static_cast<double>(lr) / bias_correction1));
-  const float bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  const AdamWScalars scalars{
+      .beta1 = config.beta1,
+      .one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1)),
+      .beta2 = config.beta2,
+      .one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2)),
+      .eps = config.eps,
+      .neg_step_size = static_cast<float>(-(static_cast<double>(lr) / bias_correction1)),
+      .bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2)),
+      .grad_scale = grad_scale,
+  };
   const float decay_factor =
       static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(config.weight_decay));
-  const float beta1 = config.beta1;
-  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
-  const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
-  const float beta2 = config.beta2;
-  const float eps = config.eps;
-
-  auto update = [&](int64_t begin, int64_t end, bool decay) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = grad[i] * grad_scale;
-      const float p = decay ? param[i] * decay_factor : param[i];
-      const float m_new = m[i] * beta1 + one_minus_beta1 * g;
-      const float v_new = v[i] * beta2 + one_minus_beta2 * g * g;
-      const float denom = std::sqrt(v_new) / bias_correction2_sqrt + eps;
-      m[i] = m_new;
-      v[i] = v_new;
-      param[i] = p + neg_step_size * m_new / denom;
+  const AdamWSegmentFn segment = AdamWSegmentFor(execution.simd);
+  auto update = [&](int64_t begin, int64_t end, float decay) {
+    if (end > begin) {
+      segment(scalars, decay, param + begin, m + begin, v + begin, grad + begin, end - begin);
     }
   };
-  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
-    // Walk [begin, end) in segments of constant decay, so each inner loop vectorises.
+  auto update_range = [&](int64_t begin, int64_t end) {
+    // Walk [begin, end) in segments of constant decay.
     int64_t position = begin;
     for (int64_t r = 0; r < num_decay_ranges && position < end; ++r) {
       const int64_t decay_begin = std::clamp(decay_ranges[2 * r] - element_offset, position, end);
       const int64_t decay_end =
           std::clamp(decay_ranges[2 * r + 1] - element_offset, decay_begin, end);
-      update(position, decay_begin, false);
-      update(decay_begin, decay_end, true);
+      update(position, decay_begin, 1.0f);
+      update(decay_begin, decay_end, decay_factor);
       position = decay_end;
     }
-    update(position, end, false);
-  });
+    update(position, end, 1.0f);
+  };
+  if (execution.parallel) {
+    detail::ParallelFor(n, kOptimizerGrain, update_range);
+  } else {
+    update_range(0, n);
+  }
 }
 
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,
