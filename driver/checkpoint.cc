@@ -84,6 +84,9 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   json pieces = json::array();
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
+    // Master copies equal the parameters between steps (which the checkpoint keeps); a loading
+    // plan that offloads rebuilds them from the parameters (Gpt2Trainer::WriteGroup).
+    if (object.kind == StateKind::kMasterParameter) continue;
     const std::string& layer = trainer.model().layers[object.piece.layer].name;
     const std::string file =
         fmt::format("rank{}/{}.{}.bin", object.piece.rank, layer, StateKindName(object.kind));

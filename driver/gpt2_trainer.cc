@@ -129,9 +129,14 @@ Status Gpt2Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<f
                            model_.layers[layer].name, step_graph_.group_numel[layer],
                            values.size());
   }
+  // Parameters are also written to the offloaded master copies, which hold the same values.
+  const auto written = [kind](StateKind object_kind) {
+    return object_kind == kind ||
+           (kind == StateKind::kParameter && object_kind == StateKind::kMasterParameter);
+  };
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
     const StateObject& object = step_graph_.state[i];
-    if (object.piece.layer != layer || object.kind != kind) continue;
+    if (object.piece.layer != layer || !written(object.kind)) continue;
     TESSERA_ASSIGN_OR_RETURN(Tensor piece,
                              Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
     std::memcpy(piece.raw_data(), values.data() + object.piece.begin,

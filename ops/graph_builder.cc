@@ -24,6 +24,20 @@ Result<std::vector<ObjectId>> GraphBuilder::AddTask(std::string name, const std:
   Result<std::vector<TensorMeta>> output_metas = registry_.InferShapes(op, input_metas, attrs);
   if (!output_metas.ok()) return output_metas.status().WithContext(context);
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry_.Find(op));
+  const Device device = options.device_kind == DeviceKind::kCpu ? Device::Cpu() : Device::Cuda(0);
+  if (!def->crosses_devices) {
+    for (ObjectId input : inputs) {
+      const ObjectSpec& object = graph_.object(input);
+      if (object.meta.device.kind != device.kind) {
+        return InvalidArgument(
+            "{}: op '{}' runs on {} but its input '{}' lives on {}; move it with a 'copy' task "
+            "first",
+            context, op, DeviceKindName(device.kind), object.name,
+            DeviceKindName(object.meta.device.kind));
+      }
+    }
+  }
+  for (TensorMeta& meta : *output_metas) meta.device = device;
 
   TaskSpec task;
   task.name = std::move(name);

@@ -6,6 +6,11 @@
 // op, wrong arity, mismatched shapes) is reported when the task is added, with the task, its
 // layer, the op and the shapes in the message, long before anything runs.
 //
+// Devices: a task runs on its worker's CPU or its GPU (TaskOptions::device_kind) and its outputs
+// live there (TensorMeta::device: Device::Cpu(), or Device::Cuda(0) for the worker's own GPU).
+// A task may read only objects on its own device; moving an object between the two is a task of
+// a transfer op (OpDef::crosses_devices, e.g. "copy"), so every transfer is visible in the plan.
+//
 // Not thread-safe: one builder per thread.
 #pragma once
 

@@ -65,6 +65,9 @@ struct OpDef {
   // producers (a ZeRO-3 gather waiting for an earlier layer's forward, bounding memory); the op
   // ignores them, and inference and cost see the named inputs only.
   bool control_inputs = false;
+  // A transfer: inputs may live on any device (copies between a worker's GPU and its host tier).
+  // Every other op reads only objects on the device its task runs on (GraphBuilder checks).
+  bool crosses_devices = false;
   std::vector<std::pair<int, int>> in_place;  // (input index, output index)
   InferFn infer;
   CostFn cost;

@@ -389,6 +389,35 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .infer = same_as_first,
                                         .cost = ElementwiseCost(1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "copy",
+      .doc = "out = x, on the device the task runs on: the transfer between a worker's GPU and "
+             "its host tier (ZeRO-Offload's gradient download and parameter upload)",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .crosses_devices = true,
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> { return Metas{in[0]}; },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{0, 2.0 * static_cast<double>(in[0].bytes())};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "constant",
+      .doc = "an f32 scalar fixed when planning (attribute 'value'), e.g. the clipping factor 1 "
+             "when clipping is off, so updates need not wait for the global norm",
+      .input_names = {},
+      .output_names = {"out"},
+      .infer = [](const Metas&, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(double value, attrs.GetFloat("value"));
+        (void)value;
+        return Metas{Scalar()};
+      },
+      .cost =
+          [](const Metas&, const Attrs&) {
+            return OpCost{0, 4};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "noop",
       .doc = "ignores its inputs (any number) and returns a scalar zero: an empty task, or a "
              "barrier that only orders others (runtime benchmarks and tests)",

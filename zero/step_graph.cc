@@ -20,7 +20,9 @@ constexpr int32_t kForwardPriority = 1;
 constexpr int32_t kBackwardPriority = 2;
 constexpr int32_t kOptimizerPriority = 0;
 
-TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
+TensorMeta F32(Shape shape, Device device = Device::Cpu()) {
+  return TensorMeta{std::move(shape), DType::kF32, device};
+}
 
 Attrs Gpt2Attrs(const Gpt2Config& c) {
   return Attrs{{"channels", c.channels},
@@ -120,6 +122,8 @@ const char* StateKindName(StateKind kind) {
       return "exp_avg";
     case StateKind::kExpAvgSq:
       return "exp_avg_sq";
+    case StateKind::kMasterParameter:
+      return "master_params";
   }
   return "?";
 }
@@ -182,6 +186,7 @@ class StepPlanner {
         k_(plan.parallel.grad_accum),
         layers_(model.layers.size()),
         adamw_(plan.optimizer.kind == OptimizerConfig::Kind::kAdamW),
+        offload_(plan.parallel.offload == OffloadMode::kOptimizer && !plan.device.is_cpu()),
         builder_(registry) {
     layer_attrs_ = Gpt2Attrs(model.config);
     if (p_.sharded_optimizer()) layer_attrs_.Set(kParamMultipleAttr, int64_t{n_});
@@ -199,6 +204,7 @@ class StepPlanner {
     RecordGradients();
     TESSERA_RETURN_IF_ERROR(AddLoss());
     TESSERA_RETURN_IF_ERROR(AddClipping());
+    TESSERA_RETURN_IF_ERROR(AddDownloads());
     for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddOptimizer(r));
     TESSERA_ASSIGN_OR_RETURN(step_.graph, builder_.Build());
     return std::move(step_);
@@ -207,9 +213,13 @@ class StepPlanner {
  private:
   // Per-rank objects while the graph is being built.
   struct Rank {
-    // Per layer: indices into step_.state of this rank's parameters and Adam moments.
-    std::vector<size_t> param, exp_avg, exp_avg_sq;
-    std::vector<ObjectId> grad;    // per layer: the accumulated gradient (full or shard)
+    // Per layer: indices into step_.state of this rank's parameters, Adam moments and (offload
+    // on GPU workers) host master parameters.
+    std::vector<size_t> param, exp_avg, exp_avg_sq, master;
+    std::vector<ObjectId> grad;  // per layer: the accumulated gradient (full or shard)
+    // Offload on GPU workers: the final gradient and the clipping factor, copied to the host.
+    std::vector<ObjectId> host_grad;
+    ObjectId host_clip;
     std::vector<ObjectId> losses;  // per micro-batch
     ObjectId clip;
   };
@@ -227,8 +237,19 @@ class StepPlanner {
     TaskOptions options =
         Options(layer, priority, std::move(output_names), std::move(output_roles));
     if (!p_.workers.empty()) options.pinned_worker = p_.workers[static_cast<size_t>(r)];
+    options.device_kind = plan_.device.kind;
     return options;
   }
+  // A task of the optimizer step: on the host when offloaded, else with the rest.
+  TaskOptions OnOptimizerDevice(int r, const std::string& layer,
+                                std::vector<std::string> output_names = {},
+                                std::vector<ObjectRole> output_roles = {}) const {
+    TaskOptions options =
+        On(r, layer, kOptimizerPriority, std::move(output_names), std::move(output_roles));
+    if (offload_) options.device_kind = DeviceKind::kCpu;
+    return options;
+  }
+  Device OptimizerDevice() const { return offload_ ? Device::Cpu() : plan_.device; }
   Attrs Collective(int64_t id, int r) const {
     return Attrs{{kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{n_}}};
   }
@@ -236,7 +257,7 @@ class StepPlanner {
   const std::string& LayerName(size_t l) const { return model_.layers[l].name; }
 
   void AddInputs() {
-    const TensorMeta tokens{Shape{step_.micro_batch, plan_.seq_len}, DType::kI32, Device::Cpu()};
+    const TensorMeta tokens{Shape{step_.micro_batch, plan_.seq_len}, DType::kI32, plan_.device};
     for (int r = 0; r < n_; ++r) {
       for (int k = 0; k < k_; ++k) {
         step_.tokens.push_back(
@@ -245,8 +266,8 @@ class StepPlanner {
             builder_.AddInput(Name(r, Micro(k, "targets")), tokens, ObjectRole::kInput));
       }
     }
-    step_.lr = builder_.AddInput("lr", F32(Shape{}), ObjectRole::kInput);
-    step_.step = builder_.AddInput("step", TensorMeta{Shape{}, DType::kI64, Device::Cpu()},
+    step_.lr = builder_.AddInput("lr", F32(Shape{}, OptimizerDevice()), ObjectRole::kInput);
+    step_.step = builder_.AddInput("step", TensorMeta{Shape{}, DType::kI64, OptimizerDevice()},
                                    ObjectRole::kInput);
     ranks_.resize(static_cast<size_t>(n_));
     for (int r = 0; r < n_; ++r) {
@@ -258,23 +279,28 @@ class StepPlanner {
         const int64_t param_numel = p_.sharded_parameters() ? shard : full;
         const int64_t param_begin = p_.sharded_parameters() ? begin : 0;
         rank.param.push_back(AddState(StateKind::kParameter, r, l, param_begin, param_numel,
-                                      ObjectRole::kParameter));
+                                      ObjectRole::kParameter, plan_.device));
+        if (offload_) {
+          rank.master.push_back(AddState(StateKind::kMasterParameter, r, l, begin, shard,
+                                         ObjectRole::kParameter, Device::Cpu()));
+        }
         if (adamw_) {
-          rank.exp_avg.push_back(
-              AddState(StateKind::kExpAvg, r, l, begin, shard, ObjectRole::kOptimizerState));
-          rank.exp_avg_sq.push_back(
-              AddState(StateKind::kExpAvgSq, r, l, begin, shard, ObjectRole::kOptimizerState));
+          rank.exp_avg.push_back(AddState(StateKind::kExpAvg, r, l, begin, shard,
+                                          ObjectRole::kOptimizerState, OptimizerDevice()));
+          rank.exp_avg_sq.push_back(AddState(StateKind::kExpAvgSq, r, l, begin, shard,
+                                             ObjectRole::kOptimizerState, OptimizerDevice()));
         }
       }
     }
   }
 
   // Adds a state input; returns its index in step_.state.
-  size_t AddState(StateKind kind, int r, size_t l, int64_t begin, int64_t numel, ObjectRole role) {
+  size_t AddState(StateKind kind, int r, size_t l, int64_t begin, int64_t numel, ObjectRole role,
+                  Device device) {
     std::string name = fmt::format("{}.{}", LayerName(l), StateKindName(kind));
     if (p_.sharded_optimizer() && numel != step_.group_numel[l]) name += "[shard]";
     StateObject object{.kind = kind, .piece = GroupPiece{l, r, begin, numel}};
-    object.input = builder_.AddInput(Name(r, name), F32({numel}), role);
+    object.input = builder_.AddInput(Name(r, name), F32({numel}, device), role);
     step_.state.push_back(object);
     return step_.state.size() - 1;
   }
@@ -545,6 +571,14 @@ class StepPlanner {
                                                    {Name(r, "clip_scale"), Name(r, "grad_norm")},
                                                    {ObjectRole::kOutput, ObjectRole::kOutput})));
       rank.clip = clip[0];
+      if (plan_.optimizer.max_grad_norm <= 0) {
+        // Clipping off: the factor is 1, known now, so each update waits only for its own
+        // gradient and runs during the remaining backward (the norm is still reported).
+        TESSERA_ASSIGN_OR_RETURN(
+            auto one, builder_.AddTask(Name(r, "clip_off"), "constant", {}, Attrs{{"value", 1.0}},
+                                       OnOptimizerDevice(r, "", {Name(r, "clip_scale_one")})));
+        rank.clip = one[0];
+      }
       if (r == 0) {
         step_.grad_norm = clip[1];
         builder_.MarkOutput(step_.grad_norm);
@@ -553,22 +587,54 @@ class StepPlanner {
     return Status::Ok();
   }
 
+  // Offload on GPU workers: each final gradient (piece) and the clipping factor are copied to
+  // the host as soon as they exist; a layer's copy waits for nothing but its own reduction.
+  Status AddDownloads() {
+    if (!offload_) return Status::Ok();
+    for (int r = 0; r < n_; ++r) {
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      for (size_t l = 0; l < layers_; ++l) {
+        const std::string& layer = LayerName(l);
+        TaskOptions options = On(r, layer, kBackwardPriority + 1, {Name(r, layer + ".grad.host")},
+                                 {ObjectRole::kGradient});
+        options.device_kind = DeviceKind::kCpu;
+        TESSERA_ASSIGN_OR_RETURN(
+            auto host, builder_.AddTask(Name(r, layer + "/grad_to_host"), "copy", {rank.grad[l]},
+                                        {}, std::move(options)));
+        rank.host_grad.push_back(host[0]);
+      }
+      if (plan_.optimizer.max_grad_norm <= 0) {
+        rank.host_clip = rank.clip;  // the constant 1, already on the host
+        continue;
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto clip, builder_.AddTask(Name(r, "clip_to_host"), "copy", {rank.clip}, {},
+                                      OnOptimizerDevice(r, "", {Name(r, "clip_scale.host")})));
+      rank.host_clip = clip[0];
+    }
+    return Status::Ok();
+  }
+
   Status AddOptimizer(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
+    const ObjectId clip = offload_ ? rank.host_clip : rank.clip;
     for (size_t l = 0; l < layers_; ++l) {
       const std::string& layer = LayerName(l);
       StateObject& param = step_.state[rank.param[l]];
+      // The parameters the update writes: the host master piece (offload) or the parameters.
+      StateObject& target = offload_ ? step_.state[rank.master[l]] : param;
+      const ObjectId grad = offload_ ? rank.host_grad[l] : rank.grad[l];
+      const std::string target_name = offload_ ? ".master_params" : ".params";
       const FlatLayout& layout = model_.layers[l].params;
       if (!adamw_) {
         TESSERA_ASSIGN_OR_RETURN(
             auto updated,
-            builder_.AddTask(Name(r, layer + "/sgd"), "sgd",
-                             {param.input, rank.grad[l], rank.clip, step_.lr},
+            builder_.AddTask(Name(r, layer + "/sgd"), "sgd", {target.input, grad, clip, step_.lr},
                              Attrs{{"weight_decay", plan_.optimizer.weight_decay}},
-                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.next")},
-                                {ObjectRole::kParameter})));
-        param.output = updated[0];
-        builder_.MarkOutput(param.output);
+                             OnOptimizerDevice(r, layer, {Name(r, layer + target_name + ".next")},
+                                               {ObjectRole::kParameter})));
+        target.output = updated[0];
+        TESSERA_RETURN_IF_ERROR(AddParameterUpload(r, l));
         continue;
       }
       StateObject& exp_avg = step_.state[rank.exp_avg[l]];
@@ -578,26 +644,33 @@ class StepPlanner {
                   {"eps", plan_.optimizer.eps},
                   {"weight_decay", plan_.optimizer.weight_decay},
                   {"decay_ranges", layout.DecayRanges()}};
-      const bool shard_in_full = p_.sharded_optimizer() && !p_.sharded_parameters();
+      // The updated piece is a shard inside full parameters (stages 1-2), or the piece itself
+      // (a parameter shard at stage 3, or an offloaded master piece), at element `begin`.
+      const bool piece_is_target = p_.sharded_parameters() || offload_;
+      const bool shard_in_full = p_.sharded_optimizer() && !piece_is_target;
       if (shard_in_full) attrs.Set("param_offset", exp_avg.piece.begin);
-      if (p_.sharded_parameters()) attrs.Set("element_offset", exp_avg.piece.begin);
+      if (p_.sharded_optimizer() && piece_is_target) {
+        attrs.Set("element_offset", exp_avg.piece.begin);
+      }
       const std::string suffix = p_.sharded_optimizer() ? "[shard]" : "";
       TESSERA_ASSIGN_OR_RETURN(
           auto updated,
           builder_.AddTask(
               Name(r, layer + "/adamw"), "adamw",
-              {param.input, rank.grad[l], exp_avg.input, exp_avg_sq.input, rank.clip, step_.lr,
-               step_.step},
+              {target.input, grad, exp_avg.input, exp_avg_sq.input, clip, step_.lr, step_.step},
               std::move(attrs),
-              On(r, layer, kOptimizerPriority,
-                 {Name(r, layer + ".params" + (p_.sharded_parameters() ? suffix : "") + ".next"),
-                  Name(r, layer + ".exp_avg" + suffix + ".next"),
-                  Name(r, layer + ".exp_avg_sq" + suffix + ".next")},
-                 {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                  ObjectRole::kOptimizerState})));
-      param.output = updated[0];
+              OnOptimizerDevice(
+                  r, layer,
+                  {Name(r, layer + target_name + (piece_is_target ? suffix : "") + ".next"),
+                   Name(r, layer + ".exp_avg" + suffix + ".next"),
+                   Name(r, layer + ".exp_avg_sq" + suffix + ".next")},
+                  {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                   ObjectRole::kOptimizerState})));
+      target.output = updated[0];
       exp_avg.output = updated[1];
       exp_avg_sq.output = updated[2];
+      builder_.MarkOutput(exp_avg.output);
+      builder_.MarkOutput(exp_avg_sq.output);
       if (shard_in_full) {
         // Every rank updated its shard inside its full copy: exchange the shards in place.
         const std::string name = layer + "/all_gather";
@@ -609,10 +682,42 @@ class StepPlanner {
                                 {ObjectRole::kParameter})));
         param.output = gathered[0];
       }
-      for (const StateObject* object : {&param, &exp_avg, &exp_avg_sq}) {
-        builder_.MarkOutput(object->output);
+      TESSERA_RETURN_IF_ERROR(AddParameterUpload(r, l));
+    }
+    return Status::Ok();
+  }
+
+  // Offload: the updated master piece goes back to the GPU as the next step's parameters (at
+  // stages 1-2 every rank's uploaded shard is all-gathered into the full parameters).
+  // Everything else: the update wrote the parameters themselves.
+  Status AddParameterUpload(int r, size_t l) {
+    Rank& rank = ranks_[static_cast<size_t>(r)];
+    StateObject& param = step_.state[rank.param[l]];
+    if (offload_) {
+      StateObject& master = step_.state[rank.master[l]];
+      builder_.MarkOutput(master.output);
+      const std::string& layer = LayerName(l);
+      const bool gather = p_.sharded_optimizer() && !p_.sharded_parameters();
+      const std::string uploaded_name =
+          layer + ".params" + (p_.sharded_optimizer() ? "[shard]" : "") + (gather ? "" : ".next");
+      TESSERA_ASSIGN_OR_RETURN(
+          auto uploaded,
+          builder_.AddTask(Name(r, layer + "/params_to_device"), "copy", {master.output}, {},
+                           On(r, layer, kOptimizerPriority, {Name(r, uploaded_name)},
+                              {ObjectRole::kParameter})));
+      param.output = uploaded[0];
+      if (gather) {
+        const std::string name = layer + "/all_gather";
+        TESSERA_ASSIGN_OR_RETURN(
+            auto gathered,
+            builder_.AddTask(Name(r, name), "all_gather", {param.output},
+                             Collective(CollectiveId(name), r),
+                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.next")},
+                                {ObjectRole::kParameter})));
+        param.output = gathered[0];
       }
     }
+    builder_.MarkOutput(param.output);
     return Status::Ok();
   }
 
@@ -622,6 +727,7 @@ class StepPlanner {
   const int n_, k_;
   const size_t layers_;
   const bool adamw_;
+  const bool offload_;  // offload to the host tier of GPU workers (a no-op on CPU workers)
   GraphBuilder builder_;
   Attrs layer_attrs_;
   StepGraph step_;

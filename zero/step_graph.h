@@ -33,8 +33,16 @@
 // Stages >= 1 pad each group to a multiple of N (attribute param_multiple): shards are equal.
 // Gradient clipping uses the global norm: each rank's shard norms are summed and all-reduced.
 // The loss is the mean over every rank and micro-batch (all-reduced; rank 0's is the output).
-// Offload (optimizer): optimizer state and the update live in the worker's host tier and CPU
-// executor (on CPU workers that is where everything already lives, so the plan is the same).
+// Devices: TrainingPlan::device is where the workers compute (the CPU, or each worker's own GPU);
+// tasks run and objects live there unless offloaded.
+// Offload (optimizer), ZeRO-Offload: the fp32 master copy of each rank's parameter piece (its
+// shard at stages >= 1, the whole group at stage 0) and its Adam moments live in the host tier
+// (StateKind::kMasterParameter, kExpAvg, kExpAvgSq on Device::Cpu()), and the update is a CPU
+// task. Each layer's final gradient (piece) is copied to the host as soon as it is reduced
+// (stage 2-3: during the backward of earlier layers), the clipping factor follows it, and the
+// updated master piece is copied back to the GPU (then all-gathered at stages 1-2). Every
+// transfer is a "copy" task. On CPU workers the host tier is where everything already lives:
+// no copies and no separate master, so the offloaded plan is the plain one.
 #pragma once
 
 #include <cstdint>
@@ -88,6 +96,8 @@ struct TrainingPlan {
   int64_t seq_len = 64;
   OptimizerConfig optimizer;
   ParallelConfig parallel;
+  // Where the workers compute: Device::Cpu(), or Device::Cuda(0) for each worker's own GPU.
+  Device device = Device::Cpu();
 
   // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
   // batch that does not split over the ranks). Ranks need not be bound to workers yet
@@ -95,7 +105,9 @@ struct TrainingPlan {
   Status Validate(const ModelSpec& model) const;
 };
 
-enum class StateKind : uint8_t { kParameter, kExpAvg, kExpAvgSq };
+// kMasterParameter: the host-tier fp32 copy of a parameter piece under offload on GPU workers
+// (holds the same values as the parameters between steps; checkpoints keep the parameters).
+enum class StateKind : uint8_t { kParameter, kExpAvg, kExpAvgSq, kMasterParameter };
 const char* StateKindName(StateKind kind);
 
 // Where a piece of a layer's group lives: elements [begin, begin + numel) of the (padded)

@@ -152,6 +152,17 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(Register(
+      r, "copy", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+        std::memcpy(out[0].raw_data(), in[0].raw_data(), in[0].bytes());
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "constant",
+               [](const KernelContext&, const Tensors&, const Tensors& out, const Attrs& attrs) {
+                 *F(out[0]) = static_cast<float>(attrs.GetFloat("value", 0.0));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
       r, "noop", [](const KernelContext&, const Tensors&, const Tensors& out, const Attrs&) {
         *F(out[0]) = 0.0f;
         return Status::Ok();

@@ -314,13 +314,30 @@ const std::set<std::string> kCheckedElsewhere = {"adamw",
                                                  "broadcast",
                                                  "all_gather_in_place",
                                                  "sum_scalars",
-                                                 "accumulate"};
+                                                 "accumulate",
+                                                 "copy",
+                                                 "constant"};
 
 TEST(OpGradientTest, SleepReturnsItsInput) {
   Tensor x = RandomTensor({5}, 1);
   ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("sleep", {x}, Attrs{{"ms", int64_t{1}}}));
   EXPECT_EQ(ToVector(out[0]), ToVector(x));
   EXPECT_FALSE(RunKernel("sleep", {x}, Attrs{{"ms", int64_t{-1}}}).ok());
+}
+
+TEST(OpGradientTest, CopyReproducesItsInputBitForBit) {
+  Tensor x = RandomTensor({3, 7}, 5);
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("copy", {x}));
+  EXPECT_EQ(out[0].shape(), x.shape());
+  EXPECT_EQ(ToVector(out[0]), ToVector(x));
+  EXPECT_NE(out[0].raw_data(), x.raw_data());
+}
+
+TEST(OpGradientTest, ConstantIsItsValueAndNeedsOne) {
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("constant", {}, Attrs{{"value", 1.0}}));
+  EXPECT_EQ(out[0].shape(), Shape{});
+  EXPECT_EQ(*out[0].data<float>(), 1.0f);
+  EXPECT_FALSE(RunKernel("constant", {}).ok()) << "a constant without its value";
 }
 
 TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {

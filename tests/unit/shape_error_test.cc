@@ -29,6 +29,25 @@ TEST(ShapeErrorTest, BlockInputWithTheWrongWidthNamesOpLayerAndShapes) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(ShapeErrorTest, ReadingAnObjectOnAnotherDeviceNeedsACopyTask) {
+  // A host-tier object read by a GPU task is refused (naming both devices and the fix); a copy
+  // task moves it, and its output lives where the copy ran.
+  GraphBuilder builder(CpuRegistry());
+  ObjectId host = builder.AddInput("h.0.grad.host", F32({16}), ObjectRole::kGradient);
+  TaskOptions on_gpu;
+  on_gpu.layer = "h.0";
+  on_gpu.device_kind = DeviceKind::kCuda;
+  Result<std::vector<ObjectId>> direct =
+      builder.AddTask("h.0/grad_norm", "sum_of_squares", {host}, {}, on_gpu);
+  ExpectAll(direct.status(),
+            {"h.0/grad_norm", "runs on cuda", "'h.0.grad.host' lives on cpu", "'copy' task"});
+  ASSERT_OK_AND_ASSIGN(auto copied, builder.AddTask("h.0/to_device", "copy", {host}, {}, on_gpu));
+  EXPECT_EQ(builder.meta(copied[0]).device, Device::Cuda(0));
+  ASSERT_OK_AND_ASSIGN(auto norm,
+                       builder.AddTask("h.0/grad_norm", "sum_of_squares", {copied[0]}, {}, on_gpu));
+  EXPECT_EQ(builder.meta(norm[0]).device, Device::Cuda(0));
+}
+
 TEST(ShapeErrorTest, LinearWeightMismatchNamesBothShapes) {
   GraphBuilder builder(CpuRegistry());
   ObjectId x = builder.AddInput("x", F32({2, 8}), ObjectRole::kActivation);

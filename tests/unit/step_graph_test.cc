@@ -1,5 +1,10 @@
 // The single-worker planner's step graph, and the trainer that runs it.
 #include "zero/step_graph.h"
+
+#include <set>
+#include <string>
+#include <vector>
+
 #include "driver/gpt2_trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
@@ -111,6 +116,102 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
 }
 
+// Whether task `later` (transitively) reads an output of task `earlier`.
+bool DependsOn(const Graph& g, TaskId later, TaskId earlier) {
+  std::vector<TaskId> stack{later};
+  std::set<uint64_t> seen;
+  while (!stack.empty()) {
+    const TaskSpec& task = g.task(stack.back());
+    stack.pop_back();
+    for (ObjectId input : task.inputs) {
+      const TaskId producer = g.object(input).producer;
+      if (!producer.valid() || !seen.insert(producer.value()).second) continue;
+      if (producer == earlier) return true;
+      stack.push_back(producer);
+    }
+  }
+  return false;
+}
+
+TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndCopiesGradientsAsTheyAreReduced) {
+  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const int64_t layers = static_cast<int64_t>(model.layers.size());
+  for (int stage = 0; stage <= 3; ++stage) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    TrainingPlan plan = ZeroPlan(2, stage);
+    plan.device = Device::Cuda(0);
+    ASSERT_OK_AND_ASSIGN(StepGraph plain, PlanTrainingStep(model, plan, CpuRegistry()));
+    EXPECT_EQ(CountOp(plain.graph, "copy"), 0);
+    for (const ObjectSpec& object : plain.graph.objects()) {
+      EXPECT_EQ(object.meta.device, Device::Cuda(0)) << object.name;
+    }
+    plan.parallel.offload = OffloadMode::kOptimizer;
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    const Graph& g = step.graph;
+    // Per rank and layer: the gradient down, the parameters up; per rank the clipping factor.
+    EXPECT_EQ(CountOp(g, "copy"), 2 * (2 * layers + 1));
+    // Stages 1-2 gather the uploaded shards into full parameters (no in-place gather left).
+    EXPECT_EQ(CountOp(g, "all_gather_in_place"), 0);
+    EXPECT_EQ(CountOp(g, "all_gather"),
+              stage == 3 ? 2 * (2 * (layers - 2) + 2 + 1) : (stage >= 1 ? 2 * layers : 0));
+    for (const TaskSpec& task : g.tasks()) {
+      const bool on_host = task.op == "adamw" || task.name.ends_with("_to_host");
+      EXPECT_EQ(task.device_kind, on_host ? DeviceKind::kCpu : DeviceKind::kCuda) << task.name;
+    }
+    // Per rank: parameters on the GPU as the stage places them; master weights and both Adam
+    // moments in the host tier, sharded from stage 1 on (12 bytes per parameter of the piece).
+    std::vector<int64_t> gpu_bytes(2), host_bytes(2), full_bytes(2), shard_bytes(2);
+    for (const StateObject& object : step.state) {
+      const TensorMeta& meta = g.object(object.input).meta;
+      const bool host = object.kind != StateKind::kParameter;
+      EXPECT_EQ(meta.device, host ? Device::Cpu() : Device::Cuda(0));
+      (host ? host_bytes : gpu_bytes)[object.piece.rank] += meta.bytes();
+      if (object.kind == StateKind::kParameter) {
+        full_bytes[object.piece.rank] += 4 * step.group_numel[object.piece.layer];
+        shard_bytes[object.piece.rank] += 4 * step.group_numel[object.piece.layer] / 2;
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(gpu_bytes[r], stage == 3 ? shard_bytes[r] : full_bytes[r]);
+      EXPECT_EQ(host_bytes[r], 3 * (stage >= 1 ? shard_bytes[r] : full_bytes[r]));
+    }
+    // The last block's gradient goes down as soon as it is reduced, while the earlier layers'
+    // backward still runs (it does not wait for the embedding's backward); only ZeRO-1 reduces
+    // after the whole backward.
+    const TaskId download = *g.FindTask("rank0/h.1/grad_to_host");
+    const TaskId last_backward = *g.FindTask("rank0/embedding/backward");
+    EXPECT_EQ(DependsOn(g, download, last_backward), stage == 1);
+    // The update reads only host objects: its inputs all come down through copies.
+    const TaskSpec& adamw = g.task(*g.FindTask("rank0/h.1/adamw"));
+    for (ObjectId input : adamw.inputs) {
+      EXPECT_EQ(g.object(input).meta.device, Device::Cpu()) << g.object(input).name;
+    }
+  }
+  // With clipping off, the factor is a constant: the offloaded update of the last block runs
+  // during the earlier layers' backward instead of waiting for the global norm.
+  TrainingPlan unclipped = ZeroPlan(2, 2);
+  unclipped.device = Device::Cuda(0);
+  unclipped.parallel.offload = OffloadMode::kOptimizer;
+  for (double max_norm : {1.0, 0.0}) {
+    unclipped.optimizer.max_grad_norm = max_norm;
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, unclipped, CpuRegistry()));
+    const Graph& g = step.graph;
+    EXPECT_EQ(DependsOn(g, *g.FindTask("rank0/h.1/adamw"), *g.FindTask("rank0/embedding/backward")),
+              max_norm > 0)
+        << "max_grad_norm " << max_norm;
+    EXPECT_TRUE(g.IsOutput(step.grad_norm)) << "the norm is reported either way";
+  }
+  // On CPU workers the host tier is where everything lives: offload changes nothing.
+  TrainingPlan cpu_plan = ZeroPlan(2, 2);
+  ASSERT_OK_AND_ASSIGN(StepGraph cpu_plain, PlanTrainingStep(model, cpu_plan, CpuRegistry()));
+  cpu_plan.parallel.offload = OffloadMode::kOptimizer;
+  ASSERT_OK_AND_ASSIGN(StepGraph cpu_offload, PlanTrainingStep(model, cpu_plan, CpuRegistry()));
+  ASSERT_EQ(cpu_offload.graph.num_tasks(), cpu_plain.graph.num_tasks());
+  for (int i = 0; i < cpu_plain.graph.num_tasks(); ++i) {
+    EXPECT_EQ(cpu_offload.graph.tasks()[i].name, cpu_plain.graph.tasks()[i].name);
+  }
+}
+
 TEST(StepGraphTest, SgdPlanHasNoOptimizerState) {
   TrainingPlan plan = TinyPlan();
   plan.optimizer.kind = OptimizerConfig::Kind::kSgd;
@@ -142,15 +243,23 @@ std::vector<int32_t> Batch(int64_t n, int32_t vocab, uint64_t seed) {
   return std::vector<int32_t>(tokens.data<int32_t>(), tokens.data<int32_t>() + n);
 }
 
-std::vector<float> Losses(int threads, int steps) {
+std::vector<float> Losses(int threads, int steps, double max_grad_norm = 1.0) {
   ExecutorOptions options;
   options.threads = threads;
-  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  TrainingPlan plan = TinyPlan();
+  plan.optimizer.max_grad_norm = max_grad_norm;
+  auto trainer = *Gpt2Trainer::Create(TinyConfig(), plan, options);
   EXPECT_OK(trainer->InitializeParameters(42));
   const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
   std::vector<float> losses;
   for (int i = 0; i < steps; ++i) losses.push_back(trainer->Step(tokens, targets, 3e-3f)->loss);
   return losses;
+}
+
+TEST(TrainerTest, ClippingOffTrainsAsALimitNeverReached) {
+  // Off, the factor is the planned constant 1 (updates do not wait for the norm); a limit far
+  // above the norm computes the factor 1 from the norm: the same arithmetic, bit for bit.
+  EXPECT_EQ(Losses(2, 5, 0.0), Losses(2, 5, 1e30));
 }
 
 TEST(TrainerTest, LossFallsOnARepeatedBatch) {
