@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
+#include "core/checksum.h"
 
 namespace tessera {
 
@@ -19,16 +20,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr int kFormatVersion = 1;
-
-uint64_t Fnv1a(const void* data, size_t bytes) {
-  uint64_t hash = 1469598103934665603ull;
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) {
-    hash ^= p[i];
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
 
 Result<std::string> ReadWholeFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -75,34 +66,48 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   const fs::path final_dir = fs::path(dir) / name;
   std::error_code error;
   if (fs::exists(final_dir / "manifest.json", error)) return final_dir.string();  // already saved
-  const fs::path partial = fs::path(dir) / (name + ".partial");
+  // The pieces go to a staging directory (always the same one, so the workers' write graph is
+  // planned once per checkpoint directory) that becomes the step directory once complete.
+  // Absolute: the workers' working directories are not the driver's.
+  const fs::path partial = fs::absolute(fs::path(dir) / "incoming.partial", error);
+  if (error) return InvalidArgument("bad checkpoint directory '{}': {}", dir, error.message());
   fs::remove_all(partial, error);
   if (!fs::create_directories(partial, error) && error) {
     return Unavailable("cannot create checkpoint directory '{}': {}", partial.string(),
                        error.message());
   }
-  json pieces = json::array();
+  std::vector<size_t> indices;
+  std::vector<std::string> files, paths;
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
     // Master copies equal the parameters between steps (which the checkpoint keeps); a loading
     // plan that offloads rebuilds them from the parameters (Gpt2Trainer::WriteGroup).
     if (object.kind == StateKind::kMasterParameter) continue;
     const std::string& layer = trainer.model().layers[object.piece.layer].name;
-    const std::string file =
-        fmt::format("rank{}/{}.{}.bin", object.piece.rank, layer, StateKindName(object.kind));
-    fs::create_directories(partial / fmt::format("rank{}", object.piece.rank), error);
-    TESSERA_ASSIGN_OR_RETURN(Tensor tensor, trainer.DownloadState(i));
-    const std::string_view bytes(static_cast<const char*>(tensor.raw_data()),
-                                 static_cast<size_t>(tensor.bytes()));
-    TESSERA_RETURN_IF_ERROR(WriteFileAtomically((partial / file).string(), bytes));
-    pieces.push_back(json{{"layer", layer},
+    indices.push_back(i);
+    files.push_back(
+        fmt::format("rank{}/{}.{}.bin", object.piece.rank, layer, StateKindName(object.kind)));
+    paths.push_back((partial / files.back()).string());
+  }
+  // Each worker writes the pieces it holds, atomically, and says what it wrote.
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Gpt2Trainer::FileReceipt> receipts,
+                           trainer.WriteState(indices, paths));
+  json pieces = json::array();
+  for (size_t j = 0; j < indices.size(); ++j) {
+    const StateObject& object = step.state[indices[j]];
+    const int64_t expected = 4 * object.piece.numel;
+    if (receipts[j].bytes != expected) {
+      return DataLoss("checkpoint piece '{}' was written with {} bytes, expected {}", paths[j],
+                      receipts[j].bytes, expected);
+    }
+    pieces.push_back(json{{"layer", trainer.model().layers[object.piece.layer].name},
                           {"kind", StateKindName(object.kind)},
                           {"rank", object.piece.rank},
                           {"begin", object.piece.begin},
                           {"numel", object.piece.numel},
-                          {"file", file},
-                          {"bytes", tensor.bytes()},
-                          {"fnv1a", Fnv1a(bytes.data(), bytes.size())}});
+                          {"file", files[j]},
+                          {"bytes", receipts[j].bytes},
+                          {"fnv1a", receipts[j].fnv1a}});
   }
   json groups = json::object();
   for (size_t l = 0; l < step.group_numel.size(); ++l) {

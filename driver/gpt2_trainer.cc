@@ -1,10 +1,12 @@
 #include "driver/gpt2_trainer.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
 
+#include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -434,6 +436,55 @@ Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& token
   TESSERA_ASSIGN_OR_RETURN(Tensor logits, backend_->Download(outputs[graph.result]));
   const float* data = logits.data<float>();
   return std::vector<float>(data, data + logits.numel());
+}
+
+Result<std::vector<Gpt2Trainer::FileReceipt>> Gpt2Trainer::WriteState(
+    const std::vector<size_t>& indices, const std::vector<std::string>& paths) {
+  if (indices.size() != paths.size()) {
+    return InvalidArgument("WriteState: {} state objects but {} paths", indices.size(),
+                           paths.size());
+  }
+  auto it = write_graphs_.find(paths);
+  if (it == write_graphs_.end()) {
+    GraphBuilder builder(*registry_);
+    WriteGraph write;
+    for (size_t i = 0; i < indices.size(); ++i) {
+      if (indices[i] >= step_graph_.state.size()) {
+        return InvalidArgument("WriteState: no state object {}", indices[i]);
+      }
+      const StateObject& object = step_graph_.state[indices[i]];
+      const ObjectSpec& spec = step_graph_.graph.object(object.input);
+      write.inputs.push_back(builder.AddInput(spec.name, spec.meta, spec.role));
+      TaskOptions options;
+      options.layer = model_.layers[object.piece.layer].name;
+      options.device_kind = spec.meta.device.kind;
+      if (!plan_.parallel.workers.empty()) {
+        options.pinned_worker = plan_.parallel.workers[static_cast<size_t>(object.piece.rank)];
+      }
+      options.output_names = {spec.name + ":receipt"};
+      options.output_roles = {ObjectRole::kOutput};
+      TESSERA_ASSIGN_OR_RETURN(
+          auto receipt,
+          builder.AddTask(fmt::format("write/{}", spec.name), "write_file", {write.inputs.back()},
+                          Attrs{{"path", paths[i]}}, std::move(options)));
+      write.receipts.push_back(receipt[0]);
+      builder.MarkOutput(receipt[0]);
+    }
+    TESSERA_ASSIGN_OR_RETURN(Graph graph, builder.Build());
+    TESSERA_ASSIGN_OR_RETURN(write.handle, backend_->Register(graph));
+    it = write_graphs_.emplace(paths, std::move(write)).first;
+  }
+  const WriteGraph& write = it->second;
+  ValueMap inputs;
+  for (size_t i = 0; i < indices.size(); ++i) inputs[write.inputs[i]] = state_.at(indices[i]);
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(write.handle, std::move(inputs)));
+  std::vector<FileReceipt> receipts;
+  for (ObjectId id : write.receipts) {
+    TESSERA_ASSIGN_OR_RETURN(Tensor receipt, backend_->Download(outputs[id]));
+    receipts.push_back(FileReceipt{receipt.data<int64_t>()[0],
+                                   std::bit_cast<uint64_t>(receipt.data<int64_t>()[1])});
+  }
+  return receipts;
 }
 
 int64_t Gpt2Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }

@@ -109,6 +109,15 @@ class Gpt2Trainer {
   Status WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values);
   // The value of step_graph().state[index] (a piece of a group on one rank).
   Result<Tensor> DownloadState(size_t index) { return backend_->Download(state_.at(index)); }
+  // Writes state objects to files, each by the worker that holds it (in process: this
+  // process), atomically: step_graph().state[indices[i]] to paths[i] (parent directories are
+  // created). Returns what each file holds. A list of paths is planned and registered once.
+  struct FileReceipt {
+    int64_t bytes = 0;
+    uint64_t fnv1a = 0;  // core/checksum.h
+  };
+  Result<std::vector<FileReceipt>> WriteState(const std::vector<size_t>& indices,
+                                              const std::vector<std::string>& paths);
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
@@ -145,6 +154,12 @@ class Gpt2Trainer {
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
   std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
+  // WriteState's graphs, by their paths: the handle, and per file its input and receipt.
+  struct WriteGraph {
+    int handle = -1;
+    std::vector<ObjectId> inputs, receipts;
+  };
+  std::map<std::vector<std::string>, WriteGraph> write_graphs_;
 
   // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
   Result<std::vector<Value>> FullParameters();

@@ -402,6 +402,23 @@ Status AddElementwiseOps(OpRegistry& r) {
           },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "write_file",
+      .doc = "writes x's bytes to the file at attribute 'path' atomically (temporary file, fsync, "
+             "rename; parent directories created); receipt = i64 [bytes, FNV-1a of the bytes]. "
+             "How a worker saves its own pieces of a checkpoint",
+      .input_names = {"x"},
+      .output_names = {"receipt"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(std::string path, attrs.GetString("path"));
+        if (path.empty()) return InvalidArgument("attribute 'path' is empty");
+        return Metas{TensorMeta{Shape{2}, DType::kI64, in[0].device}};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{0, static_cast<double>(in[0].bytes())};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "constant",
       .doc = "an f32 scalar fixed when planning (attribute 'value'), e.g. the clipping factor 1 "
              "when clipping is off, so updates need not wait for the global norm",

@@ -9,27 +9,15 @@
 #include <vector>
 
 #include "core/atomic_file.h"
+#include "core/checksum.h"
 
 namespace tessera {
 
 namespace {
 
-// Spill file: [u64 magic][u64 payload bytes][u64 checksum][payload].
+// Spill file: [u64 magic][u64 payload bytes][u64 checksum (Fnv1aWords)][payload].
 constexpr uint64_t kSpillMagic = 0x314c4c4950535354;  // "TSSPILL1"
 constexpr size_t kSpillHeaderBytes = 24;
-
-uint64_t Checksum(const uint8_t* data, size_t n) {
-  // FNV-1a over 8-byte words (and the tail): cheap, and catches truncation and corruption.
-  uint64_t hash = 1469598103934665603ull;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, data + i, 8);
-    hash = (hash ^ word) * 1099511628211ull;
-  }
-  for (; i < n; ++i) hash = (hash ^ data[i]) * 1099511628211ull;
-  return hash;
-}
 
 }  // namespace
 
@@ -137,7 +125,7 @@ Status ObjectStore::SpillToDisk(ObjectId id, Entry& entry) {
   std::string contents(kSpillHeaderBytes + static_cast<size_t>(bytes), '\0');
   const auto* payload = static_cast<const uint8_t*>(entry.tensor.raw_data());
   const uint64_t header[3] = {kSpillMagic, static_cast<uint64_t>(bytes),
-                              Checksum(payload, static_cast<size_t>(bytes))};
+                              Fnv1aWords(payload, static_cast<size_t>(bytes))};
   std::memcpy(contents.data(), header, kSpillHeaderBytes);
   std::memcpy(contents.data() + kSpillHeaderBytes, payload, static_cast<size_t>(bytes));
   const std::string path = fmt::format("{}/{}.spill", options_.spill_dir, id.ToString());
@@ -170,7 +158,7 @@ Result<Tensor> ObjectStore::ReadSpillFile(const Entry& entry) const {
     return DataLoss("spill file '{}' is truncated: {} of {} bytes", entry.spill_path, file.gcount(),
                     bytes);
   }
-  if (Checksum(static_cast<const uint8_t*>(tensor.raw_data()), bytes) != header[2]) {
+  if (Fnv1aWords(tensor.raw_data(), bytes) != header[2]) {
     return DataLoss("spill file '{}' is corrupt (checksum mismatch)", entry.spill_path);
   }
   return tensor;

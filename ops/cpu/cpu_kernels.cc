@@ -1,10 +1,16 @@
 #include "ops/cpu/cpu_kernels.h"
 
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <string>
+#include <string_view>
 #include <thread>
 
+#include "core/atomic_file.h"
+#include "core/checksum.h"
 #include "core/collective_task.h"
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
@@ -154,6 +160,24 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
       r, "copy", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
         std::memcpy(out[0].raw_data(), in[0].raw_data(), in[0].bytes());
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "write_file",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        TESSERA_ASSIGN_OR_RETURN(std::string path, attrs.GetString("path"));
+        std::error_code error;
+        const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+        if (!parent.empty()) std::filesystem::create_directories(parent, error);
+        if (error) {
+          return Unavailable("cannot create directory '{}': {}", parent.string(), error.message());
+        }
+        const std::string_view bytes(static_cast<const char*>(in[0].raw_data()),
+                                     static_cast<size_t>(in[0].bytes()));
+        TESSERA_RETURN_IF_ERROR(WriteFileAtomically(path, bytes));
+        int64_t* receipt = out[0].data<int64_t>();
+        receipt[0] = in[0].bytes();
+        receipt[1] = std::bit_cast<int64_t>(Fnv1a(bytes.data(), bytes.size()));
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(

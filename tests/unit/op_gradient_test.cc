@@ -4,11 +4,15 @@
 // L = sum_k <G_k, Y_k> has dL/dX = backward(G, ...). Central differences of L (computed in
 // double from the fp32 kernels) on a sample of each input's elements must agree with the
 // backward's output, relative to the gradient's scale.
+#include <bit>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <set>
 
+#include "core/checksum.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -316,7 +320,8 @@ const std::set<std::string> kCheckedElsewhere = {"adamw",
                                                  "sum_scalars",
                                                  "accumulate",
                                                  "copy",
-                                                 "constant"};
+                                                 "constant",
+                                                 "write_file"};
 
 TEST(OpGradientTest, SleepReturnsItsInput) {
   Tensor x = RandomTensor({5}, 1);
@@ -331,6 +336,31 @@ TEST(OpGradientTest, CopyReproducesItsInputBitForBit) {
   EXPECT_EQ(out[0].shape(), x.shape());
   EXPECT_EQ(ToVector(out[0]), ToVector(x));
   EXPECT_NE(out[0].raw_data(), x.raw_data());
+}
+
+TEST(OpGradientTest, WriteFileWritesTheBytesAtomicallyAndReturnsAReceipt) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "write_file_op";
+  std::filesystem::remove_all(dir);
+  const std::string path = (dir / "rank1" / "h.0.params.bin").string();  // parents created
+  Tensor x = RandomTensor({5, 3}, 9);
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("write_file", {x}, Attrs{{"path", path}}));
+  ASSERT_EQ(out[0].dtype(), DType::kI64);
+  EXPECT_EQ(out[0].data<int64_t>()[0], x.bytes());
+  EXPECT_EQ(std::bit_cast<uint64_t>(out[0].data<int64_t>()[1]), Fnv1a(x.raw_data(), x.bytes()));
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> back(15);
+  in.read(reinterpret_cast<char*>(back.data()), 15 * sizeof(float));
+  EXPECT_EQ(in.gcount(), 15 * static_cast<std::streamsize>(sizeof(float)));
+  EXPECT_EQ(back, ToVector(x));
+  // No temporary file is left beside it.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "rank1"),
+                          std::filesystem::directory_iterator()),
+            1);
+  // A path under a regular file cannot be created: an error naming it, not a crash.
+  Result<Tensors> bad = RunKernel("write_file", {x}, Attrs{{"path", path + "/under/a/file"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find(path), std::string::npos) << bad.status().message();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(OpGradientTest, ConstantIsItsValueAndNeedsOne) {
