@@ -195,6 +195,11 @@ int Run(const Flags& flags) {
   tessera::Result<tessera::OffloadMode> offload = tessera::ParseOffload(flags.offload);
   if (!offload.ok()) return Fail(offload.status());
   plan.parallel.offload = *offload;
+  if (*offload == tessera::OffloadMode::kOptimizer && plan.device.is_cpu()) {
+    std::fprintf(stderr,
+                 "train_gpt2: --offload optimizer: CPU workers already keep the optimizer state "
+                 "and update in host memory, so the plan is the same as without it\n");
+  }
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
   if (flags.resume && flags.checkpoint_dir.empty()) {
@@ -442,7 +447,8 @@ int main(int argc, char** argv) {
                  "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
                  "3 + parameters");
   app.add_option("--offload", flags.offload,
-                 "none, or optimizer: optimizer state and update in the host tier / CPU");
+                 "none, or optimizer: master weights, Adam state and the update in the host "
+                 "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
   app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "Save checkpoints here (at the end, and every --checkpoint-every steps)");
