@@ -673,14 +673,8 @@ class StepPlanner {
       builder_.MarkOutput(exp_avg_sq.output);
       if (shard_in_full) {
         // Every rank updated its shard inside its full copy: exchange the shards in place.
-        const std::string name = layer + "/all_gather";
         TESSERA_ASSIGN_OR_RETURN(
-            auto gathered,
-            builder_.AddTask(Name(r, name), "all_gather_in_place", {param.output},
-                             Collective(CollectiveId(name), r),
-                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.gathered")},
-                                {ObjectRole::kParameter})));
-        param.output = gathered[0];
+            param.output, GatherShards(r, l, "all_gather_in_place", param.output, ".gathered"));
       }
       TESSERA_RETURN_IF_ERROR(AddParameterUpload(r, l));
     }
@@ -707,18 +701,26 @@ class StepPlanner {
                               {ObjectRole::kParameter})));
       param.output = uploaded[0];
       if (gather) {
-        const std::string name = layer + "/all_gather";
-        TESSERA_ASSIGN_OR_RETURN(
-            auto gathered,
-            builder_.AddTask(Name(r, name), "all_gather", {param.output},
-                             Collective(CollectiveId(name), r),
-                             On(r, layer, kOptimizerPriority, {Name(r, layer + ".params.next")},
-                                {ObjectRole::kParameter})));
-        param.output = gathered[0];
+        TESSERA_ASSIGN_OR_RETURN(param.output,
+                                 GatherShards(r, l, "all_gather", param.output, ".next"));
       }
     }
     builder_.MarkOutput(param.output);
     return Status::Ok();
+  }
+
+  // Rank r's member of the gather of layer l's updated parameter shards (`op`: all_gather, or
+  // all_gather_in_place inside the full parameters); returns "<layer>.params<suffix>".
+  Result<ObjectId> GatherShards(int r, size_t l, const char* op, ObjectId input,
+                                const char* suffix) {
+    const std::string& layer = LayerName(l);
+    const std::string name = layer + "/all_gather";
+    TESSERA_ASSIGN_OR_RETURN(
+        auto gathered,
+        builder_.AddTask(Name(r, name), op, {input}, Collective(CollectiveId(name), r),
+                         On(r, layer, kOptimizerPriority, {Name(r, layer + ".params" + suffix)},
+                            {ObjectRole::kParameter})));
+    return gathered[0];
   }
 
   const ModelSpec& model_;
