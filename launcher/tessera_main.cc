@@ -72,6 +72,14 @@ std::string DefaultTokenFile(const std::string& flag) {
   return flag.empty() ? std::string(kLatestSession) + "/token" : flag;
 }
 
+// How the admin commands (start workers, status, stop) connect: with the cluster token.
+tessera::ConnectOptions AdminConnection(const std::string& token_file) {
+  tessera::ConnectOptions connect;
+  connect.token_file = token_file;
+  connect.admin = true;
+  return connect;
+}
+
 // Blocks SIGINT/SIGTERM in every thread (call before starting any) and runs `on_signal` from a
 // dedicated thread when one arrives.
 void HandleTerminationSignals(std::function<void()> on_signal) {
@@ -252,10 +260,7 @@ int StartWorkers(const StartFlags& flags) {
         tessera::NotFound("cannot read the cluster token at '{}'; pass --token-file", token_file));
   }
   const std::string log_dir = std::filesystem::path(token_file).parent_path().string();
-  tessera::ConnectOptions connect;
-  connect.token_file = token_file;
-  connect.admin = true;
-  auto admin = tessera::Cluster::Connect(*address, connect);
+  auto admin = tessera::Cluster::Connect(*address, AdminConnection(token_file));
   if (!admin.ok()) return Fail(admin.status());
   Result<tessera::ClusterInfo> before = (*admin)->Info();
   if (!before.ok()) return Fail(before.status());
@@ -292,10 +297,7 @@ int StartWorkers(const StartFlags& flags) {
 int ShowStatus(const std::string& address_flag, const std::string& token_file) {
   Result<std::string> address = ResolveAddress(address_flag);
   if (!address.ok()) return Fail(address.status());
-  tessera::ConnectOptions connect;
-  connect.token_file = DefaultTokenFile(token_file);
-  connect.admin = true;
-  auto cluster = tessera::Cluster::Connect(*address, connect);
+  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<tessera::ClusterInfo> info = (*cluster)->Info();
   if (!info.ok()) return Fail(info.status());
@@ -328,9 +330,7 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
 int StopCluster(const std::string& address_flag, const std::string& token_file) {
   Result<std::string> address = ResolveAddress(address_flag);
   if (!address.ok()) return Fail(address.status());
-  tessera::ConnectOptions connect;
-  connect.token_file = DefaultTokenFile(token_file);
-  connect.admin = true;
+  const tessera::ConnectOptions connect = AdminConnection(DefaultTokenFile(token_file));
   auto cluster = tessera::Cluster::Connect(*address, connect);
   if (!cluster.ok()) return Fail(cluster.status());
   if (Status s = (*cluster)->Shutdown(); !s.ok()) return Fail(s);

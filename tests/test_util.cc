@@ -1,6 +1,9 @@
 #include "test_util.h"
 
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -154,6 +157,19 @@ std::string SourcePath(const std::string& relative) {
 
 std::string BinaryPath(const std::string& name) {
   return std::string(TESSERA_BIN_DIR) + "/" + name;
+}
+
+ProcessResult RunBinary(const std::string& binary, const std::string& arguments) {
+  const std::string command = BinaryPath(binary) + " " + arguments + " 2>&1";
+  ProcessResult result;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
+  const int status = ::pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
 }
 
 }  // namespace tessera::testing

@@ -70,4 +70,12 @@ Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::stri
 std::string SourcePath(const std::string& relative);
 std::string BinaryPath(const std::string& name);
 
+// Runs build/bin/<binary> with `arguments` (a shell command line) and returns its exit code
+// (-1 when it did not exit normally or could not start) and its stdout and stderr together.
+struct ProcessResult {
+  int exit_code = -1;
+  std::string output;
+};
+ProcessResult RunBinary(const std::string& binary, const std::string& arguments);
+
 }  // namespace tessera::testing

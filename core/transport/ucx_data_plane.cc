@@ -52,6 +52,27 @@ WireProcess ThisWireProcess() {
   return WireProcess{self.pid, 0, self.probe};
 }
 
+// Request parameters of an active-message send (`flags`: UCP_AM_SEND_FLAG_*) and of a receive
+// of an active message's data, completing through `callback` with `user_data`, never inline.
+ucp_request_param_t AmSendParams(ucp_send_nbx_callback_t callback, void* user_data,
+                                 uint32_t flags) {
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.cb.send = callback;
+  params.user_data = user_data;
+  params.flags = flags;
+  return params;
+}
+ucp_request_param_t AmReceiveParams(ucp_am_recv_data_nbx_callback_t callback, void* user_data) {
+  ucp_request_param_t params{};
+  params.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.cb.recv_am = callback;
+  params.user_data = user_data;
+  return params;
+}
+
 struct PushHeader {
   PushKey key;
   int64_t length;
@@ -531,12 +552,8 @@ void UcxDataPlane::SendReply(ucp_ep_h ep, uint64_t request, const Status& status
   if (!text.empty())
     std::memcpy(operation->payload.data() + sizeof(ChunkHeader), text.data(), text.size());
   const void* body = status.ok() ? data : operation->payload.data() + sizeof(ChunkHeader);
-  ucp_request_param_t params{};
-  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-  params.cb.send = &OnSendDone;
-  params.user_data = operation;
-  params.flags = status.ok() && length > 0 ? UCP_AM_SEND_FLAG_RNDV : 0;
+  ucp_request_param_t params =
+      AmSendParams(&OnSendDone, operation, status.ok() && length > 0 ? UCP_AM_SEND_FLAG_RNDV : 0);
   ucs_status_ptr_t sent =
       ucp_am_send_nbx(ep, kChunk, operation->payload.data(), sizeof(ChunkHeader), body,
                       static_cast<size_t>(length), &params);
@@ -580,11 +597,7 @@ void UcxDataPlane::ReceivePending() {
     if (chunk == chunks_.end()) continue;  // pull already failed; UCX drops the descriptor
     PullState& pull = pulls_.at(chunk->second.pull);
     auto* operation = new Operation{this, nullptr, {}, receive.request, receive.length};
-    ucp_request_param_t params{};
-    params.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    params.cb.recv_am = &OnReceiveDone;
-    params.user_data = operation;
+    ucp_request_param_t params = AmReceiveParams(&OnReceiveDone, operation);
     ucs_status_ptr_t started =
         ucp_am_recv_data_nbx(worker_, receive.descriptor, pull.dest + chunk->second.offset,
                              static_cast<size_t>(receive.length), &params);
@@ -658,14 +671,12 @@ void UcxDataPlane::ReceivePushes() {
       auto* scratch = new Operation{
           this, nullptr, std::vector<char>(static_cast<size_t>(push.length)), 0, push.length};
       scratch->push_key = push.key;
-      ucp_request_param_t params{};
-      params.op_attr_mask =
-          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-      params.cb.recv_am = [](void* request, ucs_status_t, size_t, void* user_data) {
-        delete static_cast<Operation*>(user_data);
-        ucp_request_free(request);
-      };
-      params.user_data = scratch;
+      ucp_request_param_t params = AmReceiveParams(
+          [](void* request, ucs_status_t, size_t, void* user_data) {
+            delete static_cast<Operation*>(user_data);
+            ucp_request_free(request);
+          },
+          scratch);
       ucs_status_ptr_t started =
           ucp_am_recv_data_nbx(worker_, push.descriptor, scratch->payload.data(),
                                static_cast<size_t>(push.length), &params);
@@ -675,11 +686,7 @@ void UcxDataPlane::ReceivePushes() {
     }
     auto* operation = new Operation{this, nullptr, {}, 0, push.length};
     operation->push_key = push.key;
-    ucp_request_param_t params{};
-    params.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    params.cb.recv_am = &OnPushReceived;
-    params.user_data = operation;
+    ucp_request_param_t params = AmReceiveParams(&OnPushReceived, operation);
     ucs_status_ptr_t started = ucp_am_recv_data_nbx(worker_, push.descriptor, *dest,
                                                     static_cast<size_t>(push.length), &params);
     if (UCS_PTR_IS_ERR(started)) {
@@ -755,15 +762,10 @@ void UcxDataPlane::SendPush(const std::string& address, ucp_ep_h ep, const PushK
     operation->payload.resize(sizeof(PushHeader));
     const PushHeader header{key, bytes, ThisWireProcess(), push_id, 0, flags, 0};
     std::memcpy(operation->payload.data(), &header, sizeof(header));
-    ucp_request_param_t params{};
-    params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    params.cb.send = &OnPushSent;
-    params.user_data = operation;
     // No forced rendezvous here: UCX 1.13 asserts when a fresh client endpoint is forced into it
     // before wire-up completes. It picks rendezvous for large messages by itself. REPLY lets the
     // receiver answer the push (kPushRead).
-    params.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucp_request_param_t params = AmSendParams(&OnPushSent, operation, UCP_AM_SEND_FLAG_REPLY);
     ucs_status_ptr_t sent =
         ucp_am_send_nbx(ep, kPush, operation->payload.data(), sizeof(PushHeader), data,
                         static_cast<size_t>(bytes), &params);
@@ -780,12 +782,8 @@ void UcxDataPlane::SendControl(ucp_ep_h ep, uint16_t id, const void* header, siz
   auto* operation = new Operation{this, nullptr, {}, 0, 0};
   operation->payload.assign(static_cast<const char*>(header),
                             static_cast<const char*>(header) + length);
-  ucp_request_param_t params{};
-  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-  params.cb.send = &OnSendDone;
-  params.user_data = operation;
-  params.flags = reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+  ucp_request_param_t params =
+      AmSendParams(&OnSendDone, operation, reply ? UCP_AM_SEND_FLAG_REPLY : 0);
   ucs_status_ptr_t sent =
       ucp_am_send_nbx(ep, id, operation->payload.data(), length, nullptr, 0, &params);
   if (UCS_PTR_IS_ERR(sent)) {
@@ -957,12 +955,7 @@ void UcxDataPlane::IssueChunks(PullState& pull) {
         holder != nullptr && holder->reads_peer == Peer::Reads::kYes ? kByAddress : 0;
     const GetChunkHeader header{request, pull.object.value(), pull.next_offset, length, flags, 0};
     std::memcpy(operation->payload.data(), &header, sizeof(header));
-    ucp_request_param_t params{};
-    params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    params.cb.send = &OnSendDone;
-    params.user_data = operation;
-    params.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucp_request_param_t params = AmSendParams(&OnSendDone, operation, UCP_AM_SEND_FLAG_REPLY);
     ucs_status_ptr_t sent = ucp_am_send_nbx(*ep, kGetChunk, operation->payload.data(),
                                             sizeof(GetChunkHeader), nullptr, 0, &params);
     if (UCS_PTR_IS_ERR(sent)) {

@@ -1,7 +1,4 @@
 // The `tessera` command as an operator uses it: start a head and workers, look, stop.
-#include <sys/wait.h>
-
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -10,22 +7,7 @@
 namespace tessera::testing {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string output;
-};
-
-CliRun Tessera(const std::string& arguments) {
-  const std::string command = BinaryPath("tessera") + " " + arguments + " 2>&1";
-  CliRun result;
-  FILE* pipe = popen(command.c_str(), "r");
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
+ProcessResult Tessera(const std::string& arguments) { return RunBinary("tessera", arguments); }
 
 std::string ReadLine(const std::string& path) {
   std::ifstream file(path);
@@ -37,7 +19,7 @@ std::string ReadLine(const std::string& path) {
 TEST(TesseraCliTest, StartStatusStop) {
   const std::string session = ::testing::TempDir() + "/tessera_cli_session";
   std::filesystem::remove_all(session);
-  CliRun head = Tessera("start --head --port 0 --session-dir " + session);
+  ProcessResult head = Tessera("start --head --port 0 --session-dir " + session);
   ASSERT_EQ(head.exit_code, 0) << head.output;
   const std::string address = ReadLine(session + "/scheduler.address");
   const std::string token = session + "/token";
@@ -46,25 +28,27 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_TRUE(std::filesystem::exists(session + "/scheduler.sock"));
 
   const std::string target = " --address " + address + " --token-file " + token;
-  CliRun workers = Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 256" + target);
+  ProcessResult workers =
+      Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 256" + target);
   EXPECT_EQ(workers.exit_code, 0) << workers.output;
   EXPECT_NE(workers.output.find("2 alive in total"), std::string::npos) << workers.output;
 
-  CliRun status = Tessera("status" + target);
+  ProcessResult status = Tessera("status" + target);
   EXPECT_EQ(status.exit_code, 0) << status.output;
   EXPECT_NE(status.output.find("2 of 2 workers alive"), std::string::npos) << status.output;
   EXPECT_NE(status.output.find("256.0 MiB"), std::string::npos) << status.output;
 
-  CliRun gpus = Tessera("start --gpus all" + target);
+  ProcessResult gpus = Tessera("start --gpus all" + target);
   EXPECT_EQ(gpus.exit_code, 1);
   EXPECT_NE(gpus.output.find("--cpu-workers"), std::string::npos) << gpus.output;
 
-  CliRun wrong_token = Tessera("status --address " + address + " --token-file /etc/hostname");
+  ProcessResult wrong_token =
+      Tessera("status --address " + address + " --token-file /etc/hostname");
   EXPECT_EQ(wrong_token.exit_code, 1);
   EXPECT_NE(wrong_token.output.find("invalid cluster token"), std::string::npos)
       << wrong_token.output;
 
-  CliRun stop = Tessera("stop" + target);
+  ProcessResult stop = Tessera("stop" + target);
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
   EXPECT_NE(stop.output.find("stopped"), std::string::npos) << stop.output;
   // The scheduler logged the workers joining and leaving, in the session directory.
@@ -75,12 +59,12 @@ TEST(TesseraCliTest, StartStatusStop) {
 }
 
 TEST(TesseraCliTest, NonsenseIsExplained) {
-  CliRun none = Tessera("");
+  ProcessResult none = Tessera("");
   EXPECT_EQ(none.exit_code, 2);
-  CliRun bad = Tessera("start --head --port 99999");
+  ProcessResult bad = Tessera("start --head --port 99999");
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("99999"), std::string::npos) << bad.output;
-  CliRun unreachable = Tessera("status --address 127.0.0.1:1 --token-file /etc/hostname");
+  ProcessResult unreachable = Tessera("status --address 127.0.0.1:1 --token-file /etc/hostname");
   EXPECT_EQ(unreachable.exit_code, 1);
   EXPECT_NE(unreachable.output.find("127.0.0.1:1"), std::string::npos) << unreachable.output;
 }

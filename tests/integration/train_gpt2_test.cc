@@ -6,34 +6,18 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <sstream>
-#include <thread>
-
-#include <cstdio>
 #include <fstream>
 #include <regex>
+#include <sstream>
+#include <thread>
 
 #include "test_util.h"
 
 namespace tessera::testing {
 namespace {
 
-struct ProcessResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
 ProcessResult RunTrainGpt2(const std::string& arguments) {
-  const std::string command = BinaryPath("train_gpt2") + " " + arguments + " 2>&1";
-  ProcessResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+  return RunBinary("train_gpt2", arguments);
 }
 
 double FirstMatch(const std::string& text, const std::string& pattern) {
