@@ -136,6 +136,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
   TESSERA_ASSIGN_OR_RETURN(rpc::Address parsed, rpc::Address::Parse(address));
   if (!options.admin) {
     DataPlaneOptions data_options;
+    data_options.token = token;
     data_options.host = options.data_host;
     data_options.chunk_bytes = settings_.data_chunk_bytes;
     data_options.pull_timeout_ms = static_cast<int>(settings_.pull_timeout_ms);

@@ -3,21 +3,13 @@
 #include <algorithm>
 
 #include "core/collective_task.h"
+#include "core/crypto.h"
 #include "core/logging.h"
 #include "core/rpc/wire.h"
 
 namespace tessera {
 
 namespace {
-
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char difference = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    difference |= static_cast<unsigned char>(a[i] ^ b[i]);
-  }
-  return difference == 0;
-}
 
 std::string ToString(capnp::Text::Reader text) { return rpc::ToString(text); }
 

@@ -8,7 +8,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config git
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
-  capnproto libcapnp-dev libboost-dev libucx-dev
+  capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )

@@ -157,6 +157,7 @@ Status WorkerServiceImpl::Init() {
   graph_runner_->set_collective_engine(engine_.get());
   // The data plane comes next: its address goes into Hello.
   DataPlaneOptions data_options;
+  data_options.token = options_.token;
   data_options.host = options_.data_host;
   data_options.chunk_bytes = options_.settings.data_chunk_bytes;
   data_options.pull_timeout_ms = static_cast<int>(options_.settings.pull_timeout_ms);

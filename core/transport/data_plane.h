@@ -4,24 +4,32 @@
 // it serves its objects to peers that ask, and pulls objects from peers. The scheduler never
 // sees the bytes; it only tells a puller where an object lives (the holder's address()).
 //
-// Protocol (UCX active messages; UCX is behind this one wrapper):
+// Protocol (UCX active messages; UCX is behind this one wrapper; wire format and handshake in
+// data_plane_wire.h):
+//   both ways          a token handshake once per endpoint (challenge, hello, welcome): each
+//                       side proves it holds the cluster token without sending it
 //   pusher -> peer     kPush {key, length, ...} + the bytes (rendezvous): an object the peer needs
 //   puller -> holder   kGetChunk {request, object, offset, length, flags}
-//   holder -> puller   kChunk    {request, status, length, holder} + the bytes, sent with UCX's
+//   holder -> puller   kChunk    {request, status, length} + the bytes, sent with UCX's
 //                       rendezvous protocol (shared memory on one host, TCP between hosts); or,
-//                       on error, the message text.
+//                       on error, the message text and no bytes.
 // A pull is cut into chunks of `chunk_bytes`, at most `chunks_in_flight` outstanding, so the
 // holder's sends and the puller's receives overlap (pipelining).
 //
-// Single copy on one host (local_memory.h): every reply and push says which process sent it.
-// Once a puller has checked that it can read the holder's memory, it asks for chunks by address:
-// the holder lends the chunk (kChunk with its address, no payload) and keeps the object alive
-// until the puller has copied it out of the holder's memory and said so (kChunkRead). Pushes
-// work alike once the receiver has said it can read the pusher (kPushRead answers the first
-// push): the pusher lends, the receiver copies and acknowledges with kPushRead, which completes
-// the push. Only the reader spends CPU, once. UCX's CMA transport, which does the same, is left
-// out: without peer-failure mode UCX aborts the process when a peer dies under a CMA transfer.
-// A loan nobody returns (the borrower died) is released after pull_timeout_ms.
+// Trust: nothing but the handshake is accepted from an endpoint whose peer has not proved the
+// token, and replies are accepted only from the peer asked. Chunk ranges are checked against the
+// object without overflow; every length is checked against what was asked or announced.
+//
+// Single copy on one host (local_memory.h): the handshake names each side's process. Once a
+// puller has checked that it can read the holder's memory, it asks for chunks by address: the
+// holder lends the chunk (kChunk with its address, no payload) and keeps the object alive until
+// the puller has copied it out of the holder's memory and said so (kChunkRead). Pushes work
+// alike when the receiver said in the handshake that it can read the pusher: the pusher lends,
+// the receiver copies and acknowledges with kPushRead, which completes the push. Only the reader
+// spends CPU, once, and only from the process the handshake named. UCX's CMA transport, which
+// does the same, is left out: without peer-failure mode UCX aborts the process when a peer dies
+// under a CMA transfer. A loan nobody returns (the borrower died) is released after
+// pull_timeout_ms.
 //
 // Threads: one progress thread owns the UCX worker and does every UCX call. It sleeps on UCX's
 // wakeup file descriptor and an eventfd for commands, so an idle data plane uses no CPU. Pull and
@@ -29,8 +37,9 @@
 // block.
 //
 // Failures: a pull fails (never hangs) when the holder reports an error (unknown object), when
-// its deadline passes, when the peer's endpoint fails, or when ForgetPeer is called for the peer
-// (the control plane's verdict that it died). Peer-failure detection by UCX itself
+// the holder refuses this process's token or cannot prove its own, when its deadline passes,
+// when the peer's endpoint fails, or when ForgetPeer is called for the peer (the control plane's
+// verdict that it died). Peer-failure detection by UCX itself
 // (`detect_peer_failure`) costs shared-memory transports in UCX 1.13, so on one host the default
 // relies on the control plane and deadlines instead.
 #pragma once
@@ -71,6 +80,9 @@ struct PushHandlers {
 };
 
 struct DataPlaneOptions {
+  // The cluster token (required): this data plane serves and sends only to processes that prove
+  // they hold it, and pulls and pushes only from and to such processes.
+  std::string token;
   std::string host = "127.0.0.1";  // where the listener binds; peers connect here
   uint16_t port = 0;               // 0: any free port
   int64_t chunk_bytes = 8 << 20;
@@ -85,6 +97,9 @@ struct DataPlaneStats {
   int64_t pulls = 0;
   int64_t serves = 0;
   int64_t pull_micros = 0;  // summed over completed pulls, from Pull() to the last byte
+  // Messages refused: from processes that did not prove the token, malformed, out of range, or
+  // replies from someone other than the peer asked.
+  int64_t refused = 0;
 };
 
 class DataPlane {

@@ -18,13 +18,14 @@ namespace {
 
 constexpr int64_t kBytes = 64 << 20;
 constexpr uint64_t kObject = 7;
+constexpr const char* kToken = "data-plane-process-test";
 
 // The child: serves a 64 MiB pattern, tells the parent its address, then waits to be killed.
 [[noreturn]] void RunHolder(int address_pipe) {
   auto data = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(kBytes));
   for (int64_t i = 0; i < kBytes; ++i)
     (*data)[static_cast<size_t>(i)] = static_cast<uint8_t>(i % 251);
-  auto plane = DataPlane::Start(DataPlaneOptions{}, [data](ObjectId id) -> Result<ServedObject> {
+  auto plane = DataPlane::Start({.token = kToken}, [data](ObjectId id) -> Result<ServedObject> {
     if (id.value() != kObject) return NotFound("no {}", id.ToString());
     return ServedObject{data->data(), kBytes, data};
   });
@@ -51,6 +52,7 @@ TEST(DataPlaneProcessTest, PullsFromAKilledHolderFailWithoutCrashingThePuller) {
   const std::string address(buffer, static_cast<size_t>(n));
 
   DataPlaneOptions options;
+  options.token = kToken;
   options.pull_timeout_ms = 10'000;
   auto puller = DataPlane::Start(
       options, [](ObjectId id) -> Result<ServedObject> { return NotFound("{}", id.ToString()); });

@@ -4,6 +4,7 @@
 
 #include "core/atomic_file.h"
 #include "core/attrs.h"
+#include "core/crypto.h"
 #include "core/device.h"
 #include "core/settings.h"
 #include "test_util.h"
@@ -180,6 +181,31 @@ TEST(AtomicFileTest, WritesWholeFileAndReplacesAtomically) {
   Status missing_dir = WriteFileAtomically("/nonexistent-dir/x.txt", "data");
   ASSERT_FALSE(missing_dir.ok());
   EXPECT_NE(missing_dir.message().find("/nonexistent-dir/x.txt"), std::string::npos);
+}
+
+std::string Hex(const Sha256Digest& digest) {
+  std::string out;
+  for (uint8_t byte : digest) out += fmt::format("{:02x}", byte);
+  return out;
+}
+
+TEST(CryptoTest, HmacSha256MatchesRfc4231) {
+  // RFC 4231 test cases 1 and 2.
+  const std::string key1(20, '\x0b');
+  EXPECT_EQ(Hex(HmacSha256(key1, "Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  EXPECT_EQ(Hex(HmacSha256("Jefe", "what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+}
+
+TEST(CryptoTest, ConstantTimeEqualsAndRandomBytes) {
+  EXPECT_TRUE(ConstantTimeEquals(std::string_view("token"), std::string_view("token")));
+  EXPECT_FALSE(ConstantTimeEquals(std::string_view("token"), std::string_view("tokem")));
+  EXPECT_FALSE(ConstantTimeEquals(std::string_view("token"), std::string_view("token2")));
+  std::array<uint8_t, 32> a{}, b{};
+  ASSERT_OK(FillRandom(a));
+  ASSERT_OK(FillRandom(b));
+  EXPECT_NE(a, b);  // 2^-256 to fail
 }
 
 }  // namespace

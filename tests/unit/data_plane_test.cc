@@ -11,11 +11,14 @@
 namespace tessera::testing {
 namespace {
 
+constexpr const char* kToken = "data-plane-test-token";
+
 // A holder serving byte patterns from a map.
 class Holder {
  public:
   Holder() {
     DataPlaneOptions options;
+    options.token = kToken;
     options.chunk_bytes = 1 << 20;  // small chunks: exercises pipelining
     auto plane = DataPlane::Start(options, [this](ObjectId id) -> Result<ServedObject> {
       std::lock_guard lock(mutex_);
@@ -42,6 +45,7 @@ class Holder {
 
 std::unique_ptr<DataPlane> Puller(int timeout_ms = 30'000) {
   DataPlaneOptions options;
+  options.token = kToken;
   options.pull_timeout_ms = timeout_ms;
   auto plane = DataPlane::Start(
       options, [](ObjectId id) -> Result<ServedObject> { return NotFound("{}", id.ToString()); });
@@ -141,7 +145,7 @@ TEST(DataPlaneTest, PushesArriveWhereTheReceiverPutsThem) {
     arrived.notify_all();
   };
   auto receiver = DataPlane::Start(
-      {}, [](ObjectId) -> Result<ServedObject> { return NotFound("x"); }, handlers);
+      {.token = kToken}, [](ObjectId) -> Result<ServedObject> { return NotFound("x"); }, handlers);
   ASSERT_TRUE(receiver.ok());
   auto sender = Puller();
   const std::vector<int64_t> sizes = {0, 100, 3 << 20, 64 << 20};
