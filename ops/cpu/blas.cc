@@ -57,40 +57,54 @@ void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int6
 
 }  // namespace
 
+int64_t GemmPieces(int64_t m, int64_t n, int64_t k, int64_t split_min_flops) {
+  const double flops =
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const int64_t extent = std::max(m, n);
+  if (flops < static_cast<double>(split_min_flops) || extent < 2 * kGemmPieceQuantum) return 1;
+  // As many pieces as the product has split_min_flops-sized parts, within the cap, each at
+  // least a quantum long. Nothing here depends on the machine or the thread count.
+  const double parts = flops / static_cast<double>(std::max<int64_t>(split_min_flops, 1));
+  const int64_t by_flops = parts >= static_cast<double>(kGemmMaxPieces)
+                               ? kGemmMaxPieces
+                               : std::max<int64_t>(1, static_cast<int64_t>(parts));
+  return std::min({by_flops, kGemmMaxPieces, extent / kGemmPieceQuantum});
+}
+
 void Gemm(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,
           float alpha, const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
           float* c, int64_t ldc, int64_t split_min_flops) {
-  const double flops =
-      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  const int threads = tbb::this_task_arena::max_concurrency();
-  if (threads <= 1 || flops < static_cast<double>(split_min_flops) || std::max(m, n) < 32) {
+  const int64_t pieces = GemmPieces(m, n, k, split_min_flops);
+  if (pieces == 1) {
     GemmOneThread(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   const bool split_rows = m >= n;
   const int64_t extent = split_rows ? m : n;
-  // Piece boundaries on multiples of 16 keep each piece's edges SIMD-friendly.
-  const int64_t pieces = std::min<int64_t>(threads, extent / 16);
-  const int64_t step = (extent / pieces + 15) / 16 * 16;
-  tbb::parallel_for(
-      int64_t{0}, pieces,
-      [&](int64_t piece) {
-        const int64_t begin = piece * step;
-        const int64_t end = piece == pieces - 1 ? extent : std::min(extent, begin + step);
-        if (begin >= end) return;
-        if (split_rows) {
-          // Rows of op(A): A is [M,K] (offset by rows) or, transposed, [K,M] (by columns).
-          const float* a_piece = transpose_a == Transpose::kNo ? a + begin * lda : a + begin;
-          GemmOneThread(transpose_a, transpose_b, end - begin, n, k, alpha, a_piece, lda, b, ldb,
-                        beta, c + begin * ldc, ldc);
-        } else {
-          // Columns of op(B): B is [K,N] (offset by columns) or, transposed, [N,K] (by rows).
-          const float* b_piece = transpose_b == Transpose::kNo ? b + begin : b + begin * ldb;
-          GemmOneThread(transpose_a, transpose_b, m, end - begin, k, alpha, a, lda, b_piece, ldb,
-                        beta, c + begin, ldc);
-        }
-      },
-      tbb::simple_partitioner());
+  // Piece boundaries on multiples of the quantum keep each piece's edges SIMD-friendly.
+  const int64_t step =
+      (extent / pieces + kGemmPieceQuantum - 1) / kGemmPieceQuantum * kGemmPieceQuantum;
+  const auto run_piece = [&](int64_t piece) {
+    const int64_t begin = piece * step;
+    const int64_t end = piece == pieces - 1 ? extent : std::min(extent, begin + step);
+    if (begin >= end) return;
+    if (split_rows) {
+      // Rows of op(A): A is [M,K] (offset by rows) or, transposed, [K,M] (by columns).
+      const float* a_piece = transpose_a == Transpose::kNo ? a + begin * lda : a + begin;
+      GemmOneThread(transpose_a, transpose_b, end - begin, n, k, alpha, a_piece, lda, b, ldb, beta,
+                    c + begin * ldc, ldc);
+    } else {
+      // Columns of op(B): B is [K,N] (offset by columns) or, transposed, [N,K] (by rows).
+      const float* b_piece = transpose_b == Transpose::kNo ? b + begin : b + begin * ldb;
+      GemmOneThread(transpose_a, transpose_b, m, end - begin, k, alpha, a, lda, b_piece, ldb, beta,
+                    c + begin, ldc);
+    }
+  };
+  if (tbb::this_task_arena::max_concurrency() <= 1) {
+    for (int64_t piece = 0; piece < pieces; ++piece) run_piece(piece);
+    return;
+  }
+  tbb::parallel_for(int64_t{0}, pieces, run_piece, tbb::simple_partitioner());
 }
 
 }  // namespace tessera::cpu

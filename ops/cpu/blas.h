@@ -1,10 +1,15 @@
 // The one wrapper around BLAS (OpenBLAS set to one thread per call; see cmake/OpenBlas.cmake).
 //
 // Gemm computes, row-major, C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C. When the
-// product is large enough (2*M*N*K >= split_min_flops) it is cut into one piece per thread of
-// the current TBB arena along the longer of M and N, and each piece runs on its own thread.
-// Each element of C is still computed by one BLAS call over the full K, so the split does not
-// change results.
+// product is large enough (2*M*N*K >= split_min_flops) it is cut along the longer of M and N into
+// pieces, which run in parallel on the current TBB arena's threads (in turn on one thread).
+//
+// Determinism: the pieces depend only on the GEMM's shape and split_min_flops (GemmPieces), never
+// on the number of threads, so every element of C is computed by the same BLAS call with the same
+// arguments whatever the arena's size: results are bit-identical on 1 or 64 threads, with any
+// OpenBLAS kernel. (A BLAS kernel's own edge tiles may sum in another order than its full tiles,
+// so a piece boundary that moved with the thread count would change the last bits of C; with
+// OpenBLAS's Haswell/Zen kernels it does.)
 #pragma once
 
 #include <cstdint>
@@ -16,6 +21,13 @@ enum class Transpose : bool { kNo = false, kYes = true };
 
 // Never split (for GEMMs issued from inside an already-parallel loop).
 inline constexpr int64_t kNeverSplit = std::numeric_limits<int64_t>::max();
+// A split GEMM has at most this many pieces, each a multiple of kGemmPieceQuantum rows/columns
+// long (but the last).
+inline constexpr int64_t kGemmMaxPieces = 16;
+inline constexpr int64_t kGemmPieceQuantum = 16;
+
+// How many pieces Gemm cuts an M x N x K product into: a function of the shape only.
+int64_t GemmPieces(int64_t m, int64_t n, int64_t k, int64_t split_min_flops);
 
 // REQUIRES: leading dimensions are those of the stored (untransposed) matrices, row-major.
 void Gemm(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,
