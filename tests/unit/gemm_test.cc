@@ -62,8 +62,8 @@ TEST_P(GemmTest, AnyThreadCountGivesTheSameBitsAndMatchesNaive) {
 TEST(GemmPiecesTest, PiecesDependOnTheShapeOnly) {
   using cpu::GemmPieces;
   EXPECT_EQ(GemmPieces(512, 768, 768, cpu::kNeverSplit), 1);
-  EXPECT_EQ(GemmPieces(31, 31, 1000, 1), 1);    // too narrow to cut
-  EXPECT_EQ(GemmPieces(97, 33, 17, 1), 6);      // 97 / 16
+  EXPECT_EQ(GemmPieces(31, 31, 1000, 1), 1);  // too narrow to cut
+  EXPECT_EQ(GemmPieces(97, 33, 17, 1), 6);    // 97 / 16
   EXPECT_EQ(GemmPieces(512, 2304, 768, 4'000'000), cpu::kGemmMaxPieces);
   EXPECT_EQ(GemmPieces(64, 64, 64, 200'000), 2);  // 524288 flops: two 200k parts
   for (int threads : {1, 2, 7}) {
@@ -79,7 +79,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
                                            GemmCase{Transpose::kYes, Transpose::kYes, 41, 77, 5},
                                            GemmCase{Transpose::kNo, Transpose::kYes, 1, 300, 8},
                                            GemmCase{Transpose::kNo, Transpose::kNo, 300, 1, 8},
-                                           GemmCase{Transpose::kYes, Transpose::kNo, 515, 200, 64}));
+                                           GemmCase{Transpose::kYes, Transpose::kNo, 515, 200,
+                                                    64}));
 
 }  // namespace
 }  // namespace tessera::testing
