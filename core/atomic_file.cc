@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 namespace tessera {
 
@@ -47,6 +50,14 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents, i
     ::close(dir_fd);
   }
   return Status::Ok();
+}
+
+Result<std::string> ReadFileTrimmed(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return NotFound("cannot read '{}': {}", path, std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
 }
 
 }  // namespace tessera

@@ -21,6 +21,7 @@
 #include "core/settings.h"
 #include "core/transport/data_plane.h"
 #include "driver/process.h"
+#include "driver/session.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -655,22 +656,14 @@ ObjectRef::State::~State() {
 
 namespace {
 
-Result<std::string> ReadTrimmed(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) return NotFound("cannot read '{}': {}", path, std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return text;
-}
-
 Result<std::string> ResolveToken(const ConnectOptions& options) {
   if (!options.token.empty()) return options.token;
   std::string path = options.token_file;
   if (path.empty()) {
     const char* env = std::getenv("TESSERA_TOKEN_FILE");
-    path = env != nullptr ? env : "/tmp/tessera/session_latest/token";
+    path = env != nullptr ? env : std::string(kLatestSession) + "/token";
   }
-  Result<std::string> token = ReadTrimmed(path);
+  Result<std::string> token = ReadFileTrimmed(path);
   if (!token.ok() || token->empty()) {
     return Unavailable("no cluster token: pass the token or --token-file (tried '{}')", path);
   }
@@ -694,104 +687,43 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
     return InvalidArgument("a local cluster needs at least one worker (cpu_workers = {})",
                            options.cpu_workers);
   }
-  std::string binary = options.tessera_binary;
-  if (binary.empty()) {
-    const char* env = std::getenv("TESSERA_BINARY");
-    binary = env != nullptr ? env : ExecutableDirectory() + "/tessera";
-  }
-  if (::access(binary.c_str(), X_OK) != 0) {
-    return NotFound("cannot find the tessera binary at '{}' (build it, or set TESSERA_BINARY)",
-                    binary);
-  }
-  std::string dir = options.session_dir;
-  if (dir.empty()) {
-    std::filesystem::create_directories("/tmp/tessera");
-    std::string pattern = "/tmp/tessera/local-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) {
-      return Unavailable("cannot create a session directory under /tmp/tessera: {}",
-                         std::strerror(errno));
-    }
-    dir = pattern;
-  } else {
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    if (error) return Unavailable("cannot create session directory '{}': {}", dir, error.message());
-  }
-  TESSERA_ASSIGN_OR_RETURN(std::string token, RandomToken());
-  const std::string token_file = dir + "/token";
-  TESSERA_RETURN_IF_ERROR(WriteFileAtomically(token_file, token + "\n", 0600));
-
-  std::unique_ptr<Cluster> cluster(new Cluster());
-  cluster->session_dir_ = dir;
-  const std::string address_file = dir + "/scheduler.address";
-  std::filesystem::remove(address_file);
+  TESSERA_ASSIGN_OR_RETURN(std::string binary, FindTesseraBinary(options.tessera_binary));
   TESSERA_ASSIGN_OR_RETURN(
-      pid_t scheduler,
-      SpawnProcess({binary, "scheduler", "--host", "127.0.0.1", "--port", "0", "--token-file",
-                    token_file, "--session-dir", dir, "--address-file", address_file,
-                    "--unix-socket", dir + "/scheduler.sock"},
-                   SpawnOptions{.log_file = dir + "/scheduler.log"}));
-  cluster->processes_.push_back(scheduler);
-
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
-  auto log_hint = [&](const std::string& log) {
-    Result<std::string> text = ReadTrimmed(log);
-    if (!text.ok() || text->empty()) return std::string();
-    return "; its log ends: " + text->substr(text->size() > 600 ? text->size() - 600 : 0);
-  };
-  while (!std::filesystem::exists(address_file)) {
-    if (!ProcessAlive(scheduler)) {
-      return Unavailable("the scheduler exited during start-up{}",
-                         log_hint(dir + "/scheduler.log"));
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      return TimedOut("the scheduler did not start within {} ms", options.start_timeout_ms);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  TESSERA_ASSIGN_OR_RETURN(cluster->address_, ReadTrimmed(address_file));
-  // Everything here is on this machine: talk over the Unix socket, not TCP.
-  const std::string local_address = "unix:" + dir + "/scheduler.sock";
+      LocalSession session,
+      LocalSession::Create(options.session_dir, "local",
+                           SessionProcesses{.binary = binary, .detached = false}));
+  std::unique_ptr<Cluster> cluster(new Cluster());  // stops what was started if a step fails
+  cluster->session_dir_ = session.dir();
+  TESSERA_ASSIGN_OR_RETURN(
+      StartedScheduler scheduler,
+      session.StartScheduler(
+          {.host = "127.0.0.1", .port = 0, .timeout_ms = options.start_timeout_ms}));
+  cluster->processes_.push_back(scheduler.pid);
+  cluster->address_ = scheduler.address;
 
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threads_per_worker > 0 ? options.threads_per_worker
-                                                     : std::max(1, cores / options.cpu_workers);
-  for (int i = 0; i < options.cpu_workers; ++i) {
-    TESSERA_ASSIGN_OR_RETURN(
-        pid_t worker,
-        SpawnProcess({binary, "worker", "--address", local_address, "--token-file", token_file,
-                      "--threads", std::to_string(threads), "--host-memory-mb",
-                      std::to_string(options.host_capacity_bytes >> 20), "--spill-dir",
-                      fmt::format("{}/spill-{}", dir, i)},
-                     SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir, i)}));
-    cluster->processes_.push_back(worker);
-  }
+  // Everything here is on this machine: workers and this driver join over the Unix socket.
+  const WorkerLaunch workers{
+      .scheduler = scheduler.local_address,
+      .count = options.cpu_workers,
+      .threads = options.threads_per_worker > 0 ? options.threads_per_worker
+                                                : std::max(1, cores / options.cpu_workers),
+      .host_memory_mb = options.host_capacity_bytes >> 20,
+  };
+  TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
+  cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
 
   cluster->client_ = std::make_shared<detail::ClusterClient>();
   ConnectOptions connect;
-  connect.token = token;
-  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(local_address, token, connect));
-  // Wait until every worker has joined.
-  while (true) {
-    Result<ClusterInfo> info = cluster->client_->Info(2000);
-    int alive = 0;
-    if (info.ok()) {
-      for (const WorkerInfo& worker : info->workers) alive += worker.alive;
-    }
-    if (alive == options.cpu_workers) break;
-    for (size_t i = 1; i < cluster->processes_.size(); ++i) {
-      if (!ProcessAlive(cluster->processes_[i])) {
-        return Unavailable("worker {} exited during start-up{}", i - 1,
-                           log_hint(fmt::format("{}/worker-{}.log", dir, i - 1)));
-      }
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      return TimedOut("only {} of {} workers joined within {} ms (logs in {})", alive,
-                      options.cpu_workers, options.start_timeout_ms, dir);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  connect.token = session.token();
+  TESSERA_RETURN_IF_ERROR(
+      cluster->client_->Connect(scheduler.local_address, session.token(), connect));
+  TESSERA_RETURN_IF_ERROR(session.AwaitWorkers(
+      [&]() -> Result<int> {
+        TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster->client_->Info(2000));
+        return info.alive_workers();
+      },
+      options.cpu_workers, pids, workers, options.start_timeout_ms));
   return cluster;
 }
 

@@ -14,9 +14,10 @@
 // the workers once no task needs it).
 //
 // Local clusters: StartLocal runs a scheduler and N worker processes on this machine (the
-// `tessera` binary next to this executable, or $TESSERA_BINARY), waits until all workers joined,
-// and stops them when the Cluster is destroyed. The children are also killed if this process
-// dies, so a crashing driver leaves nothing behind.
+// `tessera` binary next to this executable, or $TESSERA_BINARY) in a session directory
+// (driver/session.h: the same as `tessera start` makes), waits until all workers joined, and
+// stops them when the Cluster is destroyed. The children are also killed if this process dies,
+// so a crashing driver leaves nothing behind.
 //
 // Thread safety: every method may be called from any thread. Errors never hang: waits take a
 // timeout, and a dead worker's objects come back as errors naming the worker.
@@ -131,6 +132,11 @@ struct WorkerInfo {
 
 struct ClusterInfo {
   std::vector<WorkerInfo> workers;
+  int alive_workers() const {
+    int alive = 0;
+    for (const WorkerInfo& worker : workers) alive += worker.alive;
+    return alive;
+  }
   int drivers = 0;
   int64_t objects = 0;
   int64_t tasks_queued = 0;

@@ -30,6 +30,7 @@
 #include "core/settings.h"
 #include "driver/cluster.h"
 #include "driver/process.h"
+#include "driver/session.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "scheduler/scheduler_service.h"
 #include "worker/worker_service.h"
@@ -39,20 +40,12 @@ namespace {
 using tessera::Result;
 using tessera::Status;
 
-constexpr const char* kSessionRoot = "/tmp/tessera";
-constexpr const char* kLatestSession = "/tmp/tessera/session_latest";
+using tessera::kLatestSession;
+using tessera::ReadFileTrimmed;
 
 int Fail(const Status& status) {
   std::fprintf(stderr, "tessera: error: %s\n", status.ToString().c_str());
   return 1;
-}
-
-Result<std::string> ReadFileTrimmed(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) return tessera::NotFound("cannot read '{}'", path);
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return text;
 }
 
 // The scheduler address: the flag, else the latest session's.
@@ -199,49 +192,27 @@ struct StartFlags {
 std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
 
 int StartHead(const StartFlags& flags) {
-  std::error_code error;
-  std::filesystem::create_directories(kSessionRoot, error);
-  std::string dir = flags.session_dir;
-  if (dir.empty()) {
-    char stamp[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", std::localtime(&now));
-    dir = fmt::format("{}/session_{}_{}", kSessionRoot, stamp, ::getpid());
-  }
-  std::filesystem::create_directories(dir, error);
-  if (error) return Fail(tessera::Unavailable("cannot create '{}': {}", dir, error.message()));
-  Result<std::string> token = tessera::RandomToken();
-  if (!token.ok()) return Fail(token.status());
-  const std::string token_file = dir + "/token";
-  if (Status s = tessera::WriteFileAtomically(token_file, *token + "\n", 0600); !s.ok()) {
-    return Fail(s);
-  }
-  const std::string address_file = dir + "/scheduler.address";
-  Result<pid_t> pid = tessera::SpawnProcess(
-      {SelfBinary(), "scheduler", "--host", flags.host, "--port", std::to_string(flags.port),
-       "--token-file", token_file, "--session-dir", dir, "--address-file", address_file,
-       "--unix-socket", dir + "/scheduler.sock"},
-      tessera::SpawnOptions{
-          .log_file = dir + "/scheduler.log", .die_with_parent = false, .new_session = true});
-  if (!pid.ok()) return Fail(pid.status());
-  for (int waited = 0; !std::filesystem::exists(address_file); waited += 20) {
-    if (!tessera::ProcessAlive(*pid) || waited > 10'000) {
-      Result<std::string> log = ReadFileTrimmed(dir + "/scheduler.log");
-      return Fail(tessera::Unavailable("the scheduler did not start: {}",
-                                       log.ok() ? *log : std::string("(no log)")));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  (void)tessera::WriteFileAtomically(dir + "/scheduler.pid", std::to_string(*pid) + "\n");
+  Result<tessera::LocalSession> session = tessera::LocalSession::Create(
+      flags.session_dir, "session", {.binary = SelfBinary(), .detached = true});
+  if (!session.ok()) return Fail(session.status());
+  Result<tessera::StartedScheduler> scheduler =
+      session->StartScheduler({.host = flags.host, .port = flags.port, .timeout_ms = 10'000});
+  if (!scheduler.ok()) return Fail(scheduler.status());
   if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
+    std::error_code error;
     std::filesystem::remove(kLatestSession, error);
-    std::filesystem::create_directory_symlink(dir, kLatestSession, error);
+    std::filesystem::create_directory_symlink(session->dir(), kLatestSession, error);
+    if (error) {
+      std::fprintf(stderr, "tessera: warning: cannot link %s to the new session: %s\n",
+                   kLatestSession, error.message().c_str());
+    }
   }
-  Result<std::string> address = ReadFileTrimmed(address_file);
-  std::printf("Tessera scheduler started at %s (pid %d)\n", address->c_str(), *pid);
-  std::printf("  session:    %s (logs, token, address)\n", dir.c_str());
-  std::printf("  token file: %s (only you can read it)\n", token_file.c_str());
-  std::printf("  add workers: tessera start --address %s --cpu-workers 2\n", address->c_str());
+  std::printf("Tessera scheduler started at %s (pid %d)\n", scheduler->address.c_str(),
+              scheduler->pid);
+  std::printf("  session:    %s (logs, token, address)\n", session->dir().c_str());
+  std::printf("  token file: %s (only you can read it)\n", session->token_file().c_str());
+  std::printf("  add workers: tessera start --address %s --cpu-workers 2\n",
+              scheduler->address.c_str());
   return 0;
 }
 
@@ -254,44 +225,32 @@ int StartWorkers(const StartFlags& flags) {
   }
   Result<std::string> address = ResolveAddress(flags.address);
   if (!address.ok()) return Fail(address.status());
-  const std::string token_file = DefaultTokenFile(flags.token_file);
-  if (!ReadFileTrimmed(token_file).ok()) {
-    return Fail(
-        tessera::NotFound("cannot read the cluster token at '{}'; pass --token-file", token_file));
-  }
-  const std::string log_dir = std::filesystem::path(token_file).parent_path().string();
-  auto admin = tessera::Cluster::Connect(*address, AdminConnection(token_file));
+  Result<tessera::LocalSession> session = tessera::LocalSession::ForToken(
+      DefaultTokenFile(flags.token_file), {.binary = SelfBinary(), .detached = true});
+  if (!session.ok()) return Fail(session.status());
+  auto admin = tessera::Cluster::Connect(*address, AdminConnection(session->token_file()));
   if (!admin.ok()) return Fail(admin.status());
   Result<tessera::ClusterInfo> before = (*admin)->Info();
   if (!before.ok()) return Fail(before.status());
-  int alive_before = 0;
-  for (const auto& w : before->workers) alive_before += w.alive;
-  for (int i = 0; i < flags.cpu_workers; ++i) {
-    const std::string tag = fmt::format("{}_{}", ::getpid(), i);
-    Result<pid_t> pid = tessera::SpawnProcess(
-        {SelfBinary(), "worker", "--address", *address, "--token-file", token_file, "--threads",
-         std::to_string(flags.threads), "--host-memory-mb", std::to_string(flags.host_memory_mb),
-         "--spill-dir", fmt::format("{}/spill-{}", log_dir, tag)},
-        tessera::SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", log_dir, tag),
-                              .die_with_parent = false,
-                              .new_session = true});
-    if (!pid.ok()) return Fail(pid.status());
-  }
-  for (int waited = 0; waited < 10'000; waited += 50) {
-    Result<tessera::ClusterInfo> info = (*admin)->Info();
-    int alive = 0;
-    if (info.ok()) {
-      for (const auto& w : info->workers) alive += w.alive;
-    }
-    if (alive >= alive_before + flags.cpu_workers) {
-      std::printf("%d worker(s) joined %s; %d alive in total. Logs in %s\n", flags.cpu_workers,
-                  address->c_str(), alive, log_dir.c_str());
-      return 0;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return Fail(
-      tessera::TimedOut("the workers did not join within 10 s; see their logs in {}", log_dir));
+  const tessera::WorkerLaunch launch{.scheduler = *address,
+                                     .count = flags.cpu_workers,
+                                     .threads = flags.threads,
+                                     .host_memory_mb = flags.host_memory_mb,
+                                     .tag = std::to_string(::getpid())};
+  Result<std::vector<pid_t>> pids = session->StartWorkers(launch);
+  if (!pids.ok()) return Fail(pids.status());
+  int alive = 0;
+  const Status joined = session->AwaitWorkers(
+      [&]() -> Result<int> {
+        TESSERA_ASSIGN_OR_RETURN(tessera::ClusterInfo info, (*admin)->Info());
+        alive = info.alive_workers();
+        return alive;
+      },
+      before->alive_workers() + flags.cpu_workers, *pids, launch, 10'000);
+  if (!joined.ok()) return Fail(joined);
+  std::printf("%d worker(s) joined %s; %d alive in total. Logs in %s\n", flags.cpu_workers,
+              address->c_str(), alive, session->dir().c_str());
+  return 0;
 }
 
 int ShowStatus(const std::string& address_flag, const std::string& token_file) {

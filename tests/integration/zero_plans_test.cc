@@ -248,7 +248,9 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
       EXPECT_LE(std::abs(report.loss - expected) / expected, 1e-5)
           << what << " step " << step << ": " << report.loss << " vs " << expected;
       // On the plan that saved it, a resumed run is the uninterrupted run, bit for bit.
-      if (same_plan) EXPECT_EQ(report.loss, uninterrupted[step - kSaveAfter]) << what;
+      if (same_plan) {
+        EXPECT_EQ(report.loss, uninterrupted[step - kSaveAfter]) << what;
+      }
     }
   };
   {

@@ -1,0 +1,107 @@
+// LocalSession: the one way Tessera starts a cluster's processes on this host. `tessera start`
+// (daemons that outlive the command) and Cluster::StartLocal (children that die with the driver)
+// both go through it, so a cluster started either way looks the same on disk and fails the same
+// way.
+//
+// A session is a directory (under /tmp/tessera unless one is given) holding
+//   token              the cluster token, 0600: every process proves it to join
+//   scheduler.address  the scheduler's HOST:PORT, written by the scheduler once it listens
+//   scheduler.sock     its Unix socket (processes on this host join over it)
+//   scheduler.pid      its pid
+//   scheduler.log, worker-<tag>.log, spill-<tag>/   what each process printed, and spilled
+// `tessera start --head` links the newest one as /tmp/tessera/session_latest, which commands
+// without --address use.
+//
+// Start-up never hangs: each wait has a deadline, and a process that exits while starting is
+// reported with the end of its log.
+//
+// Thread safety: a LocalSession is used from one thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace tessera {
+
+inline constexpr const char* kSessionRoot = "/tmp/tessera";
+inline constexpr const char* kLatestSession = "/tmp/tessera/session_latest";
+
+// The `tessera` binary to launch: `flag` if given, else $TESSERA_BINARY, else the one next to this
+// executable. NotFound (saying how to fix it) when it is not an executable file.
+Result<std::string> FindTesseraBinary(const std::string& flag);
+
+struct SessionProcesses {
+  std::string binary;     // the tessera binary (FindTesseraBinary)
+  bool detached = false;  // true: daemons in their own session; false: killed with this process
+};
+
+struct SchedulerLaunch {
+  std::string host = "127.0.0.1";  // where it listens for TCP (other hosts)
+  int port = 0;                    // 0: any free port
+  int timeout_ms = 20'000;         // to write its address file
+};
+
+struct StartedScheduler {
+  pid_t pid = 0;
+  std::string address;        // HOST:PORT, for other hosts
+  std::string local_address;  // unix:<session>/scheduler.sock, for this host
+};
+
+struct WorkerLaunch {
+  std::string scheduler;  // the address workers join (a session's local_address on this host)
+  int count = 1;
+  int threads = 0;  // each; 0: the worker's cores
+  int64_t host_memory_mb = 4096;
+  std::string tag;  // names logs and spill directories: worker-<tag>-<i>.log
+};
+
+class LocalSession {
+ public:
+  // A new session: `dir` (created if missing), or else a fresh directory under kSessionRoot
+  // named <prefix>-<time>-<pid>; a new token in it. Unavailable naming the path on failure.
+  static Result<LocalSession> Create(const std::string& dir, const std::string& prefix,
+                                     SessionProcesses processes);
+  // An existing session directory (one with a token file). NotFound naming what is missing.
+  static Result<LocalSession> Open(const std::string& dir, SessionProcesses processes);
+  // The session for this host's processes of the cluster whose token is in `token_file`: its
+  // directory when the file is a session's `token`, else a new session (prefix "node") holding
+  // a copy of the token (a worker host given the head's token file).
+  static Result<LocalSession> ForToken(const std::string& token_file, SessionProcesses processes);
+
+  const std::string& dir() const { return dir_; }
+  const std::string& token() const { return token_; }
+  std::string token_file() const { return dir_ + "/token"; }
+  std::string address_file() const { return dir_ + "/scheduler.address"; }
+
+  // Starts the scheduler and waits for its address file. Unavailable (with the end of its log)
+  // when it exits first, TimedOut when the deadline passes.
+  Result<StartedScheduler> StartScheduler(const SchedulerLaunch& launch);
+
+  // Starts `launch.count` workers; returns their pids at once (see AwaitWorkers).
+  Result<std::vector<pid_t>> StartWorkers(const WorkerLaunch& launch);
+
+  // Waits until `count_alive()` (the scheduler's count of alive workers) reaches `target`.
+  // Unavailable, with the end of its log, as soon as one of `started` (from StartWorkers with
+  // `launch`) has exited; TimedOut naming the count and the logs at the deadline.
+  Status AwaitWorkers(const std::function<Result<int>()>& count_alive, int target,
+                      const std::vector<pid_t>& started, const WorkerLaunch& launch,
+                      int timeout_ms) const;
+
+ private:
+  LocalSession(std::string dir, std::string token, SessionProcesses processes)
+      : dir_(std::move(dir)), token_(std::move(token)), processes_(std::move(processes)) {}
+  std::string WorkerName(const WorkerLaunch& launch, int index) const;
+  // "; its log ends: ..." with the last lines of `log`, or nothing when it is empty.
+  static std::string LogTail(const std::string& log);
+
+  std::string dir_;
+  std::string token_;
+  SessionProcesses processes_;
+};
+
+}  // namespace tessera

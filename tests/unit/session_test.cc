@@ -1,0 +1,122 @@
+// LocalSession, the one launch path of `tessera start` and Cluster::StartLocal: the session
+// directory and its token, and start-up failures reported with the process's own words instead
+// of a hang. Small shell scripts stand in for the tessera binary.
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/atomic_file.h"
+#include "driver/session.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/session_test_" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// An executable script standing in for `tessera` (it is run as `<script> scheduler ...`).
+std::string FakeBinary(const std::string& dir, const std::string& body) {
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/fake-tessera";
+  std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
+  std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+  return path;
+}
+
+TEST(SessionTest, ANewSessionHoldsAPrivateTokenAndReopens) {
+  const std::string dir = TempDir("new");
+  ASSERT_OK_AND_ASSIGN(LocalSession session, LocalSession::Create(dir, "test", {}));
+  EXPECT_EQ(session.dir(), dir);
+  EXPECT_EQ(session.token().size(), 64u);
+  struct stat info {};
+  ASSERT_EQ(::stat(session.token_file().c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0600);
+  ASSERT_OK_AND_ASSIGN(LocalSession reopened, LocalSession::Open(dir, {}));
+  EXPECT_EQ(reopened.token(), session.token());
+  // Two fresh sessions never share a directory or a token.
+  ASSERT_OK_AND_ASSIGN(LocalSession a, LocalSession::Create("", "test", {}));
+  ASSERT_OK_AND_ASSIGN(LocalSession b, LocalSession::Create("", "test", {}));
+  EXPECT_NE(a.dir(), b.dir());
+  EXPECT_NE(a.token(), b.token());
+  std::filesystem::remove_all(a.dir());
+  std::filesystem::remove_all(b.dir());
+}
+
+TEST(SessionTest, ATokenOutsideASessionGetsANodeSessionWithACopy) {
+  const std::string dir = TempDir("foreign");
+  std::filesystem::create_directories(dir);
+  ASSERT_OK(WriteFileAtomically(dir + "/cluster.secret", "abc123\n", 0600));
+  ASSERT_OK_AND_ASSIGN(LocalSession node, LocalSession::ForToken(dir + "/cluster.secret", {}));
+  EXPECT_NE(node.dir(), dir);
+  EXPECT_EQ(node.token(), "abc123");
+  EXPECT_EQ(*ReadFileTrimmed(node.token_file()), "abc123");
+  std::filesystem::remove_all(node.dir());
+
+  Result<LocalSession> missing = LocalSession::ForToken(dir + "/nothing", {});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find(dir + "/nothing"), std::string::npos);
+  Result<LocalSession> not_a_session = LocalSession::Open(dir, {});
+  ASSERT_FALSE(not_a_session.ok());
+  EXPECT_EQ(not_a_session.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(not_a_session.status().message().find("no token file"), std::string::npos);
+}
+
+TEST(SessionTest, StartUpFailuresSayWhatTheProcessSaid) {
+  const std::string dir = TempDir("failures");
+  // A scheduler that dies at once.
+  {
+    const std::string binary = FakeBinary(dir + "/bin1", "echo 'cannot bind port 6380'; exit 3");
+    ASSERT_OK_AND_ASSIGN(LocalSession session,
+                         LocalSession::Create(dir + "/s1", "test", {.binary = binary}));
+    Result<StartedScheduler> started = session.StartScheduler({.timeout_ms = 20'000});
+    ASSERT_FALSE(started.ok());
+    EXPECT_EQ(started.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(started.status().message().find("cannot bind port 6380"), std::string::npos)
+        << started.status().ToString();
+  }
+  // A scheduler that never listens.
+  {
+    const std::string binary =
+        FakeBinary(dir + "/bin2", "echo 'waiting for nothing'; exec sleep 30");
+    ASSERT_OK_AND_ASSIGN(LocalSession session,
+                         LocalSession::Create(dir + "/s2", "test", {.binary = binary}));
+    Result<StartedScheduler> started = session.StartScheduler({.timeout_ms = 300});
+    ASSERT_FALSE(started.ok());
+    EXPECT_EQ(started.status().code(), StatusCode::kTimedOut);
+    EXPECT_NE(started.status().message().find("waiting for nothing"), std::string::npos)
+        << started.status().ToString();
+  }
+  // Workers, one of which fails.
+  {
+    const std::string binary = FakeBinary(
+        dir + "/bin3",
+        "case \"$*\" in *spill-x-1*) echo 'no such device'; exit 4;; esac; exec sleep 30");
+    ASSERT_OK_AND_ASSIGN(LocalSession session,
+                         LocalSession::Create(dir + "/s3", "test", {.binary = binary}));
+    const WorkerLaunch launch{.scheduler = "unix:/nowhere", .count = 2, .tag = "x"};
+    ASSERT_OK_AND_ASSIGN(std::vector<pid_t> pids, session.StartWorkers(launch));
+    ASSERT_EQ(pids.size(), 2u);
+    const Status joined =
+        session.AwaitWorkers([]() -> Result<int> { return 0; }, 2, pids, launch, 20'000);
+    ASSERT_FALSE(joined.ok());
+    EXPECT_EQ(joined.code(), StatusCode::kUnavailable);
+    EXPECT_NE(joined.message().find("worker x-1 exited"), std::string::npos) << joined.ToString();
+    EXPECT_NE(joined.message().find("no such device"), std::string::npos) << joined.ToString();
+    EXPECT_TRUE(std::filesystem::exists(session.dir() + "/worker-x-0.log"));
+    for (pid_t pid : pids) ::kill(pid, SIGKILL);
+  }
+  EXPECT_EQ(LocalSession::Create(dir + "/s4", "test", {})
+                .value()
+                .StartWorkers({.count = 0})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tessera::testing
