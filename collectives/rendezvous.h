@@ -6,10 +6,10 @@
 //   - a member dies: every other member hears of it through the failure handler, which aborts
 //     the group's transport, so a collective in progress fails at once naming the dead rank
 //     instead of waiting for its deadline;
-//   - a member is stuck (alive, silent): the ranks waiting on it time out, and so, a little
-//     later, do ranks waiting on ranks waiting on it. Each reports what it saw and how long its
-//     peer had been silent (ReportFailure); the verdict names the peer whose silence began
-//     first — the stuck one, not a bystander starved by it.
+//   - a member is stuck (alive, silent): the ranks waiting on it time out, and so do ranks
+//     waiting on ranks waiting on it. Each reports which peer it found silent and for how long
+//     (ReportFailure); the verdict names the stuck one, not a bystander starved by it (a member
+//     that reports is alive; see core/rendezvous_rules.h).
 //
 // Two kinds: SocketRendezvous (socket_rendezvous.h: rank 0 hosts, the others connect — for
 // standalone programs, tests and benchmarks) and, inside a Tessera cluster, the scheduler, which
@@ -44,12 +44,12 @@ class Rendezvous {
   // (at once if a death is known already). REQUIRES: thread-safe and quick.
   virtual void OnMemberFailure(FailureHandler on_failure) = 0;
 
-  // Reports what this member found wrong (`reason`: a peer silent for `silent_ms`, or 0 for an
-  // error that is not a silence) and returns the group's verdict, which every member's failure
-  // handler also gets: the known failure if there is one, else the report whose silence began
-  // first among those arriving within a short window. Blocks for about that window.
-  // Thread-safe.
-  virtual Status ReportFailure(const Status& reason, int64_t silent_ms) = 0;
+  // Reports what this member found wrong (`reason`: rank `silent_peer` silent for `silent_ms`,
+  // or 0 and -1 for an error that is not a silence) and returns the group's verdict, which
+  // every member's failure handler also gets: the known failure if there is one, else the
+  // verdict of core/rendezvous_rules.h's FailureVerdict over the reports arriving within a short
+  // window. Blocks for about that window. Thread-safe.
+  virtual Status ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) = 0;
 };
 
 }  // namespace tessera

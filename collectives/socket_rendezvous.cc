@@ -1,5 +1,7 @@
 #include "collectives/socket_rendezvous.h"
 
+#include "core/rendezvous_rules.h"
+
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -36,10 +38,10 @@ enum class Kind : uint8_t {
   kAll = 5,           // 0 -> member: u32 round, u32 count, count x (u32 length, bytes)
   kFailure = 6,       // 0 -> member: the group's verdict: u8 code, text (naming the rank)
   kBye = 7,           // either way: leaving normally
-  kReport = 8,        // member -> 0: what it found: u8 code, u32 silent ms, text
+  kReport = 8,        // member -> 0: what it found: u8 code, u32 silent ms, u32 peer, text
 };
 // Reports arriving within this window of the first are weighed together (see ReportFailure).
-constexpr auto kVerdictWindow = std::chrono::milliseconds(250);
+constexpr auto kVerdictWindow = FailureVerdict::kDefaultWindow;
 constexpr uint32_t kMaxFrameBytes = 64 << 20;
 
 struct Frame {
@@ -168,7 +170,7 @@ Result<SocketAddress> Resolve(const rpc::Address& address) {
 
 class SocketRendezvous final : public Rendezvous {
  public:
-  SocketRendezvous(int rank, int size) : rank_(rank), size_(size) {
+  SocketRendezvous(int rank, int size) : rank_(rank), size_(size), contributions_(size) {
     fds_.assign(static_cast<size_t>(size), -1);
     said_bye_.assign(static_cast<size_t>(size), false);
   }
@@ -183,20 +185,22 @@ class SocketRendezvous final : public Rendezvous {
   Result<std::vector<std::string>> AllGather(const std::string& mine,
                                              Clock::time_point deadline) override;
   void OnMemberFailure(FailureHandler on_failure) override;
-  Status ReportFailure(const Status& reason, int64_t silent_ms) override;
+  Status ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) override;
 
  private:
   void Watch();
   // Handles one frame from `from` (rank 0 hears members; members hear rank 0). Watch thread.
   Status Handle(int from, Frame frame);
   void MemberLost(int rank, const std::string& why);  // watch thread
-  // Rank 0: collects a report for the verdict window.
-  void AddReport(const Status& reason, int64_t silent_ms);
+  // Rank 0: collects `reporter`'s report for the verdict window.
+  void AddReport(int reporter, int silent_peer, const Status& reason, int64_t silent_ms);
   // Rank 0: at the window's end, the verdict is the report whose silence began first.
   void DecideFromReports();
   // Records the verdict (the first one stands) and tells the handler; rank 0 also tells every
   // member.
   void SetVerdict(const Status& verdict);
+  // Tells the handler, and on rank 0 every member, the verdict just decided.
+  void Announce(const Status& verdict);
   // Waits (a bounded time) for the group's verdict; `fallback` if none comes.
   Status AwaitVerdict(Clock::time_point until, const Status& fallback);
   void Wake();
@@ -212,17 +216,12 @@ class SocketRendezvous final : public Rendezvous {
 
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::vector<bool> said_bye_;                                                 // under mutex_
-  std::map<uint32_t, std::vector<std::optional<std::string>>> contributions_;  // rank 0
-  std::map<uint32_t, std::vector<std::string>> results_;                       // members
-  Status failure_;  // the group's verdict; the first one stands
+  std::vector<bool> said_bye_;                            // under mutex_
+  GatherRounds contributions_;                            // rank 0
+  std::map<uint32_t, std::vector<std::string>> results_;  // complete rounds, until taken
+  // The group's verdict (the first one stands); on rank 0 also the reports it weighs.
+  FailureVerdict verdict_{kVerdictWindow};
   FailureHandler on_failure_;
-  struct Report {
-    Status reason;
-    Clock::time_point silent_since;
-  };
-  std::vector<Report> reports_;                  // rank 0, until the verdict
-  std::optional<Clock::time_point> window_end_;  // rank 0: when the reports are weighed
   bool stopping_ = false;
 };
 
@@ -392,7 +391,7 @@ void SocketRendezvous::Watch() {
     int timeout_ms = -1;
     {
       std::lock_guard lock(mutex_);
-      if (window_end_) timeout_ms = RemainingMs(*window_end_);
+      if (verdict_.window_end()) timeout_ms = RemainingMs(*verdict_.window_end());
     }
     if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) return;
     if (polled[0].revents != 0) {
@@ -439,9 +438,9 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
       if (rank_ != 0 || frame.payload.size() < 4) return DataLoss("unexpected contribution");
       const uint32_t round = GetU32(frame.payload, 0);
       std::lock_guard lock(mutex_);
-      auto& slots = contributions_[round];
-      slots.resize(static_cast<size_t>(size_));
-      slots[static_cast<size_t>(from)] = frame.payload.substr(4);
+      if (auto all = contributions_.Contribute(round, from, frame.payload.substr(4))) {
+        results_[round] = std::move(*all);  // rank 0's AllGather relays it
+      }
       changed_.notify_all();
       return Status::Ok();
     }
@@ -469,9 +468,11 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
       SetVerdict(DecodeStatus(frame.payload));
       return Status::Ok();
     case Kind::kReport: {
-      if (rank_ != 0 || frame.payload.size() < 5) return DataLoss("unexpected failure report");
+      if (rank_ != 0 || frame.payload.size() < 9) return DataLoss("unexpected failure report");
       const int64_t silent_ms = GetU32(frame.payload, 1);
-      AddReport(DecodeStatus(frame.payload.substr(0, 1) + frame.payload.substr(5)), silent_ms);
+      const uint32_t peer = GetU32(frame.payload, 5);
+      AddReport(from, peer < static_cast<uint32_t>(size_) ? static_cast<int>(peer) : -1,
+                DecodeStatus(frame.payload.substr(0, 1) + frame.payload.substr(9)), silent_ms);
       return Status::Ok();
     }
     case Kind::kBye: {
@@ -490,12 +491,11 @@ void SocketRendezvous::MemberLost(int rank, const std::string& why) {
   SetVerdict(Unavailable("rank {} died: {}", rank, why));
 }
 
-void SocketRendezvous::AddReport(const Status& reason, int64_t silent_ms) {
+void SocketRendezvous::AddReport(int reporter, int silent_peer, const Status& reason,
+                                 int64_t silent_ms) {
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.ok()) return;
-    reports_.push_back(Report{reason, Clock::now() - std::chrono::milliseconds(silent_ms)});
-    if (!window_end_) window_end_ = Clock::now() + kVerdictWindow;
+    verdict_.Report(reporter, silent_peer, reason, silent_ms, Clock::now());
   }
   Wake();
 }
@@ -504,27 +504,27 @@ void SocketRendezvous::DecideFromReports() {
   Status verdict;
   {
     std::lock_guard lock(mutex_);
-    if (!window_end_ || Clock::now() < *window_end_ || reports_.empty()) return;
-    // A rank starved by the stuck one went silent later than the stuck one did.
-    auto first = std::min_element(
-        reports_.begin(), reports_.end(),
-        [](const auto& a, const auto& b) { return a.silent_since < b.silent_since; });
-    verdict = first->reason;
-    window_end_.reset();
+    if (!verdict_.DecideIfDue(Clock::now())) return;
+    verdict = verdict_.verdict();
+    changed_.notify_all();
   }
-  SetVerdict(verdict);
+  Announce(verdict);
 }
 
 void SocketRendezvous::SetVerdict(const Status& verdict) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!verdict_.Decide(verdict)) return;
+    changed_.notify_all();
+  }
+  Announce(verdict);
+}
+
+void SocketRendezvous::Announce(const Status& verdict) {
   FailureHandler handler;
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.ok()) return;
-    failure_ = verdict;
-    reports_.clear();
-    window_end_.reset();
     handler = on_failure_;
-    changed_.notify_all();
   }
   if (rank_ == 0) {
     for (int r = 1; r < size_; ++r) (void)SendTo(r, Kind::kFailure, EncodeStatus(verdict));
@@ -534,8 +534,8 @@ void SocketRendezvous::SetVerdict(const Status& verdict) {
 
 Status SocketRendezvous::AwaitVerdict(Clock::time_point until, const Status& fallback) {
   std::unique_lock lock(mutex_);
-  changed_.wait_until(lock, until, [&] { return !failure_.ok(); });
-  return failure_.ok() ? fallback : failure_;
+  changed_.wait_until(lock, until, [&] { return verdict_.decided(); });
+  return verdict_.decided() ? verdict_.verdict() : fallback;
 }
 
 void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
@@ -543,24 +543,26 @@ void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
   {
     std::lock_guard lock(mutex_);
     on_failure_ = on_failure;
-    known = failure_;
+    known = verdict_.verdict();
   }
   if (!known.ok()) on_failure(known);
 }
 
-Status SocketRendezvous::ReportFailure(const Status& reason, int64_t silent_ms) {
+Status SocketRendezvous::ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) {
   if (size_ == 1 || reason.ok()) return reason;
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.ok()) return failure_;  // what this member found follows from a known failure
+    // What this member found follows from a known failure.
+    if (verdict_.decided()) return verdict_.verdict();
   }
   const Clock::time_point until = Clock::now() + kVerdictWindow + std::chrono::seconds(2);
   if (rank_ == 0) {
-    AddReport(reason, silent_ms);
+    AddReport(0, silent_peer, reason, silent_ms);
   } else {
     std::string payload = EncodeStatus(reason);
     std::string header(1, payload[0]);
     PutU32(header, static_cast<uint32_t>(std::clamp<int64_t>(silent_ms, 0, UINT32_MAX)));
+    PutU32(header, silent_peer >= 0 ? static_cast<uint32_t>(silent_peer) : UINT32_MAX);
     if (!SendTo(0, Kind::kReport, header + payload.substr(1)).ok()) return reason;
   }
   return AwaitVerdict(until, reason);
@@ -578,36 +580,29 @@ Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& 
     payload += mine;
     TESSERA_RETURN_IF_ERROR(SendTo(0, Kind::kContribution, payload));
     lock.lock();
-    const bool done = changed_.wait_until(
-        lock, deadline, [&] { return results_.contains(round) || !failure_.ok() || said_bye_[0]; });
+    const bool done = changed_.wait_until(lock, deadline, [&] {
+      return results_.contains(round) || verdict_.decided() || said_bye_[0];
+    });
     if (results_.contains(round)) {
       std::vector<std::string> all = std::move(results_[round]);
       results_.erase(round);
       return all;
     }
-    if (!failure_.ok()) return failure_;
+    if (verdict_.decided()) return verdict_.verdict();
     if (said_bye_[0]) return Unavailable("rank 0 left the group before round {} completed", round);
     (void)done;
     return TimedOut("rank {} got no all-gather result from rank 0 in time", rank_);
   }
-  auto& slots = contributions_[round];
-  slots.resize(static_cast<size_t>(size_));
-  slots[0] = mine;
-  auto complete = [&] {
-    return std::all_of(slots.begin(), slots.end(), [](const auto& s) { return s.has_value(); });
-  };
-  changed_.wait_until(lock, deadline, [&] { return complete() || !failure_.ok(); });
-  if (!complete()) {
-    if (!failure_.ok()) return failure_;
-    std::vector<int> missing;
-    for (int r = 0; r < size_; ++r) {
-      if (!slots[static_cast<size_t>(r)]) missing.push_back(r);
-    }
-    return TimedOut("rank 0 waited in vain for ranks {} to contribute", fmt::join(missing, ", "));
+  if (auto all = contributions_.Contribute(round, 0, mine)) results_[round] = std::move(*all);
+  changed_.wait_until(lock, deadline,
+                      [&] { return results_.contains(round) || verdict_.decided(); });
+  if (!results_.contains(round)) {
+    if (verdict_.decided()) return verdict_.verdict();
+    return TimedOut("rank 0 waited in vain for ranks {} to contribute",
+                    fmt::join(contributions_.Missing(round), ", "));
   }
-  std::vector<std::string> all;
-  for (auto& slot : slots) all.push_back(std::move(*slot));
-  contributions_.erase(round);
+  std::vector<std::string> all = std::move(results_[round]);
+  results_.erase(round);
   lock.unlock();
   std::string payload;
   PutU32(payload, round);

@@ -43,7 +43,8 @@ Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezv
   CommunicatorOptions reporting = options;
   UcxPeerTransport* reporter = transport.get();
   reporting.on_failure = [&rendezvous, reporter, user = options.on_failure](const Status& reason) {
-    Status verdict = rendezvous.ReportFailure(reason, reporter->failure_silence_ms());
+    Status verdict = rendezvous.ReportFailure(reason, reporter->failure_silence_ms(),
+                                              reporter->failure_silent_peer());
     return user ? user(verdict) : verdict;
   };
   return MakeHostCommunicator(std::shared_ptr<PeerTransport>(std::move(transport)), reporting);

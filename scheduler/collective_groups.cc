@@ -14,7 +14,7 @@ uint64_t CollectiveGroups::GroupFor(const std::vector<WorkerId>& members) {
   if (it != keys_.end()) return it->second;
   const uint64_t key = next_key_++;
   keys_.emplace(members, key);
-  groups_[key].members = members;
+  groups_.emplace(key, Group(members, verdict_window_));
   return key;
 }
 
@@ -40,34 +40,28 @@ Status CollectiveGroups::OnJoin(WorkerId from, proto::CollectiveJoin::Reader joi
   if (join.getEpoch() > group.epoch) {
     // The members form the group anew (after a failure): forget the old exchange and verdict.
     group.epoch = join.getEpoch();
-    group.rounds.clear();
-    group.verdict = Status::Ok();
-    group.reports.clear();
-    group.window_end.reset();
+    group.rounds.Clear();
+    group.verdict.Reset();
   } else if (join.getEpoch() < group.epoch) {
     return Status::Ok();  // a late join from a formation that was abandoned
   }
-  auto& slots = group.rounds[join.getRound()];
-  slots.resize(group.members.size());
   const auto blob = join.getBlob();
-  slots[static_cast<size_t>(rank)] = std::string(blob.begin(), blob.end());
-  if (!std::all_of(slots.begin(), slots.end(), [](const auto& s) { return s.has_value(); })) {
-    return Status::Ok();
-  }
+  std::optional<std::vector<std::string>> all =
+      group.rounds.Contribute(join.getRound(), rank, std::string(blob.begin(), blob.end()));
+  if (!all) return Status::Ok();
   for (WorkerId member : group.members) {
     capnp::MallocMessageBuilder message;
     auto peers = message.initRoot<proto::Envelope>().initBody().initCollectivePeers();
     peers.setGroup(join.getGroup());
     peers.setEpoch(group.epoch);
     peers.setRound(join.getRound());
-    auto blobs = peers.initBlobs(static_cast<unsigned>(slots.size()));
-    for (unsigned i = 0; i < slots.size(); ++i) {
-      blobs.set(
-          i, kj::arrayPtr(reinterpret_cast<const kj::byte*>(slots[i]->data()), slots[i]->size()));
+    auto blobs = peers.initBlobs(static_cast<unsigned>(all->size()));
+    for (unsigned i = 0; i < all->size(); ++i) {
+      const std::string& one = (*all)[i];
+      blobs.set(i, kj::arrayPtr(reinterpret_cast<const kj::byte*>(one.data()), one.size()));
     }
     outbox_->Send(member, message);
   }
-  group.rounds.erase(join.getRound());
   return Status::Ok();
 }
 
@@ -79,49 +73,46 @@ Status CollectiveGroups::OnFailed(WorkerId from, proto::CollectiveFailed::Reader
                            from.ToString(), failed.getGroup());
   }
   Group& group = it->second;
-  if (!group.verdict.ok()) return Status::Ok();  // decided already; the reporter has it
-  const Status reason = rpc::FromWire(failed.getError());
-  group.reports.push_back(
-      Report{reason.ok() ? Unavailable("a member failed") : reason,
-             now - std::chrono::milliseconds(std::max<int64_t>(0, failed.getSilentMs()))});
-  if (!group.window_end) group.window_end = now + verdict_window_;
+  const auto member = std::find(group.members.begin(), group.members.end(), from);
+  if (member == group.members.end()) {
+    return InvalidArgument(
+        "{} reported a failure of collective group {}, of which it is not a member",
+        from.ToString(), failed.getGroup());
+  }
+  const int size = static_cast<int>(group.members.size());
+  const int silent_peer =
+      failed.getSilentPeer() >= 0 && failed.getSilentPeer() < size ? failed.getSilentPeer() : -1;
+  group.verdict.Report(static_cast<int>(member - group.members.begin()), silent_peer,
+                       rpc::FromWire(failed.getError()), failed.getSilentMs(), now);
   return Status::Ok();
 }
 
 void CollectiveGroups::WorkerDied(WorkerId worker, const Status& reason) {
   for (auto& [key, group] : groups_) {
     auto member = std::find(group.members.begin(), group.members.end(), worker);
-    if (member == group.members.end() || !group.verdict.ok()) continue;
+    if (member == group.members.end()) continue;
     // A death is certain: no window.
-    Decide(key, group,
-           Unavailable("{} (rank {} of collective group {}) died: {}", describe_(worker),
-                       member - group.members.begin(), key, reason.message()));
+    if (group.verdict.Decide(Unavailable("{} (rank {} of collective group {}) died: {}",
+                                         describe_(worker), member - group.members.begin(), key,
+                                         reason.message()))) {
+      SendVerdict(key, group);
+    }
   }
 }
 
 void CollectiveGroups::Abort(uint64_t key, const Status& reason) {
   auto it = groups_.find(key);
-  if (it == groups_.end() || !it->second.verdict.ok()) return;
-  Decide(key, it->second, reason);
+  if (it != groups_.end() && it->second.verdict.Decide(reason)) SendVerdict(key, it->second);
 }
 
 void CollectiveGroups::Tick(Clock::time_point now) {
   for (auto& [key, group] : groups_) {
-    if (!group.window_end || now < *group.window_end || !group.verdict.ok()) continue;
-    // A member starved by the stuck one went silent later than the stuck one did.
-    const Status first = std::min_element(group.reports.begin(), group.reports.end(),
-                                          [](const Report& a, const Report& b) {
-                                            return a.silent_since < b.silent_since;
-                                          })
-                             ->reason;
-    Decide(key, group, first);  // a copy: Decide clears the reports
+    if (group.verdict.DecideIfDue(now)) SendVerdict(key, group);
   }
 }
 
-void CollectiveGroups::Decide(uint64_t key, Group& group, const Status& verdict) {
-  group.verdict = verdict;
-  group.reports.clear();
-  group.window_end.reset();
+void CollectiveGroups::SendVerdict(uint64_t key, const Group& group) {
+  const Status& verdict = group.verdict.verdict();
   GetLogger("scheduler")->warn("collective group {} failed: {}", key, verdict.ToString());
   for (WorkerId member : group.members) {
     capnp::MallocMessageBuilder message;

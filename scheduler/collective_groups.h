@@ -10,13 +10,14 @@
 //   a group again after a failure, with a higher epoch; a join with a new epoch starts the
 //   group afresh.
 //
-//   Failures, and one verdict per failure. A member that dies (its connection closes or its
-//   heartbeats stop: WorkerDied) is certain: every other member gets CollectiveAbort naming it
-//   at once. A member that finds a peer silent past its deadline reports it (CollectiveFailed,
-//   with how long the peer had been silent); reports arriving within `verdict_window` of the
-//   first are weighed together and the verdict names the peer whose silence began first — the
-//   stuck one, not a bystander it starved. Every member gets the verdict, so every member's
-//   error names the same worker.
+//   Failures, and one verdict per failure (core/rendezvous_rules.h: the same rule as a
+//   standalone group's rank 0). A member that dies (its connection closes or its heartbeats
+//   stop: WorkerDied) is certain: every other member gets CollectiveAbort naming it at once. A
+//   member that finds a peer silent past its deadline reports it (CollectiveFailed, with how
+//   long the peer had been silent); reports arriving within `verdict_window` of the first are
+//   weighed together and the verdict names the peer whose silence began first — the stuck one,
+//   not a bystander it starved. Every member gets the verdict, so every member's error names
+//   the same worker.
 //
 // Thread safety: none; the scheduler's io thread drives it (like SchedulerCore).
 #pragma once
@@ -31,6 +32,7 @@
 
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
+#include "core/rendezvous_rules.h"
 #include "core/status.h"
 #include "scheduler/outbox.h"
 
@@ -62,20 +64,19 @@ class CollectiveGroups {
   void Tick(Clock::time_point now);
 
  private:
-  struct Report {
-    Status reason;
-    Clock::time_point silent_since;
-  };
   struct Group {
+    Group(std::vector<WorkerId> members_in, std::chrono::milliseconds window)
+        : members(std::move(members_in)),
+          rounds(static_cast<int>(members.size())),
+          verdict(window) {}
     std::vector<WorkerId> members;
     uint32_t epoch = 0;
-    std::map<uint32_t, std::vector<std::optional<std::string>>> rounds;
-    Status verdict;  // the group's failure, until a new epoch forms it again
-    std::vector<Report> reports;
-    std::optional<Clock::time_point> window_end;
+    GatherRounds rounds;
+    FailureVerdict verdict;  // the group's failure, until a new epoch forms it again
   };
 
-  void Decide(uint64_t key, Group& group, const Status& verdict);
+  // Tells every member the verdict just decided.
+  void SendVerdict(uint64_t key, const Group& group);
 
   Outbox* outbox_;
   Describe describe_;

@@ -71,7 +71,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
     if (!known.ok()) on_failure(known);
   }
 
-  Status ReportFailure(const Status& reason, int64_t silent_ms) override {
+  Status ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) override {
     {
       std::lock_guard lock(mutex_);
       if (!failure_.ok()) return failure_;
@@ -81,6 +81,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
     failed.setGroup(group_);
     rpc::ToWire(reason, failed.initError());
     failed.setSilentMs(silent_ms);
+    failed.setSilentPeer(silent_peer);
     send_(message);
     std::unique_lock lock(mutex_);
     changed_.wait_for(lock, kVerdictWait, [&] { return !failure_.ok(); });

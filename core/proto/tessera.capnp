@@ -225,6 +225,7 @@ struct CollectiveFailed {        # worker -> scheduler: what a member found (a p
   group @0 :UInt64;
   error @1 :Error;
   silentMs @2 :Int64;            # how long the peer it blames had been silent
+  silentPeer @3 :Int32 = -1;     # the rank (in the group) of the peer it blames; -1: none
 }
 
 struct CollectiveAbort {         # scheduler -> members: the group's verdict; its collectives fail

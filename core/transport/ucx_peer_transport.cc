@@ -108,6 +108,7 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
   const std::string& address() const override { return address_; }
   PeerTransportStats stats() const override { return stats_; }
   int64_t failure_silence_ms() const override { return failure_silence_ms_; }
+  int failure_silent_peer() const override { return failure_silent_peer_; }
   Status Connect(const std::vector<std::string>& addresses, Clock::time_point deadline) override;
   Result<RequestId> Isend(int peer, uint64_t tag, const void* data, int64_t bytes) override;
   Result<RequestId> Irecv(int peer, uint64_t tag, void* data, int64_t bytes) override;
@@ -179,6 +180,7 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
   Status broken_;
   Status peer_failure_;  // set by OnEndpointError
   int64_t failure_silence_ms_ = 0;
+  int failure_silent_peer_ = -1;
 
   std::atomic<bool> aborted_{false};
   std::mutex abort_mutex_;
@@ -517,6 +519,7 @@ Status UcxPeerTransportImpl::Wait(const std::vector<RequestId>& requests,
         }
       }
       failure_silence_ms_ = MillisecondsBetween(peers_[static_cast<size_t>(peer)].last_heard, now);
+      failure_silent_peer_ = peer;
       return Break(
           TimedOut("rank {} heard nothing from rank {} for {} ms: rank {} is stuck, or "
                    "the link to it is down",

@@ -76,6 +76,8 @@ class UcxPeerTransport : public PeerTransport {
   // When the transport broke on a deadline: how long the peer it waited on had been silent
   // (since the last transfer with it completed); 0 otherwise.
   virtual int64_t failure_silence_ms() const = 0;
+  // ... and which peer that was (its rank); -1 otherwise.
+  virtual int failure_silent_peer() const = 0;
 };
 
 }  // namespace tessera
