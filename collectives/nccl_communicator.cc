@@ -17,6 +17,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "core/cuda_check.h"
+
 namespace tessera {
 
 namespace {
@@ -104,17 +106,6 @@ Result<const NcclLibrary*> LoadNccl() {
   if (!failure.ok()) return failure;
   return &library;
 }
-
-Status CudaError(const char* file, int line, cudaError_t error) {
-  return Unavailable("CUDA error at {}:{}: {} ({})", file, line, cudaGetErrorString(error),
-                     cudaGetErrorName(error));
-}
-
-#define TESSERA_CUDA_RETURN_IF_ERROR(call)                                             \
-  do {                                                                                 \
-    const cudaError_t cuda_error_ = (call);                                            \
-    if (cuda_error_ != cudaSuccess) return CudaError(__FILE__, __LINE__, cuda_error_); \
-  } while (0)
 
 Result<ncclDataType_t> NcclType(DType dtype) {
   switch (dtype) {
@@ -247,7 +238,7 @@ class NcclCommunicator final : public DeviceCommunicator {
       TESSERA_RETURN_IF_ERROR(Broken());
       const cudaError_t done = cudaStreamQuery(stream_);
       if (done == cudaSuccess) return Status::Ok();
-      if (done != cudaErrorNotReady) return CudaError(__FILE__, __LINE__, done);
+      if (done != cudaErrorNotReady) return CudaError(done);
       TESSERA_RETURN_IF_ERROR(AsyncError("a collective"));
       if (Clock::now() > deadline) {
         const Status timed_out = TimedOut(

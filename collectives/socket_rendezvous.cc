@@ -1,5 +1,6 @@
 #include "collectives/socket_rendezvous.h"
 
+#include "core/checks.h"
 #include "core/rendezvous_rules.h"
 
 #include <fcntl.h>
@@ -76,7 +77,7 @@ Status SendFrame(int fd, Kind kind, std::string_view payload) {
   while (sent < frame.size()) {
     const ssize_t n = ::send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Unavailable("rendezvous send failed: {}", std::strerror(errno));
+    if (n <= 0) return SystemError("rendezvous send", n == 0 ? EPIPE : errno);
     sent += static_cast<size_t>(n);
   }
   return Status::Ok();
@@ -92,7 +93,7 @@ class FrameReader {
     if (n == 0) return NotFound("end of stream");
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) return Status::Ok();
-      return Unavailable("{}", std::strerror(errno));
+      return SystemError("rendezvous recv");
     }
     buffer_.append(chunk, static_cast<size_t>(n));
     return Status::Ok();
@@ -123,7 +124,7 @@ Result<Frame> ReadFrame(int fd, FrameReader& reader, Clock::time_point deadline,
     pollfd p{fd, POLLIN, 0};
     const int ready = ::poll(&p, 1, RemainingMs(deadline));
     if (ready == 0) return TimedOut("no answer from {} in time", from);
-    if (ready < 0 && errno != EINTR) return Unavailable("poll: {}", std::strerror(errno));
+    if (ready < 0 && errno != EINTR) return SystemError("poll");
     Status status = reader.ReadSome(fd);
     if (status.code() == StatusCode::kNotFound)
       return Unavailable("{} closed the connection", from);
@@ -238,7 +239,7 @@ Status DecodeStatus(std::string_view payload) {
 Status SocketRendezvous::JoinAsRoot(const rpc::Address& address, Clock::time_point deadline) {
   TESSERA_ASSIGN_OR_RETURN(SocketAddress where, Resolve(address));
   const int listener = ::socket(where.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listener < 0) return Unavailable("socket: {}", std::strerror(errno));
+  if (listener < 0) return SystemError("socket");
   const int one = 1;
   if (where.family == AF_INET) ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (where.family == AF_UNIX) ::unlink(address.path.c_str());
@@ -304,7 +305,7 @@ Status SocketRendezvous::JoinAsMember(const rpc::Address& address, Clock::time_p
   int fd = -1;
   while (true) {  // rank 0 may not be listening yet: retry until the deadline
     fd = ::socket(where.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return Unavailable("socket: {}", std::strerror(errno));
+    if (fd < 0) return SystemError("socket");
     if (::connect(fd, reinterpret_cast<sockaddr*>(&where.storage), where.length) == 0) break;
     last_error = std::strerror(errno);
     ::close(fd);

@@ -13,6 +13,8 @@
 #include <fstream>
 #include <thread>
 
+#include "core/checks.h"
+
 namespace tessera {
 
 Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOptions& options) {
@@ -25,7 +27,7 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOpti
   args.push_back(nullptr);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
-  if (pid < 0) return Unavailable("fork failed: {}", std::strerror(errno));
+  if (pid < 0) return SystemError("fork");
   if (pid == 0) {
     // Child: only async-signal-safe calls until exec.
     if (options.new_session) ::setsid();

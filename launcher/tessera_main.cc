@@ -371,8 +371,9 @@ int main(int argc, char** argv) {
   }
   if (start_cmd->parsed()) {
     if (start.head) return StartHead(start);
+    std::error_code missing;
     if (start.address.empty() &&
-        !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address")) {
+        !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address", missing)) {
       std::fprintf(stderr, "tessera: start needs --head (a scheduler) or --address (workers)\n\n%s",
                    start_cmd->help().c_str());
       return 2;

@@ -62,7 +62,9 @@ class FrameDecoder {
 };
 
 // Cap'n Proto reports malformed messages by throwing kj::Exception when a field is read. Every
-// handler of received messages runs under this, which turns that into a Status.
+// handler of received messages runs under this, which turns that (the peer's fault) into a
+// Status. Any other exception is a bug in the handler (a map::at on a missing key, ...): it
+// aborts the process here, naming the exception, instead of passing for bad input.
 template <typename Fn>
 Status CatchMalformed(Fn&& fn) {
   try {
@@ -70,7 +72,7 @@ Status CatchMalformed(Fn&& fn) {
   } catch (const kj::Exception& e) {
     return InvalidArgument("malformed message: {}", e.getDescription().cStr());
   } catch (const std::exception& e) {
-    return InvalidArgument("malformed message: {}", e.what());
+    TESSERA_CHECK(false, "a message handler threw (a bug, not bad input): {}", e.what());
   }
 }
 

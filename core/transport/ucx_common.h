@@ -2,16 +2,20 @@
 // with its worker. Internal to core/transport.
 #pragma once
 
+#include <source_location>
 #include <string_view>
 
 #include <ucp/api/ucp.h>
 
+#include "core/checks.h"
 #include "core/status.h"
 
 namespace tessera::detail {
 
-inline Status UcxError(std::string_view what, ucs_status_t status) {
-  return Unavailable("UCX {} failed: {}", what, ucs_status_string(status));
+// Unavailable: "UCX <what> failed: <UCX's words> (at file:line)" (core/checks.h).
+inline Status UcxError(std::string_view what, ucs_status_t status,
+                       std::source_location where = std::source_location::current()) {
+  return Unavailable("UCX {} failed: {} (at {})", what, ucs_status_string(status), CallSite(where));
 }
 
 #define TESSERA_UCX_RETURN_IF_ERROR(call, what)                                       \

@@ -385,14 +385,12 @@ Status UcxDataPlane::Init() {
 
   event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (event_fd_ < 0 || epoll_fd_ < 0) return Internal("eventfd/epoll: {}", std::strerror(errno));
+  if (event_fd_ < 0 || epoll_fd_ < 0) return SystemError("eventfd/epoll_create1");
   for (int fd : {ucx_fd_, event_fd_}) {
     epoll_event event{};
     event.events = EPOLLIN;
     event.data.fd = fd;
-    if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event) != 0) {
-      return Internal("epoll_ctl: {}", std::strerror(errno));
-    }
+    TESSERA_SYSCALL_RETURN_IF_ERROR(::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event), "epoll_ctl");
   }
   thread_ = std::thread([this] { Run(); });
   return Status::Ok();

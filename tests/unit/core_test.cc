@@ -1,9 +1,11 @@
 // core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings.
+#include <cstring>
 #include <fstream>
 #include <map>
 
 #include "core/atomic_file.h"
 #include "core/attrs.h"
+#include "core/checks.h"
 #include "core/crypto.h"
 #include "core/device.h"
 #include "core/settings.h"
@@ -206,6 +208,23 @@ TEST(CryptoTest, ConstantTimeEqualsAndRandomBytes) {
   ASSERT_OK(FillRandom(a));
   ASSERT_OK(FillRandom(b));
   EXPECT_NE(a, b);  // 2^-256 to fail
+}
+
+Status FailingSyscall() {
+  TESSERA_SYSCALL_RETURN_IF_ERROR((errno = EBADF, -1), "close");
+  return Status::Ok();
+}
+
+TEST(ChecksTest, SystemErrorsNameTheCallAndWhereItWas) {
+  const Status error = SystemError("open", ENOENT);
+  EXPECT_EQ(error.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(error.message(), fmt::format("open failed: {} (at core_test.cc:{})",
+                                         std::strerror(ENOENT), __LINE__ - 3));
+  const Status from_macro = FailingSyscall();
+  EXPECT_NE(from_macro.message().find("close failed: Bad file descriptor (at core_test.cc:"),
+            std::string::npos)
+      << from_macro.ToString();
+  EXPECT_EQ(SystemError("read", EIO, StatusCode::kDataLoss).code(), StatusCode::kDataLoss);
 }
 
 }  // namespace
