@@ -16,8 +16,8 @@ CudaDevices ProbeCudaDevices() {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
-    result.reason = fmt::format("CUDA runtime: {} ({})", cudaGetErrorString(error),
-                                cudaGetErrorName(error));
+    result.reason =
+        fmt::format("CUDA runtime: {} ({})", cudaGetErrorString(error), cudaGetErrorName(error));
     return result;
   }
   if (count == 0) {

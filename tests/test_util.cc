@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "ops/cpu/cpu_kernels.h"
 
@@ -170,6 +171,16 @@ ProcessResult RunBinary(const std::string& binary, const std::string& arguments)
   const int status = ::pclose(pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return result;
+}
+
+bool Eventually(const std::function<bool()>& condition, std::chrono::milliseconds deadline,
+                std::chrono::milliseconds poll) {
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (true) {
+    if (condition()) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(poll);
+  }
 }
 
 }  // namespace tessera::testing

@@ -2,7 +2,9 @@
 // would, and reading the PyTorch reference file (tests/reference/make_gpt2_reference.py).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +18,12 @@
 #include "ops/op_registry.h"
 
 namespace tessera::testing {
+
+// Polls `condition` every `poll` until it holds (true) or `deadline` passes (false). For what
+// arrives asynchronously (a heartbeat's figures, a process's exit): never a fixed sleep.
+bool Eventually(const std::function<bool()>& condition,
+                std::chrono::milliseconds deadline = std::chrono::seconds(10),
+                std::chrono::milliseconds poll = std::chrono::milliseconds(20));
 
 // gtest assertion helpers for Status/Result.
 #define ASSERT_OK(expr)                                                \

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <thread>
@@ -74,10 +75,11 @@ TEST(ClusterTest, ObjectsBeyondAWorkersCapacitySpillAndComeBackIntact) {
     outputs.push_back(out[0]);
   }
   ASSERT_OK(cluster->Wait(outputs, 20'000));
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // a heartbeat reports the spill
-  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
-  ASSERT_EQ(info.workers.size(), 1u);
-  EXPECT_GT(info.workers[0].spilled_bytes, 0) << "12 x 2 MiB cannot fit in 8 MiB";
+  // A heartbeat reports the spill.
+  EXPECT_TRUE(Eventually([&] {
+    Result<ClusterInfo> info = cluster->Info();
+    return info.ok() && info->workers.size() == 1 && info->workers[0].spilled_bytes > 0;
+  })) << "12 x 2 MiB cannot fit in 8 MiB, but no spill was reported";
   for (const ObjectRef& out : outputs) {
     ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(out, 10'000));
     EXPECT_EQ(ToVector(value), ToVector(base));
@@ -90,27 +92,20 @@ TEST(ClusterTest, AKilledWorkersObjectsFailWithItsNameAndTasksRetryElsewhere) {
   ASSERT_OK_AND_ASSIGN(ObjectRef big, cluster->Put(RandomTensor({1 << 20}, 3)));
   ASSERT_OK_AND_ASSIGN(auto produced, cluster->Submit("gelu_forward", {big}));
   ASSERT_OK(cluster->Wait(produced, 10'000));
-  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
-  // Find the worker that ran it (it did one task) and kill it.
+  // Find the worker that ran it (it did one task; a heartbeat says so) and kill it.
   int victim_pid = 0;
   std::string victim_name;
-  for (const WorkerInfo& worker : info.workers) {
-    if (worker.tasks_done > 0 || worker.tasks_running > 0) {
-      victim_pid = worker.pid;
-      victim_name = worker.id.ToString();
-    }
-  }
-  if (victim_pid == 0) {  // heartbeat not in yet: ask again shortly
-    std::this_thread::sleep_for(std::chrono::milliseconds(700));
-    info = *cluster->Info();
-    for (const WorkerInfo& worker : info.workers) {
-      if (worker.tasks_done > 0) {
+  ASSERT_TRUE(Eventually([&] {
+    Result<ClusterInfo> info = cluster->Info();
+    if (!info.ok()) return false;
+    for (const WorkerInfo& worker : info->workers) {
+      if (worker.tasks_done > 0 || worker.tasks_running > 0) {
         victim_pid = worker.pid;
         victim_name = worker.id.ToString();
       }
     }
-  }
-  ASSERT_NE(victim_pid, 0);
+    return victim_pid != 0;
+  })) << "no worker reported running the task";
   // A slow task is running when the worker dies: it must be retried on the other worker.
   ASSERT_OK_AND_ASSIGN(ObjectRef small, cluster->Put(FloatTensor({2}, {4, 5})));
   std::vector<ObjectRef> slow;
@@ -255,8 +250,14 @@ TEST(ClusterTest, Gpt2TinyStepsOnTwoWorkersMatchTheInProcessLossesExactly) {
   EXPECT_EQ(*local->GetParameter("h.1.fc_w"), *distributed->GetParameter("h.1.fc_w"));
   // Both workers did work: each holds some of the layers and pushed activations or gradients
   // to the other (counters arrive with the next heartbeat).
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ClusterInfo info;
+  EXPECT_TRUE(Eventually([&] {
+    Result<ClusterInfo> latest = cluster->Info();
+    if (!latest.ok()) return false;
+    info = *latest;
+    return std::all_of(info.workers.begin(), info.workers.end(),
+                       [](const WorkerInfo& worker) { return worker.bytes_served > 0; });
+  }));
   for (const WorkerInfo& worker : info.workers)
     EXPECT_GT(worker.bytes_served, 0) << worker.id.ToString();
 }

@@ -199,19 +199,19 @@ TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
     ::_exit(127);
   }
   std::vector<pid_t> children;
-  for (int waited = 0; waited < 15'000 && children.size() < 3; waited += 50) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    children = LiveChildren(driver);
-  }
+  Eventually(
+      [&] {
+        children = LiveChildren(driver);
+        return children.size() >= 3;
+      },
+      std::chrono::seconds(15));
   ASSERT_EQ(children.size(), 3u) << "a scheduler and two workers";
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // training is under way
   ASSERT_EQ(::kill(driver, SIGKILL), 0);
   int status = 0;
   ::waitpid(driver, &status, 0);
-  for (int waited = 0; waited < 5000; waited += 50) {
-    if (std::all_of(children.begin(), children.end(), Gone)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  Eventually([&] { return std::all_of(children.begin(), children.end(), Gone); },
+             std::chrono::seconds(5));
   for (pid_t child : children)
     EXPECT_TRUE(Gone(child)) << "pid " << child << " outlived its driver";
 }
