@@ -6,6 +6,7 @@
 //
 // Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
 //   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M
+// (peak_mb: the largest executor memory peak of any process that ran steps.)
 // Diagnostics go to stderr, so stdout stays easy to parse.
 #include <algorithm>
 #include <chrono>
@@ -287,10 +288,12 @@ int Run(const Flags& flags) {
         (*trainer)->Step(tokens, targets, static_cast<float>(flags.lr));
     if (!report.ok()) return Fail(report.status().WithContext(fmt::format("step {}", i)));
     step_ms.push_back(report->step_ms);
+    // The largest executor peak of any process that ran the step (this one, or each worker).
     peak_bytes = std::max(peak_bytes, report->peak_bytes);
     if (rank_peaks.size() < report->ranks.size()) rank_peaks.resize(report->ranks.size());
     for (size_t r = 0; r < report->ranks.size(); ++r) {
       const tessera::RunFigures& now = report->ranks[r].figures;
+      peak_bytes = std::max(peak_bytes, now.allocator_peak);
       tessera::RankFigures& kept = rank_peaks[r];
       kept.rank = report->ranks[r].rank;
       kept.worker = report->ranks[r].worker;
@@ -393,7 +396,9 @@ int Run(const Flags& flags) {
 int main(int argc, char** argv) {
   Flags flags;
   CLI::App app{
-      "Train a GPT-2 model with Tessera (single worker, CPU).\n"
+      "Train a GPT-2 model with Tessera: in this process, on a local cluster of worker "
+      "processes it starts (--workers N), or on a running cluster (--address), with data "
+      "parallelism or ZeRO-1/2/3 (--zero-stage) on CPU workers.\n"
       "Output: one line per step, then 'summary: ...'. Settings such as "
       "TESSERA_CPU_THREADS can also come from the environment:\n" +
       tessera::Settings::Describe()};
@@ -439,10 +444,17 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", flags.prompt, "Text that starts the sample");
   app.add_option("--log-every", flags.log_every, "Print every N-th step line")
       ->check(CLI::PositiveNumber);
-  app.add_option("--workers", flags.workers,
-                 "N data-parallel workers: a local cluster of N CPU worker processes, or N "
-                 "workers of --address (0: in this process)")
-      ->check(CLI::NonNegativeNumber);
+  CLI::Option* workers =
+      app.add_option("--workers", flags.workers,
+                     "N data-parallel workers: a local cluster of N CPU worker processes, or N "
+                     "workers of --address (0: in this process)")
+          ->check(CLI::NonNegativeNumber);
+  bool in_process = false;
+  CLI::Option* in_process_flag =
+      app.add_flag("--in-process", in_process,
+                   "Train in this process: no scheduler or worker processes (the default when "
+                   "neither --workers nor --address is given)")
+          ->excludes(workers);
   app.add_option("--zero-stage", flags.zero_stage,
                  "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
                  "3 + parameters");
@@ -457,7 +469,8 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", flags.resume,
                "Continue from the latest checkpoint in --checkpoint-dir (any --workers and "
                "--zero-stage)");
-  app.add_option("--address", flags.address, "Run on the cluster at HOST:PORT");
+  app.add_option("--address", flags.address, "Run on the cluster at HOST:PORT")
+      ->excludes(in_process_flag);
   app.add_option("--token-file", flags.token_file,
                  "With --address: the cluster token (default: the latest session's)");
   app.add_option("--placement", flags.placement,
