@@ -2,7 +2,8 @@
 //
 // Every tensor buffer comes from an Allocator. The base class counts live and peak bytes of
 // the buffers it handed out (what the step's tensors occupy, not what a cache holds), so an
-// executor can report a step's peak memory and, later, a planner can hold a tier under a cap.
+// executor can report a step's peak memory (and the memory planner, not built yet, could hold a
+// tier under a cap).
 // Implementations supply DoAllocate/DoDeallocate:
 //   - AlignedHostAllocator: aligned_alloc/free, nothing cached.
 //   - CachingHostAllocator: keeps freed blocks by exact size and hands them out again. A step

@@ -3,7 +3,7 @@
 // A training step is a graph of fine-grained tasks (the forward of one layer, the backward of
 // one layer, the optimizer update of one parameter group, ...) over immutable objects
 // (parameters, gradients, optimizer state, activations). This header defines that graph and
-// nothing about how it runs: the in-process executor (worker/), and later the scheduler, take a
+// nothing about how it runs: the in-process executor (worker/) and the scheduler take a
 // Graph and execute it.
 //
 // Objects

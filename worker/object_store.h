@@ -15,7 +15,8 @@
 // scheduler; the store deletes an object when told to (Delete).
 //
 // Thread safety: every method may be called from any thread (executor threads, the data plane,
-// the control thread). Disk I/O happens under the store's lock; a later version can move it out.
+// the control thread). Disk I/O happens under the store's lock (it blocks other callers while a
+// spill is written or read back).
 #pragma once
 
 #include <cstdint>
