@@ -346,8 +346,13 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
     }
   }
   if (failed.load() && hooks != nullptr && hooks->on_failed) {
-    std::lock_guard lock(error_mutex);
-    hooks->on_failed(first_error);
+    Status error;
+    {
+      std::lock_guard lock(error_mutex);
+      error = first_error;
+    }
+    // Not under error_mutex: on_failed ends offloaded work, whose completions call fail().
+    hooks->on_failed(error);
   }
   {
     // Offloaded tasks hold references into this run: wait for every one.

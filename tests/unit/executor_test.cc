@@ -1,5 +1,6 @@
 // The in-process executor: dependencies, frees after last use, donation, errors.
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "ops/graph_builder.h"
@@ -325,6 +326,42 @@ TEST(ExecutorOffloadTest, AFailedOffloadFailsTheRunNamingTheTask) {
       << result.status().ToString();
   EXPECT_NE(result.status().message().find("rank 1 died"), std::string::npos);
   EXPECT_EQ(told.message(), result.status().message());
+}
+
+// A run cancelled while an offloaded task is queued (a worker that lost its scheduler in the
+// middle of a collective step): on_failed ends the queued work, whose completion reports back
+// into the run from inside on_failed. The run must end with the cancel reason, not deadlock.
+TEST(ExecutorOffloadTest, ACancelWhileAnOffloadIsQueuedEndsTheRun) {
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  OffloadGraph g = AllReduceThenGelu();
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(g.graph));
+  std::mutex mutex;
+  RunHooks::OffloadDone queued;
+  std::thread canceller;
+  RunHooks hooks;
+  hooks.offloaded = [](const TaskSpec& task) { return task.op == "all_reduce"; };
+  hooks.offload = [&](const TaskSpec&, std::vector<Tensor>, std::vector<Tensor>,
+                      RunHooks::OffloadDone done) {
+    {
+      std::lock_guard lock(mutex);
+      queued = std::move(done);  // waits its turn in the communication stream
+    }
+    canceller = std::thread([&] { executor.Cancel(Unavailable("lost the scheduler")); });
+  };
+  hooks.on_failed = [&](const Status& error) {
+    RunHooks::OffloadDone done;
+    {
+      std::lock_guard lock(mutex);
+      done = std::move(queued);
+    }
+    if (done) done(error);  // as CollectiveEngine::EndStream does, on the run's thread
+  };
+  Result<RunResult> result =
+      executor.Run(prepared, {{g.input, RandomTensor({64}, 3)}}, nullptr, &hooks);
+  canceller.join();
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("lost the scheduler"), std::string::npos)
+      << result.status().ToString();
 }
 
 TEST(ExecutorOffloadTest, OneMemberCollectivesRunAsKernels) {
