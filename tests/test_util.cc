@@ -183,4 +183,13 @@ bool Eventually(const std::function<bool()>& condition, std::chrono::millisecond
   }
 }
 
+bool ProcessGone(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string line;
+  std::getline(stat, line);
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && line.size() > close + 2 && line[close + 2] == 'Z';
+}
+
 }  // namespace tessera::testing

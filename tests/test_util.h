@@ -25,6 +25,9 @@ bool Eventually(const std::function<bool()>& condition,
                 std::chrono::milliseconds deadline = std::chrono::seconds(10),
                 std::chrono::milliseconds poll = std::chrono::milliseconds(20));
 
+// Whether process `pid` has exited (gone from /proc, or a zombie nobody reaped yet).
+bool ProcessGone(int pid);
+
 // gtest assertion helpers for Status/Result.
 #define ASSERT_OK(expr)                                                \
   do {                                                                 \

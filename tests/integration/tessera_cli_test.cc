@@ -1,13 +1,24 @@
 // The `tessera` command as an operator uses it: start a head and workers, look, stop.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
+#include "driver/cluster.h"
 #include "test_util.h"
 
 namespace tessera::testing {
 namespace {
 
 ProcessResult Tessera(const std::string& arguments) { return RunBinary("tessera", arguments); }
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
 
 std::string ReadLine(const std::string& path) {
   std::ifstream file(path);
@@ -56,6 +67,62 @@ TEST(TesseraCliTest, StartStatusStop) {
   std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("joined"), std::string::npos);
   EXPECT_NE(text.find("stopped"), std::string::npos);
+}
+
+// The scheduler dies (SIGKILL) in the middle of a ZeRO-3 run on workers `tessera start` made:
+// the driver fails naming the lost scheduler, and every worker exits instead of lingering with
+// its memory (they used to deadlock while ending their collective stream).
+TEST(TesseraCliTest, WorkersAndTheDriverExitWhenTheSchedulerDiesMidRun) {
+  const std::string session = ::testing::TempDir() + "/tessera_cli_scheduler_death";
+  std::filesystem::remove_all(session);
+  ASSERT_EQ(Tessera("start --head --port 0 --session-dir " + session).exit_code, 0);
+  const std::string address = ReadLine(session + "/scheduler.address");
+  const std::string token = session + "/token";
+  ProcessResult workers =
+      Tessera("start --cpu-workers 3 --threads 1 --address " + address + " --token-file " + token);
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  ConnectOptions admin;
+  admin.token_file = token;
+  admin.admin = true;
+  std::vector<int> worker_pids;
+  {
+    ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Connect(address, admin));
+    ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+    for (const WorkerInfo& worker : info.workers) worker_pids.push_back(worker.pid);
+  }
+  ASSERT_EQ(worker_pids.size(), 3u);
+
+  const std::string log = session + "/driver.log";
+  const pid_t driver = ::fork();
+  ASSERT_GE(driver, 0);
+  if (driver == 0) {
+    const std::string binary = BinaryPath("train_gpt2");
+    ::freopen(log.c_str(), "w", stdout);
+    ::dup2(STDOUT_FILENO, STDERR_FILENO);
+    ::execl(binary.c_str(), binary.c_str(), "--address", address.c_str(), "--token-file",
+            token.c_str(), "--workers", "3", "--zero-stage", "3", "--batch", "9", "--steps",
+            "1000000", "--log-every", "1", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Training is under way: a few steps done.
+  ASSERT_TRUE(Eventually([&] { return ReadAll(log).find("step 5/") != std::string::npos; },
+                         std::chrono::seconds(60)))
+      << ReadAll(log);
+  ASSERT_EQ(::kill(std::stoi(ReadLine(session + "/scheduler.pid")), SIGKILL), 0);
+  int status = 0;
+  ASSERT_TRUE(Eventually([&] { return ::waitpid(driver, &status, WNOHANG) == driver; },
+                         std::chrono::seconds(20)))
+      << "the driver outlived its scheduler";
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_NE(ReadAll(log).find("lost the connection to the scheduler"), std::string::npos)
+      << ReadAll(log);
+  EXPECT_TRUE(
+      Eventually([&] { return std::all_of(worker_pids.begin(), worker_pids.end(), ProcessGone); },
+                 std::chrono::seconds(20)));
+  for (int pid : worker_pids) {
+    EXPECT_TRUE(ProcessGone(pid)) << "worker pid " << pid << " outlived its scheduler";
+    if (!ProcessGone(pid)) ::kill(pid, SIGKILL);
+  }
 }
 
 TEST(TesseraCliTest, NonsenseIsExplained) {

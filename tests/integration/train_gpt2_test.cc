@@ -178,15 +178,6 @@ std::vector<pid_t> LiveChildren(pid_t parent) {
   return children;
 }
 
-bool Gone(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return true;
-  std::string line;
-  std::getline(stat, line);
-  const size_t close = line.rfind(')');
-  return close != std::string::npos && line.size() > close + 2 && line[close + 2] == 'Z';
-}
-
 TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
   const pid_t driver = ::fork();
   ASSERT_GE(driver, 0);
@@ -210,10 +201,10 @@ TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
   ASSERT_EQ(::kill(driver, SIGKILL), 0);
   int status = 0;
   ::waitpid(driver, &status, 0);
-  Eventually([&] { return std::all_of(children.begin(), children.end(), Gone); },
+  Eventually([&] { return std::all_of(children.begin(), children.end(), ProcessGone); },
              std::chrono::seconds(5));
   for (pid_t child : children)
-    EXPECT_TRUE(Gone(child)) << "pid " << child << " outlived its driver";
+    EXPECT_TRUE(ProcessGone(child)) << "pid " << child << " outlived its driver";
 }
 
 TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
