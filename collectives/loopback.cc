@@ -55,7 +55,7 @@ class LoopbackGroup::Transport final : public PeerTransport {
         if (static_cast<int64_t>(message.size()) != receive.bytes) {
           Break(Internal("rank {} sent {} bytes under tag {}, rank {} expected {}", receive.peer,
                          message.size(), receive.tag, rank_, receive.bytes));
-        } else {
+        } else if (!message.empty()) {
           std::memcpy(receive.data, message.data(), message.size());
         }
       } else if (first_dead() >= 0) {
