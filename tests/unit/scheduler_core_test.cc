@@ -10,6 +10,7 @@
 #include "scheduler/collective_groups.h"
 #include "scheduler/scheduler_core.h"
 #include "test_util.h"
+#include "unit/scheduler_test_graphs.h"
 
 namespace tessera::testing {
 namespace {
@@ -86,6 +87,24 @@ class SchedulerCoreTest : public ::testing::Test {
       EXPECT_EQ(outbox_.Take(id, Body::WELCOME).size(), 1u);
     }
     return id;
+  }
+
+  // The error of the one object in the one ObjectsReady sent to `driver` ("" when it is ready).
+  std::string ReadyError(WorkerId driver) {
+    auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
+    if (ready.size() != 1) return fmt::format("{} ObjectsReady", ready.size());
+    auto state = BodyOf(ready[0]).getObjectsReady().getObjects()[0];
+    return state.hasError() ? rpc::FromWire(state.getError()).ToString() : "";
+  }
+
+  // Two workers then a driver.
+  struct Cluster {
+    WorkerId w1, w2, driver;
+  };
+  Cluster JoinTwoWorkersAndADriver() {
+    const WorkerId w1 = Join(proto::Role::WORKER);
+    const WorkerId w2 = Join(proto::Role::WORKER);
+    return Cluster{w1, w2, Join(proto::Role::DRIVER)};
   }
 
   // A driver Put of a scalar (inline) or a big object (held by the driver).
@@ -369,46 +388,13 @@ TEST_F(SchedulerCoreTest, StatusDescribesWorkersAndTasks) {
 
 // ---- registered graphs ----
 
-TensorMeta Floats(int64_t numel) { return {Shape{numel}, DType::kF32, Device::Cpu()}; }
-
-// gelu over `inputs` into a new object named after the task.
-TaskId AddGelu(Graph& graph, const std::string& name, std::vector<ObjectId> inputs,
-               int64_t out_numel = 1, WorkerId pinned = WorkerId(), Attrs attrs = {}) {
-  const ObjectId out = graph.AddObject(name + ".out", Floats(out_numel), ObjectRole::kActivation);
-  TaskSpec spec;
-  spec.name = name;
-  spec.op = "gelu_forward";
-  spec.inputs = std::move(inputs);
-  spec.outputs = {out};
-  spec.pinned_worker = pinned;
-  spec.attrs = std::move(attrs);
-  return graph.AddTask(std::move(spec));
-}
-
-Attrs Member(int64_t collective, int64_t rank, int64_t size) {
-  return Attrs{{kCollectiveAttr, collective}, {kRankAttr, rank}, {kGroupSizeAttr, size}};
-}
-
 class RegisteredGraphTest : public SchedulerCoreTest {
  protected:
   // Sends RegisterGraph as the driver library does; returns the protocol status.
   Status Register(WorkerId driver, uint64_t graph_id, const Graph& graph, uint64_t request_id = 7) {
     return Deliver(driver, [&](proto::Envelope::Builder e) {
       e.setRequestId(request_id);
-      auto wire = e.initBody().initRegisterGraph();
-      wire.setGraphId(graph_id);
-      auto objects = wire.initObjects(static_cast<unsigned>(graph.num_objects()));
-      for (unsigned i = 0; i < objects.size(); ++i) rpc::ToWire(graph.objects()[i], objects[i]);
-      auto tasks = wire.initTasks(static_cast<unsigned>(graph.num_tasks()));
-      for (unsigned i = 0; i < tasks.size(); ++i) {
-        const TaskSpec& task = graph.tasks()[i];
-        std::vector<ObjectSpec> outputs;
-        for (ObjectId output : task.outputs) outputs.push_back(graph.object(output));
-        rpc::ToWire(task, outputs, tasks[i]);
-      }
-      auto outputs = wire.initOutputs(static_cast<unsigned>(graph.OutputObjects().size()));
-      for (unsigned i = 0; i < outputs.size(); ++i)
-        outputs.set(i, graph.OutputObjects()[i].value());
+      RegisterGraphToWire(graph, graph_id, e.initBody().initRegisterGraph());
     });
   }
 
@@ -447,12 +433,14 @@ class RegisteredGraphTest : public SchedulerCoreTest {
     });
   }
 
+  // `worker` finished its part of the instance, sealing `sealed` (or failed with `error`).
   Status InstanceDone(WorkerId worker, uint64_t graph_id, uint64_t instance,
-                      const std::vector<uint64_t>& sealed) {
+                      const std::vector<uint64_t>& sealed, const Status& error = Status::Ok()) {
     return Deliver(worker, [&](proto::Envelope::Builder e) {
       auto done = e.initBody().initInstanceFinished();
       done.setGraphId(graph_id);
       done.setInstance(instance);
+      if (!error.ok()) rpc::ToWire(error, done.initError());
       auto outputs = done.initOutputs(static_cast<unsigned>(sealed.size()));
       for (unsigned i = 0; i < sealed.size(); ++i) {
         outputs[i].setId(sealed[i]);
@@ -460,30 +448,17 @@ class RegisteredGraphTest : public SchedulerCoreTest {
       }
     });
   }
-
-  // The error of the one object in the one ObjectsReady sent to `driver` ("" when it is ready).
-  std::string ReadyError(WorkerId driver) {
-    auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
-    if (ready.size() != 1) return fmt::format("{} ObjectsReady", ready.size());
-    auto state = BodyOf(ready[0]).getObjectsReady().getObjects()[0];
-    return state.hasError() ? rpc::FromWire(state.getError()).ToString() : "";
-  }
 };
 
 TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeastLoaded) {
-  const WorkerId w1 = Join(proto::Role::WORKER);
-  const WorkerId w2 = Join(proto::Role::WORKER);
-  const WorkerId driver = Join(proto::Role::DRIVER);
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
   const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
-  const TaskId a = AddGelu(graph, "a", {x}, /*out_numel=*/100);  // least loaded: w1
-  const TaskId b = AddGelu(graph, "b", {x}, /*out_numel=*/10);   // least loaded: w2
-  const ObjectId a_out = graph.task(a).outputs[0];
-  const ObjectId b_out = graph.task(b).outputs[0];
-  AddGelu(graph, "c", {b_out, a_out});             // beside a (the larger): w1
-  AddGelu(graph, "d", {a_out}, 1, /*pinned=*/w2);  // pinned: w2
-  const TaskId e = AddGelu(graph, "e", {b_out});   // beside b: w2
-  graph.MarkOutput(graph.task(e).outputs[0]);
+  const ObjectId a_out = AddGelu(graph, "a", {x}, /*out_numel=*/100);  // least loaded: w1
+  const ObjectId b_out = AddGelu(graph, "b", {x}, /*out_numel=*/10);   // least loaded: w2
+  AddGelu(graph, "c", {b_out, a_out});                                 // beside a (the larger): w1
+  AddGelu(graph, "d", {a_out}, 1, /*pinned=*/w2);                      // pinned: w2
+  graph.MarkOutput(AddGelu(graph, "e", {b_out}));                      // beside b: w2
   ASSERT_OK(Register(driver, 3, graph));
   EXPECT_OK(TakeReply(driver));
   const std::vector<uint64_t> expected = {w1.value(), w2.value(), w1.value(), w2.value(),
@@ -514,13 +489,10 @@ TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeast
 }
 
 TEST_F(RegisteredGraphTest, MembersOfACollectiveGetDistinctWorkersAndTheirGroup) {
-  const WorkerId w1 = Join(proto::Role::WORKER);
-  const WorkerId w2 = Join(proto::Role::WORKER);
-  const WorkerId driver = Join(proto::Role::DRIVER);
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
   const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
-  const TaskId p = AddGelu(graph, "p", {x}, 100);  // w1
-  const ObjectId p_out = graph.task(p).outputs[0];
+  const ObjectId p_out = AddGelu(graph, "p", {x}, 100);  // w1
   // Both members would go beside p; the second moves to the other worker.
   AddGelu(graph, "m0", {p_out}, 1, WorkerId(), Member(4, 0, 2));
   AddGelu(graph, "m1", {p_out}, 1, WorkerId(), Member(4, 1, 2));
@@ -674,14 +646,11 @@ TEST_F(RegisteredGraphTest, MalformedGraphsAreProtocolErrorsNamingWhatIsWrong) {
 }
 
 TEST_F(RegisteredGraphTest, AWorkerDyingMidInstanceCancelsItsPeersAndFailsTheOutputs) {
-  const WorkerId w1 = Join(proto::Role::WORKER);
-  const WorkerId w2 = Join(proto::Role::WORKER);
-  const WorkerId driver = Join(proto::Role::DRIVER);
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
   const ObjectId x = graph.AddObject("x", Floats(1 << 20), ObjectRole::kInput);
-  const TaskId a = AddGelu(graph, "a", {x});
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
   AddGelu(graph, "b", {x});
-  graph.MarkOutput(graph.task(a).outputs[0]);
   ASSERT_OK(Register(driver, 3, graph));
   EXPECT_OK(TakeReply(driver));
   Put(driver, 1, 1 << 20, /*inline_data=*/false);
@@ -710,14 +679,11 @@ TEST_F(RegisteredGraphTest, AWorkerDyingMidInstanceCancelsItsPeersAndFailsTheOut
 }
 
 TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
-  const WorkerId w1 = Join(proto::Role::WORKER);
-  const WorkerId w2 = Join(proto::Role::WORKER);
-  const WorkerId driver = Join(proto::Role::DRIVER);
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
   const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
-  const TaskId a = AddGelu(graph, "a", {x});
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
   AddGelu(graph, "b", {x});
-  graph.MarkOutput(graph.task(a).outputs[0]);
   ASSERT_OK(Register(driver, 3, graph));
   EXPECT_OK(TakeReply(driver));
   Put(driver, 1, 1, /*inline_data=*/true);
@@ -735,12 +701,7 @@ TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
   ASSERT_OK(Run(driver, 3, 4, {{x.value(), 1}}, {72}));
   EXPECT_FALSE(Run(driver, 3, 4, {{x.value(), 1}}, {73}).ok()) << "instance 4 is running";
   Watch(driver, 72);
-  ASSERT_OK(Deliver(w2, [](proto::Envelope::Builder e) {
-    auto done = e.initBody().initInstanceFinished();
-    done.setGraphId(3);
-    done.setInstance(4);
-    rpc::ToWire(Internal("kernel crashed"), done.initError());
-  }));
+  ASSERT_OK(InstanceDone(w2, 3, 4, {}, Internal("kernel crashed")));
   auto cancels = outbox_.Take(w1, Body::CANCEL_INSTANCE);
   ASSERT_EQ(cancels.size(), 1u);
   EXPECT_TRUE(outbox_.Take(w2, Body::CANCEL_INSTANCE).empty());
@@ -753,9 +714,7 @@ TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
 }
 
 TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinctWorkers) {
-  const WorkerId w1 = Join(proto::Role::WORKER);
-  const WorkerId w2 = Join(proto::Role::WORKER);
-  const WorkerId driver = Join(proto::Role::DRIVER);
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Put(driver, 1, 1, true);
   auto submit_member = [&](uint64_t id, int64_t rank, uint64_t input) {
     ASSERT_OK(Deliver(driver, [&](proto::Envelope::Builder e) {
@@ -802,10 +761,7 @@ TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinc
     rpc::ToWire(InvalidArgument("kernel refused"), result.initError());
   }));
   Watch(driver, 130);
-  auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
-  ASSERT_EQ(ready.size(), 1u);
-  const std::string message =
-      rpc::ToString(BodyOf(ready[0]).getObjectsReady().getObjects()[0].getError().getMessage());
+  const std::string message = ReadyError(driver);
   EXPECT_NE(message.find("member 'm1' of collective 3 failed"), std::string::npos) << message;
   EXPECT_NE(message.find("kernel refused"), std::string::npos) << message;
 }
