@@ -2,7 +2,7 @@
 
 namespace tessera {
 
-GangTable::Pending& GangTable::Find(const Key& key, int group_size) {
+GangTable::Pending& GangTable::Entry(const Key& key, int group_size) {
   Pending& pending = pending_[key];
   if (pending.group_size == 0) {
     pending.group_size = group_size;
@@ -15,7 +15,7 @@ Result<std::vector<TaskId>> GangTable::MemberReady(WorkerId driver,
                                                    const CollectiveMembership& membership,
                                                    TaskId task, std::string_view name) {
   const Key key(driver, membership.collective);
-  Pending& pending = Find(key, membership.group_size);
+  Pending& pending = Entry(key, membership.group_size);
   if (!pending.failed.ok()) return pending.failed;
   if (membership.group_size != pending.group_size ||
       pending.ready[static_cast<size_t>(membership.rank)].valid()) {
@@ -34,7 +34,7 @@ Result<std::vector<TaskId>> GangTable::MemberReady(WorkerId driver,
 std::vector<TaskId> GangTable::MemberFailed(WorkerId driver, const CollectiveMembership& membership,
                                             TaskId task, const Status& why) {
   const Key key(driver, membership.collective);
-  Pending& pending = Find(key, membership.group_size);
+  Pending& pending = Entry(key, membership.group_size);
   const size_t rank = static_cast<size_t>(membership.rank);
   if (rank < pending.ready.size() && pending.ready[rank] == task) {
     pending.ready[rank] = TaskId();  // it was counted when it became ready

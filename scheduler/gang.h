@@ -1,12 +1,11 @@
 // GangTable: dynamic collectives assembling, until every member is ready.
 //
-// The members of a collective run together or not at all: each waits inside the collective for
-// the others, so dispatching some of them while others still wait for inputs could stall a
-// worker. A dynamically submitted member that becomes ready therefore waits here, under its
-// driver and collective id, until every rank is ready; the task table then places them all at
-// once on distinct workers (PlaceGang) and dispatches them together. When a member fails before
-// that, its siblings cannot complete: the ready ones fail with it, and later ones fail as soon
-// as they become ready.
+// The members of a collective need distinct workers, and their group (those workers in rank
+// order, core/collective_task.h) is known only once all of them are placed. So a dynamically
+// submitted member that becomes ready waits here, under its driver and collective id, until
+// every rank is ready; the task table then places them all at once (PlaceGang) and dispatches
+// them together (gang). When a member fails before that, its siblings cannot complete: the ready
+// ones fail with it, and later ones fail as soon as they become ready.
 //
 // The table keeps task ids only; the task table owns the tasks and acts on what it returns.
 // It also numbers each worker's dynamic members (NextPosition): a worker runs its members in the
@@ -51,7 +50,8 @@ class GangTable {
   };
   using Key = std::pair<WorkerId, int64_t>;  // driver, collective id
 
-  Pending& Find(const Key& key, int group_size);
+  // The collective's entry, created (for `group_size` members) on first use.
+  Pending& Entry(const Key& key, int group_size);
 
   std::map<Key, Pending> pending_;
   std::map<WorkerId, int64_t> next_position_;

@@ -46,13 +46,13 @@ Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
   }
   switch (hello.getRole()) {
     case proto::Role::WORKER:
-      from.role = Role::kWorker;
+      from.role = ParticipantRole::kWorker;
       break;
     case proto::Role::DRIVER:
-      from.role = Role::kDriver;
+      from.role = ParticipantRole::kDriver;
       break;
     default:
-      from.role = Role::kAdmin;
+      from.role = ParticipantRole::kAdmin;
       break;
   }
   from.hostname = rpc::ToString(hello.getHostname());
@@ -83,7 +83,8 @@ std::vector<WorkerId> ParticipantTable::Expired(Clock::time_point now,
                                                 std::chrono::milliseconds timeout) const {
   std::vector<WorkerId> expired;
   for (const auto& [id, p] : participants_) {
-    if (p.role == Role::kWorker && p.alive && now - p.last_heard > timeout) expired.push_back(id);
+    if (p.role == ParticipantRole::kWorker && p.alive && now - p.last_heard > timeout)
+      expired.push_back(id);
   }
   return expired;
 }
@@ -111,7 +112,7 @@ void ParticipantTable::RemoveLoad(WorkerId worker, int64_t memory_bytes) {
 std::vector<WorkerLoad> ParticipantTable::WorkerLoads() const {
   std::vector<WorkerLoad> loads;
   for (const auto& [id, p] : participants_) {
-    if (p.role != Role::kWorker) continue;
+    if (p.role != ParticipantRole::kWorker) continue;
     loads.push_back(WorkerLoad{id, p.alive, p.host_capacity - p.host_used - p.committed_bytes,
                                p.tasks_in_flight});
   }
@@ -121,7 +122,7 @@ std::vector<WorkerLoad> ParticipantTable::WorkerLoads() const {
 std::vector<WorkerId> ParticipantTable::AliveWorkers() const {
   std::vector<WorkerId> alive;
   for (const auto& [id, p] : participants_) {
-    if (p.role == Role::kWorker && p.alive) alive.push_back(id);
+    if (p.role == ParticipantRole::kWorker && p.alive) alive.push_back(id);
   }
   return alive;
 }

@@ -30,11 +30,11 @@
 
 namespace tessera {
 
-enum class Role { kPending, kWorker, kDriver, kAdmin };
+enum class ParticipantRole { kPending, kWorker, kDriver, kAdmin };
 
 struct Participant {
   WorkerId id;
-  Role role = Role::kPending;
+  ParticipantRole role = ParticipantRole::kPending;
   bool alive = true;
   std::string hostname;
   int pid = 0;

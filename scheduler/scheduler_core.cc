@@ -28,7 +28,7 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
   if (participant == nullptr)
     return Internal("message from unknown participant {}", from.ToString());
   participant->last_heard = now_();
-  if (participant->role != Role::kPending) return Dispatch(*participant, message);
+  if (participant->role != ParticipantRole::kPending) return Route(*participant, message);
   if (message.getBody().which() != proto::Envelope::Body::HELLO) {
     Status refused = Unavailable("the first message must be Hello with the cluster token");
     Refuse(from, message.getRequestId(), refused);
@@ -37,25 +37,25 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
   return OnHello(*participant, message.getBody().getHello());
 }
 
-Status SchedulerCore::Dispatch(Participant& participant, proto::Envelope::Reader message) {
+Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader message) {
   const WorkerId from = participant.id;
-  const Role role = participant.role;
+  const ParticipantRole role = participant.role;
   const auto body = message.getBody();
   const uint64_t request_id = message.getRequestId();
-  auto requires_role = [&](Role expected, const char* what) -> Status {
+  auto requires_role = [&](ParticipantRole expected, const char* what) -> Status {
     if (role != expected) {
       return InvalidArgument("{} sent {}, which only a {} may send", from.ToString(), what,
-                             expected == Role::kWorker ? "worker" : "driver");
+                             expected == ParticipantRole::kWorker ? "worker" : "driver");
     }
     return Status::Ok();
   };
   switch (body.which()) {
     case proto::Envelope::Body::HEARTBEAT:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kWorker, "a heartbeat"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a heartbeat"));
       participants_.Heartbeat(participant, body.getHeartbeat());
       return Status::Ok();
     case proto::Envelope::Body::SUBMIT_TASKS:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "tasks"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "tasks"));
       for (proto::Task::Reader wire : body.getSubmitTasks().getTasks()) {
         Result<rpc::WireTask> task = rpc::FromWire(wire);
         if (!task.ok()) return task.status().WithContext("submitted task");
@@ -63,45 +63,46 @@ Status SchedulerCore::Dispatch(Participant& participant, proto::Envelope::Reader
       }
       return Status::Ok();
     case proto::Envelope::Body::TASKS_FINISHED:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kWorker, "task results"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "task results"));
       for (proto::TaskResult::Reader result : body.getTasksFinished().getResults()) {
         tasks_.Finished(from, result);
       }
       return Status::Ok();
     case proto::Envelope::Body::PUT_OBJECTS:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "objects"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "objects"));
       return OnPutObjects(from, body.getPutObjects());
     case proto::Envelope::Body::RELEASE_OBJECTS:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "a release"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a release"));
       for (uint64_t id : body.getReleaseObjects().getIds()) objects_.Release(from, ObjectId(id));
       return Status::Ok();
     case proto::Envelope::Body::WATCH_OBJECTS:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "a watch"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a watch"));
       for (uint64_t id : body.getWatchObjects().getIds()) objects_.Watch(from, ObjectId(id));
       return Status::Ok();
     case proto::Envelope::Body::STATUS_REQUEST:
       OnStatusRequest(from, request_id);
       return Status::Ok();
     case proto::Envelope::Body::REGISTER_GRAPH:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "a graph"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a graph"));
       return graphs_.Register(from, request_id, body.getRegisterGraph());
     case proto::Envelope::Body::RUN_GRAPH:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kDriver, "a graph run"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a graph run"));
       return graphs_.Run(from, request_id, body.getRunGraph());
     case proto::Envelope::Body::INSTANCE_FINISHED: {
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kWorker, "an instance result"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "an instance result"));
       const auto finished = body.getInstanceFinished();
       if (finished.hasReport()) participants_.RecordRun(participant, finished.getReport());
       return graphs_.InstanceFinished(from, finished);
     }
     case proto::Envelope::Body::COLLECTIVE_JOIN:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kWorker, "a collective join"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective join"));
       return groups_.OnJoin(from, body.getCollectiveJoin());
     case proto::Envelope::Body::COLLECTIVE_FAILED:
-      TESSERA_RETURN_IF_ERROR(requires_role(Role::kWorker, "a collective failure"));
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective failure"));
       return groups_.OnFailed(from, body.getCollectiveFailed(), now_());
     case proto::Envelope::Body::SHUTDOWN:
-      if (role == Role::kWorker) return InvalidArgument("a worker may not shut the cluster down");
+      if (role == ParticipantRole::kWorker)
+        return InvalidArgument("a worker may not shut the cluster down");
       OnShutdown(from);
       return Status::Ok();
     case proto::Envelope::Body::HELLO:
@@ -119,7 +120,7 @@ Status SchedulerCore::OnHello(Participant& from, proto::Hello::Reader hello) {
     return admitted;
   }
   SendWelcome(*outbox_, from.id, options_.heartbeat_interval_ms, options_.session_dir);
-  if (from.role == Role::kWorker) {
+  if (from.role == ParticipantRole::kWorker) {
     GetLogger("scheduler")
         ->info("{} joined: {} threads, {} MiB host tier, data plane {}",
                participants_.Describe(from.id), from.cpu_threads, from.host_capacity >> 20,
@@ -149,8 +150,8 @@ Status SchedulerCore::OnPutObjects(WorkerId driver, proto::PutObjects::Reader pu
 void SchedulerCore::OnStatusRequest(WorkerId from, uint64_t request_id) {
   StatusSummary summary;
   for (const auto& [id, p] : participants_.all()) {
-    if (p.role == Role::kWorker) summary.workers.push_back(&p);
-    summary.drivers += p.role == Role::kDriver;
+    if (p.role == ParticipantRole::kWorker) summary.workers.push_back(&p);
+    summary.drivers += p.role == ParticipantRole::kDriver;
   }
   summary.objects = objects_.size();
   summary.tasks = tasks_.counts();
@@ -162,16 +163,16 @@ void SchedulerCore::OnShutdown(WorkerId from) {
   shutdown_requested_ = true;
   GetLogger("scheduler")->info("shutdown requested by {}", from.ToString());
   for (const auto& [id, p] : participants_.all()) {
-    if (p.role == Role::kWorker && p.alive) SendShutdown(*outbox_, id);
+    if (p.role == ParticipantRole::kWorker && p.alive) SendShutdown(*outbox_, id);
   }
 }
 
 void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
   Participant* participant = participants_.Find(who);
   if (participant == nullptr) return;
-  if (participant->role == Role::kWorker && participant->alive) {
+  if (participant->role == ParticipantRole::kWorker && participant->alive) {
     DeclareDead(*participant, reason);
-  } else if (participant->role == Role::kDriver) {
+  } else if (participant->role == ParticipantRole::kDriver) {
     // The driver's references go with it; so do the objects it held (its Puts).
     objects_.DriverGone(who);
   }

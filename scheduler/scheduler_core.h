@@ -85,8 +85,8 @@ class SchedulerCore {
   size_t num_tasks() const { return tasks_.size(); }
 
  private:
-  // Dispatches a message from an admitted participant to the part it concerns.
-  Status Dispatch(Participant& from, proto::Envelope::Reader message);
+  // Routes a message from an admitted participant to the part it concerns.
+  Status Route(Participant& from, proto::Envelope::Reader message);
   Status OnHello(Participant& from, proto::Hello::Reader hello);
   Status OnPutObjects(WorkerId driver, proto::PutObjects::Reader put);
   void OnStatusRequest(WorkerId from, uint64_t request_id);

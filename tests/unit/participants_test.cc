@@ -35,14 +35,14 @@ TEST_F(ParticipantTableTest, OnlyTheRightTokenAndProtocolJoin) {
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
   EXPECT_EQ(refused.message(),
             "invalid cluster token: pass the token the head printed (or its file /tmp/s/token)");
-  EXPECT_EQ(table_.Find(intruder)->role, Role::kPending);
+  EXPECT_EQ(table_.Find(intruder)->role, ParticipantRole::kPending);
   const WorkerId old = table_.Accept(now_);
   EXPECT_EQ(Hello(old, proto::Role::DRIVER, "secret", rpc::kProtocolVersion + 1).code(),
             StatusCode::kInvalidArgument);
 
   const WorkerId worker = table_.Accept(now_);
   ASSERT_OK(Hello(worker, proto::Role::WORKER));
-  EXPECT_EQ(table_.Find(worker)->role, Role::kWorker);
+  EXPECT_EQ(table_.Find(worker)->role, ParticipantRole::kWorker);
   EXPECT_EQ(table_.DataAddress(worker), "data-" + std::to_string(worker.value()));
   EXPECT_EQ(table_.Describe(worker),
             fmt::format("{} (pid {} on host)", worker.ToString(), 100 + worker.value()));
