@@ -1,6 +1,10 @@
 #include "scheduler/placement.h"
 
 #include <algorithm>
+#include <map>
+#include <optional>
+
+#include "core/collective_task.h"
 
 namespace tessera {
 
@@ -40,6 +44,92 @@ Result<WorkerId> PlaceTask(const TaskDemand& demand, const std::vector<WorkerLoa
   }
   if (best == nullptr) return Unavailable("no worker is alive to run the task");
   return best->id;
+}
+
+Result<std::vector<WorkerId>> PlaceGang(int64_t collective, const std::vector<TaskDemand>& members,
+                                        std::vector<WorkerLoad> workers) {
+  std::vector<WorkerId> placed;
+  for (size_t rank = 0; rank < members.size(); ++rank) {
+    Result<WorkerId> worker = PlaceTask(members[rank], workers);
+    if (!worker.ok()) {
+      return worker.status().WithContext(
+          fmt::format("placing rank {} of collective {} ({} members need distinct workers)", rank,
+                      collective, members.size()));
+    }
+    placed.push_back(*worker);
+    for (WorkerLoad& load : workers) {
+      if (load.id == *worker) load.alive = false;  // runs a member of this collective
+    }
+  }
+  return placed;
+}
+
+Result<std::vector<WorkerId>> PlaceGraph(const Graph& graph, const std::vector<WorkerId>& alive) {
+  if (alive.empty()) return Unavailable("no worker is alive to run the graph");
+  std::vector<int> load(alive.size(), 0);  // the graph's tasks placed on each alive worker
+  auto runs_one_of = [](const std::vector<WorkerId>& workers, WorkerId worker) {
+    return std::find(workers.begin(), workers.end(), worker) != workers.end();
+  };
+  // The least loaded alive worker outside `taken` (invalid when there is none).
+  auto least_loaded = [&](const std::vector<WorkerId>& taken) {
+    WorkerId best;
+    int fewest = 0;
+    for (size_t w = 0; w < alive.size(); ++w) {
+      if (runs_one_of(taken, alive[w])) continue;
+      if (!best.valid() || load[w] < fewest) {
+        best = alive[w];
+        fewest = load[w];
+      }
+    }
+    return best;
+  };
+  std::map<int64_t, std::vector<WorkerId>> collective_workers;
+  std::vector<WorkerId> placed;
+  placed.reserve(graph.tasks().size());
+  for (const TaskSpec& spec : graph.tasks()) {
+    WorkerId place;
+    if (spec.pinned_worker.valid()) {
+      if (!runs_one_of(alive, spec.pinned_worker)) {
+        return Infeasible("task '{}' is pinned to {}, which is not an alive worker", spec.name,
+                          spec.pinned_worker.ToString());
+      }
+      place = spec.pinned_worker;
+    } else {
+      int64_t best_bytes = -1;
+      for (ObjectId input : spec.inputs) {
+        const ObjectSpec& object = graph.object(input);
+        if (object.producer.valid() && object.producer < spec.id &&
+            object.meta.bytes() > best_bytes) {
+          best_bytes = object.meta.bytes();
+          place = placed[object.producer.value() - 1];
+        }
+      }
+      if (!place.valid()) place = least_loaded({});
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> membership, CollectiveOf(spec));
+    if (membership) {
+      std::vector<WorkerId>& used = collective_workers[membership->collective];
+      if (runs_one_of(used, place)) {
+        if (spec.pinned_worker.valid()) {
+          return Infeasible(
+              "task '{}' is pinned to {}, which already runs another member of collective {}: "
+              "members need distinct workers",
+              spec.name, place.ToString(), membership->collective);
+        }
+        place = least_loaded(used);
+        if (!place.valid()) {
+          return Infeasible(
+              "collective {} has {} members but only {} workers are alive: start more workers or "
+              "plan a smaller group",
+              membership->collective, membership->group_size, alive.size());
+        }
+      }
+      used.push_back(place);
+    }
+    ++load[static_cast<size_t>(std::find(alive.begin(), alive.end(), place) - alive.begin())];
+    placed.push_back(place);
+  }
+  return placed;
 }
 
 }  // namespace tessera

@@ -2,11 +2,15 @@
 // a fake clock drives heartbeats.
 #include <map>
 
+#include "core/collective_task.h"
+#include "core/graph.h"
+
 #include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/scheduler_core.h"
 #include "test_util.h"
+#include "unit/scheduler_test_graphs.h"
 
 namespace tessera::testing {
 namespace {
@@ -83,6 +87,24 @@ class SchedulerCoreTest : public ::testing::Test {
       EXPECT_EQ(outbox_.Take(id, Body::WELCOME).size(), 1u);
     }
     return id;
+  }
+
+  // The error of the one object in the one ObjectsReady sent to `driver` ("" when it is ready).
+  std::string ReadyError(WorkerId driver) {
+    auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
+    if (ready.size() != 1) return fmt::format("{} ObjectsReady", ready.size());
+    auto state = BodyOf(ready[0]).getObjectsReady().getObjects()[0];
+    return state.hasError() ? rpc::FromWire(state.getError()).ToString() : "";
+  }
+
+  // Two workers then a driver.
+  struct Cluster {
+    WorkerId w1, w2, driver;
+  };
+  Cluster JoinTwoWorkersAndADriver() {
+    const WorkerId w1 = Join(proto::Role::WORKER);
+    const WorkerId w2 = Join(proto::Role::WORKER);
+    return Cluster{w1, w2, Join(proto::Role::DRIVER)};
   }
 
   // A driver Put of a scalar (inline) or a big object (held by the driver).
@@ -362,6 +384,386 @@ TEST_F(SchedulerCoreTest, StatusDescribesWorkersAndTasks) {
   EXPECT_TRUE(status.getWorkers()[0].getAlive());
   EXPECT_EQ(status.getWorkers()[0].getHeartbeat().getHostCapacity(), 1 << 30);
   EXPECT_EQ(rpc::ToString(status.getSessionDir()), "/tmp/s");
+}
+
+// ---- registered graphs ----
+
+class RegisteredGraphTest : public SchedulerCoreTest {
+ protected:
+  // Sends RegisterGraph as the driver library does; returns the protocol status.
+  Status Register(WorkerId driver, uint64_t graph_id, const Graph& graph, uint64_t request_id = 7) {
+    return Deliver(driver, [&](proto::Envelope::Builder e) {
+      e.setRequestId(request_id);
+      RegisterGraphToWire(graph, graph_id, e.initBody().initRegisterGraph());
+    });
+  }
+
+  // The one Reply the driver got (its error, OK when none).
+  Status TakeReply(WorkerId driver, uint64_t request_id = 7) {
+    auto replies = outbox_.Take(driver, Body::REPLY);
+    if (replies.size() != 1) return Internal("{} replies", replies.size());
+    EXPECT_EQ(replies[0]->reader().getRoot<proto::Envelope>().getRequestId(), request_id);
+    auto reply = BodyOf(replies[0]).getReply();
+    return reply.hasMessage() || reply.getCode() != 0 ? rpc::FromWire(reply) : Status::Ok();
+  }
+
+  // The task workers of the one GraphPart sent to `worker` (empty when none).
+  std::vector<uint64_t> PartOn(WorkerId worker) {
+    auto parts = outbox_.Take(worker, Body::GRAPH_PART);
+    if (parts.size() != 1) return {};
+    std::vector<uint64_t> task_workers;
+    for (uint64_t w : BodyOf(parts[0]).getGraphPart().getTaskWorkers()) task_workers.push_back(w);
+    return task_workers;
+  }
+
+  Status Run(WorkerId driver, uint64_t graph_id, uint64_t instance,
+             const std::vector<std::pair<uint64_t, uint64_t>>& bindings,
+             const std::vector<uint64_t>& output_ids) {
+    return Deliver(driver, [&](proto::Envelope::Builder e) {
+      auto run = e.initBody().initRunGraph();
+      run.setGraphId(graph_id);
+      run.setInstance(instance);
+      auto inputs = run.initInputs(static_cast<unsigned>(bindings.size()));
+      for (unsigned i = 0; i < bindings.size(); ++i) {
+        inputs[i].setObject(bindings[i].first);
+        inputs[i].initSource().setObject(bindings[i].second);
+      }
+      auto ids = run.initOutputIds(static_cast<unsigned>(output_ids.size()));
+      for (unsigned i = 0; i < output_ids.size(); ++i) ids.set(i, output_ids[i]);
+    });
+  }
+
+  // `worker` finished its part of the instance, sealing `sealed` (or failed with `error`).
+  Status InstanceDone(WorkerId worker, uint64_t graph_id, uint64_t instance,
+                      const std::vector<uint64_t>& sealed, const Status& error = Status::Ok()) {
+    return Deliver(worker, [&](proto::Envelope::Builder e) {
+      auto done = e.initBody().initInstanceFinished();
+      done.setGraphId(graph_id);
+      done.setInstance(instance);
+      if (!error.ok()) rpc::ToWire(error, done.initError());
+      auto outputs = done.initOutputs(static_cast<unsigned>(sealed.size()));
+      for (unsigned i = 0; i < sealed.size(); ++i) {
+        outputs[i].setId(sealed[i]);
+        outputs[i].setBytes(4);
+      }
+    });
+  }
+};
+
+TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeastLoaded) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const ObjectId a_out = AddGelu(graph, "a", {x}, /*out_numel=*/100);  // least loaded: w1
+  const ObjectId b_out = AddGelu(graph, "b", {x}, /*out_numel=*/10);   // least loaded: w2
+  AddGelu(graph, "c", {b_out, a_out});                                 // beside a (the larger): w1
+  AddGelu(graph, "d", {a_out}, 1, /*pinned=*/w2);                      // pinned: w2
+  graph.MarkOutput(AddGelu(graph, "e", {b_out}));                      // beside b: w2
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  const std::vector<uint64_t> expected = {w1.value(), w2.value(), w1.value(), w2.value(),
+                                          w2.value()};
+  EXPECT_EQ(PartOn(w1), expected);
+  EXPECT_EQ(PartOn(w2), expected);
+
+  // An instance: its input bound to a Put, its output sealed where it was produced.
+  Put(driver, 1, 1, /*inline_data=*/true);
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {50}));
+  for (WorkerId worker : {w1, w2}) {
+    auto runs = outbox_.Take(worker, Body::RUN_GRAPH);
+    ASSERT_EQ(runs.size(), 1u);
+    auto run = BodyOf(runs[0]).getRunGraph();
+    EXPECT_EQ(run.getInstance(), 1u);
+    ASSERT_EQ(run.getInlineInputs().size(), 1u);
+    EXPECT_EQ(run.getInlineInputs()[0].getId(), x.value());
+    EXPECT_EQ(run.getOutputIds()[0], 50u);
+  }
+  Watch(driver, 50);
+  EXPECT_TRUE(outbox_.Take(driver, Body::OBJECTS_READY).empty());
+  ASSERT_OK(InstanceDone(w1, 3, 1, {}));
+  ASSERT_OK(InstanceDone(w2, 3, 1, {50}));
+  EXPECT_EQ(ReadyError(driver), "");
+  Release(driver, 50);
+  Release(driver, 1);
+  EXPECT_EQ(core_.num_objects(), 0u);
+}
+
+TEST_F(RegisteredGraphTest, MembersOfACollectiveGetDistinctWorkersAndTheirGroup) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const ObjectId p_out = AddGelu(graph, "p", {x}, 100);  // w1
+  // Both members would go beside p; the second moves to the other worker.
+  AddGelu(graph, "m0", {p_out}, 1, WorkerId(), Member(4, 0, 2));
+  AddGelu(graph, "m1", {p_out}, 1, WorkerId(), Member(4, 1, 2));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  auto parts = outbox_.Take(w2, Body::GRAPH_PART);
+  ASSERT_EQ(parts.size(), 1u);
+  auto part = BodyOf(parts[0]).getGraphPart();
+  EXPECT_EQ(part.getTaskWorkers()[1], w1.value());
+  EXPECT_EQ(part.getTaskWorkers()[2], w2.value());
+  ASSERT_OK_AND_ASSIGN(rpc::WireTask m0, rpc::FromWire(part.getTasks()[1]));
+  ASSERT_OK_AND_ASSIGN(rpc::WireTask m1, rpc::FromWire(part.getTasks()[2]));
+  EXPECT_TRUE(m0.spec.attrs.Has(kGroupAttr));
+  EXPECT_EQ(m0.spec.attrs.GetInt(kGroupAttr, -1), m1.spec.attrs.GetInt(kGroupAttr, -2));
+  EXPECT_EQ(m0.spec.attrs.GetInt(kPositionAttr, -1), 0);
+  EXPECT_EQ(m1.spec.attrs.GetInt(kPositionAttr, -1), 0);
+}
+
+TEST_F(RegisteredGraphTest, PlacementsThatCannotWorkAreRefusedWithTheReason) {
+  const WorkerId w1 = Join(proto::Role::WORKER);
+  Join(proto::Role::WORKER);
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  {
+    Graph graph;
+    const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+    AddGelu(graph, "stray", {x}, 1, WorkerId(999));
+    ASSERT_OK(Register(driver, 1, graph));
+    const Status reply = TakeReply(driver);
+    EXPECT_EQ(reply.code(), StatusCode::kInfeasible);
+    EXPECT_NE(reply.message().find("task 'stray' is pinned to worker999, which is not an alive "
+                                   "worker"),
+              std::string::npos)
+        << reply.ToString();
+  }
+  {
+    Graph graph;
+    const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+    for (int rank = 0; rank < 3; ++rank)
+      AddGelu(graph, fmt::format("m{}", rank), {x}, 1, WorkerId(), Member(9, rank, 3));
+    ASSERT_OK(Register(driver, 2, graph));
+    const Status reply = TakeReply(driver);
+    EXPECT_EQ(reply.code(), StatusCode::kInfeasible);
+    EXPECT_NE(reply.message().find("collective 9 has 3 members but only 2 workers are alive"),
+              std::string::npos)
+        << reply.ToString();
+  }
+  {
+    Graph graph;
+    const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+    AddGelu(graph, "m0", {x}, 1, w1, Member(9, 0, 2));
+    AddGelu(graph, "m1", {x}, 1, w1, Member(9, 1, 2));
+    ASSERT_OK(Register(driver, 3, graph));
+    const Status reply = TakeReply(driver);
+    EXPECT_EQ(reply.code(), StatusCode::kInfeasible);
+    EXPECT_NE(reply.message().find("task 'm1' is pinned to " + w1.ToString() +
+                                   ", which already runs another member of collective 9"),
+              std::string::npos)
+        << reply.ToString();
+  }
+  {
+    Graph empty;
+    empty.AddObject("x", Floats(1), ObjectRole::kInput);
+    ASSERT_OK(Register(driver, 4, empty));
+    EXPECT_EQ(TakeReply(driver).message(), "graph 4 has no tasks");
+  }
+  {
+    Graph graph;
+    const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+    AddGelu(graph, "a", {x});
+    ASSERT_OK(Register(driver, 5, graph));
+    EXPECT_OK(TakeReply(driver));
+    ASSERT_OK(Register(driver, 5, graph));
+    EXPECT_EQ(TakeReply(driver).message(), "graph id 5 is invalid or in use");
+    ASSERT_OK(Run(driver, 6, 1, {}, {}));
+    const Status unknown = TakeReply(driver, 0);
+    EXPECT_EQ(unknown.code(), StatusCode::kNotFound);
+    EXPECT_EQ(unknown.message(), "graph 6 is not registered by this driver");
+  }
+}
+
+TEST_F(RegisteredGraphTest, NoAliveWorkerMeansTheGraphIsRefused) {
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  AddGelu(graph, "a", {x});
+  ASSERT_OK(Register(driver, 1, graph));
+  const Status reply = TakeReply(driver);
+  EXPECT_EQ(reply.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(reply.message(), "no worker is alive to run graph 1");
+}
+
+TEST_F(RegisteredGraphTest, MalformedGraphsAreProtocolErrorsNamingWhatIsWrong) {
+  Join(proto::Role::WORKER);
+  auto registered = [&](const std::function<void(proto::RegisterGraph::Builder)>& fill) {
+    const WorkerId driver = Join(proto::Role::DRIVER);
+    return Deliver(driver, [&](proto::Envelope::Builder e) {
+      auto wire = e.initBody().initRegisterGraph();
+      wire.setGraphId(1);
+      fill(wire);
+    });
+  };
+  auto object = [](proto::ObjectDecl::Builder decl, uint64_t id) {
+    rpc::ToWire(ObjectSpec{ObjectId(id), fmt::format("o{}", id), Floats(1), ObjectRole::kActivation,
+                           TaskId()},
+                decl);
+  };
+  auto task = [](proto::Task::Builder out, uint64_t id, std::vector<ObjectId> inputs,
+                 std::vector<ObjectId> outputs) {
+    TaskSpec spec;
+    spec.id = TaskId(id);
+    spec.name = fmt::format("t{}", id);
+    spec.op = "gelu_forward";
+    spec.inputs = std::move(inputs);
+    spec.outputs = std::move(outputs);
+    std::vector<ObjectSpec> decls;
+    for (ObjectId output : spec.outputs)
+      decls.push_back(ObjectSpec{output, "o", Floats(1), ObjectRole::kActivation, spec.id});
+    rpc::ToWire(spec, decls, out);
+  };
+  Status status =
+      registered([&](proto::RegisterGraph::Builder wire) { object(wire.initObjects(1)[0], 2); });
+  EXPECT_EQ(status.message(), "graph 1 object ids must be dense from 1");
+  status = registered([&](proto::RegisterGraph::Builder wire) {
+    object(wire.initObjects(1)[0], 1);
+    task(wire.initTasks(1)[0], 2, {ObjectId(1)}, {});
+  });
+  EXPECT_EQ(status.message(), "graph 1 task ids must be dense from 1");
+  status = registered([&](proto::RegisterGraph::Builder wire) {
+    object(wire.initObjects(1)[0], 1);
+    task(wire.initTasks(1)[0], 1, {ObjectId(5)}, {});
+  });
+  EXPECT_EQ(status.message(), "task 't1' reads an unknown object");
+  status = registered([&](proto::RegisterGraph::Builder wire) {
+    auto objects = wire.initObjects(2);
+    object(objects[0], 1);
+    object(objects[1], 2);
+    auto tasks = wire.initTasks(2);
+    task(tasks[0], 1, {ObjectId(1)}, {ObjectId(2)});
+    task(tasks[1], 2, {ObjectId(1)}, {ObjectId(2)});
+  });
+  EXPECT_EQ(status.message(), "task 't2' produces an unknown object or one another task produces");
+  status = registered([&](proto::RegisterGraph::Builder wire) {
+    auto objects = wire.initObjects(2);
+    object(objects[0], 1);
+    object(objects[1], 2);
+    task(wire.initTasks(1)[0], 1, {ObjectId(1)}, {ObjectId(2)});
+    wire.initOutputs(1).set(0, 3);
+  });
+  EXPECT_EQ(status.message(), "graph 1 returns an unknown object");
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(RegisteredGraphTest, AWorkerDyingMidInstanceCancelsItsPeersAndFailsTheOutputs) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1 << 20), ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
+  AddGelu(graph, "b", {x});
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1 << 20, /*inline_data=*/false);
+  ASSERT_OK(Run(driver, 3, 8, {{x.value(), 1}}, {60}));
+  for (WorkerId worker : {w1, w2}) {
+    auto runs = outbox_.Take(worker, Body::RUN_GRAPH);
+    ASSERT_EQ(runs.size(), 1u);
+    auto inputs = BodyOf(runs[0]).getRunGraph().getInputs();
+    ASSERT_EQ(inputs.size(), 1u) << "a large input is pulled from its holder";
+    EXPECT_EQ(inputs[0].getSource().getHolder(), driver.value());
+  }
+  Watch(driver, 60);
+  core_.Disconnected(w2, Unavailable("connection reset"));
+  core_.Flush();
+  auto cancels = outbox_.Take(w1, Body::CANCEL_INSTANCE);
+  ASSERT_EQ(cancels.size(), 1u);
+  const std::string why =
+      rpc::FromWire(BodyOf(cancels[0]).getCancelInstance().getError()).message();
+  EXPECT_NE(why.find(w2.ToString() + " (pid"), std::string::npos) << why;
+  EXPECT_NE(why.find("died while running its part of graph 3 (instance 8)"), std::string::npos)
+      << why;
+  const std::string failed = ReadyError(driver);
+  EXPECT_NE(failed.find("died while running its part of graph 3"), std::string::npos) << failed;
+  // w1's late report changes nothing.
+  ASSERT_OK(InstanceDone(w1, 3, 8, {}));
+}
+
+TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
+  AddGelu(graph, "b", {x});
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  Put(driver, 2, 8, /*inline_data=*/true);
+
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 2}}, {70}));
+  Watch(driver, 70);
+  EXPECT_NE(ReadyError(driver).find("but was bound to"), std::string::npos);
+  ASSERT_OK(Run(driver, 3, 2, {}, {71}));
+  Watch(driver, 71);
+  EXPECT_NE(ReadyError(driver).find("input 'x' of graph 3 is not bound"), std::string::npos);
+  EXPECT_TRUE(outbox_.Take(w1, Body::RUN_GRAPH).empty());
+  EXPECT_FALSE(Run(driver, 3, 3, {{x.value(), 1}}, {}).ok()) << "one output id per output";
+
+  ASSERT_OK(Run(driver, 3, 4, {{x.value(), 1}}, {72}));
+  EXPECT_FALSE(Run(driver, 3, 4, {{x.value(), 1}}, {73}).ok()) << "instance 4 is running";
+  Watch(driver, 72);
+  ASSERT_OK(InstanceDone(w2, 3, 4, {}, Internal("kernel crashed")));
+  auto cancels = outbox_.Take(w1, Body::CANCEL_INSTANCE);
+  ASSERT_EQ(cancels.size(), 1u);
+  EXPECT_TRUE(outbox_.Take(w2, Body::CANCEL_INSTANCE).empty());
+  const std::string failed = ReadyError(driver);
+  EXPECT_NE(failed.find(w2.ToString() + " (pid"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("kernel crashed"), std::string::npos) << failed;
+  ASSERT_OK(InstanceDone(w1, 3, 4, {}));
+  for (uint64_t id : {70, 71, 72, 1, 2}) Release(driver, id);
+  EXPECT_EQ(core_.num_objects(), 0u);
+}
+
+TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinctWorkers) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Put(driver, 1, 1, true);
+  auto submit_member = [&](uint64_t id, int64_t rank, uint64_t input) {
+    ASSERT_OK(Deliver(driver, [&](proto::Envelope::Builder e) {
+      TaskSpec spec;
+      spec.id = TaskId(id);
+      spec.name = fmt::format("m{}", rank);
+      spec.op = "all_reduce";
+      spec.inputs = {ObjectId(input)};
+      spec.outputs = {ObjectId(100 + id)};
+      spec.attrs = Member(3, rank, 2);
+      rpc::ToWire(spec,
+                  {ObjectSpec{ObjectId(100 + id), fmt::format("out{}", id), Floats(1),
+                              ObjectRole::kActivation, spec.id}},
+                  e.initBody().initSubmitTasks().initTasks(1)[0]);
+    }));
+  };
+  submit_member(10, 0, 1);
+  EXPECT_TRUE(Dispatched(w1).empty() && Dispatched(w2).empty()) << "waits for its sibling";
+  submit_member(11, 1, 1);
+  std::vector<std::pair<WorkerId, rpc::WireTask>> dispatched;
+  for (WorkerId worker : {w1, w2}) {
+    for (auto& message : outbox_.Take(worker, Body::DISPATCH_TASKS)) {
+      for (auto task : BodyOf(message).getDispatchTasks().getTasks()) {
+        ASSERT_OK_AND_ASSIGN(rpc::WireTask wire, rpc::FromWire(task.getTask()));
+        dispatched.emplace_back(worker, std::move(wire));
+      }
+    }
+  }
+  ASSERT_EQ(dispatched.size(), 2u);
+  EXPECT_NE(dispatched[0].first, dispatched[1].first);
+  EXPECT_EQ(dispatched[0].second.spec.attrs.GetInt(kGroupAttr, -1),
+            dispatched[1].second.spec.attrs.GetInt(kGroupAttr, -2));
+  EXPECT_EQ(dispatched[0].second.spec.attrs.GetInt(kPositionAttr, -1), 0);
+
+  // A member whose input fails takes its ready sibling with it.
+  Submit(driver, 20, 1, 2);  // the input of member 31, which will fail
+  const WorkerId runner = Dispatched(w1).empty() ? w2 : w1;
+  Dispatched(w2);
+  submit_member(30, 0, 1);  // ready: waits for 31
+  submit_member(31, 1, 2);
+  ASSERT_OK(Deliver(runner, [](proto::Envelope::Builder e) {
+    auto result = e.initBody().initTasksFinished().initResults(1)[0];
+    result.setTask(20);
+    rpc::ToWire(InvalidArgument("kernel refused"), result.initError());
+  }));
+  Watch(driver, 130);
+  const std::string message = ReadyError(driver);
+  EXPECT_NE(message.find("member 'm1' of collective 3 failed"), std::string::npos) << message;
+  EXPECT_NE(message.find("kernel refused"), std::string::npos) << message;
 }
 
 }  // namespace

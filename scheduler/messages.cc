@@ -1,0 +1,223 @@
+#include "scheduler/messages.h"
+
+#include <capnp/message.h>
+
+#include "core/rpc/wire.h"
+
+namespace tessera {
+
+namespace {
+
+capnp::Data::Reader Bytes(std::string_view data) {
+  return capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size());
+}
+
+capnp::Text::Reader Text(std::string_view text) {
+  return capnp::Text::Reader(text.data(), text.size());
+}
+
+template <typename T>
+unsigned Size(const T& items) {
+  return static_cast<unsigned>(items.size());
+}
+
+// The body of a new envelope (request id 0: not an answer).
+proto::Envelope::Body::Builder Body(capnp::MessageBuilder& message, uint64_t request_id = 0) {
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request_id);
+  return envelope.initBody();
+}
+
+// List elements, one ToWire each (FillList: the list is initialised with the items' size).
+void ToWire(const TensorMeta* meta, proto::TensorMeta::Builder out);
+void ToWire(const ObjectSource& source, proto::Source::Builder out);
+void ToWire(const InlineObject& object, proto::SealedObject::Builder out);
+void ToWire(const TaskDispatch& task, proto::DispatchedTask::Builder out);
+void ToWire(const ObjectReport& object, proto::ObjectState::Builder out);
+void ToWire(const Participant* worker, proto::WorkerStatus::Builder out);
+
+template <typename T, typename ListBuilder>
+void FillList(std::span<const T> items, ListBuilder out) {
+  for (unsigned i = 0; i < items.size(); ++i) ToWire(items[i], out[i]);
+}
+
+void ToWire(const TensorMeta* meta, proto::TensorMeta::Builder out) { rpc::ToWire(*meta, out); }
+
+void ToWire(const ObjectSource& source, proto::Source::Builder out) {
+  out.setObject(source.object.value());
+  out.setBytes(source.bytes);
+  if (source.holder.valid()) {
+    out.setHolder(source.holder.value());
+    out.setAddress(Text(source.address));
+  }
+}
+
+void ToWire(const InlineObject& object, proto::SealedObject::Builder out) {
+  out.setId(object.id);
+  out.setBytes(static_cast<int64_t>(object.data.size()));
+  out.setInline(Bytes(object.data));
+}
+
+void ToWire(const TaskDispatch& task, proto::DispatchedTask::Builder out) {
+  rpc::ToWire(*task.spec, *task.outputs, out.initTask());
+  FillList<ObjectSource>(task.sources, out.initSources(Size(task.sources)));
+  FillList<const TensorMeta*>(task.input_metas, out.initInputMetas(Size(task.input_metas)));
+  FillList<InlineObject>(task.inline_inputs, out.initInlineInputs(Size(task.inline_inputs)));
+}
+
+void ToWire(const ObjectReport& object, proto::ObjectState::Builder out) {
+  out.setId(object.id.value());
+  if (!object.error.ok()) {
+    rpc::ToWire(object.error, out.initError());
+    return;
+  }
+  ToWire(object.source, out.initSource());
+  if (!object.inline_data.empty()) out.setInline(Bytes(object.inline_data));
+}
+
+void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
+  const Participant& p = *worker;
+  out.setId(p.id.value());
+  out.setHostname(p.hostname);
+  out.setPid(p.pid);
+  out.setAlive(p.alive);
+  out.setDataAddress(p.data_address);
+  out.setTasksQueued(p.tasks_in_flight);
+  auto hb = out.initHeartbeat();
+  hb.setHostUsed(p.host_used);
+  hb.setHostCapacity(p.host_capacity);
+  hb.setSpilledBytes(p.spilled_bytes);
+  hb.setTasksRunning(p.tasks_in_flight);
+  hb.setTasksDone(p.tasks_done);
+  hb.setBytesPulled(p.bytes_pulled);
+  hb.setPullMicros(p.pull_micros);
+  hb.setBytesServed(p.bytes_served);
+  if (p.last_run != nullptr) out.setLastRun(p.last_run->getRoot<proto::RunReport>().asReader());
+}
+
+template <typename Tag>
+void SetIds(std::span<const Id<Tag>> ids, capnp::List<uint64_t>::Builder out) {
+  for (unsigned i = 0; i < ids.size(); ++i) out.set(i, ids[i].value());
+}
+
+}  // namespace
+
+ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants) {
+  ObjectSource source{object.spec.id, object.spec.meta.bytes(), WorkerId(), {}};
+  if (!object.holders.empty()) {
+    source.holder = object.holders.front();
+    source.address = participants.DataAddress(source.holder);
+  }
+  return source;
+}
+
+void SendRefused(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& reason) {
+  capnp::MallocMessageBuilder message;
+  rpc::ToWire(reason, Body(message, request_id).initRefused());
+  outbox.Send(to, message);
+}
+
+void SendWelcome(Outbox& outbox, WorkerId to, uint32_t heartbeat_interval_ms,
+                 std::string_view session_dir) {
+  capnp::MallocMessageBuilder message;
+  auto welcome = Body(message).initWelcome();
+  welcome.setId(to.value());
+  welcome.setHeartbeatIntervalMs(heartbeat_interval_ms);
+  welcome.setSessionDir(Text(session_dir));
+  outbox.Send(to, message);
+}
+
+void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& status) {
+  capnp::MallocMessageBuilder message;
+  auto reply = Body(message, request_id).initReply();
+  if (!status.ok()) rpc::ToWire(status, reply);
+  outbox.Send(to, message);
+}
+
+void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
+                     const StatusSummary& summary) {
+  capnp::MallocMessageBuilder message;
+  auto status = Body(message, request_id).initStatusReply();
+  FillList<const Participant*>(summary.workers, status.initWorkers(Size(summary.workers)));
+  status.setDrivers(summary.drivers);
+  status.setObjects(static_cast<int64_t>(summary.objects));
+  status.setTasksQueued(summary.tasks.waiting);
+  status.setTasksRunning(summary.tasks.running);
+  status.setTasksDone(summary.tasks.done);
+  status.setSessionDir(Text(summary.session_dir));
+  outbox.Send(to, message);
+}
+
+void SendShutdown(Outbox& outbox, WorkerId to) {
+  capnp::MallocMessageBuilder message;
+  Body(message).initShutdown();
+  outbox.Send(to, message);
+}
+
+void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks) {
+  capnp::MallocMessageBuilder message;
+  FillList(tasks, Body(message).initDispatchTasks().initTasks(Size(tasks)));
+  outbox.Send(to, message);
+}
+
+void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects) {
+  capnp::MallocMessageBuilder message;
+  FillList(objects, Body(message).initObjectsReady().initObjects(Size(objects)));
+  outbox.Send(to, message);
+}
+
+void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids) {
+  capnp::MallocMessageBuilder message;
+  SetIds(ids, Body(message).initFreeObjects().initIds(Size(ids)));
+  outbox.Send(to, message);
+}
+
+void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part) {
+  capnp::MallocMessageBuilder message;
+  auto out = Body(message).initGraphPart();
+  out.setGraphId(part.graph_id);
+  auto objects = out.initObjects(Size(part.objects));
+  for (unsigned i = 0; i < part.objects.size(); ++i) rpc::ToWire(part.objects[i], objects[i]);
+  auto tasks = out.initTasks(Size(part.tasks));
+  for (unsigned i = 0; i < part.tasks.size(); ++i) {
+    const TaskSpec& spec = part.tasks[i];
+    std::vector<ObjectSpec> outputs;
+    for (ObjectId output : spec.outputs) outputs.push_back(part.objects[output.value() - 1]);
+    rpc::ToWire(spec, outputs, tasks[i]);
+  }
+  SetIds(part.task_workers, out.initTaskWorkers(Size(part.task_workers)));
+  auto addresses = out.initWorkerAddresses(Size(part.worker_addresses));
+  for (unsigned i = 0; i < part.worker_addresses.size(); ++i) {
+    addresses[i].setHolder(part.worker_addresses[i].first.value());
+    addresses[i].setAddress(Text(part.worker_addresses[i].second));
+  }
+  SetIds(part.outputs, out.initOutputs(Size(part.outputs)));
+  for (WorkerId worker : to) outbox.Send(worker, message);
+}
+
+void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& run) {
+  capnp::MallocMessageBuilder message;
+  auto out = Body(message).initRunGraph();
+  out.setGraphId(run.graph_id);
+  out.setInstance(run.instance);
+  SetIds(run.output_ids, out.initOutputIds(Size(run.output_ids)));
+  auto inputs = out.initInputs(Size(run.inputs));
+  for (unsigned i = 0; i < run.inputs.size(); ++i) {
+    inputs[i].setObject(run.inputs[i].first);
+    ToWire(run.inputs[i].second, inputs[i].initSource());
+  }
+  FillList<InlineObject>(run.inline_inputs, out.initInlineInputs(Size(run.inline_inputs)));
+  for (WorkerId worker : to) outbox.Send(worker, message);
+}
+
+void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
+                        const Status& error) {
+  capnp::MallocMessageBuilder message;
+  auto cancel = Body(message).initCancelInstance();
+  cancel.setGraphId(graph_id);
+  cancel.setInstance(instance);
+  rpc::ToWire(error, cancel.initError());
+  outbox.Send(to, message);
+}
+
+}  // namespace tessera

@@ -1,0 +1,117 @@
+// Messages: every message the scheduler sends, built in one place.
+//
+// Each Send* function takes plain data (ids, specs, statuses, and views of the scheduler's
+// records), builds the Envelope and hands it to the Outbox; none reads or changes scheduler
+// state. The parts of the scheduler decide what to say and to whom; this file only says how it
+// looks on the wire (core/proto/tessera.capnp). Views (spans, string_views, pointers) must stay
+// valid for the call only.
+//
+// Thread safety: none needed; the functions keep no state.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "scheduler/object_directory.h"
+#include "scheduler/outbox.h"
+#include "scheduler/participants.h"
+
+namespace tessera {
+
+// Where an object can be pulled from: its first holder's data plane.
+struct ObjectSource {
+  ObjectId object;
+  int64_t bytes = 0;
+  WorkerId holder;  // invalid when nothing holds it (it travels inline)
+  std::string_view address;
+};
+// The source of a directory entry: its first holder, at that holder's address.
+// REQUIRES: every holder is a listed participant.
+ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants);
+
+// An object's bytes carried in the message (id: a cluster id, or graph-local for RunGraph).
+struct InlineObject {
+  uint64_t id = 0;
+  std::string_view data;
+};
+
+// One task of a DispatchTasks.
+struct TaskDispatch {
+  const TaskSpec* spec = nullptr;
+  const std::vector<ObjectSpec>* outputs = nullptr;
+  std::vector<ObjectSource> sources;           // inputs to pull from other processes
+  std::vector<InlineObject> inline_inputs;     // small inputs, carried along
+  std::vector<const TensorMeta*> input_metas;  // one per input, in order
+};
+
+// One object of an ObjectsReady: its error (it failed, or is unknown), else where it is.
+struct ObjectReport {
+  ObjectId id;
+  Status error;
+  ObjectSource source;
+  std::string_view inline_data;
+};
+
+// The dynamic tasks by state (TaskTable::counts).
+struct TaskCounts {
+  int64_t waiting = 0;  // for inputs, or for their collective's siblings
+  int64_t running = 0;  // dispatched
+  int64_t done = 0;     // finished since the start
+};
+
+// A StatusReply: the workers (dead ones too) and the cluster's counts.
+struct StatusSummary {
+  std::vector<const Participant*> workers;
+  int drivers = 0;
+  size_t objects = 0;
+  TaskCounts tasks;
+  std::string_view session_dir;
+};
+
+// A registered graph with its placement, as every involved worker receives it.
+struct GraphPart {
+  uint64_t graph_id = 0;
+  std::span<const ObjectSpec> objects;  // graph-local ids, dense from 1
+  std::span<const TaskSpec> tasks;      // every task (a worker needs the others' inputs too)
+  std::span<const WorkerId> task_workers;
+  std::vector<std::pair<WorkerId, std::string_view>> worker_addresses;
+  std::span<const ObjectId> outputs;
+};
+
+// One instance of a registered graph.
+struct GraphRun {
+  uint64_t graph_id = 0;
+  uint64_t instance = 0;
+  std::span<const ObjectId> output_ids;  // cluster ids for the graph's outputs, in order
+  std::vector<std::pair<uint64_t, ObjectSource>> inputs;  // graph-local id, bound object
+  std::vector<InlineObject> inline_inputs;                // graph-local id, bytes
+};
+
+// Joining.
+void SendRefused(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& reason);
+void SendWelcome(Outbox& outbox, WorkerId to, uint32_t heartbeat_interval_ms,
+                 std::string_view session_dir);
+// The answer to a request: OK, or the error.
+void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& status);
+void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
+                     const StatusSummary& summary);
+void SendShutdown(Outbox& outbox, WorkerId to);
+
+// Dynamic tasks and objects.
+void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks);
+void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects);
+void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids);
+
+// Registered graphs: the same message to each of `to`.
+void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part);
+void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& run);
+void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
+                        const Status& error);
+
+}  // namespace tessera

@@ -1,0 +1,144 @@
+#include "scheduler/participants.h"
+
+#include <utility>
+
+#include "core/crypto.h"
+#include "core/logging.h"
+#include "core/rpc/wire.h"
+
+namespace tessera {
+
+ParticipantTable::ParticipantTable(std::string token, std::string session_dir)
+    : token_(std::move(token)), session_dir_(std::move(session_dir)) {}
+
+WorkerId ParticipantTable::Accept(Clock::time_point now) {
+  const WorkerId id(next_id_++);
+  Participant participant;
+  participant.id = id;
+  participant.last_heard = now;
+  participants_.emplace(id, std::move(participant));
+  return id;
+}
+
+Participant* ParticipantTable::Find(WorkerId id) {
+  return const_cast<Participant*>(std::as_const(*this).Find(id));
+}
+
+const Participant* ParticipantTable::Find(WorkerId id) const {
+  auto it = participants_.find(id);
+  return it == participants_.end() ? nullptr : &it->second;
+}
+
+void ParticipantTable::Remove(WorkerId id) { participants_.erase(id); }
+
+Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
+  if (hello.getProtocolVersion() != rpc::kProtocolVersion) {
+    return InvalidArgument("protocol version {} is not the scheduler's {}",
+                           hello.getProtocolVersion(), rpc::kProtocolVersion);
+  }
+  if (!ConstantTimeEquals(rpc::ToString(hello.getToken()), token_)) {
+    GetLogger("scheduler")
+        ->warn("refused {} from pid {} on {}: invalid token", from.id.ToString(), hello.getPid(),
+               rpc::ToString(hello.getHostname()));
+    return Unavailable(
+        "invalid cluster token: pass the token the head printed (or its file {}/token)",
+        session_dir_);
+  }
+  switch (hello.getRole()) {
+    case proto::Role::WORKER:
+      from.role = ParticipantRole::kWorker;
+      break;
+    case proto::Role::DRIVER:
+      from.role = ParticipantRole::kDriver;
+      break;
+    default:
+      from.role = ParticipantRole::kAdmin;
+      break;
+  }
+  from.hostname = rpc::ToString(hello.getHostname());
+  from.pid = hello.getPid();
+  from.data_address = rpc::ToString(hello.getDataAddress());
+  from.cpu_threads = hello.getCpuThreads();
+  from.host_capacity = hello.getHostCapacity();
+  from.alive = true;
+  return Status::Ok();
+}
+
+void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader heartbeat) {
+  worker.host_used = heartbeat.getHostUsed();
+  worker.spilled_bytes = heartbeat.getSpilledBytes();
+  worker.tasks_done = heartbeat.getTasksDone();
+  worker.bytes_pulled = heartbeat.getBytesPulled();
+  worker.pull_micros = heartbeat.getPullMicros();
+  worker.bytes_served = heartbeat.getBytesServed();
+  if (heartbeat.getHostCapacity() > 0) worker.host_capacity = heartbeat.getHostCapacity();
+}
+
+void ParticipantTable::RecordRun(Participant& worker, proto::RunReport::Reader report) {
+  worker.last_run = std::make_unique<capnp::MallocMessageBuilder>();
+  worker.last_run->setRoot(report);
+}
+
+std::vector<WorkerId> ParticipantTable::Expired(Clock::time_point now,
+                                                std::chrono::milliseconds timeout) const {
+  std::vector<WorkerId> expired;
+  for (const auto& [id, p] : participants_) {
+    if (p.role == ParticipantRole::kWorker && p.alive && now - p.last_heard > timeout)
+      expired.push_back(id);
+  }
+  return expired;
+}
+
+void ParticipantTable::MarkDead(Participant& worker) {
+  worker.alive = false;
+  worker.tasks_in_flight = 0;
+  worker.committed_bytes = 0;
+}
+
+void ParticipantTable::AddLoad(WorkerId worker, int64_t memory_bytes) {
+  Participant* p = Find(worker);
+  TESSERA_CHECK(p != nullptr, "load added to unknown {}", worker.ToString());
+  ++p->tasks_in_flight;
+  p->committed_bytes += memory_bytes;
+}
+
+void ParticipantTable::RemoveLoad(WorkerId worker, int64_t memory_bytes) {
+  if (Participant* p = Find(worker)) {
+    --p->tasks_in_flight;
+    p->committed_bytes -= memory_bytes;
+  }
+}
+
+std::vector<WorkerLoad> ParticipantTable::WorkerLoads() const {
+  std::vector<WorkerLoad> loads;
+  for (const auto& [id, p] : participants_) {
+    if (p.role != ParticipantRole::kWorker) continue;
+    loads.push_back(WorkerLoad{id, p.alive, p.host_capacity - p.host_used - p.committed_bytes,
+                               p.tasks_in_flight});
+  }
+  return loads;
+}
+
+std::vector<WorkerId> ParticipantTable::AliveWorkers() const {
+  std::vector<WorkerId> alive;
+  for (const auto& [id, p] : participants_) {
+    if (p.role == ParticipantRole::kWorker && p.alive) alive.push_back(id);
+  }
+  return alive;
+}
+
+int ParticipantTable::alive_workers() const { return static_cast<int>(AliveWorkers().size()); }
+
+std::string ParticipantTable::Describe(WorkerId id) const {
+  const Participant* p = Find(id);
+  if (p == nullptr) return id.ToString();
+  return fmt::format("{} (pid {} on {})", id.ToString(), p->pid, p->hostname);
+}
+
+const std::string& ParticipantTable::DataAddress(WorkerId id) const {
+  const Participant* p = Find(id);
+  TESSERA_CHECK(p != nullptr, "no address for unknown {}", id.ToString());
+  return p->data_address;
+}
+
+}  // namespace tessera

@@ -1,0 +1,130 @@
+// The placement policies (scheduler/placement.h), as pure functions.
+#include "scheduler/placement.h"
+
+#include "test_util.h"
+#include "unit/scheduler_test_graphs.h"
+
+namespace tessera::testing {
+namespace {
+
+const WorkerId kA(1), kB(2), kC(3);
+
+WorkerLoad Load(WorkerId id, int64_t free_bytes, int in_flight = 0, bool alive = true) {
+  return WorkerLoad{id, alive, free_bytes, in_flight};
+}
+
+TEST(PlaceTaskTest, PinnedElseMostLocalBytesElseLeastLoadedElseRoomiest) {
+  const std::vector<WorkerLoad> workers = {Load(kA, 100, 2), Load(kB, 100, 1), Load(kC, 10, 0)};
+  TaskDemand pinned;
+  pinned.pinned = kC;
+  EXPECT_EQ(*PlaceTask(pinned, workers), kC);
+
+  TaskDemand local;
+  local.memory_estimate_bytes = 50;
+  local.local_bytes = {{kA, 8}, {kB, 4}, {kA, 8}, {kC, 1000}};  // kC holds most but cannot fit it
+  EXPECT_EQ(*PlaceTask(local, workers), kA);
+
+  TaskDemand anywhere;
+  anywhere.memory_estimate_bytes = 50;
+  EXPECT_EQ(*PlaceTask(anywhere, workers), kB) << "fewest in flight among those that fit";
+
+  TaskDemand huge;
+  huge.memory_estimate_bytes = 1000;
+  EXPECT_EQ(*PlaceTask(huge, {Load(kA, 10), Load(kB, 20), Load(kC, 30, 0, false)}), kB)
+      << "nothing fits: the roomiest alive worker, which will spill";
+}
+
+TEST(PlaceTaskTest, APinOnADeadWorkerIsInfeasibleAndNoWorkerIsUnavailable) {
+  TaskDemand pinned;
+  pinned.pinned = kB;
+  const Result<WorkerId> dead = PlaceTask(pinned, {Load(kA, 100), Load(kB, 100, 0, false)});
+  EXPECT_EQ(dead.status().code(), StatusCode::kInfeasible);
+  EXPECT_EQ(dead.status().message(), "the task is pinned to worker2, which is not alive");
+  EXPECT_EQ(PlaceTask(TaskDemand{}, {}).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(PlaceGangTest, MembersGoToDistinctWorkersRankByRank) {
+  TaskDemand beside_a;
+  beside_a.local_bytes = {{kA, 100}};
+  const std::vector<WorkerLoad> workers = {Load(kA, 100), Load(kB, 100, 3), Load(kC, 100, 1)};
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed,
+                       PlaceGang(7, {beside_a, beside_a, beside_a}, workers));
+  EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kC, kB}));
+
+  const Result<std::vector<WorkerId>> too_many =
+      PlaceGang(7, {beside_a, beside_a}, {Load(kA, 100)});
+  EXPECT_EQ(too_many.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(too_many.status().message(),
+            "placing rank 1 of collective 7 (2 members need distinct workers): no worker is alive "
+            "to run the task");
+}
+
+TEST(PlaceGraphTest, PinnedElseBesideTheLargestProducedInputElseLeastLoaded) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1 << 20), ObjectRole::kInput);
+  const ObjectId small = AddGelu(graph, "small", {x}, 10);  // least loaded: A
+  const ObjectId big = AddGelu(graph, "big", {x}, 1000);    // least loaded: B
+  AddGelu(graph, "join", {small, big, x});                  // beside big (x is no task's): B
+  AddGelu(graph, "pinned", {big}, 1, kA);                   // A
+  AddGelu(graph, "fresh", {x});                             // A 2, B 2, C 0: C
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB, kC}));
+  EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB, kB, kA, kC}));
+}
+
+TEST(PlaceGraphTest, ALaterProducerDoesNotDrawItsConsumer) {
+  Graph graph;
+  const ObjectId late = graph.AddObject("late", Floats(1000), ObjectRole::kActivation);
+  AddGelu(graph, "reader", {late});  // its input's producer comes later: least loaded, A
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  TaskSpec producer;
+  producer.name = "producer";
+  producer.op = "gelu_forward";
+  producer.inputs = {x};
+  producer.outputs = {late};
+  graph.AddTask(std::move(producer));  // B
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB}));
+  EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB}));
+}
+
+TEST(PlaceGraphTest, CollectiveMembersMoveToTheLeastLoadedWorkerRunningNone) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const ObjectId p = AddGelu(graph, "p", {x}, 100);           // A
+  AddGelu(graph, "q", {x});                                   // B
+  AddGelu(graph, "m0", {p}, 1, WorkerId(), Member(5, 0, 3));  // beside p: A
+  AddGelu(graph, "m1", {p}, 1, WorkerId(), Member(5, 1, 3));  // A taken: C (fewest)
+  AddGelu(graph, "m2", {p}, 1, WorkerId(), Member(5, 2, 3));  // A, C taken: B
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB, kC}));
+  EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB, kA, kC, kB}));
+}
+
+TEST(PlaceGraphTest, PlacementsThatCannotWorkAreInfeasibleNamingTheTaskOrCollective) {
+  Graph stray, pinned_together, too_many;
+  AddGelu(stray, "stray", {}, 1, WorkerId(9));
+  AddGelu(pinned_together, "m0", {}, 1, kA, Member(2, 0, 2));
+  AddGelu(pinned_together, "m1", {}, 1, kA, Member(2, 1, 2));
+  for (int rank = 0; rank < 3; ++rank) {
+    AddGelu(too_many, fmt::format("m{}", rank), {}, 1, WorkerId(), Member(4, rank, 3));
+  }
+  const std::vector<std::pair<const Graph*, std::string>> cases = {
+      {&stray, "task 'stray' is pinned to worker9, which is not an alive worker"},
+      {&pinned_together,
+       "task 'm1' is pinned to worker1, which already runs another member of collective 2: "
+       "members need distinct workers"},
+      {&too_many,
+       "collective 4 has 3 members but only 2 workers are alive: start more workers or plan a "
+       "smaller group"},
+  };
+  for (const auto& [graph, message] : cases) {
+    const Status status = PlaceGraph(*graph, {kA, kB}).status();
+    EXPECT_EQ(status.code(), StatusCode::kInfeasible);
+    EXPECT_EQ(status.message(), message);
+  }
+  Graph inconsistent;
+  AddGelu(inconsistent, "bad", {}, 1, WorkerId(), Attrs{{kCollectiveAttr, int64_t{1}}});
+  EXPECT_EQ(PlaceGraph(inconsistent, {kA}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlaceGraph(Graph(), {}).status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tessera::testing
