@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -190,6 +191,10 @@ bool ProcessGone(int pid) {
   std::getline(stat, line);
   const size_t close = line.rfind(')');
   return close != std::string::npos && line.size() > close + 2 && line[close + 2] == 'Z';
+}
+
+std::string TempPath(const std::string& name) {
+  return fmt::format("{}/tessera_{}_{}", ::testing::TempDir(), ::getpid(), name);
 }
 
 }  // namespace tessera::testing

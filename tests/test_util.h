@@ -25,6 +25,10 @@ bool Eventually(const std::function<bool()>& condition,
                 std::chrono::milliseconds deadline = std::chrono::seconds(10),
                 std::chrono::milliseconds poll = std::chrono::milliseconds(20));
 
+// A path for `name` in the temporary directory that no other test process uses (test binaries
+// run concurrently, one per test and once more per OpenBLAS kernel family).
+std::string TempPath(const std::string& name);
+
 // Whether process `pid` has exited (gone from /proc, or a zombie nobody reaped yet).
 bool ProcessGone(int pid);
 

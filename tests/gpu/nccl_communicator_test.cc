@@ -25,7 +25,7 @@ class NcclTest : public ::testing::Test {
     Result<std::string> version = NcclVersion();
     if (!version.ok()) GTEST_SKIP() << version.status().ToString();
     std::printf("NCCL %s on %s\n", version->c_str(), probe.devices[0].name.c_str());
-    auto rendezvous = JoinSocketRendezvous({"unix:" + ::testing::TempDir() + "/nccl.sock", 0, 1});
+    auto rendezvous = JoinSocketRendezvous({"unix:" + TempPath("nccl.sock"), 0, 1});
     ASSERT_OK(rendezvous.status());
     rendezvous_ = std::move(*rendezvous);
     auto communicator = ConnectNcclCommunicator(*rendezvous_);

@@ -34,7 +34,7 @@ std::string ReadFile(const std::string& path) {
 class Group {
  public:
   Group(const std::string& name, int size, const std::string& extra_flags) {
-    directory_ = ::testing::TempDir() + "/collectives_" + name;
+    directory_ = TempPath("collectives_" + name);
     std::filesystem::remove_all(directory_);
     std::filesystem::create_directories(directory_);
     const std::string rendezvous = "unix:" + directory_ + "/rendezvous.sock";

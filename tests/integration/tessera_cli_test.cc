@@ -28,7 +28,7 @@ std::string ReadLine(const std::string& path) {
 }
 
 TEST(TesseraCliTest, StartStatusStop) {
-  const std::string session = ::testing::TempDir() + "/tessera_cli_session";
+  const std::string session = TempPath("tessera_cli_session");
   std::filesystem::remove_all(session);
   ProcessResult head = Tessera("start --head --port 0 --session-dir " + session);
   ASSERT_EQ(head.exit_code, 0) << head.output;
@@ -73,7 +73,7 @@ TEST(TesseraCliTest, StartStatusStop) {
 // the driver fails naming the lost scheduler, and every worker exits instead of lingering with
 // its memory (they used to deadlock while ending their collective stream).
 TEST(TesseraCliTest, WorkersAndTheDriverExitWhenTheSchedulerDiesMidRun) {
-  const std::string session = ::testing::TempDir() + "/tessera_cli_scheduler_death";
+  const std::string session = TempPath("tessera_cli_scheduler_death");
   std::filesystem::remove_all(session);
   ASSERT_EQ(Tessera("start --head --port 0 --session-dir " + session).exit_code, 0);
   const std::string address = ReadLine(session + "/scheduler.address");

@@ -83,7 +83,7 @@ TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
   EXPECT_NE(missing.output.find("/nonexistent/tokens.bin"), std::string::npos) << missing.output;
 
   // A .bin file whose header promises more tokens than it holds.
-  const std::string truncated = ::testing::TempDir() + "/truncated_tokens.bin";
+  const std::string truncated = TempPath("truncated_tokens.bin");
   {
     std::ofstream out(truncated, std::ios::binary);
     int32_t header[256] = {20240520, 1, 1000};
@@ -95,7 +95,7 @@ TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
   EXPECT_NE(short_file.output.find("truncated"), std::string::npos) << short_file.output;
 
   // Tokens beyond the vocabulary.
-  const std::string wide = ::testing::TempDir() + "/wide_tokens.bin";
+  const std::string wide = TempPath("wide_tokens.bin");
   {
     std::ofstream out(wide, std::ios::binary);
     int32_t header[256] = {20240520, 1, 200};
@@ -126,7 +126,7 @@ TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
 // ZeRO-3 on 2 workers with checkpoints, resumed on 4 workers at ZeRO-1: the same final loss as
 // an uninterrupted run, and a per-worker report of peak model state and bytes sent.
 TEST(TrainGpt2Test, ZeroRunsCheckpointAndResumeOnAnotherPlan) {
-  const std::string dir = ::testing::TempDir() + "/train_gpt2_checkpoints";
+  const std::string dir = TempPath("train_gpt2_checkpoints");
   std::filesystem::remove_all(dir);
   ProcessResult whole = RunTrainGpt2("--steps 12 --log-every 12 --threads 1");
   ProcessResult first = RunTrainGpt2(
@@ -208,7 +208,7 @@ TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
 }
 
 TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
-  const std::string token = ::testing::TempDir() + "/tessera_test_token";
+  const std::string token = TempPath("tessera_test_token");
   std::ofstream(token) << "0123456789abcdef\n";
   ProcessResult run = RunTrainGpt2("--steps 1 --address 127.0.0.1:1 --token-file " + token);
   EXPECT_EQ(run.exit_code, 1);
@@ -216,7 +216,7 @@ TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
 }
 
 TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
-  const std::string path = ::testing::TempDir() + "/ramp_tokens.bin";
+  const std::string path = TempPath("ramp_tokens.bin");
   {
     std::ofstream out(path, std::ios::binary);
     int32_t header[256] = {20240520, 1, 5000};

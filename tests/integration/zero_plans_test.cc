@@ -210,7 +210,7 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
 // uninterrupted run. Damaged checkpoints are refused by name and the good one stays.
 TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   ASSERT_NE(reference_, nullptr);
-  const std::string dir = ::testing::TempDir() + "/zero_checkpoints";
+  const std::string dir = TempPath("zero_checkpoints");
   std::filesystem::remove_all(dir);
   constexpr int kSaveAfter = 8;
   TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
@@ -312,7 +312,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
 }
 
 TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
-  const std::string path = ::testing::TempDir() + "/tiny_llmc.bin";
+  const std::string path = TempPath("tiny_llmc.bin");
   ASSERT_OK_AND_ASSIGN(auto source, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
   ASSERT_OK(source->InitializeParameters(11));
   ASSERT_OK(ExportLlmc(*source, path));

@@ -190,7 +190,7 @@ namespace tessera::testing {
 namespace {
 
 std::string RendezvousPath(const std::string& name) {
-  return "unix:" + ::testing::TempDir() + "/rendezvous_" + name + ".sock";
+  return "unix:" + TempPath("rendezvous_" + name + ".sock");
 }
 
 TEST(SocketRendezvousTest, GathersInRankOrder) {

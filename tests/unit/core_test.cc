@@ -174,7 +174,7 @@ TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {
 }
 
 TEST(AtomicFileTest, WritesWholeFileAndReplacesAtomically) {
-  const std::string path = ::testing::TempDir() + "/tessera_atomic_test.txt";
+  const std::string path = TempPath("tessera_atomic_test.txt");
   ASSERT_OK(WriteFileAtomically(path, "first"));
   ASSERT_OK(WriteFileAtomically(path, "second version"));
   std::ifstream in(path);

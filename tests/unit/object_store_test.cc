@@ -18,7 +18,7 @@ Tensor Filled(float value) {
 }
 
 std::string SpillDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/tessera_spill_" + name;
+  const std::string dir = TempPath("tessera_spill_" + name);
   std::filesystem::remove_all(dir);
   return dir;
 }

@@ -339,7 +339,7 @@ TEST(OpGradientTest, CopyReproducesItsInputBitForBit) {
 }
 
 TEST(OpGradientTest, WriteFileWritesTheBytesAtomicallyAndReturnsAReceipt) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "write_file_op";
+  const std::filesystem::path dir = std::filesystem::path(TempPath("write_file_op"));
   std::filesystem::remove_all(dir);
   const std::string path = (dir / "rank1" / "h.0.params.bin").string();  // parents created
   Tensor x = RandomTensor({5, 3}, 9);

@@ -277,7 +277,7 @@ TEST(ListenerTest, ConnectsOverTcpAndUnixAndReportsUnreachableAddresses) {
         [](rpc::Connection&, const Status&) {});
     accepted.push_back(connection);
   };
-  const std::string path = ::testing::TempDir() + "/tessera_listener_test.sock";
+  const std::string path = TempPath("tessera_listener_test.sock");
   for (const rpc::Address& address :
        {rpc::Address::Tcp("127.0.0.1", 0), rpc::Address::Unix(path)}) {
     got = std::promise<int64_t>();

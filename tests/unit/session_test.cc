@@ -14,7 +14,7 @@ namespace tessera::testing {
 namespace {
 
 std::string TempDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/session_test_" + name;
+  const std::string dir = TempPath("session_test_" + name);
   std::filesystem::remove_all(dir);
   return dir;
 }
