@@ -1,5 +1,7 @@
 #include "scheduler/gang.h"
 
+#include <algorithm>
+
 namespace tessera {
 
 GangTable::Pending& GangTable::Entry(const Key& key, int group_size) {
@@ -7,8 +9,13 @@ GangTable::Pending& GangTable::Entry(const Key& key, int group_size) {
   if (pending.group_size == 0) {
     pending.group_size = group_size;
     pending.ready.resize(static_cast<size_t>(group_size));
+    pending.settled.assign(static_cast<size_t>(group_size), false);
   }
   return pending;
+}
+
+bool GangTable::Pending::all_settled() const {
+  return std::all_of(settled.begin(), settled.end(), [](bool s) { return s; });
 }
 
 Result<std::vector<TaskId>> GangTable::MemberReady(WorkerId driver,
@@ -18,14 +25,15 @@ Result<std::vector<TaskId>> GangTable::MemberReady(WorkerId driver,
   Pending& pending = Entry(key, membership.group_size);
   if (!pending.failed.ok()) return pending.failed;
   if (membership.group_size != pending.group_size ||
-      pending.ready[static_cast<size_t>(membership.rank)].valid()) {
+      pending.settled[static_cast<size_t>(membership.rank)]) {
     return InvalidArgument(
         "task '{}' is rank {} of {} in collective {}, which has {} members and may have that rank "
         "taken",
         name, membership.rank, membership.group_size, membership.collective, pending.group_size);
   }
   pending.ready[static_cast<size_t>(membership.rank)] = task;
-  if (++pending.settled < pending.group_size) return std::vector<TaskId>();
+  pending.settled[static_cast<size_t>(membership.rank)] = true;
+  if (!pending.all_settled()) return std::vector<TaskId>();
   std::vector<TaskId> members = std::move(pending.ready);
   pending_.erase(key);
   return members;
@@ -36,17 +44,16 @@ std::vector<TaskId> GangTable::MemberFailed(WorkerId driver, const CollectiveMem
   const Key key(driver, membership.collective);
   Pending& pending = Entry(key, membership.group_size);
   const size_t rank = static_cast<size_t>(membership.rank);
-  if (rank < pending.ready.size() && pending.ready[rank] == task) {
-    pending.ready[rank] = TaskId();  // it was counted when it became ready
-  } else {
-    ++pending.settled;
+  if (rank < pending.ready.size()) {
+    if (pending.ready[rank] == task) pending.ready[rank] = TaskId();
+    pending.settled[rank] = true;
   }
   if (pending.failed.ok()) pending.failed = why;
   std::vector<TaskId> siblings;
   for (TaskId& id : pending.ready) {
     if (id.valid()) siblings.push_back(std::exchange(id, TaskId()));
   }
-  if (pending.settled >= pending.group_size) pending_.erase(key);
+  if (pending.all_settled()) pending_.erase(key);
   return siblings;
 }
 

@@ -44,9 +44,14 @@ class GangTable {
  private:
   struct Pending {
     int group_size = 0;
-    std::vector<TaskId> ready;  // by rank; invalid until that member is ready
-    int settled = 0;            // members ready or failed
-    Status failed;              // set when one failed: later members fail at once
+    std::vector<TaskId> ready;  // by rank; invalid until that member is ready (and once handed
+                                // back to be failed)
+    // By rank: ready or failed. Per rank, not a count: a sibling handed back by MemberFailed
+    // fails in turn and reports again, and must not count twice (the entry would be forgotten
+    // early and a member ready later would wait forever).
+    std::vector<bool> settled;
+    Status failed;  // set when one failed: later members fail at once
+    bool all_settled() const;
   };
   using Key = std::pair<WorkerId, int64_t>;  // driver, collective id
 

@@ -1,6 +1,7 @@
 #include "scheduler/graph_registry.h"
 
 #include <algorithm>
+#include <set>
 
 #include "core/collective_task.h"
 #include "core/logging.h"
@@ -229,6 +230,7 @@ Status GraphRegistry::InstanceFinished(WorkerId worker, proto::InstanceFinished:
     FailInstance(instance, worker,
                  rpc::FromWire(finished.getError()).WithContext(participants_->Describe(worker)));
   } else {
+    std::set<uint64_t> sealed;
     for (proto::SealedObject::Reader output : finished.getOutputs()) {
       const ObjectId id(output.getId());
       if (std::find(instance.outputs.begin(), instance.outputs.end(), id) ==
@@ -236,6 +238,13 @@ Status GraphRegistry::InstanceFinished(WorkerId worker, proto::InstanceFinished:
         return InvalidArgument("{} sealed {}, which is not an output of the instance",
                                worker.ToString(), id.ToString());
       }
+      // Twice in one report: the first seal may already have freed it (its driver let go).
+      if (!sealed.insert(id.value()).second) {
+        return InvalidArgument("{} sealed {} twice in one report", worker.ToString(),
+                               id.ToString());
+      }
+      const ObjectEntry* object = objects_->Find(id);
+      if (object == nullptr || object->finished()) continue;  // settled meanwhile: keep that
       const auto data = output.getInline();
       objects_->Seal(id, worker, output.getBytes(),
                      std::string(reinterpret_cast<const char*>(data.begin()), data.size()));

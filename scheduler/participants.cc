@@ -103,7 +103,8 @@ void ParticipantTable::AddLoad(WorkerId worker, int64_t memory_bytes) {
 }
 
 void ParticipantTable::RemoveLoad(WorkerId worker, int64_t memory_bytes) {
-  if (Participant* p = Find(worker)) {
+  // A dead worker's load was cleared when it died; its tasks failing later take nothing off.
+  if (Participant* p = Find(worker); p != nullptr && p->alive) {
     --p->tasks_in_flight;
     p->committed_bytes -= memory_bytes;
   }

@@ -87,7 +87,7 @@ class ParticipantTable {
 
   // A task with `memory_bytes` estimated was dispatched to `worker`. REQUIRES: listed.
   void AddLoad(WorkerId worker, int64_t memory_bytes);
-  // Such a task finished or failed. Nothing when the worker is no longer listed.
+  // Such a task finished or failed. Nothing when the worker is dead or no longer listed.
   void RemoveLoad(WorkerId worker, int64_t memory_bytes);
 
   // Every worker (dead ones too, not alive), ascending: free bytes are capacity - used -

@@ -54,6 +54,26 @@ TEST(GangTableTest, AFailedMemberTakesTheReadyOnesAndLaterOnesFailAtOnce) {
             "input lost");
 }
 
+// Rank 0 is ready, rank 1 fails: rank 0 is handed back and fails in turn (the task table reports
+// that failure too). Rank 2, ready later, must still learn of the failure, not wait forever.
+TEST(GangTableTest, AHandedBackSiblingIsNotCountedTwice) {
+  GangTable gangs;
+  const Status why = Internal("input lost");
+  ASSERT_OK(gangs.MemberReady(kDriver, Rank(0, 3), TaskId(10), "a").status());
+  EXPECT_EQ(gangs.MemberFailed(kDriver, Rank(1, 3), TaskId(11), why),
+            (std::vector<TaskId>{TaskId(10)}));
+  EXPECT_TRUE(gangs.MemberFailed(kDriver, Rank(0, 3), TaskId(10), why).empty());
+  Result<std::vector<TaskId>> late = gangs.MemberReady(kDriver, Rank(2, 3), TaskId(12), "c");
+  ASSERT_FALSE(late.ok()) << "rank 2 was taken for the first member of a new collective";
+  EXPECT_EQ(late.status().message(), "input lost");
+  // The task table fails it, which reports it like any failed member.
+  EXPECT_TRUE(gangs.MemberFailed(kDriver, Rank(2, 3), TaskId(12), why).empty());
+  // Every rank has settled now: the id may be used again.
+  ASSERT_OK_AND_ASSIGN(std::vector<TaskId> fresh,
+                       gangs.MemberReady(kDriver, Rank(0, 3), TaskId(13), "d"));
+  EXPECT_TRUE(fresh.empty());
+}
+
 TEST(GangTableTest, PositionsCountPerWorker) {
   GangTable gangs;
   EXPECT_EQ(gangs.NextPosition(WorkerId(1)), 0);

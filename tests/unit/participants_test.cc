@@ -71,6 +71,11 @@ TEST_F(ParticipantTableTest, LoadIsCommittedMemoryAndTasksInFlightUntilDeath) {
   loads = table_.WorkerLoads();
   EXPECT_FALSE(loads[0].alive);
   EXPECT_EQ(loads[0].tasks_in_flight, 0);
+  // Its task failing afterwards takes nothing off the cleared load (status never shows < 0).
+  table_.RemoveLoad(worker, 300);
+  loads = table_.WorkerLoads();
+  EXPECT_EQ(loads[0].tasks_in_flight, 0);
+  EXPECT_EQ(loads[0].free_bytes, 1000 - 100);
   EXPECT_EQ(table_.alive_workers(), 0);
 }
 

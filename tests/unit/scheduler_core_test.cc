@@ -713,6 +713,28 @@ TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
   EXPECT_EQ(core_.num_objects(), 0u);
 }
 
+// A worker that reports one output twice (after its driver let go of it, so the first seal frees
+// it) commits a protocol error: its connection closes; the scheduler does not abort.
+TEST_F(RegisteredGraphTest, AnOutputSealedTwiceInOneReportIsAProtocolError) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {70}));
+  Release(driver, 70);
+  int refused = 0;
+  for (WorkerId worker : {w1, w2}) {
+    const Status status = InstanceDone(worker, 3, 1, {70, 70});
+    if (status.ok()) continue;  // not involved in the instance: ignored
+    ++refused;
+    EXPECT_NE(status.message().find("sealed obj70 twice"), std::string::npos) << status.ToString();
+  }
+  EXPECT_EQ(refused, 1);
+}
+
 TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinctWorkers) {
   const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Put(driver, 1, 1, true);
