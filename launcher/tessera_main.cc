@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -121,14 +122,33 @@ int RunScheduler(const SchedulerFlags& flags) {
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
-  std::shared_ptr<tessera::SchedulerService> service;
-  HandleTerminationSignals([&service] {
-    if (service) service->Stop();
+  // The signal thread and this one both reach the service (races TSan found): through a switch
+  // the signal thread co-owns (it may run after this function returned), under its mutex; a
+  // signal that comes before the service exists stops it as soon as it does.
+  struct StopSwitch {
+    std::mutex mutex;
+    std::shared_ptr<tessera::SchedulerService> service;
+    bool requested = false;
+  };
+  auto stop = std::make_shared<StopSwitch>();
+  HandleTerminationSignals([stop] {
+    std::lock_guard lock(stop->mutex);
+    stop->requested = true;
+    if (stop->service) stop->service->Stop();
   });
   auto started = tessera::SchedulerService::Start(options);
   if (!started.ok()) return Fail(started.status());
-  service = std::move(*started);
-  service->Wait();
+  std::shared_ptr<tessera::SchedulerService> running = std::move(*started);
+  {
+    std::lock_guard lock(stop->mutex);
+    stop->service = running;
+    if (stop->requested) running->Stop();
+  }
+  running->Wait();
+  {
+    std::lock_guard lock(stop->mutex);
+    stop->service.reset();
+  }
   tessera::GetLogger("scheduler")->info("stopped");
   return 0;
 }
@@ -159,15 +179,16 @@ int RunWorker(const WorkerFlags& flags) {
   options.host_capacity_bytes = flags.host_memory_mb << 20;
   options.spill_dir = flags.spill_dir;
   options.settings = *settings;
-  std::atomic<bool> interrupted{false};
-  HandleTerminationSignals([&interrupted] {
-    interrupted = true;
+  // Co-owned by the signal thread, which may outlive this function.
+  auto interrupted = std::make_shared<std::atomic<bool>>(false);
+  HandleTerminationSignals([interrupted] {
+    *interrupted = true;
     std::_Exit(0);  // a worker holds no state worth flushing; the scheduler notices it left
   });
   auto started = tessera::WorkerService::Start(options, *registry);
   if (!started.ok()) return Fail(started.status());
   Status reason = (*started)->Wait();
-  if (!reason.ok() && !interrupted) {
+  if (!reason.ok() && !*interrupted) {
     tessera::GetLogger("worker")->warn("exiting: {}", reason.ToString());
     return 1;
   }

@@ -25,6 +25,13 @@ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTESSERA_SANITI
   -DTESSERA_BUILD_BENCH=OFF -DTESSERA_ENABLE_CUDA=OFF
 cmake --build "$dir" -j "$(nproc)"
 suppressions="$PWD/tests/sanitizers"
+# UCX's memory hooks (libucm patches mmap/madvise/malloc in every loaded library) fight the
+# sanitizers' own interceptors (TSan crashes in ucm_madvise at thread start). Tessera needs none
+# of them: it registers no memory with a cache (shared memory and TCP transports).
+export UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no
+# Under TSan, worker processes (integration tests) run one executor thread: fewer TBB hand-offs,
+# which TSan cannot see (tests/sanitizers/tsan.supp).
+[[ "$sanitizers" == *thread* ]] && export TESSERA_CPU_THREADS=${TESSERA_CPU_THREADS:-1}
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
 export LSAN_OPTIONS="suppressions=$suppressions/lsan.supp:print_suppressions=0:${LSAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"

@@ -10,9 +10,19 @@
 #include <random>
 #include <thread>
 
+#include <tbb/global_control.h>
+
 #include "ops/cpu/cpu_kernels.h"
 
 namespace tessera::testing {
+
+#if defined(__SANITIZE_THREAD__)
+// ThreadSanitizer cannot see TBB's own synchronisation (Debian's libtbb is not instrumented): with
+// more than one TBB thread every task hand-off looks like a race. One TBB thread leaves the
+// runtime's own threads (data plane, collective engine, connections, callers of Provide and
+// Cancel) for TSan to check, which is what scripts/sanitize.sh thread is for.
+const tbb::global_control kOneTbbThreadUnderTsan(tbb::global_control::max_allowed_parallelism, 1);
+#endif
 
 std::shared_ptr<Allocator> TestAllocator() {
   static auto allocator = std::make_shared<AlignedHostAllocator>();

@@ -264,11 +264,11 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
               });
             }
             shared_outputs->clear();
-            {
-              std::lock_guard lock(active.mutex);
-              --active.offloads_outstanding;
-              ++active.events;
-            }
+            // Notified under the lock: once the count is zero the run may end and destroy
+            // `active`, so nothing here may touch it after unlocking (TSan found it did).
+            std::lock_guard lock(active.mutex);
+            --active.offloads_outstanding;
+            ++active.events;
             active.changed.notify_all();
           });
       return;
@@ -424,11 +424,9 @@ Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
       for (int t : ready) run.spawn(t);
     });
   }
-  {
-    std::lock_guard lock(run.mutex);
-    ++run.provided;
-    ++run.events;
-  }
+  std::lock_guard lock(run.mutex);
+  ++run.provided;
+  ++run.events;
   run.changed.notify_all();
   return Status::Ok();
 }
