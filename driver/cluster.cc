@@ -490,20 +490,40 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
     auto it = held_.find(ref.id().value());
     if (it != held_.end()) return it->second.Clone(allocator_);
   }
-  if (state.address.empty())
-    return Unavailable("{} has no holder to pull from", ref.id().ToString());
-  Status pulled =
-      data_plane_->PullAndWait(state.address, ref.id(), tensor.raw_data(), tensor.bytes());
-  if (pulled.ok()) return tensor;
-  // The holder may have died since the object was sealed: the scheduler knows what happened.
-  {
-    std::lock_guard lock(ready_mutex_);
-    ready_.erase(ref.id().value());
-    watched_.erase(ref.id().value());
+  // The holder may die under the pull. The scheduler learns of it within the heartbeat bound
+  // (at once when its connection closes) and then says where the object is now (rebuilt from
+  // lineage elsewhere) or why it is gone; until it knows, it still names the dead holder.
+  const auto verdict_deadline = std::chrono::steady_clock::now() +
+                                std::chrono::milliseconds(settings_.heartbeat_timeout_ms + 2000);
+  while (true) {
+    if (state.address.empty()) {
+      return Unavailable("{} has no holder to pull from", ref.id().ToString());
+    }
+    Status pulled =
+        data_plane_->PullAndWait(state.address, ref.id(), tensor.raw_data(), tensor.bytes());
+    if (pulled.ok()) return tensor;
+    Result<ReadyState> again = Status::Ok();
+    do {
+      {
+        std::lock_guard lock(ready_mutex_);
+        ready_.erase(ref.id().value());
+        watched_.erase(ref.id().value());
+      }
+      // Waiting as long as the caller allows: a rebuild takes as long as its tasks.
+      again = AwaitReady(ref.id(), timeout_ms);
+      if (!again.ok()) return pulled;
+      if (!again->error.ok()) return again->error;
+      if (again->address != state.address || !again->inline_data.empty()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (std::chrono::steady_clock::now() < verdict_deadline);
+    if (again->address == state.address && again->inline_data.empty()) return pulled;
+    state = std::move(*again);
+    if (!state.inline_data.empty()) {
+      std::memcpy(tensor.raw_data(), state.inline_data.data(),
+                  std::min<size_t>(state.inline_data.size(), static_cast<size_t>(tensor.bytes())));
+      return tensor;
+    }
   }
-  Result<ReadyState> again = AwaitReady(ref.id(), 5000);
-  if (again.ok() && !again->error.ok()) return again->error;
-  return pulled;
 }
 
 Status ClusterClient::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {

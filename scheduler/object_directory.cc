@@ -44,6 +44,18 @@ void ObjectDirectory::Declare(const ObjectSpec& spec, WorkerId driver) {
   ++driver_refs_[driver][spec.id.value()];
 }
 
+void ObjectDirectory::Revive(const ObjectSpec& spec) {
+  TESSERA_CHECK(!objects_.contains(spec.id), "{} revived while it exists", spec.id.ToString());
+  objects_[spec.id].spec = spec;
+}
+
+void ObjectDirectory::Unseal(ObjectId id) {
+  ObjectEntry& object = Get(id);
+  TESSERA_CHECK(object.sealed && object.holders.empty() && object.inline_data.empty(),
+                "{} unsealed while a copy exists", object.spec.name);
+  object.sealed = false;
+}
+
 void ObjectDirectory::Put(ObjectSpec spec, WorkerId driver, std::string inline_data) {
   const ObjectId id = spec.id;
   Declare(spec, driver);
@@ -110,6 +122,7 @@ void ObjectDirectory::MaybeFree(ObjectId id) {
   }
   for (WorkerId holder : object.holders) free_batches_[holder].push_back(id);
   objects_.erase(it);
+  waiters_->ObjectFreed(id);
 }
 
 void ObjectDirectory::Release(WorkerId driver, ObjectId id) {

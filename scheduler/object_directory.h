@@ -56,6 +56,8 @@ class ObjectWaiters {
   virtual void InputSealed(TaskId task) = 0;
   // `object`, which `task` was waiting for, failed with `error`.
   virtual void InputFailed(TaskId task, const ObjectSpec& object, const Status& error) = 0;
+  // The object left the directory (freed).
+  virtual void ObjectFreed(ObjectId /*object*/) {}
 };
 
 class ObjectDirectory {
@@ -77,6 +79,12 @@ class ObjectDirectory {
   void Declare(const ObjectSpec& spec, WorkerId driver);
   // A driver's Put: sealed at once, held by the driver and referenced once by it.
   void Put(ObjectSpec spec, WorkerId driver, std::string inline_data);
+  // An object that was freed, needed again to rebuild another (lineage): declared, referenced by
+  // nobody, freed once sealed unless something uses it by then. REQUIRES: not known.
+  void Revive(const ObjectSpec& spec);
+  // A lost object (sealed, no copy left) that its task will make again: waited for like any
+  // object not sealed yet. REQUIRES: known, sealed, no holder and no inline copy.
+  void Unseal(ObjectId id);
 
   // Settling. Each tells the watchers and the waiting tasks, then frees the object if nothing
   // needs it. REQUIRES: known.

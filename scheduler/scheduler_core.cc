@@ -196,9 +196,11 @@ void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
   graphs_.WorkerDied(id, who, reason);
   for (ObjectId object : lost) {
     const ObjectEntry* entry = objects_.Find(object);
-    if (entry == nullptr) continue;
-    objects_.Fail(object, Unavailable("{} was lost: its only copy was on {}, which died ({})",
-                                      entry->spec.name, who, reason.message()));
+    if (entry == nullptr || !entry->sealed) continue;  // already being rebuilt with a sibling
+    const std::string why = fmt::format("{} was lost: its only copy was on {}, which died ({})",
+                                        entry->spec.name, who, reason.message());
+    const Status rebuilt = tasks_.Rebuild(object, why);
+    if (!rebuilt.ok()) objects_.Fail(object, Unavailable("{}; {}", why, rebuilt.message()));
   }
   // Tasks it was running: retried elsewhere when their inputs survive, else failed.
   tasks_.WorkerDied(id, who, reason);

@@ -58,16 +58,102 @@ Status TaskTable::Submit(WorkerId driver, rpc::WireTask task) {
     FailTask(entry, input_error);
     return Status::Ok();
   }
-  entry.uses_counted = true;
-  for (ObjectId input : entry.spec.inputs) {
+  // A collective member cannot run again alone: its outputs are not rebuilt.
+  if (!entry.spec.attrs.Has(kCollectiveAttr)) lineage_.Record(entry.spec, entry.outputs, driver);
+  AwaitInputs(entry);
+  return Status::Ok();
+}
+
+void TaskTable::AwaitInputs(TaskEntry& task) {
+  task.uses_counted = true;
+  task.unresolved = 0;
+  for (ObjectId input : task.spec.inputs) {
     objects_->AddUse(input);
     if (!objects_->at(input).sealed) {
-      ++entry.unresolved;
-      objects_->AddWaiter(input, id);
+      ++task.unresolved;
+      objects_->AddWaiter(input, task.spec.id);
     }
   }
-  if (entry.unresolved == 0) MakeReady(id);
+  if (task.unresolved == 0) MakeReady(task.spec.id);
+}
+
+Status TaskTable::Rebuild(ObjectId object, const std::string& why) {
+  LineageEntry* lineage = lineage_.ProducerOf(object);
+  if (lineage == nullptr) {
+    return Unavailable(
+        "it has no lineage to rebuild it from (a driver's Put, or an output of a registered graph "
+        "or of a collective)");
+  }
+  const TaskId id = lineage->spec.id;
+  if (tasks_.contains(id)) return Status::Ok();  // its task is running again already
+  if (lineage->rebuilds >= max_attempts_) {
+    return Unavailable("its task '{}' was run again {} times already", lineage->spec.name,
+                       lineage->rebuilds);
+  }
+  ++lineage->rebuilds;
+  // Copies: rebuilding inputs below may add lineage entries' references, never erase entries,
+  // but the task keeps its own copy of its spec anyway.
+  const TaskSpec spec = lineage->spec;
+  const std::vector<ObjectSpec> outputs = lineage->outputs;
+  const WorkerId driver = lineage->driver;
+  const int rebuilds = lineage->rebuilds;
+  // Inputs: sealed with a live copy, or being made; lost or freed ones are rebuilt first.
+  for (ObjectId input : spec.inputs) {
+    const ObjectEntry* in = objects_->Find(input);
+    if (in != nullptr && !in->error.ok()) {
+      return in->error.WithContext(fmt::format("input {} of task '{}'", in->spec.name, spec.name));
+    }
+    const bool available =
+        in != nullptr && (!in->sealed || !in->holders.empty() || !in->inline_data.empty());
+    if (!available) {
+      TESSERA_RETURN_IF_ERROR(
+          Rebuild(input, fmt::format("{}, needed to rebuild it, was gone too", input.ToString()))
+              .WithContext(
+                  fmt::format("rebuilding input {} of task '{}'", input.ToString(), spec.name)));
+    }
+  }
+  // Outputs: waited for again.
+  for (const ObjectSpec& output : outputs) {
+    const ObjectEntry* existing = objects_->Find(output.id);
+    if (existing == nullptr) {
+      objects_->Revive(output);
+      lineage_.OutputRevived(output.id);
+    } else if (existing->sealed && existing->holders.empty() && existing->inline_data.empty()) {
+      objects_->Unseal(output.id);
+    }
+  }
+  GetLogger("scheduler")
+      ->info("rebuilding {} from its lineage: task '{}' runs again ({} of at most {})",
+             object.ToString(), spec.name, rebuilds, max_attempts_);
+  TaskEntry& task = tasks_[id];
+  task.spec = spec;
+  task.outputs = outputs;
+  task.driver = driver;
+  // A pin to a worker that died cannot hold: the task runs wherever placement puts it.
+  if (const Participant* pinned = participants_->Find(spec.pinned_worker);
+      spec.pinned_worker.valid() && (pinned == nullptr || !pinned->alive)) {
+    task.spec.pinned_worker = WorkerId();
+  }
+  task.rebuilding = fmt::format("{}; running task '{}' again to rebuild it failed", why, spec.name);
+  AwaitInputs(task);
   return Status::Ok();
+}
+
+bool TaskTable::WaitAgainForRebuiltInputs(TaskEntry& task) {
+  if (task.attempts >= max_attempts_ || task.spec.attrs.Has(kCollectiveAttr)) return false;
+  std::vector<ObjectId> awaited;
+  for (ObjectId input : task.spec.inputs) {
+    const ObjectEntry* in = objects_->Find(input);
+    if (in == nullptr || !in->error.ok()) return false;
+    if (!in->sealed) awaited.push_back(input);
+  }
+  if (awaited.empty()) return false;
+  task.state = TaskState::kWaiting;
+  task.unresolved = static_cast<int>(awaited.size());
+  for (ObjectId input : awaited) objects_->AddWaiter(input, task.spec.id);
+  GetLogger("scheduler")
+      ->info("task '{}' waits for {} input(s) being rebuilt", task.spec.name, awaited.size());
+  return true;
 }
 
 TaskDemand TaskTable::DemandOf(const TaskEntry& task) const {
@@ -171,6 +257,9 @@ void TaskTable::Finished(WorkerId worker, proto::TaskResult::Reader result) {
   }
   TaskEntry& task = it->second;
   participants_->RemoveLoad(worker, task.spec.memory_estimate_bytes);
+  // It failed because an input vanished with its holder mid-run, and that input is being made
+  // again: it waits for it instead.
+  if (result.hasError() && WaitAgainForRebuiltInputs(task)) return;
   if (result.hasError()) {
     FailTask(task, rpc::FromWire(result.getError())
                        .WithContext(fmt::format("on {}", participants_->Describe(worker))));
@@ -199,7 +288,8 @@ void TaskTable::Finished(WorkerId worker, proto::TaskResult::Reader result) {
   for (ObjectId input : inputs) objects_->ReleaseUse(input);
 }
 
-void TaskTable::FailTask(TaskEntry& task, const Status& error) {
+void TaskTable::FailTask(TaskEntry& task, const Status& cause) {
+  const Status error = task.rebuilding.empty() ? cause : cause.WithContext(task.rebuilding);
   GetLogger("scheduler")->warn("task '{}' failed: {}", task.spec.name, error.ToString());
   const bool dispatched = task.state == TaskState::kDispatched;
   if (dispatched) participants_->RemoveLoad(task.worker, task.spec.memory_estimate_bytes);
@@ -256,6 +346,7 @@ void TaskTable::WorkerDied(WorkerId worker, const std::string& who, const Status
     }
     // A collective member cannot move: its group is the workers it was dispatched with.
     const bool member = task.spec.attrs.Has(kCollectiveAttr);
+    if (!missing.empty() && WaitAgainForRebuiltInputs(task)) continue;
     if (missing.empty() && task.attempts < max_attempts_ && !member) {
       GetLogger("scheduler")->info("retrying task '{}' after {} died", task.spec.name, who);
       task.state = TaskState::kWaiting;

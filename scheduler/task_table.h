@@ -15,6 +15,12 @@
 // survive and attempts remain (collective members never move: their group is the workers they
 // were dispatched with); otherwise they fail naming the worker and the lost inputs.
 //
+// Lineage (scheduler/lineage.h): every submitted task but a collective member is recorded, so
+// an output lost with its worker can be made again (Rebuild): its task runs once more, after
+// the inputs it needs that are lost or freed are rebuilt the same way, recursively, each task at
+// most max_attempts times, and no longer pinned to a worker that died. Tasks that wait for such
+// an object, or were running and lost it under their feet, wait for it again instead of failing.
+//
 // The table charges each dispatch to its worker's load in the ParticipantTable and discharges it
 // when the task ends there. Errors: Submit returns InvalidArgument (a protocol violation) for a
 // malformed submission; every other failure is a task's, carried by its outputs.
@@ -36,6 +42,7 @@
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/gang.h"
+#include "scheduler/lineage.h"
 #include "scheduler/messages.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
@@ -55,6 +62,7 @@ struct TaskEntry {
   WorkerId worker;
   int attempts = 0;
   bool uses_counted = false;  // its inputs' pending_uses include this task
+  std::string rebuilding;     // running again to rebuild a lost object: why (its failures say)
 };
 
 class TaskTable final : public ObjectWaiters {
@@ -74,8 +82,14 @@ class TaskTable final : public ObjectWaiters {
   // worker. A result for a task the worker is not running is logged and ignored.
   void Finished(WorkerId worker, proto::TaskResult::Reader result);
   // `worker` (described as `who`) died of `reason` and is marked dead: its tasks in flight are
-  // dispatched elsewhere or fail (see above).
+  // dispatched elsewhere, wait for inputs being rebuilt, or fail (see above).
   void WorkerDied(WorkerId worker, const std::string& who, const Status& reason);
+  // `object`, lost (sealed, no copy left) or needed again after it was freed, is made again by
+  // running its task once more (lost or freed inputs first). `why` says how it was lost; a
+  // failure of the task run again carries it. An error saying why it cannot be (no lineage, the
+  // budget spent, an input failed), for the caller to fail the object with.
+  Status Rebuild(ObjectId object, const std::string& why);
+  size_t lineage_size() const { return lineage_.size(); }
 
   // Sends each worker the tasks dispatched to it since the last Flush, in one message.
   void Flush(Outbox& outbox);
@@ -85,6 +99,7 @@ class TaskTable final : public ObjectWaiters {
   // ObjectWaiters (called by the object directory).
   void InputSealed(TaskId task) override;
   void InputFailed(TaskId task, const ObjectSpec& object, const Status& error) override;
+  void ObjectFreed(ObjectId object) override { lineage_.OutputFreed(object); }
 
  private:
   // Every input is sealed: place and dispatch it (a collective member waits for its siblings).
@@ -98,6 +113,11 @@ class TaskTable final : public ObjectWaiters {
   void FailTask(TaskEntry& task, const Status& error);
   // What placement needs to know of a task: pin, memory, and which workers hold its inputs.
   TaskDemand DemandOf(const TaskEntry& task) const;
+  // A dispatched task whose inputs include objects being made again (lost with their holder):
+  // back to waiting for them, when attempts remain. False when it should fail instead.
+  bool WaitAgainForRebuiltInputs(TaskEntry& task);
+  // Uses the task's inputs and waits for those not sealed; dispatches it when none is left.
+  void AwaitInputs(TaskEntry& task);
 
   const int max_attempts_;
   ObjectDirectory* objects_;
@@ -105,6 +125,7 @@ class TaskTable final : public ObjectWaiters {
   CollectiveGroups* groups_;
   std::unordered_map<TaskId, TaskEntry> tasks_;
   GangTable gangs_;
+  Lineage lineage_;
   int64_t done_ = 0;
   std::map<WorkerId, std::vector<TaskId>> dispatch_batches_;
 };

@@ -86,26 +86,28 @@ TEST(ClusterTest, ObjectsBeyondAWorkersCapacitySpillAndComeBackIntact) {
   }
 }
 
-TEST(ClusterTest, AKilledWorkersObjectsFailWithItsNameAndTasksRetryElsewhere) {
+// A worker dies holding the only copies of two task outputs. One is rebuilt from its lineage on
+// the other worker (its task runs again from the driver's Put); the other cannot be (the driver
+// let go of the Put it came from) and fails naming the dead worker. A task running there is
+// retried elsewhere.
+TEST(ClusterTest, AKilledWorkersObjectsAreRebuiltOrFailWithItsNameAndTasksRetryElsewhere) {
   ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
-  // An object that lives only on one worker (4 MiB: not inline).
-  ASSERT_OK_AND_ASSIGN(ObjectRef big, cluster->Put(RandomTensor({1 << 20}, 3)));
-  ASSERT_OK_AND_ASSIGN(auto produced, cluster->Submit("gelu_forward", {big}));
-  ASSERT_OK(cluster->Wait(produced, 10'000));
-  // Find the worker that ran it (it did one task; a heartbeat says so) and kill it.
-  int victim_pid = 0;
-  std::string victim_name;
-  ASSERT_TRUE(Eventually([&] {
-    Result<ClusterInfo> info = cluster->Info();
-    if (!info.ok()) return false;
-    for (const WorkerInfo& worker : info->workers) {
-      if (worker.tasks_done > 0 || worker.tasks_running > 0) {
-        victim_pid = worker.pid;
-        victim_name = worker.id.ToString();
-      }
-    }
-    return victim_pid != 0;
-  })) << "no worker reported running the task";
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ASSERT_EQ(info.workers.size(), 2u);
+  const WorkerInfo victim = info.workers[0];
+  SubmitOptions on_victim;
+  on_victim.pinned_worker = victim.id;
+  // 4 MiB each: not inline, so the only copies are on the victim.
+  const Tensor kept_input = RandomTensor({1 << 20}, 3);
+  ASSERT_OK_AND_ASSIGN(ObjectRef kept, cluster->Put(kept_input));
+  ASSERT_OK_AND_ASSIGN(auto rebuildable, cluster->Submit("gelu_forward", {kept}, {}, on_victim));
+  std::vector<ObjectRef> unrebuildable;
+  {
+    ASSERT_OK_AND_ASSIGN(ObjectRef dropped, cluster->Put(RandomTensor({1 << 20}, 4)));
+    ASSERT_OK_AND_ASSIGN(unrebuildable, cluster->Submit("gelu_forward", {dropped}, {}, on_victim));
+    ASSERT_OK(cluster->Wait(unrebuildable, 10'000));
+  }  // the driver lets go of the Put: it is freed, and nothing could make it again
+  ASSERT_OK(cluster->Wait(rebuildable, 10'000));
   // A slow task is running when the worker dies: it must be retried on the other worker.
   ASSERT_OK_AND_ASSIGN(ObjectRef small, cluster->Put(FloatTensor({2}, {4, 5})));
   std::vector<ObjectRef> slow;
@@ -114,25 +116,55 @@ TEST(ClusterTest, AKilledWorkersObjectsFailWithItsNameAndTasksRetryElsewhere) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const auto killed_at = std::chrono::steady_clock::now();
-  ASSERT_EQ(::kill(victim_pid, SIGKILL), 0);
+  ASSERT_EQ(::kill(victim.pid, SIGKILL), 0);
 
-  Result<Tensor> lost = cluster->Get(produced[0], 10'000);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-  ASSERT_FALSE(lost.ok()) << "the only copy died with its worker";
-  EXPECT_LT(seconds, 10.0);
-  EXPECT_NE(lost.status().message().find(victim_name), std::string::npos)
+  ASSERT_OK_AND_ASSIGN(Tensor rebuilt, cluster->Get(rebuildable[0], 20'000));
+  ASSERT_OK_AND_ASSIGN(auto expected, RunKernel("gelu_forward", {kept_input}));
+  EXPECT_EQ(ToVector(rebuilt), ToVector(expected[0])) << "rebuilt from its lineage";
+  std::printf("rebuilt a lost object %.2f s after its worker was killed\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count());
+  Result<Tensor> lost = cluster->Get(unrebuildable[0], 10'000);
+  ASSERT_FALSE(lost.ok()) << "its only copy died with its worker, and its input is gone";
+  EXPECT_NE(lost.status().message().find(victim.id.ToString()), std::string::npos)
       << lost.status().ToString();
   EXPECT_NE(lost.status().message().find("died"), std::string::npos) << lost.status().ToString();
-  // A new task on the lost object fails naming it.
-  ASSERT_OK_AND_ASSIGN(auto after, cluster->Submit("gelu_forward", {produced[0]}));
-  Result<Tensor> failed = cluster->Get(after[0], 10'000);
-  ASSERT_FALSE(failed.ok());
+  // A new task on the lost object fails naming it; one on the rebuilt object runs.
+  ASSERT_OK_AND_ASSIGN(auto after, cluster->Submit("gelu_forward", {unrebuildable[0]}));
+  EXPECT_FALSE(cluster->Get(after[0], 10'000).ok());
+  ASSERT_OK_AND_ASSIGN(auto onward, cluster->Submit("gelu_forward", {rebuildable[0]}));
+  EXPECT_OK(cluster->Wait(onward, 10'000));
   // The slow tasks finish: whichever ran on the dead worker was retried.
   for (const ObjectRef& ref : slow) {
     ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(ref, 15'000));
     EXPECT_EQ(ToVector(value), (std::vector<float>{4, 5}));
   }
+}
+
+// A chain of three tasks whose intermediates the driver let go of: its last object, lost with its
+// worker, comes back from a rerun of the whole chain on the worker that survives.
+TEST(ClusterTest, AChainOfThreeIsRebuiltFromItsLineage) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo victim = info.workers[1];
+  SubmitOptions on_victim;
+  on_victim.pinned_worker = victim.id;
+  const Tensor x = RandomTensor({1 << 20}, 8);
+  ASSERT_OK_AND_ASSIGN(ObjectRef input, cluster->Put(x));
+  ObjectRef last;
+  {
+    ObjectRef link = input;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_OK_AND_ASSIGN(auto next, cluster->Submit("gelu_forward", {link}, {}, on_victim));
+      link = next[0];
+    }
+    last = link;
+    ASSERT_OK(cluster->Wait({last}, 10'000));
+  }  // the intermediates are let go of and freed
+  ASSERT_EQ(::kill(victim.pid, SIGKILL), 0);
+  ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(last, 20'000));
+  Tensor expected = x;
+  for (int i = 0; i < 3; ++i) expected = (*RunKernel("gelu_forward", {expected}))[0];
+  EXPECT_EQ(ToVector(value), ToVector(expected));
 }
 
 // Raw connections to the scheduler: garbage, and valid messages that make no sense.

@@ -303,6 +303,62 @@ TEST_F(SchedulerCoreTest, ObjectsLostWithAWorkerFailEverythingThatNeedsThem) {
             std::string::npos);
 }
 
+// A chain put -> t10 -> o2 -> t11 -> o3 -> t12 -> o4 ran on w1; the driver keeps only o4, so o2
+// and o3 were freed. w1 dies with o4: the chain runs again on w2 from the put, one task after
+// the other, and the driver gets o4 from w2.
+TEST_F(SchedulerCoreTest, ALostObjectIsRebuiltFromItsLineageThroughFreedInputs) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Put(driver, 1, 1 << 20, /*inline_data=*/false);
+  for (uint64_t t = 10; t <= 12; ++t) {
+    Submit(driver, t, t - 9, t - 8, 1 << 20);
+    core_.Flush();
+    ASSERT_EQ(Dispatched(w1), (std::vector<uint64_t>{t}));
+    Finish(w1, t, t - 8, 4 << 20);
+  }
+  Release(driver, 2);
+  Release(driver, 3);
+  EXPECT_EQ(core_.num_objects(), 2u);  // the put and o4
+  core_.Disconnected(w1, Unavailable("killed"));
+  for (uint64_t t = 10; t <= 12; ++t) {
+    core_.Flush();
+    ASSERT_EQ(Dispatched(w2), (std::vector<uint64_t>{t})) << "task t" << t << " runs again";
+    Finish(w2, t, t - 8, 4 << 20);
+  }
+  Watch(driver, 4);
+  core_.Flush();
+  auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
+  ASSERT_EQ(ready.size(), 1u);
+  auto object = BodyOf(ready[0]).getObjectsReady().getObjects()[0];
+  ASSERT_FALSE(object.hasError()) << rpc::ToString(object.getError().getMessage());
+  EXPECT_EQ(object.getSource().getHolder(), w2.value());
+  EXPECT_EQ(core_.num_objects(), 2u) << "the rebuilt intermediates are freed again";
+}
+
+// Each task runs again at most max_task_attempts (3) times; then the lost object fails, saying so.
+TEST_F(SchedulerCoreTest, RebuildingStopsAtTheBudget) {
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  WorkerId holder = Join(proto::Role::WORKER);
+  Put(driver, 1, 1 << 20, /*inline_data=*/false);
+  Submit(driver, 10, 1, 2, 1 << 20);
+  core_.Flush();
+  ASSERT_EQ(Dispatched(holder), (std::vector<uint64_t>{10}));
+  Finish(holder, 10, 2, 4 << 20);
+  for (int rebuilds = 1; rebuilds <= 3; ++rebuilds) {
+    const WorkerId next = Join(proto::Role::WORKER);
+    core_.Disconnected(holder, Unavailable("killed"));
+    core_.Flush();
+    ASSERT_EQ(Dispatched(next), (std::vector<uint64_t>{10})) << "rebuild " << rebuilds;
+    Finish(next, 10, 2, 4 << 20);
+    holder = next;
+  }
+  Join(proto::Role::WORKER);
+  core_.Disconnected(holder, Unavailable("killed"));
+  Watch(driver, 2);
+  const std::string error = ReadyError(driver);
+  EXPECT_NE(error.find("only copy was on"), std::string::npos) << error;
+  EXPECT_NE(error.find("its task 't10' was run again 3 times already"), std::string::npos) << error;
+}
+
 TEST_F(SchedulerCoreTest, ATaskOnAFailedInputFailsWithoutDisturbingOtherReaders) {
   const WorkerId worker = Join(proto::Role::WORKER);
   const WorkerId driver = Join(proto::Role::DRIVER);
