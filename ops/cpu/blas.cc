@@ -61,14 +61,14 @@ int64_t GemmPieces(int64_t m, int64_t n, int64_t k, int64_t split_min_flops) {
   const double flops =
       2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   const int64_t extent = std::max(m, n);
-  if (flops < static_cast<double>(split_min_flops) || extent < 2 * kGemmPieceQuantum) return 1;
+  if (flops < static_cast<double>(split_min_flops) || extent < 2 * kGemmMinPieceExtent) return 1;
   // As many pieces as the product has split_min_flops-sized parts, within the cap, each at
   // least a quantum long. Nothing here depends on the machine or the thread count.
   const double parts = flops / static_cast<double>(std::max<int64_t>(split_min_flops, 1));
   const int64_t by_flops = parts >= static_cast<double>(kGemmMaxPieces)
                                ? kGemmMaxPieces
                                : std::max<int64_t>(1, static_cast<int64_t>(parts));
-  return std::min({by_flops, kGemmMaxPieces, extent / kGemmPieceQuantum});
+  return std::min({by_flops, kGemmMaxPieces, extent / kGemmMinPieceExtent});
 }
 
 void Gemm(Transpose transpose_a, Transpose transpose_b, int64_t m, int64_t n, int64_t k,

@@ -62,10 +62,12 @@ TEST_P(GemmTest, AnyThreadCountGivesTheSameBitsAndMatchesNaive) {
 TEST(GemmPiecesTest, PiecesDependOnTheShapeOnly) {
   using cpu::GemmPieces;
   EXPECT_EQ(GemmPieces(512, 768, 768, cpu::kNeverSplit), 1);
-  EXPECT_EQ(GemmPieces(31, 31, 1000, 1), 1);  // too narrow to cut
-  EXPECT_EQ(GemmPieces(97, 33, 17, 1), 6);    // 97 / 16
+  EXPECT_EQ(GemmPieces(255, 31, 1000, 1), 1);  // too short for two pieces
+  EXPECT_EQ(GemmPieces(515, 33, 17, 1), 4);    // 515 rows / 128
+  EXPECT_EQ(GemmPieces(40, 700, 9, 1), 5);     // 700 columns / 128
+  EXPECT_EQ(GemmPieces(256, 256, 50257, 4'000'000), 2);
   EXPECT_EQ(GemmPieces(512, 2304, 768, 4'000'000), cpu::kGemmMaxPieces);
-  EXPECT_EQ(GemmPieces(64, 64, 64, 200'000), 2);  // 524288 flops: two 200k parts
+  EXPECT_EQ(GemmPieces(512, 512, 2, 400'000), 2);  // 1 Mflop: two 400k parts
   for (int threads : {1, 2, 7}) {
     tbb::task_arena arena(threads);
     arena.execute([] { EXPECT_EQ(cpu::GemmPieces(4096, 64, 64, 1), cpu::kGemmMaxPieces); });
@@ -73,7 +75,11 @@ TEST(GemmPiecesTest, PiecesDependOnTheShapeOnly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
-                         ::testing::Values(GemmCase{Transpose::kNo, Transpose::kNo, 97, 33, 17},
+                         ::testing::Values(GemmCase{Transpose::kNo, Transpose::kNo, 515, 33, 17},
+                                           GemmCase{Transpose::kNo, Transpose::kYes, 40, 700, 9},
+                                           GemmCase{Transpose::kYes, Transpose::kNo, 300, 64, 31},
+                                           GemmCase{Transpose::kYes, Transpose::kYes, 41, 300, 5},
+                                           GemmCase{Transpose::kNo, Transpose::kNo, 97, 33, 17},
                                            GemmCase{Transpose::kNo, Transpose::kYes, 33, 130, 9},
                                            GemmCase{Transpose::kYes, Transpose::kNo, 64, 50, 31},
                                            GemmCase{Transpose::kYes, Transpose::kYes, 41, 77, 5},
