@@ -23,7 +23,10 @@ scripts/install_deps.sh
 dir="build-${sanitizers//,/-}"
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTESSERA_SANITIZE="$sanitizers" \
   -DTESSERA_BUILD_BENCH=OFF -DTESSERA_ENABLE_CUDA=OFF
-cmake --build "$dir" -j "$(nproc)"
+# Only the unit tests (and what they link) when only unit tests run: half the build.
+target=all
+[[ " $* " == *" -L unit "* ]] && target=unit_tests
+cmake --build "$dir" -j "$(nproc)" --target "$target"
 suppressions="$PWD/tests/sanitizers"
 # UCX's memory hooks (libucm patches mmap/madvise/malloc in every loaded library) fight the
 # sanitizers' own interceptors (TSan crashes in ucm_madvise at thread start). Tessera needs none
