@@ -714,6 +714,8 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
                            SessionProcesses{.binary = binary, .detached = false}));
   std::unique_ptr<Cluster> cluster(new Cluster());  // stops what was started if a step fails
   cluster->session_dir_ = session.dir();
+  cluster->local_options_ = options;
+  cluster->local_options_.tessera_binary = binary;
   TESSERA_ASSIGN_OR_RETURN(
       StartedScheduler scheduler,
       session.StartScheduler(
@@ -732,6 +734,8 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   };
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
   cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
+  cluster->local_address_ = scheduler.local_address;
+  cluster->started_workers_ = options.cpu_workers;
 
   cluster->client_ = std::make_shared<detail::ClusterClient>();
   ConnectOptions connect;
@@ -745,6 +749,39 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
       },
       options.cpu_workers, pids, workers, options.start_timeout_ms));
   return cluster;
+}
+
+Status Cluster::AddLocalWorkers(int count) {
+  if (local_address_.empty()) {
+    return InvalidArgument(
+        "only a local cluster (Cluster::StartLocal) starts workers; on a running cluster start "
+        "them with `tessera start --cpu-workers N --address {}`",
+        address_);
+  }
+  TESSERA_ASSIGN_OR_RETURN(
+      LocalSession session,
+      LocalSession::Open(session_dir_, SessionProcesses{.binary = local_options_.tessera_binary,
+                                                        .detached = false}));
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo before, client_->Info(5000));
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const WorkerLaunch workers{
+      .scheduler = local_address_,
+      .count = count,
+      .threads = local_options_.threads_per_worker > 0
+                     ? local_options_.threads_per_worker
+                     : std::max(1, cores / std::max(1, local_options_.cpu_workers)),
+      .host_memory_mb = local_options_.host_capacity_bytes >> 20,
+      .tag = fmt::format("added{}", started_workers_),
+  };
+  started_workers_ += count;
+  TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
+  processes_.insert(processes_.end(), pids.begin(), pids.end());
+  return session.AwaitWorkers(
+      [&]() -> Result<int> {
+        TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, client_->Info(2000));
+        return info.alive_workers();
+      },
+      before.alive_workers() + count, pids, workers, local_options_.start_timeout_ms);
 }
 
 Cluster::~Cluster() {

@@ -177,6 +177,9 @@ class Cluster {
   const std::string& session_dir() const { return session_dir_; }
   // Processes this Cluster started (StartLocal): the scheduler first, then the workers.
   const std::vector<pid_t>& local_processes() const { return processes_; }
+  // A local cluster (StartLocal): starts `count` more workers like the first ones and waits
+  // until they joined (replacements for lost ones). InvalidArgument on a connected cluster.
+  Status AddLocalWorkers(int count);
 
  private:
   Cluster() = default;
@@ -184,6 +187,10 @@ class Cluster {
   std::string address_;
   std::string session_dir_;
   std::vector<pid_t> processes_;
+  // StartLocal's: how workers were started, and the scheduler's local address.
+  LocalClusterOptions local_options_;
+  std::string local_address_;
+  int started_workers_ = 0;
 };
 
 }  // namespace tessera

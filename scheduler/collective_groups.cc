@@ -45,6 +45,15 @@ Status CollectiveGroups::OnJoin(WorkerId from, proto::CollectiveJoin::Reader joi
   } else if (join.getEpoch() < group.epoch) {
     return Status::Ok();  // a late join from a formation that was abandoned
   }
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    if (!dead_.contains(group.members[r])) continue;
+    if (group.verdict.Decide(
+            Unavailable("{} (rank {} of collective group {}) is dead: the group cannot form again",
+                        describe_(group.members[r]), r, join.getGroup()))) {
+      SendVerdict(join.getGroup(), group);
+    }
+    return Status::Ok();
+  }
   const auto blob = join.getBlob();
   std::optional<std::vector<std::string>> all =
       group.rounds.Contribute(join.getRound(), rank, std::string(blob.begin(), blob.end()));
@@ -88,6 +97,7 @@ Status CollectiveGroups::OnFailed(WorkerId from, proto::CollectiveFailed::Reader
 }
 
 void CollectiveGroups::WorkerDied(WorkerId worker, const Status& reason) {
+  dead_.insert(worker);
   for (auto& [key, group] : groups_) {
     auto member = std::find(group.members.begin(), group.members.end(), worker);
     if (member == group.members.end()) continue;

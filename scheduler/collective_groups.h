@@ -17,7 +17,9 @@
 //   long the peer had been silent); reports arriving within `verdict_window` of the first are
 //   weighed together and the verdict names the peer whose silence began first — the stuck one,
 //   not a bystander it starved. Every member gets the verdict, so every member's error names
-//   the same worker.
+//   the same worker. A group with a dead member cannot form again: a join to it (a later
+//   collective of a failed step, reaching it first) gets the verdict at once instead of waiting
+//   for the member until the formation deadline.
 //
 // Thread safety: none; the scheduler's io thread drives it (like SchedulerCore).
 #pragma once
@@ -27,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -82,6 +85,8 @@ class CollectiveGroups {
   Describe describe_;
   const std::chrono::milliseconds verdict_window_;
   std::map<std::vector<WorkerId>, uint64_t> keys_;
+  // Workers declared dead: a group with one can never form again, and a join says so at once.
+  std::set<WorkerId> dead_;
   std::map<uint64_t, Group> groups_;
   uint64_t next_key_ = 1;
 };

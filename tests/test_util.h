@@ -29,6 +29,11 @@ bool Eventually(const std::function<bool()>& condition,
 // run concurrently, one per test and once more per OpenBLAS kernel family).
 std::string TempPath(const std::string& name);
 
+// The live (not zombie) children of process `parent`.
+std::vector<int> LiveChildren(int parent);
+// Process `pid`'s command line, its arguments separated by spaces ("" when it is gone).
+std::string CommandLine(int pid);
+
 // Whether process `pid` has exited (gone from /proc, or a zombie nobody reaped yet).
 bool ProcessGone(int pid);
 

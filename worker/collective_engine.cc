@@ -162,6 +162,7 @@ void CollectiveEngine::Submit(const StreamId& stream, int64_t position, Collecti
 
 void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
   Stream ended;
+  std::shared_ptr<SchedulerRendezvous> forming;
   {
     std::lock_guard lock(mutex_);
     auto it = streams_.find(stream);
@@ -175,9 +176,12 @@ void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
       auto group = groups_.find(running_group_);
       if (group != groups_.end() && group->second.communicator) {
         group->second.communicator->Abort(reason);
+      } else if (group != groups_.end()) {
+        forming = group->second.rendezvous;  // still forming: that stops too
       }
     }
   }
+  if (forming) forming->Fail(reason);
   const Status why =
       reason.ok() ? Cancelled("the instance ended before this collective ran") : reason;
   for (auto& [position, queued] : ended.queued) queued.done(why);

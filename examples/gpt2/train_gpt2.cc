@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/recovery.h"
 #include "driver/token_dataset.h"
 
 namespace {
@@ -64,6 +66,10 @@ struct Flags {
   std::string address;
   std::string token_file;
   std::string placement = "scheduler";
+  int max_restarts = 0;
+  int min_workers = 1;
+  bool replace_workers = false;
+  int replacement_grace_ms = -1;  // -1: none on a local cluster, unless replacing; else 10 s
 };
 
 struct ResolvedShape {
@@ -206,6 +212,16 @@ int Run(const Flags& flags) {
   if (flags.resume && flags.checkpoint_dir.empty()) {
     return Fail(tessera::InvalidArgument("--resume needs --checkpoint-dir (where to resume from)"));
   }
+  if (flags.max_restarts > 0 && (flags.checkpoint_dir.empty() || flags.workers == 0)) {
+    return Fail(tessera::InvalidArgument(
+        "--max-restarts recovers a run on a cluster from its checkpoints: it needs --workers "
+        "(with --address or a local cluster) and --checkpoint-dir"));
+  }
+  if (flags.replace_workers && !flags.address.empty()) {
+    return Fail(tessera::InvalidArgument(
+        "--replace-workers starts workers of a local cluster; on a running cluster start them "
+        "with `tessera start --cpu-workers N` (recovery waits --replacement-grace-ms for them)"));
+  }
   if (Status valid = plan.Validate(tessera::DescribeGpt2(config)); !valid.ok()) {
     return Fail(valid);  // refused before any process starts
   }
@@ -262,6 +278,26 @@ int Run(const Flags& flags) {
     std::fprintf(stderr, "train_gpt2: resumed from %s (step %lld)\n", loaded->path.c_str(),
                  static_cast<long long>(loaded->step));
   }
+  // Recovery from lost workers (driver/recovery.h): back to the last checkpoint, so there is one
+  // from the start.
+  std::unique_ptr<tessera::StepRecovery> recovery;
+  if (flags.max_restarts > 0) {
+    recovery = std::make_unique<tessera::StepRecovery>(
+        *cluster, config, plan,
+        flags.placement == "layers" ? tessera::ClusterPlacement::kLayersRoundRobin
+                                    : tessera::ClusterPlacement::kScheduler,
+        flags.checkpoint_dir,
+        tessera::RecoveryOptions{
+            .max_restarts = flags.max_restarts,
+            .min_workers = flags.min_workers,
+            // A local cluster gets workers back only if we start them; a running one may get
+            // them from its operator.
+            .replacement_grace_ms =
+                flags.replacement_grace_ms >= 0
+                    ? flags.replacement_grace_ms
+                    : (flags.replace_workers ? 30'000 : (flags.address.empty() ? 0 : 10'000)),
+            .start_replacements = flags.replace_workers});
+  }
   auto save = [&]() -> Status {
     tessera::Result<std::string> saved =
         tessera::SaveCheckpoint(**trainer, flags.checkpoint_dir, train_sampler->SaveState());
@@ -269,8 +305,13 @@ int Run(const Flags& flags) {
     std::fprintf(stderr, "train_gpt2: checkpoint %s\n", saved->c_str());
     return Status::Ok();
   };
+  if (recovery && !flags.resume) {
+    if (Status saved = save(); !saved.ok()) return Fail(saved);
+  }
   // Per rank: the largest figures of any step, and the last step's bytes sent.
   std::vector<tessera::RankFigures> rank_peaks;
+  // When the step of a recovery failed (reported once the next step completes).
+  std::optional<std::chrono::steady_clock::time_point> failed_at;
 
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
   std::vector<int32_t> targets(tokens.size());
@@ -286,7 +327,32 @@ int Run(const Flags& flags) {
     train_sampler->Next(tokens.data(), targets.data());
     tessera::Result<tessera::StepReport> report =
         (*trainer)->Step(tokens, targets, static_cast<float>(flags.lr));
+    if (!report.ok() && recovery && recovery->Recoverable(report.status(), **trainer)) {
+      if (!failed_at) failed_at = std::chrono::steady_clock::now();
+      auto recovered = recovery->Recover(i, report.status(), std::move(*trainer));
+      if (!recovered.ok()) {
+        return Fail(recovered.status().WithContext(fmt::format("recovering from step {}", i)));
+      }
+      *trainer = std::move(recovered->trainer);
+      if (Status rewound = train_sampler->RestoreState(recovered->checkpoint.sampler_state);
+          !rewound.ok()) {
+        return Fail(rewound.WithContext(recovered->checkpoint.path));
+      }
+      std::fprintf(stderr, "train_gpt2: %s\n", recovered->report.ToString().c_str());
+      rank_peaks.clear();              // the new plan's ranks
+      i = recovered->checkpoint.step;  // the loop goes on with the step after it: the replay
+      continue;
+    }
     if (!report.ok()) return Fail(report.status().WithContext(fmt::format("step {}", i)));
+    if (failed_at) {
+      std::fprintf(
+          stderr,
+          "train_gpt2: recovery %d: step %lld completed %.2f s after the failed step "
+          "returned\n",
+          recovery->restarts(), static_cast<long long>(i),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - *failed_at).count());
+      failed_at.reset();
+    }
     step_ms.push_back(report->step_ms);
     // The largest executor peak of any process that ran the step (this one, or each worker).
     peak_bytes = std::max(peak_bytes, report->peak_bytes);
@@ -383,7 +449,7 @@ int Run(const Flags& flags) {
     median = sorted[sorted.size() / 2];
   }
   std::printf(
-      "summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.4f "
+      "summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.6f "
       "peak_mb=%.1f\n",
       static_cast<long long>(flags.steps), median,
       median > 0 ? static_cast<double>(batch * seq_len) / (median / 1000.0) : 0.0, last_loss,
@@ -473,6 +539,20 @@ int main(int argc, char** argv) {
       ->excludes(in_process_flag);
   app.add_option("--token-file", flags.token_file,
                  "With --address: the cluster token (default: the latest session's)");
+  app.add_option("--max-restarts", flags.max_restarts,
+                 "Recover from lost workers up to K times: re-plan on the workers there are and "
+                 "resume from the last checkpoint (needs --workers and --checkpoint-dir)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-workers", flags.min_workers,
+                 "With --max-restarts: give up when fewer workers than this remain")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--replace-workers", flags.replace_workers,
+               "With --max-restarts on a local cluster: start a worker for each one lost");
+  app.add_option("--replacement-grace-ms", flags.replacement_grace_ms,
+                 "With --max-restarts: how long to wait for the cluster to be back at --workers "
+                 "before going on with fewer (default: 0 on a local cluster, 30000 with "
+                 "--replace-workers, 10000 with --address)")
+      ->check(CLI::Range(-1, 3'600'000));
   app.add_option("--placement", flags.placement,
                  "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
                  "round-robin over the workers)")

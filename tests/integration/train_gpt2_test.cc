@@ -108,7 +108,9 @@ TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
   EXPECT_NE(too_wide.output.find("--vocab 301"), std::string::npos) << too_wide.output;
 }
 
-TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
+// Data parallel on two workers matches one process within the plans' tolerance (architecture.md:
+// gradients are sums of per-rank partial sums); a layer split matches it exactly.
+TEST(TrainGpt2Test, ALocalClusterTrainsLikeOneProcessAndALayerSplitExactly) {
   ProcessResult alone = RunTrainGpt2("--steps 20 --log-every 20 --threads 1");
   ProcessResult cluster = RunTrainGpt2("--steps 20 --log-every 20 --threads 1 --workers 2");
   ProcessResult spread =
@@ -118,7 +120,8 @@ TEST(TrainGpt2Test, ALocalClusterOfWorkersTrainsExactlyLikeOneProcess) {
   ASSERT_EQ(spread.exit_code, 0) << spread.output;
   const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
   EXPECT_GT(expected, 0);
-  EXPECT_EQ(FirstMatch(cluster.output, R"(final_loss=([0-9.]+))"), expected) << cluster.output;
+  EXPECT_NEAR(FirstMatch(cluster.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << cluster.output;
   EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
   EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
 }
@@ -141,8 +144,8 @@ TEST(TrainGpt2Test, ZeroRunsCheckpointAndResumeOnAnotherPlan) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
-  EXPECT_EQ(FirstMatch(second.output, R"(final_loss=([0-9.]+))"),
-            FirstMatch(whole.output, R"(final_loss=([0-9.]+))"))
+  const double whole_loss = FirstMatch(whole.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(second.output, R"(final_loss=([0-9.]+))"), whole_loss, 1e-5 * whole_loss)
       << second.output;
   EXPECT_GT(FirstMatch(first.output, R"(worker rank 1 \(worker\d+\): peak params ([0-9.]+) MB)"), 0)
       << first.output;
@@ -159,24 +162,6 @@ TEST(TrainGpt2Test, ZeroRunsCheckpointAndResumeOnAnotherPlan) {
 }
 
 // Children of `parent` that are still running (zombies count as gone).
-std::vector<pid_t> LiveChildren(pid_t parent) {
-  std::vector<pid_t> children;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    char state = 0;
-    pid_t ppid = 0;
-    rest >> state >> ppid;
-    if (ppid == parent && state != 'Z') children.push_back(std::stoi(name));
-  }
-  return children;
-}
 
 TEST(TrainGpt2Test, KillingTheDriverTakesItsLocalClusterDown) {
   const pid_t driver = ::fork();

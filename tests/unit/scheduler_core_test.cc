@@ -924,7 +924,7 @@ TEST_F(CollectiveGroupsTest, TheVerdictNamesThePeerWhoseSilenceBeganFirst) {
   for (WorkerId member : {a_, b_, c_}) EXPECT_EQ(AbortMessage(member), "heard nothing from c");
 }
 
-TEST_F(CollectiveGroupsTest, ADeathIsCertainAndANewEpochFormsTheGroupAgain) {
+TEST_F(CollectiveGroupsTest, ADeathIsCertainAndTheGroupCannotFormAgain) {
   const uint64_t group = groups_.GroupFor({a_, b_});
   groups_.WorkerDied(b_, Unavailable("no heartbeat for 3000 ms"));
   EXPECT_NE(AbortMessage(a_).find("worker2 (rank 1 of collective group"), std::string::npos);
@@ -933,10 +933,21 @@ TEST_F(CollectiveGroupsTest, ADeathIsCertainAndANewEpochFormsTheGroupAgain) {
   now_ += std::chrono::seconds(1);
   groups_.Tick(now_);
   EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_ABORT).empty());
-  // The members form it again (epoch 2): the exchange works as new.
+  // A later collective of the group (a failed step's) tries to form it again: it is told at once
+  // that it cannot, instead of waiting for the dead member until its deadline.
+  ASSERT_OK(Join(a_, group, 2, 0, 0, 2, "A2"));
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_PEERS).empty());
+  EXPECT_NE(AbortMessage(a_).find("is dead: the group cannot form again"), std::string::npos);
+}
+
+TEST_F(CollectiveGroupsTest, AfterAVerdictThatIsNotADeathANewEpochFormsTheGroupAgain) {
+  const uint64_t group = groups_.GroupFor({a_, b_});
+  groups_.Abort(group, Internal("member 'x' failed before it ran"));
+  EXPECT_NE(AbortMessage(a_).find("failed before it ran"), std::string::npos);
   ASSERT_OK(Join(a_, group, 2, 0, 0, 2, "A2"));
   ASSERT_OK(Join(b_, group, 2, 0, 1, 2, "B2"));
   EXPECT_EQ(outbox_.Take(a_, Body::COLLECTIVE_PEERS).size(), 1u);
+  EXPECT_EQ(outbox_.Take(b_, Body::COLLECTIVE_PEERS).size(), 1u);
 }
 
 }  // namespace

@@ -1,0 +1,146 @@
+#include "driver/recovery.h"
+
+#include <algorithm>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/logging.h"
+#include "zero/model.h"
+
+namespace tessera {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kPoll = std::chrono::milliseconds(50);
+
+}  // namespace
+
+std::string RecoveryReport::ToString() const {
+  return fmt::format(
+      "recovery {}: step {} failed ({}); lost {}; restored step {} from {}; {} ranks now ({}); "
+      "replaying {} step(s); ready in {:.2f} s",
+      restart, failed_step, error, lost, restored_step, restored_from, workers, plan, replayed(),
+      seconds);
+}
+
+StepRecovery::StepRecovery(Cluster& cluster, Gpt2Config config, TrainingPlan plan,
+                           ClusterPlacement placement, std::string checkpoint_dir,
+                           RecoveryOptions options)
+    : cluster_(cluster),
+      config_(std::move(config)),
+      plan_(std::move(plan)),
+      placement_(placement),
+      checkpoint_dir_(std::move(checkpoint_dir)),
+      options_(options) {
+  if (Result<ClusterInfo> info = cluster_.Info(); info.ok()) Remember(*info);
+}
+
+void StepRecovery::Remember(const ClusterInfo& info) {
+  for (const WorkerInfo& worker : info.workers) {
+    described_[worker.id] =
+        fmt::format("{} (pid {} on {})", worker.id.ToString(), worker.pid, worker.hostname);
+  }
+}
+
+Result<std::vector<std::string>> StepRecovery::LostWorkers(
+    const std::vector<WorkerId>& plan_workers) {
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_.Info());
+  Remember(info);
+  std::vector<std::string> lost;
+  for (WorkerId id : plan_workers) {
+    auto it = std::find_if(info.workers.begin(), info.workers.end(),
+                           [&](const WorkerInfo& worker) { return worker.id == id; });
+    if (it == info.workers.end() || !it->alive) {
+      auto described = described_.find(id);
+      lost.push_back(described != described_.end() ? described->second : id.ToString());
+    }
+  }
+  return lost;
+}
+
+bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
+  if (error.ok() || restarts_ >= options_.max_restarts) return false;
+  last_plan_workers_ = trainer.plan().parallel.workers;
+  if (last_plan_workers_.empty()) last_plan_workers_ = trainer.backend().workers();
+  // The step may fail (a peer's pull, a collective abort) a moment before the scheduler has
+  // marked the worker dead: ask until it has, or until it would have.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.detect_ms);
+  while (true) {
+    Result<std::vector<std::string>> lost = LostWorkers(last_plan_workers_);
+    if (lost.ok() && !lost->empty()) return true;
+    if (!lost.ok() || Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+Result<int> StepRecovery::AwaitWorkers(int want) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.replacement_grace_ms);
+  while (true) {
+    TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_.Info());
+    const int alive = info.alive_workers();
+    if (alive >= want || Clock::now() >= deadline) return alive;
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const Status& error,
+                                                      std::unique_ptr<Gpt2Trainer> trainer) {
+  const auto start = Clock::now();
+  ++restarts_;
+  RecoveryReport report;
+  report.restart = restarts_;
+  report.failed_step = failed_step;
+  report.error = error.ToString();
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> lost, LostWorkers(last_plan_workers_));
+  report.lost = lost.empty() ? "no worker (the step failed on its own)"
+                             : fmt::format("{}", fmt::join(lost, ", "));
+  trainer.reset();  // its state is not trusted; the checkpoint is
+  GetLogger("recovery")
+      ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
+
+  const int want = std::max(1, plan_.parallel.data_parallel);
+  if (options_.start_replacements && !lost.empty()) {
+    if (Status added = cluster_.AddLocalWorkers(static_cast<int>(lost.size())); !added.ok()) {
+      GetLogger("recovery")->warn("could not start replacements: {}", added.ToString());
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(const int alive, AwaitWorkers(want));
+  // As many ranks as asked if there are enough, else the most the batch divides.
+  TrainingPlan plan = plan_;
+  plan.parallel.workers.clear();
+  int ranks = std::min(want, alive);
+  for (; ranks >= options_.min_workers && ranks >= 1; --ranks) {
+    plan.parallel.data_parallel = ranks;
+    if (plan.Validate(DescribeGpt2(config_)).ok()) break;
+  }
+  if (ranks < std::max(1, options_.min_workers)) {
+    return Infeasible(
+        "after losing {}, {} worker(s) are alive and no plan of at least {} rank(s) fits the "
+        "batch of {} (it must divide by ranks x {} micro-batches): start {} more worker(s) or "
+        "lower --min-workers",
+        report.lost, alive, options_.min_workers, plan.batch, plan.parallel.grad_accum,
+        std::max(0, want - alive));
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeClusterBackend(cluster_, placement_));
+  Recovered recovered;
+  TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
+                           Gpt2Trainer::Create(config_, plan, std::move(backend)));
+  TESSERA_ASSIGN_OR_RETURN(recovered.checkpoint,
+                           LoadCheckpoint(*recovered.trainer, checkpoint_dir_));
+  report.restored_from = recovered.checkpoint.path;
+  report.restored_step = recovered.checkpoint.step;
+  report.workers = ranks;
+  report.plan = recovered.trainer->plan().parallel.ToString();
+  report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  recovered.report = report;
+  reports_.push_back(report);
+  GetLogger("recovery")->warn("{}", report.ToString());
+  return recovered;
+}
+
+}  // namespace tessera

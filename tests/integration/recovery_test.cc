@@ -1,0 +1,183 @@
+// Training that survives lost workers, as a user meets it: `train_gpt2 --max-restarts` on a local
+// cluster of 4 workers, ZeRO-3, a worker SIGKILLed or SIGSTOPped at some step. The run recovers
+// (re-plans on the workers there are, restores the last checkpoint, replays), ends all its steps,
+// and its final loss is the uninterrupted run's within the plans' tolerance (1e-5 relative: a
+// 3-rank plan sums in another order than a 4-rank one). Each test prints the time from the
+// fault to the first step completed after it.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// 24 steps of GPT-2 tiny, batch 12 (divisible by 4, 3 and 2 ranks), a checkpoint every 4 steps.
+constexpr const char* kRun =
+    "--workers 4 --zero-stage 3 --batch 12 --steps 24 --threads 1 --log-every 1 "
+    "--checkpoint-every 4";
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+struct Training {
+  pid_t pid = -1;
+  std::string log;
+  std::string output() const { return ReadAll(log); }
+};
+
+// Starts train_gpt2 with kRun, checkpoints and output under a directory of its own.
+Training Start(const std::string& name, const std::string& extra = "", int max_restarts = 2) {
+  const std::string dir = TempPath(name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  Training training;
+  training.log = dir + "/output.txt";
+  const std::string command =
+      fmt::format("{} {} --max-restarts {} --checkpoint-dir {}/checkpoints {} > {} 2>&1",
+                  BinaryPath("train_gpt2"), kRun, max_restarts, dir, extra, training.log);
+  training.pid = ::fork();
+  if (training.pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return training;
+}
+
+// Waits for the run to end; its exit code (-1 if it is still running after the limit).
+int Finish(Training& training) {
+  int status = 0;
+  if (!Eventually([&] { return ::waitpid(training.pid, &status, WNOHANG) == training.pid; },
+                  std::chrono::seconds(240))) {
+    ::kill(training.pid, SIGKILL);
+    ::waitpid(training.pid, &status, 0);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+bool WaitFor(const Training& training, const std::string& text) {
+  return Eventually([&] { return training.output().find(text) != std::string::npos; },
+                    std::chrono::seconds(120), std::chrono::milliseconds(5));
+}
+
+// The pids of the run's worker processes (children of the driver running `tessera worker`).
+std::vector<int> Workers(const Training& training) {
+  std::vector<int> workers;
+  for (int child : LiveChildren(training.pid)) {
+    if (CommandLine(child).find(" worker ") != std::string::npos) workers.push_back(child);
+  }
+  return workers;
+}
+
+double FinalLoss(const std::string& output) {
+  std::smatch match;
+  if (!std::regex_search(output, match,
+                         std::regex(R"(summary: steps=24 .*final_loss=([0-9.]+))"))) {
+    return -1;
+  }
+  return std::stod(match[1]);
+}
+
+// Faults `signal` on one worker once the run has done step `at`; returns the seconds from the
+// fault to the first step completed after the recovery.
+double FaultAndTime(Training& training, int at, int signal, int recovery) {
+  EXPECT_TRUE(WaitFor(training, fmt::format("step {}/24", at))) << training.output();
+  const std::vector<int> workers = Workers(training);
+  EXPECT_GE(workers.size(), 2u) << training.output();
+  if (workers.size() < 2) return -1;
+  const auto fault = Clock::now();
+  EXPECT_EQ(::kill(workers[1], signal), 0);
+  // Recovery `recovery`'s own line for its first completed step (not an earlier recovery's).
+  const std::regex completed(fmt::format(R"(recovery {}: step \d+ completed)", recovery));
+  EXPECT_TRUE(Eventually([&] { return std::regex_search(training.output(), completed); },
+                         std::chrono::seconds(120), std::chrono::milliseconds(5)))
+      << training.output();
+  const double seconds = std::chrono::duration<double>(Clock::now() - fault).count();
+  if (signal == SIGSTOP) ::kill(workers[1], SIGKILL);  // it stays stopped otherwise
+  return seconds;
+}
+
+class RecoveryTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    Training reference = Start("recovery_reference");
+    ASSERT_EQ(Finish(reference), 0) << reference.output();
+    reference_loss_ = FinalLoss(reference.output());
+    ASSERT_GT(reference_loss_, 0) << reference.output();
+  }
+  // The run ended every step, recovered `recoveries` times onto `ranks` ranks, and matches the
+  // uninterrupted run.
+  static void ExpectRecovered(Training& training, int recoveries, int ranks) {
+    ASSERT_EQ(Finish(training), 0) << training.output();
+    const std::string output = training.output();
+    EXPECT_NE(output.find(fmt::format("recovery {}: step", recoveries)), std::string::npos)
+        << output;
+    EXPECT_EQ(output.find(fmt::format("recovery {}: step", recoveries + 1)), std::string::npos)
+        << output;
+    EXPECT_NE(output.find(fmt::format("{} ranks now", ranks)), std::string::npos) << output;
+    EXPECT_NE(output.find("restored step"), std::string::npos) << output;
+    const double loss = FinalLoss(output);
+    EXPECT_NEAR(loss, reference_loss_, 1e-5 * reference_loss_) << output;
+  }
+  static double reference_loss_;
+};
+double RecoveryTest::reference_loss_ = 0;
+
+TEST_F(RecoveryTest, AKilledWorkerOfFourIsReplannedOnThree) {
+  Training training = Start("recovery_killed");
+  const double seconds = FaultAndTime(training, 9, SIGKILL, 1);
+  ExpectRecovered(training, 1, 3);
+  std::printf("SIGKILL, 4 -> 3 workers: first step after recovery %.2f s after the kill\n",
+              seconds);
+}
+
+TEST_F(RecoveryTest, AReplacementWorkerKeepsTheRunOnFour) {
+  Training training = Start("recovery_replaced", "--replace-workers");
+  const double seconds = FaultAndTime(training, 9, SIGKILL, 1);
+  ExpectRecovered(training, 1, 4);
+  std::printf("SIGKILL, replaced, 4 workers: first step after recovery %.2f s after the kill\n",
+              seconds);
+}
+
+TEST_F(RecoveryTest, AStoppedWorkerIsDeclaredDeadAndReplannedAround) {
+  Training training = Start("recovery_stopped");
+  const double seconds = FaultAndTime(training, 9, SIGSTOP, 1);
+  ExpectRecovered(training, 1, 3);
+  std::printf("SIGSTOP, 4 -> 3 workers: first step after recovery %.2f s after the stop\n",
+              seconds);
+}
+
+TEST_F(RecoveryTest, TwoWorkersLostOneAfterAnother) {
+  Training training = Start("recovery_twice");
+  const double first = FaultAndTime(training, 7, SIGKILL, 1);
+  const double second = FaultAndTime(training, 15, SIGKILL, 2);
+  ExpectRecovered(training, 2, 2);
+  std::printf("two SIGKILLs, 4 -> 3 -> 2 workers: %.2f s and %.2f s to the next step\n", first,
+              second);
+}
+
+TEST_F(RecoveryTest, WithoutRestartsALostWorkerEndsTheRunNamingIt) {
+  Training training = Start("recovery_none", "", /*max_restarts=*/0);
+  ASSERT_TRUE(WaitFor(training, "step 9/24")) << training.output();
+  const std::vector<int> workers = Workers(training);
+  ASSERT_GE(workers.size(), 2u);
+  ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
+  EXPECT_EQ(Finish(training), 1) << training.output();
+  const std::string output = training.output();
+  EXPECT_NE(output.find("died"), std::string::npos) << output;
+  EXPECT_EQ(output.find("recovery 1"), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace tessera::testing
