@@ -25,6 +25,11 @@ TESSERA_SETTING(int64_t, inline_object_bytes, 16384, "bytes",
 TESSERA_SETTING(int64_t, heartbeat_interval_ms, 500, "ms",
                 "How often workers report to the scheduler.")
 
+TESSERA_SETTING(int64_t, scheduler_grace_ms, 30000, "ms",
+                "How long a worker that lost its scheduler (closed connection, or silent for "
+                "heartbeat_timeout_ms) keeps trying to join it again, a restarted one, before it "
+                "exits and frees its memory. 0: exit at once.")
+
 TESSERA_SETTING(int64_t, heartbeat_timeout_ms, 3000, "ms",
                 "A worker silent this long is declared dead (a closed connection is noticed at "
                 "once). Lower detects hangs sooner; too low declares slow workers dead.")

@@ -63,6 +63,7 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
                                                  const std::map<ObjectId, ObjectRef>& inputs);
   Status Shutdown();
   void Release(ObjectId id);
+  bool connected() const { return !closed_; }
 
  private:
   struct ReadyState {
@@ -79,6 +80,9 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   // window's end, so thousands of Submits become a few messages while a lone call is not delayed.
   void ScheduleFlush(bool urgent);  // any thread
   void Flush();                     // io thread
+  // Every scheduler interval: closes the connection when the scheduler has been silent past
+  // rpc::SchedulerSilenceLimit (stopped, or its host gone), so no call waits on it forever.
+  void WatchScheduler();  // io thread
   // Asks the scheduler (once per object) to say when these objects are ready.
   void Watch(const std::vector<ObjectId>& ids);
   // Waits until `id` is ready or failed; returns its state.
@@ -109,6 +113,10 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   bool flush_timer_armed_ = false;
   std::chrono::steady_clock::time_point last_flush_;
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
+  std::unique_ptr<rpc::asio::steady_timer> watchdog_timer_;
+  uint32_t scheduler_interval_ms_ = 0;  // from Welcome
+  // When the scheduler last sent anything (io thread).
+  std::chrono::steady_clock::time_point last_heard_;
 
   std::mutex ready_mutex_;
   std::condition_variable ready_cv_;
@@ -150,6 +158,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
         }));
   }
   flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
+  watchdog_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   io_thread_ = std::thread([this] { io_.run(); });
   rpc::HelloFields hello;
   hello.role = options.admin ? proto::Role::ADMIN : proto::Role::DRIVER;
@@ -175,6 +184,9 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
           [this](const rpc::Joined& welcome) {
             connection_ = welcome.connection;
             driver_id_ = welcome.id;
+            scheduler_interval_ms_ = welcome.heartbeat_interval_ms;
+            last_heard_ = std::chrono::steady_clock::now();
+            WatchScheduler();
           }));
   if (driver_id_ >= (uint64_t{1} << (64 - kIdSequenceBits))) {
     return Internal("driver id {} is too large for object ids", driver_id_);
@@ -352,7 +364,23 @@ void ClusterClient::Flush() {
   }
 }
 
+void ClusterClient::WatchScheduler() {
+  if (closed_ || scheduler_interval_ms_ == 0) return;
+  const auto silent = std::chrono::steady_clock::now() - last_heard_;
+  if (silent > rpc::SchedulerSilenceLimit(settings_.heartbeat_timeout_ms, scheduler_interval_ms_)) {
+    connection_->Close(Unavailable(
+        "no word from the scheduler for {} ms: it is stopped or its host is unreachable",
+        std::chrono::duration_cast<std::chrono::milliseconds>(silent).count()));
+    return;
+  }
+  watchdog_timer_->expires_after(std::chrono::milliseconds(scheduler_interval_ms_));
+  watchdog_timer_->async_wait([this](const boost::system::error_code& error) {
+    if (!error) WatchScheduler();
+  });
+}
+
 Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
+  last_heard_ = std::chrono::steady_clock::now();
   auto envelope = message.reader().getRoot<proto::Envelope>();
   auto body = envelope.getBody();
   switch (body.which()) {
@@ -435,6 +463,8 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
       }
       break;
     }
+    case proto::Envelope::Body::KEEPALIVE:
+      break;  // last_heard_ is enough
     default:
       GetLogger("driver")->warn("ignoring message kind {} from the scheduler",
                                 static_cast<int>(body.which()));
@@ -695,11 +725,21 @@ Result<std::string> ResolveToken(const ConnectOptions& options) {
 Result<std::unique_ptr<Cluster>> Cluster::Connect(const std::string& address,
                                                   const ConnectOptions& options) {
   TESSERA_ASSIGN_OR_RETURN(std::string token, ResolveToken(options));
-  std::unique_ptr<Cluster> cluster(new Cluster());
-  cluster->client_ = std::make_shared<detail::ClusterClient>();
-  TESSERA_RETURN_IF_ERROR(cluster->client_->Connect(address, token, options));
-  cluster->address_ = address;
-  return cluster;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(options.retry_ms);
+  while (true) {
+    std::unique_ptr<Cluster> cluster(new Cluster());
+    cluster->client_ = std::make_shared<detail::ClusterClient>();
+    Status joined = cluster->client_->Connect(address, token, options);
+    if (joined.ok()) {
+      cluster->address_ = address;
+      return cluster;
+    }
+    if (joined.code() != StatusCode::kUnavailable || std::chrono::steady_clock::now() >= deadline) {
+      return joined;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
 }
 
 Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& options) {
@@ -807,6 +847,8 @@ Status Cluster::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
 }
 
 Result<ClusterInfo> Cluster::Info() { return client_->Info(5000); }
+
+bool Cluster::connected() const { return client_ && client_->connected(); }
 
 Result<GraphHandle> Cluster::RegisterGraph(const Graph& graph) {
   return client_->RegisterGraph(graph);

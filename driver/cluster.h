@@ -77,6 +77,8 @@ struct ConnectOptions {
   std::string token;       // the cluster token; when empty, read from token_file
   std::string token_file;  // default: $TESSERA_TOKEN_FILE, else /tmp/tessera/session_latest/token
   int timeout_ms = 5000;
+  // When nothing answers (a scheduler restarting under its supervisor): keep trying this long.
+  int retry_ms = 0;
   std::string data_host = "127.0.0.1";  // where this driver serves its Puts to workers
   bool admin = false;  // join as an administrator (status, stop) rather than a driver
 };
@@ -147,7 +149,8 @@ struct ClusterInfo {
 
 class Cluster {
  public:
-  // Unavailable when nothing answers at `address` or the scheduler refuses the token.
+  // Unavailable when nothing answers at `address` (within options.retry_ms), or the scheduler
+  // refuses the token.
   static Result<std::unique_ptr<Cluster>> Connect(const std::string& address,
                                                   const ConnectOptions& options = {});
   static Result<std::unique_ptr<Cluster>> StartLocal(const LocalClusterOptions& options = {});
@@ -173,6 +176,9 @@ class Cluster {
   // Asks the scheduler to stop the cluster (its workers exit too).
   Status Shutdown();
 
+  // False once the connection to the scheduler is gone (it died, stopped answering, or shut
+  // down): every call then fails with the reason. A restarted scheduler needs a new Connect.
+  bool connected() const;
   const std::string& address() const { return address_; }
   const std::string& session_dir() const { return session_dir_; }
   // Processes this Cluster started (StartLocal): the scheduler first, then the workers.

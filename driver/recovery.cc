@@ -30,13 +30,13 @@ std::string RecoveryReport::ToString() const {
 StepRecovery::StepRecovery(Cluster& cluster, Gpt2Config config, TrainingPlan plan,
                            ClusterPlacement placement, std::string checkpoint_dir,
                            RecoveryOptions options)
-    : cluster_(cluster),
+    : cluster_(&cluster),
       config_(std::move(config)),
       plan_(std::move(plan)),
       placement_(placement),
       checkpoint_dir_(std::move(checkpoint_dir)),
       options_(options) {
-  if (Result<ClusterInfo> info = cluster_.Info(); info.ok()) Remember(*info);
+  if (Result<ClusterInfo> info = cluster_->Info(); info.ok()) Remember(*info);
 }
 
 void StepRecovery::Remember(const ClusterInfo& info) {
@@ -48,7 +48,7 @@ void StepRecovery::Remember(const ClusterInfo& info) {
 
 Result<std::vector<std::string>> StepRecovery::LostWorkers(
     const std::vector<WorkerId>& plan_workers) {
-  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_.Info());
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_->Info());
   Remember(info);
   std::vector<std::string> lost;
   for (WorkerId id : plan_workers) {
@@ -63,16 +63,21 @@ Result<std::vector<std::string>> StepRecovery::LostWorkers(
 }
 
 bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
-  if (error.ok() || restarts_ >= options_.max_restarts) return false;
+  if (error.ok() || cluster_ == nullptr || restarts_ >= options_.max_restarts) return false;
   last_plan_workers_ = trainer.plan().parallel.workers;
   if (last_plan_workers_.empty()) last_plan_workers_ = trainer.backend().workers();
   // The step may fail (a peer's pull, a collective abort) a moment before the scheduler has
   // marked the worker dead: ask until it has, or until it would have.
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.detect_ms);
   while (true) {
+    if (!cluster_->connected()) {
+      scheduler_lost_ = true;
+      return static_cast<bool>(options_.reconnect);
+    }
     Result<std::vector<std::string>> lost = LostWorkers(last_plan_workers_);
     if (lost.ok() && !lost->empty()) return true;
-    if (!lost.ok() || Clock::now() >= deadline) return false;
+    // An error other than a connection that just closed (checked above) is not a loss.
+    if ((!lost.ok() && cluster_->connected()) || Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(kPoll);
   }
 }
@@ -80,7 +85,7 @@ bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
 Result<int> StepRecovery::AwaitWorkers(int want) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.replacement_grace_ms);
   while (true) {
-    TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_.Info());
+    TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_->Info());
     const int alive = info.alive_workers();
     if (alive >= want || Clock::now() >= deadline) return alive;
     std::this_thread::sleep_for(kPoll);
@@ -89,22 +94,46 @@ Result<int> StepRecovery::AwaitWorkers(int want) {
 
 Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const Status& error,
                                                       std::unique_ptr<Gpt2Trainer> trainer) {
+  if (cluster_ == nullptr) {
+    return Unavailable("no cluster to recover on: connecting to the scheduler again failed before");
+  }
   const auto start = Clock::now();
   ++restarts_;
   RecoveryReport report;
   report.restart = restarts_;
   report.failed_step = failed_step;
   report.error = error.ToString();
-  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> lost, LostWorkers(last_plan_workers_));
-  report.lost = lost.empty() ? "no worker (the step failed on its own)"
-                             : fmt::format("{}", fmt::join(lost, ", "));
-  trainer.reset();  // its state is not trusted; the checkpoint is
-  GetLogger("recovery")
-      ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
+  std::vector<std::string> lost;
+  if (scheduler_lost_ || !cluster_->connected()) {
+    report.lost =
+        fmt::format("the scheduler at {}, and with it every worker's state", cluster_->address());
+    trainer.reset();  // before its cluster goes
+    GetLogger("recovery")
+        ->warn("step {} failed: {}; lost {}; connecting again", failed_step, report.error,
+               report.lost);
+    if (!options_.reconnect) {
+      return Unavailable("lost the scheduler at {} and there is no way to connect again",
+                         cluster_->address());
+    }
+    Result<Cluster*> reconnected = options_.reconnect();
+    if (!reconnected.ok()) {
+      cluster_ = nullptr;  // the caller dropped the old one: no recovery after this
+      return reconnected.status().WithContext("connecting to the scheduler again");
+    }
+    cluster_ = *reconnected;
+    scheduler_lost_ = false;
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
+    report.lost = lost.empty() ? "no worker (the step failed on its own)"
+                               : fmt::format("{}", fmt::join(lost, ", "));
+    trainer.reset();  // its state is not trusted; the checkpoint is
+    GetLogger("recovery")
+        ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
+  }
 
   const int want = std::max(1, plan_.parallel.data_parallel);
   if (options_.start_replacements && !lost.empty()) {
-    if (Status added = cluster_.AddLocalWorkers(static_cast<int>(lost.size())); !added.ok()) {
+    if (Status added = cluster_->AddLocalWorkers(static_cast<int>(lost.size())); !added.ok()) {
       GetLogger("recovery")->warn("could not start replacements: {}", added.ToString());
     }
   }
@@ -126,7 +155,7 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
         std::max(0, want - alive));
   }
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
-                           MakeClusterBackend(cluster_, placement_));
+                           MakeClusterBackend(*cluster_, placement_));
   Recovered recovered;
   TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
                            Gpt2Trainer::Create(config_, plan, std::move(backend)));

@@ -19,6 +19,12 @@
 // The caller rewinds its data to the checkpoint's sampler state and replays from there, so the
 // run computes what an uninterrupted run resumed from that checkpoint on those workers would.
 //
+// A lost scheduler (its connection closed, or silent past rpc::SchedulerSilenceLimit) is
+// recoverable too when the caller can connect again (RecoveryOptions::reconnect: a cluster
+// started with `tessera start --head`, whose supervisor restarts the scheduler on the same port).
+// The restarted scheduler knows nothing of the old one: its workers rejoin as new workers, so
+// Recover connects again, waits for them as for replacements, and goes on as above.
+//
 // Not yet: snapshots kept in memory on peers (each rank's shards also on a buddy), which would
 // make step 3 faster than reading the disk; every recovery reads the last checkpoint.
 //
@@ -26,6 +32,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,6 +56,10 @@ struct RecoveryOptions {
   // How long the scheduler may take to declare a failed step's worker dead (its heartbeat
   // timeout, plus a margin) before the error is taken for something else.
   int detect_ms = 6'000;
+  // A cluster the caller connected to: drops the old Cluster and connects again (retrying while
+  // the scheduler restarts); the result replaces the cluster given to StepRecovery. Called only
+  // after the trainer on the old one is gone. Empty: a lost scheduler ends the run.
+  std::function<Result<Cluster*>()> reconnect;
 };
 
 struct RecoveryReport {
@@ -68,13 +79,14 @@ struct RecoveryReport {
 class StepRecovery {
  public:
   // `plan` is what was asked for (its data-parallel size is the size to come back to); the
-  // trainers made here run on `cluster` (which must outlive this) with `placement`, restoring
-  // from `checkpoint_dir`.
+  // trainers made here run on `cluster` (which must outlive this, or be replaced through
+  // options.reconnect) with `placement`, restoring from `checkpoint_dir`.
   StepRecovery(Cluster& cluster, Gpt2Config config, TrainingPlan plan, ClusterPlacement placement,
                std::string checkpoint_dir, RecoveryOptions options);
 
-  // Whether `error`, from a step of `trainer`, is a lost worker that Recover can handle: restarts
-  // remain and a worker of the trainer's plan is (or, within detect_ms, becomes) dead.
+  // Whether `error`, from a step of `trainer`, is a loss that Recover can handle: restarts remain
+  // and a worker of the trainer's plan is (or, within detect_ms, becomes) dead, or the scheduler
+  // is lost and options.reconnect is set.
   bool Recoverable(const Status& error, Gpt2Trainer& trainer);
 
   struct Recovered {
@@ -99,7 +111,8 @@ class StepRecovery {
   // The alive workers' count, waiting up to the grace period for `want`.
   Result<int> AwaitWorkers(int want);
 
-  Cluster& cluster_;
+  Cluster* cluster_;
+  bool scheduler_lost_ = false;  // Recoverable saw the connection to the scheduler gone
   const Gpt2Config config_;
   const TrainingPlan plan_;
   const ClusterPlacement placement_;

@@ -99,6 +99,18 @@ std::string LocalSession::LogTail(const std::string& log) {
   return "; its log ends: " + text->substr(text->size() > 600 ? text->size() - 600 : 0);
 }
 
+std::vector<std::string> LocalSession::SchedulerArgv(const SchedulerLaunch& launch) const {
+  std::vector<std::string> argv = {processes_.binary, "scheduler",
+                                   "--host",          launch.host,
+                                   "--port",          std::to_string(launch.port),
+                                   "--token-file",    token_file(),
+                                   "--session-dir",   dir_,
+                                   "--address-file",  address_file(),
+                                   "--unix-socket",   dir_ + "/scheduler.sock"};
+  if (launch.restart) argv.push_back("--restart");
+  return argv;
+}
+
 Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& launch) {
   std::error_code ignored;
   std::filesystem::remove(address_file(), ignored);
@@ -106,13 +118,10 @@ Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& lau
   StartedScheduler started;
   started.local_address = "unix:" + dir_ + "/scheduler.sock";
   TESSERA_ASSIGN_OR_RETURN(
-      started.pid, SpawnProcess({processes_.binary, "scheduler", "--host", launch.host, "--port",
-                                 std::to_string(launch.port), "--token-file", token_file(),
-                                 "--session-dir", dir_, "--address-file", address_file(),
-                                 "--unix-socket", dir_ + "/scheduler.sock"},
-                                SpawnOptions{.log_file = log,
-                                             .die_with_parent = !processes_.detached,
-                                             .new_session = processes_.detached}));
+      started.pid,
+      SpawnProcess(SchedulerArgv(launch), SpawnOptions{.log_file = log,
+                                                       .die_with_parent = !processes_.detached,
+                                                       .new_session = processes_.detached}));
   const auto deadline = Clock::now() + std::chrono::milliseconds(launch.timeout_ms);
   while (true) {
     Result<std::string> address = ReadFileTrimmed(address_file());

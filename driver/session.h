@@ -44,6 +44,8 @@ struct SchedulerLaunch {
   std::string host = "127.0.0.1";  // where it listens for TCP (other hosts)
   int port = 0;                    // 0: any free port
   int timeout_ms = 20'000;         // to write its address file
+  // Supervised: started again whenever it dies (`tessera scheduler --restart`).
+  bool restart = false;
 };
 
 struct StartedScheduler {
@@ -96,6 +98,7 @@ class LocalSession {
   LocalSession(std::string dir, std::string token, SessionProcesses processes)
       : dir_(std::move(dir)), token_(std::move(token)), processes_(std::move(processes)) {}
   std::string WorkerName(const WorkerLaunch& launch, int index) const;
+  std::vector<std::string> SchedulerArgv(const SchedulerLaunch& launch) const;
   // "; its log ends: ..." with the last lines of `log`, or nothing when it is empty.
   static std::string LogTail(const std::string& log);
 

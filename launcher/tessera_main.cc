@@ -13,10 +13,12 @@
 // `tessera scheduler ...` and `tessera worker ...` run one process in the foreground; `start`
 // and drivers' local clusters launch these.
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -106,9 +108,93 @@ struct SchedulerFlags {
   std::string session_dir;
   std::string address_file;
   std::string unix_socket;
+  bool restart = false;  // supervise: run the scheduler as a child, start it again if it dies
 };
 
+std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
+
+// `tessera scheduler --restart`: runs the scheduler as a child and starts it again, on the same
+// port, socket, token and session, whenever it dies (not when it stops cleanly: `tessera stop`).
+// The scheduler keeps no state across a restart: workers rejoin it as fresh workers (they retry
+// for scheduler_grace_ms), and a driver resumes from its last checkpoint (train_gpt2
+// --max-restarts). At most 5 restarts a minute, so a scheduler that cannot start is not
+// restarted forever.
+int SuperviseScheduler(SchedulerFlags flags) {
+  struct Supervision {
+    std::mutex mutex;
+    pid_t child = 0;
+    bool stopping = false;
+  };
+  auto state = std::make_shared<Supervision>();  // co-owned by the signal thread
+  HandleTerminationSignals([state] {
+    std::lock_guard lock(state->mutex);
+    state->stopping = true;
+    if (state->child > 0) ::kill(state->child, SIGTERM);
+  });
+  std::deque<std::chrono::steady_clock::time_point> restarts;
+  for (bool first = true;; first = false) {
+    std::vector<std::string> argv = {SelfBinary(),   "scheduler",     "--host",
+                                     flags.host,     "--port",        std::to_string(flags.port),
+                                     "--token-file", flags.token_file};
+    for (const auto& [flag, value] :
+         {std::pair<const char*, const std::string&>{"--session-dir", flags.session_dir},
+          {"--address-file", flags.address_file},
+          {"--unix-socket", flags.unix_socket}}) {
+      if (!value.empty()) argv.insert(argv.end(), {flag, value});
+    }
+    Result<pid_t> child = tessera::SpawnProcess(argv, tessera::SpawnOptions{});
+    if (!child.ok()) return Fail(child.status());
+    {
+      std::lock_guard lock(state->mutex);
+      state->child = *child;
+      if (state->stopping) ::kill(*child, SIGTERM);
+    }
+    if (first && flags.port == 0 && !flags.address_file.empty()) {
+      // Restarts bind the port the first scheduler got: workers and drivers know that one.
+      for (int waited = 0; waited < 20'000 && tessera::ProcessAlive(*child); waited += 20) {
+        Result<std::string> text = ReadFileTrimmed(flags.address_file);
+        Result<tessera::rpc::Address> bound = text.ok()
+                                                  ? tessera::rpc::Address::Parse(*text)
+                                                  : Result<tessera::rpc::Address>(text.status());
+        if (bound.ok() && bound->port != 0) {
+          flags.port = bound->port;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    int status = 0;
+    while (::waitpid(*child, &status, 0) < 0 && errno == EINTR) {
+    }
+    {
+      std::lock_guard lock(state->mutex);
+      state->child = 0;
+      if (state->stopping) return 0;
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;  // stopped cleanly
+    const std::string how = WIFSIGNALED(status)
+                                ? fmt::format("was killed by signal {}", WTERMSIG(status))
+                                : fmt::format("exited with code {}", WEXITSTATUS(status));
+    const auto now = std::chrono::steady_clock::now();
+    while (!restarts.empty() && now - restarts.front() > std::chrono::minutes(1)) {
+      restarts.pop_front();
+    }
+    if (restarts.size() >= 5) {
+      tessera::GetLogger("scheduler")
+          ->error("the scheduler (pid {}) {}, its 6th death within a minute: not restarting it",
+                  *child, how);
+      return 1;
+    }
+    restarts.push_back(now);
+    tessera::GetLogger("scheduler")
+        ->warn("the scheduler (pid {}) {}; starting it again on port {} (workers rejoin it)",
+               *child, how, flags.port);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+}
+
 int RunScheduler(const SchedulerFlags& flags) {
+  if (flags.restart) return SuperviseScheduler(flags);
   Result<tessera::Settings> settings = LoadSettings();
   if (!settings.ok()) return Fail(settings.status());
   Result<std::string> token = ReadFileTrimmed(flags.token_file);
@@ -185,14 +271,38 @@ int RunWorker(const WorkerFlags& flags) {
     *interrupted = true;
     std::_Exit(0);  // a worker holds no state worth flushing; the scheduler notices it left
   });
-  auto started = tessera::WorkerService::Start(options, *registry);
-  if (!started.ok()) return Fail(started.status());
-  Status reason = (*started)->Wait();
-  if (!reason.ok() && !*interrupted) {
-    tessera::GetLogger("worker")->warn("exiting: {}", reason.ToString());
-    return 1;
+  // A worker that loses its scheduler tries to join one at the same address (a restarted one)
+  // for scheduler_grace_ms, as a fresh worker: everything it held went with the old scheduler.
+  // Then it exits, so a cluster whose scheduler is gone leaves no process holding memory.
+  const auto grace = std::chrono::milliseconds(settings->scheduler_grace_ms);
+  bool joined = false;
+  auto deadline = std::chrono::steady_clock::now();
+  Status lost;
+  while (true) {
+    auto started = tessera::WorkerService::Start(options, *registry);
+    if (!started.ok()) {
+      if (!joined) return Fail(started.status());
+      if (std::chrono::steady_clock::now() >= deadline) {
+        tessera::GetLogger("worker")->warn("exiting: no scheduler at {} within {} ms ({})",
+                                           *address, grace.count(), lost.ToString());
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      continue;
+    }
+    joined = true;
+    lost = (*started)->Wait();
+    if (!lost.ok() && !*interrupted) {
+      tessera::GetLogger("worker")->warn(
+          "{}; {}", lost.ToString(),
+          grace.count() <= 0 ? std::string("exiting")
+                             : fmt::format("trying to rejoin for up to {} ms", grace.count()));
+    }
+    started->reset();  // every thread and object of this incarnation ends here
+    if (lost.ok() || *interrupted) return 0;  // told to stop
+    if (grace.count() <= 0) return 1;
+    deadline = std::chrono::steady_clock::now() + grace;
   }
-  return 0;
 }
 
 // ---- commands ----
@@ -208,16 +318,15 @@ struct StartFlags {
   int64_t host_memory_mb = 4096;
   std::string token_file;
   std::string gpus;
+  bool no_restart = false;
 };
-
-std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
 
 int StartHead(const StartFlags& flags) {
   Result<tessera::LocalSession> session = tessera::LocalSession::Create(
       flags.session_dir, "session", {.binary = SelfBinary(), .detached = true});
   if (!session.ok()) return Fail(session.status());
-  Result<tessera::StartedScheduler> scheduler =
-      session->StartScheduler({.host = flags.host, .port = flags.port, .timeout_ms = 10'000});
+  Result<tessera::StartedScheduler> scheduler = session->StartScheduler(
+      {.host = flags.host, .port = flags.port, .timeout_ms = 10'000, .restart = !flags.no_restart});
   if (!scheduler.ok()) return Fail(scheduler.status());
   if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
     std::error_code error;
@@ -342,6 +451,9 @@ int main(int argc, char** argv) {
   start_cmd->add_option("--port", start.port, "Scheduler: port (0: any free one)")
       ->check(CLI::Range(0, 65535));
   start_cmd->add_option("--session-dir", start.session_dir, "Scheduler: session directory");
+  start_cmd->add_flag("--no-restart", start.no_restart,
+                      "Scheduler: do not start it again when it dies (by default a supervisor "
+                      "does, and workers rejoin it)");
   start_cmd->add_option("--address", start.address, "Workers: the scheduler's HOST:PORT");
   start_cmd->add_option("--cpu-workers", start.cpu_workers, "Workers: how many to start")
       ->check(CLI::PositiveNumber);
@@ -371,6 +483,8 @@ int main(int argc, char** argv) {
   scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
   scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
   scheduler_cmd->add_option("--address-file", scheduler.address_file);
+  scheduler_cmd->add_flag("--restart", scheduler.restart,
+                          "Supervise: start the scheduler again whenever it dies");
   scheduler_cmd->add_option("--unix-socket", scheduler.unix_socket,
                             "Also listen on this Unix socket (local processes)");
 

@@ -154,6 +154,12 @@ void SendShutdown(Outbox& outbox, WorkerId to) {
   outbox.Send(to, message);
 }
 
+void SendKeepalive(Outbox& outbox, WorkerId to) {
+  capnp::MallocMessageBuilder message;
+  Body(message).initKeepalive();
+  outbox.Send(to, message);
+}
+
 void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks) {
   capnp::MallocMessageBuilder message;
   FillList(tasks, Body(message).initDispatchTasks().initTasks(Size(tasks)));

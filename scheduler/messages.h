@@ -102,6 +102,7 @@ void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& s
 void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
                      const StatusSummary& summary);
 void SendShutdown(Outbox& outbox, WorkerId to);
+void SendKeepalive(Outbox& outbox, WorkerId to);
 
 // Dynamic tasks and objects.
 void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks);

@@ -215,6 +215,14 @@ void SchedulerCore::Tick() {
     outbox_->Disconnect(id, reason);
   }
   groups_.Tick(now);
+  if (now - last_keepalive_ >= std::chrono::milliseconds(options_.heartbeat_interval_ms)) {
+    last_keepalive_ = now;
+    for (const auto& [id, participant] : participants_.all()) {
+      if (participant.role != ParticipantRole::kPending && participant.alive) {
+        SendKeepalive(*outbox_, id);
+      }
+    }
+  }
 }
 
 void SchedulerCore::Flush() {

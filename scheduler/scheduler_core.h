@@ -72,7 +72,10 @@ class SchedulerCore {
   Status Handle(WorkerId from, proto::Envelope::Reader message);
   // The participant's connection is gone.
   void Disconnected(WorkerId who, const Status& reason);
-  // Periodic check of heartbeats (call every heartbeat_interval_ms or so).
+  // Periodic check of heartbeats, and a keepalive to every participant each heartbeat interval
+  // (a worker or driver that hears nothing for rpc::SchedulerSilenceLimit takes its scheduler
+  // for gone: a stopped process or a vanished host closes no connection). Call every
+  // heartbeat_interval_ms or so.
   void Tick();
   // Sends the messages the events so far produced: one per destination and kind. The service
   // calls it once per io-loop turn, so a burst of incoming messages yields few outgoing ones.
@@ -107,6 +110,7 @@ class SchedulerCore {
   TaskTable tasks_;
   GraphRegistry graphs_;
   bool shutdown_requested_ = false;
+  Clock::time_point last_keepalive_{};
 };
 
 }  // namespace tessera

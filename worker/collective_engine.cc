@@ -124,8 +124,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
 CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send)
     : settings_(settings), send_(std::move(send)), thread_([this] { Loop(); }) {}
 
-CollectiveEngine::~CollectiveEngine() {
-  std::map<StreamId, Stream> left;
+void CollectiveEngine::Stop() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -138,9 +137,17 @@ CollectiveEngine::~CollectiveEngine() {
         it->second.rendezvous->Fail(Cancelled("the worker is stopping"));
       }
     }
-    left.swap(streams_);
   }
   changed_.notify_all();
+}
+
+CollectiveEngine::~CollectiveEngine() {
+  Stop();
+  std::map<StreamId, Stream> left;
+  {
+    std::lock_guard lock(mutex_);
+    left.swap(streams_);
+  }
   thread_.join();
   for (auto& [id, stream] : left) {
     for (auto& [position, queued] : stream.queued) queued.done(Cancelled("the worker is stopping"));
@@ -262,6 +269,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
   std::shared_ptr<SchedulerRendezvous> rendezvous;
   {
     std::lock_guard lock(mutex_);
+    if (stopping_) return Cancelled("the worker is stopping");
     Group& group = groups_[key];
     if (group.communicator) {
       if (group.communicator->size() != size || group.communicator->rank() != rank) {

@@ -77,6 +77,11 @@ class CollectiveEngine {
   // in progress is aborted too.
   void EndStream(const StreamId& stream, const Status& reason);
 
+  // The worker is stopping: the collective in progress (or a group forming) fails at once, and
+  // nothing queued or submitted later runs (each fails with Cancelled by the destructor or on
+  // Submit). Without it a collective whose peers stopped too would wait out its timeout.
+  void Stop();
+
   // From the scheduler (any thread).
   void OnPeers(proto::CollectivePeers::Reader peers);
   void OnAbort(uint64_t group, const Status& reason);

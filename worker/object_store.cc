@@ -49,6 +49,13 @@ ObjectStore::ObjectStore(ObjectStoreOptions options, std::shared_ptr<Allocator> 
   if (!options_.spill_dir.empty()) {
     std::error_code ignored;
     std::filesystem::create_directories(options_.spill_dir, ignored);
+    // Spill files of an earlier store in this directory (a worker that rejoined a restarted
+    // scheduler) belong to objects that no longer exist.
+    std::filesystem::directory_iterator it(options_.spill_dir, ignored), end;
+    for (; !ignored && it != end; it.increment(ignored)) {
+      std::error_code not_removed;
+      if (it->path().extension() == ".spill") std::filesystem::remove(it->path(), not_removed);
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <future>
@@ -110,6 +111,8 @@ class WorkerServiceImpl final : public WorkerService {
   rpc::asio::executor_work_guard<io_context::executor_type> work_;
   std::thread io_thread_;
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
+  // When the scheduler last sent anything (io thread writes, heartbeat timer reads).
+  std::atomic<std::chrono::steady_clock::time_point> last_heard_{std::chrono::steady_clock::now()};
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
   std::shared_ptr<rpc::Connection> connection_;
   std::unique_ptr<CollectiveEngine> engine_;   // before the graph runner, which uses it
@@ -141,6 +144,8 @@ WorkerServiceImpl::~WorkerServiceImpl() {
     io_.stop();
     io_thread_.join();
   }
+  // A collective in progress fails now rather than wait out its timeout on peers that stop too.
+  if (engine_) engine_->Stop();
   arena_.execute([] {});  // arena work finishes before the store goes away
   graph_runner_.reset();
   engine_.reset();
@@ -196,6 +201,7 @@ Status WorkerServiceImpl::Init() {
             // The scheduler may send parts and runs right behind the Welcome.
             connection_ = welcome.connection;
             id_ = welcome.id;
+            last_heard_ = std::chrono::steady_clock::now();
           }));
   heartbeat_ms_ = joined.heartbeat_interval_ms;
   heartbeat_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
@@ -207,6 +213,7 @@ Status WorkerServiceImpl::Init() {
 }
 
 Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
+  last_heard_ = std::chrono::steady_clock::now();
   auto body = message.reader().getRoot<proto::Envelope>().getBody();
   switch (body.which()) {
     case proto::Envelope::Body::DISPATCH_TASKS:
@@ -241,6 +248,8 @@ Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
     case proto::Envelope::Body::SHUTDOWN:
       Stop(Status::Ok());
       break;
+    case proto::Envelope::Body::KEEPALIVE:
+      break;  // last_heard_ is enough
     default:
       GetLogger("worker")->warn("ignoring message kind {} from the scheduler",
                                 static_cast<int>(body.which()));
@@ -534,6 +543,14 @@ void WorkerServiceImpl::FlushResults() {
 
 void WorkerServiceImpl::ScheduleHeartbeat() {
   if (done_) return;
+  // The scheduler sends a keepalive every heartbeat interval: silence means it is stopped, or
+  // its host is gone without closing the connection.
+  const auto silent = std::chrono::steady_clock::now() - last_heard_.load();
+  if (silent > rpc::SchedulerSilenceLimit(options_.settings.heartbeat_timeout_ms, heartbeat_ms_)) {
+    Stop(Unavailable("lost the scheduler: no word from it for {} ms",
+                     std::chrono::duration_cast<std::chrono::milliseconds>(silent).count()));
+    return;
+  }
   const ObjectStoreStats stats = store_.stats();
   capnp::MallocMessageBuilder message;
   auto heartbeat = message.initRoot<proto::Envelope>().initBody().initHeartbeat();

@@ -286,5 +286,6 @@ struct Envelope {
     collectivePeers @23 :CollectivePeers;
     collectiveFailed @24 :CollectiveFailed;
     collectiveAbort @25 :CollectiveAbort;
+    keepalive @26 :Empty;  # scheduler -> worker, every heartbeat interval: it is still there
   }
 }

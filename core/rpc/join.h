@@ -2,6 +2,8 @@
 // Welcome (or Refused). The one handshake drivers, workers and admin clients share.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -40,5 +42,15 @@ Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFie
                     int timeout_ms, Connection::MessageHandler on_message,
                     std::function<void(const Status&)> on_close,
                     std::function<void(const Joined&)> on_welcome = nullptr);
+
+// How long a participant hears nothing from the scheduler before it takes it for gone (a stopped
+// process, or a host that vanished without closing the connection). The scheduler sends every
+// participant at least a keepalive each heartbeat interval (its own, from Welcome), so the limit
+// is this process's heartbeat_timeout_ms, but never under four of the scheduler's intervals.
+inline std::chrono::milliseconds SchedulerSilenceLimit(int64_t heartbeat_timeout_ms,
+                                                       uint32_t scheduler_interval_ms) {
+  return std::chrono::milliseconds(
+      std::max<int64_t>(heartbeat_timeout_ms, 4 * int64_t{scheduler_interval_ms}));
+}
 
 }  // namespace tessera::rpc

@@ -282,21 +282,40 @@ int Run(const Flags& flags) {
   // from the start.
   std::unique_ptr<tessera::StepRecovery> recovery;
   if (flags.max_restarts > 0) {
+    tessera::RecoveryOptions recovery_options{
+        .max_restarts = flags.max_restarts,
+        .min_workers = flags.min_workers,
+        // A local cluster gets workers back only if we start them; a running one may get them
+        // from its operator.
+        .replacement_grace_ms =
+            flags.replacement_grace_ms >= 0
+                ? flags.replacement_grace_ms
+                : (flags.replace_workers ? 30'000 : (flags.address.empty() ? 0 : 10'000)),
+        .start_replacements = flags.replace_workers};
+    if (!flags.address.empty()) {
+      // A lost scheduler: its supervisor (`tessera start --head`) starts it again on the same
+      // port; connect to it for as long as workers wait for it (scheduler_grace_ms).
+      recovery_options.reconnect = [&]() -> tessera::Result<tessera::Cluster*> {
+        cluster.reset();
+        tessera::ConnectOptions connect;
+        connect.token_file = flags.token_file;
+        connect.retry_ms = static_cast<int>(settings->scheduler_grace_ms);
+        auto connected = tessera::Cluster::Connect(flags.address, connect);
+        if (!connected.ok()) {
+          return connected.status().WithContext(fmt::format(
+              "the scheduler at {} did not come back within {} ms (a cluster started with "
+              "`tessera start --head` restarts it; one started with --no-restart does not)",
+              flags.address, settings->scheduler_grace_ms));
+        }
+        cluster = std::move(*connected);
+        return cluster.get();
+      };
+    }
     recovery = std::make_unique<tessera::StepRecovery>(
         *cluster, config, plan,
         flags.placement == "layers" ? tessera::ClusterPlacement::kLayersRoundRobin
                                     : tessera::ClusterPlacement::kScheduler,
-        flags.checkpoint_dir,
-        tessera::RecoveryOptions{
-            .max_restarts = flags.max_restarts,
-            .min_workers = flags.min_workers,
-            // A local cluster gets workers back only if we start them; a running one may get
-            // them from its operator.
-            .replacement_grace_ms =
-                flags.replacement_grace_ms >= 0
-                    ? flags.replacement_grace_ms
-                    : (flags.replace_workers ? 30'000 : (flags.address.empty() ? 0 : 10'000)),
-            .start_replacements = flags.replace_workers});
+        flags.checkpoint_dir, std::move(recovery_options));
   }
   auto save = [&]() -> Status {
     tessera::Result<std::string> saved =
@@ -540,8 +559,9 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", flags.token_file,
                  "With --address: the cluster token (default: the latest session's)");
   app.add_option("--max-restarts", flags.max_restarts,
-                 "Recover from lost workers up to K times: re-plan on the workers there are and "
-                 "resume from the last checkpoint (needs --workers and --checkpoint-dir)")
+                 "Recover from lost workers (and, with --address, a restarted scheduler) up to K "
+                 "times: re-plan on the workers there are and resume from the last checkpoint "
+                 "(needs --workers and --checkpoint-dir)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--min-workers", flags.min_workers,
                  "With --max-restarts: give up when fewer workers than this remain")

@@ -167,6 +167,50 @@ TEST_F(RecoveryTest, TwoWorkersLostOneAfterAnother) {
               second);
 }
 
+// A cluster from `tessera start` (its scheduler supervised), 4 workers: the scheduler process is
+// SIGKILLed mid-run. The supervisor starts it again on the same port, the workers rejoin it, and
+// the driver connects again and resumes from its last checkpoint on the same 4 ranks. Prints the
+// time from the kill to the first step completed after it.
+TEST_F(RecoveryTest, ARestartedSchedulerResumesTheRunOnItsWorkers) {
+  const std::string session = TempPath("recovery_scheduler_session");
+  std::filesystem::remove_all(session);
+  ProcessResult head = RunBinary("tessera", "start --head --port 0 --session-dir " + session);
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  std::string address;
+  std::getline(std::ifstream(session + "/scheduler.address"), address);
+  const std::string target = " --address " + address + " --token-file " + session + "/token";
+  ProcessResult workers = RunBinary("tessera", "start --cpu-workers 4 --threads 1" + target);
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+
+  Training training = Start("recovery_scheduler", target);
+  ASSERT_TRUE(WaitFor(training, "step 9/24")) << training.output();
+  // The supervisor's one child is the scheduler.
+  int supervisor = 0;
+  std::ifstream(session + "/scheduler.pid") >> supervisor;
+  const std::vector<int> schedulers = LiveChildren(supervisor);
+  ASSERT_EQ(schedulers.size(), 1u) << "supervisor pid " << supervisor;
+  ASSERT_NE(CommandLine(schedulers[0]).find(" scheduler "), std::string::npos);
+  const auto fault = Clock::now();
+  ASSERT_EQ(::kill(schedulers[0], SIGKILL), 0);
+  const std::regex completed(R"(recovery 1: step \d+ completed)");
+  EXPECT_TRUE(Eventually([&] { return std::regex_search(training.output(), completed); },
+                         std::chrono::seconds(120), std::chrono::milliseconds(5)))
+      << training.output();
+  const double seconds = std::chrono::duration<double>(Clock::now() - fault).count();
+  ExpectRecovered(training, 1, 4);
+  EXPECT_NE(training.output().find("lost the scheduler at " + address), std::string::npos)
+      << training.output();
+
+  // The same workers (processes) serve the restarted scheduler; `tessera stop` ends them all.
+  ProcessResult status = RunBinary("tessera", "status" + target);
+  EXPECT_NE(status.output.find("4 of 4 workers alive"), std::string::npos) << status.output;
+  ProcessResult stop = RunBinary("tessera", "stop" + target);
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  EXPECT_TRUE(Eventually([&] { return ProcessGone(supervisor); }, std::chrono::seconds(20)));
+  std::printf("scheduler SIGKILL, restarted, 4 workers rejoined: recovered %.2f s after the kill\n",
+              seconds);
+}
+
 TEST_F(RecoveryTest, WithoutRestartsALostWorkerEndsTheRunNamingIt) {
   Training training = Start("recovery_none", "", /*max_restarts=*/0);
   ASSERT_TRUE(WaitFor(training, "step 9/24")) << training.output();

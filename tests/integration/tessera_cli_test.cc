@@ -69,60 +69,144 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_NE(text.find("stopped"), std::string::npos);
 }
 
-// The scheduler dies (SIGKILL) in the middle of a ZeRO-3 run on workers `tessera start` made:
-// the driver fails naming the lost scheduler, and every worker exits instead of lingering with
-// its memory (they used to deadlock while ending their collective stream).
-TEST(TesseraCliTest, WorkersAndTheDriverExitWhenTheSchedulerDiesMidRun) {
-  const std::string session = TempPath("tessera_cli_scheduler_death");
-  std::filesystem::remove_all(session);
-  ASSERT_EQ(Tessera("start --head --port 0 --session-dir " + session).exit_code, 0);
-  const std::string address = ReadLine(session + "/scheduler.address");
-  const std::string token = session + "/token";
-  ProcessResult workers =
-      Tessera("start --cpu-workers 3 --threads 1 --address " + address + " --token-file " + token);
-  ASSERT_EQ(workers.exit_code, 0) << workers.output;
-  ConnectOptions admin;
-  admin.token_file = token;
-  admin.admin = true;
-  std::vector<int> worker_pids;
-  {
-    ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Connect(address, admin));
+// A head and 3 workers from `tessera start`, with a ZeRO-3 run of train_gpt2 on them under way;
+// workers that lose their scheduler try to rejoin it for 1 s (TESSERA_SCHEDULER_GRACE_MS).
+class SchedulerLossTest : public ::testing::Test {
+ protected:
+  void StartCluster(const std::string& name, const std::string& head_flags) {
+    session_ = TempPath(name);
+    std::filesystem::remove_all(session_);
+    ProcessResult head = Tessera("start --head --port 0 --session-dir " + session_ + head_flags);
+    ASSERT_EQ(head.exit_code, 0) << head.output;
+    address_ = ReadLine(session_ + "/scheduler.address");
+    target_ = " --address " + address_ + " --token-file " + session_ + "/token";
+    ::setenv("TESSERA_SCHEDULER_GRACE_MS", "1000", 1);  // the workers inherit it
+    ProcessResult workers = Tessera("start --cpu-workers 3 --threads 1" + target_);
+    ::unsetenv("TESSERA_SCHEDULER_GRACE_MS");
+    ASSERT_EQ(workers.exit_code, 0) << workers.output;
+    ConnectOptions admin;
+    admin.token_file = session_ + "/token";
+    admin.admin = true;
+    ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Connect(address_, admin));
     ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
-    for (const WorkerInfo& worker : info.workers) worker_pids.push_back(worker.pid);
+    for (const WorkerInfo& worker : info.workers) worker_pids_.push_back(worker.pid);
+    ASSERT_EQ(worker_pids_.size(), 3u);
   }
-  ASSERT_EQ(worker_pids.size(), 3u);
 
-  const std::string log = session + "/driver.log";
-  const pid_t driver = ::fork();
-  ASSERT_GE(driver, 0);
-  if (driver == 0) {
-    const std::string binary = BinaryPath("train_gpt2");
-    ::freopen(log.c_str(), "w", stdout);
-    ::dup2(STDOUT_FILENO, STDERR_FILENO);
-    ::execl(binary.c_str(), binary.c_str(), "--address", address.c_str(), "--token-file",
-            token.c_str(), "--workers", "3", "--zero-stage", "3", "--batch", "9", "--steps",
-            "1000000", "--log-every", "1", static_cast<char*>(nullptr));
-    ::_exit(127);
+  // Starts train_gpt2 on the cluster and waits until it has done a few steps.
+  void StartTraining() {
+    log_ = session_ + "/driver.log";
+    driver_ = ::fork();
+    ASSERT_GE(driver_, 0);
+    if (driver_ == 0) {
+      const std::string binary = BinaryPath("train_gpt2");
+      const std::string token = session_ + "/token";
+      ::freopen(log_.c_str(), "w", stdout);
+      ::dup2(STDOUT_FILENO, STDERR_FILENO);
+      ::execl(binary.c_str(), binary.c_str(), "--address", address_.c_str(), "--token-file",
+              token.c_str(), "--workers", "3", "--zero-stage", "3", "--batch", "9", "--steps",
+              "1000000", "--log-every", "1", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ASSERT_TRUE(Eventually([&] { return ReadAll(log_).find("step 5/") != std::string::npos; },
+                           std::chrono::seconds(60)))
+        << ReadAll(log_);
   }
-  // Training is under way: a few steps done.
-  ASSERT_TRUE(Eventually([&] { return ReadAll(log).find("step 5/") != std::string::npos; },
-                         std::chrono::seconds(60)))
-      << ReadAll(log);
-  ASSERT_EQ(::kill(std::stoi(ReadLine(session + "/scheduler.pid")), SIGKILL), 0);
-  int status = 0;
-  ASSERT_TRUE(Eventually([&] { return ::waitpid(driver, &status, WNOHANG) == driver; },
-                         std::chrono::seconds(20)))
-      << "the driver outlived its scheduler";
-  EXPECT_EQ(WEXITSTATUS(status), 1);
-  EXPECT_NE(ReadAll(log).find("lost the connection to the scheduler"), std::string::npos)
-      << ReadAll(log);
+
+  // The driver ends (exit 1) naming `reason`, and every worker exits instead of lingering with
+  // its memory.
+  void ExpectDriverAndWorkersGone(const std::string& reason) {
+    int status = 0;
+    ASSERT_TRUE(Eventually([&] { return ::waitpid(driver_, &status, WNOHANG) == driver_; },
+                           std::chrono::seconds(20)))
+        << "the driver outlived its scheduler";
+    driver_ = -1;
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    EXPECT_NE(ReadAll(log_).find(reason), std::string::npos) << ReadAll(log_);
+    EXPECT_TRUE(Eventually(
+        [&] { return std::all_of(worker_pids_.begin(), worker_pids_.end(), ProcessGone); },
+        std::chrono::seconds(20)));
+    for (int pid : worker_pids_) {
+      EXPECT_TRUE(ProcessGone(pid)) << "worker pid " << pid << " outlived its scheduler";
+    }
+  }
+
+  int PidFile() { return std::stoi(ReadLine(session_ + "/scheduler.pid")); }
+
+  void TearDown() override {
+    if (driver_ > 0) {
+      ::kill(driver_, SIGKILL);
+      ::waitpid(driver_, nullptr, 0);
+    }
+    for (int pid : worker_pids_) {
+      if (!ProcessGone(pid)) ::kill(pid, SIGKILL);
+    }
+    if (!session_.empty() && std::filesystem::exists(session_ + "/scheduler.pid")) {
+      const int head = PidFile();
+      for (int child : LiveChildren(head)) ::kill(child, SIGKILL);
+      ::kill(head, SIGKILL);
+      ::kill(head, SIGCONT);
+    }
+  }
+
+  std::string session_, address_, target_, log_;
+  std::vector<int> worker_pids_;
+  pid_t driver_ = -1;
+};
+
+// The scheduler dies (SIGKILL) in the middle of a run, with no supervisor to start it again
+// (--no-restart): the driver fails naming the lost scheduler, and the workers, after trying to
+// rejoin for their grace period, exit (they used to deadlock while ending their collective
+// stream).
+TEST_F(SchedulerLossTest, WithoutRestartTheDriverAndWorkersExitWhenTheSchedulerDies) {
+  StartCluster("tessera_cli_scheduler_death", " --no-restart");
+  StartTraining();
+  ASSERT_NE(CommandLine(PidFile()).find(" scheduler "), std::string::npos);
+  ASSERT_EQ(::kill(PidFile(), SIGKILL), 0);
+  ExpectDriverAndWorkersGone("lost the connection to the scheduler");
+}
+
+// A stopped scheduler (SIGSTOP) closes no connection: the driver and the workers notice its
+// silence (no keepalive past heartbeat_timeout_ms) and leave it rather than wait forever.
+TEST_F(SchedulerLossTest, ASilentSchedulerIsLeftByTheDriverAndWorkers) {
+  StartCluster("tessera_cli_scheduler_stopped", " --no-restart");
+  StartTraining();
+  ASSERT_EQ(::kill(PidFile(), SIGSTOP), 0);
+  ExpectDriverAndWorkersGone("no word from the scheduler");
+}
+
+// Under its supervisor (the default) a killed scheduler comes back on the same port and the
+// workers rejoin it; one that keeps dying is given up on after 5 restarts in a minute, and then
+// the workers exit.
+TEST_F(SchedulerLossTest, ASupervisedSchedulerComesBackAndIsGivenUpOnIfItKeepsDying) {
+  StartCluster("tessera_cli_scheduler_restart", "");
+  const int supervisor = PidFile();
+  auto scheduler = [&] {
+    std::vector<int> children = LiveChildren(supervisor);
+    return children.size() == 1 ? children[0] : -1;
+  };
+  for (int death = 1; death <= 6; ++death) {
+    int victim = -1;
+    ASSERT_TRUE(Eventually([&] { return (victim = scheduler()) > 0; })) << "death " << death;
+    if (death == 2) {
+      // After the first restart the workers are back, as new workers of the new scheduler.
+      EXPECT_TRUE(Eventually(
+          [&] {
+            return Tessera("status" + target_).output.find("3 of 3 workers alive") !=
+                   std::string::npos;
+          },
+          std::chrono::seconds(20)))
+          << Tessera("status" + target_).output;
+    }
+    ASSERT_EQ(::kill(victim, SIGKILL), 0);
+    ASSERT_TRUE(Eventually([&] { return ProcessGone(victim); }));
+  }
+  EXPECT_TRUE(Eventually([&] { return ProcessGone(supervisor); }, std::chrono::seconds(20)));
+  EXPECT_NE(ReadAll(session_ + "/scheduler.log").find("not restarting it"), std::string::npos)
+      << ReadAll(session_ + "/scheduler.log");
   EXPECT_TRUE(
-      Eventually([&] { return std::all_of(worker_pids.begin(), worker_pids.end(), ProcessGone); },
+      Eventually([&] { return std::all_of(worker_pids_.begin(), worker_pids_.end(), ProcessGone); },
                  std::chrono::seconds(20)));
-  for (int pid : worker_pids) {
-    EXPECT_TRUE(ProcessGone(pid)) << "worker pid " << pid << " outlived its scheduler";
-    if (!ProcessGone(pid)) ::kill(pid, SIGKILL);
-  }
 }
 
 TEST(TesseraCliTest, NonsenseIsExplained) {

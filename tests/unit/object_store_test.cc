@@ -62,6 +62,30 @@ TEST(ObjectStoreTest, SpillsLeastRecentlyUsedAndRestoresContents) {
   EXPECT_LE(store.stats().host_bytes, 3 * kBytes);
 }
 
+// A worker that rejoins a restarted scheduler starts a new store in the same directory: the
+// spill files of the old one belong to objects that no longer exist, and are removed.
+TEST(ObjectStoreTest, SpillFilesOfAnEarlierStoreAreRemoved) {
+  const std::string dir = SpillDir("earlier");
+  {
+    ObjectStore earlier = MakeStore(kBytes, dir);
+    ASSERT_OK(earlier.Put(ObjectId(1), Filled(1)));
+    ASSERT_OK(earlier.Put(ObjectId(2), Filled(2)));  // spills 1
+    ASSERT_EQ(earlier.stats().spills, 1);
+  }
+  std::ofstream(dir + "/notes.txt") << "not a spill file\n";
+  // A store that ended without its destructor (a killed process) leaves its spill files.
+  std::ofstream(dir + "/7.spill") << "left by a killed worker";
+  ObjectStore store = MakeStore(kBytes, dir);
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_NE(entry.path().extension(), ".spill") << entry.path();
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir + "/notes.txt"));
+  ASSERT_OK(store.Put(ObjectId(1), Filled(3)));
+  ASSERT_OK(store.Put(ObjectId(2), Filled(4)));  // spills 1 again, into a fresh file
+  ASSERT_OK_AND_ASSIGN(PinnedObject object, store.Get(ObjectId(1)));
+  EXPECT_EQ(object.tensor().data<float>()[0], 3.0f);
+}
+
 TEST(ObjectStoreTest, PinnedObjectsStayInHostMemory) {
   ObjectStore store = MakeStore(2 * kBytes, SpillDir("pins"));
   ASSERT_OK(store.Put(ObjectId(1), Filled(1)));

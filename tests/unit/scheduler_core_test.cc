@@ -401,6 +401,28 @@ TEST_F(SchedulerCoreTest, MissedHeartbeatsDeclareAWorkerDead) {
   EXPECT_NE(outbox_.disconnected[worker].message().find("no heartbeat"), std::string::npos);
 }
 
+// Workers and drivers take a scheduler silent past their limit for gone (a stopped process closes
+// no connection): every heartbeat interval each alive participant gets at least a keepalive.
+TEST_F(SchedulerCoreTest, EveryParticipantHearsFromTheSchedulerEachHeartbeatInterval) {
+  const WorkerId worker = Join(proto::Role::WORKER);
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  const WorkerId dead = Join(proto::Role::WORKER);
+  core_.Disconnected(dead, Unavailable("gone"));
+  for (int interval = 1; interval <= 3; ++interval) {
+    now_ += std::chrono::milliseconds(500);  // the default heartbeat interval
+    ASSERT_OK(Deliver(worker, [](proto::Envelope::Builder e) { e.initBody().initHeartbeat(); }));
+    core_.Tick();
+    core_.Flush();
+    EXPECT_EQ(outbox_.Take(worker, Body::KEEPALIVE).size(), 1u) << "interval " << interval;
+    EXPECT_EQ(outbox_.Take(driver, Body::KEEPALIVE).size(), 1u) << "interval " << interval;
+    EXPECT_TRUE(outbox_.Take(dead, Body::KEEPALIVE).empty());
+  }
+  // More ticks within one interval send nothing more.
+  core_.Tick();
+  core_.Flush();
+  EXPECT_TRUE(outbox_.Take(worker, Body::KEEPALIVE).empty());
+}
+
 TEST_F(SchedulerCoreTest, UnknownInputsAndWrongRolesAreReported) {
   const WorkerId worker = Join(proto::Role::WORKER);
   const WorkerId driver = Join(proto::Role::DRIVER);
