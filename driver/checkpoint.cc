@@ -59,6 +59,52 @@ Result<StateKind> KindFromName(const std::string& name) {
 
 }  // namespace
 
+Status GatheredState::Add(const std::string& layer, StateKind kind, int64_t padded, int64_t begin,
+                          const float* values, int64_t numel) {
+  if (begin < 0 || numel < 0 || padded < 0 || begin > padded || numel > padded - begin) {
+    return DataLoss("a piece of {} of layer '{}' at {} of {} elements lies outside its group of {}",
+                    StateKindName(kind), layer, begin, numel, padded);
+  }
+  auto [it, inserted] = groups.try_emplace({layer, kind});
+  if (inserted) it->second.assign(static_cast<size_t>(padded), 0.0f);
+  if (static_cast<int64_t>(it->second.size()) != padded) {
+    return DataLoss("pieces of {} of layer '{}' disagree on its size ({} and {} elements)",
+                    StateKindName(kind), layer, it->second.size(), padded);
+  }
+  std::copy_n(values, numel, it->second.begin() + begin);
+  covered[{layer, kind}] += numel;
+  return Status::Ok();
+}
+
+Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std::string& source) {
+  // Every group checked before anything is written: a state that lacks one changes nothing.
+  const ModelSpec& model = trainer.model();
+  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  std::vector<std::tuple<size_t, StateKind, const std::vector<float>*>> writes;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      if (kind != StateKind::kParameter && !adamw) continue;
+      auto it = state.groups.find({model.layers[l].name, kind});
+      auto covered = state.covered.find({model.layers[l].name, kind});
+      if (it == state.groups.end() || covered == state.covered.end() ||
+          covered->second < model.layers[l].params.numel() ||
+          static_cast<int64_t>(it->second.size()) < model.layers[l].params.numel()) {
+        return DataLoss("{} lacks {} of layer '{}'", source, StateKindName(kind),
+                        model.layers[l].name);
+      }
+      writes.emplace_back(l, kind, &it->second);
+    }
+  }
+  const StepGraph& step = trainer.step_graph();
+  for (const auto& [layer, kind, group] : writes) {
+    const int64_t numel = model.layers[layer].params.numel();
+    std::vector<float> values(static_cast<size_t>(step.group_numel[layer]), 0.0f);
+    std::copy_n(group->begin(), numel, values.begin());  // re-padded for this plan
+    TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(layer, kind, values));
+  }
+  return Status::Ok();
+}
+
 Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
                                    const std::string& sampler_state) {
   const StepGraph& step = trainer.step_graph();
@@ -163,49 +209,33 @@ Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& p
   TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer.model().config, manifest_path));
   // Every group of the trainer's plan, assembled from the saved pieces; only then is anything
   // written into the trainer (a damaged checkpoint leaves it as it was).
-  const ModelSpec& model = trainer.model();
-  std::map<std::pair<std::string, StateKind>, std::vector<float>> groups;
-  std::map<std::pair<std::string, StateKind>, int64_t> covered;
+  GatheredState gathered;
   try {
     for (const json& piece : manifest.at("pieces")) {
       const std::string layer = piece.at("layer");
       TESSERA_ASSIGN_OR_RETURN(StateKind kind, KindFromName(piece.at("kind")));
       const int64_t begin = piece.at("begin"), numel = piece.at("numel");
       const int64_t padded = manifest.at("groups").at(layer).at("padded_numel");
-      auto [it, inserted] = groups.try_emplace({layer, kind});
-      if (inserted) it->second.assign(static_cast<size_t>(padded), 0.0f);
       if (piece.at("rank") != 0 && begin == 0 && numel == padded) continue;  // a replica
       const std::string file = (step_dir / piece.at("file").get<std::string>()).string();
       TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(file));
-      if (static_cast<int64_t>(bytes.size()) != numel * 4 || begin < 0 || begin + numel > padded) {
+      if (static_cast<int64_t>(bytes.size()) != numel * 4) {
         return DataLoss("checkpoint piece '{}' has {} bytes but the manifest says {} (truncated?)",
                         file, bytes.size(), numel * 4);
       }
       if (Fnv1a(bytes.data(), bytes.size()) != piece.at("fnv1a").get<uint64_t>()) {
         return DataLoss("checkpoint piece '{}' is corrupted (checksum mismatch)", file);
       }
-      std::memcpy(it->second.data() + begin, bytes.data(), bytes.size());
-      covered[{layer, kind}] += numel;
+      TESSERA_RETURN_IF_ERROR(
+          gathered
+              .Add(layer, kind, padded, begin, reinterpret_cast<const float*>(bytes.data()), numel)
+              .WithContext(file));
     }
   } catch (const json::exception& e) {
     return DataLoss("checkpoint manifest '{}' is damaged: {}", manifest_path, e.what());
   }
-  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
-  const StepGraph& step = trainer.step_graph();
-  for (size_t l = 0; l < model.layers.size(); ++l) {
-    for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-      if (kind != StateKind::kParameter && !adamw) continue;
-      auto it = groups.find({model.layers[l].name, kind});
-      const int64_t numel = model.layers[l].params.numel();
-      if (it == groups.end() || covered[it->first] < numel) {
-        return DataLoss("checkpoint '{}' lacks {} of layer '{}'", step_dir.string(),
-                        StateKindName(kind), model.layers[l].name);
-      }
-      std::vector<float> values(static_cast<size_t>(step.group_numel[l]), 0.0f);
-      std::copy_n(it->second.begin(), numel, values.begin());  // re-padded for this plan
-      TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(l, kind, values));
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(
+      WriteGathered(trainer, gathered, "checkpoint '" + step_dir.string() + "'"));
   CheckpointInfo info;
   info.path = step_dir.string();
   info.step = manifest.at("step");

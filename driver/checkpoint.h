@@ -27,12 +27,30 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/status.h"
 #include "driver/gpt2_trainer.h"
 
 namespace tessera {
+
+// Model state gathered from the pieces some plan held (a checkpoint's files, a peer snapshot's
+// copies), as whole groups padded as that plan padded them: by layer name and kind, with the
+// elements the pieces covered. Replicas are left out by the caller (each element once).
+struct GatheredState {
+  std::map<std::pair<std::string, StateKind>, std::vector<float>> groups;
+  std::map<std::pair<std::string, StateKind>, int64_t> covered;
+  // A piece: `numel` values at `begin` of a group of `padded` elements. DataLoss when it does not
+  // fit the group.
+  Status Add(const std::string& layer, StateKind kind, int64_t padded, int64_t begin,
+             const float* values, int64_t numel);
+};
+// Writes every group the trainer's plan holds from `state`, re-padded for that plan. DataLoss
+// naming `source` and the group when one is missing or not whole; then nothing is written.
+Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std::string& source);
 
 struct CheckpointInfo {
   std::string path;           // the step directory

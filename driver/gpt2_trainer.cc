@@ -438,53 +438,95 @@ Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& token
   return std::vector<float>(data, data + logits.numel());
 }
 
+Result<std::vector<Value>> Gpt2Trainer::RunStateTasks(const std::string& op,
+                                                      const std::vector<size_t>& indices,
+                                                      const std::vector<StateTask>& tasks) {
+  if (indices.size() != tasks.size()) {
+    return InvalidArgument("{} of {} state objects: {} tasks given", op, indices.size(),
+                           tasks.size());
+  }
+  // The graph is planned and registered once per op, objects, pins and attributes.
+  std::string key = op;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    key += fmt::format("|{}@{}:{}", indices[i], tasks[i].worker.value(), tasks[i].path);
+  }
+  auto it = state_task_graphs_.find(key);
+  if (it == state_task_graphs_.end()) {
+    GraphBuilder builder(*registry_);
+    StateTaskGraph made;
+    for (size_t i = 0; i < indices.size(); ++i) {
+      if (indices[i] >= step_graph_.state.size()) {
+        return InvalidArgument("{}: no state object {}", op, indices[i]);
+      }
+      const StateObject& object = step_graph_.state[indices[i]];
+      const ObjectSpec& spec = step_graph_.graph.object(object.input);
+      // One input per state object, however many tasks read it.
+      auto [input, added] = made.inputs.try_emplace(indices[i]);
+      if (added) input->second = builder.AddInput(spec.name, spec.meta, spec.role);
+      TaskOptions options;
+      options.layer = model_.layers[object.piece.layer].name;
+      options.device_kind = spec.meta.device.kind;
+      options.pinned_worker = tasks[i].worker;
+      options.output_names = {fmt::format("{}:{}{}", spec.name, op, i)};
+      options.output_roles = {ObjectRole::kOutput};
+      Attrs attrs;
+      if (!tasks[i].path.empty()) attrs.Set("path", tasks[i].path);
+      TESSERA_ASSIGN_OR_RETURN(auto output,
+                               builder.AddTask(fmt::format("{}/{}/{}", op, spec.name, i), op,
+                                               {input->second}, attrs, std::move(options)));
+      made.outputs.push_back(output[0]);
+      builder.MarkOutput(output[0]);
+    }
+    TESSERA_ASSIGN_OR_RETURN(Graph graph, builder.Build());
+    TESSERA_ASSIGN_OR_RETURN(made.handle, backend_->Register(graph));
+    it = state_task_graphs_.emplace(key, std::move(made)).first;
+  }
+  const StateTaskGraph& graph = it->second;
+  ValueMap inputs;
+  for (const auto& [index, input] : graph.inputs) inputs[input] = state_.at(index);
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(graph.handle, std::move(inputs)));
+  std::vector<Value> values;
+  for (ObjectId id : graph.outputs) values.push_back(std::move(outputs[id]));
+  return values;
+}
+
+WorkerId Gpt2Trainer::RankWorker(int rank) const {
+  return plan_.parallel.workers.empty() ? WorkerId()
+                                        : plan_.parallel.workers[static_cast<size_t>(rank)];
+}
+
 Result<std::vector<Gpt2Trainer::FileReceipt>> Gpt2Trainer::WriteState(
     const std::vector<size_t>& indices, const std::vector<std::string>& paths) {
   if (indices.size() != paths.size()) {
     return InvalidArgument("WriteState: {} state objects but {} paths", indices.size(),
                            paths.size());
   }
-  auto it = write_graphs_.find(paths);
-  if (it == write_graphs_.end()) {
-    GraphBuilder builder(*registry_);
-    WriteGraph write;
-    for (size_t i = 0; i < indices.size(); ++i) {
-      if (indices[i] >= step_graph_.state.size()) {
-        return InvalidArgument("WriteState: no state object {}", indices[i]);
-      }
-      const StateObject& object = step_graph_.state[indices[i]];
-      const ObjectSpec& spec = step_graph_.graph.object(object.input);
-      write.inputs.push_back(builder.AddInput(spec.name, spec.meta, spec.role));
-      TaskOptions options;
-      options.layer = model_.layers[object.piece.layer].name;
-      options.device_kind = spec.meta.device.kind;
-      if (!plan_.parallel.workers.empty()) {
-        options.pinned_worker = plan_.parallel.workers[static_cast<size_t>(object.piece.rank)];
-      }
-      options.output_names = {spec.name + ":receipt"};
-      options.output_roles = {ObjectRole::kOutput};
-      TESSERA_ASSIGN_OR_RETURN(
-          auto receipt,
-          builder.AddTask(fmt::format("write/{}", spec.name), "write_file", {write.inputs.back()},
-                          Attrs{{"path", paths[i]}}, std::move(options)));
-      write.receipts.push_back(receipt[0]);
-      builder.MarkOutput(receipt[0]);
+  std::vector<StateTask> tasks;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] >= step_graph_.state.size()) {
+      return InvalidArgument("WriteState: no state object {}", indices[i]);
     }
-    TESSERA_ASSIGN_OR_RETURN(Graph graph, builder.Build());
-    TESSERA_ASSIGN_OR_RETURN(write.handle, backend_->Register(graph));
-    it = write_graphs_.emplace(paths, std::move(write)).first;
+    tasks.push_back({RankWorker(step_graph_.state[indices[i]].piece.rank), paths[i]});
   }
-  const WriteGraph& write = it->second;
-  ValueMap inputs;
-  for (size_t i = 0; i < indices.size(); ++i) inputs[write.inputs[i]] = state_.at(indices[i]);
-  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(write.handle, std::move(inputs)));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> outputs, RunStateTasks("write_file", indices, tasks));
   std::vector<FileReceipt> receipts;
-  for (ObjectId id : write.receipts) {
-    TESSERA_ASSIGN_OR_RETURN(Tensor receipt, backend_->Download(outputs[id]));
+  for (const Value& output : outputs) {
+    TESSERA_ASSIGN_OR_RETURN(Tensor receipt, backend_->Download(output));
     receipts.push_back(FileReceipt{receipt.data<int64_t>()[0],
                                    std::bit_cast<uint64_t>(receipt.data<int64_t>()[1])});
   }
   return receipts;
+}
+
+Result<std::vector<Value>> Gpt2Trainer::CopyState(const std::vector<size_t>& indices,
+                                                  const std::vector<WorkerId>& workers) {
+  if (indices.size() != workers.size()) {
+    return InvalidArgument("CopyState: {} state objects but {} workers", indices.size(),
+                           workers.size());
+  }
+  std::vector<StateTask> tasks;
+  for (WorkerId worker : workers) tasks.push_back({worker, ""});
+  return RunStateTasks("copy", indices, tasks);
 }
 
 int64_t Gpt2Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }

@@ -118,6 +118,13 @@ class Gpt2Trainer {
   };
   Result<std::vector<FileReceipt>> WriteState(const std::vector<size_t>& indices,
                                               const std::vector<std::string>& paths);
+  // Copies of state objects, each made on a given worker (in process: here): the copy of
+  // step_graph().state[indices[i]] on workers[i] (invalid: where the scheduler puts it). The
+  // copies are new objects, which later steps leave as they are (driver/peer_snapshot.h).
+  Result<std::vector<Value>> CopyState(const std::vector<size_t>& indices,
+                                       const std::vector<WorkerId>& workers);
+  // The worker of data-parallel rank `rank` (invalid when the plan pins none).
+  WorkerId RankWorker(int rank) const;
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
@@ -154,12 +161,22 @@ class Gpt2Trainer {
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
   std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
-  // WriteState's graphs, by their paths: the handle, and per file its input and receipt.
-  struct WriteGraph {
-    int handle = -1;
-    std::vector<ObjectId> inputs, receipts;
+  // One task of `op` per state object (WriteState, CopyState): where it runs, and its file.
+  struct StateTask {
+    WorkerId worker;
+    std::string path;  // write_file's attribute
   };
-  std::map<std::vector<std::string>, WriteGraph> write_graphs_;
+  Result<std::vector<Value>> RunStateTasks(const std::string& op,
+                                           const std::vector<size_t>& indices,
+                                           const std::vector<StateTask>& tasks);
+  // RunStateTasks' graphs, by op, objects, workers and paths: the handle, the input of each
+  // state object, and each task's output.
+  struct StateTaskGraph {
+    int handle = -1;
+    std::map<size_t, ObjectId> inputs;
+    std::vector<ObjectId> outputs;
+  };
+  std::map<std::string, StateTaskGraph> state_task_graphs_;
 
   // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
   Result<std::vector<Value>> FullParameters();

@@ -1,6 +1,7 @@
 #include "driver/recovery.h"
 
 #include <algorithm>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -46,17 +47,17 @@ void StepRecovery::Remember(const ClusterInfo& info) {
   }
 }
 
-Result<std::vector<std::string>> StepRecovery::LostWorkers(
+Result<std::map<WorkerId, std::string>> StepRecovery::LostWorkers(
     const std::vector<WorkerId>& plan_workers) {
   TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_->Info());
   Remember(info);
-  std::vector<std::string> lost;
+  std::map<WorkerId, std::string> lost;
   for (WorkerId id : plan_workers) {
     auto it = std::find_if(info.workers.begin(), info.workers.end(),
                            [&](const WorkerInfo& worker) { return worker.id == id; });
     if (it == info.workers.end() || !it->alive) {
       auto described = described_.find(id);
-      lost.push_back(described != described_.end() ? described->second : id.ToString());
+      lost[id] = described != described_.end() ? described->second : id.ToString();
     }
   }
   return lost;
@@ -74,7 +75,7 @@ bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
       scheduler_lost_ = true;
       return static_cast<bool>(options_.reconnect);
     }
-    Result<std::vector<std::string>> lost = LostWorkers(last_plan_workers_);
+    Result<std::map<WorkerId, std::string>> lost = LostWorkers(last_plan_workers_);
     if (lost.ok() && !lost->empty()) return true;
     // An error other than a connection that just closed (checked above) is not a loss.
     if ((!lost.ok() && cluster_->connected()) || Clock::now() >= deadline) return false;
@@ -92,6 +93,31 @@ Result<int> StepRecovery::AwaitWorkers(int want) {
   }
 }
 
+Status StepRecovery::Snapshot(Gpt2Trainer& trainer, std::string sampler_state) {
+  const auto start = Clock::now();
+  Result<PeerSnapshot> taken = PeerSnapshot::Take(trainer, std::move(sampler_state));
+  if (!taken.ok()) {
+    // The next step will most likely fail too, and be recovered; the old snapshot stays.
+    GetLogger("recovery")
+        ->warn("no peer snapshot of step {}: {}", trainer.steps_taken(), taken.status().ToString());
+    return taken.status();
+  }
+  snapshot_.reset();  // the old copies go once the new ones are complete
+  snapshot_.emplace(std::move(*taken));
+  snapshot_stats_.taken += 1;
+  snapshot_stats_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
+  snapshot_stats_.bytes = snapshot_->bytes() * snapshot_->copies();
+  return Status::Ok();
+}
+
+void StepRecovery::AfterStep(Gpt2Trainer& trainer, const std::string& sampler_state,
+                             bool checkpointed) {
+  if (options_.snapshot_every <= 0 || cluster_ == nullptr) return;
+  if (checkpointed || trainer.steps_taken() % options_.snapshot_every == 0) {
+    (void)Snapshot(trainer, sampler_state);
+  }
+}
+
 Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const Status& error,
                                                       std::unique_ptr<Gpt2Trainer> trainer) {
   if (cluster_ == nullptr) {
@@ -103,8 +129,9 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
   report.restart = restarts_;
   report.failed_step = failed_step;
   report.error = error.ToString();
-  std::vector<std::string> lost;
+  std::map<WorkerId, std::string> lost;
   if (scheduler_lost_ || !cluster_->connected()) {
+    snapshot_.reset();  // its copies went with the workers' state
     report.lost =
         fmt::format("the scheduler at {}, and with it every worker's state", cluster_->address());
     trainer.reset();  // before its cluster goes
@@ -124,8 +151,10 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
     scheduler_lost_ = false;
   } else {
     TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
+    std::vector<std::string> described;
+    for (const auto& [id, description] : lost) described.push_back(description);
     report.lost = lost.empty() ? "no worker (the step failed on its own)"
-                               : fmt::format("{}", fmt::join(lost, ", "));
+                               : fmt::format("{}", fmt::join(described, ", "));
     trainer.reset();  // its state is not trusted; the checkpoint is
     GetLogger("recovery")
         ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
@@ -159,12 +188,27 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
   Recovered recovered;
   TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
                            Gpt2Trainer::Create(config_, plan, std::move(backend)));
-  TESSERA_ASSIGN_OR_RETURN(recovered.checkpoint,
-                           LoadCheckpoint(*recovered.trainer, checkpoint_dir_));
+  // The newest state that survived: the peer snapshot (taken at least at every checkpoint),
+  // else the disk checkpoint.
+  Result<CheckpointInfo> restored = Unavailable("no peer snapshot");
+  if (snapshot_) {
+    std::set<WorkerId> dead;
+    for (const auto& [id, description] : lost) dead.insert(id);
+    restored = snapshot_->Restore(*recovered.trainer, dead);
+    if (!restored.ok()) {
+      GetLogger("recovery")->warn("{}; back to the disk checkpoint", restored.status().ToString());
+    }
+  }
+  if (!restored.ok()) restored = LoadCheckpoint(*recovered.trainer, checkpoint_dir_);
+  TESSERA_ASSIGN_OR_RETURN(recovered.checkpoint, std::move(restored));
   report.restored_from = recovered.checkpoint.path;
   report.restored_step = recovered.checkpoint.step;
   report.workers = ranks;
   report.plan = recovered.trainer->plan().parallel.ToString();
+  // A snapshot of the new plan, so that a later loss finds its pieces on the new buddies.
+  if (options_.snapshot_every > 0) {
+    (void)Snapshot(*recovered.trainer, recovered.checkpoint.sampler_state);
+  }
   report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   recovered.report = report;
   reports_.push_back(report);

@@ -25,8 +25,10 @@
 // The restarted scheduler knows nothing of the old one: its workers rejoin as new workers, so
 // Recover connects again, waits for them as for replacements, and goes on as above.
 //
-// Not yet: snapshots kept in memory on peers (each rank's shards also on a buddy), which would
-// make step 3 faster than reading the disk; every recovery reads the last checkpoint.
+// Step 3 restores the peer snapshot (driver/peer_snapshot.h: the state in memory on the workers,
+// each piece also on the next rank's worker) when the caller keeps one (Snapshot, at least at
+// every checkpoint) and one copy of every piece survived; else the last disk checkpoint. After a
+// recovery a snapshot of the new plan is taken at once.
 //
 // Thread safety: none; one driver thread runs the training loop.
 #pragma once
@@ -35,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +46,7 @@
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/peer_snapshot.h"
 
 namespace tessera {
 
@@ -56,6 +60,8 @@ struct RecoveryOptions {
   // How long the scheduler may take to declare a failed step's worker dead (its heartbeat
   // timeout, plus a margin) before the error is taken for something else.
   int detect_ms = 6'000;
+  // Keep a peer snapshot every this many steps (0: none; recovery then reads the checkpoint).
+  int snapshot_every = 0;
   // A cluster the caller connected to: drops the old Cluster and connects again (retrying while
   // the scheduler restarts); the result replaces the cluster given to StepRecovery. Called only
   // after the trainer on the old one is gone. Empty: a lost scheduler ends the run.
@@ -100,12 +106,26 @@ class StepRecovery {
   Result<Recovered> Recover(int64_t failed_step, const Status& error,
                             std::unique_ptr<Gpt2Trainer> trainer);
 
+  // After each completed step (and after the checkpoint at step 0): with snapshot_every > 0,
+  // keeps the trainer's state as the peer snapshot that Recover restores, every snapshot_every
+  // steps and whenever `checkpointed` (a disk checkpoint was just saved), so the snapshot is
+  // never older than the checkpoint. `sampler_state` is the data position. A failed snapshot (a
+  // worker lost meanwhile) keeps the previous one and is only logged: the next step fails too,
+  // and is recovered.
+  void AfterStep(Gpt2Trainer& trainer, const std::string& sampler_state, bool checkpointed);
+  struct SnapshotStats {
+    int taken = 0;
+    double seconds = 0;  // in all
+    int64_t bytes = 0;   // held by the last one, every copy counted
+  };
+  const SnapshotStats& snapshot_stats() const { return snapshot_stats_; }
+
   int restarts() const { return restarts_; }
   const std::vector<RecoveryReport>& reports() const { return reports_; }
 
  private:
   // Workers of `trainer`'s plan that the cluster's status no longer shows alive, described.
-  Result<std::vector<std::string>> LostWorkers(const std::vector<WorkerId>& plan_workers);
+  Result<std::map<WorkerId, std::string>> LostWorkers(const std::vector<WorkerId>& plan_workers);
   // Remembers how the cluster's workers are described (a dead worker leaves the status).
   void Remember(const ClusterInfo& info);
   // The alive workers' count, waiting up to the grace period for `want`.
@@ -122,6 +142,11 @@ class StepRecovery {
   std::vector<WorkerId> last_plan_workers_;
   std::map<WorkerId, std::string> described_;  // "workerN (pid P on HOST)"
   std::vector<RecoveryReport> reports_;
+  // Replaces the peer snapshot with one of `trainer` (the old one stays on error).
+  Status Snapshot(Gpt2Trainer& trainer, std::string sampler_state);
+
+  std::optional<PeerSnapshot> snapshot_;
+  SnapshotStats snapshot_stats_;
 };
 
 }  // namespace tessera

@@ -69,6 +69,7 @@ struct Flags {
   int max_restarts = 0;
   int min_workers = 1;
   bool replace_workers = false;
+  int snapshot_every = 0;         // with --max-restarts: a peer snapshot every N steps
   int replacement_grace_ms = -1;  // -1: none on a local cluster, unless replacing; else 10 s
 };
 
@@ -217,6 +218,10 @@ int Run(const Flags& flags) {
         "--max-restarts recovers a run on a cluster from its checkpoints: it needs --workers "
         "(with --address or a local cluster) and --checkpoint-dir"));
   }
+  if (flags.snapshot_every > 0 && flags.max_restarts == 0) {
+    return Fail(tessera::InvalidArgument(
+        "--snapshot-every keeps state for recovery: it needs --max-restarts K (K >= 1)"));
+  }
   if (flags.replace_workers && !flags.address.empty()) {
     return Fail(tessera::InvalidArgument(
         "--replace-workers starts workers of a local cluster; on a running cluster start them "
@@ -291,7 +296,8 @@ int Run(const Flags& flags) {
             flags.replacement_grace_ms >= 0
                 ? flags.replacement_grace_ms
                 : (flags.replace_workers ? 30'000 : (flags.address.empty() ? 0 : 10'000)),
-        .start_replacements = flags.replace_workers};
+        .start_replacements = flags.replace_workers,
+        .snapshot_every = flags.snapshot_every};
     if (!flags.address.empty()) {
       // A lost scheduler: its supervisor (`tessera start --head`) starts it again on the same
       // port; connect to it for as long as workers wait for it (scheduler_grace_ms).
@@ -317,16 +323,23 @@ int Run(const Flags& flags) {
                                     : tessera::ClusterPlacement::kScheduler,
         flags.checkpoint_dir, std::move(recovery_options));
   }
+  int checkpoints_saved = 0;
+  double checkpoint_seconds = 0;
   auto save = [&]() -> Status {
+    const auto started = std::chrono::steady_clock::now();
     tessera::Result<std::string> saved =
         tessera::SaveCheckpoint(**trainer, flags.checkpoint_dir, train_sampler->SaveState());
     if (!saved.ok()) return saved.status();
+    ++checkpoints_saved;
+    checkpoint_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::fprintf(stderr, "train_gpt2: checkpoint %s\n", saved->c_str());
     return Status::Ok();
   };
   if (recovery && !flags.resume) {
     if (Status saved = save(); !saved.ok()) return Fail(saved);
   }
+  if (recovery) recovery->AfterStep(**trainer, train_sampler->SaveState(), /*checkpointed=*/true);
   // Per rank: the largest figures of any step, and the last step's bytes sent.
   std::vector<tessera::RankFigures> rank_peaks;
   // When the step of a recovery failed (reported once the next step completes).
@@ -413,10 +426,12 @@ int Run(const Flags& flags) {
                    100.0 * static_cast<double>(i) / static_cast<double>(flags.steps),
                    last_progress_s, eta);
     }
-    if (!flags.checkpoint_dir.empty() && flags.checkpoint_every > 0 &&
-        i % flags.checkpoint_every == 0) {
+    const bool checkpointed = !flags.checkpoint_dir.empty() && flags.checkpoint_every > 0 &&
+                              i % flags.checkpoint_every == 0;
+    if (checkpointed) {
       if (Status saved = save(); !saved.ok()) return Fail(saved);
     }
+    if (recovery) recovery->AfterStep(**trainer, train_sampler->SaveState(), checkpointed);
     if (flags.eval_every > 0 && (i % flags.eval_every == 0 || i == flags.steps)) {
       double total = 0;
       for (int64_t b = 0; b < flags.eval_batches; ++b) {
@@ -458,6 +473,15 @@ int Run(const Flags& flags) {
         mb(f.peak(tessera::ObjectRole::kParameter)), mb(f.peak(tessera::ObjectRole::kGradient)),
         mb(f.peak(tessera::ObjectRole::kOptimizerState)), mb(f.model_state_peak),
         mb(f.transient_peak), mb(f.collective_bytes_sent + f.pushed_bytes));
+  }
+  if (checkpoints_saved > 0) {
+    std::printf("checkpoints: %d saved, %.1f ms each on average\n", checkpoints_saved,
+                1000.0 * checkpoint_seconds / checkpoints_saved);
+  }
+  if (recovery && recovery->snapshot_stats().taken > 0) {
+    const tessera::StepRecovery::SnapshotStats& snapshots = recovery->snapshot_stats();
+    std::printf("peer snapshots: %d taken, %.1f ms each on average, %.2f MB held on the workers\n",
+                snapshots.taken, 1000.0 * snapshots.seconds / snapshots.taken, mb(snapshots.bytes));
   }
   std::vector<double> sorted = step_ms;
   double median = 0;
@@ -568,6 +592,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--replace-workers", flags.replace_workers,
                "With --max-restarts on a local cluster: start a worker for each one lost");
+  app.add_option("--snapshot-every", flags.snapshot_every,
+                 "With --max-restarts: every N steps (and at every checkpoint) keep the state in "
+                 "memory on the workers, each piece also on the next rank's worker, and recover "
+                 "from it instead of the disk checkpoint when it survives (0: off)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--replacement-grace-ms", flags.replacement_grace_ms,
                  "With --max-restarts: how long to wait for the cluster to be back at --workers "
                  "before going on with fewer (default: 0 on a local cluster, 30000 with "

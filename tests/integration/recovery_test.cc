@@ -167,6 +167,43 @@ TEST_F(RecoveryTest, TwoWorkersLostOneAfterAnother) {
               second);
 }
 
+// With a peer snapshot every step, the lost worker's pieces come back from its buddy: nothing is
+// read from the disk and at most the step whose snapshot the kill interrupted is replayed.
+TEST_F(RecoveryTest, APeerSnapshotRestoresTheStateWithoutReplay) {
+  Training training = Start("recovery_snapshot", "--snapshot-every 1");
+  const double seconds = FaultAndTime(training, 9, SIGKILL, 1);
+  ExpectRecovered(training, 1, 3);
+  const std::string output = training.output();
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(
+      output, match,
+      std::regex(R"(restored step (\d+) from peer snapshot of step \d+; .* replaying (\d+) step)")))
+      << output;
+  EXPECT_GE(std::stoi(match[1]), 9) << output;
+  EXPECT_LE(std::stoi(match[2]), 1) << output;
+  EXPECT_NE(output.find("peer snapshots: "), std::string::npos) << output;
+  std::printf(
+      "SIGKILL, 4 -> 3 workers, peer snapshot of step %s: first step after recovery %.2f s "
+      "after the kill\n",
+      match[1].str().c_str(), seconds);
+}
+
+// Three of four workers lost at once take some piece's holder and buddy both: the snapshot is
+// gone, and the run goes back to the disk checkpoint on the one worker left.
+TEST_F(RecoveryTest, WhenAPieceAndItsBuddyAreBothLostTheDiskCheckpointServes) {
+  Training training = Start("recovery_snapshot_lost", "--snapshot-every 1");
+  ASSERT_TRUE(WaitFor(training, "step 9/24")) << training.output();
+  const std::vector<int> workers = Workers(training);
+  ASSERT_EQ(workers.size(), 4u) << training.output();
+  for (size_t i = 1; i < workers.size(); ++i) ASSERT_EQ(::kill(workers[i], SIGKILL), 0);
+  ExpectRecovered(training, 1, 1);
+  const std::string output = training.output();
+  EXPECT_NE(output.find("every copy is gone"), std::string::npos) << output;
+  EXPECT_NE(output.find("back to the disk checkpoint"), std::string::npos) << output;
+  EXPECT_TRUE(std::regex_search(output, std::regex(R"(restored step 8 from \S*checkpoints)")))
+      << output;
+}
+
 // A cluster from `tessera start` (its scheduler supervised), 4 workers: the scheduler process is
 // SIGKILLed mid-run. The supervisor starts it again on the same port, the workers rejoin it, and
 // the driver connects again and resumes from its last checkpoint on the same 4 ranks. Prints the

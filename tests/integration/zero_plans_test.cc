@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -12,6 +13,7 @@
 #include "driver/cluster.h"
 #include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/peer_snapshot.h"
 #include "driver/token_dataset.h"
 #include "test_util.h"
 
@@ -309,6 +311,57 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   ASSERT_OK_AND_ASSIGN(std::string next, SaveCheckpoint(*victim, dir, sampler.SaveState()));
   EXPECT_NE(next, saved);
   EXPECT_TRUE(std::filesystem::exists(saved + "/manifest.json"));
+}
+
+// A peer snapshot (driver/peer_snapshot.h) is the state at the step it was taken, whatever the
+// steps after did in place, and restores into any plan, from the holders' copies or from their
+// buddies' (when the holders are taken for dead).
+TEST_F(ZeroPlansTest, APeerSnapshotIsTheStateItWasTakenAtUnderAnyPlan) {
+  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
+  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
+  ASSERT_OK(trainer->InitializeParameters(5));
+  ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
+  auto steps = [&](Gpt2Trainer& t, int count) {
+    for (int i = 0; i < count; ++i) {
+      sampler.Next(tokens.data(), targets.data());
+      ASSERT_OK(t.Step(tokens, targets, 3e-3f).status());
+    }
+  };
+  // Every group of every kind, cut to the model's elements (plans pad differently).
+  auto state = [&](Gpt2Trainer& t) {
+    std::vector<std::vector<float>> groups;
+    for (size_t l = 0; l < t.model().layers.size(); ++l) {
+      for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        Result<std::vector<float>> group = t.ReadGroup(l, kind);
+        EXPECT_TRUE(group.ok()) << group.status().ToString();
+        if (!group.ok()) return groups;
+        group->resize(static_cast<size_t>(t.model().layers[l].params.numel()));
+        groups.push_back(*std::move(group));
+      }
+    }
+    return groups;
+  };
+  steps(*trainer, 4);
+  ASSERT_OK_AND_ASSIGN(PeerSnapshot snapshot, PeerSnapshot::Take(*trainer, sampler.SaveState()));
+  const auto taken = state(*trainer);
+  EXPECT_EQ(snapshot.step(), 4);
+  EXPECT_EQ(snapshot.copies(), 2);
+  EXPECT_GE(snapshot.bytes(), 12 * trainer->model().NumParameters());  // params, m, v
+  steps(*trainer, 3);
+  ASSERT_NE(state(*trainer), taken);  // the steps after changed the live state in place
+
+  ASSERT_OK_AND_ASSIGN(CheckpointInfo same, snapshot.Restore(*trainer, {}));
+  EXPECT_EQ(same.step, 4);
+  EXPECT_EQ(trainer->steps_taken(), 4);
+  EXPECT_EQ(state(*trainer), taken);
+  // Another plan, ranks 0 and 2 taken for dead: their pieces come from their buddies (ranks 1
+  // and 3), the others from their holders; the same bits.
+  const std::vector<WorkerId>& workers = trainer->plan().parallel.workers;
+  ASSERT_OK_AND_ASSIGN(auto other, Distributed(Plan(2, 1, OffloadMode::kNone, 1)));
+  ASSERT_OK(snapshot.Restore(*other, {workers[0], workers[2]}).status());
+  EXPECT_EQ(state(*other), taken);
+  EXPECT_EQ(other->steps_taken(), 4);
 }
 
 TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
