@@ -17,6 +17,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kPoll = std::chrono::milliseconds(50);
+// Workers lost together (a host) are declared dead within moments of each other: the alive set
+// must stand this long before a plan is made on it.
+constexpr auto kSettle = std::chrono::milliseconds(250);
+constexpr int kReplanAttempts = 3;
+
+std::string Describe(const std::map<WorkerId, std::string>& lost) {
+  if (lost.empty()) return "no worker (the step failed on its own)";
+  std::vector<std::string> described;
+  for (const auto& [id, description] : lost) described.push_back(description);
+  return fmt::format("{}", fmt::join(described, ", "));
+}
 
 }  // namespace
 
@@ -85,10 +96,22 @@ bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
 
 Result<int> StepRecovery::AwaitWorkers(int want) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.replacement_grace_ms);
-  while (true) {
+  std::set<WorkerId> seen;
+  auto unchanged_since = Clock::now();
+  for (bool first = true;; first = false) {
     TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster_->Info());
-    const int alive = info.alive_workers();
-    if (alive >= want || Clock::now() >= deadline) return alive;
+    Remember(info);
+    std::set<WorkerId> alive;
+    for (const WorkerInfo& worker : info.workers) {
+      if (worker.alive) alive.insert(worker.id);
+    }
+    const auto now = Clock::now();
+    if (first || alive != seen) {
+      seen = std::move(alive);
+      unchanged_since = now;
+    }
+    const int count = static_cast<int>(seen.size());
+    if (now - unchanged_since >= kSettle && (count >= want || now >= deadline)) return count;
     std::this_thread::sleep_for(kPoll);
   }
 }
@@ -108,6 +131,50 @@ Status StepRecovery::Snapshot(Gpt2Trainer& trainer, std::string sampler_state) {
   snapshot_stats_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
   snapshot_stats_.bytes = snapshot_->bytes() * snapshot_->copies();
   return Status::Ok();
+}
+
+Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_far,
+                                                     const std::set<WorkerId>& dead) {
+  Recovered recovered;
+  recovered.report = so_far;
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeClusterBackend(*cluster_, placement_));
+  // As many ranks as asked if there are enough workers, else the most the batch divides.
+  const int want = std::max(1, plan_.parallel.data_parallel);
+  const int alive = static_cast<int>(backend->workers().size());
+  TrainingPlan plan = plan_;
+  plan.parallel.workers.clear();
+  int ranks = std::min(want, alive);
+  for (; ranks >= options_.min_workers && ranks >= 1; --ranks) {
+    plan.parallel.data_parallel = ranks;
+    if (plan.Validate(DescribeGpt2(config_)).ok()) break;
+  }
+  if (ranks < std::max(1, options_.min_workers)) {
+    return Infeasible(
+        "after losing {}, {} worker(s) are alive and no plan of at least {} rank(s) fits the "
+        "batch of {} (it must divide by ranks x {} micro-batches): start {} more worker(s) or "
+        "lower --min-workers",
+        so_far.lost, alive, options_.min_workers, plan.batch, plan.parallel.grad_accum,
+        std::max(0, want - alive));
+  }
+  TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
+                           Gpt2Trainer::Create(config_, plan, std::move(backend)));
+  // The newest state that survived: the peer snapshot (taken at least at every checkpoint),
+  // else the disk checkpoint.
+  Result<CheckpointInfo> restored = Unavailable("no peer snapshot");
+  if (snapshot_) {
+    restored = snapshot_->Restore(*recovered.trainer, dead);
+    if (!restored.ok()) {
+      GetLogger("recovery")->warn("{}; back to the disk checkpoint", restored.status().ToString());
+    }
+  }
+  if (!restored.ok()) restored = LoadCheckpoint(*recovered.trainer, checkpoint_dir_);
+  TESSERA_ASSIGN_OR_RETURN(recovered.checkpoint, std::move(restored));
+  recovered.report.restored_from = recovered.checkpoint.path;
+  recovered.report.restored_step = recovered.checkpoint.step;
+  recovered.report.workers = ranks;
+  recovered.report.plan = recovered.trainer->plan().parallel.ToString();
+  return recovered;
 }
 
 void StepRecovery::AfterStep(Gpt2Trainer& trainer, const std::string& sampler_state,
@@ -151,10 +218,7 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
     scheduler_lost_ = false;
   } else {
     TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
-    std::vector<std::string> described;
-    for (const auto& [id, description] : lost) described.push_back(description);
-    report.lost = lost.empty() ? "no worker (the step failed on its own)"
-                               : fmt::format("{}", fmt::join(described, ", "));
+    report.lost = Describe(lost);
     trainer.reset();  // its state is not trusted; the checkpoint is
     GetLogger("recovery")
         ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
@@ -166,49 +230,39 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
       GetLogger("recovery")->warn("could not start replacements: {}", added.ToString());
     }
   }
-  TESSERA_ASSIGN_OR_RETURN(const int alive, AwaitWorkers(want));
-  // As many ranks as asked if there are enough, else the most the batch divides.
-  TrainingPlan plan = plan_;
-  plan.parallel.workers.clear();
-  int ranks = std::min(want, alive);
-  for (; ranks >= options_.min_workers && ranks >= 1; --ranks) {
-    plan.parallel.data_parallel = ranks;
-    if (plan.Validate(DescribeGpt2(config_)).ok()) break;
+  TESSERA_RETURN_IF_ERROR(AwaitWorkers(want).status());
+  const bool workers_lost = !lost.empty();
+  if (workers_lost) {  // others may have been declared dead since
+    TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
+    report.lost = Describe(lost);
   }
-  if (ranks < std::max(1, options_.min_workers)) {
-    return Infeasible(
-        "after losing {}, {} worker(s) are alive and no plan of at least {} rank(s) fits the "
-        "batch of {} (it must divide by ranks x {} micro-batches): start {} more worker(s) or "
-        "lower --min-workers",
-        report.lost, alive, options_.min_workers, plan.batch, plan.parallel.grad_accum,
-        std::max(0, want - alive));
-  }
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
-                           MakeClusterBackend(*cluster_, placement_));
+  // Workers may still be dying (several lost at once: a host, a rack): a plan or a restore that
+  // loses one is made again on the workers there are then.
   Recovered recovered;
-  TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
-                           Gpt2Trainer::Create(config_, plan, std::move(backend)));
-  // The newest state that survived: the peer snapshot (taken at least at every checkpoint),
-  // else the disk checkpoint.
-  Result<CheckpointInfo> restored = Unavailable("no peer snapshot");
-  if (snapshot_) {
+  for (int attempt = 1;; ++attempt) {
     std::set<WorkerId> dead;
     for (const auto& [id, description] : lost) dead.insert(id);
-    restored = snapshot_->Restore(*recovered.trainer, dead);
-    if (!restored.ok()) {
-      GetLogger("recovery")->warn("{}; back to the disk checkpoint", restored.status().ToString());
+    Result<Recovered> made = Replan(report, dead);
+    if (made.ok()) {
+      recovered = *std::move(made);
+      break;
+    }
+    if (made.status().code() != StatusCode::kUnavailable || attempt >= kReplanAttempts ||
+        !cluster_->connected()) {
+      return made.status();
+    }
+    GetLogger("recovery")
+        ->warn("recovery attempt {} failed: {}; planning again", attempt, made.status().ToString());
+    if (workers_lost) {
+      TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
+      report.lost = Describe(lost);
     }
   }
-  if (!restored.ok()) restored = LoadCheckpoint(*recovered.trainer, checkpoint_dir_);
-  TESSERA_ASSIGN_OR_RETURN(recovered.checkpoint, std::move(restored));
-  report.restored_from = recovered.checkpoint.path;
-  report.restored_step = recovered.checkpoint.step;
-  report.workers = ranks;
-  report.plan = recovered.trainer->plan().parallel.ToString();
   // A snapshot of the new plan, so that a later loss finds its pieces on the new buddies.
   if (options_.snapshot_every > 0) {
     (void)Snapshot(*recovered.trainer, recovered.checkpoint.sampler_state);
   }
+  report = recovered.report;
   report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   recovered.report = report;
   reports_.push_back(report);

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -128,8 +129,13 @@ class StepRecovery {
   Result<std::map<WorkerId, std::string>> LostWorkers(const std::vector<WorkerId>& plan_workers);
   // Remembers how the cluster's workers are described (a dead worker leaves the status).
   void Remember(const ClusterInfo& info);
-  // The alive workers' count, waiting up to the grace period for `want`.
+  // The alive workers' count once the alive set has stood still for a moment (workers lost
+  // together are declared dead moments apart), waiting up to the grace period for `want`.
   Result<int> AwaitWorkers(int want);
+  // Plans on the workers alive now and restores the newest surviving state into a new trainer
+  // (the peer snapshot, asking no copy on `dead` first; else the disk checkpoint). `so_far` is
+  // the report to complete.
+  Result<Recovered> Replan(const RecoveryReport& so_far, const std::set<WorkerId>& dead);
 
   Cluster* cluster_;
   bool scheduler_lost_ = false;  // Recoverable saw the connection to the scheduler gone

@@ -8,7 +8,7 @@ still longer than --stall seconds), that it recovers from every fault, and that 
 flat (summed RSS of the driver, the scheduler and the workers, sampled every 30 s). Prints one
 line per event and a summary; exits 1 if any check fails.
 
-    scripts/soak_recovery.py --minutes 30
+    scripts/soak_recovery.py --minutes 30 [--snapshot-every 1]
 """
 import argparse
 import os
@@ -69,6 +69,8 @@ def main():
                         help="seconds without a new step that count as a hang")
     parser.add_argument("--binary", default=os.path.join(ROOT, "build", "bin", "train_gpt2"))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="train_gpt2 --snapshot-every: recover from peer snapshots (0: the disk)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="tessera_soak_")
@@ -77,6 +79,8 @@ def main():
                "100000000", "--threads", "1", "--log-every", "1", "--checkpoint-dir",
                os.path.join(work, "checkpoints"), "--checkpoint-every", "50",
                "--max-restarts", "100000", "--replace-workers"]
+    if args.snapshot_every > 0:
+        command += ["--snapshot-every", str(args.snapshot_every)]
     print(f"# soak: {' '.join(command)}\n# log: {log_path}", flush=True)
     log = open(log_path, "w")
     driver = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -147,6 +151,8 @@ def main():
         text = f.read()
     recoveries = re.findall(r"train_gpt2: recovery (\d+): step (\d+) completed ([0-9.]+) s", text)
     times = sorted(float(r[2]) for r in recoveries)
+    replayed = [int(n) for n in re.findall(r"^train_gpt2: recovery \d+: .*replaying (\d+) step", text, re.M)]
+    from_snapshot = len(re.findall(r"^train_gpt2: recovery \d+: .*from peer snapshot", text, re.M))
     if len(recoveries) < len(faults) - 1:  # the last fault may be cut by the end of the soak
         failed.append(f"{len(faults)} faults but {len(recoveries)} recoveries completed")
     first_mb = samples[1][1] if len(samples) > 1 else (samples[0][1] if samples else 0)
@@ -157,6 +163,7 @@ def main():
           f"steps={last_step} longest_stall_s={longest_stall:.1f} "
           f"recovery_s_median={times[len(times) // 2] if times else 0:.2f} "
           f"recovery_s_max={times[-1] if times else 0:.2f} "
+          f"from_snapshot={from_snapshot} replayed_steps={sum(replayed)} "
           f"rss_mb_first={first_mb:.0f} rss_mb_last={last_mb:.0f}")
     for where, mb in samples:
         print(f"# rss {where:7.0f} s  {mb:8.1f} MB")
