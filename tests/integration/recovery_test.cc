@@ -179,7 +179,9 @@ TEST_F(RecoveryTest, APeerSnapshotRestoresTheStateWithoutReplay) {
       output, match,
       std::regex(R"(restored step (\d+) from peer snapshot of step \d+; .* replaying (\d+) step)")))
       << output;
-  EXPECT_GE(std::stoi(match[1]), 9) << output;
+  // "step 9/24" is printed before step 9's snapshot is taken, so the kill can land before or
+  // during it: the snapshot restored is of step 8 or 9, and at most one step is replayed.
+  EXPECT_GE(std::stoi(match[1]), 8) << output;
   EXPECT_LE(std::stoi(match[2]), 1) << output;
   EXPECT_NE(output.find("peer snapshots: "), std::string::npos) << output;
   std::printf(
