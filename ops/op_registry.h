@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -55,6 +56,25 @@ using KernelFn =
     std::function<Status(const KernelContext& context, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& outputs, const Attrs& attrs)>;
 
+// How an op's gradient is computed: the op that computes it and what that op reads. A model's
+// backward is derived from these rules (model/), so a user never writes one.
+//
+// The backward op's inputs are, in order, `inputs`: gradients of the forward op's outputs
+// (kOutputGradient; an output no one used gets zeros), the forward op's inputs (kInput) and its
+// outputs (kOutput, e.g. layernorm's mean and rstd). Output j of the backward op is the gradient
+// of forward input `gradient_of[j]`. Forward inputs named in no gradient_of (token ids, targets)
+// are not differentiable. The backward op gets the forward op's attributes.
+struct GradientRule {
+  enum class From : uint8_t { kOutputGradient, kInput, kOutput };
+  struct Arg {
+    From from;
+    int index;
+  };
+  std::string op;
+  std::vector<Arg> inputs;
+  std::vector<int> gradient_of;
+};
+
 struct OpDef {
   std::string name;
   std::string doc;
@@ -71,6 +91,8 @@ struct OpDef {
   std::vector<std::pair<int, int>> in_place;  // (input index, output index)
   InferFn infer;
   CostFn cost;
+  // Absent: the op has no gradient (optimizer steps, collectives, backward ops themselves).
+  std::optional<GradientRule> gradient;
 };
 
 class OpRegistry {
