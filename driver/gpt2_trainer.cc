@@ -17,7 +17,7 @@ TensorMeta F32(int64_t n) { return TensorMeta{Shape{n}, DType::kF32, Device::Cpu
 
 // Prefix of a layer's parameter names: "" for the embedding and head, "h.<l>." for blocks.
 std::string NamePrefix(const LayerSpec& layer) {
-  return layer.kind == LayerKind::kBlock ? layer.name + "." : "";
+  return layer.forward_op == "gpt2_block_forward" ? layer.name + "." : "";
 }
 
 }  // namespace

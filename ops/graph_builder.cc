@@ -2,6 +2,16 @@
 
 namespace tessera {
 
+namespace {
+
+// Output i's name in the op's declaration ("out3" past the names of a variadic-output op).
+std::string OutputName(const OpDef& def, size_t i) {
+  if (i < def.output_names.size()) return def.output_names[i];
+  return fmt::format("{}{}", def.output_names.empty() ? "out" : def.output_names.back(), i);
+}
+
+}  // namespace
+
 ObjectId GraphBuilder::AddInput(std::string name, TensorMeta meta, ObjectRole role) {
   return graph_.AddObject(std::move(name), std::move(meta), role);
 }
@@ -54,7 +64,7 @@ Result<std::vector<ObjectId>> GraphBuilder::AddTask(std::string name, const std:
   for (size_t i = 0; i < output_metas->size(); ++i) {
     std::string object_name = i < options.output_names.size()
                                   ? std::move(options.output_names[i])
-                                  : fmt::format("{}:{}", task.name, def->output_names[i]);
+                                  : fmt::format("{}:{}", task.name, OutputName(*def, i));
     ObjectRole role =
         i < options.output_roles.size() ? options.output_roles[i] : ObjectRole::kActivation;
     const TensorMeta& meta = (*output_metas)[i];

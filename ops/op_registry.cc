@@ -3,7 +3,7 @@
 namespace tessera {
 
 Status OpRegistry::AddOp(OpDef def) {
-  if (!def.infer || !def.cost) {
+  if (!(def.infer || def.nested_infer) || !(def.cost || def.nested_cost)) {
     return InvalidArgument("op '{}' needs both shape inference and a cost function", def.name);
   }
   if (ops_.contains(def.name)) return AlreadyExists("op '{}' is already registered", def.name);
@@ -53,16 +53,18 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
                              inputs.size());
     }
     const std::vector<TensorMeta> named(inputs.begin(), inputs.begin() + static_cast<long>(arity));
-    Result<std::vector<TensorMeta>> outputs = def->infer(named, attrs);
+    Result<std::vector<TensorMeta>> outputs =
+        def->nested_infer ? def->nested_infer(*this, named, attrs) : def->infer(named, attrs);
     if (!outputs.ok()) return outputs.status().WithContext(fmt::format("op '{}'", op));
     return outputs;
   }
   if (!def->variadic_inputs && inputs.size() != arity) {
     return InvalidArgument("op '{}' takes {} inputs, got {}", op, arity, inputs.size());
   }
-  Result<std::vector<TensorMeta>> outputs = def->infer(inputs, attrs);
+  Result<std::vector<TensorMeta>> outputs =
+      def->nested_infer ? def->nested_infer(*this, inputs, attrs) : def->infer(inputs, attrs);
   if (!outputs.ok()) return outputs.status().WithContext(fmt::format("op '{}'", op));
-  if (outputs->size() != def->output_names.size()) {
+  if (!def->variadic_outputs && outputs->size() != def->output_names.size()) {
     return Internal("op '{}' inferred {} outputs, declares {}", op, outputs->size(),
                     def->output_names.size());
   }
@@ -72,11 +74,12 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
 Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
                                 const Attrs& attrs) const {
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
+  std::vector<TensorMeta> named = inputs;
   if (def->control_inputs && inputs.size() > def->input_names.size()) {
-    return def->cost({inputs.begin(), inputs.begin() + static_cast<long>(def->input_names.size())},
-                     attrs);
+    named.resize(def->input_names.size());
   }
-  return def->cost(inputs, attrs);
+  if (def->nested_cost) return def->nested_cost(*this, named, attrs);
+  return def->cost(named, attrs);
 }
 
 std::vector<std::string> OpRegistry::OpNames() const {

@@ -38,17 +38,27 @@ struct OpCost {
   double bytes = 0;  // bytes read and written by the kernel, at least once each
 };
 
+class OpRegistry;
+
 // What a kernel gets besides its tensors.
 struct KernelContext {
   // Scratch memory for workspaces; freed by the kernel before it returns.
   std::shared_ptr<Allocator> allocator;
   // GEMMs below this many flops run on one thread (Settings::gemm_split_min_flops).
   int64_t gemm_split_min_flops = 4'000'000;
+  // The registry the kernel was found in: ops made of other ops (a layer program) run theirs
+  // from it. Set by every executor.
+  const OpRegistry* registry = nullptr;
 };
 
 using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,
                                                               const Attrs& attrs)>;
 using CostFn = std::function<OpCost(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+// Inference and cost of ops made of other ops: they see the registry they are in.
+using NestedInferFn = std::function<Result<std::vector<TensorMeta>>(
+    const OpRegistry& registry, const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+using NestedCostFn = std::function<Result<OpCost>(
+    const OpRegistry& registry, const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
 // REQUIRES: inputs/outputs match the op's inferred metas; outputs are allocated, and in-place
 // outputs hold their input's contents. Returns InvalidArgument for data-dependent errors (a
 // token id out of range); shape errors are caught earlier by inference.
@@ -81,6 +91,8 @@ struct OpDef {
   std::vector<std::string> input_names;  // for messages; its size is the arity
   std::vector<std::string> output_names;
   bool variadic_inputs = false;  // any number >= 1 of inputs named input_names[0]
+  // As many outputs as inference returns; past output_names, each is named after the last.
+  bool variadic_outputs = false;
   // Inputs after the named ones are control inputs: they only order the task after their
   // producers (a ZeRO-3 gather waiting for an earlier layer's forward, bounding memory); the op
   // ignores them, and inference and cost see the named inputs only.
@@ -91,6 +103,9 @@ struct OpDef {
   std::vector<std::pair<int, int>> in_place;  // (input index, output index)
   InferFn infer;
   CostFn cost;
+  // Instead of infer and cost, for ops made of other ops (ops/layer_program.h).
+  NestedInferFn nested_infer;
+  NestedCostFn nested_cost;
   // Absent: the op has no gradient (optimizer steps, collectives, backward ops themselves).
   std::optional<GradientRule> gradient;
 };

@@ -4,6 +4,7 @@
 
 #include "core/collective_task.h"
 #include "ops/flat_layout.h"
+#include "ops/layer_program.h"
 
 namespace tessera {
 
@@ -13,6 +14,16 @@ using Metas = std::vector<TensorMeta>;
 
 TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
 TensorMeta Scalar() { return F32(Shape{}); }
+
+// Gradient rules (OpDef::gradient): Rule(backward op, what it reads, the inputs it returns
+// gradients of).
+GradientRule::Arg OutGrad(int i) { return {GradientRule::From::kOutputGradient, i}; }
+GradientRule::Arg In(int i) { return {GradientRule::From::kInput, i}; }
+GradientRule::Arg Out(int i) { return {GradientRule::From::kOutput, i}; }
+GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
+                  std::vector<int> gradient_of) {
+  return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
+}
 
 // ---- checks whose messages name the input and both shapes ----
 
@@ -165,7 +176,7 @@ Status AddEmbeddingOps(OpRegistry& r) {
         return Metas{F32({in[0].shape[0], in[0].shape[1], c})};
       },
       .cost = ElementwiseCost(0),
-  }));
+      .gradient = Rule("embedding_backward", {OutGrad(0), In(0)}, {1, 2})}));
   return r.AddOp(OpDef{
       .name = "embedding_backward",
       .doc = "dwte, dwpe: dout scattered by token and position",
@@ -203,7 +214,8 @@ Status AddLayerNormOps(OpRegistry& r) {
         return Metas{in[0], F32({rows}), F32({rows})};
       },
       .cost = ElementwiseCost(8),
-  }));
+      .gradient =
+          Rule("layernorm_backward", {OutGrad(0), In(0), In(1), Out(1), Out(2)}, {0, 1, 2})}));
   return r.AddOp(OpDef{
       .name = "layernorm_backward",
       .input_names = {"dout", "x", "weight", "mean", "rstd"},
@@ -245,7 +257,7 @@ Status AddLinearOps(OpRegistry& r) {
           [](const Metas& in, const Attrs&) {
             return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
           },
-  }));
+      .gradient = Rule("linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_backward",
       .input_names = {"dout", "x", "weight"},
@@ -278,20 +290,20 @@ Status AddLinearOps(OpRegistry& r) {
   auto matmul_flops = [](const Metas& in, int a, int b) {
     return 2.0 * static_cast<double>(in[a].shape[0] * in[a].shape[1] * in[b].shape[1]);
   };
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "matmul_forward",
-      .doc = "c = a @ b",
-      .input_names = {"a", "b"},
-      .output_names = {"c"},
-      .infer = [matmul_dims](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(matmul_dims(in, 0, 1));
-        return Metas{F32({in[0].shape[0], in[1].shape[1]})};
-      },
-      .cost =
-          [matmul_flops](const Metas& in, const Attrs&) {
-            return OpCost{matmul_flops(in, 0, 1), 2 * Bytes(in)};
-          },
-  }));
+  TESSERA_RETURN_IF_ERROR(
+      r.AddOp(OpDef{.name = "matmul_forward",
+                    .doc = "c = a @ b",
+                    .input_names = {"a", "b"},
+                    .output_names = {"c"},
+                    .infer = [matmul_dims](const Metas& in, const Attrs&) -> Result<Metas> {
+                      TESSERA_RETURN_IF_ERROR(matmul_dims(in, 0, 1));
+                      return Metas{F32({in[0].shape[0], in[1].shape[1]})};
+                    },
+                    .cost =
+                        [matmul_flops](const Metas& in, const Attrs&) {
+                          return OpCost{matmul_flops(in, 0, 1), 2 * Bytes(in)};
+                        },
+                    .gradient = Rule("matmul_backward", {OutGrad(0), In(0), In(1)}, {0, 1})}));
   return r.AddOp(OpDef{
       .name = "matmul_backward",
       .input_names = {"dc", "a", "b"},
@@ -341,7 +353,7 @@ Status AddAttentionOps(OpRegistry& r) {
         return Metas{F32({s.batch, s.seq_len, s.channels}), F32({s.batch, s.heads, s.seq_len})};
       },
       .cost = cost(1.0),
-  }));
+      .gradient = Rule("attention_backward", {OutGrad(0), In(0), Out(1)}, {0})}));
   return r.AddOp(OpDef{
       .name = "attention_backward",
       .input_names = {"dout", "qkv", "lse"},
@@ -364,12 +376,14 @@ Status AddElementwiseOps(OpRegistry& r) {
     }
     return Metas{in[0]};
   };
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "gelu_forward",
-                                        .doc = "GELU, tanh approximation",
-                                        .input_names = {"x"},
-                                        .output_names = {"out"},
-                                        .infer = same_as_first,
-                                        .cost = ElementwiseCost(10)}));
+  TESSERA_RETURN_IF_ERROR(
+      r.AddOp(OpDef{.name = "gelu_forward",
+                    .doc = "GELU, tanh approximation",
+                    .input_names = {"x"},
+                    .output_names = {"out"},
+                    .infer = same_as_first,
+                    .cost = ElementwiseCost(10),
+                    .gradient = Rule("gelu_backward", {OutGrad(0), In(0)}, {0})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "gelu_backward",
                                         .input_names = {"dout", "x"},
                                         .output_names = {"dx"},
@@ -380,7 +394,55 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .input_names = {"a", "b"},
                                         .output_names = {"out"},
                                         .infer = same_as_first,
-                                        .cost = ElementwiseCost(1)}));
+                                        .cost = ElementwiseCost(1),
+                                        .gradient = Rule("add_backward", {OutGrad(0)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "reshape",
+      .doc = "the same elements in attribute 'shape' (one dimension may be -1: inferred)",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims, attrs.GetInts("shape"));
+        int64_t known = 1;
+        int inferred = -1;
+        for (size_t i = 0; i < dims.size(); ++i) {
+          if (dims[i] == -1 && inferred < 0) {
+            inferred = static_cast<int>(i);
+          } else if (dims[i] <= 0) {
+            return InvalidArgument(
+                "attribute 'shape' has dimension {}: use positive sizes and at "
+                "most one -1",
+                dims[i]);
+          } else {
+            known *= dims[i];
+          }
+        }
+        if (inferred >= 0 && known > 0 && in[0].numel() % known == 0) {
+          dims[static_cast<size_t>(inferred)] = in[0].numel() / known;
+        }
+        TensorMeta out{Shape(dims), in[0].dtype, in[0].device};
+        if (out.numel() != in[0].numel() || (inferred >= 0 && in[0].numel() % known != 0)) {
+          return InvalidArgument("input 'x' has shape {} ({} elements), which shape {} cannot hold",
+                                 in[0].shape.ToString(), in[0].numel(),
+                                 Shape(*attrs.GetInts("shape")).ToString());
+        }
+        return Metas{out};
+      },
+      .cost = ElementwiseCost(0),
+      .gradient = Rule("reshape_backward", {OutGrad(0), In(0)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "reshape_backward",
+            .doc = "dout in x's shape",
+            .input_names = {"dout", "x"},
+            .output_names = {"dx"},
+            .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+              if (in[0].numel() != in[1].numel()) {
+                return InvalidArgument("input 'dout' {} does not have the elements of 'x' {}",
+                                       in[0].ToString(), in[1].ToString());
+              }
+              return Metas{TensorMeta{in[1].shape, in[0].dtype, in[0].device}};
+            },
+            .cost = ElementwiseCost(0)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "accumulate",
                                         .doc = "sum = sum + x, in place (gradient accumulation)",
                                         .input_names = {"sum", "x"},
@@ -508,6 +570,19 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
         return Metas{Scalar(), in[0]};
       },
       .cost = ElementwiseCost(8),
+      .gradient = Rule("loss_gradient", {OutGrad(0), Out(1)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "loss_gradient",
+      .doc = "dlogits * dloss: the gradient a loss op computed in its forward (per unit of loss), "
+             "scaled by the loss's own gradient",
+      .input_names = {"dloss", "dlogits"},
+      .output_names = {"dx"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckShape("dloss", in[0], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckDType("dlogits", in[1], DType::kF32));
+        return Metas{in[1]};
+      },
+      .cost = ElementwiseCost(1),
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "adamw",
@@ -873,7 +948,8 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(AddAttentionOps(registry));
   TESSERA_RETURN_IF_ERROR(AddElementwiseOps(registry));
   TESSERA_RETURN_IF_ERROR(AddLossAndOptimizerOps(registry));
-  return AddGpt2Ops(registry);
+  TESSERA_RETURN_IF_ERROR(AddGpt2Ops(registry));
+  return RegisterLayerProgramOps(registry);
 }
 
 }  // namespace tessera

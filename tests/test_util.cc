@@ -107,7 +107,7 @@ Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<T
                 static_cast<size_t>(inputs[in].bytes()));
   }
   TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry.FindKernel(op, DeviceKind::kCpu));
-  KernelContext context{TestAllocator(), 1};  // split every GEMM: exercises the split path
+  KernelContext context{TestAllocator(), 1, &registry};  // split every GEMM: the split path
   TESSERA_RETURN_IF_ERROR((*kernel)(context, inputs, outputs, attrs));
   return outputs;
 }

@@ -146,7 +146,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   std::atomic<int> tasks_run{0}, donations_taken{0}, donations_copied{0};
   std::mutex error_mutex;
   Status first_error;
-  const KernelContext context{allocator_, options_.gemm_split_min_flops};
+  const KernelContext context{allocator_, options_.gemm_split_min_flops, &registry_};
 
   allocator_->ResetPeak();
   const Clock::time_point start = Clock::now();

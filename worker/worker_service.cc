@@ -87,7 +87,7 @@ class WorkerServiceImpl final : public WorkerService {
   static bool IsMember(const TaskSpec& spec);
   static std::vector<TensorMeta> OutputMetas(const PendingTask& task);
   KernelContext KernelContextHere() const {
-    return KernelContext{allocator_, options_.settings.gemm_split_min_flops};
+    return KernelContext{allocator_, options_.settings.gemm_split_min_flops, &registry_};
   }
   // Hands a ready collective member to the engine; its result comes back like a task's.
   void SubmitMember(PendingTask* task);

@@ -1,8 +1,19 @@
 // Model descriptions: what the planners take as input.
 //
-// A model is a list of layers, each with its parameters as one flat group (a FlatLayout naming
-// the tensors inside it). Planners turn a ModelSpec plus a parallel configuration into a step
-// graph with placements; they never look at parameter values.
+// A model is a DAG of layers over the model's inputs. Each layer has its parameters as one flat
+// group (a FlatLayout naming the tensors inside it) and runs as two tasks per micro-batch: a
+// forward task (one op) and a backward task (one op). A LayerSpec says which op each is and
+// how their arguments are wired: the forward reads model inputs, activations (outputs of
+// earlier layers, any earlier layer: skip connections are ordinary arguments) and parameter
+// groups (its own, or another layer's: a tied classifier); the backward reads gradients of the
+// forward's outputs, the forward's arguments and outputs, and returns gradients of the
+// forward's activation and parameter arguments. Planners place these tasks and add the rest
+// (gradient sums, reductions, gathers, the optimizer); they never look at parameter values or
+// inside a layer.
+//
+// Layers come from two places: the model API (model/model.h: a layer is a small program of
+// registered ops and its backward is derived from their gradient rules) or hand-fused layer
+// ops with a hand-written backward (GPT-2's block, DescribeGpt2: the fast path).
 //
 // GPT-2 here follows GPT-2 / nanoGPT / llm.c: learned position embeddings, pre-norm blocks,
 // GELU (tanh), a final layernorm, and a classifier tied to the token embedding.
@@ -13,7 +24,10 @@
 #include <string_view>
 #include <vector>
 
+#include "core/attrs.h"
+#include "core/dtype.h"
 #include "core/status.h"
+#include "core/tensor.h"
 #include "ops/flat_layout.h"
 
 namespace tessera {
@@ -34,24 +48,97 @@ struct Gpt2Config {
   std::string ToString() const;
 };
 
-enum class LayerKind { kEmbedding, kBlock, kHead };
+// How a parameter tensor starts (layers of the model API; GPT-2's trainer has its own scheme).
+struct ParamInit {
+  enum class Kind : uint8_t { kZeros, kOnes, kNormal, kUniform };
+  Kind kind = Kind::kZeros;
+  double scale = 0;  // kNormal: the standard deviation; kUniform: values in [-scale, scale)
+
+  static ParamInit Zeros() { return {Kind::kZeros, 0}; }
+  static ParamInit Ones() { return {Kind::kOnes, 0}; }
+  static ParamInit Normal(double std) { return {Kind::kNormal, std}; }
+  static ParamInit Uniform(double bound) { return {Kind::kUniform, bound}; }
+};
+
+// A tensor fed to the model each step, split over ranks and micro-batches along dimension 0.
+struct ModelInput {
+  std::string name;  // "tokens", "targets", "volume", "labels"
+  DType dtype = DType::kF32;
+  // Dimension 0 is the batch (its value here is only the example shapes were checked with).
+  Shape shape;
+  // Dimension 1 is the plan's seq_len (token inputs), at most shape[1].
+  bool sequence = false;
+  bool label = false;  // read by the loss only: not fed when predicting
+};
+
+// An argument of a layer's forward task, in the order its op takes them.
+struct LayerArg {
+  enum class Kind : uint8_t {
+    kModelInput,  // index: into ModelSpec::inputs
+    kActivation,  // index: an earlier layer; output: which of its activations
+    kParams,      // index: the layer whose parameter group is read (this one, or a tied one)
+  };
+  Kind kind = Kind::kActivation;
+  size_t index = 0;
+  int output = 0;
+};
+
+// An argument of a layer's backward task, relative to its forward task.
+struct BackwardArg {
+  enum class Kind : uint8_t {
+    kOutputGradient,  // index: a forward activation output; the loss's gradient w.r.t. it
+    kForwardArg,      // index: a forward argument (re-gathered under ZeRO-3 if parameters)
+    kForwardOutput,   // index: a forward output (what the forward kept for the backward)
+    // index: a forward argument of kind kParams. The gradient of that group from the layers
+    // whose backward ran before this one; the backward adds its part to it in place and
+    // returns the sum (GPT-2's embedding adds the tied classifier's part).
+    kGradientSoFar,
+  };
+  Kind kind = Kind::kOutputGradient;
+  size_t index = 0;
+};
 
 struct LayerSpec {
   std::string name;  // "embedding", "h.0" ... "h.{L-1}", "head"
-  LayerKind kind;
   FlatLayout params;
+  std::string forward_op;
+  std::string backward_op;
+  Attrs attrs;  // given to both ops
+  std::vector<LayerArg> forward_args;
+  // The forward's first `activations` outputs are activations; the rest are kept for the
+  // backward.
+  int activations = 1;
+  std::vector<BackwardArg> backward_args;
+  // Per backward output: the forward argument (kActivation or kParams) it is the gradient of.
+  std::vector<size_t> backward_outputs;
+  // Activation 0 is the model's loss: a scalar mean over the rows. The backward takes no
+  // gradient of it; the planner sets attribute grad_scale (1/(ranks x micro-batches)), by
+  // which the loss layer scales the gradients it starts.
+  bool loss = false;
+  // The loss layer only, optional: an op over the forward arguments minus label inputs that
+  // returns the model's prediction (GPT-2's logits), for sampling.
+  std::string predict_op;
+  // Per slot of `params`: how it starts (the model API). Empty for GPT-2's layers.
+  std::vector<ParamInit> init;
 };
 
 struct ModelSpec {
-  Gpt2Config config;
-  std::vector<LayerSpec> layers;  // in forward order
+  std::string name;  // "gpt2", or the model API's name
+  std::vector<ModelInput> inputs;
+  std::vector<LayerSpec> layers;  // in forward order: arguments name earlier layers only
+  Gpt2Config config;              // GPT-2 models (DescribeGpt2) only
 
   int64_t NumParameters() const;
   // NotFound otherwise.
   Result<const LayerSpec*> FindLayer(std::string_view name) const;
+  // The loss layer (the last one). InvalidArgument when the model has none.
+  Result<size_t> LossLayer() const;
+  // InvalidArgument naming the layer and argument when the wiring is wrong: an argument naming
+  // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss.
+  Status Validate() const;
 };
 
-// REQUIRES: config.Validate() is OK.
+// REQUIRES: config.Validate() is OK. Hand-fused GPT-2 layer ops (ops/standard_ops.h).
 ModelSpec DescribeGpt2(const Gpt2Config& config);
 
 }  // namespace tessera

@@ -24,13 +24,6 @@ TensorMeta F32(Shape shape, Device device = Device::Cpu()) {
   return TensorMeta{std::move(shape), DType::kF32, device};
 }
 
-Attrs Gpt2Attrs(const Gpt2Config& c) {
-  return Attrs{{"channels", c.channels},
-               {"heads", c.heads},
-               {"vocab", c.vocab},
-               {"max_seq_len", c.max_seq_len}};
-}
-
 TaskOptions Options(const std::string& layer, int32_t priority,
                     std::vector<std::string> output_names = {},
                     std::vector<ObjectRole> output_roles = {}) {
@@ -42,45 +35,29 @@ TaskOptions Options(const std::string& layer, int32_t priority,
   return options;
 }
 
-// The forward pass shared by every graph: embedding and blocks. Returns the activation entering
-// each block (block_inputs[l]) and each block's saved object, and the final activation.
-struct ForwardPass {
-  std::vector<ObjectId> block_inputs;
-  std::vector<ObjectId> saved;
-  ObjectId final_x;
-};
-
-Result<ForwardPass> AddForward(GraphBuilder& builder, const ModelSpec& model, ObjectId tokens,
-                               const std::vector<ObjectId>& params, const Attrs& attrs) {
-  ForwardPass pass;
-  TESSERA_ASSIGN_OR_RETURN(
-      auto embedded,
-      builder.AddTask("embedding/forward", "gpt2_embedding_forward", {tokens, params[0]}, attrs,
-                      Options("embedding", kForwardPriority)));
-  ObjectId x = embedded[0];
-  for (size_t l = 1; l + 1 < model.layers.size(); ++l) {
-    const std::string& name = model.layers[l].name;
-    TESSERA_ASSIGN_OR_RETURN(
-        auto outputs, builder.AddTask(name + "/forward", "gpt2_block_forward", {x, params[l]},
-                                      attrs, Options(name, kForwardPriority)));
-    pass.block_inputs.push_back(x);
-    pass.saved.push_back(outputs[1]);
-    x = outputs[0];
-  }
-  pass.final_x = x;
-  return pass;
+// A model input's object for `rows` rows: dimension 0 is the rows, a sequence input's
+// dimension 1 the plan's seq_len.
+TensorMeta InputMeta(const ModelInput& input, int64_t rows, int64_t seq_len, Device device) {
+  std::vector<int64_t> dims = input.shape.dims();
+  dims[0] = rows;
+  if (input.sequence) dims[1] = seq_len;
+  return TensorMeta{Shape(std::move(dims)), input.dtype, device};
 }
 
 Status CheckShapeOfBatch(const ModelSpec& model, int64_t batch, int64_t seq_len) {
-  TESSERA_RETURN_IF_ERROR(model.config.Validate());
+  if (model.name == "gpt2") TESSERA_RETURN_IF_ERROR(model.config.Validate());
+  TESSERA_RETURN_IF_ERROR(model.Validate());
   if (batch <= 0) return InvalidArgument("batch must be positive, got {}", batch);
-  if (seq_len <= 0 || seq_len > model.config.max_seq_len) {
-    return InvalidArgument("seq_len {} must be in [1, {}] (the model's max_seq_len)", seq_len,
-                           model.config.max_seq_len);
-  }
-  if (model.layers.size() < 2 || model.layers.front().kind != LayerKind::kEmbedding ||
-      model.layers.back().kind != LayerKind::kHead) {
-    return InvalidArgument("model must start with an embedding layer and end with a head");
+  for (const ModelInput& input : model.inputs) {
+    if (input.shape.rank() < 1 || (input.sequence && input.shape.rank() < 2)) {
+      return InvalidArgument("model input '{}' has shape {}: it needs a batch dimension{}",
+                             input.name, input.shape.ToString(),
+                             input.sequence ? " and a sequence dimension" : "");
+    }
+    if (input.sequence && (seq_len <= 0 || seq_len > input.shape[1])) {
+      return InvalidArgument("seq_len {} must be in [1, {}] (the model's max_seq_len)", seq_len,
+                             input.shape[1]);
+    }
   }
   return Status::Ok();
 }
@@ -94,6 +71,13 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
                                       ObjectRole::kParameter));
   }
   return params;
+}
+
+// A layer's attributes in a graph whose groups are padded to a multiple of `param_multiple`.
+Attrs LayerAttrs(const LayerSpec& layer, int64_t param_multiple) {
+  Attrs attrs = layer.attrs;
+  if (param_multiple > 1) attrs.Set(kParamMultipleAttr, param_multiple);
+  return attrs;
 }
 
 }  // namespace
@@ -188,8 +172,17 @@ class StepPlanner {
         adamw_(plan.optimizer.kind == OptimizerConfig::Kind::kAdamW),
         offload_(plan.parallel.offload == OffloadMode::kOptimizer && !plan.device.is_cpu()),
         builder_(registry) {
-    layer_attrs_ = Gpt2Attrs(model.config);
-    if (p_.sharded_optimizer()) layer_attrs_.Set(kParamMultipleAttr, int64_t{n_});
+    const int64_t multiple = p_.sharded_optimizer() ? n_ : 1;
+    for (const LayerSpec& layer : model.layers) {
+      layer_attrs_.push_back(LayerAttrs(layer, multiple));
+    }
+    // The layers reading each group; its gradient is complete after the first one's backward.
+    readers_.resize(layers_);
+    for (size_t l = 0; l < layers_; ++l) {
+      for (const LayerArg& arg : model.layers[l].forward_args) {
+        if (arg.kind == LayerArg::Kind::kParams) readers_[arg.index].push_back(l);
+      }
+    }
   }
 
   Result<StepGraph> Build() {
@@ -254,17 +247,27 @@ class StepPlanner {
     return Attrs{{kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{n_}}};
   }
   int64_t Shard(size_t l) const { return step_.group_numel[l] / n_; }
+  // Layers without parameters (a pooling layer) have no group: no state, gradient or update.
+  bool HasParams(size_t l) const { return step_.group_numel[l] > 0; }
+  static constexpr size_t kNoState = ~size_t{0};
   const std::string& LayerName(size_t l) const { return model_.layers[l].name; }
 
   void AddInputs() {
-    const TensorMeta tokens{Shape{step_.micro_batch, plan_.seq_len}, DType::kI32, plan_.device};
+    step_.inputs.resize(model_.inputs.size());
     for (int r = 0; r < n_; ++r) {
       for (int k = 0; k < k_; ++k) {
-        step_.tokens.push_back(
-            builder_.AddInput(Name(r, Micro(k, "tokens")), tokens, ObjectRole::kInput));
-        step_.targets.push_back(
-            builder_.AddInput(Name(r, Micro(k, "targets")), tokens, ObjectRole::kInput));
+        for (size_t i = 0; i < model_.inputs.size(); ++i) {
+          const ModelInput& input = model_.inputs[i];
+          step_.inputs[i].push_back(
+              builder_.AddInput(Name(r, Micro(k, input.name)),
+                                InputMeta(input, step_.micro_batch, plan_.seq_len, plan_.device),
+                                ObjectRole::kInput));
+        }
       }
+    }
+    if (model_.name == "gpt2") {
+      step_.tokens = step_.inputs[0];
+      step_.targets = step_.inputs[1];
     }
     step_.lr = builder_.AddInput("lr", F32(Shape{}, OptimizerDevice()), ObjectRole::kInput);
     step_.step = builder_.AddInput("step", TensorMeta{Shape{}, DType::kI64, OptimizerDevice()},
@@ -273,6 +276,12 @@ class StepPlanner {
     for (int r = 0; r < n_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       for (size_t l = 0; l < layers_; ++l) {
+        if (!HasParams(l)) {  // keeps rank.param etc. indexed by layer
+          for (auto* list : {&rank.param, &rank.master, &rank.exp_avg, &rank.exp_avg_sq}) {
+            list->push_back(kNoState);
+          }
+          continue;
+        }
         const int64_t full = step_.group_numel[l];
         const int64_t shard = p_.sharded_optimizer() ? Shard(l) : full;
         const int64_t begin = p_.sharded_optimizer() ? r * shard : 0;
@@ -341,95 +350,189 @@ class StepPlanner {
   }
 
   Status AddMicroBatch(int r, int k) {
-    Rank& rank = ranks_[static_cast<size_t>(r)];
     const size_t index = static_cast<size_t>(r * k_ + k);
-    const ObjectId tokens = step_.tokens[index], targets = step_.targets[index];
-    const size_t head = layers_ - 1;
+    const size_t loss_layer = layers_ - 1;
     const auto task = [&](size_t l, const char* what) {
       return Name(r, Micro(k, LayerName(l) + "/" + what));
     };
     const auto object = [&](const std::string& name) { return Name(r, Micro(k, name)); };
-    const int prefetch = p_.prefetch_layers;
+    const size_t prefetch = static_cast<size_t>(p_.prefetch_layers);
+    using Arg = LayerArg::Kind;
 
-    // Forward. act[l] is the activation entering layer l (act[0]: none, tokens instead).
-    std::vector<ObjectId> act(layers_), saved(layers_);
-    std::vector<ObjectId> params(layers_);
-    for (size_t l = 0; l < head; ++l) {
-      const ObjectId after =
-          l >= static_cast<size_t>(prefetch) + 1 ? act[l - prefetch] : ObjectId();
-      TESSERA_ASSIGN_OR_RETURN(params[l], LayerParams(r, l, Micro(k, "forward"), after));
-      if (l == 0) {
-        TESSERA_ASSIGN_OR_RETURN(
-            auto x,
-            builder_.AddTask(task(l, "forward"), "gpt2_embedding_forward", {tokens, params[l]},
-                             layer_attrs_, On(r, LayerName(l), kForwardPriority)));
-        act[1] = x[0];
-      } else {
-        TESSERA_ASSIGN_OR_RETURN(
-            auto y, builder_.AddTask(task(l, "forward"), "gpt2_block_forward", {act[l], params[l]},
-                                     layer_attrs_, On(r, LayerName(l), kForwardPriority)));
-        act[l + 1] = y[0];
-        saved[l] = y[1];
+    // Forward. args[l]: the objects layer l's forward reads; outputs[l]: what it returns.
+    std::vector<std::vector<ObjectId>> args(layers_), outputs(layers_);
+    // The first activation each layer reads: ZeRO-3 gathers wait for the one `prefetch` layers
+    // back, so at most that many layers' parameters are gathered ahead of use.
+    std::vector<ObjectId> entering(layers_);
+    for (size_t l = 0; l < layers_; ++l) {
+      const LayerSpec& layer = model_.layers[l];
+      for (const LayerArg& arg : layer.forward_args) {
+        if (arg.kind == Arg::kActivation) {
+          entering[l] = outputs[arg.index][static_cast<size_t>(arg.output)];
+          break;
+        }
       }
-    }
-    // The head reads its own parameters and the (tied) embedding's, in forward and backward:
-    // with ZeRO-3 both are gathered once for the two.
-    const ObjectId head_after =
-        head >= static_cast<size_t>(prefetch) + 1 ? act[head - prefetch] : ObjectId();
-    TESSERA_ASSIGN_OR_RETURN(ObjectId head_params,
-                             LayerParams(r, head, Micro(k, "head"), head_after));
-    TESSERA_ASSIGN_OR_RETURN(ObjectId tied, LayerParams(r, 0, Micro(k, "head"), head_after));
-    Attrs head_attrs = layer_attrs_;
-    const double grad_scale = 1.0 / static_cast<double>(n_ * k_);
-    if (n_ * k_ > 1) head_attrs.Set("grad_scale", grad_scale);
-    TESSERA_ASSIGN_OR_RETURN(auto head_out,
-                             builder_.AddTask(task(head, "forward"), "gpt2_head_forward",
-                                              {act[head], head_params, tied, targets}, head_attrs,
-                                              On(r, LayerName(head), kForwardPriority,
-                                                 {object(n_ * k_ > 1 ? "micro_loss" : "loss"),
-                                                  object(LayerName(head) + "/forward:saved")},
-                                                 {ObjectRole::kOutput, ObjectRole::kActivation})));
-    rank.losses.push_back(head_out[0]);
-
-    // Backward.
-    const std::string embedding = LayerName(0);
-    TESSERA_ASSIGN_OR_RETURN(
-        auto head_grads,
-        builder_.AddTask(
-            task(head, "backward"), "gpt2_head_backward",
-            {act[head], head_out[1], head_params, tied}, layer_attrs_,
-            On(r, LayerName(head), kBackwardPriority,
-               {object(LayerName(head) + "/backward:dx"), object(LayerName(head) + ".grad"),
-                object(embedding + ".grad_from_head")},
-               {ObjectRole::kActivation, FullGradientRole(), FullGradientRole()})));
-    TESSERA_RETURN_IF_ERROR(AddGradient(r, k, head, head_grads[1]));
-    // dy[l]: the gradient entering block l's backward.
-    std::vector<ObjectId> dy(layers_);
-    dy[head - 1] = head_grads[0];
-    for (size_t l = head - 1; l >= 1; --l) {
-      ObjectId after = head_out[1];
-      if (l + prefetch < head) after = dy[l + prefetch];
-      ObjectId block_params = params[l];
-      if (p_.sharded_parameters()) {
-        TESSERA_ASSIGN_OR_RETURN(block_params, LayerParams(r, l, Micro(k, "backward"), after));
+      const ObjectId after = l >= prefetch + 1 ? entering[l - prefetch] : ObjectId();
+      for (const LayerArg& arg : layer.forward_args) {
+        switch (arg.kind) {
+          case Arg::kModelInput:
+            args[l].push_back(step_.inputs[arg.index][index]);
+            break;
+          case Arg::kActivation:
+            args[l].push_back(outputs[arg.index][static_cast<size_t>(arg.output)]);
+            break;
+          case Arg::kParams: {
+            // The loss layer's gathers serve its backward too (it follows at once).
+            const std::string when = layer.loss || arg.index != l ? layer.name : "forward";
+            TESSERA_ASSIGN_OR_RETURN(ObjectId params,
+                                     LayerParams(r, arg.index, Micro(k, when), after));
+            args[l].push_back(params);
+            break;
+          }
+        }
+      }
+      std::vector<std::string> names;
+      std::vector<ObjectRole> roles;
+      if (layer.loss) {
+        names = {object(n_ * k_ > 1 ? "micro_loss" : "loss")};
+        roles = {ObjectRole::kOutput};
       }
       TESSERA_ASSIGN_OR_RETURN(
-          auto grads, builder_.AddTask(task(l, "backward"), "gpt2_block_backward",
-                                       {dy[l], act[l], saved[l], block_params}, layer_attrs_,
-                                       On(r, LayerName(l), kBackwardPriority,
-                                          {object(LayerName(l) + "/backward:dx"),
-                                           object(LayerName(l) + ".grad")},
-                                          {ObjectRole::kActivation, FullGradientRole()})));
-      dy[l - 1] = grads[0];
-      TESSERA_RETURN_IF_ERROR(AddGradient(r, k, l, grads[1]));
+          outputs[l], builder_.AddTask(
+                          task(l, "forward"), layer.forward_op, args[l], AttrsOf(l),
+                          On(r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
+      if (layer.loss) ranks_[static_cast<size_t>(r)].losses.push_back(outputs[l][0]);
     }
-    TESSERA_ASSIGN_OR_RETURN(
-        auto embedding_grad,
-        builder_.AddTask(task(0, "backward"), "gpt2_embedding_backward",
-                         {dy[0], tokens, head_grads[2]}, layer_attrs_,
-                         On(r, embedding, kBackwardPriority, {object(embedding + ".grad")},
-                            {FullGradientRole()})));
-    return AddGradient(r, k, 0, embedding_grad[0]);
+
+    // Backward, last layer first. output_grads[l][o]: the parts of the gradient of layer l's
+    // output o (one per layer reading it); param_grads[g]: the parts of group g's gradient so
+    // far. Parts are summed in place in the order they were made.
+    std::vector<std::vector<std::vector<ObjectId>>> output_grads(layers_);
+    for (size_t l = 0; l < layers_; ++l) {
+      output_grads[l].resize(static_cast<size_t>(model_.layers[l].activations));
+    }
+    std::vector<std::vector<ObjectId>> param_grads(layers_);
+    std::vector<ObjectId> entering_grad(layers_);  // the gradient of layer l's output 0
+    for (size_t l = layers_; l-- > 0;) {
+      const LayerSpec& layer = model_.layers[l];
+      std::vector<ObjectId> dy(output_grads[l].size());
+      if (!layer.loss) {
+        for (size_t o = 0; o < dy.size(); ++o) {
+          TESSERA_ASSIGN_OR_RETURN(
+              dy[o], Sum(r, object(fmt::format("{}.d{}", layer.name, o)), output_grads[l][o]));
+        }
+        if (!dy.empty()) entering_grad[l] = dy[0];
+      }
+      ObjectId after = outputs[loss_layer].back();
+      if (l + prefetch < loss_layer) after = entering_grad[l + prefetch];
+      std::vector<ObjectId> inputs;
+      for (const BackwardArg& arg : layer.backward_args) {
+        switch (arg.kind) {
+          case BackwardArg::Kind::kOutputGradient:
+            if (!dy[arg.index].valid()) {
+              return InvalidArgument(
+                  "output {} of layer '{}' is read by no layer, so it has no gradient: read it "
+                  "or drop it",
+                  arg.index, layer.name);
+            }
+            inputs.push_back(dy[arg.index]);
+            break;
+          case BackwardArg::Kind::kForwardArg: {
+            const LayerArg& forward = layer.forward_args[arg.index];
+            ObjectId read = args[l][arg.index];
+            if (forward.kind == Arg::kParams && p_.sharded_parameters() && !layer.loss) {
+              const std::string when = forward.index == l ? "backward" : layer.name + "_backward";
+              TESSERA_ASSIGN_OR_RETURN(read, LayerParams(r, forward.index, Micro(k, when), after));
+            }
+            inputs.push_back(read);
+            break;
+          }
+          case BackwardArg::Kind::kForwardOutput:
+            inputs.push_back(outputs[l][arg.index]);
+            break;
+          case BackwardArg::Kind::kGradientSoFar: {
+            const size_t group = layer.forward_args[arg.index].index;
+            if (param_grads[group].empty()) {
+              return InvalidArgument(
+                  "layer '{}' adds to the gradient of '{}', but no layer after it made one",
+                  layer.name, LayerName(group));
+            }
+            TESSERA_ASSIGN_OR_RETURN(
+                ObjectId so_far,
+                Sum(r, object(LayerName(group) + ".grad_parts"), param_grads[group]));
+            param_grads[group].clear();
+            inputs.push_back(so_far);
+            break;
+          }
+        }
+      }
+      std::vector<std::string> names;
+      std::vector<ObjectRole> roles;
+      int dx = 0;
+      for (size_t target : layer.backward_outputs) {
+        const LayerArg& forward = layer.forward_args[target];
+        if (forward.kind == Arg::kActivation) {
+          names.push_back(object(layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
+          roles.push_back(ObjectRole::kActivation);
+          ++dx;
+        } else {
+          names.push_back(object(forward.index == l
+                                     ? layer.name + ".grad"
+                                     : LayerName(forward.index) + ".grad_from_" + layer.name));
+          roles.push_back(FullGradientRole());
+        }
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto grads,
+          builder_.AddTask(
+              task(l, "backward"), layer.backward_op, std::move(inputs), AttrsOf(l),
+              On(r, layer.name, kBackwardPriority, std::move(names), std::move(roles))));
+      for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
+        const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
+        if (forward.kind == Arg::kActivation) {
+          output_grads[forward.index][static_cast<size_t>(forward.output)].push_back(grads[j]);
+        } else {
+          param_grads[forward.index].push_back(grads[j]);
+        }
+      }
+      // Groups whose first reader is this layer have every part of their gradient now.
+      for (size_t group = 0; group < layers_; ++group) {
+        if (readers_[group].empty() || readers_[group].front() != l) continue;
+        TESSERA_ASSIGN_OR_RETURN(
+            ObjectId full, Sum(r, object(LayerName(group) + ".grad_parts"), param_grads[group]));
+        if (!full.valid()) {
+          return InvalidArgument("no layer's backward returns a gradient of the parameters of '{}'",
+                                 LayerName(group));
+        }
+        TESSERA_RETURN_IF_ERROR(AddGradient(r, k, group, full));
+        last_gradient_ = group;
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The layer's attributes; the loss layer's carry grad_scale (1/(N*K): the loss is a mean over
+  // every rank's micro-batches).
+  Attrs AttrsOf(size_t l) const {
+    Attrs attrs = layer_attrs_[l];
+    if (model_.layers[l].loss && n_ * k_ > 1) {
+      attrs.Set("grad_scale", 1.0 / static_cast<double>(n_ * k_));
+    }
+    return attrs;
+  }
+
+  // The sum of `parts`, added in place into the first in order; invalid when there are none.
+  Result<ObjectId> Sum(int r, const std::string& name, const std::vector<ObjectId>& parts) {
+    if (parts.empty()) return ObjectId();
+    ObjectId sum = parts[0];
+    for (size_t i = 1; i < parts.size(); ++i) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto added,
+          builder_.AddTask(fmt::format("{}/sum{}", name, i), "accumulate", {sum, parts[i]}, {},
+                           On(r, "", kBackwardPriority, {fmt::format("{}:sum{}", name, i)})));
+      sum = added[0];
+    }
+    return sum;
   }
 
   // A micro-batch's full gradient of layer l on rank r: reduced now (stage 0: all-reduce on the
@@ -483,11 +586,12 @@ class StepPlanner {
       return step_.group_numel[a] < step_.group_numel[b];
     });
     for (size_t l : order) {
+      if (!HasParams(l)) continue;
       const std::string name = LayerName(l) + "/reduce_scatter";
       for (int r = 0; r < n_; ++r) {
         Rank& rank = ranks_[static_cast<size_t>(r)];
         std::vector<ObjectId> inputs{rank.grad[l]};
-        if (l != 0) inputs.push_back(rank.grad[0]);  // after the whole backward
+        if (l != last_gradient_) inputs.push_back(rank.grad[last_gradient_]);  // after backward
         TESSERA_ASSIGN_OR_RETURN(
             auto shard, builder_.AddTask(
                             Name(r, name), "reduce_scatter", std::move(inputs),
@@ -503,6 +607,7 @@ class StepPlanner {
   void RecordGradients() {
     for (int r = 0; r < n_; ++r) {
       for (size_t l = 0; l < layers_; ++l) {
+        if (!HasParams(l)) continue;
         const bool sharded = n_ > 1 && p_.zero_stage >= 1;
         const int64_t numel = sharded ? Shard(l) : step_.group_numel[l];
         step_.grads.push_back(GradientObject{GroupPiece{l, r, sharded ? r * numel : 0, numel},
@@ -548,6 +653,7 @@ class StepPlanner {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       std::vector<ObjectId> sums;
       for (size_t l = 0; l < layers_; ++l) {
+        if (!HasParams(l)) continue;
         TESSERA_ASSIGN_OR_RETURN(
             auto sum,
             builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares", {rank.grad[l]},
@@ -594,6 +700,7 @@ class StepPlanner {
     for (int r = 0; r < n_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       for (size_t l = 0; l < layers_; ++l) {
+        if (!HasParams(l)) continue;
         const std::string& layer = LayerName(l);
         TaskOptions options = On(r, layer, kBackwardPriority + 1, {Name(r, layer + ".grad.host")},
                                  {ObjectRole::kGradient});
@@ -619,6 +726,7 @@ class StepPlanner {
     Rank& rank = ranks_[static_cast<size_t>(r)];
     const ObjectId clip = offload_ ? rank.host_clip : rank.clip;
     for (size_t l = 0; l < layers_; ++l) {
+      if (!HasParams(l)) continue;
       const std::string& layer = LayerName(l);
       StateObject& param = step_.state[rank.param[l]];
       // The parameters the update writes: the host master piece (offload) or the parameters.
@@ -731,7 +839,9 @@ class StepPlanner {
   const bool adamw_;
   const bool offload_;  // offload to the host tier of GPU workers (a no-op on CPU workers)
   GraphBuilder builder_;
-  Attrs layer_attrs_;
+  std::vector<Attrs> layer_attrs_;            // per layer
+  std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
+  size_t last_gradient_ = 0;                  // the group whose gradient is complete last
   StepGraph step_;
   std::vector<Rank> ranks_;
   std::map<std::string, int64_t> collective_ids_;
@@ -754,35 +864,63 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
 namespace {
 
 Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                 const OpRegistry& registry, int64_t param_multiple, bool logits) {
+                                 const OpRegistry& registry, int64_t param_multiple, bool predict) {
   if (param_multiple < 1) return InvalidArgument("param_multiple must be >= 1");
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(const size_t loss_layer, model.LossLayer());
+  const LayerSpec& loss = model.layers[loss_layer];
+  if (predict && loss.predict_op.empty()) {
+    return InvalidArgument("model '{}' has no prediction op on its loss layer '{}'", model.name,
+                           loss.name);
+  }
   GraphBuilder builder(registry);
   ForwardGraph result;
-  const TensorMeta token_meta{Shape{batch, seq_len}, DType::kI32, Device::Cpu()};
-  result.tokens = builder.AddInput("tokens", token_meta, ObjectRole::kInput);
-  if (!logits) result.targets = builder.AddInput("targets", token_meta, ObjectRole::kInput);
-  result.params = AddParameterInputs(builder, model, param_multiple);
-  Attrs attrs = Gpt2Attrs(model.config);
-  if (param_multiple > 1) attrs.Set(kParamMultipleAttr, param_multiple);
-  TESSERA_ASSIGN_OR_RETURN(ForwardPass forward,
-                           AddForward(builder, model, result.tokens, result.params, attrs));
-  const std::string& head = model.layers.back().name;
-  if (logits) {
-    TESSERA_ASSIGN_OR_RETURN(
-        auto out, builder.AddTask(head + "/logits", "gpt2_head_logits",
-                                  {forward.final_x, result.params.back(), result.params.front()},
-                                  attrs, Options(head, kForwardPriority, {"logits"})));
-    result.result = out[0];
-  } else {
-    TESSERA_ASSIGN_OR_RETURN(
-        auto out,
-        builder.AddTask(
-            head + "/forward", "gpt2_head_forward",
-            {forward.final_x, result.params.back(), result.params.front(), result.targets}, attrs,
-            Options(head, kForwardPriority, {"loss"}, {ObjectRole::kOutput})));
-    result.result = out[0];
+  for (const ModelInput& input : model.inputs) {
+    result.inputs.push_back(input.label && predict
+                                ? ObjectId()
+                                : builder.AddInput(input.name,
+                                                   InputMeta(input, batch, seq_len, Device::Cpu()),
+                                                   ObjectRole::kInput));
   }
+  if (model.name == "gpt2") {
+    result.tokens = result.inputs[0];
+    result.targets = result.inputs[1];
+  }
+  result.params = AddParameterInputs(builder, model, param_multiple);
+  std::vector<std::vector<ObjectId>> outputs(model.layers.size());
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const LayerSpec& layer = model.layers[l];
+    const bool predicting = predict && l == loss_layer;
+    std::vector<ObjectId> args;
+    for (const LayerArg& arg : layer.forward_args) {
+      switch (arg.kind) {
+        case LayerArg::Kind::kModelInput:
+          if (!predicting || !model.inputs[arg.index].label) {
+            args.push_back(result.inputs[arg.index]);
+          }
+          break;
+        case LayerArg::Kind::kActivation:
+          args.push_back(outputs[arg.index][static_cast<size_t>(arg.output)]);
+          break;
+        case LayerArg::Kind::kParams:
+          args.push_back(result.params[arg.index]);
+          break;
+      }
+    }
+    std::vector<std::string> names;
+    std::vector<ObjectRole> roles;
+    if (l == loss_layer) {
+      names = {predicting ? "logits" : "loss"};
+      if (!predicting) roles = {ObjectRole::kOutput};
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        outputs[l],
+        builder.AddTask(layer.name + (predicting ? "/logits" : "/forward"),
+                        predicting ? layer.predict_op : layer.forward_op, std::move(args),
+                        LayerAttrs(layer, param_multiple),
+                        Options(layer.name, kForwardPriority, std::move(names), std::move(roles))));
+  }
+  result.result = outputs[loss_layer][0];
   builder.MarkOutput(result.result);
   TESSERA_ASSIGN_OR_RETURN(result.graph, builder.Build());
   return result;

@@ -15,6 +15,7 @@
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
 #include "ops/flat_layout.h"
+#include "ops/layer_program.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -157,6 +158,13 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                  cpu::Add(F(out[0]), F(out[0]), F(in[1]), in[0].numel());  // out[0] holds sum
                  return Status::Ok();
                }));
+  for (const char* op : {"reshape", "reshape_backward"}) {
+    TESSERA_RETURN_IF_ERROR(Register(
+        r, op, [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+          std::memcpy(out[0].raw_data(), in[0].raw_data(), in[0].bytes());
+          return Status::Ok();
+        }));
+  }
   TESSERA_RETURN_IF_ERROR(Register(
       r, "copy", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
         std::memcpy(out[0].raw_data(), in[0].raw_data(), in[0].bytes());
@@ -237,6 +245,15 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
 }
 
 Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "loss_gradient",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const float scale = *F(in[0]);
+                 const float* dlogits = F(in[1]);
+                 float* dx = F(out[0]);
+                 for (int64_t i = 0; i < in[1].numel(); ++i) dx[i] = dlogits[i] * scale;
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "softmax_cross_entropy",
       [](const KernelContext&, const Tensors& in, const Tensors& out,
@@ -375,7 +392,8 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
 Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterPrimitiveKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterLossAndOptimizerKernels(registry));
-  return RegisterGpt2Kernels(registry);
+  TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  return RegisterLayerProgramKernels(registry, DeviceKind::kCpu);
 }
 
 Result<OpRegistry> MakeCpuOpRegistry() {

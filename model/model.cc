@@ -1,0 +1,301 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+namespace tessera {
+
+// ---- LayerBuilder ----
+
+LayerBuilder::LayerBuilder(const OpRegistry& registry, int inputs)
+    : registry_(registry), values_(inputs) {
+  program_.inputs = inputs;
+}
+
+Value LayerBuilder::input(int i) {
+  if (i < 0 || i >= program_.inputs) {
+    errors_.push_back(
+        fmt::format("reads input {}, but the layer was given {} input(s)", i, program_.inputs));
+    return Value{};
+  }
+  return Value{i};
+}
+
+Value LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bool decay) {
+  if (!program_.ops.empty()) {
+    errors_.push_back(fmt::format(
+        "declares parameter '{}' after its first op: declare every parameter first", name));
+    return Value{};
+  }
+  for (const FlatSlot& slot : program_.params.slots()) {
+    if (slot.name == name) {
+      errors_.push_back(fmt::format("declares parameter '{}' twice", name));
+      return Value{};
+    }
+  }
+  for (int64_t d : shape.dims()) {
+    if (d <= 0) {
+      errors_.push_back(
+          fmt::format("parameter '{}' has shape {}: every dimension must be "
+                      "positive",
+                      name, shape.ToString()));
+      return Value{};
+    }
+  }
+  program_.params.Add(std::move(name), std::move(shape), decay);
+  init_.push_back(init);
+  return Value{values_++};
+}
+
+std::vector<Value> LayerBuilder::CallAll(std::string op, std::vector<Value> inputs, Attrs attrs,
+                                         std::string label) {
+  Result<const OpDef*> def = registry_.Find(op);
+  if (!def.ok()) {
+    errors_.push_back(def.status().message());
+    return {};
+  }
+  ProgramOp call{.op = std::move(op), .attrs = std::move(attrs), .label = std::move(label)};
+  for (const Value& v : inputs) {
+    if (v.id < 0 || v.id >= values_) {
+      errors_.push_back(
+          fmt::format("op '{}' reads a value that is not of this layer (or came "
+                      "from an earlier error)",
+                      call.op));
+      return {};
+    }
+    call.inputs.push_back(v.id);
+  }
+  // The op's declared outputs; a variadic-output op is not one a layer can call.
+  call.outputs = static_cast<int>((*def)->output_names.size());
+  if ((*def)->variadic_outputs) {
+    errors_.push_back(fmt::format("op '{}' cannot be called inside a layer", call.op));
+    return {};
+  }
+  std::vector<Value> outputs;
+  for (int o = 0; o < call.outputs; ++o) outputs.push_back(Value{values_++});
+  program_.ops.push_back(std::move(call));
+  return outputs;
+}
+
+Value LayerBuilder::Call(std::string op, std::vector<Value> inputs, Attrs attrs,
+                         std::string label) {
+  std::vector<Value> outputs =
+      CallAll(std::move(op), std::move(inputs), std::move(attrs), std::move(label));
+  return outputs.empty() ? Value{} : outputs[0];
+}
+
+// ---- ModelBuilder ----
+
+ModelBuilder::ModelBuilder(std::string name, const OpRegistry& registry)
+    : name_(std::move(name)), registry_(registry) {}
+
+ModelValue ModelBuilder::Input(std::string name, DType dtype, Shape example, bool label) {
+  inputs_.push_back(ModelInput{
+      .name = std::move(name), .dtype = dtype, .shape = std::move(example), .label = label});
+  return ModelValue{.input = static_cast<int>(inputs_.size()) - 1};
+}
+
+ModelValue ModelBuilder::LayerOutput(std::string layer, int output) {
+  return ModelValue{.layer = std::move(layer), .output = output};
+}
+
+void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define,
+                           bool loss) {
+  LayerBuilder builder(registry_, static_cast<int>(inputs.size()));
+  std::vector<Value> outputs = define(builder);
+  DeclaredLayer layer{.name = std::move(name), .inputs = std::move(inputs), .loss = loss};
+  layer.errors = std::move(builder.errors_);
+  for (const Value& v : outputs) {
+    if (v.id < 0 || v.id >= builder.values_) {
+      layer.errors.push_back("returns a value that is not of this layer");
+      break;
+    }
+    builder.program_.outputs.push_back(v.id);
+  }
+  if (outputs.empty()) layer.errors.push_back("returns no output");
+  if (loss && outputs.size() != 1) {
+    layer.errors.push_back(
+        fmt::format("is the loss, so it returns one output (the loss), not {}", outputs.size()));
+  }
+  builder.program_.loss = loss;
+  layer.program = std::move(builder.program_);
+  layer.init = std::move(builder.init_);
+  layers_.push_back(std::move(layer));
+}
+
+ModelValue ModelBuilder::Layer(std::string name, std::vector<ModelValue> inputs,
+                               SingleOutputLayerFn define) {
+  ModelValue value = LayerOutput(name);
+  Declare(
+      std::move(name), std::move(inputs),
+      [&](LayerBuilder& l) { return std::vector<Value>{define(l)}; }, /*loss=*/false);
+  return value;
+}
+
+void ModelBuilder::LayerWithOutputs(std::string name, std::vector<ModelValue> inputs,
+                                    LayerFn define) {
+  Declare(std::move(name), std::move(inputs), define, /*loss=*/false);
+}
+
+void ModelBuilder::Loss(std::string name, std::vector<ModelValue> inputs,
+                        SingleOutputLayerFn define) {
+  Declare(
+      std::move(name), std::move(inputs),
+      [&](LayerBuilder& l) { return std::vector<Value>{define(l)}; }, /*loss=*/true);
+}
+
+Result<ModelSpec> ModelBuilder::Build() const {
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DeclaredLayer& layer = layers_[i];
+    if (!layer.errors.empty()) {
+      return InvalidArgument("model '{}': layer '{}' {}", name_, layer.name,
+                             fmt::join(layer.errors, "; "));
+    }
+    if (!by_name.emplace(layer.name, i).second) {
+      return InvalidArgument("model '{}' has two layers named '{}'", name_, layer.name);
+    }
+  }
+  size_t losses = 0;
+  for (const DeclaredLayer& layer : layers_) losses += layer.loss ? 1 : 0;
+  if (losses != 1) {
+    return InvalidArgument("model '{}' has {} loss layers: declare exactly one with Loss()", name_,
+                           losses);
+  }
+  // Each layer's producers, checked.
+  std::vector<std::vector<size_t>> producers(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    for (const ModelValue& input : layers_[i].inputs) {
+      if (input.layer.empty()) {
+        if (input.input < 0 || input.input >= static_cast<int>(inputs_.size())) {
+          return InvalidArgument("model '{}': layer '{}' reads a model input that does not exist",
+                                 name_, layers_[i].name);
+        }
+        continue;
+      }
+      auto it = by_name.find(input.layer);
+      if (it == by_name.end()) {
+        return InvalidArgument("model '{}': layer '{}' reads layer '{}', which is not declared",
+                               name_, layers_[i].name, input.layer);
+      }
+      if (layers_[it->second].loss) {
+        return InvalidArgument("model '{}': layer '{}' reads the loss layer '{}'", name_,
+                               layers_[i].name, input.layer);
+      }
+      producers[i].push_back(it->second);
+    }
+  }
+  // Topological order, declaration order among the ready; what is left is on or behind a cycle.
+  std::vector<size_t> order;
+  std::vector<bool> placed(layers_.size(), false);
+  while (order.size() < layers_.size()) {
+    bool progress = false;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (placed[i] || layers_[i].loss) continue;
+      if (std::all_of(producers[i].begin(), producers[i].end(),
+                      [&](size_t p) { return placed[p]; })) {
+        placed[i] = true;
+        order.push_back(i);
+        progress = true;
+        break;
+      }
+    }
+    if (progress) continue;
+    const size_t loss = static_cast<size_t>(
+        std::find_if(layers_.begin(), layers_.end(), [](const auto& l) { return l.loss; }) -
+        layers_.begin());
+    if (!placed[loss] &&
+        std::all_of(producers[loss].begin(), producers[loss].end(),
+                    [&](size_t p) { return placed[p]; }) &&
+        order.size() + 1 == layers_.size()) {
+      placed[loss] = true;
+      order.push_back(loss);
+      continue;
+    }
+    std::vector<std::string> stuck;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (!placed[i] && !layers_[i].loss) stuck.push_back(layers_[i].name);
+    }
+    return InvalidArgument(
+        "model '{}' has a cycle: layers {} read each other's outputs (directly or through "
+        "others); a layer may only read layers that do not depend on it",
+        name_, fmt::join(stuck, ", "));
+  }
+
+  ModelSpec model;
+  model.name = name_;
+  model.inputs = inputs_;
+  std::vector<size_t> index_of(layers_.size());
+  for (size_t k = 0; k < order.size(); ++k) index_of[order[k]] = k;
+  std::vector<std::vector<TensorMeta>> output_metas(layers_.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const DeclaredLayer& declared = layers_[order[k]];
+    LayerProgram program = declared.program;
+    LayerSpec layer;
+    layer.name = declared.name;
+    layer.params = program.params;
+    layer.init = declared.init;
+    layer.forward_op = "layer_forward";
+    layer.backward_op = "layer_backward";
+    layer.loss = declared.loss;
+    std::vector<TensorMeta> metas;
+    for (size_t a = 0; a < declared.inputs.size(); ++a) {
+      const ModelValue& input = declared.inputs[a];
+      if (input.layer.empty()) {
+        const ModelInput& model_input = inputs_[static_cast<size_t>(input.input)];
+        layer.forward_args.push_back(
+            LayerArg{LayerArg::Kind::kModelInput, static_cast<size_t>(input.input), 0});
+        metas.push_back(TensorMeta{model_input.shape, model_input.dtype, Device::Cpu()});
+        continue;
+      }
+      const size_t producer = by_name.at(input.layer);
+      const std::vector<TensorMeta>& produced = output_metas[producer];
+      if (input.output < 0 || input.output >= static_cast<int>(produced.size())) {
+        return InvalidArgument("model '{}': layer '{}' reads output {} of '{}', which has {}",
+                               name_, declared.name, input.output, input.layer, produced.size());
+      }
+      layer.forward_args.push_back(
+          LayerArg{LayerArg::Kind::kActivation, index_of[producer], input.output});
+      metas.push_back(produced[static_cast<size_t>(input.output)]);
+      if (metas.back().dtype == DType::kF32) program.gradient_inputs.push_back(static_cast<int>(a));
+    }
+    Result<ProgramShapes> shapes = InferProgram(registry_, program, metas);
+    if (!shapes.ok()) {
+      return shapes.status().WithContext(
+          fmt::format("model '{}': layer '{}'", name_, declared.name));
+    }
+    for (int v : program.outputs)
+      output_metas[order[k]].push_back(shapes->values[static_cast<size_t>(v)]);
+    if (declared.loss && program.outputs.size() == 1) {
+      const TensorMeta& loss = output_metas[order[k]][0];
+      if (loss.numel() != 1 || loss.dtype != DType::kF32) {
+        return InvalidArgument("model '{}': loss layer '{}' returns {}, not an f32 scalar", name_,
+                               declared.name, loss.ToString());
+      }
+    }
+    const bool has_params = program.params.numel() > 0;
+    if (has_params) layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
+    layer.activations = static_cast<int>(program.outputs.size());
+    using B = BackwardArg::Kind;
+    if (!declared.loss) {
+      for (int o = 0; o < layer.activations; ++o) {
+        layer.backward_args.push_back({B::kOutputGradient, static_cast<size_t>(o)});
+      }
+    }
+    for (size_t a = 0; a < declared.inputs.size(); ++a) {
+      layer.backward_args.push_back({B::kForwardArg, a});
+    }
+    layer.backward_args.push_back({B::kForwardOutput, static_cast<size_t>(layer.activations)});
+    if (has_params) layer.backward_args.push_back({B::kForwardArg, declared.inputs.size()});
+    for (int a : program.gradient_inputs) layer.backward_outputs.push_back(static_cast<size_t>(a));
+    if (has_params) layer.backward_outputs.push_back(declared.inputs.size());
+    layer.attrs.Set(kProgramAttr, program.Encode());
+    model.layers.push_back(std::move(layer));
+  }
+  TESSERA_RETURN_IF_ERROR(model.Validate());
+  return model;
+}
+
+}  // namespace tessera

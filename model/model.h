@@ -1,0 +1,120 @@
+// The model API: any model as a DAG of layers, each layer a small program of registered ops
+// over its inputs and its own parameters. Nobody writes a backward: each op's gradient rule
+// (OpDef::gradient) derives it, layer by layer (ops/layer_program.h). A built model is a
+// ModelSpec, so every plan works on it as on GPT-2: data parallel, ZeRO stages 1-3, optimizer
+// offload, gradient accumulation, clipping, checkpoints.
+//
+//   ModelBuilder mlp("mlp");
+//   ModelValue x = mlp.Input("x", DType::kF32, Shape{1, 64});       // dimension 0: the batch
+//   ModelValue y = mlp.Input("y", DType::kI32, Shape{1}, /*label=*/true);
+//   ModelValue h = mlp.Layer("fc1", {x}, [](LayerBuilder& l) {
+//     Value w = l.Param("w", Shape{128, 64}, ParamInit::Normal(0.02), /*decay=*/true);
+//     Value b = l.Param("b", Shape{128}, ParamInit::Zeros());
+//     return l.Call("gelu_forward", {l.Call("linear_forward", {l.input(0), w, b})});
+//   });
+//   ...
+//   mlp.Loss("loss", {logits, y}, [](LayerBuilder& l) {
+//     return l.Call("softmax_cross_entropy", {l.input(0), l.input(1)});
+//   });
+//   Result<ModelSpec> model = mlp.Build(registry);
+//
+// Layers may read any earlier layer's output (skip connections), or a layer declared later by
+// name (LayerOutput): Build orders the layers and refuses a cycle, naming the layers on it.
+// Shapes are inferred when the model is built, with the inputs' example shapes: an op given
+// the wrong shapes is refused naming the layer, the op and the shapes. A layer's parameters are
+// one flat group (what ZeRO shards), its tensors named "<layer>.<param>" in checkpoints.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/attrs.h"
+#include "core/dtype.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/layer_program.h"
+#include "ops/op_registry.h"
+#include "zero/model.h"
+
+namespace tessera {
+
+// A tensor inside a layer's definition: one of its inputs, a parameter, or an op's output.
+struct Value {
+  int id = -1;
+};
+
+// Defines one layer's program. Errors (an unknown op, a value of another layer) are kept and
+// reported by ModelBuilder::Build, so definitions read as plain code.
+class LayerBuilder {
+ public:
+  // The layer's i-th input, in the order the layer was given them.
+  Value input(int i);
+  // A parameter of the layer (f32), initialised by `init`; `decay`: AdamW decays it.
+  Value Param(std::string name, Shape shape, ParamInit init, bool decay = false);
+  // Runs `op` on `inputs`: all its outputs.
+  std::vector<Value> CallAll(std::string op, std::vector<Value> inputs, Attrs attrs = {},
+                             std::string label = "");
+  // Runs `op` on `inputs`: its first output.
+  Value Call(std::string op, std::vector<Value> inputs, Attrs attrs = {}, std::string label = "");
+
+ private:
+  friend class ModelBuilder;
+  LayerBuilder(const OpRegistry& registry, int inputs);
+
+  const OpRegistry& registry_;
+  LayerProgram program_;
+  std::vector<ParamInit> init_;
+  int values_ = 0;
+  std::vector<std::string> errors_;
+};
+
+// What a layer definition returns: its outputs, in order.
+using LayerFn = std::function<std::vector<Value>(LayerBuilder&)>;
+using SingleOutputLayerFn = std::function<Value(LayerBuilder&)>;
+
+// A model input or a layer's output, as another layer reads it.
+struct ModelValue {
+  int input = -1;     // a model input, or
+  std::string layer;  // a layer's
+  int output = 0;     // output
+};
+
+class ModelBuilder {
+ public:
+  ModelBuilder(std::string name, const OpRegistry& registry);
+
+  // A tensor fed each step. `example`: its shape, dimension 0 the batch (any value: the planner
+  // sets the micro-batch). `label`: read by the loss only (targets), not fed when predicting.
+  ModelValue Input(std::string name, DType dtype, Shape example, bool label = false);
+  // A layer reading `inputs`; returns its first output.
+  ModelValue Layer(std::string name, std::vector<ModelValue> inputs, SingleOutputLayerFn define);
+  // A layer with several outputs (Output(name, i) reads output i).
+  void LayerWithOutputs(std::string name, std::vector<ModelValue> inputs, LayerFn define);
+  // The loss: a layer whose single output is a scalar mean over the rows.
+  void Loss(std::string name, std::vector<ModelValue> inputs, SingleOutputLayerFn define);
+  // Output `output` of the layer named `layer`, declared before or after this call.
+  static ModelValue LayerOutput(std::string layer, int output = 0);
+
+  // Orders the layers, infers every shape, derives the backward of each layer.
+  // InvalidArgument naming the layer (and op, and shapes) otherwise.
+  Result<ModelSpec> Build() const;
+
+ private:
+  struct DeclaredLayer {
+    std::string name;
+    std::vector<ModelValue> inputs;
+    LayerProgram program;
+    std::vector<ParamInit> init;
+    std::vector<std::string> errors;
+    bool loss = false;
+  };
+  void Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define, bool loss);
+
+  std::string name_;
+  const OpRegistry& registry_;
+  std::vector<ModelInput> inputs_;
+  std::vector<DeclaredLayer> layers_;
+};
+
+}  // namespace tessera

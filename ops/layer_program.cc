@@ -1,0 +1,718 @@
+#include "ops/layer_program.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+#include "ops/standard_ops.h"
+
+namespace tessera {
+
+int LayerProgram::num_values() const {
+  int values = inputs + static_cast<int>(params.slots().size());
+  for (const ProgramOp& op : ops) values += op.outputs;
+  return values;
+}
+
+int LayerProgram::first_output(size_t op) const {
+  int value = inputs + static_cast<int>(params.slots().size());
+  for (size_t i = 0; i < op; ++i) value += ops[i].outputs;
+  return value;
+}
+
+// ---- Encoding: space-separated tokens; strings as <length>:<bytes> ----
+
+namespace {
+
+void PutString(std::string& out, std::string_view text) {
+  out += fmt::format("{}:{} ", text.size(), text);
+}
+void PutInt(std::string& out, int64_t value) { out += fmt::format("{} ", value); }
+
+class Reader {
+ public:
+  explicit Reader(std::string_view text) : text_(text) {}
+
+  Result<int64_t> Int() {
+    SkipSpaces();
+    int64_t value = 0;
+    auto [end, error] = std::from_chars(text_.data() + pos_, text_.data() + text_.size(), value);
+    if (error != std::errc()) return Malformed("a number");
+    pos_ = static_cast<size_t>(end - text_.data());
+    return value;
+  }
+  Result<double> Float() {
+    SkipSpaces();
+    const std::string token(Token());
+    char* end = nullptr;
+    const double value = std::strtod(token.c_str(), &end);
+    if (token.empty() || end != token.c_str() + token.size()) return Malformed("a number");
+    return value;
+  }
+  Result<std::string> String() {
+    TESSERA_ASSIGN_OR_RETURN(int64_t length, Int());
+    if (length < 0 || pos_ >= text_.size() || text_[pos_] != ':' ||
+        static_cast<size_t>(length) > text_.size() - pos_ - 1) {
+      return Malformed("a string");
+    }
+    std::string value(text_.substr(pos_ + 1, static_cast<size_t>(length)));
+    pos_ += 1 + static_cast<size_t>(length);
+    return value;
+  }
+  Result<std::string> Word() {
+    SkipSpaces();
+    std::string word(Token());
+    if (word.empty()) return Malformed("a word");
+    return word;
+  }
+  Status Expect(std::string_view word) {
+    TESSERA_ASSIGN_OR_RETURN(std::string got, Word());
+    if (got != word) return Malformed(fmt::format("'{}'", word));
+    return Status::Ok();
+  }
+  // A count in [0, limit].
+  Result<int64_t> Count(int64_t limit) {
+    TESSERA_ASSIGN_OR_RETURN(int64_t count, Int());
+    if (count < 0 || count > limit) return Malformed(fmt::format("a count up to {}", limit));
+    return count;
+  }
+  bool AtEnd() {
+    SkipSpaces();
+    return pos_ == text_.size();
+  }
+
+ private:
+  void SkipSpaces() {
+    while (pos_ < text_.size() && text_[pos_] == ' ') ++pos_;
+  }
+  std::string_view Token() {
+    const size_t start = pos_;
+    while (pos_ < text_.size() && text_[pos_] != ' ') ++pos_;
+    return text_.substr(start, pos_ - start);
+  }
+  Status Malformed(std::string_view what) const {
+    return InvalidArgument("malformed layer program: expected {} at character {}", what, pos_);
+  }
+
+  std::string_view text_;
+  size_t pos_ = 0;
+};
+
+constexpr int64_t kMaxItems = 1 << 20;
+
+}  // namespace
+
+std::string LayerProgram::Encode() const {
+  std::string out = "LP1 ";
+  PutInt(out, inputs);
+  PutInt(out, loss ? 1 : 0);
+  out += "G ";
+  PutInt(out, static_cast<int64_t>(gradient_inputs.size()));
+  for (int i : gradient_inputs) PutInt(out, i);
+  out += "P ";
+  PutInt(out, static_cast<int64_t>(params.slots().size()));
+  for (const FlatSlot& slot : params.slots()) {
+    PutString(out, slot.name);
+    PutInt(out, slot.weight_decay ? 1 : 0);
+    PutInt(out, slot.shape.rank());
+    for (int64_t d : slot.shape.dims()) PutInt(out, d);
+  }
+  out += "O ";
+  PutInt(out, static_cast<int64_t>(ops.size()));
+  for (const ProgramOp& op : ops) {
+    PutString(out, op.op);
+    PutString(out, op.label);
+    PutInt(out, static_cast<int64_t>(op.inputs.size()));
+    for (int v : op.inputs) PutInt(out, v);
+    PutInt(out, op.outputs);
+    PutInt(out, static_cast<int64_t>(op.attrs.values().size()));
+    for (const auto& [name, value] : op.attrs.values()) {
+      PutString(out, name);
+      std::visit(
+          [&](const auto& v) {
+            using T = std::decay_t<decltype(v)>;
+            if constexpr (std::is_same_v<T, int64_t>) {
+              out += "i ";
+              PutInt(out, v);
+            } else if constexpr (std::is_same_v<T, double>) {
+              out += fmt::format("f {:.17g} ", v);
+            } else if constexpr (std::is_same_v<T, std::string>) {
+              out += "s ";
+              PutString(out, v);
+            } else {
+              out += "v ";
+              PutInt(out, static_cast<int64_t>(v.size()));
+              for (int64_t x : v) PutInt(out, x);
+            }
+          },
+          value);
+    }
+  }
+  out += "R ";
+  PutInt(out, static_cast<int64_t>(outputs.size()));
+  for (int v : outputs) PutInt(out, v);
+  return out;
+}
+
+Result<LayerProgram> LayerProgram::Decode(std::string_view text) {
+  Reader in(text);
+  LayerProgram program;
+  TESSERA_RETURN_IF_ERROR(in.Expect("LP1"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t inputs, in.Count(kMaxItems));
+  program.inputs = static_cast<int>(inputs);
+  TESSERA_ASSIGN_OR_RETURN(int64_t loss, in.Count(1));
+  program.loss = loss == 1;
+  TESSERA_RETURN_IF_ERROR(in.Expect("G"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t gradient_inputs, in.Count(inputs));
+  for (int64_t i = 0; i < gradient_inputs; ++i) {
+    TESSERA_ASSIGN_OR_RETURN(int64_t input, in.Count(inputs - 1));
+    program.gradient_inputs.push_back(static_cast<int>(input));
+  }
+  TESSERA_RETURN_IF_ERROR(in.Expect("P"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t slots, in.Count(kMaxItems));
+  for (int64_t i = 0; i < slots; ++i) {
+    TESSERA_ASSIGN_OR_RETURN(std::string name, in.String());
+    TESSERA_ASSIGN_OR_RETURN(int64_t decay, in.Count(1));
+    TESSERA_ASSIGN_OR_RETURN(int64_t rank, in.Count(8));
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d < rank; ++d) {
+      TESSERA_ASSIGN_OR_RETURN(int64_t dim, in.Count(int64_t{1} << 40));
+      dims.push_back(dim);
+    }
+    program.params.Add(std::move(name), Shape(std::move(dims)), decay == 1);
+  }
+  TESSERA_RETURN_IF_ERROR(in.Expect("O"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t ops, in.Count(kMaxItems));
+  int values = program.inputs + static_cast<int>(slots);
+  for (int64_t i = 0; i < ops; ++i) {
+    ProgramOp op;
+    TESSERA_ASSIGN_OR_RETURN(op.op, in.String());
+    TESSERA_ASSIGN_OR_RETURN(op.label, in.String());
+    TESSERA_ASSIGN_OR_RETURN(int64_t arity, in.Count(kMaxItems));
+    for (int64_t a = 0; a < arity; ++a) {
+      TESSERA_ASSIGN_OR_RETURN(int64_t value, in.Count(values - 1));
+      op.inputs.push_back(static_cast<int>(value));
+    }
+    TESSERA_ASSIGN_OR_RETURN(int64_t outputs, in.Count(kMaxItems));
+    op.outputs = static_cast<int>(outputs);
+    values += op.outputs;
+    TESSERA_ASSIGN_OR_RETURN(int64_t attrs, in.Count(kMaxItems));
+    for (int64_t a = 0; a < attrs; ++a) {
+      TESSERA_ASSIGN_OR_RETURN(std::string name, in.String());
+      TESSERA_ASSIGN_OR_RETURN(std::string type, in.Word());
+      if (type == "i") {
+        TESSERA_ASSIGN_OR_RETURN(int64_t v, in.Int());
+        op.attrs.Set(name, v);
+      } else if (type == "f") {
+        TESSERA_ASSIGN_OR_RETURN(double v, in.Float());
+        op.attrs.Set(name, v);
+      } else if (type == "s") {
+        TESSERA_ASSIGN_OR_RETURN(std::string v, in.String());
+        op.attrs.Set(name, std::move(v));
+      } else if (type == "v") {
+        TESSERA_ASSIGN_OR_RETURN(int64_t n, in.Count(kMaxItems));
+        std::vector<int64_t> v;
+        for (int64_t x = 0; x < n; ++x) {
+          TESSERA_ASSIGN_OR_RETURN(int64_t item, in.Int());
+          v.push_back(item);
+        }
+        op.attrs.Set(name, std::move(v));
+      } else {
+        return InvalidArgument("malformed layer program: attribute '{}' has type '{}'", name, type);
+      }
+    }
+    program.ops.push_back(std::move(op));
+  }
+  TESSERA_RETURN_IF_ERROR(in.Expect("R"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t outputs, in.Count(kMaxItems));
+  if (outputs == 0) return InvalidArgument("malformed layer program: it has no outputs");
+  for (int64_t i = 0; i < outputs; ++i) {
+    TESSERA_ASSIGN_OR_RETURN(int64_t value, in.Count(values - 1));
+    program.outputs.push_back(static_cast<int>(value));
+  }
+  if (!in.AtEnd()) return InvalidArgument("malformed layer program: text after its outputs");
+  return program;
+}
+
+// ---- Inference ----
+
+namespace {
+
+std::string OpLabel(const ProgramOp& op) {
+  return op.label.empty() ? fmt::format("op '{}'", op.op)
+                          : fmt::format("'{}' (op '{}')", op.label, op.op);
+}
+
+bool IsFloat(const TensorMeta& meta) { return meta.dtype == DType::kF32; }
+
+}  // namespace
+
+Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgram& program,
+                                   const std::vector<TensorMeta>& inputs) {
+  if (static_cast<int>(inputs.size()) != program.inputs) {
+    return InvalidArgument("the layer program takes {} input(s), got {}", program.inputs,
+                           inputs.size());
+  }
+  ProgramShapes shapes;
+  const Device device = inputs.empty() ? Device::Cpu() : inputs[0].device;
+  for (const TensorMeta& input : inputs) {
+    shapes.values.push_back(input);
+    shapes.needs_gradient.push_back(false);
+  }
+  for (int i : program.gradient_inputs) {
+    if (!IsFloat(inputs[static_cast<size_t>(i)])) {
+      return InvalidArgument("layer input {} is {}: only f32 inputs have gradients", i,
+                             inputs[static_cast<size_t>(i)].ToString());
+    }
+    shapes.needs_gradient[static_cast<size_t>(i)] = true;
+  }
+  for (const FlatSlot& slot : program.params.slots()) {
+    shapes.values.push_back(TensorMeta{slot.shape, DType::kF32, device});
+    shapes.needs_gradient.push_back(true);
+  }
+  // Values the backward reads: what each rule on the gradient's path takes from its forward.
+  std::vector<bool> read_by_backward(static_cast<size_t>(program.num_values()), false);
+  for (const ProgramOp& op : program.ops) {
+    std::vector<TensorMeta> metas;
+    bool on_path = false;
+    for (int v : op.inputs) {
+      if (v < 0 || v >= static_cast<int>(shapes.values.size())) {
+        return InvalidArgument("{} reads value {}, which is not made before it", OpLabel(op), v);
+      }
+      metas.push_back(shapes.values[static_cast<size_t>(v)]);
+      on_path = on_path || shapes.needs_gradient[static_cast<size_t>(v)];
+    }
+    Result<std::vector<TensorMeta>> outputs = registry.InferShapes(op.op, metas, op.attrs);
+    if (!outputs.ok()) return outputs.status().WithContext(OpLabel(op));
+    if (static_cast<int>(outputs->size()) != op.outputs) {
+      return InvalidArgument("{} makes {} output(s), the program expects {}", OpLabel(op),
+                             outputs->size(), op.outputs);
+    }
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    const int first = static_cast<int>(shapes.values.size());
+    for (const TensorMeta& meta : *outputs) {
+      shapes.values.push_back(meta);
+      shapes.needs_gradient.push_back(on_path && IsFloat(meta));
+    }
+    if (!on_path) continue;
+    if (!def->gradient) {
+      return InvalidArgument(
+          "{} has no gradient rule, but a gradient flows through it (from a parameter or an f32 "
+          "input): use an op with one, or a hand-written layer op",
+          OpLabel(op));
+    }
+    for (const GradientRule::Arg& arg : def->gradient->inputs) {
+      if (arg.from == GradientRule::From::kInput) {
+        read_by_backward[static_cast<size_t>(op.inputs[static_cast<size_t>(arg.index)])] = true;
+      } else if (arg.from == GradientRule::From::kOutput) {
+        read_by_backward[static_cast<size_t>(first + arg.index)] = true;
+      }
+    }
+  }
+  for (int v : program.outputs) {
+    if (v < 0 || v >= static_cast<int>(shapes.values.size())) {
+      return InvalidArgument("the layer program returns value {}, which it does not make", v);
+    }
+  }
+  if (program.loss && (shapes.values[static_cast<size_t>(program.outputs[0])].numel() != 1 ||
+                       !IsFloat(shapes.values[static_cast<size_t>(program.outputs[0])]))) {
+    return InvalidArgument("a loss layer's first output must be an f32 scalar, got {}",
+                           shapes.values[static_cast<size_t>(program.outputs[0])].ToString());
+  }
+  const int made = program.inputs + static_cast<int>(program.params.slots().size());
+  int64_t bytes = 0;
+  for (int v = made; v < program.num_values(); ++v) {
+    if (!read_by_backward[static_cast<size_t>(v)]) continue;
+    shapes.saved.push_back(v);
+    shapes.saved_offset.push_back(bytes);
+    bytes += (shapes.values[static_cast<size_t>(v)].bytes() + 63) / 64 * 64;
+  }
+  shapes.saved_floats = std::max<int64_t>(1, bytes / 4);
+  return shapes;
+}
+
+// ---- layer_forward / layer_backward definitions ----
+
+namespace {
+
+using Metas = std::vector<TensorMeta>;
+
+Result<LayerProgram> ProgramOf(const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(std::string text, attrs.GetString(kProgramAttr));
+  return LayerProgram::Decode(text);
+}
+
+bool HasParams(const LayerProgram& program) { return program.params.numel() > 0; }
+
+// The seeded outputs take no gradient input: a loss program's output 0.
+int GradientInputs(const LayerProgram& program) {
+  return static_cast<int>(program.outputs.size()) - (program.loss ? 1 : 0);
+}
+
+Status CheckParams(const LayerProgram& program, const TensorMeta& params, const Attrs& attrs) {
+  const int64_t multiple = std::max<int64_t>(1, attrs.GetInt(kParamMultipleAttr, 1));
+  const int64_t want = PaddedNumel(program.params.numel(), multiple);
+  if (params.dtype != DType::kF32 || params.shape.rank() != 1 || params.numel() != want) {
+    return InvalidArgument("the parameter group is {} but the layer's parameters need f32 [{}]",
+                           params.ToString(), want);
+  }
+  return Status::Ok();
+}
+
+Result<Metas> InferForward(const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  const size_t layer_inputs = static_cast<size_t>(program.inputs);
+  if (in.size() != layer_inputs + (HasParams(program) ? 1 : 0)) {
+    return InvalidArgument("the layer takes {} input(s){}, got {}", layer_inputs,
+                           HasParams(program) ? " and its parameter group" : "", in.size());
+  }
+  if (HasParams(program)) TESSERA_RETURN_IF_ERROR(CheckParams(program, in.back(), attrs));
+  const Metas inputs(in.begin(), in.begin() + static_cast<long>(layer_inputs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  Metas out;
+  for (int v : program.outputs) out.push_back(shapes.values[static_cast<size_t>(v)]);
+  const Device device = in.empty() ? Device::Cpu() : in[0].device;
+  out.push_back(TensorMeta{Shape{shapes.saved_floats}, DType::kF32, device});
+  return out;
+}
+
+Result<Metas> InferBackward(const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  const size_t grads = static_cast<size_t>(GradientInputs(program));
+  const size_t layer_inputs = static_cast<size_t>(program.inputs);
+  const size_t want = grads + layer_inputs + 1 + (HasParams(program) ? 1 : 0);
+  if (in.size() != want) {
+    return InvalidArgument(
+        "the layer's backward takes {} output gradient(s), {} input(s), the saved buffer{}: {} "
+        "in all, got {}",
+        grads, layer_inputs, HasParams(program) ? " and the parameter group" : "", want, in.size());
+  }
+  const Metas inputs(in.begin() + static_cast<long>(grads),
+                     in.begin() + static_cast<long>(grads + layer_inputs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  for (size_t o = 0; o < grads; ++o) {
+    const int value = program.outputs[o + (program.loss ? 1 : 0)];
+    const TensorMeta& expected = shapes.values[static_cast<size_t>(value)];
+    if (in[o].shape != expected.shape || in[o].dtype != expected.dtype) {
+      return InvalidArgument("the gradient of output {} is {} but the output is {}", o,
+                             in[o].ToString(), expected.ToString());
+    }
+  }
+  const TensorMeta& saved = in[grads + layer_inputs];
+  if (saved.numel() != shapes.saved_floats) {
+    return InvalidArgument("the saved buffer is {} but the layer keeps f32 [{}]", saved.ToString(),
+                           shapes.saved_floats);
+  }
+  Metas out;
+  for (int i : program.gradient_inputs) out.push_back(inputs[static_cast<size_t>(i)]);
+  if (HasParams(program)) {
+    TESSERA_RETURN_IF_ERROR(CheckParams(program, in.back(), attrs));
+    out.push_back(in.back());
+  }
+  return out;
+}
+
+Result<OpCost> ProgramCost(const OpRegistry& registry, const Metas& layer_inputs,
+                           const Attrs& attrs, bool backward) {
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, layer_inputs));
+  OpCost total;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const ProgramOp& op = program.ops[i];
+    Metas metas;
+    for (int v : op.inputs) metas.push_back(shapes.values[static_cast<size_t>(v)]);
+    TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(op.op, metas, op.attrs));
+    // A backward costs about twice its forward (two products per product).
+    const double scale = backward ? 2.0 : 1.0;
+    total.flops += scale * cost.flops;
+    total.bytes += scale * cost.bytes;
+  }
+  return total;
+}
+
+}  // namespace
+
+Status RegisterLayerProgramOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "layer_forward",
+      .doc = "runs a layer program (attribute 'program'; ops/layer_program.h): its outputs and "
+             "what its backward reads",
+      .input_names = {"inputs"},
+      .output_names = {"out"},
+      .variadic_inputs = true,
+      .variadic_outputs = true,
+      .nested_infer = InferForward,
+      .nested_cost = [](const OpRegistry& registry, const Metas& in,
+                        const Attrs& attrs) -> Result<OpCost> {
+        TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+        const Metas inputs(
+            in.begin(), in.begin() + std::min<long>(program.inputs, static_cast<long>(in.size())));
+        return ProgramCost(registry, inputs, attrs, /*backward=*/false);
+      },
+  }));
+  return r.AddOp(OpDef{
+      .name = "layer_backward",
+      .doc = "the gradients of a layer program's inputs and parameters, derived from its ops' "
+             "gradient rules",
+      .input_names = {"inputs"},
+      .output_names = {"grad"},
+      .variadic_inputs = true,
+      .variadic_outputs = true,
+      .nested_infer = InferBackward,
+      .nested_cost = [](const OpRegistry& registry, const Metas& in,
+                        const Attrs& attrs) -> Result<OpCost> {
+        TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+        const size_t grads = static_cast<size_t>(GradientInputs(program));
+        if (in.size() < grads + static_cast<size_t>(program.inputs)) {
+          return InvalidArgument("too few inputs for the layer's backward");
+        }
+        const Metas inputs(in.begin() + static_cast<long>(grads),
+                           in.begin() + static_cast<long>(grads) + program.inputs);
+        return ProgramCost(registry, inputs, attrs, /*backward=*/true);
+      },
+  });
+}
+
+// ---- Kernels ----
+
+namespace {
+
+using Tensors = std::vector<Tensor>;
+
+// Runs `op` from the registry on `inputs` into `outputs` (allocated when undefined); in-place
+// outputs start as a copy of their input.
+Status RunOp(const KernelContext& context, DeviceKind device, const std::string& op,
+             const Tensors& inputs, Tensors& outputs, const Attrs& attrs) {
+  const OpRegistry& registry = *context.registry;
+  Metas metas;
+  for (const Tensor& t : inputs) metas.push_back(t.meta());
+  TESSERA_ASSIGN_OR_RETURN(Metas out_metas, registry.InferShapes(op, metas, attrs));
+  outputs.resize(out_metas.size());
+  for (size_t i = 0; i < out_metas.size(); ++i) {
+    if (!outputs[i].defined()) {
+      TESSERA_ASSIGN_OR_RETURN(outputs[i], Tensor::Empty(out_metas[i], context.allocator));
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op));
+  for (const auto& [in, out] : def->in_place) {
+    const Tensor& source = inputs[static_cast<size_t>(in)];
+    const Tensor& target = outputs[static_cast<size_t>(out)];
+    if (target.raw_data() != source.raw_data()) {
+      std::memcpy(target.raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry.FindKernel(op, device));
+  return (*kernel)(context, inputs, outputs, attrs);
+}
+
+int64_t ByteOffset(const Tensor& t) {
+  return static_cast<const char*>(t.raw_data()) - static_cast<const char*>(t.buffer()->data());
+}
+
+Tensor SavedView(const Tensor& saved, const ProgramShapes& shapes, size_t i) {
+  return Tensor(shapes.values[static_cast<size_t>(shapes.saved[i])], saved.buffer(),
+                ByteOffset(saved) + shapes.saved_offset[i]);
+}
+
+Tensor ParamView(const Tensor& group, const FlatSlot& slot) {
+  return Tensor(TensorMeta{slot.shape, DType::kF32, group.meta().device}, group.buffer(),
+                ByteOffset(group) + slot.offset * 4);
+}
+
+Status CheckRegistry(const KernelContext& context) {
+  if (context.registry == nullptr) {
+    return Internal("a layer program ran without a registry in its kernel context");
+  }
+  return Status::Ok();
+}
+
+Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
+                     const Tensors& out, const Attrs& attrs) {
+  TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  Metas input_metas;
+  for (int i = 0; i < program.inputs; ++i) input_metas.push_back(in[static_cast<size_t>(i)].meta());
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
+                           InferProgram(*context.registry, program, input_metas));
+  std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
+  for (int i = 0; i < program.inputs; ++i)
+    values[static_cast<size_t>(i)] = in[static_cast<size_t>(i)];
+  for (size_t s = 0; s < program.params.slots().size(); ++s) {
+    values[static_cast<size_t>(program.first_param()) + s] =
+        ParamView(in.back(), program.params.slots()[s]);
+  }
+  // Values kept for the backward are made in their place in `saved`; the rest in scratch.
+  const Tensor& saved = out.back();
+  for (size_t i = 0; i < shapes.saved.size(); ++i) {
+    values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
+  }
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const ProgramOp& op = program.ops[i];
+    Tensors inputs;
+    for (int v : op.inputs) inputs.push_back(values[static_cast<size_t>(v)]);
+    const size_t first = static_cast<size_t>(program.first_output(i));
+    Tensors outputs(values.begin() + static_cast<long>(first),
+                    values.begin() + static_cast<long>(first) + op.outputs);
+    Status ran = RunOp(context, device, op.op, inputs, outputs, op.attrs);
+    if (!ran.ok()) return ran.WithContext(OpLabel(op));
+    for (int o = 0; o < op.outputs; ++o)
+      values[first + static_cast<size_t>(o)] = outputs[static_cast<size_t>(o)];
+  }
+  for (size_t o = 0; o < program.outputs.size(); ++o) {
+    const Tensor& value = values[static_cast<size_t>(program.outputs[o])];
+    std::memcpy(out[o].raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
+  }
+  return Status::Ok();
+}
+
+// Gradients being summed per value: a tensor this kernel may add into, once it owns one.
+class GradientSums {
+ public:
+  GradientSums(const KernelContext& context, DeviceKind device, size_t values)
+      : context_(context), device_(device), sums_(values), owned_(values, false) {}
+
+  const Tensor& of(int value) const { return sums_[static_cast<size_t>(value)]; }
+  // `part` is owned when nothing else reads it (a backward op's fresh output).
+  Status Add(int value, const Tensor& part, bool owned) {
+    Tensor& sum = sums_[static_cast<size_t>(value)];
+    if (!sum.defined()) {
+      sum = part;
+      owned_[static_cast<size_t>(value)] = owned;
+      return Status::Ok();
+    }
+    if (!owned_[static_cast<size_t>(value)]) {
+      TESSERA_ASSIGN_OR_RETURN(sum, sum.Clone(context_.allocator));
+      owned_[static_cast<size_t>(value)] = true;
+    }
+    Tensors outputs{sum};
+    return RunOp(context_, device_, "accumulate", {sum, part}, outputs, {});
+  }
+  void Drop(int value) { sums_[static_cast<size_t>(value)] = Tensor(); }
+
+ private:
+  const KernelContext& context_;
+  DeviceKind device_;
+  std::vector<Tensor> sums_;
+  std::vector<bool> owned_;
+};
+
+Status BackwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
+                      const Tensors& out, const Attrs& attrs) {
+  TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  const size_t grads = static_cast<size_t>(GradientInputs(program));
+  const size_t layer_inputs = static_cast<size_t>(program.inputs);
+  Metas input_metas;
+  for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[grads + i].meta());
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
+                           InferProgram(*context.registry, program, input_metas));
+  std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
+  for (size_t i = 0; i < layer_inputs; ++i) values[i] = in[grads + i];
+  const Tensor& saved = in[grads + layer_inputs];
+  for (size_t i = 0; i < shapes.saved.size(); ++i) {
+    values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
+  }
+  for (size_t s = 0; s < program.params.slots().size(); ++s) {
+    values[static_cast<size_t>(program.first_param()) + s] =
+        ParamView(in.back(), program.params.slots()[s]);
+  }
+
+  GradientSums sums(context, device, values.size());
+  if (program.loss) {
+    TESSERA_ASSIGN_OR_RETURN(
+        Tensor seed,
+        Tensor::Empty(shapes.values[static_cast<size_t>(program.outputs[0])], context.allocator));
+    *seed.data<float>() = static_cast<float>(attrs.GetFloat("grad_scale", 1.0));
+    TESSERA_RETURN_IF_ERROR(sums.Add(program.outputs[0], seed, true));
+  }
+  for (size_t o = 0; o < grads; ++o) {
+    TESSERA_RETURN_IF_ERROR(
+        sums.Add(program.outputs[o + (program.loss ? 1 : 0)], in[o], /*owned=*/false));
+  }
+
+  for (size_t i = program.ops.size(); i-- > 0;) {
+    const ProgramOp& op = program.ops[i];
+    const int first = program.first_output(i);
+    bool has_gradient = false;
+    for (int o = 0; o < op.outputs; ++o) has_gradient |= sums.of(first + o).defined();
+    bool wants_gradient = false;
+    for (int v : op.inputs) wants_gradient |= shapes.needs_gradient[static_cast<size_t>(v)];
+    if (!has_gradient || !wants_gradient) continue;
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, context.registry->Find(op.op));
+    const GradientRule& rule = *def->gradient;  // InferProgram checked it exists on the path
+    Tensors inputs;
+    for (const GradientRule::Arg& arg : rule.inputs) {
+      switch (arg.from) {
+        case GradientRule::From::kOutputGradient: {
+          const int value = first + arg.index;
+          if (sums.of(value).defined()) {
+            inputs.push_back(sums.of(value));
+          } else {
+            TESSERA_ASSIGN_OR_RETURN(
+                Tensor zeros,
+                Tensor::Zeros(shapes.values[static_cast<size_t>(value)], context.allocator));
+            inputs.push_back(std::move(zeros));
+          }
+          break;
+        }
+        case GradientRule::From::kInput:
+          inputs.push_back(values[static_cast<size_t>(op.inputs[static_cast<size_t>(arg.index)])]);
+          break;
+        case GradientRule::From::kOutput:
+          inputs.push_back(values[static_cast<size_t>(first + arg.index)]);
+          break;
+      }
+    }
+    Tensors outputs;
+    Status ran = RunOp(context, device, rule.op, inputs, outputs, op.attrs);
+    if (!ran.ok()) return ran.WithContext(fmt::format("the backward of {}", OpLabel(op)));
+    for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
+    for (size_t j = 0; j < outputs.size() && j < rule.gradient_of.size(); ++j) {
+      const int value = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
+      if (!shapes.needs_gradient[static_cast<size_t>(value)]) continue;
+      TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], /*owned=*/true));
+    }
+  }
+
+  size_t next = 0;
+  for (int i : program.gradient_inputs) {
+    const Tensor& target = out[next++];
+    const Tensor& sum = sums.of(i);
+    if (sum.defined()) {
+      std::memcpy(target.raw_data(), sum.raw_data(), static_cast<size_t>(target.bytes()));
+    } else {
+      std::memset(target.raw_data(), 0, static_cast<size_t>(target.bytes()));
+    }
+  }
+  if (HasParams(program)) {
+    const Tensor& group = out[next];
+    std::memset(group.raw_data(), 0, static_cast<size_t>(group.bytes()));
+    for (size_t s = 0; s < program.params.slots().size(); ++s) {
+      const Tensor& sum = sums.of(program.first_param() + static_cast<int>(s));
+      if (!sum.defined()) continue;
+      const Tensor slice = ParamView(group, program.params.slots()[s]);
+      std::memcpy(slice.raw_data(), sum.raw_data(), static_cast<size_t>(slice.bytes()));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
+  TESSERA_RETURN_IF_ERROR(r.AddKernel(
+      "layer_forward", device,
+      [device](const KernelContext& context, const Tensors& in, const Tensors& out,
+               const Attrs& attrs) { return ForwardKernel(device, context, in, out, attrs); }));
+  return r.AddKernel(
+      "layer_backward", device,
+      [device](const KernelContext& context, const Tensors& in, const Tensors& out,
+               const Attrs& attrs) { return BackwardKernel(device, context, in, out, attrs); });
+}
+
+}  // namespace tessera

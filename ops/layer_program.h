@@ -1,0 +1,89 @@
+// Layer programs: a layer's forward as a small graph of registered ops, run as one task, and its
+// backward derived from the ops' gradient rules (OpDef::gradient), run as another.
+//
+// A program's values are numbered: first the layer's inputs (activations and model inputs),
+// then its parameters (views of one flat f32 group, each at an offset), then every op's outputs
+// in op order. The program travels inside the task as a string attribute ("program"), so a
+// worker needs nothing but the registry to run it.
+//
+//   layer_forward   inputs:  the layer's inputs..., then the parameter group (if it has
+//                            parameters; padded to a multiple of attribute param_multiple)
+//                   outputs: the program's outputs..., then `saved`: one flat f32 buffer with
+//                            every value the backward reads that it does not get otherwise
+//   layer_backward  inputs:  the gradient of each output (none for a loss program's output 0,
+//                            whose gradient is attribute grad_scale, default 1), the layer's
+//                            inputs, `saved`, then the parameter group
+//                   outputs: the gradient of each of gradient_inputs, then of the parameter
+//                            group (padding zero)
+//
+// The backward walks the ops in reverse. Each op with a gradient rule whose outputs have a
+// gradient runs its backward op; the results are summed per value. Ops on values no gradient
+// flows to (integer ids) are skipped; an op on the gradient's path with no rule is refused when
+// the program is inferred, naming it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/attrs.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/flat_layout.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+inline constexpr const char* kProgramAttr = "program";
+
+struct ProgramOp {
+  std::string op;
+  std::vector<int> inputs;  // values
+  int outputs = 1;          // how many values it makes, numbered after every earlier value
+  Attrs attrs;
+  std::string label;  // for messages: "fc1" (the model API's name for the call), or empty
+};
+
+struct LayerProgram {
+  int inputs = 0;     // the layer's inputs: values [0, inputs)
+  FlatLayout params;  // values [inputs, inputs + params.slots().size())
+  std::vector<ProgramOp> ops;
+  std::vector<int> outputs;  // values
+  bool loss = false;         // outputs[0] is a scalar loss; the backward starts from it
+  // The layer inputs (f32 activations) whose gradients the backward returns, in order; other
+  // inputs (model inputs, token ids) get none.
+  std::vector<int> gradient_inputs;
+
+  int num_values() const;
+  int first_param() const { return inputs; }
+  // The value number of op i's first output.
+  int first_output(size_t op) const;
+
+  std::string Encode() const;
+  // InvalidArgument naming what is malformed.
+  static Result<LayerProgram> Decode(std::string_view text);
+};
+
+// What the shapes of a program's inputs make of it.
+struct ProgramShapes {
+  std::vector<TensorMeta> values;  // every value's meta
+  std::vector<bool> needs_gradient;
+  // The values the backward reads that are not layer inputs or parameters, with their byte
+  // offsets inside `saved` (each 64-byte aligned).
+  std::vector<int> saved;
+  std::vector<int64_t> saved_offset;
+  int64_t saved_floats = 1;  // at least one element
+};
+
+// Infers every value of `program` given its layer inputs. Errors name the op (its label) and
+// the shapes it got.
+Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgram& program,
+                                   const std::vector<TensorMeta>& inputs);
+
+// Adds layer_forward and layer_backward (definitions; kernels: RegisterLayerProgramKernels).
+Status RegisterLayerProgramOps(OpRegistry& registry);
+// Their kernels for `device`: they run the program's ops with the registry's kernels for it.
+Status RegisterLayerProgramKernels(OpRegistry& registry, DeviceKind device);
+
+}  // namespace tessera
