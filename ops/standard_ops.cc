@@ -4,6 +4,7 @@
 
 #include "core/collective_task.h"
 #include "ops/flat_layout.h"
+#include "ops/volume_ops.h"
 
 namespace tessera {
 
@@ -873,7 +874,8 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(AddAttentionOps(registry));
   TESSERA_RETURN_IF_ERROR(AddElementwiseOps(registry));
   TESSERA_RETURN_IF_ERROR(AddLossAndOptimizerOps(registry));
-  return AddGpt2Ops(registry);
+  TESSERA_RETURN_IF_ERROR(AddGpt2Ops(registry));
+  return RegisterVolumeOps(registry);
 }
 
 }  // namespace tessera

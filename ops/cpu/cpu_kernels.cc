@@ -14,6 +14,7 @@
 #include "core/collective_task.h"
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/standard_ops.h"
 
@@ -375,7 +376,8 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
 Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterPrimitiveKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterLossAndOptimizerKernels(registry));
-  return RegisterGpt2Kernels(registry);
+  TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  return RegisterVolumeKernels(registry);
 }
 
 Result<OpRegistry> MakeCpuOpRegistry() {
