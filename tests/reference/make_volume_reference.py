@@ -8,8 +8,8 @@ Run with Debian's PyTorch (apt-get install python3-torch):
 Each case draws f32 inputs (fixed seed) and an upstream gradient `dy`, then evaluates the op and
 its input gradients in float64 from those same f32 values (the exact answer's proxy, rounded to
 f32 once when written), and checks that PyTorch's own float32 run agrees with it to 2e-6 of each
-tensor's scale. Tensors are named `<case>.<name>`; `<case>.attrs` (i32) holds the op's integer
-attributes in the order the C++ test reads them.
+tensor's scale. Tensors are named `<case>.<name>`; `<case>.attrs` (i32, absent when the op has
+none) holds the op's integer attributes in the order the C++ test reads them.
 
   conv_s1p1      conv3d, stride 1, padding 1              x w b dy -> y dx dw db
   conv_s2        conv3d, stride 2, padding 0, kernel 3x2x3 x w b dy -> y dx dw db
@@ -64,7 +64,8 @@ def run_case(name, fn, inputs, grad_inputs, attrs):
             error = scaled_error(a, b)
             if error > AGREEMENT_LIMIT:
                 raise SystemExit(f"{name}: PyTorch fp32 and fp64 differ by {error:.2e}")
-    tensors = [(f"{name}.attrs", torch.tensor(attrs, dtype=torch.int32))]
+    # (No empty tensors: the C++ reader hands memcpy a null pointer for them.)
+    tensors = [(f"{name}.attrs", torch.tensor(attrs, dtype=torch.int32))] if attrs else []
     tensors += [(f"{name}.{k}", v) for k, v in inputs.items()]
     tensors.append((f"{name}.dy", dy))
     return tensors, out64, grad64
@@ -143,8 +144,7 @@ def main():
             loss64, grad64 = loss.detach(), l.grad
     if scaled_error(loss32, loss64) > AGREEMENT_LIMIT or scaled_error(grad32, grad64) > AGREEMENT_LIMIT:
         raise SystemExit("voxel_ce: PyTorch fp32 and fp64 differ")
-    tensors += [("voxel_ce.attrs", torch.tensor([], dtype=torch.int32)),
-                ("voxel_ce.logits", logits), ("voxel_ce.targets", targets.int()),
+    tensors += [("voxel_ce.logits", logits), ("voxel_ce.targets", targets.int()),
                 ("voxel_ce.grad_scale", torch.tensor([grad_scale])),
                 ("voxel_ce.loss", f32(loss64).reshape(1)), ("voxel_ce.dlogits", f32(grad64))]
 
