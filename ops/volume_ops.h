@@ -41,8 +41,8 @@
 //   dice_score                logits [N,C,*], targets i32 [N,*] -> score (f32 scalar): hard Dice
 //                             of argmax_c logits against targets, per foreground class
 //                             1..C-1 over the whole batch, 2|P and T| / (|P| + |T|) (1 when the
-//                             class is absent from both), averaged over those classes. A metric:
-//                             no gradient. REQUIRES C >= 2
+//                             class is absent from both), averaged over those classes; C >= 2.
+//                             A metric: no gradient
 #pragma once
 
 #include "core/status.h"
