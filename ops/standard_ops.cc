@@ -5,6 +5,7 @@
 #include "core/collective_task.h"
 #include "ops/flat_layout.h"
 #include "ops/layer_program.h"
+#include "ops/volume_ops.h"
 
 namespace tessera {
 
@@ -949,6 +950,7 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(AddElementwiseOps(registry));
   TESSERA_RETURN_IF_ERROR(AddLossAndOptimizerOps(registry));
   TESSERA_RETURN_IF_ERROR(AddGpt2Ops(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterVolumeOps(registry));
   return RegisterLayerProgramOps(registry);
 }
 

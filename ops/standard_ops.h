@@ -16,6 +16,8 @@
 // GPT-2 layer ops (what a step graph's tasks run, one task per layer per direction):
 //   gpt2_embedding_forward/backward, gpt2_block_forward/backward, gpt2_head_forward/backward,
 //   gpt2_head_logits.
+// 3D U-Net ops on NCDHW volumes (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
+// group_norm, relu, silu, concat, voxel_cross_entropy, dice_score): ops/volume_ops.h.
 //
 // Attribute names used by several ops:
 //   channels, heads, vocab, max_seq_len   GPT-2 dimensions

@@ -14,6 +14,7 @@
 #include "core/collective_task.h"
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/layer_program.h"
 #include "ops/standard_ops.h"
@@ -393,6 +394,7 @@ Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterPrimitiveKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterLossAndOptimizerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterVolumeKernels(registry));
   return RegisterLayerProgramKernels(registry, DeviceKind::kCpu);
 }
 

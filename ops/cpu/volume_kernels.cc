@@ -1,0 +1,779 @@
+#include "ops/cpu/volume_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops/cpu/blas.h"
+#include "ops/cpu/parallel.h"
+
+namespace tessera::cpu {
+
+using detail::ParallelFor;
+
+namespace {
+
+constexpr int64_t kElementGrain = 1 << 14;
+// The column matrix of one chunk: 8 MB, wide enough that its GEMM splits into many pieces.
+constexpr int64_t kColumnFloats = int64_t{1} << 21;
+constexpr int64_t kChunkQuantum = 64;
+// Voxels per task of the segmentation loss and metric (fixed: the basis of their determinism).
+constexpr int64_t kVoxelChunk = 1024;
+
+// Calls fn(column, od, oh, ow_begin, ow_end) for each run of output positions [p0, p1) that
+// shares (od, oh); `column` is the run's first position minus p0.
+template <typename Fn>
+void ForEachRun(const Conv3dGeometry& g, int64_t p0, int64_t p1, const Fn& fn) {
+  const int64_t plane = g.out_h * g.out_w;
+  for (int64_t p = p0; p < p1;) {
+    const int64_t od = p / plane, oh = (p / g.out_w) % g.out_h, ow0 = p % g.out_w;
+    const int64_t ow1 = std::min(g.out_w, ow0 + (p1 - p));
+    fn(p - p0, od, oh, ow0, ow1);
+    p += ow1 - ow0;
+  }
+}
+
+// col [ColumnRows(), p1 - p0]: row (c, a, b, e) holds x[c, o_d*s-pad+a, o_h*s-pad+b, o_w*s-pad+e]
+// (zero outside x) for the output positions o in [p0, p1). vol is one sample [Cin, D, H, W].
+void Vol2Col(float* col, const float* vol, const Conv3dGeometry& g, int64_t p0, int64_t p1) {
+  const int64_t cols = p1 - p0, taps = g.kd * g.kh * g.kw;
+  ParallelFor(
+      g.ColumnRows(), std::max<int64_t>(1, kElementGrain / cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t c = r / taps, tap = r % taps;
+          const int64_t a = tap / (g.kh * g.kw), b = (tap / g.kw) % g.kh, e = tap % g.kw;
+          const float* v = vol + c * g.InVolume();
+          float* out = col + r * cols;
+          ForEachRun(g, p0, p1, [&](int64_t j, int64_t od, int64_t oh, int64_t ow0, int64_t ow1) {
+            float* dst = out + j - ow0;
+            const int64_t id = od * g.stride - g.padding + a, ih = oh * g.stride - g.padding + b;
+            if (id < 0 || id >= g.in_d || ih < 0 || ih >= g.in_h) {
+              std::fill(dst + ow0, dst + ow1, 0.0f);
+              return;
+            }
+            const float* src = v + (id * g.in_h + ih) * g.in_w;
+            for (int64_t ow = ow0; ow < ow1; ++ow) {
+              const int64_t iw = ow * g.stride - g.padding + e;
+              dst[ow] = iw >= 0 && iw < g.in_w ? src[iw] : 0.0f;
+            }
+          });
+        }
+      });
+}
+
+// The adjoint of Vol2Col, accumulating: vol[c, ...] += each column entry at the voxel Vol2Col
+// read it from. One task per channel adds that channel's taps in order: no races, a fixed order.
+void Col2Vol(float* vol, const float* col, const Conv3dGeometry& g, int64_t p0, int64_t p1) {
+  const int64_t cols = p1 - p0, taps = g.kd * g.kh * g.kw;
+  ParallelFor(g.in_channels, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float* v = vol + c * g.InVolume();
+      for (int64_t tap = 0; tap < taps; ++tap) {
+        const int64_t a = tap / (g.kh * g.kw), b = (tap / g.kw) % g.kh, e = tap % g.kw;
+        const float* in = col + (c * taps + tap) * cols;
+        ForEachRun(g, p0, p1, [&](int64_t j, int64_t od, int64_t oh, int64_t ow0, int64_t ow1) {
+          const float* src = in + j - ow0;
+          const int64_t id = od * g.stride - g.padding + a, ih = oh * g.stride - g.padding + b;
+          if (id < 0 || id >= g.in_d || ih < 0 || ih >= g.in_h) return;
+          float* dst = v + (id * g.in_h + ih) * g.in_w;
+          for (int64_t ow = ow0; ow < ow1; ++ow) {
+            const int64_t iw = ow * g.stride - g.padding + e;
+            if (iw >= 0 && iw < g.in_w) dst[iw] += src[ow];
+          }
+        });
+      }
+    }
+  });
+}
+
+// rows [rows, length] of t set to value[row] (or zero when value is null).
+void FillRows(float* t, const float* value, int64_t rows, int64_t length, int64_t stride) {
+  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / std::max<int64_t>(length, 1)),
+              [&](int64_t r0, int64_t r1) {
+                for (int64_t r = r0; r < r1; ++r) {
+                  std::fill(t + r * stride, t + r * stride + length,
+                            value == nullptr ? 0.0f : value[r]);
+                }
+              });
+}
+
+}  // namespace
+
+int64_t DefaultPositionsPerChunk(int64_t column_rows, int64_t out_volume) {
+  int64_t chunk = kColumnFloats / std::max<int64_t>(column_rows, 1);
+  chunk = std::max<int64_t>(chunk / kChunkQuantum * kChunkQuantum, kChunkQuantum);
+  return std::max<int64_t>(1, std::min(chunk, out_volume));
+}
+
+int64_t Conv3dWorkspaceFloats(const Conv3dGeometry& g) {
+  return g.ColumnRows() * std::min(g.positions_per_chunk, g.OutVolume());
+}
+
+void Conv3dForward(float* y, const float* x, const float* weight, const float* bias,
+                   const Conv3dGeometry& g, float* workspace, int64_t split_min_flops) {
+  const int64_t rows = g.ColumnRows(), positions = g.OutVolume();
+  for (int64_t n = 0; n < g.batch; ++n) {
+    const float* xn = x + n * g.in_channels * g.InVolume();
+    float* yn = y + n * g.out_channels * positions;
+    for (int64_t p0 = 0; p0 < positions; p0 += g.positions_per_chunk) {
+      const int64_t p1 = std::min(positions, p0 + g.positions_per_chunk), cols = p1 - p0;
+      Vol2Col(workspace, xn, g, p0, p1);
+      if (bias != nullptr) FillRows(yn + p0, bias, g.out_channels, cols, positions);
+      Gemm(Transpose::kNo, Transpose::kNo, g.out_channels, cols, rows, 1.0f, weight, rows,
+           workspace, cols, bias != nullptr ? 1.0f : 0.0f, yn + p0, positions, split_min_flops);
+    }
+  }
+}
+
+void Conv3dInputGradient(float* x, const float* y, const float* weight, const float* bias,
+                         const Conv3dGeometry& g, float* workspace, int64_t split_min_flops) {
+  const int64_t rows = g.ColumnRows(), positions = g.OutVolume();
+  for (int64_t n = 0; n < g.batch; ++n) {
+    float* xn = x + n * g.in_channels * g.InVolume();
+    const float* yn = y + n * g.out_channels * positions;
+    FillRows(xn, bias, g.in_channels, g.InVolume(), g.InVolume());
+    for (int64_t p0 = 0; p0 < positions; p0 += g.positions_per_chunk) {
+      const int64_t p1 = std::min(positions, p0 + g.positions_per_chunk), cols = p1 - p0;
+      // col = weight^T [rows, Cout] @ y[:, p0:p1]
+      Gemm(Transpose::kYes, Transpose::kNo, rows, cols, g.out_channels, 1.0f, weight, rows, yn + p0,
+           positions, 0.0f, workspace, cols, split_min_flops);
+      Col2Vol(xn, workspace, g, p0, p1);
+    }
+  }
+}
+
+void Conv3dWeightGradient(float* dweight, const float* dy, const float* x, const Conv3dGeometry& g,
+                          float* workspace, int64_t split_min_flops) {
+  const int64_t rows = g.ColumnRows(), positions = g.OutVolume();
+  std::memset(dweight, 0, static_cast<size_t>(g.out_channels * rows) * sizeof(float));
+  for (int64_t n = 0; n < g.batch; ++n) {
+    const float* xn = x + n * g.in_channels * g.InVolume();
+    const float* dyn = dy + n * g.out_channels * positions;
+    for (int64_t p0 = 0; p0 < positions; p0 += g.positions_per_chunk) {
+      const int64_t p1 = std::min(positions, p0 + g.positions_per_chunk), cols = p1 - p0;
+      Vol2Col(workspace, xn, g, p0, p1);
+      // dweight += dy[:, p0:p1] @ col^T
+      Gemm(Transpose::kNo, Transpose::kYes, g.out_channels, rows, cols, 1.0f, dyn + p0, positions,
+           workspace, cols, 1.0f, dweight, rows, split_min_flops);
+    }
+  }
+}
+
+void ChannelSums(float* out, const float* t, int64_t batch, int64_t channels, int64_t spatial) {
+  ParallelFor(channels, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      double sum = 0;
+      for (int64_t n = 0; n < batch; ++n) {
+        const float* row = t + (n * channels + c) * spatial;
+        for (int64_t s = 0; s < spatial; ++s) sum += row[s];
+      }
+      out[c] = static_cast<float>(sum);
+    }
+  });
+}
+
+// ---- nearest upsampling ----
+
+void UpsampleNearest3dForward(float* y, const float* x, int64_t planes, int64_t d, int64_t h,
+                              int64_t w, int64_t scale) {
+  const int64_t yh = h * scale, yw = w * scale, rows = planes * d * scale * yh;
+  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / yw), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t plane = r / (d * scale * yh), yd = (r / yh) % (d * scale), row = r % yh;
+      const float* src = x + ((plane * d + yd / scale) * h + row / scale) * w;
+      float* dst = y + r * yw;
+      for (int64_t j = 0; j < yw; ++j) dst[j] = src[j / scale];
+    }
+  });
+}
+
+void UpsampleNearest3dBackward(float* dx, const float* dy, int64_t planes, int64_t d, int64_t h,
+                               int64_t w, int64_t scale) {
+  const int64_t yh = h * scale, yw = w * scale, rows = planes * d * h;
+  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / (w * scale * scale * scale)),
+              [&](int64_t r0, int64_t r1) {
+                for (int64_t r = r0; r < r1; ++r) {
+                  const int64_t plane = r / (d * h), i = (r / h) % d, j = r % h;
+                  float* dst = dx + r * w;
+                  for (int64_t l = 0; l < w; ++l) {
+                    float sum = 0.0f;
+                    for (int64_t a = 0; a < scale; ++a) {
+                      for (int64_t b = 0; b < scale; ++b) {
+                        const float* src =
+                            dy + ((plane * d * scale + i * scale + a) * yh + j * scale + b) * yw +
+                            l * scale;
+                        for (int64_t e = 0; e < scale; ++e) sum += src[e];
+                      }
+                    }
+                    dst[l] = sum;
+                  }
+                }
+              });
+}
+
+// ---- max pooling ----
+
+void MaxPool3dForward(float* y, int32_t* indices, const float* x, int64_t planes, int64_t d,
+                      int64_t h, int64_t w, int64_t k) {
+  const int64_t od = d / k, oh = h / k, ow = w / k, rows = planes * od * oh;
+  ParallelFor(rows, std::max<int64_t>(1, kElementGrain / (ow * k * k * k)),
+              [&](int64_t r0, int64_t r1) {
+                for (int64_t r = r0; r < r1; ++r) {
+                  const int64_t plane = r / (od * oh), i = (r / oh) % od, j = r % oh;
+                  const float* xp = x + plane * d * h * w;
+                  for (int64_t l = 0; l < ow; ++l) {
+                    // PyTorch's scan: first element's index, -inf, then (v > best || isnan(v)) in
+                    // d, h, w order.
+                    int64_t best_index = (i * k * h + j * k) * w + l * k;
+                    float best = -std::numeric_limits<float>::infinity();
+                    for (int64_t a = 0; a < k; ++a) {
+                      for (int64_t b = 0; b < k; ++b) {
+                        const int64_t base = ((i * k + a) * h + j * k + b) * w + l * k;
+                        for (int64_t e = 0; e < k; ++e) {
+                          const float v = xp[base + e];
+                          if (v > best || std::isnan(v)) {
+                            best = v;
+                            best_index = base + e;
+                          }
+                        }
+                      }
+                    }
+                    y[r * ow + l] = best;
+                    indices[r * ow + l] = static_cast<int32_t>(best_index);
+                  }
+                }
+              });
+}
+
+Status MaxPool3dBackward(float* dx, const float* dy, const int32_t* indices, int64_t planes,
+                         int64_t volume, int64_t pooled_volume) {
+  for (int64_t o = 0; o < planes * pooled_volume; ++o) {
+    if (indices[o] < 0 || indices[o] >= volume) {
+      return InvalidArgument("max_pool3d index {} at element {} is outside the volume [0, {})",
+                             indices[o], o, volume);
+    }
+  }
+  ParallelFor(planes, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* dxp = dx + p * volume;
+      std::fill(dxp, dxp + volume, 0.0f);
+      for (int64_t o = p * pooled_volume; o < (p + 1) * pooled_volume; ++o) {
+        dxp[indices[o]] += dy[o];
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// ---- group normalisation ----
+
+void GroupNormForward(float* y, float* mean, float* rstd, const float* x, const float* weight,
+                      const float* bias, int64_t batch, int64_t channels, int64_t spatial,
+                      int64_t groups, float eps) {
+  const int64_t rows = batch * channels, per_group = channels / groups;
+  const double count = static_cast<double>(per_group * spatial);
+  std::vector<double> row_sums(static_cast<size_t>(rows));
+  // Each (n, c) row sums in double on one thread; groups combine their rows in channel order.
+  ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double sum = 0;
+      for (int64_t s = 0; s < spatial; ++s) sum += x[r * spatial + s];
+      row_sums[static_cast<size_t>(r)] = sum;
+    }
+  });
+  auto group_total = [&](int64_t n, int64_t g) {
+    double total = 0;
+    for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+      total += row_sums[static_cast<size_t>(n * channels + c)];
+    }
+    return total;
+  };
+  for (int64_t n = 0; n < batch; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      mean[n * groups + g] = static_cast<float>(group_total(n, g) / count);
+    }
+  }
+  ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const double m = mean[(r / channels) * groups + (r % channels) / per_group];
+      double sum = 0;
+      for (int64_t s = 0; s < spatial; ++s) {
+        const double centred = x[r * spatial + s] - m;
+        sum += centred * centred;
+      }
+      row_sums[static_cast<size_t>(r)] = sum;
+    }
+  });
+  for (int64_t n = 0; n < batch; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      rstd[n * groups + g] = static_cast<float>(1.0 / std::sqrt(group_total(n, g) / count + eps));
+    }
+  }
+  ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t c = r % channels, stat = (r / channels) * groups + c / per_group;
+      const float m = mean[stat], s = rstd[stat], wc = weight[c], bc = bias[c];
+      const float* xr = x + r * spatial;
+      float* yr = y + r * spatial;
+      for (int64_t i = 0; i < spatial; ++i) yr[i] = (xr[i] - m) * s * wc + bc;
+    }
+  });
+}
+
+void GroupNormBackward(float* dx, float* dweight, float* dbias, const float* dy, const float* x,
+                       const float* weight, const float* mean, const float* rstd, int64_t batch,
+                       int64_t channels, int64_t spatial, int64_t groups) {
+  const int64_t rows = batch * channels, per_group = channels / groups;
+  const double count = static_cast<double>(per_group * spatial);
+  // Per (n, c) row: sum of dy and of dy * xhat, in double.
+  std::vector<double> dy_sums(static_cast<size_t>(rows)), dy_xhat_sums(static_cast<size_t>(rows));
+  ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t stat = (r / channels) * groups + (r % channels) / per_group;
+      const float m = mean[stat], s = rstd[stat];
+      double sum = 0, sum_xhat = 0;
+      for (int64_t i = 0; i < spatial; ++i) {
+        const float g = dy[r * spatial + i];
+        sum += g;
+        sum_xhat += static_cast<double>(g) * ((x[r * spatial + i] - m) * s);
+      }
+      dy_sums[static_cast<size_t>(r)] = sum;
+      dy_xhat_sums[static_cast<size_t>(r)] = sum_xhat;
+    }
+  });
+  for (int64_t c = 0; c < channels; ++c) {
+    double dw = 0, db = 0;
+    for (int64_t n = 0; n < batch; ++n) {
+      dw += dy_xhat_sums[static_cast<size_t>(n * channels + c)];
+      db += dy_sums[static_cast<size_t>(n * channels + c)];
+    }
+    dweight[c] = static_cast<float>(dw);
+    dbias[c] = static_cast<float>(db);
+  }
+  // Per (n, g): the means over the group of dxhat = dy * weight and of dxhat * xhat.
+  std::vector<float> mean_dxhat(static_cast<size_t>(batch * groups));
+  std::vector<float> mean_dxhat_xhat(static_cast<size_t>(batch * groups));
+  for (int64_t n = 0; n < batch; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      double a = 0, b = 0;
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+        a += weight[c] * dy_sums[static_cast<size_t>(n * channels + c)];
+        b += weight[c] * dy_xhat_sums[static_cast<size_t>(n * channels + c)];
+      }
+      mean_dxhat[static_cast<size_t>(n * groups + g)] = static_cast<float>(a / count);
+      mean_dxhat_xhat[static_cast<size_t>(n * groups + g)] = static_cast<float>(b / count);
+    }
+  }
+  ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t c = r % channels, stat = (r / channels) * groups + c / per_group;
+      const float m = mean[stat], s = rstd[stat], wc = weight[c];
+      const float m1 = mean_dxhat[static_cast<size_t>(stat)];
+      const float m2 = mean_dxhat_xhat[static_cast<size_t>(stat)];
+      for (int64_t i = 0; i < spatial; ++i) {
+        const float xhat = (x[r * spatial + i] - m) * s;
+        dx[r * spatial + i] = (wc * dy[r * spatial + i] - m1 - xhat * m2) * s;
+      }
+    }
+  });
+}
+
+// ---- activations ----
+
+void ReluForward(float* y, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  });
+}
+
+void ReluBackward(float* dx, const float* dy, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+  });
+}
+
+void SiluForward(float* y, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
+  });
+}
+
+void SiluBackward(float* dx, const float* dy, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float s = 1.0f / (1.0f + std::exp(-x[i]));
+      dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
+    }
+  });
+}
+
+// ---- concatenation ----
+
+void ConcatForward(float* out, const float* a, const float* b, int64_t outer, int64_t a_inner,
+                   int64_t b_inner) {
+  const int64_t inner = a_inner + b_inner;
+  ParallelFor(outer, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      std::memcpy(out + o * inner, a + o * a_inner, static_cast<size_t>(a_inner) * sizeof(float));
+      std::memcpy(out + o * inner + a_inner, b + o * b_inner,
+                  static_cast<size_t>(b_inner) * sizeof(float));
+    }
+  });
+}
+
+void ConcatBackward(float* da, float* db, const float* dout, int64_t outer, int64_t a_inner,
+                    int64_t b_inner) {
+  const int64_t inner = a_inner + b_inner;
+  ParallelFor(outer, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      std::memcpy(da + o * a_inner, dout + o * inner, static_cast<size_t>(a_inner) * sizeof(float));
+      std::memcpy(db + o * b_inner, dout + o * inner + a_inner,
+                  static_cast<size_t>(b_inner) * sizeof(float));
+    }
+  });
+}
+
+// ---- segmentation ----
+
+namespace {
+
+Status CheckTargets(const int32_t* targets, int64_t voxels, int64_t classes) {
+  for (int64_t v = 0; v < voxels; ++v) {
+    if (targets[v] < 0 || targets[v] >= classes) {
+      return InvalidArgument("target class {} at voxel {} is outside [0, {})", targets[v], v,
+                             classes);
+    }
+  }
+  return Status::Ok();
+}
+
+// fn(task, n, s0, s1) for fixed voxel chunks of each sample, in parallel; returns the task count.
+template <typename Fn>
+int64_t ForEachVoxelChunk(int64_t batch, int64_t spatial, const Fn& fn) {
+  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
+  const int64_t tasks = batch * per_sample;
+  ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t / per_sample, s0 = (t % per_sample) * kVoxelChunk;
+      fn(t, n, s0, std::min(spatial, s0 + kVoxelChunk));
+    }
+  });
+  return tasks;
+}
+
+}  // namespace
+
+Result<float> VoxelCrossEntropy(float* dlogits, const float* logits, const int32_t* targets,
+                                int64_t batch, int64_t classes, int64_t spatial, float grad_scale) {
+  const int64_t voxels = batch * spatial;
+  TESSERA_RETURN_IF_ERROR(CheckTargets(targets, voxels, classes));
+  if (voxels == 0) return 0.0f;
+  const float scale = static_cast<float>(grad_scale / static_cast<double>(voxels));
+  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
+  std::vector<double> partial(static_cast<size_t>(batch * per_sample));
+  ForEachVoxelChunk(batch, spatial, [&](int64_t task, int64_t n, int64_t s0, int64_t s1) {
+    const int64_t width = s1 - s0;
+    const float* l = logits + n * classes * spatial + s0;
+    const int32_t* t = targets + n * spatial + s0;
+    std::vector<float> best(static_cast<size_t>(width), -std::numeric_limits<float>::infinity());
+    std::vector<float> sum(static_cast<size_t>(width), 0.0f);
+    std::vector<float> target_logit(static_cast<size_t>(width));
+    // Read everything the loss needs before dlogits (possibly the logits) is written.
+    for (int64_t s = 0; s < width; ++s) target_logit[s] = l[t[s] * spatial + s];
+    for (int64_t c = 0; c < classes; ++c) {
+      for (int64_t s = 0; s < width; ++s) best[s] = std::max(best[s], l[c * spatial + s]);
+    }
+    float* d = dlogits == nullptr ? nullptr : dlogits + n * classes * spatial + s0;
+    for (int64_t c = 0; c < classes; ++c) {
+      for (int64_t s = 0; s < width; ++s) {
+        const float e = std::exp(l[c * spatial + s] - best[s]);
+        if (d != nullptr) d[c * spatial + s] = e;
+        sum[s] += e;
+      }
+    }
+    double loss = 0;
+    for (int64_t s = 0; s < width; ++s) {
+      loss +=
+          static_cast<double>(best[s]) + std::log(static_cast<double>(sum[s])) - target_logit[s];
+    }
+    partial[static_cast<size_t>(task)] = loss;
+    if (d == nullptr) return;
+    for (int64_t s = 0; s < width; ++s) sum[s] = scale / sum[s];
+    for (int64_t c = 0; c < classes; ++c) {
+      for (int64_t s = 0; s < width; ++s) d[c * spatial + s] *= sum[s];
+    }
+    for (int64_t s = 0; s < width; ++s) d[t[s] * spatial + s] -= scale;
+  });
+  double total = 0;
+  for (double loss : partial) total += loss;
+  return static_cast<float>(total / static_cast<double>(voxels));
+}
+
+Result<float> DiceScore(const float* logits, const int32_t* targets, int64_t batch, int64_t classes,
+                        int64_t spatial) {
+  TESSERA_RETURN_IF_ERROR(CheckTargets(targets, batch * spatial, classes));
+  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
+  // Per task and class: [intersection, predicted, target] voxel counts (integers: exact).
+  std::vector<int64_t> counts(static_cast<size_t>(batch * per_sample * classes * 3), 0);
+  ForEachVoxelChunk(batch, spatial, [&](int64_t task, int64_t n, int64_t s0, int64_t s1) {
+    int64_t* count = counts.data() + task * classes * 3;
+    const float* l = logits + n * classes * spatial;
+    for (int64_t s = s0; s < s1; ++s) {
+      int64_t predicted = 0;
+      for (int64_t c = 1; c < classes; ++c) {
+        if (l[c * spatial + s] > l[predicted * spatial + s]) predicted = c;
+      }
+      const int64_t target = targets[n * spatial + s];
+      count[predicted * 3 + 1] += 1;
+      count[target * 3 + 2] += 1;
+      if (predicted == target) count[predicted * 3] += 1;
+    }
+  });
+  double total = 0;
+  for (int64_t c = 1; c < classes; ++c) {
+    int64_t both = 0, predicted = 0, target = 0;
+    for (int64_t task = 0; task < batch * per_sample; ++task) {
+      const int64_t* count = counts.data() + (task * classes + c) * 3;
+      both += count[0];
+      predicted += count[1];
+      target += count[2];
+    }
+    total += predicted + target == 0
+                 ? 1.0
+                 : 2.0 * static_cast<double>(both) / static_cast<double>(predicted + target);
+  }
+  return static_cast<float>(total / static_cast<double>(classes - 1));
+}
+
+}  // namespace tessera::cpu
+
+namespace tessera {
+
+namespace {
+
+using Tensors = std::vector<Tensor>;
+
+float* F(const Tensor& t) { return t.data<float>(); }
+const int32_t* I(const Tensor& t) { return t.data<int32_t>(); }
+// Elements per (n, c) plane of an [N, C, *] tensor.
+int64_t Spatial(const Tensor& t) {
+  const int64_t planes = t.shape()[0] * t.shape()[1];
+  return planes == 0 ? 0 : t.numel() / planes;
+}
+// Elements per sample of an [N, ...] tensor.
+int64_t PerSample(const Tensor& t) { return t.shape()[0] == 0 ? 0 : t.numel() / t.shape()[0]; }
+
+Status Register(OpRegistry& r, std::string_view op, KernelFn kernel) {
+  return r.AddKernel(op, DeviceKind::kCpu, std::move(kernel));
+}
+
+// The convolution from `volume` [N, Cin, D, H, W] to `grid` [N, Cout, Do, Ho, Wo] with a weight
+// [Cout, Cin, kD, kH, kW]: conv3d's x to y, conv_transpose3d's y to x (its adjoint).
+cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const Tensor& grid,
+                             const Attrs& attrs) {
+  const Shape& v = volume.shape();
+  const Shape& w = weight.shape();
+  const Shape& y = grid.shape();
+  cpu::Conv3dGeometry g{.batch = v[0],
+                        .in_channels = v[1],
+                        .in_d = v[2],
+                        .in_h = v[3],
+                        .in_w = v[4],
+                        .out_channels = y[1],
+                        .out_d = y[2],
+                        .out_h = y[3],
+                        .out_w = y[4],
+                        .kd = w[2],
+                        .kh = w[3],
+                        .kw = w[4],
+                        .stride = attrs.GetInt("stride", 1),
+                        .padding = attrs.GetInt("padding", 0)};
+  g.positions_per_chunk = cpu::DefaultPositionsPerChunk(g.ColumnRows(), g.OutVolume());
+  return g;
+}
+
+// The column-matrix workspace, from the executor's allocator so it counts toward the peak.
+Result<Tensor> Workspace(const KernelContext& context, const cpu::Conv3dGeometry& g) {
+  return Tensor::Empty(TensorMeta{Shape{std::max<int64_t>(1, cpu::Conv3dWorkspaceFloats(g))},
+                                  DType::kF32, Device::Cpu()},
+                       context.allocator);
+}
+
+Status RegisterConvKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_forward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     const cpu::Conv3dGeometry g =
+                                         Geometry(in[0], in[1], out[0], attrs);
+                                     TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                                     cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g,
+                                                        F(workspace), ctx.gemm_split_min_flops);
+                                     return Status::Ok();
+                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_backward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 // in: dy, x, weight; out: dx, dweight, dbias.
+                 const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                 cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
+                                          ctx.gemm_split_min_flops);
+                 cpu::Conv3dWeightGradient(F(out[1]), F(in[0]), F(in[1]), g, F(workspace),
+                                           ctx.gemm_split_min_flops);
+                 cpu::ChannelSums(F(out[2]), F(in[0]), g.batch, g.out_channels, g.OutVolume());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv_transpose3d_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 // y = conv^T(x): the convolution runs from y's shape to x's.
+                 const cpu::Conv3dGeometry g = Geometry(out[0], in[1], in[0], attrs);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                 cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
+                                          ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  return Register(r, "conv_transpose3d_backward",
+                  [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                     const Attrs& attrs) -> Status {
+                    // in: dy, x, weight. With y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> =
+                    // <conv(dy), x> gives dweight as conv's weight gradient with x in dy's place.
+                    const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
+                    TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                    cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
+                                       ctx.gemm_split_min_flops);
+                    cpu::Conv3dWeightGradient(F(out[1]), F(in[1]), F(in[0]), g, F(workspace),
+                                              ctx.gemm_split_min_flops);
+                    cpu::ChannelSums(F(out[2]), F(in[0]), g.batch, g.in_channels, g.InVolume());
+                    return Status::Ok();
+                  });
+}
+
+Status RegisterOtherKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "upsample_nearest3d_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = in[0].shape();
+                 cpu::UpsampleNearest3dForward(F(out[0]), F(in[0]), x[0] * x[1], x[2], x[3], x[4],
+                                               attrs.GetInt("scale", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "upsample_nearest3d_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = out[0].shape();
+                 cpu::UpsampleNearest3dBackward(F(out[0]), F(in[0]), x[0] * x[1], x[2], x[3], x[4],
+                                                attrs.GetInt("scale", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "max_pool3d_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = in[0].shape();
+                 cpu::MaxPool3dForward(F(out[0]), out[1].data<int32_t>(), F(in[0]), x[0] * x[1],
+                                       x[2], x[3], x[4], attrs.GetInt("kernel", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "max_pool3d_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 // in: dy, x, indices.
+                 return cpu::MaxPool3dBackward(F(out[0]), F(in[0]), I(in[2]),
+                                               in[1].shape()[0] * in[1].shape()[1], Spatial(in[1]),
+                                               Spatial(in[0]));
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "group_norm_forward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        const Shape& x = in[0].shape();
+        cpu::GroupNormForward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]), x[0],
+                              x[1], Spatial(in[0]), attrs.GetInt("groups", 1),
+                              static_cast<float>(attrs.GetFloat("eps", 1e-5)));
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "group_norm_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 // in: dy, x, weight, mean, rstd.
+                 const Shape& x = in[1].shape();
+                 cpu::GroupNormBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]),
+                                        F(in[2]), F(in[3]), F(in[4]), x[0], x[1], Spatial(in[1]),
+                                        attrs.GetInt("groups", 1));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "relu_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ReluForward(F(out[0]), F(in[0]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "relu_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ReluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "silu_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::SiluForward(F(out[0]), F(in[0]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "silu_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::SiluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "concat_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ConcatForward(F(out[0]), F(in[0]), F(in[1]), in[0].shape()[0],
+                                    PerSample(in[0]), PerSample(in[1]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "concat_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ConcatBackward(F(out[0]), F(out[1]), F(in[0]), out[0].shape()[0],
+                                     PerSample(out[0]), PerSample(out[1]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "voxel_cross_entropy",
+               [](const KernelContext&, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 // out[1] holds the logits (in place); the kernel overwrites them with their
+                 // gradient.
+                 const Shape& logits = out[1].shape();
+                 TESSERA_ASSIGN_OR_RETURN(
+                     const float loss,
+                     cpu::VoxelCrossEntropy(F(out[1]), F(out[1]), I(in[1]), logits[0], logits[1],
+                                            Spatial(out[1]),
+                                            static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
+                 *F(out[0]) = loss;
+                 return Status::Ok();
+               }));
+  return Register(
+      r, "dice_score",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        const Shape& logits = in[0].shape();
+        TESSERA_ASSIGN_OR_RETURN(const float score, cpu::DiceScore(F(in[0]), I(in[1]), logits[0],
+                                                                   logits[1], Spatial(in[0])));
+        *F(out[0]) = score;
+        return Status::Ok();
+      });
+}
+
+}  // namespace
+
+Status RegisterVolumeKernels(OpRegistry& registry) {
+  TESSERA_RETURN_IF_ERROR(RegisterConvKernels(registry));
+  return RegisterOtherKernels(registry);
+}
+
+}  // namespace tessera

@@ -1,0 +1,501 @@
+#include "ops/volume_ops.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+namespace {
+
+using Metas = std::vector<TensorMeta>;
+using From = GradientRule::From;
+
+// Outputs live where the op's first input does.
+TensorMeta F32Like(const TensorMeta& like, Shape shape) {
+  return TensorMeta{std::move(shape), DType::kF32, like.device};
+}
+
+Status CheckF32(const char* name, const TensorMeta& meta) {
+  if (meta.dtype != DType::kF32) {
+    return InvalidArgument("input '{}' is {} but must be f32", name, meta.ToString());
+  }
+  return Status::Ok();
+}
+
+Status CheckShape(const char* name, const TensorMeta& meta, const Shape& expected,
+                  DType dtype = DType::kF32) {
+  if (meta.dtype != dtype || meta.shape != expected) {
+    return InvalidArgument("input '{}' is {} but {}{} was expected", name, meta.ToString(),
+                           DTypeName(dtype), expected.ToString());
+  }
+  return Status::Ok();
+}
+
+// An NCDHW f32 volume.
+Status CheckVolume(const char* op, const char* name, const TensorMeta& meta) {
+  TESSERA_RETURN_IF_ERROR(CheckF32(name, meta));
+  if (meta.shape.rank() != 5) {
+    return InvalidArgument("input '{}' has shape {} ({} dims) but {} needs [N, C, D, H, W]", name,
+                           meta.shape.ToString(), meta.shape.rank(), op);
+  }
+  return Status::Ok();
+}
+
+// An integer attribute with a default, at least `minimum`.
+Result<int64_t> IntAttr(const Attrs& attrs, const char* name, int64_t fallback, int64_t minimum) {
+  int64_t value = fallback;
+  if (attrs.Has(name)) {
+    TESSERA_ASSIGN_OR_RETURN(value, attrs.GetInt(name));
+  }
+  if (value < minimum) {
+    return InvalidArgument("attribute '{}' must be >= {}, got {}", name, minimum, value);
+  }
+  return value;
+}
+
+double Bytes(const Metas& metas) {
+  double bytes = 0;
+  for (const TensorMeta& meta : metas) bytes += static_cast<double>(meta.bytes());
+  return bytes;
+}
+
+double Numel(const TensorMeta& meta) { return static_cast<double>(meta.numel()); }
+
+// Cost from the op's own inference: `flops(inputs, outputs)`, every input and output byte
+// touched once. Inputs that fail inference cost their bytes only.
+CostFn CostOf(InferFn infer, std::function<double(const Metas&, const Metas&)> flops) {
+  return [infer = std::move(infer), flops = std::move(flops)](const Metas& in, const Attrs& attrs) {
+    Result<Metas> out = infer(in, attrs);
+    if (!out.ok()) return OpCost{0, Bytes(in)};
+    return OpCost{flops(in, *out), Bytes(in) + Bytes(*out)};
+  };
+}
+
+GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
+                  std::vector<int> gradient_of) {
+  return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
+}
+
+// ---- convolutions ----
+
+constexpr const char* kConvWeightLayout = "[Cout, Cin, kD, kH, kW]";
+constexpr const char* kTransposedWeightLayout = "[Cin, Cout, kD, kH, kW]";
+
+// Checks x, weight and bias of conv3d (transposed: conv_transpose3d) and returns y's shape.
+Result<Shape> ConvOutputShape(const Metas& in, int x_index, const Attrs& attrs, bool transposed) {
+  const char* op = transposed ? "conv_transpose3d" : "conv3d";
+  const TensorMeta& x = in[x_index];
+  const TensorMeta& weight = in[x_index + 1];
+  TESSERA_ASSIGN_OR_RETURN(const int64_t stride, IntAttr(attrs, "stride", 1, 1));
+  TESSERA_ASSIGN_OR_RETURN(const int64_t padding, IntAttr(attrs, "padding", 0, 0));
+  TESSERA_RETURN_IF_ERROR(CheckVolume(op, "x", x));
+  TESSERA_RETURN_IF_ERROR(CheckF32("weight", weight));
+  const int64_t in_channels = x.shape[1];
+  const char* layout = transposed ? kTransposedWeightLayout : kConvWeightLayout;
+  if (weight.shape.rank() != 5) {
+    return InvalidArgument("input 'weight' has shape {} ({} dims) but {} needs {}",
+                           weight.shape.ToString(), weight.shape.rank(), op, layout);
+  }
+  const int64_t weight_in = transposed ? weight.shape[0] : weight.shape[1];
+  if (weight_in != in_channels) {
+    return InvalidArgument("input 'weight' has shape {} but x {} has Cin = {}; {} needs {}",
+                           weight.shape.ToString(), x.shape.ToString(), in_channels, op, layout);
+  }
+  const int64_t out_channels = transposed ? weight.shape[1] : weight.shape[0];
+  std::vector<int64_t> dims = {x.shape[0], out_channels};
+  for (int axis = 2; axis < 5; ++axis) {
+    const int64_t extent = x.shape[axis], kernel = weight.shape[axis];
+    if (kernel < 1) {
+      return InvalidArgument("input 'weight' has shape {}: kernel extents must be >= 1",
+                             weight.shape.ToString());
+    }
+    const int64_t out = transposed ? (extent - 1) * stride - 2 * padding + kernel
+                                   : (extent + 2 * padding - kernel) / stride + 1;
+    if (extent < 1 || out < 1 || (!transposed && extent + 2 * padding < kernel)) {
+      return InvalidArgument(
+          "{} of x {} with weight {}, stride {}, padding {} leaves no output along axis {}", op,
+          x.shape.ToString(), weight.shape.ToString(), stride, padding, axis);
+    }
+    dims.push_back(out);
+  }
+  return Shape(std::move(dims));
+}
+
+Status AddConvOps(OpRegistry& r, bool transposed) {
+  const std::string name = transposed ? "conv_transpose3d" : "conv3d";
+  const InferFn forward_infer = [transposed](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 0, attrs, transposed));
+    TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{y[1]}));
+    return Metas{F32Like(in[0], std::move(y))};
+  };
+  // One multiply-add per weight tap of each output of the underlying convolution: conv3d's y,
+  // or for the transposed op (the adjoint, which maps its y back to its x) x. weight[0] is that
+  // convolution's output channels in both layouts.
+  auto conv_flops = [transposed](const TensorMeta& x, const TensorMeta& weight,
+                                 const TensorMeta& y) {
+    const double taps = Numel(weight) / static_cast<double>(weight.shape[0]);
+    return 2.0 * (transposed ? Numel(x) : Numel(y)) * taps;
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = name + "_forward",
+      .doc = transposed ? "3D transposed convolution (the adjoint of conv3d) plus bias, NCDHW; "
+                          "attrs stride, padding"
+                        : "3D convolution plus bias, NCDHW, as im2col + GEMM; attrs stride, "
+                          "padding",
+      .input_names = {"x", "weight", "bias"},
+      .output_names = {"y"},
+      .infer = forward_infer,
+      .cost = CostOf(forward_infer,
+                     [conv_flops](const Metas& in, const Metas& out) {
+                       return conv_flops(in[0], in[1], out[0]) + Numel(out[0]);
+                     }),
+      .gradient =
+          Rule(name + "_backward",
+               {{From::kOutputGradient, 0}, {From::kInput, 0}, {From::kInput, 1}}, {0, 1, 2}),
+  }));
+  const InferFn backward_infer = [transposed](const Metas& in,
+                                              const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 1, attrs, transposed));
+    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], y));
+    return Metas{in[1], in[2], F32Like(in[1], Shape{y[1]})};
+  };
+  return r.AddOp(OpDef{
+      .name = name + "_backward",
+      .doc = "dx, dweight, dbias of " + name + "_forward",
+      .input_names = {"dy", "x", "weight"},
+      .output_names = {"dx", "dweight", "dbias"},
+      .infer = backward_infer,
+      .cost = CostOf(backward_infer,
+                     [conv_flops](const Metas& in, const Metas&) {
+                       return 2.0 * conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
+                     }),
+  });
+}
+
+// ---- resampling: nearest upsampling and max pooling ----
+
+Status AddResamplingOps(OpRegistry& r) {
+  const InferFn upsample_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t scale, IntAttr(attrs, "scale", 2, 1));
+    TESSERA_RETURN_IF_ERROR(CheckVolume("upsample_nearest3d", "x", in[0]));
+    const Shape& x = in[0].shape;
+    return Metas{F32Like(in[0], Shape{x[0], x[1], x[2] * scale, x[3] * scale, x[4] * scale})};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "upsample_nearest3d_forward",
+      .doc = "nearest-neighbour upsampling of each spatial axis by attr scale (default 2)",
+      .input_names = {"x"},
+      .output_names = {"y"},
+      .infer = upsample_infer,
+      .cost = CostOf(upsample_infer, [](const Metas&, const Metas&) { return 0.0; }),
+      .gradient = Rule("upsample_nearest3d_backward", {{From::kOutputGradient, 0}}, {0}),
+  }));
+  const InferFn upsample_backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t scale, IntAttr(attrs, "scale", 2, 1));
+    TESSERA_RETURN_IF_ERROR(CheckVolume("upsample_nearest3d_backward", "dy", in[0]));
+    const Shape& dy = in[0].shape;
+    for (int axis = 2; axis < 5; ++axis) {
+      if (dy[axis] % scale != 0) {
+        return InvalidArgument(
+            "input 'dy' has shape {} but its spatial extents must be multiples of scale {}",
+            dy.ToString(), scale);
+      }
+    }
+    return Metas{F32Like(in[0], Shape{dy[0], dy[1], dy[2] / scale, dy[3] / scale, dy[4] / scale})};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "upsample_nearest3d_backward",
+      .doc = "dx: each element sums its scale^3 block of dy",
+      .input_names = {"dy"},
+      .output_names = {"dx"},
+      .infer = upsample_backward_infer,
+      .cost = CostOf(upsample_backward_infer,
+                     [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+  }));
+
+  const InferFn pool_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t kernel, IntAttr(attrs, "kernel", 2, 1));
+    TESSERA_RETURN_IF_ERROR(CheckVolume("max_pool3d", "x", in[0]));
+    const Shape& x = in[0].shape;
+    if (x[2] < kernel || x[3] < kernel || x[4] < kernel) {
+      return InvalidArgument(
+          "input 'x' has shape {} but max_pool3d's kernel {} needs D, H, W >= {}", x.ToString(),
+          kernel, kernel);
+    }
+    if (x[2] * x[3] * x[4] > int64_t{1} << 31) {
+      return InvalidArgument(
+          "input 'x' has shape {}: a volume of more than 2^31 voxels does not fit "
+          "max_pool3d's i32 indices",
+          x.ToString());
+    }
+    Shape y{x[0], x[1], x[2] / kernel, x[3] / kernel, x[4] / kernel};
+    return Metas{F32Like(in[0], y), TensorMeta{y, DType::kI32, in[0].device}};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "max_pool3d_forward",
+      .doc = "max pooling with kernel = stride = attr kernel (default 2), floor mode; indices "
+             "(i32) hold each maximum's flat index within its (n, c) volume",
+      .input_names = {"x"},
+      .output_names = {"y", "indices"},
+      .infer = pool_infer,
+      .cost = CostOf(pool_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+      .gradient = Rule("max_pool3d_backward",
+                       {{From::kOutputGradient, 0}, {From::kInput, 0}, {From::kOutput, 1}}, {0}),
+  }));
+  const InferFn pool_backward_infer = [pool_infer](const Metas& in,
+                                                   const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Metas forward, pool_infer(Metas{in[1]}, attrs));
+    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], forward[0].shape));
+    TESSERA_RETURN_IF_ERROR(CheckShape("indices", in[2], forward[1].shape, DType::kI32));
+    return Metas{in[1]};
+  };
+  return r.AddOp(OpDef{
+      .name = "max_pool3d_backward",
+      .doc = "dx: dy routed to each window's maximum (x is read for its shape only)",
+      .input_names = {"dy", "x", "indices"},
+      .output_names = {"dx"},
+      .infer = pool_backward_infer,
+      .cost =
+          CostOf(pool_backward_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+  });
+}
+
+// ---- group normalisation ----
+
+// Checks x [N, C, *], weight [C] (and bias) and the groups attribute; returns G.
+Result<int64_t> CheckGroupNorm(const TensorMeta& x, const TensorMeta& weight, const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(const int64_t groups, attrs.GetInt("groups"));
+  if (attrs.Has("eps")) {
+    TESSERA_ASSIGN_OR_RETURN(const double eps, attrs.GetFloat("eps"));
+    if (!(eps > 0)) return InvalidArgument("attribute 'eps' must be positive, got {}", eps);
+  }
+  TESSERA_RETURN_IF_ERROR(CheckF32("x", x));
+  if (x.shape.rank() < 2) {
+    return InvalidArgument("input 'x' has shape {} but group_norm needs [N, C, ...]",
+                           x.shape.ToString());
+  }
+  const int64_t channels = x.shape[1];
+  if (groups < 1 || channels % groups != 0) {
+    return InvalidArgument("attribute 'groups' is {} but must divide x {}'s C = {}", groups,
+                           x.shape.ToString(), channels);
+  }
+  TESSERA_RETURN_IF_ERROR(CheckShape("weight", weight, Shape{channels}));
+  return groups;
+}
+
+Status AddGroupNormOps(OpRegistry& r) {
+  const InferFn forward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[0], in[1], attrs));
+    TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{in[0].shape[1]}));
+    const Shape stats{in[0].shape[0], groups};
+    return Metas{F32Like(in[0], in[0].shape), F32Like(in[0], stats), F32Like(in[0], stats)};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "group_norm_forward",
+      .doc = "GroupNorm over [N, C, *] (attrs groups, eps default 1e-5): y = (x - mean) * rstd * "
+             "weight[c] + bias[c] per (sample, group); also returns mean and rstd [N, G]",
+      .input_names = {"x", "weight", "bias"},
+      .output_names = {"y", "mean", "rstd"},
+      .infer = forward_infer,
+      .cost =
+          CostOf(forward_infer, [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
+      .gradient = Rule("group_norm_backward",
+                       {{From::kOutputGradient, 0},
+                        {From::kInput, 0},
+                        {From::kInput, 1},
+                        {From::kOutput, 1},
+                        {From::kOutput, 2}},
+                       {0, 1, 2}),
+  }));
+  const InferFn backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[1], in[2], attrs));
+    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], in[1].shape));
+    const Shape stats{in[1].shape[0], groups};
+    TESSERA_RETURN_IF_ERROR(CheckShape("mean", in[3], stats));
+    TESSERA_RETURN_IF_ERROR(CheckShape("rstd", in[4], stats));
+    return Metas{in[1], in[2], in[2]};
+  };
+  return r.AddOp(OpDef{
+      .name = "group_norm_backward",
+      .doc = "dx, dweight, dbias of group_norm_forward",
+      .input_names = {"dy", "x", "weight", "mean", "rstd"},
+      .output_names = {"dx", "dweight", "dbias"},
+      .infer = backward_infer,
+      .cost =
+          CostOf(backward_infer, [](const Metas& in, const Metas&) { return 12.0 * Numel(in[0]); }),
+  });
+}
+
+// ---- elementwise activations and channel concatenation ----
+
+Status AddActivationOps(OpRegistry& r) {
+  const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
+    return Metas{in[0]};
+  };
+  const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], in[1].shape));
+    return Metas{in[1]};
+  };
+  struct Activation {
+    const char* name;
+    const char* doc;
+    double flops;
+  };
+  for (const Activation& a :
+       {Activation{"relu", "y = max(x, 0)", 1.0}, Activation{"silu", "y = x * sigmoid(x)", 6.0}}) {
+    const std::string name = a.name;
+    const double flops = a.flops;
+    TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+        .name = name + "_forward",
+        .doc = a.doc,
+        .input_names = {"x"},
+        .output_names = {"y"},
+        .infer = forward_infer,
+        .cost = CostOf(forward_infer,
+                       [flops](const Metas& in, const Metas&) { return flops * Numel(in[0]); }),
+        .gradient = Rule(name + "_backward", {{From::kOutputGradient, 0}, {From::kInput, 0}}, {0}),
+    }));
+    TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+        .name = name + "_backward",
+        .doc = "dx = dy * " + name + "'(x)",
+        .input_names = {"dy", "x"},
+        .output_names = {"dx"},
+        .infer = backward_infer,
+        .cost =
+            CostOf(backward_infer,
+                   [flops](const Metas& in, const Metas&) { return (flops + 2.0) * Numel(in[0]); }),
+    }));
+  }
+  return Status::Ok();
+}
+
+// a [N, Ca, *] and b [N, Cb, *] agree everywhere but dimension 1.
+Status CheckConcatenable(const TensorMeta& a, const TensorMeta& b) {
+  TESSERA_RETURN_IF_ERROR(CheckF32("a", a));
+  TESSERA_RETURN_IF_ERROR(CheckF32("b", b));
+  bool same = a.shape.rank() >= 2 && a.shape.rank() == b.shape.rank();
+  for (int axis = 0; same && axis < a.shape.rank(); ++axis) {
+    same = axis == 1 || a.shape[axis] == b.shape[axis];
+  }
+  if (!same) {
+    return InvalidArgument(
+        "inputs 'a' {} and 'b' {} cannot be concatenated along dimension 1: they must be "
+        "[N, Ca, ...] and [N, Cb, ...] with the same other dimensions",
+        a.shape.ToString(), b.shape.ToString());
+  }
+  return Status::Ok();
+}
+
+Shape WithChannels(const Shape& shape, int64_t channels) {
+  std::vector<int64_t> dims = shape.dims();
+  dims[1] = channels;
+  return Shape(std::move(dims));
+}
+
+Status AddConcatOps(OpRegistry& r) {
+  const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckConcatenable(in[0], in[1]));
+    return Metas{F32Like(in[0], WithChannels(in[0].shape, in[0].shape[1] + in[1].shape[1]))};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "concat_forward",
+      .doc = "out = [a, b] along the channel dimension 1 (U-Net skip connections)",
+      .input_names = {"a", "b"},
+      .output_names = {"out"},
+      .infer = forward_infer,
+      .cost = CostOf(forward_infer, [](const Metas&, const Metas&) { return 0.0; }),
+      .gradient = Rule("concat_backward", {{From::kOutputGradient, 0}, {From::kInput, 0}}, {0, 1}),
+  }));
+  const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("dout", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckF32("a", in[1]));
+    bool fits = in[0].shape.rank() >= 2 && in[0].shape.rank() == in[1].shape.rank() &&
+                in[1].shape[1] < in[0].shape[1];
+    for (int axis = 0; fits && axis < in[0].shape.rank(); ++axis) {
+      fits = axis == 1 || in[0].shape[axis] == in[1].shape[axis];
+    }
+    if (!fits) {
+      return InvalidArgument(
+          "input 'dout' has shape {} but input 'a' {} is not its first channels with at least "
+          "one left for b",
+          in[0].shape.ToString(), in[1].shape.ToString());
+    }
+    return Metas{in[1], F32Like(in[1], WithChannels(in[0].shape, in[0].shape[1] - in[1].shape[1]))};
+  };
+  return r.AddOp(OpDef{
+      .name = "concat_backward",
+      .doc = "da, db: dout split along dimension 1 (a is read for its shape only)",
+      .input_names = {"dout", "a"},
+      .output_names = {"da", "db"},
+      .infer = backward_infer,
+      .cost = CostOf(backward_infer, [](const Metas&, const Metas&) { return 0.0; }),
+  });
+}
+
+// ---- segmentation loss and metric ----
+
+// logits f32 [N, C, *] and targets i32 [N, *].
+Status CheckSegmentation(const char* op, const TensorMeta& logits, const TensorMeta& targets) {
+  TESSERA_RETURN_IF_ERROR(CheckF32("logits", logits));
+  if (logits.shape.rank() < 2) {
+    return InvalidArgument("input 'logits' has shape {} but {} needs [N, C, ...]",
+                           logits.shape.ToString(), op);
+  }
+  std::vector<int64_t> dims = logits.shape.dims();
+  dims.erase(dims.begin() + 1);
+  return CheckShape("targets", targets, Shape(std::move(dims)), DType::kI32);
+}
+
+Status AddSegmentationOps(OpRegistry& r) {
+  const InferFn loss_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    if (attrs.Has("grad_scale")) TESSERA_RETURN_IF_ERROR(attrs.GetFloat("grad_scale").status());
+    TESSERA_RETURN_IF_ERROR(CheckSegmentation("voxel_cross_entropy", in[0], in[1]));
+    return Metas{F32Like(in[0], Shape{}), in[0]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "voxel_cross_entropy",
+      .doc = "mean over voxels of the cross-entropy of softmax over channels against targets, "
+             "and its gradient (times grad_scale) computed in place over the logits",
+      .input_names = {"logits", "targets"},
+      .output_names = {"loss", "dlogits"},
+      .in_place = {{0, 1}},
+      .infer = loss_infer,
+      .cost = CostOf(loss_infer, [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
+  }));
+  const InferFn dice_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckSegmentation("dice_score", in[0], in[1]));
+    if (in[0].shape[1] < 2) {
+      return InvalidArgument(
+          "input 'logits' has shape {} but dice_score needs C >= 2 (class 0 "
+          "is background)",
+          in[0].shape.ToString());
+    }
+    return Metas{F32Like(in[0], Shape{})};
+  };
+  return r.AddOp(OpDef{
+      .name = "dice_score",
+      .doc = "hard Dice of argmax over channels against targets: per foreground class 1..C-1 over "
+             "the whole batch 2|P and T| / (|P| + |T|) (1 when both are empty), averaged",
+      .input_names = {"logits", "targets"},
+      .output_names = {"score"},
+      .infer = dice_infer,
+      .cost = CostOf(dice_infer, [](const Metas& in, const Metas&) { return 2.0 * Numel(in[0]); }),
+  });
+}
+
+}  // namespace
+
+Status RegisterVolumeOps(OpRegistry& registry) {
+  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, /*transposed=*/false));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, /*transposed=*/true));
+  TESSERA_RETURN_IF_ERROR(AddResamplingOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddGroupNormOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddActivationOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddConcatOps(registry));
+  return AddSegmentationOps(registry);
+}
+
+}  // namespace tessera

@@ -1,0 +1,56 @@
+// Definitions of the ops a 3D U-Net needs, on f32 volumes laid out NCDHW. Kernels are registered
+// separately (ops/cpu/volume_kernels.h).
+//
+// Every differentiable forward op carries a GradientRule (ops/op_registry.h) naming its
+// `<name>_backward` op. A backward op's inputs are the gradients of the forward's outputs, then
+// the forward inputs and outputs it needs; its outputs are the gradients of the differentiable
+// forward inputs, in forward-input order. Backward ops get the forward op's attributes.
+//
+//   conv3d_forward            x [N,Cin,D,H,W], weight [Cout,Cin,kD,kH,kW], bias [Cout] -> y
+//                             attrs stride (default 1), padding (default 0), the same on every
+//                             spatial axis; y's extent per axis is
+//                             (in + 2*padding - k) / stride + 1
+//   conv3d_backward           dy, x, weight -> dx, dweight, dbias
+//   conv_transpose3d_forward  x [N,Cin,D,H,W], weight [Cin,Cout,kD,kH,kW] (PyTorch's layout),
+//                             bias [Cout] -> y; attrs stride (default 1), padding (default 0);
+//                             y's extent is (in - 1) * stride - 2*padding + k (no output_padding).
+//                             The adjoint of conv3d: kernel 2, stride 2 doubles each extent
+//   conv_transpose3d_backward dy, x, weight -> dx, dweight, dbias
+//   upsample_nearest3d_forward  x [N,C,D,H,W] -> y [N,C,sD,sH,sW]; attr scale (default 2)
+//   upsample_nearest3d_backward dy -> dx (each dx element sums its s^3 block of dy)
+//   max_pool3d_forward        x [N,C,D,H,W] -> y [N,C,D/k,H/k,W/k] (floor), indices (i32, same
+//                             shape: the flat D*H*W index of each maximum within its (n, c)
+//                             volume, as PyTorch's return_indices); attr kernel (= stride,
+//                             default 2). Ties keep the first maximum; NaN wins, as in PyTorch
+//   max_pool3d_backward       dy, x, indices -> dx (x is read for its shape only)
+//   group_norm_forward        x [N,C,*], weight [C], bias [C] -> y, mean [N,G], rstd [N,G];
+//                             attrs groups (required, divides C), eps (default 1e-5). mean and
+//                             rstd are saved for the backward; gradients flowing into them are
+//                             ignored
+//   group_norm_backward       dy, x, weight, mean, rstd -> dx, dweight, dbias
+//   relu_forward, silu_forward    x (any shape) -> y
+//   relu_backward, silu_backward  dy, x -> dx
+//   concat_forward            a [N,Ca,*], b [N,Cb,*] -> out [N,Ca+Cb,*] (channel dimension 1)
+//   concat_backward           dout, a -> da, db (a is read for its shape only)
+//   voxel_cross_entropy       logits [N,C,*], targets i32 [N,*] -> loss (f32 scalar, mean over
+//                             the N*prod(*) voxels of -log softmax over C at the target class),
+//                             dlogits (its gradient times attr grad_scale, default 1, computed in
+//                             place over the logits). No GradientRule: like
+//                             softmax_cross_entropy, the loss's gradient comes out of the same
+//                             pass
+//   dice_score                logits [N,C,*], targets i32 [N,*] -> score (f32 scalar): hard Dice
+//                             of argmax_c logits against targets, per foreground class
+//                             1..C-1 over the whole batch, 2|P and T| / (|P| + |T|) (1 when the
+//                             class is absent from both), averaged over those classes; C >= 2.
+//                             A metric: no gradient
+#pragma once
+
+#include "core/status.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+// Adds the volume ops above. Called by RegisterStandardOps; AlreadyExists if called twice.
+Status RegisterVolumeOps(OpRegistry& registry);
+
+}  // namespace tessera

@@ -1,0 +1,637 @@
+// The volume ops (ops/volume_ops.h): every backward against finite differences of its forward,
+// with the backward's inputs assembled from the forward op's GradientRule (so the rules are
+// checked too); shape errors; chunked convolutions against one chunk; and the same bits on any
+// number of threads.
+//
+// For a forward op with outputs Y_k and random upstream gradients G_k, the scalar
+// L = sum_k <G_k, Y_k> has dL/dX = backward(G, ...). Central differences of L (summed in double
+// from the f32 kernels) on a sample of each input's elements must agree with the backward's
+// output to 2% of the gradient's scale: with a step of 1e-2 the f32 rounding of L (~1e-6 of L)
+// contributes ~1e-4 and the truncation error O(step^2) less.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+#include <string>
+
+#include <tbb/global_control.h>
+#include <tbb/task_arena.h>
+
+#include "ops/cpu/volume_kernels.h"
+#include "ops/volume_ops.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using Tensors = std::vector<Tensor>;
+using From = GradientRule::From;
+
+struct GradientCase {
+  std::string forward;
+  Attrs attrs;
+  Tensors inputs;
+  std::vector<int> differentiable_outputs = {0};  // forward outputs L depends on
+  float step = 1e-2f;
+  double tolerance = 2e-2;
+};
+
+double Objective(const GradientCase& c, const Tensors& inputs, const Tensors& grads) {
+  Result<Tensors> out = RunKernel(c.forward, inputs, c.attrs);
+  TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
+  double total = 0;
+  for (int k : c.differentiable_outputs) {
+    const float* y = (*out)[k].data<float>();
+    const float* g = grads[k].data<float>();
+    for (int64_t i = 0; i < (*out)[k].numel(); ++i) total += static_cast<double>(g[i]) * y[i];
+  }
+  return total;
+}
+
+// Element indices to perturb: first, last, and a deterministic random sample.
+std::vector<int64_t> SampleIndices(int64_t n, uint64_t seed) {
+  std::set<int64_t> picked = {0, n - 1};
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> dist(0, n - 1);
+  while (static_cast<int64_t>(picked.size()) < std::min<int64_t>(n, 40)) picked.insert(dist(rng));
+  return {picked.begin(), picked.end()};
+}
+
+Tensor ZerosLike(const Tensor& t) {
+  Tensor z = RandomTensor(t.shape(), 0);
+  std::fill(z.data<float>(), z.data<float>() + z.numel(), 0.0f);
+  return z;
+}
+
+// The backward op's inputs, as the op's GradientRule names them.
+Tensors RuleInputs(const GradientRule& rule, const Tensors& in, const Tensors& out,
+                   const Tensors& grads) {
+  Tensors result;
+  for (const GradientRule::Arg& arg : rule.inputs) {
+    const Tensors& from = arg.from == From::kOutputGradient ? grads
+                          : arg.from == From::kInput        ? in
+                                                            : out;
+    result.push_back(from.at(static_cast<size_t>(arg.index)));
+  }
+  return result;
+}
+
+void CheckGradients(GradientCase c) {
+  ASSERT_OK_AND_ASSIGN(const OpDef* def, CpuRegistry().Find(c.forward));
+  ASSERT_TRUE(def->gradient.has_value()) << c.forward << " has no GradientRule";
+  const GradientRule& rule = *def->gradient;
+  ASSERT_OK_AND_ASSIGN(Tensors outputs, RunKernel(c.forward, c.inputs, c.attrs));
+  Tensors grads;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const bool used = std::count(c.differentiable_outputs.begin(), c.differentiable_outputs.end(),
+                                 static_cast<int>(k)) > 0;
+    // Unused outputs get zeros (as the rule promises), and may be integer (pooling indices).
+    grads.push_back(used ? RandomTensor(outputs[k].shape(), 1000 + k) : outputs[k]);
+    if (!used && outputs[k].dtype() == DType::kF32) grads.back() = ZerosLike(outputs[k]);
+  }
+  ASSERT_OK_AND_ASSIGN(Tensors analytic,
+                       RunKernel(rule.op, RuleInputs(rule, c.inputs, outputs, grads), c.attrs));
+  ASSERT_EQ(analytic.size(), rule.gradient_of.size()) << rule.op;
+  for (size_t j = 0; j < rule.gradient_of.size(); ++j) {
+    const int input = rule.gradient_of[j];
+    ASSERT_EQ(analytic[j].meta(), c.inputs[input].meta())
+        << rule.op << " output " << j << " is not shaped like " << c.forward << " input " << input;
+    const float* a = analytic[j].data<float>();
+    double max_error = 0, scale = 0;
+    for (int64_t e : SampleIndices(c.inputs[input].numel(), 77 + input)) {
+      float* x = c.inputs[input].data<float>();
+      const float original = x[e];
+      x[e] = original + c.step;
+      const double plus = Objective(c, c.inputs, grads);
+      x[e] = original - c.step;
+      const double minus = Objective(c, c.inputs, grads);
+      x[e] = original;
+      const double h = (static_cast<double>(original + c.step) - (original - c.step)) / 2.0;
+      const double numeric = (plus - minus) / (2.0 * h);
+      max_error = std::max(max_error, std::abs(numeric - a[e]));
+      scale = std::max(scale, std::abs(static_cast<double>(a[e])));
+    }
+    EXPECT_GT(scale, 1e-6) << rule.op << ": gradient of input " << input
+                           << " is zero on every sampled element; the check would be vacuous";
+    EXPECT_LE(max_error, c.tolerance * scale)
+        << rule.op << ": input " << input << " max |numeric - analytic| = " << max_error
+        << " at gradient scale " << scale;
+  }
+}
+
+Attrs ConvAttrs(int64_t stride, int64_t padding) {
+  return Attrs{{"stride", stride}, {"padding", padding}};
+}
+
+// Uniform values kept at least `gap` away from zero (no finite difference crosses ReLU's kink).
+Tensor AwayFromZero(const Shape& shape, uint64_t seed, float gap) {
+  Tensor t = RandomTensor(shape, seed, 2.0f);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    float& v = t.data<float>()[i];
+    v = v < 0 ? v - gap : v + gap;
+  }
+  return t;
+}
+
+// A random permutation of values 0.01 apart: every pooling window has one clear maximum.
+Tensor DistinctValues(const Shape& shape, uint64_t seed) {
+  std::vector<float> values(static_cast<size_t>(shape.numel()));
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.01f * static_cast<float>(i) - 1.0f;
+  std::shuffle(values.begin(), values.end(), std::mt19937_64(seed));
+  return FloatTensor(shape, values);
+}
+
+// ---- finite differences ----
+
+TEST(VolumeGradientTest, Conv3dStride1Padding1) {
+  CheckGradients({.forward = "conv3d_forward",
+                  .attrs = ConvAttrs(1, 1),
+                  .inputs = {RandomTensor({2, 3, 4, 5, 4}, 1), RandomTensor({4, 3, 3, 3, 3}, 2),
+                             RandomTensor({4}, 3)}});
+}
+
+TEST(VolumeGradientTest, Conv3dStride2Padding1) {
+  CheckGradients({.forward = "conv3d_forward",
+                  .attrs = ConvAttrs(2, 1),
+                  .inputs = {RandomTensor({2, 3, 6, 5, 6}, 1), RandomTensor({2, 3, 3, 3, 3}, 2),
+                             RandomTensor({2}, 3)}});
+}
+
+TEST(VolumeGradientTest, Conv3dUnequalKernelStride2NoPadding) {
+  CheckGradients({.forward = "conv3d_forward",
+                  .attrs = ConvAttrs(2, 0),
+                  .inputs = {RandomTensor({2, 2, 5, 6, 4}, 1), RandomTensor({3, 2, 3, 1, 2}, 2),
+                             RandomTensor({3}, 3)}});
+}
+
+TEST(VolumeGradientTest, ConvTranspose3dKernel2Stride2) {
+  CheckGradients({.forward = "conv_transpose3d_forward",
+                  .attrs = ConvAttrs(2, 0),
+                  .inputs = {RandomTensor({2, 4, 3, 2, 3}, 1), RandomTensor({4, 3, 2, 2, 2}, 2),
+                             RandomTensor({3}, 3)}});
+}
+
+TEST(VolumeGradientTest, ConvTranspose3dKernel3Stride2Padding1) {
+  CheckGradients({.forward = "conv_transpose3d_forward",
+                  .attrs = ConvAttrs(2, 1),
+                  .inputs = {RandomTensor({2, 3, 3, 4, 3}, 1), RandomTensor({3, 2, 3, 3, 3}, 2),
+                             RandomTensor({2}, 3)}});
+}
+
+TEST(VolumeGradientTest, UpsampleNearest3d) {
+  CheckGradients({.forward = "upsample_nearest3d_forward",
+                  .attrs = Attrs{{"scale", int64_t{2}}},
+                  .inputs = {RandomTensor({2, 3, 2, 3, 2}, 1)}});
+  CheckGradients({.forward = "upsample_nearest3d_forward",
+                  .attrs = Attrs{{"scale", int64_t{3}}},
+                  .inputs = {RandomTensor({1, 2, 2, 1, 2}, 1)}});
+}
+
+TEST(VolumeGradientTest, MaxPool3d) {
+  // W = 5: floor mode drops the last column, whose gradient must be zero.
+  CheckGradients({.forward = "max_pool3d_forward",
+                  .inputs = {DistinctValues({2, 3, 4, 6, 5}, 1)},
+                  .step = 1e-3f});
+  CheckGradients({.forward = "max_pool3d_forward",
+                  .attrs = Attrs{{"kernel", int64_t{3}}},
+                  .inputs = {DistinctValues({1, 2, 6, 3, 6}, 2)},
+                  .step = 1e-3f});
+}
+
+TEST(VolumeGradientTest, GroupNorm) {
+  CheckGradients({.forward = "group_norm_forward",
+                  .attrs = Attrs{{"groups", int64_t{3}}},
+                  .inputs = {RandomTensor({2, 6, 4, 3, 5}, 1, 2.0f), RandomTensor({6}, 2),
+                             RandomTensor({6}, 3)}});
+  // One group per channel (instance norm) and one for all (layer norm over C, D, H, W).
+  for (int64_t groups : {int64_t{4}, int64_t{1}}) {
+    CheckGradients({.forward = "group_norm_forward",
+                    .attrs = Attrs{{"groups", groups}, {"eps", 1e-3}},
+                    .inputs = {RandomTensor({2, 4, 3, 3, 3}, 4, 2.0f), RandomTensor({4}, 5),
+                               RandomTensor({4}, 6)}});
+  }
+}
+
+TEST(VolumeGradientTest, ReluAndSilu) {
+  CheckGradients({.forward = "relu_forward", .inputs = {AwayFromZero({2, 3, 4, 5}, 1, 0.05f)}});
+  CheckGradients(
+      {.forward = "silu_forward", .inputs = {RandomTensor({2, 3, 4, 5}, 1, 4.0f)}, .step = 1e-3f});
+}
+
+TEST(VolumeGradientTest, Concat) {
+  CheckGradients({.forward = "concat_forward",
+                  .inputs = {RandomTensor({2, 3, 2, 3, 2}, 1), RandomTensor({2, 2, 2, 3, 2}, 2)}});
+}
+
+// The loss returns its gradient at once: check the dlogits output against finite differences
+// of the loss output.
+TEST(VolumeGradientTest, VoxelCrossEntropy) {
+  Tensors inputs = {RandomTensor({2, 4, 3, 2, 3}, 1, 3.0f), RandomTokens({2, 3, 2, 3}, 4, 2)};
+  const Attrs attrs{{"grad_scale", 0.5}};
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("voxel_cross_entropy", inputs, attrs));
+  const std::vector<float> analytic = ToVector(out[1]);
+  double max_error = 0, scale = 0;
+  float* x = inputs[0].data<float>();
+  for (int64_t e = 0; e < inputs[0].numel(); ++e) {
+    const float original = x[e];
+    auto loss_at = [&](float value) {
+      x[e] = value;
+      Result<Tensors> r = RunKernel("voxel_cross_entropy", inputs, attrs);
+      TESSERA_CHECK(r.ok());
+      return static_cast<double>(*(*r)[0].data<float>());
+    };
+    const double numeric = 0.5 * (loss_at(original + 1e-2f) - loss_at(original - 1e-2f)) / 2e-2;
+    x[e] = original;
+    max_error = std::max(max_error, std::abs(numeric - analytic[static_cast<size_t>(e)]));
+    scale = std::max(scale, std::abs(static_cast<double>(analytic[static_cast<size_t>(e)])));
+  }
+  EXPECT_GT(scale, 1e-3);
+  EXPECT_LE(max_error, 2e-2 * scale);
+}
+
+TEST(VolumeOpsTest, VoxelCrossEntropyMatchesDirectFormula) {
+  // Two voxels, three classes: logits (1, 2, 3) -> target 2 and (0, 0, 0) -> target 0.
+  ASSERT_OK_AND_ASSIGN(Tensors out,
+                       RunKernel("voxel_cross_entropy", {FloatTensor({1, 3, 2}, {1, 0, 2, 0, 3, 0}),
+                                                         IntTensor({1, 2}, {2, 0})}));
+  const double first = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0)) - 3.0;
+  const double second = std::log(3.0);
+  EXPECT_NEAR(*out[0].data<float>(), (first + second) / 2, 1e-6);
+  // dlogits of voxel 2 (column 1): (1/3 - 1, 1/3, 1/3) / 2 voxels.
+  EXPECT_NEAR(out[1].data<float>()[1], (1.0 / 3 - 1) / 2, 1e-7);
+  EXPECT_NEAR(out[1].data<float>()[3], 1.0 / 6, 1e-7);
+}
+
+TEST(VolumeOpsTest, VoxelCrossEntropyRejectsATargetOutOfRange) {
+  Result<Tensors> out =
+      RunKernel("voxel_cross_entropy", {RandomTensor({1, 3, 2}, 1), IntTensor({1, 2}, {0, 3})});
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(out.status().message().find("target class 3 at voxel 1"), std::string::npos)
+      << out.status().message();
+}
+
+TEST(VolumeOpsTest, DiceScoreIsHardDiceOverForegroundClasses) {
+  // Four voxels, three classes. argmax = (0, 1, 1, 2); targets = (0, 1, 2, 2).
+  // Class 1: |P| = 2, |T| = 1, |P and T| = 1 -> 2/3. Class 2: |P| = 1, |T| = 2, both 1 -> 2/3.
+  const Tensor logits = FloatTensor({1, 3, 4}, {5, 0, 0, 0,  //
+                                                0, 5, 5, 0,  //
+                                                0, 0, 0, 5});
+  ASSERT_OK_AND_ASSIGN(Tensors out,
+                       RunKernel("dice_score", {logits, IntTensor({1, 4}, {0, 1, 2, 2})}));
+  EXPECT_FLOAT_EQ(*out[0].data<float>(), 2.0f / 3.0f);
+  // Perfect prediction scores 1; a class absent from both prediction and targets counts as 1.
+  ASSERT_OK_AND_ASSIGN(out, RunKernel("dice_score", {logits, IntTensor({1, 4}, {0, 1, 1, 2})}));
+  EXPECT_FLOAT_EQ(*out[0].data<float>(), 1.0f);
+  const Tensor four_classes = FloatTensor({1, 4, 1}, {0, 3, 0, 0});  // predicts class 1
+  ASSERT_OK_AND_ASSIGN(out, RunKernel("dice_score", {four_classes, IntTensor({1, 1}, {2})}));
+  EXPECT_FLOAT_EQ(*out[0].data<float>(), 1.0f / 3.0f);  // classes 1, 2: 0; class 3: 1
+}
+
+TEST(VolumeOpsTest, MaxPoolIndicesPointAtTheMaximaAndTiesKeepTheFirst) {
+  // One 2x2x2 window of equal values, and one whose maximum is its last element.
+  Tensor x = FloatTensor({1, 1, 2, 2, 4}, std::vector<float>(16, 1.0f));
+  x.data<float>()[(1 * 2 + 1) * 4 + 3] = 7.0f;  // last element of the second window
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("max_pool3d_forward", {x}));
+  ASSERT_EQ(out[1].dtype(), DType::kI32);
+  EXPECT_EQ(out[1].data<int32_t>()[0], 0);
+  EXPECT_EQ(out[1].data<int32_t>()[1], (1 * 2 + 1) * 4 + 3);
+  EXPECT_EQ(out[0].data<float>()[1], 7.0f);
+}
+
+// ---- chunked convolutions and thread counts ----
+
+// Chunks of output positions (the vol2col workspace) change only the grouping of GEMMs: a
+// convolution cut into chunks of 7 positions (runs crossing rows and planes) matches one chunk.
+TEST(VolumeOpsTest, ChunkedConvolutionMatchesOneChunk) {
+  cpu::Conv3dGeometry g{.batch = 2,
+                        .in_channels = 3,
+                        .in_d = 6,
+                        .in_h = 5,
+                        .in_w = 7,
+                        .out_channels = 4,
+                        .out_d = 3,
+                        .out_h = 3,
+                        .out_w = 4,
+                        .kd = 3,
+                        .kh = 2,
+                        .kw = 3,
+                        .stride = 2,
+                        .padding = 1};
+  const std::vector<float> x = ToVector(RandomTensor({g.batch * g.in_channels * g.InVolume()}, 1));
+  const std::vector<float> w = ToVector(RandomTensor({g.out_channels * g.ColumnRows()}, 2));
+  const std::vector<float> b = ToVector(RandomTensor({g.out_channels}, 3));
+  const std::vector<float> dy =
+      ToVector(RandomTensor({g.batch * g.out_channels * g.OutVolume()}, 4));
+  const std::vector<float> c = ToVector(RandomTensor({g.in_channels}, 5));
+  auto run = [&](int64_t chunk) {
+    g.positions_per_chunk = chunk;
+    std::vector<float> workspace(static_cast<size_t>(cpu::Conv3dWorkspaceFloats(g)));
+    std::vector<float> y(dy.size()), dx(x.size()), dw(w.size());
+    cpu::Conv3dForward(y.data(), x.data(), w.data(), b.data(), g, workspace.data(), 1);
+    cpu::Conv3dInputGradient(dx.data(), dy.data(), w.data(), c.data(), g, workspace.data(), 1);
+    cpu::Conv3dWeightGradient(dw.data(), dy.data(), x.data(), g, workspace.data(), 1);
+    return std::vector<std::vector<float>>{y, dx, dw};
+  };
+  const auto whole = run(g.OutVolume());
+  const auto chunked = run(7);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_LE(ScaledMaxError(chunked[i], whole[i]), 1e-6) << "result " << i;
+  }
+  // And the one-chunk forward against a direct loop.
+  for (int64_t n = 0; n < g.batch; ++n) {
+    for (int64_t co = 0; co < g.out_channels; ++co) {
+      for (int64_t p = 0; p < g.OutVolume(); ++p) {
+        const int64_t od = p / (g.out_h * g.out_w), oh = (p / g.out_w) % g.out_h, ow = p % g.out_w;
+        double sum = b[co];
+        for (int64_t ci = 0; ci < g.in_channels; ++ci) {
+          for (int64_t a = 0; a < g.kd; ++a) {
+            for (int64_t bb = 0; bb < g.kh; ++bb) {
+              for (int64_t e = 0; e < g.kw; ++e) {
+                const int64_t id = od * 2 - 1 + a, ih = oh * 2 - 1 + bb, iw = ow * 2 - 1 + e;
+                if (id < 0 || id >= g.in_d || ih < 0 || ih >= g.in_h || iw < 0 || iw >= g.in_w) {
+                  continue;
+                }
+                sum += static_cast<double>(
+                           w[(((co * g.in_channels + ci) * g.kd + a) * g.kh + bb) * g.kw + e]) *
+                       x[(((n * g.in_channels + ci) * g.in_d + id) * g.in_h + ih) * g.in_w + iw];
+              }
+            }
+          }
+        }
+        ASSERT_NEAR(whole[0][(n * g.out_channels + co) * g.OutVolume() + p], sum, 1e-5)
+            << "n " << n << " co " << co << " position " << p;
+      }
+    }
+  }
+}
+
+TEST(VolumeOpsTest, DefaultChunksDependOnTheShapeOnly) {
+  EXPECT_EQ(cpu::DefaultPositionsPerChunk(81, 100), 100);
+  EXPECT_EQ(cpu::DefaultPositionsPerChunk(32 * 27, 1 << 18), 2368);  // 8 MB of columns
+  EXPECT_EQ(cpu::DefaultPositionsPerChunk(1 << 22, 1 << 18), 64);    // at least 64 positions
+}
+
+struct DeterminismCase {
+  std::string op;
+  Tensors inputs;
+  Attrs attrs;
+};
+
+// Every op on 1, 2, 3 and 8 threads: the same bytes. Shapes are big enough that every parallel
+// loop and every GEMM split (RunKernel splits all GEMMs) has several pieces.
+TEST(VolumeOpsTest, AnyThreadCountGivesTheSameBits) {
+  const Tensor x = RandomTensor({2, 4, 12, 10, 12}, 1);
+  const Tensor w = RandomTensor({8, 4, 3, 3, 3}, 2);
+  const Tensor b = RandomTensor({8}, 3);
+  const Attrs conv = ConvAttrs(1, 1);
+  ASSERT_OK_AND_ASSIGN(Tensors y, RunKernel("conv3d_forward", {x, w, b}, conv));
+  const Tensor dy = RandomTensor(y[0].shape(), 4);
+  const Tensor tw = RandomTensor({4, 8, 2, 2, 2}, 5);  // conv_transpose3d: 4 -> 8 channels
+  const Attrs up = ConvAttrs(2, 0);
+  ASSERT_OK_AND_ASSIGN(Tensors ty, RunKernel("conv_transpose3d_forward", {x, tw, b}, up));
+  const Tensor tdy = RandomTensor(ty[0].shape(), 6);
+  const Tensor gw = RandomTensor({4}, 7), gb = RandomTensor({4}, 8);
+  const Attrs groups{{"groups", int64_t{2}}};
+  ASSERT_OK_AND_ASSIGN(Tensors gn, RunKernel("group_norm_forward", {x, gw, gb}, groups));
+  ASSERT_OK_AND_ASSIGN(Tensors pool, RunKernel("max_pool3d_forward", {x}));
+  const Tensor logits = RandomTensor({2, 5, 20, 16, 12}, 9, 3.0f);
+  const Tensor targets = RandomTokens({2, 20, 16, 12}, 5, 10);
+  const std::vector<DeterminismCase> cases = {
+      {"conv3d_forward", {x, w, b}, conv},
+      {"conv3d_backward", {dy, x, w}, conv},
+      {"conv3d_backward", {RandomTensor({2, 8, 6, 5, 6}, 11), x, w}, ConvAttrs(2, 1)},
+      {"conv_transpose3d_forward", {x, tw, b}, up},
+      {"conv_transpose3d_backward", {tdy, x, tw}, up},
+      {"upsample_nearest3d_forward", {x}, {}},
+      {"upsample_nearest3d_backward", {tdy}, {}},
+      {"max_pool3d_forward", {x}, {}},
+      {"max_pool3d_backward", {RandomTensor(pool[0].shape(), 12), x, pool[1]}, {}},
+      {"group_norm_forward", {x, gw, gb}, groups},
+      {"group_norm_backward", {RandomTensor(x.shape(), 13), x, gw, gn[1], gn[2]}, groups},
+      {"silu_forward", {x}, {}},
+      {"silu_backward", {dy, y[0]}, {}},
+      {"relu_backward", {dy, y[0]}, {}},
+      {"concat_forward", {x, y[0]}, {}},
+      {"voxel_cross_entropy", {logits, targets}, {}},
+      {"dice_score", {logits, targets}, {}},
+  };
+  // TBB caps its workers at the core count by default; lift the cap so that a small CI machine
+  // runs these arenas with their full thread counts too (the least of all controls applies).
+  const tbb::global_control allow_threads(tbb::global_control::max_allowed_parallelism, 8);
+  auto run = [](tbb::task_arena& arena, const DeterminismCase& c) {
+    Tensors out;
+    arena.execute([&] {
+      Result<Tensors> r = RunKernel(c.op, c.inputs, c.attrs);
+      TESSERA_CHECK(r.ok(), "{}: {}", c.op, r.status().ToString());
+      out = *std::move(r);
+    });
+    return out;
+  };
+  tbb::task_arena one_thread(1);
+  std::vector<Tensors> expected;
+  for (const DeterminismCase& c : cases) expected.push_back(run(one_thread, c));
+  // Small kernels often finish before a worker joins in; several runs on a warm arena give the
+  // workers their chance (a thread-dependent reduction fails here within a few runs).
+  constexpr int kRuns = 10;
+  for (int threads : {2, 3, 8}) {
+    tbb::task_arena arena(threads);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      for (int attempt = 0; attempt < kRuns; ++attempt) {
+        const Tensors many = run(arena, cases[i]);
+        ASSERT_EQ(many.size(), expected[i].size());
+        for (size_t k = 0; k < many.size(); ++k) {
+          ASSERT_EQ(std::memcmp(many[k].raw_data(), expected[i][k].raw_data(),
+                                static_cast<size_t>(many[k].bytes())),
+                    0)
+              << cases[i].op << " output " << k << " differs on " << threads << " threads";
+        }
+      }
+    }
+  }
+}
+
+// ---- shape errors ----
+
+struct ShapeErrorCase {
+  std::string op;
+  std::vector<TensorMeta> inputs;
+  Attrs attrs;
+  std::vector<std::string> message_parts;  // each must appear in the error
+};
+
+TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
+TensorMeta I32(Shape shape) { return TensorMeta{std::move(shape), DType::kI32, Device::Cpu()}; }
+
+TEST(VolumeOpsTest, ShapeErrorsNameTheInputAndTheShapes) {
+  const TensorMeta x = F32({2, 3, 8, 8, 8});
+  const std::vector<ShapeErrorCase> cases = {
+      {"conv3d_forward",
+       {x, F32({4, 3, 3, 3}), F32({4})},
+       {},
+       {"input 'weight'", "[4, 3, 3, 3]", "4 dims", "conv3d needs [Cout, Cin, kD, kH, kW]"}},
+      {"conv3d_forward",
+       {x, F32({4, 2, 3, 3, 3}), F32({4})},
+       {},
+       {"input 'weight'", "[4, 2, 3, 3, 3]", "[2, 3, 8, 8, 8]", "Cin = 3"}},
+      {"conv3d_forward",
+       {F32({2, 3, 8, 8}), F32({4, 3, 3, 3, 3}), F32({4})},
+       {},
+       {"input 'x'", "[2, 3, 8, 8]", "[N, C, D, H, W]"}},
+      {"conv3d_forward", {x, F32({4, 3, 3, 3, 3}), F32({5})}, {}, {"input 'bias'", "[5]", "[4]"}},
+      {"conv3d_forward",
+       {F32({2, 3, 2, 8, 8}), F32({4, 3, 3, 3, 3}), F32({4})},
+       {},
+       {"leaves no output along axis 2", "[2, 3, 2, 8, 8]"}},
+      {"conv3d_forward",
+       {x, F32({4, 3, 3, 3, 3}), F32({4})},
+       {{"stride", int64_t{0}}},
+       {"attribute 'stride' must be >= 1, got 0"}},
+      {"conv3d_backward",
+       {F32({2, 4, 8, 8, 8}), x, F32({4, 3, 3, 3, 3})},
+       {},
+       {"input 'dy'", "[2, 4, 8, 8, 8]", "[2, 4, 6, 6, 6]"}},
+      {"conv_transpose3d_forward",
+       {x, F32({4, 3, 2, 2, 2}), F32({3})},
+       {{"stride", int64_t{2}}},
+       {"input 'weight'", "[4, 3, 2, 2, 2]", "Cin = 3", "[Cin, Cout, kD, kH, kW]"}},
+      {"conv_transpose3d_backward",
+       {F32({2, 4, 8, 8, 8}), x, F32({3, 4, 2, 2, 2})},
+       {{"stride", int64_t{2}}},
+       {"input 'dy'", "[2, 4, 16, 16, 16]"}},
+      {"upsample_nearest3d_backward",
+       {F32({2, 3, 4, 5, 4})},
+       {},
+       {"input 'dy'", "[2, 3, 4, 5, 4]", "multiples of scale 2"}},
+      {"max_pool3d_forward",
+       {F32({2, 3, 1, 8, 8})},
+       {},
+       {"input 'x'", "[2, 3, 1, 8, 8]", "kernel 2"}},
+      {"max_pool3d_backward",
+       {F32({2, 3, 4, 4, 4}), x, F32({2, 3, 4, 4, 4})},
+       {},
+       {"input 'indices'", "i32[2, 3, 4, 4, 4]"}},
+      {"group_norm_forward",
+       {x, F32({3}), F32({3})},
+       {{"groups", int64_t{2}}},
+       {"attribute 'groups' is 2", "C = 3"}},
+      {"group_norm_forward", {x, F32({3}), F32({3})}, {}, {"groups"}},
+      {"group_norm_forward",
+       {x, F32({4}), F32({3})},
+       {{"groups", int64_t{3}}},
+       {"input 'weight'", "[4]", "[3]"}},
+      {"group_norm_backward",
+       {x, x, F32({3}), F32({2, 3}), F32({2, 1})},
+       {{"groups", int64_t{3}}},
+       {"input 'rstd'", "[2, 1]", "[2, 3]"}},
+      {"silu_backward", {F32({4}), F32({5})}, {}, {"input 'dy'", "[4]", "[5]"}},
+      {"relu_forward", {I32({4})}, {}, {"input 'x'", "i32[4]", "f32"}},
+      {"concat_forward",
+       {x, F32({2, 3, 8, 8, 4})},
+       {},
+       {"inputs 'a' [2, 3, 8, 8, 8] and 'b' [2, 3, 8, 8, 4]"}},
+      {"concat_backward",
+       {F32({2, 3, 8, 8, 8}), x},
+       {},
+       {"input 'dout'", "input 'a'", "at least one left for b"}},
+      {"voxel_cross_entropy",
+       {x, I32({2, 8, 8, 4})},
+       {},
+       {"input 'targets'", "i32[2, 8, 8, 4]", "[2, 8, 8, 8]"}},
+      {"voxel_cross_entropy", {x, F32({2, 8, 8, 8})}, {}, {"input 'targets'", "i32"}},
+      {"dice_score", {F32({2, 1, 8}), I32({2, 8})}, {}, {"input 'logits'", "C >= 2"}},
+  };
+  for (const ShapeErrorCase& c : cases) {
+    Result<std::vector<TensorMeta>> result = CpuRegistry().InferShapes(c.op, c.inputs, c.attrs);
+    ASSERT_FALSE(result.ok()) << c.op << " accepted bad input";
+    EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument) << result.status().ToString();
+    for (const std::string& part : c.message_parts) {
+      EXPECT_NE(result.status().message().find(part), std::string::npos)
+          << c.op << ": '" << part << "' is missing from: " << result.status().message();
+    }
+  }
+}
+
+TEST(VolumeOpsTest, ShapesAndCostsOfAUNetLevel) {
+  const OpRegistry& r = CpuRegistry();
+  const TensorMeta x = F32({1, 16, 32, 32, 32});
+  ASSERT_OK_AND_ASSIGN(
+      auto y,
+      r.InferShapes("conv3d_forward", {x, F32({32, 16, 3, 3, 3}), F32({32})}, ConvAttrs(1, 1)));
+  EXPECT_EQ(y[0].shape, Shape({1, 32, 32, 32, 32}));
+  ASSERT_OK_AND_ASSIGN(OpCost cost, r.Cost("conv3d_forward", {x, F32({32, 16, 3, 3, 3}), F32({32})},
+                                           ConvAttrs(1, 1)));
+  EXPECT_DOUBLE_EQ(cost.flops, 2.0 * 32 * 32768 * 16 * 27 + 32 * 32768);
+  ASSERT_OK_AND_ASSIGN(auto down, r.InferShapes("max_pool3d_forward", {x}, {}));
+  EXPECT_EQ(down[0].shape, Shape({1, 16, 16, 16, 16}));
+  EXPECT_EQ(down[1].dtype, DType::kI32);
+  ASSERT_OK_AND_ASSIGN(auto upsampled,
+                       r.InferShapes("conv_transpose3d_forward",
+                                     {down[0], F32({16, 8, 2, 2, 2}), F32({8})}, ConvAttrs(2, 0)));
+  EXPECT_EQ(upsampled[0].shape, Shape({1, 8, 32, 32, 32}));
+  ASSERT_OK_AND_ASSIGN(
+      OpCost up_cost, r.Cost("conv_transpose3d_forward", {down[0], F32({16, 8, 2, 2, 2}), F32({8})},
+                             ConvAttrs(2, 0)));
+  EXPECT_DOUBLE_EQ(up_cost.flops, 2.0 * 16 * 4096 * 8 * 8 + 8 * 32768);
+  ASSERT_OK_AND_ASSIGN(auto cat, r.InferShapes("concat_forward", {upsampled[0], x}, {}));
+  EXPECT_EQ(cat[0].shape, Shape({1, 24, 32, 32, 32}));
+  ASSERT_OK_AND_ASSIGN(auto norm, r.InferShapes("group_norm_forward", {x, F32({16}), F32({16})},
+                                                Attrs{{"groups", int64_t{4}}}));
+  EXPECT_EQ(norm[1].shape, Shape({1, 4}));
+  ASSERT_OK_AND_ASSIGN(
+      auto loss,
+      r.InferShapes("voxel_cross_entropy", {F32({1, 3, 32, 32, 32}), I32({1, 32, 32, 32})}, {}));
+  EXPECT_EQ(loss[0].shape, Shape{});
+  for (const char* op : {"conv3d_backward", "group_norm_backward", "dice_score"}) {
+    ASSERT_OK(r.Find(op).status());
+    EXPECT_FALSE((*r.Find(op))->doc.empty()) << op;
+  }
+}
+
+// ---- every op is defined, has a kernel, a rule where it is differentiable, and a test ----
+
+TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
+  OpRegistry volume_only;
+  ASSERT_OK(RegisterVolumeOps(volume_only));
+  const std::set<std::string> tested = {"conv3d_forward",
+                                        "conv3d_backward",
+                                        "conv_transpose3d_forward",
+                                        "conv_transpose3d_backward",
+                                        "upsample_nearest3d_forward",
+                                        "upsample_nearest3d_backward",
+                                        "max_pool3d_forward",
+                                        "max_pool3d_backward",
+                                        "group_norm_forward",
+                                        "group_norm_backward",
+                                        "relu_forward",
+                                        "relu_backward",
+                                        "silu_forward",
+                                        "silu_backward",
+                                        "concat_forward",
+                                        "concat_backward",
+                                        "voxel_cross_entropy",
+                                        "dice_score"};
+  const std::set<std::string> no_gradient = {"voxel_cross_entropy", "dice_score"};
+  for (const std::string& op : volume_only.OpNames()) {
+    EXPECT_TRUE(tested.contains(op)) << "volume op '" << op << "' has no test";
+    EXPECT_TRUE(CpuRegistry().Supports(op, DeviceKind::kCpu)) << op << " has no CPU kernel";
+    ASSERT_OK_AND_ASSIGN(const OpDef* def, volume_only.Find(op));
+    EXPECT_FALSE(def->doc.empty()) << op;
+    const std::string_view suffix = "_forward";
+    if (op.ends_with(suffix)) {
+      ASSERT_TRUE(def->gradient.has_value()) << op << " needs a GradientRule";
+      EXPECT_EQ(def->gradient->op, op.substr(0, op.size() - suffix.size()) + "_backward");
+      ASSERT_OK_AND_ASSIGN(const OpDef* backward, volume_only.Find(def->gradient->op));
+      EXPECT_EQ(backward->input_names.size(), def->gradient->inputs.size()) << op;
+      EXPECT_EQ(backward->output_names.size(), def->gradient->gradient_of.size()) << op;
+    } else {
+      EXPECT_FALSE(def->gradient.has_value()) << op;
+      EXPECT_TRUE(op.ends_with("_backward") || no_gradient.contains(op)) << op;
+    }
+  }
+  EXPECT_EQ(volume_only.OpNames().size(), tested.size());
+}
+
+}  // namespace
+}  // namespace tessera::testing
