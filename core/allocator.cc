@@ -90,6 +90,11 @@ int64_t CachingHostAllocator::CachedBytes() const {
   return cached_bytes_;
 }
 
+std::shared_ptr<Allocator> SharedHostAllocator() {
+  static const auto allocator = std::make_shared<AlignedHostAllocator>();
+  return allocator;
+}
+
 Result<std::shared_ptr<Buffer>> Buffer::Allocate(int64_t bytes,
                                                  std::shared_ptr<Allocator> allocator) {
   TESSERA_CHECK(allocator != nullptr);

@@ -63,6 +63,9 @@ class AlignedHostAllocator final : public Allocator {
   void DoDeallocate(void* ptr, int64_t bytes) override;
 };
 
+// One AlignedHostAllocator for the process: tensors a driver builds to feed a step.
+std::shared_ptr<Allocator> SharedHostAllocator();
+
 class CachingHostAllocator final : public Allocator {
  public:
   ~CachingHostAllocator() override;

@@ -10,6 +10,7 @@
 // fine; writers must be the only task holding the tensor, which the executor guarantees.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -90,6 +91,19 @@ class Tensor {
 
   // Deep copy into a new buffer from `allocator`.
   Result<Tensor> Clone(std::shared_ptr<Allocator> allocator) const;
+
+  // A host tensor holding a copy of `values` (f32, i32, i64 ...): a batch a driver feeds.
+  // InvalidArgument when their count is not the shape's.
+  template <typename T>
+  static Result<Tensor> FromVector(Shape shape, const std::vector<T>& values) {
+    const TensorMeta meta{std::move(shape), DTypeOf<T>::kValue, Device::Cpu()};
+    if (meta.numel() != static_cast<int64_t>(values.size())) {
+      return InvalidArgument("{} values do not fill {}", values.size(), meta.ToString());
+    }
+    TESSERA_ASSIGN_OR_RETURN(Tensor t, Empty(meta, SharedHostAllocator()));
+    std::copy(values.begin(), values.end(), t.data<T>());
+    return t;
+  }
 
  private:
   TensorMeta meta_;

@@ -16,8 +16,32 @@ namespace {
 TensorMeta F32(int64_t n) { return TensorMeta{Shape{n}, DType::kF32, Device::Cpu()}; }
 
 // Prefix of a layer's parameter names: "" for the embedding and head, "h.<l>." for blocks.
-std::string NamePrefix(const LayerSpec& layer) {
-  return layer.forward_op == "gpt2_block_forward" ? layer.name + "." : "";
+// Other models: "<layer>." for every layer.
+std::string NamePrefix(const ModelSpec& model, const LayerSpec& layer) {
+  if (model.name != "gpt2" || layer.forward_op == "gpt2_block_forward") return layer.name + ".";
+  return "";
+}
+
+void InitializeSlot(const ParamInit& init, std::mt19937_64& rng, float* values, int64_t n) {
+  switch (init.kind) {
+    case ParamInit::Kind::kZeros:
+      std::fill(values, values + n, 0.0f);
+      return;
+    case ParamInit::Kind::kOnes:
+      std::fill(values, values + n, 1.0f);
+      return;
+    case ParamInit::Kind::kNormal: {
+      std::normal_distribution<float> normal(0.0f, static_cast<float>(init.scale));
+      for (int64_t i = 0; i < n; ++i) values[i] = normal(rng);
+      return;
+    }
+    case ParamInit::Kind::kUniform: {
+      std::uniform_real_distribution<float> uniform(-static_cast<float>(init.scale),
+                                                    static_cast<float>(init.scale));
+      for (int64_t i = 0; i < n; ++i) values[i] = uniform(rng);
+      return;
+    }
+  }
 }
 
 }  // namespace
@@ -41,7 +65,19 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& confi
                                                          const TrainingPlan& plan,
                                                          std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
-  ModelSpec model = DescribeGpt2(config);
+  return Create(DescribeGpt2(config), plan, std::move(backend));
+}
+
+Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                         const ExecutorOptions& executor_options) {
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeInProcessBackend(executor_options));
+  return Create(std::move(model), plan, std::move(backend));
+}
+
+Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                         std::unique_ptr<GraphBackend> backend) {
+  TESSERA_RETURN_IF_ERROR(model.Validate());
   TrainingPlan placed = plan;
   const int ranks = plan.parallel.data_parallel;
   if (ranks > 1 && placed.parallel.workers.empty()) {
@@ -100,10 +136,15 @@ Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
   for (size_t l = 0; l < model_.layers.size(); ++l) {
     const LayerSpec& layer = model_.layers[l];
     std::vector<float> values(static_cast<size_t>(step_graph_.group_numel[l]), 0.0f);
-    for (const FlatSlot& slot : layer.params.slots()) {
-      if (zero) break;
+    const std::vector<FlatSlot>& slots = layer.params.slots();
+    for (size_t s = 0; s < slots.size() && !zero; ++s) {
+      const FlatSlot& slot = slots[s];
       float* begin = values.data() + slot.offset;
       const int64_t n = slot.shape.numel();
+      if (!layer.init.empty()) {  // the model API's own initialisation
+        InitializeSlot(layer.init[s], rng, begin, n);
+        continue;
+      }
       const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
       if (slot.shape.rank() == 2) {
         const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
@@ -208,6 +249,10 @@ Result<std::vector<Value>> Gpt2Trainer::FullParameters() {
   }
   if (full_params_.empty()) {
     for (size_t l = 0; l < model_.layers.size(); ++l) {
+      if (step_graph_.group_numel[l] == 0) {  // no parameters
+        full_params_.emplace_back();
+        continue;
+      }
       TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(l, StateKind::kParameter));
       TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(F32(static_cast<int64_t>(group.size())),
                                                             backend_->allocator()));
@@ -222,7 +267,7 @@ Result<std::vector<Value>> Gpt2Trainer::FullParameters() {
 Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& name) const {
   for (size_t g = 0; g < model_.layers.size(); ++g) {
     const LayerSpec& layer = model_.layers[g];
-    const std::string prefix = NamePrefix(layer);
+    const std::string prefix = NamePrefix(model_, layer);
     if (!name.starts_with(prefix)) continue;
     Result<const FlatSlot*> slot = layer.params.Find(name.substr(prefix.size()));
     if (slot.ok()) return ParameterRef{g, *slot};
@@ -234,7 +279,7 @@ std::vector<std::string> Gpt2Trainer::ParameterNames() const {
   std::vector<std::string> names;
   for (const LayerSpec& layer : model_.layers) {
     for (const FlatSlot& slot : layer.params.slots())
-      names.push_back(NamePrefix(layer) + slot.name);
+      names.push_back(NamePrefix(model_, layer) + slot.name);
   }
   return names;
 }
@@ -319,26 +364,77 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
                                      const std::vector<int32_t>& targets, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
+  return Step(batch, lr);
+}
+
+Result<std::vector<Tensor>> Gpt2Trainer::TokenBatch(const std::vector<int32_t>& tokens,
+                                                    const std::vector<int32_t>& targets) const {
+  if (model_.inputs.size() != 2) {
+    return InvalidArgument("model '{}' is not fed tokens and targets: pass one tensor per input",
+                           model_.name);
+  }
   const int64_t expected = plan_.batch * plan_.seq_len;
-  for (const auto* batch : {&tokens, &targets}) {
-    if (static_cast<int64_t>(batch->size()) != expected) {
-      return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", batch->size(),
-                             plan_.batch, plan_.seq_len, expected);
+  std::vector<Tensor> batch;
+  for (const auto* rows : {&tokens, &targets}) {
+    if (static_cast<int64_t>(rows->size()) != expected) {
+      return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", rows->size(), plan_.batch,
+                             plan_.seq_len, expected);
+    }
+    TESSERA_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(TensorMeta{Shape{plan_.batch, plan_.seq_len},
+                                                                DType::kI32, Device::Cpu()},
+                                                     backend_->allocator()));
+    std::memcpy(t.raw_data(), rows->data(), rows->size() * sizeof(int32_t));
+    batch.push_back(std::move(t));
+  }
+  return batch;
+}
+
+Status Gpt2Trainer::CheckBatch(const std::vector<Tensor>& batch) const {
+  if (batch.size() != model_.inputs.size()) {
+    return InvalidArgument("model '{}' takes {} input(s) per step, {} given", model_.name,
+                           model_.inputs.size(), batch.size());
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ModelInput& input = model_.inputs[i];
+    std::vector<int64_t> dims = input.shape.dims();
+    dims[0] = plan_.batch;
+    if (input.sequence) dims[1] = plan_.seq_len;
+    const TensorMeta want{Shape(std::move(dims)), input.dtype, Device::Cpu()};
+    if (!batch[i].defined() || batch[i].shape() != want.shape || batch[i].dtype() != want.dtype) {
+      return InvalidArgument(
+          "input '{}' is {} but the plan needs {} (the batch is dimension 0)", input.name,
+          batch[i].defined() ? batch[i].meta().ToString() : "undefined", want.ToString());
     }
   }
+  return Status::Ok();
+}
+
+Result<Value> Gpt2Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
+  std::vector<int64_t> dims = batch.shape().dims();
+  const int64_t row_bytes = batch.bytes() / dims[0];
+  dims[0] = rows;
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor t, Tensor::Empty(TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()},
+                              backend_->allocator()));
+  std::memcpy(t.raw_data(), static_cast<const char*>(batch.raw_data()) + first * row_bytes,
+              static_cast<size_t>(rows * row_bytes));
+  return backend_->Upload(std::move(t));
+}
+
+Result<StepReport> Gpt2Trainer::Step(const std::vector<Tensor>& batch, float lr) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
   // Rank r's micro-batch k takes rows [(r * K + k) * b, ... + b) of the global batch.
-  const int64_t micro = step_graph_.micro_batch, span = micro * plan_.seq_len;
-  for (size_t i = 0; i < step_graph_.tokens.size(); ++i) {
-    const auto begin = static_cast<std::ptrdiff_t>(i) * span;
-    TESSERA_ASSIGN_OR_RETURN(
-        inputs[step_graph_.tokens[i]],
-        Tokens({tokens.begin() + begin, tokens.begin() + begin + span}, micro, plan_.seq_len));
-    TESSERA_ASSIGN_OR_RETURN(
-        inputs[step_graph_.targets[i]],
-        Tokens({targets.begin() + begin, targets.begin() + begin + span}, micro, plan_.seq_len));
+  const int64_t micro = step_graph_.micro_batch;
+  for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
+    const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
+                               UploadRows(batch[input], static_cast<int64_t>(i) * micro, micro));
+    }
   }
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.step],
@@ -405,12 +501,20 @@ Result<float> Gpt2Trainer::EvalLoss(const std::vector<int32_t>& tokens,
                                     const std::vector<int32_t>& targets) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
+  return EvalLoss(batch);
+}
+
+Result<float> Gpt2Trainer::EvalLoss(const std::vector<Tensor>& batch) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
   ValueMap inputs;
-  TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.tokens], Tokens(tokens, plan_.batch, plan_.seq_len));
-  TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.targets],
-                           Tokens(targets, plan_.batch, plan_.seq_len));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.inputs[i]], UploadRows(batch[i], 0, plan_.batch));
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
-  for (size_t g = 0; g < params.size(); ++g) inputs[eval_graph_.params[g]] = params[g];
+  for (size_t g = 0; g < params.size(); ++g) {
+    if (eval_graph_.params[g].valid()) inputs[eval_graph_.params[g]] = params[g];
+  }
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(eval_handle_, std::move(inputs)));
   TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[eval_graph_.result]));
   return *loss.data<float>();
@@ -431,7 +535,9 @@ Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& token
   ValueMap inputs;
   TESSERA_ASSIGN_OR_RETURN(inputs[graph.tokens], Tokens(tokens, batch, seq_len));
   TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
-  for (size_t g = 0; g < params.size(); ++g) inputs[graph.params[g]] = params[g];
+  for (size_t g = 0; g < params.size(); ++g) {
+    if (graph.params[g].valid()) inputs[graph.params[g]] = params[g];
+  }
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(it->second.second, std::move(inputs)));
   TESSERA_ASSIGN_OR_RETURN(Tensor logits, backend_->Download(outputs[graph.result]));
   const float* data = logits.data<float>();

@@ -65,6 +65,12 @@ class Gpt2Trainer {
   static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
                                                      const TrainingPlan& plan,
                                                      const ExecutorOptions& executor_options);
+  // Any model (GPT-2's DescribeGpt2, or one built with the model API, model/model.h). Its
+  // parameters are named "<layer>.<param>"; InitializeParameters uses each layer's ParamInit.
+  static Result<std::unique_ptr<Gpt2Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                     std::unique_ptr<GraphBackend> backend);
+  static Result<std::unique_ptr<Gpt2Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                     const ExecutorOptions& executor_options);
 
   // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
   // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
@@ -95,6 +101,11 @@ class Gpt2Trainer {
                           float lr);
   // Mean loss of a batch of the plan's shape, without updating anything.
   Result<float> EvalLoss(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets);
+  // Any model: one host tensor per model input (ModelSpec::inputs order), dimension 0 the plan's
+  // batch (a sequence input's dimension 1 its seq_len). InvalidArgument naming the input when
+  // a tensor has another shape or type; a step that fails leaves the state as Step above.
+  Result<StepReport> Step(const std::vector<Tensor>& batch, float lr);
+  Result<float> EvalLoss(const std::vector<Tensor>& batch);
   // Logits [batch, seq_len, vocab] of a batch of any shape with seq_len <= max_seq_len.
   Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
                                     int64_t seq_len);
@@ -144,6 +155,12 @@ class Gpt2Trainer {
 
   Result<Value> Scalar(DType dtype, double value);
   Result<Value> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len);
+  // GPT-2's tokens and targets as the two input tensors of the plan's batch.
+  Result<std::vector<Tensor>> TokenBatch(const std::vector<int32_t>& tokens,
+                                         const std::vector<int32_t>& targets) const;
+  Status CheckBatch(const std::vector<Tensor>& batch) const;
+  // Rows [first, first + rows) of a batch tensor, uploaded.
+  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
   Status PrepareStepGraph();
   // Fresh parameters (GPT-2 initialisation from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);

@@ -69,7 +69,7 @@ enum class ClusterPlacement {
 };
 
 // Runs on `cluster` (which must outlive the backend).
-Result<std::unique_ptr<GraphBackend>> MakeClusterBackend(Cluster& cluster,
-                                                         ClusterPlacement placement);
+Result<std::unique_ptr<GraphBackend>> MakeClusterBackend(
+    Cluster& cluster, ClusterPlacement placement = ClusterPlacement::kScheduler);
 
 }  // namespace tessera

@@ -14,25 +14,25 @@ LayerBuilder::LayerBuilder(const OpRegistry& registry, int inputs)
   program_.inputs = inputs;
 }
 
-Value LayerBuilder::input(int i) {
+LayerValue LayerBuilder::input(int i) {
   if (i < 0 || i >= program_.inputs) {
     errors_.push_back(
         fmt::format("reads input {}, but the layer was given {} input(s)", i, program_.inputs));
-    return Value{};
+    return LayerValue{};
   }
-  return Value{i};
+  return LayerValue{i};
 }
 
-Value LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bool decay) {
+LayerValue LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bool decay) {
   if (!program_.ops.empty()) {
     errors_.push_back(fmt::format(
         "declares parameter '{}' after its first op: declare every parameter first", name));
-    return Value{};
+    return LayerValue{};
   }
   for (const FlatSlot& slot : program_.params.slots()) {
     if (slot.name == name) {
       errors_.push_back(fmt::format("declares parameter '{}' twice", name));
-      return Value{};
+      return LayerValue{};
     }
   }
   for (int64_t d : shape.dims()) {
@@ -41,23 +41,23 @@ Value LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bool de
           fmt::format("parameter '{}' has shape {}: every dimension must be "
                       "positive",
                       name, shape.ToString()));
-      return Value{};
+      return LayerValue{};
     }
   }
   program_.params.Add(std::move(name), std::move(shape), decay);
   init_.push_back(init);
-  return Value{values_++};
+  return LayerValue{values_++};
 }
 
-std::vector<Value> LayerBuilder::CallAll(std::string op, std::vector<Value> inputs, Attrs attrs,
-                                         std::string label) {
+std::vector<LayerValue> LayerBuilder::CallAll(std::string op, std::vector<LayerValue> inputs,
+                                              Attrs attrs, std::string label) {
   Result<const OpDef*> def = registry_.Find(op);
   if (!def.ok()) {
     errors_.push_back(def.status().message());
     return {};
   }
   ProgramOp call{.op = std::move(op), .attrs = std::move(attrs), .label = std::move(label)};
-  for (const Value& v : inputs) {
+  for (const LayerValue& v : inputs) {
     if (v.id < 0 || v.id >= values_) {
       errors_.push_back(
           fmt::format("op '{}' reads a value that is not of this layer (or came "
@@ -73,17 +73,17 @@ std::vector<Value> LayerBuilder::CallAll(std::string op, std::vector<Value> inpu
     errors_.push_back(fmt::format("op '{}' cannot be called inside a layer", call.op));
     return {};
   }
-  std::vector<Value> outputs;
-  for (int o = 0; o < call.outputs; ++o) outputs.push_back(Value{values_++});
+  std::vector<LayerValue> outputs;
+  for (int o = 0; o < call.outputs; ++o) outputs.push_back(LayerValue{values_++});
   program_.ops.push_back(std::move(call));
   return outputs;
 }
 
-Value LayerBuilder::Call(std::string op, std::vector<Value> inputs, Attrs attrs,
-                         std::string label) {
-  std::vector<Value> outputs =
+LayerValue LayerBuilder::Call(std::string op, std::vector<LayerValue> inputs, Attrs attrs,
+                              std::string label) {
+  std::vector<LayerValue> outputs =
       CallAll(std::move(op), std::move(inputs), std::move(attrs), std::move(label));
-  return outputs.empty() ? Value{} : outputs[0];
+  return outputs.empty() ? LayerValue{} : outputs[0];
 }
 
 // ---- ModelBuilder ----
@@ -104,10 +104,10 @@ ModelValue ModelBuilder::LayerOutput(std::string layer, int output) {
 void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define,
                            bool loss) {
   LayerBuilder builder(registry_, static_cast<int>(inputs.size()));
-  std::vector<Value> outputs = define(builder);
+  std::vector<LayerValue> outputs = define(builder);
   DeclaredLayer layer{.name = std::move(name), .inputs = std::move(inputs), .loss = loss};
   layer.errors = std::move(builder.errors_);
-  for (const Value& v : outputs) {
+  for (const LayerValue& v : outputs) {
     if (v.id < 0 || v.id >= builder.values_) {
       layer.errors.push_back("returns a value that is not of this layer");
       break;
@@ -130,7 +130,7 @@ ModelValue ModelBuilder::Layer(std::string name, std::vector<ModelValue> inputs,
   ModelValue value = LayerOutput(name);
   Declare(
       std::move(name), std::move(inputs),
-      [&](LayerBuilder& l) { return std::vector<Value>{define(l)}; }, /*loss=*/false);
+      [&](LayerBuilder& l) { return std::vector<LayerValue>{define(l)}; }, /*loss=*/false);
   return value;
 }
 
@@ -143,7 +143,7 @@ void ModelBuilder::Loss(std::string name, std::vector<ModelValue> inputs,
                         SingleOutputLayerFn define) {
   Declare(
       std::move(name), std::move(inputs),
-      [&](LayerBuilder& l) { return std::vector<Value>{define(l)}; }, /*loss=*/true);
+      [&](LayerBuilder& l) { return std::vector<LayerValue>{define(l)}; }, /*loss=*/true);
 }
 
 Result<ModelSpec> ModelBuilder::Build() const {

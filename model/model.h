@@ -8,8 +8,8 @@
 //   ModelValue x = mlp.Input("x", DType::kF32, Shape{1, 64});       // dimension 0: the batch
 //   ModelValue y = mlp.Input("y", DType::kI32, Shape{1}, /*label=*/true);
 //   ModelValue h = mlp.Layer("fc1", {x}, [](LayerBuilder& l) {
-//     Value w = l.Param("w", Shape{128, 64}, ParamInit::Normal(0.02), /*decay=*/true);
-//     Value b = l.Param("b", Shape{128}, ParamInit::Zeros());
+//     LayerValue w = l.Param("w", Shape{128, 64}, ParamInit::Normal(0.02), /*decay=*/true);
+//     LayerValue b = l.Param("b", Shape{128}, ParamInit::Zeros());
 //     return l.Call("gelu_forward", {l.Call("linear_forward", {l.input(0), w, b})});
 //   });
 //   ...
@@ -40,7 +40,7 @@
 namespace tessera {
 
 // A tensor inside a layer's definition: one of its inputs, a parameter, or an op's output.
-struct Value {
+struct LayerValue {
   int id = -1;
 };
 
@@ -49,14 +49,15 @@ struct Value {
 class LayerBuilder {
  public:
   // The layer's i-th input, in the order the layer was given them.
-  Value input(int i);
+  LayerValue input(int i);
   // A parameter of the layer (f32), initialised by `init`; `decay`: AdamW decays it.
-  Value Param(std::string name, Shape shape, ParamInit init, bool decay = false);
+  LayerValue Param(std::string name, Shape shape, ParamInit init, bool decay = false);
   // Runs `op` on `inputs`: all its outputs.
-  std::vector<Value> CallAll(std::string op, std::vector<Value> inputs, Attrs attrs = {},
-                             std::string label = "");
+  std::vector<LayerValue> CallAll(std::string op, std::vector<LayerValue> inputs, Attrs attrs = {},
+                                  std::string label = "");
   // Runs `op` on `inputs`: its first output.
-  Value Call(std::string op, std::vector<Value> inputs, Attrs attrs = {}, std::string label = "");
+  LayerValue Call(std::string op, std::vector<LayerValue> inputs, Attrs attrs = {},
+                  std::string label = "");
 
  private:
   friend class ModelBuilder;
@@ -70,8 +71,8 @@ class LayerBuilder {
 };
 
 // What a layer definition returns: its outputs, in order.
-using LayerFn = std::function<std::vector<Value>(LayerBuilder&)>;
-using SingleOutputLayerFn = std::function<Value(LayerBuilder&)>;
+using LayerFn = std::function<std::vector<LayerValue>(LayerBuilder&)>;
+using SingleOutputLayerFn = std::function<LayerValue(LayerBuilder&)>;
 
 // A model input or a layer's output, as another layer reads it.
 struct ModelValue {

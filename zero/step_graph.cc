@@ -66,9 +66,13 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
                                          int64_t param_multiple) {
   std::vector<ObjectId> params;
   for (const LayerSpec& layer : model.layers) {
-    params.push_back(builder.AddInput(layer.name + ".params",
-                                      F32({PaddedNumel(layer.params.numel(), param_multiple)}),
-                                      ObjectRole::kParameter));
+    // A layer without parameters has no group (invalid id).
+    params.push_back(
+        layer.params.numel() == 0
+            ? ObjectId()
+            : builder.AddInput(layer.name + ".params",
+                               F32({PaddedNumel(layer.params.numel(), param_multiple)}),
+                               ObjectRole::kParameter));
   }
   return params;
 }

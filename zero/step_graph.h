@@ -160,7 +160,7 @@ struct ForwardGraph {
   ObjectId tokens;               // GPT-2: inputs[0]
   ObjectId targets;              // GPT-2: inputs[1]; invalid for the logits graph
   ObjectId result;               // loss (f32 scalar) or logits (f32 [B, T, V])
-  std::vector<ObjectId> params;  // one per model layer, model order
+  std::vector<ObjectId> params;  // one per model layer, model order (invalid: no parameters)
 };
 
 // Mean loss of a batch, no gradients. Parameter groups padded to a multiple of

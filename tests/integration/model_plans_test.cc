@@ -1,0 +1,205 @@
+// Plans on a model built with the model API (not GPT-2): a classifier whose head reads both the
+// residual block's output and the first layer's (a skip connection), with derived backwards.
+// On a local cluster of real worker processes, data parallel, ZeRO 1-3, optimizer offload and
+// gradient accumulation compute the same training run as one worker in this process.
+#include <cmath>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "driver/cluster.h"
+#include "driver/gpt2_trainer.h"
+#include "driver/graph_backend.h"
+#include "model/model.h"
+#include "ops/standard_ops.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+constexpr int kClusterWorkers = 4;
+constexpr int kSteps = 12;
+constexpr int64_t kBatch = 16;
+constexpr int64_t kFeatures = 12;
+constexpr int64_t kHidden = 24;
+constexpr int64_t kClasses = 4;
+
+Result<ModelSpec> SkipClassifier() {
+  ModelBuilder model("skip_classifier", CpuRegistry());
+  ModelValue x = model.Input("x", DType::kF32, Shape{1, kFeatures});
+  ModelValue y = model.Input("y", DType::kI32, Shape{1}, /*label=*/true);
+  ModelValue h = model.Layer("fc1", {x}, [](LayerBuilder& l) {
+    LayerValue w = l.Param("w", Shape{kHidden, kFeatures}, ParamInit::Normal(0.3), true);
+    LayerValue b = l.Param("b", Shape{kHidden}, ParamInit::Zeros());
+    return l.Call("gelu_forward", {l.Call("linear_forward", {l.input(0), w, b})});
+  });
+  ModelValue r = model.Layer("block", {h}, [](LayerBuilder& l) {
+    LayerValue g = l.Param("ln_w", Shape{kHidden}, ParamInit::Ones());
+    LayerValue beta = l.Param("ln_b", Shape{kHidden}, ParamInit::Zeros());
+    LayerValue w = l.Param("w", Shape{kHidden, kHidden}, ParamInit::Normal(0.2), true);
+    LayerValue b = l.Param("b", Shape{kHidden}, ParamInit::Zeros());
+    LayerValue normed = l.Call("layernorm_forward", {l.input(0), g, beta});
+    return l.Call("add_forward",
+                  {l.input(0), l.Call("gelu_forward", {l.Call("linear_forward", {normed, w, b})})});
+  });
+  ModelValue logits = model.Layer("head", {r, h}, [](LayerBuilder& l) {
+    LayerValue w = l.Param("w", Shape{kClasses, kHidden}, ParamInit::Normal(0.2), true);
+    LayerValue b = l.Param("b", Shape{kClasses}, ParamInit::Zeros());
+    LayerValue both = l.Call("add_forward", {l.input(0), l.input(1)});  // the skip from fc1
+    return l.Call("linear_forward", {both, w, b});
+  });
+  model.Loss("loss", {logits, y}, [](LayerBuilder& l) {
+    return l.Call("softmax_cross_entropy", {l.input(0), l.input(1)});
+  });
+  return model.Build();
+}
+
+// Points around one centre per class: learnable, deterministic in the step.
+std::vector<Tensor> Batch(int step) {
+  std::mt19937_64 rng(1000 + static_cast<uint64_t>(step));
+  std::normal_distribution<float> noise(0.0f, 0.5f);
+  std::vector<float> x(kBatch * kFeatures);
+  std::vector<int32_t> y(kBatch);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    y[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % kClasses);
+    for (int64_t f = 0; f < kFeatures; ++f) {
+      const float centre = (f % kClasses == y[static_cast<size_t>(i)]) ? 1.5f : 0.0f;
+      x[static_cast<size_t>(i * kFeatures + f)] = centre + noise(rng);
+    }
+  }
+  return {FloatTensor(Shape{kBatch, kFeatures}, x), IntTensor(Shape{kBatch}, y)};
+}
+
+TrainingPlan Plan(int workers, int stage, OffloadMode offload, int accum) {
+  TrainingPlan plan;
+  plan.batch = kBatch;
+  plan.parallel.data_parallel = workers;
+  plan.parallel.zero_stage = stage;
+  plan.parallel.offload = offload;
+  plan.parallel.grad_accum = accum;
+  return plan;
+}
+
+struct TrainingRun {
+  std::vector<float> losses, grad_norms;
+  std::vector<float> block_w;
+  float eval_loss = 0;
+};
+
+Result<TrainingRun> Train(Gpt2Trainer& trainer) {
+  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(3));
+  TrainingRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer.Step(Batch(step), 1e-2f));
+    run.losses.push_back(report.loss);
+    run.grad_norms.push_back(report.grad_norm);
+  }
+  TESSERA_ASSIGN_OR_RETURN(run.block_w, trainer.GetParameter("block.w"));
+  TESSERA_ASSIGN_OR_RETURN(run.eval_loss, trainer.EvalLoss(Batch(kSteps)));
+  return run;
+}
+
+class ModelPlansTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    LocalClusterOptions options;
+    options.cpu_workers = kClusterWorkers;
+    options.threads_per_worker = 1;
+    options.tessera_binary = BinaryPath("tessera");
+    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+    cluster_ = std::move(*cluster).release();
+    Result<ModelSpec> model = SkipClassifier();
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    auto reference =
+        Gpt2Trainer::Create(*model, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    Result<TrainingRun> run = Train(**reference);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    reference_ = new TrainingRun(*std::move(run));
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    delete reference_;
+    cluster_ = nullptr;
+    reference_ = nullptr;
+  }
+
+  static void ExpectSameRun(const TrainingPlan& plan) {
+    ASSERT_NE(reference_, nullptr);
+    ASSERT_OK_AND_ASSIGN(ModelSpec model, SkipClassifier());
+    ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+    ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(model, plan, std::move(backend)));
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    double worst = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      const double expected = reference_->losses[static_cast<size_t>(step)];
+      const double relative =
+          std::abs(run.losses[static_cast<size_t>(step)] - expected) / std::abs(expected);
+      worst = std::max(worst, relative);
+      EXPECT_LE(relative, 1e-5) << plan.parallel.ToString() << " step " << step;
+      EXPECT_NEAR(run.grad_norms[static_cast<size_t>(step)],
+                  reference_->grad_norms[static_cast<size_t>(step)],
+                  1e-4 * reference_->grad_norms[static_cast<size_t>(step)])
+          << plan.parallel.ToString() << " step " << step;
+    }
+    EXPECT_LE(ScaledMaxError(run.block_w, reference_->block_w), 1e-4) << plan.parallel.ToString();
+    EXPECT_NEAR(run.eval_loss, reference_->eval_loss, 1e-5 * reference_->eval_loss);
+    std::printf("[ %s ] worst relative loss difference over %d steps: %.2e\n",
+                plan.parallel.ToString().c_str(), kSteps, worst);
+  }
+
+  static Cluster* cluster_;
+  static TrainingRun* reference_;
+};
+
+Cluster* ModelPlansTest::cluster_ = nullptr;
+TrainingRun* ModelPlansTest::reference_ = nullptr;
+
+TEST_F(ModelPlansTest, TheLossFallsOnOneWorker) {
+  ASSERT_NE(reference_, nullptr);
+  EXPECT_LT(reference_->losses.back(), 0.7 * reference_->losses.front())
+      << reference_->losses.front() << " -> " << reference_->losses.back();
+}
+
+TEST_F(ModelPlansTest, EveryZeroStageMatchesOneWorker) {
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (int workers : {2, 4}) ExpectSameRun(Plan(workers, stage, OffloadMode::kNone, 1));
+  }
+}
+
+TEST_F(ModelPlansTest, OffloadAndGradientAccumulationMatchOneWorker) {
+  ExpectSameRun(Plan(2, 2, OffloadMode::kOptimizer, 1));
+  ExpectSameRun(Plan(1, 0, OffloadMode::kNone, 2));
+  ExpectSameRun(Plan(2, 3, OffloadMode::kNone, 2));
+}
+
+TEST_F(ModelPlansTest, ABatchOfTheWrongShapeIsRefusedNamingTheInput) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, SkipClassifier());
+  ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(model, Plan(1, 0, OffloadMode::kNone, 1),
+                                                         ExecutorOptions{}));
+  std::vector<Tensor> batch = Batch(0);
+  batch[0] = RandomTensor(Shape{kBatch, kFeatures + 1}, 1);
+  Result<StepReport> step = trainer->Step(batch, 1e-2f);
+  ASSERT_FALSE(step.ok());
+  EXPECT_NE(step.status().ToString().find("input 'x'"), std::string::npos)
+      << step.status().ToString();
+  EXPECT_FALSE(trainer->Step({batch[1]}, 1e-2f).ok());
+}
+
+// examples/mlp, the README's smallest driver: two workers, ZeRO-2, the loss falls.
+TEST(MlpExampleTest, TheHelloWorldDriverLearns) {
+  ProcessResult run = RunBinary("train_mlp", "");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::vector<float> losses;
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    float loss = 0;
+    if (std::sscanf(line.c_str(), "step %*d loss %f", &loss) == 1) losses.push_back(loss);
+  }
+  ASSERT_EQ(losses.size(), 10u) << run.output;
+  EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
+}
+
+}  // namespace
+}  // namespace tessera::testing
