@@ -56,19 +56,19 @@ Result<ModelSpec> ResidualMlp(int64_t channels, int64_t hidden) {
   ModelValue x = model.Input("x", DType::kF32, Shape{2, 3, channels});
   ModelValue y = model.Input("y", DType::kI32, Shape{6}, /*label=*/true);
   ModelValue h = model.Layer("block", {x}, [&](LayerBuilder& l) {
-    Value ln_w = l.Param("ln_w", Shape{channels}, ParamInit::Ones());
-    Value ln_b = l.Param("ln_b", Shape{channels}, ParamInit::Zeros());
-    Value w1 = l.Param("w1", Shape{hidden, channels}, ParamInit::Normal(0.2), true);
-    Value b1 = l.Param("b1", Shape{hidden}, ParamInit::Zeros());
-    Value w2 = l.Param("w2", Shape{channels, hidden}, ParamInit::Normal(0.2), true);
-    Value b2 = l.Param("b2", Shape{channels}, ParamInit::Zeros());
-    Value normed = l.Call("layernorm_forward", {l.input(0), ln_w, ln_b}, {}, "ln");
-    Value up = l.Call("gelu_forward", {l.Call("linear_forward", {normed, w1, b1}, {}, "fc1")});
+    LayerValue ln_w = l.Param("ln_w", Shape{channels}, ParamInit::Ones());
+    LayerValue ln_b = l.Param("ln_b", Shape{channels}, ParamInit::Zeros());
+    LayerValue w1 = l.Param("w1", Shape{hidden, channels}, ParamInit::Normal(0.2), true);
+    LayerValue b1 = l.Param("b1", Shape{hidden}, ParamInit::Zeros());
+    LayerValue w2 = l.Param("w2", Shape{channels, hidden}, ParamInit::Normal(0.2), true);
+    LayerValue b2 = l.Param("b2", Shape{channels}, ParamInit::Zeros());
+    LayerValue normed = l.Call("layernorm_forward", {l.input(0), ln_w, ln_b}, {}, "ln");
+    LayerValue up = l.Call("gelu_forward", {l.Call("linear_forward", {normed, w1, b1}, {}, "fc1")});
     return l.Call("add_forward", {l.input(0), l.Call("linear_forward", {up, w2, b2}, {}, "fc2")});
   });
   ModelValue logits = model.Layer("project", {h, x}, [&](LayerBuilder& l) {
-    Value w = l.Param("w", Shape{channels, channels}, ParamInit::Normal(0.2), true);
-    Value b = l.Param("b", Shape{channels}, ParamInit::Zeros());
+    LayerValue w = l.Param("w", Shape{channels, channels}, ParamInit::Normal(0.2), true);
+    LayerValue b = l.Param("b", Shape{channels}, ParamInit::Zeros());
     // A skip connection: the model input x is read again two layers later.
     return l.Call("add_forward", {l.Call("linear_forward", {l.input(0), w, b}), l.input(1)});
   });
@@ -124,8 +124,8 @@ TEST(ModelBuilderTest, AWrongShapeIsRefusedNamingTheLayerOpAndShapes) {
   ModelValue x = model.Input("x", DType::kF32, Shape{4, 10});
   ModelValue y = model.Input("y", DType::kI32, Shape{4}, true);
   ModelValue h = model.Layer("fc1", {x}, [](LayerBuilder& l) {
-    Value w = l.Param("w", Shape{5, 12}, ParamInit::Normal(0.1));  // 12 != 10 inputs
-    Value b = l.Param("b", Shape{5}, ParamInit::Zeros());
+    LayerValue w = l.Param("w", Shape{5, 12}, ParamInit::Normal(0.1));  // 12 != 10 inputs
+    LayerValue b = l.Param("b", Shape{5}, ParamInit::Zeros());
     return l.Call("linear_forward", {l.input(0), w, b}, {}, "fc1_linear");
   });
   model.Loss("loss", {h, y}, [](LayerBuilder& l) {
@@ -169,8 +169,8 @@ TEST(ModelBuilderTest, LayersDeclaredOutOfOrderAreSorted) {
   model.Layer("second", {ModelBuilder::LayerOutput("first")},
               [](LayerBuilder& l) { return l.Call("gelu_forward", {l.input(0)}); });
   model.Layer("first", {x}, [](LayerBuilder& l) {
-    Value w = l.Param("w", Shape{6, 6}, ParamInit::Normal(0.1));
-    Value b = l.Param("b", Shape{6}, ParamInit::Zeros());
+    LayerValue w = l.Param("w", Shape{6, 6}, ParamInit::Normal(0.1));
+    LayerValue b = l.Param("b", Shape{6}, ParamInit::Zeros());
     return l.Call("linear_forward", {l.input(0), w, b});
   });
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, model.Build());
@@ -200,7 +200,7 @@ TEST(ModelBuilderTest, UnknownOpsAndNoGradientRulesAreRefused) {
     ModelValue x = model.Input("x", DType::kF32, Shape{4, 6});
     ModelValue y = model.Input("y", DType::kI32, Shape{4}, true);
     ModelValue h = model.Layer("squared", {x}, [](LayerBuilder& l) {
-      Value w = l.Param("w", Shape{6}, ParamInit::Ones());
+      LayerValue w = l.Param("w", Shape{6}, ParamInit::Ones());
       return l.Call("sum_of_squares", {w});  // no gradient rule, on the gradient's path
     });
     model.Loss("loss", {h, y}, [](LayerBuilder& l) {
