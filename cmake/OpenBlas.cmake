@@ -1,4 +1,6 @@
-# Locates OpenBLAS and exposes it as tessera::blas.
+# Locates OpenBLAS and exposes it as the imported target tessera::blas. Used by Tessera's build
+# and, installed as TesseraOpenBlas.cmake, by its CMake package (find_package(Tessera)), so a
+# program linking the installed libraries gets the same OpenBLAS.
 #
 # Tessera owns its threads (one TBB arena per executor), splits large GEMMs itself and calls
 # BLAS concurrently from several threads, each call single-threaded. That needs an OpenBLAS
@@ -17,8 +19,10 @@ if(NOT TESSERA_OPENBLAS_LIBRARY OR NOT TESSERA_OPENBLAS_INCLUDE_DIR)
     "OpenBLAS (pthread flavour) not found. Install it with: apt-get install libopenblas-dev "
     "libopenblas-pthread-dev (or run scripts/install_deps.sh).")
 endif()
-add_library(tessera_blas INTERFACE)
-target_link_libraries(tessera_blas INTERFACE ${TESSERA_OPENBLAS_LIBRARY})
-target_include_directories(tessera_blas SYSTEM INTERFACE ${TESSERA_OPENBLAS_INCLUDE_DIR})
-add_library(tessera::blas ALIAS tessera_blas)
+if(NOT TARGET tessera::blas)
+  add_library(tessera::blas UNKNOWN IMPORTED)
+  set_target_properties(tessera::blas PROPERTIES
+    IMPORTED_LOCATION ${TESSERA_OPENBLAS_LIBRARY}
+    INTERFACE_INCLUDE_DIRECTORIES ${TESSERA_OPENBLAS_INCLUDE_DIR})
+endif()
 message(STATUS "tessera: OpenBLAS ${TESSERA_OPENBLAS_LIBRARY}")

@@ -248,6 +248,9 @@ namespace {
 
 constexpr int32_t kLlmcMagic = 20240326;
 constexpr int32_t kLlmcVersionFp32 = 3;
+constexpr int32_t kLlmcTokenFileMagic = 20240520;  // llm.c's token files (driver/token_dataset.h)
+constexpr size_t kLlmcHeaderInts = 256;
+constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
 int64_t PaddedVocab(int64_t vocab) { return (vocab + 127) / 128 * 128; }
 
@@ -277,11 +280,91 @@ std::vector<std::string> LlmcNames(const Gpt2Config& c) {
   return names;
 }
 
+struct LlmcHeader {
+  Gpt2Config config;
+  int64_t padded_vocab = 0;
+};
+
+// The model `path`'s header describes, checked against what llm.c writes and against the file's
+// size (exactly the header and that model's tensors).
+Result<LlmcHeader> ParseLlmcHeader(const std::string& path, const int32_t* header,
+                                   uintmax_t file_size) {
+  if (header[0] != kLlmcMagic) {
+    return InvalidArgument(
+        "'{}' is not an llm.c GPT-2 checkpoint: it starts with {} where llm.c's magic number is "
+        "{}{}",
+        path, header[0], kLlmcMagic,
+        header[0] == kLlmcTokenFileMagic ? " (it is an llm.c token file, for --data)" : "");
+  }
+  if (header[1] != kLlmcVersionFp32) {
+    return InvalidArgument(
+        "'{}' is an llm.c checkpoint of version {}: only version {} (fp32 weights) is supported{}",
+        path, header[1], kLlmcVersionFp32, header[1] == 5 ? "; version 5 holds bf16 weights" : "");
+  }
+  LlmcHeader parsed;
+  Gpt2Config& c = parsed.config;
+  c.max_seq_len = header[2];
+  c.vocab = header[3];
+  c.layers = header[4];
+  c.heads = header[5];
+  c.channels = header[6];
+  parsed.padded_vocab = header[7];
+  // Bounds far beyond any GPT-2 keep the size arithmetic below from overflowing.
+  const auto in_range = [](int64_t value, int log2_limit) {
+    return value > 0 && value <= (int64_t{1} << log2_limit);
+  };
+  if (!in_range(c.max_seq_len, 24) || !in_range(c.vocab, 24) || !in_range(c.layers, 12) ||
+      !in_range(c.heads, 16) || !in_range(c.channels, 16) || !in_range(parsed.padded_vocab, 24) ||
+      parsed.padded_vocab < c.vocab) {
+    return DataLoss(
+        "'{}' has a damaged llm.c header: max_seq_len={} vocab={} layers={} heads={} channels={} "
+        "padded_vocab={}",
+        path, c.max_seq_len, c.vocab, c.layers, c.heads, c.channels, parsed.padded_vocab);
+  }
+  TESSERA_RETURN_IF_ERROR(c.Validate().WithContext(path));
+  const uintmax_t expected =
+      kLlmcHeaderBytes +
+      sizeof(float) *
+          static_cast<uintmax_t>(c.NumParameters() + (parsed.padded_vocab - c.vocab) * c.channels);
+  if (file_size < expected) {
+    return DataLoss(
+        "'{}' is truncated: {} bytes, but the checkpoint of the model its header "
+        "describes ({}) has {}",
+        path, file_size, c.ToString(), expected);
+  }
+  if (file_size > expected) {
+    return DataLoss(
+        "'{}' has {} bytes after the last tensor of the model its header describes "
+        "({}): not an llm.c GPT-2 checkpoint",
+        path, file_size - expected, c.ToString());
+  }
+  return parsed;
+}
+
 }  // namespace
+
+Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
+  std::error_code error;
+  const uintmax_t size = fs::file_size(path, error);
+  if (error) return Unavailable("cannot read the size of '{}': {}", path, error.message());
+  if (size < kLlmcHeaderBytes) {
+    return DataLoss(
+        "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,
+        size, kLlmcHeaderBytes);
+  }
+  int32_t header[kLlmcHeaderInts];
+  if (!in.read(reinterpret_cast<char*>(header), kLlmcHeaderBytes)) {
+    return Unavailable("cannot read the header of '{}'", path);
+  }
+  TESSERA_ASSIGN_OR_RETURN(LlmcHeader parsed, ParseLlmcHeader(path, header, size));
+  return parsed.config;
+}
 
 Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   const Gpt2Config& c = trainer.model().config;
-  std::string out(256 * sizeof(int32_t), '\0');
+  std::string out(kLlmcHeaderBytes, '\0');
   auto* header = reinterpret_cast<int32_t*>(out.data());
   header[0] = kLlmcMagic;
   header[1] = kLlmcVersionFp32;
@@ -313,41 +396,34 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
 Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
   const Gpt2Config& c = trainer.model().config;
-  if (bytes.size() < 256 * sizeof(int32_t)) {
-    return DataLoss("'{}' has {} bytes: too short for an llm.c checkpoint header", path,
-                    bytes.size());
+  if (bytes.size() < kLlmcHeaderBytes) {
+    return DataLoss(
+        "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,
+        bytes.size(), kLlmcHeaderBytes);
   }
-  const auto* header = reinterpret_cast<const int32_t*>(bytes.data());
-  if (header[0] != kLlmcMagic || header[1] != kLlmcVersionFp32) {
-    return InvalidArgument("'{}' is not an fp32 llm.c GPT-2 checkpoint (magic {}, version {})",
-                           path, header[0], header[1]);
+  TESSERA_ASSIGN_OR_RETURN(
+      LlmcHeader header,
+      ParseLlmcHeader(path, reinterpret_cast<const int32_t*>(bytes.data()), bytes.size()));
+  const Gpt2Config& saved = header.config;
+  if (saved.max_seq_len != c.max_seq_len || saved.vocab != c.vocab || saved.layers != c.layers ||
+      saved.heads != c.heads || saved.channels != c.channels) {
+    return InvalidArgument("'{}' holds a model with {}, but this model is {}", path,
+                           saved.ToString(), c.ToString());
   }
-  const int64_t vocab_padded = header[7];
-  if (header[2] != c.max_seq_len || header[3] != c.vocab || header[4] != c.layers ||
-      header[5] != c.heads || header[6] != c.channels || vocab_padded < c.vocab) {
-    return InvalidArgument(
-        "'{}' holds a model with max_seq_len={} vocab={} layers={} heads={} channels={}, but "
-        "this model is {}",
-        path, header[2], header[3], header[4], header[5], header[6], c.ToString());
-  }
-  // Every group assembled from the file first: a bad file changes nothing.
+  // Every group assembled from the file first: a bad file changes nothing. The header check
+  // made sure every tensor is there.
   std::map<size_t, std::vector<float>> groups;
-  size_t offset = 256 * sizeof(int32_t);
+  size_t offset = kLlmcHeaderBytes;
   for (const std::string& name : LlmcNames(c)) {
     TESSERA_ASSIGN_OR_RETURN(Gpt2Trainer::ParameterRef ref, trainer.FindParameter(name));
     std::vector<float>& group = groups[ref.group];
     group.resize(static_cast<size_t>(trainer.step_graph().group_numel[ref.group]));
     const size_t count = static_cast<size_t>(ref.slot->shape.numel());
-    if (offset + count * sizeof(float) > bytes.size()) {
-      return DataLoss("'{}' is truncated: it ends inside tensor '{}'", path, name);
-    }
     std::memcpy(group.data() + ref.slot->offset, bytes.data() + offset, count * sizeof(float));
     offset += count * sizeof(float);
-    if (name == "wte") offset += static_cast<size_t>((vocab_padded - c.vocab) * c.channels) * 4;
-  }
-  if (offset != bytes.size()) {
-    return DataLoss("'{}' has {} bytes after the last tensor: not a GPT-2 checkpoint of this shape",
-                    path, bytes.size() - offset);
+    if (name == "wte") {
+      offset += static_cast<size_t>((header.padded_vocab - c.vocab) * c.channels) * sizeof(float);
+    }
   }
   for (const auto& [layer, values] : groups) {
     TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(layer, StateKind::kParameter, values));

@@ -22,8 +22,9 @@
 // is InvalidArgument naming the field.
 //
 // llm.c: ExportLlmc/ImportLlmc read and write the full fp32 weights in llm.c's GPT-2 checkpoint
-// format (gpt2_124M.bin: a 256-int header with magic 20240326, version 3, then the tensors in
-// llm.c's order, the vocabulary padded to a multiple of 128).
+// format (gpt2_124M.bin: a 256-int32 header [20240326, 3, max_seq_len, vocab, layers, heads,
+// channels, padded_vocab, 0...], then the tensors in llm.c's order, the vocabulary rows of wte
+// padded with zeros to a multiple of 128), so llm.c loads what ExportLlmc writes.
 #pragma once
 
 #include <cstdint>
@@ -65,7 +66,17 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
 // state and step count.
 Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& path);
 
+// The model an llm.c checkpoint holds, from its header; the file's size is checked against it,
+// so a file that reads here imports into a trainer of that model. NotFound when `path` cannot be
+// opened; InvalidArgument when it is not an fp32 llm.c GPT-2 checkpoint (magic, version);
+// DataLoss when it is truncated, too long, or its header is damaged. Each names the file.
+Result<Gpt2Config> ReadLlmcConfig(const std::string& path);
+// Writes the trainer's parameters to `path` atomically (core/atomic_file.h); optimizer state and
+// the step count are not part of the format.
 Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path);
+// Sets the trainer's parameters from `path` (the optimizer state is left as it is). The errors of
+// ReadLlmcConfig, and InvalidArgument when the file holds another model than the trainer's;
+// on error nothing is changed.
 Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path);
 
 }  // namespace tessera

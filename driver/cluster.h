@@ -14,7 +14,8 @@
 // the workers once no task needs it).
 //
 // Local clusters: StartLocal runs a scheduler and N worker processes on this machine (the
-// `tessera` binary next to this executable, or $TESSERA_BINARY) in a session directory
+// `tessera` binary: $TESSERA_BIN_DIR, next to this executable, the installed SDK's bin directory,
+// then $PATH; driver/session.h gives the whole order) in a session directory
 // (driver/session.h: the same as `tessera start` makes), waits until all workers joined, and
 // stops them when the Cluster is destroyed. The children are also killed if this process dies,
 // so a crashing driver leaves nothing behind.
@@ -88,7 +89,7 @@ struct LocalClusterOptions {
   int threads_per_worker = 0;  // 0: the machine's cores divided among the workers
   int64_t host_capacity_bytes = int64_t{4} << 30;  // per worker; beyond it objects spill to disk
   std::string session_dir;                         // default: a new directory under /tmp/tessera
-  std::string tessera_binary;  // default: $TESSERA_BINARY, else `tessera` next to this executable
+  std::string tessera_binary;  // default: FindTesseraBinary's search (driver/session.h)
   int start_timeout_ms = 20'000;
 };
 

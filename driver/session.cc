@@ -8,11 +8,19 @@
 #include <ctime>
 #include <filesystem>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/atomic_file.h"
 #include "driver/process.h"
+
+// The installed SDK's bin directory: defined (weakly) by the source that find_package(Tessera)
+// adds to every target linking Tessera::tessera (cmake/TesseraConfig.cmake.in), so a program
+// built out of tree knows where its SDK's `tessera` is even when the install was moved with
+// `cmake --install --prefix`. Null in programs built inside the project.
+extern "C" const char* tessera_sdk_bin_dir() __attribute__((weak));
 
 namespace tessera {
 
@@ -24,17 +32,83 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 }  // namespace
 
+TesseraBinaryPlaces TesseraBinaryPlaces::OfThisProcess(const std::string& flag) {
+  const auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string(value != nullptr ? value : "");
+  };
+  TesseraBinaryPlaces places;
+  places.flag = flag;
+  places.env_binary = env("TESSERA_BINARY");
+  places.env_bin_dir = env("TESSERA_BIN_DIR");
+  places.executable_dir = ExecutableDirectory();
+  if (tessera_sdk_bin_dir != nullptr) places.sdk_bin_dir = tessera_sdk_bin_dir();
+#ifdef TESSERA_CONFIGURED_BIN_DIR
+  places.configured_bin_dir = TESSERA_CONFIGURED_BIN_DIR;
+#endif
+  places.path = env("PATH");
+  return places;
+}
+
+Result<std::string> FindTesseraBinaryIn(
+    const TesseraBinaryPlaces& places,
+    const std::function<bool(const std::string&)>& is_executable) {
+  const auto executable = [&](const std::string& file) {
+    if (is_executable) return is_executable(file);
+    std::error_code error;
+    return std::filesystem::is_regular_file(file, error) && ::access(file.c_str(), X_OK) == 0;
+  };
+  constexpr const char* kHowToFix =
+      "install Tessera (`cmake --install build --prefix P`) and set TESSERA_BIN_DIR=P/bin or put "
+      "P/bin on PATH, or point LocalClusterOptions::tessera_binary or TESSERA_BINARY at the binary";
+  // Explicit choices: used, or reported, but never passed over.
+  if (!places.flag.empty()) {
+    if (executable(places.flag)) return places.flag;
+    return NotFound("LocalClusterOptions::tessera_binary '{}' is not an executable file; {}",
+                    places.flag, kHowToFix);
+  }
+  if (!places.env_binary.empty()) {
+    if (executable(places.env_binary)) return places.env_binary;
+    return NotFound("$TESSERA_BINARY '{}' is not an executable file; {}", places.env_binary,
+                    kHowToFix);
+  }
+  if (!places.env_bin_dir.empty()) {
+    const std::string file = places.env_bin_dir + "/tessera";
+    if (executable(file)) return file;
+    return NotFound("$TESSERA_BIN_DIR is '{}', but '{}' is not an executable file; {}",
+                    places.env_bin_dir, file, kHowToFix);
+  }
+  std::vector<std::string> tried = {"$TESSERA_BIN_DIR (not set)"};
+  const std::pair<std::string, std::string> implicit_places[] = {
+      {places.executable_dir, "next to this executable"},
+      {places.sdk_bin_dir, "the installed SDK this program was built against"},
+      {places.configured_bin_dir, "the install prefix Tessera was configured with"}};
+  for (const auto& [dir, what] : implicit_places) {
+    if (dir.empty()) continue;
+    const std::string file = dir + "/tessera";
+    if (executable(file)) return file;
+    tried.push_back(fmt::format("{} ({})", file, what));
+  }
+  size_t searched = 0;
+  for (size_t begin = 0; begin <= places.path.size();) {
+    size_t end = places.path.find(':', begin);
+    if (end == std::string::npos) end = places.path.size();
+    const std::string dir = places.path.substr(begin, end - begin);
+    begin = end + 1;
+    if (dir.empty()) continue;
+    ++searched;
+    if (executable(dir + "/tessera")) return dir + "/tessera";
+  }
+  tried.push_back(searched == 0
+                      ? std::string("$PATH (empty)")
+                      : fmt::format("the {} directories of $PATH ({})", searched, places.path));
+  return NotFound(
+      "cannot find the tessera binary (the scheduler and worker processes); tried {}; {}",
+      fmt::join(tried, ", "), kHowToFix);
+}
+
 Result<std::string> FindTesseraBinary(const std::string& flag) {
-  std::string binary = flag;
-  if (binary.empty()) {
-    const char* env = std::getenv("TESSERA_BINARY");
-    binary = env != nullptr ? env : ExecutableDirectory() + "/tessera";
-  }
-  if (::access(binary.c_str(), X_OK) != 0) {
-    return NotFound("cannot find the tessera binary at '{}' (build it, or set TESSERA_BINARY)",
-                    binary);
-  }
-  return binary;
+  return FindTesseraBinaryIn(TesseraBinaryPlaces::OfThisProcess(flag));
 }
 
 Result<LocalSession> LocalSession::Create(const std::string& dir, const std::string& prefix,

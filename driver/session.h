@@ -31,8 +31,36 @@ namespace tessera {
 inline constexpr const char* kSessionRoot = "/tmp/tessera";
 inline constexpr const char* kLatestSession = "/tmp/tessera/session_latest";
 
-// The `tessera` binary to launch: `flag` if given, else $TESSERA_BINARY, else the one next to this
-// executable. NotFound (saying how to fix it) when it is not an executable file.
+// Where the `tessera` binary (the scheduler and worker processes) may be. FindTesseraBinary
+// looks in this order:
+//   1. `flag` (LocalClusterOptions::tessera_binary), a path to the binary;
+//   2. $TESSERA_BINARY, a path to the binary;
+//   3. $TESSERA_BIN_DIR/tessera;
+//   4. next to the running executable (every program built inside the project: build/bin);
+//   5. the bin directory of the installed SDK the program was built against (find_package
+//      (Tessera) adds it to programs that link Tessera::tessera; cmake/TesseraConfig.cmake.in);
+//   6. the bin directory of the install prefix Tessera was configured with (CMAKE_INSTALL_PREFIX);
+//   7. every directory of $PATH.
+// The first three are explicit choices: when one is set and holds no executable, that is the
+// error (another binary is not silently used instead). Empty fields are skipped.
+struct TesseraBinaryPlaces {
+  std::string flag;
+  std::string env_binary;   // $TESSERA_BINARY
+  std::string env_bin_dir;  // $TESSERA_BIN_DIR
+  std::string executable_dir;
+  std::string sdk_bin_dir;
+  std::string configured_bin_dir;
+  std::string path;  // $PATH
+  // The places of this process: its environment, its executable, and what it was built with.
+  static TesseraBinaryPlaces OfThisProcess(const std::string& flag);
+};
+
+// The first executable `tessera` of `places`, in the order above (`is_executable` decides; by
+// default access(X_OK) on a regular file). NotFound naming every place tried and how to fix it.
+Result<std::string> FindTesseraBinaryIn(
+    const TesseraBinaryPlaces& places,
+    const std::function<bool(const std::string&)>& is_executable = {});
+// FindTesseraBinaryIn(TesseraBinaryPlaces::OfThisProcess(flag)).
 Result<std::string> FindTesseraBinary(const std::string& flag);
 
 struct SessionProcesses {

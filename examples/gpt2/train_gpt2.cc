@@ -3,6 +3,7 @@
 //   build/bin/train_gpt2                          # tiny model on the bundled Shakespeare text
 //   build/bin/train_gpt2 --preset small --steps 500 --eval-every 100 --sample 300
 //   build/bin/train_gpt2 --data train.bin --preset gpt2-124m --seq-len 64 --batch 4
+//   build/bin/train_gpt2 --init-from gpt2_124M.bin --steps 20 --export tuned.bin   # llm.c files
 //
 // Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
 //   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M
@@ -71,6 +72,9 @@ struct Flags {
   bool replace_workers = false;
   int snapshot_every = 0;         // with --max-restarts: a peer snapshot every N steps
   int replacement_grace_ms = -1;  // -1: none on a local cluster, unless replacing; else 10 s
+  std::string init_from;          // an llm.c GPT-2 checkpoint: the model and its parameters
+  std::string export_path;        // where to write the trained parameters in llm.c's format
+  bool preset_given = false;      // --preset on the command line (not the default)
 };
 
 struct ResolvedShape {
@@ -79,8 +83,55 @@ struct ResolvedShape {
   int64_t seq_len = 0;
 };
 
+// --init-from: the model is the one in the file; model flags may repeat it but not change it.
+tessera::Result<ResolvedShape> ResolveShapeFromFile(const Flags& flags) {
+  ResolvedShape shape;
+  TESSERA_ASSIGN_OR_RETURN(shape.config, tessera::ReadLlmcConfig(flags.init_from));
+  const Gpt2Config& config = shape.config;
+  const struct {
+    const char* flag;
+    const char* field;  // as Gpt2Config::ToString names it
+    int64_t given;      // 0: not given
+    int64_t saved;
+  } dimensions[] = {{"--layers", "layers", flags.layers, config.layers},
+                    {"--channels", "channels", flags.channels, config.channels},
+                    {"--heads", "heads", flags.heads, config.heads},
+                    {"--vocab", "vocab", flags.vocab, config.vocab},
+                    {"--max-seq-len", "max_seq_len", flags.max_seq_len, config.max_seq_len}};
+  for (const auto& dimension : dimensions) {
+    if (dimension.given != 0 && dimension.given != dimension.saved) {
+      return tessera::InvalidArgument(
+          "{} {} conflicts with --init-from '{}', which holds a model with {}={} ({}): the "
+          "model's shape comes from the file, drop {}",
+          dimension.flag, dimension.given, flags.init_from, dimension.field, dimension.saved,
+          config.ToString(), dimension.flag);
+    }
+  }
+  if (flags.preset_given) {
+    TESSERA_ASSIGN_OR_RETURN(Gpt2Config preset, Gpt2Config::Preset(flags.preset));
+    if (preset.layers != config.layers || preset.channels != config.channels ||
+        preset.heads != config.heads || preset.vocab != config.vocab ||
+        preset.max_seq_len != config.max_seq_len) {
+      return tessera::InvalidArgument(
+          "--preset {} ({}) conflicts with --init-from '{}', which holds a model with {}: the "
+          "model's shape comes from the file, drop --preset",
+          flags.preset, preset.ToString(), flags.init_from, config.ToString());
+    }
+  }
+  // The presets' defaults: a GPT-2 124M-sized model trains on a CPU-sized context.
+  const bool big = config.NumParameters() > 50'000'000;
+  shape.batch = flags.batch ? flags.batch : (big ? 4 : 8);
+  shape.seq_len = flags.seq_len ? flags.seq_len : (big ? 64 : config.max_seq_len);
+  if (shape.seq_len > config.max_seq_len) {
+    return tessera::InvalidArgument("--seq-len {} exceeds the {} positions of the model in '{}'",
+                                    shape.seq_len, config.max_seq_len, flags.init_from);
+  }
+  return shape;
+}
+
 // Preset values, overridden by any dimension flag given explicitly.
 tessera::Result<ResolvedShape> ResolveShape(const Flags& flags) {
+  if (!flags.init_from.empty()) return ResolveShapeFromFile(flags);
   ResolvedShape shape;
   TESSERA_ASSIGN_OR_RETURN(shape.config, Gpt2Config::Preset(flags.preset));
   Gpt2Config& config = shape.config;
@@ -210,6 +261,10 @@ int Run(const Flags& flags) {
   }
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
+  if (flags.resume && !flags.init_from.empty()) {
+    return Fail(tessera::InvalidArgument(
+        "--init-from and --resume both say where training starts: use one of them"));
+  }
   if (flags.resume && flags.checkpoint_dir.empty()) {
     return Fail(tessera::InvalidArgument("--resume needs --checkpoint-dir (where to resume from)"));
   }
@@ -261,6 +316,13 @@ int Run(const Flags& flags) {
   auto trainer = tessera::Gpt2Trainer::Create(config, plan, std::move(backend));
   if (!trainer.ok()) return Fail(trainer.status());
   if (Status init = (*trainer)->InitializeParameters(flags.seed); !init.ok()) return Fail(init);
+  if (!flags.init_from.empty()) {
+    if (Status imported = tessera::ImportLlmc(**trainer, flags.init_from); !imported.ok()) {
+      return Fail(imported);
+    }
+    std::fprintf(stderr, "train_gpt2: parameters from %s (llm.c checkpoint)\n",
+                 flags.init_from.c_str());
+  }
   std::fprintf(stderr,
                "train_gpt2: %s, %lld parameters, batch %lld x %lld tokens, %s, data %s "
                "(%lld tokens)\n",
@@ -355,6 +417,22 @@ int Run(const Flags& flags) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   double last_progress_s = 0;
+  auto evaluate = [&](int64_t step) -> Status {
+    double total = 0;
+    for (int64_t b = 0; b < flags.eval_batches; ++b) {
+      val_sampler->Sequential(b, tokens.data(), targets.data());
+      TESSERA_ASSIGN_OR_RETURN(float loss, (*trainer)->EvalLoss(tokens, targets));
+      total += loss;
+    }
+    std::printf("eval step %lld: val_loss %.4f\n", static_cast<long long>(step),
+                total / static_cast<double>(flags.eval_batches));
+    std::fflush(stdout);
+    return Status::Ok();
+  };
+  // A model that did not start from scratch: how good it is before training.
+  if (!flags.init_from.empty() && flags.eval_every > 0) {
+    if (Status evaluated = evaluate(0); !evaluated.ok()) return Fail(evaluated);
+  }
   for (int64_t i = first_step; i <= flags.steps; ++i) {
     train_sampler->Next(tokens.data(), targets.data());
     tessera::Result<tessera::StepReport> report =
@@ -433,16 +511,7 @@ int Run(const Flags& flags) {
     }
     if (recovery) recovery->AfterStep(**trainer, train_sampler->SaveState(), checkpointed);
     if (flags.eval_every > 0 && (i % flags.eval_every == 0 || i == flags.steps)) {
-      double total = 0;
-      for (int64_t b = 0; b < flags.eval_batches; ++b) {
-        val_sampler->Sequential(b, tokens.data(), targets.data());
-        tessera::Result<float> loss = (*trainer)->EvalLoss(tokens, targets);
-        if (!loss.ok()) return Fail(loss.status());
-        total += *loss;
-      }
-      std::printf("eval step %lld: val_loss %.4f\n", static_cast<long long>(i),
-                  total / static_cast<double>(flags.eval_batches));
-      std::fflush(stdout);
+      if (Status evaluated = evaluate(i); !evaluated.ok()) return Fail(evaluated);
     }
   }
 
@@ -462,6 +531,13 @@ int Run(const Flags& flags) {
   const bool saved_last = flags.checkpoint_every > 0 && flags.steps % flags.checkpoint_every == 0;
   if (!flags.checkpoint_dir.empty() && (*trainer)->steps_taken() > 0 && !saved_last) {
     if (Status saved = save(); !saved.ok()) return Fail(saved);
+  }
+  if (!flags.export_path.empty()) {
+    if (Status exported = tessera::ExportLlmc(**trainer, flags.export_path); !exported.ok()) {
+      return Fail(exported.WithContext("--export"));
+    }
+    std::fprintf(stderr, "train_gpt2: parameters after step %lld exported to %s (llm.c format)\n",
+                 static_cast<long long>((*trainer)->steps_taken()), flags.export_path.c_str());
   }
   const auto mb = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); };
   for (const tessera::RankFigures& rank : rank_peaks) {
@@ -512,8 +588,9 @@ int main(int argc, char** argv) {
       "TESSERA_CPU_THREADS can also come from the environment:\n" +
       tessera::Settings::Describe()};
   app.option_defaults()->always_capture_default();
-  app.add_option("--preset", flags.preset, "Model preset: tiny, small, gpt2-124m")
-      ->check(CLI::IsMember({"tiny", "small", "gpt2-124m"}));
+  CLI::Option* preset =
+      app.add_option("--preset", flags.preset, "Model preset: tiny, small, gpt2-124m")
+          ->check(CLI::IsMember({"tiny", "small", "gpt2-124m"}));
   app.add_option("--layers", flags.layers, "Transformer blocks (overrides the preset)")
       ->check(CLI::PositiveNumber);
   app.add_option("--channels", flags.channels, "Embedding width")->check(CLI::PositiveNumber);
@@ -602,6 +679,13 @@ int main(int argc, char** argv) {
                  "before going on with fewer (default: 0 on a local cluster, 30000 with "
                  "--replace-workers, 10000 with --address)")
       ->check(CLI::Range(-1, 3'600'000));
+  app.add_option("--init-from", flags.init_from,
+                 "Start from the parameters of an llm.c fp32 GPT-2 checkpoint (gpt2_124M.bin's "
+                 "format); the model's shape comes from its header (model flags may only repeat "
+                 "it), the optimizer state starts fresh");
+  app.add_option("--export", flags.export_path,
+                 "After training, write the parameters to this file in llm.c's fp32 GPT-2 "
+                 "checkpoint format (for llm.c or --init-from)");
   app.add_option("--placement", flags.placement,
                  "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
                  "round-robin over the workers)")
@@ -614,5 +698,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_gpt2: %s\n\n%s", e.what(), app.help().c_str());
     return 2;
   }
+  flags.preset_given = preset->count() > 0;
   return Run(flags);
 }

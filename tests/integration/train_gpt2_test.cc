@@ -218,5 +218,99 @@ TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
             FirstMatch(run.output, R"(step 1/30 loss ([0-9.]+))"));
 }
 
+std::string FileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+std::string FirstText(const std::string& text, const std::string& pattern) {
+  std::smatch match;
+  if (!std::regex_search(text, match, std::regex(pattern))) return "";
+  return match[1];
+}
+
+// --export writes llm.c's format; --init-from of that file starts from exactly the exported
+// model: its parameters come back bit-exactly (exported again untrained: the same bytes), its
+// validation loss before any step is the exporting run's final one, and it trains on, here on a
+// local cluster with ZeRO-2.
+TEST(TrainGpt2Test, ExportThenInitFromStartsFromTheExportedModel) {
+  const std::string exported = TempPath("train_gpt2_export.bin");
+  const std::string again = TempPath("train_gpt2_export_again.bin");
+  std::filesystem::remove(exported);
+  std::filesystem::remove(again);
+  const std::string shape = " --batch 4 --seq-len 32 --threads 1 --eval-batches 2";
+  ProcessResult first =
+      RunTrainGpt2("--steps 4 --log-every 4 --eval-every 4 --export " + exported + shape);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("exported to " + exported), std::string::npos) << first.output;
+  const std::string final_val_loss = FirstText(first.output, R"(eval step 4: val_loss ([0-9.]+))");
+  ASSERT_FALSE(final_val_loss.empty()) << first.output;
+
+  ProcessResult loaded = RunTrainGpt2("--init-from " + exported +
+                                      " --steps 0 --eval-every 1 --export " + again + shape);
+  ASSERT_EQ(loaded.exit_code, 0) << loaded.output;
+  EXPECT_NE(loaded.output.find("parameters from " + exported), std::string::npos) << loaded.output;
+  EXPECT_EQ(FirstText(loaded.output, R"(eval step 0: val_loss ([0-9.]+))"), final_val_loss)
+      << loaded.output;
+  const std::string exported_bytes = FileBytes(exported);
+  EXPECT_GT(exported_bytes.size(), 1024u);
+  EXPECT_TRUE(FileBytes(again) == exported_bytes) << "the parameters did not round-trip exactly";
+
+  ProcessResult trained = RunTrainGpt2(
+      "--init-from " + exported + " --steps 2 --log-every 1 --workers 2 --zero-stage 2" + shape);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  EXPECT_GT(FirstMatch(trained.output, R"(step 2/2 loss ([0-9.]+))"), 0) << trained.output;
+}
+
+TEST(TrainGpt2Test, InitFromRefusesConflictingFlagsAndBadFiles) {
+  const std::string model = TempPath("train_gpt2_init_model.bin");
+  ProcessResult made =
+      RunTrainGpt2("--steps 0 --batch 2 --seq-len 32 --threads 1 --export " + model);
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+
+  // The model's shape is the file's: a flag that changes it is refused, naming both.
+  ProcessResult layers = RunTrainGpt2("--init-from " + model + " --layers 3 --steps 1");
+  EXPECT_EQ(layers.exit_code, 1) << layers.output;
+  EXPECT_NE(layers.output.find("--layers 3 conflicts with --init-from '" + model +
+                               "', which holds a model with layers=2"),
+            std::string::npos)
+      << layers.output;
+  ProcessResult preset = RunTrainGpt2("--init-from " + model + " --preset small --steps 1");
+  EXPECT_EQ(preset.exit_code, 1) << preset.output;
+  EXPECT_NE(preset.output.find("--preset small (layers=6 channels=384"), std::string::npos)
+      << preset.output;
+  EXPECT_NE(preset.output.find("max_seq_len=32"), std::string::npos) << preset.output;
+  // Repeating the file's shape is fine.
+  ProcessResult same = RunTrainGpt2("--init-from " + model +
+                                    " --layers 2 --max-seq-len 32 --steps 1 --batch 2 --threads 1");
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  ProcessResult resume = RunTrainGpt2("--init-from " + model + " --resume --checkpoint-dir " +
+                                      TempPath("train_gpt2_init_ckpt"));
+  EXPECT_EQ(resume.exit_code, 1) << resume.output;
+  EXPECT_NE(resume.output.find("--init-from and --resume"), std::string::npos) << resume.output;
+
+  const std::string bytes = FileBytes(model);
+  const std::string truncated = TempPath("train_gpt2_truncated.bin");
+  std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  ProcessResult cut = RunTrainGpt2("--init-from " + truncated + " --steps 1");
+  EXPECT_EQ(cut.exit_code, 1) << cut.output;
+  EXPECT_NE(cut.output.find("'" + truncated + "' is truncated"), std::string::npos) << cut.output;
+
+  const std::string tokens = TempPath("train_gpt2_not_a_model.bin");
+  {
+    std::ofstream out(tokens, std::ios::binary);
+    int32_t header[256] = {20240520, 1, 0};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+  }
+  ProcessResult magic = RunTrainGpt2("--init-from " + tokens + " --steps 1");
+  EXPECT_EQ(magic.exit_code, 1) << magic.output;
+  EXPECT_NE(magic.output.find("'" + tokens + "' is not an llm.c GPT-2 checkpoint"),
+            std::string::npos)
+      << magic.output;
+  EXPECT_NE(magic.output.find("magic number is 20240326"), std::string::npos) << magic.output;
+}
+
 }  // namespace
 }  // namespace tessera::testing

@@ -1,10 +1,12 @@
 // LocalSession, the one launch path of `tessera start` and Cluster::StartLocal: the session
 // directory and its token, and start-up failures reported with the process's own words instead
-// of a hang. Small shell scripts stand in for the tessera binary.
+// of a hang, and where the tessera binary is looked for. Small shell scripts stand in for the
+// tessera binary.
 #include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "core/atomic_file.h"
 #include "driver/session.h"
@@ -116,6 +118,89 @@ TEST(SessionTest, StartUpFailuresSayWhatTheProcessSaid) {
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
+}
+
+// Every place FindTesseraBinary may look, each holding a `tessera` only when listed in `present`.
+struct BinarySearch {
+  TesseraBinaryPlaces places{.flag = "",
+                             .env_binary = "",
+                             .env_bin_dir = "/env-dir",
+                             .executable_dir = "/exe-dir",
+                             .sdk_bin_dir = "/sdk/bin",
+                             .configured_bin_dir = "/usr/local/bin",
+                             .path = "/path-a::/path-b"};
+  std::set<std::string> present;
+  Result<std::string> Find() const {
+    return FindTesseraBinaryIn(places,
+                               [&](const std::string& file) { return present.contains(file); });
+  }
+};
+
+TEST(SessionTest, TheTesseraBinaryIsLookedForInOrder) {
+  BinarySearch search;
+  search.places.env_bin_dir = "";  // set, it would be the only place (below)
+  // The later places, each found once those before it are empty.
+  search.present = {"/path-b/tessera"};
+  EXPECT_EQ(*search.Find(), "/path-b/tessera");
+  search.present.insert("/path-a/tessera");
+  EXPECT_EQ(*search.Find(), "/path-a/tessera");
+  search.present.insert("/usr/local/bin/tessera");
+  EXPECT_EQ(*search.Find(), "/usr/local/bin/tessera");
+  search.present.insert("/sdk/bin/tessera");
+  EXPECT_EQ(*search.Find(), "/sdk/bin/tessera");
+  search.present.insert("/exe-dir/tessera");
+  EXPECT_EQ(*search.Find(), "/exe-dir/tessera");
+  // The explicit choices come first: $TESSERA_BIN_DIR, then $TESSERA_BINARY, then the option.
+  search.places.env_bin_dir = "/env-dir";
+  search.present.insert("/env-dir/tessera");
+  EXPECT_EQ(*search.Find(), "/env-dir/tessera");
+  search.places.env_binary = "/somewhere/my-tessera";
+  search.present.insert("/somewhere/my-tessera");
+  EXPECT_EQ(*search.Find(), "/somewhere/my-tessera");
+  search.places.flag = "/given/tessera";
+  search.present.insert("/given/tessera");
+  EXPECT_EQ(*search.Find(), "/given/tessera");
+}
+
+TEST(SessionTest, AnExplicitTesseraBinaryThatIsMissingIsTheError) {
+  BinarySearch search;
+  search.present = {"/exe-dir/tessera", "/path-a/tessera"};  // never used instead
+  Result<std::string> bin_dir = search.Find();
+  ASSERT_FALSE(bin_dir.ok());
+  EXPECT_EQ(bin_dir.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(bin_dir.status().message().find(
+                "$TESSERA_BIN_DIR is '/env-dir', but '/env-dir/tessera' is not an executable"),
+            std::string::npos)
+      << bin_dir.status().ToString();
+  search.places.env_binary = "/nothing/tessera";
+  Result<std::string> binary = search.Find();
+  EXPECT_NE(binary.status().message().find("$TESSERA_BINARY '/nothing/tessera'"), std::string::npos)
+      << binary.status().ToString();
+  search.places.flag = "/not/here";
+  Result<std::string> flag = search.Find();
+  EXPECT_NE(flag.status().message().find("LocalClusterOptions::tessera_binary '/not/here'"),
+            std::string::npos)
+      << flag.status().ToString();
+}
+
+TEST(SessionTest, NoTesseraBinaryAnywhereNamesEveryPlaceAndTheFix) {
+  BinarySearch search;
+  search.places.env_bin_dir = "";
+  Result<std::string> found = search.Find();
+  ASSERT_FALSE(found.ok());
+  EXPECT_EQ(found.status().code(), StatusCode::kNotFound);
+  const std::string message = found.status().message();
+  for (const char* part :
+       {"$TESSERA_BIN_DIR (not set)", "/exe-dir/tessera (next to this executable)",
+        "/sdk/bin/tessera (the installed SDK this program was built against)",
+        "/usr/local/bin/tessera (the install prefix Tessera was configured with)",
+        "the 2 directories of $PATH (/path-a::/path-b)", "cmake --install build --prefix P",
+        "TESSERA_BIN_DIR=P/bin"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << part << "\n" << message;
+  }
+  // Programs built inside the project have no SDK directory: it is not listed.
+  search.places.sdk_bin_dir = "";
+  EXPECT_EQ(search.Find().status().message().find("installed SDK"), std::string::npos);
 }
 
 }  // namespace

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Checks the installable SDK end to end (CTest runs it as `sdk_install`, label integration):
+#   1. installs the build into a temporary prefix (`cmake --install BUILD --prefix P`);
+#   2. compiles every installed header on its own against P (a public header that needs an
+#      internal one, which is not installed, fails here; X-macro lists are compiled through the
+#      header that includes them);
+#   3. configures examples/out_of_tree with nothing but -DCMAKE_PREFIX_PATH=P, builds it, and
+#      runs it: a local cluster of 2 workers trains a few steps, started from P/bin/tessera
+#      although neither PATH nor TESSERA_BIN_DIR names it;
+#   4. runs it with TESSERA_BIN_DIR pointing nowhere and checks the error names the place.
+# Usage: scripts/test_install.sh [BUILD_DIR]   (default: build; it must be built already)
+set -euo pipefail
+source_dir=$(cd "$(dirname "$0")/.." && pwd)
+build_dir=$(cd "${1:-$source_dir/build}" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/tessera_sdk_install.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+prefix=$work/prefix
+generator=()
+command -v ninja > /dev/null && generator=(-G Ninja)
+# Two compile jobs: CTest reserves two processors for this test (tests/CMakeLists.txt), so it
+# does not starve the timing-sensitive tests running beside it.
+export CMAKE_BUILD_PARALLEL_LEVEL=2
+# Only the install may tell the example where Tessera is.
+unset TESSERA_BINARY TESSERA_BIN_DIR CMAKE_PREFIX_PATH Tessera_DIR
+PATH=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vxF "$build_dir/bin" | paste -sd: -)
+export PATH
+
+fail() {
+  echo "test_install: FAILED: $*" >&2
+  exit 1
+}
+
+echo "== install into $prefix"
+cmake --install "$build_dir" --prefix "$prefix" > "$work/install.log" ||
+  { cat "$work/install.log"; fail "cmake --install"; }
+for file in bin/tessera lib/cmake/Tessera/TesseraConfig.cmake \
+  lib/cmake/Tessera/TesseraConfigVersion.cmake lib/cmake/Tessera/TesseraTargets.cmake \
+  lib/libtessera_driver.a include/tessera/driver/cluster.h include/tessera/core/status.h; do
+  [[ -e "$prefix/$file" ]] || fail "the install has no $file"
+done
+for internal in driver/session.h core/rpc/connection.h scheduler/scheduler_core.h; do
+  [[ ! -e "$prefix/include/tessera/$internal" ]] || fail "internal header $internal was installed"
+done
+
+echo "== every installed header compiles on its own"
+mkdir -p "$work/headers"
+(
+  cd "$prefix/include/tessera"
+  # Headers meant to be included on their own (not X-macro lists such as settings_def.h).
+  grep -rl --include='*.h' '^#pragma once' . | sed 's|^\./||' | sort
+) > "$work/headers/list"
+{
+  echo 'cmake_minimum_required(VERSION 3.25)'
+  echo 'project(tessera_headers LANGUAGES CXX)'
+  echo 'set(CMAKE_CXX_STANDARD 20)'
+  echo 'find_package(Tessera REQUIRED)'
+  echo 'add_library(headers OBJECT)'
+  echo 'target_link_libraries(headers PRIVATE Tessera::tessera)'
+  i=0
+  while read -r header; do
+    i=$((i + 1))
+    printf '#include "%s"\n' "$header" > "$work/headers/h$i.cc"
+    echo "target_sources(headers PRIVATE h$i.cc)"
+  done < "$work/headers/list"
+} > "$work/headers/CMakeLists.txt"
+echo "$(wc -l < "$work/headers/list") headers"
+cmake -S "$work/headers" -B "$work/headers/build" "${generator[@]}" \
+  -DCMAKE_PREFIX_PATH="$prefix" > "$work/headers.log" 2>&1 ||
+  { cat "$work/headers.log"; fail "configuring the header check"; }
+cmake --build "$work/headers/build" --target headers > "$work/headers.log" 2>&1 ||
+  { cat "$work/headers.log"; fail "a public header does not compile on its own"; }
+
+echo "== configure and build examples/out_of_tree"
+cmake -S "$source_dir/examples/out_of_tree" -B "$work/example" "${generator[@]}" \
+  -DCMAKE_PREFIX_PATH="$prefix" > "$work/example.log" 2>&1 ||
+  { cat "$work/example.log"; fail "configuring examples/out_of_tree"; }
+cmake --build "$work/example" > "$work/example.log" 2>&1 ||
+  { cat "$work/example.log"; fail "building examples/out_of_tree"; }
+
+echo "== run it"
+"$work/example/my_driver" 3 > "$work/run.log" 2>&1 || { cat "$work/run.log"; fail "my_driver"; }
+cat "$work/run.log"
+grep -q '^step 3 loss ' "$work/run.log" || fail "my_driver did not print step 3's loss"
+grep -qxF "scheduler: $prefix/bin/tessera" "$work/run.log" ||
+  fail "the cluster was not started from $prefix/bin/tessera"
+
+echo "== a wrong TESSERA_BIN_DIR is reported"
+if TESSERA_BIN_DIR=$work/nowhere "$work/example/my_driver" 1 > "$work/wrong.log" 2>&1; then
+  fail "my_driver ran with TESSERA_BIN_DIR=$work/nowhere"
+fi
+cat "$work/wrong.log"
+grep -q "TESSERA_BIN_DIR.*$work/nowhere/tessera" "$work/wrong.log" ||
+  fail "the error does not name \$TESSERA_BIN_DIR and $work/nowhere/tessera"
+echo "test_install: OK"
