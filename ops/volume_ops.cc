@@ -464,6 +464,9 @@ Status AddSegmentationOps(OpRegistry& r) {
       .in_place = {{0, 1}},
       .infer = loss_infer,
       .cost = CostOf(loss_infer, [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
+      // As softmax_cross_entropy: the gradient is dlogits (computed in the forward) scaled by
+      // the loss's own gradient, so a model API loss layer can end in this op.
+      .gradient = Rule("loss_gradient", {{From::kOutputGradient, 0}, {From::kOutput, 1}}, {0}),
   }));
   const InferFn dice_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckSegmentation("dice_score", in[0], in[1]));

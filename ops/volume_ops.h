@@ -35,9 +35,10 @@
 //   voxel_cross_entropy       logits [N,C,*], targets i32 [N,*] -> loss (f32 scalar, mean over
 //                             the N*prod(*) voxels of -log softmax over C at the target class),
 //                             dlogits (its gradient times attr grad_scale, default 1, computed in
-//                             place over the logits). No GradientRule: like
-//                             softmax_cross_entropy, the loss's gradient comes out of the same
-//                             pass
+//                             place over the logits). Its GradientRule, like
+//                             softmax_cross_entropy's, is loss_gradient (dloss, dlogits -> dx =
+//                             dlogits * dloss): the gradient comes out of the same pass, and a
+//                             model API loss layer (model/model.h) can end in this op
 //   dice_score                logits [N,C,*], targets i32 [N,*] -> score (f32 scalar): hard Dice
 //                             of argmax_c logits against targets, per foreground class
 //                             1..C-1 over the whole batch, 2|P and T| / (|P| + |T|) (1 when the

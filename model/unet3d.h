@@ -1,0 +1,61 @@
+// A 3D U-Net for volumetric segmentation, defined with the model API (model/model.h): every
+// layer is a program of the volume ops (ops/volume_ops.h) and its backward is derived from their
+// gradient rules, so the model trains under every plan the planners make (data parallel, ZeRO
+// 1-3, offload, accumulation) with no hand-written backward.
+//
+// Inputs: "volume" f32 [N, in_channels, V, V, V] and "labels" i32 [N, V, V, V] (a label input:
+// read by the loss only). Channels double at each level: c_i = base_channels * 2^i. Layers, in
+// forward order (for depth 2):
+//
+//   enc0 ─► down0 ─► enc1 ─► down1 ─► bottleneck ─► up1 ─► dec1 ─► up0 ─► dec0 ─► head ─► loss
+//    │                 └───────── skip ──────────────────────┘             │
+//    └─────────────────────────── skip ────────────────────────────────────┘
+//
+//   enc{i}      two conv blocks to c_i channels (input: the volume, or down{i-1})
+//   down{i}     max_pool3d, kernel 2: halves each extent (no parameters)
+//   bottleneck  two conv blocks to c_depth channels at V / 2^depth
+//   up{i}       conv_transpose3d kernel 2 stride 2: c_{i+1} -> c_i channels, doubles each extent
+//   dec{i}      concat(up{i}, enc{i}) along channels (the skip connection), two conv blocks to c_i
+//   head        conv3d kernel 1 to `classes` channels: the logits [N, classes, V, V, V]
+//   loss        voxel_cross_entropy(logits, labels): mean over voxels
+//
+// A conv block is conv3d (kernel 3, padding 1) -> group_norm (`groups`) -> SiLU. Conv weights
+// start Normal(sqrt(2 / fan_in)) (Kaiming, for the rectifier-like SiLU) and are weight-decayed;
+// biases start at zero, group-norm gains at one. Parameters are named
+// "<layer>.<block>.<tensor>": "enc0.conv1.w", "dec0.norm2.b", "up0.w", "head.b".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "core/status.h"
+#include "ops/op_registry.h"
+#include "zero/model.h"
+
+namespace tessera {
+
+struct UNet3dConfig {
+  int64_t in_channels = 1;
+  int64_t classes = 3;        // including background (class 0)
+  int64_t base_channels = 8;  // c_0; level i has base_channels * 2^i
+  int64_t depth = 2;          // down-sampling levels
+  int64_t groups = 4;         // group norm groups (divides base_channels, hence every level)
+  int64_t volume = 16;        // D = H = W of the example shape; divisible by 2^depth
+
+  // InvalidArgument naming the field and what to change: non-positive sizes, fewer than two
+  // classes, depth above 8, more than 65536 channels at the deepest level, a volume not
+  // divisible by 2^depth, groups not dividing base_channels.
+  Status Validate() const;
+  std::string ToString() const;
+  // "tiny" (base 4, depth 1, volume 8) or "small" (base 8, depth 2, volume 16); NotFound
+  // listing the presets otherwise.
+  static Result<UNet3dConfig> Preset(std::string_view name);
+};
+
+// The U-Net above as a ModelSpec named "unet3d". `registry` must hold the volume ops and the
+// layer program ops (RegisterStandardOps). InvalidArgument when the config is invalid (its
+// Validate message) or when the model API refuses a layer (naming it).
+Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& registry);
+
+}  // namespace tessera

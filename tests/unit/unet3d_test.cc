@@ -1,0 +1,448 @@
+// The 3D U-Net (model/unet3d.h) and its procedural data (data/volumes.h): the model builds in
+// topological order with its skip connections, has the parameters a hand count gives, every
+// layer's derived backward agrees with finite differences, the planner makes a step of it, and
+// wrong configs are refused naming the field. The volumes are deterministic, labelled in range,
+// hold every class, and their intensities separate the classes on average.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "data/volumes.h"
+#include "model/unet3d.h"
+#include "test_util.h"
+#include "zero/step_graph.h"
+
+namespace tessera::testing {
+namespace {
+
+using Tensors = std::vector<Tensor>;
+
+std::vector<std::string> LayerNames(const ModelSpec& model) {
+  std::vector<std::string> names;
+  for (const LayerSpec& layer : model.layers) names.push_back(layer.name);
+  return names;
+}
+
+size_t LayerIndex(const ModelSpec& model, const std::string& name) {
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    if (model.layers[i].name == name) return i;
+  }
+  ADD_FAILURE() << "no layer " << name;
+  return model.layers.size();
+}
+
+TEST(UNet3dConfigTest, PresetsAreValidAndUnknownOnesAreNotFound) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig tiny, UNet3dConfig::Preset("tiny"));
+  EXPECT_EQ(tiny.base_channels, 4);
+  EXPECT_EQ(tiny.depth, 1);
+  EXPECT_EQ(tiny.volume, 8);
+  EXPECT_OK(tiny.Validate());
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig small, UNet3dConfig::Preset("small"));
+  EXPECT_EQ(small.base_channels, 8);
+  EXPECT_EQ(small.depth, 2);
+  EXPECT_EQ(small.volume, 16);
+  EXPECT_OK(small.Validate());
+  EXPECT_EQ(small.ToString(), "in_channels=1 classes=3 base_channels=8 depth=2 groups=4 volume=16");
+  Result<UNet3dConfig> unknown = UNet3dConfig::Preset("huge");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(unknown.status().message().find("tiny or small"), std::string::npos);
+}
+
+TEST(UNet3dConfigTest, AWrongConfigIsRefusedNamingTheField) {
+  struct Case {
+    UNet3dConfig config;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {UNet3dConfig{.depth = 2, .volume = 10}, "volume (10) must be divisible by 2^depth = 4"},
+      {UNet3dConfig{.depth = 3, .volume = 20}, "volume (20) must be divisible by 2^depth = 8"},
+      {UNet3dConfig{.base_channels = 6, .groups = 4}, "groups (4) must divide base_channels (6)"},
+      {UNet3dConfig{.classes = 1}, "classes"},
+      {UNet3dConfig{.in_channels = 0}, "in_channels"},
+      {UNet3dConfig{.depth = 0}, "depth"},
+      {UNet3dConfig{.groups = 0}, "groups"},
+      {UNet3dConfig{.depth = 9, .volume = 512}, "depth must be <= 8"},
+      {UNet3dConfig{.base_channels = int64_t{1} << 40}, "base_channels"},
+  };
+  for (const Case& c : cases) {
+    const Status status = c.config.Validate();
+    ASSERT_FALSE(status.ok()) << c.config.ToString();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find(c.field), std::string::npos) << status.ToString();
+    // Building refuses it with the same message.
+    Result<ModelSpec> built = BuildUNet3d(c.config, CpuRegistry());
+    ASSERT_FALSE(built.ok());
+    EXPECT_EQ(built.status().ToString(), status.ToString());
+  }
+}
+
+TEST(UNet3dTest, TheTinyUNetBuildsInTopologicalOrderWithSkipConnections) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("tiny"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  EXPECT_OK(model.Validate());
+  EXPECT_EQ(model.name, "unet3d");
+  EXPECT_EQ(LayerNames(model), (std::vector<std::string>{"enc0", "down0", "bottleneck", "up0",
+                                                         "dec0", "head", "loss"}));
+  ASSERT_EQ(model.inputs.size(), 2u);
+  EXPECT_EQ(model.inputs[0].name, "volume");
+  EXPECT_EQ(model.inputs[0].dtype, DType::kF32);
+  EXPECT_EQ(model.inputs[0].shape, (Shape{1, 1, 8, 8, 8}));
+  EXPECT_FALSE(model.inputs[0].label);
+  EXPECT_EQ(model.inputs[1].name, "labels");
+  EXPECT_EQ(model.inputs[1].dtype, DType::kI32);
+  EXPECT_EQ(model.inputs[1].shape, (Shape{1, 8, 8, 8}));
+  EXPECT_TRUE(model.inputs[1].label);
+
+  // Every activation argument names an earlier layer.
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    for (const LayerArg& arg : model.layers[l].forward_args) {
+      if (arg.kind == LayerArg::Kind::kActivation) {
+        EXPECT_LT(arg.index, l) << model.layers[l].name;
+      }
+      if (arg.kind == LayerArg::Kind::kParams) {
+        EXPECT_EQ(arg.index, l) << model.layers[l].name;
+      }
+    }
+  }
+  // The skip connection: dec0 reads up0's output, then enc0's, then its parameters, and returns
+  // gradients for both activations and its parameters.
+  const LayerSpec& dec0 = model.layers[LayerIndex(model, "dec0")];
+  ASSERT_EQ(dec0.forward_args.size(), 3u);
+  EXPECT_EQ(dec0.forward_args[0].kind, LayerArg::Kind::kActivation);
+  EXPECT_EQ(dec0.forward_args[0].index, LayerIndex(model, "up0"));
+  EXPECT_EQ(dec0.forward_args[1].kind, LayerArg::Kind::kActivation);
+  EXPECT_EQ(dec0.forward_args[1].index, LayerIndex(model, "enc0"));
+  EXPECT_EQ(dec0.forward_args[2].kind, LayerArg::Kind::kParams);
+  EXPECT_EQ(dec0.backward_outputs, (std::vector<size_t>{0, 1, 2}));
+  // enc0 reads the model input: no gradient for it, only for its parameters.
+  const LayerSpec& enc0 = model.layers[LayerIndex(model, "enc0")];
+  EXPECT_EQ(enc0.forward_args[0].kind, LayerArg::Kind::kModelInput);
+  EXPECT_EQ(enc0.backward_outputs, (std::vector<size_t>{1}));
+  // The pooling layer has no parameters: no group argument, a gradient for its input only.
+  const LayerSpec& down0 = model.layers[LayerIndex(model, "down0")];
+  EXPECT_EQ(down0.params.numel(), 0);
+  ASSERT_EQ(down0.forward_args.size(), 1u);
+  EXPECT_EQ(down0.backward_outputs, (std::vector<size_t>{0}));
+  // The loss reads the head's logits and the labels.
+  const LayerSpec& loss = model.layers.back();
+  EXPECT_TRUE(loss.loss);
+  ASSERT_EQ(loss.forward_args.size(), 2u);
+  EXPECT_EQ(loss.forward_args[0].index, LayerIndex(model, "head"));
+  EXPECT_EQ(loss.forward_args[1].kind, LayerArg::Kind::kModelInput);
+  EXPECT_EQ(loss.forward_args[1].index, 1u);
+}
+
+TEST(UNet3dTest, TwoLevelsChainTheDecodersAndSkipToTheirOwnLevel) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("small"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  EXPECT_EQ(LayerNames(model),
+            (std::vector<std::string>{"enc0", "down0", "enc1", "down1", "bottleneck", "up1", "dec1",
+                                      "up0", "dec0", "head", "loss"}));
+  const LayerSpec& dec1 = model.layers[LayerIndex(model, "dec1")];
+  EXPECT_EQ(dec1.forward_args[1].index, LayerIndex(model, "enc1"));
+  const LayerSpec& up0 = model.layers[LayerIndex(model, "up0")];
+  EXPECT_EQ(up0.forward_args[0].index, LayerIndex(model, "dec1"));
+  const LayerSpec& dec0 = model.layers[LayerIndex(model, "dec0")];
+  EXPECT_EQ(dec0.forward_args[1].index, LayerIndex(model, "enc0"));
+}
+
+TEST(UNet3dTest, TheTinyUNetHasTheParametersAHandCountGives) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("tiny"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  // A conv block: conv weight out*in*27 + bias out, group norm weight and bias 2*out.
+  auto block = [](int64_t in, int64_t out) { return out * in * 27 + out + 2 * out; };
+  const int64_t enc0 = block(1, 4) + block(4, 4);        // 564
+  const int64_t bottleneck = block(4, 8) + block(8, 8);  // 2640
+  const int64_t up0 = 8 * 4 * 8 + 4;                     // 260: [Cin, Cout, 2, 2, 2] + bias
+  const int64_t dec0 = block(8, 4) + block(4, 4);        // 1320: concat of 4 + 4 channels
+  const int64_t head = 3 * 4 + 3;                        // 15
+  EXPECT_EQ(model.layers[LayerIndex(model, "enc0")].params.numel(), enc0);
+  EXPECT_EQ(model.layers[LayerIndex(model, "down0")].params.numel(), 0);
+  EXPECT_EQ(model.layers[LayerIndex(model, "bottleneck")].params.numel(), bottleneck);
+  EXPECT_EQ(model.layers[LayerIndex(model, "up0")].params.numel(), up0);
+  EXPECT_EQ(model.layers[LayerIndex(model, "dec0")].params.numel(), dec0);
+  EXPECT_EQ(model.layers[LayerIndex(model, "head")].params.numel(), head);
+  EXPECT_EQ(model.layers.back().params.numel(), 0);
+  EXPECT_EQ(model.NumParameters(), 4799);
+  EXPECT_EQ(model.NumParameters(), enc0 + bottleneck + up0 + dec0 + head);
+}
+
+TEST(UNet3dTest, ParametersStartKaimingNormalWithDecayOnConvWeightsOnly) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("tiny"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  for (const LayerSpec& layer : model.layers) {
+    ASSERT_EQ(layer.init.size(), layer.params.slots().size()) << layer.name;
+    for (size_t s = 0; s < layer.init.size(); ++s) {
+      const FlatSlot& slot = layer.params.slots()[s];
+      const ParamInit& init = layer.init[s];
+      const std::string name = layer.name + "." + slot.name;
+      if (slot.shape.rank() == 5) {
+        // conv3d [Cout, Cin, k, k, k]: fan_in Cin*k^3; the transposed conv [Cin, Cout, 2, 2, 2]
+        // sums Cin products per output voxel.
+        const bool transposed = layer.name.starts_with("up");
+        const int64_t fan_in = transposed
+                                   ? slot.shape[0]
+                                   : slot.shape[1] * slot.shape[2] * slot.shape[3] * slot.shape[4];
+        EXPECT_EQ(init.kind, ParamInit::Kind::kNormal) << name;
+        EXPECT_DOUBLE_EQ(init.scale, std::sqrt(2.0 / static_cast<double>(fan_in))) << name;
+        EXPECT_TRUE(slot.weight_decay) << name;
+      } else {
+        const bool gain = slot.name.starts_with("norm") && slot.name.ends_with(".w");
+        EXPECT_EQ(init.kind, gain ? ParamInit::Kind::kOnes : ParamInit::Kind::kZeros) << name;
+        EXPECT_FALSE(slot.weight_decay) << name;
+      }
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(const LayerSpec* enc0, model.FindLayer("enc0"));
+  EXPECT_EQ(enc0->params.slot("conv1.w").shape, (Shape{4, 1, 3, 3, 3}));
+  EXPECT_EQ(enc0->params.slot("norm2.b").shape, (Shape{4}));
+}
+
+// The planner makes a training step of the U-Net, parameter-less layers included: one rank,
+// and two ranks under ZeRO-3 (each group sharded, the pooling layers holding none).
+TEST(UNet3dTest, ThePlannerMakesATrainingStepOfIt) {
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("tiny"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.seq_len = 1;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_OK(step.graph.Validate());
+  ASSERT_EQ(step.group_numel.size(), model.layers.size());
+  EXPECT_EQ(step.group_numel[LayerIndex(model, "down0")], 0);
+  ASSERT_EQ(step.inputs.size(), 2u);
+
+  plan.parallel.data_parallel = 2;
+  plan.parallel.zero_stage = 3;
+  plan.parallel.workers = {WorkerId(10), WorkerId(11)};
+  ASSERT_OK_AND_ASSIGN(StepGraph zero3, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_OK(zero3.graph.Validate());
+  EXPECT_EQ(zero3.micro_batch, 1);
+
+  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(model, 2, 1, CpuRegistry()));
+  EXPECT_OK(eval.graph.Validate());
+}
+
+// Runs a layer's forward then its derived backward on random data and checks every gradient
+// (the layer's f32 inputs and its parameter group) against central differences of
+// L = <G, outputs> (or the loss itself for the loss layer), as model_api_test does.
+class UNet3dGradientTest : public ::testing::Test {
+ protected:
+  static Tensors Forward(const LayerSpec& layer, const Tensors& args) {
+    Result<Tensors> out = RunKernel(layer.forward_op, args, layer.attrs);
+    TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
+    return *out;
+  }
+  static double Objective(const LayerSpec& layer, const Tensors& args, const Tensors& grads) {
+    const Tensors out = Forward(layer, args);
+    if (layer.loss) return out[0].data<float>()[0];
+    double total = 0;
+    for (int o = 0; o < layer.activations; ++o) {
+      const float* y = out[static_cast<size_t>(o)].data<float>();
+      const float* g = grads[static_cast<size_t>(o)].data<float>();
+      for (int64_t i = 0; i < out[static_cast<size_t>(o)].numel(); ++i) {
+        total += double{g[i]} * y[i];
+      }
+    }
+    return total;
+  }
+
+  static void Check(const LayerSpec& layer, Tensors args) {
+    const Tensors out = Forward(layer, args);
+    Tensors grads;
+    for (int o = 0; o < (layer.loss ? 0 : layer.activations); ++o) {
+      grads.push_back(RandomTensor(out[static_cast<size_t>(o)].shape(), 100 + o));
+    }
+    Tensors backward_in = grads;
+    for (const BackwardArg& arg : layer.backward_args) {
+      if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[arg.index]);
+      if (arg.kind == BackwardArg::Kind::kForwardOutput) backward_in.push_back(out[arg.index]);
+    }
+    ASSERT_OK_AND_ASSIGN(Tensors analytic, RunKernel(layer.backward_op, backward_in, layer.attrs));
+    ASSERT_EQ(analytic.size(), layer.backward_outputs.size()) << layer.name;
+    for (size_t j = 0; j < analytic.size(); ++j) {
+      const size_t target = layer.backward_outputs[j];
+      Tensor& x = args[target];
+      ASSERT_EQ(analytic[j].shape(), x.shape()) << layer.name;
+      float* data = x.data<float>();
+      std::vector<float> numeric, computed;
+      std::mt19937_64 rng(7 + j);
+      std::uniform_int_distribution<int64_t> pick(0, x.numel() - 1);
+      for (int sample = 0; sample < 24; ++sample) {
+        const int64_t i = sample == 0 ? 0 : pick(rng);
+        const float saved = data[i];
+        const float step = 1e-2f;
+        data[i] = saved + step;
+        const double plus = Objective(layer, args, grads);
+        data[i] = saved - step;
+        const double minus = Objective(layer, args, grads);
+        data[i] = saved;
+        numeric.push_back(static_cast<float>((plus - minus) / (2 * step)));
+        computed.push_back(analytic[j].data<float>()[i]);
+      }
+      EXPECT_LT(ScaledMaxError(computed, numeric, 1e-3), 2e-2)
+          << layer.name << ": the gradient of forward argument " << target;
+    }
+  }
+
+  // Distinct values 0.05 apart in random order: no two elements of a pooling window are within
+  // the finite-difference step of each other, so the maximum never changes under it.
+  static Tensor DistinctTensor(const Shape& shape, uint64_t seed) {
+    std::vector<float> values(static_cast<size_t>(shape.numel()));
+    std::iota(values.begin(), values.end(), 0.0f);
+    std::shuffle(values.begin(), values.end(), std::mt19937_64(seed));
+    const float middle = static_cast<float>(values.size()) / 2;
+    for (float& v : values) v = (v - middle) * 0.05f;
+    return FloatTensor(shape, values);
+  }
+};
+
+// Two levels (so a decoder reads the decoder below it), two input channels, a batch of two; 8^3
+// voxels and 2-8 channels keep each layer's check well under a second.
+TEST_F(UNet3dGradientTest, EveryLayerMatchesFiniteDifferences) {
+  const UNet3dConfig config{
+      .in_channels = 2, .classes = 3, .base_channels = 2, .depth = 2, .groups = 2, .volume = 8};
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  constexpr int64_t kBatch = 2;
+  // Each layer's f32 inputs at the shapes they have in the model: those of the outputs of the
+  // layers (or the model inputs) they read, with the batch set to kBatch.
+  std::vector<Shape> output_shape(model.layers.size());
+  uint64_t seed = 1;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const LayerSpec& layer = model.layers[l];
+    SCOPED_TRACE(layer.name);
+    Tensors args;
+    for (const LayerArg& arg : layer.forward_args) {
+      switch (arg.kind) {
+        case LayerArg::Kind::kModelInput: {
+          std::vector<int64_t> dims = model.inputs[arg.index].shape.dims();
+          dims[0] = kBatch;
+          args.push_back(model.inputs[arg.index].dtype == DType::kI32
+                             ? RandomTokens(Shape(dims), 3, seed++)
+                             : RandomTensor(Shape(dims), seed++));
+          break;
+        }
+        case LayerArg::Kind::kActivation: {
+          const Shape& shape = output_shape[arg.index];
+          args.push_back(layer.name.starts_with("down") ? DistinctTensor(shape, seed++)
+                                                        : RandomTensor(shape, seed++));
+          break;
+        }
+        case LayerArg::Kind::kParams:
+          args.push_back(RandomTensor(Shape{layer.params.numel()}, seed++, 0.5f));
+          break;
+      }
+    }
+    output_shape[l] = Forward(layer, args)[0].shape();
+    Check(layer, args);
+  }
+  EXPECT_EQ(output_shape[LayerIndex(model, "down1")], (Shape{kBatch, 4, 2, 2, 2}));
+  EXPECT_EQ(output_shape[LayerIndex(model, "bottleneck")], (Shape{kBatch, 8, 2, 2, 2}));
+  EXPECT_EQ(output_shape[LayerIndex(model, "up1")], (Shape{kBatch, 4, 4, 4, 4}));
+  EXPECT_EQ(output_shape[LayerIndex(model, "head")], (Shape{kBatch, 3, 8, 8, 8}));
+}
+
+// ---- Volumes ----
+
+TEST(VolumesTest, TheSameSeedGivesTheSameVolumesAndAnotherSeedOthers) {
+  ASSERT_OK_AND_ASSIGN(VolumeBatch a, GenerateVolumes(3, 8, 2, 42));
+  ASSERT_OK_AND_ASSIGN(VolumeBatch b, GenerateVolumes(3, 8, 2, 42));
+  ASSERT_OK_AND_ASSIGN(VolumeBatch c, GenerateVolumes(3, 8, 2, 43));
+  EXPECT_EQ(a.count, 3);
+  EXPECT_EQ(a.channels, 2);
+  EXPECT_EQ(a.volume, 8);
+  ASSERT_EQ(a.volumes.size(), 3u * 2 * 8 * 8 * 8);
+  ASSERT_EQ(a.labels.size(), 3u * 8 * 8 * 8);
+  EXPECT_EQ(a.volumes, b.volumes);
+  EXPECT_EQ(a.labels, b.labels);
+  EXPECT_NE(a.volumes, c.volumes);
+  EXPECT_NE(a.labels, c.labels);
+  // Sample i depends only on (seed, i): a larger count starts with the same samples.
+  ASSERT_OK_AND_ASSIGN(VolumeBatch more, GenerateVolumes(5, 8, 2, 42));
+  EXPECT_TRUE(std::equal(a.volumes.begin(), a.volumes.end(), more.volumes.begin()));
+  EXPECT_TRUE(std::equal(a.labels.begin(), a.labels.end(), more.labels.begin()));
+  // Samples differ from each other.
+  const size_t voxels = 8 * 8 * 8;
+  EXPECT_FALSE(std::equal(a.labels.begin(), a.labels.begin() + voxels, a.labels.begin() + voxels));
+}
+
+TEST(VolumesTest, LabelsAreInRangeAndABatchOfFourHoldsEveryClass) {
+  for (const int64_t volume : {4, 8, 16}) {
+    for (uint64_t seed = 0; seed < 5; ++seed) {
+      ASSERT_OK_AND_ASSIGN(VolumeBatch batch, GenerateVolumes(4, volume, 1, seed));
+      std::vector<int64_t> counts(kVolumeClasses, 0);
+      for (int32_t label : batch.labels) {
+        ASSERT_GE(label, 0);
+        ASSERT_LT(label, kVolumeClasses);
+        ++counts[static_cast<size_t>(label)];
+      }
+      for (int32_t k = 0; k < kVolumeClasses; ++k) {
+        EXPECT_GT(counts[static_cast<size_t>(k)], 0)
+            << "class " << k << ", volume " << volume << ", seed " << seed;
+      }
+      for (float value : batch.volumes) ASSERT_TRUE(std::isfinite(value));
+    }
+  }
+}
+
+TEST(VolumesTest, IntensitiesSeparateTheClassesOnAverage) {
+  constexpr int64_t kCount = 4, kVolume = 16, kChannels = 2;
+  ASSERT_OK_AND_ASSIGN(VolumeBatch batch, GenerateVolumes(kCount, kVolume, kChannels, 7));
+  const int64_t voxels = kVolume * kVolume * kVolume;
+  for (int64_t c = 0; c < kChannels; ++c) {
+    std::vector<double> sum(kVolumeClasses, 0), sum_sq(kVolumeClasses, 0);
+    std::vector<int64_t> n(kVolumeClasses, 0);
+    for (int64_t s = 0; s < kCount; ++s) {
+      for (int64_t i = 0; i < voxels; ++i) {
+        const auto k = static_cast<size_t>(batch.labels[static_cast<size_t>(s * voxels + i)]);
+        const double x = batch.volumes[static_cast<size_t>((s * kChannels + c) * voxels + i)];
+        sum[k] += x;
+        sum_sq[k] += x * x;
+        ++n[k];
+      }
+    }
+    for (size_t k = 0; k < kVolumeClasses; ++k) {
+      ASSERT_GT(n[k], 100) << "class " << k;
+      const double mean = sum[k] / static_cast<double>(n[k]);
+      const double std = std::sqrt(sum_sq[k] / static_cast<double>(n[k]) - mean * mean);
+      // The sample mean sits within 5 standard errors of the class mean; the noise is as stated.
+      EXPECT_NEAR(mean, kVolumeClassMean[k], 5 * kVolumeNoiseStd / std::sqrt(n[k]))
+          << "class " << k << ", channel " << c;
+      EXPECT_NEAR(std, kVolumeNoiseStd, 0.1) << "class " << k << ", channel " << c;
+    }
+    // Class means are a full noise standard deviation apart or more: separable on average,
+    // not voxel by voxel.
+    for (size_t a = 0; a < kVolumeClasses; ++a) {
+      for (size_t b = a + 1; b < kVolumeClasses; ++b) {
+        EXPECT_GE(std::abs(sum[a] / n[a] - sum[b] / n[b]), kVolumeNoiseStd) << a << " vs " << b;
+      }
+    }
+  }
+}
+
+TEST(VolumesTest, BadArgumentsAreRefusedNamingThem) {
+  struct Case {
+    int64_t count, volume, channels;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {0, 8, 1, "count must be >= 1, got 0"},
+      {-3, 8, 1, "count must be >= 1, got -3"},
+      {2, 3, 1, "volume must be >= 4"},
+      {2, 8, 0, "in_channels must be >= 1, got 0"},
+      {1 << 20, 1 << 10, 1, "generate fewer samples per call"},
+      {int64_t{1} << 40, int64_t{1} << 30, int64_t{1} << 40, "generate fewer samples per call"},
+  };
+  for (const Case& c : cases) {
+    Result<VolumeBatch> batch = GenerateVolumes(c.count, c.volume, c.channels, 1);
+    ASSERT_FALSE(batch.ok()) << c.message;
+    EXPECT_EQ(batch.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(batch.status().message().find(c.message), std::string::npos)
+        << batch.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace tessera::testing
