@@ -21,7 +21,7 @@ ParamInit Kaiming(int64_t fan_in) {
 
 // The parameters of one conv block: conv3d (kernel 3, padding 1) -> group_norm -> SiLU.
 struct ConvBlock {
-  Value conv_w, conv_b, norm_w, norm_b;
+  LayerValue conv_w, conv_b, norm_w, norm_b;
 };
 
 // Declares block `n`'s parameters ("conv<n>.w", "conv<n>.b", "norm<n>.w", "norm<n>.b").
@@ -35,9 +35,10 @@ ConvBlock DeclareBlock(LayerBuilder& l, int n, int64_t in, int64_t out) {
   return block;
 }
 
-Value ApplyBlock(LayerBuilder& l, const ConvBlock& block, int n, Value x, int64_t groups) {
-  Value y = l.Call("conv3d_forward", {x, block.conv_w, block.conv_b},
-                   Attrs{{"padding", int64_t{1}}}, fmt::format("conv{}", n));
+LayerValue ApplyBlock(LayerBuilder& l, const ConvBlock& block, int n, LayerValue x,
+                      int64_t groups) {
+  LayerValue y = l.Call("conv3d_forward", {x, block.conv_w, block.conv_b},
+                        Attrs{{"padding", int64_t{1}}}, fmt::format("conv{}", n));
   y = l.Call("group_norm_forward", {y, block.norm_w, block.norm_b}, Attrs{{"groups", groups}},
              fmt::format("norm{}", n));
   return l.Call("silu_forward", {y}, {}, fmt::format("act{}", n));
@@ -49,7 +50,7 @@ SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, int64_t groups, bool skip
   return [=](LayerBuilder& l) {
     const ConvBlock first = DeclareBlock(l, 1, in, out);
     const ConvBlock second = DeclareBlock(l, 2, out, out);
-    Value x = l.input(0);
+    LayerValue x = l.input(0);
     if (skip) x = l.Call("concat_forward", {l.input(0), l.input(1)}, {}, "skip");
     return ApplyBlock(l, second, 2, ApplyBlock(l, first, 1, x, groups), groups);
   };
@@ -139,8 +140,8 @@ Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& regi
     const int64_t from = channels(i + 1), to = channels(i);
     ModelValue up = model.Layer(fmt::format("up{}", i), {x}, [=](LayerBuilder& l) {
       // Each output voxel of a kernel-2 stride-2 transposed conv sums exactly `from` products.
-      Value w = l.Param("w", Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
-      Value b = l.Param("b", Shape{to}, ParamInit::Zeros());
+      LayerValue w = l.Param("w", Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
+      LayerValue b = l.Param("b", Shape{to}, ParamInit::Zeros());
       return l.Call("conv_transpose3d_forward", {l.input(0), w, b}, Attrs{{"stride", int64_t{2}}},
                     "upconv");
     });
@@ -150,8 +151,8 @@ Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& regi
 
   const int64_t c0 = channels(0), classes = config.classes;
   ModelValue logits = model.Layer("head", {x}, [=](LayerBuilder& l) {
-    Value w = l.Param("w", Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
-    Value b = l.Param("b", Shape{classes}, ParamInit::Zeros());
+    LayerValue w = l.Param("w", Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
+    LayerValue b = l.Param("b", Shape{classes}, ParamInit::Zeros());
     return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
   });
   model.Loss("loss", {logits, labels}, [](LayerBuilder& l) {
