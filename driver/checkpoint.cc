@@ -37,13 +37,24 @@ json ConfigJson(const Gpt2Config& c) {
               {"max_seq_len", c.max_seq_len}};
 }
 
-Status CheckSameModel(const json& saved, const Gpt2Config& config, const std::string& path) {
-  const json expected = ConfigJson(config);
+// GPT-2: its configuration (the format of earlier checkpoints). Other models: the name and the
+// layers with their parameter counts.
+json ModelJson(const ModelSpec& model) {
+  if (model.name == "gpt2") return ConfigJson(model.config);
+  json layers = json::array();
+  for (const LayerSpec& layer : model.layers) {
+    layers.push_back(json{{"name", layer.name}, {"numel", layer.params.numel()}});
+  }
+  return json{{"name", model.name}, {"layer_groups", layers}};
+}
+
+Status CheckSameModel(const json& saved, const ModelSpec& model, const std::string& path) {
+  const json expected = ModelJson(model);
   for (const auto& [field, value] : expected.items()) {
     if (!saved.contains(field) || saved[field] != value) {
       return InvalidArgument(
           "checkpoint '{}' is of a model with {}={} but this model has {}={}: resume with the "
-          "same model shape",
+          "same model",
           path, field, saved.contains(field) ? saved[field].dump() : "?", field, value.dump());
     }
   }
@@ -82,6 +93,7 @@ Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std
   const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
   std::vector<std::tuple<size_t, StateKind, const std::vector<float>*>> writes;
   for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (model.layers[l].params.numel() == 0) continue;  // a layer without parameters
     for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
       if (kind != StateKind::kParameter && !adamw) continue;
       auto it = state.groups.find({model.layers[l].name, kind});
@@ -162,7 +174,7 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   }
   const json manifest{{"format", "tessera-checkpoint"},
                       {"version", kFormatVersion},
-                      {"model", ConfigJson(trainer.model().config)},
+                      {"model", ModelJson(trainer.model())},
                       {"step", trainer.steps_taken()},
                       {"sampler_state", sampler_state},
                       {"plan", step.parallel.ToString()},
@@ -206,7 +218,7 @@ Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& p
     return DataLoss("'{}' is not a version-{} Tessera checkpoint manifest", manifest_path,
                     kFormatVersion);
   }
-  TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer.model().config, manifest_path));
+  TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer.model(), manifest_path));
   // Every group of the trainer's plan, assembled from the saved pieces; only then is anything
   // written into the trainer (a damaged checkpoint leaves it as it was).
   GatheredState gathered;

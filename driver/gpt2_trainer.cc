@@ -390,13 +390,14 @@ Result<std::vector<Tensor>> Gpt2Trainer::TokenBatch(const std::vector<int32_t>& 
   return batch;
 }
 
-Status Gpt2Trainer::CheckBatch(const std::vector<Tensor>& batch) const {
+Status Gpt2Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const {
   if (batch.size() != model_.inputs.size()) {
     return InvalidArgument("model '{}' takes {} input(s) per step, {} given", model_.name,
                            model_.inputs.size(), batch.size());
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     const ModelInput& input = model_.inputs[i];
+    if (input.label && !labels) continue;
     std::vector<int64_t> dims = input.shape.dims();
     dims[0] = plan_.batch;
     if (input.sequence) dims[1] = plan_.seq_len;
@@ -518,6 +519,29 @@ Result<float> Gpt2Trainer::EvalLoss(const std::vector<Tensor>& batch) {
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(eval_handle_, std::move(inputs)));
   TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[eval_graph_.result]));
   return *loss.data<float>();
+}
+
+Result<Tensor> Gpt2Trainer::Predict(const std::vector<Tensor>& batch) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, /*labels=*/false));
+  if (!predict_graph_) {
+    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, plan_.batch, plan_.seq_len,
+                                                            *registry_, ParamMultiple()));
+    TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
+    predict_graph_.emplace(std::move(graph), handle);
+  }
+  const ForwardGraph& graph = predict_graph_->first;
+  ValueMap inputs;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!graph.inputs[i].valid()) continue;  // a label
+    TESSERA_ASSIGN_OR_RETURN(inputs[graph.inputs[i]], UploadRows(batch[i], 0, plan_.batch));
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
+  for (size_t g = 0; g < params.size(); ++g) {
+    if (graph.params[g].valid()) inputs[graph.params[g]] = params[g];
+  }
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs,
+                           backend_->Run(predict_graph_->second, std::move(inputs)));
+  return backend_->Download(outputs[graph.result]);
 }
 
 Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,

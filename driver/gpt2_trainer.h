@@ -106,6 +106,9 @@ class Gpt2Trainer {
   // a tensor has another shape or type; a step that fails leaves the state as Step above.
   Result<StepReport> Step(const std::vector<Tensor>& batch, float lr);
   Result<float> EvalLoss(const std::vector<Tensor>& batch);
+  // The model's prediction (PlanLogits) for a batch of the plan's shape; label inputs are not
+  // read (they may be undefined tensors).
+  Result<Tensor> Predict(const std::vector<Tensor>& batch);
   // Logits [batch, seq_len, vocab] of a batch of any shape with seq_len <= max_seq_len.
   Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
                                     int64_t seq_len);
@@ -158,7 +161,8 @@ class Gpt2Trainer {
   // GPT-2's tokens and targets as the two input tensors of the plan's batch.
   Result<std::vector<Tensor>> TokenBatch(const std::vector<int32_t>& tokens,
                                          const std::vector<int32_t>& targets) const;
-  Status CheckBatch(const std::vector<Tensor>& batch) const;
+  // `labels`: whether label inputs are checked (not when predicting).
+  Status CheckBatch(const std::vector<Tensor>& batch, bool labels = true) const;
   // Rows [first, first + rows) of a batch tensor, uploaded.
   Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
   Status PrepareStepGraph();
@@ -178,6 +182,8 @@ class Gpt2Trainer {
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
   std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
+  // Forward-only graphs of the plan's batch: a graph and its handle.
+  std::optional<std::pair<ForwardGraph, int>> predict_graph_;
   // One task of `op` per state object (WriteState, CopyState): where it runs, and its file.
   struct StateTask {
     WorkerId worker;

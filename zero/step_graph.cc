@@ -873,9 +873,14 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
   TESSERA_ASSIGN_OR_RETURN(const size_t loss_layer, model.LossLayer());
   const LayerSpec& loss = model.layers[loss_layer];
-  if (predict && loss.predict_op.empty()) {
-    return InvalidArgument("model '{}' has no prediction op on its loss layer '{}'", model.name,
-                           loss.name);
+  // Without a prediction op, the prediction is what the loss layer reads first (the logits).
+  const LayerArg* predicted = nullptr;
+  for (const LayerArg& arg : loss.forward_args) {
+    if (arg.kind == LayerArg::Kind::kActivation && predicted == nullptr) predicted = &arg;
+  }
+  if (predict && loss.predict_op.empty() && predicted == nullptr) {
+    return InvalidArgument("model '{}' cannot predict: its loss layer '{}' reads no layer",
+                           model.name, loss.name);
   }
   GraphBuilder builder(registry);
   ForwardGraph result;
@@ -895,6 +900,10 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& layer = model.layers[l];
     const bool predicting = predict && l == loss_layer;
+    if (predicting && layer.predict_op.empty()) {
+      outputs[l] = {outputs[predicted->index][static_cast<size_t>(predicted->output)]};
+      break;
+    }
     std::vector<ObjectId> args;
     for (const LayerArg& arg : layer.forward_args) {
       switch (arg.kind) {

@@ -167,7 +167,8 @@ struct ForwardGraph {
 // `param_multiple` (as a ZeRO step graph's group_numel).
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
                                   const OpRegistry& registry, int64_t param_multiple = 1);
-// Logits of a batch (for sampling).
+// The model's prediction for a batch (label inputs not fed): the loss layer's predict_op
+// (GPT-2's logits, for sampling), else what the loss layer reads first (a U-Net's logits).
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
                                 const OpRegistry& registry, int64_t param_multiple = 1);
 
