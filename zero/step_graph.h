@@ -1,7 +1,8 @@
 // Planners: a model description plus a plan -> the step graph, with placements.
 //
-// PlanTrainingStep builds one training step of a GPT-2 ModelSpec as a graph of layer-sized
-// tasks over objects. On one worker:
+// PlanTrainingStep builds one training step of any ModelSpec (zero/model.h: each layer a forward
+// and a backward task wired by its LayerSpec) as a graph of layer-sized tasks over objects.
+// For GPT-2 (DescribeGpt2), on one worker:
 //
 //   embedding/forward ─► h.0/forward ─► … ─► h.{L-1}/forward ─► head/forward (loss, dlogits)
 //                                                                  │
