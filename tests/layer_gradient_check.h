@@ -1,0 +1,18 @@
+// A layer's backward checked against finite differences of its forward, for tests of models
+// (the model API's derived backwards, GPT-2's fused layers).
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+#include "zero/model.h"
+
+namespace tessera::testing {
+
+// Runs `layer`'s forward op on `args` (its forward arguments, parameter groups included) and its
+// backward op, and checks each gradient the backward returns on a sample of elements against
+// central differences of L = <G, outputs> for random G (the loss itself for the loss layer).
+// Reports failures through gtest, naming the layer and the argument.
+void ExpectLayerGradientsMatchFiniteDifferences(const LayerSpec& layer, std::vector<Tensor> args);
+
+}  // namespace tessera::testing
