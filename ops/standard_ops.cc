@@ -279,6 +279,48 @@ Status AddLinearOps(OpRegistry& r) {
             return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
           },
   }));
+  // The tied classifier: logits = x @ weight^T with no bias (weight is another layer's wte).
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "linear_no_bias_forward",
+      .doc = "out = x @ weight^T, weight [OC, K] (a linear without bias: a tied classifier)",
+      .input_names = {"x", "weight"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
+        const int64_t k = in[0].shape[-1];
+        if (in[1].shape.rank() != 2 || in[1].shape[1] != k) {
+          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
+                                 in[1].shape.ToString(), in[0].shape.ToString(), k);
+        }
+        return Metas{F32(WithLastDim(in[0].shape, in[1].shape[0]))};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
+          },
+      .gradient = Rule("linear_no_bias_backward", {OutGrad(0), In(0), In(1)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "linear_no_bias_backward",
+      .input_names = {"dout", "x", "weight"},
+      .output_names = {"dx", "dweight"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[1], 1));
+        const int64_t k = in[1].shape[-1];
+        if (in[2].shape.rank() != 2 || in[2].shape[1] != k) {
+          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
+                                 in[2].shape.ToString(), in[1].shape.ToString(), k);
+        }
+        TESSERA_RETURN_IF_ERROR(
+            CheckShape("dout", in[0], WithLastDim(in[1].shape, in[2].shape[0])));
+        return Metas{in[1], in[2]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
+          },
+  }));
   auto matmul_dims = [](const Metas& in, int a, int b) -> Status {
     TESSERA_RETURN_IF_ERROR(CheckDType("a", in[a], DType::kF32));
     TESSERA_RETURN_IF_ERROR(CheckDType("b", in[b], DType::kF32));

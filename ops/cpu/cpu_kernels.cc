@@ -108,6 +108,21 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(
+      Register(r, "linear_no_bias_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LinearForward(F(out[0]), F(in[0]), F(in[1]), nullptr, nullptr, Rows(in[0]),
+                                    LastDim(in[0]), in[1].shape()[0], ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "linear_no_bias_backward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::LinearBackward(F(out[0]), F(out[1]), nullptr, F(in[0]), F(in[1]), F(in[2]),
+                                     Rows(in[1]), LastDim(in[1]), in[2].shape()[0], false,
+                                     ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
       Register(r, "matmul_forward",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
                  cpu::MatmulForward(F(out[0]), F(in[0]), F(in[1]), in[0].shape()[0],

@@ -150,6 +150,19 @@ TEST(OpGradientTest, Linear) {
   });
 }
 
+TEST(OpGradientTest, LinearNoBias) {
+  CheckGradients({
+      .forward = "linear_no_bias_forward",
+      .backward = "linear_no_bias_backward",
+      .inputs = {RandomTensor({2, 3, 8}, 1), RandomTensor({12, 8}, 2)},
+      .differentiable_outputs = {0},
+      .checked = {{0, 0}, {1, 1}},
+      .backward_inputs = [](const Tensors& in, const Tensors&, const Tensors& g) -> Tensors {
+        return {g[0], in[0], in[1]};
+      },
+  });
+}
+
 TEST(OpGradientTest, Matmul) {
   CheckGradients({
       .forward = "matmul_forward",
@@ -389,27 +402,15 @@ TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {
 }
 
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
-  const std::set<std::string> checked_here = {"embedding_forward",
-                                              "embedding_backward",
-                                              "layernorm_forward",
-                                              "layernorm_backward",
-                                              "linear_forward",
-                                              "linear_backward",
-                                              "matmul_forward",
-                                              "matmul_backward",
-                                              "attention_forward",
-                                              "attention_backward",
-                                              "gelu_forward",
-                                              "gelu_backward",
-                                              "add_forward",
-                                              "add_backward",
-                                              "gpt2_embedding_forward",
-                                              "gpt2_embedding_backward",
-                                              "gpt2_block_forward",
-                                              "gpt2_block_backward",
-                                              "gpt2_head_forward",
-                                              "gpt2_head_backward",
-                                              "softmax_cross_entropy"};
+  const std::set<std::string> checked_here = {
+      "embedding_forward",      "embedding_backward",      "layernorm_forward",
+      "layernorm_backward",     "linear_forward",          "linear_backward",
+      "linear_no_bias_forward", "linear_no_bias_backward", "matmul_forward",
+      "matmul_backward",        "attention_forward",       "attention_backward",
+      "gelu_forward",           "gelu_backward",           "add_forward",
+      "add_backward",           "gpt2_embedding_forward",  "gpt2_embedding_backward",
+      "gpt2_block_forward",     "gpt2_block_backward",     "gpt2_head_forward",
+      "gpt2_head_backward",     "softmax_cross_entropy"};
   // The volume ops are checked in volume_ops_test.cc (which checks that each has a test).
   OpRegistry volume_ops;
   ASSERT_OK(RegisterVolumeOps(volume_ops));
