@@ -29,6 +29,13 @@ LayerValue LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bo
         "declares parameter '{}' after its first op: declare every parameter first", name));
     return LayerValue{};
   }
+  if (!shared_.empty()) {
+    errors_.push_back(
+        fmt::format("declares parameter '{}' after a shared parameter: declare its own "
+                    "parameters first",
+                    name));
+    return LayerValue{};
+  }
   for (const FlatSlot& slot : program_.params.slots()) {
     if (slot.name == name) {
       errors_.push_back(fmt::format("declares parameter '{}' twice", name));
@@ -46,6 +53,23 @@ LayerValue LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bo
   }
   program_.params.Add(std::move(name), std::move(shape), decay);
   init_.push_back(init);
+  return LayerValue{values_++};
+}
+
+LayerValue LayerBuilder::SharedParam(std::string layer, std::string param) {
+  if (!program_.ops.empty()) {
+    errors_.push_back(fmt::format(
+        "reads parameter '{}' of layer '{}' after its first op: declare every parameter first",
+        param, layer));
+    return LayerValue{};
+  }
+  const int first = program_.inputs + static_cast<int>(program_.params.slots().size());
+  for (size_t i = 0; i < shared_.size(); ++i) {
+    if (shared_[i].first == layer && shared_[i].second == param) {
+      return LayerValue{first + static_cast<int>(i)};
+    }
+  }
+  shared_.emplace_back(std::move(layer), std::move(param));
   return LayerValue{values_++};
 }
 
@@ -97,6 +121,12 @@ ModelValue ModelBuilder::Input(std::string name, DType dtype, Shape example, boo
   return ModelValue{.input = static_cast<int>(inputs_.size()) - 1};
 }
 
+ModelValue ModelBuilder::SequenceInput(std::string name, DType dtype, Shape example, bool label) {
+  ModelValue value = Input(std::move(name), dtype, std::move(example), label);
+  inputs_.back().sequence = true;
+  return value;
+}
+
 ModelValue ModelBuilder::LayerOutput(std::string layer, int output) {
   return ModelValue{.layer = std::move(layer), .output = output};
 }
@@ -122,6 +152,7 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
   builder.program_.loss = loss;
   layer.program = std::move(builder.program_);
   layer.init = std::move(builder.init_);
+  layer.shared = std::move(builder.shared_);
   layers_.push_back(std::move(layer));
 }
 
@@ -144,6 +175,65 @@ void ModelBuilder::Loss(std::string name, std::vector<ModelValue> inputs,
   Declare(
       std::move(name), std::move(inputs),
       [&](LayerBuilder& l) { return std::vector<LayerValue>{define(l)}; }, /*loss=*/true);
+}
+
+Result<LayerProgram> ModelBuilder::ResolveShared(const DeclaredLayer& layer,
+                                                 const std::map<std::string, size_t>& by_name,
+                                                 std::vector<size_t>& owners) const {
+  LayerProgram program = layer.program;
+  // Provisional value of each SharedParam call -> (group, slot); groups in order of first use.
+  std::vector<std::pair<size_t, int>> where;
+  for (const auto& [owner_name, param] : layer.shared) {
+    auto it = by_name.find(owner_name);
+    if (it == by_name.end()) {
+      return InvalidArgument(
+          "model '{}': layer '{}' reads parameter '{}' of layer '{}', which is not declared", name_,
+          layer.name, param, owner_name);
+    }
+    const DeclaredLayer& owner = layers_[it->second];
+    if (owner_name == layer.name) {
+      return InvalidArgument(
+          "model '{}': layer '{}' reads its own parameter '{}' as shared: use "
+          "the value Param returned",
+          name_, layer.name, param);
+    }
+    if (owner.loss) {
+      return InvalidArgument("model '{}': layer '{}' reads parameter '{}' of the loss layer '{}'",
+                             name_, layer.name, param, owner_name);
+    }
+    const std::vector<FlatSlot>& slots = owner.program.params.slots();
+    auto slot = std::find_if(slots.begin(), slots.end(),
+                             [&](const FlatSlot& s) { return s.name == param; });
+    if (slot == slots.end()) {
+      std::vector<std::string> names;
+      for (const FlatSlot& s : slots) names.push_back(s.name);
+      return InvalidArgument(
+          "model '{}': layer '{}' reads parameter '{}' of layer '{}', which has no parameter of "
+          "that name (it has: {})",
+          name_, layer.name, param, owner_name,
+          names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", ")));
+    }
+    size_t group = 0;
+    while (group < owners.size() && owners[group] != it->second) ++group;
+    if (group == owners.size()) {
+      owners.push_back(it->second);
+      program.shared.push_back(SharedGroup{.layer = owner_name, .params = owner.program.params});
+    }
+    program.shared[group].slots.push_back(static_cast<int>(slot - slots.begin()));
+    where.emplace_back(group, static_cast<int>(program.shared[group].slots.size()) - 1);
+  }
+  // Renumber the shared values from call order to group order.
+  const int first = program.inputs + static_cast<int>(program.params.slots().size());
+  auto renumber = [&](int& value) {
+    if (value < first || value >= first + static_cast<int>(where.size())) return;
+    const auto& [group, index] = where[static_cast<size_t>(value - first)];
+    value = program.first_shared(group) + index;
+  };
+  for (ProgramOp& op : program.ops) {
+    for (int& value : op.inputs) renumber(value);
+  }
+  for (int& value : program.outputs) renumber(value);
+  return program;
 }
 
 Result<ModelSpec> ModelBuilder::Build() const {
@@ -186,6 +276,14 @@ Result<ModelSpec> ModelBuilder::Build() const {
       }
       producers[i].push_back(it->second);
     }
+  }
+  // Each layer's program with its shared groups; their owners run first.
+  std::vector<LayerProgram> programs;
+  std::vector<std::vector<size_t>> owners(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ResolveShared(layers_[i], by_name, owners[i]));
+    programs.push_back(std::move(program));
+    for (size_t owner : owners[i]) producers[i].push_back(owner);
   }
   // Topological order, declaration order among the ready; what is left is on or behind a cycle.
   std::vector<size_t> order;
@@ -232,7 +330,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
   std::vector<std::vector<TensorMeta>> output_metas(layers_.size());
   for (size_t k = 0; k < order.size(); ++k) {
     const DeclaredLayer& declared = layers_[order[k]];
-    LayerProgram program = declared.program;
+    LayerProgram program = programs[order[k]];
     LayerSpec layer;
     layer.name = declared.name;
     layer.params = program.params;
@@ -277,6 +375,11 @@ Result<ModelSpec> ModelBuilder::Build() const {
     }
     const bool has_params = program.params.numel() > 0;
     if (has_params) layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
+    // The shared groups' arguments, after the layer's own group.
+    const size_t first_shared = layer.forward_args.size();
+    for (size_t owner : owners[order[k]]) {
+      layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, index_of[owner], 0});
+    }
     layer.activations = static_cast<int>(program.outputs.size());
     using B = BackwardArg::Kind;
     if (!declared.loss) {
@@ -289,8 +392,14 @@ Result<ModelSpec> ModelBuilder::Build() const {
     }
     layer.backward_args.push_back({B::kForwardOutput, static_cast<size_t>(layer.activations)});
     if (has_params) layer.backward_args.push_back({B::kForwardArg, declared.inputs.size()});
+    for (size_t g = 0; g < program.shared.size(); ++g) {
+      layer.backward_args.push_back({B::kForwardArg, first_shared + g});
+    }
     for (int a : program.gradient_inputs) layer.backward_outputs.push_back(static_cast<size_t>(a));
     if (has_params) layer.backward_outputs.push_back(declared.inputs.size());
+    for (size_t g = 0; g < program.shared.size(); ++g) {
+      layer.backward_outputs.push_back(first_shared + g);
+    }
     layer.attrs.Set(kProgramAttr, program.Encode());
     model.layers.push_back(std::move(layer));
   }

@@ -20,13 +20,18 @@
 //
 // Layers may read any earlier layer's output (skip connections), or a layer declared later by
 // name (LayerOutput): Build orders the layers and refuses a cycle, naming the layers on it.
+// A layer may also read another layer's parameter (SharedParam: GPT-2's classifier is the
+// embedding's wte): the owner keeps it in its group, runs before the reader, and the group's
+// gradient is the sum of both layers' parts.
 // Shapes are inferred when the model is built, with the inputs' example shapes: an op given
 // the wrong shapes is refused naming the layer, the op and the shapes. A layer's parameters are
 // one flat group (what ZeRO shards), its tensors named "<layer>.<param>" in checkpoints.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/attrs.h"
@@ -51,7 +56,13 @@ class LayerBuilder {
   // The layer's i-th input, in the order the layer was given them.
   LayerValue input(int i);
   // A parameter of the layer (f32), initialised by `init`; `decay`: AdamW decays it.
+  // REQUIRES (else Build refuses): before the layer's shared parameters and first op.
   LayerValue Param(std::string name, Shape shape, ParamInit init, bool decay = false);
+  // Parameter `param` of the layer named `layer` (another layer of the model, declared before
+  // or after this one): read here, owned and initialised there. Build refuses an unknown
+  // layer or parameter, naming them, and a layer reading its own or the loss layer's.
+  // REQUIRES (else Build refuses): after the layer's own parameters, before its first op.
+  LayerValue SharedParam(std::string layer, std::string param);
   // Runs `op` on `inputs`: all its outputs.
   std::vector<LayerValue> CallAll(std::string op, std::vector<LayerValue> inputs, Attrs attrs = {},
                                   std::string label = "");
@@ -64,8 +75,10 @@ class LayerBuilder {
   LayerBuilder(const OpRegistry& registry, int inputs);
 
   const OpRegistry& registry_;
-  LayerProgram program_;
+  LayerProgram program_;  // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
+  // SharedParam calls (layer, param), in order: values after the parameters, in this order.
+  std::vector<std::pair<std::string, std::string>> shared_;
   int values_ = 0;
   std::vector<std::string> errors_;
 };
@@ -88,6 +101,9 @@ class ModelBuilder {
   // A tensor fed each step. `example`: its shape, dimension 0 the batch (any value: the planner
   // sets the micro-batch). `label`: read by the loss only (targets), not fed when predicting.
   ModelValue Input(std::string name, DType dtype, Shape example, bool label = false);
+  // A token-like input whose dimension 1 is the sequence: the plan's seq_len (at most
+  // example[1]) replaces it, as for GPT-2's tokens and targets.
+  ModelValue SequenceInput(std::string name, DType dtype, Shape example, bool label = false);
   // A layer reading `inputs`; returns its first output.
   ModelValue Layer(std::string name, std::vector<ModelValue> inputs, SingleOutputLayerFn define);
   // A layer with several outputs (Output(name, i) reads output i).
@@ -107,9 +123,15 @@ class ModelBuilder {
     std::vector<ModelValue> inputs;
     LayerProgram program;
     std::vector<ParamInit> init;
+    std::vector<std::pair<std::string, std::string>> shared;  // LayerBuilder::shared_
     std::vector<std::string> errors;
     bool loss = false;
   };
+  // The layer's program with its shared groups resolved against the owners' layouts, and the
+  // owners' indices (one per group). InvalidArgument naming the layer and what is missing.
+  Result<LayerProgram> ResolveShared(const DeclaredLayer& layer,
+                                     const std::map<std::string, size_t>& by_name,
+                                     std::vector<size_t>& owners) const;
   void Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define, bool loss);
 
   std::string name_;

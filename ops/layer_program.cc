@@ -14,13 +14,19 @@
 namespace tessera {
 
 int LayerProgram::num_values() const {
-  int values = inputs + static_cast<int>(params.slots().size());
+  int values = num_leaf_values();
   for (const ProgramOp& op : ops) values += op.outputs;
   return values;
 }
 
-int LayerProgram::first_output(size_t op) const {
+int LayerProgram::first_shared(size_t group) const {
   int value = inputs + static_cast<int>(params.slots().size());
+  for (size_t g = 0; g < group; ++g) value += static_cast<int>(shared[g].slots.size());
+  return value;
+}
+
+int LayerProgram::first_output(size_t op) const {
+  int value = num_leaf_values();
   for (size_t i = 0; i < op; ++i) value += ops[i].outputs;
   return value;
 }
@@ -107,20 +113,54 @@ constexpr int64_t kMaxItems = 1 << 20;
 
 }  // namespace
 
+namespace {
+
+void PutLayout(std::string& out, const FlatLayout& layout) {
+  PutInt(out, static_cast<int64_t>(layout.slots().size()));
+  for (const FlatSlot& slot : layout.slots()) {
+    PutString(out, slot.name);
+    PutInt(out, slot.weight_decay ? 1 : 0);
+    PutInt(out, slot.shape.rank());
+    for (int64_t d : slot.shape.dims()) PutInt(out, d);
+  }
+}
+
+Result<FlatLayout> ReadLayout(Reader& in) {
+  FlatLayout layout;
+  TESSERA_ASSIGN_OR_RETURN(int64_t slots, in.Count(kMaxItems));
+  for (int64_t i = 0; i < slots; ++i) {
+    TESSERA_ASSIGN_OR_RETURN(std::string name, in.String());
+    TESSERA_ASSIGN_OR_RETURN(int64_t decay, in.Count(1));
+    TESSERA_ASSIGN_OR_RETURN(int64_t rank, in.Count(8));
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d < rank; ++d) {
+      TESSERA_ASSIGN_OR_RETURN(int64_t dim, in.Count(int64_t{1} << 40));
+      dims.push_back(dim);
+    }
+    layout.Add(std::move(name), Shape(std::move(dims)), decay == 1);
+  }
+  return layout;
+}
+
+}  // namespace
+
+// Version 2 added the shared groups ("S"); version 1 text is refused rather than misread.
 std::string LayerProgram::Encode() const {
-  std::string out = "LP1 ";
+  std::string out = "LP2 ";
   PutInt(out, inputs);
   PutInt(out, loss ? 1 : 0);
   out += "G ";
   PutInt(out, static_cast<int64_t>(gradient_inputs.size()));
   for (int i : gradient_inputs) PutInt(out, i);
   out += "P ";
-  PutInt(out, static_cast<int64_t>(params.slots().size()));
-  for (const FlatSlot& slot : params.slots()) {
-    PutString(out, slot.name);
-    PutInt(out, slot.weight_decay ? 1 : 0);
-    PutInt(out, slot.shape.rank());
-    for (int64_t d : slot.shape.dims()) PutInt(out, d);
+  PutLayout(out, params);
+  out += "S ";
+  PutInt(out, static_cast<int64_t>(shared.size()));
+  for (const SharedGroup& group : shared) {
+    PutString(out, group.layer);
+    PutLayout(out, group.params);
+    PutInt(out, static_cast<int64_t>(group.slots.size()));
+    for (int slot : group.slots) PutInt(out, slot);
   }
   out += "O ";
   PutInt(out, static_cast<int64_t>(ops.size()));
@@ -162,7 +202,7 @@ std::string LayerProgram::Encode() const {
 Result<LayerProgram> LayerProgram::Decode(std::string_view text) {
   Reader in(text);
   LayerProgram program;
-  TESSERA_RETURN_IF_ERROR(in.Expect("LP1"));
+  TESSERA_RETURN_IF_ERROR(in.Expect("LP2"));
   TESSERA_ASSIGN_OR_RETURN(int64_t inputs, in.Count(kMaxItems));
   program.inputs = static_cast<int>(inputs);
   TESSERA_ASSIGN_OR_RETURN(int64_t loss, in.Count(1));
@@ -174,21 +214,24 @@ Result<LayerProgram> LayerProgram::Decode(std::string_view text) {
     program.gradient_inputs.push_back(static_cast<int>(input));
   }
   TESSERA_RETURN_IF_ERROR(in.Expect("P"));
-  TESSERA_ASSIGN_OR_RETURN(int64_t slots, in.Count(kMaxItems));
-  for (int64_t i = 0; i < slots; ++i) {
-    TESSERA_ASSIGN_OR_RETURN(std::string name, in.String());
-    TESSERA_ASSIGN_OR_RETURN(int64_t decay, in.Count(1));
-    TESSERA_ASSIGN_OR_RETURN(int64_t rank, in.Count(8));
-    std::vector<int64_t> dims;
-    for (int64_t d = 0; d < rank; ++d) {
-      TESSERA_ASSIGN_OR_RETURN(int64_t dim, in.Count(int64_t{1} << 40));
-      dims.push_back(dim);
+  TESSERA_ASSIGN_OR_RETURN(program.params, ReadLayout(in));
+  TESSERA_RETURN_IF_ERROR(in.Expect("S"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t groups, in.Count(kMaxItems));
+  for (int64_t g = 0; g < groups; ++g) {
+    SharedGroup group;
+    TESSERA_ASSIGN_OR_RETURN(group.layer, in.String());
+    TESSERA_ASSIGN_OR_RETURN(group.params, ReadLayout(in));
+    const int64_t slots = static_cast<int64_t>(group.params.slots().size());
+    TESSERA_ASSIGN_OR_RETURN(int64_t used, in.Count(slots));
+    for (int64_t i = 0; i < used; ++i) {
+      TESSERA_ASSIGN_OR_RETURN(int64_t slot, in.Count(slots - 1));
+      group.slots.push_back(static_cast<int>(slot));
     }
-    program.params.Add(std::move(name), Shape(std::move(dims)), decay == 1);
+    program.shared.push_back(std::move(group));
   }
   TESSERA_RETURN_IF_ERROR(in.Expect("O"));
   TESSERA_ASSIGN_OR_RETURN(int64_t ops, in.Count(kMaxItems));
-  int values = program.inputs + static_cast<int>(slots);
+  int values = program.num_leaf_values();
   for (int64_t i = 0; i < ops; ++i) {
     ProgramOp op;
     TESSERA_ASSIGN_OR_RETURN(op.op, in.String());
@@ -275,6 +318,13 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     shapes.values.push_back(TensorMeta{slot.shape, DType::kF32, device});
     shapes.needs_gradient.push_back(true);
   }
+  for (const SharedGroup& group : program.shared) {
+    for (int slot : group.slots) {
+      shapes.values.push_back(
+          TensorMeta{group.params.slots()[static_cast<size_t>(slot)].shape, DType::kF32, device});
+      shapes.needs_gradient.push_back(true);
+    }
+  }
   // Values the backward reads: what each rule on the gradient's path takes from its forward.
   std::vector<bool> read_by_backward(static_cast<size_t>(program.num_values()), false);
   for (const ProgramOp& op : program.ops) {
@@ -324,7 +374,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     return InvalidArgument("a loss layer's first output must be an f32 scalar, got {}",
                            shapes.values[static_cast<size_t>(program.outputs[0])].ToString());
   }
-  const int made = program.inputs + static_cast<int>(program.params.slots().size());
+  const int made = program.num_leaf_values();
   int64_t bytes = 0;
   for (int v = made; v < program.num_values(); ++v) {
     if (!read_by_backward[static_cast<size_t>(v)]) continue;
@@ -354,24 +404,54 @@ int GradientInputs(const LayerProgram& program) {
   return static_cast<int>(program.outputs.size()) - (program.loss ? 1 : 0);
 }
 
-Status CheckParams(const LayerProgram& program, const TensorMeta& params, const Attrs& attrs) {
+// A parameter group of `layout`, padded to the attribute param_multiple.
+Status CheckGroup(const FlatLayout& layout, const TensorMeta& group, const Attrs& attrs,
+                  std::string_view what) {
   const int64_t multiple = std::max<int64_t>(1, attrs.GetInt(kParamMultipleAttr, 1));
-  const int64_t want = PaddedNumel(program.params.numel(), multiple);
-  if (params.dtype != DType::kF32 || params.shape.rank() != 1 || params.numel() != want) {
-    return InvalidArgument("the parameter group is {} but the layer's parameters need f32 [{}]",
-                           params.ToString(), want);
+  const int64_t want = PaddedNumel(layout.numel(), multiple);
+  if (group.dtype != DType::kF32 || group.shape.rank() != 1 || group.numel() != want) {
+    return InvalidArgument("{} is {} but needs f32 [{}]", what, group.ToString(), want);
   }
   return Status::Ok();
+}
+
+Status CheckParams(const LayerProgram& program, const TensorMeta& params, const Attrs& attrs) {
+  return CheckGroup(program.params, params, attrs, "the layer's parameter group");
+}
+
+// The shared groups, the metas from `first` on.
+Status CheckShared(const LayerProgram& program, const Metas& in, size_t first, const Attrs& attrs) {
+  for (size_t g = 0; g < program.shared.size(); ++g) {
+    TESSERA_RETURN_IF_ERROR(
+        CheckGroup(program.shared[g].params, in[first + g], attrs,
+                   fmt::format("the parameter group of '{}' (shared)", program.shared[g].layer)));
+  }
+  return Status::Ok();
+}
+
+// Groups after the layer inputs: its own (if it has parameters), then the shared ones.
+size_t Groups(const LayerProgram& program) {
+  return (HasParams(program) ? 1 : 0) + program.shared.size();
+}
+
+std::string GroupsText(const LayerProgram& program) {
+  std::string text = HasParams(program) ? " and its parameter group" : "";
+  if (!program.shared.empty()) {
+    text += fmt::format(" and {} shared parameter group(s)", program.shared.size());
+  }
+  return text;
 }
 
 Result<Metas> InferForward(const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  if (in.size() != layer_inputs + (HasParams(program) ? 1 : 0)) {
+  if (in.size() != layer_inputs + Groups(program)) {
     return InvalidArgument("the layer takes {} input(s){}, got {}", layer_inputs,
-                           HasParams(program) ? " and its parameter group" : "", in.size());
+                           GroupsText(program), in.size());
   }
-  if (HasParams(program)) TESSERA_RETURN_IF_ERROR(CheckParams(program, in.back(), attrs));
+  if (HasParams(program)) TESSERA_RETURN_IF_ERROR(CheckParams(program, in[layer_inputs], attrs));
+  TESSERA_RETURN_IF_ERROR(
+      CheckShared(program, in, layer_inputs + (HasParams(program) ? 1 : 0), attrs));
   const Metas inputs(in.begin(), in.begin() + static_cast<long>(layer_inputs));
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
   Metas out;
@@ -385,12 +465,12 @@ Result<Metas> InferBackward(const OpRegistry& registry, const Metas& in, const A
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t want = grads + layer_inputs + 1 + (HasParams(program) ? 1 : 0);
+  const size_t want = grads + layer_inputs + 1 + Groups(program);
   if (in.size() != want) {
     return InvalidArgument(
         "the layer's backward takes {} output gradient(s), {} input(s), the saved buffer{}: {} "
         "in all, got {}",
-        grads, layer_inputs, HasParams(program) ? " and the parameter group" : "", want, in.size());
+        grads, layer_inputs, GroupsText(program), want, in.size());
   }
   const Metas inputs(in.begin() + static_cast<long>(grads),
                      in.begin() + static_cast<long>(grads + layer_inputs));
@@ -410,10 +490,13 @@ Result<Metas> InferBackward(const OpRegistry& registry, const Metas& in, const A
   }
   Metas out;
   for (int i : program.gradient_inputs) out.push_back(inputs[static_cast<size_t>(i)]);
+  size_t group = grads + layer_inputs + 1;
   if (HasParams(program)) {
-    TESSERA_RETURN_IF_ERROR(CheckParams(program, in.back(), attrs));
-    out.push_back(in.back());
+    TESSERA_RETURN_IF_ERROR(CheckParams(program, in[group], attrs));
+    out.push_back(in[group++]);
   }
+  TESSERA_RETURN_IF_ERROR(CheckShared(program, in, group, attrs));
+  for (size_t g = 0; g < program.shared.size(); ++g) out.push_back(in[group + g]);
   return out;
 }
 
@@ -524,6 +607,27 @@ Tensor ParamView(const Tensor& group, const FlatSlot& slot) {
                 ByteOffset(group) + slot.offset * 4);
 }
 
+// Views of the parameter values: the layer's group, then the shared groups, in `in` from
+// `first` on.
+void BindParams(const LayerProgram& program, const Tensors& in, size_t first,
+                std::vector<Tensor>& values) {
+  size_t group = first;
+  if (HasParams(program)) {
+    for (size_t s = 0; s < program.params.slots().size(); ++s) {
+      values[static_cast<size_t>(program.first_param()) + s] =
+          ParamView(in[group], program.params.slots()[s]);
+    }
+    ++group;
+  }
+  for (size_t g = 0; g < program.shared.size(); ++g, ++group) {
+    const SharedGroup& shared = program.shared[g];
+    for (size_t i = 0; i < shared.slots.size(); ++i) {
+      values[static_cast<size_t>(program.first_shared(g)) + i] =
+          ParamView(in[group], shared.params.slots()[static_cast<size_t>(shared.slots[i])]);
+    }
+  }
+}
+
 Status CheckRegistry(const KernelContext& context) {
   if (context.registry == nullptr) {
     return Internal("a layer program ran without a registry in its kernel context");
@@ -542,10 +646,7 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
   std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
   for (int i = 0; i < program.inputs; ++i)
     values[static_cast<size_t>(i)] = in[static_cast<size_t>(i)];
-  for (size_t s = 0; s < program.params.slots().size(); ++s) {
-    values[static_cast<size_t>(program.first_param()) + s] =
-        ParamView(in.back(), program.params.slots()[s]);
-  }
+  BindParams(program, in, static_cast<size_t>(program.inputs), values);
   // Values kept for the backward are made in their place in `saved`; the rest in scratch.
   const Tensor& saved = out.back();
   for (size_t i = 0; i < shapes.saved.size(); ++i) {
@@ -601,6 +702,19 @@ class GradientSums {
   std::vector<bool> owned_;
 };
 
+// Writes the gradients of `values` (sums per value; missing ones are zero) into `group`, laid
+// out as `layout`, the rest (other slots, padding) zero.
+void WriteGroupGradient(const GradientSums& sums, const FlatLayout& layout,
+                        const std::vector<int>& slots, int first_value, const Tensor& group) {
+  std::memset(group.raw_data(), 0, static_cast<size_t>(group.bytes()));
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const Tensor& sum = sums.of(first_value + static_cast<int>(i));
+    if (!sum.defined()) continue;
+    const Tensor slice = ParamView(group, layout.slots()[static_cast<size_t>(slots[i])]);
+    std::memcpy(slice.raw_data(), sum.raw_data(), static_cast<size_t>(slice.bytes()));
+  }
+}
+
 Status BackwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
                       const Tensors& out, const Attrs& attrs) {
   TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
@@ -617,10 +731,7 @@ Status BackwardKernel(DeviceKind device, const KernelContext& context, const Ten
   for (size_t i = 0; i < shapes.saved.size(); ++i) {
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
-  for (size_t s = 0; s < program.params.slots().size(); ++s) {
-    values[static_cast<size_t>(program.first_param()) + s] =
-        ParamView(in.back(), program.params.slots()[s]);
-  }
+  BindParams(program, in, grads + layer_inputs + 1, values);
 
   GradientSums sums(context, device, values.size());
   if (program.loss) {
@@ -690,14 +801,13 @@ Status BackwardKernel(DeviceKind device, const KernelContext& context, const Ten
     }
   }
   if (HasParams(program)) {
-    const Tensor& group = out[next];
-    std::memset(group.raw_data(), 0, static_cast<size_t>(group.bytes()));
-    for (size_t s = 0; s < program.params.slots().size(); ++s) {
-      const Tensor& sum = sums.of(program.first_param() + static_cast<int>(s));
-      if (!sum.defined()) continue;
-      const Tensor slice = ParamView(group, program.params.slots()[s]);
-      std::memcpy(slice.raw_data(), sum.raw_data(), static_cast<size_t>(slice.bytes()));
-    }
+    std::vector<int> every(program.params.slots().size());
+    for (size_t s = 0; s < every.size(); ++s) every[s] = static_cast<int>(s);
+    WriteGroupGradient(sums, program.params, every, program.first_param(), out[next++]);
+  }
+  for (size_t g = 0; g < program.shared.size(); ++g) {
+    const SharedGroup& shared = program.shared[g];
+    WriteGroupGradient(sums, shared.params, shared.slots, program.first_shared(g), out[next++]);
   }
   return Status::Ok();
 }

@@ -2,19 +2,23 @@
 // backward derived from the ops' gradient rules (OpDef::gradient), run as another.
 //
 // A program's values are numbered: first the layer's inputs (activations and model inputs),
-// then its parameters (views of one flat f32 group, each at an offset), then every op's outputs
-// in op order. The program travels inside the task as a string attribute ("program"), so a
-// worker needs nothing but the registry to run it.
+// then its parameters (views of one flat f32 group, each at an offset), then the parameters it
+// reads from other layers' groups (shared groups, in order; in each, its used slots in order),
+// then every op's outputs in op order. The program travels inside the task as a string
+// attribute ("program"), so a worker needs nothing but the registry to run it.
 //
 //   layer_forward   inputs:  the layer's inputs..., then the parameter group (if it has
-//                            parameters; padded to a multiple of attribute param_multiple)
+//                            parameters; padded to a multiple of attribute param_multiple),
+//                            then each shared group (the owner's whole group, padded alike)
 //                   outputs: the program's outputs..., then `saved`: one flat f32 buffer with
 //                            every value the backward reads that it does not get otherwise
 //   layer_backward  inputs:  the gradient of each output (none for a loss program's output 0,
 //                            whose gradient is attribute grad_scale, default 1), the layer's
-//                            inputs, `saved`, then the parameter group
+//                            inputs, `saved`, then the parameter group, then each shared group
 //                   outputs: the gradient of each of gradient_inputs, then of the parameter
-//                            group (padding zero)
+//                            group (padding zero), then of each shared group: the owner's whole
+//                            group, zero outside the slots this layer reads (the planner sums
+//                            it with the owner's own part: zero/step_graph.cc)
 //
 // The backward walks the ops in reverse. Each op with a gradient rule whose outputs have a
 // gradient runs its backward op; the results are summed per value. Ops on values no gradient
@@ -45,9 +49,18 @@ struct ProgramOp {
   std::string label;  // for messages: "fc1" (the model API's name for the call), or empty
 };
 
+// Parameters of another layer's group that a program reads (GPT-2's classifier reads the
+// embedding's wte): the owner's whole layout, so that each slot's offset is known.
+struct SharedGroup {
+  std::string layer;       // the owner, for messages
+  FlatLayout params;       // the owner's layout
+  std::vector<int> slots;  // indices into params.slots(): the values, in order
+};
+
 struct LayerProgram {
-  int inputs = 0;     // the layer's inputs: values [0, inputs)
-  FlatLayout params;  // values [inputs, inputs + params.slots().size())
+  int inputs = 0;                   // the layer's inputs: values [0, inputs)
+  FlatLayout params;                // values [inputs, inputs + params.slots().size())
+  std::vector<SharedGroup> shared;  // their used slots: the values after the parameters
   std::vector<ProgramOp> ops;
   std::vector<int> outputs;  // values
   bool loss = false;         // outputs[0] is a scalar loss; the backward starts from it
@@ -57,6 +70,10 @@ struct LayerProgram {
 
   int num_values() const;
   int first_param() const { return inputs; }
+  // The value number of shared group g's first used slot.
+  int first_shared(size_t group) const;
+  // Values before the first op's outputs: inputs, parameters and shared parameters.
+  int num_leaf_values() const { return first_shared(shared.size()); }
   // The value number of op i's first output.
   int first_output(size_t op) const;
 

@@ -1,6 +1,7 @@
 // The model API and layer programs: programs survive their encoding; a layer's derived backward
 // agrees with finite differences of its forward (parameters and inputs, a skip connection and a
 // loss included); models with wrong shapes, cycles or unknown ops are refused naming the layer.
+// A parameter shared across layers (a tied classifier) gets the sum of both layers' gradients.
 #include <cmath>
 #include <random>
 
@@ -31,6 +32,7 @@ TEST(LayerProgramTest, EncodingRoundTripsEveryField) {
                                   .label = "fc 1"});
   program.outputs = {4};
   ASSERT_OK_AND_ASSIGN(LayerProgram decoded, LayerProgram::Decode(program.Encode()));
+  EXPECT_TRUE(decoded.shared.empty());
   EXPECT_EQ(decoded.Encode(), program.Encode());
   EXPECT_EQ(decoded.inputs, 2);
   EXPECT_EQ(decoded.gradient_inputs, std::vector<int>{0});
@@ -43,12 +45,46 @@ TEST(LayerProgramTest, EncodingRoundTripsEveryField) {
   EXPECT_EQ(decoded.outputs, std::vector<int>{4});
 }
 
+TEST(LayerProgramTest, SharedGroupsRoundTripAndNumberTheirValuesAfterTheParameters) {
+  LayerProgram program;
+  program.inputs = 1;
+  program.params.Add("g", Shape{4});
+  FlatLayout owner;
+  owner.Add("wte", Shape{10, 4}, true);
+  owner.Add("wpe", Shape{8, 4}, true);
+  program.shared.push_back(SharedGroup{.layer = "embedding", .params = owner, .slots = {0}});
+  program.shared.push_back(SharedGroup{.layer = "other", .params = owner, .slots = {1, 0}});
+  EXPECT_EQ(program.first_shared(0), 2);
+  EXPECT_EQ(program.first_shared(1), 3);
+  EXPECT_EQ(program.num_leaf_values(), 5);
+  program.ops.push_back(ProgramOp{.op = "linear_no_bias_forward", .inputs = {0, 2}});
+  program.outputs = {5};
+  EXPECT_EQ(program.first_output(0), 5);
+  ASSERT_OK_AND_ASSIGN(LayerProgram decoded, LayerProgram::Decode(program.Encode()));
+  EXPECT_EQ(decoded.Encode(), program.Encode());
+  ASSERT_EQ(decoded.shared.size(), 2u);
+  EXPECT_EQ(decoded.shared[0].layer, "embedding");
+  EXPECT_EQ(decoded.shared[1].layer, "other");
+  EXPECT_EQ(decoded.shared[1].slots, (std::vector<int>{1, 0}));
+  EXPECT_EQ(decoded.shared[1].params.offset("wpe"), 40);
+  EXPECT_EQ(decoded.shared[0].params.DecayRanges(), owner.DecayRanges());
+  EXPECT_EQ(decoded.num_values(), 6);
+}
+
 TEST(LayerProgramTest, MalformedTextIsRefused) {
   for (const std::string text :
-       {"", "LP2 0 0", "LP1 1 0 G 0 P 0 O 1 5:noop 0: 1 7 1 0 R 1 1",  // reads value 7
-        "LP1 0 0 G 0 P 0 O 0 R 0", "LP1 0 0 G 0 P 0 O 0 R 1 0 extra"}) {
+       {"", "LP2 0 0", "LP2 1 0 G 0 P 0 S 0 O 1 5:noop 0: 1 7 1 0 R 1 1",  // reads value 7
+        "LP2 0 0 G 0 P 0 S 0 O 0 R 0", "LP2 0 0 G 0 P 0 S 0 O 0 R 1 0 extra",
+        "LP1 0 0 G 0 P 0 O 0 R 1 0",                          // the old version
+        "LP2 0 0 G 0 P 0 S 1 1:e 1 1:w 0 1 4 1 1 O 0 R 1 0",  // uses slot 1 of 1
+        "LP2 0 0 G 0 P 0 S 1 1:e 1 1:w 0 1 4 1 0 O 1 5:noop 0: 1 1 1 0 R 1 1"}) {  // value 1
     EXPECT_FALSE(LayerProgram::Decode(text).ok()) << text;
   }
+  // The last two, corrected, are programs.
+  EXPECT_OK(LayerProgram::Decode("LP2 0 0 G 0 P 0 S 1 1:e 1 1:w 0 1 4 1 0 O 0 R 1 0").status());
+  EXPECT_OK(
+      LayerProgram::Decode("LP2 0 0 G 0 P 0 S 1 1:e 1 1:w 0 1 4 1 0 O 1 5:noop 0: 1 0 1 0 R 1 1")
+          .status());
 }
 
 // A residual MLP block: y = x + fc2(gelu(fc1(layernorm(x)))), parameters in one group.
@@ -80,6 +116,178 @@ Result<ModelSpec> ResidualMlp(int64_t channels, int64_t hidden) {
          l.input(1)});
   });
   return model.Build();
+}
+
+// Two layers sharing a weight, tied as GPT-2's embedding and classifier: "encode" owns
+// w [hidden, features] (h = gelu(x @ w^T + b), and a matrix u it does not use), and the loss
+// layer "classify" reads w through SharedParam to map h back: logits = layernorm(h) @ w.
+constexpr int64_t kTiedRows = 6, kTiedFeatures = 5, kTiedHidden = 7;
+
+Result<ModelSpec> TiedModel() {
+  ModelBuilder model("tied", CpuRegistry());
+  ModelValue x = model.Input("x", DType::kF32, Shape{kTiedRows, kTiedFeatures});
+  ModelValue y = model.Input("y", DType::kI32, Shape{kTiedRows}, /*label=*/true);
+  // Declared before its owner: Build puts the owner first.
+  model.Loss("classify", {ModelBuilder::LayerOutput("encode"), y}, [](LayerBuilder& l) {
+    LayerValue g = l.Param("ln_w", Shape{kTiedHidden}, ParamInit::Ones());
+    LayerValue beta = l.Param("ln_b", Shape{kTiedHidden}, ParamInit::Zeros());
+    LayerValue w = l.SharedParam("encode", "w");
+    EXPECT_EQ(l.SharedParam("encode", "w").id, w.id);  // asked twice: the same value
+    LayerValue normed = l.Call("layernorm_forward", {l.input(0), g, beta});
+    return l.Call("softmax_cross_entropy", {l.Call("matmul_forward", {normed, w}), l.input(1)});
+  });
+  model.Layer("encode", {x}, [](LayerBuilder& l) {
+    LayerValue u = l.Param("u", Shape{3, 2}, ParamInit::Normal(0.5), true);
+    LayerValue w = l.Param("w", Shape{kTiedHidden, kTiedFeatures}, ParamInit::Normal(0.5), true);
+    LayerValue b = l.Param("b", Shape{kTiedHidden}, ParamInit::Zeros());
+    (void)u;
+    return l.Call("gelu_forward", {l.Call("linear_forward", {l.input(0), w, b})});
+  });
+  return model.Build();
+}
+
+TEST(SharedParamTest, TheReaderGetsTheOwnersGroupAndReturnsAGradientOfIt) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, TiedModel());
+  ASSERT_EQ(model.layers.size(), 2u);
+  EXPECT_EQ(model.layers[0].name, "encode");
+  const LayerSpec& classify = model.layers[1];
+  using K = LayerArg::Kind;
+  ASSERT_EQ(classify.forward_args.size(), 4u);  // h, y, its group, encode's group
+  EXPECT_EQ(classify.forward_args[2].kind, K::kParams);
+  EXPECT_EQ(classify.forward_args[2].index, 1u);
+  EXPECT_EQ(classify.forward_args[3].kind, K::kParams);
+  EXPECT_EQ(classify.forward_args[3].index, 0u);
+  EXPECT_EQ(classify.backward_outputs, (std::vector<size_t>{0, 2, 3}));
+  ASSERT_OK_AND_ASSIGN(LayerProgram program,
+                       LayerProgram::Decode(*classify.attrs.GetString(kProgramAttr)));
+  ASSERT_EQ(program.shared.size(), 1u);
+  EXPECT_EQ(program.shared[0].layer, "encode");
+  EXPECT_EQ(program.shared[0].slots, std::vector<int>{1});
+  EXPECT_OK(model.Validate());
+}
+
+// The whole model's loss L(x, y; encode's group, classify's group) against central differences:
+// encode's gradient is its own backward's part plus the classifier's, as the planner sums them.
+TEST(SharedParamTest, BothGroupsGradientsMatchFiniteDifferences) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, TiedModel());
+  const LayerSpec& encode = model.layers[0];
+  const LayerSpec& classify = model.layers[1];
+  const Tensor x = RandomTensor(Shape{kTiedRows, kTiedFeatures}, 1);
+  const Tensor y = RandomTokens(Shape{kTiedRows}, kTiedFeatures, 2);
+  Tensors groups = {RandomTensor(Shape{encode.params.numel()}, 3, 0.5f),
+                    RandomTensor(Shape{classify.params.numel()}, 4, 0.5f)};
+  // Each layer alone, its inputs and groups (the shared one included).
+  ExpectLayerGradientsMatchFiniteDifferences(encode, {x, groups[0]});
+  ExpectLayerGradientsMatchFiniteDifferences(
+      classify, {RandomTensor(Shape{kTiedRows, kTiedHidden}, 5), y, groups[1], groups[0]});
+
+  auto loss = [&](const Tensors& g) {
+    Result<Tensors> h = RunKernel(encode.forward_op, {x, g[0]}, encode.attrs);
+    TESSERA_CHECK(h.ok(), "{}", h.status().ToString());
+    Result<Tensors> out = RunKernel(classify.forward_op, {(*h)[0], y, g[1], g[0]}, classify.attrs);
+    TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
+    return static_cast<double>(*(*out)[0].data<float>());
+  };
+  ASSERT_OK_AND_ASSIGN(Tensors h, RunKernel(encode.forward_op, {x, groups[0]}, encode.attrs));
+  ASSERT_OK_AND_ASSIGN(
+      Tensors out, RunKernel(classify.forward_op, {h[0], y, groups[1], groups[0]}, classify.attrs));
+  // classify's backward: h, y, saved, its group, encode's group -> dh, d(its group), d(encode's).
+  ASSERT_OK_AND_ASSIGN(
+      Tensors head,
+      RunKernel(classify.backward_op, {h[0], y, out[1], groups[1], groups[0]}, classify.attrs));
+  ASSERT_EQ(head.size(), 3u);
+  ASSERT_EQ(head[2].numel(), encode.params.numel());
+  // Zero outside the slot it reads (u, b).
+  const FlatSlot& w = encode.params.slot("w");
+  for (int64_t i = 0; i < head[2].numel(); ++i) {
+    if (i < w.offset || i >= w.offset + w.shape.numel()) {
+      EXPECT_EQ(head[2].data<float>()[i], 0.0f) << i;
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(Tensors body,
+                       RunKernel(encode.backward_op, {head[0], x, h[1], groups[0]}, encode.attrs));
+  ASSERT_EQ(body.size(), 1u);
+  const Tensors analytic = {body[0], head[1]};
+  std::vector<float> encode_sum(static_cast<size_t>(encode.params.numel()));
+  for (size_t i = 0; i < encode_sum.size(); ++i) {
+    encode_sum[i] = body[0].data<float>()[i] + head[2].data<float>()[i];
+  }
+  for (size_t group = 0; group < 2; ++group) {
+    std::vector<float> numeric, computed;
+    float* data = groups[group].data<float>();
+    for (int64_t i = 0; i < groups[group].numel(); ++i) {
+      const float saved = data[i];
+      const float step = 1e-2f;
+      data[i] = saved + step;
+      const double plus = loss(groups);
+      data[i] = saved - step;
+      const double minus = loss(groups);
+      data[i] = saved;
+      numeric.push_back(static_cast<float>((plus - minus) / (2 * step)));
+      computed.push_back(group == 0 ? encode_sum[static_cast<size_t>(i)]
+                                    : analytic[1].data<float>()[i]);
+    }
+    const double error = ScaledMaxError(computed, numeric, 1e-3);
+    EXPECT_LT(error, 2e-2) << "group " << group;
+    std::printf("[ tied ] group %zu: scaled max error against finite differences %.2e\n", group,
+                error);
+  }
+}
+
+TEST(SharedParamTest, AnUnknownLayerOrParameterIsRefusedNamingThem) {
+  auto build = [](std::string owner, std::string param) {
+    ModelBuilder model("tied", CpuRegistry());
+    ModelValue x = model.Input("x", DType::kF32, Shape{4, 3});
+    ModelValue y = model.Input("y", DType::kI32, Shape{4}, true);
+    ModelValue h = model.Layer("encode", {x}, [](LayerBuilder& l) {
+      LayerValue w = l.Param("w", Shape{5, 3}, ParamInit::Normal(0.1));
+      LayerValue b = l.Param("b", Shape{5}, ParamInit::Zeros());
+      return l.Call("linear_forward", {l.input(0), w, b});
+    });
+    model.Loss("classify", {h, y}, [&](LayerBuilder& l) {
+      LayerValue w = l.SharedParam(owner, param);
+      return l.Call("softmax_cross_entropy",
+                    {l.Call("matmul_forward", {l.input(0), w}), l.input(1)});
+    });
+    return model.Build();
+  };
+  ASSERT_OK(build("encode", "w").status());
+  Result<ModelSpec> no_layer = build("encoder", "w");
+  ASSERT_FALSE(no_layer.ok());
+  EXPECT_NE(no_layer.status().ToString().find("layer 'classify' reads parameter 'w' of layer "
+                                              "'encoder', which is not declared"),
+            std::string::npos)
+      << no_layer.status().ToString();
+  Result<ModelSpec> no_param = build("encode", "v");
+  ASSERT_FALSE(no_param.ok());
+  EXPECT_NE(no_param.status().ToString().find("reads parameter 'v' of layer 'encode', which has "
+                                              "no parameter of that name (it has: w, b)"),
+            std::string::npos)
+      << no_param.status().ToString();
+  Result<ModelSpec> own = build("classify", "w");
+  ASSERT_FALSE(own.ok());
+  EXPECT_NE(own.status().ToString().find("'classify'"), std::string::npos);
+}
+
+TEST(SharedParamTest, OwnParametersComeBeforeSharedOnes) {
+  ModelBuilder model("tied", CpuRegistry());
+  ModelValue x = model.Input("x", DType::kF32, Shape{4, 3});
+  ModelValue y = model.Input("y", DType::kI32, Shape{4}, true);
+  ModelValue h = model.Layer("encode", {x}, [](LayerBuilder& l) {
+    LayerValue w = l.Param("w", Shape{5, 3}, ParamInit::Normal(0.1));
+    LayerValue b = l.Param("b", Shape{5}, ParamInit::Zeros());
+    return l.Call("linear_forward", {l.input(0), w, b});
+  });
+  model.Loss("classify", {h, y}, [](LayerBuilder& l) {
+    LayerValue w = l.SharedParam("encode", "w");
+    LayerValue scale = l.Param("scale", Shape{5}, ParamInit::Ones());
+    (void)scale;
+    return l.Call("softmax_cross_entropy", {l.Call("matmul_forward", {l.input(0), w}), l.input(1)});
+  });
+  Result<ModelSpec> built = model.Build();
+  ASSERT_FALSE(built.ok());
+  EXPECT_NE(built.status().ToString().find("after a shared parameter"), std::string::npos)
+      << built.status().ToString();
 }
 
 // Every gradient rule names a registered backward op, reads what exists and returns gradients
