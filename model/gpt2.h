@@ -1,0 +1,33 @@
+// GPT-2 defined with the model API (model/model.h): every layer a program of primitive ops
+// (embedding, layernorm, linear, attention, GELU, residual add, softmax cross-entropy) whose
+// backward is derived from their gradient rules, instead of DescribeGpt2's hand-fused layer ops.
+// The architecture is the fused model's (GPT-2 / nanoGPT / llm.c):
+//
+//   embedding  x = wte[tokens] + wpe[positions]
+//   h.{l}      x = x + proj(attention(qkv(ln1(x))));  x = x + fcproj(gelu(fc(ln2(x))))
+//   head       loss = cross_entropy(lnf(x) @ wte^T, targets)   (wte read from "embedding")
+//
+// Each layer's parameter group has exactly the fused model's layout (ops/flat_layout.h:
+// Gpt2EmbeddingParamLayout, Gpt2BlockParamLayout, Gpt2HeadParamLayout: the same slots, order,
+// shapes and decay flags), so the groups of a trainer of one can be copied into a trainer of the
+// other (Gpt2Trainer::ReadGroup / WriteGroup) and both compute the same training run. Parameters
+// are named "embedding.wte", "h.0.qkv_w", "head.lnf_w". They start as nanoGPT's: matrices and
+// embeddings N(0, 0.02), the residual projections (proj_w, fcproj_w) N(0, 0.02 / sqrt(2 L)),
+// biases 0, layernorm gains 1 (the same distributions as the fused model, not the same draws).
+//
+// Inputs: "tokens" and "targets", i32 [B, max_seq_len] sequence inputs (the plan's seq_len
+// replaces dimension 1); targets is a label input.
+#pragma once
+
+#include "core/status.h"
+#include "ops/op_registry.h"
+#include "zero/model.h"
+
+namespace tessera {
+
+// The model above, named "gpt2_api". `registry` must hold the standard ops and the layer program
+// ops (RegisterStandardOps). InvalidArgument when the config is invalid (its Validate message)
+// or the model API refuses a layer (naming it).
+Result<ModelSpec> BuildGpt2(const Gpt2Config& config, const OpRegistry& registry);
+
+}  // namespace tessera
