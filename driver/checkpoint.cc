@@ -39,8 +39,9 @@ json ConfigJson(const Gpt2Config& c) {
 
 // GPT-2: its configuration (the format of earlier checkpoints). Other models: the name and the
 // layers with their parameter counts.
-json ModelJson(const ModelSpec& model) {
-  if (model.name == "gpt2") return ConfigJson(model.config);
+json ModelJson(const Gpt2Trainer& trainer) {
+  if (trainer.gpt2_config()) return ConfigJson(*trainer.gpt2_config());
+  const ModelSpec& model = trainer.model();
   json layers = json::array();
   for (const LayerSpec& layer : model.layers) {
     layers.push_back(json{{"name", layer.name}, {"numel", layer.params.numel()}});
@@ -48,8 +49,8 @@ json ModelJson(const ModelSpec& model) {
   return json{{"name", model.name}, {"layer_groups", layers}};
 }
 
-Status CheckSameModel(const json& saved, const ModelSpec& model, const std::string& path) {
-  const json expected = ModelJson(model);
+Status CheckSameModel(const json& saved, const Gpt2Trainer& trainer, const std::string& path) {
+  const json expected = ModelJson(trainer);
   for (const auto& [field, value] : expected.items()) {
     if (!saved.contains(field) || saved[field] != value) {
       return InvalidArgument(
@@ -174,7 +175,7 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   }
   const json manifest{{"format", "tessera-checkpoint"},
                       {"version", kFormatVersion},
-                      {"model", ModelJson(trainer.model())},
+                      {"model", ModelJson(trainer)},
                       {"step", trainer.steps_taken()},
                       {"sampler_state", sampler_state},
                       {"plan", step.parallel.ToString()},
@@ -218,7 +219,7 @@ Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& p
     return DataLoss("'{}' is not a version-{} Tessera checkpoint manifest", manifest_path,
                     kFormatVersion);
   }
-  TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer.model(), manifest_path));
+  TESSERA_RETURN_IF_ERROR(CheckSameModel(manifest["model"], trainer, manifest_path));
   // Every group of the trainer's plan, assembled from the saved pieces; only then is anything
   // written into the trainer (a damaged checkpoint leaves it as it was).
   GatheredState gathered;
@@ -374,8 +375,17 @@ Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
   return parsed.config;
 }
 
+// The GPT-2 configuration of a trainer, for llm.c's format. InvalidArgument for other models.
+Result<Gpt2Config> Gpt2ConfigOf(const Gpt2Trainer& trainer) {
+  if (!trainer.gpt2_config()) {
+    return InvalidArgument("model '{}' is not GPT-2 (fused): llm.c's format holds GPT-2 only",
+                           trainer.model().name);
+  }
+  return *trainer.gpt2_config();
+}
+
 Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
-  const Gpt2Config& c = trainer.model().config;
+  TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
   std::string out(kLlmcHeaderBytes, '\0');
   auto* header = reinterpret_cast<int32_t*>(out.data());
   header[0] = kLlmcMagic;
@@ -406,8 +416,8 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
 }
 
 Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
-  const Gpt2Config& c = trainer.model().config;
   if (bytes.size() < kLlmcHeaderBytes) {
     return DataLoss(
         "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,

@@ -65,7 +65,10 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& confi
                                                          const TrainingPlan& plan,
                                                          std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
-  return Create(DescribeGpt2(config), plan, std::move(backend));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Gpt2Trainer> trainer,
+                           Create(DescribeGpt2(config), plan, std::move(backend)));
+  trainer->gpt2_config_ = config;
+  return trainer;
 }
 
 Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const TrainingPlan& plan,
@@ -129,7 +132,8 @@ int64_t Gpt2Trainer::ParamMultiple() const {
 Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
   std::mt19937_64 rng(seed.value_or(0));
   const bool zero = !seed.has_value();
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(model_.config.layers));
+  const double residual_std =
+      0.02 / std::sqrt(2.0 * static_cast<double>(gpt2_config_ ? gpt2_config_->layers : 1));
   const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
   state_.assign(step_graph_.state.size(), Value());
   full_params_.clear();
@@ -349,12 +353,14 @@ Result<Value> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t ba
 }
 
 Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
+  if (!gpt2_config_) return Status::Ok();  // the embedding kernel refuses ids out of range
+  const int64_t vocab = gpt2_config_->vocab;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= model_.config.vocab) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
       return InvalidArgument(
           "{} id {} at index {} is outside the vocabulary [0, {}); use a larger --vocab or "
           "other data",
-          what, tokens[i], i, model_.config.vocab);
+          what, tokens[i], i, vocab);
     }
   }
   return Status::Ok();

@@ -27,6 +27,7 @@
 
 #include "core/status.h"
 #include "driver/graph_backend.h"
+#include "model/gpt2.h"
 #include "ops/op_registry.h"
 #include "worker/in_process_executor.h"
 #include "zero/model.h"
@@ -145,6 +146,9 @@ class Gpt2Trainer {
   const StepGraph& step_graph() const { return step_graph_; }
 
   const ModelSpec& model() const { return model_; }
+  // The GPT-2 configuration of a trainer made from one (Create(Gpt2Config, ...)); empty for
+  // other models.
+  const std::optional<Gpt2Config>& gpt2_config() const { return gpt2_config_; }
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
   GraphBackend& backend() { return *backend_; }
@@ -174,6 +178,7 @@ class Gpt2Trainer {
   Status CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const;
 
   ModelSpec model_;
+  std::optional<Gpt2Config> gpt2_config_;
   TrainingPlan plan_;
   std::unique_ptr<OpRegistry> registry_;  // definitions, for planning
   std::unique_ptr<GraphBackend> backend_;

@@ -19,11 +19,38 @@
 // replaces dimension 1); targets is a label input.
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <string_view>
+
 #include "core/status.h"
 #include "ops/op_registry.h"
 #include "zero/model.h"
 
 namespace tessera {
+
+// GPT-2 / nanoGPT / llm.c: learned position embeddings, pre-norm blocks, GELU (tanh), a final
+// layernorm, and a classifier tied to the token embedding.
+struct Gpt2Config {
+  int64_t layers = 2;
+  int64_t channels = 64;
+  int64_t heads = 4;
+  int64_t vocab = 256;
+  int64_t max_seq_len = 64;  // positions in wpe; a batch's seq_len may be shorter
+
+  // InvalidArgument naming the field and a fix (e.g. channels not divisible by heads).
+  Status Validate() const;
+  // "tiny", "small", "gpt2-124m"; NotFound listing the presets otherwise.
+  static Result<Gpt2Config> Preset(std::string_view name);
+  // Parameters without padding (the figure papers quote: 124,439,808 for GPT-2 124M).
+  int64_t NumParameters() const;
+  std::string ToString() const;
+};
+
+// GPT-2 as the planners take it with its hand-fused layer ops (ops/standard_ops.h:
+// gpt2_embedding/block/head_forward and _backward: the fast path, what train_gpt2 runs), named
+// "gpt2". REQUIRES: config.Validate() is OK.
+ModelSpec DescribeGpt2(const Gpt2Config& config);
 
 // The model above, named "gpt2_api". `registry` must hold the standard ops and the layer program
 // ops (RegisterStandardOps). InvalidArgument when the config is invalid (its Validate message)

@@ -13,10 +13,8 @@
 //
 // Layers come from two places: the model API (model/model.h: a layer is a small program of
 // registered ops and its backward is derived from their gradient rules) or hand-fused layer
-// ops with a hand-written backward (GPT-2's block, DescribeGpt2: the fast path).
-//
-// GPT-2 here follows GPT-2 / nanoGPT / llm.c: learned position embeddings, pre-norm blocks,
-// GELU (tanh), a final layernorm, and a classifier tied to the token embedding.
+// ops with a hand-written backward (GPT-2's block, model/gpt2.h's DescribeGpt2: the fast path).
+// Nothing here knows any particular model.
 #pragma once
 
 #include <cstdint>
@@ -31,22 +29,6 @@
 #include "ops/flat_layout.h"
 
 namespace tessera {
-
-struct Gpt2Config {
-  int64_t layers = 2;
-  int64_t channels = 64;
-  int64_t heads = 4;
-  int64_t vocab = 256;
-  int64_t max_seq_len = 64;  // positions in wpe; a batch's seq_len may be shorter
-
-  // InvalidArgument naming the field and a fix (e.g. channels not divisible by heads).
-  Status Validate() const;
-  // "tiny", "small", "gpt2-124m"; NotFound listing the presets otherwise.
-  static Result<Gpt2Config> Preset(std::string_view name);
-  // Parameters without padding (the figure papers quote: 124,439,808 for GPT-2 124M).
-  int64_t NumParameters() const;
-  std::string ToString() const;
-};
 
 // How a parameter tensor starts (layers of the model API; GPT-2's trainer has its own scheme).
 struct ParamInit {
@@ -126,7 +108,6 @@ struct ModelSpec {
   std::string name;  // "gpt2", or the model API's name
   std::vector<ModelInput> inputs;
   std::vector<LayerSpec> layers;  // in forward order: arguments name earlier layers only
-  Gpt2Config config;              // GPT-2 models (DescribeGpt2) only
 
   int64_t NumParameters() const;
   // NotFound otherwise.
@@ -137,8 +118,5 @@ struct ModelSpec {
   // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss.
   Status Validate() const;
 };
-
-// REQUIRES: config.Validate() is OK. Hand-fused GPT-2 layer ops (ops/standard_ops.h).
-ModelSpec DescribeGpt2(const Gpt2Config& config);
 
 }  // namespace tessera

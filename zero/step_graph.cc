@@ -35,6 +35,12 @@ TaskOptions Options(const std::string& layer, int32_t priority,
   return options;
 }
 
+// A language model's inputs: "tokens" and "targets" (StepGraph::tokens/targets name them).
+bool TokenModel(const ModelSpec& model) {
+  return model.inputs.size() == 2 && model.inputs[0].name == "tokens" &&
+         model.inputs[1].name == "targets";
+}
+
 // A model input's object for `rows` rows: dimension 0 is the rows, a sequence input's
 // dimension 1 the plan's seq_len.
 TensorMeta InputMeta(const ModelInput& input, int64_t rows, int64_t seq_len, Device device) {
@@ -45,7 +51,6 @@ TensorMeta InputMeta(const ModelInput& input, int64_t rows, int64_t seq_len, Dev
 }
 
 Status CheckShapeOfBatch(const ModelSpec& model, int64_t batch, int64_t seq_len) {
-  if (model.name == "gpt2") TESSERA_RETURN_IF_ERROR(model.config.Validate());
   TESSERA_RETURN_IF_ERROR(model.Validate());
   if (batch <= 0) return InvalidArgument("batch must be positive, got {}", batch);
   for (const ModelInput& input : model.inputs) {
@@ -269,7 +274,7 @@ class StepPlanner {
         }
       }
     }
-    if (model_.name == "gpt2") {
+    if (TokenModel(model_)) {
       step_.tokens = step_.inputs[0];
       step_.targets = step_.inputs[1];
     }
@@ -891,7 +896,7 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
                                                    InputMeta(input, batch, seq_len, Device::Cpu()),
                                                    ObjectRole::kInput));
   }
-  if (model.name == "gpt2") {
+  if (TokenModel(model)) {
     result.tokens = result.inputs[0];
     result.targets = result.inputs[1];
   }

@@ -175,7 +175,7 @@ std::string Printable(const std::vector<int32_t>& tokens, bool text) {
 tessera::Result<std::vector<int32_t>> Sample(tessera::Gpt2Trainer& trainer,
                                              std::vector<int32_t> context, int64_t count,
                                              int64_t seq_len, double temperature, uint64_t seed) {
-  const int64_t vocab = trainer.model().config.vocab;
+  const int64_t vocab = trainer.gpt2_config()->vocab;
   std::mt19937_64 rng(seed);
   std::vector<int32_t> generated;
   std::vector<int32_t> window(static_cast<size_t>(seq_len));
