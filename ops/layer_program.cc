@@ -635,6 +635,46 @@ Status CheckRegistry(const KernelContext& context) {
   return Status::Ok();
 }
 
+// Where each value of a forward is stored: its own place, or (donation) the place of the output
+// of the in-place op that overwrites it, when that op is its last reader and nothing else keeps
+// it (not kept for the backward, not an output of the layer, made by an earlier op, same size):
+// the in-place op then finds its input already there instead of copying it (a classifier's
+// logits become their gradient in place). Chains resolve to the last value's place.
+Result<std::vector<int>> Donations(const OpRegistry& registry, const LayerProgram& program,
+                                   const ProgramShapes& shapes) {
+  const size_t n = static_cast<size_t>(program.num_values());
+  std::vector<int> home(n), last_reader(n, -1);
+  for (size_t v = 0; v < n; ++v) home[v] = static_cast<int>(v);
+  std::vector<bool> kept(n, false);
+  for (int v : program.outputs) kept[static_cast<size_t>(v)] = true;
+  for (int v : shapes.saved) kept[static_cast<size_t>(v)] = true;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    for (int v : program.ops[i].inputs) last_reader[static_cast<size_t>(v)] = static_cast<int>(i);
+  }
+  const int made = program.num_leaf_values();
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const ProgramOp& op = program.ops[i];
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    for (const auto& [in, out] : def->in_place) {
+      const int v = op.inputs[static_cast<size_t>(in)];
+      const int w = program.first_output(i) + out;
+      if (v < made || kept[static_cast<size_t>(v)] ||
+          last_reader[static_cast<size_t>(v)] != static_cast<int>(i) ||
+          shapes.values[static_cast<size_t>(v)].bytes() !=
+              shapes.values[static_cast<size_t>(w)].bytes()) {
+        continue;
+      }
+      // Read only once, by this op: no other input of it is v.
+      if (std::count(op.inputs.begin(), op.inputs.end(), v) != 1) continue;
+      home[static_cast<size_t>(v)] = w;
+    }
+  }
+  for (size_t v = n; v-- > 0;) {  // a value's home comes after it: resolve from the back
+    home[v] = home[static_cast<size_t>(home[v])];
+  }
+  return home;
+}
+
 Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
                      const Tensors& out, const Attrs& attrs) {
   TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
@@ -652,11 +692,26 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
   for (size_t i = 0; i < shapes.saved.size(); ++i) {
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<int> home,
+                           Donations(*context.registry, program, shapes));
   for (size_t i = 0; i < program.ops.size(); ++i) {
     const ProgramOp& op = program.ops[i];
     Tensors inputs;
     for (int v : op.inputs) inputs.push_back(values[static_cast<size_t>(v)]);
     const size_t first = static_cast<size_t>(program.first_output(i));
+    // An output an in-place op will overwrite later is made where that op's output lives.
+    for (int o = 0; o < op.outputs; ++o) {
+      const int v = static_cast<int>(first) + o;
+      const int root = home[static_cast<size_t>(v)];
+      if (root == v || values[static_cast<size_t>(v)].defined()) continue;
+      Tensor& storage = values[static_cast<size_t>(root)];
+      if (!storage.defined()) {
+        TESSERA_ASSIGN_OR_RETURN(
+            storage, Tensor::Empty(shapes.values[static_cast<size_t>(root)], context.allocator));
+      }
+      values[static_cast<size_t>(v)] =
+          Tensor(shapes.values[static_cast<size_t>(v)], storage.buffer(), ByteOffset(storage));
+    }
     Tensors outputs(values.begin() + static_cast<long>(first),
                     values.begin() + static_cast<long>(first) + op.outputs);
     Status ran = RunOp(context, device, op.op, inputs, outputs, op.attrs);
