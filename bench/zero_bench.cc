@@ -3,7 +3,7 @@
 // CPU, one thread per rank) on the same model and global batch, measured in the same run.
 //
 // For each worker count in --workers: a local cluster of that many workers, then for each stage
-// in --stages a Gpt2Trainer with plan.parallel = {data_parallel = N, zero_stage = S}, --warmup
+// in --stages a Trainer with plan.parallel = {data_parallel = N, zero_stage = S}, --warmup
 // steps, then --steps timed steps (StepReport::step_ms, median). PyTorch's figure comes from
 // bench/torch_ddp_gpt2.py (run once per worker count with the python in --torch; the slowest
 // rank's step time, median). Prints a table:
@@ -26,9 +26,9 @@
 #include "bench/bench_util.h"
 
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
+#include "driver/trainer.h"
 
 namespace {
 
@@ -108,7 +108,7 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
   plan.parallel.zero_stage = stage;
   const std::string what = fmt::format("{} workers, stage {}", workers, stage);
   auto backend = Check(MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
-  auto trainer = Check(tessera::Gpt2Trainer::Create(config, plan, std::move(backend)), what);
+  auto trainer = Check(tessera::Trainer::Create(config, plan, std::move(backend)), what);
   if (Status s = trainer->InitializeParameters(1); !s.ok()) Die(s, what);
   const tessera::TokenDataset data =
       tessera::TokenDataset::Synthetic(200'000, static_cast<int32_t>(flags.vocab), 9);

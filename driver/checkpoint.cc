@@ -39,7 +39,7 @@ json ConfigJson(const Gpt2Config& c) {
 
 // GPT-2: its configuration (the format of earlier checkpoints). Other models: the name and the
 // layers with their parameter counts.
-json ModelJson(const Gpt2Trainer& trainer) {
+json ModelJson(const Trainer& trainer) {
   if (trainer.gpt2_config()) return ConfigJson(*trainer.gpt2_config());
   const ModelSpec& model = trainer.model();
   json layers = json::array();
@@ -49,7 +49,7 @@ json ModelJson(const Gpt2Trainer& trainer) {
   return json{{"name", model.name}, {"layer_groups", layers}};
 }
 
-Status CheckSameModel(const json& saved, const Gpt2Trainer& trainer, const std::string& path) {
+Status CheckSameModel(const json& saved, const Trainer& trainer, const std::string& path) {
   const json expected = ModelJson(trainer);
   for (const auto& [field, value] : expected.items()) {
     if (!saved.contains(field) || saved[field] != value) {
@@ -88,7 +88,7 @@ Status GatheredState::Add(const std::string& layer, StateKind kind, int64_t padd
   return Status::Ok();
 }
 
-Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std::string& source) {
+Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::string& source) {
   // Every group checked before anything is written: a state that lacks one changes nothing.
   const ModelSpec& model = trainer.model();
   const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
@@ -118,7 +118,7 @@ Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std
   return Status::Ok();
 }
 
-Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
+Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
                                    const std::string& sampler_state) {
   const StepGraph& step = trainer.step_graph();
   const std::string name = fmt::format("step_{:08d}", trainer.steps_taken());
@@ -140,7 +140,7 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
     // Master copies equal the parameters between steps (which the checkpoint keeps); a loading
-    // plan that offloads rebuilds them from the parameters (Gpt2Trainer::WriteGroup).
+    // plan that offloads rebuilds them from the parameters (Trainer::WriteGroup).
     if (object.kind == StateKind::kMasterParameter) continue;
     const std::string& layer = trainer.model().layers[object.piece.layer].name;
     indices.push_back(i);
@@ -149,7 +149,7 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
     paths.push_back((partial / files.back()).string());
   }
   // Each worker writes the pieces it holds, atomically, and says what it wrote.
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Gpt2Trainer::FileReceipt> receipts,
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Trainer::FileReceipt> receipts,
                            trainer.WriteState(indices, paths));
   json pieces = json::array();
   for (size_t j = 0; j < indices.size(); ++j) {
@@ -192,7 +192,7 @@ Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
   return final_dir.string();
 }
 
-Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& path) {
+Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path) {
   fs::path step_dir = path;
   std::error_code error;
   if (!fs::exists(step_dir / "manifest.json", error)) {
@@ -376,7 +376,7 @@ Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
 }
 
 // The GPT-2 configuration of a trainer, for llm.c's format. InvalidArgument for other models.
-Result<Gpt2Config> Gpt2ConfigOf(const Gpt2Trainer& trainer) {
+Result<Gpt2Config> Gpt2ConfigOf(const Trainer& trainer) {
   if (!trainer.gpt2_config()) {
     return InvalidArgument("model '{}' is not GPT-2 (fused): llm.c's format holds GPT-2 only",
                            trainer.model().name);
@@ -384,7 +384,7 @@ Result<Gpt2Config> Gpt2ConfigOf(const Gpt2Trainer& trainer) {
   return *trainer.gpt2_config();
 }
 
-Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
+Status ExportLlmc(Trainer& trainer, const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
   std::string out(kLlmcHeaderBytes, '\0');
   auto* header = reinterpret_cast<int32_t*>(out.data());
@@ -399,7 +399,7 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   // Whole groups, each read once, then the tensors in llm.c's order.
   std::map<size_t, std::vector<float>> groups;
   for (const std::string& name : LlmcNames(c)) {
-    TESSERA_ASSIGN_OR_RETURN(Gpt2Trainer::ParameterRef ref, trainer.FindParameter(name));
+    TESSERA_ASSIGN_OR_RETURN(Trainer::ParameterRef ref, trainer.FindParameter(name));
     if (!groups.contains(ref.group)) {
       TESSERA_ASSIGN_OR_RETURN(groups[ref.group],
                                trainer.ReadGroup(ref.group, StateKind::kParameter));
@@ -415,7 +415,7 @@ Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   return WriteFileAtomically(path, out);
 }
 
-Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
+Status ImportLlmc(Trainer& trainer, const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
   if (bytes.size() < kLlmcHeaderBytes) {
@@ -437,7 +437,7 @@ Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path) {
   std::map<size_t, std::vector<float>> groups;
   size_t offset = kLlmcHeaderBytes;
   for (const std::string& name : LlmcNames(c)) {
-    TESSERA_ASSIGN_OR_RETURN(Gpt2Trainer::ParameterRef ref, trainer.FindParameter(name));
+    TESSERA_ASSIGN_OR_RETURN(Trainer::ParameterRef ref, trainer.FindParameter(name));
     std::vector<float>& group = groups[ref.group];
     group.resize(static_cast<size_t>(trainer.step_graph().group_numel[ref.group]));
     const size_t count = static_cast<size_t>(ref.slot->shape.numel());

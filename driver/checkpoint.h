@@ -7,7 +7,7 @@
 //   <dir>/latest                        the name of the newest complete checkpoint
 //
 // Pieces are saved as the plan holds them (a ZeRO-3 run saves N shards of every group, a data-
-// parallel run one copy), each by the worker that holds it (Gpt2Trainer::WriteState: a graph of
+// parallel run one copy), each by the worker that holds it (Trainer::WriteState: a graph of
 // write_file tasks pinned to the pieces' workers, so no state travels to the driver; workers on
 // other machines need the checkpoint directory at the same absolute path, a shared filesystem).
 // The driver checks every worker's receipt (size, checksum) and writes the manifest. Loading
@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "core/status.h"
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 
 namespace tessera {
 
@@ -51,7 +51,7 @@ struct GatheredState {
 };
 // Writes every group the trainer's plan holds from `state`, re-padded for that plan. DataLoss
 // naming `source` and the group when one is missing or not whole; then nothing is written.
-Status WriteGathered(Gpt2Trainer& trainer, const GatheredState& state, const std::string& source);
+Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::string& source);
 
 struct CheckpointInfo {
   std::string path;           // the step directory
@@ -60,11 +60,11 @@ struct CheckpointInfo {
 };
 
 // Saves the trainer's state after trainer.steps_taken() steps; returns the step directory.
-Result<std::string> SaveCheckpoint(Gpt2Trainer& trainer, const std::string& dir,
+Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
                                    const std::string& sampler_state);
 // Loads `path`: a step directory, or a checkpoint directory (its `latest`). Sets the trainer's
 // state and step count.
-Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& path);
+Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path);
 
 // The model an llm.c checkpoint holds, from its header; the file's size is checked against it,
 // so a file that reads here imports into a trainer of that model. NotFound when `path` cannot be
@@ -73,10 +73,10 @@ Result<CheckpointInfo> LoadCheckpoint(Gpt2Trainer& trainer, const std::string& p
 Result<Gpt2Config> ReadLlmcConfig(const std::string& path);
 // Writes the trainer's parameters to `path` atomically (core/atomic_file.h); optimizer state and
 // the step count are not part of the format.
-Status ExportLlmc(Gpt2Trainer& trainer, const std::string& path);
+Status ExportLlmc(Trainer& trainer, const std::string& path);
 // Sets the trainer's parameters from `path` (the optimizer state is left as it is). The errors of
 // ReadLlmcConfig, and InvalidArgument when the file holds another model than the trainer's;
 // on error nothing is changed.
-Status ImportLlmc(Gpt2Trainer& trainer, const std::string& path);
+Status ImportLlmc(Trainer& trainer, const std::string& path);
 
 }  // namespace tessera

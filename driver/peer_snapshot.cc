@@ -6,7 +6,7 @@
 
 namespace tessera {
 
-Result<PeerSnapshot> PeerSnapshot::Take(Gpt2Trainer& trainer, std::string sampler_state) {
+Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_state) {
   const StepGraph& step = trainer.step_graph();
   const int ranks = std::max(1, step.parallel.data_parallel);
   const bool buddies = ranks >= 2 && trainer.RankWorker(0).valid();
@@ -51,7 +51,7 @@ Result<PeerSnapshot> PeerSnapshot::Take(Gpt2Trainer& trainer, std::string sample
   return snapshot;
 }
 
-Result<CheckpointInfo> PeerSnapshot::Restore(Gpt2Trainer& trainer,
+Result<CheckpointInfo> PeerSnapshot::Restore(Trainer& trainer,
                                              const std::set<WorkerId>& dead) const {
   const std::string name = fmt::format("peer snapshot of step {}", step_);
   GatheredState gathered;

@@ -34,7 +34,7 @@
 #include "core/ids.h"
 #include "core/status.h"
 #include "driver/checkpoint.h"
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 
 namespace tessera {
 
@@ -42,12 +42,12 @@ class PeerSnapshot {
  public:
   // The state of `trainer` after trainer.steps_taken() steps, with the data position
   // `sampler_state` (BatchSampler::SaveState).
-  static Result<PeerSnapshot> Take(Gpt2Trainer& trainer, std::string sampler_state);
+  static Result<PeerSnapshot> Take(Trainer& trainer, std::string sampler_state);
 
   // Writes the snapshot into `trainer` (any plan of the same model) and sets its step count.
   // `dead`: workers known lost, whose copies are not asked for. The result's path names the
   // snapshot ("peer snapshot of step S").
-  Result<CheckpointInfo> Restore(Gpt2Trainer& trainer, const std::set<WorkerId>& dead) const;
+  Result<CheckpointInfo> Restore(Trainer& trainer, const std::set<WorkerId>& dead) const;
 
   int64_t step() const { return step_; }
   // Bytes of model state held (each copy counts once).

@@ -74,7 +74,7 @@ Result<std::map<WorkerId, std::string>> StepRecovery::LostWorkers(
   return lost;
 }
 
-bool StepRecovery::Recoverable(const Status& error, Gpt2Trainer& trainer) {
+bool StepRecovery::Recoverable(const Status& error, Trainer& trainer) {
   if (error.ok() || cluster_ == nullptr || restarts_ >= options_.max_restarts) return false;
   last_plan_workers_ = trainer.plan().parallel.workers;
   if (last_plan_workers_.empty()) last_plan_workers_ = trainer.backend().workers();
@@ -116,7 +116,7 @@ Result<int> StepRecovery::AwaitWorkers(int want) {
   }
 }
 
-Status StepRecovery::Snapshot(Gpt2Trainer& trainer, std::string sampler_state) {
+Status StepRecovery::Snapshot(Trainer& trainer, std::string sampler_state) {
   const auto start = Clock::now();
   Result<PeerSnapshot> taken = PeerSnapshot::Take(trainer, std::move(sampler_state));
   if (!taken.ok()) {
@@ -157,8 +157,7 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
         so_far.lost, alive, options_.min_workers, plan.batch, plan.parallel.grad_accum,
         std::max(0, want - alive));
   }
-  TESSERA_ASSIGN_OR_RETURN(recovered.trainer,
-                           Gpt2Trainer::Create(config_, plan, std::move(backend)));
+  TESSERA_ASSIGN_OR_RETURN(recovered.trainer, Trainer::Create(config_, plan, std::move(backend)));
   // The newest state that survived: the peer snapshot (taken at least at every checkpoint),
   // else the disk checkpoint.
   Result<CheckpointInfo> restored = Unavailable("no peer snapshot");
@@ -177,7 +176,7 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
   return recovered;
 }
 
-void StepRecovery::AfterStep(Gpt2Trainer& trainer, const std::string& sampler_state,
+void StepRecovery::AfterStep(Trainer& trainer, const std::string& sampler_state,
                              bool checkpointed) {
   if (options_.snapshot_every <= 0 || cluster_ == nullptr) return;
   if (checkpointed || trainer.steps_taken() % options_.snapshot_every == 0) {
@@ -186,7 +185,7 @@ void StepRecovery::AfterStep(Gpt2Trainer& trainer, const std::string& sampler_st
 }
 
 Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const Status& error,
-                                                      std::unique_ptr<Gpt2Trainer> trainer) {
+                                                      std::unique_ptr<Trainer> trainer) {
   if (cluster_ == nullptr) {
     return Unavailable("no cluster to recover on: connecting to the scheduler again failed before");
   }

@@ -45,9 +45,9 @@
 #include "core/status.h"
 #include "driver/checkpoint.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/peer_snapshot.h"
+#include "driver/trainer.h"
 
 namespace tessera {
 
@@ -94,10 +94,10 @@ class StepRecovery {
   // Whether `error`, from a step of `trainer`, is a loss that Recover can handle: restarts remain
   // and a worker of the trainer's plan is (or, within detect_ms, becomes) dead, or the scheduler
   // is lost and options.reconnect is set.
-  bool Recoverable(const Status& error, Gpt2Trainer& trainer);
+  bool Recoverable(const Status& error, Trainer& trainer);
 
   struct Recovered {
-    std::unique_ptr<Gpt2Trainer> trainer;
+    std::unique_ptr<Trainer> trainer;
     CheckpointInfo checkpoint;  // its step and the data position to rewind to
     RecoveryReport report;
   };
@@ -105,7 +105,7 @@ class StepRecovery {
   // workers there are now is returned with the last checkpoint loaded. Infeasible when too few
   // workers remain (naming how many and what to start); the checkpoint's errors otherwise.
   Result<Recovered> Recover(int64_t failed_step, const Status& error,
-                            std::unique_ptr<Gpt2Trainer> trainer);
+                            std::unique_ptr<Trainer> trainer);
 
   // After each completed step (and after the checkpoint at step 0): with snapshot_every > 0,
   // keeps the trainer's state as the peer snapshot that Recover restores, every snapshot_every
@@ -113,7 +113,7 @@ class StepRecovery {
   // never older than the checkpoint. `sampler_state` is the data position. A failed snapshot (a
   // worker lost meanwhile) keeps the previous one and is only logged: the next step fails too,
   // and is recovered.
-  void AfterStep(Gpt2Trainer& trainer, const std::string& sampler_state, bool checkpointed);
+  void AfterStep(Trainer& trainer, const std::string& sampler_state, bool checkpointed);
   struct SnapshotStats {
     int taken = 0;
     double seconds = 0;  // in all
@@ -149,7 +149,7 @@ class StepRecovery {
   std::map<WorkerId, std::string> described_;  // "workerN (pid P on HOST)"
   std::vector<RecoveryReport> reports_;
   // Replaces the peer snapshot with one of `trainer` (the old one stays on error).
-  Status Snapshot(Gpt2Trainer& trainer, std::string sampler_state);
+  Status Snapshot(Trainer& trainer, std::string sampler_state);
 
   std::optional<PeerSnapshot> snapshot_;
   SnapshotStats snapshot_stats_;

@@ -24,10 +24,10 @@
 #include "core/settings.h"
 #include "driver/checkpoint.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/recovery.h"
 #include "driver/token_dataset.h"
+#include "driver/trainer.h"
 
 namespace {
 
@@ -172,7 +172,7 @@ std::string Printable(const std::vector<int32_t>& tokens, bool text) {
   return out;
 }
 
-tessera::Result<std::vector<int32_t>> Sample(tessera::Gpt2Trainer& trainer,
+tessera::Result<std::vector<int32_t>> Sample(tessera::Trainer& trainer,
                                              std::vector<int32_t> context, int64_t count,
                                              int64_t seq_len, double temperature, uint64_t seed) {
   const int64_t vocab = trainer.gpt2_config()->vocab;
@@ -313,7 +313,7 @@ int Run(const Flags& flags) {
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);
   }
-  auto trainer = tessera::Gpt2Trainer::Create(config, plan, std::move(backend));
+  auto trainer = tessera::Trainer::Create(config, plan, std::move(backend));
   if (!trainer.ok()) return Fail(trainer.status());
   if (Status init = (*trainer)->InitializeParameters(flags.seed); !init.ok()) return Fail(init);
   if (!flags.init_from.empty()) {

@@ -4,7 +4,7 @@
 #include <random>
 
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 #include "model/model.h"
 #include "ops/cpu/cpu_kernels.h"
 
@@ -36,7 +36,7 @@ int main() {
     return 1;
   }
   TrainingPlan plan{.batch = 64, .parallel = {.data_parallel = 2, .zero_stage = 2}};
-  auto trainer = Gpt2Trainer::Create(*model, plan, *MakeClusterBackend(**cluster));
+  auto trainer = Trainer::Create(*model, plan, *MakeClusterBackend(**cluster));
   if (!trainer.ok() || !(*trainer)->InitializeParameters(1).ok()) {
     std::fprintf(stderr, "%s\n", trainer.status().ToString().c_str());
     return 1;

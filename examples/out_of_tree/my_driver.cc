@@ -15,9 +15,9 @@
 
 #include "core/status.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
+#include "driver/trainer.h"
 
 namespace {
 
@@ -42,8 +42,8 @@ tessera::Status Train(int steps) {
   plan.seq_len = config.max_seq_len;
   plan.parallel.data_parallel = 2;  // one rank per worker
   plan.parallel.zero_stage = 2;     // optimizer state and gradients sharded over them
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Gpt2Trainer> trainer,
-                           tessera::Gpt2Trainer::Create(config, plan, std::move(backend)));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Trainer> trainer,
+                           tessera::Trainer::Create(config, plan, std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(/*seed=*/1));
 
   const tessera::TokenDataset data =

@@ -18,8 +18,8 @@
 #include "data/volumes.h"
 #include "driver/checkpoint.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/trainer.h"
 #include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
@@ -63,8 +63,7 @@ tessera::Result<std::vector<tessera::Tensor>> Batch(const tessera::UNet3dConfig&
   return std::vector<tessera::Tensor>{x, y};
 }
 
-tessera::Result<float> Dice(tessera::Gpt2Trainer& trainer,
-                            const std::vector<tessera::Tensor>& batch,
+tessera::Result<float> Dice(tessera::Trainer& trainer, const std::vector<tessera::Tensor>& batch,
                             const tessera::UNet3dConfig& config) {
   TESSERA_ASSIGN_OR_RETURN(tessera::Tensor logits, trainer.Predict(batch));
   const int64_t voxels = config.volume * config.volume * config.volume;
@@ -110,7 +109,7 @@ int Run(const Flags& flags) {
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);
   }
-  auto trainer = tessera::Gpt2Trainer::Create(*model, plan, std::move(backend));
+  auto trainer = tessera::Trainer::Create(*model, plan, std::move(backend));
   if (!trainer.ok()) return Fail(trainer.status());
   if (tessera::Status init = (*trainer)->InitializeParameters(flags.seed); !init.ok()) {
     return Fail(init);

@@ -12,9 +12,9 @@
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
+#include "driver/trainer.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 #include "worker/in_process_executor.h"
@@ -257,10 +257,10 @@ TEST(ClusterTest, Gpt2TinyStepsOnTwoWorkersMatchTheInProcessLossesExactly) {
   TrainingPlan plan;
   plan.batch = 4;
   plan.seq_len = 64;
-  ASSERT_OK_AND_ASSIGN(auto local, Gpt2Trainer::Create(config, plan, ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto local, Trainer::Create(config, plan, ExecutorOptions{}));
   ASSERT_OK_AND_ASSIGN(auto backend,
                        MakeClusterBackend(*cluster, ClusterPlacement::kLayersRoundRobin));
-  ASSERT_OK_AND_ASSIGN(auto distributed, Gpt2Trainer::Create(config, plan, std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(auto distributed, Trainer::Create(config, plan, std::move(backend)));
   ASSERT_OK(local->InitializeParameters(5));
   ASSERT_OK(distributed->InitializeParameters(5));
   TokenDataset data = TokenDataset::Synthetic(10'000, 256, 9);

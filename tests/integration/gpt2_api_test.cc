@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/trainer.h"
 #include "model/gpt2.h"
 #include "test_util.h"
 
@@ -45,7 +45,7 @@ TrainingPlan Plan(int64_t batch, int64_t seq_len, int ranks, int stage) {
 }
 
 // Gives `to` (zero optimizer state) a copy of every parameter group of `from`.
-Status CopyGroups(Gpt2Trainer& from, Gpt2Trainer& to, size_t layers) {
+Status CopyGroups(Trainer& from, Trainer& to, size_t layers) {
   TESSERA_RETURN_IF_ERROR(to.InitializeParameters(1));  // the optimizer state, zero
   for (size_t l = 0; l < layers; ++l) {
     TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, from.ReadGroup(l, StateKind::kParameter));
@@ -59,7 +59,7 @@ struct TrainingRun {
   std::vector<double> step_ms;
 };
 
-Result<TrainingRun> Train(Gpt2Trainer& trainer, const Gpt2Config& config, const TrainingPlan& plan,
+Result<TrainingRun> Train(Trainer& trainer, const Gpt2Config& config, const TrainingPlan& plan,
                           int steps) {
   TrainingRun run;
   for (int step = 0; step < steps; ++step) {
@@ -118,10 +118,10 @@ TEST(Gpt2ApiTest, TheGroupsHaveTheFusedLayouts) {
 
 TEST(Gpt2ApiTest, TrainsAsTheFusedModelInProcess) {
   const TrainingPlan plan = Plan(kBatch, kSeqLen, 1, 0);
-  ASSERT_OK_AND_ASSIGN(auto fused, Gpt2Trainer::Create(kTiny, plan, ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto fused, Trainer::Create(kTiny, plan, ExecutorOptions{}));
   ASSERT_OK(fused->InitializeParameters(42));
   ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(kTiny, CpuRegistry()));
-  ASSERT_OK_AND_ASSIGN(auto api, Gpt2Trainer::Create(model, plan, ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto api, Trainer::Create(model, plan, ExecutorOptions{}));
   ASSERT_OK(CopyGroups(*fused, *api, model.layers.size()));
   ASSERT_OK_AND_ASSIGN(TrainingRun reference, Train(*fused, kTiny, plan, kSteps));
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*api, kTiny, plan, kSteps));
@@ -146,12 +146,12 @@ TEST(Gpt2ApiTest, TrainsAsTheFusedModelUnderZero3OnTwoWorkers) {
   options.tessera_binary = BinaryPath("tessera");
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, Cluster::StartLocal(options));
   const TrainingPlan single = Plan(kBatch, kSeqLen, 1, 0);
-  ASSERT_OK_AND_ASSIGN(auto fused, Gpt2Trainer::Create(kTiny, single, ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto fused, Trainer::Create(kTiny, single, ExecutorOptions{}));
   ASSERT_OK(fused->InitializeParameters(42));
   ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(kTiny, CpuRegistry()));
   ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
   ASSERT_OK_AND_ASSIGN(auto api,
-                       Gpt2Trainer::Create(model, Plan(kBatch, kSeqLen, 2, 3), std::move(backend)));
+                       Trainer::Create(model, Plan(kBatch, kSeqLen, 2, 3), std::move(backend)));
   ASSERT_OK(CopyGroups(*fused, *api, model.layers.size()));
   ASSERT_OK_AND_ASSIGN(TrainingRun reference, Train(*fused, kTiny, single, kSteps));
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*api, kTiny, single, kSteps));
@@ -164,10 +164,10 @@ TEST(Gpt2ApiTest, PrintsTheStepTimesOfBoth) {
       .layers = 4, .channels = 256, .heads = 4, .vocab = 50257, .max_seq_len = 64};
   const TrainingPlan plan = Plan(4, 64, 1, 0);
   const ExecutorOptions two_threads{.threads = 2};
-  ASSERT_OK_AND_ASSIGN(auto fused, Gpt2Trainer::Create(config, plan, two_threads));
+  ASSERT_OK_AND_ASSIGN(auto fused, Trainer::Create(config, plan, two_threads));
   ASSERT_OK(fused->InitializeParameters(42));
   ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(config, CpuRegistry()));
-  ASSERT_OK_AND_ASSIGN(auto api, Gpt2Trainer::Create(model, plan, two_threads));
+  ASSERT_OK_AND_ASSIGN(auto api, Trainer::Create(model, plan, two_threads));
   ASSERT_OK(CopyGroups(*fused, *api, model.layers.size()));
   ASSERT_OK_AND_ASSIGN(TrainingRun reference, Train(*fused, config, plan, kSteps));
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*api, config, plan, kSteps));

@@ -8,8 +8,8 @@
 #include <sstream>
 
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/trainer.h"
 #include "model/model.h"
 #include "ops/standard_ops.h"
 #include "test_util.h"
@@ -86,7 +86,7 @@ struct TrainingRun {
   float eval_loss = 0;
 };
 
-Result<TrainingRun> Train(Gpt2Trainer& trainer) {
+Result<TrainingRun> Train(Trainer& trainer) {
   TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(3));
   TrainingRun run;
   for (int step = 0; step < kSteps; ++step) {
@@ -111,8 +111,7 @@ class ModelPlansTest : public ::testing::Test {
     cluster_ = std::move(*cluster).release();
     Result<ModelSpec> model = SkipClassifier();
     ASSERT_TRUE(model.ok()) << model.status().ToString();
-    auto reference =
-        Gpt2Trainer::Create(*model, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
+    auto reference = Trainer::Create(*model, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
@@ -129,7 +128,7 @@ class ModelPlansTest : public ::testing::Test {
     ASSERT_NE(reference_, nullptr);
     ASSERT_OK_AND_ASSIGN(ModelSpec model, SkipClassifier());
     ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(model, plan, std::move(backend)));
+    ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
     double worst = 0;
     for (int step = 0; step < kSteps; ++step) {
@@ -176,8 +175,8 @@ TEST_F(ModelPlansTest, OffloadAndGradientAccumulationMatchOneWorker) {
 
 TEST_F(ModelPlansTest, ABatchOfTheWrongShapeIsRefusedNamingTheInput) {
   ASSERT_OK_AND_ASSIGN(ModelSpec model, SkipClassifier());
-  ASSERT_OK_AND_ASSIGN(auto trainer, Gpt2Trainer::Create(model, Plan(1, 0, OffloadMode::kNone, 1),
-                                                         ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(
+      auto trainer, Trainer::Create(model, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
   std::vector<Tensor> batch = Batch(0);
   batch[0] = RandomTensor(Shape{kBatch, kFeatures + 1}, 1);
   Result<StepReport> step = trainer->Step(batch, 1e-2f);

@@ -11,8 +11,8 @@
 
 #include "data/volumes.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
+#include "driver/trainer.h"
 #include "model/unet3d.h"
 #include "test_util.h"
 
@@ -50,7 +50,7 @@ struct TrainingRun {
   std::vector<StepReport> reports;
 };
 
-Result<TrainingRun> Train(Gpt2Trainer& trainer, int steps = kSteps) {
+Result<TrainingRun> Train(Trainer& trainer, int steps = kSteps) {
   TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(2));
   TrainingRun run;
   for (int step = 0; step < steps; ++step) {
@@ -75,7 +75,7 @@ class UNet3dPlansTest : public ::testing::Test {
     cluster_ = std::move(*cluster).release();
     Result<ModelSpec> model = BuildUNet3d(Tiny(), CpuRegistry());
     ASSERT_TRUE(model.ok()) << model.status().ToString();
-    auto reference = Gpt2Trainer::Create(*model, Plan(1, 0), ExecutorOptions{});
+    auto reference = Trainer::Create(*model, Plan(1, 0), ExecutorOptions{});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
@@ -88,10 +88,10 @@ class UNet3dPlansTest : public ::testing::Test {
     reference_ = nullptr;
   }
 
-  static Result<std::unique_ptr<Gpt2Trainer>> Distributed(const TrainingPlan& plan) {
+  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
     TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildUNet3d(Tiny(), CpuRegistry()));
     TESSERA_ASSIGN_OR_RETURN(auto backend, MakeClusterBackend(*cluster_));
-    return Gpt2Trainer::Create(std::move(model), plan, std::move(backend));
+    return Trainer::Create(std::move(model), plan, std::move(backend));
   }
 
   static void ExpectSameRun(const TrainingPlan& plan) {

@@ -11,10 +11,10 @@
 
 #include "driver/checkpoint.h"
 #include "driver/cluster.h"
-#include "driver/gpt2_trainer.h"
 #include "driver/graph_backend.h"
 #include "driver/peer_snapshot.h"
 #include "driver/token_dataset.h"
+#include "driver/trainer.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -41,7 +41,7 @@ struct TrainingRun {
   std::vector<float> fc_w;  // a block matrix after the last step
 };
 
-Result<TrainingRun> Train(Gpt2Trainer& trainer) {
+Result<TrainingRun> Train(Trainer& trainer) {
   TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
   TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
   TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
@@ -67,8 +67,8 @@ class ZeroPlansTest : public ::testing::Test {
     Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
-    auto reference = Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
-                                         Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
+    auto reference = Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
+                                     ExecutorOptions{});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
@@ -81,10 +81,10 @@ class ZeroPlansTest : public ::testing::Test {
     reference_ = nullptr;
   }
 
-  static Result<std::unique_ptr<Gpt2Trainer>> Distributed(const TrainingPlan& plan) {
+  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
     TESSERA_ASSIGN_OR_RETURN(auto backend,
                              MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"), plan, std::move(backend));
+    return Trainer::Create(*Gpt2Config::Preset("tiny"), plan, std::move(backend));
   }
 
   static void ExpectSameRun(const TrainingPlan& plan) {
@@ -237,7 +237,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
       uninterrupted.push_back(report.loss);
     }
   }
-  auto resume = [&](std::unique_ptr<Gpt2Trainer> trainer, const std::string& what,
+  auto resume = [&](std::unique_ptr<Trainer> trainer, const std::string& what,
                     bool same_plan = false) {
     ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*trainer, dir));
     EXPECT_EQ(info.step, kSaveAfter);
@@ -265,14 +265,14 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   }
   {
     ASSERT_OK_AND_ASSIGN(auto trainer,
-                         Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
-                                             Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
+                         Trainer::Create(*Gpt2Config::Preset("tiny"),
+                                         Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
     resume(std::move(trainer), "resumed at 1 worker");
   }
   // A truncated piece, then a corrupted one: clear errors naming the file.
-  ASSERT_OK_AND_ASSIGN(auto victim,
-                       Gpt2Trainer::Create(*Gpt2Config::Preset("tiny"),
-                                           Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(
+      auto victim, Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
+                                   ExecutorOptions{}));
   const std::string piece = saved + "/rank2/h.1.exp_avg.bin";
   const auto size = std::filesystem::file_size(piece);
   std::string good;
@@ -322,14 +322,14 @@ TEST_F(ZeroPlansTest, APeerSnapshotIsTheStateItWasTakenAtUnderAnyPlan) {
   ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
   ASSERT_OK(trainer->InitializeParameters(5));
   ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
-  auto steps = [&](Gpt2Trainer& t, int count) {
+  auto steps = [&](Trainer& t, int count) {
     for (int i = 0; i < count; ++i) {
       sampler.Next(tokens.data(), targets.data());
       ASSERT_OK(t.Step(tokens, targets, 3e-3f).status());
     }
   };
   // Every group of every kind, cut to the model's elements (plans pad differently).
-  auto state = [&](Gpt2Trainer& t) {
+  auto state = [&](Trainer& t) {
     std::vector<std::vector<float>> groups;
     for (size_t l = 0; l < t.model().layers.size(); ++l) {
       for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
@@ -373,8 +373,8 @@ TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
   // 256-int header, wte padded to a multiple of 128 rows, then the rest.
   EXPECT_EQ(std::filesystem::file_size(path),
             1024 + 4 * static_cast<uintmax_t>(config.NumParameters()));
-  ASSERT_OK_AND_ASSIGN(auto target, Gpt2Trainer::Create(config, Plan(1, 0, OffloadMode::kNone, 1),
-                                                        ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(
+      auto target, Trainer::Create(config, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
   ASSERT_OK(ImportLlmc(*target, path));
   for (const std::string& name : source->ParameterNames()) {
     EXPECT_EQ(*source->GetParameter(name), *target->GetParameter(name)) << name;
@@ -385,16 +385,16 @@ TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
 }
 
 TEST_F(ZeroPlansTest, ImpossiblePlansAreRefusedWithWhatToChange) {
-  Result<std::unique_ptr<Gpt2Trainer>> stage5 = Distributed(Plan(2, 5, OffloadMode::kNone, 1));
+  Result<std::unique_ptr<Trainer>> stage5 = Distributed(Plan(2, 5, OffloadMode::kNone, 1));
   ASSERT_FALSE(stage5.ok());
   EXPECT_NE(stage5.status().message().find("ZeRO stage 5 does not exist"), std::string::npos)
       << stage5.status().ToString();
-  Result<std::unique_ptr<Gpt2Trainer>> too_many = Distributed(Plan(8, 1, OffloadMode::kNone, 1));
+  Result<std::unique_ptr<Trainer>> too_many = Distributed(Plan(8, 1, OffloadMode::kNone, 1));
   ASSERT_FALSE(too_many.ok());
   EXPECT_NE(too_many.status().message().find("has 4 worker(s): start at least 8"),
             std::string::npos)
       << too_many.status().ToString();
-  Result<std::unique_ptr<Gpt2Trainer>> uneven = Distributed(Plan(3, 1, OffloadMode::kNone, 1));
+  Result<std::unique_ptr<Trainer>> uneven = Distributed(Plan(3, 1, OffloadMode::kNone, 1));
   ASSERT_FALSE(uneven.ok());
   EXPECT_NE(uneven.status().message().find("multiple of 3"), std::string::npos)
       << uneven.status().ToString();

@@ -2,7 +2,7 @@
 // losses of ten AdamW steps with gradient clipping (tests/reference/make_gpt2_reference.py).
 #include <cmath>
 
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -28,7 +28,7 @@ class Gpt2ReferenceTest : public ::testing::Test {
     plan_.optimizer.max_grad_norm = h[5];
     ExecutorOptions options;
     options.threads = 2;
-    ASSERT_OK_AND_ASSIGN(trainer_, Gpt2Trainer::Create(config_, plan_, options));
+    ASSERT_OK_AND_ASSIGN(trainer_, Trainer::Create(config_, plan_, options));
     for (const std::string& name : trainer_->ParameterNames()) {
       const ReferenceTensor& value = ref_.at(name);
       ASSERT_OK(trainer_->SetParameter(name, value.floats, value.shape));
@@ -39,7 +39,7 @@ class Gpt2ReferenceTest : public ::testing::Test {
   Gpt2Config config_;
   TrainingPlan plan_;
   float lr_ = 0;
-  std::unique_ptr<Gpt2Trainer> trainer_;
+  std::unique_ptr<Trainer> trainer_;
 };
 
 TEST_F(Gpt2ReferenceTest, LogitsMatchPyTorch) {

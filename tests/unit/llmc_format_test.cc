@@ -18,11 +18,11 @@ Gpt2Config SmallConfig() {
   return Gpt2Config{.layers = 2, .channels = 32, .heads = 2, .vocab = 300, .max_seq_len = 16};
 }
 
-Result<std::unique_ptr<Gpt2Trainer>> InProcessTrainer(const Gpt2Config& config) {
+Result<std::unique_ptr<Trainer>> InProcessTrainer(const Gpt2Config& config) {
   TrainingPlan plan;
   plan.batch = 2;
   plan.seq_len = config.max_seq_len;
-  return Gpt2Trainer::Create(config, plan, ExecutorOptions{.threads = 1});
+  return Trainer::Create(config, plan, ExecutorOptions{.threads = 1});
 }
 
 std::string ReadBytes(const std::string& path) {

@@ -1,5 +1,5 @@
 // Shape mismatches are reported with the op, the layer and both shapes, before anything runs.
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 
@@ -72,7 +72,7 @@ TEST(ShapeErrorTest, WrongParameterGroupSizeNamesTheExpectedSize) {
 
 TEST(ShapeErrorTest, SettingAParameterOfTheWrongShapeNamesItAndBothShapes) {
   auto trainer =
-      *Gpt2Trainer::Create(Gpt2Config{1, 16, 2, 20, 8}, TrainingPlan{2, 8, {}}, ExecutorOptions{});
+      *Trainer::Create(Gpt2Config{1, 16, 2, 20, 8}, TrainingPlan{2, 8, {}}, ExecutorOptions{});
   Status status = trainer->SetParameter("h.0.fc_w", std::vector<float>(16 * 16), Shape{16, 16});
   ExpectAll(status, {"h.0.fc_w", "[64, 16]", "[16, 16]"});
   ExpectAll(trainer->SetParameter("h.7.fc_w", {}, Shape{0}), {"no parameter named 'h.7.fc_w'"});

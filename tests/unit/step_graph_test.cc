@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
 
@@ -248,7 +248,7 @@ std::vector<float> Losses(int threads, int steps, double max_grad_norm = 1.0) {
   options.threads = threads;
   TrainingPlan plan = TinyPlan();
   plan.optimizer.max_grad_norm = max_grad_norm;
-  auto trainer = *Gpt2Trainer::Create(TinyConfig(), plan, options);
+  auto trainer = *Trainer::Create(TinyConfig(), plan, options);
   EXPECT_OK(trainer->InitializeParameters(42));
   const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
   std::vector<float> losses;
@@ -276,7 +276,7 @@ TEST(TrainerTest, ResultsDoNotDependOnTheThreadCount) {
 TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
   ExecutorOptions options;
   options.threads = 2;
-  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  auto trainer = *Trainer::Create(TinyConfig(), TinyPlan(), options);
   ASSERT_OK(trainer->InitializeParameters(1));
   ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
   const int64_t state = trainer->ParameterBytes() + trainer->OptimizerStateBytes();
@@ -287,7 +287,7 @@ TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
 
 TEST(TrainerTest, ABadBatchIsRefusedAndTheModelIsUnchanged) {
   ExecutorOptions options;
-  auto trainer = *Gpt2Trainer::Create(TinyConfig(), TinyPlan(), options);
+  auto trainer = *Trainer::Create(TinyConfig(), TinyPlan(), options);
   ASSERT_OK(trainer->InitializeParameters(1));
   const std::vector<float> before = *trainer->GetParameter("h.0.qkv_w");
   std::vector<int32_t> tokens = Batch(32, 50, 1);

@@ -1,4 +1,5 @@
-// Gpt2Trainer: trains a GPT-2 model by running its step graph, one step per call.
+// Trainer: trains a model (GPT-2, or any model built with the model API) by running its step
+// graph, one step per call.
 //
 // The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
 // moment buffers), the step graph from the planner (zero/: one worker, data parallel or ZeRO,
@@ -53,25 +54,23 @@ struct StepReport {
   std::vector<RankFigures> ranks;
 };
 
-class Gpt2Trainer {
+class Trainer {
  public:
   // Validates the model and plan and prepares the step graph on `backend` (in process, or a
   // cluster). A plan with N > 1 data-parallel ranks takes the backend's first N workers
   // (InvalidArgument when it has fewer, saying how many to start). Parameters start at zero;
   // call InitializeParameters or SetParameter first.
-  static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
-                                                     const TrainingPlan& plan,
-                                                     std::unique_ptr<GraphBackend> backend);
+  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend);
   // In this process, on an executor with these options.
-  static Result<std::unique_ptr<Gpt2Trainer>> Create(const Gpt2Config& config,
-                                                     const TrainingPlan& plan,
-                                                     const ExecutorOptions& executor_options);
+  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options);
   // Any model (GPT-2's DescribeGpt2, or one built with the model API, model/model.h). Its
   // parameters are named "<layer>.<param>"; InitializeParameters uses each layer's ParamInit.
-  static Result<std::unique_ptr<Gpt2Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
-                                                     std::unique_ptr<GraphBackend> backend);
-  static Result<std::unique_ptr<Gpt2Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
-                                                     const ExecutorOptions& executor_options);
+  static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend);
+  static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options);
 
   // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
   // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
@@ -157,8 +156,8 @@ class Gpt2Trainer {
   int64_t OptimizerStateBytes() const;
 
  private:
-  Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
-              std::unique_ptr<GraphBackend> backend);
+  Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+          std::unique_ptr<GraphBackend> backend);
 
   Result<Value> Scalar(DType dtype, double value);
   Result<Value> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len);

@@ -1,4 +1,4 @@
-#include "driver/gpt2_trainer.h"
+#include "driver/trainer.h"
 
 #include <algorithm>
 #include <bit>
@@ -46,40 +46,38 @@ void InitializeSlot(const ParamInit& init, std::mt19937_64& rng, float* values, 
 
 }  // namespace
 
-Gpt2Trainer::Gpt2Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
-                         std::unique_ptr<GraphBackend> backend)
+Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+                 std::unique_ptr<GraphBackend> backend)
     : model_(std::move(model)),
       plan_(std::move(plan)),
       registry_(std::move(registry)),
       backend_(std::move(backend)) {}
 
-Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& config,
-                                                         const TrainingPlan& plan,
-                                                         const ExecutorOptions& executor_options) {
+Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
                            MakeInProcessBackend(executor_options));
   return Create(config, plan, std::move(backend));
 }
 
-Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(const Gpt2Config& config,
-                                                         const TrainingPlan& plan,
-                                                         std::unique_ptr<GraphBackend> backend) {
+Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Gpt2Trainer> trainer,
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            Create(DescribeGpt2(config), plan, std::move(backend)));
   trainer->gpt2_config_ = config;
   return trainer;
 }
 
-Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const TrainingPlan& plan,
-                                                         const ExecutorOptions& executor_options) {
+Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
                            MakeInProcessBackend(executor_options));
   return Create(std::move(model), plan, std::move(backend));
 }
 
-Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const TrainingPlan& plan,
-                                                         std::unique_ptr<GraphBackend> backend) {
+Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(model.Validate());
   TrainingPlan placed = plan;
   const int ranks = plan.parallel.data_parallel;
@@ -96,8 +94,8 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const 
   TESSERA_RETURN_IF_ERROR(placed.Validate(model));
   auto registry = std::make_unique<OpRegistry>();
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
-  std::unique_ptr<Gpt2Trainer> trainer(
-      new Gpt2Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
+  std::unique_ptr<Trainer> trainer(
+      new Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_,
                            PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len,
@@ -108,7 +106,7 @@ Result<std::unique_ptr<Gpt2Trainer>> Gpt2Trainer::Create(ModelSpec model, const 
   return trainer;
 }
 
-Status Gpt2Trainer::PrepareStepGraph() {
+Status Trainer::PrepareStepGraph() {
   TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(model_, plan_, *registry_));
   if (keep_gradients_) {
     for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
@@ -117,19 +115,19 @@ Status Gpt2Trainer::PrepareStepGraph() {
   return Status::Ok();
 }
 
-Status Gpt2Trainer::SetKeepGradients(bool keep) {
+Status Trainer::SetKeepGradients(bool keep) {
   keep_gradients_ = keep;
   last_grads_.clear();
   return PrepareStepGraph();
 }
 
-Status Gpt2Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
+Status Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
 
-int64_t Gpt2Trainer::ParamMultiple() const {
+int64_t Trainer::ParamMultiple() const {
   return plan_.parallel.sharded_optimizer() ? plan_.parallel.data_parallel : 1;
 }
 
-Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
+Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   std::mt19937_64 rng(seed.value_or(0));
   const bool zero = !seed.has_value();
   const double residual_std =
@@ -170,7 +168,7 @@ Status Gpt2Trainer::AllocateState(std::optional<uint64_t> seed) {
   return Status::Ok();
 }
 
-Status Gpt2Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values) {
+Status Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values) {
   if (static_cast<int64_t>(values.size()) != step_graph_.group_numel[layer]) {
     return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
                            model_.layers[layer].name, step_graph_.group_numel[layer],
@@ -222,7 +220,7 @@ Result<std::vector<float>> Assemble(int64_t numel, const std::vector<GroupPiece>
 
 }  // namespace
 
-Result<std::vector<float>> Gpt2Trainer::ReadGroup(size_t layer, StateKind kind) {
+Result<std::vector<float>> Trainer::ReadGroup(size_t layer, StateKind kind) {
   std::vector<GroupPiece> pieces;
   std::vector<size_t> index;
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
@@ -239,7 +237,7 @@ Result<std::vector<float>> Gpt2Trainer::ReadGroup(size_t layer, StateKind kind) 
                   [&](size_t i) { return backend_->Download(state_[index[i]]); });
 }
 
-Result<std::vector<Value>> Gpt2Trainer::FullParameters() {
+Result<std::vector<Value>> Trainer::FullParameters() {
   std::vector<Value> params(model_.layers.size());
   if (!plan_.parallel.sharded_parameters()) {
     // Every rank holds whole groups: rank 0's serve.
@@ -268,7 +266,7 @@ Result<std::vector<Value>> Gpt2Trainer::FullParameters() {
   return full_params_;
 }
 
-Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& name) const {
+Result<Trainer::ParameterRef> Trainer::FindParameter(const std::string& name) const {
   for (size_t g = 0; g < model_.layers.size(); ++g) {
     const LayerSpec& layer = model_.layers[g];
     const std::string prefix = NamePrefix(model_, layer);
@@ -279,7 +277,7 @@ Result<Gpt2Trainer::ParameterRef> Gpt2Trainer::FindParameter(const std::string& 
   return InvalidArgument("the model has no parameter named '{}'", name);
 }
 
-std::vector<std::string> Gpt2Trainer::ParameterNames() const {
+std::vector<std::string> Trainer::ParameterNames() const {
   std::vector<std::string> names;
   for (const LayerSpec& layer : model_.layers) {
     for (const FlatSlot& slot : layer.params.slots())
@@ -288,8 +286,8 @@ std::vector<std::string> Gpt2Trainer::ParameterNames() const {
   return names;
 }
 
-Status Gpt2Trainer::SetParameter(const std::string& name, const std::vector<float>& values,
-                                 const Shape& shape) {
+Status Trainer::SetParameter(const std::string& name, const std::vector<float>& values,
+                             const Shape& shape) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
   if (shape != ref.slot->shape || static_cast<int64_t>(values.size()) != shape.numel()) {
     return InvalidArgument("parameter '{}' has shape {} in the model but {} ({} values) was given",
@@ -301,14 +299,14 @@ Status Gpt2Trainer::SetParameter(const std::string& name, const std::vector<floa
   return WriteGroup(ref.group, StateKind::kParameter, group);
 }
 
-Result<std::vector<float>> Gpt2Trainer::GetParameter(const std::string& name) {
+Result<std::vector<float>> Trainer::GetParameter(const std::string& name) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
   TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(ref.group, StateKind::kParameter));
   const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
-Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) {
+Result<std::vector<float>> Trainer::GetGradient(const std::string& name) {
   TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
   if (last_grads_.empty()) {
     return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
@@ -328,7 +326,7 @@ Result<std::vector<float>> Gpt2Trainer::GetGradient(const std::string& name) {
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
 
-Result<Value> Gpt2Trainer::Scalar(DType dtype, double value) {
+Result<Value> Trainer::Scalar(DType dtype, double value) {
   TESSERA_ASSIGN_OR_RETURN(
       Tensor t, Tensor::Empty(TensorMeta{Shape{}, dtype, Device::Cpu()}, backend_->allocator()));
   if (dtype == DType::kI64) {
@@ -339,8 +337,7 @@ Result<Value> Gpt2Trainer::Scalar(DType dtype, double value) {
   return backend_->Upload(std::move(t));
 }
 
-Result<Value> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t batch,
-                                  int64_t seq_len) {
+Result<Value> Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) {
   if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
     return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
                            seq_len, batch * seq_len);
@@ -352,7 +349,7 @@ Result<Value> Gpt2Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t ba
   return backend_->Upload(std::move(t));
 }
 
-Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
+Status Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
   if (!gpt2_config_) return Status::Ok();  // the embedding kernel refuses ids out of range
   const int64_t vocab = gpt2_config_->vocab;
   for (size_t i = 0; i < tokens.size(); ++i) {
@@ -366,16 +363,16 @@ Status Gpt2Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const ch
   return Status::Ok();
 }
 
-Result<StepReport> Gpt2Trainer::Step(const std::vector<int32_t>& tokens,
-                                     const std::vector<int32_t>& targets, float lr) {
+Result<StepReport> Trainer::Step(const std::vector<int32_t>& tokens,
+                                 const std::vector<int32_t>& targets, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
   TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
   return Step(batch, lr);
 }
 
-Result<std::vector<Tensor>> Gpt2Trainer::TokenBatch(const std::vector<int32_t>& tokens,
-                                                    const std::vector<int32_t>& targets) const {
+Result<std::vector<Tensor>> Trainer::TokenBatch(const std::vector<int32_t>& tokens,
+                                                const std::vector<int32_t>& targets) const {
   if (model_.inputs.size() != 2) {
     return InvalidArgument("model '{}' is not fed tokens and targets: pass one tensor per input",
                            model_.name);
@@ -396,7 +393,7 @@ Result<std::vector<Tensor>> Gpt2Trainer::TokenBatch(const std::vector<int32_t>& 
   return batch;
 }
 
-Status Gpt2Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const {
+Status Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const {
   if (batch.size() != model_.inputs.size()) {
     return InvalidArgument("model '{}' takes {} input(s) per step, {} given", model_.name,
                            model_.inputs.size(), batch.size());
@@ -417,7 +414,7 @@ Status Gpt2Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) co
   return Status::Ok();
 }
 
-Result<Value> Gpt2Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
+Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
   std::vector<int64_t> dims = batch.shape().dims();
   const int64_t row_bytes = batch.bytes() / dims[0];
   dims[0] = rows;
@@ -429,7 +426,7 @@ Result<Value> Gpt2Trainer::UploadRows(const Tensor& batch, int64_t first, int64_
   return backend_->Upload(std::move(t));
 }
 
-Result<StepReport> Gpt2Trainer::Step(const std::vector<Tensor>& batch, float lr) {
+Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
@@ -486,7 +483,7 @@ Result<StepReport> Gpt2Trainer::Step(const std::vector<Tensor>& batch, float lr)
   return report;
 }
 
-Status Gpt2Trainer::RecoverState(const Status& error, ValueMap& intact) {
+Status Trainer::RecoverState(const Status& error, ValueMap& intact) {
   std::vector<std::string> lost;
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
     const ObjectId id = step_graph_.state[i].input;
@@ -504,15 +501,15 @@ Status Gpt2Trainer::RecoverState(const Status& error, ValueMap& intact) {
       error.ToString(), lost.size(), lost.front());
 }
 
-Result<float> Gpt2Trainer::EvalLoss(const std::vector<int32_t>& tokens,
-                                    const std::vector<int32_t>& targets) {
+Result<float> Trainer::EvalLoss(const std::vector<int32_t>& tokens,
+                                const std::vector<int32_t>& targets) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
   TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
   return EvalLoss(batch);
 }
 
-Result<float> Gpt2Trainer::EvalLoss(const std::vector<Tensor>& batch) {
+Result<float> Trainer::EvalLoss(const std::vector<Tensor>& batch) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
   ValueMap inputs;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -527,7 +524,7 @@ Result<float> Gpt2Trainer::EvalLoss(const std::vector<Tensor>& batch) {
   return *loss.data<float>();
 }
 
-Result<Tensor> Gpt2Trainer::Predict(const std::vector<Tensor>& batch) {
+Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, /*labels=*/false));
   if (!predict_graph_) {
     TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, plan_.batch, plan_.seq_len,
@@ -550,8 +547,8 @@ Result<Tensor> Gpt2Trainer::Predict(const std::vector<Tensor>& batch) {
   return backend_->Download(outputs[graph.result]);
 }
 
-Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
-                                               int64_t seq_len) {
+Result<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
+                                           int64_t seq_len) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
   const auto key = std::make_pair(batch, seq_len);
   auto it = logits_graphs_.find(key);
@@ -574,9 +571,9 @@ Result<std::vector<float>> Gpt2Trainer::Logits(const std::vector<int32_t>& token
   return std::vector<float>(data, data + logits.numel());
 }
 
-Result<std::vector<Value>> Gpt2Trainer::RunStateTasks(const std::string& op,
-                                                      const std::vector<size_t>& indices,
-                                                      const std::vector<StateTask>& tasks) {
+Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,
+                                                  const std::vector<size_t>& indices,
+                                                  const std::vector<StateTask>& tasks) {
   if (indices.size() != tasks.size()) {
     return InvalidArgument("{} of {} state objects: {} tasks given", op, indices.size(),
                            tasks.size());
@@ -626,12 +623,12 @@ Result<std::vector<Value>> Gpt2Trainer::RunStateTasks(const std::string& op,
   return values;
 }
 
-WorkerId Gpt2Trainer::RankWorker(int rank) const {
+WorkerId Trainer::RankWorker(int rank) const {
   return plan_.parallel.workers.empty() ? WorkerId()
                                         : plan_.parallel.workers[static_cast<size_t>(rank)];
 }
 
-Result<std::vector<Gpt2Trainer::FileReceipt>> Gpt2Trainer::WriteState(
+Result<std::vector<Trainer::FileReceipt>> Trainer::WriteState(
     const std::vector<size_t>& indices, const std::vector<std::string>& paths) {
   if (indices.size() != paths.size()) {
     return InvalidArgument("WriteState: {} state objects but {} paths", indices.size(),
@@ -654,8 +651,8 @@ Result<std::vector<Gpt2Trainer::FileReceipt>> Gpt2Trainer::WriteState(
   return receipts;
 }
 
-Result<std::vector<Value>> Gpt2Trainer::CopyState(const std::vector<size_t>& indices,
-                                                  const std::vector<WorkerId>& workers) {
+Result<std::vector<Value>> Trainer::CopyState(const std::vector<size_t>& indices,
+                                              const std::vector<WorkerId>& workers) {
   if (indices.size() != workers.size()) {
     return InvalidArgument("CopyState: {} state objects but {} workers", indices.size(),
                            workers.size());
@@ -665,9 +662,9 @@ Result<std::vector<Value>> Gpt2Trainer::CopyState(const std::vector<size_t>& ind
   return RunStateTasks("copy", indices, tasks);
 }
 
-int64_t Gpt2Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }
+int64_t Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }
 
-int64_t Gpt2Trainer::OptimizerStateBytes() const {
+int64_t Trainer::OptimizerStateBytes() const {
   return plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW ? 8 * model_.NumParameters() : 0;
 }
 
