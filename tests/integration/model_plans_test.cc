@@ -12,6 +12,7 @@
 #include "driver/trainer.h"
 #include "model/model.h"
 #include "ops/standard_ops.h"
+#include "plan_equivalence.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -80,23 +81,10 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload, int accum) {
   return plan;
 }
 
-struct TrainingRun {
-  std::vector<float> losses, grad_norms;
-  std::vector<float> block_w;
-  float eval_loss = 0;
-};
-
 Result<TrainingRun> Train(Trainer& trainer) {
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(3));
-  TrainingRun run;
-  for (int step = 0; step < kSteps; ++step) {
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer.Step(Batch(step), 1e-2f));
-    run.losses.push_back(report.loss);
-    run.grad_norms.push_back(report.grad_norm);
-  }
-  TESSERA_ASSIGN_OR_RETURN(run.block_w, trainer.GetParameter("block.w"));
-  TESSERA_ASSIGN_OR_RETURN(run.eval_loss, trainer.EvalLoss(Batch(kSteps)));
-  return run;
+  return RecordRun(
+      trainer, 3, kSteps, [](Trainer& t, int step) { return t.Step(Batch(step), 1e-2f); },
+      "block.w");
 }
 
 class ModelPlansTest : public ::testing::Test {
@@ -116,12 +104,17 @@ class ModelPlansTest : public ::testing::Test {
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
     reference_ = new TrainingRun(*std::move(run));
+    Result<float> eval_loss = (*reference)->EvalLoss(Batch(kSteps));
+    ASSERT_TRUE(eval_loss.ok()) << eval_loss.status().ToString();
+    reference_eval_loss_ = new float(*eval_loss);
   }
   static void TearDownTestSuite() {
     delete cluster_;
     delete reference_;
+    delete reference_eval_loss_;
     cluster_ = nullptr;
     reference_ = nullptr;
+    reference_eval_loss_ = nullptr;
   }
 
   static void ExpectSameRun(const TrainingPlan& plan) {
@@ -130,30 +123,20 @@ class ModelPlansTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
     ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-    double worst = 0;
-    for (int step = 0; step < kSteps; ++step) {
-      const double expected = reference_->losses[static_cast<size_t>(step)];
-      const double relative =
-          std::abs(run.losses[static_cast<size_t>(step)] - expected) / std::abs(expected);
-      worst = std::max(worst, relative);
-      EXPECT_LE(relative, 1e-5) << plan.parallel.ToString() << " step " << step;
-      EXPECT_NEAR(run.grad_norms[static_cast<size_t>(step)],
-                  reference_->grad_norms[static_cast<size_t>(step)],
-                  1e-4 * reference_->grad_norms[static_cast<size_t>(step)])
-          << plan.parallel.ToString() << " step " << step;
-    }
-    EXPECT_LE(ScaledMaxError(run.block_w, reference_->block_w), 1e-4) << plan.parallel.ToString();
-    EXPECT_NEAR(run.eval_loss, reference_->eval_loss, 1e-5 * reference_->eval_loss);
-    std::printf("[ %s ] worst relative loss difference over %d steps: %.2e\n",
-                plan.parallel.ToString().c_str(), kSteps, worst);
+    testing::ExpectSameRun(run, *reference_, plan.parallel.ToString());
+    // The held-out loss of the trained model too.
+    ASSERT_OK_AND_ASSIGN(float eval_loss, trainer->EvalLoss(Batch(kSteps)));
+    EXPECT_NEAR(eval_loss, *reference_eval_loss_, 1e-5 * *reference_eval_loss_);
   }
 
   static Cluster* cluster_;
   static TrainingRun* reference_;
+  static float* reference_eval_loss_;
 };
 
 Cluster* ModelPlansTest::cluster_ = nullptr;
 TrainingRun* ModelPlansTest::reference_ = nullptr;
+float* ModelPlansTest::reference_eval_loss_ = nullptr;
 
 TEST_F(ModelPlansTest, TheLossFallsOnOneWorker) {
   ASSERT_NE(reference_, nullptr);

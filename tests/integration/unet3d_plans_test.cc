@@ -14,6 +14,7 @@
 #include "driver/graph_backend.h"
 #include "driver/trainer.h"
 #include "model/unet3d.h"
+#include "plan_equivalence.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -44,23 +45,9 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload = OffloadMode::kNo
   return plan;
 }
 
-struct TrainingRun {
-  std::vector<float> losses, grad_norms;
-  std::vector<float> head_w;
-  std::vector<StepReport> reports;
-};
-
 Result<TrainingRun> Train(Trainer& trainer, int steps = kSteps) {
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(2));
-  TrainingRun run;
-  for (int step = 0; step < steps; ++step) {
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer.Step(Batch(step), 3e-3f));
-    run.losses.push_back(report.loss);
-    run.grad_norms.push_back(report.grad_norm);
-    run.reports.push_back(std::move(report));
-  }
-  TESSERA_ASSIGN_OR_RETURN(run.head_w, trainer.GetParameter("head.w"));
-  return run;
+  return RecordRun(
+      trainer, 2, steps, [](Trainer& t, int step) { return t.Step(Batch(step), 3e-3f); }, "head.w");
 }
 
 class UNet3dPlansTest : public ::testing::Test {
@@ -98,19 +85,7 @@ class UNet3dPlansTest : public ::testing::Test {
     ASSERT_NE(reference_, nullptr);
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-    double worst = 0;
-    for (size_t step = 0; step < kSteps; ++step) {
-      const double expected = reference_->losses[step];
-      const double relative = std::abs(run.losses[step] - expected) / std::abs(expected);
-      worst = std::max(worst, relative);
-      EXPECT_LE(relative, 1e-5) << plan.parallel.ToString() << " step " << step;
-      EXPECT_NEAR(run.grad_norms[step], reference_->grad_norms[step],
-                  1e-4 * reference_->grad_norms[step])
-          << plan.parallel.ToString() << " step " << step;
-    }
-    EXPECT_LE(ScaledMaxError(run.head_w, reference_->head_w), 1e-4) << plan.parallel.ToString();
-    std::printf("[ %s ] worst relative loss difference over %d steps: %.2e\n",
-                plan.parallel.ToString().c_str(), kSteps, worst);
+    testing::ExpectSameRun(run, *reference_, plan.parallel.ToString());
   }
 
   static Cluster* cluster_;

@@ -15,6 +15,7 @@
 #include "driver/peer_snapshot.h"
 #include "driver/token_dataset.h"
 #include "driver/trainer.h"
+#include "plan_equivalence.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -36,25 +37,17 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload, int accum) {
   return plan;
 }
 
-struct TrainingRun {
-  std::vector<float> losses, grad_norms;
-  std::vector<float> fc_w;  // a block matrix after the last step
-};
-
 Result<TrainingRun> Train(Trainer& trainer) {
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
   TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
   TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
   std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
-  TrainingRun run;
-  for (int step = 0; step < kSteps; ++step) {
-    sampler.Next(tokens.data(), targets.data());
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer.Step(tokens, targets, 3e-3f));
-    run.losses.push_back(report.loss);
-    run.grad_norms.push_back(report.grad_norm);
-  }
-  TESSERA_ASSIGN_OR_RETURN(run.fc_w, trainer.GetParameter("h.1.fc_w"));
-  return run;
+  return RecordRun(
+      trainer, 5, kSteps,
+      [&](Trainer& t, int) {
+        sampler.Next(tokens.data(), targets.data());
+        return t.Step(tokens, targets, 3e-3f);
+      },
+      "h.1.fc_w");  // a block matrix
 }
 
 class ZeroPlansTest : public ::testing::Test {
@@ -91,20 +84,7 @@ class ZeroPlansTest : public ::testing::Test {
     ASSERT_NE(reference_, nullptr);
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-    double worst = 0;
-    for (int step = 0; step < kSteps; ++step) {
-      const double expected = reference_->losses[step];
-      const double relative = std::abs(run.losses[step] - expected) / std::abs(expected);
-      worst = std::max(worst, relative);
-      EXPECT_LE(relative, 1e-5) << plan.parallel.ToString() << " step " << step << ": "
-                                << run.losses[step] << " vs " << expected;
-      EXPECT_NEAR(run.grad_norms[step], reference_->grad_norms[step],
-                  1e-4 * reference_->grad_norms[step])
-          << plan.parallel.ToString() << " step " << step;
-    }
-    EXPECT_LE(ScaledMaxError(run.fc_w, reference_->fc_w), 1e-4) << plan.parallel.ToString();
-    std::printf("[ %s ] worst relative loss difference over %d steps: %.2e\n",
-                plan.parallel.ToString().c_str(), kSteps, worst);
+    testing::ExpectSameRun(run, *reference_, plan.parallel.ToString());
   }
 
   static Cluster* cluster_;

@@ -1,0 +1,30 @@
+// Training runs recorded and compared across plans: the equivalence every parallel plan promises
+// (docs/architecture.md: within 1e-5 of one worker's losses).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "driver/trainer.h"
+
+namespace tessera::testing {
+
+struct TrainingRun {
+  std::vector<float> losses, grad_norms;
+  std::vector<float> parameter;  // one parameter's values after the last step
+  std::vector<StepReport> reports;
+};
+
+// Initialises `trainer` from `seed`, runs `steps` steps (`step(trainer, i)` takes step i), and
+// reads `parameter` at the end.
+Result<TrainingRun> RecordRun(Trainer& trainer, uint64_t seed, int steps,
+                              const std::function<Result<StepReport>(Trainer&, int)>& step,
+                              const std::string& parameter);
+
+// `run` against `reference`: every loss within 1e-5 relative, every gradient norm within 1e-4
+// relative, the parameter within 1e-4 of its scale. Prints the worst loss difference, labelled.
+void ExpectSameRun(const TrainingRun& run, const TrainingRun& reference, const std::string& label);
+
+}  // namespace tessera::testing
