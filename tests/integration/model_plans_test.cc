@@ -1,5 +1,6 @@
 // Plans on a model built with the model API (not GPT-2): a classifier whose head reads both the
-// residual block's output and the first layer's (a skip connection), with derived backwards.
+// residual blocks' output and the first layer's (a skip connection), whose second block shares
+// the first's weights, with derived backwards.
 // On a local cluster of real worker processes, data parallel, ZeRO 1-3, optimizer offload and
 // gradient accumulation compute the same training run as one worker in this process.
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "ops/standard_ops.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "zero/step_graph.h"
 
 namespace tessera::testing {
 namespace {
@@ -43,7 +45,18 @@ Result<ModelSpec> SkipClassifier() {
     return l.Call("add_forward",
                   {l.input(0), l.Call("gelu_forward", {l.Call("linear_forward", {normed, w, b})})});
   });
-  ModelValue logits = model.Layer("head", {r, h}, [](LayerBuilder& l) {
+  // A second block with the first's weights (shared, as ALBERT's): a layer that is not the loss
+  // reads another layer's group, which ZeRO-3 gathers again for its backward.
+  ModelValue r2 = model.Layer("block2", {r}, [](LayerBuilder& l) {
+    LayerValue g = l.Param("ln_w", Shape{kHidden}, ParamInit::Ones());
+    LayerValue beta = l.Param("ln_b", Shape{kHidden}, ParamInit::Zeros());
+    LayerValue w = l.SharedParam("block", "w");
+    LayerValue b = l.SharedParam("block", "b");
+    LayerValue normed = l.Call("layernorm_forward", {l.input(0), g, beta});
+    return l.Call("add_forward",
+                  {l.input(0), l.Call("gelu_forward", {l.Call("linear_forward", {normed, w, b})})});
+  });
+  ModelValue logits = model.Layer("head", {r2, h}, [](LayerBuilder& l) {
     LayerValue w = l.Param("w", Shape{kClasses, kHidden}, ParamInit::Normal(0.2), true);
     LayerValue b = l.Param("b", Shape{kClasses}, ParamInit::Zeros());
     LayerValue both = l.Call("add_forward", {l.input(0), l.input(1)});  // the skip from fc1
@@ -167,6 +180,20 @@ TEST_F(ModelPlansTest, ABatchOfTheWrongShapeIsRefusedNamingTheInput) {
   EXPECT_NE(step.status().ToString().find("input 'x'"), std::string::npos)
       << step.status().ToString();
   EXPECT_FALSE(trainer->Step({batch[1]}, 1e-2f).ok());
+}
+
+// The shared group's plan under ZeRO-3: "block2" reads "block"'s parameters, gathered for its
+// forward and gathered again for its backward, and the group's gradient sums both readers' parts.
+TEST(ModelPlansGraphTest, ZeroThreeGathersASharedGroupForEachReader) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, SkipClassifier());
+  TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
+  plan.parallel.workers = {WorkerId(10), WorkerId(11)};
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  for (const char* task : {"rank0/block/gather_forward", "rank0/block/gather_block2",
+                           "rank0/block/gather_backward", "rank0/block/gather_block2_backward"}) {
+    EXPECT_TRUE(step.graph.FindTask(task).ok()) << task;
+  }
+  EXPECT_TRUE(step.graph.FindTask("rank1/block.grad_parts/sum1").ok());
 }
 
 // examples/mlp, the README's smallest driver: two workers, ZeRO-2, the loss falls.
