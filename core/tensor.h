@@ -73,6 +73,7 @@ class Tensor {
   int64_t numel() const { return meta_.numel(); }
   int64_t bytes() const { return meta_.bytes(); }
   const std::shared_ptr<Buffer>& buffer() const { return buffer_; }
+  int64_t byte_offset() const { return byte_offset_; }  // where it starts in its buffer
 
   void* raw_data() const { return static_cast<char*>(buffer_->data()) + byte_offset_; }
   // Typed element access. REQUIRES: defined() and dtype() matches T (checked).

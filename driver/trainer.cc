@@ -44,6 +44,15 @@ void InitializeSlot(const ParamInit& init, std::mt19937_64& rng, float* values, 
   }
 }
 
+// `tokens` as an i32 [batch, seq_len] host tensor; InvalidArgument when the count differs.
+Result<Tensor> TokenTensor(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) {
+  if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
+    return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
+                           seq_len, batch * seq_len);
+  }
+  return Tensor::FromVector(Shape{batch, seq_len}, tokens);
+}
+
 }  // namespace
 
 Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
@@ -337,18 +346,6 @@ Result<Value> Trainer::Scalar(DType dtype, double value) {
   return backend_->Upload(std::move(t));
 }
 
-Result<Value> Trainer::Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) {
-  if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
-    return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
-                           seq_len, batch * seq_len);
-  }
-  TESSERA_ASSIGN_OR_RETURN(
-      Tensor t, Tensor::Empty(TensorMeta{Shape{batch, seq_len}, DType::kI32, Device::Cpu()},
-                              backend_->allocator()));
-  std::memcpy(t.raw_data(), tokens.data(), tokens.size() * sizeof(int32_t));
-  return backend_->Upload(std::move(t));
-}
-
 Status Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
   if (!gpt2_config_) return Status::Ok();  // the embedding kernel refuses ids out of range
   const int64_t vocab = gpt2_config_->vocab;
@@ -377,17 +374,9 @@ Result<std::vector<Tensor>> Trainer::TokenBatch(const std::vector<int32_t>& toke
     return InvalidArgument("model '{}' is not fed tokens and targets: pass one tensor per input",
                            model_.name);
   }
-  const int64_t expected = plan_.batch * plan_.seq_len;
   std::vector<Tensor> batch;
   for (const auto* rows : {&tokens, &targets}) {
-    if (static_cast<int64_t>(rows->size()) != expected) {
-      return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", rows->size(), plan_.batch,
-                             plan_.seq_len, expected);
-    }
-    TESSERA_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(TensorMeta{Shape{plan_.batch, plan_.seq_len},
-                                                                DType::kI32, Device::Cpu()},
-                                                     backend_->allocator()));
-    std::memcpy(t.raw_data(), rows->data(), rows->size() * sizeof(int32_t));
+    TESSERA_ASSIGN_OR_RETURN(Tensor t, TokenTensor(*rows, plan_.batch, plan_.seq_len));
     batch.push_back(std::move(t));
   }
   return batch;
@@ -401,10 +390,7 @@ Status Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const 
   for (size_t i = 0; i < batch.size(); ++i) {
     const ModelInput& input = model_.inputs[i];
     if (input.label && !labels) continue;
-    std::vector<int64_t> dims = input.shape.dims();
-    dims[0] = plan_.batch;
-    if (input.sequence) dims[1] = plan_.seq_len;
-    const TensorMeta want{Shape(std::move(dims)), input.dtype, Device::Cpu()};
+    const TensorMeta want = input.Meta(plan_.batch, plan_.seq_len);
     if (!batch[i].defined() || batch[i].shape() != want.shape || batch[i].dtype() != want.dtype) {
       return InvalidArgument(
           "input '{}' is {} but the plan needs {} (the batch is dimension 0)", input.name,
@@ -511,64 +497,53 @@ Result<float> Trainer::EvalLoss(const std::vector<int32_t>& tokens,
 
 Result<float> Trainer::EvalLoss(const std::vector<Tensor>& batch) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
-  ValueMap inputs;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TESSERA_ASSIGN_OR_RETURN(inputs[eval_graph_.inputs[i]], UploadRows(batch[i], 0, plan_.batch));
-  }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
-  for (size_t g = 0; g < params.size(); ++g) {
-    if (eval_graph_.params[g].valid()) inputs[eval_graph_.params[g]] = params[g];
-  }
-  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(eval_handle_, std::move(inputs)));
-  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[eval_graph_.result]));
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, RunForward(eval_graph_, eval_handle_, batch));
   return *loss.data<float>();
 }
 
 Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, /*labels=*/false));
-  if (!predict_graph_) {
-    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, plan_.batch, plan_.seq_len,
-                                                            *registry_, ParamMultiple()));
-    TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
-    predict_graph_.emplace(std::move(graph), handle);
-  }
-  const ForwardGraph& graph = predict_graph_->first;
-  ValueMap inputs;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (!graph.inputs[i].valid()) continue;  // a label
-    TESSERA_ASSIGN_OR_RETURN(inputs[graph.inputs[i]], UploadRows(batch[i], 0, plan_.batch));
-  }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
-  for (size_t g = 0; g < params.size(); ++g) {
-    if (graph.params[g].valid()) inputs[graph.params[g]] = params[g];
-  }
-  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs,
-                           backend_->Run(predict_graph_->second, std::move(inputs)));
-  return backend_->Download(outputs[graph.result]);
+  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph,
+                           PredictionGraph(plan_.batch, plan_.seq_len));
+  return RunForward(graph->graph, graph->handle, batch);
 }
 
 Result<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
                                            int64_t seq_len) {
   TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
+  TESSERA_ASSIGN_OR_RETURN(Tensor token_tensor, TokenTensor(tokens, batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph, PredictionGraph(batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(Tensor logits,
+                           RunForward(graph->graph, graph->handle, {token_tensor, Tensor()}));
+  const float* data = logits.data<float>();
+  return std::vector<float>(data, data + logits.numel());
+}
+
+Result<const Trainer::PlannedForward*> Trainer::PredictionGraph(int64_t batch, int64_t seq_len) {
   const auto key = std::make_pair(batch, seq_len);
-  auto it = logits_graphs_.find(key);
-  if (it == logits_graphs_.end()) {
+  auto it = prediction_graphs_.find(key);
+  if (it == prediction_graphs_.end()) {
     TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph,
                              PlanLogits(model_, batch, seq_len, *registry_, ParamMultiple()));
     TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
-    it = logits_graphs_.emplace(key, std::make_pair(std::move(graph), handle)).first;
+    it = prediction_graphs_.emplace(key, PlannedForward{std::move(graph), handle}).first;
   }
-  const ForwardGraph& graph = it->second.first;
+  return &it->second;
+}
+
+Result<Tensor> Trainer::RunForward(const ForwardGraph& graph, int handle,
+                                   const std::vector<Tensor>& batch) {
   ValueMap inputs;
-  TESSERA_ASSIGN_OR_RETURN(inputs[graph.tokens], Tokens(tokens, batch, seq_len));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!graph.inputs[i].valid()) continue;  // a label, when predicting
+    TESSERA_ASSIGN_OR_RETURN(inputs[graph.inputs[i]], UploadRows(batch[i], 0, batch[i].shape()[0]));
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
   for (size_t g = 0; g < params.size(); ++g) {
     if (graph.params[g].valid()) inputs[graph.params[g]] = params[g];
   }
-  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(it->second.second, std::move(inputs)));
-  TESSERA_ASSIGN_OR_RETURN(Tensor logits, backend_->Download(outputs[graph.result]));
-  const float* data = logits.data<float>();
-  return std::vector<float>(data, data + logits.numel());
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(handle, std::move(inputs)));
+  return backend_->Download(outputs[graph.result]);
 }
 
 Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,

@@ -160,7 +160,6 @@ class Trainer {
           std::unique_ptr<GraphBackend> backend);
 
   Result<Value> Scalar(DType dtype, double value);
-  Result<Value> Tokens(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len);
   // GPT-2's tokens and targets as the two input tensors of the plan's batch.
   Result<std::vector<Tensor>> TokenBatch(const std::vector<int32_t>& tokens,
                                          const std::vector<int32_t>& targets) const;
@@ -185,9 +184,17 @@ class Trainer {
   int step_handle_ = -1;
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
-  std::map<std::pair<int64_t, int64_t>, std::pair<ForwardGraph, int>> logits_graphs_;
-  // Forward-only graphs of the plan's batch: a graph and its handle.
-  std::optional<std::pair<ForwardGraph, int>> predict_graph_;
+  // Prediction graphs (Predict, Logits) by batch and seq_len, registered once each.
+  struct PlannedForward {
+    ForwardGraph graph;
+    int handle = -1;
+  };
+  std::map<std::pair<int64_t, int64_t>, PlannedForward> prediction_graphs_;
+  Result<const PlannedForward*> PredictionGraph(int64_t batch, int64_t seq_len);
+  // Runs a forward-only graph on `batch` (one tensor per model input; labels skipped when the
+  // graph has none) and the full parameters; returns its result.
+  Result<Tensor> RunForward(const ForwardGraph& graph, int handle,
+                            const std::vector<Tensor>& batch);
   // One task of `op` per state object (WriteState, CopyState): where it runs, and its file.
   struct StateTask {
     WorkerId worker;

@@ -366,13 +366,6 @@ Result<ModelSpec> ModelBuilder::Build() const {
     }
     for (int v : program.outputs)
       output_metas[order[k]].push_back(shapes->values[static_cast<size_t>(v)]);
-    if (declared.loss && program.outputs.size() == 1) {
-      const TensorMeta& loss = output_metas[order[k]][0];
-      if (loss.numel() != 1 || loss.dtype != DType::kF32) {
-        return InvalidArgument("model '{}': loss layer '{}' returns {}, not an f32 scalar", name_,
-                               declared.name, loss.ToString());
-      }
-    }
     const bool has_params = program.params.numel() > 0;
     if (has_params) layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
     // The shared groups' arguments, after the layer's own group.

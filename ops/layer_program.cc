@@ -111,10 +111,6 @@ class Reader {
 
 constexpr int64_t kMaxItems = 1 << 20;
 
-}  // namespace
-
-namespace {
-
 void PutLayout(std::string& out, const FlatLayout& layout) {
   PutInt(out, static_cast<int64_t>(layout.slots().size()));
   for (const FlatSlot& slot : layout.slots()) {
@@ -593,18 +589,14 @@ Status RunOp(const KernelContext& context, DeviceKind device, const std::string&
   return (*kernel)(context, inputs, outputs, attrs);
 }
 
-int64_t ByteOffset(const Tensor& t) {
-  return static_cast<const char*>(t.raw_data()) - static_cast<const char*>(t.buffer()->data());
-}
-
 Tensor SavedView(const Tensor& saved, const ProgramShapes& shapes, size_t i) {
   return Tensor(shapes.values[static_cast<size_t>(shapes.saved[i])], saved.buffer(),
-                ByteOffset(saved) + shapes.saved_offset[i]);
+                saved.byte_offset() + shapes.saved_offset[i]);
 }
 
 Tensor ParamView(const Tensor& group, const FlatSlot& slot) {
   return Tensor(TensorMeta{slot.shape, DType::kF32, group.meta().device}, group.buffer(),
-                ByteOffset(group) + slot.offset * 4);
+                group.byte_offset() + slot.offset * 4);
 }
 
 // Views of the parameter values: the layer's group, then the shared groups, in `in` from
@@ -692,6 +684,11 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
   for (size_t i = 0; i < shapes.saved.size(); ++i) {
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
+  // The layer's outputs that its ops make (and the backward does not keep) are made in place.
+  for (size_t o = 0; o < program.outputs.size(); ++o) {
+    Tensor& value = values[static_cast<size_t>(program.outputs[o])];
+    if (program.outputs[o] >= program.num_leaf_values() && !value.defined()) value = out[o];
+  }
   TESSERA_ASSIGN_OR_RETURN(const std::vector<int> home,
                            Donations(*context.registry, program, shapes));
   for (size_t i = 0; i < program.ops.size(); ++i) {
@@ -710,7 +707,7 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
             storage, Tensor::Empty(shapes.values[static_cast<size_t>(root)], context.allocator));
       }
       values[static_cast<size_t>(v)] =
-          Tensor(shapes.values[static_cast<size_t>(v)], storage.buffer(), ByteOffset(storage));
+          Tensor(shapes.values[static_cast<size_t>(v)], storage.buffer(), storage.byte_offset());
     }
     Tensors outputs(values.begin() + static_cast<long>(first),
                     values.begin() + static_cast<long>(first) + op.outputs);
@@ -721,6 +718,7 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
   }
   for (size_t o = 0; o < program.outputs.size(); ++o) {
     const Tensor& value = values[static_cast<size_t>(program.outputs[o])];
+    if (value.raw_data() == out[o].raw_data()) continue;  // made in place
     std::memcpy(out[o].raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
   }
   return Status::Ok();

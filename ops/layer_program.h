@@ -101,6 +101,8 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
 // Adds layer_forward and layer_backward (definitions; kernels: RegisterLayerProgramKernels).
 Status RegisterLayerProgramOps(OpRegistry& registry);
 // Their kernels for `device`: they run the program's ops with the registry's kernels for it.
+// The copies between ops (program outputs, in-place inputs, gradient slices) are host memory
+// operations, so only DeviceKind::kCpu works today.
 Status RegisterLayerProgramKernels(OpRegistry& registry, DeviceKind device);
 
 }  // namespace tessera

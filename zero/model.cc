@@ -4,6 +4,13 @@
 
 namespace tessera {
 
+TensorMeta ModelInput::Meta(int64_t rows, int64_t seq_len, Device device) const {
+  std::vector<int64_t> dims = shape.dims();
+  dims[0] = rows;
+  if (sequence) dims[1] = seq_len;
+  return TensorMeta{Shape(std::move(dims)), dtype, device};
+}
+
 int64_t ModelSpec::NumParameters() const {
   int64_t total = 0;
   for (const LayerSpec& layer : layers) total += layer.params.numel();

@@ -51,6 +51,9 @@ struct ModelInput {
   // Dimension 1 is the plan's seq_len (token inputs), at most shape[1].
   bool sequence = false;
   bool label = false;  // read by the loss only: not fed when predicting
+
+  // Its tensor for `rows` rows (and a sequence input's seq_len), on `device`.
+  TensorMeta Meta(int64_t rows, int64_t seq_len, Device device = Device::Cpu()) const;
 };
 
 // An argument of a layer's forward task, in the order its op takes them.

@@ -35,21 +35,6 @@ TaskOptions Options(const std::string& layer, int32_t priority,
   return options;
 }
 
-// A language model's inputs: "tokens" and "targets" (StepGraph::tokens/targets name them).
-bool TokenModel(const ModelSpec& model) {
-  return model.inputs.size() == 2 && model.inputs[0].name == "tokens" &&
-         model.inputs[1].name == "targets";
-}
-
-// A model input's object for `rows` rows: dimension 0 is the rows, a sequence input's
-// dimension 1 the plan's seq_len.
-TensorMeta InputMeta(const ModelInput& input, int64_t rows, int64_t seq_len, Device device) {
-  std::vector<int64_t> dims = input.shape.dims();
-  dims[0] = rows;
-  if (input.sequence) dims[1] = seq_len;
-  return TensorMeta{Shape(std::move(dims)), input.dtype, device};
-}
-
 Status CheckShapeOfBatch(const ModelSpec& model, int64_t batch, int64_t seq_len) {
   TESSERA_RETURN_IF_ERROR(model.Validate());
   if (batch <= 0) return InvalidArgument("batch must be positive, got {}", batch);
@@ -267,16 +252,11 @@ class StepPlanner {
       for (int k = 0; k < k_; ++k) {
         for (size_t i = 0; i < model_.inputs.size(); ++i) {
           const ModelInput& input = model_.inputs[i];
-          step_.inputs[i].push_back(
-              builder_.AddInput(Name(r, Micro(k, input.name)),
-                                InputMeta(input, step_.micro_batch, plan_.seq_len, plan_.device),
-                                ObjectRole::kInput));
+          step_.inputs[i].push_back(builder_.AddInput(
+              Name(r, Micro(k, input.name)),
+              input.Meta(step_.micro_batch, plan_.seq_len, plan_.device), ObjectRole::kInput));
         }
       }
-    }
-    if (TokenModel(model_)) {
-      step_.tokens = step_.inputs[0];
-      step_.targets = step_.inputs[1];
     }
     step_.lr = builder_.AddInput("lr", F32(Shape{}, OptimizerDevice()), ObjectRole::kInput);
     step_.step = builder_.AddInput("step", TensorMeta{Shape{}, DType::kI64, OptimizerDevice()},
@@ -890,15 +870,10 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
   GraphBuilder builder(registry);
   ForwardGraph result;
   for (const ModelInput& input : model.inputs) {
-    result.inputs.push_back(input.label && predict
-                                ? ObjectId()
-                                : builder.AddInput(input.name,
-                                                   InputMeta(input, batch, seq_len, Device::Cpu()),
-                                                   ObjectRole::kInput));
-  }
-  if (TokenModel(model)) {
-    result.tokens = result.inputs[0];
-    result.targets = result.inputs[1];
+    result.inputs.push_back(
+        input.label && predict
+            ? ObjectId()
+            : builder.AddInput(input.name, input.Meta(batch, seq_len), ObjectRole::kInput));
   }
   result.params = AddParameterInputs(builder, model, param_multiple);
   std::vector<std::vector<ObjectId>> outputs(model.layers.size());

@@ -140,8 +140,6 @@ struct StepGraph {
   // Per model input, per rank and micro-batch (index rank * grad_accum + micro): rows
   // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
   std::vector<std::vector<ObjectId>> inputs;
-  // Language models (inputs "tokens", "targets"): inputs[0] and inputs[1], i32 [micro_batch, T].
-  std::vector<ObjectId> tokens, targets;
   ObjectId lr;                       // f32 scalar
   ObjectId step;                     // i64 scalar, 1-based (AdamW bias correction)
   ObjectId loss;                     // f32 scalar: mean cross-entropy over the global batch
@@ -158,8 +156,6 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
 struct ForwardGraph {
   Graph graph;
   std::vector<ObjectId> inputs;  // per model input; label inputs invalid when predicting
-  ObjectId tokens;               // language models: inputs[0]
-  ObjectId targets;              // language models: inputs[1]; invalid for the logits graph
   ObjectId result;               // loss (f32 scalar) or logits (f32 [B, T, V])
   std::vector<ObjectId> params;  // one per model layer, model order (invalid: no parameters)
 };

@@ -110,7 +110,7 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   EXPECT_EQ(z3.graph.object(gather.outputs[0]).role, ObjectRole::kGatheredParameter);
   // Accumulation: K micro-batches per rank, each a forward and backward, summed in place.
   ASSERT_OK_AND_ASSIGN(StepGraph accum, PlanTrainingStep(model, ZeroPlan(2, 2, 2), CpuRegistry()));
-  EXPECT_EQ(accum.tokens.size(), 4u);
+  EXPECT_EQ(accum.inputs[0].size(), 4u);  // tokens: 2 ranks x 2 micro-batches
   EXPECT_EQ(accum.micro_batch, 1);
   EXPECT_EQ(CountOp(accum.graph, "accumulate"), 2 * layers);
   EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
