@@ -27,8 +27,7 @@ set(TESSERA_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/Tessera)
 set(TESSERA_INSTALL_INCLUDEDIR ${CMAKE_INSTALL_INCLUDEDIR}/tessera)
 
 # tessera_public_headers(<target> <header>...): installs the headers (paths relative to the
-# current source directory) under include/tessera/<that directory>/ and records them in the
-# target's TESSERA_PUBLIC_HEADERS property.
+# current source directory) under include/tessera/<that directory>/.
 function(tessera_public_headers target)
   file(RELATIVE_PATH module_dir ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
   foreach(header IN LISTS ARGN)
@@ -38,7 +37,6 @@ function(tessera_public_headers target)
     get_filename_component(header_dir ${module_dir}/${header} DIRECTORY)
     install(FILES ${header} DESTINATION ${TESSERA_INSTALL_INCLUDEDIR}/${header_dir})
   endforeach()
-  set_property(TARGET ${target} APPEND PROPERTY TESSERA_PUBLIC_HEADERS ${ARGN})
 endfunction()
 
 # The libraries, the umbrella target, the binary and the package. Called once every module's

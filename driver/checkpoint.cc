@@ -375,6 +375,8 @@ Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
   return parsed.config;
 }
 
+namespace {
+
 // The GPT-2 configuration of a trainer, for llm.c's format. InvalidArgument for other models.
 Result<Gpt2Config> Gpt2ConfigOf(const Trainer& trainer) {
   if (!trainer.gpt2_config()) {
@@ -383,6 +385,8 @@ Result<Gpt2Config> Gpt2ConfigOf(const Trainer& trainer) {
   }
   return *trainer.gpt2_config();
 }
+
+}  // namespace
 
 Status ExportLlmc(Trainer& trainer, const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
@@ -427,8 +431,7 @@ Status ImportLlmc(Trainer& trainer, const std::string& path) {
       LlmcHeader header,
       ParseLlmcHeader(path, reinterpret_cast<const int32_t*>(bytes.data()), bytes.size()));
   const Gpt2Config& saved = header.config;
-  if (saved.max_seq_len != c.max_seq_len || saved.vocab != c.vocab || saved.layers != c.layers ||
-      saved.heads != c.heads || saved.channels != c.channels) {
+  if (saved != c) {
     return InvalidArgument("'{}' holds a model with {}, but this model is {}", path,
                            saved.ToString(), c.ToString());
   }

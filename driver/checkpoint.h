@@ -6,16 +6,16 @@
 //   <dir>/step_00000100/rank<r>/<layer>.<kind>.bin   one piece, raw little-endian fp32
 //   <dir>/latest                        the name of the newest complete checkpoint
 //
-// Pieces are saved as the plan holds them (a ZeRO-3 run saves N shards of every group, a data-
-// parallel run one copy), each by the worker that holds it (Trainer::WriteState: a graph of
-// write_file tasks pinned to the pieces' workers, so no state travels to the driver; workers on
-// other machines need the checkpoint directory at the same absolute path, a shared filesystem).
-// The driver checks every worker's receipt (size, checksum) and writes the manifest. Loading
-// assembles each group from whatever pieces were saved and writes it into the trainer's own
-// placement, so any data-parallel size and any ZeRO stage can resume any checkpoint. Every file is
-// written atomically, into <dir>/incoming.partial, which is renamed to the step directory only once
-// complete, and `latest` moves only after that, so a crash or a full disk mid-save never touches
-// the previous checkpoint.
+// Pieces are saved as the plan holds them (a ZeRO-3 run saves N shards of every group; replicated
+// state is saved by every rank, and loading reads rank 0's copy), each by the worker that holds it
+// (Trainer::WriteState: a graph of write_file tasks pinned to the pieces' workers, so no state
+// travels to the driver; workers on other machines need the checkpoint directory at the same
+// absolute path, a shared filesystem). The driver checks every worker's receipt (size, checksum)
+// and writes the manifest. Loading assembles each group from whatever pieces were saved and writes
+// it into the trainer's own placement, so any data-parallel size and any ZeRO stage can resume any
+// checkpoint. Every file is written atomically, into <dir>/incoming.partial, which is renamed to
+// the step directory only once complete, and `latest` moves only after that, so a crash or a full
+// disk mid-save never touches the previous checkpoint.
 //
 // Errors: a missing checkpoint is NotFound naming the path; a truncated or corrupted piece or
 // manifest is DataLoss naming the file and what is wrong; a checkpoint of another model shape

@@ -14,8 +14,9 @@
 // the workers once no task needs it).
 //
 // Local clusters: StartLocal runs a scheduler and N worker processes on this machine (the
-// `tessera` binary: $TESSERA_BIN_DIR, next to this executable, the installed SDK's bin directory,
-// then $PATH; driver/session.h gives the whole order) in a session directory
+// `tessera` binary: LocalClusterOptions::tessera_binary, $TESSERA_BINARY, $TESSERA_BIN_DIR, next to
+// this executable, the installed SDK's bin directory, the configured install prefix's, then
+// $PATH) in a session directory
 // (driver/session.h: the same as `tessera start` makes), waits until all workers joined, and
 // stops them when the Cluster is destroyed. The children are also killed if this process dies,
 // so a crashing driver leaves nothing behind.

@@ -231,14 +231,14 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
   }
   TESSERA_RETURN_IF_ERROR(AwaitWorkers(want).status());
   const bool workers_lost = !lost.empty();
-  if (workers_lost) {  // others may have been declared dead since
-    TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
-    report.lost = Describe(lost);
-  }
   // Workers may still be dying (several lost at once: a host, a rack): a plan or a restore that
   // loses one is made again on the workers there are then.
   Recovered recovered;
   for (int attempt = 1;; ++attempt) {
+    if (workers_lost) {  // others may have been declared dead since
+      TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
+      report.lost = Describe(lost);
+    }
     std::set<WorkerId> dead;
     for (const auto& [id, description] : lost) dead.insert(id);
     Result<Recovered> made = Replan(report, dead);
@@ -252,20 +252,14 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
     }
     GetLogger("recovery")
         ->warn("recovery attempt {} failed: {}; planning again", attempt, made.status().ToString());
-    if (workers_lost) {
-      TESSERA_ASSIGN_OR_RETURN(lost, LostWorkers(last_plan_workers_));
-      report.lost = Describe(lost);
-    }
   }
   // A snapshot of the new plan, so that a later loss finds its pieces on the new buddies.
   if (options_.snapshot_every > 0) {
     (void)Snapshot(*recovered.trainer, recovered.checkpoint.sampler_state);
   }
-  report = recovered.report;
-  report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  recovered.report = report;
-  reports_.push_back(report);
-  GetLogger("recovery")->warn("{}", report.ToString());
+  recovered.report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  reports_.push_back(recovered.report);
+  GetLogger("recovery")->warn("{}", recovered.report.ToString());
   return recovered;
 }
 

@@ -45,6 +45,7 @@ struct Gpt2Config {
   // Parameters without padding (the figure papers quote: 124,439,808 for GPT-2 124M).
   int64_t NumParameters() const;
   std::string ToString() const;
+  friend bool operator==(const Gpt2Config&, const Gpt2Config&) = default;
 };
 
 // GPT-2 as the planners take it with its hand-fused layer ops (ops/standard_ops.h:

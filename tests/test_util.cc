@@ -123,10 +123,14 @@ double ScaledMaxError(const std::vector<float>& actual, const std::vector<float>
   return max_error / max_reference;
 }
 
-Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::string& path) {
+std::string ReadFileText(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
-  if (!file) return NotFound("cannot open reference file '{}'", path);
-  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::string& path) {
+  if (!std::ifstream(path)) return NotFound("cannot open reference file '{}'", path);
+  const std::string bytes = ReadFileText(path);
   size_t position = 0;
   auto read = [&](void* out, size_t n) -> Status {
     if (position + n > bytes.size()) return DataLoss("reference file '{}' is truncated", path);

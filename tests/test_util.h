@@ -98,4 +98,7 @@ struct ProcessResult {
 };
 ProcessResult RunBinary(const std::string& binary, const std::string& arguments);
 
+// The whole contents of a file ("" when it cannot be read: tests assert on what they expect).
+std::string ReadFileText(const std::string& path);
+
 }  // namespace tessera::testing

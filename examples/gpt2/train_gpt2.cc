@@ -109,9 +109,7 @@ tessera::Result<ResolvedShape> ResolveShapeFromFile(const Flags& flags) {
   }
   if (flags.preset_given) {
     TESSERA_ASSIGN_OR_RETURN(Gpt2Config preset, Gpt2Config::Preset(flags.preset));
-    if (preset.layers != config.layers || preset.channels != config.channels ||
-        preset.heads != config.heads || preset.vocab != config.vocab ||
-        preset.max_seq_len != config.max_seq_len) {
+    if (preset != config) {
       return tessera::InvalidArgument(
           "--preset {} ({}) conflicts with --init-from '{}', which holds a model with {}: the "
           "model's shape comes from the file, drop --preset",

@@ -24,13 +24,6 @@ struct Member {
   int exit_code = -1;  // after Reap; -1: killed by a signal or never exited
 };
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
 class Group {
  public:
   Group(const std::string& name, int size, const std::string& extra_flags) {
@@ -91,7 +84,7 @@ class Group {
   bool WaitForLogs(const std::string& text, std::chrono::seconds limit) {
     const Clock::time_point until = Clock::now() + limit;
     for (const Member& member : members_) {
-      while (ReadFile(member.log).find(text) == std::string::npos) {
+      while (ReadFileText(member.log).find(text) == std::string::npos) {
         if (Clock::now() > until) return false;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
@@ -101,7 +94,7 @@ class Group {
 
   std::string Logs() const {
     std::string all;
-    for (const Member& member : members_) all += ReadFile(member.log);
+    for (const Member& member : members_) all += ReadFileText(member.log);
     return all;
   }
 
@@ -138,7 +131,7 @@ TEST(CollectivesNetworkTest, AKilledMemberOverTcpFailsTheOthersNamingIt) {
   ::kill(group[victim].pid, SIGKILL);
   ASSERT_TRUE(group.WaitForExit(std::chrono::seconds(60), victim)) << group.Logs();
   for (int r : {0, 2}) {
-    const std::string log = ReadFile(group[r].log);
+    const std::string log = ReadFileText(group[r].log);
     EXPECT_EQ(group[r].exit_code, 1) << log;
     EXPECT_NE(log.find("rank 1 died"), std::string::npos) << log;
   }
@@ -159,7 +152,7 @@ TEST(CollectivesFailureTest, AKilledMemberFailsEveryOtherNamingIt) {
   ASSERT_TRUE(group.WaitForExit(std::chrono::seconds(60), victim)) << group.Logs();
   for (int r = 0; r < size; ++r) {
     if (r == victim) continue;
-    const std::string log = ReadFile(group[r].log);
+    const std::string log = ReadFileText(group[r].log);
     EXPECT_EQ(group[r].exit_code, 1) << log;
     EXPECT_NE(log.find("rank 2 died"), std::string::npos) << log;
   }
@@ -178,7 +171,7 @@ TEST(CollectivesFailureTest, AStuckMemberTimesOutEveryOtherNamingIt) {
   ASSERT_TRUE(exited) << group.Logs();
   for (int r = 0; r < size; ++r) {
     if (r == victim) continue;
-    const std::string log = ReadFile(group[r].log);
+    const std::string log = ReadFileText(group[r].log);
     EXPECT_EQ(group[r].exit_code, 1) << log;
     EXPECT_NE(log.find("heard nothing from rank 1 "), std::string::npos) << log;
   }

@@ -25,15 +25,10 @@ constexpr const char* kRun =
     "--workers 4 --zero-stage 3 --batch 12 --steps 24 --threads 1 --log-every 1 "
     "--checkpoint-every 4";
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream file(path);
-  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-}
-
 struct Training {
   pid_t pid = -1;
   std::string log;
-  std::string output() const { return ReadAll(log); }
+  std::string output() const { return ReadFileText(log); }
 };
 
 // Starts train_gpt2 with kRun, checkpoints and output under a directory of its own.

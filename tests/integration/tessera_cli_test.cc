@@ -15,11 +15,6 @@ namespace {
 
 ProcessResult Tessera(const std::string& arguments) { return RunBinary("tessera", arguments); }
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream file(path);
-  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-}
-
 std::string ReadLine(const std::string& path) {
   std::ifstream file(path);
   std::string line;
@@ -108,9 +103,9 @@ class SchedulerLossTest : public ::testing::Test {
               "1000000", "--log-every", "1", static_cast<char*>(nullptr));
       ::_exit(127);
     }
-    ASSERT_TRUE(Eventually([&] { return ReadAll(log_).find("step 5/") != std::string::npos; },
+    ASSERT_TRUE(Eventually([&] { return ReadFileText(log_).find("step 5/") != std::string::npos; },
                            std::chrono::seconds(60)))
-        << ReadAll(log_);
+        << ReadFileText(log_);
   }
 
   // The driver ends (exit 1) naming `reason`, and every worker exits instead of lingering with
@@ -122,7 +117,7 @@ class SchedulerLossTest : public ::testing::Test {
         << "the driver outlived its scheduler";
     driver_ = -1;
     EXPECT_EQ(WEXITSTATUS(status), 1);
-    EXPECT_NE(ReadAll(log_).find(reason), std::string::npos) << ReadAll(log_);
+    EXPECT_NE(ReadFileText(log_).find(reason), std::string::npos) << ReadFileText(log_);
     EXPECT_TRUE(Eventually(
         [&] { return std::all_of(worker_pids_.begin(), worker_pids_.end(), ProcessGone); },
         std::chrono::seconds(20)));
@@ -202,8 +197,8 @@ TEST_F(SchedulerLossTest, ASupervisedSchedulerComesBackAndIsGivenUpOnIfItKeepsDy
     ASSERT_TRUE(Eventually([&] { return ProcessGone(victim); }));
   }
   EXPECT_TRUE(Eventually([&] { return ProcessGone(supervisor); }, std::chrono::seconds(20)));
-  EXPECT_NE(ReadAll(session_ + "/scheduler.log").find("not restarting it"), std::string::npos)
-      << ReadAll(session_ + "/scheduler.log");
+  EXPECT_NE(ReadFileText(session_ + "/scheduler.log").find("not restarting it"), std::string::npos)
+      << ReadFileText(session_ + "/scheduler.log");
   EXPECT_TRUE(
       Eventually([&] { return std::all_of(worker_pids_.begin(), worker_pids_.end(), ProcessGone); },
                  std::chrono::seconds(20)));

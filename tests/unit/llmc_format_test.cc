@@ -25,13 +25,6 @@ Result<std::unique_ptr<Trainer>> InProcessTrainer(const Gpt2Config& config) {
   return Trainer::Create(config, plan, ExecutorOptions{.threads = 1});
 }
 
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
-
 void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
@@ -42,7 +35,7 @@ TEST(LlmcFormatTest, ExportIsLaidOutAsLlmcReadsIt) {
   ASSERT_OK(trainer->InitializeParameters(5));
   const std::string path = TempPath("llmc_layout.bin");
   ASSERT_OK(ExportLlmc(*trainer, path));
-  const std::string bytes = ReadBytes(path);
+  const std::string bytes = ReadFileText(path);
   const int64_t padded_vocab = 384;
   ASSERT_EQ(bytes.size(),
             1024 + 4 * static_cast<size_t>(config.NumParameters() +
@@ -95,7 +88,7 @@ TEST(LlmcFormatTest, ExportImportRoundTripsBitExactly) {
   // And out again: the same bytes.
   const std::string again = TempPath("llmc_round_trip_again.bin");
   ASSERT_OK(ExportLlmc(*target, again));
-  EXPECT_EQ(ReadBytes(again), ReadBytes(path));
+  EXPECT_EQ(ReadFileText(again), ReadFileText(path));
 }
 
 TEST(LlmcFormatTest, DamagedFilesAreRefusedNamingTheFileAndTheFault) {
@@ -104,7 +97,7 @@ TEST(LlmcFormatTest, DamagedFilesAreRefusedNamingTheFileAndTheFault) {
   ASSERT_OK(trainer->InitializeParameters(9));
   const std::string good = TempPath("llmc_good.bin");
   ASSERT_OK(ExportLlmc(*trainer, good));
-  const std::string bytes = ReadBytes(good);
+  const std::string bytes = ReadFileText(good);
   const auto expect_error = [&](const std::string& path, StatusCode code, const std::string& what) {
     Result<Gpt2Config> read = ReadLlmcConfig(path);
     ASSERT_FALSE(read.ok()) << path;
