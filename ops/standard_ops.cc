@@ -5,6 +5,7 @@
 #include "core/collective_task.h"
 #include "ops/flat_layout.h"
 #include "ops/layer_program.h"
+#include "ops/op_def_util.h"
 #include "ops/volume_ops.h"
 
 namespace tessera {
@@ -12,29 +13,17 @@ namespace tessera {
 namespace {
 
 using Metas = std::vector<TensorMeta>;
+using op_def::Bytes;
+using op_def::CheckDType;
+using op_def::In;
+using op_def::Out;
+using op_def::OutGrad;
+using op_def::Rule;
 
 TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
 TensorMeta Scalar() { return F32(Shape{}); }
 
-// Gradient rules (OpDef::gradient): Rule(backward op, what it reads, the inputs it returns
-// gradients of).
-GradientRule::Arg OutGrad(int i) { return {GradientRule::From::kOutputGradient, i}; }
-GradientRule::Arg In(int i) { return {GradientRule::From::kInput, i}; }
-GradientRule::Arg Out(int i) { return {GradientRule::From::kOutput, i}; }
-GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
-                  std::vector<int> gradient_of) {
-  return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
-}
-
 // ---- checks whose messages name the input and both shapes ----
-
-Status CheckDType(const char* name, const TensorMeta& meta, DType dtype) {
-  if (meta.dtype != dtype) {
-    return InvalidArgument("input '{}' is {} but must be {}", name, meta.ToString(),
-                           DTypeName(dtype));
-  }
-  return Status::Ok();
-}
 
 Status CheckShape(const char* name, const TensorMeta& meta, const Shape& expected,
                   DType dtype = DType::kF32) {
@@ -76,12 +65,6 @@ Result<int64_t> PositiveAttr(const Attrs& attrs, const char* name) {
   TESSERA_ASSIGN_OR_RETURN(int64_t value, attrs.GetInt(name));
   if (value <= 0) return InvalidArgument("attribute '{}' must be positive, got {}", name, value);
   return value;
-}
-
-double Bytes(const Metas& metas) {
-  double bytes = 0;
-  for (const TensorMeta& meta : metas) bytes += static_cast<double>(meta.bytes());
-  return bytes;
 }
 
 // Elementwise-style cost: a few flops per element of the first input, every byte touched once.

@@ -4,12 +4,18 @@
 #include <string>
 #include <vector>
 
+#include "ops/op_def_util.h"
+
 namespace tessera {
 
 namespace {
 
 using Metas = std::vector<TensorMeta>;
-using From = GradientRule::From;
+using op_def::Bytes;
+using op_def::In;
+using op_def::Out;
+using op_def::OutGrad;
+using op_def::Rule;
 
 // Outputs live where the op's first input does.
 TensorMeta F32Like(const TensorMeta& like, Shape shape) {
@@ -17,12 +23,11 @@ TensorMeta F32Like(const TensorMeta& like, Shape shape) {
 }
 
 Status CheckF32(const char* name, const TensorMeta& meta) {
-  if (meta.dtype != DType::kF32) {
-    return InvalidArgument("input '{}' is {} but must be f32", name, meta.ToString());
-  }
-  return Status::Ok();
+  return op_def::CheckDType(name, meta, DType::kF32);
 }
 
+// Unlike standard_ops.cc's CheckShape (a dtype message, then a shape message), one message names
+// the expected dtype and shape together, e.g. "... but i32[2, 8, 8, 8] was expected".
 Status CheckShape(const char* name, const TensorMeta& meta, const Shape& expected,
                   DType dtype = DType::kF32) {
   if (meta.dtype != dtype || meta.shape != expected) {
@@ -54,12 +59,6 @@ Result<int64_t> IntAttr(const Attrs& attrs, const char* name, int64_t fallback, 
   return value;
 }
 
-double Bytes(const Metas& metas) {
-  double bytes = 0;
-  for (const TensorMeta& meta : metas) bytes += static_cast<double>(meta.bytes());
-  return bytes;
-}
-
 double Numel(const TensorMeta& meta) { return static_cast<double>(meta.numel()); }
 
 // Cost from the op's own inference: `flops(inputs, outputs)`, every input and output byte
@@ -70,11 +69,6 @@ CostFn CostOf(InferFn infer, std::function<double(const Metas&, const Metas&)> f
     if (!out.ok()) return OpCost{0, Bytes(in)};
     return OpCost{flops(in, *out), Bytes(in) + Bytes(*out)};
   };
-}
-
-GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
-                  std::vector<int> gradient_of) {
-  return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
 }
 
 // ---- convolutions ----
@@ -150,9 +144,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
                      [conv_flops](const Metas& in, const Metas& out) {
                        return conv_flops(in[0], in[1], out[0]) + Numel(out[0]);
                      }),
-      .gradient =
-          Rule(name + "_backward",
-               {{From::kOutputGradient, 0}, {From::kInput, 0}, {From::kInput, 1}}, {0, 1, 2}),
+      .gradient = Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
   }));
   const InferFn backward_infer = [transposed](const Metas& in,
                                               const Attrs& attrs) -> Result<Metas> {
@@ -189,7 +181,7 @@ Status AddResamplingOps(OpRegistry& r) {
       .output_names = {"y"},
       .infer = upsample_infer,
       .cost = CostOf(upsample_infer, [](const Metas&, const Metas&) { return 0.0; }),
-      .gradient = Rule("upsample_nearest3d_backward", {{From::kOutputGradient, 0}}, {0}),
+      .gradient = Rule("upsample_nearest3d_backward", {OutGrad(0)}, {0}),
   }));
   const InferFn upsample_backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t scale, IntAttr(attrs, "scale", 2, 1));
@@ -240,8 +232,7 @@ Status AddResamplingOps(OpRegistry& r) {
       .output_names = {"y", "indices"},
       .infer = pool_infer,
       .cost = CostOf(pool_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
-      .gradient = Rule("max_pool3d_backward",
-                       {{From::kOutputGradient, 0}, {From::kInput, 0}, {From::kOutput, 1}}, {0}),
+      .gradient = Rule("max_pool3d_backward", {OutGrad(0), In(0), Out(1)}, {0}),
   }));
   const InferFn pool_backward_infer = [pool_infer](const Metas& in,
                                                    const Attrs& attrs) -> Result<Metas> {
@@ -300,13 +291,8 @@ Status AddGroupNormOps(OpRegistry& r) {
       .infer = forward_infer,
       .cost =
           CostOf(forward_infer, [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
-      .gradient = Rule("group_norm_backward",
-                       {{From::kOutputGradient, 0},
-                        {From::kInput, 0},
-                        {From::kInput, 1},
-                        {From::kOutput, 1},
-                        {From::kOutput, 2}},
-                       {0, 1, 2}),
+      .gradient =
+          Rule("group_norm_backward", {OutGrad(0), In(0), In(1), Out(1), Out(2)}, {0, 1, 2}),
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[1], in[2], attrs));
@@ -356,7 +342,7 @@ Status AddActivationOps(OpRegistry& r) {
         .infer = forward_infer,
         .cost = CostOf(forward_infer,
                        [flops](const Metas& in, const Metas&) { return flops * Numel(in[0]); }),
-        .gradient = Rule(name + "_backward", {{From::kOutputGradient, 0}, {From::kInput, 0}}, {0}),
+        .gradient = Rule(name + "_backward", {OutGrad(0), In(0)}, {0}),
     }));
     TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
         .name = name + "_backward",
@@ -372,15 +358,18 @@ Status AddActivationOps(OpRegistry& r) {
   return Status::Ok();
 }
 
-// a [N, Ca, *] and b [N, Cb, *] agree everywhere but dimension 1.
+// Whether a [N, Ca, *] and b [N, Cb, *] have the same rank (at least 2) and agree everywhere but
+// dimension 1.
+bool SameExceptChannels(const Shape& a, const Shape& b) {
+  bool same = a.rank() >= 2 && a.rank() == b.rank();
+  for (int axis = 0; same && axis < a.rank(); ++axis) same = axis == 1 || a[axis] == b[axis];
+  return same;
+}
+
 Status CheckConcatenable(const TensorMeta& a, const TensorMeta& b) {
   TESSERA_RETURN_IF_ERROR(CheckF32("a", a));
   TESSERA_RETURN_IF_ERROR(CheckF32("b", b));
-  bool same = a.shape.rank() >= 2 && a.shape.rank() == b.shape.rank();
-  for (int axis = 0; same && axis < a.shape.rank(); ++axis) {
-    same = axis == 1 || a.shape[axis] == b.shape[axis];
-  }
-  if (!same) {
+  if (!SameExceptChannels(a.shape, b.shape)) {
     return InvalidArgument(
         "inputs 'a' {} and 'b' {} cannot be concatenated along dimension 1: they must be "
         "[N, Ca, ...] and [N, Cb, ...] with the same other dimensions",
@@ -407,17 +396,13 @@ Status AddConcatOps(OpRegistry& r) {
       .output_names = {"out"},
       .infer = forward_infer,
       .cost = CostOf(forward_infer, [](const Metas&, const Metas&) { return 0.0; }),
-      .gradient = Rule("concat_backward", {{From::kOutputGradient, 0}, {From::kInput, 0}}, {0, 1}),
+      .gradient = Rule("concat_backward", {OutGrad(0), In(0)}, {0, 1}),
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckF32("dout", in[0]));
     TESSERA_RETURN_IF_ERROR(CheckF32("a", in[1]));
-    bool fits = in[0].shape.rank() >= 2 && in[0].shape.rank() == in[1].shape.rank() &&
-                in[1].shape[1] < in[0].shape[1];
-    for (int axis = 0; fits && axis < in[0].shape.rank(); ++axis) {
-      fits = axis == 1 || in[0].shape[axis] == in[1].shape[axis];
-    }
-    if (!fits) {
+    // a is dout's first channels, and at least one is left for b.
+    if (!SameExceptChannels(in[0].shape, in[1].shape) || in[1].shape[1] >= in[0].shape[1]) {
       return InvalidArgument(
           "input 'dout' has shape {} but input 'a' {} is not its first channels with at least "
           "one left for b",
@@ -466,7 +451,7 @@ Status AddSegmentationOps(OpRegistry& r) {
       .cost = CostOf(loss_infer, [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
       // As softmax_cross_entropy: the gradient is dlogits (computed in the forward) scaled by
       // the loss's own gradient, so a model API loss layer can end in this op.
-      .gradient = Rule("loss_gradient", {{From::kOutputGradient, 0}, {From::kOutput, 1}}, {0}),
+      .gradient = Rule("loss_gradient", {OutGrad(0), Out(1)}, {0}),
   }));
   const InferFn dice_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckSegmentation("dice_score", in[0], in[1]));

@@ -13,6 +13,7 @@
 #include "core/checksum.h"
 #include "core/collective_task.h"
 #include "ops/cpu/gpt2_layers.h"
+#include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
@@ -23,10 +24,12 @@ namespace tessera {
 
 namespace {
 
-using Tensors = std::vector<Tensor>;
+using cpu::detail::F;
+using cpu::detail::I;
+using cpu::detail::Register;
+using cpu::detail::Tensors;
+using cpu::detail::Workspace;
 
-float* F(const Tensor& t) { return t.data<float>(); }
-const int32_t* I(const Tensor& t) { return t.data<int32_t>(); }
 int64_t Rows(const Tensor& t) { return t.shape().rank() == 0 ? 1 : t.numel() / t.shape()[-1]; }
 int64_t LastDim(const Tensor& t) { return t.shape()[-1]; }
 
@@ -44,15 +47,6 @@ cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
 // padded for ZeRO shards: attribute param_multiple).
 void ZeroPadding(const Tensor& group, int64_t used) {
   std::fill(F(group) + used, F(group) + group.numel(), 0.0f);
-}
-
-// Scratch memory for a kernel, from the executor's allocator so it counts toward the peak.
-Result<Tensor> Workspace(const KernelContext& context, int64_t floats) {
-  return Tensor::Empty(TensorMeta{Shape{floats}, DType::kF32, Device::Cpu()}, context.allocator);
-}
-
-Status Register(OpRegistry& r, std::string_view op, KernelFn kernel) {
-  return r.AddKernel(op, DeviceKind::kCpu, std::move(kernel));
 }
 
 Status RegisterPrimitiveKernels(OpRegistry& r) {

@@ -1,12 +1,15 @@
 #include "ops/cpu/volume_kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ops/cpu/blas.h"
+#include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/parallel.h"
 
 namespace tessera::cpu {
@@ -449,18 +452,20 @@ Status CheckTargets(const int32_t* targets, int64_t voxels, int64_t classes) {
   return Status::Ok();
 }
 
-// fn(task, n, s0, s1) for fixed voxel chunks of each sample, in parallel; returns the task count.
+// Voxel chunks per sample of `spatial` voxels (the last may be partial).
+int64_t VoxelChunksPerSample(int64_t spatial) { return (spatial + kVoxelChunk - 1) / kVoxelChunk; }
+
+// fn(task, n, s0, s1) for the fixed voxel chunks of each sample, in parallel; task is
+// n * VoxelChunksPerSample(spatial) + the chunk's index within sample n.
 template <typename Fn>
-int64_t ForEachVoxelChunk(int64_t batch, int64_t spatial, const Fn& fn) {
-  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
-  const int64_t tasks = batch * per_sample;
-  ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
+void ForEachVoxelChunk(int64_t batch, int64_t spatial, const Fn& fn) {
+  const int64_t per_sample = VoxelChunksPerSample(spatial);
+  ParallelFor(batch * per_sample, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t / per_sample, s0 = (t % per_sample) * kVoxelChunk;
       fn(t, n, s0, std::min(spatial, s0 + kVoxelChunk));
     }
   });
-  return tasks;
 }
 
 }  // namespace
@@ -471,15 +476,16 @@ Result<float> VoxelCrossEntropy(float* dlogits, const float* logits, const int32
   TESSERA_RETURN_IF_ERROR(CheckTargets(targets, voxels, classes));
   if (voxels == 0) return 0.0f;
   const float scale = static_cast<float>(grad_scale / static_cast<double>(voxels));
-  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
-  std::vector<double> partial(static_cast<size_t>(batch * per_sample));
+  std::vector<double> partial(static_cast<size_t>(batch * VoxelChunksPerSample(spatial)));
   ForEachVoxelChunk(batch, spatial, [&](int64_t task, int64_t n, int64_t s0, int64_t s1) {
     const int64_t width = s1 - s0;
     const float* l = logits + n * classes * spatial + s0;
     const int32_t* t = targets + n * spatial + s0;
-    std::vector<float> best(static_cast<size_t>(width), -std::numeric_limits<float>::infinity());
-    std::vector<float> sum(static_cast<size_t>(width), 0.0f);
-    std::vector<float> target_logit(static_cast<size_t>(width));
+    // Per voxel of the chunk (the first `width` entries): the largest logit, the sum of
+    // exp(logit - largest), the target's logit.
+    std::array<float, kVoxelChunk> best, sum, target_logit;
+    std::fill_n(best.begin(), width, -std::numeric_limits<float>::infinity());
+    std::fill_n(sum.begin(), width, 0.0f);
     // Read everything the loss needs before dlogits (possibly the logits) is written.
     for (int64_t s = 0; s < width; ++s) target_logit[s] = l[t[s] * spatial + s];
     for (int64_t c = 0; c < classes; ++c) {
@@ -514,7 +520,7 @@ Result<float> VoxelCrossEntropy(float* dlogits, const float* logits, const int32
 Result<float> DiceScore(const float* logits, const int32_t* targets, int64_t batch, int64_t classes,
                         int64_t spatial) {
   TESSERA_RETURN_IF_ERROR(CheckTargets(targets, batch * spatial, classes));
-  const int64_t per_sample = (spatial + kVoxelChunk - 1) / kVoxelChunk;
+  const int64_t per_sample = VoxelChunksPerSample(spatial);
   // Per task and class: [intersection, predicted, target] voxel counts (integers: exact).
   std::vector<int64_t> counts(static_cast<size_t>(batch * per_sample * classes * 3), 0);
   ForEachVoxelChunk(batch, spatial, [&](int64_t task, int64_t n, int64_t s0, int64_t s1) {
@@ -553,10 +559,12 @@ namespace tessera {
 
 namespace {
 
-using Tensors = std::vector<Tensor>;
+using cpu::detail::F;
+using cpu::detail::I;
+using cpu::detail::Register;
+using cpu::detail::Tensors;
+using cpu::detail::Workspace;
 
-float* F(const Tensor& t) { return t.data<float>(); }
-const int32_t* I(const Tensor& t) { return t.data<int32_t>(); }
 // Elements per (n, c) plane of an [N, C, *] tensor.
 int64_t Spatial(const Tensor& t) {
   const int64_t planes = t.shape()[0] * t.shape()[1];
@@ -564,10 +572,6 @@ int64_t Spatial(const Tensor& t) {
 }
 // Elements per sample of an [N, ...] tensor.
 int64_t PerSample(const Tensor& t) { return t.shape()[0] == 0 ? 0 : t.numel() / t.shape()[0]; }
-
-Status Register(OpRegistry& r, std::string_view op, KernelFn kernel) {
-  return r.AddKernel(op, DeviceKind::kCpu, std::move(kernel));
-}
 
 // The convolution from `volume` [N, Cin, D, H, W] to `grid` [N, Cout, Do, Ho, Wo] with a weight
 // [Cout, Cin, kD, kH, kW]: conv3d's x to y, conv_transpose3d's y to x (its adjoint).
@@ -594,31 +598,29 @@ cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const T
   return g;
 }
 
-// The column-matrix workspace, from the executor's allocator so it counts toward the peak.
-Result<Tensor> Workspace(const KernelContext& context, const cpu::Conv3dGeometry& g) {
-  return Tensor::Empty(TensorMeta{Shape{std::max<int64_t>(1, cpu::Conv3dWorkspaceFloats(g))},
-                                  DType::kF32, Device::Cpu()},
-                       context.allocator);
+// The column-matrix workspace (at least one float).
+Result<Tensor> ConvWorkspace(const KernelContext& context, const cpu::Conv3dGeometry& g) {
+  return Workspace(context, std::max<int64_t>(1, cpu::Conv3dWorkspaceFloats(g)));
 }
 
 Status RegisterConvKernels(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_forward",
-                                   [](const KernelContext& ctx, const Tensors& in,
-                                      const Tensors& out, const Attrs& attrs) -> Status {
-                                     const cpu::Conv3dGeometry g =
-                                         Geometry(in[0], in[1], out[0], attrs);
-                                     TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
-                                     cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g,
-                                                        F(workspace), ctx.gemm_split_min_flops);
-                                     return Status::Ok();
-                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::Conv3dGeometry g = Geometry(in[0], in[1], out[0], attrs);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+                 cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
+                                    ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv3d_backward",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
                   const Attrs& attrs) -> Status {
                  // in: dy, x, weight; out: dx, dweight, dbias.
                  const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
                  cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
                                           ctx.gemm_split_min_flops);
                  cpu::Conv3dWeightGradient(F(out[1]), F(in[0]), F(in[1]), g, F(workspace),
@@ -632,7 +634,7 @@ Status RegisterConvKernels(OpRegistry& r) {
                   const Attrs& attrs) -> Status {
                  // y = conv^T(x): the convolution runs from y's shape to x's.
                  const cpu::Conv3dGeometry g = Geometry(out[0], in[1], in[0], attrs);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
                  cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
                                           ctx.gemm_split_min_flops);
                  return Status::Ok();
@@ -643,7 +645,7 @@ Status RegisterConvKernels(OpRegistry& r) {
                     // in: dy, x, weight. With y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> =
                     // <conv(dy), x> gives dweight as conv's weight gradient with x in dy's place.
                     const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
-                    TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, g));
+                    TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
                     cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
                                        ctx.gemm_split_min_flops);
                     cpu::Conv3dWeightGradient(F(out[1]), F(in[1]), F(in[0]), g, F(workspace),
@@ -705,30 +707,29 @@ Status RegisterOtherKernels(OpRegistry& r) {
                                         attrs.GetInt("groups", 1));
                  return Status::Ok();
                }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "relu_forward",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 cpu::ReluForward(F(out[0]), F(in[0]), in[0].numel());
-                 return Status::Ok();
-               }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "relu_backward",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 cpu::ReluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
-                 return Status::Ok();
-               }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "silu_forward",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 cpu::SiluForward(F(out[0]), F(in[0]), in[0].numel());
-                 return Status::Ok();
-               }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "silu_backward",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 cpu::SiluBackward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
-                 return Status::Ok();
-               }));
+  struct Activation {
+    const char* name;
+    void (*forward)(float* y, const float* x, int64_t n);
+    void (*backward)(float* dx, const float* dy, const float* x, int64_t n);
+  };
+  for (const Activation& a : {Activation{"relu", cpu::ReluForward, cpu::ReluBackward},
+                              Activation{"silu", cpu::SiluForward, cpu::SiluBackward}}) {
+    const std::string name = a.name;
+    TESSERA_RETURN_IF_ERROR(Register(r, name + "_forward",
+                                     [forward = a.forward](const KernelContext&, const Tensors& in,
+                                                           const Tensors& out, const Attrs&) {
+                                       forward(F(out[0]), F(in[0]), in[0].numel());
+                                       return Status::Ok();
+                                     }));
+    TESSERA_RETURN_IF_ERROR(
+        Register(r, name + "_backward",
+                 [backward = a.backward](const KernelContext&, const Tensors& in,
+                                         const Tensors& out, const Attrs&) {
+                   // in: dy, x.
+                   backward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                   return Status::Ok();
+                 }));
+  }
   TESSERA_RETURN_IF_ERROR(
       Register(r, "concat_forward",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {

@@ -1,18 +1,14 @@
-// Every op's backward checked against finite differences of its forward.
-//
-// For a forward op with outputs Y_k and random upstream gradients G_k, the scalar
-// L = sum_k <G_k, Y_k> has dL/dX = backward(G, ...). Central differences of L (computed in
-// double from the fp32 kernels) on a sample of each input's elements must agree with the
-// backward's output, relative to the gradient's scale.
+// Every op's backward checked against finite differences of its forward
+// (tests/op_gradient_check.h), and the ops that have no gradient against what they promise.
 #include <bit>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <random>
 #include <set>
+#include <utility>
 
 #include "core/checksum.h"
+#include "op_gradient_check.h"
 #include "ops/volume_ops.h"
 #include "test_util.h"
 
@@ -21,94 +17,8 @@ namespace {
 
 using Tensors = std::vector<Tensor>;
 
-struct GradientCase {
-  std::string forward;
-  std::string backward;
-  Attrs forward_attrs;
-  Attrs backward_attrs;
-  Tensors inputs;
-  std::vector<int> differentiable_outputs;  // forward outputs L depends on
-  // forward input index -> backward output index with its gradient
-  std::vector<std::pair<int, int>> checked;
-  // Builds the backward's inputs from the forward's inputs, outputs and upstream gradients
-  // (one per forward output; zeros for outputs L does not depend on).
-  std::function<Tensors(const Tensors& in, const Tensors& out, const Tensors& grads)>
-      backward_inputs;
-  float step = 1e-2f;
-  double tolerance = 2e-2;
-};
-
-// L = sum over differentiable outputs of <G, Y>, in double.
-double Objective(const GradientCase& c, const Tensors& inputs, const Tensors& grads) {
-  Result<Tensors> out = RunKernel(c.forward, inputs, c.forward_attrs);
-  TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
-  double total = 0;
-  for (int k : c.differentiable_outputs) {
-    const float* y = (*out)[k].data<float>();
-    const float* g = grads[k].data<float>();
-    for (int64_t i = 0; i < (*out)[k].numel(); ++i) total += static_cast<double>(g[i]) * y[i];
-  }
-  return total;
-}
-
-// Element indices to perturb: first, last, and a deterministic random sample.
-std::vector<int64_t> SampleIndices(int64_t n, uint64_t seed) {
-  std::set<int64_t> picked = {0, n - 1};
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int64_t> dist(0, n - 1);
-  while (static_cast<int64_t>(picked.size()) < std::min<int64_t>(n, 32)) picked.insert(dist(rng));
-  return {picked.begin(), picked.end()};
-}
-
-// Central difference of L with respect to one element.
-double NumericGradient(const GradientCase& c, Tensors& inputs, int input, int64_t element,
-                       const Tensors& grads) {
-  float* x = inputs[input].data<float>();
-  const float original = x[element];
-  x[element] = original + c.step;
-  const double plus = Objective(c, inputs, grads);
-  x[element] = original - c.step;
-  const double minus = Objective(c, inputs, grads);
-  x[element] = original;
-  // The actual perturbation after rounding to float.
-  const double h = (static_cast<double>(original + c.step) - (original - c.step)) / 2.0;
-  return (plus - minus) / (2.0 * h);
-}
-
-void CheckGradients(GradientCase c) {
-  ASSERT_OK_AND_ASSIGN(Tensors outputs, RunKernel(c.forward, c.inputs, c.forward_attrs));
-  Tensors grads;
-  for (size_t k = 0; k < outputs.size(); ++k) {
-    const bool used = std::count(c.differentiable_outputs.begin(), c.differentiable_outputs.end(),
-                                 static_cast<int>(k)) > 0;
-    Tensor g = RandomTensor(outputs[k].shape(), 1000 + k);
-    if (!used) std::fill(g.data<float>(), g.data<float>() + g.numel(), 0.0f);
-    grads.push_back(g);
-  }
-  ASSERT_OK_AND_ASSIGN(
-      Tensors analytic,
-      RunKernel(c.backward, c.backward_inputs(c.inputs, outputs, grads), c.backward_attrs));
-  for (const auto& [input, grad_output] : c.checked) {
-    const float* a = analytic[grad_output].data<float>();
-    double max_error = 0, scale = 0;
-    for (int64_t e : SampleIndices(c.inputs[input].numel(), 77 + input)) {
-      const double numeric = NumericGradient(c, c.inputs, input, e, grads);
-      max_error = std::max(max_error, std::abs(numeric - a[e]));
-      scale = std::max(scale, std::abs(static_cast<double>(a[e])));
-    }
-    EXPECT_GT(scale, 1e-6) << c.backward << ": gradient of input " << input
-                           << " is zero on every sampled element; the check would be vacuous";
-    EXPECT_LE(max_error, c.tolerance * scale)
-        << c.backward << ": input " << input << " max |numeric - analytic| = " << max_error
-        << " at gradient scale " << scale;
-  }
-}
-
-Tensor ZerosLike(const Tensor& t) {
-  Tensor z = RandomTensor(t.shape(), 0);
-  std::fill(z.data<float>(), z.data<float>() + z.numel(), 0.0f);
-  return z;
-}
+// The backward's gradients on 32 elements of each checked input.
+void CheckGradients(GradientCase c) { ExpectGradientsMatchFiniteDifferences(std::move(c), 32); }
 
 TEST(OpGradientTest, Embedding) {
   CheckGradients({
@@ -237,7 +147,7 @@ TEST(OpGradientTest, Gpt2Embedding) {
       .differentiable_outputs = {0},
       .checked = {{1, 0}},
       .backward_inputs = [](const Tensors& in, const Tensors&, const Tensors& g) -> Tensors {
-        return {g[0], in[0], ZerosLike(in[1])};
+        return {g[0], in[0], *Tensor::Zeros(in[1].meta(), TestAllocator())};
       },
   });
 }
@@ -283,27 +193,9 @@ TEST(OpGradientTest, Gpt2Head) {
 // The fused classifier returns the loss and its gradient at once: check the gradient output
 // against finite differences of the loss output.
 TEST(OpGradientTest, SoftmaxCrossEntropy) {
-  Tensors inputs = {RandomTensor({4, 9}, 1, 3.0f), RandomTokens({4}, 9, 2)};
-  const Attrs attrs{{"grad_scale", 0.5}};
-  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("softmax_cross_entropy", inputs, attrs));
-  const std::vector<float> analytic = ToVector(out[1]);
-  double max_error = 0, scale = 0;
-  float* x = inputs[0].data<float>();
-  for (int64_t e = 0; e < inputs[0].numel(); ++e) {
-    const float original = x[e];
-    auto loss_at = [&](float value) {
-      x[e] = value;
-      Result<Tensors> r = RunKernel("softmax_cross_entropy", inputs, attrs);
-      TESSERA_CHECK(r.ok());
-      return static_cast<double>(*(*r)[0].data<float>());
-    };
-    const double numeric = 0.5 * (loss_at(original + 1e-2f) - loss_at(original - 1e-2f)) / 2e-2;
-    x[e] = original;
-    max_error = std::max(max_error, std::abs(numeric - analytic[static_cast<size_t>(e)]));
-    scale = std::max(scale, std::abs(static_cast<double>(analytic[static_cast<size_t>(e)])));
-  }
-  EXPECT_GT(scale, 1e-3);
-  EXPECT_LE(max_error, 2e-2 * scale);
+  ExpectLossGradientMatchesFiniteDifferences(
+      "softmax_cross_entropy", {RandomTensor({4, 9}, 1, 3.0f), RandomTokens({4}, 9, 2)},
+      /*grad_scale=*/0.5);
 }
 
 TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {

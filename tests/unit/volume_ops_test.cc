@@ -3,21 +3,21 @@
 // checked too); shape errors; chunked convolutions against one chunk; and the same bits on any
 // number of threads.
 //
-// For a forward op with outputs Y_k and random upstream gradients G_k, the scalar
-// L = sum_k <G_k, Y_k> has dL/dX = backward(G, ...). Central differences of L (summed in double
-// from the f32 kernels) on a sample of each input's elements must agree with the backward's
-// output to 2% of the gradient's scale: with a step of 1e-2 the f32 rounding of L (~1e-6 of L)
-// contributes ~1e-4 and the truncation error O(step^2) less.
+// The finite-difference check (tests/op_gradient_check.h) holds each gradient to 2% of its
+// scale: with a step of 1e-2 the f32 rounding of L (~1e-6 of L) contributes ~1e-4 and the
+// truncation error O(step^2) less.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 
 #include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
+#include "op_gradient_check.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/volume_ops.h"
 #include "test_util.h"
@@ -26,99 +26,9 @@ namespace tessera::testing {
 namespace {
 
 using Tensors = std::vector<Tensor>;
-using From = GradientRule::From;
 
-struct GradientCase {
-  std::string forward;
-  Attrs attrs;
-  Tensors inputs;
-  std::vector<int> differentiable_outputs = {0};  // forward outputs L depends on
-  float step = 1e-2f;
-  double tolerance = 2e-2;
-};
-
-double Objective(const GradientCase& c, const Tensors& inputs, const Tensors& grads) {
-  Result<Tensors> out = RunKernel(c.forward, inputs, c.attrs);
-  TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
-  double total = 0;
-  for (int k : c.differentiable_outputs) {
-    const float* y = (*out)[k].data<float>();
-    const float* g = grads[k].data<float>();
-    for (int64_t i = 0; i < (*out)[k].numel(); ++i) total += static_cast<double>(g[i]) * y[i];
-  }
-  return total;
-}
-
-// Element indices to perturb: first, last, and a deterministic random sample.
-std::vector<int64_t> SampleIndices(int64_t n, uint64_t seed) {
-  std::set<int64_t> picked = {0, n - 1};
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int64_t> dist(0, n - 1);
-  while (static_cast<int64_t>(picked.size()) < std::min<int64_t>(n, 40)) picked.insert(dist(rng));
-  return {picked.begin(), picked.end()};
-}
-
-Tensor ZerosLike(const Tensor& t) {
-  Tensor z = RandomTensor(t.shape(), 0);
-  std::fill(z.data<float>(), z.data<float>() + z.numel(), 0.0f);
-  return z;
-}
-
-// The backward op's inputs, as the op's GradientRule names them.
-Tensors RuleInputs(const GradientRule& rule, const Tensors& in, const Tensors& out,
-                   const Tensors& grads) {
-  Tensors result;
-  for (const GradientRule::Arg& arg : rule.inputs) {
-    const Tensors& from = arg.from == From::kOutputGradient ? grads
-                          : arg.from == From::kInput        ? in
-                                                            : out;
-    result.push_back(from.at(static_cast<size_t>(arg.index)));
-  }
-  return result;
-}
-
-void CheckGradients(GradientCase c) {
-  ASSERT_OK_AND_ASSIGN(const OpDef* def, CpuRegistry().Find(c.forward));
-  ASSERT_TRUE(def->gradient.has_value()) << c.forward << " has no GradientRule";
-  const GradientRule& rule = *def->gradient;
-  ASSERT_OK_AND_ASSIGN(Tensors outputs, RunKernel(c.forward, c.inputs, c.attrs));
-  Tensors grads;
-  for (size_t k = 0; k < outputs.size(); ++k) {
-    const bool used = std::count(c.differentiable_outputs.begin(), c.differentiable_outputs.end(),
-                                 static_cast<int>(k)) > 0;
-    // Unused outputs get zeros (as the rule promises), and may be integer (pooling indices).
-    grads.push_back(used ? RandomTensor(outputs[k].shape(), 1000 + k) : outputs[k]);
-    if (!used && outputs[k].dtype() == DType::kF32) grads.back() = ZerosLike(outputs[k]);
-  }
-  ASSERT_OK_AND_ASSIGN(Tensors analytic,
-                       RunKernel(rule.op, RuleInputs(rule, c.inputs, outputs, grads), c.attrs));
-  ASSERT_EQ(analytic.size(), rule.gradient_of.size()) << rule.op;
-  for (size_t j = 0; j < rule.gradient_of.size(); ++j) {
-    const int input = rule.gradient_of[j];
-    ASSERT_EQ(analytic[j].meta(), c.inputs[input].meta())
-        << rule.op << " output " << j << " is not shaped like " << c.forward << " input " << input;
-    const float* a = analytic[j].data<float>();
-    double max_error = 0, scale = 0;
-    for (int64_t e : SampleIndices(c.inputs[input].numel(), 77 + input)) {
-      float* x = c.inputs[input].data<float>();
-      const float original = x[e];
-      x[e] = original + c.step;
-      const double plus = Objective(c, c.inputs, grads);
-      x[e] = original - c.step;
-      const double minus = Objective(c, c.inputs, grads);
-      x[e] = original;
-      const double h = (static_cast<double>(original + c.step) - (original - c.step)) / 2.0;
-      const double numeric = (plus - minus) / (2.0 * h);
-      max_error = std::max(max_error, std::abs(numeric - a[e]));
-      scale = std::max(scale, std::abs(static_cast<double>(a[e])));
-    }
-    EXPECT_GT(scale, 1e-6) << rule.op << ": gradient of input " << input
-                           << " is zero on every sampled element; the check would be vacuous";
-    EXPECT_LE(max_error, c.tolerance * scale)
-        << rule.op << ": input " << input << " max |numeric - analytic| = " << max_error
-        << " at gradient scale " << scale;
-  }
-}
+// Every gradient the forward's GradientRule names, on 40 elements of each input.
+void CheckGradients(GradientCase c) { ExpectGradientsMatchFiniteDifferences(std::move(c), 40); }
 
 Attrs ConvAttrs(int64_t stride, int64_t padding) {
   return Attrs{{"stride", stride}, {"padding", padding}};
@@ -146,45 +56,45 @@ Tensor DistinctValues(const Shape& shape, uint64_t seed) {
 
 TEST(VolumeGradientTest, Conv3dStride1Padding1) {
   CheckGradients({.forward = "conv3d_forward",
-                  .attrs = ConvAttrs(1, 1),
+                  .forward_attrs = ConvAttrs(1, 1),
                   .inputs = {RandomTensor({2, 3, 4, 5, 4}, 1), RandomTensor({4, 3, 3, 3, 3}, 2),
                              RandomTensor({4}, 3)}});
 }
 
 TEST(VolumeGradientTest, Conv3dStride2Padding1) {
   CheckGradients({.forward = "conv3d_forward",
-                  .attrs = ConvAttrs(2, 1),
+                  .forward_attrs = ConvAttrs(2, 1),
                   .inputs = {RandomTensor({2, 3, 6, 5, 6}, 1), RandomTensor({2, 3, 3, 3, 3}, 2),
                              RandomTensor({2}, 3)}});
 }
 
 TEST(VolumeGradientTest, Conv3dUnequalKernelStride2NoPadding) {
   CheckGradients({.forward = "conv3d_forward",
-                  .attrs = ConvAttrs(2, 0),
+                  .forward_attrs = ConvAttrs(2, 0),
                   .inputs = {RandomTensor({2, 2, 5, 6, 4}, 1), RandomTensor({3, 2, 3, 1, 2}, 2),
                              RandomTensor({3}, 3)}});
 }
 
 TEST(VolumeGradientTest, ConvTranspose3dKernel2Stride2) {
   CheckGradients({.forward = "conv_transpose3d_forward",
-                  .attrs = ConvAttrs(2, 0),
+                  .forward_attrs = ConvAttrs(2, 0),
                   .inputs = {RandomTensor({2, 4, 3, 2, 3}, 1), RandomTensor({4, 3, 2, 2, 2}, 2),
                              RandomTensor({3}, 3)}});
 }
 
 TEST(VolumeGradientTest, ConvTranspose3dKernel3Stride2Padding1) {
   CheckGradients({.forward = "conv_transpose3d_forward",
-                  .attrs = ConvAttrs(2, 1),
+                  .forward_attrs = ConvAttrs(2, 1),
                   .inputs = {RandomTensor({2, 3, 3, 4, 3}, 1), RandomTensor({3, 2, 3, 3, 3}, 2),
                              RandomTensor({2}, 3)}});
 }
 
 TEST(VolumeGradientTest, UpsampleNearest3d) {
   CheckGradients({.forward = "upsample_nearest3d_forward",
-                  .attrs = Attrs{{"scale", int64_t{2}}},
+                  .forward_attrs = Attrs{{"scale", int64_t{2}}},
                   .inputs = {RandomTensor({2, 3, 2, 3, 2}, 1)}});
   CheckGradients({.forward = "upsample_nearest3d_forward",
-                  .attrs = Attrs{{"scale", int64_t{3}}},
+                  .forward_attrs = Attrs{{"scale", int64_t{3}}},
                   .inputs = {RandomTensor({1, 2, 2, 1, 2}, 1)}});
 }
 
@@ -194,20 +104,20 @@ TEST(VolumeGradientTest, MaxPool3d) {
                   .inputs = {DistinctValues({2, 3, 4, 6, 5}, 1)},
                   .step = 1e-3f});
   CheckGradients({.forward = "max_pool3d_forward",
-                  .attrs = Attrs{{"kernel", int64_t{3}}},
+                  .forward_attrs = Attrs{{"kernel", int64_t{3}}},
                   .inputs = {DistinctValues({1, 2, 6, 3, 6}, 2)},
                   .step = 1e-3f});
 }
 
 TEST(VolumeGradientTest, GroupNorm) {
   CheckGradients({.forward = "group_norm_forward",
-                  .attrs = Attrs{{"groups", int64_t{3}}},
+                  .forward_attrs = Attrs{{"groups", int64_t{3}}},
                   .inputs = {RandomTensor({2, 6, 4, 3, 5}, 1, 2.0f), RandomTensor({6}, 2),
                              RandomTensor({6}, 3)}});
   // One group per channel (instance norm) and one for all (layer norm over C, D, H, W).
   for (int64_t groups : {int64_t{4}, int64_t{1}}) {
     CheckGradients({.forward = "group_norm_forward",
-                    .attrs = Attrs{{"groups", groups}, {"eps", 1e-3}},
+                    .forward_attrs = Attrs{{"groups", groups}, {"eps", 1e-3}},
                     .inputs = {RandomTensor({2, 4, 3, 3, 3}, 4, 2.0f), RandomTensor({4}, 5),
                                RandomTensor({4}, 6)}});
   }
@@ -227,27 +137,10 @@ TEST(VolumeGradientTest, Concat) {
 // The loss returns its gradient at once: check the dlogits output against finite differences
 // of the loss output.
 TEST(VolumeGradientTest, VoxelCrossEntropy) {
-  Tensors inputs = {RandomTensor({2, 4, 3, 2, 3}, 1, 3.0f), RandomTokens({2, 3, 2, 3}, 4, 2)};
-  const Attrs attrs{{"grad_scale", 0.5}};
-  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("voxel_cross_entropy", inputs, attrs));
-  const std::vector<float> analytic = ToVector(out[1]);
-  double max_error = 0, scale = 0;
-  float* x = inputs[0].data<float>();
-  for (int64_t e = 0; e < inputs[0].numel(); ++e) {
-    const float original = x[e];
-    auto loss_at = [&](float value) {
-      x[e] = value;
-      Result<Tensors> r = RunKernel("voxel_cross_entropy", inputs, attrs);
-      TESSERA_CHECK(r.ok());
-      return static_cast<double>(*(*r)[0].data<float>());
-    };
-    const double numeric = 0.5 * (loss_at(original + 1e-2f) - loss_at(original - 1e-2f)) / 2e-2;
-    x[e] = original;
-    max_error = std::max(max_error, std::abs(numeric - analytic[static_cast<size_t>(e)]));
-    scale = std::max(scale, std::abs(static_cast<double>(analytic[static_cast<size_t>(e)])));
-  }
-  EXPECT_GT(scale, 1e-3);
-  EXPECT_LE(max_error, 2e-2 * scale);
+  ExpectLossGradientMatchesFiniteDifferences(
+      "voxel_cross_entropy",
+      {RandomTensor({2, 4, 3, 2, 3}, 1, 3.0f), RandomTokens({2, 3, 2, 3}, 4, 2)},
+      /*grad_scale=*/0.5);
 }
 
 TEST(VolumeOpsTest, VoxelCrossEntropyMatchesDirectFormula) {

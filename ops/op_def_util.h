@@ -1,0 +1,43 @@
+// Helpers for writing op definitions (OpDef, ops/op_registry.h), shared by the files that
+// register ops (standard_ops.cc, volume_ops.cc). Internal to tessera_ops: not installed, and
+// nothing outside ops/ includes it.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/op_registry.h"
+
+namespace tessera::op_def {
+
+// Gradient rules (OpDef::gradient): Rule(backward op, what it reads, the inputs it returns
+// gradients of). The backward op reads OutGrad(i), the gradient of forward output i; In(i),
+// forward input i; Out(i), forward output i.
+inline GradientRule::Arg OutGrad(int i) { return {GradientRule::From::kOutputGradient, i}; }
+inline GradientRule::Arg In(int i) { return {GradientRule::From::kInput, i}; }
+inline GradientRule::Arg Out(int i) { return {GradientRule::From::kOutput, i}; }
+inline GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
+                         std::vector<int> gradient_of) {
+  return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
+}
+
+// The bytes of all of `metas` (for cost functions).
+inline double Bytes(const std::vector<TensorMeta>& metas) {
+  double bytes = 0;
+  for (const TensorMeta& meta : metas) bytes += static_cast<double>(meta.bytes());
+  return bytes;
+}
+
+// InvalidArgument "input '<name>' is <meta> but must be <dtype>" unless `meta` has `dtype`.
+inline Status CheckDType(const char* name, const TensorMeta& meta, DType dtype) {
+  if (meta.dtype != dtype) {
+    return InvalidArgument("input '{}' is {} but must be {}", name, meta.ToString(),
+                           DTypeName(dtype));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera::op_def
