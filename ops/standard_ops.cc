@@ -219,90 +219,74 @@ Status AddLayerNormOps(OpRegistry& r) {
 }
 
 Status AddLinearOps(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "linear_forward",
-      .doc = "out = x @ weight^T + bias, weight [OC, K]",
-      .input_names = {"x", "weight", "bias"},
-      .output_names = {"out"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
-        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
-        TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
-        const int64_t k = in[0].shape[-1];
-        if (in[1].shape.rank() != 2 || in[1].shape[1] != k) {
-          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
-                                 in[1].shape.ToString(), in[0].shape.ToString(), k);
-        }
-        const int64_t oc = in[1].shape[0];
-        TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
-        return Metas{F32(WithLastDim(in[0].shape, oc))};
-      },
-      .cost =
-          [](const Metas& in, const Attrs&) {
-            return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
-          },
-      .gradient = Rule("linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2})}));
+  // x [..., K] and weight [OC, K] (inputs x and w of `in`): OC. The linears' shared check.
+  auto linear_out_channels = [](const Metas& in, int x, int w) -> Result<int64_t> {
+    TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[x], 1));
+    const int64_t k = in[x].shape[-1];
+    if (in[w].shape.rank() != 2 || in[w].shape[1] != k) {
+      return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
+                             in[w].shape.ToString(), in[x].shape.ToString(), k);
+    }
+    return in[w].shape[0];
+  };
+  // A product per output element: 2 flops forward, 4 backward (x is input `x`, weight `w`).
+  auto linear_cost = [](double flops_per_product, int x, int w) -> CostFn {
+    return [=](const Metas& in, const Attrs&) {
+      return OpCost{flops_per_product * static_cast<double>(in[x].numel() * in[w].shape[0]),
+                    2 * Bytes(in)};
+    };
+  };
+  TESSERA_RETURN_IF_ERROR(
+      r.AddOp(OpDef{.name = "linear_forward",
+                    .doc = "out = x @ weight^T + bias, weight [OC, K]",
+                    .input_names = {"x", "weight", "bias"},
+                    .output_names = {"out"},
+                    .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
+                      TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+                      TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+                      TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
+                      TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 0, 1));
+                      TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
+                      return Metas{F32(WithLastDim(in[0].shape, oc))};
+                    },
+                    .cost = linear_cost(2.0, 0, 1),
+                    .gradient = Rule("linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_backward",
       .input_names = {"dout", "x", "weight"},
       .output_names = {"dx", "dweight", "dbias"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[1], 1));
-        const int64_t k = in[1].shape[-1];
-        if (in[2].shape.rank() != 2 || in[2].shape[1] != k) {
-          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
-                                 in[2].shape.ToString(), in[1].shape.ToString(), k);
-        }
-        const int64_t oc = in[2].shape[0];
+      .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 1, 2));
         TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], WithLastDim(in[1].shape, oc)));
         return Metas{in[1], in[2], F32({oc})};
       },
-      .cost =
-          [](const Metas& in, const Attrs&) {
-            return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
-          },
+      .cost = linear_cost(4.0, 1, 2),
   }));
   // The tied classifier: logits = x @ weight^T with no bias (weight is another layer's wte).
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "linear_no_bias_forward",
-      .doc = "out = x @ weight^T, weight [OC, K] (a linear without bias: a tied classifier)",
-      .input_names = {"x", "weight"},
-      .output_names = {"out"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
-        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
-        TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
-        const int64_t k = in[0].shape[-1];
-        if (in[1].shape.rank() != 2 || in[1].shape[1] != k) {
-          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
-                                 in[1].shape.ToString(), in[0].shape.ToString(), k);
-        }
-        return Metas{F32(WithLastDim(in[0].shape, in[1].shape[0]))};
-      },
-      .cost =
-          [](const Metas& in, const Attrs&) {
-            return OpCost{2.0 * static_cast<double>(in[0].numel() * in[1].shape[0]), 2 * Bytes(in)};
-          },
-      .gradient = Rule("linear_no_bias_backward", {OutGrad(0), In(0), In(1)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "linear_no_bias_forward",
+            .doc = "out = x @ weight^T, weight [OC, K] (a linear without bias: a tied classifier)",
+            .input_names = {"x", "weight"},
+            .output_names = {"out"},
+            .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
+              TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+              TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+              TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
+              TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 0, 1));
+              return Metas{F32(WithLastDim(in[0].shape, oc))};
+            },
+            .cost = linear_cost(2.0, 0, 1),
+            .gradient = Rule("linear_no_bias_backward", {OutGrad(0), In(0), In(1)}, {0, 1})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_no_bias_backward",
       .input_names = {"dout", "x", "weight"},
       .output_names = {"dx", "dweight"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[1], 1));
-        const int64_t k = in[1].shape[-1];
-        if (in[2].shape.rank() != 2 || in[2].shape[1] != k) {
-          return InvalidArgument("input 'weight' has shape {} but x {} needs [OC, {}]",
-                                 in[2].shape.ToString(), in[1].shape.ToString(), k);
-        }
-        TESSERA_RETURN_IF_ERROR(
-            CheckShape("dout", in[0], WithLastDim(in[1].shape, in[2].shape[0])));
+      .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 1, 2));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], WithLastDim(in[1].shape, oc)));
         return Metas{in[1], in[2]};
       },
-      .cost =
-          [](const Metas& in, const Attrs&) {
-            return OpCost{4.0 * static_cast<double>(in[1].numel() * in[2].shape[0]), 2 * Bytes(in)};
-          },
+      .cost = linear_cost(4.0, 1, 2),
   }));
   auto matmul_dims = [](const Metas& in, int a, int b) -> Status {
     TESSERA_RETURN_IF_ERROR(CheckDType("a", in[a], DType::kF32));
