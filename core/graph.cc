@@ -53,6 +53,15 @@ void Graph::MarkOutput(ObjectId id) {
   if (!IsOutput(id)) outputs_.push_back(id);
 }
 
+void Graph::AddControlEdge(TaskId earlier, TaskId later) {
+  TESSERA_CHECK(earlier.valid() && earlier.value() <= tasks_.size() && later.valid() &&
+                    later.value() <= tasks_.size(),
+                "control edge between unknown tasks {} -> {}", earlier.ToString(),
+                later.ToString());
+  std::vector<TaskId>& after = tasks_[later.value() - 1].after;
+  if (std::find(after.begin(), after.end(), earlier) == after.end()) after.push_back(earlier);
+}
+
 bool Graph::IsOutput(ObjectId id) const {
   return std::find(outputs_.begin(), outputs_.end(), id) != outputs_.end();
 }
@@ -138,6 +147,14 @@ Status Graph::Validate() const {
       }
     }
   }
+  for (const TaskSpec& task : tasks_) {
+    for (TaskId earlier : task.after) {
+      if (!earlier.valid() || earlier.value() > tasks_.size() || earlier == task.id) {
+        return InvalidArgument("task '{}' is after {}, which is not another task of the graph",
+                               task.name, earlier.ToString());
+      }
+    }
+  }
   for (ObjectId output : outputs_) {
     if (!valid_object(output)) {
       return InvalidArgument("graph output {} is not an object of the graph", output.ToString());
@@ -157,6 +174,11 @@ Result<std::vector<TaskId>> Graph::TopologicalOrder() const {
         ++pending[t];
         consumers[producer.value() - 1].push_back(t);
       }
+    }
+    for (TaskId earlier : tasks_[t].after) {
+      if (!earlier.valid() || earlier.value() > n) continue;  // Validate names it
+      ++pending[t];
+      consumers[earlier.value() - 1].push_back(t);
     }
   }
   // Max-heap on (priority, -index): higher priority first, then insertion order.

@@ -18,7 +18,10 @@
 //   (device kind, a pinned worker or "scheduler decides"), its priority among ready tasks, an
 //   estimate of the memory it needs, and donations: an input whose buffer an output may reuse
 //   when the task is that input's last user. Donation is how an optimizer updates a parameter
-//   shard in place without doubling memory.
+//   shard in place without doubling memory. Control edges (`after`) order tasks that share no
+//   object: a task starts only once every task it is after has ended. They are how a plan
+//   fixes the order of a worker's tasks (a pipeline schedule); both ends must run on one
+//   worker (the scheduler refuses a placement that splits them).
 //
 // Ids are dense: the i-th object added gets ObjectId(i + 1), likewise for tasks, so lookups are
 // vector indexing.
@@ -85,6 +88,7 @@ struct TaskSpec {
   int32_t priority = 0;    // among ready tasks, higher runs first
   int64_t memory_estimate_bytes = 0;
   std::vector<Donation> donations;
+  std::vector<TaskId> after;  // control edges: tasks that must end before this one starts
 };
 
 class Graph {
@@ -96,13 +100,17 @@ class Graph {
   TaskId AddTask(TaskSpec spec);
   // Marks an object as returned to the caller after a run (never freed by the executor).
   void MarkOutput(ObjectId id);
+  // Makes `later` start only after `earlier` ended (a control edge; no data moves).
+  // REQUIRES: both tasks exist.
+  void AddControlEdge(TaskId earlier, TaskId later);
 
-  // Structural checks: ids in range, unique names, every output produced once, no cycles,
-  // donations index real inputs/outputs of equal byte size, outputs exist. InvalidArgument
+  // Structural checks: ids in range, unique names, every output produced once, no cycles
+  // (through objects and control edges), donations index real inputs/outputs of equal byte
+  // size, control edges name other tasks of the graph, outputs exist. InvalidArgument
   // naming the task or object otherwise.
   Status Validate() const;
-  // Tasks in an order where every task follows the producers of its inputs (Kahn's algorithm,
-  // ties broken by higher priority, then by insertion order). InvalidArgument on a cycle.
+  // Tasks in an order where every task follows the producers of its inputs and the tasks it is
+  // after (Kahn's algorithm, ties broken by higher priority, then by insertion order). InvalidArgument on a cycle.
   Result<std::vector<TaskId>> TopologicalOrder() const;
 
   int num_objects() const { return static_cast<int>(objects_.size()); }

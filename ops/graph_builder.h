@@ -49,6 +49,8 @@ class GraphBuilder {
                                         TaskOptions options = {});
 
   void MarkOutput(ObjectId id) { graph_.MarkOutput(id); }
+  // `later` starts only after `earlier` ended (Graph::AddControlEdge).
+  void AddControlEdge(TaskId earlier, TaskId later) { graph_.AddControlEdge(earlier, later); }
   const Graph& graph() const { return graph_; }
   const TensorMeta& meta(ObjectId id) const { return graph_.object(id).meta; }
 

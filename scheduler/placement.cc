@@ -129,6 +129,19 @@ Result<std::vector<WorkerId>> PlaceGraph(const Graph& graph, const std::vector<W
     ++load[static_cast<size_t>(std::find(alive.begin(), alive.end(), place) - alive.begin())];
     placed.push_back(place);
   }
+  // A control edge orders two tasks of one worker's run: it cannot reach across workers.
+  for (const TaskSpec& spec : graph.tasks()) {
+    for (TaskId earlier : spec.after) {
+      const WorkerId there = placed[earlier.value() - 1];
+      if (there != placed[spec.id.value() - 1]) {
+        return Infeasible(
+            "task '{}' must start after task '{}', but they are placed on {} and {}: a control "
+            "edge needs both tasks on one worker (pin them together)",
+            spec.name, graph.task(earlier).name, placed[spec.id.value() - 1].ToString(),
+            there.ToString());
+      }
+    }
+  }
   return placed;
 }
 

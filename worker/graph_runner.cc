@@ -112,6 +112,12 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
       }
       return mapped;
     };
+    // Graph task id -> this worker's local id (control edges name tasks by id).
+    std::vector<TaskId> local_task(tasks.size());
+    int local_tasks = 0;
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      if (task_workers[static_cast<unsigned>(t)] == self) local_task[t] = TaskId(++local_tasks);
+    }
     for (size_t t = 0; t < tasks.size(); ++t) {
       const TaskSpec& spec = tasks[t].spec;
       const uint64_t worker = task_workers[static_cast<unsigned>(t)];
@@ -139,6 +145,14 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
         input = local(input);
       }
       for (ObjectId& output : mine.outputs) output = local(output);
+      for (TaskId& earlier : mine.after) {
+        const uint64_t index = earlier.value();
+        if (index == 0 || index > tasks.size() || !local_task[index - 1].valid()) {
+          return InvalidArgument("graph part {}: task '{}' is after a task not placed here",
+                                 part->id, spec.name);
+        }
+        earlier = local_task[index - 1];
+      }
       mine.pinned_worker = WorkerId();
       part->local.AddTask(std::move(mine));
     }

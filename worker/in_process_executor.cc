@@ -73,6 +73,10 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
         prepared.dependents_[Index(producer)].push_back(t);
       }
     }
+    for (TaskId earlier : task.after) {
+      ++prepared.initial_pending_[t];
+      prepared.dependents_[Index(earlier)].push_back(t);
+    }
   }
   prepared.graph_ = std::make_shared<const Graph>(std::move(graph));
   return prepared;

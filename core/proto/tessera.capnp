@@ -57,6 +57,7 @@ struct Task {
   priority @8 :Int32;
   memoryEstimate @9 :Int64;
   donations @10 :List(Donation);
+  after @11 :List(UInt64);     # control edges: task ids that must end before this one starts
 }
 
 # Where an object can be pulled from: the holder's id and data-plane address.

@@ -134,6 +134,8 @@ void ToWire(const TaskSpec& task, const std::vector<ObjectSpec>& outputs,
     donations[i].setInput(static_cast<uint16_t>(task.donations[i].input_index));
     donations[i].setOutput(static_cast<uint16_t>(task.donations[i].output_index));
   }
+  auto after = out.initAfter(static_cast<unsigned>(task.after.size()));
+  for (unsigned i = 0; i < task.after.size(); ++i) after.set(i, task.after[i].value());
 }
 
 Result<WireTask> FromWire(proto::Task::Reader in) {
@@ -160,6 +162,7 @@ Result<WireTask> FromWire(proto::Task::Reader in) {
     }
     spec.donations.push_back(Donation{donation.getInput(), donation.getOutput()});
   }
+  for (uint64_t earlier : in.getAfter()) spec.after.push_back(TaskId(earlier));
   return task;
 }
 

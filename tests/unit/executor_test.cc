@@ -185,6 +185,29 @@ TEST(ExecutorTest, IndependentBranchesAllRunAndJoin) {
   for (size_t i = 0; i < gelu.size(); ++i) EXPECT_NEAR(got[i], 8 * gelu[i], 1e-5);
 }
 
+TEST(ExecutorTest, ControlEdgesFixTheOrderOfIndependentTasks) {
+  // Eight independent tasks chained by control edges in reverse insertion order: on two threads
+  // they would otherwise overlap; with the edges each starts after the previous one ended.
+  GraphBuilder builder(CpuRegistry());
+  ObjectId x = builder.AddInput("x", F32({4096}), ObjectRole::kInput);
+  std::vector<TaskId> tasks;
+  for (int i = 0; i < 8; ++i) {
+    ObjectId out = (*builder.AddTask(fmt::format("b{}", i), "gelu_forward", {x}, {}))[0];
+    builder.MarkOutput(out);
+    tasks.push_back(builder.graph().object(out).producer);
+  }
+  for (int i = 7; i > 0; --i) builder.AddControlEdge(tasks[i], tasks[i - 1]);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{x, RandomTensor({4096}, 4)}}));
+  ASSERT_EQ(result.stats.tasks_run, 8);
+  for (int i = 7; i > 0; --i) {
+    const TaskTiming& earlier = result.stats.timings[static_cast<size_t>(i)];
+    const TaskTiming& later = result.stats.timings[static_cast<size_t>(i - 1)];
+    EXPECT_LE(earlier.end_us, later.start_us) << "b" << i << " then b" << i - 1;
+  }
+}
+
 // A worker's part of a split graph: y = gelu(x) is computed here, z = y + r where r arrives
 // later from "another worker"; y is handed out as soon as it exists.
 struct SplitGraph {

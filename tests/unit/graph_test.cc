@@ -103,6 +103,38 @@ TEST(GraphTest, TopologicalOrderPrefersHigherPriorityAndDetectsCycles) {
   EXPECT_NE(cycle.message().find("cycle"), std::string::npos);
 }
 
+TEST(GraphTest, ControlEdgesOrderTasksAndTheirCyclesAreRefused) {
+  Graph graph;
+  ObjectId x = graph.AddObject("x", F32({1}), ObjectRole::kInput);
+  ObjectId y = graph.AddObject("y", F32({1}), ObjectRole::kActivation);
+  ObjectId z = graph.AddObject("z", F32({1}), ObjectRole::kActivation);
+  TaskId first = graph.AddTask({.name = "first", .op = "gelu_forward", .inputs = {x},
+                                .outputs = {y}, .priority = 0});
+  TaskId second = graph.AddTask({.name = "second", .op = "gelu_forward", .inputs = {x},
+                                 .outputs = {z}, .priority = 5});
+  // Without the edge the higher priority goes first; with it, the edge decides.
+  graph.AddControlEdge(first, second);
+  graph.AddControlEdge(first, second);  // once is enough
+  EXPECT_EQ(graph.task(second).after, (std::vector<TaskId>{first}));
+  ASSERT_OK_AND_ASSIGN(auto order, graph.TopologicalOrder());
+  EXPECT_EQ(order, (std::vector<TaskId>{first, second}));
+  EXPECT_OK(graph.Validate());
+
+  graph.AddControlEdge(second, first);
+  Status cycle = graph.Validate();
+  ASSERT_FALSE(cycle.ok());
+  EXPECT_NE(cycle.message().find("cycle"), std::string::npos) << cycle.ToString();
+
+  Graph dangling;
+  ObjectId a = dangling.AddObject("a", F32({1}), ObjectRole::kInput);
+  ObjectId b = dangling.AddObject("b", F32({1}), ObjectRole::kActivation);
+  dangling.AddTask({.name = "t", .op = "gelu_forward", .inputs = {a}, .outputs = {b},
+                    .after = {TaskId(7)}});
+  Status unknown = dangling.Validate();
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.message().find("task 't' is after"), std::string::npos) << unknown.ToString();
+}
+
 TEST(GraphTest, CostsComeFromTheRegistry) {
   ASSERT_OK_AND_ASSIGN(OpCost cost,
                        CpuRegistry().Cost("matmul_forward", {F32({4, 8}), F32({8, 3})}, {}));

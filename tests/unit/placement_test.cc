@@ -99,8 +99,12 @@ TEST(PlaceGraphTest, CollectiveMembersMoveToTheLeastLoadedWorkerRunningNone) {
 }
 
 TEST(PlaceGraphTest, PlacementsThatCannotWorkAreInfeasibleNamingTheTaskOrCollective) {
-  Graph stray, pinned_together, too_many;
+  Graph stray, pinned_together, too_many, split_edge;
   AddGelu(stray, "stray", {}, 1, WorkerId(9));
+  const ObjectId first = AddGelu(split_edge, "first", {}, 1, kA);
+  const ObjectId second = AddGelu(split_edge, "second", {}, 1, kB);
+  split_edge.AddControlEdge(split_edge.object(first).producer,
+                            split_edge.object(second).producer);
   AddGelu(pinned_together, "m0", {}, 1, kA, Member(2, 0, 2));
   AddGelu(pinned_together, "m1", {}, 1, kA, Member(2, 1, 2));
   for (int rank = 0; rank < 3; ++rank) {
@@ -114,6 +118,9 @@ TEST(PlaceGraphTest, PlacementsThatCannotWorkAreInfeasibleNamingTheTaskOrCollect
       {&too_many,
        "collective 4 has 3 members but only 2 workers are alive: start more workers or plan a "
        "smaller group"},
+      {&split_edge,
+       "task 'second' must start after task 'first', but they are placed on worker2 and "
+       "worker1: a control edge needs both tasks on one worker (pin them together)"},
   };
   for (const auto& [graph, message] : cases) {
     const Status status = PlaceGraph(*graph, {kA, kB}).status();

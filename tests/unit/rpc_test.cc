@@ -134,6 +134,7 @@ TEST(WireTest, TaskRoundTripKeepsEverything) {
   task.priority = -2;
   task.memory_estimate_bytes = 1 << 20;
   task.donations = {{1, 0}};
+  task.after = {TaskId(3), TaskId(5)};
   ObjectSpec output{ObjectId(9),
                     "h.3.y",
                     {Shape{4, 64, 768}, DType::kBF16, Device::Cuda(1)},
@@ -153,6 +154,7 @@ TEST(WireTest, TaskRoundTripKeepsEverything) {
   EXPECT_EQ(back.spec.priority, task.priority);
   EXPECT_EQ(back.spec.memory_estimate_bytes, task.memory_estimate_bytes);
   EXPECT_EQ(back.spec.donations, task.donations);
+  EXPECT_EQ(back.spec.after, task.after);
   ASSERT_EQ(back.outputs.size(), 1u);
   EXPECT_EQ(back.outputs[0].meta, output.meta);
   EXPECT_EQ(back.outputs[0].name, output.name);
