@@ -110,7 +110,8 @@ class Graph {
   // naming the task or object otherwise.
   Status Validate() const;
   // Tasks in an order where every task follows the producers of its inputs and the tasks it is
-  // after (Kahn's algorithm, ties broken by higher priority, then by insertion order). InvalidArgument on a cycle.
+  // after (Kahn's algorithm, ties broken by higher priority, then by insertion order).
+  // InvalidArgument on a cycle.
   Result<std::vector<TaskId>> TopologicalOrder() const;
 
   int num_objects() const { return static_cast<int>(objects_.size()); }

@@ -108,10 +108,10 @@ TEST(GraphTest, ControlEdgesOrderTasksAndTheirCyclesAreRefused) {
   ObjectId x = graph.AddObject("x", F32({1}), ObjectRole::kInput);
   ObjectId y = graph.AddObject("y", F32({1}), ObjectRole::kActivation);
   ObjectId z = graph.AddObject("z", F32({1}), ObjectRole::kActivation);
-  TaskId first = graph.AddTask({.name = "first", .op = "gelu_forward", .inputs = {x},
-                                .outputs = {y}, .priority = 0});
-  TaskId second = graph.AddTask({.name = "second", .op = "gelu_forward", .inputs = {x},
-                                 .outputs = {z}, .priority = 5});
+  TaskId first = graph.AddTask(
+      {.name = "first", .op = "gelu_forward", .inputs = {x}, .outputs = {y}, .priority = 0});
+  TaskId second = graph.AddTask(
+      {.name = "second", .op = "gelu_forward", .inputs = {x}, .outputs = {z}, .priority = 5});
   // Without the edge the higher priority goes first; with it, the edge decides.
   graph.AddControlEdge(first, second);
   graph.AddControlEdge(first, second);  // once is enough
@@ -128,8 +128,8 @@ TEST(GraphTest, ControlEdgesOrderTasksAndTheirCyclesAreRefused) {
   Graph dangling;
   ObjectId a = dangling.AddObject("a", F32({1}), ObjectRole::kInput);
   ObjectId b = dangling.AddObject("b", F32({1}), ObjectRole::kActivation);
-  dangling.AddTask({.name = "t", .op = "gelu_forward", .inputs = {a}, .outputs = {b},
-                    .after = {TaskId(7)}});
+  dangling.AddTask(
+      {.name = "t", .op = "gelu_forward", .inputs = {a}, .outputs = {b}, .after = {TaskId(7)}});
   Status unknown = dangling.Validate();
   ASSERT_FALSE(unknown.ok());
   EXPECT_NE(unknown.message().find("task 't' is after"), std::string::npos) << unknown.ToString();

@@ -103,8 +103,7 @@ TEST(PlaceGraphTest, PlacementsThatCannotWorkAreInfeasibleNamingTheTaskOrCollect
   AddGelu(stray, "stray", {}, 1, WorkerId(9));
   const ObjectId first = AddGelu(split_edge, "first", {}, 1, kA);
   const ObjectId second = AddGelu(split_edge, "second", {}, 1, kB);
-  split_edge.AddControlEdge(split_edge.object(first).producer,
-                            split_edge.object(second).producer);
+  split_edge.AddControlEdge(split_edge.object(first).producer, split_edge.object(second).producer);
   AddGelu(pinned_together, "m0", {}, 1, kA, Member(2, 0, 2));
   AddGelu(pinned_together, "m1", {}, 1, kA, Member(2, 1, 2));
   for (int rank = 0; rank < 3; ++rank) {
