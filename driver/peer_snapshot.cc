@@ -8,8 +8,10 @@ namespace tessera {
 
 Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_state) {
   const StepGraph& step = trainer.step_graph();
-  const int ranks = std::max(1, step.parallel.data_parallel);
-  const bool buddies = ranks >= 2 && trainer.RankWorker(0).valid();
+  // Each piece's buddy is the next worker of the plan (the next rank of its stage, or the
+  // first of the next stage).
+  const int workers_in_plan = std::max(1, step.parallel.num_workers());
+  const bool buddies = workers_in_plan >= 2 && trainer.PlanWorker(0).valid();
   PeerSnapshot snapshot;
   snapshot.step_ = trainer.steps_taken();
   snapshot.sampler_state_ = std::move(sampler_state);
@@ -31,11 +33,11 @@ Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_st
     piece.begin = object.piece.begin;
     piece.numel = object.piece.numel;
     piece.rank = object.piece.rank;
-    piece.holder = trainer.RankWorker(object.piece.rank);
+    piece.holder = step.WorkerOf(object.piece);
     indices.push_back(i);
     workers.push_back(piece.holder);
     if (buddies) {
-      piece.buddy = trainer.RankWorker((object.piece.rank + 1) % ranks);
+      piece.buddy = trainer.PlanWorker((step.WorkerIndexOf(object.piece) + 1) % workers_in_plan);
       indices.push_back(i);
       workers.push_back(piece.buddy);
     }

@@ -139,12 +139,14 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
   recovered.report = so_far;
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
                            MakeClusterBackend(*cluster_, placement_));
-  // As many ranks as asked if there are enough workers, else the most the batch divides.
+  // As many ranks as asked if there are enough workers, else the most the batch divides (a
+  // pipeline keeps its stages: P workers per rank).
   const int want = std::max(1, plan_.parallel.data_parallel);
+  const int stages = std::max(1, plan_.parallel.pipeline_stages);
   const int alive = static_cast<int>(backend->workers().size());
   TrainingPlan plan = plan_;
   plan.parallel.workers.clear();
-  int ranks = std::min(want, alive);
+  int ranks = std::min(want, alive / stages);
   for (; ranks >= options_.min_workers && ranks >= 1; --ranks) {
     plan.parallel.data_parallel = ranks;
     if (plan.Validate(DescribeGpt2(config_)).ok()) break;
@@ -223,7 +225,7 @@ Result<StepRecovery::Recovered> StepRecovery::Recover(int64_t failed_step, const
         ->warn("step {} failed: {}; lost {}", failed_step, report.error, report.lost);
   }
 
-  const int want = std::max(1, plan_.parallel.data_parallel);
+  const int want = std::max(1, plan_.parallel.num_workers());
   if (options_.start_replacements && !lost.empty()) {
     if (Status added = cluster_->AddLocalWorkers(static_cast<int>(lost.size())); !added.ok()) {
       GetLogger("recovery")->warn("could not start replacements: {}", added.ToString());

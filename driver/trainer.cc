@@ -89,14 +89,15 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
                                                  std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(model.Validate());
   TrainingPlan placed = plan;
-  const int ranks = plan.parallel.data_parallel;
+  const int ranks = plan.parallel.num_workers();
   if (ranks > 1 && placed.parallel.workers.empty()) {
     const std::vector<WorkerId> workers = backend->workers();
     if (static_cast<int>(workers.size()) < ranks) {
       return InvalidArgument(
-          "the plan has {} data-parallel ranks but {} has {} worker(s): start at least {} "
-          "workers or use --workers <= {}",
-          ranks, backend->Describe(), workers.size(), ranks, std::max<size_t>(workers.size(), 1));
+          "the plan has {} data-parallel ranks x {} pipeline stages but {} has {} worker(s): "
+          "start at least {} workers or use --workers <= {}",
+          plan.parallel.data_parallel, plan.parallel.pipeline_stages, backend->Describe(),
+          workers.size(), ranks, std::max<size_t>(workers.size(), 1));
     }
     placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
   }
@@ -598,9 +599,9 @@ Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,
   return values;
 }
 
-WorkerId Trainer::RankWorker(int rank) const {
+WorkerId Trainer::PlanWorker(int index) const {
   return plan_.parallel.workers.empty() ? WorkerId()
-                                        : plan_.parallel.workers[static_cast<size_t>(rank)];
+                                        : plan_.parallel.workers[static_cast<size_t>(index)];
 }
 
 Result<std::vector<Trainer::FileReceipt>> Trainer::WriteState(
@@ -614,7 +615,7 @@ Result<std::vector<Trainer::FileReceipt>> Trainer::WriteState(
     if (indices[i] >= step_graph_.state.size()) {
       return InvalidArgument("WriteState: no state object {}", indices[i]);
     }
-    tasks.push_back({RankWorker(step_graph_.state[indices[i]].piece.rank), paths[i]});
+    tasks.push_back({step_graph_.WorkerOf(step_graph_.state[indices[i]].piece), paths[i]});
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<Value> outputs, RunStateTasks("write_file", indices, tasks));
   std::vector<FileReceipt> receipts;

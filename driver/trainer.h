@@ -137,8 +137,8 @@ class Trainer {
   // copies are new objects, which later steps leave as they are (driver/peer_snapshot.h).
   Result<std::vector<Value>> CopyState(const std::vector<size_t>& indices,
                                        const std::vector<WorkerId>& workers);
-  // The worker of data-parallel rank `rank` (invalid when the plan pins none).
-  WorkerId RankWorker(int rank) const;
+  // The plan's index-th worker (stage * ranks + rank; invalid when the plan pins none).
+  WorkerId PlanWorker(int index) const;
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }

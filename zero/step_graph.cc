@@ -1,6 +1,7 @@
 #include "zero/step_graph.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include <fmt/format.h>
@@ -143,7 +144,38 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
         "a batch that is a multiple of {} (e.g. {}), or change --workers / --grad-accum",
         batch, p.data_parallel, p.grad_accum, splits, (batch / splits + 1) * splits);
   }
-  if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.data_parallel) {
+  if (p.pipeline_stages < 1) {
+    return InvalidArgument("pipeline stages must be >= 1, got {}", p.pipeline_stages);
+  }
+  if (p.pipeline_stages > 1 || p.virtual_stages > 1) {
+    TESSERA_RETURN_IF_ERROR(
+        CheckSchedule(p.schedule, p.pipeline_stages, p.grad_accum, p.virtual_stages));
+    const size_t chunks = static_cast<size_t>(p.pipeline_stages * p.virtual_stages);
+    if (chunks > model.layers.size()) {
+      return InvalidArgument(
+          "{} pipeline stage(s) x {} virtual stage(s) cut the model into {} chunks, but model "
+          "'{}' has {} layers: use at most {} stages",
+          p.pipeline_stages, p.virtual_stages, chunks, model.name, model.layers.size(),
+          model.layers.size() / static_cast<size_t>(p.virtual_stages));
+    }
+    if (SplitsBackward(p.schedule)) {
+      return Infeasible(
+          "schedule {} splits each backward into input and weight gradients, which the layer ops "
+          "cannot do yet: use --schedule 1f1b, interleaved or gpipe",
+          ScheduleName(p.schedule));
+    }
+  }
+  if (!p.layer_costs.empty() && p.layer_costs.size() != model.layers.size()) {
+    return InvalidArgument("{} layer costs given for a model of {} layers", p.layer_costs.size(),
+                           model.layers.size());
+  }
+  if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.num_workers()) {
+    if (p.pipeline_stages > 1) {
+      return InvalidArgument(
+          "{} worker(s) given for {} pipeline stages x {} data-parallel ranks: a pipeline needs "
+          "P x D = {} workers",
+          p.workers.size(), p.pipeline_stages, p.data_parallel, p.num_workers());
+    }
     return InvalidArgument("{} worker(s) given for {} data-parallel ranks", p.workers.size(),
                            p.data_parallel);
   }
@@ -156,19 +188,26 @@ namespace {
 // where. Ranks are numbered 0..N-1; rank r's tasks are pinned to parallel.workers[r].
 class StepPlanner {
  public:
-  StepPlanner(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry)
+  StepPlanner(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
+              std::vector<int> layer_chunk)
       : model_(model),
         plan_(plan),
         p_(plan.parallel),
         n_(plan.parallel.data_parallel),
         k_(plan.parallel.grad_accum),
         layers_(model.layers.size()),
+        stages_(plan.parallel.pipeline_stages),
         adamw_(plan.optimizer.kind == OptimizerConfig::Kind::kAdamW),
         offload_(plan.parallel.offload == OffloadMode::kOptimizer && !plan.device.is_cpu()),
         builder_(registry) {
     const int64_t multiple = p_.sharded_optimizer() ? n_ : 1;
     for (const LayerSpec& layer : model.layers) {
       layer_attrs_.push_back(LayerAttrs(layer, multiple));
+    }
+    step_.layer_chunk = std::move(layer_chunk);
+    for (size_t l = 0; l < layers_; ++l) {
+      step_.layer_stage.push_back(step_.layer_chunk[l] % stages_);
+      stage_of_name_[model.layers[l].name] = step_.layer_stage.back();
     }
     // The layers reading each group; its gradient is complete after the first one's backward.
     readers_.resize(layers_);
@@ -182,6 +221,7 @@ class StepPlanner {
   Result<StepGraph> Build() {
     step_.parallel = p_;
     step_.micro_batch = p_.micro_batch(plan_.batch);
+    ChooseGatherPolicy();
     for (const LayerSpec& layer : model_.layers) {
       step_.group_numel.push_back(p_.PaddedGroup(layer.params.numel()));
     }
@@ -193,6 +233,7 @@ class StepPlanner {
     TESSERA_RETURN_IF_ERROR(AddClipping());
     TESSERA_RETURN_IF_ERROR(AddDownloads());
     for (int r = 0; r < n_; ++r) TESSERA_RETURN_IF_ERROR(AddOptimizer(r));
+    if (stages_ > 1 || p_.virtual_stages > 1) AddScheduleOrder();
     TESSERA_ASSIGN_OR_RETURN(step_.graph, builder_.Build());
     return std::move(step_);
   }
@@ -206,9 +247,13 @@ class StepPlanner {
     std::vector<ObjectId> grad;  // per layer: the accumulated gradient (full or shard)
     // Offload on GPU workers: the final gradient and the clipping factor, copied to the host.
     std::vector<ObjectId> host_grad;
-    ObjectId host_clip;
-    std::vector<ObjectId> losses;  // per micro-batch
-    ObjectId clip;
+    std::vector<ObjectId> host_clip;  // per stage
+    std::vector<ObjectId> losses;     // per micro-batch
+    std::vector<ObjectId> clip;       // per stage: the clipping factor on that stage's worker
+    // ZeRO-3 gathered once per step: per layer, its gathered parameters (invalid: not yet).
+    std::vector<ObjectId> gathered;
+    // Per layer and micro-batch: the forward and backward tasks (for the schedule's order).
+    std::vector<std::vector<TaskId>> forward_task, backward_task;
   };
 
   // "rank1/h.0.params" with several ranks; "h.0.params" on one.
@@ -218,24 +263,41 @@ class StepPlanner {
   std::string Micro(int k, const std::string& name) const {
     return k_ > 1 ? fmt::format("{}@{}", name, k) : name;
   }
-  TaskOptions On(int r, const std::string& layer, int32_t priority,
-                 std::vector<std::string> output_names = {},
-                 std::vector<ObjectRole> output_roles = {}) const {
+  // "stage1/clip" in a pipeline; "clip" otherwise (per-worker tasks of the step).
+  std::string Staged(int s, const std::string& name) const {
+    return stages_ > 1 ? fmt::format("stage{}/{}", s, name) : name;
+  }
+  // A task of rank r in stage s, on its worker.
+  TaskOptions OnStage(int r, int s, const std::string& layer, int32_t priority,
+                      std::vector<std::string> output_names = {},
+                      std::vector<ObjectRole> output_roles = {}) const {
     TaskOptions options =
         Options(layer, priority, std::move(output_names), std::move(output_roles));
-    if (!p_.workers.empty()) options.pinned_worker = p_.workers[static_cast<size_t>(r)];
+    options.pinned_worker = p_.WorkerOf(r, s);
     options.device_kind = plan_.device.kind;
     return options;
   }
+  // A task of rank r for `layer` (a layer's name): on the worker of its stage.
+  TaskOptions On(int r, const std::string& layer, int32_t priority,
+                 std::vector<std::string> output_names = {},
+                 std::vector<ObjectRole> output_roles = {}) const {
+    return OnStage(r, stage_of_name_.at(layer), layer, priority, std::move(output_names),
+                   std::move(output_roles));
+  }
   // A task of the optimizer step: on the host when offloaded, else with the rest.
-  TaskOptions OnOptimizerDevice(int r, const std::string& layer,
-                                std::vector<std::string> output_names = {},
-                                std::vector<ObjectRole> output_roles = {}) const {
-    TaskOptions options =
-        On(r, layer, kOptimizerPriority, std::move(output_names), std::move(output_roles));
+  TaskOptions OnOptimizerDevice(TaskOptions options) const {
+    options.priority = kOptimizerPriority;
     if (offload_) options.device_kind = DeviceKind::kCpu;
     return options;
   }
+  TaskOptions OnOptimizerDevice(int r, const std::string& layer,
+                                std::vector<std::string> output_names = {},
+                                std::vector<ObjectRole> output_roles = {}) const {
+    return OnOptimizerDevice(
+        On(r, layer, kOptimizerPriority, std::move(output_names), std::move(output_roles)));
+  }
+  int StageOf(size_t l) const { return step_.layer_stage[l]; }
+  int LossStage() const { return step_.layer_stage[layers_ - 1]; }
   Device OptimizerDevice() const { return offload_ ? Device::Cpu() : plan_.device; }
   Attrs Collective(int64_t id, int r) const {
     return Attrs{{kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{n_}}};
@@ -309,6 +371,17 @@ class StepPlanner {
     Rank& rank = ranks_[static_cast<size_t>(r)];
     const ObjectId param = step_.state[rank.param[l]].input;
     if (!p_.sharded_parameters()) return param;
+    if (step_.gather_once_per_step) {
+      if (rank.gathered[l].valid()) return rank.gathered[l];
+      TESSERA_ASSIGN_OR_RETURN(rank.gathered[l], GatherForUse(r, l, "step", param, after));
+      return rank.gathered[l];
+    }
+    return GatherForUse(r, l, when, param, after);
+  }
+
+  // Rank r's member of the all-gather of layer l's parameter shards, on the layer's stage.
+  Result<ObjectId> GatherForUse(int r, size_t l, const std::string& when, ObjectId param,
+                                ObjectId after) {
     std::vector<ObjectId> inputs{param};
     if (after.valid()) inputs.push_back(after);
     const std::string name = fmt::format("{}/gather_{}", LayerName(l), when);
@@ -319,6 +392,77 @@ class StepPlanner {
                          On(r, LayerName(l), kForwardPriority + 1, {Name(r, name + ":params")},
                             {ObjectRole::kGatheredParameter})));
     return gathered[0];
+  }
+
+  // ZeRO-3 with several micro-batches per rank: gather each layer once per step (its stage's
+  // parameters stay gathered while the micro-batches run), or before every use.
+  void ChooseGatherPolicy() {
+    if (!p_.sharded_parameters() || k_ == 1) return;
+    // Per micro-batch: one gather before each forward and each backward; per step: one.
+    const int64_t gathers_saved = int64_t{2} * k_ - 1;
+    switch (p_.gather) {
+      case GatherPolicy::kOncePerStep:
+        step_.gather_once_per_step = true;
+        step_.gather_reason = "asked for (--gather step)";
+        break;
+      case GatherPolicy::kPerMicroBatch:
+        step_.gather_reason =
+            "asked for (--gather micro-batch): only prefetch_layers layers' "
+            "parameters are gathered at a time";
+        break;
+      case GatherPolicy::kAuto:
+        step_.gather_once_per_step = stages_ > 1;
+        step_.gather_reason =
+            stages_ > 1
+                ? fmt::format(
+                      "a pipeline stage holds 1/{} of the layers, so its gathered parameters stay "
+                      "while its {} micro-batches run: {} fewer gathers per layer per step",
+                      stages_, k_, gathers_saved)
+                : fmt::format(
+                      "without a pipeline, gathering once per step would hold every layer's "
+                      "parameters at once; per micro-batch keeps ZeRO-3's bound of "
+                      "prefetch_layers gathered layers (--gather step saves {} gathers per layer)",
+                      gathers_saved);
+        break;
+    }
+    if (step_.gather_once_per_step && p_.gather == GatherPolicy::kOncePerStep) {
+      step_.gather_reason += fmt::format(": {} fewer gathers per layer per step", gathers_saved);
+    }
+  }
+
+  // The pipeline schedule as task order: on each worker, its layers' forward and backward
+  // tasks chained by control edges in the order ScheduleOrder gives its stage (a chunk's
+  // forwards in layer order, its backwards in reverse). Everything else (gradient sums,
+  // reductions, gathers, the optimizer) follows its data.
+  void AddScheduleOrder() {
+    const int virtual_stages = p_.virtual_stages;
+    std::vector<std::vector<size_t>> chunk_layers(static_cast<size_t>(stages_ * virtual_stages));
+    for (size_t l = 0; l < layers_; ++l) {
+      chunk_layers[static_cast<size_t>(step_.layer_chunk[l])].push_back(l);
+    }
+    const auto orders = ScheduleOrder(p_.schedule, stages_, k_, virtual_stages);
+    for (int r = 0; r < n_; ++r) {
+      const Rank& rank = ranks_[static_cast<size_t>(r)];
+      for (const std::vector<PipelineOp>& order : orders) {
+        TaskId previous;
+        auto chain = [&](TaskId task) {
+          if (!task.valid()) return;
+          if (previous.valid()) builder_.AddControlEdge(previous, task);
+          previous = task;
+        };
+        for (const PipelineOp& op : order) {
+          const std::vector<size_t>& layers = chunk_layers[static_cast<size_t>(op.chunk)];
+          const size_t micro = static_cast<size_t>(op.micro);
+          if (op.kind == PipelineOp::Kind::kForward) {
+            for (size_t l : layers) chain(rank.forward_task[l][micro]);
+          } else {
+            for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+              chain(rank.backward_task[*it][micro]);
+            }
+          }
+        }
+      }
+    }
   }
 
   // One collective id per (name): every rank's member of "h.0/gather_forward@1" shares it.
@@ -334,6 +478,9 @@ class StepPlanner {
   Status AddRank(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
     rank.grad.assign(layers_, ObjectId());
+    rank.gathered.assign(layers_, ObjectId());
+    rank.forward_task.assign(layers_, std::vector<TaskId>(static_cast<size_t>(k_)));
+    rank.backward_task = rank.forward_task;
     for (int k = 0; k < k_; ++k) TESSERA_RETURN_IF_ERROR(AddMicroBatch(r, k));
     return Status::Ok();
   }
@@ -390,7 +537,9 @@ class StepPlanner {
           outputs[l], builder_.AddTask(
                           task(l, "forward"), layer.forward_op, args[l], AttrsOf(l),
                           On(r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
-      if (layer.loss) ranks_[static_cast<size_t>(r)].losses.push_back(outputs[l][0]);
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      rank.forward_task[l][static_cast<size_t>(k)] = ProducerOf(outputs[l][0]);
+      if (layer.loss) rank.losses.push_back(outputs[l][0]);
     }
 
     // Backward, last layer first. output_grads[l][o]: the parts of the gradient of layer l's
@@ -408,7 +557,8 @@ class StepPlanner {
       if (!layer.loss) {
         for (size_t o = 0; o < dy.size(); ++o) {
           TESSERA_ASSIGN_OR_RETURN(
-              dy[o], Sum(r, object(fmt::format("{}.d{}", layer.name, o)), output_grads[l][o]));
+              dy[o],
+              Sum(r, StageOf(l), object(fmt::format("{}.d{}", layer.name, o)), output_grads[l][o]));
         }
         if (!dy.empty()) entering_grad[l] = dy[0];
       }
@@ -447,8 +597,8 @@ class StepPlanner {
                   layer.name, LayerName(group));
             }
             TESSERA_ASSIGN_OR_RETURN(
-                ObjectId so_far,
-                Sum(r, object(LayerName(group) + ".grad_parts"), param_grads[group]));
+                ObjectId so_far, Sum(r, StageOf(group), object(LayerName(group) + ".grad_parts"),
+                                     param_grads[group]));
             param_grads[group].clear();
             inputs.push_back(so_far);
             break;
@@ -476,6 +626,10 @@ class StepPlanner {
           builder_.AddTask(
               task(l, "backward"), layer.backward_op, std::move(inputs), AttrsOf(l),
               On(r, layer.name, kBackwardPriority, std::move(names), std::move(roles))));
+      if (!grads.empty()) {
+        ranks_[static_cast<size_t>(r)].backward_task[l][static_cast<size_t>(k)] =
+            ProducerOf(grads[0]);
+      }
       for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
         const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
         if (forward.kind == Arg::kActivation) {
@@ -488,13 +642,14 @@ class StepPlanner {
       for (size_t group = 0; group < layers_; ++group) {
         if (readers_[group].empty() || readers_[group].front() != l) continue;
         TESSERA_ASSIGN_OR_RETURN(
-            ObjectId full, Sum(r, object(LayerName(group) + ".grad_parts"), param_grads[group]));
+            ObjectId full,
+            Sum(r, StageOf(group), object(LayerName(group) + ".grad_parts"), param_grads[group]));
         if (!full.valid()) {
           return InvalidArgument("no layer's backward returns a gradient of the parameters of '{}'",
                                  LayerName(group));
         }
         TESSERA_RETURN_IF_ERROR(AddGradient(r, k, group, full));
-        last_gradient_ = group;
+        last_gradient_[static_cast<size_t>(StageOf(group))] = group;
       }
     }
     return Status::Ok();
@@ -510,15 +665,19 @@ class StepPlanner {
     return attrs;
   }
 
-  // The sum of `parts`, added in place into the first in order; invalid when there are none.
-  Result<ObjectId> Sum(int r, const std::string& name, const std::vector<ObjectId>& parts) {
+  TaskId ProducerOf(ObjectId id) const { return builder_.graph().object(id).producer; }
+
+  // The sum of `parts` on rank r's worker of stage s, added in place into the first in order;
+  // invalid when there are none.
+  Result<ObjectId> Sum(int r, int s, const std::string& name, const std::vector<ObjectId>& parts) {
     if (parts.empty()) return ObjectId();
     ObjectId sum = parts[0];
     for (size_t i = 1; i < parts.size(); ++i) {
       TESSERA_ASSIGN_OR_RETURN(
           auto added,
-          builder_.AddTask(fmt::format("{}/sum{}", name, i), "accumulate", {sum, parts[i]}, {},
-                           On(r, "", kBackwardPriority, {fmt::format("{}:sum{}", name, i)})));
+          builder_.AddTask(
+              fmt::format("{}/sum{}", name, i), "accumulate", {sum, parts[i]}, {},
+              OnStage(r, s, "", kBackwardPriority, {fmt::format("{}:sum{}", name, i)})));
       sum = added[0];
     }
     return sum;
@@ -580,7 +739,8 @@ class StepPlanner {
       for (int r = 0; r < n_; ++r) {
         Rank& rank = ranks_[static_cast<size_t>(r)];
         std::vector<ObjectId> inputs{rank.grad[l]};
-        if (l != last_gradient_) inputs.push_back(rank.grad[last_gradient_]);  // after backward
+        const size_t last = last_gradient_[static_cast<size_t>(StageOf(l))];
+        if (l != last) inputs.push_back(rank.grad[last]);  // after the stage's backward
         TESSERA_ASSIGN_OR_RETURN(
             auto shard, builder_.AddTask(
                             Name(r, name), "reduce_scatter", std::move(inputs),
@@ -615,16 +775,16 @@ class StepPlanner {
         TESSERA_ASSIGN_OR_RETURN(
             auto sum, builder_.AddTask(Name(r, "loss/sum"), "sum_scalars", rank.losses,
                                        Attrs{{"scale", 1.0 / static_cast<double>(n_ * k_)}},
-                                       On(r, "", kOptimizerPriority, {Name(r, "loss_part")},
-                                          {ObjectRole::kOutput})));
+                                       OnStage(r, LossStage(), "", kOptimizerPriority,
+                                               {Name(r, "loss_part")}, {ObjectRole::kOutput})));
         loss = sum[0];
       }
       if (n_ > 1) {
         TESSERA_ASSIGN_OR_RETURN(
             auto total, builder_.AddTask(Name(r, "loss/all_reduce"), "all_reduce", {loss},
                                          Collective(CollectiveId("loss"), r).Set("reduce", "sum"),
-                                         On(r, "", kOptimizerPriority, {Name(r, "loss")},
-                                            {ObjectRole::kOutput})));
+                                         OnStage(r, LossStage(), "", kOptimizerPriority,
+                                                 {Name(r, "loss")}, {ObjectRole::kOutput})));
         loss = total[0];
       }
       if (r == 0) step_.loss = loss;
@@ -633,50 +793,70 @@ class StepPlanner {
     return Status::Ok();
   }
 
-  // Global-norm clipping. Replicated gradients (one rank, or stage 0): every rank sums the
-  // squares of every group. Sharded: each rank sums its shards, and the sums are all-reduced.
+  // Global-norm clipping. Each worker sums the squares of the gradient pieces it holds. Sharded
+  // gradients (ZeRO >= 1 over several ranks): the sums of every worker are all-reduced.
+  // Replicated ones: every rank holds all of its stages' gradients, so the sums of one rank's
+  // stages are all-reduced among them (nothing to reduce on one worker).
   Status AddClipping() {
     const bool sharded = n_ > 1 && p_.zero_stage >= 1;
     const Attrs clip_attrs{{"max_norm", plan_.optimizer.max_grad_norm}};
     for (int r = 0; r < n_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
-      std::vector<ObjectId> sums;
-      for (size_t l = 0; l < layers_; ++l) {
-        if (!HasParams(l)) continue;
+      rank.clip.assign(static_cast<size_t>(stages_), ObjectId());
+      for (int s = 0; s < stages_; ++s) {
+        std::vector<ObjectId> sums;
+        for (size_t l = 0; l < layers_; ++l) {
+          if (!HasParams(l) || StageOf(l) != s) continue;
+          TESSERA_ASSIGN_OR_RETURN(
+              auto sum,
+              builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares",
+                               {rank.grad[l]}, {}, On(r, LayerName(l), kOptimizerPriority)));
+          sums.push_back(sum[0]);
+        }
+        if (sums.empty()) {  // a stage without parameters adds nothing
+          TESSERA_ASSIGN_OR_RETURN(
+              sums, builder_.AddTask(Name(r, Staged(s, "grad_norm/none")), "constant", {},
+                                     Attrs{{"value", 0.0}}, OnStage(r, s, "", kOptimizerPriority)));
+        }
+        const int members = sharded ? n_ * stages_ : stages_;
+        if (members > 1) {
+          TESSERA_ASSIGN_OR_RETURN(
+              auto local, builder_.AddTask(Name(r, Staged(s, "grad_norm/sum")), "sum_scalars", sums,
+                                           {}, OnStage(r, s, "", kOptimizerPriority)));
+          const std::string collective =
+              sharded ? std::string("grad_norm") : fmt::format("grad_norm@rank{}", r);
+          const int member = sharded ? s * n_ + r : s;
+          TESSERA_ASSIGN_OR_RETURN(
+              auto total,
+              builder_.AddTask(Name(r, Staged(s, "grad_norm/all_reduce")), "all_reduce", {local[0]},
+                               Attrs{{kCollectiveAttr, CollectiveId(collective)},
+                                     {kRankAttr, int64_t{member}},
+                                     {kGroupSizeAttr, int64_t{members}},
+                                     {"reduce", "sum"}},
+                               OnStage(r, s, "", kOptimizerPriority)));
+          sums = {total[0]};
+        }
         TESSERA_ASSIGN_OR_RETURN(
-            auto sum,
-            builder_.AddTask(Name(r, LayerName(l) + "/grad_norm"), "sum_of_squares", {rank.grad[l]},
-                             {}, On(r, LayerName(l), kOptimizerPriority)));
-        sums.push_back(sum[0]);
-      }
-      if (sharded) {
-        TESSERA_ASSIGN_OR_RETURN(auto local,
-                                 builder_.AddTask(Name(r, "grad_norm/sum"), "sum_scalars", sums, {},
-                                                  On(r, "", kOptimizerPriority)));
-        TESSERA_ASSIGN_OR_RETURN(
-            auto total,
-            builder_.AddTask(Name(r, "grad_norm/all_reduce"), "all_reduce", {local[0]},
-                             Collective(CollectiveId("grad_norm"), r).Set("reduce", "sum"),
-                             On(r, "", kOptimizerPriority)));
-        sums = {total[0]};
-      }
-      TESSERA_ASSIGN_OR_RETURN(auto clip,
-                               builder_.AddTask(Name(r, "clip"), "clip_scale", sums, clip_attrs,
-                                                On(r, "", kOptimizerPriority,
-                                                   {Name(r, "clip_scale"), Name(r, "grad_norm")},
-                                                   {ObjectRole::kOutput, ObjectRole::kOutput})));
-      rank.clip = clip[0];
-      if (plan_.optimizer.max_grad_norm <= 0) {
-        // Clipping off: the factor is 1, known now, so each update waits only for its own
-        // gradient and runs during the remaining backward (the norm is still reported).
-        TESSERA_ASSIGN_OR_RETURN(
-            auto one, builder_.AddTask(Name(r, "clip_off"), "constant", {}, Attrs{{"value", 1.0}},
-                                       OnOptimizerDevice(r, "", {Name(r, "clip_scale_one")})));
-        rank.clip = one[0];
-      }
-      if (r == 0) {
-        step_.grad_norm = clip[1];
-        builder_.MarkOutput(step_.grad_norm);
+            auto clip, builder_.AddTask(Name(r, Staged(s, "clip")), "clip_scale", sums, clip_attrs,
+                                        OnStage(r, s, "", kOptimizerPriority,
+                                                {Name(r, Staged(s, "clip_scale")),
+                                                 Name(r, Staged(s, "grad_norm"))},
+                                                {ObjectRole::kOutput, ObjectRole::kOutput})));
+        rank.clip[static_cast<size_t>(s)] = clip[0];
+        if (plan_.optimizer.max_grad_norm <= 0) {
+          // Clipping off: the factor is 1, known now, so each update waits only for its own
+          // gradient and runs during the remaining backward (the norm is still reported).
+          TESSERA_ASSIGN_OR_RETURN(
+              auto one, builder_.AddTask(
+                            Name(r, Staged(s, "clip_off")), "constant", {}, Attrs{{"value", 1.0}},
+                            OnOptimizerDevice(OnStage(r, s, "", kOptimizerPriority,
+                                                      {Name(r, Staged(s, "clip_scale_one"))}))));
+          rank.clip[static_cast<size_t>(s)] = one[0];
+        }
+        if (r == 0 && s == 0) {
+          step_.grad_norm = clip[1];
+          builder_.MarkOutput(step_.grad_norm);
+        }
       }
     }
     return Status::Ok();
@@ -703,19 +883,26 @@ class StepPlanner {
         rank.host_clip = rank.clip;  // the constant 1, already on the host
         continue;
       }
-      TESSERA_ASSIGN_OR_RETURN(
-          auto clip, builder_.AddTask(Name(r, "clip_to_host"), "copy", {rank.clip}, {},
-                                      OnOptimizerDevice(r, "", {Name(r, "clip_scale.host")})));
-      rank.host_clip = clip[0];
+      rank.host_clip.assign(static_cast<size_t>(stages_), ObjectId());
+      for (int s = 0; s < stages_; ++s) {
+        TESSERA_ASSIGN_OR_RETURN(
+            auto clip,
+            builder_.AddTask(Name(r, Staged(s, "clip_to_host")), "copy",
+                             {rank.clip[static_cast<size_t>(s)]}, {},
+                             OnOptimizerDevice(OnStage(r, s, "", kOptimizerPriority,
+                                                       {Name(r, Staged(s, "clip_scale.host"))}))));
+        rank.host_clip[static_cast<size_t>(s)] = clip[0];
+      }
     }
     return Status::Ok();
   }
 
   Status AddOptimizer(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
-    const ObjectId clip = offload_ ? rank.host_clip : rank.clip;
     for (size_t l = 0; l < layers_; ++l) {
       if (!HasParams(l)) continue;
+      const ObjectId clip =
+          (offload_ ? rank.host_clip : rank.clip)[static_cast<size_t>(StageOf(l))];
       const std::string& layer = LayerName(l);
       StateObject& param = step_.state[rank.param[l]];
       // The parameters the update writes: the host master piece (offload) or the parameters.
@@ -825,12 +1012,15 @@ class StepPlanner {
   const ParallelConfig& p_;
   const int n_, k_;
   const size_t layers_;
+  const int stages_;  // pipeline stages
   const bool adamw_;
   const bool offload_;  // offload to the host tier of GPU workers (a no-op on CPU workers)
   GraphBuilder builder_;
   std::vector<Attrs> layer_attrs_;            // per layer
   std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
-  size_t last_gradient_ = 0;                  // the group whose gradient is complete last
+  // Per stage: the group whose gradient is complete last there.
+  std::vector<size_t> last_gradient_ = std::vector<size_t>(static_cast<size_t>(stages_), 0);
+  std::map<std::string, int> stage_of_name_;  // layer name -> pipeline stage
   StepGraph step_;
   std::vector<Rank> ranks_;
   std::map<std::string, int64_t> collective_ids_;
@@ -838,16 +1028,96 @@ class StepPlanner {
 
 }  // namespace
 
+Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t rows,
+                                               int64_t seq_len, const OpRegistry& registry) {
+  TESSERA_ASSIGN_OR_RETURN(ForwardGraph forward, PlanEvalLoss(model, rows, seq_len, registry));
+  std::map<std::string, double> by_layer;
+  for (const TaskSpec& task : forward.graph.tasks()) {
+    std::vector<TensorMeta> inputs;
+    for (ObjectId input : task.inputs) inputs.push_back(forward.graph.object(input).meta);
+    TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(task.op, inputs, task.attrs));
+    // Seconds on a machine doing 10 flops per byte moved; only the ratios matter.
+    by_layer[task.layer] += cost.flops + 10 * cost.bytes;
+  }
+  std::vector<double> costs;
+  for (const LayerSpec& layer : model.layers) costs.push_back(by_layer[layer.name]);
+  return costs;
+}
+
+std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks) {
+  const size_t n = costs.size();
+  const size_t c = static_cast<size_t>(chunks);
+  std::vector<double> prefix(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + std::max(costs[i], 0.0);
+  // best[j][i]: the smallest possible largest chunk cutting layers [0, i) into j chunks; cut
+  // from[j][i] where the last of them starts.
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(c + 1, std::vector<double>(n + 1, kInf));
+  std::vector<std::vector<size_t>> from(c + 1, std::vector<size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (size_t j = 1; j <= c; ++j) {
+    for (size_t i = j; i <= n; ++i) {
+      for (size_t k = j - 1; k < i; ++k) {
+        const double largest = std::max(best[j - 1][k], prefix[i] - prefix[k]);
+        if (largest < best[j][i]) {  // ties: the earliest cut, so later chunks stay small
+          best[j][i] = largest;
+          from[j][i] = k;
+        }
+      }
+    }
+  }
+  std::vector<int> chunk_of(n, 0);
+  size_t end = n;
+  for (size_t j = c; j > 0; --j) {
+    const size_t begin = from[j][end];
+    for (size_t l = begin; l < end; ++l) chunk_of[l] = static_cast<int>(j - 1);
+    end = begin;
+  }
+  return chunk_of;
+}
+
+Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
+                                       const OpRegistry& registry) {
+  const ParallelConfig& p = plan.parallel;
+  const int chunks = p.pipeline_stages * p.virtual_stages;
+  if (chunks <= 1) return std::vector<int>(model.layers.size(), 0);
+  std::vector<double> costs = p.layer_costs;
+  if (costs.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(
+        costs, EstimateLayerCosts(model, p.micro_batch(plan.batch), plan.seq_len, registry));
+  }
+  return BalancedChunks(costs, chunks);
+}
+
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
   const ParallelConfig& p = plan.parallel;
-  if (p.workers.empty() && p.data_parallel > 1) {
+  if (p.workers.empty() && p.num_workers() > 1) {
     return InvalidArgument(
-        "{} data-parallel ranks need a worker each: run on a cluster with at least {} workers",
-        p.data_parallel, p.data_parallel);
+        "{} data-parallel ranks x {} pipeline stages need a worker each: run on a cluster with "
+        "at least {} workers",
+        p.data_parallel, p.pipeline_stages, p.num_workers());
   }
-  return StepPlanner(model, plan, registry).Build();
+  TESSERA_ASSIGN_OR_RETURN(std::vector<int> chunks, CutIntoChunks(model, plan, registry));
+  if (p.pipeline_stages > 1 && p.sharded_optimizer()) {
+    // ZeRO shards each stage's parameters over its ranks: a stage without any has nothing to
+    // shard (and no optimizer work), which is a cut to change, not to run.
+    for (int stage = 0; stage < p.pipeline_stages; ++stage) {
+      int64_t numel = 0;
+      for (size_t l = 0; l < model.layers.size(); ++l) {
+        if (chunks[l] % p.pipeline_stages == stage) numel += model.layers[l].params.numel();
+      }
+      if (numel == 0) {
+        return InvalidArgument(
+            "pipeline stage {} holds no parameters, but ZeRO stage {} shards each stage's "
+            "parameters over its {} ranks: use fewer pipeline stages, give the layers costs "
+            "that move the cut, or use --zero-stage 0",
+            stage, p.zero_stage, p.data_parallel);
+      }
+    }
+  }
+  return StepPlanner(model, plan, registry, std::move(chunks)).Build();
 }
 
 namespace {

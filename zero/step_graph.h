@@ -56,6 +56,7 @@
 #include "core/status.h"
 #include "ops/op_registry.h"
 #include "zero/model.h"
+#include "zero/pipeline_schedule.h"
 
 namespace tessera {
 
@@ -71,13 +72,37 @@ struct OptimizerConfig {
 
 enum class OffloadMode { kNone, kOptimizer };
 
+// ZeRO-3 parameter gathers when a rank runs several micro-batches (pipelines, accumulation).
+enum class GatherPolicy : uint8_t {
+  kAuto,           // once per step in a pipeline (P > 1), else per micro-batch
+  kOncePerStep,    // each layer's parameters gathered once, shared by every micro-batch
+  kPerMicroBatch,  // gathered before each micro-batch's forward and backward, freed after
+};
+
 struct ParallelConfig {
-  int data_parallel = 1;  // N ranks, each on its own worker, each taking batch / N rows
+  int data_parallel = 1;  // N (D) ranks per stage, each on its own worker, each batch / N rows
   int zero_stage = 0;     // 0..3, see the header comment
   OffloadMode offload = OffloadMode::kNone;
-  int grad_accum = 1;             // K micro-batches per rank per step
-  int prefetch_layers = 1;        // ZeRO-3: how many layers ahead parameters are gathered
-  std::vector<WorkerId> workers;  // the worker of each rank; empty: tasks unpinned
+  int grad_accum = 1;       // K (M) micro-batches per rank per step
+  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  // Pipeline parallelism: P stages, each a data-parallel group of N workers (P x N in all),
+  // the layers cut into P x V contiguous chunks (chunk c on stage c % P), run in `schedule`'s
+  // order over the K micro-batches (zero/pipeline_schedule.h).
+  int pipeline_stages = 1;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  int virtual_stages = 1;
+  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the op
+  // cost model's estimate of its forward.
+  std::vector<double> layer_costs;
+  GatherPolicy gather = GatherPolicy::kAuto;
+  // The worker of each rank of each stage: workers[stage * N + rank]; empty: tasks unpinned.
+  std::vector<WorkerId> workers;
+
+  int num_workers() const { return data_parallel * pipeline_stages; }
+  WorkerId WorkerOf(int rank, int stage) const {
+    return workers.empty() ? WorkerId()
+                           : workers[static_cast<size_t>(stage * data_parallel + rank)];
+  }
 
   int64_t micro_batch(int64_t batch) const { return batch / (data_parallel * grad_accum); }
   // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
@@ -137,6 +162,21 @@ struct StepGraph {
   Graph graph;
   ParallelConfig parallel;
   int64_t micro_batch = 0;
+  // Per layer: its pipeline chunk and stage (all 0 without a pipeline).
+  std::vector<int> layer_chunk, layer_stage;
+  // ZeRO-3 with several micro-batches: whether each layer is gathered once per step, and why.
+  bool gather_once_per_step = false;
+  std::string gather_reason;
+  // Where a piece of state lives: the worker of its rank in its layer's stage, and that
+  // worker's index in parallel.workers.
+  int WorkerIndexOf(const GroupPiece& piece) const {
+    const int stage = layer_stage.empty() ? 0 : layer_stage[piece.layer];
+    return stage * parallel.data_parallel + piece.rank;
+  }
+  WorkerId WorkerOf(const GroupPiece& piece) const {
+    return parallel.workers.empty() ? WorkerId()
+                                    : parallel.workers[static_cast<size_t>(WorkerIndexOf(piece))];
+  }
   // Per model input, per rank and micro-batch (index rank * grad_accum + micro): rows
   // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
   std::vector<std::vector<ObjectId>> inputs;
@@ -151,6 +191,17 @@ struct StepGraph {
 
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry);
+
+// Pipeline cuts. Per layer, the cost model's estimate of its forward at `rows` rows (flops plus
+// ten per byte moved; only the ratios matter).
+Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t rows,
+                                               int64_t seq_len, const OpRegistry& registry);
+// Layers (in forward order) into `chunks` contiguous chunks minimizing the largest chunk's cost;
+// per layer, its chunk. REQUIRES: 1 <= chunks <= costs.size().
+std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks);
+// Per layer, its chunk under the plan: balanced by parallel.layer_costs, else by the estimate.
+Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
+                                       const OpRegistry& registry);
 
 // Forward-only graphs (evaluation and sampling).
 struct ForwardGraph {

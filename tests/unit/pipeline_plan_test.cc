@@ -1,0 +1,186 @@
+// Pipeline plans (zero/step_graph.h with pipeline_stages > 1): how the planner cuts a model into
+// stages, where it places each task and object, the schedule's control edges, ZeRO-3's gathers,
+// and the plans it refuses before anything runs. The losses of these plans on real workers are
+// checked in tests/integration/pipeline_plans_test.cc.
+#include <map>
+#include <set>
+
+#include "model/gpt2.h"
+#include "model/model.h"
+#include "test_util.h"
+#include "zero/step_graph.h"
+
+namespace tessera::testing {
+namespace {
+
+// Six blocks: eight layers (embedding, h.0 .. h.5, head).
+Gpt2Config SixBlocks() { return Gpt2Config{6, 32, 4, 64, 16}; }
+
+TrainingPlan PipelinePlan(int stages, int ranks, int micro, PipelineSchedule schedule,
+                          int virtual_stages = 1, int zero = 0) {
+  TrainingPlan plan;
+  plan.batch = 2 * ranks * micro;
+  plan.seq_len = 16;
+  plan.parallel.pipeline_stages = stages;
+  plan.parallel.data_parallel = ranks;
+  plan.parallel.grad_accum = micro;
+  plan.parallel.schedule = schedule;
+  plan.parallel.virtual_stages = virtual_stages;
+  plan.parallel.zero_stage = zero;
+  for (int w = 0; w < stages * ranks; ++w) plan.parallel.workers.push_back(WorkerId(100 + w));
+  return plan;
+}
+
+TEST(BalancedChunksTest, ContiguousChunksMinimizingTheLargest) {
+  EXPECT_EQ(BalancedChunks({1, 1, 1, 1}, 2), (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(BalancedChunks({4, 1, 1, 1, 1}, 2), (std::vector<int>{0, 1, 1, 1, 1}));
+  EXPECT_EQ(BalancedChunks({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{0, 0, 0, 1, 1, 2}));
+  EXPECT_EQ(BalancedChunks({5, 5, 5}, 3), (std::vector<int>{0, 1, 2}));
+}
+
+TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {
+  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const TrainingPlan plan = PipelinePlan(4, 1, 4, PipelineSchedule::k1F1B);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  ASSERT_EQ(step.layer_stage.size(), model.layers.size());
+  // Stages are contiguous, in order, each with at least one layer; the blocks are alike, so no
+  // stage holds more than two of them.
+  std::map<int, int> blocks_per_stage;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (l > 0) EXPECT_GE(step.layer_stage[l], step.layer_stage[l - 1]);
+    if (model.layers[l].name.starts_with("h.")) ++blocks_per_stage[step.layer_stage[l]];
+  }
+  EXPECT_EQ(step.layer_stage.front(), 0);
+  EXPECT_EQ(step.layer_stage.back(), 3);
+  for (const auto& [stage, blocks] : blocks_per_stage) EXPECT_LE(blocks, 2) << "stage " << stage;
+  // Every task of a layer runs on its stage's worker; the state lives there too.
+  for (const TaskSpec& task : step.graph.tasks()) {
+    if (task.layer.empty()) continue;
+    ASSERT_OK_AND_ASSIGN(const LayerSpec* layer, model.FindLayer(task.layer));
+    const size_t l = static_cast<size_t>(layer - model.layers.data());
+    EXPECT_EQ(task.pinned_worker, WorkerId(100 + step.layer_stage[l])) << task.name;
+  }
+  for (const StateObject& state : step.state) {
+    EXPECT_EQ(step.WorkerOf(state.piece), WorkerId(100 + step.layer_stage[state.piece.layer]));
+  }
+}
+
+TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
+  const ModelSpec model = DescribeGpt2(SixBlocks());
+  for (PipelineSchedule schedule :
+       {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved}) {
+    SCOPED_TRACE(ScheduleName(schedule));
+    const int virtual_stages = schedule == PipelineSchedule::kInterleaved ? 2 : 1;
+    const TrainingPlan plan = PipelinePlan(2, 1, 4, schedule, virtual_stages);
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    // The topological order (which includes control edges) lists each worker's forward and
+    // backward tasks in the schedule's order: recover the op sequence and compare.
+    ASSERT_OK_AND_ASSIGN(std::vector<TaskId> order, step.graph.TopologicalOrder());
+    const auto expected = ScheduleOrder(schedule, 2, 4, virtual_stages);
+    for (int stage = 0; stage < 2; ++stage) {
+      std::vector<std::string> got;
+      for (TaskId id : order) {
+        const TaskSpec& task = step.graph.task(id);
+        if (task.pinned_worker != WorkerId(100 + stage)) continue;
+        const bool forward = task.name.find("/forward") != std::string::npos;
+        const bool backward = task.name.find("/backward") != std::string::npos;
+        if (!forward && !backward) continue;
+        const size_t at = task.name.rfind('@');
+        const int micro = std::stoi(task.name.substr(at + 1));
+        ASSERT_OK_AND_ASSIGN(const LayerSpec* layer, model.FindLayer(task.layer));
+        const int chunk = step.layer_chunk[static_cast<size_t>(layer - model.layers.data())];
+        const std::string op = ToString(PipelineOp{
+            forward ? PipelineOp::Kind::kForward : PipelineOp::Kind::kBackward, chunk, micro});
+        if (got.empty() || got.back() != op) got.push_back(op);  // a chunk's layers: one op
+      }
+      std::vector<std::string> want;
+      for (const PipelineOp& op : expected[static_cast<size_t>(stage)])
+        want.push_back(ToString(op));
+      EXPECT_EQ(got, want) << "stage " << stage;
+    }
+    if (schedule == PipelineSchedule::kInterleaved) {
+      for (size_t l = 0; l < model.layers.size(); ++l) {
+        EXPECT_EQ(step.layer_stage[l], step.layer_chunk[l] % 2);
+      }
+      EXPECT_EQ(step.layer_chunk.back(), 3);
+    }
+  }
+}
+
+TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy) {
+  const ModelSpec model = DescribeGpt2(SixBlocks());
+  TrainingPlan plan = PipelinePlan(2, 2, 4, PipelineSchedule::k1F1B, 1, 3);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_TRUE(step.gather_once_per_step);
+  EXPECT_NE(step.gather_reason.find("7 fewer gathers per layer per step"), std::string::npos)
+      << step.gather_reason;
+  auto gathers = [](const StepGraph& s) {
+    int count = 0;
+    for (const TaskSpec& task : s.graph.tasks()) count += task.op == "all_gather";
+    return count;
+  };
+  // One gather per group and rank (8 groups x 2 ranks): the head on stage 1 reads the tied
+  // embedding's gathered group from stage 0 rather than gathering it again.
+  EXPECT_EQ(gathers(step), 2 * 8);
+  plan.parallel.gather = GatherPolicy::kPerMicroBatch;
+  ASSERT_OK_AND_ASSIGN(StepGraph per_micro, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_FALSE(per_micro.gather_once_per_step);
+  EXPECT_GT(gathers(per_micro), 4 * gathers(step));
+  // Without a pipeline the default keeps ZeRO-3's per-micro-batch bound.
+  TrainingPlan flat = PipelinePlan(1, 2, 4, PipelineSchedule::k1F1B, 1, 3);
+  ASSERT_OK_AND_ASSIGN(StepGraph flat_step, PlanTrainingStep(model, flat, CpuRegistry()));
+  EXPECT_FALSE(flat_step.gather_once_per_step);
+  EXPECT_NE(flat_step.gather_reason.find("prefetch_layers"), std::string::npos);
+}
+
+TEST(PipelinePlanTest, BadPipelinesAreRefusedBeforeRunningWithWhatToChange) {
+  const ModelSpec model = DescribeGpt2(SixBlocks());
+  auto refusal = [&](const TrainingPlan& plan) {
+    return PlanTrainingStep(model, plan, CpuRegistry()).status();
+  };
+  TrainingPlan too_deep = PipelinePlan(9, 1, 9, PipelineSchedule::kGPipe);
+  EXPECT_EQ(refusal(too_deep).message(),
+            "9 pipeline stage(s) x 1 virtual stage(s) cut the model into 9 chunks, but model "
+            "'gpt2' has 8 layers: use at most 8 stages");
+  TrainingPlan wrong_workers = PipelinePlan(2, 2, 2, PipelineSchedule::k1F1B);
+  wrong_workers.parallel.workers.pop_back();
+  EXPECT_EQ(refusal(wrong_workers).message(),
+            "3 worker(s) given for 2 pipeline stages x 2 data-parallel ranks: a pipeline needs P x "
+            "D = 4 workers");
+  EXPECT_EQ(refusal(PipelinePlan(4, 1, 2, PipelineSchedule::k1F1B)).message(),
+            "schedule 1f1b needs at least as many micro-batches as pipeline stages (2 < 4): use "
+            "--micro-batches 4 or more, or --schedule gpipe");
+  const Status zero_bubble = refusal(PipelinePlan(2, 1, 4, PipelineSchedule::kZbH1));
+  EXPECT_EQ(zero_bubble.code(), StatusCode::kInfeasible);
+  // A cut that leaves a stage without parameters, under ZeRO: costs that put the loss layer
+  // (which has none) alone on the last stage.
+  ModelBuilder builder("two_layers", CpuRegistry());
+  ModelValue x = builder.Input("x", DType::kF32, Shape{1, 8});
+  ModelValue y = builder.Input("y", DType::kI32, Shape{1}, /*label=*/true);
+  ModelValue h = builder.Layer("fc1", {x}, [](LayerBuilder& l) {
+    return l.Call("linear_forward", {l.input(0), l.Param("w", Shape{8, 8}, ParamInit::Normal(0.1)),
+                                     l.Param("b", Shape{8}, ParamInit::Zeros())});
+  });
+  ModelValue logits = builder.Layer("fc2", {h}, [](LayerBuilder& l) {
+    return l.Call("linear_forward", {l.input(0), l.Param("w", Shape{3, 8}, ParamInit::Normal(0.1)),
+                                     l.Param("b", Shape{3}, ParamInit::Zeros())});
+  });
+  builder.Loss("loss", {logits, y}, [](LayerBuilder& l) {
+    return l.Call("softmax_cross_entropy", {l.input(0), l.input(1)});
+  });
+  ASSERT_OK_AND_ASSIGN(ModelSpec small, builder.Build());
+  TrainingPlan empty_stage = PipelinePlan(2, 2, 2, PipelineSchedule::k1F1B, 1, 1);
+  empty_stage.parallel.layer_costs = {1, 1, 1000};
+  EXPECT_EQ(PlanTrainingStep(small, empty_stage, CpuRegistry()).status().message(),
+            "pipeline stage 1 holds no parameters, but ZeRO stage 1 shards each stage's "
+            "parameters over its 2 ranks: use fewer pipeline stages, give the layers costs that "
+            "move the cut, or use --zero-stage 0");
+  empty_stage.parallel.zero_stage = 0;  // without ZeRO such a stage is only wasteful
+  EXPECT_OK(PlanTrainingStep(small, empty_stage, CpuRegistry()).status());
+  TrainingPlan short_costs = PipelinePlan(2, 1, 2, PipelineSchedule::k1F1B);
+  short_costs.parallel.layer_costs.assign(7, 1.0);
+  EXPECT_EQ(refusal(short_costs).message(), "7 layer costs given for a model of 8 layers");
+}
+
+}  // namespace
+}  // namespace tessera::testing
