@@ -82,9 +82,14 @@ int64_t ParallelConfig::PaddedGroup(int64_t numel) const {
 }
 
 std::string ParallelConfig::ToString() const {
-  return fmt::format("data_parallel={} zero_stage={} offload={} grad_accum={}", data_parallel,
-                     zero_stage, offload == OffloadMode::kOptimizer ? "optimizer" : "none",
-                     grad_accum);
+  std::string text = fmt::format(
+      "data_parallel={} zero_stage={} offload={} grad_accum={}", data_parallel, zero_stage,
+      offload == OffloadMode::kOptimizer ? "optimizer" : "none", grad_accum);
+  if (pipeline_stages > 1 || virtual_stages > 1) {
+    text += fmt::format(" pipeline_stages={} schedule={}", pipeline_stages, ScheduleName(schedule));
+    if (virtual_stages > 1) text += fmt::format(" virtual_stages={}", virtual_stages);
+  }
+  return text;
 }
 
 Result<OffloadMode> ParseOffload(std::string_view text) {

@@ -28,6 +28,7 @@
 #include "driver/recovery.h"
 #include "driver/token_dataset.h"
 #include "driver/trainer.h"
+#include "examples/pipeline_flags.h"
 
 namespace {
 
@@ -75,6 +76,7 @@ struct Flags {
   std::string init_from;          // an llm.c GPT-2 checkpoint: the model and its parameters
   std::string export_path;        // where to write the trained parameters in llm.c's format
   bool preset_given = false;      // --preset on the command line (not the default)
+  tessera::examples::PipelineFlags pipeline;
 };
 
 struct ResolvedShape {
@@ -259,6 +261,11 @@ int Run(const Flags& flags) {
   }
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
+  if (Status piped = tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers,
+                                                           flags.grad_accum, plan);
+      !piped.ok()) {
+    return Fail(piped);
+  }
   if (flags.resume && !flags.init_from.empty()) {
     return Fail(tessera::InvalidArgument(
         "--init-from and --resume both say where training starts: use one of them"));
@@ -331,6 +338,11 @@ int Run(const Flags& flags) {
   std::fprintf(stderr, "train_gpt2: plan %s, micro-batch %lld\n",
                (*trainer)->plan().parallel.ToString().c_str(),
                static_cast<long long>((*trainer)->step_graph().micro_batch));
+  if (std::string pipeline =
+          tessera::examples::DescribePipeline((*trainer)->step_graph(), (*trainer)->model());
+      !pipeline.empty()) {
+    std::fprintf(stderr, "train_gpt2: pipeline %s\n", pipeline.c_str());
+  }
   int64_t first_step = 1;
   if (flags.resume) {
     tessera::Result<tessera::CheckpointInfo> loaded =
@@ -646,6 +658,7 @@ int main(int argc, char** argv) {
                  "none, or optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
   app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
+  tessera::examples::AddPipelineFlags(app, flags.pipeline);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "Save checkpoints here (at the end, and every --checkpoint-every steps)");
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Steps between checkpoints (0: end)")

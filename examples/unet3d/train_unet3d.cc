@@ -20,6 +20,7 @@
 #include "driver/cluster.h"
 #include "driver/graph_backend.h"
 #include "driver/trainer.h"
+#include "examples/pipeline_flags.h"
 #include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
@@ -41,6 +42,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   bool resume = false;
   int64_t log_every = 1;
+  tessera::examples::PipelineFlags pipeline;
 };
 
 int Fail(const tessera::Status& status) {
@@ -88,6 +90,11 @@ int Run(const Flags& flags) {
   plan.parallel.zero_stage = flags.zero_stage;
   plan.parallel.offload = *offload;
   plan.parallel.grad_accum = flags.grad_accum;
+  if (tessera::Status piped = tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers,
+                                                                    flags.grad_accum, plan);
+      !piped.ok()) {
+    return Fail(piped);
+  }
   if (tessera::Status valid = plan.Validate(*model); !valid.ok()) return Fail(valid);
 
   std::unique_ptr<tessera::Cluster> cluster;
@@ -118,6 +125,10 @@ int Run(const Flags& flags) {
               config->ToString().c_str(), static_cast<long long>(model->NumParameters()),
               static_cast<long long>(config->volume), static_cast<long long>(flags.batch),
               plan.parallel.ToString().c_str());
+  if (std::string pipeline = tessera::examples::DescribePipeline((*trainer)->step_graph(), *model);
+      !pipeline.empty()) {
+    std::printf("pipeline %s\n", pipeline.c_str());
+  }
   int64_t first = 1;
   if (flags.resume) {
     if (flags.checkpoint_dir.empty())
@@ -176,6 +187,7 @@ int main(int argc, char** argv) {
   app.add_option("--offload", flags.offload, "Optimizer offload: none, optimizer");
   app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step")
       ->check(CLI::PositiveNumber);
+  tessera::examples::AddPipelineFlags(app, flags.pipeline);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir, "Save checkpoints here");
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Steps between checkpoints (0: end)")
       ->check(CLI::NonNegativeNumber);

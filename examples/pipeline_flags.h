@@ -1,0 +1,105 @@
+// The pipeline flags train_gpt2 and train_unet3d share:
+//   --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
+//   [--virtual-stages V] [--gather auto|step|micro-batch]
+// with --workers W = P x D in all (D data-parallel ranks per stage) and --zero-stage inside
+// each stage's group.
+#pragma once
+
+#include <string>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+#include "zero/step_graph.h"
+
+namespace tessera::examples {
+
+struct PipelineFlags {
+  int stages = 1;
+  int micro_batches = 0;  // 0: --grad-accum's value
+  std::string schedule = "1f1b";
+  int virtual_stages = 1;
+  std::string gather = "auto";
+};
+
+inline void AddPipelineFlags(CLI::App& app, PipelineFlags& flags) {
+  app.add_option("--pipeline-stages", flags.stages,
+                 "P pipeline stages: the layers cut into P parts, each on a group of "
+                 "--workers / P data-parallel workers")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--micro-batches", flags.micro_batches,
+                 "M micro-batches per step flowing through the pipeline (as --grad-accum)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule", flags.schedule,
+                 "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1");
+  app.add_option("--virtual-stages", flags.virtual_stages,
+                 "V model chunks per stage (--schedule interleaved)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--gather", flags.gather,
+                 "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
+                 "(step), before every use (micro-batch), or let the planner choose (auto)");
+}
+
+// Sets the plan's pipeline from the flags and the total worker count (0: in process).
+inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int grad_accum,
+                                 TrainingPlan& plan) {
+  ParallelConfig& p = plan.parallel;
+  TESSERA_ASSIGN_OR_RETURN(p.schedule, ParseSchedule(flags.schedule));
+  if (flags.gather == "auto") {
+    p.gather = GatherPolicy::kAuto;
+  } else if (flags.gather == "step") {
+    p.gather = GatherPolicy::kOncePerStep;
+  } else if (flags.gather == "micro-batch") {
+    p.gather = GatherPolicy::kPerMicroBatch;
+  } else {
+    return InvalidArgument("--gather '{}' is not one of: auto, step, micro-batch", flags.gather);
+  }
+  if (flags.micro_batches > 0 && grad_accum > 1 && flags.micro_batches != grad_accum) {
+    return InvalidArgument(
+        "--micro-batches {} and --grad-accum {} both set the micro-batches per step: give one",
+        flags.micro_batches, grad_accum);
+  }
+  if (flags.micro_batches > 0) p.grad_accum = flags.micro_batches;
+  p.pipeline_stages = flags.stages;
+  p.virtual_stages = flags.virtual_stages;
+  if (flags.stages == 1) return Status::Ok();
+  if (workers < flags.stages || workers % flags.stages != 0) {
+    return InvalidArgument(
+        "--pipeline-stages {} needs --workers a multiple of {} (P x D workers: D data-parallel "
+        "ranks per stage), got --workers {}",
+        flags.stages, flags.stages, workers);
+  }
+  p.data_parallel = workers / flags.stages;
+  return Status::Ok();
+}
+
+// "stage 0: embedding..h.2 | stage 1: h.3..head" (chunks of one stage joined by ","), and
+// the ZeRO-3 gather choice, for the run's first lines; empty without a pipeline.
+inline std::string DescribePipeline(const StepGraph& step, const ModelSpec& model) {
+  const ParallelConfig& p = step.parallel;
+  if (p.pipeline_stages == 1 && p.virtual_stages == 1) return "";
+  std::string text;
+  for (int stage = 0; stage < p.pipeline_stages; ++stage) {
+    text += fmt::format("{}stage {}:", stage == 0 ? "" : " |", stage);
+    for (int chunk = stage; chunk < p.pipeline_stages * p.virtual_stages;
+         chunk += p.pipeline_stages) {
+      std::string first, last;
+      for (size_t l = 0; l < model.layers.size(); ++l) {
+        if (step.layer_chunk[l] != chunk) continue;
+        if (first.empty()) first = model.layers[l].name;
+        last = model.layers[l].name;
+      }
+      text += fmt::format("{} {}{}", chunk == stage ? "" : ",", first,
+                          first == last ? "" : ".." + last);
+    }
+  }
+  if (!step.gather_reason.empty()) {
+    text += fmt::format("\nZeRO-3 gathers {}: {}",
+                        step.gather_once_per_step ? "once per step" : "per micro-batch",
+                        step.gather_reason);
+  }
+  return text;
+}
+
+}  // namespace tessera::examples
