@@ -79,8 +79,9 @@ bool LaunchReport::ok() const {
 std::string LaunchReport::Table() const {
   std::string table = fmt::format("{:<24} {:<5} {:>8}  {}\n", "host", "role", "workers", "status");
   for (const HostReport& h : hosts) {
-    const std::string workers =
-        h.role == "head" ? std::string("-") : fmt::format("{}/{}", h.joined, h.expected);
+    const std::string workers = h.role == "head" || h.expected == 0
+                                    ? std::string("-")
+                                    : fmt::format("{}/{}", h.joined, h.expected);
     table += fmt::format("{:<24} {:<5} {:>8}  {}{}\n", h.host, h.role, workers,
                          h.ok ? "ok" : "FAILED", h.detail.empty() ? "" : ": " + h.detail);
   }
@@ -341,7 +342,6 @@ Result<LaunchReport> Launcher::Down() {
       const NodeSpec& node = spec_.nodes[i];
       hosts[i + 1] = StopHost(node.address, node.user.empty() ? spec_.ssh.user : node.user,
                               spec_.NodeSessionDir(node), "node");
-      hosts[i + 1].expected = node.workers + node.gpus;
     });
   }
   for (std::thread& thread : stopping) thread.join();
