@@ -34,6 +34,12 @@ TESSERA_SETTING(int64_t, heartbeat_timeout_ms, 3000, "ms",
                 "A worker silent this long is declared dead (a closed connection is noticed at "
                 "once). Lower detects hangs sooner; too low declares slow workers dead.")
 
+TESSERA_SETTING(std::string, data_host, "", "",
+                "The IP address a worker's or driver's data plane listens on and advertises to "
+                "its peers. Empty: the address this host uses to reach the scheduler (loopback "
+                "for a local one; the interface's address toward another host, which is what "
+                "peers on other hosts can reach).")
+
 TESSERA_SETTING(int64_t, data_chunk_bytes, 8388608, "bytes",
                 "Data-plane pulls move in chunks of this size, several in flight, so sending and "
                 "receiving overlap.")

@@ -147,6 +147,10 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
     DataPlaneOptions data_options;
     data_options.token = token;
     data_options.host = options.data_host;
+    if (data_options.host.empty()) data_options.host = settings_.data_host;
+    if (data_options.host.empty()) {
+      TESSERA_ASSIGN_OR_RETURN(data_options.host, rpc::LocalHostToward(parsed));
+    }
     data_options.chunk_bytes = settings_.data_chunk_bytes;
     data_options.pull_timeout_ms = static_cast<int>(settings_.pull_timeout_ms);
     TESSERA_ASSIGN_OR_RETURN(

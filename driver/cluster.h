@@ -81,7 +81,9 @@ struct ConnectOptions {
   int timeout_ms = 5000;
   // When nothing answers (a scheduler restarting under its supervisor): keep trying this long.
   int retry_ms = 0;
-  std::string data_host = "127.0.0.1";  // where this driver serves its Puts to workers
+  // Where this driver serves its Puts to workers. Empty: the data_host setting, else the
+  // address this host uses to reach the scheduler (rpc::LocalHostToward).
+  std::string data_host;
   bool admin = false;  // join as an administrator (status, stop) rather than a driver
 };
 

@@ -4,6 +4,9 @@
 //   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
 //   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
 //   tessera stop [--address HOST:PORT]                        stops the whole cluster
+//   tessera up CLUSTER.yaml | HOSTFILE                        a cluster on hosts over ssh
+//   tessera down CLUSTER.yaml                                 stops it; no process left
+//   tessera attach CLUSTER.yaml                               where it is, for drivers
 //
 // `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
 // /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
@@ -34,6 +37,9 @@
 #include "driver/cluster.h"
 #include "driver/process.h"
 #include "driver/session.h"
+#include "launcher/cluster_config.h"
+#include "launcher/launcher.h"
+#include "launcher/ssh_shell.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "scheduler/scheduler_service.h"
 #include "worker/worker_service.h"
@@ -265,6 +271,12 @@ int RunWorker(const WorkerFlags& flags) {
   options.host_capacity_bytes = flags.host_memory_mb << 20;
   options.spill_dir = flags.spill_dir;
   options.settings = *settings;
+  options.data_host = settings->data_host;
+  if (options.data_host.empty()) {
+    Result<std::string> toward = tessera::rpc::LocalHostToward(*parsed);
+    if (!toward.ok()) return Fail(toward.status().WithContext("choosing the data-plane address"));
+    options.data_host = *toward;
+  }
   // Co-owned by the signal thread, which may outlive this function.
   auto interrupted = std::make_shared<std::atomic<bool>>(false);
   HandleTerminationSignals([interrupted] {
@@ -438,6 +450,99 @@ int StopCluster(const std::string& address_flag, const std::string& token_file) 
       tessera::TimedOut("the scheduler at {} is still answering 10 s after stop", *address));
 }
 
+// ---- up / down / attach (launcher/launcher.h) ----
+
+struct ClusterFileFlags {
+  std::string file;
+  std::string state_dir;
+  std::string ssh_user;
+  std::string ssh_key;
+  std::string tessera_binary;
+  bool status = false;  // attach: also show `tessera status`
+};
+
+std::string DefaultStateDir() {
+  const char* home = std::getenv("HOME");
+  return home != nullptr && *home != '\0' ? std::string(home) + "/.tessera/clusters"
+                                          : std::string(tessera::kSessionRoot) + "/clusters";
+}
+
+// Runs `action` on a Launcher for the flags' cluster file, with ssh and the scheduler probe.
+int WithLauncher(const ClusterFileFlags& flags,
+                 const std::function<int(tessera::launcher::Launcher&,
+                                         const tessera::launcher::ClusterSpec&)>& action) {
+  namespace launcher = tessera::launcher;
+  Result<launcher::ClusterSpec> spec = launcher::LoadClusterFile(flags.file);
+  if (!spec.ok()) return Fail(spec.status());
+  if (!flags.ssh_user.empty()) spec->ssh.user = flags.ssh_user;
+  if (!flags.ssh_key.empty()) spec->ssh.key = flags.ssh_key;
+  if (!flags.tessera_binary.empty()) spec->tessera_binary = flags.tessera_binary;
+  launcher::LauncherOptions options;
+  options.state_dir = flags.state_dir.empty() ? DefaultStateDir() : flags.state_dir;
+  std::error_code error;
+  std::filesystem::create_directories(options.state_dir, error);
+  launcher::SshShell shell({.ssh = spec->ssh, .known_hosts = options.state_dir + "/known_hosts"});
+  launcher::SchedulerProbe probe;
+  std::unique_ptr<launcher::LauncherClock> clock = launcher::MakeSteadyClock();
+  launcher::Launcher runner(*spec, options, shell, probe, *clock);
+  return action(runner, *spec);
+}
+
+int Up(const ClusterFileFlags& flags) {
+  return WithLauncher(flags, [&](tessera::launcher::Launcher& launcher,
+                                 const tessera::launcher::ClusterSpec& spec) {
+    const auto started = std::chrono::steady_clock::now();
+    Result<tessera::launcher::LaunchReport> report = launcher.Up();
+    if (!report.ok()) return Fail(report.status().WithContext("tessera up " + flags.file));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::printf("Tessera cluster '%s' at %s (%.1f s)\n%s", spec.name.c_str(),
+                report->address.c_str(), seconds, report->Table().c_str());
+    std::printf("Drivers: train_gpt2 --address %s --token-file %s ...\n", report->address.c_str(),
+                report->token_file.c_str());
+    if (!report->ok()) {
+      std::fprintf(stderr,
+                   "tessera: error: some nodes did not come up (above); fix them and run "
+                   "`tessera up %s` again: it starts only what is missing\n",
+                   flags.file.c_str());
+      return 1;
+    }
+    return 0;
+  });
+}
+
+int Down(const ClusterFileFlags& flags) {
+  return WithLauncher(flags, [&](tessera::launcher::Launcher& launcher,
+                                 const tessera::launcher::ClusterSpec& spec) {
+    Result<tessera::launcher::LaunchReport> report = launcher.Down();
+    if (!report.ok()) return Fail(report.status().WithContext("tessera down " + flags.file));
+    std::printf("Tessera cluster '%s' down\n%s", spec.name.c_str(), report->Table().c_str());
+    if (!report->ok()) {
+      std::fprintf(stderr,
+                   "tessera: error: not every host is clean (above); `tessera down %s` again "
+                   "retries\n",
+                   flags.file.c_str());
+      return 1;
+    }
+    return 0;
+  });
+}
+
+int Attach(const ClusterFileFlags& flags) {
+  return WithLauncher(
+      flags, [&](tessera::launcher::Launcher& launcher, const tessera::launcher::ClusterSpec&) {
+        Result<tessera::launcher::LaunchReport> report = launcher.Attach();
+        if (!report.ok()) return Fail(report.status());
+        // Lines a shell can eval; the table goes to stderr so `eval "$(tessera attach F)"` works.
+        std::printf("export TESSERA_ADDRESS=%s\nexport TESSERA_TOKEN_FILE=%s\n",
+                    report->address.c_str(), report->token_file.c_str());
+        std::fprintf(stderr, "%s# train_gpt2 --address \"$TESSERA_ADDRESS\" ...\n",
+                     report->Table().c_str());
+        if (flags.status) return ShowStatus(report->address, report->token_file);
+        return 0;
+      });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -475,6 +580,31 @@ int main(int argc, char** argv) {
   CLI::App* stop_cmd = app.add_subcommand("stop", "Stop the cluster (scheduler and workers)");
   stop_cmd->add_option("--address", stop_address, "The scheduler's HOST:PORT");
   stop_cmd->add_option("--token-file", stop_token, "The cluster token file");
+
+  ClusterFileFlags up, down, attach;
+  const auto cluster_file_options = [](CLI::App* command, ClusterFileFlags& flags) {
+    command->add_option("file", flags.file, "The cluster file (.yaml/.yml, or a hostfile)")
+        ->required();
+    command->add_option("--state-dir", flags.state_dir,
+                        "Where the launcher keeps <cluster>.json, the token and known_hosts "
+                        "(default ~/.tessera/clusters)");
+    command->add_option("--ssh-user", flags.ssh_user, "Overrides ssh.user of the file");
+    command->add_option("--ssh-key", flags.ssh_key, "Overrides ssh.key of the file");
+    command->add_option("--tessera-binary", flags.tessera_binary,
+                        "Overrides tessera_binary: the tessera program on the hosts");
+  };
+  CLI::App* up_cmd = app.add_subcommand(
+      "up",
+      "Start the cluster a file describes: the head, then every node's workers over ssh; "
+      "idempotent (starts only what is missing); reports each node");
+  cluster_file_options(up_cmd, up);
+  CLI::App* down_cmd = app.add_subcommand(
+      "down", "Stop the cluster a file describes and check that no process of it is left");
+  cluster_file_options(down_cmd, down);
+  CLI::App* attach_cmd = app.add_subcommand(
+      "attach", "Print TESSERA_ADDRESS/TESSERA_TOKEN_FILE lines for a driver (eval them)");
+  cluster_file_options(attach_cmd, attach);
+  attach_cmd->add_flag("--status", attach.status, "Also show `tessera status`");
 
   SchedulerFlags scheduler;
   CLI::App* scheduler_cmd = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
@@ -517,6 +647,9 @@ int main(int argc, char** argv) {
   }
   if (status_cmd->parsed()) return ShowStatus(status_address, status_token);
   if (stop_cmd->parsed()) return StopCluster(stop_address, stop_token);
+  if (up_cmd->parsed()) return Up(up);
+  if (down_cmd->parsed()) return Down(down);
+  if (attach_cmd->parsed()) return Attach(attach);
   if (scheduler_cmd->parsed()) return RunScheduler(scheduler);
   if (worker_cmd->parsed()) return RunWorker(worker);
   return 2;

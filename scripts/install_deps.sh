@@ -11,6 +11,8 @@ packages=(
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libyaml-cpp-dev
+  openssh-client openssh-server iproute2 procps  # the launcher (ssh) and the multinode tests
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch)

@@ -1,6 +1,13 @@
 #include "core/rpc/address.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 
 namespace tessera::rpc {
 
@@ -26,6 +33,36 @@ Result<Address> Address::Parse(std::string_view text) {
 
 std::string Address::ToString() const {
   return kind == Kind::kUnix ? "unix:" + path : fmt::format("{}:{}", host, port);
+}
+
+Result<std::string> LocalHostToward(const Address& peer) {
+  if (peer.kind == Address::Kind::kUnix || peer.host == "localhost")
+    return std::string("127.0.0.1");
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (int error = ::getaddrinfo(peer.host.c_str(), "9", &hints, &found); error != 0) {
+    return Unavailable("cannot resolve '{}': {}", peer.host, ::gai_strerror(error));
+  }
+  const sockaddr_in target = *reinterpret_cast<const sockaddr_in*>(found->ai_addr);
+  ::freeaddrinfo(found);
+  if ((ntohl(target.sin_addr.s_addr) >> 24) == 127) return std::string("127.0.0.1");
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Unavailable("socket: {}", std::strerror(errno));
+  sockaddr_in local{};
+  socklen_t length = sizeof(local);
+  const bool routed =
+      ::connect(fd, reinterpret_cast<const sockaddr*>(&target), sizeof(target)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!routed) {
+    return Unavailable("no route from this host to {}: {}", peer.host, std::strerror(error));
+  }
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text));
+  return std::string(text);
 }
 
 }  // namespace tessera::rpc

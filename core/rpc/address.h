@@ -26,4 +26,11 @@ struct Address {
   friend bool operator==(const Address&, const Address&) = default;
 };
 
+// The IP address this host uses to reach `peer`: the one to advertise to processes that reach
+// this one the same way (a data plane's listener). "127.0.0.1" for a Unix socket or a loopback
+// peer; otherwise the source address the kernel picks for the route to the peer (a UDP socket
+// connected to it: nothing is sent), e.g. the address of a network namespace's own interface.
+// Unavailable naming the peer when its host does not resolve or no route leads to it.
+Result<std::string> LocalHostToward(const Address& peer);
+
 }  // namespace tessera::rpc

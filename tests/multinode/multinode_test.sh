@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# Multi-node tests: three "hosts" made of Linux network namespaces (each with its own UTS
+# namespace, so its own hostname), joined by a bridge through veth pairs, with commodity-Ethernet
+# latency and bandwidth on every host's link (tc netem). Each host runs OpenSSH's sshd; the
+# cluster is brought up with `tessera up` from a YAML file over ssh, exactly as on real hosts.
+#
+#   multinode_test.sh train        GPT-2 tiny, ZeRO-3 on 3 hosts over TCP, matches 1 worker;
+#                                  `tessera down` leaves no process in any namespace
+#   multinode_test.sh link_down    a host's link goes down mid-training: the driver fails
+#                                  naming that host, within the heartbeat bound; nothing hangs
+#   multinode_test.sh kill_worker  a host's worker is SIGKILLed mid-training: the same
+#
+# Needs root, ip netns, tc, sshd, ssh and ssh-keygen; exits 77 (CTest: skipped) saying which is
+# missing. Everything it makes (namespaces, bridge, processes, files) is removed on exit, also
+# when it fails or is interrupted. TESSERA_BIN_DIR: where tessera and train_gpt2 are.
+set -euo pipefail
+
+mode="${1:?usage: multinode_test.sh train|link_down|kill_worker}"
+bin_dir="${TESSERA_BIN_DIR:?TESSERA_BIN_DIR must name the directory of tessera and train_gpt2}"
+case "$mode" in
+  train) net=0 ;;
+  link_down) net=1 ;;
+  kill_worker) net=2 ;;
+  *) echo "unknown mode '$mode'" >&2; exit 2 ;;
+esac
+
+skip() { echo "SKIPPED: $*"; exit 77; }
+[[ $(id -u) -eq 0 ]] || skip "needs root to create network namespaces (run as root, e.g. in CI)"
+for tool in ip tc ssh ssh-keygen unshare pgrep; do
+  command -v "$tool" >/dev/null || skip "'$tool' is not installed (scripts/install_deps.sh)"
+done
+[[ -x /usr/sbin/sshd ]] || skip "/usr/sbin/sshd is missing (Debian: openssh-server)"
+probe_ns="tsprobe$$"
+ip netns add "$probe_ns" 2>/dev/null || skip "cannot create network namespaces here (ip netns add failed)"
+ip netns del "$probe_ns"
+
+started=$(date +%s.%N)
+subnet="10.77.$net"
+bridge="tsbr$net"
+hosts=(1 2 3)
+ns_of() { echo "ts$net-h$1"; }
+dir=$(mktemp -d "/tmp/tessera-multinode-$mode.XXXXXX")
+chmod 755 "$dir"
+cluster="mn-$mode"
+state="$dir/state"
+tessera=("$bin_dir/tessera")
+log() { echo "[$(date +%T.%3N)] $*"; }
+elapsed() { awk -v now="$(date +%s.%N)" -v then="$1" 'BEGIN { printf "%.1f", now - then }'; }
+
+# Processes of this test: anything whose command line names its directory, in any namespace
+# (they share the pid namespace). The bracket keeps the pattern from matching itself.
+pattern="[${dir:0:1}]${dir:1}"
+cleanup() {
+  local code=$?
+  set +e
+  [[ -n "${train_pid:-}" ]] && kill -9 "$train_pid" 2>/dev/null
+  pkill -9 -f "$pattern" 2>/dev/null
+  for i in "${hosts[@]}"; do
+    local ns; ns=$(ns_of "$i")
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+  ip link del "$bridge" 2>/dev/null
+  if [[ $code -ne 0 && $code -ne 77 ]]; then
+    echo "---- logs (test failed, exit $code) ----"
+    for f in "$dir"/*.log "$dir"/sessions/*/*.log; do
+      [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
+    done
+  fi
+  rm -rf "$dir"
+  log "cleaned up; $mode took $(elapsed "$started") s"
+  exit $code
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+fail() { echo "FAILED: $*" >&2; exit 1; }
+
+# ---- the hosts ----
+ip link del "$bridge" 2>/dev/null || true
+ip link add "$bridge" type bridge
+ip addr add "$subnet.254/24" dev "$bridge"
+ip link set "$bridge" up
+for i in "${hosts[@]}"; do
+  ns=$(ns_of "$i")
+  ip netns del "$ns" 2>/dev/null || true
+  ip netns add "$ns"
+  ip link add "$ns-v" type veth peer name eth0 netns "$ns"
+  ip link set "$ns-v" master "$bridge" up
+  ip -n "$ns" addr add "$subnet.$i/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+  # Commodity Ethernet: 1 ms each way out of every host, 1 Gbit/s. Kernels without sch_netem
+  # (some containers) get the bandwidth alone, from tbf.
+  if ! ip netns exec "$ns" tc qdisc add dev eth0 root netem delay 1ms rate 1gbit 2>/dev/null; then
+    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate 1gbit burst 128kb latency 50ms
+    shaping="tbf 1 Gbit/s (no netem in this kernel: no added latency)"
+  fi
+done
+log "links: ${shaping:-netem 1 ms, 1 Gbit/s}"
+
+# ---- sshd in every host, a key for the launcher ----
+ssh-keygen -q -t ed25519 -N '' -f "$dir/host_key"
+ssh-keygen -q -t ed25519 -N '' -f "$dir/id"
+cp "$dir/id.pub" "$dir/authorized_keys"
+mkdir -p /run/sshd
+for i in "${hosts[@]}"; do
+  ns=$(ns_of "$i")
+  cat >"$dir/sshd-$i.conf" <<EOF
+ListenAddress $subnet.$i
+Port 22
+HostKey $dir/host_key
+PidFile $dir/sshd-$i.pid
+AuthorizedKeysFile $dir/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PrintMotd no
+MaxStartups 100
+EOF
+  # Its own UTS namespace: the host's own hostname, which workers report and errors name.
+  ip netns exec "$ns" unshare --uts sh -c \
+    "hostname $ns && exec /usr/sbin/sshd -D -f $dir/sshd-$i.conf -E $dir/sshd-$i.log" &
+  disown $!
+done
+for i in "${hosts[@]}"; do
+  for _ in $(seq 50); do
+    ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null \
+      -o LogLevel=ERROR -i "$dir/id" "root@$subnet.$i" true 2>/dev/null && continue 2
+    sleep 0.1
+  done
+  fail "sshd in $(ns_of "$i") does not answer (log: $(cat "$dir/sshd-$i.log" 2>/dev/null))"
+done
+log "3 hosts up, sshd answering in each"
+
+# ---- the cluster ----
+cat >"$dir/$cluster.yaml" <<EOF
+cluster_name: $cluster
+head: {address: $subnet.1, port: 6380}
+nodes:
+  - {address: $subnet.1, workers: 1, threads: 1}
+  - {address: $subnet.2, workers: 1, threads: 1}
+  - {address: $subnet.3, workers: 1, threads: 1}
+ssh: {user: root, key: $dir/id, connect_timeout_s: 5}
+setup_commands: ["test -x ${tessera[0]}"]
+env: {TESSERA_SCHEDULER_GRACE_MS: "2000"}
+tessera_binary: ${tessera[0]}
+session_root: $dir/sessions
+join_timeout_s: 30
+EOF
+up_started=$(date +%s.%N)
+timeout 90 "${tessera[@]}" up "$dir/$cluster.yaml" --state-dir "$state" | tee "$dir/up.out" ||
+  fail "tessera up failed"
+log "tessera up took $(elapsed "$up_started") s"
+grep -q "ok: started 1" "$dir/up.out" || fail "tessera up did not report the nodes started"
+# Idempotent: a second `up` starts nothing.
+timeout 60 "${tessera[@]}" up "$dir/$cluster.yaml" --state-dir "$state" >"$dir/up2.out" ||
+  fail "the second tessera up failed: $(cat "$dir/up2.out")"
+[[ $(grep -c "running, kept" "$dir/up2.out") -eq 4 ]] ||
+  fail "the second tessera up changed something: $(cat "$dir/up2.out")"
+eval "$("${tessera[@]}" attach "$dir/$cluster.yaml" --state-dir "$state" 2>/dev/null)"
+[[ "$TESSERA_ADDRESS" == "$subnet.1:6380" ]] || fail "attach printed '$TESSERA_ADDRESS'"
+status=$(timeout 20 "${tessera[@]}" status --address "$TESSERA_ADDRESS" --token-file "$TESSERA_TOKEN_FILE")
+for i in "${hosts[@]}"; do
+  grep -q "node $(ns_of "$i"): 1 of 1 workers alive" <<<"$status" || fail "status: $status"
+  grep -q "$subnet.$i:" <<<"$status" || fail "no worker advertises $subnet.$i: $status"
+done
+
+# The tessera processes of host i (its namespace's pids that run the tessera binary).
+tessera_pids_in() {
+  for pid in $(ip netns pids "$(ns_of "$1")"); do
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "${tessera[0]} " && echo "$pid"
+  done
+  true
+}
+
+down_and_check() {
+  timeout 60 "${tessera[@]}" down "$dir/$cluster.yaml" --state-dir "$state" | tee "$dir/down.out" ||
+    fail "tessera down failed"
+  for i in "${hosts[@]}"; do
+    left=$(tessera_pids_in "$i")
+    [[ -z "$left" ]] || fail "tessera processes left in $(ns_of "$i"): $left"
+  done
+  ! pgrep -f "$pattern/sessions" >/dev/null || fail "processes of the cluster are left: $(pgrep -af "$pattern/sessions")"
+  log "tessera down: no tessera process left in any namespace"
+}
+
+gpt2=("$bin_dir/train_gpt2" --preset tiny --zero-stage 3 --batch 12 --threads 1 --log-every 1)
+
+if [[ "$mode" == train ]]; then
+  steps=4
+  train_started=$(date +%s.%N)
+  timeout 180 "${gpt2[@]}" --steps $steps --address "$TESSERA_ADDRESS" --workers 3 \
+    --token-file "$TESSERA_TOKEN_FILE" >"$dir/cluster.out" 2>&1 ||
+    fail "train_gpt2 on the cluster failed: $(tail -20 "$dir/cluster.out")"
+  log "ZeRO-3 on 3 hosts: $steps steps in $(elapsed "$train_started") s"
+  timeout 180 "${gpt2[@]}" --steps $steps --workers 1 >"$dir/alone.out" 2>&1 ||
+    fail "train_gpt2 on one worker failed: $(tail -20 "$dir/alone.out")"
+  losses() { grep -oE "step [0-9]+/$steps loss [0-9.]+" "$1" | awk '{print $4}'; }
+  mapfile -t on_cluster < <(losses "$dir/cluster.out")
+  mapfile -t alone < <(losses "$dir/alone.out")
+  [[ ${#on_cluster[@]} -eq $steps && ${#alone[@]} -eq $steps ]] ||
+    fail "expected $steps losses each: cluster '${on_cluster[*]}', alone '${alone[*]}'"
+  for s in $(seq 0 $((steps - 1))); do
+    awk -v a="${on_cluster[$s]}" -v b="${alone[$s]}" \
+      'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-5 * b) }' ||
+      fail "step $((s + 1)): loss ${on_cluster[$s]} on 3 hosts, ${alone[$s]} on one worker"
+  done
+  final_cluster=$(grep -oE "final_loss=[0-9.]+" "$dir/cluster.out" | cut -d= -f2)
+  final_alone=$(grep -oE "final_loss=[0-9.]+" "$dir/alone.out" | cut -d= -f2)
+  awk -v a="$final_cluster" -v b="$final_alone" \
+    'BEGIN { d = a - b; if (d < 0) d = -d; exit !(b > 0 && d <= 1e-5 * b) }' ||
+    fail "final loss $final_cluster on 3 hosts, $final_alone on one worker"
+  log "losses match one worker within 1e-5: ${on_cluster[*]} ($final_cluster vs $final_alone)"
+  # A node that cannot be reached is reported with ssh's reason; the rest is kept as it is.
+  sed "s/^nodes:/nodes:\n  - {address: $subnet.9, workers: 1}/" "$dir/$cluster.yaml" >"$dir/$cluster-plus.yaml"
+  sed -i "s/^ssh: {user: root, key: \(.*\), connect_timeout_s: 5}/ssh: {user: root, key: \1, connect_timeout_s: 2}/" \
+    "$dir/$cluster-plus.yaml"
+  if timeout 60 "${tessera[@]}" up "$dir/$cluster-plus.yaml" --state-dir "$state" >"$dir/up3.out" 2>&1; then
+    fail "tessera up with an unreachable node succeeded: $(cat "$dir/up3.out")"
+  fi
+  grep -qE "$subnet.9 .*FAILED: ssh cannot reach $subnet.9" "$dir/up3.out" ||
+    fail "the unreachable node is not reported with its reason: $(cat "$dir/up3.out")"
+  [[ $(grep -c "running, kept" "$dir/up3.out") -eq 4 ]] ||
+    fail "tessera up touched the running hosts: $(cat "$dir/up3.out")"
+  log "an unreachable node is reported: $(grep "$subnet.9" "$dir/up3.out")"
+  down_and_check
+  exit 0
+fi
+
+# ---- faults: a long run, then break host 3 mid-step ----
+"${gpt2[@]}" --steps 100000 --address "$TESSERA_ADDRESS" --workers 3 \
+  --token-file "$TESSERA_TOKEN_FILE" >"$dir/fault.out" 2>&1 &
+train_pid=$!
+for _ in $(seq 600); do
+  grep -q "step 2/" "$dir/fault.out" && break
+  kill -0 "$train_pid" 2>/dev/null || fail "train_gpt2 ended early: $(tail -20 "$dir/fault.out")"
+  sleep 0.1
+done
+grep -q "step 2/" "$dir/fault.out" || fail "train_gpt2 did not reach step 2 in 60 s"
+victim="$(ns_of 3)"
+if [[ "$mode" == link_down ]]; then
+  log "taking $victim's link down"
+  ip link set "$victim-v" down
+else
+  worker_pid=""
+  for pid in $(tessera_pids_in 3); do
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q " worker " && worker_pid=$pid
+  done
+  [[ -n "$worker_pid" ]] || fail "no worker process in $victim"
+  log "SIGKILL to $victim's worker (pid $worker_pid)"
+  kill -9 "$worker_pid"
+fi
+fault_at=$(date +%s.%N)
+# Hard deadline: the heartbeat bound is 3 s; allow generously for detection and reporting.
+for _ in $(seq 300); do
+  kill -0 "$train_pid" 2>/dev/null || break
+  sleep 0.1
+done
+if kill -0 "$train_pid" 2>/dev/null; then fail "train_gpt2 still runs 30 s after the fault"; fi
+code=0
+wait "$train_pid" || code=$?
+train_pid=""
+took=$(elapsed "$fault_at")
+[[ $code -ne 0 ]] || fail "train_gpt2 succeeded despite the fault"
+error=$(grep -iE "error|failed|died|dead" "$dir/fault.out" | tail -5)
+grep -qE "on $victim\b" <<<"$error" || fail "the error does not name $victim: $error"
+log "the driver failed ${took} s after the fault, naming $victim: $(tail -1 <<<"$error")"
+if [[ "$mode" == link_down ]]; then ip link set "$victim-v" up; fi
+down_and_check

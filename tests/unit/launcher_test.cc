@@ -1,0 +1,348 @@
+// The launcher's orchestration (launcher/launcher.h) over a scripted shell, scheduler and clock:
+// what `up` starts and where, that it is idempotent, how failures are reported, and what `down`
+// runs. launcher_cli_test and multinode_test run the real thing.
+#include "launcher/launcher.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <mutex>
+#include <set>
+
+#include "core/atomic_file.h"
+#include "launcher/ssh_shell.h"
+#include "test_util.h"
+
+namespace tessera::launcher {
+namespace {
+
+struct Call {
+  std::string host, user, command, input;
+};
+
+// A cluster simulated in memory: the shell "starts" the head and workers by updating it, the
+// probe reads it.
+class FakeCluster final : public RemoteShell, public ClusterProbe, public LauncherClock {
+ public:
+  Result<CommandOutcome> Run(const std::string& host, const std::string& user,
+                             const std::string& command, const std::string& input,
+                             int /*timeout_ms*/) override {
+    std::lock_guard lock(mutex_);
+    calls.push_back({host, user, command, input});
+    if (unreachable.count(host)) return Unavailable("ssh cannot reach {}: No route to host", host);
+    if (command.find("set -e") != std::string::npos && failing_setup.count(host)) {
+      return CommandOutcome{2, "mkdir: cannot create directory '/data': Permission denied\n"};
+    }
+    if (command.find("start --head") != std::string::npos) {
+      head_running = true;
+      token = "t0k3n";
+      return CommandOutcome{0, "Tessera scheduler started\n"};
+    }
+    if (command.starts_with("cat ")) return CommandOutcome{0, token + "\n"};
+    if (command.find("--cpu-workers") != std::string::npos) {
+      if (input != token + "\n") return CommandOutcome{1, "invalid cluster token\n"};
+      if (broken_binary.count(host)) return CommandOutcome{127, "sh: tessera: not found\n"};
+      const size_t at = command.find("--cpu-workers ") + 14;
+      if (!silent.count(host)) alive[host] += std::stoi(command.substr(at));
+      return CommandOutcome{0, "joined\n"};
+    }
+    if (command.find(" stop --address") != std::string::npos) {
+      head_running = false;
+      alive.clear();
+      return CommandOutcome{0, "stopped\n"};
+    }
+    if (command.find("pkill") != std::string::npos) {
+      if (stuck.count(host)) return CommandOutcome{3, "4242 tessera worker ...\n"};
+      return CommandOutcome{0, ""};
+    }
+    return CommandOutcome{0, ""};
+  }
+
+  Result<std::map<std::string, int>> AliveWorkers(const std::string& address,
+                                                  const std::string& given_token,
+                                                  const std::vector<std::string>& nodes) override {
+    std::lock_guard lock(mutex_);
+    ++probes;
+    if (!head_running) return Unavailable("nothing answers at {}", address);
+    if (given_token != token) return Unavailable("invalid cluster token");
+    std::map<std::string, int> out;
+    for (const std::string& node : nodes) out[node] = alive.count(node) ? alive.at(node) : 0;
+    return out;
+  }
+
+  int64_t NowMs() override { return now_ms; }
+  void SleepMs(int64_t ms) override { now_ms += ms; }
+
+  // Calls whose command contains `text`.
+  std::vector<Call> CallsWith(const std::string& text) const {
+    std::vector<Call> out;
+    for (const Call& call : calls) {
+      if (call.command.find(text) != std::string::npos) out.push_back(call);
+    }
+    return out;
+  }
+
+  std::mutex mutex_;
+  std::vector<Call> calls;
+  bool head_running = false;
+  std::string token;
+  std::map<std::string, int> alive;
+  std::set<std::string> unreachable, failing_setup, broken_binary, silent, stuck;
+  int probes = 0;
+  int64_t now_ms = 0;
+};
+
+class LauncherTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    state_dir_ = testing::TempPath("launcher_test_state");
+    std::filesystem::remove_all(state_dir_);
+    Result<ClusterSpec> spec = ParseClusterYaml(R"(cluster_name: three
+head: {address: 10.0.0.1, port: 7000}
+nodes:
+  - {address: 10.0.0.1, workers: 1}
+  - {address: 10.0.0.2, workers: 2, user: bob, env: {A: "x y"}}
+  - {address: 10.0.0.3, workers: 1}
+ssh: {user: root}
+setup_commands: ["mkdir -p /data"]
+env: {TESSERA_LOG_LEVEL: warn}
+tessera_binary: /opt/bin/tessera
+join_timeout_s: 5
+)",
+                                                "three.yaml");
+    ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+    spec_ = *spec;
+  }
+  Launcher Make() { return Launcher(spec_, {.state_dir = state_dir_}, fake_, fake_, fake_); }
+
+  std::string state_dir_;
+  ClusterSpec spec_;
+  FakeCluster fake_;
+};
+
+TEST_F(LauncherTest, UpStartsHeadThenEveryNodesWorkers) {
+  Launcher launcher = Make();
+  Result<LaunchReport> report = launcher.Up();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_TRUE(report->ok()) << report->Table();
+  EXPECT_EQ(report->address, "10.0.0.1:7000");
+  ASSERT_EQ(report->hosts.size(), 4u);
+  EXPECT_EQ(report->hosts[2].joined, 2);
+  EXPECT_EQ(report->hosts[2].expected, 2);
+
+  std::vector<Call> head = fake_.CallsWith("start --head");
+  ASSERT_EQ(head.size(), 1u);
+  EXPECT_EQ(head[0].host, "10.0.0.1");
+  EXPECT_NE(head[0].command.find("'/opt/bin/tessera' start --head --host '10.0.0.1' --port 7000 "
+                                 "--session-dir '/tmp/tessera/three-head'"),
+            std::string::npos)
+      << head[0].command;
+  EXPECT_NE(head[0].command.find("export TESSERA_LOG_LEVEL='warn';"), std::string::npos);
+
+  std::vector<Call> workers = fake_.CallsWith("--cpu-workers");
+  ASSERT_EQ(workers.size(), 3u);
+  for (const Call& call : workers) {
+    EXPECT_EQ(call.input, "t0k3n\n");                          // the token on stdin...
+    EXPECT_EQ(call.command.find("t0k3n"), std::string::npos);  // ...never on a command line
+    EXPECT_NE(call.command.find("--address '10.0.0.1:7000'"), std::string::npos);
+    EXPECT_NE(call.command.find("/tmp/tessera/three-node-" + call.host + "/token"),
+              std::string::npos);
+    if (call.host == "10.0.0.2") {
+      EXPECT_EQ(call.user, "bob");
+      EXPECT_NE(call.command.find("export A='x y';"), std::string::npos);
+      EXPECT_NE(call.command.find("--cpu-workers 2"), std::string::npos);
+    } else {
+      EXPECT_EQ(call.user, "root");
+    }
+  }
+  EXPECT_EQ(fake_.CallsWith("set -e; mkdir -p /data").size(), 4u);  // head and three nodes
+  // The state and the token are kept for down/attach; the token only for this user.
+  EXPECT_TRUE(std::filesystem::exists(launcher.StatePath()));
+  EXPECT_EQ(ReadFileTrimmed(launcher.TokenPath()).value(), "t0k3n");
+  EXPECT_EQ(std::filesystem::status(launcher.TokenPath()).permissions() &
+                std::filesystem::perms::group_all,
+            std::filesystem::perms::none);
+  EXPECT_NE(report->Table().find("10.0.0.2"), std::string::npos);
+}
+
+TEST_F(LauncherTest, SecondUpChangesNothing) {
+  ASSERT_TRUE(Make().Up().ok());
+  const size_t calls = fake_.calls.size();
+  Result<LaunchReport> again = Make().Up();
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_TRUE(again->ok()) << again->Table();
+  EXPECT_EQ(fake_.calls.size(), calls) << "a second up ran commands";
+  EXPECT_NE(again->Table().find("running, kept"), std::string::npos) << again->Table();
+}
+
+TEST_F(LauncherTest, UpStartsOnlyWhatIsMissing) {
+  ASSERT_TRUE(Make().Up().ok());
+  fake_.alive["10.0.0.2"] = 1;  // one of its two workers died
+  fake_.calls.clear();
+  Result<LaunchReport> again = Make().Up();
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->ok()) << again->Table();
+  std::vector<Call> started = fake_.CallsWith("--cpu-workers");
+  ASSERT_EQ(started.size(), 1u);
+  EXPECT_EQ(started[0].host, "10.0.0.2");
+  EXPECT_NE(started[0].command.find("--cpu-workers 1 "), std::string::npos);
+  EXPECT_TRUE(fake_.CallsWith("start --head").empty());
+}
+
+TEST_F(LauncherTest, UpRestartsAHeadThatIsGone) {
+  ASSERT_TRUE(Make().Up().ok());
+  fake_.head_running = false;
+  fake_.alive.clear();
+  fake_.calls.clear();
+  Result<LaunchReport> again = Make().Up();
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->ok()) << again->Table();
+  EXPECT_EQ(fake_.CallsWith("start --head").size(), 1u);
+  EXPECT_EQ(fake_.CallsWith("--cpu-workers").size(), 3u);
+}
+
+TEST_F(LauncherTest, ReportsEachFailingNodeWithItsReason) {
+  fake_.unreachable = {"10.0.0.2"};
+  fake_.broken_binary = {"10.0.0.3"};
+  Result<LaunchReport> report = Make().Up();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_FALSE(report->ok());
+  const std::string table = report->Table();
+  EXPECT_TRUE(report->hosts[1].ok) << table;
+  EXPECT_FALSE(report->hosts[2].ok);
+  EXPECT_NE(report->hosts[2].detail.find("ssh cannot reach 10.0.0.2: No route to host"),
+            std::string::npos)
+      << table;
+  EXPECT_FALSE(report->hosts[3].ok);
+  EXPECT_NE(report->hosts[3].detail.find("exit status 127: sh: tessera: not found"),
+            std::string::npos)
+      << table;
+  EXPECT_NE(table.find("FAILED"), std::string::npos);
+}
+
+TEST_F(LauncherTest, ReportsSetupFailureAndWorkersThatNeverJoin) {
+  fake_.failing_setup = {"10.0.0.3"};
+  fake_.silent = {"10.0.0.2"};  // started, but never joins
+  Result<LaunchReport> report = Make().Up();
+  ASSERT_TRUE(report.ok());
+  EXPECT_FALSE(report->ok());
+  EXPECT_NE(report->hosts[2].detail.find("only 0 of 2 workers joined within 5 s"),
+            std::string::npos)
+      << report->Table();
+  EXPECT_NE(report->hosts[3].detail.find("setup commands failed (exit status 2: mkdir: cannot "
+                                         "create directory '/data': Permission denied)"),
+            std::string::npos)
+      << report->Table();
+  EXPECT_GE(fake_.now_ms, 5000);  // it waited out the join deadline, and no longer
+  EXPECT_LT(fake_.now_ms, 6000);
+}
+
+TEST_F(LauncherTest, HeadFailureStopsBeforeAnyNode) {
+  fake_.unreachable = {"10.0.0.1"};
+  Result<LaunchReport> report = Make().Up();
+  ASSERT_FALSE(report.ok());
+  EXPECT_NE(report.status().message().find("ssh cannot reach 10.0.0.1"), std::string::npos)
+      << report.status().ToString();
+  EXPECT_TRUE(fake_.CallsWith("--cpu-workers").empty());
+}
+
+TEST_F(LauncherTest, DownStopsTheSchedulerAndChecksEveryHost) {
+  Launcher launcher = Make();
+  ASSERT_TRUE(launcher.Up().ok());
+  fake_.calls.clear();
+  Result<LaunchReport> report = launcher.Down();
+  ASSERT_TRUE(report.ok());
+  EXPECT_TRUE(report->ok()) << report->Table();
+  ASSERT_EQ(fake_
+                .CallsWith(" stop --address '10.0.0.1:7000' --token-file "
+                           "'/tmp/tessera/three-head/token'")
+                .size(),
+            1u);
+  std::vector<Call> kills = fake_.CallsWith("pkill -TERM");
+  ASSERT_EQ(kills.size(), 4u);  // the head's session and each node's
+  for (const Call& call : kills) {
+    // The pattern cannot match the shell that runs it: "[/]tmp/..." is not "/tmp/...".
+    EXPECT_NE(call.command.find("p='[/]tmp/tessera/three-"), std::string::npos) << call.command;
+    EXPECT_NE(call.command.find("pkill -KILL"), std::string::npos);
+  }
+  EXPECT_FALSE(std::filesystem::exists(launcher.StatePath()));
+  EXPECT_FALSE(std::filesystem::exists(launcher.TokenPath()));
+}
+
+TEST_F(LauncherTest, DownReportsLeftoversAndKeepsTheState) {
+  Launcher launcher = Make();
+  ASSERT_TRUE(launcher.Up().ok());
+  fake_.stuck = {"10.0.0.3"};
+  fake_.unreachable = {"10.0.0.2"};
+  Result<LaunchReport> report = launcher.Down();
+  ASSERT_TRUE(report.ok());
+  EXPECT_FALSE(report->ok());
+  EXPECT_NE(report->hosts[2].detail.find("ssh cannot reach 10.0.0.2"), std::string::npos);
+  EXPECT_NE(report->hosts[3].detail.find("processes still running: 4242 tessera worker"),
+            std::string::npos)
+      << report->Table();
+  EXPECT_TRUE(std::filesystem::exists(launcher.StatePath()));  // `down` again retries
+}
+
+TEST_F(LauncherTest, AttachSaysWhereOrWhyNot) {
+  Launcher launcher = Make();
+  Result<LaunchReport> none = launcher.Attach();
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(launcher.Up().ok());
+  Result<LaunchReport> report = launcher.Attach();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->address, "10.0.0.1:7000");
+  EXPECT_EQ(report->token_file, launcher.TokenPath());
+  fake_.head_running = false;
+  Result<LaunchReport> gone = launcher.Attach();
+  ASSERT_FALSE(gone.ok());
+  EXPECT_NE(gone.status().message().find("is not answering"), std::string::npos);
+}
+
+TEST(ShellQuoteTest, QuotesForPosixShells) {
+  EXPECT_EQ(ShellQuote("plain"), "'plain'");
+  EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");
+  EXPECT_EQ(Tail("a\nb\n\n"), "a | b");
+}
+
+TEST(SshShellTest, SshArgvNeverPromptsAndEndsWithTheCommand) {
+  SshShellOptions options;
+  options.ssh.user = "root";
+  options.ssh.key = "/k/id";
+  options.ssh.port = 2222;
+  options.ssh.options = {"Compression=no"};
+  options.known_hosts = "/state/known_hosts";
+  const std::vector<std::string> argv = SshArgv(options, "10.0.0.2", "", "echo hi");
+  const std::string joined = fmt::format("{}", fmt::join(argv, " "));
+  EXPECT_EQ(argv.front(), "ssh");
+  EXPECT_NE(joined.find("-o BatchMode=yes"), std::string::npos);
+  EXPECT_NE(joined.find("-o StrictHostKeyChecking=accept-new"), std::string::npos);
+  EXPECT_NE(joined.find("-o UserKnownHostsFile=/state/known_hosts"), std::string::npos);
+  EXPECT_NE(joined.find("-i /k/id"), std::string::npos);
+  EXPECT_NE(joined.find("-p 2222"), std::string::npos);
+  EXPECT_NE(joined.find("-o Compression=no"), std::string::npos);
+  ASSERT_GE(argv.size(), 3u);
+  EXPECT_EQ(argv[argv.size() - 3], "root@10.0.0.2");
+  EXPECT_EQ(argv.back(), "echo hi");
+  EXPECT_EQ(SshArgv(options, "h", "bob", "x")[argv.size() - 3], "bob@h");
+  EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
+  EXPECT_FALSE(IsLoopbackHost("10.0.0.1"));
+}
+
+TEST(SshShellTest, RunCapturingGivesInputAndCollectsOutputAndStatus) {
+  Result<CommandOutcome> outcome =
+      RunCapturing({"/bin/sh", "-c", "cat; echo err >&2; exit 3"}, "in\n", 10'000);
+  ASSERT_TRUE(outcome.ok()) << outcome.status().ToString();
+  EXPECT_EQ(outcome->exit_code, 3);
+  EXPECT_EQ(outcome->output, "in\nerr\n");
+  Result<CommandOutcome> slow = RunCapturing({"/bin/sh", "-c", "sleep 20"}, "", 200);
+  ASSERT_FALSE(slow.ok());
+  EXPECT_EQ(slow.status().code(), StatusCode::kTimedOut);
+  Result<CommandOutcome> missing = RunCapturing({"/nonexistent/ssh"}, "", 5'000);
+  ASSERT_TRUE(missing.ok());
+  EXPECT_EQ(missing->exit_code, 127);
+}
+
+}  // namespace
+}  // namespace tessera::launcher
