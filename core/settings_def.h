@@ -58,3 +58,9 @@ TESSERA_SETTING(int64_t, collective_chunk_bytes, 1048576, "bytes",
 TESSERA_SETTING(int64_t, collective_small_bytes, 65536, "bytes",
                 "All-reduces and broadcasts up to this size use the direct algorithm (one hop, "
                 "every rank sends to every other) instead of the ring: lower latency, more bytes.")
+
+TESSERA_SETTING(int64_t, dashboard_port, 0, "port",
+                "The scheduler's web dashboard, its JSON API and /metrics listen on this TCP port "
+                "at the scheduler's host address, guarded by the cluster token. 0: any free port "
+                "(written to <session>/dashboard.address; `tessera start --head` prints the URL). "
+                "-1: no dashboard. `--dashboard-port` overrides it.")

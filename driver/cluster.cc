@@ -62,6 +62,7 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
                                                  const std::map<ObjectId, ObjectRef>& inputs);
   Status Shutdown();
+  Status ReportProgress(const JobProgress& progress);
   void Release(ObjectId id);
   bool connected() const { return !closed_; }
 
@@ -690,6 +691,20 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   return outputs;
 }
 
+Status ClusterClient::ReportProgress(const JobProgress& progress) {
+  if (closed_) return close_reason_;
+  capnp::MallocMessageBuilder message;
+  auto body = message.initRoot<proto::Envelope>().initBody().initJobProgress();
+  body.setJob(progress.job);
+  body.setStep(progress.step);
+  body.setLoss(progress.loss);
+  body.setStepMs(progress.step_ms);
+  body.setTokensPerSecond(progress.tokens_per_second);
+  body.setSamplesPerSecond(progress.samples_per_second);
+  connection_->Send(message);
+  return Status::Ok();
+}
+
 Status ClusterClient::Shutdown() {
   if (closed_) return close_reason_;
   capnp::MallocMessageBuilder message;
@@ -776,6 +791,10 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
   cluster->local_address_ = scheduler.local_address;
   cluster->started_workers_ = options.cpu_workers;
+  if (!scheduler.dashboard.empty()) {
+    cluster->dashboard_url_ =
+        fmt::format("http://{}/?token={}", scheduler.dashboard, session.token());
+  }
 
   cluster->client_ = std::make_shared<detail::ClusterClient>();
   ConnectOptions connect;
@@ -860,5 +879,8 @@ Result<std::map<ObjectId, ObjectRef>> Cluster::RunGraph(
 }
 
 Status Cluster::Shutdown() { return client_->Shutdown(); }
+Status Cluster::ReportProgress(const JobProgress& progress) {
+  return client_->ReportProgress(progress);
+}
 
 }  // namespace tessera

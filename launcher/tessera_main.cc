@@ -1,6 +1,7 @@
 // tessera: start and stop cluster processes, and look at a running cluster.
 //
 //   tessera start --head [--host 127.0.0.1] [--port 6380]     the scheduler (runs in background)
+//                 [--dashboard-port P]                        and its dashboard (printed URL)
 //   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
 //   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
 //   tessera stop [--address HOST:PORT]                        stops the whole cluster
@@ -101,6 +102,8 @@ Result<tessera::Settings> LoadSettings() {
   return settings;
 }
 
+constexpr int kDashboardPortFromSettings = tessera::SchedulerLaunch::kDashboardPortFromSettings;
+
 struct SchedulerFlags {
   std::string host = "127.0.0.1";
   int port = 6380;
@@ -108,6 +111,10 @@ struct SchedulerFlags {
   std::string session_dir;
   std::string address_file;
   std::string unix_socket;
+  // The dashboard's port (0: any free one; -1: none); kDashboardPortFromSettings: the
+  // dashboard_port setting. Its HOST:PORT is written to dashboard_file when set.
+  int dashboard_port = kDashboardPortFromSettings;
+  std::string dashboard_file;
   bool restart = false;  // supervise: run the scheduler as a child, start it again if it dies
 };
 
@@ -139,8 +146,12 @@ int SuperviseScheduler(SchedulerFlags flags) {
     for (const auto& [flag, value] :
          {std::pair<const char*, const std::string&>{"--session-dir", flags.session_dir},
           {"--address-file", flags.address_file},
-          {"--unix-socket", flags.unix_socket}}) {
+          {"--unix-socket", flags.unix_socket},
+          {"--dashboard-file", flags.dashboard_file}}) {
       if (!value.empty()) argv.insert(argv.end(), {flag, value});
+    }
+    if (flags.dashboard_port != kDashboardPortFromSettings) {
+      argv.insert(argv.end(), {"--dashboard-port", std::to_string(flags.dashboard_port)});
     }
     Result<pid_t> child = tessera::SpawnProcess(argv, tessera::SpawnOptions{});
     if (!child.ok()) return Fail(child.status());
@@ -149,8 +160,10 @@ int SuperviseScheduler(SchedulerFlags flags) {
       state->child = *child;
       if (state->stopping) ::kill(*child, SIGTERM);
     }
-    if (first && flags.port == 0 && !flags.address_file.empty()) {
-      // Restarts bind the port the first scheduler got: workers and drivers know that one.
+    if (first && (flags.port == 0 || !flags.dashboard_file.empty()) &&
+        !flags.address_file.empty()) {
+      // Restarts bind the ports the first scheduler got: workers, drivers and browsers know
+      // those. The dashboard's file is written before the address file.
       for (int waited = 0; waited < 20'000 && tessera::ProcessAlive(*child); waited += 20) {
         Result<std::string> text = ReadFileTrimmed(flags.address_file);
         Result<tessera::rpc::Address> bound = text.ok()
@@ -158,6 +171,10 @@ int SuperviseScheduler(SchedulerFlags flags) {
                                                   : Result<tessera::rpc::Address>(text.status());
         if (bound.ok() && bound->port != 0) {
           flags.port = bound->port;
+          Result<std::string> dashboard = ReadFileTrimmed(flags.dashboard_file);
+          if (dashboard.ok() && dashboard->rfind(':') != std::string::npos) {
+            flags.dashboard_port = std::atoi(dashboard->c_str() + dashboard->rfind(':') + 1);
+          }
           break;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -208,6 +225,11 @@ int RunScheduler(const SchedulerFlags& flags) {
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
+  options.dashboard_host = flags.host;
+  options.dashboard_port = flags.dashboard_port == kDashboardPortFromSettings
+                               ? static_cast<int>(settings->dashboard_port)
+                               : flags.dashboard_port;
+  options.dashboard_file = flags.dashboard_file;
   // The signal thread and this one both reach the service (races TSan found): through a switch
   // the signal thread co-owns (it may run after this function returned), under its mutex; a
   // signal that comes before the service exists stops it as soon as it does.
@@ -319,14 +341,19 @@ struct StartFlags {
   std::string token_file;
   std::string gpus;
   bool no_restart = false;
+  int dashboard_port = kDashboardPortFromSettings;
 };
 
 int StartHead(const StartFlags& flags) {
   Result<tessera::LocalSession> session = tessera::LocalSession::Create(
       flags.session_dir, "session", {.binary = SelfBinary(), .detached = true});
   if (!session.ok()) return Fail(session.status());
-  Result<tessera::StartedScheduler> scheduler = session->StartScheduler(
-      {.host = flags.host, .port = flags.port, .timeout_ms = 10'000, .restart = !flags.no_restart});
+  Result<tessera::StartedScheduler> scheduler =
+      session->StartScheduler({.host = flags.host,
+                               .port = flags.port,
+                               .timeout_ms = 10'000,
+                               .restart = !flags.no_restart,
+                               .dashboard_port = flags.dashboard_port});
   if (!scheduler.ok()) return Fail(scheduler.status());
   if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
     std::error_code error;
@@ -343,6 +370,11 @@ int StartHead(const StartFlags& flags) {
   std::printf("  token file: %s (only you can read it)\n", session->token_file().c_str());
   std::printf("  add workers: tessera start --address %s --cpu-workers 2\n",
               scheduler->address.c_str());
+  if (!scheduler->dashboard.empty()) {
+    // The token in the URL is exchanged for a cookie on the first visit.
+    std::printf("  dashboard: http://%s/?token=%s\n", scheduler->dashboard.c_str(),
+                session->token().c_str());
+  }
   return 0;
 }
 
@@ -451,6 +483,9 @@ int main(int argc, char** argv) {
   start_cmd->add_option("--port", start.port, "Scheduler: port (0: any free one)")
       ->check(CLI::Range(0, 65535));
   start_cmd->add_option("--session-dir", start.session_dir, "Scheduler: session directory");
+  start_cmd->add_option("--dashboard-port", start.dashboard_port,
+                        "--head: the dashboard's port (0: any free one; -1: none; default: the "
+                        "dashboard_port setting, 0 unless TESSERA_DASHBOARD_PORT says otherwise)");
   start_cmd->add_flag("--no-restart", start.no_restart,
                       "Scheduler: do not start it again when it dies (by default a supervisor "
                       "does, and workers rejoin it)");
@@ -483,6 +518,11 @@ int main(int argc, char** argv) {
   scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
   scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
   scheduler_cmd->add_option("--address-file", scheduler.address_file);
+  scheduler_cmd->add_option("--dashboard-port", scheduler.dashboard_port,
+                            "The dashboard's port (0: any free one; -1: none; default: the "
+                            "dashboard_port setting)");
+  scheduler_cmd->add_option("--dashboard-file", scheduler.dashboard_file,
+                            "Write the dashboard's HOST:PORT here");
   scheduler_cmd->add_flag("--restart", scheduler.restart,
                           "Supervise: start the scheduler again whenever it dies");
   scheduler_cmd->add_option("--unix-socket", scheduler.unix_socket,

@@ -91,7 +91,11 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
     case proto::Envelope::Body::INSTANCE_FINISHED: {
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "an instance result"));
       const auto finished = body.getInstanceFinished();
-      if (finished.hasReport()) participants_.RecordRun(participant, finished.getReport());
+      if (finished.hasReport()) {
+        participants_.RecordRun(participant, finished.getReport());
+        timeline_.RecordInstance(from, finished.getGraphId(), finished.getInstance(), now_(),
+                                 finished.getReport().getWallMicros());
+      }
       return graphs_.InstanceFinished(from, finished);
     }
     case proto::Envelope::Body::COLLECTIVE_JOIN:
@@ -100,6 +104,10 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
     case proto::Envelope::Body::COLLECTIVE_FAILED:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective failure"));
       return groups_.OnFailed(from, body.getCollectiveFailed(), now_());
+    case proto::Envelope::Body::JOB_PROGRESS:
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "job progress"));
+      jobs_.Record(from, body.getJobProgress(), now_());
+      return Status::Ok();
     case proto::Envelope::Body::SHUTDOWN:
       if (role == ParticipantRole::kWorker)
         return InvalidArgument("a worker may not shut the cluster down");
@@ -175,6 +183,7 @@ void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
   } else if (participant->role == ParticipantRole::kDriver) {
     // The driver's references go with it; so do the objects it held (its Puts).
     objects_.DriverGone(who);
+    jobs_.DriverGone(who);
   }
   participants_.Remove(who);
   objects_.DropNotifications(who);

@@ -16,6 +16,9 @@
 //                                           their instances
 //   CollectiveGroups  (collective_groups.h) every collective group's rendezvous and watcher
 //   placement.h, messages.h                 placement policies; every outgoing message
+//   JobMetrics        (job_metrics.h)       the jobs' step figures (loss, step time, ...)
+//   WorkTimeline      (work_timeline.h)     the latest spans of work per worker
+// The last two only record, for the dashboard (dashboard/, read through the accessors below).
 // The core checks that each message comes from a participant in the role allowed to send it,
 // hands it to the part it concerns, and runs the sequences that span parts: a participant
 // joining, a worker's death, a driver's departure, a flush of the outgoing batches.
@@ -42,10 +45,12 @@
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/graph_registry.h"
+#include "scheduler/job_metrics.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
 #include "scheduler/task_table.h"
+#include "scheduler/work_timeline.h"
 
 namespace tessera {
 
@@ -86,6 +91,12 @@ class SchedulerCore {
   int alive_workers() const { return participants_.alive_workers(); }
   size_t num_objects() const { return objects_.size(); }
   size_t num_tasks() const { return tasks_.size(); }
+  // Read-only views for the dashboard (scheduler/dashboard_view.h), on the core's thread.
+  const ParticipantTable& participants() const { return participants_; }
+  TaskCounts task_counts() const { return tasks_.counts(); }
+  const JobMetrics& job_metrics() const { return jobs_; }
+  const WorkTimeline& timeline() const { return timeline_; }
+  const std::string& session_dir() const { return options_.session_dir; }
 
  private:
   // Routes a message from an admitted participant to the part it concerns.
@@ -109,6 +120,8 @@ class SchedulerCore {
   ObjectDirectory objects_;
   TaskTable tasks_;
   GraphRegistry graphs_;
+  JobMetrics jobs_;
+  WorkTimeline timeline_;
   bool shutdown_requested_ = false;
   Clock::time_point last_keepalive_{};
 };

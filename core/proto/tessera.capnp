@@ -256,6 +256,17 @@ struct ClusterStatus {
   sessionDir @6 :Text;
 }
 
+# driver -> scheduler, one-way: the job's figures after a training step (the dashboard's plots
+# and /metrics). Non-finite or absent figures are sent as NaN.
+struct JobProgress {
+  job @0 :Text;                  # the program's name for the run, e.g. "train_gpt2"
+  step @1 :Int64;
+  loss @2 :Float64;
+  stepMs @3 :Float64;
+  tokensPerSecond @4 :Float64;   # NaN when the job counts samples instead
+  samplesPerSecond @5 :Float64;  # NaN when the job counts tokens instead
+}
+
 struct Empty {}
 
 struct Envelope {
@@ -287,5 +298,6 @@ struct Envelope {
     collectiveFailed @24 :CollectiveFailed;
     collectiveAbort @25 :CollectiveAbort;
     keepalive @26 :Empty;  # scheduler -> worker, every heartbeat interval: it is still there
+    jobProgress @27 :JobProgress;  # driver -> scheduler: a training step's figures
   }
 }

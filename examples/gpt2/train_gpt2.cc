@@ -300,6 +300,9 @@ int Run(const Flags& flags) {
       auto started = tessera::Cluster::StartLocal(local);
       if (!started.ok()) return Fail(started.status());
       cluster = std::move(*started);
+      if (!cluster->dashboard_url().empty()) {
+        std::fprintf(stderr, "train_gpt2: dashboard %s\n", cluster->dashboard_url().c_str());
+      }
     }
     auto made = tessera::MakeClusterBackend(
         *cluster, flags.placement == "layers" ? tessera::ClusterPlacement::kLayersRoundRobin
@@ -485,6 +488,16 @@ int Run(const Flags& flags) {
     if (!std::isfinite(report->loss)) {
       return Fail(
           tessera::Internal("loss became {} at step {}; try a lower --lr", report->loss, i));
+    }
+    if (cluster && cluster->connected()) {
+      // For the scheduler's dashboard and /metrics. One-way: a lost connection shows up on the
+      // next step, where recovery handles it.
+      (void)cluster->ReportProgress(
+          {.job = "train_gpt2",
+           .step = i,
+           .loss = report->loss,
+           .step_ms = report->step_ms,
+           .tokens_per_second = static_cast<double>(batch * seq_len) / (report->step_ms / 1000.0)});
     }
     if (i % flags.log_every == 0 || i == flags.steps || i == 1) {
       std::printf("step %lld/%lld loss %.4f  %.1f ms  %.0f tok/s\n", static_cast<long long>(i),

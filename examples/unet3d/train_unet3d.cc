@@ -99,6 +99,9 @@ int Run(const Flags& flags) {
     auto started = tessera::Cluster::StartLocal(local);
     if (!started.ok()) return Fail(started.status());
     cluster = std::move(*started);
+    if (!cluster->dashboard_url().empty()) {
+      std::fprintf(stderr, "train_unet3d: dashboard %s\n", cluster->dashboard_url().c_str());
+    }
     auto made = tessera::MakeClusterBackend(*cluster);
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);
@@ -133,6 +136,16 @@ int Run(const Flags& flags) {
     if (!batch.ok()) return Fail(batch.status());
     auto report = (*trainer)->Step(*batch, static_cast<float>(flags.lr));
     if (!report.ok()) return Fail(report.status());
+    if (cluster) {
+      // For the scheduler's dashboard and /metrics (one-way; a lost connection fails the next
+      // step).
+      (void)cluster->ReportProgress(
+          {.job = "train_unet3d",
+           .step = step,
+           .loss = report->loss,
+           .step_ms = report->step_ms,
+           .samples_per_second = static_cast<double>(flags.batch) / (report->step_ms / 1000.0)});
+    }
     if (step % flags.log_every == 0 || step == flags.steps || step == first) {
       auto dice = Dice(**trainer, *batch, *config);
       if (!dice.ok()) return Fail(dice.status());
