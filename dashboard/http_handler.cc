@@ -106,15 +106,15 @@ bool HttpHandler::Authorized(const HttpRequest& request, const std::string& quer
 }
 
 HttpResponse HttpHandler::Handle(const HttpRequest& request) const {
-  if (request.method != "GET" && request.method != "HEAD") {
-    HttpResponse refused = Text(405, "method not allowed\n");
-    refused.headers.emplace_back("Allow", "GET, HEAD");
-    return refused;
-  }
   const std::string query_token = QueryValue(request.target, "token");
   if (!Authorized(request, query_token)) {
     HttpResponse refused = Text(401, "unauthorized: this dashboard needs the cluster token\n");
     refused.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"tessera\"");
+    return refused;
+  }
+  if (request.method != "GET" && request.method != "HEAD") {
+    HttpResponse refused = Text(405, "method not allowed\n");
+    refused.headers.emplace_back("Allow", "GET, HEAD");
     return refused;
   }
   const std::string path = PathOf(request.target);

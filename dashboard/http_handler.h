@@ -3,7 +3,7 @@
 // The HTTP server (http_server.h) parses a request into an HttpRequest and writes back the
 // HttpResponse; everything a test needs to check (refusals, routes, bodies) happens here.
 //
-// Routes (GET or HEAD; anything else is 405):
+// Routes (GET or HEAD; anything else is 405, once the token was checked):
 //   /                  the page (assets/index.html), then /dashboard.js and /dashboard.css
 //   /api/cluster       nodes and workers: memory tiers, tasks, bytes moved, latest run reports
 //   /api/job           every job's step history: loss, step time, tokens/s or samples/s
