@@ -11,6 +11,7 @@ packages=(
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  chromium nodejs npm  # the dashboard's browser test (tests/browser)
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch)
@@ -22,8 +23,19 @@ for package in "${packages[@]}"; do
     missing+=("$package")
   fi
 done
+# The browser test's playwright-core (npm), when the registry is reachable; without it that test
+# skips with a message.
+install_playwright() {
+  local dir
+  dir="$(cd "$(dirname "$0")/../tests/browser" && pwd)"
+  if [[ -d "$dir/node_modules/playwright-core" ]]; then return 0; fi
+  if ! command -v npm >/dev/null; then return 0; fi
+  (cd "$dir" && npm ci --no-audit --no-fund) ||
+    echo "install_deps: npm could not install playwright-core; the browser test will skip" >&2
+}
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "install_deps: all ${#packages[@]} packages present"
+  install_playwright
   exit 0
 fi
 
@@ -36,3 +48,4 @@ echo "install_deps: installing ${missing[*]}"
 "${sudo[@]}" apt-get update -qq
 DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
   "${missing[@]}"
+install_playwright
