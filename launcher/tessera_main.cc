@@ -208,6 +208,7 @@ int RunScheduler(const SchedulerFlags& flags) {
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
+  options.core.trace_instances = static_cast<int>(settings->trace_instances);
   // The signal thread and this one both reach the service (races TSan found): through a switch
   // the signal thread co-owns (it may run after this function returned), under its mutex; a
   // signal that comes before the service exists stops it as soon as it does.

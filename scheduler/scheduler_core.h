@@ -15,6 +15,7 @@
 //   GraphRegistry     (graph_registry.h)    registered graphs, placed once (PlaceGraph), and
 //                                           their instances
 //   CollectiveGroups  (collective_groups.h) every collective group's rendezvous and watcher
+//   TraceStore        (trace_store.h)       the spans of the latest graph instances
 //   placement.h, messages.h                 placement policies; every outgoing message
 // The core checks that each message comes from a participant in the role allowed to send it,
 // hands it to the part it concerns, and runs the sequences that span parts: a participant
@@ -46,6 +47,7 @@
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
 #include "scheduler/task_table.h"
+#include "scheduler/trace_store.h"
 
 namespace tessera {
 
@@ -56,6 +58,7 @@ struct SchedulerOptions {
   int64_t inline_object_bytes = 16 * 1024;
   int max_task_attempts = 3;
   std::string session_dir;
+  int trace_instances = 16;  // graph instances whose spans are kept (scheduler/trace_store.h)
 };
 
 class SchedulerCore {
@@ -93,6 +96,13 @@ class SchedulerCore {
   Status OnHello(Participant& from, proto::Hello::Reader hello);
   Status OnPutObjects(WorkerId driver, proto::PutObjects::Reader put);
   void OnStatusRequest(WorkerId from, uint64_t request_id);
+  // A driver or the CLI asks for the spans of the latest instances. Asked for one graph's, the
+  // answer waits until no instance of that graph is running (its last workers' spans may still
+  // be on their way); instances always end (a report, a failure or a death), so it never hangs.
+  void OnTimelineRequest(WorkerId from, uint64_t request_id,
+                         proto::TimelineRequest::Reader request);
+  // Answers the timeline requests that no longer wait for a running instance.
+  void AnswerTimelineRequests();
   void OnShutdown(WorkerId from);
   // Sends `who` the reason and drops its connection.
   void Refuse(WorkerId who, uint64_t request_id, const Status& reason);
@@ -109,6 +119,14 @@ class SchedulerCore {
   ObjectDirectory objects_;
   TaskTable tasks_;
   GraphRegistry graphs_;
+  TraceStore traces_;
+  struct TimelineWaiter {
+    WorkerId from;
+    uint64_t request_id = 0;
+    int last = 0;
+    uint64_t graph = 0;
+  };
+  std::vector<TimelineWaiter> timeline_waiters_;
   bool shutdown_requested_ = false;
   Clock::time_point last_keepalive_{};
 };
