@@ -80,18 +80,18 @@ std::string ChromeTraceJson(const Timeline& timeline) {
     threads.emplace(pid, span.stream);
   }
   for (const auto& [pid, name] : process_names) {
-    events.push_back(fmt::format(
-        R"({{"ph":"M","name":"process_name","pid":{},"tid":0,"args":{{"name":{}}}}})", pid,
-        Quoted(name)));
+    events.push_back(
+        fmt::format(R"({{"ph":"M","name":"process_name","pid":{},"tid":0,"args":{{"name":{}}}}})",
+                    pid, Quoted(name)));
   }
   for (const auto& [pid, stream] : threads) {
-    events.push_back(fmt::format(
-        R"({{"ph":"M","name":"thread_name","pid":{},"tid":{},"args":{{"name":{}}}}})", pid,
-        Tid(stream), Quoted(StreamName(stream))));
+    events.push_back(
+        fmt::format(R"({{"ph":"M","name":"thread_name","pid":{},"tid":{},"args":{{"name":{}}}}})",
+                    pid, Tid(stream), Quoted(StreamName(stream))));
   }
   for (const TimelineSpan& span : timeline.spans) {
-    const std::string name = span.name.empty() ? std::string(span.op.empty() ? "task" : span.op)
-                                               : span.name;
+    const std::string name =
+        span.name.empty() ? std::string(span.op.empty() ? "task" : span.op) : span.name;
     events.push_back(fmt::format(
         R"({{"ph":"X","name":{},"cat":{},"ts":{},"dur":{},"pid":{},"tid":{},)"
         R"("args":{{"layer":{},"op":{},"bytes":{},"graph":{},"instance":{}}}}})",

@@ -38,8 +38,8 @@ class TraceStore {
   // The spans of the latest `last` instances kept (of `graph` only, when non-zero), oldest
   // instance first, leaving out those `running` says are not finished (a worker's spans may still
   // be on their way). last <= 0: every instance kept.
-  std::vector<TimelineSpan> Collect(
-      int last, uint64_t graph, const std::function<bool(uint64_t, uint64_t)>& running) const;
+  std::vector<TimelineSpan> Collect(int last, uint64_t graph,
+                                    const std::function<bool(uint64_t, uint64_t)>& running) const;
 
   size_t instances() const { return instances_.size(); }
   int max_instances() const { return max_instances_; }
