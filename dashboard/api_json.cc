@@ -92,16 +92,16 @@ std::string TimelineJson(const TimelineView& timeline) {
   json spans = json::array();
   for (const TimelineSpan& s : timeline.spans) {
     spans.push_back({{"worker", s.worker},
+                     {"stream", s.stream},
                      {"name", s.name},
                      {"kind", s.kind},
                      {"start_ms", Number(s.start_ms)},
                      {"end_ms", Number(s.end_ms)},
+                     {"bytes", s.bytes},
                      {"graph", s.graph_id},
                      {"instance", s.instance}});
   }
-  json out = {{"granularity", timeline.granularity},
-              {"now_ms", Number(timeline.now_ms)},
-              {"spans", std::move(spans)}};
+  json out = {{"now_ms", Number(timeline.now_ms)}, {"spans", std::move(spans)}};
   return out.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 

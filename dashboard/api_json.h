@@ -20,8 +20,8 @@ std::string ClusterJson(const ClusterView& cluster);
 // {"jobs": [{"name", "driver", "connected", "points_dropped", "points": [{"step", "time_s",
 //  "loss", "step_ms", "tokens_per_second", "samples_per_second"}]}]}
 std::string JobsJson(const std::vector<JobView>& jobs);
-// {"granularity", "now_ms", "spans": [{"worker", "name", "kind", "start_ms", "end_ms", "graph",
-//  "instance"}]}
+// {"now_ms", "spans": [{"worker", "stream", "name", "kind", "start_ms", "end_ms", "bytes",
+//  "graph", "instance"}]} (times: ms since the Unix epoch)
 std::string TimelineJson(const TimelineView& timeline);
 
 }  // namespace tessera::dashboard

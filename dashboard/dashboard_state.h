@@ -8,7 +8,7 @@
 // must be called on that state's thread (the scheduler serves HTTP on its io thread).
 //
 // Units: bytes, milliseconds, seconds as the field names say. Times on the timeline are
-// milliseconds on the scheduler's steady clock, relative to the scheduler's start.
+// milliseconds on the system clock (since the Unix epoch): workers stamp their spans with it.
 #pragma once
 
 #include <cstdint>
@@ -86,23 +86,24 @@ struct JobView {
   std::vector<JobPoint> points;  // ascending arrival
 };
 
-// A span of work on a worker. `kind` is one of: forward, backward, optimizer, collective,
-// transfer, other, or instance (a whole graph instance's part on the worker, when per-task spans
-// are not known).
+// A span of work on a worker: a task, a push of an object to another worker, or a collective
+// member (core/timeline.h, the scheduler's TraceStore). `kind` is one of forward, backward,
+// backward_input, backward_weight, optimizer, collective, transfer, other; `stream` is where it
+// ran: "compute N" (a thread slot), "transfer" or "collective".
 struct TimelineSpan {
   uint64_t worker = 0;
+  std::string stream;
   std::string name;
   std::string kind;
   double start_ms = 0;
   double end_ms = 0;
+  int64_t bytes = 0;  // pushes and collective members: bytes sent
   uint64_t graph_id = 0;
   uint64_t instance = 0;
 };
 
+// The spans of the latest finished graph instances the scheduler keeps (trace_instances).
 struct TimelineView {
-  // What the spans are: "instances" (one per worker per graph instance, from its run report) or
-  // "tasks" (one per task).
-  std::string granularity;
   double now_ms = 0;
   std::vector<TimelineSpan> spans;  // ascending start
 };

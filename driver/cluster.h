@@ -39,6 +39,7 @@
 #include "core/ids.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/timeline.h"
 
 namespace tessera {
 
@@ -187,6 +188,12 @@ class Cluster {
                                                  const std::map<ObjectId, ObjectRef>& inputs);
 
   Result<ClusterInfo> Info();
+  // The spans of the latest `last_instances` graph instances the scheduler kept (setting
+  // trace_instances; <= 0: all it kept), of `graph` only when non-zero (GraphHandle::id()),
+  // oldest first: every task, collective member and push on every worker (core/timeline.h).
+  // Asked for one graph, the answer waits until no instance of it is running. TimedOut when the
+  // scheduler does not answer within 30 s.
+  Result<tessera::Timeline> Timeline(int last_instances, uint64_t graph = 0);
   // Asks the scheduler to stop the cluster (its workers exit too).
   Status Shutdown();
   // Tells the scheduler how the job is doing after a step (one-way, no round trip; the

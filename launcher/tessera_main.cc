@@ -5,6 +5,9 @@
 //   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
 //   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
 //   tessera stop [--address HOST:PORT]                        stops the whole cluster
+//   tessera timeline --out trace.json [--steps N] [--address HOST:PORT]
+//                                                             the last N graph instances'
+//                                                             spans, as Chrome/Perfetto JSON
 //
 // `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
 // /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
@@ -24,6 +27,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -35,6 +39,7 @@
 #include "driver/cluster.h"
 #include "driver/process.h"
 #include "driver/session.h"
+#include "driver/trace.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "scheduler/scheduler_service.h"
 #include "worker/worker_service.h"
@@ -225,6 +230,7 @@ int RunScheduler(const SchedulerFlags& flags) {
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
+  options.core.trace_instances = static_cast<int>(settings->trace_instances);
   options.dashboard_host = flags.host;
   options.dashboard_port = flags.dashboard_port == kDashboardPortFromSettings
                                ? static_cast<int>(settings->dashboard_port)
@@ -448,6 +454,30 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
   return 0;
 }
 
+int WriteTimeline(const std::string& address_flag, const std::string& token_file,
+                  const std::string& out, int steps) {
+  Result<std::string> address = ResolveAddress(address_flag);
+  if (!address.ok()) return Fail(address.status());
+  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  if (!cluster.ok()) return Fail(cluster.status());
+  Result<tessera::Timeline> timeline = (*cluster)->Timeline(steps);
+  if (!timeline.ok()) return Fail(timeline.status());
+  if (timeline->spans.empty()) {
+    return Fail(tessera::NotFound(
+        "the cluster at {} kept no spans yet: run a graph (a training step) first, or raise "
+        "TESSERA_TRACE_INSTANCES on the scheduler",
+        *address));
+  }
+  if (Status written = tessera::WriteChromeTrace(out, *timeline); !written.ok()) {
+    return Fail(written);
+  }
+  std::set<uint64_t> instances;
+  for (const tessera::TimelineSpan& span : timeline->spans) instances.insert(span.instance);
+  std::printf("wrote %zu spans of %zu graph instance(s) on %zu process(es) to %s\n",
+              timeline->spans.size(), instances.size(), timeline->processes.size(), out.c_str());
+  return 0;
+}
+
 int StopCluster(const std::string& address_flag, const std::string& token_file) {
   Result<std::string> address = ResolveAddress(address_flag);
   if (!address.ok()) return Fail(address.status());
@@ -511,6 +541,21 @@ int main(int argc, char** argv) {
   stop_cmd->add_option("--address", stop_address, "The scheduler's HOST:PORT");
   stop_cmd->add_option("--token-file", stop_token, "The cluster token file");
 
+  std::string timeline_address, timeline_token, timeline_out;
+  int timeline_steps = 2;
+  CLI::App* timeline_cmd = app.add_subcommand(
+      "timeline",
+      "Write the last steps' trace (every task, collective and transfer on every "
+      "worker) as Chrome/Perfetto JSON");
+  timeline_cmd->add_option("--out", timeline_out, "The trace file to write (trace.json)")
+      ->required();
+  timeline_cmd
+      ->add_option("--steps", timeline_steps,
+                   "How many of the latest graph instances (steps) to include (default 2)")
+      ->check(CLI::PositiveNumber);
+  timeline_cmd->add_option("--address", timeline_address, "The scheduler's HOST:PORT");
+  timeline_cmd->add_option("--token-file", timeline_token, "The cluster token file");
+
   SchedulerFlags scheduler;
   CLI::App* scheduler_cmd = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
   scheduler_cmd->add_option("--host", scheduler.host);
@@ -557,6 +602,9 @@ int main(int argc, char** argv) {
   }
   if (status_cmd->parsed()) return ShowStatus(status_address, status_token);
   if (stop_cmd->parsed()) return StopCluster(stop_address, stop_token);
+  if (timeline_cmd->parsed()) {
+    return WriteTimeline(timeline_address, timeline_token, timeline_out, timeline_steps);
+  }
   if (scheduler_cmd->parsed()) return RunScheduler(scheduler);
   if (worker_cmd->parsed()) return RunWorker(worker);
   return 2;

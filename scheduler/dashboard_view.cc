@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/graph.h"
+#include "core/timeline.h"
 
 namespace tessera {
 
@@ -93,18 +94,18 @@ std::vector<dashboard::JobView> CoreDashboardSource::Jobs() {
 
 dashboard::TimelineView CoreDashboardSource::Timeline() {
   dashboard::TimelineView view;
-  view.granularity = "instances";
-  view.now_ms = SinceStartMs(now_());
-  for (const WorkSpan& span : core_->timeline().spans()) {
-    view.spans.push_back(dashboard::TimelineSpan{
-        .worker = span.worker.value(),
-        .name =
-            "graph " + std::to_string(span.graph_id) + " instance " + std::to_string(span.instance),
-        .kind = "instance",
-        .start_ms = SinceStartMs(span.start),
-        .end_ms = SinceStartMs(span.end),
-        .graph_id = span.graph_id,
-        .instance = span.instance});
+  view.now_ms = static_cast<double>(SystemMicrosNow()) / 1000.0;
+  for (const TimelineSpan& span : core_->RecentSpans(/*last=*/0)) {
+    view.spans.push_back(
+        dashboard::TimelineSpan{.worker = span.worker.value(),
+                                .stream = StreamName(span.stream),
+                                .name = span.name,
+                                .kind = std::string(SpanKindName(span.kind)),
+                                .start_ms = static_cast<double>(span.start_us) / 1000.0,
+                                .end_ms = static_cast<double>(span.end_us) / 1000.0,
+                                .bytes = span.bytes,
+                                .graph_id = span.graph,
+                                .instance = span.instance});
   }
   std::stable_sort(view.spans.begin(), view.spans.end(),
                    [](const auto& a, const auto& b) { return a.start_ms < b.start_ms; });

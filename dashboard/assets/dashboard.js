@@ -4,8 +4,8 @@
 'use strict';
 
 const KIND_COLOURS = {
-  forward: '#3b7dd8', backward: '#e07b39', optimizer: '#2e9e5b', collective: '#9b59b6',
-  transfer: '#d4ac0d', other: '#95a5a6', instance: '#5d6d7e',
+  forward: '#3b7dd8', backward: '#e07b39', backward_input: '#f0a04b', backward_weight: '#c0562a',
+  optimizer: '#2e9e5b', collective: '#9b59b6', transfer: '#d4ac0d', other: '#95a5a6',
 };
 
 function el(tag, text, cls) {
@@ -161,35 +161,43 @@ function renderLegend() {
   }
 }
 
-// Rows per worker, time left to right over the window the spans cover (up to now).
+// One row per worker and stream (compute slots, transfer, collective), time left to right over
+// the instances the scheduler kept (up to now).
 function renderTimeline(t) {
   const canvas = document.getElementById('timeline');
-  document.getElementById('timeline-granularity').textContent =
-    t.granularity === 'tasks' ? '(tasks per worker)' : '(graph instances per worker: per-task spans not reported)';
-  const workers = [...new Set(t.spans.map(s => s.worker))].sort((a, b) => a - b);
-  const rowH = 22, top = 6, left = 80;
-  canvas.height = Math.max(60, top * 2 + rowH * Math.max(1, workers.length) + 16);
+  const rowKey = s => s.worker + ' ' + s.stream;
+  const rows = [...new Set(t.spans.map(rowKey))].sort((a, b) => {
+    const [wa, ...sa] = a.split(' '), [wb, ...sb] = b.split(' ');
+    return Number(wa) - Number(wb) || sa.join(' ').localeCompare(sb.join(' '));
+  });
+  const rowH = 18, top = 6, left = 150;
+  canvas.height = Math.max(60, top * 2 + rowH * Math.max(1, rows.length) + 16);
   const ctx = canvas.getContext('2d');
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   canvas.dataset.spans = String(t.spans.length);
   ctx.font = '11px system-ui, sans-serif';
+  document.getElementById('timeline-granularity').textContent =
+    t.spans.length ? '(' + new Set(t.spans.map(s => s.graph + '/' + s.instance)).size +
+      ' latest graph instances, ' + t.spans.length + ' spans)' : '';
   if (t.spans.length === 0) { ctx.fillStyle = '#8a90a0'; ctx.fillText('no work recorded yet', left, 30); return; }
   const t0 = Math.min(...t.spans.map(s => s.start_ms));
-  const t1 = Math.max(t.now_ms, ...t.spans.map(s => s.end_ms));
+  const t1 = Math.max(...t.spans.map(s => s.end_ms));
   const scale = (canvas.width - left - 10) / Math.max(1, t1 - t0);
-  workers.forEach((w, row) => {
+  rows.forEach((key, row) => {
+    const [worker, ...stream] = key.split(' ');
     ctx.fillStyle = '#555d6e';
-    ctx.fillText('worker' + w, 4, top + row * rowH + 15);
+    ctx.fillText('worker' + worker + ' ' + stream.join(' '), 4, top + row * rowH + 13);
   });
   for (const s of t.spans) {
-    const row = workers.indexOf(s.worker);
+    const row = rows.indexOf(rowKey(s));
     ctx.fillStyle = KIND_COLOURS[s.kind] || KIND_COLOURS.other;
     const x = left + (s.start_ms - t0) * scale;
-    ctx.fillRect(x, top + row * rowH + 3, Math.max(1, (s.end_ms - s.start_ms) * scale), rowH - 6);
+    ctx.fillRect(x, top + row * rowH + 2, Math.max(1, (s.end_ms - s.start_ms) * scale), rowH - 4);
   }
   ctx.fillStyle = '#8a90a0';
-  ctx.fillText(((t1 - t0) / 1000).toFixed(1) + ' s shown', left, canvas.height - 4);
-  canvas.dataset.lastEnd = String(Math.max(...t.spans.map(s => s.end_ms)));
+  ctx.fillText((t1 - t0).toFixed(1) + ' ms shown', left, canvas.height - 4);
+  canvas.dataset.lastEnd = String(t1);
+  canvas.dataset.kinds = [...new Set(t.spans.map(s => s.kind))].sort().join(',');
 }
 
 async function refresh() {

@@ -28,6 +28,7 @@
 #include "driver/recovery.h"
 #include "driver/token_dataset.h"
 #include "driver/trainer.h"
+#include "examples/trace_flags.h"
 
 namespace {
 
@@ -75,6 +76,7 @@ struct Flags {
   std::string init_from;          // an llm.c GPT-2 checkpoint: the model and its parameters
   std::string export_path;        // where to write the trained parameters in llm.c's format
   bool preset_given = false;      // --preset on the command line (not the default)
+  tessera::examples::TraceFlags trace;
 };
 
 struct ResolvedShape {
@@ -550,6 +552,9 @@ int Run(const Flags& flags) {
     std::fprintf(stderr, "train_gpt2: parameters after step %lld exported to %s (llm.c format)\n",
                  static_cast<long long>((*trainer)->steps_taken()), flags.export_path.c_str());
   }
+  tessera::Result<std::string> traced = tessera::examples::WriteStepTrace(**trainer, flags.trace);
+  if (!traced.ok()) return Fail(traced.status());
+  if (!traced->empty()) std::fprintf(stderr, "train_gpt2: %s\n", traced->c_str());
   const auto mb = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); };
   for (const tessera::RankFigures& rank : rank_peaks) {
     const tessera::RunFigures& f = rank.figures;
@@ -697,6 +702,7 @@ int main(int argc, char** argv) {
   app.add_option("--export", flags.export_path,
                  "After training, write the parameters to this file in llm.c's fp32 GPT-2 "
                  "checkpoint format (for llm.c or --init-from)");
+  tessera::examples::AddTraceFlags(app, flags.trace);
   app.add_option("--placement", flags.placement,
                  "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
                  "round-robin over the workers)")

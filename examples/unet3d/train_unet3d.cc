@@ -20,6 +20,7 @@
 #include "driver/cluster.h"
 #include "driver/graph_backend.h"
 #include "driver/trainer.h"
+#include "examples/trace_flags.h"
 #include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
@@ -41,6 +42,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   bool resume = false;
   int64_t log_every = 1;
+  tessera::examples::TraceFlags trace;
 };
 
 int Fail(const tessera::Status& status) {
@@ -168,6 +170,9 @@ int Run(const Flags& flags) {
   auto dice = Dice(**trainer, *held_out, *config);
   if (!loss.ok() || !dice.ok()) return Fail(loss.ok() ? dice.status() : loss.status());
   std::printf("held-out: loss %.4f dice %.4f\n", *loss, *dice);
+  tessera::Result<std::string> traced = tessera::examples::WriteStepTrace(**trainer, flags.trace);
+  if (!traced.ok()) return Fail(traced.status());
+  if (!traced->empty()) std::fprintf(stderr, "train_unet3d: %s\n", traced->c_str());
   return 0;
 }
 
@@ -195,6 +200,7 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", flags.resume, "Continue from the latest checkpoint in --checkpoint-dir");
   app.add_option("--log-every", flags.log_every, "Print every N-th step")
       ->check(CLI::PositiveNumber);
+  tessera::examples::AddTraceFlags(app, flags.trace);
   CLI11_PARSE(app, argc, argv);
   return Run(flags);
 }

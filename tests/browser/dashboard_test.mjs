@@ -109,6 +109,7 @@ async function main() {
     lastStep: Number(document.getElementById('plot-loss').dataset.lastStep),
     spans: Number(document.getElementById('timeline').dataset.spans),
     lastEnd: Number(document.getElementById('timeline').dataset.lastEnd),
+    kinds: document.getElementById('timeline').dataset.kinds,
     tasksDone: [...document.querySelectorAll('#workers td.tasks-done')].map(td => td.textContent).join(','),
     memory: [...document.querySelectorAll('#workers td.memory')].map(td => td.textContent).join(','),
     job: document.getElementById('job-name').textContent,
@@ -116,6 +117,8 @@ async function main() {
   const first = await read();
   check(first.lossPoints >= 2, 'the loss plot has points: ' + JSON.stringify(first));
   check(first.spans >= 1, 'the timeline has entries');
+  check(/forward/.test(first.kinds) && /backward/.test(first.kinds),
+        'the timeline tells forward from backward work: ' + first.kinds);
   check(first.job.includes('train_gpt2'), 'the job is named: ' + first.job);
   // Updates: the page polls; wait until the plot and the timeline moved on.
   await page.waitForFunction(

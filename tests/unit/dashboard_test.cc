@@ -77,10 +77,11 @@ class FakeSource : public dashboard::DashboardSource {
     return {job};
   }
   dashboard::TimelineView Timeline() override {
-    dashboard::TimelineView view{.granularity = "instances", .now_ms = 1000};
+    dashboard::TimelineView view{.now_ms = 1000};
     view.spans.push_back({.worker = 2,
-                          .name = "graph 1 instance 5",
-                          .kind = "instance",
+                          .stream = "compute 0",
+                          .name = "block0/attention_forward",
+                          .kind = "forward",
                           .start_ms = 10,
                           .end_ms = 30,
                           .graph_id = 1,
@@ -194,10 +195,10 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_TRUE(points[0]["samples_per_second"].is_null());  // NaN: not reported
 
   const json timeline = json::parse(Get("/api/timeline", Bearer()).body);
-  EXPECT_EQ(timeline["granularity"], "instances");
   ASSERT_EQ(timeline["spans"].size(), 1u);
   EXPECT_EQ(timeline["spans"][0]["worker"], 2);
-  EXPECT_EQ(timeline["spans"][0]["kind"], "instance");
+  EXPECT_EQ(timeline["spans"][0]["kind"], "forward");
+  EXPECT_EQ(timeline["spans"][0]["stream"], "compute 0");
   EXPECT_DOUBLE_EQ(timeline["spans"][0]["end_ms"].get<double>(), 30.0);
 }
 

@@ -13,7 +13,6 @@
 #include "scheduler/dashboard_view.h"
 #include "scheduler/job_metrics.h"
 #include "scheduler/scheduler_core.h"
-#include "scheduler/work_timeline.h"
 #include "test_util.h"
 #include "unit/scheduler_test_graphs.h"
 
@@ -1035,18 +1034,6 @@ TEST(JobMetricsTest, HistoryIsBoundedAndCountsWhatItDropped) {
     metrics.Record(WorkerId(100 + job), progress.asReader(), now);
   }
   EXPECT_EQ(metrics.jobs().size(), JobMetrics::kMaxJobs);
-}
-
-TEST(WorkTimelineTest, AnInstanceSpanEndsWhenReportedAndLastsItsWallTime) {
-  WorkTimeline timeline;
-  const auto t = std::chrono::steady_clock::now();
-  timeline.RecordInstance(WorkerId(2), 1, 9, t, 1500);
-  ASSERT_EQ(timeline.spans().size(), 1u);
-  EXPECT_EQ(timeline.spans()[0].end - timeline.spans()[0].start, std::chrono::microseconds(1500));
-  for (size_t i = 0; i < WorkTimeline::kMaxSpans + 1; ++i) {
-    timeline.RecordInstance(WorkerId(2), 1, 10 + i, t, 1);
-  }
-  EXPECT_EQ(timeline.spans().size(), WorkTimeline::kMaxSpans);
 }
 
 }  // namespace
