@@ -22,6 +22,11 @@ TESSERA_SETTING(int64_t, inline_object_bytes, 16384, "bytes",
                 "inputs) instead of being pulled over the data plane: lower latency for scalars "
                 "and small tensors, more bytes through the scheduler.")
 
+TESSERA_SETTING(int64_t, trace_instances, 16, "instances",
+                "Graph instances (training steps) whose per-task spans the scheduler keeps for "
+                "`tessera timeline` and Cluster::Timeline. Memory grows with it: each instance "
+                "keeps about 40 bytes per task and push on each worker.")
+
 TESSERA_SETTING(int64_t, heartbeat_interval_ms, 500, "ms",
                 "How often workers report to the scheduler.")
 
@@ -64,3 +69,9 @@ TESSERA_SETTING(int64_t, collective_chunk_bytes, 1048576, "bytes",
 TESSERA_SETTING(int64_t, collective_small_bytes, 65536, "bytes",
                 "All-reduces and broadcasts up to this size use the direct algorithm (one hop, "
                 "every rank sends to every other) instead of the ring: lower latency, more bytes.")
+
+TESSERA_SETTING(int64_t, dashboard_port, 0, "port",
+                "The scheduler's web dashboard, its JSON API and /metrics listen on this TCP port "
+                "at the scheduler's host address, guarded by the cluster token. 0: any free port "
+                "(written to <session>/dashboard.address; `tessera start --head` prints the URL). "
+                "-1: no dashboard. `--dashboard-port` overrides it.")

@@ -58,10 +58,12 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   Result<Tensor> Get(const ObjectRef& ref, int timeout_ms);
   Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms);
   Result<ClusterInfo> Info(int timeout_ms);
+  Result<Timeline> GetTimeline(int last_instances, uint64_t graph, int timeout_ms);
   Result<GraphHandle> RegisterGraph(const Graph& graph);
   Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
                                                  const std::map<ObjectId, ObjectRef>& inputs);
   Status Shutdown();
+  Status ReportProgress(const JobProgress& progress);
   void Release(ObjectId id);
   bool connected() const { return !closed_; }
 
@@ -124,6 +126,7 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   std::unordered_set<uint64_t> watched_;
   std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_;
   std::unordered_map<uint64_t, std::shared_ptr<std::promise<Status>>> reply_waiters_;
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<Timeline>>>> timeline_waiters_;
   uint64_t next_request_ = 1;
 };
 
@@ -182,6 +185,8 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
               status_waiters_.clear();
               for (auto& [id, waiter] : reply_waiters_) waiter->set_value(close_reason_);
               reply_waiters_.clear();
+              for (auto& [id, waiter] : timeline_waiters_) waiter->set_value(close_reason_);
+              timeline_waiters_.clear();
             }
             ready_cv_.notify_all();
           },
@@ -454,6 +459,16 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
       }
       break;
     }
+    case proto::Envelope::Body::TIMELINE_REPLY: {
+      Result<Timeline> timeline = rpc::FromWire(body.getTimelineReply());
+      std::lock_guard lock(ready_mutex_);
+      auto it = timeline_waiters_.find(envelope.getRequestId());
+      if (it != timeline_waiters_.end()) {
+        it->second->set_value(std::move(timeline));
+        timeline_waiters_.erase(it);
+      }
+      break;
+    }
     case proto::Envelope::Body::REPLY: {
       Status status =
           body.getReply().getCode() == 0 ? Status::Ok() : rpc::FromWire(body.getReply());
@@ -607,6 +622,31 @@ Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
   return future.get();
 }
 
+Result<Timeline> ClusterClient::GetTimeline(int last_instances, uint64_t graph, int timeout_ms) {
+  auto promise = std::make_shared<std::promise<Result<Timeline>>>();
+  uint64_t request;
+  {
+    std::lock_guard lock(ready_mutex_);
+    if (closed_) return close_reason_;
+    request = next_request_++;
+    timeline_waiters_[request] = promise;
+  }
+  capnp::MallocMessageBuilder message;
+  auto envelope = message.initRoot<proto::Envelope>();
+  envelope.setRequestId(request);
+  auto wire = envelope.initBody().initTimelineRequest();
+  wire.setLastInstances(last_instances);
+  wire.setGraphId(graph);
+  connection_->Send(message);
+  std::future<Result<Timeline>> future = promise->get_future();
+  if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+    std::lock_guard lock(ready_mutex_);
+    timeline_waiters_.erase(request);
+    return TimedOut("the scheduler did not answer a timeline request within {} ms", timeout_ms);
+  }
+  return future.get();
+}
+
 Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
   if (closed_) return close_reason_;
   TESSERA_RETURN_IF_ERROR(graph.Validate());
@@ -692,6 +732,20 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   Flush();
   connection_->Send(message);
   return outputs;
+}
+
+Status ClusterClient::ReportProgress(const JobProgress& progress) {
+  if (closed_) return close_reason_;
+  capnp::MallocMessageBuilder message;
+  auto body = message.initRoot<proto::Envelope>().initBody().initJobProgress();
+  body.setJob(progress.job);
+  body.setStep(progress.step);
+  body.setLoss(progress.loss);
+  body.setStepMs(progress.step_ms);
+  body.setTokensPerSecond(progress.tokens_per_second);
+  body.setSamplesPerSecond(progress.samples_per_second);
+  connection_->Send(message);
+  return Status::Ok();
 }
 
 Status ClusterClient::Shutdown() {
@@ -780,6 +834,10 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
   cluster->local_address_ = scheduler.local_address;
   cluster->started_workers_ = options.cpu_workers;
+  if (!scheduler.dashboard.empty()) {
+    cluster->dashboard_url_ =
+        fmt::format("http://{}/?token={}", scheduler.dashboard, session.token());
+  }
 
   cluster->client_ = std::make_shared<detail::ClusterClient>();
   ConnectOptions connect;
@@ -852,6 +910,10 @@ Status Cluster::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
 
 Result<ClusterInfo> Cluster::Info() { return client_->Info(5000); }
 
+Result<tessera::Timeline> Cluster::Timeline(int last_instances, uint64_t graph) {
+  return client_->GetTimeline(last_instances, graph, 30'000);
+}
+
 bool Cluster::connected() const { return client_ && client_->connected(); }
 
 Result<GraphHandle> Cluster::RegisterGraph(const Graph& graph) {
@@ -864,5 +926,8 @@ Result<std::map<ObjectId, ObjectRef>> Cluster::RunGraph(
 }
 
 Status Cluster::Shutdown() { return client_->Shutdown(); }
+Status Cluster::ReportProgress(const JobProgress& progress) {
+  return client_->ReportProgress(progress);
+}
 
 }  // namespace tessera

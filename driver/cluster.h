@@ -28,6 +28,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +39,7 @@
 #include "core/ids.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/timeline.h"
 
 namespace tessera {
 
@@ -151,6 +153,17 @@ struct ClusterInfo {
   std::string session_dir;
 };
 
+// A training step's figures, reported to the scheduler (Cluster::ReportProgress) for its
+// dashboard and /metrics. Figures a job does not have stay NaN.
+struct JobProgress {
+  std::string job;  // the program's name for the run, e.g. "train_gpt2"
+  int64_t step = 0;
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double step_ms = std::numeric_limits<double>::quiet_NaN();
+  double tokens_per_second = std::numeric_limits<double>::quiet_NaN();
+  double samples_per_second = std::numeric_limits<double>::quiet_NaN();
+};
+
 class Cluster {
  public:
   // Unavailable when nothing answers at `address` (within options.retry_ms), or the scheduler
@@ -177,14 +190,27 @@ class Cluster {
                                                  const std::map<ObjectId, ObjectRef>& inputs);
 
   Result<ClusterInfo> Info();
+  // The spans of the latest `last_instances` graph instances the scheduler kept (setting
+  // trace_instances; <= 0: all it kept), of `graph` only when non-zero (GraphHandle::id()),
+  // oldest first: every task, collective member and push on every worker (core/timeline.h).
+  // Asked for one graph, the answer waits until no instance of it is running. TimedOut when the
+  // scheduler does not answer within 30 s.
+  Result<tessera::Timeline> Timeline(int last_instances, uint64_t graph = 0);
   // Asks the scheduler to stop the cluster (its workers exit too).
   Status Shutdown();
+  // Tells the scheduler how the job is doing after a step (one-way, no round trip; the
+  // scheduler keeps a bounded history per job for its dashboard). The connection's error when
+  // it is gone; nothing else can fail.
+  Status ReportProgress(const JobProgress& progress);
 
   // False once the connection to the scheduler is gone (it died, stopped answering, or shut
   // down): every call then fails with the reason. A restarted scheduler needs a new Connect.
   bool connected() const;
   const std::string& address() const { return address_; }
   const std::string& session_dir() const { return session_dir_; }
+  // The dashboard of a local cluster (StartLocal), with its token: "http://HOST:PORT/?token=...";
+  // empty for a connected cluster (`tessera start --head` prints that one) or without one.
+  const std::string& dashboard_url() const { return dashboard_url_; }
   // Processes this Cluster started (StartLocal): the scheduler first, then the workers.
   const std::vector<pid_t>& local_processes() const { return processes_; }
   // A local cluster (StartLocal): starts `count` more workers like the first ones and waits
@@ -200,6 +226,7 @@ class Cluster {
   // StartLocal's: how workers were started, and the scheduler's local address.
   LocalClusterOptions local_options_;
   std::string local_address_;
+  std::string dashboard_url_;
   int started_workers_ = 0;
 };
 

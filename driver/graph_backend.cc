@@ -1,6 +1,10 @@
 #include "driver/graph_backend.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <deque>
 #include <thread>
 
 #include "ops/cpu/cpu_kernels.h"
@@ -33,6 +37,7 @@ class InProcessBackend final : public GraphBackend {
       }
       return run.status();
     }
+    RecordTimings(graph, run->stats);
     last_peak_bytes_ = run->stats.peak_bytes;
     const RoleBytes& roles = run->stats.role_bytes;
     last_figures_ = RunFigures{};
@@ -59,7 +64,60 @@ class InProcessBackend final : public GraphBackend {
     return fmt::format("in process, {} threads", executor_.threads());
   }
 
+  Result<Timeline> LastTimeline(int graph, int instances) override {
+    if (graph < 0 || static_cast<size_t>(graph) >= prepared_.size()) {
+      return InvalidArgument("graph handle {} was not registered with this backend", graph);
+    }
+    const Graph& spec = prepared_[static_cast<size_t>(graph)]->graph();
+    std::vector<const RecordedRun*> chosen;
+    for (auto it = runs_.rbegin(); it != runs_.rend(); ++it) {
+      if (instances > 0 && static_cast<int>(chosen.size()) >= instances) break;
+      if (it->graph == graph) chosen.push_back(&*it);
+    }
+    Timeline timeline;
+    char hostname[256] = {};
+    gethostname(hostname, sizeof(hostname) - 1);
+    timeline.processes.push_back(TimelineProcess{WorkerId(), hostname, static_cast<int>(getpid())});
+    for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
+      for (const TaskTiming& timing : (*it)->timings) {
+        if (!timing.task.valid() || timing.task.value() > spec.tasks().size()) continue;
+        const TaskSpec& task = spec.tasks()[timing.task.value() - 1];
+        TimelineSpan span;
+        span.stream = std::max(timing.thread_slot, 0);
+        span.name = task.name;
+        span.layer = task.layer;
+        span.op = task.op;
+        span.kind = ClassifyTask(task.name, task.op);
+        span.start_us = (*it)->start_unix_us + static_cast<int64_t>(timing.start_us);
+        span.end_us =
+            std::max(span.start_us, (*it)->start_unix_us + static_cast<int64_t>(timing.end_us));
+        span.graph = static_cast<uint64_t>(graph);
+        span.instance = (*it)->instance;
+        timeline.spans.push_back(std::move(span));
+      }
+    }
+    return timeline;
+  }
+
  private:
+  struct RecordedRun {
+    int graph = 0;
+    uint64_t instance = 0;  // runs of this backend, from 1
+    int64_t start_unix_us = 0;
+    std::vector<TaskTiming> timings;
+  };
+  // Keeps the timings of the latest trace_instances runs (RunStats::timings is in task-id
+  // order, one per task).
+  void RecordTimings(int graph, const RunStats& stats) {
+    runs_.push_back(RecordedRun{graph, ++runs_recorded_, stats.start_unix_us, stats.timings});
+    while (static_cast<int64_t>(runs_.size()) > std::max<int64_t>(1, trace_instances_)) {
+      runs_.pop_front();
+    }
+  }
+
+  int64_t trace_instances_ = Settings{}.trace_instances;
+  std::deque<RecordedRun> runs_;
+  uint64_t runs_recorded_ = 0;
   std::unique_ptr<OpRegistry> registry_;
   InProcessExecutor executor_;
   std::vector<std::unique_ptr<PreparedGraph>> prepared_;
@@ -127,6 +185,13 @@ class ClusterBackend final : public GraphBackend {
   std::shared_ptr<Allocator> allocator() override { return allocator_; }
   int64_t last_peak_bytes() const override { return 0; }
   std::vector<WorkerId> workers() const override { return workers_; }
+
+  Result<Timeline> LastTimeline(int graph, int instances) override {
+    if (graph < 0 || static_cast<size_t>(graph) >= handles_.size()) {
+      return InvalidArgument("graph handle {} was not registered with this backend", graph);
+    }
+    return cluster_.Timeline(instances, handles_[static_cast<size_t>(graph)].id());
+  }
 
   Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
       int graph, const std::vector<WorkerId>& workers) override {

@@ -21,6 +21,7 @@
 #include "core/graph.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/timeline.h"
 #include "driver/cluster.h"
 #include "ops/op_registry.h"
 #include "worker/in_process_executor.h"
@@ -56,6 +57,10 @@ class GraphBackend {
   // reported a run of `graph` newer than the one this call last returned.
   virtual Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
       int graph, const std::vector<WorkerId>& workers) = 0;
+  // The spans of the latest `instances` runs of `graph` (core/timeline.h), oldest first: in
+  // process from the executor's task timings (the last trace_instances runs are kept; one
+  // process, invalid worker id), on a cluster from the scheduler (Cluster::Timeline).
+  virtual Result<Timeline> LastTimeline(int graph, int instances) = 0;
   // The workers a plan may pin tasks to, in a stable order (empty in process: one executor).
   virtual std::vector<WorkerId> workers() const = 0;
 };

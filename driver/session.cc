@@ -174,13 +174,17 @@ std::string LocalSession::LogTail(const std::string& log) {
 }
 
 std::vector<std::string> LocalSession::SchedulerArgv(const SchedulerLaunch& launch) const {
-  std::vector<std::string> argv = {processes_.binary, "scheduler",
-                                   "--host",          launch.host,
-                                   "--port",          std::to_string(launch.port),
-                                   "--token-file",    token_file(),
-                                   "--session-dir",   dir_,
-                                   "--address-file",  address_file(),
-                                   "--unix-socket",   dir_ + "/scheduler.sock"};
+  std::vector<std::string> argv = {processes_.binary,  "scheduler",
+                                   "--host",           launch.host,
+                                   "--port",           std::to_string(launch.port),
+                                   "--token-file",     token_file(),
+                                   "--session-dir",    dir_,
+                                   "--address-file",   address_file(),
+                                   "--unix-socket",    dir_ + "/scheduler.sock",
+                                   "--dashboard-file", dashboard_file()};
+  if (launch.dashboard_port != SchedulerLaunch::kDashboardPortFromSettings) {
+    argv.insert(argv.end(), {"--dashboard-port", std::to_string(launch.dashboard_port)});
+  }
   if (launch.restart) argv.push_back("--restart");
   return argv;
 }
@@ -188,6 +192,7 @@ std::vector<std::string> LocalSession::SchedulerArgv(const SchedulerLaunch& laun
 Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& launch) {
   std::error_code ignored;
   std::filesystem::remove(address_file(), ignored);
+  std::filesystem::remove(dashboard_file(), ignored);
   const std::string log = dir_ + "/scheduler.log";
   StartedScheduler started;
   started.local_address = "unix:" + dir_ + "/scheduler.sock";
@@ -201,6 +206,10 @@ Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& lau
     Result<std::string> address = ReadFileTrimmed(address_file());
     if (address.ok() && !address->empty()) {
       started.address = *address;
+      // Written before the address file when the scheduler has a dashboard.
+      if (Result<std::string> dashboard = ReadFileTrimmed(dashboard_file()); dashboard.ok()) {
+        started.dashboard = *dashboard;
+      }
       break;
     }
     if (!ProcessAlive(started.pid)) {

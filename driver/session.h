@@ -8,6 +8,7 @@
 //   scheduler.address  the scheduler's HOST:PORT, written by the scheduler once it listens
 //   scheduler.sock     its Unix socket (processes on this host join over it)
 //   scheduler.pid      its pid
+//   dashboard.address  the HOST:PORT of the scheduler's dashboard, when it has one
 //   scheduler.log, worker-<tag>.log, spill-<tag>/   what each process printed, and spilled
 // `tessera start --head` links the newest one as /tmp/tessera/session_latest, which commands
 // without --address use.
@@ -74,12 +75,17 @@ struct SchedulerLaunch {
   int timeout_ms = 20'000;         // to write its address file
   // Supervised: started again whenever it dies (`tessera scheduler --restart`).
   bool restart = false;
+  // The dashboard's port: 0 any free one, -1 none; kDashboardPortFromSettings: the scheduler's
+  // dashboard_port setting. Its HOST:PORT goes to <session>/dashboard.address.
+  static constexpr int kDashboardPortFromSettings = -2;
+  int dashboard_port = kDashboardPortFromSettings;
 };
 
 struct StartedScheduler {
   pid_t pid = 0;
   std::string address;        // HOST:PORT, for other hosts
   std::string local_address;  // unix:<session>/scheduler.sock, for this host
+  std::string dashboard;      // HOST:PORT of its dashboard; empty when it has none
 };
 
 struct WorkerLaunch {
@@ -107,6 +113,7 @@ class LocalSession {
   const std::string& token() const { return token_; }
   std::string token_file() const { return dir_ + "/token"; }
   std::string address_file() const { return dir_ + "/scheduler.address"; }
+  std::string dashboard_file() const { return dir_ + "/dashboard.address"; }
 
   // Starts the scheduler and waits for its address file. Unavailable (with the end of its log)
   // when it exits first, TimedOut when the deadline passes.

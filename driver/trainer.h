@@ -151,6 +151,9 @@ class Trainer {
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
   GraphBackend& backend() { return *backend_; }
+  // The spans of the latest `steps` training steps (GraphBackend::LastTimeline of the step
+  // graph; evaluation and checkpoint graphs are left out).
+  Result<Timeline> StepTimeline(int steps) { return backend_->LastTimeline(step_handle_, steps); }
   // Bytes of model state: parameters, and optimizer state.
   int64_t ParameterBytes() const;
   int64_t OptimizerStateBytes() const;

@@ -1,12 +1,16 @@
 // tessera: start and stop cluster processes, and look at a running cluster.
 //
 //   tessera start --head [--host 127.0.0.1] [--port 6380]     the scheduler (runs in background)
+//                 [--dashboard-port P]                        and its dashboard (printed URL)
 //   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
 //   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
 //   tessera stop [--address HOST:PORT]                        stops the whole cluster
 //   tessera up CLUSTER.yaml | HOSTFILE                        a cluster on hosts over ssh
 //   tessera down CLUSTER.yaml                                 stops it; no process left
 //   tessera attach CLUSTER.yaml                               where it is, for drivers
+//   tessera timeline --out trace.json [--steps N] [--address HOST:PORT]
+//                                                             the last N graph instances'
+//                                                             spans, as Chrome/Perfetto JSON
 //
 // `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
 // /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
@@ -26,6 +30,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -37,6 +42,7 @@
 #include "driver/cluster.h"
 #include "driver/process.h"
 #include "driver/session.h"
+#include "driver/trace.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
 #include "launcher/ssh_shell.h"
@@ -107,6 +113,8 @@ Result<tessera::Settings> LoadSettings() {
   return settings;
 }
 
+constexpr int kDashboardPortFromSettings = tessera::SchedulerLaunch::kDashboardPortFromSettings;
+
 struct SchedulerFlags {
   std::string host = "127.0.0.1";
   int port = 6380;
@@ -114,6 +122,10 @@ struct SchedulerFlags {
   std::string session_dir;
   std::string address_file;
   std::string unix_socket;
+  // The dashboard's port (0: any free one; -1: none); kDashboardPortFromSettings: the
+  // dashboard_port setting. Its HOST:PORT is written to dashboard_file when set.
+  int dashboard_port = kDashboardPortFromSettings;
+  std::string dashboard_file;
   bool restart = false;  // supervise: run the scheduler as a child, start it again if it dies
 };
 
@@ -145,8 +157,12 @@ int SuperviseScheduler(SchedulerFlags flags) {
     for (const auto& [flag, value] :
          {std::pair<const char*, const std::string&>{"--session-dir", flags.session_dir},
           {"--address-file", flags.address_file},
-          {"--unix-socket", flags.unix_socket}}) {
+          {"--unix-socket", flags.unix_socket},
+          {"--dashboard-file", flags.dashboard_file}}) {
       if (!value.empty()) argv.insert(argv.end(), {flag, value});
+    }
+    if (flags.dashboard_port != kDashboardPortFromSettings) {
+      argv.insert(argv.end(), {"--dashboard-port", std::to_string(flags.dashboard_port)});
     }
     Result<pid_t> child = tessera::SpawnProcess(argv, tessera::SpawnOptions{});
     if (!child.ok()) return Fail(child.status());
@@ -155,8 +171,10 @@ int SuperviseScheduler(SchedulerFlags flags) {
       state->child = *child;
       if (state->stopping) ::kill(*child, SIGTERM);
     }
-    if (first && flags.port == 0 && !flags.address_file.empty()) {
-      // Restarts bind the port the first scheduler got: workers and drivers know that one.
+    if (first && (flags.port == 0 || !flags.dashboard_file.empty()) &&
+        !flags.address_file.empty()) {
+      // Restarts bind the ports the first scheduler got: workers, drivers and browsers know
+      // those. The dashboard's file is written before the address file.
       for (int waited = 0; waited < 20'000 && tessera::ProcessAlive(*child); waited += 20) {
         Result<std::string> text = ReadFileTrimmed(flags.address_file);
         Result<tessera::rpc::Address> bound = text.ok()
@@ -164,6 +182,10 @@ int SuperviseScheduler(SchedulerFlags flags) {
                                                   : Result<tessera::rpc::Address>(text.status());
         if (bound.ok() && bound->port != 0) {
           flags.port = bound->port;
+          Result<std::string> dashboard = ReadFileTrimmed(flags.dashboard_file);
+          if (dashboard.ok() && dashboard->rfind(':') != std::string::npos) {
+            flags.dashboard_port = std::atoi(dashboard->c_str() + dashboard->rfind(':') + 1);
+          }
           break;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -214,6 +236,12 @@ int RunScheduler(const SchedulerFlags& flags) {
   options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
+  options.core.trace_instances = static_cast<int>(settings->trace_instances);
+  options.dashboard_host = flags.host;
+  options.dashboard_port = flags.dashboard_port == kDashboardPortFromSettings
+                               ? static_cast<int>(settings->dashboard_port)
+                               : flags.dashboard_port;
+  options.dashboard_file = flags.dashboard_file;
   // The signal thread and this one both reach the service (races TSan found): through a switch
   // the signal thread co-owns (it may run after this function returned), under its mutex; a
   // signal that comes before the service exists stops it as soon as it does.
@@ -331,14 +359,19 @@ struct StartFlags {
   std::string token_file;
   std::string gpus;
   bool no_restart = false;
+  int dashboard_port = kDashboardPortFromSettings;
 };
 
 int StartHead(const StartFlags& flags) {
   Result<tessera::LocalSession> session = tessera::LocalSession::Create(
       flags.session_dir, "session", {.binary = SelfBinary(), .detached = true});
   if (!session.ok()) return Fail(session.status());
-  Result<tessera::StartedScheduler> scheduler = session->StartScheduler(
-      {.host = flags.host, .port = flags.port, .timeout_ms = 10'000, .restart = !flags.no_restart});
+  Result<tessera::StartedScheduler> scheduler =
+      session->StartScheduler({.host = flags.host,
+                               .port = flags.port,
+                               .timeout_ms = 10'000,
+                               .restart = !flags.no_restart,
+                               .dashboard_port = flags.dashboard_port});
   if (!scheduler.ok()) return Fail(scheduler.status());
   if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
     std::error_code error;
@@ -355,6 +388,11 @@ int StartHead(const StartFlags& flags) {
   std::printf("  token file: %s (only you can read it)\n", session->token_file().c_str());
   std::printf("  add workers: tessera start --address %s --cpu-workers 2\n",
               scheduler->address.c_str());
+  if (!scheduler->dashboard.empty()) {
+    // The token in the URL is exchanged for a cookie on the first visit.
+    std::printf("  dashboard: http://%s/?token=%s\n", scheduler->dashboard.c_str(),
+                session->token().c_str());
+  }
   return 0;
 }
 
@@ -425,6 +463,30 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
                 static_cast<double>(w.spilled_bytes) / (1 << 20), w.tasks_running,
                 static_cast<long long>(w.tasks_done));
   }
+  return 0;
+}
+
+int WriteTimeline(const std::string& address_flag, const std::string& token_file,
+                  const std::string& out, int steps) {
+  Result<std::string> address = ResolveAddress(address_flag);
+  if (!address.ok()) return Fail(address.status());
+  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  if (!cluster.ok()) return Fail(cluster.status());
+  Result<tessera::Timeline> timeline = (*cluster)->Timeline(steps);
+  if (!timeline.ok()) return Fail(timeline.status());
+  if (timeline->spans.empty()) {
+    return Fail(tessera::NotFound(
+        "the cluster at {} kept no spans yet: run a graph (a training step) first, or raise "
+        "TESSERA_TRACE_INSTANCES on the scheduler",
+        *address));
+  }
+  if (Status written = tessera::WriteChromeTrace(out, *timeline); !written.ok()) {
+    return Fail(written);
+  }
+  std::set<uint64_t> instances;
+  for (const tessera::TimelineSpan& span : timeline->spans) instances.insert(span.instance);
+  std::printf("wrote %zu spans of %zu graph instance(s) on %zu process(es) to %s\n",
+              timeline->spans.size(), instances.size(), timeline->processes.size(), out.c_str());
   return 0;
 }
 
@@ -556,6 +618,9 @@ int main(int argc, char** argv) {
   start_cmd->add_option("--port", start.port, "Scheduler: port (0: any free one)")
       ->check(CLI::Range(0, 65535));
   start_cmd->add_option("--session-dir", start.session_dir, "Scheduler: session directory");
+  start_cmd->add_option("--dashboard-port", start.dashboard_port,
+                        "--head: the dashboard's port (0: any free one; -1: none; default: the "
+                        "dashboard_port setting, 0 unless TESSERA_DASHBOARD_PORT says otherwise)");
   start_cmd->add_flag("--no-restart", start.no_restart,
                       "Scheduler: do not start it again when it dies (by default a supervisor "
                       "does, and workers rejoin it)");
@@ -605,6 +670,20 @@ int main(int argc, char** argv) {
       "attach", "Print TESSERA_ADDRESS/TESSERA_TOKEN_FILE lines for a driver (eval them)");
   cluster_file_options(attach_cmd, attach);
   attach_cmd->add_flag("--status", attach.status, "Also show `tessera status`");
+  std::string timeline_address, timeline_token, timeline_out;
+  int timeline_steps = 2;
+  CLI::App* timeline_cmd = app.add_subcommand(
+      "timeline",
+      "Write the last steps' trace (every task, collective and transfer on every "
+      "worker) as Chrome/Perfetto JSON");
+  timeline_cmd->add_option("--out", timeline_out, "The trace file to write (trace.json)")
+      ->required();
+  timeline_cmd
+      ->add_option("--steps", timeline_steps,
+                   "How many of the latest graph instances (steps) to include (default 2)")
+      ->check(CLI::PositiveNumber);
+  timeline_cmd->add_option("--address", timeline_address, "The scheduler's HOST:PORT");
+  timeline_cmd->add_option("--token-file", timeline_token, "The cluster token file");
 
   SchedulerFlags scheduler;
   CLI::App* scheduler_cmd = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
@@ -613,6 +692,11 @@ int main(int argc, char** argv) {
   scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
   scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
   scheduler_cmd->add_option("--address-file", scheduler.address_file);
+  scheduler_cmd->add_option("--dashboard-port", scheduler.dashboard_port,
+                            "The dashboard's port (0: any free one; -1: none; default: the "
+                            "dashboard_port setting)");
+  scheduler_cmd->add_option("--dashboard-file", scheduler.dashboard_file,
+                            "Write the dashboard's HOST:PORT here");
   scheduler_cmd->add_flag("--restart", scheduler.restart,
                           "Supervise: start the scheduler again whenever it dies");
   scheduler_cmd->add_option("--unix-socket", scheduler.unix_socket,
@@ -650,6 +734,9 @@ int main(int argc, char** argv) {
   if (up_cmd->parsed()) return Up(up);
   if (down_cmd->parsed()) return Down(down);
   if (attach_cmd->parsed()) return Attach(attach);
+  if (timeline_cmd->parsed()) {
+    return WriteTimeline(timeline_address, timeline_token, timeline_out, timeline_steps);
+  }
   if (scheduler_cmd->parsed()) return RunScheduler(scheduler);
   if (worker_cmd->parsed()) return RunWorker(worker);
   return 2;

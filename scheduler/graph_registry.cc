@@ -302,4 +302,20 @@ void GraphRegistry::WorkerDied(WorkerId worker, const std::string& who, const St
   }
 }
 
+const std::vector<TaskSpec>* GraphRegistry::Tasks(uint64_t graph) const {
+  auto it = graphs_.find(graph);
+  return it == graphs_.end() ? nullptr : &it->second.tasks;
+}
+
+const std::vector<ObjectSpec>* GraphRegistry::Objects(uint64_t graph) const {
+  auto it = graphs_.find(graph);
+  return it == graphs_.end() ? nullptr : &it->second.objects;
+}
+
+bool GraphRegistry::Running(uint64_t graph, uint64_t instance) const {
+  if (instance != 0) return instances_.contains({graph, instance});
+  auto it = instances_.lower_bound({graph, 0});
+  return it != instances_.end() && it->first.first == graph;
+}
+
 }  // namespace tessera

@@ -65,6 +65,13 @@ class GraphRegistry {
   // `worker` (described as `who`) died of `reason`: the instances it was part of fail.
   void WorkerDied(WorkerId worker, const std::string& who, const Status& reason);
 
+  // A registered graph's tasks and objects (graph-local ids, dense from 1); null when unknown.
+  const std::vector<TaskSpec>* Tasks(uint64_t graph) const;
+  const std::vector<ObjectSpec>* Objects(uint64_t graph) const;
+  // Whether an instance is still running (some involved worker has not reported); with
+  // instance 0, whether any instance of `graph` is.
+  bool Running(uint64_t graph, uint64_t instance) const;
+
  private:
   struct GraphEntry {
     uint64_t id = 0;

@@ -154,6 +154,12 @@ void SendShutdown(Outbox& outbox, WorkerId to) {
   outbox.Send(to, message);
 }
 
+void SendTimelineReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Timeline& timeline) {
+  capnp::MallocMessageBuilder message;
+  rpc::ToWire(timeline, Body(message, request_id).initTimelineReply());
+  outbox.Send(to, message);
+}
+
 void SendKeepalive(Outbox& outbox, WorkerId to) {
   capnp::MallocMessageBuilder message;
   Body(message).initKeepalive();

@@ -18,6 +18,7 @@
 #include "core/graph.h"
 #include "core/ids.h"
 #include "core/status.h"
+#include "core/timeline.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
@@ -102,6 +103,8 @@ void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& s
 void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
                      const StatusSummary& summary);
 void SendShutdown(Outbox& outbox, WorkerId to);
+// The answer to a TimelineRequest.
+void SendTimelineReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Timeline& timeline);
 void SendKeepalive(Outbox& outbox, WorkerId to);
 
 // Dynamic tasks and objects.

@@ -77,6 +77,9 @@ void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader h
 void ParticipantTable::RecordRun(Participant& worker, proto::RunReport::Reader report) {
   worker.last_run = std::make_unique<capnp::MallocMessageBuilder>();
   worker.last_run->setRoot(report);
+  ++worker.instances_finished;
+  worker.bytes_pushed += report.getPushedBytes();
+  worker.collective_bytes_sent += report.getCollectiveBytesSent();
 }
 
 std::vector<WorkerId> ParticipantTable::Expired(Clock::time_point now,

@@ -51,8 +51,12 @@ struct Participant {
   // The scheduler's load on it: dispatched tasks and the memory estimates they were placed with.
   int tasks_in_flight = 0;
   int64_t committed_bytes = 0;
-  // The latest InstanceFinished report, copied out of its message (reported in status).
+  // The latest InstanceFinished report, copied out of its message (reported in status), and
+  // sums over every report (the dashboard's cumulative bytes).
   std::unique_ptr<capnp::MallocMessageBuilder> last_run;
+  int64_t instances_finished = 0;
+  int64_t bytes_pushed = 0;
+  int64_t collective_bytes_sent = 0;
   std::chrono::steady_clock::time_point last_heard;
 };
 
@@ -77,7 +81,7 @@ class ParticipantTable {
   Status Hello(Participant& from, proto::Hello::Reader hello);
   // Records a worker's heartbeat figures.
   void Heartbeat(Participant& worker, proto::Heartbeat::Reader heartbeat);
-  // Keeps a copy of the latest graph-instance report of `worker`.
+  // Keeps a copy of the latest graph-instance report of `worker` and adds its bytes to the sums.
   void RecordRun(Participant& worker, proto::RunReport::Reader report);
 
   // Alive workers not heard from for more than `timeout` at `now`, ascending.

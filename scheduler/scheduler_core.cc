@@ -1,5 +1,8 @@
 #include "scheduler/scheduler_core.h"
 
+#include <algorithm>
+#include <set>
+
 #include "core/logging.h"
 #include "core/rpc/wire.h"
 #include "scheduler/messages.h"
@@ -14,7 +17,8 @@ SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
       groups_(outbox, [this](WorkerId worker) { return participants_.Describe(worker); }),
       objects_(&tasks_),
       tasks_(options_.max_task_attempts, &objects_, &participants_, &groups_),
-      graphs_(outbox, &objects_, &participants_, &groups_) {}
+      graphs_(outbox, &objects_, &participants_, &groups_),
+      traces_(std::max(1, options_.trace_instances)) {}
 
 WorkerId SchedulerCore::Accept() { return participants_.Accept(now_()); }
 
@@ -92,6 +96,13 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "an instance result"));
       const auto finished = body.getInstanceFinished();
       if (finished.hasReport()) participants_.RecordRun(participant, finished.getReport());
+      if (finished.hasSpans()) {
+        Result<WorkerSpans> spans = rpc::FromWire(finished.getSpans());
+        if (!spans.ok()) return spans.status().WithContext("spans of an instance");
+        const uint64_t graph = finished.getGraphId();
+        traces_.Record(from, graph, finished.getInstance(), *std::move(spans), graphs_.Tasks(graph),
+                       graphs_.Objects(graph));
+      }
       return graphs_.InstanceFinished(from, finished);
     }
     case proto::Envelope::Body::COLLECTIVE_JOIN:
@@ -100,6 +111,19 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
     case proto::Envelope::Body::COLLECTIVE_FAILED:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective failure"));
       return groups_.OnFailed(from, body.getCollectiveFailed(), now_());
+    case proto::Envelope::Body::JOB_PROGRESS:
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "job progress"));
+      jobs_.Record(from, body.getJobProgress(), now_());
+      return Status::Ok();
+    case proto::Envelope::Body::TIMELINE_REQUEST:
+      if (role == ParticipantRole::kWorker) {
+        return InvalidArgument(
+            "{} sent a timeline request, which only a driver or an "
+            "administrator may send",
+            from.ToString());
+      }
+      OnTimelineRequest(from, request_id, body.getTimelineRequest());
+      return Status::Ok();
     case proto::Envelope::Body::SHUTDOWN:
       if (role == ParticipantRole::kWorker)
         return InvalidArgument("a worker may not shut the cluster down");
@@ -175,6 +199,7 @@ void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
   } else if (participant->role == ParticipantRole::kDriver) {
     // The driver's references go with it; so do the objects it held (its Puts).
     objects_.DriverGone(who);
+    jobs_.DriverGone(who);
   }
   participants_.Remove(who);
   objects_.DropNotifications(who);
@@ -225,7 +250,44 @@ void SchedulerCore::Tick() {
   }
 }
 
+void SchedulerCore::OnTimelineRequest(WorkerId from, uint64_t request_id,
+                                      proto::TimelineRequest::Reader request) {
+  timeline_waiters_.push_back(
+      TimelineWaiter{from, request_id, request.getLastInstances(), request.getGraphId()});
+  AnswerTimelineRequests();
+}
+
+std::vector<TimelineSpan> SchedulerCore::RecentSpans(int last) const {
+  return traces_.Collect(last, 0, [this](uint64_t graph, uint64_t instance) {
+    return graphs_.Running(graph, instance);
+  });
+}
+
+void SchedulerCore::AnswerTimelineRequests() {
+  auto running = [this](uint64_t graph, uint64_t instance) {
+    return graphs_.Running(graph, instance);
+  };
+  std::erase_if(timeline_waiters_, [&](const TimelineWaiter& waiter) {
+    if (participants_.Find(waiter.from) == nullptr) return true;  // gone
+    if (waiter.graph != 0 && graphs_.Running(waiter.graph, 0)) return false;
+    Timeline timeline;
+    timeline.spans = traces_.Collect(waiter.last, waiter.graph, running);
+    std::set<WorkerId> workers;
+    for (const TimelineSpan& span : timeline.spans) workers.insert(span.worker);
+    for (WorkerId worker : workers) {
+      const Participant* participant = participants_.Find(worker);
+      timeline.processes.push_back(
+          participant == nullptr
+              ? TimelineProcess{worker, "", 0}
+              : TimelineProcess{worker, participant->hostname, participant->pid});
+    }
+    SendTimelineReply(*outbox_, waiter.from, waiter.request_id, timeline);
+    return true;
+  });
+}
+
 void SchedulerCore::Flush() {
+  if (!timeline_waiters_.empty()) AnswerTimelineRequests();
   tasks_.Flush(*outbox_);
   FlushObjects();
 }

@@ -15,7 +15,10 @@
 //   GraphRegistry     (graph_registry.h)    registered graphs, placed once (PlaceGraph), and
 //                                           their instances
 //   CollectiveGroups  (collective_groups.h) every collective group's rendezvous and watcher
+//   TraceStore        (trace_store.h)       the spans of the latest graph instances
 //   placement.h, messages.h                 placement policies; every outgoing message
+//   JobMetrics        (job_metrics.h)       the jobs' step figures (loss, step time, ...)
+// JobMetrics only records, for the dashboard (dashboard/, read through the accessors below).
 // The core checks that each message comes from a participant in the role allowed to send it,
 // hands it to the part it concerns, and runs the sequences that span parts: a participant
 // joining, a worker's death, a driver's departure, a flush of the outgoing batches.
@@ -42,10 +45,12 @@
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/graph_registry.h"
+#include "scheduler/job_metrics.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
 #include "scheduler/task_table.h"
+#include "scheduler/trace_store.h"
 
 namespace tessera {
 
@@ -56,6 +61,7 @@ struct SchedulerOptions {
   int64_t inline_object_bytes = 16 * 1024;
   int max_task_attempts = 3;
   std::string session_dir;
+  int trace_instances = 16;  // graph instances whose spans are kept (scheduler/trace_store.h)
 };
 
 class SchedulerCore {
@@ -86,6 +92,14 @@ class SchedulerCore {
   int alive_workers() const { return participants_.alive_workers(); }
   size_t num_objects() const { return objects_.size(); }
   size_t num_tasks() const { return tasks_.size(); }
+  // Read-only views for the dashboard (scheduler/dashboard_view.h), on the core's thread.
+  const ParticipantTable& participants() const { return participants_; }
+  TaskCounts task_counts() const { return tasks_.counts(); }
+  const JobMetrics& job_metrics() const { return jobs_; }
+  // The spans of the latest `last` graph instances kept (every one kept when <= 0), finished
+  // instances only (as a TimelineRequest is answered).
+  std::vector<TimelineSpan> RecentSpans(int last) const;
+  const std::string& session_dir() const { return options_.session_dir; }
 
  private:
   // Routes a message from an admitted participant to the part it concerns.
@@ -93,6 +107,13 @@ class SchedulerCore {
   Status OnHello(Participant& from, proto::Hello::Reader hello);
   Status OnPutObjects(WorkerId driver, proto::PutObjects::Reader put);
   void OnStatusRequest(WorkerId from, uint64_t request_id);
+  // A driver or the CLI asks for the spans of the latest instances. Asked for one graph's, the
+  // answer waits until no instance of that graph is running (its last workers' spans may still
+  // be on their way); instances always end (a report, a failure or a death), so it never hangs.
+  void OnTimelineRequest(WorkerId from, uint64_t request_id,
+                         proto::TimelineRequest::Reader request);
+  // Answers the timeline requests that no longer wait for a running instance.
+  void AnswerTimelineRequests();
   void OnShutdown(WorkerId from);
   // Sends `who` the reason and drops its connection.
   void Refuse(WorkerId who, uint64_t request_id, const Status& reason);
@@ -109,6 +130,15 @@ class SchedulerCore {
   ObjectDirectory objects_;
   TaskTable tasks_;
   GraphRegistry graphs_;
+  JobMetrics jobs_;
+  TraceStore traces_;
+  struct TimelineWaiter {
+    WorkerId from;
+    uint64_t request_id = 0;
+    int last = 0;
+    uint64_t graph = 0;
+  };
+  std::vector<TimelineWaiter> timeline_waiters_;
   bool shutdown_requested_ = false;
   Clock::time_point last_keepalive_{};
 };

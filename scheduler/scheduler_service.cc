@@ -8,6 +8,9 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "dashboard/http_handler.h"
+#include "dashboard/http_server.h"
+#include "scheduler/dashboard_view.h"
 
 namespace tessera {
 
@@ -19,7 +22,11 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
       : options_(std::move(options)),
         work_(rpc::asio::make_work_guard(io_)),
         core_(options_.core, this, [] { return SchedulerCore::Clock::now(); }),
-        tick_(io_) {}
+        tick_(io_),
+        dashboard_source_(&core_, SchedulerCore::Clock::now(),
+                          [] { return SchedulerCore::Clock::now(); }),
+        dashboard_handler_(options_.core.token.empty() ? "-" : options_.core.token,
+                           &dashboard_source_) {}
 
   ~SchedulerServiceImpl() override {
     Stop();
@@ -40,6 +47,27 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
       if (!local.ok()) return local.status();
       unix_listener_ = std::move(*local);
     }
+    if (options_.dashboard_port >= 0) {
+      if (options_.core.token.empty()) {
+        return InvalidArgument("the dashboard needs the cluster token (none was given)");
+      }
+      if (options_.dashboard_port > 65535) {
+        return InvalidArgument("dashboard port {} is out of range", options_.dashboard_port);
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          dashboard_,
+          dashboard::HttpServer::Start(io_,
+                                       {.host = options_.dashboard_host,
+                                        .port = static_cast<uint16_t>(options_.dashboard_port)},
+                                       [this](const dashboard::HttpRequest& request) {
+                                         return dashboard_handler_.Handle(request);
+                                       }));
+      if (!options_.dashboard_file.empty()) {
+        TESSERA_RETURN_IF_ERROR(
+            WriteFileAtomically(options_.dashboard_file, dashboard_->address() + "\n"));
+      }
+      GetLogger("scheduler")->info("dashboard on http://{}/", dashboard_->address());
+    }
     if (!options_.address_file.empty()) {
       TESSERA_RETURN_IF_ERROR(
           WriteFileAtomically(options_.address_file, listener_->address().ToString() + "\n"));
@@ -51,6 +79,9 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   }
 
   const rpc::Address& address() const override { return listener_->address(); }
+  std::string dashboard_address() const override {
+    return dashboard_ ? dashboard_->address() : std::string();
+  }
 
   void Wait() override {
     std::unique_lock lock(mutex_);
@@ -133,6 +164,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
     tick_.cancel();
     if (listener_) listener_->Close();
     if (unix_listener_) unix_listener_->Close();
+    if (dashboard_) dashboard_->Close();
     for (auto& [id, connection] : connections_) connection->Close(Cancelled("scheduler stopping"));
     work_.reset();
     {
@@ -150,6 +182,9 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   rpc::asio::steady_timer tick_;
   std::unique_ptr<rpc::Listener> listener_;
   std::unique_ptr<rpc::Listener> unix_listener_;
+  CoreDashboardSource dashboard_source_;
+  dashboard::HttpHandler dashboard_handler_;
+  std::unique_ptr<dashboard::HttpServer> dashboard_;
   std::map<WorkerId, std::shared_ptr<rpc::Connection>> connections_;
   std::thread thread_;
   bool stopping_ = false;

@@ -3,7 +3,8 @@
 // It listens on a TCP address, gives every accepted connection a participant id, feeds each
 // received message to the core on one io thread (so the core needs no locks), delivers the
 // core's outgoing messages, ticks the core for heartbeat checks, and stops when the core has
-// been asked to shut down.
+// been asked to shut down. It also serves the dashboard (dashboard/: the page, its JSON API and
+// /metrics) on the same io thread, so the dashboard reads the core without locks.
 #pragma once
 
 #include <memory>
@@ -23,6 +24,13 @@ struct SchedulerServiceOptions {
   // When set, the bound address is written here (atomically) once the scheduler listens, so a
   // launcher can find a scheduler started on port 0.
   std::string address_file;
+  // The dashboard: HTTP on dashboard_host:dashboard_port (0: any free port), guarded by the
+  // cluster token (core.token). Negative: no dashboard.
+  std::string dashboard_host = "127.0.0.1";
+  int dashboard_port = -1;
+  // When set (and there is a dashboard), its HOST:PORT is written here (atomically) before
+  // address_file, so whoever waits for the address file finds the dashboard's too.
+  std::string dashboard_file;
 };
 
 class SchedulerService {
@@ -31,6 +39,8 @@ class SchedulerService {
   static Result<std::unique_ptr<SchedulerService>> Start(const SchedulerServiceOptions& options);
   virtual ~SchedulerService() = default;
   virtual const rpc::Address& address() const = 0;
+  // HOST:PORT of the dashboard; empty when there is none.
+  virtual std::string dashboard_address() const = 0;
   // Blocks until a shutdown was requested (by `tessera stop` or a driver) or Stop() was called.
   virtual void Wait() = 0;
   virtual void Stop() = 0;

@@ -13,6 +13,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev
   openssh-client openssh-server iproute2 procps  # the launcher (ssh) and the multinode tests
+  chromium nodejs npm  # the dashboard's browser test (tests/browser)
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch)
@@ -24,8 +25,19 @@ for package in "${packages[@]}"; do
     missing+=("$package")
   fi
 done
+# The browser test's playwright-core (npm), when the registry is reachable; without it that test
+# skips with a message.
+install_playwright() {
+  local dir
+  dir="$(cd "$(dirname "$0")/../tests/browser" && pwd)"
+  if [[ -d "$dir/node_modules/playwright-core" ]]; then return 0; fi
+  if ! command -v npm >/dev/null; then return 0; fi
+  (cd "$dir" && npm ci --no-audit --no-fund) ||
+    echo "install_deps: npm could not install playwright-core; the browser test will skip" >&2
+}
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "install_deps: all ${#packages[@]} packages present"
+  install_playwright
   exit 0
 fi
 
@@ -38,3 +50,4 @@ echo "install_deps: installing ${missing[*]}"
 "${sudo[@]}" apt-get update -qq
 DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
   "${missing[@]}"
+install_playwright

@@ -5,6 +5,7 @@
 #include "core/collective_task.h"
 #include "core/logging.h"
 #include "core/rpc/wire.h"
+#include "core/timeline.h"
 
 namespace tessera {
 
@@ -255,11 +256,23 @@ void CollectiveEngine::Loop() {
       running_stream_ = chosen;
       running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
     }
+    int64_t sent_before;
+    {
+      std::lock_guard lock(mutex_);
+      sent_before = stats_.bytes_sent;
+    }
+    const int64_t started_us = SystemMicrosNow();
     const Status status = Run(next.member);
+    const int64_t ended_us = SystemMicrosNow();
+    int64_t sent;
     {
       std::lock_guard lock(mutex_);
       running_group_ = 0;
       ++stats_.collectives_run;
+      sent = stats_.bytes_sent - sent_before;
+    }
+    if (next.member.on_ran && !next.member.op.empty()) {
+      next.member.on_ran(started_us, ended_us, sent);
     }
     next.done(status);
   }

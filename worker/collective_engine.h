@@ -52,6 +52,10 @@ struct CollectiveMember {
   Attrs attrs;       // collective, rank, group_size, group, position, reduce, root
   std::vector<Tensor> inputs;
   std::vector<Tensor> outputs;  // allocated; in-place outputs hold the input already
+  // When set, told (on the engine's thread, before `done`) when the member ran, on the system
+  // clock in microseconds since the Unix epoch (core/timeline.h), and the bytes it sent; not
+  // called for members that never ran.
+  std::function<void(int64_t start_us, int64_t end_us, int64_t bytes_sent)> on_ran;
 };
 
 struct CollectiveEngineStats {

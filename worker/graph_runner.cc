@@ -2,6 +2,7 @@
 
 #include "core/collective_task.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -32,6 +33,8 @@ struct GraphRunner::Part {
   std::vector<ObjectId> external;  // local inputs: graph inputs and objects pushed here
   std::map<ObjectId, std::vector<std::string>> exports;       // local id -> consumer addresses
   std::vector<std::pair<ObjectId, size_t>> produced_outputs;  // local id, output index
+  std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
+  std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
 };
 
 struct GraphRunner::Instance {
@@ -81,6 +84,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
     std::map<uint64_t, std::string> addresses;
     for (proto::Source::Reader source : wire.getWorkerAddresses()) {
       addresses[source.getHolder()] = rpc::ToString(source.getAddress());
+      part->worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
     }
     const auto task_workers = wire.getTaskWorkers();
     std::vector<rpc::WireTask> tasks;
@@ -155,6 +159,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
       }
       mine.pinned_worker = WorkerId();
       part->local.AddTask(std::move(mine));
+      part->graph_task_of.push_back(spec.id.valid() ? spec.id.value() : t + 1);
     }
     for (const ObjectSpec& object : part->local.objects()) {
       if (!object.producer.valid()) part->external.push_back(object.id);
@@ -359,6 +364,7 @@ void GraphRunner::RunInstance(Instance& instance) {
     Status error;
     std::vector<std::pair<ObjectId, Tensor>> sealed;
     InstanceFigures figures;
+    std::map<TaskId, WorkerSpans::Task> collectives;  // local task -> when it ran on the engine
   };
   auto outstanding = std::make_shared<Outstanding>();
   auto finish_if_done = [this, key, outstanding] {
@@ -386,11 +392,17 @@ void GraphRunner::RunInstance(Instance& instance) {
         ++outstanding->pushes;
         outstanding->figures.pushed_bytes += tensor.bytes();
       }
+      auto destination = part->worker_of_address.find(address);
+      const WorkerSpans::Push span{
+          push_key.object, destination == part->worker_of_address.end() ? 0 : destination->second,
+          SystemMicrosNow(), 0, tensor.bytes()};
       data_plane_->Push(address, push_key, tensor.raw_data(), tensor.bytes(), tensor.buffer(),
-                        [outstanding, finish_if_done, address](const Status& status) {
+                        [outstanding, finish_if_done, address, span](const Status& status) {
                           {
                             std::lock_guard lock(outstanding->mutex);
                             --outstanding->pushes;
+                            outstanding->figures.spans.pushes.push_back(span);
+                            outstanding->figures.spans.pushes.back().end_us = SystemMicrosNow();
                             if (!status.ok() && outstanding->error.ok()) {
                               outstanding->error = status.WithContext("pushing to " + address);
                             }
@@ -434,12 +446,15 @@ void GraphRunner::RunInstance(Instance& instance) {
     hooks.offloaded = [](const TaskSpec& task) {
       return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
     };
-    hooks.offload = [this, key](const TaskSpec& task, std::vector<Tensor> in,
-                                std::vector<Tensor> out, RunHooks::OffloadDone done) {
-      engine_->Submit(
-          key, task.attrs.GetInt(kPositionAttr, 0),
-          CollectiveMember{task.name, task.op, task.attrs, std::move(in), std::move(out)},
-          std::move(done));
+    hooks.offload = [this, key, outstanding](const TaskSpec& task, std::vector<Tensor> in,
+                                             std::vector<Tensor> out, RunHooks::OffloadDone done) {
+      CollectiveMember member{task.name, task.op, task.attrs, std::move(in), std::move(out), {}};
+      member.on_ran = [outstanding, id = task.id](int64_t start_us, int64_t end_us, int64_t bytes) {
+        std::lock_guard lock(outstanding->mutex);
+        outstanding->collectives[id] =
+            WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
+      };
+      engine_->Submit(key, task.attrs.GetInt(kPositionAttr, 0), std::move(member), std::move(done));
     };
     hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
   }
@@ -453,6 +468,22 @@ void GraphRunner::RunInstance(Instance& instance) {
     figures.allocator_peak = result->stats.peak_bytes;
     figures.wall_ms = result->stats.wall_ms;
     if (engine_ != nullptr) figures.collective_bytes = engine_->stats().bytes_sent - sent_before;
+    const int64_t start_us = result->stats.start_unix_us;
+    for (const TaskTiming& timing : result->stats.timings) {
+      if (!timing.task.valid() || timing.task.value() > part->graph_task_of.size()) continue;
+      WorkerSpans::Task span{part->graph_task_of[timing.task.value() - 1], timing.thread_slot,
+                             start_us + static_cast<int64_t>(timing.start_us),
+                             start_us + static_cast<int64_t>(timing.end_us), 0};
+      auto engine_run = outstanding->collectives.find(timing.task);
+      if (engine_run != outstanding->collectives.end()) {
+        const uint64_t graph_task = span.task;
+        span = engine_run->second;
+        span.task = graph_task;
+      }
+      if (span.stream < 0 && span.stream != kCollectiveStream) span.stream = 0;
+      span.end_us = std::max(span.end_us, span.start_us);
+      figures.spans.tasks.push_back(span);
+    }
   }
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   Status error = result.status();
@@ -490,6 +521,7 @@ void GraphRunner::Report(const Key& key, const Status& error,
   report.setCollectiveBytesSent(figures.collective_bytes);
   report.setPushedBytes(figures.pushed_bytes);
   report.setWallMicros(static_cast<int64_t>(figures.wall_ms * 1000));
+  if (error.ok()) rpc::ToWire(figures.spans, finished.initSpans());
   Status status = error;
   std::vector<std::pair<ObjectId, std::string>> reported;  // id, inline bytes
   std::vector<int64_t> sizes;

@@ -36,6 +36,7 @@
 #include "core/proto/tessera.capnp.h"
 #include "core/settings.h"
 #include "core/status.h"
+#include "core/timeline.h"
 #include "core/transport/data_plane.h"
 #include "worker/collective_engine.h"
 #include "worker/in_process_executor.h"
@@ -50,6 +51,9 @@ struct InstanceFigures {
   int64_t collective_bytes = 0;  // sent by collective members
   int64_t pushed_bytes = 0;      // exports pushed to other workers
   double wall_ms = 0;
+  // Where the time went (core/timeline.h): every local task (collective members with the time
+  // they ran on the collective engine and the bytes they sent) and every push of an export.
+  WorkerSpans spans;
 };
 
 class GraphRunner {

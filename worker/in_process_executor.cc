@@ -10,6 +10,7 @@
 #include <tbb/task_group.h>
 
 #include "core/logging.h"
+#include "core/timeline.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
@@ -154,6 +155,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
 
   allocator_->ResetPeak();
   const Clock::time_point start = Clock::now();
+  stats.start_unix_us = SystemMicrosNow();
   auto micros_since_start = [&] {
     return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
   };

@@ -61,7 +61,9 @@ struct ExecutorOptions {
   static ExecutorOptions FromSettings(const Settings& settings);
 };
 
-// When a task ran, relative to the start of its run (for traces and per-layer timing).
+// When a task ran, relative to the start of its run (RunStats::start_unix_us; for traces and
+// per-layer timing). An offloaded task (a collective member) runs from when it was handed out
+// until it was done, its wait for the communication stream included.
 struct TaskTiming {
   TaskId task;
   double start_us = 0;
@@ -71,7 +73,8 @@ struct TaskTiming {
 
 struct RunStats {
   double wall_ms = 0;
-  int64_t peak_bytes = 0;  // max bytes live in this executor's allocator during the run
+  int64_t start_unix_us = 0;  // the run's start: system clock, microseconds since the Unix epoch
+  int64_t peak_bytes = 0;     // max bytes live in this executor's allocator during the run
   int64_t live_bytes_after = 0;
   int tasks_run = 0;
   int donations_taken = 0;          // in-place pairs that reused the input's buffer

@@ -187,6 +187,31 @@ struct InstanceFinished {
   error @2 :Error;
   outputs @3 :List(SealedObject);  # graph outputs this worker produced, as cluster objects
   report @4 :RunReport;
+  spans @5 :InstanceSpans;         # where this worker's time went (absent on failure)
+}
+
+# One worker's spans of one graph instance (core/timeline.h WorkerSpans). Compact: ids of the
+# graph's tasks and objects, not names (the scheduler has the graph). Times are microseconds of
+# the system clock since the Unix epoch.
+struct TaskSpan {
+  task @0 :UInt32;        # graph-local task id
+  stream @1 :Int16;       # compute thread slot (>= 0), or -2: the collective stream
+  startMicros @2 :Int64;
+  endMicros @3 :Int64;
+  bytes @4 :Int64;        # collective members: bytes sent
+}
+
+struct PushSpan {
+  object @0 :UInt32;      # graph-local object id
+  destination @1 :UInt64; # the worker it was pushed to
+  startMicros @2 :Int64;
+  endMicros @3 :Int64;
+  bytes @4 :Int64;
+}
+
+struct InstanceSpans {
+  tasks @0 :List(TaskSpan);
+  pushes @1 :List(PushSpan);
 }
 
 # A worker's figures for one instance of a graph (worker/role_meter.h).
@@ -257,6 +282,49 @@ struct ClusterStatus {
   sessionDir @6 :Text;
 }
 
+# ---- traces ----
+
+struct TimelineRequest {         # driver or admin -> scheduler
+  lastInstances @0 :Int32;       # the latest this many graph instances the scheduler keeps
+  graphId @1 :UInt64;            # only instances of this graph; 0: any
+}
+
+struct TimelineProcess {
+  worker @0 :UInt64;
+  hostname @1 :Text;
+  pid @2 :Int32;
+}
+
+struct TimelineSpan {            # core/timeline.h TimelineSpan
+  worker @0 :UInt64;
+  stream @1 :Int16;              # compute slot (>= 0); -1 transfer; -2 collective
+  name @2 :Text;
+  layer @3 :Text;
+  op @4 :Text;
+  kind @5 :UInt8;                # tessera::SpanKind
+  startMicros @6 :Int64;
+  endMicros @7 :Int64;
+  bytes @8 :Int64;
+  graphId @9 :UInt64;
+  instance @10 :UInt64;
+}
+
+struct Timeline {                # scheduler -> driver or admin: the answer to TimelineRequest
+  processes @0 :List(TimelineProcess);
+  spans @1 :List(TimelineSpan);
+}
+
+# driver -> scheduler, one-way: the job's figures after a training step (the dashboard's plots
+# and /metrics). Non-finite or absent figures are sent as NaN.
+struct JobProgress {
+  job @0 :Text;                  # the program's name for the run, e.g. "train_gpt2"
+  step @1 :Int64;
+  loss @2 :Float64;
+  stepMs @3 :Float64;
+  tokensPerSecond @4 :Float64;   # NaN when the job counts samples instead
+  samplesPerSecond @5 :Float64;  # NaN when the job counts tokens instead
+}
+
 struct Empty {}
 
 struct Envelope {
@@ -288,5 +356,8 @@ struct Envelope {
     collectiveFailed @24 :CollectiveFailed;
     collectiveAbort @25 :CollectiveAbort;
     keepalive @26 :Empty;  # scheduler -> worker, every heartbeat interval: it is still there
+    timelineRequest @27 :TimelineRequest;
+    timelineReply @28 :Timeline;
+    jobProgress @29 :JobProgress;  # driver -> scheduler: a training step's figures
   }
 }

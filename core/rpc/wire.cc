@@ -166,4 +166,113 @@ Result<WireTask> FromWire(proto::Task::Reader in) {
   return task;
 }
 
+namespace {
+
+Status CheckSpan(int stream, int64_t start_us, int64_t end_us, int64_t bytes) {
+  if (stream < kCollectiveStream) return InvalidArgument("unknown stream {} on the wire", stream);
+  if (end_us < start_us) {
+    return InvalidArgument("span ends ({} us) before it starts ({} us)", end_us, start_us);
+  }
+  if (bytes < 0) return InvalidArgument("span of {} bytes on the wire", bytes);
+  return Status::Ok();
+}
+
+}  // namespace
+
+void ToWire(const WorkerSpans& spans, proto::InstanceSpans::Builder out) {
+  auto tasks = out.initTasks(static_cast<unsigned>(spans.tasks.size()));
+  for (unsigned i = 0; i < tasks.size(); ++i) {
+    const WorkerSpans::Task& span = spans.tasks[i];
+    tasks[i].setTask(static_cast<uint32_t>(span.task));
+    tasks[i].setStream(static_cast<int16_t>(span.stream));
+    tasks[i].setStartMicros(span.start_us);
+    tasks[i].setEndMicros(span.end_us);
+    tasks[i].setBytes(span.bytes);
+  }
+  auto pushes = out.initPushes(static_cast<unsigned>(spans.pushes.size()));
+  for (unsigned i = 0; i < pushes.size(); ++i) {
+    const WorkerSpans::Push& span = spans.pushes[i];
+    pushes[i].setObject(static_cast<uint32_t>(span.object));
+    pushes[i].setDestination(span.destination);
+    pushes[i].setStartMicros(span.start_us);
+    pushes[i].setEndMicros(span.end_us);
+    pushes[i].setBytes(span.bytes);
+  }
+}
+
+Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in) {
+  WorkerSpans spans;
+  spans.tasks.reserve(in.getTasks().size());
+  for (proto::TaskSpan::Reader span : in.getTasks()) {
+    TESSERA_RETURN_IF_ERROR(
+        CheckSpan(span.getStream(), span.getStartMicros(), span.getEndMicros(), span.getBytes()));
+    spans.tasks.push_back(WorkerSpans::Task{span.getTask(), span.getStream(), span.getStartMicros(),
+                                            span.getEndMicros(), span.getBytes()});
+  }
+  spans.pushes.reserve(in.getPushes().size());
+  for (proto::PushSpan::Reader span : in.getPushes()) {
+    TESSERA_RETURN_IF_ERROR(
+        CheckSpan(kTransferStream, span.getStartMicros(), span.getEndMicros(), span.getBytes()));
+    spans.pushes.push_back(WorkerSpans::Push{span.getObject(), span.getDestination(),
+                                             span.getStartMicros(), span.getEndMicros(),
+                                             span.getBytes()});
+  }
+  return spans;
+}
+
+void ToWire(const Timeline& timeline, proto::Timeline::Builder out) {
+  auto processes = out.initProcesses(static_cast<unsigned>(timeline.processes.size()));
+  for (unsigned i = 0; i < processes.size(); ++i) {
+    const TimelineProcess& process = timeline.processes[i];
+    processes[i].setWorker(process.worker.value());
+    processes[i].setHostname(process.hostname);
+    processes[i].setPid(process.pid);
+  }
+  auto spans = out.initSpans(static_cast<unsigned>(timeline.spans.size()));
+  for (unsigned i = 0; i < spans.size(); ++i) {
+    const TimelineSpan& span = timeline.spans[i];
+    spans[i].setWorker(span.worker.value());
+    spans[i].setStream(static_cast<int16_t>(span.stream));
+    spans[i].setName(span.name);
+    spans[i].setLayer(span.layer);
+    spans[i].setOp(span.op);
+    spans[i].setKind(static_cast<uint8_t>(span.kind));
+    spans[i].setStartMicros(span.start_us);
+    spans[i].setEndMicros(span.end_us);
+    spans[i].setBytes(span.bytes);
+    spans[i].setGraphId(span.graph);
+    spans[i].setInstance(span.instance);
+  }
+}
+
+Result<Timeline> FromWire(proto::Timeline::Reader in) {
+  Timeline timeline;
+  for (proto::TimelineProcess::Reader process : in.getProcesses()) {
+    timeline.processes.push_back(TimelineProcess{
+        WorkerId(process.getWorker()), ToString(process.getHostname()), process.getPid()});
+  }
+  timeline.spans.reserve(in.getSpans().size());
+  for (proto::TimelineSpan::Reader wire : in.getSpans()) {
+    TESSERA_RETURN_IF_ERROR(
+        CheckSpan(wire.getStream(), wire.getStartMicros(), wire.getEndMicros(), wire.getBytes()));
+    if (wire.getKind() >= kSpanKinds) {
+      return InvalidArgument("unknown span kind {} on the wire", wire.getKind());
+    }
+    TimelineSpan span;
+    span.worker = WorkerId(wire.getWorker());
+    span.stream = wire.getStream();
+    span.name = ToString(wire.getName());
+    span.layer = ToString(wire.getLayer());
+    span.op = ToString(wire.getOp());
+    span.kind = static_cast<SpanKind>(wire.getKind());
+    span.start_us = wire.getStartMicros();
+    span.end_us = wire.getEndMicros();
+    span.bytes = wire.getBytes();
+    span.graph = wire.getGraphId();
+    span.instance = wire.getInstance();
+    timeline.spans.push_back(std::move(span));
+  }
+  return timeline;
+}
+
 }  // namespace tessera::rpc

@@ -13,6 +13,7 @@
 #include "core/proto/tessera.capnp.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/timeline.h"
 
 namespace tessera::rpc {
 
@@ -38,6 +39,16 @@ struct WireTask {
   std::vector<ObjectSpec> outputs;
 };
 Result<WireTask> FromWire(proto::Task::Reader in);
+
+// A worker's spans of one instance. InvalidArgument for an unknown stream, a span that ends
+// before it starts, or negative bytes.
+void ToWire(const WorkerSpans& spans, proto::InstanceSpans::Builder out);
+Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in);
+
+// The scheduler's answer to a TimelineRequest. InvalidArgument for an unknown span kind or
+// stream.
+void ToWire(const Timeline& timeline, proto::Timeline::Builder out);
+Result<Timeline> FromWire(proto::Timeline::Reader in);
 
 inline std::string ToString(capnp::Text::Reader text) {
   return std::string(text.cStr(), text.size());

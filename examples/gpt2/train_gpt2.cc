@@ -29,6 +29,7 @@
 #include "driver/token_dataset.h"
 #include "driver/trainer.h"
 #include "examples/pipeline_flags.h"
+#include "examples/trace_flags.h"
 
 namespace {
 
@@ -77,6 +78,7 @@ struct Flags {
   std::string export_path;        // where to write the trained parameters in llm.c's format
   bool preset_given = false;      // --preset on the command line (not the default)
   tessera::examples::PipelineFlags pipeline;
+  tessera::examples::TraceFlags trace;
 };
 
 struct ResolvedShape {
@@ -307,6 +309,9 @@ int Run(const Flags& flags) {
       auto started = tessera::Cluster::StartLocal(local);
       if (!started.ok()) return Fail(started.status());
       cluster = std::move(*started);
+      if (!cluster->dashboard_url().empty()) {
+        std::fprintf(stderr, "train_gpt2: dashboard %s\n", cluster->dashboard_url().c_str());
+      }
     }
     auto made = tessera::MakeClusterBackend(
         *cluster, flags.placement == "layers" ? tessera::ClusterPlacement::kLayersRoundRobin
@@ -498,6 +503,16 @@ int Run(const Flags& flags) {
       return Fail(
           tessera::Internal("loss became {} at step {}; try a lower --lr", report->loss, i));
     }
+    if (cluster && cluster->connected()) {
+      // For the scheduler's dashboard and /metrics. One-way: a lost connection shows up on the
+      // next step, where recovery handles it.
+      (void)cluster->ReportProgress(
+          {.job = "train_gpt2",
+           .step = i,
+           .loss = report->loss,
+           .step_ms = report->step_ms,
+           .tokens_per_second = static_cast<double>(batch * seq_len) / (report->step_ms / 1000.0)});
+    }
     if (i % flags.log_every == 0 || i == flags.steps || i == 1) {
       std::printf("step %lld/%lld loss %.4f  %.1f ms  %.0f tok/s\n", static_cast<long long>(i),
                   static_cast<long long>(flags.steps), report->loss, report->step_ms,
@@ -549,6 +564,9 @@ int Run(const Flags& flags) {
     std::fprintf(stderr, "train_gpt2: parameters after step %lld exported to %s (llm.c format)\n",
                  static_cast<long long>((*trainer)->steps_taken()), flags.export_path.c_str());
   }
+  tessera::Result<std::string> traced = tessera::examples::WriteStepTrace(**trainer, flags.trace);
+  if (!traced.ok()) return Fail(traced.status());
+  if (!traced->empty()) std::fprintf(stderr, "train_gpt2: %s\n", traced->c_str());
   const auto mb = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); };
   for (const tessera::RankFigures& rank : rank_peaks) {
     const tessera::RunFigures& f = rank.figures;
@@ -697,6 +715,7 @@ int main(int argc, char** argv) {
   app.add_option("--export", flags.export_path,
                  "After training, write the parameters to this file in llm.c's fp32 GPT-2 "
                  "checkpoint format (for llm.c or --init-from)");
+  tessera::examples::AddTraceFlags(app, flags.trace);
   app.add_option("--placement", flags.placement,
                  "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
                  "round-robin over the workers)")

@@ -21,6 +21,7 @@
 #include "driver/graph_backend.h"
 #include "driver/trainer.h"
 #include "examples/pipeline_flags.h"
+#include "examples/trace_flags.h"
 #include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
@@ -43,6 +44,7 @@ struct Flags {
   bool resume = false;
   int64_t log_every = 1;
   tessera::examples::PipelineFlags pipeline;
+  tessera::examples::TraceFlags trace;
 };
 
 int Fail(const tessera::Status& status) {
@@ -106,6 +108,9 @@ int Run(const Flags& flags) {
     auto started = tessera::Cluster::StartLocal(local);
     if (!started.ok()) return Fail(started.status());
     cluster = std::move(*started);
+    if (!cluster->dashboard_url().empty()) {
+      std::fprintf(stderr, "train_unet3d: dashboard %s\n", cluster->dashboard_url().c_str());
+    }
     auto made = tessera::MakeClusterBackend(*cluster);
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);
@@ -144,6 +149,16 @@ int Run(const Flags& flags) {
     if (!batch.ok()) return Fail(batch.status());
     auto report = (*trainer)->Step(*batch, static_cast<float>(flags.lr));
     if (!report.ok()) return Fail(report.status());
+    if (cluster) {
+      // For the scheduler's dashboard and /metrics (one-way; a lost connection fails the next
+      // step).
+      (void)cluster->ReportProgress(
+          {.job = "train_unet3d",
+           .step = step,
+           .loss = report->loss,
+           .step_ms = report->step_ms,
+           .samples_per_second = static_cast<double>(flags.batch) / (report->step_ms / 1000.0)});
+    }
     if (step % flags.log_every == 0 || step == flags.steps || step == first) {
       auto dice = Dice(**trainer, *batch, *config);
       if (!dice.ok()) return Fail(dice.status());
@@ -166,6 +181,9 @@ int Run(const Flags& flags) {
   auto dice = Dice(**trainer, *held_out, *config);
   if (!loss.ok() || !dice.ok()) return Fail(loss.ok() ? dice.status() : loss.status());
   std::printf("held-out: loss %.4f dice %.4f\n", *loss, *dice);
+  tessera::Result<std::string> traced = tessera::examples::WriteStepTrace(**trainer, flags.trace);
+  if (!traced.ok()) return Fail(traced.status());
+  if (!traced->empty()) std::fprintf(stderr, "train_unet3d: %s\n", traced->c_str());
   return 0;
 }
 
@@ -194,6 +212,7 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", flags.resume, "Continue from the latest checkpoint in --checkpoint-dir");
   app.add_option("--log-every", flags.log_every, "Print every N-th step")
       ->check(CLI::PositiveNumber);
+  tessera::examples::AddTraceFlags(app, flags.trace);
   CLI11_PARSE(app, argc, argv);
   return Run(flags);
 }

@@ -1,5 +1,7 @@
 // The scheduler's state machine, driven without sockets: a fake outbox records what it sends and
 // a fake clock drives heartbeats.
+#include <cmath>
+#include <limits>
 #include <map>
 
 #include "core/collective_task.h"
@@ -8,6 +10,8 @@
 #include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "scheduler/collective_groups.h"
+#include "scheduler/dashboard_view.h"
+#include "scheduler/job_metrics.h"
 #include "scheduler/scheduler_core.h"
 #include "test_util.h"
 #include "unit/scheduler_test_graphs.h"
@@ -970,6 +974,66 @@ TEST_F(CollectiveGroupsTest, AfterAVerdictThatIsNotADeathANewEpochFormsTheGroupA
   ASSERT_OK(Join(b_, group, 2, 0, 1, 2, "B2"));
   EXPECT_EQ(outbox_.Take(a_, Body::COLLECTIVE_PEERS).size(), 1u);
   EXPECT_EQ(outbox_.Take(b_, Body::COLLECTIVE_PEERS).size(), 1u);
+}
+
+// ---- the dashboard's figures: job progress and the timeline ----
+
+TEST_F(SchedulerCoreTest, DriverProgressIsKeptForTheDashboardAndAWorkersIsRefused) {
+  const Cluster c = JoinTwoWorkersAndADriver();
+  for (int64_t step = 1; step <= 3; ++step) {
+    EXPECT_OK(Deliver(c.driver, [&](proto::Envelope::Builder e) {
+      auto progress = e.initBody().initJobProgress();
+      progress.setJob("train_gpt2");
+      progress.setStep(step);
+      progress.setLoss(5.0 - static_cast<double>(step));
+      progress.setStepMs(20);
+      progress.setTokensPerSecond(1000);
+      progress.setSamplesPerSecond(std::numeric_limits<double>::quiet_NaN());
+    }));
+  }
+  Status refused = Deliver(c.w1, [](proto::Envelope::Builder e) {
+    e.initBody().initJobProgress().setJob("not a driver");
+  });
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+
+  CoreDashboardSource source(&core_, now_, [this] { return now_; });
+  const std::vector<dashboard::JobView> jobs = source.Jobs();
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].name, "train_gpt2");
+  EXPECT_EQ(jobs[0].driver, c.driver.value());
+  EXPECT_TRUE(jobs[0].connected);
+  ASSERT_EQ(jobs[0].points.size(), 3u);
+  EXPECT_EQ(jobs[0].points[2].step, 3);
+  EXPECT_DOUBLE_EQ(jobs[0].points[2].loss, 2.0);
+  EXPECT_TRUE(std::isnan(jobs[0].points[2].samples_per_second));
+
+  const dashboard::ClusterView cluster = source.Cluster();
+  EXPECT_EQ(cluster.workers.size(), 2u);
+  EXPECT_EQ(cluster.drivers, 1);
+  EXPECT_EQ(cluster.session_dir, "/tmp/s");
+
+  core_.Disconnected(c.driver, Cancelled("done"));
+  EXPECT_FALSE(source.Jobs()[0].connected);  // the history stays, marked finished
+}
+
+TEST(JobMetricsTest, HistoryIsBoundedAndCountsWhatItDropped) {
+  JobMetrics metrics;
+  capnp::MallocMessageBuilder message;
+  auto progress = message.initRoot<proto::JobProgress>();
+  progress.setJob("job");
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t step = 1; step <= JobMetrics::kMaxPoints + 5; ++step) {
+    progress.setStep(static_cast<int64_t>(step));
+    metrics.Record(WorkerId(7), progress.asReader(), now);
+  }
+  ASSERT_EQ(metrics.jobs().size(), 1u);
+  EXPECT_EQ(metrics.jobs()[0].steps.size(), JobMetrics::kMaxPoints);
+  EXPECT_EQ(metrics.jobs()[0].dropped, 5);
+  EXPECT_EQ(metrics.jobs()[0].steps.front().step, 6);
+  for (size_t job = 0; job < JobMetrics::kMaxJobs + 2; ++job) {
+    metrics.Record(WorkerId(100 + job), progress.asReader(), now);
+  }
+  EXPECT_EQ(metrics.jobs().size(), JobMetrics::kMaxJobs);
 }
 
 }  // namespace

@@ -1,0 +1,111 @@
+// Timeline: where the time of training steps went, task by task, on every worker.
+//
+// A span is one interval on one stream of one process: a task on a compute thread slot, a
+// collective member on the worker's communication stream, or an object pushed to another worker
+// on its transfer stream. Times are absolute microseconds of the system clock
+// (std::chrono::system_clock since the Unix epoch), so spans from processes on one host, or on
+// hosts whose clocks are NTP-synced, line up on one axis.
+//
+// Where spans come from:
+//   - the in-process executor times every task (worker/in_process_executor.h, RunStats::timings);
+//   - on a cluster each worker sends its spans of a graph instance with InstanceFinished, as
+//     compact records (WorkerSpans: task ids, not names); the scheduler adds names, layers and
+//     ops from the registered graph, keeps the last `trace_instances` instances and answers a
+//     driver's or the CLI's TimelineRequest (scheduler/trace_store.h);
+//   - driver/trace.h writes a Timeline as Chrome/Perfetto trace JSON.
+//
+// Plain data, no thread-safety concerns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/ids.h"
+
+namespace tessera {
+
+// What a span's task does in a training step.
+enum class SpanKind : uint8_t {
+  kForward,
+  kBackward,
+  kBackwardInput,   // "<name>/backward_input": the "B" of a zero-bubble split backward
+  kBackwardWeight,  // "<name>/backward_weight": its "W"
+  kOptimizer,       // adamw, sgd, clipping, gradient norms
+  kCollective,      // all_reduce, reduce_scatter, all_gather, broadcast members
+  kTransfer,        // copies between workers or tiers, and pushes of objects
+  kOther,
+};
+inline constexpr int kSpanKinds = 8;
+
+// "forward", "backward", "backward_input", "backward_weight", "optimizer", "collective",
+// "transfer", "other".
+std::string_view SpanKindName(SpanKind kind);
+
+// Classifies a task by its name and op (a pure function of both). In order:
+//   1. collective ops (all_reduce, reduce_scatter, all_gather, all_gather_in_place, broadcast)
+//      -> kCollective;
+//   2. a name ending "/backward_input" or "/backward_weight" -> kBackwardInput / kBackwardWeight;
+//   3. transfer ops (copy, write_file, ...) -> kTransfer;
+//   4. optimizer ops (adamw*, sgd*, clip*, grad_norm*, sum_of_squares*, ...) -> kOptimizer;
+//   5. an op or name ending "_backward" or containing "backward" -> kBackward;
+//   6. an op or name ending "_forward" or containing "forward", and loss ops -> kForward;
+//   7. otherwise kOther.
+SpanKind ClassifyTask(std::string_view name, std::string_view op);
+
+// Streams of a process: compute thread slots are >= 0.
+inline constexpr int kTransferStream = -1;
+inline constexpr int kCollectiveStream = -2;
+// "compute 3", "transfer", "collective".
+std::string StreamName(int stream);
+
+// What one worker recorded for one graph instance: compact, names resolved by the receiver.
+struct WorkerSpans {
+  struct Task {
+    uint64_t task = 0;  // the task's id in the graph (graph-local, 1-based)
+    int stream = 0;     // compute slot, or kCollectiveStream for collective members
+    int64_t start_us = 0;
+    int64_t end_us = 0;
+    int64_t bytes = 0;  // collective members: bytes this member sent
+  };
+  struct Push {
+    uint64_t object = 0;       // the object's id in the graph (graph-local, 1-based)
+    uint64_t destination = 0;  // the worker it went to
+    int64_t start_us = 0;
+    int64_t end_us = 0;
+    int64_t bytes = 0;
+  };
+  std::vector<Task> tasks;
+  std::vector<Push> pushes;
+};
+
+struct TimelineProcess {
+  WorkerId worker;  // invalid: the driver's own process (in-process backend)
+  std::string hostname;
+  int pid = 0;
+};
+
+struct TimelineSpan {
+  WorkerId worker;
+  int stream = 0;  // compute slot, kTransferStream or kCollectiveStream
+  std::string name;
+  std::string layer;
+  std::string op;
+  SpanKind kind = SpanKind::kOther;
+  int64_t start_us = 0;  // system clock, microseconds since the Unix epoch
+  int64_t end_us = 0;
+  int64_t bytes = 0;  // pushes and collective members: bytes sent
+  uint64_t graph = 0;
+  uint64_t instance = 0;
+};
+
+struct Timeline {
+  std::vector<TimelineProcess> processes;
+  std::vector<TimelineSpan> spans;
+};
+
+// Microseconds of the system clock now (the time base of every span).
+int64_t SystemMicrosNow();
+
+}  // namespace tessera

@@ -1,0 +1,27 @@
+// The dashboard's JSON API bodies: /api/cluster, /api/job and /api/timeline, rendered from the
+// snapshots of dashboard_state.h. The page (assets/dashboard.js) and scripts read the same
+// documents; docs/architecture.md ("The dashboard") lists their fields.
+//
+// Non-finite numbers (a figure a job does not report) become null. Stateless; thread-safe.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dashboard/dashboard_state.h"
+
+namespace tessera::dashboard {
+
+// {"session_dir", "uptime_s", "drivers", "objects", "tasks": {"queued", "running", "done"},
+//  "workers": [{"id", "hostname", "pid", "alive", "memory": {"host_used", "host_capacity",
+//  "spilled", "committed"}, "tasks": {"in_flight", "done"}, "bytes": {"pulled", "served",
+//  "pushed", "collective_sent"}, "last_run": {...} or null}]}
+std::string ClusterJson(const ClusterView& cluster);
+// {"jobs": [{"name", "driver", "connected", "points_dropped", "points": [{"step", "time_s",
+//  "loss", "step_ms", "tokens_per_second", "samples_per_second"}]}]}
+std::string JobsJson(const std::vector<JobView>& jobs);
+// {"now_ms", "spans": [{"worker", "stream", "name", "kind", "start_ms", "end_ms", "bytes",
+//  "graph", "instance"}]} (times: ms since the Unix epoch)
+std::string TimelineJson(const TimelineView& timeline);
+
+}  // namespace tessera::dashboard

@@ -1,0 +1,220 @@
+// The Tessera dashboard: polls the JSON API (/api/cluster, /api/job, /api/timeline) once a second
+// and draws the tables, the job's plots and the timeline on canvases. No libraries; the token
+// travels in the HttpOnly cookie the server set when the page was opened with ?token=.
+'use strict';
+
+const KIND_COLOURS = {
+  forward: '#3b7dd8', backward: '#e07b39', backward_input: '#f0a04b', backward_weight: '#c0562a',
+  optimizer: '#2e9e5b', collective: '#9b59b6', transfer: '#d4ac0d', other: '#95a5a6',
+};
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined) e.textContent = text;
+  if (cls) e.className = cls;
+  return e;
+}
+
+function bytes(n) {
+  if (n === null || n === undefined) return '-';
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + ' ' + units[i];
+}
+
+function num(x, digits) { return x === null || x === undefined ? '-' : Number(x).toFixed(digits); }
+
+async function getJson(path) {
+  const response = await fetch(path, { credentials: 'same-origin', cache: 'no-store' });
+  if (!response.ok) throw new Error(path + ': HTTP ' + response.status);
+  return response.json();
+}
+
+function memoryCell(used, capacity) {
+  const td = el('td');
+  const bar = el('span', undefined, 'bar');
+  const fill = el('span');
+  fill.style.width = (capacity > 0 ? Math.min(100, 100 * used / capacity) : 0) + '%';
+  bar.appendChild(fill);
+  td.appendChild(bar);
+  td.appendChild(document.createTextNode(bytes(used) + ' / ' + bytes(capacity)));
+  td.className = 'memory';
+  return td;
+}
+
+function renderCluster(c) {
+  const alive = c.workers.filter(w => w.alive).length;
+  document.getElementById('summary').textContent =
+    alive + ' of ' + c.workers.length + ' workers alive, ' + c.drivers + ' driver(s), ' +
+    c.objects + ' objects, up ' + num(c.uptime_s, 0) + ' s';
+  const nodes = {};
+  for (const w of c.workers) {
+    const n = nodes[w.hostname] || (nodes[w.hostname] = { alive: 0, total: 0, used: 0, capacity: 0, spilled: 0 });
+    n.total++; n.alive += w.alive ? 1 : 0;
+    n.used += w.memory.host_used; n.capacity += w.memory.host_capacity; n.spilled += w.memory.spilled;
+  }
+  const nodesDiv = document.getElementById('nodes');
+  nodesDiv.replaceChildren();
+  for (const [host, n] of Object.entries(nodes)) {
+    nodesDiv.appendChild(el('div', 'node ' + host + ': ' + n.alive + ' of ' + n.total +
+      ' workers alive, host memory ' + bytes(n.used) + ' / ' + bytes(n.capacity) +
+      ', spilled ' + bytes(n.spilled), 'node'));
+  }
+  const body = document.querySelector('#workers tbody');
+  body.replaceChildren();
+  for (const w of c.workers) {
+    const tr = el('tr');
+    tr.dataset.worker = w.id;
+    tr.appendChild(el('td', 'worker' + w.id));
+    tr.appendChild(el('td', w.hostname));
+    tr.appendChild(el('td', String(w.pid)));
+    tr.appendChild(el('td', w.alive ? 'alive' : 'dead', w.alive ? 'alive' : 'dead'));
+    tr.appendChild(memoryCell(w.memory.host_used, w.memory.host_capacity));
+    tr.appendChild(el('td', bytes(w.memory.spilled), 'num'));
+    tr.appendChild(el('td', String(w.tasks.in_flight), 'num'));
+    tr.appendChild(el('td', String(w.tasks.done), 'num tasks-done'));
+    tr.appendChild(el('td', bytes(w.bytes.pulled), 'num'));
+    tr.appendChild(el('td', bytes(w.bytes.served), 'num'));
+    tr.appendChild(el('td', bytes(w.bytes.pushed), 'num'));
+    body.appendChild(tr);
+  }
+  document.getElementById('tasks').textContent =
+    'dynamic tasks: ' + c.tasks.queued + ' queued, ' + c.tasks.running + ' running, ' +
+    c.tasks.done + ' done';
+  const ranks = document.querySelector('#ranks tbody');
+  ranks.replaceChildren();
+  for (const w of c.workers) {
+    if (!w.last_run) continue;
+    const r = w.last_run;
+    const tr = el('tr');
+    tr.dataset.worker = w.id;
+    tr.appendChild(el('td', 'worker' + w.id));
+    tr.appendChild(el('td', bytes(r.model_state_peak), 'num'));
+    tr.appendChild(el('td', bytes(r.transient_peak), 'num'));
+    tr.appendChild(el('td', bytes(r.allocator_peak), 'num'));
+    tr.appendChild(el('td', bytes(r.collective_bytes_sent), 'num'));
+    tr.appendChild(el('td', bytes(r.pushed_bytes), 'num'));
+    tr.appendChild(el('td', num(r.wall_ms, 1) + ' ms', 'num'));
+    ranks.appendChild(tr);
+  }
+}
+
+// A line plot of (x, y) points on a canvas, with the axes' ranges written at the corners.
+function plot(canvas, points, colour) {
+  const ctx = canvas.getContext('2d');
+  const w = canvas.width, h = canvas.height, pad = 34;
+  ctx.clearRect(0, 0, w, h);
+  const data = points.filter(p => p[1] !== null && Number.isFinite(p[1]));
+  canvas.dataset.points = String(data.length);
+  ctx.fillStyle = '#8a90a0';
+  ctx.font = '11px system-ui, sans-serif';
+  if (data.length === 0) { ctx.fillText('no data yet', pad, h / 2); return; }
+  let x0 = data[0][0], x1 = data[data.length - 1][0];
+  let y0 = Math.min(...data.map(p => p[1])), y1 = Math.max(...data.map(p => p[1]));
+  if (x1 === x0) x1 = x0 + 1;
+  if (y1 === y0) { y1 += Math.abs(y1) * 0.05 + 1e-9; y0 -= Math.abs(y0) * 0.05 + 1e-9; }
+  const sx = x => pad + (x - x0) / (x1 - x0) * (w - 2 * pad);
+  const sy = y => h - pad / 2 - (y - y0) / (y1 - y0) * (h - pad);
+  ctx.strokeStyle = '#d0d3da';
+  ctx.strokeRect(pad, pad / 2, w - 2 * pad, h - pad);
+  ctx.fillText(y1.toPrecision(4), 2, pad / 2 + 10);
+  ctx.fillText(y0.toPrecision(4), 2, h - pad / 2);
+  ctx.fillText('step ' + x0, pad, h - 3);
+  ctx.fillText('step ' + x1, w - pad - 50, h - 3);
+  ctx.strokeStyle = colour;
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  data.forEach((p, i) => (i === 0 ? ctx.moveTo(sx(p[0]), sy(p[1])) : ctx.lineTo(sx(p[0]), sy(p[1]))));
+  ctx.stroke();
+  const last = data[data.length - 1];
+  canvas.dataset.last = String(last[1]);
+  canvas.dataset.lastStep = String(last[0]);
+}
+
+function renderJobs(j) {
+  // The latest job that reported anything.
+  const jobs = j.jobs.filter(job => job.points.length > 0);
+  const job = jobs.length ? jobs[jobs.length - 1] : null;
+  document.getElementById('job-name').textContent = job
+    ? job.name + ' (driver ' + job.driver + (job.connected ? '' : ', finished') + ', step ' +
+      job.points[job.points.length - 1].step + ')'
+    : '(no job has reported a step yet)';
+  const pts = job ? job.points : [];
+  plot(document.getElementById('plot-loss'), pts.map(p => [p.step, p.loss]), '#b03a2e');
+  plot(document.getElementById('plot-step'), pts.map(p => [p.step, p.step_ms]), '#3b7dd8');
+  const tokens = pts.some(p => p.tokens_per_second !== null);
+  document.getElementById('throughput-caption').textContent = tokens ? 'tokens/s' : 'samples/s';
+  plot(document.getElementById('plot-throughput'),
+    pts.map(p => [p.step, tokens ? p.tokens_per_second : p.samples_per_second]), '#2e9e5b');
+}
+
+function renderLegend() {
+  const legend = document.getElementById('legend');
+  for (const [kind, colour] of Object.entries(KIND_COLOURS)) {
+    const item = el('span');
+    const swatch = el('i');
+    swatch.style.background = colour;
+    item.appendChild(swatch);
+    item.appendChild(document.createTextNode(kind));
+    legend.appendChild(item);
+  }
+}
+
+// One row per worker and stream (compute slots, transfer, collective), time left to right over
+// the instances the scheduler kept (up to now).
+function renderTimeline(t) {
+  const canvas = document.getElementById('timeline');
+  const rowKey = s => s.worker + ' ' + s.stream;
+  const rows = [...new Set(t.spans.map(rowKey))].sort((a, b) => {
+    const [wa, ...sa] = a.split(' '), [wb, ...sb] = b.split(' ');
+    return Number(wa) - Number(wb) || sa.join(' ').localeCompare(sb.join(' '));
+  });
+  const rowH = 18, top = 6, left = 150;
+  canvas.height = Math.max(60, top * 2 + rowH * Math.max(1, rows.length) + 16);
+  const ctx = canvas.getContext('2d');
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  canvas.dataset.spans = String(t.spans.length);
+  ctx.font = '11px system-ui, sans-serif';
+  document.getElementById('timeline-granularity').textContent =
+    t.spans.length ? '(' + new Set(t.spans.map(s => s.graph + '/' + s.instance)).size +
+      ' latest graph instances, ' + t.spans.length + ' spans)' : '';
+  if (t.spans.length === 0) { ctx.fillStyle = '#8a90a0'; ctx.fillText('no work recorded yet', left, 30); return; }
+  const t0 = Math.min(...t.spans.map(s => s.start_ms));
+  const t1 = Math.max(...t.spans.map(s => s.end_ms));
+  const scale = (canvas.width - left - 10) / Math.max(1, t1 - t0);
+  rows.forEach((key, row) => {
+    const [worker, ...stream] = key.split(' ');
+    ctx.fillStyle = '#555d6e';
+    ctx.fillText('worker' + worker + ' ' + stream.join(' '), 4, top + row * rowH + 13);
+  });
+  for (const s of t.spans) {
+    const row = rows.indexOf(rowKey(s));
+    ctx.fillStyle = KIND_COLOURS[s.kind] || KIND_COLOURS.other;
+    const x = left + (s.start_ms - t0) * scale;
+    ctx.fillRect(x, top + row * rowH + 2, Math.max(1, (s.end_ms - s.start_ms) * scale), rowH - 4);
+  }
+  ctx.fillStyle = '#8a90a0';
+  ctx.fillText((t1 - t0).toFixed(1) + ' ms shown', left, canvas.height - 4);
+  canvas.dataset.lastEnd = String(t1);
+  canvas.dataset.kinds = [...new Set(t.spans.map(s => s.kind))].sort().join(',');
+}
+
+async function refresh() {
+  const status = document.getElementById('status');
+  try {
+    const [cluster, jobs, timeline] = await Promise.all(
+      [getJson('/api/cluster'), getJson('/api/job'), getJson('/api/timeline')]);
+    renderCluster(cluster);
+    renderJobs(jobs);
+    renderTimeline(timeline);
+    status.textContent = '';
+    document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
+  } catch (error) {
+    status.textContent = 'cannot reach the scheduler (' + error.message + ')';
+  }
+}
+
+renderLegend();
+refresh();
+setInterval(refresh, 1000);

@@ -1,0 +1,120 @@
+// What the dashboard shows, as plain data: a snapshot of the cluster, the jobs' step history and
+// the timeline of recent work per worker.
+//
+// The dashboard module knows nothing of the scheduler's tables: the scheduler fills these structs
+// (scheduler/dashboard_view.h) and the dashboard renders them as JSON (api_json.h), Prometheus
+// text (prometheus.h) and the page (assets/). A DashboardSource is asked for a fresh snapshot on
+// every request, on the thread that serves requests, so a source that reads single-threaded state
+// must be called on that state's thread (the scheduler serves HTTP on its io thread).
+//
+// Units: bytes, milliseconds, seconds as the field names say. Times on the timeline are
+// milliseconds on the system clock (since the Unix epoch): workers stamp their spans with it.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tessera::dashboard {
+
+// A worker's figures for its latest finished graph instance (one step of a training run).
+struct LastRun {
+  uint64_t graph_id = 0;
+  uint64_t instance = 0;
+  int64_t model_state_peak = 0;  // parameters + gradients + optimizer state
+  int64_t transient_peak = 0;    // gathered parameters + gradient buckets
+  int64_t allocator_peak = 0;
+  std::vector<std::pair<std::string, int64_t>> role_peaks;  // role name, peak bytes
+  int64_t collective_bytes_sent = 0;
+  int64_t pushed_bytes = 0;
+  double wall_ms = 0;
+};
+
+struct WorkerView {
+  uint64_t id = 0;
+  std::string hostname;
+  int pid = 0;
+  bool alive = false;
+  std::string data_address;
+  int cpu_threads = 0;
+  // Memory tiers: the host tier (used of capacity) and what was spilled to disk.
+  int64_t host_used = 0;
+  int64_t host_capacity = 0;
+  int64_t spilled = 0;
+  int64_t committed = 0;  // promised by the scheduler to tasks in flight there
+  // Tasks: dispatched by the scheduler and not finished, and finished (the worker's count).
+  int tasks_in_flight = 0;
+  int64_t tasks_done = 0;
+  // Data movement, cumulative.
+  int64_t bytes_pulled = 0;
+  int64_t bytes_served = 0;
+  int64_t bytes_pushed = 0;           // summed over its run reports
+  int64_t collective_bytes_sent = 0;  // summed over its run reports
+  int64_t instances_finished = 0;
+  bool has_last_run = false;
+  LastRun last_run;
+};
+
+struct ClusterView {
+  std::string session_dir;
+  double uptime_s = 0;
+  int drivers = 0;
+  int64_t objects = 0;
+  int64_t tasks_queued = 0;   // dynamic tasks waiting for inputs or siblings
+  int64_t tasks_running = 0;  // dispatched
+  int64_t tasks_done = 0;
+  std::vector<WorkerView> workers;  // ascending id, dead ones too
+};
+
+// One training step as the driver reported it (Cluster::ReportProgress). NaN: not reported.
+struct JobPoint {
+  int64_t step = 0;
+  double time_s = 0;  // when the scheduler received it, since its start
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double step_ms = std::numeric_limits<double>::quiet_NaN();
+  double tokens_per_second = std::numeric_limits<double>::quiet_NaN();
+  double samples_per_second = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct JobView {
+  std::string name;
+  uint64_t driver = 0;  // the reporting driver's participant id
+  bool connected = false;
+  int64_t points_dropped = 0;    // older points forgotten (the history is bounded)
+  std::vector<JobPoint> points;  // ascending arrival
+};
+
+// A span of work on a worker: a task, a push of an object to another worker, or a collective
+// member (core/timeline.h, the scheduler's TraceStore). `kind` is one of forward, backward,
+// backward_input, backward_weight, optimizer, collective, transfer, other; `stream` is where it
+// ran: "compute N" (a thread slot), "transfer" or "collective".
+struct TimelineSpan {
+  uint64_t worker = 0;
+  std::string stream;
+  std::string name;
+  std::string kind;
+  double start_ms = 0;
+  double end_ms = 0;
+  int64_t bytes = 0;  // pushes and collective members: bytes sent
+  uint64_t graph_id = 0;
+  uint64_t instance = 0;
+};
+
+// The spans of the latest finished graph instances the scheduler keeps (trace_instances).
+struct TimelineView {
+  double now_ms = 0;
+  std::vector<TimelineSpan> spans;  // ascending start
+};
+
+// Where the dashboard's figures come from. Called on the serving thread, once per request.
+class DashboardSource {
+ public:
+  virtual ~DashboardSource() = default;
+  virtual ClusterView Cluster() = 0;
+  virtual std::vector<JobView> Jobs() = 0;
+  virtual TimelineView Timeline() = 0;
+};
+
+}  // namespace tessera::dashboard

@@ -1,0 +1,233 @@
+#include "dashboard/http_server.h"
+
+// Boost 1.74's Asio under GCC 12 in C++20 uses std::exchange without including <utility>.
+#include <utility>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <map>
+#include <optional>
+
+#include "core/logging.h"
+
+namespace tessera::dashboard {
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+
+class Session;
+
+// What the server and its sessions share: a session may outlive the server by a few handlers.
+struct ServerState {
+  HttpServerOptions options;
+  HttpServer::Handler handler;
+  bool closed = false;
+  uint64_t next_session = 1;
+  std::map<uint64_t, std::weak_ptr<Session>> sessions;
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, std::shared_ptr<ServerState> state, uint64_t id)
+      : stream_(std::move(socket)),
+        state_(std::move(state)),
+        id_(id),
+        buffer_(state_->options.header_limit_bytes + state_->options.body_limit_bytes) {}
+
+  ~Session() { state_->sessions.erase(id_); }
+
+  void Start() { ReadRequest(); }
+
+  void Close() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.close();
+  }
+
+ private:
+  std::chrono::milliseconds Timeout() const {
+    return std::chrono::milliseconds(state_->options.idle_timeout_ms);
+  }
+
+  void ReadRequest() {
+    parser_.emplace();
+    parser_->header_limit(state_->options.header_limit_bytes);
+    parser_->body_limit(state_->options.body_limit_bytes);
+    stream_.expires_after(Timeout());
+    http::async_read(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](beast::error_code error, size_t) { self->OnRead(error); });
+  }
+
+  void OnRead(beast::error_code error) {
+    if (error == http::error::end_of_stream || error == beast::error::timeout ||
+        error == asio::error::operation_aborted || error == asio::error::connection_reset ||
+        error == asio::error::eof || state_->closed) {
+      Close();
+      return;
+    }
+    if (error) {
+      // Malformed or oversized: say so once, then close (the stream's state is unknown).
+      const bool too_large = error == http::error::header_limit ||
+                             error == http::error::body_limit ||
+                             error == http::error::buffer_overflow;
+      HttpResponse refused{.status = too_large ? 413 : 400,
+                           .content_type = "text/plain; charset=utf-8",
+                           .body = too_large ? "request too large\n" : "bad request\n"};
+      Respond(refused, /*head=*/false, /*version=*/11, /*keep_alive=*/false);
+      return;
+    }
+    const auto& request = parser_->get();
+    HttpRequest plain{.method = std::string(request.method_string()),
+                      .target = std::string(request.target())};
+    if (auto it = request.find(http::field::cookie); it != request.end()) {
+      plain.cookie = std::string(it->value());
+    }
+    if (auto it = request.find(http::field::authorization); it != request.end()) {
+      plain.authorization = std::string(it->value());
+    }
+    HttpResponse response = state_->handler(plain);
+    Respond(response, request.method() == http::verb::head, request.version(),
+            request.keep_alive());
+  }
+
+  template <class Body>
+  void Fill(http::response<Body>& out, const HttpResponse& response, bool keep_alive) {
+    out.set(http::field::server, "tessera");
+    out.set(http::field::content_type, response.content_type);
+    out.set(http::field::cache_control, "no-store");
+    out.set("X-Content-Type-Options", "nosniff");
+    out.set("X-Frame-Options", "DENY");
+    out.set("Content-Security-Policy",
+            "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'");
+    out.set("Referrer-Policy", "no-referrer");
+    for (const auto& [name, value] : response.headers) out.set(name, value);
+    out.keep_alive(keep_alive);
+  }
+
+  void Respond(const HttpResponse& response, bool head, unsigned version, bool keep_alive) {
+    const auto status = static_cast<http::status>(response.status);
+    if (head) {
+      auto out = std::make_shared<http::response<http::empty_body>>(status, version);
+      Fill(*out, response, keep_alive);
+      out->content_length(response.body.size());
+      Write(out, keep_alive);
+    } else {
+      auto out = std::make_shared<http::response<http::string_body>>(status, version);
+      Fill(*out, response, keep_alive);
+      out->body() = response.body;
+      out->prepare_payload();
+      Write(out, keep_alive);
+    }
+  }
+
+  template <class Message>
+  void Write(std::shared_ptr<Message> message, bool keep_alive) {
+    stream_.expires_after(Timeout());
+    http::async_write(
+        stream_, *message,
+        [self = shared_from_this(), message, keep_alive](beast::error_code error, size_t) {
+          if (error || !keep_alive || self->state_->closed) {
+            self->Close();
+            return;
+          }
+          self->ReadRequest();
+        });
+  }
+
+  beast::tcp_stream stream_;
+  std::shared_ptr<ServerState> state_;
+  const uint64_t id_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+};
+
+class HttpServerImpl final : public HttpServer {
+ public:
+  HttpServerImpl(asio::io_context& io, std::shared_ptr<ServerState> state)
+      : acceptor_(io), state_(std::move(state)) {}
+
+  ~HttpServerImpl() override { CloseAcceptor(); }
+
+  Status Listen() {
+    beast::error_code error;
+    const asio::ip::address ip = asio::ip::make_address(state_->options.host, error);
+    if (error) {
+      return InvalidArgument("dashboard host '{}' is not an IP address: {}", state_->options.host,
+                             error.message());
+    }
+    const tcp::endpoint endpoint(ip, state_->options.port);
+    const std::string where = fmt::format("{}:{}", state_->options.host, state_->options.port);
+    if (acceptor_.open(endpoint.protocol(), error) ||
+        acceptor_.set_option(asio::socket_base::reuse_address(true), error) ||
+        acceptor_.bind(endpoint, error) ||
+        acceptor_.listen(asio::socket_base::max_listen_connections, error)) {
+      return Unavailable("the dashboard cannot listen on {}: {}", where, error.message());
+    }
+    port_ = acceptor_.local_endpoint(error).port();
+    Accept();
+    return Status::Ok();
+  }
+
+  std::string address() const override { return fmt::format("{}:{}", state_->options.host, port_); }
+  uint16_t port() const override { return port_; }
+
+  void Close() override {
+    CloseAcceptor();
+    state_->closed = true;
+    // Copy first: closing a session may end it and erase it from the map.
+    std::vector<std::shared_ptr<Session>> open;
+    for (auto& [id, weak] : state_->sessions) {
+      if (auto session = weak.lock()) open.push_back(std::move(session));
+    }
+    for (auto& session : open) session->Close();
+  }
+
+ private:
+  void CloseAcceptor() {
+    beast::error_code ignored;
+    if (acceptor_.is_open()) acceptor_.close(ignored);
+  }
+
+  void Accept() {
+    acceptor_.async_accept([this, state = state_](beast::error_code error, tcp::socket socket) {
+      if (state->closed || error == asio::error::operation_aborted) return;
+      if (!error) {
+        if (static_cast<int>(state->sessions.size()) >= state->options.max_connections) {
+          beast::error_code ignored;
+          socket.close(ignored);  // full: the client may try again
+        } else {
+          const uint64_t id = state->next_session++;
+          auto session = std::make_shared<Session>(std::move(socket), state, id);
+          state->sessions.emplace(id, session);
+          session->Start();
+        }
+      }
+      if (acceptor_.is_open()) Accept();
+    });
+  }
+
+  tcp::acceptor acceptor_;
+  std::shared_ptr<ServerState> state_;
+  uint16_t port_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<HttpServer>> HttpServer::Start(asio::io_context& io,
+                                                      const HttpServerOptions& options,
+                                                      Handler handler) {
+  auto state = std::make_shared<ServerState>();
+  state->options = options;
+  state->handler = std::move(handler);
+  auto server = std::make_unique<HttpServerImpl>(io, std::move(state));
+  TESSERA_RETURN_IF_ERROR(server->Listen());
+  return std::unique_ptr<HttpServer>(std::move(server));
+}
+
+}  // namespace tessera::dashboard

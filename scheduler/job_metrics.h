@@ -1,0 +1,56 @@
+// JobMetrics: what drivers report about their jobs after each training step (JobProgress:
+// step, loss, step time, tokens/s or samples/s), kept for the dashboard's plots and /metrics.
+//
+// A job is one reporting driver and the name it gives; a driver that leaves keeps its history
+// (marked not connected) until newer jobs push it out. Memory is bounded: at most kMaxPoints per
+// job (the oldest are dropped, and counted) and kMaxJobs jobs (the oldest job is forgotten).
+//
+// Thread safety: none; the scheduler's io thread drives it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "core/ids.h"
+#include "core/proto/tessera.capnp.h"
+
+namespace tessera {
+
+struct JobStep {
+  int64_t step = 0;
+  std::chrono::steady_clock::time_point received;
+  double loss = 0;
+  double step_ms = 0;
+  double tokens_per_second = 0;
+  double samples_per_second = 0;
+};
+
+struct JobHistory {
+  std::string name;
+  WorkerId driver;
+  bool connected = true;
+  int64_t dropped = 0;  // points forgotten to keep the bound
+  std::deque<JobStep> steps;
+};
+
+class JobMetrics {
+ public:
+  static constexpr size_t kMaxPoints = 4096;
+  static constexpr size_t kMaxJobs = 16;
+
+  // `driver` reported a step at `now`. A job name longer than 200 bytes is cut.
+  void Record(WorkerId driver, proto::JobProgress::Reader progress,
+              std::chrono::steady_clock::time_point now);
+  // The driver left: its jobs stay, not connected.
+  void DriverGone(WorkerId driver);
+  // Oldest job first.
+  const std::deque<JobHistory>& jobs() const { return jobs_; }
+
+ private:
+  std::deque<JobHistory> jobs_;
+};
+
+}  // namespace tessera

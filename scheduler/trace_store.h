@@ -1,0 +1,71 @@
+// TraceStore: the spans of the latest graph instances, kept for TimelineRequest.
+//
+// Each worker sends its spans of an instance with InstanceFinished (core/timeline.h
+// WorkerSpans: graph-local task and object ids, times on the system clock). The store keeps the
+// spans of the latest `max_instances` instances, whatever their graph (older ones are dropped
+// whole as newer ones arrive: memory is bounded by max_instances times the spans of an
+// instance), with the graph's task names, layers, ops and kinds (core/timeline.h ClassifyTask),
+// resolved once per graph and shared by its instances.
+//
+// Thread safety: none; the scheduler's io thread drives it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/ids.h"
+#include "core/timeline.h"
+
+namespace tessera {
+
+class TraceStore {
+ public:
+  // REQUIRES: max_instances >= 1.
+  explicit TraceStore(int max_instances);
+
+  // `worker`'s spans of an instance of `graph` (whose tasks and objects, graph-local ids dense
+  // from 1, label them; null when the graph is unknown: spans are then named by their ids).
+  void Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
+              const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects);
+
+  // The spans of the latest `last` instances kept (of `graph` only, when non-zero), oldest
+  // instance first, leaving out those `running` says are not finished (a worker's spans may still
+  // be on their way). last <= 0: every instance kept.
+  std::vector<TimelineSpan> Collect(int last, uint64_t graph,
+                                    const std::function<bool(uint64_t, uint64_t)>& running) const;
+
+  size_t instances() const { return instances_.size(); }
+  int max_instances() const { return max_instances_; }
+
+ private:
+  struct Labels {
+    struct Task {
+      std::string name, layer, op;
+      SpanKind kind = SpanKind::kOther;
+    };
+    std::vector<Task> tasks;           // by graph-local id - 1
+    std::vector<std::string> objects;  // by graph-local id - 1
+  };
+  struct Instance {
+    uint64_t graph = 0;
+    uint64_t instance = 0;
+    std::shared_ptr<const Labels> labels;
+    std::vector<std::pair<WorkerId, WorkerSpans>> workers;
+  };
+
+  std::shared_ptr<const Labels> LabelsFor(uint64_t graph, const std::vector<TaskSpec>* tasks,
+                                          const std::vector<ObjectSpec>* objects);
+
+  const int max_instances_;
+  std::deque<Instance> instances_;                          // oldest first
+  std::map<uint64_t, std::weak_ptr<const Labels>> labels_;  // by graph, while instances use them
+};
+
+}  // namespace tessera
