@@ -81,7 +81,7 @@ inline std::string DescribePipeline(const StepGraph& step, const ModelSpec& mode
   if (p.pipeline_stages == 1 && p.virtual_stages == 1) return "";
   std::string text;
   for (int stage = 0; stage < p.pipeline_stages; ++stage) {
-    text += fmt::format("{}stage {}:", stage == 0 ? "" : " |", stage);
+    text += fmt::format("{}stage {}:", stage == 0 ? "" : " | ", stage);
     for (int chunk = stage; chunk < p.pipeline_stages * p.virtual_stages;
          chunk += p.pipeline_stages) {
       std::string first, last;

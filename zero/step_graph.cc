@@ -388,7 +388,10 @@ class StepPlanner {
   Result<ObjectId> GatherForUse(int r, size_t l, const std::string& when, ObjectId param,
                                 ObjectId after) {
     std::vector<ObjectId> inputs{param};
-    if (after.valid()) inputs.push_back(after);
+    // Prefetch order only among tasks of the layer's own stage: an activation of another stage
+    // would be pushed here just to order the gather, and would tie this stage's collective
+    // order to another stage's progress.
+    if (after.valid() && ProducedOnStage(after, StageOf(l))) inputs.push_back(after);
     const std::string name = fmt::format("{}/gather_{}", LayerName(l), when);
     TESSERA_ASSIGN_OR_RETURN(
         auto gathered,
@@ -671,6 +674,13 @@ class StepPlanner {
   }
 
   TaskId ProducerOf(ObjectId id) const { return builder_.graph().object(id).producer; }
+  bool ProducedOnStage(ObjectId id, int s) const {
+    const TaskId producer = ProducerOf(id);
+    if (!producer.valid()) return false;
+    const std::string& layer = builder_.graph().task(producer).layer;
+    auto it = stage_of_name_.find(layer);
+    return it != stage_of_name_.end() && it->second == s;
+  }
 
   // The sum of `parts` on rank r's worker of stage s, added in place into the first in order;
   // invalid when there are none.
@@ -1103,6 +1113,14 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
         "{} data-parallel ranks x {} pipeline stages need a worker each: run on a cluster with "
         "at least {} workers",
         p.data_parallel, p.pipeline_stages, p.num_workers());
+  }
+  if (p.pipeline_stages > 1 && p.sharded_parameters() && p.grad_accum > 1 &&
+      p.gather == GatherPolicy::kPerMicroBatch) {
+    // Known gap: with per-micro-batch gathers the stages' collective orders can wait on each
+    // other (a hang seen with P=2 x D=2, M=4); until that order is fixed, refuse the plan.
+    return Infeasible(
+        "ZeRO-3 gathers per micro-batch inside a pipeline are not supported yet: use --gather "
+        "step (the default in a pipeline) or fewer micro-batches");
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<int> chunks, CutIntoChunks(model, plan, registry));
   if (p.pipeline_stages > 1 && p.sharded_optimizer()) {

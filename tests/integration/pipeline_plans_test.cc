@@ -32,12 +32,14 @@ struct Pipeline {
   int stages = 1, ranks = 1, micro = 1, virtual_stages = 1, zero = 0;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   OffloadMode offload = OffloadMode::kNone;
+  bool per_micro_gather = false;
 };
 
 std::string Label(const Pipeline& p) {
-  return fmt::format("P={} D={} M={} V={} {} zero={}{}", p.stages, p.ranks, p.micro,
+  return fmt::format("P={} D={} M={} V={} {} zero={}{}{}", p.stages, p.ranks, p.micro,
                      p.virtual_stages, ScheduleName(p.schedule), p.zero,
-                     p.offload == OffloadMode::kOptimizer ? " offload" : "");
+                     p.offload == OffloadMode::kOptimizer ? " offload" : "",
+                     p.per_micro_gather ? " gather-per-micro-batch" : "");
 }
 
 TrainingPlan PlanOf(const Pipeline& p, int64_t batch, int64_t seq_len) {
@@ -51,6 +53,7 @@ TrainingPlan PlanOf(const Pipeline& p, int64_t batch, int64_t seq_len) {
   plan.parallel.pipeline_stages = p.stages;
   plan.parallel.virtual_stages = p.virtual_stages;
   plan.parallel.schedule = p.schedule;
+  if (p.per_micro_gather) plan.parallel.gather = GatherPolicy::kPerMicroBatch;
   return plan;
 }
 
@@ -71,9 +74,9 @@ std::vector<Pipeline> EverySchedule() {
 // P = 2 x D = 2 with ZeRO 1-3 inside the stages, and offload.
 std::vector<Pipeline> ZeroInsideStages() {
   std::vector<Pipeline> plans;
-  for (int zero : {1, 2, 3}) plans.push_back({.stages = 2, .ranks = 2, .micro = 2, .zero = zero});
+  for (int zero : {1, 2, 3}) plans.push_back({.stages = 2, .ranks = 2, .micro = 4, .zero = zero});
   plans.push_back(
-      {.stages = 2, .ranks = 2, .micro = 2, .zero = 2, .offload = OffloadMode::kOptimizer});
+      {.stages = 2, .ranks = 2, .micro = 4, .zero = 2, .offload = OffloadMode::kOptimizer});
   return plans;
 }
 
@@ -114,8 +117,8 @@ Result<TrainingRun> TrainGpt2(Trainer& trainer) {
       "h.1.fc_w");
 }
 
-// The U-Net: generated volumes, batch 4.
-constexpr int64_t kUNetBatch = 4;
+// The U-Net: generated volumes, batch 8.
+constexpr int64_t kUNetBatch = 8;
 std::vector<Tensor> VolumeBatch(int step) {
   const UNet3dConfig c = UNet();
   Result<tessera::VolumeBatch> made =

@@ -122,10 +122,10 @@ TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy
   // One gather per group and rank (8 groups x 2 ranks): the head on stage 1 reads the tied
   // embedding's gathered group from stage 0 rather than gathering it again.
   EXPECT_EQ(gathers(step), 2 * 8);
+  // Gathering before every use inside a pipeline is refused for now (a known hang).
   plan.parallel.gather = GatherPolicy::kPerMicroBatch;
-  ASSERT_OK_AND_ASSIGN(StepGraph per_micro, PlanTrainingStep(model, plan, CpuRegistry()));
-  EXPECT_FALSE(per_micro.gather_once_per_step);
-  EXPECT_GT(gathers(per_micro), 4 * gathers(step));
+  EXPECT_EQ(PlanTrainingStep(model, plan, CpuRegistry()).status().code(),
+            StatusCode::kInfeasible);
   // Without a pipeline the default keeps ZeRO-3's per-micro-batch bound.
   TrainingPlan flat = PipelinePlan(1, 2, 4, PipelineSchedule::k1F1B, 1, 3);
   ASSERT_OK_AND_ASSIGN(StepGraph flat_step, PlanTrainingStep(model, flat, CpuRegistry()));
