@@ -51,6 +51,7 @@
 #include "scheduler/participants.h"
 #include "scheduler/task_table.h"
 #include "scheduler/trace_store.h"
+#include "scheduler/waits.h"
 
 namespace tessera {
 
@@ -100,6 +101,10 @@ class SchedulerCore {
   // instances only (as a TimelineRequest is answered).
   std::vector<TimelineSpan> RecentSpans(int last) const;
   const std::string& session_dir() const { return options_.session_dir; }
+  // Every worker's wait explained (scheduler/waits.h), in id order: its latest report combined
+  // with liveness (silent for more than two heartbeat intervals: not responding) and the
+  // collective groups' rendezvous.
+  std::vector<WorkerWaitLine> Waits() const;
 
  private:
   // Routes a message from an admitted participant to the part it concerns.

@@ -236,5 +236,73 @@ TEST(CollectiveTasksTest, AStuckWorkerFailsTheDynamicCollectiveNamingIt) {
   std::printf("rank 0 failed with: %s\n", rank0.status().ToString().c_str());
 }
 
+// Who waits on what: a member's worker stopped (SIGSTOP) while the other waits for it in the
+// collective. Before the heartbeat timeout (3 s) declares it dead, Cluster::Waits and
+// `tessera status --waits` name the stopped worker and the collective.
+TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedMemberAndItsCollective) {
+  const int n = 2;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo waiter = info.workers[0];
+  const WorkerInfo victim = info.workers[1];
+  std::vector<ObjectRef> inputs;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(ObjectRef x, cluster->Put(RandomTensor({1 << 16}, 4)));
+    inputs.push_back(x);
+  }
+  ::kill(victim.pid, SIGSTOP);
+  const Clock::time_point stopped = Clock::now();
+  std::vector<ObjectRef> outputs;
+  for (int r = 0; r < n; ++r) {
+    SubmitOptions options;
+    options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
+    ASSERT_OK_AND_ASSIGN(
+        auto y, cluster->Submit("all_reduce", {inputs[static_cast<size_t>(r)]},
+                                Member(11, r, n).Set("reduce", std::string("sum")), options));
+    outputs.push_back(y[0]);
+  }
+  // The waiter's line, once the victim has been silent for two heartbeat intervals.
+  std::string line;
+  while (Clock::now() - stopped < std::chrono::milliseconds(2800)) {
+    Result<std::vector<WorkerWait>> waits = cluster->Waits();
+    ASSERT_TRUE(waits.ok()) << waits.status().ToString();
+    for (const WorkerWait& wait : *waits) {
+      if (wait.worker == waiter.id && !wait.blocked_on.empty() &&
+          wait.blocked_on.front() == victim.id &&
+          wait.text.find("has not answered") != std::string::npos) {
+        line = FormatWait(wait);
+      }
+    }
+    if (!line.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::printf("Cluster::Waits: %s\n", line.c_str());
+  EXPECT_NE(line.find("collective 11/all_reduce"), std::string::npos) << line;
+  EXPECT_NE(line.find(victim.id.ToString()), std::string::npos) << line;
+  EXPECT_NE(line.find("has not answered"), std::string::npos) << line;
+  // The same through the command line, still within the heartbeat timeout.
+  const ProcessResult cli =
+      RunBinary("tessera", "status --waits --address " + cluster->address() + " --token-file " +
+                               cluster->session_dir() + "/token");
+  const auto cli_done = Clock::now() - stopped;
+  std::printf("tessera status --waits (%lld ms after the stop):\n%s",
+              static_cast<long long>(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(cli_done).count()),
+              cli.output.c_str());
+  EXPECT_EQ(cli.exit_code, 0) << cli.output;
+  if (cli_done < std::chrono::milliseconds(3000)) {
+    EXPECT_NE(cli.output.find("collective 11/all_reduce"), std::string::npos) << cli.output;
+    EXPECT_NE(cli.output.find("for " + victim.id.ToString() + ", which has not answered"),
+              std::string::npos)
+        << cli.output;
+  }
+  ::kill(victim.pid, SIGKILL);
+  // Nothing hangs: the collective fails naming the dead worker.
+  Result<Tensor> rank0 = cluster->Get(outputs[0], 25'000);
+  ASSERT_FALSE(rank0.ok());
+  EXPECT_NE(rank0.status().message().find(victim.id.ToString()), std::string::npos)
+      << rank0.status().ToString();
+}
+
 }  // namespace
 }  // namespace tessera::testing
