@@ -304,5 +304,57 @@ TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedMemberAndItsCollective) {
       << rank0.status().ToString();
 }
 
+// The same for a registered graph whose group has formed already (the second instance): the
+// waiter is inside the exchange, and its line names the stopped peer and the collective.
+TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedPeerOfAFormedGroup) {
+  const int n = 2;
+  const int64_t numel = 1000;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo waiter = info.workers[0];
+  const WorkerInfo victim = info.workers[1];
+  const CollectiveChain chain = BuildChain(n, numel, {waiter.id, victim.id});
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(chain.graph));
+  for (int instance = 0; instance < 2; ++instance) {
+    std::map<ObjectId, ObjectRef> bound;
+    for (int r = 0; r < n; ++r) {
+      ASSERT_OK_AND_ASSIGN(bound[chain.inputs[static_cast<size_t>(r)]],
+                           cluster->Put(RandomTensor({numel}, 4)));
+    }
+    Clock::time_point stopped;
+    if (instance == 1) {
+      ::kill(victim.pid, SIGSTOP);
+      stopped = Clock::now();
+    }
+    ASSERT_OK_AND_ASSIGN(auto outputs, cluster->RunGraph(handle, bound));
+    if (instance == 0) {
+      ASSERT_OK(cluster->Get(outputs.at(chain.broadcast[0]), 30'000).status());
+      continue;
+    }
+    std::string line;
+    while (line.empty() && Clock::now() - stopped < std::chrono::milliseconds(2800)) {
+      ASSERT_OK_AND_ASSIGN(std::vector<WorkerWait> waits, cluster->Waits());
+      for (const WorkerWait& wait : waits) {
+        if (wait.worker == waiter.id && wait.blocked_on == std::vector<WorkerId>{victim.id} &&
+            wait.text.find("has not answered") != std::string::npos) {
+          line = FormatWait(wait);
+        }
+      }
+      if (line.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::printf("Cluster::Waits: %s\n", line.c_str());
+    EXPECT_NE(line.find("waits in collective 1/all_reduce (rank 0 of 2"), std::string::npos)
+        << line;
+    EXPECT_NE(line.find("for " + victim.id.ToString() + ", which has not answered"),
+              std::string::npos)
+        << line;
+    ::kill(victim.pid, SIGKILL);
+    Result<Tensor> reduced = cluster->Get(outputs.at(chain.reduced[0]), 25'000);
+    ASSERT_FALSE(reduced.ok());
+    EXPECT_NE(reduced.status().message().find(victim.id.ToString()), std::string::npos)
+        << reduced.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace tessera::testing
