@@ -236,6 +236,19 @@ TEST(CollectiveTasksTest, AStuckWorkerFailsTheDynamicCollectiveNamingIt) {
   std::printf("rank 0 failed with: %s\n", rank0.status().ToString().c_str());
 }
 
+// SIGSTOPs `pid` and returns once the kernel says it is stopped: a signal takes effect when the
+// process next runs, and a busy host may let it handle one more message first.
+void StopProcess(int pid) {
+  ::kill(pid, SIGSTOP);
+  const std::string stat = "/proc/" + std::to_string(pid) + "/stat";
+  for (int i = 0; i < 1000; ++i) {
+    const std::string text = ReadFileText(stat);
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && text.compare(paren + 1, 3, " T ") == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 // Who waits on what: a member's worker stopped (SIGSTOP) while the other waits for it in the
 // collective. Before the heartbeat timeout (3 s) declares it dead, Cluster::Waits and
 // `tessera status --waits` name the stopped worker and the collective.
@@ -250,7 +263,7 @@ TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedMemberAndItsCollective) {
     ASSERT_OK_AND_ASSIGN(ObjectRef x, cluster->Put(RandomTensor({1 << 16}, 4)));
     inputs.push_back(x);
   }
-  ::kill(victim.pid, SIGSTOP);
+  StopProcess(victim.pid);
   const Clock::time_point stopped = Clock::now();
   std::vector<ObjectRef> outputs;
   for (int r = 0; r < n; ++r) {
@@ -323,7 +336,7 @@ TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedPeerOfAFormedGroup) {
     }
     Clock::time_point stopped;
     if (instance == 1) {
-      ::kill(victim.pid, SIGSTOP);
+      StopProcess(victim.pid);
       stopped = Clock::now();
     }
     ASSERT_OK_AND_ASSIGN(auto outputs, cluster->RunGraph(handle, bound));
