@@ -18,6 +18,8 @@
 //   TraceStore        (trace_store.h)       the spans of the latest graph instances
 //   placement.h, messages.h                 placement policies; every outgoing message
 //   JobMetrics        (job_metrics.h)       the jobs' step figures (loss, step time, ...)
+//   ExplainWaits      (waits.h)             who waits on what: the workers' reported waits
+//                                           explained with liveness and rendezvous (Waits)
 // JobMetrics only records, for the dashboard (dashboard/, read through the accessors below).
 // The core checks that each message comes from a participant in the role allowed to send it,
 // hands it to the part it concerns, and runs the sequences that span parts: a participant

@@ -69,8 +69,17 @@ class Explainer {
       }
       return fmt::format("waits for {}", fmt::join(objects, "; "));
     }
-    if (self.tasks_in_flight > 0)
+    if (!r.instance.empty()) {
+      // Nothing on the CPU, no input awaited, no collective in progress: what is left are its
+      // collective members, queued behind the communication stream's order.
+      return fmt::format(
+          "in graph instance {}: no kernel running, no input awaited (its collective members wait "
+          "their turn)",
+          r.instance);
+    }
+    if (self.tasks_in_flight > 0) {
       return fmt::format("has {} task(s) dispatched", self.tasks_in_flight);
+    }
     return "idle";
   }
 
@@ -134,6 +143,7 @@ ReportedWait ReadWaitState(proto::WaitState::Reader wire) {
   for (proto::AwaitedObject::Reader object : wire.getAwaited()) {
     reported.awaited.push_back({object.getName().cStr(), WorkerId(object.getProducer())});
   }
+  reported.instance = wire.getInstance().cStr();
   if (wire.hasCollective() && wire.getCollective().getTask().size() > 0) {
     proto::CollectiveWait::Reader c = wire.getCollective();
     reported.collective = ReportedWait::Collective{.task = c.getTask().cStr(),

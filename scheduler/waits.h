@@ -46,6 +46,7 @@ struct ReportedWait {
     int64_t since_us = 0;
   };
   std::optional<Collective> collective;
+  std::string instance;  // the graph instance in progress ("graph.instance"); empty: none
 };
 
 ReportedWait ReadWaitState(proto::WaitState::Reader wire);

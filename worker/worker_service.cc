@@ -553,6 +553,7 @@ void FillWaitState(const std::optional<GraphRunActivity>& run, const CollectiveI
                    proto::WaitState::Builder out) {
   if (run.has_value()) {
     const std::string prefix = fmt::format("{}.{}/", run->graph, run->instance);
+    out.setInstance(fmt::format("{}.{}", run->graph, run->instance));
     const size_t running = std::min(run->running.size(), kMaxWaitItems);
     auto names = out.initRunning(static_cast<unsigned>(running));
     for (size_t i = 0; i < running; ++i) {

@@ -110,6 +110,7 @@ struct WaitState {
   running @0 :List(Text);    # tasks running now ("graph.instance/task", or a task's name)
   awaited @1 :List(AwaitedObject);  # objects a graph run waits for
   collective @2 :CollectiveWait;  # the member in progress on the collective stream, if any
+  instance @3 :Text;         # the graph instance in progress ("graph.instance"); empty: none
 }
 
 struct AwaitedObject {

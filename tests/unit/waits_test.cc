@@ -101,6 +101,15 @@ TEST(WaitsTest, RunningTasksAwaitedObjectsAndDeadWorkers) {
   EXPECT_EQ(lines[2].text, "dead");
 }
 
+TEST(WaitsTest, AnInstanceWithNothingElseToDoWaitsForItsCollectiveMembersTurn) {
+  ReportedWait queued;
+  queued.instance = "4.2";
+  const auto lines = ExplainWaits({Worker(1, queued)}, [](uint64_t) { return std::nullopt; });
+  EXPECT_EQ(lines[0].text,
+            "in graph instance 4.2: no kernel running, no input awaited (its collective members "
+            "wait their turn)");
+}
+
 TEST(WaitsTest, FormatWaitPrefixesTheWorkerAndWhereItRuns) {
   EXPECT_EQ(FormatWait(WorkerWait{WorkerId(2), "host", 1234, true, "idle", {}}),
             "worker2 (host:1234): idle");
