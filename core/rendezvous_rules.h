@@ -42,6 +42,11 @@ class GatherRounds {
   std::optional<std::vector<std::string>> Contribute(uint32_t round, int rank, std::string blob);
   // The ranks whose blob for `round` is missing (every rank for a round nobody started).
   std::vector<int> Missing(uint32_t round) const;
+  // The earliest round some rank contributed to and that is not complete yet; nullopt: none.
+  std::optional<uint32_t> OpenRound() const {
+    if (rounds_.empty()) return std::nullopt;
+    return rounds_.begin()->first;
+  }
   // Forgets every round (the group forms again).
   void Clear() { rounds_.clear(); }
 

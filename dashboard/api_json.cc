@@ -105,4 +105,17 @@ std::string TimelineJson(const TimelineView& timeline) {
   return out.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+std::string WaitsJson(const ClusterView& cluster) {
+  json workers = json::array();
+  for (const WorkerView& w : cluster.workers) {
+    workers.push_back({{"id", w.id},
+                       {"hostname", w.hostname},
+                       {"pid", w.pid},
+                       {"alive", w.alive},
+                       {"waits", w.waits},
+                       {"blocked_on", w.blocked_on}});
+  }
+  return json{{"workers", std::move(workers)}}.dump();
+}
+
 }  // namespace tessera::dashboard

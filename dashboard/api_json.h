@@ -23,5 +23,8 @@ std::string JobsJson(const std::vector<JobView>& jobs);
 // {"now_ms", "spans": [{"worker", "stream", "name", "kind", "start_ms", "end_ms", "bytes",
 //  "graph", "instance"}]} (times: ms since the Unix epoch)
 std::string TimelineJson(const TimelineView& timeline);
+// Who waits on what: {"workers": [{"id", "hostname", "pid", "alive", "waits", "blocked_on":
+//  [worker ids]}]} (`waits` as `tessera status --waits` prints it after the worker).
+std::string WaitsJson(const ClusterView& cluster);
 
 }  // namespace tessera::dashboard

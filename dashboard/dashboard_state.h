@@ -55,6 +55,10 @@ struct WorkerView {
   int64_t instances_finished = 0;
   bool has_last_run = false;
   LastRun last_run;
+  // Who waits on what (scheduler/waits.h): what it runs or waits for, explained, and the
+  // workers it waits for that are silent or absent.
+  std::string waits;
+  std::vector<uint64_t> blocked_on;
 };
 
 struct ClusterView {

@@ -135,6 +135,7 @@ HttpResponse HttpHandler::Handle(const HttpRequest& request) const {
   if (path == "/api/cluster") return Json(ClusterJson(source_->Cluster()));
   if (path == "/api/job") return Json(JobsJson(source_->Jobs()));
   if (path == "/api/timeline") return Json(TimelineJson(source_->Timeline()));
+  if (path == "/api/waits") return Json(WaitsJson(source_->Cluster()));
   if (path == "/metrics") {
     return {.status = 200,
             .content_type = std::string(kPrometheusContentType),

@@ -431,6 +431,8 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
         w.bytes_pulled = worker.getHeartbeat().getBytesPulled();
         w.pull_micros = worker.getHeartbeat().getPullMicros();
         w.bytes_served = worker.getHeartbeat().getBytesServed();
+        w.waits = rpc::ToString(worker.getWaits());
+        for (uint64_t blocked : worker.getBlockedOn()) w.blocked_on.push_back(WorkerId(blocked));
         if (worker.hasLastRun()) {
           auto run = worker.getLastRun();
           w.last_run.graph = run.getGraphId();
@@ -909,6 +911,21 @@ Status Cluster::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
 }
 
 Result<ClusterInfo> Cluster::Info() { return client_->Info(5000); }
+
+Result<std::vector<WorkerWait>> Cluster::Waits() {
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, Info());
+  std::vector<WorkerWait> waits;
+  for (WorkerInfo& worker : info.workers) {
+    waits.push_back(WorkerWait{worker.id, worker.hostname, worker.pid, worker.alive,
+                               std::move(worker.waits), std::move(worker.blocked_on)});
+  }
+  return waits;
+}
+
+std::string FormatWait(const WorkerWait& wait) {
+  return fmt::format("{} ({}:{}): {}", wait.worker.ToString(), wait.hostname, wait.pid,
+                     wait.text.empty() ? "no report" : wait.text);
+}
 
 Result<tessera::Timeline> Cluster::Timeline(int last_instances, uint64_t graph) {
   return client_->GetTimeline(last_instances, graph, 30'000);

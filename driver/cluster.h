@@ -136,7 +136,28 @@ struct WorkerInfo {
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
   RunFigures last_run;  // the latest graph instance it finished
+  // What it runs or waits for, explained by the scheduler (see WorkerWait), and the workers it
+  // waits for that are silent or absent.
+  std::string waits;
+  std::vector<WorkerId> blocked_on;
 };
+
+// Who waits on what (Cluster::Waits, `tessera status --waits`): one per worker, the scheduler's
+// explanation of its latest heartbeat report combined with what the scheduler knows (liveness:
+// a worker silent for two heartbeat intervals is "not responding"; which members joined a
+// collective group's rendezvous). Examples of `text`: "runs 1.3/h.0.forward",
+// "waits in collective 7/all_reduce (rank 0 of 2, task ar0, 1.7 s so far) for worker3, which
+// has not answered for 1.6 s", "not responding (last heartbeat 1500 ms ago); it said: idle".
+struct WorkerWait {
+  WorkerId worker;
+  std::string hostname;
+  int pid = 0;
+  bool alive = false;
+  std::string text;
+  std::vector<WorkerId> blocked_on;  // the workers it waits for that are silent or absent
+};
+// "worker2 (host:1234): <text>".
+std::string FormatWait(const WorkerWait& wait);
 
 struct ClusterInfo {
   std::vector<WorkerInfo> workers;
@@ -190,6 +211,9 @@ class Cluster {
                                                  const std::map<ObjectId, ObjectRef>& inputs);
 
   Result<ClusterInfo> Info();
+  // Every worker's wait, explained (WorkerWait), in id order. Answered from the scheduler's
+  // state at once (no worker is asked), so it works while workers hang.
+  Result<std::vector<WorkerWait>> Waits();
   // The spans of the latest `last_instances` graph instances the scheduler kept (setting
   // trace_instances; <= 0: all it kept), of `graph` only when non-zero (GraphHandle::id()),
   // oldest first: every task, collective member and push on every worker (core/timeline.h).

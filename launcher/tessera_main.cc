@@ -4,6 +4,8 @@
 //                 [--dashboard-port P]                        and its dashboard (printed URL)
 //   tessera start --address HOST:PORT [--cpu-workers N]       N worker processes (background)
 //   tessera status [--address HOST:PORT]                      nodes, workers, memory, tasks
+//   tessera status --waits                                    per worker: what it runs or waits
+//                                                             for, and on whom
 //   tessera stop [--address HOST:PORT]                        stops the whole cluster
 //   tessera up CLUSTER.yaml | HOSTFILE                        a cluster on hosts over ssh
 //   tessera down CLUSTER.yaml                                 stops it; no process left
@@ -433,6 +435,21 @@ int StartWorkers(const StartFlags& flags) {
   return 0;
 }
 
+// `tessera status --waits`: one line per worker (tessera::FormatWait).
+int ShowWaits(const std::string& address_flag, const std::string& token_file) {
+  Result<std::string> address = ResolveAddress(address_flag);
+  if (!address.ok()) return Fail(address.status());
+  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  if (!cluster.ok()) return Fail(cluster.status());
+  Result<std::vector<tessera::WorkerWait>> waits = (*cluster)->Waits();
+  if (!waits.ok()) return Fail(waits.status());
+  if (waits->empty()) std::printf("no workers\n");
+  for (const tessera::WorkerWait& wait : *waits) {
+    std::printf("%s\n", tessera::FormatWait(wait).c_str());
+  }
+  return 0;
+}
+
 int ShowStatus(const std::string& address_flag, const std::string& token_file) {
   Result<std::string> address = ResolveAddress(address_flag);
   if (!address.ok()) return Fail(address.status());
@@ -640,6 +657,9 @@ int main(int argc, char** argv) {
   CLI::App* status_cmd = app.add_subcommand("status", "Show workers, memory and tasks");
   status_cmd->add_option("--address", status_address, "The scheduler's HOST:PORT");
   status_cmd->add_option("--token-file", status_token, "The cluster token file");
+  bool status_waits = false;
+  status_cmd->add_flag("--waits", status_waits,
+                       "Per worker: the task it runs or what it waits for, and on whom");
 
   std::string stop_address, stop_token;
   CLI::App* stop_cmd = app.add_subcommand("stop", "Stop the cluster (scheduler and workers)");
@@ -729,7 +749,10 @@ int main(int argc, char** argv) {
     }
     return StartWorkers(start);
   }
-  if (status_cmd->parsed()) return ShowStatus(status_address, status_token);
+  if (status_cmd->parsed()) {
+    return status_waits ? ShowWaits(status_address, status_token)
+                        : ShowStatus(status_address, status_token);
+  }
   if (stop_cmd->parsed()) return StopCluster(stop_address, stop_token);
   if (up_cmd->parsed()) return Up(up);
   if (down_cmd->parsed()) return Down(down);

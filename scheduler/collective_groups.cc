@@ -133,4 +133,17 @@ void CollectiveGroups::SendVerdict(uint64_t key, const Group& group) {
   }
 }
 
+std::vector<WorkerId> CollectiveGroups::MissingJoins(uint64_t key) const {
+  std::vector<WorkerId> missing;
+  auto found = groups_.find(key);
+  if (found == groups_.end()) return missing;
+  const Group& group = found->second;
+  std::optional<uint32_t> round = group.rounds.OpenRound();
+  if (!round.has_value()) return missing;
+  for (int rank : group.rounds.Missing(*round)) {
+    missing.push_back(group.members.at(static_cast<size_t>(rank)));
+  }
+  return missing;
+}
+
 }  // namespace tessera

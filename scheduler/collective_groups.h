@@ -54,6 +54,10 @@ class CollectiveGroups {
   // key. REQUIRES: distinct workers.
   uint64_t GroupFor(const std::vector<WorkerId>& members);
   const std::vector<WorkerId>* Members(uint64_t group) const;
+  // The members (in rank order) whose join to the group's open exchange round is missing: while
+  // some members wait for the group to form, the ones they wait for. Empty when no round is open
+  // (formed, or nobody joined yet) or for an unknown group.
+  std::vector<WorkerId> MissingJoins(uint64_t group) const;
 
   // A member's join. InvalidArgument (a protocol violation by `from`) for an unknown group or a
   // rank that is not `from`'s.

@@ -25,6 +25,8 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
   view.tasks_queued = tasks.waiting;
   view.tasks_running = tasks.running;
   view.tasks_done = tasks.done;
+  const std::vector<WorkerWaitLine> waits = core_->Waits();  // in id order, like the loop
+  size_t next_wait = 0;
   for (const auto& [id, p] : core_->participants().all()) {
     view.drivers += p.role == ParticipantRole::kDriver;
     if (p.role != ParticipantRole::kWorker) continue;
@@ -46,6 +48,11 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
     w.bytes_pushed = p.bytes_pushed;
     w.collective_bytes_sent = p.collective_bytes_sent;
     w.instances_finished = p.instances_finished;
+    if (next_wait < waits.size() && waits[next_wait].worker == id) {
+      w.waits = waits[next_wait].text;
+      for (WorkerId blocked : waits[next_wait].blocked_on) w.blocked_on.push_back(blocked.value());
+      ++next_wait;
+    }
     if (p.last_run) {
       const proto::RunReport::Reader report = p.last_run->getRoot<proto::RunReport>().asReader();
       w.has_last_run = true;

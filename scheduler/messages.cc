@@ -138,7 +138,17 @@ void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
                      const StatusSummary& summary) {
   capnp::MallocMessageBuilder message;
   auto status = Body(message, request_id).initStatusReply();
-  FillList<const Participant*>(summary.workers, status.initWorkers(Size(summary.workers)));
+  auto workers = status.initWorkers(Size(summary.workers));
+  FillList<const Participant*>(summary.workers, workers);
+  for (size_t i = 0; i < summary.waits.size() && i < summary.workers.size(); ++i) {
+    const WorkerWaitLine& line = summary.waits[i];
+    auto out = workers[static_cast<unsigned>(i)];
+    out.setWaits(Text(line.text));
+    auto blocked = out.initBlockedOn(Size(line.blocked_on));
+    for (size_t b = 0; b < line.blocked_on.size(); ++b) {
+      blocked.set(static_cast<unsigned>(b), line.blocked_on[b].value());
+    }
+  }
   status.setDrivers(summary.drivers);
   status.setObjects(static_cast<int64_t>(summary.objects));
   status.setTasksQueued(summary.tasks.waiting);

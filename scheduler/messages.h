@@ -69,6 +69,7 @@ struct TaskCounts {
 // A StatusReply: the workers (dead ones too) and the cluster's counts.
 struct StatusSummary {
   std::vector<const Participant*> workers;
+  std::vector<WorkerWaitLine> waits;  // per worker, in the same order (scheduler/waits.h)
   int drivers = 0;
   size_t objects = 0;
   TaskCounts tasks;

@@ -71,6 +71,7 @@ void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader h
   worker.bytes_pulled = heartbeat.getBytesPulled();
   worker.pull_micros = heartbeat.getPullMicros();
   worker.bytes_served = heartbeat.getBytesServed();
+  worker.waits = ReadWaitState(heartbeat.getWaits());
   if (heartbeat.getHostCapacity() > 0) worker.host_capacity = heartbeat.getHostCapacity();
 }
 

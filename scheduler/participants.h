@@ -27,6 +27,7 @@
 #include "core/proto/tessera.capnp.h"
 #include "core/status.h"
 #include "scheduler/placement.h"
+#include "scheduler/waits.h"
 
 namespace tessera {
 
@@ -48,6 +49,7 @@ struct Participant {
   int64_t bytes_pulled = 0;
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
+  ReportedWait waits;  // what it runs or waits for, as of its latest heartbeat
   // The scheduler's load on it: dispatched tasks and the memory estimates they were placed with.
   int tasks_in_flight = 0;
   int64_t committed_bytes = 0;

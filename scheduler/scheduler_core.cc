@@ -171,12 +171,33 @@ Status SchedulerCore::OnPutObjects(WorkerId driver, proto::PutObjects::Reader pu
   return Status::Ok();
 }
 
+std::vector<WorkerWaitLine> SchedulerCore::Waits() const {
+  const Clock::time_point now = now_();
+  std::vector<WorkerWaitInput> inputs;
+  for (const auto& [id, p] : participants_.all()) {
+    if (p.role != ParticipantRole::kWorker) continue;
+    inputs.push_back(WorkerWaitInput{
+        .id = id,
+        .alive = p.alive,
+        .silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - p.last_heard),
+        .tasks_in_flight = p.tasks_in_flight,
+        .reported = p.waits});
+  }
+  auto group = [this](uint64_t key) -> std::optional<GroupView> {
+    const std::vector<WorkerId>* members = groups_.Members(key);
+    if (members == nullptr) return std::nullopt;
+    return GroupView{*members, groups_.MissingJoins(key)};
+  };
+  return ExplainWaits(inputs, group, std::chrono::milliseconds(2 * options_.heartbeat_interval_ms));
+}
+
 void SchedulerCore::OnStatusRequest(WorkerId from, uint64_t request_id) {
   StatusSummary summary;
   for (const auto& [id, p] : participants_.all()) {
     if (p.role == ParticipantRole::kWorker) summary.workers.push_back(&p);
     summary.drivers += p.role == ParticipantRole::kDriver;
   }
+  summary.waits = Waits();
   summary.objects = objects_.size();
   summary.tasks = tasks_.counts();
   summary.session_dir = options_.session_dir;

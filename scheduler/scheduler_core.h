@@ -18,6 +18,8 @@
 //   TraceStore        (trace_store.h)       the spans of the latest graph instances
 //   placement.h, messages.h                 placement policies; every outgoing message
 //   JobMetrics        (job_metrics.h)       the jobs' step figures (loss, step time, ...)
+//   ExplainWaits      (waits.h)             who waits on what: the workers' reported waits
+//                                           explained with liveness and rendezvous (Waits)
 // JobMetrics only records, for the dashboard (dashboard/, read through the accessors below).
 // The core checks that each message comes from a participant in the role allowed to send it,
 // hands it to the part it concerns, and runs the sequences that span parts: a participant
@@ -51,6 +53,7 @@
 #include "scheduler/participants.h"
 #include "scheduler/task_table.h"
 #include "scheduler/trace_store.h"
+#include "scheduler/waits.h"
 
 namespace tessera {
 
@@ -100,6 +103,10 @@ class SchedulerCore {
   // instances only (as a TimelineRequest is answered).
   std::vector<TimelineSpan> RecentSpans(int last) const;
   const std::string& session_dir() const { return options_.session_dir; }
+  // Every worker's wait explained (scheduler/waits.h), in id order: its latest report combined
+  // with liveness (silent for more than two heartbeat intervals: not responding) and the
+  // collective groups' rendezvous.
+  std::vector<WorkerWaitLine> Waits() const;
 
  private:
   // Routes a message from an admitted participant to the part it concerns.

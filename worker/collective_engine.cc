@@ -228,6 +228,11 @@ CollectiveEngineStats CollectiveEngine::stats() const {
   return stats_;
 }
 
+CollectiveInProgress CollectiveEngine::InProgress() const {
+  std::lock_guard lock(mutex_);
+  return in_progress_;
+}
+
 void CollectiveEngine::Loop() {
   while (true) {
     Queued next;
@@ -255,6 +260,15 @@ void CollectiveEngine::Loop() {
       ++stream.next;
       running_stream_ = chosen;
       running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
+      const Attrs& attrs = next.member.attrs;
+      in_progress_ = CollectiveInProgress{.task = next.member.task,
+                                          .op = next.member.op,
+                                          .collective = attrs.GetInt(kCollectiveAttr, 0),
+                                          .group = running_group_,
+                                          .rank = static_cast<int>(attrs.GetInt(kRankAttr, 0)),
+                                          .size = static_cast<int>(attrs.GetInt(kGroupSizeAttr, 0)),
+                                          .forming = false,
+                                          .since = std::chrono::steady_clock::now()};
     }
     int64_t sent_before;
     {
@@ -268,6 +282,7 @@ void CollectiveEngine::Loop() {
     {
       std::lock_guard lock(mutex_);
       running_group_ = 0;
+      in_progress_ = CollectiveInProgress{};
       ++stats_.collectives_run;
       sent = stats_.bytes_sent - sent_before;
     }
@@ -294,6 +309,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
     }
     group.rendezvous = std::make_shared<SchedulerRendezvous>(key, ++group.epoch, rank, size, send_);
     rendezvous = group.rendezvous;
+    in_progress_.forming = true;
   }
   CommunicatorOptions options;
   options.timeout_ms = static_cast<int>(settings_.collective_timeout_ms);
@@ -301,6 +317,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
   options.small_bytes = settings_.collective_small_bytes;
   Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options);
   std::lock_guard lock(mutex_);
+  in_progress_.forming = false;
   Group& group = groups_[key];
   if (!formed.ok()) {
     group.rendezvous.reset();

@@ -24,6 +24,7 @@
 // callbacks run on the engine's thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -64,6 +65,18 @@ struct CollectiveEngineStats {
   int groups_formed = 0;
 };
 
+// The member in progress on the collective stream, as `tessera status --waits` shows it.
+struct CollectiveInProgress {
+  std::string task;  // empty: none in progress
+  std::string op;
+  int64_t collective = 0;
+  uint64_t group = 0;
+  int rank = 0;
+  int size = 0;
+  bool forming = false;  // waiting for the group's rendezvous (the other members' joins)
+  std::chrono::steady_clock::time_point since;
+};
+
 class CollectiveEngine {
  public:
   using StreamId = std::pair<uint64_t, uint64_t>;  // (graph, instance); (0, 0): dynamic tasks
@@ -91,6 +104,8 @@ class CollectiveEngine {
   void OnAbort(uint64_t group, const Status& reason);
 
   CollectiveEngineStats stats() const;
+  // What the engine's thread is doing now (any thread; cheap: a copy under the mutex).
+  CollectiveInProgress InProgress() const;
 
  private:
   class SchedulerRendezvous;
@@ -121,6 +136,7 @@ class CollectiveEngine {
   std::map<uint64_t, Group> groups_;  // engine thread, except rendezvous lookups under mutex_
   uint64_t running_group_ = 0;        // the group of the member in progress (0: none)
   StreamId running_stream_{0, 0};
+  CollectiveInProgress in_progress_;
   CollectiveEngineStats stats_;
   bool stopping_ = false;
   std::thread thread_;

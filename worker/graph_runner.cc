@@ -35,6 +35,7 @@ struct GraphRunner::Part {
   std::vector<std::pair<ObjectId, size_t>> produced_outputs;  // local id, output index
   std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
   std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
+  std::vector<uint64_t> producer_worker;  // graph-local index -> the worker producing it (0: input)
 };
 
 struct GraphRunner::Instance {
@@ -107,6 +108,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
         producer_worker[output.value() - 1] = task_workers[static_cast<unsigned>(t)];
       }
     }
+    part->producer_worker = producer_worker;
     auto local = [&](ObjectId graph_id) {
       ObjectId& mapped = part->local_of[graph_id.value() - 1];
       if (!mapped.valid()) {
@@ -241,6 +243,33 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
     queue_.push_back(std::move(instance));
   }
   queued_.notify_all();
+}
+
+std::optional<GraphRunActivity> GraphRunner::Activity() {
+  std::shared_ptr<Part> part;
+  Key key;
+  {
+    std::lock_guard lock(mutex_);
+    if (current_ == Key{0, 0} || !current_started_) return std::nullopt;
+    key = current_;
+    auto found = parts_.find(key.first);
+    if (found != parts_.end()) part = found->second;
+  }
+  GraphRunActivity activity{.graph = key.first, .instance = key.second};
+  // Outside mutex_: the executor's lock is never taken under it. The run may have ended since;
+  // then this says nothing of it (or of the next run, which is as true a picture).
+  std::optional<InProcessExecutor::RunActivity> run = executor_.Activity();
+  if (!run.has_value() || part == nullptr) return activity;
+  activity.running = std::move(run->running);
+  for (ObjectId local : run->awaited) {
+    const size_t index = local.value() - 1;
+    if (index >= part->graph_of.size()) continue;
+    const ObjectId graph_id = part->graph_of[index];
+    if (!graph_id.valid() || graph_id.value() > part->objects.size()) continue;
+    activity.awaited.push_back(
+        {part->objects[graph_id.value() - 1].name, part->producer_worker.at(graph_id.value() - 1)});
+  }
+  return activity;
 }
 
 void GraphRunner::Cancel(uint64_t graph, uint64_t instance, const Status& reason) {

@@ -28,6 +28,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -56,6 +58,18 @@ struct InstanceFigures {
   WorkerSpans spans;
 };
 
+// What the instance in progress is doing (tessera status --waits).
+struct GraphRunActivity {
+  uint64_t graph = 0;
+  uint64_t instance = 0;
+  std::vector<std::string> running;  // tasks whose kernels run now
+  struct Awaited {
+    std::string name;       // the object's name in the graph
+    uint64_t producer = 0;  // the worker producing it (0: a bound input, pulled)
+  };
+  std::vector<Awaited> awaited;  // inputs from other workers not here yet
+};
+
 class GraphRunner {
  public:
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
@@ -74,6 +88,9 @@ class GraphRunner {
   void AddPart(uint64_t self, proto::GraphPart::Reader part);
   void Start(proto::RunGraph::Reader run);
   void Cancel(uint64_t graph, uint64_t instance, const Status& reason);
+
+  // The instance in progress and what it does, from any thread; nullopt when none runs.
+  std::optional<GraphRunActivity> Activity();
 
   // Data-plane push handlers.
   Result<void*> AcceptPush(const PushKey& key, int64_t bytes);

@@ -97,6 +97,8 @@ struct InProcessExecutor::ActiveRun {
   int events = 0;                // provides and offload completions, for the waiting loop
   int offloads_outstanding = 0;  // offloaded tasks not done yet
   RoleMeter* meter = nullptr;
+  // task index -> its kernel runs now (read by Activity from other threads).
+  std::unique_ptr<std::atomic<bool>[]> kernel_running;
 };
 
 Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
@@ -184,7 +186,19 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
       meter.Add(spec.role, spec.meta.bytes());
     }
   }
-  ActiveRun active{&prepared, &slots, pending.get(), late, {}, {}, {}, {}, 0, 0, 0, &meter};
+  ActiveRun active{&prepared,
+                   &slots,
+                   pending.get(),
+                   late,
+                   {},
+                   {},
+                   {},
+                   {},
+                   0,
+                   0,
+                   0,
+                   &meter,
+                   std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(num_tasks))};
   auto offloaded = [&](const TaskSpec& task) {
     return hooks != nullptr && hooks->offloaded && hooks->offloaded(task);
   };
@@ -279,8 +293,10 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
           });
       return;
     }
+    active.kernel_running[t].store(true, std::memory_order_relaxed);
     Result<std::vector<Tensor>> ran = RunTaskKernel(*prepared.kernels_[t], task, in, output_metas,
                                                     context, can_donate, &counters);
+    active.kernel_running[t].store(false, std::memory_order_relaxed);
     donations_taken += counters.donations_taken;
     donations_copied += counters.donations_copied;
     in.clear();  // drop our references before releasing inputs
@@ -400,6 +416,26 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   stats.role_bytes = meter.bytes();
   result.stats = std::move(stats);
   return result;
+}
+
+std::optional<InProcessExecutor::RunActivity> InProcessExecutor::Activity() {
+  std::lock_guard active_lock(active_mutex_);
+  if (active_ == nullptr) return std::nullopt;
+  const ActiveRun& run = *active_;
+  const Graph& graph = run.prepared->graph();
+  RunActivity activity;
+  for (int t = 0; t < graph.num_tasks(); ++t) {
+    if (run.kernel_running[t].load(std::memory_order_relaxed)) {
+      activity.running.push_back(graph.tasks()[t].name);
+    }
+  }
+  std::lock_guard lock(active_->mutex);
+  for (int index = 0; index < graph.num_objects(); ++index) {
+    if (run.awaited[static_cast<size_t>(index)]) {
+      activity.awaited.push_back(graph.objects()[static_cast<size_t>(index)].id);
+    }
+  }
+  return activity;
 }
 
 Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {

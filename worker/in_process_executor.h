@@ -36,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -156,6 +157,15 @@ class InProcessExecutor {
   Status Provide(ObjectId id, Tensor tensor);
   // Makes the run in progress fail with `reason` (no new tasks start); a no-op when none runs.
   void Cancel(const Status& reason);
+
+  // What the run in progress is doing, from any thread (tessera status --waits): the tasks whose
+  // kernels run now and the late inputs it still waits for (graph-local ids). nullopt when no
+  // run is in progress. Offloaded tasks are not listed: their host (the collective engine) says.
+  struct RunActivity {
+    std::vector<std::string> running;
+    std::vector<ObjectId> awaited;
+  };
+  std::optional<RunActivity> Activity();
 
   // Allocator for tensors the caller creates for this executor (parameters, batches), so they
   // count toward the peak the executor reports.

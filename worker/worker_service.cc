@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <queue>
 #include <thread>
 #include <unordered_map>
@@ -541,6 +543,46 @@ void WorkerServiceImpl::FlushResults() {
   connection_->Send(message);
 }
 
+namespace {
+
+// At most this many running tasks and awaited objects travel per heartbeat: enough to explain a
+// stuck step, and a heartbeat stays small.
+constexpr size_t kMaxWaitItems = 16;
+
+void FillWaitState(const std::optional<GraphRunActivity>& run, const CollectiveInProgress& member,
+                   proto::WaitState::Builder out) {
+  if (run.has_value()) {
+    const std::string prefix = fmt::format("{}.{}/", run->graph, run->instance);
+    out.setInstance(fmt::format("{}.{}", run->graph, run->instance));
+    const size_t running = std::min(run->running.size(), kMaxWaitItems);
+    auto names = out.initRunning(static_cast<unsigned>(running));
+    for (size_t i = 0; i < running; ++i) {
+      names.set(static_cast<unsigned>(i), prefix + run->running[i]);
+    }
+    const size_t awaited = std::min(run->awaited.size(), kMaxWaitItems);
+    auto objects = out.initAwaited(static_cast<unsigned>(awaited));
+    for (size_t i = 0; i < awaited; ++i) {
+      objects[static_cast<unsigned>(i)].setName(prefix + run->awaited[i].name);
+      objects[static_cast<unsigned>(i)].setProducer(run->awaited[i].producer);
+    }
+  }
+  if (!member.task.empty()) {
+    auto collective = out.initCollective();
+    collective.setTask(member.task);
+    collective.setOp(member.op);
+    collective.setCollective(member.collective);
+    collective.setGroup(member.group);
+    collective.setRank(member.rank);
+    collective.setSize(member.size);
+    collective.setForming(member.forming);
+    collective.setSinceMicros(std::chrono::duration_cast<std::chrono::microseconds>(
+                                  std::chrono::steady_clock::now() - member.since)
+                                  .count());
+  }
+}
+
+}  // namespace
+
 void WorkerServiceImpl::ScheduleHeartbeat() {
   if (done_) return;
   // The scheduler sends a keepalive every heartbeat interval: silence means it is stopped, or
@@ -563,6 +605,7 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   heartbeat.setBytesPulled(transfers.bytes_pulled);
   heartbeat.setPullMicros(transfers.pull_micros);
   heartbeat.setBytesServed(transfers.bytes_served);
+  FillWaitState(graph_runner_->Activity(), engine_->InProgress(), heartbeat.initWaits());
   connection_->Send(message);
   heartbeat_timer_->expires_after(std::chrono::milliseconds(heartbeat_ms_));
   heartbeat_timer_->async_wait([this](const boost::system::error_code& error) {

@@ -102,6 +102,31 @@ struct Heartbeat {
   bytesPulled @5 :Int64;     # data plane, cumulative: bytes this worker pulled from peers
   pullMicros @6 :Int64;      # ... and the time those pulls took (start to last byte)
   bytesServed @7 :Int64;     # bytes peers pulled from this worker
+  waits @8 :WaitState;       # what the worker runs or waits for now (tessera status --waits)
+}
+
+# A worker's own view of what it runs or waits for, as of its heartbeat (worker/wait_state.h).
+struct WaitState {
+  running @0 :List(Text);    # tasks running now ("graph.instance/task", or a task's name)
+  awaited @1 :List(AwaitedObject);  # objects a graph run waits for
+  collective @2 :CollectiveWait;  # the member in progress on the collective stream, if any
+  instance @3 :Text;         # the graph instance in progress ("graph.instance"); empty: none
+}
+
+struct AwaitedObject {
+  name @0 :Text;             # "graph.instance/object"
+  producer @1 :UInt64;       # the worker producing it; 0: a bound input (pulled)
+}
+
+struct CollectiveWait {
+  task @0 :Text;             # empty: none in progress
+  op @1 :Text;
+  collective @2 :Int64;      # the collective's id (its `collective` attribute)
+  group @3 :UInt64;          # the scheduler's group key
+  rank @4 :Int32;
+  size @5 :Int32;
+  forming @6 :Bool;          # waiting for the group's rendezvous (CollectiveJoin) to complete
+  sinceMicros @7 :Int64;     # how long it has been in progress
 }
 
 # ---- dynamic tasks and objects ----
@@ -270,6 +295,8 @@ struct WorkerStatus {
   dataAddress @5 :Text;
   tasksQueued @6 :Int32;
   lastRun @7 :RunReport;           # the worker's latest finished graph instance
+  waits @8 :Text;                  # what it runs or waits for, explained (scheduler/waits.h)
+  blockedOn @9 :List(UInt64);      # the workers it waits for that have not answered
 }
 
 struct ClusterStatus {

@@ -1,6 +1,7 @@
-// The Tessera dashboard: polls the JSON API (/api/cluster, /api/job, /api/timeline) once a second
-// and draws the tables, the job's plots and the timeline on canvases. No libraries; the token
-// travels in the HttpOnly cookie the server set when the page was opened with ?token=.
+// The Tessera dashboard: polls the JSON API (/api/cluster, /api/job, /api/timeline, /api/waits)
+// once a second and draws the tables, the job's plots and the timeline on canvases. No
+// libraries; the token travels in the HttpOnly cookie the server set when the page was opened
+// with ?token=.
 'use strict';
 
 const KIND_COLOURS = {
@@ -200,12 +201,30 @@ function renderTimeline(t) {
   canvas.dataset.kinds = [...new Set(t.spans.map(s => s.kind))].sort().join(',');
 }
 
+// One row per worker: what it runs or waits for; a row blocked on a silent or absent worker is
+// marked, and so is the row of a worker others are blocked on.
+function renderWaits(w) {
+  const blockers = new Set(w.workers.flatMap(x => x.blocked_on));
+  const tbody = document.querySelector('#waits tbody');
+  tbody.replaceChildren();
+  for (const x of w.workers) {
+    const tr = el('tr');
+    if (x.blocked_on.length > 0) tr.className = 'blocked';
+    if (blockers.has(x.id)) tr.className = 'blocker';
+    tr.appendChild(el('td', 'worker' + x.id + ' (' + x.hostname + ':' + x.pid + ')'));
+    tr.appendChild(el('td', x.alive ? (x.waits || 'no report') : 'dead'));
+    tbody.appendChild(tr);
+  }
+}
+
 async function refresh() {
   const status = document.getElementById('status');
   try {
-    const [cluster, jobs, timeline] = await Promise.all(
-      [getJson('/api/cluster'), getJson('/api/job'), getJson('/api/timeline')]);
+    const [cluster, jobs, timeline, waits] = await Promise.all(
+      [getJson('/api/cluster'), getJson('/api/job'), getJson('/api/timeline'),
+       getJson('/api/waits')]);
     renderCluster(cluster);
+    renderWaits(waits);
     renderJobs(jobs);
     renderTimeline(timeline);
     status.textContent = '';

@@ -236,5 +236,138 @@ TEST(CollectiveTasksTest, AStuckWorkerFailsTheDynamicCollectiveNamingIt) {
   std::printf("rank 0 failed with: %s\n", rank0.status().ToString().c_str());
 }
 
+// SIGSTOPs `pid` and returns once the kernel says it is stopped: a signal takes effect when the
+// process next runs, and a busy host may let it handle one more message first.
+void StopProcess(int pid) {
+  ::kill(pid, SIGSTOP);
+  const std::string stat = "/proc/" + std::to_string(pid) + "/stat";
+  for (int i = 0; i < 1000; ++i) {
+    const std::string text = ReadFileText(stat);
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && text.compare(paren + 1, 3, " T ") == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Who waits on what: a member's worker stopped (SIGSTOP) while the other waits for it in the
+// collective. Before the heartbeat timeout (3 s) declares it dead, Cluster::Waits and
+// `tessera status --waits` name the stopped worker and the collective.
+TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedMemberAndItsCollective) {
+  const int n = 2;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo waiter = info.workers[0];
+  const WorkerInfo victim = info.workers[1];
+  std::vector<ObjectRef> inputs;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK_AND_ASSIGN(ObjectRef x, cluster->Put(RandomTensor({1 << 16}, 4)));
+    inputs.push_back(x);
+  }
+  StopProcess(victim.pid);
+  const Clock::time_point stopped = Clock::now();
+  std::vector<ObjectRef> outputs;
+  for (int r = 0; r < n; ++r) {
+    SubmitOptions options;
+    options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
+    ASSERT_OK_AND_ASSIGN(
+        auto y, cluster->Submit("all_reduce", {inputs[static_cast<size_t>(r)]},
+                                Member(11, r, n).Set("reduce", std::string("sum")), options));
+    outputs.push_back(y[0]);
+  }
+  // The waiter's line, once the victim has been silent for two heartbeat intervals.
+  std::string line;
+  while (Clock::now() - stopped < std::chrono::milliseconds(2800)) {
+    Result<std::vector<WorkerWait>> waits = cluster->Waits();
+    ASSERT_TRUE(waits.ok()) << waits.status().ToString();
+    for (const WorkerWait& wait : *waits) {
+      if (wait.worker == waiter.id && !wait.blocked_on.empty() &&
+          wait.blocked_on.front() == victim.id &&
+          wait.text.find("has not answered") != std::string::npos) {
+        line = FormatWait(wait);
+      }
+    }
+    if (!line.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::printf("Cluster::Waits: %s\n", line.c_str());
+  EXPECT_NE(line.find("collective 11/all_reduce"), std::string::npos) << line;
+  EXPECT_NE(line.find(victim.id.ToString()), std::string::npos) << line;
+  EXPECT_NE(line.find("has not answered"), std::string::npos) << line;
+  // The same through the command line, still within the heartbeat timeout.
+  const ProcessResult cli =
+      RunBinary("tessera", "status --waits --address " + cluster->address() + " --token-file " +
+                               cluster->session_dir() + "/token");
+  const auto cli_done = Clock::now() - stopped;
+  std::printf("tessera status --waits (%lld ms after the stop):\n%s",
+              static_cast<long long>(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(cli_done).count()),
+              cli.output.c_str());
+  EXPECT_EQ(cli.exit_code, 0) << cli.output;
+  if (cli_done < std::chrono::milliseconds(3000)) {
+    EXPECT_NE(cli.output.find("collective 11/all_reduce"), std::string::npos) << cli.output;
+    EXPECT_NE(cli.output.find("for " + victim.id.ToString() + ", which has not answered"),
+              std::string::npos)
+        << cli.output;
+  }
+  ::kill(victim.pid, SIGKILL);
+  // Nothing hangs: the collective fails naming the dead worker.
+  Result<Tensor> rank0 = cluster->Get(outputs[0], 25'000);
+  ASSERT_FALSE(rank0.ok());
+  EXPECT_NE(rank0.status().message().find(victim.id.ToString()), std::string::npos)
+      << rank0.status().ToString();
+}
+
+// The same for a registered graph whose group has formed already (the second instance): the
+// waiter is inside the exchange, and its line names the stopped peer and the collective.
+TEST(CollectiveTasksTest, StatusWaitsNamesAStoppedPeerOfAFormedGroup) {
+  const int n = 2;
+  const int64_t numel = 1000;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  const WorkerInfo waiter = info.workers[0];
+  const WorkerInfo victim = info.workers[1];
+  const CollectiveChain chain = BuildChain(n, numel, {waiter.id, victim.id});
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(chain.graph));
+  for (int instance = 0; instance < 2; ++instance) {
+    std::map<ObjectId, ObjectRef> bound;
+    for (int r = 0; r < n; ++r) {
+      ASSERT_OK_AND_ASSIGN(bound[chain.inputs[static_cast<size_t>(r)]],
+                           cluster->Put(RandomTensor({numel}, 4)));
+    }
+    Clock::time_point stopped;
+    if (instance == 1) {
+      StopProcess(victim.pid);
+      stopped = Clock::now();
+    }
+    ASSERT_OK_AND_ASSIGN(auto outputs, cluster->RunGraph(handle, bound));
+    if (instance == 0) {
+      ASSERT_OK(cluster->Get(outputs.at(chain.broadcast[0]), 30'000).status());
+      continue;
+    }
+    std::string line;
+    while (line.empty() && Clock::now() - stopped < std::chrono::milliseconds(2800)) {
+      ASSERT_OK_AND_ASSIGN(std::vector<WorkerWait> waits, cluster->Waits());
+      for (const WorkerWait& wait : waits) {
+        if (wait.worker == waiter.id && wait.blocked_on == std::vector<WorkerId>{victim.id} &&
+            wait.text.find("has not answered") != std::string::npos) {
+          line = FormatWait(wait);
+        }
+      }
+      if (line.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::printf("Cluster::Waits: %s\n", line.c_str());
+    EXPECT_NE(line.find("waits in collective 1/all_reduce (rank 0 of 2"), std::string::npos)
+        << line;
+    EXPECT_NE(line.find("for " + victim.id.ToString() + ", which has not answered"),
+              std::string::npos)
+        << line;
+    ::kill(victim.pid, SIGKILL);
+    Result<Tensor> reduced = cluster->Get(outputs.at(chain.reduced[0]), 25'000);
+    ASSERT_FALSE(reduced.ok());
+    EXPECT_NE(reduced.status().message().find(victim.id.ToString()), std::string::npos)
+        << reduced.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace tessera::testing

@@ -59,6 +59,12 @@ class FakeSource : public dashboard::DashboardSource {
       w.last_run.model_state_peak = 123456;
       w.last_run.role_peaks = {{"parameter", 1000}, {"gradient", 2000}};
       w.last_run.wall_ms = 20.5;
+      if (id == 2) {
+        w.waits =
+            "waits in collective 7/all_reduce (rank 0 of 2) for worker3, which has not "
+            "answered for 1.5 s";
+        w.blocked_on = {3};
+      }
     }
     return view;
   }
@@ -112,8 +118,9 @@ std::string Header(const HttpResponse& response, const std::string& name) {
 }
 
 TEST_F(DashboardHandlerTest, EveryRouteRefusesARequestWithoutTheToken) {
-  for (const char* target : {"/", "/dashboard.js", "/dashboard.css", "/api/cluster", "/api/job",
-                             "/api/timeline", "/metrics", "/no-such-page", "/?token=wrong"}) {
+  for (const char* target :
+       {"/", "/dashboard.js", "/dashboard.css", "/api/cluster", "/api/job", "/api/timeline",
+        "/api/waits", "/metrics", "/no-such-page", "/?token=wrong"}) {
     for (const auto& [authorization, cookie] : std::vector<std::pair<std::string, std::string>>{
              {"", ""},
              {"Bearer wrong", ""},
@@ -193,6 +200,14 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(points[2]["step"], 3);
   EXPECT_DOUBLE_EQ(points[0]["loss"].get<double>(), 5.0);
   EXPECT_TRUE(points[0]["samples_per_second"].is_null());  // NaN: not reported
+
+  const json waits = json::parse(Get("/api/waits", Bearer()).body);
+  ASSERT_EQ(waits["workers"].size(), 2u);
+  EXPECT_EQ(waits["workers"][0]["id"], 2);
+  EXPECT_NE(waits["workers"][0]["waits"].get<std::string>().find("worker3"), std::string::npos);
+  EXPECT_EQ(waits["workers"][0]["blocked_on"], json::array({3}));
+  EXPECT_EQ(waits["workers"][1]["blocked_on"], json::array());
+  EXPECT_NE(Get("/dashboard.js", Bearer()).body.find("/api/waits"), std::string::npos);
 
   const json timeline = json::parse(Get("/api/timeline", Bearer()).body);
   ASSERT_EQ(timeline["spans"].size(), 1u);
