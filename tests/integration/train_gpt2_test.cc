@@ -55,12 +55,31 @@ TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
-  for (const char* flag : {"--layers",     "--channels",   "--heads",          "--vocab",
-                           "--seq-len",    "--batch",      "--preset",         "--steps",
-                           "--lr",         "--seed",       "--threads",        "--data",
-                           "--eval-every", "--sample",     "--workers",        "--zero-stage",
-                           "--offload",    "--grad-accum", "--checkpoint-dir", "--checkpoint-every",
-                           "--resume"}) {
+  for (const char* flag : {"--layers",
+                           "--channels",
+                           "--heads",
+                           "--vocab",
+                           "--seq-len",
+                           "--batch",
+                           "--preset",
+                           "--steps",
+                           "--lr",
+                           "--seed",
+                           "--threads",
+                           "--data",
+                           "--eval-every",
+                           "--sample",
+                           "--workers",
+                           "--zero-stage",
+                           "--offload",
+                           "--grad-accum",
+                           "--checkpoint-dir",
+                           "--checkpoint-every",
+                           "--resume",
+                           "--pipeline-stages",
+                           "--micro-batches",
+                           "--schedule",
+                           "--virtual-stages"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
@@ -124,6 +143,38 @@ TEST(TrainGpt2Test, ALocalClusterTrainsLikeOneProcessAndALayerSplitExactly) {
       << cluster.output;
   EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
   EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
+}
+
+// The pipeline flags: two stages of one worker each train the run of one process (within the
+// plans' tolerance), the plan and the stage cut are printed; bad pipelines are explained.
+TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
+  ProcessResult alone = RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8");
+  ProcessResult piped = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 2 --pipeline-stages 2 "
+      "--micro-batches 4 --schedule 1f1b");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(piped.exit_code, 0) << piped.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(piped.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << piped.output;
+  EXPECT_NE(piped.output.find("pipeline_stages=2 schedule=1f1b"), std::string::npos)
+      << piped.output;
+  EXPECT_NE(piped.output.find("pipeline stage 0: embedding"), std::string::npos) << piped.output;
+
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--workers 3 --pipeline-stages 2 --micro-batches 4",
+       "--pipeline-stages 2 needs --workers a multiple of 2"},
+      {"--workers 4 --pipeline-stages 4 --micro-batches 2 --schedule 1f1b",
+       "needs at least as many micro-batches as pipeline stages"},
+      {"--workers 2 --pipeline-stages 2 --micro-batches 4 --schedule zigzag",
+       "schedule 'zigzag' is not one of: gpipe, 1f1b, interleaved, zb-h1"},
+      {"--workers 8 --pipeline-stages 8 --micro-batches 8", "has 4 layers: use at most 4 stages"},
+  };
+  for (const auto& [arguments, message] : refused) {
+    ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);
+    EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
+    EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
+  }
 }
 
 // ZeRO-3 on 2 workers with checkpoints, resumed on 4 workers at ZeRO-1: the same final loss as
