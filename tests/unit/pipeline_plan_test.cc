@@ -124,8 +124,7 @@ TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy
   EXPECT_EQ(gathers(step), 2 * 8);
   // Gathering before every use inside a pipeline is refused for now (a known hang).
   plan.parallel.gather = GatherPolicy::kPerMicroBatch;
-  EXPECT_EQ(PlanTrainingStep(model, plan, CpuRegistry()).status().code(),
-            StatusCode::kInfeasible);
+  EXPECT_EQ(PlanTrainingStep(model, plan, CpuRegistry()).status().code(), StatusCode::kInfeasible);
   // Without a pipeline the default keeps ZeRO-3's per-micro-batch bound.
   TrainingPlan flat = PipelinePlan(1, 2, 4, PipelineSchedule::k1F1B, 1, 3);
   ASSERT_OK_AND_ASSIGN(StepGraph flat_step, PlanTrainingStep(model, flat, CpuRegistry()));
