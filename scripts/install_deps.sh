@@ -13,8 +13,13 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev
   openssh-client openssh-server iproute2 procps  # the launcher (ssh) and the multinode tests
-  chromium nodejs npm  # the dashboard's browser test (tests/browser)
+  chromium  # the dashboard's browser test (tests/browser)
 )
+# Node.js and npm for the same test, from Debian unless a node with its own npm is there already
+# (NodeSource's nodejs bundles npm and conflicts with Debian's npm package).
+if ! command -v npm >/dev/null; then
+  packages+=(nodejs npm)
+fi
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch)
 fi
