@@ -185,8 +185,47 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
     part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
     GetLogger("worker")->warn("{}", part->error.ToString());
   }
-  std::lock_guard lock(mutex_);
-  parts_[part->id] = std::move(part);
+  const uint64_t id = part->id;
+  {
+    std::lock_guard lock(mutex_);
+    parts_[id] = std::move(part);
+  }
+  DeliverEarlyPushes(id);
+}
+
+void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
+  std::vector<std::pair<PushKey, Result<Tensor>>> ready;
+  {
+    std::lock_guard lock(mutex_);
+    const std::shared_ptr<Part>& part = parts_.at(graph);
+    for (auto early = early_pushes_.begin(); early != early_pushes_.end();) {
+      if (early->key.graph != graph || !early->delivered) {
+        ++early;
+        continue;
+      }
+      const PushKey key = early->key;
+      Result<Tensor> tensor =
+          InvalidArgument("push of object {} of unknown graph {}", key.object, key.graph);
+      if (key.object > 0 && key.object <= part->objects.size()) {
+        const TensorMeta& meta = part->objects[key.object - 1].meta;
+        if (meta.bytes() != static_cast<int64_t>(early->bytes.size())) {
+          tensor = InvalidArgument("push of {} bytes for {} ({})", early->bytes.size(),
+                                   part->objects[key.object - 1].name, meta.ToString());
+        } else {
+          tensor = Tensor::Empty(meta, executor_.allocator());
+          if (tensor.ok())
+            std::memcpy(tensor->raw_data(), early->bytes.data(), early->bytes.size());
+        }
+      }
+      early_push_bytes_ -= static_cast<int64_t>(early->bytes.size());
+      early = early_pushes_.erase(early);
+      if (tensor.ok()) incoming_[key] = *std::move(tensor);
+      ready.emplace_back(key, tensor.ok() ? Result<Tensor>(Tensor()) : std::move(tensor));
+    }
+  }
+  for (auto& [key, result] : ready) {
+    PushDelivered(key, result.ok() ? Status::Ok() : result.status());
+  }
 }
 
 void GraphRunner::Start(proto::RunGraph::Reader run) {
@@ -282,10 +321,26 @@ void GraphRunner::Cancel(uint64_t graph, uint64_t instance, const Status& reason
   }
 }
 
+namespace {
+constexpr int64_t kMaxEarlyPushBytes = int64_t{1} << 30;
+}  // namespace
+
 Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
   std::lock_guard lock(mutex_);
   auto it = parts_.find(key.graph);
-  if (it == parts_.end() || key.object == 0 || key.object > it->second->objects.size()) {
+  if (it == parts_.end()) {
+    // The part may still be on its way (or being prepared): keep the bytes until it comes.
+    if (bytes < 0 || early_push_bytes_ + bytes > kMaxEarlyPushBytes) {
+      return ResourceExhausted(
+          "push of object {} of graph {} ({} bytes) before its graph part arrived: over the {} "
+          "bytes kept for early pushes",
+          key.object, key.graph, bytes, kMaxEarlyPushBytes);
+    }
+    early_push_bytes_ += bytes;
+    early_pushes_.push_back(EarlyPush{key, std::vector<uint8_t>(static_cast<size_t>(bytes))});
+    return static_cast<void*>(early_pushes_.back().bytes.data());
+  }
+  if (key.object == 0 || key.object > it->second->objects.size()) {
     return InvalidArgument("push of object {} of unknown graph {}", key.object, key.graph);
   }
   const TensorMeta& meta = it->second->objects[key.object - 1].meta;
@@ -300,6 +355,23 @@ Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
 }
 
 void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
+  bool early_and_placed = false;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto early = early_pushes_.begin(); early != early_pushes_.end(); ++early) {
+      if (early->delivered || !(early->key == key)) continue;
+      if (!status.ok()) {
+        early_push_bytes_ -= static_cast<int64_t>(early->bytes.size());
+        early_pushes_.erase(early);
+        break;
+      }
+      early->delivered = true;  // the part's arrival hands it to the run
+      if (parts_.count(key.graph) == 0) return;
+      early_and_placed = true;  // the part came while the bytes did
+      break;
+    }
+  }
+  if (early_and_placed) return DeliverEarlyPushes(key.graph);
   Tensor tensor;
   ObjectId local;
   {

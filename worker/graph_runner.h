@@ -109,6 +109,9 @@ class GraphRunner {
   void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed,
               const InstanceFigures& figures = {});
 
+  // Hands the pushes that came before graph `graph`'s part to their runs.
+  void DeliverEarlyPushes(uint64_t graph);
+
   const OpRegistry& registry_;
   const Settings settings_;
   ObjectStore& store_;
@@ -123,6 +126,16 @@ class GraphRunner {
   std::deque<std::unique_ptr<Instance>> queue_;
   std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_;  // before their run starts
   std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_;
+  // Pushes of a graph whose part has not arrived here yet (a peer that got its part and its
+  // RunGraph first may push before this worker's part is prepared): raw bytes, bounded by
+  // kMaxEarlyPushBytes, delivered when the part arrives.
+  struct EarlyPush {
+    PushKey key;
+    std::vector<uint8_t> bytes;
+    bool delivered = false;
+  };
+  std::vector<EarlyPush> early_pushes_;
+  int64_t early_push_bytes_ = 0;
   std::map<Key, Status> cancelled_;
   Key current_{0, 0};
   bool current_started_ = false;
