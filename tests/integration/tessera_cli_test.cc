@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "driver/cluster.h"
 #include "test_util.h"
@@ -57,11 +59,18 @@ TEST(TesseraCliTest, StartStatusStop) {
   ProcessResult stop = Tessera("stop" + target);
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
   EXPECT_NE(stop.output.find("stopped"), std::string::npos) << stop.output;
-  // The scheduler logged the workers joining and leaving, in the session directory.
-  std::ifstream log(session + "/scheduler.log");
-  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  // The scheduler logged the workers joining and leaving, in the session directory. `stop`
+  // returns once the processes were told; the scheduler writes its last line as it exits, so
+  // read the log until that line is there (or give up after 10 s).
+  std::string text;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::ifstream log(session + "/scheduler.log");
+    text.assign(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
+    if (text.find("stopped") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   EXPECT_NE(text.find("joined"), std::string::npos);
-  EXPECT_NE(text.find("stopped"), std::string::npos);
+  EXPECT_NE(text.find("stopped"), std::string::npos) << text;
 }
 
 // A head and 3 workers from `tessera start`, with a ZeRO-3 run of train_gpt2 on them under way;
