@@ -570,6 +570,63 @@ TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeast
   EXPECT_EQ(core_.num_objects(), 0u);
 }
 
+TEST_F(RegisteredGraphTest, TimelineWaitsForTheInstanceAndNamesItsSpans) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  AddGelu(graph, "a", {x}, 1, w1);
+  graph.MarkOutput(AddGelu(graph, "b", {x}, 1, w2));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {50}));
+  auto finish = [&](WorkerId worker, uint64_t task, const std::vector<uint64_t>& sealed) {
+    return Deliver(worker, [&](proto::Envelope::Builder e) {
+      auto done = e.initBody().initInstanceFinished();
+      done.setGraphId(3);
+      done.setInstance(1);
+      auto outputs = done.initOutputs(static_cast<unsigned>(sealed.size()));
+      for (unsigned i = 0; i < sealed.size(); ++i) {
+        outputs[i].setId(sealed[i]);
+        outputs[i].setBytes(4);
+      }
+      WorkerSpans spans;
+      spans.tasks.push_back({task, 0, 100, 200, 0});
+      rpc::ToWire(spans, done.initSpans());
+    });
+  };
+  auto request = [&](WorkerId from, uint64_t graph_id) {
+    return Deliver(from, [&](proto::Envelope::Builder e) {
+      e.setRequestId(9);
+      auto wire = e.initBody().initTimelineRequest();
+      wire.setLastInstances(1);
+      wire.setGraphId(graph_id);
+    });
+  };
+  ASSERT_OK(finish(w1, 1, {}));
+  ASSERT_OK(request(driver, 3));
+  EXPECT_TRUE(outbox_.Take(driver, Body::TIMELINE_REPLY).empty()) << "w2 has not reported yet";
+  ASSERT_OK(finish(w2, 2, {50}));
+  auto replies = outbox_.Take(driver, Body::TIMELINE_REPLY);
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0]->reader().getRoot<proto::Envelope>().getRequestId(), 9u);
+  ASSERT_OK_AND_ASSIGN(Timeline timeline, rpc::FromWire(BodyOf(replies[0]).getTimelineReply()));
+  ASSERT_EQ(timeline.spans.size(), 2u);
+  EXPECT_EQ(timeline.spans[0].worker, w1);
+  EXPECT_EQ(timeline.spans[0].name, "a");
+  EXPECT_EQ(timeline.spans[0].kind, SpanKind::kForward);
+  EXPECT_EQ(timeline.spans[1].worker, w2);
+  EXPECT_EQ(timeline.spans[1].name, "b");
+  ASSERT_EQ(timeline.processes.size(), 2u);
+  EXPECT_EQ(timeline.processes[0].hostname, "host");
+  EXPECT_EQ(timeline.processes[0].pid, static_cast<int>(100 + w1.value()));
+
+  // Any graph: answered at once; workers may not ask.
+  ASSERT_OK(request(driver, 0));
+  EXPECT_EQ(outbox_.Take(driver, Body::TIMELINE_REPLY).size(), 1u);
+  EXPECT_EQ(request(w1, 0).code(), StatusCode::kInvalidArgument);
+}
+
 TEST_F(RegisteredGraphTest, MembersOfACollectiveGetDistinctWorkersAndTheirGroup) {
   const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;

@@ -1,0 +1,174 @@
+// Traces of training steps on a local cluster of real worker processes: a ZeRO-3 GPT-2 step on
+// two workers leaves, per worker, forward, backward, optimizer and collective spans, and its
+// parameter all-gathers run on the communication stream while compute goes on; layer-split
+// placement shows pushes on the transfer stream; `tessera timeline` writes the same trace.
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "driver/cluster.h"
+#include "driver/graph_backend.h"
+#include "driver/token_dataset.h"
+#include "driver/trace.h"
+#include "driver/trainer.h"
+#include "test_util.h"
+#include "trace_schema.h"
+
+namespace tessera::testing {
+namespace {
+
+constexpr int64_t kBatch = 4;
+constexpr int64_t kSeqLen = 32;
+
+// GPT-2 tiny with six blocks: enough layers that a block's forward runs while the next blocks'
+// parameters are gathered.
+Gpt2Config Model() {
+  Gpt2Config config = *Gpt2Config::Preset("tiny");
+  config.layers = 6;
+  return config;
+}
+
+Status TrainSteps(Trainer& trainer, int steps) {
+  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
+  TokenDataset data = TokenDataset::Synthetic(5'000, 256, 4);
+  TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 2));
+  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(tokens.size());
+  for (int step = 0; step < steps; ++step) {
+    sampler.Next(tokens.data(), targets.data());
+    TESSERA_RETURN_IF_ERROR(trainer.Step(tokens, targets, 1e-3f).status());
+  }
+  return Status::Ok();
+}
+
+bool Overlap(const TimelineSpan& a, const TimelineSpan& b) {
+  return a.start_us < b.end_us && b.start_us < a.end_us;
+}
+
+class TraceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    LocalClusterOptions options;
+    options.cpu_workers = 2;
+    options.threads_per_worker = 1;
+    options.tessera_binary = BinaryPath("tessera");
+    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+    cluster_ = std::move(*cluster).release();
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  static Cluster* cluster_;
+};
+
+Cluster* TraceTest::cluster_ = nullptr;
+
+TEST_F(TraceTest, Zero3StepShowsAllGathersOverlappingCompute) {
+  TrainingPlan plan;
+  plan.batch = kBatch;
+  plan.seq_len = kSeqLen;
+  plan.parallel.data_parallel = 2;
+  plan.parallel.zero_stage = 3;
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_));
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(Model(), plan, std::move(backend)));
+  ASSERT_OK(TrainSteps(*trainer, 3));
+  ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(2));
+
+  std::set<uint64_t> instances;
+  std::map<uint64_t, std::set<SpanKind>> kinds;  // per worker
+  std::map<uint64_t, std::vector<const TimelineSpan*>> gathers, compute;
+  for (const TimelineSpan& span : timeline.spans) {
+    EXPECT_TRUE(span.worker.valid());
+    EXPECT_GE(span.end_us, span.start_us) << span.name;
+    EXPECT_FALSE(span.name.empty());
+    instances.insert(span.instance);
+    kinds[span.worker.value()].insert(span.kind);
+    if (span.op == "all_gather" || span.op == "all_gather_in_place") {
+      EXPECT_EQ(span.stream, kCollectiveStream) << span.name;
+      EXPECT_EQ(span.kind, SpanKind::kCollective);
+      EXPECT_GT(span.bytes, 0) << span.name;  // a member of a 2-rank gather sends its shard
+      gathers[span.worker.value()].push_back(&span);
+    }
+    if (span.kind == SpanKind::kForward || span.kind == SpanKind::kBackward) {
+      EXPECT_GE(span.stream, 0) << span.name;
+      compute[span.worker.value()].push_back(&span);
+    }
+  }
+  EXPECT_EQ(instances.size(), 2u);
+  ASSERT_EQ(kinds.size(), 2u) << "spans from both workers";
+  ASSERT_EQ(timeline.processes.size(), 2u);
+  for (const TimelineProcess& process : timeline.processes) {
+    EXPECT_GT(process.pid, 0);
+    EXPECT_FALSE(process.hostname.empty());
+  }
+  for (const auto& [worker, seen] : kinds) {
+    SCOPED_TRACE(fmt::format("worker {}", worker));
+    EXPECT_TRUE(seen.contains(SpanKind::kForward));
+    EXPECT_TRUE(seen.contains(SpanKind::kBackward));
+    EXPECT_TRUE(seen.contains(SpanKind::kOptimizer));
+    EXPECT_TRUE(seen.contains(SpanKind::kCollective));
+    bool overlapped = false;
+    for (const TimelineSpan* gather : gathers[worker]) {
+      for (const TimelineSpan* work : compute[worker]) overlapped |= Overlap(*gather, *work);
+    }
+    EXPECT_TRUE(overlapped) << "no all_gather overlaps a forward or backward span on worker "
+                            << worker;
+  }
+
+  const std::string path = ::testing::TempDir() + "/zero3_trace.json";
+  ASSERT_OK(WriteChromeTrace(path, timeline));
+  nlohmann::json trace = ExpectChromeTraceSchema(ReadFileText(path));
+  ASSERT_FALSE(trace.is_null());
+  std::set<std::string> process_names;
+  for (const nlohmann::json& event : trace["traceEvents"]) {
+    if (event["name"] == "process_name") process_names.insert(event["args"]["name"]);
+  }
+  EXPECT_EQ(process_names.size(), 2u);
+  for (const std::string& name : process_names) EXPECT_EQ(name.rfind("worker ", 0), 0u) << name;
+
+  // The CLI reads the same store (every graph: the latest instance may be another graph's).
+  const std::string cli_path = ::testing::TempDir() + "/cli_trace.json";
+  ProcessResult cli = RunBinary(
+      "tessera", fmt::format("timeline --address {} --token-file {}/token --out {} --steps 1",
+                             cluster_->address(), cluster_->session_dir(), cli_path));
+  ASSERT_EQ(cli.exit_code, 0) << cli.output;
+  EXPECT_NE(cli.output.find("wrote"), std::string::npos) << cli.output;
+  ExpectChromeTraceSchema(ReadFileText(cli_path));
+}
+
+TEST_F(TraceTest, LayerPlacementPushesShowOnTheTransferStream) {
+  TrainingPlan plan;
+  plan.batch = kBatch;
+  plan.seq_len = kSeqLen;
+  ASSERT_OK_AND_ASSIGN(auto backend,
+                       MakeClusterBackend(*cluster_, ClusterPlacement::kLayersRoundRobin));
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(Model(), plan, std::move(backend)));
+  ASSERT_OK(TrainSteps(*trainer, 1));
+  ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(1));
+  int pushes = 0;
+  for (const TimelineSpan& span : timeline.spans) {
+    if (span.stream != kTransferStream) continue;
+    ++pushes;
+    EXPECT_EQ(span.kind, SpanKind::kTransfer);
+    EXPECT_GT(span.bytes, 0);
+    EXPECT_NE(span.name.find("push "), std::string::npos) << span.name;
+  }
+  EXPECT_GT(pushes, 0) << "activations and gradients cross workers layer by layer";
+}
+
+TEST(TraceCliTest, TimelineWithoutAClusterSaysWhatToDo) {
+  ProcessResult missing_out = RunBinary("tessera", "timeline --address 127.0.0.1:1");
+  EXPECT_EQ(missing_out.exit_code, 2) << missing_out.output;
+  EXPECT_NE(missing_out.output.find("--out"), std::string::npos) << missing_out.output;
+  ProcessResult nobody = RunBinary(
+      "tessera", "timeline --address 127.0.0.1:1 --token-file /nonexistent/token --out /tmp/x");
+  EXPECT_EQ(nobody.exit_code, 1) << nobody.output;
+  EXPECT_NE(nobody.output.find("tessera: error:"), std::string::npos) << nobody.output;
+}
+
+}  // namespace
+}  // namespace tessera::testing
