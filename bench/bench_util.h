@@ -1,10 +1,15 @@
 // Helpers the benchmarks share: running the side-by-side peer (a Python script) and reading
-// its figures.
+// its figures, medians, and giving up with the reason.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
 
 namespace tessera::bench {
 
@@ -26,6 +31,26 @@ inline double JsonNumber(const std::string& text, const std::string& name) {
   const size_t at = text.find(key);
   if (at == std::string::npos) return -1;
   return std::atof(text.c_str() + at + key.size());
+}
+
+// The median of `values` (the mean of the middle two for an even count).
+inline double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+// Prints "<program>: <what>: <status>" and exits 1: a benchmark that cannot run says why.
+[[noreturn]] inline void Die(const char* program, const Status& status, const std::string& what) {
+  std::fprintf(stderr, "%s: %s: %s\n", program, what.c_str(), status.ToString().c_str());
+  std::exit(1);
+}
+
+// The value of `result`, or Die.
+template <typename T>
+T Check(const char* program, Result<T> result, const std::string& what) {
+  if (!result.ok()) Die(program, result.status(), what);
+  return std::move(result).value();
 }
 
 }  // namespace tessera::bench

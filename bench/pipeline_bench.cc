@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "bench/bench_util.h"
 #include "driver/cluster.h"
 #include "driver/graph_backend.h"
 #include "driver/token_dataset.h"
@@ -40,6 +41,16 @@ namespace {
 using tessera::PipelineSchedule;
 using tessera::Status;
 
+constexpr const char* kProgram = "bench_pipeline";
+[[noreturn]] void Die(const Status& status, const std::string& what) {
+  tessera::bench::Die(kProgram, status, what);
+}
+template <typename T>
+T Check(tessera::Result<T> result, const std::string& what) {
+  return tessera::bench::Check(kProgram, std::move(result), what);
+}
+using tessera::bench::Median;
+
 struct Flags {
   int64_t layers = 8, channels = 128, heads = 4, vocab = 256, batch = 16, seq_len = 64;
   std::vector<int> stages = {2, 4};
@@ -48,21 +59,6 @@ struct Flags {
   int steps = 3, warmup = 1;
   int compare_micro = 8;
 };
-
-[[noreturn]] void Die(const Status& status, const std::string& what) {
-  std::fprintf(stderr, "bench_pipeline: %s: %s\n", what.c_str(), status.ToString().c_str());
-  std::exit(1);
-}
-template <typename T>
-T Check(tessera::Result<T> result, const std::string& what) {
-  if (!result.ok()) Die(result.status(), what);
-  return std::move(result).value();
-}
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
 
 tessera::Gpt2Config Model(const Flags& f) {
   return tessera::Gpt2Config{f.layers, f.channels, f.heads, f.vocab, f.seq_len};

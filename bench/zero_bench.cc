@@ -34,6 +34,16 @@ namespace {
 
 using tessera::Status;
 
+constexpr const char* kProgram = "bench_zero";
+[[noreturn]] void Die(const Status& status, const std::string& what) {
+  tessera::bench::Die(kProgram, status, what);
+}
+template <typename T>
+T Check(tessera::Result<T> result, const std::string& what) {
+  return tessera::bench::Check(kProgram, std::move(result), what);
+}
+using tessera::bench::Median;
+
 struct Flags {
   int64_t layers = 4;
   int64_t channels = 128;
@@ -59,23 +69,6 @@ struct Row {
   std::vector<int64_t> bytes_sent;        // per rank, one step
   float final_loss = 0;
 };
-
-[[noreturn]] void Die(const Status& status, const std::string& what) {
-  std::fprintf(stderr, "bench_zero: %s: %s\n", what.c_str(), status.ToString().c_str());
-  std::exit(1);
-}
-
-template <typename T>
-T Check(tessera::Result<T> result, const std::string& what) {
-  if (!result.ok()) Die(result.status(), what);
-  return std::move(result).value();
-}
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
 
 using tessera::bench::Capture;
 using tessera::bench::JsonNumber;

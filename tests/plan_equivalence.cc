@@ -7,6 +7,14 @@
 
 namespace tessera::testing {
 
+Result<std::unique_ptr<Cluster>> StartTestCluster(int workers) {
+  LocalClusterOptions options;
+  options.cpu_workers = workers;
+  options.threads_per_worker = 1;
+  options.tessera_binary = BinaryPath("tessera");
+  return Cluster::StartLocal(options);
+}
+
 Result<TrainingRun> RecordRun(Trainer& trainer, uint64_t seed, int steps,
                               const std::function<Result<StepReport>(Trainer&, int)>& step,
                               const std::string& parameter) {

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "driver/cluster.h"
 #include "driver/trainer.h"
 
 namespace tessera::testing {
@@ -22,6 +24,10 @@ struct TrainingRun {
 Result<TrainingRun> RecordRun(Trainer& trainer, uint64_t seed, int steps,
                               const std::function<Result<StepReport>(Trainer&, int)>& step,
                               const std::string& parameter);
+
+// A local cluster of `workers` CPU worker processes of this build's `tessera`, one thread each:
+// what the plan tests run their plans on.
+Result<std::unique_ptr<Cluster>> StartTestCluster(int workers);
 
 // `run` against `reference`: every loss within 1e-5 relative, every gradient norm within 1e-4
 // relative, the parameter within 1e-4 of its scale. Prints the worst loss difference, labelled.

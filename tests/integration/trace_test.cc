@@ -14,6 +14,7 @@
 #include "driver/token_dataset.h"
 #include "driver/trace.h"
 #include "driver/trainer.h"
+#include "plan_equivalence.h"
 #include "test_util.h"
 #include "trace_schema.h"
 
@@ -50,11 +51,7 @@ bool Overlap(const TimelineSpan& a, const TimelineSpan& b) {
 class TraceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    LocalClusterOptions options;
-    options.cpu_workers = 2;
-    options.threads_per_worker = 1;
-    options.tessera_binary = BinaryPath("tessera");
-    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(2);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
   }

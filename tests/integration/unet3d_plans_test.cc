@@ -53,11 +53,7 @@ Result<TrainingRun> Train(Trainer& trainer, int steps = kSteps) {
 class UNet3dPlansTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    LocalClusterOptions options;
-    options.cpu_workers = kClusterWorkers;
-    options.threads_per_worker = 1;
-    options.tessera_binary = BinaryPath("tessera");
-    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(kClusterWorkers);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
     Result<ModelSpec> model = BuildUNet3d(Tiny(), CpuRegistry());

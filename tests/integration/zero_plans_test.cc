@@ -53,11 +53,7 @@ Result<TrainingRun> Train(Trainer& trainer) {
 class ZeroPlansTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    LocalClusterOptions options;
-    options.cpu_workers = kClusterWorkers;
-    options.threads_per_worker = 1;
-    options.tessera_binary = BinaryPath("tessera");
-    Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal(options);
+    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(kClusterWorkers);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
     auto reference = Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
