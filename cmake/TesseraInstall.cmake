@@ -45,6 +45,9 @@ function(tessera_install_sdk)
   # Every module's library, exported as Tessera::<module> (tessera_core -> Tessera::core).
   set(libraries tessera_core tessera_rpc tessera_transport tessera_ops tessera_ops_cpu
     tessera_collectives tessera_worker tessera_dashboard tessera_scheduler tessera_zero tessera_model tessera_data tessera_driver)
+  if(TARGET tessera_ops_cuda)  # the GPU kernels, which the driver links in a CUDA build
+    list(APPEND libraries tessera_ops_cuda)
+  endif()
   foreach(library IN LISTS libraries)
     string(REPLACE "tessera_" "" export_name ${library})
     set_target_properties(${library} PROPERTIES EXPORT_NAME ${export_name})

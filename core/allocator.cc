@@ -15,8 +15,8 @@ Result<void*> Allocator::Allocate(int64_t bytes) {
   TESSERA_CHECK(bytes >= 0, "negative allocation size {}", bytes);
   void* ptr = DoAllocate(bytes);
   if (ptr == nullptr) {
-    return ResourceExhausted("host allocation of {} bytes failed ({} bytes live)", bytes,
-                             live_bytes_.load());
+    return ResourceExhausted("{} allocation of {} bytes failed ({} bytes live{})", Name(), bytes,
+                             live_bytes_.load(), Limit());
   }
   int64_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
   int64_t peak = peak_bytes_.load(std::memory_order_relaxed);

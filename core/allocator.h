@@ -19,8 +19,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/status.h"
 
 namespace tessera {
@@ -42,6 +44,12 @@ class Allocator {
   Result<void*> Allocate(int64_t bytes);
   // REQUIRES: ptr came from Allocate(bytes) on this allocator and was not freed since.
   void Deallocate(void* ptr, int64_t bytes);
+
+  // For messages: what memory this is ("host", "cuda:0") and its limit (", cap 70.0 GiB").
+  virtual std::string Name() const { return "host"; }
+  virtual std::string Limit() const { return ""; }
+  // Where its memory is: the host, or a GPU (tensors of that device kind come from it).
+  virtual DeviceKind kind() const { return DeviceKind::kCpu; }
 
   MemoryStats stats() const;
   // Starts a new peak-measurement window at the current live size.

@@ -32,8 +32,9 @@ Result<Tensor> Tensor::Empty(const TensorMeta& meta, std::shared_ptr<Allocator> 
   for (int64_t d : meta.shape.dims()) {
     if (d < 0) return InvalidArgument("negative dimension in {}", meta.ToString());
   }
-  if (!meta.device.is_cpu()) {
-    return InvalidArgument("cannot allocate {} on the host allocator", meta.ToString());
+  if (meta.device.kind != allocator->kind()) {
+    return InvalidArgument("cannot allocate {} from the {} allocator", meta.ToString(),
+                           allocator->Name());
   }
   TESSERA_ASSIGN_OR_RETURN(auto buffer, Buffer::Allocate(meta.bytes(), std::move(allocator)));
   return Tensor(meta, std::move(buffer));

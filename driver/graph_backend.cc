@@ -7,6 +7,7 @@
 #include <deque>
 #include <thread>
 
+#include "driver/gpu.h"
 #include "ops/cpu/cpu_kernels.h"
 
 namespace tessera {
@@ -52,7 +53,21 @@ class InProcessBackend final : public GraphBackend {
   }
 
   Result<Value> Upload(Tensor tensor) override { return Value{std::move(tensor), {}}; }
-  Result<Tensor> Download(const Value& value) override { return value.tensor; }
+  Result<Tensor> Download(const Value& value) override {
+    if (!value.tensor.defined() || value.tensor.meta().device.is_cpu()) return value.tensor;
+    // A GPU's object: a host copy (the device buffer stays with the value).
+    TensorMeta host_meta = value.tensor.meta();
+    host_meta.device = Device::Cpu();
+    TESSERA_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(host_meta, executor_.allocator()));
+    const std::shared_ptr<DeviceRuntime>& device = executor_.device();
+    if (device == nullptr) {
+      return Internal("a value on {} in a backend without a GPU",
+                      value.tensor.meta().device.ToString());
+    }
+    TESSERA_RETURN_IF_ERROR(device->Copy(host.raw_data(), Device::Cpu(), value.tensor.raw_data(),
+                                         value.tensor.meta().device, value.tensor.bytes()));
+    return host;
+  }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }
   Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
@@ -61,6 +76,10 @@ class InProcessBackend final : public GraphBackend {
   }
   std::vector<WorkerId> workers() const override { return {}; }
   std::string Describe() const override {
+    if (executor_.device() != nullptr) {
+      return fmt::format("in process on {}, {} threads", executor_.device()->Describe(),
+                         executor_.threads());
+    }
     return fmt::format("in process, {} threads", executor_.threads());
   }
 
@@ -238,6 +257,7 @@ class ClusterBackend final : public GraphBackend {
 
 Result<std::unique_ptr<GraphBackend>> MakeInProcessBackend(const ExecutorOptions& options) {
   TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
+  if (options.device != nullptr) TESSERA_RETURN_IF_ERROR(AddGpuKernels(registry));
   return std::unique_ptr<GraphBackend>(
       new InProcessBackend(std::make_unique<OpRegistry>(std::move(registry)), options));
 }

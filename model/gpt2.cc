@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "model/model.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -66,10 +67,13 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
                              .shape = Shape{1, config.max_seq_len},
                              .sequence = true,
                              .label = true}};
-  const Attrs attrs{{"channels", config.channels},
-                    {"heads", config.heads},
-                    {"vocab", config.vocab},
-                    {"max_seq_len", config.max_seq_len}};
+  Attrs attrs{{"channels", config.channels},
+              {"heads", config.heads},
+              {"vocab", config.vocab},
+              {"max_seq_len", config.max_seq_len}};
+  if (config.activations != DType::kF32) {
+    attrs.Set(kActivationDTypeAttr, std::string(DTypeName(config.activations)));
+  }
   // embedding(tokens) -> x; its backward adds the token rows' gradient to the gradient of wte
   // the tied classifier computed, in place.
   model.layers.push_back(LayerSpec{

@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "ops/op_registry.h"
 #include "zero/model.h"
@@ -37,6 +38,9 @@ struct Gpt2Config {
   int64_t heads = 4;
   int64_t vocab = 256;
   int64_t max_seq_len = 64;  // positions in wpe; a batch's seq_len may be shorter
+  // The type of activations between and inside layers: f32 on CPUs, bf16 on GPUs (parameters,
+  // gradients and optimizer state stay f32 either way).
+  DType activations = DType::kF32;
 
   // InvalidArgument naming the field and a fix (e.g. channels not divisible by heads).
   Status Validate() const;

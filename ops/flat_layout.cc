@@ -97,4 +97,57 @@ FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
   return layout;
 }
 
+namespace {
+
+// Builds a bf16 layout: fp32 slots take two elements per value, every slot aligned.
+class Bf16LayoutBuilder {
+ public:
+  void Bf16(std::string name, Shape shape) { Add(std::move(name), std::move(shape)); }
+  void F32(std::string name, int64_t count) { Add(std::move(name), Shape{2 * count}); }
+  FlatLayout Finish() { return std::move(layout_); }
+
+ private:
+  void Add(std::string name, Shape shape) {
+    const int64_t misaligned = layout_.numel() % kGpuSlotAlignment;
+    if (misaligned != 0) {
+      layout_.Add("pad." + name, Shape{kGpuSlotAlignment - misaligned});
+    }
+    layout_.Add(std::move(name), std::move(shape));
+  }
+  FlatLayout layout_;
+};
+
+}  // namespace
+
+FlatLayout Gpt2BlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                    int64_t heads) {
+  const int64_t b = batch, t = seq_len, c = channels;
+  Bf16LayoutBuilder layout;
+  layout.Bf16("ln1", {b, t, c});
+  layout.F32("ln1_mean", b * t);
+  layout.F32("ln1_rstd", b * t);
+  layout.Bf16("qkv", {b, t, 3 * c});
+  layout.Bf16("atty", {b, t, c});
+  layout.F32("lse", b * heads * t);
+  layout.Bf16("x_mid", {b, t, c});
+  layout.Bf16("ln2", {b, t, c});
+  layout.F32("ln2_mean", b * t);
+  layout.F32("ln2_rstd", b * t);
+  layout.Bf16("fch", {b, t, 4 * c});
+  layout.Bf16("fch_gelu", {b, t, 4 * c});
+  return layout.Finish();
+}
+
+FlatLayout Gpt2HeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                   int64_t vocab) {
+  const int64_t b = batch, t = seq_len;
+  Bf16LayoutBuilder layout;
+  layout.Bf16("lnf", {b, t, channels});
+  layout.F32("lnf_mean", b * t);
+  layout.F32("lnf_rstd", b * t);
+  layout.F32("losses", b * t);
+  layout.Bf16("dlogits", {b * t, Gpt2PaddedVocab(vocab)});
+  return layout.Finish();
+}
+
 }  // namespace tessera

@@ -70,4 +70,17 @@ FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels
 // (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
 FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
 
+// The same on a GPU, where activations are bf16 (attribute activation_dtype = "bf16"): a flat
+// bf16 buffer with the same slot names. Slots kept in fp32 (the layernorm means and rstds, the
+// attention lse, the head's per-row losses) take two bf16 elements per value, and every slot
+// starts at a multiple of kGpuSlotAlignment elements (128 bytes) so kernels may use 16-byte
+// vector accesses. The head's dlogits rows are Gpt2PaddedVocab(vocab) wide (columns past the
+// vocabulary hold zeros), and it keeps the per-row losses ("losses", fp32 [B*T]).
+inline constexpr int64_t kGpuSlotAlignment = 64;
+FlatLayout Gpt2BlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                    int64_t heads);
+FlatLayout Gpt2HeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
+// The vocabulary rounded up to a multiple of 64 (50257 -> 50304), as llm.c pads it.
+inline int64_t Gpt2PaddedVocab(int64_t vocab) { return PaddedNumel(vocab, 64); }
+
 }  // namespace tessera

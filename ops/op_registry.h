@@ -28,6 +28,7 @@
 #include "core/allocator.h"
 #include "core/attrs.h"
 #include "core/device.h"
+#include "core/device_runtime.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -49,6 +50,9 @@ struct KernelContext {
   // The registry the kernel was found in: ops made of other ops (a layer program) run theirs
   // from it. Set by every executor.
   const OpRegistry* registry = nullptr;
+  // The GPU of the process (core/device_runtime.h), or null where there is none. kCuda kernels
+  // run on it; outputs on the device are allocated from its allocator; transfers use its Copy.
+  DeviceRuntime* device = nullptr;
 };
 
 using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,

@@ -78,12 +78,24 @@ CostFn ElementwiseCost(double flops_per_element) {
 
 struct Gpt2Shape {
   int64_t batch, seq_len, channels, heads, vocab, max_seq_len;
+  DType activations;  // attribute activation_dtype: f32 (CPU) or bf16 (GPU)
 };
 
-// Reads channels (always), and heads / vocab+max_seq_len when asked; checks x is f32[B,T,C].
+// Attribute activation_dtype: "f32" (absent) or "bf16" (GPT-2 on a GPU).
+Result<DType> Gpt2ActivationDType(const Attrs& attrs) {
+  if (!attrs.Has(kActivationDTypeAttr)) return DType::kF32;
+  TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kActivationDTypeAttr));
+  if (name == "f32") return DType::kF32;
+  if (name == "bf16") return DType::kBF16;
+  return InvalidArgument("attribute '{}' is '{}'; use f32 or bf16", kActivationDTypeAttr, name);
+}
+
+// Reads channels (always), and heads / vocab+max_seq_len when asked; checks x is
+// <activations>[B,T,C].
 Result<Gpt2Shape> ReadGpt2Shape(const Attrs& attrs, const TensorMeta& x, bool needs_heads,
                                 bool needs_vocab) {
   Gpt2Shape s{};
+  TESSERA_ASSIGN_OR_RETURN(s.activations, Gpt2ActivationDType(attrs));
   TESSERA_ASSIGN_OR_RETURN(s.channels, PositiveAttr(attrs, "channels"));
   if (needs_heads) {
     TESSERA_ASSIGN_OR_RETURN(s.heads, PositiveAttr(attrs, "heads"));
@@ -95,7 +107,7 @@ Result<Gpt2Shape> ReadGpt2Shape(const Attrs& attrs, const TensorMeta& x, bool ne
     TESSERA_ASSIGN_OR_RETURN(s.vocab, PositiveAttr(attrs, "vocab"));
     TESSERA_ASSIGN_OR_RETURN(s.max_seq_len, PositiveAttr(attrs, "max_seq_len"));
   }
-  TESSERA_RETURN_IF_ERROR(CheckDType("x", x, DType::kF32));
+  TESSERA_RETURN_IF_ERROR(CheckDType("x", x, s.activations));
   if (x.shape.rank() != 3 || x.shape[2] != s.channels) {
     return InvalidArgument("input 'x' has shape {} but the layer expects [B, T, {}] (channels={})",
                            x.shape.ToString(), s.channels, s.channels);
@@ -117,8 +129,24 @@ Status CheckParams(const char* name, const TensorMeta& meta, const FlatLayout& l
   return CheckShape(name, meta, Shape{PaddedNumel(layout.numel(), multiple)});
 }
 
-Status CheckSaved(const char* name, const TensorMeta& meta, const FlatLayout& layout) {
-  return CheckShape(name, meta, Shape{layout.numel()});
+Status CheckSaved(const char* name, const TensorMeta& meta, const FlatLayout& layout,
+                  DType dtype = DType::kF32) {
+  return CheckShape(name, meta, Shape{layout.numel()}, dtype);
+}
+
+// What a GPT-2 block's / head's forward saves, in the activations' type (flat_layout.h).
+FlatLayout BlockSaved(const Gpt2Shape& s) {
+  return s.activations == DType::kBF16
+             ? Gpt2BlockSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.heads)
+             : Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+}
+FlatLayout HeadSaved(const Gpt2Shape& s) {
+  return s.activations == DType::kBF16
+             ? Gpt2HeadSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.vocab)
+             : Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
+}
+TensorMeta SavedMeta(const Gpt2Shape& s, const FlatLayout& layout) {
+  return TensorMeta{Shape{layout.numel()}, s.activations, Device::Cpu()};
 }
 
 Status CheckTokens(const char* name, const TensorMeta& meta, int64_t batch, int64_t seq_len) {
@@ -695,7 +723,8 @@ Status AddGpt2Ops(OpRegistry& r) {
         }
         TESSERA_RETURN_IF_ERROR(
             CheckParams("params", in[1], Gpt2EmbeddingParamLayout(vocab, max_t, c), attrs));
-        return Metas{F32({in[0].shape[0], in[0].shape[1], c})};
+        TESSERA_ASSIGN_OR_RETURN(DType activations, Gpt2ActivationDType(attrs));
+        return Metas{TensorMeta{Shape{in[0].shape[0], in[0].shape[1], c}, activations}};
       },
       .cost = ElementwiseCost(0),
   }));
@@ -724,8 +753,7 @@ Status AddGpt2Ops(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], true, false));
         TESSERA_RETURN_IF_ERROR(
             CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels), attrs));
-        const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
-        return Metas{in[0], F32({saved.numel()})};
+        return Metas{in[0], SavedMeta(s, BlockSaved(s))};
       },
       .cost =
           [](const Metas& in, const Attrs& attrs) {
@@ -741,8 +769,7 @@ Status AddGpt2Ops(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
-        const FlatLayout saved = Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
-        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], saved));
+        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], BlockSaved(s), s.activations));
         TESSERA_RETURN_IF_ERROR(
             CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
         return Metas{in[1], in[3]};
@@ -769,8 +796,7 @@ Status AddGpt2Ops(OpRegistry& r) {
             CheckParams("embedding_params", in[2],
                         Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
-        const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
-        return Metas{Scalar(), F32({saved.numel()})};
+        return Metas{Scalar(), SavedMeta(s, HeadSaved(s))};
       },
       .cost =
           [head_flops](const Metas& in, const Attrs& attrs) {
@@ -784,8 +810,7 @@ Status AddGpt2Ops(OpRegistry& r) {
       .output_names = {"dx", "dparams", "dembedding_partial"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
-        const FlatLayout saved = Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
-        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[1], saved));
+        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[1], HeadSaved(s), s.activations));
         TESSERA_RETURN_IF_ERROR(
             CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(

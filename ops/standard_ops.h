@@ -30,6 +30,9 @@
 //   param_multiple                        GPT-2 layer ops: parameter groups are padded to a
 //                                         multiple of it (ZeRO shards); padding reads as
 //                                         nothing and gradients there are zero
+//   activation_dtype                      GPT-2 layer ops: "f32" (default) or "bf16" (GPU):
+//                                         the type of x, dx and the saved activations
+//                                         (flat_layout.h's *Bf16 layouts)
 #pragma once
 
 #include "core/status.h"
@@ -38,6 +41,7 @@
 namespace tessera {
 
 inline constexpr const char* kParamMultipleAttr = "param_multiple";
+inline constexpr const char* kActivationDTypeAttr = "activation_dtype";
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

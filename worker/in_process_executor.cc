@@ -62,7 +62,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
 
   for (const TaskSpec& task : graph.tasks()) {
     const int t = Index(task.id);
-    Result<const KernelFn*> kernel = registry_.FindKernel(task.op, DeviceKind::kCpu);
+    Result<const KernelFn*> kernel = registry_.FindKernel(task.op, task.device_kind);
     if (!kernel.ok()) return kernel.status().WithContext(TaskContext(task));
     prepared.kernels_[t] = *kernel;
     for (ObjectId input : task.inputs) {
@@ -123,18 +123,44 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   // Object slots: written once by the producer (or here, for inputs), read by consumers after
   // the producer finished (ordered by the pending counters), cleared by the last consumer.
   std::vector<Tensor> slots(num_objects);
-  for (int index : prepared.input_objects_) {
-    if (late[index]) continue;
+  auto bind = [&](int index) -> Status {
     const ObjectSpec& spec = graph.objects()[index];
     auto it = inputs.find(spec.id);
     if (it == inputs.end() || !it->second.defined()) {
       return InvalidArgument("graph input '{}' ({}) is not bound", spec.name, spec.meta.ToString());
     }
-    if (it->second.meta() != spec.meta) {
+    const TensorMeta& bound = it->second.meta();
+    if (bound.shape != spec.meta.shape || bound.dtype != spec.meta.dtype) {
       return InvalidArgument("graph input '{}' is bound to {} but the graph expects {}", spec.name,
-                             it->second.meta().ToString(), spec.meta.ToString());
+                             bound.ToString(), spec.meta.ToString());
+    }
+    if (bound.device.kind != spec.meta.device.kind) {  // e.g. a host batch for a GPU graph
+      const KernelContext copier{allocator_, 0, &registry_, options_.device.get()};
+      Result<Tensor> moved = AllocateOn(spec.meta, copier);
+      if (!moved.ok())
+        return moved.status().WithContext(fmt::format("graph input '{}'", spec.name));
+      Status copied = CopyTensor(*moved, it->second, copier);
+      if (!copied.ok()) return copied.WithContext(fmt::format("graph input '{}'", spec.name));
+      it->second = *std::move(moved);
     }
     slots[index] = std::move(it->second);
+    inputs.erase(it);
+    return Status::Ok();
+  };
+  for (int index : prepared.input_objects_) {
+    if (late[index]) continue;
+    if (Status bound = bind(index); !bound.ok()) {
+      // Nothing ran: every input goes back, bound or not.
+      if (intact_inputs != nullptr) {
+        for (int taken : prepared.input_objects_) {
+          if (slots[taken].defined()) {
+            intact_inputs->emplace(graph.objects()[taken].id, std::move(slots[taken]));
+          }
+        }
+        for (auto& [id, tensor] : inputs) intact_inputs->emplace(id, std::move(tensor));
+      }
+      return bound;
+    }
   }
   inputs.clear();
 
@@ -153,7 +179,8 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   std::atomic<int> tasks_run{0}, donations_taken{0}, donations_copied{0};
   std::mutex error_mutex;
   Status first_error;
-  const KernelContext context{allocator_, options_.gemm_split_min_flops, &registry_};
+  const KernelContext context{allocator_, options_.gemm_split_min_flops, &registry_,
+                              options_.device.get()};
 
   allocator_->ResetPeak();
   const Clock::time_point start = Clock::now();

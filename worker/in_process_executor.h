@@ -43,6 +43,7 @@
 #include <tbb/task_arena.h>
 
 #include "core/allocator.h"
+#include "core/device_runtime.h"
 #include "core/graph.h"
 #include "core/settings.h"
 #include "core/status.h"
@@ -58,6 +59,9 @@ struct ExecutorOptions {
   int threads = 0;  // 0: one per core
   int64_t gemm_split_min_flops = Settings{}.gemm_split_min_flops;
   bool cache_host_allocations = Settings{}.cache_host_allocations;
+  // The GPU the executor runs kCuda tasks on (ops/cuda: MakeCudaRuntime), or null. Inputs bound
+  // as host tensors to objects that live on it are copied there when the run starts.
+  std::shared_ptr<DeviceRuntime> device;
 
   static ExecutorOptions FromSettings(const Settings& settings);
 };
@@ -170,6 +174,7 @@ class InProcessExecutor {
   // Allocator for tensors the caller creates for this executor (parameters, batches), so they
   // count toward the peak the executor reports.
   const std::shared_ptr<Allocator>& allocator() const { return allocator_; }
+  const std::shared_ptr<DeviceRuntime>& device() const { return options_.device; }
   int threads() const { return threads_; }
 
  private:

@@ -26,19 +26,50 @@ Result<std::vector<Tensor>> PrepareTaskOutputs(
         continue;
       }
     }
-    Result<Tensor> copy = Tensor::Empty(meta, context.allocator);
+    Result<Tensor> copy = AllocateOn(meta, context);
     if (!copy.ok()) return copy.status().WithContext(TaskContext(task));
-    std::memcpy(copy->raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
+    Status copied = CopyTensor(*copy, source, context);
+    if (!copied.ok()) return copied.WithContext(TaskContext(task));
     outputs[donation.output_index] = *std::move(copy);
     ++counters->donations_copied;
   }
   for (size_t j = 0; j < outputs.size(); ++j) {
     if (outputs[j].defined()) continue;
-    Result<Tensor> tensor = Tensor::Empty(output_metas[j], context.allocator);
+    Result<Tensor> tensor = AllocateOn(output_metas[j], context);
     if (!tensor.ok()) return tensor.status().WithContext(TaskContext(task));
     outputs[j] = *std::move(tensor);
   }
   return outputs;
+}
+
+Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context) {
+  if (meta.device.is_cpu()) return Tensor::Empty(meta, context.allocator);
+  // A plan's Device::Cuda(0) is "the worker's own GPU", whichever ordinal it has here.
+  if (context.device == nullptr || context.device->device().kind != meta.device.kind) {
+    return Infeasible(
+        "{} lives on {}, but this process has {}: start GPU workers (--gpus) or plan for the "
+        "devices there are",
+        meta.ToString(), meta.device.ToString(),
+        context.device == nullptr ? std::string("no GPU") : context.device->Describe());
+  }
+  return Tensor::Empty(meta, context.device->allocator());
+}
+
+Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& context) {
+  if (dst.bytes() != src.bytes()) {
+    return Internal("copy of {} into {}: sizes differ", src.meta().ToString(),
+                    dst.meta().ToString());
+  }
+  const Device from = src.meta().device, to = dst.meta().device;
+  if (from.is_cpu() && to.is_cpu()) {
+    std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(src.bytes()));
+    return Status::Ok();
+  }
+  if (context.device == nullptr) {
+    return Infeasible("copy from {} to {} needs a GPU, and this process has none", from.ToString(),
+                      to.ToString());
+  }
+  return context.device->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
 }
 
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,

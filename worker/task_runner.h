@@ -34,6 +34,12 @@ Result<std::vector<Tensor>> PrepareTaskOutputs(
     const std::vector<TensorMeta>& output_metas, const KernelContext& context,
     const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters);
 
+// A tensor of `meta` from the allocator of its device: the context's host allocator, or its
+// GPU's (FailedPrecondition naming the device when the process has no such GPU).
+Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context);
+// Copies src's bytes into dst across devices (host, the context's GPU). REQUIRES: same bytes.
+Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& context);
+
 // PrepareTaskOutputs, then the kernel.
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
                                           const std::vector<Tensor>& inputs,

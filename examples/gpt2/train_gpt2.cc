@@ -24,6 +24,7 @@
 #include "core/settings.h"
 #include "driver/checkpoint.h"
 #include "driver/cluster.h"
+#include "driver/gpu.h"
 #include "driver/graph_backend.h"
 #include "driver/recovery.h"
 #include "driver/token_dataset.h"
@@ -62,6 +63,8 @@ struct Flags {
   int workers = 0;
   int zero_stage = 0;
   std::string offload = "none";
+  std::string device = "cpu";  // cpu, cuda or cuda:N
+  double gpu_memory_gib = 0;   // cap on the GPU allocator (0: the card's free memory less 1 GiB)
   int grad_accum = 1;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
@@ -211,7 +214,7 @@ int Fail(const Status& status) {
 int Run(const Flags& flags) {
   tessera::Result<ResolvedShape> shape = ResolveShape(flags);
   if (!shape.ok()) return Fail(shape.status());
-  const Gpt2Config config = shape->config;
+  Gpt2Config config = shape->config;
   const int64_t batch = shape->batch;
   const int64_t seq_len = shape->seq_len;
 
@@ -222,6 +225,22 @@ int Run(const Flags& flags) {
   }
   tessera::ExecutorOptions executor = tessera::ExecutorOptions::FromSettings(*settings);
   if (flags.threads > 0) executor.threads = flags.threads;
+  // --device cuda[:N]: the step runs on this process's GPU (bf16 activations, fp32 master
+  // weights and optimizer state).
+  tessera::Result<tessera::Device> device = tessera::ParseDevice(flags.device);
+  if (!device.ok()) return Fail(device.status().WithContext("--device"));
+  if (!device->is_cpu()) {
+    if (flags.workers > 0 || !flags.address.empty()) {
+      return Fail(tessera::Unavailable(
+          "--device cuda trains on this process's GPU; GPU worker processes (--workers or "
+          "--address with --device cuda) are not built yet: drop --workers/--address"));
+    }
+    auto gpu =
+        tessera::OpenGpu(device->index, static_cast<int64_t>(flags.gpu_memory_gib * (1 << 30)));
+    if (!gpu.ok()) return Fail(gpu.status().WithContext("--device " + flags.device));
+    executor.device = std::move(*gpu);
+    config.activations = tessera::DType::kBF16;
+  }
 
   // Data.
   tessera::Result<tessera::TokenDataset> dataset =
@@ -246,6 +265,7 @@ int Run(const Flags& flags) {
 
   // Model.
   tessera::TrainingPlan plan;
+  if (!device->is_cpu()) plan.device = tessera::Device::Cuda(0);  // the worker's own GPU
   plan.batch = batch;
   plan.seq_len = seq_len;
   plan.optimizer.weight_decay = flags.weight_decay;
@@ -676,6 +696,13 @@ int main(int argc, char** argv) {
                  "none, or optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
   app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
+  app.add_option("--device", flags.device,
+                 "cpu, or cuda / cuda:N: train on this process's GPU (bf16 activations, fp32 "
+                 "master weights and AdamW state)");
+  app.add_option("--gpu-memory-gib", flags.gpu_memory_gib,
+                 "With --device cuda: cap on the GPU memory the allocator hands out (0: the "
+                 "card's free memory less 1 GiB)")
+      ->check(CLI::NonNegativeNumber);
   tessera::examples::AddPipelineFlags(app, flags.pipeline);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "Save checkpoints here (at the end, and every --checkpoint-every steps)");

@@ -1,0 +1,179 @@
+// bench_gpt2_cuda: GPT-2 training steps on one GPU through Tessera's runtime (the step graph on
+// the in-process executor with the CUDA kernels), timed like bench/torch_gpt2_cuda.py times
+// PyTorch, so scripts/gpu_check.sh can print them side by side.
+//
+//   bench_gpt2_cuda [--preset gpt2-124m] [--batch 16] [--seq-len 1024] [--steps 30] [--warmup 5]
+//   bench_gpt2_cuda --max-batch          the largest batch (power of two) that trains a step
+//   bench_gpt2_cuda --max-model --offload optimizer     the largest GPT-2-shaped model that
+//                                                       trains a step (ZeRO-Offload)
+//
+// Prints one line per measurement:
+//   tessera_step device=... params=N B= T= step_ms= tok_s= mfu= peak_gpu_gib= loss=
+// MFU counts 6 N + 12 L C T flops per token (as the PyTorch script), against --peak-flops
+// (default: H100/H200 SXM dense bf16, 989.4e12).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "bench/bench_util.h"
+#include "driver/gpu.h"
+#include "driver/trainer.h"
+
+namespace tessera::bench {
+namespace {
+
+struct Options {
+  std::string preset = "gpt2-124m";
+  int64_t layers = 0, channels = 0, heads = 0;
+  int64_t batch = 16;
+  int64_t seq_len = 1024;
+  int steps = 30;
+  int warmup = 5;
+  double peak_flops = 989.4e12;
+  std::string offload = "none";
+  bool max_batch = false;
+  bool max_model = false;
+  double gpu_memory_gib = 0;
+};
+
+struct Measured {
+  int64_t params = 0;
+  double step_ms = 0;
+  double tok_s = 0;
+  double mfu = 0;
+  double peak_gib = 0;
+  float loss = 0;
+};
+
+Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int steps,
+                         int warmup) {
+  config.activations = DType::kBF16;
+  ExecutorOptions executor;
+  executor.threads = 4;
+  TESSERA_ASSIGN_OR_RETURN(executor.device,
+                           OpenGpu(0, static_cast<int64_t>(o.gpu_memory_gib * (1 << 30))));
+  std::shared_ptr<DeviceRuntime> device = executor.device;
+  TrainingPlan plan;
+  plan.device = Device::Cuda(0);
+  plan.batch = batch;
+  plan.seq_len = o.seq_len;
+  plan.optimizer.beta2 = 0.95;
+  TESSERA_ASSIGN_OR_RETURN(plan.parallel.offload, ParseOffload(o.offload));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                           Trainer::Create(config, plan, executor));
+  TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.vocab - 1));
+  std::vector<int32_t> x(static_cast<size_t>(batch * o.seq_len)), y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  std::vector<double> times;
+  Measured m;
+  for (int step = 0; step < warmup + steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    // Step returns after the loss came back to the host: the step's GPU work is done.
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(x, y, 3e-4f));
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (step >= warmup) times.push_back(ms);
+    m.loss = report.loss;
+  }
+  m.params = config.NumParameters();
+  m.step_ms = Median(times);
+  const double tokens = static_cast<double>(batch * o.seq_len);
+  m.tok_s = tokens / (m.step_ms / 1e3);
+  const double flops_per_token =
+      6.0 * static_cast<double>(m.params) +
+      12.0 * static_cast<double>(config.layers * config.channels * o.seq_len);
+  m.mfu = m.tok_s * flops_per_token / o.peak_flops;
+  m.peak_gib = static_cast<double>(device->memory().peak_bytes) / double(1 << 30);
+  return m;
+}
+
+void Print(const Gpt2Config& config, const Options& o, int64_t batch, const Measured& m) {
+  std::printf(
+      "tessera_step device=cuda params=%lld layers=%lld channels=%lld B=%lld T=%lld offload=%s "
+      "step_ms=%.2f tok_s=%.0f mfu=%.4f peak_gpu_gib=%.2f loss=%.4f\n",
+      static_cast<long long>(m.params), static_cast<long long>(config.layers),
+      static_cast<long long>(config.channels), static_cast<long long>(batch),
+      static_cast<long long>(o.seq_len), o.offload.c_str(), m.step_ms, m.tok_s, m.mfu, m.peak_gib,
+      m.loss);
+  std::fflush(stdout);
+}
+
+// GPT-2-shaped models of growing size (the PyTorch script tries the same list).
+const std::vector<Gpt2Config>& Shapes() {
+  static const std::vector<Gpt2Config> shapes = {
+      {12, 768, 12, 50257, 1024},  {24, 1024, 16, 50257, 1024}, {36, 1280, 20, 50257, 1024},
+      {48, 1600, 25, 50257, 1024}, {32, 2560, 32, 50257, 1024}, {40, 3072, 24, 50257, 1024},
+      {32, 4096, 32, 50257, 1024}, {40, 4096, 32, 50257, 1024}, {48, 4096, 32, 50257, 1024},
+      {40, 5120, 40, 50257, 1024}, {48, 5120, 40, 50257, 1024}, {60, 5120, 40, 50257, 1024},
+      {48, 6144, 48, 50257, 1024}, {64, 6144, 48, 50257, 1024}};
+  return shapes;
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"GPT-2 training steps on one GPU (Tessera's runtime and CUDA kernels)"};
+  app.add_option("--preset", o.preset, "tiny, small or gpt2-124m");
+  app.add_option("--layers", o.layers, "Override the preset's layers");
+  app.add_option("--channels", o.channels, "Override the preset's channels");
+  app.add_option("--heads", o.heads, "Override the preset's heads");
+  app.add_option("--batch", o.batch, "Sequences per step")->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "Timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--peak-flops", o.peak_flops, "The GPU's dense bf16 peak, for MFU");
+  app.add_option("--offload", o.offload, "none or optimizer (ZeRO-Offload)");
+  app.add_option("--gpu-memory-gib", o.gpu_memory_gib, "Cap on the GPU allocator (0: all)");
+  app.add_flag("--max-batch", o.max_batch, "Find the largest power-of-two batch that trains");
+  app.add_flag("--max-model", o.max_model, "Find the largest GPT-2-shaped model that trains");
+  CLI11_PARSE(app, argc, argv);
+
+  Result<Gpt2Config> preset = Gpt2Config::Preset(o.preset);
+  if (!preset.ok()) Die("bench_gpt2_cuda", preset.status(), "--preset");
+  Gpt2Config config = *preset;
+  if (o.layers) config.layers = o.layers;
+  if (o.channels) config.channels = o.channels;
+  if (o.heads) config.heads = o.heads;
+  if (o.max_model) {
+    for (const Gpt2Config& shape : Shapes()) {
+      Result<Measured> m = Measure(shape, o, o.batch, 1, 1);
+      if (!m.ok()) {
+        std::printf("try layers=%lld channels=%lld: failed: %s\n",
+                    static_cast<long long>(shape.layers), static_cast<long long>(shape.channels),
+                    m.status().ToString().c_str());
+        break;
+      }
+      std::printf("try layers=%lld channels=%lld: ok\n", static_cast<long long>(shape.layers),
+                  static_cast<long long>(shape.channels));
+      Print(shape, o, o.batch, *m);
+    }
+    return 0;
+  }
+  if (o.max_batch) {
+    for (int64_t batch = o.batch;; batch *= 2) {
+      Result<Measured> m = Measure(config, o, batch, 2, 1);
+      if (!m.ok()) {
+        std::printf("try B=%lld: failed: %s\n", static_cast<long long>(batch),
+                    m.status().ToString().c_str());
+        break;
+      }
+      Print(config, o, batch, *m);
+    }
+    return 0;
+  }
+  Result<Measured> m = Measure(config, o, o.batch, o.steps, o.warmup);
+  if (!m.ok()) Die("bench_gpt2_cuda", m.status(), "the step");
+  Print(config, o, o.batch, *m);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tessera::bench
+
+int main(int argc, char** argv) { return tessera::bench::Main(argc, argv); }

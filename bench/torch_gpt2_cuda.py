@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""PyTorch 2.x GPT-2 training step on one CUDA GPU: the peer of Tessera's `bench_gpt2_cuda`.
+
+The same model and step as train_gpt2 --device cuda: pre-norm blocks, GELU (tanh), tied
+classifier, mean cross-entropy, global-norm clipping (1.0) and AdamW (betas 0.9/0.95, eps 1e-8,
+weight decay 0.1 on matrices, fp32 master weights and state), under bf16 autocast with flash
+attention (scaled_dot_product_attention, is_causal), fused AdamW. Random tokens.
+
+usage:
+  torch_gpt2_cuda.py speed [--layers 12 --channels 768 --heads 12 --vocab 50257 --seq-len 1024]
+                           [--batch 16] [--steps 30] [--compile]
+      prints: torch_step ... tok_s=<tokens/s> mfu=<fraction> step_ms=<median> loss=<last>
+  torch_gpt2_cuda.py max-model [--seq-len 1024 --batch 1]
+      tries GPT-2-shaped models of growing size (one subprocess each) and prints the largest
+      that trains one step: torch_max_model layers=.. channels=.. params=..
+
+MFU counts 6 N + 12 L C T flops per token (N: every parameter, the tied wte once; attention's
+matmuls at full T x T, as PaLM and llm.c count them) against the H100 SXM's dense bf16 peak,
+989.4e12 flop/s (--peak-flops to change).
+"""
+import argparse
+import math
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, c, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.fc, self.fcproj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = [z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v)]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, c, heads, vocab, max_t):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(max_t, c)
+        self.h = nn.ModuleList([Block(c, heads) for _ in range(layers)])
+        self.lnf = nn.LayerNorm(c)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, tgt):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lnf(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.view(-1))
+
+
+def make_step(args):
+    with torch.device("cuda"):  # built on the GPU: a large model's init would crawl on the CPU
+        model = GPT(args.layers, args.channels, args.heads, args.vocab, args.seq_len)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() != 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    forward = torch.compile(model) if args.compile else model
+
+    def step(idx, tgt):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    params = sum(p.numel() for p in model.parameters())
+    return step, params
+
+
+def speed(args):
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    step, params = make_step(args)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq_len), device="cuda", generator=g)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq_len), device="cuda", generator=g)
+    for _ in range(args.warmup):
+        step(idx, tgt)
+    torch.cuda.synchronize()
+    times = []
+    loss = None
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step(idx, tgt)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    median = times[len(times) // 2]
+    tokens = args.batch * args.seq_len
+    flops_per_token = 6 * params + 12 * args.layers * args.channels * args.seq_len
+    tok_s = tokens / median
+    mfu = tok_s * flops_per_token / args.peak_flops
+    print(f"torch_step torch={torch.__version__} compile={int(args.compile)} "
+          f"device='{torch.cuda.get_device_name()}' params={params} B={args.batch} "
+          f"T={args.seq_len} step_ms={median * 1e3:.2f} tok_s={tok_s:.0f} mfu={mfu:.4f} "
+          f"peak_mem_gib={torch.cuda.max_memory_allocated() / 2**30:.2f} "
+          f"loss={loss.item():.4f}", flush=True)
+
+
+# GPT-2-shaped models (layers, channels, heads), growing.
+SHAPES = [(12, 768, 12), (24, 1024, 16), (36, 1280, 20), (48, 1600, 25), (32, 2560, 32),
+          (40, 3072, 24), (32, 4096, 32), (40, 4096, 32), (48, 4096, 32), (40, 5120, 40),
+          (48, 5120, 40), (60, 5120, 40), (48, 6144, 48), (64, 6144, 48)]
+
+
+def max_model(args):
+    best = None
+    for layers, channels, heads in SHAPES:
+        cmd = [sys.executable, __file__, "speed", "--layers", str(layers), "--channels",
+               str(channels), "--heads", str(heads), "--seq-len", str(args.seq_len), "--batch",
+               str(args.batch), "--steps", "1", "--warmup", "1"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        ok = run.returncode == 0 and "torch_step" in run.stdout
+        line = run.stdout.strip().splitlines()[-1] if ok else run.stderr.strip()[-200:]
+        print(f"try layers={layers} channels={channels}: {'ok' if ok else 'failed'} {line}",
+              flush=True)
+        if not ok:
+            break
+        best = (layers, channels, line)
+    if best:
+        params = best[2].split("params=")[1].split()[0]
+        print(f"torch_max_model layers={best[0]} channels={best[1]} params={params} "
+              f"B={args.batch} T={args.seq_len}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["speed", "max-model"])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--channels", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--peak-flops", type=float, default=989.4e12)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("torch_gpt2_cuda: no CUDA device visible to PyTorch")
+    speed(args) if args.mode == "speed" else max_model(args)
+
+
+if __name__ == "__main__":
+    main()

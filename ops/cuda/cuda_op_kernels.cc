@@ -1,0 +1,229 @@
+#include "ops/cuda/cuda_op_kernels.h"
+
+#include <functional>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "ops/cuda/cuda_context.h"
+#include "ops/cuda/gpt2_layers.h"
+#include "ops/cuda/kernels.h"
+#include "ops/cuda/scalars.h"
+#include "ops/flat_layout.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+using Tensors = std::vector<Tensor>;
+
+// A kernel body that gets the CudaContext of its KernelContext.
+using CudaKernelFn = std::function<Status(CudaContext& cuda, const Tensors& in, const Tensors& out,
+                                          const Attrs& attrs)>;
+
+Status Register(OpRegistry& r, std::string_view op, CudaKernelFn body) {
+  return r.AddKernel(
+      op, DeviceKind::kCuda,
+      [body = std::move(body)](const KernelContext& context, const Tensors& in, const Tensors& out,
+                               const Attrs& attrs) -> Status {
+        if (context.device == nullptr || context.device->device().is_cpu()) {
+          return Infeasible("a GPU task ran in a process without a GPU (start GPU workers)");
+        }
+        auto* cuda = static_cast<CudaContext*>(context.device->native());
+        TESSERA_RETURN_IF_ERROR(cuda->Activate());
+        return body(*cuda, in, out, attrs);
+      });
+}
+
+float* F(const Tensor& t) { return t.data<float>(); }
+const int32_t* I(const Tensor& t) { return t.data<int32_t>(); }
+bf16* B(const Tensor& t) {
+  TESSERA_CHECK(t.dtype() == DType::kBF16, "tensor {} read as bf16", t.meta().ToString());
+  return static_cast<bf16*>(t.raw_data());
+}
+
+Status NeedsBf16(const Tensor& x) {
+  if (x.dtype() != DType::kBF16) {
+    return InvalidArgument(
+        "GPT-2 layers on a GPU take bf16 activations, got {}; build the model "
+        "with Gpt2Config::activations = bf16 (train_gpt2 --device cuda does)",
+        x.meta().ToString());
+  }
+  return Status::Ok();
+}
+
+Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
+  // Shape inference already validated these attributes against x.
+  return Gpt2Dims{.batch = x.shape()[0],
+                  .seq_len = x.shape()[1],
+                  .channels = attrs.GetInt("channels", 0),
+                  .heads = attrs.GetInt("heads", 1),
+                  .vocab = attrs.GetInt("vocab", 0),
+                  .max_seq_len = attrs.GetInt("max_seq_len", 0)};
+}
+
+// Zeros a parameter-group gradient past the layout's `used` elements (ZeRO padding).
+Status ZeroPadding(CudaContext& cuda, const Tensor& group, int64_t used) {
+  const int64_t padding = group.numel() - used;
+  if (padding <= 0) return Status::Ok();
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      F(group) + used, 0, static_cast<size_t>(padding) * sizeof(float), cuda.stream()));
+  return Status::Ok();
+}
+
+Status RegisterGpt2Kernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_embedding_forward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(out[0]));
+        return Gpt2EmbeddingForward(cuda, B(out[0]), I(in[0]), F(in[1]), Dims(attrs, out[0]));
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_embedding_backward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+        return Gpt2EmbeddingBackward(cuda, F(out[0]), B(in[0]), I(in[1]), Dims(attrs, in[0]));
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_block_forward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+        return Gpt2BlockForward(cuda, B(out[0]), B(out[1]), B(in[0]), F(in[1]), Dims(attrs, in[0]));
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_block_backward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[1]));
+        const Gpt2Dims dims = Dims(attrs, in[1]);
+        // out[0] holds dy on entry (in place) and dx on exit.
+        TESSERA_RETURN_IF_ERROR(
+            Gpt2BlockBackward(cuda, B(out[0]), F(out[1]), B(in[1]), B(in[2]), F(in[3]), dims));
+        return ZeroPadding(cuda, out[1], Gpt2BlockParamLayout(dims.channels).numel());
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gpt2_head_forward",
+               [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+                 return Gpt2HeadForward(cuda, F(out[0]), B(out[1]), B(in[0]), F(in[1]), F(in[2]),
+                                        I(in[3]), Dims(attrs, in[0]),
+                                        static_cast<float>(attrs.GetFloat("grad_scale", 1.0)));
+               }));
+  return Register(
+      r, "gpt2_head_backward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+        const Gpt2Dims dims = Dims(attrs, in[0]);
+        TESSERA_RETURN_IF_ERROR(Gpt2HeadBackward(cuda, B(out[0]), F(out[1]), F(out[2]), B(in[0]),
+                                                 B(in[1]), F(in[2]), F(in[3]), dims));
+        TESSERA_RETURN_IF_ERROR(
+            ZeroPadding(cuda, out[1], Gpt2HeadParamLayout(dims.channels).numel()));
+        return ZeroPadding(
+            cuda, out[2],
+            Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
+      });
+}
+
+Status RegisterOptimizerKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "adamw",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        const AdamWConfig config{
+            .beta1 = static_cast<float>(attrs.GetFloat("beta1", 0.9)),
+            .beta2 = static_cast<float>(attrs.GetFloat("beta2", 0.999)),
+            .eps = static_cast<float>(attrs.GetFloat("eps", 1e-8)),
+            .weight_decay = static_cast<float>(attrs.GetFloat("weight_decay", 0.0)),
+        };
+        // With param_offset the grad is a shard of the (larger) param group.
+        const int64_t param_offset = attrs.GetInt("param_offset", 0);
+        const int64_t element_offset = attrs.GetInt("element_offset", param_offset);
+        const int64_t n = in[1].numel();
+        std::vector<int64_t> ranges;
+        if (attrs.Has("decay_ranges")) {
+          ranges = *attrs.GetInts("decay_ranges");
+        } else {
+          ranges = {0, n + element_offset};
+        }
+        DecayRanges decay;
+        if (ranges.size() / 2 > static_cast<size_t>(kMaxDecayRanges)) {
+          return InvalidArgument("adamw on the GPU takes at most {} decay ranges, got {}",
+                                 kMaxDecayRanges, ranges.size() / 2);
+        }
+        decay.count = static_cast<int>(ranges.size() / 2);
+        for (int i = 0; i < decay.count; ++i) {
+          decay.begin[i] = ranges[2 * static_cast<size_t>(i)];
+          decay.end[i] = ranges[2 * static_cast<size_t>(i) + 1];
+        }
+        return AdamWUpdate(F(out[0]) + param_offset, F(out[1]), F(out[2]), F(in[1]), n, config,
+                           F(in[5]), in[6].data<int64_t>(), F(in[4]), decay, element_offset,
+                           cuda.stream());
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "sum_of_squares",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> scratch,
+                                 cuda.Scratch(SumOfSquaresScratch(in[0].numel())));
+        return SumOfSquares(F(out[0]), scratch->data(), F(in[0]), in[0].numel(), cuda.stream());
+      }));
+  return Register(
+      r, "clip_scale",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        std::vector<const float*> sums;
+        for (const Tensor& t : in) sums.push_back(F(t));
+        return ClipScale(F(out[0]), F(out[1]), sums.data(), static_cast<int>(sums.size()),
+                         static_cast<float>(attrs.GetFloat("max_norm", 0.0)), cuda.stream());
+      });
+}
+
+Status RegisterPlanKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "copy", [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
+        return cuda.Copy(out[0].raw_data(), out[0].meta().device, in[0].raw_data(),
+                         in[0].meta().device, in[0].bytes());
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "accumulate",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        if (in[1].dtype() != DType::kF32) {
+          return InvalidArgument("accumulate on the GPU adds f32, got {}", in[1].meta().ToString());
+        }
+        // out[0] holds the sum so far (in place).
+        return Accumulate(F(out[0]), F(in[1]), in[1].numel(), cuda.stream());
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "sum_scalars",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        ScalarPointers inputs;
+        if (in.size() > static_cast<size_t>(kMaxScalarInputs)) {
+          return InvalidArgument("sum_scalars on the GPU adds at most {} scalars, got {}",
+                                 kMaxScalarInputs, in.size());
+        }
+        inputs.count = static_cast<int>(in.size());
+        for (size_t i = 0; i < in.size(); ++i) inputs.values[i] = F(in[i]);
+        return SumScalars(F(out[0]), inputs, static_cast<float>(attrs.GetFloat("scale", 1.0)),
+                          cuda.stream());
+      }));
+  return Register(
+      r, "constant",
+      [](CudaContext& cuda, const Tensors&, const Tensors& out, const Attrs& attrs) -> Status {
+        TESSERA_ASSIGN_OR_RETURN(double value, attrs.GetFloat("value"));
+        return Fill(F(out[0]), static_cast<float>(value), cuda.stream());
+      });
+}
+
+}  // namespace
+
+Status RegisterCudaKernels(OpRegistry& registry) {
+  TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterOptimizerKernels(registry));
+  return RegisterPlanKernels(registry);
+}
+
+Result<std::shared_ptr<DeviceRuntime>> OpenCudaDevice(int device, int64_t memory_cap_bytes) {
+  TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context,
+                           CudaContext::Create(CudaContextOptions{
+                               .device = device, .memory_cap_bytes = memory_cap_bytes}));
+  return std::shared_ptr<DeviceRuntime>(std::move(context));
+}
+
+}  // namespace tessera::cuda

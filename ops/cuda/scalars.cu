@@ -1,0 +1,60 @@
+// Small fp32 kernels a plan places around the layers on a GPU: gradient accumulation (sum += x)
+// and the sum of scalar objects (the mean loss over micro-batches). See scalars.h.
+#include "ops/cuda/scalars.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+
+namespace tessera::cuda {
+
+// ---- kernels ----
+
+namespace {
+
+__global__ void AccumulateKernel(float* sum, const float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    sum[i] += x[i];
+  }
+}
+
+// One thread: adds the scalars in order (as the CPU kernel does), in double.
+__global__ void SumScalarsKernel(float* out, ScalarPointers inputs, float scale) {
+  double sum = 0;
+  for (int i = 0; i < inputs.count; ++i) sum += *inputs.values[i];
+  *out = static_cast<float>(sum * scale);
+}
+
+__global__ void FillKernel(float* out, float value) { *out = value; }
+
+}  // namespace
+
+// ---- launchers ----
+
+Status Accumulate(float* sum, const float* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return Status::Ok();
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  AccumulateKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status SumScalars(float* out, const ScalarPointers& inputs, float scale, cudaStream_t stream) {
+  if (inputs.count < 0 || inputs.count > kMaxScalarInputs) {
+    return InvalidArgument("sum_scalars on the GPU adds at most {} scalars, got {}",
+                           kMaxScalarInputs, inputs.count);
+  }
+  SumScalarsKernel<<<1, 1, 0, stream>>>(out, inputs, scale);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status Fill(float* out, float value, cudaStream_t stream) {
+  FillKernel<<<1, 1, 0, stream>>>(out, value);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tessera::cuda

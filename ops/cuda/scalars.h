@@ -1,0 +1,27 @@
+// Small fp32 kernels a plan places around the layers on a GPU (launchers; kernels in
+// scalars.cu). Conventions as in kernels.h.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "core/status.h"
+
+namespace tessera::cuda {
+
+// sum[i] += x[i] (gradient accumulation over micro-batches).
+Status Accumulate(float* sum, const float* x, int64_t n, cudaStream_t stream);
+
+// Device pointers to fp32 scalars, passed by value to the kernel.
+inline constexpr int kMaxScalarInputs = 256;
+struct ScalarPointers {
+  int count = 0;
+  const float* values[kMaxScalarInputs] = {};
+};
+// *out = (sum of *inputs.values[i], in order, in double) * scale.
+Status SumScalars(float* out, const ScalarPointers& inputs, float scale, cudaStream_t stream);
+// *out = value.
+Status Fill(float* out, float value, cudaStream_t stream);
+
+}  // namespace tessera::cuda

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The GPU check, in two halves: build and stage here (a machine with CUDA's toolkit but no GPU),
+# run on a lent GPU machine (CUDA, PyTorch 2.x, none of our Debian libraries, no network).
+#
+#   scripts/gpu_check.sh stage        builds the GPU tests and benchmarks (sm_90) into build/ and
+#                                     copies them, with the shared libraries they need that a
+#                                     CUDA machine lacks, into .gpu/ (git-ignored; < 64 MiB)
+#   scripts/gpu_check.sh run [OUT]    on the GPU machine, from the repository root with .gpu/
+#                                     carried: every gpu-labelled test, the GPT-2 124M loss check
+#                                     against the CPU, the speed race with PyTorch (eager and
+#                                     torch.compile) and the memory limits; raw outputs in OUT
+#                                     (default bench/results/gpu_<date>), a summary last
+#   scripts/gpu_check.sh run OUT tests|speed|memory|check    one part only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+gpu_binaries=(cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test
+  cuda_gpt2_test bench_gpt2_cuda train_gpt2)
+
+stage() {
+  scripts/install_deps.sh >/dev/null
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DTESSERA_NATIVE=OFF >/dev/null
+  cmake --build build-gpu -j "$(nproc)" --target "${gpu_binaries[@]}"
+  rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+  for binary in "${gpu_binaries[@]}"; do
+    cp "build-gpu/bin/$binary" .gpu/bin/
+    strip --strip-unneeded ".gpu/bin/$binary"
+  done
+  # Shared libraries the GPU machine lacks: everything ldd names but the C/C++ runtime and
+  # CUDA's own libraries (which come with the machine's driver and toolkit).
+  local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcublas|libcudart|libnccl)'
+  for binary in .gpu/bin/*; do
+    ldd "$binary" | awk '$3 ~ /^\// {print $1, $3}'
+  done | sort -u | while read -r name path; do
+    if [[ ! "$name" =~ $skip ]]; then cp -L "$path" ".gpu/lib/$name"; fi
+  done
+  strip --strip-unneeded .gpu/lib/* 2>/dev/null || true
+  cp bench/torch_gpt2_cuda.py .gpu/
+  echo "gpu_check: staged $(ls .gpu/bin | wc -l) binaries and $(ls .gpu/lib | wc -l) libraries"
+  # OpenBLAS alone is 36 MB: the carry limit (64 MiB) takes them packed.
+  tar -C .gpu -cf - bin lib | xz -T0 -3 >.gpu/staged.tar.xz
+  rm -rf .gpu/bin .gpu/lib
+  du -sh .gpu
+}
+
+run() {
+  local out="${1:-bench/results/gpu_$(date +%F)}" part="${2:-all}"
+  mkdir -p "$out"
+  if [[ -f .gpu/staged.tar.xz && ! -d .gpu/bin ]]; then xz -dc .gpu/staged.tar.xz | tar -C .gpu -xf -; fi
+  export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
+  export PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+  if [[ "$part" == all || "$part" == tests ]]; then
+    # The gpu-labelled tests (tests/CMakeLists.txt), each binary whole.
+    for test in cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test \
+      cuda_gpt2_test; do
+      echo "== $test"
+      timeout 300 .gpu/bin/$test --gtest_brief=1 2>&1 | tee "$out/$test.txt" | tail -n 25 || true
+    done
+  fi
+  if [[ "$part" == all || "$part" == check ]]; then
+    # GPT-2 124M, T=1024: 10 steps on the GPU against the same 10 steps on the CPU (fp32).
+    echo "== gpt2-124m loss check"
+    local common=(--preset gpt2-124m --seq-len 1024 --batch 8 --steps 10 --lr 3e-4 --log-every 1
+      --data synthetic --seed 7)
+    timeout 540 .gpu/bin/train_gpt2 "${common[@]}" --threads 14 >"$out/check_cpu.txt" 2>&1 &
+    local cpu_pid=$!
+    timeout 300 .gpu/bin/train_gpt2 "${common[@]}" --device cuda 2>&1 | tee "$out/check_gpu.txt" |
+      tail -n 3 || true
+    wait "$cpu_pid" || true
+    tail -n 3 "$out/check_cpu.txt" || true
+  fi
+  if [[ "$part" == all || "$part" == speed ]]; then
+    echo "== speed race: GPT-2 124M, T=1024"
+    for batch in ${SPEED_BATCHES:-16 32}; do
+      timeout 300 .gpu/bin/bench_gpt2_cuda --batch "$batch" 2>&1 | tee -a "$out/speed.txt" |
+        tail -n 1 || true
+      timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" 2>&1 |
+        grep torch_step | tee -a "$out/speed.txt" || true
+      timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" --compile 2>&1 |
+        grep torch_step | tee -a "$out/speed.txt" || true
+    done
+  fi
+  if [[ "$part" == all || "$part" == memory ]]; then
+    echo "== memory: largest batch, largest model"
+    timeout 120 .gpu/bin/bench_gpt2_cuda --max-batch --batch 32 2>&1 |
+      tee "$out/max_batch.txt" | tail -n 2 || true
+    # Each try initialises its model on the host: the larger ones take minutes, so the searches
+    # are bounded (MEMORY_SECONDS each) and report the largest that trained in that time.
+    timeout "${MEMORY_SECONDS:-600}" .gpu/bin/bench_gpt2_cuda --max-model --batch 1 \
+      --offload optimizer 2>&1 | tee "$out/max_model_tessera.txt" | tail -n 3 || true
+    timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 2>&1 |
+      tee "$out/max_model_torch.txt" | tail -n 2 || true
+  fi
+  summarize "$out"
+}
+
+# The figures, one line each (what the closing note and docs/benchmarks.md quote).
+summarize() {
+  local out="$1"
+  echo "== summary ($out)"
+  for f in "$out"/cuda_*_test.txt "$out"/nccl_communicator_test.txt; do
+    [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$f" |
+      tr '\n' ' ')"
+  done
+  if [[ -f "$out/speed.txt" ]]; then
+    for batch in ${SPEED_BATCHES:-16 32}; do
+      local t p c
+      t=$(grep "tessera_step" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*mfu=([0-9.]+).*/\1 \2/')
+      p=$(grep "compile=0" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+      c=$(grep "compile=1" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+      echo "B=$batch tessera_tok_s=${t% *} torch_tok_s=$p torch_compile_tok_s=$c mfu=${t#* }"
+    done
+  fi
+  return 0
+}
+
+case "${1:-}" in
+  stage) stage ;;
+  run) shift; run "$@" ;;
+  *)
+    sed -n '2,14p' "$0"
+    exit 2
+    ;;
+esac

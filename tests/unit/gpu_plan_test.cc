@@ -1,0 +1,122 @@
+// The CPU-side half of the GPU backend, which runs everywhere: the bf16 layouts GPT-2's layers
+// save on a GPU, shape inference with activation_dtype, GPU plans (every GPT-2 task on the GPU,
+// the offloaded optimizer on the host), and the errors a process without a GPU gives when asked
+// to run one.
+#include <gmock/gmock.h>
+
+#include "driver/gpu.h"
+#include "driver/trainer.h"
+#include "model/gpt2.h"
+#include "ops/flat_layout.h"
+#include "ops/standard_ops.h"
+#include "test_util.h"
+#include "worker/in_process_executor.h"
+#include "zero/step_graph.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(GpuLayoutTest, Bf16SavedLayoutsAlignEverySlotAndWidenFp32Slots) {
+  const FlatLayout f32 = Gpt2BlockSavedLayout(2, 37, 64, 4);
+  const FlatLayout bf16 = Gpt2BlockSavedLayoutBf16(2, 37, 64, 4);
+  for (const FlatSlot& slot : bf16.slots()) {
+    EXPECT_EQ(slot.offset % kGpuSlotAlignment, 0) << slot.name;
+    if (slot.name.starts_with("pad.")) continue;
+    const int64_t f32_numel = f32.slot(slot.name).shape.numel();
+    const bool fp32_slot =
+        slot.name.ends_with("_mean") || slot.name.ends_with("_rstd") || slot.name == "lse";
+    EXPECT_EQ(slot.shape.numel(), fp32_slot ? 2 * f32_numel : f32_numel) << slot.name;
+  }
+  const FlatLayout head = Gpt2HeadSavedLayoutBf16(2, 37, 64, 50257);
+  EXPECT_EQ(head.slot("dlogits").shape, (Shape{74, 50304}));
+  EXPECT_EQ(head.slot("losses").shape.numel(), 2 * 74);
+  EXPECT_EQ(Gpt2PaddedVocab(50257), 50304);
+  EXPECT_EQ(Gpt2PaddedVocab(256), 256);
+}
+
+TEST(GpuLayoutTest, Bf16ActivationsFlowThroughShapeInference) {
+  const OpRegistry& registry = CpuRegistry();
+  Attrs attrs{{"channels", int64_t{64}}, {"heads", int64_t{4}}};
+  attrs.Set(kActivationDTypeAttr, std::string("bf16"));
+  const TensorMeta x{Shape{2, 16, 64}, DType::kBF16};
+  const TensorMeta params{Shape{Gpt2BlockParamLayout(64).numel()}, DType::kF32};
+  ASSERT_OK_AND_ASSIGN(auto metas, registry.InferShapes("gpt2_block_forward", {x, params}, attrs));
+  EXPECT_EQ(metas[0], x);
+  EXPECT_EQ(metas[1].dtype, DType::kBF16);
+  EXPECT_EQ(metas[1].numel(), Gpt2BlockSavedLayoutBf16(2, 16, 64, 4).numel());
+  // f32 activations into a bf16 layer are refused, naming the input.
+  const TensorMeta x32{Shape{2, 16, 64}, DType::kF32};
+  auto refused = registry.InferShapes("gpt2_block_forward", {x32, params}, attrs);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("input 'x'"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("bf16"));
+  attrs.Set(kActivationDTypeAttr, std::string("f8"));
+  auto unknown = registry.InferShapes("gpt2_block_forward", {x, params}, attrs);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_THAT(unknown.status().message(), HasSubstr("use f32 or bf16"));
+}
+
+Gpt2Config GpuConfig() {
+  Gpt2Config config{2, 64, 4, 256, 32};
+  config.activations = DType::kBF16;
+  return config;
+}
+
+TEST(GpuPlanTest, EveryGpt2TaskRunsOnTheGpuAndOffloadMovesTheOptimizerToTheHost) {
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.seq_len = 32;
+  plan.device = Device::Cuda(0);
+  ASSERT_OK_AND_ASSIGN(StepGraph step,
+                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+  for (const TaskSpec& task : step.graph.tasks()) {
+    EXPECT_EQ(task.device_kind, DeviceKind::kCuda) << task.name;
+  }
+  plan.parallel.offload = OffloadMode::kOptimizer;
+  ASSERT_OK_AND_ASSIGN(StepGraph offloaded,
+                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+  int host_updates = 0, copies = 0;
+  for (const TaskSpec& task : offloaded.graph.tasks()) {
+    if (task.op == "adamw") {
+      EXPECT_EQ(task.device_kind, DeviceKind::kCpu) << task.name;
+      ++host_updates;
+    }
+    if (task.op == "copy") ++copies;
+    if (task.op.starts_with("gpt2_")) EXPECT_EQ(task.device_kind, DeviceKind::kCuda) << task.name;
+  }
+  EXPECT_EQ(host_updates, 4);  // embedding, 2 blocks, head
+  EXPECT_GE(copies, 2 * 4);    // each group's gradient down and parameters up
+}
+
+TEST(GpuPlanTest, AProcessWithoutAGpuRefusesAGpuGraphNamingWhy) {
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.seq_len = 32;
+  plan.device = Device::Cuda(0);
+  auto trainer = Trainer::Create(GpuConfig(), plan, ExecutorOptions{.threads = 1});
+  // Without the CUDA kernels the registry has no kCuda kernel to prepare with; with them but
+  // no device, the first step cannot put its inputs on the GPU.
+  if (trainer.ok()) {
+    ASSERT_OK((*trainer)->InitializeParameters(1));
+    std::vector<int32_t> tokens(64, 1);
+    auto step = (*trainer)->Step(tokens, tokens, 1e-3f);
+    ASSERT_FALSE(step.ok());
+    EXPECT_THAT(step.status().message(), HasSubstr("no GPU"));
+  } else {
+    EXPECT_THAT(trainer.status().message(), HasSubstr("cuda"));
+  }
+}
+
+TEST(GpuPlanTest, OpeningAMissingGpuSaysWhy) {
+  auto gpu = OpenGpu(0);
+  if (gpu.ok()) GTEST_SKIP() << "this machine has a GPU: " << (*gpu)->Describe();
+  EXPECT_EQ(gpu.status().code(), StatusCode::kUnavailable);
+  EXPECT_FALSE(gpu.status().message().empty());
+  auto far = OpenGpu(64);
+  EXPECT_FALSE(far.ok());
+}
+
+}  // namespace
+}  // namespace tessera::testing
