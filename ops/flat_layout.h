@@ -45,10 +45,38 @@ class FlatLayout {
   int64_t numel_ = 0;
 };
 
+// Typed pointers to the named slots of a flat buffer laid out by `layout` (which must outlive
+// the view). As<U> reads a slot as another element type (a bf16 layout's fp32 slots).
+template <typename T>
+class FlatView {
+ public:
+  FlatView(T* base, const FlatLayout& layout) : base_(base), layout_(layout) {}
+  T* operator[](std::string_view name) const { return base_ + layout_.offset(name); }
+  template <typename U>
+  U* As(std::string_view name) const {
+    return reinterpret_cast<U*>(base_ + layout_.offset(name));
+  }
+
+ private:
+  T* base_;
+  const FlatLayout& layout_;
+};
+
 // A group of `numel` elements padded to a multiple of `multiple` (>= 1): equal ZeRO shards.
 inline int64_t PaddedNumel(int64_t numel, int64_t multiple) {
   return (numel + multiple - 1) / multiple * multiple;
 }
+
+// A GPT-2 layer's dimensions as its kernels take them (ops/cpu and ops/cuda gpt2_layers.h).
+struct Gpt2Dims {
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+  int64_t channels = 0;
+  int64_t heads = 0;
+  int64_t vocab = 0;
+  int64_t max_seq_len = 0;
+  int64_t rows() const { return batch * seq_len; }
+};
 
 // GPT-2 layers (the model follows GPT-2 / nanoGPT: pre-norm blocks, tied embedding/classifier).
 // Names match tests/reference/make_gpt2_reference.py.

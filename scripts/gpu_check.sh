@@ -10,12 +10,12 @@
 #                                     against the CPU, the speed race with PyTorch (eager and
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
-#   scripts/gpu_check.sh run OUT tests|speed|memory|check    one part only
+#   scripts/gpu_check.sh run OUT tests|check|speed|layers|memory    one part only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 gpu_binaries=(cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test
-  cuda_gpt2_test bench_gpt2_cuda train_gpt2)
+  cuda_gpt2_test bench_gpt2_cuda bench_cuda_layers train_gpt2)
 
 stage() {
   scripts/install_deps.sh >/dev/null
@@ -23,7 +23,6 @@ stage() {
     -DTESSERA_NATIVE=OFF >/dev/null
   cmake --build build-gpu -j "$(nproc)" --target "${gpu_binaries[@]}"
   rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
-  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
   for binary in "${gpu_binaries[@]}"; do
     cp "build-gpu/bin/$binary" .gpu/bin/
     strip --strip-unneeded ".gpu/bin/$binary"
@@ -82,6 +81,10 @@ run() {
       timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" --compile 2>&1 |
         grep torch_step | tee -a "$out/speed.txt" || true
     done
+  fi
+  if [[ "$part" == all || "$part" == layers ]]; then
+    echo "== where the step's GPU time goes (B=32, T=1024)"
+    timeout 300 .gpu/bin/bench_cuda_layers --batch 32 2>&1 | tee "$out/layers.txt" || true
   fi
   if [[ "$part" == all || "$part" == memory ]]; then
     echo "== memory: largest batch, largest model"

@@ -172,6 +172,9 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   }
   std::unique_ptr<std::atomic<int>[]> refcount(new std::atomic<int>[num_objects]);
   for (int o = 0; o < num_objects; ++o) refcount[o].store(prepared.initial_refcount_[o]);
+  // Objects whose buffer a task took over to update in place (donation).
+  std::unique_ptr<std::atomic<bool>[]> donated(new std::atomic<bool>[num_objects]);
+  for (int o = 0; o < num_objects; ++o) donated[o].store(false);
 
   RunStats stats;
   stats.timings.resize(num_tasks);
@@ -286,8 +289,10 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
       const int object = Index(task.inputs[input_index]);
       int uses_here = 0;
       for (ObjectId input : task.inputs) uses_here += Index(input) == object;
-      return !prepared.is_output_[object] && refcount[object].load() == uses_here &&
-             in[input_index].buffer().use_count() == 1 + uses_here;
+      const bool donate = !prepared.is_output_[object] && refcount[object].load() == uses_here &&
+                          in[input_index].buffer().use_count() == 1 + uses_here;
+      if (donate) donated[object].store(true);
+      return donate;
     };
     TaskRunCounters counters;
     if (offloaded(task)) {
@@ -417,8 +422,9 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   if (failed.load()) {
     if (intact_inputs != nullptr) {
       for (int index : prepared.input_objects_) {
-        // Still in its slot and never handed to a donating task: unchanged.
-        if (slots[index].defined() && refcount[index].load() == prepared.initial_refcount_[index]) {
+        // Still in its slot and never handed to a task that updates it in place: unchanged
+        // (tasks that only read it may have run).
+        if (slots[index].defined() && !donated[index].load()) {
           intact_inputs->emplace(graph.objects()[index].id, std::move(slots[index]));
         }
       }

@@ -151,8 +151,8 @@ class InProcessExecutor {
 
   // Runs one instance. `inputs` must bind every graph input with a tensor of its meta (except
   // hooks->late_inputs). On error, when `intact_inputs` is given, it receives the graph inputs
-  // that no task had consumed or donated yet, so a caller that moved its state in can take it
-  // back.
+  // that no task had taken over to update in place (donation; tasks that only read an input
+  // leave it intact), so a caller that moved its state in can take it back.
   Result<RunResult> Run(const PreparedGraph& prepared, ObjectMap inputs,
                         ObjectMap* intact_inputs = nullptr, const RunHooks* hooks = nullptr);
   // During a Run with late inputs, from any thread: delivers one. InvalidArgument for an object

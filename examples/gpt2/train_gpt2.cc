@@ -440,7 +440,8 @@ int Run(const Flags& flags) {
   // Per rank: the largest figures of any step, and the last step's bytes sent.
   std::vector<tessera::RankFigures> rank_peaks;
   // When the step of a recovery failed (reported once the next step completes).
-  std::optional<std::chrono::steady_clock::time_point> failed_at;
+  // When the run started failing (recovery in progress); the epoch when it is not.
+  std::chrono::steady_clock::time_point failed_at{};
 
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
   std::vector<int32_t> targets(tokens.size());
@@ -473,7 +474,9 @@ int Run(const Flags& flags) {
     tessera::Result<tessera::StepReport> report =
         (*trainer)->Step(tokens, targets, static_cast<float>(flags.lr));
     if (!report.ok() && recovery && recovery->Recoverable(report.status(), **trainer)) {
-      if (!failed_at) failed_at = std::chrono::steady_clock::now();
+      if (failed_at == std::chrono::steady_clock::time_point{}) {
+        failed_at = std::chrono::steady_clock::now();
+      }
       auto recovered = recovery->Recover(i, report.status(), std::move(*trainer));
       if (!recovered.ok()) {
         return Fail(recovered.status().WithContext(fmt::format("recovering from step {}", i)));
@@ -489,14 +492,14 @@ int Run(const Flags& flags) {
       continue;
     }
     if (!report.ok()) return Fail(report.status().WithContext(fmt::format("step {}", i)));
-    if (failed_at) {
+    if (failed_at != std::chrono::steady_clock::time_point{}) {
       std::fprintf(
           stderr,
           "train_gpt2: recovery %d: step %lld completed %.2f s after the failed step "
           "returned\n",
           recovery->restarts(), static_cast<long long>(i),
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - *failed_at).count());
-      failed_at.reset();
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - failed_at).count());
+      failed_at = {};
     }
     step_ms.push_back(report->step_ms);
     // The largest executor peak of any process that ran the step (this one, or each worker).

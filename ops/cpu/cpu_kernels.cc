@@ -17,6 +17,7 @@
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
+#include "ops/kernel_attrs.h"
 #include "ops/layer_program.h"
 #include "ops/standard_ops.h"
 
@@ -33,15 +34,7 @@ using cpu::detail::Workspace;
 int64_t Rows(const Tensor& t) { return t.shape().rank() == 0 ? 1 : t.numel() / t.shape()[-1]; }
 int64_t LastDim(const Tensor& t) { return t.shape()[-1]; }
 
-cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
-  // Shape inference already validated these attributes against x.
-  return cpu::Gpt2Dims{.batch = x.shape()[0],
-                       .seq_len = x.shape()[1],
-                       .channels = attrs.GetInt("channels", 0),
-                       .heads = attrs.GetInt("heads", 1),
-                       .vocab = attrs.GetInt("vocab", 0),
-                       .max_seq_len = attrs.GetInt("max_seq_len", 0)};
-}
+cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) { return ReadGpt2Dims(attrs, x.meta()); }
 
 // Zeros the padding of a parameter-group gradient beyond the layout's `used` elements (groups
 // padded for ZeRO shards: attribute param_multiple).
@@ -287,33 +280,21 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
         *F(out[0]) = loss;
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "adamw",
-               [](const KernelContext&, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 cpu::AdamWConfig config{
-                     .beta1 = static_cast<float>(attrs.GetFloat("beta1", 0.9)),
-                     .beta2 = static_cast<float>(attrs.GetFloat("beta2", 0.999)),
-                     .eps = static_cast<float>(attrs.GetFloat("eps", 1e-8)),
-                     .weight_decay = static_cast<float>(attrs.GetFloat("weight_decay", 0.0)),
-                 };
-                 const int64_t step = *in[6].data<int64_t>();
-                 if (step < 1) return InvalidArgument("adamw step must be >= 1, got {}", step);
-                 // With param_offset the grad is a shard of the (larger) param group.
-                 const int64_t param_offset = attrs.GetInt("param_offset", 0);
-                 const int64_t element_offset = attrs.GetInt("element_offset", param_offset);
-                 const int64_t n = in[1].numel();
-                 std::vector<int64_t> ranges;
-                 if (attrs.Has("decay_ranges")) {
-                   ranges = *attrs.GetInts("decay_ranges");
-                 } else {
-                   ranges = {0, n + element_offset};
-                 }
-                 cpu::AdamWUpdate(F(out[0]) + param_offset, F(out[1]), F(out[2]), F(in[1]), n,
-                                  config, *F(in[5]), step, *F(in[4]), ranges.data(),
-                                  static_cast<int64_t>(ranges.size() / 2), element_offset);
-                 return Status::Ok();
-               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "adamw",
+      [](const KernelContext&, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
+        const int64_t n = in[1].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        const cpu::AdamWConfig config{
+            .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps, .weight_decay = a.weight_decay};
+        const int64_t step = *in[6].data<int64_t>();
+        if (step < 1) return InvalidArgument("adamw step must be >= 1, got {}", step);
+        cpu::AdamWUpdate(F(out[0]) + a.param_offset, F(out[1]), F(out[2]), F(in[1]), n, config,
+                         *F(in[5]), step, *F(in[4]), a.decay_ranges.data(),
+                         static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "sgd",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -7,22 +7,6 @@
 
 namespace tessera::cpu {
 
-namespace {
-
-// Pointers to the named tensors of a flat buffer.
-template <typename T>
-class FlatView {
- public:
-  FlatView(T* base, const FlatLayout& layout) : base_(base), layout_(layout) {}
-  T* operator[](std::string_view name) const { return base_ + layout_.offset(name); }
-
- private:
-  T* base_;
-  const FlatLayout& layout_;
-};
-
-}  // namespace
-
 Status Gpt2EmbeddingForward(float* x, const int32_t* tokens, const float* emb_params,
                             const Gpt2Dims& dims) {
   const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);

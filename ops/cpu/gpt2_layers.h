@@ -8,18 +8,11 @@
 #include <cstdint>
 
 #include "core/status.h"
+#include "ops/flat_layout.h"
 
 namespace tessera::cpu {
 
-struct Gpt2Dims {
-  int64_t batch = 0;
-  int64_t seq_len = 0;
-  int64_t channels = 0;
-  int64_t heads = 0;
-  int64_t vocab = 0;
-  int64_t max_seq_len = 0;
-  int64_t rows() const { return batch * seq_len; }
-};
+using Gpt2Dims = tessera::Gpt2Dims;
 
 // x[B,T,C] = wte[tokens] + wpe[0..T). emb_params: the embedding layout. InvalidArgument on a
 // token outside the vocabulary.

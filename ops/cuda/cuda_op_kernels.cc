@@ -11,6 +11,7 @@
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/scalars.h"
 #include "ops/flat_layout.h"
+#include "ops/kernel_attrs.h"
 
 namespace tessera::cuda {
 
@@ -53,15 +54,7 @@ Status NeedsBf16(const Tensor& x) {
   return Status::Ok();
 }
 
-Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) {
-  // Shape inference already validated these attributes against x.
-  return Gpt2Dims{.batch = x.shape()[0],
-                  .seq_len = x.shape()[1],
-                  .channels = attrs.GetInt("channels", 0),
-                  .heads = attrs.GetInt("heads", 1),
-                  .vocab = attrs.GetInt("vocab", 0),
-                  .max_seq_len = attrs.GetInt("max_seq_len", 0)};
-}
+Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) { return ReadGpt2Dims(attrs, x.meta()); }
 
 // Zeros a parameter-group gradient past the layout's `used` elements (ZeRO padding).
 Status ZeroPadding(CudaContext& cuda, const Tensor& group, int64_t used) {
@@ -128,22 +121,11 @@ Status RegisterOptimizerKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
       r, "adamw",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
-        const AdamWConfig config{
-            .beta1 = static_cast<float>(attrs.GetFloat("beta1", 0.9)),
-            .beta2 = static_cast<float>(attrs.GetFloat("beta2", 0.999)),
-            .eps = static_cast<float>(attrs.GetFloat("eps", 1e-8)),
-            .weight_decay = static_cast<float>(attrs.GetFloat("weight_decay", 0.0)),
-        };
-        // With param_offset the grad is a shard of the (larger) param group.
-        const int64_t param_offset = attrs.GetInt("param_offset", 0);
-        const int64_t element_offset = attrs.GetInt("element_offset", param_offset);
         const int64_t n = in[1].numel();
-        std::vector<int64_t> ranges;
-        if (attrs.Has("decay_ranges")) {
-          ranges = *attrs.GetInts("decay_ranges");
-        } else {
-          ranges = {0, n + element_offset};
-        }
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        const AdamWConfig config{
+            .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps, .weight_decay = a.weight_decay};
+        const std::vector<int64_t>& ranges = a.decay_ranges;
         DecayRanges decay;
         if (ranges.size() / 2 > static_cast<size_t>(kMaxDecayRanges)) {
           return InvalidArgument("adamw on the GPU takes at most {} decay ranges, got {}",
@@ -154,8 +136,8 @@ Status RegisterOptimizerKernels(OpRegistry& r) {
           decay.begin[i] = ranges[2 * static_cast<size_t>(i)];
           decay.end[i] = ranges[2 * static_cast<size_t>(i) + 1];
         }
-        return AdamWUpdate(F(out[0]) + param_offset, F(out[1]), F(out[2]), F(in[1]), n, config,
-                           F(in[5]), in[6].data<int64_t>(), F(in[4]), decay, element_offset,
+        return AdamWUpdate(F(out[0]) + a.param_offset, F(out[1]), F(out[2]), F(in[1]), n, config,
+                           F(in[5]), in[6].data<int64_t>(), F(in[4]), decay, a.element_offset,
                            cuda.stream());
       }));
   TESSERA_RETURN_IF_ERROR(Register(

@@ -11,22 +11,6 @@ namespace tessera::cuda {
 
 namespace {
 
-// Typed pointers to the named slots of a flat buffer (a bf16 layout's fp32 slots read as float).
-template <typename T>
-class FlatView {
- public:
-  FlatView(T* base, const FlatLayout& layout) : base_(base), layout_(layout) {}
-  T* operator[](std::string_view name) const { return base_ + layout_.offset(name); }
-  template <typename U>
-  U* As(std::string_view name) const {
-    return reinterpret_cast<U*>(base_ + layout_.offset(name));
-  }
-
- private:
-  T* base_;
-  const FlatLayout& layout_;
-};
-
 // Scratch of `count` elements of T on the context's device.
 template <typename T>
 struct Scratch {

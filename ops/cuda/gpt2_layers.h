@@ -19,18 +19,11 @@
 #include "core/status.h"
 #include "ops/cuda/cuda_context.h"
 #include "ops/cuda/kernels.h"
+#include "ops/flat_layout.h"
 
 namespace tessera::cuda {
 
-struct Gpt2Dims {
-  int64_t batch = 0;
-  int64_t seq_len = 0;
-  int64_t channels = 0;
-  int64_t heads = 0;
-  int64_t vocab = 0;
-  int64_t max_seq_len = 0;
-  int64_t rows() const { return batch * seq_len; }
-};
+using Gpt2Dims = tessera::Gpt2Dims;
 
 // x[B,T,C] = wte[tokens] + wpe[0..T). emb_params: the embedding layout (fp32).
 Status Gpt2EmbeddingForward(CudaContext& context, bf16* x, const int32_t* tokens,

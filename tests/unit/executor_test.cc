@@ -137,6 +137,57 @@ TEST(ExecutorTest, AKernelErrorNamesTheTaskAndHandsBackIntactInputs) {
   EXPECT_TRUE(intact.contains(wpe));
 }
 
+TEST(ExecutorTest, InputsThatFinishedTasksOnlyReadComeBackIntact) {
+  // gelu reads x; the embedding, which runs after it (a control edge), fails on a bad token; a
+  // second gelu of x, after the embedding, never runs. x was read, not updated: it comes back
+  // (it is still bound: its second reader has not run).
+  GraphBuilder builder(CpuRegistry());
+  ObjectId x = builder.AddInput("x", F32({8}), ObjectRole::kParameter);
+  ObjectId tokens =
+      builder.AddInput("tokens", {Shape{1, 3}, DType::kI32, Device::Cpu()}, ObjectRole::kInput);
+  ObjectId wte = builder.AddInput("wte", F32({5, 4}), ObjectRole::kParameter);
+  ObjectId wpe = builder.AddInput("wpe", F32({3, 4}), ObjectRole::kParameter);
+  auto y = *builder.AddTask("gelu", "gelu_forward", {x}, {}, TaskOptions{});
+  auto e =
+      *builder.AddTask("embedding", "embedding_forward", {tokens, wte, wpe}, {}, TaskOptions{});
+  auto again = *builder.AddTask("gelu_again", "gelu_forward", {x}, {}, TaskOptions{});
+  builder.MarkOutput(y[0]);
+  builder.MarkOutput(e[0]);
+  builder.MarkOutput(again[0]);
+  ASSERT_OK_AND_ASSIGN(Graph graph, builder.Build());
+  graph.AddControlEdge(graph.object(y[0]).producer, graph.object(e[0]).producer);
+  graph.AddControlEdge(graph.object(e[0]).producer, graph.object(again[0]).producer);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(graph));
+  ObjectMap intact;
+  Result<RunResult> result = executor.Run(prepared,
+                                          {{x, RandomTensor({8}, 3)},
+                                           {tokens, IntTensor({1, 3}, {0, 9, 1})},
+                                           {wte, RandomTensor({5, 4}, 1)},
+                                           {wpe, RandomTensor({3, 4}, 2)}},
+                                          &intact);
+  ASSERT_FALSE(result.ok());
+  EXPECT_TRUE(intact.contains(x));
+  EXPECT_TRUE(intact.contains(wte));
+}
+
+TEST(ExecutorTest, AnInputThatCannotBeBoundHandsEveryInputBack) {
+  GraphBuilder builder(CpuRegistry());
+  ObjectId a = builder.AddInput("a", F32({4}), ObjectRole::kParameter);
+  ObjectId b = builder.AddInput("b", F32({4}), ObjectRole::kParameter);
+  auto sum = *builder.AddTask("add", "add_forward", {a, b}, {}, TaskOptions{});
+  builder.MarkOutput(sum[0]);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  ObjectMap intact;
+  Result<RunResult> result =
+      executor.Run(prepared, {{a, RandomTensor({4}, 1)}, {b, RandomTensor({5}, 2)}}, &intact);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(intact.contains(a));
+  EXPECT_TRUE(intact.contains(b));
+}
+
 TEST(ExecutorTest, UnboundOrMisshapenInputsAreRefused) {
   InProcessExecutor executor(CpuRegistry(), TwoThreads());
   Chain chain = GeluChain(1, 10);

@@ -47,7 +47,9 @@ TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {
   // stage holds more than two of them.
   std::map<int, int> blocks_per_stage;
   for (size_t l = 0; l < model.layers.size(); ++l) {
-    if (l > 0) EXPECT_GE(step.layer_stage[l], step.layer_stage[l - 1]);
+    if (l > 0) {
+      EXPECT_GE(step.layer_stage[l], step.layer_stage[l - 1]);
+    }
     if (model.layers[l].name.starts_with("h.")) ++blocks_per_stage[step.layer_stage[l]];
   }
   EXPECT_EQ(step.layer_stage.front(), 0);
