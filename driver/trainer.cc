@@ -107,9 +107,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
   std::unique_ptr<Trainer> trainer(
       new Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
-  TESSERA_ASSIGN_OR_RETURN(trainer->eval_graph_,
-                           PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len,
-                                        *trainer->registry_, trainer->ParamMultiple()));
+  TESSERA_ASSIGN_OR_RETURN(
+      trainer->eval_graph_,
+      PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len, *trainer->registry_,
+                   trainer->ParamMultiple(), plan.device));
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
                            trainer->backend_->Register(trainer->eval_graph_.graph));
   TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
@@ -524,8 +525,8 @@ Result<const Trainer::PlannedForward*> Trainer::PredictionGraph(int64_t batch, i
   const auto key = std::make_pair(batch, seq_len);
   auto it = prediction_graphs_.find(key);
   if (it == prediction_graphs_.end()) {
-    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph,
-                             PlanLogits(model_, batch, seq_len, *registry_, ParamMultiple()));
+    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, batch, seq_len, *registry_,
+                                                            ParamMultiple(), plan_.device));
     TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
     it = prediction_graphs_.emplace(key, PlannedForward{std::move(graph), handle}).first;
   }

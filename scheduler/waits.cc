@@ -118,7 +118,7 @@ class Explainer {
       }
     }
     if (!reasons.empty()) {
-      text += " " + fmt::format("{}", fmt::join(reasons, " and "));
+      text += fmt::format(" {}", fmt::join(reasons, " and "));
     } else if (c.forming) {
       text += ": forming the group";
     } else if (!peers.empty()) {

@@ -54,7 +54,7 @@ Status CheckShapeOfBatch(const ModelSpec& model, int64_t batch, int64_t seq_len)
 }
 
 std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec& model,
-                                         int64_t param_multiple) {
+                                         int64_t param_multiple, Device device = Device::Cpu()) {
   std::vector<ObjectId> params;
   for (const LayerSpec& layer : model.layers) {
     // A layer without parameters has no group (invalid id).
@@ -62,7 +62,7 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
         layer.params.numel() == 0
             ? ObjectId()
             : builder.AddInput(layer.name + ".params",
-                               F32({PaddedNumel(layer.params.numel(), param_multiple)}),
+                               F32({PaddedNumel(layer.params.numel(), param_multiple)}, device),
                                ObjectRole::kParameter));
   }
   return params;
@@ -1146,7 +1146,8 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
 namespace {
 
 Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                 const OpRegistry& registry, int64_t param_multiple, bool predict) {
+                                 const OpRegistry& registry, int64_t param_multiple, bool predict,
+                                 Device device) {
   if (param_multiple < 1) return InvalidArgument("param_multiple must be >= 1");
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
   TESSERA_ASSIGN_OR_RETURN(const size_t loss_layer, model.LossLayer());
@@ -1166,9 +1167,9 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
     result.inputs.push_back(
         input.label && predict
             ? ObjectId()
-            : builder.AddInput(input.name, input.Meta(batch, seq_len), ObjectRole::kInput));
+            : builder.AddInput(input.name, input.Meta(batch, seq_len, device), ObjectRole::kInput));
   }
-  result.params = AddParameterInputs(builder, model, param_multiple);
+  result.params = AddParameterInputs(builder, model, param_multiple, device);
   std::vector<std::vector<ObjectId>> outputs(model.layers.size());
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& layer = model.layers[l];
@@ -1199,12 +1200,13 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
       names = {predicting ? "logits" : "loss"};
       if (!predicting) roles = {ObjectRole::kOutput};
     }
+    TaskOptions options = Options(layer.name, kForwardPriority, std::move(names), std::move(roles));
+    options.device_kind = device.kind;
     TESSERA_ASSIGN_OR_RETURN(
         outputs[l],
         builder.AddTask(layer.name + (predicting ? "/logits" : "/forward"),
                         predicting ? layer.predict_op : layer.forward_op, std::move(args),
-                        LayerAttrs(layer, param_multiple),
-                        Options(layer.name, kForwardPriority, std::move(names), std::move(roles))));
+                        LayerAttrs(layer, param_multiple), std::move(options)));
   }
   result.result = outputs[loss_layer][0];
   builder.MarkOutput(result.result);
@@ -1215,13 +1217,14 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
 }  // namespace
 
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                  const OpRegistry& registry, int64_t param_multiple) {
-  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/false);
+                                  const OpRegistry& registry, int64_t param_multiple,
+                                  Device device) {
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/false, device);
 }
 
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                const OpRegistry& registry, int64_t param_multiple) {
-  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/true);
+                                const OpRegistry& registry, int64_t param_multiple, Device device) {
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/true, device);
 }
 
 }  // namespace tessera

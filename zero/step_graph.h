@@ -212,12 +212,15 @@ struct ForwardGraph {
 };
 
 // Mean loss of a batch, no gradients. Parameter groups padded to a multiple of
-// `param_multiple` (as a ZeRO step graph's group_numel).
+// `param_multiple` (as a ZeRO step graph's group_numel). Tasks run and objects live on `device`
+// (TrainingPlan::device: a GPU trainer evaluates on its GPU).
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                  const OpRegistry& registry, int64_t param_multiple = 1);
+                                  const OpRegistry& registry, int64_t param_multiple = 1,
+                                  Device device = Device::Cpu());
 // The model's prediction for a batch (label inputs not fed): the loss layer's predict_op
 // (GPT-2's logits, for sampling), else what the loss layer reads first (a U-Net's logits).
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
-                                const OpRegistry& registry, int64_t param_multiple = 1);
+                                const OpRegistry& registry, int64_t param_multiple = 1,
+                                Device device = Device::Cpu());
 
 }  // namespace tessera

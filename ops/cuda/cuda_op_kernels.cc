@@ -102,6 +102,12 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
                                         I(in[3]), Dims(attrs, in[0]),
                                         static_cast<float>(attrs.GetFloat("grad_scale", 1.0)));
                }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_head_logits",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+        return Gpt2HeadLogits(cuda, F(out[0]), B(in[0]), F(in[1]), F(in[2]), Dims(attrs, in[0]));
+      }));
   return Register(
       r, "gpt2_head_backward",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {

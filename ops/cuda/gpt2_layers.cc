@@ -5,6 +5,7 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/matmul.h"
+#include "ops/cuda/scalars.h"
 #include "ops/flat_layout.h"
 
 namespace tessera::cuda {
@@ -245,6 +246,23 @@ Status Gpt2HeadBackward(CudaContext& context, bf16* dx, float* dhead, float* dem
   return LayerNormBackwardInto(context, dx, g["lnf_w"], g["lnf_b"], dlnf.get(), x, p["lnf_w"],
                                s.As<const float>("lnf_mean"), s.As<const float>("lnf_rstd"), n, c,
                                /*accumulate_dx=*/false);
+}
+
+Status Gpt2HeadLogits(CudaContext& context, float* logits, const bf16* x, const float* head_params,
+                      const float* wte, const Gpt2Dims& dims) {
+  const int64_t n = dims.rows(), c = dims.channels, v = dims.vocab;
+  const int64_t padded_v = Gpt2PaddedVocab(v);
+  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  FlatView<const float> p(head_params, head_layout);
+  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> lnf, MakeScratch<bf16>(context, n * c));
+  TESSERA_ASSIGN_OR_RETURN(Scratch<float> stats, MakeScratch<float>(context, 2 * n));
+  TESSERA_RETURN_IF_ERROR(LayerNormForward(lnf.get(), stats.get(), stats.get() + n, x, p["lnf_w"],
+                                           p["lnf_b"], n, c, context.stream()));
+  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, Bf16Copy(context, wte, v * c));
+  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> padded, MakeScratch<bf16>(context, n * padded_v));
+  TESSERA_RETURN_IF_ERROR(LinearForward(context, padded.get(), lnf.get(), wte_bf16.get(), nullptr,
+                                        nullptr, n, c, v, padded_v));
+  return CastRowsBf16ToF32(logits, padded.get(), n, v, padded_v, context.stream());
 }
 
 }  // namespace tessera::cuda

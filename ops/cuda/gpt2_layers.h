@@ -50,4 +50,8 @@ Status Gpt2HeadBackward(CudaContext& context, bf16* dx, float* dhead, float* dem
                         const bf16* saved, const float* head_params, const float* wte,
                         const Gpt2Dims& dims);
 
+// logits [B*T, V] (fp32) for inference: lnf, then lnf @ wte^T (bf16 GEMM, fp32 accumulation).
+Status Gpt2HeadLogits(CudaContext& context, float* logits, const bf16* x, const float* head_params,
+                      const float* wte, const Gpt2Dims& dims);
+
 }  // namespace tessera::cuda

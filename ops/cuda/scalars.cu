@@ -28,6 +28,16 @@ __global__ void SumScalarsKernel(float* out, ScalarPointers inputs, float scale)
 
 __global__ void FillKernel(float* out, float value) { *out = value; }
 
+__global__ void CastRowsKernel(float* out, const __nv_bfloat16* in, int64_t rows, int64_t cols,
+                               int64_t ld_in) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    out[i] = __bfloat162float(in[r * ld_in + c]);
+  }
+}
+
 }  // namespace
 
 // ---- launchers ----
@@ -47,6 +57,17 @@ Status SumScalars(float* out, const ScalarPointers& inputs, float scale, cudaStr
                            kMaxScalarInputs, inputs.count);
   }
   SumScalarsKernel<<<1, 1, 0, stream>>>(out, inputs, scale);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status CastRowsBf16ToF32(float* out, const __nv_bfloat16* in, int64_t rows, int64_t cols,
+                         int64_t ld_in, cudaStream_t stream) {
+  if (ld_in < cols) return InvalidArgument("row stride {} < columns {}", ld_in, cols);
+  if (rows * cols == 0) return Status::Ok();
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((rows * cols + threads - 1) / threads, 65536);
+  CastRowsKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(out, in, rows, cols, ld_in);
   TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }

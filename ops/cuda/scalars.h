@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include "core/status.h"
@@ -23,5 +24,10 @@ struct ScalarPointers {
 Status SumScalars(float* out, const ScalarPointers& inputs, float scale, cudaStream_t stream);
 // *out = value.
 Status Fill(float* out, float value, cudaStream_t stream);
+
+// out[r, c] = in[r * ld_in + c] for c < cols: a padded bf16 matrix to a dense fp32 one (logits
+// of the padded vocabulary to the model's).
+Status CastRowsBf16ToF32(float* out, const __nv_bfloat16* in, int64_t rows, int64_t cols,
+                         int64_t ld_in, cudaStream_t stream);
 
 }  // namespace tessera::cuda

@@ -183,6 +183,24 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
   }
 }
 
+TEST_P(CudaGpt2Test, HeadLogitsMatchTheCpu) {
+  const Dims d = GetParam();
+  const int64_t n = d.rows(), c = d.channels, v = d.vocab;
+  const std::vector<float> head = BlockParams(Gpt2HeadParamLayout(c), 41);
+  const std::vector<float> wte = RandomFloats(v * c, 42, -0.1f, 0.1f);
+  const std::vector<float> x = RoundToBf16(RandomFloats(n * c, 43));
+  std::vector<float> logits_cpu(static_cast<size_t>(n * v));
+  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d.Cpu())));
+  cpu::Gpt2HeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(),
+                      d.Cpu(), 1 << 30);
+  DeviceBuffer<float> head_gpu(head), wte_gpu(wte), logits_gpu(n * v);
+  DeviceBuffer<__nv_bfloat16> x_gpu(ToBf16(x));
+  logits_gpu.Poison();
+  ASSERT_OK(cuda::Gpt2HeadLogits(*context_, logits_gpu.get(), x_gpu.get(), head_gpu.get(),
+                                 wte_gpu.get(), d.Gpu()));
+  EXPECT_LT(RelativeError(logits_gpu.Download(), logits_cpu), 2e-2);
+}
+
 TEST_P(CudaGpt2Test, ATokenOutsideTheVocabularyIsNamed) {
   const Dims d = GetParam();
   const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels);
@@ -206,6 +224,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGpt2Test,
 // Losses of a short in-process training run on the GPU against the same run on the CPU.
 struct RunResult {
   std::vector<float> losses;
+  float eval_loss = 0;        // of the first batch, after training
+  std::vector<float> logits;  // of the first batch, after training
 };
 
 Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int steps) {
@@ -231,6 +251,14 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(x, y, 1e-3f));
     result.losses.push_back(report.loss);
   }
+  // Evaluation and sampling run where training did (on the GPU: the eval and logits graphs).
+  std::vector<int32_t> x(static_cast<size_t>(tokens)), y(static_cast<size_t>(tokens));
+  for (int64_t i = 0; i < tokens; ++i) {
+    x[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % config.vocab);
+    y[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 7) % config.vocab);
+  }
+  TESSERA_ASSIGN_OR_RETURN(result.eval_loss, trainer->EvalLoss(x, y));
+  TESSERA_ASSIGN_OR_RETURN(result.logits, trainer->Logits(x, plan.batch, plan.seq_len));
   return result;
 }
 
@@ -254,6 +282,8 @@ TEST_P(CudaTrainingTest, TenStepsOfGpt2FollowTheCpuLosses) {
                               << cpu.losses[i];
   }
   EXPECT_LT(cpu.losses.back(), cpu.losses.front());  // it learns
+  EXPECT_NEAR(gpu.eval_loss, cpu.eval_loss, 1e-2 * cpu.eval_loss);
+  EXPECT_LT(RelativeError(gpu.logits, cpu.logits), 3e-2);
   std::printf(
       "worst relative loss difference over %zu steps: %.2e (first %.4f, last gpu %.4f "
       "cpu %.4f)\n",

@@ -92,6 +92,22 @@ TEST(GpuPlanTest, EveryGpt2TaskRunsOnTheGpuAndOffloadMovesTheOptimizerToTheHost)
   EXPECT_GE(copies, 2 * 4);    // each group's gradient down and parameters up
 }
 
+TEST(GpuPlanTest, EvaluationAndSamplingRunOnTheTrainingDevice) {
+  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(DescribeGpt2(GpuConfig()), 2, 32,
+                                                       CpuRegistry(), 1, Device::Cuda(0)));
+  ASSERT_OK_AND_ASSIGN(ForwardGraph logits, PlanLogits(DescribeGpt2(GpuConfig()), 2, 32,
+                                                       CpuRegistry(), 1, Device::Cuda(0)));
+  for (const Graph* graph : {&eval.graph, &logits.graph}) {
+    for (const TaskSpec& task : graph->tasks()) {
+      EXPECT_EQ(task.device_kind, DeviceKind::kCuda) << task.name;
+    }
+    for (const ObjectSpec& object : graph->objects()) {
+      EXPECT_FALSE(object.meta.device.is_cpu()) << object.name;
+    }
+  }
+  EXPECT_EQ(logits.graph.object(logits.result).meta.dtype, DType::kF32);
+}
+
 TEST(GpuPlanTest, AProcessWithoutAGpuRefusesAGpuGraphNamingWhy) {
   TrainingPlan plan;
   plan.batch = 2;

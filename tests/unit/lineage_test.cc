@@ -11,14 +11,14 @@ namespace {
 TaskSpec Task(uint64_t id, std::vector<uint64_t> inputs, uint64_t output) {
   TaskSpec spec;
   spec.id = TaskId(id);
-  spec.name = "t" + std::to_string(id);
+  spec.name = fmt::format("t{}", id);
   for (uint64_t input : inputs) spec.inputs.push_back(ObjectId(input));
   spec.outputs = {ObjectId(output)};
   return spec;
 }
 
 std::vector<ObjectSpec> Output(uint64_t id) {
-  return {ObjectSpec{ObjectId(id), "o" + std::to_string(id), {}, ObjectRole::kActivation, {}}};
+  return {ObjectSpec{ObjectId(id), fmt::format("o{}", id), {}, ObjectRole::kActivation, {}}};
 }
 
 TEST(LineageTest, AChainStaysWhileItsLastObjectDoes) {
