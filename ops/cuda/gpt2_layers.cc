@@ -32,6 +32,21 @@ Result<Scratch<bf16>> Bf16Copy(CudaContext& context, const float* params, int64_
   return copy;
 }
 
+// The classifier's weight (wte [V, C], fp32) as bf16 [Vp, C], rows past the vocabulary zero:
+// the head's GEMMs then run on the padded vocabulary (a multiple of 64), where cuBLASLt's
+// tensor-core kernels apply; at V = 50257 they were 7x slower (bench_cuda_layers, H200). The
+// zero rows make the padded logits 0, which the classifier ignores and overwrites with zeros.
+Result<Scratch<bf16>> PaddedWteCopy(CudaContext& context, const float* wte, int64_t vocab,
+                                    int64_t channels) {
+  const int64_t padded = Gpt2PaddedVocab(vocab);
+  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> copy, MakeScratch<bf16>(context, padded * channels));
+  TESSERA_RETURN_IF_ERROR(CastF32ToBf16(copy.get(), wte, vocab * channels, context.stream()));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      copy.get() + vocab * channels, 0,
+      static_cast<size_t>((padded - vocab) * channels) * sizeof(bf16), context.stream()));
+  return copy;
+}
+
 // A device int32 initialised to -1, for kernels that report the first bad id.
 Result<Scratch<int32_t>> BadIndexFlag(CudaContext& context) {
   TESSERA_ASSIGN_OR_RETURN(Scratch<int32_t> flag, MakeScratch<int32_t>(context, 1));
@@ -200,9 +215,9 @@ Status Gpt2HeadForward(CudaContext& context, float* loss, bf16* saved, const bf1
                                            s.As<float>("lnf_rstd"), x, p["lnf_w"], p["lnf_b"], n, c,
                                            stream));
   {
-    TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, Bf16Copy(context, wte, v * c));
+    TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, PaddedWteCopy(context, wte, v, c));
     TESSERA_RETURN_IF_ERROR(LinearForward(context, s["dlogits"], s["lnf"], wte_bf16.get(), nullptr,
-                                          nullptr, n, c, v, padded_v));
+                                          nullptr, n, c, padded_v, padded_v));
   }
   TESSERA_ASSIGN_OR_RETURN(Scratch<int32_t> bad, BadIndexFlag(context));
   TESSERA_RETURN_IF_ERROR(SoftmaxCrossEntropy(s["dlogits"], s.As<float>("losses"), bad.get(),
@@ -235,11 +250,17 @@ Status Gpt2HeadBackward(CudaContext& context, bf16* dx, float* dhead, float* dem
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> dlnf, MakeScratch<bf16>(context, n * c));
   {
     // logits = lnf @ wte^T: dlnf = dlogits @ wte, dwte = dlogits^T @ lnf.
-    TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, Bf16Copy(context, wte, v * c));
+    // On the padded vocabulary (PaddedWteCopy): dlogits' padded columns are zeros, so the
+    // padded rows add nothing to dlnf, and their dwte rows (zeros) are dropped.
+    TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, PaddedWteCopy(context, wte, v, c));
     TESSERA_RETURN_IF_ERROR(LinearBackwardInput(context, dlnf.get(), s["dlogits"], wte_bf16.get(),
-                                                n, c, v, padded_v, false));
-    TESSERA_RETURN_IF_ERROR(
-        LinearBackwardWeight(context, ge["wte"], s["dlogits"], s["lnf"], n, c, v, padded_v, false));
+                                                n, c, padded_v, padded_v, false));
+    TESSERA_ASSIGN_OR_RETURN(Scratch<float> dwte, MakeScratch<float>(context, padded_v * c));
+    TESSERA_RETURN_IF_ERROR(LinearBackwardWeight(context, dwte.get(), s["dlogits"], s["lnf"], n, c,
+                                                 padded_v, padded_v, false));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ge["wte"], dwte.get(),
+                                                 static_cast<size_t>(v * c) * sizeof(float),
+                                                 cudaMemcpyDeviceToDevice, context.stream()));
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
       ge["wpe"], 0, static_cast<size_t>(dims.max_seq_len * c) * sizeof(float), context.stream()));
@@ -258,10 +279,10 @@ Status Gpt2HeadLogits(CudaContext& context, float* logits, const bf16* x, const 
   TESSERA_ASSIGN_OR_RETURN(Scratch<float> stats, MakeScratch<float>(context, 2 * n));
   TESSERA_RETURN_IF_ERROR(LayerNormForward(lnf.get(), stats.get(), stats.get() + n, x, p["lnf_w"],
                                            p["lnf_b"], n, c, context.stream()));
-  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, Bf16Copy(context, wte, v * c));
+  TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> wte_bf16, PaddedWteCopy(context, wte, v, c));
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> padded, MakeScratch<bf16>(context, n * padded_v));
   TESSERA_RETURN_IF_ERROR(LinearForward(context, padded.get(), lnf.get(), wte_bf16.get(), nullptr,
-                                        nullptr, n, c, v, padded_v));
+                                        nullptr, n, c, padded_v, padded_v));
   return CastRowsBf16ToF32(logits, padded.get(), n, v, padded_v, context.stream());
 }
 
