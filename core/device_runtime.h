@@ -26,7 +26,7 @@
 namespace tessera {
 
 struct DeviceMemoryStats {
-  int64_t capacity_bytes = 0;  // the allocator's cap (device_memory_cap, or the card's memory)
+  int64_t capacity_bytes = 0;  // the allocator's cap (as opened, e.g. --gpu-memory-gib)
   int64_t live_bytes = 0;      // in tensors now
   int64_t peak_bytes = 0;      // since the last ResetPeak
   int64_t reserved_bytes = 0;  // held from the driver by the allocator's pool
@@ -37,7 +37,7 @@ class DeviceRuntime {
   virtual ~DeviceRuntime() = default;
 
   virtual Device device() const = 0;
-  // "NVIDIA H100 80GB HBM3 (cuda:0, sm_90, 79.1 GiB)".
+  // "NVIDIA H200 (cuda:0, sm_90, 139.8 GiB, allocator cap 138.3 GiB)".
   virtual std::string Describe() const = 0;
 
   // Device memory: buffers from it hold device pointers (never dereference them on the host).

@@ -9,6 +9,7 @@
 
 #include "driver/gpu.h"
 #include "ops/cpu/cpu_kernels.h"
+#include "worker/task_runner.h"
 
 namespace tessera {
 
@@ -59,13 +60,8 @@ class InProcessBackend final : public GraphBackend {
     TensorMeta host_meta = value.tensor.meta();
     host_meta.device = Device::Cpu();
     TESSERA_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(host_meta, executor_.allocator()));
-    const std::shared_ptr<DeviceRuntime>& device = executor_.device();
-    if (device == nullptr) {
-      return Internal("a value on {} in a backend without a GPU",
-                      value.tensor.meta().device.ToString());
-    }
-    TESSERA_RETURN_IF_ERROR(device->Copy(host.raw_data(), Device::Cpu(), value.tensor.raw_data(),
-                                         value.tensor.meta().device, value.tensor.bytes()));
+    const KernelContext copier{executor_.allocator(), 0, nullptr, executor_.device().get()};
+    TESSERA_RETURN_IF_ERROR(CopyTensor(host, value.tensor, copier));
     return host;
   }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }

@@ -59,7 +59,7 @@ struct ExecutorOptions {
   int threads = 0;  // 0: one per core
   int64_t gemm_split_min_flops = Settings{}.gemm_split_min_flops;
   bool cache_host_allocations = Settings{}.cache_host_allocations;
-  // The GPU the executor runs kCuda tasks on (ops/cuda: MakeCudaRuntime), or null. Inputs bound
+  // The GPU the executor runs kCuda tasks on (driver/gpu.h's OpenGpu), or null. Inputs bound
   // as host tensors to objects that live on it are copied there when the run starts.
   std::shared_ptr<DeviceRuntime> device;
 

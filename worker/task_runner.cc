@@ -47,8 +47,8 @@ Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context) 
   // A plan's Device::Cuda(0) is "the worker's own GPU", whichever ordinal it has here.
   if (context.device == nullptr || context.device->device().kind != meta.device.kind) {
     return Infeasible(
-        "{} lives on {}, but this process has {}: start GPU workers (--gpus) or plan for the "
-        "devices there are",
+        "{} lives on {}, but this process has {}: run the GPU plan where a GPU was opened "
+        "(train_gpt2 --device cuda) or plan for the devices there are",
         meta.ToString(), meta.device.ToString(),
         context.device == nullptr ? std::string("no GPU") : context.device->Describe());
   }

@@ -439,8 +439,8 @@ int Run(const Flags& flags) {
   if (recovery) recovery->AfterStep(**trainer, train_sampler->SaveState(), /*checkpointed=*/true);
   // Per rank: the largest figures of any step, and the last step's bytes sent.
   std::vector<tessera::RankFigures> rank_peaks;
-  // When the step of a recovery failed (reported once the next step completes).
-  // When the run started failing (recovery in progress); the epoch when it is not.
+  // When the step of a recovery failed (reported once the next step completes); the clock's
+  // epoch when no recovery is in progress.
   std::chrono::steady_clock::time_point failed_at{};
 
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));

@@ -29,7 +29,8 @@ Status Register(OpRegistry& r, std::string_view op, CudaKernelFn body) {
       [body = std::move(body)](const KernelContext& context, const Tensors& in, const Tensors& out,
                                const Attrs& attrs) -> Status {
         if (context.device == nullptr || context.device->device().is_cpu()) {
-          return Infeasible("a GPU task ran in a process without a GPU (start GPU workers)");
+          return Infeasible(
+              "a GPU task ran in a process that opened no GPU (ExecutorOptions::device)");
         }
         auto* cuda = static_cast<CudaContext*>(context.device->native());
         TESSERA_RETURN_IF_ERROR(cuda->Activate());

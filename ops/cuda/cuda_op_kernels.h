@@ -1,4 +1,4 @@
-// Registers the CUDA kernels of the built-in ops (ops/standard_ops.h) that GPU workers run, and
+// Registers the CUDA kernels of the built-in ops (ops/standard_ops.h) that a GPU process runs, and
 // opens a GPU as a DeviceRuntime.
 //
 // Ops with a kCuda kernel: the GPT-2 layer ops (gpt2_embedding/block/head forward and backward,

@@ -26,12 +26,8 @@
 namespace tessera::testing {
 namespace {
 
-struct Dims {
-  int64_t batch, seq_len, channels, heads, vocab, max_seq_len;
-  cpu::Gpt2Dims Cpu() const { return {batch, seq_len, channels, heads, vocab, max_seq_len}; }
-  cuda::Gpt2Dims Gpu() const { return {batch, seq_len, channels, heads, vocab, max_seq_len}; }
-  int64_t rows() const { return batch * seq_len; }
-};
+// CPU and GPU layers take the same dimensions (ops/flat_layout.h).
+using Dims = Gpt2Dims;
 
 // Parameters as a trained layer has them: matrices ~N(0, 0.02)-sized, layernorm gains near 1.
 std::vector<float> BlockParams(const FlatLayout& layout, uint64_t seed) {
@@ -84,12 +80,12 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   // CPU, fp32.
   std::vector<float> y_cpu(static_cast<size_t>(n * c));
   std::vector<float> saved_cpu(static_cast<size_t>(cpu_saved_layout.numel()));
-  cpu::Gpt2BlockForward(y_cpu.data(), saved_cpu.data(), x.data(), params.data(), d.Cpu(), 1 << 30);
+  cpu::Gpt2BlockForward(y_cpu.data(), saved_cpu.data(), x.data(), params.data(), d, 1 << 30);
   std::vector<float> dx_cpu = dy;
   std::vector<float> dparams_cpu(params.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2BlockBackwardWorkspace(d.Cpu())));
+  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2BlockBackwardWorkspace(d)));
   cpu::Gpt2BlockBackward(dx_cpu.data(), dparams_cpu.data(), workspace.data(), x.data(),
-                         saved_cpu.data(), params.data(), d.Cpu(), 1 << 30);
+                         saved_cpu.data(), params.data(), d, 1 << 30);
 
   // GPU, bf16 activations.
   DeviceBuffer<float> params_gpu(params);
@@ -99,12 +95,12 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   y_gpu.Poison();
   saved_gpu.Poison();
   ASSERT_OK(cuda::Gpt2BlockForward(*context_, y_gpu.get(), saved_gpu.get(), x_gpu.get(),
-                                   params_gpu.get(), d.Gpu()));
+                                   params_gpu.get(), d));
   DeviceBuffer<__nv_bfloat16> d_gpu(ToBf16(dy));
   DeviceBuffer<float> dparams_gpu(static_cast<int64_t>(params.size()));
   dparams_gpu.Poison();
   ASSERT_OK(cuda::Gpt2BlockBackward(*context_, d_gpu.get(), dparams_gpu.get(), x_gpu.get(),
-                                    saved_gpu.get(), params_gpu.get(), d.Gpu()));
+                                    saved_gpu.get(), params_gpu.get(), d));
   ASSERT_OK(context_->Synchronize());
 
   const std::vector<__nv_bfloat16> saved = saved_gpu.Download();
@@ -140,17 +136,17 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
 
   // CPU: embedding, then the head on the (bf16-rounded) embedding output.
   std::vector<float> x_cpu(static_cast<size_t>(n * c));
-  ASSERT_OK(cpu::Gpt2EmbeddingForward(x_cpu.data(), tokens.data(), emb.data(), d.Cpu()));
+  ASSERT_OK(cpu::Gpt2EmbeddingForward(x_cpu.data(), tokens.data(), emb.data(), d));
   const std::vector<float> x = RoundToBf16(x_cpu);
   std::vector<float> saved_cpu(static_cast<size_t>(cpu_saved_layout.numel()));
   ASSERT_OK_AND_ASSIGN(float loss_cpu,
                        cpu::Gpt2HeadForward(saved_cpu.data(), x.data(), head.data(), wte_cpu,
-                                            targets.data(), d.Cpu(), 1.0f, 1 << 30));
+                                            targets.data(), d, 1.0f, 1 << 30));
   std::vector<float> dx_cpu(x.size()), dhead_cpu(head.size()), demb_cpu(emb.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d.Cpu())));
+  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d)));
   cpu::Gpt2HeadBackward(dx_cpu.data(), dhead_cpu.data(), demb_cpu.data(), workspace.data(),
-                        x.data(), saved_cpu.data(), head.data(), wte_cpu, d.Cpu(), 1 << 30);
-  cpu::Gpt2EmbeddingBackward(demb_cpu.data(), RoundToBf16(dx_cpu).data(), tokens.data(), d.Cpu());
+                        x.data(), saved_cpu.data(), head.data(), wte_cpu, d, 1 << 30);
+  cpu::Gpt2EmbeddingBackward(demb_cpu.data(), RoundToBf16(dx_cpu).data(), tokens.data(), d);
 
   // GPU.
   DeviceBuffer<float> emb_gpu(emb), head_gpu(head);
@@ -161,15 +157,14 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
   for (auto* poisoned : {&x_gpu, &saved_gpu, &dx_gpu}) poisoned->Poison();
   for (auto* poisoned : {&loss_gpu, &dhead_gpu, &demb_gpu}) poisoned->Poison();
   const float* wte_gpu = emb_gpu.get() + emb_layout.offset("wte");
-  ASSERT_OK(
-      cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d.Gpu()));
+  ASSERT_OK(cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d));
   EXPECT_LT(RelativeError(ToF32(x_gpu.Download()), x), 1e-6) << "embedding output";
   ASSERT_OK(cuda::Gpt2HeadForward(*context_, loss_gpu.get(), saved_gpu.get(), x_gpu.get(),
-                                  head_gpu.get(), wte_gpu, targets_gpu.get(), d.Gpu(), 1.0f));
+                                  head_gpu.get(), wte_gpu, targets_gpu.get(), d, 1.0f));
   ASSERT_OK(cuda::Gpt2HeadBackward(*context_, dx_gpu.get(), dhead_gpu.get(), demb_gpu.get(),
-                                   x_gpu.get(), saved_gpu.get(), head_gpu.get(), wte_gpu, d.Gpu()));
-  ASSERT_OK(cuda::Gpt2EmbeddingBackward(*context_, demb_gpu.get(), dx_gpu.get(), tokens_gpu.get(),
-                                        d.Gpu()));
+                                   x_gpu.get(), saved_gpu.get(), head_gpu.get(), wte_gpu, d));
+  ASSERT_OK(
+      cuda::Gpt2EmbeddingBackward(*context_, demb_gpu.get(), dx_gpu.get(), tokens_gpu.get(), d));
   ASSERT_OK(context_->Synchronize());
 
   EXPECT_NEAR(loss_gpu.Download()[0], loss_cpu, 1e-2 * loss_cpu) << "loss";
@@ -190,14 +185,14 @@ TEST_P(CudaGpt2Test, HeadLogitsMatchTheCpu) {
   const std::vector<float> wte = RandomFloats(v * c, 42, -0.1f, 0.1f);
   const std::vector<float> x = RoundToBf16(RandomFloats(n * c, 43));
   std::vector<float> logits_cpu(static_cast<size_t>(n * v));
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d.Cpu())));
-  cpu::Gpt2HeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(),
-                      d.Cpu(), 1 << 30);
+  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d)));
+  cpu::Gpt2HeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(), d,
+                      1 << 30);
   DeviceBuffer<float> head_gpu(head), wte_gpu(wte), logits_gpu(n * v);
   DeviceBuffer<__nv_bfloat16> x_gpu(ToBf16(x));
   logits_gpu.Poison();
   ASSERT_OK(cuda::Gpt2HeadLogits(*context_, logits_gpu.get(), x_gpu.get(), head_gpu.get(),
-                                 wte_gpu.get(), d.Gpu()));
+                                 wte_gpu.get(), d));
   EXPECT_LT(RelativeError(logits_gpu.Download(), logits_cpu), 2e-2);
 }
 
@@ -210,7 +205,7 @@ TEST_P(CudaGpt2Test, ATokenOutsideTheVocabularyIsNamed) {
   DeviceBuffer<int32_t> tokens_gpu(tokens);
   DeviceBuffer<__nv_bfloat16> x_gpu(d.rows() * d.channels);
   const Status status =
-      cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d.Gpu());
+      cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
   EXPECT_THAT(status.message(), ::testing::HasSubstr("outside the vocabulary"));
 }
