@@ -6,14 +6,16 @@
 // each M in --micro, a GPT-2 of --layers equal blocks is cut into P (interleaved: 2P) chunks;
 // after --warmup steps, --steps steps are traced (Trainer::StepTimeline) and each step's idle
 // fraction is computed from the spans: over the window from the first forward to the last
-// backward, 1 - (forward and backward busy time summed over workers) / (P x window). Printed
-// next to the textbook bubble (zero/pipeline_schedule.h) and to the bubble the same order has
-// in a simulation with the measured mean forward and backward times (what the stage imbalance
-// and the runtime's gaps cost beyond the textbook).
+// backward, 1 - (forward and backward busy time summed over workers) / (P x window); zb-h1's
+// input and weight halves count as backward. Printed next to the textbook bubble
+// (zero/pipeline_schedule.h) and to the bubble the same order has in a simulation with the
+// measured mean F, B and W times (what the stage imbalance and the runtime's gaps cost beyond
+// the textbook; the textbook's zb-h1 figure assumes F = B = W).
 // Part 2, activation memory: per stage, the peak bytes of activations (RunFigures, the
 // executor's role meter) against the schedule's in-flight micro-batches (the simulation's peak)
 // times one micro-batch's activations on that stage (the bytes its forward tasks make and
-// receive, all kept until its backward).
+// receive, all kept until its backward, plus zb-h1's stashes kept from B to W: an upper bound,
+// since a micro-batch holds its stash only after B).
 // Part 3, ZeRO-3 inside stages (P = 2 x D = 2): all-gathers per worker per step, once per step
 // and per micro-batch, counted in the plan and in the trace.
 // Part 4, step time: P-stage 1F1B (M = --compare-micro) vs data parallel vs ZeRO-3 on the same
@@ -55,7 +57,7 @@ struct Flags {
   int64_t layers = 8, channels = 128, heads = 4, vocab = 256, batch = 16, seq_len = 64;
   std::vector<int> stages = {2, 4};
   std::vector<int> micro = {4, 8, 16};
-  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved"};
+  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1"};
   int steps = 3, warmup = 1;
   int compare_micro = 8;
 };
@@ -92,25 +94,36 @@ Run Train(const Flags& f, tessera::Cluster& cluster, const tessera::TrainingPlan
 }
 
 bool Compute(const tessera::TimelineSpan& span) {
-  return span.kind == tessera::SpanKind::kForward || span.kind == tessera::SpanKind::kBackward;
+  using tessera::SpanKind;
+  return span.kind == SpanKind::kForward || span.kind == SpanKind::kBackward ||
+         span.kind == SpanKind::kBackwardInput || span.kind == SpanKind::kBackwardWeight;
 }
 
 struct Bubble {
-  double measured = 0;                     // idle fraction
-  double forward_ms = 0, backward_ms = 0;  // mean per chunk op (a chunk's layers, one micro-batch)
+  double measured = 0;  // idle fraction
+  // Mean per chunk op (a chunk's layers, one micro-batch): F, B (the whole backward, or its
+  // input half when split) and W (the weight halves; 0 unless split).
+  double forward_ms = 0, backward_ms = 0, weight_ms = 0;
 };
 
-// The idle fraction of one traced step, and the mean forward/backward time per chunk op.
+// The idle fraction of one traced step, and the mean F, B and W time per chunk op.
 Bubble MeasureBubble(const tessera::Timeline& timeline, int workers, int chunk_ops) {
   int64_t first = INT64_MAX, last = 0;
   std::map<uint64_t, int64_t> busy;
-  int64_t forward = 0, backward = 0;
+  int64_t forward = 0, backward = 0, weight = 0;
   for (const tessera::TimelineSpan& span : timeline.spans) {
     if (!Compute(span)) continue;
     first = std::min(first, span.start_us);
     last = std::max(last, span.end_us);
-    busy[span.worker.value()] += span.end_us - span.start_us;
-    (span.kind == tessera::SpanKind::kForward ? forward : backward) += span.end_us - span.start_us;
+    const int64_t us = span.end_us - span.start_us;
+    busy[span.worker.value()] += us;
+    if (span.kind == tessera::SpanKind::kForward) {
+      forward += us;
+    } else if (span.kind == tessera::SpanKind::kBackwardWeight) {
+      weight += us;
+    } else {
+      backward += us;
+    }
   }
   Bubble bubble;
   int64_t total = 0;
@@ -119,6 +132,7 @@ Bubble MeasureBubble(const tessera::Timeline& timeline, int workers, int chunk_o
   bubble.measured = window > 0 ? 1.0 - static_cast<double>(total) / window : 0;
   bubble.forward_ms = forward / 1e3 / chunk_ops;
   bubble.backward_ms = backward / 1e3 / chunk_ops;
+  bubble.weight_ms = weight / 1e3 / chunk_ops;
   return bubble;
 }
 
@@ -137,22 +151,28 @@ tessera::TrainingPlan PipelinePlan(const Flags& f, int stages, int ranks, int mi
 }
 
 // One micro-batch's activations on each stage: what its forward tasks make, plus what they
-// receive from other stages (kept for the backward too).
+// receive from other stages (kept for the backward too), plus (split backwards) the stashes its
+// input halves leave for the weight halves.
 std::vector<int64_t> ActivationBytesPerMicroBatch(const tessera::StepGraph& step, int stages) {
   const tessera::Graph& graph = step.graph;
   std::map<uint64_t, int> stage_of_worker;
   for (int s = 0; s < stages; ++s) stage_of_worker[step.parallel.WorkerOf(0, s).value()] = s;
   std::vector<int64_t> bytes(static_cast<size_t>(stages), 0);
   for (const tessera::TaskSpec& task : graph.tasks()) {
-    const bool first_micro = task.name.ends_with("/forward@0") || task.name.ends_with("/forward");
+    const bool first_micro = task.name.ends_with("/forward@0") || task.name.ends_with("/forward") ||
+                             task.name.ends_with("/backward_input@0") ||
+                             task.name.ends_with("/backward_input");
     if (!first_micro) continue;
+    const bool input_half = task.name.find("/backward_input") != std::string::npos;
     const int s = stage_of_worker[task.pinned_worker.value()];
     for (tessera::ObjectId out : task.outputs) {
+      if (input_half && graph.object(out).name.find(":stash") == std::string::npos) continue;
       if (graph.object(out).role == tessera::ObjectRole::kActivation) {
         bytes[static_cast<size_t>(s)] += graph.object(out).meta.bytes();
       }
     }
     for (tessera::ObjectId in : task.inputs) {
+      if (input_half) break;
       const tessera::ObjectSpec& object = graph.object(in);
       if (object.role != tessera::ObjectRole::kActivation || !object.producer.valid()) continue;
       const tessera::TaskSpec& producer = graph.task(object.producer);
@@ -186,8 +206,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(f.layers), static_cast<long long>(f.channels),
       static_cast<long long>(f.batch), static_cast<long long>(f.seq_len), f.steps, f.warmup);
   std::printf("\n## bubble (idle fraction of the step's compute window) and activation memory\n");
-  std::printf("%-3s %-3s %-12s %9s %9s %9s %8s %8s  %s\n", "P", "M", "schedule", "measured",
-              "theory", "sim", "F_ms", "B_ms", "activation peak / theory per stage");
+  std::printf("%-3s %-3s %-12s %9s %9s %9s %8s %8s %8s  %s\n", "P", "M", "schedule", "measured",
+              "theory", "sim", "F_ms", "B_ms", "W_ms", "activation peak / theory per stage");
   for (int stages : f.stages) {
     tessera::LocalClusterOptions options;
     options.cpu_workers = stages;
@@ -206,17 +226,19 @@ int main(int argc, char** argv) {
         Run run = Train(f, *cluster, plan, what, /*trace=*/true);
         const int v = plan.parallel.virtual_stages;
         std::vector<double> measured;
-        double forward_ms = 0, backward_ms = 0;
+        double forward_ms = 0, backward_ms = 0, weight_ms = 0;
         for (const tessera::Timeline& timeline : run.timelines) {
           const Bubble b = MeasureBubble(timeline, stages, stages * v * micro);
           measured.push_back(b.measured);
           forward_ms += b.forward_ms / run.timelines.size();
           backward_ms += b.backward_ms / run.timelines.size();
+          weight_ms += b.weight_ms / run.timelines.size();
         }
         const auto orders = tessera::ScheduleOrder(schedule, stages, micro, v);
-        const auto sim = Check(tessera::SimulateSchedule(orders, stages, v, micro,
-                                                         {forward_ms * v, backward_ms * v, 0}),
-                               what);
+        const auto sim =
+            Check(tessera::SimulateSchedule(orders, stages, v, micro,
+                                            {forward_ms * v, backward_ms * v, weight_ms * v}),
+                  what);
         const auto act = ActivationBytesPerMicroBatch(run.trainer->step_graph(), stages);
         std::string memory;
         for (int s = 0; s < stages; ++s) {
@@ -229,10 +251,10 @@ int main(int argc, char** argv) {
           memory += fmt::format("{}{:.2f}/{:.2f}MB({:+.0f}%)", s == 0 ? "" : " ", peak / 1e6,
                                 theory / 1e6, 100 * (peak / theory - 1));
         }
-        std::printf("%-3d %-3d %-12s %9.3f %9.3f %9.3f %8.2f %8.2f  %s\n", stages, micro,
+        std::printf("%-3d %-3d %-12s %9.3f %9.3f %9.3f %8.2f %8.2f %8.2f  %s\n", stages, micro,
                     name.c_str(), Median(measured),
                     tessera::TheoreticalBubble(schedule, stages, micro, v), sim.bubble, forward_ms,
-                    backward_ms, memory.c_str());
+                    backward_ms, weight_ms, memory.c_str());
         std::fflush(stdout);
       }
     }

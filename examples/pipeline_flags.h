@@ -1,16 +1,20 @@
 // The pipeline flags train_gpt2 and train_unet3d share:
 //   --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
-//   [--virtual-stages V] [--gather auto|step|micro-batch]
+//   [--virtual-stages V] [--gather auto|step|micro-batch] [--balance estimate|profile]
 // with --workers W = P x D in all (D data-parallel ranks per stage) and --zero-stage inside
 // each stage's group.
 #pragma once
 
+#include <algorithm>
+#include <cstdio>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "core/status.h"
+#include "driver/layer_profile.h"
 #include "zero/step_graph.h"
 
 namespace tessera::examples {
@@ -21,6 +25,7 @@ struct PipelineFlags {
   std::string schedule = "1f1b";
   int virtual_stages = 1;
   std::string gather = "auto";
+  std::string balance = "estimate";
 };
 
 inline void AddPipelineFlags(CLI::App& app, PipelineFlags& flags) {
@@ -39,6 +44,11 @@ inline void AddPipelineFlags(CLI::App& app, PipelineFlags& flags) {
   app.add_option("--gather", flags.gather,
                  "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
                  "(step), before every use (micro-batch), or let the planner choose (auto)");
+  app.add_option("--balance", flags.balance,
+                 "How stages are balanced: by the op cost model's estimate of each layer "
+                 "(estimate), or by each layer's time in a short profiling run in this process "
+                 "(profile)")
+      ->check(CLI::IsMember({"estimate", "profile"}));
 }
 
 // Sets the plan's pipeline from the flags and the total worker count (0: in process).
@@ -71,6 +81,29 @@ inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int gr
         flags.stages, flags.stages, workers);
   }
   p.data_parallel = workers / flags.stages;
+  return Status::Ok();
+}
+
+// --balance profile with a pipeline: the plan's layer costs from a short profiling run
+// (driver/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
+// micro-batch): ...". Nothing otherwise.
+inline Status ApplyBalance(const PipelineFlags& flags, const ModelSpec& model,
+                           const ExecutorOptions& executor, const char* program,
+                           TrainingPlan& plan) {
+  if (flags.balance != "profile" ||
+      plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<double> ms, ProfileLayerTimes(model, plan, executor));
+  std::string text;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    text += fmt::format("{}{} {:.2f}", l == 0 ? "" : ", ", model.layers[l].name, ms[l]);
+    // A layer too fast to time still costs something.
+    ms[l] = std::max(ms[l], 1e-3);
+  }
+  std::fprintf(stderr, "%s: layer times (profiled, ms per micro-batch): %s\n", program,
+               text.c_str());
+  plan.parallel.layer_costs = std::move(ms);
   return Status::Ok();
 }
 

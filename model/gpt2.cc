@@ -97,7 +97,9 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
                   .forward_args = {FusedActivation(index - 1), FusedParams(index)},
                   .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
                                     FusedBack(B::kForwardOutput, 1), FusedBack(B::kForwardArg, 1)},
-                  .backward_outputs = {0, 1}});
+                  .backward_outputs = {0, 1},
+                  .backward_input_op = "gpt2_block_backward_input",
+                  .backward_weight_op = "gpt2_block_backward_weight"});
   }
   const size_t head = model.layers.size();
   model.layers.push_back(LayerSpec{

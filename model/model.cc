@@ -337,6 +337,8 @@ Result<ModelSpec> ModelBuilder::Build() const {
     layer.init = declared.init;
     layer.forward_op = "layer_forward";
     layer.backward_op = "layer_backward";
+    layer.backward_input_op = "layer_backward_input";
+    layer.backward_weight_op = "layer_backward_weight";
     layer.loss = declared.loss;
     std::vector<TensorMeta> metas;
     for (size_t a = 0; a < declared.inputs.size(); ++a) {

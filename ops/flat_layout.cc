@@ -87,6 +87,17 @@ FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels
   return layout;
 }
 
+FlatLayout Gpt2BlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels) {
+  const int64_t b = batch, t = seq_len, c = channels;
+  FlatLayout layout;
+  layout.Add("dfcproj", {b, t, c});
+  layout.Add("dfc", {b, t, 4 * c});
+  layout.Add("dproj", {b, t, c});
+  layout.Add("dqkv", {b, t, 3 * c});
+  for (const char* name : {"ln2_w", "ln2_b", "ln1_w", "ln1_b"}) layout.Add(name, {c});
+  return layout;
+}
+
 FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab) {
   const int64_t b = batch, t = seq_len;
   FlatLayout layout;

@@ -97,6 +97,11 @@ FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels
 // What the head's forward keeps: lnf [B,T,C], lnf_mean, lnf_rstd [B*T], and dlogits [B*T, V]
 // (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
 FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
+// What a block's split backward (zero-bubble pipelines) hands from its input-gradient half to its
+// weight-gradient half: the gradients entering its four linears, dfcproj [B,T,C] (dL/dy), dfc
+// [B,T,4C] (after GELU's backward), dproj [B,T,C] (dL/dx_mid), dqkv [B,T,3C], and the two
+// layernorms' parameter gradients ln2_w, ln2_b, ln1_w, ln1_b [C] (cheap: computed with dx).
+FlatLayout Gpt2BlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels);
 
 // The same on a GPU, where activations are bf16 (attribute activation_dtype = "bf16"): a flat
 // bf16 buffer with the same slot names. Slots kept in fp32 (the layernorm means and rstds, the

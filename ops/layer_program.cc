@@ -457,20 +457,136 @@ Result<Metas> InferForward(const OpRegistry& registry, const Metas& in, const At
   return out;
 }
 
-Result<Metas> InferBackward(const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
+// The split of a program's backward into its input and weight halves (layer_backward_input,
+// layer_backward_weight), decided per op from the program's structure alone, so that both halves
+// (and shape inference) agree on it. Per op with a gradient to compute:
+//   kFull      its gradient rule runs in the input half; the parts it returns for parameters are
+//              stashed and summed in the weight half
+//   kSplit     the rule's input_op runs in the input half and its weight_op in the weight half,
+//              from the output gradients, which are stashed (a linear: dx now, dW later)
+//   kDeferred  every gradient it returns is a parameter's: the whole rule runs in the weight half
+//              from the stashed output gradients (a layer's first convolution of the volume)
+// Stash entries are in the order the backward visits the ops (last op first).
+enum class Half : uint8_t { kNone, kFull, kSplit, kDeferred };
+struct StashEntry {
+  size_t op;
+  bool param_part;  // a kFull op's gradient output `index`; else rule input `index` (an OutGrad)
+  size_t index;
+  TensorMeta meta;
+  int64_t offset;  // bytes into the stash
+};
+struct SplitPlan {
+  std::vector<Half> half;  // per op
+  std::vector<StashEntry> stash;
+  int64_t stash_floats = 1;
+};
+
+bool IsParamValue(const LayerProgram& program, int value) {
+  return value >= program.first_param() && value < program.num_leaf_values();
+}
+
+Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& program,
+                            const ProgramShapes& shapes) {
+  SplitPlan plan;
+  plan.half.assign(program.ops.size(), Half::kNone);
+  std::vector<bool> has_gradient(static_cast<size_t>(program.num_values()), false);
+  for (int v : program.outputs) has_gradient[static_cast<size_t>(v)] = true;
+  int64_t bytes = 0;
+  const auto stash = [&](size_t op, bool param_part, size_t index, const TensorMeta& meta) {
+    bytes = PaddedNumel(bytes, 64);
+    plan.stash.push_back(StashEntry{op, param_part, index, meta, bytes});
+    bytes += meta.bytes();
+  };
+  for (size_t i = program.ops.size(); i-- > 0;) {
+    const ProgramOp& op = program.ops[i];
+    const int first = program.first_output(i);
+    bool gradient = false, wants = false;
+    for (int o = 0; o < op.outputs; ++o) gradient |= has_gradient[static_cast<size_t>(first + o)];
+    for (int v : op.inputs) wants |= shapes.needs_gradient[static_cast<size_t>(v)];
+    if (!gradient || !wants) continue;
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    const GradientRule& rule = *def->gradient;  // InferProgram checked it exists on the path
+    bool any_param = false, any_input = false, splits = !rule.input_op.empty();
+    for (size_t j = 0; j < rule.gradient_of.size(); ++j) {
+      const int v = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
+      if (!shapes.needs_gradient[static_cast<size_t>(v)]) continue;
+      has_gradient[static_cast<size_t>(v)] = true;
+      const bool param = IsParamValue(program, v);
+      (param ? any_param : any_input) = true;
+      if (param != (static_cast<int>(j) >= rule.split_at)) splits = false;
+    }
+    Half& half = plan.half[i];
+    half = !any_param ? Half::kFull
+                      : (!any_input ? Half::kDeferred : (splits ? Half::kSplit : Half::kFull));
+    if (half == Half::kFull) {
+      for (size_t j = 0; j < rule.gradient_of.size(); ++j) {
+        const int v = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
+        if (shapes.needs_gradient[static_cast<size_t>(v)] && IsParamValue(program, v)) {
+          stash(i, true, j, shapes.values[static_cast<size_t>(v)]);
+        }
+      }
+    } else {
+      for (size_t a = 0; a < rule.inputs.size(); ++a) {
+        if (rule.inputs[a].from != GradientRule::From::kOutputGradient) continue;
+        stash(i, false, a, shapes.values[static_cast<size_t>(first + rule.inputs[a].index)]);
+      }
+    }
+  }
+  plan.stash_floats = std::max<int64_t>(1, (bytes + 3) / 4);
+  return plan;
+}
+
+// Which backward a kernel or inference is for: the whole one, or a half of the split one.
+enum class Part : uint8_t { kAll, kInput, kWeight };
+
+// The inputs of a backward: `lead` tensors first (the output gradients; the weight half's
+// stash), then the layer's inputs, `saved`, and the groups. Returns what the program makes of
+// the layer's inputs, after checking the saved buffer and groups.
+Result<ProgramShapes> CheckBackwardInputs(const OpRegistry& registry, const LayerProgram& program,
+                                          const Metas& in, size_t lead, const Attrs& attrs) {
+  const size_t layer_inputs = static_cast<size_t>(program.inputs);
+  const Metas inputs(in.begin() + static_cast<long>(lead),
+                     in.begin() + static_cast<long>(lead + layer_inputs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  const TensorMeta& saved = in[lead + layer_inputs];
+  if (saved.numel() != shapes.saved_floats) {
+    return InvalidArgument("the saved buffer is {} but the layer keeps f32 [{}]", saved.ToString(),
+                           shapes.saved_floats);
+  }
+  size_t group = lead + layer_inputs + 1;
+  if (HasParams(program)) TESSERA_RETURN_IF_ERROR(CheckParams(program, in[group++], attrs));
+  TESSERA_RETURN_IF_ERROR(CheckShared(program, in, group, attrs));
+  return shapes;
+}
+
+Result<Metas> InferBackward(Part part, const OpRegistry& registry, const Metas& in,
+                            const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t want = grads + layer_inputs + 1 + Groups(program);
+  const size_t lead = part == Part::kWeight ? 1 : grads;
+  const size_t want = lead + layer_inputs + 1 + Groups(program);
   if (in.size() != want) {
     return InvalidArgument(
-        "the layer's backward takes {} output gradient(s), {} input(s), the saved buffer{}: {} "
-        "in all, got {}",
-        grads, layer_inputs, GroupsText(program), want, in.size());
+        "the layer's backward{} takes {}, {} input(s), the saved buffer{}: {} in all, got {}",
+        part == Part::kWeight ? " (weight half)" : "",
+        part == Part::kWeight ? std::string("the stash")
+                              : fmt::format("{} output gradient(s)", grads),
+        layer_inputs, GroupsText(program), want, in.size());
   }
-  const Metas inputs(in.begin() + static_cast<long>(grads),
-                     in.begin() + static_cast<long>(grads + layer_inputs));
-  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
+                           CheckBackwardInputs(registry, program, in, lead, attrs));
+  Metas out;
+  const size_t groups = lead + layer_inputs + 1;
+  if (part == Part::kWeight) {
+    TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
+    if (in[0].dtype != DType::kF32 || in[0].numel() != plan.stash_floats) {
+      return InvalidArgument("the stash is {} but the layer's input half makes f32 [{}]",
+                             in[0].ToString(), plan.stash_floats);
+    }
+    for (size_t g = groups; g < in.size(); ++g) out.push_back(in[g]);
+    return out;
+  }
   for (size_t o = 0; o < grads; ++o) {
     const int value = program.outputs[o + (program.loss ? 1 : 0)];
     const TensorMeta& expected = shapes.values[static_cast<size_t>(value)];
@@ -479,20 +595,14 @@ Result<Metas> InferBackward(const OpRegistry& registry, const Metas& in, const A
                              in[o].ToString(), expected.ToString());
     }
   }
-  const TensorMeta& saved = in[grads + layer_inputs];
-  if (saved.numel() != shapes.saved_floats) {
-    return InvalidArgument("the saved buffer is {} but the layer keeps f32 [{}]", saved.ToString(),
-                           shapes.saved_floats);
+  for (int i : program.gradient_inputs) out.push_back(shapes.values[static_cast<size_t>(i)]);
+  if (part == Part::kInput) {
+    TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
+    const Device device = in.empty() ? Device::Cpu() : in[0].device;
+    out.push_back(TensorMeta{Shape{plan.stash_floats}, DType::kF32, device});
+    return out;
   }
-  Metas out;
-  for (int i : program.gradient_inputs) out.push_back(inputs[static_cast<size_t>(i)]);
-  size_t group = grads + layer_inputs + 1;
-  if (HasParams(program)) {
-    TESSERA_RETURN_IF_ERROR(CheckParams(program, in[group], attrs));
-    out.push_back(in[group++]);
-  }
-  TESSERA_RETURN_IF_ERROR(CheckShared(program, in, group, attrs));
-  for (size_t g = 0; g < program.shared.size(); ++g) out.push_back(in[group + g]);
+  for (size_t g = groups; g < in.size(); ++g) out.push_back(in[g]);
   return out;
 }
 
@@ -534,27 +644,56 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
         return ProgramCost(registry, inputs, attrs, /*backward=*/false);
       },
   }));
-  return r.AddOp(OpDef{
-      .name = "layer_backward",
-      .doc = "the gradients of a layer program's inputs and parameters, derived from its ops' "
-             "gradient rules",
-      .input_names = {"inputs"},
-      .output_names = {"grad"},
-      .variadic_inputs = true,
-      .variadic_outputs = true,
-      .nested_infer = InferBackward,
-      .nested_cost = [](const OpRegistry& registry, const Metas& in,
-                        const Attrs& attrs) -> Result<OpCost> {
-        TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
-        const size_t grads = static_cast<size_t>(GradientInputs(program));
-        if (in.size() < grads + static_cast<size_t>(program.inputs)) {
-          return InvalidArgument("too few inputs for the layer's backward");
-        }
-        const Metas inputs(in.begin() + static_cast<long>(grads),
-                           in.begin() + static_cast<long>(grads) + program.inputs);
-        return ProgramCost(registry, inputs, attrs, /*backward=*/true);
-      },
-  });
+  struct Backward {
+    const char* name;
+    const char* doc;
+    Part part;
+  };
+  for (const Backward& backward : {
+           Backward{"layer_backward",
+                    "the gradients of a layer program's inputs and parameters, derived from its "
+                    "ops' gradient rules",
+                    Part::kAll},
+           Backward{"layer_backward_input",
+                    "the input half of layer_backward (zero-bubble pipelines): the input "
+                    "gradients, and a stash for the weight half",
+                    Part::kInput},
+           Backward{"layer_backward_weight",
+                    "the weight half of layer_backward: the parameter gradients, from the input "
+                    "half's stash",
+                    Part::kWeight},
+       }) {
+    const Part part = backward.part;
+    TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+        .name = backward.name,
+        .doc = backward.doc,
+        .input_names = {"inputs"},
+        .output_names = {"grad"},
+        .variadic_inputs = true,
+        .variadic_outputs = true,
+        .nested_infer =
+            [part](const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
+              return InferBackward(part, registry, in, attrs);
+            },
+        .nested_cost = [part](const OpRegistry& registry, const Metas& in,
+                              const Attrs& attrs) -> Result<OpCost> {
+          TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+          const size_t lead =
+              part == Part::kWeight ? 1 : static_cast<size_t>(GradientInputs(program));
+          if (in.size() < lead + static_cast<size_t>(program.inputs)) {
+            return InvalidArgument("too few inputs for the layer's backward");
+          }
+          const Metas inputs(in.begin() + static_cast<long>(lead),
+                             in.begin() + static_cast<long>(lead) + program.inputs);
+          // A backward costs about twice its forward (two products per product); each half
+          // about once.
+          TESSERA_ASSIGN_OR_RETURN(OpCost cost, ProgramCost(registry, inputs, attrs, true));
+          if (part != Part::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
+          return cost;
+        },
+    }));
+  }
+  return Status::Ok();
 }
 
 // ---- Kernels ----
@@ -768,53 +907,94 @@ void WriteGroupGradient(const GradientSums& sums, const FlatLayout& layout,
   }
 }
 
-Status BackwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
+// The backward (Part::kAll) or one half of it; see PlanSplit for what each half does per op.
+Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context, const Tensors& in,
                       const Tensors& out, const Attrs& attrs) {
   TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
+  const OpRegistry& registry = *context.registry;
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
+  const size_t lead = part == Part::kWeight ? 1 : grads;
   Metas input_metas;
-  for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[grads + i].meta());
-  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
-                           InferProgram(*context.registry, program, input_metas));
+  for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[lead + i].meta());
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, input_metas));
+  TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
   std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
-  for (size_t i = 0; i < layer_inputs; ++i) values[i] = in[grads + i];
-  const Tensor& saved = in[grads + layer_inputs];
+  for (size_t i = 0; i < layer_inputs; ++i) values[i] = in[lead + i];
+  const Tensor& saved = in[lead + layer_inputs];
   for (size_t i = 0; i < shapes.saved.size(); ++i) {
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
-  BindParams(program, in, grads + layer_inputs + 1, values);
+  BindParams(program, in, lead + layer_inputs + 1, values);
+  const Tensor stash =
+      part == Part::kInput ? out.back() : (part == Part::kWeight ? in[0] : Tensor());
+  const auto stashed = [&stash](const StashEntry& entry) {
+    return Tensor(entry.meta, stash.buffer(), stash.byte_offset() + entry.offset);
+  };
+  const auto keep = [&stashed](const StashEntry& entry, const Tensor& value) {
+    std::memcpy(stashed(entry).raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
+  };
 
   GradientSums sums(context, device, values.size());
-  if (program.loss) {
-    TESSERA_ASSIGN_OR_RETURN(
-        Tensor seed,
-        Tensor::Empty(shapes.values[static_cast<size_t>(program.outputs[0])], context.allocator));
-    *seed.data<float>() = static_cast<float>(attrs.GetFloat("grad_scale", 1.0));
-    TESSERA_RETURN_IF_ERROR(sums.Add(program.outputs[0], seed, true));
-  }
-  for (size_t o = 0; o < grads; ++o) {
-    TESSERA_RETURN_IF_ERROR(
-        sums.Add(program.outputs[o + (program.loss ? 1 : 0)], in[o], /*owned=*/false));
+  if (part != Part::kWeight) {
+    if (program.loss) {
+      TESSERA_ASSIGN_OR_RETURN(
+          Tensor seed,
+          Tensor::Empty(shapes.values[static_cast<size_t>(program.outputs[0])], context.allocator));
+      *seed.data<float>() = static_cast<float>(attrs.GetFloat("grad_scale", 1.0));
+      TESSERA_RETURN_IF_ERROR(sums.Add(program.outputs[0], seed, true));
+    }
+    for (size_t o = 0; o < grads; ++o) {
+      TESSERA_RETURN_IF_ERROR(
+          sums.Add(program.outputs[o + (program.loss ? 1 : 0)], in[o], /*owned=*/false));
+    }
   }
 
+  size_t next_entry = 0;  // plan.stash is in the order of this loop
   for (size_t i = program.ops.size(); i-- > 0;) {
+    const Half half = plan.half[i];
+    if (half == Half::kNone) continue;
     const ProgramOp& op = program.ops[i];
     const int first = program.first_output(i);
-    bool has_gradient = false;
-    for (int o = 0; o < op.outputs; ++o) has_gradient |= sums.of(first + o).defined();
-    bool wants_gradient = false;
-    for (int v : op.inputs) wants_gradient |= shapes.needs_gradient[static_cast<size_t>(v)];
-    if (!has_gradient || !wants_gradient) continue;
-    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, context.registry->Find(op.op));
-    const GradientRule& rule = *def->gradient;  // InferProgram checked it exists on the path
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    const GradientRule& rule = *def->gradient;
+    const size_t entries = next_entry;
+    while (next_entry < plan.stash.size() && plan.stash[next_entry].op == i) ++next_entry;
+    // The gradient of forward input gradient_of[j] (offset `from`) goes into the sums.
+    const auto add = [&](const Tensors& outputs, size_t from, bool owned) -> Status {
+      for (size_t j = 0; j < outputs.size() && from + j < rule.gradient_of.size(); ++j) {
+        const int value = op.inputs[static_cast<size_t>(rule.gradient_of[from + j])];
+        if (!shapes.needs_gradient[static_cast<size_t>(value)]) continue;
+        TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], owned));
+      }
+      return Status::Ok();
+    };
+    const auto run = [&](const std::string& name, const Tensors& inputs,
+                         Tensors& outputs) -> Status {
+      Status ran = RunOp(context, device, name, inputs, outputs, op.attrs);
+      return ran.ok() ? ran : ran.WithContext(fmt::format("the backward of {}", OpLabel(op)));
+    };
+
+    if (part == Part::kWeight && half == Half::kFull) {
+      // The parameter parts the input half computed.
+      for (size_t e = entries; e < next_entry; ++e) {
+        const int value = op.inputs[static_cast<size_t>(rule.gradient_of[plan.stash[e].index])];
+        TESSERA_RETURN_IF_ERROR(sums.Add(value, stashed(plan.stash[e]), /*owned=*/false));
+      }
+      continue;
+    }
+    // The rule's inputs; output gradients from the sums (zeros when none) or, in the weight
+    // half, from the stash.
     Tensors inputs;
-    for (const GradientRule::Arg& arg : rule.inputs) {
+    for (size_t a = 0, entry = entries; a < rule.inputs.size(); ++a) {
+      const GradientRule::Arg& arg = rule.inputs[a];
       switch (arg.from) {
         case GradientRule::From::kOutputGradient: {
           const int value = first + arg.index;
-          if (sums.of(value).defined()) {
+          if (part == Part::kWeight) {
+            inputs.push_back(stashed(plan.stash[entry++]));
+          } else if (sums.of(value).defined()) {
             inputs.push_back(sums.of(value));
           } else {
             TESSERA_ASSIGN_OR_RETURN(
@@ -832,27 +1012,62 @@ Status BackwardKernel(DeviceKind device, const KernelContext& context, const Ten
           break;
       }
     }
-    Tensors outputs;
-    Status ran = RunOp(context, device, rule.op, inputs, outputs, op.attrs);
-    if (!ran.ok()) return ran.WithContext(fmt::format("the backward of {}", OpLabel(op)));
-    for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
-    for (size_t j = 0; j < outputs.size() && j < rule.gradient_of.size(); ++j) {
-      const int value = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
-      if (!shapes.needs_gradient[static_cast<size_t>(value)]) continue;
-      TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], /*owned=*/true));
+
+    if (part == Part::kWeight) {
+      const bool split = half == Half::kSplit;
+      Tensors outputs;
+      TESSERA_RETURN_IF_ERROR(run(split ? rule.weight_op : rule.op, inputs, outputs));
+      TESSERA_RETURN_IF_ERROR(add(outputs, split ? static_cast<size_t>(rule.split_at) : 0, true));
+      continue;
     }
+
+    if (part == Part::kInput && half != Half::kFull) {
+      // The output gradients wait in the stash for the weight half.
+      size_t entry = entries;
+      for (size_t a = 0; a < rule.inputs.size(); ++a) {
+        if (rule.inputs[a].from == GradientRule::From::kOutputGradient) {
+          keep(plan.stash[entry++], inputs[a]);
+        }
+      }
+      for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
+      if (half == Half::kDeferred) continue;
+      Tensors outputs;
+      TESSERA_RETURN_IF_ERROR(run(rule.input_op, inputs, outputs));
+      TESSERA_RETURN_IF_ERROR(add(outputs, 0, true));
+      continue;
+    }
+
+    Tensors outputs;
+    TESSERA_RETURN_IF_ERROR(run(rule.op, inputs, outputs));
+    for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
+    if (part == Part::kInput) {  // parameter parts go to the stash, the rest on
+      for (size_t e = entries; e < next_entry; ++e) {
+        keep(plan.stash[e], outputs[plan.stash[e].index]);
+        outputs[plan.stash[e].index] = Tensor();
+      }
+      for (size_t j = 0; j < outputs.size() && j < rule.gradient_of.size(); ++j) {
+        const int value = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
+        if (!outputs[j].defined() || !shapes.needs_gradient[static_cast<size_t>(value)]) continue;
+        TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], true));
+      }
+      continue;
+    }
+    TESSERA_RETURN_IF_ERROR(add(outputs, 0, true));
   }
 
   size_t next = 0;
-  for (int i : program.gradient_inputs) {
-    const Tensor& target = out[next++];
-    const Tensor& sum = sums.of(i);
-    if (sum.defined()) {
-      std::memcpy(target.raw_data(), sum.raw_data(), static_cast<size_t>(target.bytes()));
-    } else {
-      std::memset(target.raw_data(), 0, static_cast<size_t>(target.bytes()));
+  if (part != Part::kWeight) {
+    for (int i : program.gradient_inputs) {
+      const Tensor& target = out[next++];
+      const Tensor& sum = sums.of(i);
+      if (sum.defined()) {
+        std::memcpy(target.raw_data(), sum.raw_data(), static_cast<size_t>(target.bytes()));
+      } else {
+        std::memset(target.raw_data(), 0, static_cast<size_t>(target.bytes()));
+      }
     }
   }
+  if (part == Part::kInput) return Status::Ok();
   if (HasParams(program)) {
     std::vector<int> every(program.params.slots().size());
     for (size_t s = 0; s < every.size(); ++s) every[s] = static_cast<int>(s);
@@ -872,10 +1087,17 @@ Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
       "layer_forward", device,
       [device](const KernelContext& context, const Tensors& in, const Tensors& out,
                const Attrs& attrs) { return ForwardKernel(device, context, in, out, attrs); }));
-  return r.AddKernel(
-      "layer_backward", device,
-      [device](const KernelContext& context, const Tensors& in, const Tensors& out,
-               const Attrs& attrs) { return BackwardKernel(device, context, in, out, attrs); });
+  for (const auto& [name, part] :
+       {std::pair{"layer_backward", Part::kAll}, std::pair{"layer_backward_input", Part::kInput},
+        std::pair{"layer_backward_weight", Part::kWeight}}) {
+    TESSERA_RETURN_IF_ERROR(
+        r.AddKernel(name, device,
+                    [device, part](const KernelContext& context, const Tensors& in,
+                                   const Tensors& out, const Attrs& attrs) {
+                      return BackwardKernel(part, device, context, in, out, attrs);
+                    }));
+  }
+  return Status::Ok();
 }
 
 }  // namespace tessera

@@ -24,6 +24,15 @@ inline GradientRule Rule(std::string op, std::vector<GradientRule::Arg> inputs,
   return GradientRule{std::move(op), std::move(inputs), std::move(gradient_of)};
 }
 
+// `rule` with its split (GradientRule::input_op, weight_op, split_at).
+inline GradientRule Split(GradientRule rule, std::string input_op, std::string weight_op,
+                          int split_at) {
+  rule.input_op = std::move(input_op);
+  rule.weight_op = std::move(weight_op);
+  rule.split_at = split_at;
+  return rule;
+}
+
 // The bytes of all of `metas` (for cost functions).
 inline double Bytes(const std::vector<TensorMeta>& metas) {
   double bytes = 0;

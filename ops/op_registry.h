@@ -87,6 +87,11 @@ struct GradientRule {
   std::string op;
   std::vector<Arg> inputs;
   std::vector<int> gradient_of;
+  // Optional (both or neither), for zero-bubble pipelines: the same gradients from two ops that
+  // read the same `inputs`. input_op returns those of gradient_of[0, split_at) (an activation's),
+  // weight_op those of gradient_of[split_at, end) (the parameters'), each as `op` computes them.
+  std::string input_op, weight_op;
+  int split_at = 0;
 };
 
 struct OpDef {

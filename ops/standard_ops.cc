@@ -19,6 +19,7 @@ using op_def::In;
 using op_def::Out;
 using op_def::OutGrad;
 using op_def::Rule;
+using op_def::Split;
 
 TensorMeta F32(Shape shape) { return TensorMeta{std::move(shape), DType::kF32, Device::Cpu()}; }
 TensorMeta Scalar() { return F32(Shape{}); }
@@ -139,6 +140,17 @@ FlatLayout BlockSaved(const Gpt2Shape& s) {
   return s.activations == DType::kBF16
              ? Gpt2BlockSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.heads)
              : Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+}
+FlatLayout BlockStash(const Gpt2Shape& s) {
+  return Gpt2BlockStashLayout(s.batch, s.seq_len, s.channels);
+}
+// The split block backward has f32 (CPU) kernels only.
+Status CheckSplitActivations(const Gpt2Shape& s) {
+  if (s.activations == DType::kF32) return Status::Ok();
+  return Infeasible(
+      "the split block backward (zero-bubble schedules) runs on f32 activations only, not {}: "
+      "use --schedule 1f1b on GPUs",
+      DTypeName(s.activations));
 }
 FlatLayout HeadSaved(const Gpt2Shape& s) {
   return s.activations == DType::kBF16
@@ -264,21 +276,22 @@ Status AddLinearOps(OpRegistry& r) {
                     2 * Bytes(in)};
     };
   };
-  TESSERA_RETURN_IF_ERROR(
-      r.AddOp(OpDef{.name = "linear_forward",
-                    .doc = "out = x @ weight^T + bias, weight [OC, K]",
-                    .input_names = {"x", "weight", "bias"},
-                    .output_names = {"out"},
-                    .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
-                      TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
-                      TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
-                      TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
-                      TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 0, 1));
-                      TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
-                      return Metas{F32(WithLastDim(in[0].shape, oc))};
-                    },
-                    .cost = linear_cost(2.0, 0, 1),
-                    .gradient = Rule("linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "linear_forward",
+            .doc = "out = x @ weight^T + bias, weight [OC, K]",
+            .input_names = {"x", "weight", "bias"},
+            .output_names = {"out"},
+            .infer = [linear_out_channels](const Metas& in, const Attrs&) -> Result<Metas> {
+              TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 1));
+              TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+              TESSERA_RETURN_IF_ERROR(CheckDType("weight", in[1], DType::kF32));
+              TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 0, 1));
+              TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{oc}));
+              return Metas{F32(WithLastDim(in[0].shape, oc))};
+            },
+            .cost = linear_cost(2.0, 0, 1),
+            .gradient = Split(Rule("linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
+                              "linear_backward_input", "linear_backward_weight", 1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_backward",
       .input_names = {"dout", "x", "weight"},
@@ -304,7 +317,8 @@ Status AddLinearOps(OpRegistry& r) {
               return Metas{F32(WithLastDim(in[0].shape, oc))};
             },
             .cost = linear_cost(2.0, 0, 1),
-            .gradient = Rule("linear_no_bias_backward", {OutGrad(0), In(0), In(1)}, {0, 1})}));
+            .gradient = Split(Rule("linear_no_bias_backward", {OutGrad(0), In(0), In(1)}, {0, 1}),
+                              "linear_backward_input", "linear_no_bias_backward_weight", 1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "linear_no_bias_backward",
       .input_names = {"dout", "x", "weight"},
@@ -316,6 +330,35 @@ Status AddLinearOps(OpRegistry& r) {
       },
       .cost = linear_cost(4.0, 1, 2),
   }));
+  // The linears' backward in halves (GradientRule::input_op / weight_op): dx alone, and dweight
+  // (and dbias) alone, from the same inputs as linear_backward.
+  auto linear_backward_half = [linear_out_channels, linear_cost](std::string name, std::string doc,
+                                                                 std::vector<std::string> outputs,
+                                                                 bool input, bool bias) {
+    return OpDef{
+        .name = std::move(name),
+        .doc = std::move(doc),
+        .input_names = {"dout", "x", "weight"},
+        .output_names = std::move(outputs),
+        .infer = [linear_out_channels, input, bias](const Metas& in,
+                                                    const Attrs&) -> Result<Metas> {
+          TESSERA_ASSIGN_OR_RETURN(const int64_t oc, linear_out_channels(in, 1, 2));
+          TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], WithLastDim(in[1].shape, oc)));
+          if (input) return Metas{in[1]};
+          return bias ? Metas{in[2], F32({oc})} : Metas{in[2]};
+        },
+        .cost = linear_cost(2.0, 1, 2),
+    };
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(linear_backward_half(
+      "linear_backward_input", "dx = dout @ weight (a linear's input gradient alone)", {"dx"},
+      /*input=*/true, false)));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(linear_backward_half(
+      "linear_backward_weight", "dweight = dout^T x, dbias = sum of dout (a linear's alone)",
+      {"dweight", "dbias"}, /*input=*/false, /*bias=*/true)));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(linear_backward_half(
+      "linear_no_bias_backward_weight", "dweight = dout^T x (a linear's without bias, alone)",
+      {"dweight"}, /*input=*/false, /*bias=*/false)));
   auto matmul_dims = [](const Metas& in, int a, int b) -> Status {
     TESSERA_RETURN_IF_ERROR(CheckDType("a", in[a], DType::kF32));
     TESSERA_RETURN_IF_ERROR(CheckDType("b", in[b], DType::kF32));
@@ -761,25 +804,55 @@ Status AddGpt2Ops(OpRegistry& r) {
             return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
           },
   }));
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_block_backward",
-      .input_names = {"dy", "x", "saved", "params"},
-      .output_names = {"dx", "dparams"},
-      .in_place = {{0, 0}},
-      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
-        TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], BlockSaved(s), s.activations));
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
-        return Metas{in[1], in[3]};
-      },
-      .cost =
-          [](const Metas& in, const Attrs& attrs) {
-            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
-            return OpCost{s.ok() ? 2.5 * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
-          },
-  }));
+  // The block's backward, whole or split for zero-bubble pipelines (ops/cpu/gpt2_layers.h):
+  // the input half returns dx and a stash, the weight half the parameter gradients from it.
+  // Inputs: dy (the weight half: the stash), x, saved, params.
+  enum class Part { kWhole, kInput, kWeight };
+  auto block_backward = [](std::string name, std::string doc, Part part) {
+    const bool whole = part == Part::kWhole;
+    return OpDef{
+        .name = std::move(name),
+        .doc = std::move(doc),
+        .input_names = {part == Part::kWeight ? "stash" : "dy", "x", "saved", "params"},
+        .output_names = whole                  ? std::vector<std::string>{"dx", "dparams"}
+                        : part == Part::kInput ? std::vector<std::string>{"dx", "stash"}
+                                               : std::vector<std::string>{"dparams"},
+        .in_place = part == Part::kWeight ? std::vector<std::pair<int, int>>{}
+                                          : std::vector<std::pair<int, int>>{{0, 0}},
+        .infer = [part, whole](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+          TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
+          if (!whole) TESSERA_RETURN_IF_ERROR(CheckSplitActivations(s));
+          if (part == Part::kWeight) {
+            TESSERA_RETURN_IF_ERROR(CheckShape("stash", in[0], Shape{BlockStash(s).numel()}));
+          } else {
+            TESSERA_RETURN_IF_ERROR(CheckSameShape("dy", in[0], "x", in[1]));
+          }
+          TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], BlockSaved(s), s.activations));
+          TESSERA_RETURN_IF_ERROR(
+              CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
+          if (whole) return Metas{in[1], in[3]};
+          if (part == Part::kInput) return Metas{in[1], F32({BlockStash(s).numel()})};
+          return Metas{in[3]};
+        },
+        // In forwards' flops: the whole backward 2.5, of which the dx products and attention's
+        // backward 1.5 and the dW products 1.
+        .cost =
+            [part](const Metas& in, const Attrs& attrs) {
+              Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
+              const double forwards =
+                  part == Part::kWhole ? 2.5 : (part == Part::kInput ? 1.5 : 1.0);
+              return OpCost{s.ok() ? forwards * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+            },
+    };
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward("gpt2_block_backward", "", Part::kWhole)));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward(
+      "gpt2_block_backward_input",
+      "a block's input gradient, and the stash its weight gradients are computed from",
+      Part::kInput)));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward(
+      "gpt2_block_backward_weight",
+      "a block's parameter gradients from the stash of gpt2_block_backward_input", Part::kWeight)));
   auto head_flops = [](const Gpt2Shape& s, double factor) {
     return factor * 2.0 * static_cast<double>(s.batch * s.seq_len * s.channels * s.vocab);
   };

@@ -42,6 +42,13 @@ Status ModelSpec::Validate() const {
     if (layer.forward_args.empty()) {
       return InvalidArgument("layer '{}' reads nothing", layer.name);
     }
+    if (layer.backward_input_op.empty() != layer.backward_weight_op.empty()) {
+      return InvalidArgument(
+          "layer '{}' names only one half of a split backward (input: '{}', weight: '{}'): name "
+          "both or neither",
+          layer.name, layer.backward_input_op, layer.backward_weight_op);
+    }
+
     for (size_t a = 0; a < layer.forward_args.size(); ++a) {
       const LayerArg& arg = layer.forward_args[a];
       switch (arg.kind) {

@@ -96,6 +96,16 @@ struct LayerSpec {
   std::vector<BackwardArg> backward_args;
   // Per backward output: the forward argument (kActivation or kParams) it is the gradient of.
   std::vector<size_t> backward_outputs;
+  // Optional, both or neither: the backward in two halves, for zero-bubble pipeline schedules
+  // (the planner runs them instead of backward_op when its schedule splits backwards). Together
+  // they compute what backward_op does.
+  //   backward_input_op   reads the backward's arguments but the kGradientSoFar ones; returns
+  //                       the gradients of the forward's activation arguments (in
+  //                       backward_outputs' order), then a stash for the weight half
+  //   backward_weight_op  reads the stash, then the backward's arguments but the
+  //                       kOutputGradient ones; returns the gradients of the parameter
+  //                       arguments (in backward_outputs' order)
+  std::string backward_input_op, backward_weight_op;
   // Activation 0 is the model's loss: a scalar mean over the rows. The backward takes no
   // gradient of it; the planner sets attribute grad_scale (1/(ranks x micro-batches)), by
   // which the loss layer scales the gradients it starts.

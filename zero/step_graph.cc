@@ -69,6 +69,36 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
 }
 
 // A layer's attributes in a graph whose groups are padded to a multiple of `param_multiple`.
+// Whether a zero-bubble schedule runs layer l's backward as two tasks: the layer has the two
+// halves, it returns an input gradient (the half worth running early) and parameter gradients
+// (the half that can wait), and no other layer's
+// backward adds to one of the parameter gradients it returns (kGradientSoFar: GPT-2's embedding
+// reads the tied classifier's wte gradient, which the weight half would make only at the end).
+bool SplitsLayerBackward(const ModelSpec& model, size_t l) {
+  const LayerSpec& layer = model.layers[l];
+  if (layer.backward_input_op.empty()) return false;
+  bool input_gradient = false, param_gradient = false;
+  for (size_t target : layer.backward_outputs) {
+    const LayerArg& arg = layer.forward_args[target];
+    if (arg.kind == LayerArg::Kind::kActivation) {
+      input_gradient = true;
+      continue;
+    }
+    param_gradient = true;
+    for (size_t other = 0; other < model.layers.size(); ++other) {
+      const LayerSpec& reader = model.layers[other];
+      if (other == l) continue;
+      for (const BackwardArg& back : reader.backward_args) {
+        if (back.kind == BackwardArg::Kind::kGradientSoFar &&
+            reader.forward_args[back.index].index == arg.index) {
+          return false;
+        }
+      }
+    }
+  }
+  return input_gradient && param_gradient;
+}
+
 Attrs LayerAttrs(const LayerSpec& layer, int64_t param_multiple) {
   Attrs attrs = layer.attrs;
   if (param_multiple > 1) attrs.Set(kParamMultipleAttr, param_multiple);
@@ -164,10 +194,15 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
           model.layers.size() / static_cast<size_t>(p.virtual_stages));
     }
     if (SplitsBackward(p.schedule)) {
-      return Infeasible(
-          "schedule {} splits each backward into input and weight gradients, which the layer ops "
-          "cannot do yet: use --schedule 1f1b, interleaved or gpipe",
-          ScheduleName(p.schedule));
+      bool any = false;
+      for (size_t l = 0; l < model.layers.size(); ++l) any |= SplitsLayerBackward(model, l);
+      if (!any) {
+        return Infeasible(
+            "schedule {} splits each backward into input and weight gradients, but no layer of "
+            "model '{}' has a split backward (one that returns input gradients): use --schedule "
+            "1f1b, interleaved or gpipe",
+            ScheduleName(p.schedule), model.name);
+      }
     }
   }
   if (!p.layer_costs.empty() && p.layer_costs.size() != model.layers.size()) {
@@ -214,6 +249,10 @@ class StepPlanner {
       step_.layer_stage.push_back(step_.layer_chunk[l] % stages_);
       stage_of_name_[model.layers[l].name] = step_.layer_stage.back();
     }
+    for (size_t l = 0; l < layers_; ++l) {
+      split_.push_back(SplitsBackward(p_.schedule) && (stages_ > 1 || p_.virtual_stages > 1) &&
+                       SplitsLayerBackward(model, l));
+    }
     // The layers reading each group; its gradient is complete after the first one's backward.
     readers_.resize(layers_);
     for (size_t l = 0; l < layers_; ++l) {
@@ -258,7 +297,8 @@ class StepPlanner {
     // ZeRO-3 gathered once per step: per layer, its gathered parameters (invalid: not yet).
     std::vector<ObjectId> gathered;
     // Per layer and micro-batch: the forward and backward tasks (for the schedule's order).
-    std::vector<std::vector<TaskId>> forward_task, backward_task;
+    // A split backward's tasks: backward_task is its input half, weight_task its weight half.
+    std::vector<std::vector<TaskId>> forward_task, backward_task, weight_task;
   };
 
   // "rank1/h.0.params" with several ranks; "h.0.params" on one.
@@ -464,9 +504,9 @@ class StepPlanner {
           if (op.kind == PipelineOp::Kind::kForward) {
             for (size_t l : layers) chain(rank.forward_task[l][micro]);
           } else {
-            for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-              chain(rank.backward_task[*it][micro]);
-            }
+            const auto& tasks =
+                op.kind == PipelineOp::Kind::kWeight ? rank.weight_task : rank.backward_task;
+            for (auto it = layers.rbegin(); it != layers.rend(); ++it) chain(tasks[*it][micro]);
           }
         }
       }
@@ -489,6 +529,7 @@ class StepPlanner {
     rank.gathered.assign(layers_, ObjectId());
     rank.forward_task.assign(layers_, std::vector<TaskId>(static_cast<size_t>(k_)));
     rank.backward_task = rank.forward_task;
+    rank.weight_task = rank.forward_task;
     for (int k = 0; k < k_; ++k) TESSERA_RETURN_IF_ERROR(AddMicroBatch(r, k));
     return Status::Ok();
   }
@@ -572,8 +613,10 @@ class StepPlanner {
       }
       ObjectId after = outputs[loss_layer].back();
       if (l + prefetch < loss_layer) after = entering_grad[l + prefetch];
-      std::vector<ObjectId> inputs;
+      // The backward's arguments, and which half of a split backward reads each.
+      std::vector<ObjectId> inputs, input_half, weight_half;
       for (const BackwardArg& arg : layer.backward_args) {
+        ObjectId read;
         switch (arg.kind) {
           case BackwardArg::Kind::kOutputGradient:
             if (!dy[arg.index].valid()) {
@@ -582,20 +625,19 @@ class StepPlanner {
                   "or drop it",
                   arg.index, layer.name);
             }
-            inputs.push_back(dy[arg.index]);
+            read = dy[arg.index];
             break;
           case BackwardArg::Kind::kForwardArg: {
             const LayerArg& forward = layer.forward_args[arg.index];
-            ObjectId read = args[l][arg.index];
+            read = args[l][arg.index];
             if (forward.kind == Arg::kParams && p_.sharded_parameters() && !layer.loss) {
               const std::string when = forward.index == l ? "backward" : layer.name + "_backward";
               TESSERA_ASSIGN_OR_RETURN(read, LayerParams(r, forward.index, Micro(k, when), after));
             }
-            inputs.push_back(read);
             break;
           }
           case BackwardArg::Kind::kForwardOutput:
-            inputs.push_back(outputs[l][arg.index]);
+            read = outputs[l][arg.index];
             break;
           case BackwardArg::Kind::kGradientSoFar: {
             const size_t group = layer.forward_args[arg.index].index;
@@ -605,38 +647,79 @@ class StepPlanner {
                   layer.name, LayerName(group));
             }
             TESSERA_ASSIGN_OR_RETURN(
-                ObjectId so_far, Sum(r, StageOf(group), object(LayerName(group) + ".grad_parts"),
-                                     param_grads[group]));
+                read, Sum(r, StageOf(group), object(LayerName(group) + ".grad_parts"),
+                          param_grads[group]));
             param_grads[group].clear();
-            inputs.push_back(so_far);
             break;
           }
         }
+        inputs.push_back(read);
+        if (arg.kind != BackwardArg::Kind::kGradientSoFar) input_half.push_back(read);
+        if (arg.kind != BackwardArg::Kind::kOutputGradient) weight_half.push_back(read);
       }
-      std::vector<std::string> names;
-      std::vector<ObjectRole> roles;
-      int dx = 0;
+      // Output names and roles: input gradients, then parameter gradients.
+      std::vector<std::string> dx_names, grad_names;
+      std::vector<ObjectRole> grad_roles;
       for (size_t target : layer.backward_outputs) {
         const LayerArg& forward = layer.forward_args[target];
         if (forward.kind == Arg::kActivation) {
-          names.push_back(object(layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
-          roles.push_back(ObjectRole::kActivation);
-          ++dx;
+          const size_t dx = dx_names.size();
+          dx_names.push_back(
+              object(layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
         } else {
-          names.push_back(object(forward.index == l
-                                     ? layer.name + ".grad"
-                                     : LayerName(forward.index) + ".grad_from_" + layer.name));
-          roles.push_back(FullGradientRole());
+          grad_names.push_back(object(forward.index == l
+                                          ? layer.name + ".grad"
+                                          : LayerName(forward.index) + ".grad_from_" + layer.name));
+          grad_roles.push_back(FullGradientRole());
         }
       }
-      TESSERA_ASSIGN_OR_RETURN(
-          auto grads,
-          builder_.AddTask(
-              task(l, "backward"), layer.backward_op, std::move(inputs), AttrsOf(l),
-              On(r, layer.name, kBackwardPriority, std::move(names), std::move(roles))));
-      if (!grads.empty()) {
-        ranks_[static_cast<size_t>(r)].backward_task[l][static_cast<size_t>(k)] =
-            ProducerOf(grads[0]);
+      Rank& rank = ranks_[static_cast<size_t>(r)];
+      // The backward's outputs, in backward_outputs' order.
+      std::vector<ObjectId> grads;
+      if (split_[l]) {
+        std::vector<std::string> names = dx_names;
+        names.push_back(object(layer.name + "/backward_input:stash"));
+        std::vector<ObjectRole> roles(names.size(), ObjectRole::kActivation);
+        TESSERA_ASSIGN_OR_RETURN(
+            auto b, builder_.AddTask(task(l, "backward_input"), layer.backward_input_op,
+                                     std::move(input_half), AttrsOf(l),
+                                     On(r, layer.name, kBackwardPriority, names, roles)));
+        if (b.size() != dx_names.size() + 1) {
+          return InvalidArgument("op '{}' of layer '{}' returns {} outputs, not {} and a stash",
+                                 layer.backward_input_op, layer.name, b.size(), dx_names.size());
+        }
+        rank.backward_task[l][static_cast<size_t>(k)] = ProducerOf(b[0]);
+        weight_half.insert(weight_half.begin(), b.back());
+        TESSERA_ASSIGN_OR_RETURN(
+            auto w, builder_.AddTask(task(l, "backward_weight"), layer.backward_weight_op,
+                                     std::move(weight_half), AttrsOf(l),
+                                     On(r, layer.name, kBackwardPriority, grad_names, grad_roles)));
+        if (!w.empty()) rank.weight_task[l][static_cast<size_t>(k)] = ProducerOf(w[0]);
+        size_t next_dx = 0, next_grad = 0;
+        for (size_t target : layer.backward_outputs) {
+          const bool input = layer.forward_args[target].kind == Arg::kActivation;
+          if (input ? next_dx < b.size() - 1 : next_grad < w.size()) {
+            grads.push_back(input ? b[next_dx++] : w[next_grad++]);
+          }
+        }
+      } else {
+        std::vector<std::string> names;
+        std::vector<ObjectRole> roles;
+        size_t next_dx = 0, next_grad = 0;
+        for (size_t target : layer.backward_outputs) {
+          if (layer.forward_args[target].kind == Arg::kActivation) {
+            names.push_back(dx_names[next_dx++]);
+            roles.push_back(ObjectRole::kActivation);
+          } else {
+            roles.push_back(grad_roles[next_grad]);
+            names.push_back(grad_names[next_grad++]);
+          }
+        }
+        TESSERA_ASSIGN_OR_RETURN(
+            grads, builder_.AddTask(
+                       task(l, "backward"), layer.backward_op, std::move(inputs), AttrsOf(l),
+                       On(r, layer.name, kBackwardPriority, std::move(names), std::move(roles))));
+        if (!grads.empty()) rank.backward_task[l][static_cast<size_t>(k)] = ProducerOf(grads[0]);
       }
       for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
         const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
@@ -1033,6 +1116,7 @@ class StepPlanner {
   GraphBuilder builder_;
   std::vector<Attrs> layer_attrs_;            // per layer
   std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
+  std::vector<bool> split_;  // per layer: its backward runs as two tasks (SplitsLayerBackward)
   // Per stage: the group whose gradient is complete last there.
   std::vector<size_t> last_gradient_ = std::vector<size_t>(static_cast<size_t>(stages_), 0);
   std::map<std::string, int> stage_of_name_;  // layer name -> pipeline stage

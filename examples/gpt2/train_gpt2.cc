@@ -312,6 +312,11 @@ int Run(const Flags& flags) {
   if (Status valid = plan.Validate(tessera::DescribeGpt2(config)); !valid.ok()) {
     return Fail(valid);  // refused before any process starts
   }
+  if (Status balanced = tessera::examples::ApplyBalance(
+          flags.pipeline, tessera::DescribeGpt2(config), executor, "train_gpt2", plan);
+      !balanced.ok()) {
+    return Fail(balanced);
+  }
   // Where the step runs: this process, a local cluster we start, or a running cluster.
   std::unique_ptr<tessera::Cluster> cluster;
   std::unique_ptr<tessera::GraphBackend> backend;

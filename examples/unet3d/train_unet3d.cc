@@ -98,6 +98,13 @@ int Run(const Flags& flags) {
     return Fail(piped);
   }
   if (tessera::Status valid = plan.Validate(*model); !valid.ok()) return Fail(valid);
+  tessera::ExecutorOptions executor;
+  executor.threads = flags.threads;
+  if (tessera::Status balanced =
+          tessera::examples::ApplyBalance(flags.pipeline, *model, executor, "train_unet3d", plan);
+      !balanced.ok()) {
+    return Fail(balanced);
+  }
 
   std::unique_ptr<tessera::Cluster> cluster;
   std::unique_ptr<tessera::GraphBackend> backend;
@@ -115,8 +122,6 @@ int Run(const Flags& flags) {
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);
   } else {
-    tessera::ExecutorOptions executor;
-    executor.threads = flags.threads;
     auto made = tessera::MakeInProcessBackend(executor);
     if (!made.ok()) return Fail(made.status());
     backend = std::move(*made);

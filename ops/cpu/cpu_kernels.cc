@@ -94,6 +94,23 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                                      ctx.gemm_split_min_flops);
                  return Status::Ok();
                }));
+  // The halves: LinearBackward skips dweight (and dbias) or dx when given null.
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "linear_backward_input",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+        cpu::LinearBackward(F(out[0]), nullptr, nullptr, F(in[0]), F(in[1]), F(in[2]), Rows(in[1]),
+                            LastDim(in[1]), in[2].shape()[0], false, ctx.gemm_split_min_flops);
+        return Status::Ok();
+      }));
+  for (const char* name : {"linear_backward_weight", "linear_no_bias_backward_weight"}) {
+    TESSERA_RETURN_IF_ERROR(Register(
+        r, name, [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
+          cpu::LinearBackward(nullptr, F(out[0]), out.size() > 1 ? F(out[1]) : nullptr, F(in[0]),
+                              F(in[1]), F(in[2]), Rows(in[1]), LastDim(in[1]), in[2].shape()[0],
+                              false, ctx.gemm_split_min_flops);
+          return Status::Ok();
+        }));
+  }
   TESSERA_RETURN_IF_ERROR(
       Register(r, "linear_no_bias_forward",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs&) {
@@ -352,6 +369,26 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
                  ZeroPadding(out[1], Gpt2BlockParamLayout(dims.channels).numel());
                  return Status::Ok();
                }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "gpt2_block_backward_input",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                          Workspace(ctx, cpu::Gpt2BlockInputWorkspace(dims)));
+                 cpu::Gpt2BlockBackwardInput(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
+                                             F(in[3]), dims, ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "gpt2_block_backward_weight",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
+        const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
+        cpu::Gpt2BlockBackwardWeight(F(out[0]), F(in[0]), F(in[2]), dims, ctx.gemm_split_min_flops);
+        ZeroPadding(out[0], Gpt2BlockParamLayout(dims.channels).numel());
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "gpt2_head_forward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,

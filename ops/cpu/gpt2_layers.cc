@@ -43,43 +43,88 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
                 c, split_min_flops);
 }
 
-int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims) { return dims.rows() * 5 * dims.channels; }
+namespace {
+FlatLayout BlockStash(const Gpt2Dims& dims) {
+  return Gpt2BlockStashLayout(dims.batch, dims.seq_len, dims.channels);
+}
+}  // namespace
+
+int64_t Gpt2BlockInputWorkspace(const Gpt2Dims& dims) { return dims.rows() * dims.channels; }
+
+int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims) {
+  return BlockStash(dims).numel() + Gpt2BlockInputWorkspace(dims);
+}
 
 void Gpt2BlockBackward(float* d, float* dparams, float* workspace, const float* x,
                        const float* saved, const float* params, const Gpt2Dims& dims,
                        int64_t split_min_flops) {
+  float* stash = workspace;
+  Gpt2BlockBackwardInput(d, stash, workspace + BlockStash(dims).numel(), x, saved, params, dims,
+                         split_min_flops);
+  Gpt2BlockBackwardWeight(dparams, stash, saved, dims, split_min_flops);
+}
+
+void Gpt2BlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
+                            const float* saved, const float* params, const Gpt2Dims& dims,
+                            int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = Gpt2BlockParamLayout(c);
   const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout stash_layout = BlockStash(dims);
   FlatView<const float> p(params, param_layout);
   FlatView<const float> s(saved, saved_layout);
-  FlatView<float> g(dparams, param_layout);
-
-  // Workspace: the MLP's hidden gradient [N,4C] (reused for the qkv gradient [N,3C]) and the
-  // gradient entering a layernorm [N,C].
-  float* hidden = workspace;
-  float* ln_grad = workspace + n * 4 * c;
+  FlatView<float> st(stash, stash_layout);
+  // The gradient entering a layernorm [N,C] (reused for the attention output's).
+  float* ln_grad = workspace;
+  const auto keep = [n, c](float* to, const float* from) {
+    std::memcpy(to, from, static_cast<size_t>(n * c) * sizeof(float));
+  };
 
   // MLP branch: y = x_mid + fcproj(gelu(fc(ln2(x_mid)))). d = dL/dy = dL/dx_mid so far.
-  LinearBackward(hidden, g["fcproj_w"], g["fcproj_b"], d, s["fch_gelu"], p["fcproj_w"], n, 4 * c, c,
+  keep(st["dfcproj"], d);
+  float* dfc = st["dfc"];
+  LinearBackward(dfc, nullptr, nullptr, d, s["fch_gelu"], p["fcproj_w"], n, 4 * c, c,
                  /*accumulate_dx=*/false, split_min_flops);
-  GeluBackward(hidden, hidden, s["fch"], n * 4 * c);
-  LinearBackward(ln_grad, g["fc_w"], g["fc_b"], hidden, s["ln2"], p["fc_w"], n, c, 4 * c, false,
+  GeluBackward(dfc, dfc, s["fch"], n * 4 * c);
+  LinearBackward(ln_grad, nullptr, nullptr, dfc, s["ln2"], p["fc_w"], n, c, 4 * c, false,
                  split_min_flops);
-  LayerNormBackward(d, g["ln2_w"], g["ln2_b"], ln_grad, s["x_mid"], p["ln2_w"], s["ln2_mean"],
+  LayerNormBackward(d, st["ln2_w"], st["ln2_b"], ln_grad, s["x_mid"], p["ln2_w"], s["ln2_mean"],
                     s["ln2_rstd"], n, c, /*accumulate_dx=*/true);
 
   // Attention branch: x_mid = x + proj(attention(qkv(ln1(x)))). d = dL/dx_mid now.
+  keep(st["dproj"], d);
   float* datty = ln_grad;
-  LinearBackward(datty, g["proj_w"], g["proj_b"], d, s["atty"], p["proj_w"], n, c, c, false,
+  LinearBackward(datty, nullptr, nullptr, d, s["atty"], p["proj_w"], n, c, c, false,
                  split_min_flops);
-  float* dqkv = hidden;
-  AttentionBackward(dqkv, datty, s["qkv"], s["lse"], dims.batch, dims.seq_len, c, dims.heads);
+  AttentionBackward(st["dqkv"], datty, s["qkv"], s["lse"], dims.batch, dims.seq_len, c, dims.heads);
   float* dln1 = ln_grad;
-  LinearBackward(dln1, g["qkv_w"], g["qkv_b"], dqkv, s["ln1"], p["qkv_w"], n, c, 3 * c, false,
+  LinearBackward(dln1, nullptr, nullptr, st["dqkv"], s["ln1"], p["qkv_w"], n, c, 3 * c, false,
                  split_min_flops);
-  LayerNormBackward(d, g["ln1_w"], g["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"], s["ln1_rstd"], n,
-                    c, /*accumulate_dx=*/true);
+  LayerNormBackward(d, st["ln1_w"], st["ln1_b"], dln1, x, p["ln1_w"], s["ln1_mean"], s["ln1_rstd"],
+                    n, c, /*accumulate_dx=*/true);
+}
+
+void Gpt2BlockBackwardWeight(float* dparams, const float* stash, const float* saved,
+                             const Gpt2Dims& dims, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
+  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout stash_layout = BlockStash(dims);
+  FlatView<const float> s(saved, saved_layout);
+  FlatView<const float> st(stash, stash_layout);
+  FlatView<float> g(dparams, param_layout);
+  // dW = dout^T x and db = sum(dout) per linear, from the gradient that entered it.
+  LinearBackward(nullptr, g["fcproj_w"], g["fcproj_b"], st["dfcproj"], s["fch_gelu"], nullptr, n,
+                 4 * c, c, false, split_min_flops);
+  LinearBackward(nullptr, g["fc_w"], g["fc_b"], st["dfc"], s["ln2"], nullptr, n, c, 4 * c, false,
+                 split_min_flops);
+  LinearBackward(nullptr, g["proj_w"], g["proj_b"], st["dproj"], s["atty"], nullptr, n, c, c, false,
+                 split_min_flops);
+  LinearBackward(nullptr, g["qkv_w"], g["qkv_b"], st["dqkv"], s["ln1"], nullptr, n, c, 3 * c, false,
+                 split_min_flops);
+  for (const char* name : {"ln2_w", "ln2_b", "ln1_w", "ln1_b"}) {
+    std::memcpy(g[name], st[name], static_cast<size_t>(c) * sizeof(float));
+  }
 }
 
 Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_params,

@@ -33,6 +33,18 @@ void Gpt2BlockBackward(float* d, float* dparams, float* workspace, const float* 
                        const float* saved, const float* params, const Gpt2Dims& dims,
                        int64_t split_min_flops);
 int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims);
+// The same backward in two halves, for zero-bubble pipelines (the weight gradients wait while the
+// input gradient goes on to the previous stage). Input: d as above (dL/dy in, dL/dx out) and
+// `stash` (Gpt2BlockStashLayout, overwritten) with what Weight needs; workspace:
+// Gpt2BlockInputWorkspace(dims) floats. Weight: dparams (block layout, overwritten) from the
+// stash and the saved activations. Input then Weight compute what Gpt2BlockBackward computes,
+// bit for bit (it is made of them).
+void Gpt2BlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
+                            const float* saved, const float* params, const Gpt2Dims& dims,
+                            int64_t split_min_flops);
+int64_t Gpt2BlockInputWorkspace(const Gpt2Dims& dims);
+void Gpt2BlockBackwardWeight(float* dparams, const float* stash, const float* saved,
+                             const Gpt2Dims& dims, int64_t split_min_flops);
 
 // Training forward of the head: lnf, logits = lnf @ wte^T, and the fused classifier, leaving the
 // loss's gradient w.r.t. the logits (times grad_scale) in saved's "dlogits". Returns the mean

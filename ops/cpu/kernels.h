@@ -41,8 +41,8 @@ void LayerNormBackward(float* dx, float* dweight, float* dbias, const float* dou
 void LinearForward(float* out, const float* x, const float* weight, const float* bias,
                    const float* residual, int64_t rows, int64_t in_features, int64_t out_features,
                    int64_t split_min_flops);
-// dx (null to skip) accumulates when accumulate_dx; dweight is overwritten; dbias (null to
-// skip) is overwritten.
+// dx (null to skip) accumulates when accumulate_dx; dweight (null to skip, with dbias: the input
+// gradient alone) is overwritten; dbias (null to skip) is overwritten.
 void LinearBackward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                     const float* weight, int64_t rows, int64_t in_features, int64_t out_features,
                     bool accumulate_dx, int64_t split_min_flops);

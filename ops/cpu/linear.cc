@@ -32,6 +32,7 @@ void LinearBackward(float* dx, float* dweight, float* dbias, const float* dout, 
     Gemm(Transpose::kNo, Transpose::kNo, rows, in_features, out_features, 1.0f, dout, out_features,
          weight, in_features, accumulate_dx ? 1.0f : 0.0f, dx, in_features, split_min_flops);
   }
+  if (dweight == nullptr) return;
   Gemm(Transpose::kYes, Transpose::kNo, out_features, in_features, rows, 1.0f, dout, out_features,
        x, in_features, 0.0f, dweight, in_features, split_min_flops);
   if (dbias != nullptr) SumRows(dbias, dout, rows, out_features);

@@ -1,8 +1,8 @@
 // Pipeline parallelism as placement (zero/pipeline_schedule.h, zero/step_graph.h): on a local
 // cluster of real worker processes, GPT-2 and the 3D U-Net (whose skip connections cross
-// stages) cut into P = 2 and 4 stages, run under every schedule and composed with data
-// parallelism and ZeRO 1-3 (and optimizer offload) inside the stages, train the same 20 steps as
-// one worker: losses within 1e-5 relative.
+// stages) cut into P = 2 and 4 stages, run under every schedule (zb-h1 with split backwards) and
+// composed with data parallelism and ZeRO 1-3 (and optimizer offload) inside the stages, train the
+// same 20 steps as one worker: losses within 1e-5 relative.
 #include <memory>
 
 #include <fmt/format.h>
@@ -67,6 +67,7 @@ std::vector<Pipeline> EverySchedule() {
                      .micro = 4,
                      .virtual_stages = 2,
                      .schedule = PipelineSchedule::kInterleaved});
+    plans.push_back({.stages = stages, .micro = 4, .schedule = PipelineSchedule::kZbH1});
   }
   return plans;
 }
@@ -77,6 +78,9 @@ std::vector<Pipeline> ZeroInsideStages() {
   for (int zero : {1, 2, 3}) plans.push_back({.stages = 2, .ranks = 2, .micro = 4, .zero = zero});
   plans.push_back(
       {.stages = 2, .ranks = 2, .micro = 4, .zero = 2, .offload = OffloadMode::kOptimizer});
+  // Split backwards with sharded parameters: the weight halves read the gathered groups too.
+  plans.push_back(
+      {.stages = 2, .ranks = 2, .micro = 4, .zero = 3, .schedule = PipelineSchedule::kZbH1});
   return plans;
 }
 

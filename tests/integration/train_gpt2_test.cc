@@ -79,13 +79,15 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--pipeline-stages",
                            "--micro-batches",
                            "--schedule",
-                           "--virtual-stages"}) {
+                           "--virtual-stages",
+                           "--balance"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
 
 TEST(TrainGpt2Test, NonsenseFlagsPrintUsage) {
-  for (const char* arguments : {"--bogus", "--steps many", "--preset huge", "--batch -3"}) {
+  for (const char* arguments :
+       {"--bogus", "--steps many", "--preset huge", "--batch -3", "--balance guess"}) {
     ProcessResult run = RunTrainGpt2(arguments);
     EXPECT_EQ(run.exit_code, 2) << arguments << "\n" << run.output;
     EXPECT_NE(run.output.find("Usage"), std::string::npos) << arguments << "\n" << run.output;
@@ -160,6 +162,16 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
   EXPECT_NE(piped.output.find("pipeline_stages=2 schedule=1f1b"), std::string::npos)
       << piped.output;
   EXPECT_NE(piped.output.find("pipeline stage 0: embedding"), std::string::npos) << piped.output;
+  // Zero-bubble, with stages balanced by a profiling run's layer times: the same run.
+  ProcessResult zero_bubble = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 2 --pipeline-stages 2 "
+      "--micro-batches 4 --schedule zb-h1 --balance profile");
+  ASSERT_EQ(zero_bubble.exit_code, 0) << zero_bubble.output;
+  EXPECT_NEAR(FirstMatch(zero_bubble.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << zero_bubble.output;
+  EXPECT_NE(zero_bubble.output.find("layer times (profiled, ms per micro-batch): embedding "),
+            std::string::npos)
+      << zero_bubble.output;
 
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"--workers 3 --pipeline-stages 2 --micro-batches 4",

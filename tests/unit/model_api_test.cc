@@ -294,7 +294,7 @@ TEST(SharedParamTest, OwnParametersComeBeforeSharedOnes) {
 // of inputs that exist; its backward's inference accepts what the rule passes.
 TEST(GradientRuleTest, EveryRuleIsWiredToARegisteredBackward) {
   const OpRegistry& registry = CpuRegistry();
-  int rules = 0;
+  int rules = 0, splits = 0;
   for (const std::string& name : registry.OpNames()) {
     ASSERT_OK_AND_ASSIGN(const OpDef* def, registry.Find(name));
     if (!def->gradient) continue;
@@ -311,8 +311,20 @@ TEST(GradientRuleTest, EveryRuleIsWiredToARegisteredBackward) {
     for (int input : rule.gradient_of) {
       EXPECT_LT(static_cast<size_t>(input), def->input_names.size()) << name;
     }
+    // A split (zero-bubble pipelines): two registered ops reading the rule's inputs, returning
+    // the gradients before and after split_at.
+    EXPECT_EQ(rule.input_op.empty(), rule.weight_op.empty()) << name;
+    if (rule.input_op.empty()) continue;
+    ++splits;
+    ASSERT_OK_AND_ASSIGN(const OpDef* input_half, registry.Find(rule.input_op));
+    ASSERT_OK_AND_ASSIGN(const OpDef* weight_half, registry.Find(rule.weight_op));
+    EXPECT_EQ(input_half->input_names.size(), rule.inputs.size()) << name;
+    EXPECT_EQ(weight_half->input_names.size(), rule.inputs.size()) << name;
+    EXPECT_EQ(input_half->output_names.size(), static_cast<size_t>(rule.split_at)) << name;
+    EXPECT_EQ(weight_half->output_names.size(), rule.gradient_of.size() - rule.split_at) << name;
   }
   EXPECT_GE(rules, 9);
+  EXPECT_GE(splits, 2);  // linear, linear_no_bias
 }
 
 TEST(ModelBuilderTest, BuildsLayersWithDerivedBackwards) {

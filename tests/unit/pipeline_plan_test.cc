@@ -69,8 +69,8 @@ TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {
 
 TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
   const ModelSpec model = DescribeGpt2(SixBlocks());
-  for (PipelineSchedule schedule :
-       {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved}) {
+  for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
+                                    PipelineSchedule::kInterleaved, PipelineSchedule::kZbH1}) {
     SCOPED_TRACE(ScheduleName(schedule));
     const int virtual_stages = schedule == PipelineSchedule::kInterleaved ? 2 : 1;
     const TrainingPlan plan = PipelinePlan(2, 1, 4, schedule, virtual_stages);
@@ -87,12 +87,22 @@ TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
         const bool forward = task.name.find("/forward") != std::string::npos;
         const bool backward = task.name.find("/backward") != std::string::npos;
         if (!forward && !backward) continue;
+        // zb-h1: the blocks' weight halves are W; their input halves (and the unsplit embedding
+        // and head backwards) are B.
+        const bool weight = task.name.find("/backward_weight") != std::string::npos;
+        if (backward) {
+          EXPECT_EQ(weight || task.name.find("/backward_input") != std::string::npos,
+                    schedule == PipelineSchedule::kZbH1 && task.layer.starts_with("h."))
+              << task.name;
+        }
         const size_t at = task.name.rfind('@');
         const int micro = std::stoi(task.name.substr(at + 1));
         ASSERT_OK_AND_ASSIGN(const LayerSpec* layer, model.FindLayer(task.layer));
         const int chunk = step.layer_chunk[static_cast<size_t>(layer - model.layers.data())];
-        const std::string op = ToString(PipelineOp{
-            forward ? PipelineOp::Kind::kForward : PipelineOp::Kind::kBackward, chunk, micro});
+        const PipelineOp::Kind kind = forward  ? PipelineOp::Kind::kForward
+                                      : weight ? PipelineOp::Kind::kWeight
+                                               : PipelineOp::Kind::kBackward;
+        const std::string op = ToString(PipelineOp{kind, chunk, micro});
         if (got.empty() || got.back() != op) got.push_back(op);  // a chunk's layers: one op
       }
       std::vector<std::string> want;
@@ -151,8 +161,15 @@ TEST(PipelinePlanTest, BadPipelinesAreRefusedBeforeRunningWithWhatToChange) {
   EXPECT_EQ(refusal(PipelinePlan(4, 1, 2, PipelineSchedule::k1F1B)).message(),
             "schedule 1f1b needs at least as many micro-batches as pipeline stages (2 < 4): use "
             "--micro-batches 4 or more, or --schedule gpipe");
-  const Status zero_bubble = refusal(PipelinePlan(2, 1, 4, PipelineSchedule::kZbH1));
-  EXPECT_EQ(zero_bubble.code(), StatusCode::kInfeasible);
+  // Zero-bubble schedules need layers whose backward splits.
+  ModelSpec unsplit = model;
+  for (LayerSpec& layer : unsplit.layers) layer.backward_input_op = layer.backward_weight_op = "";
+  EXPECT_EQ(PlanTrainingStep(unsplit, PipelinePlan(2, 1, 4, PipelineSchedule::kZbH1), CpuRegistry())
+                .status()
+                .message(),
+            "schedule zb-h1 splits each backward into input and weight gradients, but no layer of "
+            "model 'gpt2' has a split backward (one that returns input gradients): use "
+            "--schedule 1f1b, interleaved or gpipe");
   // A cut that leaves a stage without parameters, under ZeRO: costs that put the loss layer
   // (which has none) alone on the last stage.
   ModelBuilder builder("two_layers", CpuRegistry());

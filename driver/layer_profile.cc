@@ -1,0 +1,62 @@
+#include "driver/layer_profile.h"
+
+#include <map>
+#include <string>
+
+#include "driver/trainer.h"
+
+namespace tessera {
+
+Result<std::vector<double>> LayerTimesFromTimeline(const ModelSpec& model, const Timeline& timeline,
+                                                   int steps) {
+  if (steps < 1) return InvalidArgument("layer times need at least one step, got {}", steps);
+  std::map<std::string, size_t> index;
+  for (size_t l = 0; l < model.layers.size(); ++l) index[model.layers[l].name] = l;
+  std::vector<double> ms(model.layers.size(), 0.0);
+  for (const TimelineSpan& span : timeline.spans) {
+    const bool compute = span.kind == SpanKind::kForward || span.kind == SpanKind::kBackward ||
+                         span.kind == SpanKind::kBackwardInput ||
+                         span.kind == SpanKind::kBackwardWeight;
+    auto it = index.find(span.layer);
+    if (!compute || it == index.end()) continue;
+    ms[it->second] += static_cast<double>(span.end_us - span.start_us) / 1e3;
+  }
+  for (double& t : ms) t /= steps;
+  return ms;
+}
+
+Result<std::vector<double>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
+                                              const ExecutorOptions& executor,
+                                              const LayerProfileOptions& options) {
+  if (options.steps < 1 || options.warmup_steps < 0) {
+    return InvalidArgument("profiling the layers needs steps >= 1 and warmup_steps >= 0");
+  }
+  TrainingPlan one;
+  one.batch = plan.parallel.micro_batch(plan.batch);
+  one.seq_len = plan.seq_len;
+  one.optimizer = plan.optimizer;
+  one.device = plan.device;
+  if (one.batch < 1) {
+    return InvalidArgument(
+        "profiling the layers: the batch of {} rows gives no row per micro-batch over {} rank(s) "
+        "x {} micro-batch(es)",
+        plan.batch, plan.parallel.data_parallel, plan.parallel.grad_accum);
+  }
+  auto trainer = Trainer::Create(model, one, executor);
+  if (!trainer.ok()) return trainer.status().WithContext("profiling the layers");
+  std::vector<Tensor> batch;
+  for (const ModelInput& input : model.inputs) {
+    TESSERA_ASSIGN_OR_RETURN(
+        Tensor zeros, Tensor::Zeros(input.Meta(one.batch, one.seq_len), SharedHostAllocator()));
+    batch.push_back(std::move(zeros));
+  }
+  for (int step = 0; step < options.warmup_steps + options.steps; ++step) {
+    // A zero learning rate: the profile leaves nothing to train, and nothing diverges.
+    Result<StepReport> ran = (*trainer)->Step(batch, 0.0f);
+    if (!ran.ok()) return ran.status().WithContext("profiling the layers");
+  }
+  TESSERA_ASSIGN_OR_RETURN(Timeline timeline, (*trainer)->StepTimeline(options.steps));
+  return LayerTimesFromTimeline(model, timeline, options.steps);
+}
+
+}  // namespace tessera

@@ -1,0 +1,74 @@
+// Balancing pipeline stages by measured layer times (driver/layer_profile.h): the times a trace
+// gives each layer, and a profiling run that times every layer of a model.
+#include "driver/layer_profile.h"
+
+#include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+TimelineSpan Span(const std::string& layer, SpanKind kind, int64_t start_us, int64_t end_us) {
+  TimelineSpan span;
+  span.layer = layer;
+  span.kind = kind;
+  span.start_us = start_us;
+  span.end_us = end_us;
+  return span;
+}
+
+TEST(LayerProfileTest, EachLayersComputeSpansAreSummedAndAveragedOverSteps) {
+  const ModelSpec model = DescribeGpt2(Gpt2Config{1, 32, 4, 64, 16});  // embedding, h.0, head
+  Timeline timeline;
+  timeline.spans = {
+      Span("h.0", SpanKind::kForward, 0, 1000),
+      Span("h.0", SpanKind::kBackwardInput, 2000, 2600),
+      Span("h.0", SpanKind::kBackwardWeight, 3000, 3400),
+      Span("h.0", SpanKind::kCollective, 0, 5000),  // a gather of its parameters: not compute
+      Span("head", SpanKind::kForward, 1000, 1300),
+      Span("head", SpanKind::kBackward, 1300, 1500),
+      Span("", SpanKind::kOptimizer, 4000, 9000),     // no layer
+      Span("h.0", SpanKind::kForward, 10000, 11000),  // the second step
+  };
+  ASSERT_OK_AND_ASSIGN(std::vector<double> ms, LayerTimesFromTimeline(model, timeline, 2));
+  ASSERT_EQ(ms.size(), 3u);
+  EXPECT_DOUBLE_EQ(ms[0], 0.0);
+  EXPECT_DOUBLE_EQ(ms[1], (1.0 + 0.6 + 0.4 + 1.0) / 2);
+  EXPECT_DOUBLE_EQ(ms[2], (0.3 + 0.2) / 2);
+  EXPECT_EQ(LayerTimesFromTimeline(model, timeline, 0).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Every layer of GPT-2 and of the U-Net runs in the profile and gets a time; a plan whose batch
+// leaves no row per micro-batch is refused naming the split.
+TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
+  TrainingPlan plan;
+  plan.batch = 8;
+  plan.seq_len = 16;
+  plan.parallel.grad_accum = 4;
+  plan.parallel.pipeline_stages = 2;
+  const ModelSpec gpt2 = DescribeGpt2(Gpt2Config{2, 32, 4, 64, 16});
+  ASSERT_OK_AND_ASSIGN(std::vector<double> gpt2_ms,
+                       ProfileLayerTimes(gpt2, plan, ExecutorOptions{}, {.steps = 1}));
+  ASSERT_EQ(gpt2_ms.size(), gpt2.layers.size());
+  for (size_t l = 0; l < gpt2_ms.size(); ++l) EXPECT_GT(gpt2_ms[l], 0.0) << gpt2.layers[l].name;
+
+  ASSERT_OK_AND_ASSIGN(
+      ModelSpec unet,
+      BuildUNet3d(UNet3dConfig{.base_channels = 4, .depth = 1, .volume = 8}, CpuRegistry()));
+  plan.seq_len = 1;
+  ASSERT_OK_AND_ASSIGN(std::vector<double> unet_ms,
+                       ProfileLayerTimes(unet, plan, ExecutorOptions{}, {.steps = 1}));
+  ASSERT_EQ(unet_ms.size(), unet.layers.size());
+  for (size_t l = 0; l < unet_ms.size(); ++l) EXPECT_GT(unet_ms[l], 0.0) << unet.layers[l].name;
+
+  plan.batch = 2;
+  const Status refused = ProfileLayerTimes(gpt2, plan, ExecutorOptions{}).status();
+  EXPECT_EQ(refused.message(),
+            "profiling the layers: the batch of 2 rows gives no row per micro-batch over 1 "
+            "rank(s) x 4 micro-batch(es)");
+}
+
+}  // namespace
+}  // namespace tessera::testing
