@@ -64,10 +64,20 @@ std::string_view SpanKindName(SpanKind kind) {
   return "other";
 }
 
+// The name without a micro-batch suffix: "h.0/backward_input@3" -> "h.0/backward_input".
+std::string_view WithoutMicroBatch(std::string_view name) {
+  const size_t at = name.rfind('@');
+  if (at == std::string_view::npos || at + 1 == name.size()) return name;
+  for (size_t i = at + 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return name;
+  }
+  return name.substr(0, at);
+}
+
 SpanKind ClassifyTask(std::string_view name, std::string_view op) {
   if (OneOf(op, kCollectiveOps)) return SpanKind::kCollective;
-  if (EndsWith(name, "/backward_input")) return SpanKind::kBackwardInput;
-  if (EndsWith(name, "/backward_weight")) return SpanKind::kBackwardWeight;
+  if (EndsWith(WithoutMicroBatch(name), "/backward_input")) return SpanKind::kBackwardInput;
+  if (EndsWith(WithoutMicroBatch(name), "/backward_weight")) return SpanKind::kBackwardWeight;
   if (OneOf(op, kTransferOps)) return SpanKind::kTransfer;
   // The last path component of the name says what the task is for ("rank1/grad_norm/sum").
   const size_t slash = name.rfind('/');

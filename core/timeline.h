@@ -46,7 +46,8 @@ std::string_view SpanKindName(SpanKind kind);
 // Classifies a task by its name and op (a pure function of both). In order:
 //   1. collective ops (all_reduce, reduce_scatter, all_gather, all_gather_in_place, broadcast)
 //      -> kCollective;
-//   2. a name ending "/backward_input" or "/backward_weight" -> kBackwardInput / kBackwardWeight;
+//   2. a name ending "/backward_input" or "/backward_weight", before any micro-batch suffix
+//      ("@3") -> kBackwardInput / kBackwardWeight;
 //   3. transfer ops (copy, write_file, ...) -> kTransfer;
 //   4. optimizer ops (adamw*, sgd*, clip*, grad_norm*, sum_of_squares*, ...) -> kOptimizer;
 //   5. an op or name ending "_backward" or containing "backward" -> kBackward;
