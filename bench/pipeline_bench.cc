@@ -266,7 +266,8 @@ int main(int argc, char** argv) {
     options.cpu_workers = 4;
     options.threads_per_worker = 1;
     auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
-    for (tessera::GatherPolicy policy : {tessera::GatherPolicy::kOncePerStep}) {
+    for (tessera::GatherPolicy policy :
+         {tessera::GatherPolicy::kOncePerStep, tessera::GatherPolicy::kPerMicroBatch}) {
       tessera::TrainingPlan plan = PipelinePlan(f, 2, 2, 4, PipelineSchedule::k1F1B, 3);
       plan.parallel.gather = policy;
       Run run = Train(f, *cluster, plan, "zero-3 in stages", /*trace=*/true);

@@ -85,16 +85,55 @@ Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks
   }
   const size_t n = ids.size();
   if (n == 0) return ids;
+  // What each task waits for: the producers of its inputs, and the tasks it is after (control
+  // edges: a pipeline schedule's order, which can run against the tasks' numbering).
+  std::vector<std::vector<size_t>> waits_for(tasks.size());
+  std::vector<std::vector<size_t>> waited_by(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    for (ObjectId input : tasks[t].inputs) {
+      const TaskId producer = producer_of(input);
+      if (producer.valid()) waits_for[t].push_back(producer.value() - 1);
+    }
+    for (TaskId earlier : tasks[t].after) waits_for[t].push_back(earlier.value() - 1);
+    for (size_t u : waits_for[t]) {
+      if (u >= tasks.size()) {
+        return InvalidArgument("task '{}' waits for task {}, which is not in the graph",
+                               tasks[t].name, u + 1);
+      }
+      waited_by[u].push_back(t);
+    }
+  }
+  // The tasks in an order that respects both (Kahn's algorithm, lowest index first).
+  std::vector<size_t> task_order;
+  {
+    std::vector<size_t> pending(tasks.size());
+    std::priority_queue<size_t, std::vector<size_t>, std::greater<>> free;
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      pending[t] = waits_for[t].size();
+      if (pending[t] == 0) free.push(t);
+    }
+    while (!free.empty()) {
+      const size_t t = free.top();
+      free.pop();
+      task_order.push_back(t);
+      for (size_t u : waited_by[t]) {
+        if (--pending[u] == 0) free.push(u);
+      }
+    }
+    if (task_order.size() != tasks.size()) {
+      return InvalidArgument(
+          "the graph's tasks wait for each other in a cycle (through inputs "
+          "and control edges): no order can run them");
+    }
+  }
   // reaches[t]: the collectives task t depends on (through any chain), itself included if a
   // member; one bit per collective.
   const size_t words = (n + 63) / 64;
   std::vector<std::vector<uint64_t>> reaches(tasks.size(), std::vector<uint64_t>(words, 0));
   std::vector<std::vector<bool>> before(n, std::vector<bool>(n, false));  // before[a][b]: a -> b
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    for (ObjectId input : tasks[t].inputs) {
-      const TaskId producer = producer_of(input);
-      if (!producer.valid()) continue;
-      const auto& from = reaches[producer.value() - 1];
+  for (size_t t : task_order) {
+    for (size_t u : waits_for[t]) {
+      const auto& from = reaches[u];
       for (size_t w = 0; w < words; ++w) reaches[t][w] |= from[w];
     }
     if (member_of[t] < 0) continue;

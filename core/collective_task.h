@@ -55,11 +55,12 @@ Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 Status ValidateCollectives(const std::vector<TaskSpec>& tasks);
 
 // The graph's collectives in an order every worker can follow: if any member of B depends,
-// through any chain of tasks, on a member of A, then A comes first (ties: the collective whose
-// first member comes first in `tasks`). `producer_of(object)` is the task producing an object
-// (invalid for graph inputs). REQUIRES: tasks are in dependency order (producers first) and
-// have dense ids 1..n. InvalidArgument naming two collectives that depend on each other (no
-// order can avoid a deadlock).
+// through any chain of tasks (inputs and control edges, TaskSpec::after), on a member of A, then
+// A comes first (ties: the collective whose first member comes first in `tasks`).
+// `producer_of(object)` is the task producing an object (invalid for graph inputs). REQUIRES:
+// tasks have dense ids 1..n (in any order: control edges may point forward). InvalidArgument
+// naming two collectives that depend on each other (no order can avoid a deadlock), or when
+// the tasks wait for each other in a cycle.
 Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks,
                                               const std::function<TaskId(ObjectId)>& producer_of);
 

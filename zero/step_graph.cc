@@ -1198,14 +1198,6 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
         "at least {} workers",
         p.data_parallel, p.pipeline_stages, p.num_workers());
   }
-  if (p.pipeline_stages > 1 && p.sharded_parameters() && p.grad_accum > 1 &&
-      p.gather == GatherPolicy::kPerMicroBatch) {
-    // Known gap: with per-micro-batch gathers the stages' collective orders can wait on each
-    // other (a hang seen with P=2 x D=2, M=4); until that order is fixed, refuse the plan.
-    return Infeasible(
-        "ZeRO-3 gathers per micro-batch inside a pipeline are not supported yet: use --gather "
-        "step (the default in a pipeline) or fewer micro-batches");
-  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<int> chunks, CutIntoChunks(model, plan, registry));
   if (p.pipeline_stages > 1 && p.sharded_optimizer()) {
     // ZeRO shards each stage's parameters over its ranks: a stage without any has nothing to

@@ -78,6 +78,15 @@ std::vector<Pipeline> ZeroInsideStages() {
   for (int zero : {1, 2, 3}) plans.push_back({.stages = 2, .ranks = 2, .micro = 4, .zero = zero});
   plans.push_back(
       {.stages = 2, .ranks = 2, .micro = 4, .zero = 2, .offload = OffloadMode::kOptimizer});
+  // ZeRO-3 gathering before every use inside the stages: the collective order follows the
+  // schedule's control edges.
+  plans.push_back({.stages = 2, .ranks = 2, .micro = 4, .zero = 3, .per_micro_gather = true});
+  plans.push_back({.stages = 2,
+                   .ranks = 2,
+                   .micro = 4,
+                   .zero = 3,
+                   .schedule = PipelineSchedule::kZbH1,
+                   .per_micro_gather = true});
   // Split backwards with sharded parameters: the weight halves read the gathered groups too.
   plans.push_back(
       {.stages = 2, .ranks = 2, .micro = 4, .zero = 3, .schedule = PipelineSchedule::kZbH1});

@@ -203,6 +203,33 @@ TEST(CollectiveTaskTest, TheOrderFollowsDependenciesNotListPositions) {
   EXPECT_EQ(order, (std::vector<int64_t>{1, 2}));
 }
 
+// A pipeline schedule orders tasks with control edges that can point against the list: here
+// compute task c (listed last, after A's members) must run before B1 (listed first). B's member
+// waits for c, and c waits for A0's result: A comes first, though B's members come first in
+// the list and share no data with A.
+TEST(CollectiveTaskTest, TheOrderFollowsControlEdgesToo) {
+  TaskList list;
+  list.Add(MemberTask("b0", 2, 0, 2, {}, {ObjectId(1)}));
+  list.Add(MemberTask("b1", 2, 1, 2, {}, {ObjectId(2)}));
+  list.Add(MemberTask("a0", 1, 0, 2, {}, {ObjectId(3)}));
+  list.Add(MemberTask("a1", 1, 1, 2, {}, {ObjectId(4)}));
+  TaskSpec compute;
+  compute.name = "c";
+  compute.op = "noop";
+  compute.inputs = {ObjectId(3)};
+  compute.outputs = {ObjectId(5)};
+  list.Add(compute);
+  list.tasks[1].after = {TaskId(5)};  // b1 after c
+  ASSERT_OK_AND_ASSIGN(std::vector<int64_t> order, list.Order());
+  EXPECT_EQ(order, (std::vector<int64_t>{1, 2}));
+  // A control edge that closes a cycle is refused.
+  list.tasks[2].after = {TaskId(5)};  // a0 after c, which reads a0's output
+  Result<std::vector<int64_t>> cyclic = list.Order();
+  ASSERT_FALSE(cyclic.ok());
+  EXPECT_NE(cyclic.status().message().find("wait for each other in a cycle"), std::string::npos)
+      << cyclic.status().ToString();
+}
+
 TEST(CollectiveTaskTest, CollectivesThatWaitForEachOtherAreRefused) {
   TaskList list;
   list.Add(MemberTask("a0", 1, 0, 2, {}, {ObjectId(1)}));
