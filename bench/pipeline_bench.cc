@@ -3,7 +3,8 @@
 // ZeRO-3 on the same model and workers, measured in the same run.
 //
 // Part 1, the bubble: for each P in --stages (a cluster of P workers, D = 1), each schedule and
-// each M in --micro, a GPT-2 of --layers equal blocks is cut into P (interleaved: 2P) chunks;
+// each M in --micro, a GPT-2 of --layers equal blocks is cut into P (interleaved: 2P) chunks
+// (by a profiling run's layer times, --balance profile: they also order zb-h1);
 // after --warmup steps, --steps steps are traced (Trainer::StepTimeline) and each step's idle
 // fraction is computed from the spans: over the window from the first forward to the last
 // backward, 1 - (forward and backward busy time summed over workers) / (P x window); zb-h1's
@@ -12,10 +13,9 @@
 // measured mean F, B and W times (what the stage imbalance and the runtime's gaps cost beyond
 // the textbook; the textbook's zb-h1 figure assumes F = B = W).
 // Part 2, activation memory: per stage, the peak bytes of activations (RunFigures, the
-// executor's role meter) against the schedule's in-flight micro-batches (the simulation's peak)
-// times one micro-batch's activations on that stage (the bytes its forward tasks make and
-// receive, all kept until its backward, plus zb-h1's stashes kept from B to W: an upper bound,
-// since a micro-batch holds its stash only after B).
+// executor's role meter) against what the schedule's order holds at most (PeakHeld): one
+// micro-batch's activations on that stage (the bytes its forward tasks make and receive) from
+// its F until its B (zb-h1: until its W, plus the stash its input half leaves, from B to W).
 // Part 3, ZeRO-3 inside stages (P = 2 x D = 2): all-gathers per worker per step, once per step
 // and per micro-batch, counted in the plan and in the trace.
 // Part 4, step time: P-stage 1F1B (M = --compare-micro) vs data parallel vs ZeRO-3 on the same
@@ -34,6 +34,7 @@
 #include "bench/bench_util.h"
 #include "driver/cluster.h"
 #include "driver/graph_backend.h"
+#include "driver/layer_profile.h"
 #include "driver/token_dataset.h"
 #include "driver/trainer.h"
 #include "zero/pipeline_schedule.h"
@@ -60,6 +61,7 @@ struct Flags {
   std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1"};
   int steps = 3, warmup = 1;
   int compare_micro = 8;
+  std::string balance = "profile";
 };
 
 tessera::Gpt2Config Model(const Flags& f) {
@@ -151,36 +153,66 @@ tessera::TrainingPlan PipelinePlan(const Flags& f, int stages, int ranks, int mi
 }
 
 // One micro-batch's activations on each stage: what its forward tasks make, plus what they
-// receive from other stages (kept for the backward too), plus (split backwards) the stashes its
+// receive from other stages (kept for the backward too); and (split backwards) the stashes its
 // input halves leave for the weight halves.
-std::vector<int64_t> ActivationBytesPerMicroBatch(const tessera::StepGraph& step, int stages) {
+struct MicroBatchBytes {
+  std::vector<int64_t> activations, stashes;  // per stage
+};
+MicroBatchBytes BytesPerMicroBatch(const tessera::StepGraph& step, int stages) {
   const tessera::Graph& graph = step.graph;
   std::map<uint64_t, int> stage_of_worker;
   for (int s = 0; s < stages; ++s) stage_of_worker[step.parallel.WorkerOf(0, s).value()] = s;
-  std::vector<int64_t> bytes(static_cast<size_t>(stages), 0);
+  MicroBatchBytes bytes{std::vector<int64_t>(static_cast<size_t>(stages), 0),
+                        std::vector<int64_t>(static_cast<size_t>(stages), 0)};
   for (const tessera::TaskSpec& task : graph.tasks()) {
-    const bool first_micro = task.name.ends_with("/forward@0") || task.name.ends_with("/forward") ||
-                             task.name.ends_with("/backward_input@0") ||
-                             task.name.ends_with("/backward_input");
-    if (!first_micro) continue;
-    const bool input_half = task.name.find("/backward_input") != std::string::npos;
-    const int s = stage_of_worker[task.pinned_worker.value()];
+    const size_t s = static_cast<size_t>(stage_of_worker[task.pinned_worker.value()]);
+    if (task.name.ends_with("/backward_input@0") || task.name.ends_with("/backward_input")) {
+      for (tessera::ObjectId out : task.outputs) {
+        if (graph.object(out).name.find(":stash") != std::string::npos) {
+          bytes.stashes[s] += graph.object(out).meta.bytes();
+        }
+      }
+      continue;
+    }
+    if (!task.name.ends_with("/forward@0") && !task.name.ends_with("/forward")) continue;
     for (tessera::ObjectId out : task.outputs) {
-      if (input_half && graph.object(out).name.find(":stash") == std::string::npos) continue;
       if (graph.object(out).role == tessera::ObjectRole::kActivation) {
-        bytes[static_cast<size_t>(s)] += graph.object(out).meta.bytes();
+        bytes.activations[s] += graph.object(out).meta.bytes();
       }
     }
     for (tessera::ObjectId in : task.inputs) {
-      if (input_half) break;
       const tessera::ObjectSpec& object = graph.object(in);
       if (object.role != tessera::ObjectRole::kActivation || !object.producer.valid()) continue;
       const tessera::TaskSpec& producer = graph.task(object.producer);
-      if (producer.pinned_worker != task.pinned_worker)
-        bytes[static_cast<size_t>(s)] += object.meta.bytes();
+      if (producer.pinned_worker != task.pinned_worker) bytes.activations[s] += object.meta.bytes();
     }
   }
   return bytes;
+}
+
+// The most bytes a stage holds running `order`, one chunk's micro-batch at a time: F adds its
+// activations; B frees them, or, when the backward is split, adds the stash instead; W frees both.
+double PeakHeld(const std::vector<tessera::PipelineOp>& order, double activations, double stash) {
+  using Kind = tessera::PipelineOp::Kind;
+  const bool split = std::any_of(order.begin(), order.end(), [](const tessera::PipelineOp& op) {
+    return op.kind == Kind::kWeight;
+  });
+  double held = 0, peak = 0;
+  for (const tessera::PipelineOp& op : order) {
+    switch (op.kind) {
+      case Kind::kForward:
+        held += activations;
+        break;
+      case Kind::kBackward:
+        held += split ? stash : -activations;
+        break;
+      case Kind::kWeight:
+        held -= activations + stash;
+        break;
+    }
+    peak = std::max(peak, held);
+  }
+  return peak;
 }
 
 }  // namespace
@@ -198,13 +230,18 @@ int main(int argc, char** argv) {
   app.add_option("--steps", f.steps, "Traced steps per configuration");
   app.add_option("--warmup", f.warmup, "Untimed steps first");
   app.add_option("--compare-micro", f.compare_micro, "Micro-batches of the PP vs DP comparison");
+  app.add_option("--balance", f.balance,
+                 "Part 1: cut the stages and order zb-h1 by the op cost model (estimate) or by a "
+                 "profiling run's layer times (profile)")
+      ->check(CLI::IsMember({"estimate", "profile"}));
   CLI11_PARSE(app, argc, argv);
 
   std::printf(
       "model: GPT-2 %lld blocks x %lld channels, batch %lld x %lld tokens; one thread per "
-      "worker; %d timed steps after %d warm-up\n",
+      "worker; %d timed steps after %d warm-up; stages balanced by %s\n",
       static_cast<long long>(f.layers), static_cast<long long>(f.channels),
-      static_cast<long long>(f.batch), static_cast<long long>(f.seq_len), f.steps, f.warmup);
+      static_cast<long long>(f.batch), static_cast<long long>(f.seq_len), f.steps, f.warmup,
+      f.balance == "profile" ? "a profiling run's layer times" : "the op cost model");
   std::printf("\n## bubble (idle fraction of the step's compute window) and activation memory\n");
   std::printf("%-3s %-3s %-12s %9s %9s %9s %8s %8s %8s  %s\n", "P", "M", "schedule", "measured",
               "theory", "sim", "F_ms", "B_ms", "W_ms", "activation peak / theory per stage");
@@ -217,11 +254,17 @@ int main(int argc, char** argv) {
       const PipelineSchedule schedule = Check(tessera::ParseSchedule(name), name);
       for (int micro : f.micro) {
         const std::string what = fmt::format("P={} M={} {}", stages, micro, name);
-        const tessera::TrainingPlan plan = PipelinePlan(f, stages, 1, micro, schedule);
+        tessera::TrainingPlan plan = PipelinePlan(f, stages, 1, micro, schedule);
         if (Status valid = plan.Validate(tessera::DescribeGpt2(Model(f))); !valid.ok()) {
           std::printf("%-3d %-3d %-12s refused: %s\n", stages, micro, name.c_str(),
                       valid.message().c_str());
           continue;
+        }
+        if (f.balance == "profile") {
+          tessera::ExecutorOptions one_thread;
+          one_thread.threads = 1;
+          plan.parallel.layer_op_costs = Check(
+              tessera::ProfileLayerTimes(tessera::DescribeGpt2(Model(f)), plan, one_thread), what);
         }
         Run run = Train(f, *cluster, plan, what, /*trace=*/true);
         const int v = plan.parallel.virtual_stages;
@@ -234,17 +277,18 @@ int main(int argc, char** argv) {
           backward_ms += b.backward_ms / run.timelines.size();
           weight_ms += b.weight_ms / run.timelines.size();
         }
-        const auto orders = tessera::ScheduleOrder(schedule, stages, micro, v);
+        const auto& orders = run.trainer->step_graph().schedule_order;  // what the plan ran
         const auto sim =
             Check(tessera::SimulateSchedule(orders, stages, v, micro,
                                             {forward_ms * v, backward_ms * v, weight_ms * v}),
                   what);
-        const auto act = ActivationBytesPerMicroBatch(run.trainer->step_graph(), stages);
+        const MicroBatchBytes bytes = BytesPerMicroBatch(run.trainer->step_graph(), stages);
         std::string memory;
         for (int s = 0; s < stages; ++s) {
-          // The simulation counts (chunk, micro-batch) pairs; a chunk holds 1/V of the stage.
-          const double theory = static_cast<double>(sim.peak_in_flight[static_cast<size_t>(s)]) *
-                                static_cast<double>(act[static_cast<size_t>(s)]) / v;
+          // A chunk holds 1/V of the stage's activations.
+          const size_t i = static_cast<size_t>(s);
+          const double theory = PeakHeld(orders[i], static_cast<double>(bytes.activations[i]) / v,
+                                         static_cast<double>(bytes.stashes[i]) / v);
           const double peak =
               static_cast<double>(run.last.ranks[static_cast<size_t>(s)].figures.peak(
                   tessera::ObjectRole::kActivation));

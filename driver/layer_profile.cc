@@ -7,27 +7,39 @@
 
 namespace tessera {
 
-Result<std::vector<double>> LayerTimesFromTimeline(const ModelSpec& model, const Timeline& timeline,
-                                                   int steps) {
+Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
+                                                    const Timeline& timeline, int steps) {
   if (steps < 1) return InvalidArgument("layer times need at least one step, got {}", steps);
   std::map<std::string, size_t> index;
   for (size_t l = 0; l < model.layers.size(); ++l) index[model.layers[l].name] = l;
-  std::vector<double> ms(model.layers.size(), 0.0);
+  std::vector<OpCosts> ms(model.layers.size(), OpCosts{0, 0, 0});
   for (const TimelineSpan& span : timeline.spans) {
-    const bool compute = span.kind == SpanKind::kForward || span.kind == SpanKind::kBackward ||
-                         span.kind == SpanKind::kBackwardInput ||
-                         span.kind == SpanKind::kBackwardWeight;
     auto it = index.find(span.layer);
-    if (!compute || it == index.end()) continue;
-    ms[it->second] += static_cast<double>(span.end_us - span.start_us) / 1e3;
+    if (it == index.end()) continue;
+    OpCosts& layer = ms[it->second];
+    double* total = nullptr;
+    switch (span.kind) {
+      case SpanKind::kForward:
+        total = &layer.forward;
+        break;
+      case SpanKind::kBackward:
+      case SpanKind::kBackwardInput:
+        total = &layer.backward;
+        break;
+      case SpanKind::kBackwardWeight:
+        total = &layer.weight;
+        break;
+      default:
+        continue;
+    }
+    *total += static_cast<double>(span.end_us - span.start_us) / 1e3 / steps;
   }
-  for (double& t : ms) t /= steps;
   return ms;
 }
 
-Result<std::vector<double>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
-                                              const ExecutorOptions& executor,
-                                              const LayerProfileOptions& options) {
+Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
+                                               const ExecutorOptions& executor,
+                                               const LayerProfileOptions& options) {
   if (options.steps < 1 || options.warmup_steps < 0) {
     return InvalidArgument("profiling the layers needs steps >= 1 and warmup_steps >= 0");
   }
@@ -36,6 +48,7 @@ Result<std::vector<double>> ProfileLayerTimes(const ModelSpec& model, const Trai
   one.seq_len = plan.seq_len;
   one.optimizer = plan.optimizer;
   one.device = plan.device;
+  one.parallel.split_backwards = true;
   if (one.batch < 1) {
     return InvalidArgument(
         "profiling the layers: the batch of {} rows gives no row per micro-batch over {} rank(s) "

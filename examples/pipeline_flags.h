@@ -86,7 +86,7 @@ inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int gr
 
 // --balance profile with a pipeline: the plan's layer costs from a short profiling run
 // (driver/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
-// micro-batch): ...". Nothing otherwise.
+// micro-batch, forward/backward/weight): ...". Nothing otherwise.
 inline Status ApplyBalance(const PipelineFlags& flags, const ModelSpec& model,
                            const ExecutorOptions& executor, const char* program,
                            TrainingPlan& plan) {
@@ -94,16 +94,19 @@ inline Status ApplyBalance(const PipelineFlags& flags, const ModelSpec& model,
       plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
     return Status::Ok();
   }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<double> ms, ProfileLayerTimes(model, plan, executor));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms, ProfileLayerTimes(model, plan, executor));
   std::string text;
   for (size_t l = 0; l < model.layers.size(); ++l) {
-    text += fmt::format("{}{} {:.2f}", l == 0 ? "" : ", ", model.layers[l].name, ms[l]);
+    text += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f}", l == 0 ? "" : ", ", model.layers[l].name,
+                        ms[l].forward, ms[l].backward, ms[l].weight);
     // A layer too fast to time still costs something.
-    ms[l] = std::max(ms[l], 1e-3);
+    ms[l].forward = std::max(ms[l].forward, 1e-3);
+    ms[l].backward = std::max(ms[l].backward, 1e-3);
   }
-  std::fprintf(stderr, "%s: layer times (profiled, ms per micro-batch): %s\n", program,
-               text.c_str());
-  plan.parallel.layer_costs = std::move(ms);
+  std::fprintf(stderr,
+               "%s: layer times (profiled, ms per micro-batch, forward/backward/weight): %s\n",
+               program, text.c_str());
+  plan.parallel.layer_op_costs = std::move(ms);
   return Status::Ok();
 }
 

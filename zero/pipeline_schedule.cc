@@ -51,44 +51,72 @@ std::vector<PipelineOp> Interleaved(int stage, int stages, int micro_batches, in
   return order;
 }
 
-// ZB-H1 by list scheduling with unit costs: a free stage runs a ready B first, else its next F
-// while fewer than P - s micro-batches are between F and B (1F1B's bound) and at most P
-// between F and W (so no stage holds more than P + 1 micro-batches' activations, one more than
-// 1F1B's peak), else its oldest pending W. With F = B = W this reaches the ZB-H1 bubble,
-// (P-1)/(3M+P-1).
-std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches) {
+// ZB-H1 by list scheduling with costs F, B and W (event-driven): a stage that is free runs a
+// ready B first, else its next F while fewer than P - s micro-batches are between F and B
+// (1F1B's bound) and at most P between F and W (so no stage holds more than P + 1
+// micro-batches' activations, one more than 1F1B's peak), else its oldest pending W; with
+// nothing to run it waits for the next op to end anywhere. With F = B = W this reaches the ZB-H1
+// bubble, (P-1)/(3M+P-1); with other costs it fills the bubbles those costs leave.
+std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches, OpCosts costs) {
+  if (!(costs.forward > 0 && costs.backward > 0 && costs.weight > 0)) costs = {1, 1, 1};
   std::vector<std::vector<PipelineOp>> orders(static_cast<size_t>(stages));
-  constexpr int kNever = std::numeric_limits<int>::max();
-  // Finish times per (stage, micro); kNever until scheduled.
-  std::vector<std::vector<int>> f_end(stages, std::vector<int>(micro_batches, kNever));
-  std::vector<std::vector<int>> b_end = f_end;
-  std::vector<int> next_f(stages, 0), next_b(stages, 0), next_w(stages, 0), free_at(stages, 0);
+  constexpr double kNever = std::numeric_limits<double>::infinity();
+  const size_t p = static_cast<size_t>(stages), m = static_cast<size_t>(micro_batches);
+  // End times per (stage, micro); kNever until scheduled.
+  std::vector<std::vector<double>> f_end(p, std::vector<double>(m, kNever));
+  std::vector<std::vector<double>> b_end = f_end;
+  std::vector<int> next_f(p, 0), next_b(p, 0), next_w(p, 0);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<double> ends;  // every scheduled op's end: when waiting stages look again
   int done = 0;
   const int total = stages * micro_batches * 3;
-  for (int t = 0; done < total; ++t) {
+  while (done < total) {
+    double now = kNever;
+    for (size_t s = 0; s < p; ++s) {
+      if (next_w[s] < micro_batches) now = std::min(now, free_at[s]);
+    }
+    bool progressed = false;
     for (int s = 0; s < stages; ++s) {
-      if (free_at[s] > t) continue;
-      const int b = next_b[s], f = next_f[s];
-      const bool b_ready =
-          b < micro_batches && b < f && (s == stages - 1 ? f_end[s][b] <= t : b_end[s + 1][b] <= t);
-      const bool f_ready = f < micro_batches && f - b < stages - s && f - next_w[s] <= stages &&
-                           (s == 0 || f_end[s - 1][f] <= t);
-      auto& order = orders[static_cast<size_t>(s)];
+      const size_t i = static_cast<size_t>(s);
+      if (next_w[i] >= micro_batches || free_at[i] > now) continue;
+      const int b = next_b[i], f = next_f[i];
+      const bool b_ready = b < micro_batches && b < f &&
+                           (s == stages - 1 ? f_end[i][static_cast<size_t>(b)]
+                                            : b_end[i + 1][static_cast<size_t>(b)]) <= now;
+      const bool f_ready = f < micro_batches && f - b < stages - s && f - next_w[i] <= stages &&
+                           (s == 0 || f_end[i - 1][static_cast<size_t>(f)] <= now);
+      auto& order = orders[i];
+      double cost = 0;
       if (b_ready) {
         order.push_back(B(s, b));
-        b_end[s][b] = t + 1;
-        ++next_b[s];
+        cost = costs.backward;
+        b_end[i][static_cast<size_t>(b)] = now + cost;
+        ++next_b[i];
       } else if (f_ready) {
         order.push_back(F(s, f));
-        f_end[s][f] = t + 1;
-        ++next_f[s];
-      } else if (next_w[s] < next_b[s]) {
-        order.push_back(W(s, next_w[s]++));
+        cost = costs.forward;
+        f_end[i][static_cast<size_t>(f)] = now + cost;
+        ++next_f[i];
+      } else if (next_w[i] < next_b[i]) {
+        order.push_back(W(s, next_w[i]++));
+        cost = costs.weight;
       } else {
         continue;
       }
-      free_at[s] = t + 1;
+      free_at[i] = now + cost;
+      ends.push_back(now + cost);
+      progressed = true;
       ++done;
+    }
+    if (progressed) continue;
+    // Nothing could start now: the stages that are free wait for the next op to end.
+    double next = kNever;
+    for (double end : ends) {
+      if (end > now) next = std::min(next, end);
+    }
+    if (next == kNever) break;  // cannot happen for a feasible order; never loop forever
+    for (size_t s = 0; s < p; ++s) {
+      if (free_at[s] <= now) free_at[s] = next;
     }
   }
   return orders;
@@ -158,8 +186,11 @@ Status CheckSchedule(PipelineSchedule schedule, int stages, int micro_batches, i
 }
 
 std::vector<std::vector<PipelineOp>> ScheduleOrder(PipelineSchedule schedule, int stages,
-                                                   int micro_batches, int virtual_stages) {
-  if (schedule == PipelineSchedule::kZbH1) return ZeroBubbleH1(stages, micro_batches);
+                                                   int micro_batches, int virtual_stages,
+                                                   OpCosts zero_bubble_costs) {
+  if (schedule == PipelineSchedule::kZbH1) {
+    return ZeroBubbleH1(stages, micro_batches, zero_bubble_costs);
+  }
   std::vector<std::vector<PipelineOp>> orders;
   for (int s = 0; s < stages; ++s) {
     std::vector<PipelineOp> order;

@@ -19,7 +19,7 @@
 //                work is ready and run in what would be bubbles; no stage holds more than P + 1
 //                micro-batches' activations (1F1B's peak is P; a W reads what its F saved) (Qi et
 //                al., "Zero Bubble Pipeline Parallelism", the H1 schedule). The order is the one a
-//                unit-cost list schedule makes (F = B = W = 1).
+//                list schedule makes with the costs of F, B and W (unit costs: the textbook).
 //
 // SimulateSchedule runs per-stage orders with fixed op costs (F, B, W) and dependencies
 // F(c, m) after F(c-1, m), B(c, m) after B(c+1, m) (or F(c, m) for the last chunk), W(c, m)
@@ -61,13 +61,16 @@ std::string ToString(const PipelineOp& op);  // "F3", "B0", "W2"; with V > 1: "F
 // interleaved.
 Status CheckSchedule(PipelineSchedule schedule, int stages, int micro_batches, int virtual_stages);
 
-// Per stage, the order of its ops. REQUIRES: CheckSchedule passed.
-std::vector<std::vector<PipelineOp>> ScheduleOrder(PipelineSchedule schedule, int stages,
-                                                   int micro_batches, int virtual_stages);
-
 struct OpCosts {
   double forward = 1, backward = 2, weight = 0;  // B + W when split (weight > 0)
 };
+
+// Per stage, the order of its ops. ZB-H1's order is a list schedule over the costs of one
+// chunk's F, B (the input half) and W (unit costs unless all three are positive; the planner
+// passes the op cost model's). REQUIRES: CheckSchedule passed.
+std::vector<std::vector<PipelineOp>> ScheduleOrder(PipelineSchedule schedule, int stages,
+                                                   int micro_batches, int virtual_stages,
+                                                   OpCosts zero_bubble_costs = {1, 1, 1});
 
 struct ScheduleSimulation {
   double makespan = 0;

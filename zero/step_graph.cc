@@ -209,6 +209,10 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
     return InvalidArgument("{} layer costs given for a model of {} layers", p.layer_costs.size(),
                            model.layers.size());
   }
+  if (!p.layer_op_costs.empty() && p.layer_op_costs.size() != model.layers.size()) {
+    return InvalidArgument("{} layer op costs given for a model of {} layers",
+                           p.layer_op_costs.size(), model.layers.size());
+  }
   if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.num_workers()) {
     if (p.pipeline_stages > 1) {
       return InvalidArgument(
@@ -238,6 +242,7 @@ class StepPlanner {
         layers_(model.layers.size()),
         stages_(plan.parallel.pipeline_stages),
         adamw_(plan.optimizer.kind == OptimizerConfig::Kind::kAdamW),
+        registry_(registry),
         offload_(plan.parallel.offload == OffloadMode::kOptimizer && !plan.device.is_cpu()),
         builder_(registry) {
     const int64_t multiple = p_.sharded_optimizer() ? n_ : 1;
@@ -250,8 +255,9 @@ class StepPlanner {
       stage_of_name_[model.layers[l].name] = step_.layer_stage.back();
     }
     for (size_t l = 0; l < layers_; ++l) {
-      split_.push_back(SplitsBackward(p_.schedule) && (stages_ > 1 || p_.virtual_stages > 1) &&
-                       SplitsLayerBackward(model, l));
+      const bool zero_bubble =
+          SplitsBackward(p_.schedule) && (stages_ > 1 || p_.virtual_stages > 1);
+      split_.push_back((zero_bubble || p_.split_backwards) && SplitsLayerBackward(model, l));
     }
     // The layers reading each group; its gradient is complete after the first one's backward.
     readers_.resize(layers_);
@@ -488,7 +494,10 @@ class StepPlanner {
     for (size_t l = 0; l < layers_; ++l) {
       chunk_layers[static_cast<size_t>(step_.layer_chunk[l])].push_back(l);
     }
-    const auto orders = ScheduleOrder(p_.schedule, stages_, k_, virtual_stages);
+    if (SplitsBackward(p_.schedule)) step_.schedule_costs = ChunkOpCosts(chunk_layers);
+    step_.schedule_order =
+        ScheduleOrder(p_.schedule, stages_, k_, virtual_stages, step_.schedule_costs);
+    const auto& orders = step_.schedule_order;
     for (int r = 0; r < n_; ++r) {
       const Rank& rank = ranks_[static_cast<size_t>(r)];
       for (const std::vector<PipelineOp>& order : orders) {
@@ -511,6 +520,41 @@ class StepPlanner {
         }
       }
     }
+  }
+
+  // The mean cost of one chunk's F, B (input halves and whole backwards) and W (weight halves)
+  // for one micro-batch: measured (ParallelConfig::layer_op_costs), else from the op cost model
+  // at the tasks' shapes (rank 0, micro-batch 0; in the units of EstimateLayerCosts, unit costs
+  // when the model cannot price an op).
+  OpCosts ChunkOpCosts(const std::vector<std::vector<size_t>>& chunk_layers) const {
+    const Rank& rank = ranks_[0];
+    const Graph& graph = builder_.graph();
+    OpCosts costs{0, 0, 0};
+    for (const std::vector<size_t>& layers : chunk_layers) {
+      for (size_t l : layers) {
+        if (!p_.layer_op_costs.empty()) {  // measured
+          const OpCosts& measured = p_.layer_op_costs[l];
+          costs.forward += measured.forward;
+          costs.backward += measured.backward;
+          costs.weight += measured.weight;
+          continue;
+        }
+        for (auto [tasks, total] : {std::pair{&rank.forward_task, &costs.forward},
+                                    std::pair{&rank.backward_task, &costs.backward},
+                                    std::pair{&rank.weight_task, &costs.weight}}) {
+          const TaskId id = (*tasks)[l][0];
+          if (!id.valid()) continue;
+          const TaskSpec& task = graph.task(id);
+          std::vector<TensorMeta> inputs;
+          for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
+          Result<OpCost> cost = registry_.Cost(task.op, inputs, task.attrs);
+          if (!cost.ok()) return OpCosts{1, 1, 1};
+          *total += cost->flops + 10 * cost->bytes;
+        }
+      }
+    }
+    const double chunks = static_cast<double>(chunk_layers.size());
+    return OpCosts{costs.forward / chunks, costs.backward / chunks, costs.weight / chunks};
   }
 
   // One collective id per (name): every rank's member of "h.0/gather_forward@1" shares it.
@@ -1112,6 +1156,7 @@ class StepPlanner {
   const size_t layers_;
   const int stages_;  // pipeline stages
   const bool adamw_;
+  const OpRegistry& registry_;
   const bool offload_;  // offload to the host tier of GPU workers (a no-op on CPU workers)
   GraphBuilder builder_;
   std::vector<Attrs> layer_attrs_;            // per layer
@@ -1181,6 +1226,10 @@ Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPla
   const int chunks = p.pipeline_stages * p.virtual_stages;
   if (chunks <= 1) return std::vector<int>(model.layers.size(), 0);
   std::vector<double> costs = p.layer_costs;
+  if (costs.empty()) {
+    for (const OpCosts& op : p.layer_op_costs)
+      costs.push_back(op.forward + op.backward + op.weight);
+  }
   if (costs.empty()) {
     TESSERA_ASSIGN_OR_RETURN(
         costs, EstimateLayerCosts(model, p.micro_batch(plan.batch), plan.seq_len, registry));

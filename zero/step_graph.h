@@ -91,9 +91,16 @@ struct ParallelConfig {
   int pipeline_stages = 1;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   int virtual_stages = 1;
-  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the op
-  // cost model's estimate of its forward.
+  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
+  // of layer_op_costs, else the op cost model's estimate of its forward.
   std::vector<double> layer_costs;
+  // Per layer, measured times of its forward, backward (input half, or whole) and weight half
+  // (ProfileLayerTimes, driver/layer_profile.h); empty: the op cost model's estimates. Their
+  // per-chunk means order zb-h1 (ScheduleOrder's costs).
+  std::vector<OpCosts> layer_op_costs;
+  // Split every backward that can be (zero/model.h LayerSpec::backward_input_op) even without a
+  // zero-bubble pipeline: a profiling run that times the halves.
+  bool split_backwards = false;
   GatherPolicy gather = GatherPolicy::kAuto;
   // The worker of each rank of each stage: workers[stage * N + rank]; empty: tasks unpinned.
   std::vector<WorkerId> workers;
@@ -164,6 +171,10 @@ struct StepGraph {
   int64_t micro_batch = 0;
   // Per layer: its pipeline chunk and stage (all 0 without a pipeline).
   std::vector<int> layer_chunk, layer_stage;
+  // Pipelines: per stage, the order its forward, backward (and weight) tasks are chained in
+  // (ScheduleOrder); for zb-h1, the op cost model's F, B and W per chunk that ordered it.
+  std::vector<std::vector<PipelineOp>> schedule_order;
+  OpCosts schedule_costs{1, 1, 1};
   // ZeRO-3 with several micro-batches: whether each layer is gathered once per step, and why.
   bool gather_once_per_step = false;
   std::string gather_reason;

@@ -169,7 +169,8 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
   ASSERT_EQ(zero_bubble.exit_code, 0) << zero_bubble.output;
   EXPECT_NEAR(FirstMatch(zero_bubble.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
       << zero_bubble.output;
-  EXPECT_NE(zero_bubble.output.find("layer times (profiled, ms per micro-batch): embedding "),
+  EXPECT_NE(zero_bubble.output.find(
+                "layer times (profiled, ms per micro-batch, forward/backward/weight): embedding "),
             std::string::npos)
       << zero_bubble.output;
 

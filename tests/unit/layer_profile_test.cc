@@ -31,17 +31,23 @@ TEST(LayerProfileTest, EachLayersComputeSpansAreSummedAndAveragedOverSteps) {
       Span("", SpanKind::kOptimizer, 4000, 9000),     // no layer
       Span("h.0", SpanKind::kForward, 10000, 11000),  // the second step
   };
-  ASSERT_OK_AND_ASSIGN(std::vector<double> ms, LayerTimesFromTimeline(model, timeline, 2));
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> ms, LayerTimesFromTimeline(model, timeline, 2));
   ASSERT_EQ(ms.size(), 3u);
-  EXPECT_DOUBLE_EQ(ms[0], 0.0);
-  EXPECT_DOUBLE_EQ(ms[1], (1.0 + 0.6 + 0.4 + 1.0) / 2);
-  EXPECT_DOUBLE_EQ(ms[2], (0.3 + 0.2) / 2);
+  EXPECT_DOUBLE_EQ(ms[0].forward + ms[0].backward + ms[0].weight, 0.0);
+  EXPECT_DOUBLE_EQ(ms[1].forward, (1.0 + 1.0) / 2);
+  EXPECT_DOUBLE_EQ(ms[1].backward, 0.6 / 2);
+  EXPECT_DOUBLE_EQ(ms[1].weight, 0.4 / 2);
+  EXPECT_DOUBLE_EQ(ms[2].forward, 0.3 / 2);
+  EXPECT_DOUBLE_EQ(ms[2].backward, 0.2 / 2);
+  EXPECT_DOUBLE_EQ(ms[2].weight, 0.0);
   EXPECT_EQ(LayerTimesFromTimeline(model, timeline, 0).status().code(),
             StatusCode::kInvalidArgument);
 }
 
-// Every layer of GPT-2 and of the U-Net runs in the profile and gets a time; a plan whose batch
-// leaves no row per micro-batch is refused naming the split.
+// Every layer of GPT-2 and of the U-Net runs in the profile and gets a forward and backward
+// time, and the layers whose backward splits (GPT-2's blocks; every U-Net layer with parameters
+// and an input gradient) a weight-half time; a plan whose batch leaves no row per micro-batch is
+// refused naming the split.
 TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
   TrainingPlan plan;
   plan.batch = 8;
@@ -49,19 +55,30 @@ TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
   plan.parallel.grad_accum = 4;
   plan.parallel.pipeline_stages = 2;
   const ModelSpec gpt2 = DescribeGpt2(Gpt2Config{2, 32, 4, 64, 16});
-  ASSERT_OK_AND_ASSIGN(std::vector<double> gpt2_ms,
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> gpt2_ms,
                        ProfileLayerTimes(gpt2, plan, ExecutorOptions{}, {.steps = 1}));
   ASSERT_EQ(gpt2_ms.size(), gpt2.layers.size());
-  for (size_t l = 0; l < gpt2_ms.size(); ++l) EXPECT_GT(gpt2_ms[l], 0.0) << gpt2.layers[l].name;
+  for (size_t l = 0; l < gpt2_ms.size(); ++l) {
+    SCOPED_TRACE(gpt2.layers[l].name);
+    EXPECT_GT(gpt2_ms[l].forward, 0.0);
+    EXPECT_GT(gpt2_ms[l].backward, 0.0);
+    EXPECT_EQ(gpt2_ms[l].weight > 0.0, gpt2.layers[l].name.starts_with("h."));
+  }
 
   ASSERT_OK_AND_ASSIGN(
       ModelSpec unet,
       BuildUNet3d(UNet3dConfig{.base_channels = 4, .depth = 1, .volume = 8}, CpuRegistry()));
   plan.seq_len = 1;
-  ASSERT_OK_AND_ASSIGN(std::vector<double> unet_ms,
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> unet_ms,
                        ProfileLayerTimes(unet, plan, ExecutorOptions{}, {.steps = 1}));
   ASSERT_EQ(unet_ms.size(), unet.layers.size());
-  for (size_t l = 0; l < unet_ms.size(); ++l) EXPECT_GT(unet_ms[l], 0.0) << unet.layers[l].name;
+  int weighed = 0;
+  for (size_t l = 0; l < unet_ms.size(); ++l) {
+    SCOPED_TRACE(unet.layers[l].name);
+    EXPECT_GT(unet_ms[l].forward, 0.0);
+    weighed += unet_ms[l].weight > 0.0;
+  }
+  EXPECT_GT(weighed, 0);
 
   plan.batch = 2;
   const Status refused = ProfileLayerTimes(gpt2, plan, ExecutorOptions{}).status();

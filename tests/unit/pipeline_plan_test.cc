@@ -78,7 +78,17 @@ TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
     // The topological order (which includes control edges) lists each worker's forward and
     // backward tasks in the schedule's order: recover the op sequence and compare.
     ASSERT_OK_AND_ASSIGN(std::vector<TaskId> order, step.graph.TopologicalOrder());
-    const auto expected = ScheduleOrder(schedule, 2, 4, virtual_stages);
+    // What the plan recorded is what it chained; zb-h1's order follows the op cost model's F,
+    // B and W (checked against its own list schedule).
+    const auto expected = ScheduleOrder(schedule, 2, 4, virtual_stages, step.schedule_costs);
+    EXPECT_EQ(step.schedule_order, expected);
+    if (schedule == PipelineSchedule::kZbH1) {
+      EXPECT_GT(step.schedule_costs.forward, 0);
+      EXPECT_GT(step.schedule_costs.backward, 0);
+      EXPECT_GT(step.schedule_costs.weight, 0);
+    } else {
+      EXPECT_EQ(expected, ScheduleOrder(schedule, 2, 4, virtual_stages));
+    }
     for (int stage = 0; stage < 2; ++stage) {
       std::vector<std::string> got;
       for (TaskId id : order) {
@@ -117,6 +127,43 @@ TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
       EXPECT_EQ(step.layer_chunk.back(), 3);
     }
   }
+}
+
+// Measured F, B and W per layer (a profile) balance the stages by their sums and order zb-h1 by
+// their per-chunk means; without a zero-bubble schedule nothing splits unless asked.
+TEST(PipelinePlanTest, MeasuredLayerCostsCutTheStagesAndOrderZeroBubble) {
+  const ModelSpec model = DescribeGpt2(SixBlocks());
+  TrainingPlan plan = PipelinePlan(2, 1, 4, PipelineSchedule::kZbH1);
+  // A heavy embedding (10 of 27 in all): stage 0 gets it and one block (12.5 | 14.5).
+  plan.parallel.layer_op_costs.assign(model.layers.size(), OpCosts{1, 1, 0.5});
+  plan.parallel.layer_op_costs[0] = OpCosts{5, 5, 0};
+  plan.parallel.layer_op_costs.back() = OpCosts{1, 1, 0};
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_EQ(step.layer_stage, (std::vector<int>{0, 0, 1, 1, 1, 1, 1, 1}));
+  // Per chunk, the mean of the two stages': F = (5 + 1 | 5 x 1 + 1) = 6, B the same,
+  // W = (0.5 + 2.5) / 2.
+  EXPECT_DOUBLE_EQ(step.schedule_costs.forward, 6.0);
+  EXPECT_DOUBLE_EQ(step.schedule_costs.backward, 6.0);
+  EXPECT_DOUBLE_EQ(step.schedule_costs.weight, 1.5);
+  EXPECT_EQ(step.schedule_order, ScheduleOrder(PipelineSchedule::kZbH1, 2, 4, 1, {6, 6, 1.5}));
+
+  plan.parallel.layer_op_costs.pop_back();
+  EXPECT_EQ(PlanTrainingStep(model, plan, CpuRegistry()).status().message(),
+            "7 layer op costs given for a model of 8 layers");
+
+  auto splits = [](const StepGraph& s) {
+    int count = 0;
+    for (const TaskSpec& task : s.graph.tasks()) count += task.op == "gpt2_block_backward_weight";
+    return count;
+  };
+  TrainingPlan flat;
+  flat.batch = 4;
+  flat.seq_len = 16;
+  ASSERT_OK_AND_ASSIGN(StepGraph whole, PlanTrainingStep(model, flat, CpuRegistry()));
+  EXPECT_EQ(splits(whole), 0);
+  flat.parallel.split_backwards = true;
+  ASSERT_OK_AND_ASSIGN(StepGraph split, PlanTrainingStep(model, flat, CpuRegistry()));
+  EXPECT_EQ(splits(split), 6);
 }
 
 TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy) {

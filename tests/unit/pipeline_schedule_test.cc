@@ -2,6 +2,8 @@
 // bubble and in-flight micro-batches of each order against the textbook figures.
 #include "zero/pipeline_schedule.h"
 
+#include <fmt/format.h>
+
 #include <set>
 #include <tuple>
 
@@ -104,6 +106,31 @@ TEST(PipelineScheduleTest, InFlightMicroBatchesAreEachSchedulesBound) {
           // Activations live until W: one micro-batch more than 1F1B's peak (P, stage 0's).
           EXPECT_LE(peak, c.stages + 1) << "stage " << s;
           break;
+      }
+    }
+  }
+}
+
+// ZB-H1 ordered by the costs it will run with: whatever the F : B : W ratio, its order is valid,
+// holds at most P + 1 micro-batches, and leaves no more bubble than 1F1B doing the same work
+// (B + W as one backward).
+TEST(PipelineScheduleTest, ZeroBubbleOrderedByTheRealCostsBeatsOneFOneB) {
+  for (const OpCosts costs : {OpCosts{1, 1, 1}, OpCosts{1, 1.5, 1}, OpCosts{1, 1.1, 0.3},
+                              OpCosts{2, 1, 0.2}, OpCosts{1, 2, 2}}) {
+    for (int stages : {2, 4}) {
+      for (int micro : {4, 8, 16}) {
+        SCOPED_TRACE(fmt::format("F {} B {} W {}, P={} M={}", costs.forward, costs.backward,
+                                 costs.weight, stages, micro));
+        const auto zb = ScheduleOrder(PipelineSchedule::kZbH1, stages, micro, 1, costs);
+        ASSERT_OK_AND_ASSIGN(ScheduleSimulation zb_sim,
+                             SimulateSchedule(zb, stages, 1, micro, costs));
+        const auto one = ScheduleOrder(PipelineSchedule::k1F1B, stages, micro, 1);
+        ASSERT_OK_AND_ASSIGN(
+            ScheduleSimulation one_sim,
+            SimulateSchedule(one, stages, 1, micro,
+                             OpCosts{costs.forward, costs.backward + costs.weight, 0}));
+        EXPECT_LE(zb_sim.makespan, one_sim.makespan + 1e-9);
+        for (int peak : zb_sim.peak_in_flight) EXPECT_LE(peak, stages + 1);
       }
     }
   }
