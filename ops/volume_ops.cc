@@ -16,6 +16,7 @@ using op_def::In;
 using op_def::Out;
 using op_def::OutGrad;
 using op_def::Rule;
+using op_def::Split;
 
 // Outputs live where the op's first input does.
 TensorMeta F32Like(const TensorMeta& like, Shape shape) {
@@ -144,7 +145,8 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
                      [conv_flops](const Metas& in, const Metas& out) {
                        return conv_flops(in[0], in[1], out[0]) + Numel(out[0]);
                      }),
-      .gradient = Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
+      .gradient = Split(Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
+                        name + "_backward_input", name + "_backward_weight", 1),
   }));
   const InferFn backward_infer = [transposed](const Metas& in,
                                               const Attrs& attrs) -> Result<Metas> {
@@ -152,7 +154,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
     TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], y));
     return Metas{in[1], in[2], F32Like(in[1], Shape{y[1]})};
   };
-  return r.AddOp(OpDef{
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = name + "_backward",
       .doc = "dx, dweight, dbias of " + name + "_forward",
       .input_names = {"dy", "x", "weight"},
@@ -161,6 +163,39 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
       .cost = CostOf(backward_infer,
                      [conv_flops](const Metas& in, const Metas&) {
                        return 2.0 * conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
+                     }),
+  }));
+  // The halves of the backward (zero-bubble pipelines): dx alone, and dweight and dbias alone,
+  // from the same inputs.
+  const InferFn input_infer = [backward_infer](const Metas& in,
+                                               const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Metas all, backward_infer(in, attrs));
+    return Metas{all[0]};
+  };
+  const InferFn weight_infer = [backward_infer](const Metas& in,
+                                                const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Metas all, backward_infer(in, attrs));
+    return Metas{all[1], all[2]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = name + "_backward_input",
+      .doc = "dx of " + name + "_forward (the input half of its backward)",
+      .input_names = {"dy", "x", "weight"},
+      .output_names = {"dx"},
+      .infer = input_infer,
+      .cost = CostOf(
+          input_infer,
+          [conv_flops](const Metas& in, const Metas&) { return conv_flops(in[1], in[2], in[0]); }),
+  }));
+  return r.AddOp(OpDef{
+      .name = name + "_backward_weight",
+      .doc = "dweight, dbias of " + name + "_forward (the weight half of its backward)",
+      .input_names = {"dy", "x", "weight"},
+      .output_names = {"dweight", "dbias"},
+      .infer = weight_infer,
+      .cost = CostOf(weight_infer,
+                     [conv_flops](const Metas& in, const Metas&) {
+                       return conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
                      }),
   });
 }

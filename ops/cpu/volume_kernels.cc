@@ -603,6 +603,43 @@ Result<Tensor> ConvWorkspace(const KernelContext& context, const cpu::Conv3dGeom
   return Workspace(context, std::max<int64_t>(1, cpu::Conv3dWorkspaceFloats(g)));
 }
 
+// The halves of the convolutions' backwards; in: dy, x, weight.
+// conv3d: dx = conv^T(dy), dweight from dy and x, dbias = dy's channel sums.
+Status Conv3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dInputGradient(F(dx), F(in[0]), F(in[2]), nullptr, g, F(workspace),
+                           ctx.gemm_split_min_flops);
+  return Status::Ok();
+}
+Status Conv3dDw(const KernelContext& ctx, const Tensors& in, const Tensor& dweight,
+                const Tensor& dbias, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dWeightGradient(F(dweight), F(in[0]), F(in[1]), g, F(workspace),
+                            ctx.gemm_split_min_flops);
+  cpu::ChannelSums(F(dbias), F(in[0]), g.batch, g.out_channels, g.OutVolume());
+  return Status::Ok();
+}
+// conv_transpose3d, y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> = <conv(dy), x> gives
+// dweight as conv's weight gradient with x in dy's place.
+Status ConvTranspose3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx,
+                         const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dForward(F(dx), F(in[0]), F(in[2]), nullptr, g, F(workspace), ctx.gemm_split_min_flops);
+  return Status::Ok();
+}
+Status ConvTranspose3dDw(const KernelContext& ctx, const Tensors& in, const Tensor& dweight,
+                         const Tensor& dbias, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dWeightGradient(F(dweight), F(in[1]), F(in[0]), g, F(workspace),
+                            ctx.gemm_split_min_flops);
+  cpu::ChannelSums(F(dbias), F(in[0]), g.batch, g.in_channels, g.InVolume());
+  return Status::Ok();
+}
+
 Status RegisterConvKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv3d_forward",
@@ -614,20 +651,21 @@ Status RegisterConvKernels(OpRegistry& r) {
                                     ctx.gemm_split_min_flops);
                  return Status::Ok();
                }));
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_backward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     // in: dy, x, weight; out: dx, dweight, dbias.
+                                     TESSERA_RETURN_IF_ERROR(Conv3dDx(ctx, in, out[0], attrs));
+                                     return Conv3dDw(ctx, in, out[1], out[2], attrs);
+                                   }));
   TESSERA_RETURN_IF_ERROR(
-      Register(r, "conv3d_backward",
+      Register(r, "conv3d_backward_input",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 // in: dy, x, weight; out: dx, dweight, dbias.
-                 const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
-                 cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
-                                          ctx.gemm_split_min_flops);
-                 cpu::Conv3dWeightGradient(F(out[1]), F(in[0]), F(in[1]), g, F(workspace),
-                                           ctx.gemm_split_min_flops);
-                 cpu::ChannelSums(F(out[2]), F(in[0]), g.batch, g.out_channels, g.OutVolume());
-                 return Status::Ok();
-               }));
+                  const Attrs& attrs) { return Conv3dDx(ctx, in, out[0], attrs); }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_backward_weight",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return Conv3dDw(ctx, in, out[0], out[1], attrs); }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv_transpose3d_forward",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
@@ -639,20 +677,22 @@ Status RegisterConvKernels(OpRegistry& r) {
                                           ctx.gemm_split_min_flops);
                  return Status::Ok();
                }));
-  return Register(r, "conv_transpose3d_backward",
-                  [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                     const Attrs& attrs) -> Status {
-                    // in: dy, x, weight. With y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> =
-                    // <conv(dy), x> gives dweight as conv's weight gradient with x in dy's place.
-                    const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
-                    TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
-                    cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[2]), nullptr, g, F(workspace),
-                                       ctx.gemm_split_min_flops);
-                    cpu::Conv3dWeightGradient(F(out[1]), F(in[1]), F(in[0]), g, F(workspace),
-                                              ctx.gemm_split_min_flops);
-                    cpu::ChannelSums(F(out[2]), F(in[0]), g.batch, g.in_channels, g.InVolume());
-                    return Status::Ok();
-                  });
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv_transpose3d_backward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     TESSERA_RETURN_IF_ERROR(
+                                         ConvTranspose3dDx(ctx, in, out[0], attrs));
+                                     return ConvTranspose3dDw(ctx, in, out[1], out[2], attrs);
+                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv_transpose3d_backward_input",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return ConvTranspose3dDx(ctx, in, out[0], attrs); }));
+  return Register(
+      r, "conv_transpose3d_backward_weight",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        return ConvTranspose3dDw(ctx, in, out[0], out[1], attrs);
+      });
 }
 
 Status RegisterOtherKernels(OpRegistry& r) {

@@ -89,6 +89,35 @@ TEST(VolumeGradientTest, ConvTranspose3dKernel3Stride2Padding1) {
                              RandomTensor({2}, 3)}});
 }
 
+// The convolutions' backward halves (zero-bubble pipelines): dx alone and dweight/dbias alone
+// are the whole backward's outputs, bit for bit.
+TEST(VolumeGradientTest, ConvolutionBackwardHalvesAreTheWholeBackward) {
+  struct Case {
+    std::string op;
+    Attrs attrs;
+    Tensor x, weight, dy;
+  };
+  const std::vector<Case> cases = {
+      {"conv3d", ConvAttrs(2, 1), RandomTensor({2, 3, 6, 5, 6}, 1),
+       RandomTensor({2, 3, 3, 3, 3}, 2), RandomTensor({2, 2, 3, 3, 3}, 3)},
+      {"conv_transpose3d", ConvAttrs(2, 1), RandomTensor({2, 3, 3, 4, 3}, 1),
+       RandomTensor({3, 2, 3, 3, 3}, 2), RandomTensor({2, 2, 5, 7, 5}, 3)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.op);
+    const std::vector<Tensor> in = {c.dy, c.x, c.weight};
+    ASSERT_OK_AND_ASSIGN(auto whole, RunKernel(c.op + "_backward", in, c.attrs));
+    ASSERT_OK_AND_ASSIGN(auto input, RunKernel(c.op + "_backward_input", in, c.attrs));
+    ASSERT_OK_AND_ASSIGN(auto weight, RunKernel(c.op + "_backward_weight", in, c.attrs));
+    ASSERT_EQ(whole.size(), 3u);
+    ASSERT_EQ(input.size(), 1u);
+    ASSERT_EQ(weight.size(), 2u);
+    EXPECT_EQ(ToVector(input[0]), ToVector(whole[0]));
+    EXPECT_EQ(ToVector(weight[0]), ToVector(whole[1]));
+    EXPECT_EQ(ToVector(weight[1]), ToVector(whole[2]));
+  }
+}
+
 TEST(VolumeGradientTest, UpsampleNearest3d) {
   CheckGradients({.forward = "upsample_nearest3d_forward",
                   .forward_attrs = Attrs{{"scale", int64_t{2}}},
@@ -491,6 +520,10 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "conv3d_backward",
                                         "conv_transpose3d_forward",
                                         "conv_transpose3d_backward",
+                                        "conv3d_backward_input",
+                                        "conv3d_backward_weight",
+                                        "conv_transpose3d_backward_input",
+                                        "conv_transpose3d_backward_weight",
                                         "upsample_nearest3d_forward",
                                         "upsample_nearest3d_backward",
                                         "max_pool3d_forward",
@@ -525,7 +558,9 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
       EXPECT_EQ(def->gradient->gradient_of, std::vector<int>{0});
     } else {
       EXPECT_FALSE(def->gradient.has_value()) << op;
-      EXPECT_TRUE(op.ends_with("_backward") || no_gradient.contains(op)) << op;
+      EXPECT_TRUE(op.ends_with("_backward") || op.ends_with("_backward_input") ||
+                  op.ends_with("_backward_weight") || no_gradient.contains(op))
+          << op;
     }
   }
   EXPECT_EQ(volume_only.OpNames().size(), tested.size());
