@@ -53,12 +53,10 @@ std::vector<PipelineOp> Interleaved(int stage, int stages, int micro_batches, in
 
 // ZB-H1 by list scheduling with costs F, B and W (event-driven): a stage that is free runs a
 // ready B first, else its next F while fewer than P - s micro-batches are between F and B
-// (1F1B's bound) and at most P between F and W (so no stage holds more than P + 1
-// micro-batches' activations, one more than 1F1B's peak), else its oldest pending W; with
-// nothing to run it waits for the next op to end anywhere. With F = B = W this reaches the ZB-H1
-// bubble, (P-1)/(3M+P-1); with other costs it fills the bubbles those costs leave.
-std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches, OpCosts costs) {
-  if (!(costs.forward > 0 && costs.backward > 0 && costs.weight > 0)) costs = {1, 1, 1};
+// (1F1B's bound) and fewer than `in_flight` between F and W (the activations it holds), else its
+// oldest pending W; with nothing to run it waits for the next op to end anywhere.
+std::vector<std::vector<PipelineOp>> ListScheduleZeroBubble(int stages, int micro_batches,
+                                                            OpCosts costs, int in_flight) {
   std::vector<std::vector<PipelineOp>> orders(static_cast<size_t>(stages));
   constexpr double kNever = std::numeric_limits<double>::infinity();
   const size_t p = static_cast<size_t>(stages), m = static_cast<size_t>(micro_batches);
@@ -83,7 +81,7 @@ std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches,
       const bool b_ready = b < micro_batches && b < f &&
                            (s == stages - 1 ? f_end[i][static_cast<size_t>(b)]
                                             : b_end[i + 1][static_cast<size_t>(b)]) <= now;
-      const bool f_ready = f < micro_batches && f - b < stages - s && f - next_w[i] <= stages &&
+      const bool f_ready = f < micro_batches && f - b < stages - s && f - next_w[i] < in_flight &&
                            (s == 0 || f_end[i - 1][static_cast<size_t>(f)] <= now);
       auto& order = orders[i];
       double cost = 0;
@@ -120,6 +118,23 @@ std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches,
     }
   }
   return orders;
+}
+
+// ZB-H1: the list schedule holding at most P micro-batches' activations per stage (1F1B's peak,
+// as the paper's ZB-H1), unless holding P + 1 shortens the step for these costs. With F = B = W
+// this reaches the ZB-H1 bubble, (P-1)/(3M+P-1), for P up to 4 (P = 2 within 1F1B's memory);
+// with other costs it fills the bubbles those costs leave.
+std::vector<std::vector<PipelineOp>> ZeroBubbleH1(int stages, int micro_batches, OpCosts costs) {
+  if (!(costs.forward > 0 && costs.backward > 0 && costs.weight > 0)) costs = {1, 1, 1};
+  auto tight = ListScheduleZeroBubble(stages, micro_batches, costs, stages);
+  auto loose = ListScheduleZeroBubble(stages, micro_batches, costs, stages + 1);
+  const Result<ScheduleSimulation> tight_sim =
+      SimulateSchedule(tight, stages, 1, micro_batches, costs);
+  const Result<ScheduleSimulation> loose_sim =
+      SimulateSchedule(loose, stages, 1, micro_batches, costs);
+  if (!loose_sim.ok()) return tight;
+  if (!tight_sim.ok()) return loose;
+  return tight_sim->makespan <= loose_sim->makespan * (1 + 1e-9) ? tight : loose;
 }
 
 }  // namespace

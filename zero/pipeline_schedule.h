@@ -16,10 +16,11 @@
 //   interleaved  1F1B over V chunks per stage (Megatron-LM's order; M a multiple of P): the
 //                bubble shrinks by V at the cost of V times the point-to-point traffic.
 //   zb-h1        1F1B's forwards and input-gradient backwards, each W deferred while F or B
-//                work is ready and run in what would be bubbles; no stage holds more than P + 1
-//                micro-batches' activations (1F1B's peak is P; a W reads what its F saved) (Qi et
-//                al., "Zero Bubble Pipeline Parallelism", the H1 schedule). The order is the one a
-//                list schedule makes with the costs of F, B and W (unit costs: the textbook).
+//                work is ready and run in what would be bubbles; no stage holds more than P
+//                micro-batches' activations (1F1B's peak; a W reads what its F saved), or P + 1
+//                where that shortens the step (Qi et al., "Zero Bubble Pipeline Parallelism", the
+//                H1 schedule). The order is the one a list schedule makes with the costs of F, B
+//                and W (unit costs: the textbook).
 //
 // SimulateSchedule runs per-stage orders with fixed op costs (F, B, W) and dependencies
 // F(c, m) after F(c-1, m), B(c, m) after B(c+1, m) (or F(c, m) for the last chunk), W(c, m)

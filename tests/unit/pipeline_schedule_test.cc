@@ -131,6 +131,11 @@ TEST(PipelineScheduleTest, ZeroBubbleOrderedByTheRealCostsBeatsOneFOneB) {
                              OpCosts{costs.forward, costs.backward + costs.weight, 0}));
         EXPECT_LE(zb_sim.makespan, one_sim.makespan + 1e-9);
         for (int peak : zb_sim.peak_in_flight) EXPECT_LE(peak, stages + 1);
+        if (stages == 2 && costs.forward == costs.weight && costs.backward == costs.weight) {
+          // The textbook bubble within 1F1B's memory (P micro-batches), as the paper's ZB-H1.
+          EXPECT_NEAR(zb_sim.bubble, TheoreticalBubble(PipelineSchedule::kZbH1, 2, micro, 1), 1e-9);
+          for (int peak : zb_sim.peak_in_flight) EXPECT_LE(peak, stages);
+        }
       }
     }
   }
