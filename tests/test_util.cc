@@ -52,14 +52,16 @@ Tensor Allocate(const TensorMeta& meta) {
 Tensor FloatTensor(const Shape& shape, const std::vector<float>& values) {
   Tensor t = Allocate(TensorMeta{shape, DType::kF32, Device::Cpu()});
   TESSERA_CHECK(static_cast<int64_t>(values.size()) == t.numel());
-  std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(float));
+  if (!values.empty()) {  // an empty tensor (a layer without parameters): nothing to copy
+    std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(float));
+  }
   return t;
 }
 
 Tensor IntTensor(const Shape& shape, const std::vector<int32_t>& values) {
   Tensor t = Allocate(TensorMeta{shape, DType::kI32, Device::Cpu()});
   TESSERA_CHECK(static_cast<int64_t>(values.size()) == t.numel());
-  std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(int32_t));
+  if (!values.empty()) std::memcpy(t.raw_data(), values.data(), values.size() * sizeof(int32_t));
   return t;
 }
 
