@@ -86,12 +86,16 @@ inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int gr
 
 // --balance profile with a pipeline: the plan's layer costs from a short profiling run
 // (driver/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
-// micro-batch, forward/backward/weight): ...". Nothing otherwise.
+// micro-batch, forward/backward/weight): ...". Without a pipeline it says it has nothing to do.
 inline Status ApplyBalance(const PipelineFlags& flags, const ModelSpec& model,
                            const ExecutorOptions& executor, const char* program,
                            TrainingPlan& plan) {
-  if (flags.balance != "profile" ||
-      plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
+  if (flags.balance != "profile") return Status::Ok();
+  if (plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
+    std::fprintf(stderr,
+                 "%s: --balance profile balances pipeline stages; without --pipeline-stages there "
+                 "are none, so no profiling run\n",
+                 program);
     return Status::Ok();
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms, ProfileLayerTimes(model, plan, executor));

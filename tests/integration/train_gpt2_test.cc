@@ -174,6 +174,13 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
             std::string::npos)
       << zero_bubble.output;
 
+  ProcessResult unpiped = RunTrainGpt2("--steps 1 --batch 8 --balance profile");
+  EXPECT_EQ(unpiped.exit_code, 0) << unpiped.output;
+  EXPECT_NE(unpiped.output.find("--balance profile balances pipeline stages; without "
+                                "--pipeline-stages there are none"),
+            std::string::npos)
+      << unpiped.output;
+
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"--workers 3 --pipeline-stages 2 --micro-batches 4",
        "--pipeline-stages 2 needs --workers a multiple of 2"},
