@@ -6,6 +6,8 @@
 #include <cstring>
 #include <random>
 
+#include <tbb/parallel_for.h>
+
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 
@@ -22,26 +24,37 @@ std::string NamePrefix(const ModelSpec& model, const LayerSpec& layer) {
   return "";
 }
 
-void InitializeSlot(const ParamInit& init, std::mt19937_64& rng, float* values, int64_t n) {
-  switch (init.kind) {
-    case ParamInit::Kind::kZeros:
-      std::fill(values, values + n, 0.0f);
-      return;
-    case ParamInit::Kind::kOnes:
-      std::fill(values, values + n, 1.0f);
-      return;
-    case ParamInit::Kind::kNormal: {
-      std::normal_distribution<float> normal(0.0f, static_cast<float>(init.scale));
-      for (int64_t i = 0; i < n; ++i) values[i] = normal(rng);
-      return;
-    }
-    case ParamInit::Kind::kUniform: {
-      std::uniform_real_distribution<float> uniform(-static_cast<float>(init.scale),
-                                                    static_cast<float>(init.scale));
-      for (int64_t i = 0; i < n; ++i) values[i] = uniform(rng);
-      return;
-    }
+// SplitMix64: a well-mixed 64-bit value from any other (the generator seeds below).
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Fills values[0, n) as `init` says. Random values are drawn in chunks of 2^20, each from its
+// own generator seeded by (stream, chunk), in parallel: the same values on any number of threads,
+// and a multi-billion-parameter model initialises in seconds rather than minutes.
+void InitializeSlot(const ParamInit& init, uint64_t stream, float* values, int64_t n) {
+  if (init.kind == ParamInit::Kind::kZeros || init.kind == ParamInit::Kind::kOnes) {
+    std::fill(values, values + n, init.kind == ParamInit::Kind::kOnes ? 1.0f : 0.0f);
+    return;
   }
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  tbb::parallel_for(int64_t{0}, chunks, [&](int64_t chunk) {
+    std::mt19937_64 rng(Mix(stream ^ Mix(static_cast<uint64_t>(chunk))));
+    float* begin = values + chunk * kChunk;
+    float* end = values + std::min(n, (chunk + 1) * kChunk);
+    const float scale = static_cast<float>(init.scale);
+    if (init.kind == ParamInit::Kind::kNormal) {
+      std::normal_distribution<float> normal(0.0f, scale);
+      for (float* v = begin; v != end; ++v) *v = normal(rng);
+    } else {
+      std::uniform_real_distribution<float> uniform(-scale, scale);
+      for (float* v = begin; v != end; ++v) *v = uniform(rng);
+    }
+  });
 }
 
 // `tokens` as an i32 [batch, seq_len] host tensor; InvalidArgument when the count differs.
@@ -139,7 +152,6 @@ int64_t Trainer::ParamMultiple() const {
 }
 
 Status Trainer::AllocateState(std::optional<uint64_t> seed) {
-  std::mt19937_64 rng(seed.value_or(0));
   const bool zero = !seed.has_value();
   const double residual_std =
       0.02 / std::sqrt(2.0 * static_cast<double>(gpt2_config_ ? gpt2_config_->layers : 1));
@@ -152,21 +164,22 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
     const std::vector<FlatSlot>& slots = layer.params.slots();
     for (size_t s = 0; s < slots.size() && !zero; ++s) {
       const FlatSlot& slot = slots[s];
+      // Each slot draws from its own stream of the seed.
+      const uint64_t stream = Mix(Mix(Mix(*seed) ^ static_cast<uint64_t>(l)) ^ s);
       float* begin = values.data() + slot.offset;
       const int64_t n = slot.shape.numel();
       if (!layer.init.empty()) {  // the model API's own initialisation
-        InitializeSlot(layer.init[s], rng, begin, n);
+        InitializeSlot(layer.init[s], stream, begin, n);
         continue;
       }
+      // GPT-2's (the fused layers carry no ParamInit): matrices N(0, 0.02), the residual
+      // projections N(0, 0.02 / sqrt(2L)), layernorm gains 1, biases 0.
       const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
-      if (slot.shape.rank() == 2) {
-        const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
-        std::normal_distribution<float> normal(0.0f,
-                                               static_cast<float>(residual ? residual_std : 0.02));
-        for (int64_t i = 0; i < n; ++i) begin[i] = normal(rng);
-      } else {
-        std::fill(begin, begin + n, is_gain ? 1.0f : 0.0f);
-      }
+      const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
+      const ParamInit init = slot.shape.rank() == 2
+                                 ? ParamInit::Normal(residual ? residual_std : 0.02)
+                                 : (is_gain ? ParamInit::Ones() : ParamInit::Zeros());
+      InitializeSlot(init, stream, begin, n);
     }
     TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
     if (adamw) {

@@ -74,7 +74,8 @@ class Trainer {
 
   // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
   // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
-  // Deterministic in the seed. Resets the optimizer state and the step count.
+  // Deterministic in the seed, whatever the thread count (each slot draws from its own stream, in
+  // parallel chunks). Resets the optimizer state and the step count.
   Status InitializeParameters(uint64_t seed);
 
   // Copies values into the named parameter. InvalidArgument on an unknown name or a shape that
