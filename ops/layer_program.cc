@@ -961,12 +961,13 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     const GradientRule& rule = *def->gradient;
     const size_t entries = next_entry;
     while (next_entry < plan.stash.size() && plan.stash[next_entry].op == i) ++next_entry;
-    // The gradient of forward input gradient_of[j] (offset `from`) goes into the sums.
-    const auto add = [&](const Tensors& outputs, size_t from, bool owned) -> Status {
+    // The gradient of forward input gradient_of[from + j] (unless taken: undefined) goes into
+    // the sums.
+    const auto add = [&](const Tensors& outputs, size_t from) -> Status {
       for (size_t j = 0; j < outputs.size() && from + j < rule.gradient_of.size(); ++j) {
         const int value = op.inputs[static_cast<size_t>(rule.gradient_of[from + j])];
-        if (!shapes.needs_gradient[static_cast<size_t>(value)]) continue;
-        TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], owned));
+        if (!outputs[j].defined() || !shapes.needs_gradient[static_cast<size_t>(value)]) continue;
+        TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], /*owned=*/true));
       }
       return Status::Ok();
     };
@@ -1017,7 +1018,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       const bool split = half == Half::kSplit;
       Tensors outputs;
       TESSERA_RETURN_IF_ERROR(run(split ? rule.weight_op : rule.op, inputs, outputs));
-      TESSERA_RETURN_IF_ERROR(add(outputs, split ? static_cast<size_t>(rule.split_at) : 0, true));
+      TESSERA_RETURN_IF_ERROR(add(outputs, split ? static_cast<size_t>(rule.split_at) : 0));
       continue;
     }
 
@@ -1033,26 +1034,20 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       if (half == Half::kDeferred) continue;
       Tensors outputs;
       TESSERA_RETURN_IF_ERROR(run(rule.input_op, inputs, outputs));
-      TESSERA_RETURN_IF_ERROR(add(outputs, 0, true));
+      TESSERA_RETURN_IF_ERROR(add(outputs, 0));
       continue;
     }
 
     Tensors outputs;
     TESSERA_RETURN_IF_ERROR(run(rule.op, inputs, outputs));
     for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
-    if (part == Part::kInput) {  // parameter parts go to the stash, the rest on
+    if (part == Part::kInput) {  // the parameter parts go to the stash, the rest on
       for (size_t e = entries; e < next_entry; ++e) {
         keep(plan.stash[e], outputs[plan.stash[e].index]);
         outputs[plan.stash[e].index] = Tensor();
       }
-      for (size_t j = 0; j < outputs.size() && j < rule.gradient_of.size(); ++j) {
-        const int value = op.inputs[static_cast<size_t>(rule.gradient_of[j])];
-        if (!outputs[j].defined() || !shapes.needs_gradient[static_cast<size_t>(value)]) continue;
-        TESSERA_RETURN_IF_ERROR(sums.Add(value, outputs[j], true));
-      }
-      continue;
     }
-    TESSERA_RETURN_IF_ERROR(add(outputs, 0, true));
+    TESSERA_RETURN_IF_ERROR(add(outputs, 0));
   }
 
   size_t next = 0;

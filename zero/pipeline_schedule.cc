@@ -64,8 +64,7 @@ std::vector<std::vector<PipelineOp>> ListScheduleZeroBubble(int stages, int micr
   std::vector<std::vector<double>> f_end(p, std::vector<double>(m, kNever));
   std::vector<std::vector<double>> b_end = f_end;
   std::vector<int> next_f(p, 0), next_b(p, 0), next_w(p, 0);
-  std::vector<double> free_at(p, 0.0);
-  std::vector<double> ends;  // every scheduled op's end: when waiting stages look again
+  std::vector<double> free_at(p, 0.0);  // when each stage's last op ends
   int done = 0;
   const int total = stages * micro_batches * 3;
   while (done < total) {
@@ -102,14 +101,14 @@ std::vector<std::vector<PipelineOp>> ListScheduleZeroBubble(int stages, int micr
         continue;
       }
       free_at[i] = now + cost;
-      ends.push_back(now + cost);
       progressed = true;
       ++done;
     }
     if (progressed) continue;
-    // Nothing could start now: the stages that are free wait for the next op to end.
+    // Nothing could start now: the stages that are free wait for the next op to end (a busy
+    // stage's last op).
     double next = kNever;
-    for (double end : ends) {
+    for (double end : free_at) {
       if (end > now) next = std::min(next, end);
     }
     if (next == kNever) break;  // cannot happen for a feasible order; never loop forever

@@ -68,12 +68,11 @@ std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec&
   return params;
 }
 
-// A layer's attributes in a graph whose groups are padded to a multiple of `param_multiple`.
 // Whether a zero-bubble schedule runs layer l's backward as two tasks: the layer has the two
 // halves, it returns an input gradient (the half worth running early) and parameter gradients
-// (the half that can wait), and no other layer's
-// backward adds to one of the parameter gradients it returns (kGradientSoFar: GPT-2's embedding
-// reads the tied classifier's wte gradient, which the weight half would make only at the end).
+// (the half that can wait), and no other layer's backward adds to one of the parameter
+// gradients it returns (kGradientSoFar: GPT-2's embedding reads the tied classifier's wte
+// gradient, which the weight half would make only at the end).
 bool SplitsLayerBackward(const ModelSpec& model, size_t l) {
   const LayerSpec& layer = model.layers[l];
   if (layer.backward_input_op.empty()) return false;
@@ -99,6 +98,7 @@ bool SplitsLayerBackward(const ModelSpec& model, size_t l) {
   return input_gradient && param_gradient;
 }
 
+// A layer's attributes in a graph whose groups are padded to a multiple of `param_multiple`.
 Attrs LayerAttrs(const LayerSpec& layer, int64_t param_multiple) {
   Attrs attrs = layer.attrs;
   if (param_multiple > 1) attrs.Set(kParamMultipleAttr, param_multiple);
@@ -254,9 +254,8 @@ class StepPlanner {
       step_.layer_stage.push_back(step_.layer_chunk[l] % stages_);
       stage_of_name_[model.layers[l].name] = step_.layer_stage.back();
     }
+    const bool zero_bubble = SplitsBackward(p_.schedule) && (stages_ > 1 || p_.virtual_stages > 1);
     for (size_t l = 0; l < layers_; ++l) {
-      const bool zero_bubble =
-          SplitsBackward(p_.schedule) && (stages_ > 1 || p_.virtual_stages > 1);
       split_.push_back((zero_bubble || p_.split_backwards) && SplitsLayerBackward(model, l));
     }
     // The layers reading each group; its gradient is complete after the first one's backward.
@@ -494,7 +493,7 @@ class StepPlanner {
     for (size_t l = 0; l < layers_; ++l) {
       chunk_layers[static_cast<size_t>(step_.layer_chunk[l])].push_back(l);
     }
-    if (SplitsBackward(p_.schedule)) step_.schedule_costs = ChunkOpCosts(chunk_layers);
+    if (SplitsBackward(p_.schedule)) step_.schedule_costs = ChunkOpCosts(chunk_layers.size());
     step_.schedule_order =
         ScheduleOrder(p_.schedule, stages_, k_, virtual_stages, step_.schedule_costs);
     const auto& orders = step_.schedule_order;
@@ -523,38 +522,35 @@ class StepPlanner {
   }
 
   // The mean cost of one chunk's F, B (input halves and whole backwards) and W (weight halves)
-  // for one micro-batch: measured (ParallelConfig::layer_op_costs), else from the op cost model
-  // at the tasks' shapes (rank 0, micro-batch 0; in the units of EstimateLayerCosts, unit costs
-  // when the model cannot price an op).
-  OpCosts ChunkOpCosts(const std::vector<std::vector<size_t>>& chunk_layers) const {
+  // for one micro-batch (every layer's over the chunks): measured (ParallelConfig::layer_op_costs),
+  // else from the op cost model at the tasks' shapes (rank 0, micro-batch 0; in the units of
+  // EstimateLayerCosts, unit costs when the model cannot price an op).
+  OpCosts ChunkOpCosts(size_t chunk_count) const {
     const Rank& rank = ranks_[0];
     const Graph& graph = builder_.graph();
-    OpCosts costs{0, 0, 0};
-    for (const std::vector<size_t>& layers : chunk_layers) {
-      for (size_t l : layers) {
-        if (!p_.layer_op_costs.empty()) {  // measured
-          const OpCosts& measured = p_.layer_op_costs[l];
-          costs.forward += measured.forward;
-          costs.backward += measured.backward;
-          costs.weight += measured.weight;
-          continue;
-        }
-        for (auto [tasks, total] : {std::pair{&rank.forward_task, &costs.forward},
-                                    std::pair{&rank.backward_task, &costs.backward},
-                                    std::pair{&rank.weight_task, &costs.weight}}) {
-          const TaskId id = (*tasks)[l][0];
-          if (!id.valid()) continue;
-          const TaskSpec& task = graph.task(id);
-          std::vector<TensorMeta> inputs;
-          for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
-          Result<OpCost> cost = registry_.Cost(task.op, inputs, task.attrs);
-          if (!cost.ok()) return OpCosts{1, 1, 1};
-          *total += cost->flops + 10 * cost->bytes;
-        }
+    OpCosts total{0, 0, 0};
+    for (size_t l = 0; l < layers_; ++l) {
+      if (!p_.layer_op_costs.empty()) {  // measured
+        total.forward += p_.layer_op_costs[l].forward;
+        total.backward += p_.layer_op_costs[l].backward;
+        total.weight += p_.layer_op_costs[l].weight;
+        continue;
+      }
+      for (auto [tasks, sum] : {std::pair{&rank.forward_task, &total.forward},
+                                std::pair{&rank.backward_task, &total.backward},
+                                std::pair{&rank.weight_task, &total.weight}}) {
+        const TaskId id = (*tasks)[l][0];
+        if (!id.valid()) continue;
+        const TaskSpec& task = graph.task(id);
+        std::vector<TensorMeta> inputs;
+        for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
+        Result<OpCost> cost = registry_.Cost(task.op, inputs, task.attrs);
+        if (!cost.ok()) return OpCosts{1, 1, 1};
+        *sum += cost->flops + 10 * cost->bytes;
       }
     }
-    const double chunks = static_cast<double>(chunk_layers.size());
-    return OpCosts{costs.forward / chunks, costs.backward / chunks, costs.weight / chunks};
+    const double chunks = static_cast<double>(chunk_count);
+    return OpCosts{total.forward / chunks, total.backward / chunks, total.weight / chunks};
   }
 
   // One collective id per (name): every rank's member of "h.0/gather_forward@1" shares it.
@@ -701,69 +697,68 @@ class StepPlanner {
         if (arg.kind != BackwardArg::Kind::kGradientSoFar) input_half.push_back(read);
         if (arg.kind != BackwardArg::Kind::kOutputGradient) weight_half.push_back(read);
       }
-      // Output names and roles: input gradients, then parameter gradients.
-      std::vector<std::string> dx_names, grad_names;
-      std::vector<ObjectRole> grad_roles;
+      // The outputs' names and roles, in backward_outputs' order; which are input gradients.
+      std::vector<std::string> names;
+      std::vector<ObjectRole> roles;
+      std::vector<bool> is_input;
+      int dx = 0;
       for (size_t target : layer.backward_outputs) {
         const LayerArg& forward = layer.forward_args[target];
-        if (forward.kind == Arg::kActivation) {
-          const size_t dx = dx_names.size();
-          dx_names.push_back(
-              object(layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
+        is_input.push_back(forward.kind == Arg::kActivation);
+        if (is_input.back()) {
+          names.push_back(object(layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
+          roles.push_back(ObjectRole::kActivation);
+          ++dx;
         } else {
-          grad_names.push_back(object(forward.index == l
-                                          ? layer.name + ".grad"
-                                          : LayerName(forward.index) + ".grad_from_" + layer.name));
-          grad_roles.push_back(FullGradientRole());
+          names.push_back(object(forward.index == l
+                                     ? layer.name + ".grad"
+                                     : LayerName(forward.index) + ".grad_from_" + layer.name));
+          roles.push_back(FullGradientRole());
         }
       }
       Rank& rank = ranks_[static_cast<size_t>(r)];
-      // The backward's outputs, in backward_outputs' order.
-      std::vector<ObjectId> grads;
-      if (split_[l]) {
-        std::vector<std::string> names = dx_names;
-        names.push_back(object(layer.name + "/backward_input:stash"));
-        std::vector<ObjectRole> roles(names.size(), ObjectRole::kActivation);
-        TESSERA_ASSIGN_OR_RETURN(
-            auto b, builder_.AddTask(task(l, "backward_input"), layer.backward_input_op,
-                                     std::move(input_half), AttrsOf(l),
-                                     On(r, layer.name, kBackwardPriority, names, roles)));
-        if (b.size() != dx_names.size() + 1) {
-          return InvalidArgument("op '{}' of layer '{}' returns {} outputs, not {} and a stash",
-                                 layer.backward_input_op, layer.name, b.size(), dx_names.size());
-        }
-        rank.backward_task[l][static_cast<size_t>(k)] = ProducerOf(b[0]);
-        weight_half.insert(weight_half.begin(), b.back());
-        TESSERA_ASSIGN_OR_RETURN(
-            auto w, builder_.AddTask(task(l, "backward_weight"), layer.backward_weight_op,
-                                     std::move(weight_half), AttrsOf(l),
-                                     On(r, layer.name, kBackwardPriority, grad_names, grad_roles)));
-        if (!w.empty()) rank.weight_task[l][static_cast<size_t>(k)] = ProducerOf(w[0]);
-        size_t next_dx = 0, next_grad = 0;
-        for (size_t target : layer.backward_outputs) {
-          const bool input = layer.forward_args[target].kind == Arg::kActivation;
-          if (input ? next_dx < b.size() - 1 : next_grad < w.size()) {
-            grads.push_back(input ? b[next_dx++] : w[next_grad++]);
-          }
-        }
-      } else {
-        std::vector<std::string> names;
-        std::vector<ObjectRole> roles;
-        size_t next_dx = 0, next_grad = 0;
-        for (size_t target : layer.backward_outputs) {
-          if (layer.forward_args[target].kind == Arg::kActivation) {
-            names.push_back(dx_names[next_dx++]);
-            roles.push_back(ObjectRole::kActivation);
-          } else {
-            roles.push_back(grad_roles[next_grad]);
-            names.push_back(grad_names[next_grad++]);
-          }
-        }
+      std::vector<ObjectId> grads;  // in backward_outputs' order
+      if (!split_[l]) {
         TESSERA_ASSIGN_OR_RETURN(
             grads, builder_.AddTask(
                        task(l, "backward"), layer.backward_op, std::move(inputs), AttrsOf(l),
                        On(r, layer.name, kBackwardPriority, std::move(names), std::move(roles))));
         if (!grads.empty()) rank.backward_task[l][static_cast<size_t>(k)] = ProducerOf(grads[0]);
+      } else {
+        // The input half returns the input gradients and a stash; the weight half, reading the
+        // stash first, the parameter gradients.
+        std::vector<std::string> half_names[2];
+        std::vector<ObjectRole> half_roles[2];
+        for (size_t j = 0; j < names.size(); ++j) {
+          half_names[is_input[j] ? 0 : 1].push_back(names[j]);
+          half_roles[is_input[j] ? 0 : 1].push_back(roles[j]);
+        }
+        const size_t input_grads = half_names[0].size();
+        half_names[0].push_back(object(layer.name + "/backward_input:stash"));
+        half_roles[0].push_back(ObjectRole::kActivation);
+        TESSERA_ASSIGN_OR_RETURN(
+            auto b, builder_.AddTask(task(l, "backward_input"), layer.backward_input_op,
+                                     std::move(input_half), AttrsOf(l),
+                                     On(r, layer.name, kBackwardPriority, std::move(half_names[0]),
+                                        std::move(half_roles[0]))));
+        weight_half.insert(weight_half.begin(), b.back());
+        const size_t param_grads_out = half_names[1].size();
+        TESSERA_ASSIGN_OR_RETURN(
+            auto w, builder_.AddTask(task(l, "backward_weight"), layer.backward_weight_op,
+                                     std::move(weight_half), AttrsOf(l),
+                                     On(r, layer.name, kBackwardPriority, std::move(half_names[1]),
+                                        std::move(half_roles[1]))));
+        if (b.size() != input_grads + 1 || w.size() != param_grads_out) {
+          return InvalidArgument(
+              "layer '{}': ops '{}' and '{}' return {} and {} outputs, but the layer's backward "
+              "has {} input gradient(s) (and a stash) and {} parameter gradient(s)",
+              layer.name, layer.backward_input_op, layer.backward_weight_op, b.size(), w.size(),
+              input_grads, param_grads_out);
+        }
+        rank.backward_task[l][static_cast<size_t>(k)] = ProducerOf(b[0]);
+        if (!w.empty()) rank.weight_task[l][static_cast<size_t>(k)] = ProducerOf(w[0]);
+        size_t next_input = 0, next_param = 0;
+        for (bool input : is_input) grads.push_back(input ? b[next_input++] : w[next_param++]);
       }
       for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
         const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
@@ -1227,8 +1222,9 @@ Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPla
   if (chunks <= 1) return std::vector<int>(model.layers.size(), 0);
   std::vector<double> costs = p.layer_costs;
   if (costs.empty()) {
-    for (const OpCosts& op : p.layer_op_costs)
+    for (const OpCosts& op : p.layer_op_costs) {
       costs.push_back(op.forward + op.backward + op.weight);
+    }
   }
   if (costs.empty()) {
     TESSERA_ASSIGN_OR_RETURN(
