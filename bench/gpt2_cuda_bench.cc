@@ -38,6 +38,7 @@ struct Options {
   std::string offload = "none";
   bool max_batch = false;
   bool max_model = false;
+  size_t from_shape = 0;  // --max-model: the first shape tried (smaller ones assumed to fit)
   double gpu_memory_gib = 0;
 };
 
@@ -132,6 +133,9 @@ int Main(int argc, char** argv) {
   app.add_option("--gpu-memory-gib", o.gpu_memory_gib, "Cap on the GPU allocator (0: all)");
   app.add_flag("--max-batch", o.max_batch, "Find the largest power-of-two batch that trains");
   app.add_flag("--max-model", o.max_model, "Find the largest GPT-2-shaped model that trains");
+  app.add_option("--from-shape", o.from_shape,
+                 "--max-model: start at this index of the shape list (as the PyTorch script)")
+      ->check(CLI::Range(size_t{0}, Shapes().size() - 1));
   CLI11_PARSE(app, argc, argv);
 
   Result<Gpt2Config> preset = Gpt2Config::Preset(o.preset);
@@ -141,7 +145,8 @@ int Main(int argc, char** argv) {
   if (o.channels) config.channels = o.channels;
   if (o.heads) config.heads = o.heads;
   if (o.max_model) {
-    for (const Gpt2Config& shape : Shapes()) {
+    for (size_t i = o.from_shape; i < Shapes().size(); ++i) {
+      const Gpt2Config& shape = Shapes()[i];
       Result<Measured> m = Measure(shape, o, o.batch, 1, 1);
       if (!m.ok()) {
         std::printf("try layers=%lld channels=%lld: failed: %s\n",

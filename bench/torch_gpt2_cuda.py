@@ -10,7 +10,7 @@ usage:
   torch_gpt2_cuda.py speed [--layers 12 --channels 768 --heads 12 --vocab 50257 --seq-len 1024]
                            [--batch 16] [--steps 30] [--compile]
       prints: torch_step ... tok_s=<tokens/s> mfu=<fraction> step_ms=<median> loss=<last>
-  torch_gpt2_cuda.py max-model [--seq-len 1024 --batch 1]
+  torch_gpt2_cuda.py max-model [--seq-len 1024 --batch 1 --from-shape K]
       tries GPT-2-shaped models of growing size (one subprocess each) and prints the largest
       that trains one step: torch_max_model layers=.. channels=.. params=..
 
@@ -128,7 +128,7 @@ SHAPES = [(12, 768, 12), (24, 1024, 16), (36, 1280, 20), (48, 1600, 25), (32, 25
 
 def max_model(args):
     best = None
-    for layers, channels, heads in SHAPES:
+    for layers, channels, heads in SHAPES[args.from_shape:]:
         cmd = [sys.executable, __file__, "speed", "--layers", str(layers), "--channels",
                str(channels), "--heads", str(heads), "--seq-len", str(args.seq_len), "--batch",
                str(args.batch), "--steps", "1", "--warmup", "1"]
@@ -159,6 +159,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--from-shape", type=int, default=0,
+                        help="max-model: start the search at this index of SHAPES (smaller "
+                             "shapes are assumed to fit)")
     parser.add_argument("--peak-flops", type=float, default=989.4e12)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -11,6 +11,11 @@
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
 #   scripts/gpu_check.sh run OUT tests|check|speed|layers|memory    one part only
+#
+# Knobs (environment): SPEED_BATCHES (default "16 32"); CHECK_CPU=0 runs only the GPU side of
+# the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
+# it is fp32 and takes minutes per step); MAX_MODEL_FROM=K starts both model-size searches at
+# shape K of their common list; MEMORY_SECONDS bounds each search (default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,12 +69,17 @@ run() {
     echo "== gpt2-124m loss check"
     local common=(--preset gpt2-124m --seq-len 1024 --batch 8 --steps 10 --lr 3e-4 --log-every 1
       --data synthetic --seed 7)
-    timeout 540 .gpu/bin/train_gpt2 "${common[@]}" --threads 14 >"$out/check_cpu.txt" 2>&1 &
-    local cpu_pid=$!
+    local cpu_pid=""
+    if [[ "${CHECK_CPU:-1}" == 1 ]]; then
+      timeout 540 .gpu/bin/train_gpt2 "${common[@]}" --threads 14 >"$out/check_cpu.txt" 2>&1 &
+      cpu_pid=$!
+    fi
     timeout 300 .gpu/bin/train_gpt2 "${common[@]}" --device cuda 2>&1 | tee "$out/check_gpu.txt" |
       tail -n 3 || true
-    wait "$cpu_pid" || true
-    tail -n 3 "$out/check_cpu.txt" || true
+    if [[ -n "$cpu_pid" ]]; then
+      wait "$cpu_pid" || true
+      tail -n 3 "$out/check_cpu.txt" || true
+    fi
   fi
   if [[ "$part" == all || "$part" == speed ]]; then
     echo "== speed race: GPT-2 124M, T=1024"
@@ -93,8 +103,9 @@ run() {
     # Each try initialises its model on the host: the larger ones take minutes, so the searches
     # are bounded (MEMORY_SECONDS each) and report the largest that trained in that time.
     timeout "${MEMORY_SECONDS:-600}" .gpu/bin/bench_gpt2_cuda --max-model --batch 1 \
-      --offload optimizer 2>&1 | tee "$out/max_model_tessera.txt" | tail -n 3 || true
-    timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 2>&1 |
+      --from-shape "${MAX_MODEL_FROM:-0}" --offload optimizer 2>&1 | tee "$out/max_model_tessera.txt" | tail -n 3 || true
+    timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 \
+      --from-shape "${MAX_MODEL_FROM:-0}" 2>&1 |
       tee "$out/max_model_torch.txt" | tail -n 2 || true
   fi
   summarize "$out"
