@@ -120,10 +120,11 @@ def speed(args):
           f"loss={loss.item():.4f}", flush=True)
 
 
-# GPT-2-shaped models (layers, channels, heads), growing.
-SHAPES = [(12, 768, 12), (24, 1024, 16), (36, 1280, 20), (48, 1600, 25), (32, 2560, 32),
-          (40, 3072, 24), (32, 4096, 32), (40, 4096, 32), (48, 4096, 32), (40, 5120, 40),
-          (48, 5120, 40), (60, 5120, 40), (48, 6144, 48), (64, 6144, 48)]
+# GPT-2-shaped models (layers, channels, heads), growing; head sizes 64 or 128 (Tessera's
+# attention kernels take 16, 32, 64 and 128), the same list as bench_gpt2_cuda's.
+SHAPES = [(12, 768, 12), (24, 1024, 16), (36, 1280, 20), (48, 1600, 25), (32, 2560, 20),
+          (40, 3072, 24), (32, 4096, 32), (40, 4096, 32), (44, 4096, 32), (48, 4096, 32),
+          (40, 5120, 40), (48, 5120, 40), (60, 5120, 40), (48, 6144, 48), (64, 6144, 48)]
 
 
 def max_model(args):

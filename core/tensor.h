@@ -54,6 +54,13 @@ struct TensorMeta {
   friend bool operator==(const TensorMeta&, const TensorMeta&) = default;
   // "f32[4, 64, 256]" (device appended when not cpu: "bf16[768]@cuda:0").
   std::string ToString() const;
+  // Whether a value of this meta may be bound to a graph input of `input`: the same shape and
+  // dtype, on the input's device or on the host (an executor with a GPU copies a host value of
+  // a device input there: a driver's batch for a GPU worker).
+  bool BindsTo(const TensorMeta& input) const {
+    return shape == input.shape && dtype == input.dtype &&
+           (device == input.device || device.is_cpu());
+  }
 };
 
 class Tensor {

@@ -20,6 +20,7 @@
 #include "core/rpc/wire.h"
 #include "core/settings.h"
 #include "core/transport/data_plane.h"
+#include "driver/gpu.h"
 #include "driver/process.h"
 #include "driver/session.h"
 #include "ops/standard_ops.h"
@@ -527,7 +528,10 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
   if (!ref.valid()) return InvalidArgument("Get of an empty ObjectRef");
   TESSERA_ASSIGN_OR_RETURN(ReadyState state, AwaitReady(ref.id(), timeout_ms));
   TESSERA_RETURN_IF_ERROR(state.error);
-  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(ref.meta(), allocator_));
+  // On the host whatever device the object lives on (a GPU worker serves a host copy).
+  TensorMeta host_meta = ref.meta();
+  host_meta.device = Device::Cpu();
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(host_meta, allocator_));
   if (!state.inline_data.empty() || tensor.bytes() == 0) {
     if (static_cast<int64_t>(state.inline_data.size()) != tensor.bytes()) {
       return DataLoss("{} came back with {} bytes, {} expected", ref.id().ToString(),
@@ -704,7 +708,7 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
     if (it == inputs.end() || !it->second.valid()) {
       return InvalidArgument("graph input '{}' ({}) is not bound", spec.name, spec.meta.ToString());
     }
-    if (it->second.meta() != spec.meta) {
+    if (!it->second.meta().BindsTo(spec.meta)) {
       return InvalidArgument("graph input '{}' expects {} but is bound to {}", spec.name,
                              spec.meta.ToString(), it->second.meta().ToString());
     }
@@ -802,10 +806,47 @@ Result<std::unique_ptr<Cluster>> Cluster::Connect(const std::string& address,
   }
 }
 
+namespace {
+
+// How many workers a local cluster starts: its GPU workers, else its CPU workers.
+int LocalWorkers(const LocalClusterOptions& options) {
+  return options.gpu_workers > 0 ? options.gpu_workers : options.cpu_workers;
+}
+
+// `count` more workers of a local cluster like the first ones (GPU workers on `gpus`).
+WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<int>& gpus,
+                         const std::string& scheduler, int count, std::string tag) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return WorkerLaunch{
+      .scheduler = scheduler,
+      .count = count,
+      .threads = options.threads_per_worker > 0
+                     ? options.threads_per_worker
+                     : std::max(1, cores / std::max(1, LocalWorkers(options))),
+      .host_memory_mb = options.host_capacity_bytes >> 20,
+      .tag = std::move(tag),
+      .gpus = gpus,
+      .gpu_memory_gib = options.gpu_memory_gib,
+  };
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& options) {
-  if (options.cpu_workers < 1) {
-    return InvalidArgument("a local cluster needs at least one worker (cpu_workers = {})",
-                           options.cpu_workers);
+  const int count = LocalWorkers(options);
+  if (count < 1) {
+    return InvalidArgument(
+        "a local cluster needs at least one worker (cpu_workers = {}, gpu_workers = {})",
+        options.cpu_workers, options.gpu_workers);
+  }
+  std::vector<int> gpus;
+  if (options.gpu_workers > 0) {
+    Result<std::vector<int>> resolved = ResolveGpus(options.gpus);
+    if (!resolved.ok()) {
+      return resolved.status().WithContext(
+          fmt::format("starting {} GPU worker(s)", options.gpu_workers));
+    }
+    gpus = *std::move(resolved);
   }
   TESSERA_ASSIGN_OR_RETURN(std::string binary, FindTesseraBinary(options.tessera_binary));
   TESSERA_ASSIGN_OR_RETURN(
@@ -823,19 +864,13 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   cluster->processes_.push_back(scheduler.pid);
   cluster->address_ = scheduler.address;
 
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   // Everything here is on this machine: workers and this driver join over the Unix socket.
-  const WorkerLaunch workers{
-      .scheduler = scheduler.local_address,
-      .count = options.cpu_workers,
-      .threads = options.threads_per_worker > 0 ? options.threads_per_worker
-                                                : std::max(1, cores / options.cpu_workers),
-      .host_memory_mb = options.host_capacity_bytes >> 20,
-  };
+  const WorkerLaunch workers = LocalLaunch(options, gpus, scheduler.local_address, count, "");
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
   cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
   cluster->local_address_ = scheduler.local_address;
-  cluster->started_workers_ = options.cpu_workers;
+  cluster->local_gpus_ = gpus;
+  cluster->started_workers_ = count;
   if (!scheduler.dashboard.empty()) {
     cluster->dashboard_url_ =
         fmt::format("http://{}/?token={}", scheduler.dashboard, session.token());
@@ -851,7 +886,7 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
         TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, cluster->client_->Info(2000));
         return info.alive_workers();
       },
-      options.cpu_workers, pids, workers, options.start_timeout_ms));
+      count, pids, workers, options.start_timeout_ms));
   return cluster;
 }
 
@@ -867,16 +902,8 @@ Status Cluster::AddLocalWorkers(int count) {
       LocalSession::Open(session_dir_, SessionProcesses{.binary = local_options_.tessera_binary,
                                                         .detached = false}));
   TESSERA_ASSIGN_OR_RETURN(ClusterInfo before, client_->Info(5000));
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const WorkerLaunch workers{
-      .scheduler = local_address_,
-      .count = count,
-      .threads = local_options_.threads_per_worker > 0
-                     ? local_options_.threads_per_worker
-                     : std::max(1, cores / std::max(1, local_options_.cpu_workers)),
-      .host_memory_mb = local_options_.host_capacity_bytes >> 20,
-      .tag = fmt::format("added{}", started_workers_),
-  };
+  const WorkerLaunch workers = LocalLaunch(local_options_, local_gpus_, local_address_, count,
+                                           fmt::format("added{}", started_workers_));
   started_workers_ += count;
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
   processes_.insert(processes_.end(), pids.begin(), pids.end());

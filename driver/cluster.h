@@ -13,7 +13,8 @@
 // the cluster; when the last copy of a reference is destroyed the object is released (freed on
 // the workers once no task needs it).
 //
-// Local clusters: StartLocal runs a scheduler and N worker processes on this machine (the
+// Local clusters: StartLocal runs a scheduler and N worker processes (CPU workers, or GPU workers
+// with LocalClusterOptions::gpu_workers) on this machine (the
 // `tessera` binary: LocalClusterOptions::tessera_binary, $TESSERA_BINARY, $TESSERA_BIN_DIR, next to
 // this executable, the installed SDK's bin directory, the configured install prefix's, then
 // $PATH) in a session directory
@@ -91,6 +92,12 @@ struct ConnectOptions {
 
 struct LocalClusterOptions {
   int cpu_workers = 2;
+  // GPU workers instead of CPU workers (when > 0; cpu_workers is then not used): worker i owns
+  // GPU i % (the GPUs `gpus` names: "all", or a list "0,1"), so several workers may share one
+  // GPU. Each opens its GPU with an allocator cap of gpu_memory_gib (0: the GPU's memory).
+  int gpu_workers = 0;
+  std::string gpus = "all";
+  double gpu_memory_gib = 0;
   int threads_per_worker = 0;  // 0: the machine's cores divided among the workers
   int64_t host_capacity_bytes = int64_t{4} << 30;  // per worker; beyond it objects spill to disk
   std::string session_dir;                         // default: a new directory under /tmp/tessera
@@ -249,6 +256,7 @@ class Cluster {
   std::vector<pid_t> processes_;
   // StartLocal's: how workers were started, and the scheduler's local address.
   LocalClusterOptions local_options_;
+  std::vector<int> local_gpus_;  // the GPUs a local cluster's GPU workers use; empty: CPU ones
   std::string local_address_;
   std::string dashboard_url_;
   int started_workers_ = 0;

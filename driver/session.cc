@@ -238,14 +238,22 @@ Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch
   std::vector<pid_t> pids;
   for (int i = 0; i < launch.count; ++i) {
     const std::string name = WorkerName(launch, i);
+    std::vector<std::string> command = {processes_.binary,  "worker",
+                                        "--address",        launch.scheduler,
+                                        "--token-file",     token_file(),
+                                        "--threads",        std::to_string(launch.threads),
+                                        "--host-memory-mb", std::to_string(launch.host_memory_mb),
+                                        "--spill-dir",      fmt::format("{}/spill-{}", dir_, name)};
+    if (!launch.gpus.empty()) {
+      command.insert(
+          command.end(),
+          {"--gpu", std::to_string(launch.gpus[static_cast<size_t>(i) % launch.gpus.size()]),
+           "--gpu-memory-gib", fmt::format("{}", launch.gpu_memory_gib)});
+    }
     Result<pid_t> pid =
-        SpawnProcess({processes_.binary, "worker", "--address", launch.scheduler, "--token-file",
-                      token_file(), "--threads", std::to_string(launch.threads), "--host-memory-mb",
-                      std::to_string(launch.host_memory_mb), "--spill-dir",
-                      fmt::format("{}/spill-{}", dir_, name)},
-                     SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir_, name),
-                                  .die_with_parent = !processes_.detached,
-                                  .new_session = processes_.detached});
+        SpawnProcess(command, SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir_, name),
+                                           .die_with_parent = !processes_.detached,
+                                           .new_session = processes_.detached});
     if (!pid.ok()) {
       for (pid_t started : pids) StopProcess(started, 1000);
       return pid.status();

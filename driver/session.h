@@ -94,6 +94,10 @@ struct WorkerLaunch {
   int threads = 0;  // each; 0: the worker's cores
   int64_t host_memory_mb = 4096;
   std::string tag;  // names logs and spill directories: worker-<tag>-<i>.log
+  // GPU workers: worker i owns GPU gpus[i % gpus.size()] (`tessera worker --gpu N`); empty: CPU
+  // workers. Several workers may share one GPU (each its own context and allocator cap).
+  std::vector<int> gpus;
+  double gpu_memory_gib = 0;  // each GPU worker's allocator cap; 0: the GPU's free memory
 };
 
 class LocalSession {

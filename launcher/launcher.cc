@@ -199,7 +199,12 @@ HostReport Launcher::StartNode(const NodeSpec& node, int missing, const std::str
                      std::to_string(node.threads) + " --host-memory-mb " +
                      std::to_string(node.host_memory_mb));
   }
-  if (node.gpus > 0) starts.push_back(command + " --gpus " + std::to_string(node.gpus));
+  if (node.gpus > 0) {  // one GPU worker on each of the node's first `gpus` GPUs
+    std::string list = "0";
+    for (int gpu = 1; gpu < node.gpus; ++gpu) list += "," + std::to_string(gpu);
+    starts.push_back(command + " --gpus " + list + " --threads " + std::to_string(node.threads) +
+                     " --host-memory-mb " + std::to_string(node.host_memory_mb));
+  }
   for (const std::string& start : starts) {
     Result<CommandOutcome> outcome = shell_.Run(node.address, user, start, token + "\n",
                                                 static_cast<int>(options_.command_timeout_ms));

@@ -42,6 +42,7 @@
 #include "core/rpc/address.h"
 #include "core/settings.h"
 #include "driver/cluster.h"
+#include "driver/gpu.h"
 #include "driver/process.h"
 #include "driver/session.h"
 #include "driver/trace.h"
@@ -281,6 +282,8 @@ struct WorkerFlags {
   int threads = 0;
   int64_t host_memory_mb = 4096;
   std::string spill_dir;
+  int gpu = -1;  // the GPU this worker owns; -1: a CPU worker
+  double gpu_memory_gib = 0;
 };
 
 int RunWorker(const WorkerFlags& flags) {
@@ -295,6 +298,15 @@ int RunWorker(const WorkerFlags& flags) {
   Result<tessera::OpRegistry> registry = tessera::MakeCpuOpRegistry();
   if (!registry.ok()) return Fail(registry.status());
   tessera::WorkerServiceOptions options;
+  if (flags.gpu >= 0) {
+    // Opened once: a worker that rejoins a restarted scheduler keeps its GPU.
+    Result<std::shared_ptr<tessera::DeviceRuntime>> gpu = tessera::OpenGpu(
+        flags.gpu, static_cast<int64_t>(flags.gpu_memory_gib * double(int64_t{1} << 30)));
+    if (!gpu.ok()) return Fail(gpu.status().WithContext(fmt::format("--gpu {}", flags.gpu)));
+    if (Status added = tessera::AddGpuKernels(*registry); !added.ok()) return Fail(added);
+    tessera::GetLogger("worker")->info("this worker owns {}", (*gpu)->Describe());
+    options.device = *std::move(gpu);
+  }
   options.scheduler = *parsed;
   options.token = *token;
   options.threads = flags.threads;
@@ -360,6 +372,7 @@ struct StartFlags {
   int64_t host_memory_mb = 4096;
   std::string token_file;
   std::string gpus;
+  double gpu_memory_gib = 0;
   bool no_restart = false;
   int dashboard_port = kDashboardPortFromSettings;
 };
@@ -399,12 +412,13 @@ int StartHead(const StartFlags& flags) {
 }
 
 int StartWorkers(const StartFlags& flags) {
+  std::vector<int> gpus;
   if (!flags.gpus.empty()) {
-    return Fail(tessera::Unavailable(
-        "--gpus {}: this build starts CPU workers only; GPU workers arrive with the CUDA "
-        "backend (use --cpu-workers)",
-        flags.gpus));
+    Result<std::vector<int>> resolved = tessera::ResolveGpus(flags.gpus);
+    if (!resolved.ok()) return Fail(resolved.status().WithContext("--gpus"));
+    gpus = *std::move(resolved);
   }
+  const int count = gpus.empty() ? flags.cpu_workers : static_cast<int>(gpus.size());
   Result<std::string> address = ResolveAddress(flags.address);
   if (!address.ok()) return Fail(address.status());
   Result<tessera::LocalSession> session = tessera::LocalSession::ForToken(
@@ -415,10 +429,12 @@ int StartWorkers(const StartFlags& flags) {
   Result<tessera::ClusterInfo> before = (*admin)->Info();
   if (!before.ok()) return Fail(before.status());
   const tessera::WorkerLaunch launch{.scheduler = *address,
-                                     .count = flags.cpu_workers,
+                                     .count = count,
                                      .threads = flags.threads,
                                      .host_memory_mb = flags.host_memory_mb,
-                                     .tag = std::to_string(::getpid())};
+                                     .tag = std::to_string(::getpid()),
+                                     .gpus = gpus,
+                                     .gpu_memory_gib = flags.gpu_memory_gib};
   Result<std::vector<pid_t>> pids = session->StartWorkers(launch);
   if (!pids.ok()) return Fail(pids.status());
   int alive = 0;
@@ -428,10 +444,10 @@ int StartWorkers(const StartFlags& flags) {
         alive = info.alive_workers();
         return alive;
       },
-      before->alive_workers() + flags.cpu_workers, *pids, launch, 10'000);
+      before->alive_workers() + count, *pids, launch, gpus.empty() ? 10'000 : 60'000);
   if (!joined.ok()) return Fail(joined);
-  std::printf("%d worker(s) joined %s; %d alive in total. Logs in %s\n", flags.cpu_workers,
-              address->c_str(), alive, session->dir().c_str());
+  std::printf("%d %s worker(s) joined %s; %d alive in total. Logs in %s\n", count,
+              gpus.empty() ? "CPU" : "GPU", address->c_str(), alive, session->dir().c_str());
   return 0;
 }
 
@@ -651,7 +667,13 @@ int main(int argc, char** argv) {
                    "Workers: host-tier capacity each, beyond which objects spill to disk")
       ->check(CLI::PositiveNumber);
   start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
-  start_cmd->add_option("--gpus", start.gpus, "Workers: GPUs to use (all or 0,1,...)");
+  start_cmd->add_option("--gpus", start.gpus,
+                        "Workers: start one GPU worker per GPU listed (all, or 0,1,...) instead "
+                        "of CPU workers");
+  start_cmd
+      ->add_option("--gpu-memory-gib", start.gpu_memory_gib,
+                   "Workers, with --gpus: each GPU worker's allocator cap (0: the GPU's memory)")
+      ->check(CLI::NonNegativeNumber);
 
   std::string status_address, status_token;
   CLI::App* status_cmd = app.add_subcommand("status", "Show workers, memory and tasks");
@@ -729,6 +751,12 @@ int main(int argc, char** argv) {
   worker_cmd->add_option("--threads", worker.threads)->check(CLI::NonNegativeNumber);
   worker_cmd->add_option("--host-memory-mb", worker.host_memory_mb)->check(CLI::PositiveNumber);
   worker_cmd->add_option("--spill-dir", worker.spill_dir);
+  worker_cmd->add_option("--gpu", worker.gpu, "The GPU this worker owns (-1: a CPU worker)")
+      ->check(CLI::Range(-1, 1023));
+  worker_cmd
+      ->add_option("--gpu-memory-gib", worker.gpu_memory_gib,
+                   "With --gpu: the allocator's cap (0: the GPU's memory)")
+      ->check(CLI::NonNegativeNumber);
 
   try {
     app.parse(argc, argv);

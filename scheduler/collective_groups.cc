@@ -51,6 +51,10 @@ Status CollectiveGroups::OnJoin(WorkerId from, proto::CollectiveJoin::Reader joi
             Unavailable("{} (rank {} of collective group {}) is dead: the group cannot form again",
                         describe_(group.members[r]), r, join.getGroup()))) {
       SendVerdict(join.getGroup(), group);
+    } else {
+      // Decided when another member joined this epoch: this one may have been at the old
+      // epoch then (and ignored it), so it gets the verdict now.
+      SendVerdictTo(from, join.getGroup(), group);
     }
     return Status::Ok();
   }
@@ -88,6 +92,7 @@ Status CollectiveGroups::OnFailed(WorkerId from, proto::CollectiveFailed::Reader
         "{} reported a failure of collective group {}, of which it is not a member",
         from.ToString(), failed.getGroup());
   }
+  if (failed.getEpoch() != group.epoch) return Status::Ok();  // about a formation gone by
   const int size = static_cast<int>(group.members.size());
   const int silent_peer =
       failed.getSilentPeer() >= 0 && failed.getSilentPeer() < size ? failed.getSilentPeer() : -1;
@@ -122,15 +127,19 @@ void CollectiveGroups::Tick(Clock::time_point now) {
 }
 
 void CollectiveGroups::SendVerdict(uint64_t key, const Group& group) {
-  const Status& verdict = group.verdict.verdict();
-  GetLogger("scheduler")->warn("collective group {} failed: {}", key, verdict.ToString());
-  for (WorkerId member : group.members) {
-    capnp::MallocMessageBuilder message;
-    auto abort = message.initRoot<proto::Envelope>().initBody().initCollectiveAbort();
-    abort.setGroup(key);
-    rpc::ToWire(verdict, abort.initError());
-    outbox_->Send(member, message);
-  }
+  GetLogger("scheduler")
+      ->warn("collective group {} (epoch {}) failed: {}", key, group.epoch,
+             group.verdict.verdict().ToString());
+  for (WorkerId member : group.members) SendVerdictTo(member, key, group);
+}
+
+void CollectiveGroups::SendVerdictTo(WorkerId member, uint64_t key, const Group& group) {
+  capnp::MallocMessageBuilder message;
+  auto abort = message.initRoot<proto::Envelope>().initBody().initCollectiveAbort();
+  abort.setGroup(key);
+  abort.setEpoch(group.epoch);
+  rpc::ToWire(group.verdict.verdict(), abort.initError());
+  outbox_->Send(member, message);
 }
 
 std::vector<WorkerId> CollectiveGroups::MissingJoins(uint64_t key) const {

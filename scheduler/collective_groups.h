@@ -21,6 +21,13 @@
 //   collective of a failed step, reaching it first) gets the verdict at once instead of waiting
 //   for the member until the formation deadline.
 //
+//   Epochs. A verdict is about one formation: it carries the group's epoch, and a member that
+//   formed the group again since ignores it; a report from an older formation is ignored here.
+//   A graph instance that fails aborts every group its collectives use (GraphRegistry), so every
+//   member drops that formation — the one whose collective was cut short and the one whose
+//   collective had already finished alike — and the group's next collective (a replay's) forms
+//   it afresh on all of them, instead of meeting a communicator aborted or kept on one side only.
+//
 // Thread safety: none; the scheduler's io thread drives it (like SchedulerCore).
 #pragma once
 
@@ -64,8 +71,9 @@ class CollectiveGroups {
   Status OnJoin(WorkerId from, proto::CollectiveJoin::Reader join);
   Status OnFailed(WorkerId from, proto::CollectiveFailed::Reader failed, Clock::time_point now);
   void WorkerDied(WorkerId worker, const Status& reason);
-  // A member task of the group failed outside the collective (on its worker, before it ran):
-  // the others cannot complete, so the group fails with `reason`.
+  // A member task of the group failed outside the collective (on its worker, before it ran), or
+  // a graph instance with collectives of the group failed: the group's current formation fails
+  // with `reason` (no-op if it already has a verdict).
   void Abort(uint64_t group, const Status& reason);
   // Decides the verdicts whose window has passed.
   void Tick(Clock::time_point now);
@@ -82,8 +90,10 @@ class CollectiveGroups {
     FailureVerdict verdict;  // the group's failure, until a new epoch forms it again
   };
 
-  // Tells every member the verdict just decided.
+  // Tells every member the verdict just decided (with the epoch it is about: a member that
+  // formed the group again since ignores it).
   void SendVerdict(uint64_t key, const Group& group);
+  void SendVerdictTo(WorkerId member, uint64_t key, const Group& group);
 
   Outbox* outbox_;
   Describe describe_;

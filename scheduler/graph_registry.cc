@@ -121,6 +121,7 @@ Status GraphRegistry::AssignCollectives(GraphEntry& graph) {
     std::vector<WorkerId> workers;
     for (size_t t : slots) workers.push_back(graph.task_worker[t]);
     const uint64_t group = groups_->GroupFor(workers);
+    graph.groups.insert(group);
     for (size_t t : slots) {
       graph.tasks[t].attrs.Set(kGroupAttr, static_cast<int64_t>(group));
       graph.tasks[t].attrs.Set(kPositionAttr, next_position[graph.task_worker[t]]++);
@@ -145,7 +146,7 @@ Result<std::map<uint64_t, const ObjectEntry*>> GraphRegistry::Bind(
           graph.objects[local - 1].name, graph.id);
     } else if (!object->error.ok()) {
       error = object->error;
-    } else if (object->spec.meta != graph.objects[local - 1].meta) {
+    } else if (!object->spec.meta.BindsTo(graph.objects[local - 1].meta)) {
       error = InvalidArgument(
           "input '{}' of graph {} is {} but was bound to {}", graph.objects[local - 1].name,
           graph.id, graph.objects[local - 1].meta.ToString(), object->spec.meta.ToString());
@@ -264,6 +265,12 @@ void GraphRegistry::FailInstance(InstanceEntry& instance, WorkerId skip, const S
     if (worker != skip) {
       SendCancelInstance(*outbox_, worker, instance.graph, instance.instance, error);
     }
+  }
+  // Every member of the instance's groups drops the formation, also where its part of the
+  // collective had finished: the next collective of the group forms it again on all of them
+  // (after the cancels above, on each worker's ordered connection).
+  if (auto graph = graphs_.find(instance.graph); graph != graphs_.end()) {
+    for (uint64_t group : graph->second.groups) groups_->Abort(group, error);
   }
 }
 

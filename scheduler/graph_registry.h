@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -82,6 +83,7 @@ class GraphRegistry {
     std::vector<WorkerId> workers;  // involved, ascending
     std::vector<ObjectId> inputs;   // graph-local ids of objects no task produces
     std::vector<ObjectId> outputs;  // graph-local ids returned to the driver
+    std::set<uint64_t> groups;      // the collective groups its collectives use
   };
   struct InstanceEntry {
     uint64_t graph = 0;

@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 gpu_binaries=(cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test
-  cuda_gpt2_test bench_gpt2_cuda bench_cuda_layers train_gpt2)
+  cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
 
 stage() {
   scripts/install_deps.sh >/dev/null
@@ -58,8 +58,10 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
   if [[ "$part" == all || "$part" == tests ]]; then
     # The gpu-labelled tests (tests/CMakeLists.txt), each binary whole.
+    # gpu_workers_test starts train_gpt2 and tessera (GPU worker processes) from .gpu/bin.
+    export TESSERA_TEST_BIN_DIR="$PWD/.gpu/bin"
     for test in cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test \
-      cuda_gpt2_test; do
+      cuda_gpt2_test gpu_workers_test; do
       echo "== $test"
       timeout 300 .gpu/bin/$test --gtest_brief=1 2>&1 | tee "$out/$test.txt" | tail -n 25 || true
     done
@@ -115,7 +117,7 @@ run() {
 summarize() {
   local out="$1"
   echo "== summary ($out)"
-  for f in "$out"/cuda_*_test.txt "$out"/nccl_communicator_test.txt; do
+  for f in "$out"/cuda_*_test.txt "$out"/nccl_communicator_test.txt "$out"/gpu_workers_test.txt; do
     [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$f" |
       tr '\n' ' ')"
   done

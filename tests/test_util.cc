@@ -177,7 +177,9 @@ std::string SourcePath(const std::string& relative) {
 }
 
 std::string BinaryPath(const std::string& name) {
-  return std::string(TESSERA_BIN_DIR) + "/" + name;
+  // Tests run from a staged copy elsewhere (scripts/gpu_check.sh) are told where the binaries are.
+  const char* staged = std::getenv("TESSERA_TEST_BIN_DIR");
+  return std::string(staged != nullptr && *staged != '\0' ? staged : TESSERA_BIN_DIR) + "/" + name;
 }
 
 ProcessResult RunBinary(const std::string& binary, const std::string& arguments) {

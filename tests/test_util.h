@@ -86,7 +86,7 @@ struct ReferenceTensor {
 };
 Result<std::map<std::string, ReferenceTensor>> ReadReferenceFile(const std::string& path);
 
-// Absolute paths: the source tree and build/bin.
+// Absolute paths: the source tree and build/bin ($TESSERA_TEST_BIN_DIR instead where set).
 std::string SourcePath(const std::string& relative);
 std::string BinaryPath(const std::string& name);
 

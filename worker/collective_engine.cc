@@ -6,6 +6,7 @@
 #include "core/logging.h"
 #include "core/rpc/wire.h"
 #include "core/timeline.h"
+#include "worker/task_runner.h"
 
 namespace tessera {
 
@@ -83,6 +84,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
     rpc::ToWire(reason, failed.initError());
     failed.setSilentMs(silent_ms);
     failed.setSilentPeer(silent_peer);
+    failed.setEpoch(epoch_);
     send_(message);
     std::unique_lock lock(mutex_);
     changed_.wait_for(lock, kVerdictWait, [&] { return !failure_.ok(); });
@@ -122,8 +124,12 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
   FailureHandler handler_;
 };
 
-CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send)
-    : settings_(settings), send_(std::move(send)), thread_([this] { Loop(); }) {}
+CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send,
+                                   KernelContext copier)
+    : settings_(settings),
+      send_(std::move(send)),
+      copier_(std::move(copier)),
+      thread_([this] { Loop(); }) {}
 
 void CollectiveEngine::Stop() {
   {
@@ -184,6 +190,7 @@ void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
       auto group = groups_.find(running_group_);
       if (group != groups_.end() && group->second.communicator) {
         group->second.communicator->Abort(reason);
+        group->second.aborted = true;
       } else if (group != groups_.end()) {
         forming = group->second.rendezvous;  // still forming: that stops too
       }
@@ -211,15 +218,33 @@ void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
   rendezvous->Deliver(peers.getRound(), std::move(blobs));
 }
 
-void CollectiveEngine::OnAbort(uint64_t group, const Status& reason) {
+void CollectiveEngine::OnAbort(uint64_t group, uint32_t epoch, const Status& reason) {
   std::shared_ptr<SchedulerRendezvous> rendezvous;
+  std::unique_ptr<Communicator> idle;  // destroyed outside the lock
   {
     std::lock_guard lock(mutex_);
+    Group& entry = groups_[group];
+    if (entry.rendezvous && entry.rendezvous->epoch() > epoch) {
+      GetLogger("worker")->info(
+          "collective group {}: ignored a verdict about epoch {} (formed as epoch {} since): {}",
+          group, epoch, entry.rendezvous->epoch(), reason.ToString());
+      return;
+    }
+    // The next formation comes after the one judged, also where this worker never joined it
+    // (its collective had not started): every member then forms the group at the same epoch.
+    entry.epoch = std::max(entry.epoch, epoch);
+    if (!entry.rendezvous) return;
     auto it = groups_.find(group);
-    if (it == groups_.end() || !it->second.rendezvous) return;
     rendezvous = it->second.rendezvous;
+    if (running_group_ == group) {
+      it->second.aborted = true;  // Run drops it when the collective returns
+    } else {
+      idle = std::move(it->second.communicator);
+      it->second.rendezvous.reset();
+    }
   }
-  GetLogger("worker")->warn("collective group {} aborted: {}", group, reason.ToString());
+  GetLogger("worker")->warn("collective group {} (epoch {}) aborted: {}", group, epoch,
+                            reason.ToString());
   rendezvous->Fail(reason);  // aborts the communicator's transport (a collective in progress)
 }
 
@@ -258,6 +283,12 @@ void CollectiveEngine::Loop() {
       next = std::move(item->second);
       stream.queued.erase(item);
       ++stream.next;
+      if (!stream.failed.ok()) {
+        const Status failed = stream.failed;
+        lock.unlock();
+        next.done(failed);
+        continue;
+      }
       running_stream_ = chosen;
       running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
       const Attrs& attrs = next.member.attrs;
@@ -285,6 +316,10 @@ void CollectiveEngine::Loop() {
       in_progress_ = CollectiveInProgress{};
       ++stats_.collectives_run;
       sent = stats_.bytes_sent - sent_before;
+      auto stream = streams_.find(running_stream_);
+      if (!status.ok() && running_stream_ != kDynamicStream && stream != streams_.end()) {
+        stream->second.failed = status;
+      }
     }
     if (next.member.on_ran && !next.member.op.empty()) {
       next.member.on_ran(started_us, ended_us, sent);
@@ -308,6 +343,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
       return group.communicator.get();
     }
     group.rendezvous = std::make_shared<SchedulerRendezvous>(key, ++group.epoch, rank, size, send_);
+    group.aborted = false;  // about the formation this one replaces
     rendezvous = group.rendezvous;
     in_progress_.forming = true;
   }
@@ -340,8 +376,22 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
       Communicator * communicator,
       CommunicatorFor(static_cast<uint64_t>(key), static_cast<int>(rank), static_cast<int>(size)));
   const int64_t sent_before = communicator->bytes_sent();
-  const Tensor& out = member.outputs.at(0);
-  const Tensor& in = member.inputs.at(0);
+  const Tensor& device_out = member.outputs.at(0);
+  // Device buffers cross the host communicator through host copies: the input, and the output
+  // where it holds the input already (in place, or a broadcast's root); the result goes back.
+  const bool staged =
+      !device_out.meta().device.is_cpu() || !member.inputs.at(0).meta().device.is_cpu();
+  const bool out_holds_input =
+      member.op == "all_reduce" || member.op == "all_gather_in_place" || member.op == "broadcast";
+  TESSERA_ASSIGN_OR_RETURN(Tensor in, HostCopyOf(member.inputs.at(0), copier_));
+  Tensor out = device_out;
+  if (staged) {
+    if (out_holds_input) {
+      TESSERA_ASSIGN_OR_RETURN(out, HostCopyOf(device_out, copier_));
+    } else {
+      TESSERA_ASSIGN_OR_RETURN(out, Tensor::Empty(OnHost(device_out.meta()), copier_.allocator));
+    }
+  }
   Status status;
   if (member.op == "all_reduce") {
     TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
@@ -365,13 +415,16 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
   } else {
     return InvalidArgument("{} is not a collective op", member.op);
   }
+  if (status.ok() && staged) status = CopyTensor(device_out, out, copier_);
   std::lock_guard lock(mutex_);
   stats_.bytes_sent += communicator->bytes_sent() - sent_before;
-  if (!status.ok()) {
-    // The communicator is broken now; the group forms again at its next collective.
-    Group& group = groups_[static_cast<uint64_t>(key)];
+  Group& group = groups_[static_cast<uint64_t>(key)];
+  if (!status.ok() || group.aborted) {
+    // The communicator is broken, or aborted as this collective finished (it would fail every
+    // later call): the group forms again at its next collective.
     group.communicator.reset();
     group.rendezvous.reset();
+    group.aborted = false;
   }
   return status;
 }

@@ -12,13 +12,19 @@
 // Communicators. One per collective group (the workers of a collective, in rank order), formed
 // the first time the group meets, with the scheduler as rendezvous (CollectiveJoin /
 // CollectivePeers), and reused by every later collective of that group. Host buffers go over
-// the UCX communicator (collectives/ucx_communicator.h).
+// the UCX communicator (collectives/ucx_communicator.h); a GPU worker's device buffers cross it
+// through host copies (in, then the result back), on the engine's thread.
 //
 // Failures. The scheduler is every group's watcher: when a member dies, or members report a
 // peer silent past collective_timeout_ms, it sends the group's verdict (CollectiveAbort) and
 // the collective in progress fails at once on every member with that one message, naming the
 // worker. A failed group's communicator is dropped; the next collective of the group forms it
-// again (a new epoch).
+// again (a new epoch). A verdict names the epoch it is about: one about a formation this worker
+// has since replaced is ignored; one about a later formation than this worker's (which it never
+// joined) moves its next formation past it, so all members form again at one epoch. A verdict for a
+// group with no collective in progress drops its communicator (the next one forms it again); one
+// that lands as a collective finishes drops it after that collective — an aborted communicator is
+// never used again.
 //
 // Thread safety: Submit, EndStream and the scheduler's messages from any thread; `done`
 // callbacks run on the engine's thread.
@@ -44,6 +50,7 @@
 #include "core/settings.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "ops/op_registry.h"
 
 namespace tessera {
 
@@ -80,10 +87,12 @@ struct CollectiveInProgress {
 class CollectiveEngine {
  public:
   using StreamId = std::pair<uint64_t, uint64_t>;  // (graph, instance); (0, 0): dynamic tasks
+  static constexpr StreamId kDynamicStream{0, 0};
   using Done = std::function<void(const Status&)>;
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
 
-  CollectiveEngine(const Settings& settings, SendToScheduler send);
+  // `copier` moves device buffers to and from the host (a GPU worker's; task_runner.h).
+  CollectiveEngine(const Settings& settings, SendToScheduler send, KernelContext copier = {});
   ~CollectiveEngine();
 
   // Queues a member; it runs once every earlier position of its stream has. `done` gets its
@@ -101,7 +110,7 @@ class CollectiveEngine {
 
   // From the scheduler (any thread).
   void OnPeers(proto::CollectivePeers::Reader peers);
-  void OnAbort(uint64_t group, const Status& reason);
+  void OnAbort(uint64_t group, uint32_t epoch, const Status& reason);
 
   CollectiveEngineStats stats() const;
   // What the engine's thread is doing now (any thread; cheap: a copy under the mutex).
@@ -116,11 +125,18 @@ class CollectiveEngine {
   struct Stream {
     int64_t next = 0;
     std::map<int64_t, Queued> queued;  // by position
+    // A graph instance's first failed member: its instance fails, so its later members fail
+    // with this at once instead of forming a group the other members will never join (which
+    // would also move this worker's epoch of that group past theirs).
+    Status failed;
   };
   struct Group {
     uint32_t epoch = 0;
     std::shared_ptr<SchedulerRendezvous> rendezvous;
     std::unique_ptr<Communicator> communicator;
+    // Aborted while its collective ran: dropped when that collective returns, whatever it
+    // returned (an aborted communicator fails every later call).
+    bool aborted = false;
   };
 
   void Loop();
@@ -129,6 +145,7 @@ class CollectiveEngine {
 
   const Settings settings_;
   SendToScheduler send_;
+  const KernelContext copier_;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

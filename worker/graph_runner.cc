@@ -8,6 +8,7 @@
 
 #include "core/logging.h"
 #include "core/rpc/wire.h"
+#include "worker/task_runner.h"
 
 namespace tessera {
 
@@ -212,7 +213,7 @@ void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
           tensor = InvalidArgument("push of {} bytes for {} ({})", early->bytes.size(),
                                    part->objects[key.object - 1].name, meta.ToString());
         } else {
-          tensor = Tensor::Empty(meta, executor_.allocator());
+          tensor = Tensor::Empty(OnHost(meta), executor_.allocator());
           if (tensor.ok())
             std::memcpy(tensor->raw_data(), early->bytes.data(), early->bytes.size());
         }
@@ -252,7 +253,7 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
       if (!local.valid()) continue;  // another worker's input
       const TensorMeta& meta = part->local.object(local).meta;
       const auto data = input.getInline();
-      Result<Tensor> tensor = Tensor::Empty(meta, executor_.allocator());
+      Result<Tensor> tensor = Tensor::Empty(OnHost(meta), executor_.allocator());
       if (!tensor.ok() || static_cast<int64_t>(data.size()) != meta.bytes()) {
         instance->error =
             InvalidArgument("inline input {} does not match {}", input.getId(), meta.ToString());
@@ -348,7 +349,7 @@ Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
     return InvalidArgument("push of {} bytes for {} ({})", bytes,
                            it->second->objects[key.object - 1].name, meta.ToString());
   }
-  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(meta, executor_.allocator()));
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(OnHost(meta), executor_.allocator()));
   void* dest = tensor.raw_data();
   incoming_[key] = std::move(tensor);
   return dest;
@@ -487,6 +488,13 @@ void GraphRunner::RunInstance(Instance& instance) {
                                                                      const Tensor& tensor) {
     const auto& consumers = part->exports.at(local);
     const PushKey push_key{key.first, key.second, part->graph_of[local.value() - 1].value()};
+    // A GPU's object goes out from a host copy (once for every consumer).
+    Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());
+    if (!host.ok()) {
+      std::lock_guard lock(outstanding->mutex);
+      if (outstanding->error.ok()) outstanding->error = host.status().WithContext("pushing");
+      return;
+    }
     for (const std::string& address : consumers) {
       {
         std::lock_guard lock(outstanding->mutex);
@@ -497,7 +505,7 @@ void GraphRunner::RunInstance(Instance& instance) {
       const WorkerSpans::Push span{
           push_key.object, destination == part->worker_of_address.end() ? 0 : destination->second,
           SystemMicrosNow(), 0, tensor.bytes()};
-      data_plane_->Push(address, push_key, tensor.raw_data(), tensor.bytes(), tensor.buffer(),
+      data_plane_->Push(address, push_key, host->raw_data(), host->bytes(), host->buffer(),
                         [outstanding, finish_if_done, address, span](const Status& status) {
                           {
                             std::lock_guard lock(outstanding->mutex);
@@ -530,7 +538,7 @@ void GraphRunner::RunInstance(Instance& instance) {
   };
   // Remote bound inputs are pulled meanwhile and arrive like pushes.
   for (const Instance::Pull& pull : instance.pulls) {
-    Result<Tensor> tensor = Tensor::Empty(pull.meta, executor_.allocator());
+    Result<Tensor> tensor = Tensor::Empty(OnHost(pull.meta), executor_.allocator());
     if (!tensor.ok()) return Report(key, tensor.status(), {});
     auto destination = std::make_shared<Tensor>(*std::move(tensor));
     data_plane_->Pull(pull.address, pull.cluster, destination->raw_data(), destination->bytes(),
@@ -630,7 +638,13 @@ void GraphRunner::Report(const Key& key, const Status& error,
     if (!status.ok()) break;
     std::string data;
     if (tensor.bytes() <= settings_.inline_object_bytes) {
-      data.assign(static_cast<const char*>(tensor.raw_data()), static_cast<size_t>(tensor.bytes()));
+      Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());  // a GPU's loss, say
+      if (!host.ok()) {
+        status =
+            host.status().WithContext("reporting an output of graph " + std::to_string(key.first));
+        break;
+      }
+      data.assign(static_cast<const char*>(host->raw_data()), static_cast<size_t>(host->bytes()));
     }
     const int64_t bytes = tensor.bytes();
     Status put = store_.Put(id, std::move(tensor));

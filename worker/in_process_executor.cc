@@ -135,12 +135,9 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
                              bound.ToString(), spec.meta.ToString());
     }
     if (bound.device.kind != spec.meta.device.kind) {  // e.g. a host batch for a GPU graph
-      const KernelContext copier{allocator_, 0, &registry_, options_.device.get()};
-      Result<Tensor> moved = AllocateOn(spec.meta, copier);
+      Result<Tensor> moved = MoveTo(spec.meta, it->second, Copier());
       if (!moved.ok())
         return moved.status().WithContext(fmt::format("graph input '{}'", spec.name));
-      Status copied = CopyTensor(*moved, it->second, copier);
-      if (!copied.ok()) return copied.WithContext(fmt::format("graph input '{}'", spec.name));
       it->second = *std::move(moved);
     }
     slots[index] = std::move(it->second);
@@ -480,9 +477,15 @@ Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
   if (!id.valid() || index >= graph.num_objects() || !run.awaited[index]) {
     return InvalidArgument("{} is not an awaited input of the run", id.ToString());
   }
-  if (tensor.meta() != graph.object(id).meta) {
+  const TensorMeta& expected = graph.object(id).meta;
+  if (tensor.meta().shape != expected.shape || tensor.dtype() != expected.dtype) {
     return InvalidArgument("{} arrived as {} but the graph expects {}", graph.object(id).name,
-                           tensor.meta().ToString(), graph.object(id).meta.ToString());
+                           tensor.meta().ToString(), expected.ToString());
+  }
+  if (tensor.meta().device.kind != expected.device.kind) {  // bytes from the network, for a GPU
+    Result<Tensor> moved = MoveTo(expected, std::move(tensor), Copier());
+    if (!moved.ok()) return moved.status().WithContext(graph.object(id).name);
+    tensor = *std::move(moved);
   }
   std::vector<int> ready;
   {

@@ -155,9 +155,10 @@ class InProcessExecutor {
   // leave it intact), so a caller that moved its state in can take it back.
   Result<RunResult> Run(const PreparedGraph& prepared, ObjectMap inputs,
                         ObjectMap* intact_inputs = nullptr, const RunHooks* hooks = nullptr);
-  // During a Run with late inputs, from any thread: delivers one. InvalidArgument for an object
-  // that is not an awaited late input or has the wrong meta; FailedPrecondition-like
-  // Unavailable when no run is in progress.
+  // During a Run with late inputs, from any thread: delivers one (a host tensor for an object
+  // on the GPU is copied there). InvalidArgument for an object that is not an awaited late input
+  // or has the wrong shape or dtype; FailedPrecondition-like Unavailable when no run is in
+  // progress.
   Status Provide(ObjectId id, Tensor tensor);
   // Makes the run in progress fail with `reason` (no new tasks start); a no-op when none runs.
   void Cancel(const Status& reason);
@@ -176,6 +177,9 @@ class InProcessExecutor {
   const std::shared_ptr<Allocator>& allocator() const { return allocator_; }
   const std::shared_ptr<DeviceRuntime>& device() const { return options_.device; }
   int threads() const { return threads_; }
+  // A context for moving tensors between the host and this executor's GPU (task_runner.h's
+  // MoveTo / HostCopyOf).
+  KernelContext Copier() const { return {allocator_, 0, &registry_, options_.device.get()}; }
 
  private:
   const OpRegistry& registry_;

@@ -79,6 +79,11 @@ Status ObjectStore::Put(ObjectId id, Tensor tensor) {
   Entry entry;
   entry.meta = tensor.meta();
   entry.tensor = std::move(tensor);
+  if (!entry.meta.device.is_cpu()) {  // the device tier: not in the LRU, never spilled
+    entries_.emplace(id, std::move(entry));
+    device_bytes_ += bytes;
+    return Status::Ok();
+  }
   Status room = MakeRoom(bytes);
   auto [it, inserted] = entries_.emplace(id, std::move(entry));
   lru_.push_front(id);
@@ -176,6 +181,10 @@ Result<PinnedObject> ObjectStore::Get(ObjectId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   Entry& entry = it->second;
+  if (!entry.meta.device.is_cpu()) {
+    ++entry.pins;
+    return PinnedObject(this, id, entry.tensor);
+  }
   if (!entry.tensor.defined()) {
     const int64_t bytes = entry.meta.bytes();
     TESSERA_RETURN_IF_ERROR(MakeRoom(bytes).WithContext("restoring " + id.ToString()));
@@ -205,7 +214,9 @@ Status ObjectStore::Delete(ObjectId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   Entry& entry = it->second;
-  if (entry.tensor.defined()) {
+  if (!entry.meta.device.is_cpu()) {
+    device_bytes_ -= entry.meta.bytes();
+  } else if (entry.tensor.defined()) {
     host_bytes_ -= entry.tensor.bytes();
     lru_.erase(entry.lru);
   } else {
@@ -225,6 +236,7 @@ Result<StorageTier> ObjectStore::TierOf(ObjectId id) const {
   std::lock_guard lock(mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
+  if (!it->second.meta.device.is_cpu()) return StorageTier::kDevice;
   return it->second.tensor.defined() ? StorageTier::kHost : StorageTier::kDisk;
 }
 
@@ -232,7 +244,8 @@ ObjectStoreStats ObjectStore::stats() const {
   std::lock_guard lock(mutex_);
   return ObjectStoreStats{host_bytes_,    options_.host_capacity_bytes,
                           spilled_bytes_, static_cast<int64_t>(entries_.size()),
-                          spills_,        restores_};
+                          spills_,        restores_,
+                          device_bytes_};
 }
 
 }  // namespace tessera

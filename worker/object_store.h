@@ -3,7 +3,11 @@
 //
 // Tiers: the host tier holds objects as Tensors and is capped at `host_capacity_bytes`; the disk
 // tier holds spilled objects as one file each in `spill_dir` (written atomically, checked on
-// restore). The device tier arrives with the CUDA backend; the tier enum leaves room for it.
+// restore). The device tier holds a GPU worker's objects that live on its GPU (parameters,
+// optimizer state, activations kept between instances) where its plan put them: they count
+// toward the GPU allocator's cap, not the host tier's, and are never spilled (moving them off
+// the GPU is a task of the plan: the `copy` transfer op). Get hands them out as they are;
+// whoever needs their bytes on the host copies them (worker/task_runner.h: HostCopyOf).
 //
 // Policy: when an object must enter the host tier (Put, or a restore for Get) and does not fit,
 // the least recently used unpinned objects are spilled until it does. An object is pinned while
@@ -33,7 +37,7 @@
 
 namespace tessera {
 
-enum class StorageTier : uint8_t { kHost, kDisk };
+enum class StorageTier : uint8_t { kHost, kDisk, kDevice };
 
 struct ObjectStoreOptions {
   int64_t host_capacity_bytes = int64_t{1} << 40;
@@ -45,8 +49,9 @@ struct ObjectStoreStats {
   int64_t host_capacity_bytes = 0;
   int64_t spilled_bytes = 0;
   int64_t objects = 0;
-  int64_t spills = 0;    // objects written to disk so far
-  int64_t restores = 0;  // objects read back so far
+  int64_t spills = 0;        // objects written to disk so far
+  int64_t restores = 0;      // objects read back so far
+  int64_t device_bytes = 0;  // objects in the device tier
 };
 
 class ObjectStore;
@@ -76,9 +81,11 @@ class ObjectStore {
   ObjectStore(ObjectStoreOptions options, std::shared_ptr<Allocator> allocator);
   ~ObjectStore();
 
-  // Adds a sealed object. AlreadyExists for a duplicate id; errors from spilling otherwise.
+  // Adds a sealed object: a device tensor to the device tier, a host one to the host tier.
+  // AlreadyExists for a duplicate id; errors from spilling otherwise.
   Status Put(ObjectId id, Tensor tensor);
-  // The object in host memory (restored from disk if spilled), pinned while the handle lives.
+  // The object in host memory (restored from disk if spilled), or in the device tier as it is;
+  // pinned while the handle lives.
   // NotFound for an unknown id; DataLoss for a damaged spill file; ResourceExhausted when it
   // cannot be brought into the host tier.
   Result<PinnedObject> Get(ObjectId id);
@@ -92,7 +99,7 @@ class ObjectStore {
   friend class PinnedObject;
   struct Entry {
     TensorMeta meta;
-    Tensor tensor;           // defined while in the host tier
+    Tensor tensor;           // defined while in the host or the device tier
     std::string spill_path;  // non-empty while on disk
     int pins = 0;
     std::list<ObjectId>::iterator lru;  // position in lru_ while in the host tier
@@ -111,6 +118,7 @@ class ObjectStore {
   std::unordered_map<ObjectId, Entry> entries_;
   std::list<ObjectId> lru_;  // host-tier objects, most recently used at the front
   int64_t host_bytes_ = 0;
+  int64_t device_bytes_ = 0;
   int64_t spilled_bytes_ = 0;
   int64_t spills_ = 0;
   int64_t restores_ = 0;

@@ -72,6 +72,25 @@ Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& con
   return context.device->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
 }
 
+TensorMeta OnHost(TensorMeta meta) {
+  meta.device = Device::Cpu();
+  return meta;
+}
+
+Result<Tensor> MoveTo(const TensorMeta& meta, Tensor tensor, const KernelContext& context) {
+  if (tensor.meta().shape != meta.shape || tensor.dtype() != meta.dtype) {
+    return InvalidArgument("{} cannot stand for {}", tensor.meta().ToString(), meta.ToString());
+  }
+  if (tensor.meta().device.kind == meta.device.kind) return tensor;
+  TESSERA_ASSIGN_OR_RETURN(Tensor moved, AllocateOn(meta, context));
+  TESSERA_RETURN_IF_ERROR(CopyTensor(moved, tensor, context));
+  return moved;
+}
+
+Result<Tensor> HostCopyOf(const Tensor& tensor, const KernelContext& context) {
+  return MoveTo(OnHost(tensor.meta()), tensor, context);
+}
+
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
                                           const std::vector<Tensor>& inputs,
                                           const std::vector<TensorMeta>& output_metas,

@@ -40,6 +40,16 @@ Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context);
 // Copies src's bytes into dst across devices (host, the context's GPU). REQUIRES: same bytes.
 Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& context);
 
+// The same shape and dtype on the host: where bytes from the network land (a GPU worker's pulled,
+// pushed or inline inputs; the executor moves them to the device when it takes them).
+TensorMeta OnHost(TensorMeta meta);
+// `tensor` where `meta` says it lives: itself when it is there already, else a copy across
+// devices. InvalidArgument when shape or dtype differ (naming both).
+Result<Tensor> MoveTo(const TensorMeta& meta, Tensor tensor, const KernelContext& context);
+// `tensor` in host memory: itself, or a copy of a device tensor (what a GPU worker serves,
+// pushes, reports inline or sends through a host communicator).
+Result<Tensor> HostCopyOf(const Tensor& tensor, const KernelContext& context);
+
 // PrepareTaskOutputs, then the kernel.
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
                                           const std::vector<Tensor>& inputs,

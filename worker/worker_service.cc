@@ -33,7 +33,7 @@ using rpc::asio::io_context;
 
 constexpr auto kResultCoalesceWindow = std::chrono::microseconds(100);
 // Dynamically dispatched collective members share one stream, ordered by the scheduler.
-constexpr CollectiveEngine::StreamId kDynamicStream{0, 0};
+constexpr CollectiveEngine::StreamId kDynamicStream = CollectiveEngine::kDynamicStream;
 
 class WorkerServiceImpl final : public WorkerService {
  public:
@@ -89,7 +89,8 @@ class WorkerServiceImpl final : public WorkerService {
   static bool IsMember(const TaskSpec& spec);
   static std::vector<TensorMeta> OutputMetas(const PendingTask& task);
   KernelContext KernelContextHere() const {
-    return KernelContext{allocator_, options_.settings.gemm_split_min_flops, &registry_};
+    return KernelContext{allocator_, options_.settings.gemm_split_min_flops, &registry_,
+                         options_.device.get()};
   }
   // Hands a ready collective member to the engine; its result comes back like a task's.
   void SubmitMember(PendingTask* task);
@@ -157,8 +158,9 @@ WorkerServiceImpl::~WorkerServiceImpl() {
 Status WorkerServiceImpl::Init() {
   ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
   executor_options.threads = threads_;
+  executor_options.device = options_.device;
   auto send = [this](capnp::MessageBuilder& message) { connection_->Send(message); };
-  engine_ = std::make_unique<CollectiveEngine>(options_.settings, send);
+  engine_ = std::make_unique<CollectiveEngine>(options_.settings, send, KernelContextHere());
   graph_runner_ =
       std::make_unique<GraphRunner>(registry_, executor_options, store_, options_.settings, send);
   graph_runner_->set_collective_engine(engine_.get());
@@ -174,6 +176,12 @@ Status WorkerServiceImpl::Init() {
           data_options,
           [this](ObjectId id) -> Result<ServedObject> {
             TESSERA_ASSIGN_OR_RETURN(PinnedObject pinned, store_.Get(id));
+            if (!pinned.tensor().meta().device.is_cpu()) {  // served from a host copy
+              TESSERA_ASSIGN_OR_RETURN(Tensor host,
+                                       HostCopyOf(pinned.tensor(), KernelContextHere()));
+              auto holder = std::make_shared<Tensor>(std::move(host));
+              return ServedObject{holder->raw_data(), holder->bytes(), holder};
+            }
             auto holder = std::make_shared<PinnedObject>(std::move(pinned));
             return ServedObject{holder->tensor().raw_data(), holder->tensor().bytes(), holder};
           },
@@ -244,7 +252,7 @@ Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
       break;
     case proto::Envelope::Body::COLLECTIVE_ABORT: {
       auto abort = body.getCollectiveAbort();
-      engine_->OnAbort(abort.getGroup(), rpc::FromWire(abort.getError()));
+      engine_->OnAbort(abort.getGroup(), abort.getEpoch(), rpc::FromWire(abort.getError()));
       break;
     }
     case proto::Envelope::Body::SHUTDOWN:
@@ -322,7 +330,13 @@ void WorkerServiceImpl::OnDispatch(proto::DispatchTasks::Reader dispatch) {
           task.error = pinned.status();
           break;
         }
-        task.inputs[i] = pinned->tensor();
+        // Dynamic tasks run CPU kernels: an object on this worker's GPU comes as a host copy.
+        Result<Tensor> host = HostCopyOf(pinned->tensor(), KernelContextHere());
+        if (!host.ok()) {
+          task.error = host.status().WithContext(TaskContext(spec));
+          break;
+        }
+        task.inputs[i] = *std::move(host);
         task.pins.push_back(std::move(*pinned));
       } else if (auto source = addresses.find(input.value()); source != addresses.end()) {
         Result<Tensor> tensor = Tensor::Empty(*meta, allocator_);
@@ -399,7 +413,8 @@ void WorkerServiceImpl::StartReadyTasks() {
 
 std::vector<TensorMeta> WorkerServiceImpl::OutputMetas(const PendingTask& task) {
   std::vector<TensorMeta> metas;
-  for (const ObjectSpec& output : task.task.outputs) metas.push_back(output.meta);
+  // On the host whatever the driver's inference said: dynamic tasks run CPU kernels.
+  for (const ObjectSpec& output : task.task.outputs) metas.push_back(OnHost(output.meta));
   return metas;
 }
 

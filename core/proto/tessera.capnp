@@ -58,6 +58,7 @@ struct Task {
   memoryEstimate @9 :Int64;
   donations @10 :List(Donation);
   after @11 :List(UInt64);     # control edges: task ids that must end before this one starts
+  deviceKind @12 :UInt8;       # tessera::DeviceKind the task runs on (its worker's CPU or GPU)
 }
 
 # Where an object can be pulled from: the holder's id and data-plane address.
@@ -277,11 +278,15 @@ struct CollectiveFailed {        # worker -> scheduler: what a member found (a p
   error @1 :Error;
   silentMs @2 :Int64;            # how long the peer it blames had been silent
   silentPeer @3 :Int32 = -1;     # the rank (in the group) of the peer it blames; -1: none
+  epoch @4 :UInt32;              # the formation it failed in (reports about an older one are
+                                 # ignored)
 }
 
 struct CollectiveAbort {         # scheduler -> members: the group's verdict; its collectives fail
   group @0 :UInt64;
   error @1 :Error;
+  epoch @2 :UInt32;              # the formation it is about: a member that formed the group
+                                 # again since ignores it
 }
 
 # ---- administration ----

@@ -136,6 +136,7 @@ void ToWire(const TaskSpec& task, const std::vector<ObjectSpec>& outputs,
   }
   auto after = out.initAfter(static_cast<unsigned>(task.after.size()));
   for (unsigned i = 0; i < task.after.size(); ++i) after.set(i, task.after[i].value());
+  out.setDeviceKind(static_cast<uint8_t>(task.device_kind));
 }
 
 Result<WireTask> FromWire(proto::Task::Reader in) {
@@ -163,6 +164,11 @@ Result<WireTask> FromWire(proto::Task::Reader in) {
     spec.donations.push_back(Donation{donation.getInput(), donation.getOutput()});
   }
   for (uint64_t earlier : in.getAfter()) spec.after.push_back(TaskId(earlier));
+  if (in.getDeviceKind() > static_cast<uint8_t>(DeviceKind::kCuda)) {
+    return InvalidArgument("task '{}' runs on unknown device kind {}", spec.name,
+                           in.getDeviceKind());
+  }
+  spec.device_kind = static_cast<DeviceKind>(in.getDeviceKind());
   return task;
 }
 

@@ -225,21 +225,20 @@ int Run(const Flags& flags) {
   }
   tessera::ExecutorOptions executor = tessera::ExecutorOptions::FromSettings(*settings);
   if (flags.threads > 0) executor.threads = flags.threads;
-  // --device cuda[:N]: the step runs on this process's GPU (bf16 activations, fp32 master
-  // weights and optimizer state).
+  // --device cuda[:N]: the step runs on a GPU (bf16 activations, fp32 master weights and
+  // optimizer state): this process's, or with --workers / --address each worker's own (GPU
+  // workers: a local cluster's are started on GPU N, or on every GPU in turn for plain cuda).
   tessera::Result<tessera::Device> device = tessera::ParseDevice(flags.device);
   if (!device.ok()) return Fail(device.status().WithContext("--device"));
+  const bool gpu_workers = !device->is_cpu() && (flags.workers > 0 || !flags.address.empty());
   if (!device->is_cpu()) {
-    if (flags.workers > 0 || !flags.address.empty()) {
-      return Fail(tessera::Unavailable(
-          "--device cuda trains on this process's GPU; GPU worker processes (--workers or "
-          "--address with --device cuda) are not built yet: drop --workers/--address"));
+    config.activations = tessera::GpuActivations();
+    if (!gpu_workers) {
+      auto gpu =
+          tessera::OpenGpu(device->index, static_cast<int64_t>(flags.gpu_memory_gib * (1 << 30)));
+      if (!gpu.ok()) return Fail(gpu.status().WithContext("--device " + flags.device));
+      executor.device = std::move(*gpu);
     }
-    auto gpu =
-        tessera::OpenGpu(device->index, static_cast<int64_t>(flags.gpu_memory_gib * (1 << 30)));
-    if (!gpu.ok()) return Fail(gpu.status().WithContext("--device " + flags.device));
-    executor.device = std::move(*gpu);
-    config.activations = tessera::DType::kBF16;
   }
 
   // Data.
@@ -330,6 +329,11 @@ int Run(const Flags& flags) {
     } else {
       tessera::LocalClusterOptions local;
       local.cpu_workers = flags.workers;
+      if (gpu_workers) {
+        local.gpu_workers = flags.workers;
+        local.gpus = flags.device == "cuda" ? "all" : std::to_string(device->index);
+        local.gpu_memory_gib = flags.gpu_memory_gib;
+      }
       local.threads_per_worker = flags.threads;
       auto started = tessera::Cluster::StartLocal(local);
       if (!started.ok()) return Fail(started.status());
@@ -705,8 +709,9 @@ int main(int argc, char** argv) {
                  "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
   app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
   app.add_option("--device", flags.device,
-                 "cpu, or cuda / cuda:N: train on this process's GPU (bf16 activations, fp32 "
-                 "master weights and AdamW state)");
+                 "cpu, or cuda / cuda:N: train on a GPU (bf16 activations, fp32 master "
+                 "weights and AdamW state): this process's, or with --workers N each worker's "
+                 "(a local cluster of N GPU workers on GPU N, or on every GPU in turn)");
   app.add_option("--gpu-memory-gib", flags.gpu_memory_gib,
                  "With --device cuda: cap on the GPU memory the allocator hands out (0: the "
                  "card's free memory less 1 GiB)")

@@ -145,6 +145,23 @@ TEST_F(RecoveryTest, AReplacementWorkerKeepsTheRunOnFour) {
               seconds);
 }
 
+// A pipeline keeps its stages: P = 2 stages x D = 2 ranks (ZeRO-3 inside, zb-h1) lose one of the
+// 4 workers and go on as 2 stages x 1 rank on the 3 left, with the same final loss. The replay's
+// collectives run on groups of the same workers as the failed step's: they form again (a
+// verdict about the failed step's formation is not taken for theirs).
+TEST_F(RecoveryTest, APipelineKeepsItsStagesOnTheWorkersLeft) {
+  Training training =
+      Start("recovery_pipeline", "--pipeline-stages 2 --micro-batches 2 --schedule zb-h1");
+  const double seconds = FaultAndTime(training, 9, SIGKILL, 1);
+  ExpectRecovered(training, 1, 1);
+  EXPECT_NE(training.output().find("pipeline_stages=2 schedule=zb-h1"), std::string::npos)
+      << training.output();
+  std::printf(
+      "SIGKILL, pipeline 2x2 -> 2x1 workers: first step after recovery %.2f s after the "
+      "kill\n",
+      seconds);
+}
+
 TEST_F(RecoveryTest, AStoppedWorkerIsDeclaredDeadAndReplannedAround) {
   Training training = Start("recovery_stopped");
   const double seconds = FaultAndTime(training, 9, SIGSTOP, 1);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <thread>
 
+#include "core/cuda_device.h"
 #include "driver/cluster.h"
 #include "test_util.h"
 
@@ -46,9 +47,21 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_NE(status.output.find("2 of 2 workers alive"), std::string::npos) << status.output;
   EXPECT_NE(status.output.find("256.0 MiB"), std::string::npos) << status.output;
 
-  ProcessResult gpus = Tessera("start --gpus all" + target);
-  EXPECT_EQ(gpus.exit_code, 1);
-  EXPECT_NE(gpus.output.find("--cpu-workers"), std::string::npos) << gpus.output;
+  // GPU workers: refused with the reason where there is no GPU (this build without CUDA, or a
+  // machine without a driver or device); started where there is one.
+  ProcessResult gpus = Tessera("start --gpus all --threads 1" + target);
+  if (ProbeCudaDevices().devices.empty()) {
+    EXPECT_EQ(gpus.exit_code, 1);
+    EXPECT_NE(gpus.output.find("--gpus: no usable GPU for 'all': "), std::string::npos)
+        << gpus.output;
+  } else {
+    EXPECT_EQ(gpus.exit_code, 0) << gpus.output;
+    EXPECT_NE(gpus.output.find("GPU worker(s) joined"), std::string::npos) << gpus.output;
+  }
+  ProcessResult bad_list = Tessera("start --gpus 0,x" + target);
+  EXPECT_EQ(bad_list.exit_code, 1);
+  EXPECT_NE(bad_list.output.find("'x' in '0,x' is not a GPU index"), std::string::npos)
+      << bad_list.output;
 
   ProcessResult wrong_token =
       Tessera("status --address " + address + " --token-file /etc/hostname");

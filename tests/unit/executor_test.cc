@@ -3,6 +3,8 @@
 #include <mutex>
 #include <thread>
 
+#include "fake_device.h"
+#include "ops/cpu/cpu_kernels.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 #include "test_util.h"
@@ -472,6 +474,57 @@ TEST(ExecutorOffloadTest, CollectiveShapesAreChecked) {
   Result<std::vector<ObjectId>> bad_op = builder.AddTask("ar", "all_reduce", {x}, members);
   ASSERT_FALSE(bad_op.ok());
   EXPECT_NE(bad_op.status().message().find("use sum, avg, max or min"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+namespace {
+
+// An executor with a (fake) GPU: a host tensor delivered for an object that lives on the GPU,
+// bound at the start or provided late (bytes from the network on a GPU worker), is copied there;
+// outputs stay on it.
+TEST(ExecutorDeviceTest, HostTensorsForDeviceObjectsAreCopiedToTheDevice) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  // The fake GPU's memory is host memory: the CPU kernels stand in for its kernels.
+  for (const char* op : {"gelu_forward", "add_forward"}) {
+    ASSERT_OK_AND_ASSIGN(const KernelFn* kernel, registry.FindKernel(op, DeviceKind::kCpu));
+    ASSERT_OK(registry.AddKernel(op, DeviceKind::kCuda, *kernel));
+  }
+  auto gpu = std::make_shared<FakeDevice>();
+  ExecutorOptions options = TwoThreads();
+  options.device = gpu;
+  InProcessExecutor executor(registry, options);
+  GraphBuilder builder(registry);
+  const TensorMeta on_gpu{Shape{64}, DType::kF32, Device::Cuda(0)};
+  const ObjectId x = builder.AddInput("x", on_gpu, ObjectRole::kInput);
+  const ObjectId r = builder.AddInput("r", on_gpu, ObjectRole::kInput);
+  TaskOptions cuda;
+  cuda.device_kind = DeviceKind::kCuda;
+  ASSERT_OK_AND_ASSIGN(std::vector<ObjectId> y,
+                       builder.AddTask("g", "gelu_forward", {x}, {}, cuda));
+  ASSERT_OK_AND_ASSIGN(std::vector<ObjectId> z,
+                       builder.AddTask("z", "add_forward", {y[0], r}, {}, cuda));
+  builder.MarkOutput(z[0]);
+  ASSERT_OK_AND_ASSIGN(Graph graph, builder.Build());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(std::move(graph)));
+  const Tensor xv = RandomTensor({64}, 1), rv = RandomTensor({64}, 2);
+  RunHooks hooks;
+  hooks.late_inputs = {r};
+  std::thread peer([&] {
+    ASSERT_TRUE(Eventually([&] { return executor.Activity().has_value(); }));
+    EXPECT_FALSE(executor.Provide(r, RandomTensor({65}, 2)).ok()) << "wrong shape refused";
+    EXPECT_OK(executor.Provide(r, rv));
+  });
+  ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{x, xv}}, nullptr, &hooks));
+  peer.join();
+  const Tensor& out = result.outputs.at(z[0]);
+  EXPECT_EQ(out.meta().device, Device::Cuda(0));
+  EXPECT_EQ(gpu->to_device.load(), 2 * 64 * 4);  // x and r, once each
+  std::vector<float> expected = ToVector((*RunKernel("gelu_forward", {xv}))[0]);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] += ToVector(rv)[i];
+  EXPECT_EQ(ToVector(out), expected);  // readable here: the fake GPU's memory is the host's
 }
 
 }  // namespace

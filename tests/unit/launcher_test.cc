@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <mutex>
 #include <set>
@@ -44,6 +45,13 @@ class FakeCluster final : public RemoteShell, public ClusterProbe, public Launch
       if (broken_binary.count(host)) return CommandOutcome{127, "sh: tessera: not found\n"};
       const size_t at = command.find("--cpu-workers ") + 14;
       if (!silent.count(host)) alive[host] += std::stoi(command.substr(at));
+      return CommandOutcome{0, "joined\n"};
+    }
+    if (command.find("--gpus ") != std::string::npos) {  // one GPU worker per listed GPU
+      if (input != token + "\n") return CommandOutcome{1, "invalid cluster token\n"};
+      const size_t at = command.find("--gpus ") + 7;
+      const std::string list = command.substr(at, command.find(' ', at) - at);
+      alive[host] += 1 + static_cast<int>(std::count(list.begin(), list.end(), ','));
       return CommandOutcome{0, "joined\n"};
     }
     if (command.find(" stop --address") != std::string::npos) {
@@ -163,6 +171,32 @@ TEST_F(LauncherTest, UpStartsHeadThenEveryNodesWorkers) {
                 std::filesystem::perms::group_all,
             std::filesystem::perms::none);
   EXPECT_NE(report->Table().find("10.0.0.2"), std::string::npos);
+}
+
+// A node with `gpus: N` gets one GPU worker on each of its first N GPUs, counted like workers.
+TEST_F(LauncherTest, UpStartsAGpuWorkerPerGpuOfANode) {
+  Result<ClusterSpec> spec = ParseClusterYaml(R"(cluster_name: gpus
+head: {address: 10.0.0.1, port: 7000}
+nodes:
+  - {address: 10.0.0.1, workers: 1}
+  - {address: 10.0.0.2, gpus: 4, threads: 8}
+tessera_binary: /opt/bin/tessera
+join_timeout_s: 5
+)",
+                                              "gpus.yaml");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  Launcher launcher(*spec, {.state_dir = state_dir_}, fake_, fake_, fake_);
+  Result<LaunchReport> report = launcher.Up();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_TRUE(report->ok()) << report->Table();
+  std::vector<Call> gpu_starts = fake_.CallsWith("--gpus ");
+  ASSERT_EQ(gpu_starts.size(), 1u);
+  EXPECT_EQ(gpu_starts[0].host, "10.0.0.2");
+  EXPECT_NE(gpu_starts[0].command.find("--gpus 0,1,2,3 --threads 8"), std::string::npos)
+      << gpu_starts[0].command;
+  ASSERT_EQ(report->hosts.size(), 3u);  // the head, then the nodes
+  EXPECT_EQ(report->hosts[2].joined, 4);
+  EXPECT_EQ(report->hosts[2].expected, 4);
 }
 
 TEST_F(LauncherTest, SecondUpChangesNothing) {

@@ -2,6 +2,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "fake_device.h"
 #include "test_util.h"
 #include "worker/object_store.h"
 
@@ -38,6 +39,35 @@ TEST(ObjectStoreTest, PutGetDeleteAndErrors) {
   EXPECT_FALSE(store.Contains(ObjectId(1)));
   EXPECT_EQ(store.stats().host_bytes, 0);
   EXPECT_EQ(store.Delete(ObjectId(1)).code(), StatusCode::kNotFound);
+}
+
+// A GPU worker's objects on its GPU: the device tier, outside the host tier's capacity, never
+// spilled, handed out as they are.
+TEST(ObjectStoreTest, DeviceObjectsStayInTheDeviceTierAndAreNeverSpilled) {
+  FakeDevice gpu;
+  ObjectStore store = MakeStore(2 * kBytes, SpillDir("device"));
+  const TensorMeta on_gpu{Shape{kFloats}, DType::kF32, Device::Cuda(0)};
+  for (uint64_t id = 1; id <= 3; ++id) {  // three objects, more than the host tier's capacity
+    ASSERT_OK_AND_ASSIGN(Tensor tensor, Tensor::Empty(on_gpu, gpu.allocator()));
+    ASSERT_OK(store.Put(ObjectId(id), std::move(tensor)));
+  }
+  ASSERT_OK(store.Put(ObjectId(4), Filled(4)));
+  ASSERT_OK(store.Put(ObjectId(5), Filled(5)));
+  ASSERT_OK(store.Put(ObjectId(6), Filled(6)));  // spills 4, not a device object
+  ObjectStoreStats stats = store.stats();
+  EXPECT_EQ(stats.device_bytes, 3 * kBytes);
+  EXPECT_EQ(stats.host_bytes, 2 * kBytes);
+  EXPECT_EQ(stats.spills, 1);
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_OK_AND_ASSIGN(StorageTier tier, store.TierOf(ObjectId(id)));
+    EXPECT_EQ(tier, StorageTier::kDevice);
+  }
+  ASSERT_OK_AND_ASSIGN(StorageTier spilled, store.TierOf(ObjectId(4)));
+  EXPECT_EQ(spilled, StorageTier::kDisk);
+  ASSERT_OK_AND_ASSIGN(PinnedObject object, store.Get(ObjectId(2)));
+  EXPECT_EQ(object.tensor().meta().device, Device::Cuda(0));
+  ASSERT_OK(store.Delete(ObjectId(1)));
+  EXPECT_EQ(store.stats().device_bytes, 2 * kBytes);
 }
 
 TEST(ObjectStoreTest, SpillsLeastRecentlyUsedAndRestoresContents) {

@@ -135,6 +135,7 @@ TEST(WireTest, TaskRoundTripKeepsEverything) {
   task.memory_estimate_bytes = 1 << 20;
   task.donations = {{1, 0}};
   task.after = {TaskId(3), TaskId(5)};
+  task.device_kind = DeviceKind::kCuda;  // a GPU worker runs it with its CUDA kernel
   ObjectSpec output{ObjectId(9),
                     "h.3.y",
                     {Shape{4, 64, 768}, DType::kBF16, Device::Cuda(1)},
@@ -155,6 +156,7 @@ TEST(WireTest, TaskRoundTripKeepsEverything) {
   EXPECT_EQ(back.spec.memory_estimate_bytes, task.memory_estimate_bytes);
   EXPECT_EQ(back.spec.donations, task.donations);
   EXPECT_EQ(back.spec.after, task.after);
+  EXPECT_EQ(back.spec.device_kind, DeviceKind::kCuda);
   ASSERT_EQ(back.outputs.size(), 1u);
   EXPECT_EQ(back.outputs[0].meta, output.meta);
   EXPECT_EQ(back.outputs[0].name, output.name);
@@ -168,6 +170,11 @@ TEST(WireTest, ForgedValuesAreRejected) {
   meta.setDtype(0);
   meta.initShape(1).set(0, -5);
   EXPECT_FALSE(rpc::FromWire(meta.asReader()).ok());
+  auto task = message.initRoot<proto::Task>();
+  task.setName("t");
+  task.setDeviceKind(9);
+  EXPECT_NE(rpc::FromWire(task.asReader()).status().message().find("unknown device kind 9"),
+            std::string::npos);
   EXPECT_EQ(rpc::Address::Parse("localhost:6379")->port, 6379);
   EXPECT_EQ(rpc::Address::Parse("unix:/tmp/x.sock")->path, "/tmp/x.sock");
   EXPECT_FALSE(rpc::Address::Parse("localhost").ok());

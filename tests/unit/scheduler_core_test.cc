@@ -852,6 +852,52 @@ TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
   EXPECT_EQ(core_.num_objects(), 0u);
 }
 
+// A GPU worker's graph takes host values for its device inputs (a driver's batch): its executor
+// copies them to the GPU. Shape and dtype must still match.
+TEST_F(RegisteredGraphTest, AHostObjectBindsADeviceInputOfTheSameShapeAndDtype) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  TensorMeta on_gpu = Floats(1);
+  on_gpu.device = Device::Cuda(0);
+  const ObjectId x = graph.AddObject("x", on_gpu, ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);  // f32[1] on the host
+  Put(driver, 2, 2, /*inline_data=*/true);  // f32[2]
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {70}));
+  EXPECT_EQ(outbox_.Take(w1, Body::RUN_GRAPH).size() + outbox_.Take(w2, Body::RUN_GRAPH).size(),
+            1u);
+  ASSERT_OK(Run(driver, 3, 2, {{x.value(), 2}}, {71}));
+  Watch(driver, 71);
+  EXPECT_NE(ReadyError(driver).find("but was bound to"), std::string::npos);
+}
+
+// A failed instance aborts the groups of its collectives on every member, the one that reported
+// the failure too: each drops that formation, so the group's next collective (a replay's) forms
+// it afresh on all of them (worker/collective_engine.h).
+TEST_F(RegisteredGraphTest, AFailedInstanceAbortsItsCollectiveGroupsOnEveryMember) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "m0", {x}, 1, w1, Member(5, 0, 2)));
+  graph.MarkOutput(AddGelu(graph, "m1", {x}, 1, w2, Member(5, 1, 2)));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  ASSERT_OK(Run(driver, 3, 4, {{x.value(), 1}}, {72, 73}));
+  for (WorkerId worker : {w1, w2})
+    EXPECT_TRUE(outbox_.Take(worker, Body::COLLECTIVE_ABORT).empty());
+  ASSERT_OK(InstanceDone(w2, 3, 4, {}, Internal("kernel crashed")));
+  for (WorkerId worker : {w1, w2}) {
+    auto aborts = outbox_.Take(worker, Body::COLLECTIVE_ABORT);
+    ASSERT_EQ(aborts.size(), 1u) << worker.ToString();
+    const std::string why =
+        rpc::FromWire(BodyOf(aborts[0]).getCollectiveAbort().getError()).message();
+    EXPECT_NE(why.find("kernel crashed"), std::string::npos) << why;
+  }
+}
+
 // A worker that reports one output twice (after its driver let go of it, so the first seal frees
 // it) commits a protocol error: its connection closes; the scheduler does not abort.
 TEST_F(RegisteredGraphTest, AnOutputSealedTwiceInOneReportIsAProtocolError) {
@@ -951,10 +997,12 @@ class CollectiveGroupsTest : public ::testing::Test {
     return groups_.OnJoin(from, join.asReader());
   }
 
-  Status Report(WorkerId from, uint64_t group, const std::string& why, int64_t silent_ms) {
+  Status Report(WorkerId from, uint64_t group, const std::string& why, int64_t silent_ms,
+                uint32_t epoch = 0) {
     capnp::MallocMessageBuilder message;
     auto failed = message.initRoot<proto::CollectiveFailed>();
     failed.setGroup(group);
+    failed.setEpoch(epoch);
     rpc::ToWire(TimedOut("{}", why), failed.initError());
     failed.setSilentMs(silent_ms);
     return groups_.OnFailed(from, failed.asReader(), now_);
@@ -1021,6 +1069,42 @@ TEST_F(CollectiveGroupsTest, ADeathIsCertainAndTheGroupCannotFormAgain) {
   ASSERT_OK(Join(a_, group, 2, 0, 0, 2, "A2"));
   EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_PEERS).empty());
   EXPECT_NE(AbortMessage(a_).find("is dead: the group cannot form again"), std::string::npos);
+}
+
+// Verdicts name the formation they are about; reports from a formation gone by change nothing.
+TEST_F(CollectiveGroupsTest, AVerdictCarriesItsEpochAndStaleReportsAreIgnored) {
+  const uint64_t group = groups_.GroupFor({a_, b_});
+  ASSERT_OK(Join(a_, group, 3, 0, 0, 2, "A3"));
+  ASSERT_OK(Join(b_, group, 3, 0, 1, 2, "B3"));
+  ASSERT_OK(Report(a_, group, "heard nothing from b (epoch 2)", 5000, /*epoch=*/2));
+  now_ += std::chrono::seconds(1);
+  groups_.Tick(now_);
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_ABORT).empty());
+  ASSERT_OK(Report(a_, group, "heard nothing from b", 5000, /*epoch=*/3));
+  now_ += std::chrono::seconds(1);
+  groups_.Tick(now_);
+  for (WorkerId member : {a_, b_}) {
+    auto aborts = outbox_.Take(member, Body::COLLECTIVE_ABORT);
+    ASSERT_EQ(aborts.size(), 1u);
+    EXPECT_EQ(BodyOf(aborts[0]).getCollectiveAbort().getEpoch(), 3u);
+  }
+}
+
+// Of a group with a dead member, every member that joins again is told, also the one that joins
+// after the verdict was decided (it may have been at the old epoch when that went out).
+TEST_F(CollectiveGroupsTest, EveryMemberJoiningADeadGroupGetsTheVerdict) {
+  const uint64_t group = groups_.GroupFor({a_, b_, c_});
+  groups_.WorkerDied(c_, Unavailable("connection reset"));
+  outbox_.Take(a_, Body::COLLECTIVE_ABORT);
+  outbox_.Take(b_, Body::COLLECTIVE_ABORT);
+  ASSERT_OK(Join(a_, group, 2, 0, 0, 3, "A2"));
+  EXPECT_NE(AbortMessage(a_).find("is dead"), std::string::npos);
+  outbox_.Take(b_, Body::COLLECTIVE_ABORT);  // sent while b was still at epoch 1
+  ASSERT_OK(Join(b_, group, 2, 0, 1, 3, "B2"));
+  auto aborts = outbox_.Take(b_, Body::COLLECTIVE_ABORT);
+  ASSERT_EQ(aborts.size(), 1u);
+  EXPECT_EQ(BodyOf(aborts[0]).getCollectiveAbort().getEpoch(), 2u);
+  EXPECT_TRUE(outbox_.Take(a_, Body::COLLECTIVE_ABORT).empty());
 }
 
 TEST_F(CollectiveGroupsTest, AfterAVerdictThatIsNotADeathANewEpochFormsTheGroupAgain) {

@@ -1,0 +1,215 @@
+// Two workers' collective engines (worker/collective_engine.h) in one process, on real UCX
+// communicators, with the scheduler's CollectiveGroups (scheduler/collective_groups.h) as their
+// rendezvous and watcher, relayed in process: how a group's formation ends and starts again.
+#include <future>
+#include <mutex>
+#include <utility>
+
+#include "core/collective_task.h"
+#include "core/rpc/wire.h"
+#include "scheduler/collective_groups.h"
+#include "scheduler/outbox.h"
+#include "test_util.h"
+#include "worker/collective_engine.h"
+
+namespace tessera::testing {
+namespace {
+
+// The scheduler's side, in process: joins and reports go to CollectiveGroups, its messages to
+// the addressed engine. Messages are delivered outside the lock, in the order they were sent.
+class Relay final : public Outbox {
+ public:
+  Relay() : groups_(this, [](WorkerId worker) { return worker.ToString(); }) {}
+
+  void Attach(WorkerId worker, CollectiveEngine* engine) { engines_[worker] = engine; }
+
+  CollectiveEngine::SendToScheduler SenderFor(WorkerId from) {
+    return [this, from](capnp::MessageBuilder& message) {
+      auto body = message.getRoot<proto::Envelope>().asReader().getBody();
+      {
+        std::lock_guard lock(mutex_);
+        if (body.isCollectiveJoin()) {
+          EXPECT_OK(groups_.OnJoin(from, body.getCollectiveJoin()));
+        } else if (body.isCollectiveFailed()) {
+          EXPECT_OK(
+              groups_.OnFailed(from, body.getCollectiveFailed(), CollectiveGroups::Clock::now()));
+        }
+      }
+      DeliverQueued();
+    };
+  }
+
+  // Outbox: called under mutex_ (from CollectiveGroups); queued for DeliverQueued.
+  void Send(WorkerId to, capnp::MessageBuilder& message) override {
+    auto copy = std::make_unique<capnp::MallocMessageBuilder>();
+    copy->setRoot(message.getRoot<proto::Envelope>().asReader());
+    queued_.emplace_back(to, std::move(copy));
+  }
+  void Disconnect(WorkerId, const Status&) override {}
+
+  uint64_t GroupFor(const std::vector<WorkerId>& members) {
+    std::lock_guard lock(mutex_);
+    return groups_.GroupFor(members);
+  }
+  // The scheduler's abort of the group's current formation (as a failed graph instance does).
+  void Abort(uint64_t group, const Status& reason) {
+    {
+      std::lock_guard lock(mutex_);
+      groups_.Abort(group, reason);
+    }
+    DeliverQueued();
+  }
+
+ private:
+  void DeliverQueued() {
+    std::vector<std::pair<WorkerId, std::unique_ptr<capnp::MallocMessageBuilder>>> messages;
+    {
+      std::lock_guard lock(mutex_);
+      messages.swap(queued_);
+    }
+    for (auto& [to, message] : messages) {
+      auto body = message->getRoot<proto::Envelope>().asReader().getBody();
+      CollectiveEngine* engine = engines_.at(to);
+      if (body.isCollectivePeers()) engine->OnPeers(body.getCollectivePeers());
+      if (body.isCollectiveAbort()) {
+        auto abort = body.getCollectiveAbort();
+        engine->OnAbort(abort.getGroup(), abort.getEpoch(), rpc::FromWire(abort.getError()));
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  CollectiveGroups groups_;
+  std::vector<std::pair<WorkerId, std::unique_ptr<capnp::MallocMessageBuilder>>> queued_;
+  std::map<WorkerId, CollectiveEngine*> engines_;
+};
+
+class CollectiveEngineTest : public ::testing::Test {
+ protected:
+  CollectiveEngineTest()
+      : settings_(ShortTimeouts()),
+        first_(settings_, relay_.SenderFor(w1_)),
+        second_(settings_, relay_.SenderFor(w2_)) {
+    relay_.Attach(w1_, &first_);
+    relay_.Attach(w2_, &second_);
+    group_ = relay_.GroupFor({w1_, w2_});
+  }
+
+  // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1.
+  CollectiveMember Member(int rank, Tensor values) {
+    CollectiveMember member;
+    member.task = fmt::format("sum.{}", rank);
+    member.op = "all_reduce";
+    member.attrs = Attrs{{kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{rank}},
+                         {kGroupSizeAttr, int64_t{2}},  {kGroupAttr, static_cast<int64_t>(group_)},
+                         {kPositionAttr, int64_t{0}},   {"reduce", std::string("sum")}};
+    member.inputs = {values};
+    member.outputs = {values};  // in place
+    return member;
+  }
+
+  // The all_reduce in instance `instance` on both engines; each engine's result, or its error.
+  std::vector<Status> AllReduce(uint64_t instance, std::vector<std::vector<float>>* results) {
+    std::vector<std::promise<Status>> done(2);
+    std::vector<Tensor> outputs;
+    CollectiveEngine* engines[] = {&first_, &second_};
+    for (int rank = 0; rank < 2; ++rank) {
+      Tensor values = FloatTensor({1000}, std::vector<float>(1000, static_cast<float>(rank + 1)));
+      outputs.push_back(values);
+      engines[rank]->Submit({7, instance}, 0, Member(rank, values),
+                            [&done, rank](const Status& status) { done[rank].set_value(status); });
+    }
+    std::vector<Status> statuses;
+    for (auto& one : done) statuses.push_back(one.get_future().get());
+    for (const Tensor& out : outputs) results->push_back(ToVector(out));
+    return statuses;
+  }
+
+  void ExpectSummed(uint64_t instance) {
+    std::vector<std::vector<float>> results;
+    for (const Status& status : AllReduce(instance, &results)) ASSERT_OK(status);
+    for (const std::vector<float>& result : results) {
+      EXPECT_EQ(result, std::vector<float>(1000, 3.0f));
+    }
+  }
+
+  // A group that does not form fails in 3 s rather than 30 (a failing test ends sooner).
+  static Settings ShortTimeouts() {
+    Settings settings;
+    settings.collective_timeout_ms = 3000;
+    return settings;
+  }
+
+  Settings settings_;
+  Relay relay_;
+  const WorkerId w1_{1}, w2_{2};
+  CollectiveEngine first_, second_;
+  uint64_t group_ = 0;
+};
+
+// A failed instance aborts the group after both members' parts of its collective had finished
+// (the recovery race: the scheduler's verdict reached a communicator that had run to the end, and
+// the replay's collective on the same workers failed with the old instance's error). Both drop
+// the formation; the next collective forms the group again and sums.
+TEST_F(CollectiveEngineTest, AVerdictAfterTheCollectiveFinishedDropsTheFormationOnEveryMember) {
+  ExpectSummed(1);
+  EXPECT_EQ(first_.stats().groups_formed, 1);
+  relay_.Abort(group_, Unavailable("worker4 died while running its part of graph 7"));
+  ExpectSummed(2);
+  EXPECT_EQ(first_.stats().groups_formed, 2);
+  EXPECT_EQ(second_.stats().groups_formed, 2);
+}
+
+// A verdict about a formation the members have replaced since (it was sent before they formed
+// the group again, and arrives after) is ignored: the group's collectives go on, unformed again.
+TEST_F(CollectiveEngineTest, AVerdictAboutAnOlderEpochIsIgnored) {
+  ExpectSummed(1);
+  relay_.Abort(group_, Unavailable("instance 1 failed"));
+  ExpectSummed(2);  // formed again: epoch 2
+  first_.OnAbort(group_, 1, Unavailable("instance 1 failed (late)"));
+  second_.OnAbort(group_, 1, Unavailable("instance 1 failed (late)"));
+  ExpectSummed(3);
+  EXPECT_EQ(first_.stats().groups_formed, 2);
+  EXPECT_EQ(second_.stats().groups_formed, 2);
+  // One about the current epoch still counts.
+  first_.OnAbort(group_, 2, Unavailable("a member died"));
+  second_.OnAbort(group_, 2, Unavailable("a member died"));
+  ExpectSummed(4);
+  EXPECT_EQ(first_.stats().groups_formed, 3);
+}
+
+// One member joined a formation the other never started (its part of the failed instance had
+// not reached the collective). The verdict about that formation tells the other member too, so
+// both form the group again at the same, later epoch (a member that stayed behind would join an
+// epoch the scheduler had moved past, and its peer would wait for it until the deadline).
+TEST_F(CollectiveEngineTest, AVerdictAboutAFormationAMemberNeverJoinedMovesItsEpochOn) {
+  std::promise<Status> cut_short;
+  first_.Submit({7, 1}, 0, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+                [&](const Status& status) { cut_short.set_value(status); });
+  // first_ joins epoch 1 and waits for second_, which has no part of instance 1 yet.
+  ASSERT_TRUE(Eventually([&] { return first_.InProgress().forming; }));
+  first_.EndStream({7, 1}, Unavailable("instance 1 failed"));
+  EXPECT_FALSE(cut_short.get_future().get().ok());
+  relay_.Abort(group_, Unavailable("instance 1 failed"));
+  ExpectSummed(2);  // both form at epoch 2
+  EXPECT_EQ(first_.stats().groups_formed, 1);
+  EXPECT_EQ(second_.stats().groups_formed, 1);
+}
+
+// After a member of an instance failed, the instance's later members fail at once: none starts a
+// formation the other members (whose parts are being cancelled) will never join, which would also
+// leave this worker's epoch of the group ahead of theirs.
+TEST_F(CollectiveEngineTest, AFailedInstancesLaterMembersFailWithoutFormingTheGroup) {
+  std::promise<Status> placeholder, later;
+  first_.Submit({7, 1}, 0, CollectiveMember{}, [&](const Status& s) { placeholder.set_value(s); });
+  first_.Submit({7, 1}, 1, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+                [&](const Status& s) { later.set_value(s); });
+  EXPECT_EQ(placeholder.get_future().get().code(), StatusCode::kCancelled);
+  EXPECT_EQ(later.get_future().get().code(), StatusCode::kCancelled);
+  ExpectSummed(2);  // formed once, at the same epoch on both
+  EXPECT_EQ(first_.stats().groups_formed, 1);
+  EXPECT_EQ(second_.stats().groups_formed, 1);
+}
+
+}  // namespace
+}  // namespace tessera::testing

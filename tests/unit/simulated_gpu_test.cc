@@ -1,0 +1,62 @@
+// The simulated GPU (driver/simulated_gpu.h): scrambled device memory that only Copy reads, the
+// CPU kernels as its kernels, and how TESSERA_SIMULATED_GPU=1 routes OpenGpu / ResolveGpus to it.
+#include <stdlib.h>
+
+#include <cstring>
+
+#include "driver/gpu.h"
+#include "driver/simulated_gpu.h"
+#include "ops/cpu/cpu_kernels.h"
+#include "test_util.h"
+#include "worker/task_runner.h"
+
+namespace tessera::testing {
+namespace {
+
+TEST(SimulatedGpuTest, DeviceBytesAreScrambledAndOnlyCopyReadsThem) {
+  std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu();
+  const Tensor host = RandomTensor({256}, 1);
+  const KernelContext context{TestAllocator(), 0, nullptr, gpu.get()};
+  ASSERT_OK_AND_ASSIGN(Tensor on_gpu,
+                       MoveTo({Shape{256}, DType::kF32, Device::Cuda(0)}, host, context));
+  EXPECT_EQ(on_gpu.meta().device, Device::Cuda(0));
+  // Read directly, the device buffer is not the values (a host read of device memory is a bug).
+  EXPECT_NE(std::memcmp(on_gpu.raw_data(), host.raw_data(), static_cast<size_t>(host.bytes())), 0);
+  ASSERT_OK_AND_ASSIGN(Tensor back, HostCopyOf(on_gpu, context));
+  EXPECT_EQ(ToVector(back), ToVector(host));
+  EXPECT_EQ(gpu->memory().live_bytes, host.bytes());
+}
+
+TEST(SimulatedGpuTest, ItsKernelsAreTheCpuKernelsOnHostCopies) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  ASSERT_OK(AddSimulatedGpuKernels(registry));
+  EXPECT_TRUE(registry.Supports("gpt2_block_forward", DeviceKind::kCuda));
+  std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu();
+  const KernelContext context{TestAllocator(), 0, &registry, gpu.get()};
+  const TensorMeta on_gpu{Shape{64}, DType::kF32, Device::Cuda(0)};
+  const Tensor x = RandomTensor({64}, 2);
+  ASSERT_OK_AND_ASSIGN(Tensor x_gpu, MoveTo(on_gpu, x, context));
+  ASSERT_OK_AND_ASSIGN(Tensor y_gpu, AllocateOn(on_gpu, context));
+  ASSERT_OK_AND_ASSIGN(const KernelFn* kernel,
+                       registry.FindKernel("gelu_forward", DeviceKind::kCuda));
+  ASSERT_OK((*kernel)(context, {x_gpu}, {y_gpu}, {}));
+  ASSERT_OK_AND_ASSIGN(Tensor y, HostCopyOf(y_gpu, context));
+  EXPECT_EQ(ToVector(y), ToVector((*RunKernel("gelu_forward", {x}))[0]));
+}
+
+TEST(SimulatedGpuTest, TheEnvironmentRoutesGpuRequestsToIt) {
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> gpu, OpenGpu(0));
+  EXPECT_NE(gpu->Describe().find("simulated"), std::string::npos);
+  EXPECT_EQ(OpenGpu(1).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(std::vector<int> all, ResolveGpus("all"));
+  EXPECT_EQ(all, std::vector<int>{0});
+  EXPECT_EQ(ResolveGpus("0,1").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(GpuActivations(), DType::kF32);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  EXPECT_EQ(GpuActivations(), DType::kBF16);
+  EXPECT_EQ(ResolveGpus("x").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tessera::testing
