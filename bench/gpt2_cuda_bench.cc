@@ -53,7 +53,7 @@ struct Measured {
 
 Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int steps,
                          int warmup) {
-  config.activations = DType::kBF16;
+  config.activations = GpuActivations();  // bf16 (f32 on the simulated GPU)
   ExecutorOptions executor;
   // Four threads launch GPU tasks; an offloaded optimizer steps on the host, on every core.
   executor.threads = o.offload == "none" ? 4 : 0;

@@ -37,6 +37,7 @@ std::string ClusterJson(const ClusterView& cluster) {
         {"pid", w.pid},
         {"alive", w.alive},
         {"data_address", w.data_address},
+        {"gpu", w.gpu},
         {"cpu_threads", w.cpu_threads},
         {"memory",
          {{"host_used", w.host_used},

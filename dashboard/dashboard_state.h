@@ -38,6 +38,7 @@ struct WorkerView {
   int pid = 0;
   bool alive = false;
   std::string data_address;
+  std::string gpu;  // empty for a CPU worker
   int cpu_threads = 0;
   // Memory tiers: the host tier (used of capacity) and what was spilled to disk.
   int64_t host_used = 0;

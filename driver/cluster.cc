@@ -424,6 +424,7 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
         w.pid = worker.getPid();
         w.alive = worker.getAlive();
         w.data_address = rpc::ToString(worker.getDataAddress());
+        w.gpu = rpc::ToString(worker.getGpu());
         w.host_used_bytes = worker.getHeartbeat().getHostUsed();
         w.host_capacity_bytes = worker.getHeartbeat().getHostCapacity();
         w.spilled_bytes = worker.getHeartbeat().getSpilledBytes();

@@ -134,6 +134,7 @@ struct WorkerInfo {
   int pid = 0;
   bool alive = false;
   std::string data_address;
+  std::string gpu;  // the GPU it owns (a GPU worker); empty for a CPU worker
   int64_t host_used_bytes = 0;
   int64_t host_capacity_bytes = 0;
   int64_t spilled_bytes = 0;

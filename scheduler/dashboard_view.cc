@@ -36,6 +36,7 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
     w.pid = p.pid;
     w.alive = p.alive;
     w.data_address = p.data_address;
+    w.gpu = p.gpu;
     w.cpu_threads = p.cpu_threads;
     w.host_used = p.host_used;
     w.host_capacity = p.host_capacity;

@@ -68,8 +68,26 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
     return refuse(InvalidArgument("graph id {} is invalid or in use", id));
   }
   TESSERA_ASSIGN_OR_RETURN(Graph graph, GraphFromWire(id, wire));
-  const std::vector<WorkerId> alive = participants_->AliveWorkers();
+  std::vector<WorkerId> alive = participants_->AliveWorkers();
   if (alive.empty()) return refuse(Unavailable("no worker is alive to run graph {}", id));
+  // A graph with GPU tasks (a plan on Device::Cuda: each worker's own GPU) runs on GPU workers
+  // only, its host-side tasks included.
+  const auto gpu_task =
+      std::find_if(graph.tasks().begin(), graph.tasks().end(),
+                   [](const TaskSpec& t) { return t.device_kind != DeviceKind::kCpu; });
+  if (gpu_task != graph.tasks().end()) {
+    std::erase_if(alive, [&](WorkerId worker) {
+      const Participant* participant = participants_->Find(worker);
+      return participant == nullptr || participant->gpu.empty();
+    });
+    if (alive.empty()) {
+      return refuse(Infeasible(
+          "graph {} runs task '{}' on a GPU, and no GPU worker is alive (start some with "
+          "`tessera start --gpus all`, or train_gpt2 --device cuda --workers N; or plan for the "
+          "CPU)",
+          id, gpu_task->name));
+    }
+  }
   Result<std::vector<WorkerId>> placed = PlaceGraph(graph, alive);
   if (!placed.ok()) return refuse(placed.status());
   GraphEntry entry;

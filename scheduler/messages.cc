@@ -82,6 +82,7 @@ void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
   out.setPid(p.pid);
   out.setAlive(p.alive);
   out.setDataAddress(p.data_address);
+  out.setGpu(p.gpu);
   out.setTasksQueued(p.tasks_in_flight);
   auto hb = out.initHeartbeat();
   hb.setHostUsed(p.host_used);

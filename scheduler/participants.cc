@@ -59,6 +59,7 @@ Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
   from.pid = hello.getPid();
   from.data_address = rpc::ToString(hello.getDataAddress());
   from.cpu_threads = hello.getCpuThreads();
+  from.gpu = rpc::ToString(hello.getGpu());
   from.host_capacity = hello.getHostCapacity();
   from.alive = true;
   return Status::Ok();

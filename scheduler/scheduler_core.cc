@@ -146,9 +146,9 @@ Status SchedulerCore::OnHello(Participant& from, proto::Hello::Reader hello) {
   SendWelcome(*outbox_, from.id, options_.heartbeat_interval_ms, options_.session_dir);
   if (from.role == ParticipantRole::kWorker) {
     GetLogger("scheduler")
-        ->info("{} joined: {} threads, {} MiB host tier, data plane {}",
+        ->info("{} joined: {} threads, {} MiB host tier, data plane {}{}",
                participants_.Describe(from.id), from.cpu_threads, from.host_capacity >> 20,
-               from.data_address);
+               from.data_address, from.gpu.empty() ? "" : ", GPU " + from.gpu);
   }
   return Status::Ok();
 }

@@ -10,7 +10,7 @@
 #                                     against the CPU, the speed race with PyTorch (eager and
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
-#   scripts/gpu_check.sh run OUT tests|check|speed|layers|memory    one part only
+#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory    one part only
 #
 # Knobs (environment): SPEED_BATCHES (default "16 32"); CHECK_CPU=0 runs only the GPU side of
 # the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
@@ -61,9 +61,28 @@ run() {
     # gpu_workers_test starts train_gpt2 and tessera (GPU worker processes) from .gpu/bin.
     export TESSERA_TEST_BIN_DIR="$PWD/.gpu/bin"
     for test in cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test \
-      cuda_gpt2_test gpu_workers_test; do
+      cuda_gpt2_test; do
       echo "== $test"
       timeout 300 .gpu/bin/$test --gtest_brief=1 2>&1 | tee "$out/$test.txt" | tail -n 25 || true
+    done
+  fi
+  if [[ "$part" == all || "$part" == workers ]]; then
+    # GPU worker processes: the test alone (its failures print the workers' logs), then GPT-2
+    # 124M through one GPU worker next to the driver's own GPU (what the worker path costs).
+    export TESSERA_TEST_BIN_DIR="$PWD/.gpu/bin"
+    echo "== gpu_workers_test"
+    timeout 300 .gpu/bin/gpu_workers_test 2>&1 | tee "$out/gpu_workers_test.txt" | tail -n 25 || true
+    local run=(--preset gpt2-124m --seq-len 1024 --batch 16 --steps 20 --log-every 5
+      --data synthetic --seed 7 --device cuda)
+    for where in "" "--workers 1"; do
+      echo "== train_gpt2 ${run[*]} $where"
+      # shellcheck disable=SC2086
+      timeout 300 .gpu/bin/train_gpt2 "${run[@]}" $where 2>&1 | tee -a "$out/workers_speed.txt" |
+        tail -n 1 || true
+    done
+    for session in /tmp/tessera/local_*; do  # every local cluster's logs, for the record
+      [[ -d "$session" ]] || continue
+      mkdir -p "$out/sessions/${session##*/}" && cp "$session"/*.log "$out/sessions/${session##*/}/"
     done
   fi
   if [[ "$part" == all || "$part" == check ]]; then

@@ -200,6 +200,7 @@ Status WorkerServiceImpl::Init() {
   hello.token = options_.token;
   hello.data_address = data_plane_->address();
   hello.cpu_threads = threads_;
+  if (options_.device != nullptr) hello.gpu = options_.device->Describe();
   hello.host_capacity = options_.host_capacity_bytes;
   TESSERA_ASSIGN_OR_RETURN(
       rpc::Joined joined,

@@ -86,6 +86,7 @@ struct Hello {
   dataAddress @5 :Text;   # where peers pull this process's objects
   cpuThreads @6 :Int32;
   hostCapacity @7 :Int64; # bytes of the host tier
+  gpu @8 :Text;           # the GPU a worker owns (its description); empty for a CPU worker
 }
 
 struct Welcome {
@@ -302,6 +303,7 @@ struct WorkerStatus {
   lastRun @7 :RunReport;           # the worker's latest finished graph instance
   waits @8 :Text;                  # what it runs or waits for, explained (scheduler/waits.h)
   blockedOn @9 :List(UInt64);      # the workers it waits for that have not answered
+  gpu @10 :Text;                   # the GPU it owns; empty for a CPU worker
 }
 
 struct ClusterStatus {

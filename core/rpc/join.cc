@@ -57,6 +57,7 @@ Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFie
   body.setPid(::getpid());
   body.setDataAddress(hello.data_address);
   body.setCpuThreads(hello.cpu_threads);
+  body.setGpu(hello.gpu);
   body.setHostCapacity(hello.host_capacity);
   joined.connection->Send(message);
 

@@ -23,6 +23,7 @@ struct HelloFields {
   std::string data_address;  // where peers pull this process's objects ("" for none)
   int cpu_threads = 0;
   int64_t host_capacity = 0;
+  std::string gpu;  // a worker's GPU (DeviceRuntime::Describe); empty for a CPU worker
 };
 
 struct Joined {

@@ -62,6 +62,14 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_EQ(bad_list.exit_code, 1);
   EXPECT_NE(bad_list.output.find("'x' in '0,x' is not a GPU index"), std::string::npos)
       << bad_list.output;
+  // A GPU worker on the simulated GPU (driver/simulated_gpu.h): `status` names each worker's GPU.
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);  // inherited by tessera and its worker
+  ProcessResult simulated = Tessera("start --gpus all --threads 1" + target);
+  ProcessResult listed = Tessera("status" + target);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  EXPECT_EQ(simulated.exit_code, 0) << simulated.output;
+  EXPECT_NE(simulated.output.find("1 GPU worker(s) joined"), std::string::npos) << simulated.output;
+  EXPECT_NE(listed.output.find("simulated GPU (cuda:0"), std::string::npos) << listed.output;
 
   ProcessResult wrong_token =
       Tessera("status --address " + address + " --token-file /etc/hostname");

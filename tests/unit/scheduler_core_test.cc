@@ -74,10 +74,12 @@ class SchedulerCoreTest : public ::testing::Test {
     return status;
   }
 
-  WorkerId Join(proto::Role role, const std::string& token = "secret", int64_t capacity = 1 << 30) {
+  WorkerId Join(proto::Role role, const std::string& token = "secret", int64_t capacity = 1 << 30,
+                const std::string& gpu = "") {
     const WorkerId id = core_.Accept();
     Status hello = Deliver(id, [&](proto::Envelope::Builder e) {
       auto h = e.initBody().initHello();
+      h.setGpu(gpu);
       h.setProtocolVersion(rpc::kProtocolVersion);
       h.setRole(role);
       h.setToken(token);
@@ -871,6 +873,37 @@ TEST_F(RegisteredGraphTest, AHostObjectBindsADeviceInputOfTheSameShapeAndDtype) 
   ASSERT_OK(Run(driver, 3, 2, {{x.value(), 2}}, {71}));
   Watch(driver, 71);
   EXPECT_NE(ReadyError(driver).find("but was bound to"), std::string::npos);
+}
+
+// A graph with GPU tasks runs on GPU workers only (its host-side tasks too); without any, its
+// registration is refused saying so, instead of a CPU worker failing at the first binding.
+TEST_F(RegisteredGraphTest, AGraphWithGpuTasksIsPlacedOnGpuWorkersOnly) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;
+  TensorMeta on_gpu = Floats(1);
+  on_gpu.device = Device::Cuda(0);
+  const ObjectId x = graph.AddObject("x", on_gpu, ObjectRole::kInput);
+  const ObjectId y = graph.AddObject("on_gpu.out", on_gpu, ObjectRole::kActivation);
+  TaskSpec on_gpu_task;
+  on_gpu_task.name = "on_gpu";
+  on_gpu_task.op = "gelu_forward";
+  on_gpu_task.inputs = {x};
+  on_gpu_task.outputs = {y};
+  on_gpu_task.device_kind = DeviceKind::kCuda;
+  graph.AddTask(std::move(on_gpu_task));
+  graph.MarkOutput(AddGelu(graph, "on_host", {y}));
+  ASSERT_OK(Register(driver, 3, graph));
+  const Status refused = TakeReply(driver);
+  EXPECT_EQ(refused.code(), StatusCode::kInfeasible) << refused.ToString();
+  EXPECT_NE(refused.message().find("runs task 'on_gpu' on a GPU, and no GPU worker is alive"),
+            std::string::npos)
+      << refused.ToString();
+  const WorkerId gpu_worker = Join(proto::Role::WORKER, "secret", 1 << 30, "NVIDIA H200 (cuda:0)");
+  ASSERT_OK(Register(driver, 4, graph));
+  EXPECT_OK(TakeReply(driver));
+  EXPECT_EQ(outbox_.Take(gpu_worker, Body::GRAPH_PART).size(), 1u);
+  EXPECT_TRUE(outbox_.Take(w1, Body::GRAPH_PART).empty());
+  EXPECT_TRUE(outbox_.Take(w2, Body::GRAPH_PART).empty());
 }
 
 // A failed instance aborts the groups of its collectives on every member, the one that reported
