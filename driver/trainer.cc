@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 
 #include <tbb/parallel_for.h>
 
@@ -32,15 +33,33 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Host memory is filled and copied in chunks of 2^20 floats on every core: the first touch of a
+// model's state (the kernel zeroing fresh pages) is most of its initialisation, and it scales
+// with threads.
+constexpr int64_t kFillChunk = int64_t{1} << 20;
+
+void ParallelFill(float* values, int64_t n, float value) {
+  tbb::parallel_for(int64_t{0}, (n + kFillChunk - 1) / kFillChunk, [&](int64_t chunk) {
+    std::fill(values + chunk * kFillChunk, values + std::min(n, (chunk + 1) * kFillChunk), value);
+  });
+}
+
+void ParallelCopy(float* dst, const float* src, int64_t n) {
+  tbb::parallel_for(int64_t{0}, (n + kFillChunk - 1) / kFillChunk, [&](int64_t chunk) {
+    const int64_t begin = chunk * kFillChunk, end = std::min(n, (chunk + 1) * kFillChunk);
+    std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin) * sizeof(float));
+  });
+}
+
 // Fills values[0, n) as `init` says. Random values are drawn in chunks of 2^20, each from its
 // own generator seeded by (stream, chunk), in parallel: the same values on any number of threads,
 // and a multi-billion-parameter model initialises in seconds rather than minutes.
 void InitializeSlot(const ParamInit& init, uint64_t stream, float* values, int64_t n) {
   if (init.kind == ParamInit::Kind::kZeros || init.kind == ParamInit::Kind::kOnes) {
-    std::fill(values, values + n, init.kind == ParamInit::Kind::kOnes ? 1.0f : 0.0f);
+    ParallelFill(values, n, init.kind == ParamInit::Kind::kOnes ? 1.0f : 0.0f);
     return;
   }
-  constexpr int64_t kChunk = int64_t{1} << 20;
+  constexpr int64_t kChunk = int64_t{1} << 20;  // the random streams' chunks (fixed: seeds)
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   tbb::parallel_for(int64_t{0}, chunks, [&](int64_t chunk) {
     std::mt19937_64 rng(Mix(stream ^ Mix(static_cast<uint64_t>(chunk))));
@@ -156,11 +175,18 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   const double residual_std =
       0.02 / std::sqrt(2.0 * static_cast<double>(gpt2_config_ ? gpt2_config_->layers : 1));
   const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
-  state_.assign(step_graph_.state.size(), Value());
+  // Values already allocated (the zeros Create allocates) are written in place: a model's state
+  // is faulted in once, not twice.
+  state_.resize(step_graph_.state.size());
   full_params_.clear();
+  // One staging buffer for every layer's group (not a fresh one each: freed and faulted again).
+  int64_t largest = 0;
+  for (int64_t numel : step_graph_.group_numel) largest = std::max(largest, numel);
+  std::vector<float> staging(static_cast<size_t>(std::max<int64_t>(largest, 0)));
   for (size_t l = 0; l < model_.layers.size(); ++l) {
     const LayerSpec& layer = model_.layers[l];
-    std::vector<float> values(static_cast<size_t>(step_graph_.group_numel[l]), 0.0f);
+    std::span<float> values(staging.data(), static_cast<size_t>(step_graph_.group_numel[l]));
+    ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
     const std::vector<FlatSlot>& slots = layer.params.slots();
     for (size_t s = 0; s < slots.size() && !zero; ++s) {
       const FlatSlot& slot = slots[s];
@@ -183,7 +209,7 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
     }
     TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
     if (adamw) {
-      std::fill(values.begin(), values.end(), 0.0f);
+      ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
       TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvg, values));
       TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvgSq, values));
     }
@@ -192,7 +218,7 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   return Status::Ok();
 }
 
-Status Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values) {
+Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> values) {
   if (static_cast<int64_t>(values.size()) != step_graph_.group_numel[layer]) {
     return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
                            model_.layers[layer].name, step_graph_.group_numel[layer],
@@ -206,10 +232,15 @@ Status Trainer::WriteGroup(size_t layer, StateKind kind, const std::vector<float
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
     const StateObject& object = step_graph_.state[i];
     if (object.piece.layer != layer || !written(object.kind)) continue;
+    const float* source = values.data() + object.piece.begin;
+    Tensor& held = state_[i].tensor;  // in process: the value itself
+    if (held.defined() && held.meta() == F32(object.piece.numel)) {
+      ParallelCopy(held.data<float>(), source, object.piece.numel);  // on the host: in place
+      continue;
+    }
     TESSERA_ASSIGN_OR_RETURN(Tensor piece,
                              Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
-    std::memcpy(piece.raw_data(), values.data() + object.piece.begin,
-                static_cast<size_t>(piece.bytes()));
+    ParallelCopy(piece.data<float>(), source, object.piece.numel);
     state_[i] = Value();  // drop the old value first (in process: frees its buffer)
     TESSERA_ASSIGN_OR_RETURN(state_[i], backend_->Upload(std::move(piece)));
   }

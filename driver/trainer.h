@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -121,7 +122,7 @@ class Trainer {
   // A whole group of state (step_graph().group_numel[layer] elements, padding included), read
   // from / written to every object that holds a piece of it, whatever the placement.
   Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
-  Status WriteGroup(size_t layer, StateKind kind, const std::vector<float>& values);
+  Status WriteGroup(size_t layer, StateKind kind, std::span<const float> values);
   // The value of step_graph().state[index] (a piece of a group on one rank).
   Result<Tensor> DownloadState(size_t index) { return backend_->Download(state_.at(index)); }
   // Writes state objects to files, each by the worker that holds it (in process: this
