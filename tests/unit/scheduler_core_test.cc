@@ -859,9 +859,7 @@ TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
 TEST_F(RegisteredGraphTest, AHostObjectBindsADeviceInputOfTheSameShapeAndDtype) {
   const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
-  TensorMeta on_gpu = Floats(1);
-  on_gpu.device = Device::Cuda(0);
-  const ObjectId x = graph.AddObject("x", on_gpu, ObjectRole::kInput);
+  const ObjectId x = graph.AddObject("x", FloatsOnGpu(1), ObjectRole::kInput);
   graph.MarkOutput(AddGelu(graph, "a", {x}));
   ASSERT_OK(Register(driver, 3, graph));
   EXPECT_OK(TakeReply(driver));
@@ -880,10 +878,8 @@ TEST_F(RegisteredGraphTest, AHostObjectBindsADeviceInputOfTheSameShapeAndDtype) 
 TEST_F(RegisteredGraphTest, AGraphWithGpuTasksIsPlacedOnGpuWorkersOnly) {
   const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;
-  TensorMeta on_gpu = Floats(1);
-  on_gpu.device = Device::Cuda(0);
-  const ObjectId x = graph.AddObject("x", on_gpu, ObjectRole::kInput);
-  const ObjectId y = graph.AddObject("on_gpu.out", on_gpu, ObjectRole::kActivation);
+  const ObjectId x = graph.AddObject("x", FloatsOnGpu(1), ObjectRole::kInput);
+  const ObjectId y = graph.AddObject("on_gpu.out", FloatsOnGpu(1), ObjectRole::kActivation);
   TaskSpec on_gpu_task;
   on_gpu_task.name = "on_gpu";
   on_gpu_task.op = "gelu_forward";

@@ -14,6 +14,10 @@
 namespace tessera::testing {
 
 inline TensorMeta Floats(int64_t numel) { return {Shape{numel}, DType::kF32, Device::Cpu()}; }
+// The same on a GPU worker's GPU (a plan on Device::Cuda(0)).
+inline TensorMeta FloatsOnGpu(int64_t numel) {
+  return {Shape{numel}, DType::kF32, Device::Cuda(0)};
+}
 
 // A gelu task reading `inputs` into a new object of `out_numel` floats named "<name>.out";
 // returns that object.
