@@ -71,6 +71,7 @@ function renderCluster(c) {
     tr.appendChild(el('td', w.hostname));
     tr.appendChild(el('td', String(w.pid)));
     tr.appendChild(el('td', w.alive ? 'alive' : 'dead', w.alive ? 'alive' : 'dead'));
+    tr.appendChild(el('td', w.gpu || '-'));
     tr.appendChild(memoryCell(w.memory.host_used, w.memory.host_capacity));
     tr.appendChild(el('td', bytes(w.memory.spilled), 'num'));
     tr.appendChild(el('td', String(w.tasks.in_flight), 'num'));

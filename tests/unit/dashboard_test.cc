@@ -54,6 +54,7 @@ class FakeSource : public dashboard::DashboardSource {
       w.bytes_pulled = 10;
       w.bytes_served = 20;
       w.bytes_pushed = 30;
+      if (id == 2) w.gpu = "NVIDIA H200 (cuda:0)";
       w.collective_bytes_sent = 40;
       w.has_last_run = id == 2;
       w.last_run.model_state_peak = 123456;
@@ -189,6 +190,8 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(w["memory"]["spilled"], 4096);
   EXPECT_EQ(w["tasks"]["in_flight"], 1);
   EXPECT_EQ(w["bytes"]["pushed"], 30);
+  EXPECT_EQ(w["gpu"], "NVIDIA H200 (cuda:0)");
+  EXPECT_EQ(cluster["workers"][1]["gpu"], "");  // a CPU worker
   EXPECT_EQ(w["last_run"]["model_state_peak"], 123456);
   EXPECT_EQ(w["last_run"]["role_peaks"]["gradient"], 2000);
   EXPECT_TRUE(cluster["workers"][1]["last_run"].is_null());
