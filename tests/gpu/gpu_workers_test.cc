@@ -3,11 +3,12 @@
 // the driver's own GPU (in process), the losses must agree:
 //   - one GPU worker runs the very same plan and kernels: 1e-5 relative (the data path differs:
 //     the batch travels to the worker, the loss back; the arithmetic does not);
-//   - two GPU workers (data parallel, ZeRO-1 and ZeRO-3; both on GPU 0 where the machine has
+//   - two GPU workers (data parallel, ZeRO-1, -2 and -3; both on GPU 0 where the machine has
 //     one) sum their gradients through host copies over the UCX communicator, in another order
 //     than one rank's backward does. On a real GPU with bf16 activations: 1e-2 relative per
 //     run's final loss, as cuda_gpt2_test allows between the GPU and the CPU; on the simulated
-//     GPU (f32, the CPU kernels) 1e-5, as the CPU plans allow each other.
+//     GPU (f32, the CPU kernels) 1e-5, as the CPU plans allow each other. One GPU worker with its
+//     optimizer offloaded to its host (ZeRO-Offload) is held to the same tolerance.
 // Built twice from this file: gpu_workers_test (label gpu: a real GPU; skips without one) and
 // simulated_gpu_workers_test (label integration: TESSERA_SIMULATED_GPU=1, driver/simulated_gpu.h,
 // whose device memory is scrambled host memory, so a host read of a device buffer gives wrong
@@ -97,10 +98,11 @@ TEST_F(GpuWorkersTest, OneGpuWorkerTrainsLikeTheDriversOwnGpu) {
   EXPECT_NEAR(one_worker, in_process, 1e-5 * in_process);
 }
 
-TEST_F(GpuWorkersTest, TwoGpuWorkersTrainDataParallelAndZero3) {
+TEST_F(GpuWorkersTest, GpuWorkersTrainDataParallelZeroAndOffloaded) {
   const double in_process = Train("");
   for (const std::string plan :
-       {"--workers 2", "--workers 2 --zero-stage 1", "--workers 2 --zero-stage 3"}) {
+       {"--workers 2", "--workers 2 --zero-stage 1", "--workers 2 --zero-stage 2",
+        "--workers 2 --zero-stage 3", "--workers 1 --offload optimizer"}) {
     const double loss = Train(plan);
     EXPECT_NEAR(loss, in_process, kDataParallelTolerance * in_process) << plan;
   }
