@@ -371,6 +371,7 @@ struct StartFlags {
   int threads = 0;
   int64_t host_memory_mb = 4096;
   std::string token_file;
+  bool cpu_workers_given = false;  // --cpu-workers on the command line (with --gpus: both kinds)
   std::string gpus;
   double gpu_memory_gib = 0;
   bool no_restart = false;
@@ -418,7 +419,6 @@ int StartWorkers(const StartFlags& flags) {
     if (!resolved.ok()) return Fail(resolved.status().WithContext("--gpus"));
     gpus = *std::move(resolved);
   }
-  const int count = gpus.empty() ? flags.cpu_workers : static_cast<int>(gpus.size());
   Result<std::string> address = ResolveAddress(flags.address);
   if (!address.ok()) return Fail(address.status());
   Result<tessera::LocalSession> session = tessera::LocalSession::ForToken(
@@ -426,28 +426,44 @@ int StartWorkers(const StartFlags& flags) {
   if (!session.ok()) return Fail(session.status());
   auto admin = tessera::Cluster::Connect(*address, AdminConnection(session->token_file()));
   if (!admin.ok()) return Fail(admin.status());
-  Result<tessera::ClusterInfo> before = (*admin)->Info();
-  if (!before.ok()) return Fail(before.status());
-  const tessera::WorkerLaunch launch{.scheduler = *address,
-                                     .count = count,
-                                     .threads = flags.threads,
-                                     .host_memory_mb = flags.host_memory_mb,
-                                     .tag = std::to_string(::getpid()),
-                                     .gpus = gpus,
-                                     .gpu_memory_gib = flags.gpu_memory_gib};
-  Result<std::vector<pid_t>> pids = session->StartWorkers(launch);
-  if (!pids.ok()) return Fail(pids.status());
-  int alive = 0;
-  const Status joined = session->AwaitWorkers(
-      [&]() -> Result<int> {
-        TESSERA_ASSIGN_OR_RETURN(tessera::ClusterInfo info, (*admin)->Info());
-        alive = info.alive_workers();
-        return alive;
-      },
-      before->alive_workers() + count, *pids, launch, gpus.empty() ? 10'000 : 60'000);
-  if (!joined.ok()) return Fail(joined);
-  std::printf("%d %s worker(s) joined %s; %d alive in total. Logs in %s\n", count,
-              gpus.empty() ? "CPU" : "GPU", address->c_str(), alive, session->dir().c_str());
+  // CPU workers unless only --gpus was given; GPU workers (one per GPU listed) with --gpus.
+  std::vector<tessera::WorkerLaunch> launches;
+  const std::string tag = std::to_string(::getpid());
+  if (gpus.empty() || flags.cpu_workers_given) {
+    launches.push_back({.scheduler = *address,
+                        .count = flags.cpu_workers,
+                        .threads = flags.threads,
+                        .host_memory_mb = flags.host_memory_mb,
+                        .tag = tag});
+  }
+  if (!gpus.empty()) {
+    launches.push_back({.scheduler = *address,
+                        .count = static_cast<int>(gpus.size()),
+                        .threads = flags.threads,
+                        .host_memory_mb = flags.host_memory_mb,
+                        .tag = tag + "-gpu",
+                        .gpus = gpus,
+                        .gpu_memory_gib = flags.gpu_memory_gib});
+  }
+  for (const tessera::WorkerLaunch& launch : launches) {
+    Result<tessera::ClusterInfo> before = (*admin)->Info();
+    if (!before.ok()) return Fail(before.status());
+    Result<std::vector<pid_t>> pids = session->StartWorkers(launch);
+    if (!pids.ok()) return Fail(pids.status());
+    int alive = 0;
+    const Status joined = session->AwaitWorkers(
+        [&]() -> Result<int> {
+          TESSERA_ASSIGN_OR_RETURN(tessera::ClusterInfo info, (*admin)->Info());
+          alive = info.alive_workers();
+          return alive;
+        },
+        before->alive_workers() + launch.count, *pids, launch,
+        launch.gpus.empty() ? 10'000 : 60'000);
+    if (!joined.ok()) return Fail(joined);
+    std::printf("%d %s worker(s) joined %s; %d alive in total. Logs in %s\n", launch.count,
+                launch.gpus.empty() ? "CPU" : "GPU", address->c_str(), alive,
+                session->dir().c_str());
+  }
   return 0;
 }
 
@@ -668,8 +684,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
   start_cmd->add_option("--gpus", start.gpus,
-                        "Workers: start one GPU worker per GPU listed (all, or 0,1,...) instead "
-                        "of CPU workers");
+                        "Workers: start one GPU worker per GPU listed (all, or 0,1,...), instead "
+                        "of CPU workers unless --cpu-workers is given too");
   start_cmd
       ->add_option("--gpu-memory-gib", start.gpu_memory_gib,
                    "Workers, with --gpus: each GPU worker's allocator cap (0: the GPU's memory)")
@@ -775,6 +791,7 @@ int main(int argc, char** argv) {
                    start_cmd->help().c_str());
       return 2;
     }
+    start.cpu_workers_given = start_cmd->count("--cpu-workers") > 0;
     return StartWorkers(start);
   }
   if (status_cmd->parsed()) {

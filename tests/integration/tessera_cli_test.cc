@@ -65,10 +65,16 @@ TEST(TesseraCliTest, StartStatusStop) {
   // A GPU worker on the simulated GPU (driver/simulated_gpu.h): `status` names each worker's GPU.
   ::setenv("TESSERA_SIMULATED_GPU", "1", 1);  // inherited by tessera and its worker
   ProcessResult simulated = Tessera("start --gpus all --threads 1" + target);
+  ProcessResult both = Tessera("start --gpus 0 --cpu-workers 1 --threads 1" + target);
   ProcessResult listed = Tessera("status" + target);
   ::unsetenv("TESSERA_SIMULATED_GPU");
   EXPECT_EQ(simulated.exit_code, 0) << simulated.output;
   EXPECT_NE(simulated.output.find("1 GPU worker(s) joined"), std::string::npos) << simulated.output;
+  // --cpu-workers with --gpus: both kinds.
+  EXPECT_EQ(both.exit_code, 0) << both.output;
+  EXPECT_NE(both.output.find("1 CPU worker(s) joined"), std::string::npos) << both.output;
+  EXPECT_NE(both.output.find("1 GPU worker(s) joined"), std::string::npos) << both.output;
+  EXPECT_NE(listed.output.find("5 of 5 workers alive"), std::string::npos) << listed.output;
   EXPECT_NE(listed.output.find("simulated GPU (cuda:0"), std::string::npos) << listed.output;
 
   ProcessResult wrong_token =
