@@ -24,6 +24,7 @@
 #include "driver/process.h"
 #include "driver/session.h"
 #include "ops/standard_ops.h"
+#include "worker/task_runner.h"
 
 namespace tessera {
 
@@ -530,9 +531,7 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
   TESSERA_ASSIGN_OR_RETURN(ReadyState state, AwaitReady(ref.id(), timeout_ms));
   TESSERA_RETURN_IF_ERROR(state.error);
   // On the host whatever device the object lives on (a GPU worker serves a host copy).
-  TensorMeta host_meta = ref.meta();
-  host_meta.device = Device::Cpu();
-  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(host_meta, allocator_));
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(OnHost(ref.meta()), allocator_));
   if (!state.inline_data.empty() || tensor.bytes() == 0) {
     if (static_cast<int64_t>(state.inline_data.size()) != tensor.bytes()) {
       return DataLoss("{} came back with {} bytes, {} expected", ref.id().ToString(),

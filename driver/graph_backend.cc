@@ -55,14 +55,9 @@ class InProcessBackend final : public GraphBackend {
 
   Result<Value> Upload(Tensor tensor) override { return Value{std::move(tensor), {}}; }
   Result<Tensor> Download(const Value& value) override {
-    if (!value.tensor.defined() || value.tensor.meta().device.is_cpu()) return value.tensor;
+    if (!value.tensor.defined()) return value.tensor;
     // A GPU's object: a host copy (the device buffer stays with the value).
-    TensorMeta host_meta = value.tensor.meta();
-    host_meta.device = Device::Cpu();
-    TESSERA_ASSIGN_OR_RETURN(Tensor host, Tensor::Empty(host_meta, executor_.allocator()));
-    const KernelContext copier{executor_.allocator(), 0, nullptr, executor_.device().get()};
-    TESSERA_RETURN_IF_ERROR(CopyTensor(host, value.tensor, copier));
-    return host;
+    return HostCopyOf(value.tensor, executor_.Copier());
   }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }

@@ -234,13 +234,12 @@ void CollectiveEngine::OnAbort(uint64_t group, uint32_t epoch, const Status& rea
     // (its collective had not started): every member then forms the group at the same epoch.
     entry.epoch = std::max(entry.epoch, epoch);
     if (!entry.rendezvous) return;
-    auto it = groups_.find(group);
-    rendezvous = it->second.rendezvous;
+    rendezvous = entry.rendezvous;
     if (running_group_ == group) {
-      it->second.aborted = true;  // Run drops it when the collective returns
+      entry.aborted = true;  // Run drops it when the collective returns
     } else {
-      idle = std::move(it->second.communicator);
-      it->second.rendezvous.reset();
+      idle = std::move(entry.communicator);
+      entry.rendezvous.reset();
     }
   }
   GetLogger("worker")->warn("collective group {} (epoch {}) aborted: {}", group, epoch,
