@@ -66,16 +66,19 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
   plan.seq_len = o.seq_len;
   plan.optimizer.beta2 = 0.95;
   TESSERA_ASSIGN_OR_RETURN(plan.parallel.offload, ParseOffload(o.offload));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Trainer::Create(config, plan, executor));
   // Progress on stderr (a model-size search under a time limit says where its time went).
   const auto began = std::chrono::steady_clock::now();
   const auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   };
-  std::fprintf(stderr, "bench_gpt2_cuda: %lld parameters (%lld x %lld): initialising\n",
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                           Trainer::Create(config, plan, executor));
+  std::fprintf(stderr,
+               "bench_gpt2_cuda: %lld parameters (%lld x %lld): state allocated in %.1f s; "
+               "initialising\n",
                static_cast<long long>(config.NumParameters()),
-               static_cast<long long>(config.layers), static_cast<long long>(config.channels));
+               static_cast<long long>(config.layers), static_cast<long long>(config.channels),
+               seconds());
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
   std::fprintf(stderr, "bench_gpt2_cuda: initialised in %.1f s\n", seconds());
   std::mt19937 rng(1);

@@ -14,6 +14,9 @@ usage:
       tries GPT-2-shaped models of growing size (one subprocess each) and prints the largest
       that trains one step: torch_max_model layers=.. channels=.. params=..
 
+--gpu-memory-gib G caps PyTorch's caching allocator at G GiB (set_per_process_memory_fraction):
+a smaller card's capacity on a larger one, as bench_gpt2_cuda --gpu-memory-gib caps Tessera's.
+
 MFU counts 6 N + 12 L C T flops per token (N: every parameter, the tied wte once; attention's
 matmuls at full T x T, as PaLM and llm.c count them) against the H100 SXM's dense bf16 peak,
 989.4e12 flop/s (--peak-flops to change).
@@ -89,6 +92,9 @@ def make_step(args):
 
 
 def speed(args):
+    if args.gpu_memory_gib > 0:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total))
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     step, params = make_step(args)
@@ -132,7 +138,8 @@ def max_model(args):
     for layers, channels, heads in SHAPES[args.from_shape:]:
         cmd = [sys.executable, __file__, "speed", "--layers", str(layers), "--channels",
                str(channels), "--heads", str(heads), "--seq-len", str(args.seq_len), "--batch",
-               str(args.batch), "--steps", "1", "--warmup", "1"]
+               str(args.batch), "--steps", "1", "--warmup", "1",
+               "--gpu-memory-gib", str(args.gpu_memory_gib)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         ok = run.returncode == 0 and "torch_step" in run.stdout
         line = run.stdout.strip().splitlines()[-1] if ok else run.stderr.strip()[-200:]
@@ -164,6 +171,8 @@ def main():
                         help="max-model: start the search at this index of SHAPES (smaller "
                              "shapes are assumed to fit)")
     parser.add_argument("--peak-flops", type=float, default=989.4e12)
+    parser.add_argument("--gpu-memory-gib", type=float, default=0,
+                        help="cap the caching allocator at this many GiB (0: the whole card)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_gpt2_cuda: no CUDA device visible to PyTorch")

@@ -1,5 +1,8 @@
 #include "core/allocator.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 
 namespace tessera {
@@ -88,6 +91,20 @@ void CachingHostAllocator::DoDeallocate(void* ptr, int64_t bytes) {
 int64_t CachingHostAllocator::CachedBytes() const {
   std::lock_guard lock(mutex_);
   return cached_bytes_;
+}
+
+int64_t AvailableHostMemoryBytes() {
+  if (std::FILE* meminfo = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    long long kib = -1;
+    while (std::fgets(line, sizeof(line), meminfo) != nullptr) {
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+    }
+    std::fclose(meminfo);
+    if (kib >= 0) return static_cast<int64_t>(kib) * 1024;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
 }
 
 std::shared_ptr<Allocator> SharedHostAllocator() {

@@ -74,6 +74,10 @@ class AlignedHostAllocator final : public Allocator {
 // One AlignedHostAllocator for the process: tensors a driver builds to feed a step.
 std::shared_ptr<Allocator> SharedHostAllocator();
 
+// Host memory a new allocation can still get without swapping: Linux's MemAvailable (free
+// memory plus what the page cache would give back), else the physical pages; 0 when unknown.
+int64_t AvailableHostMemoryBytes();
+
 class CachingHostAllocator final : public Allocator {
  public:
   ~CachingHostAllocator() override;

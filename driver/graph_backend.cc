@@ -18,7 +18,9 @@ namespace {
 class InProcessBackend final : public GraphBackend {
  public:
   explicit InProcessBackend(std::unique_ptr<OpRegistry> registry, const ExecutorOptions& options)
-      : registry_(std::move(registry)), executor_(*registry_, options) {}
+      : registry_(std::move(registry)),
+        executor_(*registry_, options),
+        host_memory_bytes_(options.host_memory_bytes) {}
 
   Result<int> Register(const Graph& graph) override {
     TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(graph));
@@ -66,6 +68,9 @@ class InProcessBackend final : public GraphBackend {
     return std::vector<std::pair<WorkerId, RunFigures>>{{WorkerId(), last_figures_}};
   }
   std::vector<WorkerId> workers() const override { return {}; }
+  int64_t host_memory_bytes() const override {
+    return host_memory_bytes_ > 0 ? host_memory_bytes_ : AvailableHostMemoryBytes();
+  }
   std::string Describe() const override {
     if (executor_.device() != nullptr) {
       return fmt::format("in process on {}, {} threads", executor_.device()->Describe(),
@@ -130,6 +135,7 @@ class InProcessBackend final : public GraphBackend {
   uint64_t runs_recorded_ = 0;
   std::unique_ptr<OpRegistry> registry_;
   InProcessExecutor executor_;
+  int64_t host_memory_bytes_ = 0;  // ExecutorOptions::host_memory_bytes
   std::vector<std::unique_ptr<PreparedGraph>> prepared_;
   int64_t last_peak_bytes_ = 0;
   RunFigures last_figures_;

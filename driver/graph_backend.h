@@ -63,6 +63,9 @@ class GraphBackend {
   virtual Result<Timeline> LastTimeline(int graph, int instances) = 0;
   // The workers a plan may pin tasks to, in a stable order (empty in process: one executor).
   virtual std::vector<WorkerId> workers() const = 0;
+  // Host memory this process may give the plan's host-tier state: in process, the executor's
+  // limit; 0 on a cluster (each worker's store holds its own objects under its own capacity).
+  virtual int64_t host_memory_bytes() const { return 0; }
 };
 
 // InProcessExecutor on a registry with CPU kernels.

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <span>
 
@@ -145,8 +146,33 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
                    trainer->ParamMultiple(), plan.device));
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
                            trainer->backend_->Register(trainer->eval_graph_.graph));
+  TESSERA_RETURN_IF_ERROR(trainer->CheckHostMemory());
   TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
   return trainer;
+}
+
+Status Trainer::CheckHostMemory() const {
+  const int64_t available = backend_->host_memory_bytes();
+  if (available <= 0) return Status::Ok();  // a cluster: each worker's store checks its own
+  std::map<StateKind, int64_t> host_bytes;
+  int64_t total = 0;
+  for (const StateObject& object : step_graph_.state) {
+    const TensorMeta& meta = step_graph_.graph.object(object.input).meta;
+    if (!meta.device.is_cpu()) continue;
+    host_bytes[object.kind] += meta.bytes();
+    total += meta.bytes();
+  }
+  if (total <= available) return Status::Ok();
+  std::string parts;
+  for (const auto& [kind, bytes] : host_bytes) {
+    parts += fmt::format("{}{} {:.1f} GiB", parts.empty() ? "" : ", ", StateKindName(kind),
+                         static_cast<double>(bytes) / (1 << 30));
+  }
+  return ResourceExhausted(
+      "the plan keeps {:.1f} GiB of training state in this process's host memory ({}) but "
+      "{:.1f} GiB is available: train a smaller model, keep the optimizer on the GPU "
+      "(no --offload), or spread the state over more workers (ZeRO on a cluster)",
+      static_cast<double>(total) / (1 << 30), parts, static_cast<double>(available) / (1 << 30));
 }
 
 Status Trainer::PrepareStepGraph() {

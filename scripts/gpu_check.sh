@@ -15,12 +15,13 @@
 # Knobs (environment): SPEED_BATCHES (default "16 32"); CHECK_CPU=0 runs only the GPU side of
 # the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
 # it is fp32 and takes minutes per step); MAX_MODEL_FROM=K starts both model-size searches at
-# shape K of their common list; MEMORY_SECONDS bounds each search (default 600).
+# shape K of their common list; MEMORY_SECONDS bounds each search (default 600); GPU_MEMORY_GIB
+# caps both sides' GPU allocators in the memory part (an 80 GiB H100's capacity on an H200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_binaries=(cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test
-  cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
+gpu_binaries=(cuda_device_test cuda_context_test nccl_communicator_test cuda_kernels_test
+  cuda_attention_test cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
 
 stage() {
   scripts/install_deps.sh >/dev/null
@@ -60,8 +61,8 @@ run() {
     # The gpu-labelled tests (tests/CMakeLists.txt), each binary whole.
     # gpu_workers_test starts train_gpt2 and tessera (GPU worker processes) from .gpu/bin.
     export TESSERA_TEST_BIN_DIR="$PWD/.gpu/bin"
-    for test in cuda_device_test nccl_communicator_test cuda_kernels_test cuda_attention_test \
-      cuda_gpt2_test; do
+    for test in cuda_device_test cuda_context_test nccl_communicator_test cuda_kernels_test \
+      cuda_attention_test cuda_gpt2_test; do
       echo "== $test"
       timeout 300 .gpu/bin/$test --gtest_brief=1 2>&1 | tee "$out/$test.txt" | tail -n 25 || true
     done
@@ -123,11 +124,14 @@ run() {
       tee "$out/max_batch.txt" | tail -n 2 || true
     # Each try initialises its model on the host: the larger ones take minutes, so the searches
     # are bounded (MEMORY_SECONDS each) and report the largest that trained in that time.
+    local cap="${GPU_MEMORY_GIB:-0}" suffix=""
+    [[ "$cap" != 0 ]] && suffix="_cap${cap}gib"
     timeout "${MEMORY_SECONDS:-600}" .gpu/bin/bench_gpt2_cuda --max-model --batch 1 \
-      --from-shape "${MAX_MODEL_FROM:-0}" --offload optimizer 2>&1 | tee "$out/max_model_tessera.txt" | tail -n 3 || true
+      --from-shape "${MAX_MODEL_FROM:-0}" --offload optimizer --gpu-memory-gib "$cap" 2>&1 |
+      tee "$out/max_model_tessera$suffix.txt" | tail -n 3 || true
     timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 \
-      --from-shape "${MAX_MODEL_FROM:-0}" 2>&1 |
-      tee "$out/max_model_torch.txt" | tail -n 2 || true
+      --from-shape "${MAX_MODEL_FROM:-0}" --gpu-memory-gib "$cap" 2>&1 |
+      tee "$out/max_model_torch$suffix.txt" | tail -n 2 || true
   fi
   summarize "$out"
 }

@@ -59,6 +59,10 @@ struct ExecutorOptions {
   int threads = 0;  // 0: one per core
   int64_t gemm_split_min_flops = Settings{}.gemm_split_min_flops;
   bool cache_host_allocations = Settings{}.cache_host_allocations;
+  // Host memory the executor's state may take (a trainer refuses a plan whose host-tier state
+  // exceeds it, instead of the kernel's out-of-memory killer ending the process mid-step);
+  // 0: what the machine has available (core/allocator.h's AvailableHostMemoryBytes).
+  int64_t host_memory_bytes = 0;
   // The GPU the executor runs kCuda tasks on (driver/gpu.h's OpenGpu), or null. Inputs bound
   // as host tensors to objects that live on it are copied there when the run starts.
   std::shared_ptr<DeviceRuntime> device;

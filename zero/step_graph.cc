@@ -1000,13 +1000,37 @@ class StepPlanner {
   }
 
   // Offload on GPU workers: each final gradient (piece) and the clipping factor are copied to
-  // the host as soon as they exist; a layer's copy waits for nothing but its own reduction.
+  // the host. With clipping, a layer's gradient goes down only once the clipping factor exists
+  // (every gradient is complete then, on the GPU), and at most kGradientsInFlight layers ahead
+  // of the update that consumes them (AddOptimizer's control edges): the host holds the
+  // optimizer's state and a few layers' gradients, not a second copy of every gradient. What
+  // that costs is the overlap of the downloads with the backward pass, small next to the
+  // host's update (ZeRO-Offload's step is bound by the host and the link, not the GPU).
+  static constexpr size_t kGradientsInFlight = 3;
+
   Status AddDownloads() {
     if (!offload_) return Status::Ok();
     for (int r = 0; r < n_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
+      if (plan_.optimizer.max_grad_norm <= 0) {
+        rank.host_clip = rank.clip;  // the constant 1, already on the host
+      } else {
+        rank.host_clip.assign(static_cast<size_t>(stages_), ObjectId());
+        for (int s = 0; s < stages_; ++s) {
+          TESSERA_ASSIGN_OR_RETURN(
+              auto clip, builder_.AddTask(
+                             Name(r, Staged(s, "clip_to_host")), "copy",
+                             {rank.clip[static_cast<size_t>(s)]}, {},
+                             OnOptimizerDevice(OnStage(r, s, "", kOptimizerPriority,
+                                                       {Name(r, Staged(s, "clip_scale.host"))}))));
+          rank.host_clip[static_cast<size_t>(s)] = clip[0];
+        }
+      }
       for (size_t l = 0; l < layers_; ++l) {
-        if (!HasParams(l)) continue;
+        if (!HasParams(l)) {
+          rank.host_grad.push_back(ObjectId());
+          continue;
+        }
         const std::string& layer = LayerName(l);
         TaskOptions options = On(r, layer, kBackwardPriority + 1, {Name(r, layer + ".grad.host")},
                                  {ObjectRole::kGradient});
@@ -1015,29 +1039,28 @@ class StepPlanner {
             auto host, builder_.AddTask(Name(r, layer + "/grad_to_host"), "copy", {rank.grad[l]},
                                         {}, std::move(options)));
         rank.host_grad.push_back(host[0]);
-      }
-      if (plan_.optimizer.max_grad_norm <= 0) {
-        rank.host_clip = rank.clip;  // the constant 1, already on the host
-        continue;
-      }
-      rank.host_clip.assign(static_cast<size_t>(stages_), ObjectId());
-      for (int s = 0; s < stages_; ++s) {
-        TESSERA_ASSIGN_OR_RETURN(
-            auto clip,
-            builder_.AddTask(Name(r, Staged(s, "clip_to_host")), "copy",
-                             {rank.clip[static_cast<size_t>(s)]}, {},
-                             OnOptimizerDevice(OnStage(r, s, "", kOptimizerPriority,
-                                                       {Name(r, Staged(s, "clip_scale.host"))}))));
-        rank.host_clip[static_cast<size_t>(s)] = clip[0];
+        if (plan_.optimizer.max_grad_norm > 0) {
+          builder_.AddControlEdge(
+              builder_.graph().object(rank.host_clip[static_cast<size_t>(StageOf(l))]).producer,
+              Producer(host[0]));
+        }
       }
     }
     return Status::Ok();
   }
 
+  TaskId Producer(ObjectId id) const { return builder_.graph().object(id).producer; }
+
   Status AddOptimizer(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
+    std::vector<TaskId> updates;  // offload: the update tasks so far, in layer order
     for (size_t l = 0; l < layers_; ++l) {
       if (!HasParams(l)) continue;
+      if (offload_ && updates.size() >= kGradientsInFlight) {
+        // This layer's gradient goes down once the update kGradientsInFlight layers back ended.
+        builder_.AddControlEdge(updates[updates.size() - kGradientsInFlight],
+                                Producer(rank.host_grad[l]));
+      }
       const ObjectId clip =
           (offload_ ? rank.host_clip : rank.clip)[static_cast<size_t>(StageOf(l))];
       const std::string& layer = LayerName(l);
@@ -1055,6 +1078,7 @@ class StepPlanner {
                              OnOptimizerDevice(r, layer, {Name(r, layer + target_name + ".next")},
                                                {ObjectRole::kParameter})));
         target.output = updated[0];
+        updates.push_back(Producer(updated[0]));
         TESSERA_RETURN_IF_ERROR(AddParameterUpload(r, l));
         continue;
       }
@@ -1088,6 +1112,7 @@ class StepPlanner {
                   {ObjectRole::kParameter, ObjectRole::kOptimizerState,
                    ObjectRole::kOptimizerState})));
       target.output = updated[0];
+      updates.push_back(Producer(updated[0]));
       exp_avg.output = updated[1];
       exp_avg_sq.output = updated[2];
       builder_.MarkOutput(exp_avg.output);

@@ -4,6 +4,8 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include "core/cuda_check.h"
 
@@ -12,6 +14,23 @@ namespace tessera::cuda {
 namespace {
 
 std::string GiB(int64_t bytes) { return fmt::format("{:.1f} GiB", bytes / double(1 << 30)); }
+
+// memcpy between pageable and pinned host memory, on several threads when it is large (one
+// thread copies ~10 GB/s, below a PCIe 5 link). Isolated: the waiting thread must not pick up
+// another task, which could be a copy that needs the lock its caller holds.
+void HostCopy(char* dst, const char* src, int64_t bytes) {
+  constexpr int64_t kPiece = int64_t{4} << 20;
+  if (bytes < 2 * kPiece) {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    return;
+  }
+  tbb::this_task_arena::isolate([&] {
+    tbb::parallel_for(int64_t{0}, (bytes + kPiece - 1) / kPiece, [&](int64_t piece) {
+      const int64_t begin = piece * kPiece, end = std::min(bytes, begin + kPiece);
+      std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin));
+    });
+  });
+}
 
 // Device memory from a CUDA memory pool, stream-ordered on the compute stream, capped.
 class PoolAllocator final : public Allocator {
@@ -104,9 +123,32 @@ Result<std::shared_ptr<CudaContext>> CudaContext::Create(const CudaContextOption
   TESSERA_CUDA_RETURN_IF_ERROR(
       cudaMalloc(&context->blas_workspace_, static_cast<size_t>(options.blas_workspace_bytes)));
   context->staging_bytes_ = options.staging_bytes;
-  TESSERA_CUDA_RETURN_IF_ERROR(
-      cudaMallocHost(&context->staging_, static_cast<size_t>(options.staging_bytes)));
+  TESSERA_RETURN_IF_ERROR(context->CreateLane(context->to_device_));
+  TESSERA_RETURN_IF_ERROR(context->CreateLane(context->to_host_));
   return context;
+}
+
+Status CudaContext::CreateLane(CopyLane& lane) {
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+  for (int b = 0; b < 2; ++b) {
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMallocHost(&lane.staging[b], static_cast<size_t>(staging_bytes_)));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&lane.staged[b], cudaEventDisableTiming));
+  }
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&lane.computed, cudaEventDisableTiming));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&lane.copied, cudaEventDisableTiming));
+  return Status::Ok();
+}
+
+void CudaContext::DestroyLane(CopyLane& lane) {
+  if (lane.stream != nullptr) cudaStreamSynchronize(lane.stream);
+  for (int b = 0; b < 2; ++b) {
+    if (lane.staging[b] != nullptr) cudaFreeHost(lane.staging[b]);
+    if (lane.staged[b] != nullptr) cudaEventDestroy(lane.staged[b]);
+  }
+  if (lane.computed != nullptr) cudaEventDestroy(lane.computed);
+  if (lane.copied != nullptr) cudaEventDestroy(lane.copied);
+  if (lane.stream != nullptr) cudaStreamDestroy(lane.stream);
 }
 
 CudaContext::~CudaContext() {
@@ -114,7 +156,8 @@ CudaContext::~CudaContext() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (blas_ != nullptr) cublasLtDestroy(blas_);
   if (blas_workspace_ != nullptr) cudaFree(blas_workspace_);
-  if (staging_ != nullptr) cudaFreeHost(staging_);
+  DestroyLane(to_device_);
+  DestroyLane(to_host_);
   // Buffers still alive (tensors the caller kept) hold the allocator, not the pool: the pool
   // goes with the process then. Destroy it only when nothing is live.
   if (pool_ != nullptr && allocator_ && allocator_.use_count() == 1 &&
@@ -154,26 +197,61 @@ Status CudaContext::Copy(void* dst, Device dst_device, const void* src, Device s
     std::memcpy(dst, src, static_cast<size_t>(bytes));
     return Status::Ok();
   }
-  // Host <-> device through the pinned staging buffer, chunk by chunk.
-  std::lock_guard lock(staging_mutex_);
-  const bool to_device = !dst_device.is_cpu();
-  for (int64_t done = 0; done < bytes; done += staging_bytes_) {
-    const size_t chunk = static_cast<size_t>(std::min(staging_bytes_, bytes - done));
-    if (to_device) {
-      // The staging buffer may still feed the previous chunk's DMA: wait for it first.
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      std::memcpy(staging_, static_cast<const char*>(src) + done, chunk);
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(dst) + done, staging_, chunk,
-                                                   cudaMemcpyHostToDevice, stream_));
-    } else {
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging_, static_cast<const char*>(src) + done,
-                                                   chunk, cudaMemcpyDeviceToHost, stream_));
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      std::memcpy(static_cast<char*>(dst) + done, staging_, chunk);
-    }
+  return dst_device.is_cpu()
+             ? ToHost(static_cast<char*>(dst), static_cast<const char*>(src), bytes)
+             : ToDevice(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
+}
+
+Status CudaContext::ToDevice(char* dst, const char* src, int64_t bytes) {
+  CopyLane& lane = to_device_;
+  std::lock_guard lock(lane.mutex);
+  // The destination was allocated on the compute stream (and may have been in use there).
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.computed, stream_));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, lane.computed, 0));
+  for (int64_t done = 0, i = 0; done < bytes; done += staging_bytes_, ++i) {
+    const int64_t chunk = std::min(staging_bytes_, bytes - done);
+    const int b = static_cast<int>(i % 2);
+    // The buffer may still feed the DMA two chunks back (or a previous copy's): wait for it.
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(lane.staged[b]));
+    HostCopy(static_cast<char*>(lane.staging[b]), src + done, chunk);
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + done, lane.staging[b],
+                                                 static_cast<size_t>(chunk), cudaMemcpyHostToDevice,
+                                                 lane.stream));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.staged[b], lane.stream));
   }
-  // The last host-to-device chunk reads the staging buffer asynchronously; the next Copy waits
-  // for it (above) before overwriting, and the lock keeps other copies out meanwhile.
+  // Kernels enqueued from now on read the destination after its last chunk landed.
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.copied, lane.stream));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, lane.copied, 0));
+  return Status::Ok();
+}
+
+Status CudaContext::ToHost(char* dst, const char* src, int64_t bytes) {
+  CopyLane& lane = to_host_;
+  std::lock_guard lock(lane.mutex);
+  // The source's producers are the kernels enqueued on the compute stream so far.
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.computed, stream_));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, lane.computed, 0));
+  const int64_t chunks = (bytes + staging_bytes_ - 1) / staging_bytes_;
+  const auto enqueue = [&](int64_t i) -> Status {
+    const int b = static_cast<int>(i % 2);
+    const int64_t begin = i * staging_bytes_;
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        lane.staging[b], src + begin, static_cast<size_t>(std::min(staging_bytes_, bytes - begin)),
+        cudaMemcpyDeviceToHost, lane.stream));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.staged[b], lane.stream));
+    return Status::Ok();
+  };
+  TESSERA_RETURN_IF_ERROR(enqueue(0));
+  for (int64_t i = 0; i < chunks; ++i) {
+    // Chunk i+1's DMA into the other buffer runs while chunk i is copied out of this one (the
+    // other buffer's previous chunk, i-1, was copied out in the last round).
+    if (i + 1 < chunks) TESSERA_RETURN_IF_ERROR(enqueue(i + 1));
+    const int b = static_cast<int>(i % 2);
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(lane.staged[b]));
+    const int64_t begin = i * staging_bytes_;
+    HostCopy(dst + begin, static_cast<const char*>(lane.staging[b]),
+             std::min(staging_bytes_, bytes - begin));
+  }
   return Status::Ok();
 }
 

@@ -1,9 +1,14 @@
 // CudaContext: one GPU as a worker owns it (core/device_runtime.h's DeviceRuntime on CUDA).
 //
 // What it holds:
-//   - the compute stream, on which every kernel, GEMM and copy of the process is enqueued in the
-//     order the calls are made (so device objects need no events between tasks: a reader
-//     enqueues after its producer returned);
+//   - the compute stream, on which every kernel, GEMM and device-to-device copy of the process is
+//     enqueued in the order the calls are made (so device objects need no events between tasks:
+//     a reader enqueues after its producer returned);
+//   - a host-to-device and a device-to-host stream, ordered against the compute stream by
+//     events: a copy to the host starts when the kernels enqueued before it are done and leaves
+//     the compute stream running; kernels enqueued after a copy to the device wait for it (an
+//     event the compute stream waits on), the host thread does not. The two directions run at
+//     once (PCIe is full duplex), each one copy at a time;
 //   - a caching, stream-ordered device allocator with a capacity cap: buffers come from a CUDA
 //     memory pool (cudaMallocFromPoolAsync on the compute stream) that keeps freed memory for
 //     reuse instead of returning it to the driver, so a step graph that allocates the same sizes
@@ -11,9 +16,10 @@
 //     it are still queued is only reused behind them (cudaFreeAsync on the same stream). Past the
 //     cap an allocation fails with ResourceExhausted naming the cap, the live bytes and the size;
 //   - a cuBLASLt handle and its workspace (ops/cuda/matmul.h);
-//   - a pinned host staging buffer: copies to and from pageable host memory go through it in
-//     chunks, so a device-to-host copy is one DMA per chunk and the host buffer may be reused as
-//     soon as Copy returns.
+//   - pinned host staging, two buffers per direction: copies to and from pageable host memory
+//     go through them in chunks, double-buffered (the host copies chunk i+1 into one buffer,
+//     on several threads, while chunk i's DMA reads the other), so the host buffer may be reused
+//     as soon as Copy returns and a large copy runs near the link's speed.
 //
 // Thread safety: every method may be called from any thread (the executor runs tasks on a TBB
 // arena); each call makes the context's device current on the calling thread first. Kernels
@@ -41,7 +47,7 @@ struct CudaContextOptions {
   // CUDA context, cuBLAS and NCCL).
   int64_t memory_cap_bytes = 0;
   int64_t blas_workspace_bytes = int64_t{32} << 20;  // cuBLASLt's recommendation for Hopper
-  int64_t staging_bytes = int64_t{64} << 20;         // pinned host staging buffer
+  int64_t staging_bytes = int64_t{32} << 20;         // each of the four pinned staging buffers
 };
 
 class CudaContext final : public DeviceRuntime, public std::enable_shared_from_this<CudaContext> {
@@ -86,8 +92,23 @@ class CudaContext final : public DeviceRuntime, public std::enable_shared_from_t
   cublasLtHandle_t blas_ = nullptr;
   void* blas_workspace_ = nullptr;
   int64_t blas_workspace_bytes_ = 0;
-  std::mutex staging_mutex_;  // one copy through the staging buffer at a time
-  void* staging_ = nullptr;
+  // One direction of host <-> device copies: its stream, double-buffered pinned staging (a
+  // buffer is free again when its event has completed), and the events that order the stream
+  // against the compute stream. The mutex keeps one copy per direction at a time.
+  struct CopyLane {
+    std::mutex mutex;
+    cudaStream_t stream = nullptr;
+    void* staging[2] = {nullptr, nullptr};
+    cudaEvent_t staged[2] = {nullptr, nullptr};  // the DMA that last used staging[b] is done
+    cudaEvent_t computed = nullptr;              // recorded on the compute stream
+    cudaEvent_t copied = nullptr;                // recorded on the lane's stream
+  };
+  Status CreateLane(CopyLane& lane);
+  void DestroyLane(CopyLane& lane);
+  Status ToDevice(char* dst, const char* src, int64_t bytes);
+  Status ToHost(char* dst, const char* src, int64_t bytes);
+
+  CopyLane to_device_, to_host_;
   int64_t staging_bytes_ = 0;
 };
 

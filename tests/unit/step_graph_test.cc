@@ -123,8 +123,9 @@ bool DependsOn(const Graph& g, TaskId later, TaskId earlier) {
   while (!stack.empty()) {
     const TaskSpec& task = g.task(stack.back());
     stack.pop_back();
-    for (ObjectId input : task.inputs) {
-      const TaskId producer = g.object(input).producer;
+    std::vector<TaskId> before = task.after;  // control edges and the inputs' producers
+    for (ObjectId input : task.inputs) before.push_back(g.object(input).producer);
+    for (TaskId producer : before) {
       if (!producer.valid() || !seen.insert(producer.value()).second) continue;
       if (producer == earlier) return true;
       stack.push_back(producer);
@@ -133,7 +134,7 @@ bool DependsOn(const Graph& g, TaskId later, TaskId earlier) {
   return false;
 }
 
-TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndCopiesGradientsAsTheyAreReduced) {
+TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndStreamsGradientsThroughIt) {
   const ModelSpec model = DescribeGpt2(TinyConfig());
   const int64_t layers = static_cast<int64_t>(model.layers.size());
   for (int stage = 0; stage <= 3; ++stage) {
@@ -175,20 +176,27 @@ TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndCopiesGradientsAs
       EXPECT_EQ(gpu_bytes[r], stage == 3 ? shard_bytes[r] : full_bytes[r]);
       EXPECT_EQ(host_bytes[r], 3 * (stage >= 1 ? shard_bytes[r] : full_bytes[r]));
     }
-    // The last block's gradient goes down as soon as it is reduced, while the earlier layers'
-    // backward still runs (it does not wait for the embedding's backward); only ZeRO-1 reduces
-    // after the whole backward.
+    // With clipping, a gradient goes down once the clipping factor exists (after the whole
+    // backward), and no more than three layers ahead of the updates: the fourth layer's download
+    // waits for the first layer's update, so the host never holds every gradient at once.
     const TaskId download = *g.FindTask("rank0/h.1/grad_to_host");
-    const TaskId last_backward = *g.FindTask("rank0/embedding/backward");
-    EXPECT_EQ(DependsOn(g, download, last_backward), stage == 1);
+    EXPECT_TRUE(DependsOn(g, download, *g.FindTask("rank0/clip_to_host")));
+    EXPECT_TRUE(DependsOn(g, download, *g.FindTask("rank0/embedding/backward")));
+    ASSERT_GE(layers, 4);
+    const std::string fourth = model.layers[3].name, first = model.layers[0].name;
+    EXPECT_TRUE(DependsOn(g, *g.FindTask("rank0/" + fourth + "/grad_to_host"),
+                          *g.FindTask("rank0/" + first + "/adamw")));
+    EXPECT_FALSE(DependsOn(g, *g.FindTask("rank0/" + model.layers[2].name + "/grad_to_host"),
+                           *g.FindTask("rank0/" + first + "/adamw")));
     // The update reads only host objects: its inputs all come down through copies.
     const TaskSpec& adamw = g.task(*g.FindTask("rank0/h.1/adamw"));
     for (ObjectId input : adamw.inputs) {
       EXPECT_EQ(g.object(input).meta.device, Device::Cpu()) << g.object(input).name;
     }
   }
-  // With clipping off, the factor is a constant: the offloaded update of the last block runs
-  // during the earlier layers' backward instead of waiting for the global norm.
+  // With clipping off, the factor is a constant: the last block's gradient goes down and its
+  // offloaded update runs during the earlier layers' backward instead of waiting for the global
+  // norm (only ZeRO-1, which reduces after the whole backward, waits).
   TrainingPlan unclipped = ZeroPlan(2, 2);
   unclipped.device = Device::Cuda(0);
   unclipped.parallel.offload = OffloadMode::kOptimizer;
@@ -197,6 +205,10 @@ TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndCopiesGradientsAs
     ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, unclipped, CpuRegistry()));
     const Graph& g = step.graph;
     EXPECT_EQ(DependsOn(g, *g.FindTask("rank0/h.1/adamw"), *g.FindTask("rank0/embedding/backward")),
+              max_norm > 0)
+        << "max_grad_norm " << max_norm;
+    EXPECT_EQ(DependsOn(g, *g.FindTask("rank0/h.1/grad_to_host"),
+                        *g.FindTask("rank0/embedding/backward")),
               max_norm > 0)
         << "max_grad_norm " << max_norm;
     EXPECT_TRUE(g.IsOutput(step.grad_norm)) << "the norm is reported either way";

@@ -3,6 +3,7 @@
 // generator), different values for different seeds and for different chunks.
 #include <cmath>
 
+#include <gmock/gmock.h>
 #include <tbb/global_control.h>
 
 #include "driver/trainer.h"
@@ -65,6 +66,29 @@ TEST(TrainerInitTest, TheSameValuesOnOneThreadAsOnMany) {
   ASSERT_OK_AND_ASSIGN(std::vector<float> fc0, Initialized(3, "h.0.fc_w"));
   ASSERT_OK_AND_ASSIGN(std::vector<float> fc1, Initialized(3, "h.1.fc_w"));
   EXPECT_NE(fc0, fc1);
+}
+
+// A plan whose host-tier state is more than the process may hold is refused before anything is
+// allocated, naming the sizes and what to change (not killed by the kernel mid-step).
+TEST(TrainerInitTest, StateLargerThanTheHostMemoryIsRefusedUpFront) {
+  TrainingPlan plan;
+  plan.batch = 1;
+  plan.seq_len = 16;
+  ExecutorOptions options;
+  // kConfig: ~2.9M parameters, 4 bytes each for parameters and both Adam moments (~33 MiB).
+  options.host_memory_bytes = int64_t{16} << 20;
+  Result<std::unique_ptr<Trainer>> refused = Trainer::Create(kConfig, plan, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  const std::string message = refused.status().message();
+  EXPECT_THAT(message, ::testing::HasSubstr("host memory"));
+  EXPECT_THAT(message, ::testing::HasSubstr("params"));
+  EXPECT_THAT(message, ::testing::HasSubstr("exp_avg"));
+  EXPECT_THAT(message, ::testing::HasSubstr("0.0 GiB is available"));
+  options.host_memory_bytes = int64_t{64} << 20;  // room for it
+  EXPECT_TRUE(Trainer::Create(kConfig, plan, options).ok());
+  // Unset, the limit is what the machine has available: positive on Linux.
+  EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 
 }  // namespace
