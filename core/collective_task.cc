@@ -6,6 +6,11 @@
 
 namespace tessera {
 
+bool IsCollectiveOp(std::string_view op) {
+  return op == "all_reduce" || op == "reduce_scatter" || op == "all_gather" ||
+         op == "all_gather_in_place" || op == "broadcast";
+}
+
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {
   if (!task.attrs.Has(kCollectiveAttr)) return std::optional<CollectiveMembership>();
   CollectiveMembership membership;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "core/graph.h"
@@ -48,6 +49,10 @@ struct CollectiveMembership {
 // nullopt for an ordinary task; InvalidArgument naming the task when the attributes are
 // inconsistent (a rank outside the group, a missing group_size).
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
+
+// Whether `op` is one of the collective ops (all_reduce, reduce_scatter, all_gather,
+// all_gather_in_place, broadcast).
+bool IsCollectiveOp(std::string_view op);
 
 // Checks every collective among `tasks`: members of one collective agree on group_size, have
 // the ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument naming the

@@ -1,5 +1,7 @@
 #include "core/timeline.h"
 
+#include "core/collective_task.h"
+
 #include <array>
 #include <chrono>
 
@@ -29,8 +31,6 @@ bool OneOf(std::string_view op, const std::array<std::string_view, N>& ops) {
   return false;
 }
 
-constexpr std::array<std::string_view, 5> kCollectiveOps = {
-    "all_reduce", "reduce_scatter", "all_gather", "all_gather_in_place", "broadcast"};
 constexpr std::array<std::string_view, 2> kTransferOps = {"copy", "write_file"};
 // Prefixes: an op "adamw_fused" or "clip_by_norm" is an optimizer op too.
 constexpr std::array<std::string_view, 6> kOptimizerPrefixes = {
@@ -75,7 +75,7 @@ std::string_view WithoutMicroBatch(std::string_view name) {
 }
 
 SpanKind ClassifyTask(std::string_view name, std::string_view op) {
-  if (OneOf(op, kCollectiveOps)) return SpanKind::kCollective;
+  if (IsCollectiveOp(op)) return SpanKind::kCollective;
   if (EndsWith(WithoutMicroBatch(name), "/backward_input")) return SpanKind::kBackwardInput;
   if (EndsWith(WithoutMicroBatch(name), "/backward_weight")) return SpanKind::kBackwardWeight;
   if (OneOf(op, kTransferOps)) return SpanKind::kTransfer;

@@ -5,6 +5,7 @@
 
 #include <fmt/ranges.h>
 
+#include "core/collective_task.h"
 #include "core/cuda_device.h"
 #include "driver/simulated_gpu.h"
 
@@ -36,7 +37,19 @@ Result<std::shared_ptr<DeviceRuntime>> OpenGpu(int index, int64_t memory_cap_byt
 Status AddGpuKernels(OpRegistry& registry) {
   if (SimulatedGpuRequested()) return AddSimulatedGpuKernels(registry);
 #if TESSERA_HAVE_CUDA
-  return cuda::RegisterCudaKernels(registry);
+  TESSERA_RETURN_IF_ERROR(cuda::RegisterCudaKernels(registry));
+  // Collectives: members of a group larger than one run on the worker's collective engine,
+  // which stages device buffers through host memory; a kernel is still what a worker needs to
+  // prepare a graph with them, and what a one-member group runs (the CPU's, on host copies).
+  for (const std::string& op : registry.OpNames()) {
+    if (!IsCollectiveOp(op) || registry.Supports(op, DeviceKind::kCuda) ||
+        !registry.Supports(op, DeviceKind::kCpu)) {
+      continue;
+    }
+    TESSERA_ASSIGN_OR_RETURN(const KernelFn* cpu, registry.FindKernel(op, DeviceKind::kCpu));
+    TESSERA_RETURN_IF_ERROR(registry.AddKernel(op, DeviceKind::kCuda, OnHostCopies(*cpu)));
+  }
+  return Status::Ok();
 #else
   (void)registry;
   return Unavailable("this build of Tessera has no CUDA backend");

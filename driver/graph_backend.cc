@@ -56,6 +56,13 @@ class InProcessBackend final : public GraphBackend {
   }
 
   Result<Value> Upload(Tensor tensor) override { return Value{std::move(tensor), {}}; }
+  Result<Value> UploadTo(Tensor tensor, Device device) override {
+    if (device.is_cpu() || executor_.device() == nullptr) return Upload(std::move(tensor));
+    TensorMeta meta = tensor.meta();
+    meta.device = device;
+    TESSERA_ASSIGN_OR_RETURN(Tensor moved, MoveTo(meta, std::move(tensor), executor_.Copier()));
+    return Value{std::move(moved), {}};
+  }
   Result<Tensor> Download(const Value& value) override {
     if (!value.tensor.defined()) return value.tensor;
     // A GPU's object: a host copy (the device buffer stays with the value).

@@ -45,6 +45,14 @@ class GraphBackend {
   // `intact` (when given) receives the inputs that are still valid.
   virtual Result<ValueMap> Run(int graph, ValueMap inputs, ValueMap* intact = nullptr) = 0;
   virtual Result<Value> Upload(Tensor tensor) = 0;
+  // Upload, placed on `device` where the backend can: in process, a GPU object is copied to the
+  // executor's GPU now (a model's state would otherwise wait on the host, all of it at once,
+  // until the first run moved it); a cluster's workers move bytes to their GPU when a task
+  // takes them.
+  virtual Result<Value> UploadTo(Tensor tensor, Device device) {
+    (void)device;
+    return Upload(std::move(tensor));
+  }
   virtual Result<Tensor> Download(const Value& value) = 0;
   // Host allocator for tensors made to be uploaded.
   virtual std::shared_ptr<Allocator> allocator() = 0;

@@ -71,7 +71,8 @@ class SimulatedGpu final : public DeviceRuntime {
   const int64_t cap_;
 };
 
-// The CPU kernel on host copies of the device operands; device outputs get the results back.
+}  // namespace
+
 KernelFn OnHostCopies(KernelFn cpu) {
   return [cpu = std::move(cpu)](const KernelContext& context, const std::vector<Tensor>& inputs,
                                 const std::vector<Tensor>& outputs, const Attrs& attrs) -> Status {
@@ -94,8 +95,6 @@ KernelFn OnHostCopies(KernelFn cpu) {
     return Status::Ok();
   };
 }
-
-}  // namespace
 
 bool SimulatedGpuRequested() {
   const char* value = std::getenv("TESSERA_SIMULATED_GPU");

@@ -268,7 +268,9 @@ Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> 
                              Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
     ParallelCopy(piece.data<float>(), source, object.piece.numel);
     state_[i] = Value();  // drop the old value first (in process: frees its buffer)
-    TESSERA_ASSIGN_OR_RETURN(state_[i], backend_->Upload(std::move(piece)));
+    TESSERA_ASSIGN_OR_RETURN(
+        state_[i],
+        backend_->UploadTo(std::move(piece), step_graph_.graph.object(object.input).meta.device));
   }
   if (kind == StateKind::kParameter) full_params_.clear();
   return Status::Ok();

@@ -4,9 +4,11 @@
 // to run one.
 #include <gmock/gmock.h>
 
+#include "core/collective_task.h"
 #include "driver/gpu.h"
 #include "driver/trainer.h"
 #include "model/gpt2.h"
+#include "ops/cpu/cpu_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/standard_ops.h"
 #include "test_util.h"
@@ -90,6 +92,55 @@ TEST(GpuPlanTest, EveryGpt2TaskRunsOnTheGpuAndOffloadMovesTheOptimizerToTheHost)
   }
   EXPECT_EQ(host_updates, 4);  // embedding, 2 blocks, head
   EXPECT_GE(copies, 2 * 4);    // each group's gradient down and parameters up
+}
+
+// What a GPU worker needs to prepare its part of any GPT-2 plan: a kCuda kernel for every task
+// placed on the GPU (the collectives' stage device buffers through the host), a CPU kernel for
+// every host task. Registration needs no device, so this runs wherever the build has CUDA.
+TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  const Status gpu = AddGpuKernels(registry);
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA backend in this build: " << gpu.ToString();
+  struct Case {
+    std::string name;
+    int data_parallel = 1, zero_stage = 0, stages = 1;
+    OffloadMode offload = OffloadMode::kNone;
+  };
+  const std::vector<Case> cases = {
+      {"one GPU"},
+      {"data parallel", 2},
+      {"ZeRO-1", 2, 1},
+      {"ZeRO-2", 2, 2},
+      {"ZeRO-3", 2, 3},
+      {"ZeRO-2 offloaded", 2, 2, 1, OffloadMode::kOptimizer},
+      {"two pipeline stages", 1, 0, 2},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TrainingPlan plan;
+    plan.batch = 4;
+    plan.seq_len = 32;
+    plan.device = Device::Cuda(0);
+    plan.parallel.data_parallel = c.data_parallel;
+    plan.parallel.zero_stage = c.zero_stage;
+    plan.parallel.pipeline_stages = c.stages;
+    plan.parallel.grad_accum = c.stages;  // micro-batches for the pipeline
+    plan.parallel.offload = c.offload;
+    for (int w = 0; w < c.data_parallel * c.stages; ++w) {
+      plan.parallel.workers.push_back(WorkerId(10 + w));
+    }
+    ASSERT_OK_AND_ASSIGN(StepGraph step,
+                         PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, registry));
+    int collectives = 0;
+    for (const TaskSpec& task : step.graph.tasks()) {
+      EXPECT_TRUE(registry.FindKernel(task.op, task.device_kind).ok())
+          << task.name << " (" << task.op << ") on " << DeviceKindName(task.device_kind);
+      collectives += IsCollectiveOp(task.op);
+    }
+    if (c.data_parallel > 1 || c.stages > 1) {
+      EXPECT_GT(collectives, 0);
+    }
+  }
 }
 
 TEST(GpuPlanTest, EvaluationAndSamplingRunOnTheTrainingDevice) {
