@@ -7,7 +7,8 @@
 //
 // Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
 //   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M
-// (peak_mb: the largest executor memory peak of any process that ran steps.)
+// (peak_mb: the largest host-memory peak of the executor of any process that ran steps; a GPU's
+// memory is not in it: bench_gpt2_cuda reports that.)
 // Diagnostics go to stderr, so stdout stays easy to parse.
 #include <algorithm>
 #include <chrono>
