@@ -1053,11 +1053,14 @@ class StepPlanner {
 
   Status AddOptimizer(int r) {
     Rank& rank = ranks_[static_cast<size_t>(r)];
-    std::vector<TaskId> updates;  // offload: the update tasks so far, in layer order
+    // Offload: per stage (one worker's host), the update tasks so far, in layer order.
+    std::vector<std::vector<TaskId>> stage_updates(static_cast<size_t>(stages_));
     for (size_t l = 0; l < layers_; ++l) {
       if (!HasParams(l)) continue;
+      std::vector<TaskId>& updates = stage_updates[static_cast<size_t>(StageOf(l))];
       if (offload_ && updates.size() >= kGradientsInFlight) {
-        // This layer's gradient goes down once the update kGradientsInFlight layers back ended.
+        // This layer's gradient goes down once the update kGradientsInFlight layers back (on
+        // the same worker) ended.
         builder_.AddControlEdge(updates[updates.size() - kGradientsInFlight],
                                 Producer(rank.host_grad[l]));
       }

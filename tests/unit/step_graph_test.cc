@@ -213,6 +213,26 @@ TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndStreamsGradientsT
         << "max_grad_norm " << max_norm;
     EXPECT_TRUE(g.IsOutput(step.grad_norm)) << "the norm is reported either way";
   }
+  // In a pipeline each stage's downloads wait only for its own worker's updates (no control
+  // edge couples one stage's host to another's).
+  TrainingPlan piped = TinyPlan();
+  piped.batch = 4;
+  piped.device = Device::Cuda(0);
+  piped.parallel.offload = OffloadMode::kOptimizer;
+  piped.parallel.pipeline_stages = 2;
+  piped.parallel.grad_accum = 2;
+  piped.parallel.workers = {WorkerId(10), WorkerId(11)};
+  ASSERT_OK_AND_ASSIGN(StepGraph piped_step, PlanTrainingStep(model, piped, CpuRegistry()));
+  int downloads_ordered = 0;
+  for (const TaskSpec& task : piped_step.graph.tasks()) {
+    if (!task.name.ends_with("/grad_to_host")) continue;
+    for (TaskId earlier : task.after) {
+      EXPECT_EQ(piped_step.graph.task(earlier).pinned_worker, task.pinned_worker)
+          << task.name << " waits for " << piped_step.graph.task(earlier).name;
+      ++downloads_ordered;
+    }
+  }
+  EXPECT_GT(downloads_ordered, 0);
   // On CPU workers the host tier is where everything lives: offload changes nothing.
   TrainingPlan cpu_plan = ZeroPlan(2, 2);
   ASSERT_OK_AND_ASSIGN(StepGraph cpu_plain, PlanTrainingStep(model, cpu_plan, CpuRegistry()));
