@@ -43,6 +43,7 @@ class InProcessBackend final : public GraphBackend {
     }
     RecordTimings(graph, run->stats);
     last_peak_bytes_ = run->stats.peak_bytes;
+    last_device_peak_bytes_ = run->stats.device_peak_bytes;
     const RoleBytes& roles = run->stats.role_bytes;
     last_figures_ = RunFigures{};
     last_figures_.role_peaks.assign(roles.peak.begin(), roles.peak.end());
@@ -70,6 +71,7 @@ class InProcessBackend final : public GraphBackend {
   }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }
+  int64_t last_device_peak_bytes() const override { return last_device_peak_bytes_; }
   Result<std::vector<std::pair<WorkerId, RunFigures>>> LastRunFigures(
       int, const std::vector<WorkerId>&) override {
     return std::vector<std::pair<WorkerId, RunFigures>>{{WorkerId(), last_figures_}};
@@ -145,6 +147,7 @@ class InProcessBackend final : public GraphBackend {
   int64_t host_memory_bytes_ = 0;  // ExecutorOptions::host_memory_bytes
   std::vector<std::unique_ptr<PreparedGraph>> prepared_;
   int64_t last_peak_bytes_ = 0;
+  int64_t last_device_peak_bytes_ = 0;
   RunFigures last_figures_;
 };
 

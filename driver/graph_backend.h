@@ -58,6 +58,9 @@ class GraphBackend {
   virtual std::shared_ptr<Allocator> allocator() = 0;
   // Peak host bytes of the last run, when the backend can tell (0 otherwise).
   virtual int64_t last_peak_bytes() const = 0;
+  // Peak bytes on the GPU during the last run: in process with a GPU; 0 otherwise (a cluster's
+  // GPU workers do not report theirs).
+  virtual int64_t last_device_peak_bytes() const { return 0; }
   virtual std::string Describe() const = 0;
   // Each worker's figures for the last run of `graph` (peak bytes by role, bytes sent); in
   // process, one entry with an invalid worker id. On a cluster the figures come with each

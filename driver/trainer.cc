@@ -532,6 +532,7 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   report.step_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   report.peak_bytes = backend_->last_peak_bytes();
+  report.device_peak_bytes = backend_->last_device_peak_bytes();
   const std::vector<WorkerId>& workers = plan_.parallel.workers;
   if (!workers.empty() || backend_->workers().empty()) {
     TESSERA_ASSIGN_OR_RETURN(auto figures, backend_->LastRunFigures(step_handle_, workers));

@@ -50,6 +50,8 @@ struct StepReport {
   float grad_norm = 0;  // before clipping
   double step_ms = 0;
   int64_t peak_bytes = 0;  // peak host bytes live during the step (state included)
+  // Peak bytes on the GPU during the step, in process with a GPU (0 otherwise).
+  int64_t device_peak_bytes = 0;
   // Per rank (in process: the one executor; on a cluster: each rank's worker; empty for a
   // one-rank plan the scheduler placed).
   std::vector<RankFigures> ranks;

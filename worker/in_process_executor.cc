@@ -183,6 +183,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
                               options_.device.get()};
 
   allocator_->ResetPeak();
+  if (options_.device != nullptr) options_.device->allocator()->ResetPeak();
   const Clock::time_point start = Clock::now();
   stats.start_unix_us = SystemMicrosNow();
   auto micros_since_start = [&] {
@@ -439,6 +440,7 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   slots.clear();
   stats.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   stats.peak_bytes = allocator_->stats().peak_bytes;
+  if (options_.device != nullptr) stats.device_peak_bytes = options_.device->memory().peak_bytes;
   stats.live_bytes_after = allocator_->stats().live_bytes;
   stats.tasks_run = tasks_run.load();
   stats.donations_taken = donations_taken.load();

@@ -84,6 +84,7 @@ struct RunStats {
   double wall_ms = 0;
   int64_t start_unix_us = 0;  // the run's start: system clock, microseconds since the Unix epoch
   int64_t peak_bytes = 0;     // max bytes live in this executor's allocator during the run
+  int64_t device_peak_bytes = 0;  // max bytes live on the executor's GPU during the run (0: none)
   int64_t live_bytes_after = 0;
   int tasks_run = 0;
   int donations_taken = 0;          // in-place pairs that reused the input's buffer

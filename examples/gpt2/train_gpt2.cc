@@ -6,9 +6,9 @@
 //   build/bin/train_gpt2 --init-from gpt2_124M.bin --steps 20 --export tuned.bin   # llm.c files
 //
 // Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
-//   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M
-// (peak_mb: the largest host-memory peak of the executor of any process that ran steps; a GPU's
-// memory is not in it: bench_gpt2_cuda reports that.)
+//   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M [gpu_peak_mb=G]
+// (peak_mb: the largest host-memory peak of the executor of any process that ran steps;
+// gpu_peak_mb, with --device cuda in this process: the largest GPU-memory peak of a step.)
 // Diagnostics go to stderr, so stdout stays easy to parse.
 #include <algorithm>
 #include <chrono>
@@ -456,7 +456,7 @@ int Run(const Flags& flags) {
   std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len));
   std::vector<int32_t> targets(tokens.size());
   std::vector<double> step_ms;
-  int64_t peak_bytes = 0;
+  int64_t peak_bytes = 0, gpu_peak_bytes = 0;
   float last_loss = 0;
   const auto start = std::chrono::steady_clock::now();
   auto elapsed_s = [&] {
@@ -514,6 +514,7 @@ int Run(const Flags& flags) {
     step_ms.push_back(report->step_ms);
     // The largest executor peak of any process that ran the step (this one, or each worker).
     peak_bytes = std::max(peak_bytes, report->peak_bytes);
+    gpu_peak_bytes = std::max(gpu_peak_bytes, report->device_peak_bytes);
     if (rank_peaks.size() < report->ranks.size()) rank_peaks.resize(report->ranks.size());
     for (size_t r = 0; r < report->ranks.size(); ++r) {
       const tessera::RunFigures& now = report->ranks[r].figures;
@@ -628,12 +629,16 @@ int Run(const Flags& flags) {
     std::sort(sorted.begin(), sorted.end());
     median = sorted[sorted.size() / 2];
   }
+  const std::string gpu_peak =
+      gpu_peak_bytes > 0
+          ? fmt::format(" gpu_peak_mb={:.1f}", static_cast<double>(gpu_peak_bytes) / (1 << 20))
+          : "";
   std::printf(
       "summary: steps=%lld step_ms_median=%.2f tokens_per_s=%.0f final_loss=%.6f "
-      "peak_mb=%.1f\n",
+      "peak_mb=%.1f%s\n",
       static_cast<long long>(flags.steps), median,
       median > 0 ? static_cast<double>(batch * seq_len) / (median / 1000.0) : 0.0, last_loss,
-      static_cast<double>(peak_bytes) / (1024.0 * 1024.0));
+      static_cast<double>(peak_bytes) / (1024.0 * 1024.0), gpu_peak.c_str());
   return 0;
 }
 

@@ -6,6 +6,7 @@
 
 #include "driver/gpu.h"
 #include "driver/simulated_gpu.h"
+#include "driver/trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
 #include "worker/task_runner.h"
@@ -56,6 +57,36 @@ TEST(SimulatedGpuTest, TheEnvironmentRoutesGpuRequestsToIt) {
   ::unsetenv("TESSERA_SIMULATED_GPU");
   EXPECT_EQ(GpuActivations(), DType::kBF16);
   EXPECT_EQ(ResolveGpus("x").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A step on the process's own GPU reports the GPU memory it peaked at (what train_gpt2 prints as
+// gpu_peak_mb): at least the parameters, which live there; a CPU step reports none.
+TEST(SimulatedGpuTest, AStepReportsItsGpuMemoryPeak) {
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  Gpt2Config config{2, 64, 4, 128, 32};
+  config.activations = GpuActivations();
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.seq_len = 32;
+  plan.device = Device::Cuda(0);
+  ExecutorOptions options;
+  options.threads = 2;
+  ASSERT_OK_AND_ASSIGN(options.device, OpenGpu(0));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, plan, options));
+  ASSERT_OK(trainer->InitializeParameters(1));
+  std::vector<int32_t> tokens(static_cast<size_t>(plan.batch * plan.seq_len), 3);
+  ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, tokens, 1e-3f));
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  EXPECT_GE(report.device_peak_bytes, trainer->ParameterBytes());
+  EXPECT_LE(report.device_peak_bytes, options.device->memory().capacity_bytes);
+
+  plan.device = Device::Cpu();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> on_cpu,
+                       Trainer::Create(config, plan, ExecutorOptions{}));
+  ASSERT_OK(on_cpu->InitializeParameters(1));
+  ASSERT_OK_AND_ASSIGN(StepReport cpu_report, on_cpu->Step(tokens, tokens, 1e-3f));
+  EXPECT_EQ(cpu_report.device_peak_bytes, 0);
+  EXPECT_GT(cpu_report.peak_bytes, 0);
 }
 
 }  // namespace
