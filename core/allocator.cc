@@ -1,5 +1,6 @@
 #include "core/allocator.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,6 +12,20 @@ namespace {
 int64_t RoundUpToAlignment(int64_t bytes) {
   int64_t rounded = (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
   return rounded == 0 ? kBufferAlignment : rounded;
+}
+
+// Host memory for a buffer of `rounded` bytes. Large buffers (a model's parameters, gradients
+// and optimizer state) are aligned to 2 MiB and marked for transparent huge pages: their first
+// touch then takes one page fault per 2 MiB instead of per 4 KiB, and streaming over them (an
+// offloaded AdamW over tens of GB) misses the TLB less. Where THP is off, the advice is ignored.
+void* AllocateHostBytes(int64_t rounded) {
+  constexpr int64_t kHugePage = int64_t{2} << 20;
+  if (rounded < 2 * kHugePage)
+    return std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+  const int64_t size = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+  void* block = std::aligned_alloc(static_cast<size_t>(kHugePage), static_cast<size_t>(size));
+  if (block != nullptr) madvise(block, static_cast<size_t>(size), MADV_HUGEPAGE);
+  return block;
 }
 }  // namespace
 
@@ -44,7 +59,7 @@ MemoryStats Allocator::stats() const {
 void Allocator::ResetPeak() { peak_bytes_.store(live_bytes_.load()); }
 
 void* AlignedHostAllocator::DoAllocate(int64_t bytes) {
-  return std::aligned_alloc(kBufferAlignment, static_cast<size_t>(RoundUpToAlignment(bytes)));
+  return AllocateHostBytes(RoundUpToAlignment(bytes));
 }
 
 void AlignedHostAllocator::DoDeallocate(void* ptr, int64_t /*bytes*/) { std::free(ptr); }
@@ -72,11 +87,11 @@ void* CachingHostAllocator::DoAllocate(int64_t bytes) {
       return block;
     }
   }
-  void* block = std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+  void* block = AllocateHostBytes(rounded);
   if (block == nullptr) {
     // Out of memory with blocks of other sizes parked in the cache: give them back and retry.
     ReleaseCache();
-    block = std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+    block = AllocateHostBytes(rounded);
   }
   return block;
 }

@@ -138,6 +138,25 @@ TEST(AllocatorTest, CachingAllocatorReusesBlocksOfTheSameSize) {
   EXPECT_EQ(allocator->stats().live_bytes, 4096 * 4);
 }
 
+// Buffers of 4 MiB and more start on a 2 MiB boundary (transparent huge pages can back them
+// whole); smaller ones keep the 64-byte alignment. Both allocators, and the bytes are usable to
+// the last one.
+TEST(AllocatorTest, LargeBuffersAreHugePageAligned) {
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  for (std::shared_ptr<Allocator> allocator :
+       {std::shared_ptr<Allocator>(std::make_shared<AlignedHostAllocator>()),
+        std::shared_ptr<Allocator>(std::make_shared<CachingHostAllocator>())}) {
+    const int64_t large = (int64_t{5} << 20) + 12;  // bytes: not a multiple of anything round
+    ASSERT_OK_AND_ASSIGN(Tensor big, Tensor::Empty({Shape{large / 4}, DType::kF32}, allocator));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(big.raw_data()) % kHugePage, 0u);
+    std::memset(big.raw_data(), 7, static_cast<size_t>(large));
+    EXPECT_EQ(static_cast<const uint8_t*>(big.raw_data())[large - 1], 7);
+    EXPECT_EQ(allocator->stats().live_bytes, large);  // accounting counts what was asked for
+    ASSERT_OK_AND_ASSIGN(Tensor small, Tensor::Empty({Shape{250}, DType::kF32}, allocator));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(small.raw_data()) % kBufferAlignment, 0u);
+  }
+}
+
 TEST(AttrsTest, TypedGettersNameTheAttribute) {
   Attrs attrs{{"heads", int64_t{4}},
               {"eps", 1e-5},
