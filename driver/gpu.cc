@@ -8,6 +8,7 @@
 #include "core/collective_task.h"
 #include "core/cuda_device.h"
 #include "driver/simulated_gpu.h"
+#include "worker/task_runner.h"
 
 #if TESSERA_HAVE_CUDA
 #include "ops/cuda/cuda_op_kernels.h"
@@ -41,15 +42,7 @@ Status AddGpuKernels(OpRegistry& registry) {
   // Collectives: members of a group larger than one run on the worker's collective engine,
   // which stages device buffers through host memory; a kernel is still what a worker needs to
   // prepare a graph with them, and what a one-member group runs (the CPU's, on host copies).
-  for (const std::string& op : registry.OpNames()) {
-    if (!IsCollectiveOp(op) || registry.Supports(op, DeviceKind::kCuda) ||
-        !registry.Supports(op, DeviceKind::kCpu)) {
-      continue;
-    }
-    TESSERA_ASSIGN_OR_RETURN(const KernelFn* cpu, registry.FindKernel(op, DeviceKind::kCpu));
-    TESSERA_RETURN_IF_ERROR(registry.AddKernel(op, DeviceKind::kCuda, OnHostCopies(*cpu)));
-  }
-  return Status::Ok();
+  return AddKernelsOnHostCopies(registry, DeviceKind::kCuda, IsCollectiveOp);
 #else
   (void)registry;
   return Unavailable("this build of Tessera has no CUDA backend");

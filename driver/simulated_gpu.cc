@@ -73,29 +73,6 @@ class SimulatedGpu final : public DeviceRuntime {
 
 }  // namespace
 
-KernelFn OnHostCopies(KernelFn cpu) {
-  return [cpu = std::move(cpu)](const KernelContext& context, const std::vector<Tensor>& inputs,
-                                const std::vector<Tensor>& outputs, const Attrs& attrs) -> Status {
-    KernelContext host = context;
-    host.device = nullptr;  // every operand the CPU kernel sees is on the host
-    std::vector<Tensor> host_inputs, host_outputs;
-    for (const Tensor& input : inputs) {
-      TESSERA_ASSIGN_OR_RETURN(Tensor copy, HostCopyOf(input, context));
-      host_inputs.push_back(std::move(copy));
-    }
-    for (const Tensor& output : outputs) {  // in-place outputs hold their input on entry
-      TESSERA_ASSIGN_OR_RETURN(Tensor copy, HostCopyOf(output, context));
-      host_outputs.push_back(std::move(copy));
-    }
-    TESSERA_RETURN_IF_ERROR(cpu(host, host_inputs, host_outputs, attrs));
-    for (size_t j = 0; j < outputs.size(); ++j) {
-      if (outputs[j].meta().device.is_cpu()) continue;
-      TESSERA_RETURN_IF_ERROR(CopyTensor(outputs[j], host_outputs[j], context));
-    }
-    return Status::Ok();
-  };
-}
-
 bool SimulatedGpuRequested() {
   const char* value = std::getenv("TESSERA_SIMULATED_GPU");
   return value != nullptr && std::string(value) == "1";
@@ -107,14 +84,7 @@ std::shared_ptr<DeviceRuntime> MakeSimulatedGpu(int64_t memory_cap_bytes) {
 }
 
 Status AddSimulatedGpuKernels(OpRegistry& registry) {
-  for (const std::string& op : registry.OpNames()) {
-    if (registry.Supports(op, DeviceKind::kCuda) || !registry.Supports(op, DeviceKind::kCpu)) {
-      continue;
-    }
-    TESSERA_ASSIGN_OR_RETURN(const KernelFn* cpu, registry.FindKernel(op, DeviceKind::kCpu));
-    TESSERA_RETURN_IF_ERROR(registry.AddKernel(op, DeviceKind::kCuda, OnHostCopies(*cpu)));
-  }
-  return Status::Ok();
+  return AddKernelsOnHostCopies(registry, DeviceKind::kCuda, [](std::string_view) { return true; });
 }
 
 }  // namespace tessera

@@ -31,9 +31,4 @@ std::shared_ptr<DeviceRuntime> MakeSimulatedGpu(int64_t memory_cap_bytes = 0);
 // kernel on host copies of its device operands.
 Status AddSimulatedGpuKernels(OpRegistry& registry);
 
-// A device kernel made of a CPU one: the CPU kernel runs on host copies of the operands (through
-// the context's DeviceRuntime, a real GPU's or the simulated one's) and device outputs get the
-// results back.
-KernelFn OnHostCopies(KernelFn cpu);
-
 }  // namespace tessera

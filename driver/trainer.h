@@ -161,11 +161,11 @@ class Trainer {
   // Bytes of model state: parameters, and optimizer state.
   int64_t ParameterBytes() const;
   int64_t OptimizerStateBytes() const;
+
+ private:
   // ResourceExhausted when the plan's host-tier state is more than the backend's host memory
   // (in process: what the machine has available), naming each kind's share.
   Status CheckHostMemory() const;
-
- private:
   Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
           std::unique_ptr<GraphBackend> backend);
 

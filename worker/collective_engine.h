@@ -87,6 +87,7 @@ struct CollectiveInProgress {
 class CollectiveEngine {
  public:
   using StreamId = std::pair<uint64_t, uint64_t>;  // (graph, instance); (0, 0): dynamic tasks
+  // Dynamically dispatched members share this stream, ordered by the scheduler.
   static constexpr StreamId kDynamicStream{0, 0};
   using Done = std::function<void(const Status&)>;
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;

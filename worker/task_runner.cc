@@ -91,6 +91,41 @@ Result<Tensor> HostCopyOf(const Tensor& tensor, const KernelContext& context) {
   return MoveTo(OnHost(tensor.meta()), tensor, context);
 }
 
+KernelFn OnHostCopies(KernelFn cpu) {
+  return [cpu = std::move(cpu)](const KernelContext& context, const std::vector<Tensor>& inputs,
+                                const std::vector<Tensor>& outputs, const Attrs& attrs) -> Status {
+    KernelContext host = context;
+    host.device = nullptr;  // every operand the CPU kernel sees is on the host
+    std::vector<Tensor> host_inputs, host_outputs;
+    for (const Tensor& input : inputs) {
+      TESSERA_ASSIGN_OR_RETURN(Tensor copy, HostCopyOf(input, context));
+      host_inputs.push_back(std::move(copy));
+    }
+    for (const Tensor& output : outputs) {  // in-place outputs hold their input on entry
+      TESSERA_ASSIGN_OR_RETURN(Tensor copy, HostCopyOf(output, context));
+      host_outputs.push_back(std::move(copy));
+    }
+    TESSERA_RETURN_IF_ERROR(cpu(host, host_inputs, host_outputs, attrs));
+    for (size_t j = 0; j < outputs.size(); ++j) {
+      if (outputs[j].meta().device.is_cpu()) continue;
+      TESSERA_RETURN_IF_ERROR(CopyTensor(outputs[j], host_outputs[j], context));
+    }
+    return Status::Ok();
+  };
+}
+
+Status AddKernelsOnHostCopies(OpRegistry& registry, DeviceKind device,
+                              const std::function<bool(std::string_view)>& which) {
+  for (const std::string& op : registry.OpNames()) {
+    if (!which(op) || registry.Supports(op, device) || !registry.Supports(op, DeviceKind::kCpu)) {
+      continue;
+    }
+    TESSERA_ASSIGN_OR_RETURN(const KernelFn* cpu, registry.FindKernel(op, DeviceKind::kCpu));
+    TESSERA_RETURN_IF_ERROR(registry.AddKernel(op, device, OnHostCopies(*cpu)));
+  }
+  return Status::Ok();
+}
+
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
                                           const std::vector<Tensor>& inputs,
                                           const std::vector<TensorMeta>& output_metas,

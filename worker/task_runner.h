@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/graph.h"
@@ -49,6 +50,15 @@ Result<Tensor> MoveTo(const TensorMeta& meta, Tensor tensor, const KernelContext
 // `tensor` in host memory: itself, or a copy of a device tensor (what a GPU worker serves,
 // pushes, reports inline or sends through a host communicator).
 Result<Tensor> HostCopyOf(const Tensor& tensor, const KernelContext& context);
+
+// A device kernel made of a CPU one: the CPU kernel runs on host copies of the operands (through
+// the context's DeviceRuntime, a real GPU's or the simulated one's) and device outputs get the
+// results back.
+KernelFn OnHostCopies(KernelFn cpu);
+// For every op `which` selects that has a CPU kernel and none for `device`: OnHostCopies of the
+// CPU kernel as its `device` kernel.
+Status AddKernelsOnHostCopies(OpRegistry& registry, DeviceKind device,
+                              const std::function<bool(std::string_view)>& which);
 
 // PrepareTaskOutputs, then the kernel.
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,

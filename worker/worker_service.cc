@@ -32,8 +32,6 @@ namespace {
 using rpc::asio::io_context;
 
 constexpr auto kResultCoalesceWindow = std::chrono::microseconds(100);
-// Dynamically dispatched collective members share one stream, ordered by the scheduler.
-constexpr CollectiveEngine::StreamId kDynamicStream = CollectiveEngine::kDynamicStream;
 
 class WorkerServiceImpl final : public WorkerService {
  public:
@@ -447,7 +445,8 @@ void WorkerServiceImpl::SubmitMember(PendingTask* task) {
       &counters);
   const int64_t position = spec.attrs.GetInt(kPositionAttr, 0);
   if (!outputs.ok()) {
-    engine_->Submit(kDynamicStream, position, CollectiveMember{}, [](const Status&) {});
+    engine_->Submit(CollectiveEngine::kDynamicStream, position, CollectiveMember{},
+                    [](const Status&) {});
     const uint64_t id = spec.id.value();
     tasks_.erase(id);
     Finish(id, outputs.status().WithContext(TaskContext(spec)));
@@ -455,7 +454,7 @@ void WorkerServiceImpl::SubmitMember(PendingTask* task) {
   }
   auto prepared = std::make_shared<std::vector<Tensor>>(*outputs);
   engine_->Submit(
-      kDynamicStream, position,
+      CollectiveEngine::kDynamicStream, position,
       CollectiveMember{spec.name, spec.op, spec.attrs, task->inputs, *std::move(outputs)},
       [this, task, prepared](const Status& status) {
         const TaskSpec& member = task->task.spec;
@@ -473,8 +472,8 @@ void WorkerServiceImpl::SubmitMember(PendingTask* task) {
 void WorkerServiceImpl::AbandonMember(const TaskSpec& spec) {
   // Its position in the communication stream must still pass, or later members would wait.
   if (IsMember(spec)) {
-    engine_->Submit(kDynamicStream, spec.attrs.GetInt(kPositionAttr, 0), CollectiveMember{},
-                    [](const Status&) {});
+    engine_->Submit(CollectiveEngine::kDynamicStream, spec.attrs.GetInt(kPositionAttr, 0),
+                    CollectiveMember{}, [](const Status&) {});
   }
 }
 
