@@ -21,8 +21,8 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
-#include "driver/gpu.h"
-#include "driver/trainer.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
 
 namespace tessera::bench {
 namespace {

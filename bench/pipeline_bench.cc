@@ -9,7 +9,7 @@
 // fraction is computed from the spans: over the window from the first forward to the last
 // backward, 1 - (forward and backward busy time summed over workers) / (P x window); zb-h1's
 // input and weight halves count as backward. Printed next to the textbook bubble
-// (zero/pipeline_schedule.h) and to the bubble the same order has in a simulation with the
+// (planner/pipeline_schedule.h) and to the bubble the same order has in a simulation with the
 // measured mean F, B and W times (what the stage imbalance and the runtime's gaps cost beyond
 // the textbook; the textbook's zb-h1 figure assumes F = B = W).
 // Part 2, activation memory: per stage, the peak bytes of activations (RunFigures, the
@@ -32,12 +32,12 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/layer_profile.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
-#include "zero/pipeline_schedule.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "planner/pipeline_schedule.h"
+#include "training/layer_profile.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace {
 

@@ -21,7 +21,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "driver/cluster.h"
+#include "client/cluster.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 

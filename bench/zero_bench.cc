@@ -25,10 +25,10 @@
 
 #include "bench/bench_util.h"
 
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 # The installable SDK: `cmake --install build --prefix P` gives
 #
 #   P/include/tessera/<module>/<header>.h   the public headers, at the paths the project's own
-#                                           code includes them by ("driver/cluster.h")
+#                                           code includes them by ("client/cluster.h")
 #   P/lib/libtessera_<module>.a             every module's static library
 #   P/bin/tessera                           the CLI, which is also the scheduler and worker
 #                                           processes Cluster::StartLocal starts
@@ -44,7 +44,8 @@ endfunction()
 function(tessera_install_sdk)
   # Every module's library, exported as Tessera::<module> (tessera_core -> Tessera::core).
   set(libraries tessera_core tessera_rpc tessera_transport tessera_ops tessera_ops_cpu
-    tessera_collectives tessera_worker tessera_dashboard tessera_scheduler tessera_zero tessera_model tessera_data tessera_driver)
+    tessera_collectives tessera_worker tessera_dashboard tessera_scheduler tessera_model
+    tessera_planner tessera_data tessera_launch tessera_client tessera_training)
   if(TARGET tessera_ops_cuda)  # the GPU kernels, which the driver links in a CUDA build
     list(APPEND libraries tessera_ops_cuda)
   endif()

@@ -12,7 +12,7 @@
 //     compact records (WorkerSpans: task ids, not names); the scheduler adds names, layers and
 //     ops from the registered graph, keeps the last `trace_instances` instances and answers a
 //     driver's or the CLI's TimelineRequest (scheduler/trace_store.h);
-//   - driver/trace.h writes a Timeline as Chrome/Perfetto trace JSON.
+//   - client/trace.h writes a Timeline as Chrome/Perfetto trace JSON.
 //
 // Plain data, no thread-safety concerns.
 #pragma once

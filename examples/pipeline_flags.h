@@ -14,8 +14,8 @@
 #include <CLI/CLI.hpp>
 
 #include "core/status.h"
-#include "driver/layer_profile.h"
-#include "zero/step_graph.h"
+#include "planner/step_graph.h"
+#include "training/layer_profile.h"
 
 namespace tessera::examples {
 
@@ -85,7 +85,7 @@ inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int gr
 }
 
 // --balance profile with a pipeline: the plan's layer costs from a short profiling run
-// (driver/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
+// (training/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
 // micro-batch, forward/backward/weight): ...". Without a pipeline it says it has nothing to do.
 inline Status ApplyBalance(const PipelineFlags& flags, const ModelSpec& model,
                            const ExecutorOptions& executor, const char* program,

@@ -1,6 +1,6 @@
 // --trace FILE [--trace-steps N]: the flags train_gpt2 and train_unet3d share to write the last
 // training steps' trace (every task, collective and transfer, on every worker) as
-// Chrome/Perfetto JSON at the end of a run (driver/trace.h).
+// Chrome/Perfetto JSON at the end of a run (client/trace.h).
 #pragma once
 
 #include <set>
@@ -8,9 +8,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "client/trace.h"
 #include "core/status.h"
-#include "driver/trace.h"
-#include "driver/trainer.h"
+#include "training/trainer.h"
 
 namespace tessera::examples {
 

@@ -12,7 +12,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "driver/cluster.h"
+#include "client/cluster.h"
 
 namespace tessera::launcher {
 namespace {

@@ -37,21 +37,22 @@
 
 #include <CLI/CLI.hpp>
 
+#include "client/cluster.h"
+#include "client/trace.h"
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "core/settings.h"
-#include "driver/cluster.h"
-#include "driver/gpu.h"
-#include "driver/process.h"
-#include "driver/session.h"
-#include "driver/trace.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
+#include "launcher/process.h"
+#include "launcher/process_main.h"
+#include "launcher/session.h"
 #include "launcher/ssh_shell.h"
 #include "ops/cpu/cpu_kernels.h"
-#include "scheduler/scheduler_service.h"
-#include "worker/worker_service.h"
+#include "scheduler/scheduler_main.h"
+#include "worker/gpu.h"
+#include "worker/worker_main.h"
 
 namespace {
 
@@ -61,28 +62,6 @@ using tessera::Status;
 using tessera::kLatestSession;
 using tessera::ReadFileTrimmed;
 
-int Fail(const Status& status) {
-  std::fprintf(stderr, "tessera: error: %s\n", status.ToString().c_str());
-  return 1;
-}
-
-// The scheduler address: the flag, else the latest session's.
-Result<std::string> ResolveAddress(const std::string& flag) {
-  if (!flag.empty()) return flag;
-  Result<std::string> address = ReadFileTrimmed(std::string(kLatestSession) + "/scheduler.address");
-  if (!address.ok()) {
-    return tessera::NotFound(
-        "no --address given and no running session found ({}); start one "
-        "with `tessera start --head`",
-        kLatestSession);
-  }
-  return address;
-}
-
-std::string DefaultTokenFile(const std::string& flag) {
-  return flag.empty() ? std::string(kLatestSession) + "/token" : flag;
-}
-
 // How the admin commands (start workers, status, stop) connect: with the cluster token.
 tessera::ConnectOptions AdminConnection(const std::string& token_file) {
   tessera::ConnectOptions connect;
@@ -91,273 +70,11 @@ tessera::ConnectOptions AdminConnection(const std::string& token_file) {
   return connect;
 }
 
-// Blocks SIGINT/SIGTERM in every thread (call before starting any) and runs `on_signal` from a
-// dedicated thread when one arrives.
-void HandleTerminationSignals(std::function<void()> on_signal) {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  std::thread([signals, on_signal = std::move(on_signal)] {
-    int signal = 0;
-    sigwait(&signals, &signal);
-    on_signal();
-  }).detach();
-}
-
-// ---- foreground processes ----
-
-// Settings from the environment, with the log level applied.
-Result<tessera::Settings> LoadSettings() {
-  TESSERA_ASSIGN_OR_RETURN(tessera::Settings settings, tessera::Settings::FromProcessEnvironment());
-  TESSERA_RETURN_IF_ERROR(
-      tessera::SetLogLevel(settings.log_level).WithContext("TESSERA_LOG_LEVEL"));
-  return settings;
-}
-
-constexpr int kDashboardPortFromSettings = tessera::SchedulerLaunch::kDashboardPortFromSettings;
-
-struct SchedulerFlags {
-  std::string host = "127.0.0.1";
-  int port = 6380;
-  std::string token_file;
-  std::string session_dir;
-  std::string address_file;
-  std::string unix_socket;
-  // The dashboard's port (0: any free one; -1: none); kDashboardPortFromSettings: the
-  // dashboard_port setting. Its HOST:PORT is written to dashboard_file when set.
-  int dashboard_port = kDashboardPortFromSettings;
-  std::string dashboard_file;
-  bool restart = false;  // supervise: run the scheduler as a child, start it again if it dies
-};
+int Fail(const Status& status) { return tessera::FailWith("tessera", status); }
 
 std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
 
-// `tessera scheduler --restart`: runs the scheduler as a child and starts it again, on the same
-// port, socket, token and session, whenever it dies (not when it stops cleanly: `tessera stop`).
-// The scheduler keeps no state across a restart: workers rejoin it as fresh workers (they retry
-// for scheduler_grace_ms), and a driver resumes from its last checkpoint (train_gpt2
-// --max-restarts). At most 5 restarts a minute, so a scheduler that cannot start is not
-// restarted forever.
-int SuperviseScheduler(SchedulerFlags flags) {
-  struct Supervision {
-    std::mutex mutex;
-    pid_t child = 0;
-    bool stopping = false;
-  };
-  auto state = std::make_shared<Supervision>();  // co-owned by the signal thread
-  HandleTerminationSignals([state] {
-    std::lock_guard lock(state->mutex);
-    state->stopping = true;
-    if (state->child > 0) ::kill(state->child, SIGTERM);
-  });
-  std::deque<std::chrono::steady_clock::time_point> restarts;
-  for (bool first = true;; first = false) {
-    std::vector<std::string> argv = {SelfBinary(),   "scheduler",     "--host",
-                                     flags.host,     "--port",        std::to_string(flags.port),
-                                     "--token-file", flags.token_file};
-    for (const auto& [flag, value] :
-         {std::pair<const char*, const std::string&>{"--session-dir", flags.session_dir},
-          {"--address-file", flags.address_file},
-          {"--unix-socket", flags.unix_socket},
-          {"--dashboard-file", flags.dashboard_file}}) {
-      if (!value.empty()) argv.insert(argv.end(), {flag, value});
-    }
-    if (flags.dashboard_port != kDashboardPortFromSettings) {
-      argv.insert(argv.end(), {"--dashboard-port", std::to_string(flags.dashboard_port)});
-    }
-    Result<pid_t> child = tessera::SpawnProcess(argv, tessera::SpawnOptions{});
-    if (!child.ok()) return Fail(child.status());
-    {
-      std::lock_guard lock(state->mutex);
-      state->child = *child;
-      if (state->stopping) ::kill(*child, SIGTERM);
-    }
-    if (first && (flags.port == 0 || !flags.dashboard_file.empty()) &&
-        !flags.address_file.empty()) {
-      // Restarts bind the ports the first scheduler got: workers, drivers and browsers know
-      // those. The dashboard's file is written before the address file.
-      for (int waited = 0; waited < 20'000 && tessera::ProcessAlive(*child); waited += 20) {
-        Result<std::string> text = ReadFileTrimmed(flags.address_file);
-        Result<tessera::rpc::Address> bound = text.ok()
-                                                  ? tessera::rpc::Address::Parse(*text)
-                                                  : Result<tessera::rpc::Address>(text.status());
-        if (bound.ok() && bound->port != 0) {
-          flags.port = bound->port;
-          Result<std::string> dashboard = ReadFileTrimmed(flags.dashboard_file);
-          if (dashboard.ok() && dashboard->rfind(':') != std::string::npos) {
-            flags.dashboard_port = std::atoi(dashboard->c_str() + dashboard->rfind(':') + 1);
-          }
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    int status = 0;
-    while (::waitpid(*child, &status, 0) < 0 && errno == EINTR) {
-    }
-    {
-      std::lock_guard lock(state->mutex);
-      state->child = 0;
-      if (state->stopping) return 0;
-    }
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;  // stopped cleanly
-    const std::string how = WIFSIGNALED(status)
-                                ? fmt::format("was killed by signal {}", WTERMSIG(status))
-                                : fmt::format("exited with code {}", WEXITSTATUS(status));
-    const auto now = std::chrono::steady_clock::now();
-    while (!restarts.empty() && now - restarts.front() > std::chrono::minutes(1)) {
-      restarts.pop_front();
-    }
-    if (restarts.size() >= 5) {
-      tessera::GetLogger("scheduler")
-          ->error("the scheduler (pid {}) {}, its 6th death within a minute: not restarting it",
-                  *child, how);
-      return 1;
-    }
-    restarts.push_back(now);
-    tessera::GetLogger("scheduler")
-        ->warn("the scheduler (pid {}) {}; starting it again on port {} (workers rejoin it)",
-               *child, how, flags.port);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  }
-}
-
-int RunScheduler(const SchedulerFlags& flags) {
-  if (flags.restart) return SuperviseScheduler(flags);
-  Result<tessera::Settings> settings = LoadSettings();
-  if (!settings.ok()) return Fail(settings.status());
-  Result<std::string> token = ReadFileTrimmed(flags.token_file);
-  if (!token.ok()) return Fail(token.status().WithContext("reading the cluster token"));
-  tessera::SchedulerServiceOptions options;
-  options.address = tessera::rpc::Address::Tcp(flags.host, static_cast<uint16_t>(flags.port));
-  options.address_file = flags.address_file;
-  options.unix_socket = flags.unix_socket;
-  options.core.token = *token;
-  options.core.session_dir = flags.session_dir;
-  options.core.heartbeat_interval_ms = static_cast<uint32_t>(settings->heartbeat_interval_ms);
-  options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
-  options.core.inline_object_bytes = settings->inline_object_bytes;
-  options.core.trace_instances = static_cast<int>(settings->trace_instances);
-  options.dashboard_host = flags.host;
-  options.dashboard_port = flags.dashboard_port == kDashboardPortFromSettings
-                               ? static_cast<int>(settings->dashboard_port)
-                               : flags.dashboard_port;
-  options.dashboard_file = flags.dashboard_file;
-  // The signal thread and this one both reach the service (races TSan found): through a switch
-  // the signal thread co-owns (it may run after this function returned), under its mutex; a
-  // signal that comes before the service exists stops it as soon as it does.
-  struct StopSwitch {
-    std::mutex mutex;
-    std::shared_ptr<tessera::SchedulerService> service;
-    bool requested = false;
-  };
-  auto stop = std::make_shared<StopSwitch>();
-  HandleTerminationSignals([stop] {
-    std::lock_guard lock(stop->mutex);
-    stop->requested = true;
-    if (stop->service) stop->service->Stop();
-  });
-  auto started = tessera::SchedulerService::Start(options);
-  if (!started.ok()) return Fail(started.status());
-  std::shared_ptr<tessera::SchedulerService> running = std::move(*started);
-  {
-    std::lock_guard lock(stop->mutex);
-    stop->service = running;
-    if (stop->requested) running->Stop();
-  }
-  running->Wait();
-  {
-    std::lock_guard lock(stop->mutex);
-    stop->service.reset();
-  }
-  tessera::GetLogger("scheduler")->info("stopped");
-  return 0;
-}
-
-struct WorkerFlags {
-  std::string address;
-  std::string token_file;
-  int threads = 0;
-  int64_t host_memory_mb = 4096;
-  std::string spill_dir;
-  int gpu = -1;  // the GPU this worker owns; -1: a CPU worker
-  double gpu_memory_gib = 0;
-};
-
-int RunWorker(const WorkerFlags& flags) {
-  Result<tessera::Settings> settings = LoadSettings();
-  if (!settings.ok()) return Fail(settings.status());
-  Result<std::string> address = ResolveAddress(flags.address);
-  if (!address.ok()) return Fail(address.status());
-  Result<tessera::rpc::Address> parsed = tessera::rpc::Address::Parse(*address);
-  if (!parsed.ok()) return Fail(parsed.status());
-  Result<std::string> token = ReadFileTrimmed(DefaultTokenFile(flags.token_file));
-  if (!token.ok()) return Fail(token.status().WithContext("reading the cluster token"));
-  Result<tessera::OpRegistry> registry = tessera::MakeCpuOpRegistry();
-  if (!registry.ok()) return Fail(registry.status());
-  tessera::WorkerServiceOptions options;
-  if (flags.gpu >= 0) {
-    // Opened once: a worker that rejoins a restarted scheduler keeps its GPU.
-    Result<std::shared_ptr<tessera::DeviceRuntime>> gpu = tessera::OpenGpu(
-        flags.gpu, static_cast<int64_t>(flags.gpu_memory_gib * double(int64_t{1} << 30)));
-    if (!gpu.ok()) return Fail(gpu.status().WithContext(fmt::format("--gpu {}", flags.gpu)));
-    if (Status added = tessera::AddGpuKernels(*registry); !added.ok()) return Fail(added);
-    tessera::GetLogger("worker")->info("this worker owns {}", (*gpu)->Describe());
-    options.device = *std::move(gpu);
-  }
-  options.scheduler = *parsed;
-  options.token = *token;
-  options.threads = flags.threads;
-  options.host_capacity_bytes = flags.host_memory_mb << 20;
-  options.spill_dir = flags.spill_dir;
-  options.settings = *settings;
-  options.data_host = settings->data_host;
-  if (options.data_host.empty()) {
-    Result<std::string> toward = tessera::rpc::LocalHostToward(*parsed);
-    if (!toward.ok()) return Fail(toward.status().WithContext("choosing the data-plane address"));
-    options.data_host = *toward;
-  }
-  // Co-owned by the signal thread, which may outlive this function.
-  auto interrupted = std::make_shared<std::atomic<bool>>(false);
-  HandleTerminationSignals([interrupted] {
-    *interrupted = true;
-    std::_Exit(0);  // a worker holds no state worth flushing; the scheduler notices it left
-  });
-  // A worker that loses its scheduler tries to join one at the same address (a restarted one)
-  // for scheduler_grace_ms, as a fresh worker: everything it held went with the old scheduler.
-  // Then it exits, so a cluster whose scheduler is gone leaves no process holding memory.
-  const auto grace = std::chrono::milliseconds(settings->scheduler_grace_ms);
-  bool joined = false;
-  auto deadline = std::chrono::steady_clock::now();
-  Status lost;
-  while (true) {
-    auto started = tessera::WorkerService::Start(options, *registry);
-    if (!started.ok()) {
-      if (!joined) return Fail(started.status());
-      if (std::chrono::steady_clock::now() >= deadline) {
-        tessera::GetLogger("worker")->warn("exiting: no scheduler at {} within {} ms ({})",
-                                           *address, grace.count(), lost.ToString());
-        return 1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-      continue;
-    }
-    joined = true;
-    lost = (*started)->Wait();
-    if (!lost.ok() && !*interrupted) {
-      tessera::GetLogger("worker")->warn(
-          "{}; {}", lost.ToString(),
-          grace.count() <= 0 ? std::string("exiting")
-                             : fmt::format("trying to rejoin for up to {} ms", grace.count()));
-    }
-    started->reset();  // every thread and object of this incarnation ends here
-    if (lost.ok() || *interrupted) return 0;  // told to stop
-    if (grace.count() <= 0) return 1;
-    deadline = std::chrono::steady_clock::now() + grace;
-  }
-}
+constexpr int kDashboardPortFromSettings = tessera::SchedulerLaunch::kDashboardPortFromSettings;
 
 // ---- commands ----
 
@@ -419,10 +136,10 @@ int StartWorkers(const StartFlags& flags) {
     if (!resolved.ok()) return Fail(resolved.status().WithContext("--gpus"));
     gpus = *std::move(resolved);
   }
-  Result<std::string> address = ResolveAddress(flags.address);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(flags.address);
   if (!address.ok()) return Fail(address.status());
   Result<tessera::LocalSession> session = tessera::LocalSession::ForToken(
-      DefaultTokenFile(flags.token_file), {.binary = SelfBinary(), .detached = true});
+      tessera::TokenFileOrLatest(flags.token_file), {.binary = SelfBinary(), .detached = true});
   if (!session.ok()) return Fail(session.status());
   auto admin = tessera::Cluster::Connect(*address, AdminConnection(session->token_file()));
   if (!admin.ok()) return Fail(admin.status());
@@ -469,9 +186,10 @@ int StartWorkers(const StartFlags& flags) {
 
 // `tessera status --waits`: one line per worker (tessera::FormatWait).
 int ShowWaits(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = ResolveAddress(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
   if (!address.ok()) return Fail(address.status());
-  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  auto cluster =
+      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<std::vector<tessera::WorkerWait>> waits = (*cluster)->Waits();
   if (!waits.ok()) return Fail(waits.status());
@@ -483,9 +201,10 @@ int ShowWaits(const std::string& address_flag, const std::string& token_file) {
 }
 
 int ShowStatus(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = ResolveAddress(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
   if (!address.ok()) return Fail(address.status());
-  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  auto cluster =
+      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<tessera::ClusterInfo> info = (*cluster)->Info();
   if (!info.ok()) return Fail(info.status());
@@ -517,9 +236,10 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
 
 int WriteTimeline(const std::string& address_flag, const std::string& token_file,
                   const std::string& out, int steps) {
-  Result<std::string> address = ResolveAddress(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
   if (!address.ok()) return Fail(address.status());
-  auto cluster = tessera::Cluster::Connect(*address, AdminConnection(DefaultTokenFile(token_file)));
+  auto cluster =
+      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<tessera::Timeline> timeline = (*cluster)->Timeline(steps);
   if (!timeline.ok()) return Fail(timeline.status());
@@ -540,9 +260,9 @@ int WriteTimeline(const std::string& address_flag, const std::string& token_file
 }
 
 int StopCluster(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = ResolveAddress(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
   if (!address.ok()) return Fail(address.status());
-  const tessera::ConnectOptions connect = AdminConnection(DefaultTokenFile(token_file));
+  const tessera::ConnectOptions connect = AdminConnection(tessera::TokenFileOrLatest(token_file));
   auto cluster = tessera::Cluster::Connect(*address, connect);
   if (!cluster.ok()) return Fail(cluster.status());
   if (Status s = (*cluster)->Shutdown(); !s.ok()) return Fail(s);
@@ -743,36 +463,10 @@ int main(int argc, char** argv) {
   timeline_cmd->add_option("--address", timeline_address, "The scheduler's HOST:PORT");
   timeline_cmd->add_option("--token-file", timeline_token, "The cluster token file");
 
-  SchedulerFlags scheduler;
-  CLI::App* scheduler_cmd = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
-  scheduler_cmd->add_option("--host", scheduler.host);
-  scheduler_cmd->add_option("--port", scheduler.port)->check(CLI::Range(0, 65535));
-  scheduler_cmd->add_option("--token-file", scheduler.token_file)->required();
-  scheduler_cmd->add_option("--session-dir", scheduler.session_dir);
-  scheduler_cmd->add_option("--address-file", scheduler.address_file);
-  scheduler_cmd->add_option("--dashboard-port", scheduler.dashboard_port,
-                            "The dashboard's port (0: any free one; -1: none; default: the "
-                            "dashboard_port setting)");
-  scheduler_cmd->add_option("--dashboard-file", scheduler.dashboard_file,
-                            "Write the dashboard's HOST:PORT here");
-  scheduler_cmd->add_flag("--restart", scheduler.restart,
-                          "Supervise: start the scheduler again whenever it dies");
-  scheduler_cmd->add_option("--unix-socket", scheduler.unix_socket,
-                            "Also listen on this Unix socket (local processes)");
-
-  WorkerFlags worker;
-  CLI::App* worker_cmd = app.add_subcommand("worker", "Run a worker in the foreground");
-  worker_cmd->add_option("--address", worker.address);
-  worker_cmd->add_option("--token-file", worker.token_file);
-  worker_cmd->add_option("--threads", worker.threads)->check(CLI::NonNegativeNumber);
-  worker_cmd->add_option("--host-memory-mb", worker.host_memory_mb)->check(CLI::PositiveNumber);
-  worker_cmd->add_option("--spill-dir", worker.spill_dir);
-  worker_cmd->add_option("--gpu", worker.gpu, "The GPU this worker owns (-1: a CPU worker)")
-      ->check(CLI::Range(-1, 1023));
-  worker_cmd
-      ->add_option("--gpu-memory-gib", worker.gpu_memory_gib,
-                   "With --gpu: the allocator's cap (0: the GPU's memory)")
-      ->check(CLI::NonNegativeNumber);
+  tessera::SchedulerProcessFlags scheduler;
+  CLI::App* scheduler_cmd = tessera::AddSchedulerCommand(app, scheduler);
+  tessera::WorkerProcessFlags worker;
+  CLI::App* worker_cmd = tessera::AddWorkerCommand(app, worker);
 
   try {
     app.parse(argc, argv);
@@ -805,7 +499,7 @@ int main(int argc, char** argv) {
   if (timeline_cmd->parsed()) {
     return WriteTimeline(timeline_address, timeline_token, timeline_out, timeline_steps);
   }
-  if (scheduler_cmd->parsed()) return RunScheduler(scheduler);
-  if (worker_cmd->parsed()) return RunWorker(worker);
+  if (scheduler_cmd->parsed()) return tessera::RunSchedulerProcess(scheduler);
+  if (worker_cmd->parsed()) return tessera::RunWorkerProcess(worker);
   return 2;
 }

@@ -25,8 +25,8 @@
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "model/model_spec.h"
 #include "ops/op_registry.h"
-#include "zero/model.h"
 
 namespace tessera {
 

@@ -38,9 +38,9 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "model/model_spec.h"
 #include "ops/layer_program.h"
 #include "ops/op_registry.h"
-#include "zero/model.h"
 
 namespace tessera {
 

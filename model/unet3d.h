@@ -30,8 +30,8 @@
 #include <string_view>
 
 #include "core/status.h"
+#include "model/model_spec.h"
 #include "ops/op_registry.h"
-#include "zero/model.h"
 
 namespace tessera {
 

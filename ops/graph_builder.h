@@ -1,6 +1,6 @@
 // GraphBuilder: builds a Graph task by task, inferring every output's shape as it goes.
 //
-// Planners (zero/) describe a step as calls to AddTask; the builder looks the op up, runs its
+// Planners (planner/) describe a step as calls to AddTask; the builder looks the op up, runs its
 // shape inference on the input objects' metas, creates the output objects, copies the op's
 // in-place pairs into the task's donations, and estimates the task's memory. A mistake (unknown
 // op, wrong arity, mismatched shapes) is reported when the task is added, with the task, its

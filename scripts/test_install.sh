@@ -35,10 +35,11 @@ cmake --install "$build_dir" --prefix "$prefix" > "$work/install.log" ||
   { cat "$work/install.log"; fail "cmake --install"; }
 for file in bin/tessera lib/cmake/Tessera/TesseraConfig.cmake \
   lib/cmake/Tessera/TesseraConfigVersion.cmake lib/cmake/Tessera/TesseraTargets.cmake \
-  lib/libtessera_driver.a include/tessera/driver/cluster.h include/tessera/core/status.h; do
+  lib/libtessera_training.a lib/libtessera_client.a include/tessera/client/cluster.h \
+  include/tessera/core/status.h; do
   [[ -e "$prefix/$file" ]] || fail "the install has no $file"
 done
-for internal in driver/session.h core/rpc/connection.h scheduler/scheduler_core.h; do
+for internal in launcher/session.h core/rpc/connection.h scheduler/scheduler_core.h; do
   [[ ! -e "$prefix/include/tessera/$internal" ]] || fail "internal header $internal was installed"
 done
 

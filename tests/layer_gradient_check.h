@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "zero/model.h"
+#include "model/model_spec.h"
 
 namespace tessera::testing {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "client/cluster.h"
 #include "core/status.h"
-#include "driver/cluster.h"
-#include "driver/trainer.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 

@@ -1,4 +1,4 @@
-// Checks that a Chrome/Perfetto trace (driver/trace.h) has the schema viewers need: every event
+// Checks that a Chrome/Perfetto trace (client/trace.h) has the schema viewers need: every event
 // an object with the required keys of the right types, names non-empty, durations >= 0.
 #pragma once
 

@@ -63,7 +63,7 @@ struct ExecutorOptions {
   // exceeds it, instead of the kernel's out-of-memory killer ending the process mid-step);
   // 0: what the machine has available (core/allocator.h's AvailableHostMemoryBytes).
   int64_t host_memory_bytes = 0;
-  // The GPU the executor runs kCuda tasks on (driver/gpu.h's OpenGpu), or null. Inputs bound
+  // The GPU the executor runs kCuda tasks on (worker/gpu.h's OpenGpu), or null. Inputs bound
   // as host tensors to objects that live on it are copied there when the run starts.
   std::shared_ptr<DeviceRuntime> device;
 

@@ -39,7 +39,7 @@ struct WorkerServiceOptions {
   std::string data_host = "127.0.0.1";
   int connect_timeout_ms = 5000;
   Settings settings;
-  // The GPU this worker owns (driver/gpu.h's OpenGpu), or null for a CPU worker. Graph parts
+  // The GPU this worker owns (worker/gpu.h's OpenGpu), or null for a CPU worker. Graph parts
   // run their kCuda tasks on it (the registry must hold the CUDA kernels); objects that live on
   // it stay there between instances (the store's device tier) and are copied to the host only
   // to leave the worker (served, pushed, reported inline) or to cross a host communicator.

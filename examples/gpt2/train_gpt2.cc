@@ -21,17 +21,17 @@
 
 #include <CLI/CLI.hpp>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "core/logging.h"
 #include "core/settings.h"
-#include "driver/checkpoint.h"
-#include "driver/cluster.h"
-#include "driver/gpu.h"
-#include "driver/graph_backend.h"
-#include "driver/recovery.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
 #include "examples/pipeline_flags.h"
 #include "examples/trace_flags.h"
+#include "training/checkpoint.h"
+#include "training/recovery.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
 
 namespace {
 
@@ -390,7 +390,7 @@ int Run(const Flags& flags) {
     std::fprintf(stderr, "train_gpt2: resumed from %s (step %lld)\n", loaded->path.c_str(),
                  static_cast<long long>(loaded->step));
   }
-  // Recovery from lost workers (driver/recovery.h): back to the last checkpoint, so there is one
+  // Recovery from lost workers (training/recovery.h): back to the last checkpoint, so there is one
   // from the start.
   std::unique_ptr<tessera::StepRecovery> recovery;
   if (flags.max_restarts > 0) {

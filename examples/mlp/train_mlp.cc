@@ -3,10 +3,10 @@
 #include <cstdio>
 #include <random>
 
-#include "driver/cluster.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
 #include "model/model.h"
 #include "ops/cpu/cpu_kernels.h"
+#include "training/trainer.h"
 
 using namespace tessera;
 

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "core/status.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace {
 

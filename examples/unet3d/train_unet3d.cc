@@ -15,16 +15,16 @@
 
 #include <CLI/CLI.hpp>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "data/volumes.h"
-#include "driver/checkpoint.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/trainer.h"
 #include "examples/pipeline_flags.h"
 #include "examples/trace_flags.h"
 #include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
+#include "training/checkpoint.h"
+#include "training/trainer.h"
 
 namespace {
 

@@ -14,14 +14,14 @@
 
 #include <gmock/gmock.h>
 
-#include "driver/gpu.h"
-#include "driver/trainer.h"
 #include "gpu_test_util.h"
 #include "ops/cpu/gpt2_layers.h"
 #include "ops/cuda/cuda_context.h"
 #include "ops/cuda/gpt2_layers.h"
 #include "ops/flat_layout.h"
 #include "test_util.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
 
 namespace tessera::testing {
 namespace {

@@ -11,7 +11,7 @@
 //     optimizer offloaded to its host (ZeRO-Offload), and two as pipeline stages (activations and
 //     their gradients pushed between them from host copies), are held to the same tolerance.
 // Built twice from this file: gpu_workers_test (label gpu: a real GPU; skips without one) and
-// simulated_gpu_workers_test (label integration: TESSERA_SIMULATED_GPU=1, driver/simulated_gpu.h,
+// simulated_gpu_workers_test (label integration: TESSERA_SIMULATED_GPU=1, worker/simulated_gpu.h,
 // whose device memory is scrambled host memory, so a host read of a device buffer gives wrong
 // losses here where a real GPU crashes). A failed run prints the tails of its workers' logs.
 //
@@ -25,7 +25,7 @@
 #include <string>
 
 #include "core/cuda_device.h"
-#include "driver/session.h"
+#include "launcher/session.h"
 #include "test_util.h"
 
 namespace tessera::testing {

@@ -9,14 +9,14 @@
 #include <random>
 #include <thread>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 #include "worker/in_process_executor.h"
 
 namespace tessera::testing {

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <thread>
 
-#include "driver/cluster.h"
+#include "client/cluster.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 

@@ -10,7 +10,7 @@
 #include <sstream>
 #include <thread>
 
-#include "driver/process.h"
+#include "launcher/process.h"
 #include "test_util.h"
 
 namespace tessera::testing {

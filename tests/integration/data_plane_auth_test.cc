@@ -5,8 +5,8 @@
 #include <climits>
 #include <fstream>
 
+#include "client/cluster.h"
 #include "core/transport/data_plane_wire.h"
-#include "driver/cluster.h"
 #include "raw_data_plane_peer.h"
 #include "test_util.h"
 

@@ -10,11 +10,11 @@
 #include <random>
 #include <vector>
 
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "model/gpt2.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

@@ -8,14 +8,14 @@
 #include <random>
 #include <sstream>
 
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "model/model.h"
 #include "ops/standard_ops.h"
 #include "plan_equivalence.h"
+#include "planner/step_graph.h"
 #include "test_util.h"
-#include "zero/step_graph.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

@@ -1,4 +1,4 @@
-// Pipeline parallelism as placement (zero/pipeline_schedule.h, zero/step_graph.h): on a local
+// Pipeline parallelism as placement (planner/pipeline_schedule.h, planner/step_graph.h): on a local
 // cluster of real worker processes, GPT-2 and the 3D U-Net (whose skip connections cross
 // stages) cut into P = 2 and 4 stages, run under every schedule (zb-h1 with split backwards) and
 // composed with data parallelism and ZeRO 1-3 (and optimizer offload) inside the stages, train the
@@ -7,15 +7,15 @@
 
 #include <fmt/format.h>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "data/volumes.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

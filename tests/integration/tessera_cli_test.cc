@@ -9,8 +9,8 @@
 #include <fstream>
 #include <thread>
 
+#include "client/cluster.h"
 #include "core/cuda_device.h"
-#include "driver/cluster.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -62,7 +62,7 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_EQ(bad_list.exit_code, 1);
   EXPECT_NE(bad_list.output.find("'x' in '0,x' is not a GPU index"), std::string::npos)
       << bad_list.output;
-  // A GPU worker on the simulated GPU (driver/simulated_gpu.h): `status` names each worker's GPU.
+  // A GPU worker on the simulated GPU (worker/simulated_gpu.h): `status` names each worker's GPU.
   ::setenv("TESSERA_SIMULATED_GPU", "1", 1);  // inherited by tessera and its worker
   ProcessResult simulated = Tessera("start --gpus all --threads 1" + target);
   ProcessResult both = Tessera("start --gpus 0 --cpu-workers 1 --threads 1" + target);

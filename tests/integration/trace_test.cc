@@ -9,14 +9,14 @@
 
 #include <fmt/format.h>
 
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/token_dataset.h"
-#include "driver/trace.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "client/trace.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
 #include "trace_schema.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

@@ -9,13 +9,13 @@
 
 #include <fmt/format.h>
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "data/volumes.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/trainer.h"
 #include "model/unet3d.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

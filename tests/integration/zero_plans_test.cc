@@ -9,14 +9,14 @@
 
 #include <fmt/format.h>
 
-#include "driver/checkpoint.h"
-#include "driver/cluster.h"
-#include "driver/graph_backend.h"
-#include "driver/peer_snapshot.h"
-#include "driver/token_dataset.h"
-#include "driver/trainer.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "training/checkpoint.h"
+#include "training/peer_snapshot.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {
@@ -289,7 +289,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   EXPECT_TRUE(std::filesystem::exists(saved + "/manifest.json"));
 }
 
-// A peer snapshot (driver/peer_snapshot.h) is the state at the step it was taken, whatever the
+// A peer snapshot (training/peer_snapshot.h) is the state at the step it was taken, whatever the
 // steps after did in place, and restores into any plan, from the holders' copies or from their
 // buddies' (when the holders are taken for dead).
 TEST_F(ZeroPlansTest, APeerSnapshotIsTheStateItWasTakenAtUnderAnyPlan) {

@@ -2,8 +2,8 @@
 // losses of ten AdamW steps with gradient clipping (tests/reference/make_gpt2_reference.py).
 #include <cmath>
 
-#include "driver/trainer.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

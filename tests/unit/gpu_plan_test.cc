@@ -5,15 +5,15 @@
 #include <gmock/gmock.h>
 
 #include "core/collective_task.h"
-#include "driver/gpu.h"
-#include "driver/trainer.h"
 #include "model/gpt2.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/standard_ops.h"
+#include "planner/step_graph.h"
 #include "test_util.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
 #include "worker/in_process_executor.h"
-#include "zero/step_graph.h"
 
 namespace tessera::testing {
 namespace {

@@ -1,6 +1,6 @@
-// Balancing pipeline stages by measured layer times (driver/layer_profile.h): the times a trace
+// Balancing pipeline stages by measured layer times (training/layer_profile.h): the times a trace
 // gives each layer, and a profiling run that times every layer of a model.
-#include "driver/layer_profile.h"
+#include "training/layer_profile.h"
 
 #include "model/gpt2.h"
 #include "model/unet3d.h"

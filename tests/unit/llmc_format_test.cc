@@ -1,4 +1,4 @@
-// llm.c's fp32 GPT-2 checkpoint format (driver/checkpoint.h: ExportLlmc, ImportLlmc,
+// llm.c's fp32 GPT-2 checkpoint format (training/checkpoint.h: ExportLlmc, ImportLlmc,
 // ReadLlmcConfig): the file is laid out as llm.c reads it, an export imports back bit-exactly,
 // and a damaged file is refused naming the file and what is wrong.
 #include <cstdint>
@@ -7,8 +7,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "driver/checkpoint.h"
 #include "test_util.h"
+#include "training/checkpoint.h"
 
 namespace tessera::testing {
 namespace {

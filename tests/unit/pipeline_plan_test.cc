@@ -1,4 +1,4 @@
-// Pipeline plans (zero/step_graph.h with pipeline_stages > 1): how the planner cuts a model into
+// Pipeline plans (planner/step_graph.h with pipeline_stages > 1): how the planner cuts a model into
 // stages, where it places each task and object, the schedule's control edges, ZeRO-3's gathers,
 // and the plans it refuses before anything runs. The losses of these plans on real workers are
 // checked in tests/integration/pipeline_plans_test.cc.
@@ -7,8 +7,8 @@
 
 #include "model/gpt2.h"
 #include "model/model.h"
+#include "planner/step_graph.h"
 #include "test_util.h"
-#include "zero/step_graph.h"
 
 namespace tessera::testing {
 namespace {

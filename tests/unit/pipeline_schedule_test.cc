@@ -1,6 +1,6 @@
-// Pipeline schedules (zero/pipeline_schedule.h): every op once, dependencies respected, and the
+// Pipeline schedules (planner/pipeline_schedule.h): every op once, dependencies respected, and the
 // bubble and in-flight micro-batches of each order against the textbook figures.
-#include "zero/pipeline_schedule.h"
+#include "planner/pipeline_schedule.h"
 
 #include <fmt/format.h>
 

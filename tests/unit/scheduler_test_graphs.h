@@ -40,7 +40,7 @@ inline Attrs Member(int64_t collective, int64_t rank, int64_t size) {
   return Attrs{{kCollectiveAttr, collective}, {kRankAttr, rank}, {kGroupSizeAttr, size}};
 }
 
-// The RegisterGraph a driver sends for `graph` (driver/cluster.cc).
+// The RegisterGraph a driver sends for `graph` (client/cluster.cc).
 inline void RegisterGraphToWire(const Graph& graph, uint64_t graph_id,
                                 proto::RegisterGraph::Builder out) {
   out.setGraphId(graph_id);

@@ -9,7 +9,7 @@
 #include <set>
 
 #include "core/atomic_file.h"
-#include "driver/session.h"
+#include "launcher/session.h"
 #include "test_util.h"
 
 namespace tessera::testing {

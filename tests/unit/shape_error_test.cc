@@ -1,7 +1,7 @@
 // Shape mismatches are reported with the op, the layer and both shapes, before anything runs.
-#include "driver/trainer.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

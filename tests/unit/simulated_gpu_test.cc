@@ -1,14 +1,14 @@
-// The simulated GPU (driver/simulated_gpu.h): scrambled device memory that only Copy reads, the
+// The simulated GPU (worker/simulated_gpu.h): scrambled device memory that only Copy reads, the
 // CPU kernels as its kernels, and how TESSERA_SIMULATED_GPU=1 routes OpenGpu / ResolveGpus to it.
 #include <stdlib.h>
 
 #include <cstring>
 
-#include "driver/gpu.h"
-#include "driver/simulated_gpu.h"
-#include "driver/trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
+#include "worker/simulated_gpu.h"
 #include "worker/task_runner.h"
 
 namespace tessera::testing {

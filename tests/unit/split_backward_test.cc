@@ -1,13 +1,13 @@
-// Split backwards (zero-bubble pipelines, zero/model.h LayerSpec::backward_input_op and
+// Split backwards (zero-bubble pipelines, model/model_spec.h LayerSpec::backward_input_op and
 // backward_weight_op): for every layer of the fused GPT-2, the model-API GPT-2 and the 3D U-Net,
 // the input half then the weight half return exactly (bit for bit) the gradients of the whole
 // backward, and the halves' wiring is what the planner gives them.
 #include <cstring>
 
 #include "model/gpt2.h"
+#include "model/model_spec.h"
 #include "model/unet3d.h"
 #include "test_util.h"
-#include "zero/model.h"
 
 namespace tessera::testing {
 namespace {

@@ -1,13 +1,13 @@
 // The single-worker planner's step graph, and the trainer that runs it.
-#include "zero/step_graph.h"
+#include "planner/step_graph.h"
 
 #include <set>
 #include <string>
 #include <vector>
 
-#include "driver/trainer.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

@@ -7,14 +7,14 @@
 
 #include <gtest/gtest.h>
 
+#include "client/trace.h"
 #include "core/rpc/wire.h"
 #include "core/timeline.h"
-#include "driver/token_dataset.h"
-#include "driver/trace.h"
-#include "driver/trainer.h"
 #include "scheduler/trace_store.h"
 #include "test_util.h"
 #include "trace_schema.h"
+#include "training/token_dataset.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

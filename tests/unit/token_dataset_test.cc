@@ -1,8 +1,8 @@
 // Token datasets: text, llm.c .bin files, and what is wrong with a bad file.
 #include <fstream>
 
-#include "driver/token_dataset.h"
 #include "test_util.h"
+#include "training/token_dataset.h"
 
 namespace tessera::testing {
 namespace {

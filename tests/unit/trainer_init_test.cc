@@ -6,8 +6,8 @@
 #include <gmock/gmock.h>
 #include <tbb/global_control.h>
 
-#include "driver/trainer.h"
 #include "test_util.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {

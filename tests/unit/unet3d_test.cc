@@ -11,8 +11,8 @@
 #include "data/volumes.h"
 #include "layer_gradient_check.h"
 #include "model/unet3d.h"
+#include "planner/step_graph.h"
 #include "test_util.h"
-#include "zero/step_graph.h"
 
 namespace tessera::testing {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "driver/cluster.h"
+#include "client/cluster.h"
 
 namespace tessera {
 namespace {

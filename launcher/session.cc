@@ -1,0 +1,306 @@
+#include "launcher/session.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/atomic_file.h"
+#include "launcher/process.h"
+
+// The installed SDK's bin directory: defined (weakly) by the source that find_package(Tessera)
+// adds to every target linking Tessera::tessera (cmake/TesseraConfig.cmake.in), so a program
+// built out of tree knows where its SDK's `tessera` is even when the install was moved with
+// `cmake --install --prefix`. Null in programs built inside the project.
+extern "C" const char* tessera_sdk_bin_dir() __attribute__((weak));
+
+namespace tessera {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
+
+}  // namespace
+
+TesseraBinaryPlaces TesseraBinaryPlaces::OfThisProcess(const std::string& flag) {
+  const auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string(value != nullptr ? value : "");
+  };
+  TesseraBinaryPlaces places;
+  places.flag = flag;
+  places.env_binary = env("TESSERA_BINARY");
+  places.env_bin_dir = env("TESSERA_BIN_DIR");
+  places.executable_dir = ExecutableDirectory();
+  if (tessera_sdk_bin_dir != nullptr) places.sdk_bin_dir = tessera_sdk_bin_dir();
+#ifdef TESSERA_CONFIGURED_BIN_DIR
+  places.configured_bin_dir = TESSERA_CONFIGURED_BIN_DIR;
+#endif
+  places.path = env("PATH");
+  return places;
+}
+
+Result<std::string> FindTesseraBinaryIn(
+    const TesseraBinaryPlaces& places,
+    const std::function<bool(const std::string&)>& is_executable) {
+  const auto executable = [&](const std::string& file) {
+    if (is_executable) return is_executable(file);
+    std::error_code error;
+    return std::filesystem::is_regular_file(file, error) && ::access(file.c_str(), X_OK) == 0;
+  };
+  constexpr const char* kHowToFix =
+      "install Tessera (`cmake --install build --prefix P`) and set TESSERA_BIN_DIR=P/bin or put "
+      "P/bin on PATH, or point LocalClusterOptions::tessera_binary or TESSERA_BINARY at the binary";
+  // Explicit choices: used, or reported, but never passed over.
+  if (!places.flag.empty()) {
+    if (executable(places.flag)) return places.flag;
+    return NotFound("LocalClusterOptions::tessera_binary '{}' is not an executable file; {}",
+                    places.flag, kHowToFix);
+  }
+  if (!places.env_binary.empty()) {
+    if (executable(places.env_binary)) return places.env_binary;
+    return NotFound("$TESSERA_BINARY '{}' is not an executable file; {}", places.env_binary,
+                    kHowToFix);
+  }
+  if (!places.env_bin_dir.empty()) {
+    const std::string file = places.env_bin_dir + "/tessera";
+    if (executable(file)) return file;
+    return NotFound("$TESSERA_BIN_DIR is '{}', but '{}' is not an executable file; {}",
+                    places.env_bin_dir, file, kHowToFix);
+  }
+  std::vector<std::string> tried = {"$TESSERA_BIN_DIR (not set)"};
+  const std::pair<std::string, std::string> implicit_places[] = {
+      {places.executable_dir, "next to this executable"},
+      {places.sdk_bin_dir, "the installed SDK this program was built against"},
+      {places.configured_bin_dir, "the install prefix Tessera was configured with"}};
+  for (const auto& [dir, what] : implicit_places) {
+    if (dir.empty()) continue;
+    const std::string file = dir + "/tessera";
+    if (executable(file)) return file;
+    tried.push_back(fmt::format("{} ({})", file, what));
+  }
+  size_t searched = 0;
+  for (size_t begin = 0; begin <= places.path.size();) {
+    size_t end = places.path.find(':', begin);
+    if (end == std::string::npos) end = places.path.size();
+    const std::string dir = places.path.substr(begin, end - begin);
+    begin = end + 1;
+    if (dir.empty()) continue;
+    ++searched;
+    if (executable(dir + "/tessera")) return dir + "/tessera";
+  }
+  tried.push_back(searched == 0
+                      ? std::string("$PATH (empty)")
+                      : fmt::format("the {} directories of $PATH ({})", searched, places.path));
+  return NotFound(
+      "cannot find the tessera binary (the scheduler and worker processes); tried {}; {}",
+      fmt::join(tried, ", "), kHowToFix);
+}
+
+Result<std::string> FindTesseraBinary(const std::string& flag) {
+  return FindTesseraBinaryIn(TesseraBinaryPlaces::OfThisProcess(flag));
+}
+
+Result<LocalSession> LocalSession::Create(const std::string& dir, const std::string& prefix,
+                                          SessionProcesses processes) {
+  std::error_code error;
+  std::string path = dir;
+  if (path.empty()) {
+    std::filesystem::create_directories(kSessionRoot, error);
+    if (error) {
+      return Unavailable("cannot create the session root {}: {}", kSessionRoot, error.message());
+    }
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::tm local{};
+    ::localtime_r(&now, &local);
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", &local);
+    // mkdtemp: a unique name even for sessions started in the same second by one process.
+    std::string pattern =
+        fmt::format("{}/{}_{}_{}_XXXXXX", kSessionRoot, prefix, stamp, ::getpid());
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Unavailable("cannot create a session directory under {}: {}", kSessionRoot,
+                         std::strerror(errno));
+    }
+    path = pattern;
+  } else {
+    std::filesystem::create_directories(path, error);
+    if (error)
+      return Unavailable("cannot create session directory '{}': {}", path, error.message());
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::string token, RandomToken());
+  LocalSession session(path, token, std::move(processes));
+  TESSERA_RETURN_IF_ERROR(WriteFileAtomically(session.token_file(), token + "\n", 0600));
+  return session;
+}
+
+Result<LocalSession> LocalSession::Open(const std::string& dir, SessionProcesses processes) {
+  Result<std::string> token = ReadFileTrimmed(dir + "/token");
+  if (!token.ok() || token->empty()) {
+    return NotFound("'{}' is not a Tessera session: it has no token file ({})", dir,
+                    token.ok() ? "empty" : token.status().message());
+  }
+  return LocalSession(dir, *token, std::move(processes));
+}
+
+Result<LocalSession> LocalSession::ForToken(const std::string& token_file,
+                                            SessionProcesses processes) {
+  const std::filesystem::path path(token_file);
+  if (path.filename() == "token") return Open(path.parent_path().string(), std::move(processes));
+  Result<std::string> token = ReadFileTrimmed(token_file);
+  if (!token.ok() || token->empty()) {
+    return NotFound("cannot read the cluster token at '{}'; pass --token-file", token_file);
+  }
+  TESSERA_ASSIGN_OR_RETURN(LocalSession session, Create("", "node", std::move(processes)));
+  session.token_ = *token;
+  TESSERA_RETURN_IF_ERROR(WriteFileAtomically(session.token_file(), *token + "\n", 0600));
+  return session;
+}
+
+std::string LocalSession::LogTail(const std::string& log) {
+  Result<std::string> text = ReadFileTrimmed(log);
+  if (!text.ok() || text->empty()) return std::string();
+  return "; its log ends: " + text->substr(text->size() > 600 ? text->size() - 600 : 0);
+}
+
+std::vector<std::string> LocalSession::SchedulerArgv(const SchedulerLaunch& launch) const {
+  std::vector<std::string> argv = {processes_.binary,  "scheduler",
+                                   "--host",           launch.host,
+                                   "--port",           std::to_string(launch.port),
+                                   "--token-file",     token_file(),
+                                   "--session-dir",    dir_,
+                                   "--address-file",   address_file(),
+                                   "--unix-socket",    dir_ + "/scheduler.sock",
+                                   "--dashboard-file", dashboard_file()};
+  if (launch.dashboard_port != SchedulerLaunch::kDashboardPortFromSettings) {
+    argv.insert(argv.end(), {"--dashboard-port", std::to_string(launch.dashboard_port)});
+  }
+  if (launch.restart) argv.push_back("--restart");
+  return argv;
+}
+
+Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& launch) {
+  std::error_code ignored;
+  std::filesystem::remove(address_file(), ignored);
+  std::filesystem::remove(dashboard_file(), ignored);
+  const std::string log = dir_ + "/scheduler.log";
+  StartedScheduler started;
+  started.local_address = "unix:" + dir_ + "/scheduler.sock";
+  TESSERA_ASSIGN_OR_RETURN(
+      started.pid,
+      SpawnProcess(SchedulerArgv(launch), SpawnOptions{.log_file = log,
+                                                       .die_with_parent = !processes_.detached,
+                                                       .new_session = processes_.detached}));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(launch.timeout_ms);
+  while (true) {
+    Result<std::string> address = ReadFileTrimmed(address_file());
+    if (address.ok() && !address->empty()) {
+      started.address = *address;
+      // Written before the address file when the scheduler has a dashboard.
+      if (Result<std::string> dashboard = ReadFileTrimmed(dashboard_file()); dashboard.ok()) {
+        started.dashboard = *dashboard;
+      }
+      break;
+    }
+    if (!ProcessAlive(started.pid)) {
+      return Unavailable("the scheduler exited during start-up{}", LogTail(log));
+    }
+    if (Clock::now() > deadline) {
+      StopProcess(started.pid, 1000);
+      return TimedOut("the scheduler did not start within {} ms{}", launch.timeout_ms,
+                      LogTail(log));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  TESSERA_RETURN_IF_ERROR(
+      WriteFileAtomically(dir_ + "/scheduler.pid", std::to_string(started.pid) + "\n"));
+  return started;
+}
+
+std::string LocalSession::WorkerName(const WorkerLaunch& launch, int index) const {
+  return launch.tag.empty() ? std::to_string(index) : fmt::format("{}-{}", launch.tag, index);
+}
+
+Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch) {
+  if (launch.count < 1) {
+    return InvalidArgument("start at least one worker (asked for {})", launch.count);
+  }
+  std::vector<pid_t> pids;
+  for (int i = 0; i < launch.count; ++i) {
+    const std::string name = WorkerName(launch, i);
+    std::vector<std::string> command = {processes_.binary,  "worker",
+                                        "--address",        launch.scheduler,
+                                        "--token-file",     token_file(),
+                                        "--threads",        std::to_string(launch.threads),
+                                        "--host-memory-mb", std::to_string(launch.host_memory_mb),
+                                        "--spill-dir",      fmt::format("{}/spill-{}", dir_, name)};
+    if (!launch.gpus.empty()) {
+      command.insert(
+          command.end(),
+          {"--gpu", std::to_string(launch.gpus[static_cast<size_t>(i) % launch.gpus.size()]),
+           "--gpu-memory-gib", fmt::format("{}", launch.gpu_memory_gib)});
+    }
+    Result<pid_t> pid =
+        SpawnProcess(command, SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir_, name),
+                                           .die_with_parent = !processes_.detached,
+                                           .new_session = processes_.detached});
+    if (!pid.ok()) {
+      for (pid_t started : pids) StopProcess(started, 1000);
+      return pid.status();
+    }
+    pids.push_back(*pid);
+  }
+  return pids;
+}
+
+Status LocalSession::AwaitWorkers(const std::function<Result<int>()>& count_alive, int target,
+                                  const std::vector<pid_t>& started, const WorkerLaunch& launch,
+                                  int timeout_ms) const {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  int alive = 0;
+  while (true) {
+    Result<int> counted = count_alive();
+    if (counted.ok()) alive = *counted;
+    if (alive >= target) return Status::Ok();
+    for (size_t i = 0; i < started.size(); ++i) {
+      if (!ProcessAlive(started[i])) {
+        const std::string name = WorkerName(launch, static_cast<int>(i));
+        return Unavailable("worker {} exited during start-up{}", name,
+                           LogTail(fmt::format("{}/worker-{}.log", dir_, name)));
+      }
+    }
+    if (Clock::now() > deadline) {
+      return TimedOut("only {} of {} workers joined within {} ms (logs in {})", alive, target,
+                      timeout_ms, dir_);
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+Result<std::string> SchedulerAddressOrLatest(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  Result<std::string> address = ReadFileTrimmed(std::string(kLatestSession) + "/scheduler.address");
+  if (!address.ok()) {
+    return NotFound(
+        "no --address given and no running session found ({}); start one with `tessera start "
+        "--head`",
+        kLatestSession);
+  }
+  return address;
+}
+
+std::string TokenFileOrLatest(const std::string& flag) {
+  return flag.empty() ? std::string(kLatestSession) + "/token" : flag;
+}
+
+}  // namespace tessera

@@ -1,0 +1,115 @@
+#include "model/model_spec.h"
+
+#include <fmt/format.h>
+
+namespace tessera {
+
+TensorMeta ModelInput::Meta(int64_t rows, int64_t seq_len, Device device) const {
+  std::vector<int64_t> dims = shape.dims();
+  dims[0] = rows;
+  if (sequence) dims[1] = seq_len;
+  return TensorMeta{Shape(std::move(dims)), dtype, device};
+}
+
+int64_t ModelSpec::NumParameters() const {
+  int64_t total = 0;
+  for (const LayerSpec& layer : layers) total += layer.params.numel();
+  return total;
+}
+
+Result<const LayerSpec*> ModelSpec::FindLayer(std::string_view layer_name) const {
+  for (const LayerSpec& layer : layers) {
+    if (layer.name == layer_name) return &layer;
+  }
+  return NotFound("model has no layer named '{}'", layer_name);
+}
+
+Result<size_t> ModelSpec::LossLayer() const {
+  if (layers.empty() || !layers.back().loss) {
+    return InvalidArgument("model '{}' has no loss layer: its last layer must compute the loss",
+                           name);
+  }
+  return layers.size() - 1;
+}
+
+Status ModelSpec::Validate() const {
+  TESSERA_RETURN_IF_ERROR(LossLayer().status());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerSpec& layer = layers[l];
+    if (layer.loss && l + 1 != layers.size()) {
+      return InvalidArgument("layer '{}' computes the loss but is not the last layer", layer.name);
+    }
+    if (layer.forward_args.empty()) {
+      return InvalidArgument("layer '{}' reads nothing", layer.name);
+    }
+    if (layer.backward_input_op.empty() != layer.backward_weight_op.empty()) {
+      return InvalidArgument(
+          "layer '{}' names only one half of a split backward (input: '{}', weight: '{}'): name "
+          "both or neither",
+          layer.name, layer.backward_input_op, layer.backward_weight_op);
+    }
+
+    for (size_t a = 0; a < layer.forward_args.size(); ++a) {
+      const LayerArg& arg = layer.forward_args[a];
+      switch (arg.kind) {
+        case LayerArg::Kind::kModelInput:
+          if (arg.index >= inputs.size()) {
+            return InvalidArgument("layer '{}' argument {} reads model input {}, but there are {}",
+                                   layer.name, a, arg.index, inputs.size());
+          }
+          break;
+        case LayerArg::Kind::kActivation:
+          if (arg.index >= l) {
+            return InvalidArgument(
+                "layer '{}' argument {} reads layer {} ('{}'), which is not before it: layers "
+                "must be in forward order and form no cycle",
+                layer.name, a, arg.index, arg.index < layers.size() ? layers[arg.index].name : "?");
+          }
+          if (arg.output < 0 || arg.output >= layers[arg.index].activations) {
+            return InvalidArgument("layer '{}' argument {} reads output {} of '{}', which has {}",
+                                   layer.name, a, arg.output, layers[arg.index].name,
+                                   layers[arg.index].activations);
+          }
+          break;
+        case LayerArg::Kind::kParams:
+          if (arg.index > l) {
+            return InvalidArgument("layer '{}' reads the parameters of a later layer ('{}')",
+                                   layer.name,
+                                   arg.index < layers.size() ? layers[arg.index].name : "?");
+          }
+          break;
+      }
+    }
+    for (const BackwardArg& arg : layer.backward_args) {
+      const bool output = arg.kind == BackwardArg::Kind::kOutputGradient;
+      if (output && (layer.loss || arg.index >= static_cast<size_t>(layer.activations))) {
+        return InvalidArgument("layer '{}' backward reads the gradient of output {}", layer.name,
+                               arg.index);
+      }
+      if (!output && arg.kind != BackwardArg::Kind::kForwardOutput &&
+          arg.index >= layer.forward_args.size()) {
+        return InvalidArgument("layer '{}' backward reads forward argument {}, but there are {}",
+                               layer.name, arg.index, layer.forward_args.size());
+      }
+      if (arg.kind == BackwardArg::Kind::kGradientSoFar &&
+          layer.forward_args[arg.index].kind != LayerArg::Kind::kParams) {
+        return InvalidArgument(
+            "layer '{}' backward adds to the gradient of an argument that is "
+            "not a parameter group",
+            layer.name);
+      }
+    }
+    for (size_t target : layer.backward_outputs) {
+      if (target >= layer.forward_args.size() ||
+          layer.forward_args[target].kind == LayerArg::Kind::kModelInput) {
+        return InvalidArgument(
+            "layer '{}' backward returns a gradient of forward argument {}, which is not an "
+            "activation or parameters",
+            layer.name, target);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera

@@ -1,0 +1,237 @@
+// Planners: a model description plus a plan -> the step graph, with placements.
+//
+// PlanTrainingStep builds one training step of any ModelSpec (model/model_spec.h: each layer a
+// forward and a backward task wired by its LayerSpec) as a graph of layer-sized tasks over objects.
+// For GPT-2 (DescribeGpt2), on one worker:
+//
+//   embedding/forward ─► h.0/forward ─► … ─► h.{L-1}/forward ─► head/forward (loss, dlogits)
+//                                                                  │
+//   embedding/backward ◄─ h.0/backward ◄─ … ◄─ h.{L-1}/backward ◄─ head/backward
+//        │ (adds the tied classifier's wte gradient, donated in place)
+//        ▼
+//   <layer>/grad_norm (one per parameter group) ─► clip ─► <layer>/adamw (one per group)
+//
+// Objects: per layer a flat parameter group (role kParameter), its gradient (kGradient), and
+// for AdamW two moment buffers (kOptimizerState); per step the batch's tokens and targets, the
+// learning rate and the step number (kInput). The updated state is the graph's output and
+// becomes the next step's input (the trainer rebinds it). Each block's forward keeps one "saved"
+// object for its backward; the block backward works in place on the incoming gradient, and each
+// AdamW task updates its state in place (donation).
+//
+// Data parallelism and ZeRO are placements of the same tasks (ParallelConfig; the table in
+// docs/architecture.md). With N ranks each rank r runs the forward and backward of its rows of
+// the batch on its worker (workers[r]), in K micro-batches whose gradients are accumulated in
+// place; then, per stage:
+//   0  every rank holds the whole state; each layer's gradient is all-reduced as soon as its
+//      backward is done; every rank updates everything.
+//   1  parameters replicated, optimizer state sharded: after the whole backward each gradient
+//      is reduce-scattered, rank r updates shard r of every group (AdamW with param_offset,
+//      in place inside the full parameter), then the group is all-gathered in place.
+//   2  as 1, but each layer's gradient is reduce-scattered as soon as its backward is done and
+//      the full gradient freed (the "bucket"): only gradient shards persist.
+//   3  parameters sharded too: each layer's parameters are all-gathered just before its forward
+//      (and again before its backward), prefetch_layers ahead of use, and freed after use.
+// Stages >= 1 pad each group to a multiple of N (attribute param_multiple): shards are equal.
+// Gradient clipping uses the global norm: each rank's shard norms are summed and all-reduced.
+// The loss is the mean over every rank and micro-batch (all-reduced; rank 0's is the output).
+// Devices: TrainingPlan::device is where the workers compute (the CPU, or each worker's own GPU);
+// tasks run and objects live there unless offloaded.
+// Offload (optimizer), ZeRO-Offload: the fp32 master copy of each rank's parameter piece (its
+// shard at stages >= 1, the whole group at stage 0) and its Adam moments live in the host tier
+// (StateKind::kMasterParameter, kExpAvg, kExpAvgSq on Device::Cpu()), and the update is a CPU
+// task. Each layer's final gradient (piece) is copied to the host as soon as it is reduced
+// (stage 2-3: during the backward of earlier layers), the clipping factor follows it, and the
+// updated master piece is copied back to the GPU (then all-gathered at stages 1-2). Every
+// transfer is a "copy" task. On CPU workers the host tier is where everything already lives:
+// no copies and no separate master, so the offloaded plan is the plain one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "ops/op_registry.h"
+#include "planner/pipeline_schedule.h"
+
+namespace tessera {
+
+struct OptimizerConfig {
+  enum class Kind { kAdamW, kSgd };
+  Kind kind = Kind::kAdamW;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;   // on matrices only (FlatLayout::DecayRanges)
+  double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
+};
+
+enum class OffloadMode { kNone, kOptimizer };
+
+// ZeRO-3 parameter gathers when a rank runs several micro-batches (pipelines, accumulation).
+enum class GatherPolicy : uint8_t {
+  kAuto,           // once per step in a pipeline (P > 1), else per micro-batch
+  kOncePerStep,    // each layer's parameters gathered once, shared by every micro-batch
+  kPerMicroBatch,  // gathered before each micro-batch's forward and backward, freed after
+};
+
+struct ParallelConfig {
+  int data_parallel = 1;  // N (D) ranks per stage, each on its own worker, each batch / N rows
+  int zero_stage = 0;     // 0..3, see the header comment
+  OffloadMode offload = OffloadMode::kNone;
+  int grad_accum = 1;       // K (M) micro-batches per rank per step
+  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  // Pipeline parallelism: P stages, each a data-parallel group of N workers (P x N in all),
+  // the layers cut into P x V contiguous chunks (chunk c on stage c % P), run in `schedule`'s
+  // order over the K micro-batches (planner/pipeline_schedule.h).
+  int pipeline_stages = 1;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  int virtual_stages = 1;
+  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
+  // of layer_op_costs, else the op cost model's estimate of its forward.
+  std::vector<double> layer_costs;
+  // Per layer, measured times of its forward, backward (input half, or whole) and weight half
+  // (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's estimates. Their
+  // per-chunk means order zb-h1 (ScheduleOrder's costs).
+  std::vector<OpCosts> layer_op_costs;
+  // Split every backward that can be (model/model_spec.h LayerSpec::backward_input_op) even without
+  // a zero-bubble pipeline: a profiling run that times the halves.
+  bool split_backwards = false;
+  GatherPolicy gather = GatherPolicy::kAuto;
+  // The worker of each rank of each stage: workers[stage * N + rank]; empty: tasks unpinned.
+  std::vector<WorkerId> workers;
+
+  int num_workers() const { return data_parallel * pipeline_stages; }
+  WorkerId WorkerOf(int rank, int stage) const {
+    return workers.empty() ? WorkerId()
+                           : workers[static_cast<size_t>(stage * data_parallel + rank)];
+  }
+
+  int64_t micro_batch(int64_t batch) const { return batch / (data_parallel * grad_accum); }
+  // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
+  int64_t PaddedGroup(int64_t numel) const;
+  // Elements of one rank's shard of such a group.
+  int64_t Shard(int64_t numel) const { return PaddedGroup(numel) / data_parallel; }
+  bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }
+  bool sharded_optimizer() const { return zero_stage >= 1 && data_parallel > 1; }
+  std::string ToString() const;
+};
+
+// "none" | "optimizer"; InvalidArgument naming the choices otherwise.
+Result<OffloadMode> ParseOffload(std::string_view text);
+
+struct TrainingPlan {
+  int64_t batch = 8;  // the global batch: rows per step over all ranks and micro-batches
+  int64_t seq_len = 64;
+  OptimizerConfig optimizer;
+  ParallelConfig parallel;
+  // Where the workers compute: Device::Cpu(), or Device::Cuda(0) for each worker's own GPU.
+  Device device = Device::Cpu();
+
+  // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
+  // batch that does not split over the ranks). Ranks need not be bound to workers yet
+  // (PlanTrainingStep requires it when there are several).
+  Status Validate(const ModelSpec& model) const;
+};
+
+// kMasterParameter: the host-tier fp32 copy of a parameter piece under offload on GPU workers
+// (holds the same values as the parameters between steps; checkpoints keep the parameters).
+enum class StateKind : uint8_t { kParameter, kExpAvg, kExpAvgSq, kMasterParameter };
+const char* StateKindName(StateKind kind);
+
+// Where a piece of a layer's group lives: elements [begin, begin + numel) of the (padded)
+// group, on rank `rank`. Replicated state has one full piece per rank.
+struct GroupPiece {
+  size_t layer = 0;
+  int rank = 0;
+  int64_t begin = 0;
+  int64_t numel = 0;
+};
+
+// One object of model state: this step's value (input) and the next step's (output).
+struct StateObject {
+  StateKind kind = StateKind::kParameter;
+  GroupPiece piece;
+  ObjectId input, output;
+};
+
+// A final (reduced) gradient object: after the reduction, before clipping.
+struct GradientObject {
+  GroupPiece piece;
+  ObjectId id;
+};
+
+struct StepGraph {
+  Graph graph;
+  ParallelConfig parallel;
+  int64_t micro_batch = 0;
+  // Per layer: its pipeline chunk and stage (all 0 without a pipeline).
+  std::vector<int> layer_chunk, layer_stage;
+  // Pipelines: per stage, the order its forward, backward (and weight) tasks are chained in
+  // (ScheduleOrder); for zb-h1, the op cost model's F, B and W per chunk that ordered it.
+  std::vector<std::vector<PipelineOp>> schedule_order;
+  OpCosts schedule_costs{1, 1, 1};
+  // ZeRO-3 with several micro-batches: whether each layer is gathered once per step, and why.
+  bool gather_once_per_step = false;
+  std::string gather_reason;
+  // Where a piece of state lives: the worker of its rank in its layer's stage, and that
+  // worker's index in parallel.workers.
+  int WorkerIndexOf(const GroupPiece& piece) const {
+    const int stage = layer_stage.empty() ? 0 : layer_stage[piece.layer];
+    return stage * parallel.data_parallel + piece.rank;
+  }
+  WorkerId WorkerOf(const GroupPiece& piece) const {
+    return parallel.workers.empty() ? WorkerId()
+                                    : parallel.workers[static_cast<size_t>(WorkerIndexOf(piece))];
+  }
+  // Per model input, per rank and micro-batch (index rank * grad_accum + micro): rows
+  // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
+  std::vector<std::vector<ObjectId>> inputs;
+  ObjectId lr;                       // f32 scalar
+  ObjectId step;                     // i64 scalar, 1-based (AdamW bias correction)
+  ObjectId loss;                     // f32 scalar: mean cross-entropy over the global batch
+  ObjectId grad_norm;                // f32 scalar: global gradient norm before clipping
+  std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
+  std::vector<StateObject> state;
+  std::vector<GradientObject> grads;
+};
+
+Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
+                                   const OpRegistry& registry);
+
+// Pipeline cuts. Per layer, the cost model's estimate of its forward at `rows` rows (flops plus
+// ten per byte moved; only the ratios matter).
+Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t rows,
+                                               int64_t seq_len, const OpRegistry& registry);
+// Layers (in forward order) into `chunks` contiguous chunks minimizing the largest chunk's cost;
+// per layer, its chunk. REQUIRES: 1 <= chunks <= costs.size().
+std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks);
+// Per layer, its chunk under the plan: balanced by parallel.layer_costs, else by the estimate.
+Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
+                                       const OpRegistry& registry);
+
+// Forward-only graphs (evaluation and sampling).
+struct ForwardGraph {
+  Graph graph;
+  std::vector<ObjectId> inputs;  // per model input; label inputs invalid when predicting
+  ObjectId result;               // loss (f32 scalar) or logits (f32 [B, T, V])
+  std::vector<ObjectId> params;  // one per model layer, model order (invalid: no parameters)
+};
+
+// Mean loss of a batch, no gradients. Parameter groups padded to a multiple of
+// `param_multiple` (as a ZeRO step graph's group_numel). Tasks run and objects live on `device`
+// (TrainingPlan::device: a GPU trainer evaluates on its GPU).
+Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
+                                  const OpRegistry& registry, int64_t param_multiple = 1,
+                                  Device device = Device::Cpu());
+// The model's prediction for a batch (label inputs not fed): the loss layer's predict_op
+// (GPT-2's logits, for sampling), else what the loss layer reads first (a U-Net's logits).
+Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
+                                const OpRegistry& registry, int64_t param_multiple = 1,
+                                Device device = Device::Cpu());
+
+}  // namespace tessera

@@ -1,0 +1,82 @@
+// Checkpoints: a trainer's state on disk, independent of the plan that wrote it.
+//
+//   <dir>/step_00000100/manifest.json   model config, step, the batch sampler's state, the plan
+//                                       that wrote it, and for every piece of every group: its
+//                                       layer, kind, rank, element range, file, size, checksum
+//   <dir>/step_00000100/rank<r>/<layer>.<kind>.bin   one piece, raw little-endian fp32
+//   <dir>/latest                        the name of the newest complete checkpoint
+//
+// Pieces are saved as the plan holds them (a ZeRO-3 run saves N shards of every group; replicated
+// state is saved by every rank, and loading reads rank 0's copy), each by the worker that holds it
+// (Trainer::WriteState: a graph of write_file tasks pinned to the pieces' workers, so no state
+// travels to the driver; workers on other machines need the checkpoint directory at the same
+// absolute path, a shared filesystem). The driver checks every worker's receipt (size, checksum)
+// and writes the manifest. Loading assembles each group from whatever pieces were saved and writes
+// it into the trainer's own placement, so any data-parallel size and any ZeRO stage can resume any
+// checkpoint. Every file is written atomically, into <dir>/incoming.partial, which is renamed to
+// the step directory only once complete, and `latest` moves only after that, so a crash or a full
+// disk mid-save never touches the previous checkpoint.
+//
+// Errors: a missing checkpoint is NotFound naming the path; a truncated or corrupted piece or
+// manifest is DataLoss naming the file and what is wrong; a checkpoint of another model shape
+// is InvalidArgument naming the field.
+//
+// llm.c: ExportLlmc/ImportLlmc read and write the full fp32 weights in llm.c's GPT-2 checkpoint
+// format (gpt2_124M.bin: a 256-int32 header [20240326, 3, max_seq_len, vocab, layers, heads,
+// channels, padded_vocab, 0...], then the tensors in llm.c's order, the vocabulary rows of wte
+// padded with zeros to a multiple of 128), so llm.c loads what ExportLlmc writes.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+#include "training/trainer.h"
+
+namespace tessera {
+
+// Model state gathered from the pieces some plan held (a checkpoint's files, a peer snapshot's
+// copies), as whole groups padded as that plan padded them: by layer name and kind, with the
+// elements the pieces covered. Replicas are left out by the caller (each element once).
+struct GatheredState {
+  std::map<std::pair<std::string, StateKind>, std::vector<float>> groups;
+  std::map<std::pair<std::string, StateKind>, int64_t> covered;
+  // A piece: `numel` values at `begin` of a group of `padded` elements. DataLoss when it does not
+  // fit the group.
+  Status Add(const std::string& layer, StateKind kind, int64_t padded, int64_t begin,
+             const float* values, int64_t numel);
+};
+// Writes every group the trainer's plan holds from `state`, re-padded for that plan. DataLoss
+// naming `source` and the group when one is missing or not whole; then nothing is written.
+Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::string& source);
+
+struct CheckpointInfo {
+  std::string path;           // the step directory
+  int64_t step = 0;           // steps taken when saved
+  std::string sampler_state;  // BatchSampler::SaveState, for the data position
+};
+
+// Saves the trainer's state after trainer.steps_taken() steps; returns the step directory.
+Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
+                                   const std::string& sampler_state);
+// Loads `path`: a step directory, or a checkpoint directory (its `latest`). Sets the trainer's
+// state and step count.
+Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path);
+
+// The model an llm.c checkpoint holds, from its header; the file's size is checked against it,
+// so a file that reads here imports into a trainer of that model. NotFound when `path` cannot be
+// opened; InvalidArgument when it is not an fp32 llm.c GPT-2 checkpoint (magic, version);
+// DataLoss when it is truncated, too long, or its header is damaged. Each names the file.
+Result<Gpt2Config> ReadLlmcConfig(const std::string& path);
+// Writes the trainer's parameters to `path` atomically (core/atomic_file.h); optimizer state and
+// the step count are not part of the format.
+Status ExportLlmc(Trainer& trainer, const std::string& path);
+// Sets the trainer's parameters from `path` (the optimizer state is left as it is). The errors of
+// ReadLlmcConfig, and InvalidArgument when the file holds another model than the trainer's;
+// on error nothing is changed.
+Status ImportLlmc(Trainer& trainer, const std::string& path);
+
+}  // namespace tessera

@@ -1,0 +1,41 @@
+// Balancing pipeline stages by measured layer times.
+//
+// The planner cuts a model into stages by per-layer costs and orders zb-h1 by the costs of F, B
+// and W, by default the op cost model's estimates. ProfileLayerTimes measures them instead
+// (ParallelConfig::layer_op_costs): a short run of the model in this process, on one worker at
+// the plan's micro-batch shape, with every backward that can split split in halves, whose trace
+// gives each layer's forward, backward (input half or whole) and weight-half times. The inputs
+// are zeros (a valid token, class and volume for any model: the times of dense kernels do not
+// depend on the values), so the profile needs no data.
+#pragma once
+
+#include <vector>
+
+#include "core/status.h"
+#include "core/timeline.h"
+#include "model/model_spec.h"
+#include "planner/step_graph.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera {
+
+// Per layer of `model`, the milliseconds its forward, backward (whole, or input half) and weight
+// half tasks ran in `timeline` over `steps` steps: the means per step. Spans of other layers and
+// of no layer (optimizer, collectives) are left out. InvalidArgument if steps < 1.
+Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
+                                                    const Timeline& timeline, int steps);
+
+struct LayerProfileOptions {
+  int warmup_steps = 1;  // untimed (first-touch allocation, caches)
+  int steps = 2;         // timed
+};
+
+// Runs the model in this process at the micro-batch shape of `plan` (its batch over its data
+// ranks and micro-batches, its seq_len, device and optimizer; one worker, no pipeline, split
+// backwards), and returns LayerTimesFromTimeline of the timed steps. Errors name what failed
+// ("profiling the layers: ...").
+Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
+                                               const ExecutorOptions& executor,
+                                               const LayerProfileOptions& options = {});
+
+}  // namespace tessera

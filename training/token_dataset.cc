@@ -1,0 +1,169 @@
+#include "training/token_dataset.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "core/atomic_file.h"
+
+namespace tessera {
+
+namespace {
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    return NotFound("cannot open data file '{}': {}", path, std::strerror(errno));
+  }
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) return DataLoss("error reading data file '{}'", path);
+  return bytes;
+}
+
+}  // namespace
+
+TokenDataset::TokenDataset(std::vector<int32_t> tokens, std::string source, bool is_text)
+    : tokens_(std::move(tokens)), source_(std::move(source)), is_text_(is_text) {
+  for (int32_t token : tokens_) max_token_ = std::max(max_token_, token);
+}
+
+Result<TokenDataset> TokenDataset::Load(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  int32_t magic = 0;
+  if (bytes.size() >= sizeof(magic)) std::memcpy(&magic, bytes.data(), sizeof(magic));
+  return magic == kTokenFileMagic ? FromTokenFileBytes(bytes, path) : FromTextBytes(bytes, path);
+}
+
+Result<TokenDataset> TokenDataset::LoadText(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  return FromTextBytes(bytes, path);
+}
+
+Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  return FromTokenFileBytes(bytes, path);
+}
+
+Result<TokenDataset> TokenDataset::FromTextBytes(const std::string& bytes,
+                                                 const std::string& path) {
+  if (bytes.empty()) return InvalidArgument("data file '{}' is empty", path);
+  std::vector<int32_t> tokens(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
+  return TokenDataset(std::move(tokens), path, /*is_text=*/true);
+}
+
+Result<TokenDataset> TokenDataset::FromTokenFileBytes(const std::string& bytes,
+                                                      const std::string& path) {
+  constexpr size_t kHeaderBytes = kTokenFileHeaderInts * sizeof(int32_t);
+  if (bytes.size() < kHeaderBytes) {
+    return DataLoss("token file '{}' is {} bytes, shorter than its {}-byte header (truncated?)",
+                    path, bytes.size(), kHeaderBytes);
+  }
+  int32_t header[kTokenFileHeaderInts];
+  std::memcpy(header, bytes.data(), kHeaderBytes);
+  if (header[0] != kTokenFileMagic) {
+    return InvalidArgument(
+        "token file '{}' has magic {} but {} was expected (is it a llm.c .bin token file?)", path,
+        header[0], kTokenFileMagic);
+  }
+  if (header[1] != kTokenFileVersion) {
+    return InvalidArgument("token file '{}' has version {}; only version {} is supported", path,
+                           header[1], kTokenFileVersion);
+  }
+  const int64_t count = header[2];
+  const size_t expected = kHeaderBytes + static_cast<size_t>(count) * sizeof(uint16_t);
+  if (count <= 0 || bytes.size() != expected) {
+    return DataLoss(
+        "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated or corrupt)",
+        path, count, expected, bytes.size());
+  }
+  std::vector<int32_t> tokens(static_cast<size_t>(count));
+  const char* data = bytes.data() + kHeaderBytes;
+  for (int64_t i = 0; i < count; ++i) {
+    uint16_t token;
+    std::memcpy(&token, data + i * sizeof(uint16_t), sizeof(token));
+    tokens[static_cast<size_t>(i)] = token;
+  }
+  return TokenDataset(std::move(tokens), path, /*is_text=*/false);
+}
+
+TokenDataset TokenDataset::Synthetic(int64_t num_tokens, int32_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, vocab - 1);
+  std::vector<int32_t> tokens(static_cast<size_t>(num_tokens));
+  for (int32_t& token : tokens) token = dist(rng);
+  return TokenDataset(std::move(tokens), "synthetic", /*is_text=*/false);
+}
+
+Status TokenDataset::WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens) {
+  int32_t header[kTokenFileHeaderInts] = {};
+  header[0] = kTokenFileMagic;
+  header[1] = kTokenFileVersion;
+  header[2] = static_cast<int32_t>(tokens.size());
+  std::string bytes(reinterpret_cast<const char*>(header), sizeof(header));
+  bytes.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint16_t));
+  return WriteFileAtomically(path, bytes);
+}
+
+std::pair<TokenDataset, TokenDataset> TokenDataset::Split(double fraction) const {
+  TESSERA_CHECK(fraction >= 0 && fraction < 1, "split fraction {}", fraction);
+  const auto cut = static_cast<size_t>(static_cast<double>(tokens_.size()) * (1.0 - fraction));
+  std::vector<int32_t> first(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(cut));
+  std::vector<int32_t> second(tokens_.begin() + static_cast<ptrdiff_t>(cut), tokens_.end());
+  return {TokenDataset(std::move(first), source_ + " (train split)", is_text_),
+          TokenDataset(std::move(second), source_ + " (validation split)", is_text_)};
+}
+
+Result<BatchSampler> BatchSampler::Create(const TokenDataset& dataset, int64_t batch,
+                                          int64_t seq_len, uint64_t seed) {
+  if (batch <= 0 || seq_len <= 0) {
+    return InvalidArgument("batch ({}) and seq_len ({}) must be positive", batch, seq_len);
+  }
+  if (dataset.size() < seq_len + 1) {
+    return InvalidArgument("{} has {} tokens, fewer than seq_len + 1 = {}", dataset.source(),
+                           dataset.size(), seq_len + 1);
+  }
+  return BatchSampler(dataset, batch, seq_len, seed);
+}
+
+void BatchSampler::FillWindow(int64_t start, int32_t* inputs, int32_t* targets) const {
+  const int32_t* tokens = dataset_->tokens().data() + start;
+  std::copy(tokens, tokens + seq_len_, inputs);
+  std::copy(tokens + 1, tokens + seq_len_ + 1, targets);
+}
+
+void BatchSampler::Next(int32_t* inputs, int32_t* targets) {
+  std::uniform_int_distribution<int64_t> offset(0, dataset_->size() - seq_len_ - 1);
+  for (int64_t b = 0; b < batch_; ++b) {
+    FillWindow(offset(rng_), inputs + b * seq_len_, targets + b * seq_len_);
+  }
+}
+
+std::string BatchSampler::SaveState() const {
+  std::ostringstream out;
+  out << rng_;
+  return out.str();
+}
+
+Status BatchSampler::RestoreState(const std::string& state) {
+  std::istringstream in(state);
+  std::mt19937_64 restored;
+  in >> restored;
+  if (in.fail())
+    return InvalidArgument("'{}...' is not a batch sampler state", state.substr(0, 20));
+  rng_ = restored;
+  return Status::Ok();
+}
+
+void BatchSampler::Sequential(int64_t index, int32_t* inputs, int32_t* targets) const {
+  const int64_t usable = dataset_->size() - seq_len_;  // >= 1
+  for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t start = ((index * batch_ + b) * seq_len_) % usable;
+    FillWindow(start, inputs + b * seq_len_, targets + b * seq_len_);
+  }
+}
+
+}  // namespace tessera

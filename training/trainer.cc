@@ -1,0 +1,721 @@
+#include "training/trainer.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <span>
+
+#include <tbb/parallel_for.h>
+
+#include "ops/graph_builder.h"
+#include "ops/standard_ops.h"
+
+namespace tessera {
+
+namespace {
+
+TensorMeta F32(int64_t n) { return TensorMeta{Shape{n}, DType::kF32, Device::Cpu()}; }
+
+// Prefix of a layer's parameter names: "" for the embedding and head, "h.<l>." for blocks.
+// Other models: "<layer>." for every layer.
+std::string NamePrefix(const ModelSpec& model, const LayerSpec& layer) {
+  if (model.name != "gpt2" || layer.forward_op == "gpt2_block_forward") return layer.name + ".";
+  return "";
+}
+
+// SplitMix64: a well-mixed 64-bit value from any other (the generator seeds below).
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Host memory is filled and copied in chunks of 2^20 floats on every core: the first touch of a
+// model's state (the kernel zeroing fresh pages) is most of its initialisation, and it scales
+// with threads.
+constexpr int64_t kFillChunk = int64_t{1} << 20;
+
+void ParallelFill(float* values, int64_t n, float value) {
+  tbb::parallel_for(int64_t{0}, (n + kFillChunk - 1) / kFillChunk, [&](int64_t chunk) {
+    std::fill(values + chunk * kFillChunk, values + std::min(n, (chunk + 1) * kFillChunk), value);
+  });
+}
+
+void ParallelCopy(float* dst, const float* src, int64_t n) {
+  tbb::parallel_for(int64_t{0}, (n + kFillChunk - 1) / kFillChunk, [&](int64_t chunk) {
+    const int64_t begin = chunk * kFillChunk, end = std::min(n, (chunk + 1) * kFillChunk);
+    std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin) * sizeof(float));
+  });
+}
+
+// Fills values[0, n) as `init` says. Random values are drawn in chunks of 2^20, each from its
+// own generator seeded by (stream, chunk), in parallel: the same values on any number of threads,
+// and a multi-billion-parameter model initialises in seconds rather than minutes.
+void InitializeSlot(const ParamInit& init, uint64_t stream, float* values, int64_t n) {
+  if (init.kind == ParamInit::Kind::kZeros || init.kind == ParamInit::Kind::kOnes) {
+    ParallelFill(values, n, init.kind == ParamInit::Kind::kOnes ? 1.0f : 0.0f);
+    return;
+  }
+  constexpr int64_t kChunk = int64_t{1} << 20;  // the random streams' chunks (fixed: seeds)
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  tbb::parallel_for(int64_t{0}, chunks, [&](int64_t chunk) {
+    std::mt19937_64 rng(Mix(stream ^ Mix(static_cast<uint64_t>(chunk))));
+    float* begin = values + chunk * kChunk;
+    float* end = values + std::min(n, (chunk + 1) * kChunk);
+    const float scale = static_cast<float>(init.scale);
+    if (init.kind == ParamInit::Kind::kNormal) {
+      std::normal_distribution<float> normal(0.0f, scale);
+      for (float* v = begin; v != end; ++v) *v = normal(rng);
+    } else {
+      std::uniform_real_distribution<float> uniform(-scale, scale);
+      for (float* v = begin; v != end; ++v) *v = uniform(rng);
+    }
+  });
+}
+
+// `tokens` as an i32 [batch, seq_len] host tensor; InvalidArgument when the count differs.
+Result<Tensor> TokenTensor(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) {
+  if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
+    return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
+                           seq_len, batch * seq_len);
+  }
+  return Tensor::FromVector(Shape{batch, seq_len}, tokens);
+}
+
+}  // namespace
+
+Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+                 std::unique_ptr<GraphBackend> backend)
+    : model_(std::move(model)),
+      plan_(std::move(plan)),
+      registry_(std::move(registry)),
+      backend_(std::move(backend)) {}
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options) {
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeInProcessBackend(executor_options));
+  return Create(config, plan, std::move(backend));
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend) {
+  TESSERA_RETURN_IF_ERROR(config.Validate());
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                           Create(DescribeGpt2(config), plan, std::move(backend)));
+  trainer->gpt2_config_ = config;
+  return trainer;
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options) {
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
+                           MakeInProcessBackend(executor_options));
+  return Create(std::move(model), plan, std::move(backend));
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend) {
+  TESSERA_RETURN_IF_ERROR(model.Validate());
+  TrainingPlan placed = plan;
+  const int ranks = plan.parallel.num_workers();
+  if (ranks > 1 && placed.parallel.workers.empty()) {
+    const std::vector<WorkerId> workers = backend->workers();
+    if (static_cast<int>(workers.size()) < ranks) {
+      return InvalidArgument(
+          "the plan has {} data-parallel ranks x {} pipeline stages but {} has {} worker(s): "
+          "start at least {} workers or use --workers <= {}",
+          plan.parallel.data_parallel, plan.parallel.pipeline_stages, backend->Describe(),
+          workers.size(), ranks, std::max<size_t>(workers.size(), 1));
+    }
+    placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
+  }
+  TESSERA_RETURN_IF_ERROR(placed.Validate(model));
+  auto registry = std::make_unique<OpRegistry>();
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
+  std::unique_ptr<Trainer> trainer(
+      new Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
+  TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
+  TESSERA_ASSIGN_OR_RETURN(
+      trainer->eval_graph_,
+      PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len, *trainer->registry_,
+                   trainer->ParamMultiple(), plan.device));
+  TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
+                           trainer->backend_->Register(trainer->eval_graph_.graph));
+  TESSERA_RETURN_IF_ERROR(trainer->CheckHostMemory());
+  TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
+  return trainer;
+}
+
+Status Trainer::CheckHostMemory() const {
+  const int64_t available = backend_->host_memory_bytes();
+  if (available <= 0) return Status::Ok();  // a cluster: each worker's store checks its own
+  std::map<StateKind, int64_t> host_bytes;
+  int64_t total = 0;
+  for (const StateObject& object : step_graph_.state) {
+    const TensorMeta& meta = step_graph_.graph.object(object.input).meta;
+    if (!meta.device.is_cpu()) continue;
+    host_bytes[object.kind] += meta.bytes();
+    total += meta.bytes();
+  }
+  if (total <= available) return Status::Ok();
+  std::string parts;
+  for (const auto& [kind, bytes] : host_bytes) {
+    parts += fmt::format("{}{} {:.1f} GiB", parts.empty() ? "" : ", ", StateKindName(kind),
+                         static_cast<double>(bytes) / (1 << 30));
+  }
+  return ResourceExhausted(
+      "the plan keeps {:.1f} GiB of training state in this process's host memory ({}) but "
+      "{:.1f} GiB is available: train a smaller model, keep the optimizer on the GPU "
+      "(no --offload), or spread the state over more workers (ZeRO on a cluster)",
+      static_cast<double>(total) / (1 << 30), parts, static_cast<double>(available) / (1 << 30));
+}
+
+Status Trainer::PrepareStepGraph() {
+  TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(model_, plan_, *registry_));
+  if (keep_gradients_) {
+    for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
+  }
+  TESSERA_ASSIGN_OR_RETURN(step_handle_, backend_->Register(step_graph_.graph));
+  return Status::Ok();
+}
+
+Status Trainer::SetKeepGradients(bool keep) {
+  keep_gradients_ = keep;
+  last_grads_.clear();
+  return PrepareStepGraph();
+}
+
+Status Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
+
+int64_t Trainer::ParamMultiple() const {
+  return plan_.parallel.sharded_optimizer() ? plan_.parallel.data_parallel : 1;
+}
+
+Status Trainer::AllocateState(std::optional<uint64_t> seed) {
+  const bool zero = !seed.has_value();
+  const double residual_std =
+      0.02 / std::sqrt(2.0 * static_cast<double>(gpt2_config_ ? gpt2_config_->layers : 1));
+  const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  // Values already allocated (the zeros Create allocates) are written in place: a model's state
+  // is faulted in once, not twice.
+  state_.resize(step_graph_.state.size());
+  full_params_.clear();
+  // One staging buffer for every layer's group (not a fresh one each: freed and faulted again).
+  int64_t largest = 0;
+  for (int64_t numel : step_graph_.group_numel) largest = std::max(largest, numel);
+  std::vector<float> staging(static_cast<size_t>(std::max<int64_t>(largest, 0)));
+  for (size_t l = 0; l < model_.layers.size(); ++l) {
+    const LayerSpec& layer = model_.layers[l];
+    std::span<float> values(staging.data(), static_cast<size_t>(step_graph_.group_numel[l]));
+    ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
+    const std::vector<FlatSlot>& slots = layer.params.slots();
+    for (size_t s = 0; s < slots.size() && !zero; ++s) {
+      const FlatSlot& slot = slots[s];
+      // Each slot draws from its own stream of the seed.
+      const uint64_t stream = Mix(Mix(Mix(*seed) ^ static_cast<uint64_t>(l)) ^ s);
+      float* begin = values.data() + slot.offset;
+      const int64_t n = slot.shape.numel();
+      if (!layer.init.empty()) {  // the model API's own initialisation
+        InitializeSlot(layer.init[s], stream, begin, n);
+        continue;
+      }
+      // GPT-2's (the fused layers carry no ParamInit): matrices N(0, 0.02), the residual
+      // projections N(0, 0.02 / sqrt(2L)), layernorm gains 1, biases 0.
+      const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
+      const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
+      const ParamInit init = slot.shape.rank() == 2
+                                 ? ParamInit::Normal(residual ? residual_std : 0.02)
+                                 : (is_gain ? ParamInit::Ones() : ParamInit::Zeros());
+      InitializeSlot(init, stream, begin, n);
+    }
+    TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
+    if (adamw) {
+      ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
+      TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvg, values));
+      TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvgSq, values));
+    }
+  }
+  steps_taken_ = 0;
+  return Status::Ok();
+}
+
+Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> values) {
+  if (static_cast<int64_t>(values.size()) != step_graph_.group_numel[layer]) {
+    return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
+                           model_.layers[layer].name, step_graph_.group_numel[layer],
+                           values.size());
+  }
+  // Parameters are also written to the offloaded master copies, which hold the same values.
+  const auto written = [kind](StateKind object_kind) {
+    return object_kind == kind ||
+           (kind == StateKind::kParameter && object_kind == StateKind::kMasterParameter);
+  };
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.piece.layer != layer || !written(object.kind)) continue;
+    const float* source = values.data() + object.piece.begin;
+    Tensor& held = state_[i].tensor;  // in process: the value itself
+    if (held.defined() && held.meta() == F32(object.piece.numel)) {
+      ParallelCopy(held.data<float>(), source, object.piece.numel);  // on the host: in place
+      continue;
+    }
+    TESSERA_ASSIGN_OR_RETURN(Tensor piece,
+                             Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
+    ParallelCopy(piece.data<float>(), source, object.piece.numel);
+    state_[i] = Value();  // drop the old value first (in process: frees its buffer)
+    TESSERA_ASSIGN_OR_RETURN(
+        state_[i],
+        backend_->UploadTo(std::move(piece), step_graph_.graph.object(object.input).meta.device));
+  }
+  if (kind == StateKind::kParameter) full_params_.clear();
+  return Status::Ok();
+}
+
+namespace {
+
+// Assembles a group from pieces (replicated copies or disjoint shards): each element comes from
+// the first piece, in the order given, that covers it; the rest of the pieces are not fetched.
+template <typename Fetch>
+Result<std::vector<float>> Assemble(int64_t numel, const std::vector<GroupPiece>& pieces,
+                                    Fetch fetch) {
+  std::vector<float> group(static_cast<size_t>(numel), 0.0f);
+  std::vector<std::pair<int64_t, int64_t>> taken;
+  int64_t covered = 0;
+  for (size_t i = 0; i < pieces.size() && covered < numel; ++i) {
+    const GroupPiece& piece = pieces[i];
+    const int64_t end = piece.begin + piece.numel;
+    const bool redundant = std::any_of(taken.begin(), taken.end(), [&](const auto& range) {
+      return range.first <= piece.begin && end <= range.second;
+    });
+    if (redundant) continue;
+    TESSERA_ASSIGN_OR_RETURN(Tensor tensor, fetch(i));
+    std::memcpy(group.data() + piece.begin, tensor.raw_data(), static_cast<size_t>(tensor.bytes()));
+    taken.emplace_back(piece.begin, end);
+    covered += piece.numel;
+  }
+  return group;
+}
+
+}  // namespace
+
+Result<std::vector<float>> Trainer::ReadGroup(size_t layer, StateKind kind) {
+  std::vector<GroupPiece> pieces;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.piece.layer != layer || object.kind != kind) continue;
+    pieces.push_back(object.piece);
+    index.push_back(i);
+  }
+  if (pieces.empty()) {
+    return NotFound("the plan holds no {} for layer '{}'", StateKindName(kind),
+                    model_.layers[layer].name);
+  }
+  return Assemble(step_graph_.group_numel[layer], pieces,
+                  [&](size_t i) { return backend_->Download(state_[index[i]]); });
+}
+
+Result<std::vector<Value>> Trainer::FullParameters() {
+  std::vector<Value> params(model_.layers.size());
+  if (!plan_.parallel.sharded_parameters()) {
+    // Every rank holds whole groups: rank 0's serve.
+    for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+      const StateObject& object = step_graph_.state[i];
+      if (object.kind == StateKind::kParameter && object.piece.rank == 0) {
+        params[object.piece.layer] = state_[i];
+      }
+    }
+    return params;
+  }
+  if (full_params_.empty()) {
+    for (size_t l = 0; l < model_.layers.size(); ++l) {
+      if (step_graph_.group_numel[l] == 0) {  // no parameters
+        full_params_.emplace_back();
+        continue;
+      }
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(l, StateKind::kParameter));
+      TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(F32(static_cast<int64_t>(group.size())),
+                                                            backend_->allocator()));
+      std::memcpy(tensor.raw_data(), group.data(), group.size() * sizeof(float));
+      TESSERA_ASSIGN_OR_RETURN(Value value, backend_->Upload(std::move(tensor)));
+      full_params_.push_back(std::move(value));
+    }
+  }
+  return full_params_;
+}
+
+Result<Trainer::ParameterRef> Trainer::FindParameter(const std::string& name) const {
+  for (size_t g = 0; g < model_.layers.size(); ++g) {
+    const LayerSpec& layer = model_.layers[g];
+    const std::string prefix = NamePrefix(model_, layer);
+    if (!name.starts_with(prefix)) continue;
+    Result<const FlatSlot*> slot = layer.params.Find(name.substr(prefix.size()));
+    if (slot.ok()) return ParameterRef{g, *slot};
+  }
+  return InvalidArgument("the model has no parameter named '{}'", name);
+}
+
+std::vector<std::string> Trainer::ParameterNames() const {
+  std::vector<std::string> names;
+  for (const LayerSpec& layer : model_.layers) {
+    for (const FlatSlot& slot : layer.params.slots())
+      names.push_back(NamePrefix(model_, layer) + slot.name);
+  }
+  return names;
+}
+
+Status Trainer::SetParameter(const std::string& name, const std::vector<float>& values,
+                             const Shape& shape) {
+  TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
+  if (shape != ref.slot->shape || static_cast<int64_t>(values.size()) != shape.numel()) {
+    return InvalidArgument("parameter '{}' has shape {} in the model but {} ({} values) was given",
+                           name, ref.slot->shape.ToString(), shape.ToString(), values.size());
+  }
+  // Values are immutable in a cluster: read the group, change it, and store it anew.
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(ref.group, StateKind::kParameter));
+  std::copy(values.begin(), values.end(), group.begin() + ref.slot->offset);
+  return WriteGroup(ref.group, StateKind::kParameter, group);
+}
+
+Result<std::vector<float>> Trainer::GetParameter(const std::string& name) {
+  TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadGroup(ref.group, StateKind::kParameter));
+  const auto begin = group.begin() + ref.slot->offset;
+  return std::vector<float>(begin, begin + ref.slot->shape.numel());
+}
+
+Result<std::vector<float>> Trainer::GetGradient(const std::string& name) {
+  TESSERA_ASSIGN_OR_RETURN(ParameterRef ref, FindParameter(name));
+  if (last_grads_.empty()) {
+    return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
+  }
+  std::vector<GroupPiece> pieces;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < step_graph_.grads.size(); ++i) {
+    if (step_graph_.grads[i].piece.layer != ref.group) continue;
+    pieces.push_back(step_graph_.grads[i].piece);
+    index.push_back(i);
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group,
+                           Assemble(step_graph_.group_numel[ref.group], pieces, [&](size_t i) {
+                             return backend_->Download(last_grads_[index[i]]);
+                           }));
+  const auto begin = group.begin() + ref.slot->offset;
+  return std::vector<float>(begin, begin + ref.slot->shape.numel());
+}
+
+Result<Value> Trainer::Scalar(DType dtype, double value) {
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor t, Tensor::Empty(TensorMeta{Shape{}, dtype, Device::Cpu()}, backend_->allocator()));
+  if (dtype == DType::kI64) {
+    *t.data<int64_t>() = static_cast<int64_t>(value);
+  } else {
+    *t.data<float>() = static_cast<float>(value);
+  }
+  return backend_->Upload(std::move(t));
+}
+
+Status Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
+  if (!gpt2_config_) return Status::Ok();  // the embedding kernel refuses ids out of range
+  const int64_t vocab = gpt2_config_->vocab;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      return InvalidArgument(
+          "{} id {} at index {} is outside the vocabulary [0, {}); use a larger --vocab or "
+          "other data",
+          what, tokens[i], i, vocab);
+    }
+  }
+  return Status::Ok();
+}
+
+Result<StepReport> Trainer::Step(const std::vector<int32_t>& tokens,
+                                 const std::vector<int32_t>& targets, float lr) {
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
+  return Step(batch, lr);
+}
+
+Result<std::vector<Tensor>> Trainer::TokenBatch(const std::vector<int32_t>& tokens,
+                                                const std::vector<int32_t>& targets) const {
+  if (model_.inputs.size() != 2) {
+    return InvalidArgument("model '{}' is not fed tokens and targets: pass one tensor per input",
+                           model_.name);
+  }
+  std::vector<Tensor> batch;
+  for (const auto* rows : {&tokens, &targets}) {
+    TESSERA_ASSIGN_OR_RETURN(Tensor t, TokenTensor(*rows, plan_.batch, plan_.seq_len));
+    batch.push_back(std::move(t));
+  }
+  return batch;
+}
+
+Status Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const {
+  if (batch.size() != model_.inputs.size()) {
+    return InvalidArgument("model '{}' takes {} input(s) per step, {} given", model_.name,
+                           model_.inputs.size(), batch.size());
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ModelInput& input = model_.inputs[i];
+    if (input.label && !labels) continue;
+    const TensorMeta want = input.Meta(plan_.batch, plan_.seq_len);
+    if (!batch[i].defined() || batch[i].shape() != want.shape || batch[i].dtype() != want.dtype) {
+      return InvalidArgument(
+          "input '{}' is {} but the plan needs {} (the batch is dimension 0)", input.name,
+          batch[i].defined() ? batch[i].meta().ToString() : "undefined", want.ToString());
+    }
+  }
+  return Status::Ok();
+}
+
+Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
+  std::vector<int64_t> dims = batch.shape().dims();
+  const int64_t row_bytes = batch.bytes() / dims[0];
+  dims[0] = rows;
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor t, Tensor::Empty(TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()},
+                              backend_->allocator()));
+  std::memcpy(t.raw_data(), static_cast<const char*>(batch.raw_data()) + first * row_bytes,
+              static_cast<size_t>(rows * row_bytes));
+  return backend_->Upload(std::move(t));
+}
+
+Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
+  const int64_t step_number = steps_taken_ + 1;
+  const auto start = std::chrono::steady_clock::now();
+  ValueMap inputs;
+  // Rank r's micro-batch k takes rows [(r * K + k) * b, ... + b) of the global batch.
+  const int64_t micro = step_graph_.micro_batch;
+  for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
+    const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
+                               UploadRows(batch[input], static_cast<int64_t>(i) * micro, micro));
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
+  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.step],
+                           Scalar(DType::kI64, static_cast<double>(step_number)));
+  // Move the state in so the optimizer can update it in place; it comes back as outputs. If the
+  // run fails before the optimizer touched an object, the backend hands that object back.
+  full_params_.clear();
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    inputs[step_graph_.state[i].input] = std::move(state_[i]);
+  }
+  ValueMap intact;
+  Result<ValueMap> run = backend_->Run(step_handle_, std::move(inputs), &intact);
+  if (!run.ok()) return RecoverState(run.status(), intact);
+  ValueMap& outputs = *run;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    state_[i] = std::move(outputs[step_graph_.state[i].output]);
+  }
+  last_grads_.clear();
+  if (keep_gradients_) {
+    for (const GradientObject& grad : step_graph_.grads) {
+      last_grads_.push_back(std::move(outputs[grad.id]));
+    }
+  }
+  steps_taken_ = step_number;
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[step_graph_.loss]));
+  TESSERA_ASSIGN_OR_RETURN(Tensor grad_norm, backend_->Download(outputs[step_graph_.grad_norm]));
+  StepReport report;
+  report.step = step_number;
+  report.loss = *loss.data<float>();
+  report.grad_norm = *grad_norm.data<float>();
+  report.step_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  report.peak_bytes = backend_->last_peak_bytes();
+  report.device_peak_bytes = backend_->last_device_peak_bytes();
+  const std::vector<WorkerId>& workers = plan_.parallel.workers;
+  if (!workers.empty() || backend_->workers().empty()) {
+    TESSERA_ASSIGN_OR_RETURN(auto figures, backend_->LastRunFigures(step_handle_, workers));
+    for (size_t r = 0; r < figures.size(); ++r) {
+      report.ranks.push_back(
+          RankFigures{static_cast<int>(r), figures[r].first, std::move(figures[r].second)});
+    }
+  }
+  return report;
+}
+
+Status Trainer::RecoverState(const Status& error, ValueMap& intact) {
+  std::vector<std::string> lost;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const ObjectId id = step_graph_.state[i].input;
+    auto it = intact.find(id);
+    if (it != intact.end()) {
+      state_[i] = std::move(it->second);
+    } else {
+      lost.push_back(step_graph_.graph.object(id).name);
+    }
+  }
+  if (lost.empty()) return error;  // state unchanged; the step can be retried
+  return DataLoss(
+      "{}; the step failed after the optimizer had updated {} object(s) in place "
+      "(e.g. '{}'): restore the model from a checkpoint",
+      error.ToString(), lost.size(), lost.front());
+}
+
+Result<float> Trainer::EvalLoss(const std::vector<int32_t>& tokens,
+                                const std::vector<int32_t>& targets) {
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
+  return EvalLoss(batch);
+}
+
+Result<float> Trainer::EvalLoss(const std::vector<Tensor>& batch) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, RunForward(eval_graph_, eval_handle_, batch));
+  return *loss.data<float>();
+}
+
+Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, /*labels=*/false));
+  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph,
+                           PredictionGraph(plan_.batch, plan_.seq_len));
+  return RunForward(graph->graph, graph->handle, batch);
+}
+
+Result<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
+                                           int64_t seq_len) {
+  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
+  TESSERA_ASSIGN_OR_RETURN(Tensor token_tensor, TokenTensor(tokens, batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph, PredictionGraph(batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(Tensor logits,
+                           RunForward(graph->graph, graph->handle, {token_tensor, Tensor()}));
+  const float* data = logits.data<float>();
+  return std::vector<float>(data, data + logits.numel());
+}
+
+Result<const Trainer::PlannedForward*> Trainer::PredictionGraph(int64_t batch, int64_t seq_len) {
+  const auto key = std::make_pair(batch, seq_len);
+  auto it = prediction_graphs_.find(key);
+  if (it == prediction_graphs_.end()) {
+    TESSERA_ASSIGN_OR_RETURN(ForwardGraph graph, PlanLogits(model_, batch, seq_len, *registry_,
+                                                            ParamMultiple(), plan_.device));
+    TESSERA_ASSIGN_OR_RETURN(int handle, backend_->Register(graph.graph));
+    it = prediction_graphs_.emplace(key, PlannedForward{std::move(graph), handle}).first;
+  }
+  return &it->second;
+}
+
+Result<Tensor> Trainer::RunForward(const ForwardGraph& graph, int handle,
+                                   const std::vector<Tensor>& batch) {
+  ValueMap inputs;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!graph.inputs[i].valid()) continue;  // a label, when predicting
+    TESSERA_ASSIGN_OR_RETURN(inputs[graph.inputs[i]], UploadRows(batch[i], 0, batch[i].shape()[0]));
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> params, FullParameters());
+  for (size_t g = 0; g < params.size(); ++g) {
+    if (graph.params[g].valid()) inputs[graph.params[g]] = params[g];
+  }
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(handle, std::move(inputs)));
+  return backend_->Download(outputs[graph.result]);
+}
+
+Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,
+                                                  const std::vector<size_t>& indices,
+                                                  const std::vector<StateTask>& tasks) {
+  if (indices.size() != tasks.size()) {
+    return InvalidArgument("{} of {} state objects: {} tasks given", op, indices.size(),
+                           tasks.size());
+  }
+  // The graph is planned and registered once per op, objects, pins and attributes.
+  std::string key = op;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    key += fmt::format("|{}@{}:{}", indices[i], tasks[i].worker.value(), tasks[i].path);
+  }
+  auto it = state_task_graphs_.find(key);
+  if (it == state_task_graphs_.end()) {
+    GraphBuilder builder(*registry_);
+    StateTaskGraph made;
+    for (size_t i = 0; i < indices.size(); ++i) {
+      if (indices[i] >= step_graph_.state.size()) {
+        return InvalidArgument("{}: no state object {}", op, indices[i]);
+      }
+      const StateObject& object = step_graph_.state[indices[i]];
+      const ObjectSpec& spec = step_graph_.graph.object(object.input);
+      // One input per state object, however many tasks read it.
+      auto [input, added] = made.inputs.try_emplace(indices[i]);
+      if (added) input->second = builder.AddInput(spec.name, spec.meta, spec.role);
+      TaskOptions options;
+      options.layer = model_.layers[object.piece.layer].name;
+      options.device_kind = spec.meta.device.kind;
+      options.pinned_worker = tasks[i].worker;
+      options.output_names = {fmt::format("{}:{}{}", spec.name, op, i)};
+      options.output_roles = {ObjectRole::kOutput};
+      Attrs attrs;
+      if (!tasks[i].path.empty()) attrs.Set("path", tasks[i].path);
+      TESSERA_ASSIGN_OR_RETURN(auto output,
+                               builder.AddTask(fmt::format("{}/{}/{}", op, spec.name, i), op,
+                                               {input->second}, attrs, std::move(options)));
+      made.outputs.push_back(output[0]);
+      builder.MarkOutput(output[0]);
+    }
+    TESSERA_ASSIGN_OR_RETURN(Graph graph, builder.Build());
+    TESSERA_ASSIGN_OR_RETURN(made.handle, backend_->Register(graph));
+    it = state_task_graphs_.emplace(key, std::move(made)).first;
+  }
+  const StateTaskGraph& graph = it->second;
+  ValueMap inputs;
+  for (const auto& [index, input] : graph.inputs) inputs[input] = state_.at(index);
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(graph.handle, std::move(inputs)));
+  std::vector<Value> values;
+  for (ObjectId id : graph.outputs) values.push_back(std::move(outputs[id]));
+  return values;
+}
+
+WorkerId Trainer::PlanWorker(int index) const {
+  return plan_.parallel.workers.empty() ? WorkerId()
+                                        : plan_.parallel.workers[static_cast<size_t>(index)];
+}
+
+Result<std::vector<Trainer::FileReceipt>> Trainer::WriteState(
+    const std::vector<size_t>& indices, const std::vector<std::string>& paths) {
+  if (indices.size() != paths.size()) {
+    return InvalidArgument("WriteState: {} state objects but {} paths", indices.size(),
+                           paths.size());
+  }
+  std::vector<StateTask> tasks;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] >= step_graph_.state.size()) {
+      return InvalidArgument("WriteState: no state object {}", indices[i]);
+    }
+    tasks.push_back({step_graph_.WorkerOf(step_graph_.state[indices[i]].piece), paths[i]});
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Value> outputs, RunStateTasks("write_file", indices, tasks));
+  std::vector<FileReceipt> receipts;
+  for (const Value& output : outputs) {
+    TESSERA_ASSIGN_OR_RETURN(Tensor receipt, backend_->Download(output));
+    receipts.push_back(FileReceipt{receipt.data<int64_t>()[0],
+                                   std::bit_cast<uint64_t>(receipt.data<int64_t>()[1])});
+  }
+  return receipts;
+}
+
+Result<std::vector<Value>> Trainer::CopyState(const std::vector<size_t>& indices,
+                                              const std::vector<WorkerId>& workers) {
+  if (indices.size() != workers.size()) {
+    return InvalidArgument("CopyState: {} state objects but {} workers", indices.size(),
+                           workers.size());
+  }
+  std::vector<StateTask> tasks;
+  for (WorkerId worker : workers) tasks.push_back({worker, ""});
+  return RunStateTasks("copy", indices, tasks);
+}
+
+int64_t Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }
+
+int64_t Trainer::OptimizerStateBytes() const {
+  return plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW ? 8 * model_.NumParameters() : 0;
+}
+
+}  // namespace tessera

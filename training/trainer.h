@@ -1,0 +1,236 @@
+// Trainer: trains a model (GPT-2, or any model built with the model API) by running its step
+// graph, one step per call.
+//
+// The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
+// moment buffers), the step graph from the planner (zero/: one worker, data parallel or ZeRO,
+// per the plan's ParallelConfig), and the backend that runs it (this process, or a cluster:
+// client/graph_backend.h). The state is held as the plan places it: full groups, or shards per
+// rank (StepGraph::state); the trainer reads and writes whole groups whatever the placement, so
+// parameters, gradients and checkpoints do not depend on the topology. Each Step binds a batch
+// (split into the ranks' micro-batches), the learning rate and the step number, moves the state
+// into the run (so the optimizer updates it in place through donation), and takes the updated
+// state from the graph's outputs. On a cluster the state stays on the workers between steps;
+// only the loss and the gradient norm come back.
+//
+// Parameters are addressed by the names of tests/reference/make_gpt2_reference.py and
+// nanoGPT: "wte", "wpe", "h.<l>.<tensor>" (ln1_w, qkv_w, ...; see ops/flat_layout.h), "lnf_w",
+// "lnf_b".
+//
+// Not thread-safe: one caller at a time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "client/graph_backend.h"
+#include "core/status.h"
+#include "model/gpt2.h"
+#include "model/model_spec.h"
+#include "ops/op_registry.h"
+#include "planner/step_graph.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera {
+
+// What one rank's worker held and sent during a step.
+struct RankFigures {
+  int rank = 0;
+  WorkerId worker;  // invalid in process
+  RunFigures figures;
+};
+
+struct StepReport {
+  int64_t step = 0;  // 1-based number of the step just taken
+  float loss = 0;
+  float grad_norm = 0;  // before clipping
+  double step_ms = 0;
+  int64_t peak_bytes = 0;  // peak host bytes live during the step (state included)
+  // Peak bytes on the GPU during the step, in process with a GPU (0 otherwise).
+  int64_t device_peak_bytes = 0;
+  // Per rank (in process: the one executor; on a cluster: each rank's worker; empty for a
+  // one-rank plan the scheduler placed).
+  std::vector<RankFigures> ranks;
+};
+
+class Trainer {
+ public:
+  // Validates the model and plan and prepares the step graph on `backend` (in process, or a
+  // cluster). A plan with N > 1 data-parallel ranks takes the backend's first N workers
+  // (InvalidArgument when it has fewer, saying how many to start). Parameters start at zero;
+  // call InitializeParameters or SetParameter first.
+  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend);
+  // In this process, on an executor with these options.
+  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options);
+  // Any model (GPT-2's DescribeGpt2, or one built with the model API, model/model.h). Its
+  // parameters are named "<layer>.<param>"; InitializeParameters uses each layer's ParamInit.
+  static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                 std::unique_ptr<GraphBackend> backend);
+  static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
+                                                 const ExecutorOptions& executor_options);
+
+  // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
+  // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
+  // Deterministic in the seed, whatever the thread count (each slot draws from its own stream, in
+  // parallel chunks). Resets the optimizer state and the step count.
+  Status InitializeParameters(uint64_t seed);
+
+  // Copies values into the named parameter. InvalidArgument on an unknown name or a shape that
+  // differs from the model's.
+  Status SetParameter(const std::string& name, const std::vector<float>& values,
+                      const Shape& shape);
+  Result<std::vector<float>> GetParameter(const std::string& name);
+  // The gradient of the named parameter from the last step (before clipping). Requires a step.
+  Result<std::vector<float>> GetGradient(const std::string& name);
+  // Every parameter name, in model order.
+  std::vector<std::string> ParameterNames() const;
+  // Where a named parameter lives: its layer's group and its slot there. InvalidArgument for
+  // an unknown name.
+  struct ParameterRef {
+    size_t group;
+    const FlatSlot* slot;
+  };
+  Result<ParameterRef> FindParameter(const std::string& name) const;
+
+  // One training step on tokens/targets of [batch, seq_len] (the plan's shape). A batch with a
+  // token outside the vocabulary is refused before anything runs; if a step fails anyway, the
+  // model state is left as it was (or DataLoss says what was already updated).
+  Result<StepReport> Step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
+                          float lr);
+  // Mean loss of a batch of the plan's shape, without updating anything.
+  Result<float> EvalLoss(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets);
+  // Any model: one host tensor per model input (ModelSpec::inputs order), dimension 0 the plan's
+  // batch (a sequence input's dimension 1 its seq_len). InvalidArgument naming the input when
+  // a tensor has another shape or type; a step that fails leaves the state as Step above.
+  Result<StepReport> Step(const std::vector<Tensor>& batch, float lr);
+  Result<float> EvalLoss(const std::vector<Tensor>& batch);
+  // The model's prediction (PlanLogits) for a batch of the plan's shape; label inputs are not
+  // read (they may be undefined tensors).
+  Result<Tensor> Predict(const std::vector<Tensor>& batch);
+  // Logits [batch, seq_len, vocab] of a batch of any shape with seq_len <= max_seq_len.
+  Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
+                                    int64_t seq_len);
+
+  // Keeps each step's parameter gradients readable through GetGradient (for tests and
+  // debugging; they stay alive until the next step). Re-plans the step graph.
+  Status SetKeepGradients(bool keep);
+
+  // A whole group of state (step_graph().group_numel[layer] elements, padding included), read
+  // from / written to every object that holds a piece of it, whatever the placement.
+  Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
+  Status WriteGroup(size_t layer, StateKind kind, std::span<const float> values);
+  // The value of step_graph().state[index] (a piece of a group on one rank).
+  Result<Tensor> DownloadState(size_t index) { return backend_->Download(state_.at(index)); }
+  // Writes state objects to files, each by the worker that holds it (in process: this
+  // process), atomically: step_graph().state[indices[i]] to paths[i] (parent directories are
+  // created). Returns what each file holds. A list of paths is planned and registered once.
+  struct FileReceipt {
+    int64_t bytes = 0;
+    uint64_t fnv1a = 0;  // core/checksum.h
+  };
+  Result<std::vector<FileReceipt>> WriteState(const std::vector<size_t>& indices,
+                                              const std::vector<std::string>& paths);
+  // Copies of state objects, each made on a given worker (in process: here): the copy of
+  // step_graph().state[indices[i]] on workers[i] (invalid: where the scheduler puts it). The
+  // copies are new objects, which later steps leave as they are (training/peer_snapshot.h).
+  Result<std::vector<Value>> CopyState(const std::vector<size_t>& indices,
+                                       const std::vector<WorkerId>& workers);
+  // The plan's index-th worker (stage * ranks + rank; invalid when the plan pins none).
+  WorkerId PlanWorker(int index) const;
+  // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
+  // correction depends on it).
+  void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
+  const StepGraph& step_graph() const { return step_graph_; }
+
+  const ModelSpec& model() const { return model_; }
+  // The GPT-2 configuration of a trainer made from one (Create(Gpt2Config, ...)); empty for
+  // other models.
+  const std::optional<Gpt2Config>& gpt2_config() const { return gpt2_config_; }
+  const TrainingPlan& plan() const { return plan_; }
+  int64_t steps_taken() const { return steps_taken_; }
+  GraphBackend& backend() { return *backend_; }
+  // The spans of the latest `steps` training steps (GraphBackend::LastTimeline of the step
+  // graph; evaluation and checkpoint graphs are left out).
+  Result<Timeline> StepTimeline(int steps) { return backend_->LastTimeline(step_handle_, steps); }
+  // Bytes of model state: parameters, and optimizer state.
+  int64_t ParameterBytes() const;
+  int64_t OptimizerStateBytes() const;
+
+ private:
+  // ResourceExhausted when the plan's host-tier state is more than the backend's host memory
+  // (in process: what the machine has available), naming each kind's share.
+  Status CheckHostMemory() const;
+  Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+          std::unique_ptr<GraphBackend> backend);
+
+  Result<Value> Scalar(DType dtype, double value);
+  // GPT-2's tokens and targets as the two input tensors of the plan's batch.
+  Result<std::vector<Tensor>> TokenBatch(const std::vector<int32_t>& tokens,
+                                         const std::vector<int32_t>& targets) const;
+  // `labels`: whether label inputs are checked (not when predicting).
+  Status CheckBatch(const std::vector<Tensor>& batch, bool labels = true) const;
+  // Rows [first, first + rows) of a batch tensor, uploaded.
+  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
+  Status PrepareStepGraph();
+  // Fresh parameters (GPT-2 initialisation from `seed`, or zeros) and zeroed optimizer state.
+  Status AllocateState(std::optional<uint64_t> seed);
+  // After a failed step: takes back the state the backend returned intact. Returns `error`
+  // when everything came back, DataLoss naming what the optimizer had already changed.
+  Status RecoverState(const Status& error, ValueMap& intact);
+  Status CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const;
+
+  ModelSpec model_;
+  std::optional<Gpt2Config> gpt2_config_;
+  TrainingPlan plan_;
+  std::unique_ptr<OpRegistry> registry_;  // definitions, for planning
+  std::unique_ptr<GraphBackend> backend_;
+  StepGraph step_graph_;
+  int step_handle_ = -1;
+  ForwardGraph eval_graph_;
+  int eval_handle_ = -1;
+  // Prediction graphs (Predict, Logits) by batch and seq_len, registered once each.
+  struct PlannedForward {
+    ForwardGraph graph;
+    int handle = -1;
+  };
+  std::map<std::pair<int64_t, int64_t>, PlannedForward> prediction_graphs_;
+  Result<const PlannedForward*> PredictionGraph(int64_t batch, int64_t seq_len);
+  // Runs a forward-only graph on `batch` (one tensor per model input; labels skipped when the
+  // graph has none) and the full parameters; returns its result.
+  Result<Tensor> RunForward(const ForwardGraph& graph, int handle,
+                            const std::vector<Tensor>& batch);
+  // One task of `op` per state object (WriteState, CopyState): where it runs, and its file.
+  struct StateTask {
+    WorkerId worker;
+    std::string path;  // write_file's attribute
+  };
+  Result<std::vector<Value>> RunStateTasks(const std::string& op,
+                                           const std::vector<size_t>& indices,
+                                           const std::vector<StateTask>& tasks);
+  // RunStateTasks' graphs, by op, objects, workers and paths: the handle, the input of each
+  // state object, and each task's output.
+  struct StateTaskGraph {
+    int handle = -1;
+    std::map<size_t, ObjectId> inputs;
+    std::vector<ObjectId> outputs;
+  };
+  std::map<std::string, StateTaskGraph> state_task_graphs_;
+
+  // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
+  Result<std::vector<Value>> FullParameters();
+  int64_t ParamMultiple() const;
+
+  std::vector<Value> state_;        // parallel to step_graph_.state
+  std::vector<Value> last_grads_;   // parallel to step_graph_.grads (SetKeepGradients)
+  std::vector<Value> full_params_;  // FullParameters' cache (stage 3), until the next step
+  bool keep_gradients_ = false;
+  int64_t steps_taken_ = 0;
+};
+
+}  // namespace tessera
