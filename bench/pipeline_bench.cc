@@ -145,7 +145,7 @@ tessera::TrainingPlan PipelinePlan(const Flags& f, int stages, int ranks, int mi
   plan.seq_len = f.seq_len;
   plan.parallel.pipeline_stages = stages;
   plan.parallel.data_parallel = ranks;
-  plan.parallel.grad_accum = micro;
+  plan.parallel.micro_batches = micro;
   plan.parallel.schedule = schedule;
   plan.parallel.virtual_stages = schedule == PipelineSchedule::kInterleaved ? 2 : 1;
   plan.parallel.zero_stage = zero;

@@ -1,8 +1,10 @@
-// The pipeline flags train_gpt2 and train_unet3d share:
-//   --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
+// The micro-batch and pipeline flags train_gpt2 and train_unet3d share:
+//   --micro-batches M
+//   --pipeline-stages P --schedule gpipe|1f1b|interleaved|zb-h1
 //   [--virtual-stages V] [--gather auto|step|micro-batch] [--balance estimate|profile]
-// with --workers W = P x D in all (D data-parallel ranks per stage) and --zero-stage inside
-// each stage's group.
+// with --workers W = P x N in all (N data-parallel ranks per stage) and --zero-stage inside
+// each stage's group. --micro-batches is gradient accumulation without a pipeline and what flows
+// through one with it; --grad-accum, its old name, is a hidden alias.
 #pragma once
 
 #include <algorithm>
@@ -21,7 +23,8 @@ namespace tessera::examples {
 
 struct PipelineFlags {
   int stages = 1;
-  int micro_batches = 0;  // 0: --grad-accum's value
+  int micro_batches = 0;  // 0: not given (--grad-accum's value, else 1)
+  int grad_accum = 0;     // the hidden alias; 0: not given
   std::string schedule = "1f1b";
   int virtual_stages = 1;
   std::string gather = "auto";
@@ -34,8 +37,11 @@ inline void AddPipelineFlags(CLI::App& app, PipelineFlags& flags) {
                  "--workers / P data-parallel workers")
       ->check(CLI::PositiveNumber);
   app.add_option("--micro-batches", flags.micro_batches,
-                 "M micro-batches per step flowing through the pipeline (as --grad-accum)")
+                 "M micro-batches per worker per step: gradient accumulation, and what flows "
+                 "through a pipeline (formerly --grad-accum, still accepted)")
       ->check(CLI::NonNegativeNumber);
+  // Old command lines keep working; the help lists only --micro-batches.
+  app.add_option("--grad-accum", flags.grad_accum)->check(CLI::PositiveNumber)->group("");
   app.add_option("--schedule", flags.schedule,
                  "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1");
   app.add_option("--virtual-stages", flags.virtual_stages,
@@ -51,9 +57,9 @@ inline void AddPipelineFlags(CLI::App& app, PipelineFlags& flags) {
       ->check(CLI::IsMember({"estimate", "profile"}));
 }
 
-// Sets the plan's pipeline from the flags and the total worker count (0: in process).
-inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int grad_accum,
-                                 TrainingPlan& plan) {
+// Sets the plan's micro-batches and pipeline from the flags and the total worker count (0: in
+// process).
+inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, TrainingPlan& plan) {
   ParallelConfig& p = plan.parallel;
   TESSERA_ASSIGN_OR_RETURN(p.schedule, ParseSchedule(flags.schedule));
   if (flags.gather == "auto") {
@@ -65,12 +71,14 @@ inline Status ApplyPipelineFlags(const PipelineFlags& flags, int workers, int gr
   } else {
     return InvalidArgument("--gather '{}' is not one of: auto, step, micro-batch", flags.gather);
   }
-  if (flags.micro_batches > 0 && grad_accum > 1 && flags.micro_batches != grad_accum) {
+  if (flags.micro_batches > 0 && flags.grad_accum > 1 && flags.micro_batches != flags.grad_accum) {
     return InvalidArgument(
         "--micro-batches {} and --grad-accum {} both set the micro-batches per step: give one",
-        flags.micro_batches, grad_accum);
+        flags.micro_batches, flags.grad_accum);
   }
-  if (flags.micro_batches > 0) p.grad_accum = flags.micro_batches;
+  p.micro_batches = flags.micro_batches > 0 ? flags.micro_batches
+                    : flags.grad_accum > 0  ? flags.grad_accum
+                                            : 1;
   p.pipeline_stages = flags.stages;
   p.virtual_stages = flags.virtual_stages;
   if (flags.stages == 1) return Status::Ok();

@@ -1,4 +1,5 @@
-// Planners: a model description plus a plan -> the step graph, with placements.
+// Planners: a model description plus a plan -> the step graph, with placements. The public
+// entry point of planner/: what drivers, the trainer and tests include.
 //
 // PlanTrainingStep builds one training step of any ModelSpec (model/model_spec.h: each layer a
 // forward and a backward task wired by its LayerSpec) as a graph of layer-sized tasks over objects.
@@ -18,10 +19,17 @@
 // object for its backward; the block backward works in place on the incoming gradient, and each
 // AdamW task updates its state in place (donation).
 //
+// How the graph is built: a pipeline of passes over one plan state (planner/plan_passes.h lists
+// them in order: validation, the pipeline cut, state placement, the forward/backward expansion
+// per rank and micro-batch, the reductions after the backward, the loss, clipping, the offload
+// downloads, the optimizer update, the pipeline schedule's order). What differs between ZeRO
+// stages is one ShardingPolicy per stage (planner/sharding_policy.h); the passes ask it and never
+// test the stage.
+//
 // Data parallelism and ZeRO are placements of the same tasks (ParallelConfig; the table in
-// docs/architecture.md). With N ranks each rank r runs the forward and backward of its rows of
-// the batch on its worker (workers[r]), in K micro-batches whose gradients are accumulated in
-// place; then, per stage:
+// docs/architecture.md). With data_parallel ranks, each rank r runs the forward and backward of
+// its rows of the batch on its worker (workers[r]), in micro_batches micro-batches whose
+// gradients are accumulated in place; then, per stage:
 //   0  every rank holds the whole state; each layer's gradient is all-reduced as soon as its
 //      backward is done; every rank updates everything.
 //   1  parameters replicated, optimizer state sharded: after the whole backward each gradient
@@ -31,9 +39,10 @@
 //      the full gradient freed (the "bucket"): only gradient shards persist.
 //   3  parameters sharded too: each layer's parameters are all-gathered just before its forward
 //      (and again before its backward), prefetch_layers ahead of use, and freed after use.
-// Stages >= 1 pad each group to a multiple of N (attribute param_multiple): shards are equal.
-// Gradient clipping uses the global norm: each rank's shard norms are summed and all-reduced.
-// The loss is the mean over every rank and micro-batch (all-reduced; rank 0's is the output).
+// Stages >= 1 pad each group to a multiple of the ranks (attribute param_multiple): shards are
+// equal. Gradient clipping uses the global norm: each rank's shard norms are summed and
+// all-reduced. The loss is the mean over every rank and micro-batch (all-reduced; rank 0's is the
+// output).
 // Devices: TrainingPlan::device is where the workers compute (the CPU, or each worker's own GPU);
 // tasks run and objects live there unless offloaded.
 // Offload (optimizer), ZeRO-Offload: the fp32 master copy of each rank's parameter piece (its
@@ -44,11 +53,13 @@
 // updated master piece is copied back to the GPU (then all-gathered at stages 1-2). Every
 // transfer is a "copy" task. On CPU workers the host tier is where everything already lives:
 // no copies and no separate master, so the offloaded plan is the plain one.
+//
+// Thread safety: the planners are pure functions of their arguments (the registry is only read);
+// a StepGraph is plain data.
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "core/graph.h"
@@ -56,87 +67,11 @@
 #include "core/status.h"
 #include "model/model_spec.h"
 #include "ops/op_registry.h"
+#include "planner/pipeline_cut.h"
 #include "planner/pipeline_schedule.h"
+#include "planner/training_plan.h"
 
 namespace tessera {
-
-struct OptimizerConfig {
-  enum class Kind { kAdamW, kSgd };
-  Kind kind = Kind::kAdamW;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;   // on matrices only (FlatLayout::DecayRanges)
-  double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
-};
-
-enum class OffloadMode { kNone, kOptimizer };
-
-// ZeRO-3 parameter gathers when a rank runs several micro-batches (pipelines, accumulation).
-enum class GatherPolicy : uint8_t {
-  kAuto,           // once per step in a pipeline (P > 1), else per micro-batch
-  kOncePerStep,    // each layer's parameters gathered once, shared by every micro-batch
-  kPerMicroBatch,  // gathered before each micro-batch's forward and backward, freed after
-};
-
-struct ParallelConfig {
-  int data_parallel = 1;  // N (D) ranks per stage, each on its own worker, each batch / N rows
-  int zero_stage = 0;     // 0..3, see the header comment
-  OffloadMode offload = OffloadMode::kNone;
-  int grad_accum = 1;       // K (M) micro-batches per rank per step
-  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
-  // Pipeline parallelism: P stages, each a data-parallel group of N workers (P x N in all),
-  // the layers cut into P x V contiguous chunks (chunk c on stage c % P), run in `schedule`'s
-  // order over the K micro-batches (planner/pipeline_schedule.h).
-  int pipeline_stages = 1;
-  PipelineSchedule schedule = PipelineSchedule::k1F1B;
-  int virtual_stages = 1;
-  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
-  // of layer_op_costs, else the op cost model's estimate of its forward.
-  std::vector<double> layer_costs;
-  // Per layer, measured times of its forward, backward (input half, or whole) and weight half
-  // (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's estimates. Their
-  // per-chunk means order zb-h1 (ScheduleOrder's costs).
-  std::vector<OpCosts> layer_op_costs;
-  // Split every backward that can be (model/model_spec.h LayerSpec::backward_input_op) even without
-  // a zero-bubble pipeline: a profiling run that times the halves.
-  bool split_backwards = false;
-  GatherPolicy gather = GatherPolicy::kAuto;
-  // The worker of each rank of each stage: workers[stage * N + rank]; empty: tasks unpinned.
-  std::vector<WorkerId> workers;
-
-  int num_workers() const { return data_parallel * pipeline_stages; }
-  WorkerId WorkerOf(int rank, int stage) const {
-    return workers.empty() ? WorkerId()
-                           : workers[static_cast<size_t>(stage * data_parallel + rank)];
-  }
-
-  int64_t micro_batch(int64_t batch) const { return batch / (data_parallel * grad_accum); }
-  // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
-  int64_t PaddedGroup(int64_t numel) const;
-  // Elements of one rank's shard of such a group.
-  int64_t Shard(int64_t numel) const { return PaddedGroup(numel) / data_parallel; }
-  bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }
-  bool sharded_optimizer() const { return zero_stage >= 1 && data_parallel > 1; }
-  std::string ToString() const;
-};
-
-// "none" | "optimizer"; InvalidArgument naming the choices otherwise.
-Result<OffloadMode> ParseOffload(std::string_view text);
-
-struct TrainingPlan {
-  int64_t batch = 8;  // the global batch: rows per step over all ranks and micro-batches
-  int64_t seq_len = 64;
-  OptimizerConfig optimizer;
-  ParallelConfig parallel;
-  // Where the workers compute: Device::Cpu(), or Device::Cuda(0) for each worker's own GPU.
-  Device device = Device::Cpu();
-
-  // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
-  // batch that does not split over the ranks). Ranks need not be bound to workers yet
-  // (PlanTrainingStep requires it when there are several).
-  Status Validate(const ModelSpec& model) const;
-};
 
 // kMasterParameter: the host-tier fp32 copy of a parameter piece under offload on GPU workers
 // (holds the same values as the parameters between steps; checkpoints keep the parameters).
@@ -168,7 +103,7 @@ struct GradientObject {
 struct StepGraph {
   Graph graph;
   ParallelConfig parallel;
-  int64_t micro_batch = 0;
+  int64_t micro_batch_rows = 0;  // ParallelConfig::MicroBatchRows of the plan's batch
   // Per layer: its pipeline chunk and stage (all 0 without a pipeline).
   std::vector<int> layer_chunk, layer_stage;
   // Pipelines: per stage, the order its forward, backward (and weight) tasks are chained in
@@ -188,8 +123,8 @@ struct StepGraph {
     return parallel.workers.empty() ? WorkerId()
                                     : parallel.workers[static_cast<size_t>(WorkerIndexOf(piece))];
   }
-  // Per model input, per rank and micro-batch (index rank * grad_accum + micro): rows
-  // [index * micro_batch, (index + 1) * micro_batch) of the global batch.
+  // Per model input, per rank and micro-batch (index rank * micro_batches + micro): rows
+  // [index * micro_batch_rows, (index + 1) * micro_batch_rows) of the global batch.
   std::vector<std::vector<ObjectId>> inputs;
   ObjectId lr;                       // f32 scalar
   ObjectId step;                     // i64 scalar, 1-based (AdamW bias correction)
@@ -200,19 +135,16 @@ struct StepGraph {
   std::vector<GradientObject> grads;
 };
 
+// One training step of `model` under `plan`, every task's shapes inferred with `registry`.
+// Refused (InvalidArgument, or Infeasible for a zero-bubble schedule no layer can split) with
+// what to change: a plan TrainingPlan::Validate refuses, several ranks or stages without
+// workers, a pipeline stage holding no parameters when its state is sharded, a layer's wiring
+// (an output no layer reads, a group whose gradient no backward returns) or a shape, naming the
+// layer and task.
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry);
 
-// Pipeline cuts. Per layer, the cost model's estimate of its forward at `rows` rows (flops plus
-// ten per byte moved; only the ratios matter).
-Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t rows,
-                                               int64_t seq_len, const OpRegistry& registry);
-// Layers (in forward order) into `chunks` contiguous chunks minimizing the largest chunk's cost;
-// per layer, its chunk. REQUIRES: 1 <= chunks <= costs.size().
-std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks);
-// Per layer, its chunk under the plan: balanced by parallel.layer_costs, else by the estimate.
-Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
-                                       const OpRegistry& registry);
+// Pipeline cuts (EstimateLayerCosts, BalancedChunks, CutIntoChunks): planner/pipeline_cut.h.
 
 // Forward-only graphs (evaluation and sampling).
 struct ForwardGraph {

@@ -44,7 +44,7 @@ Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const Tra
     return InvalidArgument("profiling the layers needs steps >= 1 and warmup_steps >= 0");
   }
   TrainingPlan one;
-  one.batch = plan.parallel.micro_batch(plan.batch);
+  one.batch = plan.parallel.MicroBatchRows(plan.batch);
   one.seq_len = plan.seq_len;
   one.optimizer = plan.optimizer;
   one.device = plan.device;
@@ -53,7 +53,7 @@ Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const Tra
     return InvalidArgument(
         "profiling the layers: the batch of {} rows gives no row per micro-batch over {} rank(s) "
         "x {} micro-batch(es)",
-        plan.batch, plan.parallel.data_parallel, plan.parallel.grad_accum);
+        plan.batch, plan.parallel.data_parallel, plan.parallel.micro_batches);
   }
   auto trainer = Trainer::Create(model, one, executor);
   if (!trainer.ok()) return trainer.status().WithContext("profiling the layers");

@@ -156,7 +156,7 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
         "after losing {}, {} worker(s) are alive and no plan of at least {} rank(s) fits the "
         "batch of {} (it must divide by ranks x {} micro-batches): start {} more worker(s) or "
         "lower --min-workers",
-        so_far.lost, alive, options_.min_workers, plan.batch, plan.parallel.grad_accum,
+        so_far.lost, alive, options_.min_workers, plan.batch, plan.parallel.micro_batches,
         std::max(0, want - alive));
   }
   TESSERA_ASSIGN_OR_RETURN(recovered.trainer, Trainer::Create(config_, plan, std::move(backend)));

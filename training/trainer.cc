@@ -491,8 +491,8 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
-  // Rank r's micro-batch k takes rows [(r * K + k) * b, ... + b) of the global batch.
-  const int64_t micro = step_graph_.micro_batch;
+  // Rank r's micro-batch k takes rows [(r * micro_batches + k) * b, ... + b) of the global batch.
+  const int64_t micro = step_graph_.micro_batch_rows;
   for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
     const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
     for (size_t i = 0; i < pieces.size(); ++i) {

@@ -66,7 +66,6 @@ struct Flags {
   std::string offload = "none";
   std::string device = "cpu";  // cpu, cuda or cuda:N
   double gpu_memory_gib = 0;   // cap on the GPU allocator (0: the card's free memory less 1 GiB)
-  int grad_accum = 1;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   bool resume = false;
@@ -272,7 +271,6 @@ int Run(const Flags& flags) {
   plan.optimizer.max_grad_norm = flags.grad_clip;
   if (flags.optimizer == "sgd") plan.optimizer.kind = tessera::OptimizerConfig::Kind::kSgd;
   plan.parallel.zero_stage = flags.zero_stage;
-  plan.parallel.grad_accum = flags.grad_accum;
   tessera::Result<tessera::OffloadMode> offload = tessera::ParseOffload(flags.offload);
   if (!offload.ok()) return Fail(offload.status());
   plan.parallel.offload = *offload;
@@ -283,8 +281,7 @@ int Run(const Flags& flags) {
   }
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
-  if (Status piped = tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers,
-                                                           flags.grad_accum, plan);
+  if (Status piped = tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers, plan);
       !piped.ok()) {
     return Fail(piped);
   }
@@ -372,7 +369,7 @@ int Run(const Flags& flags) {
                static_cast<long long>(dataset->size()));
   std::fprintf(stderr, "train_gpt2: plan %s, micro-batch %lld\n",
                (*trainer)->plan().parallel.ToString().c_str(),
-               static_cast<long long>((*trainer)->step_graph().micro_batch));
+               static_cast<long long>((*trainer)->step_graph().micro_batch_rows));
   if (std::string pipeline =
           tessera::examples::DescribePipeline((*trainer)->step_graph(), (*trainer)->model());
       !pipeline.empty()) {
@@ -713,7 +710,6 @@ int main(int argc, char** argv) {
   app.add_option("--offload", flags.offload,
                  "none, or optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
-  app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step");
   app.add_option("--device", flags.device,
                  "cpu, or cuda / cuda:N: train on a GPU (bf16 activations, fp32 master "
                  "weights and AdamW state): this process's, or with --workers N each worker's "

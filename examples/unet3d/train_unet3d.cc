@@ -7,8 +7,8 @@
 //   train_unet3d --workers 4 --zero-stage 3        # a local cluster of 4 workers, ZeRO-3
 //   train_unet3d --checkpoint-dir ckpt --resume    # continue a run
 //
-// The plan flags are train_gpt2's: --workers --zero-stage --offload --grad-accum
-// --checkpoint-dir --checkpoint-every --resume.
+// The plan flags are train_gpt2's: --workers --zero-stage --offload --micro-batches, the
+// pipeline flags (examples/pipeline_flags.h), --checkpoint-dir --checkpoint-every --resume.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -38,7 +38,6 @@ struct Flags {
   int threads = 0;
   int zero_stage = 0;
   std::string offload = "none";
-  int grad_accum = 1;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   bool resume = false;
@@ -91,9 +90,8 @@ int Run(const Flags& flags) {
   plan.parallel.data_parallel = std::max(1, flags.workers);
   plan.parallel.zero_stage = flags.zero_stage;
   plan.parallel.offload = *offload;
-  plan.parallel.grad_accum = flags.grad_accum;
-  if (tessera::Status piped = tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers,
-                                                                    flags.grad_accum, plan);
+  if (tessera::Status piped =
+          tessera::examples::ApplyPipelineFlags(flags.pipeline, flags.workers, plan);
       !piped.ok()) {
     return Fail(piped);
   }
@@ -208,8 +206,6 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--zero-stage", flags.zero_stage, "ZeRO stage 0-3")->check(CLI::Range(0, 3));
   app.add_option("--offload", flags.offload, "Optimizer offload: none, optimizer");
-  app.add_option("--grad-accum", flags.grad_accum, "Micro-batches per worker per step")
-      ->check(CLI::PositiveNumber);
   tessera::examples::AddPipelineFlags(app, flags.pipeline);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir, "Save checkpoints here");
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Steps between checkpoints (0: end)")

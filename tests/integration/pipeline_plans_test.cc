@@ -49,7 +49,7 @@ TrainingPlan PlanOf(const Pipeline& p, int64_t batch, int64_t seq_len) {
   plan.parallel.data_parallel = p.ranks;
   plan.parallel.zero_stage = p.zero;
   plan.parallel.offload = p.offload;
-  plan.parallel.grad_accum = p.micro;
+  plan.parallel.micro_batches = p.micro;
   plan.parallel.pipeline_stages = p.stages;
   plan.parallel.virtual_stages = p.virtual_stages;
   plan.parallel.schedule = p.schedule;

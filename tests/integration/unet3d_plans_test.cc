@@ -41,7 +41,7 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload = OffloadMode::kNo
   plan.parallel.data_parallel = workers;
   plan.parallel.zero_stage = stage;
   plan.parallel.offload = offload;
-  plan.parallel.grad_accum = accum;
+  plan.parallel.micro_batches = accum;
   return plan;
 }
 

@@ -33,7 +33,7 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload, int accum) {
   plan.parallel.data_parallel = workers;
   plan.parallel.zero_stage = stage;
   plan.parallel.offload = offload;
-  plan.parallel.grad_accum = accum;
+  plan.parallel.micro_batches = accum;
   return plan;
 }
 

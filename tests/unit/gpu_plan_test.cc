@@ -124,7 +124,7 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
     plan.parallel.data_parallel = c.data_parallel;
     plan.parallel.zero_stage = c.zero_stage;
     plan.parallel.pipeline_stages = c.stages;
-    plan.parallel.grad_accum = c.stages;  // micro-batches for the pipeline
+    plan.parallel.micro_batches = c.stages;  // micro-batches for the pipeline
     plan.parallel.offload = c.offload;
     for (int w = 0; w < c.data_parallel * c.stages; ++w) {
       plan.parallel.workers.push_back(WorkerId(10 + w));

@@ -52,7 +52,7 @@ TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
   TrainingPlan plan;
   plan.batch = 8;
   plan.seq_len = 16;
-  plan.parallel.grad_accum = 4;
+  plan.parallel.micro_batches = 4;
   plan.parallel.pipeline_stages = 2;
   const ModelSpec gpt2 = DescribeGpt2(Gpt2Config{2, 32, 4, 64, 16});
   ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> gpt2_ms,

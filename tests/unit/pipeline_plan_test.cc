@@ -23,7 +23,7 @@ TrainingPlan PipelinePlan(int stages, int ranks, int micro, PipelineSchedule sch
   plan.seq_len = 16;
   plan.parallel.pipeline_stages = stages;
   plan.parallel.data_parallel = ranks;
-  plan.parallel.grad_accum = micro;
+  plan.parallel.micro_batches = micro;
   plan.parallel.schedule = schedule;
   plan.parallel.virtual_stages = virtual_stages;
   plan.parallel.zero_stage = zero;

@@ -116,7 +116,7 @@ void DumpGraph(const Graph& g, const std::vector<WorkerId>& workers, std::string
 std::string DumpStep(const StepGraph& step) {
   const Graph& g = step.graph;
   std::string out;
-  out += fmt::format("micro_batch_rows {}\n", step.micro_batch);
+  out += fmt::format("micro_batch_rows {}\n", step.micro_batch_rows);
   out += fmt::format("layer_chunk [{}]\n", fmt::join(step.layer_chunk, ","));
   out += fmt::format("layer_stage [{}]\n", fmt::join(step.layer_stage, ","));
   for (size_t s = 0; s < step.schedule_order.size(); ++s) {
@@ -272,7 +272,7 @@ TrainingPlan MakePlan(const Knobs& k, int64_t seq_len) {
   ParallelConfig& p = plan.parallel;
   p.data_parallel = k.ranks;
   p.zero_stage = k.zero;
-  p.grad_accum = k.micro;
+  p.micro_batches = k.micro;
   p.offload = k.offload ? OffloadMode::kOptimizer : OffloadMode::kNone;
   p.prefetch_layers = k.prefetch;
   p.pipeline_stages = k.stages;

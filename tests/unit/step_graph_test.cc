@@ -55,7 +55,7 @@ TrainingPlan ZeroPlan(int workers, int stage, int accum = 1) {
   plan.batch = 4;
   plan.parallel.data_parallel = workers;
   plan.parallel.zero_stage = stage;
-  plan.parallel.grad_accum = accum;
+  plan.parallel.micro_batches = accum;
   for (int r = 0; r < workers; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
   return plan;
 }
@@ -111,7 +111,7 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   // Accumulation: K micro-batches per rank, each a forward and backward, summed in place.
   ASSERT_OK_AND_ASSIGN(StepGraph accum, PlanTrainingStep(model, ZeroPlan(2, 2, 2), CpuRegistry()));
   EXPECT_EQ(accum.inputs[0].size(), 4u);  // tokens: 2 ranks x 2 micro-batches
-  EXPECT_EQ(accum.micro_batch, 1);
+  EXPECT_EQ(accum.micro_batch_rows, 1);
   EXPECT_EQ(CountOp(accum.graph, "accumulate"), 2 * layers);
   EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
 }
@@ -220,7 +220,7 @@ TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndStreamsGradientsT
   piped.device = Device::Cuda(0);
   piped.parallel.offload = OffloadMode::kOptimizer;
   piped.parallel.pipeline_stages = 2;
-  piped.parallel.grad_accum = 2;
+  piped.parallel.micro_batches = 2;
   piped.parallel.workers = {WorkerId(10), WorkerId(11)};
   ASSERT_OK_AND_ASSIGN(StepGraph piped_step, PlanTrainingStep(model, piped, CpuRegistry()));
   int downloads_ordered = 0;

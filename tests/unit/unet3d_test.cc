@@ -220,7 +220,7 @@ TEST(UNet3dTest, ThePlannerMakesATrainingStepOfIt) {
   plan.parallel.workers = {WorkerId(10), WorkerId(11)};
   ASSERT_OK_AND_ASSIGN(StepGraph zero3, PlanTrainingStep(model, plan, CpuRegistry()));
   EXPECT_OK(zero3.graph.Validate());
-  EXPECT_EQ(zero3.micro_batch, 1);
+  EXPECT_EQ(zero3.micro_batch_rows, 1);
 
   ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(model, 2, 1, CpuRegistry()));
   EXPECT_OK(eval.graph.Validate());

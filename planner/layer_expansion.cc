@@ -1,0 +1,361 @@
+// The forward/backward expansion pass: the layer program of the model, per rank and
+// micro-batch, as forward and backward tasks (a split backward as its input and weight halves),
+// with the sums of gradient parts and the accumulation of each group's gradient over
+// micro-batches. The sharding policy says which parameters each task reads and what happens to
+// each micro-batch's gradient; nothing here depends on the ZeRO stage.
+#include <fmt/format.h>
+
+#include "planner/model_facts.h"
+#include "planner/plan_passes.h"
+
+namespace tessera {
+
+namespace {
+
+using Arg = LayerArg::Kind;
+
+// One micro-batch of one rank while it is expanded. Per layer: the objects its forward read
+// (args) and returned (outputs); the first activation it read (entering); the parts of the
+// gradient of each of its outputs, one per reading layer (output_grads), and of each group's
+// gradient so far (param_grads); the gradient of its output 0 (entering_grad).
+struct MicroBatch {
+  int r = 0;
+  int k = 0;
+  size_t index = 0;  // into StepGraph::inputs: r * micro_batches + k
+  std::vector<std::vector<ObjectId>> args, outputs;
+  std::vector<ObjectId> entering;
+  std::vector<std::vector<std::vector<ObjectId>>> output_grads;
+  std::vector<std::vector<ObjectId>> param_grads;
+  std::vector<ObjectId> entering_grad;
+};
+
+// A backward's arguments, and which of them each half of a split backward reads.
+struct BackwardReads {
+  std::vector<ObjectId> whole, input_half, weight_half;
+};
+
+// A backward's outputs (in backward_outputs' order): names, roles, and which are input
+// gradients (the rest are parameter gradients).
+struct BackwardOutputs {
+  std::vector<std::string> names;
+  std::vector<ObjectRole> roles;
+  std::vector<bool> is_input;
+};
+
+class Expansion {
+ public:
+  explicit Expansion(PlanState& state) : s_(state), readers_(state.num_layers) {
+    const ParallelConfig& p = state.parallel;
+    const bool zero_bubble =
+        SplitsBackward(p.schedule) && (state.num_stages > 1 || p.virtual_stages > 1);
+    for (size_t l = 0; l < state.num_layers; ++l) {
+      const LayerSpec& layer = state.model.layers[l];
+      layer_attrs_.push_back(LayerAttrs(layer, state.sharding->GroupMultiple()));
+      split_.push_back((zero_bubble || p.split_backwards) && SplitsLayerBackward(state.model, l));
+      for (const LayerArg& arg : layer.forward_args) {
+        if (arg.kind == Arg::kParams) readers_[arg.index].push_back(l);
+      }
+    }
+  }
+
+  Status Run() {
+    for (int r = 0; r < s_.num_ranks; ++r) {
+      for (int k = 0; k < s_.num_micro_batches; ++k) {
+        MicroBatch mb;
+        mb.r = r;
+        mb.k = k;
+        mb.index = static_cast<size_t>(r * s_.num_micro_batches + k);
+        const size_t layers = s_.num_layers;
+        mb.args.resize(layers);
+        mb.outputs.resize(layers);
+        mb.entering.resize(layers);
+        for (size_t l = 0; l < layers; ++l) TESSERA_RETURN_IF_ERROR(AddForward(mb, l));
+        mb.output_grads.resize(layers);
+        for (size_t l = 0; l < layers; ++l) {
+          mb.output_grads[l].resize(static_cast<size_t>(s_.model.layers[l].activations));
+        }
+        mb.param_grads.resize(layers);
+        mb.entering_grad.resize(layers);
+        for (size_t l = layers; l-- > 0;) TESSERA_RETURN_IF_ERROR(AddBackward(mb, l));
+      }
+    }
+    return Status::Ok();
+  }
+
+ private:
+  RankState& Rank(const MicroBatch& mb) { return s_.ranks[static_cast<size_t>(mb.r)]; }
+  std::string TaskName(const MicroBatch& mb, size_t l, const char* what) const {
+    return s_.Name(mb.r, s_.Micro(mb.k, s_.LayerName(l) + "/" + what));
+  }
+  std::string ObjectName(const MicroBatch& mb, const std::string& name) const {
+    return s_.Name(mb.r, s_.Micro(mb.k, name));
+  }
+  size_t Prefetch() const { return static_cast<size_t>(s_.parallel.prefetch_layers); }
+
+  // The layer's attributes; the loss layer's carry grad_scale (1 / (ranks x micro-batches): the
+  // loss is a mean over every rank's micro-batches).
+  Attrs AttrsOf(size_t l) const {
+    Attrs attrs = layer_attrs_[l];
+    const int splits = s_.num_ranks * s_.num_micro_batches;
+    if (s_.model.layers[l].loss && splits > 1) {
+      attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
+    }
+    return attrs;
+  }
+
+  Status AddForward(MicroBatch& mb, size_t l) {
+    const LayerSpec& layer = s_.model.layers[l];
+    for (const LayerArg& arg : layer.forward_args) {
+      if (arg.kind == Arg::kActivation) {
+        mb.entering[l] = mb.outputs[arg.index][static_cast<size_t>(arg.output)];
+        break;
+      }
+    }
+    // ZeRO-3 gathers wait for the activation entering the layer `prefetch` back, so at most
+    // that many layers' parameters are gathered ahead of use.
+    const ObjectId after = l >= Prefetch() + 1 ? mb.entering[l - Prefetch()] : ObjectId();
+    for (const LayerArg& arg : layer.forward_args) {
+      switch (arg.kind) {
+        case Arg::kModelInput:
+          mb.args[l].push_back(s_.step.inputs[arg.index][mb.index]);
+          break;
+        case Arg::kActivation:
+          mb.args[l].push_back(mb.outputs[arg.index][static_cast<size_t>(arg.output)]);
+          break;
+        case Arg::kParams: {
+          const ParamUse use{mb.r, mb.k, l, arg.index, /*backward=*/false, after};
+          TESSERA_ASSIGN_OR_RETURN(ObjectId params, s_.sharding->ForwardParams(s_, use));
+          mb.args[l].push_back(params);
+          break;
+        }
+      }
+    }
+    std::vector<std::string> names;
+    std::vector<ObjectRole> roles;
+    if (layer.loss) {
+      names = {ObjectName(mb, s_.num_ranks * s_.num_micro_batches > 1 ? "micro_loss" : "loss")};
+      roles = {ObjectRole::kOutput};
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        mb.outputs[l],
+        s_.builder.AddTask(
+            TaskName(mb, l, "forward"), layer.forward_op, mb.args[l], AttrsOf(l),
+            s_.On(mb.r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
+    Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(mb.outputs[l][0]);
+    if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
+    return Status::Ok();
+  }
+
+  Status AddBackward(MicroBatch& mb, size_t l) {
+    const LayerSpec& layer = s_.model.layers[l];
+    const size_t loss_layer = s_.num_layers - 1;
+    // The gradient of each output: its parts summed (none for the loss).
+    std::vector<ObjectId> dy(mb.output_grads[l].size());
+    if (!layer.loss) {
+      for (size_t o = 0; o < dy.size(); ++o) {
+        TESSERA_ASSIGN_OR_RETURN(
+            dy[o], s_.Sum(mb.r, s_.StageOf(l), ObjectName(mb, fmt::format("{}.d{}", layer.name, o)),
+                          mb.output_grads[l][o]));
+      }
+      if (!dy.empty()) mb.entering_grad[l] = dy[0];
+    }
+    ObjectId after = mb.outputs[loss_layer].back();
+    if (l + Prefetch() < loss_layer) after = mb.entering_grad[l + Prefetch()];
+    TESSERA_ASSIGN_OR_RETURN(BackwardReads reads, ReadsOfBackward(mb, l, dy, after));
+    BackwardOutputs outputs = OutputsOfBackward(mb, l);
+    std::vector<ObjectId> grads;  // in backward_outputs' order
+    if (split_[l]) {
+      TESSERA_ASSIGN_OR_RETURN(grads, AddSplitBackward(mb, l, std::move(reads), outputs));
+    } else {
+      TESSERA_ASSIGN_OR_RETURN(
+          grads, s_.builder.AddTask(TaskName(mb, l, "backward"), layer.backward_op,
+                                    std::move(reads.whole), AttrsOf(l),
+                                    s_.On(mb.r, layer.name, kBackwardPriority,
+                                          std::move(outputs.names), std::move(outputs.roles))));
+      if (!grads.empty()) {
+        Rank(mb).backward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(grads[0]);
+      }
+    }
+    for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
+      const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
+      if (forward.kind == Arg::kActivation) {
+        mb.output_grads[forward.index][static_cast<size_t>(forward.output)].push_back(grads[j]);
+      } else {
+        mb.param_grads[forward.index].push_back(grads[j]);
+      }
+    }
+    return CompleteGroups(mb, l);
+  }
+
+  // What layer l's backward reads, in backward_args' order.
+  Result<BackwardReads> ReadsOfBackward(MicroBatch& mb, size_t l, const std::vector<ObjectId>& dy,
+                                        ObjectId after) {
+    const LayerSpec& layer = s_.model.layers[l];
+    BackwardReads reads;
+    for (const BackwardArg& arg : layer.backward_args) {
+      ObjectId read;
+      switch (arg.kind) {
+        case BackwardArg::Kind::kOutputGradient:
+          if (!dy[arg.index].valid()) {
+            return InvalidArgument(
+                "output {} of layer '{}' is read by no layer, so it has no gradient: read it "
+                "or drop it",
+                arg.index, layer.name);
+          }
+          read = dy[arg.index];
+          break;
+        case BackwardArg::Kind::kForwardArg: {
+          const LayerArg& forward = layer.forward_args[arg.index];
+          read = mb.args[l][arg.index];
+          // The loss layer's backward follows its forward at once: it reads what that read.
+          if (forward.kind == Arg::kParams && !layer.loss) {
+            const ParamUse use{mb.r, mb.k, l, forward.index, /*backward=*/true, after};
+            TESSERA_ASSIGN_OR_RETURN(read, s_.sharding->BackwardParams(s_, use, read));
+          }
+          break;
+        }
+        case BackwardArg::Kind::kForwardOutput:
+          read = mb.outputs[l][arg.index];
+          break;
+        case BackwardArg::Kind::kGradientSoFar: {
+          const size_t group = layer.forward_args[arg.index].index;
+          if (mb.param_grads[group].empty()) {
+            return InvalidArgument(
+                "layer '{}' adds to the gradient of '{}', but no layer after it made one",
+                layer.name, s_.LayerName(group));
+          }
+          TESSERA_ASSIGN_OR_RETURN(read, s_.Sum(mb.r, s_.StageOf(group),
+                                                ObjectName(mb, s_.LayerName(group) + ".grad_parts"),
+                                                mb.param_grads[group]));
+          mb.param_grads[group].clear();
+          break;
+        }
+      }
+      reads.whole.push_back(read);
+      if (arg.kind != BackwardArg::Kind::kGradientSoFar) reads.input_half.push_back(read);
+      if (arg.kind != BackwardArg::Kind::kOutputGradient) reads.weight_half.push_back(read);
+    }
+    return reads;
+  }
+
+  BackwardOutputs OutputsOfBackward(const MicroBatch& mb, size_t l) const {
+    const LayerSpec& layer = s_.model.layers[l];
+    BackwardOutputs outputs;
+    int dx = 0;
+    for (size_t target : layer.backward_outputs) {
+      const LayerArg& forward = layer.forward_args[target];
+      const bool input = forward.kind == Arg::kActivation;
+      outputs.is_input.push_back(input);
+      if (input) {
+        outputs.names.push_back(
+            ObjectName(mb, layer.name + "/backward:dx" + (dx > 0 ? std::to_string(dx) : "")));
+        outputs.roles.push_back(ObjectRole::kActivation);
+        ++dx;
+      } else {
+        outputs.names.push_back(ObjectName(
+            mb, forward.index == l ? layer.name + ".grad"
+                                   : s_.LayerName(forward.index) + ".grad_from_" + layer.name));
+        outputs.roles.push_back(s_.sharding->FullGradientRole());
+      }
+    }
+    return outputs;
+  }
+
+  // The backward as two tasks: the input half returns the input gradients and a stash; the
+  // weight half, reading the stash first, the parameter gradients. Returns the gradients in
+  // backward_outputs' order.
+  Result<std::vector<ObjectId>> AddSplitBackward(MicroBatch& mb, size_t l, BackwardReads reads,
+                                                 const BackwardOutputs& outputs) {
+    const LayerSpec& layer = s_.model.layers[l];
+    std::vector<std::string> half_names[2];
+    std::vector<ObjectRole> half_roles[2];
+    for (size_t j = 0; j < outputs.names.size(); ++j) {
+      half_names[outputs.is_input[j] ? 0 : 1].push_back(outputs.names[j]);
+      half_roles[outputs.is_input[j] ? 0 : 1].push_back(outputs.roles[j]);
+    }
+    const size_t input_grads = half_names[0].size();
+    half_names[0].push_back(ObjectName(mb, layer.name + "/backward_input:stash"));
+    half_roles[0].push_back(ObjectRole::kActivation);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto b, s_.builder.AddTask(TaskName(mb, l, "backward_input"), layer.backward_input_op,
+                                   std::move(reads.input_half), AttrsOf(l),
+                                   s_.On(mb.r, layer.name, kBackwardPriority,
+                                         std::move(half_names[0]), std::move(half_roles[0]))));
+    reads.weight_half.insert(reads.weight_half.begin(), b.back());
+    const size_t param_grads = half_names[1].size();
+    TESSERA_ASSIGN_OR_RETURN(
+        auto w, s_.builder.AddTask(TaskName(mb, l, "backward_weight"), layer.backward_weight_op,
+                                   std::move(reads.weight_half), AttrsOf(l),
+                                   s_.On(mb.r, layer.name, kBackwardPriority,
+                                         std::move(half_names[1]), std::move(half_roles[1]))));
+    if (b.size() != input_grads + 1 || w.size() != param_grads) {
+      return InvalidArgument(
+          "layer '{}': ops '{}' and '{}' return {} and {} outputs, but the layer's backward "
+          "has {} input gradient(s) (and a stash) and {} parameter gradient(s)",
+          layer.name, layer.backward_input_op, layer.backward_weight_op, b.size(), w.size(),
+          input_grads, param_grads);
+    }
+    RankState& rank = Rank(mb);
+    rank.backward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(b[0]);
+    if (!w.empty()) rank.weight_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(w[0]);
+    std::vector<ObjectId> grads;
+    size_t next_input = 0, next_param = 0;
+    for (bool input : outputs.is_input) grads.push_back(input ? b[next_input++] : w[next_param++]);
+    return grads;
+  }
+
+  // Groups whose first reader is layer l have every part of their gradient once its backward
+  // is done: sum the parts and hand the gradient on.
+  Status CompleteGroups(MicroBatch& mb, size_t l) {
+    for (size_t group = 0; group < s_.num_layers; ++group) {
+      if (readers_[group].empty() || readers_[group].front() != l) continue;
+      TESSERA_ASSIGN_OR_RETURN(
+          ObjectId full,
+          s_.Sum(mb.r, s_.StageOf(group), ObjectName(mb, s_.LayerName(group) + ".grad_parts"),
+                 mb.param_grads[group]));
+      if (!full.valid()) {
+        return InvalidArgument("no layer's backward returns a gradient of the parameters of '{}'",
+                               s_.LayerName(group));
+      }
+      TESSERA_RETURN_IF_ERROR(AddGradient(mb.r, mb.k, group, full));
+      s_.last_gradient[static_cast<size_t>(s_.StageOf(group))] = group;
+    }
+    return Status::Ok();
+  }
+
+  // Micro-batch k's full gradient of group l on rank r: reduced as the sharding policy says,
+  // accumulated in place over the micro-batches, and reduced again after the last one if the
+  // policy says so.
+  Status AddGradient(int r, int k, size_t l, ObjectId full) {
+    RankState& rank = s_.ranks[static_cast<size_t>(r)];
+    const std::string& layer = s_.LayerName(l);
+    TESSERA_ASSIGN_OR_RETURN(ObjectId grad,
+                             s_.sharding->ReduceMicroBatchGradient(s_, r, k, l, full));
+    if (k > 0) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto sum, s_.builder.AddTask(s_.Name(r, s_.Micro(k, layer + "/accumulate")), "accumulate",
+                                       {rank.grad[l], grad}, {},
+                                       s_.On(r, layer, kBackwardPriority,
+                                             {s_.Name(r, s_.Micro(k, layer + ".grad_sum"))},
+                                             {ObjectRole::kGradient})));
+      grad = sum[0];
+    }
+    rank.grad[l] = grad;
+    if (k + 1 == s_.num_micro_batches) {
+      TESSERA_ASSIGN_OR_RETURN(rank.grad[l],
+                               s_.sharding->ReduceAccumulatedGradient(s_, r, l, grad));
+    }
+    return Status::Ok();
+  }
+
+  PlanState& s_;
+  std::vector<Attrs> layer_attrs_;            // per layer
+  std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
+  std::vector<bool> split_;  // per layer: its backward runs as two tasks (SplitsLayerBackward)
+};
+
+}  // namespace
+
+Status ExpandLayersPass(PlanState& state) { return Expansion(state).Run(); }
+
+}  // namespace tessera

@@ -1,0 +1,104 @@
+#include "planner/plan_state.h"
+
+#include <fmt/format.h>
+
+#include "core/collective_task.h"
+
+namespace tessera {
+
+PlanState::PlanState(const ModelSpec& model_in, const TrainingPlan& plan_in,
+                     const OpRegistry& registry_in)
+    : model(model_in),
+      plan(plan_in),
+      parallel(plan_in.parallel),
+      registry(registry_in),
+      num_ranks(plan_in.parallel.data_parallel),
+      num_micro_batches(plan_in.parallel.micro_batches),
+      num_stages(plan_in.parallel.pipeline_stages),
+      num_layers(model_in.layers.size()),
+      adamw(plan_in.optimizer.kind == OptimizerConfig::Kind::kAdamW),
+      host_update(plan_in.parallel.offload == OffloadMode::kOptimizer && !plan_in.device.is_cpu()),
+      builder(registry_in),
+      last_gradient(static_cast<size_t>(std::max(plan_in.parallel.pipeline_stages, 1)), 0) {}
+
+PlanState::~PlanState() = default;
+
+std::string PlanState::Name(int r, const std::string& name) const {
+  return num_ranks > 1 ? fmt::format("rank{}/{}", r, name) : name;
+}
+
+std::string PlanState::Micro(int k, const std::string& name) const {
+  return num_micro_batches > 1 ? fmt::format("{}@{}", name, k) : name;
+}
+
+std::string PlanState::Staged(int s, const std::string& name) const {
+  return num_stages > 1 ? fmt::format("stage{}/{}", s, name) : name;
+}
+
+TaskOptions PlanState::OnStage(int r, int s, const std::string& layer, int32_t priority,
+                               std::vector<std::string> output_names,
+                               std::vector<ObjectRole> output_roles) const {
+  TaskOptions options;
+  options.layer = layer;
+  options.priority = priority;
+  options.output_names = std::move(output_names);
+  options.output_roles = std::move(output_roles);
+  options.pinned_worker = parallel.WorkerOf(r, s);
+  options.device_kind = plan.device.kind;
+  return options;
+}
+
+TaskOptions PlanState::On(int r, const std::string& layer, int32_t priority,
+                          std::vector<std::string> output_names,
+                          std::vector<ObjectRole> output_roles) const {
+  return OnStage(r, stage_of_name.at(layer), layer, priority, std::move(output_names),
+                 std::move(output_roles));
+}
+
+TaskOptions PlanState::OnOptimizerDevice(TaskOptions options) const {
+  options.priority = kOptimizerPriority;
+  if (host_update) options.device_kind = DeviceKind::kCpu;
+  return options;
+}
+
+TaskOptions PlanState::OnOptimizerDevice(int r, const std::string& layer,
+                                         std::vector<std::string> output_names,
+                                         std::vector<ObjectRole> output_roles) const {
+  return OnOptimizerDevice(
+      On(r, layer, kOptimizerPriority, std::move(output_names), std::move(output_roles)));
+}
+
+bool PlanState::ProducedOnStage(ObjectId id, int s) const {
+  const TaskId producer = ProducerOf(id);
+  if (!producer.valid()) return false;
+  const std::string& layer = builder.graph().task(producer).layer;
+  auto it = stage_of_name.find(layer);
+  return it != stage_of_name.end() && it->second == s;
+}
+
+int64_t PlanState::CollectiveId(const std::string& name) {
+  auto [it, inserted] =
+      collective_ids.emplace(name, static_cast<int64_t>(collective_ids.size()) + 1);
+  return it->second;
+}
+
+Attrs PlanState::Collective(int64_t id, int r) const {
+  return Attrs{
+      {kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{num_ranks}}};
+}
+
+Result<ObjectId> PlanState::Sum(int r, int s, const std::string& name,
+                                const std::vector<ObjectId>& parts) {
+  if (parts.empty()) return ObjectId();
+  ObjectId sum = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(
+        auto added,
+        builder.AddTask(fmt::format("{}/sum{}", name, i), "accumulate", {sum, parts[i]}, {},
+                        OnStage(r, s, "", kBackwardPriority, {fmt::format("{}:sum{}", name, i)})));
+    sum = added[0];
+  }
+  return sum;
+}
+
+}  // namespace tessera

@@ -1,0 +1,124 @@
+// The validation pass and the checks behind it: TrainingPlan::Validate, in the order its
+// messages are given (the first problem found is the one reported).
+#include "planner/model_facts.h"
+#include "planner/plan_passes.h"
+#include "planner/sharding_policy.h"
+#include "planner/training_plan.h"
+
+namespace tessera {
+
+namespace {
+
+Status CheckOptimizer(const OptimizerConfig& o) {
+  if (o.kind == OptimizerConfig::Kind::kAdamW &&
+      (o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1 || o.eps <= 0)) {
+    return InvalidArgument("AdamW needs 0 <= beta1, beta2 < 1 and eps > 0 (got {}, {}, {})",
+                           o.beta1, o.beta2, o.eps);
+  }
+  if (o.weight_decay < 0) {
+    return InvalidArgument("weight_decay must be >= 0, got {}", o.weight_decay);
+  }
+  return Status::Ok();
+}
+
+// The ranks, micro-batches and ZeRO stage, and the batch they split.
+Status CheckRanks(const TrainingPlan& plan) {
+  const ParallelConfig& p = plan.parallel;
+  TESSERA_RETURN_IF_ERROR(CheckZeroStage(p.zero_stage));
+  if (p.data_parallel < 1) {
+    return InvalidArgument("data_parallel (--workers) must be >= 1, got {}", p.data_parallel);
+  }
+  if (p.micro_batches < 1) {
+    return InvalidArgument("micro_batches must be >= 1, got {}", p.micro_batches);
+  }
+  if (p.prefetch_layers < 0) {
+    return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
+  }
+  if (plan.optimizer.kind == OptimizerConfig::Kind::kSgd && ShardsOptimizerState(p)) {
+    return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");
+  }
+  const int64_t splits = int64_t{p.data_parallel} * p.micro_batches;
+  if (plan.batch % splits != 0) {
+    return InvalidArgument(
+        "the batch of {} rows does not split evenly over {} worker(s) x {} micro-batch(es): use "
+        "a batch that is a multiple of {} (e.g. {}), or change --workers / --micro-batches",
+        plan.batch, p.data_parallel, p.micro_batches, splits, (plan.batch / splits + 1) * splits);
+  }
+  return Status::Ok();
+}
+
+Status CheckPipeline(const ParallelConfig& p, const ModelSpec& model) {
+  if (p.pipeline_stages < 1) {
+    return InvalidArgument("pipeline stages must be >= 1, got {}", p.pipeline_stages);
+  }
+  if (p.pipeline_stages == 1 && p.virtual_stages == 1) return Status::Ok();
+  TESSERA_RETURN_IF_ERROR(
+      CheckSchedule(p.schedule, p.pipeline_stages, p.micro_batches, p.virtual_stages));
+  const size_t chunks = static_cast<size_t>(p.pipeline_stages * p.virtual_stages);
+  if (chunks > model.layers.size()) {
+    return InvalidArgument(
+        "{} pipeline stage(s) x {} virtual stage(s) cut the model into {} chunks, but model "
+        "'{}' has {} layers: use at most {} stages",
+        p.pipeline_stages, p.virtual_stages, chunks, model.name, model.layers.size(),
+        model.layers.size() / static_cast<size_t>(p.virtual_stages));
+  }
+  if (SplitsBackward(p.schedule)) {
+    bool any = false;
+    for (size_t l = 0; l < model.layers.size(); ++l) any |= SplitsLayerBackward(model, l);
+    if (!any) {
+      return Infeasible(
+          "schedule {} splits each backward into input and weight gradients, but no layer of "
+          "model '{}' has a split backward (one that returns input gradients): use --schedule "
+          "1f1b, interleaved or gpipe",
+          ScheduleName(p.schedule), model.name);
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
+  if (!p.layer_costs.empty() && p.layer_costs.size() != model.layers.size()) {
+    return InvalidArgument("{} layer costs given for a model of {} layers", p.layer_costs.size(),
+                           model.layers.size());
+  }
+  if (!p.layer_op_costs.empty() && p.layer_op_costs.size() != model.layers.size()) {
+    return InvalidArgument("{} layer op costs given for a model of {} layers",
+                           p.layer_op_costs.size(), model.layers.size());
+  }
+  if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.num_workers()) {
+    if (p.pipeline_stages > 1) {
+      return InvalidArgument(
+          "{} worker(s) given for {} pipeline stages x {} data-parallel ranks: a pipeline needs "
+          "P x D = {} workers",
+          p.workers.size(), p.pipeline_stages, p.data_parallel, p.num_workers());
+    }
+    return InvalidArgument("{} worker(s) given for {} data-parallel ranks", p.workers.size(),
+                           p.data_parallel);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status TrainingPlan::Validate(const ModelSpec& model) const {
+  TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
+  TESSERA_RETURN_IF_ERROR(CheckOptimizer(optimizer));
+  TESSERA_RETURN_IF_ERROR(CheckRanks(*this));
+  TESSERA_RETURN_IF_ERROR(CheckPipeline(parallel, model));
+  return CheckCostsAndWorkers(parallel, model);
+}
+
+Status ValidatePlanPass(PlanState& state) {
+  TESSERA_RETURN_IF_ERROR(state.plan.Validate(state.model));
+  const ParallelConfig& p = state.parallel;
+  if (p.workers.empty() && p.num_workers() > 1) {
+    return InvalidArgument(
+        "{} data-parallel ranks x {} pipeline stages need a worker each: run on a cluster with "
+        "at least {} workers",
+        p.data_parallel, p.pipeline_stages, p.num_workers());
+  }
+  TESSERA_ASSIGN_OR_RETURN(state.sharding, MakeShardingPolicy(p));
+  return Status::Ok();
+}
+
+}  // namespace tessera

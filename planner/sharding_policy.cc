@@ -1,0 +1,394 @@
+// The four sharding policies. Each class answers every question of ShardingPolicy for its stage;
+// the collectives they share (a gradient reduce-scatter, the gather of updated shards) are the
+// helpers above them.
+#include "planner/sharding_policy.h"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "planner/plan_state.h"
+
+namespace tessera {
+
+namespace {
+
+GroupPiece FullPiece(size_t l, int r, int64_t group_numel) {
+  return GroupPiece{l, r, 0, group_numel};
+}
+
+// Shard r of a group padded to a multiple of the ranks.
+GroupPiece ShardPiece(size_t l, int r, int64_t group_numel, int ranks) {
+  const int64_t shard = group_numel / ranks;
+  return GroupPiece{l, r, r * shard, shard};
+}
+
+// The parameters rank r keeps of `group` between steps (this step's value).
+ObjectId HeldParams(const PlanState& state, int r, size_t group) {
+  return state.step.state[state.ranks[static_cast<size_t>(r)].param[group]].input;
+}
+
+// Rank r's member of the reduce-scatter of layer l's full gradient from micro-batch k: its
+// shard of the sum over the ranks.
+Result<ObjectId> ReduceScatterMicroBatch(PlanState& state, int r, int k, size_t l, ObjectId full) {
+  const std::string& layer = state.LayerName(l);
+  const std::string name = state.Micro(k, layer + "/reduce_scatter");
+  TESSERA_ASSIGN_OR_RETURN(
+      auto shard,
+      state.builder.AddTask(state.Name(r, name), "reduce_scatter", {full},
+                            state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+                            state.On(r, layer, kBackwardPriority + 1,
+                                     {state.Name(r, state.Micro(k, layer + ".grad[shard]"))},
+                                     {ObjectRole::kGradient})));
+  return shard[0];
+}
+
+// Rank r's member of the gather of layer l's updated parameter shards (`op`: all_gather, or
+// all_gather_in_place inside the full parameters); returns "<layer>.params<suffix>".
+Result<ObjectId> GatherShards(PlanState& state, int r, size_t l, const char* op, ObjectId input,
+                              const char* suffix) {
+  const std::string& layer = state.LayerName(l);
+  const std::string name = layer + "/all_gather";
+  TESSERA_ASSIGN_OR_RETURN(
+      auto gathered,
+      state.builder.AddTask(
+          state.Name(r, name), op, {input}, state.Collective(state.CollectiveId(name), r),
+          state.On(r, layer, kOptimizerPriority, {state.Name(r, layer + ".params" + suffix)},
+                   {ObjectRole::kParameter})));
+  return gathered[0];
+}
+
+// Stages 1-2: every rank's updated shard all-gathered into the full parameters, in place inside
+// the parameters the update wrote its shard into, or from the shard uploaded from the host.
+Result<ObjectId> GatherUpdatedShards(PlanState& state, int r, size_t l, ObjectId params,
+                                     bool in_place) {
+  return in_place ? GatherShards(state, r, l, "all_gather_in_place", params, ".gathered")
+                  : GatherShards(state, r, l, "all_gather", params, ".next");
+}
+
+// Stage 0 (and any stage over one rank): every rank holds and updates everything; each layer's
+// accumulated gradient is all-reduced as soon as its last micro-batch's backward is done.
+class DataParallelPolicy final : public ShardingPolicy {
+ public:
+  explicit DataParallelPolicy(int ranks) : ranks_(ranks) {}
+
+  std::string_view name() const override { return "data parallel"; }
+  int64_t GroupMultiple() const override { return 1; }
+  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
+    return FullPiece(l, r, numel);
+  }
+  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
+    return FullPiece(l, r, numel);
+  }
+  bool ShardsUpdate() const override { return false; }
+  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
+    return HeldParams(state, use.rank, use.group);
+  }
+  Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
+                                  ObjectId forward_params) const override {
+    return forward_params;
+  }
+  ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
+  Result<ObjectId> ReduceMicroBatchGradient(PlanState&, int, int, size_t,
+                                            ObjectId full) const override {
+    return full;
+  }
+  Result<ObjectId> ReduceAccumulatedGradient(PlanState& state, int r, size_t l,
+                                             ObjectId grad) const override {
+    if (ranks_ == 1) return grad;
+    const std::string& layer = state.LayerName(l);
+    const std::string name = layer + "/all_reduce";
+    TESSERA_ASSIGN_OR_RETURN(
+        auto reduced,
+        state.builder.AddTask(
+            state.Name(r, name), "all_reduce", {grad},
+            state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+            state.On(r, layer, kBackwardPriority + 1, {state.Name(r, layer + ".grad_reduced")},
+                     {ObjectRole::kGradient})));
+    return reduced[0];
+  }
+  Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
+  bool GathersUpdatedParameters() const override { return false; }
+  Result<ObjectId> GatherUpdatedParameters(PlanState&, int, size_t, ObjectId params,
+                                           bool) const override {
+    return params;
+  }
+
+ private:
+  const int ranks_;
+};
+
+// ZeRO-1: parameters replicated, optimizer state sharded. The full gradients are accumulated
+// through the whole backward, then each is reduce-scattered (smallest group first, so the peak
+// stays at the full gradients plus one small shard); rank r updates shard r inside its full
+// parameters, which are then all-gathered in place.
+class Zero1Policy final : public ShardingPolicy {
+ public:
+  explicit Zero1Policy(int ranks) : ranks_(ranks) {}
+
+  std::string_view name() const override { return "ZeRO-1"; }
+  int64_t GroupMultiple() const override { return ranks_; }
+  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
+    return FullPiece(l, r, numel);
+  }
+  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
+    return ShardPiece(l, r, numel, ranks_);
+  }
+  bool ShardsUpdate() const override { return true; }
+  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
+    return HeldParams(state, use.rank, use.group);
+  }
+  Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
+                                  ObjectId forward_params) const override {
+    return forward_params;
+  }
+  ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
+  Result<ObjectId> ReduceMicroBatchGradient(PlanState&, int, int, size_t,
+                                            ObjectId full) const override {
+    return full;
+  }
+  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
+                                             ObjectId grad) const override {
+    return grad;
+  }
+  // Each reduce-scatter waits for the last gradient of its layer's stage (after the stage's
+  // whole backward) as a second input.
+  Status ReduceAfterBackward(PlanState& state) const override {
+    std::vector<size_t> order(state.num_layers);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return state.step.group_numel[a] < state.step.group_numel[b];
+    });
+    for (size_t l : order) {
+      if (!state.HasParams(l)) continue;
+      const std::string& layer = state.LayerName(l);
+      const std::string name = layer + "/reduce_scatter";
+      for (int r = 0; r < ranks_; ++r) {
+        RankState& rank = state.ranks[static_cast<size_t>(r)];
+        std::vector<ObjectId> inputs{rank.grad[l]};
+        const size_t last = state.last_gradient[static_cast<size_t>(state.StageOf(l))];
+        if (l != last) inputs.push_back(rank.grad[last]);
+        TESSERA_ASSIGN_OR_RETURN(
+            auto shard,
+            state.builder.AddTask(
+                state.Name(r, name), "reduce_scatter", std::move(inputs),
+                state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+                state.On(r, layer, kOptimizerPriority + 1, {state.Name(r, layer + ".grad[shard]")},
+                         {ObjectRole::kGradient})));
+        rank.grad[l] = shard[0];
+      }
+    }
+    return Status::Ok();
+  }
+  bool GathersUpdatedParameters() const override { return true; }
+  Result<ObjectId> GatherUpdatedParameters(PlanState& state, int r, size_t l, ObjectId params,
+                                           bool in_place) const override {
+    return GatherUpdatedShards(state, r, l, params, in_place);
+  }
+
+ private:
+  const int ranks_;
+};
+
+// ZeRO-2: as ZeRO-1, but each micro-batch's full gradient of a layer is reduce-scattered as soon
+// as its backward is done (a transient bucket) and only the shards are accumulated and kept.
+class Zero2Policy final : public ShardingPolicy {
+ public:
+  explicit Zero2Policy(int ranks) : ranks_(ranks) {}
+
+  std::string_view name() const override { return "ZeRO-2"; }
+  int64_t GroupMultiple() const override { return ranks_; }
+  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
+    return FullPiece(l, r, numel);
+  }
+  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
+    return ShardPiece(l, r, numel, ranks_);
+  }
+  bool ShardsUpdate() const override { return true; }
+  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
+    return HeldParams(state, use.rank, use.group);
+  }
+  Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
+                                  ObjectId forward_params) const override {
+    return forward_params;
+  }
+  ObjectRole FullGradientRole() const override { return ObjectRole::kGradientBucket; }
+  Result<ObjectId> ReduceMicroBatchGradient(PlanState& state, int r, int k, size_t l,
+                                            ObjectId full) const override {
+    return ReduceScatterMicroBatch(state, r, k, l, full);
+  }
+  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
+                                             ObjectId grad) const override {
+    return grad;
+  }
+  Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
+  bool GathersUpdatedParameters() const override { return true; }
+  Result<ObjectId> GatherUpdatedParameters(PlanState& state, int r, size_t l, ObjectId params,
+                                           bool in_place) const override {
+    return GatherUpdatedShards(state, r, l, params, in_place);
+  }
+
+ private:
+  const int ranks_;
+};
+
+// ZeRO-3: parameters sharded too. Each use of a group's parameters all-gathers the shards first
+// (prefetch_layers ahead of the use, through a second input), per micro-batch or once per step
+// (GatherPolicy); gradients as ZeRO-2; each rank's update writes its shard, nothing to gather.
+class Zero3Policy final : public ShardingPolicy {
+ public:
+  explicit Zero3Policy(const ParallelConfig& parallel) : ranks_(parallel.data_parallel) {
+    ChooseGathers(parallel);
+  }
+
+  std::string_view name() const override { return "ZeRO-3"; }
+  int64_t GroupMultiple() const override { return ranks_; }
+  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
+    return ShardPiece(l, r, numel, ranks_);
+  }
+  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
+    return ShardPiece(l, r, numel, ranks_);
+  }
+  bool ShardsUpdate() const override { return true; }
+  bool GathersOncePerStep() const override { return once_per_step_; }
+  std::string GatherReason() const override { return reason_; }
+
+  // The loss layer's gathers are named for it and serve its backward too (it follows at once);
+  // a tied group is named for its reader.
+  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
+    const LayerSpec& reader = state.model.layers[use.reader];
+    const std::string when = reader.loss || use.group != use.reader ? reader.name : "forward";
+    return Gathered(state, use, state.Micro(use.micro, when));
+  }
+  Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use, ObjectId) const override {
+    const std::string when =
+        use.group == use.reader ? "backward" : state.LayerName(use.reader) + "_backward";
+    return Gathered(state, use, state.Micro(use.micro, when));
+  }
+  ObjectRole FullGradientRole() const override { return ObjectRole::kGradientBucket; }
+  Result<ObjectId> ReduceMicroBatchGradient(PlanState& state, int r, int k, size_t l,
+                                            ObjectId full) const override {
+    return ReduceScatterMicroBatch(state, r, k, l, full);
+  }
+  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
+                                             ObjectId grad) const override {
+    return grad;
+  }
+  Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
+  bool GathersUpdatedParameters() const override { return false; }
+  Result<ObjectId> GatherUpdatedParameters(PlanState&, int, size_t, ObjectId params,
+                                           bool) const override {
+    return params;
+  }
+
+ private:
+  // The gathered parameters for a use: the step's gather of the group (made at its first use)
+  // when gathering once per step, else a gather of its own named "<group>/gather_<when>".
+  Result<ObjectId> Gathered(PlanState& state, const ParamUse& use, const std::string& when) const {
+    const ObjectId held = HeldParams(state, use.rank, use.group);
+    if (!once_per_step_) return Gather(state, use, when, held);
+    ObjectId& gathered = state.ranks[static_cast<size_t>(use.rank)].gathered[use.group];
+    if (!gathered.valid()) {
+      TESSERA_ASSIGN_OR_RETURN(gathered, Gather(state, use, "step", held));
+    }
+    return gathered;
+  }
+
+  // Rank r's member of the all-gather of the group's shards, on the group's stage.
+  Result<ObjectId> Gather(PlanState& state, const ParamUse& use, const std::string& when,
+                          ObjectId held) const {
+    const int r = use.rank;
+    const size_t l = use.group;
+    std::vector<ObjectId> inputs{held};
+    // Prefetch order only among tasks of the layer's own stage: an activation of another stage
+    // would be pushed here just to order the gather, and would tie this stage's collective
+    // order to another stage's progress.
+    if (use.after.valid() && state.ProducedOnStage(use.after, state.StageOf(l))) {
+      inputs.push_back(use.after);
+    }
+    const std::string name = fmt::format("{}/gather_{}", state.LayerName(l), when);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto gathered, state.builder.AddTask(state.Name(r, name), "all_gather", std::move(inputs),
+                                             state.Collective(state.CollectiveId(name), r),
+                                             state.On(r, state.LayerName(l), kForwardPriority + 1,
+                                                      {state.Name(r, name + ":params")},
+                                                      {ObjectRole::kGatheredParameter})));
+    return gathered[0];
+  }
+
+  // With several micro-batches per rank: gather each layer once per step (its stage's
+  // parameters stay gathered while the micro-batches run), or before every use.
+  void ChooseGathers(const ParallelConfig& p) {
+    const int micro_batches = p.micro_batches;
+    const int stages = p.pipeline_stages;
+    if (micro_batches == 1) return;
+    // Per micro-batch: one gather before each forward and each backward; per step: one.
+    const int64_t gathers_saved = int64_t{2} * micro_batches - 1;
+    switch (p.gather) {
+      case GatherPolicy::kOncePerStep:
+        once_per_step_ = true;
+        reason_ = fmt::format("asked for (--gather step): {} fewer gathers per layer per step",
+                              gathers_saved);
+        break;
+      case GatherPolicy::kPerMicroBatch:
+        reason_ =
+            "asked for (--gather micro-batch): only prefetch_layers layers' "
+            "parameters are gathered at a time";
+        break;
+      case GatherPolicy::kAuto:
+        once_per_step_ = stages > 1;
+        reason_ =
+            stages > 1
+                ? fmt::format(
+                      "a pipeline stage holds 1/{} of the layers, so its gathered parameters stay "
+                      "while its {} micro-batches run: {} fewer gathers per layer per step",
+                      stages, micro_batches, gathers_saved)
+                : fmt::format(
+                      "without a pipeline, gathering once per step would hold every layer's "
+                      "parameters at once; per micro-batch keeps ZeRO-3's bound of "
+                      "prefetch_layers gathered layers (--gather step saves {} gathers per layer)",
+                      gathers_saved);
+        break;
+    }
+  }
+
+  const int ranks_;
+  bool once_per_step_ = false;
+  std::string reason_;
+};
+
+}  // namespace
+
+Status CheckZeroStage(int zero_stage) {
+  if (zero_stage < 0 || zero_stage > 3) {
+    return InvalidArgument(
+        "ZeRO stage {} does not exist: use 0 (data parallel), 1 (optimizer state sharded), 2 "
+        "(+ gradients sharded) or 3 (+ parameters sharded)",
+        zero_stage);
+  }
+  return Status::Ok();
+}
+
+bool ShardsOptimizerState(const ParallelConfig& parallel) {
+  return parallel.zero_stage >= 1 && parallel.data_parallel > 1;
+}
+
+Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel) {
+  TESSERA_RETURN_IF_ERROR(CheckZeroStage(parallel.zero_stage));
+  const int ranks = parallel.data_parallel;
+  std::unique_ptr<ShardingPolicy> policy;
+  if (ranks <= 1 || parallel.zero_stage == 0) {
+    policy = std::make_unique<DataParallelPolicy>(ranks);
+  } else if (parallel.zero_stage == 1) {
+    policy = std::make_unique<Zero1Policy>(ranks);
+  } else if (parallel.zero_stage == 2) {
+    policy = std::make_unique<Zero2Policy>(ranks);
+  } else {
+    policy = std::make_unique<Zero3Policy>(parallel);
+  }
+  return policy;
+}
+
+}  // namespace tessera

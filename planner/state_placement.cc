@@ -1,0 +1,99 @@
+// The state placement pass: the step's inputs and the model state each rank holds, as the
+// sharding policy places it.
+#include <fmt/format.h>
+
+#include "ops/flat_layout.h"
+#include "planner/plan_passes.h"
+
+namespace tessera {
+
+namespace {
+
+// Adds a state input for `piece` of layer `piece.layer` on rank `piece.rank`; returns its index
+// in StepGraph::state. A piece smaller than the group is a shard: "<layer>.<kind>[shard]".
+size_t AddState(PlanState& state, StateKind kind, const GroupPiece& piece, ObjectRole role,
+                Device device) {
+  std::string name = fmt::format("{}.{}", state.LayerName(piece.layer), StateKindName(kind));
+  if (piece.numel != state.step.group_numel[piece.layer]) name += "[shard]";
+  StateObject object{.kind = kind, .piece = piece};
+  object.input = state.builder.AddInput(state.Name(piece.rank, name),
+                                        TensorMeta{Shape{piece.numel}, DType::kF32, device}, role);
+  state.step.state.push_back(object);
+  return state.step.state.size() - 1;
+}
+
+// Rank r's parameters, host master copy (host update) and Adam moments of every group.
+void PlaceRankState(PlanState& state, int r) {
+  RankState& rank = state.ranks[static_cast<size_t>(r)];
+  for (auto* list : {&rank.param, &rank.master, &rank.exp_avg, &rank.exp_avg_sq}) {
+    list->assign(state.num_layers, kNoState);
+  }
+  const ShardingPolicy& sharding = *state.sharding;
+  for (size_t l = 0; l < state.num_layers; ++l) {
+    if (!state.HasParams(l)) continue;
+    const int64_t full = state.step.group_numel[l];
+    const GroupPiece update = sharding.UpdatePiece(l, r, full);
+    rank.param[l] = AddState(state, StateKind::kParameter, sharding.ParameterPiece(l, r, full),
+                             ObjectRole::kParameter, state.plan.device);
+    if (state.host_update) {
+      rank.master[l] = AddState(state, StateKind::kMasterParameter, update, ObjectRole::kParameter,
+                                Device::Cpu());
+    }
+    if (state.adamw) {
+      rank.exp_avg[l] = AddState(state, StateKind::kExpAvg, update, ObjectRole::kOptimizerState,
+                                 state.OptimizerDevice());
+      rank.exp_avg_sq[l] = AddState(state, StateKind::kExpAvgSq, update,
+                                    ObjectRole::kOptimizerState, state.OptimizerDevice());
+    }
+  }
+}
+
+// The per-layer and per-micro-batch lists later passes fill.
+void SizeRankState(PlanState& state, RankState& rank) {
+  const size_t layers = state.num_layers;
+  rank.grad.assign(layers, ObjectId());
+  rank.gathered.assign(layers, ObjectId());
+  rank.forward_task.assign(layers,
+                           std::vector<TaskId>(static_cast<size_t>(state.num_micro_batches)));
+  rank.backward_task = rank.forward_task;
+  rank.weight_task = rank.forward_task;
+}
+
+}  // namespace
+
+Status PlaceStatePass(PlanState& state) {
+  StepGraph& step = state.step;
+  const ShardingPolicy& sharding = *state.sharding;
+  step.parallel = state.parallel;
+  step.micro_batch_rows = state.parallel.MicroBatchRows(state.plan.batch);
+  step.gather_once_per_step = sharding.GathersOncePerStep();
+  step.gather_reason = sharding.GatherReason();
+  for (const LayerSpec& layer : state.model.layers) {
+    step.group_numel.push_back(PaddedNumel(layer.params.numel(), sharding.GroupMultiple()));
+  }
+  // Model inputs: per rank, per micro-batch, per input.
+  step.inputs.resize(state.model.inputs.size());
+  for (int r = 0; r < state.num_ranks; ++r) {
+    for (int k = 0; k < state.num_micro_batches; ++k) {
+      for (size_t i = 0; i < state.model.inputs.size(); ++i) {
+        const ModelInput& input = state.model.inputs[i];
+        step.inputs[i].push_back(state.builder.AddInput(
+            state.Name(r, state.Micro(k, input.name)),
+            input.Meta(step.micro_batch_rows, state.plan.seq_len, state.plan.device),
+            ObjectRole::kInput));
+      }
+    }
+  }
+  step.lr = state.builder.AddInput("lr", TensorMeta{Shape{}, DType::kF32, state.OptimizerDevice()},
+                                   ObjectRole::kInput);
+  step.step = state.builder.AddInput(
+      "step", TensorMeta{Shape{}, DType::kI64, state.OptimizerDevice()}, ObjectRole::kInput);
+  state.ranks.resize(static_cast<size_t>(state.num_ranks));
+  for (int r = 0; r < state.num_ranks; ++r) {
+    PlaceRankState(state, r);
+    SizeRankState(state, state.ranks[static_cast<size_t>(r)]);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera

@@ -1,0 +1,119 @@
+// Training plans: what the planner is asked to build (planner/step_graph.h builds it).
+//
+// A TrainingPlan is the global batch, the sequence length, the optimizer, the device the workers
+// compute on, and a ParallelConfig: how the step is spread over workers. It is plain data,
+// copied freely; Validate checks it against a model before anything is planned.
+//
+// Names (one per concept, here, in the planner and in docs/architecture.md):
+//   rank             one data-parallel member of a pipeline stage; `data_parallel` ranks per
+//                    stage, numbered 0 .. data_parallel - 1 (N in formulas, e.g. Ψ/N)
+//   micro-batch      one of the `micro_batches` slices of a rank's rows run one after the other
+//                    in a step: gradient accumulation, and what flows through a pipeline
+//                    (M in formulas; the examples' flag is --micro-batches)
+//   micro-batch rows the rows of one micro-batch: batch / (data_parallel x micro_batches)
+//   pipeline stage   one of `pipeline_stages` groups of ranks, each running a contiguous part of
+//                    the layers (P in formulas); `virtual_stages` chunks per stage (V)
+//   worker           the process a rank of a stage runs on: workers[stage * data_parallel + rank]
+//   group            a layer's flat parameter group (model/model_spec.h), what ZeRO shards;
+//                    its shard r is what rank r holds of it
+//
+// Thread safety: plain values; a const plan may be read from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/device.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "planner/pipeline_schedule.h"
+
+namespace tessera {
+
+struct OptimizerConfig {
+  enum class Kind { kAdamW, kSgd };
+  Kind kind = Kind::kAdamW;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;   // on matrices only (FlatLayout::DecayRanges)
+  double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
+};
+
+enum class OffloadMode { kNone, kOptimizer };
+
+// ZeRO-3 parameter gathers when a rank runs several micro-batches (pipelines, accumulation).
+enum class GatherPolicy : uint8_t {
+  kAuto,           // once per step in a pipeline (pipeline_stages > 1), else per micro-batch
+  kOncePerStep,    // each layer's parameters gathered once, shared by every micro-batch
+  kPerMicroBatch,  // gathered before each micro-batch's forward and backward, freed after
+};
+
+struct ParallelConfig {
+  int data_parallel = 1;  // ranks per pipeline stage, each on its own worker
+  int zero_stage = 0;     // 0..3: what the ranks shard (planner/sharding_policy.h)
+  OffloadMode offload = OffloadMode::kNone;
+  int micro_batches = 1;    // micro-batches per rank per step
+  int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  // Pipeline parallelism: pipeline_stages stages of data_parallel ranks each (num_workers() in
+  // all), the layers cut into pipeline_stages x virtual_stages contiguous chunks (chunk c on
+  // stage c % pipeline_stages), run in `schedule`'s order over the micro-batches
+  // (planner/pipeline_schedule.h).
+  int pipeline_stages = 1;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  int virtual_stages = 1;
+  // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
+  // of layer_op_costs, else the op cost model's estimate of its forward.
+  std::vector<double> layer_costs;
+  // Per layer, measured times of its forward, backward (input half, or whole) and weight half
+  // (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's estimates. Their
+  // per-chunk means order zb-h1 (ScheduleOrder's costs).
+  std::vector<OpCosts> layer_op_costs;
+  // Split every backward that can be (model/model_spec.h LayerSpec::backward_input_op) even without
+  // a zero-bubble pipeline: a profiling run that times the halves.
+  bool split_backwards = false;
+  GatherPolicy gather = GatherPolicy::kAuto;
+  // The worker of each rank of each stage: workers[stage * data_parallel + rank]; empty: tasks
+  // unpinned.
+  std::vector<WorkerId> workers;
+
+  int num_workers() const { return data_parallel * pipeline_stages; }
+  WorkerId WorkerOf(int rank, int stage) const {
+    return workers.empty() ? WorkerId()
+                           : workers[static_cast<size_t>(stage * data_parallel + rank)];
+  }
+
+  // The rows of one micro-batch of a global batch of `batch` rows.
+  int64_t MicroBatchRows(int64_t batch) const { return batch / (data_parallel * micro_batches); }
+  // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
+  int64_t PaddedGroup(int64_t numel) const;
+  // Elements of one rank's shard of such a group.
+  int64_t Shard(int64_t numel) const { return PaddedGroup(numel) / data_parallel; }
+  // Whether ranks hold shards of the parameters (ZeRO-3), of the optimizer state (ZeRO >= 1);
+  // the planner asks its ShardingPolicy instead, the trainer asks these.
+  bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }
+  bool sharded_optimizer() const { return zero_stage >= 1 && data_parallel > 1; }
+  std::string ToString() const;
+};
+
+// "none" | "optimizer"; InvalidArgument naming the choices otherwise.
+Result<OffloadMode> ParseOffload(std::string_view text);
+
+struct TrainingPlan {
+  int64_t batch = 8;  // the global batch: rows per step over all ranks and micro-batches
+  int64_t seq_len = 64;
+  OptimizerConfig optimizer;
+  ParallelConfig parallel;
+  // Where the workers compute: Device::Cpu(), or Device::Cuda(0) for each worker's own GPU.
+  Device device = Device::Cpu();
+
+  // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
+  // batch that does not split over the ranks). Ranks need not be bound to workers yet
+  // (PlanTrainingStep requires it when there are several).
+  Status Validate(const ModelSpec& model) const;
+};
+
+}  // namespace tessera
