@@ -18,7 +18,7 @@
 //                   outputs: the gradient of each of gradient_inputs, then of the parameter
 //                            group (padding zero), then of each shared group: the owner's whole
 //                            group, zero outside the slots this layer reads (the planner sums
-//                            it with the owner's own part: planner/step_graph.cc)
+//                            it with the owner's own part: planner/layer_expansion.cc)
 //
 // The backward walks the ops in reverse. Each op with a gradient rule whose outputs have a
 // gradient runs its backward op; the results are summed per value. Ops on values no gradient

@@ -1,5 +1,8 @@
 // Pipeline schedules as task order.
 //
+// Letters (planner/training_plan.h's names): P pipeline stages, V virtual stages per stage,
+// M micro-batches per step.
+//
 // A pipeline plan cuts the model's layers into P x V contiguous chunks; chunk c runs on stage
 // (worker group) c % P as its virtual stage c / P (V = 1 but for interleaved 1F1B). Each stage
 // runs, per micro-batch m and chunk, a forward op F (the forwards of the chunk's layers) and a
@@ -7,8 +10,8 @@
 // input gradients, on the critical path) and W (the weight gradients, which can wait).
 //
 // A schedule is nothing but the order of these ops on each stage. ScheduleOrder computes it;
-// the planner (planner/step_graph.cc) chains each stage's tasks in that order with control edges,
-// and the runtime runs whatever order the plan gives.
+// the planner's schedule pass (planner/schedule_pass.cc) chains each stage's tasks in that order
+// with control edges, and the runtime runs whatever order the plan gives.
 //
 //   gpipe        F(0..M-1), then B(0..M-1): M micro-batches' activations live at once.
 //   1f1b         P-s-1 warm-up forwards, then F and B alternate, then the remaining B: at most
