@@ -1,5 +1,7 @@
 #include "planner/plan_state.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/collective_task.h"
