@@ -78,9 +78,10 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
   // the tied classifier computed, in place.
   model.layers.push_back(LayerSpec{
       .name = "embedding",
-      .params = Gpt2EmbeddingParamLayout(config.vocab, config.max_seq_len, config.channels),
-      .forward_op = "gpt2_embedding_forward",
-      .backward_op = "gpt2_embedding_backward",
+      .params =
+          TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, config.channels),
+      .forward_op = "token_position_embedding_forward",
+      .backward_op = "token_position_embedding_backward",
       .attrs = attrs,
       .forward_args = {FusedInput(0), FusedParams(0)},
       .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
@@ -90,30 +91,30 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
     const size_t index = model.layers.size();
     model.layers.push_back(
         LayerSpec{.name = fmt::format("h.{}", l),
-                  .params = Gpt2BlockParamLayout(config.channels),
-                  .forward_op = "gpt2_block_forward",
-                  .backward_op = "gpt2_block_backward",
+                  .params = TransformerBlockParamLayout(config.channels),
+                  .forward_op = "transformer_block_forward",
+                  .backward_op = "transformer_block_backward",
                   .attrs = attrs,
                   .forward_args = {FusedActivation(index - 1), FusedParams(index)},
                   .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
                                     FusedBack(B::kForwardOutput, 1), FusedBack(B::kForwardArg, 1)},
                   .backward_outputs = {0, 1},
-                  .backward_input_op = "gpt2_block_backward_input",
-                  .backward_weight_op = "gpt2_block_backward_weight"});
+                  .backward_input_op = "transformer_block_backward_input",
+                  .backward_weight_op = "transformer_block_backward_weight"});
   }
   const size_t head = model.layers.size();
   model.layers.push_back(LayerSpec{
       .name = "head",
-      .params = Gpt2HeadParamLayout(config.channels),
-      .forward_op = "gpt2_head_forward",
-      .backward_op = "gpt2_head_backward",
+      .params = TiedLmHeadParamLayout(config.channels),
+      .forward_op = "tied_lm_head_forward",
+      .backward_op = "tied_lm_head_backward",
       .attrs = attrs,
       .forward_args = {FusedActivation(head - 1), FusedParams(head), FusedParams(0), FusedInput(1)},
       .backward_args = {FusedBack(B::kForwardArg, 0), FusedBack(B::kForwardOutput, 1),
                         FusedBack(B::kForwardArg, 1), FusedBack(B::kForwardArg, 2)},
       .backward_outputs = {0, 1, 2},
       .loss = true,
-      .predict_op = "gpt2_head_logits"});
+      .predict_op = "tied_lm_head_logits"});
   return model;
 }
 
@@ -164,15 +165,15 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, const OpRegistry& registry
                                            /*label=*/true);
 
   ModelValue x = model.Layer("embedding", {tokens}, [&](LayerBuilder& l) {
-    const Params p =
-        Declare(l, Gpt2EmbeddingParamLayout(config.vocab, config.max_seq_len, c), residual_std);
+    const Params p = Declare(
+        l, TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c), residual_std);
     // vocab and max_seq_len size the backward's gradients of wte and wpe.
     return l.Call("embedding_forward", {l.input(0), p["wte"], p["wpe"]},
                   Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
   });
   for (int64_t b = 0; b < config.layers; ++b) {
     x = model.Layer(fmt::format("h.{}", b), {x}, [&](LayerBuilder& l) {
-      const Params p = Declare(l, Gpt2BlockParamLayout(c), residual_std);
+      const Params p = Declare(l, TransformerBlockParamLayout(c), residual_std);
       const LayerValue in = l.input(0);
       const LayerValue ln1 = l.Call("layernorm_forward", {in, p["ln1_w"], p["ln1_b"]}, {}, "ln1");
       const LayerValue qkv = l.Call("linear_forward", {ln1, p["qkv_w"], p["qkv_b"]}, {}, "qkv");
@@ -189,7 +190,7 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, const OpRegistry& registry
     });
   }
   model.Loss("head", {x, targets}, [&](LayerBuilder& l) {
-    const Params p = Declare(l, Gpt2HeadParamLayout(c), residual_std);
+    const Params p = Declare(l, TiedLmHeadParamLayout(c), residual_std);
     const LayerValue wte = l.SharedParam("embedding", "wte");
     // Rows of tokens: [B, T, C] -> [B*T, C] before the classifier (cheaper than reshaping the
     // [B, T, V] logits, and the same values).

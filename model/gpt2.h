@@ -8,12 +8,13 @@
 //   head       loss = cross_entropy(lnf(x) @ wte^T, targets)   (wte read from "embedding")
 //
 // Each layer's parameter group has exactly the fused model's layout (ops/flat_layout.h:
-// Gpt2EmbeddingParamLayout, Gpt2BlockParamLayout, Gpt2HeadParamLayout: the same slots, order,
-// shapes and decay flags), so the groups of a trainer of one can be copied into a trainer of the
-// other (Trainer::ReadGroup / WriteGroup) and both compute the same training run. Parameters
-// are named "embedding.wte", "h.0.qkv_w", "head.lnf_w". They start as nanoGPT's: matrices and
-// embeddings N(0, 0.02), the residual projections (proj_w, fcproj_w) N(0, 0.02 / sqrt(2 L)),
-// biases 0, layernorm gains 1 (the same distributions as the fused model, not the same draws).
+// TokenPositionEmbeddingParamLayout, TransformerBlockParamLayout, TiedLmHeadParamLayout: the same
+// slots, order, shapes and decay flags), so the groups of a trainer of one can be copied into a
+// trainer of the other (Trainer::ReadGroup / WriteGroup) and both compute the same training run.
+// Parameters are named "embedding.wte", "h.0.qkv_w", "head.lnf_w". They start as nanoGPT's:
+// matrices and embeddings N(0, 0.02), the residual projections (proj_w, fcproj_w) N(0, 0.02 /
+// sqrt(2 L)), biases 0, layernorm gains 1 (the same distributions as the fused model, not the same
+// draws).
 //
 // Inputs: "tokens" and "targets", i32 [B, max_seq_len] sequence inputs (the plan's seq_len
 // replaces dimension 1); targets is a label input.

@@ -22,7 +22,8 @@ TensorMeta F32(int64_t n) { return TensorMeta{Shape{n}, DType::kF32, Device::Cpu
 // Prefix of a layer's parameter names: "" for the embedding and head, "h.<l>." for blocks.
 // Other models: "<layer>." for every layer.
 std::string NamePrefix(const ModelSpec& model, const LayerSpec& layer) {
-  if (model.name != "gpt2" || layer.forward_op == "gpt2_block_forward") return layer.name + ".";
+  if (model.name != "gpt2" || layer.forward_op == "transformer_block_forward")
+    return layer.name + ".";
   return "";
 }
 

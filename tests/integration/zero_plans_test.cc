@@ -127,7 +127,7 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
   const double p = static_cast<double>(model.NumParameters());
   int64_t largest_block = 0;
   for (const LayerSpec& layer : model.layers) {
-    if (layer.forward_op == "gpt2_block_forward")
+    if (layer.forward_op == "transformer_block_forward")
       largest_block = std::max(largest_block, layer.params.numel());
   }
   const int64_t embedding = model.layers.front().params.numel();

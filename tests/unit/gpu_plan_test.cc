@@ -21,8 +21,8 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(GpuLayoutTest, Bf16SavedLayoutsAlignEverySlotAndWidenFp32Slots) {
-  const FlatLayout f32 = Gpt2BlockSavedLayout(2, 37, 64, 4);
-  const FlatLayout bf16 = Gpt2BlockSavedLayoutBf16(2, 37, 64, 4);
+  const FlatLayout f32 = TransformerBlockSavedLayout(2, 37, 64, 4);
+  const FlatLayout bf16 = TransformerBlockSavedLayoutBf16(2, 37, 64, 4);
   for (const FlatSlot& slot : bf16.slots()) {
     if (slot.name.starts_with("pad.")) continue;  // padding fills up to the next slot's alignment
     EXPECT_EQ(slot.offset % kGpuSlotAlignment, 0) << slot.name;
@@ -31,11 +31,11 @@ TEST(GpuLayoutTest, Bf16SavedLayoutsAlignEverySlotAndWidenFp32Slots) {
         slot.name.ends_with("_mean") || slot.name.ends_with("_rstd") || slot.name == "lse";
     EXPECT_EQ(slot.shape.numel(), fp32_slot ? 2 * f32_numel : f32_numel) << slot.name;
   }
-  const FlatLayout head = Gpt2HeadSavedLayoutBf16(2, 37, 64, 50257);
+  const FlatLayout head = TiedLmHeadSavedLayoutBf16(2, 37, 64, 50257);
   EXPECT_EQ(head.slot("dlogits").shape, (Shape{74, 50304}));
   EXPECT_EQ(head.slot("losses").shape.numel(), 2 * 74);
-  EXPECT_EQ(Gpt2PaddedVocab(50257), 50304);
-  EXPECT_EQ(Gpt2PaddedVocab(256), 256);
+  EXPECT_EQ(TiedLmHeadPaddedVocab(50257), 50304);
+  EXPECT_EQ(TiedLmHeadPaddedVocab(256), 256);
 }
 
 TEST(GpuLayoutTest, Bf16ActivationsFlowThroughShapeInference) {
@@ -43,19 +43,20 @@ TEST(GpuLayoutTest, Bf16ActivationsFlowThroughShapeInference) {
   Attrs attrs{{"channels", int64_t{64}}, {"heads", int64_t{4}}};
   attrs.Set(kActivationDTypeAttr, std::string("bf16"));
   const TensorMeta x{Shape{2, 16, 64}, DType::kBF16};
-  const TensorMeta params{Shape{Gpt2BlockParamLayout(64).numel()}, DType::kF32};
-  ASSERT_OK_AND_ASSIGN(auto metas, registry.InferShapes("gpt2_block_forward", {x, params}, attrs));
+  const TensorMeta params{Shape{TransformerBlockParamLayout(64).numel()}, DType::kF32};
+  ASSERT_OK_AND_ASSIGN(auto metas,
+                       registry.InferShapes("transformer_block_forward", {x, params}, attrs));
   EXPECT_EQ(metas[0], x);
   EXPECT_EQ(metas[1].dtype, DType::kBF16);
-  EXPECT_EQ(metas[1].numel(), Gpt2BlockSavedLayoutBf16(2, 16, 64, 4).numel());
+  EXPECT_EQ(metas[1].numel(), TransformerBlockSavedLayoutBf16(2, 16, 64, 4).numel());
   // f32 activations into a bf16 layer are refused, naming the input.
   const TensorMeta x32{Shape{2, 16, 64}, DType::kF32};
-  auto refused = registry.InferShapes("gpt2_block_forward", {x32, params}, attrs);
+  auto refused = registry.InferShapes("transformer_block_forward", {x32, params}, attrs);
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("input 'x'"));
   EXPECT_THAT(refused.status().message(), HasSubstr("bf16"));
   attrs.Set(kActivationDTypeAttr, std::string("f8"));
-  auto unknown = registry.InferShapes("gpt2_block_forward", {x, params}, attrs);
+  auto unknown = registry.InferShapes("transformer_block_forward", {x, params}, attrs);
   ASSERT_FALSE(unknown.ok());
   EXPECT_THAT(unknown.status().message(), HasSubstr("use f32 or bf16"));
 }

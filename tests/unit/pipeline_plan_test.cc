@@ -153,7 +153,8 @@ TEST(PipelinePlanTest, MeasuredLayerCostsCutTheStagesAndOrderZeroBubble) {
 
   auto splits = [](const StepGraph& s) {
     int count = 0;
-    for (const TaskSpec& task : s.graph.tasks()) count += task.op == "gpt2_block_backward_weight";
+    for (const TaskSpec& task : s.graph.tasks())
+      count += task.op == "transformer_block_backward_weight";
     return count;
   };
   TrainingPlan flat;

@@ -31,7 +31,7 @@ TEST(SimulatedGpuTest, DeviceBytesAreScrambledAndOnlyCopyReadsThem) {
 TEST(SimulatedGpuTest, ItsKernelsAreTheCpuKernelsOnHostCopies) {
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
   ASSERT_OK(AddSimulatedGpuKernels(registry));
-  EXPECT_TRUE(registry.Supports("gpt2_block_forward", DeviceKind::kCuda));
+  EXPECT_TRUE(registry.Supports("transformer_block_forward", DeviceKind::kCuda));
   std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu();
   const KernelContext context{TestAllocator(), 0, &registry, gpu.get()};
   const TensorMeta on_gpu{Shape{64}, DType::kF32, Device::Cuda(0)};

@@ -113,7 +113,7 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   EXPECT_EQ(accum.inputs[0].size(), 4u);  // tokens: 2 ranks x 2 micro-batches
   EXPECT_EQ(accum.micro_batch, 1);
   EXPECT_EQ(CountOp(accum.graph, "accumulate"), 2 * layers);
-  EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
+  EXPECT_EQ(CountOp(accum.graph, "tied_lm_head_forward"), 4);
 }
 
 // Whether task `later` (transitively) reads an output of task `earlier`.
