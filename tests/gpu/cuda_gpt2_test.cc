@@ -14,6 +14,7 @@
 
 #include <gmock/gmock.h>
 
+#include "gpt2_test_util.h"
 #include "gpu_test_util.h"
 #include "ops/cpu/transformer_layers.h"
 #include "ops/cuda/cuda_context.h"
@@ -236,7 +237,7 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
     plan.device = Device::Cuda(0);
   }
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Trainer::Create(config, plan, options));
+                           Trainer::Create(*BuildGpt2(config), plan, options));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(7));
   RunResult result;
   const int64_t tokens = plan.batch * plan.seq_len;
@@ -247,7 +248,7 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
       x[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + step) % config.vocab);
       y[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + step + 7) % config.vocab);
     }
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(x, y, 1e-3f));
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(*trainer, x, y, 1e-3f));
     result.losses.push_back(report.loss);
   }
   // Evaluation and sampling run where training did (on the GPU: the eval and logits graphs).
@@ -256,8 +257,8 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
     x[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % config.vocab);
     y[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 7) % config.vocab);
   }
-  TESSERA_ASSIGN_OR_RETURN(result.eval_loss, trainer->EvalLoss(x, y));
-  TESSERA_ASSIGN_OR_RETURN(result.logits, trainer->Logits(x, plan.batch, plan.seq_len));
+  TESSERA_ASSIGN_OR_RETURN(result.eval_loss, Gpt2EvalLoss(*trainer, x, y));
+  TESSERA_ASSIGN_OR_RETURN(result.logits, Gpt2Logits(*trainer, x, plan.batch, plan.seq_len));
   return result;
 }
 

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 
 #include "core/collective_task.h"
+#include "gpt2_test_util.h"
 #include "model/gpt2.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/flat_layout.h"
@@ -73,13 +74,13 @@ TEST(GpuPlanTest, EveryGpt2TaskRunsOnTheGpuAndOffloadMovesTheOptimizerToTheHost)
   plan.seq_len = 32;
   plan.device = Device::Cuda(0);
   ASSERT_OK_AND_ASSIGN(StepGraph step,
-                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+                       PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, CpuRegistry()));
   for (const TaskSpec& task : step.graph.tasks()) {
     EXPECT_EQ(task.device_kind, DeviceKind::kCuda) << task.name;
   }
   plan.parallel.offload = OffloadMode::kOptimizer;
   ASSERT_OK_AND_ASSIGN(StepGraph offloaded,
-                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+                       PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, CpuRegistry()));
   int host_updates = 0, copies = 0;
   for (const TaskSpec& task : offloaded.graph.tasks()) {
     if (task.op == "adamw") {
@@ -130,8 +131,7 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
     for (int w = 0; w < c.data_parallel * c.stages; ++w) {
       plan.parallel.workers.push_back(WorkerId(10 + w));
     }
-    ASSERT_OK_AND_ASSIGN(StepGraph step,
-                         PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, registry));
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, registry));
     int collectives = 0;
     for (const TaskSpec& task : step.graph.tasks()) {
       EXPECT_TRUE(registry.FindKernel(task.op, task.device_kind).ok())
@@ -145,9 +145,9 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
 }
 
 TEST(GpuPlanTest, EvaluationAndSamplingRunOnTheTrainingDevice) {
-  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(DescribeGpt2(GpuConfig()), 2, 32,
+  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(*BuildGpt2(GpuConfig()), 2, 32,
                                                        CpuRegistry(), 1, Device::Cuda(0)));
-  ASSERT_OK_AND_ASSIGN(ForwardGraph logits, PlanLogits(DescribeGpt2(GpuConfig()), 2, 32,
+  ASSERT_OK_AND_ASSIGN(ForwardGraph logits, PlanLogits(*BuildGpt2(GpuConfig()), 2, 32,
                                                        CpuRegistry(), 1, Device::Cuda(0)));
   for (const Graph* graph : {&eval.graph, &logits.graph}) {
     for (const TaskSpec& task : graph->tasks()) {
@@ -165,13 +165,13 @@ TEST(GpuPlanTest, AProcessWithoutAGpuRefusesAGpuGraphNamingWhy) {
   plan.batch = 2;
   plan.seq_len = 32;
   plan.device = Device::Cuda(0);
-  auto trainer = Trainer::Create(GpuConfig(), plan, ExecutorOptions{.threads = 1});
+  auto trainer = Trainer::Create(*BuildGpt2(GpuConfig()), plan, ExecutorOptions{.threads = 1});
   // Without the CUDA kernels the registry has no kCuda kernel to prepare with; with them but
   // no device, the first step cannot put its inputs on the GPU.
   if (trainer.ok()) {
     ASSERT_OK((*trainer)->InitializeParameters(1));
     std::vector<int32_t> tokens(64, 1);
-    auto step = (*trainer)->Step(tokens, tokens, 1e-3f);
+    auto step = Gpt2Step(**trainer, tokens, tokens, 1e-3f);
     ASSERT_FALSE(step.ok());
     EXPECT_THAT(step.status().message(), HasSubstr("no GPU"));
   } else {

@@ -10,6 +10,7 @@
 #include "client/trace.h"
 #include "core/rpc/wire.h"
 #include "core/timeline.h"
+#include "gpt2_test_util.h"
 #include "scheduler/trace_store.h"
 #include "test_util.h"
 #include "trace_schema.h"
@@ -262,7 +263,8 @@ TEST(InProcessTimelineTest, StepsOfGpt2TinyHaveEveryKind) {
   plan.seq_len = 32;
   ExecutorOptions options;
   options.threads = 2;
-  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(*Gpt2Config::Preset("tiny"), plan, options));
+  ASSERT_OK_AND_ASSIGN(auto trainer,
+                       Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, options));
   ASSERT_OK(trainer->InitializeParameters(1));
   TokenDataset data = TokenDataset::Synthetic(5'000, 256, 3);
   ASSERT_OK_AND_ASSIGN(BatchSampler sampler,
@@ -270,7 +272,7 @@ TEST(InProcessTimelineTest, StepsOfGpt2TinyHaveEveryKind) {
   std::vector<int32_t> tokens(plan.batch * plan.seq_len), targets(tokens.size());
   for (int step = 0; step < 3; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    ASSERT_OK(trainer->Step(tokens, targets, 1e-3f).status());
+    ASSERT_OK(Gpt2Step(*trainer, tokens, targets, 1e-3f).status());
   }
   ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(2));
   std::set<uint64_t> instances;
