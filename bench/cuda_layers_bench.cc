@@ -18,9 +18,9 @@
 
 #include "bench/bench_util.h"
 #include "ops/cuda/cuda_context.h"
-#include "ops/cuda/gpt2_layers.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/matmul.h"
+#include "ops/cuda/transformer_layers.h"
 #include "ops/flat_layout.h"
 
 namespace tessera::bench {
@@ -103,12 +103,12 @@ int Main(int argc, char** argv) {
   if (!made.ok()) Die("bench_cuda_layers", made.status(), "opening the GPU");
   CudaContext& ctx = **made;
   const int64_t n = o.batch * o.seq_len, c = o.channels, v = o.vocab;
-  const int64_t vp = Gpt2PaddedVocab(v);
-  const Gpt2Dims dims{o.batch, o.seq_len, c, o.heads, v, o.seq_len};
-  const FlatLayout block = Gpt2BlockParamLayout(c);
-  const FlatLayout saved = Gpt2BlockSavedLayoutBf16(o.batch, o.seq_len, c, o.heads);
-  const FlatLayout head_saved = Gpt2HeadSavedLayoutBf16(o.batch, o.seq_len, c, v);
-  const FlatLayout emb = Gpt2EmbeddingParamLayout(v, o.seq_len, c);
+  const int64_t vp = TiedLmHeadPaddedVocab(v);
+  const TransformerDims dims{o.batch, o.seq_len, c, o.heads, v, o.seq_len};
+  const FlatLayout block = TransformerBlockParamLayout(c);
+  const FlatLayout saved = TransformerBlockSavedLayoutBf16(o.batch, o.seq_len, c, o.heads);
+  const FlatLayout head_saved = TiedLmHeadSavedLayoutBf16(o.batch, o.seq_len, c, v);
+  const FlatLayout emb = TokenPositionEmbeddingParamLayout(v, o.seq_len, c);
 
   bf16* x = Filled<bf16>(n * 4 * c);
   bf16* y = Filled<bf16>(n * 4 * c);
@@ -135,7 +135,7 @@ int Main(int argc, char** argv) {
   cudaMalloc(reinterpret_cast<void**>(&ids), host_ids.size() * sizeof(int32_t));
   cudaMemcpy(ids, host_ids.data(), host_ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
   // The block forward needs real saved activations for its backward: run it once.
-  if (Status s = cuda::Gpt2BlockForward(ctx, y, saved_buf, x, params, dims); !s.ok()) {
+  if (Status s = cuda::TransformerBlockForward(ctx, y, saved_buf, x, params, dims); !s.ok()) {
     Die("bench_cuda_layers", s, "the block forward");
   }
 
@@ -206,29 +206,32 @@ int Main(int argc, char** argv) {
        Time(ctx, o.repeat,
             [&] { return cuda::SumRows(dw, scratch, x, n, 4 * c, false, ctx.stream()); }),
        0, 4 * act, o.layers});
-  rows.push_back({"block fwd",
-                  Time(ctx, o.repeat,
-                       [&] { return cuda::Gpt2BlockForward(ctx, y, saved_buf, x, params, dims); }),
-                  0, 0, o.layers});
   rows.push_back(
-      {"block bwd",
+      {"block fwd",
        Time(ctx, o.repeat,
-            [&] { return cuda::Gpt2BlockBackward(ctx, y, dparams, x, saved_buf, params, dims); }),
+            [&] { return cuda::TransformerBlockForward(ctx, y, saved_buf, x, params, dims); }),
        0, 0, o.layers});
+  rows.push_back({"block bwd",
+                  Time(ctx, o.repeat,
+                       [&] {
+                         return cuda::TransformerBlockBackward(ctx, y, dparams, x, saved_buf,
+                                                               params, dims);
+                       }),
+                  0, 0, o.layers});
   rows.push_back({"head fwd",
                   Time(ctx, o.repeat,
                        [&] {
-                         return cuda::Gpt2HeadForward(ctx, loss, head_buf, x, head_params,
-                                                      emb_params + emb.offset("wte"), ids, dims,
-                                                      1.0f);
+                         return cuda::TiedLmHeadForward(ctx, loss, head_buf, x, head_params,
+                                                        emb_params + emb.offset("wte"), ids, dims,
+                                                        1.0f);
                        }),
                   2.0 * n * c * v, 0, 1});
   rows.push_back({"head bwd",
                   Time(ctx, o.repeat,
                        [&] {
-                         return cuda::Gpt2HeadBackward(ctx, y, dhead, demb, x, head_buf,
-                                                       head_params, emb_params + emb.offset("wte"),
-                                                       dims);
+                         return cuda::TiedLmHeadBackward(ctx, y, dhead, demb, x, head_buf,
+                                                         head_params,
+                                                         emb_params + emb.offset("wte"), dims);
                        }),
                   4.0 * n * c * v, 0, 1});
   rows.push_back({"classifier (softmax+CE)",
@@ -243,8 +246,8 @@ int Main(int argc, char** argv) {
                   Time(ctx, o.repeat,
                        [&] {
                          TESSERA_RETURN_IF_ERROR(
-                             cuda::Gpt2EmbeddingForward(ctx, y, ids, emb_params, dims));
-                         return cuda::Gpt2EmbeddingBackward(ctx, demb, y, ids, dims);
+                             cuda::TokenPositionEmbeddingForward(ctx, y, ids, emb_params, dims));
+                         return cuda::TokenPositionEmbeddingBackward(ctx, demb, y, ids, dims);
                        }),
                   0, 0, 1});
 

@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "model/gpt2.h"
 #include "training/trainer.h"
 #include "worker/gpu.h"
 
@@ -71,8 +72,9 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
   const auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   };
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildGpt2(config));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Trainer::Create(config, plan, executor));
+                           Trainer::Create(std::move(model), plan, executor));
   std::fprintf(stderr,
                "bench_gpt2_cuda: %lld parameters (%lld x %lld): state allocated in %.1f s; "
                "initialising\n",
@@ -85,12 +87,13 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.vocab - 1));
   std::vector<int32_t> x(static_cast<size_t>(batch * o.seq_len)), y(x.size());
   for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> inputs, Gpt2Batch(config, x, y, batch, o.seq_len));
   std::vector<double> times;
   Measured m;
   for (int step = 0; step < warmup + steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     // Step returns after the loss came back to the host: the step's GPU work is done.
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(x, y, 3e-4f));
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(inputs, 3e-4f));
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (step >= warmup) times.push_back(ms);

@@ -6,8 +6,8 @@
 
 #include <vector>
 
-#include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/transformer_layers.h"
 #include "ops/flat_layout.h"
 
 namespace tessera::cpu {
@@ -17,27 +17,28 @@ std::vector<float> Filled(int64_t n, float value) {
   return std::vector<float>(static_cast<size_t>(n), value);
 }
 
-Gpt2Dims Dims(int64_t channels, int64_t vocab) {
-  return Gpt2Dims{.batch = 4,
-                  .seq_len = 64,
-                  .channels = channels,
-                  .heads = channels / 64,
-                  .vocab = vocab,
-                  .max_seq_len = 1024};
+TransformerDims Dims(int64_t channels, int64_t vocab) {
+  return TransformerDims{.batch = 4,
+                         .seq_len = 64,
+                         .channels = channels,
+                         .heads = channels / 64,
+                         .vocab = vocab,
+                         .max_seq_len = 1024};
 }
 
-double BlockFlops(const Gpt2Dims& d) {
+double BlockFlops(const TransformerDims& d) {
   const double n = static_cast<double>(d.rows()), c = static_cast<double>(d.channels);
   return 2.0 * n * 12.0 * c * c + 4.0 * d.batch * d.seq_len * d.seq_len * c;
 }
 
 void BM_BlockForward(benchmark::State& state) {
-  const Gpt2Dims d = Dims(state.range(0), 50257);
+  const TransformerDims d = Dims(state.range(0), 50257);
   auto x = Filled(d.rows() * d.channels, 0.1f), y = x;
-  auto params = Filled(Gpt2BlockParamLayout(d.channels).numel(), 0.01f);
-  auto saved = Filled(Gpt2BlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
+  auto params = Filled(TransformerBlockParamLayout(d.channels).numel(), 0.01f);
+  auto saved =
+      Filled(TransformerBlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
   for (auto _ : state) {
-    Gpt2BlockForward(y.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
+    TransformerBlockForward(y.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
     benchmark::DoNotOptimize(y.data());
   }
   state.counters["GFLOP/s"] =
@@ -45,16 +46,17 @@ void BM_BlockForward(benchmark::State& state) {
 }
 
 void BM_BlockBackward(benchmark::State& state) {
-  const Gpt2Dims d = Dims(state.range(0), 50257);
+  const TransformerDims d = Dims(state.range(0), 50257);
   auto x = Filled(d.rows() * d.channels, 0.1f), dy = x;
-  auto params = Filled(Gpt2BlockParamLayout(d.channels).numel(), 0.01f), dparams = params;
-  auto saved = Filled(Gpt2BlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
-  auto workspace = Filled(Gpt2BlockBackwardWorkspace(d), 0);
-  Gpt2BlockForward(dy.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
+  auto params = Filled(TransformerBlockParamLayout(d.channels).numel(), 0.01f), dparams = params;
+  auto saved =
+      Filled(TransformerBlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
+  auto workspace = Filled(TransformerBlockBackwardWorkspace(d), 0);
+  TransformerBlockForward(dy.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
   for (auto _ : state) {
     std::fill(dy.begin(), dy.end(), 0.01f);
-    Gpt2BlockBackward(dy.data(), dparams.data(), workspace.data(), x.data(), saved.data(),
-                      params.data(), d, 4'000'000);
+    TransformerBlockBackward(dy.data(), dparams.data(), workspace.data(), x.data(), saved.data(),
+                             params.data(), d, 4'000'000);
     benchmark::DoNotOptimize(dparams.data());
   }
   state.counters["GFLOP/s"] =
@@ -62,19 +64,20 @@ void BM_BlockBackward(benchmark::State& state) {
 }
 
 void BM_HeadForwardBackward(benchmark::State& state) {
-  const Gpt2Dims d = Dims(state.range(0), 50257);
+  const TransformerDims d = Dims(state.range(0), 50257);
   auto x = Filled(d.rows() * d.channels, 0.1f), dx = x;
   auto head = Filled(2 * d.channels, 1.0f), dhead = head;
-  auto emb = Filled(Gpt2EmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels).numel(), 0.01f);
+  auto emb =
+      Filled(TokenPositionEmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels).numel(), 0.01f);
   auto demb = emb;
-  auto saved = Filled(Gpt2HeadSavedLayout(d.batch, d.seq_len, d.channels, d.vocab).numel(), 0);
-  auto workspace = Filled(Gpt2HeadWorkspace(d), 0);
+  auto saved = Filled(TiedLmHeadSavedLayout(d.batch, d.seq_len, d.channels, d.vocab).numel(), 0);
+  auto workspace = Filled(TiedLmHeadWorkspace(d), 0);
   std::vector<int32_t> targets(static_cast<size_t>(d.rows()), 7);
   for (auto _ : state) {
-    auto loss = Gpt2HeadForward(saved.data(), x.data(), head.data(), emb.data(), targets.data(), d,
-                                1.0f, 4'000'000);
-    Gpt2HeadBackward(dx.data(), dhead.data(), demb.data(), workspace.data(), x.data(), saved.data(),
-                     head.data(), emb.data(), d, 4'000'000);
+    auto loss = TiedLmHeadForward(saved.data(), x.data(), head.data(), emb.data(), targets.data(),
+                                  d, 1.0f, 4'000'000);
+    TiedLmHeadBackward(dx.data(), dhead.data(), demb.data(), workspace.data(), x.data(),
+                       saved.data(), head.data(), emb.data(), d, 4'000'000);
     benchmark::DoNotOptimize(loss);
   }
   const double flops = 3 * 2.0 * static_cast<double>(d.rows() * d.channels * d.vocab);

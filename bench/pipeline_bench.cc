@@ -34,6 +34,7 @@
 #include "bench/bench_util.h"
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "model/gpt2.h"
 #include "planner/pipeline_schedule.h"
 #include "training/layer_profile.h"
 #include "training/token_dataset.h"
@@ -79,7 +80,9 @@ Run Train(const Flags& f, tessera::Cluster& cluster, const tessera::TrainingPlan
           const std::string& what, bool trace) {
   auto backend = Check(MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
   Run run;
-  run.trainer = Check(tessera::Trainer::Create(Model(f), plan, std::move(backend)), what);
+  run.trainer = Check(
+      tessera::Trainer::Create(Check(tessera::BuildGpt2(Model(f)), what), plan, std::move(backend)),
+      what);
   if (Status s = run.trainer->InitializeParameters(1); !s.ok()) Die(s, what);
   const tessera::TokenDataset data =
       tessera::TokenDataset::Synthetic(200'000, static_cast<int32_t>(f.vocab), 9);
@@ -87,7 +90,8 @@ Run Train(const Flags& f, tessera::Cluster& cluster, const tessera::TrainingPlan
   std::vector<int32_t> tokens(static_cast<size_t>(f.batch * f.seq_len)), targets(tokens.size());
   for (int step = 0; step < f.warmup + f.steps; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    run.last = Check(run.trainer->Step(tokens, targets, 1e-3f), what);
+    auto batch = Check(tessera::Gpt2Batch(Model(f), tokens, targets, f.batch, f.seq_len), what);
+    run.last = Check(run.trainer->Step(batch, 1e-3f), what);
     if (step < f.warmup) continue;
     run.step_ms.push_back(run.last.step_ms);
     if (trace) run.timelines.push_back(Check(run.trainer->StepTimeline(1), what));
@@ -255,7 +259,7 @@ int main(int argc, char** argv) {
       for (int micro : f.micro) {
         const std::string what = fmt::format("P={} M={} {}", stages, micro, name);
         tessera::TrainingPlan plan = PipelinePlan(f, stages, 1, micro, schedule);
-        if (Status valid = plan.Validate(tessera::DescribeGpt2(Model(f))); !valid.ok()) {
+        if (Status valid = plan.Validate(Check(tessera::BuildGpt2(Model(f)), what)); !valid.ok()) {
           std::printf("%-3d %-3d %-12s refused: %s\n", stages, micro, name.c_str(),
                       valid.message().c_str());
           continue;
@@ -263,8 +267,10 @@ int main(int argc, char** argv) {
         if (f.balance == "profile") {
           tessera::ExecutorOptions one_thread;
           one_thread.threads = 1;
-          plan.parallel.layer_op_costs = Check(
-              tessera::ProfileLayerTimes(tessera::DescribeGpt2(Model(f)), plan, one_thread), what);
+          plan.parallel.layer_op_costs =
+              Check(tessera::ProfileLayerTimes(Check(tessera::BuildGpt2(Model(f)), what), plan,
+                                               one_thread),
+                    what);
         }
         Run run = Train(f, *cluster, plan, what, /*trace=*/true);
         const int v = plan.parallel.virtual_stages;

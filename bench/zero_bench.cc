@@ -27,6 +27,7 @@
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "model/gpt2.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -101,7 +102,9 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
   plan.parallel.zero_stage = stage;
   const std::string what = fmt::format("{} workers, stage {}", workers, stage);
   auto backend = Check(MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
-  auto trainer = Check(tessera::Trainer::Create(config, plan, std::move(backend)), what);
+  auto trainer = Check(
+      tessera::Trainer::Create(Check(tessera::BuildGpt2(config), what), plan, std::move(backend)),
+      what);
   if (Status s = trainer->InitializeParameters(1); !s.ok()) Die(s, what);
   const tessera::TokenDataset data =
       tessera::TokenDataset::Synthetic(200'000, static_cast<int32_t>(flags.vocab), 9);
@@ -111,7 +114,9 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
   std::vector<double> times;
   for (int step = 0; step < flags.warmup + flags.steps; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    const tessera::StepReport report = Check(trainer->Step(tokens, targets, 1e-3f), what);
+    auto batch =
+        Check(tessera::Gpt2Batch(config, tokens, targets, flags.batch, flags.seq_len), what);
+    const tessera::StepReport report = Check(trainer->Step(batch, 1e-3f), what);
     if (step < flags.warmup) continue;
     times.push_back(report.step_ms);
     row.final_loss = report.loss;

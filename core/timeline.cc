@@ -38,7 +38,7 @@ constexpr std::array<std::string_view, 6> kOptimizerPrefixes = {
 constexpr std::array<std::string_view, 3> kBackwardOps = {"loss_gradient", "accumulate",
                                                           "reshape_backward"};
 constexpr std::array<std::string_view, 5> kForwardOps = {
-    "softmax_cross_entropy", "voxel_cross_entropy", "gpt2_head_logits", "reshape", "dice_score"};
+    "softmax_cross_entropy", "voxel_cross_entropy", "tied_lm_head_logits", "reshape", "dice_score"};
 
 }  // namespace
 

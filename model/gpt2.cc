@@ -2,11 +2,13 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "model/model.h"
+#include "ops/flat_layout.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -38,26 +40,74 @@ Result<Gpt2Config> Gpt2Config::Preset(std::string_view name) {
   return NotFound("unknown preset '{}' (expected tiny, small or gpt2-124m)", name);
 }
 
-int64_t Gpt2Config::NumParameters() const { return DescribeGpt2(*this).NumParameters(); }
+int64_t Gpt2Config::NumParameters() const {
+  return TokenPositionEmbeddingParamLayout(vocab, max_seq_len, channels).numel() +
+         layers * TransformerBlockParamLayout(channels).numel() +
+         TiedLmHeadParamLayout(channels).numel();
+}
 
 std::string Gpt2Config::ToString() const {
   return fmt::format("layers={} channels={} heads={} vocab={} max_seq_len={}", layers, channels,
                      heads, vocab, max_seq_len);
 }
 
+std::string_view Gpt2LayerImplName(Gpt2LayerImpl impl) {
+  return impl == Gpt2LayerImpl::kFused ? "fused" : "primitive";
+}
+
+Result<Gpt2LayerImpl> ParseGpt2LayerImpl(std::string_view name) {
+  if (name == "fused") return Gpt2LayerImpl::kFused;
+  if (name == "primitive") return Gpt2LayerImpl::kPrimitive;
+  return InvalidArgument(
+      "GPT-2 layer implementation '{}' is not one of: fused (the hand-fused layer ops), "
+      "primitive (layer programs of primitive ops)",
+      name);
+}
+
 namespace {
+
+// nanoGPT's initialisation of a slot of GPT-2's layouts: matrices and embeddings N(0, 0.02), the
+// residual projections N(0, 0.02 / sqrt(2 L)), layernorm gains 1, biases 0.
+ParamInit SlotInit(const FlatSlot& slot, double residual_std) {
+  if (slot.shape.rank() == 2) {
+    const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
+    return ParamInit::Normal(residual ? residual_std : 0.02);
+  }
+  return slot.name.ends_with("_w") ? ParamInit::Ones() : ParamInit::Zeros();
+}
+
+std::vector<ParamInit> LayoutInit(const FlatLayout& layout, double residual_std) {
+  std::vector<ParamInit> init;
+  for (const FlatSlot& slot : layout.slots()) init.push_back(SlotInit(slot, residual_std));
+  return init;
+}
+
+double ResidualStd(const Gpt2Config& config) {
+  return 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
+}
+
+// What both implementations share: the name, inputs, checkpoint identity and parameter names.
+void DescribeCommon(const Gpt2Config& config, ModelSpec& model) {
+  model.name = "gpt2";
+  model.config = Attrs{{"layers", config.layers},
+                       {"channels", config.channels},
+                       {"heads", config.heads},
+                       {"vocab", config.vocab},
+                       {"max_seq_len", config.max_seq_len}};
+  // nanoGPT's names: "wte", "lnf_w", but "h.0.qkv_w".
+  model.layers.front().param_prefix = "";
+  model.layers.back().param_prefix = "";
+}
 
 LayerArg FusedActivation(size_t layer) { return {LayerArg::Kind::kActivation, layer, 0}; }
 LayerArg FusedParams(size_t layer) { return {LayerArg::Kind::kParams, layer, 0}; }
 LayerArg FusedInput(size_t input) { return {LayerArg::Kind::kModelInput, input, 0}; }
 BackwardArg FusedBack(BackwardArg::Kind kind, size_t index) { return {kind, index}; }
 
-}  // namespace
-
-ModelSpec DescribeGpt2(const Gpt2Config& config) {
+ModelSpec DescribeFused(const Gpt2Config& config) {
   using B = BackwardArg::Kind;
+  const double residual_std = ResidualStd(config);
   ModelSpec model;
-  model.name = "gpt2";
   model.inputs = {ModelInput{.name = "tokens",
                              .dtype = DType::kI32,
                              .shape = Shape{1, config.max_seq_len},
@@ -76,59 +126,55 @@ ModelSpec DescribeGpt2(const Gpt2Config& config) {
   }
   // embedding(tokens) -> x; its backward adds the token rows' gradient to the gradient of wte
   // the tied classifier computed, in place.
-  model.layers.push_back(LayerSpec{
-      .name = "embedding",
-      .params = Gpt2EmbeddingParamLayout(config.vocab, config.max_seq_len, config.channels),
-      .forward_op = "gpt2_embedding_forward",
-      .backward_op = "gpt2_embedding_backward",
-      .attrs = attrs,
-      .forward_args = {FusedInput(0), FusedParams(0)},
-      .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
-                        FusedBack(B::kGradientSoFar, 1)},
-      .backward_outputs = {1}});
+  FlatLayout embedding =
+      TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, config.channels);
+  std::vector<ParamInit> embedding_init = LayoutInit(embedding, residual_std);
+  model.layers.push_back(
+      LayerSpec{.name = "embedding",
+                .params = std::move(embedding),
+                .forward_op = "token_position_embedding_forward",
+                .backward_op = "token_position_embedding_backward",
+                .attrs = attrs,
+                .forward_args = {FusedInput(0), FusedParams(0)},
+                .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
+                                  FusedBack(B::kGradientSoFar, 1)},
+                .backward_outputs = {1},
+                .init = std::move(embedding_init)});
   for (int64_t l = 0; l < config.layers; ++l) {
     const size_t index = model.layers.size();
+    FlatLayout block = TransformerBlockParamLayout(config.channels);
+    std::vector<ParamInit> block_init = LayoutInit(block, residual_std);
     model.layers.push_back(
         LayerSpec{.name = fmt::format("h.{}", l),
-                  .params = Gpt2BlockParamLayout(config.channels),
-                  .forward_op = "gpt2_block_forward",
-                  .backward_op = "gpt2_block_backward",
+                  .params = std::move(block),
+                  .forward_op = "transformer_block_forward",
+                  .backward_op = "transformer_block_backward",
                   .attrs = attrs,
                   .forward_args = {FusedActivation(index - 1), FusedParams(index)},
                   .backward_args = {FusedBack(B::kOutputGradient, 0), FusedBack(B::kForwardArg, 0),
                                     FusedBack(B::kForwardOutput, 1), FusedBack(B::kForwardArg, 1)},
                   .backward_outputs = {0, 1},
-                  .backward_input_op = "gpt2_block_backward_input",
-                  .backward_weight_op = "gpt2_block_backward_weight"});
+                  .backward_input_op = "transformer_block_backward_input",
+                  .backward_weight_op = "transformer_block_backward_weight",
+                  .init = std::move(block_init)});
   }
   const size_t head = model.layers.size();
+  FlatLayout head_params = TiedLmHeadParamLayout(config.channels);
+  std::vector<ParamInit> head_init = LayoutInit(head_params, residual_std);
   model.layers.push_back(LayerSpec{
       .name = "head",
-      .params = Gpt2HeadParamLayout(config.channels),
-      .forward_op = "gpt2_head_forward",
-      .backward_op = "gpt2_head_backward",
+      .params = std::move(head_params),
+      .forward_op = "tied_lm_head_forward",
+      .backward_op = "tied_lm_head_backward",
       .attrs = attrs,
       .forward_args = {FusedActivation(head - 1), FusedParams(head), FusedParams(0), FusedInput(1)},
       .backward_args = {FusedBack(B::kForwardArg, 0), FusedBack(B::kForwardOutput, 1),
                         FusedBack(B::kForwardArg, 1), FusedBack(B::kForwardArg, 2)},
       .backward_outputs = {0, 1, 2},
       .loss = true,
-      .predict_op = "gpt2_head_logits"});
+      .predict_op = "tied_lm_head_logits",
+      .init = std::move(head_init)});
   return model;
-}
-
-namespace {
-
-// The fused model's slots, in its order, with nanoGPT's initialisation.
-LayerValue Slot(LayerBuilder& l, const FlatSlot& slot, double residual_std) {
-  ParamInit init = ParamInit::Zeros();
-  if (slot.shape.rank() == 2) {
-    const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
-    init = ParamInit::Normal(residual ? residual_std : 0.02);
-  } else if (slot.name.ends_with("_w")) {
-    init = ParamInit::Ones();  // layernorm gains
-  }
-  return l.Param(slot.name, slot.shape, init, slot.weight_decay);
 }
 
 // The layer's parameters, declared from `layout` (so its group is the fused layer's), by name.
@@ -147,49 +193,58 @@ Params Declare(LayerBuilder& l, const FlatLayout& layout, double residual_std) {
   Params params;
   for (const FlatSlot& slot : layout.slots()) {
     params.names.push_back(slot.name);
-    params.values.push_back(Slot(l, slot, residual_std));
+    params.values.push_back(
+        l.Param(slot.name, slot.shape, SlotInit(slot, residual_std), slot.weight_decay));
   }
   return params;
 }
 
-}  // namespace
+// A block: x + proj(attention(qkv(ln1(x)))), then + fcproj(gelu(fc(ln2(.)))).
+LayerValue Block(LayerBuilder& l, const Params& p, int64_t heads) {
+  const LayerValue in = l.input(0);
+  const LayerValue ln1 = l.Call("layernorm_forward", {in, p["ln1_w"], p["ln1_b"]}, {}, "ln1");
+  const LayerValue qkv = l.Call("linear_forward", {ln1, p["qkv_w"], p["qkv_b"]}, {}, "qkv");
+  const LayerValue att = l.Call("attention_forward", {qkv}, Attrs{{"heads", heads}}, "attention");
+  const LayerValue proj = l.Call("linear_forward", {att, p["proj_w"], p["proj_b"]}, {}, "proj");
+  const LayerValue mid = l.Call("add_forward", {in, proj}, {}, "residual1");
+  const LayerValue ln2 = l.Call("layernorm_forward", {mid, p["ln2_w"], p["ln2_b"]}, {}, "ln2");
+  const LayerValue fc = l.Call("linear_forward", {ln2, p["fc_w"], p["fc_b"]}, {}, "fc");
+  const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
+  const LayerValue fcproj =
+      l.Call("linear_forward", {gelu, p["fcproj_w"], p["fcproj_b"]}, {}, "fcproj");
+  return l.Call("add_forward", {mid, fcproj}, {}, "residual2");
+}
 
-Result<ModelSpec> BuildGpt2(const Gpt2Config& config, const OpRegistry& registry) {
-  TESSERA_RETURN_IF_ERROR(config.Validate());
+Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
+  if (config.activations != DType::kF32) {
+    return InvalidArgument(
+        "GPT-2's primitive layers run on CPUs with f32 activations, not {}: use the fused layers "
+        "on a GPU (--layer-impl fused)",
+        DTypeName(config.activations));
+  }
+  // The model API infers shapes with the ops' definitions (no kernels needed).
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
-  ModelBuilder model("gpt2_api", registry);
+  const double residual_std = ResidualStd(config);
+  ModelBuilder model("gpt2", registry);
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
   ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
                                            /*label=*/true);
-
   ModelValue x = model.Layer("embedding", {tokens}, [&](LayerBuilder& l) {
-    const Params p =
-        Declare(l, Gpt2EmbeddingParamLayout(config.vocab, config.max_seq_len, c), residual_std);
+    const Params p = Declare(
+        l, TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c), residual_std);
     // vocab and max_seq_len size the backward's gradients of wte and wpe.
     return l.Call("embedding_forward", {l.input(0), p["wte"], p["wpe"]},
                   Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
   });
   for (int64_t b = 0; b < config.layers; ++b) {
     x = model.Layer(fmt::format("h.{}", b), {x}, [&](LayerBuilder& l) {
-      const Params p = Declare(l, Gpt2BlockParamLayout(c), residual_std);
-      const LayerValue in = l.input(0);
-      const LayerValue ln1 = l.Call("layernorm_forward", {in, p["ln1_w"], p["ln1_b"]}, {}, "ln1");
-      const LayerValue qkv = l.Call("linear_forward", {ln1, p["qkv_w"], p["qkv_b"]}, {}, "qkv");
-      const LayerValue att =
-          l.Call("attention_forward", {qkv}, Attrs{{"heads", config.heads}}, "attention");
-      const LayerValue proj = l.Call("linear_forward", {att, p["proj_w"], p["proj_b"]}, {}, "proj");
-      const LayerValue mid = l.Call("add_forward", {in, proj}, {}, "residual1");
-      const LayerValue ln2 = l.Call("layernorm_forward", {mid, p["ln2_w"], p["ln2_b"]}, {}, "ln2");
-      const LayerValue fc = l.Call("linear_forward", {ln2, p["fc_w"], p["fc_b"]}, {}, "fc");
-      const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
-      const LayerValue fcproj =
-          l.Call("linear_forward", {gelu, p["fcproj_w"], p["fcproj_b"]}, {}, "fcproj");
-      return l.Call("add_forward", {mid, fcproj}, {}, "residual2");
+      return Block(l, Declare(l, TransformerBlockParamLayout(c), residual_std), config.heads);
     });
   }
   model.Loss("head", {x, targets}, [&](LayerBuilder& l) {
-    const Params p = Declare(l, Gpt2HeadParamLayout(c), residual_std);
+    const Params p = Declare(l, TiedLmHeadParamLayout(c), residual_std);
     const LayerValue wte = l.SharedParam("embedding", "wte");
     // Rows of tokens: [B, T, C] -> [B*T, C] before the classifier (cheaper than reshaping the
     // [B, T, V] logits, and the same values).
@@ -202,6 +257,71 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, const OpRegistry& registry
     return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
   });
   return model.Build();
+}
+
+// `ids` as an i32 [batch, seq_len] tensor, every id checked against the vocabulary.
+Result<Tensor> IdTensor(const Gpt2Config& config, std::span<const int32_t> ids, const char* what,
+                        int64_t batch, int64_t seq_len) {
+  if (static_cast<int64_t>(ids.size()) != batch * seq_len) {
+    return InvalidArgument("batch has {} {}s but [{}, {}] needs {}", ids.size(), what, batch,
+                           seq_len, batch * seq_len);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= config.vocab) {
+      return InvalidArgument(
+          "{} id {} at index {} is outside the vocabulary [0, {}); use a larger --vocab or "
+          "other data",
+          what, ids[i], i, config.vocab);
+    }
+  }
+  return Tensor::FromVector(Shape{batch, seq_len}, std::vector<int32_t>(ids.begin(), ids.end()));
+}
+
+}  // namespace
+
+Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
+  TESSERA_RETURN_IF_ERROR(config.Validate());
+  ModelSpec model;
+  if (layers == Gpt2LayerImpl::kFused) {
+    model = DescribeFused(config);
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
+  }
+  DescribeCommon(config, model);
+  return model;
+}
+
+Result<Gpt2Config> Gpt2ConfigOf(const ModelSpec& model) {
+  if (model.name != "gpt2" || model.layers.empty()) {
+    return InvalidArgument("model '{}' is not a GPT-2 (model/gpt2.h's BuildGpt2)", model.name);
+  }
+  Gpt2Config config;
+  for (auto [name, field] :
+       {std::pair{"layers", &config.layers}, std::pair{"channels", &config.channels},
+        std::pair{"heads", &config.heads}, std::pair{"vocab", &config.vocab},
+        std::pair{"max_seq_len", &config.max_seq_len}}) {
+    TESSERA_ASSIGN_OR_RETURN(*field, model.config.GetInt(name));
+  }
+  const Attrs& attrs = model.layers.front().attrs;
+  if (attrs.Has(kActivationDTypeAttr)) {
+    TESSERA_ASSIGN_OR_RETURN(std::string dtype, attrs.GetString(kActivationDTypeAttr));
+    TESSERA_ASSIGN_OR_RETURN(config.activations, ParseDType(dtype));
+  }
+  return config;
+}
+
+Result<std::vector<Tensor>> Gpt2Batch(const Gpt2Config& config, std::span<const int32_t> tokens,
+                                      std::span<const int32_t> targets, int64_t batch,
+                                      int64_t seq_len) {
+  TESSERA_ASSIGN_OR_RETURN(Tensor x, IdTensor(config, tokens, "token", batch, seq_len));
+  TESSERA_ASSIGN_OR_RETURN(Tensor y, IdTensor(config, targets, "target", batch, seq_len));
+  return std::vector<Tensor>{std::move(x), std::move(y)};
+}
+
+Result<std::vector<Tensor>> Gpt2Prompt(const Gpt2Config& config, std::span<const int32_t> tokens,
+                                       int64_t batch, int64_t seq_len) {
+  TESSERA_ASSIGN_OR_RETURN(Tensor x, IdTensor(config, tokens, "token", batch, seq_len));
+  return std::vector<Tensor>{std::move(x), Tensor()};
 }
 
 }  // namespace tessera

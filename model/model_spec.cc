@@ -42,6 +42,12 @@ Status ModelSpec::Validate() const {
     if (layer.forward_args.empty()) {
       return InvalidArgument("layer '{}' reads nothing", layer.name);
     }
+    if (!layer.init.empty() && layer.init.size() != layer.params.slots().size()) {
+      return InvalidArgument(
+          "layer '{}' says how {} parameter tensor(s) start but has {}: give one ParamInit per "
+          "slot, or none (zeros)",
+          layer.name, layer.init.size(), layer.params.slots().size());
+    }
     if (layer.backward_input_op.empty() != layer.backward_weight_op.empty()) {
       return InvalidArgument(
           "layer '{}' names only one half of a split backward (input: '{}', weight: '{}'): name "

@@ -13,11 +13,14 @@
 //
 // Layers come from two places: the model API (model/model.h: a layer is a small program of
 // registered ops and its backward is derived from their gradient rules) or hand-fused layer
-// ops with a hand-written backward (GPT-2's block, model/gpt2.h's DescribeGpt2: the fast path).
-// Nothing here knows any particular model.
+// ops with a hand-written backward (the transformer layer ops of ops/standard_ops.h, which
+// model/gpt2.h wires by default: the fast path). How parameters start (ParamInit per slot), how
+// they are named, and what identifies the model in a checkpoint are part of the description too,
+// so a trainer needs nothing else. Nothing here knows any particular model.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,7 +33,9 @@
 
 namespace tessera {
 
-// How a parameter tensor starts (layers of the model API; GPT-2's trainer has its own scheme).
+// How a parameter tensor starts. Random values are drawn per slot from a stream of the trainer's
+// seed (Trainer::InitializeParameters), so they depend on the seed, the layer's index and the
+// slot's index only.
 struct ParamInit {
   enum class Kind : uint8_t { kZeros, kOnes, kNormal, kUniform };
   Kind kind = Kind::kZeros;
@@ -76,7 +81,7 @@ struct BackwardArg {
     kForwardOutput,   // index: a forward output (what the forward kept for the backward)
     // index: a forward argument of kind kParams. The gradient of that group from the layers
     // whose backward ran before this one; the backward adds its part to it in place and
-    // returns the sum (GPT-2's embedding adds the tied classifier's part).
+    // returns the sum (an embedding adds the part of the classifier tied to it).
     kGradientSoFar,
   };
   Kind kind = Kind::kOutputGradient;
@@ -111,16 +116,26 @@ struct LayerSpec {
   // which the loss layer scales the gradients it starts.
   bool loss = false;
   // The loss layer only, optional: an op over the forward arguments minus label inputs that
-  // returns the model's prediction (GPT-2's logits), for sampling.
+  // returns the model's prediction (a language model's logits), for sampling.
   std::string predict_op;
-  // Per slot of `params`: how it starts (the model API). Empty for GPT-2's layers.
+  // Per slot of `params`: how it starts. Empty: every slot at zero.
   std::vector<ParamInit> init;
+  // Parameters are named "<prefix><slot>" (Trainer::GetParameter, llm.c's tensor names); unset,
+  // the prefix is the layer's name and a dot ("h.0.qkv_w", "enc0.conv1.w"). A model may name a
+  // layer's parameters without it (GPT-2's "wte", "lnf_w", as nanoGPT does).
+  std::optional<std::string> param_prefix;
+
+  std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };
 
 struct ModelSpec {
-  std::string name;  // "gpt2", or the model API's name
+  std::string name;  // "gpt2", "unet3d", or another model API's name
   std::vector<ModelInput> inputs;
   std::vector<LayerSpec> layers;  // in forward order: arguments name earlier layers only
+  // What identifies the model in a checkpoint's manifest, which a trainer loading it compares:
+  // its hyper-parameters (GPT-2: layers, channels, heads, vocab, max_seq_len). Empty: the name
+  // and every layer's parameter count.
+  Attrs config;
 
   int64_t NumParameters() const;
   // NotFound otherwise.
@@ -128,7 +143,8 @@ struct ModelSpec {
   // The loss layer (the last one). InvalidArgument when the model has none.
   Result<size_t> LossLayer() const;
   // InvalidArgument naming the layer and argument when the wiring is wrong: an argument naming
-  // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss.
+  // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss; or
+  // when a layer's init does not give one ParamInit per slot.
   Status Validate() const;
 };
 

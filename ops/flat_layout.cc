@@ -37,14 +37,14 @@ std::vector<int64_t> FlatLayout::DecayRanges() const {
   return ranges;
 }
 
-FlatLayout Gpt2EmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels) {
+FlatLayout TokenPositionEmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels) {
   FlatLayout layout;
   layout.Add("wte", {vocab, channels}, /*weight_decay=*/true);
   layout.Add("wpe", {max_seq_len, channels}, /*weight_decay=*/true);
   return layout;
 }
 
-FlatLayout Gpt2BlockParamLayout(int64_t channels) {
+FlatLayout TransformerBlockParamLayout(int64_t channels) {
   const int64_t c = channels;
   FlatLayout layout;
   layout.Add("ln1_w", {c});
@@ -62,14 +62,15 @@ FlatLayout Gpt2BlockParamLayout(int64_t channels) {
   return layout;
 }
 
-FlatLayout Gpt2HeadParamLayout(int64_t channels) {
+FlatLayout TiedLmHeadParamLayout(int64_t channels) {
   FlatLayout layout;
   layout.Add("lnf_w", {channels});
   layout.Add("lnf_b", {channels});
   return layout;
 }
 
-FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t heads) {
+FlatLayout TransformerBlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                       int64_t heads) {
   const int64_t b = batch, t = seq_len, c = channels;
   FlatLayout layout;
   layout.Add("ln1", {b, t, c});
@@ -87,7 +88,7 @@ FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels
   return layout;
 }
 
-FlatLayout Gpt2BlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels) {
+FlatLayout TransformerBlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels) {
   const int64_t b = batch, t = seq_len, c = channels;
   FlatLayout layout;
   layout.Add("dfcproj", {b, t, c});
@@ -98,7 +99,7 @@ FlatLayout Gpt2BlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels
   return layout;
 }
 
-FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab) {
+FlatLayout TiedLmHeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab) {
   const int64_t b = batch, t = seq_len;
   FlatLayout layout;
   layout.Add("lnf", {b, t, channels});
@@ -130,8 +131,8 @@ class Bf16LayoutBuilder {
 
 }  // namespace
 
-FlatLayout Gpt2BlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
-                                    int64_t heads) {
+FlatLayout TransformerBlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                           int64_t heads) {
   const int64_t b = batch, t = seq_len, c = channels;
   Bf16LayoutBuilder layout;
   layout.Bf16("ln1", {b, t, c});
@@ -149,15 +150,15 @@ FlatLayout Gpt2BlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t chan
   return layout.Finish();
 }
 
-FlatLayout Gpt2HeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
-                                   int64_t vocab) {
+FlatLayout TiedLmHeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                     int64_t vocab) {
   const int64_t b = batch, t = seq_len;
   Bf16LayoutBuilder layout;
   layout.Bf16("lnf", {b, t, channels});
   layout.F32("lnf_mean", b * t);
   layout.F32("lnf_rstd", b * t);
   layout.F32("losses", b * t);
-  layout.Bf16("dlogits", {b * t, Gpt2PaddedVocab(vocab)});
+  layout.Bf16("dlogits", {b * t, TiedLmHeadPaddedVocab(vocab)});
   return layout.Finish();
 }
 

@@ -67,8 +67,9 @@ inline int64_t PaddedNumel(int64_t numel, int64_t multiple) {
   return (numel + multiple - 1) / multiple * multiple;
 }
 
-// A GPT-2 layer's dimensions as its kernels take them (ops/cpu and ops/cuda gpt2_layers.h).
-struct Gpt2Dims {
+// A transformer layer's dimensions as its kernels take them (ops/cpu and ops/cuda
+// transformer_layers.h).
+struct TransformerDims {
   int64_t batch = 0;
   int64_t seq_len = 0;
   int64_t channels = 0;
@@ -78,42 +79,44 @@ struct Gpt2Dims {
   int64_t rows() const { return batch * seq_len; }
 };
 
-// GPT-2 layers (the model follows GPT-2 / nanoGPT: pre-norm blocks, tied embedding/classifier).
-// Names match tests/reference/make_gpt2_reference.py.
+// The transformer layers' parameter groups (a decoder-only language model with learned position
+// embeddings, pre-LayerNorm blocks and a classifier tied to the token embedding):
 //   embedding: wte [V, C], wpe [max_T, C]
 //   block:     ln1_w ln1_b [C], qkv_w [3C, C], qkv_b [3C], proj_w [C, C], proj_b [C],
 //              ln2_w ln2_b [C], fc_w [4C, C], fc_b [4C], fcproj_w [C, 4C], fcproj_b [C]
 //   head:      lnf_w lnf_b [C]   (the classifier weight is the embedding's wte)
-// Weight decay applies to matrices (rank 2), never to biases or layernorm gains, as in nanoGPT.
-FlatLayout Gpt2EmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels);
-FlatLayout Gpt2BlockParamLayout(int64_t channels);
-FlatLayout Gpt2HeadParamLayout(int64_t channels);
+// Weight decay applies to matrices (rank 2), never to biases or layernorm gains.
+FlatLayout TokenPositionEmbeddingParamLayout(int64_t vocab, int64_t max_seq_len, int64_t channels);
+FlatLayout TransformerBlockParamLayout(int64_t channels);
+FlatLayout TiedLmHeadParamLayout(int64_t channels);
 
 // What a block's forward keeps for its backward, for a batch of B x T tokens:
 //   ln1 [B,T,C], ln1_mean, ln1_rstd [B*T], qkv [B,T,3C], atty [B,T,C], lse [B,NH,T],
 //   x_mid [B,T,C] (residual after attention), ln2 [B,T,C], ln2_mean, ln2_rstd [B*T],
 //   fch [B,T,4C] (before GELU), fch_gelu [B,T,4C]
-FlatLayout Gpt2BlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t heads);
+FlatLayout TransformerBlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                       int64_t heads);
 // What the head's forward keeps: lnf [B,T,C], lnf_mean, lnf_rstd [B*T], and dlogits [B*T, V]
 // (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
-FlatLayout Gpt2HeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
+FlatLayout TiedLmHeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
 // What a block's split backward (zero-bubble pipelines) hands from its input-gradient half to its
 // weight-gradient half: the gradients entering its four linears, dfcproj [B,T,C] (dL/dy), dfc
 // [B,T,4C] (after GELU's backward), dproj [B,T,C] (dL/dx_mid), dqkv [B,T,3C], and the two
 // layernorms' parameter gradients ln2_w, ln2_b, ln1_w, ln1_b [C] (cheap: computed with dx).
-FlatLayout Gpt2BlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels);
+FlatLayout TransformerBlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels);
 
 // The same on a GPU, where activations are bf16 (attribute activation_dtype = "bf16"): a flat
 // bf16 buffer with the same slot names. Slots kept in fp32 (the layernorm means and rstds, the
 // attention lse, the head's per-row losses) take two bf16 elements per value, and every slot
 // starts at a multiple of kGpuSlotAlignment elements (128 bytes) so kernels may use 16-byte
-// vector accesses. The head's dlogits rows are Gpt2PaddedVocab(vocab) wide (columns past the
+// vector accesses. The head's dlogits rows are TiedLmHeadPaddedVocab(vocab) wide (columns past the
 // vocabulary hold zeros), and it keeps the per-row losses ("losses", fp32 [B*T]).
 inline constexpr int64_t kGpuSlotAlignment = 64;
-FlatLayout Gpt2BlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
-                                    int64_t heads);
-FlatLayout Gpt2HeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);
-// The vocabulary rounded up to a multiple of 64 (50257 -> 50304), as llm.c pads it.
-inline int64_t Gpt2PaddedVocab(int64_t vocab) { return PaddedNumel(vocab, 64); }
+FlatLayout TransformerBlockSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                           int64_t heads);
+FlatLayout TiedLmHeadSavedLayoutBf16(int64_t batch, int64_t seq_len, int64_t channels,
+                                     int64_t vocab);
+// The vocabulary rounded up to a multiple of 64 (50257 -> 50304): a tensor-core size.
+inline int64_t TiedLmHeadPaddedVocab(int64_t vocab) { return PaddedNumel(vocab, 64); }
 
 }  // namespace tessera

@@ -44,15 +44,15 @@ inline AdamWAttrs ReadAdamWAttrs(const Attrs& attrs, int64_t n) {
   return a;
 }
 
-// The dimensions of a GPT-2 layer op from its attributes and its activation x [B, T, C].
+// The dimensions of a transformer layer op from its attributes and its activation x [B, T, C].
 // REQUIRES: shape inference validated them (the kernel runs on inferred shapes).
-inline Gpt2Dims ReadGpt2Dims(const Attrs& attrs, const TensorMeta& x) {
-  return Gpt2Dims{.batch = x.shape[0],
-                  .seq_len = x.shape[1],
-                  .channels = attrs.GetInt("channels", 0),
-                  .heads = attrs.GetInt("heads", 1),
-                  .vocab = attrs.GetInt("vocab", 0),
-                  .max_seq_len = attrs.GetInt("max_seq_len", 0)};
+inline TransformerDims ReadTransformerDims(const Attrs& attrs, const TensorMeta& x) {
+  return TransformerDims{.batch = x.shape[0],
+                         .seq_len = x.shape[1],
+                         .channels = attrs.GetInt("channels", 0),
+                         .heads = attrs.GetInt("heads", 1),
+                         .vocab = attrs.GetInt("vocab", 0),
+                         .max_seq_len = attrs.GetInt("max_seq_len", 0)};
 }
 
 }  // namespace tessera

@@ -49,7 +49,7 @@ struct ProgramOp {
   std::string label;  // for messages: "fc1" (the model API's name for the call), or empty
 };
 
-// Parameters of another layer's group that a program reads (GPT-2's classifier reads the
+// Parameters of another layer's group that a program reads (a tied classifier reads the
 // embedding's wte): the owner's whole layout, so that each slot's offset is known.
 struct SharedGroup {
   std::string layer;       // the owner, for messages

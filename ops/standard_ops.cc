@@ -75,15 +75,15 @@ CostFn ElementwiseCost(double flops_per_element) {
   };
 }
 
-// ---- GPT-2 dimensions from attributes and the activation x[B,T,C] ----
+// ---- transformer layer dimensions from attributes and the activation x[B,T,C] ----
 
-struct Gpt2Shape {
+struct TransformerShape {
   int64_t batch, seq_len, channels, heads, vocab, max_seq_len;
   DType activations;  // attribute activation_dtype: f32 (CPU) or bf16 (GPU)
 };
 
-// Attribute activation_dtype: "f32" (absent) or "bf16" (GPT-2 on a GPU).
-Result<DType> Gpt2ActivationDType(const Attrs& attrs) {
+// Attribute activation_dtype: "f32" (absent) or "bf16" (the transformer layers on a GPU).
+Result<DType> ActivationDTypeOf(const Attrs& attrs) {
   if (!attrs.Has(kActivationDTypeAttr)) return DType::kF32;
   TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kActivationDTypeAttr));
   if (name == "f32") return DType::kF32;
@@ -93,10 +93,10 @@ Result<DType> Gpt2ActivationDType(const Attrs& attrs) {
 
 // Reads channels (always), and heads / vocab+max_seq_len when asked; checks x is
 // <activations>[B,T,C].
-Result<Gpt2Shape> ReadGpt2Shape(const Attrs& attrs, const TensorMeta& x, bool needs_heads,
-                                bool needs_vocab) {
-  Gpt2Shape s{};
-  TESSERA_ASSIGN_OR_RETURN(s.activations, Gpt2ActivationDType(attrs));
+Result<TransformerShape> ReadTransformerShape(const Attrs& attrs, const TensorMeta& x,
+                                              bool needs_heads, bool needs_vocab) {
+  TransformerShape s{};
+  TESSERA_ASSIGN_OR_RETURN(s.activations, ActivationDTypeOf(attrs));
   TESSERA_ASSIGN_OR_RETURN(s.channels, PositiveAttr(attrs, "channels"));
   if (needs_heads) {
     TESSERA_ASSIGN_OR_RETURN(s.heads, PositiveAttr(attrs, "heads"));
@@ -135,29 +135,29 @@ Status CheckSaved(const char* name, const TensorMeta& meta, const FlatLayout& la
   return CheckShape(name, meta, Shape{layout.numel()}, dtype);
 }
 
-// What a GPT-2 block's / head's forward saves, in the activations' type (flat_layout.h).
-FlatLayout BlockSaved(const Gpt2Shape& s) {
+// What a transformer block's / LM head's forward saves, in the activations' type (flat_layout.h).
+FlatLayout BlockSaved(const TransformerShape& s) {
   return s.activations == DType::kBF16
-             ? Gpt2BlockSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.heads)
-             : Gpt2BlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+             ? TransformerBlockSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.heads)
+             : TransformerBlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
 }
-FlatLayout BlockStash(const Gpt2Shape& s) {
-  return Gpt2BlockStashLayout(s.batch, s.seq_len, s.channels);
+FlatLayout BlockStash(const TransformerShape& s) {
+  return TransformerBlockStashLayout(s.batch, s.seq_len, s.channels);
 }
 // The split block backward has f32 (CPU) kernels only.
-Status CheckSplitActivations(const Gpt2Shape& s) {
+Status CheckSplitActivations(const TransformerShape& s) {
   if (s.activations == DType::kF32) return Status::Ok();
   return Infeasible(
       "the split block backward (zero-bubble schedules) runs on f32 activations only, not {}: "
       "use --schedule 1f1b on GPUs",
       DTypeName(s.activations));
 }
-FlatLayout HeadSaved(const Gpt2Shape& s) {
+FlatLayout HeadSaved(const TransformerShape& s) {
   return s.activations == DType::kBF16
-             ? Gpt2HeadSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.vocab)
-             : Gpt2HeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
+             ? TiedLmHeadSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.vocab)
+             : TiedLmHeadSavedLayout(s.batch, s.seq_len, s.channels, s.vocab);
 }
-TensorMeta SavedMeta(const Gpt2Shape& s, const FlatLayout& layout) {
+TensorMeta SavedMeta(const TransformerShape& s, const FlatLayout& layout) {
   return TensorMeta{Shape{layout.numel()}, s.activations, Device::Cpu()};
 }
 
@@ -165,8 +165,8 @@ Status CheckTokens(const char* name, const TensorMeta& meta, int64_t batch, int6
   return CheckShape(name, meta, Shape{batch, seq_len}, DType::kI32);
 }
 
-// Forward flops of a GPT-2 block on B*T tokens: the four linears plus causal attention.
-double BlockForwardFlops(const Gpt2Shape& s) {
+// Forward flops of a transformer block on B*T tokens: the four linears plus causal attention.
+double BlockForwardFlops(const TransformerShape& s) {
   const double n = static_cast<double>(s.batch * s.seq_len), c = static_cast<double>(s.channels);
   const double linears = 2.0 * n * 12.0 * c * c;
   const double attention = 2.0 * 2.0 * static_cast<double>(s.batch) *
@@ -403,7 +403,7 @@ Status AddLinearOps(OpRegistry& r) {
 
 Status AddAttentionOps(OpRegistry& r) {
   // qkv [B,T,3C] -> (B, T, C, heads)
-  auto read = [](const TensorMeta& qkv, const Attrs& attrs) -> Result<Gpt2Shape> {
+  auto read = [](const TensorMeta& qkv, const Attrs& attrs) -> Result<TransformerShape> {
     TESSERA_ASSIGN_OR_RETURN(int64_t heads, PositiveAttr(attrs, "heads"));
     TESSERA_RETURN_IF_ERROR(CheckDType("qkv", qkv, DType::kF32));
     if (qkv.shape.rank() != 3 || qkv.shape[2] % 3 != 0 || (qkv.shape[2] / 3) % heads != 0) {
@@ -412,11 +412,11 @@ Status AddAttentionOps(OpRegistry& r) {
           "by heads={}",
           qkv.shape.ToString(), heads);
     }
-    return Gpt2Shape{qkv.shape[0], qkv.shape[1], qkv.shape[2] / 3, heads, 0, 0};
+    return TransformerShape{qkv.shape[0], qkv.shape[1], qkv.shape[2] / 3, heads, 0, 0};
   };
   auto cost = [read](double factor) -> CostFn {
     return [read, factor](const Metas& in, const Attrs& attrs) {
-      Result<Gpt2Shape> s =
+      Result<TransformerShape> s =
           read(in.back().shape.rank() == 3 ? in[in.size() == 1 ? 0 : 1] : in[0], attrs);
       if (!s.ok()) return OpCost{0, 2 * Bytes(in)};
       return OpCost{
@@ -430,7 +430,7 @@ Status AddAttentionOps(OpRegistry& r) {
       .input_names = {"qkv"},
       .output_names = {"out", "lse"},
       .infer = [read](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, read(in[0], attrs));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s, read(in[0], attrs));
         return Metas{F32({s.batch, s.seq_len, s.channels}), F32({s.batch, s.heads, s.seq_len})};
       },
       .cost = cost(1.0),
@@ -440,7 +440,7 @@ Status AddAttentionOps(OpRegistry& r) {
       .input_names = {"dout", "qkv", "lse"},
       .output_names = {"dqkv"},
       .infer = [read](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, read(in[1], attrs));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s, read(in[1], attrs));
         TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], Shape{s.batch, s.seq_len, s.channels}));
         TESSERA_RETURN_IF_ERROR(CheckShape("lse", in[2], Shape{s.batch, s.heads, s.seq_len}));
         return Metas{in[1]};
@@ -747,11 +747,11 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
   });
 }
 
-// ---- GPT-2 layer ops ----
+// ---- transformer layer ops (flat parameter groups, hand-fused backward) ----
 
-Status AddGpt2Ops(OpRegistry& r) {
+Status AddTransformerLayerOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_embedding_forward",
+      .name = "token_position_embedding_forward",
       .doc = "token + position embedding",
       .input_names = {"tokens", "params"},
       .output_names = {"x"},
@@ -764,47 +764,50 @@ Status AddGpt2Ops(OpRegistry& r) {
           return InvalidArgument("input 'tokens' has shape {} but must be [B, T] with T <= {}",
                                  in[0].shape.ToString(), max_t);
         }
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[1], Gpt2EmbeddingParamLayout(vocab, max_t, c), attrs));
-        TESSERA_ASSIGN_OR_RETURN(DType activations, Gpt2ActivationDType(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "params", in[1], TokenPositionEmbeddingParamLayout(vocab, max_t, c), attrs));
+        TESSERA_ASSIGN_OR_RETURN(DType activations, ActivationDTypeOf(attrs));
         return Metas{TensorMeta{Shape{in[0].shape[0], in[0].shape[1], c}, activations}};
       },
       .cost = ElementwiseCost(0),
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_embedding_backward",
+      .name = "token_position_embedding_backward",
       .doc = "adds dx, scattered by token and position, to the tied classifier's gradient",
       .input_names = {"dx", "tokens", "dparams_partial"},
       .output_names = {"dparams"},
       .in_place = {{2, 0}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckTokens("tokens", in[1], s.batch, s.seq_len));
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("dparams_partial", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "dparams_partial", in[2],
+            TokenPositionEmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[2]};
       },
       .cost = ElementwiseCost(2),
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_block_forward",
-      .doc = "pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(.))",
+      .name = "transformer_block_forward",
+      .doc = "pre-LayerNorm causal transformer block with a GELU MLP: x + attn(ln1(x)), then + "
+             "mlp(ln2(.))",
       .input_names = {"x", "params"},
       .output_names = {"y", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], true, false));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], true, false));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[1], Gpt2BlockParamLayout(s.channels), attrs));
+            CheckParams("params", in[1], TransformerBlockParamLayout(s.channels), attrs));
         return Metas{in[0], SavedMeta(s, BlockSaved(s))};
       },
       .cost =
           [](const Metas& in, const Attrs& attrs) {
-            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], true, false);
+            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], true, false);
             return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
           },
   }));
-  // The block's backward, whole or split for zero-bubble pipelines (ops/cpu/gpt2_layers.h):
+  // The block's backward, whole or split for zero-bubble pipelines (ops/cpu/transformer_layers.h):
   // the input half returns dx and a stash, the weight half the parameter gradients from it.
   // Inputs: dy (the weight half: the stash), x, saved, params.
   enum class Part { kWhole, kInput, kWeight };
@@ -820,7 +823,8 @@ Status AddGpt2Ops(OpRegistry& r) {
         .in_place = part == Part::kWeight ? std::vector<std::pair<int, int>>{}
                                           : std::vector<std::pair<int, int>>{{0, 0}},
         .infer = [part, whole](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-          TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[1], true, false));
+          TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                   ReadTransformerShape(attrs, in[1], true, false));
           if (!whole) TESSERA_RETURN_IF_ERROR(CheckSplitActivations(s));
           if (part == Part::kWeight) {
             TESSERA_RETURN_IF_ERROR(CheckShape("stash", in[0], Shape{BlockStash(s).numel()}));
@@ -829,7 +833,7 @@ Status AddGpt2Ops(OpRegistry& r) {
           }
           TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[2], BlockSaved(s), s.activations));
           TESSERA_RETURN_IF_ERROR(
-              CheckParams("params", in[3], Gpt2BlockParamLayout(s.channels), attrs));
+              CheckParams("params", in[3], TransformerBlockParamLayout(s.channels), attrs));
           if (whole) return Metas{in[1], in[3]};
           if (part == Part::kInput) return Metas{in[1], F32({BlockStash(s).numel()})};
           return Metas{in[3]};
@@ -838,82 +842,86 @@ Status AddGpt2Ops(OpRegistry& r) {
         // backward 1.5 and the dW products 1.
         .cost =
             [part](const Metas& in, const Attrs& attrs) {
-              Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[1], true, false);
+              Result<TransformerShape> s = ReadTransformerShape(attrs, in[1], true, false);
               const double forwards =
                   part == Part::kWhole ? 2.5 : (part == Part::kInput ? 1.5 : 1.0);
               return OpCost{s.ok() ? forwards * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
             },
     };
   };
-  TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward("gpt2_block_backward", "", Part::kWhole)));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward("transformer_block_backward", "", Part::kWhole)));
   TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward(
-      "gpt2_block_backward_input",
+      "transformer_block_backward_input",
       "a block's input gradient, and the stash its weight gradients are computed from",
       Part::kInput)));
   TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward(
-      "gpt2_block_backward_weight",
-      "a block's parameter gradients from the stash of gpt2_block_backward_input", Part::kWeight)));
-  auto head_flops = [](const Gpt2Shape& s, double factor) {
+      "transformer_block_backward_weight",
+      "a block's parameter gradients from the stash of transformer_block_backward_input",
+      Part::kWeight)));
+  auto head_flops = [](const TransformerShape& s, double factor) {
     return factor * 2.0 * static_cast<double>(s.batch * s.seq_len * s.channels * s.vocab);
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_head_forward",
+      .name = "tied_lm_head_forward",
       .doc = "final layernorm, tied classifier and fused softmax cross-entropy; keeps dlogits",
       .input_names = {"x", "params", "embedding_params", "targets"},
       .output_names = {"loss", "saved"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[1], TiedLmHeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[2],
+            TokenPositionEmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         TESSERA_RETURN_IF_ERROR(CheckTokens("targets", in[3], s.batch, s.seq_len));
         return Metas{Scalar(), SavedMeta(s, HeadSaved(s))};
       },
       .cost =
           [head_flops](const Metas& in, const Attrs& attrs) {
-            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], false, true);
             return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
           },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "gpt2_head_backward",
+      .name = "tied_lm_head_backward",
       .input_names = {"x", "saved", "params", "embedding_params"},
       .output_names = {"dx", "dparams", "dembedding_partial"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(CheckSaved("saved", in[1], HeadSaved(s), s.activations));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[2], Gpt2HeadParamLayout(s.channels), attrs));
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[3],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[2], TiedLmHeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[3],
+            TokenPositionEmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{in[0], in[2], in[3]};
       },
       .cost =
           [head_flops](const Metas& in, const Attrs& attrs) {
-            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], false, true);
             return OpCost{s.ok() ? head_flops(*s, 2.0) : 0.0, 2 * Bytes(in)};
           },
   }));
   return r.AddOp(OpDef{
-      .name = "gpt2_head_logits",
+      .name = "tied_lm_head_logits",
       .doc = "final layernorm and tied classifier: logits for inference",
       .input_names = {"x", "params", "embedding_params"},
       .output_names = {"logits"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(Gpt2Shape s, ReadGpt2Shape(attrs, in[0], false, true));
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], false, true));
         TESSERA_RETURN_IF_ERROR(
-            CheckParams("params", in[1], Gpt2HeadParamLayout(s.channels), attrs));
-        TESSERA_RETURN_IF_ERROR(
-            CheckParams("embedding_params", in[2],
-                        Gpt2EmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
+            CheckParams("params", in[1], TiedLmHeadParamLayout(s.channels), attrs));
+        TESSERA_RETURN_IF_ERROR(CheckParams(
+            "embedding_params", in[2],
+            TokenPositionEmbeddingParamLayout(s.vocab, s.max_seq_len, s.channels), attrs));
         return Metas{F32({s.batch, s.seq_len, s.vocab})};
       },
       .cost =
           [head_flops](const Metas& in, const Attrs& attrs) {
-            Result<Gpt2Shape> s = ReadGpt2Shape(attrs, in[0], false, true);
+            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], false, true);
             return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
           },
   });
@@ -1056,7 +1064,7 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(AddAttentionOps(registry));
   TESSERA_RETURN_IF_ERROR(AddElementwiseOps(registry));
   TESSERA_RETURN_IF_ERROR(AddLossAndOptimizerOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddGpt2Ops(registry));
+  TESSERA_RETURN_IF_ERROR(AddTransformerLayerOps(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeOps(registry));
   return RegisterLayerProgramOps(registry);
 }

@@ -13,24 +13,34 @@
 // by the CPU kernels when the group has one member):
 //   all_reduce (attribute reduce = sum|avg|max|min), reduce_scatter (reduce), all_gather,
 //   all_gather_in_place, broadcast (root). Inputs after `x` are control inputs (ordering only).
-// GPT-2 layer ops (what a step graph's tasks run, one task per layer per direction):
-//   gpt2_embedding_forward/backward, gpt2_block_forward/backward, gpt2_head_forward/backward,
-//   gpt2_head_logits.
-// 3D U-Net ops on NCDHW volumes (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
+// Transformer layer ops: whole layers over flat parameter groups (ops/flat_layout.h) with a
+// hand-fused backward, what a step graph's tasks run for a decoder-only language model (one task
+// per layer per direction):
+//   token_position_embedding_forward/backward  x = wte[tokens] + wpe[positions]; the backward adds
+//                                              to the tied classifier's wte gradient in place
+//   transformer_block_forward/backward         a pre-LayerNorm causal transformer block with a
+//                                              GELU (tanh) MLP: x + attn(ln1(x)), then
+//                                              + fcproj(gelu(fc(ln2(.)))); the backward also in
+//                                              two halves, _backward_input and _backward_weight,
+//                                              for zero-bubble pipelines
+//   tied_lm_head_forward/backward              final layernorm, a classifier tied to the
+//                                              embedding's wte, and fused softmax cross-entropy
+//   tied_lm_head_logits                        final layernorm and the tied classifier: logits
+// Volume ops on NCDHW tensors (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
 // group_norm, relu, silu, concat, voxel_cross_entropy, dice_score): ops/volume_ops.h.
 //
 // Attribute names used by several ops:
-//   channels, heads, vocab, max_seq_len   GPT-2 dimensions
+//   channels, heads, vocab, max_seq_len   transformer layer dimensions
 //   grad_scale                            multiplies the loss's gradient (1/K for K-way
 //                                         gradient accumulation)
 //   beta1, beta2, eps, weight_decay       AdamW; decay_ranges = [begin, end, ...) element pairs
 //                                         of the group that take weight decay (absent: all);
 //                                         element_offset = index of the group's first element
 //   max_norm                              clip_scale: global gradient-norm bound (<= 0: none)
-//   param_multiple                        GPT-2 layer ops: parameter groups are padded to a
+//   param_multiple                        transformer layer ops: parameter groups are padded to a
 //                                         multiple of it (ZeRO shards); padding reads as
 //                                         nothing and gradients there are zero
-//   activation_dtype                      GPT-2 layer ops: "f32" (default) or "bf16" (GPU):
+//   activation_dtype                      transformer layer ops: "f32" (default) or "bf16" (GPU):
 //                                         the type of x, dx and the saved activations
 //                                         (flat_layout.h's *Bf16 layouts)
 #pragma once

@@ -3,7 +3,7 @@
 //
 // PlanTrainingStep builds one training step of any ModelSpec (model/model_spec.h: each layer a
 // forward and a backward task wired by its LayerSpec) as a graph of layer-sized tasks over objects.
-// For GPT-2 (DescribeGpt2), on one worker:
+// For GPT-2 (model/gpt2.h's BuildGpt2, fused layers), on one worker:
 //
 //   embedding/forward ─► h.0/forward ─► … ─► h.{L-1}/forward ─► head/forward (loss, dlogits)
 //                                                                  │

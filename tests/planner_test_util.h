@@ -14,7 +14,7 @@
 namespace tessera::testing {
 
 // Four layers: embedding, h.0, h.1, head (which reads the embedding's group: a tied weight).
-inline ModelSpec TinyGpt2() { return DescribeGpt2(Gpt2Config{2, 32, 4, 50, 16}); }
+inline ModelSpec TinyGpt2() { return *BuildGpt2(Gpt2Config{2, 32, 4, 50, 16}); }
 
 struct PlanShape {
   int ranks = 1;

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <variant>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -29,19 +30,20 @@ Result<std::string> ReadWholeFile(const std::string& path) {
   return contents.str();
 }
 
-json ConfigJson(const Gpt2Config& c) {
-  return json{{"layers", c.layers},
-              {"channels", c.channels},
-              {"heads", c.heads},
-              {"vocab", c.vocab},
-              {"max_seq_len", c.max_seq_len}};
+// A model's configuration (its attributes) as a JSON object.
+json ConfigJson(const Attrs& config) {
+  json out = json::object();
+  for (const auto& [name, value] : config.values()) {
+    std::visit([&out, &name](const auto& v) { out[name] = v; }, value);
+  }
+  return out;
 }
 
-// GPT-2: its configuration (the format of earlier checkpoints). Other models: the name and the
-// layers with their parameter counts.
+// The model's configuration when it has one (the language model's five dimensions: what its
+// checkpoints have always recorded). Other models: the name and the layers' parameter counts.
 json ModelJson(const Trainer& trainer) {
-  if (trainer.gpt2_config()) return ConfigJson(*trainer.gpt2_config());
   const ModelSpec& model = trainer.model();
+  if (!model.config.values().empty()) return ConfigJson(model.config);
   json layers = json::array();
   for (const LayerSpec& layer : model.layers) {
     layers.push_back(json{{"name", layer.name}, {"numel", layer.params.numel()}});
@@ -255,205 +257,6 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
   info.sampler_state = manifest.value("sampler_state", "");
   trainer.set_steps_taken(info.step);
   return info;
-}
-
-namespace {
-
-constexpr int32_t kLlmcMagic = 20240326;
-constexpr int32_t kLlmcVersionFp32 = 3;
-constexpr int32_t kLlmcTokenFileMagic = 20240520;  // llm.c's token files (training/token_dataset.h)
-constexpr size_t kLlmcHeaderInts = 256;
-constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
-
-int64_t PaddedVocab(int64_t vocab) { return (vocab + 127) / 128 * 128; }
-
-// llm.c's tensor order: our slot name, and whether llm.c stores one per block (h.<l>.<name>).
-struct LlmcTensor {
-  std::string prefix_free_name;  // "wte", "ln1_w", ...
-  bool per_layer;
-};
-const LlmcTensor kLlmcOrder[] = {
-    {"wte", false},     {"wpe", false},     {"ln1_w", true},  {"ln1_b", true},
-    {"qkv_w", true},    {"qkv_b", true},    {"proj_w", true}, {"proj_b", true},
-    {"ln2_w", true},    {"ln2_b", true},    {"fc_w", true},   {"fc_b", true},
-    {"fcproj_w", true}, {"fcproj_b", true}, {"lnf_w", false}, {"lnf_b", false}};
-
-// Our parameter names in llm.c's file order.
-std::vector<std::string> LlmcNames(const Gpt2Config& c) {
-  std::vector<std::string> names;
-  for (const LlmcTensor& tensor : kLlmcOrder) {
-    if (!tensor.per_layer) {
-      names.push_back(tensor.prefix_free_name);
-      continue;
-    }
-    for (int64_t l = 0; l < c.layers; ++l) {
-      names.push_back(fmt::format("h.{}.{}", l, tensor.prefix_free_name));
-    }
-  }
-  return names;
-}
-
-struct LlmcHeader {
-  Gpt2Config config;
-  int64_t padded_vocab = 0;
-};
-
-// The model `path`'s header describes, checked against what llm.c writes and against the file's
-// size (exactly the header and that model's tensors).
-Result<LlmcHeader> ParseLlmcHeader(const std::string& path, const int32_t* header,
-                                   uintmax_t file_size) {
-  if (header[0] != kLlmcMagic) {
-    return InvalidArgument(
-        "'{}' is not an llm.c GPT-2 checkpoint: it starts with {} where llm.c's magic number is "
-        "{}{}",
-        path, header[0], kLlmcMagic,
-        header[0] == kLlmcTokenFileMagic ? " (it is an llm.c token file, for --data)" : "");
-  }
-  if (header[1] != kLlmcVersionFp32) {
-    return InvalidArgument(
-        "'{}' is an llm.c checkpoint of version {}: only version {} (fp32 weights) is supported{}",
-        path, header[1], kLlmcVersionFp32, header[1] == 5 ? "; version 5 holds bf16 weights" : "");
-  }
-  LlmcHeader parsed;
-  Gpt2Config& c = parsed.config;
-  c.max_seq_len = header[2];
-  c.vocab = header[3];
-  c.layers = header[4];
-  c.heads = header[5];
-  c.channels = header[6];
-  parsed.padded_vocab = header[7];
-  // Bounds far beyond any GPT-2 keep the size arithmetic below from overflowing.
-  const auto in_range = [](int64_t value, int log2_limit) {
-    return value > 0 && value <= (int64_t{1} << log2_limit);
-  };
-  if (!in_range(c.max_seq_len, 24) || !in_range(c.vocab, 24) || !in_range(c.layers, 12) ||
-      !in_range(c.heads, 16) || !in_range(c.channels, 16) || !in_range(parsed.padded_vocab, 24) ||
-      parsed.padded_vocab < c.vocab) {
-    return DataLoss(
-        "'{}' has a damaged llm.c header: max_seq_len={} vocab={} layers={} heads={} channels={} "
-        "padded_vocab={}",
-        path, c.max_seq_len, c.vocab, c.layers, c.heads, c.channels, parsed.padded_vocab);
-  }
-  TESSERA_RETURN_IF_ERROR(c.Validate().WithContext(path));
-  const uintmax_t expected =
-      kLlmcHeaderBytes +
-      sizeof(float) *
-          static_cast<uintmax_t>(c.NumParameters() + (parsed.padded_vocab - c.vocab) * c.channels);
-  if (file_size < expected) {
-    return DataLoss(
-        "'{}' is truncated: {} bytes, but the checkpoint of the model its header "
-        "describes ({}) has {}",
-        path, file_size, c.ToString(), expected);
-  }
-  if (file_size > expected) {
-    return DataLoss(
-        "'{}' has {} bytes after the last tensor of the model its header describes "
-        "({}): not an llm.c GPT-2 checkpoint",
-        path, file_size - expected, c.ToString());
-  }
-  return parsed;
-}
-
-}  // namespace
-
-Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
-  std::error_code error;
-  const uintmax_t size = fs::file_size(path, error);
-  if (error) return Unavailable("cannot read the size of '{}': {}", path, error.message());
-  if (size < kLlmcHeaderBytes) {
-    return DataLoss(
-        "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,
-        size, kLlmcHeaderBytes);
-  }
-  int32_t header[kLlmcHeaderInts];
-  if (!in.read(reinterpret_cast<char*>(header), kLlmcHeaderBytes)) {
-    return Unavailable("cannot read the header of '{}'", path);
-  }
-  TESSERA_ASSIGN_OR_RETURN(LlmcHeader parsed, ParseLlmcHeader(path, header, size));
-  return parsed.config;
-}
-
-namespace {
-
-// The GPT-2 configuration of a trainer, for llm.c's format. InvalidArgument for other models.
-Result<Gpt2Config> Gpt2ConfigOf(const Trainer& trainer) {
-  if (!trainer.gpt2_config()) {
-    return InvalidArgument("model '{}' is not GPT-2 (fused): llm.c's format holds GPT-2 only",
-                           trainer.model().name);
-  }
-  return *trainer.gpt2_config();
-}
-
-}  // namespace
-
-Status ExportLlmc(Trainer& trainer, const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
-  std::string out(kLlmcHeaderBytes, '\0');
-  auto* header = reinterpret_cast<int32_t*>(out.data());
-  header[0] = kLlmcMagic;
-  header[1] = kLlmcVersionFp32;
-  header[2] = static_cast<int32_t>(c.max_seq_len);
-  header[3] = static_cast<int32_t>(c.vocab);
-  header[4] = static_cast<int32_t>(c.layers);
-  header[5] = static_cast<int32_t>(c.heads);
-  header[6] = static_cast<int32_t>(c.channels);
-  header[7] = static_cast<int32_t>(PaddedVocab(c.vocab));
-  // Whole groups, each read once, then the tensors in llm.c's order.
-  std::map<size_t, std::vector<float>> groups;
-  for (const std::string& name : LlmcNames(c)) {
-    TESSERA_ASSIGN_OR_RETURN(Trainer::ParameterRef ref, trainer.FindParameter(name));
-    if (!groups.contains(ref.group)) {
-      TESSERA_ASSIGN_OR_RETURN(groups[ref.group],
-                               trainer.ReadGroup(ref.group, StateKind::kParameter));
-    }
-    const float* begin = groups[ref.group].data() + ref.slot->offset;
-    out.append(reinterpret_cast<const char*>(begin),
-               static_cast<size_t>(ref.slot->shape.numel()) * sizeof(float));
-    if (name == "wte") {  // llm.c pads the vocabulary rows with zeros
-      out.append(static_cast<size_t>((PaddedVocab(c.vocab) - c.vocab) * c.channels) * sizeof(float),
-                 '\0');
-    }
-  }
-  return WriteFileAtomically(path, out);
-}
-
-Status ImportLlmc(Trainer& trainer, const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(const Gpt2Config c, Gpt2ConfigOf(trainer));
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
-  if (bytes.size() < kLlmcHeaderBytes) {
-    return DataLoss(
-        "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,
-        bytes.size(), kLlmcHeaderBytes);
-  }
-  TESSERA_ASSIGN_OR_RETURN(
-      LlmcHeader header,
-      ParseLlmcHeader(path, reinterpret_cast<const int32_t*>(bytes.data()), bytes.size()));
-  const Gpt2Config& saved = header.config;
-  if (saved != c) {
-    return InvalidArgument("'{}' holds a model with {}, but this model is {}", path,
-                           saved.ToString(), c.ToString());
-  }
-  // Every group assembled from the file first: a bad file changes nothing. The header check
-  // made sure every tensor is there.
-  std::map<size_t, std::vector<float>> groups;
-  size_t offset = kLlmcHeaderBytes;
-  for (const std::string& name : LlmcNames(c)) {
-    TESSERA_ASSIGN_OR_RETURN(Trainer::ParameterRef ref, trainer.FindParameter(name));
-    std::vector<float>& group = groups[ref.group];
-    group.resize(static_cast<size_t>(trainer.step_graph().group_numel[ref.group]));
-    const size_t count = static_cast<size_t>(ref.slot->shape.numel());
-    std::memcpy(group.data() + ref.slot->offset, bytes.data() + offset, count * sizeof(float));
-    offset += count * sizeof(float);
-    if (name == "wte") {
-      offset += static_cast<size_t>((header.padded_vocab - c.vocab) * c.channels) * sizeof(float);
-    }
-  }
-  for (const auto& [layer, values] : groups) {
-    TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(layer, StateKind::kParameter, values));
-  }
-  return Status::Ok();
 }
 
 }  // namespace tessera

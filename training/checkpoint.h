@@ -1,6 +1,7 @@
 // Checkpoints: a trainer's state on disk, independent of the plan that wrote it.
 //
-//   <dir>/step_00000100/manifest.json   model config, step, the batch sampler's state, the plan
+//   <dir>/step_00000100/manifest.json   the model (ModelSpec::config, else its name and layer
+//                                       groups), step, the batch sampler's state, the plan
 //                                       that wrote it, and for every piece of every group: its
 //                                       layer, kind, rank, element range, file, size, checksum
 //   <dir>/step_00000100/rank<r>/<layer>.<kind>.bin   one piece, raw little-endian fp32
@@ -21,10 +22,11 @@
 // manifest is DataLoss naming the file and what is wrong; a checkpoint of another model shape
 // is InvalidArgument naming the field.
 //
-// llm.c: ExportLlmc/ImportLlmc read and write the full fp32 weights in llm.c's GPT-2 checkpoint
-// format (gpt2_124M.bin: a 256-int32 header [20240326, 3, max_seq_len, vocab, layers, heads,
-// channels, padded_vocab, 0...], then the tensors in llm.c's order, the vocabulary rows of wte
-// padded with zeros to a multiple of 128), so llm.c loads what ExportLlmc writes.
+// The manifest's "model" is the model's ModelSpec::config as a JSON object when it has one (the
+// transformer language model's {"channels", "heads", "layers", "max_seq_len", "vocab"}, as its
+// checkpoints have always recorded it), else {"name", "layer_groups": [{"name", "numel"}, ...]};
+// loading compares every field of the trainer's own with the saved one. So a checkpoint moves
+// between implementations of one description (fused or primitive layers).
 #pragma once
 
 #include <cstdint>
@@ -65,18 +67,5 @@ Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
 // Loads `path`: a step directory, or a checkpoint directory (its `latest`). Sets the trainer's
 // state and step count.
 Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path);
-
-// The model an llm.c checkpoint holds, from its header; the file's size is checked against it,
-// so a file that reads here imports into a trainer of that model. NotFound when `path` cannot be
-// opened; InvalidArgument when it is not an fp32 llm.c GPT-2 checkpoint (magic, version);
-// DataLoss when it is truncated, too long, or its header is damaged. Each names the file.
-Result<Gpt2Config> ReadLlmcConfig(const std::string& path);
-// Writes the trainer's parameters to `path` atomically (core/atomic_file.h); optimizer state and
-// the step count are not part of the format.
-Status ExportLlmc(Trainer& trainer, const std::string& path);
-// Sets the trainer's parameters from `path` (the optimizer state is left as it is). The errors of
-// ReadLlmcConfig, and InvalidArgument when the file holds another model than the trainer's;
-// on error nothing is changed.
-Status ImportLlmc(Trainer& trainer, const std::string& path);
 
 }  // namespace tessera

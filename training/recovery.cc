@@ -39,11 +39,11 @@ std::string RecoveryReport::ToString() const {
       seconds);
 }
 
-StepRecovery::StepRecovery(Cluster& cluster, Gpt2Config config, TrainingPlan plan,
+StepRecovery::StepRecovery(Cluster& cluster, ModelSpec model, TrainingPlan plan,
                            ClusterPlacement placement, std::string checkpoint_dir,
                            RecoveryOptions options)
     : cluster_(&cluster),
-      config_(std::move(config)),
+      model_(std::move(model)),
       plan_(std::move(plan)),
       placement_(placement),
       checkpoint_dir_(std::move(checkpoint_dir)),
@@ -149,7 +149,7 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
   int ranks = std::min(want, alive / stages);
   for (; ranks >= options_.min_workers && ranks >= 1; --ranks) {
     plan.parallel.data_parallel = ranks;
-    if (plan.Validate(DescribeGpt2(config_)).ok()) break;
+    if (plan.Validate(model_).ok()) break;
   }
   if (ranks < std::max(1, options_.min_workers)) {
     return Infeasible(
@@ -159,7 +159,7 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
         so_far.lost, alive, options_.min_workers, plan.batch, plan.parallel.micro_batches,
         std::max(0, want - alive));
   }
-  TESSERA_ASSIGN_OR_RETURN(recovered.trainer, Trainer::Create(config_, plan, std::move(backend)));
+  TESSERA_ASSIGN_OR_RETURN(recovered.trainer, Trainer::Create(model_, plan, std::move(backend)));
   // The newest state that survived: the peer snapshot (taken at least at every checkpoint),
   // else the disk checkpoint.
   Result<CheckpointInfo> restored = Unavailable("no peer snapshot");

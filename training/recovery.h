@@ -85,10 +85,10 @@ struct RecoveryReport {
 
 class StepRecovery {
  public:
-  // `plan` is what was asked for (its data-parallel size is the size to come back to); the
-  // trainers made here run on `cluster` (which must outlive this, or be replaced through
-  // options.reconnect) with `placement`, restoring from `checkpoint_dir`.
-  StepRecovery(Cluster& cluster, Gpt2Config config, TrainingPlan plan, ClusterPlacement placement,
+  // `model` and `plan` are what was asked for (the plan's data-parallel size is the size to come
+  // back to); the trainers made here run on `cluster` (which must outlive this, or be replaced
+  // through options.reconnect) with `placement`, restoring from `checkpoint_dir`.
+  StepRecovery(Cluster& cluster, ModelSpec model, TrainingPlan plan, ClusterPlacement placement,
                std::string checkpoint_dir, RecoveryOptions options);
 
   // Whether `error`, from a step of `trainer`, is a loss that Recover can handle: restarts remain
@@ -139,7 +139,7 @@ class StepRecovery {
 
   Cluster* cluster_;
   bool scheduler_lost_ = false;  // Recoverable saw the connection to the scheduler gone
-  const Gpt2Config config_;
+  const ModelSpec model_;
   const TrainingPlan plan_;
   const ClusterPlacement placement_;
   const std::string checkpoint_dir_;

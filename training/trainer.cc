@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
@@ -18,13 +17,6 @@ namespace tessera {
 namespace {
 
 TensorMeta F32(int64_t n) { return TensorMeta{Shape{n}, DType::kF32, Device::Cpu()}; }
-
-// Prefix of a layer's parameter names: "" for the embedding and head, "h.<l>." for blocks.
-// Other models: "<layer>." for every layer.
-std::string NamePrefix(const ModelSpec& model, const LayerSpec& layer) {
-  if (model.name != "gpt2" || layer.forward_op == "gpt2_block_forward") return layer.name + ".";
-  return "";
-}
 
 // SplitMix64: a well-mixed 64-bit value from any other (the generator seeds below).
 uint64_t Mix(uint64_t x) {
@@ -77,15 +69,6 @@ void InitializeSlot(const ParamInit& init, uint64_t stream, float* values, int64
   });
 }
 
-// `tokens` as an i32 [batch, seq_len] host tensor; InvalidArgument when the count differs.
-Result<Tensor> TokenTensor(const std::vector<int32_t>& tokens, int64_t batch, int64_t seq_len) {
-  if (static_cast<int64_t>(tokens.size()) != batch * seq_len) {
-    return InvalidArgument("batch has {} tokens but [{}, {}] needs {}", tokens.size(), batch,
-                           seq_len, batch * seq_len);
-  }
-  return Tensor::FromVector(Shape{batch, seq_len}, tokens);
-}
-
 }  // namespace
 
 Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
@@ -94,22 +77,6 @@ Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry>
       plan_(std::move(plan)),
       registry_(std::move(registry)),
       backend_(std::move(backend)) {}
-
-Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
-                                                 const ExecutorOptions& executor_options) {
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend,
-                           MakeInProcessBackend(executor_options));
-  return Create(config, plan, std::move(backend));
-}
-
-Result<std::unique_ptr<Trainer>> Trainer::Create(const Gpt2Config& config, const TrainingPlan& plan,
-                                                 std::unique_ptr<GraphBackend> backend) {
-  TESSERA_RETURN_IF_ERROR(config.Validate());
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Create(DescribeGpt2(config), plan, std::move(backend)));
-  trainer->gpt2_config_ = config;
-  return trainer;
-}
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
                                                  const ExecutorOptions& executor_options) {
@@ -198,8 +165,6 @@ int64_t Trainer::ParamMultiple() const {
 
 Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   const bool zero = !seed.has_value();
-  const double residual_std =
-      0.02 / std::sqrt(2.0 * static_cast<double>(gpt2_config_ ? gpt2_config_->layers : 1));
   const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
   // Values already allocated (the zeros Create allocates) are written in place: a model's state
   // is faulted in once, not twice.
@@ -213,25 +178,13 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
     const LayerSpec& layer = model_.layers[l];
     std::span<float> values(staging.data(), static_cast<size_t>(step_graph_.group_numel[l]));
     ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
+    // A layer without ParamInit starts at zero (the fill above).
     const std::vector<FlatSlot>& slots = layer.params.slots();
-    for (size_t s = 0; s < slots.size() && !zero; ++s) {
-      const FlatSlot& slot = slots[s];
+    for (size_t s = 0; s < layer.init.size() && !zero; ++s) {
       // Each slot draws from its own stream of the seed.
       const uint64_t stream = Mix(Mix(Mix(*seed) ^ static_cast<uint64_t>(l)) ^ s);
-      float* begin = values.data() + slot.offset;
-      const int64_t n = slot.shape.numel();
-      if (!layer.init.empty()) {  // the model API's own initialisation
-        InitializeSlot(layer.init[s], stream, begin, n);
-        continue;
-      }
-      // GPT-2's (the fused layers carry no ParamInit): matrices N(0, 0.02), the residual
-      // projections N(0, 0.02 / sqrt(2L)), layernorm gains 1, biases 0.
-      const bool is_gain = slot.name.ends_with("_w") && slot.shape.rank() == 1;
-      const bool residual = slot.name == "proj_w" || slot.name == "fcproj_w";
-      const ParamInit init = slot.shape.rank() == 2
-                                 ? ParamInit::Normal(residual ? residual_std : 0.02)
-                                 : (is_gain ? ParamInit::Ones() : ParamInit::Zeros());
-      InitializeSlot(init, stream, begin, n);
+      InitializeSlot(layer.init[s], stream, values.data() + slots[s].offset,
+                     slots[s].shape.numel());
     }
     TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
     if (adamw) {
@@ -352,7 +305,7 @@ Result<std::vector<Value>> Trainer::FullParameters() {
 Result<Trainer::ParameterRef> Trainer::FindParameter(const std::string& name) const {
   for (size_t g = 0; g < model_.layers.size(); ++g) {
     const LayerSpec& layer = model_.layers[g];
-    const std::string prefix = NamePrefix(model_, layer);
+    const std::string prefix = layer.ParamPrefix();
     if (!name.starts_with(prefix)) continue;
     Result<const FlatSlot*> slot = layer.params.Find(name.substr(prefix.size()));
     if (slot.ok()) return ParameterRef{g, *slot};
@@ -364,7 +317,7 @@ std::vector<std::string> Trainer::ParameterNames() const {
   std::vector<std::string> names;
   for (const LayerSpec& layer : model_.layers) {
     for (const FlatSlot& slot : layer.params.slots())
-      names.push_back(NamePrefix(model_, layer) + slot.name);
+      names.push_back(layer.ParamPrefix() + slot.name);
   }
   return names;
 }
@@ -420,43 +373,8 @@ Result<Value> Trainer::Scalar(DType dtype, double value) {
   return backend_->Upload(std::move(t));
 }
 
-Status Trainer::CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const {
-  if (!gpt2_config_) return Status::Ok();  // the embedding kernel refuses ids out of range
-  const int64_t vocab = gpt2_config_->vocab;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= vocab) {
-      return InvalidArgument(
-          "{} id {} at index {} is outside the vocabulary [0, {}); use a larger --vocab or "
-          "other data",
-          what, tokens[i], i, vocab);
-    }
-  }
-  return Status::Ok();
-}
-
-Result<StepReport> Trainer::Step(const std::vector<int32_t>& tokens,
-                                 const std::vector<int32_t>& targets, float lr) {
-  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
-  TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
-  return Step(batch, lr);
-}
-
-Result<std::vector<Tensor>> Trainer::TokenBatch(const std::vector<int32_t>& tokens,
-                                                const std::vector<int32_t>& targets) const {
-  if (model_.inputs.size() != 2) {
-    return InvalidArgument("model '{}' is not fed tokens and targets: pass one tensor per input",
-                           model_.name);
-  }
-  std::vector<Tensor> batch;
-  for (const auto* rows : {&tokens, &targets}) {
-    TESSERA_ASSIGN_OR_RETURN(Tensor t, TokenTensor(*rows, plan_.batch, plan_.seq_len));
-    batch.push_back(std::move(t));
-  }
-  return batch;
-}
-
-Status Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const {
+Status Trainer::CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64_t seq_len,
+                           bool labels) const {
   if (batch.size() != model_.inputs.size()) {
     return InvalidArgument("model '{}' takes {} input(s) per step, {} given", model_.name,
                            model_.inputs.size(), batch.size());
@@ -464,7 +382,7 @@ Status Trainer::CheckBatch(const std::vector<Tensor>& batch, bool labels) const 
   for (size_t i = 0; i < batch.size(); ++i) {
     const ModelInput& input = model_.inputs[i];
     if (input.label && !labels) continue;
-    const TensorMeta want = input.Meta(plan_.batch, plan_.seq_len);
+    const TensorMeta want = input.Meta(rows, seq_len);
     if (!batch[i].defined() || batch[i].shape() != want.shape || batch[i].dtype() != want.dtype) {
       return InvalidArgument(
           "input '{}' is {} but the plan needs {} (the batch is dimension 0)", input.name,
@@ -487,7 +405,7 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
 }
 
 Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
-  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, plan_.batch, plan_.seq_len, /*labels=*/true));
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
@@ -562,36 +480,34 @@ Status Trainer::RecoverState(const Status& error, ValueMap& intact) {
       error.ToString(), lost.size(), lost.front());
 }
 
-Result<float> Trainer::EvalLoss(const std::vector<int32_t>& tokens,
-                                const std::vector<int32_t>& targets) {
-  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
-  TESSERA_RETURN_IF_ERROR(CheckTokenRange(targets, "target"));
-  TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> batch, TokenBatch(tokens, targets));
-  return EvalLoss(batch);
-}
-
 Result<float> Trainer::EvalLoss(const std::vector<Tensor>& batch) {
-  TESSERA_RETURN_IF_ERROR(CheckBatch(batch));
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, plan_.batch, plan_.seq_len, /*labels=*/true));
   TESSERA_ASSIGN_OR_RETURN(Tensor loss, RunForward(eval_graph_, eval_handle_, batch));
   return *loss.data<float>();
 }
 
 Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
-  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, /*labels=*/false));
-  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph,
-                           PredictionGraph(plan_.batch, plan_.seq_len));
+  // The batch's rows and seq_len: those of its first (non-label) input, and of its first
+  // sequence input; the plan's seq_len when none is one.
+  int64_t rows = -1, seq_len = plan_.seq_len;
+  bool sequence_seen = false;
+  for (size_t i = 0; i < batch.size() && i < model_.inputs.size(); ++i) {
+    const ModelInput& input = model_.inputs[i];
+    if (input.label || !batch[i].defined() || batch[i].shape().rank() < 1) continue;
+    if (rows < 0) rows = batch[i].shape()[0];
+    if (input.sequence && !sequence_seen && batch[i].shape().rank() >= 2) {
+      seq_len = batch[i].shape()[1];
+      sequence_seen = true;
+      if (seq_len < 1 || seq_len > input.shape[1]) {
+        return InvalidArgument("input '{}' has {} positions; the model takes 1 to {}", input.name,
+                               seq_len, input.shape[1]);
+      }
+    }
+  }
+  if (rows < 1) rows = plan_.batch;  // CheckBatch names the missing input
+  TESSERA_RETURN_IF_ERROR(CheckBatch(batch, rows, seq_len, /*labels=*/false));
+  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph, PredictionGraph(rows, seq_len));
   return RunForward(graph->graph, graph->handle, batch);
-}
-
-Result<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& tokens, int64_t batch,
-                                           int64_t seq_len) {
-  TESSERA_RETURN_IF_ERROR(CheckTokenRange(tokens, "token"));
-  TESSERA_ASSIGN_OR_RETURN(Tensor token_tensor, TokenTensor(tokens, batch, seq_len));
-  TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph, PredictionGraph(batch, seq_len));
-  TESSERA_ASSIGN_OR_RETURN(Tensor logits,
-                           RunForward(graph->graph, graph->handle, {token_tensor, Tensor()}));
-  const float* data = logits.data<float>();
-  return std::vector<float>(data, data + logits.numel());
 }
 
 Result<const Trainer::PlannedForward*> Trainer::PredictionGraph(int64_t batch, int64_t seq_len) {

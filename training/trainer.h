@@ -1,5 +1,5 @@
-// Trainer: trains a model (GPT-2, or any model built with the model API) by running its step
-// graph, one step per call.
+// Trainer: trains a model (any ModelSpec: model/'s language model and 3D U-Net, or one built
+// with the model API) by running its step graph, one step per call.
 //
 // The trainer owns the model state (one flat parameter group per layer and, for AdamW, its two
 // moment buffers), the step graph from the planner (zero/: one worker, data parallel or ZeRO,
@@ -12,9 +12,10 @@
 // state from the graph's outputs. On a cluster the state stays on the workers between steps;
 // only the loss and the gradient norm come back.
 //
-// Parameters are addressed by the names of tests/reference/make_gpt2_reference.py and
-// nanoGPT: "wte", "wpe", "h.<l>.<tensor>" (ln1_w, qkv_w, ...; see ops/flat_layout.h), "lnf_w",
-// "lnf_b".
+// The trainer knows nothing of any particular model: a step takes one host tensor per model
+// input, parameters start as each layer's ParamInit says, and are named "<prefix><slot>"
+// (LayerSpec::ParamPrefix: "h.0.qkv_w", "enc0.conv1.w"). Helpers that build a model's input
+// tensors from its data (token ids, volumes) live with the model, in model/.
 //
 // Not thread-safe: one caller at a time.
 #pragma once
@@ -29,7 +30,6 @@
 
 #include "client/graph_backend.h"
 #include "core/status.h"
-#include "model/gpt2.h"
 #include "model/model_spec.h"
 #include "ops/op_registry.h"
 #include "planner/step_graph.h"
@@ -63,22 +63,16 @@ class Trainer {
   // cluster). A plan with N > 1 data-parallel ranks takes the backend's first N workers
   // (InvalidArgument when it has fewer, saying how many to start). Parameters start at zero;
   // call InitializeParameters or SetParameter first.
-  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
-                                                 std::unique_ptr<GraphBackend> backend);
-  // In this process, on an executor with these options.
-  static Result<std::unique_ptr<Trainer>> Create(const Gpt2Config& config, const TrainingPlan& plan,
-                                                 const ExecutorOptions& executor_options);
-  // Any model (GPT-2's DescribeGpt2, or one built with the model API, model/model.h). Its
-  // parameters are named "<layer>.<param>"; InitializeParameters uses each layer's ParamInit.
   static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
                                                  std::unique_ptr<GraphBackend> backend);
+  // In this process, on an executor with these options.
   static Result<std::unique_ptr<Trainer>> Create(ModelSpec model, const TrainingPlan& plan,
                                                  const ExecutorOptions& executor_options);
 
-  // GPT-2 initialisation as in nanoGPT: weights and embeddings N(0, 0.02), the two residual
-  // projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, layernorm gains 1.
-  // Deterministic in the seed, whatever the thread count (each slot draws from its own stream, in
-  // parallel chunks). Resets the optimizer state and the step count.
+  // Every parameter slot as its layer's ParamInit says (zeros where a layer gives none).
+  // Deterministic in the seed, whatever the thread count: each slot draws from its own stream of
+  // the seed (by layer and slot index), in parallel chunks. Resets the optimizer state and the
+  // step count.
   Status InitializeParameters(uint64_t seed);
 
   // Copies values into the named parameter. InvalidArgument on an unknown name or a shape that
@@ -98,24 +92,20 @@ class Trainer {
   };
   Result<ParameterRef> FindParameter(const std::string& name) const;
 
-  // One training step on tokens/targets of [batch, seq_len] (the plan's shape). A batch with a
-  // token outside the vocabulary is refused before anything runs; if a step fails anyway, the
-  // model state is left as it was (or DataLoss says what was already updated).
-  Result<StepReport> Step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
-                          float lr);
-  // Mean loss of a batch of the plan's shape, without updating anything.
-  Result<float> EvalLoss(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets);
-  // Any model: one host tensor per model input (ModelSpec::inputs order), dimension 0 the plan's
-  // batch (a sequence input's dimension 1 its seq_len). InvalidArgument naming the input when
-  // a tensor has another shape or type; a step that fails leaves the state as Step above.
+  // One training step on `batch`: one host tensor per model input (ModelSpec::inputs order),
+  // dimension 0 the plan's batch (a sequence input's dimension 1 its seq_len). InvalidArgument
+  // naming the input when a tensor has another shape or type, before anything runs. If the step
+  // fails (e.g. a kernel refuses a token id), the model state is left as it was (or DataLoss
+  // says what the optimizer had already updated).
   Result<StepReport> Step(const std::vector<Tensor>& batch, float lr);
+  // Mean loss of a batch of the plan's shape, without updating anything.
   Result<float> EvalLoss(const std::vector<Tensor>& batch);
-  // The model's prediction (PlanLogits) for a batch of the plan's shape; label inputs are not
-  // read (they may be undefined tensors).
+  // The model's prediction (PlanLogits: the loss layer's predict_op, e.g. a language model's
+  // logits, else what the loss reads first) for a batch of any number of rows (dimension 0 of
+  // its non-label inputs) and, for sequence inputs, any seq_len up to the model's (their
+  // dimension 1). Label inputs are not read (they may be undefined tensors). InvalidArgument
+  // naming the input when the tensors disagree; a graph is planned once per rows and seq_len.
   Result<Tensor> Predict(const std::vector<Tensor>& batch);
-  // Logits [batch, seq_len, vocab] of a batch of any shape with seq_len <= max_seq_len.
-  Result<std::vector<float>> Logits(const std::vector<int32_t>& tokens, int64_t batch,
-                                    int64_t seq_len);
 
   // Keeps each step's parameter gradients readable through GetGradient (for tests and
   // debugging; they stay alive until the next step). Re-plans the step graph.
@@ -149,9 +139,6 @@ class Trainer {
   const StepGraph& step_graph() const { return step_graph_; }
 
   const ModelSpec& model() const { return model_; }
-  // The GPT-2 configuration of a trainer made from one (Create(Gpt2Config, ...)); empty for
-  // other models.
-  const std::optional<Gpt2Config>& gpt2_config() const { return gpt2_config_; }
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
   GraphBackend& backend() { return *backend_; }
@@ -170,23 +157,20 @@ class Trainer {
           std::unique_ptr<GraphBackend> backend);
 
   Result<Value> Scalar(DType dtype, double value);
-  // GPT-2's tokens and targets as the two input tensors of the plan's batch.
-  Result<std::vector<Tensor>> TokenBatch(const std::vector<int32_t>& tokens,
-                                         const std::vector<int32_t>& targets) const;
-  // `labels`: whether label inputs are checked (not when predicting).
-  Status CheckBatch(const std::vector<Tensor>& batch, bool labels = true) const;
+  // InvalidArgument naming the input unless `batch` has one tensor per model input of `rows`
+  // rows and `seq_len`; label inputs only when `labels` (not when predicting).
+  Status CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64_t seq_len,
+                    bool labels) const;
   // Rows [first, first + rows) of a batch tensor, uploaded.
   Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
   Status PrepareStepGraph();
-  // Fresh parameters (GPT-2 initialisation from `seed`, or zeros) and zeroed optimizer state.
+  // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);
   // After a failed step: takes back the state the backend returned intact. Returns `error`
   // when everything came back, DataLoss naming what the optimizer had already changed.
   Status RecoverState(const Status& error, ValueMap& intact);
-  Status CheckTokenRange(const std::vector<int32_t>& tokens, const char* what) const;
 
   ModelSpec model_;
-  std::optional<Gpt2Config> gpt2_config_;
   TrainingPlan plan_;
   std::unique_ptr<OpRegistry> registry_;  // definitions, for planning
   std::unique_ptr<GraphBackend> backend_;
@@ -194,7 +178,7 @@ class Trainer {
   int step_handle_ = -1;
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
-  // Prediction graphs (Predict, Logits) by batch and seq_len, registered once each.
+  // Prediction graphs by batch and seq_len, registered once each.
   struct PlannedForward {
     ForwardGraph graph;
     int handle = -1;

@@ -18,7 +18,7 @@
 
 namespace tessera {
 
-// "task 'h.3/forward' (layer h.3, op gpt2_block_forward)": the prefix of a task's errors.
+// "task 'h.3/forward' (layer h.3, op transformer_block_forward)": the prefix of a task's errors.
 std::string TaskContext(const TaskSpec& task);
 
 struct TaskRunCounters {

@@ -1,18 +1,22 @@
 // The smallest Tessera driver: define an MLP with the model API, train it with ZeRO-2 on a local
 // cluster of two worker processes, print the loss. Data: points around one centre per class.
+// The plan flags are the other examples' (examples/common): e.g. --workers 4 --zero-stage 3, or
+// --in-process.
 #include <cstdio>
 #include <random>
 
-#include "client/cluster.h"
+#include "examples/common/flags.h"
+#include "examples/common/session.h"
 #include "model/model.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "training/trainer.h"
 
 using namespace tessera;
 
-int main() {
-  Result<OpRegistry> registry = MakeCpuOpRegistry();
-  ModelBuilder mlp("mlp", *registry);
+namespace {
+
+Result<ModelSpec> Mlp(const OpRegistry& registry) {
+  ModelBuilder mlp("mlp", registry);
   ModelValue x = mlp.Input("x", DType::kF32, Shape{1, 32});
   ModelValue y = mlp.Input("y", DType::kI32, Shape{1}, /*label=*/true);
   auto dense = [](int64_t in, int64_t out, bool gelu) {
@@ -28,33 +32,52 @@ int main() {
   mlp.Loss("loss", {logits, y}, [](LayerBuilder& l) {
     return l.Call("softmax_cross_entropy", {l.input(0), l.input(1)});
   });
-  Result<ModelSpec> model = mlp.Build();
-  Result<std::unique_ptr<Cluster>> cluster = Cluster::StartLocal({.cpu_workers = 2});
-  if (!model.ok() || !cluster.ok()) {
-    std::fprintf(stderr, "%s\n",
-                 (model.ok() ? cluster.status() : model.status()).ToString().c_str());
-    return 1;
+  return mlp.Build();
+}
+
+// A batch of 64 points, each near the centre of its class (one of 8).
+std::vector<Tensor> Points(std::mt19937& rng, std::normal_distribution<float>& noise) {
+  std::vector<float> points(64 * 32);
+  std::vector<int32_t> labels(64);
+  for (int i = 0; i < 64; ++i) {
+    labels[i] = static_cast<int32_t>(rng() % 8);
+    for (int f = 0; f < 32; ++f) points[i * 32 + f] = (f % 8 == labels[i]) + noise(rng);
   }
-  TrainingPlan plan{.batch = 64, .parallel = {.data_parallel = 2, .zero_stage = 2}};
-  auto trainer = Trainer::Create(*model, plan, *MakeClusterBackend(**cluster));
-  if (!trainer.ok() || !(*trainer)->InitializeParameters(1).ok()) {
-    std::fprintf(stderr, "%s\n", trainer.status().ToString().c_str());
-    return 1;
-  }
+  return {*Tensor::FromVector(Shape{64, 32}, points), *Tensor::FromVector(Shape{64}, labels)};
+}
+
+Status Train(const examples::CommonFlags& flags) {
+  TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, Mlp(registry));
+  // The plan and where it runs: the flags every example shares (examples/common).
+  TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags));
+  TrainingPlan plan{.batch = 64};
+  TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags, "train_mlp", plan));
+  TESSERA_ASSIGN_OR_RETURN(auto session, examples::Session::Open(flags, runtime, "train_mlp"));
+  TESSERA_ASSIGN_OR_RETURN(auto backend, session->MakeBackend());
+  TESSERA_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
+  TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
   std::mt19937 rng(0);
   std::normal_distribution<float> noise(0.0f, 0.7f);
   for (int step = 1; step <= 100; ++step) {
-    std::vector<float> points(64 * 32);
-    std::vector<int32_t> labels(64);
-    for (int i = 0; i < 64; ++i) {
-      labels[i] = static_cast<int32_t>(rng() % 8);
-      for (int f = 0; f < 32; ++f) points[i * 32 + f] = (f % 8 == labels[i]) + noise(rng);
-    }
-    Result<StepReport> report = (*trainer)->Step(
-        {*Tensor::FromVector(Shape{64, 32}, points), *Tensor::FromVector(Shape{64}, labels)},
-        3e-3f);
-    if (!report.ok()) return std::fprintf(stderr, "%s\n", report.status().ToString().c_str()), 1;
-    if (step % 10 == 0) std::printf("step %d loss %.4f\n", step, report->loss);
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(Points(rng, noise), 3e-3f));
+    if (step % 10 == 0) std::printf("step %d loss %.4f\n", step, report.loss);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  examples::CommonFlags flags{.workers = 2, .zero_stage = 2};
+  CLI::App app{"Train an MLP (the model API) with ZeRO-2 on a local cluster of two workers"};
+  examples::AddThreadsFlag(app, flags);
+  examples::AddPlanFlags(app, flags);
+  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, "train_mlp")) return *exit;
+  if (flags.in_process) flags.workers = 0;  // the default here is a cluster
+  if (Status status = Train(flags); !status.ok()) {
+    std::fprintf(stderr, "train_mlp: %s\n", status.ToString().c_str());
+    return 1;
   }
   return 0;
 }

@@ -16,6 +16,7 @@
 #include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "core/status.h"
+#include "model/gpt2.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -42,8 +43,9 @@ tessera::Status Train(int steps) {
   plan.seq_len = config.max_seq_len;
   plan.parallel.data_parallel = 2;  // one rank per worker
   plan.parallel.zero_stage = 2;     // optimizer state and gradients sharded over them
+  TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildGpt2(config));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Trainer> trainer,
-                           tessera::Trainer::Create(config, plan, std::move(backend)));
+                           tessera::Trainer::Create(std::move(model), plan, std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(/*seed=*/1));
 
   const tessera::TokenDataset data =
@@ -55,7 +57,9 @@ tessera::Status Train(int steps) {
   std::printf("%s on %s\n", config.ToString().c_str(), trainer->backend().Describe().c_str());
   for (int step = 1; step <= steps; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    TESSERA_ASSIGN_OR_RETURN(tessera::StepReport report, trainer->Step(tokens, targets, 1e-3f));
+    TESSERA_ASSIGN_OR_RETURN(std::vector<tessera::Tensor> batch,
+                             tessera::Gpt2Batch(config, tokens, targets, plan.batch, plan.seq_len));
+    TESSERA_ASSIGN_OR_RETURN(tessera::StepReport report, trainer->Step(batch, 1e-3f));
     if (!std::isfinite(report.loss)) {
       return tessera::Internal("step {}: the loss is {}", step, report.loss);
     }

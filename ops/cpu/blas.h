@@ -26,9 +26,10 @@ inline constexpr int64_t kNeverSplit = std::numeric_limits<int64_t>::max();
 inline constexpr int64_t kGemmMaxPieces = 16;
 inline constexpr int64_t kGemmPieceQuantum = 16;
 // Each piece packs the whole shared operand again (K x N for a piece of rows), so short pieces
-// multiply the packing: with 16-row pieces GPT-2's classifier backward (M=256, K=50257) packed its
-// 51 MB operand 16 times and the small bench config ran 12% slower; 128 rows keeps it within
-// noise of one piece per thread on 2 cores (bench/gpt2_cpu_vs_torch.py).
+// multiply the packing: with 16-row pieces a 50257-word classifier's backward (M=256, K=50257)
+// packed its 51 MB operand 16 times and the small bench config ran 12% slower; 128 rows keeps it
+// within noise of one piece per thread on 2 cores (the CPU step against PyTorch,
+// docs/benchmarks.md).
 inline constexpr int64_t kGemmMinPieceExtent = 128;
 
 // How many pieces Gemm cuts an M x N x K product into: a function of the shape only.

@@ -12,9 +12,9 @@
 #include "core/atomic_file.h"
 #include "core/checksum.h"
 #include "core/collective_task.h"
-#include "ops/cpu/gpt2_layers.h"
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/transformer_layers.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/kernel_attrs.h"
@@ -34,7 +34,9 @@ using cpu::detail::Workspace;
 int64_t Rows(const Tensor& t) { return t.shape().rank() == 0 ? 1 : t.numel() / t.shape()[-1]; }
 int64_t LastDim(const Tensor& t) { return t.shape()[-1]; }
 
-cpu::Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) { return ReadGpt2Dims(attrs, x.meta()); }
+cpu::TransformerDims Dims(const Attrs& attrs, const Tensor& x) {
+  return ReadTransformerDims(attrs, x.meta());
+}
 
 // Zeros the padding of a parameter-group gradient beyond the layout's `used` elements (groups
 // padded for ZeRO shards: attribute param_multiple).
@@ -337,91 +339,94 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
       });
 }
 
-Status RegisterGpt2Kernels(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_embedding_forward",
-      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        return cpu::Gpt2EmbeddingForward(F(out[0]), I(in[0]), F(in[1]), Dims(attrs, out[0]));
-      }));
+Status RegisterTransformerLayerKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
-      Register(r, "gpt2_embedding_backward",
+      Register(r, "token_position_embedding_forward",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-                 cpu::Gpt2EmbeddingBackward(F(out[0]), F(in[0]), I(in[1]), Dims(attrs, in[0]));
-                 return Status::Ok();
+                 return cpu::TokenPositionEmbeddingForward(F(out[0]), I(in[0]), F(in[1]),
+                                                           Dims(attrs, out[0]));
                }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_forward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        cpu::Gpt2BlockForward(F(out[0]), F(out[1]), F(in[0]), F(in[1]), Dims(attrs, in[0]),
-                              ctx.gemm_split_min_flops);
+      r, "token_position_embedding_backward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        cpu::TokenPositionEmbeddingBackward(F(out[0]), F(in[0]), I(in[1]), Dims(attrs, in[0]));
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "gpt2_block_backward",
-               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                          Workspace(ctx, cpu::Gpt2BlockBackwardWorkspace(dims)));
-                 // out[0] holds dy on entry (in place) and dx on exit.
-                 cpu::Gpt2BlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
-                                        F(in[3]), dims, ctx.gemm_split_min_flops);
-                 ZeroPadding(out[1], Gpt2BlockParamLayout(dims.channels).numel());
-                 return Status::Ok();
-               }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "gpt2_block_backward_input",
-               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                          Workspace(ctx, cpu::Gpt2BlockInputWorkspace(dims)));
-                 cpu::Gpt2BlockBackwardInput(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
-                                             F(in[3]), dims, ctx.gemm_split_min_flops);
-                 return Status::Ok();
-               }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_backward_weight",
+      r, "transformer_block_forward",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        cpu::TransformerBlockForward(F(out[0]), F(out[1]), F(in[0]), F(in[1]), Dims(attrs, in[0]),
+                                     ctx.gemm_split_min_flops);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "transformer_block_backward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
          const Attrs& attrs) -> Status {
-        const cpu::Gpt2Dims dims = Dims(attrs, in[1]);
-        cpu::Gpt2BlockBackwardWeight(F(out[0]), F(in[0]), F(in[2]), dims, ctx.gemm_split_min_flops);
-        ZeroPadding(out[0], Gpt2BlockParamLayout(dims.channels).numel());
+        const cpu::TransformerDims dims = Dims(attrs, in[1]);
+        TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                 Workspace(ctx, cpu::TransformerBlockBackwardWorkspace(dims)));
+        // out[0] holds dy on entry (in place) and dx on exit.
+        cpu::TransformerBlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
+                                      F(in[3]), dims, ctx.gemm_split_min_flops);
+        ZeroPadding(out[1], TransformerBlockParamLayout(dims.channels).numel());
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_head_forward",
+      r, "transformer_block_backward_input",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
+        const cpu::TransformerDims dims = Dims(attrs, in[1]);
+        TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                 Workspace(ctx, cpu::TransformerBlockInputWorkspace(dims)));
+        cpu::TransformerBlockBackwardInput(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
+                                           F(in[3]), dims, ctx.gemm_split_min_flops);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "transformer_block_backward_weight",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::TransformerDims dims = Dims(attrs, in[1]);
+                 cpu::TransformerBlockBackwardWeight(F(out[0]), F(in[0]), F(in[2]), dims,
+                                                     ctx.gemm_split_min_flops);
+                 ZeroPadding(out[0], TransformerBlockParamLayout(dims.channels).numel());
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "tied_lm_head_forward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
          const Attrs& attrs) -> Status {
         TESSERA_ASSIGN_OR_RETURN(
-            float loss, cpu::Gpt2HeadForward(F(out[1]), F(in[0]), F(in[1]), F(in[2]), I(in[3]),
-                                             Dims(attrs, in[0]),
-                                             static_cast<float>(attrs.GetFloat("grad_scale", 1.0)),
-                                             ctx.gemm_split_min_flops));
+            float loss,
+            cpu::TiedLmHeadForward(
+                F(out[1]), F(in[0]), F(in[1]), F(in[2]), I(in[3]), Dims(attrs, in[0]),
+                static_cast<float>(attrs.GetFloat("grad_scale", 1.0)), ctx.gemm_split_min_flops));
         *F(out[0]) = loss;
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_head_backward",
+      r, "tied_lm_head_backward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
          const Attrs& attrs) -> Status {
-        const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
-        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, cpu::Gpt2HeadWorkspace(dims)));
-        cpu::Gpt2HeadBackward(F(out[0]), F(out[1]), F(out[2]), F(workspace), F(in[0]), F(in[1]),
-                              F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
-        ZeroPadding(out[1], Gpt2HeadParamLayout(dims.channels).numel());
-        ZeroPadding(out[2],
-                    Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
+        const cpu::TransformerDims dims = Dims(attrs, in[0]);
+        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, cpu::TiedLmHeadWorkspace(dims)));
+        cpu::TiedLmHeadBackward(F(out[0]), F(out[1]), F(out[2]), F(workspace), F(in[0]), F(in[1]),
+                                F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
+        ZeroPadding(out[1], TiedLmHeadParamLayout(dims.channels).numel());
+        ZeroPadding(
+            out[2],
+            TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
         return Status::Ok();
       }));
-  return Register(r, "gpt2_head_logits",
+  return Register(r, "tied_lm_head_logits",
                   [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
                      const Attrs& attrs) -> Status {
-                    const cpu::Gpt2Dims dims = Dims(attrs, in[0]);
+                    const cpu::TransformerDims dims = Dims(attrs, in[0]);
                     TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                             Workspace(ctx, cpu::Gpt2HeadWorkspace(dims)));
-                    cpu::Gpt2HeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]), dims,
-                                        ctx.gemm_split_min_flops);
+                                             Workspace(ctx, cpu::TiedLmHeadWorkspace(dims)));
+                    cpu::TiedLmHeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]),
+                                          dims, ctx.gemm_split_min_flops);
                     return Status::Ok();
                   });
 }
@@ -431,7 +436,7 @@ Status RegisterGpt2Kernels(OpRegistry& r) {
 Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterPrimitiveKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterLossAndOptimizerKernels(registry));
-  TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterTransformerLayerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeKernels(registry));
   return RegisterLayerProgramKernels(registry, DeviceKind::kCpu);
 }

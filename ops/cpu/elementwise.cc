@@ -12,7 +12,7 @@ using detail::ParallelFor;
 
 namespace {
 constexpr int64_t kElementGrain = 1 << 14;
-// sqrt(2/pi) and the cubic coefficient of GPT-2's tanh approximation of GELU.
+// sqrt(2/pi) and the cubic coefficient of the tanh approximation of GELU.
 constexpr float kGeluBeta = 0.7978845608028654f;
 constexpr float kGeluKappa = 0.044715f;
 }  // namespace

@@ -1,7 +1,7 @@
 // CPU kernels: fp32, row-major, parallel over the calling thread's TBB arena.
 //
 // Each function is one op's forward or backward on raw pointers; ops/cpu/cpu_kernels.cc wraps
-// them as registry kernels, and the GPT-2 layer kernels compose them. Conventions:
+// them as registry kernels, and the transformer layer kernels compose them. Conventions:
 //   - N is the number of rows (tokens, B*T), C the channels, V the vocabulary.
 //   - Outputs are overwritten unless the parameter says "accumulates" (+=).
 //   - Reductions over rows (weight and bias gradients, norms, mean losses) sum fixed chunks in a
@@ -27,7 +27,7 @@ Status EmbeddingForward(float* out, const int32_t* tokens, const float* wte, con
 void EmbeddingBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                        int64_t batch, int64_t seq_len, int64_t channels);
 
-// ---- layernorm (over the last dimension, eps 1e-5 as in GPT-2) ----
+// ---- layernorm (over the last dimension, eps 1e-5) ----
 inline constexpr float kLayerNormEps = 1e-5f;
 void LayerNormForward(float* out, float* mean, float* rstd, const float* x, const float* weight,
                       const float* bias, int64_t rows, int64_t channels);

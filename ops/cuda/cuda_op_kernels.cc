@@ -7,9 +7,9 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/cuda_context.h"
-#include "ops/cuda/gpt2_layers.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/scalars.h"
+#include "ops/cuda/transformer_layers.h"
 #include "ops/flat_layout.h"
 #include "ops/kernel_attrs.h"
 
@@ -48,14 +48,16 @@ bf16* B(const Tensor& t) {
 Status NeedsBf16(const Tensor& x) {
   if (x.dtype() != DType::kBF16) {
     return InvalidArgument(
-        "GPT-2 layers on a GPU take bf16 activations, got {}; build the model "
-        "with Gpt2Config::activations = bf16 (train_gpt2 --device cuda does)",
+        "the transformer layer ops on a GPU take bf16 activations, got {}; build the model "
+        "with attribute activation_dtype = bf16 (the examples' --device cuda does)",
         x.meta().ToString());
   }
   return Status::Ok();
 }
 
-Gpt2Dims Dims(const Attrs& attrs, const Tensor& x) { return ReadGpt2Dims(attrs, x.meta()); }
+TransformerDims Dims(const Attrs& attrs, const Tensor& x) {
+  return ReadTransformerDims(attrs, x.meta());
+}
 
 // Zeros a parameter-group gradient past the layout's `used` elements (ZeRO padding).
 Status ZeroPadding(CudaContext& cuda, const Tensor& group, int64_t used) {
@@ -66,61 +68,64 @@ Status ZeroPadding(CudaContext& cuda, const Tensor& group, int64_t used) {
   return Status::Ok();
 }
 
-Status RegisterGpt2Kernels(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_embedding_forward",
-      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        TESSERA_RETURN_IF_ERROR(NeedsBf16(out[0]));
-        return Gpt2EmbeddingForward(cuda, B(out[0]), I(in[0]), F(in[1]), Dims(attrs, out[0]));
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_embedding_backward",
-      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
-        return Gpt2EmbeddingBackward(cuda, F(out[0]), B(in[0]), I(in[1]), Dims(attrs, in[0]));
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_forward",
-      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
-        return Gpt2BlockForward(cuda, B(out[0]), B(out[1]), B(in[0]), F(in[1]), Dims(attrs, in[0]));
-      }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_block_backward",
-      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
-        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[1]));
-        const Gpt2Dims dims = Dims(attrs, in[1]);
-        // out[0] holds dy on entry (in place) and dx on exit.
-        TESSERA_RETURN_IF_ERROR(
-            Gpt2BlockBackward(cuda, B(out[0]), F(out[1]), B(in[1]), B(in[2]), F(in[3]), dims));
-        return ZeroPadding(cuda, out[1], Gpt2BlockParamLayout(dims.channels).numel());
-      }));
+Status RegisterTransformerLayerKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
-      Register(r, "gpt2_head_forward",
+      Register(r, "token_position_embedding_forward",
+               [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 TESSERA_RETURN_IF_ERROR(NeedsBf16(out[0]));
+                 return TokenPositionEmbeddingForward(cuda, B(out[0]), I(in[0]), F(in[1]),
+                                                      Dims(attrs, out[0]));
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "token_position_embedding_backward",
                [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
                  TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
-                 return Gpt2HeadForward(cuda, F(out[0]), B(out[1]), B(in[0]), F(in[1]), F(in[2]),
-                                        I(in[3]), Dims(attrs, in[0]),
-                                        static_cast<float>(attrs.GetFloat("grad_scale", 1.0)));
+                 return TokenPositionEmbeddingBackward(cuda, F(out[0]), B(in[0]), I(in[1]),
+                                                       Dims(attrs, in[0]));
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "transformer_block_forward",
+               [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+                 return TransformerBlockForward(cuda, B(out[0]), B(out[1]), B(in[0]), F(in[1]),
+                                                Dims(attrs, in[0]));
                }));
   TESSERA_RETURN_IF_ERROR(Register(
-      r, "gpt2_head_logits",
+      r, "transformer_block_backward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        TESSERA_RETURN_IF_ERROR(NeedsBf16(in[1]));
+        const TransformerDims dims = Dims(attrs, in[1]);
+        // out[0] holds dy on entry (in place) and dx on exit.
+        TESSERA_RETURN_IF_ERROR(TransformerBlockBackward(cuda, B(out[0]), F(out[1]), B(in[1]),
+                                                         B(in[2]), F(in[3]), dims));
+        return ZeroPadding(cuda, out[1], TransformerBlockParamLayout(dims.channels).numel());
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "tied_lm_head_forward",
+               [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
+                 return TiedLmHeadForward(cuda, F(out[0]), B(out[1]), B(in[0]), F(in[1]), F(in[2]),
+                                          I(in[3]), Dims(attrs, in[0]),
+                                          static_cast<float>(attrs.GetFloat("grad_scale", 1.0)));
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "tied_lm_head_logits",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
         TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
-        return Gpt2HeadLogits(cuda, F(out[0]), B(in[0]), F(in[1]), F(in[2]), Dims(attrs, in[0]));
+        return TiedLmHeadLogits(cuda, F(out[0]), B(in[0]), F(in[1]), F(in[2]), Dims(attrs, in[0]));
       }));
   return Register(
-      r, "gpt2_head_backward",
+      r, "tied_lm_head_backward",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
         TESSERA_RETURN_IF_ERROR(NeedsBf16(in[0]));
-        const Gpt2Dims dims = Dims(attrs, in[0]);
-        TESSERA_RETURN_IF_ERROR(Gpt2HeadBackward(cuda, B(out[0]), F(out[1]), F(out[2]), B(in[0]),
-                                                 B(in[1]), F(in[2]), F(in[3]), dims));
+        const TransformerDims dims = Dims(attrs, in[0]);
+        TESSERA_RETURN_IF_ERROR(TiedLmHeadBackward(cuda, B(out[0]), F(out[1]), F(out[2]), B(in[0]),
+                                                   B(in[1]), F(in[2]), F(in[3]), dims));
         TESSERA_RETURN_IF_ERROR(
-            ZeroPadding(cuda, out[1], Gpt2HeadParamLayout(dims.channels).numel()));
+            ZeroPadding(cuda, out[1], TiedLmHeadParamLayout(dims.channels).numel()));
         return ZeroPadding(
             cuda, out[2],
-            Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
+            TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels).numel());
       });
 }
 
@@ -203,7 +208,7 @@ Status RegisterPlanKernels(OpRegistry& r) {
 }  // namespace
 
 Status RegisterCudaKernels(OpRegistry& registry) {
-  TESSERA_RETURN_IF_ERROR(RegisterGpt2Kernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterTransformerLayerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterOptimizerKernels(registry));
   return RegisterPlanKernels(registry);
 }

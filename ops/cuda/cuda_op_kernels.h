@@ -1,8 +1,8 @@
 // Registers the CUDA kernels of the built-in ops (ops/standard_ops.h) that a GPU process runs, and
 // opens a GPU as a DeviceRuntime.
 //
-// Ops with a kCuda kernel: the GPT-2 layer ops (gpt2_embedding/block/head forward and backward,
-// gpt2_head_logits for sampling,
+// Ops with a kCuda kernel: the transformer layer ops (token_position_embedding,
+// transformer_block and tied_lm_head forward and backward, tied_lm_head_logits for sampling,
 // with activation_dtype = "bf16"), the optimizer and clipping ops (adamw, sum_of_squares,
 // clip_scale), the transfer op (copy, any direction between the host and the GPU), and the small
 // ops a plan adds around them (accumulate, sum_scalars, constant). Every kernel runs on the

@@ -17,7 +17,7 @@
 namespace tessera::cuda {
 namespace {
 
-// sqrt(2/pi) and the cubic coefficient of GPT-2's tanh approximation (as ops/cpu/elementwise.cc).
+// sqrt(2/pi) and the cubic coefficient of GELU's tanh approximation (as ops/cpu/elementwise.cc).
 constexpr float kGeluBeta = 0.7978845608028654f;
 constexpr float kGeluKappa = 0.044715f;
 

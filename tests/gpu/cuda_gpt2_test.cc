@@ -1,6 +1,6 @@
-// GPT-2 on a GPU against the CPU: each layer's forward and backward (ops/cuda/gpt2_layers.h vs
-// ops/cpu/gpt2_layers.h) on the same bf16-representable inputs, then whole training runs in
-// process (Trainer with --device cuda's executor) against the CPU's losses, plain and with the
+// GPT-2 on a GPU against the CPU: each layer's forward and backward (ops/cuda/transformer_layers.h
+// vs ops/cpu/transformer_layers.h) on the same bf16-representable inputs, then whole training runs
+// in process (Trainer with --device cuda's executor) against the CPU's losses, plain and with the
 // optimizer offloaded to the host (ZeRO-Offload on one GPU). Skips without a device.
 //
 // Tolerances: the GPU keeps activations in bf16 (8-bit mantissa, relative rounding 2^-9 ~ 2e-3
@@ -14,10 +14,11 @@
 
 #include <gmock/gmock.h>
 
+#include "gpt2_test_util.h"
 #include "gpu_test_util.h"
-#include "ops/cpu/gpt2_layers.h"
+#include "ops/cpu/transformer_layers.h"
 #include "ops/cuda/cuda_context.h"
-#include "ops/cuda/gpt2_layers.h"
+#include "ops/cuda/transformer_layers.h"
 #include "ops/flat_layout.h"
 #include "test_util.h"
 #include "training/trainer.h"
@@ -27,7 +28,7 @@ namespace tessera::testing {
 namespace {
 
 // CPU and GPU layers take the same dimensions (ops/flat_layout.h).
-using Dims = Gpt2Dims;
+using Dims = TransformerDims;
 
 // Parameters as a trained layer has them: matrices ~N(0, 0.02)-sized, layernorm gains near 1.
 std::vector<float> BlockParams(const FlatLayout& layout, uint64_t seed) {
@@ -70,9 +71,10 @@ class CudaGpt2Test : public ::testing::TestWithParam<Dims> {
 TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   const Dims d = GetParam();
   const int64_t n = d.rows(), c = d.channels;
-  const FlatLayout params_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout cpu_saved_layout = Gpt2BlockSavedLayout(d.batch, d.seq_len, c, d.heads);
-  const FlatLayout gpu_saved_layout = Gpt2BlockSavedLayoutBf16(d.batch, d.seq_len, c, d.heads);
+  const FlatLayout params_layout = TransformerBlockParamLayout(c);
+  const FlatLayout cpu_saved_layout = TransformerBlockSavedLayout(d.batch, d.seq_len, c, d.heads);
+  const FlatLayout gpu_saved_layout =
+      TransformerBlockSavedLayoutBf16(d.batch, d.seq_len, c, d.heads);
   const std::vector<float> params = BlockParams(params_layout, 11);
   const std::vector<float> x = RoundToBf16(RandomFloats(n * c, 12));
   const std::vector<float> dy = RoundToBf16(RandomFloats(n * c, 13, -0.1f, 0.1f));
@@ -80,12 +82,12 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   // CPU, fp32.
   std::vector<float> y_cpu(static_cast<size_t>(n * c));
   std::vector<float> saved_cpu(static_cast<size_t>(cpu_saved_layout.numel()));
-  cpu::Gpt2BlockForward(y_cpu.data(), saved_cpu.data(), x.data(), params.data(), d, 1 << 30);
+  cpu::TransformerBlockForward(y_cpu.data(), saved_cpu.data(), x.data(), params.data(), d, 1 << 30);
   std::vector<float> dx_cpu = dy;
   std::vector<float> dparams_cpu(params.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2BlockBackwardWorkspace(d)));
-  cpu::Gpt2BlockBackward(dx_cpu.data(), dparams_cpu.data(), workspace.data(), x.data(),
-                         saved_cpu.data(), params.data(), d, 1 << 30);
+  std::vector<float> workspace(static_cast<size_t>(cpu::TransformerBlockBackwardWorkspace(d)));
+  cpu::TransformerBlockBackward(dx_cpu.data(), dparams_cpu.data(), workspace.data(), x.data(),
+                                saved_cpu.data(), params.data(), d, 1 << 30);
 
   // GPU, bf16 activations.
   DeviceBuffer<float> params_gpu(params);
@@ -94,13 +96,13 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   DeviceBuffer<__nv_bfloat16> saved_gpu(gpu_saved_layout.numel());
   y_gpu.Poison();
   saved_gpu.Poison();
-  ASSERT_OK(cuda::Gpt2BlockForward(*context_, y_gpu.get(), saved_gpu.get(), x_gpu.get(),
-                                   params_gpu.get(), d));
+  ASSERT_OK(cuda::TransformerBlockForward(*context_, y_gpu.get(), saved_gpu.get(), x_gpu.get(),
+                                          params_gpu.get(), d));
   DeviceBuffer<__nv_bfloat16> d_gpu(ToBf16(dy));
   DeviceBuffer<float> dparams_gpu(static_cast<int64_t>(params.size()));
   dparams_gpu.Poison();
-  ASSERT_OK(cuda::Gpt2BlockBackward(*context_, d_gpu.get(), dparams_gpu.get(), x_gpu.get(),
-                                    saved_gpu.get(), params_gpu.get(), d));
+  ASSERT_OK(cuda::TransformerBlockBackward(*context_, d_gpu.get(), dparams_gpu.get(), x_gpu.get(),
+                                           saved_gpu.get(), params_gpu.get(), d));
   ASSERT_OK(context_->Synchronize());
 
   const std::vector<__nv_bfloat16> saved = saved_gpu.Download();
@@ -124,10 +126,10 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
 TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
   const Dims d = GetParam();
   const int64_t n = d.rows(), c = d.channels, v = d.vocab;
-  const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(v, d.max_seq_len, c);
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
-  const FlatLayout cpu_saved_layout = Gpt2HeadSavedLayout(d.batch, d.seq_len, c, v);
-  const FlatLayout gpu_saved_layout = Gpt2HeadSavedLayoutBf16(d.batch, d.seq_len, c, v);
+  const FlatLayout emb_layout = TokenPositionEmbeddingParamLayout(v, d.max_seq_len, c);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
+  const FlatLayout cpu_saved_layout = TiedLmHeadSavedLayout(d.batch, d.seq_len, c, v);
+  const FlatLayout gpu_saved_layout = TiedLmHeadSavedLayoutBf16(d.batch, d.seq_len, c, v);
   const std::vector<float> emb = RandomFloats(emb_layout.numel(), 21, -0.1f, 0.1f);
   const std::vector<float> head = BlockParams(head_layout, 22);
   const std::vector<int32_t> tokens = RandomInts(n, 23, 0, static_cast<int32_t>(v));
@@ -136,17 +138,18 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
 
   // CPU: embedding, then the head on the (bf16-rounded) embedding output.
   std::vector<float> x_cpu(static_cast<size_t>(n * c));
-  ASSERT_OK(cpu::Gpt2EmbeddingForward(x_cpu.data(), tokens.data(), emb.data(), d));
+  ASSERT_OK(cpu::TokenPositionEmbeddingForward(x_cpu.data(), tokens.data(), emb.data(), d));
   const std::vector<float> x = RoundToBf16(x_cpu);
   std::vector<float> saved_cpu(static_cast<size_t>(cpu_saved_layout.numel()));
   ASSERT_OK_AND_ASSIGN(float loss_cpu,
-                       cpu::Gpt2HeadForward(saved_cpu.data(), x.data(), head.data(), wte_cpu,
-                                            targets.data(), d, 1.0f, 1 << 30));
+                       cpu::TiedLmHeadForward(saved_cpu.data(), x.data(), head.data(), wte_cpu,
+                                              targets.data(), d, 1.0f, 1 << 30));
   std::vector<float> dx_cpu(x.size()), dhead_cpu(head.size()), demb_cpu(emb.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d)));
-  cpu::Gpt2HeadBackward(dx_cpu.data(), dhead_cpu.data(), demb_cpu.data(), workspace.data(),
-                        x.data(), saved_cpu.data(), head.data(), wte_cpu, d, 1 << 30);
-  cpu::Gpt2EmbeddingBackward(demb_cpu.data(), RoundToBf16(dx_cpu).data(), tokens.data(), d);
+  std::vector<float> workspace(static_cast<size_t>(cpu::TiedLmHeadWorkspace(d)));
+  cpu::TiedLmHeadBackward(dx_cpu.data(), dhead_cpu.data(), demb_cpu.data(), workspace.data(),
+                          x.data(), saved_cpu.data(), head.data(), wte_cpu, d, 1 << 30);
+  cpu::TokenPositionEmbeddingBackward(demb_cpu.data(), RoundToBf16(dx_cpu).data(), tokens.data(),
+                                      d);
 
   // GPU.
   DeviceBuffer<float> emb_gpu(emb), head_gpu(head);
@@ -157,14 +160,15 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
   for (auto* poisoned : {&x_gpu, &saved_gpu, &dx_gpu}) poisoned->Poison();
   for (auto* poisoned : {&loss_gpu, &dhead_gpu, &demb_gpu}) poisoned->Poison();
   const float* wte_gpu = emb_gpu.get() + emb_layout.offset("wte");
-  ASSERT_OK(cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d));
+  ASSERT_OK(cuda::TokenPositionEmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(),
+                                                emb_gpu.get(), d));
   EXPECT_LT(RelativeError(ToF32(x_gpu.Download()), x), 1e-6) << "embedding output";
-  ASSERT_OK(cuda::Gpt2HeadForward(*context_, loss_gpu.get(), saved_gpu.get(), x_gpu.get(),
-                                  head_gpu.get(), wte_gpu, targets_gpu.get(), d, 1.0f));
-  ASSERT_OK(cuda::Gpt2HeadBackward(*context_, dx_gpu.get(), dhead_gpu.get(), demb_gpu.get(),
-                                   x_gpu.get(), saved_gpu.get(), head_gpu.get(), wte_gpu, d));
-  ASSERT_OK(
-      cuda::Gpt2EmbeddingBackward(*context_, demb_gpu.get(), dx_gpu.get(), tokens_gpu.get(), d));
+  ASSERT_OK(cuda::TiedLmHeadForward(*context_, loss_gpu.get(), saved_gpu.get(), x_gpu.get(),
+                                    head_gpu.get(), wte_gpu, targets_gpu.get(), d, 1.0f));
+  ASSERT_OK(cuda::TiedLmHeadBackward(*context_, dx_gpu.get(), dhead_gpu.get(), demb_gpu.get(),
+                                     x_gpu.get(), saved_gpu.get(), head_gpu.get(), wte_gpu, d));
+  ASSERT_OK(cuda::TokenPositionEmbeddingBackward(*context_, demb_gpu.get(), dx_gpu.get(),
+                                                 tokens_gpu.get(), d));
   ASSERT_OK(context_->Synchronize());
 
   EXPECT_NEAR(loss_gpu.Download()[0], loss_cpu, 1e-2 * loss_cpu) << "loss";
@@ -181,31 +185,32 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
 TEST_P(CudaGpt2Test, HeadLogitsMatchTheCpu) {
   const Dims d = GetParam();
   const int64_t n = d.rows(), c = d.channels, v = d.vocab;
-  const std::vector<float> head = BlockParams(Gpt2HeadParamLayout(c), 41);
+  const std::vector<float> head = BlockParams(TiedLmHeadParamLayout(c), 41);
   const std::vector<float> wte = RandomFloats(v * c, 42, -0.1f, 0.1f);
   const std::vector<float> x = RoundToBf16(RandomFloats(n * c, 43));
   std::vector<float> logits_cpu(static_cast<size_t>(n * v));
-  std::vector<float> workspace(static_cast<size_t>(cpu::Gpt2HeadWorkspace(d)));
-  cpu::Gpt2HeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(), d,
-                      1 << 30);
+  std::vector<float> workspace(static_cast<size_t>(cpu::TiedLmHeadWorkspace(d)));
+  cpu::TiedLmHeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(), d,
+                        1 << 30);
   DeviceBuffer<float> head_gpu(head), wte_gpu(wte), logits_gpu(n * v);
   DeviceBuffer<__nv_bfloat16> x_gpu(ToBf16(x));
   logits_gpu.Poison();
-  ASSERT_OK(cuda::Gpt2HeadLogits(*context_, logits_gpu.get(), x_gpu.get(), head_gpu.get(),
-                                 wte_gpu.get(), d));
+  ASSERT_OK(cuda::TiedLmHeadLogits(*context_, logits_gpu.get(), x_gpu.get(), head_gpu.get(),
+                                   wte_gpu.get(), d));
   EXPECT_LT(RelativeError(logits_gpu.Download(), logits_cpu), 2e-2);
 }
 
 TEST_P(CudaGpt2Test, ATokenOutsideTheVocabularyIsNamed) {
   const Dims d = GetParam();
-  const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels);
+  const FlatLayout emb_layout =
+      TokenPositionEmbeddingParamLayout(d.vocab, d.max_seq_len, d.channels);
   std::vector<int32_t> tokens = RandomInts(d.rows(), 31, 0, static_cast<int32_t>(d.vocab));
   tokens[static_cast<size_t>(d.rows() - 1)] = static_cast<int32_t>(d.vocab);  // the last one
   DeviceBuffer<float> emb_gpu(RandomFloats(emb_layout.numel(), 32));
   DeviceBuffer<int32_t> tokens_gpu(tokens);
   DeviceBuffer<__nv_bfloat16> x_gpu(d.rows() * d.channels);
-  const Status status =
-      cuda::Gpt2EmbeddingForward(*context_, x_gpu.get(), tokens_gpu.get(), emb_gpu.get(), d);
+  const Status status = cuda::TokenPositionEmbeddingForward(*context_, x_gpu.get(),
+                                                            tokens_gpu.get(), emb_gpu.get(), d);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
   EXPECT_THAT(status.message(), ::testing::HasSubstr("outside the vocabulary"));
 }
@@ -232,7 +237,7 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
     plan.device = Device::Cuda(0);
   }
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Trainer::Create(config, plan, options));
+                           Trainer::Create(*BuildGpt2(config), plan, options));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(7));
   RunResult result;
   const int64_t tokens = plan.batch * plan.seq_len;
@@ -243,7 +248,7 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
       x[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + step) % config.vocab);
       y[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + step + 7) % config.vocab);
     }
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(x, y, 1e-3f));
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(*trainer, x, y, 1e-3f));
     result.losses.push_back(report.loss);
   }
   // Evaluation and sampling run where training did (on the GPU: the eval and logits graphs).
@@ -252,8 +257,8 @@ Result<RunResult> Train(Gpt2Config config, TrainingPlan plan, bool gpu, int step
     x[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % config.vocab);
     y[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 7) % config.vocab);
   }
-  TESSERA_ASSIGN_OR_RETURN(result.eval_loss, trainer->EvalLoss(x, y));
-  TESSERA_ASSIGN_OR_RETURN(result.logits, trainer->Logits(x, plan.batch, plan.seq_len));
+  TESSERA_ASSIGN_OR_RETURN(result.eval_loss, Gpt2EvalLoss(*trainer, x, y));
+  TESSERA_ASSIGN_OR_RETURN(result.logits, Gpt2Logits(*trainer, x, plan.batch, plan.seq_len));
   return result;
 }
 

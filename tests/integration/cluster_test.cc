@@ -13,6 +13,7 @@
 #include "client/graph_backend.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
+#include "gpt2_test_util.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 #include "training/token_dataset.h"
@@ -257,10 +258,11 @@ TEST(ClusterTest, Gpt2TinyStepsOnTwoWorkersMatchTheInProcessLossesExactly) {
   TrainingPlan plan;
   plan.batch = 4;
   plan.seq_len = 64;
-  ASSERT_OK_AND_ASSIGN(auto local, Trainer::Create(config, plan, ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto local, Trainer::Create(*BuildGpt2(config), plan, ExecutorOptions{}));
   ASSERT_OK_AND_ASSIGN(auto backend,
                        MakeClusterBackend(*cluster, ClusterPlacement::kLayersRoundRobin));
-  ASSERT_OK_AND_ASSIGN(auto distributed, Trainer::Create(config, plan, std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(auto distributed,
+                       Trainer::Create(*BuildGpt2(config), plan, std::move(backend)));
   ASSERT_OK(local->InitializeParameters(5));
   ASSERT_OK(distributed->InitializeParameters(5));
   TokenDataset data = TokenDataset::Synthetic(10'000, 256, 9);
@@ -268,16 +270,16 @@ TEST(ClusterTest, Gpt2TinyStepsOnTwoWorkersMatchTheInProcessLossesExactly) {
   std::vector<int32_t> tokens(256), targets(256);
   for (int step = 0; step < 8; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    ASSERT_OK_AND_ASSIGN(StepReport a, local->Step(tokens, targets, 3e-3f));
-    ASSERT_OK_AND_ASSIGN(StepReport b, distributed->Step(tokens, targets, 3e-3f));
+    ASSERT_OK_AND_ASSIGN(StepReport a, Gpt2Step(*local, tokens, targets, 3e-3f));
+    ASSERT_OK_AND_ASSIGN(StepReport b, Gpt2Step(*distributed, tokens, targets, 3e-3f));
     EXPECT_EQ(a.loss, b.loss) << "step " << step;
     EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
   }
-  ASSERT_OK_AND_ASSIGN(float eval_a, local->EvalLoss(tokens, targets));
-  ASSERT_OK_AND_ASSIGN(float eval_b, distributed->EvalLoss(tokens, targets));
+  ASSERT_OK_AND_ASSIGN(float eval_a, Gpt2EvalLoss(*local, tokens, targets));
+  ASSERT_OK_AND_ASSIGN(float eval_b, Gpt2EvalLoss(*distributed, tokens, targets));
   EXPECT_EQ(eval_a, eval_b);
-  ASSERT_OK_AND_ASSIGN(auto logits_a, local->Logits(tokens, 4, 64));
-  ASSERT_OK_AND_ASSIGN(auto logits_b, distributed->Logits(tokens, 4, 64));
+  ASSERT_OK_AND_ASSIGN(auto logits_a, Gpt2Logits(*local, tokens, 4, 64));
+  ASSERT_OK_AND_ASSIGN(auto logits_b, Gpt2Logits(*distributed, tokens, 4, 64));
   EXPECT_EQ(logits_a, logits_b);
   EXPECT_EQ(*local->GetParameter("h.1.fc_w"), *distributed->GetParameter("h.1.fc_w"));
   // Both workers did work: each holds some of the layers and pushed activations or gradients

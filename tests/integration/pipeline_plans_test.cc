@@ -10,6 +10,7 @@
 #include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "data/volumes.h"
+#include "gpt2_test_util.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "plan_equivalence.h"
@@ -121,7 +122,7 @@ Result<TrainingRun> TrainGpt2(Trainer& trainer) {
       trainer, 5, kSteps,
       [&](Trainer& t, int) {
         sampler.Next(tokens.data(), targets.data());
-        return t.Step(tokens, targets, 3e-3f);
+        return Gpt2Step(t, tokens, targets, 3e-3f);
       },
       "h.1.fc_w");
 }
@@ -145,9 +146,9 @@ Result<TrainingRun> TrainUNet(Trainer& trainer) {
 
 TEST_F(PipelinePlansTest, Gpt2UnderEveryScheduleAndZeroInsideStagesMatchesOneWorker) {
   ASSERT_NE(cluster_, nullptr);
-  ASSERT_OK_AND_ASSIGN(
-      auto reference,
-      Trainer::Create(Gpt2(), PlanOf(Pipeline{}, kGptBatch, kGptSeq), ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto reference,
+                       Trainer::Create(*BuildGpt2(Gpt2()), PlanOf(Pipeline{}, kGptBatch, kGptSeq),
+                                       ExecutorOptions{}));
   ASSERT_OK_AND_ASSIGN(TrainingRun expected, TrainGpt2(*reference));
   std::vector<Pipeline> plans = EverySchedule();
   for (const Pipeline& p : ZeroInsideStages()) plans.push_back(p);
@@ -155,7 +156,8 @@ TEST_F(PipelinePlansTest, Gpt2UnderEveryScheduleAndZeroInsideStagesMatchesOneWor
     SCOPED_TRACE(Label(p));
     ASSERT_OK_AND_ASSIGN(auto backend, Backend());
     ASSERT_OK_AND_ASSIGN(
-        auto trainer, Trainer::Create(Gpt2(), PlanOf(p, kGptBatch, kGptSeq), std::move(backend)));
+        auto trainer,
+        Trainer::Create(*BuildGpt2(Gpt2()), PlanOf(p, kGptBatch, kGptSeq), std::move(backend)));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, TrainGpt2(*trainer));
     ExpectSameRun(run, expected, Label(p));
   }

@@ -12,6 +12,7 @@
 #include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "client/trace.h"
+#include "gpt2_test_util.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
 #include "trace_schema.h"
@@ -39,7 +40,7 @@ Status TrainSteps(Trainer& trainer, int steps) {
   std::vector<int32_t> tokens(kBatch * kSeqLen), targets(tokens.size());
   for (int step = 0; step < steps; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    TESSERA_RETURN_IF_ERROR(trainer.Step(tokens, targets, 1e-3f).status());
+    TESSERA_RETURN_IF_ERROR(Gpt2Step(trainer, tokens, targets, 1e-3f).status());
   }
   return Status::Ok();
 }
@@ -71,7 +72,8 @@ TEST_F(TraceTest, Zero3StepShowsAllGathersOverlappingCompute) {
   plan.parallel.data_parallel = 2;
   plan.parallel.zero_stage = 3;
   ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_));
-  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(Model(), plan, std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(auto trainer,
+                       Trainer::Create(*BuildGpt2(Model()), plan, std::move(backend)));
   ASSERT_OK(TrainSteps(*trainer, 3));
   ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(2));
 
@@ -143,7 +145,8 @@ TEST_F(TraceTest, LayerPlacementPushesShowOnTheTransferStream) {
   plan.seq_len = kSeqLen;
   ASSERT_OK_AND_ASSIGN(auto backend,
                        MakeClusterBackend(*cluster_, ClusterPlacement::kLayersRoundRobin));
-  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(Model(), plan, std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(auto trainer,
+                       Trainer::Create(*BuildGpt2(Model()), plan, std::move(backend)));
   ASSERT_OK(TrainSteps(*trainer, 1));
   ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(1));
   int pushes = 0;

@@ -80,7 +80,8 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--micro-batches",
                            "--schedule",
                            "--virtual-stages",
-                           "--balance"}) {
+                           "--balance",
+                           "--layer-impl"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
@@ -127,6 +128,28 @@ TEST(TrainGpt2Test, BadModelAndDataAreExplained) {
   ProcessResult too_wide = RunTrainGpt2("--data " + wide + " --steps 1");
   EXPECT_EQ(too_wide.exit_code, 1);
   EXPECT_NE(too_wide.output.find("--vocab 301"), std::string::npos) << too_wide.output;
+}
+
+// --layer-impl: GPT-2's layers as programs of primitive ops (the reference) train the run of the
+// hand-fused layers (the default) within gpt2_api_test's tolerance: the same initial values, the
+// same final loss within 1e-5 relative. Primitive layers on a GPU are refused, saying why.
+TEST(TrainGpt2Test, PrimitiveLayersTrainTheFusedRun) {
+  const std::string run = "--steps 10 --log-every 10 --threads 1 --batch 4 --seq-len 32";
+  ProcessResult fused = RunTrainGpt2(run);
+  ProcessResult primitive = RunTrainGpt2(run + " --layer-impl primitive");
+  ASSERT_EQ(fused.exit_code, 0) << fused.output;
+  ASSERT_EQ(primitive.exit_code, 0) << primitive.output;
+  const double expected = FirstMatch(fused.output, R"(final_loss=([0-9.]+))");
+  ASSERT_GT(expected, 0) << fused.output;
+  EXPECT_NEAR(FirstMatch(primitive.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << primitive.output;
+  EXPECT_EQ(FirstMatch(primitive.output, R"(step 1/10 loss ([0-9.]+))"),
+            FirstMatch(fused.output, R"(step 1/10 loss ([0-9.]+))"));
+  ProcessResult bad = RunTrainGpt2("--steps 1 --layer-impl fancy");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  ProcessResult gpu = RunTrainGpt2("--steps 1 --layer-impl primitive --device cuda --workers 1");
+  EXPECT_EQ(gpu.exit_code, 1) << gpu.output;
+  EXPECT_NE(gpu.output.find("primitive layers run on CPUs"), std::string::npos) << gpu.output;
 }
 
 // Data parallel on two workers matches one process within the plans' tolerance (architecture.md:

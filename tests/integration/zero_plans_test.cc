@@ -11,6 +11,7 @@
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "gpt2_test_util.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
@@ -45,7 +46,7 @@ Result<TrainingRun> Train(Trainer& trainer) {
       trainer, 5, kSteps,
       [&](Trainer& t, int) {
         sampler.Next(tokens.data(), targets.data());
-        return t.Step(tokens, targets, 3e-3f);
+        return Gpt2Step(t, tokens, targets, 3e-3f);
       },
       "h.1.fc_w");  // a block matrix
 }
@@ -56,8 +57,8 @@ class ZeroPlansTest : public ::testing::Test {
     Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(kClusterWorkers);
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
-    auto reference = Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
-                                     ExecutorOptions{});
+    auto reference = Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")),
+                                     Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     Result<TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
@@ -73,7 +74,7 @@ class ZeroPlansTest : public ::testing::Test {
   static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
     TESSERA_ASSIGN_OR_RETURN(auto backend,
                              MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Trainer::Create(*Gpt2Config::Preset("tiny"), plan, std::move(backend));
+    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
   }
 
   static void ExpectSameRun(const TrainingPlan& plan) {
@@ -123,11 +124,11 @@ TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
 // apart and bounded by a few layers.
 TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
   const Gpt2Config config = *Gpt2Config::Preset("tiny");
-  const ModelSpec model = DescribeGpt2(config);
+  const ModelSpec model = *BuildGpt2(config);
   const double p = static_cast<double>(model.NumParameters());
   int64_t largest_block = 0;
   for (const LayerSpec& layer : model.layers) {
-    if (layer.forward_op == "gpt2_block_forward")
+    if (layer.forward_op == "transformer_block_forward")
       largest_block = std::max(largest_block, layer.params.numel());
   }
   const int64_t embedding = model.layers.front().params.numel();
@@ -146,7 +147,7 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
       StepReport report;
       for (int step = 0; step < 2; ++step) {
         sampler.Next(tokens.data(), targets.data());
-        ASSERT_OK_AND_ASSIGN(report, trainer->Step(tokens, targets, 1e-3f));
+        ASSERT_OK_AND_ASSIGN(report, Gpt2Step(*trainer, tokens, targets, 1e-3f));
       }
       ASSERT_EQ(report.ranks.size(), static_cast<size_t>(workers));
       for (const RankFigures& rank : report.ranks) {
@@ -201,7 +202,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
     ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
     for (int step = 0; step < kSaveAfter; ++step) {
       sampler.Next(tokens.data(), targets.data());
-      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, targets, 3e-3f));
+      ASSERT_OK_AND_ASSIGN(StepReport report, Gpt2Step(*trainer, tokens, targets, 3e-3f));
       EXPECT_LE(std::abs(report.loss - reference_->losses[step]) / reference_->losses[step], 1e-5)
           << "before the save, step " << step;
     }
@@ -209,7 +210,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
     // The same run, uninterrupted, for the same-plan resume below.
     for (int step = kSaveAfter; step < kSteps; ++step) {
       sampler.Next(tokens.data(), targets.data());
-      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, targets, 3e-3f));
+      ASSERT_OK_AND_ASSIGN(StepReport report, Gpt2Step(*trainer, tokens, targets, 3e-3f));
       uninterrupted.push_back(report.loss);
     }
   }
@@ -221,7 +222,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
     ASSERT_OK(sampler.RestoreState(info.sampler_state));
     for (int step = kSaveAfter; step < kSteps; ++step) {
       sampler.Next(tokens.data(), targets.data());
-      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, targets, 3e-3f));
+      ASSERT_OK_AND_ASSIGN(StepReport report, Gpt2Step(*trainer, tokens, targets, 3e-3f));
       const double expected = reference_->losses[step];
       EXPECT_LE(std::abs(report.loss - expected) / expected, 1e-5)
           << what << " step " << step << ": " << report.loss << " vs " << expected;
@@ -241,14 +242,14 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   }
   {
     ASSERT_OK_AND_ASSIGN(auto trainer,
-                         Trainer::Create(*Gpt2Config::Preset("tiny"),
+                         Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")),
                                          Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
     resume(std::move(trainer), "resumed at 1 worker");
   }
   // A truncated piece, then a corrupted one: clear errors naming the file.
-  ASSERT_OK_AND_ASSIGN(
-      auto victim, Trainer::Create(*Gpt2Config::Preset("tiny"), Plan(1, 0, OffloadMode::kNone, 1),
-                                   ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto victim,
+                       Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")),
+                                       Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
   const std::string piece = saved + "/rank2/h.1.exp_avg.bin";
   const auto size = std::filesystem::file_size(piece);
   std::string good;
@@ -283,7 +284,7 @@ TEST_F(ZeroPlansTest, CheckpointsResumeUnderAnyPlan) {
   ASSERT_OK(LoadCheckpoint(*victim, dir).status());
   ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 0));
   sampler.Next(tokens.data(), targets.data());
-  ASSERT_OK(victim->Step(tokens, targets, 3e-3f).status());
+  ASSERT_OK(Gpt2Step(*victim, tokens, targets, 3e-3f).status());
   ASSERT_OK_AND_ASSIGN(std::string next, SaveCheckpoint(*victim, dir, sampler.SaveState()));
   EXPECT_NE(next, saved);
   EXPECT_TRUE(std::filesystem::exists(saved + "/manifest.json"));
@@ -301,7 +302,7 @@ TEST_F(ZeroPlansTest, APeerSnapshotIsTheStateItWasTakenAtUnderAnyPlan) {
   auto steps = [&](Trainer& t, int count) {
     for (int i = 0; i < count; ++i) {
       sampler.Next(tokens.data(), targets.data());
-      ASSERT_OK(t.Step(tokens, targets, 3e-3f).status());
+      ASSERT_OK(Gpt2Step(t, tokens, targets, 3e-3f).status());
     }
   };
   // Every group of every kind, cut to the model's elements (plans pad differently).
@@ -344,19 +345,20 @@ TEST_F(ZeroPlansTest, LlmcExportImportRoundTripsAcrossPlans) {
   const std::string path = TempPath("tiny_llmc.bin");
   ASSERT_OK_AND_ASSIGN(auto source, Distributed(Plan(4, 3, OffloadMode::kNone, 1)));
   ASSERT_OK(source->InitializeParameters(11));
-  ASSERT_OK(ExportLlmc(*source, path));
   const Gpt2Config config = *Gpt2Config::Preset("tiny");
+  ASSERT_OK(ExportLlmc(config, Gpt2Groups(*source), path));
   // 256-int header, wte padded to a multiple of 128 rows, then the rest.
   EXPECT_EQ(std::filesystem::file_size(path),
             1024 + 4 * static_cast<uintmax_t>(config.NumParameters()));
   ASSERT_OK_AND_ASSIGN(
-      auto target, Trainer::Create(config, Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
-  ASSERT_OK(ImportLlmc(*target, path));
+      auto target,
+      Trainer::Create(*BuildGpt2(config), Plan(1, 0, OffloadMode::kNone, 1), ExecutorOptions{}));
+  ASSERT_OK(ImportLlmc(config, Gpt2Groups(*target), path));
   for (const std::string& name : source->ParameterNames()) {
     EXPECT_EQ(*source->GetParameter(name), *target->GetParameter(name)) << name;
   }
   std::filesystem::resize_file(path, 2000);
-  Status truncated = ImportLlmc(*target, path);
+  Status truncated = ImportLlmc(config, Gpt2Groups(*target), path);
   EXPECT_NE(truncated.message().find("truncated"), std::string::npos) << truncated.ToString();
 }
 

@@ -2,6 +2,7 @@
 // losses of ten AdamW steps with gradient clipping (tests/reference/make_gpt2_reference.py).
 #include <cmath>
 
+#include "gpt2_test_util.h"
 #include "test_util.h"
 #include "training/trainer.h"
 
@@ -28,7 +29,7 @@ class Gpt2ReferenceTest : public ::testing::Test {
     plan_.optimizer.max_grad_norm = h[5];
     ExecutorOptions options;
     options.threads = 2;
-    ASSERT_OK_AND_ASSIGN(trainer_, Trainer::Create(config_, plan_, options));
+    ASSERT_OK_AND_ASSIGN(trainer_, Trainer::Create(*BuildGpt2(config_), plan_, options));
     for (const std::string& name : trainer_->ParameterNames()) {
       const ReferenceTensor& value = ref_.at(name);
       ASSERT_OK(trainer_->SetParameter(name, value.floats, value.shape));
@@ -44,7 +45,7 @@ class Gpt2ReferenceTest : public ::testing::Test {
 
 TEST_F(Gpt2ReferenceTest, LogitsMatchPyTorch) {
   ASSERT_OK_AND_ASSIGN(std::vector<float> logits,
-                       trainer_->Logits(ref_.at("tokens").ints, plan_.batch, plan_.seq_len));
+                       Gpt2Logits(*trainer_, ref_.at("tokens").ints, plan_.batch, plan_.seq_len));
   const double error = ScaledMaxError(logits, ref_.at("logits").floats);
   std::printf("logits: max error %.2e of their scale\n", error);
   EXPECT_LE(error, 1e-4) << "logits differ from PyTorch by " << error << " of their scale";
@@ -53,7 +54,7 @@ TEST_F(Gpt2ReferenceTest, LogitsMatchPyTorch) {
 TEST_F(Gpt2ReferenceTest, LossAndEveryGradientMatchPyTorch) {
   ASSERT_OK(trainer_->SetKeepGradients(true));
   ASSERT_OK_AND_ASSIGN(StepReport step,
-                       trainer_->Step(ref_.at("tokens").ints, ref_.at("targets").ints, lr_));
+                       Gpt2Step(*trainer_, ref_.at("tokens").ints, ref_.at("targets").ints, lr_));
   const float expected_loss = ref_.at("loss").floats[0];
   EXPECT_NEAR(step.loss, expected_loss, 1e-5 * expected_loss);
   int checked = 0;
@@ -78,7 +79,7 @@ TEST_F(Gpt2ReferenceTest, TenAdamWStepsFollowPyTorchLosses) {
   double worst = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
     ASSERT_OK_AND_ASSIGN(StepReport step,
-                         trainer_->Step(ref_.at("tokens").ints, ref_.at("targets").ints, lr_));
+                         Gpt2Step(*trainer_, ref_.at("tokens").ints, ref_.at("targets").ints, lr_));
     EXPECT_NEAR(step.loss, expected[i], 1e-5 * std::abs(expected[i])) << "step " << i + 1;
     EXPECT_NEAR(step.loss, exact[i], 1e-5 * std::abs(exact[i])) << "step " << i + 1;
     worst = std::max(worst, std::abs(static_cast<double>(step.loss) - expected[i]) /

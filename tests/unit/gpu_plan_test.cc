@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 
 #include "core/collective_task.h"
+#include "gpt2_test_util.h"
 #include "model/gpt2.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/flat_layout.h"
@@ -21,8 +22,8 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(GpuLayoutTest, Bf16SavedLayoutsAlignEverySlotAndWidenFp32Slots) {
-  const FlatLayout f32 = Gpt2BlockSavedLayout(2, 37, 64, 4);
-  const FlatLayout bf16 = Gpt2BlockSavedLayoutBf16(2, 37, 64, 4);
+  const FlatLayout f32 = TransformerBlockSavedLayout(2, 37, 64, 4);
+  const FlatLayout bf16 = TransformerBlockSavedLayoutBf16(2, 37, 64, 4);
   for (const FlatSlot& slot : bf16.slots()) {
     if (slot.name.starts_with("pad.")) continue;  // padding fills up to the next slot's alignment
     EXPECT_EQ(slot.offset % kGpuSlotAlignment, 0) << slot.name;
@@ -31,11 +32,11 @@ TEST(GpuLayoutTest, Bf16SavedLayoutsAlignEverySlotAndWidenFp32Slots) {
         slot.name.ends_with("_mean") || slot.name.ends_with("_rstd") || slot.name == "lse";
     EXPECT_EQ(slot.shape.numel(), fp32_slot ? 2 * f32_numel : f32_numel) << slot.name;
   }
-  const FlatLayout head = Gpt2HeadSavedLayoutBf16(2, 37, 64, 50257);
+  const FlatLayout head = TiedLmHeadSavedLayoutBf16(2, 37, 64, 50257);
   EXPECT_EQ(head.slot("dlogits").shape, (Shape{74, 50304}));
   EXPECT_EQ(head.slot("losses").shape.numel(), 2 * 74);
-  EXPECT_EQ(Gpt2PaddedVocab(50257), 50304);
-  EXPECT_EQ(Gpt2PaddedVocab(256), 256);
+  EXPECT_EQ(TiedLmHeadPaddedVocab(50257), 50304);
+  EXPECT_EQ(TiedLmHeadPaddedVocab(256), 256);
 }
 
 TEST(GpuLayoutTest, Bf16ActivationsFlowThroughShapeInference) {
@@ -43,19 +44,20 @@ TEST(GpuLayoutTest, Bf16ActivationsFlowThroughShapeInference) {
   Attrs attrs{{"channels", int64_t{64}}, {"heads", int64_t{4}}};
   attrs.Set(kActivationDTypeAttr, std::string("bf16"));
   const TensorMeta x{Shape{2, 16, 64}, DType::kBF16};
-  const TensorMeta params{Shape{Gpt2BlockParamLayout(64).numel()}, DType::kF32};
-  ASSERT_OK_AND_ASSIGN(auto metas, registry.InferShapes("gpt2_block_forward", {x, params}, attrs));
+  const TensorMeta params{Shape{TransformerBlockParamLayout(64).numel()}, DType::kF32};
+  ASSERT_OK_AND_ASSIGN(auto metas,
+                       registry.InferShapes("transformer_block_forward", {x, params}, attrs));
   EXPECT_EQ(metas[0], x);
   EXPECT_EQ(metas[1].dtype, DType::kBF16);
-  EXPECT_EQ(metas[1].numel(), Gpt2BlockSavedLayoutBf16(2, 16, 64, 4).numel());
+  EXPECT_EQ(metas[1].numel(), TransformerBlockSavedLayoutBf16(2, 16, 64, 4).numel());
   // f32 activations into a bf16 layer are refused, naming the input.
   const TensorMeta x32{Shape{2, 16, 64}, DType::kF32};
-  auto refused = registry.InferShapes("gpt2_block_forward", {x32, params}, attrs);
+  auto refused = registry.InferShapes("transformer_block_forward", {x32, params}, attrs);
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("input 'x'"));
   EXPECT_THAT(refused.status().message(), HasSubstr("bf16"));
   attrs.Set(kActivationDTypeAttr, std::string("f8"));
-  auto unknown = registry.InferShapes("gpt2_block_forward", {x, params}, attrs);
+  auto unknown = registry.InferShapes("transformer_block_forward", {x, params}, attrs);
   ASSERT_FALSE(unknown.ok());
   EXPECT_THAT(unknown.status().message(), HasSubstr("use f32 or bf16"));
 }
@@ -72,13 +74,13 @@ TEST(GpuPlanTest, EveryGpt2TaskRunsOnTheGpuAndOffloadMovesTheOptimizerToTheHost)
   plan.seq_len = 32;
   plan.device = Device::Cuda(0);
   ASSERT_OK_AND_ASSIGN(StepGraph step,
-                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+                       PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, CpuRegistry()));
   for (const TaskSpec& task : step.graph.tasks()) {
     EXPECT_EQ(task.device_kind, DeviceKind::kCuda) << task.name;
   }
   plan.parallel.offload = OffloadMode::kOptimizer;
   ASSERT_OK_AND_ASSIGN(StepGraph offloaded,
-                       PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, CpuRegistry()));
+                       PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, CpuRegistry()));
   int host_updates = 0, copies = 0;
   for (const TaskSpec& task : offloaded.graph.tasks()) {
     if (task.op == "adamw") {
@@ -129,8 +131,7 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
     for (int w = 0; w < c.data_parallel * c.stages; ++w) {
       plan.parallel.workers.push_back(WorkerId(10 + w));
     }
-    ASSERT_OK_AND_ASSIGN(StepGraph step,
-                         PlanTrainingStep(DescribeGpt2(GpuConfig()), plan, registry));
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(*BuildGpt2(GpuConfig()), plan, registry));
     int collectives = 0;
     for (const TaskSpec& task : step.graph.tasks()) {
       EXPECT_TRUE(registry.FindKernel(task.op, task.device_kind).ok())
@@ -144,9 +145,9 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
 }
 
 TEST(GpuPlanTest, EvaluationAndSamplingRunOnTheTrainingDevice) {
-  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(DescribeGpt2(GpuConfig()), 2, 32,
+  ASSERT_OK_AND_ASSIGN(ForwardGraph eval, PlanEvalLoss(*BuildGpt2(GpuConfig()), 2, 32,
                                                        CpuRegistry(), 1, Device::Cuda(0)));
-  ASSERT_OK_AND_ASSIGN(ForwardGraph logits, PlanLogits(DescribeGpt2(GpuConfig()), 2, 32,
+  ASSERT_OK_AND_ASSIGN(ForwardGraph logits, PlanLogits(*BuildGpt2(GpuConfig()), 2, 32,
                                                        CpuRegistry(), 1, Device::Cuda(0)));
   for (const Graph* graph : {&eval.graph, &logits.graph}) {
     for (const TaskSpec& task : graph->tasks()) {
@@ -164,13 +165,13 @@ TEST(GpuPlanTest, AProcessWithoutAGpuRefusesAGpuGraphNamingWhy) {
   plan.batch = 2;
   plan.seq_len = 32;
   plan.device = Device::Cuda(0);
-  auto trainer = Trainer::Create(GpuConfig(), plan, ExecutorOptions{.threads = 1});
+  auto trainer = Trainer::Create(*BuildGpt2(GpuConfig()), plan, ExecutorOptions{.threads = 1});
   // Without the CUDA kernels the registry has no kCuda kernel to prepare with; with them but
   // no device, the first step cannot put its inputs on the GPU.
   if (trainer.ok()) {
     ASSERT_OK((*trainer)->InitializeParameters(1));
     std::vector<int32_t> tokens(64, 1);
-    auto step = (*trainer)->Step(tokens, tokens, 1e-3f);
+    auto step = Gpt2Step(**trainer, tokens, tokens, 1e-3f);
     ASSERT_FALSE(step.ok());
     EXPECT_THAT(step.status().message(), HasSubstr("no GPU"));
   } else {

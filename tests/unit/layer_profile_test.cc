@@ -19,7 +19,7 @@ TimelineSpan Span(const std::string& layer, SpanKind kind, int64_t start_us, int
 }
 
 TEST(LayerProfileTest, EachLayersComputeSpansAreSummedAndAveragedOverSteps) {
-  const ModelSpec model = DescribeGpt2(Gpt2Config{1, 32, 4, 64, 16});  // embedding, h.0, head
+  const ModelSpec model = *BuildGpt2(Gpt2Config{1, 32, 4, 64, 16});  // embedding, h.0, head
   Timeline timeline;
   timeline.spans = {
       Span("h.0", SpanKind::kForward, 0, 1000),
@@ -54,7 +54,7 @@ TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
   plan.seq_len = 16;
   plan.parallel.micro_batches = 4;
   plan.parallel.pipeline_stages = 2;
-  const ModelSpec gpt2 = DescribeGpt2(Gpt2Config{2, 32, 4, 64, 16});
+  const ModelSpec gpt2 = *BuildGpt2(Gpt2Config{2, 32, 4, 64, 16});
   ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> gpt2_ms,
                        ProfileLayerTimes(gpt2, plan, ExecutorOptions{}, {.steps = 1}));
   ASSERT_EQ(gpt2_ms.size(), gpt2.layers.size());

@@ -1,14 +1,18 @@
-// llm.c's fp32 GPT-2 checkpoint format (training/checkpoint.h: ExportLlmc, ImportLlmc,
-// ReadLlmcConfig): the file is laid out as llm.c reads it, an export imports back bit-exactly,
-// and a damaged file is refused naming the file and what is wrong.
+// llm.c's fp32 GPT-2 checkpoint format (model/gpt2_llmc.h: ExportLlmc, ImportLlmc,
+// ReadLlmcConfig), here on a trainer's parameter groups: the file is laid out as llm.c reads it,
+// an export imports back bit-exactly, and a damaged file is refused naming the file and what is
+// wrong.
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "gpt2_test_util.h"
+#include "model/gpt2.h"
+#include "model/gpt2_llmc.h"
 #include "test_util.h"
-#include "training/checkpoint.h"
+#include "training/trainer.h"
 
 namespace tessera::testing {
 namespace {
@@ -22,7 +26,15 @@ Result<std::unique_ptr<Trainer>> InProcessTrainer(const Gpt2Config& config) {
   TrainingPlan plan;
   plan.batch = 2;
   plan.seq_len = config.max_seq_len;
-  return Trainer::Create(config, plan, ExecutorOptions{.threads = 1});
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildGpt2(config));
+  return Trainer::Create(std::move(model), plan, ExecutorOptions{.threads = 1});
+}
+
+Status Export(Trainer& trainer, const Gpt2Config& config, const std::string& path) {
+  return tessera::ExportLlmc(config, Gpt2Groups(trainer), path);
+}
+Status Import(Trainer& trainer, const Gpt2Config& config, const std::string& path) {
+  return tessera::ImportLlmc(config, Gpt2Groups(trainer), path);
 }
 
 void WriteBytes(const std::string& path, const std::string& bytes) {
@@ -34,7 +46,7 @@ TEST(LlmcFormatTest, ExportIsLaidOutAsLlmcReadsIt) {
   ASSERT_OK_AND_ASSIGN(auto trainer, InProcessTrainer(config));
   ASSERT_OK(trainer->InitializeParameters(5));
   const std::string path = TempPath("llmc_layout.bin");
-  ASSERT_OK(ExportLlmc(*trainer, path));
+  ASSERT_OK(Export(*trainer, config, path));
   const std::string bytes = ReadFileText(path);
   const int64_t padded_vocab = 384;
   ASSERT_EQ(bytes.size(),
@@ -74,10 +86,10 @@ TEST(LlmcFormatTest, ExportImportRoundTripsBitExactly) {
   ASSERT_OK_AND_ASSIGN(auto source, InProcessTrainer(config));
   ASSERT_OK(source->InitializeParameters(7));
   const std::string path = TempPath("llmc_round_trip.bin");
-  ASSERT_OK(ExportLlmc(*source, path));
+  ASSERT_OK(Export(*source, config, path));
   ASSERT_OK_AND_ASSIGN(auto target, InProcessTrainer(config));
   ASSERT_OK(target->InitializeParameters(8));  // other values, which the import replaces
-  ASSERT_OK(ImportLlmc(*target, path));
+  ASSERT_OK(Import(*target, config, path));
   for (const std::string& name : source->ParameterNames()) {
     ASSERT_OK_AND_ASSIGN(std::vector<float> expected, source->GetParameter(name));
     ASSERT_OK_AND_ASSIGN(std::vector<float> actual, target->GetParameter(name));
@@ -87,7 +99,7 @@ TEST(LlmcFormatTest, ExportImportRoundTripsBitExactly) {
   }
   // And out again: the same bytes.
   const std::string again = TempPath("llmc_round_trip_again.bin");
-  ASSERT_OK(ExportLlmc(*target, again));
+  ASSERT_OK(Export(*target, config, again));
   EXPECT_EQ(ReadFileText(again), ReadFileText(path));
 }
 
@@ -96,7 +108,7 @@ TEST(LlmcFormatTest, DamagedFilesAreRefusedNamingTheFileAndTheFault) {
   ASSERT_OK_AND_ASSIGN(auto trainer, InProcessTrainer(config));
   ASSERT_OK(trainer->InitializeParameters(9));
   const std::string good = TempPath("llmc_good.bin");
-  ASSERT_OK(ExportLlmc(*trainer, good));
+  ASSERT_OK(Export(*trainer, config, good));
   const std::string bytes = ReadFileText(good);
   const auto expect_error = [&](const std::string& path, StatusCode code, const std::string& what) {
     Result<Gpt2Config> read = ReadLlmcConfig(path);
@@ -106,7 +118,7 @@ TEST(LlmcFormatTest, DamagedFilesAreRefusedNamingTheFileAndTheFault) {
     EXPECT_NE(read.status().message().find(what), std::string::npos) << read.status().ToString();
     // ImportLlmc refuses the same file the same way, and leaves the parameters as they were.
     const std::vector<float> before = *trainer->GetParameter("wte");
-    Status imported = ImportLlmc(*trainer, path);
+    Status imported = Import(*trainer, config, path);
     EXPECT_EQ(imported.code(), code) << imported.ToString();
     EXPECT_NE(imported.message().find(what), std::string::npos) << imported.ToString();
     EXPECT_EQ(*trainer->GetParameter("wte"), before);
@@ -151,11 +163,11 @@ TEST(LlmcFormatTest, AnotherModelIsRefusedNamingBoth) {
   ASSERT_OK_AND_ASSIGN(auto source, InProcessTrainer(SmallConfig()));
   ASSERT_OK(source->InitializeParameters(1));
   const std::string path = TempPath("llmc_other_model.bin");
-  ASSERT_OK(ExportLlmc(*source, path));
+  ASSERT_OK(Export(*source, SmallConfig(), path));
   Gpt2Config other = SmallConfig();
   other.layers = 3;
   ASSERT_OK_AND_ASSIGN(auto target, InProcessTrainer(other));
-  Status imported = ImportLlmc(*target, path);
+  Status imported = Import(*target, other, path);
   EXPECT_EQ(imported.code(), StatusCode::kInvalidArgument) << imported.ToString();
   EXPECT_NE(imported.message().find(SmallConfig().ToString()), std::string::npos)
       << imported.ToString();

@@ -136,11 +136,11 @@ Attrs Gpt2TestAttrs() {
                {"max_seq_len", int64_t{7}}};
 }
 
-TEST(OpGradientTest, Gpt2Embedding) {
+TEST(OpGradientTest, TokenPositionEmbedding) {
   const Attrs attrs = Gpt2TestAttrs();
   CheckGradients({
-      .forward = "gpt2_embedding_forward",
-      .backward = "gpt2_embedding_backward",
+      .forward = "token_position_embedding_forward",
+      .backward = "token_position_embedding_backward",
       .forward_attrs = attrs,
       .backward_attrs = attrs,
       .inputs = {RandomTokens({2, 5}, 11, 1), RandomTensor({11 * 16 + 7 * 16}, 2)},
@@ -152,12 +152,12 @@ TEST(OpGradientTest, Gpt2Embedding) {
   });
 }
 
-TEST(OpGradientTest, Gpt2Block) {
+TEST(OpGradientTest, TransformerBlock) {
   const Attrs attrs = Gpt2TestAttrs();
   const int64_t c = 16, params = 12 * c * c + 13 * c;
   CheckGradients({
-      .forward = "gpt2_block_forward",
-      .backward = "gpt2_block_backward",
+      .forward = "transformer_block_forward",
+      .backward = "transformer_block_backward",
       .forward_attrs = attrs,
       .backward_attrs = attrs,
       .inputs = {RandomTensor({2, 5, c}, 1), RandomTensor({params}, 2, 0.5f)},
@@ -171,11 +171,11 @@ TEST(OpGradientTest, Gpt2Block) {
 
 // The head's forward produces the loss (a scalar) and keeps dlogits; its backward returns the
 // gradients of that loss. L = loss.
-TEST(OpGradientTest, Gpt2Head) {
+TEST(OpGradientTest, TiedLmHead) {
   const Attrs attrs = Gpt2TestAttrs();
   CheckGradients({
-      .forward = "gpt2_head_forward",
-      .backward = "gpt2_head_backward",
+      .forward = "tied_lm_head_forward",
+      .backward = "tied_lm_head_backward",
       .forward_attrs = attrs,
       .backward_attrs = attrs,
       .inputs = {RandomTensor({2, 5, 16}, 1), RandomTensor({2 * 16}, 2, 1.0f),
@@ -214,12 +214,12 @@ TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
 const std::set<std::string> kCheckedElsewhere = {  // model_api_test: layers run through these
                                                    // ops match finite differences
     "layer_forward", "layer_backward", "loss_gradient", "reshape", "reshape_backward", "adamw",
-    "sgd", "sum_of_squares", "clip_scale", "gpt2_head_logits", "noop", "sleep", "all_reduce",
+    "sgd", "sum_of_squares", "clip_scale", "tied_lm_head_logits", "noop", "sleep", "all_reduce",
     "reduce_scatter", "all_gather", "broadcast", "all_gather_in_place", "sum_scalars", "accumulate",
     "copy", "constant", "write_file",
     // split_backward_test: the halves give the whole backward (checked here) bit for bit; the
     // linears' halves run inside the model-API GPT-2's split layers there.
-    "gpt2_block_backward_input", "gpt2_block_backward_weight", "layer_backward_input",
+    "transformer_block_backward_input", "transformer_block_backward_weight", "layer_backward_input",
     "layer_backward_weight", "linear_backward_input", "linear_backward_weight",
     "linear_no_bias_backward_weight"};
 
@@ -281,15 +281,29 @@ TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {
 }
 
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
-  const std::set<std::string> checked_here = {
-      "embedding_forward",      "embedding_backward",      "layernorm_forward",
-      "layernorm_backward",     "linear_forward",          "linear_backward",
-      "linear_no_bias_forward", "linear_no_bias_backward", "matmul_forward",
-      "matmul_backward",        "attention_forward",       "attention_backward",
-      "gelu_forward",           "gelu_backward",           "add_forward",
-      "add_backward",           "gpt2_embedding_forward",  "gpt2_embedding_backward",
-      "gpt2_block_forward",     "gpt2_block_backward",     "gpt2_head_forward",
-      "gpt2_head_backward",     "softmax_cross_entropy"};
+  const std::set<std::string> checked_here = {"embedding_forward",
+                                              "embedding_backward",
+                                              "layernorm_forward",
+                                              "layernorm_backward",
+                                              "linear_forward",
+                                              "linear_backward",
+                                              "linear_no_bias_forward",
+                                              "linear_no_bias_backward",
+                                              "matmul_forward",
+                                              "matmul_backward",
+                                              "attention_forward",
+                                              "attention_backward",
+                                              "gelu_forward",
+                                              "gelu_backward",
+                                              "add_forward",
+                                              "add_backward",
+                                              "token_position_embedding_forward",
+                                              "token_position_embedding_backward",
+                                              "transformer_block_forward",
+                                              "transformer_block_backward",
+                                              "tied_lm_head_forward",
+                                              "tied_lm_head_backward",
+                                              "softmax_cross_entropy"};
   // The volume ops are checked in volume_ops_test.cc (which checks that each has a test).
   OpRegistry volume_ops;
   ASSERT_OK(RegisterVolumeOps(volume_ops));

@@ -39,7 +39,7 @@ TEST(BalancedChunksTest, ContiguousChunksMinimizingTheLargest) {
 }
 
 TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {
-  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const ModelSpec model = *BuildGpt2(SixBlocks());
   const TrainingPlan plan = PipelinePlan(4, 1, 4, PipelineSchedule::k1F1B);
   ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
   ASSERT_EQ(step.layer_stage.size(), model.layers.size());
@@ -68,7 +68,7 @@ TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {
 }
 
 TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
-  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const ModelSpec model = *BuildGpt2(SixBlocks());
   for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
                                     PipelineSchedule::kInterleaved, PipelineSchedule::kZbH1}) {
     SCOPED_TRACE(ScheduleName(schedule));
@@ -132,7 +132,7 @@ TEST(PipelinePlanTest, TheScheduleIsEachWorkersOrderOfForwardsAndBackwards) {
 // Measured F, B and W per layer (a profile) balance the stages by their sums and order zb-h1 by
 // their per-chunk means; without a zero-bubble schedule nothing splits unless asked.
 TEST(PipelinePlanTest, MeasuredLayerCostsCutTheStagesAndOrderZeroBubble) {
-  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const ModelSpec model = *BuildGpt2(SixBlocks());
   TrainingPlan plan = PipelinePlan(2, 1, 4, PipelineSchedule::kZbH1);
   // A heavy embedding (10 of 27 in all): stage 0 gets it and one block (12.5 | 14.5).
   plan.parallel.layer_op_costs.assign(model.layers.size(), OpCosts{1, 1, 0.5});
@@ -153,7 +153,8 @@ TEST(PipelinePlanTest, MeasuredLayerCostsCutTheStagesAndOrderZeroBubble) {
 
   auto splits = [](const StepGraph& s) {
     int count = 0;
-    for (const TaskSpec& task : s.graph.tasks()) count += task.op == "gpt2_block_backward_weight";
+    for (const TaskSpec& task : s.graph.tasks())
+      count += task.op == "transformer_block_backward_weight";
     return count;
   };
   TrainingPlan flat;
@@ -167,7 +168,7 @@ TEST(PipelinePlanTest, MeasuredLayerCostsCutTheStagesAndOrderZeroBubble) {
 }
 
 TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy) {
-  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const ModelSpec model = *BuildGpt2(SixBlocks());
   TrainingPlan plan = PipelinePlan(2, 2, 4, PipelineSchedule::k1F1B, 1, 3);
   ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
   EXPECT_TRUE(step.gather_once_per_step);
@@ -197,7 +198,7 @@ TEST(PipelinePlanTest, ZeroThreeGathersEachLayerOncePerStepInAPipelineAndSaysWhy
 }
 
 TEST(PipelinePlanTest, BadPipelinesAreRefusedBeforeRunningWithWhatToChange) {
-  const ModelSpec model = DescribeGpt2(SixBlocks());
+  const ModelSpec model = *BuildGpt2(SixBlocks());
   auto refusal = [&](const TrainingPlan& plan) {
     return PlanTrainingStep(model, plan, CpuRegistry()).status();
   };

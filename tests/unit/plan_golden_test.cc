@@ -193,7 +193,7 @@ void CheckGolden(const std::string& name, const std::string& dump) {
 
 // --- The models -------------------------------------------------------------------------------
 
-ModelSpec Gpt2Tiny() { return DescribeGpt2(Gpt2Config{2, 32, 4, 50, 16}); }
+ModelSpec Gpt2Tiny() { return *BuildGpt2(Gpt2Config{2, 32, 4, 50, 16}); }
 
 ModelSpec UNetTiny() {
   Result<UNet3dConfig> config = UNet3dConfig::Preset("tiny");

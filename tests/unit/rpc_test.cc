@@ -123,7 +123,7 @@ TEST(WireTest, TaskRoundTripKeepsEverything) {
   task.id = TaskId(42);
   task.name = "h.3/forward";
   task.layer = "h.3";
-  task.op = "gpt2_block_forward";
+  task.op = "transformer_block_forward";
   task.attrs = Attrs{{"channels", int64_t{768}},
                      {"eps", 1e-5},
                      {"mode", std::string("train")},

@@ -1,4 +1,5 @@
 // Shape mismatches are reported with the op, the layer and both shapes, before anything runs.
+#include "model/gpt2.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 #include "training/trainer.h"
@@ -23,9 +24,10 @@ TEST(ShapeErrorTest, BlockInputWithTheWrongWidthNamesOpLayerAndShapes) {
   TaskOptions options;
   options.layer = "h.2";
   Result<std::vector<ObjectId>> out =
-      builder.AddTask("h.2/forward", "gpt2_block_forward", {x, params},
+      builder.AddTask("h.2/forward", "transformer_block_forward", {x, params},
                       Attrs{{"channels", int64_t{256}}, {"heads", int64_t{4}}}, options);
-  ExpectAll(out.status(), {"gpt2_block_forward", "layer h.2", "[4, 64, 128]", "[B, T, 256]"});
+  ExpectAll(out.status(),
+            {"transformer_block_forward", "layer h.2", "[4, 64, 128]", "[B, T, 256]"});
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -65,14 +67,15 @@ TEST(ShapeErrorTest, WrongParameterGroupSizeNamesTheExpectedSize) {
   ObjectId x = builder.AddInput("x", F32({1, 4, 16}), ObjectRole::kActivation);
   ObjectId params = builder.AddInput("p", F32({100}), ObjectRole::kParameter);
   Result<std::vector<ObjectId>> out = builder.AddTask(
-      "h.0/forward", "gpt2_block_forward", {x, params},
+      "h.0/forward", "transformer_block_forward", {x, params},
       Attrs{{"channels", int64_t{16}}, {"heads", int64_t{2}}}, TaskOptions{.layer = "h.0"});
-  ExpectAll(out.status(), {"gpt2_block_forward", "layer h.0", "'params'", "[100]", "[3280]"});
+  ExpectAll(out.status(),
+            {"transformer_block_forward", "layer h.0", "'params'", "[100]", "[3280]"});
 }
 
 TEST(ShapeErrorTest, SettingAParameterOfTheWrongShapeNamesItAndBothShapes) {
-  auto trainer =
-      *Trainer::Create(Gpt2Config{1, 16, 2, 20, 8}, TrainingPlan{2, 8, {}}, ExecutorOptions{});
+  auto trainer = *Trainer::Create(*BuildGpt2(Gpt2Config{1, 16, 2, 20, 8}), TrainingPlan{2, 8, {}},
+                                  ExecutorOptions{});
   Status status = trainer->SetParameter("h.0.fc_w", std::vector<float>(16 * 16), Shape{16, 16});
   ExpectAll(status, {"h.0.fc_w", "[64, 16]", "[16, 16]"});
   ExpectAll(trainer->SetParameter("h.7.fc_w", {}, Shape{0}), {"no parameter named 'h.7.fc_w'"});

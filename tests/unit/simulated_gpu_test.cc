@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "gpt2_test_util.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
 #include "training/trainer.h"
@@ -31,7 +32,7 @@ TEST(SimulatedGpuTest, DeviceBytesAreScrambledAndOnlyCopyReadsThem) {
 TEST(SimulatedGpuTest, ItsKernelsAreTheCpuKernelsOnHostCopies) {
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
   ASSERT_OK(AddSimulatedGpuKernels(registry));
-  EXPECT_TRUE(registry.Supports("gpt2_block_forward", DeviceKind::kCuda));
+  EXPECT_TRUE(registry.Supports("transformer_block_forward", DeviceKind::kCuda));
   std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu();
   const KernelContext context{TestAllocator(), 0, &registry, gpu.get()};
   const TensorMeta on_gpu{Shape{64}, DType::kF32, Device::Cuda(0)};
@@ -72,19 +73,20 @@ TEST(SimulatedGpuTest, AStepReportsItsGpuMemoryPeak) {
   ExecutorOptions options;
   options.threads = 2;
   ASSERT_OK_AND_ASSIGN(options.device, OpenGpu(0));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, plan, options));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> trainer,
+                       Trainer::Create(*BuildGpt2(config), plan, options));
   ASSERT_OK(trainer->InitializeParameters(1));
   std::vector<int32_t> tokens(static_cast<size_t>(plan.batch * plan.seq_len), 3);
-  ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(tokens, tokens, 1e-3f));
+  ASSERT_OK_AND_ASSIGN(StepReport report, Gpt2Step(*trainer, tokens, tokens, 1e-3f));
   ::unsetenv("TESSERA_SIMULATED_GPU");
   EXPECT_GE(report.device_peak_bytes, trainer->ParameterBytes());
   EXPECT_LE(report.device_peak_bytes, options.device->memory().capacity_bytes);
 
   plan.device = Device::Cpu();
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> on_cpu,
-                       Trainer::Create(config, plan, ExecutorOptions{}));
+                       Trainer::Create(*BuildGpt2(config), plan, ExecutorOptions{}));
   ASSERT_OK(on_cpu->InitializeParameters(1));
-  ASSERT_OK_AND_ASSIGN(StepReport cpu_report, on_cpu->Step(tokens, tokens, 1e-3f));
+  ASSERT_OK_AND_ASSIGN(StepReport cpu_report, Gpt2Step(*on_cpu, tokens, tokens, 1e-3f));
   EXPECT_EQ(cpu_report.device_peak_bytes, 0);
   EXPECT_GT(cpu_report.peak_bytes, 0);
 }

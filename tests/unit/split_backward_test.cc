@@ -109,13 +109,13 @@ TEST(SplitBackwardTest, FusedGpt2BlocksHalvesGiveTheWholeBackwardBitForBit) {
   const Gpt2Config config{2, 32, 4, 64, kSeqLen};
   // The blocks split; the embedding and the head (tied through wte) keep one backward.
   int split = 0;
-  ExpectHalvesMatchWholeBackward(DescribeGpt2(config), 64, split);
+  ExpectHalvesMatchWholeBackward(*BuildGpt2(config), 64, split);
   EXPECT_EQ(split, 2);
 }
 
 TEST(SplitBackwardTest, ModelApiGpt2LayersHalvesGiveTheWholeBackwardBitForBit) {
   const Gpt2Config config{2, 32, 4, 64, kSeqLen};
-  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(config, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(config, Gpt2LayerImpl::kPrimitive));
   // Every layer program has both halves (the planner decides which are worth splitting).
   int split = 0;
   ExpectHalvesMatchWholeBackward(model, 64, split);
@@ -136,7 +136,7 @@ TEST(SplitBackwardTest, UNetLayersHalvesGiveTheWholeBackwardBitForBit) {
 TEST(SplitBackwardTest, TheBlockStashesItsLinearsOutputGradientsAndAWrongStashIsRefused) {
   constexpr int64_t kChannels = 32;
   const Gpt2Config config{1, kChannels, 4, 64, kSeqLen};
-  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(config, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildGpt2(config, Gpt2LayerImpl::kPrimitive));
   const LayerSpec& block = model.layers[1];
   const Tensor x = RandomTensor(Shape{kRows, kSeqLen, kChannels}, 1);
   const Tensor params = RandomTensor(Shape{block.params.numel()}, 2, 0.1f);

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "gpt2_test_util.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
 #include "training/trainer.h"
@@ -22,7 +23,7 @@ TrainingPlan TinyPlan() {
 }
 
 TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
-  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const ModelSpec model = *BuildGpt2(TinyConfig());
   ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, TinyPlan(), CpuRegistry()));
   const Graph& g = step.graph;
   for (const char* name :
@@ -69,7 +70,7 @@ int CountOp(const Graph& g, const std::string& op) {
 // Where each stage puts things, read off the graph: the collectives it adds, the shapes of the
 // state, and every task pinned to its rank's worker.
 TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
-  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const ModelSpec model = *BuildGpt2(TinyConfig());
   const int64_t layers = static_cast<int64_t>(model.layers.size());
   for (int stage = 0; stage <= 3; ++stage) {
     ASSERT_OK_AND_ASSIGN(StepGraph step,
@@ -113,7 +114,7 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
   EXPECT_EQ(accum.inputs[0].size(), 4u);  // tokens: 2 ranks x 2 micro-batches
   EXPECT_EQ(accum.micro_batch_rows, 1);
   EXPECT_EQ(CountOp(accum.graph, "accumulate"), 2 * layers);
-  EXPECT_EQ(CountOp(accum.graph, "gpt2_head_forward"), 4);
+  EXPECT_EQ(CountOp(accum.graph, "tied_lm_head_forward"), 4);
 }
 
 // Whether task `later` (transitively) reads an output of task `earlier`.
@@ -135,7 +136,7 @@ bool DependsOn(const Graph& g, TaskId later, TaskId earlier) {
 }
 
 TEST(StepGraphTest, OffloadPutsMasterWeightsAndAdamOnTheHostAndStreamsGradientsThroughIt) {
-  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const ModelSpec model = *BuildGpt2(TinyConfig());
   const int64_t layers = static_cast<int64_t>(model.layers.size());
   for (int stage = 0; stage <= 3; ++stage) {
     SCOPED_TRACE("stage " + std::to_string(stage));
@@ -248,13 +249,13 @@ TEST(StepGraphTest, SgdPlanHasNoOptimizerState) {
   TrainingPlan plan = TinyPlan();
   plan.optimizer.kind = OptimizerConfig::Kind::kSgd;
   ASSERT_OK_AND_ASSIGN(StepGraph step,
-                       PlanTrainingStep(DescribeGpt2(TinyConfig()), plan, CpuRegistry()));
+                       PlanTrainingStep(*BuildGpt2(TinyConfig()), plan, CpuRegistry()));
   EXPECT_TRUE(step.graph.FindTask("h.0/sgd").ok());
   EXPECT_EQ(step.graph.BytesOfRole(ObjectRole::kOptimizerState), 0);
 }
 
 TEST(StepGraphTest, BadPlansAreRefusedWithWhatToChange) {
-  const ModelSpec model = DescribeGpt2(TinyConfig());
+  const ModelSpec model = *BuildGpt2(TinyConfig());
   TrainingPlan long_sequences = TinyPlan();
   long_sequences.seq_len = 17;
   Result<StepGraph> too_long = PlanTrainingStep(model, long_sequences, CpuRegistry());
@@ -280,11 +281,12 @@ std::vector<float> Losses(int threads, int steps, double max_grad_norm = 1.0) {
   options.threads = threads;
   TrainingPlan plan = TinyPlan();
   plan.optimizer.max_grad_norm = max_grad_norm;
-  auto trainer = *Trainer::Create(TinyConfig(), plan, options);
+  auto trainer = *Trainer::Create(*BuildGpt2(TinyConfig()), plan, options);
   EXPECT_OK(trainer->InitializeParameters(42));
   const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
   std::vector<float> losses;
-  for (int i = 0; i < steps; ++i) losses.push_back(trainer->Step(tokens, targets, 3e-3f)->loss);
+  for (int i = 0; i < steps; ++i)
+    losses.push_back(Gpt2Step(*trainer, tokens, targets, 3e-3f)->loss);
   return losses;
 }
 
@@ -308,9 +310,10 @@ TEST(TrainerTest, ResultsDoNotDependOnTheThreadCount) {
 TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
   ExecutorOptions options;
   options.threads = 2;
-  auto trainer = *Trainer::Create(TinyConfig(), TinyPlan(), options);
+  auto trainer = *Trainer::Create(*BuildGpt2(TinyConfig()), TinyPlan(), options);
   ASSERT_OK(trainer->InitializeParameters(1));
-  ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
+  ASSERT_OK_AND_ASSIGN(StepReport report,
+                       Gpt2Step(*trainer, Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f));
   const int64_t state = trainer->ParameterBytes() + trainer->OptimizerStateBytes();
   EXPECT_EQ(state, 12 * TinyConfig().NumParameters());
   EXPECT_GT(report.peak_bytes, state);
@@ -319,17 +322,27 @@ TEST(TrainerTest, StepReportsPeakMemoryAboveTheModelState) {
 
 TEST(TrainerTest, ABadBatchIsRefusedAndTheModelIsUnchanged) {
   ExecutorOptions options;
-  auto trainer = *Trainer::Create(TinyConfig(), TinyPlan(), options);
+  auto trainer = *Trainer::Create(*BuildGpt2(TinyConfig()), TinyPlan(), options);
   ASSERT_OK(trainer->InitializeParameters(1));
   const std::vector<float> before = *trainer->GetParameter("h.0.qkv_w");
   std::vector<int32_t> tokens = Batch(32, 50, 1);
   tokens[5] = 50;
-  Result<StepReport> bad = trainer->Step(tokens, Batch(32, 50, 2), 1e-3f);
+  // model/gpt2.h's batch refuses it before the trainer sees it...
+  Result<StepReport> bad = Gpt2Step(*trainer, tokens, Batch(32, 50, 2), 1e-3f);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("token id 50"), std::string::npos);
   EXPECT_EQ(*trainer->GetParameter("h.0.qkv_w"), before);
+  // ... and given to the trainer as it is, the step fails in the embedding and hands the state
+  // back untouched.
+  Result<StepReport> unchecked =
+      trainer->Step({IntTensor(Shape{TinyPlan().batch, TinyPlan().seq_len}, tokens),
+                     IntTensor(Shape{TinyPlan().batch, TinyPlan().seq_len}, Batch(32, 50, 2))},
+                    1e-3f);
+  ASSERT_FALSE(unchecked.ok());
+  EXPECT_NE(unchecked.status().message().find("token id 50"), std::string::npos);
+  EXPECT_EQ(*trainer->GetParameter("h.0.qkv_w"), before);
   // And it still trains afterwards.
-  EXPECT_OK(trainer->Step(Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f).status());
+  EXPECT_OK(Gpt2Step(*trainer, Batch(32, 50, 1), Batch(32, 50, 2), 1e-3f).status());
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "client/trace.h"
 #include "core/rpc/wire.h"
 #include "core/timeline.h"
+#include "gpt2_test_util.h"
 #include "scheduler/trace_store.h"
 #include "test_util.h"
 #include "trace_schema.h"
@@ -25,17 +26,17 @@ TEST(ClassifyTaskTest, KindsOfTrainingTasks) {
     const char* op;
     SpanKind kind;
   } cases[] = {
-      {"rank0/h.0/forward", "gpt2_block_forward", SpanKind::kForward},
+      {"rank0/h.0/forward", "transformer_block_forward", SpanKind::kForward},
       {"embedding/forward", "embedding_forward", SpanKind::kForward},
       {"loss", "softmax_cross_entropy", SpanKind::kForward},
-      {"h.0/backward", "gpt2_block_backward", SpanKind::kBackward},
+      {"h.0/backward", "transformer_block_backward", SpanKind::kBackward},
       {"loss/grad", "loss_gradient", SpanKind::kBackward},
       {"h.0.fc/sum1", "accumulate", SpanKind::kBackward},
-      {"h.3/backward_input", "gpt2_block_backward", SpanKind::kBackwardInput},
-      {"h.3/backward_weight", "gpt2_block_backward", SpanKind::kBackwardWeight},
-      {"rank1/h.3/backward_input@2", "gpt2_block_backward_input", SpanKind::kBackwardInput},
+      {"h.3/backward_input", "transformer_block_backward", SpanKind::kBackwardInput},
+      {"h.3/backward_weight", "transformer_block_backward", SpanKind::kBackwardWeight},
+      {"rank1/h.3/backward_input@2", "transformer_block_backward_input", SpanKind::kBackwardInput},
       {"h.3/backward_weight@11", "layer_backward_weight", SpanKind::kBackwardWeight},
-      {"h.3/backward@2", "gpt2_block_backward", SpanKind::kBackward},
+      {"h.3/backward@2", "transformer_block_backward", SpanKind::kBackward},
       {"rank1/h.0/adamw", "adamw", SpanKind::kOptimizer},
       {"h.0/sgd", "sgd", SpanKind::kOptimizer},
       {"rank0/clip", "clip_scale", SpanKind::kOptimizer},
@@ -143,7 +144,7 @@ struct SmallGraph {
     forward.id = TaskId(1);
     forward.name = "h.0/forward";
     forward.layer = "h.0";
-    forward.op = "gpt2_block_forward";
+    forward.op = "transformer_block_forward";
     TaskSpec gather;
     gather.id = TaskId(2);
     gather.name = "h.1/gather_forward";
@@ -262,7 +263,8 @@ TEST(InProcessTimelineTest, StepsOfGpt2TinyHaveEveryKind) {
   plan.seq_len = 32;
   ExecutorOptions options;
   options.threads = 2;
-  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(*Gpt2Config::Preset("tiny"), plan, options));
+  ASSERT_OK_AND_ASSIGN(auto trainer,
+                       Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, options));
   ASSERT_OK(trainer->InitializeParameters(1));
   TokenDataset data = TokenDataset::Synthetic(5'000, 256, 3);
   ASSERT_OK_AND_ASSIGN(BatchSampler sampler,
@@ -270,7 +272,7 @@ TEST(InProcessTimelineTest, StepsOfGpt2TinyHaveEveryKind) {
   std::vector<int32_t> tokens(plan.batch * plan.seq_len), targets(tokens.size());
   for (int step = 0; step < 3; ++step) {
     sampler.Next(tokens.data(), targets.data());
-    ASSERT_OK(trainer->Step(tokens, targets, 1e-3f).status());
+    ASSERT_OK(Gpt2Step(*trainer, tokens, targets, 1e-3f).status());
   }
   ASSERT_OK_AND_ASSIGN(Timeline timeline, trainer->StepTimeline(2));
   std::set<uint64_t> instances;

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <tbb/global_control.h>
 
+#include "model/gpt2.h"
 #include "test_util.h"
 #include "training/trainer.h"
 
@@ -19,7 +20,8 @@ Result<std::vector<float>> Initialized(uint64_t seed, const std::string& name) {
   TrainingPlan plan;
   plan.batch = 1;
   plan.seq_len = 16;
-  TESSERA_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(kConfig, plan, ExecutorOptions{}));
+  TESSERA_ASSIGN_OR_RETURN(auto trainer,
+                           Trainer::Create(*BuildGpt2(kConfig), plan, ExecutorOptions{}));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(seed));
   return trainer->GetParameter(name);
 }
@@ -77,7 +79,7 @@ TEST(TrainerInitTest, StateLargerThanTheHostMemoryIsRefusedUpFront) {
   ExecutorOptions options;
   // kConfig: ~2.9M parameters, 4 bytes each for parameters and both Adam moments (~33 MiB).
   options.host_memory_bytes = int64_t{16} << 20;
-  Result<std::unique_ptr<Trainer>> refused = Trainer::Create(kConfig, plan, options);
+  Result<std::unique_ptr<Trainer>> refused = Trainer::Create(*BuildGpt2(kConfig), plan, options);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
   const std::string message = refused.status().message();
@@ -86,7 +88,7 @@ TEST(TrainerInitTest, StateLargerThanTheHostMemoryIsRefusedUpFront) {
   EXPECT_THAT(message, ::testing::HasSubstr("exp_avg"));
   EXPECT_THAT(message, ::testing::HasSubstr("0.0 GiB is available"));
   options.host_memory_bytes = int64_t{64} << 20;  // room for it
-  EXPECT_TRUE(Trainer::Create(kConfig, plan, options).ok());
+  EXPECT_TRUE(Trainer::Create(*BuildGpt2(kConfig), plan, options).ok());
   // Unset, the limit is what the machine has available: positive on Linux.
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }

@@ -1,4 +1,4 @@
-#include "ops/cpu/gpt2_layers.h"
+#include "ops/cpu/transformer_layers.h"
 
 #include <cstring>
 
@@ -7,26 +7,29 @@
 
 namespace tessera::cpu {
 
-Status Gpt2EmbeddingForward(float* x, const int32_t* tokens, const float* emb_params,
-                            const Gpt2Dims& dims) {
-  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+Status TokenPositionEmbeddingForward(float* x, const int32_t* tokens, const float* emb_params,
+                                     const TransformerDims& dims) {
+  const FlatLayout layout =
+      TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
   FlatView<const float> p(emb_params, layout);
   return EmbeddingForward(x, tokens, p["wte"], p["wpe"], dims.batch, dims.seq_len, dims.channels,
                           dims.vocab);
 }
 
-void Gpt2EmbeddingBackward(float* demb, const float* dx, const int32_t* tokens,
-                           const Gpt2Dims& dims) {
-  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+void TokenPositionEmbeddingBackward(float* demb, const float* dx, const int32_t* tokens,
+                                    const TransformerDims& dims) {
+  const FlatLayout layout =
+      TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
   FlatView<float> g(demb, layout);
   EmbeddingBackward(g["wte"], g["wpe"], dx, tokens, dims.batch, dims.seq_len, dims.channels);
 }
 
-void Gpt2BlockForward(float* y, float* saved, const float* x, const float* params,
-                      const Gpt2Dims& dims, int64_t split_min_flops) {
+void TransformerBlockForward(float* y, float* saved, const float* x, const float* params,
+                             const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  const FlatLayout saved_layout =
+      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   FlatView<const float> p(params, param_layout);
   FlatView<float> s(saved, saved_layout);
 
@@ -44,32 +47,35 @@ void Gpt2BlockForward(float* y, float* saved, const float* x, const float* param
 }
 
 namespace {
-FlatLayout BlockStash(const Gpt2Dims& dims) {
-  return Gpt2BlockStashLayout(dims.batch, dims.seq_len, dims.channels);
+FlatLayout BlockStash(const TransformerDims& dims) {
+  return TransformerBlockStashLayout(dims.batch, dims.seq_len, dims.channels);
 }
 }  // namespace
 
-int64_t Gpt2BlockInputWorkspace(const Gpt2Dims& dims) { return dims.rows() * dims.channels; }
-
-int64_t Gpt2BlockBackwardWorkspace(const Gpt2Dims& dims) {
-  return BlockStash(dims).numel() + Gpt2BlockInputWorkspace(dims);
+int64_t TransformerBlockInputWorkspace(const TransformerDims& dims) {
+  return dims.rows() * dims.channels;
 }
 
-void Gpt2BlockBackward(float* d, float* dparams, float* workspace, const float* x,
-                       const float* saved, const float* params, const Gpt2Dims& dims,
-                       int64_t split_min_flops) {
+int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims) {
+  return BlockStash(dims).numel() + TransformerBlockInputWorkspace(dims);
+}
+
+void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
+                              const float* saved, const float* params, const TransformerDims& dims,
+                              int64_t split_min_flops) {
   float* stash = workspace;
-  Gpt2BlockBackwardInput(d, stash, workspace + BlockStash(dims).numel(), x, saved, params, dims,
-                         split_min_flops);
-  Gpt2BlockBackwardWeight(dparams, stash, saved, dims, split_min_flops);
+  TransformerBlockBackwardInput(d, stash, workspace + BlockStash(dims).numel(), x, saved, params,
+                                dims, split_min_flops);
+  TransformerBlockBackwardWeight(dparams, stash, saved, dims, split_min_flops);
 }
 
-void Gpt2BlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
-                            const float* saved, const float* params, const Gpt2Dims& dims,
-                            int64_t split_min_flops) {
+void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
+                                   const float* saved, const float* params,
+                                   const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  const FlatLayout saved_layout =
+      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   const FlatLayout stash_layout = BlockStash(dims);
   FlatView<const float> p(params, param_layout);
   FlatView<const float> s(saved, saved_layout);
@@ -104,11 +110,12 @@ void Gpt2BlockBackwardInput(float* d, float* stash, float* workspace, const floa
                     n, c, /*accumulate_dx=*/true);
 }
 
-void Gpt2BlockBackwardWeight(float* dparams, const float* stash, const float* saved,
-                             const Gpt2Dims& dims, int64_t split_min_flops) {
+void TransformerBlockBackwardWeight(float* dparams, const float* stash, const float* saved,
+                                    const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout = Gpt2BlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  const FlatLayout saved_layout =
+      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   const FlatLayout stash_layout = BlockStash(dims);
   FlatView<const float> s(saved, saved_layout);
   FlatView<const float> st(stash, stash_layout);
@@ -127,12 +134,13 @@ void Gpt2BlockBackwardWeight(float* dparams, const float* stash, const float* sa
   }
 }
 
-Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_params,
-                              const float* wte, const int32_t* targets, const Gpt2Dims& dims,
-                              float grad_scale, int64_t split_min_flops) {
+Result<float> TiedLmHeadForward(float* saved, const float* x, const float* head_params,
+                                const float* wte, const int32_t* targets,
+                                const TransformerDims& dims, float grad_scale,
+                                int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
-  const FlatLayout saved_layout = Gpt2HeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
+  const FlatLayout saved_layout = TiedLmHeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
   FlatView<const float> p(head_params, head_layout);
   FlatView<float> s(saved, saved_layout);
   LayerNormForward(s["lnf"], s["lnf_mean"], s["lnf_rstd"], x, p["lnf_w"], p["lnf_b"], n, c);
@@ -141,15 +149,17 @@ Result<float> Gpt2HeadForward(float* saved, const float* x, const float* head_pa
   return SoftmaxCrossEntropy(logits, logits, targets, n, dims.vocab, grad_scale);
 }
 
-int64_t Gpt2HeadWorkspace(const Gpt2Dims& dims) { return dims.rows() * (dims.channels + 2); }
+int64_t TiedLmHeadWorkspace(const TransformerDims& dims) {
+  return dims.rows() * (dims.channels + 2);
+}
 
-void Gpt2HeadBackward(float* dx, float* dhead, float* demb, float* workspace, const float* x,
-                      const float* saved, const float* head_params, const float* wte,
-                      const Gpt2Dims& dims, int64_t split_min_flops) {
+void TiedLmHeadBackward(float* dx, float* dhead, float* demb, float* workspace, const float* x,
+                        const float* saved, const float* head_params, const float* wte,
+                        const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
-  const FlatLayout saved_layout = Gpt2HeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
-  const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, c);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
+  const FlatLayout saved_layout = TiedLmHeadSavedLayout(dims.batch, dims.seq_len, c, dims.vocab);
+  const FlatLayout emb_layout = TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, c);
   FlatView<const float> p(head_params, head_layout);
   FlatView<const float> s(saved, saved_layout);
   FlatView<float> g(dhead, head_layout);
@@ -164,10 +174,10 @@ void Gpt2HeadBackward(float* dx, float* dhead, float* demb, float* workspace, co
                     n, c, /*accumulate_dx=*/false);
 }
 
-void Gpt2HeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
-                    const float* wte, const Gpt2Dims& dims, int64_t split_min_flops) {
+void TiedLmHeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
+                      const float* wte, const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
   FlatView<const float> p(head_params, head_layout);
   float* lnf = workspace;
   float* mean = lnf + n * c;

@@ -1,4 +1,4 @@
-#include "ops/cuda/gpt2_layers.h"
+#include "ops/cuda/transformer_layers.h"
 
 #include <memory>
 #include <string_view>
@@ -38,7 +38,7 @@ Result<Scratch<bf16>> Bf16Copy(CudaContext& context, const float* params, int64_
 // zero rows make the padded logits 0, which the classifier ignores and overwrites with zeros.
 Result<Scratch<bf16>> PaddedWteCopy(CudaContext& context, const float* wte, int64_t vocab,
                                     int64_t channels) {
-  const int64_t padded = Gpt2PaddedVocab(vocab);
+  const int64_t padded = TiedLmHeadPaddedVocab(vocab);
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> copy, MakeScratch<bf16>(context, padded * channels));
   TESSERA_RETURN_IF_ERROR(CastF32ToBf16(copy.get(), wte, vocab * channels, context.stream()));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
@@ -93,9 +93,10 @@ Status LayerNormBackwardInto(CudaContext& context, bf16* dx, float* dweight, flo
 
 }  // namespace
 
-Status Gpt2EmbeddingForward(CudaContext& context, bf16* x, const int32_t* tokens,
-                            const float* emb_params, const Gpt2Dims& dims) {
-  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+Status TokenPositionEmbeddingForward(CudaContext& context, bf16* x, const int32_t* tokens,
+                                     const float* emb_params, const TransformerDims& dims) {
+  const FlatLayout layout =
+      TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
   FlatView<const float> p(emb_params, layout);
   TESSERA_ASSIGN_OR_RETURN(Scratch<int32_t> bad, BadIndexFlag(context));
   TESSERA_RETURN_IF_ERROR(EmbeddingForward(x, bad.get(), tokens, p["wte"], p["wpe"], dims.batch,
@@ -111,20 +112,22 @@ Status Gpt2EmbeddingForward(CudaContext& context, bf16* x, const int32_t* tokens
   return Status::Ok();
 }
 
-Status Gpt2EmbeddingBackward(CudaContext& context, float* demb, const bf16* dx,
-                             const int32_t* tokens, const Gpt2Dims& dims) {
-  const FlatLayout layout = Gpt2EmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
+Status TokenPositionEmbeddingBackward(CudaContext& context, float* demb, const bf16* dx,
+                                      const int32_t* tokens, const TransformerDims& dims) {
+  const FlatLayout layout =
+      TokenPositionEmbeddingParamLayout(dims.vocab, dims.max_seq_len, dims.channels);
   FlatView<float> g(demb, layout);
   return EmbeddingBackward(g["wte"], g["wpe"], dx, tokens, dims.batch, dims.seq_len, dims.channels,
                            context.stream());
 }
 
-Status Gpt2BlockForward(CudaContext& context, bf16* y, bf16* saved, const bf16* x,
-                        const float* params, const Gpt2Dims& dims) {
+Status TransformerBlockForward(CudaContext& context, bf16* y, bf16* saved, const bf16* x,
+                               const float* params, const TransformerDims& dims) {
   const int64_t n = dims.rows(), c = dims.channels;
   const cudaStream_t stream = context.stream();
-  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout = Gpt2BlockSavedLayoutBf16(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  const FlatLayout saved_layout =
+      TransformerBlockSavedLayoutBf16(dims.batch, dims.seq_len, c, dims.heads);
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> params_bf16,
                            Bf16Copy(context, params, param_layout.numel()));
   FlatView<const float> p32(params, param_layout);
@@ -150,12 +153,14 @@ Status Gpt2BlockForward(CudaContext& context, bf16* y, bf16* saved, const bf16* 
                        /*residual=*/s["x_mid"], n, 4 * c, c, c);
 }
 
-Status Gpt2BlockBackward(CudaContext& context, bf16* d, float* dparams, const bf16* x,
-                         const bf16* saved, const float* params, const Gpt2Dims& dims) {
+Status TransformerBlockBackward(CudaContext& context, bf16* d, float* dparams, const bf16* x,
+                                const bf16* saved, const float* params,
+                                const TransformerDims& dims) {
   const int64_t n = dims.rows(), c = dims.channels;
   const cudaStream_t stream = context.stream();
-  const FlatLayout param_layout = Gpt2BlockParamLayout(c);
-  const FlatLayout saved_layout = Gpt2BlockSavedLayoutBf16(dims.batch, dims.seq_len, c, dims.heads);
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  const FlatLayout saved_layout =
+      TransformerBlockSavedLayoutBf16(dims.batch, dims.seq_len, c, dims.heads);
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> params_bf16,
                            Bf16Copy(context, params, param_layout.numel()));
   FlatView<const float> p32(params, param_layout);
@@ -200,14 +205,14 @@ Status Gpt2BlockBackward(CudaContext& context, bf16* d, float* dparams, const bf
                                /*accumulate_dx=*/true);
 }
 
-Status Gpt2HeadForward(CudaContext& context, float* loss, bf16* saved, const bf16* x,
-                       const float* head_params, const float* wte, const int32_t* targets,
-                       const Gpt2Dims& dims, float grad_scale) {
+Status TiedLmHeadForward(CudaContext& context, float* loss, bf16* saved, const bf16* x,
+                         const float* head_params, const float* wte, const int32_t* targets,
+                         const TransformerDims& dims, float grad_scale) {
   const int64_t n = dims.rows(), c = dims.channels, v = dims.vocab;
-  const int64_t padded_v = Gpt2PaddedVocab(v);
+  const int64_t padded_v = TiedLmHeadPaddedVocab(v);
   const cudaStream_t stream = context.stream();
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
-  const FlatLayout saved_layout = Gpt2HeadSavedLayoutBf16(dims.batch, dims.seq_len, c, v);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
+  const FlatLayout saved_layout = TiedLmHeadSavedLayoutBf16(dims.batch, dims.seq_len, c, v);
   FlatView<const float> p(head_params, head_layout);
   FlatView<bf16> s(saved, saved_layout);
 
@@ -234,14 +239,14 @@ Status Gpt2HeadForward(CudaContext& context, float* loss, bf16* saved, const bf1
   return Status::Ok();
 }
 
-Status Gpt2HeadBackward(CudaContext& context, bf16* dx, float* dhead, float* demb, const bf16* x,
-                        const bf16* saved, const float* head_params, const float* wte,
-                        const Gpt2Dims& dims) {
+Status TiedLmHeadBackward(CudaContext& context, bf16* dx, float* dhead, float* demb, const bf16* x,
+                          const bf16* saved, const float* head_params, const float* wte,
+                          const TransformerDims& dims) {
   const int64_t n = dims.rows(), c = dims.channels, v = dims.vocab;
-  const int64_t padded_v = Gpt2PaddedVocab(v);
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
-  const FlatLayout saved_layout = Gpt2HeadSavedLayoutBf16(dims.batch, dims.seq_len, c, v);
-  const FlatLayout emb_layout = Gpt2EmbeddingParamLayout(v, dims.max_seq_len, c);
+  const int64_t padded_v = TiedLmHeadPaddedVocab(v);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
+  const FlatLayout saved_layout = TiedLmHeadSavedLayoutBf16(dims.batch, dims.seq_len, c, v);
+  const FlatLayout emb_layout = TokenPositionEmbeddingParamLayout(v, dims.max_seq_len, c);
   FlatView<const float> p(head_params, head_layout);
   FlatView<const bf16> s(saved, saved_layout);
   FlatView<float> g(dhead, head_layout);
@@ -269,11 +274,11 @@ Status Gpt2HeadBackward(CudaContext& context, bf16* dx, float* dhead, float* dem
                                /*accumulate_dx=*/false);
 }
 
-Status Gpt2HeadLogits(CudaContext& context, float* logits, const bf16* x, const float* head_params,
-                      const float* wte, const Gpt2Dims& dims) {
+Status TiedLmHeadLogits(CudaContext& context, float* logits, const bf16* x,
+                        const float* head_params, const float* wte, const TransformerDims& dims) {
   const int64_t n = dims.rows(), c = dims.channels, v = dims.vocab;
-  const int64_t padded_v = Gpt2PaddedVocab(v);
-  const FlatLayout head_layout = Gpt2HeadParamLayout(c);
+  const int64_t padded_v = TiedLmHeadPaddedVocab(v);
+  const FlatLayout head_layout = TiedLmHeadParamLayout(c);
   FlatView<const float> p(head_params, head_layout);
   TESSERA_ASSIGN_OR_RETURN(Scratch<bf16> lnf, MakeScratch<bf16>(context, n * c));
   TESSERA_ASSIGN_OR_RETURN(Scratch<float> stats, MakeScratch<float>(context, 2 * n));

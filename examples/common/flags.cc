@@ -1,0 +1,277 @@
+#include "examples/common/flags.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "training/layer_profile.h"
+
+namespace tessera::examples {
+
+void AddThreadsFlag(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--threads", flags.threads, "CPU threads (0: one per core)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+void AddLogEveryFlag(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--log-every", flags.log_every, "Print every N-th step line")
+      ->check(CLI::PositiveNumber);
+}
+
+void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
+  CLI::Option* workers =
+      app.add_option("--workers", flags.workers,
+                     "N data-parallel workers: a local cluster of N CPU worker processes, or N "
+                     "workers of --address (0: in this process)")
+          ->check(CLI::NonNegativeNumber);
+  app.add_flag("--in-process", flags.in_process,
+               "Train in this process: no scheduler or worker processes (the default when "
+               "neither --workers nor --address is given)")
+      ->excludes(workers);
+  app.add_option("--zero-stage", flags.zero_stage,
+                 "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
+                 "3 + parameters");
+  app.add_option("--offload", flags.offload,
+                 "none, or optimizer: master weights, Adam state and the update in the host "
+                 "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
+  app.add_option("--micro-batches", flags.micro_batches,
+                 "M micro-batches per worker per step: gradient accumulation, and what flows "
+                 "through a pipeline (formerly --grad-accum, still accepted)")
+      ->check(CLI::NonNegativeNumber);
+  // Old command lines keep working; the help lists only --micro-batches.
+  app.add_option("--grad-accum", flags.grad_accum)->check(CLI::PositiveNumber)->group("");
+}
+
+void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--device", flags.device,
+                 "cpu, or cuda / cuda:N: train on a GPU (bf16 activations, fp32 master "
+                 "weights and AdamW state): this process's, or with --workers N each worker's "
+                 "(a local cluster of N GPU workers on GPU N, or on every GPU in turn)");
+  app.add_option("--gpu-memory-gib", flags.gpu_memory_gib,
+                 "With --device cuda: cap on the GPU memory the allocator hands out (0: the "
+                 "card's free memory less 1 GiB)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
+  PipelineFlags& p = flags.pipeline;
+  app.add_option("--pipeline-stages", p.stages,
+                 "P pipeline stages: the layers cut into P parts, each on a group of "
+                 "--workers / P data-parallel workers")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--schedule", p.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1");
+  app.add_option("--virtual-stages", p.virtual_stages,
+                 "V model chunks per stage (--schedule interleaved)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--gather", p.gather,
+                 "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
+                 "(step), before every use (micro-batch), or let the planner choose (auto)");
+  app.add_option("--balance", p.balance,
+                 "How stages are balanced: by the op cost model's estimate of each layer "
+                 "(estimate), or by each layer's time in a short profiling run in this process "
+                 "(profile)")
+      ->check(CLI::IsMember({"estimate", "profile"}));
+}
+
+void AddCheckpointFlags(CLI::App& app, CommonFlags& flags) {
+  CheckpointFlags& c = flags.checkpoints;
+  app.add_option("--checkpoint-dir", c.dir,
+                 "Save checkpoints here (at the end, and every --checkpoint-every steps)");
+  app.add_option("--checkpoint-every", c.every, "Steps between checkpoints (0: end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", c.resume,
+               "Continue from the latest checkpoint in --checkpoint-dir (any --workers and "
+               "--zero-stage)");
+}
+
+void AddClusterFlags(CLI::App& app, CommonFlags& flags) {
+  CLI::Option* address =
+      app.add_option("--address", flags.address, "Run on the cluster at HOST:PORT");
+  if (CLI::Option* in_process = app.get_option_no_throw("--in-process")) {
+    address->excludes(in_process);
+  }
+  app.add_option("--token-file", flags.token_file,
+                 "With --address: the cluster token (default: the latest session's)");
+}
+
+void AddRecoveryFlags(CLI::App& app, CommonFlags& flags) {
+  RecoveryFlags& r = flags.recovery;
+  app.add_option("--max-restarts", r.max_restarts,
+                 "Recover from lost workers (and, with --address, a restarted scheduler) up to K "
+                 "times: re-plan on the workers there are and resume from the last checkpoint "
+                 "(needs --workers and --checkpoint-dir)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-workers", r.min_workers,
+                 "With --max-restarts: give up when fewer workers than this remain")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--replace-workers", r.replace_workers,
+               "With --max-restarts on a local cluster: start a worker for each one lost");
+  app.add_option("--snapshot-every", r.snapshot_every,
+                 "With --max-restarts: every N steps (and at every checkpoint) keep the state in "
+                 "memory on the workers, each piece also on the next rank's worker, and recover "
+                 "from it instead of the disk checkpoint when it survives (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--replacement-grace-ms", r.replacement_grace_ms,
+                 "With --max-restarts: how long to wait for the cluster to be back at --workers "
+                 "before going on with fewer (default: 0 on a local cluster, 30000 with "
+                 "--replace-workers, 10000 with --address)")
+      ->check(CLI::Range(-1, 3'600'000));
+}
+
+void AddTraceFlags(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--trace", flags.trace.path,
+                 "At the end, write the last --trace-steps training steps' trace (tasks, "
+                 "collectives, transfers on every worker) to this file as Chrome/Perfetto JSON "
+                 "(open in ui.perfetto.dev)");
+  app.add_option("--trace-steps", flags.trace.steps, "How many of the last steps --trace writes")
+      ->check(CLI::PositiveNumber);
+}
+
+void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--placement", flags.placement,
+                 "On a cluster: scheduler (tasks follow their inputs) or layers (layer by layer "
+                 "round-robin over the workers)")
+      ->check(CLI::IsMember({"scheduler", "layers"}));
+}
+
+std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: %s\n\n%s", program, e.what(), app.help().c_str());
+    return 2;
+  }
+  return std::nullopt;
+}
+
+Status CheckFlagCombinations(const CommonFlags& flags) {
+  if (flags.checkpoints.resume && flags.checkpoints.dir.empty()) {
+    return InvalidArgument("--resume needs --checkpoint-dir (where to resume from)");
+  }
+  const RecoveryFlags& r = flags.recovery;
+  if (r.max_restarts > 0 && (flags.checkpoints.dir.empty() || flags.workers == 0)) {
+    return InvalidArgument(
+        "--max-restarts recovers a run on a cluster from its checkpoints: it needs --workers "
+        "(with --address or a local cluster) and --checkpoint-dir");
+  }
+  if (r.snapshot_every > 0 && r.max_restarts == 0) {
+    return InvalidArgument(
+        "--snapshot-every keeps state for recovery: it needs --max-restarts K (K >= 1)");
+  }
+  if (r.replace_workers && !flags.address.empty()) {
+    return InvalidArgument(
+        "--replace-workers starts workers of a local cluster; on a running cluster start them "
+        "with `tessera start --cpu-workers N` (recovery waits --replacement-grace-ms for them)");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
+  const PipelineFlags& pipeline = flags.pipeline;
+  ParallelConfig& p = plan.parallel;
+  TESSERA_ASSIGN_OR_RETURN(p.schedule, ParseSchedule(pipeline.schedule));
+  if (pipeline.gather == "auto") {
+    p.gather = GatherPolicy::kAuto;
+  } else if (pipeline.gather == "step") {
+    p.gather = GatherPolicy::kOncePerStep;
+  } else if (pipeline.gather == "micro-batch") {
+    p.gather = GatherPolicy::kPerMicroBatch;
+  } else {
+    return InvalidArgument("--gather '{}' is not one of: auto, step, micro-batch", pipeline.gather);
+  }
+  p.pipeline_stages = pipeline.stages;
+  p.virtual_stages = pipeline.virtual_stages;
+  if (pipeline.stages == 1) return Status::Ok();
+  if (flags.workers < pipeline.stages || flags.workers % pipeline.stages != 0) {
+    return InvalidArgument(
+        "--pipeline-stages {} needs --workers a multiple of {} (P x D workers: D data-parallel "
+        "ranks per stage), got --workers {}",
+        pipeline.stages, pipeline.stages, flags.workers);
+  }
+  p.data_parallel = flags.workers / pipeline.stages;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPlan& plan) {
+  plan.parallel.zero_stage = flags.zero_stage;
+  if (flags.micro_batches > 0 && flags.grad_accum > 1 && flags.micro_batches != flags.grad_accum) {
+    return InvalidArgument(
+        "--micro-batches {} and --grad-accum {} both set the micro-batches per step: give one",
+        flags.micro_batches, flags.grad_accum);
+  }
+  plan.parallel.micro_batches = flags.micro_batches > 0 ? flags.micro_batches
+                                : flags.grad_accum > 0  ? flags.grad_accum
+                                                        : 1;
+  TESSERA_ASSIGN_OR_RETURN(plan.parallel.offload, ParseOffload(flags.offload));
+  if (plan.parallel.offload == OffloadMode::kOptimizer && plan.device.is_cpu()) {
+    std::fprintf(stderr,
+                 "%s: --offload optimizer: CPU workers already keep the optimizer state "
+                 "and update in host memory, so the plan is the same as without it\n",
+                 program);
+  }
+  // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
+  if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
+  return ApplyPipeline(flags, plan);
+}
+
+Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
+                    const ExecutorOptions& executor, const char* program, TrainingPlan& plan) {
+  if (flags.pipeline.balance != "profile") return Status::Ok();
+  if (plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
+    std::fprintf(stderr,
+                 "%s: --balance profile balances pipeline stages; without --pipeline-stages there "
+                 "are none, so no profiling run\n",
+                 program);
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms, ProfileLayerTimes(model, plan, executor));
+  std::string text;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    text += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f}", l == 0 ? "" : ", ", model.layers[l].name,
+                        ms[l].forward, ms[l].backward, ms[l].weight);
+    // A layer too fast to time still costs something.
+    ms[l].forward = std::max(ms[l].forward, 1e-3);
+    ms[l].backward = std::max(ms[l].backward, 1e-3);
+  }
+  std::fprintf(stderr,
+               "%s: layer times (profiled, ms per micro-batch, forward/backward/weight): %s\n",
+               program, text.c_str());
+  plan.parallel.layer_op_costs = std::move(ms);
+  return Status::Ok();
+}
+
+std::string DescribePipeline(const StepGraph& step, const ModelSpec& model) {
+  const ParallelConfig& p = step.parallel;
+  if (p.pipeline_stages == 1 && p.virtual_stages == 1) return "";
+  std::string text;
+  for (int stage = 0; stage < p.pipeline_stages; ++stage) {
+    text += fmt::format("{}stage {}:", stage == 0 ? "" : " | ", stage);
+    for (int chunk = stage; chunk < p.pipeline_stages * p.virtual_stages;
+         chunk += p.pipeline_stages) {
+      std::string first, last;
+      for (size_t l = 0; l < model.layers.size(); ++l) {
+        if (step.layer_chunk[l] != chunk) continue;
+        if (first.empty()) first = model.layers[l].name;
+        last = model.layers[l].name;
+      }
+      text += fmt::format("{} {}{}", chunk == stage ? "" : ",", first,
+                          first == last ? "" : ".." + last);
+    }
+  }
+  if (!step.gather_reason.empty()) {
+    text += fmt::format("\nZeRO-3 gathers {}: {}",
+                        step.gather_once_per_step ? "once per step" : "per micro-batch",
+                        step.gather_reason);
+  }
+  return text;
+}
+
+}  // namespace tessera::examples

@@ -1,0 +1,129 @@
+// The command-line flags Tessera's example drivers share (train_gpt2, train_unet3d, train_mlp),
+// grouped as --help lists them, and what they mean for a training plan:
+//
+//   threads      --threads N
+//   logging      --log-every N
+//   plan         --workers N --in-process --zero-stage S --offload none|optimizer --grad-accum K
+//   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
+//   pipeline     --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
+//                --virtual-stages V --gather auto|step|micro-batch --balance estimate|profile
+//   checkpoints  --checkpoint-dir D --checkpoint-every S --resume
+//   cluster      --address HOST:PORT --token-file F;  placement  --placement scheduler|layers
+//   recovery     --max-restarts K --min-workers M --replace-workers --snapshot-every N
+//                --replacement-grace-ms T
+//   trace        --trace FILE --trace-steps N
+//
+// A driver declares its own flags (the model, its data, the learning rate) around the groups it
+// supports (Add*Flags, each registering one group on a CLI11 app, values into CommonFlags), parses
+// with ParseFlags (a usage error prints the usage and exits 2), checks the combinations with
+// CheckFlagCombinations, and applies the plan flags to its TrainingPlan with ApplyPlanFlags. The
+// rest of a run (where it runs, checkpoints, recovery, the loop) is examples/common/session.h and
+// training_loop.h.
+//
+// Not thread-safe (flags are parsed and read on the driver's main thread).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "planner/step_graph.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera::examples {
+
+struct PipelineFlags {
+  int stages = 1;
+  std::string schedule = "1f1b";
+  int virtual_stages = 1;
+  std::string gather = "auto";
+  std::string balance = "estimate";
+};
+
+struct CheckpointFlags {
+  std::string dir;  // empty: no checkpoints
+  int64_t every = 0;
+  bool resume = false;
+};
+
+struct RecoveryFlags {
+  int max_restarts = 0;
+  int min_workers = 1;
+  bool replace_workers = false;
+  int snapshot_every = 0;         // with --max-restarts: a peer snapshot every N steps
+  int replacement_grace_ms = -1;  // -1: none on a local cluster, unless replacing; else 10 s
+};
+
+struct TraceFlags {
+  std::string path;  // empty: no trace
+  int steps = 2;
+};
+
+struct CommonFlags {
+  int threads = 0;
+  int64_t log_every = 1;
+  // The parallel plan and where it runs.
+  int workers = 0;  // 0: this process
+  bool in_process = false;
+  int zero_stage = 0;
+  std::string offload = "none";
+  int micro_batches = 0;       // 0: not given (--grad-accum's value, else 1)
+  int grad_accum = 0;          // --micro-batches' old name, a hidden alias; 0: not given
+  std::string device = "cpu";  // cpu, cuda or cuda:N
+  double gpu_memory_gib = 0;   // cap on the GPU allocator (0: the card's free memory less 1 GiB)
+  std::string address;         // a running cluster; empty: a local one or this process
+  std::string token_file;
+  std::string placement = "scheduler";
+  PipelineFlags pipeline;
+  CheckpointFlags checkpoints;
+  RecoveryFlags recovery;
+  TraceFlags trace;
+
+  // Whether the steps run on a cluster (--address, or --workers N > 0).
+  bool on_cluster() const { return !address.empty() || workers > 0; }
+};
+
+void AddThreadsFlag(CLI::App& app, CommonFlags& flags);
+void AddLogEveryFlag(CLI::App& app, CommonFlags& flags);
+// --workers, --in-process, --zero-stage, --offload, --grad-accum.
+void AddPlanFlags(CLI::App& app, CommonFlags& flags);
+void AddDeviceFlags(CLI::App& app, CommonFlags& flags);
+void AddPipelineFlags(CLI::App& app, CommonFlags& flags);
+void AddCheckpointFlags(CLI::App& app, CommonFlags& flags);
+// --address (excludes --in-process when the app has it), --token-file.
+void AddClusterFlags(CLI::App& app, CommonFlags& flags);
+void AddRecoveryFlags(CLI::App& app, CommonFlags& flags);
+void AddTraceFlags(CLI::App& app, CommonFlags& flags);
+void AddPlacementFlag(CLI::App& app, CommonFlags& flags);
+
+// Parses the command line. Returns the exit code when the program should stop: 0 after --help
+// (printed), 2 after a usage error (printed on stderr as "<program>: <error>", then the usage).
+std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program);
+
+// InvalidArgument, saying what to change, for flags that do not go together: --resume without
+// --checkpoint-dir, --max-restarts without a cluster and checkpoints, --snapshot-every without
+// --max-restarts, --replace-workers with --address.
+Status CheckFlagCombinations(const CommonFlags& flags);
+
+// Sets the plan's parallel part from the flags: data-parallel ranks (--workers, unless
+// --placement layers splits one rank), ZeRO stage, offload (with a note on stderr, prefixed
+// "<program>: ", when it changes nothing on CPU workers), micro-batches and the pipeline
+// (--workers = P x D). InvalidArgument naming the flag when one is wrong. REQUIRES: plan.device
+// is set.
+Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPlan& plan);
+
+// --balance profile with a pipeline: the plan's layer costs from a short profiling run
+// (training/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
+// micro-batch, forward/backward/weight): ...". Without a pipeline it says it has nothing to do.
+Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
+                    const ExecutorOptions& executor, const char* program, TrainingPlan& plan);
+
+// "stage 0: embedding..h.2 | stage 1: h.3..head" (chunks of one stage joined by ","), and
+// the ZeRO-3 gather choice, for the run's first lines; empty without a pipeline.
+std::string DescribePipeline(const StepGraph& step, const ModelSpec& model);
+
+}  // namespace tessera::examples

@@ -1,0 +1,120 @@
+#include "examples/common/session.h"
+
+#include <cstdio>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/logging.h"
+#include "worker/gpu.h"
+
+namespace tessera::examples {
+
+Result<Runtime> OpenRuntime(const CommonFlags& flags) {
+  Runtime runtime;
+  TESSERA_ASSIGN_OR_RETURN(runtime.settings, Settings::FromProcessEnvironment());
+  TESSERA_RETURN_IF_ERROR(SetLogLevel(runtime.settings.log_level).WithContext("TESSERA_LOG_LEVEL"));
+  runtime.executor = ExecutorOptions::FromSettings(runtime.settings);
+  if (flags.threads > 0) runtime.executor.threads = flags.threads;
+  // --device cuda[:N]: the step runs on a GPU (bf16 activations, fp32 master weights and
+  // optimizer state): this process's, or with --workers / --address each worker's own (GPU
+  // workers: a local cluster's are started on GPU N, or on every GPU in turn for plain cuda).
+  Result<Device> device = ParseDevice(flags.device);
+  if (!device.ok()) return device.status().WithContext("--device");
+  runtime.device = *device;
+  runtime.gpu_workers = !runtime.device.is_cpu() && flags.on_cluster();
+  if (!runtime.device.is_cpu() && !runtime.gpu_workers) {
+    auto gpu =
+        OpenGpu(runtime.device.index, static_cast<int64_t>(flags.gpu_memory_gib * (1 << 30)));
+    if (!gpu.ok()) return gpu.status().WithContext("--device " + flags.device);
+    runtime.executor.device = std::move(*gpu);
+  }
+  return runtime;
+}
+
+Session::Session(const CommonFlags& flags, const Runtime& runtime, std::string program)
+    : flags_(flags), runtime_(runtime), program_(std::move(program)) {}
+
+Result<std::unique_ptr<Session>> Session::Open(const CommonFlags& flags, const Runtime& runtime,
+                                               std::string program) {
+  std::unique_ptr<Session> session(new Session(flags, runtime, std::move(program)));
+  TESSERA_RETURN_IF_ERROR(session->Start());
+  return session;
+}
+
+Status Session::Start() {
+  if (!flags_.address.empty()) {
+    ConnectOptions connect;
+    connect.token_file = flags_.token_file;
+    TESSERA_ASSIGN_OR_RETURN(cluster_, Cluster::Connect(flags_.address, connect));
+    return Status::Ok();
+  }
+  if (flags_.workers == 0) return Status::Ok();  // in this process
+  LocalClusterOptions local;
+  local.cpu_workers = flags_.workers;
+  if (runtime_.gpu_workers) {
+    local.gpu_workers = flags_.workers;
+    local.gpus = flags_.device == "cuda" ? "all" : std::to_string(runtime_.device.index);
+    local.gpu_memory_gib = flags_.gpu_memory_gib;
+  }
+  local.threads_per_worker = flags_.threads;
+  TESSERA_ASSIGN_OR_RETURN(cluster_, Cluster::StartLocal(local));
+  if (!cluster_->dashboard_url().empty()) {
+    std::fprintf(stderr, "%s: dashboard %s\n", program_.c_str(), cluster_->dashboard_url().c_str());
+  }
+  return Status::Ok();
+}
+
+ClusterPlacement Session::placement() const {
+  return flags_.placement == "layers" ? ClusterPlacement::kLayersRoundRobin
+                                      : ClusterPlacement::kScheduler;
+}
+
+Result<std::unique_ptr<GraphBackend>> Session::MakeBackend() {
+  if (cluster_) return MakeClusterBackend(*cluster_, placement());
+  return MakeInProcessBackend(runtime_.executor);
+}
+
+Result<Cluster*> Session::Reconnect(int retry_ms) {
+  cluster_.reset();
+  ConnectOptions connect;
+  connect.token_file = flags_.token_file;
+  connect.retry_ms = retry_ms;
+  auto connected = Cluster::Connect(flags_.address, connect);
+  if (!connected.ok()) {
+    return connected.status().WithContext(
+        fmt::format("the scheduler at {} did not come back within {} ms (a cluster started with "
+                    "`tessera start --head` restarts it; one started with --no-restart does not)",
+                    flags_.address, retry_ms));
+  }
+  cluster_ = std::move(*connected);
+  return cluster_.get();
+}
+
+std::unique_ptr<StepRecovery> MakeRecovery(const CommonFlags& flags, Session& session,
+                                           const Settings& settings, const ModelSpec& model,
+                                           const TrainingPlan& plan) {
+  const RecoveryFlags& r = flags.recovery;
+  if (r.max_restarts <= 0) return nullptr;
+  RecoveryOptions options{
+      .max_restarts = r.max_restarts,
+      .min_workers = r.min_workers,
+      // A local cluster gets workers back only if we start them; a running one may get them
+      // from its operator.
+      .replacement_grace_ms =
+          r.replacement_grace_ms >= 0
+              ? r.replacement_grace_ms
+              : (r.replace_workers ? 30'000 : (flags.address.empty() ? 0 : 10'000)),
+      .start_replacements = r.replace_workers,
+      .snapshot_every = r.snapshot_every};
+  if (!flags.address.empty()) {
+    // A lost scheduler: its supervisor (`tessera start --head`) starts it again on the same
+    // port; connect to it for as long as workers wait for it (scheduler_grace_ms).
+    const int retry_ms = static_cast<int>(settings.scheduler_grace_ms);
+    options.reconnect = [&session, retry_ms] { return session.Reconnect(retry_ms); };
+  }
+  return std::make_unique<StepRecovery>(*session.cluster(), model, plan, session.placement(),
+                                        flags.checkpoints.dir, std::move(options));
+}
+
+}  // namespace tessera::examples

@@ -1,0 +1,225 @@
+#include "examples/common/training_loop.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "client/trace.h"
+
+namespace tessera::examples {
+
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double Megabytes(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+}  // namespace
+
+// ---- Checkpoints ----
+
+Checkpoints::Checkpoints(const CheckpointFlags& flags, std::string program)
+    : flags_(flags), program_(std::move(program)) {}
+
+Result<std::optional<CheckpointInfo>> Checkpoints::Resume(Trainer& trainer) {
+  if (!flags_.resume) return std::optional<CheckpointInfo>();
+  TESSERA_ASSIGN_OR_RETURN(CheckpointInfo loaded, LoadCheckpoint(trainer, flags_.dir));
+  std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", program_.c_str(), loaded.path.c_str(),
+               static_cast<long long>(loaded.step));
+  return std::optional<CheckpointInfo>(std::move(loaded));
+}
+
+Status Checkpoints::Save(Trainer& trainer, const std::string& data_state) {
+  const auto started = std::chrono::steady_clock::now();
+  TESSERA_ASSIGN_OR_RETURN(std::string saved, SaveCheckpoint(trainer, flags_.dir, data_state));
+  ++saved_;
+  seconds_ += SecondsSince(started);
+  std::fprintf(stderr, "%s: checkpoint %s\n", program_.c_str(), saved.c_str());
+  return Status::Ok();
+}
+
+bool Checkpoints::Due(int64_t step) const {
+  return !flags_.dir.empty() && flags_.every > 0 && step % flags_.every == 0;
+}
+
+Status Checkpoints::SaveAtEnd(Trainer& trainer, int64_t steps, const std::string& data_state) {
+  const bool saved_last = flags_.every > 0 && steps % flags_.every == 0;
+  if (flags_.dir.empty() || trainer.steps_taken() == 0 || saved_last) return Status::Ok();
+  return Save(trainer, data_state);
+}
+
+void Checkpoints::PrintSummary() const {
+  if (saved_ == 0) return;
+  std::printf("checkpoints: %d saved, %.1f ms each on average\n", saved_,
+              1000.0 * seconds_ / saved_);
+}
+
+// ---- StepStats ----
+
+void StepStats::Record(const StepReport& report) {
+  step_ms_.push_back(report.step_ms);
+  // The largest executor peak of any process that ran the step (this one, or each worker).
+  peak_bytes_ = std::max(peak_bytes_, report.peak_bytes);
+  gpu_peak_bytes_ = std::max(gpu_peak_bytes_, report.device_peak_bytes);
+  if (rank_peaks_.size() < report.ranks.size()) rank_peaks_.resize(report.ranks.size());
+  for (size_t r = 0; r < report.ranks.size(); ++r) {
+    const RunFigures& now = report.ranks[r].figures;
+    peak_bytes_ = std::max(peak_bytes_, now.allocator_peak);
+    RankFigures& kept = rank_peaks_[r];
+    kept.rank = report.ranks[r].rank;
+    kept.worker = report.ranks[r].worker;
+    kept.figures.role_peaks.resize(now.role_peaks.size());
+    for (size_t role = 0; role < now.role_peaks.size(); ++role) {
+      kept.figures.role_peaks[role] = std::max(kept.figures.role_peaks[role], now.role_peaks[role]);
+    }
+    kept.figures.model_state_peak = std::max(kept.figures.model_state_peak, now.model_state_peak);
+    kept.figures.transient_peak = std::max(kept.figures.transient_peak, now.transient_peak);
+    kept.figures.collective_bytes_sent = now.collective_bytes_sent;
+    kept.figures.pushed_bytes = now.pushed_bytes;
+  }
+  last_loss_ = report.loss;
+}
+
+double StepStats::MedianStepMs() const {
+  std::vector<double> sorted = step_ms_;
+  if (sorted.empty()) return 0;
+  if (sorted.size() > 1) sorted.erase(sorted.begin());
+  std::sort(sorted.begin(), sorted.end());
+  return sorted[sorted.size() / 2];
+}
+
+void StepStats::PrintRanks() const {
+  for (const RankFigures& rank : rank_peaks_) {
+    const RunFigures& f = rank.figures;
+    std::printf(
+        "worker rank %d%s: peak params %.2f MB, grads %.2f MB, optimizer %.2f MB (model state "
+        "%.2f MB), transient %.2f MB; sent %.2f MB/step\n",
+        rank.rank, rank.worker.valid() ? (" (" + rank.worker.ToString() + ")").c_str() : "",
+        Megabytes(f.peak(ObjectRole::kParameter)), Megabytes(f.peak(ObjectRole::kGradient)),
+        Megabytes(f.peak(ObjectRole::kOptimizerState)), Megabytes(f.model_state_peak),
+        Megabytes(f.transient_peak), Megabytes(f.collective_bytes_sent + f.pushed_bytes));
+  }
+}
+
+void StepStats::PrintSummary(int64_t steps, const char* rate, double items_per_step) const {
+  const double median = MedianStepMs();
+  const std::string gpu_peak =
+      gpu_peak_bytes_ > 0 ? fmt::format(" gpu_peak_mb={:.1f}", Megabytes(gpu_peak_bytes_)) : "";
+  std::printf("summary: steps=%lld step_ms_median=%.2f %s=%.0f final_loss=%.6f peak_mb=%.1f%s\n",
+              static_cast<long long>(steps), median, rate,
+              median > 0 ? items_per_step / (median / 1000.0) : 0.0, last_loss_,
+              Megabytes(peak_bytes_), gpu_peak.c_str());
+}
+
+// ---- Progress ----
+
+void Progress::AfterStep(int64_t step, int64_t steps) {
+  const double elapsed = SecondsSince(start_);
+  if (elapsed - last_s_ < 10.0 || step >= steps) return;
+  last_s_ = elapsed;
+  const double eta = elapsed / static_cast<double>(step) * static_cast<double>(steps - step);
+  std::fprintf(stderr, "progress: %lld/%lld steps (%.0f%%), elapsed %.0f s, eta %.0f s\n",
+               static_cast<long long>(step), static_cast<long long>(steps),
+               100.0 * static_cast<double>(step) / static_cast<double>(steps), elapsed, eta);
+}
+
+// ---- TrainingLoop ----
+
+TrainingLoop::TrainingLoop(Options options, Hooks hooks, Checkpoints& checkpoints,
+                           StepRecovery* recovery, Session& session)
+    : options_(std::move(options)),
+      hooks_(std::move(hooks)),
+      checkpoints_(checkpoints),
+      recovery_(recovery),
+      session_(session) {}
+
+std::string TrainingLoop::DataState() const {
+  return hooks_.data_state ? hooks_.data_state() : std::string();
+}
+
+Result<int64_t> TrainingLoop::Recover(std::unique_ptr<Trainer>& trainer, int64_t step,
+                                      const Status& error) {
+  if (!failed_at_) failed_at_ = std::chrono::steady_clock::now();
+  Result<StepRecovery::Recovered> recovered = recovery_->Recover(step, error, std::move(trainer));
+  if (!recovered.ok()) {
+    return recovered.status().WithContext(fmt::format("recovering from step {}", step));
+  }
+  trainer = std::move(recovered->trainer);
+  if (hooks_.restore_data_state) {
+    TESSERA_RETURN_IF_ERROR(hooks_.restore_data_state(recovered->checkpoint.sampler_state)
+                                .WithContext(recovered->checkpoint.path));
+  }
+  std::fprintf(stderr, "%s: %s\n", options_.program.c_str(), recovered->report.ToString().c_str());
+  stats_.ResetRanks();  // the new plan's ranks
+  return recovered->checkpoint.step;
+}
+
+void TrainingLoop::ReportProgress(int64_t step, const StepReport& report) {
+  Cluster* cluster = session_.cluster();
+  if (cluster == nullptr || !cluster->connected()) return;
+  // For the scheduler's dashboard and /metrics. One-way: a lost connection shows up on the next
+  // step, where recovery handles it.
+  const double per_second = options_.items_per_step / (report.step_ms / 1000.0);
+  JobProgress progress{
+      .job = options_.job, .step = step, .loss = report.loss, .step_ms = report.step_ms};
+  (options_.items_are_tokens ? progress.tokens_per_second : progress.samples_per_second) =
+      per_second;
+  (void)cluster->ReportProgress(progress);
+}
+
+Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) {
+  for (int64_t i = first_step; i <= options_.steps; ++i) {
+    Result<std::vector<Tensor>> batch = hooks_.batch(i);
+    if (!batch.ok()) return batch.status().WithContext(fmt::format("step {}", i));
+    Result<StepReport> report = trainer->Step(*batch, options_.lr);
+    if (!report.ok() && recovery_ && recovery_->Recoverable(report.status(), *trainer)) {
+      TESSERA_ASSIGN_OR_RETURN(const int64_t restored, Recover(trainer, i, report.status()));
+      i = restored;  // the loop goes on with the step after it: the replay
+      continue;
+    }
+    if (!report.ok()) return report.status().WithContext(fmt::format("step {}", i));
+    if (failed_at_) {
+      std::fprintf(stderr,
+                   "%s: recovery %d: step %lld completed %.2f s after the failed step returned\n",
+                   options_.program.c_str(), recovery_->restarts(), static_cast<long long>(i),
+                   SecondsSince(*failed_at_));
+      failed_at_.reset();
+    }
+    stats_.Record(*report);
+    if (!std::isfinite(report->loss)) {
+      return Internal("loss became {} at step {}; try a lower --lr", report->loss, i);
+    }
+    ReportProgress(i, *report);
+    if (hooks_.log_step) TESSERA_RETURN_IF_ERROR(hooks_.log_step(*trainer, i, *report, *batch));
+    progress_.AfterStep(i, options_.steps);
+    const bool checkpointed = checkpoints_.Due(i);
+    if (checkpointed) TESSERA_RETURN_IF_ERROR(checkpoints_.Save(*trainer, DataState()));
+    if (recovery_) recovery_->AfterStep(*trainer, DataState(), checkpointed);
+    if (hooks_.after_step) TESSERA_RETURN_IF_ERROR(hooks_.after_step(*trainer, i));
+  }
+  return Status::Ok();
+}
+
+Status WriteStepTrace(Trainer& trainer, const TraceFlags& flags, const std::string& program) {
+  if (flags.path.empty()) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(Timeline timeline, trainer.StepTimeline(flags.steps));
+  if (timeline.spans.empty()) {
+    return NotFound("--trace: no step ran, so there is nothing to trace (use --steps >= 1)");
+  }
+  TESSERA_RETURN_IF_ERROR(WriteChromeTrace(flags.path, timeline).WithContext("--trace"));
+  std::set<uint64_t> steps;
+  for (const TimelineSpan& span : timeline.spans) steps.insert(span.instance);
+  std::fprintf(stderr,
+               "%s: trace of the last %zu step(s) (%zu spans, %zu process(es)) written to %s\n",
+               program.c_str(), steps.size(), timeline.spans.size(), timeline.processes.size(),
+               flags.path.c_str());
+  return Status::Ok();
+}
+
+}  // namespace tessera::examples
