@@ -684,6 +684,7 @@ TEST(ExecutorRunsTest, AHighPriorityTaskOfALaterRunGoesBeforeQueuedWork) {
   Probe probe;
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, RegistryWithProbe(&probe));
   InProcessExecutor executor(registry, OneThread());
+  OpenGateAtExit gate(probe);
   // The first run's gated task holds the only slot; its three others wait in the queue.
   ASSERT_OK_AND_ASSIGN(PreparedGraph first,
                        executor.Prepare(ProbeGraph(registry, {{1, 0}, {2, 0}, {3, 0}, {4, 0}},
@@ -704,6 +705,7 @@ TEST(ExecutorRunsTest, TwoThreadsRunTwoTasksAtOnceAndNoMore) {
   Probe probe;
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, RegistryWithProbe(&probe));
   InProcessExecutor executor(registry, TwoThreads());
+  OpenGateAtExit gate(probe);
   GraphBuilder builder(registry);
   ObjectId x = builder.AddInput("x", F32({4}), ObjectRole::kInput);
   for (int64_t tag = 1; tag <= 3; ++tag) {

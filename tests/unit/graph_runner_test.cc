@@ -55,6 +55,8 @@ class GraphRunnerTest : public ::testing::Test {
 
   GraphRunnerTest()
       : registry_(*RegistryWithProbe(&probe_)), store_(ObjectStoreOptions{}, TestAllocator()) {}
+  // A failed assertion may leave a gated kernel waiting: the runner waits for its runs.
+  ~GraphRunnerTest() override { probe_.OpenGate(); }
 
   // The runner, on `threads` threads. REQUIRES: called once, before anything else.
   GraphRunner& Runner(int threads) {

@@ -61,6 +61,20 @@ class Probe {
   bool open_ = false;
 };
 
+// Opens the probe's gate when it goes out of scope. Declared after the executor (or runner) that
+// runs gated probes, so that a failed assertion does not leave a kernel waiting for the gate
+// while the executor waits for it in its destructor.
+class OpenGateAtExit {
+ public:
+  explicit OpenGateAtExit(Probe& probe) : probe_(probe) {}
+  OpenGateAtExit(const OpenGateAtExit&) = delete;
+  OpenGateAtExit& operator=(const OpenGateAtExit&) = delete;
+  ~OpenGateAtExit() { probe_.OpenGate(); }
+
+ private:
+  Probe& probe_;
+};
+
 // The CPU registry plus "probe", reporting to `probe`. REQUIRES: probe outlives the registry's use.
 inline Result<OpRegistry> RegistryWithProbe(Probe* probe) {
   TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
