@@ -20,6 +20,12 @@ bool PushKeyLess(const PushKey& a, const PushKey& b) {
 
 constexpr size_t kRememberedInstances = 256;
 
+// A collective member the collective engine runs (one of several members; a one-member
+// collective is a copy, run as a kernel).
+bool IsEngineMember(const TaskSpec& task) {
+  return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
+}
+
 }  // namespace
 
 struct GraphRunner::Part {
@@ -37,6 +43,7 @@ struct GraphRunner::Part {
   std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
   std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
   std::vector<uint64_t> producer_worker;  // graph-local index -> the worker producing it (0: input)
+  bool has_collectives = false;  // engine members among its tasks: instances run one at a time
 };
 
 struct GraphRunner::Instance {
@@ -50,7 +57,25 @@ struct GraphRunner::Instance {
     TensorMeta meta;
   };
   std::vector<Pull> pulls;
+  Status error;  // failed before it started
+  std::shared_ptr<Part> part;
+  uint64_t sequence = 0;                // arrival order
+  bool holds_turn = false;              // the instance with collectives in flight
+  std::shared_ptr<GraphExecution> run;  // once started on the executor (under mutex_)
+
+  std::shared_ptr<Outcome> outcome = std::make_shared<Outcome>();
+};
+
+// An instance's report in the making. It goes out once the run has ended and every push of the
+// instance's exports has completed.
+struct GraphRunner::Outcome {
+  std::mutex mutex;
+  int pushes = 0;  // out
+  bool run_done = false;
   Status error;
+  std::vector<std::pair<ObjectId, Tensor>> sealed;
+  InstanceFigures figures;
+  std::map<TaskId, WorkerSpans::Task> collectives;  // local task -> when it ran on the engine
 };
 
 GraphRunner::GraphRunner(const OpRegistry& registry, const ExecutorOptions& executor_options,
@@ -60,18 +85,22 @@ GraphRunner::GraphRunner(const OpRegistry& registry, const ExecutorOptions& exec
       store_(store),
       send_(std::move(send)),
       executor_(registry, executor_options),
-      incoming_(&PushKeyLess) {
-  thread_ = std::thread([this] { RunLoop(); });
-}
+      incoming_(&PushKeyLess) {}
 
 GraphRunner::~GraphRunner() {
+  std::vector<std::shared_ptr<GraphExecution>> runs;
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
+    collective_queue_.clear();
+    for (const auto& [key, instance] : in_flight_) {
+      if (instance->run != nullptr) runs.push_back(instance->run);
+    }
   }
-  executor_.Cancel(Cancelled("worker stopping"));
-  queued_.notify_all();
-  thread_.join();
+  // Instances still launching see stopping_ when they start and cancel themselves.
+  for (const std::shared_ptr<GraphExecution>& run : runs) run->Cancel(Cancelled("worker stopping"));
+  std::unique_lock lock(mutex_);
+  retired_.wait(lock, [this] { return in_flight_.empty(); });
 }
 
 void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
@@ -178,6 +207,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
         part->produced_outputs.emplace_back(mapped, i);
       }
     }
+    part->has_collectives = std::ranges::any_of(part->local.tasks(), IsEngineMember);
     TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(part->local));
     part->prepared = std::make_unique<PreparedGraph>(std::move(prepared));
     return Status::Ok();
@@ -230,7 +260,7 @@ void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
 }
 
 void GraphRunner::Start(proto::RunGraph::Reader run) {
-  auto instance = std::make_unique<Instance>();
+  auto instance = std::make_shared<Instance>();
   instance->key = {run.getGraphId(), run.getInstance()};
   for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
   std::shared_ptr<Part> part;
@@ -244,6 +274,7 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
   } else if (!part->error.ok()) {
     instance->error = part->error;
   } else {
+    instance->part = part;
     auto local_input = [&](uint64_t graph_local) -> ObjectId {
       if (graph_local == 0 || graph_local > part->local_of.size()) return ObjectId();
       return part->local_of[graph_local - 1];
@@ -278,48 +309,90 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
           Instance::Pull{local, rpc::ToString(binding.getSource().getAddress()), cluster, meta});
     }
   }
-  {
-    std::lock_guard lock(mutex_);
-    queue_.push_back(std::move(instance));
-  }
-  queued_.notify_all();
+  Admit(std::move(instance));
 }
 
-std::optional<GraphRunActivity> GraphRunner::Activity() {
-  std::shared_ptr<Part> part;
-  Key key;
+void GraphRunner::Admit(std::shared_ptr<Instance> instance) {
   {
     std::lock_guard lock(mutex_);
-    if (current_ == Key{0, 0} || !current_started_) return std::nullopt;
-    key = current_;
-    auto found = parts_.find(key.first);
-    if (found != parts_.end()) part = found->second;
+    if (stopping_) return;
+    instance->sequence = next_sequence_++;
+    if (instance->error.ok() && instance->part->has_collectives && engine_ != nullptr) {
+      if (collective_turn_taken_) {
+        collective_queue_.push_back(std::move(instance));  // Retire starts it in its turn
+        return;
+      }
+      collective_turn_taken_ = true;
+      instance->holds_turn = true;
+    }
+    in_flight_[instance->key] = instance;
   }
-  GraphRunActivity activity{.graph = key.first, .instance = key.second};
-  // Outside mutex_: the executor's lock is never taken under it. The run may have ended since;
-  // then this says nothing of it (or of the next run, which is as true a picture).
-  std::optional<InProcessExecutor::RunActivity> run = executor_.Activity();
-  if (!run.has_value() || part == nullptr) return activity;
-  activity.running = std::move(run->running);
-  for (ObjectId local : run->awaited) {
-    const size_t index = local.value() - 1;
-    if (index >= part->graph_of.size()) continue;
-    const ObjectId graph_id = part->graph_of[index];
-    if (!graph_id.valid() || graph_id.value() > part->objects.size()) continue;
-    activity.awaited.push_back(
-        {part->objects[graph_id.value() - 1].name, part->producer_worker.at(graph_id.value() - 1)});
+  Launch(std::move(instance));
+}
+
+void GraphRunner::Launch(std::shared_ptr<Instance> instance) {
+  while (instance != nullptr) {
+    {
+      std::lock_guard lock(mutex_);
+      auto cancelled = cancelled_.find(instance->key);
+      if (cancelled != cancelled_.end()) {
+        if (instance->error.ok()) instance->error = cancelled->second;
+        cancelled_.erase(cancelled);
+      }
+    }
+    if (instance->error.ok()) instance->error = Begin(instance);
+    if (instance->error.ok()) return;  // on the executor; Ended takes it from there
+    Report(instance->key, instance->error, {});
+    instance = Retire(*instance);
   }
-  return activity;
+}
+
+std::vector<GraphRunActivity> GraphRunner::Activity() {
+  std::vector<std::shared_ptr<Instance>> running;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [key, instance] : in_flight_) {
+      if (instance->run != nullptr) running.push_back(instance);
+    }
+  }
+  std::sort(running.begin(), running.end(),
+            [](const auto& a, const auto& b) { return a->sequence < b->sequence; });
+  std::vector<GraphRunActivity> activities;
+  for (const std::shared_ptr<Instance>& instance : running) {
+    // Outside mutex_: a run's lock is never taken under it. An instance whose run has ended
+    // is reporting (its pushes may still be out): not in progress any more.
+    if (instance->run->ended()) continue;
+    const RunActivity run = instance->run->Activity();
+    const Part& part = *instance->part;
+    GraphRunActivity activity{.graph = instance->key.first, .instance = instance->key.second};
+    activity.running = run.running;
+    for (ObjectId local : run.awaited) {
+      const size_t index = local.value() - 1;
+      if (index >= part.graph_of.size()) continue;
+      const ObjectId graph_id = part.graph_of[index];
+      if (!graph_id.valid() || graph_id.value() > part.objects.size()) continue;
+      activity.awaited.push_back(
+          {part.objects[graph_id.value() - 1].name, part.producer_worker.at(graph_id.value() - 1)});
+    }
+    activities.push_back(std::move(activity));
+  }
+  return activities;
 }
 
 void GraphRunner::Cancel(uint64_t graph, uint64_t instance, const Status& reason) {
   const Key key{graph, instance};
-  std::lock_guard lock(mutex_);
-  if (current_ == key) {
-    executor_.Cancel(reason);
-  } else {
-    cancelled_[key] = reason;
+  std::shared_ptr<GraphExecution> run;
+  {
+    std::lock_guard lock(mutex_);
+    if (std::find(finished_.begin(), finished_.end(), key) != finished_.end()) return;
+    auto it = in_flight_.find(key);
+    if (it != in_flight_.end() && it->second->run != nullptr) {
+      run = it->second->run;
+    } else {
+      cancelled_[key] = reason;  // applied when it starts
+    }
   }
+  if (run != nullptr) run->Cancel(reason);
 }
 
 namespace {
@@ -397,55 +470,28 @@ void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
 }
 
 void GraphRunner::Arrive(const Key& key, ObjectId local, Tensor tensor) {
+  std::shared_ptr<GraphExecution> run;
   {
     std::lock_guard lock(mutex_);
     if (std::find(finished_.begin(), finished_.end(), key) != finished_.end()) return;
-    if (!(current_ == key && current_started_)) {
-      arrivals_[key].emplace_back(local, std::move(tensor));
+    auto it = in_flight_.find(key);
+    if (it == in_flight_.end() || it->second->run == nullptr) {
+      arrivals_[key].emplace_back(local, std::move(tensor));  // Begin hands it over
       return;
     }
+    run = it->second->run;
   }
-  Status provided = executor_.Provide(local, std::move(tensor));
-  if (!provided.ok()) executor_.Cancel(provided);
+  Status provided = run->Provide(local, std::move(tensor));
+  if (!provided.ok()) run->Cancel(provided);
 }
 
-void GraphRunner::RunLoop() {
-  while (true) {
-    std::unique_ptr<Instance> instance;
-    {
-      std::unique_lock lock(mutex_);
-      queued_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (stopping_) return;
-      instance = std::move(queue_.front());
-      queue_.pop_front();
-      auto cancelled = cancelled_.find(instance->key);
-      if (cancelled != cancelled_.end()) {
-        if (instance->error.ok()) instance->error = cancelled->second;
-        cancelled_.erase(cancelled);
-      }
-      current_ = instance->key;
-      current_started_ = false;
-    }
-    RunInstance(*instance);
-    std::lock_guard lock(mutex_);
-    current_ = {0, 0};
-    arrivals_.erase(instance->key);
-    finished_.push_back(instance->key);
-    if (finished_.size() > kRememberedInstances) finished_.pop_front();
-  }
-}
-
-void GraphRunner::RunInstance(Instance& instance) {
-  const Key key = instance.key;
-  if (!instance.error.ok()) return Report(key, instance.error, {});
-  std::shared_ptr<Part> part;
-  {
-    std::lock_guard lock(mutex_);
-    part = parts_.at(key.first);
-  }
+Status GraphRunner::Begin(const std::shared_ptr<Instance>& instance) {
+  const Key key = instance->key;
+  const Part& part = *instance->part;
   // Inputs at hand now: bound inline/local ones, and pushes that came before the start.
   ObjectMap inputs;
-  for (auto& [local, tensor] : instance.ready) inputs[local] = std::move(tensor);
+  for (auto& [local, tensor] : instance->ready) inputs[local] = std::move(tensor);
+  instance->ready.clear();
   {
     std::lock_guard lock(mutex_);
     auto early = arrivals_.find(key);
@@ -454,93 +500,129 @@ void GraphRunner::RunInstance(Instance& instance) {
       arrivals_.erase(early);
     }
   }
-  RunHooks hooks;
-  for (ObjectId external : part->external) {
+  RunHooks hooks = MakeHooks(*instance);
+  for (ObjectId external : part.external) {
     if (!inputs.contains(external)) hooks.late_inputs.push_back(external);
   }
-  // Pushes of this instance's exports: the report waits until all are done.
-  struct Outstanding {
-    std::mutex mutex;
-    int pushes = 0;
-    bool run_done = false;
-    Status error;
-    std::vector<std::pair<ObjectId, Tensor>> sealed;
-    InstanceFigures figures;
-    std::map<TaskId, WorkerSpans::Task> collectives;  // local task -> when it ran on the engine
-  };
-  auto outstanding = std::make_shared<Outstanding>();
-  auto finish_if_done = [this, key, outstanding] {
-    Status error;
-    std::vector<std::pair<ObjectId, Tensor>> sealed;
-    InstanceFigures figures;
-    {
-      std::lock_guard lock(outstanding->mutex);
-      if (!outstanding->run_done || outstanding->pushes > 0) return;
-      outstanding->run_done = false;  // report once
-      error = outstanding->error;
-      sealed = std::move(outstanding->sealed);
-      figures = outstanding->figures;
+  TESSERA_RETURN_IF_ERROR(StartPulls(*instance));
+  std::shared_ptr<GraphExecution> run =
+      executor_.Start(*part.prepared, std::move(inputs), std::move(hooks),
+                      [this, instance](Result<RunResult> result, ObjectMap) {
+                        Ended(instance, std::move(result));
+                      });
+  // From now on pushes go to the run; those that came while it started are handed over here.
+  std::vector<std::pair<ObjectId, Tensor>> buffered;
+  std::optional<Status> cancel;
+  {
+    std::lock_guard lock(mutex_);
+    if (!in_flight_.contains(key)) return Status::Ok();  // ended already (Ended retired it)
+    instance->run = run;
+    auto it = arrivals_.find(key);
+    if (it != arrivals_.end()) {
+      buffered = std::move(it->second);
+      arrivals_.erase(it);
     }
-    Report(key, error, std::move(sealed), figures);
-  };
+    auto cancelled = cancelled_.find(key);
+    if (cancelled != cancelled_.end()) {
+      cancel = cancelled->second;
+      cancelled_.erase(cancelled);
+    }
+    if (stopping_) cancel = Cancelled("worker stopping");
+  }
+  for (auto& [local, tensor] : buffered) {
+    Status provided = run->Provide(local, std::move(tensor));
+    if (!provided.ok()) run->Cancel(provided);
+  }
+  if (cancel.has_value()) run->Cancel(*cancel);
+  return Status::Ok();
+}
+
+RunHooks GraphRunner::MakeHooks(const Instance& instance) {
+  const Key key = instance.key;
+  const std::shared_ptr<Part> part = instance.part;
+  const std::shared_ptr<Outcome> outcome = instance.outcome;
+  RunHooks hooks;
   for (const auto& [local, consumers] : part->exports) hooks.watched.push_back(local);
-  hooks.on_produced = [this, key, part, outstanding, finish_if_done](ObjectId local,
-                                                                     const Tensor& tensor) {
-    const auto& consumers = part->exports.at(local);
-    const PushKey push_key{key.first, key.second, part->graph_of[local.value() - 1].value()};
-    // A GPU's object goes out from a host copy (once for every consumer).
-    Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());
-    if (!host.ok()) {
-      std::lock_guard lock(outstanding->mutex);
-      if (outstanding->error.ok()) outstanding->error = host.status().WithContext("pushing");
-      return;
-    }
-    for (const std::string& address : consumers) {
-      {
-        std::lock_guard lock(outstanding->mutex);
-        ++outstanding->pushes;
-        outstanding->figures.pushed_bytes += tensor.bytes();
-      }
-      auto destination = part->worker_of_address.find(address);
-      const WorkerSpans::Push span{
-          push_key.object, destination == part->worker_of_address.end() ? 0 : destination->second,
-          SystemMicrosNow(), 0, tensor.bytes()};
-      data_plane_->Push(address, push_key, host->raw_data(), host->bytes(), host->buffer(),
-                        [outstanding, finish_if_done, address, span](const Status& status) {
-                          {
-                            std::lock_guard lock(outstanding->mutex);
-                            --outstanding->pushes;
-                            outstanding->figures.spans.pushes.push_back(span);
-                            outstanding->figures.spans.pushes.back().end_us = SystemMicrosNow();
-                            if (!status.ok() && outstanding->error.ok()) {
-                              outstanding->error = status.WithContext("pushing to " + address);
-                            }
-                          }
-                          finish_if_done();
-                        });
-    }
+  hooks.on_produced = [this, key, part, outcome](ObjectId local, const Tensor& tensor) {
+    PushExport(key, *part, outcome, local, tensor);
   };
-  hooks.on_started = [this, key] {
-    std::vector<std::pair<ObjectId, Tensor>> buffered;
+  // Collective members go to the worker's communication stream, in the scheduler's order.
+  if (engine_ != nullptr) {
+    hooks.offloaded = IsEngineMember;
+    hooks.offload = [this, key, outcome](const TaskSpec& task, std::vector<Tensor> in,
+                                         std::vector<Tensor> out, RunHooks::OffloadDone done) {
+      CollectiveMember member{task.name, task.op, task.attrs, std::move(in), std::move(out), {}};
+      member.on_ran = [outcome, id = task.id](int64_t start_us, int64_t end_us, int64_t bytes) {
+        std::lock_guard lock(outcome->mutex);
+        outcome->collectives[id] = WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
+      };
+      engine_->Submit(key, task.attrs.GetInt(kPositionAttr, 0), std::move(member), std::move(done));
+    };
+    hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
+  }
+  return hooks;
+}
+
+void GraphRunner::PushExport(const Key& key, const Part& part,
+                             const std::shared_ptr<Outcome>& outcome, ObjectId local,
+                             const Tensor& tensor) {
+  const auto& consumers = part.exports.at(local);
+  const PushKey push_key{key.first, key.second, part.graph_of[local.value() - 1].value()};
+  // A GPU's object goes out from a host copy (once for every consumer).
+  Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());
+  if (!host.ok()) {
+    std::lock_guard lock(outcome->mutex);
+    if (outcome->error.ok()) outcome->error = host.status().WithContext("pushing");
+    return;
+  }
+  for (const std::string& address : consumers) {
     {
-      std::lock_guard lock(mutex_);
-      current_started_ = true;
-      auto it = arrivals_.find(key);
-      if (it != arrivals_.end()) {
-        buffered = std::move(it->second);
-        arrivals_.erase(it);
-      }
+      std::lock_guard lock(outcome->mutex);
+      ++outcome->pushes;
+      outcome->figures.pushed_bytes += tensor.bytes();
     }
-    for (auto& [local, tensor] : buffered) {
-      Status provided = executor_.Provide(local, std::move(tensor));
-      if (!provided.ok()) executor_.Cancel(provided);
-    }
-  };
+    auto destination = part.worker_of_address.find(address);
+    const WorkerSpans::Push span{
+        push_key.object, destination == part.worker_of_address.end() ? 0 : destination->second,
+        SystemMicrosNow(), 0, tensor.bytes()};
+    data_plane_->Push(address, push_key, host->raw_data(), host->bytes(), host->buffer(),
+                      [this, key, outcome, address, span](const Status& status) {
+                        {
+                          std::lock_guard lock(outcome->mutex);
+                          --outcome->pushes;
+                          outcome->figures.spans.pushes.push_back(span);
+                          outcome->figures.spans.pushes.back().end_us = SystemMicrosNow();
+                          if (!status.ok() && outcome->error.ok()) {
+                            outcome->error = status.WithContext("pushing to " + address);
+                          }
+                        }
+                        ReportWhenPushed(key, *outcome);
+                      });
+  }
+}
+
+void GraphRunner::ReportWhenPushed(const Key& key, Outcome& outcome) {
+  Status error;
+  std::vector<std::pair<ObjectId, Tensor>> sealed;
+  InstanceFigures figures;
+  {
+    std::lock_guard lock(outcome.mutex);
+    if (!outcome.run_done || outcome.pushes > 0) return;
+    outcome.run_done = false;  // report once
+    error = outcome.error;
+    sealed = std::move(outcome.sealed);
+    figures = outcome.figures;
+  }
+  Report(key, error, std::move(sealed), figures);
+}
+
+Status GraphRunner::StartPulls(const Instance& instance) {
   // Remote bound inputs are pulled meanwhile and arrive like pushes.
+  const Key key = instance.key;
   for (const Instance::Pull& pull : instance.pulls) {
-    Result<Tensor> tensor = Tensor::Empty(OnHost(pull.meta), executor_.allocator());
-    if (!tensor.ok()) return Report(key, tensor.status(), {});
-    auto destination = std::make_shared<Tensor>(*std::move(tensor));
+    TESSERA_ASSIGN_OR_RETURN(Tensor tensor,
+                             Tensor::Empty(OnHost(pull.meta), executor_.allocator()));
+    auto destination = std::make_shared<Tensor>(std::move(tensor));
     data_plane_->Pull(pull.address, pull.cluster, destination->raw_data(), destination->bytes(),
                       [this, key, local = pull.local, destination](const Status& status) {
                         if (!status.ok()) {
@@ -550,66 +632,86 @@ void GraphRunner::RunInstance(Instance& instance) {
                         Arrive(key, local, std::move(*destination));
                       });
   }
-  // Collective members go to the worker's communication stream, in the scheduler's order.
-  if (engine_ != nullptr) {
-    hooks.offloaded = [](const TaskSpec& task) {
-      return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
-    };
-    hooks.offload = [this, key, outstanding](const TaskSpec& task, std::vector<Tensor> in,
-                                             std::vector<Tensor> out, RunHooks::OffloadDone done) {
-      CollectiveMember member{task.name, task.op, task.attrs, std::move(in), std::move(out), {}};
-      member.on_ran = [outstanding, id = task.id](int64_t start_us, int64_t end_us, int64_t bytes) {
-        std::lock_guard lock(outstanding->mutex);
-        outstanding->collectives[id] =
-            WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
-      };
-      engine_->Submit(key, task.attrs.GetInt(kPositionAttr, 0), std::move(member), std::move(done));
-    };
-    hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
-  }
-  const int64_t sent_before = engine_ != nullptr ? engine_->stats().bytes_sent : 0;
-  Result<RunResult> result = executor_.Run(*part->prepared, std::move(inputs), nullptr, &hooks);
+  return Status::Ok();
+}
+
+void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) {
+  const Key key = instance->key;
   if (engine_ != nullptr) engine_->EndStream(key, result.status());
+  Outcome& outcome = *instance->outcome;
   if (result.ok()) {
-    std::lock_guard lock(outstanding->mutex);
-    InstanceFigures& figures = outstanding->figures;
-    figures.role_bytes = result->stats.role_bytes;
-    figures.allocator_peak = result->stats.peak_bytes;
-    figures.wall_ms = result->stats.wall_ms;
-    if (engine_ != nullptr) figures.collective_bytes = engine_->stats().bytes_sent - sent_before;
-    const int64_t start_us = result->stats.start_unix_us;
-    for (const TaskTiming& timing : result->stats.timings) {
-      if (!timing.task.valid() || timing.task.value() > part->graph_task_of.size()) continue;
-      WorkerSpans::Task span{part->graph_task_of[timing.task.value() - 1], timing.thread_slot,
-                             start_us + static_cast<int64_t>(timing.start_us),
-                             start_us + static_cast<int64_t>(timing.end_us), 0};
-      auto engine_run = outstanding->collectives.find(timing.task);
-      if (engine_run != outstanding->collectives.end()) {
-        const uint64_t graph_task = span.task;
-        span = engine_run->second;
-        span.task = graph_task;
-      }
-      if (span.stream < 0 && span.stream != kCollectiveStream) span.stream = 0;
-      span.end_us = std::max(span.end_us, span.start_us);
-      figures.spans.tasks.push_back(span);
-    }
+    std::lock_guard lock(outcome.mutex);
+    outcome.figures = FiguresOf(*instance->part, result->stats, outcome);
   }
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   Status error = result.status();
   if (error.ok()) {
-    for (const auto& [local, index] : part->produced_outputs) {
-      sealed.emplace_back(instance.output_ids.at(index), std::move(result->outputs.at(local)));
+    for (const auto& [local, index] : instance->part->produced_outputs) {
+      sealed.emplace_back(instance->output_ids.at(index), std::move(result->outputs.at(local)));
     }
   } else {
     error = error.WithContext(fmt::format("graph {} instance {}", key.first, key.second));
   }
   {
-    std::lock_guard lock(outstanding->mutex);
-    outstanding->run_done = true;
-    if (!error.ok() && outstanding->error.ok()) outstanding->error = error;
-    outstanding->sealed = std::move(sealed);
+    std::lock_guard lock(outcome.mutex);
+    outcome.run_done = true;
+    if (!error.ok() && outcome.error.ok()) outcome.error = error;
+    outcome.sealed = std::move(sealed);
   }
-  finish_if_done();
+  ReportWhenPushed(key, outcome);
+  // The next instance with collectives, when this one held the turn. (Without one, `this` may
+  // be gone once Retire returned: the destructor waits for nothing else.)
+  std::shared_ptr<Instance> next = Retire(*instance);
+  if (next != nullptr) Launch(std::move(next));
+}
+
+InstanceFigures GraphRunner::FiguresOf(const Part& part, const RunStats& stats,
+                                       const Outcome& outcome) {
+  InstanceFigures figures = outcome.figures;  // pushes so far
+  figures.role_bytes = stats.role_bytes;
+  figures.allocator_peak = stats.peak_bytes;
+  figures.wall_ms = stats.wall_ms;
+  for (const auto& [task, ran] : outcome.collectives) figures.collective_bytes += ran.bytes;
+  const int64_t start_us = stats.start_unix_us;
+  for (const TaskTiming& timing : stats.timings) {
+    if (!timing.task.valid() || timing.task.value() > part.graph_task_of.size()) continue;
+    WorkerSpans::Task span{part.graph_task_of[timing.task.value() - 1], timing.thread_slot,
+                           start_us + static_cast<int64_t>(timing.start_us),
+                           start_us + static_cast<int64_t>(timing.end_us), 0};
+    auto engine_run = outcome.collectives.find(timing.task);
+    if (engine_run != outcome.collectives.end()) {
+      const uint64_t graph_task = span.task;
+      span = engine_run->second;
+      span.task = graph_task;
+    }
+    if (span.stream < 0 && span.stream != kCollectiveStream) span.stream = 0;
+    span.end_us = std::max(span.end_us, span.start_us);
+    figures.spans.tasks.push_back(span);
+  }
+  return figures;
+}
+
+std::shared_ptr<GraphRunner::Instance> GraphRunner::Retire(const Instance& instance) {
+  std::shared_ptr<Instance> next;
+  {
+    std::lock_guard lock(mutex_);
+    in_flight_.erase(instance.key);
+    arrivals_.erase(instance.key);
+    finished_.push_back(instance.key);
+    if (finished_.size() > kRememberedInstances) finished_.pop_front();
+    if (instance.holds_turn) {
+      if (!collective_queue_.empty() && !stopping_) {
+        next = std::move(collective_queue_.front());
+        collective_queue_.pop_front();
+        next->holds_turn = true;
+        in_flight_[next->key] = next;
+      } else {
+        collective_turn_taken_ = false;
+      }
+    }
+  }
+  retired_.notify_all();  // the destructor waits for in_flight_ to empty
+  return next;
 }
 
 void GraphRunner::Report(const Key& key, const Status& error,

@@ -15,11 +15,23 @@
 //     runs them in the order the scheduler assigned;
 //   - the graph outputs produced here are sealed into the object store under the cluster ids the
 //     scheduler assigned, and InstanceFinished reports them (once every push has completed).
-// Instances run one at a time, in arrival order, on a dedicated thread. A failure anywhere
-// (a kernel, a pull, a push, or a cancel from the scheduler) ends the instance with an error.
+// A failure anywhere (a kernel, a pull, a push, or a cancel from the scheduler) ends the
+// instance with an error.
 //
-// Thread safety: AddPart/Start/Cancel come from the io thread; push handlers from the data
-// plane's thread; all are safe together.
+// Concurrency. Instances start as they arrive (Start returns at once: the executor runs them,
+// InProcessExecutor::Start) and run concurrently, their ready tasks ordered by priority across
+// all of them in the executor's queue. Except instances whose part has collective members (of
+// more than one member): those run one at a time, in arrival order. Their members reach the
+// collective engine by position within their instance, but the engine takes whichever
+// instance's next member is there first; two such instances in flight at once could meet a
+// group's collectives in different orders on different workers, each waiting on a peer that
+// waits on it. One at a time, every worker runs the instances' collectives in the order the
+// scheduler sent the instances, which it sends to every worker alike. An instance without
+// collectives runs beside them.
+//
+// Thread safety: every method may be called from any thread (AddPart/Start/Cancel come from the
+// io thread, push handlers from the data plane's thread, Activity from the heartbeat). Instance
+// ends (reports) come from the executor's threads, the collective engine's or the data plane's.
 #pragma once
 
 #include <condition_variable>
@@ -30,7 +42,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <capnp/message.h>
@@ -58,7 +69,7 @@ struct InstanceFigures {
   WorkerSpans spans;
 };
 
-// What the instance in progress is doing (tessera status --waits).
+// What an instance in progress is doing (tessera status --waits).
 struct GraphRunActivity {
   uint64_t graph = 0;
   uint64_t instance = 0;
@@ -76,6 +87,8 @@ class GraphRunner {
 
   GraphRunner(const OpRegistry& registry, const ExecutorOptions& executor_options,
               ObjectStore& store, const Settings& settings, SendToScheduler send);
+  // Cancels the instances in flight and waits for their runs to end (their reports are sent);
+  // instances waiting for their turn are dropped.
   ~GraphRunner();
   // REQUIRES: called once, before any part arrives.
   void set_data_plane(DataPlane* data_plane) { data_plane_ = data_plane; }
@@ -89,8 +102,9 @@ class GraphRunner {
   void Start(proto::RunGraph::Reader run);
   void Cancel(uint64_t graph, uint64_t instance, const Status& reason);
 
-  // The instance in progress and what it does, from any thread; nullopt when none runs.
-  std::optional<GraphRunActivity> Activity();
+  // Every instance in progress (its run started on the executor and not ended) and what it
+  // does, oldest first; empty when none runs.
+  std::vector<GraphRunActivity> Activity();
 
   // Data-plane push handlers.
   Result<void*> AcceptPush(const PushKey& key, int64_t bytes);
@@ -99,12 +113,32 @@ class GraphRunner {
  private:
   struct Part;
   struct Instance;
+  struct Outcome;
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
 
-  void RunLoop();
-  void RunInstance(Instance& instance);
+  // An instance is ready to start (or failed before it could): start it now, or queue it behind
+  // the instance with collectives in flight.
+  void Admit(std::shared_ptr<Instance> instance);
+  // Starts instances until one is on the executor: `instance`, and while one fails before it
+  // starts (reported, retired) the next with collectives.
+  void Launch(std::shared_ptr<Instance> instance);
+  // Starts one instance's run on the executor; an error when it could not.
+  Status Begin(const std::shared_ptr<Instance>& instance);
+  RunHooks MakeHooks(const Instance& instance);
+  Status StartPulls(const Instance& instance);
+  // An export was produced: push it to its consumers.
+  void PushExport(const Key& key, const Part& part, const std::shared_ptr<Outcome>& outcome,
+                  ObjectId local, const Tensor& tensor);
+  // The run of an instance ended: figures, sealed outputs, the report (after the pushes).
+  void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result);
+  static InstanceFigures FiguresOf(const Part& part, const RunStats& stats, const Outcome& outcome);
+  // Reports the instance when its run has ended and no push is out (once).
+  void ReportWhenPushed(const Key& key, Outcome& outcome);
+  // The instance is over here; returns the next instance with collectives to start, when this
+  // one held the turn.
+  std::shared_ptr<Instance> Retire(const Instance& instance);
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
-  // the instance starts.
+  // the run starts.
   void Arrive(const Key& key, ObjectId local, Tensor tensor);
   void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed,
               const InstanceFigures& figures = {});
@@ -120,10 +154,16 @@ class GraphRunner {
   CollectiveEngine* engine_ = nullptr;
   InProcessExecutor executor_;
 
-  std::mutex mutex_;
-  std::condition_variable queued_;
+  std::mutex mutex_;  // never held while calling the executor or a run
+  std::condition_variable retired_;
   std::map<uint64_t, std::shared_ptr<Part>> parts_;
-  std::deque<std::unique_ptr<Instance>> queue_;
+  // Instances started here and not retired: their runs (once started) take pushes, cancels and
+  // activity queries.
+  std::map<Key, std::shared_ptr<Instance>> in_flight_;
+  // Instances with collectives waiting for the one in flight (`collective_turn_taken_`).
+  std::deque<std::shared_ptr<Instance>> collective_queue_;
+  bool collective_turn_taken_ = false;
+  uint64_t next_sequence_ = 0;
   std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_;  // before their run starts
   std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_;
   // Pushes of a graph whose part has not arrived here yet (a peer that got its part and its
@@ -136,12 +176,11 @@ class GraphRunner {
   };
   std::vector<EarlyPush> early_pushes_;
   int64_t early_push_bytes_ = 0;
+  // Cancels of instances not started on the executor yet (queued, still launching, or not
+  // arrived): applied when they start.
   std::map<Key, Status> cancelled_;
-  Key current_{0, 0};
-  bool current_started_ = false;
   std::deque<Key> finished_;  // recent instances, whose late pushes are dropped
   bool stopping_ = false;
-  std::thread thread_;
 };
 
 }  // namespace tessera

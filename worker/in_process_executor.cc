@@ -1,23 +1,14 @@
 #include "worker/in_process_executor.h"
 
-#include <atomic>
-#include <condition_variable>
-#include <cstring>
-#include <mutex>
+#include <algorithm>
 #include <thread>
 
-#include <fmt/ranges.h>
-#include <tbb/task_group.h>
-
 #include "core/logging.h"
-#include "core/timeline.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
 int Index(TaskId id) { return static_cast<int>(id.value()) - 1; }
@@ -41,10 +32,24 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
   } else {
     allocator_ = std::make_shared<AlignedHostAllocator>();
   }
-  arena_ = std::make_unique<tbb::task_arena>(threads_);
+  context_ =
+      KernelContext{allocator_, options_.gemm_split_min_flops, &registry_, options_.device.get()};
+  // One slot reserved for an outside thread: the lending thread's.
+  arena_ = std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/1);
+  lender_ = std::thread([this] { LendLoop(); });
 }
 
-InProcessExecutor::~InProcessExecutor() = default;
+InProcessExecutor::~InProcessExecutor() noexcept {
+  Cancel(Cancelled("the executor is being destroyed"));
+  {
+    std::unique_lock lock(runs_mutex_);
+    runs_changed_.wait(lock, [this] { return runs_.empty(); });
+    stopping_ = true;
+  }
+  runs_changed_.notify_all();
+  lender_.join();
+  arena_->execute([this] { slots_group_.wait(); });
+}
 
 Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   TESSERA_RETURN_IF_ERROR(graph.Validate());
@@ -83,437 +88,192 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   return prepared;
 }
 
-// What Provide and Cancel need to reach the run in progress.
-struct InProcessExecutor::ActiveRun {
-  const PreparedGraph* prepared;
-  std::vector<Tensor>* slots;
-  std::atomic<int>* pending;
-  std::vector<bool> awaited;  // object index -> a late input not provided yet
-  std::function<void(int)> spawn;
-  std::function<void(Status)> fail;
-  std::mutex mutex;  // orders Provide/Cancel/offload completions with the run's waiting loop
-  std::condition_variable changed;
-  int provided = 0;
-  int events = 0;                // provides and offload completions, for the waiting loop
-  int offloads_outstanding = 0;  // offloaded tasks not done yet
-  RoleMeter* meter = nullptr;
-  // task index -> its kernel runs now (read by Activity from other threads).
-  std::unique_ptr<std::atomic<bool>[]> kernel_running;
-};
+std::shared_ptr<GraphExecution> InProcessExecutor::Start(const PreparedGraph& prepared,
+                                                         ObjectMap inputs, RunHooks hooks,
+                                                         GraphExecution::Done done) {
+  auto run = std::make_shared<GraphExecution>(GraphExecution::Passkey{}, *this, prepared,
+                                              std::move(hooks), std::move(done));
+  run->Begin(std::move(inputs));
+  return run;
+}
 
 Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMap inputs,
                                          ObjectMap* intact_inputs, const RunHooks* hooks) {
-  const Graph& graph = prepared.graph();
-  const int num_tasks = graph.num_tasks();
-  const int num_objects = graph.num_objects();
-  std::vector<bool> late(num_objects, false);
-  std::vector<bool> watched(num_objects, false);
-  if (hooks != nullptr) {
-    for (ObjectId id : hooks->late_inputs) {
-      if (!id.valid() || Index(id) >= num_objects || graph.object(id).producer.valid()) {
-        return InvalidArgument("late input {} is not an input of the graph", id.ToString());
-      }
-      late[Index(id)] = true;
-    }
-    for (ObjectId id : hooks->watched) {
-      if (id.valid() && Index(id) < num_objects) watched[Index(id)] = true;
-    }
-  }
-
-  // Object slots: written once by the producer (or here, for inputs), read by consumers after
-  // the producer finished (ordered by the pending counters), cleared by the last consumer.
-  std::vector<Tensor> slots(num_objects);
-  auto bind = [&](int index) -> Status {
-    const ObjectSpec& spec = graph.objects()[index];
-    auto it = inputs.find(spec.id);
-    if (it == inputs.end() || !it->second.defined()) {
-      return InvalidArgument("graph input '{}' ({}) is not bound", spec.name, spec.meta.ToString());
-    }
-    const TensorMeta& bound = it->second.meta();
-    if (bound.shape != spec.meta.shape || bound.dtype != spec.meta.dtype) {
-      return InvalidArgument("graph input '{}' is bound to {} but the graph expects {}", spec.name,
-                             bound.ToString(), spec.meta.ToString());
-    }
-    if (bound.device.kind != spec.meta.device.kind) {  // e.g. a host batch for a GPU graph
-      Result<Tensor> moved = MoveTo(spec.meta, it->second, Copier());
-      if (!moved.ok())
-        return moved.status().WithContext(fmt::format("graph input '{}'", spec.name));
-      it->second = *std::move(moved);
-    }
-    slots[index] = std::move(it->second);
-    inputs.erase(it);
-    return Status::Ok();
-  };
-  for (int index : prepared.input_objects_) {
-    if (late[index]) continue;
-    if (Status bound = bind(index); !bound.ok()) {
-      // Nothing ran: every input goes back, bound or not.
-      if (intact_inputs != nullptr) {
-        for (int taken : prepared.input_objects_) {
-          if (slots[taken].defined()) {
-            intact_inputs->emplace(graph.objects()[taken].id, std::move(slots[taken]));
-          }
-        }
-        for (auto& [id, tensor] : inputs) intact_inputs->emplace(id, std::move(tensor));
-      }
-      return bound;
-    }
-  }
-  inputs.clear();
-
-  std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[num_tasks]);
-  for (int t = 0; t < num_tasks; ++t) pending[t].store(prepared.initial_pending_[t]);
-  for (int index = 0; index < num_objects; ++index) {
-    if (!late[index]) continue;
-    for (int consumer : prepared.input_consumers_[index]) ++pending[consumer];
-  }
-  std::unique_ptr<std::atomic<int>[]> refcount(new std::atomic<int>[num_objects]);
-  for (int o = 0; o < num_objects; ++o) refcount[o].store(prepared.initial_refcount_[o]);
-  // Objects whose buffer a task took over to update in place (donation).
-  std::unique_ptr<std::atomic<bool>[]> donated(new std::atomic<bool>[num_objects]);
-  for (int o = 0; o < num_objects; ++o) donated[o].store(false);
-
-  RunStats stats;
-  stats.timings.resize(num_tasks);
-  std::atomic<bool> failed{false};
-  std::atomic<int> tasks_run{0}, donations_taken{0}, donations_copied{0};
-  std::mutex error_mutex;
-  Status first_error;
-  const KernelContext context{allocator_, options_.gemm_split_min_flops, &registry_,
-                              options_.device.get()};
-
-  allocator_->ResetPeak();
-  if (options_.device != nullptr) options_.device->allocator()->ResetPeak();
-  const Clock::time_point start = Clock::now();
-  stats.start_unix_us = SystemMicrosNow();
-  auto micros_since_start = [&] {
-    return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-  };
-
-  auto fail = [&](Status status) {
-    std::lock_guard lock(error_mutex);
-    if (first_error.ok()) first_error = std::move(status);
-    failed.store(true);
-  };
-
-  // Releases one use of an object; frees it after its last use unless it is a graph output.
-  // Returns whether it freed it.
-  auto release = [&](int object) {
-    if (refcount[object].fetch_sub(1) == 1 && !prepared.is_output_[object]) {
-      slots[object] = Tensor();
-      return true;
-    }
-    return false;
-  };
-
-  tbb::task_group group;
-  RoleMeter meter;
-  for (int index : prepared.input_objects_) {
-    if (!late[index]) {
-      const ObjectSpec& spec = graph.objects()[index];
-      meter.Add(spec.role, spec.meta.bytes());
-    }
-  }
-  ActiveRun active{&prepared,
-                   &slots,
-                   pending.get(),
-                   late,
-                   {},
-                   {},
-                   {},
-                   {},
-                   0,
-                   0,
-                   0,
-                   &meter,
-                   std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(num_tasks))};
-  auto offloaded = [&](const TaskSpec& task) {
-    return hooks != nullptr && hooks->offloaded && hooks->offloaded(task);
-  };
-
-  // The end of a task, kernel or offloaded: publish its outputs, release its inputs, start the
-  // dependents that became ready (through `spawn`).
-  auto finish_task = [&](int t, std::vector<Tensor>& out, const std::function<void(int)>& spawn) {
-    const TaskSpec& task = graph.tasks()[t];
-    std::vector<RoleMeter::Entry> added, freed, replaced;
-    for (size_t j = 0; j < out.size(); ++j) {
-      const int object = Index(task.outputs[j]);
-      const ObjectSpec& spec = graph.objects()[object];
-      added.emplace_back(spec.role, spec.meta.bytes());
-      if (watched[object]) hooks->on_produced(task.outputs[j], out[j]);
-      if (prepared.initial_refcount_[object] > 0 || prepared.is_output_[object]) {
-        slots[object] = std::move(out[j]);
-      } else {
-        freed.emplace_back(spec.role, spec.meta.bytes());  // nobody reads it
-      }
-    }
-    for (ObjectId input : task.inputs) {
-      const ObjectSpec& spec = graph.object(input);
-      if (!release(Index(input))) continue;
-      freed.emplace_back(spec.role, spec.meta.bytes());
-      for (const Donation& donation : task.donations) {  // an in-place output took its place
-        if (task.inputs[donation.input_index] == input) {
-          replaced.emplace_back(spec.role, spec.meta.bytes());
-          break;
-        }
-      }
-    }
-    meter.Apply(added, freed, replaced);
-    stats.timings[t].end_us = micros_since_start();
-    ++tasks_run;
-    for (int dependent : prepared.dependents_[t]) {
-      if (pending[dependent].fetch_sub(1) == 1) spawn(dependent);
-    }
-  };
-
-  std::function<void(int)> run_task = [&](int t) {
-    if (failed.load()) return;
-    const TaskSpec& task = graph.tasks()[t];
-    TaskTiming& timing = stats.timings[t];
-    timing.task = task.id;
-    timing.start_us = micros_since_start();
-    timing.thread_slot = tbb::this_task_arena::current_thread_index();
-
-    std::vector<Tensor> in;
-    in.reserve(task.inputs.size());
-    for (ObjectId input : task.inputs) in.push_back(slots[Index(input)]);
-
-    std::vector<TensorMeta> output_metas;
-    output_metas.reserve(task.outputs.size());
-    for (ObjectId output : task.outputs) output_metas.push_back(graph.object(output).meta);
-    // An input may be donated when this task is its last reader and nothing outside the run
-    // holds its buffer: the slot and `in` (once per use here) are the only references.
-    auto can_donate = [&](int input_index) {
-      const int object = Index(task.inputs[input_index]);
-      int uses_here = 0;
-      for (ObjectId input : task.inputs) uses_here += Index(input) == object;
-      const bool donate = !prepared.is_output_[object] && refcount[object].load() == uses_here &&
-                          in[input_index].buffer().use_count() == 1 + uses_here;
-      if (donate) donated[object].store(true);
-      return donate;
-    };
-    TaskRunCounters counters;
-    if (offloaded(task)) {
-      Result<std::vector<Tensor>> outputs =
-          PrepareTaskOutputs(task, in, output_metas, context, can_donate, &counters);
-      donations_taken += counters.donations_taken;
-      donations_copied += counters.donations_copied;
-      if (!outputs.ok()) return fail(outputs.status());
-      {
-        std::lock_guard lock(active.mutex);
-        ++active.offloads_outstanding;
-      }
-      auto shared_outputs = std::make_shared<std::vector<Tensor>>(*outputs);
-      hooks->offload(
-          task, std::move(in), std::move(*outputs), [&, t, shared_outputs](const Status& status) {
-            if (!status.ok()) {
-              fail(status.WithContext(TaskContext(graph.tasks()[t])));
-            } else if (!failed.load()) {
-              arena_->execute([&] {
-                finish_task(t, *shared_outputs, [&](int d) { group.run([&, d] { run_task(d); }); });
-              });
-            }
-            shared_outputs->clear();
-            // Notified under the lock: once the count is zero the run may end and destroy
-            // `active`, so nothing here may touch it after unlocking (TSan found it did).
-            std::lock_guard lock(active.mutex);
-            --active.offloads_outstanding;
-            ++active.events;
-            active.changed.notify_all();
-          });
-      return;
-    }
-    active.kernel_running[t].store(true, std::memory_order_relaxed);
-    Result<std::vector<Tensor>> ran = RunTaskKernel(*prepared.kernels_[t], task, in, output_metas,
-                                                    context, can_donate, &counters);
-    active.kernel_running[t].store(false, std::memory_order_relaxed);
-    donations_taken += counters.donations_taken;
-    donations_copied += counters.donations_copied;
-    in.clear();  // drop our references before releasing inputs
-    if (!ran.ok()) return fail(ran.status());
-    finish_task(t, *ran, [&](int d) { group.run([&, d] { run_task(d); }); });
-  };
-
-  active.spawn = [&](int t) { group.run([&, t] { run_task(t); }); };
-  active.fail = [&](Status status) {
-    fail(std::move(status));
-    std::lock_guard lock(active.mutex);
-    active.changed.notify_all();
-  };
-  int late_count = 0;
-  for (bool is_late : late) late_count += is_late;
-  {
-    std::lock_guard lock(active_mutex_);
-    active_ = &active;
-  }
-  // Collect the initially ready tasks before starting any: a running task decrements its
-  // dependents' counters, and a dependent reaching zero is spawned by that task, not here.
-  std::vector<int> initially_ready;
-  for (int t = 0; t < num_tasks; ++t) {
-    if (pending[t].load() == 0) initially_ready.push_back(t);
-  }
-  arena_->execute([&] {
-    for (int t : initially_ready) group.run([&, t] { run_task(t); });
-  });
-  if (hooks != nullptr && hooks->on_started) hooks->on_started();
-  // Run until every task ran or the run failed. Between rounds, wait for what can start more
-  // tasks: late inputs (Provide) and offloaded tasks finishing. `events` is read before each
-  // round, so an event that lands while the round finishes is never missed.
-  int idle_rounds = 0;
-  while (true) {
-    const int ran_before = tasks_run.load();
-    int events_before;
-    {
-      std::lock_guard lock(active.mutex);
-      events_before = active.events;
-    }
-    arena_->execute([&] { group.wait(); });
-    std::unique_lock lock(active.mutex);
-    if (failed.load() || tasks_run.load() == num_tasks) break;
-    if (active.events != events_before) continue;
-    if (active.provided == late_count && active.offloads_outstanding == 0) {
-      // Nothing is awaited: tasks a last event spawned run in the next round. Two rounds in a
-      // row without progress mean no task can ever start: a bug, not a wait.
-      idle_rounds = tasks_run.load() == ran_before ? idle_rounds + 1 : 0;
-      if (idle_rounds > 2) {
-        fail(Internal("run stalled: {} of {} tasks ran and no input is awaited", tasks_run.load(),
-                      num_tasks));
-        break;
-      }
-      continue;
-    }
-    // Waiting is normal (a peer's producer may take long); a long wait says what it waits for.
-    while (!active.changed.wait_for(lock, std::chrono::seconds(10), [&] {
-      return failed.load() || active.events != events_before;
-    })) {
-      std::vector<std::string> awaited;
-      for (int index = 0; index < num_objects; ++index) {
-        if (active.awaited[static_cast<size_t>(index)])
-          awaited.push_back(graph.objects()[index].name);
-      }
-      GetLogger("executor")
-          ->warn("{} of {} tasks ran; still waiting for {} offloaded task(s) and for {}",
-                 tasks_run.load(), num_tasks, active.offloads_outstanding,
-                 fmt::join(awaited, ", "));
-    }
-  }
-  if (failed.load() && hooks != nullptr && hooks->on_failed) {
-    Status error;
-    {
-      std::lock_guard lock(error_mutex);
-      error = first_error;
-    }
-    // Not under error_mutex: on_failed ends offloaded work, whose completions call fail().
-    hooks->on_failed(error);
-  }
-  {
-    // Offloaded tasks hold references into this run: wait for every one.
-    std::unique_lock lock(active.mutex);
-    active.changed.wait(lock, [&] { return active.offloads_outstanding == 0; });
-  }
-  {
-    std::lock_guard lock(active_mutex_);
-    active_ = nullptr;
-  }
-  arena_->execute([&] { group.wait(); });  // tasks spawned by a last Provide
-
-  if (failed.load()) {
-    if (intact_inputs != nullptr) {
-      for (int index : prepared.input_objects_) {
-        // Still in its slot and never handed to a task that updates it in place: unchanged
-        // (tasks that only read it may have run).
-        if (slots[index].defined() && !donated[index].load()) {
-          intact_inputs->emplace(graph.objects()[index].id, std::move(slots[index]));
-        }
-      }
-    }
-    return first_error;
-  }
-  if (tasks_run.load() != num_tasks) {
-    return Internal("only {} of {} tasks ran", tasks_run.load(), num_tasks);
-  }
-
-  RunResult result;
-  for (ObjectId output : graph.OutputObjects()) {
-    result.outputs.emplace(output, std::move(slots[Index(output)]));
-  }
-  slots.clear();
-  stats.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  stats.peak_bytes = allocator_->stats().peak_bytes;
-  if (options_.device != nullptr) stats.device_peak_bytes = options_.device->memory().peak_bytes;
-  stats.live_bytes_after = allocator_->stats().live_bytes;
-  stats.tasks_run = tasks_run.load();
-  stats.donations_taken = donations_taken.load();
-  stats.donations_copied = donations_copied.load();
-  stats.role_bytes = meter.bytes();
-  result.stats = std::move(stats);
-  return result;
+  std::optional<Result<RunResult>> result;
+  std::shared_ptr<GraphExecution> run =
+      Start(prepared, std::move(inputs), hooks != nullptr ? *hooks : RunHooks{},
+            [&result, intact_inputs](Result<RunResult> outcome, ObjectMap intact) {
+              if (intact_inputs != nullptr) {
+                for (auto& [id, tensor] : intact) intact_inputs->emplace(id, std::move(tensor));
+              }
+              result = std::move(outcome);
+            });
+  run->Wait();  // until `done` returned
+  return *std::move(result);
 }
 
-std::optional<InProcessExecutor::RunActivity> InProcessExecutor::Activity() {
-  std::lock_guard active_lock(active_mutex_);
-  if (active_ == nullptr) return std::nullopt;
-  const ActiveRun& run = *active_;
-  const Graph& graph = run.prepared->graph();
-  RunActivity activity;
-  for (int t = 0; t < graph.num_tasks(); ++t) {
-    if (run.kernel_running[t].load(std::memory_order_relaxed)) {
-      activity.running.push_back(graph.tasks()[t].name);
-    }
-  }
-  std::lock_guard lock(active_->mutex);
-  for (int index = 0; index < graph.num_objects(); ++index) {
-    if (run.awaited[static_cast<size_t>(index)]) {
-      activity.awaited.push_back(graph.objects()[static_cast<size_t>(index)].id);
-    }
-  }
-  return activity;
+std::vector<std::shared_ptr<GraphExecution>> InProcessExecutor::RunsInFlight() {
+  std::lock_guard lock(runs_mutex_);
+  std::vector<std::shared_ptr<GraphExecution>> runs;
+  // Registered runs are alive: they unregister before they let go of themselves.
+  for (GraphExecution* run : runs_) runs.push_back(run->shared_from_this());
+  return runs;
 }
 
 Status InProcessExecutor::Provide(ObjectId id, Tensor tensor) {
-  std::lock_guard active_lock(active_mutex_);
-  if (active_ == nullptr) return Unavailable("no run is waiting for {}", id.ToString());
-  ActiveRun& run = *active_;
-  const Graph& graph = run.prepared->graph();
-  const int index = Index(id);
-  if (!id.valid() || index >= graph.num_objects() || !run.awaited[index]) {
-    return InvalidArgument("{} is not an awaited input of the run", id.ToString());
+  std::vector<std::shared_ptr<GraphExecution>> runs = RunsInFlight();
+  if (runs.empty()) return Unavailable("no run is waiting for {}", id.ToString());
+  std::vector<std::shared_ptr<GraphExecution>> waiting;
+  for (const std::shared_ptr<GraphExecution>& run : runs) {
+    const std::vector<ObjectId> awaited = run->Activity().awaited;
+    if (std::find(awaited.begin(), awaited.end(), id) != awaited.end()) waiting.push_back(run);
   }
-  const TensorMeta& expected = graph.object(id).meta;
-  if (tensor.meta().shape != expected.shape || tensor.dtype() != expected.dtype) {
-    return InvalidArgument("{} arrived as {} but the graph expects {}", graph.object(id).name,
-                           tensor.meta().ToString(), expected.ToString());
+  if (waiting.size() > 1) {
+    return InvalidArgument(
+        "{} runs in flight await {}: provide it through the run (GraphExecution)", waiting.size(),
+        id.ToString());
   }
-  if (tensor.meta().device.kind != expected.device.kind) {  // bytes from the network, for a GPU
-    Result<Tensor> moved = MoveTo(expected, std::move(tensor), Copier());
-    if (!moved.ok()) return moved.status().WithContext(graph.object(id).name);
-    tensor = *std::move(moved);
-  }
-  std::vector<int> ready;
-  {
-    std::lock_guard lock(run.mutex);
-    run.awaited[index] = false;
-    (*run.slots)[index] = std::move(tensor);
-    run.meter->Add(graph.object(id).role, graph.object(id).meta.bytes());
-    for (int consumer : run.prepared->input_consumers_[index]) {
-      if (run.pending[consumer].fetch_sub(1) == 1) ready.push_back(consumer);
-    }
-  }
-  if (!ready.empty()) {
-    arena_->execute([&] {
-      for (int t : ready) run.spawn(t);
-    });
-  }
-  std::lock_guard lock(run.mutex);
-  ++run.provided;
-  ++run.events;
-  run.changed.notify_all();
-  return Status::Ok();
+  // None awaits it: the run's own answer says why (runs.front() when there is one run).
+  return (waiting.empty() ? runs.front() : waiting.front())->Provide(id, std::move(tensor));
 }
 
 void InProcessExecutor::Cancel(const Status& reason) {
-  std::lock_guard active_lock(active_mutex_);
-  if (active_ != nullptr) active_->fail(reason);
+  for (const std::shared_ptr<GraphExecution>& run : RunsInFlight()) run->Cancel(reason);
+}
+
+std::optional<InProcessExecutor::RunActivity> InProcessExecutor::Activity() {
+  std::vector<std::shared_ptr<GraphExecution>> runs = RunsInFlight();
+  if (runs.empty()) return std::nullopt;
+  return runs.front()->Activity();
+}
+
+void InProcessExecutor::Register(GraphExecution* run) {
+  {
+    std::lock_guard lock(runs_mutex_);
+    if (runs_.empty()) {
+      // Peaks from the start of the oldest run in flight (one run at a time: of that run).
+      allocator_->ResetPeak();
+      if (options_.device != nullptr) options_.device->allocator()->ResetPeak();
+    }
+    runs_.push_back(run);
+  }
+  runs_changed_.notify_all();
+}
+
+void InProcessExecutor::Unregister(GraphExecution* run) {
+  {
+    std::lock_guard lock(runs_mutex_);
+    runs_.erase(std::find(runs_.begin(), runs_.end(), run));
+    if (runs_.empty() && lend_wake_.has_value()) {
+      arena_->enqueue(std::move(*lend_wake_));  // the lending thread leaves the arena
+      lend_wake_.reset();
+    }
+  }
+  runs_changed_.notify_all();
+}
+
+void InProcessExecutor::LendLoop() {
+  std::unique_lock lock(runs_mutex_);
+  while (true) {
+    runs_changed_.wait(lock, [this] { return stopping_ || !runs_.empty(); });
+    if (stopping_) return;
+    // In the arena until the last run in flight ends: this thread takes slots like TBB's
+    // workers and helps kernels' parallel loops; it sleeps there when nothing is ready.
+    tbb::task_group lending;
+    lend_wake_ = lending.defer([] {});
+    lock.unlock();
+    arena_->execute([&lending] { lending.wait(); });
+    lock.lock();
+  }
+}
+
+void InProcessExecutor::ReadyQueue::Push(GraphExecution* run, int task) {
+  by_priority_[run->priority(task)].push_back(ReadyTask{run, task});
+  ++size_;
+}
+
+bool InProcessExecutor::ReadyQueue::Pop(ReadyTask* next) {
+  if (by_priority_.empty()) return false;
+  auto best = by_priority_.begin();
+  *next = best->second.front();
+  best->second.pop_front();
+  if (best->second.empty()) by_priority_.erase(best);
+  --size_;
+  return true;
+}
+
+int InProcessExecutor::ReadyQueue::Remove(const GraphExecution* run) {
+  int removed = 0;
+  for (auto it = by_priority_.begin(); it != by_priority_.end();) {
+    removed += static_cast<int>(
+        std::erase_if(it->second, [run](const ReadyTask& task) { return task.run == run; }));
+    it = it->second.empty() ? by_priority_.erase(it) : std::next(it);
+  }
+  size_ -= static_cast<size_t>(removed);
+  return removed;
+}
+
+void InProcessExecutor::Queue(GraphExecution* run, const std::vector<int>& tasks) {
+  if (tasks.empty()) return;
+  int start;
+  {
+    std::lock_guard lock(queue_mutex_);
+    for (int task : tasks) ready_.Push(run, task);
+    start = ClaimSlots();
+  }
+  StartSlots(start);
+}
+
+int InProcessExecutor::Unqueue(const GraphExecution* run) {
+  std::lock_guard lock(queue_mutex_);
+  return ready_.Remove(run);
+}
+
+int InProcessExecutor::ClaimSlots() {
+  const int count = std::min(static_cast<int>(ready_.size()), threads_ - slots_busy_);
+  if (count <= 0) return 0;
+  slots_busy_ += count;
+  return count;
+}
+
+void InProcessExecutor::StartSlots(int count) {
+  // Enqueued, not spawned: a thread waiting inside a kernel's parallel loop does not take them
+  // (TBB runs enqueued tasks only at a thread's outermost level), so a slot never runs nested
+  // inside another task's kernel.
+  for (int i = 0; i < count; ++i) arena_->enqueue(slots_group_.defer([this] { SlotLoop(); }));
+}
+
+bool InProcessExecutor::NextTask(GraphExecution* finished, const std::vector<int>& ready,
+                                 ReadyTask* next) {
+  bool taken;
+  int start;
+  {
+    std::lock_guard lock(queue_mutex_);
+    for (int task : ready) ready_.Push(finished, task);
+    taken = ready_.Pop(next);
+    if (!taken) --slots_busy_;
+    start = ClaimSlots();
+  }
+  StartSlots(start);
+  return taken;
+}
+
+void InProcessExecutor::SlotLoop() {
+  ReadyTask current;
+  if (!NextTask(nullptr, {}, &current)) return;
+  std::vector<int> ready;
+  while (true) {
+    ready.clear();
+    try {  // kernels' exceptions are Statuses already (RunTaskKernel): this is a bug
+      current.run->RunTask(current.task, &ready);
+    } catch (const std::exception& e) {
+      TESSERA_CHECK(false, "task {} of a run threw outside its kernel: {}", current.task, e.what());
+    }
+    GraphExecution* finished = current.run;
+    const bool more = NextTask(finished, ready, &current);
+    finished->Leave();  // after its ready dependents are queued (they keep it busy)
+    if (!more) return;
+  }
 }
 
 }  // namespace tessera

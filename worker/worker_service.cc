@@ -564,22 +564,28 @@ namespace {
 // stuck step, and a heartbeat stays small.
 constexpr size_t kMaxWaitItems = 16;
 
-void FillWaitState(const std::optional<GraphRunActivity>& run, const CollectiveInProgress& member,
+void FillWaitState(const std::vector<GraphRunActivity>& runs, const CollectiveInProgress& member,
                    proto::WaitState::Builder out) {
-  if (run.has_value()) {
-    const std::string prefix = fmt::format("{}.{}/", run->graph, run->instance);
-    out.setInstance(fmt::format("{}.{}", run->graph, run->instance));
-    const size_t running = std::min(run->running.size(), kMaxWaitItems);
-    auto names = out.initRunning(static_cast<unsigned>(running));
-    for (size_t i = 0; i < running; ++i) {
-      names.set(static_cast<unsigned>(i), prefix + run->running[i]);
+  // Every instance in progress, each item prefixed with its instance; `instance` names the
+  // oldest.
+  std::vector<std::string> running;
+  std::vector<std::pair<std::string, uint64_t>> awaited;
+  for (const GraphRunActivity& run : runs) {
+    const std::string prefix = fmt::format("{}.{}/", run.graph, run.instance);
+    for (const std::string& task : run.running) running.push_back(prefix + task);
+    for (const auto& object : run.awaited) {
+      awaited.emplace_back(prefix + object.name, object.producer);
     }
-    const size_t awaited = std::min(run->awaited.size(), kMaxWaitItems);
-    auto objects = out.initAwaited(static_cast<unsigned>(awaited));
-    for (size_t i = 0; i < awaited; ++i) {
-      objects[static_cast<unsigned>(i)].setName(prefix + run->awaited[i].name);
-      objects[static_cast<unsigned>(i)].setProducer(run->awaited[i].producer);
-    }
+  }
+  if (!runs.empty()) {
+    out.setInstance(fmt::format("{}.{}", runs.front().graph, runs.front().instance));
+  }
+  auto names = out.initRunning(static_cast<unsigned>(std::min(running.size(), kMaxWaitItems)));
+  for (unsigned i = 0; i < names.size(); ++i) names.set(i, running[i]);
+  auto objects = out.initAwaited(static_cast<unsigned>(std::min(awaited.size(), kMaxWaitItems)));
+  for (unsigned i = 0; i < objects.size(); ++i) {
+    objects[i].setName(awaited[i].first);
+    objects[i].setProducer(awaited[i].second);
   }
   if (!member.task.empty()) {
     auto collective = out.initCollective();
