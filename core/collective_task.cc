@@ -23,6 +23,11 @@ Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {
   if (!rank.ok()) return context(rank.status());
   Result<int64_t> size = task.attrs.GetInt(kGroupSizeAttr);
   if (!size.ok()) return context(size.status());
+  if (*size > kMaxCollectiveGroupSize) {
+    return InvalidArgument(
+        "collective task '{}': a group of {} members is more than any cluster holds (at most {})",
+        task.name, *size, kMaxCollectiveGroupSize);
+  }
   if (*size < 1 || *rank < 0 || *rank >= *size) {
     return InvalidArgument("collective task '{}': rank {} is not in a group of {}", task.name,
                            *rank, *size);

@@ -15,10 +15,14 @@
 // When the scheduler places the graph it adds:
 //
 //   group        int   the group's cluster-wide key (the communicator to use)
-//   position     int   the member's place among the collectives its worker runs, in one global
-//                      order consistent with the graph's dependencies: every worker runs its
-//                      members in this order, so no two workers ever wait on each other in
-//                      opposite orders (no deadlock)
+//   position     int   the member's place among the instance's members on its worker, in one
+//                      global order consistent with the graph's dependencies (OrderCollectives)
+//
+// and each instance adds, per worker, a base (RunGraph's collectiveBases): where its members
+// start in that worker's one order of collectives, counted over every instance the scheduler
+// started there (registered graphs' steps, submitted collectives alike). Every worker runs all
+// its members in that order, so no two workers ever wait on each other in opposite orders (no
+// deadlock).
 //
 // The scheduler reads these attributes without linking the ops (hence this header in core).
 #pragma once
@@ -40,6 +44,10 @@ inline constexpr const char* kGroupSizeAttr = "group_size";
 inline constexpr const char* kGroupAttr = "group";
 inline constexpr const char* kPositionAttr = "position";
 
+// No collective has more members than this: a cluster of Tessera's kind has far fewer workers,
+// and a group size read from the wire must be bounded before anything is sized by it.
+inline constexpr int64_t kMaxCollectiveGroupSize = 4096;
+
 struct CollectiveMembership {
   int64_t collective = 0;
   int rank = 0;
@@ -47,7 +55,8 @@ struct CollectiveMembership {
 };
 
 // nullopt for an ordinary task; InvalidArgument naming the task when the attributes are
-// inconsistent (a rank outside the group, a missing group_size).
+// inconsistent (a rank outside the group, a missing group_size, a group larger than
+// kMaxCollectiveGroupSize).
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 
 // Whether `op` is one of the collective ops (all_reduce, reduce_scatter, all_gather,

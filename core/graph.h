@@ -91,6 +91,10 @@ struct TaskSpec {
   std::vector<TaskId> after;  // control edges: tasks that must end before this one starts
 };
 
+// Graph ids from this one up are the scheduler's own: the graphs it makes for submitted tasks and
+// dynamic collectives (scheduler/graph_registry.h). Drivers register graphs below it.
+inline constexpr uint64_t kFirstSchedulerGraphId = uint64_t{1} << 63;
+
 class Graph {
  public:
   // Adds an object with no producer yet. Names must be unique (checked by Validate).

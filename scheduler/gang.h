@@ -3,13 +3,11 @@
 // The members of a collective need distinct workers, and their group (those workers in rank
 // order, core/collective_task.h) is known only once all of them are placed. So a dynamically
 // submitted member that becomes ready waits here, under its driver and collective id, until
-// every rank is ready; the task table then places them all at once (PlaceGang) and dispatches
-// them together (gang). When a member fails before that, its siblings cannot complete: the ready
-// ones fail with it, and later ones fail as soon as they become ready.
+// every rank is ready; the task table then runs them together as one instance of a graph of the
+// members (gang), placed on distinct workers. When a member fails before that, its siblings
+// cannot complete: the ready ones fail with it, and later ones fail as soon as they become ready.
 //
 // The table keeps task ids only; the task table owns the tasks and acts on what it returns.
-// It also numbers each worker's dynamic members (NextPosition): a worker runs its members in the
-// order they were dispatched there.
 //
 // Thread safety: none; the scheduler's io thread drives it.
 #pragma once
@@ -38,8 +36,6 @@ class GangTable {
   // for the caller to fail with `why`; members that become ready later fail with it at once.
   std::vector<TaskId> MemberFailed(WorkerId driver, const CollectiveMembership& membership,
                                    TaskId task, const Status& why);
-  // The position of the next dynamic member dispatched to `worker` (0, 1, 2, ...).
-  int64_t NextPosition(WorkerId worker) { return next_position_[worker]++; }
 
  private:
   struct Pending {
@@ -59,7 +55,6 @@ class GangTable {
   Pending& Entry(const Key& key, int group_size);
 
   std::map<Key, Pending> pending_;
-  std::map<WorkerId, int64_t> next_position_;
 };
 
 }  // namespace tessera

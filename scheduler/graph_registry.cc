@@ -7,7 +7,6 @@
 #include "core/logging.h"
 #include "core/rpc/wire.h"
 #include "scheduler/messages.h"
-#include "scheduler/placement.h"
 
 namespace tessera {
 
@@ -52,9 +51,65 @@ Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire
   return graph;
 }
 
-GraphRegistry::GraphRegistry(Outbox* outbox, ObjectDirectory* objects,
-                             ParticipantTable* participants, CollectiveGroups* groups)
-    : outbox_(outbox), objects_(objects), participants_(participants), groups_(groups) {}
+namespace {
+
+// What a template computes, as text: every object's meta and role, every task's op, attributes,
+// wiring, device, priority, pin, memory estimate and donations. Names and ids are left out, so
+// the same computation on other objects maps to the same template.
+std::string KeyOf(const Graph& graph) {
+  std::string key;
+  for (const ObjectSpec& object : graph.objects()) {
+    key += fmt::format("o{}:{};", object.meta.ToString(), static_cast<int>(object.role));
+  }
+  for (const TaskSpec& task : graph.tasks()) {
+    key += fmt::format("t{}|{}|{}|{}|{}|{}|", task.op, task.attrs.ToString(),
+                       static_cast<int>(task.device_kind), task.priority,
+                       task.pinned_worker.value(), task.memory_estimate_bytes);
+    for (ObjectId input : task.inputs) key += fmt::format("i{},", input.value());
+    for (ObjectId output : task.outputs) key += fmt::format("o{},", output.value());
+    for (const Donation& donation : task.donations) {
+      key += fmt::format("d{}>{},", donation.input_index, donation.output_index);
+    }
+    key += ';';
+  }
+  return key;
+}
+
+// Adds one member or task to a template graph: its distinct inputs (in order of first use) and
+// its outputs become graph objects; ids are graph-local. `prefix` keeps names unique.
+void AddToTemplate(Graph& graph, TaskSpec task, const std::vector<TensorMeta>& input_metas,
+                   const std::vector<ObjectSpec>& outputs, const std::string& prefix) {
+  std::vector<std::pair<ObjectId, ObjectId>> local_of;  // cluster id -> graph id
+  for (size_t i = 0; i < task.inputs.size(); ++i) {
+    ObjectId& input = task.inputs[i];
+    auto seen = std::find_if(local_of.begin(), local_of.end(),
+                             [&](const auto& pair) { return pair.first == input; });
+    if (seen != local_of.end()) {
+      input = seen->second;
+      continue;
+    }
+    const ObjectId local = graph.AddObject(fmt::format("{}in{}", prefix, local_of.size()),
+                                           input_metas[i], ObjectRole::kInput);
+    local_of.emplace_back(input, local);
+    input = local;
+  }
+  task.outputs.clear();
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    task.outputs.push_back(
+        graph.AddObject(fmt::format("{}out{}", prefix, j), outputs[j].meta, outputs[j].role));
+  }
+  task.name = prefix + task.op;
+  task.after.clear();
+  const std::vector<ObjectId> produced = task.outputs;
+  graph.AddTask(std::move(task));
+  for (ObjectId output : produced) graph.MarkOutput(output);
+}
+
+}  // namespace
+
+GraphRegistry::GraphRegistry(Outbox* outbox, ParticipantTable* participants,
+                             CollectiveGroups* groups)
+    : outbox_(outbox), participants_(participants), groups_(groups) {}
 
 Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
                                proto::RegisterGraph::Reader wire) {
@@ -67,20 +122,26 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
   if (id == 0 || graphs_.contains(id)) {
     return refuse(InvalidArgument("graph id {} is invalid or in use", id));
   }
+  if (id >= kFirstSchedulerGraphId) {
+    return refuse(InvalidArgument("graph id {} is reserved for the scheduler's own graphs", id));
+  }
   TESSERA_ASSIGN_OR_RETURN(Graph graph, GraphFromWire(id, wire));
-  std::vector<WorkerId> alive = participants_->AliveWorkers();
-  if (alive.empty()) return refuse(Unavailable("no worker is alive to run graph {}", id));
+  if (graph.tasks().empty()) return refuse(InvalidArgument("graph {} has no tasks", id));
+  PlacementView view;
+  view.workers = participants_->WorkerLoads();
+  std::erase_if(view.workers, [](const WorkerLoad& worker) { return !worker.alive; });
+  if (view.workers.empty()) return refuse(Unavailable("no worker is alive to run graph {}", id));
   // A graph with GPU tasks (a plan on Device::Cuda: each worker's own GPU) runs on GPU workers
   // only, its host-side tasks included.
   const auto gpu_task =
       std::find_if(graph.tasks().begin(), graph.tasks().end(),
                    [](const TaskSpec& t) { return t.device_kind != DeviceKind::kCpu; });
   if (gpu_task != graph.tasks().end()) {
-    std::erase_if(alive, [&](WorkerId worker) {
-      const Participant* participant = participants_->Find(worker);
+    std::erase_if(view.workers, [&](const WorkerLoad& worker) {
+      const Participant* participant = participants_->Find(worker.id);
       return participant == nullptr || participant->gpu.empty();
     });
-    if (alive.empty()) {
+    if (view.workers.empty()) {
       return refuse(Infeasible(
           "graph {} runs task '{}' on a GPU, and no GPU worker is alive (start some with "
           "`tessera start --gpus all`, or train_gpt2 --device cuda --workers N; or plan for the "
@@ -88,28 +149,19 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
           id, gpu_task->name));
     }
   }
-  Result<std::vector<WorkerId>> placed = PlaceGraph(graph, alive);
+  Result<std::vector<WorkerId>> placed = PlaceGraph(graph, view);
   if (!placed.ok()) return refuse(placed.status());
-  GraphEntry entry;
+  PlacedGraph entry;
   entry.id = id;
   entry.driver = driver;
   entry.objects = graph.objects();
   entry.tasks = graph.tasks();
   entry.task_worker = std::move(*placed);
-  const Status collectives = AssignCollectives(entry);
-  if (!collectives.ok()) return refuse(collectives);
   for (uint64_t output : wire.getOutputs()) entry.outputs.push_back(ObjectId(output));
-  entry.inputs = graph.InputObjects();
-  entry.workers = entry.task_worker;
-  std::sort(entry.workers.begin(), entry.workers.end());
-  entry.workers.erase(std::unique(entry.workers.begin(), entry.workers.end()), entry.workers.end());
-  if (entry.workers.empty()) return refuse(InvalidArgument("graph {} has no tasks", id));
-  // Each involved worker gets its part once.
-  GraphPart part{id, entry.objects, entry.tasks, entry.task_worker, {}, entry.outputs};
-  for (WorkerId worker : entry.workers) {
-    part.worker_addresses.emplace_back(worker, participants_->DataAddress(worker));
-  }
-  SendGraphPart(*outbox_, entry.workers, part);
+  const Status completed = Complete(entry);
+  if (!completed.ok()) return refuse(completed);
+  // Each involved worker gets its part once, now.
+  SendPartsTo(entry, entry.workers);
   GetLogger("scheduler")
       ->info("{} registered graph {}: {} tasks on {} worker(s)", driver.ToString(), id,
              entry.tasks.size(), entry.workers.size());
@@ -118,7 +170,18 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
   return Status::Ok();
 }
 
-Status GraphRegistry::AssignCollectives(GraphEntry& graph) {
+Status GraphRegistry::Complete(PlacedGraph& graph) {
+  TESSERA_RETURN_IF_ERROR(AssignCollectives(graph));
+  for (const ObjectSpec& object : graph.objects) {
+    if (!object.producer.valid()) graph.inputs.push_back(object.id);
+  }
+  graph.workers = graph.task_worker;
+  std::sort(graph.workers.begin(), graph.workers.end());
+  graph.workers.erase(std::unique(graph.workers.begin(), graph.workers.end()), graph.workers.end());
+  return Status::Ok();
+}
+
+Status GraphRegistry::AssignCollectives(PlacedGraph& graph) {
   TESSERA_RETURN_IF_ERROR(ValidateCollectives(graph.tasks));
   TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> order,
                            OrderCollectives(graph.tasks, [&](ObjectId object) {
@@ -133,7 +196,6 @@ Status GraphRegistry::AssignCollectives(GraphEntry& graph) {
     slots[static_cast<size_t>(membership->rank)] = t;
   }
   // Each worker runs its members in the one global order: positions count per worker.
-  std::map<WorkerId, int64_t> next_position;
   for (int64_t collective : order) {
     const std::vector<size_t>& slots = members.at(collective);
     std::vector<WorkerId> workers;
@@ -142,205 +204,137 @@ Status GraphRegistry::AssignCollectives(GraphEntry& graph) {
     graph.groups.insert(group);
     for (size_t t : slots) {
       graph.tasks[t].attrs.Set(kGroupAttr, static_cast<int64_t>(group));
-      graph.tasks[t].attrs.Set(kPositionAttr, next_position[graph.task_worker[t]]++);
+      graph.tasks[t].attrs.Set(kPositionAttr, graph.members[graph.task_worker[t]]++);
     }
   }
   return Status::Ok();
 }
 
-Result<std::map<uint64_t, const ObjectEntry*>> GraphRegistry::Bind(
-    const GraphEntry& graph, proto::RunGraph::Reader run) const {
-  Status error;  // the last wrong binding's
-  std::map<uint64_t, const ObjectEntry*> bindings;
-  for (proto::Binding::Reader binding : run.getInputs()) {
-    const uint64_t local = binding.getObject();
-    const ObjectEntry* object = objects_->Find(ObjectId(binding.getSource().getObject()));
-    if (local == 0 || local > graph.objects.size()) {
-      error = InvalidArgument("binding of unknown graph object {}", local);
-    } else if (object == nullptr || !object->finished()) {
-      error = InvalidArgument(
-          "input '{}' of graph {} is bound to an object that is not "
-          "ready (wait for it first)",
-          graph.objects[local - 1].name, graph.id);
-    } else if (!object->error.ok()) {
-      error = object->error;
-    } else if (!object->spec.meta.BindsTo(graph.objects[local - 1].meta)) {
-      error = InvalidArgument(
-          "input '{}' of graph {} is {} but was bound to {}", graph.objects[local - 1].name,
-          graph.id, graph.objects[local - 1].meta.ToString(), object->spec.meta.ToString());
-    } else {
-      bindings[local] = object;
-    }
-  }
-  for (ObjectId input : graph.inputs) {
-    if (error.ok() && !bindings.contains(input.value())) {
-      error = InvalidArgument("input '{}' of graph {} is not bound",
-                              graph.objects[input.value() - 1].name, graph.id);
-    }
-  }
-  if (!error.ok()) return error;
-  return bindings;
+Result<uint64_t> GraphRegistry::TaskTemplate(const TaskSpec& task,
+                                             const std::vector<TensorMeta>& input_metas,
+                                             const std::vector<ObjectSpec>& outputs) {
+  Graph graph;
+  AddToTemplate(graph, task, input_metas, outputs, "");
+  TESSERA_RETURN_IF_ERROR(graph.Validate().WithContext(fmt::format("task '{}'", task.name)));
+  std::string key = KeyOf(graph);
+  return TemplateFor(std::move(key), std::move(graph));
 }
 
-Status GraphRegistry::Run(WorkerId driver, uint64_t request_id, proto::RunGraph::Reader run) {
-  auto it = graphs_.find(run.getGraphId());
-  if (it == graphs_.end() || it->second.driver != driver) {
-    SendReply(*outbox_, driver, request_id,
-              NotFound("graph {} is not registered by this driver", run.getGraphId()));
-    return Status::Ok();
+Result<uint64_t> GraphRegistry::CollectiveTemplate(
+    const std::vector<const TaskSpec*>& members,
+    const std::vector<std::vector<TensorMeta>>& input_metas,
+    const std::vector<const std::vector<ObjectSpec>*>& outputs) {
+  Graph graph;
+  for (size_t rank = 0; rank < members.size(); ++rank) {
+    TaskSpec member = *members[rank];
+    // The driver's collective id names one collective; the template stands for any.
+    member.attrs.Set(kCollectiveAttr, int64_t{1});
+    AddToTemplate(graph, std::move(member), input_metas[rank], *outputs[rank],
+                  fmt::format("rank{}/", rank));
   }
-  const GraphEntry& graph = it->second;
-  const InstanceKey key(graph.id, run.getInstance());
-  if (instances_.contains(key)) {
-    return InvalidArgument("instance {} of graph {} is already running", key.second, key.first);
-  }
-  if (run.getOutputIds().size() != graph.outputs.size()) {
-    return InvalidArgument("run of graph {} names {} outputs, the graph has {}", graph.id,
-                           run.getOutputIds().size(), graph.outputs.size());
-  }
-  InstanceEntry instance;
-  instance.graph = graph.id;
-  instance.instance = run.getInstance();
-  instance.driver = driver;
-  // Outputs: new cluster objects, referenced by the driver, sealed where they are produced.
-  for (unsigned i = 0; i < graph.outputs.size(); ++i) {
-    const ObjectId id(run.getOutputIds()[i]);
-    if (!id.valid() || objects_->contains(id)) {
-      return InvalidArgument("output id {} of graph {} is invalid or in use", id.ToString(),
-                             graph.id);
-    }
-    ObjectSpec spec = graph.objects[graph.outputs[i].value() - 1];
-    spec.id = id;
-    spec.producer = TaskId();
-    objects_->Declare(spec, driver);
-    instance.outputs.push_back(id);
-  }
-  // Inputs: every graph input bound to a sealed cluster object of the same meta.
-  Result<std::map<uint64_t, const ObjectEntry*>> bindings = Bind(graph, run);
-  if (!bindings.ok()) {
-    for (ObjectId id : instance.outputs) objects_->Fail(id, bindings.status());
-    return Status::Ok();
-  }
-  GraphRun message{graph.id, instance.instance, instance.outputs, {}, {}};
-  for (const auto& [local, object] : *bindings) {
-    instance.bound.push_back(object->spec.id);
-    objects_->AddUse(object->spec.id);
-    if (object->inline_data.empty()) {
-      message.inputs.emplace_back(local, SourceOf(*object, *participants_));
-    } else {
-      message.inline_inputs.push_back(InlineObject{local, object->inline_data});
-    }
-  }
-  instance.pending = graph.workers;
-  SendRunGraph(*outbox_, graph.workers, message);
-  instances_.emplace(key, std::move(instance));
-  return Status::Ok();
+  TESSERA_RETURN_IF_ERROR(graph.Validate().WithContext(
+      fmt::format("collective of task '{}'", members.empty() ? "" : members[0]->name)));
+  std::string key = KeyOf(graph);
+  return TemplateFor(std::move(key), std::move(graph));
 }
 
-Status GraphRegistry::InstanceFinished(WorkerId worker, proto::InstanceFinished::Reader finished) {
-  const InstanceKey key(finished.getGraphId(), finished.getInstance());
-  auto it = instances_.find(key);
-  if (it == instances_.end()) return Status::Ok();  // already failed and closed
-  InstanceEntry& instance = it->second;
-  auto& pending = instance.pending;
-  if (std::find(pending.begin(), pending.end(), worker) == pending.end()) return Status::Ok();
-  pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
-  if (finished.hasError()) {
-    FailInstance(instance, worker,
-                 rpc::FromWire(finished.getError()).WithContext(participants_->Describe(worker)));
-  } else {
-    std::set<uint64_t> sealed;
-    for (proto::SealedObject::Reader output : finished.getOutputs()) {
-      const ObjectId id(output.getId());
-      if (std::find(instance.outputs.begin(), instance.outputs.end(), id) ==
-          instance.outputs.end()) {
-        return InvalidArgument("{} sealed {}, which is not an output of the instance",
-                               worker.ToString(), id.ToString());
-      }
-      // Twice in one report: the first seal may already have freed it (its driver let go).
-      if (!sealed.insert(id.value()).second) {
-        return InvalidArgument("{} sealed {} twice in one report", worker.ToString(),
-                               id.ToString());
-      }
-      const ObjectEntry* object = objects_->Find(id);
-      if (object == nullptr || object->finished()) continue;  // settled meanwhile: keep that
-      const auto data = output.getInline();
-      objects_->Seal(id, worker, output.getBytes(),
-                     std::string(reinterpret_cast<const char*>(data.begin()), data.size()));
-    }
+Result<uint64_t> GraphRegistry::TemplateFor(std::string key, Graph graph) {
+  if (auto found = template_of_key_.find(key); found != template_of_key_.end()) {
+    Template& existing = templates_.at(found->second);
+    lru_.splice(lru_.begin(), lru_, existing.lru);
+    return found->second;
   }
-  MaybeFinishInstance(key);
-  return Status::Ok();
+  const uint64_t id = next_id_++;
+  lru_.push_front(id);
+  template_of_key_.emplace(key, id);
+  templates_.emplace(id, Template{std::move(graph), std::move(key), {}, 0, lru_.begin()});
+  Evict();
+  return id;
 }
 
-void GraphRegistry::FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error) {
-  if (!instance.error.ok()) return;
-  instance.error = error;
-  GetLogger("scheduler")
-      ->warn("graph {} instance {} failed: {}", instance.graph, instance.instance,
-             error.ToString());
-  for (WorkerId worker : instance.pending) {
-    if (worker != skip) {
-      SendCancelInstance(*outbox_, worker, instance.graph, instance.instance, error);
-    }
+Result<PlacedGraph*> GraphRegistry::Place(uint64_t template_id, const PlacementView& view) {
+  Template& source = templates_.at(template_id);
+  TESSERA_ASSIGN_OR_RETURN(std::vector<WorkerId> placement, PlaceGraph(source.graph, view));
+  if (auto found = source.placed.find(placement); found != source.placed.end()) {
+    return &graphs_.at(found->second);
   }
-  // Every member of the instance's groups drops the formation, also where its part of the
-  // collective had finished: the next collective of the group forms it again on all of them
-  // (after the cancels above, on each worker's ordered connection).
-  if (auto graph = graphs_.find(instance.graph); graph != graphs_.end()) {
-    for (uint64_t group : graph->second.groups) groups_->Abort(group, error);
-  }
+  PlacedGraph entry;
+  entry.id = next_id_++;
+  entry.template_id = template_id;
+  entry.objects = source.graph.objects();
+  entry.tasks = source.graph.tasks();
+  entry.task_worker = placement;
+  entry.outputs = source.graph.OutputObjects();
+  TESSERA_RETURN_IF_ERROR(Complete(entry));
+  source.placed.emplace(std::move(placement), entry.id);
+  return &graphs_.emplace(entry.id, std::move(entry)).first->second;
 }
 
-void GraphRegistry::MaybeFinishInstance(const InstanceKey& key) {
-  auto it = instances_.find(key);
-  if (it == instances_.end()) return;
-  if (!it->second.pending.empty() && it->second.error.ok()) return;
-  const InstanceEntry done = std::move(it->second);
-  instances_.erase(it);
-  for (ObjectId id : done.outputs) {
-    const ObjectEntry* object = objects_->Find(id);
-    if (object == nullptr || object->finished()) continue;
-    objects_->Fail(id, done.error.ok() ? Internal("graph {} finished without producing {}",
-                                                  done.graph, object->spec.name)
-                                       : done.error);
+void GraphRegistry::SendPartsTo(PlacedGraph& graph, const std::vector<WorkerId>& workers) {
+  std::vector<WorkerId> missing;
+  for (WorkerId worker : workers) {
+    if (graph.has_part.insert(worker).second) missing.push_back(worker);
   }
-  for (ObjectId id : done.bound) objects_->ReleaseUse(id);
+  if (missing.empty()) return;
+  GraphPart part{graph.id, graph.objects, graph.tasks, graph.task_worker, {}, graph.outputs};
+  for (WorkerId worker : graph.workers) {
+    part.worker_addresses.emplace_back(worker, participants_->DataAddress(worker));
+  }
+  SendGraphPart(*outbox_, missing, part);
 }
 
-void GraphRegistry::WorkerDied(WorkerId worker, const std::string& who, const Status& reason) {
-  std::vector<InstanceKey> broken;
-  for (const auto& [key, instance] : instances_) {
-    if (std::find(instance.pending.begin(), instance.pending.end(), worker) !=
-        instance.pending.end()) {
-      broken.push_back(key);
-    }
-  }
-  for (const InstanceKey& key : broken) {
-    InstanceEntry& instance = instances_.at(key);
-    auto& pending = instance.pending;
-    pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
-    FailInstance(instance, worker,
-                 Unavailable("{} died while running its part of graph {} (instance {}): {}", who,
-                             key.first, key.second, reason.message()));
-    MaybeFinishInstance(key);
-  }
+PlacedGraph* GraphRegistry::Find(uint64_t id) {
+  auto it = graphs_.find(id);
+  return it == graphs_.end() ? nullptr : &it->second;
+}
+
+const PlacedGraph* GraphRegistry::Find(uint64_t id) const {
+  auto it = graphs_.find(id);
+  return it == graphs_.end() ? nullptr : &it->second;
 }
 
 const std::vector<TaskSpec>* GraphRegistry::Tasks(uint64_t graph) const {
-  auto it = graphs_.find(graph);
-  return it == graphs_.end() ? nullptr : &it->second.tasks;
+  const PlacedGraph* found = Find(graph);
+  return found == nullptr ? nullptr : &found->tasks;
 }
 
 const std::vector<ObjectSpec>* GraphRegistry::Objects(uint64_t graph) const {
-  auto it = graphs_.find(graph);
-  return it == graphs_.end() ? nullptr : &it->second.objects;
+  const PlacedGraph* found = Find(graph);
+  return found == nullptr ? nullptr : &found->objects;
 }
 
-bool GraphRegistry::Running(uint64_t graph, uint64_t instance) const {
-  if (instance != 0) return instances_.contains({graph, instance});
-  auto it = instances_.lower_bound({graph, 0});
-  return it != instances_.end() && it->first.first == graph;
+void GraphRegistry::InstanceStarted(const PlacedGraph& graph) {
+  if (graph.template_id != 0) ++templates_.at(graph.template_id).running;
+}
+
+void GraphRegistry::InstanceEnded(const PlacedGraph& graph) {
+  if (graph.template_id == 0) return;
+  --templates_.at(graph.template_id).running;
+  Evict();
+}
+
+void GraphRegistry::WorkerDied(WorkerId worker) {
+  for (auto& [id, graph] : graphs_) graph.has_part.erase(worker);
+}
+
+void GraphRegistry::Evict() {
+  for (auto it = lru_.rbegin(); templates_.size() > kMaxTemplates && it != lru_.rend();) {
+    const uint64_t id = *it;
+    Template& victim = templates_.at(id);
+    if (victim.running > 0) {
+      ++it;
+      continue;
+    }
+    std::map<WorkerId, std::vector<uint64_t>> forget;  // worker -> its parts of the template
+    for (const auto& [placement, placed] : victim.placed) {
+      for (WorkerId worker : graphs_.at(placed).has_part) forget[worker].push_back(placed);
+      graphs_.erase(placed);
+    }
+    for (const auto& [worker, ids] : forget) SendForgetGraphs(*outbox_, worker, ids);
+    template_of_key_.erase(victim.key);
+    it = std::make_reverse_iterator(lru_.erase(std::next(it).base()));
+    templates_.erase(id);
+  }
 }
 
 }  // namespace tessera

@@ -1,32 +1,37 @@
-// GraphRegistry: the graphs drivers registered, and the running instances of them.
+// GraphRegistry: every graph the scheduler runs, and where its tasks run.
 //
-// Registering: a driver sends its graph once. The registry decodes it into a core::Graph and
-// checks it (GraphFromWire), places every task then and there (PlaceGraph), keys the groups of
-// its collectives and gives each member its position (AssignCollectives), and sends each
-// involved worker the graph with its placement (GraphPart), once.
+// Work reaches the workers in one form only: an instance of a placed graph (instance_table.h).
+// Graphs come from two places:
+//   - A driver registers one (RegisterGraph). It is checked (GraphFromWire), placed then and there
+//     (PlaceGraph over the alive workers; GPU workers only for a graph with GPU tasks), and every
+//     instance runs with that placement.
+//   - The task table asks for the graph of a submitted task (a one-task graph) or of a dynamic
+//     collective (a graph of its members, one per rank). These are templates, cached by what they
+//     compute (ops, attributes, shapes, dtypes, devices, priorities, pins; not names or ids), and
+//     placed for each instance (the holders of the bound inputs decide: placement.h). Each
+//     distinct placement of a template is a placed graph of its own, cached too, so a worker gets
+//     its part once however many instances of it run there.
+// A placed graph holds, per task, its worker; per collective member, its group (the members'
+// workers in rank order) and its position among the graph's members on that worker; per worker,
+// how many members it runs there (the instance adds the worker's base: core/collective_task.h).
 //
-// Running: each run of a graph (an instance) binds the graph's inputs to sealed cluster objects
-// of the same meta (pending uses until the instance ends) and declares its outputs as new
-// cluster objects for the driver; it costs one RunGraph per involved worker and one
-// InstanceFinished from each: O(workers), whatever the number of tasks. Objects that cross
-// workers move peer to peer; only the outputs become cluster objects, sealed where they were
-// produced. An instance ends when every involved worker reported, or at its first failure (a
-// worker's error, or its death): the others are told to cancel, and the outputs not sealed fail
-// with that error.
+// Parts: a worker receives a placed graph's part (GraphPart: every task with its worker) the
+// first time an instance involves it (SendPartsTo). Templates are bounded (kMaxTemplates): the
+// least recently used one with no instance running is forgotten, here and on the workers that
+// hold its parts (ForgetGraph). Registered graphs live until the scheduler stops.
 //
-// Errors: a returned error is a protocol violation by the driver or worker (the core closes its
-// connection); a graph that cannot be placed or run is answered with a Reply carrying the
-// reason, and a run whose bindings are wrong fails its outputs.
+// Errors: a returned error from Register is a protocol violation by the driver (the core closes
+// its connection); a graph that cannot be placed is answered with a Reply carrying the reason.
 //
 // Thread safety: none; the scheduler's io thread drives it.
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <set>
 #include <string>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "core/graph.h"
@@ -34,9 +39,9 @@
 #include "core/proto/tessera.capnp.h"
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
-#include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
+#include "scheduler/placement.h"
 
 namespace tessera {
 
@@ -48,73 +53,94 @@ namespace tessera {
 // are.
 Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire);
 
+struct PlacedGraph {
+  uint64_t id = 0;
+  WorkerId driver;                  // the registering driver; invalid for a template's
+  std::vector<ObjectSpec> objects;  // graph-local ids, dense from 1
+  std::vector<TaskSpec> tasks;      // graph-local ids, dense from 1; with group and position
+  std::vector<WorkerId> task_worker;
+  std::vector<WorkerId> workers;        // involved, ascending
+  std::vector<ObjectId> inputs;         // graph-local ids of objects no task produces
+  std::vector<ObjectId> outputs;        // graph-local ids returned as cluster objects
+  std::set<uint64_t> groups;            // the collective groups its collectives use
+  std::map<WorkerId, int64_t> members;  // collective members per worker
+  std::set<WorkerId> has_part;          // workers that received its part
+  uint64_t template_id = 0;             // the template it places (0: a driver's graph)
+};
+
 class GraphRegistry {
  public:
+  // At most this many templates are kept (with their placed graphs).
+  static constexpr size_t kMaxTemplates = 4096;
+
   // The parts must outlive the registry.
-  GraphRegistry(Outbox* outbox, ObjectDirectory* objects, ParticipantTable* participants,
-                CollectiveGroups* groups);
+  GraphRegistry(Outbox* outbox, ParticipantTable* participants, CollectiveGroups* groups);
 
   // `driver` registers a graph (request `request_id`, answered with a Reply: OK, or why not: an
-  // id in use, no alive worker, a placement that cannot work, a graph without tasks).
+  // id in use or reserved, no alive worker, a placement that cannot work, a graph without
+  // tasks).
   Status Register(WorkerId driver, uint64_t request_id, proto::RegisterGraph::Reader wire);
-  // `driver` runs an instance of a graph it registered (a Reply only when it did not register
-  // it). InvalidArgument for an instance already running, or output ids that do not fit.
-  Status Run(WorkerId driver, uint64_t request_id, proto::RunGraph::Reader run);
-  // `worker` finished (or failed) its part of an instance. InvalidArgument when it seals an
-  // object that is not an output of the instance. Reports for closed instances are ignored.
-  Status InstanceFinished(WorkerId worker, proto::InstanceFinished::Reader finished);
-  // `worker` (described as `who`) died of `reason`: the instances it was part of fail.
-  void WorkerDied(WorkerId worker, const std::string& who, const Status& reason);
 
+  // The template of one submitted task: its inputs (in order, with their metas; a task may read
+  // an object twice) become the graph's inputs and its outputs the graph's outputs. Returns the
+  // template's id. InvalidArgument for a task the graph checks refuse.
+  Result<uint64_t> TaskTemplate(const TaskSpec& task, const std::vector<TensorMeta>& input_metas,
+                                const std::vector<ObjectSpec>& outputs);
+  // The template of a dynamic collective: its members by rank, each reading its own inputs.
+  Result<uint64_t> CollectiveTemplate(const std::vector<const TaskSpec*>& members,
+                                      const std::vector<std::vector<TensorMeta>>& input_metas,
+                                      const std::vector<const std::vector<ObjectSpec>*>& outputs);
+  // The template placed for an instance, given what placement knows now (placement.h's errors).
+  Result<PlacedGraph*> Place(uint64_t template_id, const PlacementView& view);
+  // A template's graph (its inputs are ids 1..k in the order TaskTemplate gave them).
+  const Graph& TemplateGraph(uint64_t template_id) const {
+    return templates_.at(template_id).graph;
+  }
+
+  // Sends `graph`'s part to those of `workers` that lack it.
+  void SendPartsTo(PlacedGraph& graph, const std::vector<WorkerId>& workers);
+
+  // A placed graph (registered or placed template); null when unknown.
+  PlacedGraph* Find(uint64_t id);
+  const PlacedGraph* Find(uint64_t id) const;
   // A registered graph's tasks and objects (graph-local ids, dense from 1); null when unknown.
   const std::vector<TaskSpec>* Tasks(uint64_t graph) const;
   const std::vector<ObjectSpec>* Objects(uint64_t graph) const;
-  // Whether an instance is still running (some involved worker has not reported); with
-  // instance 0, whether any instance of `graph` is.
-  bool Running(uint64_t graph, uint64_t instance) const;
+
+  // Instances of a placed template start and end (templates in use are never forgotten).
+  void InstanceStarted(const PlacedGraph& graph);
+  void InstanceEnded(const PlacedGraph& graph);
+  // `worker` is gone: it holds no parts any more.
+  void WorkerDied(WorkerId worker);
+  size_t templates() const { return templates_.size(); }
 
  private:
-  struct GraphEntry {
-    uint64_t id = 0;
-    WorkerId driver;
-    std::vector<ObjectSpec> objects;  // graph-local ids, dense from 1
-    std::vector<TaskSpec> tasks;      // graph-local ids, dense from 1; with group and position
-    std::vector<WorkerId> task_worker;
-    std::vector<WorkerId> workers;  // involved, ascending
-    std::vector<ObjectId> inputs;   // graph-local ids of objects no task produces
-    std::vector<ObjectId> outputs;  // graph-local ids returned to the driver
-    std::set<uint64_t> groups;      // the collective groups its collectives use
+  struct Template {
+    Graph graph;
+    std::string key;
+    std::map<std::vector<WorkerId>, uint64_t> placed;  // placement -> placed graph id
+    int running = 0;                                   // instances of its placed graphs
+    std::list<uint64_t>::iterator lru;
   };
-  struct InstanceEntry {
-    uint64_t graph = 0;
-    uint64_t instance = 0;
-    WorkerId driver;
-    std::vector<WorkerId> pending;  // workers still running their part
-    std::vector<ObjectId> bound;    // cluster objects bound to the inputs (pending uses)
-    std::vector<ObjectId> outputs;  // cluster objects for the outputs
-    Status error;
-  };
-  using InstanceKey = std::pair<uint64_t, uint64_t>;  // graph, instance
 
+  // Finds or adds the template of `graph` under `key` (most recently used).
+  Result<uint64_t> TemplateFor(std::string key, Graph graph);
   // Keys the groups of a placed graph's collectives and gives each member its group and its
-  // position on its worker (core/collective_task.h). InvalidArgument for inconsistent members.
-  Status AssignCollectives(GraphEntry& graph);
-  // Binds the run's inputs: graph-local id -> sealed cluster object. InvalidArgument (or the
-  // bound object's error) when a binding is unknown, not ready, of another meta, or missing.
-  Result<std::map<uint64_t, const ObjectEntry*>> Bind(const GraphEntry& graph,
-                                                      proto::RunGraph::Reader run) const;
-  // Records the instance's first failure and tells the other workers still running to cancel.
-  void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);
-  // Ends the instance once every involved worker reported (or it failed): fails the outputs not
-  // sealed, releases the bound inputs.
-  void MaybeFinishInstance(const InstanceKey& key);
+  // position among the graph's members on its worker. InvalidArgument for inconsistent members.
+  Status AssignCollectives(PlacedGraph& graph);
+  // Fills a placed graph's derived fields from its tasks and placement.
+  Status Complete(PlacedGraph& graph);
+  // Forgets least recently used templates beyond kMaxTemplates that no instance uses.
+  void Evict();
 
   Outbox* outbox_;
-  ObjectDirectory* objects_;
   ParticipantTable* participants_;
   CollectiveGroups* groups_;
-  std::unordered_map<uint64_t, GraphEntry> graphs_;
-  std::map<InstanceKey, InstanceEntry> instances_;
+  std::unordered_map<uint64_t, PlacedGraph> graphs_;  // registered and placed templates
+  std::unordered_map<uint64_t, Template> templates_;
+  std::unordered_map<std::string, uint64_t> template_of_key_;
+  std::list<uint64_t> lru_;                    // template ids, most recently used first
+  uint64_t next_id_ = kFirstSchedulerGraphId;  // the scheduler's own graph ids
 };
 
 }  // namespace tessera

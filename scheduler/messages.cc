@@ -29,10 +29,8 @@ proto::Envelope::Body::Builder Body(capnp::MessageBuilder& message, uint64_t req
 }
 
 // List elements, one ToWire each (FillList: the list is initialised with the items' size).
-void ToWire(const TensorMeta* meta, proto::TensorMeta::Builder out);
 void ToWire(const ObjectSource& source, proto::Source::Builder out);
 void ToWire(const InlineObject& object, proto::SealedObject::Builder out);
-void ToWire(const TaskDispatch& task, proto::DispatchedTask::Builder out);
 void ToWire(const ObjectReport& object, proto::ObjectState::Builder out);
 void ToWire(const Participant* worker, proto::WorkerStatus::Builder out);
 
@@ -40,8 +38,6 @@ template <typename T, typename ListBuilder>
 void FillList(std::span<const T> items, ListBuilder out) {
   for (unsigned i = 0; i < items.size(); ++i) ToWire(items[i], out[i]);
 }
-
-void ToWire(const TensorMeta* meta, proto::TensorMeta::Builder out) { rpc::ToWire(*meta, out); }
 
 void ToWire(const ObjectSource& source, proto::Source::Builder out) {
   out.setObject(source.object.value());
@@ -56,13 +52,6 @@ void ToWire(const InlineObject& object, proto::SealedObject::Builder out) {
   out.setId(object.id);
   out.setBytes(static_cast<int64_t>(object.data.size()));
   out.setInline(Bytes(object.data));
-}
-
-void ToWire(const TaskDispatch& task, proto::DispatchedTask::Builder out) {
-  rpc::ToWire(*task.spec, *task.outputs, out.initTask());
-  FillList<ObjectSource>(task.sources, out.initSources(Size(task.sources)));
-  FillList<const TensorMeta*>(task.input_metas, out.initInputMetas(Size(task.input_metas)));
-  FillList<InlineObject>(task.inline_inputs, out.initInlineInputs(Size(task.inline_inputs)));
 }
 
 void ToWire(const ObjectReport& object, proto::ObjectState::Builder out) {
@@ -177,12 +166,6 @@ void SendKeepalive(Outbox& outbox, WorkerId to) {
   outbox.Send(to, message);
 }
 
-void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks) {
-  capnp::MallocMessageBuilder message;
-  FillList(tasks, Body(message).initDispatchTasks().initTasks(Size(tasks)));
-  outbox.Send(to, message);
-}
-
 void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects) {
   capnp::MallocMessageBuilder message;
   FillList(objects, Body(message).initObjectsReady().initObjects(Size(objects)));
@@ -230,6 +213,19 @@ void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& 
     ToWire(run.inputs[i].second, inputs[i].initSource());
   }
   FillList<InlineObject>(run.inline_inputs, out.initInlineInputs(Size(run.inline_inputs)));
+  if (!run.task_names.empty()) {
+    auto names = out.initTaskNames(Size(run.task_names));
+    for (unsigned i = 0; i < run.task_names.size(); ++i) names.set(i, Text(run.task_names[i]));
+  }
+  if (!run.collective_ids.empty()) {
+    auto ids = out.initCollectiveIds(Size(run.collective_ids));
+    for (unsigned i = 0; i < run.collective_ids.size(); ++i) ids.set(i, run.collective_ids[i]);
+  }
+  auto bases = out.initCollectiveBases(Size(run.collective_bases));
+  for (unsigned i = 0; i < run.collective_bases.size(); ++i) {
+    bases[i].setWorker(run.collective_bases[i].first.value());
+    bases[i].setBase(run.collective_bases[i].second);
+  }
   for (WorkerId worker : to) outbox.Send(worker, message);
 }
 
@@ -240,6 +236,13 @@ void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t
   cancel.setGraphId(graph_id);
   cancel.setInstance(instance);
   rpc::ToWire(error, cancel.initError());
+  outbox.Send(to, message);
+}
+
+void SendForgetGraphs(Outbox& outbox, WorkerId to, std::span<const uint64_t> graph_ids) {
+  capnp::MallocMessageBuilder message;
+  auto ids = Body(message).initForgetGraphs().initGraphIds(Size(graph_ids));
+  for (unsigned i = 0; i < graph_ids.size(); ++i) ids.set(i, graph_ids[i]);
   outbox.Send(to, message);
 }
 

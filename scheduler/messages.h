@@ -42,15 +42,6 @@ struct InlineObject {
   std::string_view data;
 };
 
-// One task of a DispatchTasks.
-struct TaskDispatch {
-  const TaskSpec* spec = nullptr;
-  const std::vector<ObjectSpec>* outputs = nullptr;
-  std::vector<ObjectSource> sources;           // inputs to pull from other processes
-  std::vector<InlineObject> inline_inputs;     // small inputs, carried along
-  std::vector<const TensorMeta*> input_metas;  // one per input, in order
-};
-
 // One object of an ObjectsReady: its error (it failed, or is unknown), else where it is.
 struct ObjectReport {
   ObjectId id;
@@ -59,10 +50,10 @@ struct ObjectReport {
   std::string_view inline_data;
 };
 
-// The dynamic tasks by state (TaskTable::counts).
+// The submitted tasks by state (TaskTable::counts).
 struct TaskCounts {
   int64_t waiting = 0;  // for inputs, or for their collective's siblings
-  int64_t running = 0;  // dispatched
+  int64_t running = 0;  // started (their instance runs)
   int64_t done = 0;     // finished since the start
 };
 
@@ -76,7 +67,7 @@ struct StatusSummary {
   std::string_view session_dir;
 };
 
-// A registered graph with its placement, as every involved worker receives it.
+// A placed graph (graph_registry.h), as every involved worker receives it.
 struct GraphPart {
   uint64_t graph_id = 0;
   std::span<const ObjectSpec> objects;  // graph-local ids, dense from 1
@@ -86,13 +77,16 @@ struct GraphPart {
   std::span<const ObjectId> outputs;
 };
 
-// One instance of a registered graph.
+// One instance of a placed graph.
 struct GraphRun {
   uint64_t graph_id = 0;
   uint64_t instance = 0;
   std::span<const ObjectId> output_ids;  // cluster ids for the graph's outputs, in order
   std::vector<std::pair<uint64_t, ObjectSource>> inputs;  // graph-local id, bound object
   std::vector<InlineObject> inline_inputs;                // graph-local id, bytes
+  std::span<const std::string> task_names;                // per graph task; empty: the part's names
+  std::span<const int64_t> collective_ids;                // per graph task; empty: the part's
+  std::vector<std::pair<WorkerId, int64_t>> collective_bases;  // per worker with members
 };
 
 // Joining.
@@ -108,15 +102,15 @@ void SendShutdown(Outbox& outbox, WorkerId to);
 void SendTimelineReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Timeline& timeline);
 void SendKeepalive(Outbox& outbox, WorkerId to);
 
-// Dynamic tasks and objects.
-void SendDispatchTasks(Outbox& outbox, WorkerId to, std::span<const TaskDispatch> tasks);
+// Objects.
 void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects);
 void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids);
 
-// Registered graphs: the same message to each of `to`.
+// Placed graphs and their instances: the same message to each of `to`.
 void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part);
 void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& run);
 void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
                         const Status& error);
+void SendForgetGraphs(Outbox& outbox, WorkerId to, std::span<const uint64_t> graph_ids);
 
 }  // namespace tessera

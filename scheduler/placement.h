@@ -1,36 +1,33 @@
-// Placement: which worker runs a task. Pure functions: no state, no I/O; tested directly.
+// Placement: which worker runs each task of a graph. One pure function, PlaceGraph, places every
+// kind of work: a driver's registered graph (once, when it is registered), a submitted task (a
+// one-task graph, each time it becomes ready) and the members of a dynamic collective (a graph
+// of its members, once all are ready). No state, no I/O; tested directly.
 //
-// PlaceTask: a dynamic task, when it is ready.
+// Assumptions: the caller lists the candidate workers with their load (host-tier bytes free
+// after what tasks in flight there committed, tasks in flight); for work placed when it is ready
+// it also says which workers hold the cluster objects bound to the graph's inputs (and their
+// bytes). A graph placed at registration has no bound inputs yet.
 //
-// Assumptions: every input's size and holders are known (the object directory); each worker
-// reports its host-tier capacity and use (heartbeats) and the scheduler tracks the bytes it has
-// committed to tasks in flight there.
-//
-// Algorithm (the architecture guide's rule):
-//   1. A task pinned to a worker goes there if that worker is alive; otherwise it is Infeasible
-//      (the caller fails the task naming the worker).
-//   2. Otherwise, among alive workers whose free host memory fits the task's memory estimate,
-//      pick the one holding the most input bytes locally (least data to pull);
-//   3. ties go to the least loaded (fewest tasks in flight), then to the lowest id, so the
-//      choice is deterministic.
-//   4. If no worker fits, pick the alive worker with the most free memory anyway: its store will
-//      spill to disk to make room (the object store's policy), which is slower but not wrong.
-//
-// PlaceGang: the members of one dynamic collective, once all are ready: each by PlaceTask, rank
-// by rank, among the workers no lower rank took (members need distinct workers).
-//
-// PlaceGraph: every task of a registered graph at once, when it is registered, in task order:
-//   1. A pinned task goes to its worker, which must be alive (Infeasible otherwise).
-//   2. Otherwise it goes beside the producer of its largest input that an earlier task produces
-//      (ties: the first such input), so the biggest transfer stays on one worker.
-//   3. Otherwise (it reads only graph inputs) to the alive worker running the fewest of the
-//      graph's tasks so far (ties: the first in `alive`).
+// Algorithm (the architecture guide's rule), task by task in task order:
+//   1. A pinned task goes to its worker, which must be an alive candidate (Infeasible
+//      otherwise, naming the task).
+//   2. Otherwise it goes beside the producer of its largest input that an earlier task of the
+//      graph produces (ties: the first such input), so the biggest transfer stays on one worker.
+//   3. Otherwise (it reads only graph inputs), among alive workers whose free host memory fits
+//      the task's memory estimate: the one holding the most bytes of its bound inputs; ties go
+//      to the worker running the fewest of this graph's tasks so far, then the fewest tasks in
+//      flight, then the first listed. When no worker fits, the alive worker with the most free
+//      memory anyway: its store will spill to disk to make room (slower, not wrong).
 //   4. Members of one collective need distinct workers: a member whose choice already runs a
-//      sibling moves to the least loaded alive worker running none (ties: the first); a pinned
-//      one cannot move (Infeasible), nor can a collective with more members than alive workers.
+//      sibling is placed by rule 3 among the workers running none; a pinned one cannot move
+//      (Infeasible), nor can a collective with more members than alive workers.
+//   5. A control edge orders two tasks of one worker's run: both ends must share a worker
+//      (Infeasible otherwise).
 #pragma once
 
 #include <cstdint>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/graph.h"
@@ -46,25 +43,21 @@ struct WorkerLoad {
   int tasks_in_flight = 0;
 };
 
-struct TaskDemand {
-  WorkerId pinned;  // invalid: any worker
-  int64_t memory_estimate_bytes = 0;
-  std::vector<std::pair<WorkerId, int64_t>> local_bytes;  // bytes of inputs each worker holds
+// What placement knows of the cluster when it places a graph.
+struct PlacementView {
+  std::vector<WorkerLoad> workers;  // the candidates, in preference order for ties
+  // Per graph input (graph-local id): each worker holding the object bound to it, and its bytes.
+  // Empty for a graph placed at registration (nothing is bound yet).
+  std::unordered_map<ObjectId, std::vector<std::pair<WorkerId, int64_t>>> input_holders;
 };
-
-// Infeasible when the task is pinned to a dead or unknown worker, Unavailable when no worker is
-// alive.
-Result<WorkerId> PlaceTask(const TaskDemand& demand, const std::vector<WorkerLoad>& workers);
-
-// The worker of each member, by rank. PlaceTask's errors, naming the rank that could not be
-// placed and `collective`.
-Result<std::vector<WorkerId>> PlaceGang(int64_t collective, const std::vector<TaskDemand>& members,
-                                        std::vector<WorkerLoad> workers);
 
 // The worker of each task of `graph`, by task index. Infeasible naming the task or the collective
 // (as above); InvalidArgument for a task's inconsistent collective attributes (CollectiveOf);
-// Unavailable when `alive` is empty. REQUIRES: `graph` passed Graph::Validate; `alive` holds
-// distinct workers.
-Result<std::vector<WorkerId>> PlaceGraph(const Graph& graph, const std::vector<WorkerId>& alive);
+// Unavailable when no candidate is alive. REQUIRES: `graph` passed Graph::Validate; the
+// candidates are distinct workers.
+Result<std::vector<WorkerId>> PlaceGraph(const Graph& graph, const PlacementView& view);
+
+// Every candidate alive, nothing bound, no load: how a graph is placed at registration.
+PlacementView ViewOf(const std::vector<WorkerId>& alive);
 
 }  // namespace tessera

@@ -16,8 +16,9 @@ SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
       participants_(options_.token, options_.session_dir),
       groups_(outbox, [this](WorkerId worker) { return participants_.Describe(worker); }),
       objects_(&tasks_),
-      tasks_(options_.max_task_attempts, &objects_, &participants_, &groups_),
-      graphs_(outbox, &objects_, &participants_, &groups_),
+      graphs_(outbox, &participants_, &groups_),
+      instances_(outbox, &objects_, &participants_, &groups_, &graphs_),
+      tasks_(options_.max_task_attempts, &objects_, &participants_, &graphs_, &instances_),
       traces_(std::max(1, options_.trace_instances)) {}
 
 WorkerId SchedulerCore::Accept() { return participants_.Accept(now_()); }
@@ -66,12 +67,6 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
         TESSERA_RETURN_IF_ERROR(tasks_.Submit(from, std::move(*task)));
       }
       return Status::Ok();
-    case proto::Envelope::Body::TASKS_FINISHED:
-      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "task results"));
-      for (proto::TaskResult::Reader result : body.getTasksFinished().getResults()) {
-        tasks_.Finished(from, result);
-      }
-      return Status::Ok();
     case proto::Envelope::Body::PUT_OBJECTS:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "objects"));
       return OnPutObjects(from, body.getPutObjects());
@@ -91,20 +86,10 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
       return graphs_.Register(from, request_id, body.getRegisterGraph());
     case proto::Envelope::Body::RUN_GRAPH:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a graph run"));
-      return graphs_.Run(from, request_id, body.getRunGraph());
-    case proto::Envelope::Body::INSTANCE_FINISHED: {
+      return instances_.RunForDriver(from, request_id, body.getRunGraph());
+    case proto::Envelope::Body::INSTANCE_FINISHED:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "an instance result"));
-      const auto finished = body.getInstanceFinished();
-      if (finished.hasReport()) participants_.RecordRun(participant, finished.getReport());
-      if (finished.hasSpans()) {
-        Result<WorkerSpans> spans = rpc::FromWire(finished.getSpans());
-        if (!spans.ok()) return spans.status().WithContext("spans of an instance");
-        const uint64_t graph = finished.getGraphId();
-        traces_.Record(from, graph, finished.getInstance(), *std::move(spans), graphs_.Tasks(graph),
-                       graphs_.Objects(graph));
-      }
-      return graphs_.InstanceFinished(from, finished);
-    }
+      return OnInstanceFinished(participant, body.getInstanceFinished());
     case proto::Envelope::Body::COLLECTIVE_JOIN:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective join"));
       return groups_.OnJoin(from, body.getCollectiveJoin());
@@ -151,6 +136,22 @@ Status SchedulerCore::OnHello(Participant& from, proto::Hello::Reader hello) {
                from.data_address, from.gpu.empty() ? "" : ", GPU " + from.gpu);
   }
   return Status::Ok();
+}
+
+Status SchedulerCore::OnInstanceFinished(Participant& worker,
+                                         proto::InstanceFinished::Reader finished) {
+  const uint64_t graph_id = finished.getGraphId();
+  const PlacedGraph* graph = graphs_.Find(graph_id);
+  // A submitted task's instance is no step: the worker's last run stays its last step's.
+  const bool submitted = graph == nullptr || !graph->driver.valid();
+  if (finished.hasReport() && !submitted) participants_.RecordRun(worker, finished.getReport());
+  if (finished.hasSpans() && graph != nullptr) {
+    Result<WorkerSpans> spans = rpc::FromWire(finished.getSpans());
+    if (!spans.ok()) return spans.status().WithContext("spans of an instance");
+    traces_.Record(worker.id, graph_id, finished.getInstance(), *std::move(spans), &graph->tasks,
+                   &graph->objects, submitted);
+  }
+  return instances_.Finished(worker.id, finished);
 }
 
 Status SchedulerCore::OnPutObjects(WorkerId driver, proto::PutObjects::Reader put) {
@@ -224,7 +225,6 @@ void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
   }
   participants_.Remove(who);
   objects_.DropNotifications(who);
-  tasks_.DropDispatches(who);
   objects_.DropFrees(who);
 }
 
@@ -235,11 +235,11 @@ void SchedulerCore::DeclareDead(Participant& worker, const Status& reason) {
   GetLogger("scheduler")->warn("{} is dead: {}", who, reason.ToString());
   // Its collective groups fail at once, naming it, on every other member.
   groups_.WorkerDied(id, reason);
-  tasks_.DropDispatches(id);
   objects_.DropFrees(id);
+  graphs_.WorkerDied(id);
   // Objects whose only copy was on the dead worker are lost; they fail once its instances have.
   const std::vector<ObjectId> lost = objects_.WorkerGone(id);
-  graphs_.WorkerDied(id, who, reason);
+  instances_.WorkerDied(id, who, reason);
   for (ObjectId object : lost) {
     const ObjectEntry* entry = objects_.Find(object);
     if (entry == nullptr || !entry->sealed) continue;  // already being rebuilt with a sibling
@@ -280,17 +280,17 @@ void SchedulerCore::OnTimelineRequest(WorkerId from, uint64_t request_id,
 
 std::vector<TimelineSpan> SchedulerCore::RecentSpans(int last) const {
   return traces_.Collect(last, 0, [this](uint64_t graph, uint64_t instance) {
-    return graphs_.Running(graph, instance);
+    return instances_.Running(graph, instance);
   });
 }
 
 void SchedulerCore::AnswerTimelineRequests() {
   auto running = [this](uint64_t graph, uint64_t instance) {
-    return graphs_.Running(graph, instance);
+    return instances_.Running(graph, instance);
   };
   std::erase_if(timeline_waiters_, [&](const TimelineWaiter& waiter) {
     if (participants_.Find(waiter.from) == nullptr) return true;  // gone
-    if (waiter.graph != 0 && graphs_.Running(waiter.graph, 0)) return false;
+    if (waiter.graph != 0 && instances_.Running(waiter.graph, 0)) return false;
     Timeline timeline;
     timeline.spans = traces_.Collect(waiter.last, waiter.graph, running);
     std::set<WorkerId> workers;
@@ -309,7 +309,6 @@ void SchedulerCore::AnswerTimelineRequests() {
 
 void SchedulerCore::Flush() {
   if (!timeline_waiters_.empty()) AnswerTimelineRequests();
-  tasks_.Flush(*outbox_);
   FlushObjects();
 }
 

@@ -9,14 +9,19 @@
 //                                           token; heartbeats, liveness and worker load
 //   ObjectDirectory   (object_directory.h)  where each object lives, its size, who references,
 //                                           watches or waits for it; frees
-//   TaskTable         (task_table.h)        dynamic tasks: readiness, placement, dispatch,
-//                                           completion, failure, retries; with GangTable
-//                                           (gang.h), dynamic collectives dispatched together
-//   GraphRegistry     (graph_registry.h)    registered graphs, placed once (PlaceGraph), and
-//                                           their instances
+//   GraphRegistry     (graph_registry.h)    every graph: drivers' registered graphs (placed
+//                                           once) and the templates of submitted tasks and
+//                                           dynamic collectives (placed per instance), with
+//                                           the parts each worker holds
+//   InstanceTable     (instance_table.h)    every running instance of a placed graph: the one
+//                                           way work runs on workers
+//   TaskTable         (task_table.h)        submitted tasks: readiness, lineage, retries; each
+//                                           runs as an instance of its one-task graph; with
+//                                           GangTable (gang.h), dynamic collectives run as one
+//                                           instance of their members
 //   CollectiveGroups  (collective_groups.h) every collective group's rendezvous and watcher
 //   TraceStore        (trace_store.h)       the spans of the latest graph instances
-//   placement.h, messages.h                 placement policies; every outgoing message
+//   placement.h, messages.h                 placement (PlaceGraph); every outgoing message
 //   JobMetrics        (job_metrics.h)       the jobs' step figures (loss, step time, ...)
 //   ExplainWaits      (waits.h)             who waits on what: the workers' reported waits
 //                                           explained with liveness and rendezvous (Waits)
@@ -47,6 +52,7 @@
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/graph_registry.h"
+#include "scheduler/instance_table.h"
 #include "scheduler/job_metrics.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
@@ -113,6 +119,7 @@ class SchedulerCore {
   Status Route(Participant& from, proto::Envelope::Reader message);
   Status OnHello(Participant& from, proto::Hello::Reader hello);
   Status OnPutObjects(WorkerId driver, proto::PutObjects::Reader put);
+  Status OnInstanceFinished(Participant& worker, proto::InstanceFinished::Reader finished);
   void OnStatusRequest(WorkerId from, uint64_t request_id);
   // A driver or the CLI asks for the spans of the latest instances. Asked for one graph's, the
   // answer waits until no instance of that graph is running (its last workers' spans may still
@@ -135,8 +142,9 @@ class SchedulerCore {
   CollectiveGroups groups_;
   // The directory tells the task table about waiting tasks; the table uses the directory.
   ObjectDirectory objects_;
-  TaskTable tasks_;
   GraphRegistry graphs_;
+  InstanceTable instances_;
+  TaskTable tasks_;
   JobMetrics jobs_;
   TraceStore traces_;
   struct TimelineWaiter {

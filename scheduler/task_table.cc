@@ -7,17 +7,18 @@
 namespace tessera {
 
 TaskTable::TaskTable(int max_attempts, ObjectDirectory* objects, ParticipantTable* participants,
-                     CollectiveGroups* groups)
+                     GraphRegistry* graphs, InstanceTable* instances)
     : max_attempts_(max_attempts),
       objects_(objects),
       participants_(participants),
-      groups_(groups) {}
+      graphs_(graphs),
+      instances_(instances) {}
 
 TaskCounts TaskTable::counts() const {
   TaskCounts counts;
   for (const auto& [id, task] : tasks_) {
     counts.waiting += task.state == TaskState::kWaiting;
-    counts.running += task.state == TaskState::kDispatched;
+    counts.running += task.state == TaskState::kRunning;
   }
   counts.done = done_;
   return counts;
@@ -27,10 +28,13 @@ Status TaskTable::Submit(WorkerId driver, rpc::WireTask task) {
   if (!task.spec.id.valid() || tasks_.contains(task.spec.id)) {
     return InvalidArgument("task id {} is invalid or already in use", task.spec.id.ToString());
   }
-  for (const ObjectSpec& output : task.outputs) {
-    if (!output.id.valid() || objects_->contains(output.id)) {
+  for (size_t j = 0; j < task.outputs.size(); ++j) {
+    const ObjectId output = task.outputs[j].id;
+    if (!output.valid() || objects_->contains(output) ||
+        std::any_of(task.outputs.begin(), task.outputs.begin() + static_cast<ptrdiff_t>(j),
+                    [&](const ObjectSpec& earlier) { return earlier.id == output; })) {
       return InvalidArgument("task '{}' declares output {} whose id is invalid or in use",
-                             task.spec.name, output.id.ToString());
+                             task.spec.name, output.ToString());
     }
   }
   const TaskId id = task.spec.id;
@@ -140,6 +144,7 @@ Status TaskTable::Rebuild(ObjectId object, const std::string& why) {
 }
 
 bool TaskTable::WaitAgainForRebuiltInputs(TaskEntry& task) {
+  // (Called once the task's instance has ended.)
   if (task.attempts >= max_attempts_ || task.spec.attrs.Has(kCollectiveAttr)) return false;
   std::vector<ObjectId> awaited;
   for (ObjectId input : task.spec.inputs) {
@@ -156,17 +161,34 @@ bool TaskTable::WaitAgainForRebuiltInputs(TaskEntry& task) {
   return true;
 }
 
-TaskDemand TaskTable::DemandOf(const TaskEntry& task) const {
-  TaskDemand demand;
-  demand.pinned = task.spec.pinned_worker;
-  demand.memory_estimate_bytes = task.spec.memory_estimate_bytes;
-  for (ObjectId input : task.spec.inputs) {
-    const ObjectEntry& object = objects_->at(input);
-    for (WorkerId holder : object.holders) {
-      demand.local_bytes.emplace_back(holder, object.spec.meta.bytes());
+std::vector<std::pair<ObjectId, ObjectId>> TaskTable::TemplateInputs(
+    const std::vector<TaskId>& tasks) const {
+  // As GraphRegistry's templates number them: per task, its distinct inputs in order, then its
+  // outputs.
+  std::vector<std::pair<ObjectId, ObjectId>> inputs;
+  uint64_t next = 0;
+  for (TaskId id : tasks) {
+    const TaskEntry& task = tasks_.at(id);
+    const size_t first = inputs.size();
+    for (ObjectId input : task.spec.inputs) {
+      const bool seen = std::any_of(inputs.begin() + static_cast<ptrdiff_t>(first), inputs.end(),
+                                    [&](const auto& pair) { return pair.second == input; });
+      if (!seen) inputs.emplace_back(ObjectId(++next), input);
     }
+    next += task.outputs.size();
   }
-  return demand;
+  return inputs;
+}
+
+PlacementView TaskTable::ViewFor(const std::vector<TaskId>& tasks) const {
+  PlacementView view;
+  view.workers = participants_->WorkerLoads();
+  for (const auto& [local, input] : TemplateInputs(tasks)) {
+    const ObjectEntry& object = objects_->at(input);
+    auto& holders = view.input_holders[local];
+    for (WorkerId holder : object.holders) holders.emplace_back(holder, object.spec.meta.bytes());
+  }
+  return view;
 }
 
 void TaskTable::MakeReady(TaskId id) {
@@ -180,13 +202,7 @@ void TaskTable::MakeReady(TaskId id) {
     ReadyMember(task, **membership);
     return;
   }
-  Result<WorkerId> placed = PlaceTask(DemandOf(task), participants_->WorkerLoads());
-  if (!placed.ok()) {
-    FailTask(task, placed.status().WithContext(fmt::format("placing task '{}'", task.spec.name)));
-    return;
-  }
-  task.worker = *placed;
-  Dispatch(task);
+  Start({id});
 }
 
 void TaskTable::ReadyMember(TaskEntry& task, const CollectiveMembership& membership) {
@@ -197,105 +213,113 @@ void TaskTable::ReadyMember(TaskEntry& task, const CollectiveMembership& members
     return;
   }
   if (ready->empty()) return;  // siblings still waiting
-  // Every member is ready: place them on distinct workers, together.
-  const std::vector<TaskId> members = std::move(*ready);
-  std::vector<TaskDemand> demands;
-  for (TaskId id : members) demands.push_back(DemandOf(tasks_.at(id)));
-  Result<std::vector<WorkerId>> placed =
-      PlaceGang(membership.collective, demands, participants_->WorkerLoads());
+  Start(*ready);               // every member is ready: on distinct workers, together
+}
+
+void TaskTable::Start(const std::vector<TaskId>& ids) {
+  std::vector<const TaskSpec*> specs;
+  std::vector<std::vector<TensorMeta>> input_metas;
+  std::vector<const std::vector<ObjectSpec>*> outputs;
+  for (TaskId id : ids) {
+    const TaskEntry& task = tasks_.at(id);
+    specs.push_back(&task.spec);
+    outputs.push_back(&task.outputs);
+    std::vector<TensorMeta>& metas = input_metas.emplace_back();
+    for (ObjectId input : task.spec.inputs) metas.push_back(objects_->at(input).spec.meta);
+  }
+  const bool collective = ids.size() > 1;
+  Result<uint64_t> made = collective
+                              ? graphs_->CollectiveTemplate(specs, input_metas, outputs)
+                              : graphs_->TaskTemplate(*specs[0], input_metas[0], *outputs[0]);
+  Result<PlacedGraph*> placed =
+      made.ok() ? graphs_->Place(*made, ViewFor(ids)) : Result<PlacedGraph*>(made.status());
   if (!placed.ok()) {
-    const Status placing = placed.status();
-    for (TaskId id : members) {
+    const Status why =
+        collective ? placed.status().WithContext(
+                         fmt::format("placing collective {} ({} members need distinct workers)",
+                                     specs[0]->attrs.GetInt(kCollectiveAttr, 0), ids.size()))
+                   : placed.status().WithContext(fmt::format("placing task '{}'", specs[0]->name));
+    for (TaskId id : ids) {
       auto it = tasks_.find(id);
-      if (it != tasks_.end()) FailTask(it->second, placing);
+      if (it != tasks_.end()) FailTask(it->second, why);
     }
     return;
   }
-  const std::vector<WorkerId>& workers = *placed;
-  const uint64_t group = groups_->GroupFor(workers);
-  for (size_t rank = 0; rank < members.size(); ++rank) {
-    TaskEntry& member = tasks_.at(members[rank]);
-    member.worker = workers[rank];
-    member.spec.attrs.Set(kGroupAttr, static_cast<int64_t>(group));
-    member.spec.attrs.Set(kPositionAttr, gangs_.NextPosition(workers[rank]));
-    Dispatch(member);
+  PlacedGraph& graph = **placed;
+  InstanceStart start{.graph = &graph, .instance = ids[0].value(), .observer = this};
+  for (const auto& [local, input] : TemplateInputs(ids)) {
+    start.bindings.emplace_back(local.value(), &objects_->at(input));
   }
+  for (size_t t = 0; t < ids.size(); ++t) {
+    TaskEntry& task = tasks_.at(ids[t]);
+    start.driver = task.driver;
+    for (const ObjectSpec& output : task.outputs) start.outputs.push_back(output.id);
+    start.task_names.push_back(task.spec.name);
+    if (collective) start.collective_ids.push_back(task.spec.attrs.GetInt(kCollectiveAttr, 0));
+    task.state = TaskState::kRunning;
+    ++task.attempts;
+    task.worker = graph.task_worker[t];
+    task.graph = graph.id;
+    task.instance = start.instance;
+    participants_->AddLoad(task.worker, task.spec.memory_estimate_bytes);
+  }
+  instances_of_[start.instance] = ids;
+  instances_->Start(std::move(start));
 }
 
-void TaskTable::MemberFailed(const TaskSpec& task, WorkerId driver, bool dispatched,
-                             const Status& error) {
-  Result<std::optional<CollectiveMembership>> membership = CollectiveOf(task);
-  if (!membership.ok() || !*membership || (*membership)->group_size < 2) return;
-  const Status why = error.WithContext(
-      fmt::format("member '{}' of collective {} failed", task.name, (*membership)->collective));
-  if (dispatched) {
-    // Its siblings were dispatched with it and may be inside the collective: stop them.
-    groups_->Abort(static_cast<uint64_t>(task.attrs.GetInt(kGroupAttr, 0)), why);
-    return;
-  }
-  for (TaskId id : gangs_.MemberFailed(driver, **membership, task.id, why)) {
+void TaskTable::LeaveWorker(TaskEntry& task) {
+  participants_->RemoveLoad(task.worker, task.spec.memory_estimate_bytes);
+  task.state = TaskState::kWaiting;
+}
+
+void TaskTable::InstanceEnded(uint64_t instance, WorkerId worker, const Status& error) {
+  auto found = instances_of_.find(instance);
+  if (found == instances_of_.end()) return;
+  const std::vector<TaskId> ids = std::move(found->second);
+  instances_of_.erase(found);
+  for (TaskId id : ids) {
     auto it = tasks_.find(id);
-    if (it != tasks_.end()) FailTask(it->second, why);
-  }
-}
-
-void TaskTable::Dispatch(TaskEntry& task) {
-  task.state = TaskState::kDispatched;
-  ++task.attempts;
-  participants_->AddLoad(task.worker, task.spec.memory_estimate_bytes);
-  dispatch_batches_[task.worker].push_back(task.spec.id);
-}
-
-void TaskTable::Finished(WorkerId worker, proto::TaskResult::Reader result) {
-  auto it = tasks_.find(TaskId(result.getTask()));
-  if (it == tasks_.end() || it->second.worker != worker ||
-      it->second.state != TaskState::kDispatched) {
-    GetLogger("scheduler")
-        ->warn("{} reported task {} that it was not running; ignored", worker.ToString(),
-               result.getTask());
-    return;
-  }
-  TaskEntry& task = it->second;
-  participants_->RemoveLoad(worker, task.spec.memory_estimate_bytes);
-  // It failed because an input vanished with its holder mid-run, and that input is being made
-  // again: it waits for it instead.
-  if (result.hasError() && WaitAgainForRebuiltInputs(task)) return;
-  if (result.hasError()) {
-    FailTask(task, rpc::FromWire(result.getError())
-                       .WithContext(fmt::format("on {}", participants_->Describe(worker))));
-    return;
-  }
-  std::unordered_map<uint64_t, proto::SealedObject::Reader> sealed;
-  for (proto::SealedObject::Reader output : result.getOutputs()) {
-    sealed.emplace(output.getId(), output);
-  }
-  for (const ObjectSpec& output : task.outputs) {
-    auto found = sealed.find(output.id.value());
-    if (found == sealed.end()) {
-      objects_->Fail(output.id,
-                     Internal("task '{}' finished on {} without producing {}", task.spec.name,
-                              participants_->Describe(worker), output.name));
+    if (it == tasks_.end() || it->second.state != TaskState::kRunning) continue;
+    TaskEntry& task = it->second;
+    LeaveWorker(task);
+    if (error.ok()) {
+      Completed(task);
       continue;
     }
-    const auto data = found->second.getInline();
-    objects_->Seal(output.id, worker, found->second.getBytes(),
-                   std::string(reinterpret_cast<const char*>(data.begin()), data.size()));
+    // It failed because an input vanished with its holder mid-run, and that input is being made
+    // again: it waits for it instead.
+    if (WaitAgainForRebuiltInputs(task)) continue;
+    FailTask(task, worker.valid()
+                       ? error.WithContext(fmt::format("on {}", participants_->Describe(worker)))
+                       : error);
   }
+}
+
+void TaskTable::Completed(TaskEntry& task) {
   task.state = TaskState::kDone;
   ++done_;
   const std::vector<ObjectId> inputs = task.spec.inputs;
-  tasks_.erase(it);
+  tasks_.erase(task.spec.id);
   for (ObjectId input : inputs) objects_->ReleaseUse(input);
 }
 
 void TaskTable::FailTask(TaskEntry& task, const Status& cause) {
   const Status error = task.rebuilding.empty() ? cause : cause.WithContext(task.rebuilding);
   GetLogger("scheduler")->warn("task '{}' failed: {}", task.spec.name, error.ToString());
-  const bool dispatched = task.state == TaskState::kDispatched;
-  if (dispatched) participants_->RemoveLoad(task.worker, task.spec.memory_estimate_bytes);
+  std::vector<TaskId> siblings;  // of a collective member whose instance runs
+  if (task.state == TaskState::kRunning) {
+    // Ended here, not by its instance: the instance goes too.
+    if (auto found = instances_of_.find(task.instance); found != instances_of_.end()) {
+      siblings = std::move(found->second);
+      instances_of_.erase(found);
+    }
+    instances_->Abandon(task.graph, task.instance, error);
+    LeaveWorker(task);
+  }
   task.state = TaskState::kFailed;
   const TaskSpec spec = task.spec;
   const WorkerId driver = task.driver;
+  const bool started = task.instance != 0;
   const std::vector<ObjectSpec> outputs = task.outputs;
   const bool counted = task.uses_counted;
   tasks_.erase(spec.id);
@@ -309,7 +333,29 @@ void TaskTable::FailTask(TaskEntry& task, const Status& cause) {
       objects_->ReleaseUse(input);
     }
   }
-  MemberFailed(spec, driver, dispatched, error);
+  MemberFailed(spec, driver, started, siblings, error);
+}
+
+void TaskTable::MemberFailed(const TaskSpec& task, WorkerId driver, bool started,
+                             const std::vector<TaskId>& running_siblings, const Status& error) {
+  Result<std::optional<CollectiveMembership>> membership = CollectiveOf(task);
+  if (!membership.ok() || !*membership || (*membership)->group_size < 2) return;
+  const Status why = error.WithContext(
+      fmt::format("member '{}' of collective {} failed", task.name, (*membership)->collective));
+  if (started) {
+    // Its instance was abandoned (the members' workers cancel it): its siblings end with it.
+    for (TaskId id : running_siblings) {
+      auto it = tasks_.find(id);
+      if (id != task.id && it != tasks_.end() && it->second.state == TaskState::kRunning) {
+        FailTask(it->second, why);
+      }
+    }
+    return;
+  }
+  for (TaskId id : gangs_.MemberFailed(driver, **membership, task.id, why)) {
+    auto it = tasks_.find(id);
+    if (it != tasks_.end()) FailTask(it->second, why);
+  }
 }
 
 void TaskTable::InputSealed(TaskId id) {
@@ -331,11 +377,11 @@ void TaskTable::InputFailed(TaskId id, const ObjectSpec& object, const Status& e
 void TaskTable::WorkerDied(WorkerId worker, const std::string& who, const Status& reason) {
   std::vector<TaskId> in_flight;
   for (const auto& [id, task] : tasks_) {
-    if (task.state == TaskState::kDispatched && task.worker == worker) in_flight.push_back(id);
+    if (task.state == TaskState::kRunning && task.worker == worker) in_flight.push_back(id);
   }
   for (TaskId id : in_flight) {
     auto it = tasks_.find(id);
-    if (it == tasks_.end()) continue;
+    if (it == tasks_.end() || it->second.state != TaskState::kRunning) continue;  // a sibling's
     TaskEntry& task = it->second;
     std::vector<std::string> missing;
     for (ObjectId input : task.spec.inputs) {
@@ -344,50 +390,26 @@ void TaskTable::WorkerDied(WorkerId worker, const std::string& who, const Status
         missing.push_back(object == nullptr ? input.ToString() : object->spec.name);
       }
     }
-    // A collective member cannot move: its group is the workers it was dispatched with.
-    const bool member = task.spec.attrs.Has(kCollectiveAttr);
+    const Status died = Unavailable(
+        "task '{}' was running on {}, which died ({}); {}", task.spec.name, who, reason.message(),
+        missing.empty() ? fmt::format("it already ran {} times", task.attempts)
+                        : fmt::format("lost inputs: {}", fmt::join(missing, ", ")));
+    // A collective member cannot move: its group is the workers it ran on.
+    if (task.spec.attrs.Has(kCollectiveAttr)) {
+      FailTask(task, died);
+      continue;
+    }
+    instances_of_.erase(task.instance);
+    instances_->Abandon(task.graph, task.instance, died);
+    LeaveWorker(task);
     if (!missing.empty() && WaitAgainForRebuiltInputs(task)) continue;
-    if (missing.empty() && task.attempts < max_attempts_ && !member) {
+    if (missing.empty() && task.attempts < max_attempts_) {
       GetLogger("scheduler")->info("retrying task '{}' after {} died", task.spec.name, who);
-      task.state = TaskState::kWaiting;
       MakeReady(id);
     } else {
-      FailTask(task, Unavailable("task '{}' was running on {}, which died ({}); {}", task.spec.name,
-                                 who, reason.message(),
-                                 missing.empty()
-                                     ? fmt::format("it already ran {} times", task.attempts)
-                                     : fmt::format("lost inputs: {}", fmt::join(missing, ", "))));
+      FailTask(task, died);
     }
   }
-}
-
-void TaskTable::Flush(Outbox& outbox) {
-  for (const auto& [worker, ids] : dispatch_batches_) {
-    if (ids.empty()) continue;
-    std::vector<TaskDispatch> batch;
-    batch.reserve(ids.size());
-    for (TaskId id : ids) {
-      const TaskEntry& task = tasks_.at(id);
-      TaskDispatch& out = batch.emplace_back();
-      out.spec = &task.spec;
-      out.outputs = &task.outputs;
-      for (ObjectId input : task.spec.inputs) {
-        const ObjectEntry& object = objects_->at(input);
-        out.input_metas.push_back(&object.spec.meta);
-        if (std::find(object.holders.begin(), object.holders.end(), worker) !=
-            object.holders.end()) {
-          continue;  // already there
-        }
-        if (object.inline_data.empty()) {
-          out.sources.push_back(SourceOf(object, *participants_));
-        } else {
-          out.inline_inputs.push_back(InlineObject{object.spec.id.value(), object.inline_data});
-        }
-      }
-    }
-    SendDispatchTasks(outbox, worker, batch);
-  }
-  dispatch_batches_.clear();
 }
 
 }  // namespace tessera

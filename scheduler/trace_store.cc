@@ -32,17 +32,19 @@ std::shared_ptr<const TraceStore::Labels> TraceStore::LabelsFor(
 }
 
 void TraceStore::Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
-                        const std::vector<TaskSpec>* tasks,
-                        const std::vector<ObjectSpec>* objects) {
-  auto it = std::find_if(instances_.begin(), instances_.end(), [&](const Instance& entry) {
+                        const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
+                        bool submitted) {
+  std::deque<Instance>& kept = submitted ? submitted_ : instances_;
+  const size_t most = submitted ? kSubmittedInstances : static_cast<size_t>(max_instances_);
+  auto it = std::find_if(kept.begin(), kept.end(), [&](const Instance& entry) {
     return entry.graph == graph && entry.instance == instance;
   });
-  if (it == instances_.end()) {
-    instances_.push_back(Instance{graph, instance, LabelsFor(graph, tasks, objects), {}});
-    it = std::prev(instances_.end());
-    while (static_cast<int>(instances_.size()) > max_instances_) {
-      instances_.pop_front();
-      it = std::prev(instances_.end());
+  if (it == kept.end()) {
+    kept.push_back(Instance{graph, instance, LabelsFor(graph, tasks, objects), {}});
+    it = std::prev(kept.end());
+    while (kept.size() > most) {
+      kept.pop_front();
+      it = std::prev(kept.end());
     }
     // Labels of graphs no kept instance uses any more.
     std::erase_if(labels_, [](const auto& entry) { return entry.second.expired(); });
@@ -60,6 +62,11 @@ std::vector<TimelineSpan> TraceStore::Collect(
     chosen.push_back(&*it);
   }
   std::reverse(chosen.begin(), chosen.end());
+  if (graph == 0) {  // with the steps, the submitted tasks' latest instances
+    for (const Instance& instance : submitted_) {
+      if (!running || !running(instance.graph, instance.instance)) chosen.push_back(&instance);
+    }
+  }
   std::vector<TimelineSpan> spans;
   for (const Instance* instance : chosen) {
     const Labels& labels = *instance->labels;

@@ -2,10 +2,12 @@
 //
 // Each worker sends its spans of an instance with InstanceFinished (core/timeline.h
 // WorkerSpans: graph-local task and object ids, times on the system clock). The store keeps the
-// spans of the latest `max_instances` instances, whatever their graph (older ones are dropped
-// whole as newer ones arrive: memory is bounded by max_instances times the spans of an
-// instance), with the graph's task names, layers, ops and kinds (core/timeline.h ClassifyTask),
-// resolved once per graph and shared by its instances.
+// spans of the latest `max_instances` instances of drivers' registered graphs (the steps),
+// whatever their graph (older ones are dropped whole as newer ones arrive: memory is bounded by
+// max_instances times the spans of an instance), and apart from them those of the latest
+// kSubmittedInstances submitted tasks (one-task instances, so a burst of them never pushes the
+// steps out), with the graph's task names, layers, ops and kinds (core/timeline.h
+// ClassifyTask), resolved once per graph and shared by its instances.
 //
 // Thread safety: none; the scheduler's io thread drives it.
 #pragma once
@@ -30,14 +32,19 @@ class TraceStore {
   // REQUIRES: max_instances >= 1.
   explicit TraceStore(int max_instances);
 
-  // `worker`'s spans of an instance of `graph` (whose tasks and objects, graph-local ids dense
-  // from 1, label them; null when the graph is unknown: spans are then named by their ids).
-  void Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
-              const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects);
+  static constexpr size_t kSubmittedInstances = 256;
 
-  // The spans of the latest `last` instances kept (of `graph` only, when non-zero), oldest
-  // instance first, leaving out those `running` says are not finished (a worker's spans may still
-  // be on their way). last <= 0: every instance kept.
+  // `worker`'s spans of an instance of `graph` (whose tasks and objects, graph-local ids dense
+  // from 1, label them; null when the graph is unknown: spans are then named by their ids);
+  // `submitted`: a submitted task's (or dynamic collective's) instance, not a driver's graph's.
+  void Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
+              const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
+              bool submitted = false);
+
+  // The spans of the latest `last` drivers' graph instances kept (of `graph` only, when
+  // non-zero), oldest instance first, leaving out those `running` says are not finished (a
+  // worker's spans may still be on their way); last <= 0: every one kept. Asked for any graph
+  // (0), the kept submitted tasks' spans come too.
   std::vector<TimelineSpan> Collect(int last, uint64_t graph,
                                     const std::function<bool(uint64_t, uint64_t)>& running) const;
 
@@ -65,6 +72,7 @@ class TraceStore {
 
   const int max_instances_;
   std::deque<Instance> instances_;                          // oldest first
+  std::deque<Instance> submitted_;                          // oldest first
   std::map<uint64_t, std::weak_ptr<const Labels>> labels_;  // by graph, while instances use them
 };
 

@@ -150,41 +150,53 @@ void CollectiveEngine::Stop() {
 
 CollectiveEngine::~CollectiveEngine() {
   Stop();
-  std::map<StreamId, Stream> left;
+  std::map<int64_t, Queued> left;
   {
     std::lock_guard lock(mutex_);
-    left.swap(streams_);
+    left.swap(queued_);
   }
   thread_.join();
-  for (auto& [id, stream] : left) {
-    for (auto& [position, queued] : stream.queued) queued.done(Cancelled("the worker is stopping"));
-  }
+  for (auto& [position, queued] : left) queued.done(Cancelled("the worker is stopping"));
 }
 
-void CollectiveEngine::Submit(const StreamId& stream, int64_t position, CollectiveMember member,
+void CollectiveEngine::Submit(const InstanceId& instance, int64_t position, CollectiveMember member,
                               Done done) {
+  Status refused;
   {
     std::lock_guard lock(mutex_);
-    if (!stopping_) {
-      streams_[stream].queued.emplace(position, Queued{std::move(member), std::move(done)});
+    if (stopping_) {
+      refused = Cancelled("the worker is stopping");
+    } else if (auto failed = failed_.find(instance); failed != failed_.end()) {
+      refused = failed->second;
+      if (position >= next_) passing_.insert(position);
+      changed_.notify_all();
+    } else {
+      queued_.emplace(position, Queued{instance, std::move(member), std::move(done)});
       changed_.notify_all();
       return;
     }
   }
-  done(Cancelled("the worker is stopping"));
+  done(refused);
 }
 
-void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
-  Stream ended;
+void CollectiveEngine::EndInstance(const InstanceId& instance,
+                                   const std::vector<int64_t>& positions, const Status& reason) {
+  std::vector<Queued> ended;
   std::shared_ptr<SchedulerRendezvous> forming;
   {
     std::lock_guard lock(mutex_);
-    auto it = streams_.find(stream);
-    if (it != streams_.end()) {
-      ended = std::move(it->second);
-      streams_.erase(it);
+    failed_.erase(instance);
+    for (int64_t position : positions) {
+      if (position < next_) continue;  // ran, or passed
+      auto queued = queued_.find(position);
+      if (queued != queued_.end() && queued->second.instance == instance) {
+        ended.push_back(std::move(queued->second));
+        queued_.erase(queued);
+      }
+      if (!queued_.contains(position)) passing_.insert(position);
     }
-    if (!reason.ok() && running_group_ != 0 && running_stream_ == stream) {
+    changed_.notify_all();
+    if (!reason.ok() && running_group_ != 0 && running_instance_ == instance) {
       // The collective in progress belongs to a failed instance: stop it now (the other members
       // are being cancelled too); the group forms again next time.
       auto group = groups_.find(running_group_);
@@ -199,7 +211,11 @@ void CollectiveEngine::EndStream(const StreamId& stream, const Status& reason) {
   if (forming) forming->Fail(reason);
   const Status why =
       reason.ok() ? Cancelled("the instance ended before this collective ran") : reason;
-  for (auto& [position, queued] : ended.queued) queued.done(why);
+  for (Queued& queued : ended) queued.done(why);
+}
+
+bool CollectiveEngine::NextIsDue() const {
+  return queued_.contains(next_) || passing_.contains(next_);
 }
 
 void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
@@ -262,33 +278,20 @@ void CollectiveEngine::Loop() {
     Queued next;
     {
       std::unique_lock lock(mutex_);
-      StreamId chosen;
-      bool found = false;
-      changed_.wait(lock, [&] {
-        if (stopping_) return true;
-        for (auto& [id, stream] : streams_) {
-          if (stream.queued.contains(stream.next)) {
-            chosen = id;
-            found = true;
-            return true;
-          }
-        }
-        return false;
-      });
+      changed_.wait(lock, [&] { return stopping_ || NextIsDue(); });
       if (stopping_) return;
-      if (!found) continue;
-      Stream& stream = streams_.at(chosen);
-      auto item = stream.queued.find(stream.next);
+      const int64_t position = next_++;
+      if (passing_.erase(position) > 0) continue;
+      auto item = queued_.find(position);
       next = std::move(item->second);
-      stream.queued.erase(item);
-      ++stream.next;
-      if (!stream.failed.ok()) {
-        const Status failed = stream.failed;
+      queued_.erase(item);
+      if (auto failed = failed_.find(next.instance); failed != failed_.end()) {
+        const Status why = failed->second;
         lock.unlock();
-        next.done(failed);
+        next.done(why);
         continue;
       }
-      running_stream_ = chosen;
+      running_instance_ = next.instance;
       running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
       const Attrs& attrs = next.member.attrs;
       in_progress_ = CollectiveInProgress{.task = next.member.task,
@@ -315,10 +318,7 @@ void CollectiveEngine::Loop() {
       in_progress_ = CollectiveInProgress{};
       ++stats_.collectives_run;
       sent = stats_.bytes_sent - sent_before;
-      auto stream = streams_.find(running_stream_);
-      if (!status.ok() && running_stream_ != kDynamicStream && stream != streams_.end()) {
-        stream->second.failed = status;
-      }
+      if (!status.ok()) failed_.emplace(running_instance_, status);
     }
     if (next.member.on_ran && !next.member.op.empty()) {
       next.member.on_ran(started_us, ended_us, sent);

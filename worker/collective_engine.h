@@ -3,11 +3,13 @@
 // compute (as NCCL runs on its own CUDA stream).
 //
 // Order. Members arrive as they become ready (their inputs are local), in any order. Each
-// belongs to a stream — a graph instance, or the worker's dynamically dispatched tasks — and
-// has a position in it that the scheduler assigned from one global order consistent with the
-// graph (core/collective_task.h). A stream's members run strictly by position: every worker of
-// a group reaches the group's collectives in the same order, so none waits on another that
-// waits on it.
+// belongs to an instance (of a registered graph, a submitted collective: all work is instances)
+// and has a position in the worker's one order of collectives: the scheduler counts every member
+// of every instance it starts on this worker (core/collective_task.h: the instance's base on
+// this worker plus the member's place among the instance's members here). Members run strictly
+// by position: every worker of a group reaches the group's collectives in the same order, so none
+// waits on another that waits on it. An instance that ends says which of its positions it will
+// never submit (EndInstance), so the order moves past them.
 //
 // Communicators. One per collective group (the workers of a collective, in rank order), formed
 // the first time the group meets, with the scheduler as rendezvous (CollectiveJoin /
@@ -26,8 +28,9 @@
 // that lands as a collective finishes drops it after that collective — an aborted communicator is
 // never used again.
 //
-// Thread safety: Submit, EndStream and the scheduler's messages from any thread; `done`
-// callbacks run on the engine's thread.
+// Thread safety: Submit, EndInstance and the scheduler's messages from any thread; `done`
+// callbacks run on the engine's thread (or the caller's, for members of an instance that
+// already failed).
 #pragma once
 
 #include <chrono>
@@ -37,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -86,9 +90,7 @@ struct CollectiveInProgress {
 
 class CollectiveEngine {
  public:
-  using StreamId = std::pair<uint64_t, uint64_t>;  // (graph, instance); (0, 0): dynamic tasks
-  // Dynamically dispatched members share this stream, ordered by the scheduler.
-  static constexpr StreamId kDynamicStream{0, 0};
+  using InstanceId = std::pair<uint64_t, uint64_t>;  // (graph, instance)
   using Done = std::function<void(const Status&)>;
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
 
@@ -96,13 +98,15 @@ class CollectiveEngine {
   CollectiveEngine(const Settings& settings, SendToScheduler send, KernelContext copier = {});
   ~CollectiveEngine();
 
-  // Queues a member; it runs once every earlier position of its stream has. `done` gets its
-  // result. A member with an empty op is a placeholder for one that failed before it got here:
-  // its position passes (done gets Cancelled).
-  void Submit(const StreamId& stream, int64_t position, CollectiveMember member, Done done);
-  // The stream is over: queued members fail with `reason`; with an error reason, a member of it
-  // in progress is aborted too.
-  void EndStream(const StreamId& stream, const Status& reason);
+  // Queues a member of `instance` at `position` in the worker's order; it runs once every earlier
+  // position has run or passed. `done` gets its result. A member of an instance that already
+  // failed fails at once with that error (its position passes).
+  void Submit(const InstanceId& instance, int64_t position, CollectiveMember member, Done done);
+  // The instance is over here, and `positions` are all its members' positions on this worker:
+  // those never submitted pass, queued ones fail with `reason` (Cancelled when OK); with an
+  // error reason, a member of it in progress is aborted too.
+  void EndInstance(const InstanceId& instance, const std::vector<int64_t>& positions,
+                   const Status& reason);
 
   // The worker is stopping: the collective in progress (or a group forming) fails at once, and
   // nothing queued or submitted later runs (each fails with Cancelled by the destructor or on
@@ -120,16 +124,9 @@ class CollectiveEngine {
  private:
   class SchedulerRendezvous;
   struct Queued {
+    InstanceId instance;
     CollectiveMember member;
     Done done;
-  };
-  struct Stream {
-    int64_t next = 0;
-    std::map<int64_t, Queued> queued;  // by position
-    // A graph instance's first failed member: its instance fails, so its later members fail
-    // with this at once instead of forming a group the other members will never join (which
-    // would also move this worker's epoch of that group past theirs).
-    Status failed;
   };
   struct Group {
     uint32_t epoch = 0;
@@ -148,12 +145,21 @@ class CollectiveEngine {
   SendToScheduler send_;
   const KernelContext copier_;
 
+  // Whether the member at `next_` is queued or passes (under mutex_).
+  bool NextIsDue() const;
+
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::map<StreamId, Stream> streams_;
+  int64_t next_ = 0;                  // the next position to run
+  std::map<int64_t, Queued> queued_;  // by position
+  std::set<int64_t> passing_;         // positions of ended instances never submitted
+  // An instance's first failed member: its instance fails, so its later members fail with this
+  // at once instead of forming a group the other members will never join (which would also move
+  // this worker's epoch of that group past theirs). Until the instance ends here.
+  std::map<InstanceId, Status> failed_;
   std::map<uint64_t, Group> groups_;  // engine thread, except rendezvous lookups under mutex_
   uint64_t running_group_ = 0;        // the group of the member in progress (0: none)
-  StreamId running_stream_{0, 0};
+  InstanceId running_instance_{0, 0};
   CollectiveInProgress in_progress_;
   CollectiveEngineStats stats_;
   bool stopping_ = false;

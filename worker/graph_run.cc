@@ -184,7 +184,7 @@ void GraphExecution::Offload(int t) {
   TaskRunCounters counters;
   Result<std::vector<Tensor>> outputs = PrepareTaskOutputs(
       task, in, OutputMetasOf(task), executor_.context(),
-      [&](int input_index) { return TakeDonation(task, in, input_index); }, &counters);
+      [&](int input_index) { return TakeDonation(task, in, input_index); }, &counters, NameOf(t));
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
   if (!outputs.ok()) return Fail(outputs.status());
@@ -206,7 +206,7 @@ void GraphExecution::OffloadDone(int t, std::vector<Tensor>& outputs, const Stat
   TESSERA_CHECK(entered, "a run ended with an offloaded task out");
   std::vector<int> ready;
   if (!status.ok()) {
-    Fail(status.WithContext(TaskContext(graph().tasks()[static_cast<size_t>(t)])));
+    Fail(status.WithContext(TaskContext(graph().tasks()[static_cast<size_t>(t)], NameOf(t))));
   } else if (!failed_.load()) {
     FinishTask(t, outputs, &ready);
   }
@@ -256,7 +256,7 @@ void GraphExecution::RunTask(int t, std::vector<int>* ready) {
   Result<std::vector<Tensor>> ran = RunTaskKernel(
       *prepared_.kernels_[static_cast<size_t>(t)], task, in, OutputMetasOf(task),
       executor_.context(), [&](int input_index) { return TakeDonation(task, in, input_index); },
-      &counters);
+      &counters, NameOf(t));
   kernel_running_[t].store(false, std::memory_order_relaxed);
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
@@ -387,7 +387,8 @@ RunActivity GraphExecution::Activity() const {
   if (ended_) return activity;
   for (int t = 0; t < num_tasks_; ++t) {
     if (kernel_running_[t].load(std::memory_order_relaxed)) {
-      activity.running.push_back(graph().tasks()[static_cast<size_t>(t)].name);
+      activity.running.emplace_back(NameOf(t).empty() ? graph().tasks()[static_cast<size_t>(t)].name
+                                                      : std::string(NameOf(t)));
     }
   }
   for (int index = 0; index < num_objects_; ++index) {

@@ -112,6 +112,10 @@ struct RunHooks {
   std::function<void(const TaskSpec&, std::vector<Tensor> inputs, std::vector<Tensor> outputs,
                      OffloadDone done)>
       offload;
+  // Per task index, the name errors and activity give it instead of the graph's own (an
+  // instance's names for the tasks of a graph many instances share: a submitted task's own
+  // name); empty: the graph's names.
+  std::vector<std::string> task_names;
   // Called once if the run fails, with the error, once no kernel of the run runs any more but
   // offloaded tasks may still be out: the owner should make them finish soon (abort their
   // collectives). The run ends only after every offloaded task is done.
@@ -178,6 +182,13 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   bool ended() const;
 
   const Graph& graph() const { return prepared_.graph(); }
+  // Task t's name for this run's errors and activity: the hooks' override, else empty (the
+  // graph's own).
+  std::string_view NameOf(int t) const {
+    return static_cast<size_t>(t) < hooks_.task_names.size()
+               ? std::string_view(hooks_.task_names[static_cast<size_t>(t)])
+               : std::string_view();
+  }
   int32_t priority(int task) const { return prepared_.graph().tasks()[task].priority; }
 
  private:

@@ -43,7 +43,9 @@ struct GraphRunner::Part {
   std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
   std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
   std::vector<uint64_t> producer_worker;  // graph-local index -> the worker producing it (0: input)
-  bool has_collectives = false;  // engine members among its tasks: instances run one at a time
+  // Its engine members' places among the graph's members on this worker (their `position`
+  // attributes): an instance adds its base here.
+  std::vector<int64_t> collective_positions;
 };
 
 struct GraphRunner::Instance {
@@ -59,8 +61,15 @@ struct GraphRunner::Instance {
   std::vector<Pull> pulls;
   Status error;  // failed before it started
   std::shared_ptr<Part> part;
+  // This worker's positions of the instance's collective members in its one order of
+  // collectives (the part's places plus the instance's base here).
+  std::vector<int64_t> positions;
+  int64_t collective_base = 0;
+  // Per graph task, this instance's own name and collective id for it (a submitted task's, a
+  // submitted collective's); empty: the part's.
+  std::vector<std::string> task_names;
+  std::vector<int64_t> collective_ids;
   uint64_t sequence = 0;                // arrival order
-  bool holds_turn = false;              // the instance with collectives in flight
   std::shared_ptr<GraphExecution> run;  // once started on the executor (under mutex_)
 
   std::shared_ptr<Outcome> outcome = std::make_shared<Outcome>();
@@ -92,7 +101,6 @@ GraphRunner::~GraphRunner() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
-    collective_queue_.clear();
     for (const auto& [key, instance] : in_flight_) {
       if (instance->run != nullptr) runs.push_back(instance->run);
     }
@@ -104,6 +112,10 @@ GraphRunner::~GraphRunner() {
 }
 
 void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
+  {
+    std::lock_guard lock(mutex_);
+    self_ = self;
+  }
   auto part = std::make_shared<Part>();
   part->id = wire.getGraphId();
   Status status = [&]() -> Status {
@@ -207,7 +219,10 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
         part->produced_outputs.emplace_back(mapped, i);
       }
     }
-    part->has_collectives = std::ranges::any_of(part->local.tasks(), IsEngineMember);
+    for (const TaskSpec& task : part->local.tasks()) {
+      if (IsEngineMember(task))
+        part->collective_positions.push_back(task.attrs.GetInt(kPositionAttr, 0));
+    }
     TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(part->local));
     part->prepared = std::make_unique<PreparedGraph>(std::move(prepared));
     return Status::Ok();
@@ -263,6 +278,11 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
   auto instance = std::make_shared<Instance>();
   instance->key = {run.getGraphId(), run.getInstance()};
   for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
+  for (proto::CollectiveBase::Reader base : run.getCollectiveBases()) {
+    if (base.getWorker() == self_) instance->collective_base = base.getBase();
+  }
+  for (capnp::Text::Reader name : run.getTaskNames()) instance->task_names.push_back(name);
+  for (int64_t id : run.getCollectiveIds()) instance->collective_ids.push_back(id);
   std::shared_ptr<Part> part;
   {
     std::lock_guard lock(mutex_);
@@ -275,6 +295,9 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
     instance->error = part->error;
   } else {
     instance->part = part;
+    for (int64_t position : part->collective_positions) {
+      instance->positions.push_back(instance->collective_base + position);
+    }
     auto local_input = [&](uint64_t graph_local) -> ObjectId {
       if (graph_local == 0 || graph_local > part->local_of.size()) return ObjectId();
       return part->local_of[graph_local - 1];
@@ -317,34 +340,26 @@ void GraphRunner::Admit(std::shared_ptr<Instance> instance) {
     std::lock_guard lock(mutex_);
     if (stopping_) return;
     instance->sequence = next_sequence_++;
-    if (instance->error.ok() && instance->part->has_collectives && engine_ != nullptr) {
-      if (collective_turn_taken_) {
-        collective_queue_.push_back(std::move(instance));  // Retire starts it in its turn
-        return;
-      }
-      collective_turn_taken_ = true;
-      instance->holds_turn = true;
-    }
     in_flight_[instance->key] = instance;
   }
   Launch(std::move(instance));
 }
 
 void GraphRunner::Launch(std::shared_ptr<Instance> instance) {
-  while (instance != nullptr) {
-    {
-      std::lock_guard lock(mutex_);
-      auto cancelled = cancelled_.find(instance->key);
-      if (cancelled != cancelled_.end()) {
-        if (instance->error.ok()) instance->error = cancelled->second;
-        cancelled_.erase(cancelled);
-      }
+  {
+    std::lock_guard lock(mutex_);
+    auto cancelled = cancelled_.find(instance->key);
+    if (cancelled != cancelled_.end()) {
+      if (instance->error.ok()) instance->error = cancelled->second;
+      cancelled_.erase(cancelled);
     }
-    if (instance->error.ok()) instance->error = Begin(instance);
-    if (instance->error.ok()) return;  // on the executor; Ended takes it from there
-    Report(instance->key, instance->error, {});
-    instance = Retire(*instance);
   }
+  if (instance->error.ok()) instance->error = Begin(instance);
+  if (instance->error.ok()) return;  // on the executor; Ended takes it from there
+  // Its collectives never come: the worker's order moves past them.
+  if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->positions, instance->error);
+  Report(instance->key, instance->error, {});
+  Retire(*instance);
 }
 
 std::vector<GraphRunActivity> GraphRunner::Activity() {
@@ -549,16 +564,30 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
   // Collective members go to the worker's communication stream, in the scheduler's order.
   if (engine_ != nullptr) {
     hooks.offloaded = IsEngineMember;
-    hooks.offload = [this, key, outcome](const TaskSpec& task, std::vector<Tensor> in,
-                                         std::vector<Tensor> out, RunHooks::OffloadDone done) {
+    hooks.offload = [this, key, outcome, part, base = instance.collective_base,
+                     names = instance.task_names, ids = instance.collective_ids](
+                        const TaskSpec& task, std::vector<Tensor> in, std::vector<Tensor> out,
+                        RunHooks::OffloadDone done) {
       CollectiveMember member{task.name, task.op, task.attrs, std::move(in), std::move(out), {}};
+      // The instance's own identity for the member of a graph many instances share.
+      const uint64_t graph_task = part->graph_task_of[task.id.value() - 1];
+      if (graph_task <= names.size()) member.task = names[graph_task - 1];
+      if (graph_task <= ids.size()) member.attrs.Set(kCollectiveAttr, ids[graph_task - 1]);
       member.on_ran = [outcome, id = task.id](int64_t start_us, int64_t end_us, int64_t bytes) {
         std::lock_guard lock(outcome->mutex);
         outcome->collectives[id] = WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
       };
-      engine_->Submit(key, task.attrs.GetInt(kPositionAttr, 0), std::move(member), std::move(done));
+      engine_->Submit(key, base + task.attrs.GetInt(kPositionAttr, 0), std::move(member),
+                      std::move(done));
     };
-    hooks.on_failed = [this, key](const Status& error) { engine_->EndStream(key, error); };
+    hooks.on_failed = [this, key, positions = instance.positions](const Status& error) {
+      engine_->EndInstance(key, positions, error);
+    };
+  }
+  for (uint64_t graph_task : part->graph_task_of) {
+    hooks.task_names.push_back(graph_task <= instance.task_names.size()
+                                   ? instance.task_names[graph_task - 1]
+                                   : std::string());
   }
   return hooks;
 }
@@ -637,7 +666,7 @@ Status GraphRunner::StartPulls(const Instance& instance) {
 
 void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) {
   const Key key = instance->key;
-  if (engine_ != nullptr) engine_->EndStream(key, result.status());
+  if (engine_ != nullptr) engine_->EndInstance(key, instance->positions, result.status());
   Outcome& outcome = *instance->outcome;
   if (result.ok()) {
     std::lock_guard lock(outcome.mutex);
@@ -649,7 +678,7 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
     for (const auto& [local, index] : instance->part->produced_outputs) {
       sealed.emplace_back(instance->output_ids.at(index), std::move(result->outputs.at(local)));
     }
-  } else {
+  } else if (key.first < kFirstSchedulerGraphId) {  // a submitted task's error names the task
     error = error.WithContext(fmt::format("graph {} instance {}", key.first, key.second));
   }
   {
@@ -659,10 +688,7 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
     outcome.sealed = std::move(sealed);
   }
   ReportWhenPushed(key, outcome);
-  // The next instance with collectives, when this one held the turn. (Without one, `this` may
-  // be gone once Retire returned: the destructor waits for nothing else.)
-  std::shared_ptr<Instance> next = Retire(*instance);
-  if (next != nullptr) Launch(std::move(next));
+  Retire(*instance);  // `this` may be gone once it returned: the destructor waits for it
 }
 
 InstanceFigures GraphRunner::FiguresOf(const Part& part, const RunStats& stats,
@@ -691,27 +717,26 @@ InstanceFigures GraphRunner::FiguresOf(const Part& part, const RunStats& stats,
   return figures;
 }
 
-std::shared_ptr<GraphRunner::Instance> GraphRunner::Retire(const Instance& instance) {
-  std::shared_ptr<Instance> next;
+void GraphRunner::Retire(const Instance& instance) {
   {
     std::lock_guard lock(mutex_);
     in_flight_.erase(instance.key);
     arrivals_.erase(instance.key);
     finished_.push_back(instance.key);
     if (finished_.size() > kRememberedInstances) finished_.pop_front();
-    if (instance.holds_turn) {
-      if (!collective_queue_.empty() && !stopping_) {
-        next = std::move(collective_queue_.front());
-        collective_queue_.pop_front();
-        next->holds_turn = true;
-        in_flight_[next->key] = next;
-      } else {
-        collective_turn_taken_ = false;
-      }
-    }
+    ++done_;
   }
   retired_.notify_all();  // the destructor waits for in_flight_ to empty
-  return next;
+}
+
+void GraphRunner::RemovePart(uint64_t graph) {
+  std::lock_guard lock(mutex_);
+  parts_.erase(graph);
+}
+
+GraphRunnerStats GraphRunner::stats() {
+  std::lock_guard lock(mutex_);
+  return GraphRunnerStats{static_cast<int64_t>(in_flight_.size()), done_};
 }
 
 void GraphRunner::Report(const Key& key, const Status& error,
@@ -721,17 +746,21 @@ void GraphRunner::Report(const Key& key, const Status& error,
   auto finished = message.initRoot<proto::Envelope>().initBody().initInstanceFinished();
   finished.setGraphId(key.first);
   finished.setInstance(key.second);
-  auto report = finished.initReport();
-  report.setGraphId(key.first);
-  report.setInstance(key.second);
-  auto peaks = report.initRolePeaks(static_cast<unsigned>(kObjectRoles));
-  for (unsigned r = 0; r < kObjectRoles; ++r) peaks.set(r, figures.role_bytes.peak[r]);
-  report.setModelStatePeak(figures.role_bytes.model_state_peak);
-  report.setTransientPeak(figures.role_bytes.transient_peak);
-  report.setAllocatorPeak(figures.allocator_peak);
-  report.setCollectiveBytesSent(figures.collective_bytes);
-  report.setPushedBytes(figures.pushed_bytes);
-  report.setWallMicros(static_cast<int64_t>(figures.wall_ms * 1000));
+  // A step's figures (the dashboard's per-rank memory); a submitted task's instance has none
+  // worth a report.
+  if (key.first < kFirstSchedulerGraphId) {
+    auto report = finished.initReport();
+    report.setGraphId(key.first);
+    report.setInstance(key.second);
+    auto peaks = report.initRolePeaks(static_cast<unsigned>(kObjectRoles));
+    for (unsigned r = 0; r < kObjectRoles; ++r) peaks.set(r, figures.role_bytes.peak[r]);
+    report.setModelStatePeak(figures.role_bytes.model_state_peak);
+    report.setTransientPeak(figures.role_bytes.transient_peak);
+    report.setAllocatorPeak(figures.allocator_peak);
+    report.setCollectiveBytesSent(figures.collective_bytes);
+    report.setPushedBytes(figures.pushed_bytes);
+    report.setWallMicros(static_cast<int64_t>(figures.wall_ms * 1000));
+  }
   if (error.ok()) rpc::ToWire(figures.spans, finished.initSpans());
   Status status = error;
   std::vector<std::pair<ObjectId, std::string>> reported;  // id, inline bytes

@@ -18,16 +18,17 @@
 // A failure anywhere (a kernel, a pull, a push, or a cancel from the scheduler) ends the
 // instance with an error.
 //
-// Concurrency. Instances start as they arrive (Start returns at once: the executor runs them,
-// InProcessExecutor::Start) and run concurrently, their ready tasks ordered by priority across
-// all of them in the executor's queue. Except instances whose part has collective members (of
-// more than one member): those run one at a time, in arrival order. Their members reach the
-// collective engine by position within their instance, but the engine takes whichever
-// instance's next member is there first; two such instances in flight at once could meet a
-// group's collectives in different orders on different workers, each waiting on a peer that
-// waits on it. One at a time, every worker runs the instances' collectives in the order the
-// scheduler sent the instances, which it sends to every worker alike. An instance without
-// collectives runs beside them.
+// Every instance runs here: a driver's step, a submitted task's one-task graph, a submitted
+// collective's graph of members. Instances start as they arrive (Start returns at once: the
+// executor runs them, InProcessExecutor::Start) and run concurrently, their ready tasks ordered
+// by priority across all of them in the executor's queue. Collective members go to the
+// collective engine at their position in the worker's one order of collectives (the part's place
+// plus the instance's base, RunGraph's collectiveBases), which the scheduler counts alike for
+// every worker, so concurrent instances never meet a group's collectives in different orders; an
+// instance that ends passes the positions of members it never submitted (EndInstance). An
+// instance may carry its own names for its tasks and its own collective ids (a submitted task's
+// and collective's, RunGraph's taskNames and collectiveIds): errors, waits and the engine use
+// them.
 //
 // Thread safety: every method may be called from any thread (AddPart/Start/Cancel come from the
 // io thread, push handlers from the data plane's thread, Activity from the heartbeat). Instance
@@ -81,6 +82,12 @@ struct GraphRunActivity {
   std::vector<Awaited> awaited;  // inputs from other workers not here yet
 };
 
+// Instances in flight here, and those ended since the start.
+struct GraphRunnerStats {
+  int64_t running = 0;
+  int64_t done = 0;
+};
+
 class GraphRunner {
  public:
   using SendToScheduler = std::function<void(capnp::MessageBuilder&)>;
@@ -105,6 +112,9 @@ class GraphRunner {
   // Every instance in progress (its run started on the executor and not ended) and what it
   // does, oldest first; empty when none runs.
   std::vector<GraphRunActivity> Activity();
+  // The scheduler forgot graph `graph` (a template it evicted): its part goes.
+  void RemovePart(uint64_t graph);
+  GraphRunnerStats stats();
 
   // Data-plane push handlers.
   Result<void*> AcceptPush(const PushKey& key, int64_t bytes);
@@ -116,11 +126,9 @@ class GraphRunner {
   struct Outcome;
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
 
-  // An instance is ready to start (or failed before it could): start it now, or queue it behind
-  // the instance with collectives in flight.
+  // An instance is ready to start (or failed before it could): it is in flight from now on.
   void Admit(std::shared_ptr<Instance> instance);
-  // Starts instances until one is on the executor: `instance`, and while one fails before it
-  // starts (reported, retired) the next with collectives.
+  // Starts the instance on the executor, or reports and retires it when it cannot start.
   void Launch(std::shared_ptr<Instance> instance);
   // Starts one instance's run on the executor; an error when it could not.
   Status Begin(const std::shared_ptr<Instance>& instance);
@@ -134,9 +142,8 @@ class GraphRunner {
   static InstanceFigures FiguresOf(const Part& part, const RunStats& stats, const Outcome& outcome);
   // Reports the instance when its run has ended and no push is out (once).
   void ReportWhenPushed(const Key& key, Outcome& outcome);
-  // The instance is over here; returns the next instance with collectives to start, when this
-  // one held the turn.
-  std::shared_ptr<Instance> Retire(const Instance& instance);
+  // The instance is over here.
+  void Retire(const Instance& instance);
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
   // the run starts.
   void Arrive(const Key& key, ObjectId local, Tensor tensor);
@@ -160,9 +167,8 @@ class GraphRunner {
   // Instances started here and not retired: their runs (once started) take pushes, cancels and
   // activity queries.
   std::map<Key, std::shared_ptr<Instance>> in_flight_;
-  // Instances with collectives waiting for the one in flight (`collective_turn_taken_`).
-  std::deque<std::shared_ptr<Instance>> collective_queue_;
-  bool collective_turn_taken_ = false;
+  uint64_t self_ = 0;  // this worker's id (every part names it)
+  int64_t done_ = 0;   // instances ended here
   uint64_t next_sequence_ = 0;
   std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_;  // before their run starts
   std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_;

@@ -4,16 +4,18 @@
 
 namespace tessera {
 
-std::string TaskContext(const TaskSpec& task) {
+std::string TaskContext(const TaskSpec& task, std::string_view name) {
+  const std::string_view shown = name.empty() ? std::string_view(task.name) : name;
   return task.layer.empty()
-             ? fmt::format("task '{}' (op {})", task.name, task.op)
-             : fmt::format("task '{}' (layer {}, op {})", task.name, task.layer, task.op);
+             ? fmt::format("task '{}' (op {})", shown, task.op)
+             : fmt::format("task '{}' (layer {}, op {})", shown, task.layer, task.op);
 }
 
 Result<std::vector<Tensor>> PrepareTaskOutputs(
     const TaskSpec& task, const std::vector<Tensor>& inputs,
     const std::vector<TensorMeta>& output_metas, const KernelContext& context,
-    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters) {
+    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters,
+    std::string_view name) {
   std::vector<Tensor> outputs(output_metas.size());
   for (const Donation& donation : task.donations) {
     const Tensor& source = inputs[donation.input_index];
@@ -27,16 +29,16 @@ Result<std::vector<Tensor>> PrepareTaskOutputs(
       }
     }
     Result<Tensor> copy = AllocateOn(meta, context);
-    if (!copy.ok()) return copy.status().WithContext(TaskContext(task));
+    if (!copy.ok()) return copy.status().WithContext(TaskContext(task, name));
     Status copied = CopyTensor(*copy, source, context);
-    if (!copied.ok()) return copied.WithContext(TaskContext(task));
+    if (!copied.ok()) return copied.WithContext(TaskContext(task, name));
     outputs[donation.output_index] = *std::move(copy);
     ++counters->donations_copied;
   }
   for (size_t j = 0; j < outputs.size(); ++j) {
     if (outputs[j].defined()) continue;
     Result<Tensor> tensor = AllocateOn(output_metas[j], context);
-    if (!tensor.ok()) return tensor.status().WithContext(TaskContext(task));
+    if (!tensor.ok()) return tensor.status().WithContext(TaskContext(task, name));
     outputs[j] = *std::move(tensor);
   }
   return outputs;
@@ -131,10 +133,10 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const std::vector<TensorMeta>& output_metas,
                                           const KernelContext& context,
                                           const std::function<bool(int input_index)>& can_donate,
-                                          TaskRunCounters* counters) {
+                                          TaskRunCounters* counters, std::string_view name) {
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<Tensor> outputs,
-      PrepareTaskOutputs(task, inputs, output_metas, context, can_donate, counters));
+      PrepareTaskOutputs(task, inputs, output_metas, context, can_donate, counters, name));
   Status status;
   try {
     status = kernel(context, inputs, outputs, task.attrs);
@@ -143,7 +145,7 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
   } catch (const std::exception& e) {
     status = Internal("kernel threw: {}", e.what());
   }
-  if (!status.ok()) return status.WithContext(TaskContext(task));
+  if (!status.ok()) return status.WithContext(TaskContext(task, name));
   return outputs;
 }
 

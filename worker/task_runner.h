@@ -18,8 +18,10 @@
 
 namespace tessera {
 
-// "task 'h.3/forward' (layer h.3, op transformer_block_forward)": the prefix of a task's errors.
-std::string TaskContext(const TaskSpec& task);
+// "task 'h.3/forward' (layer h.3, op transformer_block_forward)": the prefix of a task's errors;
+// `name`, when given, instead of the task's own (an instance's name for the task of a graph many
+// instances share: a submitted task's).
+std::string TaskContext(const TaskSpec& task, std::string_view name = {});
 
 struct TaskRunCounters {
   int donations_taken = 0;
@@ -33,7 +35,8 @@ struct TaskRunCounters {
 Result<std::vector<Tensor>> PrepareTaskOutputs(
     const TaskSpec& task, const std::vector<Tensor>& inputs,
     const std::vector<TensorMeta>& output_metas, const KernelContext& context,
-    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters);
+    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters,
+    std::string_view name = {});
 
 // A tensor of `meta` from the allocator of its device: the context's host allocator, or its
 // GPU's (FailedPrecondition naming the device when the process has no such GPU).
@@ -66,6 +69,6 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const std::vector<TensorMeta>& output_metas,
                                           const KernelContext& context,
                                           const std::function<bool(int input_index)>& can_donate,
-                                          TaskRunCounters* counters);
+                                          TaskRunCounters* counters, std::string_view name = {});
 
 }  // namespace tessera

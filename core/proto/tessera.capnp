@@ -135,6 +135,9 @@ struct CollectiveWait {
 
 struct SubmitTasks { tasks @0 :List(Task); }
 
+# DispatchedTask, DispatchTasks, TaskResult and TasksFinished are retired (kept for the numbering):
+# a submitted task now runs as an instance of a one-task graph (GraphPart, RunGraph,
+# InstanceFinished), like every other piece of work.
 struct DispatchedTask {
   task @0 :Task;
   sources @1 :List(Source);         # inputs to pull from other processes
@@ -206,6 +209,19 @@ struct RunGraph {
   inputs @2 :List(Binding);
   outputIds @3 :List(UInt64);          # cluster object ids for the graph's outputs, in order
   inlineInputs @4 :List(SealedObject); # scheduler -> worker: small bound inputs (id: graph-local)
+  taskNames @5 :List(Text);            # per graph task: this instance's name for it (a submitted
+                                       # task's own name); empty: the names in the part
+  collectiveBases @6 :List(CollectiveBase);  # per worker with collective members in this instance
+  collectiveIds @7 :List(Int64);       # per graph task: this instance's collective id for a
+                                       # member (a submitted collective's own); empty: the part's
+}
+
+# Every collective member a worker runs has one position in that worker's single order of
+# collectives (core/collective_task.h): the part gives each member its position among the
+# instance's members on its worker; the instance adds the worker's base.
+struct CollectiveBase {
+  worker @0 :UInt64;
+  base @1 :Int64;
 }
 
 struct InstanceFinished {
@@ -216,6 +232,9 @@ struct InstanceFinished {
   report @4 :RunReport;
   spans @5 :InstanceSpans;         # where this worker's time went (absent on failure)
 }
+
+# scheduler -> worker: these placed graphs will not run again here; drop their parts.
+struct ForgetGraphs { graphIds @0 :List(UInt64); }
 
 # One worker's spans of one graph instance (core/timeline.h WorkerSpans). Compact: ids of the
 # graph's tasks and objects, not names (the scheduler has the graph). Times are microseconds of
@@ -393,5 +412,6 @@ struct Envelope {
     timelineRequest @27 :TimelineRequest;
     timelineReply @28 :Timeline;
     jobProgress @29 :JobProgress;  # driver -> scheduler: a training step's figures
+    forgetGraphs @30 :ForgetGraphs;
   }
 }

@@ -108,19 +108,22 @@ class CollectiveEngineTest : public ::testing::Test {
     return member;
   }
 
-  // The all_reduce in instance `instance` on both engines; each engine's result, or its error.
+  // The all_reduce in instance `instance` on both engines, at the next position of both
+  // workers' order; each engine's result, or its error.
   std::vector<Status> AllReduce(uint64_t instance, std::vector<std::vector<float>>* results) {
+    const int64_t position = next_position_++;
     std::vector<std::promise<Status>> done(2);
     std::vector<Tensor> outputs;
     CollectiveEngine* engines[] = {&first_, &second_};
     for (int rank = 0; rank < 2; ++rank) {
       Tensor values = FloatTensor({1000}, std::vector<float>(1000, static_cast<float>(rank + 1)));
       outputs.push_back(values);
-      engines[rank]->Submit({7, instance}, 0, Member(rank, values),
+      engines[rank]->Submit({7, instance}, position, Member(rank, values),
                             [&done, rank](const Status& status) { done[rank].set_value(status); });
     }
     std::vector<Status> statuses;
     for (auto& one : done) statuses.push_back(one.get_future().get());
+    for (CollectiveEngine* engine : engines) engine->EndInstance({7, instance}, {position}, {});
     for (const Tensor& out : outputs) results->push_back(ToVector(out));
     return statuses;
   }
@@ -140,6 +143,7 @@ class CollectiveEngineTest : public ::testing::Test {
     return settings;
   }
 
+  int64_t next_position_ = 0;  // both workers' next position in their order of collectives
   Settings settings_;
   Relay relay_;
   const WorkerId w1_{1}, w2_{2};
@@ -188,8 +192,10 @@ TEST_F(CollectiveEngineTest, AVerdictAboutAFormationAMemberNeverJoinedMovesItsEp
                 [&](const Status& status) { cut_short.set_value(status); });
   // first_ joins epoch 1 and waits for second_, which has no part of instance 1 yet.
   ASSERT_TRUE(Eventually([&] { return first_.InProgress().forming; }));
-  first_.EndStream({7, 1}, Unavailable("instance 1 failed"));
+  first_.EndInstance({7, 1}, {0}, Unavailable("instance 1 failed"));
   EXPECT_FALSE(cut_short.get_future().get().ok());
+  second_.EndInstance({7, 1}, {0}, Unavailable("instance 1 failed"));  // its member never came
+  next_position_ = 1;
   relay_.Abort(group_, Unavailable("instance 1 failed"));
   ExpectSummed(2);  // both form at epoch 2
   EXPECT_EQ(first_.stats().groups_formed, 1);
@@ -206,9 +212,39 @@ TEST_F(CollectiveEngineTest, AFailedInstancesLaterMembersFailWithoutFormingTheGr
                 [&](const Status& s) { later.set_value(s); });
   EXPECT_EQ(placeholder.get_future().get().code(), StatusCode::kCancelled);
   EXPECT_EQ(later.get_future().get().code(), StatusCode::kCancelled);
+  for (CollectiveEngine* engine : {&first_, &second_}) {
+    engine->EndInstance({7, 1}, {0, 1}, Cancelled("instance 1 failed"));
+  }
+  next_position_ = 2;
   ExpectSummed(2);  // formed once, at the same epoch on both
   EXPECT_EQ(first_.stats().groups_formed, 1);
   EXPECT_EQ(second_.stats().groups_formed, 1);
+}
+
+// One order per worker, across instances: a member runs only after every earlier position has run
+// or passed, whichever instance it belongs to; an instance that ends passes the positions it never
+// submitted (a member whose task never became ready).
+TEST_F(CollectiveEngineTest, MembersRunInTheWorkersOneOrderAcrossInstances) {
+  std::promise<Status> early_done;
+  // Instance 2's member (position 1) comes first; it waits for position 0 (instance 1's).
+  first_.Submit({7, 2}, 1, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+                [&](const Status& s) { early_done.set_value(s); });
+  std::future<Status> early = early_done.get_future();
+  EXPECT_EQ(early.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "position 1 ran before position 0";
+  EXPECT_TRUE(first_.InProgress().task.empty());
+  // Instance 1 ends without ever submitting its member: position 0 passes on both workers, and
+  // instance 2's all-reduce runs once second_'s member (position 1 there too) comes.
+  for (CollectiveEngine* engine : {&first_, &second_}) {
+    engine->EndInstance({7, 1}, {0}, Cancelled("instance 1 was cancelled"));
+  }
+  std::promise<Status> other_done;
+  second_.Submit({7, 2}, 1, Member(1, FloatTensor({1000}, std::vector<float>(1000, 2.0f))),
+                 [&](const Status& s) { other_done.set_value(s); });
+  EXPECT_OK(early.get());
+  EXPECT_OK(other_done.get_future().get());
+  next_position_ = 2;
+  ExpectSummed(3);
 }
 
 }  // namespace

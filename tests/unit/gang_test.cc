@@ -74,12 +74,5 @@ TEST(GangTableTest, AHandedBackSiblingIsNotCountedTwice) {
   EXPECT_TRUE(fresh.empty());
 }
 
-TEST(GangTableTest, PositionsCountPerWorker) {
-  GangTable gangs;
-  EXPECT_EQ(gangs.NextPosition(WorkerId(1)), 0);
-  EXPECT_EQ(gangs.NextPosition(WorkerId(1)), 1);
-  EXPECT_EQ(gangs.NextPosition(WorkerId(2)), 0);
-}
-
 }  // namespace
 }  // namespace tessera::testing

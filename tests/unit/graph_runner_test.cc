@@ -82,9 +82,11 @@ class GraphRunnerTest : public ::testing::Test {
   // objects; graph outputs sealed under `output_ids`.
   void Start(uint64_t id, uint64_t instance, const std::vector<ObjectId>& output_ids,
              const std::map<ObjectId, Tensor>& inline_inputs,
-             const std::map<ObjectId, ObjectId>& stored_inputs = {}) {
+             const std::map<ObjectId, ObjectId>& stored_inputs = {},
+             const std::vector<std::string>& task_names = {}) {
     std::vector<std::string> bytes;  // alive while the message is built
     GraphRun run{id, instance, output_ids, {}, {}};
+    run.task_names = task_names;
     for (const auto& [local, tensor] : inline_inputs) {
       bytes.emplace_back(static_cast<const char*>(tensor.raw_data()),
                          static_cast<size_t>(tensor.bytes()));
@@ -275,6 +277,47 @@ TEST_F(GraphRunnerTest, AFailingKernelsErrorNamesTheTask) {
   EXPECT_NE(message.find("probe failed on purpose"), std::string::npos) << message;
   EXPECT_NE(message.find("graph 7 instance 1"), std::string::npos) << message;
   EXPECT_TRUE(finished.outputs.empty());
+}
+
+// A submitted task runs as an instance of a one-task graph the scheduler shares between every
+// task of its kind: each instance names its task (RunGraph's taskNames), and errors and waits say
+// that name, not the shared graph's. A graph the scheduler forgets can no longer run here.
+TEST_F(GraphRunnerTest, AnInstanceOfASharedGraphGoesByItsOwnTaskName) {
+  Runner(2);
+  GraphBuilder builder(registry_);
+  const ObjectId x = builder.AddInput("in0", F32({4}), ObjectRole::kInput);
+  builder.MarkOutput(
+      (*builder.AddTask("probe", "probe", {x}, {{"tag", int64_t{1}}, {"gate", int64_t{1}}}))[0]);
+  ASSERT_OK_AND_ASSIGN(Graph shared, builder.Build());
+  const uint64_t id = kFirstSchedulerGraphId + 5;
+  AddPart(id, shared);
+  Start(id, 41, OutputIds(shared, 1000), X(shared), {}, {"warmup#41"});
+  ASSERT_TRUE(probe_.WaitStarted(1));
+  std::vector<GraphRunActivity> activity = runner_->Activity();
+  ASSERT_EQ(activity.size(), 1u);
+  EXPECT_EQ(activity[0].running, std::vector<std::string>{"warmup#41"});
+  probe_.OpenGate();
+  ASSERT_OK(WaitFinished(id, 41).error);
+
+  GraphBuilder failing(registry_);
+  const ObjectId y = failing.AddInput("in0", F32({4}), ObjectRole::kInput);
+  failing.MarkOutput(
+      (*failing.AddTask("probe", "probe", {y}, {{"tag", int64_t{2}}, {"fail", int64_t{1}}}))[0]);
+  ASSERT_OK_AND_ASSIGN(Graph bad, failing.Build());
+  AddPart(id + 1, bad);
+  Start(id + 1, 42, OutputIds(bad, 2000), X(bad), {}, {"mine#42"});
+  const Finished finished = WaitFinished(id + 1, 42);
+  ASSERT_FALSE(finished.error.ok());
+  EXPECT_NE(finished.error.message().find("task 'mine#42' (op probe)"), std::string::npos)
+      << finished.error.ToString();
+  EXPECT_EQ(finished.error.message().find("graph "), std::string::npos)
+      << "a submitted task's error names the task, not the scheduler's graph: "
+      << finished.error.ToString();
+
+  runner_->RemovePart(id);
+  Start(id, 43, OutputIds(shared, 3000), X(shared), {}, {"late#43"});
+  EXPECT_EQ(WaitFinished(id, 43).error.code(), StatusCode::kNotFound);
+  EXPECT_EQ(runner_->stats().done, 3);
 }
 
 TEST_F(GraphRunnerTest, AHighPriorityTaskOfALaterInstanceGoesBeforeQueuedWork) {

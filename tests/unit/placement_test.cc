@@ -13,50 +13,84 @@ WorkerLoad Load(WorkerId id, int64_t free_bytes, int in_flight = 0, bool alive =
   return WorkerLoad{id, alive, free_bytes, in_flight};
 }
 
-TEST(PlaceTaskTest, PinnedElseMostLocalBytesElseLeastLoadedElseRoomiest) {
+// A one-task graph as a submitted task becomes (GraphRegistry::TaskTemplate): `inputs` graph
+// inputs of 8 bytes each, read by one task with the given memory estimate and pin.
+Graph OneTask(int inputs, int64_t memory_estimate = 0, WorkerId pinned = WorkerId()) {
+  Graph graph;
+  std::vector<ObjectId> read;
+  for (int i = 0; i < inputs; ++i) {
+    read.push_back(graph.AddObject(fmt::format("in{}", i), Floats(2), ObjectRole::kInput));
+  }
+  TaskSpec task;
+  task.name = "task";
+  task.op = "gelu_forward";
+  task.inputs = read;
+  task.outputs = {graph.AddObject("out0", Floats(1), ObjectRole::kActivation)};
+  task.pinned_worker = pinned;
+  task.memory_estimate_bytes = memory_estimate;
+  graph.MarkOutput(task.outputs[0]);
+  graph.AddTask(std::move(task));
+  return graph;
+}
+
+PlacementView View(
+    std::vector<WorkerLoad> workers,
+    std::unordered_map<ObjectId, std::vector<std::pair<WorkerId, int64_t>>> held = {}) {
+  return PlacementView{std::move(workers), std::move(held)};
+}
+
+// What PlaceTask did for a submitted task, PlaceGraph does for its one-task graph.
+TEST(PlaceGraphTest, ATaskGoesPinnedElseToMostLocalBytesElseLeastLoadedElseRoomiest) {
   const std::vector<WorkerLoad> workers = {Load(kA, 100, 2), Load(kB, 100, 1), Load(kC, 10, 0)};
-  TaskDemand pinned;
-  pinned.pinned = kC;
-  EXPECT_EQ(*PlaceTask(pinned, workers), kC);
+  EXPECT_EQ(*PlaceGraph(OneTask(1, 0, kC), View(workers)), (std::vector<WorkerId>{kC}));
 
-  TaskDemand local;
-  local.memory_estimate_bytes = 50;
-  local.local_bytes = {{kA, 8}, {kB, 4}, {kA, 8}, {kC, 1000}};  // kC holds most but cannot fit it
-  EXPECT_EQ(*PlaceTask(local, workers), kA);
+  // kC holds most but cannot fit it.
+  const auto local =
+      View(workers, {{ObjectId(1), {{kA, 8}, {kB, 4}, {kC, 1000}}}, {ObjectId(2), {{kA, 8}}}});
+  EXPECT_EQ(*PlaceGraph(OneTask(2, 50), local), (std::vector<WorkerId>{kA}));
 
-  TaskDemand anywhere;
-  anywhere.memory_estimate_bytes = 50;
-  EXPECT_EQ(*PlaceTask(anywhere, workers), kB) << "fewest in flight among those that fit";
+  EXPECT_EQ(*PlaceGraph(OneTask(1, 50), View(workers)), (std::vector<WorkerId>{kB}))
+      << "fewest in flight among those that fit";
 
-  TaskDemand huge;
-  huge.memory_estimate_bytes = 1000;
-  EXPECT_EQ(*PlaceTask(huge, {Load(kA, 10), Load(kB, 20), Load(kC, 30, 0, false)}), kB)
+  EXPECT_EQ(
+      *PlaceGraph(OneTask(1, 1000), View({Load(kA, 10), Load(kB, 20), Load(kC, 30, 0, false)})),
+      (std::vector<WorkerId>{kB}))
       << "nothing fits: the roomiest alive worker, which will spill";
 }
 
-TEST(PlaceTaskTest, APinOnADeadWorkerIsInfeasibleAndNoWorkerIsUnavailable) {
-  TaskDemand pinned;
-  pinned.pinned = kB;
-  const Result<WorkerId> dead = PlaceTask(pinned, {Load(kA, 100), Load(kB, 100, 0, false)});
+TEST(PlaceGraphTest, APinOnADeadWorkerIsInfeasibleAndNoWorkerIsUnavailable) {
+  const Result<std::vector<WorkerId>> dead =
+      PlaceGraph(OneTask(1, 0, kB), View({Load(kA, 100), Load(kB, 100, 0, false)}));
   EXPECT_EQ(dead.status().code(), StatusCode::kInfeasible);
-  EXPECT_EQ(dead.status().message(), "the task is pinned to worker2, which is not alive");
-  EXPECT_EQ(PlaceTask(TaskDemand{}, {}).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(dead.status().message(),
+            "task 'task' is pinned to worker2, which is not an alive worker");
+  EXPECT_EQ(PlaceGraph(OneTask(1), View({})).status().code(), StatusCode::kUnavailable);
 }
 
-TEST(PlaceGangTest, MembersGoToDistinctWorkersRankByRank) {
-  TaskDemand beside_a;
-  beside_a.local_bytes = {{kA, 100}};
+// What PlaceGang did for a dynamic collective, PlaceGraph does for the graph of its members.
+TEST(PlaceGraphTest, ACollectivesMembersGoToDistinctWorkersRankByRank) {
+  Graph members;
+  for (int rank = 0; rank < 3; ++rank) {
+    const ObjectId in =
+        members.AddObject(fmt::format("rank{}/in0", rank), Floats(2), ObjectRole::kInput);
+    AddGelu(members, fmt::format("m{}", rank), {in}, 1, WorkerId(), Member(7, rank, 3));
+  }
   const std::vector<WorkerLoad> workers = {Load(kA, 100), Load(kB, 100, 3), Load(kC, 100, 1)};
-  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed,
-                       PlaceGang(7, {beside_a, beside_a, beside_a}, workers));
+  // Every member's input is on kA.
+  std::unordered_map<ObjectId, std::vector<std::pair<WorkerId, int64_t>>> held;
+  for (const ObjectId input : members.InputObjects()) held[input] = {{kA, 100}};
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(members, View(workers, held)));
   EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kC, kB}));
 
-  const Result<std::vector<WorkerId>> too_many =
-      PlaceGang(7, {beside_a, beside_a}, {Load(kA, 100)});
-  EXPECT_EQ(too_many.status().code(), StatusCode::kUnavailable);
+  Graph two;
+  for (int rank = 0; rank < 2; ++rank) {
+    AddGelu(two, fmt::format("m{}", rank), {}, 1, WorkerId(), Member(7, rank, 2));
+  }
+  const Result<std::vector<WorkerId>> too_many = PlaceGraph(two, View({Load(kA, 100)}));
+  EXPECT_EQ(too_many.status().code(), StatusCode::kInfeasible);
   EXPECT_EQ(too_many.status().message(),
-            "placing rank 1 of collective 7 (2 members need distinct workers): no worker is alive "
-            "to run the task");
+            "collective 7 has 2 members but only 1 workers are alive: start more workers or plan "
+            "a smaller group");
 }
 
 TEST(PlaceGraphTest, PinnedElseBesideTheLargestProducedInputElseLeastLoaded) {
@@ -67,7 +101,7 @@ TEST(PlaceGraphTest, PinnedElseBesideTheLargestProducedInputElseLeastLoaded) {
   AddGelu(graph, "join", {small, big, x});                  // beside big (x is no task's): B
   AddGelu(graph, "pinned", {big}, 1, kA);                   // A
   AddGelu(graph, "fresh", {x});                             // A 2, B 2, C 0: C
-  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB, kC}));
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, ViewOf({kA, kB, kC})));
   EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB, kB, kA, kC}));
 }
 
@@ -82,7 +116,7 @@ TEST(PlaceGraphTest, ALaterProducerDoesNotDrawItsConsumer) {
   producer.inputs = {x};
   producer.outputs = {late};
   graph.AddTask(std::move(producer));  // B
-  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB}));
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, ViewOf({kA, kB})));
   EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB}));
 }
 
@@ -94,7 +128,7 @@ TEST(PlaceGraphTest, CollectiveMembersMoveToTheLeastLoadedWorkerRunningNone) {
   AddGelu(graph, "m0", {p}, 1, WorkerId(), Member(5, 0, 3));  // beside p: A
   AddGelu(graph, "m1", {p}, 1, WorkerId(), Member(5, 1, 3));  // A taken: C (fewest)
   AddGelu(graph, "m2", {p}, 1, WorkerId(), Member(5, 2, 3));  // A, C taken: B
-  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, {kA, kB, kC}));
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerId> placed, PlaceGraph(graph, ViewOf({kA, kB, kC})));
   EXPECT_EQ(placed, (std::vector<WorkerId>{kA, kB, kA, kC, kB}));
 }
 
@@ -122,14 +156,14 @@ TEST(PlaceGraphTest, PlacementsThatCannotWorkAreInfeasibleNamingTheTaskOrCollect
        "worker1: a control edge needs both tasks on one worker (pin them together)"},
   };
   for (const auto& [graph, message] : cases) {
-    const Status status = PlaceGraph(*graph, {kA, kB}).status();
+    const Status status = PlaceGraph(*graph, ViewOf({kA, kB})).status();
     EXPECT_EQ(status.code(), StatusCode::kInfeasible);
     EXPECT_EQ(status.message(), message);
   }
   Graph inconsistent;
   AddGelu(inconsistent, "bad", {}, 1, WorkerId(), Attrs{{kCollectiveAttr, int64_t{1}}});
-  EXPECT_EQ(PlaceGraph(inconsistent, {kA}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlaceGraph(Graph(), {}).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(PlaceGraph(inconsistent, ViewOf({kA})).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlaceGraph(Graph(), ViewOf({})).status().code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -32,11 +32,14 @@ class FakeOutbox : public Outbox {
   }
   void Disconnect(WorkerId who, const Status& reason) override { disconnected[who] = reason; }
 
-  // Messages of one kind sent to `to`, oldest first; clears them.
-  std::vector<std::unique_ptr<rpc::ReceivedMessage>> Take(WorkerId to, Body::Which kind) {
+  // Messages of one kind sent to `to` (that `also` accepts), oldest first; clears them.
+  std::vector<std::unique_ptr<rpc::ReceivedMessage>> Take(
+      WorkerId to, Body::Which kind,
+      const std::function<bool(Body::Reader)>& also = [](Body::Reader) { return true; }) {
     std::vector<std::unique_ptr<rpc::ReceivedMessage>> matching, rest;
     for (auto& message : sent[to]) {
-      if (message->reader().getRoot<proto::Envelope>().getBody().which() == kind) {
+      const Body::Reader body = message->reader().getRoot<proto::Envelope>().getBody();
+      if (body.which() == kind && also(body)) {
         matching.push_back(std::move(message));
       } else {
         rest.push_back(std::move(message));
@@ -150,13 +153,26 @@ class SchedulerCoreTest : public ::testing::Test {
     }));
   }
 
+  // The worker's report of a submitted task's instance (its id is the task's): `output` sealed.
   void Finish(WorkerId worker, uint64_t task_id, uint64_t output, int64_t bytes = 4) {
+    if (!graph_of_.contains(task_id)) Dispatched(worker);
     ASSERT_OK(Deliver(worker, [&](proto::Envelope::Builder e) {
-      auto result = e.initBody().initTasksFinished().initResults(1)[0];
-      result.setTask(task_id);
-      auto sealed = result.initOutputs(1)[0];
+      auto finished = e.initBody().initInstanceFinished();
+      finished.setGraphId(graph_of_[task_id]);
+      finished.setInstance(task_id);
+      auto sealed = finished.initOutputs(1)[0];
       sealed.setId(output);
       sealed.setBytes(bytes);
+    }));
+  }
+  // ... or its failure.
+  void FinishWithError(WorkerId worker, uint64_t task_id, const Status& error) {
+    if (!graph_of_.contains(task_id)) Dispatched(worker);
+    ASSERT_OK(Deliver(worker, [&](proto::Envelope::Builder e) {
+      auto finished = e.initBody().initInstanceFinished();
+      finished.setGraphId(graph_of_[task_id]);
+      finished.setInstance(task_id);
+      rpc::ToWire(error, finished.initError());
     }));
   }
 
@@ -172,16 +188,27 @@ class SchedulerCoreTest : public ::testing::Test {
     }));
   }
 
-  // Task ids in every DispatchTasks sent to `worker` (and clears them).
+  // Submitted tasks started on `worker`: the instances of scheduler-owned graphs in every RunGraph
+  // sent there (a submitted task's instance id is its task id; a dynamic collective's, its rank
+  // 0 task's). Clears those messages and the parts of those graphs; remembers each instance's
+  // graph for Finish.
   std::vector<uint64_t> Dispatched(WorkerId worker) {
+    const auto scheduler_owned = [](Body::Reader body) {
+      const uint64_t graph = body.which() == Body::RUN_GRAPH ? body.getRunGraph().getGraphId()
+                                                             : body.getGraphPart().getGraphId();
+      return graph >= kFirstSchedulerGraphId;
+    };
+    outbox_.Take(worker, Body::GRAPH_PART, scheduler_owned);
     std::vector<uint64_t> ids;
-    for (auto& message : outbox_.Take(worker, Body::DISPATCH_TASKS)) {
-      for (auto task : BodyOf(message).getDispatchTasks().getTasks())
-        ids.push_back(task.getTask().getId());
+    for (auto& message : outbox_.Take(worker, Body::RUN_GRAPH, scheduler_owned)) {
+      const auto run = BodyOf(message).getRunGraph();
+      ids.push_back(run.getInstance());
+      graph_of_[run.getInstance()] = run.getGraphId();
     }
     return ids;
   }
 
+  std::map<uint64_t, uint64_t> graph_of_;  // instance -> its graph (Dispatched)
   FakeOutbox outbox_;
   SchedulerCore::Clock::time_point now_{};
   SchedulerCore core_;
@@ -210,12 +237,18 @@ TEST_F(SchedulerCoreTest, RunsATaskAndTellsTheWatchingDriver) {
   Put(driver, 1, 1, /*inline_data=*/true);
   Submit(driver, 10, 1, 2);
   Watch(driver, 2);
-  auto dispatches = outbox_.Take(worker, Body::DISPATCH_TASKS);
+  auto parts = outbox_.Take(worker, Body::GRAPH_PART);
+  ASSERT_EQ(parts.size(), 1u) << "the task's one-task graph, once";
+  EXPECT_EQ(BodyOf(parts[0]).getGraphPart().getTasks().size(), 1u);
+  auto dispatches = outbox_.Take(worker, Body::RUN_GRAPH);
   ASSERT_EQ(dispatches.size(), 1u);
-  auto task = BodyOf(dispatches[0]).getDispatchTasks().getTasks()[0];
-  EXPECT_EQ(task.getTask().getId(), 10u);
+  auto task = BodyOf(dispatches[0]).getRunGraph();
+  EXPECT_EQ(task.getInstance(), 10u);
+  graph_of_[10] = task.getGraphId();
+  ASSERT_EQ(task.getTaskNames().size(), 1u);
+  EXPECT_EQ(rpc::ToString(task.getTaskNames()[0]), "t10");
   ASSERT_EQ(task.getInlineInputs().size(), 1u) << "a small input travels with the task";
-  EXPECT_EQ(task.getSources().size(), 0u);
+  EXPECT_EQ(task.getInputs().size(), 0u);
 
   Finish(worker, 10, 2);
   auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
@@ -370,11 +403,8 @@ TEST_F(SchedulerCoreTest, ATaskOnAFailedInputFailsWithoutDisturbingOtherReaders)
   const WorkerId driver = Join(proto::Role::DRIVER);
   Put(driver, 1, 1, true);
   Submit(driver, 10, 1, 2);  // dispatched
-  ASSERT_OK(Deliver(worker, [](proto::Envelope::Builder e) {
-    auto result = e.initBody().initTasksFinished().initResults(1)[0];
-    result.setTask(10);
-    rpc::ToWire(InvalidArgument("kernel refused"), result.initError());
-  }));
+  ASSERT_EQ(Dispatched(worker), (std::vector<uint64_t>{10}));
+  FinishWithError(worker, 10, InvalidArgument("kernel refused"));
   Submit(driver, 11, 2, 3);  // reads the failed object: fails at once
   Watch(driver, 3);
   auto ready = outbox_.Take(driver, Body::OBJECTS_READY);
@@ -444,11 +474,14 @@ TEST_F(SchedulerCoreTest, UnknownInputsAndWrongRolesAreReported) {
   // A worker may not submit tasks; a driver may not report results.
   EXPECT_FALSE(
       Deliver(worker, [](proto::Envelope::Builder e) { e.initBody().initSubmitTasks(); }).ok());
-  EXPECT_FALSE(
-      Deliver(driver, [](proto::Envelope::Builder e) { e.initBody().initTasksFinished(); }).ok());
-  // A result for a task the worker is not running is ignored, not fatal.
+  EXPECT_FALSE(Deliver(driver, [](proto::Envelope::Builder e) {
+                 e.initBody().initInstanceFinished();
+               }).ok());
+  // A result for an instance the worker is not running is ignored, not fatal.
   EXPECT_OK(Deliver(worker, [](proto::Envelope::Builder e) {
-    e.initBody().initTasksFinished().initResults(1)[0].setTask(12345);
+    auto finished = e.initBody().initInstanceFinished();
+    finished.setGraphId(kFirstSchedulerGraphId + 77);
+    finished.setInstance(12345);
   }));
 }
 
@@ -927,6 +960,58 @@ TEST_F(RegisteredGraphTest, AFailedInstanceAbortsItsCollectiveGroupsOnEveryMembe
   }
 }
 
+// Every collective a worker runs has one position in its single order: the instances' bases
+// count each worker's members over every instance started there, a driver's graph's steps and
+// submitted collectives alike, so every worker meets them in the order they started.
+TEST_F(RegisteredGraphTest, CollectiveBasesCountEachWorkersMembersAcrossInstances) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;  // two collectives over w1 and w2: each worker runs two members per step
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const ObjectId a0 = AddGelu(graph, "a0", {x}, 1, w1, Member(1, 0, 2));
+  const ObjectId a1 = AddGelu(graph, "a1", {x}, 1, w2, Member(1, 1, 2));
+  graph.MarkOutput(AddGelu(graph, "b0", {a0}, 1, w1, Member(2, 0, 2)));
+  graph.MarkOutput(AddGelu(graph, "b1", {a1}, 1, w2, Member(2, 1, 2)));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  // The base each worker got in the one RunGraph sent to it (and that message's instance).
+  auto bases = [&](WorkerId worker) {
+    std::map<uint64_t, int64_t> out;
+    for (auto& message : outbox_.Take(worker, Body::RUN_GRAPH)) {
+      for (auto base : BodyOf(message).getRunGraph().getCollectiveBases()) {
+        if (base.getWorker() == worker.value()) out[base.getWorker()] = base.getBase();
+      }
+    }
+    return out;
+  };
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {50, 52}));
+  EXPECT_EQ(bases(w1), (std::map<uint64_t, int64_t>{{w1.value(), 0}}));
+  EXPECT_EQ(bases(w2), (std::map<uint64_t, int64_t>{{w2.value(), 0}}));
+  ASSERT_OK(InstanceDone(w1, 3, 1, {50}));
+  ASSERT_OK(InstanceDone(w2, 3, 1, {52}));
+  ASSERT_OK(Run(driver, 3, 2, {{x.value(), 1}}, {51, 53}));  // next step: after 2 members each
+  EXPECT_EQ(bases(w1), (std::map<uint64_t, int64_t>{{w1.value(), 2}}));
+  EXPECT_EQ(bases(w2), (std::map<uint64_t, int64_t>{{w2.value(), 2}}));
+  // A submitted collective over the same workers comes after both steps' members.
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    ASSERT_OK(Deliver(driver, [&](proto::Envelope::Builder e) {
+      TaskSpec spec;
+      spec.id = TaskId(20 + static_cast<uint64_t>(rank));
+      spec.name = fmt::format("r{}", rank);
+      spec.op = "all_reduce";
+      spec.inputs = {ObjectId(1)};
+      spec.outputs = {ObjectId(120 + static_cast<uint64_t>(rank))};
+      spec.attrs = Member(8, rank, 2);
+      rpc::ToWire(spec,
+                  {ObjectSpec{spec.outputs[0], fmt::format("r{}.out", rank), Floats(1),
+                              ObjectRole::kActivation, spec.id}},
+                  e.initBody().initSubmitTasks().initTasks(1)[0]);
+    }));
+  }
+  EXPECT_EQ(bases(w1), (std::map<uint64_t, int64_t>{{w1.value(), 4}}));
+  EXPECT_EQ(bases(w2), (std::map<uint64_t, int64_t>{{w2.value(), 4}}));
+}
+
 // A worker that reports one output twice (after its driver let go of it, so the first seal frees
 // it) commits a protocol error: its connection closes; the scheduler does not abort.
 TEST_F(RegisteredGraphTest, AnOutputSealedTwiceInOneReportIsAProtocolError) {
@@ -970,13 +1055,24 @@ TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinc
   submit_member(10, 0, 1);
   EXPECT_TRUE(Dispatched(w1).empty() && Dispatched(w2).empty()) << "waits for its sibling";
   submit_member(11, 1, 1);
+  // One instance of a graph of the two members, on distinct workers: each gets the graph's part
+  // and the same RunGraph.
   std::vector<std::pair<WorkerId, rpc::WireTask>> dispatched;
   for (WorkerId worker : {w1, w2}) {
-    for (auto& message : outbox_.Take(worker, Body::DISPATCH_TASKS)) {
-      for (auto task : BodyOf(message).getDispatchTasks().getTasks()) {
-        ASSERT_OK_AND_ASSIGN(rpc::WireTask wire, rpc::FromWire(task.getTask()));
-        dispatched.emplace_back(worker, std::move(wire));
-      }
+    auto parts = outbox_.Take(worker, Body::GRAPH_PART);
+    ASSERT_EQ(parts.size(), 1u);
+    auto part = BodyOf(parts[0]).getGraphPart();
+    ASSERT_EQ(part.getTasks().size(), 2u);
+    for (unsigned t = 0; t < 2; ++t) {
+      if (part.getTaskWorkers()[t] != worker.value()) continue;
+      ASSERT_OK_AND_ASSIGN(rpc::WireTask wire, rpc::FromWire(part.getTasks()[t]));
+      dispatched.emplace_back(worker, std::move(wire));
+    }
+    auto runs = outbox_.Take(worker, Body::RUN_GRAPH);
+    ASSERT_EQ(runs.size(), 1u);
+    EXPECT_EQ(BodyOf(runs[0]).getRunGraph().getInstance(), 10u) << "rank 0's task id";
+    for (auto base : BodyOf(runs[0]).getRunGraph().getCollectiveBases()) {
+      EXPECT_EQ(base.getBase(), 0) << "each worker's first collective";
     }
   }
   ASSERT_EQ(dispatched.size(), 2u);
@@ -991,11 +1087,7 @@ TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinc
   Dispatched(w2);
   submit_member(30, 0, 1);  // ready: waits for 31
   submit_member(31, 1, 2);
-  ASSERT_OK(Deliver(runner, [](proto::Envelope::Builder e) {
-    auto result = e.initBody().initTasksFinished().initResults(1)[0];
-    result.setTask(20);
-    rpc::ToWire(InvalidArgument("kernel refused"), result.initError());
-  }));
+  FinishWithError(runner, 20, InvalidArgument("kernel refused"));
   Watch(driver, 130);
   const std::string message = ReadyError(driver);
   EXPECT_NE(message.find("member 'm1' of collective 3 failed"), std::string::npos) << message;

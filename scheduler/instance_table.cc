@@ -1,0 +1,255 @@
+#include "scheduler/instance_table.h"
+
+#include <algorithm>
+#include <set>
+
+#include "core/logging.h"
+#include "core/rpc/wire.h"
+#include "scheduler/messages.h"
+
+namespace tessera {
+
+InstanceTable::InstanceTable(Outbox* outbox, ObjectDirectory* objects,
+                             ParticipantTable* participants, CollectiveGroups* groups,
+                             GraphRegistry* graphs)
+    : outbox_(outbox),
+      objects_(objects),
+      participants_(participants),
+      groups_(groups),
+      graphs_(graphs) {}
+
+Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> InstanceTable::Bind(
+    const PlacedGraph& graph, proto::RunGraph::Reader run) const {
+  Status error;  // the last wrong binding's
+  std::map<uint64_t, const ObjectEntry*> bindings;
+  for (proto::Binding::Reader binding : run.getInputs()) {
+    const uint64_t local = binding.getObject();
+    const ObjectEntry* object = objects_->Find(ObjectId(binding.getSource().getObject()));
+    if (local == 0 || local > graph.objects.size()) {
+      error = InvalidArgument("binding of unknown graph object {}", local);
+    } else if (object == nullptr || !object->finished()) {
+      error = InvalidArgument(
+          "input '{}' of graph {} is bound to an object that is not "
+          "ready (wait for it first)",
+          graph.objects[local - 1].name, graph.id);
+    } else if (!object->error.ok()) {
+      error = object->error;
+    } else if (!object->spec.meta.BindsTo(graph.objects[local - 1].meta)) {
+      error = InvalidArgument(
+          "input '{}' of graph {} is {} but was bound to {}", graph.objects[local - 1].name,
+          graph.id, graph.objects[local - 1].meta.ToString(), object->spec.meta.ToString());
+    } else {
+      bindings[local] = object;
+    }
+  }
+  for (ObjectId input : graph.inputs) {
+    if (error.ok() && !bindings.contains(input.value())) {
+      error = InvalidArgument("input '{}' of graph {} is not bound",
+                              graph.objects[input.value() - 1].name, graph.id);
+    }
+  }
+  if (!error.ok()) return error;
+  return std::vector<std::pair<uint64_t, const ObjectEntry*>>(bindings.begin(), bindings.end());
+}
+
+Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
+                                   proto::RunGraph::Reader run) {
+  PlacedGraph* graph = graphs_->Find(run.getGraphId());
+  if (graph == nullptr || graph->driver != driver) {
+    SendReply(*outbox_, driver, request_id,
+              NotFound("graph {} is not registered by this driver", run.getGraphId()));
+    return Status::Ok();
+  }
+  const Key key(graph->id, run.getInstance());
+  if (instances_.contains(key)) {
+    return InvalidArgument("instance {} of graph {} is already running", key.second, key.first);
+  }
+  if (run.getOutputIds().size() != graph->outputs.size()) {
+    return InvalidArgument("run of graph {} names {} outputs, the graph has {}", graph->id,
+                           run.getOutputIds().size(), graph->outputs.size());
+  }
+  InstanceStart start{.graph = graph, .instance = key.second, .driver = driver};
+  // Outputs: new cluster objects, referenced by the driver, sealed where they are produced.
+  for (unsigned i = 0; i < graph->outputs.size(); ++i) {
+    const ObjectId id(run.getOutputIds()[i]);
+    if (!id.valid() || objects_->contains(id) ||
+        std::find(start.outputs.begin(), start.outputs.end(), id) != start.outputs.end()) {
+      return InvalidArgument("output id {} of graph {} is invalid or in use", id.ToString(),
+                             graph->id);
+    }
+    start.outputs.push_back(id);
+  }
+  for (size_t i = 0; i < start.outputs.size(); ++i) {
+    ObjectSpec spec = graph->objects[graph->outputs[i].value() - 1];
+    spec.id = start.outputs[i];
+    spec.producer = TaskId();
+    objects_->Declare(spec, driver);
+  }
+  // Inputs: every graph input bound to a sealed cluster object of the same meta.
+  Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> bindings = Bind(*graph, run);
+  if (!bindings.ok()) {
+    for (ObjectId id : start.outputs) objects_->Fail(id, bindings.status());
+    return Status::Ok();
+  }
+  start.bindings = *std::move(bindings);
+  Start(std::move(start));
+  return Status::Ok();
+}
+
+std::vector<std::pair<WorkerId, int64_t>> InstanceTable::TakeCollectiveBases(
+    const PlacedGraph& graph) {
+  std::vector<std::pair<WorkerId, int64_t>> bases;
+  for (const auto& [worker, members] : graph.members) {
+    int64_t& next = next_position_[worker];
+    bases.emplace_back(worker, next);
+    next += members;
+  }
+  return bases;
+}
+
+void InstanceTable::Start(InstanceStart start) {
+  PlacedGraph& graph = *start.graph;
+  InstanceEntry instance;
+  instance.graph = &graph;
+  instance.instance = start.instance;
+  instance.driver = start.driver;
+  instance.outputs = std::move(start.outputs);
+  instance.observer = start.observer;
+  instance.pending = graph.workers;
+  GraphRun message{graph.id, instance.instance, instance.outputs, {}, {}};
+  message.task_names = start.task_names;
+  message.collective_ids = start.collective_ids;
+  for (const auto& [local, object] : start.bindings) {
+    if (instance.observer == nullptr) {  // an observer holds its inputs' uses itself
+      instance.bound.push_back(object->spec.id);
+      objects_->AddUse(object->spec.id);
+    }
+    if (object->inline_data.empty()) {
+      message.inputs.emplace_back(local, SourceOf(*object, *participants_));
+    } else {
+      message.inline_inputs.push_back(InlineObject{local, object->inline_data});
+    }
+  }
+  message.collective_bases = TakeCollectiveBases(graph);
+  graphs_->SendPartsTo(graph, graph.workers);
+  SendRunGraph(*outbox_, graph.workers, message);
+  graphs_->InstanceStarted(graph);
+  instances_.emplace(Key(graph.id, instance.instance), std::move(instance));
+}
+
+Status InstanceTable::Finished(WorkerId worker, proto::InstanceFinished::Reader finished) {
+  const Key key(finished.getGraphId(), finished.getInstance());
+  auto it = instances_.find(key);
+  if (it == instances_.end()) return Status::Ok();  // already failed and closed
+  InstanceEntry& instance = it->second;
+  auto& pending = instance.pending;
+  if (std::find(pending.begin(), pending.end(), worker) == pending.end()) return Status::Ok();
+  pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
+  if (finished.hasError()) {
+    FailInstance(instance, worker,
+                 rpc::FromWire(finished.getError()).WithContext(participants_->Describe(worker)));
+    instance.failed_on = worker;
+    MaybeFinish(key);
+    return Status::Ok();
+  }
+  std::set<uint64_t> sealed;
+  for (proto::SealedObject::Reader output : finished.getOutputs()) {
+    const ObjectId id(output.getId());
+    if (std::find(instance.outputs.begin(), instance.outputs.end(), id) == instance.outputs.end()) {
+      return InvalidArgument("{} sealed {}, which is not an output of the instance",
+                             worker.ToString(), id.ToString());
+    }
+    // Twice in one report: the first seal may already have freed it (its driver let go).
+    if (!sealed.insert(id.value()).second) {
+      return InvalidArgument("{} sealed {} twice in one report", worker.ToString(), id.ToString());
+    }
+    const ObjectEntry* object = objects_->Find(id);
+    if (object == nullptr || object->finished()) continue;  // settled meanwhile: keep that
+    const auto data = output.getInline();
+    objects_->Seal(id, worker, output.getBytes(),
+                   std::string(reinterpret_cast<const char*>(data.begin()), data.size()));
+  }
+  MaybeFinish(key);
+  return Status::Ok();
+}
+
+void InstanceTable::FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error) {
+  if (!instance.error.ok()) return;
+  instance.error = error;
+  if (instance.observer == nullptr) {
+    GetLogger("scheduler")
+        ->warn("graph {} instance {} failed: {}", instance.graph->id, instance.instance,
+               error.ToString());
+  }
+  for (WorkerId worker : instance.pending) {
+    if (worker != skip) {
+      SendCancelInstance(*outbox_, worker, instance.graph->id, instance.instance, error);
+    }
+  }
+  // Every member of the instance's groups drops the formation, also where its part of the
+  // collective had finished: the next collective of the group forms it again on all of them
+  // (after the cancels above, on each worker's ordered connection).
+  for (uint64_t group : instance.graph->groups) groups_->Abort(group, error);
+}
+
+void InstanceTable::MaybeFinish(const Key& key) {
+  auto it = instances_.find(key);
+  if (it == instances_.end()) return;
+  if (!it->second.pending.empty() && it->second.error.ok()) return;
+  const InstanceEntry done = std::move(it->second);
+  instances_.erase(it);
+  graphs_->InstanceEnded(*done.graph);
+  for (ObjectId id : done.bound) objects_->ReleaseUse(id);
+  if (done.observer != nullptr && !done.error.ok()) {
+    done.observer->InstanceEnded(done.instance, done.failed_on, done.error);
+    return;  // the observer decides what becomes of the outputs
+  }
+  for (ObjectId id : done.outputs) {
+    const ObjectEntry* object = objects_->Find(id);
+    if (object == nullptr || object->finished()) continue;
+    objects_->Fail(id, done.error.ok()
+                           ? Internal("{} of graph {} finished without producing {}",
+                                      done.observer == nullptr ? "an instance" : "the task",
+                                      done.graph->id, object->spec.name)
+                           : done.error);
+  }
+  if (done.observer != nullptr) done.observer->InstanceEnded(done.instance, WorkerId(), done.error);
+}
+
+void InstanceTable::Abandon(uint64_t graph, uint64_t instance, const Status& error) {
+  auto it = instances_.find(Key(graph, instance));
+  if (it == instances_.end()) return;
+  InstanceEntry& entry = it->second;
+  FailInstance(entry, WorkerId(), error);
+  graphs_->InstanceEnded(*entry.graph);
+  for (ObjectId id : entry.bound) objects_->ReleaseUse(id);
+  instances_.erase(it);
+}
+
+void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const Status& reason) {
+  std::vector<Key> broken;
+  for (const auto& [key, instance] : instances_) {
+    if (instance.observer == nullptr && std::find(instance.pending.begin(), instance.pending.end(),
+                                                  worker) != instance.pending.end()) {
+      broken.push_back(key);
+    }
+  }
+  for (const Key& key : broken) {
+    InstanceEntry& instance = instances_.at(key);
+    auto& pending = instance.pending;
+    pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
+    FailInstance(instance, worker,
+                 Unavailable("{} died while running its part of graph {} (instance {}): {}", who,
+                             key.first, key.second, reason.message()));
+    MaybeFinish(key);
+  }
+  next_position_.erase(worker);
+}
+
+bool InstanceTable::Running(uint64_t graph, uint64_t instance) const {
+  if (instance != 0) return instances_.contains({graph, instance});
+  auto it = instances_.lower_bound({graph, 0});
+  return it != instances_.end() && it->first.first == graph;
+}
+
+}  // namespace tessera
