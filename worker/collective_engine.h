@@ -31,12 +31,10 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -50,6 +48,7 @@
 #include "core/settings.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 #include "ops/op_registry.h"
 
 namespace tessera {
@@ -148,15 +147,15 @@ class CollectiveEngine {
   SendToScheduler send_;
   const KernelContext copier_;
 
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;
-  std::map<StreamId, Stream> streams_;
-  std::map<uint64_t, Group> groups_;  // engine thread, except rendezvous lookups under mutex_
-  uint64_t running_group_ = 0;        // the group of the member in progress (0: none)
-  StreamId running_stream_{0, 0};
-  CollectiveInProgress in_progress_;
-  CollectiveEngineStats stats_;
-  bool stopping_ = false;
+  mutable Mutex mutex_;
+  CondVar changed_;
+  std::map<StreamId, Stream> streams_ GUARDED_BY(mutex_);
+  std::map<uint64_t, Group> groups_ GUARDED_BY(mutex_);
+  uint64_t running_group_ GUARDED_BY(mutex_) = 0;  // the group of the member in progress (0: none)
+  StreamId running_stream_ GUARDED_BY(mutex_) = StreamId{0, 0};
+  CollectiveInProgress in_progress_ GUARDED_BY(mutex_);
+  CollectiveEngineStats stats_ GUARDED_BY(mutex_);
+  bool stopping_ GUARDED_BY(mutex_) = false;
   std::thread thread_;
 };
 
