@@ -241,7 +241,7 @@ class NcclCommunicator final : public DeviceCommunicator {
       if (done != cudaErrorNotReady) return CudaError(done);
       TESSERA_RETURN_IF_ERROR(AsyncError("a collective"));
       if (Clock::now() > deadline) {
-        const Status timed_out = TimedOut(
+        Status timed_out = TimedOut(
             "rank {}: NCCL collectives did not finish within {} ms (a peer is dead or stuck)",
             rank_, options_.timeout_ms);
         Abort(timed_out);

@@ -392,7 +392,7 @@ void SocketRendezvous::Watch() {
     int timeout_ms = -1;
     {
       MutexLock lock(&mutex_);
-      if (verdict_.window_end()) timeout_ms = RemainingMs(*verdict_.window_end());
+      if (const auto window_end = verdict_.window_end()) timeout_ms = RemainingMs(*window_end);
     }
     if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) return;
     if (polled[0].revents != 0) {
@@ -413,8 +413,9 @@ void SocketRendezvous::Watch() {
           status = frame.status();
           break;
         }
-        if (!frame->has_value()) break;
-        status = Handle(from, std::move(**frame));
+        std::optional<Frame>& next = *frame;
+        if (!next) break;
+        status = Handle(from, std::move(*next));
       }
       if (status.ok()) continue;
       open[static_cast<size_t>(from)] = false;

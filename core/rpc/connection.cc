@@ -9,7 +9,7 @@
 namespace tessera::rpc {
 
 namespace {
-constexpr size_t kReadChunkBytes = 256 * 1024;
+constexpr size_t kReadChunkBytes = size_t{256} * 1024;
 }  // namespace
 
 std::shared_ptr<Connection> Connection::Create(GenericSocket socket, std::string peer,

@@ -1340,6 +1340,7 @@ void UcxDataPlane::Shutdown() {
       lent_pushes_.clear();
       lent_chunks_.clear();
       std::vector<uint64_t> ids;
+      ids.reserve(pulls_.size());
       for (auto& [id, pull] : pulls_) ids.push_back(id);
       for (uint64_t id : ids) FinishPull(id);
       for (auto& [address, peer] : peers_) {

@@ -48,7 +48,7 @@ struct Descriptor {
   uint64_t ack_tag;
 };
 constexpr uint64_t kDescriptorMagic = 0x3173736573736574;  // "tessess1"
-const uint64_t kAckWord = 1;
+constexpr uint64_t kAckWord = 1;
 
 // A peer's address: host name, pid, the address of its probe word, its UCX worker address.
 struct PeerAddress {
