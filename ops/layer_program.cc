@@ -1087,8 +1087,9 @@ Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
         std::pair{"layer_backward_weight", Part::kWeight}}) {
     TESSERA_RETURN_IF_ERROR(
         r.AddKernel(name, device,
-                    [device, part](const KernelContext& context, const Tensors& in,
-                                   const Tensors& out, const Attrs& attrs) {
+                    // `part = part`: Clang 15 cannot capture a structured binding itself.
+                    [device, part = part](const KernelContext& context, const Tensors& in,
+                                          const Tensors& out, const Attrs& attrs) {
                       return BackwardKernel(part, device, context, in, out, attrs);
                     }));
   }
