@@ -7,8 +7,9 @@
 # OpenBLAS, UCX) are not instrumented; tests/sanitizers/ holds the suppressions for what their
 # uninstrumented code makes the sanitizers see, each with its reason.
 # The build uses Clang 15 (scripts/install_deps.sh says why that version), so it also checks the
-# thread-safety annotations (-Wthread-safety; core/thread_annotations.h). TESSERA_WERROR=ON in
-# the environment makes every warning an error (.ci/run sets it).
+# thread-safety annotations (-Wthread-safety; core/thread_annotations.h); TESSERA_SANITIZE_CC and
+# TESSERA_SANITIZE_CXX name other compilers. TESSERA_WERROR=ON in the environment makes every
+# warning an error (.ci/run sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sanitizers=${1:-address,undefined}
@@ -30,7 +31,8 @@ dir="build-${sanitizers//,/-}"
 werror=()
 [[ -n "${TESSERA_WERROR:-}" ]] && werror=(-DTESSERA_WERROR="$TESSERA_WERROR")
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTESSERA_SANITIZE="$sanitizers" \
-  -DCMAKE_C_COMPILER=clang-15 -DCMAKE_CXX_COMPILER=clang++-15 "${werror[@]}" \
+  -DCMAKE_C_COMPILER="${TESSERA_SANITIZE_CC:-clang-15}" \
+  -DCMAKE_CXX_COMPILER="${TESSERA_SANITIZE_CXX:-clang++-15}" "${werror[@]}" \
   -DTESSERA_BUILD_BENCH=OFF -DTESSERA_ENABLE_CUDA=OFF
 # Only the unit tests (and what they link) when only unit tests run: half the build; for the
 # runtime's tests, only the unit-test executables that hold them (a third of them).
