@@ -34,15 +34,17 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
 
   Status Init() {
     auto listener = rpc::Listener::Listen(
-        io_, options_.address,
-        [this](rpc::GenericSocket socket, std::string peer) { OnAccept(std::move(socket), peer); });
+        io_, options_.address, [this](rpc::GenericSocket socket, const std::string& peer) {
+          OnAccept(std::move(socket), peer);
+        });
     if (!listener.ok()) return listener.status();
     listener_ = std::move(*listener);
     if (!options_.unix_socket.empty()) {
-      auto local = rpc::Listener::Listen(io_, rpc::Address::Unix(options_.unix_socket),
-                                         [this](rpc::GenericSocket socket, std::string peer) {
-                                           OnAccept(std::move(socket), peer);
-                                         });
+      auto local =
+          rpc::Listener::Listen(io_, rpc::Address::Unix(options_.unix_socket),
+                                [this](rpc::GenericSocket socket, const std::string& peer) {
+                                  OnAccept(std::move(socket), peer);
+                                });
       if (!local.ok()) return local.status();
       unix_listener_ = std::move(*local);
     }
