@@ -96,7 +96,7 @@ double MedianSeconds(const Flags& flags, int64_t n, const Update& update) {
   std::vector<double> times;
   for (int i = 0; i < flags.warmup + flags.repeats; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    update(group, static_cast<int64_t>(i + 1));
+    update(group, static_cast<int64_t>(i) + 1);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= flags.warmup) times.push_back(seconds);
@@ -209,7 +209,7 @@ std::string Report(const std::vector<Row>& rows, std::string* json) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{
       "bench_adamw: CPU AdamW params/s, Tessera's kernel vs a plain loop vs PyTorch's CPU "
@@ -270,4 +270,8 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_adamw", [&] { return Main(argc, argv); });
 }

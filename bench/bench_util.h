@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,20 @@
 #include "core/status.h"
 
 namespace tessera::bench {
+
+// Runs a benchmark's body as its main: an exception (a bad flag, a format error, a failed
+// allocation) ends it with the message and status 1 rather than std::terminate.
+template <typename Body>
+int RunMain(const char* program, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+  } catch (...) {
+    std::fprintf(stderr, "%s: an unknown exception\n", program);
+  }
+  return 1;
+}
 
 // Runs a shell command and returns its standard output (empty when it fails).
 inline std::string Capture(const std::string& command) {

@@ -142,7 +142,7 @@ int RunMember(const Flags& flags, int rank, const std::string& address, int repo
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"UCX host collectives between worker processes: bus bandwidth vs point-to-point"};
   app.add_option("--workers", flags.workers, "Member processes")->check(CLI::Range(2, 64));
@@ -216,4 +216,8 @@ int main(int argc, char** argv) {
   std::printf("p2p_vs_torch_gloo=%.2f\n",
               Figure(figures, "p2p_gbps") / Figure(torch, "torch_gloo_p2p_gbps"));
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_collectives", [&] { return Main(argc, argv); });
 }

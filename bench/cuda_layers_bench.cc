@@ -162,8 +162,8 @@ int Main(int argc, char** argv) {
   gemm("proj", c, c);
   gemm("fc", c, 4 * c);
   gemm("fcproj", 4 * c, c);
-  const double attention_flops =
-      4.0 * o.batch * o.heads * o.seq_len * o.seq_len * (c / o.heads) / 2;
+  const auto head_size = c / o.heads;
+  const double attention_flops = 4.0 * o.batch * o.heads * o.seq_len * o.seq_len * head_size / 2;
   rows.push_back({"attention fwd",
                   Time(ctx, o.repeat,
                        [&] {
@@ -272,4 +272,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tessera::bench
 
-int main(int argc, char** argv) { return tessera::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_cuda_layers",
+                                 [&] { return tessera::bench::Main(argc, argv); });
+}

@@ -202,4 +202,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tessera::bench
 
-int main(int argc, char** argv) { return tessera::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_gpt2_cuda",
+                                 [&] { return tessera::bench::Main(argc, argv); });
+}

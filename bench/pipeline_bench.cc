@@ -221,7 +221,7 @@ double PeakHeld(const std::vector<tessera::PipelineOp>& order, double activation
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Pipeline schedules: bubble and memory from traces vs theory; PP vs DP vs ZeRO-3"};
   app.add_option("--layers", f.layers, "GPT-2 blocks");
@@ -364,4 +364,8 @@ int main(int argc, char** argv) {
       "stages wait for a core as well as for each other.\n",
       std::thread::hardware_concurrency());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_pipeline", [&] { return Main(argc, argv); });
 }

@@ -21,6 +21,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench/bench_util.h"
 #include "client/cluster.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
@@ -123,6 +124,7 @@ double GraphTasksPerSecond(Cluster& cluster, int per_worker, int instances) {
     tessera::TaskOptions options;
     options.pinned_worker = workers[w];
     std::vector<tessera::ObjectId> outs;
+    outs.reserve(static_cast<size_t>(per_worker));
     for (int i = 0; i < per_worker; ++i) {
       outs.push_back(Check(builder.AddTask(fmt::format("w{}.t{}", w, i), "noop", {}, {}, options),
                            "build")[0]);
@@ -135,6 +137,7 @@ double GraphTasksPerSecond(Cluster& cluster, int per_worker, int instances) {
   auto run_once = [&] {
     auto outputs = Check(cluster.RunGraph(handle, {}), "run");
     std::vector<ObjectRef> refs;
+    refs.reserve(outputs.size());
     for (auto& [id, ref] : outputs) refs.push_back(ref);
     if (Status s = cluster.Wait(refs, 60'000); !s.ok()) Die(s, "run");
   };
@@ -159,7 +162,7 @@ double MemcpyGbps() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   int tasks = 20'000, rounds = 2000, repeats = 5, workers = 2, graph_tasks = 50'000;
   CLI::App app{"Runtime overheads of Tessera on a local cluster (see the header for metrics)"};
   app.add_option("--tasks", tasks, "Empty tasks for the throughput runs")
@@ -186,4 +189,8 @@ int main(int argc, char** argv) {
   std::printf("transfer_gbps=%.2f\n", TransferGbps(*cluster, repeats));
   std::printf("memcpy_gbps=%.2f\n", MemcpyGbps());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_runtime", [&] { return Main(argc, argv); });
 }

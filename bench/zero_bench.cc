@@ -172,7 +172,7 @@ void WriteJson(const Flags& flags, int64_t params, const std::vector<Row>& rows)
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"GPT-2 step time: Tessera data parallel and ZeRO-1/2/3 vs PyTorch DDP (gloo)"};
   app.add_option("--layers", flags.layers, "Transformer blocks")->check(CLI::PositiveNumber);
@@ -249,4 +249,8 @@ int main(int argc, char** argv) {
   }
   if (!flags.json.empty()) WriteJson(flags, params, rows);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain("bench_zero", [&] { return Main(argc, argv); });
 }

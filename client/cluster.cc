@@ -3,12 +3,11 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
-#include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -19,6 +18,7 @@
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/settings.h"
+#include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "launcher/process.h"
 #include "launcher/session.h"
@@ -91,6 +91,10 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   void Watch(const std::vector<ObjectId>& ids);
   // Waits until `id` is ready or failed; returns its state.
   Result<ReadyState> AwaitReady(ObjectId id, int timeout_ms);
+  // Waits until `id` is ready or the connection closed: false when `deadline` (if any) passed
+  // first.
+  bool WaitReady(uint64_t id, std::optional<std::chrono::steady_clock::time_point> deadline)
+      REQUIRES(ready_mutex_);
 
   rpc::asio::io_context io_;
   rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
@@ -103,33 +107,39 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   uint64_t driver_id_ = 0;
   std::atomic<uint64_t> next_sequence_{1};
   std::atomic<bool> closed_{false};
+  // Written once, under ready_mutex_, as closed_ is set; read without it once closed_ is seen.
   Status close_reason_;
 
-  std::mutex held_mutex_;
-  std::unordered_map<uint64_t, Tensor> held_;  // this driver's Puts, served to workers
+  Mutex held_mutex_;
+  // This driver's Puts, served to workers.
+  std::unordered_map<uint64_t, Tensor> held_ GUARDED_BY(held_mutex_);
 
-  std::mutex batch_mutex_;  // the outgoing batches below
-  std::vector<std::pair<ObjectSpec, std::string>> puts_;
-  std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits_;
-  std::vector<uint64_t> watches_;
-  std::vector<uint64_t> releases_;
-  bool flush_posted_ = false;
-  bool flush_timer_armed_ = false;
-  std::chrono::steady_clock::time_point last_flush_;
+  // The outgoing batches below. Taken after ready_mutex_ where both are held (Watch).
+  Mutex batch_mutex_ ACQUIRED_AFTER(ready_mutex_);
+  std::vector<std::pair<ObjectSpec, std::string>> puts_ GUARDED_BY(batch_mutex_);
+  std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits_ GUARDED_BY(batch_mutex_);
+  std::vector<uint64_t> watches_ GUARDED_BY(batch_mutex_);
+  std::vector<uint64_t> releases_ GUARDED_BY(batch_mutex_);
+  bool flush_posted_ GUARDED_BY(batch_mutex_) = false;
+  bool flush_timer_armed_ GUARDED_BY(batch_mutex_) = false;
+  std::chrono::steady_clock::time_point last_flush_ GUARDED_BY(batch_mutex_);
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
   std::unique_ptr<rpc::asio::steady_timer> watchdog_timer_;
   uint32_t scheduler_interval_ms_ = 0;  // from Welcome
   // When the scheduler last sent anything (io thread).
   std::chrono::steady_clock::time_point last_heard_;
 
-  std::mutex ready_mutex_;
-  std::condition_variable ready_cv_;
-  std::unordered_map<uint64_t, ReadyState> ready_;
-  std::unordered_set<uint64_t> watched_;
-  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_;
-  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Status>>> reply_waiters_;
-  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<Timeline>>>> timeline_waiters_;
-  uint64_t next_request_ = 1;
+  Mutex ready_mutex_;
+  CondVar ready_cv_;
+  std::unordered_map<uint64_t, ReadyState> ready_ GUARDED_BY(ready_mutex_);
+  std::unordered_set<uint64_t> watched_ GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_
+      GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Status>>> reply_waiters_
+      GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<Timeline>>>> timeline_waiters_
+      GUARDED_BY(ready_mutex_);
+  uint64_t next_request_ GUARDED_BY(ready_mutex_) = 1;
 };
 
 ClusterClient::~ClusterClient() {
@@ -160,7 +170,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
     data_options.pull_timeout_ms = static_cast<int>(settings_.pull_timeout_ms);
     TESSERA_ASSIGN_OR_RETURN(
         data_plane_, DataPlane::Start(data_options, [this](ObjectId id) -> Result<ServedObject> {
-          std::lock_guard lock(held_mutex_);
+          MutexLock lock(&held_mutex_);
           auto it = held_.find(id.value());
           if (it == held_.end()) return NotFound("the driver no longer holds {}", id.ToString());
           return ServedObject{it->second.raw_data(), it->second.bytes(), it->second.buffer()};
@@ -180,7 +190,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
           [this](rpc::Connection&, rpc::ReceivedMessage& message) { return OnMessage(message); },
           [this](const Status& reason) {
             {
-              std::lock_guard lock(ready_mutex_);
+              MutexLock lock(&ready_mutex_);
               close_reason_ = reason.WithContext("lost the connection to the scheduler");
               closed_ = true;
               for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
@@ -190,7 +200,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
               for (auto& [id, waiter] : timeline_waiters_) waiter->set_value(close_reason_);
               timeline_waiters_.clear();
             }
-            ready_cv_.notify_all();
+            ready_cv_.NotifyAll();
           },
           [this](const rpc::Joined& welcome) {
             connection_ = welcome.connection;
@@ -226,11 +236,11 @@ Result<ObjectRef> ClusterClient::Put(const Tensor& value) {
   } else {
     // Objects are immutable: keep a private copy, so the caller may reuse its tensor.
     TESSERA_ASSIGN_OR_RETURN(Tensor copy, value.Clone(allocator_));
-    std::lock_guard lock(held_mutex_);
+    MutexLock lock(&held_mutex_);
     held_[id.value()] = std::move(copy);
   }
   {
-    std::lock_guard lock(batch_mutex_);
+    MutexLock lock(&batch_mutex_);
     puts_.emplace_back(std::move(spec), std::move(inline_data));
   }
   ScheduleFlush(/*urgent=*/false);
@@ -273,7 +283,7 @@ Result<std::vector<ObjectRef>> ClusterClient::Submit(const std::string& op,
     refs.push_back(MakeRef(id, output_metas[j]));
   }
   {
-    std::lock_guard lock(batch_mutex_);
+    MutexLock lock(&batch_mutex_);
     submits_.emplace_back(std::move(task), std::move(outputs));
   }
   ScheduleFlush(/*urgent=*/false);
@@ -283,12 +293,12 @@ Result<std::vector<ObjectRef>> ClusterClient::Submit(const std::string& op,
 void ClusterClient::Release(ObjectId id) {
   if (closed_) return;
   {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     ready_.erase(id.value());
     watched_.erase(id.value());
   }
   {
-    std::lock_guard lock(batch_mutex_);
+    MutexLock lock(&batch_mutex_);
     releases_.push_back(id.value());
   }
   ScheduleFlush(/*urgent=*/false);
@@ -298,7 +308,7 @@ void ClusterClient::ScheduleFlush(bool urgent) {
   const auto now = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point at;
   {
-    std::lock_guard lock(batch_mutex_);
+    MutexLock lock(&batch_mutex_);
     if (flush_posted_) return;
     if (urgent || now - last_flush_ >= kCoalesceWindow) {
       flush_posted_ = true;
@@ -327,7 +337,7 @@ void ClusterClient::Flush() {
   std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits;
   std::vector<uint64_t> watches, releases;
   {
-    std::lock_guard lock(batch_mutex_);
+    MutexLock lock(&batch_mutex_);
     flush_posted_ = false;
     flush_timer_armed_ = false;
     last_flush_ = std::chrono::steady_clock::now();
@@ -397,7 +407,7 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
   switch (body.which()) {
     case proto::Envelope::Body::OBJECTS_READY: {
       {
-        std::lock_guard lock(ready_mutex_);
+        MutexLock lock(&ready_mutex_);
         for (auto object : body.getObjectsReady().getObjects()) {
           ReadyState state;
           if (object.hasError()) state.error = rpc::FromWire(object.getError());
@@ -407,11 +417,11 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
           if (watched_.contains(object.getId())) ready_[object.getId()] = std::move(state);
         }
       }
-      ready_cv_.notify_all();
+      ready_cv_.NotifyAll();
       break;
     }
     case proto::Envelope::Body::FREE_OBJECTS: {
-      std::lock_guard lock(held_mutex_);
+      MutexLock lock(&held_mutex_);
       for (uint64_t id : body.getFreeObjects().getIds()) held_.erase(id);
       break;
     }
@@ -456,7 +466,7 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
       info.tasks_running = status.getTasksRunning();
       info.tasks_done = status.getTasksDone();
       info.session_dir = rpc::ToString(status.getSessionDir());
-      std::lock_guard lock(ready_mutex_);
+      MutexLock lock(&ready_mutex_);
       auto it = status_waiters_.find(envelope.getRequestId());
       if (it != status_waiters_.end()) {
         it->second->set_value(std::move(info));
@@ -466,7 +476,7 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
     }
     case proto::Envelope::Body::TIMELINE_REPLY: {
       Result<Timeline> timeline = rpc::FromWire(body.getTimelineReply());
-      std::lock_guard lock(ready_mutex_);
+      MutexLock lock(&ready_mutex_);
       auto it = timeline_waiters_.find(envelope.getRequestId());
       if (it != timeline_waiters_.end()) {
         it->second->set_value(std::move(timeline));
@@ -477,7 +487,7 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
     case proto::Envelope::Body::REPLY: {
       Status status =
           body.getReply().getCode() == 0 ? Status::Ok() : rpc::FromWire(body.getReply());
-      std::lock_guard lock(ready_mutex_);
+      MutexLock lock(&ready_mutex_);
       auto it = reply_waiters_.find(envelope.getRequestId());
       if (it != reply_waiters_.end()) {
         it->second->set_value(status);
@@ -500,8 +510,8 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
 void ClusterClient::Watch(const std::vector<ObjectId>& ids) {
   bool added = false;
   {
-    std::lock_guard lock(ready_mutex_);
-    std::lock_guard batch(batch_mutex_);
+    MutexLock lock(&ready_mutex_);
+    MutexLock batch(&batch_mutex_);
     for (ObjectId id : ids) {
       if (watched_.insert(id.value()).second) {
         watches_.push_back(id.value());
@@ -512,13 +522,26 @@ void ClusterClient::Watch(const std::vector<ObjectId>& ids) {
   if (added) ScheduleFlush(/*urgent=*/true);
 }
 
+bool ClusterClient::WaitReady(uint64_t id,
+                              std::optional<std::chrono::steady_clock::time_point> deadline) {
+  while (!closed_ && !ready_.contains(id)) {
+    if (!deadline) {
+      ready_cv_.Wait(&ready_mutex_);
+    } else if (!ready_cv_.WaitUntil(&ready_mutex_, *deadline)) {
+      return closed_ || ready_.contains(id);
+    }
+  }
+  return true;
+}
+
 Result<ClusterClient::ReadyState> ClusterClient::AwaitReady(ObjectId id, int timeout_ms) {
   Watch({id});
-  std::unique_lock lock(ready_mutex_);
-  auto ready = [&] { return closed_ || ready_.contains(id.value()); };
-  if (timeout_ms < 0) {
-    ready_cv_.wait(lock, ready);
-  } else if (!ready_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready)) {
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  if (timeout_ms >= 0) {
+    deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  }
+  MutexLock lock(&ready_mutex_);
+  if (!WaitReady(id.value(), deadline)) {
     return TimedOut("{} was not ready within {} ms", id.ToString(), timeout_ms);
   }
   auto it = ready_.find(id.value());
@@ -541,7 +564,7 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
     return tensor;
   }
   {
-    std::lock_guard lock(held_mutex_);
+    MutexLock lock(&held_mutex_);
     auto it = held_.find(ref.id().value());
     if (it != held_.end()) return it->second.Clone(allocator_);
   }
@@ -560,7 +583,7 @@ Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {
     Result<ReadyState> again = Status::Ok();
     do {
       {
-        std::lock_guard lock(ready_mutex_);
+        MutexLock lock(&ready_mutex_);
         ready_.erase(ref.id().value());
         watched_.erase(ref.id().value());
       }
@@ -590,12 +613,9 @@ Status ClusterClient::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
   }
   Watch(ids);  // one batch of watches; then wait for all of them
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  std::unique_lock lock(ready_mutex_);
+  MutexLock lock(&ready_mutex_);
   for (ObjectId id : ids) {
-    auto ready = [&] { return closed_ || ready_.contains(id.value()); };
-    if (timeout_ms < 0) {
-      ready_cv_.wait(lock, ready);
-    } else if (!ready_cv_.wait_until(lock, deadline, ready)) {
+    if (!WaitReady(id.value(), timeout_ms < 0 ? std::nullopt : std::optional(deadline))) {
       return TimedOut("{} was not ready within {} ms", id.ToString(), timeout_ms);
     }
     auto it = ready_.find(id.value());
@@ -609,7 +629,7 @@ Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
   auto promise = std::make_shared<std::promise<Result<ClusterInfo>>>();
   uint64_t request;
   {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     if (closed_) return close_reason_;
     request = next_request_++;
     status_waiters_[request] = promise;
@@ -621,7 +641,7 @@ Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
   connection_->Send(message);
   std::future<Result<ClusterInfo>> future = promise->get_future();
   if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     status_waiters_.erase(request);
     return TimedOut("the scheduler did not answer a status request within {} ms", timeout_ms);
   }
@@ -632,7 +652,7 @@ Result<Timeline> ClusterClient::GetTimeline(int last_instances, uint64_t graph, 
   auto promise = std::make_shared<std::promise<Result<Timeline>>>();
   uint64_t request;
   {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     if (closed_) return close_reason_;
     request = next_request_++;
     timeline_waiters_[request] = promise;
@@ -646,7 +666,7 @@ Result<Timeline> ClusterClient::GetTimeline(int last_instances, uint64_t graph, 
   connection_->Send(message);
   std::future<Result<Timeline>> future = promise->get_future();
   if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     timeline_waiters_.erase(request);
     return TimedOut("the scheduler did not answer a timeline request within {} ms", timeout_ms);
   }
@@ -666,7 +686,7 @@ Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
   auto promise = std::make_shared<std::promise<Status>>();
   uint64_t request;
   {
-    std::lock_guard lock(ready_mutex_);
+    MutexLock lock(&ready_mutex_);
     request = next_request_++;
     reply_waiters_[request] = promise;
   }

@@ -66,9 +66,9 @@ class Communicator {
 };
 
 struct CommunicatorOptions {
-  int64_t small_bytes = 64 * 1024;  // direct algorithms up to this size
-  int64_t chunk_bytes = 1 << 20;    // pipelining granularity of the ring and the chain
-  int timeout_ms = 30'000;          // per call: a silent peer fails the call after this
+  int64_t small_bytes = int64_t{64} * 1024;  // direct algorithms up to this size
+  int64_t chunk_bytes = 1 << 20;             // pipelining granularity of the ring and the chain
+  int timeout_ms = 30'000;                   // per call: a silent peer fails the call after this
   // Runs once with the first failure a call of this rank meets, and returns the error the call
   // reports instead: the group's verdict (Rendezvous::ReportFailure), which may name another
   // rank than the one this rank happened to wait on.

@@ -360,7 +360,7 @@ class HostCommunicator final : public Communicator {
           TESSERA_ASSIGN_OR_RETURN(
               auto id, SendTo(right_, CollectiveTag(call.sequence, step + 1, c), partial,
                               layout.chunk_bytes(segment, c)));
-          sends[static_cast<size_t>(step + 1)].push_back(id);
+          sends[static_cast<size_t>(step) + 1].push_back(id);
         }
       }
     }

@@ -8,16 +8,16 @@ class LoopbackGroup::Transport final : public PeerTransport {
  public:
   Transport(LoopbackGroup& group, int rank) : group_(group), rank_(rank) {}
   int rank() const override { return rank_; }
-  int size() const override { return static_cast<int>(group_.mailboxes_.size()); }
+  int size() const override { return group_.size_; }
 
   Result<RequestId> Isend(int peer, uint64_t tag, const void* data, int64_t bytes) override {
     TESSERA_RETURN_IF_ERROR(CheckRequest(peer, tag));
     const char* begin = static_cast<const char*>(data);
     {
-      std::lock_guard lock(group_.mutex_);
+      MutexLock lock(&group_.mutex_);
       group_.mailboxes_[static_cast<size_t>(peer)][{rank_, tag}].emplace_back(begin, begin + bytes);
     }
-    group_.delivered_.notify_all();
+    group_.delivered_.NotifyAll();
     return next_++;  // a send completes at once (its bytes are copied)
   }
 
@@ -29,7 +29,7 @@ class LoopbackGroup::Transport final : public PeerTransport {
   }
 
   Status Wait(const std::vector<RequestId>& requests, Clock::time_point deadline) override {
-    std::unique_lock lock(group_.mutex_);
+    MutexLock lock(&group_.mutex_);
     for (RequestId id : requests) {
       if (!broken_.ok()) break;
       auto it = receives_.find(id);
@@ -38,14 +38,24 @@ class LoopbackGroup::Transport final : public PeerTransport {
       auto& box = group_.mailboxes_[static_cast<size_t>(rank_)];
       const auto key = std::make_pair(receive.peer, receive.tag);
       auto has_message = [&] { return box.contains(key) && !box[key].empty(); };
-      auto first_dead = [&] {
+      auto first_dead = [&]() REQUIRES(group_.mutex_) {
         for (size_t r = 0; r < group_.dead_.size(); ++r) {
           if (group_.dead_[r]) return static_cast<int>(r);
         }
         return -1;
       };
-      const bool woke = group_.delivered_.wait_until(
-          lock, deadline, [&] { return has_message() || first_dead() >= 0 || aborted_; });
+      auto ready = [&]() REQUIRES(group_.mutex_) {
+        return has_message() || first_dead() >= 0 || aborted_;
+      };
+      // As std::condition_variable::wait_until with a predicate: false when the deadline
+      // passed with nothing ready.
+      bool woke = true;
+      while (!ready()) {
+        if (!group_.delivered_.WaitUntil(&group_.mutex_, deadline)) {
+          woke = ready();
+          break;
+        }
+      }
       if (aborted_) {
         Break(abort_reason_);
       } else if (has_message()) {
@@ -70,13 +80,13 @@ class LoopbackGroup::Transport final : public PeerTransport {
 
   void Abort(const Status& reason) override {
     {
-      std::lock_guard lock(group_.mutex_);
+      MutexLock lock(&group_.mutex_);
       if (!aborted_) {
         aborted_ = true;
         abort_reason_ = reason;
       }
     }
-    group_.delivered_.notify_all();
+    group_.delivered_.NotifyAll();
   }
 
  private:
@@ -108,12 +118,12 @@ class LoopbackGroup::Transport final : public PeerTransport {
   RequestId next_ = 1;
   std::map<RequestId, Receive> receives_;
   Status broken_;
-  bool aborted_ = false;  // under group_.mutex_
-  Status abort_reason_;   // under group_.mutex_
+  bool aborted_ GUARDED_BY(group_.mutex_) = false;
+  Status abort_reason_ GUARDED_BY(group_.mutex_);
 };
 
 LoopbackGroup::LoopbackGroup(int size)
-    : mailboxes_(static_cast<size_t>(size)), dead_(static_cast<size_t>(size), false) {
+    : size_(size), mailboxes_(static_cast<size_t>(size)), dead_(static_cast<size_t>(size), false) {
   for (int r = 0; r < size; ++r) transports_.push_back(std::make_unique<Transport>(*this, r));
 }
 
@@ -125,10 +135,10 @@ PeerTransport& LoopbackGroup::transport(int rank) {
 
 void LoopbackGroup::Kill(int rank) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     dead_[static_cast<size_t>(rank)] = true;
   }
-  delivered_.notify_all();
+  delivered_.NotifyAll();
 }
 
 }  // namespace tessera

@@ -4,14 +4,16 @@
 //
 // Kill(rank) simulates a dead member as the group's watcher (the scheduler, a rendezvous) reports
 // it: every rank's wait fails with Unavailable naming the dead rank.
+//
+// Thread safety: each rank's transport is used by its own thread; Kill from any thread. The
+// mailboxes and the dead ranks are shared, under the group's mutex.
 #pragma once
 
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "core/thread_annotations.h"
 #include "core/transport/peer_transport.h"
 
 namespace tessera {
@@ -29,11 +31,13 @@ class LoopbackGroup {
   using Message = std::vector<char>;
   friend class Transport;
 
-  std::mutex mutex_;
-  std::condition_variable delivered_;
-  // Per receiving rank: (source, tag) -> messages in arrival order. Under mutex_.
-  std::vector<std::map<std::pair<int, uint64_t>, std::vector<Message>>> mailboxes_;
-  std::vector<bool> dead_;  // under mutex_
+  const int size_;
+  Mutex mutex_;
+  CondVar delivered_;
+  // Per receiving rank: (source, tag) -> messages in arrival order.
+  std::vector<std::map<std::pair<int, uint64_t>, std::vector<Message>>> mailboxes_
+      GUARDED_BY(mutex_);
+  std::vector<bool> dead_ GUARDED_BY(mutex_);
   std::vector<std::unique_ptr<Transport>> transports_;
 };
 

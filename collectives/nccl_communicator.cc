@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -18,6 +17,7 @@
 #include <nccl.h>
 
 #include "core/cuda_check.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -224,7 +224,7 @@ class NcclCommunicator final : public DeviceCommunicator {
   }
 
   void Abort(const Status& reason) override {
-    std::lock_guard lock(abort_mutex_);
+    MutexLock lock(&abort_mutex_);
     if (!aborted_.ok() || comm_ == nullptr) return;
     aborted_ = reason.ok() ? Cancelled("the communicator was aborted") : reason;
     nccl_.CommAbort(comm_);
@@ -241,7 +241,7 @@ class NcclCommunicator final : public DeviceCommunicator {
       if (done != cudaErrorNotReady) return CudaError(done);
       TESSERA_RETURN_IF_ERROR(AsyncError("a collective"));
       if (Clock::now() > deadline) {
-        const Status timed_out = TimedOut(
+        Status timed_out = TimedOut(
             "rank {}: NCCL collectives did not finish within {} ms (a peer is dead or stuck)",
             rank_, options_.timeout_ms);
         Abort(timed_out);
@@ -253,7 +253,7 @@ class NcclCommunicator final : public DeviceCommunicator {
 
  private:
   Status Broken() {
-    std::lock_guard lock(abort_mutex_);
+    MutexLock lock(&abort_mutex_);
     return aborted_;
   }
 
@@ -283,7 +283,7 @@ class NcclCommunicator final : public DeviceCommunicator {
   void Account(int64_t bytes) { bytes_sent_ += size_ > 1 ? bytes : 0; }
 
   Status AsyncError(const char* what) {
-    std::lock_guard lock(abort_mutex_);
+    MutexLock lock(&abort_mutex_);
     if (comm_ == nullptr) return aborted_;
     ncclResult_t state = ncclSuccess;
     nccl_.CommGetAsyncError(comm_, &state);
@@ -310,7 +310,7 @@ class NcclCommunicator final : public DeviceCommunicator {
         return Broken();
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
-      std::lock_guard lock(abort_mutex_);
+      MutexLock lock(&abort_mutex_);
       if (comm_ == nullptr) break;
       nccl_.CommGetAsyncError(comm_, &result);
     }
@@ -326,14 +326,16 @@ class NcclCommunicator final : public DeviceCommunicator {
   const int rank_;
   const int size_;
   const NcclCommunicatorOptions options_;
-  ncclComm_t comm_ = nullptr;  // under abort_mutex_ once formed
+  // Written under abort_mutex_ once formed (Abort may null it from any thread); the launches
+  // read it on the owning thread without the lock, so it is not GUARDED_BY.
+  ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaStream_t compute_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr;
   cudaEvent_t done_ = nullptr;
   int64_t bytes_sent_ = 0;
-  std::mutex abort_mutex_;
-  Status aborted_;
+  Mutex abort_mutex_;
+  Status aborted_ GUARDED_BY(abort_mutex_);
 };
 
 Status NcclCommunicator::Init(const ncclUniqueId& id) {
@@ -372,7 +374,7 @@ Status NcclCommunicator::Init(const ncclUniqueId& id) {
 
 NcclCommunicator::~NcclCommunicator() {
   {
-    std::lock_guard lock(abort_mutex_);
+    MutexLock lock(&abort_mutex_);
     if (comm_ != nullptr) {
       cudaStreamSynchronize(stream_);
       nccl_.CommDestroy(comm_);

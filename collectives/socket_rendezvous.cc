@@ -14,16 +14,15 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <thread>
 
 #include <fmt/ranges.h>
 
 #include "core/rpc/address.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -210,20 +209,21 @@ class SocketRendezvous final : public Rendezvous {
   const int rank_;
   const int size_;
   std::vector<int> fds_;  // rank 0: one per member; a member: fds_[0], to rank 0
-  std::vector<std::mutex> write_mutexes_ = std::vector<std::mutex>(static_cast<size_t>(size_));
+  std::vector<Mutex> write_mutexes_ = std::vector<Mutex>(static_cast<size_t>(size_));  // per fd
   int wake_[2] = {-1, -1};
   std::thread watcher_;
   uint32_t next_round_ = 0;
 
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::vector<bool> said_bye_;                            // under mutex_
-  GatherRounds contributions_;                            // rank 0
-  std::map<uint32_t, std::vector<std::string>> results_;  // complete rounds, until taken
+  Mutex mutex_;
+  CondVar changed_;
+  std::vector<bool> said_bye_ GUARDED_BY(mutex_);
+  GatherRounds contributions_ GUARDED_BY(mutex_);  // rank 0
+  // Complete rounds, until taken.
+  std::map<uint32_t, std::vector<std::string>> results_ GUARDED_BY(mutex_);
   // The group's verdict (the first one stands); on rank 0 also the reports it weighs.
-  FailureVerdict verdict_{kVerdictWindow};
-  FailureHandler on_failure_;
-  bool stopping_ = false;
+  FailureVerdict verdict_ GUARDED_BY(mutex_) = FailureVerdict(kVerdictWindow);
+  FailureHandler on_failure_ GUARDED_BY(mutex_);
+  bool stopping_ GUARDED_BY(mutex_) = false;
 };
 
 std::string EncodeStatus(const Status& status) {
@@ -351,7 +351,7 @@ SocketRendezvous::~SocketRendezvous() {
   }
   if (watcher_.joinable()) {
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       stopping_ = true;
     }
     Wake();
@@ -373,7 +373,7 @@ void SocketRendezvous::Wake() {
 Status SocketRendezvous::SendTo(int rank, Kind kind, std::string_view payload) {
   const int fd = fds_[static_cast<size_t>(rank)];
   if (fd < 0) return Unavailable("rank {} is not connected", rank);
-  std::lock_guard lock(write_mutexes_[static_cast<size_t>(rank)]);
+  MutexLock lock(&write_mutexes_[static_cast<size_t>(rank)]);
   return SendFrame(fd, kind, payload);
 }
 
@@ -391,14 +391,14 @@ void SocketRendezvous::Watch() {
     }
     int timeout_ms = -1;
     {
-      std::lock_guard lock(mutex_);
-      if (verdict_.window_end()) timeout_ms = RemainingMs(*verdict_.window_end());
+      MutexLock lock(&mutex_);
+      if (const auto window_end = verdict_.window_end()) timeout_ms = RemainingMs(*window_end);
     }
     if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) return;
     if (polled[0].revents != 0) {
       char drain[64];
       (void)!::read(wake_[0], drain, sizeof(drain));
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       if (stopping_) return;
     }
     DecideFromReports();
@@ -413,16 +413,17 @@ void SocketRendezvous::Watch() {
           status = frame.status();
           break;
         }
-        if (!frame->has_value()) break;
-        status = Handle(from, std::move(**frame));
+        std::optional<Frame>& next = *frame;
+        if (!next) break;
+        status = Handle(from, std::move(*next));
       }
       if (status.ok()) continue;
       open[static_cast<size_t>(from)] = false;
       bool left;
       {
-        std::lock_guard lock(mutex_);
+        MutexLock lock(&mutex_);
         left = said_bye_[static_cast<size_t>(from)];
-        changed_.notify_all();
+        changed_.NotifyAll();
       }
       if (!left) {
         MemberLost(from, status.code() == StatusCode::kNotFound
@@ -438,11 +439,11 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
     case Kind::kContribution: {
       if (rank_ != 0 || frame.payload.size() < 4) return DataLoss("unexpected contribution");
       const uint32_t round = GetU32(frame.payload, 0);
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       if (auto all = contributions_.Contribute(round, from, frame.payload.substr(4))) {
         results_[round] = std::move(*all);  // rank 0's AllGather relays it
       }
-      changed_.notify_all();
+      changed_.NotifyAll();
       return Status::Ok();
     }
     case Kind::kAll: {
@@ -459,9 +460,9 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
         all.push_back(frame.payload.substr(offset, length));
         offset += length;
       }
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       results_[round] = std::move(all);
-      changed_.notify_all();
+      changed_.NotifyAll();
       return Status::Ok();
     }
     case Kind::kFailure:
@@ -477,9 +478,9 @@ Status SocketRendezvous::Handle(int from, Frame frame) {
       return Status::Ok();
     }
     case Kind::kBye: {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       said_bye_[static_cast<size_t>(from)] = true;
-      changed_.notify_all();
+      changed_.NotifyAll();
       return Status::Ok();
     }
     default:
@@ -495,7 +496,7 @@ void SocketRendezvous::MemberLost(int rank, const std::string& why) {
 void SocketRendezvous::AddReport(int reporter, int silent_peer, const Status& reason,
                                  int64_t silent_ms) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     verdict_.Report(reporter, silent_peer, reason, silent_ms, Clock::now());
   }
   Wake();
@@ -504,19 +505,19 @@ void SocketRendezvous::AddReport(int reporter, int silent_peer, const Status& re
 void SocketRendezvous::DecideFromReports() {
   Status verdict;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (!verdict_.DecideIfDue(Clock::now())) return;
     verdict = verdict_.verdict();
-    changed_.notify_all();
+    changed_.NotifyAll();
   }
   Announce(verdict);
 }
 
 void SocketRendezvous::SetVerdict(const Status& verdict) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (!verdict_.Decide(verdict)) return;
-    changed_.notify_all();
+    changed_.NotifyAll();
   }
   Announce(verdict);
 }
@@ -524,7 +525,7 @@ void SocketRendezvous::SetVerdict(const Status& verdict) {
 void SocketRendezvous::Announce(const Status& verdict) {
   FailureHandler handler;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     handler = on_failure_;
   }
   if (rank_ == 0) {
@@ -534,15 +535,16 @@ void SocketRendezvous::Announce(const Status& verdict) {
 }
 
 Status SocketRendezvous::AwaitVerdict(Clock::time_point until, const Status& fallback) {
-  std::unique_lock lock(mutex_);
-  changed_.wait_until(lock, until, [&] { return verdict_.decided(); });
+  MutexLock lock(&mutex_);
+  while (!verdict_.decided() && changed_.WaitUntil(&mutex_, until)) {
+  }
   return verdict_.decided() ? verdict_.verdict() : fallback;
 }
 
 void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
   Status known;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     on_failure_ = on_failure;
     known = verdict_.verdict();
   }
@@ -552,7 +554,7 @@ void SocketRendezvous::OnMemberFailure(FailureHandler on_failure) {
 Status SocketRendezvous::ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) {
   if (size_ == 1 || reason.ok()) return reason;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     // What this member found follows from a known failure.
     if (verdict_.decided()) return verdict_.verdict();
   }
@@ -573,17 +575,17 @@ Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& 
                                                              Clock::time_point deadline) {
   const uint32_t round = next_round_++;
   if (size_ == 1) return std::vector<std::string>{mine};
-  std::unique_lock lock(mutex_);
+  MutexLock lock(&mutex_);
   if (rank_ != 0) {
-    lock.unlock();
+    lock.Unlock();
     std::string payload;
     PutU32(payload, round);
     payload += mine;
     TESSERA_RETURN_IF_ERROR(SendTo(0, Kind::kContribution, payload));
-    lock.lock();
-    const bool done = changed_.wait_until(lock, deadline, [&] {
-      return results_.contains(round) || verdict_.decided() || said_bye_[0];
-    });
+    lock.Lock();
+    while (!results_.contains(round) && !verdict_.decided() && !said_bye_[0] &&
+           changed_.WaitUntil(&mutex_, deadline)) {
+    }
     if (results_.contains(round)) {
       std::vector<std::string> all = std::move(results_[round]);
       results_.erase(round);
@@ -591,12 +593,12 @@ Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& 
     }
     if (verdict_.decided()) return verdict_.verdict();
     if (said_bye_[0]) return Unavailable("rank 0 left the group before round {} completed", round);
-    (void)done;
     return TimedOut("rank {} got no all-gather result from rank 0 in time", rank_);
   }
   if (auto all = contributions_.Contribute(round, 0, mine)) results_[round] = std::move(*all);
-  changed_.wait_until(lock, deadline,
-                      [&] { return results_.contains(round) || verdict_.decided(); });
+  while (!results_.contains(round) && !verdict_.decided() &&
+         changed_.WaitUntil(&mutex_, deadline)) {
+  }
   if (!results_.contains(round)) {
     if (verdict_.decided()) return verdict_.verdict();
     return TimedOut("rank 0 waited in vain for ranks {} to contribute",
@@ -604,7 +606,7 @@ Result<std::vector<std::string>> SocketRendezvous::AllGather(const std::string& 
   }
   std::vector<std::string> all = std::move(results_[round]);
   results_.erase(round);
-  lock.unlock();
+  lock.Unlock();
   std::string payload;
   PutU32(payload, round);
   PutU32(payload, static_cast<uint32_t>(all.size()));

@@ -67,7 +67,7 @@ void AlignedHostAllocator::DoDeallocate(void* ptr, int64_t /*bytes*/) { std::fre
 CachingHostAllocator::~CachingHostAllocator() { ReleaseCache(); }
 
 void CachingHostAllocator::ReleaseCache() {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   for (auto& [size, blocks] : free_blocks_) {
     for (void* block : blocks) std::free(block);
   }
@@ -78,7 +78,7 @@ void CachingHostAllocator::ReleaseCache() {
 void* CachingHostAllocator::DoAllocate(int64_t bytes) {
   const int64_t rounded = RoundUpToAlignment(bytes);
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     auto it = free_blocks_.find(rounded);
     if (it != free_blocks_.end() && !it->second.empty()) {
       void* block = it->second.back();
@@ -98,13 +98,13 @@ void* CachingHostAllocator::DoAllocate(int64_t bytes) {
 
 void CachingHostAllocator::DoDeallocate(void* ptr, int64_t bytes) {
   const int64_t rounded = RoundUpToAlignment(bytes);
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   free_blocks_[rounded].push_back(ptr);
   cached_bytes_ += rounded;
 }
 
 int64_t CachingHostAllocator::CachedBytes() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return cached_bytes_;
 }
 

@@ -18,12 +18,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/device.h"
 #include "core/status.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -82,7 +82,7 @@ class CachingHostAllocator final : public Allocator {
  public:
   ~CachingHostAllocator() override;
   // Returns every cached block to the system.
-  void ReleaseCache();
+  void ReleaseCache() EXCLUDES(mutex_);
 
  protected:
   void* DoAllocate(int64_t bytes) override;
@@ -90,9 +90,9 @@ class CachingHostAllocator final : public Allocator {
   int64_t CachedBytes() const override;
 
  private:
-  mutable std::mutex mutex_;
-  std::map<int64_t, std::vector<void*>> free_blocks_;  // rounded size -> blocks; under mutex_
-  int64_t cached_bytes_ = 0;                           // under mutex_
+  mutable Mutex mutex_;
+  std::map<int64_t, std::vector<void*>> free_blocks_ GUARDED_BY(mutex_);  // rounded size -> blocks
+  int64_t cached_bytes_ GUARDED_BY(mutex_) = 0;
 };
 
 // A contiguous block of host memory owned by one Allocator, shared by the tensors that view it.

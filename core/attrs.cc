@@ -60,7 +60,7 @@ std::string Attrs::ToString() const {
           }
         },
         value);
-    parts.push_back(name + "=" + text);
+    parts.push_back(fmt::format("{}={}", name, text));
   }
   return fmt::format("{{{}}}", fmt::join(parts, ", "));
 }

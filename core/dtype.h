@@ -19,7 +19,6 @@ constexpr int64_t DTypeSize(DType dtype) {
     case DType::kF32:
       return 4;
     case DType::kBF16:
-      return 2;
     case DType::kF16:
       return 2;
     case DType::kI32:

@@ -1,14 +1,16 @@
 #include "core/logging.h"
 
-#include <mutex>
-
 #include <spdlog/sinks/stdout_color_sinks.h>
+
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
 std::shared_ptr<spdlog::logger> GetLogger(const std::string& component) {
-  static std::mutex mutex;
-  std::lock_guard lock(mutex);
+  // Get-or-create in one step: two threads asking for a new component must not both create it
+  // (spdlog refuses a second logger of the same name).
+  static Mutex mutex;
+  MutexLock lock(&mutex);
   if (auto logger = spdlog::get(component)) return logger;
   auto logger = spdlog::stderr_color_mt(component);
   logger->set_pattern("[%H:%M:%S.%e] [%n] [%^%l%$] %v");

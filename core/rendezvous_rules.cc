@@ -16,7 +16,9 @@ std::optional<std::vector<std::string>> GatherRounds::Contribute(uint32_t round,
   }
   std::vector<std::string> all;
   all.reserve(slots.size());
-  for (auto& slot : slots) all.push_back(std::move(*slot));
+  for (auto& slot : slots) {
+    if (slot) all.push_back(std::move(*slot));  // every one has a value (above)
+  }
   rounds_.erase(round);
   return all;
 }

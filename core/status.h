@@ -157,6 +157,9 @@ void Result<T>::CheckHasValue() const {
 #define TESSERA_CONCAT_INNER(a, b) a##b
 #define TESSERA_CONCAT(a, b) TESSERA_CONCAT_INNER(a, b)
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `status` and `result` are names being declared and
+// `lhs` a declaration (`auto x`), which parentheses would break.
+
 // Returns the Status from the enclosing function when `expr` (a Status) is not OK.
 #define TESSERA_RETURN_IF_ERROR(expr) \
   TESSERA_RETURN_IF_ERROR_IMPL(TESSERA_CONCAT(tessera_status_, __COUNTER__), expr)
@@ -175,3 +178,4 @@ void Result<T>::CheckHasValue() const {
   if (!result.ok()) [[unlikely]]                         \
     return result.status();                              \
   lhs = std::move(result).value()
+// NOLINTEND(bugprone-macro-parentheses)

@@ -82,6 +82,7 @@ class Session : public std::enable_shared_from_this<Session> {
       Respond(refused, /*head=*/false, /*version=*/11, /*keep_alive=*/false);
       return;
     }
+    if (!parser_) return;  // never: ReadRequest made it before this read
     const auto& request = parser_->get();
     HttpRequest plain{.method = std::string(request.method_string()),
                       .target = std::string(request.target())};

@@ -220,6 +220,7 @@ HostReport Launcher::StartNode(const NodeSpec& node, int missing, const std::str
 
 Result<LaunchReport> Launcher::Up() {
   std::vector<std::string> addresses;
+  addresses.reserve(spec_.nodes.size());
   for (const NodeSpec& node : spec_.nodes) addresses.push_back(node.address);
   LaunchReport report;
   HostReport head{spec_.head.address, "head", 0, 0, true, ""};
@@ -363,6 +364,7 @@ Result<LaunchReport> Launcher::Attach() {
   TESSERA_ASSIGN_OR_RETURN(ClusterState state, ReadState());
   TESSERA_ASSIGN_OR_RETURN(std::string token, ReadFileTrimmed(TokenPath()));
   std::vector<std::string> addresses;
+  addresses.reserve(spec_.nodes.size());
   for (const NodeSpec& node : spec_.nodes) addresses.push_back(node.address);
   Result<std::map<std::string, int>> alive = probe_.AliveWorkers(state.address, token, addresses);
   if (!alive.ok()) {

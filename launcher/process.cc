@@ -23,6 +23,7 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOpti
     return Unavailable("cannot run '{}': {}", argv[0], std::strerror(errno));
   }
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
   const pid_t parent = ::getpid();

@@ -77,6 +77,7 @@ Result<CommandOutcome> RunCapturing(const std::vector<std::string>& argv, const 
     return Unavailable("pipe: {}", std::strerror(errno));
   }
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
   const pid_t pid = ::fork();

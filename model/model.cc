@@ -203,7 +203,8 @@ Result<LayerProgram> ModelBuilder::ResolveShared(const DeclaredLayer& layer,
     }
     const std::vector<FlatSlot>& slots = owner.program.params.slots();
     auto slot = std::find_if(slots.begin(), slots.end(),
-                             [&](const FlatSlot& s) { return s.name == param; });
+                             // `&param = param`: Clang 15 cannot capture a binding.
+                             [&param = param](const FlatSlot& s) { return s.name == param; });
     if (slot == slots.end()) {
       std::vector<std::string> names;
       for (const FlatSlot& s : slots) names.push_back(s.name);

@@ -356,7 +356,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
       if (arg.from == GradientRule::From::kInput) {
         read_by_backward[static_cast<size_t>(op.inputs[static_cast<size_t>(arg.index)])] = true;
       } else if (arg.from == GradientRule::From::kOutput) {
-        read_by_backward[static_cast<size_t>(first + arg.index)] = true;
+        read_by_backward[static_cast<size_t>(first) + static_cast<size_t>(arg.index)] = true;
       }
     }
   }
@@ -501,7 +501,8 @@ Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& prog
     const ProgramOp& op = program.ops[i];
     const int first = program.first_output(i);
     bool gradient = false, wants = false;
-    for (int o = 0; o < op.outputs; ++o) gradient |= has_gradient[static_cast<size_t>(first + o)];
+    for (int o = 0; o < op.outputs; ++o)
+      gradient |= has_gradient[static_cast<size_t>(first) + static_cast<size_t>(o)];
     for (int v : op.inputs) wants |= shapes.needs_gradient[static_cast<size_t>(v)];
     if (!gradient || !wants) continue;
     TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
@@ -528,7 +529,9 @@ Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& prog
     } else {
       for (size_t a = 0; a < rule.inputs.size(); ++a) {
         if (rule.inputs[a].from != GradientRule::From::kOutputGradient) continue;
-        stash(i, false, a, shapes.values[static_cast<size_t>(first + rule.inputs[a].index)]);
+        stash(
+            i, false, a,
+            shapes.values[static_cast<size_t>(first) + static_cast<size_t>(rule.inputs[a].index)]);
       }
     }
   }
@@ -958,6 +961,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     const ProgramOp& op = program.ops[i];
     const int first = program.first_output(i);
     TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    if (!def->gradient) return Internal("op {} has no gradient rule to split", op.op);
     const GradientRule& rule = *def->gradient;
     const size_t entries = next_entry;
     while (next_entry < plan.stash.size() && plan.stash[next_entry].op == i) ++next_entry;
@@ -1009,7 +1013,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
           inputs.push_back(values[static_cast<size_t>(op.inputs[static_cast<size_t>(arg.index)])]);
           break;
         case GradientRule::From::kOutput:
-          inputs.push_back(values[static_cast<size_t>(first + arg.index)]);
+          inputs.push_back(values[static_cast<size_t>(first) + static_cast<size_t>(arg.index)]);
           break;
       }
     }
@@ -1087,8 +1091,9 @@ Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
         std::pair{"layer_backward_weight", Part::kWeight}}) {
     TESSERA_RETURN_IF_ERROR(
         r.AddKernel(name, device,
-                    [device, part](const KernelContext& context, const Tensors& in,
-                                   const Tensors& out, const Attrs& attrs) {
+                    // `part = part`: Clang 15 cannot capture a structured binding itself.
+                    [device, part = part](const KernelContext& context, const Tensors& in,
+                                          const Tensors& out, const Attrs& attrs) {
                       return BackwardKernel(part, device, context, in, out, attrs);
                     }));
   }

@@ -84,6 +84,7 @@ Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMet
 
 std::vector<std::string> OpRegistry::OpNames() const {
   std::vector<std::string> names;
+  names.reserve(ops_.size());
   for (const auto& [name, entry] : ops_) names.push_back(name);
   return names;
 }

@@ -56,7 +56,7 @@ void ObjectDirectory::Unseal(ObjectId id) {
   object.sealed = false;
 }
 
-void ObjectDirectory::Put(ObjectSpec spec, WorkerId driver, std::string inline_data) {
+void ObjectDirectory::Put(const ObjectSpec& spec, WorkerId driver, std::string inline_data) {
   const ObjectId id = spec.id;
   Declare(spec, driver);
   ObjectEntry& object = objects_.at(id);

@@ -78,7 +78,7 @@ class ObjectDirectory {
   // An object a task or graph instance will produce: not sealed, referenced once by `driver`.
   void Declare(const ObjectSpec& spec, WorkerId driver);
   // A driver's Put: sealed at once, held by the driver and referenced once by it.
-  void Put(ObjectSpec spec, WorkerId driver, std::string inline_data);
+  void Put(const ObjectSpec& spec, WorkerId driver, std::string inline_data);
   // An object that was freed, needed again to rebuild another (lineage): declared, referenced by
   // nobody, freed once sealed unless something uses it by then. REQUIRES: not known.
   void Revive(const ObjectSpec& spec);

@@ -1,13 +1,12 @@
 #include "scheduler/scheduler_service.h"
 
-#include <condition_variable>
 #include <map>
-#include <mutex>
 #include <thread>
 
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "core/thread_annotations.h"
 #include "dashboard/http_handler.h"
 #include "dashboard/http_server.h"
 #include "scheduler/dashboard_view.h"
@@ -35,15 +34,17 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
 
   Status Init() {
     auto listener = rpc::Listener::Listen(
-        io_, options_.address,
-        [this](rpc::GenericSocket socket, std::string peer) { OnAccept(std::move(socket), peer); });
+        io_, options_.address, [this](rpc::GenericSocket socket, const std::string& peer) {
+          OnAccept(std::move(socket), peer);
+        });
     if (!listener.ok()) return listener.status();
     listener_ = std::move(*listener);
     if (!options_.unix_socket.empty()) {
-      auto local = rpc::Listener::Listen(io_, rpc::Address::Unix(options_.unix_socket),
-                                         [this](rpc::GenericSocket socket, std::string peer) {
-                                           OnAccept(std::move(socket), peer);
-                                         });
+      auto local =
+          rpc::Listener::Listen(io_, rpc::Address::Unix(options_.unix_socket),
+                                [this](rpc::GenericSocket socket, const std::string& peer) {
+                                  OnAccept(std::move(socket), peer);
+                                });
       if (!local.ok()) return local.status();
       unix_listener_ = std::move(*local);
     }
@@ -84,8 +85,8 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   }
 
   void Wait() override {
-    std::unique_lock lock(mutex_);
-    stopped_cv_.wait(lock, [this] { return stopped_; });
+    MutexLock lock(&mutex_);
+    while (!stopped_) stopped_cv_.Wait(&mutex_);
   }
 
   void Stop() override {
@@ -168,10 +169,10 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
     for (auto& [id, connection] : connections_) connection->Close(Cancelled("scheduler stopping"));
     work_.reset();
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       stopped_ = true;
     }
-    stopped_cv_.notify_all();
+    stopped_cv_.NotifyAll();
     rpc::asio::post(io_, [this] { io_.stop(); });
   }
 
@@ -190,9 +191,9 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   bool stopping_ = false;
   bool flush_posted_ = false;
 
-  std::mutex mutex_;
-  std::condition_variable stopped_cv_;
-  bool stopped_ = false;
+  Mutex mutex_;
+  CondVar stopped_cv_;
+  bool stopped_ GUARDED_BY(mutex_) = false;
 };
 
 }  // namespace

@@ -6,27 +6,40 @@
 # Every finding is fatal (the test fails and prints the report). Third-party libraries (TBB,
 # OpenBLAS, UCX) are not instrumented; tests/sanitizers/ holds the suppressions for what their
 # uninstrumented code makes the sanitizers see, each with its reason.
+# The build uses Clang 15 (scripts/install_deps.sh says why that version), so it also checks the
+# thread-safety annotations (-Wthread-safety; core/thread_annotations.h); TESSERA_SANITIZE_CC and
+# TESSERA_SANITIZE_CXX name other compilers. TESSERA_WERROR=ON in the environment makes every
+# warning an error (.ci/run sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sanitizers=${1:-address,undefined}
 shift || true
+# The runtime: threads, the executor, the object store, control and data planes, the scheduler
+# and the collectives (unit tests; processes of integration tests are not traced).
+runtime_tests='Executor|ObjectStore|Rpc|Connection|DataPlane|Scheduler|Collective|Loopback|Rendezvous|GraphRunner'
+runtime_only=0
 if [[ $# -eq 0 ]]; then
   if [[ "$sanitizers" == *thread* ]]; then
-    # The runtime: threads, the executor, the object store, control and data planes, the
-    # scheduler and the collectives (unit tests; processes of integration tests are not traced).
-    set -- -L unit -R 'Executor|ObjectStore|Rpc|Connection|DataPlane|Scheduler|Collective|Loopback|Rendezvous|GraphRunner'
+    set -- -L unit -R "$runtime_tests"
+    runtime_only=1
   else
     set -- -L unit
   fi
 fi
 scripts/install_deps.sh
 dir="build-${sanitizers//,/-}"
+werror=()
+[[ -n "${TESSERA_WERROR:-}" ]] && werror=(-DTESSERA_WERROR="$TESSERA_WERROR")
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTESSERA_SANITIZE="$sanitizers" \
+  -DCMAKE_C_COMPILER="${TESSERA_SANITIZE_CC:-clang-15}" \
+  -DCMAKE_CXX_COMPILER="${TESSERA_SANITIZE_CXX:-clang++-15}" "${werror[@]}" \
   -DTESSERA_BUILD_BENCH=OFF -DTESSERA_ENABLE_CUDA=OFF
-# Only the unit tests (and what they link) when only unit tests run: half the build.
-target=all
-[[ " $* " == *" -L unit "* ]] && target=unit_tests
-cmake --build "$dir" -j "$(nproc)" --target "$target"
+# Only the unit tests (and what they link) when only unit tests run: half the build; for the
+# runtime's tests, only the unit-test executables that hold them (a third of them).
+targets=(all)
+[[ " $* " == *" -L unit "* ]] && targets=(unit_tests)
+[[ $runtime_only -eq 1 ]] && read -r -a targets < <(scripts/test_targets.py "$runtime_tests" unit)
+cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}"
 suppressions="$PWD/tests/sanitizers"
 # UCX's memory hooks (libucm patches mmap/madvise/malloc in every loaded library) fight the
 # sanitizers' own interceptors (TSan crashes in ucm_madvise at thread start). Tessera needs none

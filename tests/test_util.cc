@@ -98,11 +98,13 @@ Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<T
                                       const Attrs& attrs) {
   const OpRegistry& registry = CpuRegistry();
   std::vector<TensorMeta> metas;
+  metas.reserve(inputs.size());
   for (const Tensor& t : inputs) metas.push_back(t.meta());
   TESSERA_ASSIGN_OR_RETURN(std::vector<TensorMeta> out_metas,
                            registry.InferShapes(op, metas, attrs));
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op));
   std::vector<Tensor> outputs;
+  outputs.reserve(out_metas.size());
   for (const TensorMeta& meta : out_metas) outputs.push_back(Allocate(meta));
   for (const auto& [in, out] : def->in_place) {
     std::memcpy(outputs[out].raw_data(), inputs[in].raw_data(),

@@ -49,12 +49,15 @@ bool ProcessGone(int pid);
     EXPECT_TRUE(expect_ok_status.ok()) << expect_ok_status.ToString(); \
   } while (0)
 // Unwraps a Result or fails the test.
+// NOLINTBEGIN(bugprone-macro-parentheses): `result` is a name being declared and `lhs` a
+// declaration (`auto x`), which parentheses would break.
 #define ASSERT_OK_AND_ASSIGN(lhs, expr) \
   ASSERT_OK_AND_ASSIGN_IMPL(TESSERA_CONCAT(test_result_, __COUNTER__), lhs, expr)
 #define ASSERT_OK_AND_ASSIGN_IMPL(result, lhs, expr)      \
   auto result = (expr);                                   \
   ASSERT_TRUE(result.ok()) << result.status().ToString(); \
   lhs = std::move(result).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
 std::shared_ptr<Allocator> TestAllocator();
 // The registry with every standard op and its CPU kernel (built once per process).

@@ -49,8 +49,9 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
     join.setSize(size_);
     join.setBlob(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
     send_(message);
-    std::unique_lock lock(mutex_);
-    changed_.wait_until(lock, deadline, [&] { return results_.contains(round) || !failure_.ok(); });
+    MutexLock lock(&mutex_);
+    while (!results_.contains(round) && failure_.ok() && changed_.WaitUntil(&mutex_, deadline)) {
+    }
     if (auto it = results_.find(round); it != results_.end()) {
       std::vector<std::string> all = std::move(it->second);
       results_.erase(it);
@@ -66,7 +67,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
   void OnMemberFailure(FailureHandler on_failure) override {
     Status known;
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       handler_ = on_failure;
       known = failure_;
     }
@@ -75,7 +76,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
 
   Status ReportFailure(const Status& reason, int64_t silent_ms, int silent_peer) override {
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       if (!failure_.ok()) return failure_;
     }
     capnp::MallocMessageBuilder message;
@@ -86,26 +87,28 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
     failed.setSilentPeer(silent_peer);
     failed.setEpoch(epoch_);
     send_(message);
-    std::unique_lock lock(mutex_);
-    changed_.wait_for(lock, kVerdictWait, [&] { return !failure_.ok(); });
+    MutexLock lock(&mutex_);
+    const auto until = std::chrono::steady_clock::now() + kVerdictWait;
+    while (failure_.ok() && changed_.WaitUntil(&mutex_, until)) {
+    }
     return failure_.ok() ? reason : failure_;
   }
 
   void Deliver(uint32_t round, std::vector<std::string> blobs) {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     results_[round] = std::move(blobs);
-    changed_.notify_all();
+    changed_.NotifyAll();
   }
 
   // The scheduler's verdict: the group's collectives fail with it.
   void Fail(const Status& verdict) {
     FailureHandler handler;
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       if (!failure_.ok()) return;
       failure_ = verdict;
       handler = handler_;
-      changed_.notify_all();
+      changed_.NotifyAll();
     }
     if (handler) handler(verdict);
   }
@@ -117,11 +120,11 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
   const int size_;
   SendToScheduler send_;
   uint32_t next_round_ = 0;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::map<uint32_t, std::vector<std::string>> results_;
-  Status failure_;
-  FailureHandler handler_;
+  Mutex mutex_;
+  CondVar changed_;
+  std::map<uint32_t, std::vector<std::string>> results_ GUARDED_BY(mutex_);
+  Status failure_ GUARDED_BY(mutex_);
+  FailureHandler handler_ GUARDED_BY(mutex_);
 };
 
 CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send,
@@ -133,7 +136,7 @@ CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler sen
 
 void CollectiveEngine::Stop() {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     stopping_ = true;
     if (running_group_ != 0) {
       auto it = groups_.find(running_group_);
@@ -145,14 +148,14 @@ void CollectiveEngine::Stop() {
       }
     }
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 CollectiveEngine::~CollectiveEngine() {
   Stop();
   std::map<int64_t, Queued> left;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     left.swap(queued_);
   }
   thread_.join();
@@ -163,16 +166,16 @@ void CollectiveEngine::Submit(const InstanceId& instance, int64_t position, Coll
                               Done done) {
   Status refused;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (stopping_) {
       refused = Cancelled("the worker is stopping");
     } else if (auto failed = failed_.find(instance); failed != failed_.end()) {
       refused = failed->second;
       if (position >= next_) passing_.insert(position);
-      changed_.notify_all();
+      changed_.NotifyAll();
     } else {
       queued_.emplace(position, Queued{instance, std::move(member), std::move(done)});
-      changed_.notify_all();
+      changed_.NotifyAll();
       return;
     }
   }
@@ -184,7 +187,7 @@ void CollectiveEngine::EndInstance(const InstanceId& instance,
   std::vector<Queued> ended;
   std::shared_ptr<SchedulerRendezvous> forming;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     failed_.erase(instance);
     for (int64_t position : positions) {
       if (position < next_) continue;  // ran, or passed
@@ -195,7 +198,7 @@ void CollectiveEngine::EndInstance(const InstanceId& instance,
       }
       if (!queued_.contains(position)) passing_.insert(position);
     }
-    changed_.notify_all();
+    changed_.NotifyAll();
     if (!reason.ok() && running_group_ != 0 && running_instance_ == instance) {
       // The collective in progress belongs to a failed instance: stop it now (the other members
       // are being cancelled too); the group forms again next time.
@@ -221,7 +224,7 @@ bool CollectiveEngine::NextIsDue() const {
 void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
   std::shared_ptr<SchedulerRendezvous> rendezvous;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     auto it = groups_.find(peers.getGroup());
     if (it == groups_.end() || !it->second.rendezvous ||
         it->second.rendezvous->epoch() != peers.getEpoch()) {
@@ -238,7 +241,7 @@ void CollectiveEngine::OnAbort(uint64_t group, uint32_t epoch, const Status& rea
   std::shared_ptr<SchedulerRendezvous> rendezvous;
   std::unique_ptr<Communicator> idle;  // destroyed outside the lock
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     Group& entry = groups_[group];
     if (entry.rendezvous && entry.rendezvous->epoch() > epoch) {
       GetLogger("worker")->info(
@@ -264,12 +267,12 @@ void CollectiveEngine::OnAbort(uint64_t group, uint32_t epoch, const Status& rea
 }
 
 CollectiveEngineStats CollectiveEngine::stats() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return stats_;
 }
 
 CollectiveInProgress CollectiveEngine::InProgress() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return in_progress_;
 }
 
@@ -277,8 +280,8 @@ void CollectiveEngine::Loop() {
   while (true) {
     Queued next;
     {
-      std::unique_lock lock(mutex_);
-      changed_.wait(lock, [&] { return stopping_ || NextIsDue(); });
+      MutexLock lock(&mutex_);
+      while (!stopping_ && !NextIsDue()) changed_.Wait(&mutex_);
       if (stopping_) return;
       const int64_t position = next_++;
       if (passing_.erase(position) > 0) continue;
@@ -287,7 +290,7 @@ void CollectiveEngine::Loop() {
       queued_.erase(item);
       if (auto failed = failed_.find(next.instance); failed != failed_.end()) {
         const Status why = failed->second;
-        lock.unlock();
+        lock.Unlock();
         next.done(why);
         continue;
       }
@@ -305,7 +308,7 @@ void CollectiveEngine::Loop() {
     }
     int64_t sent_before;
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       sent_before = stats_.bytes_sent;
     }
     const int64_t started_us = SystemMicrosNow();
@@ -313,7 +316,7 @@ void CollectiveEngine::Loop() {
     const int64_t ended_us = SystemMicrosNow();
     int64_t sent;
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       running_group_ = 0;
       in_progress_ = CollectiveInProgress{};
       ++stats_.collectives_run;
@@ -330,7 +333,7 @@ void CollectiveEngine::Loop() {
 Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, int size) {
   std::shared_ptr<SchedulerRendezvous> rendezvous;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (stopping_) return Cancelled("the worker is stopping");
     Group& group = groups_[key];
     if (group.communicator) {
@@ -351,7 +354,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
   options.chunk_bytes = settings_.collective_chunk_bytes;
   options.small_bytes = settings_.collective_small_bytes;
   Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options);
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   in_progress_.forming = false;
   Group& group = groups_[key];
   if (!formed.ok()) {
@@ -415,7 +418,7 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
     return InvalidArgument("{} is not a collective op", member.op);
   }
   if (status.ok() && staged) status = CopyTensor(device_out, out, copier_);
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   stats_.bytes_sent += communicator->bytes_sent() - sent_before;
   Group& group = groups_[static_cast<uint64_t>(key)];
   if (!status.ok() || group.aborted) {

@@ -34,12 +34,10 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -54,6 +52,7 @@
 #include "core/settings.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 #include "ops/op_registry.h"
 
 namespace tessera {
@@ -145,24 +144,24 @@ class CollectiveEngine {
   SendToScheduler send_;
   const KernelContext copier_;
 
-  // Whether the member at `next_` is queued or passes (under mutex_).
-  bool NextIsDue() const;
+  // Whether the member at `next_` is queued or passes.
+  bool NextIsDue() const REQUIRES(mutex_);
 
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;
-  int64_t next_ = 0;                  // the next position to run
-  std::map<int64_t, Queued> queued_;  // by position
-  std::set<int64_t> passing_;         // positions of ended instances never submitted
+  mutable Mutex mutex_;
+  CondVar changed_;
+  int64_t next_ GUARDED_BY(mutex_) = 0;                  // the next position to run
+  std::map<int64_t, Queued> queued_ GUARDED_BY(mutex_);  // by position
+  std::set<int64_t> passing_ GUARDED_BY(mutex_);  // positions of ended instances never submitted
   // An instance's first failed member: its instance fails, so its later members fail with this
   // at once instead of forming a group the other members will never join (which would also move
   // this worker's epoch of that group past theirs). Until the instance ends here.
-  std::map<InstanceId, Status> failed_;
-  std::map<uint64_t, Group> groups_;  // engine thread, except rendezvous lookups under mutex_
-  uint64_t running_group_ = 0;        // the group of the member in progress (0: none)
-  InstanceId running_instance_{0, 0};
-  CollectiveInProgress in_progress_;
-  CollectiveEngineStats stats_;
-  bool stopping_ = false;
+  std::map<InstanceId, Status> failed_ GUARDED_BY(mutex_);
+  std::map<uint64_t, Group> groups_ GUARDED_BY(mutex_);
+  uint64_t running_group_ GUARDED_BY(mutex_) = 0;  // the group of the member in progress (0: none)
+  InstanceId running_instance_ GUARDED_BY(mutex_) = InstanceId{0, 0};
+  CollectiveInProgress in_progress_ GUARDED_BY(mutex_);
+  CollectiveEngineStats stats_ GUARDED_BY(mutex_);
+  bool stopping_ GUARDED_BY(mutex_) = false;
   std::thread thread_;
 };
 

@@ -69,6 +69,7 @@ Result<std::vector<int>> ResolveGpus(const std::string& spec) {
   const CudaDevices probed =
       SimulatedGpuRequested() ? CudaDevices{{CudaDeviceInfo{.index = 0}}, ""} : ProbeCudaDevices();
   std::vector<int> present;
+  present.reserve(probed.devices.size());
   for (const CudaDeviceInfo& device : probed.devices) present.push_back(device.index);
   if (present.empty()) return Unavailable("no usable GPU for '{}': {}", spec, probed.reason);
   if (listed.empty()) return present;

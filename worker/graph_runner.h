@@ -153,7 +153,7 @@ class GraphRunner {
   // Hands the pushes that came before graph `graph`'s part to their runs.
   void DeliverEarlyPushes(uint64_t graph);
 
-  const OpRegistry& registry_;
+  [[maybe_unused]] const OpRegistry& registry_;  // unused (Clang's -Wunused-private-field)
   const Settings settings_;
   ObjectStore& store_;
   SendToScheduler send_;

@@ -60,7 +60,7 @@ ObjectStore::ObjectStore(ObjectStoreOptions options, std::shared_ptr<Allocator> 
 }
 
 ObjectStore::~ObjectStore() {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   for (auto& [id, entry] : entries_) {
     if (!entry.spill_path.empty()) ::unlink(entry.spill_path.c_str());
   }
@@ -73,7 +73,7 @@ void ObjectStore::Touch(ObjectId id, Entry& entry) {
 }
 
 Status ObjectStore::Put(ObjectId id, Tensor tensor) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   if (entries_.contains(id)) return AlreadyExists("object {} is already stored", id.ToString());
   const int64_t bytes = tensor.bytes();
   Entry entry;
@@ -177,7 +177,7 @@ Result<Tensor> ObjectStore::ReadSpillFile(const Entry& entry) const {
 }
 
 Result<PinnedObject> ObjectStore::Get(ObjectId id) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   Entry& entry = it->second;
@@ -204,13 +204,13 @@ Result<PinnedObject> ObjectStore::Get(ObjectId id) {
 }
 
 void ObjectStore::Unpin(ObjectId id) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = entries_.find(id);
   if (it != entries_.end() && it->second.pins > 0) --it->second.pins;
 }
 
 Status ObjectStore::Delete(ObjectId id) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   Entry& entry = it->second;
@@ -228,12 +228,12 @@ Status ObjectStore::Delete(ObjectId id) {
 }
 
 bool ObjectStore::Contains(ObjectId id) const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return entries_.contains(id);
 }
 
 Result<StorageTier> ObjectStore::TierOf(ObjectId id) const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   if (!it->second.meta.device.is_cpu()) return StorageTier::kDevice;
@@ -241,7 +241,7 @@ Result<StorageTier> ObjectStore::TierOf(ObjectId id) const {
 }
 
 ObjectStoreStats ObjectStore::stats() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return ObjectStoreStats{host_bytes_,    options_.host_capacity_bytes,
                           spilled_bytes_, static_cast<int64_t>(entries_.size()),
                           spills_,        restores_,

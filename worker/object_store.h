@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -34,6 +33,7 @@
 #include "core/ids.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -105,23 +105,24 @@ class ObjectStore {
     std::list<ObjectId>::iterator lru;  // position in lru_ while in the host tier
   };
 
-  void Unpin(ObjectId id);
+  void Unpin(ObjectId id) EXCLUDES(mutex_);
   // Spills unpinned host objects, least recently used first, until `bytes` more fit.
-  Status MakeRoom(int64_t bytes);                 // REQUIRES: mutex_ held
-  Status SpillToDisk(ObjectId id, Entry& entry);  // REQUIRES: mutex_ held
+  Status MakeRoom(int64_t bytes) REQUIRES(mutex_);
+  Status SpillToDisk(ObjectId id, Entry& entry) REQUIRES(mutex_);
   Result<Tensor> ReadSpillFile(const Entry& entry) const;
-  void Touch(ObjectId id, Entry& entry);  // REQUIRES: mutex_ held; entry in the host tier
+  void Touch(ObjectId id, Entry& entry) REQUIRES(mutex_);  // REQUIRES: entry in the host tier
 
   const ObjectStoreOptions options_;
   std::shared_ptr<Allocator> allocator_;
-  mutable std::mutex mutex_;
-  std::unordered_map<ObjectId, Entry> entries_;
-  std::list<ObjectId> lru_;  // host-tier objects, most recently used at the front
-  int64_t host_bytes_ = 0;
-  int64_t device_bytes_ = 0;
-  int64_t spilled_bytes_ = 0;
-  int64_t spills_ = 0;
-  int64_t restores_ = 0;
+  mutable Mutex mutex_;
+  std::unordered_map<ObjectId, Entry> entries_ GUARDED_BY(mutex_);
+  // Host-tier objects, most recently used at the front.
+  std::list<ObjectId> lru_ GUARDED_BY(mutex_);
+  int64_t host_bytes_ GUARDED_BY(mutex_) = 0;
+  int64_t device_bytes_ GUARDED_BY(mutex_) = 0;
+  int64_t spilled_bytes_ GUARDED_BY(mutex_) = 0;
+  int64_t spills_ GUARDED_BY(mutex_) = 0;
+  int64_t restores_ GUARDED_BY(mutex_) = 0;
 };
 
 }  // namespace tessera

@@ -16,11 +16,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "core/graph.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -41,8 +41,8 @@ class RoleMeter {
   // `added` appear alongside what is live, then `freed` disappear. `replaced` are freed inputs
   // whose buffers added outputs took over (donation): they never coexist with those outputs.
   void Apply(const std::vector<Entry>& added, const std::vector<Entry>& freed,
-             const std::vector<Entry>& replaced) {
-    std::lock_guard lock(mutex_);
+             const std::vector<Entry>& replaced) EXCLUDES(mutex_) {
+    MutexLock lock(&mutex_);
     for (const auto& [role, bytes] : added) live_[static_cast<size_t>(role)] += bytes;
     for (const auto& [role, bytes] : replaced) live_[static_cast<size_t>(role)] -= bytes;
     UpdatePeaks();
@@ -51,7 +51,7 @@ class RoleMeter {
     UpdatePeaks();
   }
   RoleBytes bytes() const {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     return bytes_;
   }
 
@@ -64,7 +64,7 @@ class RoleMeter {
   }
 
  private:
-  void UpdatePeaks() {  // REQUIRES: mutex_ held
+  void UpdatePeaks() REQUIRES(mutex_) {
     int64_t model_state = 0, transient = 0;
     for (size_t r = 0; r < kObjectRoles; ++r) {
       const auto role = static_cast<ObjectRole>(r);
@@ -76,9 +76,9 @@ class RoleMeter {
     bytes_.transient_peak = std::max(bytes_.transient_peak, transient);
   }
 
-  mutable std::mutex mutex_;
-  std::array<int64_t, kObjectRoles> live_{};
-  RoleBytes bytes_;
+  mutable Mutex mutex_;
+  std::array<int64_t, kObjectRoles> live_ GUARDED_BY(mutex_){};
+  RoleBytes bytes_ GUARDED_BY(mutex_);
 };
 
 }  // namespace tessera

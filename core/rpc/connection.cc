@@ -9,7 +9,7 @@
 namespace tessera::rpc {
 
 namespace {
-constexpr size_t kReadChunkBytes = 256 * 1024;
+constexpr size_t kReadChunkBytes = size_t{256} * 1024;
 }  // namespace
 
 std::shared_ptr<Connection> Connection::Create(GenericSocket socket, std::string peer,
@@ -71,7 +71,7 @@ void Connection::SendFrame(std::vector<uint8_t> frame) {
   if (closed_) return;
   bool start = false;
   {
-    std::lock_guard lock(write_mutex_);
+    MutexLock lock(&write_mutex_);
     queued_.push_back(std::move(frame));
     if (!writing_) {
       writing_ = true;
@@ -84,12 +84,12 @@ void Connection::SendFrame(std::vector<uint8_t> frame) {
 
 void Connection::WriteQueued() {
   {
-    std::unique_lock lock(write_mutex_);
+    MutexLock lock(&write_mutex_);
     if (closed_ || queued_.empty()) {
       writing_ = false;
       if (close_when_flushed_ && !closed_) {
         const Status reason = close_reason_;
-        lock.unlock();
+        lock.Unlock();
         CloseOnIoThread(reason);
       }
       return;
@@ -118,7 +118,7 @@ void Connection::Close(const Status& reason) {
 
 void Connection::CloseWhenFlushed(const Status& reason) {
   {
-    std::lock_guard lock(write_mutex_);
+    MutexLock lock(&write_mutex_);
     close_when_flushed_ = true;
     close_reason_ = reason;
     if (writing_) return;  // the write loop closes when the queue drains
@@ -133,7 +133,7 @@ void Connection::CloseOnIoThread(const Status& reason) {
   socket_.shutdown(asio::socket_base::shutdown_both, ignored);
   socket_.close(ignored);
   {
-    std::lock_guard lock(write_mutex_);
+    MutexLock lock(&write_mutex_);
     queued_.clear();
     writing_ = false;
   }
@@ -207,14 +207,14 @@ Result<GenericSocket> ConnectSocket(asio::io_context& io, const Address& address
   return result;
 }
 
-Listener::Listener(asio::io_context& io, Address address, AcceptHandler on_accept)
-    : io_(io), address_(std::move(address)), on_accept_(std::move(on_accept)) {}
+Listener::Listener(Address address, AcceptHandler on_accept)
+    : address_(std::move(address)), on_accept_(std::move(on_accept)) {}
 
 Listener::~Listener() { Close(); }
 
 Result<std::unique_ptr<Listener>> Listener::Listen(asio::io_context& io, const Address& address,
                                                    AcceptHandler on_accept) {
-  std::unique_ptr<Listener> listener(new Listener(io, address, std::move(on_accept)));
+  std::unique_ptr<Listener> listener(new Listener(address, std::move(on_accept)));
   boost::system::error_code error;
   if (address.kind == Address::Kind::kUnix) {
     ::unlink(address.path.c_str());  // a stale socket file from a dead process

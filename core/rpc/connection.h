@@ -19,7 +19,6 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -27,6 +26,7 @@
 #include "core/rpc/asio.h"
 #include "core/rpc/frame.h"
 #include "core/status.h"
+#include "core/thread_annotations.h"
 
 namespace tessera::rpc {
 
@@ -44,11 +44,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Start(MessageHandler on_message, CloseHandler on_close);
   // Queues one message; a no-op after Close.
   void Send(capnp::MessageBuilder& message);
-  void SendFrame(std::vector<uint8_t> frame);
+  void SendFrame(std::vector<uint8_t> frame) EXCLUDES(write_mutex_);
   // Closes the socket; the close handler gets `reason`. Idempotent.
   void Close(const Status& reason);
   // Closes once every message queued so far has been written (e.g. after a refusal).
-  void CloseWhenFlushed(const Status& reason);
+  void CloseWhenFlushed(const Status& reason) EXCLUDES(write_mutex_);
 
   bool closed() const { return closed_.load(); }
   const std::string& peer() const { return peer_; }
@@ -60,8 +60,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   Connection(GenericSocket socket, std::string peer, uint32_t max_frame_bytes);
   void ReadMore();
-  void WriteQueued();  // io thread
-  void CloseOnIoThread(const Status& reason);
+  void WriteQueued() EXCLUDES(write_mutex_);  // io thread
+  void CloseOnIoThread(const Status& reason) EXCLUDES(write_mutex_);
 
   GenericSocket socket_;
   std::string peer_;
@@ -70,11 +70,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   MessageHandler on_message_;
   CloseHandler on_close_;
 
-  std::mutex write_mutex_;
-  std::vector<std::vector<uint8_t>> queued_;     // under write_mutex_
-  bool writing_ = false;                         // under write_mutex_
-  bool close_when_flushed_ = false;              // under write_mutex_
-  Status close_reason_;                          // under write_mutex_
+  Mutex write_mutex_;
+  std::vector<std::vector<uint8_t>> queued_ GUARDED_BY(write_mutex_);
+  bool writing_ GUARDED_BY(write_mutex_) = false;
+  bool close_when_flushed_ GUARDED_BY(write_mutex_) = false;
+  Status close_reason_ GUARDED_BY(write_mutex_);
   std::vector<std::vector<uint8_t>> in_flight_;  // io thread only
 
   std::atomic<bool> closed_{false};
@@ -98,10 +98,9 @@ class Listener {
   void Close();
 
  private:
-  Listener(asio::io_context& io, Address address, AcceptHandler on_accept);
+  Listener(Address address, AcceptHandler on_accept);
   void AcceptNext();
 
-  asio::io_context& io_;
   Address address_;
   AcceptHandler on_accept_;
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;

@@ -30,6 +30,8 @@ int ReadMemoryOf(pid_t pid, uint64_t address, void* into, int64_t bytes) {
   int64_t done = 0;
   while (done < bytes) {
     iovec local{static_cast<char*>(into) + done, static_cast<size_t>(bytes - done)};
+    // An address in the other process, for the kernel; never dereferenced here.
+    // NOLINTNEXTLINE(performance-no-int-to-ptr)
     iovec remote{reinterpret_cast<void*>(address + static_cast<uint64_t>(done)),
                  static_cast<size_t>(bytes - done)};
     const ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);

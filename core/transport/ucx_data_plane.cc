@@ -13,7 +13,6 @@
 #include <cstring>
 #include <future>
 #include <map>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "core/transport/ucx_common.h"
 
 #include "core/logging.h"
+#include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "core/transport/data_plane_wire.h"
 #include "core/transport/local_memory.h"
@@ -129,7 +129,7 @@ class UcxDataPlane final : public DataPlane {
   void Push(const std::string& address, const PushKey& key, const void* data, int64_t bytes,
             std::shared_ptr<void> keepalive, PullCallback done) override;
   DataPlaneStats stats() const override {
-    std::lock_guard lock(stats_mutex_);
+    MutexLock lock(&stats_mutex_);
     return stats_;
   }
 
@@ -308,8 +308,8 @@ class UcxDataPlane final : public DataPlane {
   std::thread thread_;
   std::atomic<bool> stopping_{false};
 
-  std::mutex command_mutex_;
-  std::vector<std::function<void()>> commands_;  // under command_mutex_
+  Mutex command_mutex_;
+  std::vector<std::function<void()>> commands_ GUARDED_BY(command_mutex_);
 
   // Progress-thread state.
   std::unordered_map<std::string, Peer> peers_;
@@ -327,8 +327,8 @@ class UcxDataPlane final : public DataPlane {
   std::map<std::pair<ucp_ep_h, uint64_t>, Loan> lent_chunks_;  // (puller's ep, request)
   std::unordered_map<uint64_t, LentPush> lent_pushes_;         // push id -> the lent push
 
-  mutable std::mutex stats_mutex_;
-  DataPlaneStats stats_;
+  mutable Mutex stats_mutex_;
+  DataPlaneStats stats_ GUARDED_BY(stats_mutex_);
 };
 
 Status UcxDataPlane::Init() {
@@ -420,7 +420,7 @@ void UcxDataPlane::Run() {
 
 void UcxDataPlane::Post(std::function<void()> command) {
   {
-    std::lock_guard lock(command_mutex_);
+    MutexLock lock(&command_mutex_);
     commands_.push_back(std::move(command));
   }
   Wake();
@@ -434,14 +434,14 @@ void UcxDataPlane::Wake() {
 void UcxDataPlane::DrainCommands() {
   std::vector<std::function<void()>> commands;
   {
-    std::lock_guard lock(command_mutex_);
+    MutexLock lock(&command_mutex_);
     commands.swap(commands_);
   }
   for (auto& command : commands) command();
 }
 
 void UcxDataPlane::CountRefused() {
-  std::lock_guard lock(stats_mutex_);
+  MutexLock lock(&stats_mutex_);
   ++stats_.refused;
 }
 
@@ -698,7 +698,7 @@ void UcxDataPlane::ServePending() {
     SendReply(serve.reply_ep, h.request, Status::Ok(),
               static_cast<const char*>(object->data) + h.offset, h.length,
               std::move(object->keepalive), /*lend=*/(h.flags & kByAddress) != 0);
-    std::lock_guard lock(stats_mutex_);
+    MutexLock lock(&stats_mutex_);
     stats_.bytes_served += h.length;
     ++stats_.serves;
   }
@@ -944,7 +944,7 @@ void UcxDataPlane::ChunkDone(uint64_t request, const Status& status, int64_t byt
   --pull.outstanding;
   if (!status.ok() && pull.error.ok()) pull.error = status;
   if (status.ok()) {
-    std::lock_guard lock(stats_mutex_);
+    MutexLock lock(&stats_mutex_);
     stats_.bytes_pulled += bytes;
   }
   IssueChunks(pull);
@@ -963,7 +963,7 @@ void UcxDataPlane::FinishPull(uint64_t pull_id) {
     chunk = chunk->second.pull == pull_id ? chunks_.erase(chunk) : std::next(chunk);
   }
   if (pull.error.ok()) {
-    std::lock_guard lock(stats_mutex_);
+    MutexLock lock(&stats_mutex_);
     ++stats_.pulls;
     stats_.pull_micros +=
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - pull.started).count();
@@ -1030,7 +1030,7 @@ void UcxDataPlane::OnPushSent(void* request, ucs_status_t status, void* user_dat
     operation->done(status == UCS_OK ? Status::Ok() : UcxError("push send", status));
   }
   if (status == UCS_OK) {
-    std::lock_guard lock(operation->plane->stats_mutex_);
+    MutexLock lock(&operation->plane->stats_mutex_);
     operation->plane->stats_.bytes_served += operation->bytes;
   }
   delete operation;
@@ -1102,7 +1102,7 @@ void UcxDataPlane::ReceivePushes() {
           status = Unavailable("the sender (pid {}) vanished while lending a push: {}",
                                push.sender_pid, std::strerror(error));
         } else {
-          std::lock_guard lock(stats_mutex_);
+          MutexLock lock(&stats_mutex_);
           stats_.bytes_pulled += push.length;
         }
       }
@@ -1135,7 +1135,7 @@ void UcxDataPlane::OnPushReceived(void* request, ucs_status_t status, size_t len
   self->push_.delivered(operation->push_key,
                         status == UCS_OK ? Status::Ok() : UcxError("push receive", status));
   {
-    std::lock_guard lock(self->stats_mutex_);
+    MutexLock lock(&self->stats_mutex_);
     self->stats_.bytes_pulled += static_cast<int64_t>(length);
   }
   delete operation;
@@ -1172,7 +1172,7 @@ ucs_status_t UcxDataPlane::OnPushRead(void* arg, const void* header, size_t head
           : WireStatus(ack.status,
                        fmt::format("the receiver could not read the push from {}", self->address_));
   if (status.ok()) {
-    std::lock_guard lock(self->stats_mutex_);
+    MutexLock lock(&self->stats_mutex_);
     self->stats_.bytes_served += push.bytes;
   }
   push.done(status);
@@ -1340,6 +1340,7 @@ void UcxDataPlane::Shutdown() {
       lent_pushes_.clear();
       lent_chunks_.clear();
       std::vector<uint64_t> ids;
+      ids.reserve(pulls_.size());
       for (auto& [id, pull] : pulls_) ids.push_back(id);
       for (uint64_t id : ids) FinishPull(id);
       for (auto& [address, peer] : peers_) {

@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <optional>
 #include <unordered_map>
 
@@ -17,6 +16,7 @@
 
 #include "core/transport/ucx_common.h"
 
+#include "core/thread_annotations.h"
 #include "core/transport/local_memory.h"
 
 namespace tessera {
@@ -48,7 +48,7 @@ struct Descriptor {
   uint64_t ack_tag;
 };
 constexpr uint64_t kDescriptorMagic = 0x3173736573736574;  // "tessess1"
-const uint64_t kAckWord = 1;
+constexpr uint64_t kAckWord = 1;
 
 // A peer's address: host name, pid, the address of its probe word, its UCX worker address.
 struct PeerAddress {
@@ -183,8 +183,8 @@ class UcxPeerTransportImpl final : public UcxPeerTransport {
   int failure_silent_peer_ = -1;
 
   std::atomic<bool> aborted_{false};
-  std::mutex abort_mutex_;
-  Status abort_reason_;  // under abort_mutex_
+  Mutex abort_mutex_;
+  Status abort_reason_ GUARDED_BY(abort_mutex_);
 };
 
 Status UcxPeerTransportImpl::Init() {
@@ -488,7 +488,7 @@ Status UcxPeerTransportImpl::Wait(const std::vector<RequestId>& requests,
   while (true) {
     if (Progress()) last_event = Clock::now();
     if (aborted_.load(std::memory_order_acquire)) {
-      std::lock_guard lock(abort_mutex_);
+      MutexLock lock(&abort_mutex_);
       return Break(abort_reason_);
     }
     if (!peer_failure_.ok()) return Break(peer_failure_);
@@ -534,7 +534,7 @@ Status UcxPeerTransportImpl::Wait(const std::vector<RequestId>& requests,
 
 void UcxPeerTransportImpl::Abort(const Status& reason) {
   {
-    std::lock_guard lock(abort_mutex_);
+    MutexLock lock(&abort_mutex_);
     if (aborted_.load()) return;
     abort_reason_ = reason.ok() ? Cancelled("the group was aborted") : reason;
   }

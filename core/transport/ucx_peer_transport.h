@@ -44,7 +44,8 @@ namespace tessera {
 
 struct UcxPeerTransportOptions {
   int spin_microseconds = 50;  // busy-poll this long without events before sleeping on the fd
-  int64_t single_copy_bytes = 64 * 1024;  // messages this large to local peers: single copy
+  int64_t single_copy_bytes =
+      int64_t{64} * 1024;  // messages this large to local peers: single copy
   // Every peer is on this host: UCX gets shared memory only (it would otherwise also stripe
   // large messages over TCP loopback).
   bool local_only = false;

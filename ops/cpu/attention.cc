@@ -56,7 +56,8 @@ void ForEachHead(const float* qkv, int64_t batch, int64_t seq_len, int64_t chann
 }
 
 float SoftmaxScale(int64_t channels, int64_t heads) {
-  return 1.0f / std::sqrt(static_cast<float>(channels / heads));
+  const int64_t head_size = channels / heads;  // whole: channels split evenly over the heads
+  return 1.0f / std::sqrt(static_cast<float>(head_size));
 }
 
 }  // namespace

@@ -1,13 +1,13 @@
 #include "ops/cpu/blas.h"
 
 #include <algorithm>
-#include <mutex>
 
 #include <cblas.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include "core/logging.h"
+#include "core/thread_annotations.h"
 
 // OpenBLAS extensions (declared in its cblas.h as well; repeated to keep the dependency explicit).
 extern "C" {
@@ -23,7 +23,7 @@ namespace {
 // pool; a sequential build (openblas_get_parallel() == 0) does not, so calls are serialised.
 struct BlasState {
   bool serialise = false;
-  std::mutex mutex;
+  Mutex mutex;  // held around every call when `serialise`: it guards OpenBLAS's own buffers
 };
 
 BlasState& Blas() {
@@ -46,13 +46,20 @@ void GemmOneThread(Transpose transpose_a, Transpose transpose_b, int64_t m, int6
                    float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                    float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  const auto sgemm = [&] {
+    cblas_sgemm(CblasRowMajor, transpose_a == Transpose::kYes ? CblasTrans : CblasNoTrans,
+                transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+                static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+                static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+                static_cast<blasint>(ldc));
+  };
   BlasState& blas = Blas();
-  std::unique_lock<std::mutex> lock(blas.mutex, std::defer_lock);
-  if (blas.serialise) lock.lock();
-  cblas_sgemm(CblasRowMajor, transpose_a == Transpose::kYes ? CblasTrans : CblasNoTrans,
-              transpose_b == Transpose::kYes ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
-              static_cast<blasint>(n), static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda),
-              b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+  if (blas.serialise) {
+    MutexLock lock(&blas.mutex);
+    sgemm();
+  } else {
+    sgemm();
+  }
 }
 
 }  // namespace

@@ -85,8 +85,10 @@ __attribute__((target("avx2,fma"))) void AdamWSegmentAvx2(const AdamWScalars& s,
 
 // GCC 12's avx512fintrin.h seeds _mm512_sqrt_ps with a self-initialised "undefined" vector and then
 // warns about it (-Wmaybe-uninitialized); the value is never read.
+#if !defined(__clang__)  // a GCC warning, unknown to Clang
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 __attribute__((target("avx512f"))) void AdamWSegmentAvx512(const AdamWScalars& s,
                                                            float decay_factor, float* param,
                                                            float* m, float* v, const float* grad,
@@ -113,7 +115,9 @@ __attribute__((target("avx512f"))) void AdamWSegmentAvx512(const AdamWScalars& s
                           _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, param + i), decay, step));
   }
 }
+#if !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
 AdamWSegmentFn AdamWSegmentFor(SimdLevel level) {

@@ -129,6 +129,7 @@ Result<std::shared_ptr<CudaContext>> CudaContext::Create(const CudaContextOption
 }
 
 Status CudaContext::CreateLane(CopyLane& lane) {
+  MutexLock lock(&lane.mutex);
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
   for (int b = 0; b < 2; ++b) {
     TESSERA_CUDA_RETURN_IF_ERROR(
@@ -141,6 +142,7 @@ Status CudaContext::CreateLane(CopyLane& lane) {
 }
 
 void CudaContext::DestroyLane(CopyLane& lane) {
+  MutexLock lock(&lane.mutex);
   if (lane.stream != nullptr) cudaStreamSynchronize(lane.stream);
   for (int b = 0; b < 2; ++b) {
     if (lane.staging[b] != nullptr) cudaFreeHost(lane.staging[b]);
@@ -204,7 +206,7 @@ Status CudaContext::Copy(void* dst, Device dst_device, const void* src, Device s
 
 Status CudaContext::ToDevice(char* dst, const char* src, int64_t bytes) {
   CopyLane& lane = to_device_;
-  std::lock_guard lock(lane.mutex);
+  MutexLock lock(&lane.mutex);
   // The destination was allocated on the compute stream (and may have been in use there).
   TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.computed, stream_));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, lane.computed, 0));
@@ -227,12 +229,12 @@ Status CudaContext::ToDevice(char* dst, const char* src, int64_t bytes) {
 
 Status CudaContext::ToHost(char* dst, const char* src, int64_t bytes) {
   CopyLane& lane = to_host_;
-  std::lock_guard lock(lane.mutex);
+  MutexLock lock(&lane.mutex);
   // The source's producers are the kernels enqueued on the compute stream so far.
   TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane.computed, stream_));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, lane.computed, 0));
   const int64_t chunks = (bytes + staging_bytes_ - 1) / staging_bytes_;
-  const auto enqueue = [&](int64_t i) -> Status {
+  const auto enqueue = [&](int64_t i) REQUIRES(lane.mutex) -> Status {
     const int b = static_cast<int>(i % 2);
     const int64_t begin = i * staging_bytes_;
     TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

@@ -30,7 +30,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include <cublasLt.h>
@@ -38,6 +37,7 @@
 
 #include "core/device_runtime.h"
 #include "core/status.h"
+#include "core/thread_annotations.h"
 
 namespace tessera::cuda {
 
@@ -96,15 +96,16 @@ class CudaContext final : public DeviceRuntime, public std::enable_shared_from_t
   // buffer is free again when its event has completed), and the events that order the stream
   // against the compute stream. The mutex keeps one copy per direction at a time.
   struct CopyLane {
-    std::mutex mutex;
-    cudaStream_t stream = nullptr;
-    void* staging[2] = {nullptr, nullptr};
-    cudaEvent_t staged[2] = {nullptr, nullptr};  // the DMA that last used staging[b] is done
-    cudaEvent_t computed = nullptr;              // recorded on the compute stream
-    cudaEvent_t copied = nullptr;                // recorded on the lane's stream
+    Mutex mutex;
+    cudaStream_t stream GUARDED_BY(mutex) = nullptr;
+    void* staging[2] GUARDED_BY(mutex) = {nullptr, nullptr};
+    // The DMA that last used staging[b] is done.
+    cudaEvent_t staged[2] GUARDED_BY(mutex) = {nullptr, nullptr};
+    cudaEvent_t computed GUARDED_BY(mutex) = nullptr;  // recorded on the compute stream
+    cudaEvent_t copied GUARDED_BY(mutex) = nullptr;    // recorded on the lane's stream
   };
-  Status CreateLane(CopyLane& lane);
-  void DestroyLane(CopyLane& lane);
+  Status CreateLane(CopyLane& lane) EXCLUDES(lane.mutex);
+  void DestroyLane(CopyLane& lane) EXCLUDES(lane.mutex);
   Status ToDevice(char* dst, const char* src, int64_t bytes);
   Status ToHost(char* dst, const char* src, int64_t bytes);
 

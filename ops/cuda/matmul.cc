@@ -1,10 +1,10 @@
 #include "ops/cuda/matmul.h"
 
 #include <map>
-#include <mutex>
 #include <tuple>
 
 #include "core/cuda_check.h"
+#include "core/thread_annotations.h"
 
 namespace tessera::cuda {
 
@@ -48,10 +48,10 @@ struct Plan {
 // Plans by problem, for the process's lifetime (a model has a handful of shapes). The mutex
 // also serialises the setting of the per-call bias pointer on a shared descriptor with its
 // launch.
-std::mutex plans_mutex;
-std::map<Problem, Plan>* plans = new std::map<Problem, Plan>();
+Mutex plans_mutex;
+std::map<Problem, Plan>* plans PT_GUARDED_BY(plans_mutex) = new std::map<Problem, Plan>();
 
-Result<const Plan*> PlanFor(const Problem& p, int64_t workspace_bytes) {
+Result<const Plan*> PlanFor(const Problem& p, int64_t workspace_bytes) REQUIRES(plans_mutex) {
   auto it = plans->find(p);
   if (it != plans->end()) return &it->second;
   Plan plan;
@@ -112,7 +112,7 @@ Status Gemm(CudaContext& context, const Problem& problem, const void* a, const v
             const void* bias) {
   if (problem.m == 0 || problem.n == 0) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(context.Activate());
-  std::lock_guard lock(plans_mutex);
+  MutexLock lock(&plans_mutex);
   TESSERA_ASSIGN_OR_RETURN(const Plan* plan, PlanFor(problem, context.blas_workspace_bytes()));
   if (problem.bias) {
     TESSERA_BLAS_RETURN_IF_ERROR(

@@ -16,6 +16,7 @@
 //   kSquaresTolerance   SumOfSquares' fp32 block partials (~40 roundings per element's path,
 //                    positive terms) against the CPU's fp64 sum: 2e-6.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -534,7 +535,7 @@ TEST(CudaKernelsTest, MeanIsTheFp64MeanAndReproducible) {
     out.Poison();
     ASSERT_OK(cuda::Mean(out.get(), x_d.get(), n, nullptr));
     const float second = out.Download()[0];
-    EXPECT_EQ(std::memcmp(&first, &second, sizeof(float)), 0);
+    EXPECT_EQ(std::bit_cast<uint32_t>(first), std::bit_cast<uint32_t>(second));  // bitwise
   }
   TESSERA_ASSERT_CUDA(cudaDeviceSynchronize());
 }
@@ -557,8 +558,8 @@ TEST_P(AdamWTest, StepsMatchCpu) {
   cuda::DecayRanges decay;
   decay.count = static_cast<int>(ranges.size() / 2);
   for (int r = 0; r < decay.count; ++r) {
-    decay.begin[r] = ranges[2 * r];
-    decay.end[r] = ranges[2 * r + 1];
+    decay.begin[r] = ranges[2 * static_cast<size_t>(r)];
+    decay.end[r] = ranges[2 * static_cast<size_t>(r) + 1];
   }
 
   std::vector<float> param = RandomFloats(n + offset, 101);
@@ -616,7 +617,7 @@ TEST(CudaKernelsTest, SumOfSquaresMatchesCpuAndIsReproducible) {
         if (run == 0) {
           first = got;
         } else {
-          EXPECT_EQ(std::memcmp(&first, &got, sizeof(float)), 0);
+          EXPECT_EQ(std::bit_cast<uint32_t>(first), std::bit_cast<uint32_t>(got));  // bitwise
         }
       }
     }

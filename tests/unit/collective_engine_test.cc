@@ -96,7 +96,7 @@ class CollectiveEngineTest : public ::testing::Test {
   }
 
   // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1.
-  CollectiveMember Member(int rank, Tensor values) {
+  CollectiveMember Member(int rank, const Tensor& values) {
     CollectiveMember member;
     member.task = fmt::format("sum.{}", rank);
     member.op = "all_reduce";
@@ -122,6 +122,7 @@ class CollectiveEngineTest : public ::testing::Test {
                             [&done, rank](const Status& status) { done[rank].set_value(status); });
     }
     std::vector<Status> statuses;
+    statuses.reserve(done.size());
     for (auto& one : done) statuses.push_back(one.get_future().get());
     for (CollectiveEngine* engine : engines) engine->EndInstance({7, instance}, {position}, {});
     for (const Tensor& out : outputs) results->push_back(ToVector(out));

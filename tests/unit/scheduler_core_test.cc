@@ -1035,7 +1035,8 @@ TEST_F(RegisteredGraphTest, AnOutputSealedTwiceInOneReportIsAProtocolError) {
 }
 
 TEST_F(SchedulerCoreTest, DynamicCollectiveMembersAreDispatchedTogetherOnDistinctWorkers) {
-  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  const auto [w1, w2, joined_driver] = JoinTwoWorkersAndADriver();
+  const auto driver = joined_driver;  // a variable: Clang 15 cannot capture a binding
   Put(driver, 1, 1, true);
   auto submit_member = [&](uint64_t id, int64_t rank, uint64_t input) {
     ASSERT_OK(Deliver(driver, [&](proto::Envelope::Builder e) {
