@@ -540,7 +540,7 @@ Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& prog
 }
 
 // Which backward a kernel or inference is for: the whole one, or a half of the split one.
-enum class Part : uint8_t { kAll, kInput, kWeight };
+enum class BackwardPart : uint8_t { kAll, kInput, kWeight };
 
 // The inputs of a backward: `lead` tensors first (the output gradients; the weight half's
 // stash), then the layer's inputs, `saved`, and the groups. Returns what the program makes of
@@ -562,26 +562,26 @@ Result<ProgramShapes> CheckBackwardInputs(const OpRegistry& registry, const Laye
   return shapes;
 }
 
-Result<Metas> InferBackward(Part part, const OpRegistry& registry, const Metas& in,
+Result<Metas> InferBackward(BackwardPart part, const OpRegistry& registry, const Metas& in,
                             const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t lead = part == Part::kWeight ? 1 : grads;
+  const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   const size_t want = lead + layer_inputs + 1 + Groups(program);
   if (in.size() != want) {
     return InvalidArgument(
         "the layer's backward{} takes {}, {} input(s), the saved buffer{}: {} in all, got {}",
-        part == Part::kWeight ? " (weight half)" : "",
-        part == Part::kWeight ? std::string("the stash")
-                              : fmt::format("{} output gradient(s)", grads),
+        part == BackwardPart::kWeight ? " (weight half)" : "",
+        part == BackwardPart::kWeight ? std::string("the stash")
+                                      : fmt::format("{} output gradient(s)", grads),
         layer_inputs, GroupsText(program), want, in.size());
   }
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
                            CheckBackwardInputs(registry, program, in, lead, attrs));
   Metas out;
   const size_t groups = lead + layer_inputs + 1;
-  if (part == Part::kWeight) {
+  if (part == BackwardPart::kWeight) {
     TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
     if (in[0].dtype != DType::kF32 || in[0].numel() != plan.stash_floats) {
       return InvalidArgument("the stash is {} but the layer's input half makes f32 [{}]",
@@ -599,7 +599,7 @@ Result<Metas> InferBackward(Part part, const OpRegistry& registry, const Metas& 
     }
   }
   for (int i : program.gradient_inputs) out.push_back(shapes.values[static_cast<size_t>(i)]);
-  if (part == Part::kInput) {
+  if (part == BackwardPart::kInput) {
     TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
     const Device device = in.empty() ? Device::Cpu() : in[0].device;
     out.push_back(TensorMeta{Shape{plan.stash_floats}, DType::kF32, device});
@@ -650,23 +650,23 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
   struct Backward {
     const char* name;
     const char* doc;
-    Part part;
+    BackwardPart part;
   };
   for (const Backward& backward : {
            Backward{"layer_backward",
                     "the gradients of a layer program's inputs and parameters, derived from its "
                     "ops' gradient rules",
-                    Part::kAll},
+                    BackwardPart::kAll},
            Backward{"layer_backward_input",
                     "the input half of layer_backward (zero-bubble pipelines): the input "
                     "gradients, and a stash for the weight half",
-                    Part::kInput},
+                    BackwardPart::kInput},
            Backward{"layer_backward_weight",
                     "the weight half of layer_backward: the parameter gradients, from the input "
                     "half's stash",
-                    Part::kWeight},
+                    BackwardPart::kWeight},
        }) {
-    const Part part = backward.part;
+    const BackwardPart part = backward.part;
     TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
         .name = backward.name,
         .doc = backward.doc,
@@ -682,7 +682,7 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
                               const Attrs& attrs) -> Result<OpCost> {
           TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
           const size_t lead =
-              part == Part::kWeight ? 1 : static_cast<size_t>(GradientInputs(program));
+              part == BackwardPart::kWeight ? 1 : static_cast<size_t>(GradientInputs(program));
           if (in.size() < lead + static_cast<size_t>(program.inputs)) {
             return InvalidArgument("too few inputs for the layer's backward");
           }
@@ -691,7 +691,7 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
           // A backward costs about twice its forward (two products per product); each half
           // about once.
           TESSERA_ASSIGN_OR_RETURN(OpCost cost, ProgramCost(registry, inputs, attrs, true));
-          if (part != Part::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
+          if (part != BackwardPart::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
           return cost;
         },
     }));
@@ -910,15 +910,16 @@ void WriteGroupGradient(const GradientSums& sums, const FlatLayout& layout,
   }
 }
 
-// The backward (Part::kAll) or one half of it; see PlanSplit for what each half does per op.
-Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context, const Tensors& in,
-                      const Tensors& out, const Attrs& attrs) {
+// The backward (BackwardPart::kAll) or one half of it; see PlanSplit for what each half does per
+// op.
+Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext& context,
+                      const Tensors& in, const Tensors& out, const Attrs& attrs) {
   TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
   const OpRegistry& registry = *context.registry;
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t lead = part == Part::kWeight ? 1 : grads;
+  const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   Metas input_metas;
   for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[lead + i].meta());
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, input_metas));
@@ -930,8 +931,9 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
   BindParams(program, in, lead + layer_inputs + 1, values);
-  const Tensor stash =
-      part == Part::kInput ? out.back() : (part == Part::kWeight ? in[0] : Tensor());
+  const Tensor stash = part == BackwardPart::kInput
+                           ? out.back()
+                           : (part == BackwardPart::kWeight ? in[0] : Tensor());
   const auto stashed = [&stash](const StashEntry& entry) {
     return Tensor(entry.meta, stash.buffer(), stash.byte_offset() + entry.offset);
   };
@@ -940,7 +942,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
   };
 
   GradientSums sums(context, device, values.size());
-  if (part != Part::kWeight) {
+  if (part != BackwardPart::kWeight) {
     if (program.loss) {
       TESSERA_ASSIGN_OR_RETURN(
           Tensor seed,
@@ -981,7 +983,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       return ran.ok() ? ran : ran.WithContext(fmt::format("the backward of {}", OpLabel(op)));
     };
 
-    if (part == Part::kWeight && half == Half::kFull) {
+    if (part == BackwardPart::kWeight && half == Half::kFull) {
       // The parameter parts the input half computed.
       for (size_t e = entries; e < next_entry; ++e) {
         const int value = op.inputs[static_cast<size_t>(rule.gradient_of[plan.stash[e].index])];
@@ -997,7 +999,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       switch (arg.from) {
         case GradientRule::From::kOutputGradient: {
           const int value = first + arg.index;
-          if (part == Part::kWeight) {
+          if (part == BackwardPart::kWeight) {
             inputs.push_back(stashed(plan.stash[entry++]));
           } else if (sums.of(value).defined()) {
             inputs.push_back(sums.of(value));
@@ -1018,7 +1020,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       }
     }
 
-    if (part == Part::kWeight) {
+    if (part == BackwardPart::kWeight) {
       const bool split = half == Half::kSplit;
       Tensors outputs;
       TESSERA_RETURN_IF_ERROR(run(split ? rule.weight_op : rule.op, inputs, outputs));
@@ -1026,7 +1028,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       continue;
     }
 
-    if (part == Part::kInput && half != Half::kFull) {
+    if (part == BackwardPart::kInput && half != Half::kFull) {
       // The output gradients wait in the stash for the weight half.
       size_t entry = entries;
       for (size_t a = 0; a < rule.inputs.size(); ++a) {
@@ -1045,7 +1047,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     Tensors outputs;
     TESSERA_RETURN_IF_ERROR(run(rule.op, inputs, outputs));
     for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
-    if (part == Part::kInput) {  // the parameter parts go to the stash, the rest on
+    if (part == BackwardPart::kInput) {  // the parameter parts go to the stash, the rest on
       for (size_t e = entries; e < next_entry; ++e) {
         keep(plan.stash[e], outputs[plan.stash[e].index]);
         outputs[plan.stash[e].index] = Tensor();
@@ -1055,7 +1057,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
   }
 
   size_t next = 0;
-  if (part != Part::kWeight) {
+  if (part != BackwardPart::kWeight) {
     for (int i : program.gradient_inputs) {
       const Tensor& target = out[next++];
       const Tensor& sum = sums.of(i);
@@ -1066,7 +1068,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       }
     }
   }
-  if (part == Part::kInput) return Status::Ok();
+  if (part == BackwardPart::kInput) return Status::Ok();
   if (HasParams(program)) {
     std::vector<int> every(program.params.slots().size());
     for (size_t s = 0; s < every.size(); ++s) every[s] = static_cast<int>(s);
@@ -1086,9 +1088,9 @@ Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
       "layer_forward", device,
       [device](const KernelContext& context, const Tensors& in, const Tensors& out,
                const Attrs& attrs) { return ForwardKernel(device, context, in, out, attrs); }));
-  for (const auto& [name, part] :
-       {std::pair{"layer_backward", Part::kAll}, std::pair{"layer_backward_input", Part::kInput},
-        std::pair{"layer_backward_weight", Part::kWeight}}) {
+  for (const auto& [name, part] : {std::pair{"layer_backward", BackwardPart::kAll},
+                                   std::pair{"layer_backward_input", BackwardPart::kInput},
+                                   std::pair{"layer_backward_weight", BackwardPart::kWeight}}) {
     TESSERA_RETURN_IF_ERROR(
         r.AddKernel(name, device,
                     // `part = part`: Clang 15 cannot capture a structured binding itself.
