@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deferred=(
-  'planner/*' 'model/*' 'training/*' 'examples/*' 'client/*'
+  'planner/*' 'model/*' 'training/*' 'examples/*'
   'worker/in_process_executor.*' 'worker/graph_run*' 'worker/task_runner.*'
   'worker/worker_service.*'
   'scheduler/task_table.*' 'scheduler/gang.*' 'scheduler/graph_registry.*' 'scheduler/placement.*'
