@@ -23,7 +23,7 @@ deferred=(
   # Their tests.
   'tests/unit/pipeline_schedule_test.cc' 'tests/unit/pipeline_plan_test.cc'
   'tests/unit/split_backward_test.cc' 'tests/unit/step_graph_test.cc'
-  'tests/unit/shape_error_test.cc' 'tests/unit/gpu_plan_test.cc' 'tests/unit/executor_test.cc'
+  'tests/unit/shape_error_test.cc' 'tests/unit/gpu_plan_test.cc'
   'tests/unit/gang_test.cc' 'tests/unit/graph_registry_test.cc' 'tests/unit/placement_test.cc'
   'tests/unit/model_api_test.cc' 'tests/unit/unet3d_test.cc' 'tests/layer_gradient_check.*'
   'tests/unit/trainer_init_test.cc' 'tests/unit/layer_profile_test.cc'
