@@ -489,9 +489,7 @@ int Start(const CLI::App& start_cmd, StartFlags& start) {
   return StartWorkers(start);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
   app.require_subcommand(1);
 
@@ -545,4 +543,19 @@ int main(int argc, char** argv) {
   if (scheduler_cmd->parsed()) return tessera::RunSchedulerProcess(scheduler);
   if (worker_cmd->parsed()) return tessera::RunWorkerProcess(worker);
   return 2;
+}
+
+}  // namespace
+
+// An exception that reaches here (a failed allocation, a bug) ends the command with its message
+// and status 1, not std::terminate's abort.
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "tessera: an unknown exception\n");
+  }
+  return 1;
 }
