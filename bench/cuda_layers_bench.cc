@@ -87,21 +87,21 @@ struct Row {
   int per_step;  // how many times a step runs it
 };
 
-int Main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"GPU time of GPT-2's GEMMs, kernels and layers (CUDA events)"};
-  app.add_option("--batch", o.batch);
-  app.add_option("--seq-len", o.seq_len);
-  app.add_option("--channels", o.channels);
-  app.add_option("--heads", o.heads);
-  app.add_option("--vocab", o.vocab);
-  app.add_option("--layers", o.layers, "Blocks per step (for the per-step sum)");
-  app.add_option("--repeat", o.repeat);
-  CLI11_PARSE(app, argc, argv);
+// One run: the shapes, the device buffers every timed call shares (sized for the largest; made
+// in this order), and the rows timed so far.
+struct LayersBench {
+  LayersBench(const Options& options, CudaContext& context);
+  // The four GEMMs of a block: forward, dx and dW.
+  void TimeGemms();
+  // Attention, layernorm, GELU and the bias sums.
+  void TimeKernels();
+  // The whole block, head and embedding, and the classifier.
+  void TimeLayers();
+  // A line per row, then the sum over a step.
+  void Print() const;
 
-  auto made = CudaContext::Create({});
-  if (!made.ok()) Die("bench_cuda_layers", made.status(), "opening the GPU");
-  CudaContext& ctx = **made;
+  const Options o;
+  CudaContext& ctx;
   const int64_t n = o.batch * o.seq_len, c = o.channels, v = o.vocab;
   const int64_t vp = TiedLmHeadPaddedVocab(v);
   const TransformerDims dims{o.batch, o.seq_len, c, o.heads, v, o.seq_len};
@@ -109,12 +109,13 @@ int Main(int argc, char** argv) {
   const FlatLayout saved = TransformerBlockSavedLayoutBf16(o.batch, o.seq_len, c, o.heads);
   const FlatLayout head_saved = TiedLmHeadSavedLayoutBf16(o.batch, o.seq_len, c, v);
   const FlatLayout emb = TokenPositionEmbeddingParamLayout(v, o.seq_len, c);
+  const int64_t weights = std::max(v * c, 4 * c * c);  // elements of the largest weight
 
   bf16* x = Filled<bf16>(n * 4 * c);
   bf16* y = Filled<bf16>(n * 4 * c);
-  bf16* w = Filled<bf16>(std::max(4 * c * c, v * c));
+  bf16* w = Filled<bf16>(weights);
   bf16* bias = Filled<bf16>(4 * c);
-  float* dw = Filled<float>(std::max(4 * c * c, v * c));
+  float* dw = Filled<float>(weights);
   bf16* qkv = Filled<bf16>(n * 3 * c);
   bf16* att = Filled<bf16>(n * c);
   float* lse = Filled<float>(n * o.heads);
@@ -129,17 +130,23 @@ int Main(int argc, char** argv) {
   float* dhead = Filled<float>(2 * c);
   float* loss = Filled<float>(1);
   float* scratch = Filled<float>(std::max<int64_t>(n * 4 * c, 1 << 24));
+  int32_t* ids = nullptr;
+
+  std::vector<Row> rows;
+};
+
+LayersBench::LayersBench(const Options& options, CudaContext& context) : o(options), ctx(context) {
   std::vector<int32_t> host_ids(static_cast<size_t>(n));
   for (size_t i = 0; i < host_ids.size(); ++i) host_ids[i] = static_cast<int32_t>((i * 7919) % v);
-  int32_t* ids = nullptr;
   cudaMalloc(reinterpret_cast<void**>(&ids), host_ids.size() * sizeof(int32_t));
   cudaMemcpy(ids, host_ids.data(), host_ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
   // The block forward needs real saved activations for its backward: run it once.
   if (Status s = cuda::TransformerBlockForward(ctx, y, saved_buf, x, params, dims); !s.ok()) {
     Die("bench_cuda_layers", s, "the block forward");
   }
+}
 
-  std::vector<Row> rows;
+void LayersBench::TimeGemms() {
   auto gemm = [&](const char* name, int64_t k, int64_t oc) {
     const double flops = 2.0 * n * k * oc;
     rows.push_back(
@@ -162,6 +169,9 @@ int Main(int argc, char** argv) {
   gemm("proj", c, c);
   gemm("fc", c, 4 * c);
   gemm("fcproj", 4 * c, c);
+}
+
+void LayersBench::TimeKernels() {
   const auto head_size = c / o.heads;
   const double attention_flops = 4.0 * o.batch * o.heads * o.seq_len * o.seq_len * head_size / 2;
   rows.push_back({"attention fwd",
@@ -206,6 +216,9 @@ int Main(int argc, char** argv) {
        Time(ctx, o.repeat,
             [&] { return cuda::SumRows(dw, scratch, x, n, 4 * c, false, ctx.stream()); }),
        0, 4 * act, o.layers});
+}
+
+void LayersBench::TimeLayers() {
   rows.push_back(
       {"block fwd",
        Time(ctx, o.repeat,
@@ -250,7 +263,9 @@ int Main(int argc, char** argv) {
                          return cuda::TokenPositionEmbeddingBackward(ctx, demb, y, ids, dims);
                        }),
                   0, 0, 1});
+}
 
+void LayersBench::Print() const {
   std::printf("%-26s %10s %12s %14s\n", "what (B x T = N rows)", "ms", "TFLOP/s", "GB/s");
   double step_ms = 0;
   for (const Row& r : rows) {
@@ -266,6 +281,27 @@ int Main(int argc, char** argv) {
       "layers_sum_ms=%.2f (%d blocks + head + embedding, without AdamW and clipping) "
       "N=%lld\n",
       step_ms, o.layers, static_cast<long long>(n));
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"GPU time of GPT-2's GEMMs, kernels and layers (CUDA events)"};
+  app.add_option("--batch", o.batch);
+  app.add_option("--seq-len", o.seq_len);
+  app.add_option("--channels", o.channels);
+  app.add_option("--heads", o.heads);
+  app.add_option("--vocab", o.vocab);
+  app.add_option("--layers", o.layers, "Blocks per step (for the per-step sum)");
+  app.add_option("--repeat", o.repeat);
+  CLI11_PARSE(app, argc, argv);
+
+  auto made = CudaContext::Create({});
+  if (!made.ok()) Die("bench_cuda_layers", made.status(), "opening the GPU");
+  LayersBench bench(o, **made);
+  bench.TimeGemms();
+  bench.TimeKernels();
+  bench.TimeLayers();
+  bench.Print();
   return 0;
 }
 

@@ -219,6 +219,136 @@ double PeakHeld(const std::vector<tessera::PipelineOp>& order, double activation
   return peak;
 }
 
+// Parts 1 and 2 for one configuration (P = `stages`, M = `micro`, a schedule): the traced bubble
+// against the textbook's and the simulated one, F, B and W times, and each stage's activation
+// peak against what its order holds.
+void MeasureSchedule(const Flags& f, tessera::Cluster& cluster, int stages, const std::string& name,
+                     PipelineSchedule schedule, int micro) {
+  const std::string what = fmt::format("P={} M={} {}", stages, micro, name);
+  tessera::TrainingPlan plan = PipelinePlan(f, stages, 1, micro, schedule);
+  if (Status valid = plan.Validate(Check(tessera::BuildGpt2(Model(f)), what)); !valid.ok()) {
+    std::printf("%-3d %-3d %-12s refused: %s\n", stages, micro, name.c_str(),
+                valid.message().c_str());
+    return;
+  }
+  if (f.balance == "profile") {
+    tessera::ExecutorOptions one_thread;
+    one_thread.threads = 1;
+    plan.parallel.layer_op_costs = Check(
+        tessera::ProfileLayerTimes(Check(tessera::BuildGpt2(Model(f)), what), plan, one_thread),
+        what);
+  }
+  Run run = Train(f, cluster, plan, what, /*trace=*/true);
+  const int v = plan.parallel.virtual_stages;
+  std::vector<double> measured;
+  double forward_ms = 0, backward_ms = 0, weight_ms = 0;
+  for (const tessera::Timeline& timeline : run.timelines) {
+    const Bubble b = MeasureBubble(timeline, stages, stages * v * micro);
+    measured.push_back(b.measured);
+    forward_ms += b.forward_ms / run.timelines.size();
+    backward_ms += b.backward_ms / run.timelines.size();
+    weight_ms += b.weight_ms / run.timelines.size();
+  }
+  const auto& orders = run.trainer->step_graph().schedule_order;  // what the plan ran
+  const auto sim =
+      Check(tessera::SimulateSchedule(orders, stages, v, micro,
+                                      {forward_ms * v, backward_ms * v, weight_ms * v}),
+            what);
+  const MicroBatchBytes bytes = BytesPerMicroBatch(run.trainer->step_graph(), stages);
+  std::string memory;
+  for (int s = 0; s < stages; ++s) {
+    // A chunk holds 1/V of the stage's activations.
+    const size_t i = static_cast<size_t>(s);
+    const double theory = PeakHeld(orders[i], static_cast<double>(bytes.activations[i]) / v,
+                                   static_cast<double>(bytes.stashes[i]) / v);
+    const double peak = static_cast<double>(
+        run.last.ranks[static_cast<size_t>(s)].figures.peak(tessera::ObjectRole::kActivation));
+    memory += fmt::format("{}{:.2f}/{:.2f}MB({:+.0f}%)", s == 0 ? "" : " ", peak / 1e6,
+                          theory / 1e6, 100 * (peak / theory - 1));
+  }
+  std::printf("%-3d %-3d %-12s %9.3f %9.3f %9.3f %8.2f %8.2f %8.2f  %s\n", stages, micro,
+              name.c_str(), Median(measured),
+              tessera::TheoreticalBubble(schedule, stages, micro, v), sim.bubble, forward_ms,
+              backward_ms, weight_ms, memory.c_str());
+  std::fflush(stdout);
+}
+
+// Parts 1 and 2: every P, schedule and M.
+void MeasureBubbles(const Flags& f) {
+  std::printf("\n## bubble (idle fraction of the step's compute window) and activation memory\n");
+  std::printf("%-3s %-3s %-12s %9s %9s %9s %8s %8s %8s  %s\n", "P", "M", "schedule", "measured",
+              "theory", "sim", "F_ms", "B_ms", "W_ms", "activation peak / theory per stage");
+  for (int stages : f.stages) {
+    tessera::LocalClusterOptions options;
+    options.cpu_workers = stages;
+    options.threads_per_worker = 1;
+    auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
+    for (const std::string& name : f.schedules) {
+      const PipelineSchedule schedule = Check(tessera::ParseSchedule(name), name);
+      for (int micro : f.micro) {
+        MeasureSchedule(f, *cluster, stages, name, schedule, micro);
+      }
+    }
+  }
+}
+
+// Part 3: all-gathers per worker per step of ZeRO-3 inside stages, per gather policy.
+void CountGathers(const Flags& f) {
+  std::printf("\n## ZeRO-3 inside stages (P=2 x D=2, 1f1b): all-gathers per worker per step\n");
+  tessera::LocalClusterOptions options;
+  options.cpu_workers = 4;
+  options.threads_per_worker = 1;
+  auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
+  for (tessera::GatherPolicy policy :
+       {tessera::GatherPolicy::kOncePerStep, tessera::GatherPolicy::kPerMicroBatch}) {
+    tessera::TrainingPlan plan = PipelinePlan(f, 2, 2, 4, PipelineSchedule::k1F1B, 3);
+    plan.parallel.gather = policy;
+    Run run = Train(f, *cluster, plan, "zero-3 in stages", /*trace=*/true);
+    std::map<uint64_t, int> planned, traced;
+    for (const tessera::TaskSpec& task : run.trainer->step_graph().graph.tasks()) {
+      if (task.op == "all_gather") ++planned[task.pinned_worker.value()];
+    }
+    for (const tessera::TimelineSpan& span : run.timelines.back().spans) {
+      if (span.op == "all_gather") ++traced[span.worker.value()];
+    }
+    std::string per_worker;
+    for (const auto& [worker, count] : planned) {
+      per_worker += fmt::format(" worker{}: {} planned / {} traced", worker, count, traced[worker]);
+    }
+    std::printf("%-14s%s; step %.1f ms\n",
+                policy == tessera::GatherPolicy::kOncePerStep ? "once per step:" : "per micro:",
+                per_worker.c_str(), Median(run.step_ms));
+    std::printf("  (%s)\n", run.trainer->step_graph().gather_reason.c_str());
+  }
+}
+
+// Part 4: step times of pipeline, data parallel and ZeRO-3 on the same workers.
+void CompareStepTimes(const Flags& f) {
+  std::printf("\n## step time on the same workers and global batch (median ms)\n");
+  for (int workers : f.stages) {
+    tessera::LocalClusterOptions options;
+    options.cpu_workers = workers;
+    options.threads_per_worker = 1;
+    auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
+    const double pp = Median(
+        Train(f, *cluster, PipelinePlan(f, workers, 1, f.compare_micro, PipelineSchedule::k1F1B),
+              "pp", false)
+            .step_ms);
+    tessera::TrainingPlan dp = PipelinePlan(f, 1, workers, 1, PipelineSchedule::k1F1B);
+    const double dp_ms = Median(Train(f, *cluster, dp, "dp", false).step_ms);
+    dp.parallel.zero_stage = 3;
+    const double zero3 = Median(Train(f, *cluster, dp, "zero3", false).step_ms);
+    std::printf(
+        "%d workers: pipeline 1f1b (M=%d) %.1f  data parallel %.1f  ZeRO-3 %.1f  "
+        "pp/dp %.2f  pp/zero3 %.2f\n",
+        workers, f.compare_micro, pp, dp_ms, zero3, pp / dp_ms, pp / zero3);
+  }
+  std::printf(
+      "\nnote: %u cores here; with more workers than cores the workers share cores, so "
+      "stages wait for a core as well as for each other.\n",
+      std::thread::hardware_concurrency());
+}
+
 }  // namespace
 
 static int Main(int argc, char** argv) {
@@ -246,123 +376,9 @@ static int Main(int argc, char** argv) {
       static_cast<long long>(f.layers), static_cast<long long>(f.channels),
       static_cast<long long>(f.batch), static_cast<long long>(f.seq_len), f.steps, f.warmup,
       f.balance == "profile" ? "a profiling run's layer times" : "the op cost model");
-  std::printf("\n## bubble (idle fraction of the step's compute window) and activation memory\n");
-  std::printf("%-3s %-3s %-12s %9s %9s %9s %8s %8s %8s  %s\n", "P", "M", "schedule", "measured",
-              "theory", "sim", "F_ms", "B_ms", "W_ms", "activation peak / theory per stage");
-  for (int stages : f.stages) {
-    tessera::LocalClusterOptions options;
-    options.cpu_workers = stages;
-    options.threads_per_worker = 1;
-    auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
-    for (const std::string& name : f.schedules) {
-      const PipelineSchedule schedule = Check(tessera::ParseSchedule(name), name);
-      for (int micro : f.micro) {
-        const std::string what = fmt::format("P={} M={} {}", stages, micro, name);
-        tessera::TrainingPlan plan = PipelinePlan(f, stages, 1, micro, schedule);
-        if (Status valid = plan.Validate(Check(tessera::BuildGpt2(Model(f)), what)); !valid.ok()) {
-          std::printf("%-3d %-3d %-12s refused: %s\n", stages, micro, name.c_str(),
-                      valid.message().c_str());
-          continue;
-        }
-        if (f.balance == "profile") {
-          tessera::ExecutorOptions one_thread;
-          one_thread.threads = 1;
-          plan.parallel.layer_op_costs =
-              Check(tessera::ProfileLayerTimes(Check(tessera::BuildGpt2(Model(f)), what), plan,
-                                               one_thread),
-                    what);
-        }
-        Run run = Train(f, *cluster, plan, what, /*trace=*/true);
-        const int v = plan.parallel.virtual_stages;
-        std::vector<double> measured;
-        double forward_ms = 0, backward_ms = 0, weight_ms = 0;
-        for (const tessera::Timeline& timeline : run.timelines) {
-          const Bubble b = MeasureBubble(timeline, stages, stages * v * micro);
-          measured.push_back(b.measured);
-          forward_ms += b.forward_ms / run.timelines.size();
-          backward_ms += b.backward_ms / run.timelines.size();
-          weight_ms += b.weight_ms / run.timelines.size();
-        }
-        const auto& orders = run.trainer->step_graph().schedule_order;  // what the plan ran
-        const auto sim =
-            Check(tessera::SimulateSchedule(orders, stages, v, micro,
-                                            {forward_ms * v, backward_ms * v, weight_ms * v}),
-                  what);
-        const MicroBatchBytes bytes = BytesPerMicroBatch(run.trainer->step_graph(), stages);
-        std::string memory;
-        for (int s = 0; s < stages; ++s) {
-          // A chunk holds 1/V of the stage's activations.
-          const size_t i = static_cast<size_t>(s);
-          const double theory = PeakHeld(orders[i], static_cast<double>(bytes.activations[i]) / v,
-                                         static_cast<double>(bytes.stashes[i]) / v);
-          const double peak =
-              static_cast<double>(run.last.ranks[static_cast<size_t>(s)].figures.peak(
-                  tessera::ObjectRole::kActivation));
-          memory += fmt::format("{}{:.2f}/{:.2f}MB({:+.0f}%)", s == 0 ? "" : " ", peak / 1e6,
-                                theory / 1e6, 100 * (peak / theory - 1));
-        }
-        std::printf("%-3d %-3d %-12s %9.3f %9.3f %9.3f %8.2f %8.2f %8.2f  %s\n", stages, micro,
-                    name.c_str(), Median(measured),
-                    tessera::TheoreticalBubble(schedule, stages, micro, v), sim.bubble, forward_ms,
-                    backward_ms, weight_ms, memory.c_str());
-        std::fflush(stdout);
-      }
-    }
-  }
-
-  std::printf("\n## ZeRO-3 inside stages (P=2 x D=2, 1f1b): all-gathers per worker per step\n");
-  {
-    tessera::LocalClusterOptions options;
-    options.cpu_workers = 4;
-    options.threads_per_worker = 1;
-    auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
-    for (tessera::GatherPolicy policy :
-         {tessera::GatherPolicy::kOncePerStep, tessera::GatherPolicy::kPerMicroBatch}) {
-      tessera::TrainingPlan plan = PipelinePlan(f, 2, 2, 4, PipelineSchedule::k1F1B, 3);
-      plan.parallel.gather = policy;
-      Run run = Train(f, *cluster, plan, "zero-3 in stages", /*trace=*/true);
-      std::map<uint64_t, int> planned, traced;
-      for (const tessera::TaskSpec& task : run.trainer->step_graph().graph.tasks()) {
-        if (task.op == "all_gather") ++planned[task.pinned_worker.value()];
-      }
-      for (const tessera::TimelineSpan& span : run.timelines.back().spans) {
-        if (span.op == "all_gather") ++traced[span.worker.value()];
-      }
-      std::string per_worker;
-      for (const auto& [worker, count] : planned) {
-        per_worker +=
-            fmt::format(" worker{}: {} planned / {} traced", worker, count, traced[worker]);
-      }
-      std::printf("%-14s%s; step %.1f ms\n",
-                  policy == tessera::GatherPolicy::kOncePerStep ? "once per step:" : "per micro:",
-                  per_worker.c_str(), Median(run.step_ms));
-      std::printf("  (%s)\n", run.trainer->step_graph().gather_reason.c_str());
-    }
-  }
-
-  std::printf("\n## step time on the same workers and global batch (median ms)\n");
-  for (int workers : f.stages) {
-    tessera::LocalClusterOptions options;
-    options.cpu_workers = workers;
-    options.threads_per_worker = 1;
-    auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
-    const double pp = Median(
-        Train(f, *cluster, PipelinePlan(f, workers, 1, f.compare_micro, PipelineSchedule::k1F1B),
-              "pp", false)
-            .step_ms);
-    tessera::TrainingPlan dp = PipelinePlan(f, 1, workers, 1, PipelineSchedule::k1F1B);
-    const double dp_ms = Median(Train(f, *cluster, dp, "dp", false).step_ms);
-    dp.parallel.zero_stage = 3;
-    const double zero3 = Median(Train(f, *cluster, dp, "zero3", false).step_ms);
-    std::printf(
-        "%d workers: pipeline 1f1b (M=%d) %.1f  data parallel %.1f  ZeRO-3 %.1f  "
-        "pp/dp %.2f  pp/zero3 %.2f\n",
-        workers, f.compare_micro, pp, dp_ms, zero3, pp / dp_ms, pp / zero3);
-  }
-  std::printf(
-      "\nnote: %u cores here; with more workers than cores the workers share cores, so "
-      "stages wait for a core as well as for each other.\n",
-      std::thread::hardware_concurrency());
+  MeasureBubbles(f);
+  CountGathers(f);
+  CompareStepTimes(f);
   return 0;
 }
 

@@ -79,6 +79,7 @@ std::string ChromeTraceJson(const Timeline& timeline) {
     }
     threads.emplace(pid, span.stream);
   }
+  events.reserve(process_names.size() + threads.size() + timeline.spans.size());
   for (const auto& [pid, name] : process_names) {
     events.push_back(
         fmt::format(R"({{"ph":"M","name":"process_name","pid":{},"tid":0,"args":{{"name":{}}}}})",

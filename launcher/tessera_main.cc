@@ -374,13 +374,27 @@ int Attach(const ClusterFileFlags& flags) {
       });
 }
 
-}  // namespace
+// ---- the command line ----
 
-int main(int argc, char** argv) {
-  CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
-  app.require_subcommand(1);
+struct StatusFlags {
+  std::string address;
+  std::string token_file;
+  bool waits = false;
+};
 
-  StartFlags start;
+struct StopFlags {
+  std::string address;
+  std::string token_file;
+};
+
+struct TimelineFlags {
+  std::string address;
+  std::string token_file;
+  std::string out;
+  int steps = 2;
+};
+
+CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
   CLI::App* start_cmd = app.add_subcommand("start", "Start the scheduler (--head) or workers");
   start_cmd->add_flag("--head", start.head, "Start the scheduler of a new cluster");
   start_cmd->add_option("--host", start.host, "Scheduler: address to listen on");
@@ -410,58 +424,96 @@ int main(int argc, char** argv) {
       ->add_option("--gpu-memory-gib", start.gpu_memory_gib,
                    "Workers, with --gpus: each GPU worker's allocator cap (0: the GPU's memory)")
       ->check(CLI::NonNegativeNumber);
+  return start_cmd;
+}
 
-  std::string status_address, status_token;
+CLI::App* AddStatusCommand(CLI::App& app, StatusFlags& flags) {
   CLI::App* status_cmd = app.add_subcommand("status", "Show workers, memory and tasks");
-  status_cmd->add_option("--address", status_address, "The scheduler's HOST:PORT");
-  status_cmd->add_option("--token-file", status_token, "The cluster token file");
-  bool status_waits = false;
-  status_cmd->add_flag("--waits", status_waits,
+  status_cmd->add_option("--address", flags.address, "The scheduler's HOST:PORT");
+  status_cmd->add_option("--token-file", flags.token_file, "The cluster token file");
+  status_cmd->add_flag("--waits", flags.waits,
                        "Per worker: the task it runs or what it waits for, and on whom");
+  return status_cmd;
+}
 
-  std::string stop_address, stop_token;
+CLI::App* AddStopCommand(CLI::App& app, StopFlags& flags) {
   CLI::App* stop_cmd = app.add_subcommand("stop", "Stop the cluster (scheduler and workers)");
-  stop_cmd->add_option("--address", stop_address, "The scheduler's HOST:PORT");
-  stop_cmd->add_option("--token-file", stop_token, "The cluster token file");
+  stop_cmd->add_option("--address", flags.address, "The scheduler's HOST:PORT");
+  stop_cmd->add_option("--token-file", flags.token_file, "The cluster token file");
+  return stop_cmd;
+}
 
-  ClusterFileFlags up, down, attach;
-  const auto cluster_file_options = [](CLI::App* command, ClusterFileFlags& flags) {
-    command->add_option("file", flags.file, "The cluster file (.yaml/.yml, or a hostfile)")
-        ->required();
-    command->add_option("--state-dir", flags.state_dir,
-                        "Where the launcher keeps <cluster>.json, the token and known_hosts "
-                        "(default ~/.tessera/clusters)");
-    command->add_option("--ssh-user", flags.ssh_user, "Overrides ssh.user of the file");
-    command->add_option("--ssh-key", flags.ssh_key, "Overrides ssh.key of the file");
-    command->add_option("--tessera-binary", flags.tessera_binary,
-                        "Overrides tessera_binary: the tessera program on the hosts");
-  };
-  CLI::App* up_cmd = app.add_subcommand(
-      "up",
-      "Start the cluster a file describes: the head, then every node's workers over ssh; "
-      "idempotent (starts only what is missing); reports each node");
-  cluster_file_options(up_cmd, up);
-  CLI::App* down_cmd = app.add_subcommand(
-      "down", "Stop the cluster a file describes and check that no process of it is left");
-  cluster_file_options(down_cmd, down);
-  CLI::App* attach_cmd = app.add_subcommand(
-      "attach", "Print TESSERA_ADDRESS/TESSERA_TOKEN_FILE lines for a driver (eval them)");
-  cluster_file_options(attach_cmd, attach);
-  attach_cmd->add_flag("--status", attach.status, "Also show `tessera status`");
-  std::string timeline_address, timeline_token, timeline_out;
-  int timeline_steps = 2;
+// up, down and attach: a cluster file and how to reach its hosts.
+CLI::App* AddClusterFileCommand(CLI::App& app, const std::string& name,
+                                const std::string& description, ClusterFileFlags& flags) {
+  CLI::App* command = app.add_subcommand(name, description);
+  command->add_option("file", flags.file, "The cluster file (.yaml/.yml, or a hostfile)")
+      ->required();
+  command->add_option("--state-dir", flags.state_dir,
+                      "Where the launcher keeps <cluster>.json, the token and known_hosts "
+                      "(default ~/.tessera/clusters)");
+  command->add_option("--ssh-user", flags.ssh_user, "Overrides ssh.user of the file");
+  command->add_option("--ssh-key", flags.ssh_key, "Overrides ssh.key of the file");
+  command->add_option("--tessera-binary", flags.tessera_binary,
+                      "Overrides tessera_binary: the tessera program on the hosts");
+  return command;
+}
+
+CLI::App* AddTimelineCommand(CLI::App& app, TimelineFlags& flags) {
   CLI::App* timeline_cmd = app.add_subcommand(
       "timeline",
       "Write the last steps' trace (every task, collective and transfer on every "
       "worker) as Chrome/Perfetto JSON");
-  timeline_cmd->add_option("--out", timeline_out, "The trace file to write (trace.json)")
-      ->required();
+  timeline_cmd->add_option("--out", flags.out, "The trace file to write (trace.json)")->required();
   timeline_cmd
-      ->add_option("--steps", timeline_steps,
+      ->add_option("--steps", flags.steps,
                    "How many of the latest graph instances (steps) to include (default 2)")
       ->check(CLI::PositiveNumber);
-  timeline_cmd->add_option("--address", timeline_address, "The scheduler's HOST:PORT");
-  timeline_cmd->add_option("--token-file", timeline_token, "The cluster token file");
+  timeline_cmd->add_option("--address", flags.address, "The scheduler's HOST:PORT");
+  timeline_cmd->add_option("--token-file", flags.token_file, "The cluster token file");
+  return timeline_cmd;
+}
+
+// `start`, once parsed: the scheduler (--head) or workers (of --address, else of the latest
+// session).
+int Start(const CLI::App& start_cmd, StartFlags& start) {
+  if (start.head) return StartHead(start);
+  std::error_code missing;
+  if (start.address.empty() &&
+      !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address", missing)) {
+    std::fprintf(stderr, "tessera: start needs --head (a scheduler) or --address (workers)\n\n%s",
+                 start_cmd.help().c_str());
+    return 2;
+  }
+  start.cpu_workers_given = start_cmd.count("--cpu-workers") > 0;
+  return StartWorkers(start);
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
+  app.require_subcommand(1);
+
+  StartFlags start;
+  CLI::App* start_cmd = AddStartCommand(app, start);
+  StatusFlags status;
+  CLI::App* status_cmd = AddStatusCommand(app, status);
+  StopFlags stop;
+  CLI::App* stop_cmd = AddStopCommand(app, stop);
+  ClusterFileFlags up, down, attach;
+  CLI::App* up_cmd = AddClusterFileCommand(
+      app, "up",
+      "Start the cluster a file describes: the head, then every node's workers over ssh; "
+      "idempotent (starts only what is missing); reports each node",
+      up);
+  CLI::App* down_cmd = AddClusterFileCommand(
+      app, "down", "Stop the cluster a file describes and check that no process of it is left",
+      down);
+  CLI::App* attach_cmd = AddClusterFileCommand(
+      app, "attach", "Print TESSERA_ADDRESS/TESSERA_TOKEN_FILE lines for a driver (eval them)",
+      attach);
+  attach_cmd->add_flag("--status", attach.status, "Also show `tessera status`");
+  TimelineFlags timeline;
+  CLI::App* timeline_cmd = AddTimelineCommand(app, timeline);
 
   tessera::SchedulerProcessFlags scheduler;
   CLI::App* scheduler_cmd = tessera::AddSchedulerCommand(app, scheduler);
@@ -476,30 +528,34 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tessera: %s\n\n%s", e.what(), app.help().c_str());
     return 2;
   }
-  if (start_cmd->parsed()) {
-    if (start.head) return StartHead(start);
-    std::error_code missing;
-    if (start.address.empty() &&
-        !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address", missing)) {
-      std::fprintf(stderr, "tessera: start needs --head (a scheduler) or --address (workers)\n\n%s",
-                   start_cmd->help().c_str());
-      return 2;
-    }
-    start.cpu_workers_given = start_cmd->count("--cpu-workers") > 0;
-    return StartWorkers(start);
-  }
+  if (start_cmd->parsed()) return Start(*start_cmd, start);
   if (status_cmd->parsed()) {
-    return status_waits ? ShowWaits(status_address, status_token)
-                        : ShowStatus(status_address, status_token);
+    return status.waits ? ShowWaits(status.address, status.token_file)
+                        : ShowStatus(status.address, status.token_file);
   }
-  if (stop_cmd->parsed()) return StopCluster(stop_address, stop_token);
+  if (stop_cmd->parsed()) return StopCluster(stop.address, stop.token_file);
   if (up_cmd->parsed()) return Up(up);
   if (down_cmd->parsed()) return Down(down);
   if (attach_cmd->parsed()) return Attach(attach);
   if (timeline_cmd->parsed()) {
-    return WriteTimeline(timeline_address, timeline_token, timeline_out, timeline_steps);
+    return WriteTimeline(timeline.address, timeline.token_file, timeline.out, timeline.steps);
   }
   if (scheduler_cmd->parsed()) return tessera::RunSchedulerProcess(scheduler);
   if (worker_cmd->parsed()) return tessera::RunWorkerProcess(worker);
   return 2;
+}
+
+}  // namespace
+
+// An exception that reaches here (a failed allocation, a bug) ends the command with its message
+// and status 1, not std::terminate's abort.
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "tessera: an unknown exception\n");
+  }
+  return 1;
 }

@@ -1,5 +1,5 @@
 // Helpers for writing op definitions (OpDef, ops/op_registry.h), shared by the files that
-// register ops (standard_ops.cc, volume_ops.cc). Internal to tessera_ops: not installed, and
+// register ops (standard_ops*.cc, volume_ops.cc). Internal to tessera_ops: not installed, and
 // nothing outside ops/ includes it.
 #pragma once
 

@@ -1,5 +1,5 @@
 // What the files that register CPU kernels on an op registry share (cpu_kernels.cc,
-// volume_kernels.cc): short names for a kernel's tensors and their data, registration, and
+// volume_registration.cc): short names for a kernel's tensors and their data, registration, and
 // workspaces. Internal to ops/cpu.
 #pragma once
 

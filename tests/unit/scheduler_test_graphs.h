@@ -51,6 +51,7 @@ inline void RegisterGraphToWire(const Graph& graph, uint64_t graph_id,
   auto tasks = out.initTasks(static_cast<unsigned>(graph.num_tasks()));
   for (const TaskSpec& task : graph.tasks()) {
     std::vector<ObjectSpec> declared;
+    declared.reserve(task.outputs.size());
     for (ObjectId output : task.outputs) declared.push_back(graph.object(output));
     rpc::ToWire(task, declared, tasks[static_cast<unsigned>(task.id.value() - 1)]);
   }

@@ -1,0 +1,141 @@
+// ClusterClient: everything behind a Cluster (client/cluster.h), internal to client/. Its
+// sources are cluster_client.cc (the connection to the scheduler: joining, batching and flushing
+// requests, the messages it answers with, waiting for objects) and cluster_client_objects.cc
+// (objects and graphs: Put, Submit, Get, Wait, RegisterGraph, RunGraph).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "client/cluster.h"
+#include "core/proto/tessera.capnp.h"
+#include "core/rpc/connection.h"
+#include "core/settings.h"
+#include "core/thread_annotations.h"
+#include "core/transport/data_plane.h"
+#include "ops/op_registry.h"
+
+namespace tessera {
+
+struct ObjectRef::State {
+  ObjectId id;
+  TensorMeta meta;
+  std::weak_ptr<detail::ClusterClient> owner;
+  ~State();
+};
+
+namespace detail {
+
+constexpr int kIdSequenceBits = 40;  // ids are (driver id << 40) | sequence
+constexpr auto kCoalesceWindow = std::chrono::microseconds(100);
+
+// Everything behind a Cluster: the control connection, the data plane, the objects this driver
+// holds, and the batches of outgoing requests.
+class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
+ public:
+  ClusterClient() : work_(rpc::asio::make_work_guard(io_)) {}
+  ~ClusterClient();
+
+  Status Connect(const std::string& address, const std::string& token,
+                 const ConnectOptions& options);
+  Result<ObjectRef> Put(const Tensor& value);
+  Result<std::vector<ObjectRef>> Submit(const std::string& op, const std::vector<ObjectRef>& inputs,
+                                        const Attrs& attrs, const SubmitOptions& options);
+  Result<Tensor> Get(const ObjectRef& ref, int timeout_ms);
+  Status Wait(const std::vector<ObjectRef>& refs, int timeout_ms);
+  Result<ClusterInfo> Info(int timeout_ms);
+  Result<Timeline> GetTimeline(int last_instances, uint64_t graph, int timeout_ms);
+  Result<GraphHandle> RegisterGraph(const Graph& graph);
+  Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
+                                                 const std::map<ObjectId, ObjectRef>& inputs);
+  Status Shutdown();
+  Status ReportProgress(const JobProgress& progress);
+  void Release(ObjectId id);
+  bool connected() const { return !closed_; }
+
+ private:
+  struct ReadyState {
+    Status error;
+    std::string inline_data;
+    std::string address;
+  };
+
+  ObjectRef MakeRef(ObjectId id, const TensorMeta& meta);
+  uint64_t NextId() { return (driver_id_ << kIdSequenceBits) | next_sequence_++; }
+  Status OnMessage(rpc::ReceivedMessage& message);  // io thread
+  void OnObjectsReady(proto::ObjectsReady::Reader ready);
+  // Sends the queued batches. Urgent (a caller is blocked on the answer): at once. Otherwise a
+  // burst coalesces: within kCoalesceWindow of the previous flush, the next one waits for the
+  // window's end, so thousands of Submits become a few messages while a lone call is not delayed.
+  void ScheduleFlush(bool urgent);  // any thread
+  void Flush();                     // io thread
+  // Every scheduler interval: closes the connection when the scheduler has been silent past
+  // rpc::SchedulerSilenceLimit (stopped, or its host gone), so no call waits on it forever.
+  void WatchScheduler();  // io thread
+  // Asks the scheduler (once per object) to say when these objects are ready.
+  void Watch(const std::vector<ObjectId>& ids);
+  // Waits until `id` is ready or failed; returns its state.
+  Result<ReadyState> AwaitReady(ObjectId id, int timeout_ms);
+  // Waits until `id` is ready or the connection closed: false when `deadline` (if any) passed
+  // first.
+  bool WaitReady(uint64_t id, std::optional<std::chrono::steady_clock::time_point> deadline)
+      REQUIRES(ready_mutex_);
+
+  rpc::asio::io_context io_;
+  rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
+  std::thread io_thread_;
+  std::shared_ptr<rpc::Connection> connection_;
+  std::unique_ptr<DataPlane> data_plane_;
+  OpRegistry registry_;
+  Settings settings_;
+  std::shared_ptr<Allocator> allocator_ = std::make_shared<AlignedHostAllocator>();
+  uint64_t driver_id_ = 0;
+  std::atomic<uint64_t> next_sequence_{1};
+  std::atomic<bool> closed_{false};
+  // Written once, under ready_mutex_, as closed_ is set; read without it once closed_ is seen.
+  Status close_reason_;
+
+  Mutex held_mutex_;
+  // This driver's Puts, served to workers.
+  std::unordered_map<uint64_t, Tensor> held_ GUARDED_BY(held_mutex_);
+
+  // The outgoing batches below. Taken after ready_mutex_ where both are held (Watch).
+  Mutex batch_mutex_ ACQUIRED_AFTER(ready_mutex_);
+  std::vector<std::pair<ObjectSpec, std::string>> puts_ GUARDED_BY(batch_mutex_);
+  std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits_ GUARDED_BY(batch_mutex_);
+  std::vector<uint64_t> watches_ GUARDED_BY(batch_mutex_);
+  std::vector<uint64_t> releases_ GUARDED_BY(batch_mutex_);
+  bool flush_posted_ GUARDED_BY(batch_mutex_) = false;
+  bool flush_timer_armed_ GUARDED_BY(batch_mutex_) = false;
+  std::chrono::steady_clock::time_point last_flush_ GUARDED_BY(batch_mutex_);
+  std::unique_ptr<rpc::asio::steady_timer> flush_timer_;
+  std::unique_ptr<rpc::asio::steady_timer> watchdog_timer_;
+  uint32_t scheduler_interval_ms_ = 0;  // from Welcome
+  // When the scheduler last sent anything (io thread).
+  std::chrono::steady_clock::time_point last_heard_;
+
+  Mutex ready_mutex_;
+  CondVar ready_cv_;
+  std::unordered_map<uint64_t, ReadyState> ready_ GUARDED_BY(ready_mutex_);
+  std::unordered_set<uint64_t> watched_ GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<ClusterInfo>>>> status_waiters_
+      GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Status>>> reply_waiters_
+      GUARDED_BY(ready_mutex_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<Timeline>>>> timeline_waiters_
+      GUARDED_BY(ready_mutex_);
+  uint64_t next_request_ GUARDED_BY(ready_mutex_) = 1;
+};
+
+}  // namespace detail
+}  // namespace tessera

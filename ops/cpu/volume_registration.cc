@@ -1,0 +1,271 @@
+// RegisterVolumeKernels (volume_kernels.h): the volume ops' CPU kernels (volume_kernels.cc)
+// bound to the op registry, with the convolutions' geometry read from the tensors.
+#include <algorithm>
+#include <string>
+
+#include "ops/cpu/kernel_glue.h"
+#include "ops/cpu/volume_kernels.h"
+
+namespace tessera {
+
+namespace {
+
+using cpu::detail::F;
+using cpu::detail::I;
+using cpu::detail::Register;
+using cpu::detail::Tensors;
+using cpu::detail::Workspace;
+
+// Elements per (n, c) plane of an [N, C, *] tensor.
+int64_t Spatial(const Tensor& t) {
+  const int64_t planes = t.shape()[0] * t.shape()[1];
+  return planes == 0 ? 0 : t.numel() / planes;
+}
+// Elements per sample of an [N, ...] tensor.
+int64_t PerSample(const Tensor& t) { return t.shape()[0] == 0 ? 0 : t.numel() / t.shape()[0]; }
+
+// The convolution from `volume` [N, Cin, D, H, W] to `grid` [N, Cout, Do, Ho, Wo] with a weight
+// [Cout, Cin, kD, kH, kW]: conv3d's x to y, conv_transpose3d's y to x (its adjoint).
+cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const Tensor& grid,
+                             const Attrs& attrs) {
+  const Shape& v = volume.shape();
+  const Shape& w = weight.shape();
+  const Shape& y = grid.shape();
+  cpu::Conv3dGeometry g{.batch = v[0],
+                        .in_channels = v[1],
+                        .in_d = v[2],
+                        .in_h = v[3],
+                        .in_w = v[4],
+                        .out_channels = y[1],
+                        .out_d = y[2],
+                        .out_h = y[3],
+                        .out_w = y[4],
+                        .kd = w[2],
+                        .kh = w[3],
+                        .kw = w[4],
+                        .stride = attrs.GetInt("stride", 1),
+                        .padding = attrs.GetInt("padding", 0)};
+  g.positions_per_chunk = cpu::DefaultPositionsPerChunk(g.ColumnRows(), g.OutVolume());
+  return g;
+}
+
+// The column-matrix workspace (at least one float).
+Result<Tensor> ConvWorkspace(const KernelContext& context, const cpu::Conv3dGeometry& g) {
+  return Workspace(context, std::max<int64_t>(1, cpu::Conv3dWorkspaceFloats(g)));
+}
+
+// The halves of the convolutions' backwards; in: dy, x, weight.
+// conv3d: dx = conv^T(dy), dweight from dy and x, dbias = dy's channel sums.
+Status Conv3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dInputGradient(F(dx), F(in[0]), F(in[2]), nullptr, g, F(workspace),
+                           ctx.gemm_split_min_flops);
+  return Status::Ok();
+}
+Status Conv3dDw(const KernelContext& ctx, const Tensors& in, const Tensor& dweight,
+                const Tensor& dbias, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dWeightGradient(F(dweight), F(in[0]), F(in[1]), g, F(workspace),
+                            ctx.gemm_split_min_flops);
+  cpu::ChannelSums(F(dbias), F(in[0]), g.batch, g.out_channels, g.OutVolume());
+  return Status::Ok();
+}
+// conv_transpose3d, y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> = <conv(dy), x> gives
+// dweight as conv's weight gradient with x in dy's place.
+Status ConvTranspose3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx,
+                         const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dForward(F(dx), F(in[0]), F(in[2]), nullptr, g, F(workspace), ctx.gemm_split_min_flops);
+  return Status::Ok();
+}
+Status ConvTranspose3dDw(const KernelContext& ctx, const Tensors& in, const Tensor& dweight,
+                         const Tensor& dbias, const Attrs& attrs) {
+  const cpu::Conv3dGeometry g = Geometry(in[0], in[2], in[1], attrs);
+  TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+  cpu::Conv3dWeightGradient(F(dweight), F(in[1]), F(in[0]), g, F(workspace),
+                            ctx.gemm_split_min_flops);
+  cpu::ChannelSums(F(dbias), F(in[0]), g.batch, g.in_channels, g.InVolume());
+  return Status::Ok();
+}
+
+Status RegisterConvKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::Conv3dGeometry g = Geometry(in[0], in[1], out[0], attrs);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+                 cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
+                                    ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_backward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     // in: dy, x, weight; out: dx, dweight, dbias.
+                                     TESSERA_RETURN_IF_ERROR(Conv3dDx(ctx, in, out[0], attrs));
+                                     return Conv3dDw(ctx, in, out[1], out[2], attrs);
+                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_backward_input",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return Conv3dDx(ctx, in, out[0], attrs); }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_backward_weight",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return Conv3dDw(ctx, in, out[0], out[1], attrs); }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv_transpose3d_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 // y = conv^T(x): the convolution runs from y's shape to x's.
+                 const cpu::Conv3dGeometry g = Geometry(out[0], in[1], in[0], attrs);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+                 cpu::Conv3dInputGradient(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
+                                          ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv_transpose3d_backward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     TESSERA_RETURN_IF_ERROR(
+                                         ConvTranspose3dDx(ctx, in, out[0], attrs));
+                                     return ConvTranspose3dDw(ctx, in, out[1], out[2], attrs);
+                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv_transpose3d_backward_input",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return ConvTranspose3dDx(ctx, in, out[0], attrs); }));
+  return Register(
+      r, "conv_transpose3d_backward_weight",
+      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        return ConvTranspose3dDw(ctx, in, out[0], out[1], attrs);
+      });
+}
+
+Status RegisterOtherKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "upsample_nearest3d_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = in[0].shape();
+                 cpu::UpsampleNearest3dForward(F(out[0]), F(in[0]), x[0] * x[1], x[2], x[3], x[4],
+                                               attrs.GetInt("scale", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "upsample_nearest3d_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = out[0].shape();
+                 cpu::UpsampleNearest3dBackward(F(out[0]), F(in[0]), x[0] * x[1], x[2], x[3], x[4],
+                                                attrs.GetInt("scale", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "max_pool3d_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& x = in[0].shape();
+                 cpu::MaxPool3dForward(F(out[0]), out[1].data<int32_t>(), F(in[0]), x[0] * x[1],
+                                       x[2], x[3], x[4], attrs.GetInt("kernel", 2));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "max_pool3d_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 // in: dy, x, indices.
+                 return cpu::MaxPool3dBackward(F(out[0]), F(in[0]), I(in[2]),
+                                               in[1].shape()[0] * in[1].shape()[1], Spatial(in[1]),
+                                               Spatial(in[0]));
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "group_norm_forward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        const Shape& x = in[0].shape();
+        cpu::GroupNormForward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]), x[0],
+                              x[1], Spatial(in[0]), attrs.GetInt("groups", 1),
+                              static_cast<float>(attrs.GetFloat("eps", 1e-5)));
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "group_norm_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 // in: dy, x, weight, mean, rstd.
+                 const Shape& x = in[1].shape();
+                 cpu::GroupNormBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]),
+                                        F(in[2]), F(in[3]), F(in[4]), x[0], x[1], Spatial(in[1]),
+                                        attrs.GetInt("groups", 1));
+                 return Status::Ok();
+               }));
+  struct Activation {
+    const char* name;
+    void (*forward)(float* y, const float* x, int64_t n);
+    void (*backward)(float* dx, const float* dy, const float* x, int64_t n);
+  };
+  for (const Activation& a : {Activation{"relu", cpu::ReluForward, cpu::ReluBackward},
+                              Activation{"silu", cpu::SiluForward, cpu::SiluBackward}}) {
+    const std::string name = a.name;
+    TESSERA_RETURN_IF_ERROR(Register(r, name + "_forward",
+                                     [forward = a.forward](const KernelContext&, const Tensors& in,
+                                                           const Tensors& out, const Attrs&) {
+                                       forward(F(out[0]), F(in[0]), in[0].numel());
+                                       return Status::Ok();
+                                     }));
+    TESSERA_RETURN_IF_ERROR(
+        Register(r, name + "_backward",
+                 [backward = a.backward](const KernelContext&, const Tensors& in,
+                                         const Tensors& out, const Attrs&) {
+                   // in: dy, x.
+                   backward(F(out[0]), F(in[0]), F(in[1]), in[0].numel());
+                   return Status::Ok();
+                 }));
+  }
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "concat_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ConcatForward(F(out[0]), F(in[0]), F(in[1]), in[0].shape()[0],
+                                    PerSample(in[0]), PerSample(in[1]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "concat_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 cpu::ConcatBackward(F(out[0]), F(out[1]), F(in[0]), out[0].shape()[0],
+                                     PerSample(out[0]), PerSample(out[1]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "voxel_cross_entropy",
+               [](const KernelContext&, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 // out[1] holds the logits (in place); the kernel overwrites them with their
+                 // gradient.
+                 const Shape& logits = out[1].shape();
+                 TESSERA_ASSIGN_OR_RETURN(
+                     const float loss,
+                     cpu::VoxelCrossEntropy(F(out[1]), F(out[1]), I(in[1]), logits[0], logits[1],
+                                            Spatial(out[1]),
+                                            static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
+                 *F(out[0]) = loss;
+                 return Status::Ok();
+               }));
+  return Register(
+      r, "dice_score",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        const Shape& logits = in[0].shape();
+        TESSERA_ASSIGN_OR_RETURN(const float score, cpu::DiceScore(F(in[0]), I(in[1]), logits[0],
+                                                                   logits[1], Spatial(in[0])));
+        *F(out[0]) = score;
+        return Status::Ok();
+      });
+}
+
+}  // namespace
+
+Status RegisterVolumeKernels(OpRegistry& registry) {
+  TESSERA_RETURN_IF_ERROR(RegisterConvKernels(registry));
+  return RegisterOtherKernels(registry);
+}
+
+}  // namespace tessera

@@ -1,0 +1,64 @@
+// What the layer program's sources share (internal to ops/): layer_program.cc holds the
+// program (its encoding, shape inference and the split of its backward into halves),
+// layer_program_ops.cc the definitions of layer_forward and layer_backward*, and
+// layer_program_kernels.cc their kernels.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/attrs.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "ops/layer_program.h"
+#include "ops/op_registry.h"
+
+namespace tessera::detail {
+
+using Metas = std::vector<TensorMeta>;
+
+// "op 'name'", or "'label' (op 'name')" when the op has a label: for messages.
+std::string OpLabel(const ProgramOp& op);
+
+// The program in attribute kProgramAttr.
+Result<LayerProgram> ProgramOf(const Attrs& attrs);
+
+inline bool HasParams(const LayerProgram& program) { return program.params.numel() > 0; }
+
+// The seeded outputs take no gradient input: a loss program's output 0.
+inline int GradientInputs(const LayerProgram& program) {
+  return static_cast<int>(program.outputs.size()) - (program.loss ? 1 : 0);
+}
+
+// The split of a program's backward into its input and weight halves (layer_backward_input,
+// layer_backward_weight), decided per op from the program's structure alone, so that both halves
+// (and shape inference) agree on it. Per op with a gradient to compute:
+//   kFull      its gradient rule runs in the input half; the parts it returns for parameters are
+//              stashed and summed in the weight half
+//   kSplit     the rule's input_op runs in the input half and its weight_op in the weight half,
+//              from the output gradients, which are stashed (a linear: dx now, dW later)
+//   kDeferred  every gradient it returns is a parameter's: the whole rule runs in the weight half
+//              from the stashed output gradients (a layer's first convolution of the volume)
+// Stash entries are in the order the backward visits the ops (last op first).
+enum class Half : uint8_t { kNone, kFull, kSplit, kDeferred };
+struct StashEntry {
+  size_t op;
+  bool param_part;  // a kFull op's gradient output `index`; else rule input `index` (an OutGrad)
+  size_t index;
+  TensorMeta meta;
+  int64_t offset;  // bytes into the stash
+};
+struct SplitPlan {
+  std::vector<Half> half;  // per op
+  std::vector<StashEntry> stash;
+  int64_t stash_floats = 1;
+};
+
+Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& program,
+                            const ProgramShapes& shapes);
+
+// Which backward a kernel or inference is for: the whole one, or a half of the split one.
+enum class BackwardPart : uint8_t { kAll, kInput, kWeight };
+
+}  // namespace tessera::detail

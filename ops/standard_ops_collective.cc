@@ -1,0 +1,142 @@
+// The standard ops' collective members (see core/collective_task.h for the attributes): the
+// ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place) and
+// broadcast.
+#include <string>
+
+#include "core/collective_task.h"
+#include "ops/op_def_util.h"
+#include "ops/standard_ops_internal.h"
+
+namespace tessera::detail {
+
+using op_def::Bytes;
+namespace {
+
+Status CheckCollective(const TensorMeta& x, const Attrs& attrs, bool reduces) {
+  TESSERA_ASSIGN_OR_RETURN(int64_t size, PositiveAttr(attrs, kGroupSizeAttr));
+  TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kRankAttr));
+  TESSERA_RETURN_IF_ERROR(attrs.GetInt(kCollectiveAttr).status());
+  if (rank < 0 || rank >= size) {
+    return InvalidArgument("attribute 'rank' is {} but the group has {} members", rank, size);
+  }
+  if (reduces) {
+    if (x.dtype != DType::kF32 && x.dtype != DType::kBF16 && x.dtype != DType::kF16 &&
+        x.dtype != DType::kI32) {
+      return InvalidArgument("input 'x' is {}; collectives reduce f32, bf16, f16 and i32",
+                             x.ToString());
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::string op, attrs.GetString("reduce"));
+    if (op != "sum" && op != "avg" && op != "max" && op != "min") {
+      return InvalidArgument("attribute 'reduce' is '{}'; use sum, avg, max or min", op);
+    }
+  }
+  return Status::Ok();
+}
+
+// The group size, for a member whose x holds one equal block per member (reduce-scatter,
+// all-gather in place); InvalidArgument when it does not divide.
+Result<int64_t> BlockCount(const TensorMeta& x, const Attrs& attrs) {
+  const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+  if (x.numel() % size != 0) {
+    return InvalidArgument(
+        "input 'x' has {} elements, not a multiple of the group's {} members (pad it)", x.numel(),
+        size);
+  }
+  return size;
+}
+
+// Bytes one member sends: a ring moves (n-1)/n of the buffer per phase.
+CostFn CollectiveCost(double phases) {
+  return [phases](const Metas& in, const Attrs& attrs) {
+    const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+    return OpCost{static_cast<double>(in[0].numel()), phases * Bytes(in) * (n - 1) / n};
+  };
+}
+
+}  // namespace
+
+Status AddCollectiveOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "all_reduce",
+      .doc = "member of an all-reduce: out = reduce (attribute 'reduce') of every member's x",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
+        return Metas{in[0]};
+      },
+      .cost = CollectiveCost(2),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "reduce_scatter",
+      .doc = "member of a reduce-scatter: x (flat, group_size blocks) reduced over the members; "
+             "rank r keeps block r",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
+        TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
+        return Metas{TensorMeta{Shape{in[0].numel() / size}, in[0].dtype, in[0].device}};
+      },
+      .cost = CollectiveCost(1),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "all_gather",
+      .doc = "member of an all-gather: out (flat) holds every member's x, in rank order",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+        return Metas{TensorMeta{Shape{in[0].numel() * size}, in[0].dtype, in[0].device}};
+      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+            return OpCost{0, Bytes(in) * (n - 1)};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "all_gather_in_place",
+      .doc = "member of an all-gather within one buffer: x (flat, group_size blocks) holds this "
+             "member's block at rank r; out = x with every member's block (ZeRO-1/2 parameters "
+             "after a sharded update)",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        TESSERA_RETURN_IF_ERROR(BlockCount(in[0], attrs).status());
+        return Metas{in[0]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+            return OpCost{0, Bytes(in) * (n - 1) / n};
+          },
+  }));
+  return r.AddOp(OpDef{
+      .name = "broadcast",
+      .doc = "member of a broadcast: out = x of the member whose rank is attribute 'root'",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
+        if (root < 0 || root >= attrs.GetInt(kGroupSizeAttr, 1)) {
+          return InvalidArgument("attribute 'root' is {}, not a rank of the group", root);
+        }
+        return Metas{in[0]};
+      },
+      .cost = CollectiveCost(1),
+  });
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,129 @@
+// The standard ops' losses and optimizers (definitions; CPU kernels in ops/cpu/).
+#include <vector>
+
+#include "ops/op_def_util.h"
+#include "ops/standard_ops_internal.h"
+
+namespace tessera::detail {
+
+using op_def::Bytes;
+using op_def::CheckDType;
+using op_def::Out;
+using op_def::OutGrad;
+using op_def::Rule;
+
+Status AddLossAndOptimizerOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "softmax_cross_entropy",
+      .doc = "mean cross-entropy of softmax(logits) against targets, and its gradient "
+             "(times grad_scale) computed in place over the logits",
+      .input_names = {"logits", "targets"},
+      .output_names = {"loss", "dlogits"},
+      .in_place = {{0, 1}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("logits", in[0], DType::kF32));
+        if (in[0].shape.rank() != 2) {
+          return InvalidArgument("input 'logits' has shape {} but must be [N, V]",
+                                 in[0].shape.ToString());
+        }
+        TESSERA_RETURN_IF_ERROR(CheckShape("targets", in[1], Shape{in[0].shape[0]}, DType::kI32));
+        return Metas{Scalar(), in[0]};
+      },
+      .cost = ElementwiseCost(8),
+      .gradient = Rule("loss_gradient", {OutGrad(0), Out(1)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "loss_gradient",
+      .doc = "dlogits * dloss: the gradient a loss op computed in its forward (per unit of loss), "
+             "scaled by the loss's own gradient",
+      .input_names = {"dloss", "dlogits"},
+      .output_names = {"dx"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckShape("dloss", in[0], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckDType("dlogits", in[1], DType::kF32));
+        return Metas{in[1]};
+      },
+      .cost = ElementwiseCost(1),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "adamw",
+      .doc = "AdamW update of a flat parameter group in place (torch.optim.AdamW arithmetic), "
+             "gradients scaled by the clipping factor",
+      .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "clip_scale", "lr", "step"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
+      .in_place = {{0, 0}, {2, 1}, {3, 2}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        if (attrs.Has("param_offset")) {
+          // A shard's update inside the full (replicated) parameter group: ZeRO-1/2.
+          TESSERA_ASSIGN_OR_RETURN(int64_t offset, attrs.GetInt("param_offset"));
+          TESSERA_RETURN_IF_ERROR(CheckDType("grad", in[1], DType::kF32));
+          if (in[1].shape.rank() != 1 || offset < 0 || offset + in[1].numel() > in[0].numel()) {
+            return InvalidArgument("grad shard {} at param_offset {} does not fit in param {}",
+                                   in[1].ToString(), offset, in[0].ToString());
+          }
+        } else {
+          TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        }
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "grad", in[1]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "grad", in[1]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("step", in[6], Shape{}, DType::kI64));
+        if (attrs.Has("decay_ranges")) {
+          TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
+          if (ranges.size() % 2 != 0) {
+            return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
+          }
+        }
+        return Metas{in[0], in[2], in[3]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{14.0 * static_cast<double>(in[1].numel()),
+                          2 * Bytes({in[1], in[1], in[1], in[1]})};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sgd",
+      .doc = "p -= lr * (grad * clip_scale + weight_decay * p), in place",
+      .input_names = {"param", "grad", "clip_scale", "lr"},
+      .output_names = {"param_out"},
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[2], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(4),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sum_of_squares",
+      .doc = "sum of squared elements (a gradient's contribution to the global norm)",
+      .input_names = {"x"},
+      .output_names = {"sum"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        return Metas{Scalar()};
+      },
+      .cost = ElementwiseCost(2),
+  }));
+  return r.AddOp(OpDef{
+      .name = "clip_scale",
+      .doc = "global norm = sqrt(sum of the inputs); scale = min(1, max_norm / (norm + 1e-6))",
+      .input_names = {"sum_of_squares"},
+      .output_names = {"scale", "norm"},
+      .variadic_inputs = true,
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        if (in.empty()) return InvalidArgument("needs at least one sum of squares");
+        for (const TensorMeta& meta : in) {
+          TESSERA_RETURN_IF_ERROR(CheckShape("sum_of_squares", meta, Shape{}));
+        }
+        return Metas{Scalar(), Scalar()};
+      },
+      .cost = ElementwiseCost(1),
+  });
+}
+
+}  // namespace tessera::detail
