@@ -52,6 +52,14 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents, i
   return Status::Ok();
 }
 
+Result<std::string> ReadWholeFile(const std::string& path, std::string_view what) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return NotFound("cannot open {} '{}': {}", what, path, std::strerror(errno));
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) return DataLoss("error reading {} '{}'", what, path);
+  return bytes;
+}
+
 Result<std::string> ReadFileTrimmed(const std::string& path) {
   std::ifstream file(path);
   if (!file) return NotFound("cannot read '{}': {}", path, std::strerror(errno));

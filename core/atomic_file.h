@@ -14,6 +14,10 @@ namespace tessera {
 // on failure. `mode` is the new file's permission bits (0600 for secrets such as tokens).
 Status WriteFileAtomically(const std::string& path, std::string_view contents, int mode = 0644);
 
+// The whole file, bytes as they are. NotFound naming `what` ("data file", "checkpoint file"),
+// the path and the system error when it cannot be opened; DataLoss when reading it fails.
+Result<std::string> ReadWholeFile(const std::string& path, std::string_view what = "file");
+
 // The whole file without trailing whitespace. NotFound naming the path and the system error.
 Result<std::string> ReadFileTrimmed(const std::string& path);
 

@@ -26,14 +26,6 @@ constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
 int64_t LlmcPaddedVocab(int64_t vocab) { return (vocab + 127) / 128 * 128; }
 
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
 // llm.c's tensor order: the slot's name, and whether llm.c stores one per block.
 struct LlmcTensor {
   const char* slot;  // "wte", "ln1_w", ...
@@ -201,7 +193,7 @@ Status ExportLlmc(const Gpt2Config& c, const Gpt2ParameterGroups& groups, const 
 }
 
 Status ImportLlmc(const Gpt2Config& c, const Gpt2ParameterGroups& groups, const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "llm.c checkpoint"));
   if (bytes.size() < kLlmcHeaderBytes) {
     return DataLoss(
         "'{}' has {} bytes: too short for an llm.c checkpoint (its header alone has {})", path,

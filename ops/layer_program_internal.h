@@ -59,6 +59,6 @@ Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& prog
                             const ProgramShapes& shapes);
 
 // Which backward a kernel or inference is for: the whole one, or a half of the split one.
-enum class Part : uint8_t { kAll, kInput, kWeight };
+enum class BackwardPart : uint8_t { kAll, kInput, kWeight };
 
 }  // namespace tessera::detail

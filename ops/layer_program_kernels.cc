@@ -13,12 +13,12 @@ namespace tessera {
 
 namespace {
 
+using detail::BackwardPart;
 using detail::GradientInputs;
 using detail::Half;
 using detail::HasParams;
 using detail::Metas;
 using detail::OpLabel;
-using detail::Part;
 using detail::PlanSplit;
 using detail::ProgramOf;
 using detail::SplitPlan;
@@ -293,10 +293,10 @@ Result<Tensors> RuleInputs(const KernelContext& context, const ProgramShapes& sh
 // Writes a backward's outputs from the sums: the gradients of the layer's gradient_inputs
 // (unless `part` is the weight half), then (unless it is the input half) of its parameter group
 // and of each shared group.
-void WriteGradients(Part part, const LayerProgram& program, const GradientSums& sums,
+void WriteGradients(BackwardPart part, const LayerProgram& program, const GradientSums& sums,
                     const Tensors& out) {
   size_t next = 0;
-  if (part != Part::kWeight) {
+  if (part != BackwardPart::kWeight) {
     for (int i : program.gradient_inputs) {
       const Tensor& target = out[next++];
       const Tensor& sum = sums.of(i);
@@ -307,7 +307,7 @@ void WriteGradients(Part part, const LayerProgram& program, const GradientSums& 
       }
     }
   }
-  if (part == Part::kInput) return;
+  if (part == BackwardPart::kInput) return;
   if (HasParams(program)) {
     std::vector<int> every(program.params.slots().size());
     for (size_t s = 0; s < every.size(); ++s) every[s] = static_cast<int>(s);
@@ -319,15 +319,16 @@ void WriteGradients(Part part, const LayerProgram& program, const GradientSums& 
   }
 }
 
-// The backward (Part::kAll) or one half of it; see PlanSplit for what each half does per op.
-Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context, const Tensors& in,
-                      const Tensors& out, const Attrs& attrs) {
+// The backward (BackwardPart::kAll) or one half of it; see PlanSplit for what each half does per
+// op.
+Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext& context,
+                      const Tensors& in, const Tensors& out, const Attrs& attrs) {
   TESSERA_RETURN_IF_ERROR(CheckRegistry(context));
   const OpRegistry& registry = *context.registry;
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t lead = part == Part::kWeight ? 1 : grads;
+  const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   Metas input_metas;
   for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[lead + i].meta());
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, input_metas));
@@ -339,15 +340,16 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     values[static_cast<size_t>(shapes.saved[i])] = SavedView(saved, shapes, i);
   }
   BindParams(program, in, lead + layer_inputs + 1, values);
-  const Tensor stash =
-      part == Part::kInput ? out.back() : (part == Part::kWeight ? in[0] : Tensor());
+  const Tensor stash = part == BackwardPart::kInput
+                           ? out.back()
+                           : (part == BackwardPart::kWeight ? in[0] : Tensor());
   const auto stashed = [&stash](const StashEntry& entry) { return Stashed(stash, entry); };
   const auto keep = [&stashed](const StashEntry& entry, const Tensor& value) {
     std::memcpy(stashed(entry).raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
   };
 
   GradientSums sums(context, device, values.size());
-  if (part != Part::kWeight) {
+  if (part != BackwardPart::kWeight) {
     TESSERA_RETURN_IF_ERROR(SeedGradients(context, program, shapes, in, grads, attrs, sums));
   }
 
@@ -378,7 +380,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       return ran.ok() ? ran : ran.WithContext(fmt::format("the backward of {}", OpLabel(op)));
     };
 
-    if (part == Part::kWeight && half == Half::kFull) {
+    if (part == BackwardPart::kWeight && half == Half::kFull) {
       // The parameter parts the input half computed.
       for (size_t e = entries; e < next_entry; ++e) {
         const int value = op.inputs[static_cast<size_t>(rule.gradient_of[plan.stash[e].index])];
@@ -389,9 +391,9 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     TESSERA_ASSIGN_OR_RETURN(
         Tensors inputs,
         RuleInputs(context, shapes, values, sums, op, first, rule,
-                   part == Part::kWeight ? &stash : nullptr, plan.stash.data() + entries));
+                   part == BackwardPart::kWeight ? &stash : nullptr, plan.stash.data() + entries));
 
-    if (part == Part::kWeight) {
+    if (part == BackwardPart::kWeight) {
       const bool split = half == Half::kSplit;
       Tensors outputs;
       TESSERA_RETURN_IF_ERROR(run(split ? rule.weight_op : rule.op, inputs, outputs));
@@ -399,7 +401,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
       continue;
     }
 
-    if (part == Part::kInput && half != Half::kFull) {
+    if (part == BackwardPart::kInput && half != Half::kFull) {
       // The output gradients wait in the stash for the weight half.
       size_t entry = entries;
       for (size_t a = 0; a < rule.inputs.size(); ++a) {
@@ -418,7 +420,7 @@ Status BackwardKernel(Part part, DeviceKind device, const KernelContext& context
     Tensors outputs;
     TESSERA_RETURN_IF_ERROR(run(rule.op, inputs, outputs));
     for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
-    if (part == Part::kInput) {  // the parameter parts go to the stash, the rest on
+    if (part == BackwardPart::kInput) {  // the parameter parts go to the stash, the rest on
       for (size_t e = entries; e < next_entry; ++e) {
         keep(plan.stash[e], outputs[plan.stash[e].index]);
         outputs[plan.stash[e].index] = Tensor();
@@ -438,9 +440,9 @@ Status RegisterLayerProgramKernels(OpRegistry& r, DeviceKind device) {
       "layer_forward", device,
       [device](const KernelContext& context, const Tensors& in, const Tensors& out,
                const Attrs& attrs) { return ForwardKernel(device, context, in, out, attrs); }));
-  for (const auto& [name, part] :
-       {std::pair{"layer_backward", Part::kAll}, std::pair{"layer_backward_input", Part::kInput},
-        std::pair{"layer_backward_weight", Part::kWeight}}) {
+  for (const auto& [name, part] : {std::pair{"layer_backward", BackwardPart::kAll},
+                                   std::pair{"layer_backward_input", BackwardPart::kInput},
+                                   std::pair{"layer_backward_weight", BackwardPart::kWeight}}) {
     TESSERA_RETURN_IF_ERROR(
         r.AddKernel(name, device,
                     // `part = part`: Clang 15 cannot capture a structured binding itself.

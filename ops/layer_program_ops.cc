@@ -13,10 +13,10 @@ namespace tessera {
 
 namespace {
 
+using detail::BackwardPart;
 using detail::GradientInputs;
 using detail::HasParams;
 using detail::Metas;
-using detail::Part;
 using detail::PlanSplit;
 using detail::ProgramOf;
 using detail::SplitPlan;
@@ -98,26 +98,26 @@ Result<ProgramShapes> CheckBackwardInputs(const OpRegistry& registry, const Laye
   return shapes;
 }
 
-Result<Metas> InferBackward(Part part, const OpRegistry& registry, const Metas& in,
+Result<Metas> InferBackward(BackwardPart part, const OpRegistry& registry, const Metas& in,
                             const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   const size_t grads = static_cast<size_t>(GradientInputs(program));
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
-  const size_t lead = part == Part::kWeight ? 1 : grads;
+  const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   const size_t want = lead + layer_inputs + 1 + Groups(program);
   if (in.size() != want) {
     return InvalidArgument(
         "the layer's backward{} takes {}, {} input(s), the saved buffer{}: {} in all, got {}",
-        part == Part::kWeight ? " (weight half)" : "",
-        part == Part::kWeight ? std::string("the stash")
-                              : fmt::format("{} output gradient(s)", grads),
+        part == BackwardPart::kWeight ? " (weight half)" : "",
+        part == BackwardPart::kWeight ? std::string("the stash")
+                                      : fmt::format("{} output gradient(s)", grads),
         layer_inputs, GroupsText(program), want, in.size());
   }
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
                            CheckBackwardInputs(registry, program, in, lead, attrs));
   Metas out;
   const size_t groups = lead + layer_inputs + 1;
-  if (part == Part::kWeight) {
+  if (part == BackwardPart::kWeight) {
     TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
     if (in[0].dtype != DType::kF32 || in[0].numel() != plan.stash_floats) {
       return InvalidArgument("the stash is {} but the layer's input half makes f32 [{}]",
@@ -135,7 +135,7 @@ Result<Metas> InferBackward(Part part, const OpRegistry& registry, const Metas& 
     }
   }
   for (int i : program.gradient_inputs) out.push_back(shapes.values[static_cast<size_t>(i)]);
-  if (part == Part::kInput) {
+  if (part == BackwardPart::kInput) {
     TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
     const Device device = in.empty() ? Device::Cpu() : in[0].device;
     out.push_back(TensorMeta{Shape{plan.stash_floats}, DType::kF32, device});
@@ -186,23 +186,23 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
   struct Backward {
     const char* name;
     const char* doc;
-    Part part;
+    BackwardPart part;
   };
   for (const Backward& backward : {
            Backward{"layer_backward",
                     "the gradients of a layer program's inputs and parameters, derived from its "
                     "ops' gradient rules",
-                    Part::kAll},
+                    BackwardPart::kAll},
            Backward{"layer_backward_input",
                     "the input half of layer_backward (zero-bubble pipelines): the input "
                     "gradients, and a stash for the weight half",
-                    Part::kInput},
+                    BackwardPart::kInput},
            Backward{"layer_backward_weight",
                     "the weight half of layer_backward: the parameter gradients, from the input "
                     "half's stash",
-                    Part::kWeight},
+                    BackwardPart::kWeight},
        }) {
-    const Part part = backward.part;
+    const BackwardPart part = backward.part;
     TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
         .name = backward.name,
         .doc = backward.doc,
@@ -218,7 +218,7 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
                               const Attrs& attrs) -> Result<OpCost> {
           TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
           const size_t lead =
-              part == Part::kWeight ? 1 : static_cast<size_t>(GradientInputs(program));
+              part == BackwardPart::kWeight ? 1 : static_cast<size_t>(GradientInputs(program));
           if (in.size() < lead + static_cast<size_t>(program.inputs)) {
             return InvalidArgument("too few inputs for the layer's backward");
           }
@@ -227,7 +227,7 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
           // A backward costs about twice its forward (two products per product); each half
           // about once.
           TESSERA_ASSIGN_OR_RETURN(OpCost cost, ProgramCost(registry, inputs, attrs, true));
-          if (part != Part::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
+          if (part != BackwardPart::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
           return cost;
         },
     }));

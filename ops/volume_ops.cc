@@ -29,8 +29,8 @@ Status CheckF32(const char* name, const TensorMeta& meta) {
 
 // Unlike standard_ops.cc's CheckShape (a dtype message, then a shape message), one message names
 // the expected dtype and shape together, e.g. "... but i32[2, 8, 8, 8] was expected".
-Status CheckShape(const char* name, const TensorMeta& meta, const Shape& expected,
-                  DType dtype = DType::kF32) {
+Status CheckMeta(const char* name, const TensorMeta& meta, const Shape& expected,
+                 DType dtype = DType::kF32) {
   if (meta.dtype != dtype || meta.shape != expected) {
     return InvalidArgument("input '{}' is {} but {}{} was expected", name, meta.ToString(),
                            DTypeName(dtype), expected.ToString());
@@ -121,7 +121,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
   const std::string name = transposed ? "conv_transpose3d" : "conv3d";
   const InferFn forward_infer = [transposed](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 0, attrs, transposed));
-    TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{y[1]}));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{y[1]}));
     return Metas{F32Like(in[0], std::move(y))};
   };
   // One multiply-add per weight tap of each output of the underlying convolution: conv3d's y,
@@ -151,7 +151,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
   const InferFn backward_infer = [transposed](const Metas& in,
                                               const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 1, attrs, transposed));
-    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], y));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], y));
     return Metas{in[1], in[2], F32Like(in[1], Shape{y[1]})};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
@@ -272,8 +272,8 @@ Status AddResamplingOps(OpRegistry& r) {
   const InferFn pool_backward_infer = [pool_infer](const Metas& in,
                                                    const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Metas forward, pool_infer(Metas{in[1]}, attrs));
-    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], forward[0].shape));
-    TESSERA_RETURN_IF_ERROR(CheckShape("indices", in[2], forward[1].shape, DType::kI32));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], forward[0].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("indices", in[2], forward[1].shape, DType::kI32));
     return Metas{in[1]};
   };
   return r.AddOp(OpDef{
@@ -306,14 +306,14 @@ Result<int64_t> CheckGroupNorm(const TensorMeta& x, const TensorMeta& weight, co
     return InvalidArgument("attribute 'groups' is {} but must divide x {}'s C = {}", groups,
                            x.shape.ToString(), channels);
   }
-  TESSERA_RETURN_IF_ERROR(CheckShape("weight", weight, Shape{channels}));
+  TESSERA_RETURN_IF_ERROR(CheckMeta("weight", weight, Shape{channels}));
   return groups;
 }
 
 Status AddGroupNormOps(OpRegistry& r) {
   const InferFn forward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[0], in[1], attrs));
-    TESSERA_RETURN_IF_ERROR(CheckShape("bias", in[2], Shape{in[0].shape[1]}));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{in[0].shape[1]}));
     const Shape stats{in[0].shape[0], groups};
     return Metas{F32Like(in[0], in[0].shape), F32Like(in[0], stats), F32Like(in[0], stats)};
   };
@@ -331,10 +331,10 @@ Status AddGroupNormOps(OpRegistry& r) {
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[1], in[2], attrs));
-    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], in[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape));
     const Shape stats{in[1].shape[0], groups};
-    TESSERA_RETURN_IF_ERROR(CheckShape("mean", in[3], stats));
-    TESSERA_RETURN_IF_ERROR(CheckShape("rstd", in[4], stats));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("mean", in[3], stats));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("rstd", in[4], stats));
     return Metas{in[1], in[2], in[2]};
   };
   return r.AddOp(OpDef{
@@ -357,7 +357,7 @@ Status AddActivationOps(OpRegistry& r) {
   };
   const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckF32("x", in[1]));
-    TESSERA_RETURN_IF_ERROR(CheckShape("dy", in[0], in[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape));
     return Metas{in[1]};
   };
   struct Activation {
@@ -466,7 +466,7 @@ Status CheckSegmentation(const char* op, const TensorMeta& logits, const TensorM
   }
   std::vector<int64_t> dims = logits.shape.dims();
   dims.erase(dims.begin() + 1);
-  return CheckShape("targets", targets, Shape(std::move(dims)), DType::kI32);
+  return CheckMeta("targets", targets, Shape(std::move(dims)), DType::kI32);
 }
 
 Status AddSegmentationOps(OpRegistry& r) {

@@ -2,9 +2,7 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <variant>
 
 #include <fmt/format.h>
@@ -21,14 +19,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr int kFormatVersion = 1;
-
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
 
 // A model's configuration (its attributes) as a JSON object.
 json ConfigJson(const Attrs& config) {
@@ -204,12 +194,13 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
           "--checkpoint-dir that a run saved into",
           path);
     }
-    TESSERA_ASSIGN_OR_RETURN(std::string latest, ReadWholeFile((step_dir / "latest").string()));
+    TESSERA_ASSIGN_OR_RETURN(std::string latest,
+                             ReadWholeFile((step_dir / "latest").string(), "checkpoint file"));
     while (!latest.empty() && (latest.back() == '\n' || latest.back() == '\r')) latest.pop_back();
     step_dir /= latest;
   }
   const std::string manifest_path = (step_dir / "manifest.json").string();
-  TESSERA_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(manifest_path));
+  TESSERA_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(manifest_path, "checkpoint manifest"));
   json manifest;
   try {
     manifest = json::parse(text);
@@ -233,7 +224,7 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
       const int64_t padded = manifest.at("groups").at(layer).at("padded_numel");
       if (piece.at("rank") != 0 && begin == 0 && numel == padded) continue;  // a replica
       const std::string file = (step_dir / piece.at("file").get<std::string>()).string();
-      TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(file));
+      TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(file, "checkpoint file"));
       if (static_cast<int64_t>(bytes.size()) != numel * 4) {
         return DataLoss("checkpoint piece '{}' has {} bytes but the manifest says {} (truncated?)",
                         file, bytes.size(), numel * 4);

@@ -4,26 +4,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "core/atomic_file.h"
 
 namespace tessera {
-
-namespace {
-
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return NotFound("cannot open data file '{}': {}", path, std::strerror(errno));
-  }
-  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (file.bad()) return DataLoss("error reading data file '{}'", path);
-  return bytes;
-}
-
-}  // namespace
 
 TokenDataset::TokenDataset(std::vector<int32_t> tokens, std::string source, bool is_text)
     : tokens_(std::move(tokens)), source_(std::move(source)), is_text_(is_text) {
@@ -31,19 +16,19 @@ TokenDataset::TokenDataset(std::vector<int32_t> tokens, std::string source, bool
 }
 
 Result<TokenDataset> TokenDataset::Load(const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "data file"));
   int32_t magic = 0;
   if (bytes.size() >= sizeof(magic)) std::memcpy(&magic, bytes.data(), sizeof(magic));
   return magic == kTokenFileMagic ? FromTokenFileBytes(bytes, path) : FromTextBytes(bytes, path);
 }
 
 Result<TokenDataset> TokenDataset::LoadText(const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "data file"));
   return FromTextBytes(bytes, path);
 }
 
 Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "data file"));
   return FromTokenFileBytes(bytes, path);
 }
 

@@ -8,12 +8,6 @@
 
 namespace tessera {
 
-namespace {
-
-int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
-
-}  // namespace
-
 GraphExecution::GraphExecution(Passkey, InProcessExecutor& executor, const PreparedGraph& prepared,
                                RunHooks hooks, Done done)
     : executor_(executor),
@@ -48,13 +42,13 @@ void GraphExecution::Begin(ObjectMap inputs) {
 
 Status GraphExecution::ReadHooks() {
   for (ObjectId id : hooks_.late_inputs) {
-    if (!id.valid() || Index(id) >= num_objects_ || graph().object(id).producer.valid()) {
+    if (!id.valid() || IndexOf(id) >= num_objects_ || graph().object(id).producer.valid()) {
       return InvalidArgument("late input {} is not an input of the graph", id.ToString());
     }
-    late_[static_cast<size_t>(Index(id))] = true;
+    late_[static_cast<size_t>(IndexOf(id))] = true;
   }
   for (ObjectId id : hooks_.watched) {
-    if (id.valid() && Index(id) < num_objects_) watched_[static_cast<size_t>(Index(id))] = true;
+    if (id.valid() && IndexOf(id) < num_objects_) watched_[static_cast<size_t>(IndexOf(id))] = true;
   }
   return Status::Ok();
 }
@@ -224,7 +218,7 @@ void GraphExecution::OffloadDone(int t, std::vector<Tensor>& outputs, const Stat
 std::vector<Tensor> GraphExecution::InputsOf(const TaskSpec& task) const {
   std::vector<Tensor> in;
   in.reserve(task.inputs.size());
-  for (ObjectId input : task.inputs) in.push_back(slots_[static_cast<size_t>(Index(input))]);
+  for (ObjectId input : task.inputs) in.push_back(slots_[static_cast<size_t>(IndexOf(input))]);
   return in;
 }
 
@@ -267,9 +261,9 @@ void GraphExecution::RunTask(int t, std::vector<int>* ready) {
 
 bool GraphExecution::TakeDonation(const TaskSpec& task, const std::vector<Tensor>& in,
                                   int input_index) {
-  const int object = Index(task.inputs[static_cast<size_t>(input_index)]);
+  const int object = IndexOf(task.inputs[static_cast<size_t>(input_index)]);
   int uses_here = 0;
-  for (ObjectId input : task.inputs) uses_here += Index(input) == object;
+  for (ObjectId input : task.inputs) uses_here += IndexOf(input) == object;
   const bool donate = !prepared_.is_output_[static_cast<size_t>(object)] &&
                       refcount_[object].load() == uses_here &&
                       in[static_cast<size_t>(input_index)].buffer().use_count() == 1 + uses_here;
@@ -289,7 +283,7 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
   std::vector<RoleMeter::Entry> added, freed, replaced;
   for (size_t j = 0; j < out.size(); ++j) {
-    const int object = Index(task.outputs[j]);
+    const int object = IndexOf(task.outputs[j]);
     const ObjectSpec& spec = graph().objects()[static_cast<size_t>(object)];
     added.emplace_back(spec.role, spec.meta.bytes());
     if (watched_[static_cast<size_t>(object)]) hooks_.on_produced(task.outputs[j], out[j]);
@@ -302,7 +296,7 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
   }
   for (ObjectId input : task.inputs) {
     const ObjectSpec& spec = graph().object(input);
-    if (!ReleaseObject(Index(input))) continue;
+    if (!ReleaseObject(IndexOf(input))) continue;
     freed.emplace_back(spec.role, spec.meta.bytes());
     for (const Donation& donation : task.donations) {  // an in-place output took its place
       if (task.inputs[static_cast<size_t>(donation.input_index)] == input) {
@@ -330,7 +324,7 @@ Status GraphExecution::Provide(ObjectId id, Tensor tensor) {
 }
 
 Status GraphExecution::Deliver(ObjectId id, Tensor tensor) {
-  const int index = Index(id);
+  const int index = IndexOf(id);
   const auto awaited = [&] {
     std::lock_guard lock(mutex_);
     return id.valid() && index < num_objects_ && awaited_[static_cast<size_t>(index)];
@@ -461,7 +455,7 @@ void GraphExecution::End() {
 RunResult GraphExecution::CollectResult() {
   RunResult result;
   for (ObjectId output : graph().OutputObjects()) {
-    result.outputs.emplace(output, std::move(slots_[static_cast<size_t>(Index(output))]));
+    result.outputs.emplace(output, std::move(slots_[static_cast<size_t>(IndexOf(output))]));
   }
   slots_.clear();
   const std::shared_ptr<Allocator>& allocator = executor_.allocator();

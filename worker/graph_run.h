@@ -122,6 +122,10 @@ struct RunHooks {
   std::function<void(const Status&)> on_failed;
 };
 
+// Graph-local ids count from 1; a prepared graph's per-task and per-object tables from 0.
+inline int IndexOf(ObjectId id) { return static_cast<int>(id.value()) - 1; }
+inline int IndexOf(TaskId id) { return static_cast<int>(id.value()) - 1; }
+
 // A graph made ready to run repeatedly: resolved kernels and dependency structure. Read-only
 // once prepared: any number of runs may use it at once.
 class PreparedGraph {

@@ -8,13 +8,6 @@
 
 namespace tessera {
 
-namespace {
-
-int Index(ObjectId id) { return static_cast<int>(id.value()) - 1; }
-int Index(TaskId id) { return static_cast<int>(id.value()) - 1; }
-
-}  // namespace
-
 ExecutorOptions ExecutorOptions::FromSettings(const Settings& settings) {
   ExecutorOptions options;
   options.threads = static_cast<int>(settings.cpu_threads);
@@ -62,26 +55,26 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   prepared.initial_refcount_.assign(num_objects, 0);
   prepared.is_output_.assign(num_objects, false);
   prepared.input_consumers_.resize(num_objects);
-  for (ObjectId output : graph.OutputObjects()) prepared.is_output_[Index(output)] = true;
-  for (ObjectId input : graph.InputObjects()) prepared.input_objects_.push_back(Index(input));
+  for (ObjectId output : graph.OutputObjects()) prepared.is_output_[IndexOf(output)] = true;
+  for (ObjectId input : graph.InputObjects()) prepared.input_objects_.push_back(IndexOf(input));
 
   for (const TaskSpec& task : graph.tasks()) {
-    const int t = Index(task.id);
+    const int t = IndexOf(task.id);
     Result<const KernelFn*> kernel = registry_.FindKernel(task.op, task.device_kind);
     if (!kernel.ok()) return kernel.status().WithContext(TaskContext(task));
     prepared.kernels_[t] = *kernel;
     for (ObjectId input : task.inputs) {
-      ++prepared.initial_refcount_[Index(input)];
-      prepared.input_consumers_[Index(input)].push_back(t);
+      ++prepared.initial_refcount_[IndexOf(input)];
+      prepared.input_consumers_[IndexOf(input)].push_back(t);
       const TaskId producer = graph.object(input).producer;
       if (producer.valid()) {
         ++prepared.initial_pending_[t];
-        prepared.dependents_[Index(producer)].push_back(t);
+        prepared.dependents_[IndexOf(producer)].push_back(t);
       }
     }
     for (TaskId earlier : task.after) {
       ++prepared.initial_pending_[t];
-      prepared.dependents_[Index(earlier)].push_back(t);
+      prepared.dependents_[IndexOf(earlier)].push_back(t);
     }
   }
   prepared.graph_ = std::make_shared<const Graph>(std::move(graph));
