@@ -2,9 +2,9 @@
 // over its inputs and its own parameters. Nobody writes a backward: each op's gradient rule
 // (OpDef::gradient) derives it, layer by layer (ops/layer_program.h). A built model is a
 // ModelSpec, so every plan works on it as on GPT-2: data parallel, ZeRO stages 1-3, optimizer
-// offload, gradient accumulation, clipping, checkpoints.
+// offload, micro-batches, clipping, checkpoints.
 //
-//   ModelBuilder mlp("mlp");
+//   ModelBuilder mlp("mlp", registry);                              // the ops it may call
 //   ModelValue x = mlp.Input("x", DType::kF32, Shape{1, 64});       // dimension 0: the batch
 //   ModelValue y = mlp.Input("y", DType::kI32, Shape{1}, /*label=*/true);
 //   ModelValue h = mlp.Layer("fc1", {x}, [](LayerBuilder& l) {
@@ -16,7 +16,7 @@
 //   mlp.Loss("loss", {logits, y}, [](LayerBuilder& l) {
 //     return l.Call("softmax_cross_entropy", {l.input(0), l.input(1)});
 //   });
-//   Result<ModelSpec> model = mlp.Build(registry);
+//   Result<ModelSpec> model = mlp.Build();
 //
 // Layers may read any earlier layer's output (skip connections), or a layer declared later by
 // name (LayerOutput): Build orders the layers and refuses a cycle, naming the layers on it.
