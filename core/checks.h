@@ -1,7 +1,10 @@
 // Errors from C libraries and the kernel, one way: each names what was being done, the library's
 // own words, and where in Tessera the call was (file:line), so an error from deep inside a
-// transport says where it came from. The call site is recorded by std::source_location, so
-// plain calls and the RETURN_IF_ERROR macros record it alike.
+// transport says where it came from. The call site is recorded by default arguments
+// (`const char* file = __builtin_FILE(), int line = __builtin_LINE()`, which GCC, Clang and nvcc
+// evaluate at the call), so plain calls and the RETURN_IF_ERROR macros record it alike.
+// (std::source_location::current() as a default argument names the declaration instead under
+// Clang 15 and 16, which evaluate its consteval call where it is written: CWG 2631.)
 //
 //   SystemError("epoll_ctl")                          errno           core/checks.h
 //   TESSERA_SYSCALL_RETURN_IF_ERROR(fd = ::socket(...), "socket")    (a result < 0: errno)
@@ -13,7 +16,6 @@
 #pragma once
 
 #include <cerrno>
-#include <source_location>
 #include <string>
 #include <string_view>
 
@@ -22,12 +24,12 @@
 namespace tessera {
 
 // "file.cc:123" (the file's name without its directories).
-std::string CallSite(const std::source_location& where);
+std::string CallSite(const char* file, int line);
 
 // `code` (Unavailable unless said otherwise): "<what> failed: <strerror(error)> (at file:line)".
 Status SystemError(std::string_view what, int error = errno,
-                   StatusCode code = StatusCode::kUnavailable,
-                   std::source_location where = std::source_location::current());
+                   StatusCode code = StatusCode::kUnavailable, const char* file = __builtin_FILE(),
+                   int line = __builtin_LINE());
 
 // Returns SystemError(what) from the enclosing function when `call` yields a negative value.
 #define TESSERA_SYSCALL_RETURN_IF_ERROR(call, what)             \

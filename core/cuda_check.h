@@ -2,8 +2,6 @@
 // from code built with the CUDA toolkit (TESSERA_HAVE_CUDA).
 #pragma once
 
-#include <source_location>
-
 #include <cuda_runtime_api.h>
 
 #include "core/checks.h"
@@ -11,11 +9,11 @@
 namespace tessera {
 
 // Unavailable: "CUDA error: <text> (<name>) (at file:line)". Clears CUDA's sticky last error.
-inline Status CudaError(cudaError_t error,
-                        std::source_location where = std::source_location::current()) {
+inline Status CudaError(cudaError_t error, const char* file = __builtin_FILE(),
+                        int line = __builtin_LINE()) {
   (void)cudaGetLastError();
   return Unavailable("CUDA error: {} ({}) (at {})", cudaGetErrorString(error),
-                     cudaGetErrorName(error), CallSite(where));
+                     cudaGetErrorName(error), CallSite(file, line));
 }
 
 // Returns CudaError from the enclosing function when `call` does not yield cudaSuccess.

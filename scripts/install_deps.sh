@@ -9,7 +9,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config git clang-format
   # Clang for the sanitizer builds (with the thread-safety analysis) and clang-tidy. Version 15:
   # Debian 12's default (14) lacks the builtin behind libstdc++ 12's std::source_location
-  # (core/checks.h), and 16 rejects Cap'n Proto 0.9's headers in C++20.
+  #, and 16 rejects Cap'n Proto 0.9's headers in C++20.
   clang-15 clang-tidy-15
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev

@@ -23,8 +23,10 @@ constexpr int kFormatVersion = 1;
 // A model's configuration (its attributes) as a JSON object.
 json ConfigJson(const Attrs& config) {
   json out = json::object();
-  for (const auto& [name, value] : config.values()) {
-    std::visit([&out, &name](const auto& v) { out[name] = v; }, value);
+  for (const auto& entry : config.values()) {
+    // Not a structured binding: Clang 15 cannot capture one (C++20 allows it; Clang 16 does).
+    const std::string& name = entry.first;
+    std::visit([&out, &name](const auto& v) { out[name] = v; }, entry.second);
   }
   return out;
 }

@@ -358,6 +358,7 @@ void GraphRunner::Launch(std::shared_ptr<Instance> instance) {
   if (instance->error.ok()) return;  // on the executor; Ended takes it from there
   // Its collectives never come: the worker's order moves past them.
   if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->positions, instance->error);
+  CountDone();
   Report(instance->key, instance->error, {});
   Retire(*instance);
 }
@@ -687,6 +688,7 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
     if (!error.ok() && outcome.error.ok()) outcome.error = error;
     outcome.sealed = std::move(sealed);
   }
+  CountDone();
   ReportWhenPushed(key, outcome);
   Retire(*instance);  // `this` may be gone once it returned: the destructor waits for it
 }
@@ -717,6 +719,11 @@ InstanceFigures GraphRunner::FiguresOf(const Part& part, const RunStats& stats,
   return figures;
 }
 
+void GraphRunner::CountDone() {
+  std::lock_guard lock(mutex_);
+  ++done_;
+}
+
 void GraphRunner::Retire(const Instance& instance) {
   {
     std::lock_guard lock(mutex_);
@@ -724,7 +731,6 @@ void GraphRunner::Retire(const Instance& instance) {
     arrivals_.erase(instance.key);
     finished_.push_back(instance.key);
     if (finished_.size() > kRememberedInstances) finished_.pop_front();
-    ++done_;
   }
   retired_.notify_all();  // the destructor waits for in_flight_ to empty
 }

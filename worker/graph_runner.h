@@ -142,6 +142,9 @@ class GraphRunner {
   static InstanceFigures FiguresOf(const Part& part, const RunStats& stats, const Outcome& outcome);
   // Reports the instance when its run has ended and no push is out (once).
   void ReportWhenPushed(const Key& key, Outcome& outcome);
+  // Counts an ended instance in stats().done: before its report, so that whoever the report
+  // wakes sees it counted.
+  void CountDone();
   // The instance is over here.
   void Retire(const Instance& instance);
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when

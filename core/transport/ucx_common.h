@@ -2,7 +2,6 @@
 // with its worker. Internal to core/transport.
 #pragma once
 
-#include <source_location>
 #include <string_view>
 
 #include <ucp/api/ucp.h>
@@ -14,8 +13,9 @@ namespace tessera::detail {
 
 // Unavailable: "UCX <what> failed: <UCX's words> (at file:line)" (core/checks.h).
 inline Status UcxError(std::string_view what, ucs_status_t status,
-                       std::source_location where = std::source_location::current()) {
-  return Unavailable("UCX {} failed: {} (at {})", what, ucs_status_string(status), CallSite(where));
+                       const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return Unavailable("UCX {} failed: {} (at {})", what, ucs_status_string(status),
+                     CallSite(file, line));
 }
 
 #define TESSERA_UCX_RETURN_IF_ERROR(call, what)                                       \
