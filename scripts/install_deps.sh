@@ -11,6 +11,7 @@ packages=(
   # Debian 12's default (14) lacks the builtin behind libstdc++ 12's std::source_location
   #, and 16 rejects Cap'n Proto 0.9's headers in C++20.
   clang-15 clang-tidy-15
+  llvm-15  # llvm-symbolizer: sanitizer reports name functions (and suppressions can match them)
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev

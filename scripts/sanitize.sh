@@ -51,9 +51,18 @@ export UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no
 # Under TSan, worker processes (integration tests) run one executor thread: fewer TBB hand-offs,
 # which TSan cannot see (tests/sanitizers/tsan.supp).
 [[ "$sanitizers" == *thread* ]] && export TESSERA_CPU_THREADS=${TESSERA_CPU_THREADS:-1}
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
-export LSAN_OPTIONS="suppressions=$suppressions/lsan.supp:print_suppressions=0:${LSAN_OPTIONS:-}"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
-export TSAN_OPTIONS="suppressions=$suppressions/tsan.supp:halt_on_error=1:second_deadlock_stack=1:${TSAN_OPTIONS:-}"
+# The symbolizer of the compiler's LLVM: without one, reports have no function names and the
+# suppressions (which match names) match nothing.
+symbolizer=""
+for candidate in /usr/lib/llvm-15/bin/llvm-symbolizer "$(command -v llvm-symbolizer || true)"; do
+  if [[ -n "$candidate" && -x "$candidate" ]]; then
+    symbolizer="external_symbolizer_path=$candidate:"
+    break
+  fi
+done
+export ASAN_OPTIONS="${symbolizer}detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
+export LSAN_OPTIONS="${symbolizer}suppressions=$suppressions/lsan.supp:print_suppressions=0:${LSAN_OPTIONS:-}"
+export UBSAN_OPTIONS="${symbolizer}print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
+export TSAN_OPTIONS="${symbolizer}suppressions=$suppressions/tsan.supp:halt_on_error=1:second_deadlock_stack=1:${TSAN_OPTIONS:-}"
 cd "$dir"
 exec ctest --output-on-failure -j "$(nproc)" "$@"
