@@ -34,7 +34,8 @@ Result<std::string> ReadWholeFile(const std::string& path) {
 json ConfigJson(const Attrs& config) {
   json out = json::object();
   for (const auto& [name, value] : config.values()) {
-    std::visit([&out, &name](const auto& v) { out[name] = v; }, value);
+    // `&name = name`: Clang 15 cannot capture a structured binding.
+    std::visit([&out, &name = name](const auto& v) { out[name] = v; }, value);
   }
   return out;
 }
