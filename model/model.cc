@@ -73,7 +73,7 @@ LayerValue LayerBuilder::SharedParam(std::string layer, std::string param) {
   return LayerValue{values_++};
 }
 
-std::vector<LayerValue> LayerBuilder::CallAll(std::string op, std::vector<LayerValue> inputs,
+std::vector<LayerValue> LayerBuilder::CallAll(std::string op, const std::vector<LayerValue>& inputs,
                                               Attrs attrs, std::string label) {
   Result<const OpDef*> def = registry_.Find(op);
   if (!def.ok()) {
@@ -98,15 +98,16 @@ std::vector<LayerValue> LayerBuilder::CallAll(std::string op, std::vector<LayerV
     return {};
   }
   std::vector<LayerValue> outputs;
+  outputs.reserve(static_cast<size_t>(call.outputs));
   for (int o = 0; o < call.outputs; ++o) outputs.push_back(LayerValue{values_++});
   program_.ops.push_back(std::move(call));
   return outputs;
 }
 
-LayerValue LayerBuilder::Call(std::string op, std::vector<LayerValue> inputs, Attrs attrs,
+LayerValue LayerBuilder::Call(std::string op, const std::vector<LayerValue>& inputs, Attrs attrs,
                               std::string label) {
   std::vector<LayerValue> outputs =
-      CallAll(std::move(op), std::move(inputs), std::move(attrs), std::move(label));
+      CallAll(std::move(op), inputs, std::move(attrs), std::move(label));
   return outputs.empty() ? LayerValue{} : outputs[0];
 }
 
@@ -166,7 +167,7 @@ ModelValue ModelBuilder::Layer(std::string name, std::vector<ModelValue> inputs,
 }
 
 void ModelBuilder::LayerWithOutputs(std::string name, std::vector<ModelValue> inputs,
-                                    LayerFn define) {
+                                    const LayerFn& define) {
   Declare(std::move(name), std::move(inputs), define, /*loss=*/false);
 }
 
@@ -207,6 +208,7 @@ Result<LayerProgram> ModelBuilder::ResolveShared(const DeclaredLayer& layer,
                              [&param = param](const FlatSlot& s) { return s.name == param; });
     if (slot == slots.end()) {
       std::vector<std::string> names;
+      names.reserve(slots.size());
       for (const FlatSlot& s : slots) names.push_back(s.name);
       return InvalidArgument(
           "model '{}': layer '{}' reads parameter '{}' of layer '{}', which has no parameter of "
@@ -238,6 +240,36 @@ Result<LayerProgram> ModelBuilder::ResolveShared(const DeclaredLayer& layer,
 }
 
 Result<ModelSpec> ModelBuilder::Build() const {
+  Resolved resolved;
+  TESSERA_ASSIGN_OR_RETURN(resolved.by_name, IndexLayers());
+  TESSERA_ASSIGN_OR_RETURN(resolved.producers, ProducersOf(resolved.by_name));
+  // Each layer's program with its shared groups; their owners run first.
+  resolved.programs.reserve(layers_.size());
+  resolved.owners.resize(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(LayerProgram program,
+                             ResolveShared(layers_[i], resolved.by_name, resolved.owners[i]));
+    resolved.programs.push_back(std::move(program));
+    for (size_t owner : resolved.owners[i]) resolved.producers[i].push_back(owner);
+  }
+  TESSERA_ASSIGN_OR_RETURN(resolved.order, Order(resolved.producers));
+  resolved.index_of.resize(layers_.size());
+  for (size_t k = 0; k < resolved.order.size(); ++k) resolved.index_of[resolved.order[k]] = k;
+  resolved.output_metas.resize(layers_.size());
+
+  ModelSpec model;
+  model.name = name_;
+  model.inputs = inputs_;
+  model.layers.reserve(resolved.order.size());
+  for (size_t k = 0; k < resolved.order.size(); ++k) {
+    TESSERA_ASSIGN_OR_RETURN(LayerSpec layer, SpecOf(k, resolved));
+    model.layers.push_back(std::move(layer));
+  }
+  TESSERA_RETURN_IF_ERROR(model.Validate());
+  return model;
+}
+
+Result<std::map<std::string, size_t>> ModelBuilder::IndexLayers() const {
   std::map<std::string, size_t> by_name;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DeclaredLayer& layer = layers_[i];
@@ -255,7 +287,11 @@ Result<ModelSpec> ModelBuilder::Build() const {
     return InvalidArgument("model '{}' has {} loss layers: declare exactly one with Loss()", name_,
                            losses);
   }
-  // Each layer's producers, checked.
+  return by_name;
+}
+
+Result<std::vector<std::vector<size_t>>> ModelBuilder::ProducersOf(
+    const std::map<std::string, size_t>& by_name) const {
   std::vector<std::vector<size_t>> producers(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     for (const ModelValue& input : layers_[i].inputs) {
@@ -278,23 +314,23 @@ Result<ModelSpec> ModelBuilder::Build() const {
       producers[i].push_back(it->second);
     }
   }
-  // Each layer's program with its shared groups; their owners run first.
-  std::vector<LayerProgram> programs;
-  std::vector<std::vector<size_t>> owners(layers_.size());
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ResolveShared(layers_[i], by_name, owners[i]));
-    programs.push_back(std::move(program));
-    for (size_t owner : owners[i]) producers[i].push_back(owner);
-  }
-  // Topological order, declaration order among the ready; what is left is on or behind a cycle.
+  return producers;
+}
+
+Result<std::vector<size_t>> ModelBuilder::Order(
+    const std::vector<std::vector<size_t>>& producers) const {
+  // Declaration order among the ready; what is left is on or behind a cycle.
   std::vector<size_t> order;
   std::vector<bool> placed(layers_.size(), false);
+  const auto ready = [&](size_t i) {
+    return std::all_of(producers[i].begin(), producers[i].end(),
+                       [&](size_t p) { return placed[p]; });
+  };
   while (order.size() < layers_.size()) {
     bool progress = false;
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (placed[i] || layers_[i].loss) continue;
-      if (std::all_of(producers[i].begin(), producers[i].end(),
-                      [&](size_t p) { return placed[p]; })) {
+      if (ready(i)) {
         placed[i] = true;
         order.push_back(i);
         progress = true;
@@ -305,10 +341,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
     const size_t loss = static_cast<size_t>(
         std::find_if(layers_.begin(), layers_.end(), [](const auto& l) { return l.loss; }) -
         layers_.begin());
-    if (!placed[loss] &&
-        std::all_of(producers[loss].begin(), producers[loss].end(),
-                    [&](size_t p) { return placed[p]; }) &&
-        order.size() + 1 == layers_.size()) {
+    if (!placed[loss] && ready(loss) && order.size() + 1 == layers_.size()) {
       placed[loss] = true;
       order.push_back(loss);
       continue;
@@ -322,85 +355,93 @@ Result<ModelSpec> ModelBuilder::Build() const {
         "others); a layer may only read layers that do not depend on it",
         name_, fmt::join(stuck, ", "));
   }
+  return order;
+}
 
-  ModelSpec model;
-  model.name = name_;
-  model.inputs = inputs_;
-  std::vector<size_t> index_of(layers_.size());
-  for (size_t k = 0; k < order.size(); ++k) index_of[order[k]] = k;
-  std::vector<std::vector<TensorMeta>> output_metas(layers_.size());
-  for (size_t k = 0; k < order.size(); ++k) {
-    const DeclaredLayer& declared = layers_[order[k]];
-    LayerProgram program = programs[order[k]];
-    LayerSpec layer;
-    layer.name = declared.name;
-    layer.params = program.params;
-    layer.init = declared.init;
-    layer.forward_op = "layer_forward";
-    layer.backward_op = "layer_backward";
-    layer.backward_input_op = "layer_backward_input";
-    layer.backward_weight_op = "layer_backward_weight";
-    layer.loss = declared.loss;
-    std::vector<TensorMeta> metas;
-    for (size_t a = 0; a < declared.inputs.size(); ++a) {
-      const ModelValue& input = declared.inputs[a];
-      if (input.layer.empty()) {
-        const ModelInput& model_input = inputs_[static_cast<size_t>(input.input)];
-        layer.forward_args.push_back(
-            LayerArg{LayerArg::Kind::kModelInput, static_cast<size_t>(input.input), 0});
-        metas.push_back(TensorMeta{model_input.shape, model_input.dtype, Device::Cpu()});
-        continue;
-      }
-      const size_t producer = by_name.at(input.layer);
-      const std::vector<TensorMeta>& produced = output_metas[producer];
-      if (input.output < 0 || input.output >= static_cast<int>(produced.size())) {
-        return InvalidArgument("model '{}': layer '{}' reads output {} of '{}', which has {}",
-                               name_, declared.name, input.output, input.layer, produced.size());
-      }
-      layer.forward_args.push_back(
-          LayerArg{LayerArg::Kind::kActivation, index_of[producer], input.output});
-      metas.push_back(produced[static_cast<size_t>(input.output)]);
-      if (metas.back().dtype == DType::kF32) program.gradient_inputs.push_back(static_cast<int>(a));
-    }
-    Result<ProgramShapes> shapes = InferProgram(registry_, program, metas);
-    if (!shapes.ok()) {
-      return shapes.status().WithContext(
-          fmt::format("model '{}': layer '{}'", name_, declared.name));
-    }
-    for (int v : program.outputs)
-      output_metas[order[k]].push_back(shapes->values[static_cast<size_t>(v)]);
-    const bool has_params = program.params.numel() > 0;
-    if (has_params) layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
-    // The shared groups' arguments, after the layer's own group.
-    const size_t first_shared = layer.forward_args.size();
-    for (size_t owner : owners[order[k]]) {
-      layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, index_of[owner], 0});
-    }
-    layer.activations = static_cast<int>(program.outputs.size());
-    using B = BackwardArg::Kind;
-    if (!declared.loss) {
-      for (int o = 0; o < layer.activations; ++o) {
-        layer.backward_args.push_back({B::kOutputGradient, static_cast<size_t>(o)});
-      }
-    }
-    for (size_t a = 0; a < declared.inputs.size(); ++a) {
-      layer.backward_args.push_back({B::kForwardArg, a});
-    }
-    layer.backward_args.push_back({B::kForwardOutput, static_cast<size_t>(layer.activations)});
-    if (has_params) layer.backward_args.push_back({B::kForwardArg, declared.inputs.size()});
-    for (size_t g = 0; g < program.shared.size(); ++g) {
-      layer.backward_args.push_back({B::kForwardArg, first_shared + g});
-    }
-    for (int a : program.gradient_inputs) layer.backward_outputs.push_back(static_cast<size_t>(a));
-    if (has_params) layer.backward_outputs.push_back(declared.inputs.size());
-    for (size_t g = 0; g < program.shared.size(); ++g) {
-      layer.backward_outputs.push_back(first_shared + g);
-    }
-    layer.attrs.Set(kProgramAttr, program.Encode());
-    model.layers.push_back(std::move(layer));
+Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
+  const size_t i = resolved.order[k];
+  const DeclaredLayer& declared = layers_[i];
+  LayerProgram program = resolved.programs[i];
+  LayerSpec layer;
+  layer.name = declared.name;
+  layer.params = program.params;
+  layer.init = declared.init;
+  layer.forward_op = "layer_forward";
+  layer.backward_op = "layer_backward";
+  layer.backward_input_op = "layer_backward_input";
+  layer.backward_weight_op = "layer_backward_weight";
+  layer.loss = declared.loss;
+  std::vector<TensorMeta> metas;
+  TESSERA_RETURN_IF_ERROR(AddInputArgs(declared, resolved, layer, program, metas));
+  Result<ProgramShapes> shapes = InferProgram(registry_, program, metas);
+  if (!shapes.ok()) {
+    return shapes.status().WithContext(fmt::format("model '{}': layer '{}'", name_, declared.name));
   }
-  TESSERA_RETURN_IF_ERROR(model.Validate());
-  return model;
+  for (int v : program.outputs) {
+    resolved.output_metas[i].push_back(shapes->values[static_cast<size_t>(v)]);
+  }
+  if (program.params.numel() > 0) {
+    layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
+  }
+  // The shared groups' arguments, after the layer's own group.
+  const size_t first_shared = layer.forward_args.size();
+  for (size_t owner : resolved.owners[i]) {
+    layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, resolved.index_of[owner], 0});
+  }
+  layer.activations = static_cast<int>(program.outputs.size());
+  AddBackwardArgs(declared, program, first_shared, layer);
+  layer.attrs.Set(kProgramAttr, program.Encode());
+  return layer;
+}
+
+Status ModelBuilder::AddInputArgs(const DeclaredLayer& declared, const Resolved& resolved,
+                                  LayerSpec& layer, LayerProgram& program,
+                                  std::vector<TensorMeta>& metas) const {
+  for (size_t a = 0; a < declared.inputs.size(); ++a) {
+    const ModelValue& input = declared.inputs[a];
+    if (input.layer.empty()) {
+      const ModelInput& model_input = inputs_[static_cast<size_t>(input.input)];
+      layer.forward_args.push_back(
+          LayerArg{LayerArg::Kind::kModelInput, static_cast<size_t>(input.input), 0});
+      metas.push_back(TensorMeta{model_input.shape, model_input.dtype, Device::Cpu()});
+      continue;
+    }
+    const size_t producer = resolved.by_name.at(input.layer);
+    const std::vector<TensorMeta>& produced = resolved.output_metas[producer];
+    if (input.output < 0 || input.output >= static_cast<int>(produced.size())) {
+      return InvalidArgument("model '{}': layer '{}' reads output {} of '{}', which has {}", name_,
+                             declared.name, input.output, input.layer, produced.size());
+    }
+    layer.forward_args.push_back(
+        LayerArg{LayerArg::Kind::kActivation, resolved.index_of[producer], input.output});
+    metas.push_back(produced[static_cast<size_t>(input.output)]);
+    if (metas.back().dtype == DType::kF32) program.gradient_inputs.push_back(static_cast<int>(a));
+  }
+  return Status::Ok();
+}
+
+void ModelBuilder::AddBackwardArgs(const DeclaredLayer& declared, const LayerProgram& program,
+                                   size_t first_shared, LayerSpec& layer) {
+  using B = BackwardArg::Kind;
+  const bool has_params = program.params.numel() > 0;
+  if (!declared.loss) {
+    for (int o = 0; o < layer.activations; ++o) {
+      layer.backward_args.push_back({B::kOutputGradient, static_cast<size_t>(o)});
+    }
+  }
+  for (size_t a = 0; a < declared.inputs.size(); ++a) {
+    layer.backward_args.push_back({B::kForwardArg, a});
+  }
+  layer.backward_args.push_back({B::kForwardOutput, static_cast<size_t>(layer.activations)});
+  if (has_params) layer.backward_args.push_back({B::kForwardArg, declared.inputs.size()});
+  for (size_t g = 0; g < program.shared.size(); ++g) {
+    layer.backward_args.push_back({B::kForwardArg, first_shared + g});
+  }
+  for (int a : program.gradient_inputs) layer.backward_outputs.push_back(static_cast<size_t>(a));
+  if (has_params) layer.backward_outputs.push_back(declared.inputs.size());
+  for (size_t g = 0; g < program.shared.size(); ++g) {
+    layer.backward_outputs.push_back(first_shared + g);
+  }
 }
 
 }  // namespace tessera

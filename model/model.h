@@ -64,10 +64,10 @@ class LayerBuilder {
   // REQUIRES (else Build refuses): after the layer's own parameters, before its first op.
   LayerValue SharedParam(std::string layer, std::string param);
   // Runs `op` on `inputs`: all its outputs.
-  std::vector<LayerValue> CallAll(std::string op, std::vector<LayerValue> inputs, Attrs attrs = {},
-                                  std::string label = "");
+  std::vector<LayerValue> CallAll(std::string op, const std::vector<LayerValue>& inputs,
+                                  Attrs attrs = {}, std::string label = "");
   // Runs `op` on `inputs`: its first output.
-  LayerValue Call(std::string op, std::vector<LayerValue> inputs, Attrs attrs = {},
+  LayerValue Call(std::string op, const std::vector<LayerValue>& inputs, Attrs attrs = {},
                   std::string label = "");
 
  private:
@@ -107,7 +107,7 @@ class ModelBuilder {
   // A layer reading `inputs`; returns its first output.
   ModelValue Layer(std::string name, std::vector<ModelValue> inputs, SingleOutputLayerFn define);
   // A layer with several outputs (Output(name, i) reads output i).
-  void LayerWithOutputs(std::string name, std::vector<ModelValue> inputs, LayerFn define);
+  void LayerWithOutputs(std::string name, std::vector<ModelValue> inputs, const LayerFn& define);
   // The loss: a layer whose single output is a scalar mean over the rows.
   void Loss(std::string name, std::vector<ModelValue> inputs, SingleOutputLayerFn define);
   // Output `output` of the layer named `layer`, declared before or after this call.
@@ -127,11 +127,42 @@ class ModelBuilder {
     std::vector<std::string> errors;
     bool loss = false;
   };
+  // What Build works out about the layers before it writes their specs.
+  struct Resolved {
+    std::map<std::string, size_t> by_name;              // layer name -> index
+    std::vector<std::vector<size_t>> producers;         // per layer, the layers it reads
+    std::vector<LayerProgram> programs;                 // per layer, shared groups resolved
+    std::vector<std::vector<size_t>> owners;            // per layer, its shared groups' owners
+    std::vector<size_t> order;                          // layer indices, topologically
+    std::vector<size_t> index_of;                       // layer index -> position in `order`
+    std::vector<std::vector<TensorMeta>> output_metas;  // per layer, once its spec is made
+  };
+
+  // Build's steps, in order. Each returns InvalidArgument naming the model and the layer.
+  // The layers by name: none with errors, no two of one name, exactly one loss layer.
+  Result<std::map<std::string, size_t>> IndexLayers() const;
+  // Per layer, the layers whose outputs it reads (declared ones, not the loss layer), and the
+  // model inputs it reads exist.
+  Result<std::vector<std::vector<size_t>>> ProducersOf(
+      const std::map<std::string, size_t>& by_name) const;
   // The layer's program with its shared groups resolved against the owners' layouts, and the
   // owners' indices (one per group). InvalidArgument naming the layer and what is missing.
   Result<LayerProgram> ResolveShared(const DeclaredLayer& layer,
                                      const std::map<std::string, size_t>& by_name,
                                      std::vector<size_t>& owners) const;
+  // Topological order of the layers (producers and shared groups' owners first), declaration
+  // order among the ready, the loss layer last; InvalidArgument naming a cycle's layers.
+  Result<std::vector<size_t>> Order(const std::vector<std::vector<size_t>>& producers) const;
+  // The spec of the k-th layer in order; records its outputs' metas in `resolved`.
+  Result<LayerSpec> SpecOf(size_t k, Resolved& resolved) const;
+  // The layer's forward arguments for its declared inputs, their metas into `metas`, and the
+  // inputs with gradients into `program`.
+  Status AddInputArgs(const DeclaredLayer& declared, const Resolved& resolved, LayerSpec& layer,
+                      LayerProgram& program, std::vector<TensorMeta>& metas) const;
+  // The backward task's arguments and outputs; `first_shared`: the forward argument of the
+  // first shared group.
+  static void AddBackwardArgs(const DeclaredLayer& declared, const LayerProgram& program,
+                              size_t first_shared, LayerSpec& layer);
   void Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define, bool loss);
 
   std::string name_;

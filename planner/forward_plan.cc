@@ -17,6 +17,7 @@ namespace {
 std::vector<ObjectId> AddParameterInputs(GraphBuilder& builder, const ModelSpec& model,
                                          int64_t param_multiple, Device device) {
   std::vector<ObjectId> params;
+  params.reserve(model.layers.size());
   for (const LayerSpec& layer : model.layers) {
     // A layer without parameters has no group (invalid id).
     params.push_back(
@@ -108,12 +109,12 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
 Result<ForwardGraph> PlanEvalLoss(const ModelSpec& model, int64_t batch, int64_t seq_len,
                                   const OpRegistry& registry, int64_t param_multiple,
                                   Device device) {
-  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/false, device);
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*predict=*/false, device);
 }
 
 Result<ForwardGraph> PlanLogits(const ModelSpec& model, int64_t batch, int64_t seq_len,
                                 const OpRegistry& registry, int64_t param_multiple, Device device) {
-  return PlanForward(model, batch, seq_len, registry, param_multiple, /*logits=*/true, device);
+  return PlanForward(model, batch, seq_len, registry, param_multiple, /*predict=*/true, device);
 }
 
 }  // namespace tessera

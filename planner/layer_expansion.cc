@@ -64,7 +64,8 @@ class Expansion {
         MicroBatch mb;
         mb.r = r;
         mb.k = k;
-        mb.index = static_cast<size_t>(r * s_.num_micro_batches + k);
+        mb.index = static_cast<size_t>(r) * static_cast<size_t>(s_.num_micro_batches) +
+                   static_cast<size_t>(k);
         const size_t layers = s_.num_layers;
         mb.args.resize(layers);
         mb.outputs.resize(layers);
@@ -299,6 +300,7 @@ class Expansion {
     rank.backward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(b[0]);
     if (!w.empty()) rank.weight_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(w[0]);
     std::vector<ObjectId> grads;
+    grads.reserve(outputs.is_input.size());
     size_t next_input = 0, next_param = 0;
     for (bool input : outputs.is_input) grads.push_back(input ? b[next_input++] : w[next_param++]);
     return grads;

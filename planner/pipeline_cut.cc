@@ -16,12 +16,14 @@ Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t r
   std::map<std::string, double> by_layer;
   for (const TaskSpec& task : forward.graph.tasks()) {
     std::vector<TensorMeta> inputs;
+    inputs.reserve(task.inputs.size());
     for (ObjectId input : task.inputs) inputs.push_back(forward.graph.object(input).meta);
     TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(task.op, inputs, task.attrs));
     // Seconds on a machine doing 10 flops per byte moved; only the ratios matter.
     by_layer[task.layer] += cost.flops + 10 * cost.bytes;
   }
   std::vector<double> costs;
+  costs.reserve(model.layers.size());
   for (const LayerSpec& layer : model.layers) costs.push_back(by_layer[layer.name]);
   return costs;
 }

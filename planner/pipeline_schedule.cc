@@ -18,6 +18,7 @@ PipelineOp W(int chunk, int micro) { return {Kind::kWeight, chunk, micro}; }
 // 1F1B over one chunk per stage.
 std::vector<PipelineOp> OneFOneB(int stage, int stages, int micro_batches) {
   std::vector<PipelineOp> order;
+  order.reserve(2 * static_cast<size_t>(micro_batches));  // a forward and a backward each
   const int warmup = std::min(stages - stage - 1, micro_batches);
   for (int m = 0; m < warmup; ++m) order.push_back(F(stage, m));
   for (int i = 0; i + warmup < micro_batches; ++i) {
@@ -42,6 +43,7 @@ std::vector<PipelineOp> Interleaved(int stage, int stages, int micro_batches, in
   };
   const int warmup = std::min((stages - stage - 1) * 2 + (virtual_stages - 1) * stages, total);
   std::vector<PipelineOp> order;
+  order.reserve(2 * static_cast<size_t>(total));
   for (int k = 0; k < warmup; ++k) order.push_back(forward(k));
   for (int i = 0; i + warmup < total; ++i) {
     order.push_back(forward(warmup + i));
@@ -233,9 +235,10 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
   const int chunks = stages * virtual_stages;
   constexpr double kNotYet = -1;
   auto index = [&](int chunk, int micro) {
-    return static_cast<size_t>(chunk * micro_batches + micro);
+    return static_cast<size_t>(chunk) * static_cast<size_t>(micro_batches) +
+           static_cast<size_t>(micro);
   };
-  const size_t n = static_cast<size_t>(chunks * micro_batches);
+  const size_t n = static_cast<size_t>(chunks) * static_cast<size_t>(micro_batches);
   std::vector<double> f_end(n, kNotYet), b_end(n, kNotYet), w_end(n, kNotYet);
   const double scale = 1.0 / virtual_stages;  // a chunk is 1/V of a stage's layers
   const bool split = costs.weight > 0;

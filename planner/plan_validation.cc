@@ -54,7 +54,8 @@ Status CheckPipeline(const ParallelConfig& p, const ModelSpec& model) {
   if (p.pipeline_stages == 1 && p.virtual_stages == 1) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(
       CheckSchedule(p.schedule, p.pipeline_stages, p.micro_batches, p.virtual_stages));
-  const size_t chunks = static_cast<size_t>(p.pipeline_stages * p.virtual_stages);
+  const size_t chunks =
+      static_cast<size_t>(p.pipeline_stages) * static_cast<size_t>(p.virtual_stages);
   if (chunks > model.layers.size()) {
     return InvalidArgument(
         "{} pipeline stage(s) x {} virtual stage(s) cut the model into {} chunks, but model "

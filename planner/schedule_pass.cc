@@ -31,6 +31,7 @@ OpCosts ChunkOpCosts(const PlanState& state, size_t chunk_count) {
       if (!id.valid()) continue;
       const TaskSpec& task = graph.task(id);
       std::vector<TensorMeta> inputs;
+      inputs.reserve(task.inputs.size());
       for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
       Result<OpCost> cost = state.registry.Cost(task.op, inputs, task.attrs);
       if (!cost.ok()) return OpCosts{1, 1, 1};

@@ -82,12 +82,16 @@ struct ParallelConfig {
 
   int num_workers() const { return data_parallel * pipeline_stages; }
   WorkerId WorkerOf(int rank, int stage) const {
-    return workers.empty() ? WorkerId()
-                           : workers[static_cast<size_t>(stage * data_parallel + rank)];
+    return workers.empty()
+               ? WorkerId()
+               : workers[static_cast<size_t>(stage) * static_cast<size_t>(data_parallel) +
+                         static_cast<size_t>(rank)];
   }
 
   // The rows of one micro-batch of a global batch of `batch` rows.
-  int64_t MicroBatchRows(int64_t batch) const { return batch / (data_parallel * micro_batches); }
+  int64_t MicroBatchRows(int64_t batch) const {
+    return batch / (int64_t{data_parallel} * micro_batches);
+  }
   // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
   int64_t PaddedGroup(int64_t numel) const;
   // Elements of one rank's shard of such a group.

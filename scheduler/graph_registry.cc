@@ -199,6 +199,7 @@ Status GraphRegistry::AssignCollectives(PlacedGraph& graph) {
   for (int64_t collective : order) {
     const std::vector<size_t>& slots = members.at(collective);
     std::vector<WorkerId> workers;
+    workers.reserve(slots.size());
     for (size_t t : slots) workers.push_back(graph.task_worker[t]);
     const uint64_t group = groups_->GroupFor(workers);
     graph.groups.insert(group);

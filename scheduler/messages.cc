@@ -188,6 +188,7 @@ void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart
   for (unsigned i = 0; i < part.tasks.size(); ++i) {
     const TaskSpec& spec = part.tasks[i];
     std::vector<ObjectSpec> outputs;
+    outputs.reserve(spec.outputs.size());
     for (ObjectId output : spec.outputs) outputs.push_back(part.objects[output.value() - 1]);
     rpc::ToWire(spec, outputs, tasks[i]);
   }

@@ -167,7 +167,7 @@ Status SchedulerCore::OnPutObjects(WorkerId driver, proto::PutObjects::Reader pu
       data.assign(reinterpret_cast<const char*>(inlines[i].begin()), inlines[i].size());
     }
     ++i;
-    objects_.Put(std::move(spec), driver, std::move(data));
+    objects_.Put(spec, driver, std::move(data));
   }
   return Status::Ok();
 }

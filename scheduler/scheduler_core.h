@@ -67,7 +67,7 @@ struct SchedulerOptions {
   std::string token;  // what joining processes must present
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_timeout_ms = 3000;
-  int64_t inline_object_bytes = 16 * 1024;
+  int64_t inline_object_bytes = int64_t{16} * 1024;
   int max_task_attempts = 3;
   std::string session_dir;
   int trace_instances = 16;  // graph instances whose spans are kept (scheduler/trace_store.h)

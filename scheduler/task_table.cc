@@ -198,8 +198,9 @@ void TaskTable::MakeReady(TaskId id) {
     FailTask(task, membership.status());
     return;
   }
-  if (*membership && (*membership)->group_size > 1) {
-    ReadyMember(task, **membership);
+  const std::optional<CollectiveMembership>& member = *membership;
+  if (member.has_value() && member->group_size > 1) {
+    ReadyMember(task, *member);
     return;
   }
   Start({id});
@@ -339,9 +340,11 @@ void TaskTable::FailTask(TaskEntry& task, const Status& cause) {
 void TaskTable::MemberFailed(const TaskSpec& task, WorkerId driver, bool started,
                              const std::vector<TaskId>& running_siblings, const Status& error) {
   Result<std::optional<CollectiveMembership>> membership = CollectiveOf(task);
-  if (!membership.ok() || !*membership || (*membership)->group_size < 2) return;
+  if (!membership.ok()) return;
+  const std::optional<CollectiveMembership>& member = *membership;
+  if (!member.has_value() || member->group_size < 2) return;
   const Status why = error.WithContext(
-      fmt::format("member '{}' of collective {} failed", task.name, (*membership)->collective));
+      fmt::format("member '{}' of collective {} failed", task.name, member->collective));
   if (started) {
     // Its instance was abandoned (the members' workers cancel it): its siblings end with it.
     for (TaskId id : running_siblings) {
@@ -352,7 +355,7 @@ void TaskTable::MemberFailed(const TaskSpec& task, WorkerId driver, bool started
     }
     return;
   }
-  for (TaskId id : gangs_.MemberFailed(driver, **membership, task.id, why)) {
+  for (TaskId id : gangs_.MemberFailed(driver, *member, task.id, why)) {
     auto it = tasks_.find(id);
     if (it != tasks_.end()) FailTask(it->second, why);
   }

@@ -23,10 +23,9 @@ constexpr int kFormatVersion = 1;
 // A model's configuration (its attributes) as a JSON object.
 json ConfigJson(const Attrs& config) {
   json out = json::object();
-  for (const auto& entry : config.values()) {
-    // Not a structured binding: Clang 15 cannot capture one (C++20 allows it; Clang 16 does).
-    const std::string& name = entry.first;
-    std::visit([&out, &name](const auto& v) { out[name] = v; }, entry.second);
+  for (const auto& [name, value] : config.values()) {
+    // `&name = name`: Clang 15 cannot capture a structured binding.
+    std::visit([&out, &name = name](const auto& v) { out[name] = v; }, value);
   }
   return out;
 }

@@ -25,6 +25,7 @@ constexpr int kReplanAttempts = 3;
 std::string Describe(const std::map<WorkerId, std::string>& lost) {
   if (lost.empty()) return "no worker (the step failed on its own)";
   std::vector<std::string> described;
+  described.reserve(lost.size());
   for (const auto& [id, description] : lost) described.push_back(description);
   return fmt::format("{}", fmt::join(described, ", "));
 }
@@ -47,7 +48,7 @@ StepRecovery::StepRecovery(Cluster& cluster, ModelSpec model, TrainingPlan plan,
       plan_(std::move(plan)),
       placement_(placement),
       checkpoint_dir_(std::move(checkpoint_dir)),
-      options_(options) {
+      options_(std::move(options)) {
   if (Result<ClusterInfo> info = cluster_->Info(); info.ok()) Remember(*info);
 }
 

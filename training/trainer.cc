@@ -585,6 +585,7 @@ Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,
   for (const auto& [index, input] : graph.inputs) inputs[input] = state_.at(index);
   TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, backend_->Run(graph.handle, std::move(inputs)));
   std::vector<Value> values;
+  values.reserve(graph.outputs.size());
   for (ObjectId id : graph.outputs) values.push_back(std::move(outputs[id]));
   return values;
 }
@@ -624,6 +625,7 @@ Result<std::vector<Value>> Trainer::CopyState(const std::vector<size_t>& indices
                            workers.size());
   }
   std::vector<StateTask> tasks;
+  tasks.reserve(workers.size());
   for (WorkerId worker : workers) tasks.push_back({worker, ""});
   return RunStateTasks("copy", indices, tasks);
 }

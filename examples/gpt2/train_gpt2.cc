@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <random>
@@ -160,7 +161,19 @@ Result<ResolvedShape> ResolveShape(const Flags& flags) {
 // Data stays where LoadData made it).
 struct Data {
   tessera::TokenDataset dataset, train_part, val_part;
-  std::optional<tessera::BatchSampler> train, val;
+  // Set by LoadData (the validation sampler only with --eval-every); read through train() and
+  // val(), which abort on a broken promise.
+  std::optional<tessera::BatchSampler> train_sampler, val_sampler;
+
+  tessera::BatchSampler& train() {
+    TESSERA_CHECK(train_sampler.has_value(), "no training sampler");
+    return *train_sampler;
+  }
+  // REQUIRES: --eval-every > 0.
+  tessera::BatchSampler& val() {
+    TESSERA_CHECK(val_sampler.has_value(), "no validation sampler (--eval-every is 0)");
+    return *val_sampler;
+  }
 };
 
 Result<std::unique_ptr<Data>> LoadData(const Flags& flags, const ResolvedShape& shape) {
@@ -180,11 +193,13 @@ Result<std::unique_ptr<Data>> LoadData(const Flags& flags, const ResolvedShape& 
   auto [train, val] = dataset.Split(flags.eval_every > 0 ? flags.val_fraction : 0.0);
   auto data = std::make_unique<Data>(
       Data{std::move(dataset), std::move(train), std::move(val), std::nullopt, std::nullopt});
-  TESSERA_ASSIGN_OR_RETURN(data->train, tessera::BatchSampler::Create(data->train_part, shape.batch,
-                                                                      shape.seq_len, flags.seed));
+  TESSERA_ASSIGN_OR_RETURN(
+      data->train_sampler,
+      tessera::BatchSampler::Create(data->train_part, shape.batch, shape.seq_len, flags.seed));
   if (flags.eval_every > 0) {
-    TESSERA_ASSIGN_OR_RETURN(data->val, tessera::BatchSampler::Create(data->val_part, shape.batch,
-                                                                      shape.seq_len, flags.seed));
+    TESSERA_ASSIGN_OR_RETURN(
+        data->val_sampler,
+        tessera::BatchSampler::Create(data->val_part, shape.batch, shape.seq_len, flags.seed));
   }
   return data;
 }
@@ -334,7 +349,7 @@ Status Evaluate(Trainer& trainer, const Flags& flags, const ResolvedShape& shape
   std::vector<int32_t> targets(tokens.size());
   double total = 0;
   for (int64_t b = 0; b < flags.eval_batches; ++b) {
-    data.val->Sequential(b, tokens.data(), targets.data());
+    data.val().Sequential(b, tokens.data(), targets.data());
     TESSERA_ASSIGN_OR_RETURN(
         std::vector<tessera::Tensor> batch,
         tessera::Gpt2Batch(shape.config, tokens, targets, shape.batch, shape.seq_len));
@@ -353,12 +368,12 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const ResolvedShape&
   const double tokens = static_cast<double>(shape.batch * shape.seq_len);
   return {.batch = [&shape, &data](int64_t) -> Result<std::vector<tessera::Tensor>> {
             std::vector<int32_t> x(static_cast<size_t>(shape.batch * shape.seq_len)), y(x.size());
-            data.train->Next(x.data(), y.data());
+            data.train().Next(x.data(), y.data());
             return tessera::Gpt2Batch(shape.config, x, y, shape.batch, shape.seq_len);
           },
-          .data_state = [&data] { return data.train->SaveState(); },
+          .data_state = [&data] { return data.train().SaveState(); },
           .restore_data_state =
-              [&data](const std::string& state) { return data.train->RestoreState(state); },
+              [&data](const std::string& state) { return data.train().RestoreState(state); },
           .log_step =
               [&flags, tokens](Trainer&, int64_t i, const tessera::StepReport& report,
                                const std::vector<tessera::Tensor>&) {
@@ -384,7 +399,7 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const ResolvedShape&
 Status Finish(Trainer& trainer, const Flags& flags, const ResolvedShape& shape, Data& data,
               examples::Checkpoints& checkpoints) {
   if (flags.sample > 0) TESSERA_RETURN_IF_ERROR(PrintSample(trainer, flags, shape, data));
-  TESSERA_RETURN_IF_ERROR(checkpoints.SaveAtEnd(trainer, flags.steps, data.train->SaveState()));
+  TESSERA_RETURN_IF_ERROR(checkpoints.SaveAtEnd(trainer, flags.steps, data.train().SaveState()));
   if (!flags.export_path.empty()) {
     TESSERA_RETURN_IF_ERROR(tessera::ExportLlmc(shape.config, GroupsOf(trainer), flags.export_path)
                                 .WithContext("--export"));
@@ -413,16 +428,16 @@ Status Train(const Flags& flags) {
                            checkpoints.Resume(*trainer));
   if (resumed) {
     TESSERA_RETURN_IF_ERROR(
-        data->train->RestoreState(resumed->sampler_state).WithContext(resumed->path));
+        data->train().RestoreState(resumed->sampler_state).WithContext(resumed->path));
   }
   // Recovery from lost workers (training/recovery.h): back to the last checkpoint, so there is
   // one from the start.
   std::unique_ptr<tessera::StepRecovery> recovery =
       examples::MakeRecovery(flags.common, *session, runtime.settings, model, plan);
   if (recovery && !resumed) {
-    TESSERA_RETURN_IF_ERROR(checkpoints.Save(*trainer, data->train->SaveState()));
+    TESSERA_RETURN_IF_ERROR(checkpoints.Save(*trainer, data->train().SaveState()));
   }
-  if (recovery) recovery->AfterStep(*trainer, data->train->SaveState(), /*checkpointed=*/true);
+  if (recovery) recovery->AfterStep(*trainer, data->train().SaveState(), /*checkpointed=*/true);
   // A model that did not start from scratch: how good it is before training.
   if (!flags.init_from.empty() && flags.eval_every > 0) {
     TESSERA_RETURN_IF_ERROR(Evaluate(*trainer, flags, shape, *data, 0));
@@ -507,9 +522,9 @@ void AddLlmcFlags(CLI::App& app, Flags& flags) {
                  "checkpoint format (for llm.c or --init-from)");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The program. main() reports an exception that escapes it (memory running out, a bug) as an
+// error instead of terminating.
+int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{
       "Train a GPT-2 model with Tessera: in this process, on a local cluster of worker "
@@ -542,4 +557,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProgram, e.what());
+    return 1;
+  }
 }

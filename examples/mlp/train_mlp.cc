@@ -3,6 +3,7 @@
 // The plan flags are the other examples' (examples/common): e.g. --workers 4 --zero-stage 3, or
 // --in-process.
 #include <cstdio>
+#include <exception>
 #include <random>
 
 #include "examples/common/flags.h"
@@ -37,7 +38,7 @@ Result<ModelSpec> Mlp(const OpRegistry& registry) {
 
 // A batch of 64 points, each near the centre of its class (one of 8).
 std::vector<Tensor> Points(std::mt19937& rng, std::normal_distribution<float>& noise) {
-  std::vector<float> points(64 * 32);
+  std::vector<float> points(size_t{64} * 32);
   std::vector<int32_t> labels(64);
   for (int i = 0; i < 64; ++i) {
     labels[i] = static_cast<int32_t>(rng() % 8);
@@ -66,9 +67,9 @@ Status Train(const examples::CommonFlags& flags) {
   return Status::Ok();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The program. main() reports an exception that escapes it (memory running out, a bug) as an
+// error instead of terminating.
+int Main(int argc, char** argv) {
   examples::CommonFlags flags{.workers = 2, .zero_stage = 2};
   CLI::App app{"Train an MLP (the model API) with ZeRO-2 on a local cluster of two workers"};
   examples::AddThreadsFlag(app, flags);
@@ -80,4 +81,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
+    return 1;
+  }
 }

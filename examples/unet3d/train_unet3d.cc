@@ -10,6 +10,7 @@
 //
 // The plan, cluster, checkpoint and trace flags are train_gpt2's (examples/common/flags.h).
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -151,9 +152,9 @@ Status Train(const Flags& flags) {
   return Status::Ok();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The program. main() reports an exception that escapes it (memory running out, a bug) as an
+// error instead of terminating.
+int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"Train a 3D U-Net on generated segmentation volumes (spheres and boxes)"};
   app.add_option("--preset", flags.preset, "Model preset: tiny, small");
@@ -175,4 +176,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProgram, e.what());
+    return 1;
+  }
 }

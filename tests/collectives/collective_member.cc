@@ -3,6 +3,7 @@
 // checked all-reduces. Prints one line per outcome; exits 0 when everything matched.
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 #include <CLI/CLI.hpp>
 
@@ -10,7 +11,11 @@
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+// The program. main() reports an exception that escapes it (memory running out, a bug) as an
+// error instead of terminating.
+int Main(int argc, char** argv) {
   using namespace tessera;
   SocketRendezvousOptions rendezvous_options;
   std::string mode = "suite";
@@ -60,5 +65,16 @@ int main(int argc, char** argv) {
   for (int64_t i = 0;; ++i) {
     Status status = testing::CheckedAllReduce(**communicator, loop_elements);
     if (!status.ok()) return fail(status.WithContext(fmt::format("all-reduce #{}", i)));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "collective_member: error: %s\n", e.what());
+    return 1;
   }
 }
