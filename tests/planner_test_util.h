@@ -69,6 +69,7 @@ inline const TaskSpec* FindTask(const PlanState& state, const std::string& name)
 // The names of a task's inputs (or of any objects).
 inline std::vector<std::string> NamesOf(const PlanState& state, const std::vector<ObjectId>& ids) {
   std::vector<std::string> names;
+  names.reserve(ids.size());
   for (ObjectId id : ids) names.push_back(state.builder.graph().object(id).name);
   return names;
 }

@@ -40,12 +40,12 @@ bool ProcessGone(int pid);
 // gtest assertion helpers for Status/Result.
 #define ASSERT_OK(expr)                                                \
   do {                                                                 \
-    const ::tessera::Status assert_ok_status = (expr);                 \
+    const ::tessera::Status& assert_ok_status = (expr);                \
     ASSERT_TRUE(assert_ok_status.ok()) << assert_ok_status.ToString(); \
   } while (0)
 #define EXPECT_OK(expr)                                                \
   do {                                                                 \
-    const ::tessera::Status expect_ok_status = (expr);                 \
+    const ::tessera::Status& expect_ok_status = (expr);                \
     EXPECT_TRUE(expect_ok_status.ok()) << expect_ok_status.ToString(); \
   } while (0)
 // Unwraps a Result or fails the test.

@@ -106,6 +106,7 @@ TEST_F(CudaContextTest, ThreadsCopyingAtOnceGetTheirOwnBytes) {
   }
   std::vector<Status> status(kThreads);
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int repeat = 0; repeat < 3 && status[t].ok(); ++repeat) {

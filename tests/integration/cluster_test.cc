@@ -112,6 +112,7 @@ TEST(ClusterTest, AKilledWorkersObjectsAreRebuiltOrFailWithItsNameAndTasksRetryE
   // A slow task is running when the worker dies: it must be retried on the other worker.
   ASSERT_OK_AND_ASSIGN(ObjectRef small, cluster->Put(FloatTensor({2}, {4, 5})));
   std::vector<ObjectRef> slow;
+  slow.reserve(2);
   for (int i = 0; i < 2; ++i) {
     slow.push_back((*cluster->Submit("sleep", {small}, Attrs{{"ms", int64_t{1500}}}))[0]);
   }
@@ -238,7 +239,6 @@ TEST(ClusterTest, ARegisteredGraphSplitAcrossWorkersMatchesTheInProcessRun) {
     EXPECT_EQ(ToVector(result), ToVector(expected.outputs.at(out))) << "instance " << instance;
   }
   // A pin to a worker that does not exist is refused at registration.
-  TaskSpec stray = graph.task(TaskId(1));
   GraphBuilder bad(CpuRegistry());
   ObjectId bx = bad.AddInput("x", meta, ObjectRole::kInput);
   TaskOptions nowhere;

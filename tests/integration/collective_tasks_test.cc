@@ -72,7 +72,7 @@ void RunChainAndCheck(Cluster& cluster, const CollectiveChain& chain, int n, int
       // Small integers: sums are exact in any order.
       std::vector<float>& v = values[static_cast<size_t>(r)];
       for (int64_t i = 0; i < numel; ++i)
-        v.push_back(static_cast<float>((i * 7 + r * 3 + instance) % 11));
+        v.push_back(static_cast<float>((i * 7 + int64_t{r} * 3 + instance) % 11));
       ASSERT_OK_AND_ASSIGN(bound[chain.inputs[static_cast<size_t>(r)]],
                            cluster.Put(FloatTensor({numel}, v)));
     }
@@ -103,6 +103,7 @@ TEST(CollectiveTasksTest, PinnedMembersOnThreeWorkersMatchTheReference) {
   ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
   ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
   std::vector<WorkerId> pins;
+  pins.reserve(info.workers.size());
   for (const WorkerInfo& worker : info.workers) pins.push_back(worker.id);
   // 300k elements (1.2 MB): the ring, in chunks; three instances reuse the communicators.
   const int64_t numel = 300'000;

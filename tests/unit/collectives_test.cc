@@ -1,5 +1,6 @@
 // The collective algorithms on the loopback transport (threads in one process), every op and
 // dtype against the naive reference, for groups of 1 to 8 ranks; and failures.
+#include <bit>
 #include <chrono>
 #include <thread>
 
@@ -16,6 +17,14 @@
 namespace tessera::testing {
 namespace {
 
+// The bit patterns of `values`: floats compared bit for bit.
+std::vector<uint32_t> Bits(const std::vector<float>& values) {
+  std::vector<uint32_t> bits;
+  bits.reserve(values.size());
+  for (float value : values) bits.push_back(std::bit_cast<uint32_t>(value));
+  return bits;
+}
+
 // Runs `body(rank, communicator)` on one thread per rank; returns each rank's status.
 template <typename Body>
 std::vector<Status> RunGroup(int size, const CommunicatorOptions& options, Body body,
@@ -24,6 +33,7 @@ std::vector<Status> RunGroup(int size, const CommunicatorOptions& options, Body 
   LoopbackGroup& group = group_out != nullptr ? *group_out : local;
   std::vector<Status> results(static_cast<size_t>(size));
   std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       auto communicator = MakeHostCommunicator(group.transport(r), options);
@@ -80,9 +90,7 @@ TEST(CollectivesTest, RingResultsAreIdenticalOnEveryRank) {
     ASSERT_OK(status);
   }
   for (int r = 1; r < n; ++r) {
-    EXPECT_EQ(0, std::memcmp(buffers[0].data(), buffers[static_cast<size_t>(r)].data(),
-                             count * sizeof(float)))
-        << "rank " << r;
+    EXPECT_EQ(Bits(buffers[0]), Bits(buffers[static_cast<size_t>(r)])) << "rank " << r;
   }
 }
 
@@ -97,7 +105,8 @@ TEST(CollectivesTest, BytesSentFollowTheRing) {
     sent[static_cast<size_t>(r)] = c.bytes_sent();
     return status;
   });
-  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[static_cast<size_t>(r)], 2 * (n - 1) * count * 4 / n);
+  for (int r = 0; r < n; ++r)
+    EXPECT_EQ(sent[static_cast<size_t>(r)], int64_t{2} * (n - 1) * count * 4 / n);
 }
 
 TEST(CollectivesTest, BadArgumentsAreRefused) {
@@ -198,6 +207,7 @@ TEST(SocketRendezvousTest, GathersInRankOrder) {
   const std::string address = RendezvousPath("gather");
   std::vector<std::vector<std::string>> results(n);
   std::vector<std::thread> threads;
+  threads.reserve(n);
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       auto rendezvous = JoinSocketRendezvous({address, r, n, 10'000});
@@ -252,6 +262,7 @@ TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
   const std::string address = RendezvousPath("ucx");
   std::vector<Status> results(n);
   std::vector<std::thread> threads;
+  threads.reserve(n);
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       auto rendezvous = JoinSocketRendezvous({address, r, n, 10'000});

@@ -143,7 +143,7 @@ TEST(AllocatorTest, CachingAllocatorReusesBlocksOfTheSameSize) {
 // the last one.
 TEST(AllocatorTest, LargeBuffersAreHugePageAligned) {
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  for (std::shared_ptr<Allocator> allocator :
+  for (const std::shared_ptr<Allocator>& allocator :
        {std::shared_ptr<Allocator>(std::make_shared<AlignedHostAllocator>()),
         std::shared_ptr<Allocator>(std::make_shared<CachingHostAllocator>())}) {
     const int64_t large = (int64_t{5} << 20) + 12;  // bytes: not a multiple of anything round

@@ -346,7 +346,7 @@ std::vector<Sample> ParsePrometheus(const std::string& text) {
     EXPECT_EQ(sample.name, current_family) << "sample outside its family";
     EXPECT_EQ(types.count(sample.name), 1u) << "sample before its TYPE";
     std::string key = sample.name;
-    for (const auto& [k, v] : sample.labels) key += "|" + k + "=" + v;
+    for (const auto& [k, v] : sample.labels) key.append("|").append(k).append("=").append(v);
     EXPECT_TRUE(series.insert(key).second) << "duplicate series";
     if (types[sample.name] == "counter") {
       EXPECT_TRUE(sample.name.ends_with("_total"));

@@ -71,7 +71,7 @@ class GraphRunnerTest : public ::testing::Test {
   // Registers `graph` as graph `id` with every task on this worker.
   void AddPart(uint64_t id, const Graph& graph) {
     const std::vector<WorkerId> workers(static_cast<size_t>(graph.num_tasks()), kSelf);
-    const std::vector<ObjectId> outputs = graph.OutputObjects();
+    const std::vector<ObjectId>& outputs = graph.OutputObjects();
     GraphPart part{id, graph.objects(), graph.tasks(), workers, {{kSelf, kSelfAddress}}, outputs};
     KeepingOutbox outbox;
     SendGraphPart(outbox, std::vector<WorkerId>{kSelf}, part);
@@ -85,6 +85,7 @@ class GraphRunnerTest : public ::testing::Test {
              const std::map<ObjectId, ObjectId>& stored_inputs = {},
              const std::vector<std::string>& task_names = {}) {
     std::vector<std::string> bytes;  // alive while the message is built
+    bytes.reserve(inline_inputs.size());
     GraphRun run{id, instance, output_ids, {}, {}};
     run.task_names = task_names;
     for (const auto& [local, tensor] : inline_inputs) {
@@ -203,7 +204,8 @@ TEST_F(GraphRunnerTest, OutputsAreSealedWithTheirBytesAndReported) {
   EXPECT_EQ(finished.outputs[0].bytes, 64 * 4);
   // Small: its bytes travel in the report too.
   ASSERT_EQ(finished.outputs[0].inline_bytes.size(), 64u * 4);
-  EXPECT_EQ(std::memcmp(finished.outputs[0].inline_bytes.data(), expected.raw_data(), 64 * 4), 0);
+  EXPECT_EQ(
+      std::memcmp(finished.outputs[0].inline_bytes.data(), expected.raw_data(), size_t{64} * 4), 0);
   const Tensor sealed = Stored(ObjectId(1000));
   ASSERT_TRUE(sealed.defined());
   EXPECT_EQ(ToVector(sealed), ToVector(expected));

@@ -8,7 +8,7 @@ namespace tessera::testing {
 namespace {
 
 // A task `id` reading `inputs`, producing object `output`.
-TaskSpec Task(uint64_t id, std::vector<uint64_t> inputs, uint64_t output) {
+TaskSpec Task(uint64_t id, const std::vector<uint64_t>& inputs, uint64_t output) {
   TaskSpec spec;
   spec.id = TaskId(id);
   spec.name = fmt::format("t{}", id);

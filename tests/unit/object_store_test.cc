@@ -19,7 +19,7 @@ Tensor Filled(float value) {
 }
 
 std::string SpillDir(const std::string& name) {
-  const std::string dir = TempPath("tessera_spill_" + name);
+  std::string dir = TempPath("tessera_spill_" + name);
   std::filesystem::remove_all(dir);
   return dir;
 }

@@ -93,7 +93,7 @@ TEST(OpGradientTest, CausalAttention) {
       .backward = "attention_backward",
       .forward_attrs = heads,
       .backward_attrs = heads,
-      .inputs = {RandomTensor({2, 6, 3 * 8}, 1, 1.5f)},
+      .inputs = {RandomTensor({2, 6, int64_t{3} * 8}, 1, 1.5f)},
       .differentiable_outputs = {0},
       .checked = {{0, 0}},
       .backward_inputs = [](const Tensors& in, const Tensors& out, const Tensors& g) -> Tensors {
@@ -178,7 +178,7 @@ TEST(OpGradientTest, TiedLmHead) {
       .backward = "tied_lm_head_backward",
       .forward_attrs = attrs,
       .backward_attrs = attrs,
-      .inputs = {RandomTensor({2, 5, 16}, 1), RandomTensor({2 * 16}, 2, 1.0f),
+      .inputs = {RandomTensor({2, 5, 16}, 1), RandomTensor({int64_t{2} * 16}, 2, 1.0f),
                  RandomTensor({11 * 16 + 7 * 16}, 3), RandomTokens({2, 5}, 11, 4)},
       .differentiable_outputs = {0},
       .checked = {{0, 0}, {1, 1}, {2, 2}},

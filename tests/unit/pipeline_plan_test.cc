@@ -19,7 +19,7 @@ Gpt2Config SixBlocks() { return Gpt2Config{6, 32, 4, 64, 16}; }
 TrainingPlan PipelinePlan(int stages, int ranks, int micro, PipelineSchedule schedule,
                           int virtual_stages = 1, int zero = 0) {
   TrainingPlan plan;
-  plan.batch = 2 * ranks * micro;
+  plan.batch = int64_t{2} * ranks * micro;
   plan.seq_len = 16;
   plan.parallel.pipeline_stages = stages;
   plan.parallel.data_parallel = ranks;

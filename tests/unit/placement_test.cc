@@ -18,6 +18,7 @@ WorkerLoad Load(WorkerId id, int64_t free_bytes, int in_flight = 0, bool alive =
 Graph OneTask(int inputs, int64_t memory_estimate = 0, WorkerId pinned = WorkerId()) {
   Graph graph;
   std::vector<ObjectId> read;
+  read.reserve(static_cast<size_t>(inputs));
   for (int i = 0; i < inputs; ++i) {
     read.push_back(graph.AddObject(fmt::format("in{}", i), Floats(2), ObjectRole::kInput));
   }

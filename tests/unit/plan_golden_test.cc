@@ -51,7 +51,7 @@ std::string AttrsText(const Attrs& attrs) {
     } else {
       text = fmt::format("{}f", std::get<double>(value));
     }
-    parts.push_back(name + "=" + text);
+    parts.push_back(fmt::format("{}={}", name, text));
   }
   return fmt::format("{{{}}}", fmt::join(parts, ", "));
 }
@@ -62,6 +62,7 @@ std::string ObjectName(const Graph& g, ObjectId id) {
 
 std::string Names(const Graph& g, const std::vector<ObjectId>& ids) {
   std::vector<std::string> names;
+  names.reserve(ids.size());
   for (ObjectId id : ids) names.push_back(ObjectName(g, id));
   return fmt::format("[{}]", fmt::join(names, ", "));
 }
@@ -100,6 +101,7 @@ void DumpGraph(const Graph& g, const std::vector<WorkerId>& workers, std::string
     out += fmt::format("    out {}\n", Names(g, task.outputs));
     if (!task.donations.empty()) {
       std::vector<std::string> donations;
+      donations.reserve(task.donations.size());
       for (const Donation& d : task.donations) {
         donations.push_back(fmt::format("{}->{}", d.input_index, d.output_index));
       }
@@ -107,6 +109,7 @@ void DumpGraph(const Graph& g, const std::vector<WorkerId>& workers, std::string
     }
     if (!task.after.empty()) {
       std::vector<std::string> after;
+      after.reserve(task.after.size());
       for (TaskId id : task.after) after.push_back(g.task(id).name);
       out += fmt::format("    after [{}]\n", fmt::join(after, ", "));
     }
@@ -393,10 +396,10 @@ void CheckModel(const std::string& model_name, const ModelSpec& model, int64_t s
           fmt::format("_pad{}_{}", multiple, device.is_cpu() ? "cpu" : "cuda");
       ASSERT_OK_AND_ASSIGN(ForwardGraph eval,
                            PlanEvalLoss(model, 4, seq_len, CpuRegistry(), multiple, device));
-      CheckGolden(model_name + "/eval" + suffix, DumpForward(eval));
+      CheckGolden(fmt::format("{}/eval{}", model_name, suffix), DumpForward(eval));
       ASSERT_OK_AND_ASSIGN(ForwardGraph logits,
                            PlanLogits(model, 4, seq_len, CpuRegistry(), multiple, device));
-      CheckGolden(model_name + "/logits" + suffix, DumpForward(logits));
+      CheckGolden(fmt::format("{}/logits{}", model_name, suffix), DumpForward(logits));
     }
   }
 }

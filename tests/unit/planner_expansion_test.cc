@@ -1,6 +1,7 @@
 // The forward/backward expansion pass (planner/layer_expansion.cc): each rank's forwards and
 // backwards per micro-batch, the gradient sums, split backwards, and the tasks it records for
 // the schedule.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 
 #include "planner_test_util.h"
@@ -24,9 +25,9 @@ TEST(ExpandLayersPassTest, AForwardAndABackwardPerLayerRankAndMicroBatch) {
         const std::string suffix = "@" + std::to_string(k);
         const std::string prefix = "rank" + std::to_string(r) + "/" + model.layers[l].name;
         EXPECT_EQ(state.builder.graph().task(rank.forward_task[l][k]).name,
-                  prefix + "/forward" + suffix);
+                  fmt::format("{}/forward{}", prefix, suffix));
         EXPECT_EQ(state.builder.graph().task(rank.backward_task[l][k]).name,
-                  prefix + "/backward" + suffix);
+                  fmt::format("{}/backward{}", prefix, suffix));
         EXPECT_FALSE(rank.weight_task[l][k].valid()) << "nothing splits without being asked";
         EXPECT_EQ(state.builder.graph().task(rank.forward_task[l][k]).pinned_worker,
                   WorkerId(100 + r));

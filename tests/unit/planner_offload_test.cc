@@ -12,6 +12,7 @@ using ::testing::ElementsAre;
 
 std::vector<std::string> AfterNames(const PlanState& state, const TaskSpec& task) {
   std::vector<std::string> names;
+  names.reserve(task.after.size());
   for (TaskId id : task.after) names.push_back(state.builder.graph().task(id).name);
   return names;
 }

@@ -216,7 +216,7 @@ TEST_F(ConnectionTest, DeliversManyMessagesInOrderFromSeveralThreads) {
       [&](rpc::Connection&, rpc::ReceivedMessage& message) {
         seen.push_back(
             message.reader().getRoot<proto::Envelope>().getBody().getHeartbeat().getTasksDone());
-        if (seen.size() == 2 * kPerThread) received.set_value(seen);
+        if (seen.size() == size_t{2} * kPerThread) received.set_value(seen);
         return Status::Ok();
       },
       [](rpc::Connection&, const Status&) {});
@@ -277,7 +277,7 @@ TEST(ListenerTest, ConnectsOverTcpAndUnixAndReportsUnreachableAddresses) {
   std::vector<std::shared_ptr<rpc::Connection>> accepted;
   std::promise<int64_t> got;
   auto on_accept = [&](rpc::GenericSocket socket, std::string peer) {
-    auto connection = rpc::Connection::Create(std::move(socket), peer);
+    auto connection = rpc::Connection::Create(std::move(socket), std::move(peer));
     connection->Start(
         [&](rpc::Connection&, rpc::ReceivedMessage& m) {
           got.set_value(m.reader().getRoot<proto::Envelope>().getRequestId());

@@ -16,7 +16,7 @@ namespace tessera::testing {
 namespace {
 
 std::string TempDir(const std::string& name) {
-  const std::string dir = TempPath("session_test_" + name);
+  std::string dir = TempPath("session_test_" + name);
   std::filesystem::remove_all(dir);
   return dir;
 }
@@ -24,7 +24,7 @@ std::string TempDir(const std::string& name) {
 // An executable script standing in for `tessera` (it is run as `<script> scheduler ...`).
 std::string FakeBinary(const std::string& dir, const std::string& body) {
   std::filesystem::create_directories(dir);
-  const std::string path = dir + "/fake-tessera";
+  std::string path = dir + "/fake-tessera";
   std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
   std::filesystem::permissions(path, std::filesystem::perms::owner_all);
   return path;

@@ -76,7 +76,8 @@ TEST(ShapeErrorTest, WrongParameterGroupSizeNamesTheExpectedSize) {
 TEST(ShapeErrorTest, SettingAParameterOfTheWrongShapeNamesItAndBothShapes) {
   auto trainer = *Trainer::Create(*BuildGpt2(Gpt2Config{1, 16, 2, 20, 8}), TrainingPlan{2, 8, {}},
                                   ExecutorOptions{});
-  Status status = trainer->SetParameter("h.0.fc_w", std::vector<float>(16 * 16), Shape{16, 16});
+  Status status =
+      trainer->SetParameter("h.0.fc_w", std::vector<float>(size_t{16} * 16), Shape{16, 16});
   ExpectAll(status, {"h.0.fc_w", "[64, 16]", "[16, 16]"});
   ExpectAll(trainer->SetParameter("h.7.fc_w", {}, Shape{0}), {"no parameter named 'h.7.fc_w'"});
 }

@@ -42,7 +42,7 @@ TEST(StepGraphTest, OneForwardAndBackwardPerLayerAndOneUpdatePerGroup) {
                 g.object(*g.FindObject("embedding.grad_from_head")).meta.bytes(),
             4 * params);
   // Inputs (params, moments) and outputs (their next values) of the optimizer state.
-  EXPECT_EQ(g.BytesOfRole(ObjectRole::kOptimizerState), 4 * 4 * params);
+  EXPECT_EQ(g.BytesOfRole(ObjectRole::kOptimizerState), int64_t{4} * 4 * params);
   // The optimizer updates in place; the block backward works in place on its gradient.
   EXPECT_EQ(g.task(*g.FindTask("h.0/adamw")).donations.size(), 3u);
   EXPECT_EQ(g.task(*g.FindTask("h.1/backward")).donations.size(), 1u);
@@ -77,7 +77,8 @@ TEST(StepGraphTest, ZeroStagesPlaceStateAndCollectivesAsTheTableSays) {
                          PlanTrainingStep(model, ZeroPlan(2, stage), CpuRegistry()));
     const Graph& g = step.graph;
     // Per rank: one gradient reduction per group, the optimizer on its own state.
-    EXPECT_EQ(CountOp(g, "all_reduce"), 2 * (stage == 0 ? layers : 0) + 2 * (1 + (stage > 0)))
+    EXPECT_EQ(CountOp(g, "all_reduce"),
+              2 * (stage == 0 ? layers : 0) + int64_t{2} * (1 + (stage > 0)))
         << "stage " << stage << ": gradients + loss (+ grad norm when sharded)";
     EXPECT_EQ(CountOp(g, "reduce_scatter"), stage == 0 ? 0 : 2 * layers) << "stage " << stage;
     EXPECT_EQ(CountOp(g, "all_gather_in_place"), stage == 1 || stage == 2 ? 2 * layers : 0);
@@ -285,6 +286,7 @@ std::vector<float> Losses(int threads, int steps, double max_grad_norm = 1.0) {
   EXPECT_OK(trainer->InitializeParameters(42));
   const std::vector<int32_t> tokens = Batch(32, 50, 1), targets = Batch(32, 50, 2);
   std::vector<float> losses;
+  losses.reserve(static_cast<size_t>(steps));
   for (int i = 0; i < steps; ++i)
     losses.push_back(Gpt2Step(*trainer, tokens, targets, 3e-3f)->loss);
   return losses;

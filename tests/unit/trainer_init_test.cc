@@ -48,7 +48,7 @@ TEST(TrainerInitTest, NanoGptDistributions) {
   ASSERT_OK_AND_ASSIGN(std::vector<float> gain, Initialized(1, "h.0.ln1_w"));
   EXPECT_EQ(gain, std::vector<float>(256, 1.0f));
   ASSERT_OK_AND_ASSIGN(std::vector<float> bias, Initialized(1, "h.0.qkv_b"));
-  EXPECT_EQ(bias, std::vector<float>(3 * 256, 0.0f));
+  EXPECT_EQ(bias, std::vector<float>(size_t{3} * 256, 0.0f));
 }
 
 TEST(TrainerInitTest, TheSameValuesOnOneThreadAsOnMany) {

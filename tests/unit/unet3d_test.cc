@@ -21,6 +21,7 @@ using Tensors = std::vector<Tensor>;
 
 std::vector<std::string> LayerNames(const ModelSpec& model) {
   std::vector<std::string> names;
+  names.reserve(model.layers.size());
   for (const LayerSpec& layer : model.layers) names.push_back(layer.name);
   return names;
 }
@@ -317,7 +318,7 @@ TEST(VolumesTest, TheSameSeedGivesTheSameVolumesAndAnotherSeedOthers) {
   EXPECT_TRUE(std::equal(a.volumes.begin(), a.volumes.end(), more.volumes.begin()));
   EXPECT_TRUE(std::equal(a.labels.begin(), a.labels.end(), more.labels.begin()));
   // Samples differ from each other.
-  const size_t voxels = 8 * 8 * 8;
+  const size_t voxels = size_t{8} * 8 * 8;
   EXPECT_FALSE(std::equal(a.labels.begin(), a.labels.begin() + voxels, a.labels.begin() + voxels));
 }
 

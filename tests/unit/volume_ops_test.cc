@@ -291,8 +291,8 @@ TEST(VolumeOpsTest, ChunkedConvolutionMatchesOneChunk) {
 
 TEST(VolumeOpsTest, DefaultChunksDependOnTheShapeOnly) {
   EXPECT_EQ(cpu::DefaultPositionsPerChunk(81, 100), 100);
-  EXPECT_EQ(cpu::DefaultPositionsPerChunk(32 * 27, 1 << 18), 2368);  // 8 MB of columns
-  EXPECT_EQ(cpu::DefaultPositionsPerChunk(1 << 22, 1 << 18), 64);    // at least 64 positions
+  EXPECT_EQ(cpu::DefaultPositionsPerChunk(int64_t{32} * 27, 1 << 18), 2368);  // 8 MB of columns
+  EXPECT_EQ(cpu::DefaultPositionsPerChunk(1 << 22, 1 << 18), 64);  // at least 64 positions
 }
 
 struct DeterminismCase {
@@ -353,6 +353,7 @@ TEST(VolumeOpsTest, AnyThreadCountGivesTheSameBits) {
   };
   tbb::task_arena one_thread(1);
   std::vector<Tensors> expected;
+  expected.reserve(cases.size());
   for (const DeterminismCase& c : cases) expected.push_back(run(one_thread, c));
   // Small kernels often finish before a worker joins in; several runs on a warm arena give the
   // workers their chance (a thread-dependent reduction fails here within a few runs).

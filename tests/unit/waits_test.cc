@@ -34,7 +34,7 @@ WorkerWaitInput Worker(uint64_t id, ReportedWait reported,
                          .reported = std::move(reported)};
 }
 
-std::function<std::optional<GroupView>(uint64_t)> OneGroup(uint64_t key, GroupView view) {
+std::function<std::optional<GroupView>(uint64_t)> OneGroup(uint64_t key, const GroupView& view) {
   return [key, view](uint64_t asked) -> std::optional<GroupView> {
     if (asked != key) return std::nullopt;
     return view;
