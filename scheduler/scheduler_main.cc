@@ -7,7 +7,6 @@
 #include <chrono>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -17,6 +16,7 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
+#include "core/thread_annotations.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
 #include "scheduler/scheduler_service.h"
@@ -37,13 +37,13 @@ std::string SelfBinary() { return ExecutableDirectory() + "/tessera"; }
 // restarted forever.
 int SuperviseScheduler(SchedulerProcessFlags flags) {
   struct Supervision {
-    std::mutex mutex;
-    pid_t child = 0;
-    bool stopping = false;
+    Mutex mutex;
+    pid_t child GUARDED_BY(mutex) = 0;
+    bool stopping GUARDED_BY(mutex) = false;
   };
   auto state = std::make_shared<Supervision>();  // co-owned by the signal thread
   HandleTerminationSignals([state] {
-    std::lock_guard lock(state->mutex);
+    MutexLock lock(&state->mutex);
     state->stopping = true;
     if (state->child > 0) ::kill(state->child, SIGTERM);
   });
@@ -65,7 +65,7 @@ int SuperviseScheduler(SchedulerProcessFlags flags) {
     Result<pid_t> child = SpawnProcess(argv, SpawnOptions{});
     if (!child.ok()) return FailWith(kProgram, child.status());
     {
-      std::lock_guard lock(state->mutex);
+      MutexLock lock(&state->mutex);
       state->child = *child;
       if (state->stopping) ::kill(*child, SIGTERM);
     }
@@ -92,7 +92,7 @@ int SuperviseScheduler(SchedulerProcessFlags flags) {
     while (::waitpid(*child, &status, 0) < 0 && errno == EINTR) {
     }
     {
-      std::lock_guard lock(state->mutex);
+      MutexLock lock(&state->mutex);
       state->child = 0;
       if (state->stopping) return 0;
     }
@@ -146,13 +146,13 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   // the signal thread co-owns (it may run after this function returned), under its mutex; a
   // signal that comes before the service exists stops it as soon as it does.
   struct StopSwitch {
-    std::mutex mutex;
-    std::shared_ptr<SchedulerService> service;
-    bool requested = false;
+    Mutex mutex;
+    std::shared_ptr<SchedulerService> service GUARDED_BY(mutex);
+    bool requested GUARDED_BY(mutex) = false;
   };
   auto stop = std::make_shared<StopSwitch>();
   HandleTerminationSignals([stop] {
-    std::lock_guard lock(stop->mutex);
+    MutexLock lock(&stop->mutex);
     stop->requested = true;
     if (stop->service) stop->service->Stop();
   });
@@ -160,13 +160,13 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   if (!started.ok()) return FailWith(kProgram, started.status());
   std::shared_ptr<SchedulerService> running = std::move(*started);
   {
-    std::lock_guard lock(stop->mutex);
+    MutexLock lock(&stop->mutex);
     stop->service = running;
     if (stop->requested) running->Stop();
   }
   running->Wait();
   {
-    std::lock_guard lock(stop->mutex);
+    MutexLock lock(&stop->mutex);
     stop->service.reset();
   }
   GetLogger("scheduler")->info("stopped");

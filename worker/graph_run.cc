@@ -1,5 +1,7 @@
 #include "worker/graph_run.h"
 
+#include <algorithm>
+
 #include <tbb/task_arena.h>
 
 #include "core/timeline.h"
@@ -98,18 +100,18 @@ void GraphExecution::Refuse(const Status& error, ObjectMap inputs) {
     }
   }
   slots_.clear();
-  for (auto& [id, tensor] : inputs) intact.emplace(id, std::move(tensor));
+  intact.merge(inputs);  // and those never bound
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     ended_ = true;
   }
   Done done = std::move(done_);
   if (done) done(error, std::move(intact));
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     done_returned_ = true;
   }
-  ended_changed_.notify_all();
+  ended_changed_.NotifyAll();
 }
 
 void GraphExecution::InitCounters() {
@@ -123,10 +125,14 @@ void GraphExecution::InitCounters() {
   }
   kernel_running_.reset(new std::atomic<bool>[static_cast<size_t>(num_tasks_)]);
   for (int t = 0; t < num_tasks_; ++t) kernel_running_[t].store(false);
-  awaited_ = late_;
+  {
+    // Before the run is registered nothing else reads these; the lock is for the analysis.
+    MutexLock lock(&mutex_);
+    awaited_ = late_;
+    awaited_count_ = static_cast<int>(std::count(late_.begin(), late_.end(), true));
+  }
   for (int index = 0; index < num_objects_; ++index) {
     if (!late_[static_cast<size_t>(index)]) continue;
-    ++awaited_count_;
     for (int consumer : prepared_.input_consumers_[static_cast<size_t>(index)]) {
       ++pending_[consumer];
     }
@@ -189,7 +195,7 @@ void GraphExecution::Offload(int t) {
   donations_copied_ += counters.donations_copied;
   if (!outputs.ok()) return Fail(outputs.status());
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     ++offloads_;
   }
   // The run stays busy (this call) until `offload` returned: on_failed, which ends the
@@ -213,7 +219,7 @@ void GraphExecution::OffloadDone(int t, std::vector<Tensor>& outputs, const Stat
   outputs.clear();
   executor_.Queue(this, ready);
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     --offloads_;
   }
   Leave();
@@ -332,7 +338,7 @@ Status GraphExecution::Provide(ObjectId id, Tensor tensor) {
 Status GraphExecution::Deliver(ObjectId id, Tensor tensor) {
   const int index = Index(id);
   const auto awaited = [&] {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     return id.valid() && index < num_objects_ && awaited_[static_cast<size_t>(index)];
   };
   if (!awaited()) return InvalidArgument("{} is not an awaited input of the run", id.ToString());
@@ -347,7 +353,7 @@ Status GraphExecution::Deliver(ObjectId id, Tensor tensor) {
     tensor = *std::move(moved);
   }
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (!awaited_[static_cast<size_t>(index)]) {  // another Provide of it came first
       return InvalidArgument("{} is not an awaited input of the run", id.ToString());
     }
@@ -372,7 +378,7 @@ void GraphExecution::Cancel(const Status& reason) {
 
 void GraphExecution::Fail(Status status) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (first_error_.ok()) first_error_ = std::move(status);
   }
   if (failed_.exchange(true)) return;
@@ -383,7 +389,7 @@ void GraphExecution::Fail(Status status) {
 
 RunActivity GraphExecution::Activity() const {
   RunActivity activity;
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   if (ended_) return activity;
   for (int t = 0; t < num_tasks_; ++t) {
     if (kernel_running_[t].load(std::memory_order_relaxed)) {
@@ -402,7 +408,7 @@ RunActivity GraphExecution::Activity() const {
 // ---- Step 6: the end ----
 
 bool GraphExecution::Enter() {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   if (ended_) return false;
   busy_.fetch_add(1);
   return true;
@@ -410,7 +416,7 @@ bool GraphExecution::Enter() {
 
 void GraphExecution::Leave() {
   if (busy_.fetch_sub(1) != 1) return;
-  std::unique_lock lock(mutex_);
+  MutexLock lock(&mutex_);
   // Whoever finds the count at zero decides; a later Enter and Leave decide again.
   if (busy_.load() != 0 || ended_) return;
   if (!failed_.load() && tasks_run_.load() < num_tasks_) {
@@ -424,14 +430,14 @@ void GraphExecution::Leave() {
     on_failed_called_ = true;
     busy_.fetch_add(1);  // the run does not end while on_failed runs
     const Status error = first_error_;
-    lock.unlock();
+    lock.Unlock();
     // Not under the lock: on_failed ends offloaded work, whose completions enter the run.
     hooks_.on_failed(error);
     return Leave();
   }
   if (offloads_ > 0) return;  // failed: offloaded tasks hold references into the run
   ended_ = true;
-  lock.unlock();
+  lock.Unlock();
   End();
 }
 
@@ -442,7 +448,7 @@ void GraphExecution::End() {
   ObjectMap intact;
   if (failed_.load()) {
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(&mutex_);
       result = first_error_;
     }
     intact = CollectIntactInputs();
@@ -452,10 +458,10 @@ void GraphExecution::End() {
   Done done = std::move(done_);
   if (done) done(std::move(result), std::move(intact));
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     done_returned_ = true;
   }
-  ended_changed_.notify_all();
+  ended_changed_.NotifyAll();
 }
 
 RunResult GraphExecution::CollectResult() {
@@ -494,12 +500,12 @@ ObjectMap GraphExecution::CollectIntactInputs() {
 }
 
 void GraphExecution::Wait() {
-  std::unique_lock lock(mutex_);
-  ended_changed_.wait(lock, [this] { return done_returned_; });
+  MutexLock lock(&mutex_);
+  while (!done_returned_) ended_changed_.Wait(&mutex_);
 }
 
 bool GraphExecution::ended() const {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return ended_;
 }
 

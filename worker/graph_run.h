@@ -40,11 +40,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -52,6 +50,7 @@
 #include "core/graph.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 #include "ops/op_registry.h"
 #include "worker/role_meter.h"
 
@@ -171,15 +170,15 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // reading it start when nothing else holds them back. InvalidArgument for an object that is
   // not an awaited late input (never one, or provided already) or has the wrong shape or dtype;
   // Unavailable once the run has ended.
-  Status Provide(ObjectId id, Tensor tensor);
+  Status Provide(ObjectId id, Tensor tensor) EXCLUDES(mutex_);
   // Makes the run fail with `reason` (the first error wins): no new task starts, running ones
   // finish. A no-op once the run has ended.
-  void Cancel(const Status& reason);
+  void Cancel(const Status& reason) EXCLUDES(mutex_);
   // What the run is doing now; empty once it has ended.
-  RunActivity Activity() const;
+  RunActivity Activity() const EXCLUDES(mutex_);
   // Blocks until the run has ended and its `done` has returned.
-  void Wait();
-  bool ended() const;
+  void Wait() EXCLUDES(mutex_);
+  bool ended() const EXCLUDES(mutex_);
 
   const Graph& graph() const { return prepared_.graph(); }
   // Task t's name for this run's errors and activity: the hooks' override, else empty (the
@@ -202,8 +201,8 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   Status BindInputs(ObjectMap& inputs);
   Status BindInput(int index, ObjectMap& inputs);
   // Ends a run that could not start: every input goes back.
-  void Refuse(const Status& error, ObjectMap inputs);
-  void InitCounters();
+  void Refuse(const Status& error, ObjectMap inputs) EXCLUDES(mutex_);
+  void InitCounters() EXCLUDES(mutex_);
   std::vector<int> InitiallyReady() const;
 
   // Step 2: hands out the offloaded tasks among `ready` and keeps the others in it, counted as
@@ -212,8 +211,8 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // TakeReady, then into the executor's ready queue.
   void StartReady(std::vector<int> ready);
   bool Offloaded(int task) const;
-  void Offload(int task);
-  void OffloadDone(int task, std::vector<Tensor>& outputs, const Status& status);
+  void Offload(int task) EXCLUDES(mutex_);
+  void OffloadDone(int task, std::vector<Tensor>& outputs, const Status& status) EXCLUDES(mutex_);
 
   // Steps 3 and 4 (from the executor's slots): runs one task; `ready` gets its dependents that
   // became ready and are to be queued (already counted as busy).
@@ -232,17 +231,17 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   double MicrosSinceStart() const;
 
   // Step 5.
-  Status Deliver(ObjectId id, Tensor tensor);
+  Status Deliver(ObjectId id, Tensor tensor) EXCLUDES(mutex_);
   // Records the first error and stops the run starting tasks (its queued ones leave the
   // executor's queue). REQUIRES: the caller holds a busy count.
-  void Fail(Status status);
+  void Fail(Status status) EXCLUDES(mutex_);
 
   // Step 6. Enter takes a busy count unless the run has ended; Leave returns it, and the last
   // one out decides whether the run waits (late inputs, offloaded tasks), has failed (then
   // on_failed, once), or has ended.
-  bool Enter();
-  void Leave();
-  void End();
+  bool Enter() EXCLUDES(mutex_);
+  void Leave() EXCLUDES(mutex_);
+  void End() EXCLUDES(mutex_);
   RunResult CollectResult();
   ObjectMap CollectIntactInputs();
 
@@ -274,15 +273,16 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   std::atomic<bool> failed_{false};
   std::atomic<int> busy_{0};
 
-  mutable std::mutex mutex_;
-  std::condition_variable ended_changed_;
-  Status first_error_;             // under mutex_
-  std::vector<bool> awaited_;      // under mutex_: object index -> a late input not provided yet
-  int awaited_count_ = 0;          // under mutex_
-  int offloads_ = 0;               // under mutex_: offloaded tasks out
-  bool on_failed_called_ = false;  // under mutex_
-  bool ended_ = false;             // under mutex_: nothing enters any more
-  bool done_returned_ = false;     // under mutex_
+  mutable Mutex mutex_;
+  CondVar ended_changed_;  // done_returned_ became true
+  Status first_error_ GUARDED_BY(mutex_);
+  // Object index -> a late input not provided yet.
+  std::vector<bool> awaited_ GUARDED_BY(mutex_);
+  int awaited_count_ GUARDED_BY(mutex_) = 0;
+  int offloads_ GUARDED_BY(mutex_) = 0;  // offloaded tasks out
+  bool on_failed_called_ GUARDED_BY(mutex_) = false;
+  bool ended_ GUARDED_BY(mutex_) = false;  // nothing enters any more
+  bool done_returned_ GUARDED_BY(mutex_) = false;
 };
 
 }  // namespace tessera

@@ -42,11 +42,11 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
 InProcessExecutor::~InProcessExecutor() noexcept {
   Cancel(Cancelled("the executor is being destroyed"));
   {
-    std::unique_lock lock(runs_mutex_);
-    runs_changed_.wait(lock, [this] { return runs_.empty(); });
+    MutexLock lock(&runs_mutex_);
+    while (!runs_.empty()) runs_changed_.Wait(&runs_mutex_);
     stopping_ = true;
   }
-  runs_changed_.notify_all();
+  runs_changed_.NotifyAll();
   lender_.join();
   arena_->execute([this] { slots_group_.wait(); });
 }
@@ -103,18 +103,18 @@ Result<RunResult> InProcessExecutor::Run(const PreparedGraph& prepared, ObjectMa
   std::shared_ptr<GraphExecution> run =
       Start(prepared, std::move(inputs), hooks != nullptr ? *hooks : RunHooks{},
             [&result, intact_inputs](Result<RunResult> outcome, ObjectMap intact) {
-              if (intact_inputs != nullptr) {
-                for (auto& [id, tensor] : intact) intact_inputs->emplace(id, std::move(tensor));
-              }
+              if (intact_inputs != nullptr) intact_inputs->merge(intact);
               result = std::move(outcome);
             });
   run->Wait();  // until `done` returned
+  TESSERA_CHECK(result.has_value(), "a run ended without calling its `done`");
   return *std::move(result);
 }
 
 std::vector<std::shared_ptr<GraphExecution>> InProcessExecutor::RunsInFlight() {
-  std::lock_guard lock(runs_mutex_);
+  MutexLock lock(&runs_mutex_);
   std::vector<std::shared_ptr<GraphExecution>> runs;
+  runs.reserve(runs_.size());
   // Registered runs are alive: they unregister before they let go of themselves.
   for (GraphExecution* run : runs_) runs.push_back(run->shared_from_this());
   return runs;
@@ -149,7 +149,7 @@ std::optional<InProcessExecutor::RunActivity> InProcessExecutor::Activity() {
 
 void InProcessExecutor::Register(GraphExecution* run) {
   {
-    std::lock_guard lock(runs_mutex_);
+    MutexLock lock(&runs_mutex_);
     if (runs_.empty()) {
       // Peaks from the start of the oldest run in flight (one run at a time: of that run).
       allocator_->ResetPeak();
@@ -157,33 +157,33 @@ void InProcessExecutor::Register(GraphExecution* run) {
     }
     runs_.push_back(run);
   }
-  runs_changed_.notify_all();
+  runs_changed_.NotifyAll();
 }
 
 void InProcessExecutor::Unregister(GraphExecution* run) {
   {
-    std::lock_guard lock(runs_mutex_);
+    MutexLock lock(&runs_mutex_);
     runs_.erase(std::find(runs_.begin(), runs_.end(), run));
     if (runs_.empty() && lend_wake_.has_value()) {
       arena_->enqueue(std::move(*lend_wake_));  // the lending thread leaves the arena
       lend_wake_.reset();
     }
   }
-  runs_changed_.notify_all();
+  runs_changed_.NotifyAll();
 }
 
 void InProcessExecutor::LendLoop() {
-  std::unique_lock lock(runs_mutex_);
+  MutexLock lock(&runs_mutex_);
   while (true) {
-    runs_changed_.wait(lock, [this] { return stopping_ || !runs_.empty(); });
+    while (!stopping_ && runs_.empty()) runs_changed_.Wait(&runs_mutex_);
     if (stopping_) return;
     // In the arena until the last run in flight ends: this thread takes slots like TBB's
     // workers and helps kernels' parallel loops; it sleeps there when nothing is ready.
     tbb::task_group lending;
     lend_wake_ = lending.defer([] {});
-    lock.unlock();
+    lock.Unlock();
     arena_->execute([&lending] { lending.wait(); });
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -217,7 +217,7 @@ void InProcessExecutor::Queue(GraphExecution* run, const std::vector<int>& tasks
   if (tasks.empty()) return;
   int start;
   {
-    std::lock_guard lock(queue_mutex_);
+    MutexLock lock(&queue_mutex_);
     for (int task : tasks) ready_.Push(run, task);
     start = ClaimSlots();
   }
@@ -225,7 +225,7 @@ void InProcessExecutor::Queue(GraphExecution* run, const std::vector<int>& tasks
 }
 
 int InProcessExecutor::Unqueue(const GraphExecution* run) {
-  std::lock_guard lock(queue_mutex_);
+  MutexLock lock(&queue_mutex_);
   return ready_.Remove(run);
 }
 
@@ -248,7 +248,7 @@ bool InProcessExecutor::NextTask(GraphExecution* finished, const std::vector<int
   bool taken;
   int start;
   {
-    std::lock_guard lock(queue_mutex_);
+    MutexLock lock(&queue_mutex_);
     for (int task : ready) ready_.Push(finished, task);
     taken = ready_.Pop(next);
     if (!taken) --slots_busy_;

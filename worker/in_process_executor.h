@@ -31,13 +31,11 @@
 // allocator alive.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -51,6 +49,7 @@
 #include "core/settings.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 #include "ops/op_registry.h"
 #include "worker/graph_run.h"
 
@@ -141,24 +140,26 @@ class InProcessExecutor {
 
   // For GraphExecution.
   const KernelContext& context() const { return context_; }
-  void Register(GraphExecution* run);    // in flight (accepts the executor-level calls)
-  void Unregister(GraphExecution* run);  // ended
+  // In flight (accepts the executor-level calls).
+  void Register(GraphExecution* run) EXCLUDES(runs_mutex_);
+  void Unregister(GraphExecution* run) EXCLUDES(runs_mutex_);  // ended
   // Queues ready tasks of `run` and starts slots for them.
-  void Queue(GraphExecution* run, const std::vector<int>& tasks);
+  void Queue(GraphExecution* run, const std::vector<int>& tasks) EXCLUDES(queue_mutex_);
   // Takes `run`'s tasks out of the queue (it failed); returns how many.
-  int Unqueue(const GraphExecution* run);
+  int Unqueue(const GraphExecution* run) EXCLUDES(queue_mutex_);
 
   // A slot: runs the best ready task, then the next, until the queue is empty.
   void SlotLoop();
   // Queues `ready` (of `finished`), then takes the next task for this slot; false (and the slot
   // is given up) when there is none.
-  bool NextTask(GraphExecution* finished, const std::vector<int>& ready, ReadyTask* next);
-  // REQUIRES: queue_mutex_ held. Claims slots for queued tasks; returns how many to start.
-  int ClaimSlots();
+  bool NextTask(GraphExecution* finished, const std::vector<int>& ready, ReadyTask* next)
+      EXCLUDES(queue_mutex_);
+  // Claims slots for queued tasks; returns how many to start.
+  int ClaimSlots() REQUIRES(queue_mutex_);
   void StartSlots(int count);
   // The executor's own thread: in the arena while runs are in flight.
-  void LendLoop();
-  std::vector<std::shared_ptr<GraphExecution>> RunsInFlight();
+  void LendLoop() EXCLUDES(runs_mutex_);
+  std::vector<std::shared_ptr<GraphExecution>> RunsInFlight() EXCLUDES(runs_mutex_);
 
   const OpRegistry& registry_;
   ExecutorOptions options_;
@@ -168,16 +169,16 @@ class InProcessExecutor {
   std::unique_ptr<tbb::task_arena> arena_;
   tbb::task_group slots_group_;  // every slot; waited for by the destructor
 
-  std::mutex queue_mutex_;
-  ReadyQueue ready_;    // under queue_mutex_
-  int slots_busy_ = 0;  // under queue_mutex_: slots started and not given up
+  Mutex queue_mutex_;
+  ReadyQueue ready_ GUARDED_BY(queue_mutex_);
+  int slots_busy_ GUARDED_BY(queue_mutex_) = 0;  // slots started and not given up
 
-  std::mutex runs_mutex_;
-  std::condition_variable runs_changed_;
-  std::vector<GraphExecution*> runs_;  // under runs_mutex_: in flight, oldest first
-  // Under runs_mutex_: wakes the lending thread out of the arena when the last run ends.
-  std::optional<tbb::task_handle> lend_wake_;
-  bool stopping_ = false;  // under runs_mutex_
+  Mutex runs_mutex_;
+  CondVar runs_changed_;
+  std::vector<GraphExecution*> runs_ GUARDED_BY(runs_mutex_);  // in flight, oldest first
+  // Wakes the lending thread out of the arena when the last run ends.
+  std::optional<tbb::task_handle> lend_wake_ GUARDED_BY(runs_mutex_);
+  bool stopping_ GUARDED_BY(runs_mutex_) = false;
   std::thread lender_;
 };
 

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -15,6 +14,7 @@
 #include "core/rpc/connection.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
+#include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "worker/collective_engine.h"
 #include "worker/graph_runner.h"
@@ -42,7 +42,7 @@ class WorkerServiceImpl final : public WorkerService {
   ~WorkerServiceImpl() override;
 
   Status Init();
-  Status Wait() override;
+  Status Wait() override EXCLUDES(done_mutex_);
   uint64_t id() const override { return id_; }
   const std::string& data_address() const override { return data_plane_->address(); }
 
@@ -53,7 +53,11 @@ class WorkerServiceImpl final : public WorkerService {
                          options_.device.get()};
   }
   void ScheduleHeartbeat();
-  void Stop(const Status& reason);
+  void Stop(const Status& reason) EXCLUDES(done_mutex_);
+  bool Stopped() EXCLUDES(done_mutex_) {
+    MutexLock lock(&done_mutex_);
+    return done_;
+  }
 
   const WorkerServiceOptions options_;
   const OpRegistry& registry_;
@@ -73,10 +77,10 @@ class WorkerServiceImpl final : public WorkerService {
   std::atomic<uint64_t> id_{0};
   uint32_t heartbeat_ms_ = 500;
 
-  std::mutex done_mutex_;
-  std::condition_variable done_cv_;
-  bool done_ = false;
-  Status exit_reason_;
+  Mutex done_mutex_;
+  CondVar done_cv_;
+  bool done_ GUARDED_BY(done_mutex_) = false;
+  Status exit_reason_ GUARDED_BY(done_mutex_);
 };
 
 WorkerServiceImpl::~WorkerServiceImpl() {
@@ -254,7 +258,7 @@ void FillWaitState(const std::vector<GraphRunActivity>& runs, const CollectiveIn
 }  // namespace
 
 void WorkerServiceImpl::ScheduleHeartbeat() {
-  if (done_) return;
+  if (Stopped()) return;
   // The scheduler sends a keepalive every heartbeat interval: silence means it is stopped, or
   // its host is gone without closing the connection.
   const auto silent = std::chrono::steady_clock::now() - last_heard_.load();
@@ -286,17 +290,17 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
 
 void WorkerServiceImpl::Stop(const Status& reason) {
   {
-    std::lock_guard lock(done_mutex_);
+    MutexLock lock(&done_mutex_);
     if (done_) return;
     done_ = true;
     exit_reason_ = reason;
   }
-  done_cv_.notify_all();
+  done_cv_.NotifyAll();
 }
 
 Status WorkerServiceImpl::Wait() {
-  std::unique_lock lock(done_mutex_);
-  done_cv_.wait(lock, [this] { return done_; });
+  MutexLock lock(&done_mutex_);
+  while (!done_) done_cv_.Wait(&done_mutex_);
   return exit_reason_;
 }
 
