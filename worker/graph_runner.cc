@@ -46,6 +46,36 @@ struct GraphRunner::Part {
   // Its engine members' places among the graph's members on this worker (their `position`
   // attributes): an instance adds its base here.
   std::vector<int64_t> collective_positions;
+
+  // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
+  // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts
+  // itself; the executor's error for a local graph it cannot prepare.
+  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor);
+
+  // The whole graph as the wire places it: every task and its worker.
+  struct Placement {
+    std::vector<rpc::WireTask> tasks;
+    std::vector<uint64_t> task_workers;         // per task
+    std::map<uint64_t, std::string> addresses;  // worker -> its data plane
+  };
+  // The objects, the outputs and the consumers' addresses; the tasks and their workers.
+  Result<Placement> Read(proto::GraphPart::Reader wire);
+  // Which worker produces each object (producer_worker).
+  Status FindProducers(const Placement& placement);
+  // Worker `self`'s tasks into the local graph, and what it exports to the others'.
+  Status AddTasks(uint64_t self, const Placement& placement);
+  // Graph task `t`, placed here, in local ids. `local_task`: graph task index -> local id.
+  Status AddLocalTask(size_t t, const TaskSpec& spec, const std::vector<TaskId>& local_task);
+  // Another worker's task (its data plane at `address`): the objects it reads that worker
+  // `self` produces are pushed there.
+  Status AddExports(uint64_t self, const TaskSpec& spec, const std::string& address);
+  // The local inputs, the graph outputs produced here, the engine members' positions.
+  Status AddOutputs(uint64_t self);
+  // Graph-local object `graph_id` in the local graph, added at its first use.
+  ObjectId Localize(ObjectId graph_id);
+  bool Declares(ObjectId graph_id) const {
+    return graph_id.value() != 0 && graph_id.value() <= objects.size();
+  }
 };
 
 struct GraphRunner::Instance {
@@ -69,8 +99,10 @@ struct GraphRunner::Instance {
   // submitted collective's); empty: the part's.
   std::vector<std::string> task_names;
   std::vector<int64_t> collective_ids;
-  uint64_t sequence = 0;                // arrival order
-  std::shared_ptr<GraphExecution> run;  // once started on the executor (under mutex_)
+  uint64_t sequence = 0;  // arrival order
+  // Once started on the executor. Under the runner's mutex_ (which the analysis cannot name
+  // from here): set once by Begin, read by those that find the instance in in_flight_.
+  std::shared_ptr<GraphExecution> run;
 
   std::shared_ptr<Outcome> outcome = std::make_shared<Outcome>();
 };
@@ -78,13 +110,18 @@ struct GraphRunner::Instance {
 // An instance's report in the making. It goes out once the run has ended and every push of the
 // instance's exports has completed.
 struct GraphRunner::Outcome {
-  std::mutex mutex;
-  int pushes = 0;  // out
-  bool run_done = false;
-  Status error;
-  std::vector<std::pair<ObjectId, Tensor>> sealed;
-  InstanceFigures figures;
-  std::map<TaskId, WorkerSpans::Task> collectives;  // local task -> when it ran on the engine
+  Mutex mutex;
+  int pushes GUARDED_BY(mutex) = 0;  // out
+  bool run_done GUARDED_BY(mutex) = false;
+  Status error GUARDED_BY(mutex);
+  std::vector<std::pair<ObjectId, Tensor>> sealed GUARDED_BY(mutex);
+  InstanceFigures figures GUARDED_BY(mutex);
+  // Local task -> when it ran on the engine.
+  std::map<TaskId, WorkerSpans::Task> collectives GUARDED_BY(mutex);
+
+  // The instance's figures once its run ended: the run's statistics with the pushes so far
+  // and the members' time on the engine.
+  InstanceFigures FiguresOf(const Part& part, const RunStats& stats) const REQUIRES(mutex);
 };
 
 GraphRunner::GraphRunner(const OpRegistry& registry, const ExecutorOptions& executor_options,
@@ -99,7 +136,7 @@ GraphRunner::GraphRunner(const OpRegistry& registry, const ExecutorOptions& exec
 GraphRunner::~GraphRunner() {
   std::vector<std::shared_ptr<GraphExecution>> runs;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     stopping_ = true;
     for (const auto& [key, instance] : in_flight_) {
       if (instance->run != nullptr) runs.push_back(instance->run);
@@ -107,142 +144,170 @@ GraphRunner::~GraphRunner() {
   }
   // Instances still launching see stopping_ when they start and cancel themselves.
   for (const std::shared_ptr<GraphExecution>& run : runs) run->Cancel(Cancelled("worker stopping"));
-  std::unique_lock lock(mutex_);
-  retired_.wait(lock, [this] { return in_flight_.empty(); });
+  MutexLock lock(&mutex_);
+  while (!in_flight_.empty()) retired_.Wait(&mutex_);
 }
+
+// ---- Parts ----
 
 void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     self_ = self;
   }
   auto part = std::make_shared<Part>();
   part->id = wire.getGraphId();
-  Status status = [&]() -> Status {
-    for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
-      TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
-      part->objects.push_back(std::move(object));
-    }
-    for (uint64_t output : wire.getOutputs()) part->outputs.push_back(ObjectId(output));
-    std::map<uint64_t, std::string> addresses;
-    for (proto::Source::Reader source : wire.getWorkerAddresses()) {
-      addresses[source.getHolder()] = rpc::ToString(source.getAddress());
-      part->worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
-    }
-    const auto task_workers = wire.getTaskWorkers();
-    std::vector<rpc::WireTask> tasks;
-    for (proto::Task::Reader task : wire.getTasks()) {
-      TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
-      tasks.push_back(std::move(parsed));
-    }
-    if (task_workers.size() != tasks.size()) {
-      return InvalidArgument("graph part {} places {} of {} tasks", part->id, task_workers.size(),
-                             tasks.size());
-    }
-    const size_t num_objects = part->objects.size();
-    part->local_of.assign(num_objects, ObjectId());
-    std::vector<uint64_t> producer_worker(num_objects, 0);
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      for (ObjectId output : tasks[t].spec.outputs) {
-        if (output.value() == 0 || output.value() > num_objects) {
-          return InvalidArgument("graph part {}: bad output id", part->id);
-        }
-        producer_worker[output.value() - 1] = task_workers[static_cast<unsigned>(t)];
-      }
-    }
-    part->producer_worker = producer_worker;
-    auto local = [&](ObjectId graph_id) {
-      ObjectId& mapped = part->local_of[graph_id.value() - 1];
-      if (!mapped.valid()) {
-        const ObjectSpec& spec = part->objects[graph_id.value() - 1];
-        mapped = part->local.AddObject(spec.name, spec.meta, spec.role);
-        part->graph_of.push_back(graph_id);
-      }
-      return mapped;
-    };
-    // Graph task id -> this worker's local id (control edges name tasks by id).
-    std::vector<TaskId> local_task(tasks.size());
-    int local_tasks = 0;
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      if (task_workers[static_cast<unsigned>(t)] == self) local_task[t] = TaskId(++local_tasks);
-    }
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const TaskSpec& spec = tasks[t].spec;
-      const uint64_t worker = task_workers[static_cast<unsigned>(t)];
-      if (worker != self) {
-        // Another worker's task: does it read something this worker produces? Then push it.
-        for (ObjectId input : spec.inputs) {
-          if (input.value() == 0 || input.value() > num_objects) {
-            return InvalidArgument("graph part {}: bad input id", part->id);
-          }
-          if (producer_worker[input.value() - 1] == self) {
-            std::vector<std::string>& consumers = part->exports[local(input)];
-            const std::string& address = addresses[worker];
-            if (std::find(consumers.begin(), consumers.end(), address) == consumers.end()) {
-              consumers.push_back(address);
-            }
-          }
-        }
-        continue;
-      }
-      TaskSpec mine = spec;
-      for (ObjectId& input : mine.inputs) {
-        if (input.value() == 0 || input.value() > num_objects) {
-          return InvalidArgument("graph part {}: bad input id", part->id);
-        }
-        input = local(input);
-      }
-      for (ObjectId& output : mine.outputs) output = local(output);
-      for (TaskId& earlier : mine.after) {
-        const uint64_t index = earlier.value();
-        if (index == 0 || index > tasks.size() || !local_task[index - 1].valid()) {
-          return InvalidArgument("graph part {}: task '{}' is after a task not placed here",
-                                 part->id, spec.name);
-        }
-        earlier = local_task[index - 1];
-      }
-      mine.pinned_worker = WorkerId();
-      part->local.AddTask(std::move(mine));
-      part->graph_task_of.push_back(spec.id.valid() ? spec.id.value() : t + 1);
-    }
-    for (const ObjectSpec& object : part->local.objects()) {
-      if (!object.producer.valid()) part->external.push_back(object.id);
-    }
-    for (size_t i = 0; i < part->outputs.size(); ++i) {
-      const ObjectId output = part->outputs[i];
-      if (output.value() == 0 || output.value() > num_objects) {
-        return InvalidArgument("graph part {}: bad output id", part->id);
-      }
-      if (producer_worker[output.value() - 1] == self) {
-        const ObjectId mapped = local(output);
-        part->local.MarkOutput(mapped);
-        part->produced_outputs.emplace_back(mapped, i);
-      }
-    }
-    for (const TaskSpec& task : part->local.tasks()) {
-      if (IsEngineMember(task))
-        part->collective_positions.push_back(task.attrs.GetInt(kPositionAttr, 0));
-    }
-    TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, executor_.Prepare(part->local));
-    part->prepared = std::make_unique<PreparedGraph>(std::move(prepared));
-    return Status::Ok();
-  }();
+  Status status = part->Build(self, wire, executor_);
   if (!status.ok()) {
     part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
     GetLogger("worker")->warn("{}", part->error.ToString());
   }
   const uint64_t id = part->id;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     parts_[id] = std::move(part);
   }
   DeliverEarlyPushes(id);
 }
 
+Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
+                                const InProcessExecutor& executor) {
+  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire));
+  TESSERA_RETURN_IF_ERROR(FindProducers(placement));
+  TESSERA_RETURN_IF_ERROR(AddTasks(self, placement));
+  TESSERA_RETURN_IF_ERROR(AddOutputs(self));
+  TESSERA_ASSIGN_OR_RETURN(PreparedGraph graph, executor.Prepare(local));
+  prepared = std::make_unique<PreparedGraph>(std::move(graph));
+  return Status::Ok();
+}
+
+Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire) {
+  for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+    objects.push_back(std::move(object));
+  }
+  for (uint64_t output : wire.getOutputs()) outputs.push_back(ObjectId(output));
+  Placement placement;
+  for (proto::Source::Reader source : wire.getWorkerAddresses()) {
+    placement.addresses[source.getHolder()] = rpc::ToString(source.getAddress());
+    worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
+  }
+  for (proto::Task::Reader task : wire.getTasks()) {
+    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
+    placement.tasks.push_back(std::move(parsed));
+  }
+  const auto task_workers = wire.getTaskWorkers();
+  if (task_workers.size() != placement.tasks.size()) {
+    return InvalidArgument("graph part {} places {} of {} tasks", id, task_workers.size(),
+                           placement.tasks.size());
+  }
+  placement.task_workers.reserve(task_workers.size());
+  for (uint64_t worker : task_workers) placement.task_workers.push_back(worker);
+  return placement;
+}
+
+Status GraphRunner::Part::FindProducers(const Placement& placement) {
+  local_of.assign(objects.size(), ObjectId());
+  producer_worker.assign(objects.size(), 0);
+  for (size_t t = 0; t < placement.tasks.size(); ++t) {
+    for (ObjectId output : placement.tasks[t].spec.outputs) {
+      if (!Declares(output)) return InvalidArgument("graph part {}: bad output id", id);
+      producer_worker[output.value() - 1] = placement.task_workers[t];
+    }
+  }
+  return Status::Ok();
+}
+
+Status GraphRunner::Part::AddTasks(uint64_t self, const Placement& placement) {
+  const size_t num_tasks = placement.tasks.size();
+  // Graph task index -> this worker's local id (control edges name tasks by id).
+  std::vector<TaskId> local_task(num_tasks);
+  int local_tasks = 0;
+  for (size_t t = 0; t < num_tasks; ++t) {
+    if (placement.task_workers[t] == self) local_task[t] = TaskId(++local_tasks);
+  }
+  for (size_t t = 0; t < num_tasks; ++t) {
+    const TaskSpec& spec = placement.tasks[t].spec;
+    const uint64_t worker = placement.task_workers[t];
+    if (worker == self) {
+      TESSERA_RETURN_IF_ERROR(AddLocalTask(t, spec, local_task));
+      continue;
+    }
+    auto address = placement.addresses.find(worker);
+    TESSERA_RETURN_IF_ERROR(AddExports(
+        self, spec, address == placement.addresses.end() ? std::string() : address->second));
+  }
+  return Status::Ok();
+}
+
+Status GraphRunner::Part::AddLocalTask(size_t t, const TaskSpec& spec,
+                                       const std::vector<TaskId>& local_task) {
+  TaskSpec mine = spec;
+  for (ObjectId& input : mine.inputs) {
+    if (!Declares(input)) return InvalidArgument("graph part {}: bad input id", id);
+    input = Localize(input);
+  }
+  for (ObjectId& output : mine.outputs) output = Localize(output);
+  for (TaskId& earlier : mine.after) {
+    const uint64_t index = earlier.value();
+    if (index == 0 || index > local_task.size() || !local_task[index - 1].valid()) {
+      return InvalidArgument("graph part {}: task '{}' is after a task not placed here", id,
+                             spec.name);
+    }
+    earlier = local_task[index - 1];
+  }
+  mine.pinned_worker = WorkerId();
+  local.AddTask(std::move(mine));
+  graph_task_of.push_back(spec.id.valid() ? spec.id.value() : t + 1);
+  return Status::Ok();
+}
+
+Status GraphRunner::Part::AddExports(uint64_t self, const TaskSpec& spec,
+                                     const std::string& address) {
+  for (ObjectId input : spec.inputs) {
+    if (!Declares(input)) return InvalidArgument("graph part {}: bad input id", id);
+    if (producer_worker[input.value() - 1] != self) continue;
+    std::vector<std::string>& consumers = exports[Localize(input)];
+    if (std::find(consumers.begin(), consumers.end(), address) == consumers.end()) {
+      consumers.push_back(address);
+    }
+  }
+  return Status::Ok();
+}
+
+Status GraphRunner::Part::AddOutputs(uint64_t self) {
+  for (const ObjectSpec& object : local.objects()) {
+    if (!object.producer.valid()) external.push_back(object.id);
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const ObjectId output = outputs[i];
+    if (!Declares(output)) return InvalidArgument("graph part {}: bad output id", id);
+    if (producer_worker[output.value() - 1] == self) {
+      const ObjectId mapped = Localize(output);
+      local.MarkOutput(mapped);
+      produced_outputs.emplace_back(mapped, i);
+    }
+  }
+  for (const TaskSpec& task : local.tasks()) {
+    if (IsEngineMember(task)) collective_positions.push_back(task.attrs.GetInt(kPositionAttr, 0));
+  }
+  return Status::Ok();
+}
+
+ObjectId GraphRunner::Part::Localize(ObjectId graph_id) {
+  ObjectId& mapped = local_of[graph_id.value() - 1];
+  if (!mapped.valid()) {
+    const ObjectSpec& spec = objects[graph_id.value() - 1];
+    mapped = local.AddObject(spec.name, spec.meta, spec.role);
+    graph_of.push_back(graph_id);
+  }
+  return mapped;
+}
+
 void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
-  std::vector<std::pair<PushKey, Result<Tensor>>> ready;
+  std::vector<std::pair<PushKey, Status>> delivered;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     const std::shared_ptr<Part>& part = parts_.at(graph);
     for (auto early = early_pushes_.begin(); early != early_pushes_.end();) {
       if (early->key.graph != graph || !early->delivered) {
@@ -265,30 +330,33 @@ void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
       }
       early_push_bytes_ -= static_cast<int64_t>(early->bytes.size());
       early = early_pushes_.erase(early);
+      Status status = tensor.status();
       if (tensor.ok()) incoming_[key] = *std::move(tensor);
-      ready.emplace_back(key, tensor.ok() ? Result<Tensor>(Tensor()) : std::move(tensor));
+      delivered.emplace_back(key, std::move(status));
     }
   }
-  for (auto& [key, result] : ready) {
-    PushDelivered(key, result.ok() ? Status::Ok() : result.status());
-  }
+  for (const auto& [key, status] : delivered) PushDelivered(key, status);
 }
+
+// ---- Instances ----
 
 void GraphRunner::Start(proto::RunGraph::Reader run) {
   auto instance = std::make_shared<Instance>();
   instance->key = {run.getGraphId(), run.getInstance()};
-  for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
-  for (proto::CollectiveBase::Reader base : run.getCollectiveBases()) {
-    if (base.getWorker() == self_) instance->collective_base = base.getBase();
-  }
-  for (capnp::Text::Reader name : run.getTaskNames()) instance->task_names.push_back(name);
-  for (int64_t id : run.getCollectiveIds()) instance->collective_ids.push_back(id);
   std::shared_ptr<Part> part;
+  uint64_t self = 0;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
+    self = self_;
     auto it = parts_.find(instance->key.first);
     if (it != parts_.end()) part = it->second;
   }
+  for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
+  for (proto::CollectiveBase::Reader base : run.getCollectiveBases()) {
+    if (base.getWorker() == self) instance->collective_base = base.getBase();
+  }
+  for (capnp::Text::Reader name : run.getTaskNames()) instance->task_names.push_back(name);
+  for (int64_t id : run.getCollectiveIds()) instance->collective_ids.push_back(id);
   if (part == nullptr) {
     instance->error = NotFound("graph {} has no part on this worker", instance->key.first);
   } else if (!part->error.ok()) {
@@ -332,27 +400,24 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
           Instance::Pull{local, rpc::ToString(binding.getSource().getAddress()), cluster, meta});
     }
   }
-  Admit(std::move(instance));
+  Admit(instance);
 }
 
-void GraphRunner::Admit(std::shared_ptr<Instance> instance) {
+void GraphRunner::Admit(const std::shared_ptr<Instance>& instance) {
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (stopping_) return;
     instance->sequence = next_sequence_++;
     in_flight_[instance->key] = instance;
   }
-  Launch(std::move(instance));
+  Launch(instance);
 }
 
-void GraphRunner::Launch(std::shared_ptr<Instance> instance) {
+void GraphRunner::Launch(const std::shared_ptr<Instance>& instance) {
   {
-    std::lock_guard lock(mutex_);
-    auto cancelled = cancelled_.find(instance->key);
-    if (cancelled != cancelled_.end()) {
-      if (instance->error.ok()) instance->error = cancelled->second;
-      cancelled_.erase(cancelled);
-    }
+    MutexLock lock(&mutex_);
+    std::optional<Status> cancel = TakeCancel(instance->key);
+    if (cancel.has_value() && instance->error.ok()) instance->error = *std::move(cancel);
   }
   if (instance->error.ok()) instance->error = Begin(instance);
   if (instance->error.ok()) return;  // on the executor; Ended takes it from there
@@ -363,21 +428,21 @@ void GraphRunner::Launch(std::shared_ptr<Instance> instance) {
 }
 
 std::vector<GraphRunActivity> GraphRunner::Activity() {
-  std::vector<std::shared_ptr<Instance>> running;
+  std::vector<std::pair<std::shared_ptr<Instance>, std::shared_ptr<GraphExecution>>> running;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     for (const auto& [key, instance] : in_flight_) {
-      if (instance->run != nullptr) running.push_back(instance);
+      if (instance->run != nullptr) running.emplace_back(instance, instance->run);
     }
   }
   std::sort(running.begin(), running.end(),
-            [](const auto& a, const auto& b) { return a->sequence < b->sequence; });
+            [](const auto& a, const auto& b) { return a.first->sequence < b.first->sequence; });
   std::vector<GraphRunActivity> activities;
-  for (const std::shared_ptr<Instance>& instance : running) {
+  for (const auto& [instance, execution] : running) {
     // Outside mutex_: a run's lock is never taken under it. An instance whose run has ended
     // is reporting (its pushes may still be out): not in progress any more.
-    if (instance->run->ended()) continue;
-    const RunActivity run = instance->run->Activity();
+    if (execution->ended()) continue;
+    const RunActivity run = execution->Activity();
     const Part& part = *instance->part;
     GraphRunActivity activity{.graph = instance->key.first, .instance = instance->key.second};
     activity.running = run.running;
@@ -398,8 +463,8 @@ void GraphRunner::Cancel(uint64_t graph, uint64_t instance, const Status& reason
   const Key key{graph, instance};
   std::shared_ptr<GraphExecution> run;
   {
-    std::lock_guard lock(mutex_);
-    if (std::find(finished_.begin(), finished_.end(), key) != finished_.end()) return;
+    MutexLock lock(&mutex_);
+    if (Finished(key)) return;
     auto it = in_flight_.find(key);
     if (it != in_flight_.end() && it->second->run != nullptr) {
       run = it->second->run;
@@ -415,7 +480,7 @@ constexpr int64_t kMaxEarlyPushBytes = int64_t{1} << 30;
 }  // namespace
 
 Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = parts_.find(key.graph);
   if (it == parts_.end()) {
     // The part may still be on its way (or being prepared): keep the bytes until it comes.
@@ -446,7 +511,7 @@ Result<void*> GraphRunner::AcceptPush(const PushKey& key, int64_t bytes) {
 void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
   bool early_and_placed = false;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     for (auto early = early_pushes_.begin(); early != early_pushes_.end(); ++early) {
       if (early->delivered || !(early->key == key)) continue;
       if (!status.ok()) {
@@ -464,7 +529,7 @@ void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
   Tensor tensor;
   ObjectId local;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     auto it = incoming_.find(key);
     if (it != incoming_.end()) {
       tensor = std::move(it->second);
@@ -487,8 +552,8 @@ void GraphRunner::PushDelivered(const PushKey& key, const Status& status) {
 void GraphRunner::Arrive(const Key& key, ObjectId local, Tensor tensor) {
   std::shared_ptr<GraphExecution> run;
   {
-    std::lock_guard lock(mutex_);
-    if (std::find(finished_.begin(), finished_.end(), key) != finished_.end()) return;
+    MutexLock lock(&mutex_);
+    if (Finished(key)) return;
     auto it = in_flight_.find(key);
     if (it == in_flight_.end() || it->second->run == nullptr) {
       arrivals_[key].emplace_back(local, std::move(tensor));  // Begin hands it over
@@ -508,12 +573,8 @@ Status GraphRunner::Begin(const std::shared_ptr<Instance>& instance) {
   for (auto& [local, tensor] : instance->ready) inputs[local] = std::move(tensor);
   instance->ready.clear();
   {
-    std::lock_guard lock(mutex_);
-    auto early = arrivals_.find(key);
-    if (early != arrivals_.end()) {
-      for (auto& [local, tensor] : early->second) inputs[local] = std::move(tensor);
-      arrivals_.erase(early);
-    }
+    MutexLock lock(&mutex_);
+    for (auto& [local, tensor] : TakeArrivals(key)) inputs[local] = std::move(tensor);
   }
   RunHooks hooks = MakeHooks(*instance);
   for (ObjectId external : part.external) {
@@ -522,26 +583,18 @@ Status GraphRunner::Begin(const std::shared_ptr<Instance>& instance) {
   TESSERA_RETURN_IF_ERROR(StartPulls(*instance));
   std::shared_ptr<GraphExecution> run =
       executor_.Start(*part.prepared, std::move(inputs), std::move(hooks),
-                      [this, instance](Result<RunResult> result, ObjectMap) {
+                      [this, instance](Result<RunResult> result, const ObjectMap&) {
                         Ended(instance, std::move(result));
                       });
   // From now on pushes go to the run; those that came while it started are handed over here.
   std::vector<std::pair<ObjectId, Tensor>> buffered;
   std::optional<Status> cancel;
   {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(&mutex_);
     if (!in_flight_.contains(key)) return Status::Ok();  // ended already (Ended retired it)
     instance->run = run;
-    auto it = arrivals_.find(key);
-    if (it != arrivals_.end()) {
-      buffered = std::move(it->second);
-      arrivals_.erase(it);
-    }
-    auto cancelled = cancelled_.find(key);
-    if (cancelled != cancelled_.end()) {
-      cancel = cancelled->second;
-      cancelled_.erase(cancelled);
-    }
+    buffered = TakeArrivals(key);
+    cancel = TakeCancel(key);
     if (stopping_) cancel = Cancelled("worker stopping");
   }
   for (auto& [local, tensor] : buffered) {
@@ -574,7 +627,7 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
       if (graph_task <= names.size()) member.task = names[graph_task - 1];
       if (graph_task <= ids.size()) member.attrs.Set(kCollectiveAttr, ids[graph_task - 1]);
       member.on_ran = [outcome, id = task.id](int64_t start_us, int64_t end_us, int64_t bytes) {
-        std::lock_guard lock(outcome->mutex);
+        MutexLock lock(&outcome->mutex);
         outcome->collectives[id] = WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
       };
       engine_->Submit(key, base + task.attrs.GetInt(kPositionAttr, 0), std::move(member),
@@ -600,13 +653,13 @@ void GraphRunner::PushExport(const Key& key, const Part& part,
   // A GPU's object goes out from a host copy (once for every consumer).
   Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());
   if (!host.ok()) {
-    std::lock_guard lock(outcome->mutex);
+    MutexLock lock(&outcome->mutex);
     if (outcome->error.ok()) outcome->error = host.status().WithContext("pushing");
     return;
   }
   for (const std::string& address : consumers) {
     {
-      std::lock_guard lock(outcome->mutex);
+      MutexLock lock(&outcome->mutex);
       ++outcome->pushes;
       outcome->figures.pushed_bytes += tensor.bytes();
     }
@@ -617,7 +670,7 @@ void GraphRunner::PushExport(const Key& key, const Part& part,
     data_plane_->Push(address, push_key, host->raw_data(), host->bytes(), host->buffer(),
                       [this, key, outcome, address, span](const Status& status) {
                         {
-                          std::lock_guard lock(outcome->mutex);
+                          MutexLock lock(&outcome->mutex);
                           --outcome->pushes;
                           outcome->figures.spans.pushes.push_back(span);
                           outcome->figures.spans.pushes.back().end_us = SystemMicrosNow();
@@ -635,7 +688,7 @@ void GraphRunner::ReportWhenPushed(const Key& key, Outcome& outcome) {
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   InstanceFigures figures;
   {
-    std::lock_guard lock(outcome.mutex);
+    MutexLock lock(&outcome.mutex);
     if (!outcome.run_done || outcome.pushes > 0) return;
     outcome.run_done = false;  // report once
     error = outcome.error;
@@ -669,8 +722,8 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
   if (engine_ != nullptr) engine_->EndInstance(key, instance->positions, result.status());
   Outcome& outcome = *instance->outcome;
   if (result.ok()) {
-    std::lock_guard lock(outcome.mutex);
-    outcome.figures = FiguresOf(*instance->part, result->stats, outcome);
+    MutexLock lock(&outcome.mutex);
+    outcome.figures = outcome.FiguresOf(*instance->part, result->stats);
   }
   std::vector<std::pair<ObjectId, Tensor>> sealed;
   Status error = result.status();
@@ -682,7 +735,7 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
     error = error.WithContext(fmt::format("graph {} instance {}", key.first, key.second));
   }
   {
-    std::lock_guard lock(outcome.mutex);
+    MutexLock lock(&outcome.mutex);
     outcome.run_done = true;
     if (!error.ok() && outcome.error.ok()) outcome.error = error;
     outcome.sealed = std::move(sealed);
@@ -691,51 +744,72 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
   Retire(*instance);  // `this` may be gone once it returned: the destructor waits for it
 }
 
-InstanceFigures GraphRunner::FiguresOf(const Part& part, const RunStats& stats,
-                                       const Outcome& outcome) {
-  InstanceFigures figures = outcome.figures;  // pushes so far
-  figures.role_bytes = stats.role_bytes;
-  figures.allocator_peak = stats.peak_bytes;
-  figures.wall_ms = stats.wall_ms;
-  for (const auto& [task, ran] : outcome.collectives) figures.collective_bytes += ran.bytes;
+InstanceFigures GraphRunner::Outcome::FiguresOf(const Part& part, const RunStats& stats) const {
+  InstanceFigures result = figures;  // pushes so far
+  result.role_bytes = stats.role_bytes;
+  result.allocator_peak = stats.peak_bytes;
+  result.wall_ms = stats.wall_ms;
+  for (const auto& [task, ran] : collectives) result.collective_bytes += ran.bytes;
   const int64_t start_us = stats.start_unix_us;
   for (const TaskTiming& timing : stats.timings) {
     if (!timing.task.valid() || timing.task.value() > part.graph_task_of.size()) continue;
     WorkerSpans::Task span{part.graph_task_of[timing.task.value() - 1], timing.thread_slot,
                            start_us + static_cast<int64_t>(timing.start_us),
                            start_us + static_cast<int64_t>(timing.end_us), 0};
-    auto engine_run = outcome.collectives.find(timing.task);
-    if (engine_run != outcome.collectives.end()) {
+    auto engine_run = collectives.find(timing.task);
+    if (engine_run != collectives.end()) {
       const uint64_t graph_task = span.task;
       span = engine_run->second;
       span.task = graph_task;
     }
     if (span.stream < 0 && span.stream != kCollectiveStream) span.stream = 0;
     span.end_us = std::max(span.end_us, span.start_us);
-    figures.spans.tasks.push_back(span);
+    result.spans.tasks.push_back(span);
   }
-  return figures;
+  return result;
 }
 
 void GraphRunner::Retire(const Instance& instance) {
-  {
-    std::lock_guard lock(mutex_);
-    in_flight_.erase(instance.key);
-    arrivals_.erase(instance.key);
-    finished_.push_back(instance.key);
-    if (finished_.size() > kRememberedInstances) finished_.pop_front();
-    ++done_;
+  MutexLock lock(&mutex_);
+  in_flight_.erase(instance.key);
+  arrivals_.erase(instance.key);
+  finished_.push_back(instance.key);
+  if (finished_.size() > kRememberedInstances) finished_.pop_front();
+  ++done_;
+  // The destructor waits for in_flight_ to empty. Notified under the lock: once it is
+  // released the runner may be gone.
+  retired_.NotifyAll();
+}
+
+std::vector<std::pair<ObjectId, Tensor>> GraphRunner::TakeArrivals(const Key& key) {
+  std::vector<std::pair<ObjectId, Tensor>> arrived;
+  auto it = arrivals_.find(key);
+  if (it != arrivals_.end()) {
+    arrived = std::move(it->second);
+    arrivals_.erase(it);
   }
-  retired_.notify_all();  // the destructor waits for in_flight_ to empty
+  return arrived;
+}
+
+std::optional<Status> GraphRunner::TakeCancel(const Key& key) {
+  auto it = cancelled_.find(key);
+  if (it == cancelled_.end()) return std::nullopt;
+  Status reason = std::move(it->second);
+  cancelled_.erase(it);
+  return reason;
+}
+
+bool GraphRunner::Finished(const Key& key) const {
+  return std::find(finished_.begin(), finished_.end(), key) != finished_.end();
 }
 
 void GraphRunner::RemovePart(uint64_t graph) {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   parts_.erase(graph);
 }
 
 GraphRunnerStats GraphRunner::stats() {
-  std::lock_guard lock(mutex_);
+  MutexLock lock(&mutex_);
   return GraphRunnerStats{static_cast<int64_t>(in_flight_.size()), done_};
 }
 
@@ -765,8 +839,10 @@ void GraphRunner::Report(const Key& key, const Status& error,
   Status status = error;
   std::vector<std::pair<ObjectId, std::string>> reported;  // id, inline bytes
   std::vector<int64_t> sizes;
-  for (auto& [id, tensor] : sealed) {
+  for (std::pair<ObjectId, Tensor>& output : sealed) {
     if (!status.ok()) break;
+    const ObjectId id = output.first;
+    Tensor& tensor = output.second;
     std::string data;
     if (tensor.bytes() <= settings_.inline_object_bytes) {
       Result<Tensor> host = HostCopyOf(tensor, executor_.Copier());  // a GPU's loss, say

@@ -33,14 +33,14 @@
 // Thread safety: every method may be called from any thread (AddPart/Start/Cancel come from the
 // io thread, push handlers from the data plane's thread, Activity from the heartbeat). Instance
 // ends (reports) come from the executor's threads, the collective engine's or the data plane's.
+// The runner's state is under one mutex, never held while calling the executor, a run, the
+// collective engine or the data plane; an instance's report in the making has a lock of its own.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,6 +50,7 @@
 #include "core/proto/tessera.capnp.h"
 #include "core/settings.h"
 #include "core/status.h"
+#include "core/thread_annotations.h"
 #include "core/timeline.h"
 #include "core/transport/data_plane.h"
 #include "worker/collective_engine.h"
@@ -105,20 +106,20 @@ class GraphRunner {
 
   // A graph part for this worker (`self` is this worker's id). InvalidArgument for a part that
   // cannot be prepared (e.g. an op without a kernel): reported to the driver at its first run.
-  void AddPart(uint64_t self, proto::GraphPart::Reader part);
-  void Start(proto::RunGraph::Reader run);
-  void Cancel(uint64_t graph, uint64_t instance, const Status& reason);
+  void AddPart(uint64_t self, proto::GraphPart::Reader part) EXCLUDES(mutex_);
+  void Start(proto::RunGraph::Reader run) EXCLUDES(mutex_);
+  void Cancel(uint64_t graph, uint64_t instance, const Status& reason) EXCLUDES(mutex_);
 
   // Every instance in progress (its run started on the executor and not ended) and what it
   // does, oldest first; empty when none runs.
-  std::vector<GraphRunActivity> Activity();
+  std::vector<GraphRunActivity> Activity() EXCLUDES(mutex_);
   // The scheduler forgot graph `graph` (a template it evicted): its part goes.
-  void RemovePart(uint64_t graph);
-  GraphRunnerStats stats();
+  void RemovePart(uint64_t graph) EXCLUDES(mutex_);
+  GraphRunnerStats stats() EXCLUDES(mutex_);
 
   // Data-plane push handlers.
-  Result<void*> AcceptPush(const PushKey& key, int64_t bytes);
-  void PushDelivered(const PushKey& key, const Status& status);
+  Result<void*> AcceptPush(const PushKey& key, int64_t bytes) EXCLUDES(mutex_);
+  void PushDelivered(const PushKey& key, const Status& status) EXCLUDES(mutex_);
 
  private:
   struct Part;
@@ -127,31 +128,36 @@ class GraphRunner {
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
 
   // An instance is ready to start (or failed before it could): it is in flight from now on.
-  void Admit(std::shared_ptr<Instance> instance);
+  void Admit(const std::shared_ptr<Instance>& instance) EXCLUDES(mutex_);
   // Starts the instance on the executor, or reports and retires it when it cannot start.
-  void Launch(std::shared_ptr<Instance> instance);
+  void Launch(const std::shared_ptr<Instance>& instance) EXCLUDES(mutex_);
   // Starts one instance's run on the executor; an error when it could not.
-  Status Begin(const std::shared_ptr<Instance>& instance);
+  Status Begin(const std::shared_ptr<Instance>& instance) EXCLUDES(mutex_);
   RunHooks MakeHooks(const Instance& instance);
   Status StartPulls(const Instance& instance);
   // An export was produced: push it to its consumers.
   void PushExport(const Key& key, const Part& part, const std::shared_ptr<Outcome>& outcome,
                   ObjectId local, const Tensor& tensor);
   // The run of an instance ended: figures, sealed outputs, the report (after the pushes).
-  void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result);
-  static InstanceFigures FiguresOf(const Part& part, const RunStats& stats, const Outcome& outcome);
+  void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) EXCLUDES(mutex_);
   // Reports the instance when its run has ended and no push is out (once).
-  void ReportWhenPushed(const Key& key, Outcome& outcome);
+  void ReportWhenPushed(const Key& key, Outcome& outcome) EXCLUDES(mutex_);
   // The instance is over here.
-  void Retire(const Instance& instance);
+  void Retire(const Instance& instance) EXCLUDES(mutex_);
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
   // the run starts.
-  void Arrive(const Key& key, ObjectId local, Tensor tensor);
+  void Arrive(const Key& key, ObjectId local, Tensor tensor) EXCLUDES(mutex_);
   void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed,
-              const InstanceFigures& figures = {});
+              const InstanceFigures& figures = {}) EXCLUDES(mutex_);
 
   // Hands the pushes that came before graph `graph`'s part to their runs.
-  void DeliverEarlyPushes(uint64_t graph);
+  void DeliverEarlyPushes(uint64_t graph) EXCLUDES(mutex_);
+  // The inputs that arrived for instance `key` before its run took them (taken out).
+  std::vector<std::pair<ObjectId, Tensor>> TakeArrivals(const Key& key) REQUIRES(mutex_);
+  // The cancel that came for instance `key` before its run started, if one did (taken out).
+  std::optional<Status> TakeCancel(const Key& key) REQUIRES(mutex_);
+  // Whether instance `key` ended here recently (its late pushes and cancels are dropped).
+  bool Finished(const Key& key) const REQUIRES(mutex_);
 
   [[maybe_unused]] const OpRegistry& registry_;  // unused (Clang's -Wunused-private-field)
   const Settings settings_;
@@ -161,17 +167,18 @@ class GraphRunner {
   CollectiveEngine* engine_ = nullptr;
   InProcessExecutor executor_;
 
-  std::mutex mutex_;  // never held while calling the executor or a run
-  std::condition_variable retired_;
-  std::map<uint64_t, std::shared_ptr<Part>> parts_;
+  Mutex mutex_;      // never held while calling the executor or a run
+  CondVar retired_;  // in_flight_ lost an instance
+  std::map<uint64_t, std::shared_ptr<Part>> parts_ GUARDED_BY(mutex_);
   // Instances started here and not retired: their runs (once started) take pushes, cancels and
   // activity queries.
-  std::map<Key, std::shared_ptr<Instance>> in_flight_;
-  uint64_t self_ = 0;  // this worker's id (every part names it)
-  int64_t done_ = 0;   // instances ended here
-  uint64_t next_sequence_ = 0;
-  std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_;  // before their run starts
-  std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_;
+  std::map<Key, std::shared_ptr<Instance>> in_flight_ GUARDED_BY(mutex_);
+  uint64_t self_ GUARDED_BY(mutex_) = 0;  // this worker's id (every part names it)
+  int64_t done_ GUARDED_BY(mutex_) = 0;   // instances ended here
+  uint64_t next_sequence_ GUARDED_BY(mutex_) = 0;
+  // Inputs that came before their instance's run started.
+  std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_ GUARDED_BY(mutex_);
+  std::map<PushKey, Tensor, bool (*)(const PushKey&, const PushKey&)> incoming_ GUARDED_BY(mutex_);
   // Pushes of a graph whose part has not arrived here yet (a peer that got its part and its
   // RunGraph first may push before this worker's part is prepared): raw bytes, bounded by
   // kMaxEarlyPushBytes, delivered when the part arrives.
@@ -180,13 +187,13 @@ class GraphRunner {
     std::vector<uint8_t> bytes;
     bool delivered = false;
   };
-  std::vector<EarlyPush> early_pushes_;
-  int64_t early_push_bytes_ = 0;
+  std::vector<EarlyPush> early_pushes_ GUARDED_BY(mutex_);
+  int64_t early_push_bytes_ GUARDED_BY(mutex_) = 0;
   // Cancels of instances not started on the executor yet (queued, still launching, or not
   // arrived): applied when they start.
-  std::map<Key, Status> cancelled_;
-  std::deque<Key> finished_;  // recent instances, whose late pushes are dropped
-  bool stopping_ = false;
+  std::map<Key, Status> cancelled_ GUARDED_BY(mutex_);
+  std::deque<Key> finished_ GUARDED_BY(mutex_);  // recent instances, whose late pushes are dropped
+  bool stopping_ GUARDED_BY(mutex_) = false;
 };
 
 }  // namespace tessera
