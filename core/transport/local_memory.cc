@@ -12,7 +12,7 @@ namespace tessera {
 namespace {
 
 constexpr uint64_t kProbeMagic = 0x65626f7270737374;  // "tssprobe"
-const volatile uint64_t probe_word = kProbeMagic;
+const volatile uint64_t kProbeWord = kProbeMagic;
 
 }  // namespace
 
@@ -23,7 +23,7 @@ LocalProcess ThisProcess() {
     ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   });
   return LocalProcess{static_cast<int32_t>(::getpid()),
-                      reinterpret_cast<uint64_t>(const_cast<const uint64_t*>(&probe_word))};
+                      reinterpret_cast<uint64_t>(const_cast<const uint64_t*>(&kProbeWord))};
 }
 
 int ReadMemoryOf(pid_t pid, uint64_t address, void* into, int64_t bytes) {
