@@ -10,23 +10,13 @@
 #include <utility>
 #include <vector>
 
+#include "core/run_main.h"
 #include "core/status.h"
 
 namespace tessera::bench {
 
-// Runs a benchmark's body as its main: an exception (a bad flag, a format error, a failed
-// allocation) ends it with the message and status 1 rather than std::terminate.
-template <typename Body>
-int RunMain(const char* program, Body&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", program, e.what());
-  } catch (...) {
-    std::fprintf(stderr, "%s: an unknown exception\n", program);
-  }
-  return 1;
-}
+// Benchmarks run their main through core/run_main.h's RunMain.
+using ::tessera::RunMain;
 
 // Runs a shell command and returns its standard output (empty when it fails).
 inline std::string Capture(const std::string& command) {

@@ -42,6 +42,7 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
+#include "core/run_main.h"
 #include "core/settings.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
@@ -547,15 +548,6 @@ int Main(int argc, char** argv) {
 
 }  // namespace
 
-// An exception that reaches here (a failed allocation, a bug) ends the command with its message
-// and status 1, not std::terminate's abort.
 int main(int argc, char** argv) {
-  try {
-    return Main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tessera: %s\n", e.what());
-  } catch (...) {
-    std::fprintf(stderr, "tessera: an unknown exception\n");
-  }
-  return 1;
+  return tessera::RunMain("tessera", [&] { return Main(argc, argv); });
 }

@@ -24,6 +24,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/run_main.h"
 #include "examples/common/flags.h"
 #include "examples/common/session.h"
 #include "examples/common/training_loop.h"
@@ -562,10 +563,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return Main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProgram, e.what());
-    return 1;
-  }
+  return tessera::RunMain(kProgram, [&] { return Main(argc, argv); });
 }

@@ -6,6 +6,7 @@
 #include <exception>
 #include <random>
 
+#include "core/run_main.h"
 #include "examples/common/flags.h"
 #include "examples/common/session.h"
 #include "model/model.h"
@@ -86,10 +87,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return Main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
-    return 1;
-  }
+  return tessera::RunMain("train_mlp", [&] { return Main(argc, argv); });
 }

@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/run_main.h"
 #include "data/volumes.h"
 #include "examples/common/flags.h"
 #include "examples/common/session.h"
@@ -181,10 +182,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return Main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProgram, e.what());
-    return 1;
-  }
+  return tessera::RunMain(kProgram, [&] { return Main(argc, argv); });
 }

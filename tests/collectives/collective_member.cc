@@ -10,6 +10,7 @@
 #include "collective_suite.h"
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
+#include "core/run_main.h"
 
 namespace {
 
@@ -71,10 +72,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return Main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "collective_member: error: %s\n", e.what());
-    return 1;
-  }
+  return tessera::RunMain("collective_member", [&] { return Main(argc, argv); });
 }
