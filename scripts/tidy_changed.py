@@ -78,9 +78,7 @@ def main():
     touched = sorted(changed & CHANGES_EVERYTHING)
     if touched:
         everything(f"{', '.join(touched)} changed since {baseline[:12]}")
-    if not os.path.exists(os.path.join(build_dir, ".ninja_deps")):
-        everything(f"{build_dir} has no dependency records (build it first)")
-    sources = dependencies(build_dir)
+    sources = dependencies(build_dir) if os.path.exists(os.path.join(build_dir, ".ninja_deps")) else {}
     if not sources:
         everything(f"{build_dir} has no dependency records (build it first)")
     generated = os.path.relpath(os.path.join(os.path.abspath(build_dir), "generated"))
