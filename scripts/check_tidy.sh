@@ -7,6 +7,10 @@
 #   scripts/check_tidy.sh --all            every source
 #   scripts/check_tidy.sh --all --record   every source, and when clean and the working tree
 #                                          is committed, HEAD becomes the baseline
+#   scripts/check_tidy.sh --record         what changed since the baseline, and when clean and
+#                                          the working tree is committed, HEAD becomes the
+#                                          baseline (every other source is unchanged, with
+#                                          unchanged includes, since it was found clean)
 #   scripts/check_tidy.sh --report [...]   also list every deferred file's findings in full
 #   scripts/check_tidy.sh FILE...          only these files (paths from the repository root)
 # The baseline (scripts/tidy_baseline) is a commit at which every source was checked and clean.
@@ -37,8 +41,12 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-if [[ $record -eq 1 && ( $all -eq 0 || $# -gt 0 ) ]]; then
-  echo "check_tidy: --record needs --all and no files (the baseline is a tree checked whole)" >&2
+if [[ $record -eq 1 && $# -gt 0 ]]; then
+  echo "check_tidy: --record takes no files (the baseline is a tree checked whole)" >&2
+  exit 2
+fi
+if [[ $record -eq 1 && -n "$(git status --porcelain --untracked-files=normal)" ]]; then
+  echo "check_tidy: --record needs a committed working tree (commit, then run again)" >&2
   exit 2
 fi
 
@@ -73,6 +81,11 @@ else
   if [[ -z "$baseline" ]]; then
     selection=$'ALL\nscripts/tidy_baseline names no commit'
   else
+    if [[ $record -eq 1 ]] && ! ninja -C "$build" -n 2>/dev/null | grep -q 'no work to do'; then
+      # Its dependency records pick what to check: they must be the tree's.
+      echo "check_tidy: --record needs $build built from this tree (build it, then run again)" >&2
+      exit 2
+    fi
     selection=$(python3 scripts/tidy_changed.py "$build" "$baseline")
   fi
   if [[ "$(head -n1 <<< "$selection")" == ALL ]]; then
@@ -83,7 +96,7 @@ else
     scope="what changed since ${baseline:0:12} (scripts/tidy_baseline)"
     if [[ ${#files[@]} -eq 0 ]]; then
       echo "check_tidy: no source changed since ${baseline:0:12} (scripts/tidy_baseline)"
-      exit 0
+      [[ $record -eq 1 ]] || exit 0
     fi
   fi
 fi
@@ -111,13 +124,13 @@ started=$(date +%s)
 # One clang-tidy per file; its findings go to a file of its own. Exit codes are not used: a file
 # that does not parse prints errors, which count too. -Wno-error: a -Werror build's compiler
 # warnings are the compiler's to report (the checks in .clang-tidy are tidy's).
-printf '%s\n' "${checked[@]}" | xargs -P "${TESSERA_TIDY_JOBS:-$(nproc)}" -I{} sh -c \
+[[ ${#checked[@]} -eq 0 ]] || printf '%s\n' "${checked[@]}" | xargs -P "${TESSERA_TIDY_JOBS:-$(nproc)}" -I{} sh -c \
   '"$4" -p "$1" --quiet --extra-arg=-Wno-error "$2" > "$3/$(echo "$2" | tr / @).log" 2>&1 || true' \
   _ "$database" {} "$out" "$tidy"
 
 # A finding is "path:line:col: warning|error: text [check]"; one in a header is reported by
 # every file that includes it, so each is counted once.
-findings=$(cat "$out"/*.log | grep -E '^[^ :]+:[0-9]+:[0-9]+: (warning|error): ' |
+findings=$(cat /dev/null "$out"/*.log 2>/dev/null | grep -E '^[^ :]+:[0-9]+:[0-9]+: (warning|error): ' |
   sed "s|^$PWD/||" | sort -u || true)
 is_deferred() {
   local pattern
@@ -172,7 +185,7 @@ if [[ $record -eq 1 ]]; then
   head=$(git rev-parse HEAD)
   tmp=$(mktemp scripts/.tidy_baseline.XXXXXX)
   printf '%s\n%s\n' "$head" \
-    "# Every source was clang-tidy clean here (scripts/check_tidy.sh --all --record)." > "$tmp"
+    "# Every source was clang-tidy clean here (scripts/check_tidy.sh --record)." > "$tmp"
   sync "$tmp"
   mv "$tmp" scripts/tidy_baseline
   echo "check_tidy: baseline is now ${head:0:12}; commit scripts/tidy_baseline"
