@@ -1,6 +1,6 @@
-// The four sharding policies. Each class answers every question of ShardingPolicy for its stage;
-// the collectives they share (a gradient reduce-scatter, the gather of updated shards) are the
-// helpers above them.
+// The four sharding policies, one class per stage. The collectives they share (a gradient
+// reduce-scatter, the gather of updated shards) are the helpers above them; ZeRO-1 and ZeRO-2,
+// which differ only in when gradients are reduce-scattered, share ShardedUpdatePolicy's answers.
 #include "planner/sharding_policy.h"
 
 #include <algorithm>
@@ -120,38 +120,57 @@ class DataParallelPolicy final : public ShardingPolicy {
   const int ranks_;
 };
 
-// ZeRO-1: parameters replicated, optimizer state sharded. The full gradients are accumulated
-// through the whole backward, then each is reduce-scattered (smallest group first, so the peak
-// stays at the full gradients plus one small shard); rank r updates shard r inside its full
-// parameters, which are then all-gathered in place.
-class Zero1Policy final : public ShardingPolicy {
+// Stages 1-2: parameters replicated (held whole between steps, used as held), the update
+// sharded (rank r updates shard r of each group inside its full parameters), and the updated
+// shards all-gathered. The stages differ in when the gradients are reduce-scattered.
+class ShardedUpdatePolicy : public ShardingPolicy {
  public:
-  explicit Zero1Policy(int ranks) : ranks_(ranks) {}
+  explicit ShardedUpdatePolicy(int ranks) : ranks_(ranks) {}
 
-  std::string_view name() const override { return "ZeRO-1"; }
-  int64_t GroupMultiple() const override { return ranks_; }
-  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
+  int64_t GroupMultiple() const final { return ranks_; }
+  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const final {
     return FullPiece(l, r, numel);
   }
-  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
+  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const final {
     return ShardPiece(l, r, numel, ranks_);
   }
-  bool ShardsUpdate() const override { return true; }
-  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
+  bool ShardsUpdate() const final { return true; }
+  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const final {
     return HeldParams(state, use.rank, use.group);
   }
   Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
-                                  ObjectId forward_params) const override {
+                                  ObjectId forward_params) const final {
     return forward_params;
   }
+  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t, ObjectId grad) const final {
+    return grad;
+  }
+  bool GathersUpdatedParameters() const final { return true; }
+  Result<ObjectId> GatherUpdatedParameters(PlanState& state, int r, size_t l, ObjectId params,
+                                           bool in_place) const final {
+    return GatherUpdatedShards(state, r, l, params, in_place);
+  }
+
+ protected:
+  int ranks() const { return ranks_; }
+
+ private:
+  const int ranks_;
+};
+
+// ZeRO-1: optimizer state sharded. The full gradients are accumulated through the whole
+// backward, then each is reduce-scattered (smallest group first, so the peak stays at the full
+// gradients plus one small shard); rank r updates shard r inside its full parameters, which are
+// then all-gathered in place.
+class Zero1Policy final : public ShardedUpdatePolicy {
+ public:
+  using ShardedUpdatePolicy::ShardedUpdatePolicy;
+
+  std::string_view name() const override { return "ZeRO-1"; }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
   Result<ObjectId> ReduceMicroBatchGradient(PlanState&, int, int, size_t,
                                             ObjectId full) const override {
     return full;
-  }
-  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
-                                             ObjectId grad) const override {
-    return grad;
   }
   // Each reduce-scatter waits for the last gradient of its layer's stage (after the stage's
   // whole backward) as a second input.
@@ -165,7 +184,7 @@ class Zero1Policy final : public ShardingPolicy {
       if (!state.HasParams(l)) continue;
       const std::string& layer = state.LayerName(l);
       const std::string name = layer + "/reduce_scatter";
-      for (int r = 0; r < ranks_; ++r) {
+      for (int r = 0; r < ranks(); ++r) {
         RankState& rank = state.ranks[static_cast<size_t>(r)];
         std::vector<ObjectId> inputs{rank.grad[l]};
         const size_t last = state.last_gradient[static_cast<size_t>(state.StageOf(l))];
@@ -182,56 +201,21 @@ class Zero1Policy final : public ShardingPolicy {
     }
     return Status::Ok();
   }
-  bool GathersUpdatedParameters() const override { return true; }
-  Result<ObjectId> GatherUpdatedParameters(PlanState& state, int r, size_t l, ObjectId params,
-                                           bool in_place) const override {
-    return GatherUpdatedShards(state, r, l, params, in_place);
-  }
-
- private:
-  const int ranks_;
 };
 
 // ZeRO-2: as ZeRO-1, but each micro-batch's full gradient of a layer is reduce-scattered as soon
 // as its backward is done (a transient bucket) and only the shards are accumulated and kept.
-class Zero2Policy final : public ShardingPolicy {
+class Zero2Policy final : public ShardedUpdatePolicy {
  public:
-  explicit Zero2Policy(int ranks) : ranks_(ranks) {}
+  using ShardedUpdatePolicy::ShardedUpdatePolicy;
 
   std::string_view name() const override { return "ZeRO-2"; }
-  int64_t GroupMultiple() const override { return ranks_; }
-  GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const override {
-    return FullPiece(l, r, numel);
-  }
-  GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const override {
-    return ShardPiece(l, r, numel, ranks_);
-  }
-  bool ShardsUpdate() const override { return true; }
-  Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
-    return HeldParams(state, use.rank, use.group);
-  }
-  Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
-                                  ObjectId forward_params) const override {
-    return forward_params;
-  }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradientBucket; }
   Result<ObjectId> ReduceMicroBatchGradient(PlanState& state, int r, int k, size_t l,
                                             ObjectId full) const override {
     return ReduceScatterMicroBatch(state, r, k, l, full);
   }
-  Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
-                                             ObjectId grad) const override {
-    return grad;
-  }
   Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
-  bool GathersUpdatedParameters() const override { return true; }
-  Result<ObjectId> GatherUpdatedParameters(PlanState& state, int r, size_t l, ObjectId params,
-                                           bool in_place) const override {
-    return GatherUpdatedShards(state, r, l, params, in_place);
-  }
-
- private:
-  const int ranks_;
 };
 
 // ZeRO-3: parameters sharded too. Each use of a group's parameters all-gathers the shards first
