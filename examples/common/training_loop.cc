@@ -199,7 +199,20 @@ Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) 
     if (hooks_.log_step) TESSERA_RETURN_IF_ERROR(hooks_.log_step(*trainer, i, *report, *batch));
     progress_.AfterStep(i, options_.steps);
     const bool checkpointed = checkpoints_.Due(i);
-    if (checkpointed) TESSERA_RETURN_IF_ERROR(checkpoints_.Save(*trainer, DataState()));
+    if (checkpointed) {
+      Status saved = checkpoints_.Save(*trainer, DataState());
+      if (!saved.ok() && recovery_ && recovery_->Recoverable(saved, *trainer)) {
+        // A worker lost while writing the checkpoint: the previous checkpoint is intact (this one
+        // never left its staging directory), so the run goes back to it, replays, and writes this
+        // one again when it gets here.
+        std::fprintf(stderr, "%s: checkpoint of step %lld not written: %s\n",
+                     options_.program.c_str(), static_cast<long long>(i), saved.ToString().c_str());
+        TESSERA_ASSIGN_OR_RETURN(const int64_t restored, Recover(trainer, i, saved));
+        i = restored;
+        continue;
+      }
+      TESSERA_RETURN_IF_ERROR(saved.WithContext(fmt::format("checkpoint of step {}", i)));
+    }
     if (recovery_) recovery_->AfterStep(*trainer, DataState(), checkpointed);
     if (hooks_.after_step) TESSERA_RETURN_IF_ERROR(hooks_.after_step(*trainer, i));
   }

@@ -4,14 +4,19 @@
 // and its final loss is the uninterrupted run's within the plans' tolerance (1e-5 relative: a
 // 3-rank plan sums in another order than a 4-rank one). Each test prints the time from the
 // fault to the first step completed after it.
+#include <poll.h>
 #include <signal.h>
+#include <sys/inotify.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
+#include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -260,6 +265,62 @@ TEST_F(RecoveryTest, ARestartedSchedulerResumesTheRunOnItsWorkers) {
   EXPECT_TRUE(Eventually([&] { return ProcessGone(supervisor); }, std::chrono::seconds(20)));
   std::printf("scheduler SIGKILL, restarted, 4 workers rejoined: recovered %.2f s after the kill\n",
               seconds);
+}
+
+// Waits for the driver to start writing its `nth` checkpoint (it makes the staging directory
+// `incoming.partial` under `checkpoints`, then the workers write their pieces into it) and then
+// calls `act` at once. False if that did not happen within two minutes.
+bool OnCheckpointWrite(const std::string& checkpoints, int nth,
+                       const std::function<void(int)>& act) {
+  std::filesystem::create_directories(checkpoints);
+  const int fd = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  if (fd < 0 || ::inotify_add_watch(fd, checkpoints.c_str(), IN_CREATE) < 0) return false;
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  int seen = 0;
+  alignas(inotify_event) char buffer[4096];
+  while (seen < nth && Clock::now() < deadline) {
+    pollfd ready{.fd = fd, .events = POLLIN, .revents = 0};
+    if (::poll(&ready, 1, 100) <= 0) continue;
+    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
+    for (ssize_t at = 0; at < got;) {
+      const auto* event = reinterpret_cast<const inotify_event*>(buffer + at);
+      if (event->len > 0 && std::string(event->name) == "incoming.partial" && ++seen <= nth) {
+        act(seen);
+      }
+      at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
+    }
+  }
+  ::close(fd);
+  return seen >= nth;
+}
+
+// A worker SIGKILLed while the workers write the checkpoint of step 8 (the run's third: steps 0,
+// 4, 8): the write fails, the checkpoint of step 4 (complete, the `latest`) is restored on the 3
+// workers left, steps 5-8 are replayed, step 8's checkpoint is written again, and the run ends
+// with the uninterrupted loss.
+TEST_F(RecoveryTest, AWorkerLostWhileACheckpointIsWrittenIsRecovered) {
+  Training training = Start("recovery_checkpoint_write");
+  const std::string checkpoints = TempPath("recovery_checkpoint_write") + "/checkpoints";
+  std::vector<int> workers;
+  Clock::time_point fault;
+  ASSERT_TRUE(OnCheckpointWrite(checkpoints, 3, [&](int nth) {
+    if (nth == 2) workers = Workers(training);  // running steps since before step 4
+    if (nth == 3 && workers.size() >= 2) {
+      fault = Clock::now();
+      ::kill(workers[1], SIGKILL);
+    }
+  })) << training.output();
+  ASSERT_EQ(workers.size(), 4u) << training.output();
+  ExpectRecovered(training, 1, 3);
+  const std::string output = training.output();
+  EXPECT_NE(output.find("checkpoint of step 8 not written"), std::string::npos) << output;
+  EXPECT_TRUE(std::regex_search(output, std::regex(R"(restored step 4 from \S*checkpoints)")))
+      << output;
+  // Written again after the replay, and complete.
+  EXPECT_TRUE(std::filesystem::exists(checkpoints + "/step_00000008/manifest.json")) << output;
+  EXPECT_FALSE(std::filesystem::exists(checkpoints + "/incoming.partial")) << output;
+  std::printf("SIGKILL during the checkpoint of step 8: the run ended %.2f s after the kill\n",
+              std::chrono::duration<double>(Clock::now() - fault).count());
 }
 
 TEST_F(RecoveryTest, WithoutRestartsALostWorkerEndsTheRunNamingIt) {
