@@ -1,13 +1,12 @@
 #include "worker/graph_runner.h"
 
-#include "core/collective_task.h"
-
 #include <algorithm>
 #include <cstring>
 #include <set>
 
 #include "core/logging.h"
 #include "core/rpc/wire.h"
+#include "worker/graph_runner_part.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
@@ -20,63 +19,7 @@ bool PushKeyLess(const PushKey& a, const PushKey& b) {
 
 constexpr size_t kRememberedInstances = 256;
 
-// A collective member the collective engine runs (one of several members; a one-member
-// collective is a copy, run as a kernel).
-bool IsEngineMember(const TaskSpec& task) {
-  return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
-}
-
 }  // namespace
-
-struct GraphRunner::Part {
-  uint64_t id = 0;
-  std::vector<ObjectSpec> objects;  // the graph's, graph-local ids
-  std::vector<ObjectId> outputs;    // graph outputs, graph-local, in order
-  Graph local;                      // this worker's tasks, local ids
-  std::vector<ObjectId> local_of;   // graph-local index -> local id (invalid: not used here)
-  std::vector<ObjectId> graph_of;   // local index -> graph-local id
-  std::unique_ptr<PreparedGraph> prepared;
-  Status error;                    // why the part could not be prepared
-  std::vector<ObjectId> external;  // local inputs: graph inputs and objects pushed here
-  std::map<ObjectId, std::vector<std::string>> exports;       // local id -> consumer addresses
-  std::vector<std::pair<ObjectId, size_t>> produced_outputs;  // local id, output index
-  std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
-  std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
-  std::vector<uint64_t> producer_worker;  // graph-local index -> the worker producing it (0: input)
-  // Its engine members' places among the graph's members on this worker (their `position`
-  // attributes): an instance adds its base here.
-  std::vector<int64_t> collective_positions;
-
-  // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
-  // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts
-  // itself; the executor's error for a local graph it cannot prepare.
-  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor);
-
-  // The whole graph as the wire places it: every task and its worker.
-  struct Placement {
-    std::vector<rpc::WireTask> tasks;
-    std::vector<uint64_t> task_workers;         // per task
-    std::map<uint64_t, std::string> addresses;  // worker -> its data plane
-  };
-  // The objects, the outputs and the consumers' addresses; the tasks and their workers.
-  Result<Placement> Read(proto::GraphPart::Reader wire);
-  // Which worker produces each object (producer_worker).
-  Status FindProducers(const Placement& placement);
-  // Worker `self`'s tasks into the local graph, and what it exports to the others'.
-  Status AddTasks(uint64_t self, const Placement& placement);
-  // Graph task `t`, placed here, in local ids. `local_task`: graph task index -> local id.
-  Status AddLocalTask(size_t t, const TaskSpec& spec, const std::vector<TaskId>& local_task);
-  // Another worker's task (its data plane at `address`): the objects it reads that worker
-  // `self` produces are pushed there.
-  Status AddExports(uint64_t self, const TaskSpec& spec, const std::string& address);
-  // The local inputs, the graph outputs produced here, the engine members' positions.
-  Status AddOutputs(uint64_t self);
-  // Graph-local object `graph_id` in the local graph, added at its first use.
-  ObjectId Localize(ObjectId graph_id);
-  bool Declares(ObjectId graph_id) const {
-    return graph_id.value() != 0 && graph_id.value() <= objects.size();
-  }
-};
 
 struct GraphRunner::Instance {
   Key key;
@@ -168,140 +111,6 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
     parts_[id] = std::move(part);
   }
   DeliverEarlyPushes(id);
-}
-
-Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
-                                const InProcessExecutor& executor) {
-  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire));
-  TESSERA_RETURN_IF_ERROR(FindProducers(placement));
-  TESSERA_RETURN_IF_ERROR(AddTasks(self, placement));
-  TESSERA_RETURN_IF_ERROR(AddOutputs(self));
-  TESSERA_ASSIGN_OR_RETURN(PreparedGraph graph, executor.Prepare(local));
-  prepared = std::make_unique<PreparedGraph>(std::move(graph));
-  return Status::Ok();
-}
-
-Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire) {
-  for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
-    objects.push_back(std::move(object));
-  }
-  for (uint64_t output : wire.getOutputs()) outputs.push_back(ObjectId(output));
-  Placement placement;
-  for (proto::Source::Reader source : wire.getWorkerAddresses()) {
-    placement.addresses[source.getHolder()] = rpc::ToString(source.getAddress());
-    worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
-  }
-  for (proto::Task::Reader task : wire.getTasks()) {
-    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
-    placement.tasks.push_back(std::move(parsed));
-  }
-  const auto task_workers = wire.getTaskWorkers();
-  if (task_workers.size() != placement.tasks.size()) {
-    return InvalidArgument("graph part {} places {} of {} tasks", id, task_workers.size(),
-                           placement.tasks.size());
-  }
-  placement.task_workers.reserve(task_workers.size());
-  for (uint64_t worker : task_workers) placement.task_workers.push_back(worker);
-  return placement;
-}
-
-Status GraphRunner::Part::FindProducers(const Placement& placement) {
-  local_of.assign(objects.size(), ObjectId());
-  producer_worker.assign(objects.size(), 0);
-  for (size_t t = 0; t < placement.tasks.size(); ++t) {
-    for (ObjectId output : placement.tasks[t].spec.outputs) {
-      if (!Declares(output)) return InvalidArgument("graph part {}: bad output id", id);
-      producer_worker[output.value() - 1] = placement.task_workers[t];
-    }
-  }
-  return Status::Ok();
-}
-
-Status GraphRunner::Part::AddTasks(uint64_t self, const Placement& placement) {
-  const size_t num_tasks = placement.tasks.size();
-  // Graph task index -> this worker's local id (control edges name tasks by id).
-  std::vector<TaskId> local_task(num_tasks);
-  int local_tasks = 0;
-  for (size_t t = 0; t < num_tasks; ++t) {
-    if (placement.task_workers[t] == self) local_task[t] = TaskId(++local_tasks);
-  }
-  for (size_t t = 0; t < num_tasks; ++t) {
-    const TaskSpec& spec = placement.tasks[t].spec;
-    const uint64_t worker = placement.task_workers[t];
-    if (worker == self) {
-      TESSERA_RETURN_IF_ERROR(AddLocalTask(t, spec, local_task));
-      continue;
-    }
-    auto address = placement.addresses.find(worker);
-    TESSERA_RETURN_IF_ERROR(AddExports(
-        self, spec, address == placement.addresses.end() ? std::string() : address->second));
-  }
-  return Status::Ok();
-}
-
-Status GraphRunner::Part::AddLocalTask(size_t t, const TaskSpec& spec,
-                                       const std::vector<TaskId>& local_task) {
-  TaskSpec mine = spec;
-  for (ObjectId& input : mine.inputs) {
-    if (!Declares(input)) return InvalidArgument("graph part {}: bad input id", id);
-    input = Localize(input);
-  }
-  for (ObjectId& output : mine.outputs) output = Localize(output);
-  for (TaskId& earlier : mine.after) {
-    const uint64_t index = earlier.value();
-    if (index == 0 || index > local_task.size() || !local_task[index - 1].valid()) {
-      return InvalidArgument("graph part {}: task '{}' is after a task not placed here", id,
-                             spec.name);
-    }
-    earlier = local_task[index - 1];
-  }
-  mine.pinned_worker = WorkerId();
-  local.AddTask(std::move(mine));
-  graph_task_of.push_back(spec.id.valid() ? spec.id.value() : t + 1);
-  return Status::Ok();
-}
-
-Status GraphRunner::Part::AddExports(uint64_t self, const TaskSpec& spec,
-                                     const std::string& address) {
-  for (ObjectId input : spec.inputs) {
-    if (!Declares(input)) return InvalidArgument("graph part {}: bad input id", id);
-    if (producer_worker[input.value() - 1] != self) continue;
-    std::vector<std::string>& consumers = exports[Localize(input)];
-    if (std::find(consumers.begin(), consumers.end(), address) == consumers.end()) {
-      consumers.push_back(address);
-    }
-  }
-  return Status::Ok();
-}
-
-Status GraphRunner::Part::AddOutputs(uint64_t self) {
-  for (const ObjectSpec& object : local.objects()) {
-    if (!object.producer.valid()) external.push_back(object.id);
-  }
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    const ObjectId output = outputs[i];
-    if (!Declares(output)) return InvalidArgument("graph part {}: bad output id", id);
-    if (producer_worker[output.value() - 1] == self) {
-      const ObjectId mapped = Localize(output);
-      local.MarkOutput(mapped);
-      produced_outputs.emplace_back(mapped, i);
-    }
-  }
-  for (const TaskSpec& task : local.tasks()) {
-    if (IsEngineMember(task)) collective_positions.push_back(task.attrs.GetInt(kPositionAttr, 0));
-  }
-  return Status::Ok();
-}
-
-ObjectId GraphRunner::Part::Localize(ObjectId graph_id) {
-  ObjectId& mapped = local_of[graph_id.value() - 1];
-  if (!mapped.valid()) {
-    const ObjectSpec& spec = objects[graph_id.value() - 1];
-    mapped = local.AddObject(spec.name, spec.meta, spec.role);
-    graph_of.push_back(graph_id);
-  }
-  return mapped;
 }
 
 void GraphRunner::DeliverEarlyPushes(uint64_t graph) {
