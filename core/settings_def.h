@@ -25,7 +25,7 @@ TESSERA_SETTING(int64_t, inline_object_bytes, 16384, "bytes",
 TESSERA_SETTING(int64_t, trace_instances, 16, "instances",
                 "Graph instances (training steps) whose per-task spans the scheduler keeps for "
                 "`tessera timeline` and Cluster::Timeline. Memory grows with it: each instance "
-                "keeps about 40 bytes per task and push on each worker.")
+                "keeps about 6 bytes per task and push on each worker.")
 
 TESSERA_SETTING(int64_t, heartbeat_interval_ms, 500, "ms",
                 "How often workers report to the scheduler.")

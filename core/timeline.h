@@ -9,9 +9,10 @@
 // Where spans come from:
 //   - the in-process executor times every task (worker/in_process_executor.h, RunStats::timings);
 //   - on a cluster each worker sends its spans of a graph instance with InstanceFinished, as
-//     compact records (WorkerSpans: task ids, not names); the scheduler adds names, layers and
-//     ops from the registered graph, keeps the last `trace_instances` instances and answers a
-//     driver's or the CLI's TimelineRequest (scheduler/trace_store.h);
+//     compact records (WorkerSpans: task ids, not names) packed (PackSpans); the scheduler keeps
+//     the packings of the last `trace_instances` instances, and adds names, layers and ops from
+//     the registered graph when a driver's or the CLI's TimelineRequest asks for them
+//     (scheduler/trace_store.h);
 //   - client/trace.h writes a Timeline as Chrome/Perfetto trace JSON.
 //
 // Plain data, no thread-safety concerns.
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "core/ids.h"
+#include "core/status.h"
 
 namespace tessera {
 
@@ -80,6 +82,25 @@ struct WorkerSpans {
   std::vector<Task> tasks;
   std::vector<Push> pushes;
 };
+
+// WorkerSpans in the packed form InstanceFinished carries and the scheduler keeps: about 6
+// bytes a span instead of the 40 of a record (traces cost a few percent of a run of many small
+// tasks, not a third). Unsigned LEB128 varints; a record's id and start are differences from the
+// record before it (zigzag-coded: spans come roughly in id and time order, so they are small),
+// its duration and bytes are as they are:
+//   count of tasks, count of pushes,
+//   per task:  zigzag(task - previous task), zigzag(stream), zigzag(start - previous start),
+//              end - start, bytes
+//   per push:  zigzag(object - previous object), destination, zigzag(start - previous start),
+//              end - start, bytes
+// ("previous" starts at 0 for the tasks and again for the pushes).
+std::string PackSpans(const WorkerSpans& spans);
+// InvalidArgument naming what is wrong for a packing that is truncated, has bytes after its last
+// record, counts more records than its bytes can hold, or holds a span that ends before it starts,
+// has negative bytes or names a stream that is neither a compute slot nor the collective stream.
+Result<WorkerSpans> UnpackSpans(std::string_view packed);
+// The checks of UnpackSpans without building the records: for a receiver that keeps the packing.
+Status CheckPackedSpans(std::string_view packed);
 
 struct TimelineProcess {
   WorkerId worker;  // invalid: the driver's own process (in-process backend)

@@ -146,10 +146,11 @@ Status SchedulerCore::OnInstanceFinished(Participant& worker,
   const bool submitted = graph == nullptr || !graph->driver.valid();
   if (finished.hasReport() && !submitted) participants_.RecordRun(worker, finished.getReport());
   if (finished.hasSpans() && graph != nullptr) {
-    Result<WorkerSpans> spans = rpc::FromWire(finished.getSpans());
-    if (!spans.ok()) return spans.status().WithContext("spans of an instance");
-    traces_.Record(worker.id, graph_id, finished.getInstance(), *std::move(spans), &graph->tasks,
-                   &graph->objects, submitted);
+    TESSERA_RETURN_IF_ERROR(traces_
+                                .RecordPacked(worker.id, graph_id, finished.getInstance(),
+                                              rpc::PackedSpansOf(finished.getSpans()),
+                                              &graph->tasks, &graph->objects, submitted)
+                                .WithContext("spans of an instance"));
   }
   return instances_.Finished(worker.id, finished);
 }

@@ -31,9 +31,23 @@ std::shared_ptr<const TraceStore::Labels> TraceStore::LabelsFor(
   return labels;
 }
 
-void TraceStore::Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
-                        const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
-                        bool submitted) {
+void TraceStore::Record(WorkerId worker, uint64_t graph, uint64_t instance,
+                        const WorkerSpans& spans, const std::vector<TaskSpec>* tasks,
+                        const std::vector<ObjectSpec>* objects, bool submitted) {
+  Keep(worker, graph, instance, PackSpans(spans), tasks, objects, submitted);
+}
+
+Status TraceStore::RecordPacked(WorkerId worker, uint64_t graph, uint64_t instance,
+                                std::string_view packed, const std::vector<TaskSpec>* tasks,
+                                const std::vector<ObjectSpec>* objects, bool submitted) {
+  TESSERA_RETURN_IF_ERROR(CheckPackedSpans(packed));
+  Keep(worker, graph, instance, std::string(packed), tasks, objects, submitted);
+  return Status::Ok();
+}
+
+void TraceStore::Keep(WorkerId worker, uint64_t graph, uint64_t instance, std::string packed,
+                      const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
+                      bool submitted) {
   std::deque<Instance>& kept = submitted ? submitted_ : instances_;
   const size_t most = submitted ? kSubmittedInstances : static_cast<size_t>(max_instances_);
   auto it = std::find_if(kept.begin(), kept.end(), [&](const Instance& entry) {
@@ -49,7 +63,7 @@ void TraceStore::Record(WorkerId worker, uint64_t graph, uint64_t instance, Work
     // Labels of graphs no kept instance uses any more.
     std::erase_if(labels_, [](const auto& entry) { return entry.second.expired(); });
   }
-  it->workers.emplace_back(worker, std::move(spans));
+  it->workers.emplace_back(worker, std::move(packed));
 }
 
 std::vector<TimelineSpan> TraceStore::Collect(
@@ -70,7 +84,11 @@ std::vector<TimelineSpan> TraceStore::Collect(
   std::vector<TimelineSpan> spans;
   for (const Instance* instance : chosen) {
     const Labels& labels = *instance->labels;
-    for (const auto& [worker, recorded] : instance->workers) {
+    for (const auto& [worker, packed] : instance->workers) {
+      // Checked when kept (RecordPacked) or packed here (Record).
+      Result<WorkerSpans> unpacked = UnpackSpans(packed);
+      if (!unpacked.ok()) continue;
+      const WorkerSpans& recorded = *unpacked;
       for (const WorkerSpans::Task& task : recorded.tasks) {
         TimelineSpan span;
         span.worker = worker;

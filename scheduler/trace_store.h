@@ -1,7 +1,8 @@
 // TraceStore: the spans of the latest graph instances, kept for TimelineRequest.
 //
 // Each worker sends its spans of an instance with InstanceFinished (core/timeline.h
-// WorkerSpans: graph-local task and object ids, times on the system clock). The store keeps the
+// WorkerSpans: graph-local task and object ids, times on the system clock), packed; the store
+// keeps them packed (about 6 bytes a span) and names them only when collected. It keeps the
 // spans of the latest `max_instances` instances of drivers' registered graphs (the steps),
 // whatever their graph (older ones are dropped whole as newer ones arrive: memory is bounded by
 // max_instances times the spans of an instance), and apart from them those of the latest
@@ -18,11 +19,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "core/graph.h"
 #include "core/ids.h"
+#include "core/status.h"
 #include "core/timeline.h"
 
 namespace tessera {
@@ -37,9 +40,14 @@ class TraceStore {
   // `worker`'s spans of an instance of `graph` (whose tasks and objects, graph-local ids dense
   // from 1, label them; null when the graph is unknown: spans are then named by their ids);
   // `submitted`: a submitted task's (or dynamic collective's) instance, not a driver's graph's.
-  void Record(WorkerId worker, uint64_t graph, uint64_t instance, WorkerSpans spans,
+  void Record(WorkerId worker, uint64_t graph, uint64_t instance, const WorkerSpans& spans,
               const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
               bool submitted = false);
+  // The same, packed as InstanceFinished carries them (core/timeline.h PackSpans), kept packed
+  // until collected. InvalidArgument (nothing kept) for a damaged packing.
+  Status RecordPacked(WorkerId worker, uint64_t graph, uint64_t instance, std::string_view packed,
+                      const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
+                      bool submitted = false);
 
   // The spans of the latest `last` drivers' graph instances kept (of `graph` only, when
   // non-zero), oldest instance first, leaving out those `running` says are not finished (a
@@ -64,9 +72,12 @@ class TraceStore {
     uint64_t graph = 0;
     uint64_t instance = 0;
     std::shared_ptr<const Labels> labels;
-    std::vector<std::pair<WorkerId, WorkerSpans>> workers;
+    std::vector<std::pair<WorkerId, std::string>> workers;  // packed spans (PackSpans)
   };
 
+  void Keep(WorkerId worker, uint64_t graph, uint64_t instance, std::string packed,
+            const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
+            bool submitted);
   std::shared_ptr<const Labels> LabelsFor(uint64_t graph, const std::vector<TaskSpec>* tasks,
                                           const std::vector<ObjectSpec>* objects);
 

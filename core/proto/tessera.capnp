@@ -236,28 +236,11 @@ struct InstanceFinished {
 # scheduler -> worker: these placed graphs will not run again here; drop their parts.
 struct ForgetGraphs { graphIds @0 :List(UInt64); }
 
-# One worker's spans of one graph instance (core/timeline.h WorkerSpans). Compact: ids of the
-# graph's tasks and objects, not names (the scheduler has the graph). Times are microseconds of
-# the system clock since the Unix epoch.
-struct TaskSpan {
-  task @0 :UInt32;        # graph-local task id
-  stream @1 :Int16;       # compute thread slot (>= 0), or -2: the collective stream
-  startMicros @2 :Int64;
-  endMicros @3 :Int64;
-  bytes @4 :Int64;        # collective members: bytes sent
-}
-
-struct PushSpan {
-  object @0 :UInt32;      # graph-local object id
-  destination @1 :UInt64; # the worker it was pushed to
-  startMicros @2 :Int64;
-  endMicros @3 :Int64;
-  bytes @4 :Int64;
-}
-
+# One worker's spans of one graph instance (core/timeline.h WorkerSpans), packed (PackSpans:
+# about 6 bytes a span; ids of the graph's tasks and objects, not names, since the scheduler has
+# the graph). Times are microseconds of the system clock since the Unix epoch.
 struct InstanceSpans {
-  tasks @0 :List(TaskSpan);
-  pushes @1 :List(PushSpan);
+  packed @0 :Data;
 }
 
 # A worker's figures for one instance of a graph (worker/role_meter.h).

@@ -186,44 +186,18 @@ Status CheckSpan(int stream, int64_t start_us, int64_t end_us, int64_t bytes) {
 }  // namespace
 
 void ToWire(const WorkerSpans& spans, proto::InstanceSpans::Builder out) {
-  auto tasks = out.initTasks(static_cast<unsigned>(spans.tasks.size()));
-  for (unsigned i = 0; i < tasks.size(); ++i) {
-    const WorkerSpans::Task& span = spans.tasks[i];
-    tasks[i].setTask(static_cast<uint32_t>(span.task));
-    tasks[i].setStream(static_cast<int16_t>(span.stream));
-    tasks[i].setStartMicros(span.start_us);
-    tasks[i].setEndMicros(span.end_us);
-    tasks[i].setBytes(span.bytes);
-  }
-  auto pushes = out.initPushes(static_cast<unsigned>(spans.pushes.size()));
-  for (unsigned i = 0; i < pushes.size(); ++i) {
-    const WorkerSpans::Push& span = spans.pushes[i];
-    pushes[i].setObject(static_cast<uint32_t>(span.object));
-    pushes[i].setDestination(span.destination);
-    pushes[i].setStartMicros(span.start_us);
-    pushes[i].setEndMicros(span.end_us);
-    pushes[i].setBytes(span.bytes);
-  }
+  const std::string packed = PackSpans(spans);
+  out.setPacked(
+      capnp::Data::Reader(reinterpret_cast<const kj::byte*>(packed.data()), packed.size()));
+}
+
+std::string_view PackedSpansOf(proto::InstanceSpans::Reader in) {
+  const capnp::Data::Reader packed = in.getPacked();
+  return {reinterpret_cast<const char*>(packed.begin()), packed.size()};
 }
 
 Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in) {
-  WorkerSpans spans;
-  spans.tasks.reserve(in.getTasks().size());
-  for (proto::TaskSpan::Reader span : in.getTasks()) {
-    TESSERA_RETURN_IF_ERROR(
-        CheckSpan(span.getStream(), span.getStartMicros(), span.getEndMicros(), span.getBytes()));
-    spans.tasks.push_back(WorkerSpans::Task{span.getTask(), span.getStream(), span.getStartMicros(),
-                                            span.getEndMicros(), span.getBytes()});
-  }
-  spans.pushes.reserve(in.getPushes().size());
-  for (proto::PushSpan::Reader span : in.getPushes()) {
-    TESSERA_RETURN_IF_ERROR(
-        CheckSpan(kTransferStream, span.getStartMicros(), span.getEndMicros(), span.getBytes()));
-    spans.pushes.push_back(WorkerSpans::Push{span.getObject(), span.getDestination(),
-                                             span.getStartMicros(), span.getEndMicros(),
-                                             span.getBytes()});
-  }
-  return spans;
+  return UnpackSpans(PackedSpansOf(in));
 }
 
 void ToWire(const Timeline& timeline, proto::Timeline::Builder out) {

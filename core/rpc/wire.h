@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/attrs.h"
@@ -18,7 +19,7 @@
 namespace tessera::rpc {
 
 // Bumped on incompatible changes to the schema or the protocol.
-inline constexpr uint32_t kProtocolVersion = 2;
+inline constexpr uint32_t kProtocolVersion = 3;
 
 void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out);
 Result<TensorMeta> FromWire(proto::TensorMeta::Reader in);
@@ -40,10 +41,13 @@ struct WireTask {
 };
 Result<WireTask> FromWire(proto::Task::Reader in);
 
-// A worker's spans of one instance. InvalidArgument for an unknown stream, a span that ends
-// before it starts, or negative bytes.
+// A worker's spans of one instance, packed (core/timeline.h PackSpans). InvalidArgument for a
+// damaged packing, an unknown stream, a span that ends before it starts, or negative bytes.
 void ToWire(const WorkerSpans& spans, proto::InstanceSpans::Builder out);
 Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in);
+// The packing as it lies in the message (valid while the message is), not checked: for a
+// receiver that keeps it as it is (core/timeline.h CheckPackedSpans checks it).
+std::string_view PackedSpansOf(proto::InstanceSpans::Reader in);
 
 // The scheduler's answer to a TimelineRequest. InvalidArgument for an unknown span kind or
 // stream.

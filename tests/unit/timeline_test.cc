@@ -4,6 +4,7 @@
 #include <capnp/message.h>
 
 #include <set>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -88,9 +89,9 @@ TEST(TimelineWireTest, WorkerSpansRoundTrip) {
 
 TEST(TimelineWireTest, RefusesForgedSpans) {
   capnp::MallocMessageBuilder message;
-  auto tasks = message.initRoot<proto::InstanceSpans>().initTasks(1);
-  tasks[0].setStartMicros(10);
-  tasks[0].setEndMicros(5);
+  WorkerSpans forged;  // PackSpans does not check: a forger's packing
+  forged.tasks.push_back({3, 0, 10, 5, 0});
+  rpc::ToWire(forged, message.initRoot<proto::InstanceSpans>());
   Result<WorkerSpans> backwards = rpc::FromWire(message.getRoot<proto::InstanceSpans>());
   EXPECT_EQ(backwards.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(backwards.status().message().find("before it starts"), std::string::npos);
@@ -104,6 +105,88 @@ TEST(TimelineWireTest, RefusesForgedSpans) {
   spans[0].setStream(-7);
   EXPECT_EQ(rpc::FromWire(reply.getRoot<proto::Timeline>()).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// Packed spans: every value a record can hold comes back, in any order; typical spans (ids and
+// starts rising, short tasks) take a few bytes each.
+TEST(PackedSpansTest, RoundTripsEveryValue) {
+  WorkerSpans spans;
+  spans.tasks.push_back({1, 0, 1'700'000'000'000'000, 1'700'000'000'000'010, 0});
+  spans.tasks.push_back({UINT64_MAX, INT16_MAX, INT64_MIN, -1, INT64_MAX});
+  spans.tasks.push_back({2, kCollectiveStream, 0, INT64_MAX, 1});
+  spans.tasks.push_back({0, 1, INT64_MAX, INT64_MAX, 0});
+  spans.pushes.push_back({9, UINT64_MAX, -5, 7, 123});
+  spans.pushes.push_back({1, 0, 100, 100, 0});
+  ASSERT_OK_AND_ASSIGN(WorkerSpans back, UnpackSpans(PackSpans(spans)));
+  ASSERT_EQ(back.tasks.size(), spans.tasks.size());
+  for (size_t i = 0; i < spans.tasks.size(); ++i) {
+    const WorkerSpans::Task& a = spans.tasks[i];
+    const WorkerSpans::Task& b = back.tasks[i];
+    EXPECT_EQ(std::tie(a.task, a.stream, a.start_us, a.end_us, a.bytes),
+              std::tie(b.task, b.stream, b.start_us, b.end_us, b.bytes))
+        << "task " << i;
+  }
+  ASSERT_EQ(back.pushes.size(), spans.pushes.size());
+  for (size_t i = 0; i < spans.pushes.size(); ++i) {
+    const WorkerSpans::Push& a = spans.pushes[i];
+    const WorkerSpans::Push& b = back.pushes[i];
+    EXPECT_EQ(std::tie(a.object, a.destination, a.start_us, a.end_us, a.bytes),
+              std::tie(b.object, b.destination, b.start_us, b.end_us, b.bytes))
+        << "push " << i;
+  }
+
+  WorkerSpans step;  // 10,000 tasks of 3 us, one after another on 2 slots
+  for (uint64_t t = 1; t <= 10'000; ++t) {
+    const int64_t start = 1'700'000'000'000'000 + static_cast<int64_t>(t) * 2;
+    step.tasks.push_back({t, static_cast<int>(t % 2), start, start + 3, 0});
+  }
+  const std::string packed = PackSpans(step);
+  EXPECT_LE(packed.size(), 6 * step.tasks.size() + 16);
+  ASSERT_OK_AND_ASSIGN(WorkerSpans step_back, UnpackSpans(packed));
+  EXPECT_EQ(step_back.tasks.back().end_us, step.tasks.back().end_us);
+  EXPECT_OK(CheckPackedSpans(packed));
+}
+
+// A packing cut short anywhere, lengthened, or holding an impossible span is refused with a
+// reason; none is read past its end.
+TEST(PackedSpansTest, RefusesDamagedPackings) {
+  WorkerSpans spans;
+  spans.tasks.push_back({3, 1, 1000, 1500, 0});
+  spans.tasks.push_back({4, kCollectiveStream, 1200, 1300, 4096});
+  spans.pushes.push_back({7, 2, 1500, 1600, 8192});
+  const std::string packed = PackSpans(spans);
+  for (size_t length = 0; length < packed.size(); ++length) {
+    const std::string cut = packed.substr(0, length);
+    EXPECT_EQ(UnpackSpans(cut).status().code(), StatusCode::kInvalidArgument) << length;
+    EXPECT_EQ(CheckPackedSpans(cut).code(), StatusCode::kInvalidArgument) << length;
+  }
+  EXPECT_NE(UnpackSpans(packed + "x").status().message().find("after the last record"),
+            std::string::npos);
+  // Counts no packing of this size could hold: refused before anything is reserved.
+  const std::string huge_counts("\xff\xff\xff\xff\x0f\x00", 6);
+  EXPECT_NE(UnpackSpans(huge_counts).status().message().find("count"), std::string::npos);
+  // A varint of more than 64 bits.
+  EXPECT_NE(UnpackSpans(std::string(11, '\xff')).status().message().find("over 64 bits"),
+            std::string::npos);
+
+  auto refused = [](const WorkerSpans& forged, const std::string& reason) {
+    const Status status = UnpackSpans(PackSpans(forged)).status();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << reason;
+    EXPECT_NE(status.message().find(reason), std::string::npos) << status.ToString();
+  };
+  WorkerSpans stream;
+  stream.tasks.push_back({1, -7, 0, 1, 0});
+  refused(stream, "stream -7");
+  WorkerSpans bytes;
+  bytes.tasks.push_back({1, 0, 0, 1, -1});
+  refused(bytes, "bytes");
+  WorkerSpans backwards;
+  backwards.pushes.push_back({1, 2, 10, 5, 0});
+  refused(backwards, "ends before it starts");
+  WorkerSpans overflow;
+  overflow.tasks.push_back({1, 0, INT64_MAX - 1, INT64_MAX, 0});
+  overflow.tasks.push_back({2, 0, INT64_MAX, INT64_MIN + 5, 0});  // wraps past the end of time
+  refused(overflow, "ends before it starts");
 }
 
 TEST(TimelineWireTest, TimelineRoundTrip) {
