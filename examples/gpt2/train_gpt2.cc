@@ -24,6 +24,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/allocator.h"
 #include "core/flag_checks.h"
 #include "core/run_main.h"
 #include "examples/common/flags.h"
@@ -158,6 +159,23 @@ Result<ResolvedShape> ResolveShape(const Flags& flags) {
   }
   TESSERA_RETURN_IF_ERROR(config.Validate());
   return shape;
+}
+
+// The driver's own share of a step: the batch's token ids and targets (and, with --data
+// synthetic, a dataset of 16 batches) are built in this process, so they must fit in this
+// machine's memory. Checked in floating point, before any size is computed in int64_t (an absurd
+// --batch would overflow it); what the step needs besides is Trainer::Create's to check.
+Status CheckBatchFits(const Flags& flags, const ResolvedShape& shape) {
+  const int64_t memory = tessera::PhysicalHostMemoryBytes();
+  const double copies = flags.data == "synthetic" ? 16 : 2;
+  const double bytes = static_cast<double>(shape.batch) * static_cast<double>(shape.seq_len + 1) *
+                       sizeof(int32_t) * copies;
+  if (memory <= 0 || bytes <= static_cast<double>(memory)) return Status::Ok();
+  return tessera::ResourceExhausted(
+      "--batch {} x --seq-len {} needs {:.1f} GiB for the batches' token ids alone, more than this "
+      "machine's {:.1f} GiB of memory: lower the batch (--batch) or the sequence length "
+      "(--seq-len)",
+      shape.batch, shape.seq_len, bytes / (1 << 30), static_cast<double>(memory) / (1 << 30));
 }
 
 // ---- data ----
@@ -416,6 +434,7 @@ Status Finish(Trainer& trainer, const Flags& flags, const ResolvedShape& shape, 
 
 Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(ResolvedShape shape, ResolveShape(flags));
+  TESSERA_RETURN_IF_ERROR(CheckBatchFits(flags, shape));
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags.common));
   if (!runtime.device.is_cpu()) shape.config.activations = tessera::GpuActivations();
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Data> data, LoadData(flags, shape));
