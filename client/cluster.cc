@@ -105,6 +105,7 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
       LocalSession::Create(options.session_dir, "local",
                            SessionProcesses{.binary = binary, .detached = false}));
   std::unique_ptr<Cluster> cluster(new Cluster());  // stops what was started if a step fails
+  cluster->children_ = std::make_unique<ChildReaper>();
   cluster->session_dir_ = session.dir();
   cluster->local_options_ = options;
   cluster->local_options_.tessera_binary = binary;
@@ -112,13 +113,13 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
       StartedScheduler scheduler,
       session.StartScheduler(
           {.host = "127.0.0.1", .port = 0, .timeout_ms = options.start_timeout_ms}));
-  cluster->processes_.push_back(scheduler.pid);
+  cluster->children_->Add(scheduler.pid);
   cluster->address_ = scheduler.address;
 
   // Everything here is on this machine: workers and this driver join over the Unix socket.
   const WorkerLaunch workers = LocalLaunch(options, gpus, scheduler.local_address, count, "");
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
-  cluster->processes_.insert(cluster->processes_.end(), pids.begin(), pids.end());
+  for (pid_t pid : pids) cluster->children_->Add(pid);
   cluster->local_address_ = scheduler.local_address;
   cluster->local_gpus_ = gpus;
   cluster->started_workers_ = count;
@@ -157,7 +158,7 @@ Status Cluster::AddLocalWorkers(int count) {
                                            fmt::format("added{}", started_workers_));
   started_workers_ += count;
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
-  processes_.insert(processes_.end(), pids.begin(), pids.end());
+  for (pid_t pid : pids) children_->Add(pid);
   return session.AwaitWorkers(
       [&]() -> Result<int> {
         TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, client_->Info(2000));
@@ -167,9 +168,15 @@ Status Cluster::AddLocalWorkers(int count) {
 }
 
 Cluster::~Cluster() {
-  if (!processes_.empty() && client_) (void)client_->Shutdown();
+  if (children_ && client_) (void)client_->Shutdown();
   client_.reset();
-  for (pid_t pid : processes_) StopProcess(pid, 2000);
+  if (children_) {
+    for (pid_t pid : children_->Stop()) StopProcess(pid, 2000);
+  }
+}
+
+std::vector<pid_t> Cluster::local_processes() const {
+  return children_ ? children_->Children() : std::vector<pid_t>{};
 }
 
 Result<ObjectRef> Cluster::Put(const Tensor& value) { return client_->Put(value); }

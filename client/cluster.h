@@ -20,7 +20,9 @@
 // $PATH) in a session directory
 // (launcher/session.h: the same as `tessera start` makes), waits until all workers joined, and
 // stops them when the Cluster is destroyed. The children are also killed if this process dies,
-// so a crashing driver leaves nothing behind.
+// so a crashing driver leaves nothing behind; one that dies while the driver runs on (a worker
+// killed or crashed) is reaped within a fraction of a second (launcher/process.h's ChildReaper),
+// not left a zombie until the driver exits.
 //
 // Thread safety: every method may be called from any thread. Errors never hang: waits take a
 // timeout, and a dead worker's objects come back as errors naming the worker.
@@ -44,6 +46,7 @@
 
 namespace tessera {
 
+class ChildReaper;
 namespace detail {
 class ClusterClient;
 }  // namespace detail
@@ -243,8 +246,9 @@ class Cluster {
   // The dashboard of a local cluster (StartLocal), with its token: "http://HOST:PORT/?token=...";
   // empty for a connected cluster (`tessera start --head` prints that one) or without one.
   const std::string& dashboard_url() const { return dashboard_url_; }
-  // Processes this Cluster started (StartLocal): the scheduler first, then the workers.
-  const std::vector<pid_t>& local_processes() const { return processes_; }
+  // Processes this Cluster started (StartLocal) that have not exited: the scheduler first, then
+  // the workers.
+  std::vector<pid_t> local_processes() const;
   // A local cluster (StartLocal): starts `count` more workers like the first ones and waits
   // until they joined (replacements for lost ones). InvalidArgument on a connected cluster.
   Status AddLocalWorkers(int count);
@@ -254,7 +258,7 @@ class Cluster {
   std::shared_ptr<detail::ClusterClient> client_;
   std::string address_;
   std::string session_dir_;
-  std::vector<pid_t> processes_;
+  std::unique_ptr<ChildReaper> children_;  // a local cluster's processes; null for a connected one
   // StartLocal's: how workers were started, and the scheduler's local address.
   LocalClusterOptions local_options_;
   std::vector<int> local_gpus_;  // the GPUs a local cluster's GPU workers use; empty: CPU ones

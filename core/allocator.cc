@@ -122,6 +122,11 @@ int64_t AvailableHostMemoryBytes() {
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
 }
 
+int64_t PhysicalHostMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
 std::shared_ptr<Allocator> SharedHostAllocator() {
   static const auto allocator = std::make_shared<AlignedHostAllocator>();
   return allocator;

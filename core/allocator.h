@@ -78,6 +78,10 @@ std::shared_ptr<Allocator> SharedHostAllocator();
 // memory plus what the page cache would give back), else the physical pages; 0 when unknown.
 int64_t AvailableHostMemoryBytes();
 
+// The machine's physical memory (sysconf's pages times the page size); 0 when unknown. What no
+// single process can ever hold: inputs that would need more are refused, whatever is free now.
+int64_t PhysicalHostMemoryBytes();
+
 class CachingHostAllocator final : public Allocator {
  public:
   ~CachingHostAllocator() override;

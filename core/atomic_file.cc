@@ -11,6 +11,8 @@
 #include <fstream>
 #include <iterator>
 
+#include "core/allocator.h"
+
 namespace tessera {
 
 Status WriteFileAtomically(const std::string& path, std::string_view contents, int mode) {
@@ -53,6 +55,21 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents, i
 }
 
 Result<std::string> ReadWholeFile(const std::string& path, std::string_view what) {
+  // Only a regular file has an end to read to: a directory throws from the stream, a device such
+  // as /dev/zero or a pipe never ends (or not before memory does).
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    return NotFound("cannot open {} '{}': {}", what, path, std::strerror(errno));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    return InvalidArgument("{} '{}' is {}, not a regular file", what, path,
+                           S_ISDIR(info.st_mode) ? "a directory" : "a device, pipe or socket");
+  }
+  if (const int64_t memory = PhysicalHostMemoryBytes(); memory > 0 && info.st_size > memory) {
+    return ResourceExhausted("{} '{}' is {:.1f} GiB, more than this machine's {:.1f} GiB of memory",
+                             what, path, static_cast<double>(info.st_size) / (1 << 30),
+                             static_cast<double>(memory) / (1 << 30));
+  }
   std::ifstream file(path, std::ios::binary);
   if (!file) return NotFound("cannot open {} '{}': {}", what, path, std::strerror(errno));
   std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());

@@ -15,7 +15,9 @@ namespace tessera {
 Status WriteFileAtomically(const std::string& path, std::string_view contents, int mode = 0644);
 
 // The whole file, bytes as they are. NotFound naming `what` ("data file", "checkpoint file"),
-// the path and the system error when it cannot be opened; DataLoss when reading it fails.
+// the path and the system error when it cannot be opened; InvalidArgument when it is not a
+// regular file (a directory, a device such as /dev/zero, a pipe); ResourceExhausted when it is
+// larger than the machine's memory; DataLoss when reading it fails.
 Result<std::string> ReadWholeFile(const std::string& path, std::string_view what = "file");
 
 // The whole file without trailing whitespace. NotFound naming the path and the system error.

@@ -33,6 +33,11 @@ Status ParseValue(const std::string& text, bool* out) {
   return Status::Ok();
 }
 
+// " (unit)" after a range, or nothing.
+std::string Unit(std::string_view unit) {
+  return unit.empty() ? std::string() : fmt::format(" ({})", unit);
+}
+
 Status ParseValue(const std::string& text, std::string* out) {
   *out = text;
   return Status::Ok();
@@ -47,8 +52,21 @@ Result<Settings> Settings::FromEnvironment(const EnvLookup& getenv) {
     TESSERA_RETURN_IF_ERROR(                                                             \
         ParseValue(*text, &settings.name).WithContext("environment " + EnvName(#name))); \
   }
+#define TESSERA_INT_SETTING(name, default_value, min, max, unit, description)                   \
+  TESSERA_SETTING(int64_t, name, default_value, unit, description)                              \
+  if (settings.name < (min) || settings.name > (max)) {                                         \
+    return InvalidArgument("{}={} is out of range: it must be from {} to {}{}", EnvName(#name), \
+                           settings.name, min, max, Unit(unit));                                \
+  }
 #include "core/settings_def.h"
+#undef TESSERA_INT_SETTING
 #undef TESSERA_SETTING
+  if (settings.heartbeat_timeout_ms <= settings.heartbeat_interval_ms) {
+    return InvalidArgument(
+        "TESSERA_HEARTBEAT_TIMEOUT_MS={} must be above TESSERA_HEARTBEAT_INTERVAL_MS={}: a worker "
+        "would be declared dead between two of its heartbeats",
+        settings.heartbeat_timeout_ms, settings.heartbeat_interval_ms);
+  }
   return settings;
 }
 
@@ -65,7 +83,11 @@ std::string Settings::Describe() {
 #define TESSERA_SETTING(type, name, default_value, unit, description)       \
   text += fmt::format("  {}={}{} -- {}\n", EnvName(#name), Settings{}.name, \
                       std::string_view(unit).empty() ? "" : " (" unit ")", description);
+#define TESSERA_INT_SETTING(name, default_value, min, max, unit, description)        \
+  text += fmt::format("  {}={} ({}{}..{}) -- {}\n", EnvName(#name), Settings{}.name, \
+                      std::string_view(unit).empty() ? "" : unit ", ", min, max, description);
 #include "core/settings_def.h"
+#undef TESSERA_INT_SETTING
 #undef TESSERA_SETTING
   return text;
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <vector>
 
 #include "core/checks.h"
 
@@ -71,6 +72,48 @@ void StopProcess(pid_t pid, int timeout_ms) {
   ::kill(pid, SIGKILL);
   int status = 0;
   ::waitpid(pid, &status, 0);
+}
+
+ChildReaper::ChildReaper(std::chrono::milliseconds period)
+    : period_(period), thread_([this] { Loop(); }) {}
+
+ChildReaper::~ChildReaper() { Stop(); }
+
+void ChildReaper::Add(pid_t pid) {
+  MutexLock lock(&mutex_);
+  pids_.push_back(pid);
+}
+
+std::vector<pid_t> ChildReaper::Children() const {
+  MutexLock lock(&mutex_);
+  return pids_;
+}
+
+std::vector<pid_t> ChildReaper::Stop() {
+  {
+    MutexLock lock(&mutex_);
+    stopping_ = true;
+    wake_.NotifyAll();
+  }
+  if (thread_.joinable()) thread_.join();
+  MutexLock lock(&mutex_);
+  return pids_;
+}
+
+void ChildReaper::Loop() {
+  MutexLock lock(&mutex_);
+  while (!stopping_) {
+    ReapExited();
+    wake_.WaitFor(&mutex_, period_);
+  }
+}
+
+void ChildReaper::ReapExited() {
+  std::erase_if(pids_, [](pid_t pid) {
+    int status = 0;
+    const pid_t reaped = ::waitpid(pid, &status, WNOHANG);
+    return reaped == pid || (reaped < 0 && errno == ECHILD);
+  });
 }
 
 std::string ExecutableDirectory() {

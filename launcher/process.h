@@ -3,10 +3,13 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/status.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -24,6 +27,42 @@ void StopProcess(pid_t pid, int timeout_ms);
 
 // True while the process exists (and, for a child, has not been reaped).
 bool ProcessAlive(pid_t pid);
+
+// ChildReaper: reaps those of this process's children it is given that have exited, every
+// `period`, on a thread of its own, so a child that dies while the parent runs on (a local
+// cluster's worker killed or crashed) does not stay a zombie until the parent exits. It waits for
+// the given pids only (waitpid(pid, WNOHANG) on each): never waitpid(-1) nor a SIGCHLD handler,
+// which would take the exit status of children other code waits for. A pid that another waiter
+// reaped first (ECHILD) is dropped too.
+//
+// Thread-safe. The destructor stops the thread and leaves the children still running alone
+// (Stop() hands them over first, to stop them).
+class ChildReaper {
+ public:
+  explicit ChildReaper(std::chrono::milliseconds period = std::chrono::milliseconds(200));
+  ~ChildReaper();
+  ChildReaper(const ChildReaper&) = delete;
+  ChildReaper& operator=(const ChildReaper&) = delete;
+
+  // REQUIRES: `pid` is a child of this process.
+  void Add(pid_t pid) EXCLUDES(mutex_);
+  // The pids given and not reaped yet, in the order given.
+  std::vector<pid_t> Children() const EXCLUDES(mutex_);
+  // Stops reaping (joins the thread) and returns the pids not reaped, in the order given.
+  std::vector<pid_t> Stop() EXCLUDES(mutex_);
+
+ private:
+  void Loop() EXCLUDES(mutex_);
+  // Reaps the exited ones among pids_.
+  void ReapExited() REQUIRES(mutex_);
+
+  const std::chrono::milliseconds period_;
+  mutable Mutex mutex_;
+  CondVar wake_;
+  std::vector<pid_t> pids_ GUARDED_BY(mutex_);
+  bool stopping_ GUARDED_BY(mutex_) = false;
+  std::thread thread_;
+};
 
 // Path of the running executable's directory.
 std::string ExecutableDirectory();

@@ -40,6 +40,7 @@
 #include "client/cluster.h"
 #include "client/trace.h"
 #include "core/atomic_file.h"
+#include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "core/run_main.h"
@@ -400,23 +401,25 @@ CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
   start_cmd->add_flag("--head", start.head, "Start the scheduler of a new cluster");
   start_cmd->add_option("--host", start.host, "Scheduler: address to listen on");
   start_cmd->add_option("--port", start.port, "Scheduler: port (0: any free one)")
-      ->check(CLI::Range(0, 65535));
+      ->check(tessera::Between(0, 65535));
   start_cmd->add_option("--session-dir", start.session_dir, "Scheduler: session directory");
-  start_cmd->add_option("--dashboard-port", start.dashboard_port,
-                        "--head: the dashboard's port (0: any free one; -1: none; default: the "
-                        "dashboard_port setting, 0 unless TESSERA_DASHBOARD_PORT says otherwise)");
+  start_cmd
+      ->add_option("--dashboard-port", start.dashboard_port,
+                   "--head: the dashboard's port (0: any free one; -1: none; default: the "
+                   "dashboard_port setting, 0 unless TESSERA_DASHBOARD_PORT says otherwise)")
+      ->check(tessera::Between(-1, 65535));
   start_cmd->add_flag("--no-restart", start.no_restart,
                       "Scheduler: do not start it again when it dies (by default a supervisor "
                       "does, and workers rejoin it)");
   start_cmd->add_option("--address", start.address, "Workers: the scheduler's HOST:PORT");
   start_cmd->add_option("--cpu-workers", start.cpu_workers, "Workers: how many to start")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   start_cmd->add_option("--threads", start.threads, "Workers: threads each (0: all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   start_cmd
       ->add_option("--host-memory-mb", start.host_memory_mb,
                    "Workers: host-tier capacity each, beyond which objects spill to disk")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
   start_cmd->add_option("--gpus", start.gpus,
                         "Workers: start one GPU worker per GPU listed (all, or 0,1,...), instead "
@@ -424,7 +427,7 @@ CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
   start_cmd
       ->add_option("--gpu-memory-gib", start.gpu_memory_gib,
                    "Workers, with --gpus: each GPU worker's allocator cap (0: the GPU's memory)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   return start_cmd;
 }
 
@@ -469,7 +472,7 @@ CLI::App* AddTimelineCommand(CLI::App& app, TimelineFlags& flags) {
   timeline_cmd
       ->add_option("--steps", flags.steps,
                    "How many of the latest graph instances (steps) to include (default 2)")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   timeline_cmd->add_option("--address", flags.address, "The scheduler's HOST:PORT");
   timeline_cmd->add_option("--token-file", flags.token_file, "The cluster token file");
   return timeline_cmd;
@@ -526,7 +529,8 @@ int Main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "tessera: %s\n\n%s", e.what(), app.help().c_str());
+    std::fprintf(stderr, "tessera: %s\n\n%s", tessera::FlagErrorMessage(e).c_str(),
+                 app.help().c_str());
     return 2;
   }
   if (start_cmd->parsed()) return Start(*start_cmd, start);

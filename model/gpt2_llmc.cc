@@ -142,6 +142,10 @@ Result<Gpt2Config> ReadLlmcConfig(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return NotFound("cannot open '{}': {}", path, std::strerror(errno));
   std::error_code error;
+  if (!fs::is_regular_file(path, error)) {
+    return InvalidArgument("'{}' is not a regular file{}: an llm.c checkpoint is one file", path,
+                           fs::is_directory(path, error) ? " but a directory" : "");
+  }
   const uintmax_t size = fs::file_size(path, error);
   if (error) return Unavailable("cannot read the size of '{}': {}", path, error.message());
   if (size < kLlmcHeaderBytes) {

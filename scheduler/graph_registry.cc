@@ -304,18 +304,72 @@ const std::vector<ObjectSpec>* GraphRegistry::Objects(uint64_t graph) const {
   return found == nullptr ? nullptr : &found->objects;
 }
 
-void GraphRegistry::InstanceStarted(const PlacedGraph& graph) {
+void GraphRegistry::InstanceStarted(PlacedGraph& graph) {
+  ++graph.running;
   if (graph.template_id != 0) ++templates_.at(graph.template_id).running;
 }
 
-void GraphRegistry::InstanceEnded(const PlacedGraph& graph) {
-  if (graph.template_id == 0) return;
-  --templates_.at(graph.template_id).running;
+void GraphRegistry::InstanceEnded(PlacedGraph& graph) {
+  const uint64_t template_id = graph.template_id;
+  if (--graph.running == 0 && !graph.retired.empty()) Forget(graph.id);  // `graph` is gone
+  if (template_id == 0) return;
+  --templates_.at(template_id).running;
   Evict();
 }
 
 void GraphRegistry::WorkerDied(WorkerId worker) {
-  for (auto& [id, graph] : graphs_) graph.has_part.erase(worker);
+  std::vector<PlacedGraph*> placed_on_it;
+  for (auto& [id, graph] : graphs_) {
+    graph.has_part.erase(worker);
+    if (graph.retired.empty() &&
+        std::find(graph.workers.begin(), graph.workers.end(), worker) != graph.workers.end()) {
+      placed_on_it.push_back(&graph);
+    }
+  }
+  const std::string reason =
+      fmt::format("it was placed on {}, which died", participants_->Describe(worker));
+  for (PlacedGraph* graph : placed_on_it) Retire(*graph, reason);
+}
+
+void GraphRegistry::DriverGone(WorkerId driver) {
+  std::vector<PlacedGraph*> its_graphs;
+  for (auto& [id, graph] : graphs_) {
+    if (graph.driver == driver && graph.retired.empty()) its_graphs.push_back(&graph);
+  }
+  const std::string reason = fmt::format("its driver {} left", driver.ToString());
+  for (PlacedGraph* graph : its_graphs) Retire(*graph, reason);
+}
+
+const std::string* GraphRegistry::RetiredReason(WorkerId driver, uint64_t id) const {
+  if (const PlacedGraph* graph = Find(id); graph != nullptr) {
+    return graph->driver == driver && !graph->retired.empty() ? &graph->retired : nullptr;
+  }
+  for (const RetiredGraph& retired : retired_) {
+    if (retired.id == id && retired.driver == driver) return &retired.reason;
+  }
+  return nullptr;
+}
+
+void GraphRegistry::Retire(PlacedGraph& graph, std::string reason) {
+  graph.retired = std::move(reason);
+  if (graph.template_id != 0) {
+    std::erase_if(templates_.at(graph.template_id).placed,
+                  [&](const auto& placed) { return placed.second == graph.id; });
+  }
+  if (graph.running == 0) Forget(graph.id);
+}
+
+void GraphRegistry::Forget(uint64_t id) {
+  auto it = graphs_.find(id);
+  if (it == graphs_.end()) return;
+  const PlacedGraph& graph = it->second;
+  const uint64_t ids[] = {id};
+  for (WorkerId worker : graph.has_part) SendForgetGraphs(*outbox_, worker, ids);
+  if (graph.template_id == 0) {
+    retired_.push_back(RetiredGraph{id, graph.driver, graph.retired});
+    if (retired_.size() > kMaxRetired) retired_.pop_front();
+  }
+  graphs_.erase(it);
 }
 
 void GraphRegistry::Evict() {

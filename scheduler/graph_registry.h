@@ -18,7 +18,15 @@
 // Parts: a worker receives a placed graph's part (GraphPart: every task with its worker) the
 // first time an instance involves it (SendPartsTo). Templates are bounded (kMaxTemplates): the
 // least recently used one with no instance running is forgotten, here and on the workers that
-// hold its parts (ForgetGraph). Registered graphs live until the scheduler stops.
+// hold its parts (ForgetGraph).
+//
+// Retirement: a placed graph that involves a worker that died can never run again (its tasks are
+// placed on that worker, and a worker's id is never reused), nor can a registered graph whose
+// driver left. Such graphs are retired (WorkerDied, DriverGone): forgotten here and on the workers
+// that hold their parts once no instance of them runs, so neither the scheduler nor a worker
+// grows with every recovery that registers the step graph again on the workers there are. A
+// driver that runs a retired graph of its own is told why (Unavailable: register it again); the
+// reasons of the latest kMaxRetired retired graphs are kept for that.
 //
 // Errors: a returned error from Register is a protocol violation by the driver (the core closes
 // its connection); a graph that cannot be placed is answered with a Reply carrying the reason.
@@ -27,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <map>
 #include <set>
@@ -66,12 +75,16 @@ struct PlacedGraph {
   std::map<WorkerId, int64_t> members;  // collective members per worker
   std::set<WorkerId> has_part;          // workers that received its part
   uint64_t template_id = 0;             // the template it places (0: a driver's graph)
+  int running = 0;                      // its instances running
+  std::string retired;                  // why it can no longer run; empty while it can
 };
 
 class GraphRegistry {
  public:
   // At most this many templates are kept (with their placed graphs).
   static constexpr size_t kMaxTemplates = 4096;
+  // The reasons of at most this many retired registered graphs are kept.
+  static constexpr size_t kMaxRetired = 1024;
 
   // The parts must outlive the registry.
   GraphRegistry(Outbox* outbox, ParticipantTable* participants, CollectiveGroups* groups);
@@ -107,12 +120,25 @@ class GraphRegistry {
   const std::vector<TaskSpec>* Tasks(uint64_t graph) const;
   const std::vector<ObjectSpec>* Objects(uint64_t graph) const;
 
-  // Instances of a placed template start and end (templates in use are never forgotten).
-  void InstanceStarted(const PlacedGraph& graph);
-  void InstanceEnded(const PlacedGraph& graph);
-  // `worker` is gone: it holds no parts any more.
+  // Why `driver`'s registered graph `id` can no longer run ("it was placed on worker-3 (...),
+  // which died"); null when it is not a retired graph of that driver (or was retired too long
+  // ago). A retired graph that still has instances running is found by Find too (with its
+  // `retired` reason set) until they end.
+  const std::string* RetiredReason(WorkerId driver, uint64_t id) const;
+
+  // Instances of a placed graph start and end (graphs and templates in use are never forgotten).
+  // InstanceEnded may forget `graph` (retired, and this was its last instance): the reference is
+  // not to be used after it.
+  void InstanceStarted(PlacedGraph& graph);
+  void InstanceEnded(PlacedGraph& graph);
+  // `worker` is gone: it holds no parts any more, and the graphs placed on it are retired.
   void WorkerDied(WorkerId worker);
+  // `driver` left: its registered graphs are retired.
+  void DriverGone(WorkerId driver);
   size_t templates() const { return templates_.size(); }
+  // Placed graphs held (registered ones and placed templates), retired ones still running
+  // included.
+  size_t graphs() const { return graphs_.size(); }
 
  private:
   struct Template {
@@ -132,6 +158,11 @@ class GraphRegistry {
   Status Complete(PlacedGraph& graph);
   // Forgets least recently used templates beyond kMaxTemplates that no instance uses.
   void Evict();
+  // Marks `graph` as unable to run, for `reason`: no new instance of it starts (a template's
+  // placement no longer maps to it), and it is forgotten at once or when its last instance ends.
+  void Retire(PlacedGraph& graph, std::string reason);
+  // Drops graph `id` here and tells the workers that hold its part to drop theirs.
+  void Forget(uint64_t id);
 
   Outbox* outbox_;
   ParticipantTable* participants_;
@@ -139,7 +170,13 @@ class GraphRegistry {
   std::unordered_map<uint64_t, PlacedGraph> graphs_;  // registered and placed templates
   std::unordered_map<uint64_t, Template> templates_;
   std::unordered_map<std::string, uint64_t> template_of_key_;
-  std::list<uint64_t> lru_;                    // template ids, most recently used first
+  std::list<uint64_t> lru_;  // template ids, most recently used first
+  struct RetiredGraph {
+    uint64_t id = 0;
+    WorkerId driver;
+    std::string reason;
+  };
+  std::deque<RetiredGraph> retired_;  // registered graphs forgotten, latest last (kMaxRetired)
   uint64_t next_id_ = kFirstSchedulerGraphId;  // the scheduler's own graph ids
 };
 

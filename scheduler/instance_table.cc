@@ -55,6 +55,13 @@ Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> InstanceTable::Bind
 Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
                                    proto::RunGraph::Reader run) {
   PlacedGraph* graph = graphs_->Find(run.getGraphId());
+  if (const std::string* retired = graphs_->RetiredReason(driver, run.getGraphId())) {
+    SendReply(*outbox_, driver, request_id,
+              Unavailable("graph {} can no longer run: {}; register it again to run it on the "
+                          "workers there are",
+                          run.getGraphId(), *retired));
+    return Status::Ok();
+  }
   if (graph == nullptr || graph->driver != driver) {
     SendReply(*outbox_, driver, request_id,
               NotFound("graph {} is not registered by this driver", run.getGraphId()));
@@ -198,7 +205,8 @@ void InstanceTable::MaybeFinish(const Key& key) {
   if (!it->second.pending.empty() && it->second.error.ok()) return;
   const InstanceEntry done = std::move(it->second);
   instances_.erase(it);
-  graphs_->InstanceEnded(*done.graph);
+  const uint64_t graph_id = done.graph->id;
+  graphs_->InstanceEnded(*done.graph);  // may forget a retired graph: done.graph is not used after
   for (ObjectId id : done.bound) objects_->ReleaseUse(id);
   if (done.observer != nullptr && !done.error.ok()) {
     done.observer->InstanceEnded(done.instance, done.failed_on, done.error);
@@ -210,7 +218,7 @@ void InstanceTable::MaybeFinish(const Key& key) {
     objects_->Fail(id, done.error.ok()
                            ? Internal("{} of graph {} finished without producing {}",
                                       done.observer == nullptr ? "an instance" : "the task",
-                                      done.graph->id, object->spec.name)
+                                      graph_id, object->spec.name)
                            : done.error);
   }
   if (done.observer != nullptr) done.observer->InstanceEnded(done.instance, WorkerId(), done.error);

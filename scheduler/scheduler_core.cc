@@ -223,6 +223,7 @@ void SchedulerCore::Disconnected(WorkerId who, const Status& reason) {
     // The driver's references go with it; so do the objects it held (its Puts).
     objects_.DriverGone(who);
     jobs_.DriverGone(who);
+    graphs_.DriverGone(who);  // its registered graphs go with it
   }
   participants_.Remove(who);
   objects_.DropNotifications(who);

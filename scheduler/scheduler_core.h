@@ -101,6 +101,8 @@ class SchedulerCore {
   int alive_workers() const { return participants_.alive_workers(); }
   size_t num_objects() const { return objects_.size(); }
   size_t num_tasks() const { return tasks_.size(); }
+  // Placed graphs held (scheduler/graph_registry.h): registered ones and placed templates.
+  size_t num_graphs() const { return graphs_.graphs(); }
   // Read-only views for the dashboard (scheduler/dashboard_view.h), on the core's thread.
   const ParticipantTable& participants() const { return participants_; }
   TaskCounts task_counts() const { return tasks_.counts(); }

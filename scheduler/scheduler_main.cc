@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/atomic_file.h"
+#include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "core/thread_annotations.h"
@@ -176,7 +177,7 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
 CLI::App* AddSchedulerCommand(CLI::App& app, SchedulerProcessFlags& flags) {
   CLI::App* command = app.add_subcommand("scheduler", "Run a scheduler in the foreground");
   command->add_option("--host", flags.host);
-  command->add_option("--port", flags.port)->check(CLI::Range(0, 65535));
+  command->add_option("--port", flags.port)->check(tessera::Between(0, 65535));
   command->add_option("--token-file", flags.token_file)->required();
   command->add_option("--session-dir", flags.session_dir);
   command->add_option("--address-file", flags.address_file);

@@ -1,9 +1,12 @@
 #include "test_util.h"
 
+#include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -194,6 +197,53 @@ ProcessResult RunBinary(const std::string& binary, const std::string& arguments)
   while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
   const int status = ::pclose(pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+BoundedRun RunBinaryWithin(const std::string& binary, const std::string& arguments,
+                           std::chrono::milliseconds deadline, const std::string& environment) {
+  const std::string command = environment + (environment.empty() ? "" : " ") + "exec " +
+                              BinaryPath(binary) + " " + arguments + " 2>&1";
+  BoundedRun result;
+  int out[2];
+  if (::pipe(out) != 0) return result;
+  const pid_t pid = ::fork();
+  if (pid < 0) return result;
+  if (pid == 0) {
+    ::setpgid(0, 0);  // its own group: the deadline kills whatever it started too
+    ::dup2(out[1], STDOUT_FILENO);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // as the child does: whichever runs first
+  ::close(out[1]);
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  char buffer[4096];
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      result.timed_out = true;
+      ::kill(-pid, SIGKILL);
+      break;
+    }
+    pollfd readable{out[0], POLLIN, 0};
+    if (::poll(&readable, 1, static_cast<int>(std::min<int64_t>(left.count(), 100))) <= 0) {
+      continue;
+    }
+    const ssize_t n = ::read(out[0], buffer, sizeof(buffer));
+    if (n <= 0) break;  // every writer closed it: the program (and what it started) ended
+    result.output.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(out[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  result.exited = WIFEXITED(status);
+  result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
+  result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   return result;
 }
 

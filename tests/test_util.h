@@ -101,6 +101,19 @@ struct ProcessResult {
 };
 ProcessResult RunBinary(const std::string& binary, const std::string& arguments);
 
+// Runs build/bin/<binary> as RunBinary does, with `environment` ("NAME=value ...", may be empty)
+// added to its environment, in a process group of its own that is killed (SIGKILL) when it runs
+// past `deadline`: a hang ends the call and shows in the result instead of hanging the test.
+struct BoundedRun {
+  bool exited = false;  // exited normally (with exit_code)
+  int exit_code = -1;
+  int signal = 0;          // the signal that ended it, when it did not exit
+  bool timed_out = false;  // killed at the deadline
+  std::string output;      // stdout and stderr together
+};
+BoundedRun RunBinaryWithin(const std::string& binary, const std::string& arguments,
+                           std::chrono::milliseconds deadline, const std::string& environment = "");
+
 // The whole contents of a file ("" when it cannot be read: tests assert on what they expect).
 std::string ReadFileText(const std::string& path);
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/allocator.h"
 #include "core/atomic_file.h"
 
 namespace tessera {
@@ -15,11 +16,60 @@ TokenDataset::TokenDataset(std::vector<int32_t> tokens, std::string source, bool
   for (int32_t token : tokens_) max_token_ = std::max(max_token_, token);
 }
 
+namespace {
+
+// llm.c's GPT-2 checkpoints (model/gpt2_llmc.h), a file a user may pass as data by mistake.
+constexpr int32_t kLlmcCheckpointMagic = 20240326;
+// How much of a file LooksLikeText reads.
+constexpr size_t kTextSniffBytes = size_t{64} << 10;
+
+// Plausibly text: in the first kTextSniffBytes, no NUL byte and at most 1% control bytes
+// (below 0x20 except tab, newline, carriage return, form feed, vertical tab; and DEL). Bytes from
+// 0x80 up pass, so UTF-8 and Latin-1 text are both text. Binary files (token files with another
+// magic, checkpoints, images, compressed data) have NUL bytes or many control bytes early.
+bool LooksLikeText(std::string_view bytes) {
+  bytes = bytes.substr(0, kTextSniffBytes);
+  size_t control = 0;
+  for (char c : bytes) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte == 0) return false;
+    if ((byte < 0x20 && std::strchr("\t\n\r\f\v", byte) == nullptr) || byte == 0x7f) ++control;
+  }
+  return control * 100 <= bytes.size();
+}
+
+// The tokens of a file of `count` tokens, as 32-bit ids, must fit in the machine's memory.
+Status CheckTokensFit(const std::string& path, int64_t count) {
+  const int64_t memory = PhysicalHostMemoryBytes();
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(int32_t));
+  if (memory <= 0 || bytes <= memory) return Status::Ok();
+  return ResourceExhausted(
+      "data file '{}' holds {} tokens, {:.1f} GiB as 32-bit token ids: more than this machine's "
+      "{:.1f} GiB of memory; train on a part of it",
+      path, count, static_cast<double>(bytes) / (1 << 30), static_cast<double>(memory) / (1 << 30));
+}
+
+}  // namespace
+
 Result<TokenDataset> TokenDataset::Load(const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "data file"));
   int32_t magic = 0;
   if (bytes.size() >= sizeof(magic)) std::memcpy(&magic, bytes.data(), sizeof(magic));
-  return magic == kTokenFileMagic ? FromTokenFileBytes(bytes, path) : FromTextBytes(bytes, path);
+  if (magic == kTokenFileMagic) return FromTokenFileBytes(bytes, path);
+  if (magic == kLlmcCheckpointMagic) {
+    return InvalidArgument(
+        "data file '{}' is an llm.c GPT-2 checkpoint (magic {}), not training data: start from "
+        "it with --init-from, and give --data a text file or an llm.c .bin token file",
+        path, magic);
+  }
+  if (!LooksLikeText(bytes)) {
+    return InvalidArgument(
+        "data file '{}' is neither an llm.c token file (it starts with {}, not the magic {}) nor "
+        "text (it has NUL or control bytes in its first {} KiB): give a text file, tokenized as "
+        "bytes, or a .bin token file of llm.c's format",
+        path, magic, kTokenFileMagic, kTextSniffBytes / 1024);
+  }
+  return FromTextBytes(bytes, path);
 }
 
 Result<TokenDataset> TokenDataset::LoadText(const std::string& path) {
@@ -35,6 +85,7 @@ Result<TokenDataset> TokenDataset::LoadTokenFile(const std::string& path) {
 Result<TokenDataset> TokenDataset::FromTextBytes(const std::string& bytes,
                                                  const std::string& path) {
   if (bytes.empty()) return InvalidArgument("data file '{}' is empty", path);
+  TESSERA_RETURN_IF_ERROR(CheckTokensFit(path, static_cast<int64_t>(bytes.size())));
   std::vector<int32_t> tokens(bytes.size());
   for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
   return TokenDataset(std::move(tokens), path, /*is_text=*/true);
@@ -65,6 +116,7 @@ Result<TokenDataset> TokenDataset::FromTokenFileBytes(const std::string& bytes,
         "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated or corrupt)",
         path, count, expected, bytes.size());
   }
+  TESSERA_RETURN_IF_ERROR(CheckTokensFit(path, count));
   std::vector<int32_t> tokens(static_cast<size_t>(count));
   const char* data = bytes.data() + kHeaderBytes;
   for (int64_t i = 0; i < count; ++i) {

@@ -5,7 +5,8 @@
 //   - a .bin token file in the llm.c / nanoGPT format: a header of 256 int32 (magic 20240520,
 //     version 1, token count) followed by that many uint16 tokens;
 //   - synthetic tokens (uniform random), for benchmarks.
-// Errors name the file and what is wrong with it (missing, empty, bad magic, truncated).
+// Errors name the file and what is wrong with it (missing, not a regular file, empty, bad magic,
+// neither tokens nor text, truncated, larger than memory).
 //
 // BatchSampler draws batches of B windows of T+1 consecutive tokens (inputs and next-token
 // targets) at random offsets from a seeded generator: the same seed gives the same batches.
@@ -26,7 +27,12 @@ inline constexpr int kTokenFileHeaderInts = 256;
 
 class TokenDataset {
  public:
-  // By content: a file starting with the .bin magic is read as tokens, anything else as text.
+  // By content: a file starting with the .bin magic is read as tokens; anything else only if it
+  // is plausibly text (no NUL byte and at most 1% control bytes in its first 64 KiB), so a token
+  // file with a wrong magic or another binary file is refused (InvalidArgument naming what it
+  // starts with) instead of trained on as bytes. A path that is not a regular file (a directory,
+  // /dev/zero) is InvalidArgument; a file whose tokens would not fit in the machine's memory is
+  // ResourceExhausted.
   static Result<TokenDataset> Load(const std::string& path);
   static Result<TokenDataset> LoadText(const std::string& path);
   static Result<TokenDataset> LoadTokenFile(const std::string& path);

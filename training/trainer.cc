@@ -9,6 +9,7 @@
 
 #include <tbb/parallel_for.h>
 
+#include "core/allocator.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 
@@ -118,7 +119,51 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
   return trainer;
 }
 
+namespace {
+
+// What a step needs in host memory besides its state, at least: every input it is fed (the
+// batch, all micro-batches' rows at once, built on the host by the driver) and its largest host
+// intermediate. A lower bound (other intermediates live beside the largest), so a step it
+// refuses could never have run.
+struct StepFootprint {
+  int64_t inputs = 0;
+  int64_t largest = 0;
+  std::string largest_name;
+};
+
+StepFootprint FootprintOf(const Graph& graph) {
+  StepFootprint footprint;
+  for (const ObjectSpec& object : graph.objects()) {
+    if (object.role == ObjectRole::kInput) {
+      footprint.inputs += object.meta.bytes();
+    } else if (object.role == ObjectRole::kActivation && object.meta.device.is_cpu() &&
+               object.meta.bytes() > footprint.largest) {
+      footprint.largest = object.meta.bytes();
+      footprint.largest_name = object.name;
+    }
+  }
+  return footprint;
+}
+
+double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+}  // namespace
+
 Status Trainer::CheckHostMemory() const {
+  const StepFootprint step = FootprintOf(step_graph_.graph);
+  // Whatever runs the step, this process builds every batch and stages each parameter group
+  // whole (initialising, loading or reading it: a buffer and a piece's copy).
+  int64_t largest_group = 0;
+  for (int64_t numel : step_graph_.group_numel) largest_group = std::max(largest_group, numel);
+  const int64_t staging = 2 * largest_group * static_cast<int64_t>(sizeof(float));
+  if (const int64_t here = AvailableHostMemoryBytes(); here > 0 && step.inputs + staging > here) {
+    return ResourceExhausted(
+        "this process needs {:.1f} GiB for a step's inputs (a batch of {} rows x {} positions) "
+        "and {:.1f} GiB to stage the largest parameter group, but this machine has {:.1f} GiB of "
+        "memory available: lower the batch (--batch) or the sequence length (--seq-len), or "
+        "train a smaller model",
+        GiB(step.inputs), plan_.batch, plan_.seq_len, GiB(staging), GiB(here));
+  }
   const int64_t available = backend_->host_memory_bytes();
   if (available <= 0) return Status::Ok();  // a cluster: each worker's store checks its own
   std::map<StateKind, int64_t> host_bytes;
@@ -129,17 +174,28 @@ Status Trainer::CheckHostMemory() const {
     host_bytes[object.kind] += meta.bytes();
     total += meta.bytes();
   }
-  if (total <= available) return Status::Ok();
   std::string parts;
   for (const auto& [kind, bytes] : host_bytes) {
-    parts += fmt::format("{}{} {:.1f} GiB", parts.empty() ? "" : ", ", StateKindName(kind),
-                         static_cast<double>(bytes) / (1 << 30));
+    parts +=
+        fmt::format("{}{} {:.1f} GiB", parts.empty() ? "" : ", ", StateKindName(kind), GiB(bytes));
   }
-  return ResourceExhausted(
-      "the plan keeps {:.1f} GiB of training state in this process's host memory ({}) but "
-      "{:.1f} GiB is available: train a smaller model, keep the optimizer on the GPU "
-      "(no --offload), or spread the state over more workers (ZeRO on a cluster)",
-      static_cast<double>(total) / (1 << 30), parts, static_cast<double>(available) / (1 << 30));
+  if (total > available) {
+    return ResourceExhausted(
+        "the plan keeps {:.1f} GiB of training state in this process's host memory ({}) but "
+        "{:.1f} GiB is available: train a smaller model, keep the optimizer on the GPU "
+        "(no --offload), or spread the state over more workers (ZeRO on a cluster)",
+        GiB(total), parts, GiB(available));
+  }
+  if (const int64_t needed = total + step.inputs + step.largest; needed > available) {
+    return ResourceExhausted(
+        "a step needs at least {:.1f} GiB of host memory in this process ({:.1f} GiB of training "
+        "state, {:.1f} GiB of inputs for a batch of {} rows x {} positions, {:.1f} GiB for its "
+        "largest intermediate '{}') but {:.1f} GiB is available: lower the batch (--batch) or the "
+        "sequence length (--seq-len), or split the batch into micro-batches (--micro-batches)",
+        GiB(needed), GiB(total), GiB(step.inputs), plan_.batch, plan_.seq_len, GiB(step.largest),
+        step.largest_name, GiB(available));
+  }
+  return Status::Ok();
 }
 
 Status Trainer::PrepareStepGraph() {

@@ -150,8 +150,12 @@ class Trainer {
   int64_t OptimizerStateBytes() const;
 
  private:
-  // ResourceExhausted when the plan's host-tier state is more than the backend's host memory
-  // (in process: what the machine has available), naming each kind's share.
+  // ResourceExhausted, before anything is allocated, when the plan's host-tier state is more
+  // than the backend's host memory (in process: what the machine has available), naming each
+  // kind's share; when a step's inputs and the staging of the largest parameter group (both in
+  // this process, whatever runs the step) are more than this machine has available; and, in
+  // process, when the state, the inputs and the step's largest intermediate together are (a
+  // lower bound of the step's peak), naming the flags that shrink it.
   Status CheckHostMemory() const;
   Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
           std::unique_ptr<GraphBackend> backend);

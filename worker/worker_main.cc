@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/atomic_file.h"
+#include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "launcher/process_main.h"
@@ -104,15 +105,15 @@ CLI::App* AddWorkerCommand(CLI::App& app, WorkerProcessFlags& flags) {
   CLI::App* command = app.add_subcommand("worker", "Run a worker in the foreground");
   command->add_option("--address", flags.address);
   command->add_option("--token-file", flags.token_file);
-  command->add_option("--threads", flags.threads)->check(CLI::NonNegativeNumber);
-  command->add_option("--host-memory-mb", flags.host_memory_mb)->check(CLI::PositiveNumber);
+  command->add_option("--threads", flags.threads)->check(tessera::AtLeast(0));
+  command->add_option("--host-memory-mb", flags.host_memory_mb)->check(tessera::AtLeast(1));
   command->add_option("--spill-dir", flags.spill_dir);
   command->add_option("--gpu", flags.gpu, "The GPU this worker owns (-1: a CPU worker)")
-      ->check(CLI::Range(-1, 1023));
+      ->check(tessera::Between(-1, 1023));
   command
       ->add_option("--gpu-memory-gib", flags.gpu_memory_gib,
                    "With --gpu: the allocator's cap (0: the GPU's memory)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   return command;
 }
 

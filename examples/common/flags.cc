@@ -6,18 +6,19 @@
 
 #include <fmt/format.h>
 
+#include "core/flag_checks.h"
 #include "training/layer_profile.h"
 
 namespace tessera::examples {
 
 void AddThreadsFlag(CLI::App& app, CommonFlags& flags) {
   app.add_option("--threads", flags.threads, "CPU threads (0: one per core)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
 }
 
 void AddLogEveryFlag(CLI::App& app, CommonFlags& flags) {
   app.add_option("--log-every", flags.log_every, "Print every N-th step line")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
 }
 
 void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
@@ -25,7 +26,7 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
       app.add_option("--workers", flags.workers,
                      "N data-parallel workers: a local cluster of N CPU worker processes, or N "
                      "workers of --address (0: in this process)")
-          ->check(CLI::NonNegativeNumber);
+          ->check(tessera::AtLeast(0));
   app.add_flag("--in-process", flags.in_process,
                "Train in this process: no scheduler or worker processes (the default when "
                "neither --workers nor --address is given)")
@@ -39,9 +40,9 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--micro-batches", flags.micro_batches,
                  "M micro-batches per worker per step: gradient accumulation, and what flows "
                  "through a pipeline (formerly --grad-accum, still accepted)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   // Old command lines keep working; the help lists only --micro-batches.
-  app.add_option("--grad-accum", flags.grad_accum)->check(CLI::PositiveNumber)->group("");
+  app.add_option("--grad-accum", flags.grad_accum)->check(tessera::AtLeast(1))->group("");
 }
 
 void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
@@ -52,7 +53,7 @@ void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--gpu-memory-gib", flags.gpu_memory_gib,
                  "With --device cuda: cap on the GPU memory the allocator hands out (0: the "
                  "card's free memory less 1 GiB)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
 }
 
 void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
@@ -60,11 +61,11 @@ void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--pipeline-stages", p.stages,
                  "P pipeline stages: the layers cut into P parts, each on a group of "
                  "--workers / P data-parallel workers")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_option("--schedule", p.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1");
   app.add_option("--virtual-stages", p.virtual_stages,
                  "V model chunks per stage (--schedule interleaved)")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_option("--gather", p.gather,
                  "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
                  "(step), before every use (micro-batch), or let the planner choose (auto)");
@@ -80,7 +81,7 @@ void AddCheckpointFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--checkpoint-dir", c.dir,
                  "Save checkpoints here (at the end, and every --checkpoint-every steps)");
   app.add_option("--checkpoint-every", c.every, "Steps between checkpoints (0: end)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_flag("--resume", c.resume,
                "Continue from the latest checkpoint in --checkpoint-dir (any --workers and "
                "--zero-stage)");
@@ -102,22 +103,22 @@ void AddRecoveryFlags(CLI::App& app, CommonFlags& flags) {
                  "Recover from lost workers (and, with --address, a restarted scheduler) up to K "
                  "times: re-plan on the workers there are and resume from the last checkpoint "
                  "(needs --workers and --checkpoint-dir)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--min-workers", r.min_workers,
                  "With --max-restarts: give up when fewer workers than this remain")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_flag("--replace-workers", r.replace_workers,
                "With --max-restarts on a local cluster: start a worker for each one lost");
   app.add_option("--snapshot-every", r.snapshot_every,
                  "With --max-restarts: every N steps (and at every checkpoint) keep the state in "
                  "memory on the workers, each piece also on the next rank's worker, and recover "
                  "from it instead of the disk checkpoint when it survives (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--replacement-grace-ms", r.replacement_grace_ms,
                  "With --max-restarts: how long to wait for the cluster to be back at --workers "
                  "before going on with fewer (default: 0 on a local cluster, 30000 with "
                  "--replace-workers, 10000 with --address)")
-      ->check(CLI::Range(-1, 3'600'000));
+      ->check(tessera::Between(-1, 3'600'000));
 }
 
 void AddTraceFlags(CLI::App& app, CommonFlags& flags) {
@@ -126,7 +127,7 @@ void AddTraceFlags(CLI::App& app, CommonFlags& flags) {
                  "collectives, transfers on every worker) to this file as Chrome/Perfetto JSON "
                  "(open in ui.perfetto.dev)");
   app.add_option("--trace-steps", flags.trace.steps, "How many of the last steps --trace writes")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
 }
 
 void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
@@ -142,7 +143,7 @@ std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* 
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "%s: %s\n\n%s", program, e.what(), app.help().c_str());
+    std::fprintf(stderr, "%s: %s\n\n%s", program, FlagErrorMessage(e).c_str(), app.help().c_str());
     return 2;
   }
   return std::nullopt;
@@ -157,6 +158,12 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
     return InvalidArgument(
         "--max-restarts recovers a run on a cluster from its checkpoints: it needs --workers "
         "(with --address or a local cluster) and --checkpoint-dir");
+  }
+  if (flags.workers > 0 && r.min_workers > flags.workers) {
+    return InvalidArgument(
+        "--min-workers {} is more than --workers {}: the run could never have that many; use "
+        "--min-workers {} or fewer",
+        r.min_workers, flags.workers, flags.workers);
   }
   if (r.snapshot_every > 0 && r.max_restarts == 0) {
     return InvalidArgument(

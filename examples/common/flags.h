@@ -105,8 +105,8 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags);
 std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program);
 
 // InvalidArgument, saying what to change, for flags that do not go together: --resume without
-// --checkpoint-dir, --max-restarts without a cluster and checkpoints, --snapshot-every without
-// --max-restarts, --replace-workers with --address.
+// --checkpoint-dir, --max-restarts without a cluster and checkpoints, --min-workers above
+// --workers, --snapshot-every without --max-restarts, --replace-workers with --address.
 Status CheckFlagCombinations(const CommonFlags& flags);
 
 // Sets the plan's parallel part from the flags: data-parallel ranks (--workers, unless

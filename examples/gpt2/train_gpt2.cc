@@ -24,6 +24,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/allocator.h"
+#include "core/flag_checks.h"
 #include "core/run_main.h"
 #include "examples/common/flags.h"
 #include "examples/common/session.h"
@@ -43,6 +45,9 @@ using tessera::Trainer;
 namespace examples = tessera::examples;
 
 constexpr const char* kProgram = "train_gpt2";
+// More blocks than any GPT has had (GPT-3 has 96): beyond it, building the model and planning
+// its step take minutes before anything is printed, for a model nobody means to train.
+constexpr int64_t kMaxLayers = 1024;
 
 #ifndef TESSERA_DEFAULT_DATA
 #define TESSERA_DEFAULT_DATA "data/tinyshakespeare.txt"
@@ -154,6 +159,23 @@ Result<ResolvedShape> ResolveShape(const Flags& flags) {
   }
   TESSERA_RETURN_IF_ERROR(config.Validate());
   return shape;
+}
+
+// The driver's own share of a step: the batch's token ids and targets (and, with --data
+// synthetic, a dataset of 16 batches) are built in this process, so they must fit in this
+// machine's memory. Checked in floating point, before any size is computed in int64_t (an absurd
+// --batch would overflow it); what the step needs besides is Trainer::Create's to check.
+Status CheckBatchFits(const Flags& flags, const ResolvedShape& shape) {
+  const int64_t memory = tessera::PhysicalHostMemoryBytes();
+  const double copies = flags.data == "synthetic" ? 16 : 2;
+  const double bytes = static_cast<double>(shape.batch) * static_cast<double>(shape.seq_len + 1) *
+                       sizeof(int32_t) * copies;
+  if (memory <= 0 || bytes <= static_cast<double>(memory)) return Status::Ok();
+  return tessera::ResourceExhausted(
+      "--batch {} x --seq-len {} needs {:.1f} GiB for the batches' token ids alone, more than this "
+      "machine's {:.1f} GiB of memory: lower the batch (--batch) or the sequence length "
+      "(--seq-len)",
+      shape.batch, shape.seq_len, bytes / (1 << 30), static_cast<double>(memory) / (1 << 30));
 }
 
 // ---- data ----
@@ -412,6 +434,7 @@ Status Finish(Trainer& trainer, const Flags& flags, const ResolvedShape& shape, 
 
 Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(ResolvedShape shape, ResolveShape(flags));
+  TESSERA_RETURN_IF_ERROR(CheckBatchFits(flags, shape));
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags.common));
   if (!runtime.device.is_cpu()) shape.config.activations = tessera::GpuActivations();
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Data> data, LoadData(flags, shape));
@@ -470,27 +493,27 @@ Status Train(const Flags& flags) {
 // The model, training, data, evaluation and sampling flags, and the llm.c files.
 void AddModelFlags(CLI::App& app, Flags& flags) {
   app.add_option("--layers", flags.layers, "Transformer blocks (overrides the preset)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--channels", flags.channels, "Embedding width")->check(CLI::PositiveNumber);
+      ->check(tessera::Between(1, kMaxLayers));
+  app.add_option("--channels", flags.channels, "Embedding width")->check(tessera::AtLeast(1));
   app.add_option("--heads", flags.heads, "Attention heads (must divide --channels)")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_option("--vocab", flags.vocab, "Vocabulary size (>= 256 for byte-level text)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--seq-len", flags.seq_len, "Tokens per sequence")->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
+  app.add_option("--seq-len", flags.seq_len, "Tokens per sequence")->check(tessera::AtLeast(1));
   app.add_option("--max-seq-len", flags.max_seq_len,
                  "Positions in the position embedding (default: the preset's or --seq-len)")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_option("--layer-impl", flags.layer_impl,
                  "How the layers run: fused (hand-fused layer ops, the fast path) or primitive "
                  "(programs of primitive ops with derived backwards, the reference; CPU only)")
       ->check(CLI::IsMember({"fused", "primitive"}));
-  app.add_option("--batch", flags.batch, "Sequences per step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", flags.steps, "Training steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--lr", flags.lr, "Learning rate (constant)")->check(CLI::PositiveNumber);
+  app.add_option("--batch", flags.batch, "Sequences per step")->check(tessera::AtLeast(1));
+  app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));
+  app.add_option("--lr", flags.lr, "Learning rate (constant)")->check(tessera::AboveZero());
   app.add_option("--weight-decay", flags.weight_decay, "AdamW weight decay on matrices")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--grad-clip", flags.grad_clip, "Global gradient-norm bound (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--optimizer", flags.optimizer, "adamw or sgd")
       ->check(CLI::IsMember({"adamw", "sgd"}));
   app.add_option("--seed", flags.seed, "Seed for initialisation, batches and sampling");
@@ -503,13 +526,13 @@ void AddDataFlags(CLI::App& app, Flags& flags) {
                  "Share of the data held out for --eval-every")
       ->check(CLI::Range(0.0, 0.5));
   app.add_option("--eval-every", flags.eval_every, "Validation loss every N steps (0: never)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--eval-batches", flags.eval_batches, "Batches per validation")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AtLeast(1));
   app.add_option("--sample", flags.sample, "Generate N tokens after training")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessera::AtLeast(0));
   app.add_option("--temperature", flags.temperature, "Sampling temperature")
-      ->check(CLI::PositiveNumber);
+      ->check(tessera::AboveZero());
   app.add_option("--prompt", flags.prompt, "Text that starts the sample");
 }
 

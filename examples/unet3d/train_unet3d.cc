@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/flag_checks.h"
 #include "core/run_main.h"
 #include "data/volumes.h"
 #include "examples/common/flags.h"
@@ -159,9 +160,9 @@ int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"Train a 3D U-Net on generated segmentation volumes (spheres and boxes)"};
   app.add_option("--preset", flags.preset, "Model preset: tiny, small");
-  app.add_option("--steps", flags.steps, "Training steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch", flags.batch, "Volumes per step")->check(CLI::PositiveNumber);
-  app.add_option("--lr", flags.lr, "Learning rate (AdamW, constant)")->check(CLI::PositiveNumber);
+  app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));
+  app.add_option("--batch", flags.batch, "Volumes per step")->check(tessera::AtLeast(1));
+  app.add_option("--lr", flags.lr, "Learning rate (AdamW, constant)")->check(tessera::AboveZero());
   app.add_option("--seed", flags.seed, "Seed for initialisation and data");
   examples::AddThreadsFlag(app, flags.common);
   examples::AddPlanFlags(app, flags.common);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -140,6 +141,26 @@ TEST(ClusterTest, AKilledWorkersObjectsAreRebuiltOrFailWithItsNameAndTasksRetryE
     ASSERT_OK_AND_ASSIGN(Tensor value, cluster->Get(ref, 15'000));
     EXPECT_EQ(ToVector(value), (std::vector<float>{4, 5}));
   }
+}
+
+// A worker of a local cluster that dies while the driver (this test) runs on is reaped by the
+// driver, not left a zombie child until it exits; the other processes are left alone.
+TEST(ClusterTest, AKilledWorkerIsReapedWhileTheDriverRuns) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(2)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ASSERT_EQ(info.workers.size(), 2u);
+  const int victim = info.workers[0].pid;
+  const std::vector<pid_t> started = cluster->local_processes();
+  ASSERT_EQ(started.size(), 3u) << "the scheduler and two workers";
+  ASSERT_NE(std::find(started.begin(), started.end(), victim), started.end());
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const std::string stat = "/proc/" + std::to_string(victim) + "/stat";
+  // Gone from /proc altogether: reaped (a zombie keeps its entry, in state Z).
+  EXPECT_TRUE(Eventually([&] { return !std::filesystem::exists(stat); }, std::chrono::seconds(10)))
+      << "pid " << victim << " is still in /proc: " << ReadFileText(stat);
+  EXPECT_TRUE(
+      Eventually([&] { return cluster->local_processes().size() == 2; }, std::chrono::seconds(10)));
+  for (pid_t pid : cluster->local_processes()) EXPECT_FALSE(ProcessGone(pid)) << pid;
 }
 
 // A chain of three tasks whose intermediates the driver let go of: its last object, lost with its

@@ -192,6 +192,43 @@ TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {
   EXPECT_NE(Settings::Describe().find("TESSERA_GEMM_SPLIT_MIN_FLOPS"), std::string::npos);
 }
 
+// Every integer setting has a range; a value outside it, or a heartbeat timeout that is not above
+// the interval, is refused naming the variable and what it may be.
+TEST(SettingsTest, ValuesOutOfRangeAreRefusedNamingTheVariable) {
+  std::map<std::string, std::string> env;
+  auto lookup = [&](const std::string& name) -> std::optional<std::string> {
+    auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+  const std::pair<const char*, const char*> refused[] = {
+      {"TESSERA_CPU_THREADS", "-1"},          {"TESSERA_SCHEDULER_GRACE_MS", "-5"},
+      {"TESSERA_DATA_CHUNK_BYTES", "0"},      {"TESSERA_COLLECTIVE_CHUNK_BYTES", "0"},
+      {"TESSERA_HEARTBEAT_INTERVAL_MS", "0"}, {"TESSERA_DASHBOARD_PORT", "70000"},
+      {"TESSERA_TRACE_INSTANCES", "0"},       {"TESSERA_PULL_TIMEOUT_MS", "-1"}};
+  for (const auto& [variable, value] : refused) {
+    env = {{variable, value}};
+    Result<Settings> settings = Settings::FromEnvironment(lookup);
+    ASSERT_FALSE(settings.ok()) << variable << "=" << value;
+    EXPECT_EQ(settings.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(
+        settings.status().message().find(fmt::format("{}={} is out of range", variable, value)),
+        std::string::npos)
+        << settings.status().ToString();
+  }
+  env = {{"TESSERA_CPU_THREADS", "0"}, {"TESSERA_DASHBOARD_PORT", "-1"}};
+  EXPECT_OK(Settings::FromEnvironment(lookup).status());
+  env = {{"TESSERA_HEARTBEAT_TIMEOUT_MS", "400"}};  // the interval is 500
+  Result<Settings> heartbeat = Settings::FromEnvironment(lookup);
+  ASSERT_FALSE(heartbeat.ok());
+  EXPECT_NE(heartbeat.status().message().find("must be above TESSERA_HEARTBEAT_INTERVAL_MS"),
+            std::string::npos)
+      << heartbeat.status().ToString();
+  EXPECT_NE(Settings::Describe().find("TESSERA_CPU_THREADS=0 (threads, 0..4096)"),
+            std::string::npos)
+      << Settings::Describe();
+}
+
 TEST(AtomicFileTest, WritesWholeFileAndReplacesAtomically) {
   const std::string path = TempPath("tessera_atomic_test.txt");
   ASSERT_OK(WriteFileAtomically(path, "first"));

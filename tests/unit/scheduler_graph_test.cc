@@ -359,6 +359,50 @@ TEST_F(RegisteredGraphTest, AWorkerDyingMidInstanceCancelsItsPeersAndFailsTheOut
   ASSERT_OK(InstanceDone(w1, 3, 8, {}));
 }
 
+// Every recovery from a lost worker registers the step graph again on the workers there are; the
+// graphs placed on the worker that died can never run again. They are forgotten, here and on the
+// workers that hold their parts, so the scheduler holds no more graphs after twenty recoveries
+// than after one (it used to keep every one: "~240 KB per recovery"), and running a retired
+// graph is refused saying why. A driver's graphs go when it leaves.
+TEST_F(RegisteredGraphTest, GraphsPlacedOnADeadWorkerAreForgottenAfterEachRecovery) {
+  const WorkerId survivor = Join(proto::Role::WORKER);
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1 << 20), ObjectRole::kInput);
+  graph.MarkOutput(AddGelu(graph, "a", {x}));
+  AddGelu(graph, "b", {x});
+  WorkerId dead;
+  for (uint64_t recovery = 1; recovery <= 20; ++recovery) {
+    const WorkerId joined = Join(proto::Role::WORKER);
+    const uint64_t graph_id = 100 + recovery;
+    ASSERT_OK(Register(driver, graph_id, graph));
+    ASSERT_OK(TakeReply(driver));
+    EXPECT_EQ(core_.num_graphs(), 1u) << "recovery " << recovery;
+    Put(driver, recovery, 1 << 20, /*inline_data=*/false);
+    ASSERT_OK(Run(driver, graph_id, 1, {{x.value(), recovery}}, {1000 + recovery}));
+    ASSERT_EQ(outbox_.Take(joined, Body::RUN_GRAPH).size(), 1u) << "the graph uses both workers";
+    core_.Disconnected(joined, Unavailable("killed"));  // mid-instance, as in a failed step
+    core_.Flush();
+    EXPECT_EQ(core_.num_graphs(), 0u) << "recovery " << recovery;
+    EXPECT_FALSE(outbox_.Take(survivor, Body::FORGET_GRAPHS).empty())
+        << "the survivor drops its part too";
+    dead = joined;
+  }
+  outbox_.Take(driver, Body::REPLY);
+  ASSERT_OK(Run(driver, 120, 2, {{x.value(), 20}}, {2000}));
+  const Status refused = TakeReply(driver, /*request_id=*/0);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
+  EXPECT_NE(refused.message().find("graph 120 can no longer run"), std::string::npos)
+      << refused.ToString();
+  EXPECT_NE(refused.message().find(dead.ToString()), std::string::npos) << refused.ToString();
+
+  ASSERT_OK(Register(driver, 200, graph));  // on the survivor alone
+  ASSERT_OK(TakeReply(driver));
+  EXPECT_EQ(core_.num_graphs(), 1u);
+  core_.Disconnected(driver, Unavailable("driver exited"));
+  EXPECT_EQ(core_.num_graphs(), 0u);
+}
+
 TEST_F(RegisteredGraphTest, BadBindingsAndFailedPartsFailTheInstanceOutputs) {
   const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
   Graph graph;

@@ -3,12 +3,14 @@
 // of a hang, and where the tessera binary is looked for. Small shell scripts stand in for the
 // tessera binary.
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <filesystem>
 #include <fstream>
 #include <set>
 
 #include "core/atomic_file.h"
+#include "launcher/process.h"
 #include "launcher/session.h"
 #include "test_util.h"
 
@@ -135,6 +137,25 @@ struct BinarySearch {
                                [&](const std::string& file) { return present.contains(file); });
   }
 };
+
+// The reaper reaps the children it was given once they exit, and only those: a child it was not
+// given stays for its own waiter.
+TEST(ChildReaperTest, ReapsTheGivenChildrenThatExitAndNoOthers) {
+  ASSERT_OK_AND_ASSIGN(const pid_t other, SpawnProcess({"/bin/sh", "-c", "exit 0"}, {}));
+  ASSERT_OK_AND_ASSIGN(const pid_t quick, SpawnProcess({"/bin/sh", "-c", "exit 3"}, {}));
+  ASSERT_OK_AND_ASSIGN(const pid_t slow, SpawnProcess({"/bin/sleep", "30"}, {}));
+  ChildReaper reaper(std::chrono::milliseconds(10));
+  reaper.Add(quick);
+  reaper.Add(slow);
+  EXPECT_TRUE(Eventually([&] { return reaper.Children() == std::vector<pid_t>{slow}; }));
+  EXPECT_FALSE(std::filesystem::exists("/proc/" + std::to_string(quick))) << "reaped";
+  EXPECT_TRUE(Eventually([&] { return ProcessGone(other); }));
+  EXPECT_TRUE(std::filesystem::exists("/proc/" + std::to_string(other))) << "left to its waiter";
+  int status = 0;
+  EXPECT_EQ(::waitpid(other, &status, 0), other);
+  EXPECT_EQ(reaper.Stop(), std::vector<pid_t>{slow});
+  StopProcess(slow, 1000);
+}
 
 TEST(SessionTest, TheTesseraBinaryIsLookedForInOrder) {
   BinarySearch search;

@@ -61,6 +61,49 @@ TEST(TokenDatasetTest, BadFilesSayWhichFileAndWhy) {
   ASSERT_FALSE(TokenDataset::LoadTokenFile(header_only).ok());
 }
 
+// Load reads what is not a token file as text only when it plausibly is text: a token file with
+// another magic, an llm.c checkpoint or other binary data is refused saying what it is; paths that
+// are not regular files are refused before anything is read.
+TEST(TokenDatasetTest, OnlyTextIsReadAsText) {
+  const std::string utf8 = TempPath("utf8.txt");
+  WriteBytes(utf8, "caf\xc3\xa9\tna\xc3\xafve\r\n\f");
+  ASSERT_OK_AND_ASSIGN(TokenDataset text, TokenDataset::Load(utf8));
+  EXPECT_TRUE(text.is_text());
+
+  std::string wrong_magic(1024, '\0');
+  wrong_magic[0] = 1;
+  const std::string wrong = TempPath("wrong_magic.bin");
+  WriteBytes(wrong, wrong_magic);
+  Result<TokenDataset> binary = TokenDataset::Load(wrong);
+  ASSERT_FALSE(binary.ok());
+  EXPECT_EQ(binary.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(binary.status().message().find("neither an llm.c token file (it starts with 1,"),
+            std::string::npos)
+      << binary.status().ToString();
+
+  std::string controls(1000, 'a');
+  for (size_t i = 0; i < 20; ++i) controls[i * 50] = '\x01';  // 2% control bytes, no NUL
+  const std::string noisy = TempPath("controls.bin");
+  WriteBytes(noisy, controls);
+  EXPECT_FALSE(TokenDataset::Load(noisy).ok());
+
+  const std::string checkpoint = TempPath("checkpoint.bin");
+  const int32_t header[4] = {20240326, 3, 1024, 50257};
+  WriteBytes(checkpoint, std::string(reinterpret_cast<const char*>(header), sizeof(header)));
+  Result<TokenDataset> model = TokenDataset::Load(checkpoint);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.status().message().find("--init-from"), std::string::npos)
+      << model.status().ToString();
+
+  for (const std::string& path : {::testing::TempDir(), std::string("/dev/zero")}) {
+    Result<TokenDataset> special = TokenDataset::Load(path);
+    ASSERT_FALSE(special.ok()) << path;
+    EXPECT_EQ(special.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(special.status().message().find("not a regular file"), std::string::npos)
+        << special.status().ToString();
+  }
+}
+
 TEST(TokenDatasetTest, SplitKeepsOrderAndProportions) {
   TokenDataset data = TokenDataset::Synthetic(1000, 50, 1);
   auto [train, val] = data.Split(0.1);

@@ -93,5 +93,23 @@ TEST(TrainerInitTest, StateLargerThanTheHostMemoryIsRefusedUpFront) {
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 
+// A batch whose step could never fit (its largest intermediate alone, here the logits, is more
+// than the process may hold) is refused up front too, naming the figures and the flags to lower.
+TEST(TrainerInitTest, AStepLargerThanTheHostMemoryIsRefusedUpFront) {
+  TrainingPlan plan;
+  plan.batch = int64_t{1} << 20;  // logits: 2^20 x 16 x 8192 floats, 512 GiB
+  plan.seq_len = 16;
+  ExecutorOptions options;
+  options.host_memory_bytes = int64_t{1} << 30;  // the state (~33 MiB) fits
+  Result<std::unique_ptr<Trainer>> refused = Trainer::Create(*BuildGpt2(kConfig), plan, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  const std::string message = refused.status().message();
+  EXPECT_THAT(message, ::testing::HasSubstr("a step needs at least"));
+  EXPECT_THAT(message, ::testing::HasSubstr("largest intermediate"));
+  EXPECT_THAT(message, ::testing::HasSubstr("--batch"));
+  EXPECT_THAT(message, ::testing::HasSubstr("1.0 GiB is available"));
+}
+
 }  // namespace
 }  // namespace tessera::testing
