@@ -1,6 +1,7 @@
 #include "core/pending_connections.h"
 
 #include <algorithm>
+#include <cerrno>
 
 #include "core/settings.h"
 #include "core/status.h"
@@ -72,6 +73,11 @@ void PendingConnections::Erase(uint64_t id) {
   address->second.erase(it->second.order);
   if (address->second.empty()) by_address_.erase(address);
   by_id_.erase(it);
+}
+
+bool AcceptOutOfResources(int error_number) {
+  return error_number == EMFILE || error_number == ENFILE || error_number == ENOBUFS ||
+         error_number == ENOMEM;
 }
 
 std::string PendingConnections::AddressOf(std::string_view peer) {

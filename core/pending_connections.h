@@ -83,4 +83,9 @@ class PendingConnections {
   std::map<std::string, std::map<uint64_t, uint64_t>> by_address_;
 };
 
+// Whether accept(2) failed for want of descriptors or kernel memory (EMFILE, ENFILE, ENOBUFS,
+// ENOMEM, as `errno` values): it fails again at once until that changes, so a listener must pause
+// rather than retry (rpc::Listener and the dashboard's server do).
+bool AcceptOutOfResources(int error_number);
+
 }  // namespace tessera

@@ -7,7 +7,6 @@
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
-#include <cerrno>
 #include <chrono>
 #include <map>
 #include <optional>
@@ -269,9 +268,8 @@ class HttpServerImpl final : public HttpServer {
   // Out of descriptors or memory, accept fails at once until that changes: pause rather than
   // spin (the scheduler's io thread serves this server), and say so once.
   void AcceptFailed(const beast::error_code& error) {
-    const bool exhausted = error.category() == boost::system::system_category() &&
-                           (error.value() == EMFILE || error.value() == ENFILE ||
-                            error.value() == ENOBUFS || error.value() == ENOMEM);
+    const bool exhausted =
+        error.category() == boost::system::system_category() && AcceptOutOfResources(error.value());
     if (!exhausted) {
       if (acceptor_.is_open()) Accept();
       return;

@@ -4,12 +4,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <future>
 
 #include "core/logging.h"
+#include "core/pending_connections.h"
 
 namespace tessera::rpc {
 
@@ -307,9 +307,8 @@ void Listener::Accepted() {
 }
 
 void Listener::AcceptFailed(const boost::system::error_code& error) {
-  const bool exhausted = error.category() == boost::system::system_category() &&
-                         (error.value() == EMFILE || error.value() == ENFILE ||
-                          error.value() == ENOBUFS || error.value() == ENOMEM);
+  const bool exhausted =
+      error.category() == boost::system::system_category() && AcceptOutOfResources(error.value());
   if (!exhausted) return AcceptNext();  // e.g. a client that reset before it was accepted
   if (!exhausted_) {
     exhausted_ = true;

@@ -1,5 +1,6 @@
 // core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings,
 // the bounds on pending connections.
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -237,6 +238,9 @@ TEST(PendingConnectionsTest, AddressesAreThePeersIpWithoutThePort) {
   EXPECT_EQ(PendingConnections::AddressOf("[fe80::1]:80"), "fe80::1");
   EXPECT_EQ(PendingConnections::AddressOf("unix:/tmp/s.sock"), "unix:/tmp/s.sock");
   EXPECT_EQ(PendingConnections::AddressOf("host"), "host");
+  EXPECT_TRUE(AcceptOutOfResources(EMFILE));
+  EXPECT_TRUE(AcceptOutOfResources(ENFILE));
+  EXPECT_FALSE(AcceptOutOfResources(ECONNABORTED));
   // The settings carry the limits.
   Settings settings;
   settings.preauth_deadline_ms = 250;
