@@ -7,7 +7,6 @@
 //     once the idle ones expired clients join as before.
 // Figures are printed; bounds are generous (several times the expected), for loaded machines.
 #include <poll.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -31,25 +30,6 @@ using Socket = rpc::asio::ip::tcp::socket;
 
 double MillisecondsSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-// Raises this process's soft descriptor limit to the hard one (the scheduler it starts inherits
-// it) and returns how many idle connections of `wanted` both ends can afford.
-int AffordableConnections(int wanted) {
-  rlimit limit{};
-  ::getrlimit(RLIMIT_NOFILE, &limit);
-  if (limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &limit);
-    ::getrlimit(RLIMIT_NOFILE, &limit);
-  }
-  const auto descriptors = static_cast<int>(std::min<rlim_t>(limit.rlim_cur, 1 << 20));
-  const int affordable = std::max(16, descriptors - 256);
-  if (affordable < wanted) {
-    std::printf("the descriptor limit (%d) affords %d idle connections, not %d\n", descriptors,
-                affordable, wanted);
-  }
-  return std::min(wanted, affordable);
 }
 
 // Whether the peer closed `socket` (end of stream or reset), without waiting.
@@ -111,7 +91,8 @@ class PreauthLimitsTest : public ::testing::Test {
 };
 
 TEST_F(PreauthLimitsTest, IdleConnectionsAreClosedAtTheDeadlineWhileStatusAnswers) {
-  const int count = AffordableConnections(1000);
+  // Both ends are descriptors: this process's, and the scheduler's (it inherits the limit).
+  const int count = AffordableWithDescriptors(1000, 1, 256, "idle connections");
   constexpr int64_t kDeadlineMs = 2000;
   // Caps above the flood: only the deadline closes these.
   Start(kDeadlineMs, int64_t{4} * count, int64_t{4} * count);

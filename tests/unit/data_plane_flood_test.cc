@@ -3,9 +3,6 @@
 // or as the oldest over a cap on pending endpoints, and meanwhile a member's handshake and pull
 // take what they take on a quiet data plane: no wait behind the flood. The figures are printed;
 // the bounds are generous (a loaded machine), the expected times are milliseconds.
-#include <sys/resource.h>
-
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -29,25 +26,6 @@ constexpr int kDescriptorsPerEndpoint = 8;
 
 double MillisecondsSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-// As many of `wanted` silent endpoints as this process's descriptor limit affords, after raising
-// the soft limit to the hard one; says so when it is fewer.
-int AffordableEndpoints(int wanted) {
-  rlimit limit{};
-  ::getrlimit(RLIMIT_NOFILE, &limit);
-  if (limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &limit);
-    ::getrlimit(RLIMIT_NOFILE, &limit);
-  }
-  const auto descriptors = static_cast<int>(std::min<rlim_t>(limit.rlim_cur, 1 << 20));
-  const int affordable = std::max(16, (descriptors - 512) / kDescriptorsPerEndpoint);
-  if (affordable < wanted) {
-    std::printf("the descriptor limit (%d) affords %d silent endpoints, not %d\n", descriptors,
-                affordable, wanted);
-  }
-  return std::min(wanted, affordable);
 }
 
 DataPlaneOptions Options(PendingLimits preauth) {
@@ -105,7 +83,8 @@ std::unique_ptr<RawDataPlanePeer> Flood(const DataPlane& holder, int count, int 
 }
 
 TEST(DataPlaneFloodTest, SilentEndpointsDoNotDelayAMembersHandshake) {
-  const int count = AffordableEndpoints(1000);
+  const int count =
+      AffordableWithDescriptors(1000, kDescriptorsPerEndpoint, 512, "silent endpoints");
   // Caps above the flood: only the deadline closes them; the member must not wait behind them.
   const PendingLimits preauth{
       .deadline_ms = 3000, .max_pending = 2 * count, .max_pending_per_address = 2 * count};
