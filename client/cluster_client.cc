@@ -86,6 +86,7 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
     }
     data_options.chunk_bytes = settings_.data_chunk_bytes;
     data_options.pull_timeout_ms = static_cast<int>(settings_.pull_timeout_ms);
+    data_options.preauth = PendingLimits::FromSettings(settings_);
     TESSERA_ASSIGN_OR_RETURN(
         data_plane_, DataPlane::Start(data_options, [this](ObjectId id) -> Result<ServedObject> {
           MutexLock lock(&held_mutex_);

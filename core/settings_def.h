@@ -87,3 +87,28 @@ TESSERA_INT_SETTING(
     "at the scheduler's host address, guarded by the cluster token. 0: any free port "
     "(written to <session>/dashboard.address; `tessera start --head` prints the URL). "
     "-1: no dashboard. `--dashboard-port` overrides it.")
+
+TESSERA_INT_SETTING(
+    preauth_deadline_ms, 5000, 100, 600000, "ms",
+    "A connection that has not proved the cluster token this long after it was "
+    "accepted is closed: the scheduler's control connections (Hello), data-plane "
+    "endpoints (the token handshake); the dashboard closes a connection that has not "
+    "sent a whole request within it. Lower sheds idle strangers sooner; too low "
+    "refuses peers on a slow or loaded network.")
+
+TESSERA_INT_SETTING(
+    preauth_frame_bytes, 65536, 1024, 268435456, "bytes",
+    "The largest control-plane frame the scheduler buffers from a connection before "
+    "its Hello was accepted (Hello is well under 1 KiB); after it, frames up to "
+    "256 MiB. A bigger one closes that connection.")
+
+TESSERA_INT_SETTING(
+    preauth_max_pending, 512, 1, 1000000, "connections",
+    "Connections still proving the token (or, on the dashboard, waiting for a "
+    "request), in all, per listener: the scheduler, each data plane, the dashboard. "
+    "At the cap the oldest is closed to make room for a new one, so a flood cannot "
+    "lock others out. Keep it well under the file-descriptor limit (ulimit -n).")
+
+TESSERA_INT_SETTING(preauth_max_pending_per_address, 64, 1, 1000000, "connections",
+                    "The same cap per peer IP address (all local Unix-socket peers count as one): "
+                    "one host's flood displaces its own oldest connections first.")

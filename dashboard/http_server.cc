@@ -3,13 +3,16 @@
 // Boost 1.74's Asio under GCC 12 in C++20 uses std::exchange without including <utility>.
 #include <utility>
 
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <chrono>
 #include <map>
 #include <optional>
 
 #include "core/logging.h"
+#include "core/pending_connections.h"
 
 namespace tessera::dashboard {
 
@@ -24,11 +27,24 @@ class Session;
 
 // What the server and its sessions share: a session may outlive the server by a few handlers.
 struct ServerState {
+  explicit ServerState(const HttpServerOptions& server_options)
+      : options(server_options),
+        waiting(PendingLimits{
+            .deadline_ms = server_options.idle_timeout_ms,
+            .max_pending = std::max(1, server_options.max_connections),
+            .max_pending_per_address = std::clamp(server_options.max_pending_per_address, 1,
+                                                  std::max(1, server_options.max_connections))}) {}
+
+  // Closes session `id` if it is still open.
+  void CloseSession(uint64_t id);
+
   HttpServerOptions options;
   HttpServer::Handler handler;
   bool closed = false;
   uint64_t next_session = 1;
-  std::map<uint64_t, std::weak_ptr<Session>> sessions;
+  std::map<uint64_t, std::weak_ptr<Session>> sessions;  // the open ones
+  // The open sessions waiting for a request (the deadline is the stream's own timer).
+  PendingConnections waiting;
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -37,13 +53,17 @@ class Session : public std::enable_shared_from_this<Session> {
       : stream_(std::move(socket)),
         state_(std::move(state)),
         id_(id),
-        buffer_(state_->options.header_limit_bytes + state_->options.body_limit_bytes) {}
+        buffer_(state_->options.header_limit_bytes + state_->options.body_limit_bytes) {
+    beast::error_code ignored;
+    address_ = stream_.socket().remote_endpoint(ignored).address().to_string();
+  }
 
-  ~Session() { state_->sessions.erase(id_); }
+  ~Session() { Forget(); }
 
   void Start() { ReadRequest(); }
 
   void Close() {
+    Forget();
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.close();
@@ -54,7 +74,17 @@ class Session : public std::enable_shared_from_this<Session> {
     return std::chrono::milliseconds(state_->options.idle_timeout_ms);
   }
 
+  // No longer open: out of the server's tables (the handlers in flight end it).
+  void Forget() {
+    state_->sessions.erase(id_);
+    state_->waiting.Remove(id_);
+  }
+
   void ReadRequest() {
+    // Waiting for a request: room for it may close the session that has waited longest.
+    for (uint64_t evicted : state_->waiting.Add(id_, address_, PendingConnections::Clock::now())) {
+      state_->CloseSession(evicted);
+    }
     parser_.emplace();
     parser_->header_limit(state_->options.header_limit_bytes);
     parser_->body_limit(state_->options.body_limit_bytes);
@@ -65,6 +95,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnRead(beast::error_code error) {
+    state_->waiting.Remove(id_);
     if (error == http::error::end_of_stream || error == beast::error::timeout ||
         error == asio::error::operation_aborted || error == asio::error::connection_reset ||
         error == asio::error::eof || state_->closed) {
@@ -144,14 +175,25 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::tcp_stream stream_;
   std::shared_ptr<ServerState> state_;
   const uint64_t id_;
+  std::string address_;  // the client's IP
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
 };
 
+void ServerState::CloseSession(uint64_t id) {
+  auto it = sessions.find(id);
+  if (it == sessions.end()) return;
+  if (std::shared_ptr<Session> session = it->second.lock()) {
+    session->Close();
+  } else {
+    sessions.erase(it);
+  }
+}
+
 class HttpServerImpl final : public HttpServer {
  public:
   HttpServerImpl(asio::io_context& io, std::shared_ptr<ServerState> state)
-      : acceptor_(io), state_(std::move(state)) {}
+      : acceptor_(io), backoff_(io), state_(std::move(state)) {}
 
   ~HttpServerImpl() override { CloseAcceptor(); }
 
@@ -192,28 +234,62 @@ class HttpServerImpl final : public HttpServer {
  private:
   void CloseAcceptor() {
     beast::error_code ignored;
-    if (acceptor_.is_open()) acceptor_.close(ignored);
+    if (acceptor_.is_open()) acceptor_.close(ignored);  // a pending backoff then does nothing
   }
 
   void Accept() {
     acceptor_.async_accept([this, state = state_](beast::error_code error, tcp::socket socket) {
       if (state->closed || error == asio::error::operation_aborted) return;
-      if (!error) {
-        if (static_cast<int>(state->sessions.size()) >= state->options.max_connections) {
-          beast::error_code ignored;
-          socket.close(ignored);  // full: the client may try again
-        } else {
-          const uint64_t id = state->next_session++;
-          auto session = std::make_shared<Session>(std::move(socket), state, id);
-          state->sessions.emplace(id, session);
-          session->Start();
-        }
-      }
+      if (error) return AcceptFailed(error);
+      exhausted_ = false;
+      Admit(std::move(socket));
       if (acceptor_.is_open()) Accept();
     });
   }
 
+  void Admit(tcp::socket socket) {
+    // Full: the session that has waited longest for a request makes room.
+    while (static_cast<int>(state_->sessions.size()) >= state_->options.max_connections) {
+      const std::optional<uint64_t> oldest = state_->waiting.TakeOldest();
+      if (!oldest) break;
+      state_->CloseSession(*oldest);
+    }
+    if (static_cast<int>(state_->sessions.size()) >= state_->options.max_connections) {
+      beast::error_code ignored;
+      socket.close(ignored);  // every one is busy answering: the client may try again
+      return;
+    }
+    const uint64_t id = state_->next_session++;
+    auto session = std::make_shared<Session>(std::move(socket), state_, id);
+    state_->sessions.emplace(id, session);
+    session->Start();
+  }
+
+  // Out of descriptors or memory, accept fails at once until that changes: pause rather than
+  // spin (the scheduler's io thread serves this server), and say so once.
+  void AcceptFailed(const beast::error_code& error) {
+    const bool exhausted =
+        error.category() == boost::system::system_category() && AcceptOutOfResources(error.value());
+    if (!exhausted) {
+      if (acceptor_.is_open()) Accept();
+      return;
+    }
+    if (!exhausted_) {
+      exhausted_ = true;
+      GetLogger("dashboard")
+          ->warn("the dashboard cannot accept connections ({}): retrying every {} ms",
+                 error.message(), kAcceptBackoff.count());
+    }
+    backoff_.expires_after(kAcceptBackoff);
+    backoff_.async_wait([this](const beast::error_code& waited) {
+      if (!waited && acceptor_.is_open()) Accept();
+    });
+  }
+
+  static constexpr std::chrono::milliseconds kAcceptBackoff{100};
   tcp::acceptor acceptor_;
+  asio::steady_timer backoff_;
+  bool exhausted_ = false;  // accepts are failing for want of resources (logged once)
   std::shared_ptr<ServerState> state_;
   uint16_t port_ = 0;
 };
@@ -223,8 +299,7 @@ class HttpServerImpl final : public HttpServer {
 Result<std::unique_ptr<HttpServer>> HttpServer::Start(asio::io_context& io,
                                                       const HttpServerOptions& options,
                                                       Handler handler) {
-  auto state = std::make_shared<ServerState>();
-  state->options = options;
+  auto state = std::make_shared<ServerState>(options);
   state->handler = std::move(handler);
   auto server = std::make_unique<HttpServerImpl>(io, std::move(state));
   TESSERA_RETURN_IF_ERROR(server->Listen());

@@ -2,12 +2,19 @@
 // io_context: every handler runs on the thread that runs that context, so the handler may read
 // state owned by that thread (the scheduler's io thread) without locks.
 //
-// Hostile or broken clients are bounded, never fatal: at most `max_connections` at once (more
-// are closed on accept), a request's header and body are capped (an oversized or malformed
-// request gets 400 or 413 and the connection closes), and a connection that sends nothing for
-// `idle_timeout_ms` (mid-request or between keep-alive requests) is closed. The response comes
-// from the injected handler (http_handler.h); the server adds Content-Length, Cache-Control:
-// no-store and conservative security headers.
+// Hostile or broken clients are bounded, never fatal: a request's header and body are capped (an
+// oversized or malformed request gets 400 or 413 and the connection closes), and a connection
+// that has not sent a whole request within `idle_timeout_ms` (of connecting, or of the previous
+// response on a kept-alive connection) is closed. At most `max_connections` are open at once,
+// and at most `max_pending_per_address` of one client address wait for a request; at either cap
+// the connection that has waited longest for a request is closed to make room (a kept-alive
+// browser just reconnects), so slow or silent clients cannot lock others out. Only when every
+// connection is busy answering is a new one closed on accept. Out of descriptors, accepting
+// pauses 100 ms at a time instead of spinning. Waiting connections are tracked by
+// core/pending_connections.h, the policy the control and data planes apply too.
+//
+// The response comes from the injected handler (http_handler.h); the server adds
+// Content-Length, Cache-Control: no-store and conservative security headers.
 //
 // Thread safety: Start and Close from any thread before/after the context runs, or on its
 // thread; the handler is called on the context's thread only.
@@ -33,7 +40,8 @@ struct HttpServerOptions {
   int max_connections = 64;
   uint32_t header_limit_bytes = 16 * 1024;
   uint32_t body_limit_bytes = 4 * 1024;  // the dashboard's requests carry no body
-  int idle_timeout_ms = 15'000;
+  int64_t idle_timeout_ms = 5'000;       // the scheduler passes the preauth_deadline_ms setting
+  int max_pending_per_address = 64;      // the preauth_max_pending_per_address setting
 };
 
 class HttpServer {

@@ -23,6 +23,11 @@ SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
 
 WorkerId SchedulerCore::Accept() { return participants_.Accept(now_()); }
 
+bool SchedulerCore::Admitted(WorkerId who) const {
+  const Participant* participant = participants_.Find(who);
+  return participant != nullptr && participant->role != ParticipantRole::kPending;
+}
+
 void SchedulerCore::Refuse(WorkerId who, uint64_t request_id, const Status& reason) {
   SendRefused(*outbox_, who, request_id, reason);
   outbox_->Disconnect(who, reason);

@@ -87,6 +87,8 @@ class SchedulerCore {
   Status Handle(WorkerId from, proto::Envelope::Reader message);
   // The participant's connection is gone.
   void Disconnected(WorkerId who, const Status& reason);
+  // Whether `who` said Hello with the token and was let in (false for unknown ids).
+  bool Admitted(WorkerId who) const;
   // Periodic check of heartbeats, and a keepalive to every participant each heartbeat interval
   // (a worker or driver that hears nothing for rpc::SchedulerSilenceLimit takes its scheduler
   // for gone: a stopped process or a vanished host closes no connection). Call every

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
+#include "core/rpc/frame.h"
 #include "core/thread_annotations.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
@@ -138,6 +140,9 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
   options.core.trace_instances = static_cast<int>(settings->trace_instances);
+  options.preauth = PendingLimits::FromSettings(*settings);
+  options.preauth_frame_bytes = static_cast<uint32_t>(
+      std::clamp<int64_t>(settings->preauth_frame_bytes, 4096, rpc::kDefaultMaxFrameBytes));
   options.dashboard_host = flags.host;
   options.dashboard_port = flags.dashboard_port == SchedulerProcessFlags::kDashboardPortFromSettings
                                ? static_cast<int>(settings->dashboard_port)

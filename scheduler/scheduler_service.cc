@@ -21,6 +21,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
       : options_(std::move(options)),
         work_(rpc::asio::make_work_guard(io_)),
         core_(options_.core, this, [] { return SchedulerCore::Clock::now(); }),
+        pending_(options_.preauth),
         tick_(io_),
         dashboard_source_(&core_, SchedulerCore::Clock::now(),
                           [] { return SchedulerCore::Clock::now(); }),
@@ -56,13 +57,15 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
         return InvalidArgument("dashboard port {} is out of range", options_.dashboard_port);
       }
       TESSERA_ASSIGN_OR_RETURN(
-          dashboard_,
-          dashboard::HttpServer::Start(io_,
-                                       {.host = options_.dashboard_host,
-                                        .port = static_cast<uint16_t>(options_.dashboard_port)},
-                                       [this](const dashboard::HttpRequest& request) {
-                                         return dashboard_handler_.Handle(request);
-                                       }));
+          dashboard_, dashboard::HttpServer::Start(
+                          io_,
+                          {.host = options_.dashboard_host,
+                           .port = static_cast<uint16_t>(options_.dashboard_port),
+                           .idle_timeout_ms = options_.preauth.deadline_ms,
+                           .max_pending_per_address = options_.preauth.max_pending_per_address},
+                          [this](const dashboard::HttpRequest& request) {
+                            return dashboard_handler_.Handle(request);
+                          }));
       if (!options_.dashboard_file.empty()) {
         TESSERA_RETURN_IF_ERROR(
             WriteFileAtomically(options_.dashboard_file, dashboard_->address() + "\n"));
@@ -96,11 +99,26 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
  private:
   void OnAccept(rpc::GenericSocket socket, const std::string& peer) {
     const WorkerId id = core_.Accept();
-    auto connection = rpc::Connection::Create(std::move(socket), peer);
+    auto connection =
+        rpc::Connection::Create(std::move(socket), peer, options_.preauth_frame_bytes);
     connections_[id] = connection;
+    // Pending until its Hello is accepted; room for it may cost the oldest pending connection.
+    for (uint64_t evicted : pending_.Add(id.value(), PendingConnections::AddressOf(peer),
+                                         SchedulerCore::Clock::now())) {
+      ++shed_.over_cap;
+      CloseConnection(WorkerId(evicted),
+                      ResourceExhausted("too many connections have not said Hello yet (at most "
+                                        "{} in all, {} per address): the oldest is closed",
+                                        options_.preauth.max_pending,
+                                        options_.preauth.max_pending_per_address));
+    }
     connection->Start(
         [this, id](rpc::Connection& self, rpc::ReceivedMessage& message) -> Status {
           Status status = core_.Handle(id, message.reader().getRoot<proto::Envelope>());
+          if (pending_.contains(id.value()) && core_.Admitted(id)) {
+            pending_.Remove(id.value());
+            self.Admit();
+          }
           ScheduleFlush();
           if (core_.shutdown_requested()) ScheduleShutdown();
           if (!status.ok()) {
@@ -113,10 +131,36 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
           return Status::Ok();
         },
         [this, id](rpc::Connection&, const Status& reason) {
+          pending_.Remove(id.value());
           connections_.erase(id);
           core_.Disconnected(id, reason);
           ScheduleFlush();
         });
+  }
+
+  void CloseConnection(WorkerId id, const Status& reason) {
+    auto it = connections_.find(id);
+    if (it != connections_.end()) it->second->Close(reason);
+  }
+
+  // Closes the pending connections past their deadline; says how many were shed, at most every
+  // kShedLogInterval (a flood must not flood the log too).
+  void ShedPending(SchedulerCore::Clock::time_point now) {
+    for (uint64_t expired : pending_.TakeExpired(now)) {
+      ++shed_.expired;
+      CloseConnection(WorkerId(expired), TimedOut("no Hello within {} ms of connecting",
+                                                  options_.preauth.deadline_ms));
+    }
+    if ((shed_.expired > 0 || shed_.over_cap > 0) && now - shed_.logged >= kShedLogInterval) {
+      GetLogger("scheduler")
+          ->warn(
+              "closed {} connection(s) that did not say Hello within {} ms and {} over the "
+              "caps on pending connections ({} in all, {} per address); {} pending now",
+              shed_.expired, options_.preauth.deadline_ms, shed_.over_cap,
+              options_.preauth.max_pending, options_.preauth.max_pending_per_address,
+              pending_.size());
+      shed_ = ShedCounts{.logged = now};
+    }
   }
 
   // Outbox
@@ -135,6 +179,7 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
         std::chrono::milliseconds(std::min<uint32_t>(options_.core.heartbeat_interval_ms, 100)));
     tick_.async_wait([this](const boost::system::error_code& error) {
       if (error || stopping_) return;
+      ShedPending(SchedulerCore::Clock::now());
       core_.Tick();
       core_.Flush();
       ScheduleTick();
@@ -180,6 +225,15 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
   rpc::asio::io_context io_;
   rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
   SchedulerCore core_;
+  // Connections that have not said Hello yet (ids are participant ids).
+  PendingConnections pending_;
+  struct ShedCounts {
+    int64_t expired = 0;
+    int64_t over_cap = 0;
+    SchedulerCore::Clock::time_point logged{};
+  };
+  static constexpr std::chrono::seconds kShedLogInterval{10};
+  ShedCounts shed_;
   rpc::asio::steady_timer tick_;
   std::unique_ptr<rpc::Listener> listener_;
   std::unique_ptr<rpc::Listener> unix_listener_;

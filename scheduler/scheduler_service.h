@@ -3,13 +3,20 @@
 // It listens on a TCP address, gives every accepted connection a participant id, feeds each
 // received message to the core on one io thread (so the core needs no locks), delivers the
 // core's outgoing messages, ticks the core for heartbeat checks, and stops when the core has
-// been asked to shut down. It also serves the dashboard (dashboard/: the page, its JSON API and
+// been asked to shut down.
+//
+// Until the core accepts a connection's Hello the connection is pending (core/
+// pending_connections.h): its frames are limited to `preauth_frame_bytes`, it is closed when it
+// has not said Hello within the deadline, and at the caps on pending connections (per peer
+// address, in all) the oldest pending one is closed for a newcomer. Admitted participants are
+// never affected. It also serves the dashboard (dashboard/: the page, its JSON API and
 // /metrics) on the same io thread, so the dashboard reads the core without locks.
 #pragma once
 
 #include <memory>
 #include <string>
 
+#include "core/pending_connections.h"
 #include "core/rpc/address.h"
 #include "core/status.h"
 #include "scheduler/scheduler_core.h"
@@ -21,6 +28,9 @@ struct SchedulerServiceOptions {
   // Also listen on this Unix socket (processes on the same machine: no TCP stack). Empty: no.
   std::string unix_socket;
   SchedulerOptions core;
+  // Bounds on connections that have not said Hello yet (the preauth_* settings).
+  PendingLimits preauth;
+  uint32_t preauth_frame_bytes = 64 * 1024;
   // When set, the bound address is written here (atomically) once the scheduler listens, so a
   // launcher can find a scheduler started on port 0.
   std::string address_file;

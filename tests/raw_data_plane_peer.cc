@@ -59,17 +59,28 @@ Status RawDataPlanePeer::Init() {
 Result<std::unique_ptr<RawDataPlanePeer>> RawDataPlanePeer::Connect(const std::string& address) {
   std::unique_ptr<RawDataPlanePeer> peer(new RawDataPlanePeer());
   TESSERA_RETURN_IF_ERROR(peer->Init());
-  TESSERA_ASSIGN_OR_RETURN(sockaddr_in where, Parse(address));
+  peer->address_ = address;
+  TESSERA_ASSIGN_OR_RETURN(peer->endpoint_, peer->OpenEndpoint());
+  return peer;
+}
+
+Result<ucp_ep_h> RawDataPlanePeer::OpenEndpoint() {
+  TESSERA_ASSIGN_OR_RETURN(sockaddr_in where, Parse(address_));
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
   params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&where);
   params.sockaddr.addrlen = sizeof(where);
-  TESSERA_UCX_RETURN_IF_ERROR(ucp_ep_create(peer->worker_, &params, &peer->endpoint_),
-                              "endpoint create");
-  peer->endpoints_.push_back(peer->endpoint_);
-  peer->address_ = address;
-  return peer;
+  ucp_ep_h ep = nullptr;
+  TESSERA_UCX_RETURN_IF_ERROR(ucp_ep_create(worker_, &params, &ep), "endpoint create");
+  endpoints_.push_back(ep);
+  return ep;
+}
+
+Status RawDataPlanePeer::OpenMore(int count) {
+  if (listener_ != nullptr) return InvalidArgument("OpenMore is for a peer made by Connect");
+  for (int i = 0; i < count; ++i) TESSERA_RETURN_IF_ERROR(OpenEndpoint().status());
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<RawDataPlanePeer>> RawDataPlanePeer::Listen() {
@@ -97,10 +108,15 @@ Result<std::unique_ptr<RawDataPlanePeer>> RawDataPlanePeer::Listen() {
 RawDataPlanePeer::~RawDataPlanePeer() {
   std::vector<void*> closing;
   for (ucp_ep_h ep : endpoints_) {
+    // Forced where UCX allows it (peer-failure mode), else flushed (data_plane.h says why).
     ucp_request_param_t params{};
     params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     params.flags = UCP_EP_CLOSE_FLAG_FORCE;
     void* request = ucp_ep_close_nbx(ep, &params);
+    if (UCS_PTR_IS_ERR(request) && UCS_PTR_STATUS(request) == UCS_ERR_INVALID_PARAM) {
+      params.flags = 0;
+      request = ucp_ep_close_nbx(ep, &params);
+    }
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
   }
   const auto until = Clock::now() + std::chrono::seconds(2);
@@ -112,6 +128,7 @@ RawDataPlanePeer::~RawDataPlanePeer() {
       return true;
     });
   }
+  for (void* request : closing) ucp_request_free(request);  // UCX frees them with the worker
   if (listener_ != nullptr) ucp_listener_destroy(listener_);
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);

@@ -44,6 +44,10 @@ class RawDataPlanePeer {
 
   // Connects to the data plane at `address` ("host:port").
   static Result<std::unique_ptr<RawDataPlanePeer>> Connect(const std::string& address);
+  // Connect(): opens `count` more endpoints to the same data plane, from this one UCX worker,
+  // which then say nothing (a flood of silent peers). endpoint() stays the first one. UCX
+  // connects them as this peer's worker progresses (ProgressFor) and, partly, on its own thread.
+  Status OpenMore(int count);
   // Listens on 127.0.0.1 (any port): data planes that pull from address() connect here.
   static Result<std::unique_ptr<RawDataPlanePeer>> Listen();
   ~RawDataPlanePeer();
@@ -87,6 +91,8 @@ class RawDataPlanePeer {
  private:
   RawDataPlanePeer() = default;
   Status Init();
+  // A new endpoint to address_ (a client's).
+  Result<ucp_ep_h> OpenEndpoint();
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
   static void OnConnection(ucp_conn_request_h request, void* arg);

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -255,6 +256,23 @@ bool Eventually(const std::function<bool()>& condition, std::chrono::millisecond
     if (std::chrono::steady_clock::now() >= until) return false;
     std::this_thread::sleep_for(poll);
   }
+}
+
+int AffordableWithDescriptors(int wanted, int descriptors_each, int reserve, const char* what) {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+  }
+  const auto descriptors = static_cast<int>(std::min<rlim_t>(limit.rlim_cur, 1 << 20));
+  const int affordable = std::max(16, (descriptors - reserve) / std::max(1, descriptors_each));
+  if (affordable < wanted) {
+    std::printf("the descriptor limit (%d) affords %d %s, not %d\n", descriptors, affordable, what,
+                wanted);
+  }
+  return std::min(wanted, affordable);
 }
 
 bool ProcessGone(int pid) {

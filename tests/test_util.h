@@ -34,6 +34,11 @@ std::vector<int> LiveChildren(int parent);
 // Process `pid`'s command line, its arguments separated by spaces ("" when it is gone).
 std::string CommandLine(int pid);
 
+// How many of `wanted` things that each hold `descriptors_each` open descriptors this process
+// can afford, `reserve` descriptors kept free, after raising its soft descriptor limit to the hard
+// one (processes it starts later inherit that). Prints the limit when it affords fewer.
+int AffordableWithDescriptors(int wanted, int descriptors_each, int reserve, const char* what);
+
 // Whether process `pid` has exited (gone from /proc, or a zombie nobody reaped yet).
 bool ProcessGone(int pid);
 

@@ -113,6 +113,7 @@ Status WorkerServiceImpl::Init() {
   data_options.host = options_.data_host;
   data_options.chunk_bytes = options_.settings.data_chunk_bytes;
   data_options.pull_timeout_ms = static_cast<int>(options_.settings.pull_timeout_ms);
+  data_options.preauth = PendingLimits::FromSettings(options_.settings);
   TESSERA_ASSIGN_OR_RETURN(
       data_plane_,
       DataPlane::Start(

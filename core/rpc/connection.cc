@@ -1,15 +1,27 @@
 #include "core/rpc/connection.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
 #include <future>
 
+#include "core/logging.h"
+#include "core/pending_connections.h"
+
 namespace tessera::rpc {
 
 namespace {
 constexpr size_t kReadChunkBytes = size_t{256} * 1024;
+// A connection limited to small frames (not authenticated yet) reads in small pieces: an idle
+// stranger costs this much, not a full read chunk.
+constexpr size_t kSmallReadChunkBytes = size_t{16} * 1024;
+
+size_t ReadChunkFor(uint32_t max_frame_bytes) {
+  return max_frame_bytes >= kReadChunkBytes ? kReadChunkBytes : kSmallReadChunkBytes;
+}
 }  // namespace
 
 std::shared_ptr<Connection> Connection::Create(GenericSocket socket, std::string peer,
@@ -22,7 +34,7 @@ Connection::Connection(GenericSocket socket, std::string peer, uint32_t max_fram
     : socket_(std::move(socket)),
       peer_(std::move(peer)),
       decoder_(max_frame_bytes),
-      read_buffer_(kReadChunkBytes) {}
+      read_buffer_(ReadChunkFor(max_frame_bytes)) {}
 
 Connection::~Connection() {
   boost::system::error_code ignored;
@@ -49,14 +61,18 @@ void Connection::ReadMore() {
     }
     self->bytes_received_ += static_cast<int64_t>(n);
     Status fed = self->decoder_.Feed({self->read_buffer_.data(), n});
-    while (self->decoder_.HasMessage() && !self->closed_) {
-      std::unique_ptr<ReceivedMessage> message = self->decoder_.PopMessage();
-      Status handled = CatchMalformed([&] { return self->on_message_(*self, *message); });
-      if (!handled.ok()) {
-        self->CloseOnIoThread(handled.WithContext("message from " + self->peer_));
-        return;
+    do {
+      while (self->decoder_.HasMessage() && !self->closed_) {
+        std::unique_ptr<ReceivedMessage> message = self->decoder_.PopMessage();
+        Status handled = CatchMalformed([&] { return self->on_message_(*self, *message); });
+        if (!handled.ok()) {
+          self->CloseOnIoThread(handled.WithContext("message from " + self->peer_));
+          return;
+        }
       }
-    }
+      if (!fed.ok() || self->closed_) break;
+      fed = self->decoder_.Feed({});  // frames held back until those before them were handled
+    } while (self->decoder_.HasMessage());
     if (!fed.ok()) {
       self->CloseOnIoThread(fed.WithContext("stream from " + self->peer_));
       return;
@@ -125,6 +141,12 @@ void Connection::CloseWhenFlushed(const Status& reason) {
     writing_ = true;
   }
   asio::post(socket_.get_executor(), [self = shared_from_this()] { self->WriteQueued(); });
+}
+
+void Connection::Admit(uint32_t max_frame_bytes) {
+  decoder_.set_max_frame_bytes(max_frame_bytes);
+  // No read is in flight while a handler runs: the buffer may change size.
+  read_buffer_.resize(ReadChunkFor(max_frame_bytes));
 }
 
 void Connection::CloseOnIoThread(const Status& reason) {
@@ -207,14 +229,20 @@ Result<GenericSocket> ConnectSocket(asio::io_context& io, const Address& address
   return result;
 }
 
-Listener::Listener(Address address, AcceptHandler on_accept)
-    : address_(std::move(address)), on_accept_(std::move(on_accept)) {}
+Listener::Listener(asio::io_context& io, Address address, AcceptHandler on_accept)
+    : address_(std::move(address)),
+      on_accept_(std::move(on_accept)),
+      backoff_(io),
+      reserve_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
-Listener::~Listener() { Close(); }
+Listener::~Listener() {
+  Close();
+  if (reserve_fd_ >= 0) ::close(reserve_fd_);
+}
 
 Result<std::unique_ptr<Listener>> Listener::Listen(asio::io_context& io, const Address& address,
                                                    AcceptHandler on_accept) {
-  std::unique_ptr<Listener> listener(new Listener(address, std::move(on_accept)));
+  std::unique_ptr<Listener> listener(new Listener(io, address, std::move(on_accept)));
   boost::system::error_code error;
   if (address.kind == Address::Kind::kUnix) {
     ::unlink(address.path.c_str());  // a stale socket file from a dead process
@@ -236,6 +264,9 @@ Result<std::unique_ptr<Listener>> Listener::Listen(asio::io_context& io, const A
       if (!error) listener->address_.port = listener->tcp_->local_endpoint().port();
     }
   }
+  // ShedOne accepts synchronously and must never block.
+  if (!error && listener->tcp_) listener->tcp_->native_non_blocking(true, error);
+  if (!error && listener->unix_) listener->unix_->native_non_blocking(true, error);
   if (error) {
     return Unavailable("cannot listen on {}: {}", address.ToString(), error.message());
   }
@@ -248,23 +279,60 @@ void Listener::AcceptNext() {
     tcp_->async_accept(
         [this](const boost::system::error_code& error, asio::ip::tcp::socket socket) {
           if (error == asio::error::operation_aborted) return;
-          if (!error) {
-            boost::system::error_code ignored;
-            socket.set_option(asio::ip::tcp::no_delay(true), ignored);
-            std::string peer = socket.remote_endpoint(ignored).address().to_string() + ":" +
-                               std::to_string(socket.remote_endpoint(ignored).port());
-            on_accept_(GenericSocket(std::move(socket)), std::move(peer));
-          }
+          if (error) return AcceptFailed(error);
+          Accepted();
+          boost::system::error_code ignored;
+          socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+          std::string peer = socket.remote_endpoint(ignored).address().to_string() + ":" +
+                             std::to_string(socket.remote_endpoint(ignored).port());
+          on_accept_(GenericSocket(std::move(socket)), std::move(peer));
           AcceptNext();
         });
   } else if (unix_) {
     unix_->async_accept([this](const boost::system::error_code& error,
                                asio::local::stream_protocol::socket socket) {
       if (error == asio::error::operation_aborted) return;
-      if (!error) on_accept_(GenericSocket(std::move(socket)), "unix:" + address_.path);
+      if (error) return AcceptFailed(error);
+      Accepted();
+      on_accept_(GenericSocket(std::move(socket)), "unix:" + address_.path);
       AcceptNext();
     });
   }
+}
+
+void Listener::Accepted() {
+  if (!exhausted_) return;
+  exhausted_ = false;
+  GetLogger("rpc")->info("{}: accepting connections again", address_.ToString());
+}
+
+void Listener::AcceptFailed(const boost::system::error_code& error) {
+  const bool exhausted =
+      error.category() == boost::system::system_category() && AcceptOutOfResources(error.value());
+  if (!exhausted) return AcceptNext();  // e.g. a client that reset before it was accepted
+  if (!exhausted_) {
+    exhausted_ = true;
+    GetLogger("rpc")->warn(
+        "{}: cannot accept connections ({}): shedding new ones and retrying every {} ms until "
+        "descriptors free up (raise `ulimit -n`, or lower the preauth_max_pending setting)",
+        address_.ToString(), error.message(), kAcceptBackoff.count());
+  }
+  ShedOne();
+  backoff_.expires_after(kAcceptBackoff);
+  // Not cancelled by Close (cancel may throw; the destructor must not): the acceptor's state says.
+  backoff_.async_wait([this](const boost::system::error_code& waited) {
+    if (!waited && ((tcp_ && tcp_->is_open()) || (unix_ && unix_->is_open()))) AcceptNext();
+  });
+}
+
+void Listener::ShedOne() {
+  const int listen_fd = tcp_ ? tcp_->native_handle() : unix_ ? unix_->native_handle() : -1;
+  if (listen_fd < 0 || reserve_fd_ < 0) return;
+  ::close(reserve_fd_);
+  // The acceptor's descriptor is non-blocking (Listen): nothing waits here.
+  const int shed = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (shed >= 0) ::close(shed);
+  reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
 void Listener::Close() {

@@ -12,11 +12,16 @@
 // connection; the close handler runs exactly once, on the io thread, with the reason. Peers that
 // send garbage therefore lose their own connection and nothing else.
 //
+// Authentication: a server creates each accepted connection with a small frame limit and a small
+// read buffer (a stranger can make it hold little), and calls Admit once the peer proved itself,
+// which raises both to their full size.
+//
 // Thread safety: Send and Close may be called from any thread; the handlers run on the io thread.
 // Lifetime: the io_context must outlive the connection; handlers hold it by shared_ptr.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -36,6 +41,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   using MessageHandler = std::function<Status(Connection&, ReceivedMessage&)>;
   using CloseHandler = std::function<void(Connection&, const Status& reason)>;
 
+  // `max_frame_bytes`: larger incoming frames close the connection (until Admit).
   static std::shared_ptr<Connection> Create(GenericSocket socket, std::string peer,
                                             uint32_t max_frame_bytes = kDefaultMaxFrameBytes);
   ~Connection();
@@ -49,6 +55,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Close(const Status& reason);
   // Closes once every message queued so far has been written (e.g. after a refusal).
   void CloseWhenFlushed(const Status& reason) EXCLUDES(write_mutex_);
+  // The peer authenticated: frames up to `max_frame_bytes` from now on, including those already
+  // received behind the message being handled, and full-sized reads. REQUIRES: called on the io
+  // thread (from the message handler).
+  void Admit(uint32_t max_frame_bytes = kDefaultMaxFrameBytes);
 
   bool closed() const { return closed_.load(); }
   const std::string& peer() const { return peer_; }
@@ -88,9 +98,17 @@ Result<GenericSocket> ConnectSocket(asio::io_context& io, const Address& address
 
 // Accepts connections on a TCP or Unix address and hands each socket to the accept handler on
 // the io thread. Port 0 picks a free port (see address()); a Unix path is replaced if stale.
+//
+// Out of file descriptors (EMFILE, ENFILE) or kernel memory, accept fails at once for as long as
+// the condition lasts, so retrying at once would spin. The listener then sheds the connection
+// waiting at the head of the backlog (a descriptor kept in reserve makes room to accept and
+// close it, so that client hears a close instead of hanging), pauses `kAcceptBackoff`, and tries
+// again; it logs once per episode. Meanwhile the owner's deadlines free descriptors.
 class Listener {
  public:
   using AcceptHandler = std::function<void(GenericSocket socket, std::string peer)>;
+  static constexpr std::chrono::milliseconds kAcceptBackoff{100};
+
   static Result<std::unique_ptr<Listener>> Listen(asio::io_context& io, const Address& address,
                                                   AcceptHandler on_accept);
   ~Listener();
@@ -98,13 +116,22 @@ class Listener {
   void Close();
 
  private:
-  Listener(Address address, AcceptHandler on_accept);
+  Listener(asio::io_context& io, Address address, AcceptHandler on_accept);
   void AcceptNext();
+  // After a failed accept: go on at once, or shed and pause when out of resources.
+  void AcceptFailed(const boost::system::error_code& error);
+  // After a successful one: ends an episode of failures.
+  void Accepted();
+  // Accepts and closes one waiting connection with the reserve descriptor's room.
+  void ShedOne();
 
   Address address_;
   AcceptHandler on_accept_;
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
   std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
+  asio::steady_timer backoff_;
+  int reserve_fd_ = -1;     // /dev/null, closed to make room for ShedOne
+  bool exhausted_ = false;  // in an episode of failed accepts (logged once)
 };
 
 }  // namespace tessera::rpc

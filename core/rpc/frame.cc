@@ -54,6 +54,7 @@ Status FrameDecoder::Feed(std::span<const uint8_t> bytes) {
       error_ = InvalidArgument("bad frame magic 0x{:08x} (not a Tessera peer?)", magic);
       return error_;
     }
+    if (length > max_frame_bytes_ && !messages_.empty()) break;  // judged once those are handled
     if (length > max_frame_bytes_ || length % sizeof(capnp::word) != 0 || length == 0) {
       error_ = InvalidArgument("bad frame length {} (limit {}, must be a positive multiple of 8)",
                                length, max_frame_bytes_);

@@ -48,7 +48,13 @@ class FrameDecoder {
       : max_frame_bytes_(max_frame_bytes) {}
 
   // Appends bytes and extracts every complete frame. After an error the decoder stays failed.
+  // A frame over the limit is an error only once every message before it was popped, since
+  // handling those may raise the limit (a scheduler accepts a Hello): call Feed({}) after popping
+  // to judge what was held back.
   Status Feed(std::span<const uint8_t> bytes);
+  // The limit for frames not yet extracted (e.g. raised once the peer authenticated).
+  void set_max_frame_bytes(uint32_t bytes) { max_frame_bytes_ = bytes; }
+  uint32_t max_frame_bytes() const { return max_frame_bytes_; }
   // Complete messages, oldest first.
   bool HasMessage() const { return !messages_.empty(); }
   std::unique_ptr<ReceivedMessage> PopMessage();

@@ -36,6 +36,14 @@
 // ForgetPeer may be called from any thread; callbacks run on the progress thread and must not
 // block.
 //
+// Strangers are bounded (core/pending_connections.h, the policy the control plane applies too):
+// an endpoint a peer opened to this process's listener is pending until its Hello proves the
+// token. One still pending `preauth.deadline_ms` after it connected is closed (so is one whose
+// Hello was refused, once the refusal had that long to reach it), and at the caps on pending
+// endpoints (per client address, in all) the oldest pending one is closed for a newcomer. Each
+// endpoint's handshake runs on its own: a flood of silent endpoints costs each one its own
+// deadline and never holds up another's handshake.
+//
 // Failures: a pull fails (never hangs) when the holder reports an error (unknown object), when
 // the holder refuses this process's token or cannot prove its own, when its deadline passes,
 // when the peer's endpoint fails, or when ForgetPeer is called for the peer (the control plane's
@@ -50,6 +58,7 @@
 #include <string>
 
 #include "core/ids.h"
+#include "core/pending_connections.h"
 #include "core/status.h"
 
 namespace tessera {
@@ -89,6 +98,8 @@ struct DataPlaneOptions {
   int chunks_in_flight = 4;
   int pull_timeout_ms = 30'000;
   bool detect_peer_failure = false;  // UCX peer-failure mode (TCP only in UCX 1.13)
+  // Bounds on endpoints peers opened that have not proved the token (the preauth_* settings).
+  PendingLimits preauth;
 };
 
 struct DataPlaneStats {
@@ -100,6 +111,10 @@ struct DataPlaneStats {
   // Messages refused: from processes that did not prove the token, malformed, out of range, or
   // replies from someone other than the peer asked.
   int64_t refused = 0;
+  // Endpoints peers opened that have not proved the token yet (now), and those closed because
+  // they did not in time or were the oldest over a cap (so far).
+  int64_t pending_connections = 0;
+  int64_t shed_connections = 0;
 };
 
 class DataPlane {

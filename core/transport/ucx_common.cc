@@ -1,17 +1,26 @@
 #include "core/transport/ucx_common.h"
 
 #include <cstdlib>
+#include <utility>
 
 namespace tessera::detail {
 
 Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports) {
   ucp_config_t* config = nullptr;
   TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
-  if (std::getenv("UCX_TLS") == nullptr) {
-    const ucs_status_t modified = ucp_config_modify(config, "TLS", transports);
+  // Endpoint ids on the wire go through UCX's table, not raw pointers: a message that arrives
+  // for an endpoint this process already closed (a peer that was dropped, or one that lies) is
+  // then discarded instead of read from freed memory. UCX does so by default only in
+  // peer-failure mode; a flood of silent endpoints closed in a burst made the unchecked lookup
+  // abort a test process.
+  const std::pair<const char*, const char*> defaults[] = {{"TLS", transports},
+                                                          {"PROTO_INDIRECT_ID", "on"}};
+  for (const auto& [name, value] : defaults) {
+    if (std::getenv(fmt::format("UCX_{}", name).c_str()) != nullptr) continue;  // the user's
+    const ucs_status_t modified = ucp_config_modify(config, name, value);
     if (modified != UCS_OK) {
       ucp_config_release(config);
-      return UcxError(fmt::format("config (TLS={})", transports), modified);
+      return UcxError(fmt::format("config ({}={})", name, value), modified);
     }
   }
   UcxHandles handles;

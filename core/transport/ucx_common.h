@@ -31,7 +31,8 @@ struct UcxHandles {
   int event_fd = -1;
 };
 
-// `transports` becomes UCX_TLS unless the user set UCX_TLS. On error nothing is left to free.
+// `transports` becomes UCX_TLS unless the user set UCX_TLS; endpoint ids are indirect
+// (UCX_PROTO_INDIRECT_ID=on) unless the user set that. On error nothing is left to free.
 Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports);
 
 }  // namespace tessera::detail

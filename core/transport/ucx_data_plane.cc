@@ -124,6 +124,7 @@ void UcxDataPlane::Run() {
     ReceivePending();
     ReceivePushes();
     CheckDeadlines();
+    CloseDeferred();
     if (!serves_.empty() || !receives_.empty() || !push_receives_.empty()) continue;
     const ucs_status_t armed = ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;  // more events arrived: progress again
@@ -225,13 +226,35 @@ void UcxDataPlane::WhenReady(const std::string& address, std::function<void(cons
   peer.waiting.push_back(std::move(then));
 }
 
-void UcxDataPlane::CloseEndpoint(ucp_ep_h ep) {
+void UcxDataPlane::CloseEndpoint(ucp_ep_h ep) { to_close_.push_back(ep); }
+
+void UcxDataPlane::CloseDeferred() {
+  std::vector<ucp_ep_h> endpoints;
+  endpoints.swap(to_close_);
+  for (ucp_ep_h ep : endpoints) CloseNow(ep);
+}
+
+void UcxDataPlane::CloseNow(ucp_ep_h ep) {
+  // UCX forces a close (cancelling what is in flight) only on an endpoint in peer-failure mode,
+  // which an accepted endpoint inherits from its client: it refuses the force otherwise, and the
+  // endpoint would stay open (a leak of its sockets, then trouble when the worker is destroyed).
+  // Such an endpoint is closed the way its mode allows: flushed, then disconnected.
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   params.flags = UCP_EP_CLOSE_FLAG_FORCE;
   ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &params);
+  if (UCS_PTR_IS_ERR(closing) && UCS_PTR_STATUS(closing) == UCS_ERR_INVALID_PARAM) {
+    params.flags = 0;
+    closing = ucp_ep_close_nbx(ep, &params);
+  }
+  if (UCS_PTR_IS_ERR(closing)) {
+    // UCX released the endpoint anyway.
+    GetLogger("data_plane")
+        ->debug("closing a data-plane endpoint: {}", ucs_status_string(UCS_PTR_STATUS(closing)));
+    return;
+  }
   // Completed later by progress; the worker must not be destroyed before (UCX asserts).
-  if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) closing_.push_back(closing);
+  if (closing != nullptr) closing_.push_back(closing);
 }
 
 void UcxDataPlane::FailPullsTo(const std::string& address, const Status& reason) {
@@ -267,18 +290,41 @@ void UcxDataPlane::ReapClosing() {
   });
 }
 
+void UcxDataPlane::DropConnection(ucp_ep_h ep) {
+  pending_.Remove(PendingId(ep));
+  if (connections_.erase(ep) == 0) return;
+  ++shed_unlogged_;
+  CloseEndpoint(ep);
+}
+
+void UcxDataPlane::UpdatePendingStats(int64_t shed) {
+  MutexLock lock(&stats_mutex_);
+  stats_.pending_connections = static_cast<int64_t>(pending_.size());
+  stats_.shed_connections += shed;
+}
+
+void UcxDataPlane::ShedPending(Clock::time_point now) {
+  // Connections that never proved the token (or were refused): close them.
+  const std::vector<uint64_t> expired = pending_.TakeExpired(now);
+  for (uint64_t id : expired) DropConnection(PendingEndpoint(id));
+  if (!expired.empty()) UpdatePendingStats(static_cast<int64_t>(expired.size()));
+  if (shed_unlogged_ > 0 && now - shed_logged_ >= kShedLogInterval) {
+    GetLogger("data_plane")
+        ->warn(
+            "closed {} data-plane connection(s) that did not prove the cluster token within "
+            "{} ms or were the oldest over the caps ({} pending in all, {} per address); {} "
+            "pending now",
+            shed_unlogged_, options_.preauth.deadline_ms, options_.preauth.max_pending,
+            options_.preauth.max_pending_per_address, pending_.size());
+    shed_unlogged_ = 0;
+    shed_logged_ = now;
+  }
+}
+
 void UcxDataPlane::CheckDeadlines() {
   if (!closing_.empty()) ReapClosing();
   const Clock::time_point now = Clock::now();
-  // Connections that never proved the token (or were refused): close them.
-  std::vector<ucp_ep_h> unproven;
-  for (const auto& [ep, connection] : connections_) {
-    if (!connection.authenticated && now > connection.deadline) unproven.push_back(ep);
-  }
-  for (ucp_ep_h ep : unproven) {
-    connections_.erase(ep);
-    CloseEndpoint(ep);
-  }
+  ShedPending(now);
   // Peers that never completed the handshake.
   std::vector<std::string> silent;
   for (const auto& [address, peer] : peers_) {
@@ -335,12 +381,19 @@ void UcxDataPlane::Shutdown() {
         if (peer.ep != nullptr) CloseEndpoint(peer.ep);
       }
       for (const auto& [ep, connection] : connections_) CloseEndpoint(ep);
-      // Every close (these, and earlier ones for failed peers) finishes before the worker goes.
+      // Every close (these, and earlier ones for failed peers) finishes before the worker goes,
+      // or is released.
       const Clock::time_point deadline = Clock::now() + std::chrono::seconds(2);
+      CloseDeferred();
       while (!closing_.empty() && Clock::now() < deadline) {
         ucp_worker_progress(worker_);
+        CloseDeferred();
         ReapClosing();
       }
+      // Closes still flushing to a peer that does not answer: handed back to UCX, which frees
+      // them with the worker (it asserts on close requests nobody released).
+      for (void* request : closing_) ucp_request_free(request);
+      closing_.clear();
       peers_.clear();
       peer_addresses_.clear();
       connections_.clear();

@@ -1,8 +1,12 @@
 // The UCX data plane's token handshake (data_plane_wire.h): the holder's side (OnConnection,
 // OnHello) and the client's (OnChallenge, OnWelcome, then wire-up), and looking up peers and
 // connections by endpoint.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "core/transport/ucx_data_plane_internal.h"
 
@@ -13,8 +17,28 @@ namespace tessera::detail {
 
 // ---- Handshake ----
 
+namespace {
+
+// The client's IP address ("?" when UCX cannot say): pending connections are capped per address.
+std::string ClientAddressOf(ucp_conn_request_h request) {
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  if (ucp_conn_request_query(request, &attr) != UCS_OK) return "?";
+  char text[INET6_ADDRSTRLEN] = {};
+  const auto* address = reinterpret_cast<const sockaddr*>(&attr.client_address);
+  const void* bytes =
+      address->sa_family == AF_INET6
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(address)->sin_addr);
+  if (::inet_ntop(address->sa_family, bytes, text, sizeof(text)) == nullptr) return "?";
+  return text;
+}
+
+}  // namespace
+
 void UcxDataPlane::OnConnection(ucp_conn_request_h request, void* arg) {
   auto* self = static_cast<UcxDataPlane*>(arg);
+  std::string client = ClientAddressOf(request);
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.conn_request = request;
@@ -27,7 +51,13 @@ void UcxDataPlane::OnConnection(ucp_conn_request_h request, void* arg) {
   ucp_ep_h ep = nullptr;
   if (ucp_ep_create(self->worker_, &params, &ep) != UCS_OK) return;
   Connection& connection = self->connections_[ep];
-  connection.deadline = Clock::now() + std::chrono::milliseconds(self->options_.pull_timeout_ms);
+  // Pending until its Hello proves the token: at a cap, the oldest pending one makes room.
+  int64_t evicted = 0;
+  for (uint64_t oldest : self->pending_.Add(PendingId(ep), std::move(client), Clock::now())) {
+    self->DropConnection(PendingEndpoint(oldest));
+    ++evicted;
+  }
+  self->UpdatePendingStats(evicted);
   if (const Status random = FillRandom(connection.nonce); !random.ok()) {
     GetLogger("data_plane")->error("refusing a data-plane connection: {}", random.ToString());
     connection.refused = true;  // closed at its deadline
@@ -107,6 +137,8 @@ ucs_status_t UcxDataPlane::OnHello(void* arg, const void* header, size_t header_
     return UCS_OK;
   }
   connection.authenticated = true;
+  self->pending_.Remove(PendingId(ep));
+  self->UpdatePendingStats(0);
   connection.client = hello.client;
   connection.reads_client = CanReadMemoryOf(FromWire(hello.client));
   const WelcomeHeader welcome{0, connection.reads_client ? 1u : 0u,
@@ -118,7 +150,7 @@ ucs_status_t UcxDataPlane::OnHello(void* arg, const void* header, size_t header_
 
 void UcxDataPlane::Refuse(ucp_ep_h ep, Connection& connection, const Status& reason) {
   CountRefused();
-  connection.refused = true;  // the endpoint is closed at its deadline, after the answer went out
+  connection.refused = true;  // still pending: closed at its deadline, after the answer went out
   const WelcomeHeader welcome{static_cast<int32_t>(reason.code()), 0, {}};
   SendControl(ep, kWelcome, &welcome, sizeof(welcome),
               std::string_view(reason.message()).substr(0, kMaxErrorText));
@@ -210,6 +242,12 @@ void UcxDataPlane::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) 
   if (Peer* peer = self->PeerOfEndpoint(ep, &address); peer != nullptr && peer->failure.ok()) {
     self->FailPullsTo(
         address, Unavailable("data-plane peer {} failed: {}", address, ucs_status_string(status)));
+  } else if (self->connections_.erase(ep) > 0) {
+    // A peer's connection to this process failed (the peer went away): its endpoint is closed,
+    // not kept until the worker stops.
+    self->pending_.Remove(PendingId(ep));
+    self->UpdatePendingStats(0);
+    self->CloseEndpoint(ep);
   }
 }
 

@@ -22,6 +22,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "core/pending_connections.h"
 #include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "core/transport/data_plane_wire.h"
@@ -62,6 +63,13 @@ inline std::string ErrorText(const void* data, size_t length, const ucp_am_recv_
   return std::string(static_cast<const char*>(data), std::min(length, kMaxErrorText));
 }
 
+// An endpoint as a PendingConnections id, and back.
+inline uint64_t PendingId(ucp_ep_h ep) { return reinterpret_cast<uintptr_t>(ep); }
+inline ucp_ep_h PendingEndpoint(uint64_t id) {
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): the id is an endpoint's address (PendingId).
+  return reinterpret_cast<ucp_ep_h>(static_cast<uintptr_t>(id));
+}
+
 inline Status WireStatus(int32_t code, std::string text) {
   return Status(static_cast<StatusCode>(SanitizeWireStatus(code)), std::move(text));
 }
@@ -69,7 +77,10 @@ inline Status WireStatus(int32_t code, std::string text) {
 class UcxDataPlane final : public DataPlane {
  public:
   UcxDataPlane(DataPlaneOptions options, ObjectLookup lookup, PushHandlers push)
-      : options_(std::move(options)), lookup_(std::move(lookup)), push_(std::move(push)) {}
+      : options_(std::move(options)),
+        lookup_(std::move(lookup)),
+        push_(std::move(push)),
+        pending_(options_.preauth) {}
   ~UcxDataPlane() override { Shutdown(); }
 
   Status Init();
@@ -111,10 +122,9 @@ class UcxDataPlane final : public DataPlane {
     std::vector<std::function<void(const Status&)>> waiting;  // until kReady or failure
   };
   // An endpoint a peer opened to this process's listener: it may pull and push once its Hello
-  // proved the token.
+  // proved the token. Until then it is in pending_, which closes it at its deadline.
   struct Connection {
-    Nonce nonce{};               // our challenge
-    Clock::time_point deadline;  // to prove the token; then the endpoint is closed
+    Nonce nonce{};  // our challenge
     bool authenticated = false;
     bool refused = false;  // a bad Hello was answered; nothing more is read from it
     WireProcess client{};
@@ -188,7 +198,19 @@ class UcxDataPlane final : public DataPlane {
   void CheckDeadlines();
   // Frees endpoint-close requests that have completed.
   void ReapClosing();
+  // Closes `ep` at the end of this turn of the progress loop, outside every UCX callback (UCX has
+  // completed a request twice when an endpoint was closed from its own error callback). The
+  // caller has already forgotten the endpoint: no new message is taken from it meanwhile.
   void CloseEndpoint(ucp_ep_h ep);
+  void CloseDeferred();
+  void CloseNow(ucp_ep_h ep);
+  // Forgets a connection a peer opened and closes its endpoint (not proved in time, or the
+  // oldest pending over a cap).
+  void DropConnection(ucp_ep_h ep);
+  // Closes the pending connections past their deadline; logs how many were shed, at most every
+  // kShedLogInterval.
+  void ShedPending(Clock::time_point now);
+  void UpdatePendingStats(int64_t shed);
   void Shutdown();
   void CountRefused();
   // Receives and discards rendezvous data nobody wants any more.
@@ -268,7 +290,13 @@ class UcxDataPlane final : public DataPlane {
   std::unordered_map<std::string, Peer> peers_;
   std::unordered_map<ucp_ep_h, std::string> peer_addresses_;  // open endpoint -> peers_ key
   std::unordered_map<ucp_ep_h, Connection> connections_;
-  std::vector<void*> closing_;  // endpoint closes in progress
+  // The connections still proving the token, by endpoint (core/pending_connections.h).
+  PendingConnections pending_;
+  static constexpr std::chrono::seconds kShedLogInterval{10};
+  int64_t shed_unlogged_ = 0;
+  Clock::time_point shed_logged_{};
+  std::vector<ucp_ep_h> to_close_;  // CloseEndpoint's, until CloseDeferred
+  std::vector<void*> closing_;      // endpoint closes in progress
   std::unordered_map<uint64_t, PullState> pulls_;
   std::unordered_map<uint64_t, ChunkRequest> chunks_;
   std::vector<ServeRequest> serves_;

@@ -1,4 +1,6 @@
-// core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings.
+// core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings,
+// the bounds on pending connections.
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -8,6 +10,7 @@
 #include "core/checks.h"
 #include "core/crypto.h"
 #include "core/device.h"
+#include "core/pending_connections.h"
 #include "core/settings.h"
 #include "test_util.h"
 
@@ -227,6 +230,63 @@ TEST(SettingsTest, ValuesOutOfRangeAreRefusedNamingTheVariable) {
   EXPECT_NE(Settings::Describe().find("TESSERA_CPU_THREADS=0 (threads, 0..4096)"),
             std::string::npos)
       << Settings::Describe();
+}
+
+TEST(PendingConnectionsTest, CapsEvictTheOldestOfTheAddressThenOfAll) {
+  PendingConnections pending({.deadline_ms = 1000, .max_pending = 4, .max_pending_per_address = 2});
+  const auto t0 = PendingConnections::Clock::now();
+  EXPECT_TRUE(pending.Add(1, "10.0.0.1", t0).empty());
+  EXPECT_TRUE(pending.Add(2, "10.0.0.1", t0).empty());
+  // A third from the same address: its oldest goes.
+  EXPECT_EQ(pending.Add(3, "10.0.0.1", t0), std::vector<uint64_t>{1});
+  EXPECT_TRUE(pending.Add(4, "10.0.0.2", t0).empty());
+  EXPECT_TRUE(pending.Add(5, "10.0.0.3", t0).empty());
+  // Five would exceed the cap in all: the oldest of all (2) goes.
+  EXPECT_EQ(pending.Add(6, "10.0.0.4", t0), std::vector<uint64_t>{2});
+  EXPECT_EQ(pending.size(), 4u);
+  EXPECT_FALSE(pending.contains(1));
+  EXPECT_TRUE(pending.contains(6));
+  // Authenticated: no longer pending, and no longer counted against its address.
+  pending.Remove(3);
+  pending.Remove(3);  // a no-op
+  EXPECT_TRUE(pending.Add(7, "10.0.0.1", t0).empty());
+  EXPECT_EQ(pending.TakeOldest(), std::optional<uint64_t>(4));
+  EXPECT_EQ(pending.size(), 3u);
+}
+
+TEST(PendingConnectionsTest, DeadlinesExpireOldestFirst) {
+  PendingConnections pending(
+      {.deadline_ms = 1000, .max_pending = 10, .max_pending_per_address = 10});
+  const auto t0 = PendingConnections::Clock::now();
+  pending.Add(1, "a", t0);
+  pending.Add(2, "a", t0 + std::chrono::milliseconds(500));
+  pending.Add(3, "b", t0 + std::chrono::milliseconds(900));
+  EXPECT_TRUE(pending.TakeExpired(t0 + std::chrono::milliseconds(999)).empty());
+  EXPECT_EQ(pending.TakeExpired(t0 + std::chrono::milliseconds(1500)),
+            (std::vector<uint64_t>{1, 2}));
+  pending.Remove(3);
+  EXPECT_TRUE(pending.TakeExpired(t0 + std::chrono::seconds(10)).empty());
+  EXPECT_EQ(pending.size(), 0u);
+}
+
+TEST(PendingConnectionsTest, AddressesAreThePeersIpWithoutThePort) {
+  EXPECT_EQ(PendingConnections::AddressOf("10.0.0.7:51234"), "10.0.0.7");
+  EXPECT_EQ(PendingConnections::AddressOf("::1:6380"), "::1");
+  EXPECT_EQ(PendingConnections::AddressOf("[fe80::1]:80"), "fe80::1");
+  EXPECT_EQ(PendingConnections::AddressOf("unix:/tmp/s.sock"), "unix:/tmp/s.sock");
+  EXPECT_EQ(PendingConnections::AddressOf("host"), "host");
+  EXPECT_TRUE(AcceptOutOfResources(EMFILE));
+  EXPECT_TRUE(AcceptOutOfResources(ENFILE));
+  EXPECT_FALSE(AcceptOutOfResources(ECONNABORTED));
+  // The settings carry the limits.
+  Settings settings;
+  settings.preauth_deadline_ms = 250;
+  settings.preauth_max_pending = 9;
+  settings.preauth_max_pending_per_address = 3;
+  const PendingLimits limits = PendingLimits::FromSettings(settings);
+  EXPECT_EQ(limits.deadline_ms, 250);
+  EXPECT_EQ(limits.max_pending, 9);
+  EXPECT_EQ(limits.max_pending_per_address, 3);
 }
 
 TEST(AtomicFileTest, WritesWholeFileAndReplacesAtomically) {

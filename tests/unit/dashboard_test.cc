@@ -1,12 +1,15 @@
 // The dashboard's HTTP handling without sockets (the token, routes, JSON shapes, Prometheus
 // text checked by a strict parser), then the server over a real socket, with malformed and
-// oversized requests thrown at it.
+// oversized requests and silent clients thrown at it.
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <regex>
 #include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 // Boost 1.74's Asio under GCC 12 in C++20 needs <utility> first (included above).
 #include <gtest/gtest-spi.h>
@@ -423,10 +426,13 @@ TEST(DashboardPrometheusTest, TheParserRejectsWhatTheFormatForbids) {
 
 class DashboardServerTest : public ::testing::Test {
  protected:
+  virtual dashboard::HttpServerOptions Options() {
+    return {.host = "127.0.0.1", .port = 0, .header_limit_bytes = 2048, .idle_timeout_ms = 500};
+  }
+
   void SetUp() override {
     auto server = dashboard::HttpServer::Start(
-        io_, {.host = "127.0.0.1", .port = 0, .header_limit_bytes = 2048, .idle_timeout_ms = 500},
-        [this](const HttpRequest& request) { return handler_.Handle(request); });
+        io_, Options(), [this](const HttpRequest& request) { return handler_.Handle(request); });
     ASSERT_OK(server.status());
     server_ = std::move(*server);
     thread_ = std::thread([this] { io_.run(); });
@@ -522,6 +528,45 @@ TEST_F(DashboardServerTest, MalformedAndOversizedRequestsAreRefusedAndTheServerL
   // Still serving.
   const std::string ok = Exchange(GoodRequest("/api/timeline", true));
   EXPECT_TRUE(ok.starts_with("HTTP/1.1 200")) << ok.substr(0, 200);
+}
+
+// Slow clients cannot lock others out: as many silent connections as the server takes, and an
+// idle timeout far longer than the test, so only the eviction of the connection that has waited
+// longest for a request can let a request with the token in.
+class DashboardSlowClientTest : public DashboardServerTest {
+ protected:
+  dashboard::HttpServerOptions Options() override {
+    return {.host = "127.0.0.1", .port = 0, .max_connections = 64, .idle_timeout_ms = 60'000};
+  }
+};
+
+TEST_F(DashboardSlowClientTest, SilentConnectionsDoNotLockOutARequestWithTheToken) {
+  boost::asio::io_context io;
+  const boost::asio::ip::tcp::endpoint server(boost::asio::ip::make_address("127.0.0.1"),
+                                              server_->port());
+  std::vector<boost::asio::ip::tcp::socket> silent;
+  for (int i = 0; i < 64; ++i) {
+    silent.emplace_back(io);
+    silent.back().connect(server);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string ok = Exchange(GoodRequest("/api/cluster", true));
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  std::printf("a request with the token behind 64 silent connections answered in %.1f ms\n", ms);
+  EXPECT_TRUE(ok.starts_with("HTTP/1.1 200")) << ok.substr(0, 200);
+  EXPECT_LT(ms, 5000) << "a generous bound: the idle timeout is 60 s, the wait should be ms";
+  // The silent connection that waited longest made room: the server closed it.
+  int closed = 0;
+  for (auto& socket : silent) {
+    socket.non_blocking(true);
+    char byte;
+    boost::system::error_code error;
+    socket.read_some(boost::asio::buffer(&byte, 1), error);
+    closed += error == boost::asio::error::eof || error == boost::asio::error::connection_reset;
+  }
+  std::printf("%d of the 64 silent connections were closed to make room\n", closed);
+  EXPECT_GE(closed, 1);
 }
 
 }  // namespace

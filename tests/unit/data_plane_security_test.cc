@@ -50,10 +50,12 @@ uint8_t PatternByte(uint64_t object, int64_t i) {
   return static_cast<uint8_t>(i * 7 + static_cast<int64_t>(object) * 13);
 }
 
+// `timeout_ms`: the pull deadline, and how long a connection may take to prove the token.
 DataPlaneOptions MemberOptions(int timeout_ms = 5000) {
   DataPlaneOptions options;
   options.token = kToken;
   options.pull_timeout_ms = timeout_ms;
+  options.preauth.deadline_ms = timeout_ms;
   return options;
 }
 

@@ -1,7 +1,12 @@
 // The control plane's wire layer: framing, connections and conversions, including what a
 // misbehaving peer can throw at it.
+#include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
 #include <future>
 #include <random>
 #include <thread>
@@ -58,6 +63,37 @@ TEST(FrameTest, RejectsBadMagicAndOversizedFrames) {
   Status oversized = small.Feed(header);
   ASSERT_FALSE(oversized.ok());
   EXPECT_NE(oversized.message().find("4096"), std::string::npos);
+}
+
+// A PutObjects frame carrying `bytes` of inline data (a frame of about that size).
+std::vector<uint8_t> LargeFrame(size_t bytes) {
+  capnp::MallocMessageBuilder message;
+  auto put = message.initRoot<proto::Envelope>().initBody().initPutObjects();
+  put.initInline(1).init(0, static_cast<unsigned>(bytes));
+  return rpc::EncodeFrame(message);
+}
+
+TEST(FrameTest, AFrameOverTheLimitIsJudgedOnceTheMessagesBeforeItWereTaken) {
+  std::vector<uint8_t> stream = HeartbeatFrame(1);
+  const std::vector<uint8_t> large = LargeFrame(8192);
+  stream.insert(stream.end(), large.begin(), large.end());
+  // Handling the first message raises the limit (a Hello accepted): the large frame passes.
+  FrameDecoder raised(1024);
+  ASSERT_OK(raised.Feed(stream));
+  ASSERT_TRUE(raised.HasMessage());
+  raised.PopMessage();
+  EXPECT_FALSE(raised.HasMessage()) << "held back until the messages before it were handled";
+  raised.set_max_frame_bytes(rpc::kDefaultMaxFrameBytes);
+  ASSERT_OK(raised.Feed({}));
+  ASSERT_TRUE(raised.HasMessage());
+  EXPECT_GE(raised.PopMessage()->bytes(), 8192u);
+  // It does not: the large frame is refused.
+  FrameDecoder kept(1024);
+  ASSERT_OK(kept.Feed(stream));
+  kept.PopMessage();
+  Status refused = kept.Feed({});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("limit 1024"), std::string::npos) << refused.ToString();
 }
 
 TEST(FrameTest, RandomPayloadsNeverCrashTheReader) {
@@ -268,6 +304,145 @@ TEST_F(ConnectionTest, AHandlerErrorClosesWithThatReason) {
   auto future = closed.get_future();
   ASSERT_EQ(future.wait_for(std::chrono::seconds(5)), std::future_status::ready);
   EXPECT_NE(future.get().message().find("heartbeat before hello"), std::string::npos);
+}
+
+// A server-side connection created with a small frame limit (not authenticated yet): a large
+// frame closes it and nothing else; after Admit the same frame is delivered.
+TEST(ConnectionLimitTest, APreauthFrameOverTheLimitClosesOnlyThatConnection) {
+  rpc::asio::io_context io;
+  auto work = rpc::asio::make_work_guard(io);
+  struct Pair {
+    std::shared_ptr<rpc::Connection> client, server;
+  };
+  auto make_pair = [&](const std::string& name) {
+    int fds[2];
+    TESSERA_CHECK(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0, "socketpair");
+    rpc::GenericSocket a(io), b(io);
+    a.assign(rpc::asio::generic::stream_protocol(AF_UNIX, 0), fds[0]);
+    b.assign(rpc::asio::generic::stream_protocol(AF_UNIX, 0), fds[1]);
+    return Pair{rpc::Connection::Create(std::move(a), name + "-client"),
+                rpc::Connection::Create(std::move(b), name, /*max_frame_bytes=*/4096)};
+  };
+  Pair stranger = make_pair("stranger"), bystander = make_pair("bystander"),
+       admitted = make_pair("admitted");
+  std::promise<Status> stranger_closed;
+  std::promise<size_t> admitted_got_large;
+  std::atomic<int> bystander_messages{0};
+  std::atomic<bool> bystander_closed{false};
+  auto quiet = [](rpc::Connection&, rpc::ReceivedMessage&) { return Status::Ok(); };
+  auto ignore_close = [](rpc::Connection&, const Status&) {};
+  stranger.server->Start(
+      quiet, [&](rpc::Connection&, const Status& reason) { stranger_closed.set_value(reason); });
+  bystander.server->Start(
+      [&](rpc::Connection&, rpc::ReceivedMessage&) {
+        ++bystander_messages;
+        return Status::Ok();
+      },
+      [&](rpc::Connection&, const Status&) { bystander_closed = true; });
+  admitted.server->Start(
+      [&](rpc::Connection& self, rpc::ReceivedMessage& message) {
+        if (message.bytes() > 4096) {
+          admitted_got_large.set_value(message.bytes());
+        } else {
+          self.Admit();  // its first message proved it (as a scheduler accepts a Hello)
+        }
+        return Status::Ok();
+      },
+      ignore_close);
+  for (Pair* pair : {&stranger, &bystander, &admitted}) pair->client->Start(quiet, ignore_close);
+  std::thread thread([&] { io.run(); });
+
+  stranger.client->SendFrame(LargeFrame(size_t{64} * 1024));
+  admitted.client->SendFrame(HeartbeatFrame(1));
+  admitted.client->SendFrame(LargeFrame(size_t{64} * 1024));  // behind the first, maybe in one read
+  auto closed = stranger_closed.get_future();
+  ASSERT_EQ(closed.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  const Status reason = closed.get();
+  EXPECT_NE(reason.message().find("bad frame length"), std::string::npos) << reason.ToString();
+  auto large = admitted_got_large.get_future();
+  ASSERT_EQ(large.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_GE(large.get(), size_t{64} * 1024);
+  // The bystander, pending like the stranger, still works.
+  bystander.client->SendFrame(HeartbeatFrame(2));
+  EXPECT_TRUE(Eventually([&] { return bystander_messages.load() == 1; }));
+  EXPECT_FALSE(bystander_closed.load());
+
+  for (Pair* pair : {&stranger, &bystander, &admitted}) {
+    pair->client->Close(Cancelled("test over"));
+    pair->server->Close(Cancelled("test over"));
+  }
+  work.reset();
+  thread.join();
+}
+
+// Out of descriptors, accept fails at once for as long as that lasts: the listener must shed and
+// pause, not retry in a hot loop (a scheduler at its limit once spun at 97% CPU and stopped
+// answering). Client sockets are made before the limit is lowered and connected after (a connect
+// takes no descriptor), so only the listener's side runs out.
+TEST(ListenerTest, OutOfDescriptorsItShedsAndPausesInsteadOfSpinning) {
+  rpc::asio::io_context io;
+  auto work = rpc::asio::make_work_guard(io);
+  std::atomic<int> accepted{0};
+  std::vector<rpc::GenericSocket> kept;  // io thread only
+  auto listener = rpc::Listener::Listen(io, rpc::Address::Tcp("127.0.0.1", 0),
+                                        [&](rpc::GenericSocket socket, const std::string&) {
+                                          kept.push_back(std::move(socket));
+                                          ++accepted;
+                                        });
+  ASSERT_OK(listener.status());
+  std::thread thread([&] { io.run(); });
+  sockaddr_in server{};
+  server.sin_family = AF_INET;
+  server.sin_port = htons((*listener)->address().port);
+  server.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  constexpr int kClients = 8;
+  std::vector<int> clients;
+  clients.reserve(kClients);
+  for (int i = 0; i < kClients; ++i) clients.push_back(::socket(AF_INET, SOCK_STREAM, 0));
+
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  const int lowest_free = ::dup(0);
+  ::close(lowest_free);
+  rlimit none_left = saved;
+  none_left.rlim_cur = static_cast<rlim_t>(lowest_free);  // every descriptor below it is in use
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &none_left), 0);
+  for (int fd : clients) {
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&server), sizeof(server)), 0);
+  }
+  rusage before{}, after{};
+  ::getrusage(RUSAGE_SELF, &before);
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ::getrusage(RUSAGE_SELF, &after);
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  const double cpu = seconds(after.ru_utime) - seconds(before.ru_utime) + seconds(after.ru_stime) -
+                     seconds(before.ru_stime);
+  auto shed = [&] {
+    int closed = 0;
+    for (int fd : clients) {
+      char byte;
+      closed += ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    }
+    return closed;
+  };
+  const int shed_while_out = shed();
+  std::printf("out of descriptors for %.2f s: %.3f s of CPU, %d connection(s) shed\n", wall, cpu,
+              shed_while_out);
+  EXPECT_LT(cpu, 0.5 * wall) << "the listener spins";
+  EXPECT_GE(shed_while_out, 1);
+  // With descriptors again, the others are accepted.
+  EXPECT_TRUE(Eventually([&] { return accepted.load() + shed() == kClients; }));
+  for (int fd : clients) ::close(fd);
+  rpc::asio::post(io, [&] {
+    (*listener)->Close();
+    kept.clear();
+  });
+  work.reset();
+  thread.join();
 }
 
 TEST(ListenerTest, ConnectsOverTcpAndUnixAndReportsUnreachableAddresses) {

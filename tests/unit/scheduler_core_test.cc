@@ -19,12 +19,19 @@ TEST_F(SchedulerCoreTest, AJoinWithoutTheTokenIsRefused) {
       std::string::npos);
   EXPECT_TRUE(outbox_.disconnected.contains(intruder));
   EXPECT_EQ(core_.alive_workers(), 0);
+  EXPECT_FALSE(core_.Admitted(intruder));
 
   const WorkerId rude = core_.Accept();
+  EXPECT_FALSE(core_.Admitted(rude)) << "pending until its Hello is accepted";
   Status skipped_hello =
       Deliver(rude, [](proto::Envelope::Builder e) { e.initBody().initHeartbeat(); });
   EXPECT_FALSE(skipped_hello.ok());
   EXPECT_TRUE(outbox_.disconnected.contains(rude));
+  EXPECT_FALSE(core_.Admitted(rude));
+
+  const WorkerId member = Join(proto::Role::DRIVER);
+  EXPECT_TRUE(core_.Admitted(member));
+  EXPECT_FALSE(core_.Admitted(WorkerId(999'999))) << "unknown";
 }
 
 TEST_F(SchedulerCoreTest, RunsATaskAndTellsTheWatchingDriver) {
