@@ -39,8 +39,9 @@ Result<sockaddr_in> Parse(const std::string& address) {
 }  // namespace
 
 Status RawDataPlanePeer::Init() {
-  TESSERA_ASSIGN_OR_RETURN(detail::UcxHandles handles,
-                           detail::CreateUcxWorker(UCP_FEATURE_AM, "raw-peer", "^cma"));
+  TESSERA_ASSIGN_OR_RETURN(
+      detail::UcxHandles handles,
+      detail::CreateUcxWorker(UCP_FEATURE_AM, "raw-peer", "^cma", /*indirect_ids=*/true));
   context_ = handles.context;
   worker_ = handles.worker;
   for (uint16_t id = kFirstId; id <= kLastId; ++id) {

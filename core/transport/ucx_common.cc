@@ -1,11 +1,13 @@
 #include "core/transport/ucx_common.h"
 
 #include <cstdlib>
+#include <string_view>
 #include <utility>
 
 namespace tessera::detail {
 
-Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports) {
+Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports,
+                                   bool indirect_ids) {
   ucp_config_t* config = nullptr;
   TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
   // Endpoint ids on the wire go through UCX's table, not raw pointers: a message that arrives
@@ -16,6 +18,7 @@ Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const ch
   const std::pair<const char*, const char*> defaults[] = {{"TLS", transports},
                                                           {"PROTO_INDIRECT_ID", "on"}};
   for (const auto& [name, value] : defaults) {
+    if (!indirect_ids && std::string_view(name) == "PROTO_INDIRECT_ID") continue;
     if (std::getenv(fmt::format("UCX_{}", name).c_str()) != nullptr) continue;  // the user's
     const ucs_status_t modified = ucp_config_modify(config, name, value);
     if (modified != UCS_OK) {

@@ -31,8 +31,12 @@ struct UcxHandles {
   int event_fd = -1;
 };
 
-// `transports` becomes UCX_TLS unless the user set UCX_TLS; endpoint ids are indirect
-// (UCX_PROTO_INDIRECT_ID=on) unless the user set that. On error nothing is left to free.
-Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports);
+// `transports` becomes UCX_TLS unless the user set UCX_TLS; with `indirect_ids` (the data
+// plane, which strangers may reach) endpoint ids are indirect (UCX_PROTO_INDIRECT_ID=on) unless
+// the user set that. Not for the collectives' workers: UCX 1.13 then asserts when a worker whose
+// collective was aborted mid-flight is destroyed with its requests outstanding. On error nothing
+// is left to free.
+Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports,
+                                   bool indirect_ids = false);
 
 }  // namespace tessera::detail

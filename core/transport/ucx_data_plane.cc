@@ -61,7 +61,8 @@ Status UcxDataPlane::Init() {
   self_ = ToWire(ThisProcess());
   // Without peer-failure mode, UCX aborts the process when a peer dies under a CMA transfer
   // (a worker killed while another pulls from it): CMA stays out unless UCX_TLS asks for it.
-  TESSERA_ASSIGN_OR_RETURN(UcxHandles handles, CreateUcxWorker(UCP_FEATURE_AM, "tessera", "^cma"));
+  TESSERA_ASSIGN_OR_RETURN(UcxHandles handles, CreateUcxWorker(UCP_FEATURE_AM, "tessera", "^cma",
+                                                               /*indirect_ids=*/true));
   context_ = handles.context;
   worker_ = handles.worker;
   ucx_fd_ = handles.event_fd;
