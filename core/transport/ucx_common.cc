@@ -17,13 +17,13 @@ Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const ch
   // abort a test process.
   const std::pair<const char*, const char*> defaults[] = {{"TLS", transports},
                                                           {"PROTO_INDIRECT_ID", "on"}};
-  for (const auto& [name, value] : defaults) {
-    if (!indirect_ids && std::string_view(name) == "PROTO_INDIRECT_ID") continue;
-    if (std::getenv(fmt::format("UCX_{}", name).c_str()) != nullptr) continue;  // the user's
-    const ucs_status_t modified = ucp_config_modify(config, name, value);
+  for (const auto& [key, value] : defaults) {
+    if (!indirect_ids && std::string_view(key) == "PROTO_INDIRECT_ID") continue;
+    if (std::getenv(fmt::format("UCX_{}", key).c_str()) != nullptr) continue;  // the user's
+    const ucs_status_t modified = ucp_config_modify(config, key, value);
     if (modified != UCS_OK) {
       ucp_config_release(config);
-      return UcxError(fmt::format("config ({}={})", name, value), modified);
+      return UcxError(fmt::format("config ({}={})", key, value), modified);
     }
   }
   UcxHandles handles;
