@@ -16,6 +16,7 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
+#include "core/rpc/wire_limits.h"
 #include "core/thread_annotations.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
@@ -137,6 +138,8 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
   options.core.trace_instances = static_cast<int>(settings->trace_instances);
+  options.core.limits = rpc::WireLimits::FromSettings(*settings);
+  if (Status limits = options.core.limits.Check(); !limits.ok()) return FailWith(kProgram, limits);
   options.dashboard_host = flags.host;
   options.dashboard_port = flags.dashboard_port == SchedulerProcessFlags::kDashboardPortFromSettings
                                ? static_cast<int>(settings->dashboard_port)
