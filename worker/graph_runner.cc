@@ -49,8 +49,9 @@ struct GraphRunner::Part {
 
   // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
   // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts
-  // itself; the executor's error for a local graph it cannot prepare.
-  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor);
+  // itself or breaks `limits`; the executor's error for a local graph it cannot prepare.
+  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor,
+               const rpc::WireLimits& limits);
 
   // The whole graph as the wire places it: every task and its worker.
   struct Placement {
@@ -59,7 +60,7 @@ struct GraphRunner::Part {
     std::map<uint64_t, std::string> addresses;  // worker -> its data plane
   };
   // The objects, the outputs and the consumers' addresses; the tasks and their workers.
-  Result<Placement> Read(proto::GraphPart::Reader wire);
+  Result<Placement> Read(proto::GraphPart::Reader wire, const rpc::WireLimits& limits);
   // Which worker produces each object (producer_worker).
   Status FindProducers(const Placement& placement);
   // Worker `self`'s tasks into the local graph, and what it exports to the others'.
@@ -157,7 +158,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
   }
   auto part = std::make_shared<Part>();
   part->id = wire.getGraphId();
-  Status status = part->Build(self, wire, executor_);
+  Status status = part->Build(self, wire, executor_, rpc::WireLimits::FromSettings(settings_));
   if (!status.ok()) {
     part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
     GetLogger("worker")->warn("{}", part->error.ToString());
@@ -171,8 +172,8 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
 }
 
 Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
-                                const InProcessExecutor& executor) {
-  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire));
+                                const InProcessExecutor& executor, const rpc::WireLimits& limits) {
+  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire, limits));
   TESSERA_RETURN_IF_ERROR(FindProducers(placement));
   TESSERA_RETURN_IF_ERROR(AddTasks(self, placement));
   TESSERA_RETURN_IF_ERROR(AddOutputs(self));
@@ -181,9 +182,10 @@ Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
   return Status::Ok();
 }
 
-Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire) {
+Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire,
+                                                             const rpc::WireLimits& limits) {
   for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl, limits));
     objects.push_back(std::move(object));
   }
   for (uint64_t output : wire.getOutputs()) outputs.push_back(ObjectId(output));
@@ -193,7 +195,7 @@ Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::R
     worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
   }
   for (proto::Task::Reader task : wire.getTasks()) {
-    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
+    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task, limits));
     placement.tasks.push_back(std::move(parsed));
   }
   const auto task_workers = wire.getTaskWorkers();
