@@ -15,6 +15,7 @@
 
 #include "dashboard/api_json.h"
 #include "dashboard/http_handler.h"
+#include "dashboard/http_parse.h"
 #include "dashboard/http_server.h"
 #include "dashboard/prometheus.h"
 #include "test_util.h"
@@ -218,6 +219,31 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(timeline["spans"][0]["kind"], "forward");
   EXPECT_EQ(timeline["spans"][0]["stream"], "compute 0");
   EXPECT_DOUBLE_EQ(timeline["spans"][0]["end_ms"].get<double>(), 30.0);
+}
+
+TEST(DashboardParseTest, RequestsAreReadAsTheServerReadsThem) {
+  ASSERT_OK_AND_ASSIGN(
+      HttpRequest request,
+      dashboard::ParseHttpRequest("GET /api/job?x=1 HTTP/1.1\r\nHost: h\r\nCookie: a=b\r\n"
+                                  "Authorization: Bearer t\r\n\r\n",
+                                  1024, 64));
+  EXPECT_EQ(request.method, "GET");
+  EXPECT_EQ(request.target, "/api/job?x=1");
+  EXPECT_EQ(request.cookie, "a=b");
+  EXPECT_EQ(request.authorization, "Bearer t");
+  const std::string big_header = "GET / HTTP/1.1\r\nX: " + std::string(2048, 'x') + "\r\n\r\n";
+  EXPECT_EQ(dashboard::ParseHttpRequest(big_header, 1024, 64).status().code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(dashboard::ParseHttpRequest(
+                "POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + std::string(100, 'b'), 1024, 64)
+                .status()
+                .code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(dashboard::ParseHttpRequest("\x01\x02 nonsense\r\n\r\n", 1024, 64).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(dashboard::ParseHttpRequest("GET / HTTP/1.1\r\nHost:", 1024, 64).status().code(),
+            StatusCode::kInvalidArgument)
+      << "it ends before the request does";
 }
 
 TEST(DashboardQueryTest, QueryValuesAndCookiesAreParsed) {
