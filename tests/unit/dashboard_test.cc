@@ -44,7 +44,8 @@ class FakeSource : public dashboard::DashboardSource {
     for (uint64_t id : {2, 3}) {
       dashboard::WorkerView& w = view.workers.emplace_back();
       w.id = id;
-      w.hostname = "host \"quoted\"\nline";  // label-hostile text stays out of /metrics labels
+      w.hostname =
+          "host \"quoted\"\nline" + odd;  // label-hostile text stays out of /metrics labels
       w.pid = 1000 + static_cast<int>(id);
       w.alive = id == 2;
       w.host_used = 1 << 20;
@@ -64,7 +65,8 @@ class FakeSource : public dashboard::DashboardSource {
       if (id == 2) {
         w.waits =
             "waits in collective 7/all_reduce (rank 0 of 2) for worker3, which has not "
-            "answered for 1.5 s";
+            "answered for 1.5 s" +
+            odd;
         w.blocked_on = {3};
       }
     }
@@ -72,7 +74,7 @@ class FakeSource : public dashboard::DashboardSource {
   }
   std::vector<dashboard::JobView> Jobs() override {
     dashboard::JobView job;
-    job.name = "train \"gpt2\"";
+    job.name = "train \"gpt2\"" + odd;
     job.driver = 4;
     job.connected = true;
     for (int64_t step = 1; step <= steps; ++step) {
@@ -88,7 +90,7 @@ class FakeSource : public dashboard::DashboardSource {
     dashboard::TimelineView view{.now_ms = 1000};
     view.spans.push_back({.worker = 2,
                           .stream = "compute 0",
-                          .name = "block0/attention_forward",
+                          .name = "block0/attention_forward" + odd,
                           .kind = "forward",
                           .start_ms = 10,
                           .end_ms = 30,
@@ -97,6 +99,7 @@ class FakeSource : public dashboard::DashboardSource {
     return view;
   }
   int64_t steps = 3;
+  std::string odd;  // appended to every text that comes off the wire (names, waits)
 };
 
 class DashboardHandlerTest : public ::testing::Test {
@@ -219,6 +222,24 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(timeline["spans"][0]["kind"], "forward");
   EXPECT_EQ(timeline["spans"][0]["stream"], "compute 0");
   EXPECT_DOUBLE_EQ(timeline["spans"][0]["end_ms"].get<double>(), 30.0);
+}
+
+TEST_F(DashboardHandlerTest, TextFromTheWireThatIsNotUtf8IsReplacedOnEveryRoute) {
+  // Host names, waits, job and span names reach the scheduler as bytes (Cap'n Proto does not
+  // check UTF-8): no route may throw on them (an exception would end the scheduler's io thread).
+  // Found by fuzz_http_handler.
+  source_.odd = "\xff\xfe\xc3";
+  for (const char* path : {"/api/cluster", "/api/job", "/api/timeline", "/api/waits"}) {
+    HttpResponse response;
+    ASSERT_NO_THROW(response = Get(path, Bearer())) << path;
+    EXPECT_EQ(response.status, 200) << path;
+    EXPECT_TRUE(json::accept(response.body)) << path;
+  }
+  const json waits = json::parse(Get("/api/waits", Bearer()).body);
+  EXPECT_NE(waits["workers"][0]["hostname"].get<std::string>().find("\xef\xbf\xbd"),
+            std::string::npos)
+      << "replaced by U+FFFD";
+  EXPECT_EQ(Get("/metrics", Bearer()).status, 200);
 }
 
 TEST(DashboardParseTest, RequestsAreReadAsTheServerReadsThem) {
