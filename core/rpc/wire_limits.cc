@@ -63,10 +63,19 @@ Status Checker::Hello(proto::Hello::Reader hello) const {
   TESSERA_RETURN_IF_ERROR(Name("Hello.token", hello.getToken()));
   TESSERA_RETURN_IF_ERROR(Name("Hello.hostname", hello.getHostname()));
   TESSERA_RETURN_IF_ERROR(Name("Hello.dataAddress", hello.getDataAddress()));
+  TESSERA_RETURN_IF_ERROR(
+      CheckByteFigure("Hello.hostCapacity", hello.getHostCapacity(), limits_.max_host_bytes));
   return Name("Hello.gpu", hello.getGpu());
 }
 
 Status Checker::Heartbeat(proto::Heartbeat::Reader heartbeat) const {
+  // The scheduler computes a worker's free memory from these (capacity - used - committed).
+  TESSERA_RETURN_IF_ERROR(
+      CheckByteFigure("Heartbeat.hostUsed", heartbeat.getHostUsed(), limits_.max_host_bytes));
+  TESSERA_RETURN_IF_ERROR(CheckByteFigure("Heartbeat.hostCapacity", heartbeat.getHostCapacity(),
+                                          limits_.max_host_bytes));
+  TESSERA_RETURN_IF_ERROR(CheckByteFigure("Heartbeat.spilledBytes", heartbeat.getSpilledBytes(),
+                                          limits_.max_host_bytes));
   const proto::WaitState::Reader waits = heartbeat.getWaits();
   TESSERA_RETURN_IF_ERROR(Tasks("Heartbeat.waits.running", waits.getRunning().size()));
   for (capnp::Text::Reader name : waits.getRunning()) {
@@ -235,6 +244,11 @@ Status CheckBytes(std::string_view field, uint64_t bytes, int64_t limit, std::st
   if (bytes <= static_cast<uint64_t>(limit)) return Status::Ok();
   return InvalidArgument("{} is {} bytes long, more than the limit of {}{}", field, bytes, limit,
                          setting.empty() ? std::string() : fmt::format(" ({})", setting));
+}
+
+Status CheckByteFigure(std::string_view field, int64_t value, int64_t limit) {
+  if (value >= 0 && value <= limit) return Status::Ok();
+  return InvalidArgument("{} is {} bytes, outside [0, {}]", field, value, limit);
 }
 
 Status CheckObjectDecl(proto::ObjectDecl::Reader decl, const WireLimits& limits) {

@@ -45,6 +45,7 @@ struct WireLimits {
   int64_t max_tensor_rank = 16;
   int64_t max_attrs = 1024;  // attributes of one task
   int64_t max_role_peaks = 64;
+  int64_t max_host_bytes = int64_t{1} << 50;  // a host's memory or disk figure (1 PiB)
 
   // The limits the settings give (wire_max_*), taken as they are: Check says whether they are
   // usable.
@@ -62,8 +63,14 @@ Status CheckCount(std::string_view field, uint64_t count, int64_t limit,
 Status CheckBytes(std::string_view field, uint64_t bytes, int64_t limit,
                   std::string_view setting = "");
 
-// Checks every list's length and every text's and blob's size of `message` against `limits`
-// (see above); the values inside are FromWire's to check. InvalidArgument naming the first field
+// InvalidArgument "<field> is <value> bytes, outside [0, <limit>]": a figure the receiver does
+// arithmetic with (a host's capacity, its memory in use), bounded so no sum or difference of
+// them overflows.
+Status CheckByteFigure(std::string_view field, int64_t value, int64_t limit);
+
+// Checks every list's length and every text's and blob's size of `message` against `limits`,
+// and the hosts' byte figures of Hello and Heartbeat (see above); the values inside lists are
+// FromWire's to check. InvalidArgument naming the first field
 // over its limit. Malformed structure throws kj::Exception (the caller runs under
 // CatchMalformed, frame.h).
 Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits);

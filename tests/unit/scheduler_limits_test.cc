@@ -2,6 +2,7 @@
 // (core/rpc/wire_limits.h) is refused with the reason, changes nothing, and the scheduler goes on
 // serving everyone else.
 #include <functional>
+#include <limits>
 #include <string>
 
 #include "core/collective_task.h"
@@ -94,6 +95,25 @@ TEST_F(SchedulerLimitsTest, ARegisteredGraphWithAnOversizedGroupIsRefused) {
   EXPECT_TRUE(outbox_.Take(w1, Body::GRAPH_PART).empty());
   EXPECT_TRUE(outbox_.Take(w2, Body::GRAPH_PART).empty());
   ExpectServing(w1, w2);
+}
+
+TEST_F(SchedulerLimitsTest, AWorkersFiguresOutsideWhatAHostHoldsAreRefused) {
+  // Found by fuzz_control_plane: a heartbeat's host figures are subtracted from each other to
+  // place tasks, and INT64_MIN overflowed (UBSan). They are bounded on the wire now.
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  const Status refused = Deliver(w2, [](proto::Envelope::Builder e) {
+    auto heartbeat = e.initBody().initHeartbeat();
+    heartbeat.setHostCapacity(std::numeric_limits<int64_t>::max());
+    heartbeat.setHostUsed(std::numeric_limits<int64_t>::min());
+  });
+  EXPECT_EQ(refused.message(),
+            "Heartbeat.hostUsed is -9223372036854775808 bytes, outside [0, 1125899906842624]");
+  EXPECT_EQ(Refusal(w2), refused.message());
+  core_.Disconnected(w2, refused);  // as the service does once the connection closes
+  Put(driver, 1, 1, true);
+  Submit(driver, 2, 1, 3);
+  EXPECT_EQ(Dispatched(w1).size(), 1u) << "the other worker runs the task";
+  EXPECT_EQ(core_.alive_workers(), 1);
 }
 
 // The limits come from the options (the settings): each is refused with its message.

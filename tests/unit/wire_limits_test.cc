@@ -194,6 +194,12 @@ TEST(WireLimitsTest, EnvelopesAreCheckedByKindBeforeAnythingReadsThem) {
   EXPECT_EQ(MessageOf(rpc::CheckEnvelope(envelope.asReader(), limits)),
             "CollectivePeers.blobs has 3 entries, more than the limit of 2 "
             "(TESSERA_WIRE_MAX_GROUP_SIZE)");
+  envelope.initBody().initHeartbeat().setHostUsed(-1);
+  EXPECT_EQ(MessageOf(rpc::CheckEnvelope(envelope.asReader(), limits)),
+            "Heartbeat.hostUsed is -1 bytes, outside [0, 1125899906842624]");
+  envelope.initBody().initHello().setHostCapacity(int64_t{1} << 51);
+  EXPECT_EQ(MessageOf(rpc::CheckEnvelope(envelope.asReader(), limits)),
+            "Hello.hostCapacity is 2251799813685248 bytes, outside [0, 1125899906842624]");
   envelope.initBody().initRunGraph().initTaskNames(2);
   EXPECT_OK(rpc::CheckEnvelope(envelope.asReader(), limits));
 }
