@@ -502,7 +502,8 @@ Attrs Member(int64_t rank, int64_t size) {
 
 std::vector<Seed> Seeds() {
   std::vector<Seed> seeds;
-  const uint8_t kDriver = 2, kWorker = 0;
+  constexpr uint8_t kDriver = 2;
+  constexpr uint8_t kWorker = 0;
   seeds.push_back(RawSeed(kDriver, SubmitFrame({Gelu(10)})));
   seeds.push_back(RawSeed(kDriver, SubmitFrame({Gelu(10, Member(0, 2)), Gelu(11, Member(1, 2))})));
   // The two reported attacks.

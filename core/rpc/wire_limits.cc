@@ -333,14 +333,10 @@ Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits) 
       return check.Name("JobProgress.job", body.getJobProgress().getJob());
     case Body::FORGET_GRAPHS:
       return check.Objects("ForgetGraphs.graphIds", body.getForgetGraphs().getGraphIds().size());
-    case Body::STATUS_REQUEST:  // numbers only, or nothing
-    case Body::SHUTDOWN:
-    case Body::KEEPALIVE:
-    case Body::TIMELINE_REQUEST:
-    case Body::DISPATCH_TASKS:  // retired: nobody reads them
-    case Body::TASKS_FINISHED:
-      return Status::Ok();
-    default:  // a kind newer than this build: its receiver refuses it
+    default:
+      // Numbers only, or nothing (StatusRequest, Shutdown, Keepalive, TimelineRequest); retired
+      // kinds nobody reads (DispatchTasks, TasksFinished); a kind newer than this build, which
+      // its receiver refuses.
       return Status::Ok();
   }
 }
