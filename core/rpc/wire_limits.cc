@@ -323,8 +323,15 @@ Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits) 
       return check.Blob("CollectiveJoin.blob", body.getCollectiveJoin().getBlob().size());
     case Body::COLLECTIVE_PEERS:
       return check.CollectivePeers(body.getCollectivePeers());
-    case Body::COLLECTIVE_FAILED:
-      return check.Error("CollectiveFailed.error.message", body.getCollectiveFailed().getError());
+    case Body::COLLECTIVE_FAILED: {
+      const proto::CollectiveFailed::Reader failed = body.getCollectiveFailed();
+      // Subtracted from the scheduler's clock (a negative one counts as none).
+      if (failed.getSilentMs() > limits.max_millis) {
+        return InvalidArgument("CollectiveFailed.silentMs is {} ms, more than the limit of {}",
+                               failed.getSilentMs(), limits.max_millis);
+      }
+      return check.Error("CollectiveFailed.error.message", failed.getError());
+    }
     case Body::COLLECTIVE_ABORT:
       return check.Error("CollectiveAbort.error.message", body.getCollectiveAbort().getError());
     case Body::TIMELINE_REPLY:

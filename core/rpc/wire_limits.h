@@ -46,6 +46,8 @@ struct WireLimits {
   int64_t max_attrs = 1024;  // attributes of one task
   int64_t max_role_peaks = 64;
   int64_t max_host_bytes = int64_t{1} << 50;  // a host's memory or disk figure (1 PiB)
+  int64_t max_millis = int64_t{1} << 40;      // a duration the receiver does clock arithmetic
+                                              // with, in ms (about 35 years)
 
   // The limits the settings give (wire_max_*), taken as they are: Check says whether they are
   // usable.
@@ -69,8 +71,9 @@ Status CheckBytes(std::string_view field, uint64_t bytes, int64_t limit,
 Status CheckByteFigure(std::string_view field, int64_t value, int64_t limit);
 
 // Checks every list's length and every text's and blob's size of `message` against `limits`,
-// and the hosts' byte figures of Hello and Heartbeat (see above); the values inside lists are
-// FromWire's to check. InvalidArgument naming the first field
+// the hosts' byte figures of Hello and Heartbeat, and CollectiveFailed's silence (at most
+// limits.max_millis: it is subtracted from a clock); the values inside lists are FromWire's to
+// check. InvalidArgument naming the first field
 // over its limit. Malformed structure throws kj::Exception (the caller runs under
 // CatchMalformed, frame.h).
 Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits);

@@ -116,6 +116,22 @@ TEST_F(SchedulerLimitsTest, AWorkersFiguresOutsideWhatAHostHoldsAreRefused) {
   EXPECT_EQ(core_.alive_workers(), 1);
 }
 
+TEST_F(SchedulerLimitsTest, ACollectiveFailureSilentForAgesIsRefused) {
+  // Found by fuzz_control_plane: a member's report of how long a peer was silent is subtracted
+  // from the scheduler's clock, and 2^62 ms overflowed the conversion to nanoseconds (UBSan).
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  const Status refused = Deliver(w1, [](proto::Envelope::Builder e) {
+    auto failed = e.initBody().initCollectiveFailed();
+    failed.setGroup(1);
+    failed.setSilentMs(int64_t{1} << 62);
+  });
+  EXPECT_EQ(refused.message(),
+            "CollectiveFailed.silentMs is 4611686018427387904 ms, more than the limit of "
+            "1099511627776");
+  EXPECT_EQ(Refusal(w1), refused.message());
+  ExpectServing(w1, w2);
+}
+
 // The limits come from the options (the settings): each is refused with its message.
 class ConfiguredLimitsTest : public SchedulerLimitsTest {
  protected:

@@ -200,6 +200,10 @@ TEST(WireLimitsTest, EnvelopesAreCheckedByKindBeforeAnythingReadsThem) {
   envelope.initBody().initHello().setHostCapacity(int64_t{1} << 51);
   EXPECT_EQ(MessageOf(rpc::CheckEnvelope(envelope.asReader(), limits)),
             "Hello.hostCapacity is 2251799813685248 bytes, outside [0, 1125899906842624]");
+  envelope.initBody().initCollectiveFailed().setSilentMs(int64_t{1} << 62);
+  EXPECT_EQ(MessageOf(rpc::CheckEnvelope(envelope.asReader(), limits)),
+            "CollectiveFailed.silentMs is 4611686018427387904 ms, more than the limit of "
+            "1099511627776");
   envelope.initBody().initRunGraph().initTaskNames(2);
   EXPECT_OK(rpc::CheckEnvelope(envelope.asReader(), limits));
 }
