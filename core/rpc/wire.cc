@@ -225,10 +225,17 @@ Result<WireTask> FromWire(proto::Task::Reader in, const WireLimits& limits) {
 
 namespace {
 
+// Span times are microseconds since the Unix epoch; readers subtract them from each other (a
+// trace's origin), so they are bounded: no difference of two overflows.
+constexpr int64_t kMaxSpanMicros = int64_t{1} << 60;
+
 Status CheckSpan(int stream, int64_t start_us, int64_t end_us, int64_t bytes) {
   if (stream < kCollectiveStream) return InvalidArgument("unknown stream {} on the wire", stream);
   if (end_us < start_us) {
     return InvalidArgument("span ends ({} us) before it starts ({} us)", end_us, start_us);
+  }
+  if (start_us < 0 || end_us > kMaxSpanMicros) {
+    return InvalidArgument("span [{}, {}] us is outside [0, {}]", start_us, end_us, kMaxSpanMicros);
   }
   if (bytes < 0) return InvalidArgument("span of {} bytes on the wire", bytes);
   return Status::Ok();

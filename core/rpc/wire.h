@@ -54,7 +54,8 @@ struct WireTask {
 Result<WireTask> FromWire(proto::Task::Reader in, const WireLimits& limits = {});
 
 // A worker's spans of one instance. InvalidArgument for an unknown stream, a span that ends
-// before it starts, negative bytes, or more than limits.max_objects spans of a kind.
+// before it starts, times outside [0, 2^60] us, negative bytes, or more than limits.max_objects
+// spans of a kind.
 void ToWire(const WorkerSpans& spans, proto::InstanceSpans::Builder out);
 Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in, const WireLimits& limits = {});
 

@@ -208,6 +208,21 @@ TEST(WireLimitsTest, EnvelopesAreCheckedByKindBeforeAnythingReadsThem) {
   EXPECT_OK(rpc::CheckEnvelope(envelope.asReader(), limits));
 }
 
+TEST(WireLimitsTest, SpanTimesAreBoundedSoTheirDifferencesCannotOverflow) {
+  capnp::MallocMessageBuilder message;
+  auto spans = message.initRoot<proto::InstanceSpans>();
+  auto task = spans.initTasks(1)[0];
+  task.setStartMicros(10);
+  task.setEndMicros(20);
+  EXPECT_OK(rpc::FromWire(spans.asReader()).status());
+  task.setStartMicros(std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(MessageOf(rpc::FromWire(spans.asReader()).status()),
+            "span [-9223372036854775808, 20] us is outside [0, 1152921504606846976]");
+  task.setStartMicros(0);
+  task.setEndMicros(std::numeric_limits<int64_t>::max());
+  EXPECT_FALSE(rpc::FromWire(spans.asReader()).ok());
+}
+
 TEST(WireLimitsTest, ACollectiveIsCheckedWithoutSizingAnythingByItsGroup) {
   // One member of a group of the largest size: the missing rank is named, and nothing of the
   // group's size was made to find it.
