@@ -6,6 +6,7 @@
 #include "core/logging.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
+#include "core/rpc/wire_limits.h"
 #include "ops/standard_ops.h"
 
 namespace tessera::detail {
@@ -110,7 +111,8 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
           [this](const Status& reason) {
             {
               MutexLock lock(&ready_mutex_);
-              close_reason_ = reason.WithContext("lost the connection to the scheduler");
+              close_reason_ = (refused_.ok() ? reason : refused_)
+                                  .WithContext("lost the connection to the scheduler");
               closed_ = true;
               for (auto& [id, waiter] : status_waiters_) waiter->set_value(close_reason_);
               status_waiters_.clear();
@@ -233,6 +235,9 @@ void ClusterClient::WatchScheduler() {
 Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
   last_heard_ = std::chrono::steady_clock::now();
   auto envelope = message.reader().getRoot<proto::Envelope>();
+  // The validated decoding layer (core/rpc/wire_limits.h): over a limit, the connection closes.
+  TESSERA_RETURN_IF_ERROR(rpc::CheckEnvelope(envelope, rpc::WireLimits::FromSettings(settings_))
+                              .WithContext("a message from the scheduler was refused"));
   auto body = envelope.getBody();
   switch (body.which()) {
     case proto::Envelope::Body::OBJECTS_READY:
@@ -274,6 +279,15 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
       } else if (!status.ok()) {
         GetLogger("driver")->warn("the scheduler reported: {}", status.ToString());
       }
+      break;
+    }
+    case proto::Envelope::Body::REFUSED: {
+      // A message of ours broke the protocol (over a wire limit, ...): the scheduler says why
+      // and closes the connection.
+      const Status refused = rpc::FromWire(body.getRefused());
+      GetLogger("driver")->error("the scheduler refused a message: {}", refused.ToString());
+      MutexLock lock(&ready_mutex_);
+      refused_ = refused;
       break;
     }
     case proto::Envelope::Body::KEEPALIVE:

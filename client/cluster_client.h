@@ -135,6 +135,9 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   std::unordered_map<uint64_t, std::shared_ptr<std::promise<Result<Timeline>>>> timeline_waiters_
       GUARDED_BY(ready_mutex_);
   uint64_t next_request_ GUARDED_BY(ready_mutex_) = 1;
+  // Why the scheduler refused a message of this driver's (it then closes the connection): the
+  // close reason, in place of the bare end of the stream.
+  Status refused_ GUARDED_BY(ready_mutex_);
 };
 
 }  // namespace detail

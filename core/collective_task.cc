@@ -42,7 +42,9 @@ Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
   struct Seen {
     int group_size = 0;
     std::string op;
-    std::vector<std::string> members;  // by rank: the task's name
+    // By rank: the task's name. A map, not a vector of group_size: what is kept grows with the
+    // members there are, never with the size a member claims.
+    std::map<int, std::string> members;
   };
   std::map<int64_t, Seen> collectives;
   for (const TaskSpec& task : tasks) {
@@ -52,7 +54,6 @@ Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
     if (seen.members.empty()) {
       seen.group_size = membership->group_size;
       seen.op = task.op;
-      seen.members.resize(static_cast<size_t>(membership->group_size));
     }
     if (membership->group_size != seen.group_size || task.op != seen.op) {
       return InvalidArgument(
@@ -61,19 +62,22 @@ Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
           membership->collective, task.name, task.op, membership->group_size, seen.op,
           seen.group_size);
     }
-    std::string& slot = seen.members[static_cast<size_t>(membership->rank)];
-    if (!slot.empty()) {
+    auto [slot, added] = seen.members.emplace(membership->rank, task.name);
+    if (!added) {
       return InvalidArgument("collective {}: tasks '{}' and '{}' are both rank {}",
-                             membership->collective, slot, task.name, membership->rank);
+                             membership->collective, slot->second, task.name, membership->rank);
     }
-    slot = task.name;
   }
   for (const auto& [id, seen] : collectives) {
-    for (size_t rank = 0; rank < seen.members.size(); ++rank) {
-      if (seen.members[rank].empty()) {
-        return InvalidArgument("collective {} ({}, {} ranks) has no member of rank {}", id, seen.op,
-                               seen.group_size, rank);
-      }
+    // Ranks are in [0, group_size) (CollectiveOf): the first one missing is the first gap.
+    int rank = 0;
+    for (const auto& [member_rank, name] : seen.members) {
+      if (member_rank != rank) break;
+      ++rank;
+    }
+    if (rank < seen.group_size) {
+      return InvalidArgument("collective {} ({}, {} ranks) has no member of rank {}", id, seen.op,
+                             seen.group_size, rank);
     }
   }
   return Status::Ok();
@@ -95,6 +99,10 @@ Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks
   }
   const size_t n = ids.size();
   if (n == 0) return ids;
+  if (n > kMaxCollectivesPerGraph) {
+    return InvalidArgument("the graph has {} collectives, more than the limit of {}", n,
+                           kMaxCollectivesPerGraph);
+  }
   // What each task waits for: the producers of its inputs, and the tasks it is after (control
   // edges: a pipeline schedule's order, which can run against the tasks' numbering).
   std::vector<std::vector<size_t>> waits_for(tasks.size());

@@ -27,6 +27,7 @@
 // The scheduler reads these attributes without linking the ops (hence this header in core).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -47,6 +48,10 @@ inline constexpr const char* kPositionAttr = "position";
 // No collective has more members than this: a cluster of Tessera's kind has far fewer workers,
 // and a group size read from the wire must be bounded before anything is sized by it.
 inline constexpr int64_t kMaxCollectiveGroupSize = 4096;
+// No graph has more collectives than this: ordering them costs memory quadratic in their number
+// (OrderCollectives), and a count read from the wire must be bounded before anything is sized by
+// it. A step graph of a large model has a few thousand at most.
+inline constexpr size_t kMaxCollectivesPerGraph = 4096;
 
 struct CollectiveMembership {
   int64_t collective = 0;
@@ -73,8 +78,9 @@ Status ValidateCollectives(const std::vector<TaskSpec>& tasks);
 // A comes first (ties: the collective whose first member comes first in `tasks`).
 // `producer_of(object)` is the task producing an object (invalid for graph inputs). REQUIRES:
 // tasks have dense ids 1..n (in any order: control edges may point forward). InvalidArgument
-// naming two collectives that depend on each other (no order can avoid a deadlock), or when
-// the tasks wait for each other in a cycle.
+// naming two collectives that depend on each other (no order can avoid a deadlock), when the
+// tasks wait for each other in a cycle, or when there are more than kMaxCollectivesPerGraph
+// collectives.
 Result<std::vector<int64_t>> OrderCollectives(const std::vector<TaskSpec>& tasks,
                                               const std::function<TaskId(ObjectId)>& producer_of);
 

@@ -112,3 +112,37 @@ TESSERA_INT_SETTING(
 TESSERA_INT_SETTING(preauth_max_pending_per_address, 64, 1, 1000000, "connections",
                     "The same cap per peer IP address (all local Unix-socket peers count as one): "
                     "one host's flood displaces its own oldest connections first.")
+
+// ---- What one control-plane message may hold (core/rpc/wire_limits.h) ----
+// Every count, size, rank and index read off the wire is checked against these before anything
+// is allocated or indexed by it; a message over a limit is refused (InvalidArgument naming the
+// field, its value and the limit) and its sender disconnected, and the scheduler goes on
+// serving everyone else. Higher admits bigger graphs; each also bounds what one hostile message
+// can make the scheduler allocate.
+
+TESSERA_INT_SETTING(wire_max_tasks, 262144, 1, int64_t{1} << 24, "tasks",
+                    "Tasks in one message (a SubmitTasks batch, a registered graph, a graph part), "
+                    "and names in a RunGraph. A GPT-2 step graph has a few thousand.")
+
+TESSERA_INT_SETTING(wire_max_objects, 1048576, 1, int64_t{1} << 26, "objects",
+                    "Entries of any one list of objects or ids in a message (a graph's objects, a "
+                    "Put, a release, a run's bindings, a task's inputs and outputs, spans of a "
+                    "report).")
+
+TESSERA_INT_SETTING(wire_max_group_size, 4096, 1, 4096, "members",
+                    "Members of one collective (its group_size attribute). At most 4096, the most "
+                    "any cluster of Tessera's kind holds (core/collective_task.h).")
+
+TESSERA_INT_SETTING(wire_max_tensor_bytes, 1099511627776, 1, int64_t{1} << 50, "bytes",
+                    "Bytes of one object (its shape's elements times its dtype's size) as declared "
+                    "on the wire. 1 TiB by default: far above any one object's tier.")
+
+TESSERA_INT_SETTING(
+    wire_max_attr_bytes, 16777216, 1024, int64_t{1} << 30, "bytes",
+    "Bytes of one task attribute's value (a text, or 8 per entry of a list of ints), "
+    "and of one error text or collective address blob.")
+
+TESSERA_INT_SETTING(
+    wire_max_name_bytes, 4096, 64, int64_t{1} << 20, "bytes",
+    "Bytes of one name on the wire: tasks, objects, layers, ops, attributes, hosts, "
+    "addresses, jobs, the token.")

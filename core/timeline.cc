@@ -211,6 +211,11 @@ class SpanReader {
           record.start_us, duration);
       return false;
     }
+    if (record.start_us < 0 || record.end_us > kMaxSpanMicros) {
+      error_ = InvalidArgument("packed spans: span [{}, {}] us is outside [0, {}]", record.start_us,
+                               record.end_us, kMaxSpanMicros);
+      return false;
+    }
     if (bytes > static_cast<uint64_t>(INT64_MAX)) {
       error_ = InvalidArgument("packed spans: a span of {} bytes", bytes);
       return false;
@@ -233,18 +238,27 @@ class SpanReader {
 // Each record is at least five bytes (five varints).
 constexpr uint64_t kMinRecordBytes = 5;
 
+// The packing's two counts, checked against what its bytes can hold.
+Result<PackedSpanCounts> ReadCounts(SpanReader& reader, size_t packed_bytes) {
+  PackedSpanCounts counts;
+  if (!reader.Varint(counts.tasks, "count of tasks") ||
+      !reader.Varint(counts.pushes, "count of pushes")) {
+    return reader.error();
+  }
+  if (counts.tasks > reader.left() / kMinRecordBytes ||
+      counts.pushes > reader.left() / kMinRecordBytes - counts.tasks) {
+    return InvalidArgument("packed spans count {} tasks and {} pushes in {} bytes", counts.tasks,
+                           counts.pushes, packed_bytes);
+  }
+  return counts;
+}
+
 // Reads `packed`, calling on_task(task) and on_push(push) with each record in order.
 template <typename OnTask, typename OnPush>
 Status ReadPackedSpans(std::string_view packed, OnTask on_task, OnPush on_push) {
   SpanReader reader(packed);
-  uint64_t tasks = 0, pushes = 0;
-  if (!reader.Varint(tasks, "count of tasks") || !reader.Varint(pushes, "count of pushes")) {
-    return reader.error();
-  }
-  if (tasks > reader.left() / kMinRecordBytes || pushes > reader.left() / kMinRecordBytes - tasks) {
-    return InvalidArgument("packed spans count {} tasks and {} pushes in {} bytes", tasks, pushes,
-                           packed.size());
-  }
+  TESSERA_ASSIGN_OR_RETURN(const PackedSpanCounts counts, ReadCounts(reader, packed.size()));
+  const uint64_t tasks = counts.tasks, pushes = counts.pushes;
   uint64_t previous_id = 0;
   int64_t previous_start = 0;
   SpanReader::Record record;
@@ -301,6 +315,11 @@ Result<WorkerSpans> UnpackSpans(std::string_view packed) {
       packed, [&](const WorkerSpans::Task& task) { spans.tasks.push_back(task); },
       [&](const WorkerSpans::Push& push) { spans.pushes.push_back(push); }));
   return spans;
+}
+
+Result<PackedSpanCounts> CountPackedSpans(std::string_view packed) {
+  SpanReader reader(packed);
+  return ReadCounts(reader, packed.size());
 }
 
 Status CheckPackedSpans(std::string_view packed) {

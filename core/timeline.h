@@ -83,6 +83,10 @@ struct WorkerSpans {
   std::vector<Push> pushes;
 };
 
+// Span times are microseconds since the Unix epoch. Times read from another process are bounded
+// to [0, kMaxSpanMicros] so that their readers' differences cannot overflow.
+inline constexpr int64_t kMaxSpanMicros = int64_t{1} << 60;
+
 // WorkerSpans in the packed form InstanceFinished carries and the scheduler keeps: about 6
 // bytes a span instead of the 40 of a record (traces cost a few percent of a run of many small
 // tasks, not a third). Unsigned LEB128 varints; a record's id and start are differences from the
@@ -97,10 +101,18 @@ struct WorkerSpans {
 std::string PackSpans(const WorkerSpans& spans);
 // InvalidArgument naming what is wrong for a packing that is truncated, has bytes after its last
 // record, counts more records than its bytes can hold, or holds a span that ends before it starts,
-// has negative bytes or names a stream that is neither a compute slot nor the collective stream.
+// lies outside [0, kMaxSpanMicros], has negative bytes or names a stream that is neither a compute
+// slot nor the collective stream.
 Result<WorkerSpans> UnpackSpans(std::string_view packed);
 // The checks of UnpackSpans without building the records: for a receiver that keeps the packing.
 Status CheckPackedSpans(std::string_view packed);
+// The counts a packing declares, read without its records: InvalidArgument for counts its bytes
+// cannot hold (a cheap check before anything is sized by them).
+struct PackedSpanCounts {
+  uint64_t tasks = 0;
+  uint64_t pushes = 0;
+};
+Result<PackedSpanCounts> CountPackedSpans(std::string_view packed);
 
 struct TimelineProcess {
   WorkerId worker;  // invalid: the driver's own process (in-process backend)

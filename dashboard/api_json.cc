@@ -116,7 +116,9 @@ std::string WaitsJson(const ClusterView& cluster) {
                        {"waits", w.waits},
                        {"blocked_on", w.blocked_on}});
   }
-  return json{{"workers", std::move(workers)}}.dump();
+  // Host names and waits come off the wire as bytes: invalid UTF-8 is replaced (dump would
+  // throw on it, and the exception would end the scheduler's io thread).
+  return json{{"workers", std::move(workers)}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 }  // namespace tessera::dashboard

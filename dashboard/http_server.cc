@@ -13,6 +13,7 @@
 
 #include "core/logging.h"
 #include "core/pending_connections.h"
+#include "dashboard/http_parse.h"
 
 namespace tessera::dashboard {
 
@@ -115,15 +116,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (!parser_) return;  // never: ReadRequest made it before this read
     const auto& request = parser_->get();
-    HttpRequest plain{.method = std::string(request.method_string()),
-                      .target = std::string(request.target())};
-    if (auto it = request.find(http::field::cookie); it != request.end()) {
-      plain.cookie = std::string(it->value());
-    }
-    if (auto it = request.find(http::field::authorization); it != request.end()) {
-      plain.authorization = std::string(it->value());
-    }
-    HttpResponse response = state_->handler(plain);
+    HttpResponse response = state_->handler(PlainRequest(request));
     Respond(response, request.method() == http::verb::head, request.version(),
             request.keep_alive());
   }

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -38,16 +39,18 @@ class GangTable {
                                    TaskId task, const Status& why);
 
  private:
+  // Maps by rank, not vectors of group_size: what a collective keeps grows with the members that
+  // arrived, never with the size they claim (a driver may declare many collectives of the largest
+  // group and send one member of each).
   struct Pending {
     int group_size = 0;
-    std::vector<TaskId> ready;  // by rank; invalid until that member is ready (and once handed
-                                // back to be failed)
-    // By rank: ready or failed. Per rank, not a count: a sibling handed back by MemberFailed
-    // fails in turn and reports again, and must not count twice (the entry would be forgotten
-    // early and a member ready later would wait forever).
-    std::vector<bool> settled;
+    std::map<int, TaskId> ready;  // ready members not handed back (to run, or to be failed)
+    // Ready or failed. Per rank, not a count: a sibling handed back by MemberFailed fails in turn
+    // and reports again, and must not count twice (the entry would be forgotten early and a
+    // member ready later would wait forever).
+    std::set<int> settled;
     Status failed;  // set when one failed: later members fail at once
-    bool all_settled() const;
+    bool all_settled() const { return settled.size() == static_cast<size_t>(group_size); }
   };
   using Key = std::pair<WorkerId, int64_t>;  // driver, collective id
 

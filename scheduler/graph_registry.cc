@@ -10,10 +10,11 @@
 
 namespace tessera {
 
-Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire) {
+Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire,
+                            const rpc::WireLimits& limits) {
   Graph graph;
   for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl, limits));
     if (object.id != ObjectId(static_cast<uint64_t>(graph.num_objects()) + 1)) {
       return InvalidArgument("graph {} object ids must be dense from 1", graph_id);
     }
@@ -24,7 +25,7 @@ Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire
   };
   for (proto::Task::Reader wire_task : wire.getTasks()) {
     // Producers are not on the wire: they follow from the tasks (Graph::AddTask).
-    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask task, rpc::FromWire(wire_task));
+    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask task, rpc::FromWire(wire_task, limits));
     const TaskSpec& spec = task.spec;
     if (spec.id != TaskId(static_cast<uint64_t>(graph.num_tasks()) + 1)) {
       return InvalidArgument("graph {} task ids must be dense from 1", graph_id);
@@ -112,7 +113,7 @@ GraphRegistry::GraphRegistry(Outbox* outbox, ParticipantTable* participants,
     : outbox_(outbox), participants_(participants), groups_(groups) {}
 
 Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
-                               proto::RegisterGraph::Reader wire) {
+                               proto::RegisterGraph::Reader wire, const rpc::WireLimits& limits) {
   const uint64_t id = wire.getGraphId();
   // A graph that cannot be placed is the driver's to hear about, not a protocol violation.
   auto refuse = [&](const Status& reason) {
@@ -125,7 +126,7 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
   if (id >= kFirstSchedulerGraphId) {
     return refuse(InvalidArgument("graph id {} is reserved for the scheduler's own graphs", id));
   }
-  TESSERA_ASSIGN_OR_RETURN(Graph graph, GraphFromWire(id, wire));
+  TESSERA_ASSIGN_OR_RETURN(Graph graph, GraphFromWire(id, wire, limits));
   if (graph.tasks().empty()) return refuse(InvalidArgument("graph {} has no tasks", id));
   PlacementView view;
   view.workers = participants_->WorkerLoads();

@@ -46,6 +46,7 @@
 #include "core/graph.h"
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
+#include "core/rpc/wire_limits.h"
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/outbox.h"
@@ -58,9 +59,10 @@ namespace tessera {
 // object or task ids that are not dense from 1, a task reading an unknown object, an object
 // produced by two tasks (or by none that exists), a graph output that is not an object of the
 // graph, and whatever Graph::Validate finds (duplicate names, a task without an op, bad
-// donations, cycles: prefixed "graph <id>: "). Errors decoding the wire are returned as they
-// are.
-Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire);
+// donations, cycles: prefixed "graph <id>: "). Errors decoding the wire (rpc::FromWire against
+// `limits`: sizes, tensor bytes, group sizes, ...) are returned as they are.
+Result<Graph> GraphFromWire(uint64_t graph_id, proto::RegisterGraph::Reader wire,
+                            const rpc::WireLimits& limits);
 
 struct PlacedGraph {
   uint64_t id = 0;
@@ -91,8 +93,9 @@ class GraphRegistry {
 
   // `driver` registers a graph (request `request_id`, answered with a Reply: OK, or why not: an
   // id in use or reserved, no alive worker, a placement that cannot work, a graph without
-  // tasks).
-  Status Register(WorkerId driver, uint64_t request_id, proto::RegisterGraph::Reader wire);
+  // tasks). Decoded against `limits` (GraphFromWire).
+  Status Register(WorkerId driver, uint64_t request_id, proto::RegisterGraph::Reader wire,
+                  const rpc::WireLimits& limits);
 
   // The template of one submitted task: its inputs (in order, with their metas; a task may read
   // an object twice) become the graph's inputs and its outputs the graph's outputs. Returns the

@@ -1,5 +1,6 @@
 #include "scheduler/participants.h"
 
+#include <limits>
 #include <utility>
 
 #include "core/crypto.h"
@@ -76,12 +77,26 @@ void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader h
   if (heartbeat.getHostCapacity() > 0) worker.host_capacity = heartbeat.getHostCapacity();
 }
 
+namespace {
+
+// A cumulative figure plus one a worker reported (off the wire): a negative report counts as
+// nothing, and the sum stops at the largest int64 instead of overflowing.
+int64_t AddReported(int64_t total, int64_t reported) {
+  if (reported <= 0) return total;
+  return total > std::numeric_limits<int64_t>::max() - reported
+             ? std::numeric_limits<int64_t>::max()
+             : total + reported;
+}
+
+}  // namespace
+
 void ParticipantTable::RecordRun(Participant& worker, proto::RunReport::Reader report) {
   worker.last_run = std::make_unique<capnp::MallocMessageBuilder>();
   worker.last_run->setRoot(report);
   ++worker.instances_finished;
-  worker.bytes_pushed += report.getPushedBytes();
-  worker.collective_bytes_sent += report.getCollectiveBytesSent();
+  worker.bytes_pushed = AddReported(worker.bytes_pushed, report.getPushedBytes());
+  worker.collective_bytes_sent =
+      AddReported(worker.collective_bytes_sent, report.getCollectiveBytesSent());
 }
 
 std::vector<WorkerId> ParticipantTable::Expired(Clock::time_point now,

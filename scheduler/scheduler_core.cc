@@ -38,7 +38,17 @@ Status SchedulerCore::Handle(WorkerId from, proto::Envelope::Reader message) {
   if (participant == nullptr)
     return Internal("message from unknown participant {}", from.ToString());
   participant->last_heard = now_();
-  if (participant->role != ParticipantRole::kPending) return Route(*participant, message);
+  // The validated decoding layer's first half: every list and text within its limit before any
+  // part reads the message (the values are checked as FromWire decodes them).
+  if (Status checked = rpc::CheckEnvelope(message, options_.limits); !checked.ok()) {
+    Refuse(from, message.getRequestId(), checked);
+    return checked;
+  }
+  if (participant->role != ParticipantRole::kPending) {
+    Status routed = Route(*participant, message);
+    if (!routed.ok()) Refuse(from, message.getRequestId(), routed);
+    return routed;
+  }
   if (message.getBody().which() != proto::Envelope::Body::HELLO) {
     Status refused = Unavailable("the first message must be Hello with the cluster token");
     Refuse(from, message.getRequestId(), refused);
@@ -66,12 +76,7 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
       return Status::Ok();
     case proto::Envelope::Body::SUBMIT_TASKS:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "tasks"));
-      for (proto::Task::Reader wire : body.getSubmitTasks().getTasks()) {
-        Result<rpc::WireTask> task = rpc::FromWire(wire);
-        if (!task.ok()) return task.status().WithContext("submitted task");
-        TESSERA_RETURN_IF_ERROR(tasks_.Submit(from, std::move(*task)));
-      }
-      return Status::Ok();
+      return OnSubmitTasks(from, body.getSubmitTasks());
     case proto::Envelope::Body::PUT_OBJECTS:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "objects"));
       return OnPutObjects(from, body.getPutObjects());
@@ -88,7 +93,7 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
       return Status::Ok();
     case proto::Envelope::Body::REGISTER_GRAPH:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a graph"));
-      return graphs_.Register(from, request_id, body.getRegisterGraph());
+      return graphs_.Register(from, request_id, body.getRegisterGraph(), options_.limits);
     case proto::Envelope::Body::RUN_GRAPH:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a graph run"));
       return instances_.RunForDriver(from, request_id, body.getRunGraph());
@@ -160,11 +165,25 @@ Status SchedulerCore::OnInstanceFinished(Participant& worker,
   return instances_.Finished(worker.id, finished);
 }
 
+Status SchedulerCore::OnSubmitTasks(WorkerId driver, proto::SubmitTasks::Reader submit) {
+  // Every task decoded (and checked) before any is submitted: a batch with a bad task changes
+  // nothing.
+  std::vector<rpc::WireTask> tasks;
+  tasks.reserve(submit.getTasks().size());  // within options_.limits.max_tasks (CheckEnvelope)
+  for (proto::Task::Reader wire : submit.getTasks()) {
+    Result<rpc::WireTask> task = rpc::FromWire(wire, options_.limits);
+    if (!task.ok()) return task.status().WithContext("submitted task");
+    tasks.push_back(*std::move(task));
+  }
+  for (rpc::WireTask& task : tasks) TESSERA_RETURN_IF_ERROR(tasks_.Submit(driver, std::move(task)));
+  return Status::Ok();
+}
+
 Status SchedulerCore::OnPutObjects(WorkerId driver, proto::PutObjects::Reader put) {
   const auto inlines = put.getInline();
   unsigned i = 0;
   for (proto::ObjectDecl::Reader decl : put.getObjects()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec spec, rpc::FromWire(decl));
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec spec, rpc::FromWire(decl, options_.limits));
     if (!spec.id.valid() || objects_.contains(spec.id)) {
       return InvalidArgument("put of {} whose id is invalid or in use", spec.id.ToString());
     }

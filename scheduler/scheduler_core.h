@@ -33,6 +33,13 @@
 // Participants share one id space (WorkerId): a connection gets an id when accepted and must say
 // Hello with the cluster's token before anything else; without the token it is refused.
 //
+// Hostile or broken messages: nothing read off the wire sizes an allocation or indexes a table
+// before it is range-checked against options.limits (core/rpc/wire_limits.h: list lengths, texts,
+// tensor bytes, group sizes, ...). A message that breaks a limit or the protocol is answered
+// with a Refused naming what is wrong, and its sender is disconnected; a message over a limit
+// changes nothing (a batch of tasks is decoded whole before any is submitted), and every other
+// participant goes on.
+//
 // Failures: a worker that disconnects or misses heartbeats for heartbeat_timeout_ms is declared
 // dead. Its collective groups fail at once; its in-flight tasks are re-dispatched elsewhere when
 // all their inputs still exist; objects that lived only on it are lost, and whatever needed them
@@ -49,6 +56,7 @@
 
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
+#include "core/rpc/wire_limits.h"
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/graph_registry.h"
@@ -71,6 +79,7 @@ struct SchedulerOptions {
   int max_task_attempts = 3;
   std::string session_dir;
   int trace_instances = 16;  // graph instances whose spans are kept (scheduler/trace_store.h)
+  rpc::WireLimits limits;    // what one message may hold (core/rpc/wire_limits.h)
 };
 
 class SchedulerCore {
@@ -82,8 +91,11 @@ class SchedulerCore {
 
   // A new connection: returns its participant id. It must send Hello first.
   WorkerId Accept();
-  // One message from a participant. An error is a protocol violation: the caller closes the
-  // connection (and then calls Disconnected).
+  // One message from a participant. Every list and text in it is checked against
+  // options.limits first (rpc::CheckEnvelope), then its values as it is decoded (rpc::FromWire).
+  // An error is a protocol violation: the core answers the sender with a Refused carrying the
+  // reason and asks the outbox to disconnect it; the caller closes the connection (and then
+  // calls Disconnected). Every other participant is served as before.
   Status Handle(WorkerId from, proto::Envelope::Reader message);
   // The participant's connection is gone.
   void Disconnected(WorkerId who, const Status& reason);
@@ -122,6 +134,7 @@ class SchedulerCore {
   // Routes a message from an admitted participant to the part it concerns.
   Status Route(Participant& from, proto::Envelope::Reader message);
   Status OnHello(Participant& from, proto::Hello::Reader hello);
+  Status OnSubmitTasks(WorkerId driver, proto::SubmitTasks::Reader submit);
   Status OnPutObjects(WorkerId driver, proto::PutObjects::Reader put);
   Status OnInstanceFinished(Participant& worker, proto::InstanceFinished::Reader finished);
   void OnStatusRequest(WorkerId from, uint64_t request_id);

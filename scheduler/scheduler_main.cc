@@ -19,6 +19,7 @@
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "core/rpc/frame.h"
+#include "core/rpc/wire_limits.h"
 #include "core/thread_annotations.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
@@ -143,6 +144,8 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   options.preauth = PendingLimits::FromSettings(*settings);
   options.preauth_frame_bytes = static_cast<uint32_t>(
       std::clamp<int64_t>(settings->preauth_frame_bytes, 4096, rpc::kDefaultMaxFrameBytes));
+  options.core.limits = rpc::WireLimits::FromSettings(*settings);
+  if (Status limits = options.core.limits.Check(); !limits.ok()) return FailWith(kProgram, limits);
   options.dashboard_host = flags.host;
   options.dashboard_port = flags.dashboard_port == SchedulerProcessFlags::kDashboardPortFromSettings
                                ? static_cast<int>(settings->dashboard_port)

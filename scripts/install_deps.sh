@@ -12,6 +12,7 @@ packages=(
   #, and 16 rejects Cap'n Proto 0.9's headers in C++20.
   clang-15 clang-tidy-15
   llvm-15  # llvm-symbolizer: sanitizer reports name functions (and suppressions can match them)
+  libfuzzer-15-dev  # libFuzzer for the fuzz targets (scripts/fuzz.sh)
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev

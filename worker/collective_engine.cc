@@ -1,5 +1,7 @@
 #include "worker/collective_engine.h"
 
+#include <optional>
+
 #include "collectives/rendezvous.h"
 #include "collectives/ucx_communicator.h"
 #include "core/collective_task.h"
@@ -372,11 +374,19 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
   if (member.op.empty()) return Cancelled("the member failed before its collective");
   const Attrs& attrs = member.attrs;
   TESSERA_ASSIGN_OR_RETURN(int64_t key, attrs.GetInt(kGroupAttr));
-  TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kRankAttr));
-  TESSERA_ASSIGN_OR_RETURN(int64_t size, attrs.GetInt(kGroupSizeAttr));
-  TESSERA_ASSIGN_OR_RETURN(
-      Communicator * communicator,
-      CommunicatorFor(static_cast<uint64_t>(key), static_cast<int>(rank), static_cast<int>(size)));
+  // Rank and group size as CollectiveOf checks them (a rank in the group, a group no larger than
+  // kMaxCollectiveGroupSize), never cast from the attributes unchecked.
+  TaskSpec as_task;
+  as_task.name = member.task;
+  as_task.attrs = attrs;
+  TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> membership, CollectiveOf(as_task));
+  if (!membership) {
+    return InvalidArgument("collective member '{}' names no collective", member.task);
+  }
+  const int rank = membership->rank;
+  const int size = membership->group_size;
+  TESSERA_ASSIGN_OR_RETURN(Communicator * communicator,
+                           CommunicatorFor(static_cast<uint64_t>(key), rank, size));
   const int64_t sent_before = communicator->bytes_sent();
   const Tensor& device_out = member.outputs.at(0);
   // Device buffers cross the host communicator through host copies: the input, and the output
@@ -412,6 +422,10 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
                                      out.dtype());
   } else if (member.op == "broadcast") {
     TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
+    if (root < 0 || root >= size) {
+      return InvalidArgument("broadcast '{}': root {} is not a rank of a group of {}", member.task,
+                             root, size);
+    }
     status =
         communicator->Broadcast(out.raw_data(), out.numel(), out.dtype(), static_cast<int>(root));
   } else {

@@ -100,7 +100,7 @@ void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
   }
   auto part = std::make_shared<Part>();
   part->id = wire.getGraphId();
-  Status status = part->Build(self, wire, executor_);
+  Status status = part->Build(self, wire, executor_, rpc::WireLimits::FromSettings(settings_));
   if (!status.ok()) {
     part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
     GetLogger("worker")->warn("{}", part->error.ToString());

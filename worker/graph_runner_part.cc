@@ -5,8 +5,8 @@
 namespace tessera {
 
 Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
-                                const InProcessExecutor& executor) {
-  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire));
+                                const InProcessExecutor& executor, const rpc::WireLimits& limits) {
+  TESSERA_ASSIGN_OR_RETURN(const Placement placement, Read(wire, limits));
   TESSERA_RETURN_IF_ERROR(FindProducers(placement));
   TESSERA_RETURN_IF_ERROR(AddTasks(self, placement));
   TESSERA_RETURN_IF_ERROR(AddOutputs(self));
@@ -15,9 +15,10 @@ Status GraphRunner::Part::Build(uint64_t self, proto::GraphPart::Reader wire,
   return Status::Ok();
 }
 
-Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire) {
+Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::Reader wire,
+                                                             const rpc::WireLimits& limits) {
   for (proto::ObjectDecl::Reader decl : wire.getObjects()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl));
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, rpc::FromWire(decl, limits));
     objects.push_back(std::move(object));
   }
   for (uint64_t output : wire.getOutputs()) outputs.push_back(ObjectId(output));
@@ -27,7 +28,7 @@ Result<GraphRunner::Part::Placement> GraphRunner::Part::Read(proto::GraphPart::R
     worker_of_address[rpc::ToString(source.getAddress())] = source.getHolder();
   }
   for (proto::Task::Reader task : wire.getTasks()) {
-    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task));
+    TESSERA_ASSIGN_OR_RETURN(rpc::WireTask parsed, rpc::FromWire(task, limits));
     placement.tasks.push_back(std::move(parsed));
   }
   const auto task_workers = wire.getTaskWorkers();

@@ -47,8 +47,9 @@ struct GraphRunner::Part {
 
   // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
   // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts
-  // itself; the executor's error for a local graph it cannot prepare.
-  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor);
+  // itself or breaks `limits`; the executor's error for a local graph it cannot prepare.
+  Status Build(uint64_t self, proto::GraphPart::Reader wire, const InProcessExecutor& executor,
+               const rpc::WireLimits& limits);
 
   // The whole graph as the wire places it: every task and its worker.
   struct Placement {
@@ -57,7 +58,7 @@ struct GraphRunner::Part {
     std::map<uint64_t, std::string> addresses;  // worker -> its data plane
   };
   // The objects, the outputs and the consumers' addresses; the tasks and their workers.
-  Result<Placement> Read(proto::GraphPart::Reader wire);
+  Result<Placement> Read(proto::GraphPart::Reader wire, const rpc::WireLimits& limits);
   // Which worker produces each object (producer_worker).
   Status FindProducers(const Placement& placement);
   // Worker `self`'s tasks into the local graph, and what it exports to the others'.

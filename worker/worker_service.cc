@@ -14,6 +14,7 @@
 #include "core/rpc/connection.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
+#include "core/rpc/wire_limits.h"
 #include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "worker/collective_engine.h"
@@ -60,6 +61,7 @@ class WorkerServiceImpl final : public WorkerService {
   }
 
   const WorkerServiceOptions options_;
+  const rpc::WireLimits limits_ = rpc::WireLimits::FromSettings(options_.settings);
   const OpRegistry& registry_;
   const int threads_;
   std::shared_ptr<Allocator> allocator_;
@@ -99,6 +101,7 @@ WorkerServiceImpl::~WorkerServiceImpl() {
 }
 
 Status WorkerServiceImpl::Init() {
+  TESSERA_RETURN_IF_ERROR(rpc::WireLimits::FromSettings(options_.settings).Check());
   ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
   executor_options.threads = threads_;
   executor_options.device = options_.device;
@@ -168,7 +171,12 @@ Status WorkerServiceImpl::Init() {
 
 Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
   last_heard_ = std::chrono::steady_clock::now();
-  auto body = message.reader().getRoot<proto::Envelope>().getBody();
+  const auto envelope = message.reader().getRoot<proto::Envelope>();
+  // The validated decoding layer (core/rpc/wire_limits.h): a message over a limit is a protocol
+  // violation and closes the connection (the worker then joins the scheduler again).
+  TESSERA_RETURN_IF_ERROR(rpc::CheckEnvelope(envelope, limits_)
+                              .WithContext("a message from the scheduler was refused"));
+  auto body = envelope.getBody();
   switch (body.which()) {
     case proto::Envelope::Body::FREE_OBJECTS:
       for (uint64_t id : body.getFreeObjects().getIds()) {

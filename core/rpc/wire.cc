@@ -1,10 +1,10 @@
 #include "core/rpc/wire.h"
 
-namespace tessera::rpc {
+#include <optional>
 
-namespace {
-constexpr int kMaxRank = 16;
-}  // namespace
+#include "core/collective_task.h"
+
+namespace tessera::rpc {
 
 void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out) {
   auto shape = out.initShape(static_cast<unsigned>(meta.shape.rank()));
@@ -14,21 +14,35 @@ void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out) {
   out.setDeviceIndex(static_cast<int16_t>(meta.device.index));
 }
 
-Result<TensorMeta> FromWire(proto::TensorMeta::Reader in) {
+Result<TensorMeta> FromWire(proto::TensorMeta::Reader in, const WireLimits& limits) {
   TensorMeta meta;
-  if (in.getShape().size() > kMaxRank) {
-    return InvalidArgument("tensor rank {} exceeds {}", in.getShape().size(), kMaxRank);
+  const auto shape = in.getShape();
+  if (shape.size() > limits.max_tensor_rank) {
+    return InvalidArgument("tensor rank {} exceeds {}", shape.size(), limits.max_tensor_rank);
   }
-  std::vector<int64_t> dims;
-  for (int64_t d : in.getShape()) {
-    if (d < 0) return InvalidArgument("negative dimension {} on the wire", d);
-    dims.push_back(d);
-  }
-  meta.shape = Shape(std::move(dims));
   if (in.getDtype() > static_cast<uint8_t>(DType::kU16)) {
     return InvalidArgument("unknown dtype {} on the wire", in.getDtype());
   }
   meta.dtype = static_cast<DType>(in.getDtype());
+  std::vector<int64_t> dims;
+  dims.reserve(shape.size());
+  for (int64_t d : shape) {
+    if (d < 0) return InvalidArgument("negative dimension {} on the wire", d);
+    dims.push_back(d);
+  }
+  // The bytes, checked before any product can overflow: numel * size <= max_tensor_bytes.
+  const int64_t most_elements = limits.max_tensor_bytes / DTypeSize(meta.dtype);
+  int64_t numel = 1;
+  for (int64_t d : dims) {
+    if (d != 0 && numel > most_elements / d) {
+      return InvalidArgument(
+          "tensor of shape {} ({}) holds more than the limit of {} bytes "
+          "(TESSERA_WIRE_MAX_TENSOR_BYTES)",
+          Shape(dims).ToString(), DTypeName(meta.dtype), limits.max_tensor_bytes);
+    }
+    numel *= d;
+  }
+  meta.shape = Shape(std::move(dims));
   if (in.getDeviceKind() > static_cast<uint8_t>(DeviceKind::kCuda)) {
     return InvalidArgument("unknown device kind {} on the wire", in.getDeviceKind());
   }
@@ -56,9 +70,12 @@ void ToWire(const Attrs& attrs, capnp::List<proto::Attr>::Builder out) {
   }
 }
 
-Result<Attrs> FromWire(capnp::List<proto::Attr>::Reader in) {
+Result<Attrs> FromWire(capnp::List<proto::Attr>::Reader in, const WireLimits& limits) {
+  TESSERA_RETURN_IF_ERROR(CheckCount("task attrs", in.size(), limits.max_attrs));
   Attrs attrs;
   for (proto::Attr::Reader attr : in) {
+    TESSERA_RETURN_IF_ERROR(CheckBytes("attribute name", attr.getName().size(),
+                                       limits.max_name_bytes, "TESSERA_WIRE_MAX_NAME_BYTES"));
     const std::string name = ToString(attr.getName());
     auto value = attr.getValue();
     switch (value.which()) {
@@ -69,10 +86,17 @@ Result<Attrs> FromWire(capnp::List<proto::Attr>::Reader in) {
         attrs.Set(name, value.getFloat());
         break;
       case proto::Attr::Value::TEXT:
+        TESSERA_RETURN_IF_ERROR(CheckBytes(fmt::format("attribute '{}'", name),
+                                           value.getText().size(), limits.max_attr_bytes,
+                                           "TESSERA_WIRE_MAX_ATTR_BYTES"));
         attrs.Set(name, ToString(value.getText()));
         break;
       case proto::Attr::Value::INTS: {
+        TESSERA_RETURN_IF_ERROR(CheckCount(fmt::format("attribute '{}'", name),
+                                           value.getInts().size(), limits.max_attr_bytes / 8,
+                                           "TESSERA_WIRE_MAX_ATTR_BYTES"));
         std::vector<int64_t> ints;
+        ints.reserve(value.getInts().size());
         for (int64_t x : value.getInts()) ints.push_back(x);
         attrs.Set(name, std::move(ints));
         break;
@@ -103,11 +127,12 @@ void ToWire(const ObjectSpec& object, proto::ObjectDecl::Builder out) {
   out.setRole(static_cast<uint8_t>(object.role));
 }
 
-Result<ObjectSpec> FromWire(proto::ObjectDecl::Reader in) {
+Result<ObjectSpec> FromWire(proto::ObjectDecl::Reader in, const WireLimits& limits) {
+  TESSERA_RETURN_IF_ERROR(CheckObjectDecl(in, limits));
   ObjectSpec object;
   object.id = ObjectId(in.getId());
   object.name = ToString(in.getName());
-  TESSERA_ASSIGN_OR_RETURN(object.meta, FromWire(in.getMeta()));
+  TESSERA_ASSIGN_OR_RETURN(object.meta, FromWire(in.getMeta(), limits));
   if (in.getRole() > static_cast<uint8_t>(kLastObjectRole)) {
     return InvalidArgument("object '{}' has unknown role {}", object.name, in.getRole());
   }
@@ -139,17 +164,37 @@ void ToWire(const TaskSpec& task, const std::vector<ObjectSpec>& outputs,
   out.setDeviceKind(static_cast<uint8_t>(task.device_kind));
 }
 
-Result<WireTask> FromWire(proto::Task::Reader in) {
+namespace {
+
+// A collective member's attributes, checked before anything is sized by its group: CollectiveOf's
+// checks (a rank in the group, at most kMaxCollectiveGroupSize members), then the cluster's limit.
+Status CheckMembership(const TaskSpec& spec, const WireLimits& limits) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> membership, CollectiveOf(spec));
+  if (membership && membership->group_size > limits.max_group_size) {
+    return InvalidArgument(
+        "collective task '{}': group_size {} is more than the limit of {} "
+        "(TESSERA_WIRE_MAX_GROUP_SIZE)",
+        spec.name, membership->group_size, limits.max_group_size);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<WireTask> FromWire(proto::Task::Reader in, const WireLimits& limits) {
+  TESSERA_RETURN_IF_ERROR(CheckTask(in, limits));
   WireTask task;
   TaskSpec& spec = task.spec;
   spec.id = TaskId(in.getId());
   spec.name = ToString(in.getName());
   spec.layer = ToString(in.getLayer());
   spec.op = ToString(in.getOp());
-  TESSERA_ASSIGN_OR_RETURN(spec.attrs, FromWire(in.getAttrs()));
+  TESSERA_ASSIGN_OR_RETURN(spec.attrs, FromWire(in.getAttrs(), limits));
+  TESSERA_RETURN_IF_ERROR(CheckMembership(spec, limits));
+  spec.inputs.reserve(in.getInputs().size());
   for (uint64_t input : in.getInputs()) spec.inputs.push_back(ObjectId(input));
   for (proto::ObjectDecl::Reader decl : in.getOutputs()) {
-    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, FromWire(decl));
+    TESSERA_ASSIGN_OR_RETURN(ObjectSpec object, FromWire(decl, limits));
     object.producer = spec.id;
     spec.outputs.push_back(object.id);
     task.outputs.push_back(std::move(object));
@@ -157,6 +202,12 @@ Result<WireTask> FromWire(proto::Task::Reader in) {
   spec.pinned_worker = WorkerId(in.getPinnedWorker());
   spec.priority = in.getPriority();
   spec.memory_estimate_bytes = in.getMemoryEstimate();
+  // Summed into the workers' loads: bounded, so no sum of them overflows.
+  if (spec.memory_estimate_bytes < 0 || spec.memory_estimate_bytes > limits.max_tensor_bytes) {
+    return InvalidArgument(
+        "task '{}' estimates {} bytes of memory, outside [0, {}] (TESSERA_WIRE_MAX_TENSOR_BYTES)",
+        spec.name, spec.memory_estimate_bytes, limits.max_tensor_bytes);
+  }
   for (proto::Donation::Reader donation : in.getDonations()) {
     if (donation.getInput() >= spec.inputs.size() || donation.getOutput() >= spec.outputs.size()) {
       return InvalidArgument("task '{}' donates a slot it does not have", spec.name);
@@ -174,10 +225,15 @@ Result<WireTask> FromWire(proto::Task::Reader in) {
 
 namespace {
 
+// Span times are microseconds since the Unix epoch; readers subtract them from each other (a
+// trace's origin), so they are bounded: no difference of two overflows.
 Status CheckSpan(int stream, int64_t start_us, int64_t end_us, int64_t bytes) {
   if (stream < kCollectiveStream) return InvalidArgument("unknown stream {} on the wire", stream);
   if (end_us < start_us) {
     return InvalidArgument("span ends ({} us) before it starts ({} us)", end_us, start_us);
+  }
+  if (start_us < 0 || end_us > kMaxSpanMicros) {
+    return InvalidArgument("span [{}, {}] us is outside [0, {}]", start_us, end_us, kMaxSpanMicros);
   }
   if (bytes < 0) return InvalidArgument("span of {} bytes on the wire", bytes);
   return Status::Ok();
@@ -196,8 +252,13 @@ std::string_view PackedSpansOf(proto::InstanceSpans::Reader in) {
   return {reinterpret_cast<const char*>(packed.begin()), packed.size()};
 }
 
-Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in) {
-  return UnpackSpans(PackedSpansOf(in));
+Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in, const WireLimits& limits) {
+  TESSERA_ASSIGN_OR_RETURN(WorkerSpans spans, UnpackSpans(PackedSpansOf(in)));
+  TESSERA_RETURN_IF_ERROR(CheckCount("spans.tasks", spans.tasks.size(), limits.max_objects,
+                                     "TESSERA_WIRE_MAX_OBJECTS"));
+  TESSERA_RETURN_IF_ERROR(CheckCount("spans.pushes", spans.pushes.size(), limits.max_objects,
+                                     "TESSERA_WIRE_MAX_OBJECTS"));
+  return spans;
 }
 
 void ToWire(const Timeline& timeline, proto::Timeline::Builder out) {
@@ -225,7 +286,11 @@ void ToWire(const Timeline& timeline, proto::Timeline::Builder out) {
   }
 }
 
-Result<Timeline> FromWire(proto::Timeline::Reader in) {
+Result<Timeline> FromWire(proto::Timeline::Reader in, const WireLimits& limits) {
+  TESSERA_RETURN_IF_ERROR(CheckCount("Timeline.processes", in.getProcesses().size(),
+                                     limits.max_objects, "TESSERA_WIRE_MAX_OBJECTS"));
+  TESSERA_RETURN_IF_ERROR(CheckCount("Timeline.spans", in.getSpans().size(), limits.max_objects,
+                                     "TESSERA_WIRE_MAX_OBJECTS"));
   Timeline timeline;
   for (proto::TimelineProcess::Reader process : in.getProcesses()) {
     timeline.processes.push_back(TimelineProcess{

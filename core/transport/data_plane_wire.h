@@ -22,12 +22,22 @@
 // pose as a holder (which matters because a puller copies lent chunks out of the holder's
 // memory by address). The processes named in the handshake are covered by the proofs and are the
 // only ones a side ever reads memory from; later headers carry no process identity.
+//
+// Decoding (the end of this file) is the one way a handler reads a header: ReadHeader copies it
+// out when its length is the struct's, and the Check* functions range-check what it carries
+// before anything is sized, indexed or copied by it (a chunk's range inside its object, a
+// reply's length against the chunk asked for and the payload that came, a push's length and
+// flags). Every handler drops or refuses what they refuse; DecodeMessage runs the checks that
+// need no endpoint state on any message (tests, the data-plane fuzzer: fuzz/).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string_view>
 
 #include "core/crypto.h"
+#include "core/status.h"
 #include "core/transport/local_memory.h"
 
 namespace tessera::detail {
@@ -142,5 +152,54 @@ Sha256Digest HandshakeProof(const Sha256Digest& key, std::string_view role,
 
 // A status code read off the wire: codes this build does not know become kInternal.
 int32_t SanitizeWireStatus(int32_t code);
+
+// ---- Decoding ----
+
+// The header as the struct it claims to be; nullopt when its length is not the struct's.
+template <typename Header>
+std::optional<Header> ReadHeader(const void* header, size_t header_length) {
+  if (header == nullptr || header_length != sizeof(Header)) return std::nullopt;
+  Header out{};
+  std::memcpy(&out, header, sizeof(out));
+  return out;
+}
+
+// A handshake header of this protocol: its magic and version (InvalidArgument naming the
+// version otherwise).
+Status CheckHandshake(uint32_t magic, uint32_t version);
+
+// A chunk request against the object it asks of (`object_bytes`): [offset, offset + length)
+// inside [0, object_bytes), without overflow. InvalidArgument naming the range and the object's
+// size. (Flags other than kByAddress are ignored, here and below: room for later versions.)
+Status CheckChunkRequest(const GetChunkHeader& header, int64_t object_bytes);
+
+// What the puller asked for one chunk.
+struct AskedChunk {
+  int64_t length = 0;
+  bool lent = false;  // asked the holder to lend it (kByAddress)
+};
+// A successful chunk reply (status 0) against what was asked and the payload that came
+// (`payload_length`; a rendezvous payload's announced length): a lent chunk only when asked,
+// of the length asked, with no payload; otherwise exactly the length asked, in the header and
+// in the payload. DataLoss naming both lengths.
+Status CheckChunkReply(const ChunkHeader& header, size_t payload_length, const AskedChunk& asked);
+
+// A push: a length that is not negative and (unless lent by address) a payload of exactly that
+// length. InvalidArgument or DataLoss naming the lengths.
+Status CheckPush(const PushHeader& header, size_t payload_length);
+
+// An error text carried as a payload: at most kMaxErrorText bytes of it.
+inline std::string_view ErrorTextOf(const void* data, size_t length) {
+  if (data == nullptr) return {};
+  return {static_cast<const char*>(data), length < kMaxErrorText ? length : kMaxErrorText};
+}
+
+// Every check above that needs no endpoint state, for a message of active-message id `id`: its
+// header's length, its handshake version, a chunk request's range (in an object of
+// `asked.length` bytes), a chunk reply's error or lengths (against the chunk `asked`), a push's
+// length. InvalidArgument for an unknown id or a malformed header; the checks' errors
+// otherwise. For tests and fuzzers: the handlers call the pieces.
+Status DecodeMessage(uint16_t id, const void* header, size_t header_length, size_t payload_length,
+                     const AskedChunk& asked);
 
 }  // namespace tessera::detail

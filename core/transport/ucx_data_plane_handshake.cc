@@ -73,17 +73,14 @@ ucs_status_t UcxDataPlane::OnChallenge(void* arg, const void* header, size_t hea
   auto* self = static_cast<UcxDataPlane*>(arg);
   std::string address;
   Peer* peer = self->PeerOfEndpoint(SenderOf(param), &address);
-  if (peer == nullptr || peer->challenged || header_length != sizeof(ChallengeHeader)) {
+  const std::optional<ChallengeHeader> decoded = ReadHeader<ChallengeHeader>(header, header_length);
+  if (peer == nullptr || peer->challenged || !decoded) {
     self->CountRefused();
     return UCS_OK;
   }
-  ChallengeHeader challenge;
-  std::memcpy(&challenge, header, sizeof(challenge));
-  if (challenge.magic != kWireMagic || challenge.version != kWireVersion) {
-    self->FailPullsTo(address,
-                      InvalidArgument("data-plane peer {} speaks protocol version {}, this process "
-                                      "{}: are both the same Tessera build?",
-                                      address, challenge.version, kWireVersion));
+  const ChallengeHeader& challenge = *decoded;
+  if (Status spoken = CheckHandshake(challenge.magic, challenge.version); !spoken.ok()) {
+    self->FailPullsTo(address, spoken.WithContext(fmt::format("data-plane peer {}", address)));
     return UCS_OK;
   }
   peer->challenged = true;
@@ -111,17 +108,14 @@ ucs_status_t UcxDataPlane::OnHello(void* arg, const void* header, size_t header_
     return UCS_OK;
   }
   Connection& connection = it->second;
-  HelloHeader hello{};
-  if (header_length != sizeof(hello)) {
+  const std::optional<HelloHeader> decoded = ReadHeader<HelloHeader>(header, header_length);
+  if (!decoded) {
     self->Refuse(ep, connection, InvalidArgument("malformed data-plane hello"));
     return UCS_OK;
   }
-  std::memcpy(&hello, header, sizeof(hello));
-  if (hello.magic != kWireMagic || hello.version != kWireVersion) {
-    self->Refuse(ep, connection,
-                 InvalidArgument("data-plane protocol version {} asked of {}, which speaks {}: "
-                                 "are both the same Tessera build?",
-                                 hello.version, self->address_, kWireVersion));
+  const HelloHeader& hello = *decoded;
+  if (Status spoken = CheckHandshake(hello.magic, hello.version); !spoken.ok()) {
+    self->Refuse(ep, connection, spoken.WithContext(fmt::format("asked of {}", self->address_)));
     return UCS_OK;
   }
   const Sha256Digest expected = HandshakeProof(self->key_, "client", connection.nonce, hello.nonce,
@@ -161,13 +155,12 @@ ucs_status_t UcxDataPlane::OnWelcome(void* arg, const void* header, size_t heade
   auto* self = static_cast<UcxDataPlane*>(arg);
   std::string address;
   Peer* peer = self->PeerOfEndpoint(SenderOf(param), &address);
-  if (peer == nullptr || !peer->challenged || peer->stage != Peer::Stage::kHandshake ||
-      header_length != sizeof(WelcomeHeader)) {
+  const std::optional<WelcomeHeader> decoded = ReadHeader<WelcomeHeader>(header, header_length);
+  if (peer == nullptr || !peer->challenged || peer->stage != Peer::Stage::kHandshake || !decoded) {
     self->CountRefused();
     return UCS_OK;
   }
-  WelcomeHeader welcome;
-  std::memcpy(&welcome, header, sizeof(welcome));
+  const WelcomeHeader& welcome = *decoded;
   if (welcome.status != 0) {
     self->FailPullsTo(address, WireStatus(welcome.status, ErrorText(data, length, param))
                                    .WithContext(fmt::format("data-plane peer {}", address)));

@@ -16,13 +16,14 @@ ucs_status_t UcxDataPlane::OnGetChunk(void* arg, const void* header, size_t head
                                       const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxDataPlane*>(arg);
   const ucp_ep_h ep = SenderOf(param);
-  if (header_length != sizeof(GetChunkHeader) || !self->connections_.contains(ep)) {
+  const std::optional<GetChunkHeader> request = ReadHeader<GetChunkHeader>(header, header_length);
+  if (!request || !self->connections_.contains(ep)) {
     self->CountRefused();
     return UCS_OK;  // malformed, or not from a connection to this process: drop it
   }
   ServeRequest serve;
   serve.reply_ep = ep;
-  std::memcpy(&serve.header, header, sizeof(serve.header));
+  serve.header = *request;
   if (self->AuthenticatedConnection(ep) == nullptr) {
     self->CountRefused();
     self->SendReply(ep, serve.header.request,
@@ -46,14 +47,9 @@ void UcxDataPlane::ServePending() {
       SendReply(serve.reply_ep, h.request, object.status(), nullptr, 0, nullptr);
       continue;
     }
-    // [offset, offset + length) must lie in [0, bytes); written so that nothing can overflow.
-    if (h.offset < 0 || h.length < 0 || h.offset > object->bytes ||
-        h.length > object->bytes - h.offset) {
+    if (Status inside = CheckChunkRequest(h, object->bytes); !inside.ok()) {
       CountRefused();
-      SendReply(serve.reply_ep, h.request,
-                InvalidArgument("chunk [{}, +{}) is outside obj{} of {} bytes", h.offset, h.length,
-                                h.object, object->bytes),
-                nullptr, 0, nullptr);
+      SendReply(serve.reply_ep, h.request, inside, nullptr, 0, nullptr);
       continue;
     }
     SendReply(serve.reply_ep, h.request, Status::Ok(),
@@ -102,13 +98,12 @@ ucs_status_t UcxDataPlane::OnChunkRead(void* arg, const void* header, size_t hea
                                        const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxDataPlane*>(arg);
   const ucp_ep_h ep = SenderOf(param);
-  if (header_length != sizeof(ChunkReadHeader) || self->AuthenticatedConnection(ep) == nullptr) {
+  const std::optional<ChunkReadHeader> decoded = ReadHeader<ChunkReadHeader>(header, header_length);
+  if (!decoded || self->AuthenticatedConnection(ep) == nullptr) {
     self->CountRefused();
     return UCS_OK;
   }
-  ChunkReadHeader read;
-  std::memcpy(&read, header, sizeof(read));
-  self->lent_chunks_.erase({ep, read.request});  // releases the object
+  self->lent_chunks_.erase({ep, decoded->request});  // releases the object
   return UCS_OK;
 }
 
@@ -177,12 +172,12 @@ void UcxDataPlane::IssueChunks(PullState& pull) {
 ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_length, void* data,
                                    size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxDataPlane*>(arg);
-  if (header_length != sizeof(ChunkHeader)) {
+  const std::optional<ChunkHeader> decoded = ReadHeader<ChunkHeader>(header, header_length);
+  if (!decoded) {
     self->CountRefused();
     return UCS_OK;
   }
-  ChunkHeader chunk_header;
-  std::memcpy(&chunk_header, header, sizeof(chunk_header));
+  const ChunkHeader& chunk_header = *decoded;
   auto chunk = self->chunks_.find(chunk_header.request);
   // A reply for a pull that already failed (deadline, forgotten peer): its data is dropped.
   if (chunk == self->chunks_.end()) return UCS_OK;
@@ -199,16 +194,12 @@ ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_
     self->ChunkDone(request, WireStatus(chunk_header.status, ErrorText(data, length, param)), 0);
     return UCS_OK;
   }
+  if (Status fits = CheckChunkReply(chunk_header, length, AskedChunk{asked.length, asked.lent});
+      !fits.ok()) {
+    self->ChunkDone(request, fits, 0);
+    return UCS_OK;
+  }
   if ((chunk_header.flags & kByAddress) != 0) {
-    if (!asked.lent || chunk_header.length != asked.length) {
-      self->ChunkDone(request,
-                      DataLoss("the holder lent a chunk of {} bytes, not the {}-byte "
-                               "chunk asked for{}",
-                               chunk_header.length, asked.length,
-                               asked.lent ? "" : " (this process asked for the bytes)"),
-                      0);
-      return UCS_OK;
-    }
     // A lent chunk: copy it out of the holder's memory, then tell the holder it may let go. The
     // process read is the one the handshake named, never one a reply names.
     const int error = ReadMemoryOf(holder->holder.pid, chunk_header.address,
@@ -221,11 +212,6 @@ ucs_status_t UcxDataPlane::OnChunk(void* arg, const void* header, size_t header_
                         : Unavailable("the holder (pid {}) vanished while lending a chunk: {}",
                                       holder->holder.pid, std::strerror(error)),
                     error == 0 ? asked.length : 0);
-    return UCS_OK;
-  }
-  if (static_cast<int64_t>(length) != asked.length || chunk_header.length != asked.length) {
-    self->ChunkDone(request,
-                    DataLoss("peer sent {} bytes for a {}-byte chunk", length, asked.length), 0);
     return UCS_OK;
   }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
@@ -402,18 +388,19 @@ ucs_status_t UcxDataPlane::OnPush(void* arg, const void* header, size_t header_l
   const ucp_ep_h ep = SenderOf(param);
   const Connection* connection = self->AuthenticatedConnection(ep);
   const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  if (connection == nullptr || header_length != sizeof(PushHeader) || !self->push_.accept) {
+  const std::optional<PushHeader> decoded = ReadHeader<PushHeader>(header, header_length);
+  if (connection == nullptr || !decoded || !self->push_.accept) {
     // Not from a member of the cluster (or malformed): nothing is delivered, and a rendezvous
     // sender's send fails.
     self->CountRefused();
     return rendezvous ? UCS_ERR_REJECTED : UCS_OK;
   }
-  PushHeader push;
-  std::memcpy(&push, header, sizeof(push));
+  const PushHeader& push = *decoded;
   const PushKey key{push.key.graph, push.key.instance, push.key.object};
   PushReceive receive{key, nullptr, push.length, ep, push};
-  if (push.length < 0) {
-    self->push_.delivered(key, InvalidArgument("a push of {} bytes", push.length));
+  // A negative length, unknown flags, or a payload that is not the announced length.
+  if (Status valid = CheckPush(push, length); !valid.ok()) {
+    self->push_.delivered(key, valid);
     return rendezvous ? UCS_ERR_REJECTED : UCS_OK;
   }
   if (push.flags & kByAddress) {
@@ -428,10 +415,6 @@ ucs_status_t UcxDataPlane::OnPush(void* arg, const void* header, size_t header_l
     receive.sender_pid = connection->client.pid;
     self->push_receives_.push_back(receive);
     return UCS_OK;
-  }
-  if (push.length != static_cast<int64_t>(length)) {
-    self->push_.delivered(key, DataLoss("push of {} bytes announced {}", length, push.length));
-    return rendezvous ? UCS_ERR_REJECTED : UCS_OK;
   }
   if (rendezvous) {
     receive.descriptor = data;
@@ -510,12 +493,12 @@ ucs_status_t UcxDataPlane::OnPushRead(void* arg, const void* header, size_t head
                                       void* /*data*/, size_t /*length*/,
                                       const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxDataPlane*>(arg);
-  if (header_length != sizeof(PushReadHeader)) {
+  const std::optional<PushReadHeader> decoded = ReadHeader<PushReadHeader>(header, header_length);
+  if (!decoded) {
     self->CountRefused();
     return UCS_OK;
   }
-  PushReadHeader ack;
-  std::memcpy(&ack, header, sizeof(ack));
+  const PushReadHeader& ack = *decoded;
   auto lent = self->lent_pushes_.find(ack.push_id);
   if (lent == self->lent_pushes_.end()) return UCS_OK;
   const Peer* receiver = self->PeerOf(lent->second.address);

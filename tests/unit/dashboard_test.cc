@@ -18,6 +18,7 @@
 
 #include "dashboard/api_json.h"
 #include "dashboard/http_handler.h"
+#include "dashboard/http_parse.h"
 #include "dashboard/http_server.h"
 #include "dashboard/prometheus.h"
 #include "test_util.h"
@@ -46,7 +47,8 @@ class FakeSource : public dashboard::DashboardSource {
     for (uint64_t id : {2, 3}) {
       dashboard::WorkerView& w = view.workers.emplace_back();
       w.id = id;
-      w.hostname = "host \"quoted\"\nline";  // label-hostile text stays out of /metrics labels
+      w.hostname =
+          "host \"quoted\"\nline" + odd;  // label-hostile text stays out of /metrics labels
       w.pid = 1000 + static_cast<int>(id);
       w.alive = id == 2;
       w.host_used = 1 << 20;
@@ -66,7 +68,8 @@ class FakeSource : public dashboard::DashboardSource {
       if (id == 2) {
         w.waits =
             "waits in collective 7/all_reduce (rank 0 of 2) for worker3, which has not "
-            "answered for 1.5 s";
+            "answered for 1.5 s" +
+            odd;
         w.blocked_on = {3};
       }
     }
@@ -74,7 +77,7 @@ class FakeSource : public dashboard::DashboardSource {
   }
   std::vector<dashboard::JobView> Jobs() override {
     dashboard::JobView job;
-    job.name = "train \"gpt2\"";
+    job.name = "train \"gpt2\"" + odd;
     job.driver = 4;
     job.connected = true;
     for (int64_t step = 1; step <= steps; ++step) {
@@ -90,7 +93,7 @@ class FakeSource : public dashboard::DashboardSource {
     dashboard::TimelineView view{.now_ms = 1000};
     view.spans.push_back({.worker = 2,
                           .stream = "compute 0",
-                          .name = "block0/attention_forward",
+                          .name = "block0/attention_forward" + odd,
                           .kind = "forward",
                           .start_ms = 10,
                           .end_ms = 30,
@@ -99,6 +102,7 @@ class FakeSource : public dashboard::DashboardSource {
     return view;
   }
   int64_t steps = 3;
+  std::string odd;  // appended to every text that comes off the wire (names, waits)
 };
 
 class DashboardHandlerTest : public ::testing::Test {
@@ -221,6 +225,49 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(timeline["spans"][0]["kind"], "forward");
   EXPECT_EQ(timeline["spans"][0]["stream"], "compute 0");
   EXPECT_DOUBLE_EQ(timeline["spans"][0]["end_ms"].get<double>(), 30.0);
+}
+
+TEST_F(DashboardHandlerTest, TextFromTheWireThatIsNotUtf8IsReplacedOnEveryRoute) {
+  // Host names, waits, job and span names reach the scheduler as bytes (Cap'n Proto does not
+  // check UTF-8): no route may throw on them (an exception would end the scheduler's io thread).
+  // Found by fuzz_http_handler.
+  source_.odd = "\xff\xfe\xc3";
+  for (const char* path : {"/api/cluster", "/api/job", "/api/timeline", "/api/waits"}) {
+    HttpResponse response;
+    ASSERT_NO_THROW(response = Get(path, Bearer())) << path;
+    EXPECT_EQ(response.status, 200) << path;
+    EXPECT_TRUE(json::accept(response.body)) << path;
+  }
+  const json waits = json::parse(Get("/api/waits", Bearer()).body);
+  EXPECT_NE(waits["workers"][0]["hostname"].get<std::string>().find("\xef\xbf\xbd"),
+            std::string::npos)
+      << "replaced by U+FFFD";
+  EXPECT_EQ(Get("/metrics", Bearer()).status, 200);
+}
+
+TEST(DashboardParseTest, RequestsAreReadAsTheServerReadsThem) {
+  ASSERT_OK_AND_ASSIGN(
+      HttpRequest request,
+      dashboard::ParseHttpRequest("GET /api/job?x=1 HTTP/1.1\r\nHost: h\r\nCookie: a=b\r\n"
+                                  "Authorization: Bearer t\r\n\r\n",
+                                  1024, 64));
+  EXPECT_EQ(request.method, "GET");
+  EXPECT_EQ(request.target, "/api/job?x=1");
+  EXPECT_EQ(request.cookie, "a=b");
+  EXPECT_EQ(request.authorization, "Bearer t");
+  const std::string big_header = "GET / HTTP/1.1\r\nX: " + std::string(2048, 'x') + "\r\n\r\n";
+  EXPECT_EQ(dashboard::ParseHttpRequest(big_header, 1024, 64).status().code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(dashboard::ParseHttpRequest(
+                "POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + std::string(100, 'b'), 1024, 64)
+                .status()
+                .code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(dashboard::ParseHttpRequest("\x01\x02 nonsense\r\n\r\n", 1024, 64).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(dashboard::ParseHttpRequest("GET / HTTP/1.1\r\nHost:", 1024, 64).status().code(),
+            StatusCode::kInvalidArgument)
+      << "it ends before the request does";
 }
 
 TEST(DashboardQueryTest, QueryValuesAndCookiesAreParsed) {

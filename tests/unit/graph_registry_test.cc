@@ -14,7 +14,7 @@ Result<Graph> RoundTrip(const Graph& graph, uint64_t graph_id = 4) {
   capnp::MallocMessageBuilder message;
   auto wire = message.initRoot<proto::RegisterGraph>();
   RegisterGraphToWire(graph, graph_id, wire);
-  return GraphFromWire(graph_id, wire.asReader());
+  return GraphFromWire(graph_id, wire.asReader(), rpc::WireLimits{});
 }
 
 TaskSpec Gelu(const std::string& name, std::vector<ObjectId> inputs,

@@ -1,6 +1,8 @@
 // The participant table (scheduler/participants.h): joining, heartbeats, liveness and load.
 #include "scheduler/participants.h"
 
+#include <limits>
+
 #include "core/rpc/wire.h"
 #include "test_util.h"
 
@@ -77,6 +79,21 @@ TEST_F(ParticipantTableTest, LoadIsCommittedMemoryAndTasksInFlightUntilDeath) {
   EXPECT_EQ(loads[0].tasks_in_flight, 0);
   EXPECT_EQ(loads[0].free_bytes, 1000 - 100);
   EXPECT_EQ(table_.alive_workers(), 0);
+}
+
+TEST_F(ParticipantTableTest, ReportedFiguresAddUpWithoutOverflowing) {
+  // A worker's run reports come off the wire: sums of them saturate, negative ones count nothing.
+  const WorkerId worker = table_.Accept(now_);
+  ASSERT_OK(Hello(worker, proto::Role::WORKER));
+  capnp::MallocMessageBuilder message;
+  auto report = message.initRoot<proto::RunReport>();
+  report.setPushedBytes(std::numeric_limits<int64_t>::max());
+  report.setCollectiveBytesSent(-5);
+  table_.RecordRun(*table_.Find(worker), report.asReader());
+  table_.RecordRun(*table_.Find(worker), report.asReader());
+  EXPECT_EQ(table_.Find(worker)->bytes_pushed, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(table_.Find(worker)->collective_bytes_sent, 0);
+  EXPECT_EQ(table_.Find(worker)->instances_finished, 2);
 }
 
 TEST_F(ParticipantTableTest, SilentAliveWorkersExpire) {

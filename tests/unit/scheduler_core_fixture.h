@@ -59,11 +59,12 @@ inline Body::Reader BodyOf(const std::unique_ptr<rpc::ReceivedMessage>& message)
 
 class SchedulerCoreTest : public ::testing::Test {
  protected:
-  SchedulerCoreTest()
-      : core_(
-            SchedulerOptions{
-                .token = "secret", .heartbeat_timeout_ms = 3000, .session_dir = "/tmp/s"},
-            &outbox_, [this] { return now_; }) {}
+  explicit SchedulerCoreTest(rpc::WireLimits limits = {})
+      : core_(SchedulerOptions{.token = "secret",
+                               .heartbeat_timeout_ms = 3000,
+                               .session_dir = "/tmp/s",
+                               .limits = limits},
+              &outbox_, [this] { return now_; }) {}
 
   Status Deliver(WorkerId from, const std::function<void(proto::Envelope::Builder)>& fill) {
     capnp::MallocMessageBuilder message;

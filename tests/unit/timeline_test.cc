@@ -107,15 +107,16 @@ TEST(TimelineWireTest, RefusesForgedSpans) {
             StatusCode::kInvalidArgument);
 }
 
-// Packed spans: every value a record can hold comes back, in any order; typical spans (ids and
-// starts rising, short tasks) take a few bytes each.
+// Packed spans: every id, stream and size a record can hold, and every time in
+// [0, kMaxSpanMicros], comes back, in any order; typical spans (ids and starts rising, short
+// tasks) take a few bytes each.
 TEST(PackedSpansTest, RoundTripsEveryValue) {
   WorkerSpans spans;
   spans.tasks.push_back({1, 0, 1'700'000'000'000'000, 1'700'000'000'000'010, 0});
-  spans.tasks.push_back({UINT64_MAX, INT16_MAX, INT64_MIN, -1, INT64_MAX});
-  spans.tasks.push_back({2, kCollectiveStream, 0, INT64_MAX, 1});
-  spans.tasks.push_back({0, 1, INT64_MAX, INT64_MAX, 0});
-  spans.pushes.push_back({9, UINT64_MAX, -5, 7, 123});
+  spans.tasks.push_back({UINT64_MAX, INT16_MAX, 0, 1, INT64_MAX});
+  spans.tasks.push_back({2, kCollectiveStream, 0, kMaxSpanMicros, 1});
+  spans.tasks.push_back({0, 1, kMaxSpanMicros, kMaxSpanMicros, 0});
+  spans.pushes.push_back({9, UINT64_MAX, 5, 7, 123});
   spans.pushes.push_back({1, 0, 100, 100, 0});
   ASSERT_OK_AND_ASSIGN(WorkerSpans back, UnpackSpans(PackSpans(spans)));
   ASSERT_EQ(back.tasks.size(), spans.tasks.size());
@@ -184,9 +185,16 @@ TEST(PackedSpansTest, RefusesDamagedPackings) {
   backwards.pushes.push_back({1, 2, 10, 5, 0});
   refused(backwards, "ends before it starts");
   WorkerSpans overflow;
-  overflow.tasks.push_back({1, 0, INT64_MAX - 1, INT64_MAX, 0});
+  overflow.tasks.push_back({1, 0, 0, 1, 0});
   overflow.tasks.push_back({2, 0, INT64_MAX, INT64_MIN + 5, 0});  // wraps past the end of time
   refused(overflow, "ends before it starts");
+  // Times whose differences could overflow a reader's arithmetic (a trace's origin).
+  WorkerSpans before_epoch;
+  before_epoch.tasks.push_back({1, 0, -5, 20, 0});
+  refused(before_epoch, "span [-5, 20] us is outside [0, 1152921504606846976]");
+  WorkerSpans past_bound;
+  past_bound.pushes.push_back({1, 2, 0, kMaxSpanMicros + 1, 0});
+  refused(past_bound, "is outside [0,");
 }
 
 TEST(TimelineWireTest, TimelineRoundTrip) {
