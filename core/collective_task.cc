@@ -32,15 +32,22 @@ Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {
     return InvalidArgument("collective task '{}': rank {} is not in a group of {}", task.name,
                            *rank, *size);
   }
+  const int64_t channel = task.attrs.GetInt(kChannelAttr, 0);
+  if (channel < 0 || channel >= kCollectiveChannels) {
+    return InvalidArgument("collective task '{}': channel {} is not one of 0 .. {}", task.name,
+                           channel, kCollectiveChannels - 1);
+  }
   membership.collective = *collective;
   membership.rank = static_cast<int>(*rank);
   membership.group_size = static_cast<int>(*size);
+  membership.channel = static_cast<int>(channel);
   return std::optional<CollectiveMembership>(membership);
 }
 
 Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
   struct Seen {
     int group_size = 0;
+    int channel = 0;
     std::string op;
     // By rank: the task's name. A map, not a vector of group_size: what is kept grows with the
     // members there are, never with the size a member claims.
@@ -53,7 +60,13 @@ Status ValidateCollectives(const std::vector<TaskSpec>& tasks) {
     Seen& seen = collectives[membership->collective];
     if (seen.members.empty()) {
       seen.group_size = membership->group_size;
+      seen.channel = membership->channel;
       seen.op = task.op;
+    }
+    if (membership->channel != seen.channel) {
+      return InvalidArgument(
+          "collective {}: task '{}' is on channel {}, its other members on channel {}",
+          membership->collective, task.name, membership->channel, seen.channel);
     }
     if (membership->group_size != seen.group_size || task.op != seen.op) {
       return InvalidArgument(

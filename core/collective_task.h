@@ -8,21 +8,31 @@
 //   collective   int   the collective's id, unique within the graph; members share it
 //   rank         int   this member's rank, 0 .. group_size-1, each exactly once
 //   group_size   int   how many members
+//   channel      int   optional (0): which of the worker's communication channels runs it,
+//                      0 .. kCollectiveChannels-1; members share it
+//
+// Channels. A worker runs each channel's members in order on a thread of their own, over
+// communicators of their own, so collectives on different channels progress at once: a plan puts
+// what must not wait behind another kind of collective on a channel of its own (ZeRO-3's
+// parameter gathers, which would otherwise queue behind the gradient reductions and could not be
+// prefetched in the backward pass). Within a channel the order below holds.
 //
 // Members are placed on distinct workers (pinned by the planner, or spread by the scheduler);
 // the workers in rank order form the collective's group, which gets one communicator per worker,
 // created the first time the group meets and reused by every later collective of that group.
 // When the scheduler places the graph it adds:
 //
-//   group        int   the group's cluster-wide key (the communicator to use)
-//   position     int   the member's place among the instance's members on its worker, in one
-//                      global order consistent with the graph's dependencies (OrderCollectives)
+//   group        int   the cluster-wide key of the group on this channel (the communicator)
+//   position     int   the member's place among the instance's members on its worker and
+//                      channel, in one global order consistent with the graph's dependencies
+//                      (OrderCollectives)
 //
-// and each instance adds, per worker, a base (RunGraph's collectiveBases): where its members
-// start in that worker's one order of collectives, counted over every instance the scheduler
-// started there (registered graphs' steps, submitted collectives alike). Every worker runs all
-// its members in that order, so no two workers ever wait on each other in opposite orders (no
-// deadlock).
+// and each instance adds, per worker and channel, a base (RunGraph's collectiveBases): where its
+// members start in that worker's order of the channel's collectives, counted over every instance
+// the scheduler started there (registered graphs' steps, submitted collectives alike). Every
+// worker runs each channel's members in that order, so no two workers ever wait on each other in
+// opposite orders (no deadlock): each channel's order is a part of one global order consistent
+// with every dependency, and channels wait on nothing of each other's.
 //
 // The scheduler reads these attributes without linking the ops (hence this header in core).
 #pragma once
@@ -44,6 +54,12 @@ inline constexpr const char* kRankAttr = "rank";
 inline constexpr const char* kGroupSizeAttr = "group_size";
 inline constexpr const char* kGroupAttr = "group";
 inline constexpr const char* kPositionAttr = "position";
+inline constexpr const char* kChannelAttr = "channel";
+
+// A worker's communication channels (threads and communicators of their own, per group).
+inline constexpr int kCollectiveChannels = 4;
+// The channel of ZeRO-3's parameter gathers (the rest use channel 0).
+inline constexpr int kGatherChannel = 1;
 
 // No collective has more members than this: a cluster of Tessera's kind has far fewer workers,
 // and a group size read from the wire must be bounded before anything is sized by it.
@@ -57,20 +73,28 @@ struct CollectiveMembership {
   int64_t collective = 0;
   int rank = 0;
   int group_size = 1;
+  int channel = 0;
+};
+
+// Where a member runs on its worker: its channel, and its place in the channel's order.
+struct CollectivePlace {
+  int channel = 0;
+  int64_t position = 0;
+  auto operator<=>(const CollectivePlace&) const = default;
 };
 
 // nullopt for an ordinary task; InvalidArgument naming the task when the attributes are
 // inconsistent (a rank outside the group, a missing group_size, a group larger than
-// kMaxCollectiveGroupSize).
+// kMaxCollectiveGroupSize, a channel outside 0 .. kCollectiveChannels-1).
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 
 // Whether `op` is one of the collective ops (all_reduce, reduce_scatter, all_gather,
 // all_gather_in_place, broadcast).
 bool IsCollectiveOp(std::string_view op);
 
-// Checks every collective among `tasks`: members of one collective agree on group_size, have
-// the ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument naming the
-// collective and what is wrong.
+// Checks every collective among `tasks`: members of one collective agree on group_size and
+// channel, have the ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument
+// naming the collective and what is wrong.
 Status ValidateCollectives(const std::vector<TaskSpec>& tasks);
 
 // The graph's collectives in an order every worker can follow: if any member of B depends,

@@ -293,9 +293,12 @@ class Zero3Policy final : public ShardingPolicy {
       inputs.push_back(use.after);
     }
     const std::string name = fmt::format("{}/gather_{}", state.LayerName(l), when);
+    // On a channel of their own: a gather never waits behind a gradient's reduce-scatter, so the
+    // backward pass's gathers are prefetched like the forward's (core/collective_task.h).
     TESSERA_ASSIGN_OR_RETURN(
         auto gathered, state.builder.AddTask(state.Name(r, name), "all_gather", std::move(inputs),
-                                             state.Collective(state.CollectiveId(name), r),
+                                             state.Collective(state.CollectiveId(name), r)
+                                                 .Set(kChannelAttr, int64_t{kGatherChannel}),
                                              state.On(r, state.LayerName(l), kForwardPriority + 1,
                                                       {state.Name(r, name + ":params")},
                                                       {ObjectRole::kGatheredParameter})));

@@ -9,11 +9,11 @@
 
 namespace tessera {
 
-uint64_t CollectiveGroups::GroupFor(const std::vector<WorkerId>& members) {
-  auto it = keys_.find(members);
+uint64_t CollectiveGroups::GroupFor(const std::vector<WorkerId>& members, int channel) {
+  auto it = keys_.find({members, channel});
   if (it != keys_.end()) return it->second;
   const uint64_t key = next_key_++;
-  keys_.emplace(members, key);
+  keys_.emplace(std::make_pair(members, channel), key);
   groups_.emplace(key, Group(members, verdict_window_));
   return key;
 }

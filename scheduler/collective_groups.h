@@ -57,9 +57,10 @@ class CollectiveGroups {
                    std::chrono::milliseconds verdict_window = std::chrono::milliseconds(250))
       : outbox_(outbox), describe_(std::move(describe)), verdict_window_(verdict_window) {}
 
-  // The key of the group of these workers (in rank order); the same list always gets the same
+  // The key of the group of these workers (in rank order) on `channel` (core/collective_task.h:
+  // each channel has communicators of its own); the same list and channel always get the same
   // key. REQUIRES: distinct workers.
-  uint64_t GroupFor(const std::vector<WorkerId>& members);
+  uint64_t GroupFor(const std::vector<WorkerId>& members, int channel = 0);
   const std::vector<WorkerId>* Members(uint64_t group) const;
   // The members (in rank order) whose join to the group's open exchange round is missing: while
   // some members wait for the group to form, the ones they wait for. Empty when no round is open
@@ -98,7 +99,7 @@ class CollectiveGroups {
   Outbox* outbox_;
   Describe describe_;
   const std::chrono::milliseconds verdict_window_;
-  std::map<std::vector<WorkerId>, uint64_t> keys_;
+  std::map<std::pair<std::vector<WorkerId>, int>, uint64_t> keys_;  // by members and channel
   // Workers declared dead: a group with one can never form again, and a join says so at once.
   std::set<WorkerId> dead_;
   std::map<uint64_t, Group> groups_;

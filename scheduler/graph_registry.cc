@@ -189,24 +189,28 @@ Status GraphRegistry::AssignCollectives(PlacedGraph& graph) {
                              return graph.objects[object.value() - 1].producer;
                            }));
   std::map<int64_t, std::vector<size_t>> members;  // collective -> task indices by rank
+  std::map<int64_t, int> channel_of;               // collective -> its channel
   for (size_t t = 0; t < graph.tasks.size(); ++t) {
     std::optional<CollectiveMembership> membership = *CollectiveOf(graph.tasks[t]);
     if (!membership) continue;
+    channel_of[membership->collective] = membership->channel;
     auto& slots = members[membership->collective];
     slots.resize(static_cast<size_t>(membership->group_size));
     slots[static_cast<size_t>(membership->rank)] = t;
   }
-  // Each worker runs its members in the one global order: positions count per worker.
+  // Each worker runs each channel's members in the one global order: positions count per worker
+  // and channel.
   for (int64_t collective : order) {
     const std::vector<size_t>& slots = members.at(collective);
+    const int channel = channel_of.at(collective);
     std::vector<WorkerId> workers;
     workers.reserve(slots.size());
     for (size_t t : slots) workers.push_back(graph.task_worker[t]);
-    const uint64_t group = groups_->GroupFor(workers);
+    const uint64_t group = groups_->GroupFor(workers, channel);
     graph.groups.insert(group);
     for (size_t t : slots) {
       graph.tasks[t].attrs.Set(kGroupAttr, static_cast<int64_t>(group));
-      graph.tasks[t].attrs.Set(kPositionAttr, graph.members[graph.task_worker[t]]++);
+      graph.tasks[t].attrs.Set(kPositionAttr, graph.members[{graph.task_worker[t], channel}]++);
     }
   }
   return Status::Ok();

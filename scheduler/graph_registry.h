@@ -70,15 +70,16 @@ struct PlacedGraph {
   std::vector<ObjectSpec> objects;  // graph-local ids, dense from 1
   std::vector<TaskSpec> tasks;      // graph-local ids, dense from 1; with group and position
   std::vector<WorkerId> task_worker;
-  std::vector<WorkerId> workers;        // involved, ascending
-  std::vector<ObjectId> inputs;         // graph-local ids of objects no task produces
-  std::vector<ObjectId> outputs;        // graph-local ids returned as cluster objects
-  std::set<uint64_t> groups;            // the collective groups its collectives use
-  std::map<WorkerId, int64_t> members;  // collective members per worker
-  std::set<WorkerId> has_part;          // workers that received its part
-  uint64_t template_id = 0;             // the template it places (0: a driver's graph)
-  int running = 0;                      // its instances running
-  std::string retired;                  // why it can no longer run; empty while it can
+  std::vector<WorkerId> workers;  // involved, ascending
+  std::vector<ObjectId> inputs;   // graph-local ids of objects no task produces
+  std::vector<ObjectId> outputs;  // graph-local ids returned as cluster objects
+  std::set<uint64_t> groups;      // the collective groups its collectives use
+  // Collective members per worker and channel.
+  std::map<std::pair<WorkerId, int>, int64_t> members;
+  std::set<WorkerId> has_part;  // workers that received its part
+  uint64_t template_id = 0;     // the template it places (0: a driver's graph)
+  int running = 0;              // its instances running
+  std::string retired;          // why it can no longer run; empty while it can
 };
 
 class GraphRegistry {

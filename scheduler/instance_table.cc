@@ -103,12 +103,11 @@ Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
   return Status::Ok();
 }
 
-std::vector<std::pair<WorkerId, int64_t>> InstanceTable::TakeCollectiveBases(
-    const PlacedGraph& graph) {
-  std::vector<std::pair<WorkerId, int64_t>> bases;
-  for (const auto& [worker, members] : graph.members) {
-    int64_t& next = next_position_[worker];
-    bases.emplace_back(worker, next);
+std::vector<CollectiveBase> InstanceTable::TakeCollectiveBases(const PlacedGraph& graph) {
+  std::vector<CollectiveBase> bases;
+  for (const auto& [where, members] : graph.members) {
+    int64_t& next = next_position_[where];
+    bases.push_back(CollectiveBase{where.first, where.second, next});
     next += members;
   }
   return bases;
@@ -251,7 +250,7 @@ void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const St
                              key.first, key.second, reason.message()));
     MaybeFinish(key);
   }
-  next_position_.erase(worker);
+  std::erase_if(next_position_, [&](const auto& entry) { return entry.first.first == worker; });
 }
 
 bool InstanceTable::Running(uint64_t graph, uint64_t instance) const {

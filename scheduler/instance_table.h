@@ -41,6 +41,7 @@
 #include "core/status.h"
 #include "scheduler/collective_groups.h"
 #include "scheduler/graph_registry.h"
+#include "scheduler/messages.h"
 #include "scheduler/object_directory.h"
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
@@ -119,7 +120,7 @@ class InstanceTable {
   // Ends the instance once every involved worker reported (or it failed).
   void MaybeFinish(const Key& key);
   // Each involved worker's collective base for a new instance of `graph` (advances the counts).
-  std::vector<std::pair<WorkerId, int64_t>> TakeCollectiveBases(const PlacedGraph& graph);
+  std::vector<CollectiveBase> TakeCollectiveBases(const PlacedGraph& graph);
 
   Outbox* outbox_;
   ObjectDirectory* objects_;
@@ -127,7 +128,8 @@ class InstanceTable {
   CollectiveGroups* groups_;
   GraphRegistry* graphs_;
   std::map<Key, InstanceEntry> instances_;
-  std::map<WorkerId, int64_t> next_position_;  // per worker: collective members started there
+  // Per worker and channel: collective members started there.
+  std::map<std::pair<WorkerId, int>, int64_t> next_position_;
 };
 
 }  // namespace tessera

@@ -224,8 +224,9 @@ void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& 
   }
   auto bases = out.initCollectiveBases(Size(run.collective_bases));
   for (unsigned i = 0; i < run.collective_bases.size(); ++i) {
-    bases[i].setWorker(run.collective_bases[i].first.value());
-    bases[i].setBase(run.collective_bases[i].second);
+    bases[i].setWorker(run.collective_bases[i].worker.value());
+    bases[i].setChannel(static_cast<uint8_t>(run.collective_bases[i].channel));
+    bases[i].setBase(run.collective_bases[i].base);
   }
   for (WorkerId worker : to) outbox.Send(worker, message);
 }

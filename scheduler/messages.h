@@ -77,6 +77,13 @@ struct GraphPart {
   std::span<const ObjectId> outputs;
 };
 
+// Where an instance's collective members start in a worker's order of a channel's collectives.
+struct CollectiveBase {
+  WorkerId worker;
+  int channel = 0;
+  int64_t base = 0;
+};
+
 // One instance of a placed graph.
 struct GraphRun {
   uint64_t graph_id = 0;
@@ -86,7 +93,8 @@ struct GraphRun {
   std::vector<InlineObject> inline_inputs;                // graph-local id, bytes
   std::span<const std::string> task_names;                // per graph task; empty: the part's names
   std::span<const int64_t> collective_ids;                // per graph task; empty: the part's
-  std::vector<std::pair<WorkerId, int64_t>> collective_bases;  // per worker with members
+  // Per worker and channel with members: where the instance's members start there.
+  std::vector<CollectiveBase> collective_bases;
 };
 
 // Joining.

@@ -1,5 +1,6 @@
 #include "worker/collective_engine.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "collectives/rendezvous.h"
@@ -131,52 +132,81 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
 
 CollectiveEngine::CollectiveEngine(const Settings& settings, SendToScheduler send,
                                    KernelContext copier)
-    : settings_(settings),
-      send_(std::move(send)),
-      copier_(std::move(copier)),
-      thread_([this] { Loop(); }) {}
+    : settings_(settings), send_(std::move(send)), copier_(std::move(copier)) {}
+
+CollectiveEngine::Lane* CollectiveEngine::LaneFor(int channel) {
+  if (stopping_) return nullptr;
+  std::unique_ptr<Lane>& lane = lanes_[static_cast<size_t>(channel)];
+  if (!lane) {
+    lane = std::make_unique<Lane>();
+    lane->channel = channel;
+    lane->thread = std::thread([this, raw = lane.get()] { Loop(*raw); });
+  }
+  return lane.get();
+}
+
+std::shared_ptr<CollectiveEngine::SchedulerRendezvous> CollectiveEngine::AbortRunning(
+    Lane& lane, const Status& reason) {
+  auto group = groups_.find(lane.running_group);
+  if (lane.running_group == 0 || group == groups_.end()) return nullptr;
+  if (group->second.communicator) {
+    group->second.communicator->Abort(reason);
+    group->second.aborted = true;  // the group forms again next time
+    return nullptr;
+  }
+  return group->second.rendezvous;  // still forming: that stops too
+}
 
 void CollectiveEngine::Stop() {
+  std::vector<std::shared_ptr<SchedulerRendezvous>> forming;
   {
     MutexLock lock(&mutex_);
     stopping_ = true;
-    if (running_group_ != 0) {
-      auto it = groups_.find(running_group_);
-      if (it != groups_.end() && it->second.communicator) {
-        it->second.communicator->Abort(Cancelled("the worker is stopping"));
-      }
-      if (it != groups_.end() && it->second.rendezvous) {
-        it->second.rendezvous->Fail(Cancelled("the worker is stopping"));
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      if (!lane) continue;
+      if (auto rendezvous = AbortRunning(*lane, Cancelled("the worker is stopping"))) {
+        forming.push_back(std::move(rendezvous));
       }
     }
   }
   changed_.NotifyAll();
+  for (const auto& rendezvous : forming) rendezvous->Fail(Cancelled("the worker is stopping"));
 }
 
 CollectiveEngine::~CollectiveEngine() {
   Stop();
-  std::map<int64_t, Queued> left;
+  std::vector<Queued> left;
+  std::vector<std::thread*> threads;
   {
     MutexLock lock(&mutex_);
-    left.swap(queued_);
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      if (!lane) continue;
+      for (auto& [position, queued] : lane->queued) left.push_back(std::move(queued));
+      lane->queued.clear();
+      threads.push_back(&lane->thread);
+    }
   }
-  thread_.join();
-  for (auto& [position, queued] : left) queued.done(Cancelled("the worker is stopping"));
+  for (std::thread* thread : threads) thread->join();
+  for (Queued& queued : left) queued.done(Cancelled("the worker is stopping"));
 }
 
-void CollectiveEngine::Submit(const InstanceId& instance, int64_t position, CollectiveMember member,
-                              Done done) {
+void CollectiveEngine::Submit(const InstanceId& instance, CollectivePlace place,
+                              CollectiveMember member, Done done) {
   Status refused;
   {
     MutexLock lock(&mutex_);
-    if (stopping_) {
+    Lane* lane = nullptr;
+    if (place.channel < 0 || place.channel >= kCollectiveChannels) {
+      refused = InvalidArgument("collective member '{}' is on channel {}, not one of 0 .. {}",
+                                member.task, place.channel, kCollectiveChannels - 1);
+    } else if (lane = LaneFor(place.channel); lane == nullptr) {
       refused = Cancelled("the worker is stopping");
     } else if (auto failed = failed_.find(instance); failed != failed_.end()) {
       refused = failed->second;
-      if (position >= next_) passing_.insert(position);
+      if (place.position >= lane->next) lane->passing.insert(place.position);
       changed_.NotifyAll();
     } else {
-      queued_.emplace(position, Queued{instance, std::move(member), std::move(done)});
+      lane->queued.emplace(place.position, Queued{instance, std::move(member), std::move(done)});
       changed_.NotifyAll();
       return;
     }
@@ -185,42 +215,42 @@ void CollectiveEngine::Submit(const InstanceId& instance, int64_t position, Coll
 }
 
 void CollectiveEngine::EndInstance(const InstanceId& instance,
-                                   const std::vector<int64_t>& positions, const Status& reason) {
+                                   const std::vector<CollectivePlace>& places,
+                                   const Status& reason) {
   std::vector<Queued> ended;
-  std::shared_ptr<SchedulerRendezvous> forming;
+  std::vector<std::shared_ptr<SchedulerRendezvous>> forming;
   {
     MutexLock lock(&mutex_);
     failed_.erase(instance);
-    for (int64_t position : positions) {
-      if (position < next_) continue;  // ran, or passed
-      auto queued = queued_.find(position);
-      if (queued != queued_.end() && queued->second.instance == instance) {
+    for (const CollectivePlace& place : places) {
+      if (place.channel < 0 || place.channel >= kCollectiveChannels) continue;
+      // Its queued members fail even while stopping (the instance waits for them); a channel
+      // not started yet is started only to note the positions that pass.
+      Lane* lane = lanes_[static_cast<size_t>(place.channel)].get();
+      if (lane == nullptr) lane = LaneFor(place.channel);
+      if (lane == nullptr) continue;              // stopping, and nothing of it was queued
+      if (place.position < lane->next) continue;  // ran, or passed
+      auto queued = lane->queued.find(place.position);
+      if (queued != lane->queued.end() && queued->second.instance == instance) {
         ended.push_back(std::move(queued->second));
-        queued_.erase(queued);
+        lane->queued.erase(queued);
       }
-      if (!queued_.contains(position)) passing_.insert(position);
+      if (!lane->queued.contains(place.position)) lane->passing.insert(place.position);
     }
     changed_.NotifyAll();
-    if (!reason.ok() && running_group_ != 0 && running_instance_ == instance) {
-      // The collective in progress belongs to a failed instance: stop it now (the other members
-      // are being cancelled too); the group forms again next time.
-      auto group = groups_.find(running_group_);
-      if (group != groups_.end() && group->second.communicator) {
-        group->second.communicator->Abort(reason);
-        group->second.aborted = true;
-      } else if (group != groups_.end()) {
-        forming = group->second.rendezvous;  // still forming: that stops too
+    if (!reason.ok()) {
+      // Its collectives in progress: stop them now (the other members are being cancelled too);
+      // their groups form again next time.
+      for (const std::unique_ptr<Lane>& lane : lanes_) {
+        if (!lane || lane->running_group == 0 || lane->running_instance != instance) continue;
+        if (auto rendezvous = AbortRunning(*lane, reason)) forming.push_back(std::move(rendezvous));
       }
     }
   }
-  if (forming) forming->Fail(reason);
+  for (const auto& rendezvous : forming) rendezvous->Fail(reason);
   const Status why =
       reason.ok() ? Cancelled("the instance ended before this collective ran") : reason;
   for (Queued& queued : ended) queued.done(why);
-}
-
-bool CollectiveEngine::NextIsDue() const {
-  return queued_.contains(next_) || passing_.contains(next_);
 }
 
 void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
@@ -256,7 +286,10 @@ void CollectiveEngine::OnAbort(uint64_t group, uint32_t epoch, const Status& rea
     entry.epoch = std::max(entry.epoch, epoch);
     if (!entry.rendezvous) return;
     rendezvous = entry.rendezvous;
-    if (running_group_ == group) {
+    const bool running = std::any_of(lanes_.begin(), lanes_.end(), [&](const auto& lane) {
+      return lane && lane->running_group == group;
+    });
+    if (running) {
       entry.aborted = true;  // Run drops it when the collective returns
     } else {
       idle = std::move(entry.communicator);
@@ -275,55 +308,57 @@ CollectiveEngineStats CollectiveEngine::stats() const {
 
 CollectiveInProgress CollectiveEngine::InProgress() const {
   MutexLock lock(&mutex_);
-  return in_progress_;
+  CollectiveInProgress longest;
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    if (!lane || lane->in_progress.task.empty()) continue;
+    if (longest.task.empty() || lane->in_progress.since < longest.since) {
+      longest = lane->in_progress;
+    }
+  }
+  return longest;
 }
 
-void CollectiveEngine::Loop() {
+void CollectiveEngine::Loop(Lane& lane) {
   while (true) {
     Queued next;
     {
       MutexLock lock(&mutex_);
-      while (!stopping_ && !NextIsDue()) changed_.Wait(&mutex_);
+      while (!stopping_ && !lane.NextIsDue()) changed_.Wait(&mutex_);
       if (stopping_) return;
-      const int64_t position = next_++;
-      if (passing_.erase(position) > 0) continue;
-      auto item = queued_.find(position);
+      const int64_t position = lane.next++;
+      if (lane.passing.erase(position) > 0) continue;
+      auto item = lane.queued.find(position);
       next = std::move(item->second);
-      queued_.erase(item);
+      lane.queued.erase(item);
       if (auto failed = failed_.find(next.instance); failed != failed_.end()) {
         const Status why = failed->second;
         lock.Unlock();
         next.done(why);
         continue;
       }
-      running_instance_ = next.instance;
-      running_group_ = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
+      lane.running_instance = next.instance;
+      lane.running_group = static_cast<uint64_t>(next.member.attrs.GetInt(kGroupAttr, 0));
       const Attrs& attrs = next.member.attrs;
-      in_progress_ = CollectiveInProgress{.task = next.member.task,
-                                          .op = next.member.op,
-                                          .collective = attrs.GetInt(kCollectiveAttr, 0),
-                                          .group = running_group_,
-                                          .rank = static_cast<int>(attrs.GetInt(kRankAttr, 0)),
-                                          .size = static_cast<int>(attrs.GetInt(kGroupSizeAttr, 0)),
-                                          .forming = false,
-                                          .since = std::chrono::steady_clock::now()};
+      lane.in_progress =
+          CollectiveInProgress{.task = next.member.task,
+                               .op = next.member.op,
+                               .collective = attrs.GetInt(kCollectiveAttr, 0),
+                               .group = lane.running_group,
+                               .rank = static_cast<int>(attrs.GetInt(kRankAttr, 0)),
+                               .size = static_cast<int>(attrs.GetInt(kGroupSizeAttr, 0)),
+                               .forming = false,
+                               .since = std::chrono::steady_clock::now()};
     }
-    int64_t sent_before;
-    {
-      MutexLock lock(&mutex_);
-      sent_before = stats_.bytes_sent;
-    }
+    int64_t sent = 0;
     const int64_t started_us = SystemMicrosNow();
-    const Status status = Run(next.member);
+    const Status status = Run(lane, next.member, sent);
     const int64_t ended_us = SystemMicrosNow();
-    int64_t sent;
     {
       MutexLock lock(&mutex_);
-      running_group_ = 0;
-      in_progress_ = CollectiveInProgress{};
+      lane.running_group = 0;
+      lane.in_progress = CollectiveInProgress{};
       ++stats_.collectives_run;
-      sent = stats_.bytes_sent - sent_before;
-      if (!status.ok()) failed_.emplace(running_instance_, status);
+      if (!status.ok()) failed_.emplace(lane.running_instance, status);
     }
     if (next.member.on_ran && !next.member.op.empty()) {
       next.member.on_ran(started_us, ended_us, sent);
@@ -332,7 +367,8 @@ void CollectiveEngine::Loop() {
   }
 }
 
-Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, int size) {
+Result<Communicator*> CollectiveEngine::CommunicatorFor(Lane& lane, uint64_t key, int rank,
+                                                        int size) {
   std::shared_ptr<SchedulerRendezvous> rendezvous;
   {
     MutexLock lock(&mutex_);
@@ -349,7 +385,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
     group.rendezvous = std::make_shared<SchedulerRendezvous>(key, ++group.epoch, rank, size, send_);
     group.aborted = false;  // about the formation this one replaces
     rendezvous = group.rendezvous;
-    in_progress_.forming = true;
+    lane.in_progress.forming = true;
   }
   CommunicatorOptions options;
   options.timeout_ms = static_cast<int>(settings_.collective_timeout_ms);
@@ -357,7 +393,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
   options.small_bytes = settings_.collective_small_bytes;
   Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options);
   MutexLock lock(&mutex_);
-  in_progress_.forming = false;
+  lane.in_progress.forming = false;
   Group& group = groups_[key];
   if (!formed.ok()) {
     group.rendezvous.reset();
@@ -365,11 +401,12 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(uint64_t key, int rank, 
   }
   group.communicator = std::move(*formed);
   ++stats_.groups_formed;
-  GetLogger("worker")->info("formed collective group {} (rank {} of {})", key, rank, size);
+  GetLogger("worker")->info("formed collective group {} (rank {} of {}, channel {})", key, rank,
+                            size, lane.channel);
   return group.communicator.get();
 }
 
-Status CollectiveEngine::Run(CollectiveMember& member) {
+Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent) {
   // A placeholder for a member that failed before it got here: its position just passes.
   if (member.op.empty()) return Cancelled("the member failed before its collective");
   const Attrs& attrs = member.attrs;
@@ -386,7 +423,7 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
   const int rank = membership->rank;
   const int size = membership->group_size;
   TESSERA_ASSIGN_OR_RETURN(Communicator * communicator,
-                           CommunicatorFor(static_cast<uint64_t>(key), rank, size));
+                           CommunicatorFor(lane, static_cast<uint64_t>(key), rank, size));
   const int64_t sent_before = communicator->bytes_sent();
   const Tensor& device_out = member.outputs.at(0);
   // Device buffers cross the host communicator through host copies: the input, and the output
@@ -432,8 +469,9 @@ Status CollectiveEngine::Run(CollectiveMember& member) {
     return InvalidArgument("{} is not a collective op", member.op);
   }
   if (status.ok() && staged) status = CopyTensor(device_out, out, copier_);
+  sent = communicator->bytes_sent() - sent_before;
   MutexLock lock(&mutex_);
-  stats_.bytes_sent += communicator->bytes_sent() - sent_before;
+  stats_.bytes_sent += sent;
   Group& group = groups_[static_cast<uint64_t>(key)];
   if (!status.ok() || group.aborted) {
     // The communicator is broken, or aborted as this collective finished (it would fail every

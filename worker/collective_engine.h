@@ -1,17 +1,20 @@
-// CollectiveEngine: a worker's communication stream. It runs the worker's collective member
-// tasks on communicators, one at a time, on its own thread, while the executor goes on with
-// compute (as NCCL runs on its own CUDA stream).
+// CollectiveEngine: a worker's communication streams. It runs the worker's collective member
+// tasks on communicators while the executor goes on with compute (as NCCL runs on CUDA streams of
+// its own): one thread per channel (core/collective_task.h), each running its channel's members
+// one at a time, so collectives on different channels progress at once.
 //
 // Order. Members arrive as they become ready (their inputs are local), in any order. Each
 // belongs to an instance (of a registered graph, a submitted collective: all work is instances)
-// and has a position in the worker's one order of collectives: the scheduler counts every member
-// of every instance it starts on this worker (core/collective_task.h: the instance's base on
-// this worker plus the member's place among the instance's members here). Members run strictly
-// by position: every worker of a group reaches the group's collectives in the same order, so none
-// waits on another that waits on it. An instance that ends says which of its positions it will
-// never submit (EndInstance), so the order moves past them.
+// and has a place: its channel, and a position in the worker's order of that channel's
+// collectives. The scheduler counts every member of every instance it starts on this worker, per
+// channel (the instance's base on this worker and channel plus the member's place among the
+// instance's members there). Each channel runs its members strictly by position: every worker of
+// a group reaches the group's collectives in the same order, so none waits on another that waits
+// on it. An instance that ends says which of its places it will never submit (EndInstance), so
+// the orders move past them.
 //
-// Communicators. One per collective group (the workers of a collective, in rank order), formed
+// Communicators. One per collective group (the workers of a collective, in rank order, on one
+// channel: a channel's groups are its own, so only its thread uses their communicators), formed
 // the first time the group meets, with the scheduler as rendezvous (CollectiveJoin /
 // CollectivePeers), and reused by every later collective of that group. Host buffers go over
 // the UCX communicator (collectives/ucx_communicator.h); a GPU worker's device buffers cross it
@@ -33,6 +36,7 @@
 // already failed).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -48,6 +52,7 @@
 
 #include "collectives/communicator.h"
 #include "core/attrs.h"
+#include "core/collective_task.h"
 #include "core/proto/tessera.capnp.h"
 #include "core/settings.h"
 #include "core/status.h"
@@ -75,7 +80,7 @@ struct CollectiveEngineStats {
   int groups_formed = 0;
 };
 
-// The member in progress on the collective stream, as `tessera status --waits` shows it.
+// A member in progress on a collective channel, as `tessera status --waits` shows it.
 struct CollectiveInProgress {
   std::string task;  // empty: none in progress
   std::string op;
@@ -97,14 +102,16 @@ class CollectiveEngine {
   CollectiveEngine(const Settings& settings, SendToScheduler send, KernelContext copier = {});
   ~CollectiveEngine();
 
-  // Queues a member of `instance` at `position` in the worker's order; it runs once every earlier
-  // position has run or passed. `done` gets its result. A member of an instance that already
-  // failed fails at once with that error (its position passes).
-  void Submit(const InstanceId& instance, int64_t position, CollectiveMember member, Done done);
-  // The instance is over here, and `positions` are all its members' positions on this worker:
-  // those never submitted pass, queued ones fail with `reason` (Cancelled when OK); with an
-  // error reason, a member of it in progress is aborted too.
-  void EndInstance(const InstanceId& instance, const std::vector<int64_t>& positions,
+  // Queues a member of `instance` at `place` (its channel's order on this worker); it runs once
+  // every earlier position of the channel has run or passed. `done` gets its result. A member of
+  // an instance that already failed fails at once with that error (its position passes), one on
+  // a channel outside 0 .. kCollectiveChannels-1 with InvalidArgument.
+  void Submit(const InstanceId& instance, CollectivePlace place, CollectiveMember member,
+              Done done);
+  // The instance is over here, and `places` are all its members' places on this worker: those
+  // never submitted pass, queued ones fail with `reason` (Cancelled when OK); with an error
+  // reason, its members in progress are aborted too.
+  void EndInstance(const InstanceId& instance, const std::vector<CollectivePlace>& places,
                    const Status& reason);
 
   // The worker is stopping: the collective in progress (or a group forming) fails at once, and
@@ -117,7 +124,8 @@ class CollectiveEngine {
   void OnAbort(uint64_t group, uint32_t epoch, const Status& reason);
 
   CollectiveEngineStats stats() const;
-  // What the engine's thread is doing now (any thread; cheap: a copy under the mutex).
+  // What the engine is doing now: of the members in progress (one per busy channel), the one
+  // running longest; none (task empty) when idle. Any thread; cheap: a copy under the mutex.
   CollectiveInProgress InProgress() const;
 
  private:
@@ -136,33 +144,46 @@ class CollectiveEngine {
     bool aborted = false;
   };
 
-  void Loop();
-  Status Run(CollectiveMember& member);
-  Result<Communicator*> CommunicatorFor(uint64_t group_key, int rank, int size);
+  // One channel: its order, and the thread that runs it. Its fields are guarded by mutex_ (all
+  // but `thread`, which only the constructor of the lane and the destructor touch).
+  struct Lane {
+    int channel = 0;
+    int64_t next = 0;                  // the next position to run
+    std::map<int64_t, Queued> queued;  // by position
+    std::set<int64_t> passing;         // positions of ended instances never submitted
+    uint64_t running_group = 0;        // the group of the member in progress (0: none)
+    InstanceId running_instance = InstanceId{0, 0};
+    CollectiveInProgress in_progress;
+    std::thread thread;
+    // Whether the member at `next` is queued or passes.
+    bool NextIsDue() const { return queued.contains(next) || passing.contains(next); }
+  };
+
+  // The channel's lane, started at its first use (nullptr while stopping).
+  Lane* LaneFor(int channel) REQUIRES(mutex_);
+  void Loop(Lane& lane);
+  // Runs one member; `sent` gets the bytes it sent.
+  Status Run(Lane& lane, CollectiveMember& member, int64_t& sent);
+  Result<Communicator*> CommunicatorFor(Lane& lane, uint64_t group_key, int rank, int size);
+  // Aborts what `lane` runs now (its communicator, or its group still forming): returns the
+  // rendezvous to fail outside the lock, if any.
+  std::shared_ptr<SchedulerRendezvous> AbortRunning(Lane& lane, const Status& reason)
+      REQUIRES(mutex_);
 
   const Settings settings_;
   SendToScheduler send_;
   const KernelContext copier_;
 
-  // Whether the member at `next_` is queued or passes.
-  bool NextIsDue() const REQUIRES(mutex_);
-
   mutable Mutex mutex_;
   CondVar changed_;
-  int64_t next_ GUARDED_BY(mutex_) = 0;                  // the next position to run
-  std::map<int64_t, Queued> queued_ GUARDED_BY(mutex_);  // by position
-  std::set<int64_t> passing_ GUARDED_BY(mutex_);  // positions of ended instances never submitted
+  std::array<std::unique_ptr<Lane>, kCollectiveChannels> lanes_ GUARDED_BY(mutex_);
   // An instance's first failed member: its instance fails, so its later members fail with this
   // at once instead of forming a group the other members will never join (which would also move
   // this worker's epoch of that group past theirs). Until the instance ends here.
   std::map<InstanceId, Status> failed_ GUARDED_BY(mutex_);
   std::map<uint64_t, Group> groups_ GUARDED_BY(mutex_);
-  uint64_t running_group_ GUARDED_BY(mutex_) = 0;  // the group of the member in progress (0: none)
-  InstanceId running_instance_ GUARDED_BY(mutex_) = InstanceId{0, 0};
-  CollectiveInProgress in_progress_ GUARDED_BY(mutex_);
   CollectiveEngineStats stats_ GUARDED_BY(mutex_);
   bool stopping_ GUARDED_BY(mutex_) = false;
-  std::thread thread_;
 };
 
 }  // namespace tessera

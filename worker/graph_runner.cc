@@ -34,10 +34,10 @@ struct GraphRunner::Instance {
   std::vector<Pull> pulls;
   Status error;  // failed before it started
   std::shared_ptr<Part> part;
-  // This worker's positions of the instance's collective members in its one order of
-  // collectives (the part's places plus the instance's base here).
-  std::vector<int64_t> positions;
-  int64_t collective_base = 0;
+  // This worker's places of the instance's collective members in its channels' orders of
+  // collectives (the part's places plus the instance's bases here).
+  std::vector<CollectivePlace> places;
+  std::array<int64_t, kCollectiveChannels> collective_bases{};
   // Per graph task, this instance's own name and collective id for it (a submitted task's, a
   // submitted collective's); empty: the part's.
   std::vector<std::string> task_names;
@@ -162,7 +162,9 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
   }
   for (uint64_t id : run.getOutputIds()) instance->output_ids.push_back(ObjectId(id));
   for (proto::CollectiveBase::Reader base : run.getCollectiveBases()) {
-    if (base.getWorker() == self) instance->collective_base = base.getBase();
+    if (base.getWorker() == self && base.getChannel() < kCollectiveChannels) {
+      instance->collective_bases[base.getChannel()] = base.getBase();
+    }
   }
   for (capnp::Text::Reader name : run.getTaskNames()) instance->task_names.push_back(name);
   for (int64_t id : run.getCollectiveIds()) instance->collective_ids.push_back(id);
@@ -172,8 +174,10 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
     instance->error = part->error;
   } else {
     instance->part = part;
-    for (int64_t position : part->collective_positions) {
-      instance->positions.push_back(instance->collective_base + position);
+    for (const CollectivePlace& place : part->collective_places) {
+      instance->places.push_back(
+          {place.channel,
+           instance->collective_bases[static_cast<size_t>(place.channel)] + place.position});
     }
     auto local_input = [&](uint64_t graph_local) -> ObjectId {
       if (graph_local == 0 || graph_local > part->local_of.size()) return ObjectId();
@@ -231,7 +235,7 @@ void GraphRunner::Launch(const std::shared_ptr<Instance>& instance) {
   if (instance->error.ok()) instance->error = Begin(instance);
   if (instance->error.ok()) return;  // on the executor; Ended takes it from there
   // Its collectives never come: the worker's order moves past them.
-  if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->positions, instance->error);
+  if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->places, instance->error);
   CountDone();
   Report(instance->key, instance->error, {});
   Retire(*instance);
@@ -427,7 +431,7 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
   // Collective members go to the worker's communication stream, in the scheduler's order.
   if (engine_ != nullptr) {
     hooks.offloaded = IsEngineMember;
-    hooks.offload = [this, key, outcome, part, base = instance.collective_base,
+    hooks.offload = [this, key, outcome, part, bases = instance.collective_bases,
                      names = instance.task_names, ids = instance.collective_ids](
                         const TaskSpec& task, std::vector<Tensor> in, std::vector<Tensor> out,
                         RunHooks::OffloadDone done) {
@@ -440,11 +444,10 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
         MutexLock lock(&outcome->mutex);
         outcome->collectives[id] = WorkerSpans::Task{0, kCollectiveStream, start_us, end_us, bytes};
       };
-      engine_->Submit(key, base + task.attrs.GetInt(kPositionAttr, 0), std::move(member),
-                      std::move(done));
+      engine_->Submit(key, PlaceOf(task, bases), std::move(member), std::move(done));
     };
-    hooks.on_failed = [this, key, positions = instance.positions](const Status& error) {
-      engine_->EndInstance(key, positions, error);
+    hooks.on_failed = [this, key, places = instance.places](const Status& error) {
+      engine_->EndInstance(key, places, error);
     };
   }
   for (uint64_t graph_task : part->graph_task_of) {
@@ -529,7 +532,7 @@ Status GraphRunner::StartPulls(const Instance& instance) {
 
 void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) {
   const Key key = instance->key;
-  if (engine_ != nullptr) engine_->EndInstance(key, instance->positions, result.status());
+  if (engine_ != nullptr) engine_->EndInstance(key, instance->places, result.status());
   Outcome& outcome = *instance->outcome;
   if (result.ok()) {
     MutexLock lock(&outcome.mutex);

@@ -22,10 +22,11 @@
 // collective's graph of members. Instances start as they arrive (Start returns at once: the
 // executor runs them, InProcessExecutor::Start) and run concurrently, their ready tasks ordered
 // by priority across all of them in the executor's queue. Collective members go to the
-// collective engine at their position in the worker's one order of collectives (the part's place
-// plus the instance's base, RunGraph's collectiveBases), which the scheduler counts alike for
-// every worker, so concurrent instances never meet a group's collectives in different orders; an
-// instance that ends passes the positions of members it never submitted (EndInstance). An
+// collective engine at their place: their channel, and their position in the worker's order of
+// that channel's collectives (the part's position plus the instance's base on the channel,
+// RunGraph's collectiveBases), which the scheduler counts alike for every worker, so concurrent
+// instances never meet a group's collectives in different orders; an instance that ends passes
+// the places of members it never submitted (EndInstance). An
 // instance may carry its own names for its tasks and its own collective ids (a submitted task's
 // and collective's, RunGraph's taskNames and collectiveIds): errors, waits and the engine use
 // them.

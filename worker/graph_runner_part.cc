@@ -124,7 +124,7 @@ Status GraphRunner::Part::AddOutputs(uint64_t self) {
     }
   }
   for (const TaskSpec& task : local.tasks()) {
-    if (IsEngineMember(task)) collective_positions.push_back(task.attrs.GetInt(kPositionAttr, 0));
+    if (IsEngineMember(task)) collective_places.push_back(PlaceOf(task, {}));
   }
   return Status::Ok();
 }

@@ -3,6 +3,7 @@
 // the runner: graph_runner.cc runs instances of parts, graph_runner_part.cc builds them.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -26,6 +27,17 @@ inline bool IsEngineMember(const TaskSpec& task) {
   return task.attrs.Has(kCollectiveAttr) && task.attrs.GetInt(kGroupSizeAttr, 1) > 1;
 }
 
+// An engine member's place on this worker: its channel, and its position plus `bases`' entry for
+// the channel (all zero: the position the part gives it). The channel as the task says (the
+// engine refuses one outside 0 .. kCollectiveChannels-1, here channel -1 with no base).
+inline CollectivePlace PlaceOf(const TaskSpec& task,
+                               const std::array<int64_t, kCollectiveChannels>& bases) {
+  const int64_t channel = task.attrs.GetInt(kChannelAttr, 0);
+  const int64_t position = task.attrs.GetInt(kPositionAttr, 0);
+  if (channel < 0 || channel >= kCollectiveChannels) return {-1, position};
+  return {static_cast<int>(channel), bases[static_cast<size_t>(channel)] + position};
+}
+
 struct GraphRunner::Part {
   uint64_t id = 0;
   std::vector<ObjectSpec> objects;  // the graph's, graph-local ids
@@ -41,9 +53,9 @@ struct GraphRunner::Part {
   std::vector<uint64_t> graph_task_of;                        // local task index -> graph id
   std::map<std::string, uint64_t> worker_of_address;          // consumers' data planes
   std::vector<uint64_t> producer_worker;  // graph-local index -> the worker producing it (0: input)
-  // Its engine members' places among the graph's members on this worker (their `position`
-  // attributes): an instance adds its base here.
-  std::vector<int64_t> collective_positions;
+  // Its engine members' places among the graph's members on this worker (their `channel` and
+  // `position` attributes): an instance adds its base on the channel.
+  std::vector<CollectivePlace> collective_places;
 
   // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
   // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts

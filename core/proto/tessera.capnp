@@ -216,12 +216,13 @@ struct RunGraph {
                                        # member (a submitted collective's own); empty: the part's
 }
 
-# Every collective member a worker runs has one position in that worker's single order of
-# collectives (core/collective_task.h): the part gives each member its position among the
-# instance's members on its worker; the instance adds the worker's base.
+# Every collective member a worker runs has one position in that worker's order of its
+# channel's collectives (core/collective_task.h): the part gives each member its position among
+# the instance's members on its worker and channel; the instance adds the worker's base there.
 struct CollectiveBase {
   worker @0 :UInt64;
   base @1 :Int64;
+  channel @2 :UInt8;
 }
 
 struct InstanceFinished {

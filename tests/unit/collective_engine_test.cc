@@ -47,9 +47,9 @@ class Relay final : public Outbox {
   }
   void Disconnect(WorkerId, const Status&) override {}
 
-  uint64_t GroupFor(const std::vector<WorkerId>& members) {
+  uint64_t GroupFor(const std::vector<WorkerId>& members, int channel = 0) {
     std::lock_guard lock(mutex_);
-    return groups_.GroupFor(members);
+    return groups_.GroupFor(members, channel);
   }
   // The scheduler's abort of the group's current formation (as a failed graph instance does).
   void Abort(uint64_t group, const Status& reason) {
@@ -95,14 +95,18 @@ class CollectiveEngineTest : public ::testing::Test {
     group_ = relay_.GroupFor({w1_, w2_});
   }
 
-  // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1.
-  CollectiveMember Member(int rank, const Tensor& values) {
+  // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1 (in `group`: the
+  // group's on channel 0 when 0).
+  CollectiveMember Member(int rank, const Tensor& values, uint64_t group = 0) {
     CollectiveMember member;
     member.task = fmt::format("sum.{}", rank);
     member.op = "all_reduce";
-    member.attrs = Attrs{{kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{rank}},
-                         {kGroupSizeAttr, int64_t{2}},  {kGroupAttr, static_cast<int64_t>(group_)},
-                         {kPositionAttr, int64_t{0}},   {"reduce", std::string("sum")}};
+    member.attrs = Attrs{{kCollectiveAttr, int64_t{1}},
+                         {kRankAttr, int64_t{rank}},
+                         {kGroupSizeAttr, int64_t{2}},
+                         {kGroupAttr, static_cast<int64_t>(group == 0 ? group_ : group)},
+                         {kPositionAttr, int64_t{0}},
+                         {"reduce", std::string("sum")}};
     member.inputs = {values};
     member.outputs = {values};  // in place
     return member;
@@ -118,13 +122,14 @@ class CollectiveEngineTest : public ::testing::Test {
     for (int rank = 0; rank < 2; ++rank) {
       Tensor values = FloatTensor({1000}, std::vector<float>(1000, static_cast<float>(rank + 1)));
       outputs.push_back(values);
-      engines[rank]->Submit({7, instance}, position, Member(rank, values),
+      engines[rank]->Submit({7, instance}, CollectivePlace{0, position}, Member(rank, values),
                             [&done, rank](const Status& status) { done[rank].set_value(status); });
     }
     std::vector<Status> statuses;
     statuses.reserve(done.size());
     for (auto& one : done) statuses.push_back(one.get_future().get());
-    for (CollectiveEngine* engine : engines) engine->EndInstance({7, instance}, {position}, {});
+    for (CollectiveEngine* engine : engines)
+      engine->EndInstance({7, instance}, {{0, position}}, {});
     for (const Tensor& out : outputs) results->push_back(ToVector(out));
     return statuses;
   }
@@ -189,13 +194,14 @@ TEST_F(CollectiveEngineTest, AVerdictAboutAnOlderEpochIsIgnored) {
 // epoch the scheduler had moved past, and its peer would wait for it until the deadline).
 TEST_F(CollectiveEngineTest, AVerdictAboutAFormationAMemberNeverJoinedMovesItsEpochOn) {
   std::promise<Status> cut_short;
-  first_.Submit({7, 1}, 0, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+  first_.Submit({7, 1}, CollectivePlace{0, 0},
+                Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
                 [&](const Status& status) { cut_short.set_value(status); });
   // first_ joins epoch 1 and waits for second_, which has no part of instance 1 yet.
   ASSERT_TRUE(Eventually([&] { return first_.InProgress().forming; }));
-  first_.EndInstance({7, 1}, {0}, Unavailable("instance 1 failed"));
+  first_.EndInstance({7, 1}, {{0, 0}}, Unavailable("instance 1 failed"));
   EXPECT_FALSE(cut_short.get_future().get().ok());
-  second_.EndInstance({7, 1}, {0}, Unavailable("instance 1 failed"));  // its member never came
+  second_.EndInstance({7, 1}, {{0, 0}}, Unavailable("instance 1 failed"));  // its member never came
   next_position_ = 1;
   relay_.Abort(group_, Unavailable("instance 1 failed"));
   ExpectSummed(2);  // both form at epoch 2
@@ -208,13 +214,15 @@ TEST_F(CollectiveEngineTest, AVerdictAboutAFormationAMemberNeverJoinedMovesItsEp
 // leave this worker's epoch of the group ahead of theirs.
 TEST_F(CollectiveEngineTest, AFailedInstancesLaterMembersFailWithoutFormingTheGroup) {
   std::promise<Status> placeholder, later;
-  first_.Submit({7, 1}, 0, CollectiveMember{}, [&](const Status& s) { placeholder.set_value(s); });
-  first_.Submit({7, 1}, 1, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+  first_.Submit({7, 1}, CollectivePlace{0, 0}, CollectiveMember{},
+                [&](const Status& s) { placeholder.set_value(s); });
+  first_.Submit({7, 1}, CollectivePlace{0, 1},
+                Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
                 [&](const Status& s) { later.set_value(s); });
   EXPECT_EQ(placeholder.get_future().get().code(), StatusCode::kCancelled);
   EXPECT_EQ(later.get_future().get().code(), StatusCode::kCancelled);
   for (CollectiveEngine* engine : {&first_, &second_}) {
-    engine->EndInstance({7, 1}, {0, 1}, Cancelled("instance 1 failed"));
+    engine->EndInstance({7, 1}, {{0, 0}, {0, 1}}, Cancelled("instance 1 failed"));
   }
   next_position_ = 2;
   ExpectSummed(2);  // formed once, at the same epoch on both
@@ -228,7 +236,8 @@ TEST_F(CollectiveEngineTest, AFailedInstancesLaterMembersFailWithoutFormingTheGr
 TEST_F(CollectiveEngineTest, MembersRunInTheWorkersOneOrderAcrossInstances) {
   std::promise<Status> early_done;
   // Instance 2's member (position 1) comes first; it waits for position 0 (instance 1's).
-  first_.Submit({7, 2}, 1, Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
+  first_.Submit({7, 2}, CollectivePlace{0, 1},
+                Member(0, FloatTensor({1000}, std::vector<float>(1000, 1.0f))),
                 [&](const Status& s) { early_done.set_value(s); });
   std::future<Status> early = early_done.get_future();
   EXPECT_EQ(early.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
@@ -237,15 +246,87 @@ TEST_F(CollectiveEngineTest, MembersRunInTheWorkersOneOrderAcrossInstances) {
   // Instance 1 ends without ever submitting its member: position 0 passes on both workers, and
   // instance 2's all-reduce runs once second_'s member (position 1 there too) comes.
   for (CollectiveEngine* engine : {&first_, &second_}) {
-    engine->EndInstance({7, 1}, {0}, Cancelled("instance 1 was cancelled"));
+    engine->EndInstance({7, 1}, {{0, 0}}, Cancelled("instance 1 was cancelled"));
   }
   std::promise<Status> other_done;
-  second_.Submit({7, 2}, 1, Member(1, FloatTensor({1000}, std::vector<float>(1000, 2.0f))),
+  second_.Submit({7, 2}, CollectivePlace{0, 1},
+                 Member(1, FloatTensor({1000}, std::vector<float>(1000, 2.0f))),
                  [&](const Status& s) { other_done.set_value(s); });
   EXPECT_OK(early.get());
   EXPECT_OK(other_done.get_future().get());
   next_position_ = 2;
   ExpectSummed(3);
+}
+
+// Channels run at once: with channel 0's first collective waiting for a member that has not
+// come (its peer's part is still computing), channel 1's collective of the same workers runs to
+// the end on both, over a group of its own; then channel 0's completes. (One order for all would
+// make channel 1's wait behind channel 0's: ZeRO-3's backward gathers behind the reductions.)
+TEST_F(CollectiveEngineTest, ChannelsProgressWhileAnotherChannelWaits) {
+  const uint64_t gathers = relay_.GroupFor({w1_, w2_}, kGatherChannel);
+  ASSERT_NE(gathers, group_);
+  std::promise<Status> first_reduce, second_reduce;
+  Tensor first_values = FloatTensor({1000}, std::vector<float>(1000, 1.0f));
+  first_.Submit({7, 1}, CollectivePlace{0, 0}, Member(0, first_values),
+                [&](const Status& s) { first_reduce.set_value(s); });
+  std::vector<std::promise<Status>> gathered(2);
+  std::vector<Tensor> gather_values;
+  CollectiveEngine* engines[] = {&first_, &second_};
+  for (int rank = 0; rank < 2; ++rank) {
+    gather_values.push_back(
+        FloatTensor({1000}, std::vector<float>(1000, static_cast<float>(10 * (rank + 1)))));
+    engines[rank]->Submit({7, 1}, CollectivePlace{kGatherChannel, 0},
+                          Member(rank, gather_values.back(), gathers),
+                          [&gathered, rank](const Status& s) { gathered[rank].set_value(s); });
+  }
+  for (auto& one : gathered) {
+    auto result = one.get_future();
+    ASSERT_EQ(result.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+        << "channel 1 waited behind channel 0";
+    EXPECT_OK(result.get());
+  }
+  for (const Tensor& out : gather_values) EXPECT_EQ(ToVector(out), std::vector<float>(1000, 30.0f));
+  std::future<Status> first_reduced = first_reduce.get_future();
+  EXPECT_EQ(first_reduced.wait_for(std::chrono::milliseconds(0)),
+            std::future_status::timeout);  // still waiting for its peer
+  Tensor second_values = FloatTensor({1000}, std::vector<float>(1000, 2.0f));
+  second_.Submit({7, 1}, CollectivePlace{0, 0}, Member(1, second_values),
+                 [&](const Status& s) { second_reduce.set_value(s); });
+  EXPECT_OK(first_reduced.get());
+  EXPECT_OK(second_reduce.get_future().get());
+  EXPECT_EQ(ToVector(first_values), std::vector<float>(1000, 3.0f));
+  EXPECT_EQ(first_.stats().groups_formed, 2);  // one per channel
+  for (CollectiveEngine* engine : engines) {
+    engine->EndInstance({7, 1}, {{0, 0}, {kGatherChannel, 0}}, {});
+  }
+}
+
+// A member on a channel the worker does not have is refused, naming it; nothing else waits.
+TEST_F(CollectiveEngineTest, AMemberOnAnUnknownChannelIsRefused) {
+  std::promise<Status> refused;
+  first_.Submit({7, 1}, CollectivePlace{kCollectiveChannels, 0},
+                Member(0, FloatTensor({4}, std::vector<float>(4, 1.0f))),
+                [&](const Status& s) { refused.set_value(s); });
+  const Status status = refused.get_future().get();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("channel 4"), std::string::npos) << status.ToString();
+  ExpectSummed(1);
+}
+
+// A stopping worker cancels its instances, which wait for their members: ending an instance
+// fails its queued members at once even after Stop (a worker once hung at exit waiting for a
+// member that only the engine's destructor, after the instances, would have failed).
+TEST_F(CollectiveEngineTest, EndingAnInstanceWhileStoppingFailsItsQueuedMembers) {
+  std::promise<Status> queued;
+  first_.Submit({7, 1}, CollectivePlace{kGatherChannel, 1},
+                Member(0, FloatTensor({4}, std::vector<float>(4, 1.0f))),
+                [&](const Status& s) { queued.set_value(s); });  // waits for position 0
+  first_.Stop();
+  first_.EndInstance({7, 1}, {{kGatherChannel, 0}, {kGatherChannel, 1}},
+                     Cancelled("worker stopping"));
+  auto result = queued.get_future();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(result.get().code(), StatusCode::kCancelled);
 }
 
 }  // namespace

@@ -174,6 +174,25 @@ TEST(CollectiveTaskTest, MembersMustCoverEveryRankOnce) {
   EXPECT_EQ(ValidateCollectives(tasks).code(), StatusCode::kInvalidArgument);
 }
 
+// Members share a channel, one of the worker's kCollectiveChannels.
+TEST(CollectiveTaskTest, MembersShareAChannelTheWorkersHave) {
+  std::vector<TaskSpec> tasks = {MemberTask("a0", 1, 0, 2, {}, {}),
+                                 MemberTask("a1", 1, 1, 2, {}, {})};
+  tasks[0].attrs.Set(kChannelAttr, int64_t{kGatherChannel});
+  tasks[1].attrs.Set(kChannelAttr, int64_t{kGatherChannel});
+  ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> membership, CollectiveOf(tasks[0]));
+  EXPECT_EQ(membership->channel, kGatherChannel);
+  EXPECT_OK(ValidateCollectives(tasks));
+  tasks[1].attrs.Set(kChannelAttr, int64_t{0});
+  EXPECT_EQ(ValidateCollectives(tasks).message(),
+            "collective 1: task 'a1' is on channel 0, its other members on channel 1");
+  tasks[1].attrs.Set(kChannelAttr, int64_t{kCollectiveChannels});
+  EXPECT_EQ(CollectiveOf(tasks[1]).status().message(),
+            "collective task 'a1': channel 4 is not one of 0 .. 3");
+  tasks[1].attrs.Set(kChannelAttr, int64_t{-1});
+  EXPECT_EQ(ValidateCollectives(tasks).code(), StatusCode::kInvalidArgument);
+}
+
 // Objects 1..8; producer[o] is the task (1-based) producing object o.
 struct TaskList {
   std::vector<TaskSpec> tasks;

@@ -563,6 +563,62 @@ TEST_F(RegisteredGraphTest, CollectiveBasesCountEachWorkersMembersAcrossInstance
   EXPECT_EQ(bases(w2), (std::map<uint64_t, int64_t>{{w2.value(), 4}}));
 }
 
+// Channels (core/collective_task.h): each channel's members count their positions and bases of
+// their own, and a channel's collectives get a group of their own over the same workers.
+TEST_F(RegisteredGraphTest, EachChannelHasItsOwnOrderAndGroups) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  Graph graph;  // reduce a, gather g, reduce b over w1 and w2; g on the gather channel
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const auto gather = [](int64_t collective, int64_t rank) {
+    Attrs attrs = Member(collective, rank, 2);
+    attrs.Set(kChannelAttr, int64_t{kGatherChannel});
+    return attrs;
+  };
+  const ObjectId a0 = AddGelu(graph, "a0", {x}, 1, w1, Member(1, 0, 2));
+  const ObjectId a1 = AddGelu(graph, "a1", {x}, 1, w2, Member(1, 1, 2));
+  const ObjectId g0 = AddGelu(graph, "g0", {a0}, 1, w1, gather(2, 0));
+  const ObjectId g1 = AddGelu(graph, "g1", {a1}, 1, w2, gather(2, 1));
+  graph.MarkOutput(AddGelu(graph, "b0", {g0}, 1, w1, Member(3, 0, 2)));
+  graph.MarkOutput(AddGelu(graph, "b1", {g1}, 1, w2, Member(3, 1, 2)));
+  ASSERT_OK(Register(driver, 3, graph));
+  EXPECT_OK(TakeReply(driver));
+  auto parts = outbox_.Take(w1, Body::GRAPH_PART);
+  ASSERT_EQ(parts.size(), 1u);
+  auto part = BodyOf(parts[0]).getGraphPart();
+  std::map<std::string, rpc::WireTask> tasks;
+  for (auto task : part.getTasks()) {
+    ASSERT_OK_AND_ASSIGN(rpc::WireTask parsed, rpc::FromWire(task));
+    tasks.emplace(parsed.spec.name, std::move(parsed));
+  }
+  const auto attr = [&](const std::string& task, const char* name) {
+    return tasks.at(task).spec.attrs.GetInt(name, -1);
+  };
+  EXPECT_EQ(attr("a0", kPositionAttr), 0);
+  EXPECT_EQ(attr("b0", kPositionAttr), 1);  // after a0 on channel 0
+  EXPECT_EQ(attr("g0", kPositionAttr), 0);  // the first on its channel
+  EXPECT_EQ(attr("a0", kGroupAttr), attr("b0", kGroupAttr));
+  EXPECT_NE(attr("a0", kGroupAttr), attr("g0", kGroupAttr));
+  EXPECT_EQ(attr("g0", kGroupAttr), attr("g1", kGroupAttr));
+
+  Put(driver, 1, 1, /*inline_data=*/true);
+  auto bases = [&](WorkerId worker) {
+    std::map<int, int64_t> out;  // channel -> base
+    for (auto& message : outbox_.Take(worker, Body::RUN_GRAPH)) {
+      for (auto base : BodyOf(message).getRunGraph().getCollectiveBases()) {
+        if (base.getWorker() == worker.value()) out[base.getChannel()] = base.getBase();
+      }
+    }
+    return out;
+  };
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {50, 52}));
+  EXPECT_EQ(bases(w1), (std::map<int, int64_t>{{0, 0}, {kGatherChannel, 0}}));
+  ASSERT_OK(InstanceDone(w1, 3, 1, {50}));
+  ASSERT_OK(InstanceDone(w2, 3, 1, {52}));
+  ASSERT_OK(Run(driver, 3, 2, {{x.value(), 1}}, {51, 53}));  // 2 members on 0, 1 on the other
+  EXPECT_EQ(bases(w1), (std::map<int, int64_t>{{0, 2}, {kGatherChannel, 1}}));
+  EXPECT_EQ(bases(w2), (std::map<int, int64_t>{{0, 2}, {kGatherChannel, 1}}));
+}
+
 // A worker that reports one output twice (after its driver let go of it, so the first seal frees
 // it) commits a protocol error: its connection closes; the scheduler does not abort.
 TEST_F(RegisteredGraphTest, AnOutputSealedTwiceInOneReportIsAProtocolError) {
