@@ -10,6 +10,11 @@
 //   workers stage  tessera_ms  torch_ddp_ms  ratio (tessera / torch: below 1, Tessera is faster)
 //   model_state_mb   per-rank peak parameters + gradients + optimizer state (RunFigures)
 //   sent_mb          per-rank collective bytes sent in one step
+//   hidden           the overlap figure of the last timed steps' traces (core/timeline.h
+//                    HiddenUnderCompute): of the time each worker's collectives ran, the share
+//                    during which that worker was also computing, for the forward pass's
+//                    parameter gathers, the backward pass's, and the gradient reductions
+//                    (all_reduce, reduce_scatter); "-" where a plan has none
 // and, with --json PATH, the same figures as JSON.
 #include <algorithm>
 #include <cstdio>
@@ -27,6 +32,7 @@
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "core/timeline.h"
 #include "model/gpt2.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
@@ -69,7 +75,41 @@ struct Row {
   std::vector<int64_t> model_state_peak;  // per rank, bytes
   std::vector<int64_t> bytes_sent;        // per rank, one step
   float final_loss = 0;
+  // Over the last timed steps (negative: none of the kind).
+  double hidden_forward_gathers = -1;
+  double hidden_backward_gathers = -1;
+  double hidden_reductions = -1;
 };
+
+// The overlap figures of the trainer's last `steps` step traces.
+void MeasureOverlap(tessera::Trainer& trainer, int steps, Row& row) {
+  const tessera::Timeline timeline = Check(trainer.StepTimeline(steps), "the steps' traces");
+  const auto hidden = [&](auto selected) {
+    const tessera::OverlapFigures figures = tessera::HiddenUnderCompute(timeline, selected);
+    return figures.spans == 0 ? -1.0 : figures.hidden();
+  };
+  const auto gather = [](const tessera::TimelineSpan& span) {
+    return span.op.rfind("all_gather", 0) == 0;
+  };
+  const auto backward = [](const tessera::TimelineSpan& span) {
+    return span.name.find("backward") != std::string::npos;
+  };
+  row.hidden_forward_gathers =
+      hidden([&](const tessera::TimelineSpan& span) { return gather(span) && !backward(span); });
+  row.hidden_backward_gathers =
+      hidden([&](const tessera::TimelineSpan& span) { return gather(span) && backward(span); });
+  row.hidden_reductions = hidden([](const tessera::TimelineSpan& span) {
+    return span.op == "all_reduce" || span.op == "reduce_scatter";
+  });
+}
+
+std::string Percent(double fraction) {
+  return fraction < 0 ? "-" : fmt::format("{:.0f}%", 100 * fraction);
+}
+
+std::string JsonFraction(double fraction) {
+  return fraction < 0 ? "null" : fmt::format("{:.4f}", fraction);
+}
 
 using tessera::bench::Capture;
 using tessera::bench::JsonNumber;
@@ -128,6 +168,8 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
     }
   }
   row.tessera_ms = Median(times);
+  // The scheduler keeps the last trace_instances (16) instances' spans.
+  MeasureOverlap(*trainer, std::min(flags.steps, 8), row);
   return row;
 }
 
@@ -158,10 +200,14 @@ void WriteJson(const Flags& flags, int64_t params, const std::vector<Row>& rows)
     const Row& row = rows[i];
     out << fmt::format(
         "{}{{\"workers\":{},\"stage\":{},\"tessera_ms\":{:.3f},\"torch_ddp_ms\":{},"
-        "\"model_state_peak_bytes\":{},\"collective_bytes_sent\":{},\"final_loss\":{:.5f}}}",
+        "\"model_state_peak_bytes\":{},\"collective_bytes_sent\":{},\"final_loss\":{:.5f},"
+        "\"hidden_forward_gathers\":{},\"hidden_backward_gathers\":{},"
+        "\"hidden_reductions\":{}}}",
         i == 0 ? "" : ",", row.workers, row.stage, row.tessera_ms,
         row.torch_ms < 0 ? std::string("null") : fmt::format("{:.3f}", row.torch_ms),
-        JsonArray(row.model_state_peak), JsonArray(row.bytes_sent), row.final_loss);
+        JsonArray(row.model_state_peak), JsonArray(row.bytes_sent), row.final_loss,
+        JsonFraction(row.hidden_forward_gathers), JsonFraction(row.hidden_backward_gathers),
+        JsonFraction(row.hidden_reductions));
   }
   out << "]}\n";
   if (!out) {
@@ -208,8 +254,9 @@ static int Main(int argc, char** argv) {
       static_cast<long long>(flags.heads), static_cast<long long>(flags.vocab),
       static_cast<long long>(flags.seq_len), static_cast<long long>(flags.batch),
       static_cast<long long>(params), flags.steps, flags.warmup);
-  std::printf("%7s %5s %11s %13s %7s  %-27s  %s\n", "workers", "stage", "tessera_ms",
-              "torch_ddp_ms", "ratio", "model_state_mb (per rank)", "sent_mb/step (per rank)");
+  std::printf("%7s %5s %11s %13s %7s  %-27s  %-25s  %s\n", "workers", "stage", "tessera_ms",
+              "torch_ddp_ms", "ratio", "model_state_mb (per rank)", "sent_mb/step (per rank)",
+              "hidden gathers fwd/bwd, reductions");
   std::fflush(stdout);
 
   std::vector<Row> rows;
@@ -240,9 +287,11 @@ static int Main(int argc, char** argv) {
       const std::string torch_text = torch_ms < 0 ? "-" : fmt::format("{:.2f}", torch_ms);
       const std::string ratio =
           torch_ms < 0 ? "-" : fmt::format("{:.3f}", row.tessera_ms / torch_ms);
-      std::printf("%7d %5d %11.2f %13s %7s  %-27s  %s\n", workers, stage, row.tessera_ms,
-                  torch_text.c_str(), ratio.c_str(), PerRankMb(row.model_state_peak).c_str(),
-                  PerRankMb(row.bytes_sent).c_str());
+      std::printf(
+          "%7d %5d %11.2f %13s %7s  %-27s  %-25s  %s/%s, %s\n", workers, stage, row.tessera_ms,
+          torch_text.c_str(), ratio.c_str(), PerRankMb(row.model_state_peak).c_str(),
+          PerRankMb(row.bytes_sent).c_str(), Percent(row.hidden_forward_gathers).c_str(),
+          Percent(row.hidden_backward_gathers).c_str(), Percent(row.hidden_reductions).c_str());
       std::fflush(stdout);
       rows.push_back(std::move(row));
     }

@@ -2,9 +2,11 @@
 
 #include "core/collective_task.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -325,6 +327,49 @@ Result<PackedSpanCounts> CountPackedSpans(std::string_view packed) {
 Status CheckPackedSpans(std::string_view packed) {
   return ReadPackedSpans(
       packed, [](const WorkerSpans::Task&) {}, [](const WorkerSpans::Push&) {});
+}
+
+OverlapFigures HiddenUnderCompute(const Timeline& timeline,
+                                  const std::function<bool(const TimelineSpan&)>& selected) {
+  // Per worker, its compute as disjoint intervals (merged, by start).
+  std::map<WorkerId, std::vector<std::pair<int64_t, int64_t>>> compute;
+  for (const TimelineSpan& span : timeline.spans) {
+    if (span.stream < 0 || span.kind == SpanKind::kCollective || span.kind == SpanKind::kTransfer) {
+      continue;
+    }
+    compute[span.worker].emplace_back(span.start_us, span.end_us);
+  }
+  for (auto& [worker, intervals] : compute) {
+    std::sort(intervals.begin(), intervals.end());
+    std::vector<std::pair<int64_t, int64_t>> merged;
+    for (const auto& interval : intervals) {
+      if (!merged.empty() && interval.first <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, interval.second);
+      } else {
+        merged.push_back(interval);
+      }
+    }
+    intervals = std::move(merged);
+  }
+  OverlapFigures figures;
+  for (const TimelineSpan& span : timeline.spans) {
+    if (!selected(span)) continue;
+    ++figures.spans;
+    figures.total_us += span.end_us - span.start_us;
+    auto worker = compute.find(span.worker);
+    if (worker == compute.end()) continue;
+    const auto& intervals = worker->second;
+    // The first interval that ends after the span starts, then every one that starts before it
+    // ends.
+    auto it = std::lower_bound(intervals.begin(), intervals.end(), span.start_us,
+                               [](const std::pair<int64_t, int64_t>& interval, int64_t at) {
+                                 return interval.second <= at;
+                               });
+    for (; it != intervals.end() && it->first < span.end_us; ++it) {
+      figures.hidden_us += std::min(it->second, span.end_us) - std::max(it->first, span.start_us);
+    }
+  }
+  return figures;
 }
 
 }  // namespace tessera

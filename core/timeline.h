@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -141,5 +142,19 @@ struct Timeline {
 
 // Microseconds of the system clock now (the time base of every span).
 int64_t SystemMicrosNow();
+
+// How much of some spans' time their worker spent computing too: the overlap figure of a trace
+// (e.g. how much of ZeRO-3's gathers the compute hid). Compute is every span on a compute slot
+// (stream >= 0) of a kind other than collective and transfer.
+struct OverlapFigures {
+  int64_t spans = 0;       // spans selected
+  int64_t total_us = 0;    // their summed durations
+  int64_t hidden_us = 0;   // of that, the time their worker was also computing
+  double hidden() const {  // fraction hidden; 0 when nothing was selected
+    return total_us > 0 ? static_cast<double>(hidden_us) / static_cast<double>(total_us) : 0.0;
+  }
+};
+OverlapFigures HiddenUnderCompute(const Timeline& timeline,
+                                  const std::function<bool(const TimelineSpan&)>& selected);
 
 }  // namespace tessera

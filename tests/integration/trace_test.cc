@@ -1,6 +1,7 @@
 // Traces of training steps on a local cluster of real worker processes: a ZeRO-3 GPT-2 step on
 // two workers leaves, per worker, forward, backward, optimizer and collective spans, and its
-// parameter all-gathers run on the communication stream while compute goes on; layer-split
+// parameter all-gathers, the backward pass's too, run on the communication stream while compute
+// goes on; layer-split
 // placement shows pushes on the transfer stream; `tessera timeline` writes the same trace.
 #include <filesystem>
 #include <map>
@@ -116,6 +117,18 @@ TEST_F(TraceTest, Zero3StepShowsAllGathersOverlappingCompute) {
     }
     EXPECT_TRUE(overlapped) << "no all_gather overlaps a forward or backward span on worker "
                             << worker;
+    // The backward pass's gathers too: on a channel of their own (core/collective_task.h), they
+    // no longer queue behind the gradients' reduce-scatters, which wait for the backward compute.
+    const OverlapFigures backward_gathers =
+        HiddenUnderCompute(timeline, [worker = worker](const TimelineSpan& span) {
+          return span.worker.value() == worker && span.kind == SpanKind::kCollective &&
+                 span.name.find("/gather_") != std::string::npos &&
+                 span.name.find("backward") != std::string::npos;
+        });
+    EXPECT_GT(backward_gathers.spans, 0) << "ZeRO-3 gathers parameters again for the backward";
+    EXPECT_GT(backward_gathers.hidden_us, 0)
+        << "no backward all_gather overlaps compute on worker " << worker << " ("
+        << backward_gathers.spans << " gathers, " << backward_gathers.total_us << " us)";
   }
 
   const std::string path = ::testing::TempDir() + "/zero3_trace.json";

@@ -197,6 +197,44 @@ TEST(PackedSpansTest, RefusesDamagedPackings) {
   refused(past_bound, "is outside [0,");
 }
 
+// The overlap figure: each selected span's time under its own worker's compute (overlapping
+// compute spans counted once, other workers' compute and transfers not at all).
+TEST(OverlapTest, HiddenUnderComputeCountsEachWorkersOwnComputeOnce) {
+  Timeline timeline;
+  auto add = [&](uint64_t worker, int stream, SpanKind kind, int64_t start, int64_t end,
+                 std::string name) {
+    TimelineSpan span;
+    span.worker = WorkerId(worker);
+    span.stream = stream;
+    span.kind = kind;
+    span.start_us = start;
+    span.end_us = end;
+    span.name = std::move(name);
+    timeline.spans.push_back(span);
+  };
+  add(1, 0, SpanKind::kBackward, 100, 200, "b0");
+  add(1, 1, SpanKind::kBackward, 150, 260, "b1");  // overlaps b0: [100, 260] once
+  add(1, 0, SpanKind::kOptimizer, 400, 450, "adam");
+  add(1, kTransferStream, SpanKind::kTransfer, 0, 1000, "push");                 // not compute
+  add(2, 0, SpanKind::kForward, 0, 1000, "f");                                   // another worker's
+  add(1, kCollectiveStream, SpanKind::kCollective, 50, 300, "gather_backward");  // 160 of 250
+  add(1, kCollectiveStream, SpanKind::kCollective, 420, 520, "reduce");          // 30 of 100
+  add(2, kCollectiveStream, SpanKind::kCollective, 1000, 1100, "gather_late");   // 0 of 100
+  const auto named = [](std::string part) {
+    return [part](const TimelineSpan& span) { return span.name.find(part) != std::string::npos; };
+  };
+  const OverlapFigures gathers = HiddenUnderCompute(timeline, named("gather"));
+  EXPECT_EQ(gathers.spans, 2);
+  EXPECT_EQ(gathers.total_us, 350);
+  EXPECT_EQ(gathers.hidden_us, 160);
+  const OverlapFigures reduce = HiddenUnderCompute(timeline, named("reduce"));
+  EXPECT_EQ(reduce.hidden_us, 30);
+  EXPECT_DOUBLE_EQ(reduce.hidden(), 0.3);
+  const OverlapFigures none = HiddenUnderCompute(timeline, named("nothing"));
+  EXPECT_EQ(none.spans, 0);
+  EXPECT_EQ(none.hidden(), 0.0);
+}
+
 TEST(TimelineWireTest, TimelineRoundTrip) {
   Timeline timeline;
   timeline.processes.push_back({WorkerId(2), "host-a", 1234});
