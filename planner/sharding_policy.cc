@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "core/collective_task.h"
 #include "planner/plan_state.h"
 
 namespace tessera {

@@ -220,7 +220,7 @@ TEST(OverlapTest, HiddenUnderComputeCountsEachWorkersOwnComputeOnce) {
   add(1, kCollectiveStream, SpanKind::kCollective, 50, 300, "gather_backward");  // 160 of 250
   add(1, kCollectiveStream, SpanKind::kCollective, 420, 520, "reduce");          // 30 of 100
   add(2, kCollectiveStream, SpanKind::kCollective, 1000, 1100, "gather_late");   // 0 of 100
-  const auto named = [](std::string part) {
+  const auto named = [](const std::string& part) {
     return [part](const TimelineSpan& span) { return span.name.find(part) != std::string::npos; };
   };
   const OverlapFigures gathers = HiddenUnderCompute(timeline, named("gather"));
