@@ -10,10 +10,10 @@
 // produced, as each worker reports (InstanceFinished).
 //
 // Collective order: every collective member a worker runs has one position in that worker's
-// single order (core/collective_task.h). The table counts, per worker, the members of every
-// instance it started there; an instance's base on a worker is that count when it starts. Every
-// worker of a group meets the group's collectives in the order their instances started, so no
-// two workers wait on each other in opposite orders.
+// order of its channel's collectives (core/collective_task.h). The table counts, per worker and
+// channel, the members of every instance it started there; an instance's base on a worker and
+// channel is that count when it starts. Every worker of a group meets the group's collectives in
+// the order their instances started, so no two workers wait on each other in opposite orders.
 //
 // Two owners:
 //   - a driver's RunGraph (RunForDriver): the instance ends when every involved worker reported,
