@@ -29,6 +29,10 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
       KernelContext{allocator_, options_.gemm_split_min_flops, &registry_, options_.device.get()};
   // One slot reserved for an outside thread: the lending thread's.
   arena_ = std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/1);
+  // Initialized here, before the lending thread exists: left lazy, the lending thread's first
+  // execute and a caller's first enqueue both initialize it, and TSan saw TBB's process-wide
+  // affinity mask written by one while the other read it.
+  arena_->initialize();
   lender_ = std::thread([this] { LendLoop(); });
 }
 
