@@ -253,12 +253,13 @@ std::string_view PackedSpansOf(proto::InstanceSpans::Reader in) {
 }
 
 Result<WorkerSpans> FromWire(proto::InstanceSpans::Reader in, const WireLimits& limits) {
-  TESSERA_ASSIGN_OR_RETURN(WorkerSpans spans, UnpackSpans(PackedSpansOf(in)));
-  TESSERA_RETURN_IF_ERROR(CheckCount("spans.tasks", spans.tasks.size(), limits.max_objects,
-                                     "TESSERA_WIRE_MAX_OBJECTS"));
-  TESSERA_RETURN_IF_ERROR(CheckCount("spans.pushes", spans.pushes.size(), limits.max_objects,
-                                     "TESSERA_WIRE_MAX_OBJECTS"));
-  return spans;
+  // The counts first, before anything is sized by them.
+  TESSERA_ASSIGN_OR_RETURN(const PackedSpanCounts counts, CountPackedSpans(PackedSpansOf(in)));
+  TESSERA_RETURN_IF_ERROR(
+      CheckCount("spans.tasks", counts.tasks, limits.max_objects, "TESSERA_WIRE_MAX_OBJECTS"));
+  TESSERA_RETURN_IF_ERROR(
+      CheckCount("spans.pushes", counts.pushes, limits.max_objects, "TESSERA_WIRE_MAX_OBJECTS"));
+  return UnpackSpans(PackedSpansOf(in));
 }
 
 void ToWire(const Timeline& timeline, proto::Timeline::Builder out) {
