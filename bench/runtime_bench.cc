@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -163,7 +164,9 @@ double MemcpyGbps() {
 }  // namespace
 
 static int Main(int argc, char** argv) {
-  int tasks = 20'000, rounds = 2000, repeats = 5, workers = 2, graph_tasks = 50'000;
+  int tasks = 20'000, rounds = 2000, repeats = 5, workers = 2, graph_tasks = 50'000,
+      graph_instances = 10;
+  std::vector<std::string> only;
   CLI::App app{"Runtime overheads of Tessera on a local cluster (see the header for metrics)"};
   app.add_option("--tasks", tasks, "Empty tasks for the throughput runs")
       ->check(CLI::PositiveNumber);
@@ -172,21 +175,35 @@ static int Main(int argc, char** argv) {
   app.add_option("--workers", workers, "CPU workers")->check(CLI::Range(2, 64));
   app.add_option("--graph-tasks", graph_tasks, "Empty tasks per worker in the registered graph")
       ->check(CLI::PositiveNumber);
+  app.add_option("--graph-instances", graph_instances, "Timed instances of the registered graph")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--only", only, "Run only these measurements (default: all)")
+      ->check(CLI::IsMember({"dynamic", "latency", "graph", "transfer"}));
   CLI11_PARSE(app, argc, argv);
+  auto wanted = [&](const char* name) {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  };
 
   tessera::LocalClusterOptions options;
   options.cpu_workers = workers;
   auto cluster = Check(Cluster::StartLocal(options), "start a local cluster");
-  DynamicTasksPerSecond(*cluster, 2000);  // warm-up
-  std::printf("tasks_per_s_dynamic=%.0f\n", DynamicTasksPerSecond(*cluster, tasks));
-  std::fflush(stdout);
-  LatencyMicros(*cluster, 100);  // warm-up
-  const auto [p50, p99] = LatencyMicros(*cluster, rounds);
-  std::printf("task_latency_us_p50=%.1f\ntask_latency_us_p99=%.1f\n", p50, p99);
-  std::fflush(stdout);
-  std::printf("tasks_per_s_graph=%.0f\n", GraphTasksPerSecond(*cluster, graph_tasks, 10));
-  std::fflush(stdout);
-  std::printf("transfer_gbps=%.2f\n", TransferGbps(*cluster, repeats));
+  if (wanted("dynamic")) {
+    DynamicTasksPerSecond(*cluster, 2000);  // warm-up
+    std::printf("tasks_per_s_dynamic=%.0f\n", DynamicTasksPerSecond(*cluster, tasks));
+    std::fflush(stdout);
+  }
+  if (wanted("latency")) {
+    LatencyMicros(*cluster, 100);  // warm-up
+    const auto [p50, p99] = LatencyMicros(*cluster, rounds);
+    std::printf("task_latency_us_p50=%.1f\ntask_latency_us_p99=%.1f\n", p50, p99);
+    std::fflush(stdout);
+  }
+  if (wanted("graph")) {
+    std::printf("tasks_per_s_graph=%.0f\n",
+                GraphTasksPerSecond(*cluster, graph_tasks, graph_instances));
+    std::fflush(stdout);
+  }
+  if (wanted("transfer")) std::printf("transfer_gbps=%.2f\n", TransferGbps(*cluster, repeats));
   std::printf("memcpy_gbps=%.2f\n", MemcpyGbps());
   return 0;
 }

@@ -136,7 +136,7 @@ Result<std::shared_ptr<Buffer>> Buffer::Allocate(int64_t bytes,
                                                  std::shared_ptr<Allocator> allocator) {
   TESSERA_CHECK(allocator != nullptr);
   TESSERA_ASSIGN_OR_RETURN(void* data, allocator->Allocate(bytes));
-  return std::shared_ptr<Buffer>(new Buffer(data, bytes, std::move(allocator)));
+  return std::make_shared<Buffer>(Passkey{}, data, bytes, std::move(allocator));
 }
 
 Buffer::~Buffer() { allocator_->Deallocate(data_, size_); }

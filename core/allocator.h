@@ -101,9 +101,17 @@ class CachingHostAllocator final : public Allocator {
 
 // A contiguous block of host memory owned by one Allocator, shared by the tensors that view it.
 class Buffer {
+  struct Passkey {
+    explicit Passkey() = default;
+  };
+
  public:
   static Result<std::shared_ptr<Buffer>> Allocate(int64_t bytes,
                                                   std::shared_ptr<Allocator> allocator);
+  // Only Allocate can call it (the key is private); public so that make_shared puts the buffer
+  // and its reference count in one allocation.
+  Buffer(Passkey /*key*/, void* data, int64_t size, std::shared_ptr<Allocator> allocator)
+      : data_(data), size_(size), allocator_(std::move(allocator)) {}
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -112,9 +120,6 @@ class Buffer {
   int64_t size() const { return size_; }
 
  private:
-  Buffer(void* data, int64_t size, std::shared_ptr<Allocator> allocator)
-      : data_(data), size_(size), allocator_(std::move(allocator)) {}
-
   void* data_;
   int64_t size_;
   std::shared_ptr<Allocator> allocator_;

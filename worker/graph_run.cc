@@ -183,7 +183,7 @@ void GraphExecution::Offload(int t) {
   std::vector<Tensor> in = InputsOf(task);
   TaskRunCounters counters;
   Result<std::vector<Tensor>> outputs = PrepareTaskOutputs(
-      task, in, OutputMetasOf(task), executor_.context(),
+      task, in, OutputMetasOf(t), executor_.context(),
       [&](int input_index) { return TakeDonation(task, in, input_index); }, &counters, NameOf(t));
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
@@ -228,11 +228,8 @@ std::vector<Tensor> GraphExecution::InputsOf(const TaskSpec& task) const {
   return in;
 }
 
-std::vector<TensorMeta> GraphExecution::OutputMetasOf(const TaskSpec& task) const {
-  std::vector<TensorMeta> metas;
-  metas.reserve(task.outputs.size());
-  for (ObjectId output : task.outputs) metas.push_back(graph().object(output).meta);
-  return metas;
+const std::vector<TensorMeta>& GraphExecution::OutputMetasOf(int task) const {
+  return prepared_.output_metas_[static_cast<size_t>(task)];
 }
 
 double GraphExecution::MicrosSinceStart() const {
@@ -254,9 +251,8 @@ void GraphExecution::RunTask(int t, std::vector<int>* ready) {
   TaskRunCounters counters;
   kernel_running_[t].store(true, std::memory_order_relaxed);
   Result<std::vector<Tensor>> ran = RunTaskKernel(
-      *prepared_.kernels_[static_cast<size_t>(t)], task, in, OutputMetasOf(task),
-      executor_.context(), [&](int input_index) { return TakeDonation(task, in, input_index); },
-      &counters, NameOf(t));
+      *prepared_.kernels_[static_cast<size_t>(t)], task, in, OutputMetasOf(t), executor_.context(),
+      [&](int input_index) { return TakeDonation(task, in, input_index); }, &counters, NameOf(t));
   kernel_running_[t].store(false, std::memory_order_relaxed);
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
@@ -287,31 +283,31 @@ bool GraphExecution::ReleaseObject(int object) {
 
 void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int>* ready) {
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
-  std::vector<RoleMeter::Entry> added, freed, replaced;
+  RoleMeter::Change change;
   for (size_t j = 0; j < out.size(); ++j) {
     const int object = IndexOf(task.outputs[j]);
     const ObjectSpec& spec = graph().objects()[static_cast<size_t>(object)];
-    added.emplace_back(spec.role, spec.meta.bytes());
+    change.Add(spec.role, spec.meta.bytes());
     if (watched_[static_cast<size_t>(object)]) hooks_.on_produced(task.outputs[j], out[j]);
     if (prepared_.initial_refcount_[static_cast<size_t>(object)] > 0 ||
         prepared_.is_output_[static_cast<size_t>(object)]) {
       slots_[static_cast<size_t>(object)] = std::move(out[j]);
     } else {
-      freed.emplace_back(spec.role, spec.meta.bytes());  // nobody reads it
+      change.Free(spec.role, spec.meta.bytes());  // nobody reads it
     }
   }
   for (ObjectId input : task.inputs) {
     const ObjectSpec& spec = graph().object(input);
     if (!ReleaseObject(IndexOf(input))) continue;
-    freed.emplace_back(spec.role, spec.meta.bytes());
+    change.Free(spec.role, spec.meta.bytes());
     for (const Donation& donation : task.donations) {  // an in-place output took its place
       if (task.inputs[static_cast<size_t>(donation.input_index)] == input) {
-        replaced.emplace_back(spec.role, spec.meta.bytes());
+        change.Replace(spec.role, spec.meta.bytes());
         break;
       }
     }
   }
-  meter_.Apply(added, freed, replaced);
+  meter_.Apply(change);
   stats_.timings[static_cast<size_t>(t)].end_us = MicrosSinceStart();
   ++tasks_run_;
   for (int dependent : prepared_.dependents_[static_cast<size_t>(t)]) {

@@ -135,13 +135,14 @@ class PreparedGraph {
   friend class InProcessExecutor;
   friend class GraphExecution;
   std::shared_ptr<const Graph> graph_;
-  std::vector<const KernelFn*> kernels_;           // per task index
-  std::vector<std::vector<int>> dependents_;       // task index -> tasks reading its outputs
-  std::vector<int> initial_pending_;               // task index -> number of produced inputs
-  std::vector<int> initial_refcount_;              // object index -> number of input slots
-  std::vector<bool> is_output_;                    // object index -> graph output
-  std::vector<int> input_objects_;                 // object indices bound by the caller
-  std::vector<std::vector<int>> input_consumers_;  // object index -> tasks reading it
+  std::vector<const KernelFn*> kernels_;               // per task index
+  std::vector<std::vector<int>> dependents_;           // task index -> tasks reading its outputs
+  std::vector<std::vector<TensorMeta>> output_metas_;  // task index -> its outputs' metas
+  std::vector<int> initial_pending_;                   // task index -> number of produced inputs
+  std::vector<int> initial_refcount_;                  // object index -> number of input slots
+  std::vector<bool> is_output_;                        // object index -> graph output
+  std::vector<int> input_objects_;                     // object indices bound by the caller
+  std::vector<std::vector<int>> input_consumers_;      // object index -> tasks reading it
 };
 
 // What a run is doing (tessera status --waits): the tasks whose kernels run now and the late
@@ -230,7 +231,7 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // per use here, are the only references). Marks the object donated when it may.
   bool TakeDonation(const TaskSpec& task, const std::vector<Tensor>& in, int input_index);
   std::vector<Tensor> InputsOf(const TaskSpec& task) const;
-  std::vector<TensorMeta> OutputMetasOf(const TaskSpec& task) const;
+  const std::vector<TensorMeta>& OutputMetasOf(int task) const;
   void StartTiming(int task);
   double MicrosSinceStart() const;
 

@@ -430,7 +430,9 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
   };
   // Collective members go to the worker's communication stream, in the scheduler's order.
   if (engine_ != nullptr) {
-    hooks.offloaded = IsEngineMember;
+    hooks.offloaded = [part](const TaskSpec& task) {
+      return part->engine_member[task.id.value() - 1];
+    };
     hooks.offload = [this, key, outcome, part, bases = instance.collective_bases,
                      names = instance.task_names, ids = instance.collective_ids](
                         const TaskSpec& task, std::vector<Tensor> in, std::vector<Tensor> out,
@@ -450,10 +452,14 @@ RunHooks GraphRunner::MakeHooks(const Instance& instance) {
       engine_->EndInstance(key, places, error);
     };
   }
-  for (uint64_t graph_task : part->graph_task_of) {
-    hooks.task_names.push_back(graph_task <= instance.task_names.size()
-                                   ? instance.task_names[graph_task - 1]
-                                   : std::string());
+  // Only an instance that names its tasks (a submitted task) needs a name per local task.
+  if (!instance.task_names.empty()) {
+    hooks.task_names.reserve(part->graph_task_of.size());
+    for (uint64_t graph_task : part->graph_task_of) {
+      hooks.task_names.push_back(graph_task <= instance.task_names.size()
+                                     ? instance.task_names[graph_task - 1]
+                                     : std::string());
+    }
   }
   return hooks;
 }

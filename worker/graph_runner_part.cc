@@ -124,7 +124,8 @@ Status GraphRunner::Part::AddOutputs(uint64_t self) {
     }
   }
   for (const TaskSpec& task : local.tasks()) {
-    if (IsEngineMember(task)) collective_places.push_back(PlaceOf(task, {}));
+    engine_member.push_back(IsEngineMember(task));
+    if (engine_member.back()) collective_places.push_back(PlaceOf(task, {}));
   }
   return Status::Ok();
 }

@@ -56,6 +56,8 @@ struct GraphRunner::Part {
   // Its engine members' places among the graph's members on this worker (their `channel` and
   // `position` attributes): an instance adds its base on the channel.
   std::vector<CollectivePlace> collective_places;
+  std::vector<bool>
+      engine_member;  // local task index -> IsEngineMember (decided once, not per run)
 
   // Reads the part from the wire, builds the local graph of worker `self`'s tasks and prepares
   // it on `executor` (the steps below, in order). InvalidArgument for a part that contradicts

@@ -55,6 +55,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   const int num_objects = graph.num_objects();
   prepared.kernels_.resize(num_tasks);
   prepared.dependents_.resize(num_tasks);
+  prepared.output_metas_.resize(num_tasks);
   prepared.initial_pending_.assign(num_tasks, 0);
   prepared.initial_refcount_.assign(num_objects, 0);
   prepared.is_output_.assign(num_objects, false);
@@ -67,6 +68,9 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
     Result<const KernelFn*> kernel = registry_.FindKernel(task.op, task.device_kind);
     if (!kernel.ok()) return kernel.status().WithContext(TaskContext(task));
     prepared.kernels_[t] = *kernel;
+    for (ObjectId output : task.outputs) {
+      prepared.output_metas_[t].push_back(graph.object(output).meta);
+    }
     for (ObjectId input : task.inputs) {
       ++prepared.initial_refcount_[IndexOf(input)];
       prepared.input_consumers_[IndexOf(input)].push_back(t);

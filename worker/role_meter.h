@@ -16,8 +16,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <utility>
-#include <vector>
 
 #include "core/graph.h"
 #include "core/thread_annotations.h"
@@ -35,19 +33,25 @@ struct RoleBytes {
 
 class RoleMeter {
  public:
-  using Entry = std::pair<ObjectRole, int64_t>;
-
-  void Add(ObjectRole role, int64_t bytes) { Apply({{role, bytes}}, {}, {}); }
-  // `added` appear alongside what is live, then `freed` disappear. `replaced` are freed inputs
-  // whose buffers added outputs took over (donation): they never coexist with those outputs.
-  void Apply(const std::vector<Entry>& added, const std::vector<Entry>& freed,
-             const std::vector<Entry>& replaced) EXCLUDES(mutex_) {
+  // One event's bytes by role (fixed arrays: counting a task allocates nothing). `added` appear
+  // alongside what is live, then `freed` disappear. `replaced` are freed inputs whose buffers
+  // added outputs took over (donation): they never coexist with those outputs.
+  struct Change {
+    std::array<int64_t, kObjectRoles> added{}, freed{}, replaced{};
+    void Add(ObjectRole role, int64_t bytes) { added[static_cast<size_t>(role)] += bytes; }
+    void Free(ObjectRole role, int64_t bytes) { freed[static_cast<size_t>(role)] += bytes; }
+    void Replace(ObjectRole role, int64_t bytes) { replaced[static_cast<size_t>(role)] += bytes; }
+  };
+  void Add(ObjectRole role, int64_t bytes) {
+    Change change;
+    change.Add(role, bytes);
+    Apply(change);
+  }
+  void Apply(const Change& change) EXCLUDES(mutex_) {
     MutexLock lock(&mutex_);
-    for (const auto& [role, bytes] : added) live_[static_cast<size_t>(role)] += bytes;
-    for (const auto& [role, bytes] : replaced) live_[static_cast<size_t>(role)] -= bytes;
+    for (size_t r = 0; r < kObjectRoles; ++r) live_[r] += change.added[r] - change.replaced[r];
     UpdatePeaks();
-    for (const auto& [role, bytes] : replaced) live_[static_cast<size_t>(role)] += bytes;
-    for (const auto& [role, bytes] : freed) live_[static_cast<size_t>(role)] -= bytes;
+    for (size_t r = 0; r < kObjectRoles; ++r) live_[r] += change.replaced[r] - change.freed[r];
     UpdatePeaks();
   }
   RoleBytes bytes() const {

@@ -11,11 +11,12 @@ std::string TaskContext(const TaskSpec& task, std::string_view name) {
              : fmt::format("task '{}' (layer {}, op {})", shown, task.layer, task.op);
 }
 
-Result<std::vector<Tensor>> PrepareTaskOutputs(
-    const TaskSpec& task, const std::vector<Tensor>& inputs,
-    const std::vector<TensorMeta>& output_metas, const KernelContext& context,
-    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters,
-    std::string_view name) {
+Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
+                                               const std::vector<Tensor>& inputs,
+                                               const std::vector<TensorMeta>& output_metas,
+                                               const KernelContext& context,
+                                               FunctionRef<bool(int input_index)> can_donate,
+                                               TaskRunCounters* counters, std::string_view name) {
   std::vector<Tensor> outputs(output_metas.size());
   for (const Donation& donation : task.donations) {
     const Tensor& source = inputs[donation.input_index];
@@ -132,7 +133,7 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const std::vector<Tensor>& inputs,
                                           const std::vector<TensorMeta>& output_metas,
                                           const KernelContext& context,
-                                          const std::function<bool(int input_index)>& can_donate,
+                                          FunctionRef<bool(int input_index)> can_donate,
                                           TaskRunCounters* counters, std::string_view name) {
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<Tensor> outputs,

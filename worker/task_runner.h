@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/function_ref.h"
 #include "core/graph.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -32,11 +33,13 @@ struct TaskRunCounters {
 // can_donate(input) allows, and starts as a copy of it otherwise.
 // REQUIRES: inputs and output_metas match the task; can_donate(i) is only true when nothing
 // else will read input i's buffer.
-Result<std::vector<Tensor>> PrepareTaskOutputs(
-    const TaskSpec& task, const std::vector<Tensor>& inputs,
-    const std::vector<TensorMeta>& output_metas, const KernelContext& context,
-    const std::function<bool(int input_index)>& can_donate, TaskRunCounters* counters,
-    std::string_view name = {});
+Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
+                                               const std::vector<Tensor>& inputs,
+                                               const std::vector<TensorMeta>& output_metas,
+                                               const KernelContext& context,
+                                               FunctionRef<bool(int input_index)> can_donate,
+                                               TaskRunCounters* counters,
+                                               std::string_view name = {});
 
 // A tensor of `meta` from the allocator of its device: the context's host allocator, or its
 // GPU's (FailedPrecondition naming the device when the process has no such GPU).
@@ -68,7 +71,7 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const std::vector<Tensor>& inputs,
                                           const std::vector<TensorMeta>& output_metas,
                                           const KernelContext& context,
-                                          const std::function<bool(int input_index)>& can_donate,
+                                          FunctionRef<bool(int input_index)> can_donate,
                                           TaskRunCounters* counters, std::string_view name = {});
 
 }  // namespace tessera

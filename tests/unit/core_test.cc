@@ -10,6 +10,7 @@
 #include "core/checks.h"
 #include "core/crypto.h"
 #include "core/device.h"
+#include "core/function_ref.h"
 #include "core/pending_connections.h"
 #include "core/settings.h"
 #include "test_util.h"
@@ -341,6 +342,28 @@ TEST(ChecksTest, SystemErrorsNameTheCallAndWhereItWas) {
             std::string::npos)
       << from_macro.ToString();
   EXPECT_EQ(SystemError("read", EIO, StatusCode::kDataLoss).code(), StatusCode::kDataLoss);
+}
+
+int CallTwice(FunctionRef<int(int)> f) { return f(1) + f(2); }
+
+TEST(FunctionRefTest, CallsTheReferencedCallableItselfNotACopy) {
+  int calls = 0;
+  auto counting = [&calls](int x) {
+    ++calls;
+    return 10 * x;
+  };
+  EXPECT_EQ(CallTwice(counting), 30);
+  EXPECT_EQ(calls, 2);  // the lambda's own state changed: referenced, not copied
+  struct Stateful {
+    int total = 0;
+    int operator()(int x) { return total += x; }
+  } stateful;
+  EXPECT_EQ(CallTwice(stateful), 4);  // 1, then 1 + 2
+  EXPECT_EQ(stateful.total, 3);
+  const FunctionRef<int(int)> ref = counting;
+  const FunctionRef<int(int)> copy = ref;  // a copy refers to the same callable
+  EXPECT_EQ(copy(4), 40);
+  EXPECT_EQ(calls, 3);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "test_util.h"
 #include "unit/executor_test_graphs.h"
 #include "worker/in_process_executor.h"
+#include "worker/role_meter.h"
 
 namespace tessera::testing {
 namespace {
@@ -25,6 +26,33 @@ TEST(ExecutorTest, RunsAChainAndMatchesTheKernelsRunDirectly) {
   ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{chain.input, x}}));
   EXPECT_EQ(result.stats.tasks_run, 3);
   EXPECT_EQ(ToVector(result.outputs.at(chain.output)), ToVector(expected));
+}
+
+// One task's change: an in-place update whose output took its input's buffer never counts both;
+// freed inputs go after the outputs appeared; model state and transient state peak as sums.
+TEST(RoleMeterTest, ADonatedOutputReplacesItsInputAndPeaksAreSums) {
+  RoleMeter meter;
+  meter.Add(ObjectRole::kParameter, 100);
+  meter.Add(ObjectRole::kActivation, 40);
+  RoleMeter::Change update;  // parameter updated in place; the activation read and freed
+  update.Add(ObjectRole::kParameter, 100);
+  update.Replace(ObjectRole::kParameter, 100);
+  update.Free(ObjectRole::kParameter, 100);
+  update.Free(ObjectRole::kActivation, 40);
+  update.Add(ObjectRole::kGradient, 60);
+  meter.Apply(update);
+  const RoleBytes bytes = meter.bytes();
+  EXPECT_EQ(bytes[ObjectRole::kParameter], 100);  // never 200
+  EXPECT_EQ(bytes[ObjectRole::kActivation], 40);
+  EXPECT_EQ(bytes[ObjectRole::kGradient], 60);
+  EXPECT_EQ(bytes.model_state_peak, 160);  // parameter and gradient live together
+  RoleMeter::Change gathers;
+  gathers.Add(ObjectRole::kGatheredParameter, 30);
+  gathers.Add(ObjectRole::kGradientBucket, 20);
+  gathers.Free(ObjectRole::kGatheredParameter, 30);  // used and dropped by the same task
+  meter.Apply(gathers);
+  EXPECT_EQ(meter.bytes().transient_peak, 50);
+  EXPECT_EQ(meter.bytes()[ObjectRole::kGatheredParameter], 30);
 }
 
 TEST(ExecutorTest, FreesEachObjectAfterItsLastUse) {
