@@ -4,6 +4,7 @@
 #include "client/cluster_client.h"
 
 #include "core/logging.h"
+#include "core/rpc/frame.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/rpc/wire_limits.h"
@@ -180,7 +181,7 @@ void ClusterClient::Flush() {
   }
   // Order matters: objects before the tasks that read them, releases last.
   if (!puts.empty()) {
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto put = message.initRoot<proto::Envelope>().initBody().initPutObjects();
     auto objects = put.initObjects(static_cast<unsigned>(puts.size()));
     auto inlines = put.initInline(static_cast<unsigned>(puts.size()));
@@ -193,7 +194,7 @@ void ClusterClient::Flush() {
     connection_->Send(message);
   }
   if (!submits.empty()) {
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto tasks = message.initRoot<proto::Envelope>().initBody().initSubmitTasks().initTasks(
         static_cast<unsigned>(submits.size()));
     for (unsigned i = 0; i < submits.size(); ++i) {
@@ -202,14 +203,14 @@ void ClusterClient::Flush() {
     connection_->Send(message);
   }
   if (!watches.empty()) {
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initWatchObjects().initIds(
         static_cast<unsigned>(watches.size()));
     for (unsigned i = 0; i < watches.size(); ++i) ids.set(i, watches[i]);
     connection_->Send(message);
   }
   if (!releases.empty()) {
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initReleaseObjects().initIds(
         static_cast<unsigned>(releases.size()));
     for (unsigned i = 0; i < releases.size(); ++i) ids.set(i, releases[i]);
@@ -366,7 +367,7 @@ Result<ClusterInfo> ClusterClient::Info(int timeout_ms) {
     request = next_request_++;
     status_waiters_[request] = promise;
   }
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto envelope = message.initRoot<proto::Envelope>();
   envelope.setRequestId(request);
   envelope.initBody().initStatusRequest();
@@ -389,7 +390,7 @@ Result<Timeline> ClusterClient::GetTimeline(int last_instances, uint64_t graph, 
     request = next_request_++;
     timeline_waiters_[request] = promise;
   }
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto envelope = message.initRoot<proto::Envelope>();
   envelope.setRequestId(request);
   auto wire = envelope.initBody().initTimelineRequest();
@@ -407,7 +408,7 @@ Result<Timeline> ClusterClient::GetTimeline(int last_instances, uint64_t graph, 
 
 Status ClusterClient::ReportProgress(const JobProgress& progress) {
   if (closed_) return close_reason_;
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto body = message.initRoot<proto::Envelope>().initBody().initJobProgress();
   body.setJob(progress.job);
   body.setStep(progress.step);
@@ -421,7 +422,7 @@ Status ClusterClient::ReportProgress(const JobProgress& progress) {
 
 Status ClusterClient::Shutdown() {
   if (closed_) return close_reason_;
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   message.initRoot<proto::Envelope>().initBody().initShutdown();
   connection_->Send(message);
   return Status::Ok();

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "client/cluster_client.h"
+#include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "worker/task_runner.h"
 
@@ -198,7 +199,7 @@ Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
     request = next_request_++;
     reply_waiters_[request] = promise;
   }
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto envelope = message.initRoot<proto::Envelope>();
   envelope.setRequestId(request);
   auto wire = envelope.initBody().initRegisterGraph();
@@ -246,7 +247,7 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   // The scheduler binds only finished objects: wait for them here (usually already done).
   TESSERA_RETURN_IF_ERROR(Wait(bound, -1));
   std::map<ObjectId, ObjectRef> outputs;
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto run = message.initRoot<proto::Envelope>().initBody().initRunGraph();
   run.setGraphId(handle.id());
   run.setInstance(NextId());

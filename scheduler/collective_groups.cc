@@ -5,6 +5,7 @@
 #include <capnp/message.h>
 
 #include "core/logging.h"
+#include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 
 namespace tessera {
@@ -63,7 +64,7 @@ Status CollectiveGroups::OnJoin(WorkerId from, proto::CollectiveJoin::Reader joi
       group.rounds.Contribute(join.getRound(), rank, std::string(blob.begin(), blob.end()));
   if (!all) return Status::Ok();
   for (WorkerId member : group.members) {
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto peers = message.initRoot<proto::Envelope>().initBody().initCollectivePeers();
     peers.setGroup(join.getGroup());
     peers.setEpoch(group.epoch);
@@ -134,7 +135,7 @@ void CollectiveGroups::SendVerdict(uint64_t key, const Group& group) {
 }
 
 void CollectiveGroups::SendVerdictTo(WorkerId member, uint64_t key, const Group& group) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto abort = message.initRoot<proto::Envelope>().initBody().initCollectiveAbort();
   abort.setGroup(key);
   abort.setEpoch(group.epoch);

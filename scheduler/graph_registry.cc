@@ -57,22 +57,52 @@ namespace {
 // What a template computes, as text: every object's meta and role, every task's op, attributes,
 // wiring, device, priority, pin, memory estimate and donations. Names and ids are left out, so
 // the same computation on other objects maps to the same template.
+// One task's part of a key, its inputs and outputs given as graph-local ids.
+void AppendTaskKey(std::string& key, const TaskSpec& task, const std::vector<ObjectId>& inputs,
+                   const std::vector<ObjectId>& outputs) {
+  key += fmt::format("t{}|{}|{}|{}|{}|{}|", task.op, task.attrs.ToString(),
+                     static_cast<int>(task.device_kind), task.priority, task.pinned_worker.value(),
+                     task.memory_estimate_bytes);
+  for (ObjectId input : inputs) key += fmt::format("i{},", input.value());
+  for (ObjectId output : outputs) key += fmt::format("o{},", output.value());
+  for (const Donation& donation : task.donations) {
+    key += fmt::format("d{}>{},", donation.input_index, donation.output_index);
+  }
+  key += ';';
+}
+
+void AppendObjectKey(std::string& key, const TensorMeta& meta, ObjectRole role) {
+  key += fmt::format("o{}:{};", meta.ToString(), static_cast<int>(role));
+}
+
 std::string KeyOf(const Graph& graph) {
   std::string key;
-  for (const ObjectSpec& object : graph.objects()) {
-    key += fmt::format("o{}:{};", object.meta.ToString(), static_cast<int>(object.role));
-  }
-  for (const TaskSpec& task : graph.tasks()) {
-    key += fmt::format("t{}|{}|{}|{}|{}|{}|", task.op, task.attrs.ToString(),
-                       static_cast<int>(task.device_kind), task.priority,
-                       task.pinned_worker.value(), task.memory_estimate_bytes);
-    for (ObjectId input : task.inputs) key += fmt::format("i{},", input.value());
-    for (ObjectId output : task.outputs) key += fmt::format("o{},", output.value());
-    for (const Donation& donation : task.donations) {
-      key += fmt::format("d{}>{},", donation.input_index, donation.output_index);
+  for (const ObjectSpec& object : graph.objects()) AppendObjectKey(key, object.meta, object.role);
+  for (const TaskSpec& task : graph.tasks()) AppendTaskKey(key, task, task.inputs, task.outputs);
+  return key;
+}
+
+// KeyOf the one-task graph AddToTemplate(task, ...) builds, without building it: what a
+// submitted task costs the scheduler when its template is known (most tasks).
+std::string KeyOfOneTask(const TaskSpec& task, const std::vector<TensorMeta>& input_metas,
+                         const std::vector<ObjectSpec>& outputs) {
+  std::string key;
+  std::vector<ObjectId> distinct;  // cluster ids, in order of first use: local ids 1, 2, ...
+  std::vector<ObjectId> local_inputs, local_outputs;
+  for (size_t i = 0; i < task.inputs.size(); ++i) {
+    auto seen = std::find(distinct.begin(), distinct.end(), task.inputs[i]);
+    if (seen == distinct.end()) {
+      distinct.push_back(task.inputs[i]);
+      AppendObjectKey(key, input_metas[i], ObjectRole::kInput);
+      seen = distinct.end() - 1;
     }
-    key += ';';
+    local_inputs.emplace_back(static_cast<uint64_t>(seen - distinct.begin()) + 1);
   }
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    AppendObjectKey(key, outputs[j].meta, outputs[j].role);
+    local_outputs.emplace_back(distinct.size() + j + 1);
+  }
+  AppendTaskKey(key, task, local_inputs, local_outputs);
   return key;
 }
 
@@ -219,10 +249,14 @@ Status GraphRegistry::AssignCollectives(PlacedGraph& graph) {
 Result<uint64_t> GraphRegistry::TaskTemplate(const TaskSpec& task,
                                              const std::vector<TensorMeta>& input_metas,
                                              const std::vector<ObjectSpec>& outputs) {
+  std::string key = KeyOfOneTask(task, input_metas, outputs);
+  if (auto found = template_of_key_.find(key); found != template_of_key_.end()) {
+    return TemplateFor(std::move(key), Graph());  // known: the same graph, valid before
+  }
   Graph graph;
   AddToTemplate(graph, task, input_metas, outputs, "");
   TESSERA_RETURN_IF_ERROR(graph.Validate().WithContext(fmt::format("task '{}'", task.name)));
-  std::string key = KeyOf(graph);
+  TESSERA_CHECK(KeyOf(graph) == key, "a one-task template's key differs from its graph's: {}", key);
   return TemplateFor(std::move(key), std::move(graph));
 }
 

@@ -2,6 +2,7 @@
 
 #include <capnp/message.h>
 
+#include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 
 namespace tessera {
@@ -102,14 +103,14 @@ ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& partici
 }
 
 void SendRefused(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& reason) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   rpc::ToWire(reason, Body(message, request_id).initRefused());
   outbox.Send(to, message);
 }
 
 void SendWelcome(Outbox& outbox, WorkerId to, uint32_t heartbeat_interval_ms,
                  std::string_view session_dir) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto welcome = Body(message).initWelcome();
   welcome.setId(to.value());
   welcome.setHeartbeatIntervalMs(heartbeat_interval_ms);
@@ -118,7 +119,7 @@ void SendWelcome(Outbox& outbox, WorkerId to, uint32_t heartbeat_interval_ms,
 }
 
 void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& status) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto reply = Body(message, request_id).initReply();
   if (!status.ok()) rpc::ToWire(status, reply);
   outbox.Send(to, message);
@@ -126,7 +127,7 @@ void SendReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& s
 
 void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
                      const StatusSummary& summary) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto status = Body(message, request_id).initStatusReply();
   auto workers = status.initWorkers(Size(summary.workers));
   FillList<const Participant*>(summary.workers, workers);
@@ -149,37 +150,37 @@ void SendStatusReply(Outbox& outbox, WorkerId to, uint64_t request_id,
 }
 
 void SendShutdown(Outbox& outbox, WorkerId to) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   Body(message).initShutdown();
   outbox.Send(to, message);
 }
 
 void SendTimelineReply(Outbox& outbox, WorkerId to, uint64_t request_id, const Timeline& timeline) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   rpc::ToWire(timeline, Body(message, request_id).initTimelineReply());
   outbox.Send(to, message);
 }
 
 void SendKeepalive(Outbox& outbox, WorkerId to) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   Body(message).initKeepalive();
   outbox.Send(to, message);
 }
 
 void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   FillList(objects, Body(message).initObjectsReady().initObjects(Size(objects)));
   outbox.Send(to, message);
 }
 
 void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   SetIds(ids, Body(message).initFreeObjects().initIds(Size(ids)));
   outbox.Send(to, message);
 }
 
 void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto out = Body(message).initGraphPart();
   out.setGraphId(part.graph_id);
   auto objects = out.initObjects(Size(part.objects));
@@ -203,7 +204,7 @@ void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart
 }
 
 void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& run) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto out = Body(message).initRunGraph();
   out.setGraphId(run.graph_id);
   out.setInstance(run.instance);
@@ -233,7 +234,7 @@ void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& 
 
 void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
                         const Status& error) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto cancel = Body(message).initCancelInstance();
   cancel.setGraphId(graph_id);
   cancel.setInstance(instance);
@@ -242,7 +243,7 @@ void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t
 }
 
 void SendForgetGraphs(Outbox& outbox, WorkerId to, std::span<const uint64_t> graph_ids) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto ids = Body(message).initForgetGraphs().initGraphIds(Size(graph_ids));
   for (unsigned i = 0; i < graph_ids.size(); ++i) ids.set(i, graph_ids[i]);
   outbox.Send(to, message);

@@ -7,6 +7,7 @@
 #include "collectives/ucx_communicator.h"
 #include "core/collective_task.h"
 #include "core/logging.h"
+#include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "core/timeline.h"
 #include "worker/task_runner.h"
@@ -43,7 +44,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
   Result<std::vector<std::string>> AllGather(const std::string& mine,
                                              Clock::time_point deadline) override {
     const uint32_t round = next_round_++;
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto join = message.initRoot<proto::Envelope>().initBody().initCollectiveJoin();
     join.setGroup(group_);
     join.setEpoch(epoch_);
@@ -82,7 +83,7 @@ class CollectiveEngine::SchedulerRendezvous final : public Rendezvous {
       MutexLock lock(&mutex_);
       if (!failure_.ok()) return failure_;
     }
-    capnp::MallocMessageBuilder message;
+    rpc::ScopedMessageBuilder message;
     auto failed = message.initRoot<proto::Envelope>().initBody().initCollectiveFailed();
     failed.setGroup(group_);
     rpc::ToWire(reason, failed.initError());

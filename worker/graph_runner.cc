@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/logging.h"
+#include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "worker/graph_runner_part.h"
 #include "worker/task_runner.h"
@@ -640,7 +641,7 @@ GraphRunnerStats GraphRunner::stats() {
 void GraphRunner::Report(const Key& key, const Status& error,
                          std::vector<std::pair<ObjectId, Tensor>> sealed,
                          const InstanceFigures& figures) {
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto finished = message.initRoot<proto::Envelope>().initBody().initInstanceFinished();
   finished.setGraphId(key.first);
   finished.setInstance(key.second);

@@ -277,7 +277,7 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
     return;
   }
   const ObjectStoreStats stats = store_.stats();
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto heartbeat = message.initRoot<proto::Envelope>().initBody().initHeartbeat();
   heartbeat.setHostUsed(stats.host_bytes);
   heartbeat.setHostCapacity(stats.host_capacity_bytes);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <kj/io.h>
+
 namespace tessera::rpc {
 
 namespace {
@@ -27,15 +29,50 @@ capnp::ReaderOptions ReaderLimits(size_t words) {
 }  // namespace
 
 std::vector<uint8_t> EncodeFrame(capnp::MessageBuilder& message) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
-  const kj::ArrayPtr<const kj::byte> payload = words.asBytes();
-  std::vector<uint8_t> frame(kFrameHeaderBytes + payload.size());
+  // Serialised straight into the frame: one allocation, one copy.
+  const size_t payload_bytes = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
+  std::vector<uint8_t> frame(kFrameHeaderBytes + payload_bytes);
   const uint32_t magic = kFrameMagic;
-  const auto length = static_cast<uint32_t>(payload.size());
+  const auto length = static_cast<uint32_t>(payload_bytes);
   std::memcpy(frame.data(), &magic, 4);
   std::memcpy(frame.data() + 4, &length, 4);
-  std::memcpy(frame.data() + kFrameHeaderBytes, payload.begin(), payload.size());
+  kj::ArrayOutputStream payload(
+      kj::arrayPtr(reinterpret_cast<kj::byte*>(frame.data() + kFrameHeaderBytes), payload_bytes));
+  capnp::writeMessage(payload, message);
   return frame;
+}
+
+namespace {
+constexpr size_t kScratchWords = 1024;  // capnp's suggested first segment
+constexpr size_t kScratchKept = 4;      // per thread: builders alive at once on one thread
+
+struct ScratchPool {
+  std::vector<capnp::word*> free;
+  ~ScratchPool() {
+    for (capnp::word* words : free) delete[] words;
+  }
+};
+thread_local ScratchPool scratch_pool;
+}  // namespace
+
+ScratchSegment::ScratchSegment() {
+  capnp::word* taken;
+  if (scratch_pool.free.empty()) {
+    taken = new capnp::word[kScratchWords]();  // zeroed, as capnp requires
+  } else {
+    taken = scratch_pool.free.back();
+    scratch_pool.free.pop_back();
+  }
+  words = kj::arrayPtr(taken, kScratchWords);
+}
+
+ScratchSegment::~ScratchSegment() {
+  // The builder's destructor, which ran first, zeroed what it used.
+  if (scratch_pool.free.size() < kScratchKept) {
+    scratch_pool.free.push_back(words.begin());
+  } else {
+    delete[] words.begin();
+  }
 }
 
 ReceivedMessage::ReceivedMessage(kj::Array<capnp::word> words) : words_(kj::mv(words)) {

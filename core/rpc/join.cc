@@ -46,7 +46,7 @@ Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFie
         on_close(reason);
       });
 
-  capnp::MallocMessageBuilder message;
+  rpc::ScopedMessageBuilder message;
   auto body = message.initRoot<proto::Envelope>().initBody().initHello();
   body.setProtocolVersion(kProtocolVersion);
   body.setRole(hello.role);

@@ -75,5 +75,37 @@ TEST(GraphFromWireTest, WhatGraphValidateRefusesIsRefusedNamingTheGraph) {
   }
 }
 
+// A submitted task's one-task template: found again by what it computes (metas, op, attributes,
+// wiring), whatever the cluster ids; an input read twice stays one graph input. (A miss also
+// checks, inside TaskTemplate, that the key made without the graph is the graph's key.)
+TEST(TaskTemplateTest, TheSameComputationOnOtherObjectsFindsTheSameTemplate) {
+  GraphRegistry registry(nullptr, nullptr, nullptr);
+  auto add_twice = [](uint64_t a, uint64_t b, uint64_t out) {
+    TaskSpec task;
+    task.name = fmt::format("add#{}", out);
+    task.op = "add";
+    task.inputs = {ObjectId(a), ObjectId(a), ObjectId(b)};
+    task.outputs = {ObjectId(out)};
+    return task;
+  };
+  const std::vector<TensorMeta> metas{Floats(4), Floats(4), Floats(8)};
+  const std::vector<ObjectSpec> outputs{
+      ObjectSpec{ObjectId(99), "sum", Floats(4), ObjectRole::kOutput, TaskId()}};
+  ASSERT_OK_AND_ASSIGN(uint64_t first, registry.TaskTemplate(add_twice(1, 2, 3), metas, outputs));
+  ASSERT_OK_AND_ASSIGN(uint64_t again, registry.TaskTemplate(add_twice(7, 8, 9), metas, outputs));
+  EXPECT_EQ(first, again);
+  const Graph& graph = registry.TemplateGraph(first);
+  EXPECT_EQ(graph.InputObjects().size(), 2u);  // a and b
+  EXPECT_EQ(graph.tasks()[0].inputs,
+            (std::vector<ObjectId>{ObjectId(1), ObjectId(1), ObjectId(2)}));
+  TaskSpec scaled = add_twice(1, 2, 3);
+  scaled.attrs.Set("alpha", 2.0);
+  ASSERT_OK_AND_ASSIGN(uint64_t other, registry.TaskTemplate(scaled, metas, outputs));
+  EXPECT_NE(other, first);
+  const std::vector<TensorMeta> wider{Floats(4), Floats(4), Floats(16)};
+  ASSERT_OK_AND_ASSIGN(uint64_t shaped, registry.TaskTemplate(add_twice(1, 2, 3), wider, outputs));
+  EXPECT_NE(shaped, first);
+}
+
 }  // namespace
 }  // namespace tessera::testing
