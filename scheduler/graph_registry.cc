@@ -251,7 +251,7 @@ Result<uint64_t> GraphRegistry::TaskTemplate(const TaskSpec& task,
                                              const std::vector<ObjectSpec>& outputs) {
   std::string key = KeyOfOneTask(task, input_metas, outputs);
   if (auto found = template_of_key_.find(key); found != template_of_key_.end()) {
-    return TemplateFor(std::move(key), Graph());  // known: the same graph, valid before
+    return Touch(found->second);  // known: the same graph, valid before
   }
   Graph graph;
   AddToTemplate(graph, task, input_metas, outputs, "");
@@ -278,11 +278,14 @@ Result<uint64_t> GraphRegistry::CollectiveTemplate(
   return TemplateFor(std::move(key), std::move(graph));
 }
 
+uint64_t GraphRegistry::Touch(uint64_t template_id) {
+  lru_.splice(lru_.begin(), lru_, templates_.at(template_id).lru);
+  return template_id;
+}
+
 Result<uint64_t> GraphRegistry::TemplateFor(std::string key, Graph graph) {
   if (auto found = template_of_key_.find(key); found != template_of_key_.end()) {
-    Template& existing = templates_.at(found->second);
-    lru_.splice(lru_.begin(), lru_, existing.lru);
-    return found->second;
+    return Touch(found->second);
   }
   const uint64_t id = next_id_++;
   lru_.push_front(id);

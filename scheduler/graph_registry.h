@@ -153,6 +153,8 @@ class GraphRegistry {
     std::list<uint64_t>::iterator lru;
   };
 
+  // Makes a template the most recently used one; returns its id.
+  uint64_t Touch(uint64_t template_id);
   // Finds or adds the template of `graph` under `key` (most recently used).
   Result<uint64_t> TemplateFor(std::string key, Graph graph);
   // Keys the groups of a placed graph's collectives and gives each member its group and its
