@@ -4,6 +4,7 @@
 
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/parallel.h"
+#include "ops/cpu/vector_math.h"
 
 namespace tessera::cpu {
 
@@ -66,7 +67,7 @@ void GeluForward(float* out, const float* x, int64_t n) {
     for (int64_t i = begin; i < end; ++i) {
       const float v = x[i];
       const float inner = kGeluBeta * (v + kGeluKappa * v * v * v);
-      out[i] = 0.5f * v * (1.0f + std::tanh(inner));
+      out[i] = 0.5f * v * (1.0f + VectorTanh(inner));
     }
   });
 }
@@ -76,7 +77,7 @@ void GeluBackward(float* dx, const float* dout, const float* x, int64_t n) {
     for (int64_t i = begin; i < end; ++i) {
       const float v = x[i];
       const float v2 = v * v;
-      const float tanh_inner = std::tanh(kGeluBeta * (v + kGeluKappa * v2 * v));
+      const float tanh_inner = VectorTanh(kGeluBeta * (v + kGeluKappa * v2 * v));
       const float left_derivative = 0.5f * (1.0f + tanh_inner);
       const float right_derivative =
           0.5f * v * (1.0f - tanh_inner * tanh_inner) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * v2);
