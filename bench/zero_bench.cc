@@ -32,6 +32,7 @@
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "client/trace.h"
 #include "core/timeline.h"
 #include "model/gpt2.h"
 #include "training/token_dataset.h"
@@ -65,6 +66,7 @@ struct Flags {
   std::string torch = "/usr/bin/python3";
   bool no_torch = false;
   std::string json;
+  std::string trace_dir;
 };
 
 struct Row {
@@ -82,8 +84,13 @@ struct Row {
 };
 
 // The overlap figures of the trainer's last `steps` step traces.
-void MeasureOverlap(tessera::Trainer& trainer, int steps, Row& row) {
+void MeasureOverlap(const Flags& flags, tessera::Trainer& trainer, int steps, Row& row) {
   const tessera::Timeline timeline = Check(trainer.StepTimeline(steps), "the steps' traces");
+  if (!flags.trace_dir.empty()) {
+    const std::string path =
+        fmt::format("{}/zero_w{}_s{}.json", flags.trace_dir, row.workers, row.stage);
+    if (Status s = tessera::WriteChromeTrace(path, timeline); !s.ok()) Die(s, "write the trace");
+  }
   const auto hidden = [&](auto selected) {
     const tessera::OverlapFigures figures = tessera::HiddenUnderCompute(timeline, selected);
     return figures.spans == 0 ? -1.0 : figures.hidden();
@@ -169,7 +176,7 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
   }
   row.tessera_ms = Median(times);
   // The scheduler keeps the last trace_instances (16) instances' spans.
-  MeasureOverlap(*trainer, std::min(flags.steps, 8), row);
+  MeasureOverlap(flags, *trainer, std::min(flags.steps, 8), row);
   return row;
 }
 
@@ -241,6 +248,10 @@ static int Main(int argc, char** argv) {
   app.add_option("--torch", flags.torch, "Python with PyTorch for bench/torch_ddp_gpt2.py");
   app.add_flag("--no-torch", flags.no_torch, "Skip the side-by-side PyTorch DDP measurement");
   app.add_option("--json", flags.json, "Also write the figures as JSON to this file");
+  app.add_option("--trace-dir", flags.trace_dir,
+                 "Also write each row's last timed steps as a Chrome trace "
+                 "(DIR/zero_w<workers>_s<stage>.json)")
+      ->check(CLI::ExistingDirectory);
   CLI11_PARSE(app, argc, argv);
 
   const tessera::Gpt2Config config = ModelConfig(flags);
