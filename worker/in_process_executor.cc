@@ -27,8 +27,13 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
   }
   context_ =
       KernelContext{allocator_, options_.gemm_split_min_flops, &registry_, options_.device.get()};
-  // One slot reserved for an outside thread: the lending thread's.
-  arena_ = std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/1);
+  // One slot reserved for an outside thread, the lending thread's, when there are two or more.
+  // Not with one: TBB gives an arena whose only slot is reserved a worker of its own when tasks
+  // are enqueued from outside it ("mandatory concurrency"), and that worker and the lending
+  // thread made two threads where one was asked for. With the slot unreserved, whichever of
+  // them holds it runs the slots; the other waits.
+  arena_ =
+      std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/threads_ > 1 ? 1 : 0);
   // Initialized here, before the lending thread exists: left lazy, the lending thread's first
   // execute and a caller's first enqueue both initialize it, and TSan saw TBB's process-wide
   // affinity mask written by one while the other read it.

@@ -23,8 +23,9 @@
 // once, each on an arena thread that takes the next task from the queue when it is done (a
 // "slot"). Kernels parallelise inside the same arena. Offloaded tasks (collective members, see
 // RunHooks) take no slot. The executor owns one thread besides TBB's workers: while a run is in
-// flight it lends itself to the arena (the arena reserves it a slot), so runs get `threads`
-// threads whoever started them, and a synchronous Run's caller just waits.
+// flight it lends itself to the arena (the arena reserves it a slot when `threads` > 1), so runs
+// get `threads` threads whoever started them, never more, and a synchronous Run's caller just
+// waits.
 //
 // Thread safety: every method may be called from any thread. Prepare is const and may run
 // concurrently with runs. The executor owns its arena and allocator; tensors it returns hold the

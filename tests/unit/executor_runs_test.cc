@@ -155,6 +155,25 @@ TEST(ExecutorRunsTest, ReadyTasksStartByPriorityThenInOrder) {
   EXPECT_EQ(probe.started(), (std::vector<int64_t>{1, 3, 2, 0}));
 }
 
+// An executor of N threads gives its kernels N threads, whoever started the run: with one, a
+// kernel's parallel loops run alone (a worker started with --threads 1 uses one core). TBB lends
+// an arena without worker slots a worker of its own when work is enqueued from outside it; that
+// worker and the lending thread together made two.
+TEST(ExecutorRunsTest, KernelsOfAOneThreadExecutorRunInAnArenaOfOne) {
+  Probe probe;
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, RegistryWithProbe(&probe));
+  InProcessExecutor executor(registry, OneThread());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared,
+                       executor.Prepare(ProbeGraph(registry, {{0, 0}, {1, 0}, {2, 0}, {3, 0}},
+                                                   /*gate_first=*/false)));
+  const ObjectId x = prepared.graph().InputObjects()[0];
+  for (int run = 0; run < 20; ++run) {
+    ASSERT_OK(executor.Run(prepared, {{x, RandomTensor({4}, run)}}).status());
+  }
+  EXPECT_EQ(probe.started().size(), 80u);
+  EXPECT_EQ(probe.widest_arena(), 1);
+}
+
 TEST(ExecutorRunsTest, AHighPriorityTaskOfALaterRunGoesBeforeQueuedWork) {
   Probe probe;
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, RegistryWithProbe(&probe));

@@ -5,16 +5,21 @@
 // "gate" (int, 1) makes the kernel wait until the test opens the gate; "fail" (int, 1) makes it
 // fail with InvalidArgument "probe failed on purpose".
 //
+// The probe also notes the widest TBB arena a kernel ran in (widest_arena).
+//
 // Thread safety: the kernel may run on any thread; every method of Probe may be called from any
 // thread. Invariant: `started()` lists tags in the order their kernels began.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
+
+#include <tbb/task_arena.h>
 
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/op_registry.h"
@@ -46,10 +51,19 @@ class Probe {
     changed_.notify_all();
   }
 
+  // The largest concurrency of the TBB arena any kernel ran in (what its parallel loops could
+  // use).
+  int widest_arena() const {
+    std::lock_guard lock(mutex_);
+    return widest_arena_;
+  }
+
   // Called by the kernel.
   void Started(int64_t tag, bool gated) {
+    const int arena = tbb::this_task_arena::max_concurrency();
     std::unique_lock lock(mutex_);
     started_.push_back(tag);
+    widest_arena_ = std::max(widest_arena_, arena);
     changed_.notify_all();
     if (gated) changed_.wait(lock, [this] { return open_; });
   }
@@ -59,6 +73,7 @@ class Probe {
   mutable std::condition_variable changed_;
   std::vector<int64_t> started_;
   bool open_ = false;
+  int widest_arena_ = 0;
 };
 
 // Opens the probe's gate when it goes out of scope. Declared after the executor (or runner) that
