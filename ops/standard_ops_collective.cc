@@ -1,6 +1,6 @@
 // The standard ops' collective members (see core/collective_task.h for the attributes): the
 // ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place) and
-// broadcast.
+// broadcast, and the two that pack gradient buckets for them (pack_shards, split).
 #include <string>
 
 #include "core/collective_task.h"
@@ -51,6 +51,66 @@ CostFn CollectiveCost(double phases) {
     const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
     return OpCost{static_cast<double>(in[0].numel()), phases * Bytes(in) * (n - 1) / n};
   };
+}
+
+// Copying costs no flops: read and write every byte once.
+OpCost CopyCost(const Metas& in, const Attrs&) { return OpCost{0, 2.0 * Bytes(in)}; }
+
+// The planner's gradient buckets: several groups' gradients packed into one buffer for one
+// collective, and the result split back.
+Status AddBucketOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "pack_shards",
+      .doc = "x... (flat, one dtype and device, each a multiple of attribute 'ranks' elements) "
+             "packed shard by shard: out holds shard 0 of every x in order, then shard 1 of "
+             "every x, ... A reduce-scatter of out over 'ranks' members leaves member r shard r "
+             "of every x, in order; with 'ranks' 1 it is the concatenation",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .variadic_inputs = true,
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(int64_t ranks, PositiveAttr(attrs, "ranks"));
+        int64_t total = 0;
+        for (size_t i = 0; i < in.size(); ++i) {
+          if (in[i].dtype != in[0].dtype || in[i].device != in[0].device) {
+            return InvalidArgument("input {} is {} but input 0 is {}: pack one dtype on one device",
+                                   i, in[i].ToString(), in[0].ToString());
+          }
+          if (in[i].numel() % ranks != 0) {
+            return InvalidArgument(
+                "input {} has {} elements, not a multiple of the {} shards (pad the group)", i,
+                in[i].numel(), ranks);
+          }
+          total += in[i].numel();
+        }
+        return Metas{TensorMeta{Shape{total}, in[0].dtype, in[0].device}};
+      },
+      .cost = CopyCost,
+  }));
+  return r.AddOp(OpDef{
+      .name = "split",
+      .doc = "x (flat) cut into consecutive flat pieces of attribute 'sizes' elements, which "
+             "must add up to x's",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .variadic_outputs = true,
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> sizes, attrs.GetInts("sizes"));
+        Metas out;
+        int64_t total = 0;
+        for (int64_t size : sizes) {
+          if (size <= 0) return InvalidArgument("attribute 'sizes' holds {}: use sizes > 0", size);
+          total += size;
+          out.push_back(TensorMeta{Shape{size}, in[0].dtype, in[0].device});
+        }
+        if (out.empty() || total != in[0].numel()) {
+          return InvalidArgument("attribute 'sizes' adds up to {} but input 'x' has {} elements",
+                                 total, in[0].numel());
+        }
+        return out;
+      },
+      .cost = CopyCost,
+  });
 }
 
 }  // namespace
@@ -120,6 +180,7 @@ Status AddCollectiveOps(OpRegistry& r) {
             return OpCost{0, Bytes(in) * (n - 1) / n};
           },
   }));
+  TESSERA_RETURN_IF_ERROR(AddBucketOps(r));
   return r.AddOp(OpDef{
       .name = "broadcast",
       .doc = "member of a broadcast: out = x of the member whose rank is attribute 'root'",

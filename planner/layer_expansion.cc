@@ -3,6 +3,8 @@
 // with the sums of gradient parts and the accumulation of each group's gradient over
 // micro-batches. The sharding policy says which parameters each task reads and what happens to
 // each micro-batch's gradient; nothing here depends on the ZeRO stage.
+#include <utility>
+
 #include <fmt/format.h>
 
 #include "planner/model_facts.h"
@@ -78,6 +80,7 @@ class Expansion {
         mb.param_grads.resize(layers);
         mb.entering_grad.resize(layers);
         for (size_t l = layers; l-- > 0;) TESSERA_RETURN_IF_ERROR(AddBackward(mb, l));
+        TESSERA_RETURN_IF_ERROR(FlushBucket(mb));
       }
     }
     return Status::Ok();
@@ -319,34 +322,54 @@ class Expansion {
         return InvalidArgument("no layer's backward returns a gradient of the parameters of '{}'",
                                s_.LayerName(group));
       }
-      TESSERA_RETURN_IF_ERROR(AddGradient(mb.r, mb.k, group, full));
+      TESSERA_RETURN_IF_ERROR(AddToBucket(mb, group, full));
       s_.last_gradient[static_cast<size_t>(s_.StageOf(group))] = group;
     }
     return Status::Ok();
   }
 
-  // Micro-batch k's full gradient of group l on rank r: reduced as the sharding policy says,
-  // accumulated in place over the micro-batches, and reduced again after the last one if the
-  // policy says so.
-  Status AddGradient(int r, int k, size_t l, ObjectId full) {
-    RankState& rank = s_.ranks[static_cast<size_t>(r)];
-    const std::string& layer = s_.LayerName(l);
-    TESSERA_ASSIGN_OR_RETURN(ObjectId grad,
-                             s_.sharding->ReduceMicroBatchGradient(s_, r, k, l, full));
-    if (k > 0) {
-      TESSERA_ASSIGN_OR_RETURN(
-          auto sum, s_.builder.AddTask(s_.Name(r, s_.Micro(k, layer + "/accumulate")), "accumulate",
-                                       {rank.grad[l], grad}, {},
-                                       s_.On(r, layer, kBackwardPriority,
-                                             {s_.Name(r, s_.Micro(k, layer + ".grad_sum"))},
-                                             {ObjectRole::kGradient})));
-      grad = sum[0];
+  // Micro-batch k's full gradient of a group joins the bucket of gradients to reduce together
+  // (StepGraph::buckets): the bucket is reduced once it holds the bucket size, before a group of
+  // another stage joins, and at the end of the micro-batch's backward.
+  Status AddToBucket(const MicroBatch& mb, size_t group, ObjectId full) {
+    if (!bucket_.empty() && s_.StageOf(group) != s_.StageOf(bucket_.front())) {
+      TESSERA_RETURN_IF_ERROR(FlushBucket(mb));
     }
-    rank.grad[l] = grad;
-    if (k + 1 == s_.num_micro_batches) {
-      TESSERA_ASSIGN_OR_RETURN(rank.grad[l],
-                               s_.sharding->ReduceAccumulatedGradient(s_, r, l, grad));
+    bucket_.push_back(group);
+    bucket_fulls_.push_back(full);
+    bucket_filled_ += s_.builder.graph().object(full).meta.bytes();
+    if (bucket_filled_ >= s_.step.buckets.bytes) return FlushBucket(mb);
+    return Status::Ok();
+  }
+
+  // The bucket's gradients reduced as the sharding policy says, each accumulated in place over
+  // the micro-batches, and reduced again after the last one if the policy says so.
+  Status FlushBucket(const MicroBatch& mb) {
+    if (bucket_.empty()) return Status::Ok();
+    const std::vector<size_t> groups = std::exchange(bucket_, {});
+    const std::vector<ObjectId> fulls = std::exchange(bucket_fulls_, {});
+    bucket_filled_ = 0;
+    const int r = mb.r, k = mb.k;
+    RankState& rank = Rank(mb);
+    TESSERA_ASSIGN_OR_RETURN(std::vector<ObjectId> grads,
+                             s_.sharding->ReduceMicroBatchGradients(s_, r, k, groups, fulls));
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const size_t l = groups[i];
+      if (k > 0) {
+        const std::string& layer = s_.LayerName(l);
+        TESSERA_ASSIGN_OR_RETURN(
+            auto sum, s_.builder.AddTask(s_.Name(r, s_.Micro(k, layer + "/accumulate")),
+                                         "accumulate", {rank.grad[l], grads[i]}, {},
+                                         s_.On(r, layer, kBackwardPriority,
+                                               {s_.Name(r, s_.Micro(k, layer + ".grad_sum"))},
+                                               {ObjectRole::kGradient})));
+        grads[i] = sum[0];
+      }
+      rank.grad[l] = grads[i];
     }
+    if (k + 1 < s_.num_micro_batches) return Status::Ok();
+    TESSERA_ASSIGN_OR_RETURN(grads, s_.sharding->ReduceAccumulatedGradients(s_, r, groups, grads));
+    for (size_t i = 0; i < groups.size(); ++i) rank.grad[groups[i]] = grads[i];
     return Status::Ok();
   }
 
@@ -354,6 +377,10 @@ class Expansion {
   std::vector<Attrs> layer_attrs_;            // per layer
   std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
   std::vector<bool> split_;  // per layer: its backward runs as two tasks (SplitsLayerBackward)
+  // The gradient bucket being filled (AddToBucket): its groups, their full gradients, bytes.
+  std::vector<size_t> bucket_;
+  std::vector<ObjectId> bucket_fulls_;
+  int64_t bucket_filled_ = 0;
 };
 
 }  // namespace

@@ -12,11 +12,14 @@
 //                                             layer_stage and state.stage_of_name
 //   place_state        state_placement.cc     asks the policy's pieces; adds the model inputs,
 //                                             lr, step and state objects; sets step.group_numel,
-//                                             the gather choice, ranks[r].param / exp_avg...
+//                                             the gather choice, the gradient bucket size
+//                                             (step.buckets), ranks[r].param / exp_avg...
 //   expand_layers      layer_expansion.cc     asks the policy how parameters are read and
-//                                             micro-batch gradients reduced; adds every rank's
-//                                             forwards and backwards per micro-batch; sets
-//                                             ranks[r].grad, losses, *_task, last_gradient
+//                                             micro-batch gradients reduced (a bucket of groups
+//                                             at a time: one collective each); adds every
+//                                             rank's forwards and backwards per micro-batch;
+//                                             sets ranks[r].grad, losses, *_task,
+//                                             last_gradient, step.fused_reductions
 //   reduce_gradients   gradient_reduction.cc  asks the policy's reductions after the backward;
 //                                             sets step.grads
 //   add_loss           loss_pass.cc           reads ranks[r].losses; sets step.loss

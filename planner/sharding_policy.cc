@@ -69,6 +69,58 @@ Result<ObjectId> GatherUpdatedShards(PlanState& state, int r, size_t l, ObjectId
                   : GatherShards(state, r, l, "all_gather", params, ".next");
 }
 
+// Rank r's member of one collective `op` over a bucket of groups: their gradients packed (shard
+// by shard over `shards`: 1 for an all-reduce, the ranks for a reduce-scatter), reduced, and split
+// into one object per group named "<layer><suffix>" (with micro-batch k's suffix when k >= 0).
+Result<std::vector<ObjectId>> FusedReduction(PlanState& state, int r, int k,
+                                             const std::vector<size_t>& groups,
+                                             const std::vector<ObjectId>& grads, const char* op,
+                                             int64_t shards, const char* suffix) {
+  const auto micro = [&](const std::string& name) { return k >= 0 ? state.Micro(k, name) : name; };
+  const std::string& first = state.LayerName(groups.front());
+  const std::string bucket = first + "~" + state.LayerName(groups.back());
+  const int32_t priority = kBackwardPriority + 1;
+  TESSERA_ASSIGN_OR_RETURN(
+      auto packed,
+      state.builder.AddTask(state.Name(r, micro(bucket + "/pack")), "pack_shards", grads,
+                            Attrs{{"ranks", shards}},
+                            state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads"))},
+                                     {ObjectRole::kGradientBucket})));
+  const std::string name = micro(bucket + "/" + op);
+  TESSERA_ASSIGN_OR_RETURN(
+      auto reduced,
+      state.builder.AddTask(
+          state.Name(r, name), op, {packed[0]},
+          state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+          state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads_reduced"))},
+                   {ObjectRole::kGradientBucket})));
+  std::vector<int64_t> sizes;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    sizes.push_back(state.builder.graph().object(grads[i]).meta.numel() / shards);
+    names.push_back(state.Name(r, micro(state.LayerName(groups[i]) + suffix)));
+  }
+  std::vector<ObjectRole> roles(groups.size(), ObjectRole::kGradient);
+  TESSERA_ASSIGN_OR_RETURN(
+      auto pieces,
+      state.builder.AddTask(state.Name(r, micro(bucket + "/split")), "split", {reduced[0]},
+                            Attrs{{"sizes", sizes}}, state.On(r, first, priority, names, roles)));
+  if (r == 0) ++state.step.fused_reductions;
+  return pieces;
+}
+
+// Stages 2-3: micro-batch k's reduce-scatter of a bucket of groups' full gradients.
+Result<std::vector<ObjectId>> ReduceScatterBucket(PlanState& state, int r, int k,
+                                                  const std::vector<size_t>& groups,
+                                                  const std::vector<ObjectId>& fulls, int ranks) {
+  if (groups.size() == 1) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectId shard,
+                             ReduceScatterMicroBatch(state, r, k, groups[0], fulls[0]));
+    return std::vector<ObjectId>{shard};
+  }
+  return FusedReduction(state, r, k, groups, fulls, "reduce_scatter", ranks, ".grad[shard]");
+}
+
 // Stage 0 (and any stage over one rank): every rank holds and updates everything; each layer's
 // accumulated gradient is all-reduced as soon as its last micro-batch's backward is done.
 class DataParallelPolicy final : public ShardingPolicy {
@@ -109,6 +161,14 @@ class DataParallelPolicy final : public ShardingPolicy {
             state.On(r, layer, kBackwardPriority + 1, {state.Name(r, layer + ".grad_reduced")},
                      {ObjectRole::kGradient})));
     return reduced[0];
+  }
+  Result<std::vector<ObjectId>> ReduceAccumulatedGradients(
+      PlanState& state, int r, const std::vector<size_t>& groups,
+      const std::vector<ObjectId>& grads) const override {
+    if (ranks_ == 1 || groups.size() == 1) {
+      return ShardingPolicy::ReduceAccumulatedGradients(state, r, groups, grads);
+    }
+    return FusedReduction(state, r, /*k=*/-1, groups, grads, "all_reduce", 1, ".grad_reduced");
   }
   Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
   bool GathersUpdatedParameters() const override { return false; }
@@ -216,6 +276,11 @@ class Zero2Policy final : public ShardedUpdatePolicy {
                                             ObjectId full) const override {
     return ReduceScatterMicroBatch(state, r, k, l, full);
   }
+  Result<std::vector<ObjectId>> ReduceMicroBatchGradients(
+      PlanState& state, int r, int k, const std::vector<size_t>& groups,
+      const std::vector<ObjectId>& fulls) const override {
+    return ReduceScatterBucket(state, r, k, groups, fulls, ranks());
+  }
   Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
 };
 
@@ -256,6 +321,11 @@ class Zero3Policy final : public ShardingPolicy {
   Result<ObjectId> ReduceMicroBatchGradient(PlanState& state, int r, int k, size_t l,
                                             ObjectId full) const override {
     return ReduceScatterMicroBatch(state, r, k, l, full);
+  }
+  Result<std::vector<ObjectId>> ReduceMicroBatchGradients(
+      PlanState& state, int r, int k, const std::vector<size_t>& groups,
+      const std::vector<ObjectId>& fulls) const override {
+    return ReduceScatterBucket(state, r, k, groups, fulls, ranks_);
   }
   Result<ObjectId> ReduceAccumulatedGradient(PlanState&, int, size_t,
                                              ObjectId grad) const override {
@@ -348,6 +418,30 @@ class Zero3Policy final : public ShardingPolicy {
 };
 
 }  // namespace
+
+Result<std::vector<ObjectId>> ShardingPolicy::ReduceMicroBatchGradients(
+    PlanState& state, int r, int k, const std::vector<size_t>& groups,
+    const std::vector<ObjectId>& fulls) const {
+  std::vector<ObjectId> reduced;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectId one,
+                             ReduceMicroBatchGradient(state, r, k, groups[i], fulls[i]));
+    reduced.push_back(one);
+  }
+  return reduced;
+}
+
+Result<std::vector<ObjectId>> ShardingPolicy::ReduceAccumulatedGradients(
+    PlanState& state, int r, const std::vector<size_t>& groups,
+    const std::vector<ObjectId>& grads) const {
+  std::vector<ObjectId> reduced;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectId one,
+                             ReduceAccumulatedGradient(state, r, groups[i], grads[i]));
+    reduced.push_back(one);
+  }
+  return reduced;
+}
 
 Status CheckZeroStage(int zero_stage) {
   if (zero_stage < 0 || zero_stage > 3) {

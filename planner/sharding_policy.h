@@ -31,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/graph.h"
 #include "core/status.h"
@@ -101,6 +102,19 @@ class ShardingPolicy {
   // After every rank's backward (the reductions pass): reductions that wait for the whole
   // backward; they replace RankState::grad.
   virtual Status ReduceAfterBackward(PlanState& state) const = 0;
+
+  // --- Gradient buckets (ParallelConfig::bucket_bytes) ---
+  // The two reductions above for a bucket of groups of one stage, in the order the backward
+  // completed them; one object per group. A policy whose reduction is a collective makes one
+  // collective of the bucket (its gradients packed, reduced, split back; StepGraph::
+  // fused_reductions counts them); a bucket of one group, or a reduction that is not a
+  // collective, is the one-group form per group.
+  virtual Result<std::vector<ObjectId>> ReduceMicroBatchGradients(
+      PlanState& state, int r, int k, const std::vector<size_t>& groups,
+      const std::vector<ObjectId>& fulls) const;
+  virtual Result<std::vector<ObjectId>> ReduceAccumulatedGradients(
+      PlanState& state, int r, const std::vector<size_t>& groups,
+      const std::vector<ObjectId>& grads) const;
 
   // --- After the update (the optimizer pass) ---
   // Whether each rank's updated shard is all-gathered into the full parameters.

@@ -68,6 +68,8 @@ Status PlaceStatePass(PlanState& state) {
   step.micro_batch_rows = state.parallel.MicroBatchRows(state.plan.batch);
   step.gather_once_per_step = sharding.GathersOncePerStep();
   step.gather_reason = sharding.GatherReason();
+  // Buckets matter only where gradients are reduced over ranks.
+  if (state.num_ranks > 1) step.buckets = ChooseGradientBuckets(state.parallel);
   for (const LayerSpec& layer : state.model.layers) {
     step.group_numel.push_back(PaddedNumel(layer.params.numel(), sharding.GroupMultiple()));
   }

@@ -2,6 +2,8 @@
 // helpers of the plan types (planner/training_plan.h, planner/step_graph.h).
 #include "planner/step_graph.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "ops/flat_layout.h"
@@ -22,7 +24,29 @@ std::string ParallelConfig::ToString() const {
     text += fmt::format(" pipeline_stages={} schedule={}", pipeline_stages, ScheduleName(schedule));
     if (virtual_stages > 1) text += fmt::format(" virtual_stages={}", virtual_stages);
   }
+  if (bucket_bytes != kAutoBucketBytes) text += fmt::format(" bucket_bytes={}", bucket_bytes);
   return text;
+}
+
+BucketChoice ChooseGradientBuckets(const ParallelConfig& parallel) {
+  if (parallel.bucket_bytes >= 0) {
+    return BucketChoice{parallel.bucket_bytes,
+                        parallel.bucket_bytes == 0
+                            ? std::string("asked for: one collective per group")
+                            : fmt::format("asked for: {:.2f} MB", parallel.bucket_bytes / 1e6)};
+  }
+  constexpr double kLatencyShare = 0.1;
+  constexpr double kMaxBytes = 25.0 * (1 << 20);
+  const CollectiveLink link =
+      parallel.link.measured() ? parallel.link : CollectiveLink{50.0, 1000.0};
+  const double wanted = (1 - kLatencyShare) / kLatencyShare * link.latency_us * link.bytes_per_us;
+  const auto bytes = static_cast<int64_t>(std::min(wanted, kMaxBytes));
+  return BucketChoice{
+      bytes, fmt::format("{:.2f} MB: a collective's {:.1f} us latency is <= {:.0f}% of a "
+                         "bucket's time at {:.2f} GB/s ({}){}",
+                         bytes / 1e6, link.latency_us, 100 * kLatencyShare, link.bytes_per_us / 1e3,
+                         parallel.link.measured() ? "measured" : "not measured: 10 GbE assumed",
+                         wanted > kMaxBytes ? ", capped at 25 MiB" : "")};
 }
 
 Result<OffloadMode> ParseOffload(std::string_view text) {

@@ -113,6 +113,10 @@ struct StepGraph {
   // ZeRO-3 with several micro-batches: whether each layer is gathered once per step, and why.
   bool gather_once_per_step = false;
   std::string gather_reason;
+  // Gradient buckets (ChooseGradientBuckets; none over one rank): their size, why, and how many
+  // collectives of several groups rank 0 of each stage makes over the micro-batches.
+  BucketChoice buckets;
+  int fused_reductions = 0;
   // Where a piece of state lives: the worker of its rank in its layer's stage, and that
   // worker's index in parallel.workers.
   int WorkerIndexOf(const GroupPiece& piece) const {

@@ -52,6 +52,18 @@ enum class GatherPolicy : uint8_t {
   kPerMicroBatch,  // gathered before each micro-batch's forward and backward, freed after
 };
 
+// What one collective costs on the links between a plan's workers, latency + bytes / bandwidth:
+// what the gradient buckets are sized by. Measured on a cluster before planning
+// (training/collective_link.h); zero: not measured.
+struct CollectiveLink {
+  double latency_us = 0;
+  double bytes_per_us = 0;  // 1 GB/s is 1000
+  bool measured() const { return latency_us > 0 && bytes_per_us > 0; }
+};
+
+// ParallelConfig::bucket_bytes: sized from the link (ChooseGradientBuckets).
+inline constexpr int64_t kAutoBucketBytes = -1;
+
 struct ParallelConfig {
   int data_parallel = 1;  // ranks per pipeline stage, each on its own worker
   int zero_stage = 0;     // 0..3: what the ranks shard (planner/sharding_policy.h)
@@ -76,6 +88,11 @@ struct ParallelConfig {
   // a zero-bubble pipeline: a profiling run that times the halves.
   bool split_backwards = false;
   GatherPolicy gather = GatherPolicy::kAuto;
+  // Gradient buckets: the reductions of consecutive groups' gradients (in the order the backward
+  // completes them, within a stage) fused into one collective until it holds at least this many
+  // bytes. 0: one collective per group; kAutoBucketBytes: sized from `link`.
+  int64_t bucket_bytes = kAutoBucketBytes;
+  CollectiveLink link;
   // The worker of each rank of each stage: workers[stage * data_parallel + rank]; empty: tasks
   // unpinned.
   std::vector<WorkerId> workers;
@@ -102,6 +119,17 @@ struct ParallelConfig {
   bool sharded_optimizer() const { return zero_stage >= 1 && data_parallel > 1; }
   std::string ToString() const;
 };
+
+// The gradient bucket size a plan uses, and why (for --explain). Auto: fusing saves a
+// collective's latency, so a bucket is made big enough that the latency is at most a tenth of its
+// time (bytes >= 9 x latency x bandwidth), and at most 25 MiB (PyTorch DDP's cap: beyond it the
+// last bucket's reduction, after the whole backward, hides less). An unmeasured link is taken to
+// be 50 us and 1 GB/s (a 10 GbE network).
+struct BucketChoice {
+  int64_t bytes = 0;
+  std::string reason;
+};
+BucketChoice ChooseGradientBuckets(const ParallelConfig& parallel);
 
 // "none" | "optimizer"; InvalidArgument naming the choices otherwise.
 Result<OffloadMode> ParseOffload(std::string_view text);

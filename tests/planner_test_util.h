@@ -24,6 +24,8 @@ struct PlanShape {
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   bool offload_to_gpu_host = false;  // offload optimizer on GPU workers (a host update)
   double max_grad_norm = 1.0;
+  // 0: one collective per group, what most per-pass tests count; > 0: gradient buckets.
+  int64_t bucket_bytes = 0;
 };
 
 // A plan of 8 rows of 16 tokens on workers 100, 101, ... (stage-major).
@@ -37,6 +39,7 @@ inline TrainingPlan MakeTinyPlan(const PlanShape& shape) {
   plan.parallel.micro_batches = shape.micro;
   plan.parallel.pipeline_stages = shape.stages;
   plan.parallel.schedule = shape.schedule;
+  plan.parallel.bucket_bytes = shape.bucket_bytes;
   if (shape.offload_to_gpu_host) {
     plan.device = Device::Cuda(0);
     plan.parallel.offload = OffloadMode::kOptimizer;

@@ -12,6 +12,7 @@
 #include "core/atomic_file.h"
 #include "core/checksum.h"
 #include "core/collective_task.h"
+#include "ops/bucket_copies.h"
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/transformer_layers.h"
@@ -30,6 +31,12 @@ using cpu::detail::I;
 using cpu::detail::Register;
 using cpu::detail::Tensors;
 using cpu::detail::Workspace;
+
+// The gradient-bucket ops' copies on the host.
+constexpr auto kHostCopy = [](void* dst, const void* src, int64_t bytes) {
+  std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return Status::Ok();
+};
 
 int64_t Rows(const Tensor& t) { return t.shape().rank() == 0 ? 1 : t.numel() / t.shape()[-1]; }
 int64_t LastDim(const Tensor& t) { return t.shape()[-1]; }
@@ -187,6 +194,15 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
           return Status::Ok();
         }));
   }
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "pack_shards",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 return PackShards(in, out[0], attrs.GetInt("ranks", 1), kHostCopy);
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "split", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+        return SplitInto(in[0], out, kHostCopy);
+      }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "copy",
       [](const KernelContext& context, const Tensors& in, const Tensors& out,

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "ops/bucket_copies.h"
 #include "ops/cuda/cuda_context.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/scalars.h"
@@ -170,6 +171,22 @@ Status RegisterOptimizerKernels(OpRegistry& r) {
 }
 
 Status RegisterPlanKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "pack_shards",
+               [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Device device = out[0].meta().device;
+                 return PackShards(in, out[0], attrs.GetInt("ranks", 1),
+                                   [&](void* dst, const void* src, int64_t bytes) {
+                                     return cuda.Copy(dst, device, src, device, bytes);
+                                   });
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "split", [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
+        const Device device = in[0].meta().device;
+        return SplitInto(in[0], out, [&](void* dst, const void* src, int64_t bytes) {
+          return cuda.Copy(dst, device, src, device, bytes);
+        });
+      }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "copy", [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
         return cuda.Copy(out[0].raw_data(), out[0].meta().device, in[0].raw_data(),

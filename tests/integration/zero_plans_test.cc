@@ -118,6 +118,53 @@ TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
   for (int stage = 0; stage <= 3; ++stage) ExpectSameRun(Plan(2, stage, OffloadMode::kNone, 2));
 }
 
+// What gathered layers and one group's gradient bucket may hold at once (bytes): a few layers.
+double TransientBound(const ModelSpec& model) {
+  int64_t largest_block = 0;
+  for (const LayerSpec& layer : model.layers) {
+    if (layer.forward_op == "transformer_block_forward")
+      largest_block = std::max(largest_block, layer.params.numel());
+  }
+  const int64_t embedding = model.layers.front().params.numel();
+  const int64_t head = model.layers.back().params.numel();
+  return 4.0 * static_cast<double>(2 * embedding + 3 * largest_block + 2 * head);
+}
+
+// Gradient buckets (ParallelConfig::bucket_bytes) change how many collectives a step makes, not
+// what it computes: one collective per group, and buckets of 100 kB (the head's and h.1's
+// gradients fused, h.0's and the embedding's alone), against one worker, with accumulation.
+// (The tests above run the default, sized from an unmeasured link: all four groups in one.) A
+// bucket's gradients wait for it to fill and are packed into one buffer: the transient memory
+// grows by at most twice the largest bucket (the bucket size plus its last group).
+TEST_F(ZeroPlansTest, GradientBucketsMatchOneWorker) {
+  const ModelSpec model = *BuildGpt2(*Gpt2Config::Preset("tiny"));
+  int64_t largest_group = 0;
+  for (const LayerSpec& layer : model.layers)
+    largest_group = std::max(largest_group, layer.params.numel() * 4);
+  const double per_group_bound = TransientBound(model);
+  for (int stage : {0, 2, 3}) {
+    std::vector<TrainingPlan> plans;
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{100'000}}) {
+      plans.push_back(Plan(2, stage, OffloadMode::kNone, 2));
+      plans.back().parallel.bucket_bytes = bucket_bytes;
+    }
+    plans.push_back(Plan(4, stage, OffloadMode::kNone, 1));
+    plans.back().parallel.bucket_bytes = 100'000;
+    for (const TrainingPlan& plan : plans) {
+      const std::string label = plan.parallel.ToString();
+      ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+      ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+      testing::ExpectSameRun(run, *reference_, label);
+      const double bound =
+          per_group_bound + 2.0 * static_cast<double>(plan.parallel.bucket_bytes + largest_group);
+      for (const RankFigures& rank : run.reports.back().ranks) {
+        EXPECT_LE(static_cast<double>(rank.figures.transient_peak), bound)
+            << label << " rank " << rank.rank;
+      }
+    }
+  }
+}
+
 // Per-worker peak model-state bytes against the ZeRO formulas (fp32: parameters 4P, gradients
 // 4P, Adam 8P for P parameters), and bytes sent per step against the ring figures, for every
 // stage at 2 and 4 workers. Transient state (gathered layers, gradient buckets) is reported
@@ -126,20 +173,16 @@ TEST_F(ZeroPlansTest, MemoryAndCommunicationFollowTheZeroFormulas) {
   const Gpt2Config config = *Gpt2Config::Preset("tiny");
   const ModelSpec model = *BuildGpt2(config);
   const double p = static_cast<double>(model.NumParameters());
-  int64_t largest_block = 0;
-  for (const LayerSpec& layer : model.layers) {
-    if (layer.forward_op == "transformer_block_forward")
-      largest_block = std::max(largest_block, layer.params.numel());
-  }
-  const int64_t embedding = model.layers.front().params.numel();
-  const int64_t head = model.layers.back().params.numel();
-  const double transient_bound = 4.0 * (2 * embedding + 3 * largest_block + 2 * head);
+  const double transient_bound = TransientBound(model);
   for (int workers : {2, 4}) {
     const double n = workers;
     for (int stage = 0; stage <= 3; ++stage) {
       const double expected_memory[] = {16 * p, 8 * p + 8 * p / n, 4 * p + 12 * p / n, 16 * p / n};
       const double expected_sent = (stage == 3 ? 3 : 2) * 4 * p * (n - 1) / n;
-      ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(workers, stage, OffloadMode::kNone, 1)));
+      // The formulas are per group (GradientBucketsMatchOneWorker bounds what buckets add).
+      TrainingPlan plan = Plan(workers, stage, OffloadMode::kNone, 1);
+      plan.parallel.bucket_bytes = 0;
+      ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
       ASSERT_OK(trainer->InitializeParameters(1));
       TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
       ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));

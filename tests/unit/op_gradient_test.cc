@@ -280,6 +280,40 @@ TEST(OpGradientTest, NoopTakesNothingAndReturnsZero) {
   EXPECT_FALSE(RunKernel("clip_scale", {}).ok()) << "clip_scale needs an input";
 }
 
+// pack_shards lays out shard 0 of every input, then shard 1 of every input: a reduce-scatter of
+// the packed buffer leaves member r shard r of each; split cuts it back into pieces.
+TEST(OpGradientTest, PackShardsInterleavesShardsAndSplitCutsThemBack) {
+  const Tensor a = FloatTensor({4}, {1, 2, 3, 4});
+  const Tensor b = FloatTensor({6}, {10, 20, 30, 40, 50, 60});
+  ASSERT_OK_AND_ASSIGN(Tensors packed,
+                       RunKernel("pack_shards", {a, b}, Attrs{{"ranks", int64_t{2}}}));
+  EXPECT_EQ(ToVector(packed[0]), (std::vector<float>{1, 2, 10, 20, 30, 3, 4, 40, 50, 60}));
+  ASSERT_OK_AND_ASSIGN(Tensors concatenated,
+                       RunKernel("pack_shards", {a, b}, Attrs{{"ranks", int64_t{1}}}));
+  EXPECT_EQ(ToVector(concatenated[0]), (std::vector<float>{1, 2, 3, 4, 10, 20, 30, 40, 50, 60}));
+  // Member 1's half of the packed buffer is shard 1 of a and of b.
+  const Tensor half = FloatTensor({5}, {3, 4, 40, 50, 60});
+  ASSERT_OK_AND_ASSIGN(Tensors pieces,
+                       RunKernel("split", {half}, Attrs{{"sizes", std::vector<int64_t>{2, 3}}}));
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_EQ(ToVector(pieces[0]), (std::vector<float>{3, 4}));
+  EXPECT_EQ(ToVector(pieces[1]), (std::vector<float>{40, 50, 60}));
+  EXPECT_EQ(pieces[1].shape(), Shape{3});
+  // What does not fit is refused, naming it.
+  Result<Tensors> uneven = RunKernel("pack_shards", {a, b}, Attrs{{"ranks", int64_t{4}}});
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("not a multiple of the 4 shards"), std::string::npos)
+      << uneven.status().message();
+  Result<Tensors> short_sizes =
+      RunKernel("split", {half}, Attrs{{"sizes", std::vector<int64_t>{2, 2}}});
+  ASSERT_FALSE(short_sizes.ok());
+  EXPECT_NE(short_sizes.status().message().find("adds up to 4"), std::string::npos)
+      << short_sizes.status().message();
+  EXPECT_FALSE(
+      RunKernel("pack_shards", {a, IntTensor({2}, {1, 2})}, Attrs{{"ranks", int64_t{1}}}).ok())
+      << "mixed dtypes";
+}
+
 TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
   const std::set<std::string> checked_here = {"embedding_forward",
                                               "embedding_backward",
@@ -303,7 +337,9 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "transformer_block_backward",
                                               "tied_lm_head_forward",
                                               "tied_lm_head_backward",
-                                              "softmax_cross_entropy"};
+                                              "softmax_cross_entropy",
+                                              "pack_shards",
+                                              "split"};
   // The volume ops are checked in volume_ops_test.cc (which checks that each has a test).
   OpRegistry volume_ops;
   ASSERT_OK(RegisterVolumeOps(volume_ops));

@@ -131,6 +131,8 @@ std::string DumpStep(const StepGraph& step) {
                      step.schedule_costs.backward, step.schedule_costs.weight);
   out += fmt::format("gather_once_per_step {}\n", step.gather_once_per_step);
   out += fmt::format("gather_reason \"{}\"\n", step.gather_reason);
+  out += fmt::format("buckets {} \"{}\" fused_reductions {}\n", step.buckets.bytes,
+                     step.buckets.reason, step.fused_reductions);
   for (size_t i = 0; i < step.inputs.size(); ++i) {
     out += fmt::format("input {} {}\n", i, Names(g, step.inputs[i]));
   }
@@ -263,6 +265,7 @@ struct Knobs {
   GatherPolicy gather = GatherPolicy::kAuto;
   int prefetch = 1;
   bool split_backwards = false;
+  int64_t bucket_bytes = 0;  // the cases before buckets keep one collective per group
 };
 
 TrainingPlan MakePlan(const Knobs& k, int64_t seq_len) {
@@ -283,6 +286,7 @@ TrainingPlan MakePlan(const Knobs& k, int64_t seq_len) {
   p.schedule = k.schedule;
   p.gather = k.gather;
   p.split_backwards = k.split_backwards;
+  p.bucket_bytes = k.bucket_bytes;
   for (int w = 0; w < k.ranks * k.stages; ++w) p.workers.push_back(WorkerId(100 + w));
   return plan;
 }
@@ -301,6 +305,8 @@ std::string CaseName(const Knobs& k) {
   if (k.gather == GatherPolicy::kPerMicroBatch) name += "_gather_micro";
   if (k.prefetch != 1) name += fmt::format("_prefetch{}", k.prefetch);
   if (k.split_backwards) name += "_split";
+  if (k.bucket_bytes == kAutoBucketBytes) name += "_bucket_auto";
+  if (k.bucket_bytes > 0) name += fmt::format("_bucket{}", k.bucket_bytes);
   return name;
 }
 
@@ -365,6 +371,20 @@ std::vector<Knobs> AllKnobs() {
                  .clip = false,
                  .offload = true,
                  .cuda = true});
+  // Gradient buckets: small enough to fuse some groups and not others, under data parallel
+  // (all-reduces after the last micro-batch) and ZeRO-2/3 (reduce-scatters per micro-batch), in
+  // a pipeline (buckets end at a stage's edge), and sized from an unmeasured link.
+  for (int zero : {0, 2, 3}) {
+    all.push_back({.ranks = 2, .zero = zero, .micro = 2, .bucket_bytes = 40'000});
+  }
+  all.push_back({.ranks = 4, .zero = 2, .micro = 1, .bucket_bytes = 40'000});
+  all.push_back({.ranks = 2,
+                 .zero = 3,
+                 .micro = 4,
+                 .stages = 2,
+                 .schedule = PipelineSchedule::k1F1B,
+                 .bucket_bytes = 40'000});
+  all.push_back({.ranks = 2, .zero = 2, .micro = 1, .bucket_bytes = kAutoBucketBytes});
   return all;
 }
 

@@ -138,6 +138,61 @@ TEST(ShardingPolicyTest, EachStageReducesMicroBatchGradientsItsOwnWay) {
   }
 }
 
+// Gradient buckets: the tiny GPT-2's gradients complete head (256 B), h.1 (50,816 B), h.0
+// (50,816 B), embedding (8,448 B). Buckets of 40 kB fuse head and h.1 into one collective: their
+// gradients packed shard by shard, reduced, split back under the names a lone collective gives
+// them; h.0 fills a bucket alone, and the embedding's is reduced alone at the backward's end.
+TEST(ShardingPolicyTest, BucketsFuseGroupsUntilFullEachIntoOneCollective) {
+  const ModelSpec model = TinyGpt2();
+  for (int zero : {0, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(zero));
+    const TrainingPlan plan =
+        MakeTinyPlan({.ranks = 2, .zero = zero, .micro = 2, .bucket_bytes = 40'000});
+    PlanState state(model, plan, CpuRegistry());
+    ASSERT_OK(RunPassesThrough(state, "expand_layers"));
+    EXPECT_EQ(state.step.buckets.bytes, 40'000);
+    const std::string op = zero == 0 ? "all_reduce" : "reduce_scatter";
+    // Data parallel reduces once, after the last micro-batch; ZeRO-2/3 after each.
+    const std::string micro = zero == 0 ? "" : "@1";
+    const TaskSpec* pack = FindTask(state, "rank0/head~h.1/pack" + micro);
+    ASSERT_NE(pack, nullptr);
+    EXPECT_EQ(pack->op, "pack_shards");
+    EXPECT_EQ(pack->attrs.GetInt("ranks", 0), zero == 0 ? 1 : 2);
+    const TaskSpec* fused = FindTask(state, "rank0/head~h.1/" + op + micro);
+    ASSERT_NE(fused, nullptr);
+    const TaskSpec* split = FindTask(state, "rank0/head~h.1/split" + micro);
+    ASSERT_NE(split, nullptr);
+    const std::string suffix = zero == 0 ? ".grad_reduced" : ".grad[shard]@1";
+    EXPECT_THAT(NamesOf(state, split->outputs),
+                ElementsAre("rank0/head" + suffix, "rank0/h.1" + suffix));
+    EXPECT_EQ(*split->attrs.GetInts("sizes"),
+              (std::vector<int64_t>{64 / (zero == 0 ? 1 : 2), 12704 / (zero == 0 ? 1 : 2)}));
+    // Per rank: 3 collectives where there were 4 (per micro-batch for ZeRO-2/3).
+    EXPECT_EQ(CountOp(state, op), 2 * 3 * (zero == 0 ? 1 : 2));
+    EXPECT_EQ(state.step.fused_reductions, zero == 0 ? 1 : 2);
+    EXPECT_NE(FindTask(state, "rank0/h.0/" + op + micro), nullptr);
+    EXPECT_NE(FindTask(state, "rank0/embedding/" + op + micro), nullptr);
+  }
+}
+
+// A bucket never spans two pipeline stages: its collective is over one stage's ranks.
+TEST(ShardingPolicyTest, BucketsEndAtAStagesEdge) {
+  const ModelSpec model = TinyGpt2();
+  // Everything would fit one bucket; the cut (embedding, h.0 | h.1, head) splits it in two.
+  const TrainingPlan plan = MakeTinyPlan(
+      {.ranks = 2, .zero = 2, .micro = 2, .stages = 2, .bucket_bytes = int64_t{1} << 30});
+  PlanState state(model, plan, CpuRegistry());
+  ASSERT_OK(RunPassesThrough(state, "expand_layers"));
+  std::vector<std::string> fused;
+  for (const TaskSpec& task : state.builder.graph().tasks()) {
+    if (task.op == "reduce_scatter" && task.name.starts_with("rank0/")) fused.push_back(task.name);
+  }
+  EXPECT_THAT(
+      fused,
+      ElementsAre("rank0/head~h.1/reduce_scatter@0", "rank0/h.0~embedding/reduce_scatter@0",
+                  "rank0/head~h.1/reduce_scatter@1", "rank0/h.0~embedding/reduce_scatter@1"));
+}
+
 // ZeRO-1 reduce-scatters each gradient once the whole backward is done (a second input: the
 // stage's last gradient, the embedding's, or its shard once reduced), smallest group first.
 TEST(ShardingPolicyTest, ZeroOneReducesAfterTheWholeBackwardSmallestGroupFirst) {

@@ -57,6 +57,7 @@ TrainingPlan ZeroPlan(int workers, int stage, int accum = 1) {
   plan.parallel.data_parallel = workers;
   plan.parallel.zero_stage = stage;
   plan.parallel.micro_batches = accum;
+  plan.parallel.bucket_bytes = 0;  // one collective per group, as the table counts them
   for (int r = 0; r < workers; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
   return plan;
 }
