@@ -67,6 +67,7 @@ struct Flags {
   bool no_torch = false;
   std::string json;
   std::string trace_dir;
+  double bucket_mb = -1;  // negative: auto (sized from the measured link)
 };
 
 struct Row {
@@ -81,6 +82,7 @@ struct Row {
   double hidden_forward_gathers = -1;
   double hidden_backward_gathers = -1;
   double hidden_reductions = -1;
+  std::string buckets;  // examples' DescribeBuckets: size, fused collectives, why
 };
 
 // The overlap figures of the trainer's last `steps` step traces.
@@ -147,17 +149,24 @@ Row MeasureTessera(const Flags& flags, tessera::Cluster& cluster, int workers, i
   plan.seq_len = flags.seq_len;
   plan.parallel.data_parallel = workers;
   plan.parallel.zero_stage = stage;
+  if (flags.bucket_mb >= 0)
+    plan.parallel.bucket_bytes = static_cast<int64_t>(flags.bucket_mb * 1e6);
   const std::string what = fmt::format("{} workers, stage {}", workers, stage);
   auto backend = Check(MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
   auto trainer = Check(
       tessera::Trainer::Create(Check(tessera::BuildGpt2(config), what), plan, std::move(backend)),
       what);
   if (Status s = trainer->InitializeParameters(1); !s.ok()) Die(s, what);
+  Row row{.workers = workers, .stage = stage};
+  const tessera::BucketChoice& buckets = trainer->step_graph().buckets;
+  if (!buckets.reason.empty()) {
+    row.buckets = fmt::format("{:.2f} MB, {} fused per step: {}", buckets.bytes / 1e6,
+                              trainer->step_graph().fused_reductions, buckets.reason);
+  }
   const tessera::TokenDataset data =
       tessera::TokenDataset::Synthetic(200'000, static_cast<int32_t>(flags.vocab), 9);
   auto sampler = Check(tessera::BatchSampler::Create(data, flags.batch, flags.seq_len, 3), what);
   std::vector<int32_t> tokens(flags.batch * flags.seq_len), targets(tokens.size());
-  Row row{.workers = workers, .stage = stage};
   std::vector<double> times;
   for (int step = 0; step < flags.warmup + flags.steps; ++step) {
     sampler.Next(tokens.data(), targets.data());
@@ -252,6 +261,10 @@ static int Main(int argc, char** argv) {
                  "Also write each row's last timed steps as a Chrome trace "
                  "(DIR/zero_w<workers>_s<stage>.json)")
       ->check(CLI::ExistingDirectory);
+  app.add_option("--bucket-mb", flags.bucket_mb,
+                 "Gradient buckets of this many MB (0: one collective per layer; default: sized "
+                 "from the collectives' latency and bandwidth, measured on the workers)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   const tessera::Gpt2Config config = ModelConfig(flags);
@@ -303,6 +316,7 @@ static int Main(int argc, char** argv) {
           torch_text.c_str(), ratio.c_str(), PerRankMb(row.model_state_peak).c_str(),
           PerRankMb(row.bytes_sent).c_str(), Percent(row.hidden_forward_gathers).c_str(),
           Percent(row.hidden_backward_gathers).c_str(), Percent(row.hidden_reductions).c_str());
+      if (!row.buckets.empty()) std::printf("        gradient buckets %s\n", row.buckets.c_str());
       std::fflush(stdout);
       rows.push_back(std::move(row));
     }

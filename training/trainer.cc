@@ -10,8 +10,10 @@
 #include <tbb/parallel_for.h>
 
 #include "core/allocator.h"
+#include "core/logging.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
+#include "training/collective_link.h"
 
 namespace tessera {
 
@@ -86,6 +88,30 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
   return Create(std::move(model), plan, std::move(backend));
 }
 
+namespace {
+
+// Gradient buckets sized from the link (ParallelConfig::bucket_bytes auto) over workers whose link
+// nobody gave: measured on the first stage's ranks (every stage's are alike). A failed
+// measurement is not a failed plan: the planner's default link stands, and the log says why.
+Status MeasureLinkForBuckets(GraphBackend& backend, TrainingPlan& plan) {
+  ParallelConfig& p = plan.parallel;
+  if (p.data_parallel < 2 || p.bucket_bytes != kAutoBucketBytes || p.link.measured() ||
+      p.workers.empty()) {
+    return Status::Ok();
+  }
+  const std::vector<WorkerId> ranks(p.workers.begin(), p.workers.begin() + p.data_parallel);
+  Result<CollectiveLink> link = MeasureCollectiveLink(backend, ranks, plan.device);
+  if (!link.ok()) {
+    GetLogger("trainer")->warn("{}; gradient buckets are sized for an assumed link instead",
+                               link.status().ToString());
+    return Status::Ok();
+  }
+  p.link = *link;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const TrainingPlan& plan,
                                                  std::unique_ptr<GraphBackend> backend) {
   TESSERA_RETURN_IF_ERROR(model.Validate());
@@ -103,6 +129,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
     placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
   }
   TESSERA_RETURN_IF_ERROR(placed.Validate(model));
+  TESSERA_RETURN_IF_ERROR(MeasureLinkForBuckets(*backend, placed));
   auto registry = std::make_unique<OpRegistry>();
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
   std::unique_ptr<Trainer> trainer(

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -37,6 +39,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--offload", flags.offload,
                  "none, or optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
+  app.add_option("--bucket-mb", flags.bucket_mb,
+                 "With --workers: reduce consecutive layers' gradients in one collective until "
+                 "it holds this many MB (0: one collective per layer); auto sizes them from the "
+                 "collectives' latency and bandwidth, measured on the workers");
   app.add_option("--micro-batches", flags.micro_batches,
                  "M micro-batches per worker per step: gradient accumulation, and what flows "
                  "through a pipeline (formerly --grad-accum, still accepted)")
@@ -218,6 +224,23 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
                                 : flags.grad_accum > 0  ? flags.grad_accum
                                                         : 1;
   TESSERA_ASSIGN_OR_RETURN(plan.parallel.offload, ParseOffload(flags.offload));
+  if (flags.bucket_mb != "auto") {
+    double mb = -1;
+    try {
+      size_t used = 0;
+      mb = std::stod(flags.bucket_mb, &used);
+      if (used != flags.bucket_mb.size()) mb = -1;
+    } catch (const std::exception&) {
+      mb = -1;
+    }
+    if (!(mb >= 0 && mb <= 1e6)) {
+      return InvalidArgument(
+          "--bucket-mb '{}' is neither auto nor a size in MB from 0 (one collective per layer) "
+          "to 1000000",
+          flags.bucket_mb);
+    }
+    plan.parallel.bucket_bytes = static_cast<int64_t>(mb * 1e6);
+  }
   if (plan.parallel.offload == OffloadMode::kOptimizer && plan.device.is_cpu()) {
     std::fprintf(stderr,
                  "%s: --offload optimizer: CPU workers already keep the optimizer state "
@@ -253,6 +276,13 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
                program, text.c_str());
   plan.parallel.layer_op_costs = std::move(ms);
   return Status::Ok();
+}
+
+std::string DescribeBuckets(const StepGraph& step) {
+  if (step.buckets.reason.empty()) return "";
+  return fmt::format("{:.2f} MB, {} collective(s) of several layers per step: {}",
+                     static_cast<double>(step.buckets.bytes) / 1e6, step.fused_reductions,
+                     step.buckets.reason);
 }
 
 std::string DescribePipeline(const StepGraph& step, const ModelSpec& model) {

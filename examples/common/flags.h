@@ -4,6 +4,7 @@
 //   threads      --threads N
 //   logging      --log-every N
 //   plan         --workers N --in-process --zero-stage S --offload none|optimizer --grad-accum K
+//                --bucket-mb auto|MB
 //   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
 //   pipeline     --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
 //                --virtual-stages V --gather auto|step|micro-batch --balance estimate|profile
@@ -71,11 +72,12 @@ struct CommonFlags {
   bool in_process = false;
   int zero_stage = 0;
   std::string offload = "none";
-  int micro_batches = 0;       // 0: not given (--grad-accum's value, else 1)
-  int grad_accum = 0;          // --micro-batches' old name, a hidden alias; 0: not given
-  std::string device = "cpu";  // cpu, cuda or cuda:N
-  double gpu_memory_gib = 0;   // cap on the GPU allocator (0: the card's free memory less 1 GiB)
-  std::string address;         // a running cluster; empty: a local one or this process
+  std::string bucket_mb = "auto";  // gradient buckets: auto (from the measured link) or MB
+  int micro_batches = 0;           // 0: not given (--grad-accum's value, else 1)
+  int grad_accum = 0;              // --micro-batches' old name, a hidden alias; 0: not given
+  std::string device = "cpu";      // cpu, cuda or cuda:N
+  double gpu_memory_gib = 0;  // cap on the GPU allocator (0: the card's free memory less 1 GiB)
+  std::string address;        // a running cluster; empty: a local one or this process
   std::string token_file;
   std::string placement = "scheduler";
   PipelineFlags pipeline;
@@ -125,5 +127,7 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
 // "stage 0: embedding..h.2 | stage 1: h.3..head" (chunks of one stage joined by ","), and
 // the ZeRO-3 gather choice, for the run's first lines; empty without a pipeline.
 std::string DescribePipeline(const StepGraph& step, const ModelSpec& model);
+// "0.45 MB, 2 collectives of several groups per step: <why>"; empty over one rank.
+std::string DescribeBuckets(const StepGraph& step);
 
 }  // namespace tessera::examples

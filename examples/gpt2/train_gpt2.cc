@@ -362,6 +362,9 @@ Result<std::unique_ptr<Trainer>> MakeTrainer(const Flags& flags, const ResolvedS
       !pipeline.empty()) {
     std::fprintf(stderr, "%s: pipeline %s\n", kProgram, pipeline.c_str());
   }
+  if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
+    std::fprintf(stderr, "%s: gradient buckets %s\n", kProgram, buckets.c_str());
+  }
   return trainer;
 }
 

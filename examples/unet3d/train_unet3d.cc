@@ -128,6 +128,9 @@ Status Train(const Flags& flags) {
       !pipeline.empty()) {
     std::printf("pipeline %s\n", pipeline.c_str());
   }
+  if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
+    std::printf("gradient buckets %s\n", buckets.c_str());
+  }
   examples::Checkpoints checkpoints(flags.common.checkpoints, kProgram);
   TESSERA_ASSIGN_OR_RETURN(std::optional<tessera::CheckpointInfo> resumed,
                            checkpoints.Resume(*trainer));
