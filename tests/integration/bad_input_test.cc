@@ -108,6 +108,10 @@ TEST(BadInputTest, TrainGpt2RefusesBadFlagValuesSayingWhatTheyMustBe) {
             "--steps 1 --workers 2 --min-workers 3 --max-restarts 1 --checkpoint-dir " +
                 checkpoints,
             "", "--min-workers 3 is more than --workers 2"},
+           {"a bucket size that is not one", "train_gpt2", "--steps 1 --bucket-mb lots", "",
+            "--bucket-mb 'lots' is neither auto nor a size in MB"},
+           {"a negative bucket size", "train_gpt2", "--steps 1 --bucket-mb=-2", "",
+            "--bucket-mb '-2' is neither auto nor a size in MB"},
        }) {
     ExpectRefused(input);
   }

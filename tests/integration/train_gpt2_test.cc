@@ -81,6 +81,7 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--schedule",
                            "--virtual-stages",
                            "--balance",
+                           "--bucket-mb",
                            "--layer-impl"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
@@ -168,6 +169,9 @@ TEST(TrainGpt2Test, ALocalClusterTrainsLikeOneProcessAndALayerSplitExactly) {
       << cluster.output;
   EXPECT_EQ(FirstMatch(spread.output, R"(final_loss=([0-9.]+))"), expected) << spread.output;
   EXPECT_NE(cluster.output.find("cluster at"), std::string::npos) << cluster.output;
+  // Gradient buckets sized from the link measured on the two workers.
+  EXPECT_NE(cluster.output.find("gradient buckets"), std::string::npos) << cluster.output;
+  EXPECT_NE(cluster.output.find("(measured)"), std::string::npos) << cluster.output;
 }
 
 // The pipeline flags: two stages of one worker each train the run of one process (within the

@@ -15,6 +15,7 @@
 #include "plan_equivalence.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
+#include "training/collective_link.h"
 #include "training/peer_snapshot.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
@@ -163,6 +164,29 @@ TEST_F(ZeroPlansTest, GradientBucketsMatchOneWorker) {
       }
     }
   }
+}
+
+// With bucket_bytes auto the trainer measures the link on the plan's workers before planning and
+// the buckets are sized by it; the probe refuses fewer than two workers.
+TEST_F(ZeroPlansTest, BucketsAreSizedFromTheLinkMeasuredOnTheWorkers) {
+  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(Plan(2, 2, OffloadMode::kNone, 1)));
+  const ParallelConfig& parallel = trainer->plan().parallel;
+  ASSERT_TRUE(parallel.link.measured());
+  std::printf("[ measured ] latency %.1f us, %.2f GB/s\n", parallel.link.latency_us,
+              parallel.link.bytes_per_us / 1e3);
+  EXPECT_EQ(trainer->step_graph().buckets.bytes, ChooseGradientBuckets(parallel).bytes);
+  EXPECT_NE(trainer->step_graph().buckets.reason.find("(measured)"), std::string::npos)
+      << trainer->step_graph().buckets.reason;
+  // One bucket per step or more, and the run still matches one worker.
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "measured buckets");
+
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+  Result<CollectiveLink> alone =
+      MeasureCollectiveLink(*backend, {backend->workers().front()}, Device::Cpu());
+  ASSERT_FALSE(alone.ok());
+  EXPECT_NE(alone.status().message().find("two or more workers"), std::string::npos)
+      << alone.status().ToString();
 }
 
 // Per-worker peak model-state bytes against the ZeRO formulas (fp32: parameters 4P, gradients
