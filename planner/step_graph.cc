@@ -3,6 +3,7 @@
 #include "planner/step_graph.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -40,13 +41,18 @@ BucketChoice ChooseGradientBuckets(const ParallelConfig& parallel) {
   const CollectiveLink link =
       parallel.link.measured() ? parallel.link : CollectiveLink{50.0, 1000.0};
   const double wanted = (1 - kLatencyShare) / kLatencyShare * link.latency_us * link.bytes_per_us;
-  const auto bytes = static_cast<int64_t>(std::min(wanted, kMaxBytes));
+  // A power of two: links measured a little differently from run to run plan the same buckets.
+  const double rounded = std::exp2(std::round(std::log2(std::max(wanted, 1.0))));
+  const auto bytes = static_cast<int64_t>(std::min(rounded, kMaxBytes));
   return BucketChoice{
-      bytes, fmt::format("{:.2f} MB: a collective's {:.1f} us latency is <= {:.0f}% of a "
-                         "bucket's time at {:.2f} GB/s ({}){}",
-                         bytes / 1e6, link.latency_us, 100 * kLatencyShare, link.bytes_per_us / 1e3,
-                         parallel.link.measured() ? "measured" : "not measured: 10 GbE assumed",
-                         wanted > kMaxBytes ? ", capped at 25 MiB" : "")};
+      bytes,
+      fmt::format("{:.2f} MB, the power of two nearest 9 x latency x bandwidth ({:.2f} MB): a "
+                  "collective's {:.1f} us latency is about {:.0f}% of a bucket's time at {:.2f} "
+                  "GB/s ({}){}",
+                  bytes / 1e6, wanted / 1e6, link.latency_us, 100 * kLatencyShare,
+                  link.bytes_per_us / 1e3,
+                  parallel.link.measured() ? "measured" : "not measured: 10 GbE assumed",
+                  rounded > kMaxBytes ? ", capped at 25 MiB" : "")};
 }
 
 Result<OffloadMode> ParseOffload(std::string_view text) {

@@ -121,10 +121,11 @@ struct ParallelConfig {
 };
 
 // The gradient bucket size a plan uses, and why (for --explain). Auto: fusing saves a
-// collective's latency, so a bucket is made big enough that the latency is at most a tenth of its
-// time (bytes >= 9 x latency x bandwidth), and at most 25 MiB (PyTorch DDP's cap: beyond it the
-// last bucket's reduction, after the whole backward, hides less). An unmeasured link is taken to
-// be 50 us and 1 GB/s (a 10 GbE network).
+// collective's latency, so a bucket is made big enough that the latency is about a tenth of its
+// time (9 x latency x bandwidth, to the nearest power of two, so that a link measured a little
+// differently plans the same buckets), and at most 25 MiB (PyTorch DDP's cap: beyond it the last
+// bucket's reduction, after the whole backward, hides less). An unmeasured link is taken to be
+// 50 us and 1 GB/s (a 10 GbE network).
 struct BucketChoice {
   int64_t bytes = 0;
   std::string reason;

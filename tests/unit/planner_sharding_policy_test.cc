@@ -175,6 +175,30 @@ TEST(ShardingPolicyTest, BucketsFuseGroupsUntilFullEachIntoOneCollective) {
   }
 }
 
+// The bucket size: what was asked for, or 9 x latency x bandwidth to the nearest power of two,
+// capped at 25 MiB; an unmeasured link is taken as 50 us and 1 GB/s.
+TEST(ShardingPolicyTest, BucketSizesComeFromTheLinkUnlessAskedFor) {
+  ParallelConfig p;
+  p.bucket_bytes = 0;
+  EXPECT_EQ(ChooseGradientBuckets(p).bytes, 0);
+  p.bucket_bytes = 123'456;
+  EXPECT_EQ(ChooseGradientBuckets(p).bytes, 123'456);
+  p.bucket_bytes = kAutoBucketBytes;
+  // 9 x 50 x 1000 = 450,000 -> 2^19.
+  const BucketChoice assumed = ChooseGradientBuckets(p);
+  EXPECT_EQ(assumed.bytes, int64_t{1} << 19);
+  EXPECT_THAT(assumed.reason, HasSubstr("not measured"));
+  // 9 x 10 x 1000 = 90,000 -> 2^16 (log2 16.46); 9 x 12 x 1000 = 108,000 -> 2^17 (16.72).
+  p.link = CollectiveLink{10.0, 1000.0};
+  EXPECT_EQ(ChooseGradientBuckets(p).bytes, int64_t{1} << 16);
+  p.link = CollectiveLink{12.0, 1000.0};
+  EXPECT_EQ(ChooseGradientBuckets(p).bytes, int64_t{1} << 17);
+  EXPECT_THAT(ChooseGradientBuckets(p).reason, HasSubstr("(measured)"));
+  p.link = CollectiveLink{1000.0, 100'000.0};
+  EXPECT_EQ(ChooseGradientBuckets(p).bytes, 25 << 20);
+  EXPECT_THAT(ChooseGradientBuckets(p).reason, HasSubstr("capped at 25 MiB"));
+}
+
 // A bucket never spans two pipeline stages: its collective is over one stage's ranks.
 TEST(ShardingPolicyTest, BucketsEndAtAStagesEdge) {
   const ModelSpec model = TinyGpt2();
