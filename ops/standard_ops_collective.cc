@@ -1,6 +1,7 @@
 // The standard ops' collective members (see core/collective_task.h for the attributes): the
 // ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place) and
 // broadcast, and the two that pack gradient buckets for them (pack_shards, split).
+#include <limits>
 #include <string>
 
 #include "core/collective_task.h"
@@ -81,6 +82,9 @@ Status AddBucketOps(OpRegistry& r) {
                 "input {} has {} elements, not a multiple of the {} shards (pad the group)", i,
                 in[i].numel(), ranks);
           }
+          if (in[i].numel() > std::numeric_limits<int64_t>::max() - total) {
+            return InvalidArgument("the inputs hold more than 2^63 elements");
+          }
           total += in[i].numel();
         }
         return Metas{TensorMeta{Shape{total}, in[0].dtype, in[0].device}};
@@ -100,6 +104,10 @@ Status AddBucketOps(OpRegistry& r) {
         int64_t total = 0;
         for (int64_t size : sizes) {
           if (size <= 0) return InvalidArgument("attribute 'sizes' holds {}: use sizes > 0", size);
+          if (size > in[0].numel() - total) {
+            return InvalidArgument("attribute 'sizes' adds up to more than input 'x''s {} elements",
+                                   in[0].numel());
+          }
           total += size;
           out.push_back(TensorMeta{Shape{size}, in[0].dtype, in[0].device});
         }

@@ -309,6 +309,10 @@ TEST(OpGradientTest, PackShardsInterleavesShardsAndSplitCutsThemBack) {
   ASSERT_FALSE(short_sizes.ok());
   EXPECT_NE(short_sizes.status().message().find("adds up to 4"), std::string::npos)
       << short_sizes.status().message();
+  // Sizes whose sum would overflow are refused, not wrapped.
+  const int64_t huge = int64_t{1} << 62;
+  EXPECT_FALSE(
+      RunKernel("split", {half}, Attrs{{"sizes", std::vector<int64_t>{huge, huge, huge}}}).ok());
   EXPECT_FALSE(
       RunKernel("pack_shards", {a, IntTensor({2}, {1, 2})}, Attrs{{"ranks", int64_t{1}}}).ok())
       << "mixed dtypes";
