@@ -154,11 +154,12 @@ TEST(ShardingPolicyTest, BucketsFuseGroupsUntilFullEachIntoOneCollective) {
     const std::string op = zero == 0 ? "all_reduce" : "reduce_scatter";
     // Data parallel reduces once, after the last micro-batch; ZeRO-2/3 after each.
     const std::string micro = zero == 0 ? "" : "@1";
+    const std::string reduction = op + micro;  // "reduce_scatter@1"
     const TaskSpec* pack = FindTask(state, "rank0/head~h.1/pack" + micro);
     ASSERT_NE(pack, nullptr);
     EXPECT_EQ(pack->op, "pack_shards");
     EXPECT_EQ(pack->attrs.GetInt("ranks", 0), zero == 0 ? 1 : 2);
-    const TaskSpec* fused = FindTask(state, "rank0/head~h.1/" + op + micro);
+    const TaskSpec* fused = FindTask(state, "rank0/head~h.1/" + reduction);
     ASSERT_NE(fused, nullptr);
     const TaskSpec* split = FindTask(state, "rank0/head~h.1/split" + micro);
     ASSERT_NE(split, nullptr);
@@ -170,8 +171,8 @@ TEST(ShardingPolicyTest, BucketsFuseGroupsUntilFullEachIntoOneCollective) {
     // Per rank: 3 collectives where there were 4 (per micro-batch for ZeRO-2/3).
     EXPECT_EQ(CountOp(state, op), 2 * 3 * (zero == 0 ? 1 : 2));
     EXPECT_EQ(state.step.fused_reductions, zero == 0 ? 1 : 2);
-    EXPECT_NE(FindTask(state, "rank0/h.0/" + op + micro), nullptr);
-    EXPECT_NE(FindTask(state, "rank0/embedding/" + op + micro), nullptr);
+    EXPECT_NE(FindTask(state, "rank0/h.0/" + reduction), nullptr);
+    EXPECT_NE(FindTask(state, "rank0/embedding/" + reduction), nullptr);
   }
 }
 
