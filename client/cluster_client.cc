@@ -5,6 +5,7 @@
 
 #include "core/logging.h"
 #include "core/rpc/frame.h"
+#include "core/rpc/io_loop.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/rpc/wire_limits.h"
@@ -99,7 +100,8 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
   }
   flush_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
   watchdog_timer_ = std::make_unique<rpc::asio::steady_timer>(io_);
-  io_thread_ = std::thread([this] { io_.run(); });
+  io_thread_ = std::thread(
+      [this] { rpc::RunIoLoop(io_, std::chrono::microseconds(settings_.idle_spin_us)); });
   rpc::HelloFields hello;
   hello.role = options.admin ? proto::Role::ADMIN : proto::Role::DRIVER;
   hello.token = token;

@@ -16,6 +16,13 @@ TESSERA_INT_SETTING(gemm_split_min_flops, 4000000, 0, int64_t{1} << 62, "flop",
                     "GEMMs smaller than this run on one thread; larger ones are split across the "
                     "arena. Lower splits more small GEMMs (more overhead per split).")
 
+TESSERA_INT_SETTING(
+    idle_spin_us, 100, 0, 100000, "us",
+    "How long a thread that ran out of work (an io loop; a one-thread executor) keeps looking "
+    "for more, yielding its core between looks, before it sleeps. Saves a wake-up per handoff "
+    "on a task's round trip (each costs tens of microseconds where idle cores halt, as in "
+    "virtual machines); costs up to this much CPU after each burst of work. 0: sleep at once.")
+
 TESSERA_SETTING(bool, cache_host_allocations, true, "",
                 "Keep freed host buffers for reuse by size. A step graph allocates the same "
                 "sizes every step, so this removes malloc/mmap and page faults from the hot "

@@ -142,6 +142,7 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   options.core.inline_object_bytes = settings->inline_object_bytes;
   options.core.trace_instances = static_cast<int>(settings->trace_instances);
   options.preauth = PendingLimits::FromSettings(*settings);
+  options.idle_spin_us = settings->idle_spin_us;
   options.preauth_frame_bytes = static_cast<uint32_t>(
       std::clamp<int64_t>(settings->preauth_frame_bytes, 4096, rpc::kDefaultMaxFrameBytes));
   options.core.limits = rpc::WireLimits::FromSettings(*settings);

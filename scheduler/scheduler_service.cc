@@ -6,6 +6,7 @@
 #include "core/atomic_file.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "core/rpc/io_loop.h"
 #include "core/thread_annotations.h"
 #include "dashboard/http_handler.h"
 #include "dashboard/http_server.h"
@@ -77,7 +78,8 @@ class SchedulerServiceImpl final : public SchedulerService, private Outbox {
           WriteFileAtomically(options_.address_file, listener_->address().ToString() + "\n"));
     }
     ScheduleTick();
-    thread_ = std::thread([this] { io_.run(); });
+    thread_ = std::thread(
+        [this] { rpc::RunIoLoop(io_, std::chrono::microseconds(options_.idle_spin_us)); });
     GetLogger("scheduler")->info("listening on {}", listener_->address().ToString());
     return Status::Ok();
   }

@@ -18,6 +18,7 @@
 
 #include "core/pending_connections.h"
 #include "core/rpc/address.h"
+#include "core/settings.h"
 #include "core/status.h"
 #include "scheduler/scheduler_core.h"
 
@@ -31,6 +32,9 @@ struct SchedulerServiceOptions {
   // Bounds on connections that have not said Hello yet (the preauth_* settings).
   PendingLimits preauth;
   uint32_t preauth_frame_bytes = 64 * 1024;
+  // How long the io thread keeps polling after its last message before it sleeps (the
+  // idle_spin_us setting; core/rpc/io_loop.h).
+  int64_t idle_spin_us = Settings{}.idle_spin_us;
   // When set, the bound address is written here (atomically) once the scheduler listens, so a
   // launcher can find a scheduler started on port 0.
   std::string address_file;

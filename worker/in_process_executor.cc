@@ -1,8 +1,10 @@
 #include "worker/in_process_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <thread>
 
+#include "core/idle_spin.h"
 #include "core/logging.h"
 #include "worker/task_runner.h"
 
@@ -13,6 +15,7 @@ ExecutorOptions ExecutorOptions::FromSettings(const Settings& settings) {
   options.threads = static_cast<int>(settings.cpu_threads);
   options.gemm_split_min_flops = settings.gemm_split_min_flops;
   options.cache_host_allocations = settings.cache_host_allocations;
+  options.idle_spin_us = settings.idle_spin_us;
   return options;
 }
 
@@ -27,13 +30,19 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
   }
   context_ =
       KernelContext{allocator_, options_.gemm_split_min_flops, &registry_, options_.device.get()};
-  // One slot reserved for an outside thread, the lending thread's, when there are two or more.
-  // Not with one: TBB gives an arena whose only slot is reserved a worker of its own when tasks
-  // are enqueued from outside it ("mandatory concurrency"), and that worker and the lending
-  // thread made two threads where one was asked for. With the slot unreserved, whichever of
-  // them holds it runs the slots; the other waits.
-  arena_ =
-      std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/threads_ > 1 ? 1 : 0);
+  if (threads_ == 1) {
+    // One thread: the executor's own runs every task, inside an arena of one slot reserved for
+    // it, so kernels' parallel loops run serially there and no TBB worker ever joins (nothing is
+    // enqueued). It sleeps on queue_changed_ when nothing is ready: TBB's workers spin and
+    // yield between tasks, which on a machine with few cores takes the CPU from the processes
+    // the next task waits on (the scheduler, the driver).
+    arena_ = std::make_unique<tbb::task_arena>(1, /*reserved_for_masters=*/1);
+    arena_->initialize();
+    lender_ = std::thread([this] { arena_->execute([this] { SerialLoop(); }); });
+    return;
+  }
+  // One slot reserved for an outside thread, the lending thread's.
+  arena_ = std::make_unique<tbb::task_arena>(threads_, /*reserved_for_masters=*/1);
   // Initialized here, before the lending thread exists: left lazy, the lending thread's first
   // execute and a caller's first enqueue both initialize it, and TSan saw TBB's process-wide
   // affinity mask written by one while the other read it.
@@ -49,6 +58,11 @@ InProcessExecutor::~InProcessExecutor() noexcept {
     stopping_ = true;
   }
   runs_changed_.NotifyAll();
+  {
+    MutexLock lock(&queue_mutex_);
+    serial_stopping_ = true;
+  }
+  queue_changed_.NotifyAll();
   lender_.join();
   arena_->execute([this] { slots_group_.wait(); });
 }
@@ -230,6 +244,22 @@ void InProcessExecutor::Queue(GraphExecution* run, const std::vector<int>& tasks
   StartSlots(start);
 }
 
+void InProcessExecutor::SerialLoop() {
+  while (true) {
+    SpinUntil(std::chrono::microseconds(options_.idle_spin_us), [this] {
+      MutexLock lock(&queue_mutex_);
+      return slots_busy_ > 0 || serial_stopping_;
+    });
+    {
+      MutexLock lock(&queue_mutex_);
+      // A claimed slot (ClaimSlots in Queue) is this thread's to run.
+      while (!serial_stopping_ && slots_busy_ == 0) queue_changed_.Wait(&queue_mutex_);
+      if (slots_busy_ == 0) return;  // stopping, nothing claimed
+    }
+    SlotLoop();
+  }
+}
+
 int InProcessExecutor::Unqueue(const GraphExecution* run) {
   MutexLock lock(&queue_mutex_);
   return ready_.Remove(run);
@@ -243,6 +273,11 @@ int InProcessExecutor::ClaimSlots() {
 }
 
 void InProcessExecutor::StartSlots(int count) {
+  if (count <= 0) return;
+  if (threads_ == 1) {  // the executor's own thread runs the one slot (SerialLoop)
+    queue_changed_.NotifyOne();
+    return;
+  }
   // Enqueued, not spawned: a thread waiting inside a kernel's parallel loop does not take them
   // (TBB runs enqueued tasks only at a thread's outermost level), so a slot never runs nested
   // inside another task's kernel.

@@ -23,9 +23,11 @@
 // once, each on an arena thread that takes the next task from the queue when it is done (a
 // "slot"). Kernels parallelise inside the same arena. Offloaded tasks (collective members, see
 // RunHooks) take no slot. The executor owns one thread besides TBB's workers: while a run is in
-// flight it lends itself to the arena (the arena reserves it a slot when `threads` > 1), so runs
-// get `threads` threads whoever started them, never more, and a synchronous Run's caller just
-// waits.
+// flight it lends itself to the arena (which reserves it a slot), so runs get `threads` threads
+// whoever started them, never more, and a synchronous Run's caller just waits. With one thread
+// there are no TBB workers at all: the executor's thread runs every task in an arena of one and
+// sleeps on a condition variable between them (TBB's workers spin and yield between tasks,
+// taking a small machine's CPU from the processes that the next task waits on).
 //
 // Thread safety: every method may be called from any thread. Prepare is const and may run
 // concurrently with runs. The executor owns its arena and allocator; tensors it returns hold the
@@ -60,6 +62,9 @@ struct ExecutorOptions {
   int threads = 0;  // 0: one per core
   int64_t gemm_split_min_flops = Settings{}.gemm_split_min_flops;
   bool cache_host_allocations = Settings{}.cache_host_allocations;
+  // With one thread: how long the executor's thread looks for the next task before it sleeps
+  // (core/idle_spin.h).
+  int64_t idle_spin_us = Settings{}.idle_spin_us;
   // Host memory the executor's state may take (a trainer refuses a plan whose host-tier state
   // exceeds it, instead of the kernel's out-of-memory killer ending the process mid-step);
   // 0: what the machine has available (core/allocator.h's AvailableHostMemoryBytes).
@@ -160,6 +165,8 @@ class InProcessExecutor {
   void StartSlots(int count);
   // The executor's own thread: in the arena while runs are in flight.
   void LendLoop() EXCLUDES(runs_mutex_);
+  // With one thread, the executor's own thread instead: runs the slot whenever one is claimed.
+  void SerialLoop() EXCLUDES(queue_mutex_);
   std::vector<std::shared_ptr<GraphExecution>> RunsInFlight() EXCLUDES(runs_mutex_);
 
   const OpRegistry& registry_;
@@ -173,6 +180,8 @@ class InProcessExecutor {
   Mutex queue_mutex_;
   ReadyQueue ready_ GUARDED_BY(queue_mutex_);
   int slots_busy_ GUARDED_BY(queue_mutex_) = 0;  // slots started and not given up
+  CondVar queue_changed_;                        // a slot claimed, or stopping (one thread)
+  bool serial_stopping_ GUARDED_BY(queue_mutex_) = false;
 
   Mutex runs_mutex_;
   CondVar runs_changed_;

@@ -12,6 +12,7 @@
 #include "core/collective_task.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
+#include "core/rpc/io_loop.h"
 #include "core/rpc/join.h"
 #include "core/rpc/wire.h"
 #include "core/rpc/wire_limits.h"
@@ -140,7 +141,8 @@ Status WorkerServiceImpl::Init() {
                        }}));
   graph_runner_->set_data_plane(data_plane_.get());
 
-  io_thread_ = std::thread([this] { io_.run(); });
+  io_thread_ = std::thread(
+      [this] { rpc::RunIoLoop(io_, std::chrono::microseconds(options_.settings.idle_spin_us)); });
   rpc::HelloFields hello;
   hello.role = proto::Role::WORKER;
   hello.token = options_.token;

@@ -172,6 +172,10 @@ TEST(ExecutorRunsTest, KernelsOfAOneThreadExecutorRunInAnArenaOfOne) {
   }
   EXPECT_EQ(probe.started().size(), 80u);
   EXPECT_EQ(probe.widest_arena(), 1);
+  // On the executor's own thread, every one: no TBB worker joined (one spins between tasks).
+  const std::set<std::thread::id> threads = probe.threads();
+  EXPECT_EQ(threads.size(), 1u);
+  EXPECT_FALSE(threads.contains(std::this_thread::get_id()));
 }
 
 TEST(ExecutorRunsTest, AHighPriorityTaskOfALaterRunGoesBeforeQueuedWork) {

@@ -5,7 +5,8 @@
 // "gate" (int, 1) makes the kernel wait until the test opens the gate; "fail" (int, 1) makes it
 // fail with InvalidArgument "probe failed on purpose".
 //
-// The probe also notes the widest TBB arena a kernel ran in (widest_arena).
+// The probe also notes the widest TBB arena a kernel ran in (widest_arena) and the threads
+// kernels ran on (threads).
 //
 // Thread safety: the kernel may run on any thread; every method of Probe may be called from any
 // thread. Invariant: `started()` lists tags in the order their kernels began.
@@ -17,6 +18,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include <tbb/task_arena.h>
@@ -58,11 +61,18 @@ class Probe {
     return widest_arena_;
   }
 
+  // The threads kernels ran on.
+  std::set<std::thread::id> threads() const {
+    std::lock_guard lock(mutex_);
+    return threads_;
+  }
+
   // Called by the kernel.
   void Started(int64_t tag, bool gated) {
     const int arena = tbb::this_task_arena::max_concurrency();
     std::unique_lock lock(mutex_);
     started_.push_back(tag);
+    threads_.insert(std::this_thread::get_id());
     widest_arena_ = std::max(widest_arena_, arena);
     changed_.notify_all();
     if (gated) changed_.wait(lock, [this] { return open_; });
@@ -72,6 +82,7 @@ class Probe {
   mutable std::mutex mutex_;
   mutable std::condition_variable changed_;
   std::vector<int64_t> started_;
+  std::set<std::thread::id> threads_;
   bool open_ = false;
   int widest_arena_ = 0;
 };

@@ -6,13 +6,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <future>
 #include <random>
 #include <thread>
 
+#include "core/idle_spin.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/frame.h"
+#include "core/rpc/io_loop.h"
 #include "core/rpc/wire.h"
 #include "test_util.h"
 
@@ -443,6 +446,50 @@ TEST(ListenerTest, OutOfDescriptorsItShedsAndPausesInsteadOfSpinning) {
   });
   work.reset();
   thread.join();
+}
+
+TEST(IdleSpinTest, ReturnsAsSoonAsReadyAndGivesUpAfterTheSpin) {
+  int calls = 0;
+  EXPECT_TRUE(SpinUntil(std::chrono::seconds(10), [&calls] { return ++calls == 3; }));
+  EXPECT_EQ(calls, 3);
+  calls = 0;
+  EXPECT_FALSE(SpinUntil(std::chrono::microseconds(0), [&calls] { return ++calls > 1; }));
+  EXPECT_EQ(calls, 1);  // no spin: asked once
+  calls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(SpinUntil(std::chrono::milliseconds(20), [&calls] { return ++calls < 0; }));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(20));
+  EXPECT_GT(calls, 1);
+}
+
+// The io loop runs handlers posted from other threads whether it spins or sleeps in the reactor
+// at the time, and returns like io_context::run: when stopped, or out of work.
+TEST(IoLoopTest, RunsPostedHandlersAndReturnsWhenStoppedOrOutOfWork) {
+  for (const auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(50),
+                          std::chrono::microseconds(100'000)}) {
+    SCOPED_TRACE(spin.count());
+    rpc::asio::io_context io;
+    auto work = rpc::asio::make_work_guard(io);
+    std::atomic<int> ran{0};
+    std::thread loop([&] { rpc::RunIoLoop(io, spin); });
+    for (int i = 0; i < 200; ++i) {
+      rpc::asio::post(io, [&ran] { ++ran; });
+      // Now and then after a pause longer than the short spin, so it is asleep in the reactor.
+      if (i % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::promise<void> done;
+    rpc::asio::post(io, [&done] { done.set_value(); });
+    ASSERT_EQ(done.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    EXPECT_EQ(ran.load(), 200);
+    io.stop();
+    loop.join();  // returned: stopped
+    EXPECT_TRUE(io.stopped());
+
+    rpc::asio::io_context idle;
+    rpc::asio::post(idle, [&ran] { ++ran; });
+    rpc::RunIoLoop(idle, spin);  // returns: out of work
+    EXPECT_EQ(ran.load(), 201);
+  }
 }
 
 TEST(ListenerTest, ConnectsOverTcpAndUnixAndReportsUnreachableAddresses) {

@@ -1,0 +1,20 @@
+#include "core/rpc/io_loop.h"
+
+#include "core/idle_spin.h"
+
+namespace tessera::rpc {
+
+void RunIoLoop(asio::io_context& io, std::chrono::microseconds spin) {
+  if (spin.count() <= 0) {
+    io.run();
+    return;
+  }
+  while (!io.stopped()) {
+    // poll runs every ready handler (the reactor with a zero timeout); it stops the context
+    // when it is out of work, as run would return.
+    if (SpinUntil(spin, [&io] { return io.poll() > 0 || io.stopped(); })) continue;
+    if (io.run_one() == 0) return;  // blocks until a handler ran; 0: stopped or out of work
+  }
+}
+
+}  // namespace tessera::rpc
