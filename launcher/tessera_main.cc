@@ -56,6 +56,11 @@
 #include "worker/gpu.h"
 #include "worker/worker_main.h"
 
+#if defined(TESSERA_TBBMALLOC_PROXY)
+// malloc is TBB's scalable allocator in this process (TESSERA_MALLOC in CMakeLists.txt).
+#include <tbb/tbbmalloc_proxy.h>
+#endif
+
 namespace {
 
 using tessera::Result;
