@@ -144,21 +144,20 @@ void ClusterClient::ScheduleFlush(bool urgent) {
   std::chrono::steady_clock::time_point at;
   {
     MutexLock lock(&batch_mutex_);
-    if (flush_posted_) return;
-    if (urgent || now - last_flush_ >= kCoalesceWindow) {
-      flush_posted_ = true;
-    } else {
+    if (!urgent && now - last_flush_ < kCoalesceWindow) {
       if (flush_timer_armed_) return;
       flush_timer_armed_ = true;
       at = last_flush_ + kCoalesceWindow;
     }
   }
-  // `this`, not shared_from_this(): the destructor stops the io thread before members go, and a
-  // posted handler must never hold the last reference (the destructor would join itself).
+  // Urgent, or nothing sent for a window: on this thread, now (waking the io thread to send
+  // would cost more than the send).
   if (at == std::chrono::steady_clock::time_point()) {
-    rpc::asio::post(io_, [this] { Flush(); });
+    Flush();
     return;
   }
+  // `this`, not shared_from_this(): the destructor stops the io thread before members go, and a
+  // posted handler must never hold the last reference (the destructor would join itself).
   rpc::asio::post(io_, [this, at] {
     flush_timer_->expires_at(at);
     flush_timer_->async_wait([this](const boost::system::error_code& error) {
@@ -171,9 +170,9 @@ void ClusterClient::Flush() {
   std::vector<std::pair<ObjectSpec, std::string>> puts;
   std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits;
   std::vector<uint64_t> watches, releases;
+  MutexLock flushing(&flush_mutex_);
   {
     MutexLock lock(&batch_mutex_);
-    flush_posted_ = false;
     flush_timer_armed_ = false;
     last_flush_ = std::chrono::steady_clock::now();
     puts.swap(puts_);

@@ -77,8 +77,11 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   // Sends the queued batches. Urgent (a caller is blocked on the answer): at once. Otherwise a
   // burst coalesces: within kCoalesceWindow of the previous flush, the next one waits for the
   // window's end, so thousands of Submits become a few messages while a lone call is not delayed.
-  void ScheduleFlush(bool urgent);  // any thread
-  void Flush();                     // io thread
+  // Sends the batches now (urgent, or nothing sent for kCoalesceWindow) on the calling thread,
+  // or when the window ends on the io thread. Any thread, holding none of the client's locks
+  // but ready_mutex_.
+  void ScheduleFlush(bool urgent) EXCLUDES(flush_mutex_, batch_mutex_);
+  void Flush() EXCLUDES(flush_mutex_, batch_mutex_);  // any thread
   // Every scheduler interval: closes the connection when the scheduler has been silent past
   // rpc::SchedulerSilenceLimit (stopped, or its host gone), so no call waits on it forever.
   void WatchScheduler();  // io thread
@@ -109,13 +112,15 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   // This driver's Puts, served to workers.
   std::unordered_map<uint64_t, Tensor> held_ GUARDED_BY(held_mutex_);
 
+  // Held through a whole Flush, so that batches go out in the order they were taken (a Watch
+  // never overtakes the Submit of what it watches) whichever thread flushes.
+  Mutex flush_mutex_ ACQUIRED_AFTER(ready_mutex_);
   // The outgoing batches below. Taken after ready_mutex_ where both are held (Watch).
-  Mutex batch_mutex_ ACQUIRED_AFTER(ready_mutex_);
+  Mutex batch_mutex_ ACQUIRED_AFTER(ready_mutex_, flush_mutex_);
   std::vector<std::pair<ObjectSpec, std::string>> puts_ GUARDED_BY(batch_mutex_);
   std::vector<std::pair<TaskSpec, std::vector<ObjectSpec>>> submits_ GUARDED_BY(batch_mutex_);
   std::vector<uint64_t> watches_ GUARDED_BY(batch_mutex_);
   std::vector<uint64_t> releases_ GUARDED_BY(batch_mutex_);
-  bool flush_posted_ GUARDED_BY(batch_mutex_) = false;
   bool flush_timer_armed_ GUARDED_BY(batch_mutex_) = false;
   std::chrono::steady_clock::time_point last_flush_ GUARDED_BY(batch_mutex_);
   std::unique_ptr<rpc::asio::steady_timer> flush_timer_;

@@ -48,7 +48,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // Starts reading. REQUIRES: called once.
   void Start(MessageHandler on_message, CloseHandler on_close);
-  // Queues one message; a no-op after Close.
+  // Sends one message; a no-op after Close. Called off the io thread with nothing else on its
+  // way out, it writes on the calling thread what the socket takes at once (no hand-off to the
+  // io thread); otherwise, and for the rest, it queues for the io thread.
   void Send(capnp::MessageBuilder& message);
   void SendFrame(std::vector<uint8_t> frame) EXCLUDES(write_mutex_);
   // Closes the socket; the close handler gets `reason`. Idempotent.
@@ -71,6 +73,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connection(GenericSocket socket, std::string peer, uint32_t max_frame_bytes);
   void ReadMore();
   void WriteQueued() EXCLUDES(write_mutex_);  // io thread
+  bool OnIoThread();
+  // Writes what the socket takes without blocking; the bytes written, or Unavailable for a
+  // broken connection.
+  Result<size_t> WriteNow(const std::vector<uint8_t>& frame) REQUIRES(write_mutex_);
   void CloseOnIoThread(const Status& reason) EXCLUDES(write_mutex_);
 
   GenericSocket socket_;
