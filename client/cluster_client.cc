@@ -139,19 +139,18 @@ Status ClusterClient::Connect(const std::string& address, const std::string& tok
   return Status::Ok();
 }
 
-void ClusterClient::ScheduleFlush(bool urgent) {
+void ClusterClient::ScheduleFlush(FlushWhen when) {
   const auto now = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point at;
   {
     MutexLock lock(&batch_mutex_);
-    if (!urgent && now - last_flush_ < kCoalesceWindow) {
+    const bool quiet = now - last_flush_ >= kCoalesceWindow;
+    if (when == FlushWhen::kLazy || (when == FlushWhen::kSoon && !quiet)) {
       if (flush_timer_armed_) return;
       flush_timer_armed_ = true;
-      at = last_flush_ + kCoalesceWindow;
+      at = quiet ? now + kCoalesceWindow : last_flush_ + kCoalesceWindow;
     }
   }
-  // Urgent, or nothing sent for a window: on this thread, now (waking the io thread to send
-  // would cost more than the send).
   if (at == std::chrono::steady_clock::time_point()) {
     Flush();
     return;
@@ -180,7 +179,13 @@ void ClusterClient::Flush() {
     watches.swap(watches_);
     releases.swap(releases_);
   }
-  // Order matters: objects before the tasks that read them, releases last.
+  // Order matters: objects before the tasks that read them, releases last. The frames go out
+  // back to back in one write: one wake-up of the scheduler, one read there.
+  std::vector<uint8_t> frames;
+  const auto append = [&frames](capnp::MessageBuilder& message) {
+    const std::vector<uint8_t> frame = rpc::EncodeFrame(message);
+    frames.insert(frames.end(), frame.begin(), frame.end());
+  };
   if (!puts.empty()) {
     rpc::ScopedMessageBuilder message;
     auto put = message.initRoot<proto::Envelope>().initBody().initPutObjects();
@@ -192,7 +197,7 @@ void ClusterClient::Flush() {
       inlines.set(i,
                   capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
     }
-    connection_->Send(message);
+    append(message);
   }
   if (!submits.empty()) {
     rpc::ScopedMessageBuilder message;
@@ -201,22 +206,23 @@ void ClusterClient::Flush() {
     for (unsigned i = 0; i < submits.size(); ++i) {
       rpc::ToWire(submits[i].first, submits[i].second, tasks[i]);
     }
-    connection_->Send(message);
+    append(message);
   }
   if (!watches.empty()) {
     rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initWatchObjects().initIds(
         static_cast<unsigned>(watches.size()));
     for (unsigned i = 0; i < watches.size(); ++i) ids.set(i, watches[i]);
-    connection_->Send(message);
+    append(message);
   }
   if (!releases.empty()) {
     rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initReleaseObjects().initIds(
         static_cast<unsigned>(releases.size()));
     for (unsigned i = 0; i < releases.size(); ++i) ids.set(i, releases[i]);
-    connection_->Send(message);
+    append(message);
   }
+  if (!frames.empty()) connection_->SendFrame(std::move(frames));
 }
 
 void ClusterClient::WatchScheduler() {
@@ -329,7 +335,7 @@ void ClusterClient::Watch(const std::vector<ObjectId>& ids) {
       }
     }
   }
-  if (added) ScheduleFlush(/*urgent=*/true);
+  if (added) ScheduleFlush(FlushWhen::kAwaited);
 }
 
 bool ClusterClient::WaitReady(uint64_t id,

@@ -74,14 +74,18 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   uint64_t NextId() { return (driver_id_ << kIdSequenceBits) | next_sequence_++; }
   Status OnMessage(rpc::ReceivedMessage& message);  // io thread
   void OnObjectsReady(proto::ObjectsReady::Reader ready);
-  // Sends the queued batches. Urgent (a caller is blocked on the answer): at once. Otherwise a
-  // burst coalesces: within kCoalesceWindow of the previous flush, the next one waits for the
-  // window's end, so thousands of Submits become a few messages while a lone call is not delayed.
-  // Sends the batches now (urgent, or nothing sent for kCoalesceWindow) on the calling thread,
-  // or when the window ends on the io thread. Any thread, holding none of the client's locks
-  // but ready_mutex_.
-  void ScheduleFlush(bool urgent) EXCLUDES(flush_mutex_, batch_mutex_);
-  void Flush() EXCLUDES(flush_mutex_, batch_mutex_);  // any thread
+  // When the queued batches go out:
+  //   kAwaited  a caller blocks on the answer (a Watch): now.
+  //   kSoon     now if nothing was sent for kCoalesceWindow, else at the window's end, so a
+  //             lone Submit is not delayed while thousands of them become a few messages.
+  //   kLazy     nothing waits on it (a Release): with the next flush, at the latest at the
+  //             window's end.
+  // "Now" is on the calling thread (waking the io thread to send costs more than the send);
+  // the window's end on the io thread. Any thread, holding none of the client's locks.
+  enum class FlushWhen { kAwaited, kSoon, kLazy };
+  void ScheduleFlush(FlushWhen when) EXCLUDES(flush_mutex_, batch_mutex_);
+  // Sends every queued batch, all in one write. Any thread.
+  void Flush() EXCLUDES(flush_mutex_, batch_mutex_);
   // Every scheduler interval: closes the connection when the scheduler has been silent past
   // rpc::SchedulerSilenceLimit (stopped, or its host gone), so no call waits on it forever.
   void WatchScheduler();  // io thread

@@ -45,7 +45,7 @@ Result<ObjectRef> ClusterClient::Put(const Tensor& value) {
     MutexLock lock(&batch_mutex_);
     puts_.emplace_back(std::move(spec), std::move(inline_data));
   }
-  ScheduleFlush(/*urgent=*/false);
+  ScheduleFlush(FlushWhen::kSoon);
   return MakeRef(id, value.meta());
 }
 
@@ -88,7 +88,7 @@ Result<std::vector<ObjectRef>> ClusterClient::Submit(const std::string& op,
     MutexLock lock(&batch_mutex_);
     submits_.emplace_back(std::move(task), std::move(outputs));
   }
-  ScheduleFlush(/*urgent=*/false);
+  ScheduleFlush(FlushWhen::kSoon);
   return refs;
 }
 
@@ -103,7 +103,7 @@ void ClusterClient::Release(ObjectId id) {
     MutexLock lock(&batch_mutex_);
     releases_.push_back(id.value());
   }
-  ScheduleFlush(/*urgent=*/false);
+  ScheduleFlush(FlushWhen::kLazy);
 }
 
 Result<Tensor> ClusterClient::Get(const ObjectRef& ref, int timeout_ms) {

@@ -52,6 +52,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // way out, it writes on the calling thread what the socket takes at once (no hand-off to the
   // io thread); otherwise, and for the rest, it queues for the io thread.
   void Send(capnp::MessageBuilder& message);
+  // Send of encoded frames (EncodeFrame): one, or several back to back (written together).
   void SendFrame(std::vector<uint8_t> frame) EXCLUDES(write_mutex_);
   // Closes the socket; the close handler gets `reason`. Idempotent.
   void Close(const Status& reason);
