@@ -113,7 +113,9 @@ void Connection::SendFrame(std::vector<uint8_t> frame) {
 }
 
 bool Connection::OnIoThread() {
-  const auto* io = socket_.get_executor().target<asio::io_context::executor_type>();
+  // The executor held here: target() points into it.
+  const auto executor = socket_.get_executor();
+  const auto* io = executor.target<asio::io_context::executor_type>();
   return io != nullptr && io->running_in_this_thread();
 }
 
