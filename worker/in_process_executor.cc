@@ -245,8 +245,9 @@ void InProcessExecutor::Queue(GraphExecution* run, const std::vector<int>& tasks
 }
 
 void InProcessExecutor::SerialLoop() {
+  IdleSpinner spinner(std::chrono::microseconds(options_.idle_spin_us));
   while (true) {
-    SpinUntil(std::chrono::microseconds(options_.idle_spin_us), [this] {
+    const bool found = spinner.Spin([this] {
       MutexLock lock(&queue_mutex_);
       return slots_busy_ > 0 || serial_stopping_;
     });
@@ -256,6 +257,7 @@ void InProcessExecutor::SerialLoop() {
       while (!serial_stopping_ && slots_busy_ == 0) queue_changed_.Wait(&queue_mutex_);
       if (slots_busy_ == 0) return;  // stopping, nothing claimed
     }
+    if (!found) spinner.Woke();
     SlotLoop();
   }
 }

@@ -9,11 +9,13 @@ void RunIoLoop(asio::io_context& io, std::chrono::microseconds spin) {
     io.run();
     return;
   }
+  IdleSpinner spinner(spin);
   while (!io.stopped()) {
     // poll runs every ready handler (the reactor with a zero timeout); it stops the context
     // when it is out of work, as run would return.
-    if (SpinUntil(spin, [&io] { return io.poll() > 0 || io.stopped(); })) continue;
+    if (spinner.Spin([&io] { return io.poll() > 0 || io.stopped(); })) continue;
     if (io.run_one() == 0) return;  // blocks until a handler ran; 0: stopped or out of work
+    spinner.Woke();
   }
 }
 

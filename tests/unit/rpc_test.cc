@@ -551,6 +551,27 @@ TEST(IdleSpinTest, ReturnsAsSoonAsReadyAndGivesUpAfterTheSpin) {
   EXPECT_GT(calls, 1);
 }
 
+// The spin follows the gaps: halved after each gap longer than the bound (down to none), full
+// again after a gap a full spin would have caught.
+TEST(IdleSpinTest, TheSpinnerBacksOffAfterLongGapsAndComesBackAfterShortOnes) {
+  using std::chrono::microseconds;
+  IdleSpinner spinner(microseconds(1000));
+  const auto never = [] { return false; };
+  EXPECT_EQ(spinner.allowance(), microseconds(1000));
+  for (const int expected : {500, 250, 125, 62, 31, 15, 7, 3, 1, 0, 0}) {
+    EXPECT_FALSE(spinner.Spin(never));
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));  // a long gap
+    spinner.Woke();
+    EXPECT_EQ(spinner.allowance(), microseconds(expected));
+  }
+  EXPECT_FALSE(spinner.Spin(never));  // no spin at all now
+  spinner.Woke();                     // at once: a short gap
+  EXPECT_EQ(spinner.allowance(), microseconds(1000));
+  int calls = 0;
+  EXPECT_TRUE(spinner.Spin([&calls] { return ++calls == 2; }));
+  EXPECT_EQ(spinner.allowance(), microseconds(1000));
+}
+
 // The io loop runs handlers posted from other threads whether it spins or sleeps in the reactor
 // at the time, and returns like io_context::run: when stopped, or out of work.
 TEST(IoLoopTest, RunsPostedHandlersAndReturnsWhenStoppedOrOutOfWork) {
