@@ -141,6 +141,7 @@ void InstanceTable::Start(InstanceStart start) {
   SendRunGraph(*outbox_, graph.workers, message);
   graphs_->InstanceStarted(graph);
   instances_.emplace(Key(graph.id, instance.instance), std::move(instance));
+  ++running_of_graph_[graph.id];
 }
 
 Status InstanceTable::Finished(WorkerId worker, proto::InstanceFinished::Reader finished) {
@@ -203,7 +204,7 @@ void InstanceTable::MaybeFinish(const Key& key) {
   if (it == instances_.end()) return;
   if (!it->second.pending.empty() && it->second.error.ok()) return;
   const InstanceEntry done = std::move(it->second);
-  instances_.erase(it);
+  Erase(it);
   const uint64_t graph_id = done.graph->id;
   graphs_->InstanceEnded(*done.graph);  // may forget a retired graph: done.graph is not used after
   for (ObjectId id : done.bound) objects_->ReleaseUse(id);
@@ -230,6 +231,13 @@ void InstanceTable::Abandon(uint64_t graph, uint64_t instance, const Status& err
   FailInstance(entry, WorkerId(), error);
   graphs_->InstanceEnded(*entry.graph);
   for (ObjectId id : entry.bound) objects_->ReleaseUse(id);
+  Erase(it);
+}
+
+void InstanceTable::Erase(Instances::iterator it) {
+  if (auto count = running_of_graph_.find(it->first.first); --count->second == 0) {
+    running_of_graph_.erase(count);
+  }
   instances_.erase(it);
 }
 
@@ -241,6 +249,7 @@ void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const St
       broken.push_back(key);
     }
   }
+  std::sort(broken.begin(), broken.end());  // oldest first, whatever the table's order
   for (const Key& key : broken) {
     InstanceEntry& instance = instances_.at(key);
     auto& pending = instance.pending;
@@ -255,8 +264,7 @@ void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const St
 
 bool InstanceTable::Running(uint64_t graph, uint64_t instance) const {
   if (instance != 0) return instances_.contains({graph, instance});
-  auto it = instances_.lower_bound({graph, 0});
-  return it != instances_.end() && it->first.first == graph;
+  return running_of_graph_.contains(graph);
 }
 
 }  // namespace tessera

@@ -49,21 +49,20 @@ void TraceStore::Keep(WorkerId worker, uint64_t graph, uint64_t instance, std::s
                       const std::vector<TaskSpec>* tasks, const std::vector<ObjectSpec>* objects,
                       bool submitted) {
   std::deque<Instance>& kept = submitted ? submitted_ : instances_;
+  Index& index = submitted ? submitted_index_ : instances_index_;
   const size_t most = submitted ? kSubmittedInstances : static_cast<size_t>(max_instances_);
-  auto it = std::find_if(kept.begin(), kept.end(), [&](const Instance& entry) {
-    return entry.graph == graph && entry.instance == instance;
-  });
-  if (it == kept.end()) {
-    kept.push_back(Instance{graph, instance, LabelsFor(graph, tasks, objects), {}});
-    it = std::prev(kept.end());
+  auto [found, added] = index.try_emplace({graph, instance}, nullptr);
+  if (added) {
+    found->second =
+        &kept.emplace_back(Instance{graph, instance, LabelsFor(graph, tasks, objects), {}});
     while (kept.size() > most) {
+      index.erase({kept.front().graph, kept.front().instance});
       kept.pop_front();
-      it = std::prev(kept.end());
     }
     // Labels of graphs no kept instance uses any more.
     std::erase_if(labels_, [](const auto& entry) { return entry.second.expired(); });
   }
-  it->workers.emplace_back(worker, std::move(packed));
+  found->second->workers.emplace_back(worker, std::move(packed));
 }
 
 std::vector<TimelineSpan> TraceStore::Collect(

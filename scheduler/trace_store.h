@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -81,9 +82,20 @@ class TraceStore {
   std::shared_ptr<const Labels> LabelsFor(uint64_t graph, const std::vector<TaskSpec>* tasks,
                                           const std::vector<ObjectSpec>* objects);
 
+  // Kept instances, oldest first, with an index by (graph, instance): a report finds its
+  // instance without a scan (every submitted task's report comes here). A deque's push_back and
+  // pop_front leave the other elements where they are, so the index points into it.
+  struct KeyHash {
+    size_t operator()(const std::pair<uint64_t, uint64_t>& key) const {
+      return std::hash<uint64_t>{}(key.first * 0x9e3779b97f4a7c15ULL ^ key.second);
+    }
+  };
+  using Index = std::unordered_map<std::pair<uint64_t, uint64_t>, Instance*, KeyHash>;
+
   const int max_instances_;
-  std::deque<Instance> instances_;                          // oldest first
-  std::deque<Instance> submitted_;                          // oldest first
+  std::deque<Instance> instances_;  // oldest first
+  std::deque<Instance> submitted_;  // oldest first
+  Index instances_index_, submitted_index_;
   std::map<uint64_t, std::weak_ptr<const Labels>> labels_;  // by graph, while instances use them
 };
 
