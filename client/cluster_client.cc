@@ -182,10 +182,6 @@ void ClusterClient::Flush() {
   // Order matters: objects before the tasks that read them, releases last. The frames go out
   // back to back in one write: one wake-up of the scheduler, one read there.
   std::vector<uint8_t> frames;
-  const auto append = [&frames](capnp::MessageBuilder& message) {
-    const std::vector<uint8_t> frame = rpc::EncodeFrame(message);
-    frames.insert(frames.end(), frame.begin(), frame.end());
-  };
   if (!puts.empty()) {
     rpc::ScopedMessageBuilder message;
     auto put = message.initRoot<proto::Envelope>().initBody().initPutObjects();
@@ -197,7 +193,7 @@ void ClusterClient::Flush() {
       inlines.set(i,
                   capnp::Data::Reader(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
     }
-    append(message);
+    rpc::AppendFrame(message, frames);
   }
   if (!submits.empty()) {
     rpc::ScopedMessageBuilder message;
@@ -206,21 +202,21 @@ void ClusterClient::Flush() {
     for (unsigned i = 0; i < submits.size(); ++i) {
       rpc::ToWire(submits[i].first, submits[i].second, tasks[i]);
     }
-    append(message);
+    rpc::AppendFrame(message, frames);
   }
   if (!watches.empty()) {
     rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initWatchObjects().initIds(
         static_cast<unsigned>(watches.size()));
     for (unsigned i = 0; i < watches.size(); ++i) ids.set(i, watches[i]);
-    append(message);
+    rpc::AppendFrame(message, frames);
   }
   if (!releases.empty()) {
     rpc::ScopedMessageBuilder message;
     auto ids = message.initRoot<proto::Envelope>().initBody().initReleaseObjects().initIds(
         static_cast<unsigned>(releases.size()));
     for (unsigned i = 0; i < releases.size(); ++i) ids.set(i, releases[i]);
-    append(message);
+    rpc::AppendFrame(message, frames);
   }
   if (!frames.empty()) connection_->SendFrame(std::move(frames));
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -45,6 +46,13 @@ struct WorkerIdTag {
 using ObjectId = Id<ObjectIdTag>;
 using TaskId = Id<TaskIdTag>;
 using WorkerId = Id<WorkerIdTag>;
+
+// Hash of a pair of 64-bit ids, e.g. (graph, instance), for unordered containers keyed by it.
+struct IdPairHash {
+  size_t operator()(const std::pair<uint64_t, uint64_t>& key) const {
+    return std::hash<uint64_t>{}(key.first * 0x9e3779b97f4a7c15ULL ^ key.second);
+  }
+};
 
 }  // namespace tessera
 

@@ -110,14 +110,9 @@ class InstanceTable {
     WorkerId failed_on;
   };
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
-  struct KeyHash {
-    size_t operator()(const Key& key) const {
-      return std::hash<uint64_t>{}(key.first * 0x9e3779b97f4a7c15ULL ^ key.second);
-    }
-  };
   // Hashed: a stream of submitted tasks keeps tens of thousands in flight, and every report
   // looks its instance up (with a tree, Finished took 7% of the scheduler's time in perf).
-  using Instances = std::unordered_map<Key, InstanceEntry, KeyHash>;
+  using Instances = std::unordered_map<Key, InstanceEntry, IdPairHash>;
 
   // Binds a driver's run's inputs: graph-local id -> sealed cluster object. InvalidArgument (or
   // the bound object's error) when a binding is unknown, not ready, of another meta, or missing.

@@ -85,12 +85,7 @@ class TraceStore {
   // Kept instances, oldest first, with an index by (graph, instance): a report finds its
   // instance without a scan (every submitted task's report comes here). A deque's push_back and
   // pop_front leave the other elements where they are, so the index points into it.
-  struct KeyHash {
-    size_t operator()(const std::pair<uint64_t, uint64_t>& key) const {
-      return std::hash<uint64_t>{}(key.first * 0x9e3779b97f4a7c15ULL ^ key.second);
-    }
-  };
-  using Index = std::unordered_map<std::pair<uint64_t, uint64_t>, Instance*, KeyHash>;
+  using Index = std::unordered_map<std::pair<uint64_t, uint64_t>, Instance*, IdPairHash>;
 
   const int max_instances_;
   std::deque<Instance> instances_;  // oldest first

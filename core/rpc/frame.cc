@@ -29,17 +29,24 @@ capnp::ReaderOptions ReaderLimits(size_t words) {
 }  // namespace
 
 std::vector<uint8_t> EncodeFrame(capnp::MessageBuilder& message) {
-  // Serialised straight into the frame: one allocation, one copy.
+  std::vector<uint8_t> frame;
+  AppendFrame(message, frame);
+  return frame;
+}
+
+void AppendFrame(capnp::MessageBuilder& message, std::vector<uint8_t>& frames) {
+  // Serialised straight into the frame: one copy.
   const size_t payload_bytes = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
-  std::vector<uint8_t> frame(kFrameHeaderBytes + payload_bytes);
+  const size_t start = frames.size();
+  frames.resize(start + kFrameHeaderBytes + payload_bytes);
+  uint8_t* frame = frames.data() + start;
   const uint32_t magic = kFrameMagic;
   const auto length = static_cast<uint32_t>(payload_bytes);
-  std::memcpy(frame.data(), &magic, 4);
-  std::memcpy(frame.data() + 4, &length, 4);
+  std::memcpy(frame, &magic, 4);
+  std::memcpy(frame + 4, &length, 4);
   kj::ArrayOutputStream payload(
-      kj::arrayPtr(reinterpret_cast<kj::byte*>(frame.data() + kFrameHeaderBytes), payload_bytes));
+      kj::arrayPtr(reinterpret_cast<kj::byte*>(frame + kFrameHeaderBytes), payload_bytes));
   capnp::writeMessage(payload, message);
-  return frame;
 }
 
 namespace {

@@ -29,6 +29,9 @@ inline constexpr uint32_t kDefaultMaxFrameBytes = 256u << 20;
 
 // Serialises a message into one frame.
 std::vector<uint8_t> EncodeFrame(capnp::MessageBuilder& message);
+// Serialises a message as one frame at the end of `frames` (several frames back to back, sent
+// in one write).
+void AppendFrame(capnp::MessageBuilder& message, std::vector<uint8_t>& frames);
 
 // The first segment of a ScopedMessageBuilder: 8 KiB of zeroed words from this thread's pool
 // (a few kept per thread), given back when the builder is gone.
