@@ -41,6 +41,7 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
     for (int64_t peak : run.getRolePeaks()) w.last_run.role_peaks.push_back(peak);
     w.last_run.model_state_peak = run.getModelStatePeak();
     w.last_run.transient_peak = run.getTransientPeak();
+    w.last_run.total_peak = run.getTotalPeak();
     w.last_run.allocator_peak = run.getAllocatorPeak();
     w.last_run.collective_bytes_sent = run.getCollectiveBytesSent();
     w.last_run.pushed_bytes = run.getPushedBytes();

@@ -49,6 +49,7 @@ class InProcessBackend final : public GraphBackend {
     last_figures_.role_peaks.assign(roles.peak.begin(), roles.peak.end());
     last_figures_.model_state_peak = roles.model_state_peak;
     last_figures_.transient_peak = roles.transient_peak;
+    last_figures_.total_peak = roles.total_peak;
     last_figures_.allocator_peak = run->stats.peak_bytes;
     last_figures_.wall_ms = run->stats.wall_ms;
     ValueMap outputs;

@@ -29,6 +29,7 @@
 // Thread safety: a Graph is built on one thread, then read-only; concurrent reads are fine.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -57,6 +58,7 @@ enum class ObjectRole : uint8_t {
   kGradientBucket,
 };
 inline constexpr ObjectRole kLastObjectRole = ObjectRole::kGradientBucket;
+inline constexpr size_t kObjectRoles = static_cast<size_t>(kLastObjectRole) + 1;
 
 std::string_view ObjectRoleName(ObjectRole role);
 

@@ -19,6 +19,7 @@ json LastRunJson(const LastRun& run) {
           {"instance", run.instance},
           {"model_state_peak", run.model_state_peak},
           {"transient_peak", run.transient_peak},
+          {"total_peak", run.total_peak},
           {"allocator_peak", run.allocator_peak},
           {"role_peaks", std::move(roles)},
           {"collective_bytes_sent", run.collective_bytes_sent},

@@ -25,6 +25,7 @@ struct LastRun {
   uint64_t instance = 0;
   int64_t model_state_peak = 0;  // parameters + gradients + optimizer state
   int64_t transient_peak = 0;    // gathered parameters + gradient buckets
+  int64_t total_peak = 0;        // every role together
   int64_t allocator_peak = 0;
   std::vector<std::pair<std::string, int64_t>> role_peaks;  // role name, peak bytes
   int64_t collective_bytes_sent = 0;

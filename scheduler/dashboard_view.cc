@@ -62,6 +62,7 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
       run.instance = report.getInstance();
       run.model_state_peak = report.getModelStatePeak();
       run.transient_peak = report.getTransientPeak();
+      run.total_peak = report.getTotalPeak();
       run.allocator_peak = report.getAllocatorPeak();
       run.collective_bytes_sent = report.getCollectiveBytesSent();
       run.pushed_bytes = report.getPushedBytes();

@@ -655,6 +655,7 @@ void GraphRunner::Report(const Key& key, const Status& error,
     for (unsigned r = 0; r < kObjectRoles; ++r) peaks.set(r, figures.role_bytes.peak[r]);
     report.setModelStatePeak(figures.role_bytes.model_state_peak);
     report.setTransientPeak(figures.role_bytes.transient_peak);
+    report.setTotalPeak(figures.role_bytes.total_peak);
     report.setAllocatorPeak(figures.allocator_peak);
     report.setCollectiveBytesSent(figures.collective_bytes);
     report.setPushedBytes(figures.pushed_bytes);

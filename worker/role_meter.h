@@ -22,12 +22,11 @@
 
 namespace tessera {
 
-inline constexpr size_t kObjectRoles = static_cast<size_t>(kLastObjectRole) + 1;
-
 struct RoleBytes {
   std::array<int64_t, kObjectRoles> peak{};  // per role, each at its own peak
   int64_t model_state_peak = 0;              // max of parameters + gradients + optimizer state
   int64_t transient_peak = 0;                // max of gathered parameters + gradient buckets
+  int64_t total_peak = 0;                    // max of every role together
   int64_t operator[](ObjectRole role) const { return peak[static_cast<size_t>(role)]; }
 };
 
@@ -69,15 +68,17 @@ class RoleMeter {
 
  private:
   void UpdatePeaks() REQUIRES(mutex_) {
-    int64_t model_state = 0, transient = 0;
+    int64_t model_state = 0, transient = 0, total = 0;
     for (size_t r = 0; r < kObjectRoles; ++r) {
       const auto role = static_cast<ObjectRole>(r);
+      total += live_[r];
       if (IsModelState(role)) model_state += live_[r];
       if (IsTransient(role)) transient += live_[r];
       bytes_.peak[r] = std::max(bytes_.peak[r], live_[r]);
     }
     bytes_.model_state_peak = std::max(bytes_.model_state_peak, model_state);
     bytes_.transient_peak = std::max(bytes_.transient_peak, transient);
+    bytes_.total_peak = std::max(bytes_.total_peak, total);
   }
 
   mutable Mutex mutex_;

@@ -255,6 +255,7 @@ struct RunReport {
   collectiveBytesSent @6 :Int64;  # sent by this worker's collective members
   pushedBytes @7 :Int64;          # objects pushed to other workers
   wallMicros @8 :Int64;
+  totalPeak @9 :Int64;            # every role together (the memory model's prediction)
 }
 
 # ---- collectives: forming a group's communicator, and its failures ----

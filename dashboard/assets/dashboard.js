@@ -94,6 +94,7 @@ function renderCluster(c) {
     tr.appendChild(el('td', 'worker' + w.id));
     tr.appendChild(el('td', bytes(r.model_state_peak), 'num'));
     tr.appendChild(el('td', bytes(r.transient_peak), 'num'));
+    tr.appendChild(el('td', bytes(r.total_peak), 'num'));
     tr.appendChild(el('td', bytes(r.allocator_peak), 'num'));
     tr.appendChild(el('td', bytes(r.collective_bytes_sent), 'num'));
     tr.appendChild(el('td', bytes(r.pushed_bytes), 'num'));

@@ -134,6 +134,11 @@ void AddTraceFlags(CLI::App& app, CommonFlags& flags) {
                  "(open in ui.perfetto.dev)");
   app.add_option("--trace-steps", flags.trace.steps, "How many of the last steps --trace writes")
       ->check(tessera::AtLeast(1));
+  app.add_flag("--explain-memory", flags.trace.explain_memory,
+               "Before training, print the memory one step needs on each worker, predicted from "
+               "its graph: the peak per tier, the task it is reached at, what is live then, and "
+               "a timeline (with --steps 0: only that). After training, each rank's line gives "
+               "the measured peak (all objects) beside it");
 }
 
 void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {

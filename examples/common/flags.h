@@ -12,7 +12,7 @@
 //   cluster      --address HOST:PORT --token-file F;  placement  --placement scheduler|layers
 //   recovery     --max-restarts K --min-workers M --replace-workers --snapshot-every N
 //                --replacement-grace-ms T
-//   trace        --trace FILE --trace-steps N
+//   trace        --trace FILE --trace-steps N --explain-memory
 //
 // A driver declares its own flags (the model, its data, the learning rate) around the groups it
 // supports (Add*Flags, each registering one group on a CLI11 app, values into CommonFlags), parses
@@ -62,6 +62,7 @@ struct RecoveryFlags {
 struct TraceFlags {
   std::string path;  // empty: no trace
   int steps = 2;
+  bool explain_memory = false;  // print the step's predicted memory before training
 };
 
 struct CommonFlags {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "client/trace.h"
+#include "planner/memory_model.h"
 
 namespace tessera::examples {
 
@@ -80,6 +81,7 @@ void StepStats::Record(const StepReport& report) {
     }
     kept.figures.model_state_peak = std::max(kept.figures.model_state_peak, now.model_state_peak);
     kept.figures.transient_peak = std::max(kept.figures.transient_peak, now.transient_peak);
+    kept.figures.total_peak = std::max(kept.figures.total_peak, now.total_peak);
     kept.figures.collective_bytes_sent = now.collective_bytes_sent;
     kept.figures.pushed_bytes = now.pushed_bytes;
   }
@@ -99,11 +101,12 @@ void StepStats::PrintRanks() const {
     const RunFigures& f = rank.figures;
     std::printf(
         "worker rank %d%s: peak params %.2f MB, grads %.2f MB, optimizer %.2f MB (model state "
-        "%.2f MB), transient %.2f MB; sent %.2f MB/step\n",
+        "%.2f MB), transient %.2f MB, all objects %.2f MB; sent %.2f MB/step\n",
         rank.rank, rank.worker.valid() ? (" (" + rank.worker.ToString() + ")").c_str() : "",
         Megabytes(f.peak(ObjectRole::kParameter)), Megabytes(f.peak(ObjectRole::kGradient)),
         Megabytes(f.peak(ObjectRole::kOptimizerState)), Megabytes(f.model_state_peak),
-        Megabytes(f.transient_peak), Megabytes(f.collective_bytes_sent + f.pushed_bytes));
+        Megabytes(f.transient_peak), Megabytes(f.total_peak),
+        Megabytes(f.collective_bytes_sent + f.pushed_bytes));
   }
 }
 
@@ -216,6 +219,16 @@ Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) 
     if (recovery_) recovery_->AfterStep(*trainer, DataState(), checkpointed);
     if (hooks_.after_step) TESSERA_RETURN_IF_ERROR(hooks_.after_step(*trainer, i));
   }
+  return Status::Ok();
+}
+
+Status PrintMemoryPlan(const Trainer& trainer, const TraceFlags& flags) {
+  if (!flags.explain_memory) return Status::Ok();
+  const Graph& graph = trainer.step_graph().graph;
+  Result<MemoryProfile> profile = PredictMemory(graph);
+  if (!profile.ok()) return profile.status().WithContext("--explain-memory");
+  std::fputs(ExplainMemory(graph, *profile).c_str(), stdout);
+  std::fflush(stdout);
   return Status::Ok();
 }
 

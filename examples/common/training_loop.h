@@ -154,5 +154,8 @@ class TrainingLoop {
 // --trace: writes the last --trace-steps steps' trace (client/trace.h) and says so on stderr;
 // nothing without --trace. NotFound when no step ran.
 Status WriteStepTrace(Trainer& trainer, const TraceFlags& flags, const std::string& program);
+// --explain-memory: the step graph's memory as planner/memory_model.h predicts it, on stdout
+// (nothing without the flag).
+Status PrintMemoryPlan(const Trainer& trainer, const TraceFlags& flags);
 
 }  // namespace tessera::examples

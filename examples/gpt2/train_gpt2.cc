@@ -450,6 +450,7 @@ Status Train(const Flags& flags) {
                            examples::Session::Open(flags.common, runtime, kProgram));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            MakeTrainer(flags, shape, model, plan, *session, *data));
+  TESSERA_RETURN_IF_ERROR(examples::PrintMemoryPlan(*trainer, flags.common.trace));
   examples::Checkpoints checkpoints(flags.common.checkpoints, kProgram);
   TESSERA_ASSIGN_OR_RETURN(std::optional<tessera::CheckpointInfo> resumed,
                            checkpoints.Resume(*trainer));

@@ -131,6 +131,7 @@ Status Train(const Flags& flags) {
   if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
     std::printf("gradient buckets %s\n", buckets.c_str());
   }
+  TESSERA_RETURN_IF_ERROR(examples::PrintMemoryPlan(*trainer, flags.common.trace));
   examples::Checkpoints checkpoints(flags.common.checkpoints, kProgram);
   TESSERA_ASSIGN_OR_RETURN(std::optional<tessera::CheckpointInfo> resumed,
                            checkpoints.Resume(*trainer));

@@ -52,6 +52,25 @@ TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
   EXPECT_GT(FirstMatch(run.output, R"(eval step 20: val_loss ([0-9.]+))"), 0) << run.output;
 }
 
+// --explain-memory predicts the step's memory before it runs; on one executor thread the
+// measured peak of the step's objects (the rank line after training) is exactly that.
+TEST(TrainGpt2Test, ExplainMemoryPredictsTheMeasuredPeak) {
+  ProcessResult run = RunTrainGpt2("--preset tiny --steps 2 --threads 1 --explain-memory");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const double predicted =
+      FirstMatch(run.output, R"(host tier: peak ([0-9.]+) MiB while head/backward)");
+  const double measured = FirstMatch(run.output, R"(worker rank 0: .*all objects ([0-9.]+) MB)");
+  ASSERT_GT(predicted, 0) << run.output;
+  EXPECT_EQ(predicted, measured) << run.output;
+  EXPECT_NE(run.output.find("live at the peak by role: "), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("timeline (live while the task runs)"), std::string::npos)
+      << run.output;
+  // With no steps it only explains.
+  ProcessResult only = RunTrainGpt2("--preset tiny --steps 0 --explain-memory");
+  ASSERT_EQ(only.exit_code, 0) << only.output;
+  EXPECT_NE(only.output.find("host tier: peak"), std::string::npos) << only.output;
+}
+
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
@@ -82,6 +101,7 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--virtual-stages",
                            "--balance",
                            "--bucket-mb",
+                           "--explain-memory",
                            "--layer-impl"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }

@@ -1,0 +1,118 @@
+// The memory model: every object's size, tier and live interval on the worker that holds it, and
+// from them each worker's peak per tier, by role, before anything runs.
+//
+// A step is a known graph: every object's producer, readers and size are fixed when it is
+// planned, so what a worker holds at each moment follows from the order it runs its tasks in.
+// The model takes that order (SimulateWorkerOrders: the executor's own choice, or an order a
+// plan imposes) and replays the executor's accounting (worker/role_meter.h) over it:
+//   * the graph inputs a worker reads are bound when the step starts; an object another worker
+//     produces arrives (is pushed) when its producer finishes;
+//   * a task's outputs are live from the moment it runs; each object is freed after its last
+//     reader on that worker, unless it is a graph output (kept after the step); an output nobody
+//     reads there is freed as soon as it is made;
+//   * an output donated from an input the task frees (an in-place update) takes that input's
+//     place instead of adding to it.
+// So while a task runs, the live set is what was live before it plus its outputs, less the
+// donated inputs it replaces; the peak of a tier is the largest such sum. Figures are plan
+// memory (what the step's objects hold), the figure RoleMeter measures; kernels' scratch space
+// and allocator slack come on top.
+//
+// Tiers: an object lives on its TensorMeta's device (the device tier: a GPU's memory, or the
+// simulated GPU's), else in the host tier; the disk tier holds nothing yet (the object store
+// spills only on its own).
+//
+// The order (SimulateWorkerOrders) is the in-process executor's with one slot per worker: ready
+// tasks by priority, first ready first among equals (worker/in_process_executor.h), every task
+// taking one unit of time, a collective's members finishing together once every member is
+// ready, and objects reaching other workers at once. It is exact for one worker running one
+// task at a time (a step on a one-thread executor); with more threads, independent ready tasks
+// may overlap, and across workers the real durations may reorder what waits on another worker.
+// A plan that relies on the figures fixes the order with control edges (TaskSpec::after).
+//
+// Thread safety: pure functions of their arguments.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/ids.h"
+#include "core/status.h"
+
+namespace tessera {
+
+enum class MemoryTier : uint8_t { kDevice, kHost, kDisk };
+inline constexpr size_t kMemoryTiers = 3;
+const char* MemoryTierName(MemoryTier tier);
+// The tier an object of this meta lives in: the device tier off the host, else the host tier.
+MemoryTier TierOf(const TensorMeta& meta);
+
+using RoleArray = std::array<int64_t, kObjectRoles>;
+
+// The tasks one worker runs, in the order it runs them. Worker index: the workers in the order
+// their first task appears in the graph (tasks without a pinned worker share one).
+struct WorkerOrder {
+  WorkerId worker;  // invalid: the tasks nobody pinned
+  std::vector<TaskId> tasks;
+};
+
+// One object on one worker: live while tasks[first] .. tasks[last] run (positions in the
+// worker's order). first is -1 for an object bound or received before the worker's first task;
+// last is the order's size for an object kept after the step (a graph output).
+struct ObjectLifetime {
+  ObjectId object;
+  int64_t bytes = 0;
+  ObjectRole role = ObjectRole::kActivation;
+  MemoryTier tier = MemoryTier::kHost;
+  int first = -1, last = -1;
+  bool received = false;  // produced on another worker, pushed here
+  bool replaced = false;  // its last reader's output took over its buffer (donation)
+};
+
+// A tier's peak on one worker: the bytes, the task at whose run it was reached, and what was
+// live then, by role and by object (largest first).
+struct TierPeak {
+  MemoryTier tier = MemoryTier::kHost;
+  int64_t bytes = 0;
+  int position = -1;  // in the worker's order; -1: before the first task
+  RoleArray by_role{};
+  std::vector<ObjectId> live;
+};
+
+struct WorkerMemory {
+  WorkerOrder order;
+  std::vector<ObjectLifetime> objects;  // in object id order
+  std::array<TierPeak, kMemoryTiers> peaks;
+  // What RoleMeter reports for the step (RoleBytes): each role at its own peak, the largest
+  // parameters + gradients + optimizer state, gathered parameters + gradient buckets, and the
+  // largest total.
+  RoleArray role_peaks{};
+  int64_t model_state_peak = 0, transient_peak = 0, total_peak = 0;
+  // Per position in the order: live bytes per tier while that task runs.
+  std::vector<std::array<int64_t, kMemoryTiers>> during;
+};
+
+struct MemoryProfile {
+  std::vector<WorkerMemory> workers;  // by worker index
+};
+
+// Each worker's tasks in the order the executor would run them (see the header).
+// InvalidArgument when the graph cannot finish (a cycle, a collective some member of which
+// never becomes ready).
+Result<std::vector<WorkerOrder>> SimulateWorkerOrders(const Graph& graph);
+
+// The memory of each worker running `orders` (every task of the graph exactly once, each
+// after what it waits for on its worker, else InvalidArgument naming the task).
+Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<WorkerOrder>& orders);
+// SimulateWorkerOrders, then PredictMemory.
+Result<MemoryProfile> PredictMemory(const Graph& graph);
+
+// --explain-memory's text: per worker and tier, the predicted peak, the task it is reached at,
+// what is live then by role and the largest objects, and a timeline of `timeline_points`
+// positions (the peak's among them).
+std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile,
+                          int timeline_points = 16);
+
+}  // namespace tessera

@@ -1,0 +1,300 @@
+// The memory model (planner/memory_model.h): lifetimes, peaks and orders on small graphs whose
+// figures are worked out by hand, bad orders refused, and the prediction checked against the
+// executor's own accounting (RoleMeter) on real training steps: GPT-2 and the 3D U-Net on a
+// one-thread executor, where the predicted peaks must equal the measured ones exactly.
+#include "planner/memory_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/collective_task.h"
+#include "data/volumes.h"
+#include "gpt2_test_util.h"
+#include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "test_util.h"
+#include "training/trainer.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TensorMeta Floats(int64_t n, Device device = Device::Cpu()) {
+  return TensorMeta{Shape{n}, DType::kF32, device};
+}
+
+// Adds a task reading `inputs` and making `outputs`, pinned to `worker` (0: unpinned).
+TaskId Add(Graph& graph, const std::string& name, std::vector<ObjectId> inputs,
+           std::vector<ObjectId> outputs, int32_t priority = 0, uint64_t worker = 0,
+           std::vector<Donation> donations = {}) {
+  TaskSpec spec;
+  spec.name = name;
+  spec.op = "probe";
+  spec.inputs = std::move(inputs);
+  spec.outputs = std::move(outputs);
+  spec.priority = priority;
+  spec.pinned_worker = WorkerId(worker);
+  spec.donations = std::move(donations);
+  return graph.AddTask(std::move(spec));
+}
+
+std::vector<std::string> Names(const Graph& graph, const std::vector<TaskId>& tasks) {
+  std::vector<std::string> names;
+  names.reserve(tasks.size());
+  for (TaskId id : tasks) names.push_back(graph.task(id).name);
+  return names;
+}
+
+const ObjectLifetime& Life(const WorkerMemory& memory, ObjectId id) {
+  for (const ObjectLifetime& life : memory.objects) {
+    if (life.object == id) return life;
+  }
+  TESSERA_CHECK(false, "{} not held", id.ToString());
+  return memory.objects.front();
+}
+
+int64_t Host(const WorkerMemory& memory, size_t p) {
+  return memory.during[p][static_cast<size_t>(MemoryTier::kHost)];
+}
+
+// x (input, 100 B) -> f -> a (400 B) -> g -> b (200 B) -> h -> loss (4 B, output)
+// and a is also read by h: a lives from f to h.
+TEST(MemoryModelTest, AChainHoldsEachObjectFromItsProducerToItsLastReader) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(25), ObjectRole::kInput);
+  const ObjectId a = graph.AddObject("a", Floats(100), ObjectRole::kActivation);
+  const ObjectId b = graph.AddObject("b", Floats(50), ObjectRole::kActivation);
+  const ObjectId loss = graph.AddObject("loss", Floats(1), ObjectRole::kOutput);
+  Add(graph, "f", {x}, {a});
+  Add(graph, "g", {a}, {b});
+  Add(graph, "h", {a, b}, {loss});
+  graph.MarkOutput(loss);
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  ASSERT_EQ(profile.workers.size(), 1u);
+  const WorkerMemory& memory = profile.workers[0];
+  EXPECT_THAT(Names(graph, memory.order.tasks), ElementsAre("f", "g", "h"));
+  EXPECT_EQ(Life(memory, x).first, -1);
+  EXPECT_EQ(Life(memory, x).last, 0);
+  EXPECT_EQ(Life(memory, a).first, 0);
+  EXPECT_EQ(Life(memory, a).last, 2);
+  EXPECT_EQ(Life(memory, loss).last, 3);  // kept after the step
+  EXPECT_EQ(Host(memory, 0), 100 + 400);
+  EXPECT_EQ(Host(memory, 1), 400 + 200);
+  EXPECT_EQ(Host(memory, 2), 400 + 200 + 4);
+  const TierPeak& peak = memory.peaks[static_cast<size_t>(MemoryTier::kHost)];
+  EXPECT_EQ(peak.bytes, 604);
+  EXPECT_EQ(peak.position, 2);
+  EXPECT_THAT(peak.live, ElementsAre(a, b, loss));
+  EXPECT_EQ(peak.by_role[static_cast<size_t>(ObjectRole::kActivation)], 600);
+  EXPECT_EQ(memory.total_peak, 604);
+  EXPECT_EQ(memory.role_peaks[static_cast<size_t>(ObjectRole::kActivation)], 600);
+  EXPECT_EQ(memory.role_peaks[static_cast<size_t>(ObjectRole::kInput)], 100);
+  EXPECT_EQ(memory.peaks[static_cast<size_t>(MemoryTier::kDevice)].bytes, 0);
+}
+
+TEST(MemoryModelTest, ADonatedInputIsReplacedByItsOutputAndAnUnreadOutputFreedAtOnce) {
+  Graph graph;
+  const ObjectId p = graph.AddObject("p", Floats(100), ObjectRole::kParameter);
+  const ObjectId g = graph.AddObject("g", Floats(100), ObjectRole::kGradient);
+  const ObjectId p2 = graph.AddObject("p2", Floats(100), ObjectRole::kParameter);
+  const ObjectId scratch = graph.AddObject("scratch", Floats(1000), ObjectRole::kActivation);
+  Add(graph, "update", {p, g}, {p2, scratch}, 0, 0, {Donation{0, 0}});
+  graph.MarkOutput(p2);
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  const WorkerMemory& memory = profile.workers[0];
+  // During the update: g, p2 (in p's place) and the scratch output nobody reads.
+  EXPECT_EQ(Host(memory, 0), 400 + 400 + 4000);
+  EXPECT_TRUE(Life(memory, p).replaced);
+  EXPECT_EQ(Life(memory, scratch).first, 0);
+  EXPECT_EQ(Life(memory, scratch).last, 0);
+  EXPECT_EQ(memory.role_peaks[static_cast<size_t>(ObjectRole::kParameter)], 400);
+  EXPECT_EQ(memory.model_state_peak, 800);
+}
+
+TEST(MemoryModelTest, TheOrderIsTheExecutorsReadyTasksByPriorityThenFirstReady) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  std::vector<ObjectId> outs;
+  for (const char* name : {"low", "high", "mid", "after_low"}) {
+    outs.push_back(graph.AddObject(std::string(name) + ".out", Floats(1), ObjectRole::kOutput));
+    graph.MarkOutput(outs.back());
+  }
+  Add(graph, "low", {x}, {outs[0]}, 0);
+  Add(graph, "high", {x}, {outs[1]}, 5);
+  Add(graph, "mid", {x}, {outs[2]}, 2);
+  Add(graph, "after_low", {outs[0]}, {outs[3]}, 9);
+  ASSERT_OK_AND_ASSIGN(std::vector<WorkerOrder> orders, SimulateWorkerOrders(graph));
+  ASSERT_EQ(orders.size(), 1u);
+  EXPECT_THAT(Names(graph, orders[0].tasks), ElementsAre("high", "mid", "low", "after_low"));
+}
+
+TEST(MemoryModelTest, AnObjectPushedToAnotherWorkerIsLiveThereFromItsArrival) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(10), ObjectRole::kInput);
+  const ObjectId y = graph.AddObject("y", Floats(10), ObjectRole::kInput);
+  const ObjectId a = graph.AddObject("a", Floats(100), ObjectRole::kActivation);
+  const ObjectId b = graph.AddObject("b", Floats(20), ObjectRole::kActivation);
+  const ObjectId c = graph.AddObject("c", Floats(20), ObjectRole::kActivation);
+  const ObjectId out = graph.AddObject("out", Floats(1), ObjectRole::kOutput);
+  Add(graph, "w1.make", {x}, {a}, 0, 1);
+  Add(graph, "w2.first", {y}, {b}, 0, 2);
+  Add(graph, "w2.second", {b}, {c}, 0, 2);
+  const ObjectId d = graph.AddObject("d", Floats(1), ObjectRole::kActivation);
+  Add(graph, "w2.third", {c}, {d}, 0, 2);
+  Add(graph, "w2.use", {a}, {out}, -1, 2);  // after the chain, which comes first
+  graph.MarkOutput(out);
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  ASSERT_EQ(profile.workers.size(), 2u);
+  const WorkerMemory& w1 = profile.workers[0];
+  const WorkerMemory& w2 = profile.workers[1];
+  EXPECT_EQ(w1.order.worker, WorkerId(1));
+  // On the producer nobody reads a: freed as soon as it is made.
+  EXPECT_EQ(Life(w1, a).first, 0);
+  EXPECT_EQ(Life(w1, a).last, 0);
+  // a is made in round 0; w2 runs first (round 0), second (round 1), ...: a arrives for second.
+  EXPECT_THAT(Names(graph, w2.order.tasks),
+              ElementsAre("w2.first", "w2.second", "w2.third", "w2.use"));
+  EXPECT_TRUE(Life(w2, a).received);
+  EXPECT_EQ(Life(w2, a).first, 1);
+  EXPECT_EQ(Life(w2, a).last, 3);
+  EXPECT_EQ(Host(w2, 0), 40 + 80);        // y, b
+  EXPECT_EQ(Host(w2, 1), 400 + 80 + 80);  // a arrived; b, c
+  EXPECT_EQ(Host(w2, 3), 400 + 4);        // a, out (d nobody reads: freed when made)
+}
+
+TEST(MemoryModelTest, CollectiveMembersFinishTogetherOnEveryWorker) {
+  Graph graph;
+  std::vector<ObjectId> shards, fulls;
+  for (int r = 0; r < 2; ++r) {
+    shards.push_back(
+        graph.AddObject(fmt::format("shard{}", r), Floats(10), ObjectRole::kParameter));
+    fulls.push_back(
+        graph.AddObject(fmt::format("full{}", r), Floats(20), ObjectRole::kGatheredParameter));
+  }
+  const ObjectId slow_in = graph.AddObject("slow_in", Floats(1), ObjectRole::kInput);
+  const ObjectId slow = graph.AddObject("slow", Floats(1), ObjectRole::kActivation);
+  const ObjectId slow2 = graph.AddObject("slow2", Floats(1), ObjectRole::kActivation);
+  // Worker 1 does two tasks before its member is ready; worker 0's member waits for it.
+  Add(graph, "w1.a", {slow_in}, {slow}, 0, 2);
+  Add(graph, "w1.b", {slow}, {slow2}, 0, 2);
+  for (int r = 0; r < 2; ++r) {
+    TaskSpec spec;
+    spec.name = fmt::format("gather{}", r);
+    spec.op = "all_gather";
+    spec.inputs = {shards[static_cast<size_t>(r)]};
+    if (r == 1) spec.inputs.push_back(slow2);
+    spec.outputs = {fulls[static_cast<size_t>(r)]};
+    spec.pinned_worker = WorkerId(static_cast<uint64_t>(r + 1));
+    spec.attrs.Set(kCollectiveAttr, int64_t{7});
+    spec.attrs.Set(kRankAttr, int64_t{r});
+    spec.attrs.Set(kGroupSizeAttr, int64_t{2});
+    graph.AddTask(std::move(spec));
+    graph.MarkOutput(fulls[static_cast<size_t>(r)]);
+  }
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  ASSERT_EQ(profile.workers.size(), 2u);
+  // Workers in the order their first task appears: worker 2 (w1.a) first.
+  EXPECT_THAT(Names(graph, profile.workers[0].order.tasks), ElementsAre("w1.a", "w1.b", "gather1"));
+  EXPECT_THAT(Names(graph, profile.workers[1].order.tasks), ElementsAre("gather0"));
+}
+
+TEST(MemoryModelTest, OrdersThatMissRepeatOrInvertTasksAreRefusedNamingTheTask) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+  const ObjectId a = graph.AddObject("a", Floats(1), ObjectRole::kActivation);
+  const ObjectId b = graph.AddObject("b", Floats(1), ObjectRole::kOutput);
+  const TaskId f = Add(graph, "f", {x}, {a});
+  const TaskId g = Add(graph, "g", {a}, {b});
+  graph.MarkOutput(b);
+  EXPECT_THAT(PredictMemory(graph, {WorkerOrder{WorkerId(), {f}}}).status().message(),
+              HasSubstr("g is in no worker's order"));
+  EXPECT_THAT(PredictMemory(graph, {WorkerOrder{WorkerId(), {f, f, g}}}).status().message(),
+              HasSubstr("f is ordered twice"));
+  EXPECT_THAT(PredictMemory(graph, {WorkerOrder{WorkerId(), {g, f}}}).status().message(),
+              HasSubstr("g is ordered before f"));
+  EXPECT_OK(PredictMemory(graph, {WorkerOrder{WorkerId(), {f, g}}}).status());
+}
+
+TEST(MemoryModelTest, ExplainNamesThePeakItsTaskWhatIsLiveAndATimeline) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(25), ObjectRole::kInput);
+  const ObjectId a = graph.AddObject("a", Floats(1 << 20), ObjectRole::kActivation);
+  const ObjectId loss = graph.AddObject("loss", Floats(1), ObjectRole::kOutput);
+  Add(graph, "f", {x}, {a});
+  Add(graph, "h", {a}, {loss});
+  graph.MarkOutput(loss);
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  const std::string text = ExplainMemory(graph, profile);
+  EXPECT_THAT(text, HasSubstr("host tier: peak 4.00 MiB while f (task 1 of 2) runs"));
+  EXPECT_THAT(text, HasSubstr("activation 4.00 MiB"));
+  EXPECT_THAT(text, HasSubstr("a 4.00 MiB"));
+  EXPECT_THAT(text, HasSubstr("<- peak"));
+}
+
+// --- The prediction against the executor's own accounting ---
+
+ExecutorOptions OneThread() {
+  ExecutorOptions options;
+  options.threads = 1;
+  return options;
+}
+
+// Predicted and measured (the step's RoleMeter figures) for the step a trainer just took.
+void ExpectPredictionMatches(Trainer& trainer, const StepReport& report, const std::string& what) {
+  ASSERT_EQ(report.ranks.size(), 1u) << what;
+  const RunFigures& measured = report.ranks[0].figures;
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer.step_graph().graph));
+  ASSERT_EQ(profile.workers.size(), 1u) << what;
+  const WorkerMemory& predicted = profile.workers[0];
+  for (size_t role = 0; role < kObjectRoles; ++role) {
+    EXPECT_EQ(predicted.role_peaks[role], measured.peak(static_cast<ObjectRole>(role)))
+        << what << ": " << ObjectRoleName(static_cast<ObjectRole>(role));
+  }
+  EXPECT_EQ(predicted.model_state_peak, measured.model_state_peak) << what;
+  EXPECT_EQ(predicted.transient_peak, measured.transient_peak) << what;
+  EXPECT_EQ(predicted.total_peak, measured.total_peak) << what;
+  EXPECT_GT(measured.total_peak, 0) << what;
+  EXPECT_EQ(predicted.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes, measured.total_peak)
+      << what;
+}
+
+TEST(MemoryModelTest, Gpt2StepsPeaksArePredictedExactlyOnAOneThreadExecutor) {
+  const Gpt2Config config{2, 32, 4, 64, 16};
+  std::vector<int32_t> tokens(size_t{4} * 16), targets(size_t{4} * 16);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int32_t>(i * 7 % 64);
+    targets[i] = static_cast<int32_t>(i * 11 % 64);
+  }
+  for (int micro_batches : {1, 2}) {
+    TrainingPlan plan{.batch = 4, .seq_len = 16};
+    plan.parallel.micro_batches = micro_batches;
+    ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(*BuildGpt2(config), plan, OneThread()));
+    ASSERT_OK(trainer->InitializeParameters(1));
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_OK_AND_ASSIGN(StepReport report, Gpt2Step(*trainer, tokens, targets, 1e-3f));
+      ExpectPredictionMatches(*trainer, report,
+                              fmt::format("gpt2, {} micro-batches, step {}", micro_batches, step));
+    }
+  }
+}
+
+TEST(MemoryModelTest, UNet3dStepsPeaksArePredictedExactlyOnAOneThreadExecutor) {
+  const UNet3dConfig config = *UNet3dConfig::Preset("tiny");
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  TrainingPlan plan;
+  plan.batch = 2;
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(std::move(model), plan, OneThread()));
+  ASSERT_OK(trainer->InitializeParameters(1));
+  ASSERT_OK_AND_ASSIGN(VolumeBatch made, GenerateVolumes(2, config.volume, config.in_channels, 3));
+  const int64_t v = config.volume;
+  const std::vector<Tensor> batch = {
+      FloatTensor(Shape{2, config.in_channels, v, v, v}, made.volumes),
+      IntTensor(Shape{2, v, v, v}, made.labels)};
+  ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(batch, 1e-3f));
+  ExpectPredictionMatches(*trainer, report, "unet3d");
+}
+
+}  // namespace
+}  // namespace tessera::testing
