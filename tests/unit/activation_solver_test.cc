@@ -1,0 +1,199 @@
+// The activation solver (planner/activation_solver.h): against brute force over every choice on
+// random chains (up to 10 layers with three choices, 16 with keep and recompute), and the classic
+// cases (equal layers at half the memory keep half; the cheap layer is recomputed before the
+// expensive one; swapping when the link hides it, recomputing when it does not), bad problems
+// refused, impossible caps explained.
+#include "planner/activation_solver.h"
+
+#include <limits>
+#include <random>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Every assignment of the allowed choices, evaluated by the cost model: the least step time of
+// those that fit (infinity when none does).
+double BruteForceBest(const ActivationProblem& problem) {
+  const size_t n = problem.layers.size();
+  std::vector<ActivationChoice> allowed = {ActivationChoice::kKeep};
+  if (problem.allow_recompute) allowed.push_back(ActivationChoice::kRecompute);
+  if (problem.allow_swap && problem.link_bytes_per_us > 0) {
+    allowed.push_back(ActivationChoice::kSwap);
+  }
+  size_t total = 1;
+  for (size_t i = 0; i < n; ++i) total *= allowed.size();
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<ActivationChoice> choices(n);
+  for (size_t code = 0; code < total; ++code) {
+    size_t rest = code;
+    for (size_t i = 0; i < n; ++i) {
+      choices[i] = allowed[rest % allowed.size()];
+      rest /= allowed.size();
+    }
+    const ActivationPlan plan = EvaluateActivationPlan(problem, choices);
+    if (plan.fits) best = std::min(best, plan.step_us);
+  }
+  return best;
+}
+
+ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap) {
+  std::uniform_int_distribution<int64_t> bytes(1, 100);
+  std::uniform_real_distribution<double> micros(1.0, 50.0);
+  ActivationProblem problem;
+  int64_t all = 0;
+  for (size_t i = 0; i < n; ++i) {
+    problem.layers.push_back({bytes(rng) * 1000, micros(rng), micros(rng)});
+    problem.base_forward_bytes.push_back(bytes(rng) * 100);
+    problem.base_backward_bytes.push_back(bytes(rng) * 100);
+    all += problem.layers.back().saved_bytes;
+  }
+  // Caps from tight to loose around what keeping everything needs.
+  std::uniform_real_distribution<double> share(0.2, 1.1);
+  problem.cap_bytes = static_cast<int64_t>(share(rng) * static_cast<double>(all + 10'000));
+  problem.link_bytes_per_us = swap ? std::uniform_real_distribution<double>(200, 20'000)(rng) : 0;
+  problem.allow_swap = swap;
+  return problem;
+}
+
+TEST(ActivationSolverTest, MatchesBruteForceOnRandomChainsOfUpToTenLayersWithThreeChoices) {
+  std::mt19937 rng(7);
+  int solved = 0, infeasible = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const size_t n = 1 + static_cast<size_t>(trial % 10);
+    const ActivationProblem problem = RandomProblem(rng, n, /*swap=*/true);
+    const double best = BruteForceBest(problem);
+    Result<ActivationPlan> plan = SolveActivations(problem);
+    if (std::isinf(best)) {
+      EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible) << "trial " << trial;
+      ++infeasible;
+      continue;
+    }
+    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status().ToString();
+    EXPECT_TRUE(plan->fits) << "trial " << trial;
+    EXPECT_LE(plan->peak_bytes, problem.cap_bytes) << "trial " << trial;
+    // Within 1% of the optimum (the programme is exact; the tolerance is for rounding).
+    EXPECT_LE(plan->step_us, best * (1 + 1e-9)) << "trial " << trial << ", n " << n;
+    EXPECT_GE(plan->step_us, best * (1 - 1e-9)) << "trial " << trial << ", n " << n;
+    ++solved;
+  }
+  // The caps span both sides of feasibility.
+  EXPECT_GT(solved, 100);
+  EXPECT_GT(infeasible, 5);
+}
+
+TEST(ActivationSolverTest, MatchesBruteForceOnSixteenLayerChainsOfKeepAndRecompute) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 8; ++trial) {
+    const ActivationProblem problem = RandomProblem(rng, 16, /*swap=*/false);
+    const double best = BruteForceBest(problem);
+    Result<ActivationPlan> plan = SolveActivations(problem);
+    if (std::isinf(best)) {
+      EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible) << "trial " << trial;
+      continue;
+    }
+    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status().ToString();
+    EXPECT_LE(plan->step_us, best * (1 + 1e-9)) << "trial " << trial;
+    EXPECT_GE(plan->step_us, best * (1 - 1e-9)) << "trial " << trial;
+    EXPECT_EQ(plan->Count(ActivationChoice::kSwap), 0);
+  }
+}
+
+ActivationProblem EqualLayers(size_t n, int64_t saved, double forward_us) {
+  ActivationProblem problem;
+  for (size_t i = 0; i < n; ++i) problem.layers.push_back({saved, forward_us, 2 * forward_us});
+  problem.cap_bytes = saved * static_cast<int64_t>(n);
+  return problem;
+}
+
+TEST(ActivationSolverTest, EqualLayersAtHalfTheMemoryKeepHalf) {
+  // Twelve layers of 100 bytes peak at 1200 kept; at 600 the first five and the last fit.
+  ActivationProblem problem = EqualLayers(12, 100, 10);
+  problem.cap_bytes = 600;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
+  EXPECT_EQ(plan.Count(ActivationChoice::kKeep), 6) << DescribeActivationPlan(plan, {});
+  EXPECT_EQ(plan.Count(ActivationChoice::kRecompute), 6);
+  EXPECT_EQ(plan.peak_bytes, 600);
+  EXPECT_DOUBLE_EQ(plan.step_us, 12 * 30 + 6 * 10);
+  // Uncapped, everything is kept and nothing is added.
+  problem.cap_bytes = 1200;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan all, SolveActivations(problem));
+  EXPECT_EQ(all.Count(ActivationChoice::kKeep), 12);
+  EXPECT_DOUBLE_EQ(all.step_us, 12 * 30);
+}
+
+TEST(ActivationSolverTest, TheCheapLayerIsRecomputedBeforeTheExpensiveOne) {
+  ActivationProblem problem;
+  problem.layers = {{100, 50, 100}, {100, 5, 10}, {100, 50, 100}};
+  problem.cap_bytes = 200;  // one of the first two must go
+  ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
+  EXPECT_EQ(plan.choices[0], ActivationChoice::kKeep) << DescribeActivationPlan(plan, {});
+  EXPECT_EQ(plan.choices[1], ActivationChoice::kRecompute);
+  EXPECT_DOUBLE_EQ(plan.step_us, 150 + 15 + 150 + 5);
+}
+
+TEST(ActivationSolverTest, SwapsWhenTheLinkHidesTheCopiesAndRecomputesWhenItDoesNot) {
+  ActivationProblem problem = EqualLayers(6, 1000, 10);
+  problem.cap_bytes = 3000;
+  // Copies of 1000 bytes at 1000 bytes/us take 1 us, under the next layer's 10 us forward.
+  problem.link_bytes_per_us = 1000;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan fast_link, SolveActivations(problem));
+  EXPECT_GT(fast_link.Count(ActivationChoice::kSwap), 0) << DescribeActivationPlan(fast_link, {});
+  EXPECT_EQ(fast_link.Count(ActivationChoice::kRecompute), 0);
+  EXPECT_DOUBLE_EQ(fast_link.step_us, 6 * 30);
+  EXPECT_LE(fast_link.peak_bytes, 3000);
+  // At 10 bytes/us a copy takes 100 us: recomputing (10 us) is cheaper.
+  problem.link_bytes_per_us = 10;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan slow_link, SolveActivations(problem));
+  EXPECT_EQ(slow_link.Count(ActivationChoice::kSwap), 0) << DescribeActivationPlan(slow_link, {});
+  EXPECT_GT(slow_link.Count(ActivationChoice::kRecompute), 0);
+}
+
+TEST(ActivationSolverTest, BaseMemoryCountsAgainstTheCap) {
+  ActivationProblem problem = EqualLayers(4, 100, 10);
+  problem.cap_bytes = 400;
+  problem.base_forward_bytes = {0, 0, 0, 0};
+  problem.base_backward_bytes = {0, 0, 0, 200};  // the last backward holds 200 more
+  ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
+  EXPECT_LE(plan.peak_bytes, 400);
+  EXPECT_EQ(plan.Count(ActivationChoice::kKeep), 2) << DescribeActivationPlan(plan, {});
+}
+
+TEST(ActivationSolverTest, ACapNothingFitsUnderIsExplainedWithTheLeastPeak) {
+  ActivationProblem problem = EqualLayers(3, 100, 10);
+  problem.base_backward_bytes = {50, 50, 50};
+  problem.cap_bytes = 120;
+  Result<ActivationPlan> plan = SolveActivations(problem);
+  EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("the least they can hold (recompute every layer) peaks at 150 bytes; "
+                        "raise the cap by 30 bytes"));
+}
+
+TEST(ActivationSolverTest, BadProblemsAreRefusedNamingTheField) {
+  ActivationProblem problem = EqualLayers(2, 100, 10);
+  problem.cap_bytes = 0;
+  EXPECT_THAT(SolveActivations(problem).status().message(), HasSubstr("device cap must be > 0"));
+  problem.cap_bytes = 100;
+  problem.base_forward_bytes = {1, 2, 3};
+  EXPECT_THAT(SolveActivations(problem).status().message(), HasSubstr("3 entries for 2 layers"));
+  problem.base_forward_bytes.clear();
+  problem.layers[1].forward_us = -1;
+  EXPECT_THAT(SolveActivations(problem).status().message(), HasSubstr("activation layer 1"));
+}
+
+TEST(ActivationSolverTest, DescribeNamesEveryLayersChoice) {
+  ActivationPlan plan;
+  plan.choices = {ActivationChoice::kKeep, ActivationChoice::kRecompute, ActivationChoice::kSwap};
+  EXPECT_EQ(DescribeActivationPlan(plan, {"h.0", "h.1", "h.2"}),
+            "keep 1, recompute 1, swap 1: h.0 keep, h.1 recompute, h.2 swap");
+}
+
+}  // namespace
+}  // namespace tessera::testing
