@@ -179,6 +179,7 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
       if (PeakAt(problem, j, state.kept, previous_swaps) > problem.cap_bytes) continue;
       for (ActivationChoice choice : kAll) {
         if (!Allowed(problem, choice)) continue;
+        if (problem.layers[j].must_keep && choice != ActivationChoice::kKeep) continue;
         State grown;
         grown.kept =
             state.kept + (choice == ActivationChoice::kKeep ? problem.layers[j].saved_bytes : 0);
@@ -197,8 +198,11 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
                                    : Allowed(problem, ActivationChoice::kSwap)
                                        ? ActivationChoice::kSwap
                                        : ActivationChoice::kKeep;
-    const ActivationPlan smallest =
-        EvaluateActivationPlan(problem, std::vector<ActivationChoice>(n, least));
+    std::vector<ActivationChoice> least_choices(n, least);
+    for (size_t j = 0; j < n; ++j) {
+      if (problem.layers[j].must_keep) least_choices[j] = ActivationChoice::kKeep;
+    }
+    const ActivationPlan smallest = EvaluateActivationPlan(problem, std::move(least_choices));
     return Infeasible(
         "the activations cannot fit under the device cap of {} bytes: the least they can hold "
         "({} every layer) peaks at {} bytes; raise the cap by {} bytes, or make each layer's "

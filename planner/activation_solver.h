@@ -42,6 +42,7 @@ struct ActivationLayer {
   int64_t saved_bytes = 0;  // what its forward keeps for its backward (s_i)
   double forward_us = 0;    // f_i
   double backward_us = 0;   // b_i
+  bool must_keep = false;   // a layer the plan cannot recompute or swap (still constrains memory)
 };
 
 struct ActivationProblem {

@@ -3,6 +3,7 @@
 // with the sums of gradient parts and the accumulation of each group's gradient over
 // micro-batches. The sharding policy says which parameters each task reads and what happens to
 // each micro-batch's gradient; nothing here depends on the ZeRO stage.
+#include <map>
 #include <utility>
 
 #include <fmt/format.h>
@@ -191,10 +192,28 @@ class Expansion {
     return CompleteGroups(mb, l);
   }
 
-  // What layer l's backward reads, in backward_args' order.
+  // What layer l's backward reads, in backward_args' order. When the memory plan recomputes
+  // the layer (PlanState::activation_choices), what its forward returned is read from a
+  // recompute of the forward instead (AddRecompute).
   Result<BackwardReads> ReadsOfBackward(MicroBatch& mb, size_t l, const std::vector<ObjectId>& dy,
                                         ObjectId after) {
     const LayerSpec& layer = s_.model.layers[l];
+    // The layer's parameters as the backward reads them, per forward argument (asked for once).
+    std::map<size_t, ObjectId> backward_params;
+    auto params_of = [&](size_t index) -> Result<ObjectId> {
+      auto it = backward_params.find(index);
+      if (it != backward_params.end()) return it->second;
+      const LayerArg& forward = layer.forward_args[index];
+      ObjectId read = mb.args[l][index];
+      // The loss layer's backward follows its forward at once: it reads what that read.
+      if (!layer.loss) {
+        const ParamUse use{mb.r, mb.k, l, forward.index, /*backward=*/true, after};
+        TESSERA_ASSIGN_OR_RETURN(read, s_.sharding->BackwardParams(s_, use, read));
+      }
+      backward_params.emplace(index, read);
+      return read;
+    };
+    std::vector<ObjectId> recomputed;  // the forward's outputs again, when recomputed
     BackwardReads reads;
     for (const BackwardArg& arg : layer.backward_args) {
       ObjectId read;
@@ -211,15 +230,25 @@ class Expansion {
         case BackwardArg::Kind::kForwardArg: {
           const LayerArg& forward = layer.forward_args[arg.index];
           read = mb.args[l][arg.index];
-          // The loss layer's backward follows its forward at once: it reads what that read.
-          if (forward.kind == Arg::kParams && !layer.loss) {
-            const ParamUse use{mb.r, mb.k, l, forward.index, /*backward=*/true, after};
-            TESSERA_ASSIGN_OR_RETURN(read, s_.sharding->BackwardParams(s_, use, read));
+          if (forward.kind == Arg::kParams) {
+            TESSERA_ASSIGN_OR_RETURN(read, params_of(static_cast<size_t>(arg.index)));
           }
           break;
         }
         case BackwardArg::Kind::kForwardOutput:
           read = mb.outputs[l][arg.index];
+          if (Recomputes(l)) {
+            if (recomputed.empty()) {
+              std::vector<ObjectId> args = mb.args[l];
+              for (size_t i = 0; i < args.size(); ++i) {
+                if (layer.forward_args[i].kind == Arg::kParams) {
+                  TESSERA_ASSIGN_OR_RETURN(args[i], params_of(i));
+                }
+              }
+              TESSERA_ASSIGN_OR_RETURN(recomputed, AddRecompute(mb, l, std::move(args), dy));
+            }
+            read = recomputed[static_cast<size_t>(arg.index)];
+          }
           break;
         case BackwardArg::Kind::kGradientSoFar: {
           const size_t group = layer.forward_args[arg.index].index;
@@ -240,6 +269,29 @@ class Expansion {
       if (arg.kind != BackwardArg::Kind::kOutputGradient) reads.weight_half.push_back(read);
     }
     return reads;
+  }
+
+  bool Recomputes(size_t l) const {
+    return l < s_.activation_choices.size() &&
+           s_.activation_choices[l] == ActivationChoice::kRecompute && !s_.model.layers[l].loss;
+  }
+
+  // Layer l's forward again ("<layer>/recompute"), on the same arguments (its parameters as the
+  // backward reads them), just before its backward: after the tasks that make the gradients
+  // entering the backward, so it does not run early and hold what the plan freed. What the
+  // forward returned is then read by no one and freed as soon as it is made.
+  Result<std::vector<ObjectId>> AddRecompute(MicroBatch& mb, size_t l, std::vector<ObjectId> args,
+                                             const std::vector<ObjectId>& dy) {
+    const LayerSpec& layer = s_.model.layers[l];
+    TESSERA_ASSIGN_OR_RETURN(
+        std::vector<ObjectId> outputs,
+        s_.builder.AddTask(TaskName(mb, l, "recompute"), layer.forward_op, std::move(args),
+                           AttrsOf(l), s_.On(mb.r, layer.name, kBackwardPriority)));
+    const TaskId recompute = s_.ProducerOf(outputs[0]);
+    for (ObjectId gradient : dy) {
+      if (gradient.valid()) s_.builder.AddControlEdge(s_.ProducerOf(gradient), recompute);
+    }
+    return outputs;
   }
 
   BackwardOutputs OutputsOfBackward(const MicroBatch& mb, size_t l) const {

@@ -34,11 +34,11 @@
 //                                             pipeline's order; sets step.schedule_*
 //
 // Where the passes to come go, and what they would touch:
-//   * A memory pass (per activation: keep, recompute or swap to the host) runs after
-//     expand_layers and before order_schedule: it reads the forwards' saved outputs and the
-//     backwards that read them (ranks[r].forward_task / backward_task, the builder's graph), and
-//     adds recompute tasks (a forward again, feeding the backward) or copies down and up, with
-//     control edges; the schedule pass then chains the recomputes with their backwards.
+//   * The memory plan (memory_plan.cc) is not a pass but a loop around them: under memory caps
+//     it runs the passes, predicts the step (memory_model.h), asks the activation solver which
+//     layers to recompute, and runs them again with PlanState::activation_choices, which the
+//     expansion obeys (a "<layer>/recompute" task feeding the backward). Swap copies are to
+//     come there too.
 //   * A tensor/sequence-parallel pass runs before place_state: it splits layers over a second
 //     group of ranks (a mesh axis beside data_parallel), so state placement gives each piece a
 //     second coordinate and the expansion adds the layers' collectives (all-reduce or
@@ -92,6 +92,20 @@ void LimitDownloadsInFlight(PlanState& state, int r, size_t l,
 // After it: the updated master piece copied back to the device as the next step's parameters
 // (to be gathered when the policy gathers updated shards). Returns the uploaded object.
 Result<ObjectId> UploadParameters(PlanState& state, int r, size_t l, ObjectId master);
+
+// The passes once, with the given activation choices (PlanState::activation_choices), and per
+// rank, layer and micro-batch the forward and backward tasks (RankState's), for the memory plan.
+struct PlannedPasses {
+  StepGraph step;
+  std::vector<std::vector<std::vector<TaskId>>> forward_task, backward_task;
+};
+Result<PlannedPasses> RunTrainingPasses(const ModelSpec& model, const TrainingPlan& plan,
+                                        const OpRegistry& registry,
+                                        std::vector<ActivationChoice> activation_choices);
+// PlanTrainingStep under memory caps (memory_plan.cc): the plan with every activation kept if
+// it fits, else with the activation solver's choices, verified by the memory model.
+Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& plan,
+                                   const OpRegistry& registry);
 
 struct PlanPass {
   std::string_view name;

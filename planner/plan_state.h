@@ -29,6 +29,7 @@
 #include "model/model_spec.h"
 #include "ops/graph_builder.h"
 #include "ops/op_registry.h"
+#include "planner/activation_solver.h"
 #include "planner/sharding_policy.h"
 #include "planner/step_graph.h"
 
@@ -91,6 +92,9 @@ struct PlanState {
   std::map<std::string, int> stage_of_name;  // layer name -> pipeline stage (the cut)
   // Per stage: the group whose gradient is complete last there (the expansion).
   std::vector<size_t> last_gradient;
+  // The memory plan's choice per layer (planner/memory_plan.cc, before the passes run): a
+  // recomputed layer's backward reads its forward run again (the expansion). Empty: keep all.
+  std::vector<ActivationChoice> activation_choices;
 
   // --- Names ---
   // "rank1/h.0.params" with several ranks; "h.0.params" on one.

@@ -106,6 +106,15 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
   TESSERA_RETURN_IF_ERROR(CheckOptimizer(optimizer));
   TESSERA_RETURN_IF_ERROR(CheckRanks(*this));
   TESSERA_RETURN_IF_ERROR(CheckPipeline(parallel, model));
+  if (memory.device_bytes < 0 || memory.host_bytes < 0) {
+    return InvalidArgument("memory caps must be >= 0 bytes (0: uncapped), not device {} host {}",
+                           memory.device_bytes, memory.host_bytes);
+  }
+  if (!(memory.activation_budget >= 0 && memory.activation_budget <= 1)) {
+    return InvalidArgument(
+        "the activation budget {} is not a fraction of the activations' peak in [0, 1] (0: none)",
+        memory.activation_budget);
+  }
   return CheckCostsAndWorkers(parallel, model);
 }
 

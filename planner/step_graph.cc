@@ -94,12 +94,25 @@ const std::vector<PlanPass>& TrainingPasses() {
   return passes;
 }
 
-Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
-                                   const OpRegistry& registry) {
+Result<PlannedPasses> RunTrainingPasses(const ModelSpec& model, const TrainingPlan& plan,
+                                        const OpRegistry& registry,
+                                        std::vector<ActivationChoice> activation_choices) {
   PlanState state(model, plan, registry);
+  state.activation_choices = std::move(activation_choices);
   for (const PlanPass& pass : TrainingPasses()) TESSERA_RETURN_IF_ERROR(pass.run(state));
   TESSERA_ASSIGN_OR_RETURN(state.step.graph, state.builder.Build());
-  return std::move(state.step);
+  PlannedPasses planned;
+  for (const RankState& rank : state.ranks) {
+    planned.forward_task.push_back(rank.forward_task);
+    planned.backward_task.push_back(rank.backward_task);
+  }
+  planned.step = std::move(state.step);
+  return planned;
+}
+
+Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
+                                   const OpRegistry& registry) {
+  return PlanWithinMemory(model, plan, registry);
 }
 
 }  // namespace tessera

@@ -67,6 +67,8 @@
 #include "core/status.h"
 #include "model/model_spec.h"
 #include "ops/op_registry.h"
+#include "planner/activation_solver.h"
+#include "planner/memory_model.h"
 #include "planner/pipeline_cut.h"
 #include "planner/pipeline_schedule.h"
 #include "planner/training_plan.h"
@@ -98,6 +100,22 @@ struct StateObject {
 struct GradientObject {
   GroupPiece piece;
   ObjectId id;
+};
+
+// What the memory plan decided (TrainingPlan::memory): the capped tier, its cap and the
+// activations' cap (from the budget), the largest worker's predicted peaks of both keeping every
+// activation and with the choices, and per layer what happens to what its forward saves for its
+// backward (empty: all kept: nothing was capped or the plan fits as it is).
+struct MemoryDecision {
+  MemoryTier tier = MemoryTier::kHost;
+  int64_t cap_bytes = 0;             // the tier's; 0: uncapped
+  int64_t activation_cap_bytes = 0;  // 0: uncapped
+  int64_t uncapped_peak_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t uncapped_activation_peak_bytes = 0;
+  int64_t activation_peak_bytes = 0;
+  std::vector<ActivationChoice> activations;
+  std::string reason;  // for --explain-memory
 };
 
 struct StepGraph {
@@ -137,6 +155,7 @@ struct StepGraph {
   std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
   std::vector<StateObject> state;
   std::vector<GradientObject> grads;
+  MemoryDecision memory;
 };
 
 // One training step of `model` under `plan`, every task's shapes inferred with `registry`.
@@ -144,7 +163,9 @@ struct StepGraph {
 // what to change: a plan TrainingPlan::Validate refuses, several ranks or stages without
 // workers, a pipeline stage holding no parameters when its state is sharded, a layer's wiring
 // (an output no layer reads, a group whose gradient no backward returns) or a shape, naming the
-// layer and task.
+// layer and task. Under memory caps (TrainingPlan::memory) the step is planned to fit
+// (StepGraph::memory), or refused (Infeasible) with the predicted peak, what is live at it, the
+// least the activations can be brought to, and what to change.
 Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry);
 

@@ -132,6 +132,19 @@ struct BucketChoice {
 };
 BucketChoice ChooseGradientBuckets(const ParallelConfig& parallel);
 
+// Per-worker memory caps; 0: uncapped. The planner keeps each worker's predicted peak
+// (planner/memory_model.h) in the tier its workers compute in (the device tier on GPU workers,
+// the host tier on CPU workers) under that tier's cap, and the activations live at once in that
+// tier under activation_budget times what they peak at with every activation kept (what
+// torch.compile's activation_memory_budget bounds), recomputing activations where that costs
+// least (planner/activation_solver.h); a plan that cannot fit is refused with figures
+// (StepGraph::memory says what it chose).
+struct MemoryCaps {
+  int64_t device_bytes = 0;
+  int64_t host_bytes = 0;
+  double activation_budget = 0;  // (0, 1]; 0: none
+};
+
 // "none" | "optimizer"; InvalidArgument naming the choices otherwise.
 Result<OffloadMode> ParseOffload(std::string_view text);
 
@@ -142,6 +155,7 @@ struct TrainingPlan {
   ParallelConfig parallel;
   // Where the workers compute: Device::Cpu(), or Device::Cuda(0) for each worker's own GPU.
   Device device = Device::Cpu();
+  MemoryCaps memory;
 
   // InvalidArgument naming the field and what to change (e.g. seq_len above max_seq_len, a
   // batch that does not split over the ranks). Ranks need not be bound to workers yet

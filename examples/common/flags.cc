@@ -49,6 +49,20 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
       ->check(tessera::AtLeast(0));
   // Old command lines keep working; the help lists only --micro-batches.
   app.add_option("--grad-accum", flags.grad_accum)->check(tessera::AtLeast(1))->group("");
+  app.add_option("--device-memory-gib", flags.device_memory_gib,
+                 "Per worker, the GPU memory a step may use (GPU workers): the planner predicts "
+                 "the step's peak and recomputes activations where that costs least to fit it, "
+                 "or refuses the plan with figures (0: uncapped)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--host-memory-gib", flags.host_memory_gib,
+                 "Per worker, the host memory a step may use (on CPU workers the tier they "
+                 "compute in, planned as --device-memory-gib is on GPUs; 0: uncapped)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--activation-budget", flags.activation_budget,
+                 "The share of its activations a step may hold at once, of what it holds "
+                 "keeping every one (as torch.compile's activation_memory_budget): the planner "
+                 "recomputes the layers that cost least to fit it (0: no budget)")
+      ->check(CLI::Range(0.0, 1.0));
 }
 
 void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
@@ -252,6 +266,9 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
                  "and update in host memory, so the plan is the same as without it\n",
                  program);
   }
+  plan.memory.device_bytes = static_cast<int64_t>(flags.device_memory_gib * (1 << 30));
+  plan.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
+  plan.memory.activation_budget = flags.activation_budget;
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
   return ApplyPipeline(flags, plan);

@@ -4,7 +4,8 @@
 //   threads      --threads N
 //   logging      --log-every N
 //   plan         --workers N --in-process --zero-stage S --offload none|optimizer --grad-accum K
-//                --bucket-mb auto|MB
+//                --bucket-mb auto|MB --device-memory-gib G --host-memory-gib G
+//                --activation-budget F
 //   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
 //   pipeline     --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
 //                --virtual-stages V --gather auto|step|micro-batch --balance estimate|profile
@@ -77,8 +78,11 @@ struct CommonFlags {
   int micro_batches = 0;           // 0: not given (--grad-accum's value, else 1)
   int grad_accum = 0;              // --micro-batches' old name, a hidden alias; 0: not given
   std::string device = "cpu";      // cpu, cuda or cuda:N
-  double gpu_memory_gib = 0;  // cap on the GPU allocator (0: the card's free memory less 1 GiB)
-  std::string address;        // a running cluster; empty: a local one or this process
+  double gpu_memory_gib = 0;     // cap on the GPU allocator (0: the card's free memory less 1 GiB)
+  double device_memory_gib = 0;  // the planner's per-worker caps (TrainingPlan::memory; 0: none)
+  double host_memory_gib = 0;
+  double activation_budget = 0;  // share of the activations' peak (0: none)
+  std::string address;           // a running cluster; empty: a local one or this process
   std::string token_file;
   std::string placement = "scheduler";
   PipelineFlags pipeline;

@@ -228,6 +228,10 @@ Status PrintMemoryPlan(const Trainer& trainer, const TraceFlags& flags) {
   Result<MemoryProfile> profile = PredictMemory(graph);
   if (!profile.ok()) return profile.status().WithContext("--explain-memory");
   std::fputs(ExplainMemory(graph, *profile).c_str(), stdout);
+  const MemoryDecision& memory = trainer.step_graph().memory;
+  if (memory.cap_bytes > 0 || memory.activation_cap_bytes > 0) {
+    std::printf("memory plan (%s tier): %s\n", MemoryTierName(memory.tier), memory.reason.c_str());
+  }
   std::fflush(stdout);
   return Status::Ok();
 }

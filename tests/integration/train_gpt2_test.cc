@@ -102,6 +102,9 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--balance",
                            "--bucket-mb",
                            "--explain-memory",
+                           "--activation-budget",
+                           "--host-memory-gib",
+                           "--device-memory-gib",
                            "--layer-impl"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }

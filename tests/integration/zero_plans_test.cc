@@ -119,6 +119,31 @@ TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
   for (int stage = 0; stage <= 3; ++stage) ExpectSameRun(Plan(2, stage, OffloadMode::kNone, 2));
 }
 
+// The memory plan on a cluster: ZeRO-3 over two workers with half of its activations (the
+// planner recomputes layers to fit) computes the same run as one worker, and each worker's
+// measured activation peak is within the budget and within 3% of the prediction.
+TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
+  TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
+  plan.memory.activation_budget = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+  const MemoryDecision& memory = trainer->step_graph().memory;
+  ASSERT_GT(memory.activation_cap_bytes, 0);
+  EXPECT_NE(
+      std::find(memory.activations.begin(), memory.activations.end(), ActivationChoice::kRecompute),
+      memory.activations.end())
+      << memory.reason;
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "ZeRO-3 with half its activations");
+  ASSERT_FALSE(run.reports.empty());
+  for (const RankFigures& rank : run.reports.back().ranks) {
+    const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
+    EXPECT_LE(measured, static_cast<double>(memory.activation_cap_bytes)) << memory.reason;
+    EXPECT_NEAR(measured, static_cast<double>(memory.activation_peak_bytes),
+                0.03 * static_cast<double>(memory.activation_peak_bytes))
+        << memory.reason;
+  }
+}
+
 // What gathered layers and one group's gradient bucket may hold at once (bytes): a few layers.
 double TransientBound(const ModelSpec& model) {
   int64_t largest_block = 0;

@@ -296,5 +296,133 @@ TEST(MemoryModelTest, UNet3dStepsPeaksArePredictedExactlyOnAOneThreadExecutor) {
   ExpectPredictionMatches(*trainer, report, "unet3d");
 }
 
+// --- Planning under a cap (planner/memory_plan.cc) ---
+
+// A model's batches and how to take a step, for the capped-plan tests.
+struct CappedCase {
+  std::string name;
+  ModelSpec model;
+  TrainingPlan plan;
+  std::vector<Tensor> batch;
+};
+
+CappedCase Gpt2Case() {
+  const Gpt2Config config{8, 32, 4, 64, 16};
+  std::vector<int32_t> tokens(size_t{4} * 16), targets(size_t{4} * 16);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int32_t>(i * 7 % 64);
+    targets[i] = static_cast<int32_t>(i * 11 % 64);
+  }
+  CappedCase c{"gpt2 (8 blocks)", *BuildGpt2(config), TrainingPlan{.batch = 4, .seq_len = 16}, {}};
+  c.batch = *Gpt2Batch(config, tokens, targets, 4, 16);
+  return c;
+}
+
+CappedCase UNetCase() {
+  const UNet3dConfig config = *UNet3dConfig::Preset("tiny");
+  CappedCase c{"unet3d (tiny)", *BuildUNet3d(config, CpuRegistry()), TrainingPlan{.batch = 2}, {}};
+  VolumeBatch made = *GenerateVolumes(2, config.volume, config.in_channels, 3);
+  const int64_t v = config.volume;
+  c.batch = {FloatTensor(Shape{2, config.in_channels, v, v, v}, made.volumes),
+             IntTensor(Shape{2, v, v, v}, made.labels)};
+  return c;
+}
+
+// Losses of `steps` steps of a plan, and the last step's measured figures.
+struct Trained {
+  std::vector<float> losses;
+  RunFigures figures;
+  MemoryDecision memory;
+};
+
+Trained Train(const CappedCase& c, const TrainingPlan& plan, int steps) {
+  Trained trained;
+  auto trainer = Trainer::Create(c.model, plan, OneThread());
+  TESSERA_CHECK(trainer.ok(), "{}", trainer.status().ToString());
+  TESSERA_CHECK((*trainer)->InitializeParameters(5).ok(), "init");
+  for (int step = 0; step < steps; ++step) {
+    Result<StepReport> report = (*trainer)->Step(c.batch, 1e-3f);
+    TESSERA_CHECK(report.ok(), "{}", report.status().ToString());
+    trained.losses.push_back(report->loss);
+    trained.figures = report->ranks.at(0).figures;
+  }
+  trained.memory = (*trainer)->step_graph().memory;
+  return trained;
+}
+
+// GPT-2 at half and a quarter of its activations; the U-Net at 70% (recomputing whole layers
+// takes its activations to 63%: the skip connections and the loss's stay, until the planner
+// recomputes segments from checkpoints).
+TEST(MemoryPlanTest, StepsWithAShareOfTheirActivationsFitAndTrainBitIdentically) {
+  const std::vector<std::pair<CappedCase, std::vector<double>>> cases = {{Gpt2Case(), {0.5, 0.25}},
+                                                                         {UNetCase(), {0.7}}};
+  for (const auto& [c, budgets] : cases) {
+    const Trained reference = Train(c, c.plan, 3);
+    for (double budget : budgets) {
+      const std::string what = fmt::format("{} with {}% of its activations", c.name, budget * 100);
+      TrainingPlan capped = c.plan;
+      capped.memory.activation_budget = budget;
+      const Trained trained = Train(c, capped, 3);
+      const MemoryDecision& memory = trained.memory;
+      // Fits, as predicted, and the prediction is what the step measured.
+      EXPECT_GT(memory.activation_cap_bytes, 0) << what;
+      EXPECT_NEAR(static_cast<double>(memory.activation_cap_bytes),
+                  budget * static_cast<double>(memory.uncapped_activation_peak_bytes), 1.0)
+          << what;
+      EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << what;
+      EXPECT_EQ(trained.figures.peak(ObjectRole::kActivation), memory.activation_peak_bytes)
+          << what;
+      EXPECT_EQ(trained.figures.total_peak, memory.peak_bytes) << what;
+      EXPECT_LT(memory.peak_bytes, memory.uncapped_peak_bytes) << what;
+      EXPECT_GT(std::count(memory.activations.begin(), memory.activations.end(),
+                           ActivationChoice::kRecompute),
+                0)
+          << what << ": " << memory.reason;
+      // Recomputing runs the same kernels on the same inputs: the same losses, bit for bit.
+      EXPECT_EQ(trained.losses, reference.losses) << what;
+    }
+  }
+}
+
+TEST(MemoryPlanTest, AStepCappedOnItsTierFitsUnderTheCapAsMeasured) {
+  CappedCase c = Gpt2Case();
+  ASSERT_OK_AND_ASSIGN(StepGraph uncapped, PlanTrainingStep(c.model, c.plan, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(uncapped.graph));
+  const int64_t peak = profile.workers[0].total_peak;
+  c.plan.memory.host_bytes = peak * 17 / 20;
+  const Trained trained = Train(c, c.plan, 2);
+  EXPECT_LE(trained.figures.total_peak, c.plan.memory.host_bytes) << trained.memory.reason;
+  EXPECT_EQ(trained.figures.total_peak, trained.memory.peak_bytes);
+  EXPECT_EQ(trained.memory.uncapped_peak_bytes, peak);
+  EXPECT_THAT(trained.memory.reason, HasSubstr("recompute"));
+}
+
+TEST(MemoryPlanTest, APlanThatFitsUncappedIsLeftAsItIs) {
+  CappedCase c = Gpt2Case();
+  ASSERT_OK_AND_ASSIGN(StepGraph uncapped, PlanTrainingStep(c.model, c.plan, CpuRegistry()));
+  c.plan.memory.host_bytes = int64_t{1} << 40;
+  ASSERT_OK_AND_ASSIGN(StepGraph capped, PlanTrainingStep(c.model, c.plan, CpuRegistry()));
+  EXPECT_EQ(capped.graph.num_tasks(), uncapped.graph.num_tasks());
+  EXPECT_TRUE(capped.memory.activations.empty());
+  EXPECT_THAT(capped.memory.reason, HasSubstr("every activation kept"));
+}
+
+TEST(MemoryPlanTest, ACapNothingFitsUnderIsRefusedWithTheFiguresAndWhatToChange) {
+  CappedCase c = Gpt2Case();
+  c.plan.memory.host_bytes = 1 << 20;  // 1 MiB: less than the model state
+  Result<StepGraph> step = PlanTrainingStep(c.model, c.plan, CpuRegistry());
+  EXPECT_EQ(step.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(step.status().message(), HasSubstr("on the host tier of a worker"));
+  EXPECT_THAT(step.status().message(), HasSubstr("--host-memory-gib caps it at 1.00 MiB"));
+  EXPECT_THAT(step.status().message(), HasSubstr("recomputing every layer's activations"));
+  EXPECT_THAT(step.status().message(), HasSubstr("ZeRO-3"));
+  // A pipeline under a cap it exceeds is not planned yet, and says so.
+  c.plan.parallel.pipeline_stages = 2;
+  c.plan.parallel.micro_batches = 2;
+  c.plan.parallel.workers = {WorkerId(1), WorkerId(2)};
+  EXPECT_THAT(PlanTrainingStep(c.model, c.plan, CpuRegistry()).status().message(),
+              HasSubstr("not planned yet"));
+}
+
 }  // namespace
 }  // namespace tessera::testing

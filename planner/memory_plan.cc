@@ -1,0 +1,326 @@
+// The memory plan: a step planned under per-worker caps (TrainingPlan::memory).
+//
+// 1. Plan the step keeping every activation and predict each worker's memory
+//    (planner/memory_model.h). If the capped tier's peak fits, that is the plan.
+// 2. Otherwise, per worker, describe its chain to the activation solver
+//    (planner/activation_solver.h): per layer, the bytes its forward makes that only its
+//    backward reads (what it saves; the loss layer's are kept, its backward following its
+//    forward at once), its forward and backward times (measured layer_op_costs, else the op cost
+//    model's estimate and twice it), and the bytes live besides every saved object while its
+//    forward and its backward run (the largest over micro-batches). Layers any worker recomputes
+//    are recomputed on every rank (the ranks run the same chain).
+// 3. Plan again with those choices (the expansion adds the recomputes) and predict again: the
+//    model, not the solver's simpler view, has the last word. If a worker still exceeds the cap,
+//    solve again with the cap lowered by the excess (a few rounds).
+// A cap nothing fits under is refused with the figures: the peak keeping everything and what is
+// live at it, the peak recomputing every layer, and what to change.
+//
+// Not yet: swapping (the solver can; the expansion does not add the copies), pipelines (the
+// micro-batches in flight interleave the chains) and split backwards are refused under a cap.
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "planner/plan_passes.h"
+
+namespace tessera {
+namespace {
+
+constexpr int kVerifyRounds = 4;
+
+MemoryTier ComputeTier(const TrainingPlan& plan) {
+  return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
+}
+
+int64_t CapOf(const TrainingPlan& plan, MemoryTier tier) {
+  return tier == MemoryTier::kDevice ? plan.memory.device_bytes : plan.memory.host_bytes;
+}
+
+const char* CapFlag(MemoryTier tier) {
+  return tier == MemoryTier::kDevice ? "--device-memory-gib" : "--host-memory-gib";
+}
+
+std::string Mib(int64_t bytes) {
+  return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+// Bytes live in `tier` while each task of a worker's order runs: every object, or only
+// activations; less the objects in `without`.
+std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, bool activations_only,
+                                const std::set<ObjectId>& without = {}) {
+  const size_t size = memory.order.tasks.size();
+  std::vector<int64_t> delta(size + 1, 0);
+  for (const ObjectLifetime& life : memory.objects) {
+    if (life.tier != tier || without.contains(life.object)) continue;
+    if (activations_only && life.role != ObjectRole::kActivation) continue;
+    const int end = std::min(life.replaced ? life.last - 1 : life.last, static_cast<int>(size) - 1);
+    const int first = std::max(life.first, 0);
+    if (end < first) continue;
+    delta[static_cast<size_t>(first)] += life.bytes;
+    delta[static_cast<size_t>(end) + 1] -= life.bytes;
+  }
+  std::vector<int64_t> live(size, 0);
+  int64_t running = 0;
+  for (size_t p = 0; p < size; ++p) live[p] = running += delta[p];
+  return live;
+}
+
+// The largest over the workers of a tier's peak and of its activations' peak, and which worker
+// has the tier's.
+struct Peaks {
+  int64_t total = 0, activations = 0;
+  size_t worker = 0;
+};
+
+Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
+  Peaks peaks;
+  for (size_t w = 0; w < profile.workers.size(); ++w) {
+    const int64_t total = profile.workers[w].peaks[static_cast<size_t>(tier)].bytes;
+    if (total > peaks.total) {
+      peaks.total = total;
+      peaks.worker = w;
+    }
+    for (int64_t bytes : LiveDuring(profile.workers[w], tier, /*activations_only=*/true)) {
+      peaks.activations = std::max(peaks.activations, bytes);
+    }
+  }
+  return peaks;
+}
+
+// The caps in force: the tier's, and the activations' (from the budget); 0: none.
+struct Caps {
+  int64_t total = 0, activations = 0;
+  bool Fit(const Peaks& peaks) const {
+    return (total == 0 || peaks.total <= total) &&
+           (activations == 0 || peaks.activations <= activations);
+  }
+  // How far `peaks` is over the tighter cap.
+  int64_t Excess(const Peaks& peaks) const {
+    int64_t excess = 0;
+    if (total > 0) excess = std::max(excess, peaks.total - total);
+    if (activations > 0) excess = std::max(excess, peaks.activations - activations);
+    return excess;
+  }
+};
+
+// "parameter 1.00 MiB, activation 3.00 MiB, ..." live at a tier's peak.
+std::string LiveByRole(const TierPeak& peak) {
+  std::string text;
+  for (size_t role = 0; role < kObjectRoles; ++role) {
+    if (peak.by_role[role] == 0) continue;
+    text += fmt::format("{}{} {}", text.empty() ? "" : ", ",
+                        ObjectRoleName(static_cast<ObjectRole>(role)), Mib(peak.by_role[role]));
+  }
+  return text;
+}
+
+// Per layer, its forward and backward times as the solver sees them.
+Result<std::vector<OpCosts>> LayerTimes(const ModelSpec& model, const TrainingPlan& plan,
+                                        const OpRegistry& registry) {
+  if (!plan.parallel.layer_op_costs.empty()) return plan.parallel.layer_op_costs;
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<double> forward,
+      EstimateLayerCosts(model, plan.parallel.MicroBatchRows(plan.batch), plan.seq_len, registry));
+  std::vector<OpCosts> costs;
+  costs.reserve(forward.size());
+  for (double f : forward) costs.push_back(OpCosts{f, 2 * f, 0});
+  return costs;
+}
+
+// One worker's chain as the solver sees it.
+struct Chain {
+  ActivationProblem problem;
+  std::vector<size_t> layers;  // problem index -> model layer
+};
+
+// `lowered`: bytes the solver is to leave free besides (the memory model saw more than it).
+Chain DescribeChain(const ModelSpec& model, const PlannedPasses& planned,
+                    const WorkerMemory& memory, size_t rank, MemoryTier tier, const Caps& caps,
+                    int64_t lowered, const std::vector<OpCosts>& times) {
+  const Graph& graph = planned.step.graph;
+  std::map<TaskId, int> position;
+  for (size_t p = 0; p < memory.order.tasks.size(); ++p) {
+    position[memory.order.tasks[p]] = static_cast<int>(p);
+  }
+  // Readers of every object.
+  std::vector<std::vector<TaskId>> readers(graph.objects().size());
+  for (const TaskSpec& task : graph.tasks()) {
+    for (ObjectId input : task.inputs) readers[input.value() - 1].push_back(task.id);
+  }
+  const auto& forward = planned.forward_task[rank];
+  const auto& backward = planned.backward_task[rank];
+  const size_t micro_batches = forward.empty() ? 0 : forward[0].size();
+  // What each layer's forward saves (per micro-batch), and every saved object on this worker.
+  std::vector<std::vector<ObjectId>> saved_of(model.layers.size());
+  std::set<ObjectId> saved;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    for (size_t k = 0; k < micro_batches; ++k) {
+      const TaskId f = forward[l][k], b = backward[l][k];
+      if (!f.valid() || !b.valid()) continue;
+      for (ObjectId output : graph.task(f).outputs) {
+        const std::vector<TaskId>& by = readers[output.value() - 1];
+        if (!by.empty() && std::all_of(by.begin(), by.end(), [&](TaskId t) { return t == b; })) {
+          if (k == 0) saved_of[l].push_back(output);
+          saved.insert(output);
+        }
+      }
+    }
+  }
+  // The bytes live besides every saved object while each task runs, as the solver's one cap
+  // sees them: under both caps, the activations' base is raised by how much tighter their cap
+  // is, so that base + kept <= cap holds exactly when both constraints do.
+  const std::vector<int64_t> all = LiveDuring(memory, tier, false, saved);
+  const std::vector<int64_t> activations = LiveDuring(memory, tier, true, saved);
+  const int64_t cap = caps.total > 0 ? caps.total : caps.activations;
+  auto base_at = [&](TaskId task) -> int64_t {
+    auto it = position.find(task);
+    if (it == position.end()) return 0;
+    const auto p = static_cast<size_t>(it->second);
+    int64_t base = caps.total > 0 ? all[p] : 0;
+    if (caps.activations > 0) base = std::max(base, activations[p] + cap - caps.activations);
+    return std::max<int64_t>(base + lowered, 0);
+  };
+  Chain chain;
+  chain.problem.cap_bytes = cap;
+  chain.problem.allow_swap = false;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    // The loss layer's backward follows its forward at once: kept, but its memory counts.
+    if (saved_of[l].empty() && !model.layers[l].loss) continue;
+    ActivationLayer layer;
+    layer.must_keep = model.layers[l].loss;
+    for (ObjectId id : saved_of[l]) layer.saved_bytes += graph.object(id).meta.bytes();
+    layer.forward_us = times[l].forward;
+    layer.backward_us = times[l].backward + times[l].weight;
+    int64_t base_forward = 0, base_backward = 0;
+    for (size_t k = 0; k < micro_batches; ++k) {
+      base_forward = std::max(base_forward, base_at(forward[l][k]));
+      base_backward = std::max(base_backward, base_at(backward[l][k]));
+    }
+    chain.problem.layers.push_back(layer);
+    chain.problem.base_forward_bytes.push_back(base_forward);
+    chain.problem.base_backward_bytes.push_back(base_backward);
+    chain.layers.push_back(l);
+  }
+  return chain;
+}
+
+// The worker holding a rank's first forward.
+size_t WorkerOfRank(const MemoryProfile& profile, const PlannedPasses& planned, size_t rank) {
+  const TaskId first = planned.forward_task[rank][0][0];
+  for (size_t w = 0; w < profile.workers.size(); ++w) {
+    const std::vector<TaskId>& tasks = profile.workers[w].order.tasks;
+    if (std::find(tasks.begin(), tasks.end(), first) != tasks.end()) return w;
+  }
+  return 0;
+}
+
+}  // namespace
+
+Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& plan,
+                                   const OpRegistry& registry) {
+  TESSERA_ASSIGN_OR_RETURN(PlannedPasses planned, RunTrainingPasses(model, plan, registry, {}));
+  const MemoryTier tier = ComputeTier(plan);
+  Caps caps;
+  caps.total = CapOf(plan, tier);
+  if (caps.total == 0 && plan.memory.activation_budget == 0) return std::move(planned.step);
+  TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(planned.step.graph));
+  const Peaks uncapped = PeaksOf(profile, tier);
+  if (plan.memory.activation_budget > 0) {
+    caps.activations =
+        std::max<int64_t>(1, static_cast<int64_t>(plan.memory.activation_budget *
+                                                  static_cast<double>(uncapped.activations)));
+  }
+  MemoryDecision decision;
+  decision.tier = tier;
+  decision.cap_bytes = caps.total;
+  decision.activation_cap_bytes = caps.activations;
+  decision.uncapped_peak_bytes = decision.peak_bytes = uncapped.total;
+  decision.uncapped_activation_peak_bytes = decision.activation_peak_bytes = uncapped.activations;
+  const std::string limits = fmt::format(
+      "{}{}{}", caps.total > 0 ? fmt::format("the cap {}", Mib(caps.total)) : "",
+      caps.total > 0 && caps.activations > 0 ? " and " : "",
+      caps.activations > 0 ? fmt::format("the activation budget {:.0f}% ({} of {})",
+                                         100 * plan.memory.activation_budget, Mib(caps.activations),
+                                         Mib(uncapped.activations))
+                           : "");
+  if (caps.Fit(uncapped)) {
+    decision.reason = fmt::format("every activation kept: the predicted peak {} fits {}",
+                                  Mib(uncapped.total), limits);
+    planned.step.memory = std::move(decision);
+    return std::move(planned.step);
+  }
+  const TierPeak& peak = profile.workers[uncapped.worker].peaks[static_cast<size_t>(tier)];
+  const std::string over = fmt::format(
+      "the step needs {} on the {} tier of a worker ({} live at the peak; activations peak at "
+      "{}) but {}{}{}",
+      Mib(uncapped.total), MemoryTierName(tier), LiveByRole(peak), Mib(uncapped.activations),
+      caps.total > 0 ? fmt::format("{} caps it at {}", CapFlag(tier), Mib(caps.total)) : "",
+      caps.total > 0 && caps.activations > 0 ? " and " : "",
+      caps.activations > 0 ? fmt::format("the activation budget allows {} ({:.0f}%)",
+                                         Mib(caps.activations), 100 * plan.memory.activation_budget)
+                           : "");
+  const ParallelConfig& p = plan.parallel;
+  if (p.pipeline_stages > 1 || p.virtual_stages > 1 || p.split_backwards) {
+    return InvalidArgument(
+        "{}; fitting a pipeline's or a split backward's activations under a cap is not planned "
+        "yet: raise the cap, or drop the pipeline",
+        over);
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> times, LayerTimes(model, plan, registry));
+  int64_t lowered = 0;
+  for (int round = 0; round < kVerifyRounds; ++round) {
+    std::vector<ActivationChoice> choices(model.layers.size(), ActivationChoice::kKeep);
+    bool solved_all = true;
+    for (size_t rank = 0; rank < planned.forward_task.size(); ++rank) {
+      const WorkerMemory& memory = profile.workers[WorkerOfRank(profile, planned, rank)];
+      Chain chain = DescribeChain(model, planned, memory, rank, tier, caps, lowered, times);
+      Result<ActivationPlan> solved = SolveActivations(chain.problem);
+      if (!solved.ok()) {
+        solved_all = false;
+        break;
+      }
+      for (size_t i = 0; i < chain.layers.size(); ++i) {
+        if (solved->choices[i] != ActivationChoice::kKeep) {
+          choices[chain.layers[i]] = solved->choices[i];
+        }
+      }
+    }
+    if (!solved_all) break;
+    TESSERA_ASSIGN_OR_RETURN(PlannedPasses replanned,
+                             RunTrainingPasses(model, plan, registry, choices));
+    TESSERA_ASSIGN_OR_RETURN(MemoryProfile checked, PredictMemory(replanned.step.graph));
+    const Peaks peaks = PeaksOf(checked, tier);
+    if (caps.Fit(peaks)) {
+      decision.peak_bytes = peaks.total;
+      decision.activation_peak_bytes = peaks.activations;
+      std::vector<std::string> names;
+      names.reserve(model.layers.size());
+      for (const LayerSpec& layer : model.layers) names.push_back(layer.name);
+      ActivationPlan described;
+      described.choices = choices;
+      decision.reason = fmt::format(
+          "predicted peak {} (activations {}) under {}; every activation kept: {} (activations "
+          "{}); {}",
+          Mib(peaks.total), Mib(peaks.activations), limits, Mib(uncapped.total),
+          Mib(uncapped.activations), DescribeActivationPlan(described, names));
+      decision.activations = std::move(choices);
+      replanned.step.memory = std::move(decision);
+      return std::move(replanned.step);
+    }
+    lowered += caps.Excess(peaks);  // the model saw more than the solver: leave that much free
+  }
+  // Nothing fits: how far recomputing every layer gets.
+  std::vector<ActivationChoice> all(model.layers.size(), ActivationChoice::kRecompute);
+  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least, RunTrainingPasses(model, plan, registry, all));
+  TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));
+  const Peaks least_peaks = PeaksOf(least_profile, tier);
+  return Infeasible(
+      "{}; recomputing every layer's activations it still needs {} (activations {}): raise the "
+      "cap or the budget to at least that, or shrink what else is live (ZeRO-3 over more "
+      "workers shards the model state; more micro-batches make each one's activations smaller)",
+      over, Mib(least_peaks.total), Mib(least_peaks.activations));
+}
+
+}  // namespace tessera
