@@ -74,6 +74,7 @@ class Expansion {
         mb.outputs.resize(layers);
         mb.entering.resize(layers);
         for (size_t l = 0; l < layers; ++l) TESSERA_RETURN_IF_ERROR(AddForward(mb, l));
+        if (s_.serialize_micro_batches && k > 0) TESSERA_RETURN_IF_ERROR(AfterPrevious(mb));
         mb.output_grads.resize(layers);
         for (size_t l = 0; l < layers; ++l) {
           mb.output_grads[l].resize(static_cast<size_t>(s_.model.layers[l].activations));
@@ -96,6 +97,19 @@ class Expansion {
     return s_.Name(mb.r, s_.Micro(mb.k, name));
   }
   size_t Prefetch() const { return static_cast<size_t>(s_.parallel.prefetch_layers); }
+
+  // PlanState::serialize_micro_batches: micro-batch k's forwards start once micro-batch k-1's
+  // backwards are done (its first forward after each of those).
+  Status AfterPrevious(const MicroBatch& mb) {
+    const RankState& rank = Rank(mb);
+    const auto previous = static_cast<size_t>(mb.k - 1);
+    const TaskId first = rank.forward_task[0][static_cast<size_t>(mb.k)];
+    for (size_t l = 0; l < s_.num_layers; ++l) {
+      const TaskId backward = rank.backward_task[l][previous];
+      if (backward.valid()) s_.builder.AddControlEdge(backward, first);
+    }
+    return Status::Ok();
+  }
 
   // The layer's attributes; the loss layer's carry grad_scale (1 / (ranks x micro-batches): the
   // loss is a mean over every rank's micro-batches).

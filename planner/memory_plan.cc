@@ -9,6 +9,8 @@
 //    model's estimate and twice it), and the bytes live besides every saved object while its
 //    forward and its backward run (the largest over micro-batches). Layers any worker recomputes
 //    are recomputed on every rank (the ranks run the same chain).
+//    With several micro-batches, each rank's run one after another first (PlanState::
+//    serialize_micro_batches): if that fits, nothing is recomputed.
 // 3. Plan again with those choices (the expansion adds the recomputes) and predict again: the
 //    model, not the solver's simpler view, has the last word. If a worker still exceeds the cap,
 //    solve again with the cap lowered by the excess (a few rounds).
@@ -268,6 +270,25 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
         "yet: raise the cap, or drop the pipeline",
         over);
   }
+  // Several micro-batches: one after another first (what accumulating gradients is for; as
+  // planned, every micro-batch's forwards run as soon as they are ready).
+  const bool serialize = p.micro_batches > 1;
+  if (serialize) {
+    TESSERA_ASSIGN_OR_RETURN(planned, RunTrainingPasses(model, plan, registry, {}, serialize));
+    TESSERA_ASSIGN_OR_RETURN(profile, PredictMemory(planned.step.graph));
+    const Peaks serialized = PeaksOf(profile, tier);
+    if (caps.Fit(serialized)) {
+      decision.peak_bytes = serialized.total;
+      decision.activation_peak_bytes = serialized.activations;
+      decision.reason = fmt::format(
+          "micro-batches one after another, every activation kept: predicted peak {} "
+          "(activations {}) under {}; as planned: {} (activations {})",
+          Mib(serialized.total), Mib(serialized.activations), limits, Mib(uncapped.total),
+          Mib(uncapped.activations));
+      planned.step.memory = std::move(decision);
+      return std::move(planned.step);
+    }
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> times, LayerTimes(model, plan, registry));
   int64_t lowered = 0;
   for (int round = 0; round < kVerifyRounds; ++round) {
@@ -289,7 +310,7 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
     }
     if (!solved_all) break;
     TESSERA_ASSIGN_OR_RETURN(PlannedPasses replanned,
-                             RunTrainingPasses(model, plan, registry, choices));
+                             RunTrainingPasses(model, plan, registry, choices, serialize));
     TESSERA_ASSIGN_OR_RETURN(MemoryProfile checked, PredictMemory(replanned.step.graph));
     const Peaks peaks = PeaksOf(checked, tier);
     if (caps.Fit(peaks)) {
@@ -301,10 +322,11 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
       ActivationPlan described;
       described.choices = choices;
       decision.reason = fmt::format(
-          "predicted peak {} (activations {}) under {}; every activation kept: {} (activations "
+          "{}predicted peak {} (activations {}) under {}; every activation kept: {} (activations "
           "{}); {}",
-          Mib(peaks.total), Mib(peaks.activations), limits, Mib(uncapped.total),
-          Mib(uncapped.activations), DescribeActivationPlan(described, names));
+          serialize ? "micro-batches one after another, " : "", Mib(peaks.total),
+          Mib(peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations),
+          DescribeActivationPlan(described, names));
       decision.activations = std::move(choices);
       replanned.step.memory = std::move(decision);
       return std::move(replanned.step);
@@ -313,7 +335,8 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
   }
   // Nothing fits: how far recomputing every layer gets.
   std::vector<ActivationChoice> all(model.layers.size(), ActivationChoice::kRecompute);
-  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least, RunTrainingPasses(model, plan, registry, all));
+  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least,
+                           RunTrainingPasses(model, plan, registry, all, serialize));
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));
   const Peaks least_peaks = PeaksOf(least_profile, tier);
   return Infeasible(

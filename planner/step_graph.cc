@@ -96,9 +96,11 @@ const std::vector<PlanPass>& TrainingPasses() {
 
 Result<PlannedPasses> RunTrainingPasses(const ModelSpec& model, const TrainingPlan& plan,
                                         const OpRegistry& registry,
-                                        std::vector<ActivationChoice> activation_choices) {
+                                        std::vector<ActivationChoice> activation_choices,
+                                        bool serialize_micro_batches) {
   PlanState state(model, plan, registry);
   state.activation_choices = std::move(activation_choices);
+  state.serialize_micro_batches = serialize_micro_batches;
   for (const PlanPass& pass : TrainingPasses()) TESSERA_RETURN_IF_ERROR(pass.run(state));
   TESSERA_ASSIGN_OR_RETURN(state.step.graph, state.builder.Build());
   PlannedPasses planned;
