@@ -226,6 +226,28 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
   const MemoryTier tier = ComputeTier(plan);
   Caps caps;
   caps.total = CapOf(plan, tier);
+  if (plan.memory.recompute_all) {
+    std::vector<ActivationChoice> all(model.layers.size(), ActivationChoice::kRecompute);
+    TESSERA_ASSIGN_OR_RETURN(
+        PlannedPasses recomputed,
+        RunTrainingPasses(model, plan, registry, all, plan.parallel.micro_batches > 1));
+    TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(recomputed.step.graph));
+    const Peaks peaks = PeaksOf(profile, tier);
+    if (caps.total > 0 && peaks.total > caps.total) {
+      return Infeasible("recomputing every layer the step needs {} on the {} tier, over {}'s {}",
+                        Mib(peaks.total), MemoryTierName(tier), CapFlag(tier), Mib(caps.total));
+    }
+    MemoryDecision& decision = recomputed.step.memory;
+    decision.tier = tier;
+    decision.cap_bytes = caps.total;
+    decision.peak_bytes = peaks.total;
+    decision.activation_peak_bytes = peaks.activations;
+    decision.activations = std::move(all);
+    decision.reason = fmt::format("every layer recomputed (asked for): predicted peak {} "
+                                  "(activations {})",
+                                  Mib(peaks.total), Mib(peaks.activations));
+    return std::move(recomputed.step);
+  }
   if (caps.total == 0 && plan.memory.activation_budget == 0) return std::move(planned.step);
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(planned.step.graph));
   const Peaks uncapped = PeaksOf(profile, tier);

@@ -143,6 +143,9 @@ struct MemoryCaps {
   int64_t device_bytes = 0;
   int64_t host_bytes = 0;
   double activation_budget = 0;  // (0, 1]; 0: none
+  // Recompute every layer's activations whatever the caps (what checkpointing every layer
+  // does: the naive baseline the planned choices are measured against).
+  bool recompute_all = false;
 };
 
 // "none" | "optimizer"; InvalidArgument naming the choices otherwise.

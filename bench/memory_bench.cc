@@ -1,0 +1,273 @@
+// bench_memory: the memory plan (planner/memory_plan.cc) against the naive way, same run: the
+// step time of a model trained in this process keeping every activation, then at each
+// activation budget (--budgets, a share of the activations' peak, as torch.compile's
+// activation_memory_budget) planned by the activation solver and with every layer recomputed
+// (checkpointing every layer, the naive baseline), and for each the predicted and measured peaks.
+//
+// Models (--models): gpt2 (--gpt2-preset, batch --gpt2-batch of the preset's sequence length)
+// and unet3d (--unet-preset, batch --unet-batch). Each round (--rounds) runs every plan, in an
+// order rotated by the round, --warmup steps then --steps timed ones (StepReport::step_ms,
+// median); a plan's figure is the median of its rounds' medians. Prints per plan:
+//   model plan budget  step_ms  x_uncapped (step time / the uncapped plan's: above 1, slower)
+//   peak_mb predicted / measured (every object, RunFigures::total_peak)
+//   act_mb  predicted / measured (activations, the role's peak)
+//   recmp   recompute tasks in the step, and the memory plan's reason; a budget nothing fits
+//           under prints why.
+// --json PATH writes the same figures as JSON.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "bench/bench_util.h"
+
+#include "core/atomic_file.h"
+#include "data/volumes.h"
+#include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "ops/standard_ops.h"
+#include "training/trainer.h"
+
+namespace {
+
+using tessera::Status;
+
+constexpr const char* kProgram = "bench_memory";
+template <typename T>
+T Check(tessera::Result<T> result, const std::string& what) {
+  return tessera::bench::Check(kProgram, std::move(result), what);
+}
+using tessera::bench::Median;
+
+struct Flags {
+  std::vector<std::string> models = {"gpt2", "unet3d"};
+  std::string gpt2_preset = "small";
+  int64_t gpt2_batch = 4;
+  std::string unet_preset = "small";
+  int64_t unet_batch = 2;
+  std::vector<double> budgets = {0.5, 0.25};
+  int rounds = 3;
+  int warmup = 2;
+  int steps = 6;
+  int threads = 0;
+  std::string json;
+};
+
+// A model, its plan and one batch.
+struct Case {
+  std::string name;
+  tessera::ModelSpec model;
+  tessera::TrainingPlan plan;
+  std::vector<tessera::Tensor> batch;
+};
+
+Case Gpt2Case(const Flags& flags) {
+  const tessera::Gpt2Config config =
+      Check(tessera::Gpt2Config::Preset(flags.gpt2_preset), "preset");
+  Case c{"gpt2-" + flags.gpt2_preset, Check(tessera::BuildGpt2(config), "build GPT-2"), {}, {}};
+  c.plan.batch = flags.gpt2_batch;
+  c.plan.seq_len = config.max_seq_len;
+  const size_t tokens = static_cast<size_t>(c.plan.batch * c.plan.seq_len);
+  std::vector<int32_t> ids(tokens), targets(tokens);
+  for (size_t i = 0; i < tokens; ++i) {
+    ids[i] = static_cast<int32_t>((i * 7919) % static_cast<size_t>(config.vocab));
+    targets[i] = static_cast<int32_t>((i * 104729 + 1) % static_cast<size_t>(config.vocab));
+  }
+  c.batch = Check(tessera::Gpt2Batch(config, ids, targets, c.plan.batch, c.plan.seq_len), "batch");
+  return c;
+}
+
+Case UNetCase(const Flags& flags, const tessera::OpRegistry& registry) {
+  const tessera::UNet3dConfig config =
+      Check(tessera::UNet3dConfig::Preset(flags.unet_preset), "preset");
+  Case c{"unet3d-" + flags.unet_preset,
+         Check(tessera::BuildUNet3d(config, registry), "build"),
+         {},
+         {}};
+  c.plan.batch = flags.unet_batch;
+  const tessera::VolumeBatch made = Check(
+      tessera::GenerateVolumes(c.plan.batch, config.volume, config.in_channels, 7), "volumes");
+  const int64_t v = config.volume;
+  auto floats = Check(tessera::Tensor::FromVector(
+                          tessera::Shape{c.plan.batch, config.in_channels, v, v, v}, made.volumes),
+                      "volumes");
+  auto labels = Check(
+      tessera::Tensor::FromVector(tessera::Shape{c.plan.batch, v, v, v}, made.labels), "labels");
+  c.batch = {std::move(floats), std::move(labels)};
+  return c;
+}
+
+// One plan of a case: how it is capped.
+struct Variant {
+  std::string name;  // uncapped, planned, recompute-all
+  double budget = 0;
+};
+
+struct Row {
+  std::string model, plan;
+  double budget = 0;
+  std::vector<double> round_ms;
+  double step_ms = 0;
+  int64_t predicted_peak = 0, measured_peak = 0;
+  int64_t predicted_activations = 0, measured_activations = 0;
+  int recomputed = 0;
+  std::string reason;
+  std::string refused;  // why the plan could not be made
+};
+
+// Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
+// figures.
+void RunOnce(const Flags& flags, const Case& c, const Variant& variant, Row& row) {
+  tessera::TrainingPlan plan = c.plan;
+  if (variant.name == "planned") plan.memory.activation_budget = variant.budget;
+  if (variant.name == "recompute-all") plan.memory.recompute_all = true;
+  tessera::ExecutorOptions options;
+  options.threads = flags.threads;
+  tessera::Result<std::unique_ptr<tessera::Trainer>> made =
+      tessera::Trainer::Create(c.model, plan, options);
+  if (!made.ok()) {
+    row.refused = made.status().ToString();
+    return;
+  }
+  tessera::Trainer& trainer = **made;
+  if (Status s = trainer.InitializeParameters(1); !s.ok()) tessera::bench::Die(kProgram, s, "init");
+  std::vector<double> times;
+  for (int step = 0; step < flags.warmup + flags.steps; ++step) {
+    const tessera::StepReport report = Check(trainer.Step(c.batch, 1e-4f), "step");
+    if (step >= flags.warmup) times.push_back(report.step_ms);
+    if (!report.ranks.empty()) {
+      row.measured_peak = report.ranks[0].figures.total_peak;
+      row.measured_activations = report.ranks[0].figures.peak(tessera::ObjectRole::kActivation);
+    }
+  }
+  row.round_ms.push_back(Median(times));
+  const tessera::MemoryDecision& memory = trainer.step_graph().memory;
+  if (memory.peak_bytes > 0) {
+    row.predicted_peak = memory.peak_bytes;
+    row.predicted_activations = memory.activation_peak_bytes;
+  } else {
+    const tessera::MemoryProfile profile =
+        Check(tessera::PredictMemory(trainer.step_graph().graph), "predict");
+    row.predicted_peak = profile.workers[0].total_peak;
+    row.predicted_activations =
+        profile.workers[0].role_peaks[static_cast<size_t>(tessera::ObjectRole::kActivation)];
+  }
+  row.recomputed = 0;  // recompute tasks in the step (per rank and micro-batch)
+  for (const tessera::TaskSpec& task : trainer.step_graph().graph.tasks()) {
+    if (task.name.find("/recompute") != std::string::npos) ++row.recomputed;
+  }
+  row.reason = memory.reason;
+}
+
+double Mb(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+}  // namespace
+
+static int Main(int argc, char** argv) {
+  Flags flags;
+  CLI::App app{
+      "The memory plan's step time against keeping everything and recomputing every "
+      "layer, in this process (see the header for the figures)"};
+  app.add_option("--models", flags.models, "gpt2 and/or unet3d")
+      ->check(CLI::IsMember({"gpt2", "unet3d"}));
+  app.add_option("--gpt2-preset", flags.gpt2_preset, "tiny, small or gpt2-124m");
+  app.add_option("--gpt2-batch", flags.gpt2_batch, "Sequences per step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--unet-preset", flags.unet_preset, "tiny or small");
+  app.add_option("--unet-batch", flags.unet_batch, "Volumes per step")->check(CLI::PositiveNumber);
+  app.add_option("--budgets", flags.budgets, "Activation budgets, shares of the peak")
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--rounds", flags.rounds, "Rounds of every plan (alternating order)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", flags.warmup, "Untimed steps per plan and round")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", flags.steps, "Timed steps per plan and round")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", flags.threads, "Executor threads (0: one per core)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--json", flags.json, "Also write the figures to this JSON file");
+  CLI11_PARSE(app, argc, argv);
+
+  tessera::OpRegistry registry;
+  if (Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "register the ops");
+  }
+  std::vector<Row> rows;
+  for (const std::string& model : flags.models) {
+    const Case c = model == "gpt2" ? Gpt2Case(flags) : UNetCase(flags, registry);
+    std::vector<Variant> variants = {{"uncapped", 0}};
+    for (double budget : flags.budgets) {
+      variants.push_back({"planned", budget});
+      variants.push_back({"recompute-all", budget});
+    }
+    // recompute-all does not depend on the budget: run it once, report it at every budget.
+    std::vector<Variant> run;
+    for (const Variant& v : variants) {
+      if (v.name != "recompute-all" || v.budget == flags.budgets.front()) run.push_back(v);
+    }
+    std::vector<Row> case_rows(run.size());
+    for (int round = 0; round < flags.rounds; ++round) {
+      for (size_t i = 0; i < run.size(); ++i) {
+        const size_t v = (i + static_cast<size_t>(round)) % run.size();
+        std::fprintf(stderr, "%s: %s round %d/%d: %s %.2f\n", kProgram, c.name.c_str(), round + 1,
+                     flags.rounds, run[v].name.c_str(), run[v].budget);
+        RunOnce(flags, c, run[v], case_rows[v]);
+      }
+    }
+    for (size_t v = 0; v < run.size(); ++v) {
+      Row& row = case_rows[v];
+      row.model = c.name;
+      row.plan = run[v].name;
+      row.budget = run[v].budget;
+      if (row.refused.empty()) row.step_ms = Median(row.round_ms);
+      rows.push_back(row);
+    }
+  }
+  std::printf("%-14s %-14s %6s %9s %10s %19s %19s %5s\n", "model", "plan", "budget", "step_ms",
+              "x_uncapped", "peak_mb pred/meas", "act_mb pred/meas", "recmp");
+  std::string json = "[\n";
+  for (const Row& row : rows) {
+    double uncapped = 0;
+    for (const Row& other : rows) {
+      if (other.model == row.model && other.plan == "uncapped") uncapped = other.step_ms;
+    }
+    if (!row.refused.empty()) {
+      std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
+                  row.budget, row.refused.c_str());
+    } else {
+      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d\n",
+                  row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms,
+                  row.step_ms / uncapped, Mb(row.predicted_peak), Mb(row.measured_peak),
+                  Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed);
+    }
+    json += fmt::format(
+        "  {{\"model\": \"{}\", \"plan\": \"{}\", \"budget\": {}, \"step_ms\": {:.3f}, "
+        "\"x_uncapped\": {:.4f}, \"predicted_peak\": {}, \"measured_peak\": {}, "
+        "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
+        "\"refused\": {}}}{}\n",
+        row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
+        row.predicted_peak, row.measured_peak, row.predicted_activations, row.measured_activations,
+        row.recomputed, row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
+  }
+  json += "]\n";
+  for (const Row& row : rows) {
+    if (!row.reason.empty()) {
+      std::printf("%s %s %.2f: %s\n", row.model.c_str(), row.plan.c_str(), row.budget,
+                  row.reason.c_str());
+    }
+  }
+  if (!flags.json.empty()) {
+    if (Status s = tessera::WriteFileAtomically(flags.json, json); !s.ok()) {
+      tessera::bench::Die(kProgram, s, "--json");
+    }
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain(kProgram, [&] { return Main(argc, argv); });
+}
