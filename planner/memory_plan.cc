@@ -20,6 +20,7 @@
 // Not yet: swapping (the solver can; the expansion does not add the copies), pipelines (the
 // micro-batches in flight interleave the chains) and split backwards are refused under a cap.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -218,10 +219,13 @@ size_t WorkerOfRank(const MemoryProfile& profile, const PlannedPasses& planned, 
   return 0;
 }
 
-}  // namespace
+// Forward: changes to a plan that fit under its tier cap, cheapest first.
+std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
+                         const OpRegistry& registry);
 
-Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& plan,
-                                   const OpRegistry& registry) {
+// The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
+Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
+                      bool suggest) {
   TESSERA_ASSIGN_OR_RETURN(PlannedPasses planned, RunTrainingPasses(model, plan, registry, {}));
   const MemoryTier tier = ComputeTier(plan);
   Caps caps;
@@ -243,9 +247,10 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
     decision.peak_bytes = peaks.total;
     decision.activation_peak_bytes = peaks.activations;
     decision.activations = std::move(all);
-    decision.reason = fmt::format("every layer recomputed (asked for): predicted peak {} "
-                                  "(activations {})",
-                                  Mib(peaks.total), Mib(peaks.activations));
+    decision.reason = fmt::format(
+        "every layer recomputed (asked for): predicted peak {} "
+        "(activations {})",
+        Mib(peaks.total), Mib(peaks.activations));
     return std::move(recomputed.step);
   }
   if (caps.total == 0 && plan.memory.activation_budget == 0) return std::move(planned.step);
@@ -361,11 +366,81 @@ Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& p
                            RunTrainingPasses(model, plan, registry, all, serialize));
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));
   const Peaks least_peaks = PeaksOf(least_profile, tier);
+  std::string advice;
+  if (caps.activations > 0 && least_peaks.activations > caps.activations) {
+    advice =
+        fmt::format("; the activation budget needs to be at least {:.0f}%",
+                    std::ceil(100.0 * static_cast<double>(least_peaks.activations) /
+                              static_cast<double>(std::max<int64_t>(uncapped.activations, 1))));
+  }
+  if (caps.total > 0 && least_peaks.total > caps.total) {
+    const std::string fits = suggest ? WhatWouldFit(model, plan, registry) : "";
+    advice += fits.empty() ? fmt::format("; {} needs to be at least {}", CapFlag(tier),
+                                         Mib(least_peaks.total))
+                           : "; " + fits;
+  }
   return Infeasible(
-      "{}; recomputing every layer's activations it still needs {} (activations {}): raise the "
-      "cap or the budget to at least that, or shrink what else is live (ZeRO-3 over more "
-      "workers shards the model state; more micro-batches make each one's activations smaller)",
-      over, Mib(least_peaks.total), Mib(least_peaks.activations));
+      "{}; recomputing every layer's activations it still needs {} (activations {}){}", over,
+      Mib(least_peaks.total), Mib(least_peaks.activations), advice);
+}
+
+std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
+                         const OpRegistry& registry) {
+  struct Change {
+    std::string what;
+    TrainingPlan plan;
+  };
+  std::vector<Change> changes;
+  const ParallelConfig& p = plan.parallel;
+  // In order of what they cost: nothing more to buy, then communication, then machines.
+  if (p.MicroBatchRows(plan.batch) % 2 == 0 && p.pipeline_stages == 1) {
+    Change change{fmt::format("--micro-batches {}", 2 * p.micro_batches), plan};
+    change.plan.parallel.micro_batches *= 2;
+    changes.push_back(std::move(change));
+  }
+  if (!plan.device.is_cpu() && p.offload == OffloadMode::kNone) {
+    Change change{"--offload optimizer", plan};
+    change.plan.parallel.offload = OffloadMode::kOptimizer;
+    changes.push_back(std::move(change));
+  }
+  if (p.data_parallel > 1 && p.zero_stage < 3) {
+    Change change{"--zero-stage 3", plan};
+    change.plan.parallel.zero_stage = 3;
+    changes.push_back(std::move(change));
+  }
+  if (p.pipeline_stages == 1 && plan.batch % (2 * p.data_parallel * p.micro_batches) == 0) {
+    const int workers = 2 * p.data_parallel;
+    Change change{fmt::format("--workers {} --zero-stage 3", workers), plan};
+    change.plan.parallel.data_parallel = workers;
+    change.plan.parallel.zero_stage = 3;
+    change.plan.parallel.workers.clear();
+    for (int w = 0; w < workers; ++w) {
+      change.plan.parallel.workers.push_back(WorkerId(static_cast<uint64_t>(w) + 1));
+    }
+    changes.push_back(std::move(change));
+  }
+  const MemoryTier tier = ComputeTier(plan);
+  std::string fits;
+  for (Change& change : changes) {
+    change.plan.memory.activation_budget = 0;  // a share of another plan's peak: not comparable
+    Result<StepGraph> step = Fit(model, change.plan, registry, /*suggest=*/false);
+    if (!step.ok()) continue;
+    int64_t peak = step->memory.peak_bytes;
+    if (peak == 0) {  // fits without a decision: predict it for the figure
+      Result<MemoryProfile> profile = PredictMemory(step->graph);
+      if (profile.ok()) peak = PeaksOf(*profile, tier).total;
+    }
+    fits +=
+        fmt::format("{}{} (predicted peak {})", fits.empty() ? "" : ", ", change.what, Mib(peak));
+  }
+  return fits.empty() ? "" : "plans that would fit, cheapest first: " + fits;
+}
+
+}  // namespace
+
+Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& plan,
+                                   const OpRegistry& registry) {
+  return Fit(model, plan, registry, /*suggest=*/true);
 }
 
 }  // namespace tessera

@@ -426,7 +426,18 @@ TEST(MemoryPlanTest, ACapNothingFitsUnderIsRefusedWithTheFiguresAndWhatToChange)
   EXPECT_THAT(step.status().message(), HasSubstr("on the host tier of a worker"));
   EXPECT_THAT(step.status().message(), HasSubstr("--host-memory-gib caps it at 1.00 MiB"));
   EXPECT_THAT(step.status().message(), HasSubstr("recomputing every layer's activations"));
-  EXPECT_THAT(step.status().message(), HasSubstr("ZeRO-3"));
+  EXPECT_THAT(step.status().message(), HasSubstr("--host-memory-gib needs to be at least"));
+  // A cap just below what recomputing every layer needs, which one more worker with ZeRO-3
+  // would meet, says so.
+  TrainingPlan naive = Gpt2Case().plan;
+  naive.memory.recompute_all = true;
+  ASSERT_OK_AND_ASSIGN(StepGraph all_recomputed, PlanTrainingStep(c.model, naive, CpuRegistry()));
+  TrainingPlan tight = Gpt2Case().plan;
+  tight.memory.host_bytes = all_recomputed.memory.peak_bytes - 1;
+  Result<StepGraph> refused = PlanTrainingStep(c.model, tight, CpuRegistry());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("plans that would fit, cheapest first: --workers 2 --zero-stage 3"));
   // A pipeline under a cap it exceeds is not planned yet, and says so.
   c.plan.parallel.pipeline_stages = 2;
   c.plan.parallel.micro_batches = 2;
