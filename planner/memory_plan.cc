@@ -408,7 +408,8 @@ std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
     change.plan.parallel.zero_stage = 3;
     changes.push_back(std::move(change));
   }
-  if (p.pipeline_stages == 1 && plan.batch % (2 * p.data_parallel * p.micro_batches) == 0) {
+  if (p.pipeline_stages == 1 &&
+      plan.batch % (int64_t{2} * p.data_parallel * p.micro_batches) == 0) {
     const int workers = 2 * p.data_parallel;
     Change change{fmt::format("--workers {} --zero-stage 3", workers), plan};
     change.plan.parallel.data_parallel = workers;
