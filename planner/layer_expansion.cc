@@ -4,6 +4,7 @@
 // micro-batches. The sharding policy says which parameters each task reads and what happens to
 // each micro-batch's gradient; nothing here depends on the ZeRO stage.
 #include <map>
+#include <set>
 #include <utility>
 
 #include <fmt/format.h>
@@ -30,6 +31,8 @@ struct MicroBatch {
   std::vector<std::vector<std::vector<ObjectId>>> output_grads;
   std::vector<std::vector<ObjectId>> param_grads;
   std::vector<ObjectId> entering_grad;
+  // Per layer: the host copies of what its forward saves, by output index (a swapped layer).
+  std::vector<std::map<int, ObjectId>> swapped;
 };
 
 // A backward's arguments, and which of them each half of a split backward reads.
@@ -59,6 +62,18 @@ class Expansion {
         if (arg.kind == Arg::kParams) readers_[arg.index].push_back(l);
       }
     }
+    // The forward outputs only their own layer's backward reads (what a layer saves).
+    saved_only_.resize(state.num_layers);
+    for (size_t l = 0; l < state.num_layers; ++l) {
+      for (const BackwardArg& arg : state.model.layers[l].backward_args) {
+        if (arg.kind == BackwardArg::Kind::kForwardOutput) saved_only_[l].insert(arg.index);
+      }
+    }
+    for (const LayerSpec& layer : state.model.layers) {
+      for (const LayerArg& arg : layer.forward_args) {
+        if (arg.kind == Arg::kActivation) saved_only_[arg.index].erase(arg.output);
+      }
+    }
   }
 
   Status Run() {
@@ -72,6 +87,7 @@ class Expansion {
         const size_t layers = s_.num_layers;
         mb.args.resize(layers);
         mb.outputs.resize(layers);
+        mb.swapped.resize(layers);
         mb.entering.resize(layers);
         for (size_t l = 0; l < layers; ++l) TESSERA_RETURN_IF_ERROR(AddForward(mb, l));
         if (s_.serialize_micro_batches && k > 0) TESSERA_RETURN_IF_ERROR(AfterPrevious(mb));
@@ -162,7 +178,53 @@ class Expansion {
             s_.On(mb.r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
     Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(mb.outputs[l][0]);
     if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
+    if (Swaps(l)) return AddSwapOut(mb, l);
     return Status::Ok();
+  }
+
+  bool Swaps(size_t l) const {
+    return l < s_.activation_choices.size() &&
+           s_.activation_choices[l] == ActivationChoice::kSwap && !s_.model.layers[l].loss &&
+           !s_.plan.device.is_cpu();
+  }
+
+  // A swapped layer: what its forward saves copied to the host as soon as it is made
+  // ("<layer>/swap_out", a copy task on the host; the device object, read by no one else, is
+  // then freed).
+  Status AddSwapOut(MicroBatch& mb, size_t l) {
+    const std::string& layer = s_.LayerName(l);
+    for (int o : saved_only_[l]) {
+      const ObjectId saved = mb.outputs[l][static_cast<size_t>(o)];
+      TaskOptions options =
+          s_.On(mb.r, layer, kForwardPriority + 1,
+                {s_.builder.graph().object(saved).name + ".host"}, {ObjectRole::kActivation});
+      options.device_kind = DeviceKind::kCpu;
+      TESSERA_ASSIGN_OR_RETURN(
+          auto host, s_.builder.AddTask(TaskName(mb, l, fmt::format("swap_out{}", o).c_str()),
+                                        "copy", {saved}, {}, std::move(options)));
+      mb.swapped[l][o] = host[0];
+    }
+    return Status::Ok();
+  }
+
+  // Its copy back to the device ("<layer>/swap_in"), prefetched one layer ahead: after the task
+  // that lets the next layer's backward start (the gradient entering it; the loss's forward
+  // for the layer below the loss), so it runs while that backward does.
+  Result<ObjectId> AddSwapIn(MicroBatch& mb, size_t l, int o, ObjectId host) {
+    const std::string& layer = s_.LayerName(l);
+    const size_t loss_layer = s_.num_layers - 1;
+    TESSERA_ASSIGN_OR_RETURN(
+        auto device,
+        s_.builder.AddTask(TaskName(mb, l, fmt::format("swap_in{}", o).c_str()), "copy", {host}, {},
+                           s_.On(mb.r, layer, kBackwardPriority + 1,
+                                 {ObjectName(mb, fmt::format("{}/swapped_in{}", layer, o))},
+                                 {ObjectRole::kActivation})));
+    const ObjectId lead =
+        l + 1 == loss_layer ? mb.outputs[loss_layer].back() : mb.entering_grad[l + 1];
+    if (l + 1 <= loss_layer && lead.valid()) {
+      s_.builder.AddControlEdge(s_.ProducerOf(lead), s_.ProducerOf(device[0]));
+    }
+    return device[0];
   }
 
   Status AddBackward(MicroBatch& mb, size_t l) {
@@ -262,6 +324,8 @@ class Expansion {
               TESSERA_ASSIGN_OR_RETURN(recomputed, AddRecompute(mb, l, std::move(args), dy));
             }
             read = recomputed[static_cast<size_t>(arg.index)];
+          } else if (auto it = mb.swapped[l].find(arg.index); it != mb.swapped[l].end()) {
+            TESSERA_ASSIGN_OR_RETURN(read, AddSwapIn(mb, l, arg.index, it->second));
           }
           break;
         case BackwardArg::Kind::kGradientSoFar: {
@@ -443,6 +507,8 @@ class Expansion {
   std::vector<Attrs> layer_attrs_;            // per layer
   std::vector<std::vector<size_t>> readers_;  // per group: the layers whose forward reads it
   std::vector<bool> split_;  // per layer: its backward runs as two tasks (SplitsLayerBackward)
+  // Per layer: the indices of its forward's outputs only its backward reads.
+  std::vector<std::set<int>> saved_only_;
   // The gradient bucket being filled (AddToBucket): its groups, their full gradients, bytes.
   std::vector<size_t> bucket_;
   std::vector<ObjectId> bucket_fulls_;

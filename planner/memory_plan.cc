@@ -17,7 +17,9 @@
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
-// Not yet: swapping (the solver can; the expansion does not add the copies), pipelines (the
+// Swapping (GPU workers, with the host link's bandwidth and measured layer times): a swapped
+// layer's saved activations are copied to the host after its forward and back one layer ahead
+// of its backward (the expansion's swap_out / swap_in copies). Not yet: pipelines (the
 // micro-batches in flight interleave the chains) and split backwards are refused under a cap.
 #include <algorithm>
 #include <cmath>
@@ -139,7 +141,7 @@ struct Chain {
 };
 
 // `lowered`: bytes the solver is to leave free besides (the memory model saw more than it).
-Chain DescribeChain(const ModelSpec& model, const PlannedPasses& planned,
+Chain DescribeChain(const ModelSpec& model, const TrainingPlan& plan, const PlannedPasses& planned,
                     const WorkerMemory& memory, size_t rank, MemoryTier tier, const Caps& caps,
                     int64_t lowered, const std::vector<OpCosts>& times) {
   const Graph& graph = planned.step.graph;
@@ -187,7 +189,10 @@ Chain DescribeChain(const ModelSpec& model, const PlannedPasses& planned,
   };
   Chain chain;
   chain.problem.cap_bytes = cap;
-  chain.problem.allow_swap = false;
+  // Swapping needs somewhere to swap to, the link's bandwidth, and times in microseconds.
+  chain.problem.allow_swap = !plan.device.is_cpu() && plan.memory.host_link_bytes_per_us > 0 &&
+                             !plan.parallel.layer_op_costs.empty();
+  chain.problem.link_bytes_per_us = plan.memory.host_link_bytes_per_us;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     // The loss layer's backward follows its forward at once: kept, but its memory counts.
     if (saved_of[l].empty() && !model.layers[l].loss) continue;
@@ -323,7 +328,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     bool solved_all = true;
     for (size_t rank = 0; rank < planned.forward_task.size(); ++rank) {
       const WorkerMemory& memory = profile.workers[WorkerOfRank(profile, planned, rank)];
-      Chain chain = DescribeChain(model, planned, memory, rank, tier, caps, lowered, times);
+      Chain chain = DescribeChain(model, plan, planned, memory, rank, tier, caps, lowered, times);
       Result<ActivationPlan> solved = SolveActivations(chain.problem);
       if (!solved.ok()) {
         solved_all = false;

@@ -1,5 +1,7 @@
 // The validation pass and the checks behind it: TrainingPlan::Validate, in the order its
 // messages are given (the first problem found is the one reported).
+#include <cmath>
+
 #include "planner/model_facts.h"
 #include "planner/plan_passes.h"
 #include "planner/sharding_policy.h"
@@ -109,6 +111,10 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
   if (memory.device_bytes < 0 || memory.host_bytes < 0) {
     return InvalidArgument("memory caps must be >= 0 bytes (0: uncapped), not device {} host {}",
                            memory.device_bytes, memory.host_bytes);
+  }
+  if (!(memory.host_link_bytes_per_us >= 0) || std::isinf(memory.host_link_bytes_per_us)) {
+    return InvalidArgument("the host link's bandwidth {} bytes/us must be finite and >= 0",
+                           memory.host_link_bytes_per_us);
   }
   if (!(memory.activation_budget >= 0 && memory.activation_budget <= 1)) {
     return InvalidArgument(

@@ -146,6 +146,11 @@ struct MemoryCaps {
   // Recompute every layer's activations whatever the caps (what checkpointing every layer
   // does: the naive baseline the planned choices are measured against).
   bool recompute_all = false;
+  // Device <-> host bandwidth (bytes per microsecond, each way; 1 GB/s is 1000). With it, and
+  // the layers' times measured (ParallelConfig::layer_op_costs, in microseconds), GPU workers
+  // may swap a layer's saved activations to the host and prefetch them back instead of
+  // recomputing them; 0: no swapping.
+  double host_link_bytes_per_us = 0;
 };
 
 // "none" | "optimizer"; InvalidArgument naming the choices otherwise.

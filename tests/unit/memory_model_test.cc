@@ -14,6 +14,7 @@
 #include "model/unet3d.h"
 #include "test_util.h"
 #include "training/trainer.h"
+#include "worker/gpu.h"
 
 namespace tessera::testing {
 namespace {
@@ -444,6 +445,67 @@ TEST(MemoryPlanTest, ACapNothingFitsUnderIsRefusedWithTheFiguresAndWhatToChange)
   c.plan.parallel.workers = {WorkerId(1), WorkerId(2)};
   EXPECT_THAT(PlanTrainingStep(c.model, c.plan, CpuRegistry()).status().message(),
               HasSubstr("not planned yet"));
+}
+
+// Harmony's way, on the simulated GPU: given the host link's bandwidth and measured layer times
+// (under which the copies hide), the plan swaps what layers save to the host and prefetches it
+// back instead of recomputing; the losses are the uncapped ones bit for bit, the measured
+// peaks are the predicted ones, and the device holds no more activations than the budget.
+TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack) {
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  CappedCase c = Gpt2Case();
+  Gpt2Config config{8, 32, 4, 64, 16};
+  config.activations = GpuActivations();
+  c.model = *BuildGpt2(config);
+  c.plan.device = Device::Cuda(0);
+  ExecutorOptions options;
+  options.threads = 1;
+  ASSERT_OK_AND_ASSIGN(options.device, OpenGpu(0));
+  auto train = [&](const TrainingPlan& plan, RunFigures& figures, StepGraph& step) {
+    auto trainer = Trainer::Create(c.model, plan, options);
+    TESSERA_CHECK(trainer.ok(), "{}", trainer.status().ToString());
+    TESSERA_CHECK((*trainer)->InitializeParameters(5).ok(), "init");
+    std::vector<float> losses;
+    for (int i = 0; i < 3; ++i) {
+      Result<StepReport> report = (*trainer)->Step(c.batch, 1e-3f);
+      TESSERA_CHECK(report.ok(), "{}", report.status().ToString());
+      losses.push_back(report->loss);
+      figures = report->ranks.at(0).figures;
+    }
+    step = (*trainer)->step_graph();
+    return losses;
+  };
+  RunFigures uncapped_figures, figures;
+  StepGraph uncapped_step, step;
+  const std::vector<float> reference = train(c.plan, uncapped_figures, uncapped_step);
+  TrainingPlan capped = c.plan;
+  capped.memory.activation_budget = 0.5;
+  capped.memory.host_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 100 us
+  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{100, 200, 0});
+  const std::vector<float> losses = train(capped, figures, step);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  const MemoryDecision& memory = step.memory;
+  EXPECT_GT(
+      std::count(memory.activations.begin(), memory.activations.end(), ActivationChoice::kSwap), 0)
+      << memory.reason;
+  EXPECT_EQ(std::count(memory.activations.begin(), memory.activations.end(),
+                       ActivationChoice::kRecompute),
+            0)
+      << memory.reason;
+  int swap_outs = 0, swap_ins = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    if (task.name.find("/swap_out") != std::string::npos) ++swap_outs;
+    if (task.name.find("/swap_in") != std::string::npos) ++swap_ins;
+  }
+  EXPECT_GT(swap_outs, 0);
+  EXPECT_EQ(swap_outs, swap_ins);
+  EXPECT_EQ(losses, reference);
+  EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << memory.reason;
+  ASSERT_OK_AND_ASSIGN(MemoryProfile predicted, PredictMemory(step.graph));
+  EXPECT_EQ(figures.total_peak, predicted.workers[0].total_peak);
+  EXPECT_EQ(figures.peak(ObjectRole::kActivation),
+            predicted.workers[0].role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+  EXPECT_LT(memory.peak_bytes, memory.uncapped_peak_bytes);
 }
 
 }  // namespace
