@@ -11,6 +11,9 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include "core/atomic_file.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -69,6 +72,27 @@ TEST(TrainGpt2Test, ExplainMemoryPredictsTheMeasuredPeak) {
   ProcessResult only = RunTrainGpt2("--preset tiny --steps 0 --explain-memory");
   ASSERT_EQ(only.exit_code, 0) << only.output;
   EXPECT_NE(only.output.find("host tier: peak"), std::string::npos) << only.output;
+}
+
+// Under an activation budget the planner's recomputes are tasks like any other: in the trace of
+// every rank, every step.
+TEST(TrainGpt2Test, RecomputesChosenUnderAnActivationBudgetAreInTheTrace) {
+  const std::string trace = ::testing::TempDir() + "/recompute_trace.json";
+  ProcessResult run = RunTrainGpt2(
+      "--preset tiny --layers 4 --steps 2 --workers 2 "
+      "--activation-budget 0.5 --explain-memory --trace " +
+      trace);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("memory plan (host tier): "), std::string::npos) << run.output;
+  ASSERT_OK_AND_ASSIGN(std::string json, ReadWholeFile(trace));
+  for (const char* rank : {"rank0", "rank1"}) {
+    const std::string name = fmt::format("\"name\":\"{}/h.0/recompute\"", rank);
+    size_t spans = 0;
+    for (size_t at = json.find(name); at != std::string::npos; at = json.find(name, at + 1)) {
+      ++spans;
+    }
+    EXPECT_EQ(spans, 2u) << rank << " (one per step)";
+  }
 }
 
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
