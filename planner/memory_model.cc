@@ -157,14 +157,19 @@ Result<Simulation> Simulate(const Graph& graph, const Workers& workers,
       if (next < order.size() && ready[Index(order[next])])
         finishing.push_back(Index(order[next++]));
     }
+    // Collectives completing this round come first: a member runs off the worker's slot and,
+    // as soon as its peers are there, finishes while that worker's task of the round still runs
+    // (what it made is live during that task).
     std::vector<int64_t> completing;
     completing.swap(complete);
+    std::vector<size_t> members_done;
     for (int64_t collective : completing) {
       std::vector<size_t>& in = started[collective];
       std::sort(in.begin(), in.end());
-      finishing.insert(finishing.end(), in.begin(), in.end());
+      members_done.insert(members_done.end(), in.begin(), in.end());
       started.erase(collective);
     }
+    finishing.insert(finishing.begin(), members_done.begin(), members_done.end());
     if (finishing.empty()) {
       size_t t = 0;
       while (sim.round_of_task[t] >= 0) ++t;

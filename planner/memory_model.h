@@ -24,7 +24,8 @@
 // The order (SimulateWorkerOrders) is the in-process executor's with one slot per worker: ready
 // tasks by priority, first ready first among equals (worker/in_process_executor.h), every task
 // taking one unit of time, a collective's members finishing together once every member is
-// ready, and objects reaching other workers at once. It is exact for one worker running one
+// ready (before that round's task on their worker: they run beside it, off its slot), and
+// objects reaching other workers at once. It is exact for one worker running one
 // task at a time (a step on a one-thread executor); with more threads, independent ready tasks
 // may overlap, and across workers the real durations may reorder what waits on another worker.
 // A plan that relies on the figures fixes the order with control edges (TaskSpec::after).
