@@ -306,10 +306,6 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
   return lifetimes;
 }
 
-bool LiveDuring(const ObjectLifetime& life, int p) {
-  return life.first <= p && (p < life.last || (p == life.last && !life.replaced));
-}
-
 WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLifetime> lives) {
   WorkerMemory memory;
   const int size = static_cast<int>(order.tasks.size());
@@ -323,8 +319,7 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   for (const ObjectLifetime& life : memory.objects) {
     const size_t tier = TierIndex(life.tier), role = RoleIndex(life.role);
     starts[slot(life.first)][tier][role] += life.bytes;
-    // Live through `end` inclusive.
-    const int end = life.replaced ? life.last - 1 : life.last;
+    const int end = life.last_live();
     if (end < life.first) {  // replaced at the very task that made or received it
       starts[slot(life.first)][tier][role] -= life.bytes;
       continue;
@@ -385,8 +380,7 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   for (TierPeak& peak : memory.peaks) {
     if (peak.bytes == 0) continue;
     for (const ObjectLifetime& life : memory.objects) {
-      if (life.tier == peak.tier && LiveDuring(life, peak.position))
-        peak.live.push_back(life.object);
+      if (life.tier == peak.tier && life.LiveAt(peak.position)) peak.live.push_back(life.object);
     }
     std::stable_sort(peak.live.begin(), peak.live.end(), [&](ObjectId a, ObjectId b) {
       return graph.object(a).meta.bytes() > graph.object(b).meta.bytes();

@@ -70,6 +70,11 @@ struct ObjectLifetime {
   int first = -1, last = -1;
   bool received = false;  // produced on another worker, pushed here
   bool replaced = false;  // its last reader's output took over its buffer (donation)
+
+  // The last position it is live during: a replaced object is not live during its last
+  // reader's run (that reader's output holds its buffer). Below `first` when never live.
+  int last_live() const { return replaced ? last - 1 : last; }
+  bool LiveAt(int p) const { return first <= p && p <= last_live(); }
 };
 
 // A tier's peak on one worker: the bytes, the task at whose run it was reached, and what was

@@ -60,7 +60,7 @@ std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, boo
   for (const ObjectLifetime& life : memory.objects) {
     if (life.tier != tier || without.contains(life.object)) continue;
     if (activations_only && life.role != ObjectRole::kActivation) continue;
-    const int end = std::min(life.replaced ? life.last - 1 : life.last, static_cast<int>(size) - 1);
+    const int end = std::min(life.last_live(), static_cast<int>(size) - 1);
     const int first = std::max(life.first, 0);
     if (end < first) continue;
     delta[static_cast<size_t>(first)] += life.bytes;
@@ -231,7 +231,6 @@ std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
 // The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
                       bool suggest) {
-  TESSERA_ASSIGN_OR_RETURN(PlannedPasses planned, RunTrainingPasses(model, plan, registry, {}));
   const MemoryTier tier = ComputeTier(plan);
   Caps caps;
   caps.total = CapOf(plan, tier);
@@ -258,6 +257,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
         Mib(peaks.total), Mib(peaks.activations));
     return std::move(recomputed.step);
   }
+  TESSERA_ASSIGN_OR_RETURN(PlannedPasses planned, RunTrainingPasses(model, plan, registry, {}));
   if (caps.total == 0 && plan.memory.activation_budget == 0) return std::move(planned.step);
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(planned.step.graph));
   const Peaks uncapped = PeaksOf(profile, tier);
@@ -285,11 +285,13 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     planned.step.memory = std::move(decision);
     return std::move(planned.step);
   }
-  const TierPeak& peak = profile.workers[uncapped.worker].peaks[static_cast<size_t>(tier)];
+  // Written before `profile` may be replaced (micro-batches one after another, below).
   const std::string over = fmt::format(
       "the step needs {} on the {} tier of a worker ({} live at the peak; activations peak at "
       "{}) but {}{}{}",
-      Mib(uncapped.total), MemoryTierName(tier), LiveByRole(peak), Mib(uncapped.activations),
+      Mib(uncapped.total), MemoryTierName(tier),
+      LiveByRole(profile.workers[uncapped.worker].peaks[static_cast<size_t>(tier)]),
+      Mib(uncapped.activations),
       caps.total > 0 ? fmt::format("{} caps it at {}", CapFlag(tier), Mib(caps.total)) : "",
       caps.total > 0 && caps.activations > 0 ? " and " : "",
       caps.activations > 0 ? fmt::format("the activation budget allows {} ({:.0f}%)",
