@@ -38,21 +38,26 @@ void BM_BlockForward(benchmark::State& state) {
   auto saved =
       Filled(TransformerBlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
   for (auto _ : state) {
-    TransformerBlockForward(y.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
+    TransformerBlockForward(y.data(), saved.data(), nullptr, x.data(), params.data(), d, 4'000'000);
     benchmark::DoNotOptimize(y.data());
   }
   state.counters["GFLOP/s"] =
       benchmark::Counter(BlockFlops(d) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// range(1): what the backward rebuilds first (BlockRebuild: 0 nothing, 1 norms and GELU, 2 with
+// attention too): its cost is the difference to 0.
 void BM_BlockBackward(benchmark::State& state) {
-  const TransformerDims d = Dims(state.range(0), 50257);
+  TransformerDims d = Dims(state.range(0), 50257);
+  d.rebuild = static_cast<BlockRebuild>(state.range(1));
   auto x = Filled(d.rows() * d.channels, 0.1f), dy = x;
   auto params = Filled(TransformerBlockParamLayout(d.channels).numel(), 0.01f), dparams = params;
-  auto saved =
-      Filled(TransformerBlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads).numel(), 0);
+  auto saved = Filled(
+      TransformerBlockSavedLayout(d.batch, d.seq_len, d.channels, d.heads, d.rebuild).numel(), 0);
   auto workspace = Filled(TransformerBlockBackwardWorkspace(d), 0);
-  TransformerBlockForward(dy.data(), saved.data(), x.data(), params.data(), d, 4'000'000);
+  auto forward_workspace = Filled(TransformerBlockForwardWorkspace(d), 0);
+  TransformerBlockForward(dy.data(), saved.data(), forward_workspace.data(), x.data(),
+                          params.data(), d, 4'000'000);
   for (auto _ : state) {
     std::fill(dy.begin(), dy.end(), 0.01f);
     TransformerBlockBackward(dy.data(), dparams.data(), workspace.data(), x.data(), saved.data(),
@@ -98,8 +103,16 @@ void BM_AdamW(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * n);
 }
 
-BENCHMARK(BM_BlockForward)->Arg(256)->Arg(768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_BlockBackward)->Arg(256)->Arg(768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_BlockForward)
+    ->Arg(256)
+    ->Arg(384)
+    ->Arg(768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_BlockBackward)
+    ->ArgsProduct({{256, 384, 768}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_HeadForwardBackward)->Arg(256)->Arg(768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW)->Arg(1 << 24)->Unit(benchmark::kMillisecond)->UseRealTime();
 

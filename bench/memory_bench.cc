@@ -11,7 +11,8 @@
 //   model plan budget  step_ms  x_uncapped (step time / the uncapped plan's: above 1, slower)
 //   peak_mb predicted / measured (every object, RunFigures::total_peak)
 //   act_mb  predicted / measured (activations, the role's peak)
-//   recmp   recompute tasks in the step, and the memory plan's reason; a budget nothing fits
+//   recmp   recompute tasks in the step; part: layers kept in part (their backward rebuilding
+//           the rest); then the memory plan's reason; a budget nothing fits
 //           under prints why.
 // --json PATH writes the same figures as JSON.
 #include <algorithm>
@@ -115,6 +116,7 @@ struct Row {
   int64_t predicted_peak = 0, measured_peak = 0;
   int64_t predicted_activations = 0, measured_activations = 0;
   int recomputed = 0;
+  int kept_part = 0;  // layers whose backward rebuilds part of what they save
   std::string reason;
   std::string refused;  // why the plan could not be made
 };
@@ -160,6 +162,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant, Row& row
   for (const tessera::TaskSpec& task : trainer.step_graph().graph.tasks()) {
     if (task.name.find("/recompute") != std::string::npos) ++row.recomputed;
   }
+  row.kept_part = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kKeepPart);
   row.reason = memory.reason;
 }
 
@@ -227,8 +230,8 @@ static int Main(int argc, char** argv) {
       rows.push_back(row);
     }
   }
-  std::printf("%-14s %-14s %6s %9s %10s %19s %19s %5s\n", "model", "plan", "budget", "step_ms",
-              "x_uncapped", "peak_mb pred/meas", "act_mb pred/meas", "recmp");
+  std::printf("%-14s %-14s %6s %9s %10s %19s %19s %5s %5s\n", "model", "plan", "budget", "step_ms",
+              "x_uncapped", "peak_mb pred/meas", "act_mb pred/meas", "recmp", "part");
   std::string json = "[\n";
   for (const Row& row : rows) {
     double uncapped = 0;
@@ -239,19 +242,21 @@ static int Main(int argc, char** argv) {
       std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
                   row.budget, row.refused.c_str());
     } else {
-      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d\n",
+      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d\n",
                   row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms,
                   row.step_ms / uncapped, Mb(row.predicted_peak), Mb(row.measured_peak),
-                  Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed);
+                  Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed,
+                  row.kept_part);
     }
     json += fmt::format(
         "  {{\"model\": \"{}\", \"plan\": \"{}\", \"budget\": {}, \"step_ms\": {:.3f}, "
         "\"x_uncapped\": {:.4f}, \"predicted_peak\": {}, \"measured_peak\": {}, "
         "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
-        "\"refused\": {}}}{}\n",
+        "\"kept_part\": {}, \"refused\": {}}}{}\n",
         row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
         row.predicted_peak, row.measured_peak, row.predicted_activations, row.measured_activations,
-        row.recomputed, row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
+        row.recomputed, row.kept_part, row.refused.empty() ? "false" : "true",
+        &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
   for (const Row& row : rows) {

@@ -69,23 +69,65 @@ FlatLayout TiedLmHeadParamLayout(int64_t channels) {
   return layout;
 }
 
-FlatLayout TransformerBlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
-                                       int64_t heads) {
+const char* BlockRebuildName(BlockRebuild rebuild) {
+  switch (rebuild) {
+    case BlockRebuild::kNothing:
+      return "";
+    case BlockRebuild::kNormsAndGelu:
+      return "norms_gelu";
+    case BlockRebuild::kNormsGeluAttention:
+      return "norms_gelu_attention";
+  }
+  return "?";
+}
+
+Result<BlockRebuild> ParseBlockRebuild(std::string_view name) {
+  for (BlockRebuild rebuild :
+       {BlockRebuild::kNothing, BlockRebuild::kNormsAndGelu, BlockRebuild::kNormsGeluAttention}) {
+    if (name == BlockRebuildName(rebuild)) return rebuild;
+  }
+  return InvalidArgument(
+      "a block's rebuild is '{}'; use \"\" (save everything), norms_gelu or norms_gelu_attention",
+      name);
+}
+
+namespace {
+
+// The block's saved slots in order, each kept or rebuilt under `rebuild`; `rebuilt` picks which.
+FlatLayout BlockSlots(int64_t batch, int64_t seq_len, int64_t channels, int64_t heads,
+                      BlockRebuild rebuild, bool rebuilt) {
   const int64_t b = batch, t = seq_len, c = channels;
+  const bool norms = rebuild != BlockRebuild::kNothing;
+  const bool attention = rebuild == BlockRebuild::kNormsGeluAttention;
   FlatLayout layout;
-  layout.Add("ln1", {b, t, c});
-  layout.Add("ln1_mean", {b * t});
-  layout.Add("ln1_rstd", {b * t});
-  layout.Add("qkv", {b, t, 3 * c});
-  layout.Add("atty", {b, t, c});
-  layout.Add("lse", {b, heads, t});
-  layout.Add("x_mid", {b, t, c});
-  layout.Add("ln2", {b, t, c});
-  layout.Add("ln2_mean", {b * t});
-  layout.Add("ln2_rstd", {b * t});
-  layout.Add("fch", {b, t, 4 * c});
-  layout.Add("fch_gelu", {b, t, 4 * c});
+  const auto add = [&](const char* name, Shape shape, bool recomputed) {
+    if (recomputed == rebuilt) layout.Add(name, std::move(shape));
+  };
+  add("ln1", {b, t, c}, norms);
+  add("ln1_mean", {b * t}, norms);
+  add("ln1_rstd", {b * t}, norms);
+  add("qkv", {b, t, 3 * c}, false);
+  add("atty", {b, t, c}, attention);
+  add("lse", {b, heads, t}, attention);
+  add("x_mid", {b, t, c}, attention);
+  add("ln2", {b, t, c}, norms);
+  add("ln2_mean", {b * t}, norms);
+  add("ln2_rstd", {b * t}, norms);
+  add("fch", {b, t, 4 * c}, false);
+  add("fch_gelu", {b, t, 4 * c}, norms);
   return layout;
+}
+
+}  // namespace
+
+FlatLayout TransformerBlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                       int64_t heads, BlockRebuild rebuild) {
+  return BlockSlots(batch, seq_len, channels, heads, rebuild, /*rebuilt=*/false);
+}
+
+FlatLayout TransformerBlockRebuiltLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                         int64_t heads, BlockRebuild rebuild) {
+  return BlockSlots(batch, seq_len, channels, heads, rebuild, /*rebuilt=*/true);
 }
 
 FlatLayout TransformerBlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels) {

@@ -67,6 +67,22 @@ inline int64_t PaddedNumel(int64_t numel, int64_t multiple) {
   return (numel + multiple - 1) / multiple * multiple;
 }
 
+// What a transformer block's backward recomputes instead of reading it from what its forward
+// saved (attribute "rebuild" of the block's forward and backward ops; ops/standard_ops.h). Each
+// level trades backward work for saved bytes, per token of 15C floats saved in full:
+//   kNothing            (absent or "")             everything below is saved
+//   kNormsAndGelu       ("norms_gelu")             ln1 and ln2 (with their means and rstds) and
+//                                                  fch_gelu are recomputed from x, x_mid and fch:
+//                                                  elementwise work; 9C kept
+//   kNormsGeluAttention ("norms_gelu_attention")   also attention's output, its lse and x_mid:
+//                                                  attention's forward and the projection again;
+//                                                  7C kept (qkv and fch)
+// The recomputed values equal the forward's bit for bit (the same kernels on the same inputs).
+enum class BlockRebuild : uint8_t { kNothing, kNormsAndGelu, kNormsGeluAttention };
+const char* BlockRebuildName(BlockRebuild rebuild);  // "" for kNothing
+// InvalidArgument naming the choices for anything else.
+Result<BlockRebuild> ParseBlockRebuild(std::string_view name);
+
 // A transformer layer's dimensions as its kernels take them (ops/cpu and ops/cuda
 // transformer_layers.h).
 struct TransformerDims {
@@ -76,6 +92,7 @@ struct TransformerDims {
   int64_t heads = 0;
   int64_t vocab = 0;
   int64_t max_seq_len = 0;
+  BlockRebuild rebuild = BlockRebuild::kNothing;  // the block's: what its backward recomputes
   int64_t rows() const { return batch * seq_len; }
 };
 
@@ -94,8 +111,13 @@ FlatLayout TiedLmHeadParamLayout(int64_t channels);
 //   ln1 [B,T,C], ln1_mean, ln1_rstd [B*T], qkv [B,T,3C], atty [B,T,C], lse [B,NH,T],
 //   x_mid [B,T,C] (residual after attention), ln2 [B,T,C], ln2_mean, ln2_rstd [B*T],
 //   fch [B,T,4C] (before GELU), fch_gelu [B,T,4C]
+// less the slots its backward rebuilds; TransformerBlockRebuiltLayout holds those (scratch space
+// of the forward and the backward), in the same order.
 FlatLayout TransformerBlockSavedLayout(int64_t batch, int64_t seq_len, int64_t channels,
-                                       int64_t heads);
+                                       int64_t heads,
+                                       BlockRebuild rebuild = BlockRebuild::kNothing);
+FlatLayout TransformerBlockRebuiltLayout(int64_t batch, int64_t seq_len, int64_t channels,
+                                         int64_t heads, BlockRebuild rebuild);
 // What the head's forward keeps: lnf [B,T,C], lnf_mean, lnf_rstd [B*T], and dlogits [B*T, V]
 // (the gradient of the loss w.r.t. the logits, computed in the forward by the fused classifier).
 FlatLayout TiedLmHeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab);

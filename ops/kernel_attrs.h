@@ -44,6 +44,16 @@ inline AdamWAttrs ReadAdamWAttrs(const Attrs& attrs, int64_t n) {
   return a;
 }
 
+// A transformer block op's attribute "rebuild" (absent: kNothing).
+// REQUIRES: shape inference validated it.
+inline BlockRebuild ReadBlockRebuild(const Attrs& attrs) {
+  if (!attrs.Has("rebuild")) return BlockRebuild::kNothing;
+  Result<std::string> name = attrs.GetString("rebuild");
+  if (!name.ok()) return BlockRebuild::kNothing;
+  Result<BlockRebuild> rebuild = ParseBlockRebuild(*name);
+  return rebuild.ok() ? *rebuild : BlockRebuild::kNothing;
+}
+
 // The dimensions of a transformer layer op from its attributes and its activation x [B, T, C].
 // REQUIRES: shape inference validated them (the kernel runs on inferred shapes).
 inline TransformerDims ReadTransformerDims(const Attrs& attrs, const TensorMeta& x) {
@@ -52,7 +62,8 @@ inline TransformerDims ReadTransformerDims(const Attrs& attrs, const TensorMeta&
                          .channels = attrs.GetInt("channels", 0),
                          .heads = attrs.GetInt("heads", 1),
                          .vocab = attrs.GetInt("vocab", 0),
-                         .max_seq_len = attrs.GetInt("max_seq_len", 0)};
+                         .max_seq_len = attrs.GetInt("max_seq_len", 0),
+                         .rebuild = ReadBlockRebuild(attrs)};
 }
 
 }  // namespace tessera

@@ -117,6 +117,13 @@ struct OpDef {
   NestedCostFn nested_cost;
   // Absent: the op has no gradient (optimizer steps, collectives, backward ops themselves).
   std::optional<GradientRule> gradient;
+  // A layer forward whose backward can recompute part of what the forward saves instead of
+  // reading it: the values of attribute "rebuild" (kRebuildAttr, ops/standard_ops.h) that the
+  // op and its backward accept, least recomputed first, and the work the backward repeats for
+  // one (rebuild_cost, given the forward's inputs and its attributes with "rebuild" set). The
+  // memory planner offers them to its solver beside keeping and recomputing whole layers.
+  std::vector<std::string> rebuild_options;
+  CostFn rebuild_cost;
 };
 
 class OpRegistry {

@@ -43,6 +43,11 @@
 //   activation_dtype                      transformer layer ops: "f32" (default) or "bf16" (GPU):
 //                                         the type of x, dx and the saved activations
 //                                         (flat_layout.h's *Bf16 layouts)
+//   rebuild                               transformer_block_forward and _backward (the whole
+//                                         one; f32): what the backward recomputes instead of
+//                                         the forward saving it, "norms_gelu" or
+//                                         "norms_gelu_attention" (flat_layout.h BlockRebuild);
+//                                         absent or "": nothing. Both ops must agree.
 #pragma once
 
 #include "core/status.h"
@@ -52,6 +57,7 @@ namespace tessera {
 
 inline constexpr const char* kParamMultipleAttr = "param_multiple";
 inline constexpr const char* kActivationDTypeAttr = "activation_dtype";
+inline constexpr const char* kRebuildAttr = "rebuild";
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

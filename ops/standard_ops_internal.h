@@ -15,6 +15,7 @@
 #include "core/attrs.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "ops/flat_layout.h"
 #include "ops/op_registry.h"
 
 namespace tessera::detail {
@@ -54,6 +55,7 @@ CostFn ElementwiseCost(double flops_per_element);
 struct TransformerShape {
   int64_t batch, seq_len, channels, heads, vocab, max_seq_len;
   DType activations;  // attribute activation_dtype: f32 (CPU) or bf16 (GPU)
+  BlockRebuild rebuild = BlockRebuild::kNothing;  // attribute rebuild (blocks only)
 };
 
 // ---- the op families ----

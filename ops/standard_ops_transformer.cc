@@ -39,6 +39,16 @@ Result<TransformerShape> ReadTransformerShape(const Attrs& attrs, const TensorMe
       return InvalidArgument("channels {} is not divisible by heads {}", s.channels, s.heads);
     }
   }
+  if (needs_heads && attrs.Has(kRebuildAttr)) {
+    TESSERA_ASSIGN_OR_RETURN(std::string rebuild, attrs.GetString(kRebuildAttr));
+    TESSERA_ASSIGN_OR_RETURN(s.rebuild, ParseBlockRebuild(rebuild));
+    if (s.rebuild != BlockRebuild::kNothing && s.activations != DType::kF32) {
+      return Infeasible(
+          "a block's backward rebuilds what its forward did not save ('{}' = '{}') on f32 "
+          "activations (CPU workers) only, not {}: drop the attribute",
+          kRebuildAttr, rebuild, DTypeName(s.activations));
+    }
+  }
   if (needs_vocab) {
     TESSERA_ASSIGN_OR_RETURN(s.vocab, PositiveAttr(attrs, "vocab"));
     TESSERA_ASSIGN_OR_RETURN(s.max_seq_len, PositiveAttr(attrs, "max_seq_len"));
@@ -74,13 +84,19 @@ Status CheckSaved(const char* name, const TensorMeta& meta, const FlatLayout& la
 FlatLayout BlockSaved(const TransformerShape& s) {
   return s.activations == DType::kBF16
              ? TransformerBlockSavedLayoutBf16(s.batch, s.seq_len, s.channels, s.heads)
-             : TransformerBlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads);
+             : TransformerBlockSavedLayout(s.batch, s.seq_len, s.channels, s.heads, s.rebuild);
 }
 FlatLayout BlockStash(const TransformerShape& s) {
   return TransformerBlockStashLayout(s.batch, s.seq_len, s.channels);
 }
 // The split block backward has f32 (CPU) kernels only.
 Status CheckSplitActivations(const TransformerShape& s) {
+  if (s.rebuild != BlockRebuild::kNothing) {
+    return Infeasible(
+        "the split block backward (zero-bubble schedules) rebuilds nothing: drop attribute '{}' "
+        "('{}'), or use --schedule 1f1b",
+        kRebuildAttr, BlockRebuildName(s.rebuild));
+  }
   if (s.activations == DType::kF32) return Status::Ok();
   return Infeasible(
       "the split block backward (zero-bubble schedules) runs on f32 activations only, not {}: "
@@ -103,6 +119,23 @@ double BlockForwardFlops(const TransformerShape& s) {
   const double attention = 2.0 * 2.0 * static_cast<double>(s.batch) *
                            static_cast<double>(s.seq_len) * static_cast<double>(s.seq_len) * c;
   return linears + attention;
+}
+
+// The forward work a block's backward repeats to rebuild what its forward did not save: two
+// layernorms and a GELU (memory-bound: their bytes), and with attention, attention's forward and
+// the output projection.
+OpCost BlockRebuildCost(const TransformerShape& s) {
+  if (s.rebuild == BlockRebuild::kNothing) return OpCost{};
+  const double n = static_cast<double>(s.batch * s.seq_len), c = static_cast<double>(s.channels);
+  const double f32 = sizeof(float);
+  OpCost cost{.flops = 0, .bytes = f32 * n * (2 * 2 * c + 2 * 4 * c)};
+  if (s.rebuild == BlockRebuild::kNormsGeluAttention) {
+    cost.flops += 2.0 * 2.0 * static_cast<double>(s.batch) * static_cast<double>(s.seq_len) *
+                      static_cast<double>(s.seq_len) * c +
+                  2.0 * n * c * c;
+    cost.bytes += f32 * n * (3 * c + 3 * c);  // qkv in; atty, x_mid out and x read
+  }
+  return cost;
 }
 
 }  // namespace
@@ -164,6 +197,13 @@ Status AddTransformerLayerOps(OpRegistry& r) {
             Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], true, false);
             return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
           },
+      .rebuild_options = {BlockRebuildName(BlockRebuild::kNormsAndGelu),
+                          BlockRebuildName(BlockRebuild::kNormsGeluAttention)},
+      .rebuild_cost =
+          [](const Metas& in, const Attrs& attrs) {
+            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], true, false);
+            return s.ok() ? BlockRebuildCost(*s) : OpCost{};
+          },
   }));
   // The block's backward, whole or split for zero-bubble pipelines (ops/cpu/transformer_layers.h):
   // the input half returns dx and a stash, the weight half the parameter gradients from it.
@@ -196,14 +236,17 @@ Status AddTransformerLayerOps(OpRegistry& r) {
           if (part == Part::kInput) return Metas{in[1], F32({BlockStash(s).numel()})};
           return Metas{in[3]};
         },
-        // In forwards' flops: the whole backward 2.5, of which the dx products and attention's
-        // backward 1.5 and the dW products 1.
+        // In forwards' flops (plus what it rebuilds): the whole backward 2.5, of which the dx
+        // products and attention's backward 1.5 and the dW products 1.
         .cost =
             [part](const Metas& in, const Attrs& attrs) {
               Result<TransformerShape> s = ReadTransformerShape(attrs, in[1], true, false);
               const double forwards =
                   part == Part::kWhole ? 2.5 : (part == Part::kInput ? 1.5 : 1.0);
-              return OpCost{s.ok() ? forwards * BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
+              if (!s.ok()) return OpCost{0.0, 2 * Bytes(in)};
+              const OpCost rebuild = BlockRebuildCost(*s);
+              return OpCost{forwards * BlockForwardFlops(*s) + rebuild.flops,
+                            2 * Bytes(in) + rebuild.bytes};
             },
     };
   };

@@ -1,7 +1,6 @@
 #include "planner/activation_solver.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <limits>
 
@@ -13,6 +12,8 @@ const char* ActivationChoiceName(ActivationChoice choice) {
   switch (choice) {
     case ActivationChoice::kKeep:
       return "keep";
+    case ActivationChoice::kKeepPart:
+      return "keep part";
     case ActivationChoice::kRecompute:
       return "recompute";
     case ActivationChoice::kSwap:
@@ -30,6 +31,15 @@ Status ActivationProblem::Validate() const {
       return InvalidArgument(
           "activation layer {}: saved bytes {} and times {} / {} us must be finite and >= 0", i,
           layer.saved_bytes, layer.forward_us, layer.backward_us);
+    }
+    for (const PartialKeep& part : layer.partial_keeps) {
+      if (part.kept_bytes < 0 || part.kept_bytes >= layer.saved_bytes || part.rebuild_us < 0 ||
+          !std::isfinite(part.rebuild_us)) {
+        return InvalidArgument(
+            "activation layer {}: partial keep '{}' keeps {} of {} bytes and rebuilds in {} us; it "
+            "must keep less than the whole, in a finite time >= 0",
+            i, part.rebuild, part.kept_bytes, layer.saved_bytes, part.rebuild_us);
+      }
     }
   }
   for (const auto* base : {&base_forward_bytes, &base_backward_bytes}) {
@@ -49,36 +59,70 @@ Status ActivationProblem::Validate() const {
   return Status::Ok();
 }
 
-int ActivationPlan::Count(ActivationChoice choice) const {
-  return static_cast<int>(std::count(choices.begin(), choices.end(), choice));
+int CountChoice(const std::vector<ActivationDecision>& decisions, ActivationChoice choice) {
+  return static_cast<int>(std::count_if(decisions.begin(), decisions.end(),
+                                        [choice](const auto& d) { return d.choice == choice; }));
 }
+
+int ActivationPlan::Count(ActivationChoice choice) const { return CountChoice(decisions, choice); }
 
 namespace {
 
-constexpr size_t kChoices = 3;
-constexpr std::array<ActivationChoice, kChoices> kAll = {
-    ActivationChoice::kKeep, ActivationChoice::kRecompute, ActivationChoice::kSwap};
-
 int64_t Base(const std::vector<int64_t>& base, size_t j) { return base.empty() ? 0 : base[j]; }
 
-bool Allowed(const ActivationProblem& problem, ActivationChoice choice) {
-  switch (choice) {
-    case ActivationChoice::kKeep:
-      return true;
-    case ActivationChoice::kRecompute:
-      return problem.allow_recompute;
-    case ActivationChoice::kSwap:
-      return problem.allow_swap && problem.link_bytes_per_us > 0;
+// One layer's choice as the programme sees it: a partial keep by index.
+struct Option {
+  ActivationChoice choice = ActivationChoice::kKeep;
+  int part = -1;  // kKeepPart: index in the layer's partial_keeps
+};
+
+// The options layer j may take.
+std::vector<Option> OptionsOf(const ActivationProblem& problem, size_t j) {
+  const ActivationLayer& layer = problem.layers[j];
+  std::vector<Option> options = {Option{}};
+  if (layer.must_keep) return options;
+  for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
+    options.push_back(Option{ActivationChoice::kKeepPart, static_cast<int>(k)});
   }
-  return false;
+  if (problem.allow_recompute) options.push_back(Option{ActivationChoice::kRecompute});
+  if (problem.allow_swap && problem.link_bytes_per_us > 0) {
+    options.push_back(Option{ActivationChoice::kSwap});
+  }
+  return options;
 }
 
-// The time layer j's choice adds to the forwards and backwards.
-double ExtraTime(const ActivationProblem& problem, size_t j, ActivationChoice choice) {
+Option OptionOf(const ActivationLayer& layer, const ActivationDecision& decision) {
+  Option option{decision.choice};
+  if (decision.choice != ActivationChoice::kKeepPart) return option;
+  for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
+    if (layer.partial_keeps[k].rebuild == decision.rebuild) option.part = static_cast<int>(k);
+  }
+  TESSERA_CHECK(option.part >= 0, "no partial keep '{}' on this layer", decision.rebuild);
+  return option;
+}
+
+// The bytes layer j holds from its forward until its backward under `option`.
+int64_t KeptBytes(const ActivationLayer& layer, const Option& option) {
+  switch (option.choice) {
+    case ActivationChoice::kKeep:
+      return layer.saved_bytes;
+    case ActivationChoice::kKeepPart:
+      return layer.partial_keeps[static_cast<size_t>(option.part)].kept_bytes;
+    case ActivationChoice::kRecompute:
+    case ActivationChoice::kSwap:
+      return 0;
+  }
+  return 0;
+}
+
+// The time layer j's option adds to the forwards and backwards.
+double ExtraTime(const ActivationProblem& problem, size_t j, const Option& option) {
   const std::vector<ActivationLayer>& layers = problem.layers;
-  switch (choice) {
+  switch (option.choice) {
     case ActivationChoice::kKeep:
       return 0;
+    case ActivationChoice::kKeepPart:
+      return layers[j].partial_keeps[static_cast<size_t>(option.part)].rebuild_us;
     case ActivationChoice::kRecompute:
       return layers[j].forward_us;
     case ActivationChoice::kSwap: {
@@ -107,20 +151,22 @@ int64_t PeakAt(const ActivationProblem& problem, size_t j, int64_t kept_before,
 struct State {
   int64_t kept = 0;
   double extra_us = 0;
-  ActivationChoice last = ActivationChoice::kKeep;  // the choice of the latest layer
-  int parent = -1;                                  // index in the previous layer's states
+  Option last;      // the latest layer's option
+  int parent = -1;  // index in the previous layer's states
+  bool swapped() const { return last.choice == ActivationChoice::kSwap; }
 };
 
-// Keeps, per latest choice, the states no other beats on both kept bytes and time.
+// Keeps, among the states whose latest layer swaps and among the others, those no other beats
+// on both kept bytes and time (what follows depends on nothing else).
 std::vector<State> Pareto(std::vector<State> states) {
   std::sort(states.begin(), states.end(), [](const State& a, const State& b) {
-    if (a.last != b.last) return a.last < b.last;
+    if (a.swapped() != b.swapped()) return b.swapped();
     if (a.kept != b.kept) return a.kept < b.kept;
     return a.extra_us < b.extra_us;
   });
   std::vector<State> front;
   for (size_t i = 0; i < states.size(); ++i) {
-    const bool new_group = i == 0 || states[i].last != states[i - 1].last;
+    const bool new_group = i == 0 || states[i].swapped() != states[i - 1].swapped();
     if (new_group || states[i].extra_us < front.back().extra_us) {
       if (!new_group && states[i].kept == front.back().kept) continue;
       front.push_back(states[i]);
@@ -129,16 +175,34 @@ std::vector<State> Pareto(std::vector<State> states) {
   return front;
 }
 
+// "keep 5, keep part 1, recompute 6, swap 0"
+std::string ChoiceCounts(const ActivationPlan& plan) {
+  return fmt::format("keep {}, keep part {}, recompute {}, swap {}",
+                     plan.Count(ActivationChoice::kKeep), plan.Count(ActivationChoice::kKeepPart),
+                     plan.Count(ActivationChoice::kRecompute), plan.Count(ActivationChoice::kSwap));
+}
+
+ActivationDecision DecisionOf(const ActivationLayer& layer, const Option& option) {
+  ActivationDecision decision{option.choice, ""};
+  if (option.choice == ActivationChoice::kKeepPart) {
+    decision.rebuild = layer.partial_keeps[static_cast<size_t>(option.part)].rebuild;
+  }
+  return decision;
+}
+
 }  // namespace
 
 ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
-                                      std::vector<ActivationChoice> choices) {
+                                      std::vector<ActivationDecision> decisions) {
   ActivationPlan plan;
   const size_t n = problem.layers.size();
+  std::vector<Option> options;
+  options.reserve(n);
   double step = 0;
   for (size_t j = 0; j < n; ++j) {
+    options.push_back(OptionOf(problem.layers[j], decisions[j]));
     step += problem.layers[j].forward_us + problem.layers[j].backward_us +
-            ExtraTime(problem, j, choices[j]);
+            ExtraTime(problem, j, options[j]);
   }
   // The live bytes, position by position, from each layer's interval (not the programme's
   // recurrence, so that the two check each other).
@@ -147,18 +211,19 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
     for (const bool backward : {false, true}) {
       int64_t live = Base(backward ? problem.base_backward_bytes : problem.base_forward_bytes, j);
       for (size_t i = 0; i < n; ++i) {
-        const int64_t s = problem.layers[i].saved_bytes;
         if (i == j) {
-          live += s;
+          live += problem.layers[i].saved_bytes;
         } else if (i < j) {
-          if (choices[i] == ActivationChoice::kKeep) live += s;
-          if (choices[i] == ActivationChoice::kSwap && i + 1 == j) live += s;
+          live += KeptBytes(problem.layers[i], options[i]);
+          if (options[i].choice == ActivationChoice::kSwap && i + 1 == j) {
+            live += problem.layers[i].saved_bytes;
+          }
         }
       }
       peak = std::max(peak, live);
     }
   }
-  plan.choices = std::move(choices);
+  plan.decisions = std::move(decisions);
   plan.step_us = step;
   plan.peak_bytes = peak;
   plan.fits = peak <= problem.cap_bytes;
@@ -168,23 +233,21 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
 Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
   TESSERA_RETURN_IF_ERROR(problem.Validate());
   const size_t n = problem.layers.size();
-  // layers_states[j]: the states after deciding layers 0 .. j-1.
+  // states[j]: the states after deciding layers 0 .. j-1.
   std::vector<std::vector<State>> states(n + 1);
   states[0].push_back(State{});
   for (size_t j = 0; j < n; ++j) {
+    const std::vector<Option> options = OptionsOf(problem, j);
     std::vector<State> next;
     for (size_t s = 0; s < states[j].size(); ++s) {
       const State& state = states[j][s];
-      const bool previous_swaps = j > 0 && state.last == ActivationChoice::kSwap;
+      const bool previous_swaps = j > 0 && state.swapped();
       if (PeakAt(problem, j, state.kept, previous_swaps) > problem.cap_bytes) continue;
-      for (ActivationChoice choice : kAll) {
-        if (!Allowed(problem, choice)) continue;
-        if (problem.layers[j].must_keep && choice != ActivationChoice::kKeep) continue;
+      for (const Option& option : options) {
         State grown;
-        grown.kept =
-            state.kept + (choice == ActivationChoice::kKeep ? problem.layers[j].saved_bytes : 0);
-        grown.extra_us = state.extra_us + ExtraTime(problem, j, choice);
-        grown.last = choice;
+        grown.kept = state.kept + KeptBytes(problem.layers[j], option);
+        grown.extra_us = state.extra_us + ExtraTime(problem, j, option);
+        grown.last = option;
         grown.parent = static_cast<int>(s);
         next.push_back(grown);
       }
@@ -193,22 +256,25 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
     if (states[j + 1].empty()) break;
   }
   if (states[n].empty()) {
-    // The least the allowed choices can hold: nothing kept or swapped where that is allowed.
-    const ActivationChoice least = problem.allow_recompute ? ActivationChoice::kRecompute
-                                   : Allowed(problem, ActivationChoice::kSwap)
-                                       ? ActivationChoice::kSwap
-                                       : ActivationChoice::kKeep;
-    std::vector<ActivationChoice> least_choices(n, least);
+    // The least the allowed choices can hold: per layer, the option keeping the fewest bytes.
+    std::vector<ActivationDecision> least(n);
     for (size_t j = 0; j < n; ++j) {
-      if (problem.layers[j].must_keep) least_choices[j] = ActivationChoice::kKeep;
+      const std::vector<Option> options = OptionsOf(problem, j);
+      const Option* fewest = &options[0];
+      for (const Option& option : options) {
+        if (KeptBytes(problem.layers[j], option) < KeptBytes(problem.layers[j], *fewest)) {
+          fewest = &option;
+        }
+      }
+      least[j] = DecisionOf(problem.layers[j], *fewest);
     }
-    const ActivationPlan smallest = EvaluateActivationPlan(problem, std::move(least_choices));
+    const ActivationPlan smallest = EvaluateActivationPlan(problem, std::move(least));
     return Infeasible(
         "the activations cannot fit under the device cap of {} bytes: the least they can hold "
-        "({} every layer) peaks at {} bytes; raise the cap by {} bytes, or make each layer's "
-        "saved activations smaller (more micro-batches, shorter sequences) or its other memory "
+        "({}) peaks at {} bytes; raise the cap by {} bytes, or make each layer's saved "
+        "activations smaller (more micro-batches, shorter sequences) or its other memory "
         "(ZeRO-3, more workers)",
-        problem.cap_bytes, ActivationChoiceName(least), smallest.peak_bytes,
+        problem.cap_bytes, ChoiceCounts(smallest), smallest.peak_bytes,
         smallest.peak_bytes - problem.cap_bytes);
   }
   const std::vector<State>& last = states[n];
@@ -216,24 +282,26 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
   for (size_t s = 1; s < last.size(); ++s) {
     if (last[s].extra_us < last[best].extra_us) best = s;
   }
-  std::vector<ActivationChoice> choices(n);
+  std::vector<ActivationDecision> decisions(n);
   int index = static_cast<int>(best);
   for (size_t j = n; j > 0; --j) {
     const State& state = states[j][static_cast<size_t>(index)];
-    choices[j - 1] = state.last;
+    decisions[j - 1] = DecisionOf(problem.layers[j - 1], state.last);
     index = state.parent;
   }
-  return EvaluateActivationPlan(problem, std::move(choices));
+  return EvaluateActivationPlan(problem, std::move(decisions));
 }
 
 std::string DescribeActivationPlan(const ActivationPlan& plan,
                                    const std::vector<std::string>& layer_names) {
-  std::string text =
-      fmt::format("keep {}, recompute {}, swap {}:", plan.Count(ActivationChoice::kKeep),
-                  plan.Count(ActivationChoice::kRecompute), plan.Count(ActivationChoice::kSwap));
-  for (size_t i = 0; i < plan.choices.size(); ++i) {
+  std::string text = ChoiceCounts(plan) + ":";
+  for (size_t i = 0; i < plan.decisions.size(); ++i) {
+    const ActivationDecision& decision = plan.decisions[i];
     const std::string name = i < layer_names.size() ? layer_names[i] : fmt::format("{}", i);
-    text += fmt::format("{} {} {}", i == 0 ? "" : ",", name, ActivationChoiceName(plan.choices[i]));
+    text += fmt::format("{} {} {}", i == 0 ? "" : ",", name, ActivationChoiceName(decision.choice));
+    if (decision.choice == ActivationChoice::kKeepPart) {
+      text += fmt::format(" ({})", decision.rebuild);
+    }
   }
   return text;
 }

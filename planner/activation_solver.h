@@ -1,28 +1,32 @@
 // The activation solver: for each layer of a chain, keep what its forward saves for its
-// backward, recompute it just before the backward, or swap it to the host and back, so that the
-// step fits under a device-memory cap at the least predicted step time.
+// backward, keep part of it (the backward recomputing the rest first), recompute it all just
+// before the backward, or swap it to the host and back, so that the step fits under a
+// device-memory cap at the least predicted step time.
 //
 // The problem (ActivationProblem) is one worker's chain of layers in forward order, each with
-// the bytes its forward saves (s_i), its forward and backward times (f_i, b_i), the device bytes
-// live besides the saved objects while each forward and each backward runs (from the memory
-// model, planner/memory_model.h), the cap, and the link's bandwidth to the host. The step runs
-// F_1 .. F_n, then B_n .. B_1.
+// the bytes its forward saves (s_i), its forward and backward times (f_i, b_i), the partial keeps
+// its op offers (p_i bytes kept, r_i time to rebuild the rest: OpDef::rebuild_options), the
+// device bytes live besides the saved objects while each forward and each backward runs (from
+// the memory model, planner/memory_model.h), the cap, and the link's bandwidth to the host. The
+// step runs F_1 .. F_n, then B_n .. B_1.
 //
 // The cost model (what EvaluateActivationPlan computes for any choices, and the solver
 // minimises):
 //   * memory: while F_j or B_j runs, the device holds its base bytes, s_j (being made, or back
-//     for its backward whatever the choice), every earlier layer's s_i it keeps, and s_{j-1} when
-//     that layer swaps (its copy down overlaps F_j; its copy up, prefetched one layer ahead,
-//     overlaps B_j). A recompute of layer j runs just before B_j and holds no more than B_j does.
-//     The peak is the largest of these sums.
-//   * time: the forwards and backwards, plus f_j for each recomputed layer, plus each swapped
-//     layer's transfer time not hidden under compute: the copy down (s_j / bandwidth) overlaps
-//     F_{j+1}, the copy up overlaps B_{j+1} (none after the last layer, so swapping it buys
-//     nothing and costs both copies).
+//     for its backward whatever the choice: a partial keep's rest is made in scratch space, and
+//     rebuilt there), every earlier layer's s_i it keeps or p_i it keeps part of, and s_{j-1}
+//     when that layer swaps (its copy down overlaps F_j; its copy up, prefetched one layer
+//     ahead, overlaps B_j). A recompute of layer j runs just before B_j and holds no more than
+//     B_j does. The peak is the largest of these sums.
+//   * time: the forwards and backwards, plus f_j for each recomputed layer, r_j for each layer
+//     kept in part, plus each swapped layer's transfer time not hidden under compute: the copy
+//     down (s_j / bandwidth) overlaps F_{j+1}, the copy up overlaps B_{j+1} (none after the last
+//     layer, so swapping it buys nothing and costs both copies).
 // Both constraints at F_j and B_j depend only on the bytes kept before j and on whether layer
-// j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept so far, the
-// previous choice), keeping only the states no other beats on both bytes and time, finds the
-// optimum of the model exactly (tests: against brute force on chains of up to 16 layers).
+// j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept so far, whether
+// the previous layer swaps), keeping only the states no other beats on both bytes and time,
+// finds the optimum of the model exactly (tests: against brute force on chains of up to 16
+// layers).
 //
 // Thread safety: pure functions of their arguments.
 #pragma once
@@ -35,15 +39,32 @@
 
 namespace tessera {
 
-enum class ActivationChoice : uint8_t { kKeep, kRecompute, kSwap };
+enum class ActivationChoice : uint8_t { kKeep, kKeepPart, kRecompute, kSwap };
 const char* ActivationChoiceName(ActivationChoice choice);
+
+// One way to keep part of what a layer saves (its forward op's attribute "rebuild").
+struct PartialKeep {
+  std::string rebuild;     // the option, as the op names it
+  int64_t kept_bytes = 0;  // what the forward then saves (p_i)
+  double rebuild_us = 0;   // what the backward repeats first (r_i)
+};
 
 struct ActivationLayer {
   int64_t saved_bytes = 0;  // what its forward keeps for its backward (s_i)
   double forward_us = 0;    // f_i
   double backward_us = 0;   // b_i
   bool must_keep = false;   // a layer the plan cannot recompute or swap (still constrains memory)
+  std::vector<PartialKeep> partial_keeps;
 };
+
+// What the plan does with one layer's saved activations.
+struct ActivationDecision {
+  ActivationChoice choice = ActivationChoice::kKeep;
+  std::string rebuild;  // kKeepPart: the PartialKeep's option
+  bool operator==(const ActivationDecision&) const = default;
+};
+// How many of `decisions` make `choice`.
+int CountChoice(const std::vector<ActivationDecision>& decisions, ActivationChoice choice);
 
 struct ActivationProblem {
   std::vector<ActivationLayer> layers;  // forward order
@@ -56,29 +77,31 @@ struct ActivationProblem {
   bool allow_recompute = true;
   bool allow_swap = true;
 
-  // InvalidArgument naming the field: negative sizes or times, base vectors of the wrong size,
-  // a non-positive cap.
+  // InvalidArgument naming the field: negative sizes or times, a partial keep no smaller than
+  // what it keeps part of, base vectors of the wrong size, a non-positive cap.
   Status Validate() const;
 };
 
 struct ActivationPlan {
-  std::vector<ActivationChoice> choices;  // per layer
-  double step_us = 0;                     // predicted step time
-  int64_t peak_bytes = 0;                 // predicted device peak
-  bool fits = false;                      // peak_bytes <= cap_bytes
+  std::vector<ActivationDecision> decisions;  // per layer
+  double step_us = 0;                         // predicted step time
+  int64_t peak_bytes = 0;                     // predicted device peak
+  bool fits = false;                          // peak_bytes <= cap_bytes
   int Count(ActivationChoice choice) const;
 };
 
-// The cost model's step time and peak for any choices (one per layer).
-// REQUIRES: problem.Validate() is ok and choices.size() == problem.layers.size().
+// The cost model's step time and peak for any decisions (one per layer).
+// REQUIRES: problem.Validate() is ok, decisions.size() == problem.layers.size(), and each
+// kKeepPart names one of its layer's partial keeps.
 ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
-                                      std::vector<ActivationChoice> choices);
+                                      std::vector<ActivationDecision> decisions);
 
-// The choices with the least predicted step time whose peak fits under the cap. Infeasible when
-// none fits, with the smallest peak the allowed choices reach, the cap, and what to change.
+// The decisions with the least predicted step time whose peak fits under the cap. Infeasible
+// when none fits, with the smallest peak the allowed choices reach, the cap, and what to change.
 Result<ActivationPlan> SolveActivations(const ActivationProblem& problem);
 
-// "keep 6, recompute 6, swap 0: h.0 keep, h.1 recompute, ..." with layer names.
+// "keep 5, keep part 1, recompute 6, swap 0: h.0 keep, h.1 keep part (norms_gelu), h.2
+// recompute, ..." with layer names.
 std::string DescribeActivationPlan(const ActivationPlan& plan,
                                    const std::vector<std::string>& layer_names);
 

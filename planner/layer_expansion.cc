@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "ops/standard_ops.h"
 #include "planner/model_facts.h"
 #include "planner/plan_passes.h"
 
@@ -135,6 +136,12 @@ class Expansion {
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
     }
+    // Kept in part: the forward saves less and the backward rebuilds the rest (the op's
+    // attribute "rebuild", OpDef::rebuild_options).
+    if (l < s_.activation_choices.size() &&
+        s_.activation_choices[l].choice == ActivationChoice::kKeepPart) {
+      attrs.Set(kRebuildAttr, s_.activation_choices[l].rebuild);
+    }
     return attrs;
   }
 
@@ -184,7 +191,7 @@ class Expansion {
 
   bool Swaps(size_t l) const {
     return l < s_.activation_choices.size() &&
-           s_.activation_choices[l] == ActivationChoice::kSwap && !s_.model.layers[l].loss &&
+           s_.activation_choices[l].choice == ActivationChoice::kSwap && !s_.model.layers[l].loss &&
            !s_.plan.device.is_cpu();
   }
 
@@ -351,7 +358,8 @@ class Expansion {
 
   bool Recomputes(size_t l) const {
     return l < s_.activation_choices.size() &&
-           s_.activation_choices[l] == ActivationChoice::kRecompute && !s_.model.layers[l].loss;
+           s_.activation_choices[l].choice == ActivationChoice::kRecompute &&
+           !s_.model.layers[l].loss;
   }
 
   // Layer l's forward again ("<layer>/recompute"), on the same arguments (its parameters as the

@@ -7,7 +7,8 @@
 //    backward reads (what it saves; the loss layer's are kept, its backward following its
 //    forward at once), its forward and backward times (measured layer_op_costs, else the op cost
 //    model's estimate and twice it), and the bytes live besides every saved object while its
-//    forward and its backward run (the largest over micro-batches). Layers any worker recomputes
+//    forward and its backward run (the largest over micro-batches), and the partial keeps its
+//    forward op offers (PartialKeeps: OpDef::rebuild_options). Layers any worker recomputes
 //    are recomputed on every rank (the ranks run the same chain).
 //    With several micro-batches, each rank's run one after another first (PlanState::
 //    serialize_micro_batches): if that fits, nothing is recomputed.
@@ -28,6 +29,7 @@
 
 #include <fmt/format.h>
 
+#include "ops/standard_ops.h"
 #include "planner/plan_passes.h"
 
 namespace tessera {
@@ -134,6 +136,41 @@ Result<std::vector<OpCosts>> LayerTimes(const ModelSpec& model, const TrainingPl
   return costs;
 }
 
+// The partial keeps a layer's forward op offers (OpDef::rebuild_options): per option, the bytes
+// its outputs in `saved` then hold (inferred with the attribute set), and the time to rebuild the
+// rest, the layer's forward time scaled by the op cost model's ratio of the two.
+Result<std::vector<PartialKeep>> PartialKeeps(const Graph& graph, const OpRegistry& registry,
+                                              TaskId forward, const std::vector<ObjectId>& saved,
+                                              const ActivationLayer& layer) {
+  const TaskSpec& task = graph.task(forward);
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(task.op));
+  std::vector<PartialKeep> keeps;
+  if (def->rebuild_options.empty() || !def->rebuild_cost) return keeps;
+  std::vector<TensorMeta> inputs;
+  inputs.reserve(task.inputs.size());
+  for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
+  TESSERA_ASSIGN_OR_RETURN(OpCost whole, registry.Cost(task.op, inputs, task.attrs));
+  const auto units = [](const OpCost& cost) { return cost.flops + 10 * cost.bytes; };
+  for (const std::string& option : def->rebuild_options) {
+    Attrs attrs = task.attrs;
+    attrs.Set(kRebuildAttr, option);
+    Result<std::vector<TensorMeta>> outputs = registry.InferShapes(task.op, inputs, attrs);
+    if (!outputs.ok()) continue;  // not on these shapes or this device (bf16 activations)
+    PartialKeep keep{.rebuild = option};
+    for (size_t i = 0; i < task.outputs.size() && i < outputs->size(); ++i) {
+      if (std::find(saved.begin(), saved.end(), task.outputs[i]) != saved.end()) {
+        keep.kept_bytes += (*outputs)[i].bytes();
+      }
+    }
+    if (keep.kept_bytes >= layer.saved_bytes) continue;
+    keep.rebuild_us =
+        units(whole) > 0 ? layer.forward_us * units(def->rebuild_cost(inputs, attrs)) / units(whole)
+                         : 0;
+    keeps.push_back(std::move(keep));
+  }
+  return keeps;
+}
+
 // One worker's chain as the solver sees it.
 struct Chain {
   ActivationProblem problem;
@@ -141,9 +178,10 @@ struct Chain {
 };
 
 // `lowered`: bytes the solver is to leave free besides (the memory model saw more than it).
-Chain DescribeChain(const ModelSpec& model, const TrainingPlan& plan, const PlannedPasses& planned,
-                    const WorkerMemory& memory, size_t rank, MemoryTier tier, const Caps& caps,
-                    int64_t lowered, const std::vector<OpCosts>& times) {
+Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
+                            const OpRegistry& registry, const PlannedPasses& planned,
+                            const WorkerMemory& memory, size_t rank, MemoryTier tier,
+                            const Caps& caps, int64_t lowered, const std::vector<OpCosts>& times) {
   const Graph& graph = planned.step.graph;
   std::map<TaskId, int> position;
   for (size_t p = 0; p < memory.order.tasks.size(); ++p) {
@@ -201,6 +239,10 @@ Chain DescribeChain(const ModelSpec& model, const TrainingPlan& plan, const Plan
     for (ObjectId id : saved_of[l]) layer.saved_bytes += graph.object(id).meta.bytes();
     layer.forward_us = times[l].forward;
     layer.backward_us = times[l].backward + times[l].weight;
+    if (!layer.must_keep && !plan.parallel.split_backwards) {
+      TESSERA_ASSIGN_OR_RETURN(layer.partial_keeps,
+                               PartialKeeps(graph, registry, forward[l][0], saved_of[l], layer));
+    }
     int64_t base_forward = 0, base_backward = 0;
     for (size_t k = 0; k < micro_batches; ++k) {
       base_forward = std::max(base_forward, base_at(forward[l][k]));
@@ -235,7 +277,8 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   Caps caps;
   caps.total = CapOf(plan, tier);
   if (plan.memory.recompute_all) {
-    std::vector<ActivationChoice> all(model.layers.size(), ActivationChoice::kRecompute);
+    std::vector<ActivationDecision> all(model.layers.size(),
+                                        ActivationDecision{ActivationChoice::kRecompute});
     TESSERA_ASSIGN_OR_RETURN(
         PlannedPasses recomputed,
         RunTrainingPasses(model, plan, registry, all, plan.parallel.micro_batches > 1));
@@ -326,19 +369,20 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> times, LayerTimes(model, plan, registry));
   int64_t lowered = 0;
   for (int round = 0; round < kVerifyRounds; ++round) {
-    std::vector<ActivationChoice> choices(model.layers.size(), ActivationChoice::kKeep);
+    std::vector<ActivationDecision> choices(model.layers.size());
     bool solved_all = true;
     for (size_t rank = 0; rank < planned.forward_task.size(); ++rank) {
       const WorkerMemory& memory = profile.workers[WorkerOfRank(profile, planned, rank)];
-      Chain chain = DescribeChain(model, plan, planned, memory, rank, tier, caps, lowered, times);
+      TESSERA_ASSIGN_OR_RETURN(Chain chain, DescribeChain(model, plan, registry, planned, memory,
+                                                          rank, tier, caps, lowered, times));
       Result<ActivationPlan> solved = SolveActivations(chain.problem);
       if (!solved.ok()) {
         solved_all = false;
         break;
       }
       for (size_t i = 0; i < chain.layers.size(); ++i) {
-        if (solved->choices[i] != ActivationChoice::kKeep) {
-          choices[chain.layers[i]] = solved->choices[i];
+        if (solved->decisions[i].choice != ActivationChoice::kKeep) {
+          choices[chain.layers[i]] = solved->decisions[i];
         }
       }
     }
@@ -354,7 +398,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
       names.reserve(model.layers.size());
       for (const LayerSpec& layer : model.layers) names.push_back(layer.name);
       ActivationPlan described;
-      described.choices = choices;
+      described.decisions = choices;
       decision.reason = fmt::format(
           "{}predicted peak {} (activations {}) under {}; every activation kept: {} (activations "
           "{}); {}",
@@ -368,7 +412,8 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     lowered += caps.Excess(peaks);  // the model saw more than the solver: leave that much free
   }
   // Nothing fits: how far recomputing every layer gets.
-  std::vector<ActivationChoice> all(model.layers.size(), ActivationChoice::kRecompute);
+  std::vector<ActivationDecision> all(model.layers.size(),
+                                      ActivationDecision{ActivationChoice::kRecompute});
   TESSERA_ASSIGN_OR_RETURN(PlannedPasses least,
                            RunTrainingPasses(model, plan, registry, all, serialize));
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));

@@ -101,7 +101,7 @@ struct PlannedPasses {
 };
 Result<PlannedPasses> RunTrainingPasses(const ModelSpec& model, const TrainingPlan& plan,
                                         const OpRegistry& registry,
-                                        std::vector<ActivationChoice> activation_choices,
+                                        std::vector<ActivationDecision> activation_choices,
                                         bool serialize_micro_batches = false);
 // PlanTrainingStep under memory caps (memory_plan.cc): the plan with every activation kept if
 // it fits, else with the activation solver's choices, verified by the memory model.

@@ -94,7 +94,7 @@ struct PlanState {
   std::vector<size_t> last_gradient;
   // The memory plan's choice per layer (planner/memory_plan.cc, before the passes run): a
   // recomputed layer's backward reads its forward run again (the expansion). Empty: keep all.
-  std::vector<ActivationChoice> activation_choices;
+  std::vector<ActivationDecision> activation_choices;
   // Each rank's micro-batches one after another (the memory plan, with several micro-batches
   // and no pipeline): a micro-batch's first forward waits for the previous one's backward, so
   // one micro-batch's activations are live at a time instead of every one's forwards running

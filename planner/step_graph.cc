@@ -96,7 +96,7 @@ const std::vector<PlanPass>& TrainingPasses() {
 
 Result<PlannedPasses> RunTrainingPasses(const ModelSpec& model, const TrainingPlan& plan,
                                         const OpRegistry& registry,
-                                        std::vector<ActivationChoice> activation_choices,
+                                        std::vector<ActivationDecision> activation_choices,
                                         bool serialize_micro_batches) {
   PlanState state(model, plan, registry);
   state.activation_choices = std::move(activation_choices);

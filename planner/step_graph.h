@@ -114,7 +114,7 @@ struct MemoryDecision {
   int64_t peak_bytes = 0;
   int64_t uncapped_activation_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
-  std::vector<ActivationChoice> activations;
+  std::vector<ActivationDecision> activations;
   std::string reason;  // for --explain-memory
 };
 

@@ -368,13 +368,18 @@ Status RegisterTransformerLayerKernels(OpRegistry& r) {
         cpu::TokenPositionEmbeddingBackward(F(out[0]), F(in[0]), I(in[1]), Dims(attrs, in[0]));
         return Status::Ok();
       }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "transformer_block_forward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out, const Attrs& attrs) {
-        cpu::TransformerBlockForward(F(out[0]), F(out[1]), F(in[0]), F(in[1]), Dims(attrs, in[0]),
-                                     ctx.gemm_split_min_flops);
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "transformer_block_forward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::TransformerDims dims = Dims(attrs, in[0]);
+                 // What the backward rebuilds is made here too, but not kept.
+                 TESSERA_ASSIGN_OR_RETURN(
+                     Tensor workspace, Workspace(ctx, cpu::TransformerBlockForwardWorkspace(dims)));
+                 cpu::TransformerBlockForward(F(out[0]), F(out[1]), F(workspace), F(in[0]),
+                                              F(in[1]), dims, ctx.gemm_split_min_flops);
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "transformer_block_backward",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,

@@ -1,6 +1,7 @@
 #include "ops/cpu/transformer_layers.h"
 
 #include <cstring>
+#include <string_view>
 
 #include "ops/cpu/kernels.h"
 #include "ops/flat_layout.h"
@@ -24,61 +25,72 @@ void TokenPositionEmbeddingBackward(float* demb, const float* dx, const int32_t*
   EmbeddingBackward(g["wte"], g["wpe"], dx, tokens, dims.batch, dims.seq_len, dims.channels);
 }
 
-void TransformerBlockForward(float* y, float* saved, const float* x, const float* params,
-                             const TransformerDims& dims, int64_t split_min_flops) {
-  const int64_t n = dims.rows(), c = dims.channels;
-  const FlatLayout param_layout = TransformerBlockParamLayout(c);
-  const FlatLayout saved_layout =
-      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
-  FlatView<const float> p(params, param_layout);
-  FlatView<float> s(saved, saved_layout);
-
-  LayerNormForward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], x, p["ln1_w"], p["ln1_b"], n, c);
-  LinearForward(s["qkv"], s["ln1"], p["qkv_w"], p["qkv_b"], nullptr, n, c, 3 * c, split_min_flops);
-  AttentionForward(s["atty"], s["lse"], s["qkv"], dims.batch, dims.seq_len, c, dims.heads);
-  LinearForward(s["x_mid"], s["atty"], p["proj_w"], p["proj_b"], /*residual=*/x, n, c, c,
-                split_min_flops);
-  LayerNormForward(s["ln2"], s["ln2_mean"], s["ln2_rstd"], s["x_mid"], p["ln2_w"], p["ln2_b"], n,
-                   c);
-  LinearForward(s["fch"], s["ln2"], p["fc_w"], p["fc_b"], nullptr, n, c, 4 * c, split_min_flops);
-  GeluForward(s["fch_gelu"], s["fch"], n * 4 * c);
-  LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n, 4 * c,
-                c, split_min_flops);
-}
-
 namespace {
+
+// The block's saved slots for one call: each where it lives, in the saved buffer (kept) or in
+// scratch space (what dims.rebuild recomputes; TransformerBlockRebuiltLayout).
+template <typename T>
+class BlockSaved {
+ public:
+  BlockSaved(const TransformerDims& dims, T* saved, float* scratch)
+      : kept_(TransformerBlockSavedLayout(dims.batch, dims.seq_len, dims.channels, dims.heads,
+                                          dims.rebuild)),
+        rebuilt_(TransformerBlockRebuiltLayout(dims.batch, dims.seq_len, dims.channels, dims.heads,
+                                               dims.rebuild)),
+        saved_(saved),
+        scratch_(scratch) {}
+  T* operator[](std::string_view name) const {
+    Result<const FlatSlot*> kept = kept_.Find(name);
+    if (kept.ok()) return saved_ + (*kept)->offset;
+    return scratch_ + rebuilt_.offset(name);
+  }
+  // A slot the backward rebuilds. REQUIRES: dims.rebuild recomputes it.
+  float* Rebuilt(std::string_view name) const { return scratch_ + rebuilt_.offset(name); }
+
+ private:
+  FlatLayout kept_, rebuilt_;
+  T* saved_;
+  float* scratch_;
+};
+
 FlatLayout BlockStash(const TransformerDims& dims) {
   return TransformerBlockStashLayout(dims.batch, dims.seq_len, dims.channels);
 }
-}  // namespace
 
-int64_t TransformerBlockInputWorkspace(const TransformerDims& dims) {
-  return dims.rows() * dims.channels;
+int64_t RebuiltNumel(const TransformerDims& dims) {
+  return TransformerBlockRebuiltLayout(dims.batch, dims.seq_len, dims.channels, dims.heads,
+                                       dims.rebuild)
+      .numel();
 }
 
-int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims) {
-  return BlockStash(dims).numel() + TransformerBlockInputWorkspace(dims);
-}
-
-void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
-                              const float* saved, const float* params, const TransformerDims& dims,
-                              int64_t split_min_flops) {
-  float* stash = workspace;
-  TransformerBlockBackwardInput(d, stash, workspace + BlockStash(dims).numel(), x, saved, params,
-                                dims, split_min_flops);
-  TransformerBlockBackwardWeight(dparams, stash, saved, dims, split_min_flops);
-}
-
-void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
-                                   const float* saved, const float* params,
-                                   const TransformerDims& dims, int64_t split_min_flops) {
+// Recomputes what dims.rebuild leaves out of the saved buffer, in the forward's order and with
+// its kernels (so bit for bit what the forward computed).
+void RebuildSaved(const BlockSaved<const float>& s, const float* x, const float* params,
+                  const TransformerDims& dims, int64_t split_min_flops) {
+  if (dims.rebuild == BlockRebuild::kNothing) return;
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = TransformerBlockParamLayout(c);
-  const FlatLayout saved_layout =
-      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
+  FlatView<const float> p(params, param_layout);
+  LayerNormForward(s.Rebuilt("ln1"), s.Rebuilt("ln1_mean"), s.Rebuilt("ln1_rstd"), x, p["ln1_w"],
+                   p["ln1_b"], n, c);
+  if (dims.rebuild == BlockRebuild::kNormsGeluAttention) {
+    AttentionForward(s.Rebuilt("atty"), s.Rebuilt("lse"), s["qkv"], dims.batch, dims.seq_len, c,
+                     dims.heads);
+    LinearForward(s.Rebuilt("x_mid"), s["atty"], p["proj_w"], p["proj_b"], /*residual=*/x, n, c, c,
+                  split_min_flops);
+  }
+  LayerNormForward(s.Rebuilt("ln2"), s.Rebuilt("ln2_mean"), s.Rebuilt("ln2_rstd"), s["x_mid"],
+                   p["ln2_w"], p["ln2_b"], n, c);
+  GeluForward(s.Rebuilt("fch_gelu"), s["fch"], n * 4 * c);
+}
+
+void BackwardInput(float* d, float* stash, float* workspace, const float* x,
+                   const BlockSaved<const float>& s, const float* params,
+                   const TransformerDims& dims, int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
   const FlatLayout stash_layout = BlockStash(dims);
   FlatView<const float> p(params, param_layout);
-  FlatView<const float> s(saved, saved_layout);
   FlatView<float> st(stash, stash_layout);
   // The gradient entering a layernorm [N,C] (reused for the attention output's).
   float* ln_grad = workspace;
@@ -110,14 +122,11 @@ void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, con
                     n, c, /*accumulate_dx=*/true);
 }
 
-void TransformerBlockBackwardWeight(float* dparams, const float* stash, const float* saved,
-                                    const TransformerDims& dims, int64_t split_min_flops) {
+void BackwardWeight(float* dparams, const float* stash, const BlockSaved<const float>& s,
+                    const TransformerDims& dims, int64_t split_min_flops) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = TransformerBlockParamLayout(c);
-  const FlatLayout saved_layout =
-      TransformerBlockSavedLayout(dims.batch, dims.seq_len, c, dims.heads);
   const FlatLayout stash_layout = BlockStash(dims);
-  FlatView<const float> s(saved, saved_layout);
   FlatView<const float> st(stash, stash_layout);
   FlatView<float> g(dparams, param_layout);
   // dW = dout^T x and db = sum(dout) per linear, from the gradient that entered it.
@@ -132,6 +141,66 @@ void TransformerBlockBackwardWeight(float* dparams, const float* stash, const fl
   for (const char* name : {"ln2_w", "ln2_b", "ln1_w", "ln1_b"}) {
     std::memcpy(g[name], st[name], static_cast<size_t>(c) * sizeof(float));
   }
+}
+
+}  // namespace
+
+int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims) { return RebuiltNumel(dims); }
+
+void TransformerBlockForward(float* y, float* saved, float* workspace, const float* x,
+                             const float* params, const TransformerDims& dims,
+                             int64_t split_min_flops) {
+  const int64_t n = dims.rows(), c = dims.channels;
+  const FlatLayout param_layout = TransformerBlockParamLayout(c);
+  FlatView<const float> p(params, param_layout);
+  const BlockSaved<float> s(dims, saved, workspace);
+
+  LayerNormForward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], x, p["ln1_w"], p["ln1_b"], n, c);
+  LinearForward(s["qkv"], s["ln1"], p["qkv_w"], p["qkv_b"], nullptr, n, c, 3 * c, split_min_flops);
+  AttentionForward(s["atty"], s["lse"], s["qkv"], dims.batch, dims.seq_len, c, dims.heads);
+  LinearForward(s["x_mid"], s["atty"], p["proj_w"], p["proj_b"], /*residual=*/x, n, c, c,
+                split_min_flops);
+  LayerNormForward(s["ln2"], s["ln2_mean"], s["ln2_rstd"], s["x_mid"], p["ln2_w"], p["ln2_b"], n,
+                   c);
+  LinearForward(s["fch"], s["ln2"], p["fc_w"], p["fc_b"], nullptr, n, c, 4 * c, split_min_flops);
+  GeluForward(s["fch_gelu"], s["fch"], n * 4 * c);
+  LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n, 4 * c,
+                c, split_min_flops);
+}
+
+int64_t TransformerBlockInputWorkspace(const TransformerDims& dims) {
+  return dims.rows() * dims.channels;
+}
+
+int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims) {
+  return BlockStash(dims).numel() + TransformerBlockInputWorkspace(dims) + RebuiltNumel(dims);
+}
+
+void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
+                              const float* saved, const float* params, const TransformerDims& dims,
+                              int64_t split_min_flops) {
+  float* stash = workspace;
+  float* input_workspace = stash + BlockStash(dims).numel();
+  const BlockSaved<const float> s(dims, saved,
+                                  input_workspace + TransformerBlockInputWorkspace(dims));
+  RebuildSaved(s, x, params, dims, split_min_flops);
+  BackwardInput(d, stash, input_workspace, x, s, params, dims, split_min_flops);
+  BackwardWeight(dparams, stash, s, dims, split_min_flops);
+}
+
+void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
+                                   const float* saved, const float* params,
+                                   const TransformerDims& dims, int64_t split_min_flops) {
+  TESSERA_CHECK(dims.rebuild == BlockRebuild::kNothing, "the split backward rebuilds nothing");
+  BackwardInput(d, stash, workspace, x, BlockSaved<const float>(dims, saved, nullptr), params, dims,
+                split_min_flops);
+}
+
+void TransformerBlockBackwardWeight(float* dparams, const float* stash, const float* saved,
+                                    const TransformerDims& dims, int64_t split_min_flops) {
+  TESSERA_CHECK(dims.rebuild == BlockRebuild::kNothing, "the split backward rebuilds nothing");
+  BackwardWeight(dparams, stash, BlockSaved<const float>(dims, saved, nullptr), dims,
+                 split_min_flops);
 }
 
 Result<float> TiedLmHeadForward(float* saved, const float* x, const float* head_params,

@@ -26,12 +26,17 @@ Status TokenPositionEmbeddingForward(float* x, const int32_t* tokens, const floa
 void TokenPositionEmbeddingBackward(float* demb, const float* dx, const int32_t* tokens,
                                     const TransformerDims& dims);
 
-// y[B,T,C] = block(x); saved: the block saved layout.
-void TransformerBlockForward(float* y, float* saved, const float* x, const float* params,
-                             const TransformerDims& dims, int64_t split_min_flops);
+// y[B,T,C] = block(x); saved: the block saved layout (less what dims.rebuild leaves to the
+// backward); workspace: TransformerBlockForwardWorkspace(dims) floats (none when it rebuilds
+// nothing: may then be null).
+void TransformerBlockForward(float* y, float* saved, float* workspace, const float* x,
+                             const float* params, const TransformerDims& dims,
+                             int64_t split_min_flops);
+int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims);
 // On entry d holds dL/dy; on exit dL/dx (computed in place: the residual stream's gradient
 // flows through unchanged and the branches add to it). dparams (block layout) is overwritten.
-// workspace: TransformerBlockBackwardWorkspace(dims) floats.
+// workspace: TransformerBlockBackwardWorkspace(dims) floats (with room for what dims.rebuild
+// recomputes first).
 void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
                               const float* saved, const float* params, const TransformerDims& dims,
                               int64_t split_min_flops);
@@ -41,7 +46,7 @@ int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims);
 // `stash` (TransformerBlockStashLayout, overwritten) with what Weight needs; workspace:
 // TransformerBlockInputWorkspace(dims) floats. Weight: dparams (block layout, overwritten) from the
 // stash and the saved activations. Input then Weight compute what TransformerBlockBackward
-// computes, bit for bit (it is made of them).
+// computes, bit for bit (it is made of them). REQUIRES: dims.rebuild is kNothing.
 void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
                                    const float* saved, const float* params,
                                    const TransformerDims& dims, int64_t split_min_flops);

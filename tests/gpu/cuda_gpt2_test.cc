@@ -82,7 +82,8 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
   // CPU, fp32.
   std::vector<float> y_cpu(static_cast<size_t>(n * c));
   std::vector<float> saved_cpu(static_cast<size_t>(cpu_saved_layout.numel()));
-  cpu::TransformerBlockForward(y_cpu.data(), saved_cpu.data(), x.data(), params.data(), d, 1 << 30);
+  cpu::TransformerBlockForward(y_cpu.data(), saved_cpu.data(), nullptr, x.data(), params.data(), d,
+                               1 << 30);
   std::vector<float> dx_cpu = dy;
   std::vector<float> dparams_cpu(params.size());
   std::vector<float> workspace(static_cast<size_t>(cpu::TransformerBlockBackwardWorkspace(d)));

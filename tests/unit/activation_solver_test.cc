@@ -1,12 +1,16 @@
 // The activation solver (planner/activation_solver.h): against brute force over every choice on
-// random chains (up to 10 layers with three choices, 16 with keep and recompute), and the classic
-// cases (equal layers at half the memory keep half; the cheap layer is recomputed before the
-// expensive one; swapping when the link hides it, recomputing when it does not), bad problems
-// refused, impossible caps explained.
+// random chains (up to 10 layers with three choices, 7 with partial keeps too, 16 with keep and
+// recompute), and the classic cases (equal layers at half the memory keep half; the cheap layer
+// is recomputed before the expensive one; a cheap partial keep before whole recomputes; swapping
+// when the link hides it, recomputing when it does not), bad problems refused, impossible caps
+// explained.
 #include "planner/activation_solver.h"
 
 #include <limits>
 #include <random>
+#include <string>
+
+#include <fmt/format.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -22,37 +26,50 @@ using ::testing::HasSubstr;
 // those that fit (infinity when none does).
 double BruteForceBest(const ActivationProblem& problem) {
   const size_t n = problem.layers.size();
-  std::vector<ActivationChoice> allowed = {ActivationChoice::kKeep};
-  if (problem.allow_recompute) allowed.push_back(ActivationChoice::kRecompute);
-  if (problem.allow_swap && problem.link_bytes_per_us > 0) {
-    allowed.push_back(ActivationChoice::kSwap);
-  }
+  std::vector<std::vector<ActivationDecision>> allowed(n);
   size_t total = 1;
-  for (size_t i = 0; i < n; ++i) total *= allowed.size();
+  for (size_t i = 0; i < n; ++i) {
+    allowed[i].push_back({ActivationChoice::kKeep});
+    for (const PartialKeep& part : problem.layers[i].partial_keeps) {
+      allowed[i].push_back({ActivationChoice::kKeepPart, part.rebuild});
+    }
+    if (problem.allow_recompute) allowed[i].push_back({ActivationChoice::kRecompute});
+    if (problem.allow_swap && problem.link_bytes_per_us > 0) {
+      allowed[i].push_back({ActivationChoice::kSwap});
+    }
+    total *= allowed[i].size();
+  }
   double best = std::numeric_limits<double>::infinity();
-  std::vector<ActivationChoice> choices(n);
+  std::vector<ActivationDecision> decisions(n);
   for (size_t code = 0; code < total; ++code) {
     size_t rest = code;
     for (size_t i = 0; i < n; ++i) {
-      choices[i] = allowed[rest % allowed.size()];
-      rest /= allowed.size();
+      decisions[i] = allowed[i][rest % allowed[i].size()];
+      rest /= allowed[i].size();
     }
-    const ActivationPlan plan = EvaluateActivationPlan(problem, choices);
+    const ActivationPlan plan = EvaluateActivationPlan(problem, decisions);
     if (plan.fits) best = std::min(best, plan.step_us);
   }
   return best;
 }
 
-ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap) {
+// `partial_keeps`: up to that many per layer, each keeping a random share at a random cost.
+ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap, int partial_keeps = 0) {
   std::uniform_int_distribution<int64_t> bytes(1, 100);
   std::uniform_real_distribution<double> micros(1.0, 50.0);
+  std::uniform_int_distribution<int> parts(0, partial_keeps);
   ActivationProblem problem;
   int64_t all = 0;
   for (size_t i = 0; i < n; ++i) {
-    problem.layers.push_back({bytes(rng) * 1000, micros(rng), micros(rng)});
+    ActivationLayer layer{bytes(rng) * 1000, micros(rng), micros(rng)};
+    for (int k = parts(rng); k > 0; --k) {
+      const int64_t kept = layer.saved_bytes * bytes(rng) / 101;
+      layer.partial_keeps.push_back({fmt::format("part{}", k), kept, micros(rng) / 4});
+    }
+    problem.layers.push_back(layer);
     problem.base_forward_bytes.push_back(bytes(rng) * 100);
     problem.base_backward_bytes.push_back(bytes(rng) * 100);
-    all += problem.layers.back().saved_bytes;
+    all += layer.saved_bytes;
   }
   // Caps from tight to loose around what keeping everything needs.
   std::uniform_real_distribution<double> share(0.2, 1.1);
@@ -62,46 +79,62 @@ ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap) {
   return problem;
 }
 
+// The solver's plan against brute force on `problem`: both infeasible, or within 1% (the
+// programme is exact; the tolerance is for rounding). Returns whether it was feasible.
+bool MatchesBruteForce(const ActivationProblem& problem, const std::string& trial) {
+  const double best = BruteForceBest(problem);
+  Result<ActivationPlan> plan = SolveActivations(problem);
+  if (std::isinf(best)) {
+    EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible) << trial;
+    return false;
+  }
+  EXPECT_TRUE(plan.ok()) << trial << ": " << plan.status().ToString();
+  if (!plan.ok()) return true;
+  EXPECT_TRUE(plan->fits) << trial;
+  EXPECT_LE(plan->peak_bytes, problem.cap_bytes) << trial;
+  EXPECT_LE(plan->step_us, best * (1 + 1e-9)) << trial;
+  EXPECT_GE(plan->step_us, best * (1 - 1e-9)) << trial;
+  return true;
+}
+
 TEST(ActivationSolverTest, MatchesBruteForceOnRandomChainsOfUpToTenLayersWithThreeChoices) {
   std::mt19937 rng(7);
   int solved = 0, infeasible = 0;
   for (int trial = 0; trial < 200; ++trial) {
     const size_t n = 1 + static_cast<size_t>(trial % 10);
     const ActivationProblem problem = RandomProblem(rng, n, /*swap=*/true);
-    const double best = BruteForceBest(problem);
-    Result<ActivationPlan> plan = SolveActivations(problem);
-    if (std::isinf(best)) {
-      EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible) << "trial " << trial;
-      ++infeasible;
-      continue;
-    }
-    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status().ToString();
-    EXPECT_TRUE(plan->fits) << "trial " << trial;
-    EXPECT_LE(plan->peak_bytes, problem.cap_bytes) << "trial " << trial;
-    // Within 1% of the optimum (the programme is exact; the tolerance is for rounding).
-    EXPECT_LE(plan->step_us, best * (1 + 1e-9)) << "trial " << trial << ", n " << n;
-    EXPECT_GE(plan->step_us, best * (1 - 1e-9)) << "trial " << trial << ", n " << n;
-    ++solved;
+    const bool feasible = MatchesBruteForce(problem, fmt::format("trial {}, {} layers", trial, n));
+    ++(feasible ? solved : infeasible);
   }
   // The caps span both sides of feasibility.
   EXPECT_GT(solved, 100);
   EXPECT_GT(infeasible, 5);
 }
 
+TEST(ActivationSolverTest, MatchesBruteForceWithPartialKeepsOnChainsOfUpToSevenLayers) {
+  std::mt19937 rng(13);
+  int solved = 0, infeasible = 0, kept_part = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const size_t n = 1 + static_cast<size_t>(trial % 7);
+    const ActivationProblem problem = RandomProblem(rng, n, /*swap=*/trial % 2 == 0,
+                                                    /*partial_keeps=*/2);
+    const bool feasible = MatchesBruteForce(problem, fmt::format("trial {}, {} layers", trial, n));
+    ++(feasible ? solved : infeasible);
+    Result<ActivationPlan> plan = SolveActivations(problem);
+    if (plan.ok()) kept_part += plan->Count(ActivationChoice::kKeepPart);
+  }
+  EXPECT_GT(solved, 60);
+  EXPECT_GT(infeasible, 5);
+  EXPECT_GT(kept_part, 20);  // the partial keeps are taken, not only offered
+}
+
 TEST(ActivationSolverTest, MatchesBruteForceOnSixteenLayerChainsOfKeepAndRecompute) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 8; ++trial) {
     const ActivationProblem problem = RandomProblem(rng, 16, /*swap=*/false);
-    const double best = BruteForceBest(problem);
+    MatchesBruteForce(problem, fmt::format("trial {}", trial));
     Result<ActivationPlan> plan = SolveActivations(problem);
-    if (std::isinf(best)) {
-      EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible) << "trial " << trial;
-      continue;
-    }
-    ASSERT_TRUE(plan.ok()) << "trial " << trial << ": " << plan.status().ToString();
-    EXPECT_LE(plan->step_us, best * (1 + 1e-9)) << "trial " << trial;
-    EXPECT_GE(plan->step_us, best * (1 - 1e-9)) << "trial " << trial;
-    EXPECT_EQ(plan->Count(ActivationChoice::kSwap), 0);
+    if (plan.ok()) EXPECT_EQ(plan->Count(ActivationChoice::kSwap), 0);
   }
 }
 
@@ -133,9 +166,30 @@ TEST(ActivationSolverTest, TheCheapLayerIsRecomputedBeforeTheExpensiveOne) {
   problem.layers = {{100, 50, 100}, {100, 5, 10}, {100, 50, 100}};
   problem.cap_bytes = 200;  // one of the first two must go
   ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
-  EXPECT_EQ(plan.choices[0], ActivationChoice::kKeep) << DescribeActivationPlan(plan, {});
-  EXPECT_EQ(plan.choices[1], ActivationChoice::kRecompute);
+  EXPECT_EQ(plan.decisions[0].choice, ActivationChoice::kKeep) << DescribeActivationPlan(plan, {});
+  EXPECT_EQ(plan.decisions[1].choice, ActivationChoice::kRecompute);
   EXPECT_DOUBLE_EQ(plan.step_us, 150 + 15 + 150 + 5);
+}
+
+TEST(ActivationSolverTest, ACheapPartialKeepComesBeforeRecomputingWholeLayers) {
+  // Six layers of 100 bytes under a cap of 400: each may keep 60 for 1 us of rebuilding, or
+  // recompute its 10 us forward. Keeping part of all six (360 bytes, 6 us) beats recomputing
+  // two (20 us).
+  ActivationProblem problem = EqualLayers(6, 100, 10);
+  for (ActivationLayer& layer : problem.layers) layer.partial_keeps = {{"lean", 60, 1}};
+  problem.cap_bytes = 400;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
+  // The last layer keeps its whole: its saved bytes are live at its backward in any case.
+  EXPECT_EQ(plan.Count(ActivationChoice::kRecompute), 0) << DescribeActivationPlan(plan, {});
+  EXPECT_EQ(plan.Count(ActivationChoice::kKeepPart), 5);
+  EXPECT_EQ(plan.decisions[0], (ActivationDecision{ActivationChoice::kKeepPart, "lean"}));
+  EXPECT_DOUBLE_EQ(plan.step_us, 6 * 30 + 5 * 1);
+  // At 250 the partial keeps alone do not fit (5 x 60 + 100): one layer is recomputed.
+  problem.cap_bytes = 250;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan tighter, SolveActivations(problem));
+  EXPECT_LE(tighter.peak_bytes, 250);
+  EXPECT_GT(tighter.Count(ActivationChoice::kRecompute), 0) << DescribeActivationPlan(tighter, {});
+  EXPECT_GT(tighter.Count(ActivationChoice::kKeepPart), 0);
 }
 
 TEST(ActivationSolverTest, SwapsWhenTheLinkHidesTheCopiesAndRecomputesWhenItDoesNot) {
@@ -172,8 +226,8 @@ TEST(ActivationSolverTest, ACapNothingFitsUnderIsExplainedWithTheLeastPeak) {
   Result<ActivationPlan> plan = SolveActivations(problem);
   EXPECT_EQ(plan.status().code(), StatusCode::kInfeasible);
   EXPECT_THAT(plan.status().message(),
-              HasSubstr("the least they can hold (recompute every layer) peaks at 150 bytes; "
-                        "raise the cap by 30 bytes"));
+              HasSubstr("the least they can hold (keep 0, keep part 0, recompute 3, swap 0) peaks "
+                        "at 150 bytes; raise the cap by 30 bytes"));
 }
 
 TEST(ActivationSolverTest, BadProblemsAreRefusedNamingTheField) {
@@ -186,13 +240,21 @@ TEST(ActivationSolverTest, BadProblemsAreRefusedNamingTheField) {
   problem.base_forward_bytes.clear();
   problem.layers[1].forward_us = -1;
   EXPECT_THAT(SolveActivations(problem).status().message(), HasSubstr("activation layer 1"));
+  problem.layers[1].forward_us = 10;
+  problem.layers[0].partial_keeps = {{"lean", 100, 1}};  // keeps the whole: no partial keep
+  EXPECT_THAT(SolveActivations(problem).status().message(),
+              HasSubstr("partial keep 'lean' keeps 100 of 100 bytes"));
 }
 
 TEST(ActivationSolverTest, DescribeNamesEveryLayersChoice) {
   ActivationPlan plan;
-  plan.choices = {ActivationChoice::kKeep, ActivationChoice::kRecompute, ActivationChoice::kSwap};
-  EXPECT_EQ(DescribeActivationPlan(plan, {"h.0", "h.1", "h.2"}),
-            "keep 1, recompute 1, swap 1: h.0 keep, h.1 recompute, h.2 swap");
+  plan.decisions = {{ActivationChoice::kKeep},
+                    {ActivationChoice::kKeepPart, "norms_gelu"},
+                    {ActivationChoice::kRecompute},
+                    {ActivationChoice::kSwap}};
+  EXPECT_EQ(DescribeActivationPlan(plan, {"h.0", "h.1", "h.2", "h.3"}),
+            "keep 1, keep part 1, recompute 1, swap 1: h.0 keep, h.1 keep part (norms_gelu), h.2 "
+            "recompute, h.3 swap");
 }
 
 }  // namespace

@@ -382,13 +382,18 @@ TEST(MemoryPlanTest, StepsWithAShareOfTheirActivationsFitAndTrainBitIdentically)
           << what;
       EXPECT_EQ(trained.figures.total_peak, memory.peak_bytes) << what;
       EXPECT_LT(memory.peak_bytes, memory.uncapped_peak_bytes) << what;
-      const auto recomputed = std::count(memory.activations.begin(), memory.activations.end(),
-                                         ActivationChoice::kRecompute);
+      const int kept = CountChoice(memory.activations, ActivationChoice::kKeep);
       if (c.plan.parallel.micro_batches > 1) {
         EXPECT_THAT(memory.reason, HasSubstr("micro-batches one after another")) << what;
       }
       if (c.plan.parallel.micro_batches == 1 || budget < 0.5) {
-        EXPECT_GT(recomputed, 0) << what << ": " << memory.reason;
+        EXPECT_LT(kept, static_cast<int>(c.model.layers.size())) << what << ": " << memory.reason;
+      }
+      // The transformer blocks offer partial keeps (their backward rebuilding layernorms, GELU
+      // and attention): at half the activations, some are taken.
+      if (c.name == "gpt2 (8 blocks)" && budget == 0.5) {
+        EXPECT_GT(CountChoice(memory.activations, ActivationChoice::kKeepPart), 0)
+            << what << ": " << memory.reason;
       }
       // Recomputing runs the same kernels on the same inputs: the same losses, bit for bit.
       EXPECT_EQ(trained.losses, reference.losses) << what;
@@ -485,13 +490,8 @@ TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack
   const std::vector<float> losses = train(capped, figures, step);
   ::unsetenv("TESSERA_SIMULATED_GPU");
   const MemoryDecision& memory = step.memory;
-  EXPECT_GT(
-      std::count(memory.activations.begin(), memory.activations.end(), ActivationChoice::kSwap), 0)
-      << memory.reason;
-  EXPECT_EQ(std::count(memory.activations.begin(), memory.activations.end(),
-                       ActivationChoice::kRecompute),
-            0)
-      << memory.reason;
+  EXPECT_GT(CountChoice(memory.activations, ActivationChoice::kSwap), 0) << memory.reason;
+  EXPECT_EQ(CountChoice(memory.activations, ActivationChoice::kRecompute), 0) << memory.reason;
   int swap_outs = 0, swap_ins = 0;
   for (const TaskSpec& task : step.graph.tasks()) {
     if (task.name.find("/swap_out") != std::string::npos) ++swap_outs;
