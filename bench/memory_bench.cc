@@ -9,12 +9,16 @@
 // order rotated by the round, --warmup steps then --steps timed ones (StepReport::step_ms,
 // median); a plan's figure is the median of its rounds' medians. Prints per plan:
 //   model plan budget  step_ms  x_uncapped (step time / the uncapped plan's: above 1, slower)
+//   pred/meas  the predicted step time (planner/step_time.h, from a profile of the step taken
+//              just before the plan's run) over the measured one: the median of the rounds'
+//              ratios
 //   peak_mb predicted / measured (every object, RunFigures::total_peak)
 //   act_mb  predicted / measured (activations, the role's peak)
 //   recmp   recompute tasks in the step; part: layers kept in part (their backward rebuilding
 //           the rest); then the memory plan's reason; a budget nothing fits
 //           under prints why.
-// --json PATH writes the same figures as JSON.
+// With --profile (the default) the layers are first profiled (ProfileLayerTimes) and every plan is
+// made with the measured times. --json PATH writes the same figures as JSON.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -31,6 +35,8 @@
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "ops/standard_ops.h"
+#include "planner/step_time.h"
+#include "training/layer_profile.h"
 #include "training/trainer.h"
 
 namespace {
@@ -55,6 +61,7 @@ struct Flags {
   int warmup = 2;
   int steps = 6;
   int threads = 0;
+  bool profile = true;
   std::string json;
 };
 
@@ -115,6 +122,9 @@ struct Row {
   double step_ms = 0;
   int64_t predicted_peak = 0, measured_peak = 0;
   int64_t predicted_activations = 0, measured_activations = 0;
+  // PredictStepTime from the round's profile, and its ratio to the round's measured step time.
+  std::vector<double> round_predicted_ms, round_ratio;
+  double predicted_ms = 0, predicted_ratio = 0;  // medians over the rounds (0: not profiled)
   int recomputed = 0;
   int kept_part = 0;  // layers whose backward rebuilds part of what they save
   std::string reason;
@@ -123,7 +133,9 @@ struct Row {
 
 // Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
 // figures.
-void RunOnce(const Flags& flags, const Case& c, const Variant& variant, Row& row) {
+// `now`: a profile taken just before, the step time is predicted from (empty: none).
+void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
+             const tessera::OpRegistry& registry, const tessera::StepProfile& now, Row& row) {
   tessera::TrainingPlan plan = c.plan;
   if (variant.name == "planned") plan.memory.activation_budget = variant.budget;
   if (variant.name == "recompute-all") plan.memory.recompute_all = true;
@@ -163,7 +175,28 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant, Row& row
     if (task.name.find("/recompute") != std::string::npos) ++row.recomputed;
   }
   row.kept_part = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kKeepPart);
+  if (!now.layer_ms.empty()) {
+    const double predicted =
+        Check(tessera::PredictStepTime(trainer.step_graph().graph, c.model, now.layer_ms, registry,
+                                       now.TaskOverheadMs()),
+              "predict the step time")
+            .step_ms;
+    row.round_predicted_ms.push_back(predicted);
+    row.round_ratio.push_back(predicted / row.round_ms.back());
+  }
   row.reason = memory.reason;
+}
+
+// The case's step at one micro-batch, profiled (whole backwards, as the plans run them).
+tessera::StepProfile Profile(const Flags& flags, const Case& c) {
+  std::fprintf(stderr, "%s: %s: profiling the layers\n", kProgram, c.name.c_str());
+  tessera::ExecutorOptions options;
+  options.threads = flags.threads;
+  tessera::LayerProfileOptions profile;
+  profile.warmup_steps = flags.warmup;
+  profile.steps = flags.steps;
+  profile.split_backwards = false;
+  return Check(tessera::ProfileStep(c.model, c.plan, options, profile), "profile");
 }
 
 double Mb(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -192,6 +225,9 @@ static int Main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--threads", flags.threads, "Executor threads (0: one per core)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--profile,!--no-profile", flags.profile,
+               "Plan with measured layer times and predict each plan's step time from them "
+               "(default); --no-profile plans with the op cost model's estimates");
   app.add_option("--json", flags.json, "Also write the figures to this JSON file");
   CLI11_PARSE(app, argc, argv);
 
@@ -201,7 +237,9 @@ static int Main(int argc, char** argv) {
   }
   std::vector<Row> rows;
   for (const std::string& model : flags.models) {
-    const Case c = model == "gpt2" ? Gpt2Case(flags) : UNetCase(flags, registry);
+    Case c = model == "gpt2" ? Gpt2Case(flags) : UNetCase(flags, registry);
+    // Every plan is made with the measured layer times (as --balance profile does).
+    if (flags.profile) c.plan.parallel.layer_op_costs = Profile(flags, c).layer_ms;
     std::vector<Variant> variants = {{"uncapped", 0}};
     for (double budget : flags.budgets) {
       variants.push_back({"planned", budget});
@@ -218,7 +256,10 @@ static int Main(int argc, char** argv) {
         const size_t v = (i + static_cast<size_t>(round)) % run.size();
         std::fprintf(stderr, "%s: %s round %d/%d: %s %.2f\n", kProgram, c.name.c_str(), round + 1,
                      flags.rounds, run[v].name.c_str(), run[v].budget);
-        RunOnce(flags, c, run[v], case_rows[v]);
+        // The step time is predicted from a profile taken just before: the machine's speed
+        // drifts over minutes.
+        const tessera::StepProfile now = flags.profile ? Profile(flags, c) : tessera::StepProfile{};
+        RunOnce(flags, c, run[v], registry, now, case_rows[v]);
       }
     }
     for (size_t v = 0; v < run.size(); ++v) {
@@ -227,11 +268,16 @@ static int Main(int argc, char** argv) {
       row.plan = run[v].name;
       row.budget = run[v].budget;
       if (row.refused.empty()) row.step_ms = Median(row.round_ms);
+      if (!row.round_ratio.empty()) {
+        row.predicted_ms = Median(row.round_predicted_ms);
+        row.predicted_ratio = Median(row.round_ratio);
+      }
       rows.push_back(row);
     }
   }
-  std::printf("%-14s %-14s %6s %9s %10s %19s %19s %5s %5s\n", "model", "plan", "budget", "step_ms",
-              "x_uncapped", "peak_mb pred/meas", "act_mb pred/meas", "recmp", "part");
+  std::printf("%-14s %-14s %6s %9s %10s %9s %19s %19s %5s %5s\n", "model", "plan", "budget",
+              "step_ms", "x_uncapped", "pred/meas", "peak_mb pred/meas", "act_mb pred/meas",
+              "recmp", "part");
   std::string json = "[\n";
   for (const Row& row : rows) {
     double uncapped = 0;
@@ -242,21 +288,23 @@ static int Main(int argc, char** argv) {
       std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
                   row.budget, row.refused.c_str());
     } else {
-      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d\n",
+      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d\n",
                   row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms,
-                  row.step_ms / uncapped, Mb(row.predicted_peak), Mb(row.measured_peak),
-                  Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed,
-                  row.kept_part);
+                  row.step_ms / uncapped, row.predicted_ratio, Mb(row.predicted_peak),
+                  Mb(row.measured_peak), Mb(row.predicted_activations),
+                  Mb(row.measured_activations), row.recomputed, row.kept_part);
     }
     json += fmt::format(
         "  {{\"model\": \"{}\", \"plan\": \"{}\", \"budget\": {}, \"step_ms\": {:.3f}, "
-        "\"x_uncapped\": {:.4f}, \"predicted_peak\": {}, \"measured_peak\": {}, "
+        "\"x_uncapped\": {:.4f}, \"predicted_ms\": {:.3f}, \"predicted_ratio\": {:.4f}, "
+        "\"predicted_peak\": {}, "
+        "\"measured_peak\": {}, "
         "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
         "\"kept_part\": {}, \"refused\": {}}}{}\n",
         row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
-        row.predicted_peak, row.measured_peak, row.predicted_activations, row.measured_activations,
-        row.recomputed, row.kept_part, row.refused.empty() ? "false" : "true",
-        &row == &rows.back() ? "" : ",");
+        row.predicted_ms, row.predicted_ratio, row.predicted_peak, row.measured_peak,
+        row.predicted_activations, row.measured_activations, row.recomputed, row.kept_part,
+        row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
   for (const Row& row : rows) {

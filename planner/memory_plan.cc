@@ -126,7 +126,11 @@ std::string LiveByRole(const TierPeak& peak) {
 // Per layer, its forward and backward times as the solver sees them.
 Result<std::vector<OpCosts>> LayerTimes(const ModelSpec& model, const TrainingPlan& plan,
                                         const OpRegistry& registry) {
-  if (!plan.parallel.layer_op_costs.empty()) return plan.parallel.layer_op_costs;
+  if (!plan.parallel.layer_op_costs.empty()) {
+    std::vector<OpCosts> micros = plan.parallel.layer_op_costs;  // measured in milliseconds
+    for (OpCosts& c : micros) c = OpCosts{1e3 * c.forward, 1e3 * c.backward, 1e3 * c.weight};
+    return micros;
+  }
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<double> forward,
       EstimateLayerCosts(model, plan.parallel.MicroBatchRows(plan.batch), plan.seq_len, registry));

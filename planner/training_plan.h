@@ -80,9 +80,9 @@ struct ParallelConfig {
   // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
   // of layer_op_costs, else the op cost model's estimate of its forward.
   std::vector<double> layer_costs;
-  // Per layer, measured times of its forward, backward (input half, or whole) and weight half
-  // (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's estimates. Their
-  // per-chunk means order zb-h1 (ScheduleOrder's costs).
+  // Per layer, measured times in milliseconds of its forward, backward (input half, or whole)
+  // and weight half (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's
+  // estimates. Their per-chunk means order zb-h1 (ScheduleOrder's costs).
   std::vector<OpCosts> layer_op_costs;
   // Split every backward that can be (model/model_spec.h LayerSpec::backward_input_op) even without
   // a zero-bubble pipeline: a profiling run that times the halves.
@@ -147,7 +147,7 @@ struct MemoryCaps {
   // does: the naive baseline the planned choices are measured against).
   bool recompute_all = false;
   // Device <-> host bandwidth (bytes per microsecond, each way; 1 GB/s is 1000). With it, and
-  // the layers' times measured (ParallelConfig::layer_op_costs, in microseconds), GPU workers
+  // the layers' times measured (ParallelConfig::layer_op_costs), GPU workers
   // may swap a layer's saved activations to the host and prefetch them back instead of
   // recomputing them; 0: no swapping.
   double host_link_bytes_per_us = 0;

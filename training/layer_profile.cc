@@ -1,19 +1,75 @@
 #include "training/layer_profile.h"
 
+#include <algorithm>
+#include <iterator>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "training/trainer.h"
 
 namespace tessera {
 
+namespace {
+
+bool Computes(const TimelineSpan& span) {
+  return span.stream >= 0 && span.kind != SpanKind::kCollective && span.kind != SpanKind::kTransfer;
+}
+
+// Per span, the microseconds of the worker's compute it had: its duration, shared equally with
+// the compute spans of its worker running at the same time (processor sharing). 0 for spans that
+// do not compute.
+std::vector<double> SharedMicros(const Timeline& timeline) {
+  const std::vector<TimelineSpan>& spans = timeline.spans;
+  std::vector<double> shared(spans.size(), 0);
+  std::map<WorkerId, std::vector<size_t>> by_worker;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (Computes(spans[i])) by_worker[spans[i].worker].push_back(i);
+  }
+  for (const auto& [worker, indices] : by_worker) {
+    // Starts (+1) and ends (-1) in time order, ends first at equal times.
+    std::vector<std::pair<int64_t, int>> events;
+    events.reserve(2 * indices.size());
+    for (size_t i : indices) {
+      events.emplace_back(spans[i].start_us, 1);
+      events.emplace_back(spans[i].end_us, -1);
+    }
+    std::sort(events.begin(), events.end());
+    // Each span's share is the integral of 1 / (spans running) over its interval: the running
+    // integral at its end less that at its start.
+    std::vector<std::pair<int64_t, double>> integral;  // (time, integral up to it)
+    integral.reserve(events.size());
+    int running = 0;
+    double total = 0;
+    int64_t last = events.empty() ? 0 : events.front().first;
+    for (const auto& [time, delta] : events) {
+      if (running > 0) total += static_cast<double>(time - last) / running;
+      integral.emplace_back(time, total);
+      running += delta;
+      last = time;
+    }
+    const auto at = [&integral](int64_t time) {
+      auto it = std::upper_bound(
+          integral.begin(), integral.end(), time,
+          [](int64_t t, const std::pair<int64_t, double>& point) { return t < point.first; });
+      return it == integral.begin() ? 0.0 : std::prev(it)->second;
+    };
+    for (size_t i : indices) shared[i] = at(spans[i].end_us) - at(spans[i].start_us);
+  }
+  return shared;
+}
+
+}  // namespace
+
 Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
                                                     const Timeline& timeline, int steps) {
   if (steps < 1) return InvalidArgument("layer times need at least one step, got {}", steps);
+  const std::vector<double> shared = SharedMicros(timeline);
   std::map<std::string, size_t> index;
   for (size_t l = 0; l < model.layers.size(); ++l) index[model.layers[l].name] = l;
   std::vector<OpCosts> ms(model.layers.size(), OpCosts{0, 0, 0});
-  for (const TimelineSpan& span : timeline.spans) {
+  for (size_t i = 0; i < timeline.spans.size(); ++i) {
+    const TimelineSpan& span = timeline.spans[i];
     auto it = index.find(span.layer);
     if (it == index.end()) continue;
     OpCosts& layer = ms[it->second];
@@ -32,14 +88,25 @@ Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
       default:
         continue;
     }
-    *total += static_cast<double>(span.end_us - span.start_us) / 1e3 / steps;
+    *total += shared[i] / 1e3 / steps;
   }
   return ms;
+}
+
+double StepProfile::TaskOverheadMs() const {
+  return tasks > 0 ? std::max(0.0, step_ms - busy_ms) / tasks : 0.0;
 }
 
 Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
                                                const ExecutorOptions& executor,
                                                const LayerProfileOptions& options) {
+  TESSERA_ASSIGN_OR_RETURN(StepProfile profile, ProfileStep(model, plan, executor, options));
+  return std::move(profile.layer_ms);
+}
+
+Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan,
+                                const ExecutorOptions& executor,
+                                const LayerProfileOptions& options) {
   if (options.steps < 1 || options.warmup_steps < 0) {
     return InvalidArgument("profiling the layers needs steps >= 1 and warmup_steps >= 0");
   }
@@ -48,7 +115,7 @@ Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const Tra
   one.seq_len = plan.seq_len;
   one.optimizer = plan.optimizer;
   one.device = plan.device;
-  one.parallel.split_backwards = true;
+  one.parallel.split_backwards = options.split_backwards;
   if (one.batch < 1) {
     return InvalidArgument(
         "profiling the layers: the batch of {} rows gives no row per micro-batch over {} rank(s) "
@@ -63,13 +130,19 @@ Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const Tra
         Tensor zeros, Tensor::Zeros(input.Meta(one.batch, one.seq_len), SharedHostAllocator()));
     batch.push_back(std::move(zeros));
   }
+  StepProfile profile;
   for (int step = 0; step < options.warmup_steps + options.steps; ++step) {
     // A zero learning rate: the profile leaves nothing to train, and nothing diverges.
     Result<StepReport> ran = (*trainer)->Step(batch, 0.0f);
     if (!ran.ok()) return ran.status().WithContext("profiling the layers");
+    if (step >= options.warmup_steps) profile.step_ms += ran->step_ms / options.steps;
   }
   TESSERA_ASSIGN_OR_RETURN(Timeline timeline, (*trainer)->StepTimeline(options.steps));
-  return LayerTimesFromTimeline(model, timeline, options.steps);
+  TESSERA_ASSIGN_OR_RETURN(profile.layer_ms,
+                           LayerTimesFromTimeline(model, timeline, options.steps));
+  for (double micros : SharedMicros(timeline)) profile.busy_ms += micros / 1e3 / options.steps;
+  profile.tasks = static_cast<double>(timeline.spans.size()) / options.steps;
+  return profile;
 }
 
 }  // namespace tessera

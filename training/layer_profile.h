@@ -20,22 +20,45 @@
 namespace tessera {
 
 // Per layer of `model`, the milliseconds its forward, backward (whole, or input half) and weight
-// half tasks ran in `timeline` over `steps` steps: the means per step. Spans of other layers and
-// of no layer (optimizer, collectives) are left out. InvalidArgument if steps < 1.
+// half tasks ran in `timeline` over `steps` steps: the means per step. A task that ran beside
+// others on its worker's compute slots counts its share of that time (its duration divided by
+// how many ran at each moment), so that a worker's tasks' times add up to its busy time. Spans
+// of other layers and of no layer (optimizer, collectives) are left out. InvalidArgument if
+// steps < 1.
 Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
                                                     const Timeline& timeline, int steps);
 
 struct LayerProfileOptions {
   int warmup_steps = 1;  // untimed (first-touch allocation, caches)
   int steps = 2;         // timed
+  // Split every backward that can be, timing the halves (what zero-bubble schedules need); false:
+  // whole backwards, as a plan without split backwards runs them (the weight times are then 0).
+  bool split_backwards = true;
 };
 
 // Runs the model in this process at the micro-batch shape of `plan` (its batch over its data
 // ranks and micro-batches, its seq_len, device and optimizer; one worker, no pipeline, split
-// backwards), and returns LayerTimesFromTimeline of the timed steps. Errors name what failed
+// backwards unless the options say otherwise), and returns LayerTimesFromTimeline of the timed
+// steps. Errors name what failed
 // ("profiling the layers: ...").
 Result<std::vector<OpCosts>> ProfileLayerTimes(const ModelSpec& model, const TrainingPlan& plan,
                                                const ExecutorOptions& executor,
                                                const LayerProfileOptions& options = {});
+
+// The same run, with what a step-time prediction needs besides (planner/step_time.h): per timed
+// step, the measured step time, the time its tasks computed (each its share, as above), and how
+// many tasks it ran.
+struct StepProfile {
+  std::vector<OpCosts> layer_ms;
+  double step_ms = 0;  // StepReport::step_ms, the mean of the timed steps
+  double busy_ms = 0;
+  double tasks = 0;
+  // What a step spends per task beyond the tasks' own time (dispatch, waits on the scheduler):
+  // (step_ms - busy_ms) / tasks, at least 0.
+  double TaskOverheadMs() const;
+};
+Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan,
+                                const ExecutorOptions& executor,
+                                const LayerProfileOptions& options = {});
 
 }  // namespace tessera

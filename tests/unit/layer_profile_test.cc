@@ -44,6 +44,45 @@ TEST(LayerProfileTest, EachLayersComputeSpansAreSummedAndAveragedOverSteps) {
             StatusCode::kInvalidArgument);
 }
 
+// Tasks running beside each other on one worker's compute slots share that time: the times add
+// up to the worker's busy time. Another worker's tasks, and collectives, share nothing.
+TEST(LayerProfileTest, TasksRunningTogetherOnAWorkerShareItsTime) {
+  const ModelSpec model = *BuildGpt2(Gpt2Config{1, 32, 4, 64, 16});  // embedding, h.0, head
+  Timeline timeline;
+  TimelineSpan forward = Span("h.0", SpanKind::kForward, 0, 1000);
+  TimelineSpan head = Span("head", SpanKind::kForward, 500, 1500);
+  head.stream = 1;
+  TimelineSpan elsewhere = Span("embedding", SpanKind::kForward, 0, 1500);
+  elsewhere.worker = WorkerId(2);
+  TimelineSpan gather = Span("h.0", SpanKind::kCollective, 0, 1500);
+  gather.stream = kCollectiveStream;
+  timeline.spans = {forward, head, elsewhere, gather};
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> ms, LayerTimesFromTimeline(model, timeline, 1));
+  EXPECT_DOUBLE_EQ(ms[1].forward, 0.5 + 0.25);  // alone for 500 us, then half of 500
+  EXPECT_DOUBLE_EQ(ms[2].forward, 0.25 + 0.5);
+  EXPECT_DOUBLE_EQ(ms[0].forward, 1.5);
+}
+
+// A step's profile for predicting step times: whole backwards when asked (no weight halves), the
+// step's tasks counted, and its time and its tasks' time measured.
+TEST(LayerProfileTest, AStepProfileCountsTheTasksAndTimesTheStep) {
+  const ModelSpec gpt2 = *BuildGpt2(Gpt2Config{2, 32, 4, 64, 16});
+  const TrainingPlan plan{.batch = 4, .seq_len = 16};
+  ASSERT_OK_AND_ASSIGN(StepProfile profile, ProfileStep(gpt2, plan, ExecutorOptions{},
+                                                        {.steps = 2, .split_backwards = false}));
+  ASSERT_EQ(profile.layer_ms.size(), gpt2.layers.size());
+  for (const OpCosts& ms : profile.layer_ms) {
+    EXPECT_GT(ms.forward, 0.0);
+    EXPECT_GT(ms.backward, 0.0);
+    EXPECT_EQ(ms.weight, 0.0);
+  }
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(gpt2, plan, CpuRegistry()));
+  EXPECT_EQ(profile.tasks, static_cast<double>(step.graph.num_tasks()));
+  EXPECT_GT(profile.step_ms, 0.0);
+  EXPECT_GT(profile.busy_ms, 0.0);
+  EXPECT_GE(profile.TaskOverheadMs(), 0.0);
+}
+
 // Every layer of GPT-2 and of the U-Net runs in the profile and gets a forward and backward
 // time, and the layers whose backward splits (GPT-2's blocks; every U-Net layer with parameters
 // and an input gradient) a weight-half time; a plan whose batch leaves no row per micro-batch is

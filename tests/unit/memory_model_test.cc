@@ -485,8 +485,8 @@ TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack
   const std::vector<float> reference = train(c.plan, uncapped_figures, uncapped_step);
   TrainingPlan capped = c.plan;
   capped.memory.activation_budget = 0.5;
-  capped.memory.host_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 100 us
-  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{100, 200, 0});
+  capped.memory.host_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 0.1 ms
+  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{0.1, 0.2, 0});
   const std::vector<float> losses = train(capped, figures, step);
   ::unsetenv("TESSERA_SIMULATED_GPU");
   const MemoryDecision& memory = step.memory;

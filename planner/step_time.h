@@ -1,0 +1,51 @@
+// Step time prediction: how long a planned step takes on each worker, before it runs, from
+// measured layer times (ParallelConfig::layer_op_costs, ProfileLayerTimes) and the op cost model.
+//
+// The model: a worker's busy time is the sum of its tasks' times (it runs them one after another
+// with every core behind each kernel, as a CPU worker does); the step takes the slowest worker's.
+// A task's time:
+//   * a task of a layer running its forward op (the forward, or a recompute), or the input or
+//     weight half of its backward: that layer's measured time of that kind; its whole backward
+//     op: the two halves' (a profile splits the backwards that can be). A backward that rebuilds
+//     part of what its forward saved (attribute "rebuild") adds the layer's forward time scaled
+//     by the cost model's ratio of the rebuild (the op's cost with the attribute less without)
+//     to the forward, as the memory plan's solver counts it;
+//   * any other task (optimizer updates, gradient accumulation, collectives, copies): the op cost
+//     model's estimate (flops + 10 x bytes, as the pipeline cut weighs layers) at the rate the
+//     layers' forwards ran: their measured milliseconds per estimated unit.
+// Not modelled: waiting on other workers (collectives' transfers, pipeline bubbles) and tasks
+// running beside each other on one worker beyond what the profile saw (ProfileLayerTimes counts
+// each task its share of the time it ran beside others). So the figure is exact in kind for one
+// worker and a lower bound where workers wait on each other; bench_memory measures it against
+// the step.
+//
+// Thread safety: pure functions of their arguments.
+#pragma once
+
+#include <vector>
+
+#include "core/graph.h"
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "ops/op_registry.h"
+#include "planner/step_graph.h"
+
+namespace tessera {
+
+struct StepTimePrediction {
+  double step_ms = 0;             // the slowest worker's busy time
+  std::vector<double> worker_ms;  // per worker (MemoryProfile's order: first task's appearance)
+  // Of the slowest worker: its layer tasks' time, the other tasks', and the overhead per task
+  // times its tasks.
+  double layer_ms = 0, other_ms = 0, overhead_ms = 0;
+};
+
+// InvalidArgument when layer_ms does not hold one entry per layer of the model, or when the
+// layers' forwards were measured as taking no time.
+// `task_overhead_ms`: what a step spends per task beyond the tasks' own time (StepProfile::
+// TaskOverheadMs), added for every task.
+Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& model,
+                                           const std::vector<OpCosts>& layer_ms,
+                                           const OpRegistry& registry, double task_overhead_ms = 0);
+
+}  // namespace tessera
