@@ -32,6 +32,10 @@ Status ActivationProblem::Validate() const {
           "activation layer {}: saved bytes {} and times {} / {} us must be finite and >= 0", i,
           layer.saved_bytes, layer.forward_us, layer.backward_us);
     }
+    if (layer.kept_copies < 1) {
+      return InvalidArgument("activation layer {}: kept_copies must be >= 1, not {}", i,
+                             layer.kept_copies);
+    }
     for (const PartialKeep& part : layer.partial_keeps) {
       if (part.kept_bytes < 0 || part.kept_bytes >= layer.saved_bytes || part.rebuild_us < 0 ||
           !std::isfinite(part.rebuild_us)) {
@@ -136,11 +140,12 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
   return 0;
 }
 
-// The larger of the device bytes while F_j and while B_j run, given the bytes kept before j and
-// whether layer j-1 swaps (see the header).
+// The larger of the device bytes while F_j and while B_j run, given the bytes kept before j,
+// layer j's option and whether layer j-1 swaps (see the header).
 int64_t PeakAt(const ActivationProblem& problem, size_t j, int64_t kept_before,
-               bool previous_swaps) {
-  const int64_t local = problem.layers[j].saved_bytes +
+               const Option& option, bool previous_swaps) {
+  const ActivationLayer& layer = problem.layers[j];
+  const int64_t local = layer.saved_bytes + (layer.kept_copies - 1) * KeptBytes(layer, option) +
                         (previous_swaps ? problem.layers[j - 1].saved_bytes : 0) + kept_before;
   return local +
          std::max(Base(problem.base_forward_bytes, j), Base(problem.base_backward_bytes, j));
@@ -211,10 +216,11 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
     for (const bool backward : {false, true}) {
       int64_t live = Base(backward ? problem.base_backward_bytes : problem.base_forward_bytes, j);
       for (size_t i = 0; i < n; ++i) {
+        const ActivationLayer& layer = problem.layers[i];
         if (i == j) {
-          live += problem.layers[i].saved_bytes;
+          live += layer.saved_bytes + (layer.kept_copies - 1) * KeptBytes(layer, options[i]);
         } else if (i < j) {
-          live += KeptBytes(problem.layers[i], options[i]);
+          live += layer.kept_copies * KeptBytes(layer, options[i]);
           if (options[i].choice == ActivationChoice::kSwap && i + 1 == j) {
             live += problem.layers[i].saved_bytes;
           }
@@ -242,10 +248,11 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
     for (size_t s = 0; s < states[j].size(); ++s) {
       const State& state = states[j][s];
       const bool previous_swaps = j > 0 && state.swapped();
-      if (PeakAt(problem, j, state.kept, previous_swaps) > problem.cap_bytes) continue;
       for (const Option& option : options) {
+        if (PeakAt(problem, j, state.kept, option, previous_swaps) > problem.cap_bytes) continue;
         State grown;
-        grown.kept = state.kept + KeptBytes(problem.layers[j], option);
+        grown.kept =
+            state.kept + problem.layers[j].kept_copies * KeptBytes(problem.layers[j], option);
         grown.extra_us = state.extra_us + ExtraTime(problem, j, option);
         grown.last = option;
         grown.parent = static_cast<int>(s);

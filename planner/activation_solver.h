@@ -14,19 +14,21 @@
 // minimises):
 //   * memory: while F_j or B_j runs, the device holds its base bytes, s_j (being made, or back
 //     for its backward whatever the choice: a partial keep's rest is made in scratch space, and
-//     rebuilt there), every earlier layer's s_i it keeps or p_i it keeps part of, and s_{j-1}
-//     when that layer swaps (its copy down overlaps F_j; its copy up, prefetched one layer
-//     ahead, overlaps B_j). A recompute of layer j runs just before B_j and holds no more than
-//     B_j does. The peak is the largest of these sums.
+//     rebuilt there), every earlier layer's s_i it keeps or p_i it keeps part of (c_i copies of
+//     it: micro-batches in flight), c_j - 1 copies of what layer j keeps, and s_{j-1} when that
+//     layer swaps (its copy down overlaps F_j; its copy up, prefetched one layer ahead, overlaps
+//     B_j). A recompute of layer j runs just before B_j and holds no more than B_j does. The
+//     peak is the largest of these sums. (With c > 1, the other micro-batches' later layers are
+//     not counted at F_j: a pipeline stage's peak is at its first backward, where they are.)
 //   * time: the forwards and backwards, plus f_j for each recomputed layer, r_j for each layer
 //     kept in part, plus each swapped layer's transfer time not hidden under compute: the copy
 //     down (s_j / bandwidth) overlaps F_{j+1}, the copy up overlaps B_{j+1} (none after the last
 //     layer, so swapping it buys nothing and costs both copies).
-// Both constraints at F_j and B_j depend only on the bytes kept before j and on whether layer
-// j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept so far, whether
-// the previous layer swaps), keeping only the states no other beats on both bytes and time,
-// finds the optimum of the model exactly (tests: against brute force on chains of up to 16
-// layers).
+// Both constraints at F_j and B_j depend only on the bytes kept before j, on layer j's choice and
+// on whether layer j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept
+// so far, whether the previous layer swaps), keeping only the states no other beats on both bytes
+// and time, finds the optimum of the model exactly (tests: against brute force on chains of up to
+// 16 layers).
 //
 // Thread safety: pure functions of their arguments.
 #pragma once
@@ -55,6 +57,9 @@ struct ActivationLayer {
   double backward_us = 0;   // b_i
   bool must_keep = false;   // a layer the plan cannot recompute or swap (still constrains memory)
   std::vector<PartialKeep> partial_keeps;
+  // How many micro-batches' copies of what it keeps are live at once (c_i: a pipeline stage's
+  // micro-batches in flight; else 1).
+  int64_t kept_copies = 1;
 };
 
 // What the plan does with one layer's saved activations.

@@ -374,8 +374,16 @@ class Expansion {
         s_.builder.AddTask(TaskName(mb, l, "recompute"), layer.forward_op, std::move(args),
                            AttrsOf(l), s_.On(mb.r, layer.name, kBackwardPriority)));
     const TaskId recompute = s_.ProducerOf(outputs[0]);
+    Rank(mb).recompute_task[l][static_cast<size_t>(mb.k)] = recompute;
+    const Graph& graph = s_.builder.graph();
     for (ObjectId gradient : dy) {
-      if (gradient.valid()) s_.builder.AddControlEdge(s_.ProducerOf(gradient), recompute);
+      if (!gradient.valid()) continue;
+      // A gradient from another worker (a pipeline's next stage) cannot order it: the stage's
+      // schedule does (OrderSchedulePass chains the recompute just before its backward).
+      const TaskId producer = s_.ProducerOf(gradient);
+      if (graph.task(producer).pinned_worker == graph.task(recompute).pinned_worker) {
+        s_.builder.AddControlEdge(producer, recompute);
+      }
     }
     return outputs;
   }

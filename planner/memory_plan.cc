@@ -20,8 +20,14 @@
 //
 // Swapping (GPU workers, with the host link's bandwidth and measured layer times): a swapped
 // layer's saved activations are copied to the host after its forward and back one layer ahead
-// of its backward (the expansion's swap_out / swap_in copies). Not yet: pipelines (the
-// micro-batches in flight interleave the chains) and split backwards are refused under a cap.
+// of its backward (the expansion's swap_out / swap_in copies).
+//
+// Pipelines (schedules that do not split backwards): each rank's layers on each stage worker are
+// a chain of their own, what they keep held as many times as the stage holds micro-batches in
+// flight (ActivationLayer::kept_copies, from the worker's order: 1F1B's P - s); the schedule
+// runs a recompute just before
+// its backward (schedule_pass.cc). The memory model checks the interleaved result as above.
+// Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -229,6 +235,22 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
     if (caps.activations > 0) base = std::max(base, activations[p] + cap - caps.activations);
     return std::max<int64_t>(base + lowered, 0);
   };
+  // The micro-batches in flight on this worker at most (a pipeline stage's: 1F1B keeps up to
+  // P - s of them; one after another: one): what a layer keeps is held that many times over.
+  size_t first_here = model.layers.size();
+  for (size_t l = 0; l < model.layers.size() && first_here == model.layers.size(); ++l) {
+    if (!forward[l].empty() && position.contains(forward[l][0])) first_here = l;
+  }
+  int64_t in_flight = 1;
+  if (first_here < model.layers.size()) {
+    std::set<TaskId> starts(forward[first_here].begin(), forward[first_here].end());
+    std::set<TaskId> ends(backward[first_here].begin(), backward[first_here].end());
+    int64_t running = 0;
+    for (TaskId task : memory.order.tasks) {
+      if (starts.contains(task)) in_flight = std::max(in_flight, ++running);
+      if (ends.contains(task)) --running;
+    }
+  }
   Chain chain;
   chain.problem.cap_bytes = cap;
   // Swapping needs somewhere to swap to, the link's bandwidth, and times in microseconds.
@@ -238,9 +260,11 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   for (size_t l = 0; l < model.layers.size(); ++l) {
     // The loss layer's backward follows its forward at once: kept, but its memory counts.
     if (saved_of[l].empty() && !model.layers[l].loss) continue;
+    if (forward[l].empty() || !position.contains(forward[l][0])) continue;  // another stage's
     ActivationLayer layer;
     layer.must_keep = model.layers[l].loss;
     for (ObjectId id : saved_of[l]) layer.saved_bytes += graph.object(id).meta.bytes();
+    layer.kept_copies = in_flight;
     layer.forward_us = times[l].forward;
     layer.backward_us = times[l].backward + times[l].weight;
     if (!layer.must_keep && !plan.parallel.split_backwards) {
@@ -260,14 +284,11 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   return chain;
 }
 
-// The worker holding a rank's first forward.
-size_t WorkerOfRank(const MemoryProfile& profile, const PlannedPasses& planned, size_t rank) {
-  const TaskId first = planned.forward_task[rank][0][0];
-  for (size_t w = 0; w < profile.workers.size(); ++w) {
-    const std::vector<TaskId>& tasks = profile.workers[w].order.tasks;
-    if (std::find(tasks.begin(), tasks.end(), first) != tasks.end()) return w;
-  }
-  return 0;
+// Whether the plan's micro-batches may run one after another: several, and no pipeline (whose
+// schedule interleaves them).
+bool SerializesMicroBatches(const TrainingPlan& plan) {
+  const ParallelConfig& p = plan.parallel;
+  return p.micro_batches > 1 && p.pipeline_stages == 1 && p.virtual_stages == 1;
 }
 
 // Forward: changes to a plan that fit under its tier cap, cheapest first.
@@ -285,7 +306,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                                         ActivationDecision{ActivationChoice::kRecompute});
     TESSERA_ASSIGN_OR_RETURN(
         PlannedPasses recomputed,
-        RunTrainingPasses(model, plan, registry, all, plan.parallel.micro_batches > 1));
+        RunTrainingPasses(model, plan, registry, all, SerializesMicroBatches(plan)));
     TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(recomputed.step.graph));
     const Peaks peaks = PeaksOf(profile, tier);
     if (caps.total > 0 && peaks.total > caps.total) {
@@ -345,15 +366,16 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                                          Mib(caps.activations), 100 * plan.memory.activation_budget)
                            : "");
   const ParallelConfig& p = plan.parallel;
-  if (p.pipeline_stages > 1 || p.virtual_stages > 1 || p.split_backwards) {
+  if (p.split_backwards || SplitsBackward(p.schedule)) {
     return InvalidArgument(
-        "{}; fitting a pipeline's or a split backward's activations under a cap is not planned "
-        "yet: raise the cap, or drop the pipeline",
+        "{}; fitting a split backward's activations (zero-bubble schedules) under a cap is not "
+        "planned yet: raise the cap, or use --schedule 1f1b",
         over);
   }
-  // Several micro-batches: one after another first (what accumulating gradients is for; as
-  // planned, every micro-batch's forwards run as soon as they are ready).
-  const bool serialize = p.micro_batches > 1;
+  // Several micro-batches and no pipeline: one after another first (what accumulating gradients
+  // is for; as planned, every micro-batch's forwards run as soon as they are ready). A
+  // pipeline's schedule keeps its micro-batches in flight.
+  const bool serialize = SerializesMicroBatches(plan);
   if (serialize) {
     TESSERA_ASSIGN_OR_RETURN(planned, RunTrainingPasses(model, plan, registry, {}, serialize));
     TESSERA_ASSIGN_OR_RETURN(profile, PredictMemory(planned.step.graph));
@@ -375,18 +397,21 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   for (int round = 0; round < kVerifyRounds; ++round) {
     std::vector<ActivationDecision> choices(model.layers.size());
     bool solved_all = true;
-    for (size_t rank = 0; rank < planned.forward_task.size(); ++rank) {
-      const WorkerMemory& memory = profile.workers[WorkerOfRank(profile, planned, rank)];
-      TESSERA_ASSIGN_OR_RETURN(Chain chain, DescribeChain(model, plan, registry, planned, memory,
-                                                          rank, tier, caps, lowered, times));
-      Result<ActivationPlan> solved = SolveActivations(chain.problem);
-      if (!solved.ok()) {
-        solved_all = false;
-        break;
-      }
-      for (size_t i = 0; i < chain.layers.size(); ++i) {
-        if (solved->decisions[i].choice != ActivationChoice::kKeep) {
-          choices[chain.layers[i]] = solved->decisions[i];
+    // Per rank, a chain per worker it runs layers on (a pipeline's stages; else one).
+    for (size_t rank = 0; rank < planned.forward_task.size() && solved_all; ++rank) {
+      for (const WorkerMemory& memory : profile.workers) {
+        TESSERA_ASSIGN_OR_RETURN(Chain chain, DescribeChain(model, plan, registry, planned, memory,
+                                                            rank, tier, caps, lowered, times));
+        if (chain.layers.empty()) continue;
+        Result<ActivationPlan> solved = SolveActivations(chain.problem);
+        if (!solved.ok()) {
+          solved_all = false;
+          break;
+        }
+        for (size_t i = 0; i < chain.layers.size(); ++i) {
+          if (solved->decisions[i].choice != ActivationChoice::kKeep) {
+            choices[chain.layers[i]] = solved->decisions[i];
+          }
         }
       }
     }

@@ -63,8 +63,9 @@ struct RankState {
   // ZeRO-3 gathered once per step: per layer, its gathered parameters (invalid: not yet).
   std::vector<ObjectId> gathered;
   // Per layer and micro-batch: the forward and backward tasks (for the schedule's order).
-  // A split backward's tasks: backward_task is its input half, weight_task its weight half.
-  std::vector<std::vector<TaskId>> forward_task, backward_task, weight_task;
+  // A split backward's tasks: backward_task is its input half, weight_task its weight half;
+  // recompute_task the forward again before the backward (memory plan), else invalid.
+  std::vector<std::vector<TaskId>> forward_task, backward_task, weight_task, recompute_task;
 };
 
 struct PlanState {

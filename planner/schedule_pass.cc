@@ -57,9 +57,12 @@ void ChainStage(PlanState& state, const RankState& rank, const std::vector<Pipel
     if (op.kind == PipelineOp::Kind::kForward) {
       for (size_t l : layers) chain(rank.forward_task[l][micro]);
     } else {
-      const auto& tasks =
-          op.kind == PipelineOp::Kind::kWeight ? rank.weight_task : rank.backward_task;
-      for (auto it = layers.rbegin(); it != layers.rend(); ++it) chain(tasks[*it][micro]);
+      const bool weight = op.kind == PipelineOp::Kind::kWeight;
+      const auto& tasks = weight ? rank.weight_task : rank.backward_task;
+      for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+        if (!weight) chain(rank.recompute_task[*it][micro]);  // the forward again, just before
+        chain(tasks[*it][micro]);
+      }
     }
   }
 }

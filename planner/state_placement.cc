@@ -57,6 +57,7 @@ void SizeRankState(PlanState& state, RankState& rank) {
                            std::vector<TaskId>(static_cast<size_t>(state.num_micro_batches)));
   rank.backward_task = rank.forward_task;
   rank.weight_task = rank.forward_task;
+  rank.recompute_task = rank.forward_task;
 }
 
 }  // namespace

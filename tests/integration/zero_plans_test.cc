@@ -144,6 +144,43 @@ TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
   }
 }
 
+// A 1F1B pipeline (two stages, four micro-batches) with 70% of its activations (recomputing every
+// layer reaches 58%: each stage keeps its in-flight micro-batches' layer inputs): each
+// stage's layers are planned as a chain holding its micro-batches in flight, recomputes run just
+// before their backwards in the schedule's order, and the run is the one worker's; every stage's
+// measured activation peak is within the budget and its prediction (below).
+TEST_F(ZeroPlansTest, A1F1BPipelineUnderAnActivationBudgetMatchesOneWorker) {
+  TrainingPlan plan = Plan(1, 0, OffloadMode::kNone, 4);
+  plan.parallel.pipeline_stages = 2;
+  plan.memory.activation_budget = 0.7;
+  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+  const MemoryDecision& memory = trainer->step_graph().memory;
+  ASSERT_GT(memory.activation_cap_bytes, 0);
+  EXPECT_LT(CountChoice(memory.activations, ActivationChoice::kKeep),
+            static_cast<int>(memory.activations.size()))
+      << memory.reason;
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "1F1B with 70% of its activations");
+  ASSERT_FALSE(run.reports.empty());
+  // Each stage's measured peak against its worker's prediction: at most it, and at least it
+  // less one micro-batch's activation from the other stage (the model has what another worker
+  // makes arrive as it is made; a push landing after the peak's task leaves that much less).
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+  const int64_t one_received = int64_t{kBatch / 4} * kSeqLen * 64 * int64_t{sizeof(float)};
+  ASSERT_EQ(run.reports.back().ranks.size(), profile.workers.size());
+  for (const RankFigures& rank : run.reports.back().ranks) {
+    const int64_t measured = rank.figures.peak(ObjectRole::kActivation);
+    EXPECT_LE(measured, memory.activation_cap_bytes) << memory.reason;
+    const auto worker =
+        std::find_if(profile.workers.begin(), profile.workers.end(),
+                     [&](const WorkerMemory& w) { return w.order.worker == rank.worker; });
+    ASSERT_NE(worker, profile.workers.end());
+    const int64_t predicted = worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)];
+    EXPECT_LE(measured, predicted) << rank.worker.ToString();
+    EXPECT_GE(measured, predicted - one_received) << rank.worker.ToString();
+  }
+}
+
 // What gathered layers and one group's gradient bucket may hold at once (bytes): a few layers.
 double TransientBound(const ModelSpec& model) {
   int64_t largest_block = 0;

@@ -53,15 +53,19 @@ double BruteForceBest(const ActivationProblem& problem) {
   return best;
 }
 
-// `partial_keeps`: up to that many per layer, each keeping a random share at a random cost.
-ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap, int partial_keeps = 0) {
+// `partial_keeps`: up to that many per layer, each keeping a random share at a random cost;
+// `copies`: each layer's kept copies (micro-batches in flight) drawn from 1 .. copies.
+ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap, int partial_keeps = 0,
+                                int64_t copies = 1) {
   std::uniform_int_distribution<int64_t> bytes(1, 100);
   std::uniform_real_distribution<double> micros(1.0, 50.0);
   std::uniform_int_distribution<int> parts(0, partial_keeps);
+  std::uniform_int_distribution<int64_t> kept_copies(1, copies);
   ActivationProblem problem;
   int64_t all = 0;
   for (size_t i = 0; i < n; ++i) {
     ActivationLayer layer{bytes(rng) * 1000, micros(rng), micros(rng)};
+    layer.kept_copies = kept_copies(rng);
     for (int k = parts(rng); k > 0; --k) {
       const int64_t kept = layer.saved_bytes * bytes(rng) / 101;
       layer.partial_keeps.push_back({fmt::format("part{}", k), kept, micros(rng) / 4});
@@ -111,13 +115,14 @@ TEST(ActivationSolverTest, MatchesBruteForceOnRandomChainsOfUpToTenLayersWithThr
   EXPECT_GT(infeasible, 5);
 }
 
+// Partial keeps, and layers holding up to three micro-batches' copies of what they keep.
 TEST(ActivationSolverTest, MatchesBruteForceWithPartialKeepsOnChainsOfUpToSevenLayers) {
   std::mt19937 rng(13);
   int solved = 0, infeasible = 0, kept_part = 0;
   for (int trial = 0; trial < 150; ++trial) {
     const size_t n = 1 + static_cast<size_t>(trial % 7);
     const ActivationProblem problem = RandomProblem(rng, n, /*swap=*/trial % 2 == 0,
-                                                    /*partial_keeps=*/2);
+                                                    /*partial_keeps=*/2, /*copies=*/3);
     const bool feasible = MatchesBruteForce(problem, fmt::format("trial {}, {} layers", trial, n));
     ++(feasible ? solved : infeasible);
     Result<ActivationPlan> plan = SolveActivations(problem);

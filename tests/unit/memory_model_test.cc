@@ -444,12 +444,15 @@ TEST(MemoryPlanTest, ACapNothingFitsUnderIsRefusedWithTheFiguresAndWhatToChange)
   EXPECT_EQ(refused.status().code(), StatusCode::kInfeasible);
   EXPECT_THAT(refused.status().message(),
               HasSubstr("plans that would fit, cheapest first: --workers 2 --zero-stage 3"));
-  // A pipeline under a cap it exceeds is not planned yet, and says so.
+  // A zero-bubble pipeline (split backwards) under a cap it exceeds is not planned yet, and says
+  // so.
   c.plan.parallel.pipeline_stages = 2;
   c.plan.parallel.micro_batches = 2;
+  c.plan.parallel.schedule = PipelineSchedule::kZbH1;
   c.plan.parallel.workers = {WorkerId(1), WorkerId(2)};
   EXPECT_THAT(PlanTrainingStep(c.model, c.plan, CpuRegistry()).status().message(),
-              HasSubstr("not planned yet"));
+              HasSubstr("split backward's activations (zero-bubble schedules) under a cap is not "
+                        "planned yet"));
 }
 
 // Harmony's way, on the simulated GPU: given the host link's bandwidth and measured layer times
