@@ -15,6 +15,9 @@
 // 3. Plan again with those choices (the expansion adds the recomputes) and predict again: the
 //    model, not the solver's simpler view, has the last word. If a worker still exceeds the cap,
 //    solve again with the cap lowered by the excess (a few rounds).
+// Across workers a plan fits when each worker's predicted peak plus the largest object one worker
+// pushes to another is under the cap: the model moves a push the moment its object is made, and
+// a push that leaves later holds it on its sender that much longer.
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
@@ -30,6 +33,7 @@
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -85,6 +89,10 @@ std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, boo
 struct Peaks {
   int64_t total = 0, activations = 0;
   size_t worker = 0;
+  // The largest object one worker pushes to another (any role; an activation): the model moves
+  // it the moment it is made, but it may leave its sender later, so a worker can hold it on top
+  // of its predicted peak. The caps leave room for it.
+  int64_t pushed = 0, pushed_activation = 0;
 };
 
 Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
@@ -98,6 +106,13 @@ Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
     for (int64_t bytes : LiveDuring(profile.workers[w], tier, /*activations_only=*/true)) {
       peaks.activations = std::max(peaks.activations, bytes);
     }
+    for (const ObjectLifetime& life : profile.workers[w].objects) {
+      if (!life.received || life.tier != tier) continue;
+      peaks.pushed = std::max(peaks.pushed, life.bytes);
+      if (life.role == ObjectRole::kActivation) {
+        peaks.pushed_activation = std::max(peaks.pushed_activation, life.bytes);
+      }
+    }
   }
   return peaks;
 }
@@ -105,16 +120,15 @@ Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
 // The caps in force: the tier's, and the activations' (from the budget); 0: none.
 struct Caps {
   int64_t total = 0, activations = 0;
-  bool Fit(const Peaks& peaks) const {
-    return (total == 0 || peaks.total <= total) &&
-           (activations == 0 || peaks.activations <= activations);
-  }
-  // How far `peaks` is over the tighter cap.
+  bool Fit(const Peaks& peaks) const { return Excess(peaks) <= 0; }
+  // How far `peaks`, with room for a late push, is over the tighter cap (<= 0: under both).
   int64_t Excess(const Peaks& peaks) const {
-    int64_t excess = 0;
-    if (total > 0) excess = std::max(excess, peaks.total - total);
-    if (activations > 0) excess = std::max(excess, peaks.activations - activations);
-    return excess;
+    int64_t excess = std::numeric_limits<int64_t>::min();
+    if (total > 0) excess = std::max(excess, peaks.total + peaks.pushed - total);
+    if (activations > 0) {
+      excess = std::max(excess, peaks.activations + peaks.pushed_activation - activations);
+    }
+    return excess == std::numeric_limits<int64_t>::min() ? 0 : excess;
   }
 };
 
