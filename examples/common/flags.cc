@@ -90,9 +90,9 @@ void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
                  "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
                  "(step), before every use (micro-batch), or let the planner choose (auto)");
   app.add_option("--balance", p.balance,
-                 "How stages are balanced: by the op cost model's estimate of each layer "
-                 "(estimate), or by each layer's time in a short profiling run in this process "
-                 "(profile)")
+                 "How stages are balanced and the memory plan prices recomputing: by the op "
+                 "cost model's estimate of each layer (estimate), or by each layer's time in a "
+                 "short profiling run in this process (profile)")
       ->check(CLI::IsMember({"estimate", "profile"}));
 }
 
@@ -277,14 +277,23 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
 Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
                     const ExecutorOptions& executor, const char* program, TrainingPlan& plan) {
   if (flags.pipeline.balance != "profile") return Status::Ok();
-  if (plan.parallel.pipeline_stages * plan.parallel.virtual_stages == 1) {
+  const bool pipeline = plan.parallel.pipeline_stages * plan.parallel.virtual_stages > 1;
+  const bool capped = plan.memory.device_bytes > 0 || plan.memory.host_bytes > 0 ||
+                      plan.memory.activation_budget > 0;
+  if (!pipeline && !capped) {
     std::fprintf(stderr,
-                 "%s: --balance profile balances pipeline stages; without --pipeline-stages there "
-                 "are none, so no profiling run\n",
+                 "%s: --balance profile times the layers for balancing pipeline stages and for "
+                 "the memory plan; with neither --pipeline-stages nor a memory cap or "
+                 "--activation-budget there is nothing to use them, so no profiling run\n",
                  program);
     return Status::Ok();
   }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms, ProfileLayerTimes(model, plan, executor));
+  // Pipelines time the halves of split backwards (zb-h1 orders by them); the memory plan prices
+  // recomputes and rebuilds by whole layers.
+  LayerProfileOptions options;
+  options.split_backwards = pipeline;
+  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms,
+                           ProfileLayerTimes(model, plan, executor, options));
   std::string text;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     text += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f}", l == 0 ? "" : ", ", model.layers[l].name,

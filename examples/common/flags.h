@@ -123,9 +123,10 @@ Status CheckFlagCombinations(const CommonFlags& flags);
 // is set.
 Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPlan& plan);
 
-// --balance profile with a pipeline: the plan's layer costs from a short profiling run
-// (training/layer_profile.h), printed on stderr as "<program>: layer times (profiled, ms per
-// micro-batch, forward/backward/weight): ...". Without a pipeline it says it has nothing to do.
+// --balance profile with a pipeline or a memory cap or budget: the plan's layer costs from a
+// short profiling run (training/layer_profile.h; halves of split backwards with a pipeline),
+// printed on stderr as "<program>: layer times (profiled, ms per micro-batch,
+// forward/backward/weight): ...". With neither it says it has nothing to do.
 Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
                     const ExecutorOptions& executor, const char* program, TrainingPlan& plan);
 

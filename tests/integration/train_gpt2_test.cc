@@ -250,10 +250,17 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
 
   ProcessResult unpiped = RunTrainGpt2("--steps 1 --batch 8 --balance profile");
   EXPECT_EQ(unpiped.exit_code, 0) << unpiped.output;
-  EXPECT_NE(unpiped.output.find("--balance profile balances pipeline stages; without "
-                                "--pipeline-stages there are none"),
+  EXPECT_NE(unpiped.output.find("with neither --pipeline-stages nor a memory cap or "
+                                "--activation-budget there is nothing to use them"),
             std::string::npos)
       << unpiped.output;
+  // Without a pipeline but under an activation budget, the memory plan prices its recomputes
+  // by the profiled times.
+  ProcessResult budgeted =
+      RunTrainGpt2("--steps 1 --batch 8 --balance profile --activation-budget 0.5");
+  EXPECT_EQ(budgeted.exit_code, 0) << budgeted.output;
+  EXPECT_NE(budgeted.output.find("layer times (profiled, ms per micro-batch"), std::string::npos)
+      << budgeted.output;
 
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"--workers 3 --pipeline-stages 2 --micro-batches 4",

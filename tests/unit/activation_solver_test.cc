@@ -139,7 +139,9 @@ TEST(ActivationSolverTest, MatchesBruteForceOnSixteenLayerChainsOfKeepAndRecompu
     const ActivationProblem problem = RandomProblem(rng, 16, /*swap=*/false);
     MatchesBruteForce(problem, fmt::format("trial {}", trial));
     Result<ActivationPlan> plan = SolveActivations(problem);
-    if (plan.ok()) EXPECT_EQ(plan->Count(ActivationChoice::kSwap), 0);
+    if (plan.ok()) {
+      EXPECT_EQ(plan->Count(ActivationChoice::kSwap), 0);
+    }
   }
 }
 
