@@ -38,6 +38,9 @@ struct OpCost {
   double flops = 0;  // floating-point operations (a multiply-add counts 2)
   double bytes = 0;  // bytes read and written by the kernel, at least once each
 };
+// One number for a cost, as the planner weighs layers and tasks: the time on a machine doing 10
+// flops per byte moved (only ratios of it mean anything).
+inline double CostUnits(const OpCost& cost) { return cost.flops + 10 * cost.bytes; }
 
 class OpRegistry;
 

@@ -28,12 +28,11 @@
 // Pipelines (schedules that do not split backwards): each rank's layers on each stage worker are
 // a chain of their own, what they keep held as many times as the stage holds micro-batches in
 // flight (ActivationLayer::kept_copies, from the worker's order: 1F1B's P - s); the schedule
-// runs a recompute just before
-// its backward (schedule_pass.cc). The memory model checks the interleaved result as above.
+// runs a recompute just before its backward (schedule_pass.cc). The memory model checks the
+// interleaved result as above.
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <set>
 
@@ -120,15 +119,19 @@ Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
 // The caps in force: the tier's, and the activations' (from the budget); 0: none.
 struct Caps {
   int64_t total = 0, activations = 0;
-  bool Fit(const Peaks& peaks) const { return Excess(peaks) <= 0; }
-  // How far `peaks`, with room for a late push, is over the tighter cap (<= 0: under both).
+  // Whether `peaks`, with room for a late push, is under both caps.
+  bool Fit(const Peaks& peaks) const {
+    return (total == 0 || peaks.total + peaks.pushed <= total) &&
+           (activations == 0 || peaks.activations + peaks.pushed_activation <= activations);
+  }
+  // How far `peaks`, with room for a late push, is over the tighter cap.
   int64_t Excess(const Peaks& peaks) const {
-    int64_t excess = std::numeric_limits<int64_t>::min();
+    int64_t excess = 0;
     if (total > 0) excess = std::max(excess, peaks.total + peaks.pushed - total);
     if (activations > 0) {
       excess = std::max(excess, peaks.activations + peaks.pushed_activation - activations);
     }
-    return excess == std::numeric_limits<int64_t>::min() ? 0 : excess;
+    return excess;
   }
 };
 
@@ -174,7 +177,6 @@ Result<std::vector<PartialKeep>> PartialKeeps(const Graph& graph, const OpRegist
   inputs.reserve(task.inputs.size());
   for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
   TESSERA_ASSIGN_OR_RETURN(OpCost whole, registry.Cost(task.op, inputs, task.attrs));
-  const auto units = [](const OpCost& cost) { return cost.flops + 10 * cost.bytes; };
   for (const std::string& option : def->rebuild_options) {
     Attrs attrs = task.attrs;
     attrs.Set(kRebuildAttr, option);
@@ -188,8 +190,9 @@ Result<std::vector<PartialKeep>> PartialKeeps(const Graph& graph, const OpRegist
     }
     if (keep.kept_bytes >= layer.saved_bytes) continue;
     keep.rebuild_us =
-        units(whole) > 0 ? layer.forward_us * units(def->rebuild_cost(inputs, attrs)) / units(whole)
-                         : 0;
+        CostUnits(whole) > 0
+            ? layer.forward_us * CostUnits(def->rebuild_cost(inputs, attrs)) / CostUnits(whole)
+            : 0;
     keeps.push_back(std::move(keep));
   }
   return keeps;

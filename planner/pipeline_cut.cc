@@ -20,7 +20,7 @@ Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t r
     for (ObjectId input : task.inputs) inputs.push_back(forward.graph.object(input).meta);
     TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(task.op, inputs, task.attrs));
     // Seconds on a machine doing 10 flops per byte moved; only the ratios matter.
-    by_layer[task.layer] += cost.flops + 10 * cost.bytes;
+    by_layer[task.layer] += CostUnits(cost);
   }
   std::vector<double> costs;
   costs.reserve(model.layers.size());

@@ -35,7 +35,7 @@ OpCosts ChunkOpCosts(const PlanState& state, size_t chunk_count) {
       for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
       Result<OpCost> cost = state.registry.Cost(task.op, inputs, task.attrs);
       if (!cost.ok()) return OpCosts{1, 1, 1};
-      *sum += cost->flops + 10 * cost->bytes;
+      *sum += CostUnits(*cost);
     }
   }
   const double chunks = static_cast<double>(chunk_count);

@@ -10,16 +10,13 @@
 namespace tessera {
 namespace {
 
-// The op cost model's weight of a cost, as the pipeline cut uses it (pipeline_cut.cc).
-double Units(const OpCost& cost) { return cost.flops + 10 * cost.bytes; }
-
 Result<double> UnitsOf(const Graph& graph, const TaskSpec& task, const OpRegistry& registry,
                        const Attrs& attrs) {
   std::vector<TensorMeta> inputs;
   inputs.reserve(task.inputs.size());
   for (ObjectId input : task.inputs) inputs.push_back(graph.object(input).meta);
   TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(task.op, inputs, attrs));
-  return Units(cost);
+  return CostUnits(cost);
 }
 
 // What a task of the layer runs: its forward op (the forward, or a recompute), its backward op
