@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <set>
 #include <type_traits>
 
 #include <fmt/format.h>
 
 #include "ops/layer_program_internal.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -299,10 +301,20 @@ Result<LayerProgram> ProgramOf(const Attrs& attrs) {
   return LayerProgram::Decode(text);
 }
 
+Result<std::string> RebuildOf(const Attrs& attrs) {
+  if (!attrs.Has(kRebuildAttr)) return std::string();
+  return attrs.GetString(kRebuildAttr);
+}
+
 }  // namespace detail
 
 Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgram& program,
-                                   const std::vector<TensorMeta>& inputs) {
+                                   const std::vector<TensorMeta>& inputs,
+                                   std::string_view rebuild) {
+  if (!rebuild.empty() && rebuild != kRebuildCheapOps) {
+    return InvalidArgument("a layer program rebuilds '{}' only, not '{}'", kRebuildCheapOps,
+                           rebuild);
+  }
   if (static_cast<int>(inputs.size()) != program.inputs) {
     return InvalidArgument("the layer program takes {} input(s), got {}", program.inputs,
                            inputs.size());
@@ -333,6 +345,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
   }
   // Values the backward reads: what each rule on the gradient's path takes from its forward.
   std::vector<bool> read_by_backward(static_cast<size_t>(program.num_values()), false);
+  std::vector<bool> cheap;  // per op, when rebuilding: few flops per element it makes
   for (const ProgramOp& op : program.ops) {
     std::vector<TensorMeta> metas;
     bool on_path = false;
@@ -351,6 +364,12 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
                              outputs->size(), op.outputs);
     }
     TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    if (!rebuild.empty()) {
+      TESSERA_ASSIGN_OR_RETURN(OpCost cost, registry.Cost(op.op, metas, op.attrs));
+      int64_t made = 0;
+      for (const TensorMeta& meta : *outputs) made += meta.numel();
+      cheap.push_back(cost.flops <= kCheapFlopsPerElement * static_cast<double>(made));
+    }
     const int first = static_cast<int>(shapes.values.size());
     for (const TensorMeta& meta : *outputs) {
       shapes.values.push_back(meta);
@@ -382,15 +401,56 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
                            shapes.values[static_cast<size_t>(program.outputs[0])].ToString());
   }
   const int made = program.num_leaf_values();
+  // Keeping part: from the last op back, a cheap op whose outputs the backward needs is run
+  // again instead, when the values it reads that nothing else needs yet are no larger than
+  // those of its outputs that are needed (each then needed in turn).
+  std::vector<bool>& needed = read_by_backward;
+  shapes.rebuilt.assign(program.ops.size(), false);
+  for (size_t i = program.ops.size(); !rebuild.empty() && i-- > 0;) {
+    const ProgramOp& op = program.ops[i];
+    const auto first = static_cast<size_t>(program.first_output(i));
+    int64_t freed = 0, added = 0;
+    for (size_t o = first; o < first + static_cast<size_t>(op.outputs); ++o) {
+      if (needed[o]) freed += shapes.values[o].bytes();
+    }
+    std::set<int> reads(op.inputs.begin(), op.inputs.end());
+    for (int v : reads) {
+      if (v >= made && !needed[static_cast<size_t>(v)]) {
+        added += shapes.values[static_cast<size_t>(v)].bytes();
+      }
+    }
+    if (freed == 0 || !cheap[i] || added > freed) continue;
+    shapes.rebuilt[i] = true;
+    for (size_t o = first; o < first + static_cast<size_t>(op.outputs); ++o) needed[o] = false;
+    for (int v : reads) {
+      if (v >= made) needed[static_cast<size_t>(v)] = true;
+    }
+  }
   int64_t bytes = 0;
   for (int v = made; v < program.num_values(); ++v) {
-    if (!read_by_backward[static_cast<size_t>(v)]) continue;
+    if (!needed[static_cast<size_t>(v)]) continue;
     shapes.saved.push_back(v);
     shapes.saved_offset.push_back(bytes);
     bytes += (shapes.values[static_cast<size_t>(v)].bytes() + 63) / 64 * 64;
   }
   shapes.saved_floats = std::max<int64_t>(1, bytes / 4);
   return shapes;
+}
+
+Result<OpCost> ProgramRebuildCost(const OpRegistry& registry, const LayerProgram& program,
+                                  const std::vector<TensorMeta>& inputs, std::string_view rebuild) {
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs, rebuild));
+  OpCost total;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    if (!shapes.rebuilt[i]) continue;
+    std::vector<TensorMeta> metas;
+    for (int v : program.ops[i].inputs) metas.push_back(shapes.values[static_cast<size_t>(v)]);
+    TESSERA_ASSIGN_OR_RETURN(OpCost cost,
+                             registry.Cost(program.ops[i].op, metas, program.ops[i].attrs));
+    total.flops += cost.flops;
+    total.bytes += cost.bytes;
+  }
+  return total;
 }
 
 // ---- The backward's split into halves ----

@@ -24,6 +24,16 @@
 // gradient runs its backward op; the results are summed per value. Ops on values no gradient
 // flows to (integer ids) are skipped; an op on the gradient's path with no rule is refused when
 // the program is inferred, naming it.
+//
+// Keeping part (attribute "rebuild" = "cheap_ops" on layer_forward and the whole layer_backward,
+// a partial keep the memory planner may choose: OpDef::rebuild_options): `saved` then holds only
+// what the program's costly ops make (at least kCheapFlopsPerElement flops per element they
+// make: convolutions, products) and what rebuilding the rest needs; the cheap ops' outputs
+// (elementwise ops, norms, concatenation) are not saved when rebuilding them needs no more bytes
+// than it saves. The backward runs a cheap op again when its walk first reads one of the op's
+// outputs, and frees what it rebuilt once the walk is past its last reader, so the rebuilt
+// values are not all live at once. Rebuilt values are the forward's bit for bit (the same
+// kernels on the same inputs). The split backward halves refuse the attribute.
 #pragma once
 
 #include <cstdint>
@@ -82,21 +92,35 @@ struct LayerProgram {
   static Result<LayerProgram> Decode(std::string_view text);
 };
 
+// The value of attribute "rebuild" under which a program keeps part (above), and how many flops
+// per element an op may make and still be rebuilt.
+inline constexpr const char* kRebuildCheapOps = "cheap_ops";
+inline constexpr double kCheapFlopsPerElement = 16;
+
 // What the shapes of a program's inputs make of it.
 struct ProgramShapes {
   std::vector<TensorMeta> values;  // every value's meta
   std::vector<bool> needs_gradient;
-  // The values the backward reads that are not layer inputs or parameters, with their byte
-  // offsets inside `saved` (each 64-byte aligned).
+  // The values the backward reads that are not layer inputs or parameters (nor rebuilt), with
+  // their byte offsets inside `saved` (each 64-byte aligned).
   std::vector<int> saved;
   std::vector<int64_t> saved_offset;
   int64_t saved_floats = 1;  // at least one element
+  // Per op: whether the backward runs it again instead of reading its outputs from `saved`
+  // (attribute "rebuild"; none without it).
+  std::vector<bool> rebuilt;
 };
 
-// Infers every value of `program` given its layer inputs. Errors name the op (its label) and
-// the shapes it got.
+// Infers every value of `program` given its layer inputs; `rebuild`: the attribute's value (empty:
+// none; else kRebuildCheapOps). Errors name the op (its label) and the shapes it got; an unknown
+// `rebuild` is InvalidArgument naming the values there are.
 Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgram& program,
-                                   const std::vector<TensorMeta>& inputs);
+                                   const std::vector<TensorMeta>& inputs,
+                                   std::string_view rebuild = {});
+
+// The forward work a backward repeats under `rebuild` (the rebuilt ops' cost).
+Result<OpCost> ProgramRebuildCost(const OpRegistry& registry, const LayerProgram& program,
+                                  const std::vector<TensorMeta>& inputs, std::string_view rebuild);
 
 // Adds layer_forward and layer_backward (definitions; kernels: RegisterLayerProgramKernels).
 Status RegisterLayerProgramOps(OpRegistry& registry);

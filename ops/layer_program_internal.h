@@ -23,6 +23,8 @@ std::string OpLabel(const ProgramOp& op);
 
 // The program in attribute kProgramAttr.
 Result<LayerProgram> ProgramOf(const Attrs& attrs);
+// Attribute "rebuild" (kRebuildAttr), empty when absent.
+Result<std::string> RebuildOf(const Attrs& attrs);
 
 inline bool HasParams(const LayerProgram& program) { return program.params.numel() > 0; }
 

@@ -8,6 +8,7 @@
 
 #include "ops/layer_program.h"
 #include "ops/layer_program_internal.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -21,6 +22,7 @@ using detail::Metas;
 using detail::OpLabel;
 using detail::PlanSplit;
 using detail::ProgramOf;
+using detail::RebuildOf;
 using detail::SplitPlan;
 using detail::StashEntry;
 
@@ -136,8 +138,9 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
   Metas input_metas;
   for (int i = 0; i < program.inputs; ++i) input_metas.push_back(in[static_cast<size_t>(i)].meta());
+  TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
-                           InferProgram(*context.registry, program, input_metas));
+                           InferProgram(*context.registry, program, input_metas, rebuild));
   std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
   for (int i = 0; i < program.inputs; ++i)
     values[static_cast<size_t>(i)] = in[static_cast<size_t>(i)];
@@ -319,6 +322,95 @@ void WriteGradients(BackwardPart part, const LayerProgram& program, const Gradie
   }
 }
 
+// The values a backward rebuilds (ProgramShapes::rebuilt): each made again, with its op's other
+// outputs, when the walk first reads it, and dropped once the walk is past its last reader.
+class Rebuilder {
+ public:
+  Rebuilder(const KernelContext& context, DeviceKind device, const LayerProgram& program,
+            const ProgramShapes& shapes, std::vector<Tensor>& values)
+      : context_(context), device_(device), program_(program), values_(values) {
+    const size_t n = values.size();
+    producer_.assign(n, -1);
+    last_reader_.assign(n, -1);
+    for (size_t i = 0; i < program.ops.size(); ++i) {
+      if (!shapes.rebuilt[i]) continue;
+      for (int o = 0; o < program.ops[i].outputs; ++o) {
+        producer_[static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o)] =
+            static_cast<int>(i);
+      }
+    }
+    // The walk reaches op i after every op after it, so a value is last read at the lowest op
+    // that reads it: as an input (its rule, or rebuilding its outputs), or as an output (its
+    // producer's rule).
+    for (size_t i = program.ops.size(); i-- > 0;) {
+      for (int v : program.ops[i].inputs)
+        last_reader_[static_cast<size_t>(v)] = static_cast<int>(i);
+    }
+    for (size_t i = 0; i < program.ops.size(); ++i) {
+      if (!shapes.rebuilt[i]) continue;
+      Result<const OpDef*> found = context.registry->Find(program.ops[i].op);
+      const OpDef* def = found.ok() ? *found : nullptr;
+      for (int o = 0; o < program.ops[i].outputs; ++o) {
+        const auto v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
+        const bool read_by_rule =
+            def != nullptr && def->gradient &&
+            std::any_of(def->gradient->inputs.begin(), def->gradient->inputs.end(),
+                        [o](const GradientRule::Arg& arg) {
+                          return arg.from == GradientRule::From::kOutput && arg.index == o;
+                        });
+        if (read_by_rule || last_reader_[v] < 0) last_reader_[v] = static_cast<int>(i);
+      }
+    }
+  }
+
+  // Makes every value `op`'s rule reads that is rebuilt and not live.
+  Status Provide(const ProgramOp& op, int first, const GradientRule& rule) {
+    for (const GradientRule::Arg& arg : rule.inputs) {
+      if (arg.from == GradientRule::From::kInput) {
+        TESSERA_RETURN_IF_ERROR(Make(op.inputs[static_cast<size_t>(arg.index)]));
+      } else if (arg.from == GradientRule::From::kOutput) {
+        TESSERA_RETURN_IF_ERROR(Make(first + arg.index));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Drops the rebuilt values no op before `op` reads.
+  void PassedOp(size_t op) {
+    for (size_t v = 0; v < values_.size(); ++v) {
+      if (producer_[v] >= 0 && values_[v].defined() && last_reader_[v] >= static_cast<int>(op)) {
+        values_[v] = Tensor();
+      }
+    }
+  }
+
+ private:
+  Status Make(int value) {
+    const auto v = static_cast<size_t>(value);
+    if (values_[v].defined() || producer_[v] < 0) return Status::Ok();
+    const auto i = static_cast<size_t>(producer_[v]);
+    const ProgramOp& op = program_.ops[i];
+    Tensors inputs;
+    for (int u : op.inputs) {
+      TESSERA_RETURN_IF_ERROR(Make(u));
+      inputs.push_back(values_[static_cast<size_t>(u)]);
+    }
+    Tensors outputs;
+    Status ran = RunOp(context_, device_, op.op, inputs, outputs, op.attrs);
+    if (!ran.ok()) return ran.WithContext(fmt::format("rebuilding {}", OpLabel(op)));
+    const auto first = static_cast<size_t>(program_.first_output(i));
+    for (size_t o = 0; o < outputs.size(); ++o) values_[first + o] = std::move(outputs[o]);
+    return Status::Ok();
+  }
+
+  const KernelContext& context_;
+  DeviceKind device_;
+  const LayerProgram& program_;
+  std::vector<Tensor>& values_;
+  std::vector<int> producer_;     // per value: its op when rebuilt, else -1
+  std::vector<int> last_reader_;  // per value: the lowest op reading it
+};
+
 // The backward (BackwardPart::kAll) or one half of it; see PlanSplit for what each half does per
 // op.
 Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext& context,
@@ -331,7 +423,13 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
   const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   Metas input_metas;
   for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[lead + i].meta());
-  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, input_metas));
+  TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
+  if (!rebuild.empty() && part != BackwardPart::kAll) {
+    return InvalidArgument("the split layer backward rebuilds nothing: drop attribute '{}'",
+                           kRebuildAttr);
+  }
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
+                           InferProgram(registry, program, input_metas, rebuild));
   TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));
   std::vector<Tensor> values(static_cast<size_t>(program.num_values()));
   for (size_t i = 0; i < layer_inputs; ++i) values[i] = in[lead + i];
@@ -348,6 +446,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
     std::memcpy(stashed(entry).raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
   };
 
+  Rebuilder rebuilder(context, device, program, shapes, values);
   GradientSums sums(context, device, values.size());
   if (part != BackwardPart::kWeight) {
     TESSERA_RETURN_IF_ERROR(SeedGradients(context, program, shapes, in, grads, attrs, sums));
@@ -388,6 +487,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
       }
       continue;
     }
+    TESSERA_RETURN_IF_ERROR(rebuilder.Provide(op, first, rule));
     TESSERA_ASSIGN_OR_RETURN(
         Tensors inputs,
         RuleInputs(context, shapes, values, sums, op, first, rule,
@@ -427,6 +527,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
       }
     }
     TESSERA_RETURN_IF_ERROR(add(outputs, 0));
+    rebuilder.PassedOp(i);
   }
 
   WriteGradients(part, program, sums, out);

@@ -19,6 +19,7 @@ using detail::HasParams;
 using detail::Metas;
 using detail::PlanSplit;
 using detail::ProgramOf;
+using detail::RebuildOf;
 using detail::SplitPlan;
 
 // A parameter group of `layout`, padded to the attribute param_multiple.
@@ -70,7 +71,8 @@ Result<Metas> InferForward(const OpRegistry& registry, const Metas& in, const At
   TESSERA_RETURN_IF_ERROR(
       CheckShared(program, in, layer_inputs + (HasParams(program) ? 1 : 0), attrs));
   const Metas inputs(in.begin(), in.begin() + static_cast<long>(layer_inputs));
-  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs, rebuild));
   Metas out;
   for (int v : program.outputs) out.push_back(shapes.values[static_cast<size_t>(v)]);
   const Device device = in.empty() ? Device::Cpu() : in[0].device;
@@ -80,13 +82,22 @@ Result<Metas> InferForward(const OpRegistry& registry, const Metas& in, const At
 
 // The inputs of a backward: `lead` tensors first (the output gradients; the weight half's
 // stash), then the layer's inputs, `saved`, and the groups. Returns what the program makes of
-// the layer's inputs, after checking the saved buffer and groups.
-Result<ProgramShapes> CheckBackwardInputs(const OpRegistry& registry, const LayerProgram& program,
-                                          const Metas& in, size_t lead, const Attrs& attrs) {
+// the layer's inputs, after checking the saved buffer and groups. The halves of a split
+// backward (`part`) refuse attribute "rebuild".
+Result<ProgramShapes> CheckBackwardInputs(BackwardPart part, const OpRegistry& registry,
+                                          const LayerProgram& program, const Metas& in, size_t lead,
+                                          const Attrs& attrs) {
   const size_t layer_inputs = static_cast<size_t>(program.inputs);
   const Metas inputs(in.begin() + static_cast<long>(lead),
                      in.begin() + static_cast<long>(lead + layer_inputs));
-  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+  TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
+  if (!rebuild.empty() && part != BackwardPart::kAll) {
+    return InvalidArgument(
+        "the split layer backward (zero-bubble schedules) rebuilds nothing: drop attribute '{}' "
+        "= '{}' or run the whole backward",
+        kRebuildAttr, rebuild);
+  }
+  TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs, rebuild));
   const TensorMeta& saved = in[lead + layer_inputs];
   if (saved.numel() != shapes.saved_floats) {
     return InvalidArgument("the saved buffer is {} but the layer keeps f32 [{}]", saved.ToString(),
@@ -114,7 +125,7 @@ Result<Metas> InferBackward(BackwardPart part, const OpRegistry& registry, const
         layer_inputs, GroupsText(program), want, in.size());
   }
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
-                           CheckBackwardInputs(registry, program, in, lead, attrs));
+                           CheckBackwardInputs(part, registry, program, in, lead, attrs));
   Metas out;
   const size_t groups = lead + layer_inputs + 1;
   if (part == BackwardPart::kWeight) {
@@ -163,6 +174,20 @@ Result<OpCost> ProgramCost(const OpRegistry& registry, const Metas& layer_inputs
   return total;
 }
 
+// The forward work a backward repeats under the attributes' "rebuild" (none without it), given
+// the layer's inputs (and, past them, anything: the groups).
+Result<OpCost> ProgramRebuildCostOf(const OpRegistry& registry, const Metas& in,
+                                    const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
+  if (rebuild.empty()) return OpCost{};
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, ProgramOf(attrs));
+  if (in.size() < static_cast<size_t>(program.inputs)) {
+    return InvalidArgument("too few inputs for the layer program's rebuild");
+  }
+  const Metas inputs(in.begin(), in.begin() + program.inputs);
+  return ProgramRebuildCost(registry, program, inputs, rebuild);
+}
+
 }  // namespace
 
 Status RegisterLayerProgramOps(OpRegistry& r) {
@@ -182,6 +207,8 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
             in.begin(), in.begin() + std::min<long>(program.inputs, static_cast<long>(in.size())));
         return ProgramCost(registry, inputs, attrs, /*backward=*/false);
       },
+      .rebuild_options = {kRebuildCheapOps},
+      .rebuild_cost = ProgramRebuildCostOf,
   }));
   struct Backward {
     const char* name;
@@ -227,8 +254,10 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
           // A backward costs about twice its forward (two products per product); each half
           // about once.
           TESSERA_ASSIGN_OR_RETURN(OpCost cost, ProgramCost(registry, inputs, attrs, true));
-          if (part != BackwardPart::kAll) cost = OpCost{cost.flops / 2, cost.bytes / 2};
-          return cost;
+          if (part != BackwardPart::kAll) return OpCost{cost.flops / 2, cost.bytes / 2};
+          // Plus the forward work it repeats when the forward kept part.
+          TESSERA_ASSIGN_OR_RETURN(OpCost rebuild, ProgramRebuildCostOf(registry, inputs, attrs));
+          return OpCost{cost.flops + rebuild.flops, cost.bytes + rebuild.bytes};
         },
     }));
   }

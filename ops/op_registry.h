@@ -124,9 +124,11 @@ struct OpDef {
   // reading it: the values of attribute "rebuild" (kRebuildAttr, ops/standard_ops.h) that the
   // op and its backward accept, least recomputed first, and the work the backward repeats for
   // one (rebuild_cost, given the forward's inputs and its attributes with "rebuild" set). The
-  // memory planner offers them to its solver beside keeping and recomputing whole layers.
+  // memory planner offers them to its solver beside keeping and recomputing whole layers. An
+  // option the op cannot apply to given inputs (nothing to rebuild, another dtype) fails
+  // inference or keeps as much as without it; the planner then skips it.
   std::vector<std::string> rebuild_options;
-  CostFn rebuild_cost;
+  NestedCostFn rebuild_cost;
 };
 
 class OpRegistry {

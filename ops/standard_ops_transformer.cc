@@ -199,11 +199,11 @@ Status AddTransformerLayerOps(OpRegistry& r) {
           },
       .rebuild_options = {BlockRebuildName(BlockRebuild::kNormsAndGelu),
                           BlockRebuildName(BlockRebuild::kNormsGeluAttention)},
-      .rebuild_cost =
-          [](const Metas& in, const Attrs& attrs) {
-            Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], true, false);
-            return s.ok() ? BlockRebuildCost(*s) : OpCost{};
-          },
+      .rebuild_cost = [](const OpRegistry&, const Metas& in, const Attrs& attrs) -> Result<OpCost> {
+        TESSERA_ASSIGN_OR_RETURN(TransformerShape s,
+                                 ReadTransformerShape(attrs, in[0], true, false));
+        return BlockRebuildCost(s);
+      },
   }));
   // The block's backward, whole or split for zero-bubble pipelines (ops/cpu/transformer_layers.h):
   // the input half returns dx and a stash, the weight half the parameter gradients from it.

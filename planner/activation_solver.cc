@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -77,7 +78,7 @@ int64_t Base(const std::vector<int64_t>& base, size_t j) { return base.empty() ?
 // One layer's choice as the programme sees it: a partial keep by index.
 struct Option {
   ActivationChoice choice = ActivationChoice::kKeep;
-  int part = -1;  // kKeepPart: index in the layer's partial_keeps
+  int part = -1;  // kKeepPart, kRecompute: index in the layer's partial_keeps (or none)
 };
 
 // The options layer j may take.
@@ -88,7 +89,12 @@ std::vector<Option> OptionsOf(const ActivationProblem& problem, size_t j) {
   for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
     options.push_back(Option{ActivationChoice::kKeepPart, static_cast<int>(k)});
   }
-  if (problem.allow_recompute) options.push_back(Option{ActivationChoice::kRecompute});
+  if (problem.allow_recompute) {
+    options.push_back(Option{ActivationChoice::kRecompute});
+    for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
+      options.push_back(Option{ActivationChoice::kRecompute, static_cast<int>(k)});
+    }
+  }
   if (problem.allow_swap && problem.link_bytes_per_us > 0) {
     options.push_back(Option{ActivationChoice::kSwap});
   }
@@ -97,7 +103,9 @@ std::vector<Option> OptionsOf(const ActivationProblem& problem, size_t j) {
 
 Option OptionOf(const ActivationLayer& layer, const ActivationDecision& decision) {
   Option option{decision.choice};
-  if (decision.choice != ActivationChoice::kKeepPart) return option;
+  const bool parts = decision.choice == ActivationChoice::kKeepPart ||
+                     (decision.choice == ActivationChoice::kRecompute && !decision.rebuild.empty());
+  if (!parts) return option;
   for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
     if (layer.partial_keeps[k].rebuild == decision.rebuild) option.part = static_cast<int>(k);
   }
@@ -119,6 +127,19 @@ int64_t KeptBytes(const ActivationLayer& layer, const Option& option) {
   return 0;
 }
 
+// The bytes of what layer j's forward saves under `option` (and, recomputed, its recompute):
+// what the memory model sees while its forward and its backward run (what a partial keep
+// rebuilds is the kernel's scratch).
+int64_t MadeBytes(const ActivationLayer& layer, const Option& option) {
+  return option.part >= 0 ? layer.partial_keeps[static_cast<size_t>(option.part)].kept_bytes
+                          : layer.saved_bytes;
+}
+
+// What a recompute under `option` makes besides what it saves, live just before B_j.
+int64_t RecomputeBytes(const ActivationLayer& layer, const Option& option) {
+  return option.choice == ActivationChoice::kRecompute ? layer.recompute_bytes : 0;
+}
+
 // The time layer j's option adds to the forwards and backwards.
 double ExtraTime(const ActivationProblem& problem, size_t j, const Option& option) {
   const std::vector<ActivationLayer>& layers = problem.layers;
@@ -128,7 +149,10 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
     case ActivationChoice::kKeepPart:
       return layers[j].partial_keeps[static_cast<size_t>(option.part)].rebuild_us;
     case ActivationChoice::kRecompute:
-      return layers[j].forward_us;
+      return layers[j].forward_us +
+             (option.part >= 0
+                  ? layers[j].partial_keeps[static_cast<size_t>(option.part)].rebuild_us
+                  : 0);
     case ActivationChoice::kSwap: {
       const double copy = static_cast<double>(layers[j].saved_bytes) / problem.link_bytes_per_us;
       const bool last = j + 1 == layers.size();
@@ -145,10 +169,11 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
 int64_t PeakAt(const ActivationProblem& problem, size_t j, int64_t kept_before,
                const Option& option, bool previous_swaps) {
   const ActivationLayer& layer = problem.layers[j];
-  const int64_t local = layer.saved_bytes + (layer.kept_copies - 1) * KeptBytes(layer, option) +
+  const int64_t local = MadeBytes(layer, option) +
+                        (layer.kept_copies - 1) * KeptBytes(layer, option) +
                         (previous_swaps ? problem.layers[j - 1].saved_bytes : 0) + kept_before;
-  return local +
-         std::max(Base(problem.base_forward_bytes, j), Base(problem.base_backward_bytes, j));
+  return local + std::max(Base(problem.base_forward_bytes, j),
+                          Base(problem.base_backward_bytes, j) + RecomputeBytes(layer, option));
 }
 
 // A state of the programme after some layers: the bytes kept so far, the time added so far,
@@ -189,7 +214,7 @@ std::string ChoiceCounts(const ActivationPlan& plan) {
 
 ActivationDecision DecisionOf(const ActivationLayer& layer, const Option& option) {
   ActivationDecision decision{option.choice, ""};
-  if (option.choice == ActivationChoice::kKeepPart) {
+  if (option.part >= 0) {
     decision.rebuild = layer.partial_keeps[static_cast<size_t>(option.part)].rebuild;
   }
   return decision;
@@ -218,7 +243,9 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
       for (size_t i = 0; i < n; ++i) {
         const ActivationLayer& layer = problem.layers[i];
         if (i == j) {
-          live += layer.saved_bytes + (layer.kept_copies - 1) * KeptBytes(layer, options[i]);
+          live += MadeBytes(layer, options[i]) +
+                  (backward ? RecomputeBytes(layer, options[i]) : 0) +
+                  (layer.kept_copies - 1) * KeptBytes(layer, options[i]);
         } else if (i < j) {
           live += layer.kept_copies * KeptBytes(layer, options[i]);
           if (options[i].choice == ActivationChoice::kSwap && i + 1 == j) {
@@ -263,13 +290,16 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
     if (states[j + 1].empty()) break;
   }
   if (states[n].empty()) {
-    // The least the allowed choices can hold: per layer, the option keeping the fewest bytes.
+    // The least the allowed choices can hold: per layer, the option keeping the fewest bytes
+    // (then making the fewest).
     std::vector<ActivationDecision> least(n);
     for (size_t j = 0; j < n; ++j) {
       const std::vector<Option> options = OptionsOf(problem, j);
       const Option* fewest = &options[0];
       for (const Option& option : options) {
-        if (KeptBytes(problem.layers[j], option) < KeptBytes(problem.layers[j], *fewest)) {
+        const ActivationLayer& layer = problem.layers[j];
+        if (std::pair(KeptBytes(layer, option), MadeBytes(layer, option)) <
+            std::pair(KeptBytes(layer, *fewest), MadeBytes(layer, *fewest))) {
           fewest = &option;
         }
       }
@@ -306,9 +336,7 @@ std::string DescribeActivationPlan(const ActivationPlan& plan,
     const ActivationDecision& decision = plan.decisions[i];
     const std::string name = i < layer_names.size() ? layer_names[i] : fmt::format("{}", i);
     text += fmt::format("{} {} {}", i == 0 ? "" : ",", name, ActivationChoiceName(decision.choice));
-    if (decision.choice == ActivationChoice::kKeepPart) {
-      text += fmt::format(" ({})", decision.rebuild);
-    }
+    if (!decision.rebuild.empty()) text += fmt::format(" ({})", decision.rebuild);
   }
   return text;
 }

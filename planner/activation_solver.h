@@ -1,7 +1,8 @@
 // The activation solver: for each layer of a chain, keep what its forward saves for its
-// backward, keep part of it (the backward recomputing the rest first), recompute it all just
-// before the backward, or swap it to the host and back, so that the step fits under a
-// device-memory cap at the least predicted step time.
+// backward, keep part of it (the backward recomputing the rest first), recompute it just before
+// the backward (whole, or keeping part: the recompute saves less and the backward rebuilds the
+// rest), or swap it to the host and back, so that the step fits under a device-memory cap at
+// the least predicted step time.
 //
 // The problem (ActivationProblem) is one worker's chain of layers in forward order, each with
 // the bytes its forward saves (s_i), its forward and backward times (f_i, b_i), the partial keeps
@@ -12,18 +13,21 @@
 //
 // The cost model (what EvaluateActivationPlan computes for any choices, and the solver
 // minimises):
-//   * memory: while F_j or B_j runs, the device holds its base bytes, s_j (being made, or back
-//     for its backward whatever the choice: a partial keep's rest is made in scratch space, and
-//     rebuilt there), every earlier layer's s_i it keeps or p_i it keeps part of (c_i copies of
-//     it: micro-batches in flight), c_j - 1 copies of what layer j keeps, and s_{j-1} when that
-//     layer swaps (its copy down overlaps F_j; its copy up, prefetched one layer ahead, overlaps
-//     B_j). A recompute of layer j runs just before B_j and holds no more than B_j does. The
-//     peak is the largest of these sums. (With c > 1, the other micro-batches' later layers are
-//     not counted at F_j: a pipeline stage's peak is at its first backward, where they are.)
+//   * memory (objects, as the memory model counts them): while F_j or B_j runs, the device holds
+//     its base bytes, what layer j's forward saves (being made, or back for its backward: s_j,
+//     or p_j under a partial keep, kept or recomputed; what is rebuilt is the kernels' scratch,
+//     which the model does not count), every earlier layer's s_i it keeps or p_i it keeps part
+//     of (c_i copies of it: micro-batches in flight), c_j - 1 copies of what layer j keeps, and
+//     s_{j-1} when that layer swaps (its copy down overlaps F_j; its copy up, prefetched one
+//     layer ahead, overlaps B_j). A recompute of layer j runs just before B_j and holds what
+//     B_j does and o_j (counted at B_j). The peak is the largest of these sums. (With c > 1, the
+//     other micro-batches' later layers are not counted at F_j: a pipeline stage's peak is at its
+//     first backward, where they are.)
 //   * time: the forwards and backwards, plus f_j for each recomputed layer, r_j for each layer
-//     kept in part, plus each swapped layer's transfer time not hidden under compute: the copy
-//     down (s_j / bandwidth) overlaps F_{j+1}, the copy up overlaps B_{j+1} (none after the last
-//     layer, so swapping it buys nothing and costs both copies).
+//     kept in part (both for a recompute keeping part), plus each swapped layer's transfer time
+//     not hidden under compute: the copy down (s_j / bandwidth) overlaps F_{j+1}, the copy up
+//     overlaps B_{j+1} (none after the last layer, so swapping it buys nothing and costs both
+//     copies).
 // Both constraints at F_j and B_j depend only on the bytes kept before j, on layer j's choice and
 // on whether layer j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept
 // so far, whether the previous layer swaps), keeping only the states no other beats on both bytes
@@ -60,12 +64,16 @@ struct ActivationLayer {
   // How many micro-batches' copies of what it keeps are live at once (c_i: a pipeline stage's
   // micro-batches in flight; else 1).
   int64_t kept_copies = 1;
+  // What a recompute of it makes besides what it saves (its outputs again, read by no one: o_i),
+  // live while the recompute runs, just before B_i.
+  int64_t recompute_bytes = 0;
 };
 
 // What the plan does with one layer's saved activations.
 struct ActivationDecision {
   ActivationChoice choice = ActivationChoice::kKeep;
-  std::string rebuild;  // kKeepPart: the PartialKeep's option
+  // kKeepPart, and kRecompute keeping part: the PartialKeep's option (else empty).
+  std::string rebuild;
   bool operator==(const ActivationDecision&) const = default;
 };
 // How many of `decisions` make `choice`.
@@ -97,7 +105,7 @@ struct ActivationPlan {
 
 // The cost model's step time and peak for any decisions (one per layer).
 // REQUIRES: problem.Validate() is ok, decisions.size() == problem.layers.size(), and each
-// kKeepPart names one of its layer's partial keeps.
+// decision's rebuild, when set, names one of its layer's partial keeps.
 ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
                                       std::vector<ActivationDecision> decisions);
 
@@ -106,7 +114,7 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
 Result<ActivationPlan> SolveActivations(const ActivationProblem& problem);
 
 // "keep 5, keep part 1, recompute 6, swap 0: h.0 keep, h.1 keep part (norms_gelu), h.2
-// recompute, ..." with layer names.
+// recompute, h.3 recompute (norms_gelu), ..." with layer names.
 std::string DescribeActivationPlan(const ActivationPlan& plan,
                                    const std::vector<std::string>& layer_names);
 

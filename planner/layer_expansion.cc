@@ -136,10 +136,11 @@ class Expansion {
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
     }
-    // Kept in part: the forward saves less and the backward rebuilds the rest (the op's
-    // attribute "rebuild", OpDef::rebuild_options).
-    if (l < s_.activation_choices.size() &&
-        s_.activation_choices[l].choice == ActivationChoice::kKeepPart) {
+    // Kept in part (or recomputed keeping part): the forward (and the recompute) saves less and
+    // the backward rebuilds the rest (the op's attribute "rebuild", OpDef::rebuild_options).
+    if (l < s_.activation_choices.size() && !s_.activation_choices[l].rebuild.empty() &&
+        (s_.activation_choices[l].choice == ActivationChoice::kKeepPart ||
+         s_.activation_choices[l].choice == ActivationChoice::kRecompute)) {
       attrs.Set(kRebuildAttr, s_.activation_choices[l].rebuild);
     }
     return attrs;

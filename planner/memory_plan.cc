@@ -189,10 +189,9 @@ Result<std::vector<PartialKeep>> PartialKeeps(const Graph& graph, const OpRegist
       }
     }
     if (keep.kept_bytes >= layer.saved_bytes) continue;
+    TESSERA_ASSIGN_OR_RETURN(OpCost rebuild, def->rebuild_cost(registry, inputs, attrs));
     keep.rebuild_us =
-        CostUnits(whole) > 0
-            ? layer.forward_us * CostUnits(def->rebuild_cost(inputs, attrs)) / CostUnits(whole)
-            : 0;
+        CostUnits(whole) > 0 ? layer.forward_us * CostUnits(rebuild) / CostUnits(whole) : 0;
     keeps.push_back(std::move(keep));
   }
   return keeps;
@@ -281,6 +280,11 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
     ActivationLayer layer;
     layer.must_keep = model.layers[l].loss;
     for (ObjectId id : saved_of[l]) layer.saved_bytes += graph.object(id).meta.bytes();
+    for (ObjectId id : graph.task(forward[l][0]).outputs) {
+      if (std::find(saved_of[l].begin(), saved_of[l].end(), id) == saved_of[l].end()) {
+        layer.recompute_bytes += graph.object(id).meta.bytes();
+      }
+    }
     layer.kept_copies = in_flight;
     layer.forward_us = times[l].forward;
     layer.backward_us = times[l].backward + times[l].weight;
@@ -457,13 +461,38 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     }
     lowered += caps.Excess(peaks);  // the model saw more than the solver: leave that much free
   }
-  // Nothing fits: how far recomputing every layer gets.
+  // Nothing fits: how far recomputing every layer gets (keeping the least part its op offers,
+  // where the shapes allow it).
   std::vector<ActivationDecision> all(model.layers.size(),
                                       ActivationDecision{ActivationChoice::kRecompute});
-  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least,
-                           RunTrainingPasses(model, plan, registry, all, serialize));
+  std::vector<ActivationDecision> least_parts = all;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (model.layers[l].loss) continue;
+    Result<const OpDef*> def = registry.Find(model.layers[l].forward_op);
+    if (def.ok() && !(*def)->rebuild_options.empty() && !plan.parallel.split_backwards) {
+      least_parts[l].rebuild = (*def)->rebuild_options.back();  // least kept last
+    }
+  }
+  Result<PlannedPasses> parts = RunTrainingPasses(model, plan, registry, least_parts, serialize);
+  const bool kept_parts = parts.ok();
+  if (!kept_parts) parts = RunTrainingPasses(model, plan, registry, all, serialize);
+  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least, std::move(parts));
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));
   const Peaks least_peaks = PeaksOf(least_profile, tier);
+  if (caps.Fit(least_peaks)) {
+    // The solver's view missed by a little (its rounds spent) where holding the least fits.
+    decision.peak_bytes = least_peaks.total;
+    decision.activation_peak_bytes = least_peaks.activations;
+    decision.activations = kept_parts ? least_parts : all;
+    decision.reason = fmt::format(
+        "{}every layer recomputed{}: predicted peak {} (activations {}) under {}; every "
+        "activation kept: {} (activations {})",
+        serialize ? "micro-batches one after another, " : "",
+        kept_parts ? ", keeping the least part" : "", Mib(least_peaks.total),
+        Mib(least_peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations));
+    least.step.memory = std::move(decision);
+    return std::move(least.step);
+  }
   std::string advice;
   if (caps.activations > 0 && least_peaks.activations > caps.activations) {
     advice =
@@ -478,8 +507,9 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                            : "; " + fits;
   }
   return Infeasible(
-      "{}; recomputing every layer's activations it still needs {} (activations {}){}", over,
-      Mib(least_peaks.total), Mib(least_peaks.activations), advice);
+      "{}; recomputing every layer's activations (keeping the least part) it still needs {} "
+      "(activations {}){}",
+      over, Mib(least_peaks.total), Mib(least_peaks.activations), advice);
 }
 
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,

@@ -33,7 +33,12 @@ double BruteForceBest(const ActivationProblem& problem) {
     for (const PartialKeep& part : problem.layers[i].partial_keeps) {
       allowed[i].push_back({ActivationChoice::kKeepPart, part.rebuild});
     }
-    if (problem.allow_recompute) allowed[i].push_back({ActivationChoice::kRecompute});
+    if (problem.allow_recompute) {
+      allowed[i].push_back({ActivationChoice::kRecompute});
+      for (const PartialKeep& part : problem.layers[i].partial_keeps) {
+        allowed[i].push_back({ActivationChoice::kRecompute, part.rebuild});
+      }
+    }
     if (problem.allow_swap && problem.link_bytes_per_us > 0) {
       allowed[i].push_back({ActivationChoice::kSwap});
     }
@@ -66,6 +71,7 @@ ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap, int part
   for (size_t i = 0; i < n; ++i) {
     ActivationLayer layer{bytes(rng) * 1000, micros(rng), micros(rng)};
     layer.kept_copies = kept_copies(rng);
+    layer.recompute_bytes = bytes(rng) * 100;
     for (int k = parts(rng); k > 0; --k) {
       const int64_t kept = layer.saved_bytes * bytes(rng) / 101;
       layer.partial_keeps.push_back({fmt::format("part{}", k), kept, micros(rng) / 4});

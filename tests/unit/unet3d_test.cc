@@ -5,12 +5,18 @@
 // hold every class, and their intensities separate the classes on average.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
 
 #include "data/volumes.h"
 #include "layer_gradient_check.h"
 #include "model/unet3d.h"
+#include "ops/layer_program.h"
+#include "ops/standard_ops.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
 
@@ -18,12 +24,18 @@ namespace tessera::testing {
 namespace {
 
 using Tensors = std::vector<Tensor>;
+using ::testing::HasSubstr;
 
 std::vector<std::string> LayerNames(const ModelSpec& model) {
   std::vector<std::string> names;
   names.reserve(model.layers.size());
   for (const LayerSpec& layer : model.layers) names.push_back(layer.name);
   return names;
+}
+
+void ExpectBitIdentical(const Tensor& a, const Tensor& b, const std::string& what) {
+  ASSERT_EQ(a.meta(), b.meta()) << what;
+  EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), static_cast<size_t>(a.bytes())), 0) << what;
 }
 
 size_t LayerIndex(const ModelSpec& model, const std::string& name) {
@@ -251,51 +263,131 @@ class UNet3dGradientTest : public ::testing::Test {
     for (float& v : values) v = (v - middle) * 0.05f;
     return FloatTensor(shape, values);
   }
+
+  // Random arguments of every layer of `model` at the shapes they have in it (the outputs of
+  // the layers or model inputs they read, batch kBatch); `shapes`: each layer's output 0.
+  static constexpr int64_t kBatch = 2;
+  static std::vector<Tensors> ArgsOfEveryLayer(const ModelSpec& model,
+                                               std::vector<Shape>* shapes = nullptr) {
+    std::vector<Shape> output_shape(model.layers.size());
+    std::vector<Tensors> every;
+    uint64_t seed = 1;
+    for (size_t l = 0; l < model.layers.size(); ++l) {
+      const LayerSpec& layer = model.layers[l];
+      Tensors args;
+      for (const LayerArg& arg : layer.forward_args) {
+        switch (arg.kind) {
+          case LayerArg::Kind::kModelInput: {
+            std::vector<int64_t> dims = model.inputs[arg.index].shape.dims();
+            dims[0] = kBatch;
+            args.push_back(model.inputs[arg.index].dtype == DType::kI32
+                               ? RandomTokens(Shape(dims), 3, seed++)
+                               : RandomTensor(Shape(dims), seed++));
+            break;
+          }
+          case LayerArg::Kind::kActivation: {
+            const Shape& shape = output_shape[arg.index];
+            args.push_back(layer.name.starts_with("down") ? DistinctTensor(shape, seed++)
+                                                          : RandomTensor(shape, seed++));
+            break;
+          }
+          case LayerArg::Kind::kParams:
+            args.push_back(RandomTensor(Shape{layer.params.numel()}, seed++, 0.5f));
+            break;
+        }
+      }
+      output_shape[l] = Forward(layer, args)[0].shape();
+      every.push_back(std::move(args));
+    }
+    if (shapes != nullptr) *shapes = output_shape;
+    return every;
+  }
 };
 
 // Two levels (so a decoder reads the decoder below it), two input channels, a batch of two; 8^3
 // voxels and 2-8 channels keep each layer's check well under a second.
+constexpr UNet3dConfig kGradientConfig{
+    .in_channels = 2, .classes = 3, .base_channels = 2, .depth = 2, .groups = 2, .volume = 8};
+
 TEST_F(UNet3dGradientTest, EveryLayerMatchesFiniteDifferences) {
-  const UNet3dConfig config{
-      .in_channels = 2, .classes = 3, .base_channels = 2, .depth = 2, .groups = 2, .volume = 8};
-  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
-  constexpr int64_t kBatch = 2;
-  // Each layer's f32 inputs at the shapes they have in the model: those of the outputs of the
-  // layers (or the model inputs) they read, with the batch set to kBatch.
-  std::vector<Shape> output_shape(model.layers.size());
-  uint64_t seed = 1;
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(kGradientConfig, CpuRegistry()));
+  std::vector<Shape> output_shape;
+  const std::vector<Tensors> args = ArgsOfEveryLayer(model, &output_shape);
   for (size_t l = 0; l < model.layers.size(); ++l) {
-    const LayerSpec& layer = model.layers[l];
-    SCOPED_TRACE(layer.name);
-    Tensors args;
-    for (const LayerArg& arg : layer.forward_args) {
-      switch (arg.kind) {
-        case LayerArg::Kind::kModelInput: {
-          std::vector<int64_t> dims = model.inputs[arg.index].shape.dims();
-          dims[0] = kBatch;
-          args.push_back(model.inputs[arg.index].dtype == DType::kI32
-                             ? RandomTokens(Shape(dims), 3, seed++)
-                             : RandomTensor(Shape(dims), seed++));
-          break;
-        }
-        case LayerArg::Kind::kActivation: {
-          const Shape& shape = output_shape[arg.index];
-          args.push_back(layer.name.starts_with("down") ? DistinctTensor(shape, seed++)
-                                                        : RandomTensor(shape, seed++));
-          break;
-        }
-        case LayerArg::Kind::kParams:
-          args.push_back(RandomTensor(Shape{layer.params.numel()}, seed++, 0.5f));
-          break;
-      }
-    }
-    output_shape[l] = Forward(layer, args)[0].shape();
-    Check(layer, args);
+    SCOPED_TRACE(model.layers[l].name);
+    Check(model.layers[l], args[l]);
   }
   EXPECT_EQ(output_shape[LayerIndex(model, "down1")], (Shape{kBatch, 4, 2, 2, 2}));
   EXPECT_EQ(output_shape[LayerIndex(model, "bottleneck")], (Shape{kBatch, 8, 2, 2, 2}));
   EXPECT_EQ(output_shape[LayerIndex(model, "up1")], (Shape{kBatch, 4, 4, 4, 4}));
   EXPECT_EQ(output_shape[LayerIndex(model, "head")], (Shape{kBatch, 3, 8, 8, 8}));
+}
+
+// Keeping part (attribute rebuild = cheap_ops): a layer's forward saves only what its
+// convolutions make, its backward runs the norms, activations and concatenations again, and
+// every output and gradient is the whole keep's bit for bit.
+TEST_F(UNet3dGradientTest, EveryLayerKeepingPartRebuildsTheRestBitForBit) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(kGradientConfig, CpuRegistry()));
+  const std::vector<Tensors> args = ArgsOfEveryLayer(model);
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const LayerSpec& layer = model.layers[l];
+    SCOPED_TRACE(layer.name);
+    auto run = [&](const std::string& rebuild) {
+      Attrs attrs = layer.attrs;
+      if (!rebuild.empty()) attrs.Set(kRebuildAttr, rebuild);
+      Result<Tensors> out = RunKernel(layer.forward_op, args[l], attrs);
+      TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
+      Tensors backward_in;
+      for (int o = 0; o < (layer.loss ? 0 : layer.activations); ++o) {
+        backward_in.push_back(RandomTensor((*out)[static_cast<size_t>(o)].shape(), 100 + o));
+      }
+      for (const BackwardArg& arg : layer.backward_args) {
+        if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[l][arg.index]);
+        if (arg.kind == BackwardArg::Kind::kForwardOutput) {
+          backward_in.push_back((*out)[arg.index]);
+        }
+      }
+      Result<Tensors> grads = RunKernel(layer.backward_op, backward_in, attrs);
+      TESSERA_CHECK(grads.ok(), "{}", grads.status().ToString());
+      return std::pair(*out, *grads);
+    };
+    const auto [whole_out, whole_grads] = run("");
+    const auto [lean_out, lean_grads] = run(kRebuildCheapOps);
+    ASSERT_EQ(lean_out.size(), whole_out.size());
+    ASSERT_EQ(lean_grads.size(), whole_grads.size());
+    // The last output is what the forward saves.
+    EXPECT_LE(lean_out.back().numel(), whole_out.back().numel());
+    for (size_t i = 0; i + 1 < whole_out.size(); ++i) {
+      ExpectBitIdentical(lean_out[i], whole_out[i], fmt::format("output {}", i));
+    }
+    for (size_t i = 0; i < whole_grads.size(); ++i) {
+      ExpectBitIdentical(lean_grads[i], whole_grads[i], fmt::format("gradient {}", i));
+    }
+    // Two convolution blocks (conv -> group norm -> SiLU, twice) keep their two convolutions'
+    // outputs; a decoder's concatenation is rebuilt from its inputs too.
+    if (layer.name == "enc0" || layer.name == "dec0") {
+      const int64_t conv_output = kBatch * kGradientConfig.base_channels * 8 * 8 * 8;
+      EXPECT_EQ(lean_out.back().numel(), 2 * conv_output);
+      EXPECT_GT(whole_out.back().numel(), 4 * conv_output);
+    }
+  }
+  // An unknown option is named; the split backward's halves rebuild nothing.
+  const size_t d = LayerIndex(model, "dec0");
+  const LayerSpec& dec0 = model.layers[d];
+  Attrs attrs = dec0.attrs;
+  attrs.Set(kRebuildAttr, "everything");
+  EXPECT_THAT(RunKernel(dec0.forward_op, args[d], attrs).status().message(),
+              HasSubstr("rebuilds 'cheap_ops' only, not 'everything'"));
+  attrs.Set(kRebuildAttr, kRebuildCheapOps);
+  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel(dec0.forward_op, args[d], attrs));
+  Tensors backward_in = {RandomTensor(out[0].shape(), 100)};
+  for (const BackwardArg& arg : dec0.backward_args) {
+    if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[d][arg.index]);
+    if (arg.kind == BackwardArg::Kind::kForwardOutput) backward_in.push_back(out[arg.index]);
+  }
+  EXPECT_THAT(RunKernel("layer_backward_input", backward_in, attrs).status().message(),
+              HasSubstr("the split layer backward (zero-bubble schedules) rebuilds "
+                        "nothing"));
 }
 
 // ---- Volumes ----
