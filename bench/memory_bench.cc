@@ -1,8 +1,16 @@
-// bench_memory: the memory plan (planner/memory_plan.cc) against the naive way, same run: the
+// bench_memory: the memory plan (planner/memory_plan.cc) against the naive ways, same run: the
 // step time of a model trained in this process keeping every activation, then at each
 // activation budget (--budgets, a share of the activations' peak, as torch.compile's
 // activation_memory_budget) planned by the activation solver and with every layer recomputed
-// (checkpointing every layer, the naive baseline), and for each the predicted and measured peaks.
+// (checkpointing every layer, the first naive baseline), and for each the predicted and
+// measured peaks. With --lru (the default), the second naive baseline: the plan keeping
+// everything on a one-worker local cluster whose object store holds what the budget leaves
+// (the uncapped peak less the share of the activations the budget takes away) and spills the
+// least recently used objects to disk beyond it ("lru-spill"), next to the same cluster
+// uncapped ("cluster-uncapped", its x_uncapped baseline: a worker process and its object store
+// cost something of their own). The store holds what outlives a step (the model state) and what
+// workers exchange; a step's intermediates live in the worker's executor, so the spill does not
+// bound a step's activations: the lru-spill rows' measured peaks say how far over they go.
 //
 // Models (--models): gpt2 (--gpt2-preset, batch --gpt2-batch of the preset's sequence length)
 // and unet3d (--unet-preset, batch --unet-batch). Each round (--rounds) runs every plan, in an
@@ -20,9 +28,11 @@
 // With --profile (the default) the layers are first profiled (ProfileLayerTimes) and every plan is
 // made with the measured times. --json PATH writes the same figures as JSON.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -30,11 +40,15 @@
 
 #include "bench/bench_util.h"
 
+#include "client/cluster.h"
+#include "client/graph_backend.h"
 #include "core/atomic_file.h"
 #include "data/volumes.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "ops/standard_ops.h"
+#include "planner/memory_model.h"
+#include "planner/step_graph.h"
 #include "planner/step_time.h"
 #include "training/layer_profile.h"
 #include "training/trainer.h"
@@ -51,6 +65,7 @@ T Check(tessera::Result<T> result, const std::string& what) {
 using tessera::bench::Median;
 
 struct Flags {
+  bool lru = true;
   std::vector<std::string> models = {"gpt2", "unet3d"};
   std::string gpt2_preset = "small";
   int64_t gpt2_batch = 4;
@@ -111,8 +126,10 @@ Case UNetCase(const Flags& flags, const tessera::OpRegistry& registry) {
 
 // One plan of a case: how it is capped.
 struct Variant {
-  std::string name;  // uncapped, planned, recompute-all
+  std::string name;  // uncapped, planned, recompute-all; on a cluster: cluster-uncapped, lru-spill
   double budget = 0;
+  int64_t store_bytes = 0;  // on a cluster: the worker's object store capacity (0: default)
+  bool on_cluster() const { return name == "cluster-uncapped" || name == "lru-spill"; }
 };
 
 struct Row {
@@ -128,7 +145,10 @@ struct Row {
   int recomputed = 0;
   int kept_part = 0;  // layers whose backward rebuilds part of what they save
   std::string reason;
-  std::string refused;  // why the plan could not be made
+  std::string refused;        // why the plan could not be made
+  int64_t store_bytes = 0;    // on a cluster: the object store's capacity
+  int64_t spilled_bytes = 0;  // on a cluster: written to disk over the run (warm-up included)
+  bool on_cluster = false;
 };
 
 // Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
@@ -141,8 +161,19 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   if (variant.name == "recompute-all") plan.memory.recompute_all = true;
   tessera::ExecutorOptions options;
   options.threads = flags.threads;
-  tessera::Result<std::unique_ptr<tessera::Trainer>> made =
-      tessera::Trainer::Create(c.model, plan, options);
+  std::unique_ptr<tessera::Cluster> cluster;
+  tessera::Result<std::unique_ptr<tessera::Trainer>> made = tessera::Unavailable("not made");
+  if (variant.on_cluster()) {
+    tessera::LocalClusterOptions local;
+    local.cpu_workers = 1;
+    local.threads_per_worker = flags.threads;
+    if (variant.store_bytes > 0) local.host_capacity_bytes = variant.store_bytes;
+    cluster = Check(tessera::Cluster::StartLocal(local), "start a one-worker local cluster");
+    made = tessera::Trainer::Create(c.model, plan,
+                                    Check(tessera::MakeClusterBackend(*cluster), "backend"));
+  } else {
+    made = tessera::Trainer::Create(c.model, plan, options);
+  }
   if (!made.ok()) {
     row.refused = made.status().ToString();
     return;
@@ -159,6 +190,20 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     }
   }
   row.round_ms.push_back(Median(times));
+  if (cluster != nullptr) {
+    row.on_cluster = true;
+    row.store_bytes = variant.store_bytes;
+    // What the worker spilled over the run, as of its next heartbeat (every 500 ms).
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    const tessera::ClusterInfo info = Check(cluster->Info(), "cluster info");
+    row.spilled_bytes = 0;  // the latest round's
+    for (const tessera::WorkerInfo& worker : info.workers) {
+      row.spilled_bytes += worker.spilled_total_bytes;
+      // A one-rank plan the scheduler placed reports no rank figures: the worker's last run's.
+      row.measured_peak = worker.last_run.total_peak;
+      row.measured_activations = worker.last_run.peak(tessera::ObjectRole::kActivation);
+    }
+  }
   const tessera::MemoryDecision& memory = trainer.step_graph().memory;
   if (memory.peak_bytes > 0) {
     row.predicted_peak = memory.peak_bytes;
@@ -175,7 +220,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     if (task.name.find("/recompute") != std::string::npos) ++row.recomputed;
   }
   row.kept_part = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kKeepPart);
-  if (!now.layer_ms.empty()) {
+  if (!now.layer_ms.empty() && cluster == nullptr) {
     const double predicted =
         Check(tessera::PredictStepTime(trainer.step_graph().graph, c.model, now.layer_ms, registry,
                                        now.TaskOverheadMs()),
@@ -228,6 +273,10 @@ static int Main(int argc, char** argv) {
   app.add_flag("--profile,!--no-profile", flags.profile,
                "Plan with measured layer times and predict each plan's step time from them "
                "(default); --no-profile plans with the op cost model's estimates");
+  app.add_flag("--lru,!--no-lru", flags.lru,
+               "Also run the plan keeping everything on a one-worker local cluster whose object "
+               "store holds what each budget leaves, spilling to disk (default), and that cluster "
+               "uncapped");
   app.add_option("--json", flags.json, "Also write the figures to this JSON file");
   CLI11_PARSE(app, argc, argv);
 
@@ -245,6 +294,23 @@ static int Main(int argc, char** argv) {
       variants.push_back({"planned", budget});
       variants.push_back({"recompute-all", budget});
     }
+    if (flags.lru) {
+      // What each budget leaves: the uncapped peak less the activations it takes away.
+      const tessera::StepGraph uncapped =
+          Check(tessera::PlanTrainingStep(c.model, c.plan, registry), "plan");
+      const tessera::MemoryProfile profile =
+          Check(tessera::PredictMemory(uncapped.graph), "predict");
+      const tessera::WorkerMemory& worker = profile.workers[0];
+      const auto activations = static_cast<double>(
+          worker.role_peaks[static_cast<size_t>(tessera::ObjectRole::kActivation)]);
+      variants.push_back({"cluster-uncapped", 0});
+      for (double budget : flags.budgets) {
+        const auto store = static_cast<int64_t>(static_cast<double>(worker.total_peak) -
+                                                (1 - budget) * activations);
+        // The store's capacity is whole MiB: round up (in the spill's favour).
+        variants.push_back({"lru-spill", budget, ((store >> 20) + 1) << 20});
+      }
+    }
     // recompute-all does not depend on the budget: run it once, report it at every budget.
     std::vector<Variant> run;
     for (const Variant& v : variants) {
@@ -258,7 +324,8 @@ static int Main(int argc, char** argv) {
                      flags.rounds, run[v].name.c_str(), run[v].budget);
         // The step time is predicted from a profile taken just before: the machine's speed
         // drifts over minutes.
-        const tessera::StepProfile now = flags.profile ? Profile(flags, c) : tessera::StepProfile{};
+        const tessera::StepProfile now =
+            flags.profile && !run[v].on_cluster() ? Profile(flags, c) : tessera::StepProfile{};
         RunOnce(flags, c, run[v], registry, now, case_rows[v]);
       }
     }
@@ -281,8 +348,10 @@ static int Main(int argc, char** argv) {
   std::string json = "[\n";
   for (const Row& row : rows) {
     double uncapped = 0;
+    // A cluster's rows against the cluster uncapped, the others against this process's.
+    const char* baseline = row.on_cluster ? "cluster-uncapped" : "uncapped";
     for (const Row& other : rows) {
-      if (other.model == row.model && other.plan == "uncapped") uncapped = other.step_ms;
+      if (other.model == row.model && other.plan == baseline) uncapped = other.step_ms;
     }
     if (!row.refused.empty()) {
       std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
@@ -293,6 +362,10 @@ static int Main(int argc, char** argv) {
                   row.step_ms / uncapped, row.predicted_ratio, Mb(row.predicted_peak),
                   Mb(row.measured_peak), Mb(row.predicted_activations),
                   Mb(row.measured_activations), row.recomputed, row.kept_part);
+      if (row.on_cluster) {
+        std::printf("%-14s %-14s %6.2f   object store %.2f MiB, %.2f MiB spilled to disk\n", "", "",
+                    row.budget, Mb(row.store_bytes), Mb(row.spilled_bytes));
+      }
     }
     json += fmt::format(
         "  {{\"model\": \"{}\", \"plan\": \"{}\", \"budget\": {}, \"step_ms\": {:.3f}, "
@@ -300,11 +373,12 @@ static int Main(int argc, char** argv) {
         "\"predicted_peak\": {}, "
         "\"measured_peak\": {}, "
         "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
-        "\"kept_part\": {}, \"refused\": {}}}{}\n",
+        "\"kept_part\": {}, \"store_bytes\": {}, \"spilled_bytes\": {}, \"refused\": {}}}{}\n",
         row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
         row.predicted_ms, row.predicted_ratio, row.predicted_peak, row.measured_peak,
         row.predicted_activations, row.measured_activations, row.recomputed, row.kept_part,
-        row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
+        row.store_bytes, row.spilled_bytes, row.refused.empty() ? "false" : "true",
+        &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
   for (const Row& row : rows) {

@@ -141,7 +141,8 @@ struct WorkerInfo {
   std::string gpu;  // the GPU it owns (a GPU worker); empty for a CPU worker
   int64_t host_used_bytes = 0;
   int64_t host_capacity_bytes = 0;
-  int64_t spilled_bytes = 0;
+  int64_t spilled_bytes = 0;        // on disk now
+  int64_t spilled_total_bytes = 0;  // written to disk so far
   int tasks_running = 0;
   int64_t tasks_done = 0;
   int64_t bytes_pulled = 0;  // data plane, cumulative

@@ -27,6 +27,7 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
   w.host_used_bytes = worker.getHeartbeat().getHostUsed();
   w.host_capacity_bytes = worker.getHeartbeat().getHostCapacity();
   w.spilled_bytes = worker.getHeartbeat().getSpilledBytes();
+  w.spilled_total_bytes = worker.getHeartbeat().getSpilledTotal();
   w.tasks_running = worker.getHeartbeat().getTasksRunning();
   w.tasks_done = worker.getHeartbeat().getTasksDone();
   w.bytes_pulled = worker.getHeartbeat().getBytesPulled();

@@ -78,6 +78,7 @@ void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
   hb.setHostUsed(p.host_used);
   hb.setHostCapacity(p.host_capacity);
   hb.setSpilledBytes(p.spilled_bytes);
+  hb.setSpilledTotal(p.spilled_total);
   hb.setTasksRunning(p.tasks_in_flight);
   hb.setTasksDone(p.tasks_done);
   hb.setBytesPulled(p.bytes_pulled);

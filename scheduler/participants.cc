@@ -69,6 +69,7 @@ Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
 void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader heartbeat) {
   worker.host_used = heartbeat.getHostUsed();
   worker.spilled_bytes = heartbeat.getSpilledBytes();
+  worker.spilled_total = heartbeat.getSpilledTotal();
   worker.tasks_done = heartbeat.getTasksDone();
   worker.bytes_pulled = heartbeat.getBytesPulled();
   worker.pull_micros = heartbeat.getPullMicros();

@@ -46,6 +46,7 @@ struct Participant {
   int64_t host_capacity = 0;
   int64_t host_used = 0;
   int64_t spilled_bytes = 0;
+  int64_t spilled_total = 0;  // cumulative
   int64_t tasks_done = 0;
   int64_t bytes_pulled = 0;
   int64_t pull_micros = 0;

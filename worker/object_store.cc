@@ -148,6 +148,7 @@ Status ObjectStore::SpillToDisk(ObjectId id, Entry& entry) {
   lru_.erase(entry.lru);
   host_bytes_ -= bytes;
   spilled_bytes_ += bytes;
+  spilled_total_bytes_ += bytes;
   ++spills_;
   return Status::Ok();
 }
@@ -242,10 +243,14 @@ Result<StorageTier> ObjectStore::TierOf(ObjectId id) const {
 
 ObjectStoreStats ObjectStore::stats() const {
   MutexLock lock(&mutex_);
-  return ObjectStoreStats{host_bytes_,    options_.host_capacity_bytes,
-                          spilled_bytes_, static_cast<int64_t>(entries_.size()),
-                          spills_,        restores_,
-                          device_bytes_};
+  return ObjectStoreStats{.host_bytes = host_bytes_,
+                          .host_capacity_bytes = options_.host_capacity_bytes,
+                          .spilled_bytes = spilled_bytes_,
+                          .objects = static_cast<int64_t>(entries_.size()),
+                          .spills = spills_,
+                          .spilled_total_bytes = spilled_total_bytes_,
+                          .restores = restores_,
+                          .device_bytes = device_bytes_};
 }
 
 }  // namespace tessera

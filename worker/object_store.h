@@ -50,6 +50,7 @@ struct ObjectStoreStats {
   int64_t spilled_bytes = 0;
   int64_t objects = 0;
   int64_t spills = 0;        // objects written to disk so far
+  int64_t spilled_total_bytes = 0;  // their bytes
   int64_t restores = 0;      // objects read back so far
   int64_t device_bytes = 0;  // objects in the device tier
 };
@@ -122,6 +123,7 @@ class ObjectStore {
   int64_t device_bytes_ GUARDED_BY(mutex_) = 0;
   int64_t spilled_bytes_ GUARDED_BY(mutex_) = 0;
   int64_t spills_ GUARDED_BY(mutex_) = 0;
+  int64_t spilled_total_bytes_ GUARDED_BY(mutex_) = 0;
   int64_t restores_ GUARDED_BY(mutex_) = 0;
 };
 

@@ -284,6 +284,7 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   heartbeat.setHostUsed(stats.host_bytes);
   heartbeat.setHostCapacity(stats.host_capacity_bytes);
   heartbeat.setSpilledBytes(stats.spilled_bytes);
+  heartbeat.setSpilledTotal(stats.spilled_total_bytes);
   const GraphRunnerStats runs = graph_runner_->stats();
   heartbeat.setTasksRunning(static_cast<int32_t>(runs.running));
   heartbeat.setTasksDone(runs.done);

@@ -105,6 +105,7 @@ struct Heartbeat {
   pullMicros @6 :Int64;      # ... and the time those pulls took (start to last byte)
   bytesServed @7 :Int64;     # bytes peers pulled from this worker
   waits @8 :WaitState;       # what the worker runs or waits for now (tessera status --waits)
+  spilledTotal @9 :Int64;    # cumulative: bytes its object store wrote to disk (spilledBytes: now)
 }
 
 # A worker's own view of what it runs or waits for, as of its heartbeat (worker/wait_state.h).

@@ -90,6 +90,11 @@ TEST(ObjectStoreTest, SpillsLeastRecentlyUsedAndRestoresContents) {
   }
   EXPECT_GE(store.stats().restores, 1);
   EXPECT_LE(store.stats().host_bytes, 3 * kBytes);
+  // The restores spilled others: the bytes written so far count every spill, what is on disk
+  // now only the latest.
+  stats = store.stats();
+  EXPECT_EQ(stats.spilled_total_bytes, stats.spills * kBytes);
+  EXPECT_GT(stats.spilled_total_bytes, stats.spilled_bytes);
 }
 
 // A worker that rejoins a restarted scheduler starts a new store in the same directory: the
