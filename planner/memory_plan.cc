@@ -203,23 +203,34 @@ struct Chain {
   std::vector<size_t> layers;  // problem index -> model layer
 };
 
-// `lowered`: bytes the solver is to leave free besides (the memory model saw more than it).
-Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
-                            const OpRegistry& registry, const PlannedPasses& planned,
-                            const WorkerMemory& memory, size_t rank, MemoryTier tier,
-                            const Caps& caps, int64_t lowered, const std::vector<OpCosts>& times) {
-  const Graph& graph = planned.step.graph;
-  std::map<TaskId, int> position;
-  for (size_t p = 0; p < memory.order.tasks.size(); ++p) {
-    position[memory.order.tasks[p]] = static_cast<int>(p);
-  }
-  // Readers of every object.
+// The tasks reading each object (by id - 1).
+std::vector<std::vector<TaskId>> ReadersOf(const Graph& graph) {
   std::vector<std::vector<TaskId>> readers(graph.objects().size());
   for (const TaskSpec& task : graph.tasks()) {
     for (ObjectId input : task.inputs) readers[input.value() - 1].push_back(task.id);
   }
+  return readers;
+}
+
+// `readers`: ReadersOf(planned's graph); `lowered`: bytes the solver is to leave free besides (the
+// memory model saw more than it). An empty chain when the rank runs no layer on the worker.
+Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
+                            const OpRegistry& registry, const PlannedPasses& planned,
+                            const std::vector<std::vector<TaskId>>& readers,
+                            const WorkerMemory& memory, size_t rank, MemoryTier tier,
+                            const Caps& caps, int64_t lowered, const std::vector<OpCosts>& times) {
+  const Graph& graph = planned.step.graph;
   const auto& forward = planned.forward_task[rank];
   const auto& backward = planned.backward_task[rank];
+  std::map<TaskId, int> position;
+  for (size_t p = 0; p < memory.order.tasks.size(); ++p) {
+    position[memory.order.tasks[p]] = static_cast<int>(p);
+  }
+  if (std::none_of(forward.begin(), forward.end(), [&](const std::vector<TaskId>& tasks) {
+        return !tasks.empty() && position.contains(tasks[0]);
+      })) {
+    return Chain{};
+  }
   const size_t micro_batches = forward.empty() ? 0 : forward[0].size();
   // What each layer's forward saves (per micro-batch), and every saved object on this worker.
   std::vector<std::vector<ObjectId>> saved_of(model.layers.size());
@@ -414,6 +425,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     }
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> times, LayerTimes(model, plan, registry));
+  const std::vector<std::vector<TaskId>> readers = ReadersOf(planned.step.graph);
   int64_t lowered = 0;
   for (int round = 0; round < kVerifyRounds; ++round) {
     std::vector<ActivationDecision> choices(model.layers.size());
@@ -421,8 +433,9 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     // Per rank, a chain per worker it runs layers on (a pipeline's stages; else one).
     for (size_t rank = 0; rank < planned.forward_task.size() && solved_all; ++rank) {
       for (const WorkerMemory& memory : profile.workers) {
-        TESSERA_ASSIGN_OR_RETURN(Chain chain, DescribeChain(model, plan, registry, planned, memory,
-                                                            rank, tier, caps, lowered, times));
+        TESSERA_ASSIGN_OR_RETURN(
+            Chain chain, DescribeChain(model, plan, registry, planned, readers, memory, rank, tier,
+                                       caps, lowered, times));
         if (chain.layers.empty()) continue;
         Result<ActivationPlan> solved = SolveActivations(chain.problem);
         if (!solved.ok()) {
