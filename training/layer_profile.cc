@@ -1,10 +1,12 @@
 #include "training/layer_profile.h"
 
 #include <algorithm>
+#include <chrono>
 #include <iterator>
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "training/trainer.h"
 
@@ -143,6 +145,52 @@ Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan
   for (double micros : SharedMicros(timeline)) profile.busy_ms += micros / 1e3 / options.steps;
   profile.tasks = static_cast<double>(timeline.spans.size()) / options.steps;
   return profile;
+}
+
+}  // namespace tessera
+
+namespace tessera {
+
+Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes, int repeats) {
+  if (bytes < 1 || repeats < 1) {
+    return InvalidArgument("measuring the host link: {} bytes {} times; both must be >= 1", bytes,
+                           repeats);
+  }
+  const int64_t floats = (bytes + 3) / 4;
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor host,
+      Tensor::Zeros(TensorMeta{Shape{floats}, DType::kF32, Device::Cpu()}, SharedHostAllocator()));
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor on_device,
+      Tensor::Empty(TensorMeta{Shape{floats}, DType::kF32, device.device()}, device.allocator()));
+  // Each direction timed to its end: a host destination is written when Copy returns; a device
+  // one once the stream has done it.
+  auto time_us = [&](bool up) -> Result<double> {
+    const auto start = std::chrono::steady_clock::now();
+    if (up) {
+      TESSERA_RETURN_IF_ERROR(device.Copy(on_device.raw_data(), device.device(), host.raw_data(),
+                                          Device::Cpu(), bytes));
+      TESSERA_RETURN_IF_ERROR(device.Synchronize());
+    } else {
+      TESSERA_RETURN_IF_ERROR(device.Copy(host.raw_data(), Device::Cpu(), on_device.raw_data(),
+                                          device.device(), bytes));
+    }
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  double slowest = 0;
+  for (const bool up : {true, false}) {
+    TESSERA_RETURN_IF_ERROR(time_us(up).status());  // untimed: first touch, pinning
+    std::vector<double> times;
+    for (int i = 0; i < repeats; ++i) {
+      TESSERA_ASSIGN_OR_RETURN(double us, time_us(up));
+      times.push_back(us);
+    }
+    std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2),
+                     times.end());
+    slowest = std::max(slowest, times[times.size() / 2]);
+  }
+  return static_cast<double>(bytes) / std::max(slowest, 1e-3);
 }
 
 }  // namespace tessera

@@ -1,4 +1,5 @@
-// Balancing pipeline stages by measured layer times.
+// Balancing pipeline stages by measured layer times, and the other figures plans are calibrated
+// by (the host link's bandwidth).
 //
 // The planner cuts a model into stages by per-layer costs and orders zb-h1 by the costs of F, B
 // and W, by default the op cost model's estimates. ProfileLayerTimes measures them instead
@@ -9,8 +10,10 @@
 // depend on the values), so the profile needs no data.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
+#include "core/device_runtime.h"
 #include "core/status.h"
 #include "core/timeline.h"
 #include "model/model_spec.h"
@@ -60,5 +63,12 @@ struct StepProfile {
 Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan,
                                 const ExecutorOptions& executor,
                                 const LayerProfileOptions& options = {});
+
+// The host link of `device` (MemoryCaps::host_link_bytes_per_us, what the memory plan times
+// swaps by): `bytes` copied host -> device and device -> host `repeats` times each (after one
+// untimed copy each way), each direction's median, the slower of the two, in bytes per
+// microsecond. InvalidArgument for bytes < 1 or repeats < 1; errors of the copies as they come.
+Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes = int64_t{64} << 20,
+                               int repeats = 5);
 
 }  // namespace tessera

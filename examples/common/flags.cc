@@ -63,6 +63,12 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "keeping every one (as torch.compile's activation_memory_budget): the planner "
                  "recomputes the layers that cost least to fit it (0: no budget)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--host-link-gbps", flags.host_link_gbps,
+                 "On GPUs under a memory cap: the bandwidth between a GPU and its host, each "
+                 "way, in GB/s, with which the planner may swap activations to the host instead "
+                 "of recomputing them (0: measured with --balance profile on this process's "
+                 "GPU; else no swapping)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
@@ -269,6 +275,7 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
   plan.memory.device_bytes = static_cast<int64_t>(flags.device_memory_gib * (1 << 30));
   plan.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
   plan.memory.activation_budget = flags.activation_budget;
+  plan.memory.host_link_bytes_per_us = flags.host_link_gbps * 1e3;  // 1 GB/s = 1e3 bytes/us
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
   return ApplyPipeline(flags, plan);
@@ -306,6 +313,13 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
                "%s: layer times (profiled, ms per micro-batch, forward/backward/weight): %s\n",
                program, text.c_str());
   plan.parallel.layer_op_costs = std::move(ms);
+  // Under a cap on this process's GPU, the host link too: what the planner times swaps by.
+  if (capped && executor.device != nullptr && plan.memory.host_link_bytes_per_us == 0) {
+    TESSERA_ASSIGN_OR_RETURN(plan.memory.host_link_bytes_per_us, MeasureHostLink(*executor.device));
+    std::fprintf(stderr, "%s: host link (measured, %s): %.2f GB/s each way\n", program,
+                 executor.device->device().ToString().c_str(),
+                 plan.memory.host_link_bytes_per_us / 1e3);
+  }
   return Status::Ok();
 }
 

@@ -82,7 +82,10 @@ struct CommonFlags {
   double device_memory_gib = 0;  // the planner's per-worker caps (TrainingPlan::memory; 0: none)
   double host_memory_gib = 0;
   double activation_budget = 0;  // share of the activations' peak (0: none)
-  std::string address;           // a running cluster; empty: a local one or this process
+  // The GPU's host link, each way, in GB/s (MemoryCaps::host_link_bytes_per_us; 0: measured with
+  // --balance profile on this process's GPU, else none: no swapping).
+  double host_link_gbps = 0;
+  std::string address;  // a running cluster; empty: a local one or this process
   std::string token_file;
   std::string placement = "scheduler";
   PipelineFlags pipeline;

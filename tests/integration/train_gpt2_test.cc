@@ -95,6 +95,30 @@ TEST(TrainGpt2Test, RecomputesChosenUnderAnActivationBudgetAreInTheTrace) {
   }
 }
 
+// On a GPU (the simulated one here) under an activation budget, --balance profile also measures
+// the host link, and the planner swaps saved activations to the host where the copies hide
+// under compute; a link given by flag is not measured.
+TEST(TrainGpt2Test, OnAGpuTheProfileMeasuresTheHostLinkAndThePlanSwaps) {
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  ProcessResult measured = RunTrainGpt2(
+      "--device cuda --layers 4 --steps 2 --batch 8 --balance profile --activation-budget 0.5 "
+      "--explain-memory");
+  ProcessResult given = RunTrainGpt2(
+      "--device cuda --layers 4 --steps 1 --batch 8 --balance profile --activation-budget 0.5 "
+      "--host-link-gbps 0.001 --explain-memory");
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  ASSERT_EQ(measured.exit_code, 0) << measured.output;
+  EXPECT_GT(FirstMatch(measured.output, R"(host link \(measured, cuda:0\): ([0-9.]+) GB/s)"), 0)
+      << measured.output;
+  EXPECT_NE(measured.output.find("memory plan (device tier): "), std::string::npos)
+      << measured.output;
+  EXPECT_GT(FirstMatch(measured.output, R"(swap ([0-9]+):)"), 0) << measured.output;
+  // A link of 1 MB/s hides nothing: no swaps, and nothing measured.
+  ASSERT_EQ(given.exit_code, 0) << given.output;
+  EXPECT_EQ(given.output.find("host link (measured"), std::string::npos) << given.output;
+  EXPECT_EQ(FirstMatch(given.output, R"(swap ([0-9]+):)"), 0) << given.output;
+}
+
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
@@ -129,6 +153,7 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--activation-budget",
                            "--host-memory-gib",
                            "--device-memory-gib",
+                           "--host-link-gbps",
                            "--layer-impl"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }

@@ -2,9 +2,15 @@
 // gives each layer, and a profiling run that times every layer of a model.
 #include "training/layer_profile.h"
 
+#include <cmath>
+#include <memory>
+
+#include <gmock/gmock.h>
+
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "test_util.h"
+#include "worker/simulated_gpu.h"
 
 namespace tessera::testing {
 namespace {
@@ -124,6 +130,18 @@ TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
   EXPECT_EQ(refused.message(),
             "profiling the layers: the batch of 2 rows gives no row per micro-batch over 1 "
             "rank(s) x 4 micro-batch(es)");
+}
+
+// The host link of the simulated GPU (copies through host memory, unscrambling as a real GPU's
+// copies would move bytes): a finite positive bandwidth; bad sizes are refused by name.
+TEST(LayerProfileTest, TheHostLinkIsMeasuredBothWays) {
+  std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu(int64_t{64} << 20);
+  ASSERT_OK_AND_ASSIGN(double bytes_per_us, MeasureHostLink(*gpu, int64_t{4} << 20, 3));
+  EXPECT_GT(bytes_per_us, 0.0);
+  EXPECT_TRUE(std::isfinite(bytes_per_us));
+  EXPECT_EQ(gpu->memory().live_bytes, 0);  // the probe's device buffer is freed
+  EXPECT_THAT(MeasureHostLink(*gpu, 0, 3).status().message(),
+              ::testing::HasSubstr("0 bytes 3 times; both must be >= 1"));
 }
 
 }  // namespace
