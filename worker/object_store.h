@@ -49,10 +49,10 @@ struct ObjectStoreStats {
   int64_t host_capacity_bytes = 0;
   int64_t spilled_bytes = 0;
   int64_t objects = 0;
-  int64_t spills = 0;        // objects written to disk so far
+  int64_t spills = 0;               // objects written to disk so far
   int64_t spilled_total_bytes = 0;  // their bytes
-  int64_t restores = 0;      // objects read back so far
-  int64_t device_bytes = 0;  // objects in the device tier
+  int64_t restores = 0;             // objects read back so far
+  int64_t device_bytes = 0;         // objects in the device tier
 };
 
 class ObjectStore;
