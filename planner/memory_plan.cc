@@ -399,9 +399,13 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                            : "");
   const ParallelConfig& p = plan.parallel;
   if (p.split_backwards || SplitsBackward(p.schedule)) {
+    // Tried: with the refusal lifted, recomputing every layer of a two-stage ZB-H1 GPT-2 left its
+    // activation peak where it was (100%): each layer's saved activations and its input half's
+    // stash wait for the deferred weight half, which only the schedule can move.
     return InvalidArgument(
         "{}; fitting a split backward's activations (zero-bubble schedules) under a cap is not "
-        "planned yet: raise the cap, or use --schedule 1f1b",
+        "planned yet (what a layer saves, and its input half's stash, wait for its deferred "
+        "weight half, and recomputing does not move that): raise the cap, or use --schedule 1f1b",
         over);
   }
   // Several micro-batches and no pipeline: one after another first (what accumulating gradients
