@@ -84,6 +84,9 @@ struct ParallelConfig {
   // and weight half (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's
   // estimates. Their per-chunk means order zb-h1 (ScheduleOrder's costs).
   std::vector<OpCosts> layer_op_costs;
+  // Measured beside them (StepProfile::TaskOverheadMs): what a step spends per task beyond the
+  // tasks' own time, for predicting the step time (planner/step_time.h); 0: not measured.
+  double task_overhead_ms = 0;
   // Split every backward that can be (model/model_spec.h LayerSpec::backward_input_op) even without
   // a zero-bubble pipeline: a profiling run that times the halves.
   bool split_backwards = false;

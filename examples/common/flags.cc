@@ -299,8 +299,8 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
   // recomputes and rebuilds by whole layers.
   LayerProfileOptions options;
   options.split_backwards = pipeline;
-  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> ms,
-                           ProfileLayerTimes(model, plan, executor, options));
+  TESSERA_ASSIGN_OR_RETURN(StepProfile profile, ProfileStep(model, plan, executor, options));
+  std::vector<OpCosts>& ms = profile.layer_ms;
   std::string text;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     text += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f}", l == 0 ? "" : ", ", model.layers[l].name,
@@ -313,6 +313,7 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
                "%s: layer times (profiled, ms per micro-batch, forward/backward/weight): %s\n",
                program, text.c_str());
   plan.parallel.layer_op_costs = std::move(ms);
+  plan.parallel.task_overhead_ms = profile.TaskOverheadMs();
   // Under a cap on this process's GPU, the host link too: what the planner times swaps by.
   if (capped && executor.device != nullptr && plan.memory.host_link_bytes_per_us == 0) {
     TESSERA_ASSIGN_OR_RETURN(plan.memory.host_link_bytes_per_us, MeasureHostLink(*executor.device));

@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 
 #include "client/trace.h"
+#include "ops/standard_ops.h"
 #include "planner/memory_model.h"
+#include "planner/step_time.h"
 
 namespace tessera::examples {
 
@@ -231,6 +233,20 @@ Status PrintMemoryPlan(const Trainer& trainer, const TraceFlags& flags) {
   const MemoryDecision& memory = trainer.step_graph().memory;
   if (memory.cap_bytes > 0 || memory.activation_cap_bytes > 0) {
     std::printf("memory plan (%s tier): %s\n", MemoryTierName(memory.tier), memory.reason.c_str());
+  }
+  // With profiled layer times (--balance profile), how long the planned step should take.
+  const ParallelConfig& parallel = trainer.step_graph().parallel;
+  if (!parallel.layer_op_costs.empty()) {
+    OpRegistry registry;
+    TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+    Result<StepTimePrediction> predicted = PredictStepTime(
+        graph, trainer.model(), parallel.layer_op_costs, registry, parallel.task_overhead_ms);
+    if (!predicted.ok()) return predicted.status().WithContext("--explain-memory: the step time");
+    std::printf(
+        "predicted step time: %.1f ms (the slowest worker: layers %.1f, other tasks %.1f, "
+        "%.3f ms a task beyond its own time %.1f; from the profiled layer times)\n",
+        predicted->step_ms, predicted->layer_ms, predicted->other_ms, parallel.task_overhead_ms,
+        predicted->overhead_ms);
   }
   std::fflush(stdout);
   return Status::Ok();

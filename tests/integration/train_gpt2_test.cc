@@ -280,11 +280,13 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
             std::string::npos)
       << unpiped.output;
   // Without a pipeline but under an activation budget, the memory plan prices its recomputes
-  // by the profiled times.
-  ProcessResult budgeted =
-      RunTrainGpt2("--steps 1 --batch 8 --balance profile --activation-budget 0.5");
+  // by the profiled times, and --explain-memory predicts the planned step's time from them.
+  ProcessResult budgeted = RunTrainGpt2(
+      "--steps 1 --batch 8 --balance profile --activation-budget 0.5 --explain-memory");
   EXPECT_EQ(budgeted.exit_code, 0) << budgeted.output;
   EXPECT_NE(budgeted.output.find("layer times (profiled, ms per micro-batch"), std::string::npos)
+      << budgeted.output;
+  EXPECT_GT(FirstMatch(budgeted.output, R"(predicted step time: ([0-9.]+) ms)"), 0)
       << budgeted.output;
 
   const std::vector<std::pair<std::string, std::string>> refused = {
