@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "planner/activation_solver.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -45,6 +46,13 @@ void ExpectSameRun(const TrainingRun& run, const TrainingRun& reference, const s
   EXPECT_LE(ScaledMaxError(run.parameter, reference.parameter), 1e-4) << label;
   std::printf("[ %s ] worst relative loss difference over %zu steps: %.2e\n", label.c_str(),
               run.losses.size(), worst);
+}
+
+void ExpectActivationsPlanned(const MemoryDecision& memory) {
+  ASSERT_GT(memory.activation_cap_bytes, 0);
+  EXPECT_LT(CountChoice(memory.activations, ActivationChoice::kKeep),
+            static_cast<int>(memory.activations.size()))
+      << memory.reason;
 }
 
 }  // namespace tessera::testing

@@ -33,4 +33,8 @@ Result<std::unique_ptr<Cluster>> StartTestCluster(int workers);
 // relative, the parameter within 1e-4 of its scale. Prints the worst loss difference, labelled.
 void ExpectSameRun(const TrainingRun& run, const TrainingRun& reference, const std::string& label);
 
+// The memory plan worked under an activation budget: a cap is set and some layer is not kept
+// whole (kept in part, recomputed or swapped).
+void ExpectActivationsPlanned(const MemoryDecision& memory);
+
 }  // namespace tessera::testing
