@@ -1,9 +1,11 @@
 #include "plan_equivalence.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
 #include "planner/activation_solver.h"
+#include "planner/memory_model.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -53,6 +55,27 @@ void ExpectActivationsPlanned(const MemoryDecision& memory) {
   EXPECT_LT(CountChoice(memory.activations, ActivationChoice::kKeep),
             static_cast<int>(memory.activations.size()))
       << memory.reason;
+}
+
+void ExpectActivationPeaksAsPredicted(const Trainer& trainer, const TrainingRun& run,
+                                      double relative, int64_t absolute) {
+  const MemoryDecision& memory = trainer.step_graph().memory;
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer.step_graph().graph));
+  ASSERT_FALSE(run.reports.empty());
+  ASSERT_EQ(run.reports.back().ranks.size(), profile.workers.size());
+  for (const RankFigures& rank : run.reports.back().ranks) {
+    const int64_t measured = rank.figures.peak(ObjectRole::kActivation);
+    EXPECT_LE(measured, memory.activation_cap_bytes) << memory.reason;
+    const auto worker =
+        std::find_if(profile.workers.begin(), profile.workers.end(),
+                     [&](const WorkerMemory& w) { return w.order.worker == rank.worker; });
+    ASSERT_NE(worker, profile.workers.end());
+    const auto predicted =
+        static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+    EXPECT_NEAR(static_cast<double>(measured), predicted,
+                std::max(relative * predicted, static_cast<double>(absolute)))
+        << rank.worker.ToString() << ": " << memory.reason;
+  }
 }
 
 }  // namespace tessera::testing

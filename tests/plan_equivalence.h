@@ -37,4 +37,10 @@ void ExpectSameRun(const TrainingRun& run, const TrainingRun& reference, const s
 // whole (kept in part, recomputed or swapped).
 void ExpectActivationsPlanned(const MemoryDecision& memory);
 
+// After `run` of `trainer`'s plan under an activation budget: every rank's measured activation
+// peak (its last step's) is under the budget and within max(`relative` x the prediction,
+// `absolute` bytes) of its worker's predicted peak.
+void ExpectActivationPeaksAsPredicted(const Trainer& trainer, const TrainingRun& run,
+                                      double relative, int64_t absolute);
+
 }  // namespace tessera::testing
