@@ -3,7 +3,6 @@
 // (losses within 1e-5 relative over 20 steps), so does ZeRO-3 on two workers with half of its
 // activations (each worker's peak as predicted), each rank's model state follows the ZeRO
 // formulas, and train_unet3d learns (the loss falls, Dice rises) and resumes from checkpoints.
-#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <memory>
