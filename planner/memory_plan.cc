@@ -16,8 +16,9 @@
 //    model, not the solver's simpler view, has the last word. If a worker still exceeds the cap,
 //    solve again with the cap lowered by the excess (a few rounds).
 // Across workers a plan fits when each worker's predicted peak plus the largest object one worker
-// pushes to another is under the cap: the model moves a push the moment its object is made, and
-// a push that leaves later holds it on its sender that much longer.
+// pushes to another, once per micro-batch a worker may hold in flight (a pipeline's; else once),
+// is under the cap: the model moves a push the moment its object is made, and a push that leaves
+// later holds it on its sender that much longer.
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
@@ -33,6 +34,7 @@
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -119,19 +121,20 @@ Peaks PeaksOf(const MemoryProfile& profile, MemoryTier tier) {
 // The caps in force: the tier's, and the activations' (from the budget); 0: none.
 struct Caps {
   int64_t total = 0, activations = 0;
-  // Whether `peaks`, with room for a late push, is under both caps.
-  bool Fit(const Peaks& peaks) const {
-    return (total == 0 || peaks.total + peaks.pushed <= total) &&
-           (activations == 0 || peaks.activations + peaks.pushed_activation <= activations);
-  }
-  // How far `peaks`, with room for a late push, is over the tighter cap.
+  // How many pushes a worker may have left late at once: one per micro-batch it holds in flight
+  // (a pipeline's first stage: up to its stages times virtual stages, at most the micro-batches).
+  int64_t late_pushes = 1;
+  // Whether `peaks`, with room for late pushes, is under both caps.
+  bool Fit(const Peaks& peaks) const { return Excess(peaks) <= 0; }
+  // How far `peaks`, with room for late pushes, is over the tighter cap (<= 0: under both).
   int64_t Excess(const Peaks& peaks) const {
-    int64_t excess = 0;
-    if (total > 0) excess = std::max(excess, peaks.total + peaks.pushed - total);
+    int64_t excess = std::numeric_limits<int64_t>::min();
+    if (total > 0) excess = std::max(excess, peaks.total + late_pushes * peaks.pushed - total);
     if (activations > 0) {
-      excess = std::max(excess, peaks.activations + peaks.pushed_activation - activations);
+      excess =
+          std::max(excess, peaks.activations + late_pushes * peaks.pushed_activation - activations);
     }
-    return excess;
+    return excess == std::numeric_limits<int64_t>::min() ? 0 : excess;
   }
 };
 
@@ -333,6 +336,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   const MemoryTier tier = ComputeTier(plan);
   Caps caps;
   caps.total = CapOf(plan, tier);
+  const ParallelConfig& parallel = plan.parallel;
+  if (parallel.pipeline_stages * parallel.virtual_stages > 1) {
+    caps.late_pushes = std::min<int64_t>(
+        parallel.micro_batches, int64_t{parallel.pipeline_stages} * parallel.virtual_stages);
+  }
   if (plan.memory.recompute_all) {
     std::vector<ActivationDecision> all(model.layers.size(),
                                         ActivationDecision{ActivationChoice::kRecompute});

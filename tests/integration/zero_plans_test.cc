@@ -147,13 +147,15 @@ TEST_F(ZeroPlansTest, A1F1BPipelineUnderAnActivationBudgetMatchesOneWorker) {
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
   testing::ExpectSameRun(run, *reference_, "1F1B with half its activations");
   ASSERT_FALSE(run.reports.empty());
-  // Each stage's measured peak against its worker's prediction, within one micro-batch's
-  // activation either way: the model has what one worker sends another move the moment it is
-  // made, so a push that lands late leaves that much less on the receiver at its peak, and one
-  // that leaves late that much more on the sender (seen under a loaded machine: 659456 bytes
-  // measured against 626688 predicted).
+  // Each stage's measured peak against its worker's prediction, within the micro-batch
+  // activations a stage can have unsent either way: the model has what one worker sends another
+  // move the moment it is made, so a push that lands late leaves that much less on the receiver
+  // at its peak, and pushes that leave late that much more on the sender, at most one per
+  // micro-batch the stage holds in flight (1F1B's P - s: 2 on the first stage). Seen: one push
+  // late under a loaded machine (659456 bytes measured against 626688 predicted), two with
+  // ctest -j2 beside a clang-tidy run (460800 against 395264).
   const int64_t one_pushed = int64_t{kBatch / 4} * kSeqLen * 64 * int64_t{sizeof(float)};
-  ExpectActivationPeaksAsPredicted(*trainer, run, 0, one_pushed);
+  ExpectActivationPeaksAsPredicted(*trainer, run, 0, 2 * one_pushed);
 }
 
 // What gathered layers and one group's gradient bucket may hold at once (bytes): a few layers.
