@@ -8,7 +8,6 @@
 
 #include "ops/layer_program.h"
 #include "ops/layer_program_internal.h"
-#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -335,8 +334,9 @@ class Rebuilder {
     for (size_t i = 0; i < program.ops.size(); ++i) {
       if (!shapes.rebuilt[i]) continue;
       for (int o = 0; o < program.ops[i].outputs; ++o) {
-        producer_[static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o)] =
-            static_cast<int>(i);
+        const size_t v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
+        producer_[v] = static_cast<int>(i);
+        rebuilt_.push_back(v);
       }
     }
     // The walk reaches op i after every op after it, so a value is last read at the lowest op
@@ -377,8 +377,8 @@ class Rebuilder {
 
   // Drops the rebuilt values no op before `op` reads.
   void PassedOp(size_t op) {
-    for (size_t v = 0; v < values_.size(); ++v) {
-      if (producer_[v] >= 0 && values_[v].defined() && last_reader_[v] >= static_cast<int>(op)) {
+    for (size_t v : rebuilt_) {
+      if (values_[v].defined() && last_reader_[v] >= static_cast<int>(op)) {
         values_[v] = Tensor();
       }
     }
@@ -409,6 +409,7 @@ class Rebuilder {
   std::vector<Tensor>& values_;
   std::vector<int> producer_;     // per value: its op when rebuilt, else -1
   std::vector<int> last_reader_;  // per value: the lowest op reading it
+  std::vector<size_t> rebuilt_;   // the values rebuilt ops make
 };
 
 // The backward (BackwardPart::kAll) or one half of it; see PlanSplit for what each half does per
@@ -423,11 +424,8 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
   const size_t lead = part == BackwardPart::kWeight ? 1 : grads;
   Metas input_metas;
   for (size_t i = 0; i < layer_inputs; ++i) input_metas.push_back(in[lead + i].meta());
+  // Inference (CheckBackwardInputs) has refused "rebuild" on the split halves.
   TESSERA_ASSIGN_OR_RETURN(std::string rebuild, RebuildOf(attrs));
-  if (!rebuild.empty() && part != BackwardPart::kAll) {
-    return InvalidArgument("the split layer backward rebuilds nothing: drop attribute '{}'",
-                           kRebuildAttr);
-  }
   TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes,
                            InferProgram(registry, program, input_metas, rebuild));
   TESSERA_ASSIGN_OR_RETURN(SplitPlan plan, PlanSplit(registry, program, shapes));

@@ -34,7 +34,6 @@
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <set>
 
@@ -125,16 +124,20 @@ struct Caps {
   // (a pipeline's first stage: up to its stages times virtual stages, at most the micro-batches).
   int64_t late_pushes = 1;
   // Whether `peaks`, with room for late pushes, is under both caps.
-  bool Fit(const Peaks& peaks) const { return Excess(peaks) <= 0; }
-  // How far `peaks`, with room for late pushes, is over the tighter cap (<= 0: under both).
+  bool Fit(const Peaks& peaks) const {
+    return (total == 0 || peaks.total + late_pushes * peaks.pushed <= total) &&
+           (activations == 0 ||
+            peaks.activations + late_pushes * peaks.pushed_activation <= activations);
+  }
+  // How far `peaks`, with room for late pushes, is over the tighter cap.
   int64_t Excess(const Peaks& peaks) const {
-    int64_t excess = std::numeric_limits<int64_t>::min();
+    int64_t excess = 0;
     if (total > 0) excess = std::max(excess, peaks.total + late_pushes * peaks.pushed - total);
     if (activations > 0) {
       excess =
           std::max(excess, peaks.activations + late_pushes * peaks.pushed_activation - activations);
     }
-    return excess == std::numeric_limits<int64_t>::min() ? 0 : excess;
+    return excess;
   }
 };
 
@@ -532,9 +535,9 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                            : "; " + fits;
   }
   return Infeasible(
-      "{}; recomputing every layer's activations (keeping the least part) it still needs {} "
-      "(activations {}){}",
-      over, Mib(least_peaks.total), Mib(least_peaks.activations), advice);
+      "{}; recomputing every layer's activations{} it still needs {} (activations {}){}", over,
+      kept_parts ? " (keeping the least part)" : "", Mib(least_peaks.total),
+      Mib(least_peaks.activations), advice);
 }
 
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
