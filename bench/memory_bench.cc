@@ -39,6 +39,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "bench/gpt2_batch.h"
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
@@ -94,13 +95,8 @@ Case Gpt2Case(const Flags& flags) {
   Case c{"gpt2-" + flags.gpt2_preset, Check(tessera::BuildGpt2(config), "build GPT-2"), {}, {}};
   c.plan.batch = flags.gpt2_batch;
   c.plan.seq_len = config.max_seq_len;
-  const size_t tokens = static_cast<size_t>(c.plan.batch * c.plan.seq_len);
-  std::vector<int32_t> ids(tokens), targets(tokens);
-  for (size_t i = 0; i < tokens; ++i) {
-    ids[i] = static_cast<int32_t>((i * 7919) % static_cast<size_t>(config.vocab));
-    targets[i] = static_cast<int32_t>((i * 104729 + 1) % static_cast<size_t>(config.vocab));
-  }
-  c.batch = Check(tessera::Gpt2Batch(config, ids, targets, c.plan.batch, c.plan.seq_len), "batch");
+  c.batch =
+      Check(tessera::bench::SyntheticGpt2Batch(config, c.plan.batch, c.plan.seq_len), "batch");
   return c;
 }
 

@@ -113,6 +113,7 @@ class InProcessBackend final : public GraphBackend {
         span.layer = task.layer;
         span.op = task.op;
         span.kind = ClassifyTask(task.name, task.op);
+        span.bytes = timing.bytes;
         span.start_us = (*it)->start_unix_us + static_cast<int64_t>(timing.start_us);
         span.end_us =
             std::max(span.start_us, (*it)->start_unix_us + static_cast<int64_t>(timing.end_us));

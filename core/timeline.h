@@ -71,7 +71,8 @@ struct WorkerSpans {
     int stream = 0;     // compute slot, or kCollectiveStream for collective members
     int64_t start_us = 0;
     int64_t end_us = 0;
-    int64_t bytes = 0;  // collective members: bytes this member sent
+    int64_t bytes = 0;  // collective members: bytes this member sent; copies between tiers:
+                        // bytes copied
   };
   struct Push {
     uint64_t object = 0;       // the object's id in the graph (graph-local, 1-based)
@@ -130,7 +131,7 @@ struct TimelineSpan {
   SpanKind kind = SpanKind::kOther;
   int64_t start_us = 0;  // system clock, microseconds since the Unix epoch
   int64_t end_us = 0;
-  int64_t bytes = 0;  // pushes and collective members: bytes sent
+  int64_t bytes = 0;  // pushes and collective members: bytes sent; copies between tiers: copied
   uint64_t graph = 0;
   uint64_t instance = 0;
 };

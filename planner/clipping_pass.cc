@@ -18,12 +18,15 @@ namespace {
 Result<std::vector<ObjectId>> SquaredNorms(PlanState& state, int r, int s) {
   RankState& rank = state.ranks[static_cast<size_t>(r)];
   std::vector<ObjectId> sums;
+  // Under parameter offload a gradient goes to the host as soon as it is complete: its square
+  // is summed at once too, so that the device frees it then, not after the whole backward.
+  const int32_t priority = state.host_params ? kBackwardPriority + 1 : kOptimizerPriority;
   for (size_t l = 0; l < state.num_layers; ++l) {
     if (!state.HasParams(l) || state.StageOf(l) != s) continue;
     TESSERA_ASSIGN_OR_RETURN(
-        auto sum, state.builder.AddTask(state.Name(r, state.LayerName(l) + "/grad_norm"),
-                                        "sum_of_squares", {rank.grad[l]}, {},
-                                        state.On(r, state.LayerName(l), kOptimizerPriority)));
+        auto sum,
+        state.builder.AddTask(state.Name(r, state.LayerName(l) + "/grad_norm"), "sum_of_squares",
+                              {rank.grad[l]}, {}, state.On(r, state.LayerName(l), priority)));
     sums.push_back(sum[0]);
   }
   if (sums.empty()) {  // a stage without parameters adds nothing

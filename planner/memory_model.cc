@@ -389,6 +389,22 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   return memory;
 }
 
+// What a worker's tasks copy from one tier to another: the outputs of every task reading an
+// object of one tier and making one of another (only transfer ops can).
+int64_t TierCopyBytes(const Graph& graph, const WorkerOrder& order) {
+  int64_t bytes = 0;
+  for (TaskId id : order.tasks) {
+    const TaskSpec& task = graph.task(id);
+    if (task.inputs.empty() || task.outputs.empty()) continue;
+    const MemoryTier from = TierOf(graph.object(task.inputs[0]).meta);
+    for (ObjectId output : task.outputs) {
+      const TensorMeta& meta = graph.object(output).meta;
+      if (TierOf(meta) != from) bytes += meta.bytes();
+    }
+  }
+  return bytes;
+}
+
 Result<MemoryProfile> Predict(const Graph& graph, const Workers& workers,
                               const std::vector<WorkerOrder>& orders,
                               const std::vector<int64_t>& round_of_task) {
@@ -403,6 +419,7 @@ Result<MemoryProfile> Predict(const Graph& graph, const Workers& workers,
     profile.workers.push_back(
         Account(graph, orders[w],
                 Lifetimes(graph, workers, orders, position, round_of_task, read_anywhere, w)));
+    profile.workers.back().tier_copy_bytes = TierCopyBytes(graph, orders[w]);
   }
   return profile;
 }
@@ -454,6 +471,9 @@ std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile, int 
         "worker {} ({}): {} tasks, {} objects\n", w,
         memory.order.worker.valid() ? memory.order.worker.ToString() : std::string("unpinned"),
         memory.order.tasks.size(), memory.objects.size());
+    if (memory.tier_copy_bytes > 0) {
+      text += fmt::format("  copied between tiers: {} a step\n", Bytes(memory.tier_copy_bytes));
+    }
     std::vector<size_t> tiers;
     for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
       const TierPeak& peak = memory.peaks[tier];

@@ -98,6 +98,9 @@ struct WorkerMemory {
   int64_t model_state_peak = 0, transient_peak = 0, total_peak = 0;
   // Per position in the order: live bytes per tier while that task runs.
   std::vector<std::array<int64_t, kMemoryTiers>> during;
+  // Bytes its tasks copy between tiers in a step (swaps, parameter uploads, gradient downloads:
+  // every task reading an object of one tier and making one of another).
+  int64_t tier_copy_bytes = 0;
 };
 
 struct MemoryProfile {

@@ -19,6 +19,10 @@
 // pushes to another, once per micro-batch a worker may hold in flight (a pipeline's; else once),
 // is under the cap: the model moves a push the moment its object is made, and a push that leaves
 // later holds it on its sender that much longer.
+// 4. When a GPU plan's device cap is too small for its model state beside the least activations
+//    (every layer recomputed), the parameters are moved to the host (OffloadMode::kParameters:
+//    copied up for each use, prefetch_layers ahead; gradients down as they complete; the update
+//    on the host) and steps 1-3 run again for that plan.
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
@@ -329,6 +333,15 @@ bool SerializesMicroBatches(const TrainingPlan& plan) {
   return p.micro_batches > 1 && p.pipeline_stages == 1 && p.virtual_stages == 1;
 }
 
+// Whether the memory plan may move a GPU plan's parameters to the host (OffloadMode::
+// kParameters) when nothing else fits: not already, and not ZeRO-1/2 over several ranks (refused
+// with parameter offload: plan_validation.cc).
+bool StreamsParametersIfNeeded(const TrainingPlan& plan) {
+  const ParallelConfig& p = plan.parallel;
+  return !plan.device.is_cpu() && p.offload != OffloadMode::kParameters &&
+         !(ShardsOptimizerState(p) && p.zero_stage < 3);
+}
+
 // Forward: changes to a plan that fit under its tier cap, cheapest first.
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
                          const OpRegistry& registry);
@@ -520,6 +533,25 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
         Mib(least_peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations));
     least.step.memory = std::move(decision);
     return std::move(least.step);
+  }
+  // The device cannot hold the model state beside the least activations: on GPU workers, the
+  // state goes to the host and each layer's parameters come up for their use (Harmony's and
+  // ZeRO-Infinity's way), if that fits.
+  if (tier == MemoryTier::kDevice && caps.total > 0 && least_peaks.total > caps.total &&
+      StreamsParametersIfNeeded(plan)) {
+    TrainingPlan streamed = plan;
+    streamed.parallel.offload = OffloadMode::kParameters;
+    Result<StepGraph> step = Fit(model, streamed, registry, /*suggest=*/false);
+    if (step.ok()) {
+      step->memory.reason = fmt::format(
+          "the parameters streamed from the host (--offload parameters: each layer's copied up "
+          "for its forward and its backward, its gradient copied down, the update on the host), "
+          "as {} is too small for the model state on the device otherwise (the least it needs "
+          "so: {}); {}",
+          CapFlag(tier), Mib(least_peaks.total), step->memory.reason);
+      if (step->memory.uncapped_peak_bytes == 0) step->memory.uncapped_peak_bytes = uncapped.total;
+      return step;
+    }
   }
   std::string advice;
   if (caps.activations > 0 && least_peaks.activations > caps.activations) {

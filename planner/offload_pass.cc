@@ -10,6 +10,12 @@
 // few layers' gradients, not a second copy of every gradient. What that costs is the overlap of
 // the downloads with the backward pass, small next to the host's update (ZeRO-Offload's step is
 // bound by the host and the link, not the GPU).
+//
+// Under parameter offload (PlanState::host_params) the device is the scarce tier: each gradient
+// goes down as soon as it is complete, whatever the clipping, and the host holds every gradient
+// until its update (the host holds the model state anyway). The parameters' uploads are the
+// sharding policy's (UsableParams); nothing is uploaded after the update, which writes the host
+// parameters in place.
 #include "planner/plan_passes.h"
 
 namespace tessera {
@@ -54,7 +60,7 @@ Status DownloadGradients(PlanState& state, int r) {
                              state.builder.AddTask(state.Name(r, layer + "/grad_to_host"), "copy",
                                                    {rank.grad[l]}, {}, std::move(options)));
     rank.update_grad[l] = host[0];
-    if (state.plan.optimizer.max_grad_norm > 0) {
+    if (state.plan.optimizer.max_grad_norm > 0 && !state.host_params) {
       const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
       state.builder.AddControlEdge(state.ProducerOf(clip), state.ProducerOf(host[0]));
     }
@@ -80,7 +86,9 @@ Status OffloadDownloadsPass(PlanState& state) {
 
 void LimitDownloadsInFlight(PlanState& state, int r, size_t l,
                             const std::vector<TaskId>& stage_updates) {
-  if (!state.host_update || stage_updates.size() < kGradientsInFlight) return;
+  if (!state.host_update || state.host_params || stage_updates.size() < kGradientsInFlight) {
+    return;
+  }
   const RankState& rank = state.ranks[static_cast<size_t>(r)];
   state.builder.AddControlEdge(stage_updates[stage_updates.size() - kGradientsInFlight],
                                state.ProducerOf(rank.update_grad[l]));

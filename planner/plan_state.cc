@@ -19,7 +19,8 @@ PlanState::PlanState(const ModelSpec& model_in, const TrainingPlan& plan_in,
       num_stages(plan_in.parallel.pipeline_stages),
       num_layers(model_in.layers.size()),
       adamw(plan_in.optimizer.kind == OptimizerConfig::Kind::kAdamW),
-      host_update(plan_in.parallel.offload == OffloadMode::kOptimizer && !plan_in.device.is_cpu()),
+      host_update(plan_in.parallel.offload != OffloadMode::kNone && !plan_in.device.is_cpu()),
+      host_params(plan_in.parallel.offload == OffloadMode::kParameters && !plan_in.device.is_cpu()),
       builder(registry_in),
       last_gradient(static_cast<size_t>(std::max(plan_in.parallel.pipeline_stages, 1)), 0) {}
 

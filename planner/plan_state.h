@@ -85,6 +85,9 @@ struct PlanState {
   // Offload on GPU workers: the update and its state live in the host tier (on CPU workers that
   // is where everything already is, and offload changes nothing).
   const bool host_update;
+  // Parameter offload on GPU workers (OffloadMode::kParameters): the parameters live in the host
+  // tier too, are the update's target (no master copy) and are copied up for each use.
+  const bool host_params;
 
   std::unique_ptr<ShardingPolicy> sharding;  // set by the validation pass
   GraphBuilder builder;

@@ -39,6 +39,14 @@ Status CheckRanks(const TrainingPlan& plan) {
   if (plan.optimizer.kind == OptimizerConfig::Kind::kSgd && ShardsOptimizerState(p)) {
     return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");
   }
+  if (p.offload == OffloadMode::kParameters && !plan.device.is_cpu() && ShardsOptimizerState(p) &&
+      p.zero_stage < 3) {
+    return InvalidArgument(
+        "--offload parameters keeps each rank's parameters in the host tier and updates them "
+        "there, but ZeRO-{} would all-gather the updated shards into every rank's full host "
+        "copy: use --zero-stage 3 (each rank keeps and updates its shard) or 0",
+        p.zero_stage);
+  }
   const int64_t splits = int64_t{p.data_parallel} * p.micro_batches;
   if (plan.batch % splits != 0) {
     return InvalidArgument(

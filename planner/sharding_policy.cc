@@ -31,6 +31,40 @@ ObjectId HeldParams(const PlanState& state, int r, size_t group) {
   return state.step.state[state.ranks[static_cast<size_t>(r)].param[group]].input;
 }
 
+// What a use of parameters is named for: the loss layer's reads, and a tied group's, are named
+// for their reader (the loss layer's serve its backward too: it follows at once).
+std::string ForwardUseName(const PlanState& state, const ParamUse& use) {
+  const LayerSpec& reader = state.model.layers[use.reader];
+  const std::string when = reader.loss || use.group != use.reader ? reader.name : "forward";
+  return state.Micro(use.micro, when);
+}
+std::string BackwardUseName(const PlanState& state, const ParamUse& use) {
+  const std::string when =
+      use.group == use.reader ? "backward" : state.LayerName(use.reader) + "_backward";
+  return state.Micro(use.micro, when);
+}
+
+// The parameters rank r holds of the use's group, where the use can read them. Under parameter
+// offload (PlanState::host_params) they live in the host tier, and the use reads a copy on the
+// device made for it ("<group>/upload_<when>", a transient parameter freed after its readers, on
+// the group's stage as a ZeRO-3 gather) once `use.after` exists there: at most prefetch_layers
+// layers' copies are made ahead of their use. Otherwise what is held.
+Result<ObjectId> UsableParams(PlanState& state, const ParamUse& use, const std::string& when) {
+  const ObjectId held = HeldParams(state, use.rank, use.group);
+  if (!state.host_params) return held;
+  const std::string& group = state.LayerName(use.group);
+  const std::string name = fmt::format("{}/upload_{}", group, when);
+  TESSERA_ASSIGN_OR_RETURN(auto uploaded,
+                           state.builder.AddTask(state.Name(use.rank, name), "copy", {held}, {},
+                                                 state.On(use.rank, group, kForwardPriority + 1,
+                                                          {state.Name(use.rank, name + ":params")},
+                                                          {ObjectRole::kGatheredParameter})));
+  if (use.after.valid() && state.ProducedOnStage(use.after, state.StageOf(use.group))) {
+    state.builder.AddControlEdge(state.ProducerOf(use.after), state.ProducerOf(uploaded[0]));
+  }
+  return uploaded[0];
+}
+
 // Rank r's member of the reduce-scatter of layer l's full gradient from micro-batch k: its
 // shard of the sum over the ranks.
 Result<ObjectId> ReduceScatterMicroBatch(PlanState& state, int r, int k, size_t l, ObjectId full) {
@@ -137,11 +171,13 @@ class DataParallelPolicy final : public ShardingPolicy {
   }
   bool ShardsUpdate() const override { return false; }
   Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
-    return HeldParams(state, use.rank, use.group);
+    return UsableParams(state, use, ForwardUseName(state, use));
   }
-  Result<ObjectId> BackwardParams(PlanState&, const ParamUse&,
+  // The forward's own copy, or a copy again under parameter offload (the forward's was freed).
+  Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use,
                                   ObjectId forward_params) const override {
-    return forward_params;
+    if (!state.host_params) return forward_params;
+    return UsableParams(state, use, BackwardUseName(state, use));
   }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
   Result<ObjectId> ReduceMicroBatchGradient(PlanState&, int, int, size_t,
@@ -305,17 +341,11 @@ class Zero3Policy final : public ShardingPolicy {
   bool GathersOncePerStep() const override { return once_per_step_; }
   std::string GatherReason() const override { return reason_; }
 
-  // The loss layer's gathers are named for it and serve its backward too (it follows at once);
-  // a tied group is named for its reader.
   Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
-    const LayerSpec& reader = state.model.layers[use.reader];
-    const std::string when = reader.loss || use.group != use.reader ? reader.name : "forward";
-    return Gathered(state, use, state.Micro(use.micro, when));
+    return Gathered(state, use, ForwardUseName(state, use));
   }
   Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use, ObjectId) const override {
-    const std::string when =
-        use.group == use.reader ? "backward" : state.LayerName(use.reader) + "_backward";
-    return Gathered(state, use, state.Micro(use.micro, when));
+    return Gathered(state, use, BackwardUseName(state, use));
   }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradientBucket; }
   Result<ObjectId> ReduceMicroBatchGradient(PlanState& state, int r, int k, size_t l,
@@ -342,20 +372,20 @@ class Zero3Policy final : public ShardingPolicy {
   // The gathered parameters for a use: the step's gather of the group (made at its first use)
   // when gathering once per step, else a gather of its own named "<group>/gather_<when>".
   Result<ObjectId> Gathered(PlanState& state, const ParamUse& use, const std::string& when) const {
-    const ObjectId held = HeldParams(state, use.rank, use.group);
-    if (!once_per_step_) return Gather(state, use, when, held);
-    ObjectId& gathered = state.ranks[static_cast<size_t>(use.rank)].gathered[use.group];
-    if (!gathered.valid()) {
-      TESSERA_ASSIGN_OR_RETURN(gathered, Gather(state, use, "step", held));
+    if (!once_per_step_) return Gather(state, use, when);
+    if (!state.ranks[static_cast<size_t>(use.rank)].gathered[use.group].valid()) {
+      TESSERA_ASSIGN_OR_RETURN(ObjectId gathered, Gather(state, use, "step"));
+      state.ranks[static_cast<size_t>(use.rank)].gathered[use.group] = gathered;
     }
-    return gathered;
+    return state.ranks[static_cast<size_t>(use.rank)].gathered[use.group];
   }
 
-  // Rank r's member of the all-gather of the group's shards, on the group's stage.
-  Result<ObjectId> Gather(PlanState& state, const ParamUse& use, const std::string& when,
-                          ObjectId held) const {
+  // Rank r's member of the all-gather of the group's shards (uploaded first under parameter
+  // offload), on the group's stage.
+  Result<ObjectId> Gather(PlanState& state, const ParamUse& use, const std::string& when) const {
     const int r = use.rank;
     const size_t l = use.group;
+    TESSERA_ASSIGN_OR_RETURN(ObjectId held, UsableParams(state, use, when));
     std::vector<ObjectId> inputs{held};
     // Prefetch order only among tasks of the layer's own stage: an activation of another stage
     // would be pushed here just to order the gather, and would tie this stage's collective

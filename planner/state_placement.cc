@@ -33,9 +33,12 @@ void PlaceRankState(PlanState& state, int r) {
     if (!state.HasParams(l)) continue;
     const int64_t full = state.step.group_numel[l];
     const GroupPiece update = sharding.UpdatePiece(l, r, full);
-    rank.param[l] = AddState(state, StateKind::kParameter, sharding.ParameterPiece(l, r, full),
-                             ObjectRole::kParameter, state.plan.device);
-    if (state.host_update) {
+    // Under parameter offload the parameters are the host's and the update's target: the piece
+    // a rank keeps is the piece it updates (validation refuses the stages where they differ).
+    rank.param[l] =
+        AddState(state, StateKind::kParameter, sharding.ParameterPiece(l, r, full),
+                 ObjectRole::kParameter, state.host_params ? Device::Cpu() : state.plan.device);
+    if (state.host_update && !state.host_params) {
       rank.master[l] = AddState(state, StateKind::kMasterParameter, update, ObjectRole::kParameter,
                                 Device::Cpu());
     }

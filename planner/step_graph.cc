@@ -18,9 +18,9 @@ int64_t ParallelConfig::PaddedGroup(int64_t numel) const {
 }
 
 std::string ParallelConfig::ToString() const {
-  std::string text = fmt::format(
-      "data_parallel={} zero_stage={} offload={} micro_batches={}", data_parallel, zero_stage,
-      offload == OffloadMode::kOptimizer ? "optimizer" : "none", micro_batches);
+  std::string text =
+      fmt::format("data_parallel={} zero_stage={} offload={} micro_batches={}", data_parallel,
+                  zero_stage, OffloadModeName(offload), micro_batches);
   if (pipeline_stages > 1 || virtual_stages > 1) {
     text += fmt::format(" pipeline_stages={} schedule={}", pipeline_stages, ScheduleName(schedule));
     if (virtual_stages > 1) text += fmt::format(" virtual_stages={}", virtual_stages);
@@ -58,7 +58,20 @@ BucketChoice ChooseGradientBuckets(const ParallelConfig& parallel) {
 Result<OffloadMode> ParseOffload(std::string_view text) {
   if (text == "none") return OffloadMode::kNone;
   if (text == "optimizer") return OffloadMode::kOptimizer;
-  return InvalidArgument("offload '{}' is not one of: none, optimizer", text);
+  if (text == "parameters") return OffloadMode::kParameters;
+  return InvalidArgument("offload '{}' is not one of: none, optimizer, parameters", text);
+}
+
+const char* OffloadModeName(OffloadMode mode) {
+  switch (mode) {
+    case OffloadMode::kNone:
+      return "none";
+    case OffloadMode::kOptimizer:
+      return "optimizer";
+    case OffloadMode::kParameters:
+      return "parameters";
+  }
+  return "none";
 }
 
 const char* StateKindName(StateKind kind) {

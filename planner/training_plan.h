@@ -43,7 +43,15 @@ struct OptimizerConfig {
   double max_grad_norm = 1.0;  // global-norm clipping; <= 0 disables it
 };
 
-enum class OffloadMode { kNone, kOptimizer };
+// What lives in the host tier of GPU workers between uses (on CPU workers everything already
+// does, and the plan is the plain one):
+//   kOptimizer   ZeRO-Offload: the fp32 master copy, Adam moments and the update; parameters on
+//                the GPU.
+//   kParameters  the model state too (Harmony's, ZeRO-Infinity's parameter offload): each layer's
+//                parameters are copied up before its forward and again before its backward
+//                (prefetch_layers ahead), freed after, its gradient copied down as soon as it is
+//                complete, and the update runs on the host in place on the parameters.
+enum class OffloadMode { kNone, kOptimizer, kParameters };
 
 // ZeRO-3 parameter gathers when a rank runs several micro-batches (pipelines, accumulation).
 enum class GatherPolicy : uint8_t {
@@ -158,6 +166,8 @@ struct MemoryCaps {
 
 // "none" | "optimizer"; InvalidArgument naming the choices otherwise.
 Result<OffloadMode> ParseOffload(std::string_view text);
+// "none", "optimizer", "parameters" (ParseOffload's words).
+const char* OffloadModeName(OffloadMode mode);
 
 struct TrainingPlan {
   int64_t batch = 8;  // the global batch: rows per step over all ranks and micro-batches

@@ -284,10 +284,17 @@ bool GraphExecution::ReleaseObject(int object) {
 void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int>* ready) {
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
   RoleMeter::Change change;
+  TaskTiming& timing = stats_.timings[static_cast<size_t>(t)];
+  const bool from_host =
+      !task.inputs.empty() && graph().object(task.inputs[0]).meta.device.is_cpu();
   for (size_t j = 0; j < out.size(); ++j) {
     const int object = IndexOf(task.outputs[j]);
     const ObjectSpec& spec = graph().objects()[static_cast<size_t>(object)];
     change.Add(spec.role, spec.meta.bytes());
+    // A transfer between tiers: what it copied, as made (core/timeline.h span bytes).
+    if (!task.inputs.empty() && out[j].defined() && out[j].meta().device.is_cpu() != from_host) {
+      timing.bytes += out[j].meta().bytes();
+    }
     if (watched_[static_cast<size_t>(object)]) hooks_.on_produced(task.outputs[j], out[j]);
     if (prepared_.initial_refcount_[static_cast<size_t>(object)] > 0 ||
         prepared_.is_output_[static_cast<size_t>(object)]) {
@@ -308,7 +315,7 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
     }
   }
   meter_.Apply(change);
-  stats_.timings[static_cast<size_t>(t)].end_us = MicrosSinceStart();
+  timing.end_us = MicrosSinceStart();
   ++tasks_run_;
   for (int dependent : prepared_.dependents_[static_cast<size_t>(t)]) {
     if (pending_[dependent].fetch_sub(1) == 1) ready->push_back(dependent);

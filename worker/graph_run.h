@@ -68,6 +68,7 @@ struct TaskTiming {
   double start_us = 0;
   double end_us = 0;
   int thread_slot = 0;  // TBB arena slot that ran it
+  int64_t bytes = 0;    // a copy between tiers (host <-> device): the bytes it copied
 };
 
 // With several runs in flight on one executor the allocator figures (peaks, live bytes) are the

@@ -576,7 +576,7 @@ InstanceFigures GraphRunner::Outcome::FiguresOf(const Part& part, const RunStats
     if (!timing.task.valid() || timing.task.value() > part.graph_task_of.size()) continue;
     WorkerSpans::Task span{part.graph_task_of[timing.task.value() - 1], timing.thread_slot,
                            start_us + static_cast<int64_t>(timing.start_us),
-                           start_us + static_cast<int64_t>(timing.end_us), 0};
+                           start_us + static_cast<int64_t>(timing.end_us), timing.bytes};
     auto engine_run = collectives.find(timing.task);
     if (engine_run != collectives.end()) {
       const uint64_t graph_task = span.task;

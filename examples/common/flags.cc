@@ -37,8 +37,11 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
                  "3 + parameters");
   app.add_option("--offload", flags.offload,
-                 "none, or optimizer: master weights, Adam state and the update in the host "
-                 "tier and on the CPU (ZeRO-Offload; on CPU workers nothing moves)");
+                 "none; optimizer: master weights, Adam state and the update in the host "
+                 "tier and on the CPU (ZeRO-Offload); parameters: the parameters too, each "
+                 "layer's copied to the GPU before its forward and backward and its gradient "
+                 "copied back (for model states beyond the GPU's memory; a device cap chooses "
+                 "it when nothing else fits). On CPU workers nothing moves");
   app.add_option("--bucket-mb", flags.bucket_mb,
                  "With --workers: reduce consecutive layers' gradients in one collective until "
                  "it holds this many MB (0: one collective per layer); auto sizes them from the "
@@ -266,11 +269,11 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
     }
     plan.parallel.bucket_bytes = static_cast<int64_t>(mb * 1e6);
   }
-  if (plan.parallel.offload == OffloadMode::kOptimizer && plan.device.is_cpu()) {
+  if (plan.parallel.offload != OffloadMode::kNone && plan.device.is_cpu()) {
     std::fprintf(stderr,
-                 "%s: --offload optimizer: CPU workers already keep the optimizer state "
-                 "and update in host memory, so the plan is the same as without it\n",
-                 program);
+                 "%s: --offload %s: CPU workers already keep the model state and update it in "
+                 "host memory, so the plan is the same as without it\n",
+                 program, OffloadModeName(plan.parallel.offload));
   }
   plan.memory.device_bytes = static_cast<int64_t>(flags.device_memory_gib * (1 << 30));
   plan.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));

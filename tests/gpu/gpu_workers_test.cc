@@ -8,8 +8,10 @@
 //     than one rank's backward does. On a real GPU with bf16 activations: 1e-2 relative per
 //     run's final loss, as cuda_gpt2_test allows between the GPU and the CPU; on the simulated
 //     GPU (f32, the CPU kernels) 1e-5, as the CPU plans allow each other. One GPU worker with its
-//     optimizer offloaded to its host (ZeRO-Offload), and two as pipeline stages (activations and
-//     their gradients pushed between them from host copies), are held to the same tolerance.
+//     optimizer offloaded to its host (ZeRO-Offload), its parameters too (in process, on one
+//     worker, and ZeRO-3 on two: each layer's copied up for each use), and two as pipeline
+//     stages (activations and their gradients pushed between them from host copies), are held
+//     to the same tolerance.
 // Built twice from this file: gpu_workers_test (label gpu: a real GPU; skips without one) and
 // simulated_gpu_workers_test (label integration: TESSERA_SIMULATED_GPU=1, worker/simulated_gpu.h,
 // whose device memory is scrambled host memory, so a host read of a device buffer gives wrong
@@ -104,7 +106,8 @@ TEST_F(GpuWorkersTest, GpuWorkersTrainDataParallelZeroOffloadedAndPipelined) {
   for (const std::string plan :
        {"--workers 2", "--workers 2 --zero-stage 1", "--workers 2 --zero-stage 2",
         "--workers 2 --zero-stage 3", "--workers 1 --offload optimizer",
-        "--workers 2 --pipeline-stages 2 --micro-batches 2"}) {
+        "--workers 2 --pipeline-stages 2 --micro-batches 2", "--offload parameters",
+        "--workers 1 --offload parameters", "--workers 2 --zero-stage 3 --offload parameters"}) {
     const double loss = Train(plan);
     EXPECT_NEAR(loss, in_process, kDataParallelTolerance * in_process) << plan;
   }

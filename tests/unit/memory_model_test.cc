@@ -484,17 +484,24 @@ TEST(MemoryPlanTest, ACapNothingFitsUnderIsRefusedWithTheFiguresAndWhatToChange)
                         "planned yet"));
 }
 
-// Harmony's way, on the simulated GPU: given the host link's bandwidth and measured layer times
-// (under which the copies hide), the plan swaps what layers save to the host and prefetches it
-// back instead of recomputing; the losses are the uncapped ones bit for bit, the measured
-// peaks are the predicted ones, and the device holds no more activations than the budget.
-TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack) {
+// Gpt2Case on the simulated GPU (f32 activations, the CPU kernels); sets TESSERA_SIMULATED_GPU,
+// which the test unsets when done.
+CappedCase SimulatedGpuGpt2Case() {
   ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
   CappedCase c = Gpt2Case();
   Gpt2Config config{8, 32, 4, 64, 16};
   config.activations = GpuActivations();
   c.model = *BuildGpt2(config);
   c.plan.device = Device::Cuda(0);
+  return c;
+}
+
+// Harmony's way, on the simulated GPU: given the host link's bandwidth and measured layer times
+// (under which the copies hide), the plan swaps what layers save to the host and prefetches it
+// back instead of recomputing; the losses are the uncapped ones bit for bit, the measured
+// peaks are the predicted ones, and the device holds no more activations than the budget.
+TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack) {
+  CappedCase c = SimulatedGpuGpt2Case();
   ExecutorOptions options;
   options.threads = 1;
   ASSERT_OK_AND_ASSIGN(options.device, OpenGpu(0));
@@ -538,6 +545,85 @@ TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack
   EXPECT_EQ(figures.peak(ObjectRole::kActivation),
             predicted.workers[0].role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
   EXPECT_LT(memory.peak_bytes, memory.uncapped_peak_bytes);
+}
+
+// Harmony's case in miniature, on the simulated GPU: the model states (fp32 parameters,
+// gradients and Adam's two moments, 16 bytes a parameter) are three times the device's memory,
+// which the device allocator enforces. The memory plan moves the parameters to the host (nothing
+// fits otherwise): each layer's come up before its forward and its backward and go after, its
+// gradient goes down as it completes, and the update runs on the host. The step trains with the
+// losses of the uncapped plan bit for bit, the device's measured peak is under the cap and within
+// 3% of the prediction, and what the step copies between tiers is what the plan says.
+TEST(MemoryPlanTest, OnTheSimulatedGpuModelStatesThreeTimesTheDeviceTrainStreamedFromTheHost) {
+  CappedCase c = SimulatedGpuGpt2Case();
+  const int64_t states = 16 * c.model.NumParameters();
+  const int64_t cap = states / 3;
+  struct Run {
+    std::vector<float> losses;
+    StepGraph step;
+    int64_t device_peak = 0;
+    int64_t copied = 0;  // bytes the last step's copies between tiers moved (its trace)
+  };
+  auto train = [&](const TrainingPlan& plan, int64_t device_cap) {
+    ExecutorOptions options;
+    options.threads = 1;
+    Result<std::shared_ptr<DeviceRuntime>> gpu = OpenGpu(0, device_cap);
+    TESSERA_CHECK(gpu.ok(), "{}", gpu.status().ToString());
+    options.device = *gpu;
+    Run run;
+    auto trainer = Trainer::Create(c.model, plan, options);
+    TESSERA_CHECK(trainer.ok(), "{}", trainer.status().ToString());
+    TESSERA_CHECK((*trainer)->InitializeParameters(5).ok(), "init");
+    for (int i = 0; i < 3; ++i) {
+      Result<StepReport> report = (*trainer)->Step(c.batch, 1e-3f);
+      TESSERA_CHECK(report.ok(), "{}", report.status().ToString());
+      run.losses.push_back(report->loss);
+    }
+    run.device_peak = options.device->memory().peak_bytes;
+    Result<Timeline> timeline = (*trainer)->StepTimeline(1);
+    TESSERA_CHECK(timeline.ok(), "{}", timeline.status().ToString());
+    for (const TimelineSpan& span : timeline->spans) {
+      if (span.kind == SpanKind::kTransfer) run.copied += span.bytes;
+    }
+    run.step = (*trainer)->step_graph();
+    return run;
+  };
+  const Run reference = train(c.plan, 0);
+  TrainingPlan capped = c.plan;
+  capped.memory.device_bytes = cap;
+  const Run streamed = train(capped, cap);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  const MemoryDecision& memory = streamed.step.memory;
+  EXPECT_EQ(streamed.step.parallel.offload, OffloadMode::kParameters) << memory.reason;
+  EXPECT_THAT(memory.reason, HasSubstr("--offload parameters")) << memory.reason;
+  // The parameters live on the host and the device reads copies made for each use.
+  for (const StateObject& object : streamed.step.state) {
+    EXPECT_TRUE(streamed.step.graph.object(object.input).meta.device.is_cpu())
+        << streamed.step.graph.object(object.input).name;
+  }
+  int uploads = 0;
+  for (const TaskSpec& task : streamed.step.graph.tasks()) {
+    uploads += task.name.find("/upload_") != std::string::npos;
+  }
+  EXPECT_GE(uploads, 2 * 8) << "every block's parameters up for its forward and its backward";
+  EXPECT_EQ(streamed.losses, reference.losses);
+  // Under the cap (the allocator enforces it: the step would have failed) and as predicted.
+  ASSERT_OK_AND_ASSIGN(MemoryProfile predicted, PredictMemory(streamed.step.graph));
+  const int64_t device_peak =
+      predicted.workers[0].peaks[static_cast<size_t>(MemoryTier::kDevice)].bytes;
+  EXPECT_LE(streamed.device_peak, cap);
+  EXPECT_NEAR(static_cast<double>(streamed.device_peak), static_cast<double>(device_peak),
+              0.03 * static_cast<double>(device_peak));
+  EXPECT_GT(reference.device_peak, 3 * streamed.device_peak) << "the uncapped plan holds it all";
+  // Bytes copied between tiers: what the plan says, within 2%.
+  const int64_t planned = predicted.workers[0].tier_copy_bytes;
+  // About 12 bytes a parameter: up for the forward and the backward, the gradient down (the
+  // head's own come up once, its backward following its forward; the embedding's backward
+  // reads none, and the head's tied read brings them up again).
+  const double twelve = 12.0 * static_cast<double>(c.model.NumParameters());
+  EXPECT_NEAR(static_cast<double>(planned), twelve, 0.01 * twelve);
+  EXPECT_NEAR(static_cast<double>(streamed.copied), static_cast<double>(planned),
+              0.02 * static_cast<double>(planned));
 }
 
 }  // namespace

@@ -261,6 +261,7 @@ struct Knobs {
   bool clip = true;
   bool sgd = false;
   bool offload = false;
+  bool offload_params = false;  // OffloadMode::kParameters (with cuda)
   bool cuda = false;
   GatherPolicy gather = GatherPolicy::kAuto;
   int prefetch = 1;
@@ -279,7 +280,9 @@ TrainingPlan MakePlan(const Knobs& k, int64_t seq_len) {
   p.data_parallel = k.ranks;
   p.zero_stage = k.zero;
   p.micro_batches = k.micro;
-  p.offload = k.offload ? OffloadMode::kOptimizer : OffloadMode::kNone;
+  p.offload = k.offload_params ? OffloadMode::kParameters
+              : k.offload      ? OffloadMode::kOptimizer
+                               : OffloadMode::kNone;
   p.prefetch_layers = k.prefetch;
   p.pipeline_stages = k.stages;
   p.virtual_stages = k.virtual_stages;
@@ -300,6 +303,7 @@ std::string CaseName(const Knobs& k) {
   if (k.sgd) name += "_sgd";
   if (!k.clip) name += "_noclip";
   if (k.offload) name += "_offload";
+  if (k.offload_params) name += "_offload_params";
   name += k.cuda ? "_cuda" : "_cpu";
   if (k.gather == GatherPolicy::kOncePerStep) name += "_gather_step";
   if (k.gather == GatherPolicy::kPerMicroBatch) name += "_gather_micro";
@@ -333,6 +337,13 @@ std::vector<Knobs> AllKnobs() {
   all.push_back({.ranks = 2, .micro = 1, .sgd = true, .offload = true, .cuda = true});
   all.push_back(
       {.ranks = 1, .micro = 2, .clip = false, .sgd = true, .offload = true, .cuda = true});
+  // Parameter offload on GPU workers: one rank (with and without clipping, two micro-batches),
+  // data parallel, ZeRO-3 (shards uploaded, then gathered), and a two-stage pipeline.
+  all.push_back({.ranks = 1, .micro = 1, .offload_params = true, .cuda = true});
+  all.push_back({.ranks = 1, .micro = 2, .clip = false, .offload_params = true, .cuda = true});
+  all.push_back({.ranks = 2, .zero = 0, .micro = 1, .offload_params = true, .cuda = true});
+  all.push_back({.ranks = 2, .zero = 3, .micro = 2, .offload_params = true, .cuda = true});
+  all.push_back({.ranks = 1, .micro = 4, .stages = 2, .offload_params = true, .cuda = true});
   // ZeRO-3's gathers: once per step when asked, and prefetch distances.
   all.push_back({.ranks = 2, .zero = 3, .micro = 2, .gather = GatherPolicy::kOncePerStep});
   all.push_back({.ranks = 2, .zero = 3, .micro = 1, .prefetch = 0});

@@ -1,6 +1,8 @@
 // The offload pass (planner/offload_pass.cc): under a host update, the gradients and clipping
 // factors go down to the host after the factor and at most three layers ahead of the updates,
-// and the updated master pieces come back up; without one, nothing moves.
+// and the updated master pieces come back up; without one, nothing moves. Under parameter
+// offload the parameters live on the host, each use reads a copy made for it (the sharding
+// policy's UsableParams), and gradients go down as soon as they are complete.
 #include <gmock/gmock.h>
 
 #include "planner_test_util.h"
@@ -83,6 +85,68 @@ TEST(OffloadPassTest, NothingMovesOnCpuWorkers) {
   EXPECT_EQ(CountOp(state, "copy"), 0);
   EXPECT_EQ(state.ranks[1].update_grad, state.ranks[1].grad);
   EXPECT_EQ(state.ranks[1].update_clip, state.ranks[1].clip);
+}
+
+TrainingPlan ParameterOffloadPlan(int ranks, int zero) {
+  TrainingPlan plan = MakeTinyPlan({.ranks = ranks, .zero = zero, .offload_to_gpu_host = true});
+  plan.parallel.offload = OffloadMode::kParameters;
+  return plan;
+}
+
+TEST(OffloadPassTest, UnderParameterOffloadEachUseReadsACopyAndGradientsGoDownAtOnce) {
+  const ModelSpec model = TinyGpt2();
+  const TrainingPlan plan = ParameterOffloadPlan(1, 0);
+  PlanState state(model, plan, CpuRegistry());
+  ASSERT_OK(RunPassesThrough(state, "update_optimizer"));
+  EXPECT_TRUE(state.host_params);
+  const Graph& graph = state.builder.graph();
+  for (const StateObject& object : state.step.state) {
+    EXPECT_NE(object.kind, StateKind::kMasterParameter) << "the parameters are the update's target";
+    EXPECT_TRUE(graph.object(object.input).meta.device.is_cpu()) << graph.object(object.input).name;
+  }
+  // A copy up for the forward, prefetched one layer ahead (after the activation entering the
+  // layer before), and another for the backward.
+  const TaskSpec* forward = FindTask(state, "h.1/upload_forward");
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ(forward->op, "copy");
+  EXPECT_EQ(forward->device_kind, DeviceKind::kCuda);
+  EXPECT_THAT(NamesOf(state, forward->inputs), ElementsAre("h.1.params"));
+  EXPECT_THAT(AfterNames(state, *forward), ElementsAre("embedding/forward"));
+  EXPECT_EQ(graph.object(forward->outputs[0]).role, ObjectRole::kGatheredParameter);
+  EXPECT_THAT(NamesOf(state, FindTask(state, "h.1/forward")->inputs),
+              ::testing::Contains("h.1/upload_forward:params"));
+  ASSERT_NE(FindTask(state, "h.1/upload_backward"), nullptr);
+  EXPECT_THAT(NamesOf(state, FindTask(state, "h.1/backward")->inputs),
+              ::testing::Contains("h.1/upload_backward:params"));
+  // The gradient goes down without waiting for the clipping factor, its norm is taken at once,
+  // and the host updates the parameters in place: nothing goes back up.
+  EXPECT_TRUE(FindTask(state, "h.1/grad_to_host")->after.empty());
+  EXPECT_EQ(FindTask(state, "h.1/grad_norm")->priority, kBackwardPriority + 1);
+  const TaskSpec* update = FindTask(state, "h.1/adamw");
+  ASSERT_NE(update, nullptr);
+  EXPECT_EQ(update->device_kind, DeviceKind::kCpu);
+  EXPECT_EQ(NamesOf(state, update->inputs)[0], "h.1.params");
+  EXPECT_FALSE(graph.FindTask("h.1/params_to_device").ok());
+}
+
+TEST(OffloadPassTest, UnderParameterOffloadZero3UploadsEachShardThenGathers) {
+  const ModelSpec model = TinyGpt2();
+  PlanState state(model, ParameterOffloadPlan(2, 3), CpuRegistry());
+  ASSERT_OK(RunPassesThrough(state, "update_optimizer"));
+  const TaskSpec* gather = FindTask(state, "rank1/h.0/gather_forward");
+  ASSERT_NE(gather, nullptr);
+  EXPECT_EQ(NamesOf(state, gather->inputs)[0], "rank1/h.0/upload_forward:params");
+  EXPECT_THAT(NamesOf(state, FindTask(state, "rank1/h.0/upload_forward")->inputs),
+              ElementsAre("rank1/h.0.params[shard]"));
+}
+
+TEST(OffloadPassTest, ParameterOffloadRefusesZero1And2OverSeveralRanks) {
+  const ModelSpec model = TinyGpt2();
+  for (int zero : {1, 2}) {
+    Result<StepGraph> step = PlanTrainingStep(model, ParameterOffloadPlan(2, zero), CpuRegistry());
+    EXPECT_EQ(step.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(step.status().message(), ::testing::HasSubstr("use --zero-stage 3"));
+  }
 }
 
 }  // namespace
