@@ -19,10 +19,13 @@
 // pushes to another, once per micro-batch a worker may hold in flight (a pipeline's; else once),
 // is under the cap: the model moves a push the moment its object is made, and a push that leaves
 // later holds it on its sender that much longer.
-// 4. When a GPU plan's device cap is too small for its model state beside the least activations
-//    (every layer recomputed), the parameters are moved to the host (OffloadMode::kParameters:
-//    copied up for each use, prefetch_layers ahead; gradients down as they complete; the update
-//    on the host) and steps 1-3 run again for that plan.
+// 4. When even the least activations (every layer recomputed) do not fit, the plan changes on
+//    its own and steps 1-4 run again for the changed plan under the same caps: a GPU plan whose
+//    device cap is too small for its model state moves the parameters to the host
+//    (OffloadMode::kParameters: copied up for each use, prefetch_layers ahead; gradients down as
+//    they complete; the update on the host), and a plan whose rows split runs each rank's batch
+//    as twice the micro-batches (each activation in proportion to the rows). The state first
+//    where it alone is over the cap, else the micro-batches first.
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
@@ -38,6 +41,7 @@
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -346,9 +350,32 @@ bool StreamsParametersIfNeeded(const TrainingPlan& plan) {
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
                          const OpRegistry& registry);
 
+// Whether the memory plan may split each rank's batch into twice the micro-batches when nothing
+// else fits: the rows split, and no split backwards. A pipeline holds as many micro-batches in
+// flight either way (1F1B's P - s), each of half the rows.
+bool SplitsMicroBatchesIfNeeded(const TrainingPlan& plan) {
+  const ParallelConfig& p = plan.parallel;
+  return !p.split_backwards && !SplitsBackward(p.schedule) && p.MicroBatchRows(plan.batch) % 2 == 0;
+}
+
+// A plan the memory plan changed on its own (`how`), fitted under the caller's caps: its
+// decision reports the caller's uncapped figures and activation cap, and its reason says what
+// changed and why first.
+StepGraph Changed(StepGraph step, const std::string& how, int64_t uncapped_total,
+                  int64_t uncapped_activations, int64_t activation_cap) {
+  MemoryDecision& memory = step.memory;
+  memory.reason = how + "; " + memory.reason;
+  memory.uncapped_peak_bytes = uncapped_total;
+  memory.uncapped_activation_peak_bytes = uncapped_activations;
+  memory.activation_cap_bytes = activation_cap;
+  return step;
+}
+
 // The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
+// `activation_cap`: the activations' cap in bytes when a plan changed on its own is fitted
+// (the caller's budget, of its own uncapped activations); 0: from the plan's budget.
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
-                      bool suggest) {
+                      bool suggest, int64_t activation_cap = 0) {
   const MemoryTier tier = ComputeTier(plan);
   Caps caps;
   caps.total = CapOf(plan, tier);
@@ -382,10 +409,14 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     return std::move(recomputed.step);
   }
   TESSERA_ASSIGN_OR_RETURN(PlannedPasses planned, RunTrainingPasses(model, plan, registry, {}));
-  if (caps.total == 0 && plan.memory.activation_budget == 0) return std::move(planned.step);
+  if (caps.total == 0 && plan.memory.activation_budget == 0 && activation_cap == 0) {
+    return std::move(planned.step);
+  }
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(planned.step.graph));
   const Peaks uncapped = PeaksOf(profile, tier);
-  if (plan.memory.activation_budget > 0) {
+  if (activation_cap > 0) {
+    caps.activations = activation_cap;
+  } else if (plan.memory.activation_budget > 0) {
     caps.activations =
         std::max<int64_t>(1, static_cast<int64_t>(plan.memory.activation_budget *
                                                   static_cast<double>(uncapped.activations)));
@@ -534,24 +565,54 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     least.step.memory = std::move(decision);
     return std::move(least.step);
   }
-  // The device cannot hold the model state beside the least activations: on GPU workers, the
-  // state goes to the host and each layer's parameters come up for their use (Harmony's and
-  // ZeRO-Infinity's way), if that fits.
-  if (tier == MemoryTier::kDevice && caps.total > 0 && least_peaks.total > caps.total &&
-      StreamsParametersIfNeeded(plan)) {
+  // What the plan may change on its own when nothing fits as asked. The device cannot hold the
+  // model state beside the least activations: on GPU workers, the state goes to the host and
+  // each layer's parameters come up for their use (Harmony's and ZeRO-Infinity's way). Every
+  // activation is in proportion to a micro-batch's rows: the batch split into twice the
+  // micro-batches (run one after another, or as many in flight in a pipeline; gradient
+  // accumulation: the same gradients but for the order of their sums) holds about half. The state
+  // first where it alone is over the cap (the least peak less its activations), else the
+  // micro-batches first.
+  const bool stream = tier == MemoryTier::kDevice && caps.total > 0 &&
+                      least_peaks.total > caps.total && StreamsParametersIfNeeded(plan);
+  const bool state_over = least_peaks.total - least_peaks.activations > caps.total;
+  const auto try_streaming = [&]() -> Result<StepGraph> {
     TrainingPlan streamed = plan;
     streamed.parallel.offload = OffloadMode::kParameters;
-    Result<StepGraph> step = Fit(model, streamed, registry, /*suggest=*/false);
-    if (step.ok()) {
-      step->memory.reason = fmt::format(
-          "the parameters streamed from the host (--offload parameters: each layer's copied up "
-          "for its forward and its backward, its gradient copied down, the update on the host), "
-          "as {} is too small for the model state on the device otherwise (the least it needs "
-          "so: {}); {}",
-          CapFlag(tier), Mib(least_peaks.total), step->memory.reason);
-      if (step->memory.uncapped_peak_bytes == 0) step->memory.uncapped_peak_bytes = uncapped.total;
-      return step;
-    }
+    TESSERA_ASSIGN_OR_RETURN(StepGraph step,
+                             Fit(model, streamed, registry, /*suggest=*/false, caps.activations));
+    return Changed(
+        std::move(step),
+        fmt::format("the parameters streamed from the host (--offload parameters: each layer's "
+                    "copied up for its forward and its backward, its gradient copied down, the "
+                    "update on the host), as {} is too small for the model state on the device "
+                    "otherwise (the least it needs so: {})",
+                    CapFlag(tier), Mib(least_peaks.total)),
+        uncapped.total, uncapped.activations, caps.activations);
+  };
+  const auto try_splitting = [&]() -> Result<StepGraph> {
+    TrainingPlan split = plan;
+    split.parallel.micro_batches *= 2;
+    TESSERA_ASSIGN_OR_RETURN(StepGraph step,
+                             Fit(model, split, registry, /*suggest=*/false, caps.activations));
+    return Changed(
+        std::move(step),
+        fmt::format("each rank's batch split into {} micro-batches of {} rows (was {} "
+                    "of {}), as recomputing every layer{} still needs {} (activations "
+                    "{})",
+                    split.parallel.micro_batches, split.parallel.MicroBatchRows(plan.batch),
+                    p.micro_batches, p.MicroBatchRows(plan.batch),
+                    kept_parts ? " keeping the least part" : "", Mib(least_peaks.total),
+                    Mib(least_peaks.activations)),
+        uncapped.total, uncapped.activations, caps.activations);
+  };
+  std::vector<std::function<Result<StepGraph>()>> changes;
+  if (stream && state_over) changes.emplace_back(try_streaming);
+  if (SplitsMicroBatchesIfNeeded(plan)) changes.emplace_back(try_splitting);
+  if (stream && !state_over) changes.emplace_back(try_streaming);
+  for (const auto& change : changes) {
+    Result<StepGraph> step = change();
+    if (step.ok()) return step;
   }
   std::string advice;
   if (caps.activations > 0 && least_peaks.activations > caps.activations) {

@@ -78,6 +78,8 @@ class ZeroPlansTest : public ::testing::Test {
     return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
   }
 
+  // The two-stage 1F1B pipeline under an activation budget (below).
+  static void ExpectPipelineUnderBudget(double budget);
   static void ExpectSameRun(const TrainingPlan& plan) {
     ASSERT_NE(reference_, nullptr);
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
@@ -119,33 +121,47 @@ TEST_F(ZeroPlansTest, GradientAccumulationMatchesOneWorker) {
   for (int stage = 0; stage <= 3; ++stage) ExpectSameRun(Plan(2, stage, OffloadMode::kNone, 2));
 }
 
-// The memory plan on a cluster: ZeRO-3 over two workers with half of its activations (the
-// planner recomputes layers to fit) computes the same run as one worker, and each worker's
-// measured activation peak is within the budget and within 3% of the prediction.
+// The memory plan on a cluster: ZeRO-3 over two workers with half and a quarter of its
+// activations (the planner keeps part of and recomputes layers to fit) computes the same run as
+// one worker, and each worker's measured activation peak is within the budget and within 3% of
+// the prediction.
 TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
-  TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
-  plan.memory.activation_budget = 0.5;
-  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
-  ExpectActivationsPlanned(trainer->step_graph().memory);
-  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-  testing::ExpectSameRun(run, *reference_, "ZeRO-3 with half its activations");
-  ExpectActivationPeaksAsPredicted(*trainer, run, 0.03, 0);
+  for (double budget : {0.5, 0.25}) {
+    const std::string what = fmt::format("ZeRO-3 with {:.0f}% of its activations", 100 * budget);
+    TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
+    plan.memory.activation_budget = budget;
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    ExpectActivationsPlanned(trainer->step_graph().memory);
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    testing::ExpectSameRun(run, *reference_, what);
+    ExpectActivationPeaksAsPredicted(*trainer, run, 0.03, 0);
+  }
 }
 
-// A 1F1B pipeline (two stages, four micro-batches) with half of its activations (recomputing
-// every layer, keeping the least part, reaches 34%: each stage keeps its in-flight micro-batches'
-// layer inputs): each
-// stage's layers are planned as a chain holding its micro-batches in flight, recomputes run just
-// before their backwards in the schedule's order, and the run is the one worker's; every stage's
-// measured activation peak is within the budget and near its prediction (below).
+// A 1F1B pipeline (two stages, four micro-batches) with half and a quarter of its activations
+// (recomputing every layer, keeping the least part, reaches 34%: each stage keeps its in-flight
+// micro-batches' layer inputs; at a quarter the plan splits the batch into eight micro-batches
+// of half the rows, as many in flight): each stage's layers are planned as a chain holding its
+// micro-batches in flight, recomputes run just before their backwards in the schedule's order,
+// and the run is the one worker's; every stage's measured activation peak is within the budget
+// and near its prediction (below).
 TEST_F(ZeroPlansTest, A1F1BPipelineUnderAnActivationBudgetMatchesOneWorker) {
+  for (double budget : {0.5, 0.25}) {
+    ExpectPipelineUnderBudget(budget);
+  }
+}
+
+void ZeroPlansTest::ExpectPipelineUnderBudget(double budget) {
+  const std::string what = fmt::format("1F1B with {:.0f}% of its activations", 100 * budget);
   TrainingPlan plan = Plan(1, 0, OffloadMode::kNone, 4);
   plan.parallel.pipeline_stages = 2;
-  plan.memory.activation_budget = 0.5;
+  plan.memory.activation_budget = budget;
   ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
   ExpectActivationsPlanned(trainer->step_graph().memory);
+  EXPECT_EQ(trainer->step_graph().parallel.micro_batches, budget < 0.34 ? 8 : 4)
+      << trainer->step_graph().memory.reason;
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-  testing::ExpectSameRun(run, *reference_, "1F1B with half its activations");
+  testing::ExpectSameRun(run, *reference_, what);
   ASSERT_FALSE(run.reports.empty());
   // Each stage's measured peak against its worker's prediction, within the micro-batch
   // activations a stage can have unsent either way: the model has what one worker sends another
@@ -154,7 +170,8 @@ TEST_F(ZeroPlansTest, A1F1BPipelineUnderAnActivationBudgetMatchesOneWorker) {
   // micro-batch the stage holds in flight (1F1B's P - s: 2 on the first stage). Seen: one push
   // late under a loaded machine (659456 bytes measured against 626688 predicted), two with
   // ctest -j2 beside a clang-tidy run (460800 against 395264).
-  const int64_t one_pushed = int64_t{kBatch / 4} * kSeqLen * 64 * int64_t{sizeof(float)};
+  const int64_t one_pushed =
+      trainer->step_graph().micro_batch_rows * kSeqLen * 64 * int64_t{sizeof(float)};
   ExpectActivationPeaksAsPredicted(*trainer, run, 0, 2 * one_pushed);
 }
 

@@ -361,7 +361,7 @@ CappedCase TwoMicroBatches(CappedCase c) {
 // (run one after another, then recomputing); the U-Net at 70% and at half (its layers keeping
 // only their convolutions' outputs: the layer programs' partial keep). A quarter is below what
 // the U-Net's top decoder's backward alone needs (its inputs, incoming gradient and outgoing
-// gradients): MemoryPlanTest.AUNetBelowItsLargestLayersBackwardIsRefusedWithTheFloor.
+// gradients): MemoryPlanTest.AUNetBelowItsLargestLayersBackwardSplitsItsBatch.
 TEST(MemoryPlanTest, StepsWithAShareOfTheirActivationsFitAndTrainBitIdentically) {
   const std::vector<std::pair<CappedCase, std::vector<double>>> cases = {
       {Gpt2Case(), {0.5, 0.25}},
@@ -414,8 +414,35 @@ TEST(MemoryPlanTest, StepsWithAShareOfTheirActivationsFitAndTrainBitIdentically)
   }
 }
 
+// Below what the U-Net's top decoder's backward needs (38-39% of its activations: its two
+// inputs, the incoming gradient and the two outgoing ones), recomputing cannot fit; a micro-batch
+// of half the rows holds half of every activation, so the plan splits the batch in two, run one
+// after another: the same gradients but for the order of their sums (1e-6 relative), under the
+// budget as predicted.
+TEST(MemoryPlanTest, AUNetBelowItsLargestLayersBackwardSplitsItsBatch) {
+  const CappedCase c = UNetCase();
+  const Trained reference = Train(c, c.plan, 3);
+  TrainingPlan capped = c.plan;
+  capped.memory.activation_budget = 0.25;
+  const Trained trained = Train(c, capped, 3);
+  const MemoryDecision& memory = trained.memory;
+  EXPECT_THAT(memory.reason, HasSubstr("each rank's batch split into 2 micro-batches of 1 rows"));
+  EXPECT_NEAR(static_cast<double>(memory.activation_cap_bytes),
+              0.25 * static_cast<double>(memory.uncapped_activation_peak_bytes), 1.0);
+  EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << memory.reason;
+  EXPECT_EQ(trained.figures.peak(ObjectRole::kActivation), memory.activation_peak_bytes);
+  EXPECT_EQ(trained.figures.total_peak, memory.peak_bytes);
+  ASSERT_EQ(trained.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < trained.losses.size(); ++i) {
+    EXPECT_NEAR(trained.losses[i], reference.losses[i], 1e-6 * std::abs(reference.losses[i]))
+        << "step " << i + 1;
+  }
+}
+
+// A batch of one row cannot be split: below the floor, the plan is refused with it.
 TEST(MemoryPlanTest, AUNetBelowItsLargestLayersBackwardIsRefusedWithTheFloor) {
   CappedCase c = UNetCase();
+  c.plan.batch = 1;
   c.plan.memory.activation_budget = 0.25;
   Result<StepGraph> step = PlanTrainingStep(c.model, c.plan, CpuRegistry());
   ASSERT_EQ(step.status().code(), StatusCode::kInfeasible) << step.status().ToString();
