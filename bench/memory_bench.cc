@@ -217,8 +217,16 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   }
   row.kept_part = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kKeepPart);
   if (!now.layer_ms.empty() && cluster == nullptr) {
+    // The profile ran the plan's micro-batch; a plan split into more (the memory plan's own
+    // change) runs smaller ones, whose layers take time in proportion to their rows.
+    const double rows = static_cast<double>(trainer.step_graph().micro_batch_rows) /
+                        static_cast<double>(c.plan.parallel.MicroBatchRows(c.plan.batch));
+    std::vector<tessera::OpCosts> layer_ms = now.layer_ms;
+    for (tessera::OpCosts& ms : layer_ms) {
+      ms = tessera::OpCosts{ms.forward * rows, ms.backward * rows, ms.weight * rows};
+    }
     const double predicted =
-        Check(tessera::PredictStepTime(trainer.step_graph().graph, c.model, now.layer_ms, registry,
+        Check(tessera::PredictStepTime(trainer.step_graph().graph, c.model, layer_ms, registry,
                                        now.TaskOverheadMs()),
               "predict the step time")
             .step_ms;

@@ -20,9 +20,9 @@ Result<std::vector<ObjectId>> SquaredNorms(PlanState& state, int r, int s) {
   std::vector<ObjectId> sums;
   // Under parameter offload a gradient goes to the host as soon as it is complete: its square
   // is summed at once too, so that the device frees it then, not after the whole backward.
-  const int32_t priority = state.host_params ? kBackwardPriority + 1 : kOptimizerPriority;
   for (size_t l = 0; l < state.num_layers; ++l) {
     if (!state.HasParams(l) || state.StageOf(l) != s) continue;
+    const int32_t priority = state.HostParams(l) ? kBackwardPriority + 1 : kOptimizerPriority;
     TESSERA_ASSIGN_OR_RETURN(
         auto sum,
         state.builder.AddTask(state.Name(r, state.LayerName(l) + "/grad_norm"), "sum_of_squares",

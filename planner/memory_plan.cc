@@ -23,7 +23,9 @@
 //    its own and steps 1-4 run again for the changed plan under the same caps: a GPU plan whose
 //    device cap is too small for its model state moves the parameters to the host
 //    (OffloadMode::kParameters: copied up for each use, prefetch_layers ahead; gradients down as
-//    they complete; the update on the host), and a plan whose rows split runs each rank's batch
+//    they complete; the update on the host), keeping the largest layers' on the device that fit
+//    without more activation overhead (KeepLargestParametersResident), and a plan whose rows
+//    split runs each rank's batch
 //    as twice the micro-batches (each activation in proportion to the rows). The state first
 //    where it alone is over the cap, else the micro-batches first.
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
@@ -42,7 +44,9 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
@@ -346,6 +350,54 @@ bool StreamsParametersIfNeeded(const TrainingPlan& plan) {
          !(ShardsOptimizerState(p) && p.zero_stage < 3);
 }
 
+Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
+                      bool suggest, int64_t activation_cap);
+
+// Under parameter offload fitted as `step` (every layer's parameters streamed), the layers whose
+// parameters may stay on the device instead (ParallelConfig::resident_params): the largest k
+// groups, k the most that still fit with no more predicted activation overhead than streaming
+// all (MemoryDecision::activation_overhead: copies the compute hides cost less than recomputing).
+// Fitted by bisection on k (fitting is monotone in it: each more resident layer leaves less
+// room). Replaces `step` with the plan chosen; returns k.
+size_t KeepLargestParametersResident(const ModelSpec& model, const OpRegistry& registry,
+                                     int64_t activation_cap, const TrainingPlan& streamed,
+                                     StepGraph& step) {
+  std::vector<size_t> order;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (model.layers[l].params.numel() > 0) order.push_back(l);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return model.layers[a].params.numel() > model.layers[b].params.numel();
+  });
+  const double overhead = step.memory.activation_overhead;
+  const auto fits_with = [&](size_t k) -> std::optional<StepGraph> {
+    TrainingPlan plan = streamed;
+    plan.parallel.resident_params.assign(model.layers.size(), false);
+    for (size_t i = 0; i < k; ++i) plan.parallel.resident_params[order[i]] = true;
+    Result<StepGraph> fitted = Fit(model, plan, registry, /*suggest=*/false, activation_cap);
+    if (!fitted.ok() || fitted->memory.activation_overhead > overhead * (1 + 1e-9) + 1e-9) {
+      return std::nullopt;
+    }
+    return std::move(*fitted);
+  };
+  size_t low = 0, high = order.size();  // low fits (streaming all), high + 1 is too many
+  // The state of every group resident is the plan that did not fit: at most all but one.
+  if (high > 0) --high;
+  std::optional<StepGraph> best;
+  while (low < high) {
+    const size_t mid = low + (high - low + 1) / 2;
+    std::optional<StepGraph> fitted = fits_with(mid);
+    if (fitted.has_value()) {
+      low = mid;
+      best = std::move(fitted);
+    } else {
+      high = mid - 1;
+    }
+  }
+  if (best.has_value()) step = std::move(*best);
+  return low;
+}
+
 // Forward: changes to a plan that fit under its tier cap, cheapest first.
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
                          const OpRegistry& registry);
@@ -430,10 +482,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   const std::string limits = fmt::format(
       "{}{}{}", caps.total > 0 ? fmt::format("the cap {}", Mib(caps.total)) : "",
       caps.total > 0 && caps.activations > 0 ? " and " : "",
-      caps.activations > 0 ? fmt::format("the activation budget {:.0f}% ({} of {})",
-                                         100 * plan.memory.activation_budget, Mib(caps.activations),
-                                         Mib(uncapped.activations))
-                           : "");
+      caps.activations == 0 ? ""
+      : activation_cap > 0  ? fmt::format("the activations' cap {}", Mib(caps.activations))
+                            : fmt::format("the activation budget {:.0f}% ({} of {})",
+                                          100 * plan.memory.activation_budget, Mib(caps.activations),
+                                          Mib(uncapped.activations)));
   if (caps.Fit(uncapped)) {
     decision.reason = fmt::format("every activation kept: the predicted peak {} fits {}",
                                   Mib(uncapped.total), limits);
@@ -489,6 +542,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   for (int round = 0; round < kVerifyRounds; ++round) {
     std::vector<ActivationDecision> choices(model.layers.size());
     bool solved_all = true;
+    double overhead = 0;  // the solver's predicted time of the choices, over keeping everything
     // Per rank, a chain per worker it runs layers on (a pipeline's stages; else one).
     for (size_t rank = 0; rank < planned.forward_task.size() && solved_all; ++rank) {
       for (const WorkerMemory& memory : profile.workers) {
@@ -506,6 +560,10 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
             choices[chain.layers[i]] = solved->decisions[i];
           }
         }
+        overhead += solved->step_us -
+                    EvaluateActivationPlan(chain.problem,
+                                           std::vector<ActivationDecision>(chain.layers.size()))
+                        .step_us;
       }
     }
     if (!solved_all) break;
@@ -528,6 +586,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
           Mib(peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations),
           DescribeActivationPlan(described, names));
       decision.activations = std::move(choices);
+      decision.activation_overhead = overhead;
       replanned.step.memory = std::move(decision);
       return std::move(replanned.step);
     }
@@ -556,6 +615,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     decision.peak_bytes = least_peaks.total;
     decision.activation_peak_bytes = least_peaks.activations;
     decision.activations = kept_parts ? least_parts : all;
+    decision.activation_overhead = std::numeric_limits<double>::infinity();
     decision.reason = fmt::format(
         "{}every layer recomputed{}: predicted peak {} (activations {}) under {}; every "
         "activation kept: {} (activations {})",
@@ -581,18 +641,27 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     streamed.parallel.offload = OffloadMode::kParameters;
     TESSERA_ASSIGN_OR_RETURN(StepGraph step,
                              Fit(model, streamed, registry, /*suggest=*/false, caps.activations));
+    const size_t kept =
+        KeepLargestParametersResident(model, registry, caps.activations, streamed, step);
+    size_t groups = 0;
+    for (int64_t numel : step.group_numel) groups += numel > 0;
     return Changed(
         std::move(step),
-        fmt::format("the parameters streamed from the host (--offload parameters: each layer's "
-                    "copied up for its forward and its backward, its gradient copied down, the "
-                    "update on the host), as {} is too small for the model state on the device "
-                    "otherwise (the least it needs so: {})",
-                    CapFlag(tier), Mib(least_peaks.total)),
+        fmt::format("the parameters of {} of {} layers streamed from the host (--offload "
+                    "parameters: copied up for each forward and backward, the gradient copied "
+                    "down, the update on the host; the other {} stay on the device, the largest "
+                    "that fit without recomputing more), as {} is too small for the model state "
+                    "on the device otherwise (the least it needs so: {})",
+                    groups - kept, groups, kept, CapFlag(tier), Mib(least_peaks.total)),
         uncapped.total, uncapped.activations, caps.activations);
   };
   const auto try_splitting = [&]() -> Result<StepGraph> {
     TrainingPlan split = plan;
     split.parallel.micro_batches *= 2;
+    // Measured layer times are a micro-batch's: half the rows take about half the time.
+    for (OpCosts& ms : split.parallel.layer_op_costs) {
+      ms = OpCosts{ms.forward / 2, ms.backward / 2, ms.weight / 2};
+    }
     TESSERA_ASSIGN_OR_RETURN(StepGraph step,
                              Fit(model, split, registry, /*suggest=*/false, caps.activations));
     return Changed(

@@ -11,11 +11,12 @@
 // the downloads with the backward pass, small next to the host's update (ZeRO-Offload's step is
 // bound by the host and the link, not the GPU).
 //
-// Under parameter offload (PlanState::host_params) the device is the scarce tier: each gradient
-// goes down as soon as it is complete, whatever the clipping, and the host holds every gradient
-// until its update (the host holds the model state anyway). The parameters' uploads are the
+// Under parameter offload (PlanState::HostParams) the device is the scarce tier: each streamed
+// layer's gradient goes down as soon as it is complete, whatever the clipping, and the host holds
+// it until its update (the host holds the model state anyway). The parameters' uploads are the
 // sharding policy's (UsableParams); nothing is uploaded after the update, which writes the host
-// parameters in place.
+// parameters in place. A layer whose parameters stay on the device (ParallelConfig::
+// resident_params) is ZeRO-Offload's, as above.
 #include "planner/plan_passes.h"
 
 namespace tessera {
@@ -60,7 +61,7 @@ Status DownloadGradients(PlanState& state, int r) {
                              state.builder.AddTask(state.Name(r, layer + "/grad_to_host"), "copy",
                                                    {rank.grad[l]}, {}, std::move(options)));
     rank.update_grad[l] = host[0];
-    if (state.plan.optimizer.max_grad_norm > 0 && !state.host_params) {
+    if (state.plan.optimizer.max_grad_norm > 0 && !state.HostParams(l)) {
       const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
       state.builder.AddControlEdge(state.ProducerOf(clip), state.ProducerOf(host[0]));
     }
@@ -86,7 +87,7 @@ Status OffloadDownloadsPass(PlanState& state) {
 
 void LimitDownloadsInFlight(PlanState& state, int r, size_t l,
                             const std::vector<TaskId>& stage_updates) {
-  if (!state.host_update || state.host_params || stage_updates.size() < kGradientsInFlight) {
+  if (!state.host_update || state.HostParams(l) || stage_updates.size() < kGradientsInFlight) {
     return;
   }
   const RankState& rank = state.ranks[static_cast<size_t>(r)];

@@ -86,7 +86,8 @@ struct PlanState {
   // is where everything already is, and offload changes nothing).
   const bool host_update;
   // Parameter offload on GPU workers (OffloadMode::kParameters): the parameters live in the host
-  // tier too, are the update's target (no master copy) and are copied up for each use.
+  // tier too, are the update's target (no master copy) and are copied up for each use; except
+  // the layers ParallelConfig::resident_params keeps on the device (HostParams).
   const bool host_params;
 
   std::unique_ptr<ShardingPolicy> sharding;  // set by the validation pass
@@ -119,6 +120,10 @@ struct PlanState {
   int LossStage() const { return step.layer_stage[num_layers - 1]; }
   // Layers without parameters (a pooling layer) have no group: no state, gradient or update.
   bool HasParams(size_t l) const { return step.group_numel[l] > 0; }
+  // Whether layer l's parameters live in the host tier (parameter offload, and not resident).
+  bool HostParams(size_t l) const {
+    return host_params && !(l < parallel.resident_params.size() && parallel.resident_params[l]);
+  }
   // Where the optimizer's state, lr and step live and its update runs.
   Device OptimizerDevice() const { return host_update ? Device::Cpu() : plan.device; }
   // A task of rank r in stage s, on its worker and the plan's device.

@@ -96,6 +96,10 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
     return InvalidArgument("{} layer op costs given for a model of {} layers",
                            p.layer_op_costs.size(), model.layers.size());
   }
+  if (!p.resident_params.empty() && p.resident_params.size() != model.layers.size()) {
+    return InvalidArgument("resident_params names {} layers for a model of {} layers",
+                           p.resident_params.size(), model.layers.size());
+  }
   if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.num_workers()) {
     if (p.pipeline_stages > 1) {
       return InvalidArgument(

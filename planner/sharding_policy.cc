@@ -45,13 +45,13 @@ std::string BackwardUseName(const PlanState& state, const ParamUse& use) {
 }
 
 // The parameters rank r holds of the use's group, where the use can read them. Under parameter
-// offload (PlanState::host_params) they live in the host tier, and the use reads a copy on the
+// offload (PlanState::HostParams) they live in the host tier, and the use reads a copy on the
 // device made for it ("<group>/upload_<when>", a transient parameter freed after its readers, on
 // the group's stage as a ZeRO-3 gather) once `use.after` exists there: at most prefetch_layers
 // layers' copies are made ahead of their use. Otherwise what is held.
 Result<ObjectId> UsableParams(PlanState& state, const ParamUse& use, const std::string& when) {
   const ObjectId held = HeldParams(state, use.rank, use.group);
-  if (!state.host_params) return held;
+  if (!state.HostParams(use.group)) return held;
   const std::string& group = state.LayerName(use.group);
   const std::string name = fmt::format("{}/upload_{}", group, when);
   TESSERA_ASSIGN_OR_RETURN(auto uploaded,
@@ -176,7 +176,7 @@ class DataParallelPolicy final : public ShardingPolicy {
   // The forward's own copy, or a copy again under parameter offload (the forward's was freed).
   Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use,
                                   ObjectId forward_params) const override {
-    if (!state.host_params) return forward_params;
+    if (!state.HostParams(use.group)) return forward_params;
     return UsableParams(state, use, BackwardUseName(state, use));
   }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }

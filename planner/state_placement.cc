@@ -37,8 +37,8 @@ void PlaceRankState(PlanState& state, int r) {
     // a rank keeps is the piece it updates (validation refuses the stages where they differ).
     rank.param[l] =
         AddState(state, StateKind::kParameter, sharding.ParameterPiece(l, r, full),
-                 ObjectRole::kParameter, state.host_params ? Device::Cpu() : state.plan.device);
-    if (state.host_update && !state.host_params) {
+                 ObjectRole::kParameter, state.HostParams(l) ? Device::Cpu() : state.plan.device);
+    if (state.host_update && !state.HostParams(l)) {
       rank.master[l] = AddState(state, StateKind::kMasterParameter, update, ObjectRole::kParameter,
                                 Device::Cpu());
     }

@@ -115,6 +115,11 @@ struct MemoryDecision {
   int64_t uncapped_activation_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
   std::vector<ActivationDecision> activations;
+  // What the activation choices add to the step as the solver predicts it (its time units:
+  // milliseconds when the layers were measured, else the op cost model's), summed over the
+  // chains; 0 when every activation is kept, infinite when the plan fell back to recomputing
+  // every layer without the solver.
+  double activation_overhead = 0;
   std::string reason;  // for --explain-memory
 };
 

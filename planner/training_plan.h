@@ -76,6 +76,11 @@ struct ParallelConfig {
   int data_parallel = 1;  // ranks per pipeline stage, each on its own worker
   int zero_stage = 0;     // 0..3: what the ranks shard (planner/sharding_policy.h)
   OffloadMode offload = OffloadMode::kNone;
+  // Under OffloadMode::kParameters on GPU workers, per layer: whether its parameters stay on the
+  // device between uses (ZeRO-Offload's placement for that layer: the master copy, moments and
+  // update on the host, the updated piece copied up); the others are copied up for each use.
+  // Empty: none stay. The memory plan chooses it (planner/memory_plan.cc).
+  std::vector<bool> resident_params;
   int micro_batches = 1;    // micro-batches per rank per step
   int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
   // Pipeline parallelism: pipeline_stages stages of data_parallel ranks each (num_workers() in

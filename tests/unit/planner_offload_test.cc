@@ -129,6 +129,31 @@ TEST(OffloadPassTest, UnderParameterOffloadEachUseReadsACopyAndGradientsGoDownAt
   EXPECT_FALSE(graph.FindTask("h.1/params_to_device").ok());
 }
 
+// A layer the plan keeps resident (ParallelConfig::resident_params) is ZeRO-Offload's: its
+// parameters on the device, a host master, the download after the factor and the upload after
+// the update; the others stream.
+TEST(OffloadPassTest, AResidentLayerUnderParameterOffloadIsZeroOffloads) {
+  const ModelSpec model = TinyGpt2();
+  TrainingPlan plan = ParameterOffloadPlan(1, 0);
+  plan.parallel.resident_params.assign(model.layers.size(), false);
+  plan.parallel.resident_params[1] = true;  // h.0
+  PlanState state(model, plan, CpuRegistry());
+  ASSERT_OK(RunPassesThrough(state, "update_optimizer"));
+  const Graph& graph = state.builder.graph();
+  EXPECT_FALSE(graph.FindTask("h.0/upload_forward").ok());
+  EXPECT_THAT(NamesOf(state, FindTask(state, "h.0/forward")->inputs),
+              ::testing::Contains("h.0.params"));
+  EXPECT_THAT(AfterNames(state, *FindTask(state, "h.0/grad_to_host")), ElementsAre("clip_to_host"));
+  ASSERT_NE(FindTask(state, "h.0/params_to_device"), nullptr);
+  EXPECT_EQ(NamesOf(state, FindTask(state, "h.0/adamw")->inputs)[0], "h.0.master_params");
+  ASSERT_NE(FindTask(state, "h.1/upload_forward"), nullptr);
+  EXPECT_TRUE(FindTask(state, "h.1/grad_to_host")->after.empty());
+  // A list that does not name every layer is refused.
+  plan.parallel.resident_params.resize(2);
+  EXPECT_EQ(PlanTrainingStep(model, plan, CpuRegistry()).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(OffloadPassTest, UnderParameterOffloadZero3UploadsEachShardThenGathers) {
   const ModelSpec model = TinyGpt2();
   PlanState state(model, ParameterOffloadPlan(2, 3), CpuRegistry());
