@@ -24,10 +24,9 @@
 //    device cap is too small for its model state moves the parameters to the host
 //    (OffloadMode::kParameters: copied up for each use, prefetch_layers ahead; gradients down as
 //    they complete; the update on the host), keeping the largest layers' on the device that fit
-//    without more activation overhead (KeepLargestParametersResident), and a plan whose rows
-//    split runs each rank's batch
-//    as twice the micro-batches (each activation in proportion to the rows). The state first
-//    where it alone is over the cap, else the micro-batches first.
+//    without more activation overhead (KeepLargestParametersResident); else (or where that is not
+//    enough: the changed plan changes again) a plan whose rows split runs each rank's batch as
+//    twice the micro-batches (each activation in proportion to the rows).
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
@@ -627,15 +626,14 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   }
   // What the plan may change on its own when nothing fits as asked. The device cannot hold the
   // model state beside the least activations: on GPU workers, the state goes to the host and
-  // each layer's parameters come up for their use (Harmony's and ZeRO-Infinity's way). Every
-  // activation is in proportion to a micro-batch's rows: the batch split into twice the
-  // micro-batches (run one after another, or as many in flight in a pipeline; gradient
-  // accumulation: the same gradients but for the order of their sums) holds about half. The state
-  // first where it alone is over the cap (the least peak less its activations), else the
-  // micro-batches first.
+  // each layer's parameters come up for their use (Harmony's and ZeRO-Infinity's way), first:
+  // copies the compute hides cost nothing, and a GPU's kernels lose speed on smaller
+  // micro-batches. Every activation is in proportion to a micro-batch's rows: the batch split
+  // into twice the micro-batches (run one after another, or as many in flight in a pipeline;
+  // gradient accumulation: the same gradients but for the order of their sums) holds about
+  // half.
   const bool stream = tier == MemoryTier::kDevice && caps.total > 0 &&
                       least_peaks.total > caps.total && StreamsParametersIfNeeded(plan);
-  const bool state_over = least_peaks.total - least_peaks.activations > caps.total;
   const auto try_streaming = [&]() -> Result<StepGraph> {
     TrainingPlan streamed = plan;
     streamed.parallel.offload = OffloadMode::kParameters;
@@ -676,9 +674,8 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
         uncapped.total, uncapped.activations, caps.activations);
   };
   std::vector<std::function<Result<StepGraph>()>> changes;
-  if (stream && state_over) changes.emplace_back(try_streaming);
+  if (stream) changes.emplace_back(try_streaming);
   if (SplitsMicroBatchesIfNeeded(plan)) changes.emplace_back(try_splitting);
-  if (stream && !state_over) changes.emplace_back(try_streaming);
   for (const auto& change : changes) {
     Result<StepGraph> step = change();
     if (step.ok()) return step;

@@ -119,6 +119,32 @@ TEST(TrainGpt2Test, OnAGpuTheProfileMeasuresTheHostLinkAndThePlanSwaps) {
   EXPECT_EQ(FirstMatch(given.output, R"(swap ([0-9]+):)"), 0) << given.output;
 }
 
+// On a GPU (the simulated one) whose --device-memory-gib is below the model state (3.37 MB of
+// fp32 parameters, gradients and Adam moments here), the plan streams the parameters from the
+// host on its own and says so, --explain-memory says what moves between the tiers, and the
+// losses are those of --offload parameters asked for.
+TEST(TrainGpt2Test, OnAGpuAStateBeyondTheDeviceCapIsStreamedFromTheHost) {
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  ProcessResult capped = RunTrainGpt2(
+      "--device cuda --layers 4 --steps 2 --batch 8 --device-memory-gib 0.003 --explain-memory");
+  ProcessResult asked = RunTrainGpt2(
+      "--device cuda --layers 4 --steps 2 --batch 8 --offload "
+      "parameters");
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  ASSERT_EQ(capped.exit_code, 0) << capped.output;
+  EXPECT_NE(capped.output.find("the parameters of 6 of 6 layers streamed from the host"),
+            std::string::npos)
+      << capped.output;
+  EXPECT_GT(FirstMatch(capped.output, R"(copied between tiers: ([0-9.]+) MiB a step)"), 0)
+      << capped.output;
+  const double gpu_peak_mb = FirstMatch(capped.output, R"(gpu_peak_mb=([0-9.]+))");
+  EXPECT_GT(gpu_peak_mb, 0) << capped.output;
+  EXPECT_LE(gpu_peak_mb, 0.003 * 1024 + 0.05) << capped.output;  // printed to 0.1 MiB
+  ASSERT_EQ(asked.exit_code, 0) << asked.output;
+  EXPECT_EQ(FirstMatch(asked.output, R"(final_loss=([0-9.]+))"),
+            FirstMatch(capped.output, R"(final_loss=([0-9.]+))"));
+}
+
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
