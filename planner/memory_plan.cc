@@ -352,12 +352,34 @@ bool StreamsParametersIfNeeded(const TrainingPlan& plan) {
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
                       bool suggest, int64_t activation_cap);
 
+// What streaming layer l's parameters costs a step beyond what compute hides, in the solver's
+// microseconds: per micro-batch, a copy up for its forward, beside the forward of the layer
+// before, and one for its backward, beside the backward of the layer after, each taking the
+// piece's bytes over the host link. Zero without the link's bandwidth and measured layer times
+// (the solver's times are then the cost model's units, not microseconds).
+double ExposedUploadUs(const ModelSpec& model, const TrainingPlan& plan, const StepGraph& step,
+                       size_t l) {
+  const std::vector<OpCosts>& ms = plan.parallel.layer_op_costs;
+  const double link = plan.memory.host_link_bytes_per_us;
+  if (ms.empty() || link <= 0) return 0;
+  // Under ZeRO-3 a rank uploads its shard (groups are padded to a multiple of the ranks).
+  const int64_t pieces = plan.parallel.zero_stage == 3 ? plan.parallel.data_parallel : 1;
+  const int64_t piece_bytes = step.group_numel[l] / pieces * int64_t{sizeof(float)};
+  const double upload_us = static_cast<double>(piece_bytes) / link;
+  const double before_us = l > 0 ? 1e3 * ms[l - 1].forward : 0;
+  const double after_us =
+      l + 1 < model.layers.size() ? 1e3 * (ms[l + 1].backward + ms[l + 1].weight) : 0;
+  return plan.parallel.micro_batches *
+         (std::max(0.0, upload_us - before_us) + std::max(0.0, upload_us - after_us));
+}
+
 // Under parameter offload fitted as `step` (every layer's parameters streamed), the layers whose
 // parameters may stay on the device instead (ParallelConfig::resident_params): the largest k
 // groups, k the most that still fit with no more predicted activation overhead than streaming
-// all (MemoryDecision::activation_overhead: copies the compute hides cost less than recomputing).
-// Fitted by bisection on k (fitting is monotone in it: each more resident layer leaves less
-// room). Replaces `step` with the plan chosen; returns k.
+// all, less the upload time the k layers' copies would not hide (ExposedUploadUs: without a
+// measured link, none; copies the compute hides cost less than recomputing). Found by
+// bisection on k (each more resident layer leaves less room). Replaces `step` with the plan
+// chosen; returns k.
 size_t KeepLargestParametersResident(const ModelSpec& model, const OpRegistry& registry,
                                      int64_t activation_cap, const TrainingPlan& streamed,
                                      StepGraph& step) {
@@ -372,9 +394,14 @@ size_t KeepLargestParametersResident(const ModelSpec& model, const OpRegistry& r
   const auto fits_with = [&](size_t k) -> std::optional<StepGraph> {
     TrainingPlan plan = streamed;
     plan.parallel.resident_params.assign(model.layers.size(), false);
-    for (size_t i = 0; i < k; ++i) plan.parallel.resident_params[order[i]] = true;
+    double saved_us = 0;  // the uploads the resident layers no longer wait for
+    for (size_t i = 0; i < k; ++i) {
+      plan.parallel.resident_params[order[i]] = true;
+      saved_us += ExposedUploadUs(model, streamed, step, order[i]);
+    }
     Result<StepGraph> fitted = Fit(model, plan, registry, /*suggest=*/false, activation_cap);
-    if (!fitted.ok() || fitted->memory.activation_overhead > overhead * (1 + 1e-9) + 1e-9) {
+    if (!fitted.ok() ||
+        fitted->memory.activation_overhead > (overhead + saved_us) * (1 + 1e-9) + 1e-9) {
       return std::nullopt;
     }
     return std::move(*fitted);

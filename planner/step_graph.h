@@ -116,7 +116,7 @@ struct MemoryDecision {
   int64_t activation_peak_bytes = 0;
   std::vector<ActivationDecision> activations;
   // What the activation choices add to the step as the solver predicts it (its time units:
-  // milliseconds when the layers were measured, else the op cost model's), summed over the
+  // microseconds when the layers were measured, else the op cost model's), summed over the
   // chains; 0 when every activation is kept, infinite when the plan fell back to recomputing
   // every layer without the solver.
   double activation_overhead = 0;

@@ -705,5 +705,33 @@ TEST(MemoryPlanTest, NearerTheStateTheLargestLayersParametersStayOnTheDevice) {
   EXPECT_LT(planned, all.workers[0].tier_copy_bytes);
 }
 
+// Over a slow host link (1 MB/s, given with measured layer times of 0.1 / 0.2 ms), a streamed
+// layer's uploads would keep the step waiting far longer than recomputing takes: at 70% of the
+// model state, where streaming every layer fits without recomputing less, the plan keeps layers
+// resident and recomputes to make room, which it does not without the link; the step is the
+// uncapped one's bit for bit, under the cap.
+TEST(MemoryPlanTest, OverASlowLinkLayersStayResidentAndRecomputeInstead) {
+  CappedCase c = SimulatedGpuGpt2Case();
+  const int64_t states = 16 * c.model.NumParameters();
+  TrainingPlan capped = c.plan;
+  capped.memory.device_bytes = states * 7 / 10;
+  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{0.1, 0.2, 0});
+  ASSERT_OK_AND_ASSIGN(StepGraph fast, PlanTrainingStep(c.model, capped, CpuRegistry()));
+  capped.memory.host_link_bytes_per_us = 1;
+  const SimulatedGpuRun slow = TrainOnSimulatedGpu(c, capped, capped.memory.device_bytes);
+  const SimulatedGpuRun reference = TrainOnSimulatedGpu(c, c.plan, 0);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  const auto resident = [](const StepGraph& step) {
+    return std::count(step.parallel.resident_params.begin(), step.parallel.resident_params.end(),
+                      true);
+  };
+  EXPECT_EQ(fast.parallel.offload, OffloadMode::kParameters) << fast.memory.reason;
+  EXPECT_EQ(slow.step.parallel.offload, OffloadMode::kParameters) << slow.step.memory.reason;
+  EXPECT_GT(resident(slow.step), resident(fast)) << slow.step.memory.reason;
+  EXPECT_GT(slow.step.memory.activation_overhead, fast.memory.activation_overhead);
+  EXPECT_EQ(slow.losses, reference.losses);
+  ExpectDeviceAndCopiesAsPredicted(slow, capped.memory.device_bytes);
+}
+
 }  // namespace
 }  // namespace tessera::testing
