@@ -145,6 +145,29 @@ TEST(TrainGpt2Test, OnAGpuAStateBeyondTheDeviceCapIsStreamedFromTheHost) {
             FirstMatch(capped.output, R"(final_loss=([0-9.]+))"));
 }
 
+// A checkpoint of a run whose parameters live on the host (--offload parameters, on the
+// simulated GPU) holds the same groups as any other: resumed on the plain plan (state on the
+// device), the run ends where an uninterrupted plain run does.
+TEST(TrainGpt2Test, OnAGpuAParameterOffloadCheckpointResumesOnThePlainPlan) {
+  const std::string dir = TempPath("train_gpt2_offload_checkpoints");
+  std::filesystem::remove_all(dir);
+  const std::string run = "--device cuda --layers 4 --batch 8 --threads 1 --log-every 4 ";
+  ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
+  ProcessResult whole = RunTrainGpt2(run + "--steps 8");
+  ProcessResult first =
+      RunTrainGpt2(run + "--steps 4 --offload parameters --checkpoint-dir " + dir);
+  ProcessResult second = RunTrainGpt2(run + "--steps 8 --resume --checkpoint-dir " + dir);
+  ::unsetenv("TESSERA_SIMULATED_GPU");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  const double whole_loss = FirstMatch(whole.output, R"(final_loss=([0-9.]+))");
+  EXPECT_GT(whole_loss, 0) << whole.output;
+  EXPECT_NEAR(FirstMatch(second.output, R"(final_loss=([0-9.]+))"), whole_loss, 1e-5 * whole_loss)
+      << second.output;
+}
+
 TEST(TrainGpt2Test, HelpListsEveryFlag) {
   ProcessResult run = RunTrainGpt2("--help");
   EXPECT_EQ(run.exit_code, 0);
