@@ -150,7 +150,9 @@ int Main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "Timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--peak-flops", o.peak_flops, "The GPU's dense bf16 peak, for MFU");
-  app.add_option("--offload", o.offload, "none or optimizer (ZeRO-Offload)");
+  app.add_option("--offload", o.offload,
+                 "none, optimizer (ZeRO-Offload) or parameters (the parameters too, copied up "
+                 "for each use)");
   app.add_option("--gpu-memory-gib", o.gpu_memory_gib, "Cap on the GPU allocator (0: all)");
   app.add_flag("--max-batch", o.max_batch, "Find the largest power-of-two batch that trains");
   app.add_flag("--max-model", o.max_model, "Find the largest GPT-2-shaped model that trains");

@@ -8,7 +8,8 @@ attention (scaled_dot_product_attention, is_causal), fused AdamW. Random tokens.
 
 usage:
   torch_gpt2_cuda.py speed [--layers 12 --channels 768 --heads 12 --vocab 50257 --seq-len 1024]
-                           [--batch 16] [--steps 30] [--compile]
+                           [--batch 16] [--steps 30] [--compile [--activation-budget F]]
+                           [--fsdp-cpu-offload]
       prints: torch_step ... tok_s=<tokens/s> mfu=<fraction> step_ms=<median> loss=<last>
   torch_gpt2_cuda.py max-model [--seq-len 1024 --batch 1 --from-shape K]
       tries GPT-2-shaped models of growing size (one subprocess each) and prints the largest
@@ -16,6 +17,10 @@ usage:
 
 --gpu-memory-gib G caps PyTorch's caching allocator at G GiB (set_per_process_memory_fraction):
 a smaller card's capacity on a larger one, as bench_gpt2_cuda --gpu-memory-gib caps Tessera's.
+--activation-budget F (with --compile) sets torch.compile's activation memory budget, the peer
+of train_gpt2 --activation-budget F. --fsdp-cpu-offload trains under FSDP2 on this one GPU with
+CPUOffloadPolicy (parameters, gradients and Adam state on the host; the peer of Tessera's
+--offload parameters), also in max-model.
 
 MFU counts 6 N + 12 L C T flops per token (N: every parameter, the tied wte once; attention's
 matmuls at full T x T, as PaLM and llm.c count them) against the H100 SXM's dense bf16 peak,
@@ -55,6 +60,9 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(max_t, c)
         self.h = nn.ModuleList([Block(c, heads) for _ in range(layers)])
         self.lnf = nn.LayerNorm(c)
+        self.reset()
+
+    def reset(self):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
@@ -68,14 +76,51 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.view(-1))
 
 
-def make_step(args):
-    with torch.device("cuda"):  # built on the GPU: a large model's init would crawl on the CPU
+def fsdp_cpu_offload_model(args):
+    """The model under FSDP2 (fully_shard) over this one GPU with CPUOffloadPolicy: parameters,
+    gradients and optimizer state live on the host, each block's parameters copied to the GPU for
+    its forward and backward (PyTorch's way of training states beyond the GPU)."""
+    import os
+    import torch.distributed as dist
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    except ImportError:  # PyTorch 2.4-2.5
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, fully_shard
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    with torch.device("meta"):
         model = GPT(args.layers, args.channels, args.heads, args.vocab, args.seq_len)
+    for block in model.h:
+        fully_shard(block, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    model.to_empty(device="cpu")  # built on meta: each module initialised again in place
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+                module.reset_parameters()
+        model.reset()
+    return model
+
+
+def make_step(args):
+    if args.activation_budget > 0:
+        # torch.compile's activation memory budget: the share of activations its min-cut
+        # partitioner keeps, recomputing the rest (the peer of Tessera's --activation-budget).
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = args.activation_budget
+    if args.fsdp_cpu_offload:
+        model = fsdp_cpu_offload_model(args)
+    else:
+        with torch.device("cuda"):  # built on the GPU: a large model's init would crawl on the CPU
+            model = GPT(args.layers, args.channels, args.heads, args.vocab, args.seq_len)
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+                            fused=not args.fsdp_cpu_offload)
     forward = torch.compile(model) if args.compile else model
 
     def step(idx, tgt):
@@ -120,6 +165,7 @@ def speed(args):
     tok_s = tokens / median
     mfu = tok_s * flops_per_token / args.peak_flops
     print(f"torch_step torch={torch.__version__} compile={int(args.compile)} "
+          f"budget={args.activation_budget:g} fsdp_cpu_offload={int(args.fsdp_cpu_offload)} "
           f"device='{torch.cuda.get_device_name()}' params={params} B={args.batch} "
           f"T={args.seq_len} step_ms={median * 1e3:.2f} tok_s={tok_s:.0f} mfu={mfu:.4f} "
           f"peak_mem_gib={torch.cuda.max_memory_allocated() / 2**30:.2f} "
@@ -140,6 +186,8 @@ def max_model(args):
                str(channels), "--heads", str(heads), "--seq-len", str(args.seq_len), "--batch",
                str(args.batch), "--steps", "1", "--warmup", "1",
                "--gpu-memory-gib", str(args.gpu_memory_gib)]
+        if args.fsdp_cpu_offload:
+            cmd.append("--fsdp-cpu-offload")
         run = subprocess.run(cmd, capture_output=True, text=True)
         ok = run.returncode == 0 and "torch_step" in run.stdout
         line = run.stdout.strip().splitlines()[-1] if ok else run.stderr.strip()[-200:]
@@ -173,6 +221,12 @@ def main():
     parser.add_argument("--peak-flops", type=float, default=989.4e12)
     parser.add_argument("--gpu-memory-gib", type=float, default=0,
                         help="cap the caching allocator at this many GiB (0: the whole card)")
+    parser.add_argument("--activation-budget", type=float, default=0,
+                        help="with --compile: torch._functorch.config.activation_memory_budget, "
+                             "the share of activations kept (0: PyTorch's default)")
+    parser.add_argument("--fsdp-cpu-offload", action="store_true",
+                        help="FSDP2 over this one GPU with CPUOffloadPolicy (parameters, "
+                             "gradients and optimizer state on the host)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_gpt2_cuda: no CUDA device visible to PyTorch")

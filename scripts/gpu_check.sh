@@ -10,7 +10,10 @@
 #                                     against the CPU, the speed race with PyTorch (eager and
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
-#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory    one part only
+#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory|planner    one part
+#                                     only (planner, only by name: the memory plan's activation
+#                                     budgets next to torch.compile's, and parameter offload's
+#                                     largest model next to FSDP2 with CPU offload)
 #
 # Knobs (environment): SPEED_BATCHES (default "16 32"); CHECK_CPU=0 runs only the GPU side of
 # the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
@@ -133,6 +136,39 @@ run() {
       --from-shape "${MAX_MODEL_FROM:-0}" --gpu-memory-gib "$cap" 2>&1 |
       tee "$out/max_model_torch$suffix.txt" | tail -n 2 || true
   fi
+  if [[ "$part" == planner ]]; then  # minutes of its own: asked for by name, not in "all"
+    # The memory plan on a real GPU (issue 25): GPT-2 124M and 350M at 100%, 50% and 25% of their
+    # activations (train_gpt2 --activation-budget, planned on profiled layer times and the
+    # measured host link) next to torch.compile with its activation memory budget at the same
+    # share; then the largest GPT-2 trained with its parameters streamed from the host
+    # (--offload parameters) next to PyTorch FSDP2 with CPU offload.
+    echo "== planner: activation budgets, GPT-2 124M and 350M, B=8 T=1024"
+    local shape layers channels heads budget
+    for shape in "12 768 12" "24 1024 16"; do
+      read -r layers channels heads <<<"$shape"
+      for budget in 0 0.5 0.25; do
+        local flags=()
+        [[ "$budget" != 0 ]] && flags=(--activation-budget "$budget" --balance profile)
+        timeout 300 .gpu/bin/train_gpt2 --layers "$layers" --channels "$channels" \
+          --heads "$heads" --vocab 50257 --seq-len 1024 --batch 8 --steps 20 --log-every 20 \
+          --data synthetic --seed 7 --device cuda --explain-memory "${flags[@]}" 2>&1 |
+          grep -E "^summary|memory plan \(" | sed "s/^/tessera L=$layers budget=$budget: /" |
+          tee -a "$out/planner_budgets.txt" || true
+        flags=(--compile)
+        [[ "$budget" != 0 ]] && flags+=(--activation-budget "$budget")
+        timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --layers "$layers" --channels \
+          "$channels" --heads "$heads" --batch 8 "${flags[@]}" 2>&1 | grep torch_step |
+          sed "s/^/torch L=$layers budget=$budget: /" | tee -a "$out/planner_budgets.txt" || true
+      done
+    done
+    echo "== planner: the largest model with the parameters on the host"
+    timeout "${MEMORY_SECONDS:-600}" .gpu/bin/bench_gpt2_cuda --max-model --batch 1 \
+      --from-shape "${MAX_MODEL_FROM:-0}" --offload parameters 2>&1 |
+      tee "$out/max_model_tessera_params.txt" | tail -n 3 || true
+    timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 \
+      --from-shape "${MAX_MODEL_FROM:-0}" --fsdp-cpu-offload 2>&1 |
+      tee "$out/max_model_torch_fsdp_offload.txt" | tail -n 2 || true
+  fi
   summarize "$out"
 }
 
@@ -153,6 +189,10 @@ summarize() {
       echo "B=$batch tessera_tok_s=${t% *} torch_tok_s=$p torch_compile_tok_s=$c mfu=${t#* }"
     done
   fi
+  if [[ -f "$out/planner_budgets.txt" ]]; then
+    grep -E "^tessera .*summary|^torch " "$out/planner_budgets.txt" |
+      sed -E 's/(tessera|torch) (L=[0-9]+ budget=[0-9.]+):.*(tokens_per_s|tok_s)=([0-9]+).*/\1 \2 tok_s=\4/'
+  fi
   return 0
 }
 
@@ -160,7 +200,7 @@ case "${1:-}" in
   stage) stage ;;
   run) shift; run "$@" ;;
   *)
-    sed -n '2,14p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac
