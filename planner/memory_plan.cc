@@ -24,7 +24,8 @@
 //    device cap is too small for its model state moves the parameters to the host
 //    (OffloadMode::kParameters: copied up for each use, prefetch_layers ahead; gradients down as
 //    they complete; the update on the host), keeping the largest layers' on the device that fit
-//    without more activation overhead (KeepLargestParametersResident); else (or where that is not
+//    without more activation overhead than their uploads would leave unhidden
+//    (KeepLargestParametersResident); else (or where that is not
 //    enough: the changed plan changes again) a plan whose rows split runs each rank's batch as
 //    twice the micro-batches (each activation in proportion to the rows).
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
@@ -675,7 +676,8 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
         fmt::format("the parameters of {} of {} layers streamed from the host (--offload "
                     "parameters: copied up for each forward and backward, the gradient copied "
                     "down, the update on the host; the other {} stay on the device, the largest "
-                    "that fit without recomputing more), as {} is too small for the model state "
+                    "that fit without recomputing more than their copies would leave "
+                    "unhidden), as {} is too small for the model state "
                     "on the device otherwise (the least it needs so: {})",
                     groups - kept, groups, kept, CapFlag(tier), Mib(least_peaks.total)),
         uncapped.total, uncapped.activations, caps.activations);
