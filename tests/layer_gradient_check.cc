@@ -32,18 +32,30 @@ double Objective(const LayerSpec& layer, const Tensors& args, const Tensors& gra
 
 }  // namespace
 
-void ExpectLayerGradientsMatchFiniteDifferences(const LayerSpec& layer, Tensors args) {
-  const Tensors out = Forward(layer, args);
+Tensors RandomOutputGradients(const LayerSpec& layer, const Tensors& out) {
   Tensors grads;
   for (int o = 0; o < (layer.loss ? 0 : layer.activations); ++o) {
     grads.push_back(RandomTensor(out[static_cast<size_t>(o)].shape(), 100 + o));
   }
-  Tensors backward_in = grads;
+  return grads;
+}
+
+Tensors BackwardArgs(const LayerSpec& layer, const Tensors& args, const Tensors& out,
+                     Tensors output_grads) {
+  Tensors backward_in = std::move(output_grads);
   for (const BackwardArg& arg : layer.backward_args) {
     if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[arg.index]);
     if (arg.kind == BackwardArg::Kind::kForwardOutput) backward_in.push_back(out[arg.index]);
   }
-  ASSERT_OK_AND_ASSIGN(Tensors analytic, RunKernel(layer.backward_op, backward_in, layer.attrs));
+  return backward_in;
+}
+
+void ExpectLayerGradientsMatchFiniteDifferences(const LayerSpec& layer, Tensors args) {
+  const Tensors out = Forward(layer, args);
+  const Tensors grads = RandomOutputGradients(layer, out);
+  ASSERT_OK_AND_ASSIGN(
+      Tensors analytic,
+      RunKernel(layer.backward_op, BackwardArgs(layer, args, out, grads), layer.attrs));
   ASSERT_EQ(analytic.size(), layer.backward_outputs.size()) << layer.name;
   for (size_t j = 0; j < analytic.size(); ++j) {
     const size_t target = layer.backward_outputs[j];

@@ -15,4 +15,13 @@ namespace tessera::testing {
 // Reports failures through gtest, naming the layer and the argument.
 void ExpectLayerGradientsMatchFiniteDifferences(const LayerSpec& layer, std::vector<Tensor> args);
 
+// Random gradients of `layer`'s outputs `out` (none for the loss layer; output o's from seed
+// 100 + o), as the checks above take them.
+std::vector<Tensor> RandomOutputGradients(const LayerSpec& layer, const std::vector<Tensor>& out);
+
+// The arguments of `layer`'s backward op: `output_grads`, then the forward arguments `args` and
+// forward outputs `out` its backward_args name, in their order.
+std::vector<Tensor> BackwardArgs(const LayerSpec& layer, const std::vector<Tensor>& args,
+                                 const std::vector<Tensor>& out, std::vector<Tensor> output_grads);
+
 }  // namespace tessera::testing

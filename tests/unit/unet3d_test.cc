@@ -337,17 +337,9 @@ TEST_F(UNet3dGradientTest, EveryLayerKeepingPartRebuildsTheRestBitForBit) {
       if (!rebuild.empty()) attrs.Set(kRebuildAttr, rebuild);
       Result<Tensors> out = RunKernel(layer.forward_op, args[l], attrs);
       TESSERA_CHECK(out.ok(), "{}", out.status().ToString());
-      Tensors backward_in;
-      for (int o = 0; o < (layer.loss ? 0 : layer.activations); ++o) {
-        backward_in.push_back(RandomTensor((*out)[static_cast<size_t>(o)].shape(), 100 + o));
-      }
-      for (const BackwardArg& arg : layer.backward_args) {
-        if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[l][arg.index]);
-        if (arg.kind == BackwardArg::Kind::kForwardOutput) {
-          backward_in.push_back((*out)[arg.index]);
-        }
-      }
-      Result<Tensors> grads = RunKernel(layer.backward_op, backward_in, attrs);
+      Result<Tensors> grads =
+          RunKernel(layer.backward_op,
+                    BackwardArgs(layer, args[l], *out, RandomOutputGradients(layer, *out)), attrs);
       TESSERA_CHECK(grads.ok(), "{}", grads.status().ToString());
       return std::pair(*out, *grads);
     };
@@ -380,11 +372,7 @@ TEST_F(UNet3dGradientTest, EveryLayerKeepingPartRebuildsTheRestBitForBit) {
               HasSubstr("rebuilds 'cheap_ops' only, not 'everything'"));
   attrs.Set(kRebuildAttr, kRebuildCheapOps);
   ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel(dec0.forward_op, args[d], attrs));
-  Tensors backward_in = {RandomTensor(out[0].shape(), 100)};
-  for (const BackwardArg& arg : dec0.backward_args) {
-    if (arg.kind == BackwardArg::Kind::kForwardArg) backward_in.push_back(args[d][arg.index]);
-    if (arg.kind == BackwardArg::Kind::kForwardOutput) backward_in.push_back(out[arg.index]);
-  }
+  const Tensors backward_in = BackwardArgs(dec0, args[d], out, RandomOutputGradients(dec0, out));
   EXPECT_THAT(RunKernel("layer_backward_input", backward_in, attrs).status().message(),
               HasSubstr("the split layer backward (zero-bubble schedules) rebuilds "
                         "nothing"));
