@@ -156,7 +156,8 @@ TEST(OffloadPassTest, AResidentLayerUnderParameterOffloadIsZeroOffloads) {
 
 TEST(OffloadPassTest, UnderParameterOffloadZero3UploadsEachShardThenGathers) {
   const ModelSpec model = TinyGpt2();
-  PlanState state(model, ParameterOffloadPlan(2, 3), CpuRegistry());
+  const TrainingPlan plan = ParameterOffloadPlan(2, 3);  // the state holds a reference
+  PlanState state(model, plan, CpuRegistry());
   ASSERT_OK(RunPassesThrough(state, "update_optimizer"));
   const TaskSpec* gather = FindTask(state, "rank1/h.0/gather_forward");
   ASSERT_NE(gather, nullptr);
