@@ -43,7 +43,6 @@
 // Not yet: split backwards (zero-bubble schedules) are refused under a cap.
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -342,12 +341,12 @@ bool SerializesMicroBatches(const TrainingPlan& plan) {
 }
 
 // Whether the memory plan may move a GPU plan's parameters to the host (OffloadMode::
-// kParameters) when nothing else fits: not already, and not ZeRO-1/2 over several ranks (refused
-// with parameter offload: plan_validation.cc).
+// kParameters) when nothing else fits: not already, and where each rank updates the parameters
+// it keeps (what parameter offload needs: plan_validation.cc refuses the rest).
 bool StreamsParametersIfNeeded(const TrainingPlan& plan) {
   const ParallelConfig& p = plan.parallel;
   return !plan.device.is_cpu() && p.offload != OffloadMode::kParameters &&
-         !(ShardsOptimizerState(p) && p.zero_stage < 3);
+         UpdatesTheParametersItKeeps(p);
 }
 
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
@@ -437,16 +436,15 @@ bool SplitsMicroBatchesIfNeeded(const TrainingPlan& plan) {
   return !p.split_backwards && !SplitsBackward(p.schedule) && p.MicroBatchRows(plan.batch) % 2 == 0;
 }
 
-// A plan the memory plan changed on its own (`how`), fitted under the caller's caps: its
-// decision reports the caller's uncapped figures and activation cap, and its reason says what
-// changed and why first.
+// A plan the memory plan changed on its own (`how`), fitted under the caller's caps (its
+// activation cap already the caller's): its decision reports the caller's uncapped figures, and
+// its reason says what changed and why first.
 StepGraph Changed(StepGraph step, const std::string& how, int64_t uncapped_total,
-                  int64_t uncapped_activations, int64_t activation_cap) {
+                  int64_t uncapped_activations) {
   MemoryDecision& memory = step.memory;
   memory.reason = how + "; " + memory.reason;
   memory.uncapped_peak_bytes = uncapped_total;
   memory.uncapped_activation_peak_bytes = uncapped_activations;
-  memory.activation_cap_bytes = activation_cap;
   return step;
 }
 
@@ -680,7 +678,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                     "unhidden), as {} is too small for the model state "
                     "on the device otherwise (the least it needs so: {})",
                     groups - kept, groups, kept, CapFlag(tier), Mib(least_peaks.total)),
-        uncapped.total, uncapped.activations, caps.activations);
+        uncapped.total, uncapped.activations);
   };
   const auto try_splitting = [&]() -> Result<StepGraph> {
     TrainingPlan split = plan;
@@ -700,14 +698,13 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                     p.micro_batches, p.MicroBatchRows(plan.batch),
                     kept_parts ? " keeping the least part" : "", Mib(least_peaks.total),
                     Mib(least_peaks.activations)),
-        uncapped.total, uncapped.activations, caps.activations);
+        uncapped.total, uncapped.activations);
   };
-  std::vector<std::function<Result<StepGraph>()>> changes;
-  if (stream) changes.emplace_back(try_streaming);
-  if (SplitsMicroBatchesIfNeeded(plan)) changes.emplace_back(try_splitting);
-  for (const auto& change : changes) {
-    Result<StepGraph> step = change();
-    if (step.ok()) return step;
+  if (stream) {
+    if (Result<StepGraph> step = try_streaming(); step.ok()) return step;
+  }
+  if (SplitsMicroBatchesIfNeeded(plan)) {
+    if (Result<StepGraph> step = try_splitting(); step.ok()) return step;
   }
   std::string advice;
   if (caps.activations > 0 && least_peaks.activations > caps.activations) {

@@ -39,8 +39,8 @@ Status CheckRanks(const TrainingPlan& plan) {
   if (plan.optimizer.kind == OptimizerConfig::Kind::kSgd && ShardsOptimizerState(p)) {
     return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");
   }
-  if (p.offload == OffloadMode::kParameters && !plan.device.is_cpu() && ShardsOptimizerState(p) &&
-      p.zero_stage < 3) {
+  if (p.offload == OffloadMode::kParameters && !plan.device.is_cpu() &&
+      !UpdatesTheParametersItKeeps(p)) {
     return InvalidArgument(
         "--offload parameters keeps each rank's parameters in the host tier and updates them "
         "there, but ZeRO-{} would all-gather the updated shards into every rank's full host "

@@ -173,10 +173,9 @@ class DataParallelPolicy final : public ShardingPolicy {
   Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const override {
     return UsableParams(state, use, ForwardUseName(state, use));
   }
-  // The forward's own copy, or a copy again under parameter offload (the forward's was freed).
-  Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use,
-                                  ObjectId forward_params) const override {
-    if (!state.HostParams(use.group)) return forward_params;
+  // What the forward read (the parameters held), or under parameter offload a copy again (the
+  // forward's was freed).
+  Result<ObjectId> BackwardParams(PlanState& state, const ParamUse& use, ObjectId) const override {
     return UsableParams(state, use, BackwardUseName(state, use));
   }
   ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
@@ -373,11 +372,11 @@ class Zero3Policy final : public ShardingPolicy {
   // when gathering once per step, else a gather of its own named "<group>/gather_<when>".
   Result<ObjectId> Gathered(PlanState& state, const ParamUse& use, const std::string& when) const {
     if (!once_per_step_) return Gather(state, use, when);
-    if (!state.ranks[static_cast<size_t>(use.rank)].gathered[use.group].valid()) {
-      TESSERA_ASSIGN_OR_RETURN(ObjectId gathered, Gather(state, use, "step"));
-      state.ranks[static_cast<size_t>(use.rank)].gathered[use.group] = gathered;
+    ObjectId& gathered = state.ranks[static_cast<size_t>(use.rank)].gathered[use.group];
+    if (!gathered.valid()) {
+      TESSERA_ASSIGN_OR_RETURN(gathered, Gather(state, use, "step"));
     }
-    return state.ranks[static_cast<size_t>(use.rank)].gathered[use.group];
+    return gathered;
   }
 
   // Rank r's member of the all-gather of the group's shards (uploaded first under parameter
@@ -485,6 +484,10 @@ Status CheckZeroStage(int zero_stage) {
 
 bool ShardsOptimizerState(const ParallelConfig& parallel) {
   return parallel.zero_stage >= 1 && parallel.data_parallel > 1;
+}
+
+bool UpdatesTheParametersItKeeps(const ParallelConfig& parallel) {
+  return !ShardsOptimizerState(parallel) || parallel.zero_stage == 3;
 }
 
 Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel) {

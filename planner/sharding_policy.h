@@ -130,6 +130,10 @@ class ShardingPolicy {
 Status CheckZeroStage(int zero_stage);
 // Whether the plan's ranks hold shards of the optimizer state (ZeRO >= 1 over several ranks).
 bool ShardsOptimizerState(const ParallelConfig& parallel);
+// Whether each rank updates exactly the piece of the parameters it keeps (not ZeRO-1/2 over
+// several ranks, whose updated shards are gathered into full copies): what parameter offload,
+// whose update writes the kept parameters in place, needs.
+bool UpdatesTheParametersItKeeps(const ParallelConfig& parallel);
 // The policy of the plan's ZeRO stage (data parallel over one rank whatever the stage).
 // InvalidArgument as CheckZeroStage.
 Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel);

@@ -169,7 +169,7 @@ struct MemoryCaps {
   double host_link_bytes_per_us = 0;
 };
 
-// "none" | "optimizer"; InvalidArgument naming the choices otherwise.
+// "none" | "optimizer" | "parameters"; InvalidArgument naming the choices otherwise.
 Result<OffloadMode> ParseOffload(std::string_view text);
 // "none", "optimizer", "parameters" (ParseOffload's words).
 const char* OffloadModeName(OffloadMode mode);
