@@ -18,10 +18,16 @@ int64_t RoundUpToAlignment(int64_t bytes) {
 // and optimizer state) are aligned to 2 MiB and marked for transparent huge pages: their first
 // touch then takes one page fault per 2 MiB instead of per 4 KiB, and streaming over them (an
 // offloaded AdamW over tens of GB) misses the TLB less. Where THP is off, the advice is ignored.
+// Buffers of 64 KiB and more start on a page, so a swap to the disk (worker/swap_file.h) can
+// write them straight from where they are (O_DIRECT needs aligned memory).
 void* AllocateHostBytes(int64_t rounded) {
-  constexpr int64_t kHugePage = int64_t{2} << 20;
-  if (rounded < 2 * kHugePage)
+  constexpr int64_t kHugePage = int64_t{2} << 20, kPage = 4096;
+  if (rounded < 16 * kPage) {
     return std::aligned_alloc(kBufferAlignment, static_cast<size_t>(rounded));
+  }
+  if (rounded < 2 * kHugePage) {
+    return std::aligned_alloc(kPage, static_cast<size_t>((rounded + kPage - 1) / kPage * kPage));
+  }
   const int64_t size = (rounded + kHugePage - 1) / kHugePage * kHugePage;
   void* block = std::aligned_alloc(static_cast<size_t>(kHugePage), static_cast<size_t>(size));
   if (block != nullptr) madvise(block, static_cast<size_t>(size), MADV_HUGEPAGE);

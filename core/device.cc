@@ -5,11 +5,20 @@
 namespace tessera {
 
 std::string_view DeviceKindName(DeviceKind kind) {
-  return kind == DeviceKind::kCpu ? "cpu" : "cuda";
+  switch (kind) {
+    case DeviceKind::kCpu:
+      return "cpu";
+    case DeviceKind::kCuda:
+      return "cuda";
+    case DeviceKind::kDisk:
+      return "disk";
+  }
+  return "unknown";
 }
 
 std::string Device::ToString() const {
-  return is_cpu() ? std::string("cpu") : fmt::format("cuda:{}", index);
+  return kind == DeviceKind::kCuda ? fmt::format("cuda:{}", index)
+                                   : std::string(DeviceKindName(kind));
 }
 
 Result<Device> ParseDevice(std::string_view text) {

@@ -1,4 +1,6 @@
-// Where a tensor lives or a task runs: the host CPU, or CUDA device N.
+// Where a tensor lives or a task runs: the host CPU, or CUDA device N; objects (never tasks) may
+// also live on the disk: a CPU worker's swap file (core/swap_file.h), where the memory plan swaps
+// activations that its host tier cannot hold.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +11,7 @@
 
 namespace tessera {
 
-enum class DeviceKind : uint8_t { kCpu, kCuda };
+enum class DeviceKind : uint8_t { kCpu, kCuda, kDisk };
 
 struct Device {
   DeviceKind kind = DeviceKind::kCpu;
@@ -17,11 +19,12 @@ struct Device {
 
   static constexpr Device Cpu() { return {DeviceKind::kCpu, 0}; }
   static constexpr Device Cuda(int index) { return {DeviceKind::kCuda, index}; }
+  static constexpr Device Disk() { return {DeviceKind::kDisk, 0}; }
 
   bool is_cpu() const { return kind == DeviceKind::kCpu; }
   friend bool operator==(const Device&, const Device&) = default;
 
-  // "cpu" or "cuda:N".
+  // "cpu", "cuda:N" or "disk".
   std::string ToString() const;
 };
 

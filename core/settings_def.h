@@ -68,6 +68,12 @@ TESSERA_INT_SETTING(
     "A data-plane pull with no progress for this long fails (the peer is treated as "
     "dead), so transfers never hang.")
 
+TESSERA_SETTING(std::string, swap_dir, "", "",
+                "A directory for the disk tier: each CPU worker (and an in-process run) makes "
+                "an unlinked swap file there, where the memory plan may swap activations its "
+                "host cap cannot hold (with a disk link: --disk-link-gbps, or measured). Put it "
+                "on a local NVMe drive. Empty: no disk tier.")
+
 TESSERA_SETTING(std::string, log_level, "info", "",
                 "spdlog level for every component: trace, debug, info, warn, error, off.")
 

@@ -47,7 +47,17 @@ Result<std::vector<ObjectId>> GraphBuilder::AddTask(std::string name, const std:
       }
     }
   }
-  for (TensorMeta& meta : *output_metas) meta.device = device;
+  Device output_device = device;
+  if (options.outputs_on_disk) {
+    if (!def->crosses_devices || device.kind != DeviceKind::kCpu) {
+      return InvalidArgument(
+          "{}: only a CPU task of an op that moves objects between devices "
+          "('copy') may put its outputs on the disk, not op '{}' on {}",
+          context, op, DeviceKindName(device.kind));
+    }
+    output_device = Device::Disk();
+  }
+  for (TensorMeta& meta : *output_metas) meta.device = output_device;
 
   TaskSpec task;
   task.name = std::move(name);

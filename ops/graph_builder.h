@@ -28,6 +28,9 @@ struct TaskOptions {
   int32_t priority = 0;
   WorkerId pinned_worker;
   DeviceKind device_kind = DeviceKind::kCpu;
+  // The outputs live on the disk tier (a CPU worker's swap file), not where the task runs: a
+  // 'copy' that swaps an object out. InvalidArgument for any other op or device.
+  bool outputs_on_disk = false;
   // Names of the output objects; default "<task name>:<op output name>".
   std::vector<std::string> output_names;
   // Roles of the output objects; default kActivation.

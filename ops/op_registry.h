@@ -56,6 +56,9 @@ struct KernelContext {
   // The GPU of the process (core/device_runtime.h), or null where there is none. kCuda kernels
   // run on it; outputs on the device are allocated from its allocator; transfers use its Copy.
   DeviceRuntime* device = nullptr;
+  // The process's swap file (worker/swap_file.h: the disk tier), or null. Outputs on the disk are
+  // allocated from its allocator; copies to and from it use its Copy.
+  DeviceRuntime* disk = nullptr;
 };
 
 using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,

@@ -4,6 +4,7 @@
 
 #include <tbb/task_arena.h>
 
+#include "core/disk_tasks.h"
 #include "core/timeline.h"
 #include "worker/in_process_executor.h"
 #include "worker/task_runner.h"
@@ -152,7 +153,12 @@ std::vector<int> GraphExecution::InitiallyReady() const {
 // ---- Step 2: starting ready tasks ----
 
 bool GraphExecution::Offloaded(int task) const {
-  return hooks_.offloaded && hooks_.offloaded(graph().tasks()[static_cast<size_t>(task)]);
+  return IoTask(task) ||
+         (hooks_.offloaded && hooks_.offloaded(graph().tasks()[static_cast<size_t>(task)]));
+}
+
+bool GraphExecution::IoTask(int task) const {
+  return TouchesDisk(graph(), graph().tasks()[static_cast<size_t>(task)]);
 }
 
 void GraphExecution::TakeReady(std::vector<int>& ready) {
@@ -179,6 +185,26 @@ void GraphExecution::StartReady(std::vector<int> ready) {
 
 void GraphExecution::Offload(int t) {
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
+  if (IoTask(t)) {
+    {
+      MutexLock lock(&mutex_);
+      ++offloads_;
+    }
+    // Prepared and run on the I/O thread: its queue's wait is not the task's time.
+    executor_.RunIo([run = shared_from_this(), t, &task] {
+      run->StartTiming(t);
+      run->stats_.timings[static_cast<size_t>(t)].thread_slot = run->executor_.threads();
+      std::vector<Tensor> in = run->InputsOf(task);
+      TaskRunCounters counters;
+      Result<std::vector<Tensor>> outputs = RunTaskKernel(
+          *run->prepared_.kernels_[static_cast<size_t>(t)], task, in, run->OutputMetasOf(t),
+          run->executor_.context(), [](int) { return false; }, &counters, run->NameOf(t));
+      in.clear();  // our references go before the inputs are released
+      std::vector<Tensor> made = outputs.ok() ? *std::move(outputs) : std::vector<Tensor>();
+      run->OffloadDone(t, made, outputs.status());
+    });
+    return;
+  }
   StartTiming(t);
   std::vector<Tensor> in = InputsOf(task);
   TaskRunCounters counters;
@@ -206,7 +232,10 @@ void GraphExecution::OffloadDone(int t, std::vector<Tensor>& outputs, const Stat
   TESSERA_CHECK(entered, "a run ended with an offloaded task out");
   std::vector<int> ready;
   if (!status.ok()) {
-    Fail(status.WithContext(TaskContext(graph().tasks()[static_cast<size_t>(t)], NameOf(t))));
+    // The I/O thread's errors come from RunTaskKernel, which names the task already.
+    Fail(IoTask(t)
+             ? status
+             : status.WithContext(TaskContext(graph().tasks()[static_cast<size_t>(t)], NameOf(t))));
   } else if (!failed_.load()) {
     FinishTask(t, outputs, &ready);
   }
@@ -281,6 +310,15 @@ bool GraphExecution::ReleaseObject(int object) {
   return false;
 }
 
+namespace {
+
+// What an object takes in memory (the role meter's figures): nothing on the disk tier.
+int64_t InMemoryBytes(const ObjectSpec& spec) {
+  return spec.meta.device.kind == DeviceKind::kDisk ? 0 : spec.meta.bytes();
+}
+
+}  // namespace
+
 void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int>* ready) {
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
   RoleMeter::Change change;
@@ -290,7 +328,8 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
   for (size_t j = 0; j < out.size(); ++j) {
     const int object = IndexOf(task.outputs[j]);
     const ObjectSpec& spec = graph().objects()[static_cast<size_t>(object)];
-    change.Add(spec.role, spec.meta.bytes());
+    const int64_t bytes = InMemoryBytes(spec);
+    change.Add(spec.role, bytes);
     // A transfer between tiers: what it copied, as made (core/timeline.h span bytes).
     if (!task.inputs.empty() && out[j].defined() && out[j].meta().device.is_cpu() != from_host) {
       timing.bytes += out[j].meta().bytes();
@@ -300,16 +339,16 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
         prepared_.is_output_[static_cast<size_t>(object)]) {
       slots_[static_cast<size_t>(object)] = std::move(out[j]);
     } else {
-      change.Free(spec.role, spec.meta.bytes());  // nobody reads it
+      change.Free(spec.role, bytes);  // nobody reads it
     }
   }
   for (ObjectId input : task.inputs) {
     const ObjectSpec& spec = graph().object(input);
     if (!ReleaseObject(IndexOf(input))) continue;
-    change.Free(spec.role, spec.meta.bytes());
+    change.Free(spec.role, InMemoryBytes(spec));
     for (const Donation& donation : task.donations) {  // an in-place output took its place
       if (task.inputs[static_cast<size_t>(donation.input_index)] == input) {
-        change.Replace(spec.role, spec.meta.bytes());
+        change.Replace(spec.role, InMemoryBytes(spec));
         break;
       }
     }

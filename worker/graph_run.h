@@ -211,12 +211,14 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   void InitCounters() EXCLUDES(mutex_);
   std::vector<int> InitiallyReady() const;
 
-  // Step 2: hands out the offloaded tasks among `ready` and keeps the others in it, counted as
-  // busy (the caller queues them).
+  // Step 2: hands out the offloaded tasks among `ready` (the owner's, and the I/O tasks, to the
+  // executor's I/O thread) and keeps the others in it, counted as busy (the caller queues them).
   void TakeReady(std::vector<int>& ready);
   // TakeReady, then into the executor's ready queue.
   void StartReady(std::vector<int> ready);
   bool Offloaded(int task) const;
+  // Whether the task reads or writes an object on the disk tier (a swap).
+  bool IoTask(int task) const;
   void Offload(int task) EXCLUDES(mutex_);
   void OffloadDone(int task, std::vector<Tensor>& outputs, const Status& status) EXCLUDES(mutex_);
 

@@ -28,8 +28,8 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
   } else {
     allocator_ = std::make_shared<AlignedHostAllocator>();
   }
-  context_ =
-      KernelContext{allocator_, options_.gemm_split_min_flops, &registry_, options_.device.get()};
+  context_ = KernelContext{allocator_, options_.gemm_split_min_flops, &registry_,
+                           options_.device.get(), options_.disk.get()};
   if (threads_ == 1) {
     // One thread: the executor's own runs every task, inside an arena of one slot reserved for
     // it, so kernels' parallel loops run serially there and no TBB worker ever joins (nothing is
@@ -65,6 +65,37 @@ InProcessExecutor::~InProcessExecutor() noexcept {
   queue_changed_.NotifyAll();
   lender_.join();
   arena_->execute([this] { slots_group_.wait(); });
+  std::thread io_thread;
+  {
+    MutexLock lock(&io_mutex_);
+    io_stopping_ = true;  // no run is in flight: nothing is queued
+    io_thread = std::move(io_thread_);
+  }
+  io_changed_.NotifyAll();
+  if (io_thread.joinable()) io_thread.join();
+}
+
+void InProcessExecutor::RunIo(std::function<void()> work) {
+  {
+    MutexLock lock(&io_mutex_);
+    io_queue_.push_back(std::move(work));
+    if (!io_thread_.joinable()) io_thread_ = std::thread([this] { IoLoop(); });
+  }
+  io_changed_.NotifyOne();
+}
+
+void InProcessExecutor::IoLoop() {
+  while (true) {
+    std::function<void()> work;
+    {
+      MutexLock lock(&io_mutex_);
+      while (io_queue_.empty() && !io_stopping_) io_changed_.Wait(&io_mutex_);
+      if (io_queue_.empty()) return;
+      work = std::move(io_queue_.front());
+      io_queue_.pop_front();
+    }
+    work();
+  }
 }
 
 Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {

@@ -22,12 +22,14 @@
 // (higher first) and first come, first served among equals; at most `threads` of them run at
 // once, each on an arena thread that takes the next task from the queue when it is done (a
 // "slot"). Kernels parallelise inside the same arena. Offloaded tasks (collective members, see
-// RunHooks) take no slot. The executor owns one thread besides TBB's workers: while a run is in
-// flight it lends itself to the arena (which reserves it a slot), so runs get `threads` threads
-// whoever started them, never more, and a synchronous Run's caller just waits. With one thread
-// there are no TBB workers at all: the executor's thread runs every task in an arena of one and
-// sleeps on a condition variable between them (TBB's workers spin and yield between tasks,
-// taking a small machine's CPU from the processes that the next task waits on).
+// RunHooks) take no slot, nor do I/O tasks: those that read or write an object on the disk tier
+// (a swap to or from the swap file), which the executor's I/O thread runs one after another, so
+// that a compute slot never sits waiting for the drive. The executor owns one thread besides TBB's
+// workers: while a run is in flight it lends itself to the arena (which reserves it a slot), so
+// runs get `threads` threads whoever started them, never more, and a synchronous Run's caller just
+// waits. With one thread there are no TBB workers at all: the executor's thread runs every task in
+// an arena of one and sleeps on a condition variable between them (TBB's workers spin and yield
+// between tasks, taking a small machine's CPU from the processes that the next task waits on).
 //
 // Thread safety: every method may be called from any thread. Prepare is const and may run
 // concurrently with runs. The executor owns its arena and allocator; tensors it returns hold the
@@ -72,6 +74,9 @@ struct ExecutorOptions {
   // The GPU the executor runs kCuda tasks on (worker/gpu.h's OpenGpu), or null. Inputs bound
   // as host tensors to objects that live on it are copied there when the run starts.
   std::shared_ptr<DeviceRuntime> device;
+  // The swap file (worker/swap_file.h) objects on the disk tier live in, or null (a plan that
+  // swaps to the disk then fails at its first swap, naming --swap-dir).
+  std::shared_ptr<DeviceRuntime> disk;
 
   static ExecutorOptions FromSettings(const Settings& settings);
 };
@@ -120,7 +125,10 @@ class InProcessExecutor {
   int threads() const { return threads_; }
   // A context for moving tensors between the host and this executor's GPU (task_runner.h's
   // MoveTo / HostCopyOf).
-  KernelContext Copier() const { return {allocator_, 0, &registry_, options_.device.get()}; }
+  KernelContext Copier() const {
+    return {allocator_, 0, &registry_, options_.device.get(), options_.disk.get()};
+  }
+  const std::shared_ptr<DeviceRuntime>& disk() const { return options_.disk; }
 
  private:
   friend class GraphExecution;
@@ -168,6 +176,10 @@ class InProcessExecutor {
   // With one thread, the executor's own thread instead: runs the slot whenever one is claimed.
   void SerialLoop() EXCLUDES(queue_mutex_);
   std::vector<std::shared_ptr<GraphExecution>> RunsInFlight() EXCLUDES(runs_mutex_);
+  // For GraphExecution: runs `work` on the I/O thread (started on first use), after the I/O
+  // work queued before it.
+  void RunIo(std::function<void()> work) EXCLUDES(io_mutex_);
+  void IoLoop() EXCLUDES(io_mutex_);
 
   const OpRegistry& registry_;
   ExecutorOptions options_;
@@ -190,6 +202,12 @@ class InProcessExecutor {
   std::optional<tbb::task_handle> lend_wake_ GUARDED_BY(runs_mutex_);
   bool stopping_ GUARDED_BY(runs_mutex_) = false;
   std::thread lender_;
+
+  Mutex io_mutex_;
+  CondVar io_changed_;
+  std::deque<std::function<void()>> io_queue_ GUARDED_BY(io_mutex_);
+  bool io_stopping_ GUARDED_BY(io_mutex_) = false;
+  std::thread io_thread_ GUARDED_BY(io_mutex_);
 };
 
 }  // namespace tessera

@@ -5,7 +5,8 @@
 // it released. An output donated from an input it frees (an in-place update) takes that input's
 // place rather than adding to it, as the plan intends; an output that could not reuse the
 // buffer (the worker copied it) is still counted once, so these figures are the plan's memory,
-// and the allocator's peak (RunStats::peak_bytes) is the process's.
+// and the allocator's peak (RunStats::peak_bytes) is the process's. They are memory's: objects
+// on the disk tier (swapped to a swap file) count as nothing; its allocator measures that tier.
 //
 // Model state is parameters + gradients + optimizer state (the ZeRO formulas); transient state is
 // gathered parameters + gradient buckets, bounded by the plan's prefetch and bucket choices.

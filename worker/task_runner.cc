@@ -47,6 +47,15 @@ Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
 
 Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context) {
   if (meta.device.is_cpu()) return Tensor::Empty(meta, context.allocator);
+  if (meta.device.kind == DeviceKind::kDisk) {
+    if (context.disk == nullptr) {
+      return Infeasible(
+          "{} is swapped to the disk, but this process has no swap file: give it one (--swap-dir) "
+          "or plan without a disk link",
+          meta.ToString());
+    }
+    return Tensor::Empty(meta, context.disk->allocator());
+  }
   // A plan's Device::Cuda(0) is "the worker's own GPU", whichever ordinal it has here.
   if (context.device == nullptr || context.device->device().kind != meta.device.kind) {
     return Infeasible(
@@ -67,6 +76,14 @@ Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& con
   if (from.is_cpu() && to.is_cpu()) {
     std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(src.bytes()));
     return Status::Ok();
+  }
+  if (from.kind == DeviceKind::kDisk || to.kind == DeviceKind::kDisk) {
+    if (context.disk == nullptr) {
+      return Infeasible(
+          "copy from {} to {} needs a swap file (--swap-dir), and this process has none",
+          from.ToString(), to.ToString());
+    }
+    return context.disk->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
   }
   if (context.device == nullptr) {
     return Infeasible("copy from {} to {} needs a GPU, and this process has none", from.ToString(),
@@ -138,6 +155,13 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<Tensor> outputs,
       PrepareTaskOutputs(task, inputs, output_metas, context, can_donate, counters, name));
+  TESSERA_RETURN_IF_ERROR(CallKernel(kernel, task, inputs, outputs, context, name));
+  return outputs;
+}
+
+Status CallKernel(const KernelFn& kernel, const TaskSpec& task, const std::vector<Tensor>& inputs,
+                  const std::vector<Tensor>& outputs, const KernelContext& context,
+                  std::string_view name) {
   Status status;
   try {
     status = kernel(context, inputs, outputs, task.attrs);
@@ -147,7 +171,7 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
     status = Internal("kernel threw: {}", e.what());
   }
   if (!status.ok()) return status.WithContext(TaskContext(task, name));
-  return outputs;
+  return Status::Ok();
 }
 
 }  // namespace tessera

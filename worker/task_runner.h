@@ -41,10 +41,11 @@ Result<std::vector<Tensor>> PrepareTaskOutputs(const TaskSpec& task,
                                                TaskRunCounters* counters,
                                                std::string_view name = {});
 
-// A tensor of `meta` from the allocator of its device: the context's host allocator, or its
-// GPU's (FailedPrecondition naming the device when the process has no such GPU).
+// A tensor of `meta` from the allocator of its device: the context's host allocator, its GPU's,
+// or its swap file's (Infeasible naming the device when the process has no such GPU or file).
 Result<Tensor> AllocateOn(const TensorMeta& meta, const KernelContext& context);
-// Copies src's bytes into dst across devices (host, the context's GPU). REQUIRES: same bytes.
+// Copies src's bytes into dst across devices (host, the context's GPU or swap file). REQUIRES:
+// same bytes.
 Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& context);
 
 // The same shape and dtype on the host: where bytes from the network land (a GPU worker's pulled,
@@ -73,5 +74,9 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
                                           const KernelContext& context,
                                           FunctionRef<bool(int input_index)> can_donate,
                                           TaskRunCounters* counters, std::string_view name = {});
+// The kernel alone, on outputs PrepareTaskOutputs made (exceptions as Statuses, with the context).
+Status CallKernel(const KernelFn& kernel, const TaskSpec& task, const std::vector<Tensor>& inputs,
+                  const std::vector<Tensor>& outputs, const KernelContext& context,
+                  std::string_view name = {});
 
 }  // namespace tessera

@@ -21,6 +21,7 @@
 #include "worker/collective_engine.h"
 #include "worker/graph_runner.h"
 #include "worker/object_store.h"
+#include "worker/swap_file.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
@@ -106,6 +107,13 @@ Status WorkerServiceImpl::Init() {
   ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
   executor_options.threads = threads_;
   executor_options.device = options_.device;
+  if (!options_.settings.swap_dir.empty()) {
+    SwapFileOptions swap;
+    swap.directory = options_.settings.swap_dir;
+    Result<std::shared_ptr<DeviceRuntime>> disk = OpenSwapFile(swap);
+    if (!disk.ok()) return disk.status().WithContext("TESSERA_SWAP_DIR");
+    executor_options.disk = *std::move(disk);
+  }
   auto send = [this](capnp::MessageBuilder& message) { connection_->Send(message); };
   engine_ = std::make_unique<CollectiveEngine>(options_.settings, send, KernelContextHere());
   graph_runner_ =

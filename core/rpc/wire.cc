@@ -43,7 +43,7 @@ Result<TensorMeta> FromWire(proto::TensorMeta::Reader in, const WireLimits& limi
     numel *= d;
   }
   meta.shape = Shape(std::move(dims));
-  if (in.getDeviceKind() > static_cast<uint8_t>(DeviceKind::kCuda)) {
+  if (in.getDeviceKind() > static_cast<uint8_t>(DeviceKind::kDisk)) {
     return InvalidArgument("unknown device kind {} on the wire", in.getDeviceKind());
   }
   meta.device = Device{static_cast<DeviceKind>(in.getDeviceKind()), in.getDeviceIndex()};

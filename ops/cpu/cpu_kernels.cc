@@ -212,6 +212,14 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
           std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
           return Status::Ok();
         }
+        // To or from the disk tier (a swapped activation): the swap file copies.
+        if (from.kind == DeviceKind::kDisk || to.kind == DeviceKind::kDisk) {
+          if (context.disk == nullptr) {
+            return Infeasible("copy from {} to {} in a process without a swap file (--swap-dir)",
+                              from.ToString(), to.ToString());
+          }
+          return context.disk->Copy(out[0].raw_data(), to, in[0].raw_data(), from, in[0].bytes());
+        }
         // A GPU's object to the host tier (offload's gradient download): the GPU copies.
         if (context.device == nullptr) {
           return Infeasible("copy from {} to {} in a process without a GPU", from.ToString(),
