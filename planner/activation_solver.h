@@ -1,15 +1,16 @@
 // The activation solver: for each layer of a chain, keep what its forward saves for its
 // backward, keep part of it (the backward recomputing the rest first), recompute it just before
 // the backward (whole, or keeping part: the recompute saves less and the backward rebuilds the
-// rest), or swap it to the host and back, so that the step fits under a device-memory cap at
-// the least predicted step time.
+// rest), or swap it one tier down and back (a GPU's to the host, a CPU worker's to its swap file
+// on the disk), so that the step fits under the compute tier's cap at the least predicted step
+// time.
 //
 // The problem (ActivationProblem) is one worker's chain of layers in forward order, each with
 // the bytes its forward saves (s_i), its forward and backward times (f_i, b_i), the partial keeps
 // its op offers (p_i bytes kept, r_i time to rebuild the rest: OpDef::rebuild_options), the
 // device bytes live besides the saved objects while each forward and each backward runs (from
-// the memory model, planner/memory_model.h), the cap, and the link's bandwidth to the host. The
-// step runs F_1 .. F_n, then B_n .. B_1.
+// the memory model, planner/memory_model.h), the cap, and the link's bandwidth to the tier below.
+// The step runs F_1 .. F_n, then B_n .. B_1.
 //
 // The cost model (what EvaluateActivationPlan computes for any choices, and the solver
 // minimises):
@@ -86,7 +87,7 @@ struct ActivationProblem {
   // none.
   std::vector<int64_t> base_forward_bytes, base_backward_bytes;
   int64_t cap_bytes = 0;         // the device tier's cap
-  double link_bytes_per_us = 0;  // device <-> host, each way; 0: no swapping
+  double link_bytes_per_us = 0;  // to the tier below and back, each way; 0: no swapping
   bool allow_recompute = true;
   bool allow_swap = true;
 

@@ -32,7 +32,8 @@ struct MicroBatch {
   std::vector<std::vector<std::vector<ObjectId>>> output_grads;
   std::vector<std::vector<ObjectId>> param_grads;
   std::vector<ObjectId> entering_grad;
-  // Per layer: the host copies of what its forward saves, by output index (a swapped layer).
+  // Per layer: the copies one tier down of what its forward saves, by output index (a swapped
+  // layer).
   std::vector<std::map<int, ObjectId>> swapped;
 };
 
@@ -184,29 +185,40 @@ class Expansion {
         s_.builder.AddTask(
             TaskName(mb, l, "forward"), layer.forward_op, mb.args[l], AttrsOf(l),
             s_.On(mb.r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
-    Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = s_.ProducerOf(mb.outputs[l][0]);
+    const TaskId forward = s_.ProducerOf(mb.outputs[l][0]);
+    Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = forward;
     if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
+    // A swap out overlaps the next layer's forward, and is done before the one after starts
+    // (what the solver and the memory model count: a slow copy holds the forwards back, rather
+    // than the saved objects of layer after layer waiting in memory for it).
+    if (l >= 2 && s_.StageOf(l - 2) == s_.StageOf(l)) {
+      for (const auto& [o, copy] : mb.swapped[l - 2]) {
+        s_.builder.AddControlEdge(s_.ProducerOf(copy), forward);
+      }
+    }
     if (Swaps(l)) return AddSwapOut(mb, l);
     return Status::Ok();
   }
 
   bool Swaps(size_t l) const {
     return l < s_.activation_choices.size() &&
-           s_.activation_choices[l].choice == ActivationChoice::kSwap && !s_.model.layers[l].loss &&
-           !s_.plan.device.is_cpu();
+           s_.activation_choices[l].choice == ActivationChoice::kSwap && !s_.model.layers[l].loss;
   }
 
-  // A swapped layer: what its forward saves copied to the host as soon as it is made
-  // ("<layer>/swap_out", a copy task on the host; the device object, read by no one else, is
-  // then freed).
+  // A swapped layer: what its forward saves copied to the next tier down as soon as it is made
+  // ("<layer>/swap_out", a copy task on the host: a GPU worker's to the host, a CPU worker's to
+  // its swap file on the disk); the object it copied, read by no one else, is then freed.
   Status AddSwapOut(MicroBatch& mb, size_t l) {
     const std::string& layer = s_.LayerName(l);
+    const bool to_disk = s_.plan.device.is_cpu();
     for (int o : saved_only_[l]) {
       const ObjectId saved = mb.outputs[l][static_cast<size_t>(o)];
       TaskOptions options =
           s_.On(mb.r, layer, kForwardPriority + 1,
-                {s_.builder.graph().object(saved).name + ".host"}, {ObjectRole::kActivation});
+                {s_.builder.graph().object(saved).name + (to_disk ? ".disk" : ".host")},
+                {ObjectRole::kActivation});
       options.device_kind = DeviceKind::kCpu;
+      options.outputs_on_disk = to_disk;
       TESSERA_ASSIGN_OR_RETURN(
           auto host, s_.builder.AddTask(TaskName(mb, l, fmt::format("swap_out{}", o).c_str()),
                                         "copy", {saved}, {}, std::move(options)));
@@ -215,7 +227,7 @@ class Expansion {
     return Status::Ok();
   }
 
-  // Its copy back to the device ("<layer>/swap_in"), prefetched one layer ahead: after the task
+  // Its copy back ("<layer>/swap_in"), prefetched one layer ahead: after the task
   // that lets the next layer's backward start (the gradient entering it; the loss's forward
   // for the layer below the loss), so it runs while that backward does.
   Result<ObjectId> AddSwapIn(MicroBatch& mb, size_t l, int o, ObjectId host) {

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/collective_task.h"
+#include "core/disk_tasks.h"
 
 namespace tessera {
 
@@ -26,7 +27,15 @@ const char* MemoryTierName(MemoryTier tier) {
 }
 
 MemoryTier TierOf(const TensorMeta& meta) {
-  return meta.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
+  switch (meta.device.kind) {
+    case DeviceKind::kCpu:
+      return MemoryTier::kHost;
+    case DeviceKind::kCuda:
+      return MemoryTier::kDevice;
+    case DeviceKind::kDisk:
+      return MemoryTier::kDisk;
+  }
+  return MemoryTier::kHost;
 }
 
 namespace {
@@ -298,6 +307,16 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
           life.replaced = true;
         }
       }
+      // Read last by a copy to the disk (a swap out), which the executor's I/O thread runs
+      // beside the compute: live until the compute task after it has run too.
+      if (TouchesDisk(graph, reader)) {
+        for (int p = life.last + 1; p < size; ++p) {
+          if (!TouchesDisk(graph, graph.task(order[static_cast<size_t>(p)]))) {
+            life.last = p;
+            break;
+          }
+        }
+      }
     } else {
       life.last = life.first;  // nobody reads it here: freed as soon as it is made
     }
@@ -343,7 +362,8 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
     std::array<int64_t, kMemoryTiers> tiers{};
     for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
       for (size_t role = 0; role < kObjectRoles; ++role) {
-        by_role[role] += live[tier][role];
+        // The role figures are what memory holds (RoleMeter's): the disk tier is not memory.
+        if (tier != TierIndex(MemoryTier::kDisk)) by_role[role] += live[tier][role];
         tiers[tier] += live[tier][role];
       }
       if (tiers[tier] > memory.peaks[tier].bytes) {

@@ -11,21 +11,29 @@
 //     reader on that worker, unless it is a graph output (kept after the step); an output nobody
 //     reads there is freed as soon as it is made;
 //   * an output donated from an input the task frees (an in-place update) takes that input's
-//     place instead of adding to it.
+//     place instead of adding to it;
+//   * an object read last by a task that reaches the disk (a swap out, core/disk_tasks.h: the
+//     executor's I/O thread runs it beside the compute) stays live until the next task in the
+//     order that does not, the compute the copy overlaps, has run too. RoleMeter, which counts
+//     at each task's end, sees it freed earlier when the copy ends first: there the prediction
+//     is an upper bound by at most that object.
 // So while a task runs, the live set is what was live before it plus its outputs, less the
 // donated inputs it replaces; the peak of a tier is the largest such sum. Figures are plan
 // memory (what the step's objects hold), the figure RoleMeter measures; kernels' scratch space
 // and allocator slack come on top.
 //
-// Tiers: an object lives on its TensorMeta's device (the device tier: a GPU's memory, or the
-// simulated GPU's), else in the host tier; the disk tier holds nothing yet (the object store
-// spills only on its own).
+// Tiers: an object lives on its TensorMeta's device: the device tier (a GPU's memory, or the
+// simulated GPU's), the disk tier (a CPU worker's swap file: what the memory plan swapped out),
+// else the host tier. Role figures count the device and host tiers (memory), not the disk.
 //
 // The order (SimulateWorkerOrders) is the in-process executor's with one slot per worker: ready
 // tasks by priority, first ready first among equals (worker/in_process_executor.h), every task
 // taking one unit of time, a collective's members finishing together once every member is
 // ready (before that round's task on their worker: they run beside it, off its slot), and
-// objects reaching other workers at once. It is exact for one worker running one
+// objects reaching other workers at once. Tasks that reach the disk take a round of their
+// worker's slot like any other (the I/O thread runs them beside the compute: which of two ready
+// tasks finishes first then follows the drive's speed too, so a swapping plan's figures are
+// near the prediction, not exact). It is exact for one worker running one
 // task at a time (a step on a one-thread executor); with more threads, independent ready tasks
 // may overlap, and across workers the real durations may reorder what waits on another worker.
 // A plan that relies on the figures fixes the order with control edges (TaskSpec::after).
@@ -93,7 +101,7 @@ struct WorkerMemory {
   std::array<TierPeak, kMemoryTiers> peaks;
   // What RoleMeter reports for the step (RoleBytes): each role at its own peak, the largest
   // parameters + gradients + optimizer state, gathered parameters + gradient buckets, and the
-  // largest total.
+  // largest total; in memory (the device and host tiers; not the disk's).
   RoleArray role_peaks{};
   int64_t model_state_peak = 0, transient_peak = 0, total_peak = 0;
   // Per position in the order: live bytes per tier while that task runs.

@@ -58,6 +58,11 @@ namespace {
 
 constexpr int kVerifyRounds = 4;
 
+double SwapLinkBytesPerUs(const TrainingPlan& plan) {
+  return plan.device.is_cpu() ? plan.memory.disk_link_bytes_per_us
+                              : plan.memory.host_link_bytes_per_us;
+}
+
 MemoryTier ComputeTier(const TrainingPlan& plan) {
   return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
 }
@@ -297,10 +302,11 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   }
   Chain chain;
   chain.problem.cap_bytes = cap;
-  // Swapping needs somewhere to swap to, the link's bandwidth, and times in microseconds.
-  chain.problem.allow_swap = !plan.device.is_cpu() && plan.memory.host_link_bytes_per_us > 0 &&
-                             !plan.parallel.layer_op_costs.empty();
-  chain.problem.link_bytes_per_us = plan.memory.host_link_bytes_per_us;
+  // Swapping needs somewhere to swap to (a GPU's host, a CPU worker's swap file), the link's
+  // bandwidth, and times in microseconds.
+  chain.problem.link_bytes_per_us = SwapLinkBytesPerUs(plan);
+  chain.problem.allow_swap =
+      chain.problem.link_bytes_per_us > 0 && !plan.parallel.layer_op_costs.empty();
   for (size_t l = 0; l < model.layers.size(); ++l) {
     // The loss layer's backward follows its forward at once: kept, but its memory counts.
     if (saved_of[l].empty() && !model.layers[l].loss) continue;

@@ -128,6 +128,10 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
     return InvalidArgument("the host link's bandwidth {} bytes/us must be finite and >= 0",
                            memory.host_link_bytes_per_us);
   }
+  if (!(memory.disk_link_bytes_per_us >= 0) || std::isinf(memory.disk_link_bytes_per_us)) {
+    return InvalidArgument("the disk link's bandwidth {} bytes/us must be finite and >= 0",
+                           memory.disk_link_bytes_per_us);
+  }
   if (!(memory.activation_budget >= 0 && memory.activation_budget <= 1)) {
     return InvalidArgument(
         "the activation budget {} is not a fraction of the activations' peak in [0, 1] (0: none)",

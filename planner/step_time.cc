@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 
+#include "core/disk_tasks.h"
 #include "core/timeline.h"  // SpanKind
 #include "ops/standard_ops.h"
 
@@ -87,6 +88,7 @@ Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& 
       overhead_part.push_back(0);
     }
     overhead_part[w] += task_overhead_ms;
+    if (TouchesDisk(graph, task)) continue;  // on the I/O thread, beside the compute
     const int l = layer_of(task);
     const SpanKind kind =
         l < 0 ? SpanKind::kOther : LayerTaskKind(model.layers[static_cast<size_t>(l)], task);

@@ -12,7 +12,10 @@
 //     to the forward, as the memory plan's solver counts it;
 //   * any other task (optimizer updates, gradient accumulation, collectives, copies): the op cost
 //     model's estimate (flops + 10 x bytes, as the pipeline cut weighs layers) at the rate the
-//     layers' forwards ran: their measured milliseconds per estimated unit.
+//     layers' forwards ran: their measured milliseconds per estimated unit;
+//   * a copy to or from the disk tier (a CPU worker's swap): none beyond the per-task overhead:
+//     the executor's I/O thread runs it beside the compute (what it leaves unhidden is the
+//     activation solver's to price).
 // Not modelled: waiting on other workers (collectives' transfers, pipeline bubbles) and tasks
 // running beside each other on one worker beyond what the profile saw (ProfileLayerTimes counts
 // each task its share of the time it ran beside others). So the figure is exact in kind for one

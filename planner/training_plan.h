@@ -167,6 +167,11 @@ struct MemoryCaps {
   // may swap a layer's saved activations to the host and prefetch them back instead of
   // recomputing them; 0: no swapping.
   double host_link_bytes_per_us = 0;
+  // Host <-> the swap file's drive on CPU workers (bytes per microsecond, each way: what
+  // worker/swap_file.h copies at). With it, and the layers' times measured, CPU workers may swap
+  // a layer's saved activations to the disk tier and prefetch them back; each worker then needs
+  // a swap file (--swap-dir). 0: no swapping to the disk.
+  double disk_link_bytes_per_us = 0;
 };
 
 // "none" | "optimizer" | "parameters"; InvalidArgument naming the choices otherwise.

@@ -72,6 +72,15 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "of recomputing them (0: measured with --balance profile on this process's "
                  "GPU; else no swapping)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--swap-dir", flags.swap_dir,
+                 "On CPU workers: a directory (on a local NVMe drive, ideally) for each "
+                 "worker's swap file, the disk tier to which the planner may swap activations "
+                 "the host cap cannot hold, and prefetch them back, instead of recomputing them "
+                 "(TESSERA_SWAP_DIR; empty: no disk tier)");
+  app.add_option("--disk-link-gbps", flags.disk_link_gbps,
+                 "With --swap-dir: the swap file's bandwidth, each way, in GB/s (0: measured "
+                 "with --balance profile on this process's swap file)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
@@ -279,6 +288,7 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
   plan.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
   plan.memory.activation_budget = flags.activation_budget;
   plan.memory.host_link_bytes_per_us = flags.host_link_gbps * 1e3;  // 1 GB/s = 1e3 bytes/us
+  plan.memory.disk_link_bytes_per_us = flags.disk_link_gbps * 1e3;
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
   return ApplyPipeline(flags, plan);
@@ -323,6 +333,13 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
     std::fprintf(stderr, "%s: host link (measured, %s): %.2f GB/s each way\n", program,
                  executor.device->device().ToString().c_str(),
                  plan.memory.host_link_bytes_per_us / 1e3);
+  }
+  // On CPU workers with a swap file, the disk's (this process's file stands for the workers').
+  if (capped && plan.device.is_cpu() && executor.disk != nullptr &&
+      plan.memory.disk_link_bytes_per_us == 0) {
+    TESSERA_ASSIGN_OR_RETURN(plan.memory.disk_link_bytes_per_us, MeasureHostLink(*executor.disk));
+    std::fprintf(stderr, "%s: disk link (measured, %s): %.2f GB/s each way\n", program,
+                 executor.disk->Describe().c_str(), plan.memory.disk_link_bytes_per_us / 1e3);
   }
   return Status::Ok();
 }

@@ -85,6 +85,11 @@ struct CommonFlags {
   // The GPU's host link, each way, in GB/s (MemoryCaps::host_link_bytes_per_us; 0: measured with
   // --balance profile on this process's GPU, else none: no swapping).
   double host_link_gbps = 0;
+  // CPU workers' disk tier: where their swap files go (empty: TESSERA_SWAP_DIR, else none), and
+  // its bandwidth each way in GB/s (MemoryCaps::disk_link_bytes_per_us; 0: measured with
+  // --balance profile on this process's swap file, else no swapping).
+  std::string swap_dir;
+  double disk_link_gbps = 0;
   std::string address;  // a running cluster; empty: a local one or this process
   std::string token_file;
   std::string placement = "scheduler";

@@ -1,12 +1,14 @@
 #include "examples/common/session.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "core/logging.h"
 #include "worker/gpu.h"
+#include "worker/swap_file.h"
 
 namespace tessera::examples {
 
@@ -28,6 +30,19 @@ Result<Runtime> OpenRuntime(const CommonFlags& flags) {
         OpenGpu(runtime.device.index, static_cast<int64_t>(flags.gpu_memory_gib * (1 << 30)));
     if (!gpu.ok()) return gpu.status().WithContext("--device " + flags.device);
     runtime.executor.device = std::move(*gpu);
+  }
+  // --swap-dir: this process's swap file (an in-process run's disk tier; the one its disk link is
+  // measured on), and the workers' (a local cluster's inherit TESSERA_SWAP_DIR).
+  if (!flags.swap_dir.empty()) {
+    runtime.settings.swap_dir = flags.swap_dir;
+    ::setenv("TESSERA_SWAP_DIR", flags.swap_dir.c_str(), 1);
+  }
+  if (!runtime.settings.swap_dir.empty()) {
+    SwapFileOptions swap;
+    swap.directory = runtime.settings.swap_dir;
+    Result<std::shared_ptr<DeviceRuntime>> disk = OpenSwapFile(swap);
+    if (!disk.ok()) return disk.status().WithContext("--swap-dir");
+    runtime.executor.disk = *std::move(disk);
   }
   return runtime;
 }

@@ -119,6 +119,46 @@ TEST(TrainGpt2Test, OnAGpuTheProfileMeasuresTheHostLinkAndThePlanSwaps) {
   EXPECT_EQ(FirstMatch(given.output, R"(swap ([0-9]+):)"), 0) << given.output;
 }
 
+// On CPU workers under an activation budget, --swap-dir gives the disk tier: --balance profile
+// measures the swap file's link, the plan swaps saved activations to the disk, --explain-memory
+// shows the disk tier's peak, and the run trains the unbudgeted run's losses exactly (swaps move
+// bytes, they change none), in this process and on a local cluster's worker (which makes its own
+// swap file from TESSERA_SWAP_DIR). A swap directory that is not there is named.
+TEST(TrainGpt2Test, OnCpuWorkersTheSwapDirGivesADiskTierActivationsSwapTo) {
+  const std::string dir = TempPath("train_gpt2_swap");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string model = "--layers 4 --threads 1 --batch 8";
+  const std::string run = model + " --steps 3 --log-every 3";
+  const std::string swapping = run +
+                               " --balance profile --activation-budget 0.5 --disk-link-gbps 1000 "
+                               "--explain-memory --swap-dir " +
+                               dir;
+  ProcessResult plain = RunTrainGpt2(run);
+  ProcessResult here = RunTrainGpt2(swapping);
+  ProcessResult worker = RunTrainGpt2(swapping + " --workers 1");
+  ProcessResult measured = RunTrainGpt2(
+      model + " --steps 1 --balance profile --activation-budget 0.5 --swap-dir " + dir);
+  ProcessResult missing = RunTrainGpt2(run + " --swap-dir " + dir + "/missing");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const double expected = FirstMatch(plain.output, R"(final_loss=([0-9.]+))");
+  ASSERT_GT(expected, 0) << plain.output;
+  for (const ProcessResult* swapped : {&here, &worker}) {
+    ASSERT_EQ(swapped->exit_code, 0) << swapped->output;
+    EXPECT_GT(FirstMatch(swapped->output, R"(swap ([0-9]+):)"), 0) << swapped->output;
+    EXPECT_EQ(FirstMatch(swapped->output, R"(final_loss=([0-9.]+))"), expected) << swapped->output;
+  }
+  EXPECT_NE(here.output.find("disk tier: peak"), std::string::npos) << here.output;
+  ASSERT_EQ(measured.exit_code, 0) << measured.output;
+  EXPECT_GT(FirstMatch(measured.output, R"(disk link \(measured, swap file in .*: ([0-9.]+) GB/s)"),
+            0)
+      << measured.output;
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("--swap-dir"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("missing"), std::string::npos) << missing.output;
+  EXPECT_TRUE(std::filesystem::is_empty(dir));  // the swap files were unlinked
+}
+
 // On a GPU (the simulated one) whose --device-memory-gib is below the model state (3.37 MB of
 // fp32 parameters, gradients and Adam moments here), the plan streams the parameters from the
 // host on its own and says so, --explain-memory says what moves between the tiers, and the

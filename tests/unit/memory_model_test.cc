@@ -4,6 +4,8 @@
 // one-thread executor, where the predicted peaks must equal the measured ones exactly.
 #include "planner/memory_model.h"
 
+#include <filesystem>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include "test_util.h"
 #include "training/trainer.h"
 #include "worker/gpu.h"
+#include "worker/swap_file.h"
 
 namespace tessera::testing {
 namespace {
@@ -572,6 +575,77 @@ TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack
   EXPECT_EQ(figures.peak(ObjectRole::kActivation),
             predicted.workers[0].role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
   EXPECT_LT(memory.peak_bytes, memory.uncapped_peak_bytes);
+}
+
+// ZeRO-Infinity's next tier down, on a CPU worker: with a swap file and its link's bandwidth (and
+// measured layer times, under which the copies hide), the plan swaps what layers save to the disk
+// and reads it back ahead of each backward instead of recomputing. The losses are the uncapped
+// ones bit for bit; the host holds no more than the predicted peak and no more activations than
+// the budget (the copies run on the I/O thread beside the compute; on layers this small the
+// drive is slower than the compute, so a prefetch lands later than the model's order has it and
+// the measured peak is lower: bench_memory compares the two at real sizes), and the swap file's
+// measured peak is the plan's disk tier exactly. Without a swap file the same plan fails at its
+// first swap, naming --swap-dir.
+TEST(MemoryPlanTest, OnACpuWorkerSavedActivationsAreSwappedToTheDiskAndBack) {
+  const CappedCase c = Gpt2Case();
+  const std::string dir = TempPath("tessera_memory_plan_swap");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> disk, OpenSwapFile({dir}));
+  ExecutorOptions options = OneThread();
+  options.disk = disk;
+  TrainingPlan capped = c.plan;
+  capped.memory.activation_budget = 0.5;
+  capped.memory.disk_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 0.1 ms
+  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{0.1, 0.2, 0});
+  const Trained reference = Train(c, c.plan, 3);
+
+  auto trainer = Trainer::Create(c.model, capped, options);
+  ASSERT_OK(trainer.status());
+  ASSERT_OK((*trainer)->InitializeParameters(5));
+  std::vector<float> losses;
+  RunFigures figures;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(StepReport report, (*trainer)->Step(c.batch, 1e-3f));
+    losses.push_back(report.loss);
+    figures = report.ranks.at(0).figures;
+  }
+  const StepGraph& step = (*trainer)->step_graph();
+  const MemoryDecision& memory = step.memory;
+  EXPECT_GT(CountChoice(memory.activations, ActivationChoice::kSwap), 0) << memory.reason;
+  EXPECT_EQ(CountChoice(memory.activations, ActivationChoice::kRecompute), 0) << memory.reason;
+  int swap_outs = 0, swap_ins = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    const bool out = task.name.find("/swap_out") != std::string::npos;
+    swap_outs += out;
+    swap_ins += task.name.find("/swap_in") != std::string::npos;
+    if (out) {
+      EXPECT_EQ(step.graph.object(task.outputs[0]).meta.device, Device::Disk());
+    }
+  }
+  EXPECT_GT(swap_outs, 0);
+  EXPECT_EQ(swap_outs, swap_ins);
+  EXPECT_EQ(losses, reference.losses);
+  EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << memory.reason;
+  ASSERT_OK_AND_ASSIGN(MemoryProfile predicted, PredictMemory(step.graph));
+  const WorkerMemory& worker = predicted.workers[0];
+  EXPECT_LE(figures.total_peak, worker.total_peak);
+  EXPECT_LE(figures.peak(ObjectRole::kActivation), memory.activation_cap_bytes);
+  EXPECT_LT(figures.peak(ObjectRole::kActivation), reference.figures.peak(ObjectRole::kActivation));
+  EXPECT_EQ(memory.peak_bytes, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+  const int64_t disk_peak = worker.peaks[static_cast<size_t>(MemoryTier::kDisk)].bytes;
+  EXPECT_GT(disk_peak, 0);
+  EXPECT_EQ(disk->memory().peak_bytes, disk_peak);
+  EXPECT_EQ(disk->memory().live_bytes, 0);
+  EXPECT_GT(worker.tier_copy_bytes, 0);
+
+  auto without = Trainer::Create(c.model, capped, OneThread());
+  ASSERT_OK(without.status());
+  ASSERT_OK((*without)->InitializeParameters(5));
+  Result<StepReport> refused = (*without)->Step(c.batch, 1e-3f);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--swap-dir"), std::string::npos)
+      << refused.status().ToString();
 }
 
 // Harmony's case in miniature, on the simulated GPU: the model states (fp32 parameters,
