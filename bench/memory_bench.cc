@@ -26,7 +26,12 @@
 //           the rest); then the memory plan's reason; a budget nothing fits
 //           under prints why.
 // With --profile (the default) the layers are first profiled (ProfileLayerTimes) and every plan is
-// made with the measured times. --json PATH writes the same figures as JSON.
+// made with the measured times. With --swap-dir DIR, at each budget also "planned-disk": the plan
+// given a swap file in DIR (the disk tier, worker/swap_file.h) and its link's bandwidth (measured
+// on it at the start, or --disk-link-gbps), so that it may swap activations to the disk instead
+// of recomputing them; its rows add the disk tier's predicted and measured peak (the swap file's
+// allocator), the layers swapped and the bytes copied between tiers a step.
+// --json PATH writes the same figures as JSON.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,6 +58,7 @@
 #include "planner/step_time.h"
 #include "training/layer_profile.h"
 #include "training/trainer.h"
+#include "worker/swap_file.h"
 
 namespace {
 
@@ -79,6 +85,8 @@ struct Flags {
   int threads = 0;
   bool profile = true;
   std::string json;
+  std::string swap_dir;  // empty: no planned-disk rows
+  double disk_link_gbps = 0;
 };
 
 // A model, its plan and one batch.
@@ -122,7 +130,8 @@ Case UNetCase(const Flags& flags, const tessera::OpRegistry& registry) {
 
 // One plan of a case: how it is capped.
 struct Variant {
-  std::string name;  // uncapped, planned, recompute-all; on a cluster: cluster-uncapped, lru-spill
+  // uncapped, planned, planned-disk, recompute-all; on a cluster: cluster-uncapped, lru-spill
+  std::string name;
   double budget = 0;
   int64_t store_bytes = 0;  // on a cluster: the worker's object store capacity (0: default)
   bool on_cluster() const { return name == "cluster-uncapped" || name == "lru-spill"; }
@@ -145,18 +154,36 @@ struct Row {
   int64_t store_bytes = 0;    // on a cluster: the object store's capacity
   int64_t spilled_bytes = 0;  // on a cluster: written to disk over the run (warm-up included)
   bool on_cluster = false;
+  // planned-disk: the disk tier's peak (the plan's; the swap file's allocator), the layers
+  // swapped, and the bytes a step copies between tiers (the plan's).
+  bool on_disk = false;
+  int64_t predicted_disk_peak = 0, measured_disk_peak = 0, copied_bytes = 0;
+  int swapped = 0;
+};
+
+// The swap file of the planned-disk rows and its link (bytes per microsecond, each way).
+struct Disk {
+  std::shared_ptr<tessera::DeviceRuntime> file;
+  double link_bytes_per_us = 0;
 };
 
 // Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
 // figures.
 // `now`: a profile taken just before, the step time is predicted from (empty: none).
 void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
-             const tessera::OpRegistry& registry, const tessera::StepProfile& now, Row& row) {
+             const tessera::OpRegistry& registry, const tessera::StepProfile& now, const Disk& disk,
+             Row& row) {
   tessera::TrainingPlan plan = c.plan;
-  if (variant.name == "planned") plan.memory.activation_budget = variant.budget;
+  const bool on_disk = variant.name == "planned-disk";
+  if (variant.name == "planned" || on_disk) plan.memory.activation_budget = variant.budget;
   if (variant.name == "recompute-all") plan.memory.recompute_all = true;
   tessera::ExecutorOptions options;
   options.threads = flags.threads;
+  if (on_disk) {
+    plan.memory.disk_link_bytes_per_us = disk.link_bytes_per_us;
+    options.disk = disk.file;
+    disk.file->allocator()->ResetPeak();
+  }
   std::unique_ptr<tessera::Cluster> cluster;
   tessera::Result<std::unique_ptr<tessera::Trainer>> made = tessera::Unavailable("not made");
   if (variant.on_cluster()) {
@@ -216,6 +243,16 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     if (task.name.find("/recompute") != std::string::npos) ++row.recomputed;
   }
   row.kept_part = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kKeepPart);
+  if (on_disk) {
+    const tessera::MemoryProfile profile =
+        Check(tessera::PredictMemory(trainer.step_graph().graph), "predict");
+    row.on_disk = true;
+    row.predicted_disk_peak =
+        profile.workers[0].peaks[static_cast<size_t>(tessera::MemoryTier::kDisk)].bytes;
+    row.measured_disk_peak = disk.file->memory().peak_bytes;
+    row.copied_bytes = profile.workers[0].tier_copy_bytes;
+    row.swapped = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kSwap);
+  }
   if (!now.layer_ms.empty() && cluster == nullptr) {
     // The profile ran the plan's micro-batch; a plan split into more (the memory plan's own
     // change) runs smaller ones, whose layers take time in proportion to their rows.
@@ -282,7 +319,24 @@ static int Main(int argc, char** argv) {
                "store holds what each budget leaves, spilling to disk (default), and that cluster "
                "uncapped");
   app.add_option("--json", flags.json, "Also write the figures to this JSON file");
+  app.add_option("--swap-dir", flags.swap_dir,
+                 "Also plan each budget with a swap file in this directory (planned-disk rows: "
+                 "activations may be swapped to the disk)");
+  app.add_option("--disk-link-gbps", flags.disk_link_gbps,
+                 "With --swap-dir: the swap file's bandwidth each way in GB/s (0: measured)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
+  Disk disk;
+  if (!flags.swap_dir.empty()) {
+    tessera::SwapFileOptions swap;
+    swap.directory = flags.swap_dir;
+    disk.file = Check(tessera::OpenSwapFile(swap), "--swap-dir");
+    disk.link_bytes_per_us = flags.disk_link_gbps > 0
+                                 ? flags.disk_link_gbps * 1e3
+                                 : Check(tessera::MeasureHostLink(*disk.file), "disk link");
+    std::fprintf(stderr, "%s: %s, %.2f GB/s each way%s\n", kProgram, disk.file->Describe().c_str(),
+                 disk.link_bytes_per_us / 1e3, flags.disk_link_gbps > 0 ? "" : " (measured)");
+  }
 
   tessera::OpRegistry registry;
   if (Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
@@ -296,6 +350,7 @@ static int Main(int argc, char** argv) {
     std::vector<Variant> variants = {{"uncapped", 0}};
     for (double budget : flags.budgets) {
       variants.push_back({"planned", budget});
+      if (disk.file != nullptr) variants.push_back({"planned-disk", budget});
       variants.push_back({"recompute-all", budget});
     }
     if (flags.lru) {
@@ -330,7 +385,7 @@ static int Main(int argc, char** argv) {
         // drifts over minutes.
         const tessera::StepProfile now =
             flags.profile && !run[v].on_cluster() ? Profile(flags, c) : tessera::StepProfile{};
-        RunOnce(flags, c, run[v], registry, now, case_rows[v]);
+        RunOnce(flags, c, run[v], registry, now, disk, case_rows[v]);
       }
     }
     for (size_t v = 0; v < run.size(); ++v) {
@@ -370,6 +425,13 @@ static int Main(int argc, char** argv) {
         std::printf("%-14s %-14s %6.2f   object store %.2f MiB, %.2f MiB spilled to disk\n", "", "",
                     row.budget, Mb(row.store_bytes), Mb(row.spilled_bytes));
       }
+      if (row.on_disk) {
+        std::printf(
+            "%-14s %-14s %6.2f   disk tier %.2f / %.2f MiB (predicted / measured), %d layer(s) "
+            "swapped, %.2f MiB copied between tiers a step\n",
+            "", "", row.budget, Mb(row.predicted_disk_peak), Mb(row.measured_disk_peak),
+            row.swapped, Mb(row.copied_bytes));
+      }
     }
     json += fmt::format(
         "  {{\"model\": \"{}\", \"plan\": \"{}\", \"budget\": {}, \"step_ms\": {:.3f}, "
@@ -377,11 +439,14 @@ static int Main(int argc, char** argv) {
         "\"predicted_peak\": {}, "
         "\"measured_peak\": {}, "
         "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
-        "\"kept_part\": {}, \"store_bytes\": {}, \"spilled_bytes\": {}, \"refused\": {}}}{}\n",
+        "\"kept_part\": {}, \"store_bytes\": {}, \"spilled_bytes\": {}, \"swapped\": {}, "
+        "\"predicted_disk_peak\": {}, \"measured_disk_peak\": {}, \"copied_bytes\": {}, "
+        "\"refused\": {}}}{}\n",
         row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
         row.predicted_ms, row.predicted_ratio, row.predicted_peak, row.measured_peak,
         row.predicted_activations, row.measured_activations, row.recomputed, row.kept_part,
-        row.store_bytes, row.spilled_bytes, row.refused.empty() ? "false" : "true",
+        row.store_bytes, row.spilled_bytes, row.swapped, row.predicted_disk_peak,
+        row.measured_disk_peak, row.copied_bytes, row.refused.empty() ? "false" : "true",
         &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
