@@ -200,8 +200,9 @@ void GraphExecution::Offload(int t) {
           *run->prepared_.kernels_[static_cast<size_t>(t)], task, in, run->OutputMetasOf(t),
           run->executor_.context(), [](int) { return false; }, &counters, run->NameOf(t));
       in.clear();  // our references go before the inputs are released
+      const Status status = outputs.status();
       std::vector<Tensor> made = outputs.ok() ? *std::move(outputs) : std::vector<Tensor>();
-      run->OffloadDone(t, made, outputs.status());
+      run->OffloadDone(t, made, status);
     });
     return;
   }

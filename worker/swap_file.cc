@@ -97,7 +97,9 @@ class SwapFileAllocator final : public Allocator {
 
  private:
   static void* PointerOf(int64_t offset) {
-    return reinterpret_cast<void*>(kBase + static_cast<uintptr_t>(offset));
+    // An opaque handle, never dereferenced (as a GPU's device pointers are to the host).
+    return reinterpret_cast<void*>(  // NOLINT(performance-no-int-to-ptr)
+        kBase + static_cast<uintptr_t>(offset));
   }
   bool FileSystemHas(int64_t bytes) const {
     struct statvfs fs {};
