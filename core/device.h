@@ -1,5 +1,5 @@
 // Where a tensor lives or a task runs: the host CPU, or CUDA device N; objects (never tasks) may
-// also live on the disk: a CPU worker's swap file (core/swap_file.h), where the memory plan swaps
+// also live on the disk: a CPU worker's swap file (worker/swap_file.h), where the memory plan swaps
 // activations that its host tier cannot hold.
 #pragma once
 

@@ -1,5 +1,7 @@
 #include "ops/op_registry.h"
 
+#include <cstring>
+
 namespace tessera {
 
 Status OpRegistry::AddOp(OpDef def) {
@@ -87,6 +89,22 @@ std::vector<std::string> OpRegistry::OpNames() const {
   names.reserve(ops_.size());
   for (const auto& [name, entry] : ops_) names.push_back(name);
   return names;
+}
+
+Status CopyAcrossTiers(const Tensor& dst, const Tensor& src, const KernelContext& context) {
+  const Device from = src.meta().device, to = dst.meta().device;
+  if (from.is_cpu() && to.is_cpu()) {
+    std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(src.bytes()));
+    return Status::Ok();
+  }
+  // To or from the disk tier (a swapped activation): the swap file copies.
+  const bool disk = from.kind == DeviceKind::kDisk || to.kind == DeviceKind::kDisk;
+  DeviceRuntime* runtime = disk ? context.disk : context.device;
+  if (runtime == nullptr) {
+    return Infeasible("copy from {} to {} needs {}, and this process has none", from.ToString(),
+                      to.ToString(), disk ? "a swap file (--swap-dir)" : "a GPU");
+  }
+  return runtime->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
 }
 
 }  // namespace tessera

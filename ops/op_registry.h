@@ -61,6 +61,11 @@ struct KernelContext {
   DeviceRuntime* disk = nullptr;
 };
 
+// Copies src's bytes into dst, each on its tier: host to host directly, to or from the disk
+// through the context's swap file, else through its GPU (Infeasible naming what the process
+// lacks). REQUIRES: both hold src.bytes().
+Status CopyAcrossTiers(const Tensor& dst, const Tensor& src, const KernelContext& context);
+
 using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,
                                                               const Attrs& attrs)>;
 using CostFn = std::function<OpCost(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;

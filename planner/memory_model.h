@@ -15,8 +15,9 @@
 //   * an object read last by a task that reaches the disk (a swap out, core/disk_tasks.h: the
 //     executor's I/O thread runs it beside the compute) stays live until the next task in the
 //     order that does not, the compute the copy overlaps, has run too. RoleMeter, which counts
-//     at each task's end, sees it freed earlier when the copy ends first: there the prediction
-//     is an upper bound by at most that object.
+//     at each task's end, sees it freed earlier when the copy ends first (the measured peak is
+//     then lower); and since the copies' timing is the drive's, two ready tasks may run in the
+//     other order than the model's (a few scalars over it, seen on a loaded machine).
 // So while a task runs, the live set is what was live before it plus its outputs, less the
 // donated inputs it replaces; the peak of a tier is the largest such sum. Figures are plan
 // memory (what the step's objects hold), the figure RoleMeter measures; kernels' scratch space

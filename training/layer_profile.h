@@ -65,9 +65,10 @@ Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan
                                 const LayerProfileOptions& options = {});
 
 // The host link of `device` (MemoryCaps::host_link_bytes_per_us, what the memory plan times
-// swaps by): `bytes` copied host -> device and device -> host `repeats` times each (after one
-// untimed copy each way), each direction's median, the slower of the two, in bytes per
-// microsecond. InvalidArgument for bytes < 1 or repeats < 1; errors of the copies as they come.
+// swaps by; of a swap file, MemoryCaps::disk_link_bytes_per_us): `bytes` copied host -> device
+// and device -> host `repeats` times each (after one untimed copy each way), each direction's
+// median, the slower of the two, in bytes per microsecond. InvalidArgument for bytes < 1 or repeats
+// < 1; errors of the copies as they come.
 Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes = int64_t{64} << 20,
                                int repeats = 5);
 

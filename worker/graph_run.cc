@@ -4,7 +4,6 @@
 
 #include <tbb/task_arena.h>
 
-#include "core/disk_tasks.h"
 #include "core/timeline.h"
 #include "worker/in_process_executor.h"
 #include "worker/task_runner.h"
@@ -158,7 +157,7 @@ bool GraphExecution::Offloaded(int task) const {
 }
 
 bool GraphExecution::IoTask(int task) const {
-  return TouchesDisk(graph(), graph().tasks()[static_cast<size_t>(task)]);
+  return prepared_.io_task_[static_cast<size_t>(task)];
 }
 
 void GraphExecution::TakeReady(std::vector<int>& ready) {

@@ -139,11 +139,12 @@ class PreparedGraph {
   std::vector<const KernelFn*> kernels_;               // per task index
   std::vector<std::vector<int>> dependents_;           // task index -> tasks reading its outputs
   std::vector<std::vector<TensorMeta>> output_metas_;  // task index -> its outputs' metas
-  std::vector<int> initial_pending_;                   // task index -> number of produced inputs
-  std::vector<int> initial_refcount_;                  // object index -> number of input slots
-  std::vector<bool> is_output_;                        // object index -> graph output
-  std::vector<int> input_objects_;                     // object indices bound by the caller
-  std::vector<std::vector<int>> input_consumers_;      // object index -> tasks reading it
+  std::vector<bool> io_task_;  // task index -> reaches the disk (core/disk_tasks.h): I/O thread
+  std::vector<int> initial_pending_;               // task index -> number of produced inputs
+  std::vector<int> initial_refcount_;              // object index -> number of input slots
+  std::vector<bool> is_output_;                    // object index -> graph output
+  std::vector<int> input_objects_;                 // object indices bound by the caller
+  std::vector<std::vector<int>> input_consumers_;  // object index -> tasks reading it
 };
 
 // What a run is doing (tessera status --waits): the tasks whose kernels run now and the late

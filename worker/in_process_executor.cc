@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/disk_tasks.h"
 #include "core/idle_spin.h"
 #include "core/logging.h"
 #include "worker/task_runner.h"
@@ -106,6 +107,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
   prepared.kernels_.resize(num_tasks);
   prepared.dependents_.resize(num_tasks);
   prepared.output_metas_.resize(num_tasks);
+  prepared.io_task_.assign(num_tasks, false);
   prepared.initial_pending_.assign(num_tasks, 0);
   prepared.initial_refcount_.assign(num_objects, 0);
   prepared.is_output_.assign(num_objects, false);
@@ -118,6 +120,7 @@ Result<PreparedGraph> InProcessExecutor::Prepare(Graph graph) const {
     Result<const KernelFn*> kernel = registry_.FindKernel(task.op, task.device_kind);
     if (!kernel.ok()) return kernel.status().WithContext(TaskContext(task));
     prepared.kernels_[t] = *kernel;
+    prepared.io_task_[t] = TouchesDisk(graph, task);
     for (ObjectId output : task.outputs) {
       prepared.output_metas_[t].push_back(graph.object(output).meta);
     }

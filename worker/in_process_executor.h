@@ -128,7 +128,6 @@ class InProcessExecutor {
   KernelContext Copier() const {
     return {allocator_, 0, &registry_, options_.device.get(), options_.disk.get()};
   }
-  const std::shared_ptr<DeviceRuntime>& disk() const { return options_.disk; }
 
  private:
   friend class GraphExecution;

@@ -34,6 +34,13 @@ std::string Errno(int error) { return std::strerror(error); }
 
 double GiB(int64_t bytes) { return static_cast<double>(bytes) / double(int64_t{1} << 30); }
 
+// What the file system holding `directory` has free for this user; -1 when unknown.
+int64_t FreeBytes(const std::string& directory) {
+  struct statvfs fs {};
+  if (statvfs(directory.c_str(), &fs) != 0) return -1;
+  return static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize);
+}
+
 // Regions of the file as allocations: first fit over the free regions (merged with their
 // neighbours when freed), else the end of the file.
 class SwapFileAllocator final : public Allocator {
@@ -43,10 +50,8 @@ class SwapFileAllocator final : public Allocator {
   std::string Name() const override { return fmt::format("disk (swap file in {})", directory_); }
   std::string Limit() const override {
     if (capacity_ > 0) return fmt::format(", cap {:.2f} GiB", GiB(capacity_));
-    struct statvfs fs {};
-    if (statvfs(directory_.c_str(), &fs) != 0) return "";
-    return fmt::format(", {:.2f} GiB free on its file system",
-                       GiB(static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize)));
+    const int64_t free = FreeBytes(directory_);
+    return free < 0 ? "" : fmt::format(", {:.2f} GiB free on its file system", GiB(free));
   }
   DeviceKind kind() const override { return DeviceKind::kDisk; }
   int64_t capacity() const { return capacity_; }
@@ -66,8 +71,10 @@ class SwapFileAllocator final : public Allocator {
       if (left > 0) free_[offset + size] = left;
       return PointerOf(offset);
     }
-    // The end of the file: within the cap, or within what the file system has free.
-    if (capacity_ > 0 ? end_ + size > capacity_ : !FileSystemHas(size)) return nullptr;
+    // The end of the file: within the cap, or within what the file system has free (when it
+    // cannot say, the write will).
+    const int64_t free = capacity_ > 0 ? capacity_ - end_ : FreeBytes(directory_);
+    if (free >= 0 && size > free) return nullptr;
     const int64_t offset = end_;
     end_ += size;
     return PointerOf(offset);
@@ -100,11 +107,6 @@ class SwapFileAllocator final : public Allocator {
     // An opaque handle, never dereferenced (as a GPU's device pointers are to the host).
     return reinterpret_cast<void*>(  // NOLINT(performance-no-int-to-ptr)
         kBase + static_cast<uintptr_t>(offset));
-  }
-  bool FileSystemHas(int64_t bytes) const {
-    struct statvfs fs {};
-    if (statvfs(directory_.c_str(), &fs) != 0) return true;  // unknown: the write will say
-    return static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) >= bytes;
   }
 
   const std::string directory_;
@@ -151,10 +153,13 @@ class SwapFile final : public DeviceRuntime {
               int64_t bytes) override {
     if (bytes <= 0) return Status::Ok();
     if (dst_device.kind == DeviceKind::kDisk && src_device.is_cpu()) {
-      return Write(SwapFileAllocator::OffsetOf(dst), static_cast<const char*>(src), bytes);
+      // Only read (one path serves both directions, hence the cast).
+      return Move(/*write=*/true, const_cast<char*>(static_cast<const char*>(src)),
+                  SwapFileAllocator::OffsetOf(dst), bytes);
     }
     if (src_device.kind == DeviceKind::kDisk && dst_device.is_cpu()) {
-      return Read(static_cast<char*>(dst), SwapFileAllocator::OffsetOf(src), bytes);
+      return Move(/*write=*/false, static_cast<char*>(dst), SwapFileAllocator::OffsetOf(src),
+                  bytes);
     }
     return InvalidArgument("the swap file copies between the host and the disk, not {} -> {}",
                            src_device.ToString(), dst_device.ToString());
@@ -165,47 +170,31 @@ class SwapFile final : public DeviceRuntime {
   bool direct() const { return direct_; }
 
  private:
-  // The whole-block body straight from the caller's memory when it is aligned (O_DIRECT), the
-  // rest through the bounce buffer, padded to whole blocks: the region was allocated rounded up,
-  // so the padding is this object's.
-  Status Write(int64_t offset, const char* src, int64_t bytes) {
+  // Host memory to the region at `offset` (write) or back: the whole-block body straight from or
+  // into the caller's memory when it is aligned (O_DIRECT), the rest through a bounce buffer,
+  // padded to whole blocks (the region was allocated rounded up, so the padding is this object's).
+  Status Move(bool write, char* host, int64_t offset, int64_t bytes) {
     int64_t done = 0;
-    if (Aligned(src)) {
+    if (Aligned(host)) {
       done = bytes / kBlock * kBlock;
-      TESSERA_RETURN_IF_ERROR(Transfer(/*write=*/true, const_cast<char*>(src), done, offset));
+      TESSERA_RETURN_IF_ERROR(Transfer(write, host, done, offset));
     }
     if (done < bytes) {
-      Bounce bounce(kBounceBytes);
+      Bounce bounce(RoundUp(std::min(bytes - done, kBounceBytes)));
       if (bounce.data == nullptr) return ResourceExhausted("no memory for a swap bounce buffer");
       while (done < bytes) {
         const int64_t chunk = std::min(bytes - done, kBounceBytes);
-        std::memcpy(bounce.data, src + done, static_cast<size_t>(chunk));
-        std::memset(bounce.data + chunk, 0, static_cast<size_t>(RoundUp(chunk) - chunk));
-        TESSERA_RETURN_IF_ERROR(Transfer(true, bounce.data, RoundUp(chunk), offset + done));
+        if (write) {
+          std::memcpy(bounce.data, host + done, static_cast<size_t>(chunk));
+          std::memset(bounce.data + chunk, 0, static_cast<size_t>(RoundUp(chunk) - chunk));
+        }
+        TESSERA_RETURN_IF_ERROR(Transfer(write, bounce.data, RoundUp(chunk), offset + done));
+        if (!write) std::memcpy(host + done, bounce.data, static_cast<size_t>(chunk));
         done += chunk;
       }
     }
-    if (!direct_) {  // best effort: the written pages need not stay in memory
+    if (write && !direct_) {  // best effort: the written pages need not stay in memory
       (void)::posix_fadvise(fd_, offset, bytes, POSIX_FADV_DONTNEED);
-    }
-    return Status::Ok();
-  }
-
-  Status Read(char* dst, int64_t offset, int64_t bytes) {
-    int64_t done = 0;
-    if (Aligned(dst)) {
-      done = bytes / kBlock * kBlock;
-      TESSERA_RETURN_IF_ERROR(Transfer(/*write=*/false, dst, done, offset));
-    }
-    if (done < bytes) {
-      Bounce bounce(kBounceBytes);
-      if (bounce.data == nullptr) return ResourceExhausted("no memory for a swap bounce buffer");
-      while (done < bytes) {
-        const int64_t chunk = std::min(bytes - done, kBounceBytes);
-        TESSERA_RETURN_IF_ERROR(Transfer(false, bounce.data, RoundUp(chunk), offset + done));
-        std::memcpy(dst + done, bounce.data, static_cast<size_t>(chunk));
-        done += chunk;
-      }
     }
     return Status::Ok();
   }

@@ -72,24 +72,7 @@ Status CopyTensor(const Tensor& dst, const Tensor& src, const KernelContext& con
     return Internal("copy of {} into {}: sizes differ", src.meta().ToString(),
                     dst.meta().ToString());
   }
-  const Device from = src.meta().device, to = dst.meta().device;
-  if (from.is_cpu() && to.is_cpu()) {
-    std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(src.bytes()));
-    return Status::Ok();
-  }
-  if (from.kind == DeviceKind::kDisk || to.kind == DeviceKind::kDisk) {
-    if (context.disk == nullptr) {
-      return Infeasible(
-          "copy from {} to {} needs a swap file (--swap-dir), and this process has none",
-          from.ToString(), to.ToString());
-    }
-    return context.disk->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
-  }
-  if (context.device == nullptr) {
-    return Infeasible("copy from {} to {} needs a GPU, and this process has none", from.ToString(),
-                      to.ToString());
-  }
-  return context.device->Copy(dst.raw_data(), to, src.raw_data(), from, src.bytes());
+  return CopyAcrossTiers(dst, src, context);
 }
 
 TensorMeta OnHost(TensorMeta meta) {

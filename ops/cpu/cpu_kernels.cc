@@ -205,27 +205,9 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
       }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "copy",
-      [](const KernelContext& context, const Tensors& in, const Tensors& out,
-         const Attrs&) -> Status {
-        const Device from = in[0].meta().device, to = out[0].meta().device;
-        if (from.is_cpu() && to.is_cpu()) {
-          std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
-          return Status::Ok();
-        }
-        // To or from the disk tier (a swapped activation): the swap file copies.
-        if (from.kind == DeviceKind::kDisk || to.kind == DeviceKind::kDisk) {
-          if (context.disk == nullptr) {
-            return Infeasible("copy from {} to {} in a process without a swap file (--swap-dir)",
-                              from.ToString(), to.ToString());
-          }
-          return context.disk->Copy(out[0].raw_data(), to, in[0].raw_data(), from, in[0].bytes());
-        }
-        // A GPU's object to the host tier (offload's gradient download): the GPU copies.
-        if (context.device == nullptr) {
-          return Infeasible("copy from {} to {} in a process without a GPU", from.ToString(),
-                            to.ToString());
-        }
-        return context.device->Copy(out[0].raw_data(), to, in[0].raw_data(), from, in[0].bytes());
+      [](const KernelContext& context, const Tensors& in, const Tensors& out, const Attrs&) {
+        // Between tiers: offload's gradient download, a swap to or from the disk.
+        return CopyAcrossTiers(out[0], in[0], context);
       }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "write_file",
