@@ -71,11 +71,12 @@ TEST(SwapFileTest, BytesGoOutAndComeBackWhateverTheirSizeAndAlignment) {
 }
 
 TEST(SwapFileTest, FreedRegionsAreReusedAndTheCapIsKept) {
-  std::shared_ptr<DeviceRuntime> disk = OpenIn(SwapDir("regions"), true, /*capacity=*/3 * 4096);
+  constexpr int64_t kBlock = 4096;
+  std::shared_ptr<DeviceRuntime> disk = OpenIn(SwapDir("regions"), true, /*capacity=*/3 * kBlock);
   const std::shared_ptr<Allocator>& regions = disk->allocator();
-  ASSERT_OK_AND_ASSIGN(void* a, regions->Allocate(4096));
+  ASSERT_OK_AND_ASSIGN(void* a, regions->Allocate(kBlock));
   ASSERT_OK_AND_ASSIGN(void* b, regions->Allocate(100));  // rounded up to a block
-  ASSERT_OK_AND_ASSIGN(void* c, regions->Allocate(4096));
+  ASSERT_OK_AND_ASSIGN(void* c, regions->Allocate(kBlock));
   EXPECT_NE(a, nullptr);
   EXPECT_NE(a, b);
   EXPECT_NE(b, c);
@@ -85,15 +86,15 @@ TEST(SwapFileTest, FreedRegionsAreReusedAndTheCapIsKept) {
   EXPECT_NE(over.status().message().find("disk"), std::string::npos) << over.status().ToString();
   EXPECT_NE(over.status().message().find("cap"), std::string::npos) << over.status().ToString();
   // A freed region is handed out again (first fit), merged with a freed neighbour.
-  regions->Deallocate(a, 4096);
+  regions->Deallocate(a, kBlock);
   regions->Deallocate(b, 100);
-  ASSERT_OK_AND_ASSIGN(void* ab, regions->Allocate(2 * 4096));
+  ASSERT_OK_AND_ASSIGN(void* ab, regions->Allocate(2 * kBlock));
   EXPECT_EQ(ab, a);
-  EXPECT_EQ(disk->memory().live_bytes, 3 * 4096);
-  regions->Deallocate(ab, 2 * 4096);
-  regions->Deallocate(c, 4096);
+  EXPECT_EQ(disk->memory().live_bytes, 3 * kBlock);
+  regions->Deallocate(ab, 2 * kBlock);
+  regions->Deallocate(c, kBlock);
   EXPECT_EQ(disk->memory().live_bytes, 0);
-  EXPECT_EQ(disk->memory().peak_bytes, 3 * 4096);
+  EXPECT_EQ(disk->memory().peak_bytes, 3 * kBlock);
 }
 
 TEST(SwapFileTest, AMissingOrWrongDirectoryIsNamedWithTheFix) {
