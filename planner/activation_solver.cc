@@ -78,7 +78,7 @@ int64_t Base(const std::vector<int64_t>& base, size_t j) { return base.empty() ?
 // One layer's choice as the programme sees it: a partial keep by index.
 struct Option {
   ActivationChoice choice = ActivationChoice::kKeep;
-  int part = -1;  // kKeepPart, kRecompute: index in the layer's partial_keeps (or none)
+  int part = -1;  // kKeepPart, kRecompute, kSwap: index in the layer's partial_keeps (or none)
 };
 
 // The options layer j may take.
@@ -97,15 +97,16 @@ std::vector<Option> OptionsOf(const ActivationProblem& problem, size_t j) {
   }
   if (problem.allow_swap && problem.link_bytes_per_us > 0) {
     options.push_back(Option{ActivationChoice::kSwap});
+    for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
+      options.push_back(Option{ActivationChoice::kSwap, static_cast<int>(k)});
+    }
   }
   return options;
 }
 
 Option OptionOf(const ActivationLayer& layer, const ActivationDecision& decision) {
   Option option{decision.choice};
-  const bool parts = decision.choice == ActivationChoice::kKeepPart ||
-                     (decision.choice == ActivationChoice::kRecompute && !decision.rebuild.empty());
-  if (!parts) return option;
+  if (decision.rebuild.empty()) return option;
   for (size_t k = 0; k < layer.partial_keeps.size(); ++k) {
     if (layer.partial_keeps[k].rebuild == decision.rebuild) option.part = static_cast<int>(k);
   }
@@ -127,9 +128,9 @@ int64_t KeptBytes(const ActivationLayer& layer, const Option& option) {
   return 0;
 }
 
-// The bytes of what layer j's forward saves under `option` (and, recomputed, its recompute):
-// what the memory model sees while its forward and its backward run (what a partial keep
-// rebuilds is the kernel's scratch).
+// The bytes of what layer j's forward saves under `option` (and, recomputed, its recompute;
+// swapped, what is copied down and back): what the memory model sees while its forward and its
+// backward run (what a partial keep rebuilds is the kernel's scratch).
 int64_t MadeBytes(const ActivationLayer& layer, const Option& option) {
   return option.part >= 0 ? layer.partial_keeps[static_cast<size_t>(option.part)].kept_bytes
                           : layer.saved_bytes;
@@ -140,6 +141,17 @@ int64_t RecomputeBytes(const ActivationLayer& layer, const Option& option) {
   return option.choice == ActivationChoice::kRecompute ? layer.recompute_bytes : 0;
 }
 
+// What the backward repeats first under `option`: a partial keep's rebuild (else nothing).
+double RebuildTime(const ActivationLayer& layer, const Option& option) {
+  return option.part >= 0 ? layer.partial_keeps[static_cast<size_t>(option.part)].rebuild_us : 0;
+}
+
+// The bytes layer j's option leaves in memory while the next layer's forward runs: a swapped
+// layer's saved objects, until their copy down is done.
+int64_t InFlightBytes(const ActivationLayer& layer, const Option& option) {
+  return option.choice == ActivationChoice::kSwap ? MadeBytes(layer, option) : 0;
+}
+
 // The time layer j's option adds to the forwards and backwards.
 double ExtraTime(const ActivationProblem& problem, size_t j, const Option& option) {
   const std::vector<ActivationLayer>& layers = problem.layers;
@@ -147,56 +159,55 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
     case ActivationChoice::kKeep:
       return 0;
     case ActivationChoice::kKeepPart:
-      return layers[j].partial_keeps[static_cast<size_t>(option.part)].rebuild_us;
+      return RebuildTime(layers[j], option);
     case ActivationChoice::kRecompute:
-      return layers[j].forward_us +
-             (option.part >= 0
-                  ? layers[j].partial_keeps[static_cast<size_t>(option.part)].rebuild_us
-                  : 0);
+      return layers[j].forward_us + RebuildTime(layers[j], option);
     case ActivationChoice::kSwap: {
-      const double copy = static_cast<double>(layers[j].saved_bytes) / problem.link_bytes_per_us;
+      const double copy =
+          static_cast<double>(MadeBytes(layers[j], option)) / problem.link_bytes_per_us;
       const bool last = j + 1 == layers.size();
       const double down_hidden = last ? 0 : layers[j + 1].forward_us;
       const double up_hidden = last ? 0 : layers[j + 1].backward_us;
-      return std::max(0.0, copy - down_hidden) + std::max(0.0, copy - up_hidden);
+      return RebuildTime(layers[j], option) + std::max(0.0, copy - down_hidden) +
+             std::max(0.0, copy - up_hidden);
     }
   }
   return 0;
 }
 
 // The larger of the device bytes while F_j and while B_j run, given the bytes kept before j,
-// layer j's option and whether layer j-1 swaps (see the header).
+// layer j's option and what layer j-1's swap still holds (see the header).
 int64_t PeakAt(const ActivationProblem& problem, size_t j, int64_t kept_before,
-               const Option& option, bool previous_swaps) {
+               const Option& option, int64_t previous_in_flight) {
   const ActivationLayer& layer = problem.layers[j];
   const int64_t local = MadeBytes(layer, option) +
-                        (layer.kept_copies - 1) * KeptBytes(layer, option) +
-                        (previous_swaps ? problem.layers[j - 1].saved_bytes : 0) + kept_before;
+                        (layer.kept_copies - 1) * KeptBytes(layer, option) + previous_in_flight +
+                        kept_before;
   return local + std::max(Base(problem.base_forward_bytes, j),
                           Base(problem.base_backward_bytes, j) + RecomputeBytes(layer, option));
 }
 
-// A state of the programme after some layers: the bytes kept so far, the time added so far,
-// and how it was reached.
+// A state of the programme after some layers: the bytes kept so far, what the latest layer's
+// swap still holds while the next forward runs, the time added so far, and how it was reached.
 struct State {
   int64_t kept = 0;
+  int64_t in_flight = 0;
   double extra_us = 0;
   Option last;      // the latest layer's option
   int parent = -1;  // index in the previous layer's states
-  bool swapped() const { return last.choice == ActivationChoice::kSwap; }
 };
 
-// Keeps, among the states whose latest layer swaps and among the others, those no other beats
-// on both kept bytes and time (what follows depends on nothing else).
+// Keeps, among the states holding the same bytes in flight, those no other beats on both kept
+// bytes and time (what follows depends on nothing else).
 std::vector<State> Pareto(std::vector<State> states) {
   std::sort(states.begin(), states.end(), [](const State& a, const State& b) {
-    if (a.swapped() != b.swapped()) return b.swapped();
+    if (a.in_flight != b.in_flight) return a.in_flight < b.in_flight;
     if (a.kept != b.kept) return a.kept < b.kept;
     return a.extra_us < b.extra_us;
   });
   std::vector<State> front;
   for (size_t i = 0; i < states.size(); ++i) {
-    const bool new_group = i == 0 || states[i].swapped() != states[i - 1].swapped();
+    const bool new_group = i == 0 || states[i].in_flight != states[i - 1].in_flight;
     if (new_group || states[i].extra_us < front.back().extra_us) {
       if (!new_group && states[i].kept == front.back().kept) continue;
       front.push_back(states[i]);
@@ -248,9 +259,7 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
                   (layer.kept_copies - 1) * KeptBytes(layer, options[i]);
         } else if (i < j) {
           live += layer.kept_copies * KeptBytes(layer, options[i]);
-          if (options[i].choice == ActivationChoice::kSwap && i + 1 == j) {
-            live += problem.layers[i].saved_bytes;
-          }
+          if (i + 1 == j) live += InFlightBytes(layer, options[i]);
         }
       }
       peak = std::max(peak, live);
@@ -274,12 +283,12 @@ Result<ActivationPlan> SolveActivations(const ActivationProblem& problem) {
     std::vector<State> next;
     for (size_t s = 0; s < states[j].size(); ++s) {
       const State& state = states[j][s];
-      const bool previous_swaps = j > 0 && state.swapped();
       for (const Option& option : options) {
-        if (PeakAt(problem, j, state.kept, option, previous_swaps) > problem.cap_bytes) continue;
+        if (PeakAt(problem, j, state.kept, option, state.in_flight) > problem.cap_bytes) continue;
         State grown;
         grown.kept =
             state.kept + problem.layers[j].kept_copies * KeptBytes(problem.layers[j], option);
+        grown.in_flight = InFlightBytes(problem.layers[j], option);
         grown.extra_us = state.extra_us + ExtraTime(problem, j, option);
         grown.last = option;
         grown.parent = static_cast<int>(s);

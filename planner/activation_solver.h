@@ -2,8 +2,9 @@
 // backward, keep part of it (the backward recomputing the rest first), recompute it just before
 // the backward (whole, or keeping part: the recompute saves less and the backward rebuilds the
 // rest), or swap it one tier down and back (a GPU's to the host, a CPU worker's to its swap file
-// on the disk), so that the step fits under the compute tier's cap at the least predicted step
-// time.
+// on the disk; whole, or keeping part: only the part goes down and back, and the backward
+// rebuilds the rest), so that the step fits under the compute tier's cap at the least predicted
+// step time.
 //
 // The problem (ActivationProblem) is one worker's chain of layers in forward order, each with
 // the bytes its forward saves (s_i), its forward and backward times (f_i, b_i), the partial keeps
@@ -19,21 +20,21 @@
 //     or p_j under a partial keep, kept or recomputed; what is rebuilt is the kernels' scratch,
 //     which the model does not count), every earlier layer's s_i it keeps or p_i it keeps part
 //     of (c_i copies of it: micro-batches in flight), c_j - 1 copies of what layer j keeps, and
-//     s_{j-1} when that layer swaps (its copy down overlaps F_j; its copy up, prefetched one
-//     layer ahead, overlaps B_j). A recompute of layer j runs just before B_j and holds what
-//     B_j does and o_j (counted at B_j). The peak is the largest of these sums. (With c > 1, the
-//     other micro-batches' later layers are not counted at F_j: a pipeline stage's peak is at its
-//     first backward, where they are.)
+//     what layer j-1 swaps when it does (s_{j-1}, or p_{j-1} swapping part: its copy down
+//     overlaps F_j; its copy up, prefetched one layer ahead, overlaps B_j). A recompute of layer j
+//     runs just before B_j and holds what B_j does and o_j (counted at B_j). The peak is the
+//     largest of these sums. (With c > 1, the other micro-batches' later layers are not counted at
+//     F_j: a pipeline stage's peak is at its first backward, where they are.)
 //   * time: the forwards and backwards, plus f_j for each recomputed layer, r_j for each layer
-//     kept in part (both for a recompute keeping part), plus each swapped layer's transfer time
-//     not hidden under compute: the copy down (s_j / bandwidth) overlaps F_{j+1}, the copy up
-//     overlaps B_{j+1} (none after the last layer, so swapping it buys nothing and costs both
-//     copies).
+//     kept in part (also for a recompute or a swap keeping part), plus each swapped layer's
+//     transfer time not hidden under compute: the copy down (s_j or p_j / bandwidth) overlaps
+//     F_{j+1}, the copy up overlaps B_{j+1} (none after the last layer, so swapping it buys
+//     nothing and costs both copies).
 // Both constraints at F_j and B_j depend only on the bytes kept before j, on layer j's choice and
-// on whether layer j-1 swaps, so a dynamic programme over the layers whose state is (bytes kept
-// so far, whether the previous layer swaps), keeping only the states no other beats on both bytes
-// and time, finds the optimum of the model exactly (tests: against brute force on chains of up to
-// 16 layers).
+// on what layer j-1's swap holds, so a dynamic programme over the layers whose state is (bytes
+// kept so far, bytes the previous layer's swap holds), keeping only the states no other beats on
+// both bytes and time, finds the optimum of the model exactly (tests: against brute force on
+// chains of up to 16 layers).
 //
 // Thread safety: pure functions of their arguments.
 #pragma once
@@ -73,7 +74,7 @@ struct ActivationLayer {
 // What the plan does with one layer's saved activations.
 struct ActivationDecision {
   ActivationChoice choice = ActivationChoice::kKeep;
-  // kKeepPart, and kRecompute keeping part: the PartialKeep's option (else empty).
+  // kKeepPart, and kRecompute or kSwap keeping part: the PartialKeep's option (else empty).
   std::string rebuild;
   bool operator==(const ActivationDecision&) const = default;
 };

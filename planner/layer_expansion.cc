@@ -137,11 +137,11 @@ class Expansion {
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
     }
-    // Kept in part (or recomputed keeping part): the forward (and the recompute) saves less and
-    // the backward rebuilds the rest (the op's attribute "rebuild", OpDef::rebuild_options).
+    // Kept in part (or recomputed or swapped keeping part): the forward (and the recompute) saves
+    // less, and the backward rebuilds the rest (the op's attribute "rebuild",
+    // OpDef::rebuild_options); swapped, only what it saves goes down and back.
     if (l < s_.activation_choices.size() && !s_.activation_choices[l].rebuild.empty() &&
-        (s_.activation_choices[l].choice == ActivationChoice::kKeepPart ||
-         s_.activation_choices[l].choice == ActivationChoice::kRecompute)) {
+        s_.activation_choices[l].choice != ActivationChoice::kKeep) {
       attrs.Set(kRebuildAttr, s_.activation_choices[l].rebuild);
     }
     return attrs;

@@ -2,8 +2,8 @@
 // random chains (up to 10 layers with three choices, 7 with partial keeps too, 16 with keep and
 // recompute), and the classic cases (equal layers at half the memory keep half; the cheap layer
 // is recomputed before the expensive one; a cheap partial keep before whole recomputes; swapping
-// when the link hides it, recomputing when it does not), bad problems refused, impossible caps
-// explained.
+// when the link hides it, recomputing when it does not; swapping a part where the whole does not
+// fit beside the next forward), bad problems refused, impossible caps explained.
 #include "planner/activation_solver.h"
 
 #include <limits>
@@ -41,6 +41,9 @@ double BruteForceBest(const ActivationProblem& problem) {
     }
     if (problem.allow_swap && problem.link_bytes_per_us > 0) {
       allowed[i].push_back({ActivationChoice::kSwap});
+      for (const PartialKeep& part : problem.layers[i].partial_keeps) {
+        allowed[i].push_back({ActivationChoice::kSwap, part.rebuild});
+      }
     }
     total *= allowed[i].size();
   }
@@ -124,7 +127,7 @@ TEST(ActivationSolverTest, MatchesBruteForceOnRandomChainsOfUpToTenLayersWithThr
 // Partial keeps, and layers holding up to three micro-batches' copies of what they keep.
 TEST(ActivationSolverTest, MatchesBruteForceWithPartialKeepsOnChainsOfUpToSevenLayers) {
   std::mt19937 rng(13);
-  int solved = 0, infeasible = 0, kept_part = 0;
+  int solved = 0, infeasible = 0, kept_part = 0, swapped_part = 0;
   for (int trial = 0; trial < 150; ++trial) {
     const size_t n = 1 + static_cast<size_t>(trial % 7);
     const ActivationProblem problem = RandomProblem(rng, n, /*swap=*/trial % 2 == 0,
@@ -132,11 +135,17 @@ TEST(ActivationSolverTest, MatchesBruteForceWithPartialKeepsOnChainsOfUpToSevenL
     const bool feasible = MatchesBruteForce(problem, fmt::format("trial {}, {} layers", trial, n));
     ++(feasible ? solved : infeasible);
     Result<ActivationPlan> plan = SolveActivations(problem);
-    if (plan.ok()) kept_part += plan->Count(ActivationChoice::kKeepPart);
+    if (!plan.ok()) continue;
+    kept_part += plan->Count(ActivationChoice::kKeepPart);
+    for (const ActivationDecision& decision : plan->decisions) {
+      swapped_part += decision.choice == ActivationChoice::kSwap && !decision.rebuild.empty();
+    }
   }
   EXPECT_GT(solved, 60);
   EXPECT_GT(infeasible, 5);
-  EXPECT_GT(kept_part, 20);  // the partial keeps are taken, not only offered
+  // The partial keeps are taken, not only offered: kept, and swapped.
+  EXPECT_GT(kept_part, 20);
+  EXPECT_GT(swapped_part, 5);
 }
 
 TEST(ActivationSolverTest, MatchesBruteForceOnSixteenLayerChainsOfKeepAndRecompute) {
@@ -220,6 +229,32 @@ TEST(ActivationSolverTest, SwapsWhenTheLinkHidesTheCopiesAndRecomputesWhenItDoes
   ASSERT_OK_AND_ASSIGN(ActivationPlan slow_link, SolveActivations(problem));
   EXPECT_EQ(slow_link.Count(ActivationChoice::kSwap), 0) << DescribeActivationPlan(slow_link, {});
   EXPECT_GT(slow_link.Count(ActivationChoice::kRecompute), 0);
+}
+
+TEST(ActivationSolverTest, APartIsSwappedWhereTheWholeDoesNotFitBesideTheNextForward) {
+  // Six layers of 1000 bytes (10 us forward, 20 us backward) under a cap of 1300; each may keep
+  // 400 for 1 us of rebuilding. A whole swap holds its 1000 bytes while the next forward makes
+  // at least 400: over the cap. Keeping part of every layer holds 6 x 400: over too. Swapping
+  // the parts (400 down while the next forward makes 400) fits, and the last layer keeps its
+  // part (swapping the last buys nothing): six rebuilds, no recompute.
+  ActivationProblem problem = EqualLayers(6, 1000, 10);
+  for (ActivationLayer& layer : problem.layers) layer.partial_keeps = {{"lean", 400, 1}};
+  problem.cap_bytes = 1300;
+  problem.link_bytes_per_us = 1000;  // a 400-byte copy takes 0.4 us, under a 10 us forward
+  ASSERT_OK_AND_ASSIGN(ActivationPlan plan, SolveActivations(problem));
+  for (size_t j = 0; j < 5; ++j) {
+    EXPECT_EQ(plan.decisions[j], (ActivationDecision{ActivationChoice::kSwap, "lean"}))
+        << "layer " << j << ": " << DescribeActivationPlan(plan, {});
+  }
+  EXPECT_EQ(plan.decisions[5], (ActivationDecision{ActivationChoice::kKeepPart, "lean"}));
+  EXPECT_DOUBLE_EQ(plan.step_us, 6 * 30 + 6 * 1);
+  EXPECT_EQ(plan.peak_bytes, 800);  // a part being made, the one before it on its way down
+  EXPECT_THAT(DescribeActivationPlan(plan, {}), HasSubstr("0 swap (lean)"));
+  // Without the parts, only recomputes fit: dearer.
+  for (ActivationLayer& layer : problem.layers) layer.partial_keeps.clear();
+  ASSERT_OK_AND_ASSIGN(ActivationPlan whole, SolveActivations(problem));
+  EXPECT_GT(whole.Count(ActivationChoice::kRecompute), 0) << DescribeActivationPlan(whole, {});
+  EXPECT_GT(whole.step_us, plan.step_us);
 }
 
 TEST(ActivationSolverTest, BaseMemoryCountsAgainstTheCap) {

@@ -6,6 +6,8 @@
 
 #include <filesystem>
 
+#include <fmt/format.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -579,74 +581,89 @@ TEST(MemoryPlanTest, OnTheSimulatedGpuSavedActivationsAreSwappedToTheHostAndBack
 
 // ZeRO-Infinity's next tier down, on a CPU worker: with a swap file and its link's bandwidth (and
 // measured layer times, under which the copies hide), the plan swaps what layers save to the disk
-// and reads it back ahead of each backward instead of recomputing. The losses are the uncapped
-// ones bit for bit; the host holds no more than the predicted peak (within the 3%) and
-// no more activations than the budget, and the swap file's measured peak is the plan's disk tier
-// exactly. The copies run on the I/O thread beside the compute: on layers this small the drive is
-// slower than the compute, so a prefetch lands later than the model's order has it (the measured
-// peak is then lower), and on a loaded machine two ready tasks may swap places (a few scalars
-// more, seen: 28 bytes); bench_memory compares the two at real sizes, where they agree to the
-// byte. Without a swap file the same plan fails at its first swap, naming --swap-dir.
+// and reads it back ahead of each backward instead of recomputing; at a quarter, where a whole
+// block's saved objects do not fit beside the next forward's, it swaps the part a partial keep
+// saves and the backward rebuilds the rest. The losses are the uncapped ones bit for bit; the
+// host holds no more than the predicted peak (within the 3%) and no more activations than
+// the budget, and the swap file's measured peak is the plan's disk tier exactly. The copies run
+// on the I/O thread beside the compute: on layers this small the drive is slower than the
+// compute, so a prefetch lands later than the model's order has it (the measured peak is then
+// lower), and on a loaded machine two ready tasks may swap places (a few scalars more, seen: 28
+// bytes); bench_memory compares the two at real sizes, where they agree to the byte. Without a
+// swap file the same plan fails at its first swap, naming --swap-dir.
 TEST(MemoryPlanTest, OnACpuWorkerSavedActivationsAreSwappedToTheDiskAndBack) {
   const CappedCase c = Gpt2Case();
-  const std::string dir = TempPath("tessera_memory_plan_swap");
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> disk, OpenSwapFile({dir}));
-  ExecutorOptions options = OneThread();
-  options.disk = disk;
-  TrainingPlan capped = c.plan;
-  capped.memory.activation_budget = 0.5;
-  capped.memory.disk_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 0.1 ms
-  capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{0.1, 0.2, 0});
   const Trained reference = Train(c, c.plan, 3);
+  for (const double budget : {0.5, 0.25}) {
+    SCOPED_TRACE(fmt::format("activation budget {}", budget));
+    const std::string dir = TempPath("tessera_memory_plan_swap");
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> disk, OpenSwapFile({dir}));
+    ExecutorOptions options = OneThread();
+    options.disk = disk;
+    TrainingPlan capped = c.plan;
+    capped.memory.activation_budget = budget;
+    capped.memory.disk_link_bytes_per_us = 1e6;  // copies far shorter than a layer's 0.1 ms
+    capped.parallel.layer_op_costs.assign(c.model.layers.size(), OpCosts{0.1, 0.2, 0});
 
-  auto trainer = Trainer::Create(c.model, capped, options);
-  ASSERT_OK(trainer.status());
-  ASSERT_OK((*trainer)->InitializeParameters(5));
-  std::vector<float> losses;
-  RunFigures figures;
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_OK_AND_ASSIGN(StepReport report, (*trainer)->Step(c.batch, 1e-3f));
-    losses.push_back(report.loss);
-    figures = report.ranks.at(0).figures;
-  }
-  const StepGraph& step = (*trainer)->step_graph();
-  const MemoryDecision& memory = step.memory;
-  EXPECT_GT(CountChoice(memory.activations, ActivationChoice::kSwap), 0) << memory.reason;
-  EXPECT_EQ(CountChoice(memory.activations, ActivationChoice::kRecompute), 0) << memory.reason;
-  int swap_outs = 0, swap_ins = 0;
-  for (const TaskSpec& task : step.graph.tasks()) {
-    const bool out = task.name.find("/swap_out") != std::string::npos;
-    swap_outs += out;
-    swap_ins += task.name.find("/swap_in") != std::string::npos;
-    if (out) {
-      EXPECT_EQ(step.graph.object(task.outputs[0]).meta.device, Device::Disk());
+    auto trainer = Trainer::Create(c.model, capped, options);
+    ASSERT_OK(trainer.status());
+    ASSERT_OK((*trainer)->InitializeParameters(5));
+    std::vector<float> losses;
+    RunFigures figures;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_OK_AND_ASSIGN(StepReport report, (*trainer)->Step(c.batch, 1e-3f));
+      losses.push_back(report.loss);
+      figures = report.ranks.at(0).figures;
     }
-  }
-  EXPECT_GT(swap_outs, 0);
-  EXPECT_EQ(swap_outs, swap_ins);
-  EXPECT_EQ(losses, reference.losses);
-  EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << memory.reason;
-  ASSERT_OK_AND_ASSIGN(MemoryProfile predicted, PredictMemory(step.graph));
-  const WorkerMemory& worker = predicted.workers[0];
-  EXPECT_LE(static_cast<double>(figures.total_peak), 1.03 * static_cast<double>(worker.total_peak));
-  EXPECT_LE(figures.peak(ObjectRole::kActivation), memory.activation_cap_bytes);
-  EXPECT_LT(figures.peak(ObjectRole::kActivation), reference.figures.peak(ObjectRole::kActivation));
-  EXPECT_EQ(memory.peak_bytes, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
-  const int64_t disk_peak = worker.peaks[static_cast<size_t>(MemoryTier::kDisk)].bytes;
-  EXPECT_GT(disk_peak, 0);
-  EXPECT_EQ(disk->memory().peak_bytes, disk_peak);
-  EXPECT_EQ(disk->memory().live_bytes, 0);
-  EXPECT_GT(worker.tier_copy_bytes, 0);
+    const StepGraph& step = (*trainer)->step_graph();
+    const MemoryDecision& memory = step.memory;
+    int swapped_whole = 0, swapped_part = 0;
+    for (const ActivationDecision& decision : memory.activations) {
+      if (decision.choice != ActivationChoice::kSwap) continue;
+      ++(decision.rebuild.empty() ? swapped_whole : swapped_part);
+    }
+    EXPECT_GT(swapped_whole + swapped_part, 0) << memory.reason;
+    if (budget < 0.5) {
+      EXPECT_GT(swapped_part, 0) << memory.reason;
+    }
+    EXPECT_EQ(CountChoice(memory.activations, ActivationChoice::kRecompute), 0) << memory.reason;
+    int swap_outs = 0, swap_ins = 0;
+    for (const TaskSpec& task : step.graph.tasks()) {
+      const bool out = task.name.find("/swap_out") != std::string::npos;
+      swap_outs += out;
+      swap_ins += task.name.find("/swap_in") != std::string::npos;
+      if (out) {
+        EXPECT_EQ(step.graph.object(task.outputs[0]).meta.device, Device::Disk());
+      }
+    }
+    EXPECT_GT(swap_outs, 0);
+    EXPECT_EQ(swap_outs, swap_ins);
+    EXPECT_EQ(losses, reference.losses);
+    EXPECT_LE(memory.activation_peak_bytes, memory.activation_cap_bytes) << memory.reason;
+    ASSERT_OK_AND_ASSIGN(MemoryProfile predicted, PredictMemory(step.graph));
+    const WorkerMemory& worker = predicted.workers[0];
+    EXPECT_LE(static_cast<double>(figures.total_peak),
+              1.03 * static_cast<double>(worker.total_peak));
+    EXPECT_LE(figures.peak(ObjectRole::kActivation), memory.activation_cap_bytes);
+    EXPECT_LT(figures.peak(ObjectRole::kActivation),
+              reference.figures.peak(ObjectRole::kActivation));
+    EXPECT_EQ(memory.peak_bytes, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+    const int64_t disk_peak = worker.peaks[static_cast<size_t>(MemoryTier::kDisk)].bytes;
+    EXPECT_GT(disk_peak, 0);
+    EXPECT_EQ(disk->memory().peak_bytes, disk_peak);
+    EXPECT_EQ(disk->memory().live_bytes, 0);
+    EXPECT_GT(worker.tier_copy_bytes, 0);
 
-  auto without = Trainer::Create(c.model, capped, OneThread());
-  ASSERT_OK(without.status());
-  ASSERT_OK((*without)->InitializeParameters(5));
-  Result<StepReport> refused = (*without)->Step(c.batch, 1e-3f);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("--swap-dir"), std::string::npos)
-      << refused.status().ToString();
+    auto without = Trainer::Create(c.model, capped, OneThread());
+    ASSERT_OK(without.status());
+    ASSERT_OK((*without)->InitializeParameters(5));
+    Result<StepReport> refused = (*without)->Step(c.batch, 1e-3f);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("--swap-dir"), std::string::npos)
+        << refused.status().ToString();
+  }
 }
 
 // Harmony's case in miniature, on the simulated GPU: the model states (fp32 parameters,
