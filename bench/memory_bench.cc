@@ -23,8 +23,12 @@
 //   peak_mb predicted / measured (every object, RunFigures::total_peak)
 //   act_mb  predicted / measured (activations, the role's peak)
 //   recmp   recompute tasks in the step; part: layers kept in part (their backward rebuilding
-//           the rest); then the memory plan's reason; a budget nothing fits
-//           under prints why.
+//           the rest)
+//   kernel_ms  the forward and backward tasks' spans a timed step, summed over the compute slots
+//           (in-process plans; the median of the rounds'): against the uncapped plan's, what a
+//           plan's kernels cost more (recomputes, rebuilds, and copies slowing the kernels beside
+//           them) apart from the time its slots wait;
+//           then the memory plan's reason; a budget nothing fits under prints why.
 // With --profile (the default) the layers are first profiled (ProfileLayerTimes) and every plan is
 // made with the measured times. With --swap-dir DIR, at each budget also "planned-disk": the plan
 // given a swap file in DIR (the disk tier, worker/swap_file.h) and its link's bandwidth (measured
@@ -49,6 +53,7 @@
 #include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "core/atomic_file.h"
+#include "core/timeline.h"
 #include "data/volumes.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
@@ -149,6 +154,9 @@ struct Row {
   double predicted_ms = 0, predicted_ratio = 0;  // medians over the rounds (0: not profiled)
   int recomputed = 0;
   int kept_part = 0;  // layers whose backward rebuilds part of what they save
+  // The forward and backward spans of a timed step, summed (in-process plans).
+  std::vector<double> round_kernel_ms;
+  double kernel_ms = 0;
   std::string reason;
   std::string refused;        // why the plan could not be made
   int64_t store_bytes = 0;    // on a cluster: the object store's capacity
@@ -159,6 +167,7 @@ struct Row {
   bool on_disk = false;
   int64_t predicted_disk_peak = 0, measured_disk_peak = 0, copied_bytes = 0;
   int swapped = 0;
+  int swapped_part = 0;  // of those, layers swapping the part a partial keep saves
 };
 
 // The swap file of the planned-disk rows and its link (bytes per microsecond, each way).
@@ -213,6 +222,23 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     }
   }
   row.round_ms.push_back(Median(times));
+  if (cluster == nullptr) {
+    const tessera::Timeline timeline = Check(trainer.StepTimeline(flags.steps), "the timeline");
+    int64_t kernel_us = 0;
+    for (const tessera::TimelineSpan& span : timeline.spans) {
+      switch (span.kind) {
+        case tessera::SpanKind::kForward:
+        case tessera::SpanKind::kBackward:
+        case tessera::SpanKind::kBackwardInput:
+        case tessera::SpanKind::kBackwardWeight:
+          kernel_us += span.end_us - span.start_us;
+          break;
+        default:
+          break;
+      }
+    }
+    row.round_kernel_ms.push_back(static_cast<double>(kernel_us) / 1e3 / flags.steps);
+  }
   if (cluster != nullptr) {
     row.on_cluster = true;
     row.store_bytes = variant.store_bytes;
@@ -252,6 +278,11 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     row.measured_disk_peak = disk.file->memory().peak_bytes;
     row.copied_bytes = profile.workers[0].tier_copy_bytes;
     row.swapped = tessera::CountChoice(memory.activations, tessera::ActivationChoice::kSwap);
+    row.swapped_part = 0;
+    for (const tessera::ActivationDecision& decision : memory.activations) {
+      row.swapped_part +=
+          decision.choice == tessera::ActivationChoice::kSwap && !decision.rebuild.empty();
+    }
   }
   if (!now.layer_ms.empty() && cluster == nullptr) {
     // The profile ran the plan's micro-batch; a plan split into more (the memory plan's own
@@ -394,6 +425,7 @@ static int Main(int argc, char** argv) {
       row.plan = run[v].name;
       row.budget = run[v].budget;
       if (row.refused.empty()) row.step_ms = Median(row.round_ms);
+      if (!row.round_kernel_ms.empty()) row.kernel_ms = Median(row.round_kernel_ms);
       if (!row.round_ratio.empty()) {
         row.predicted_ms = Median(row.round_predicted_ms);
         row.predicted_ratio = Median(row.round_ratio);
@@ -401,9 +433,9 @@ static int Main(int argc, char** argv) {
       rows.push_back(row);
     }
   }
-  std::printf("%-14s %-14s %6s %9s %10s %9s %19s %19s %5s %5s\n", "model", "plan", "budget",
+  std::printf("%-14s %-14s %6s %9s %10s %9s %19s %19s %5s %5s %9s\n", "model", "plan", "budget",
               "step_ms", "x_uncapped", "pred/meas", "peak_mb pred/meas", "act_mb pred/meas",
-              "recmp", "part");
+              "recmp", "part", "kernel_ms");
   std::string json = "[\n";
   for (const Row& row : rows) {
     double uncapped = 0;
@@ -416,11 +448,12 @@ static int Main(int argc, char** argv) {
       std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
                   row.budget, row.refused.c_str());
     } else {
-      std::printf("%-14s %-14s %6.2f %9.1f %10.3f %9.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d\n",
-                  row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms,
-                  row.step_ms / uncapped, row.predicted_ratio, Mb(row.predicted_peak),
-                  Mb(row.measured_peak), Mb(row.predicted_activations),
-                  Mb(row.measured_activations), row.recomputed, row.kept_part);
+      std::printf(
+          "%-14s %-14s %6.2f %9.1f %10.3f %9.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d %9.1f\n",
+          row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms, row.step_ms / uncapped,
+          row.predicted_ratio, Mb(row.predicted_peak), Mb(row.measured_peak),
+          Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed,
+          row.kept_part, row.kernel_ms);
       if (row.on_cluster) {
         std::printf("%-14s %-14s %6.2f   object store %.2f MiB, %.2f MiB spilled to disk\n", "", "",
                     row.budget, Mb(row.store_bytes), Mb(row.spilled_bytes));
@@ -428,9 +461,9 @@ static int Main(int argc, char** argv) {
       if (row.on_disk) {
         std::printf(
             "%-14s %-14s %6.2f   disk tier %.2f / %.2f MiB (predicted / measured), %d layer(s) "
-            "swapped, %.2f MiB copied between tiers a step\n",
+            "swapped (%d of them in part), %.2f MiB copied between tiers a step\n",
             "", "", row.budget, Mb(row.predicted_disk_peak), Mb(row.measured_disk_peak),
-            row.swapped, Mb(row.copied_bytes));
+            row.swapped, row.swapped_part, Mb(row.copied_bytes));
       }
     }
     json += fmt::format(
@@ -440,14 +473,15 @@ static int Main(int argc, char** argv) {
         "\"measured_peak\": {}, "
         "\"predicted_activations\": {}, \"measured_activations\": {}, \"recomputed\": {}, "
         "\"kept_part\": {}, \"store_bytes\": {}, \"spilled_bytes\": {}, \"swapped\": {}, "
-        "\"predicted_disk_peak\": {}, \"measured_disk_peak\": {}, \"copied_bytes\": {}, "
-        "\"refused\": {}}}{}\n",
+        "\"swapped_part\": {}, \"predicted_disk_peak\": {}, \"measured_disk_peak\": {}, "
+        "\"copied_bytes\": {}, "
+        "\"kernel_ms\": {:.3f}, \"refused\": {}}}{}\n",
         row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
         row.predicted_ms, row.predicted_ratio, row.predicted_peak, row.measured_peak,
         row.predicted_activations, row.measured_activations, row.recomputed, row.kept_part,
-        row.store_bytes, row.spilled_bytes, row.swapped, row.predicted_disk_peak,
-        row.measured_disk_peak, row.copied_bytes, row.refused.empty() ? "false" : "true",
-        &row == &rows.back() ? "" : ",");
+        row.store_bytes, row.spilled_bytes, row.swapped, row.swapped_part, row.predicted_disk_peak,
+        row.measured_disk_peak, row.copied_bytes, row.kernel_ms,
+        row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
   for (const Row& row : rows) {
