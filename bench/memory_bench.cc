@@ -32,9 +32,11 @@
 // With --profile (the default) the layers are first profiled (ProfileLayerTimes) and every plan is
 // made with the measured times. With --swap-dir DIR, at each budget also "planned-disk": the plan
 // given a swap file in DIR (the disk tier, worker/swap_file.h) and its link's bandwidth (measured
-// on it at the start, or --disk-link-gbps), so that it may swap activations to the disk instead
-// of recomputing them; its rows add the disk tier's predicted and measured peak (the swap file's
-// allocator), the layers swapped and the bytes copied between tiers a step.
+// on it at the start, or --disk-link-gbps; and the compute time a MiB copied takes, measured per
+// model by profiling its step beside copies, or --disk-copy-compute-us-per-mib), so that it may
+// swap activations to the disk instead of recomputing them; its rows add the disk tier's predicted
+// and measured peak (the swap file's allocator), the layers swapped and the bytes copied between
+// tiers a step.
 // --json PATH writes the same figures as JSON.
 #include <algorithm>
 #include <chrono>
@@ -92,6 +94,7 @@ struct Flags {
   std::string json;
   std::string swap_dir;  // empty: no planned-disk rows
   double disk_link_gbps = 0;
+  double disk_copy_compute_us_per_mib = 0;
 };
 
 // A model, its plan and one batch.
@@ -174,6 +177,7 @@ struct Row {
 struct Disk {
   std::shared_ptr<tessera::DeviceRuntime> file;
   double link_bytes_per_us = 0;
+  double copy_compute_us_per_byte = 0;  // what a byte copied takes of the compute (per model)
 };
 
 // Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
@@ -190,6 +194,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   options.threads = flags.threads;
   if (on_disk) {
     plan.memory.disk_link_bytes_per_us = disk.link_bytes_per_us;
+    plan.memory.disk_copy_compute_us_per_byte = disk.copy_compute_us_per_byte;
     options.disk = disk.file;
     disk.file->allocator()->ResetPeak();
   }
@@ -295,7 +300,8 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     }
     const double predicted =
         Check(tessera::PredictStepTime(trainer.step_graph().graph, c.model, layer_ms, registry,
-                                       now.TaskOverheadMs()),
+                                       now.TaskOverheadMs(),
+                                       plan.memory.disk_copy_compute_us_per_byte),
               "predict the step time")
             .step_ms;
     row.round_predicted_ms.push_back(predicted);
@@ -356,6 +362,10 @@ static int Main(int argc, char** argv) {
   app.add_option("--disk-link-gbps", flags.disk_link_gbps,
                  "With --swap-dir: the swap file's bandwidth each way in GB/s (0: measured)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--disk-copy-compute-us-per-mib", flags.disk_copy_compute_us_per_mib,
+                 "With --swap-dir: the compute time a MiB copied to or from the swap file takes, "
+                 "in microseconds (0: measured per model, the step profiled beside copies)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   Disk disk;
   if (!flags.swap_dir.empty()) {
@@ -377,7 +387,32 @@ static int Main(int argc, char** argv) {
   for (const std::string& model : flags.models) {
     Case c = model == "gpt2" ? Gpt2Case(flags) : UNetCase(flags, registry);
     // Every plan is made with the measured layer times (as --balance profile does).
-    if (flags.profile) c.plan.parallel.layer_op_costs = Profile(flags, c).layer_ms;
+    if (flags.profile) {
+      const tessera::StepProfile profile = Profile(flags, c);
+      c.plan.parallel.layer_op_costs = profile.layer_ms;
+      // What the swap file's copies take from this model's step (as --balance profile does).
+      if (disk.file != nullptr && flags.disk_copy_compute_us_per_mib == 0) {
+        tessera::ExecutorOptions options;
+        options.threads = flags.threads;
+        tessera::LayerProfileOptions again;
+        again.warmup_steps = flags.warmup;
+        again.steps = flags.steps;
+        again.split_backwards = false;
+        disk.copy_compute_us_per_byte =
+            Check(tessera::MeasureCopyCompute(c.model, c.plan, options, *disk.file, profile, again),
+                  "what the swap file's copies take from the compute");
+      }
+    }
+    if (disk.file != nullptr) {
+      if (flags.disk_copy_compute_us_per_mib > 0) {
+        disk.copy_compute_us_per_byte = flags.disk_copy_compute_us_per_mib / (1 << 20);
+      }
+      std::fprintf(stderr,
+                   "%s: %s: a MiB copied to or from the swap file takes %.1f us of the "
+                   "compute%s\n",
+                   kProgram, c.name.c_str(), disk.copy_compute_us_per_byte * (1 << 20),
+                   flags.disk_copy_compute_us_per_mib > 0 ? "" : " (measured)");
+    }
     std::vector<Variant> variants = {{"uncapped", 0}};
     for (double budget : flags.budgets) {
       variants.push_back({"planned", budget});

@@ -61,6 +61,10 @@ Status ActivationProblem::Validate() const {
     return InvalidArgument("the link's bandwidth must be finite and >= 0, not {}",
                            link_bytes_per_us);
   }
+  if (copy_compute_us_per_byte < 0 || !std::isfinite(copy_compute_us_per_byte)) {
+    return InvalidArgument("the compute time a copied byte takes must be finite and >= 0, not {}",
+                           copy_compute_us_per_byte);
+  }
   return Status::Ok();
 }
 
@@ -168,8 +172,10 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
       const bool last = j + 1 == layers.size();
       const double down_hidden = last ? 0 : layers[j + 1].forward_us;
       const double up_hidden = last ? 0 : layers[j + 1].backward_us;
+      const double taken =
+          2 * static_cast<double>(MadeBytes(layers[j], option)) * problem.copy_compute_us_per_byte;
       return RebuildTime(layers[j], option) + std::max(0.0, copy - down_hidden) +
-             std::max(0.0, copy - up_hidden);
+             std::max(0.0, copy - up_hidden) + taken;
     }
   }
   return 0;

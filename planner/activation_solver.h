@@ -29,7 +29,9 @@
 //     kept in part (also for a recompute or a swap keeping part), plus each swapped layer's
 //     transfer time not hidden under compute: the copy down (s_j or p_j / bandwidth) overlaps
 //     F_{j+1}, the copy up overlaps B_{j+1} (none after the last layer, so swapping it buys
-//     nothing and costs both copies).
+//     nothing and costs both copies), and what the two copies take from the compute beside them
+//     (the bytes times copy_compute_us_per_byte, twice: a CPU worker's processor does part of
+//     the I/O).
 // Both constraints at F_j and B_j depend only on the bytes kept before j, on layer j's choice and
 // on what layer j-1's swap holds, so a dynamic programme over the layers whose state is (bytes
 // kept so far, bytes the previous layer's swap holds), keeping only the states no other beats on
@@ -89,6 +91,9 @@ struct ActivationProblem {
   std::vector<int64_t> base_forward_bytes, base_backward_bytes;
   int64_t cap_bytes = 0;         // the device tier's cap
   double link_bytes_per_us = 0;  // to the tier below and back, each way; 0: no swapping
+  // The compute time each byte copied down or up takes, hidden or not (a CPU worker's swap file:
+  // the processor's part of the I/O, MemoryCaps::disk_copy_compute_us_per_byte); 0: none.
+  double copy_compute_us_per_byte = 0;
   bool allow_recompute = true;
   bool allow_swap = true;
 

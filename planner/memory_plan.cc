@@ -305,6 +305,8 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   // Swapping needs somewhere to swap to (a GPU's host, a CPU worker's swap file), the link's
   // bandwidth, and times in microseconds.
   chain.problem.link_bytes_per_us = SwapLinkBytesPerUs(plan);
+  chain.problem.copy_compute_us_per_byte =
+      plan.device.is_cpu() ? plan.memory.disk_copy_compute_us_per_byte : 0;
   chain.problem.allow_swap =
       chain.problem.link_bytes_per_us > 0 && !plan.parallel.layer_op_costs.empty();
   for (size_t l = 0; l < model.layers.size(); ++l) {

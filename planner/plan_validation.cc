@@ -132,6 +132,12 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
     return InvalidArgument("the disk link's bandwidth {} bytes/us must be finite and >= 0",
                            memory.disk_link_bytes_per_us);
   }
+  if (!(memory.disk_copy_compute_us_per_byte >= 0) ||
+      std::isinf(memory.disk_copy_compute_us_per_byte)) {
+    return InvalidArgument(
+        "the compute time a byte copied to the disk takes, {} us, must be finite and >= 0",
+        memory.disk_copy_compute_us_per_byte);
+  }
   if (!(memory.activation_budget >= 0 && memory.activation_budget <= 1)) {
     return InvalidArgument(
         "the activation budget {} is not a fraction of the activations' peak in [0, 1] (0: none)",

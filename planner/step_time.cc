@@ -40,7 +40,8 @@ bool IsRecompute(const TaskSpec& task) { return task.name.find("/recompute") != 
 
 Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& model,
                                            const std::vector<OpCosts>& layer_ms,
-                                           const OpRegistry& registry, double task_overhead_ms) {
+                                           const OpRegistry& registry, double task_overhead_ms,
+                                           double disk_copy_compute_us_per_byte) {
   if (layer_ms.size() != model.layers.size()) {
     return InvalidArgument("step time: {} measured layer times for a model of {} layers",
                            layer_ms.size(), model.layers.size());
@@ -88,7 +89,12 @@ Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& 
       overhead_part.push_back(0);
     }
     overhead_part[w] += task_overhead_ms;
-    if (TouchesDisk(graph, task)) continue;  // on the I/O thread, beside the compute
+    if (TouchesDisk(graph, task)) {  // on the I/O thread, beside the compute: what it takes of it
+      int64_t bytes = 0;
+      for (ObjectId output : task.outputs) bytes += graph.object(output).meta.bytes();
+      other_part[w] += static_cast<double>(bytes) * disk_copy_compute_us_per_byte / 1e3;
+      continue;
+    }
     const int l = layer_of(task);
     const SpanKind kind =
         l < 0 ? SpanKind::kOther : LayerTaskKind(model.layers[static_cast<size_t>(l)], task);

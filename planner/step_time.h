@@ -13,9 +13,10 @@
 //   * any other task (optimizer updates, gradient accumulation, collectives, copies): the op cost
 //     model's estimate (flops + 10 x bytes, as the pipeline cut weighs layers) at the rate the
 //     layers' forwards ran: their measured milliseconds per estimated unit;
-//   * a copy to or from the disk tier (a CPU worker's swap): none beyond the per-task overhead:
-//     the executor's I/O thread runs it beside the compute (what it leaves unhidden is the
-//     activation solver's to price).
+//   * a copy to or from the disk tier (a CPU worker's swap): the executor's I/O thread runs it
+//     beside the compute (what it leaves unhidden is the activation solver's to price), so only
+//     the time it takes from the compute: its bytes times MemoryCaps::
+//     disk_copy_compute_us_per_byte (`disk_copy_compute_us_per_byte` below).
 // Not modelled: waiting on other workers (collectives' transfers, pipeline bubbles) and tasks
 // running beside each other on one worker beyond what the profile saw (ProfileLayerTimes counts
 // each task its share of the time it ran beside others). So the figure is exact in kind for one
@@ -49,6 +50,7 @@ struct StepTimePrediction {
 // TaskOverheadMs), added for every task.
 Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& model,
                                            const std::vector<OpCosts>& layer_ms,
-                                           const OpRegistry& registry, double task_overhead_ms = 0);
+                                           const OpRegistry& registry, double task_overhead_ms = 0,
+                                           double disk_copy_compute_us_per_byte = 0);
 
 }  // namespace tessera

@@ -172,6 +172,11 @@ struct MemoryCaps {
   // a layer's saved activations to the disk tier and prefetch them back; each worker then needs
   // a swap file (--swap-dir). 0: no swapping to the disk.
   double disk_link_bytes_per_us = 0;
+  // The compute time a byte copied to or from the swap file takes, in microseconds (the kernel's
+  // block I/O work, interrupts, a virtual machine's copies on the kernels' cores, memory
+  // bandwidth: MeasureCopyCompute in training/layer_profile.h): a CPU worker's kernels lose it to
+  // every swap, hidden or not, so the planner counts it in a swap's cost. 0: none.
+  double disk_copy_compute_us_per_byte = 0;
 };
 
 // "none" | "optimizer" | "parameters"; InvalidArgument naming the choices otherwise.

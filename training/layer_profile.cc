@@ -1,12 +1,16 @@
 #include "training/layer_profile.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <iterator>
 #include <map>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "training/trainer.h"
 
@@ -191,6 +195,54 @@ Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes, int repeats
     slowest = std::max(slowest, times[times.size() / 2]);
   }
   return static_cast<double>(bytes) / std::max(slowest, 1e-3);
+}
+
+Result<double> MeasureCopyCompute(const ModelSpec& model, const TrainingPlan& plan,
+                                  const ExecutorOptions& executor, DeviceRuntime& link,
+                                  const StepProfile& alone, const LayerProfileOptions& options) {
+  constexpr int64_t kChunk = int64_t{16} << 20;
+  constexpr int64_t kFloats = kChunk / 4;
+  TESSERA_ASSIGN_OR_RETURN(
+      Tensor host,
+      Tensor::Zeros(TensorMeta{Shape{kFloats}, DType::kF32, Device::Cpu()}, SharedHostAllocator()));
+  Result<Tensor> far =
+      Tensor::Empty(TensorMeta{Shape{kFloats}, DType::kF32, link.device()}, link.allocator());
+  if (!far.ok()) {
+    return far.status().WithContext(
+        fmt::format("measuring what copies to {} take from the compute", link.Describe()));
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> copied{0};
+  Status copy_status = Status::Ok();  // written by the copier, read after it is joined
+  std::thread copier([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      Status down =
+          link.Copy(far->raw_data(), link.device(), host.raw_data(), Device::Cpu(), kChunk);
+      if (down.ok()) down = link.Synchronize();
+      if (down.ok()) {
+        down = link.Copy(host.raw_data(), Device::Cpu(), far->raw_data(), link.device(), kChunk);
+      }
+      if (!down.ok()) {
+        copy_status = std::move(down);
+        return;
+      }
+      copied.fetch_add(2 * kChunk, std::memory_order_relaxed);
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  Result<StepProfile> beside = ProfileStep(model, plan, executor, options);
+  const double elapsed_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  stop.store(true, std::memory_order_relaxed);
+  copier.join();
+  const std::string what =
+      fmt::format("measuring what copies to {} take from the compute", link.Describe());
+  if (!copy_status.ok()) return copy_status.WithContext(what);
+  if (!beside.ok()) return beside.status().WithContext(what);
+  // The bytes a step of the profile saw copied beside it, at the copier's mean rate.
+  const double per_step = static_cast<double>(copied.load()) / elapsed_us * beside->step_ms * 1e3;
+  if (per_step <= 0) return 0.0;
+  return std::max(0.0, (beside->step_ms - alone.step_ms) * 1e3) / per_step;
 }
 
 }  // namespace tessera

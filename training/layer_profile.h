@@ -72,4 +72,16 @@ Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan
 Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes = int64_t{64} << 20,
                                int repeats = 5);
 
+// What copies over `link` take from a step's compute, in microseconds a byte copied (at least 0):
+// the step profiled again (ProfileStep with `options`) while a thread copies 16 MiB host -> link
+// -> host back to back, as the executor's I/O thread copies a swap beside the compute, against
+// `alone` (the same profile without): the step's extra time over the bytes copied during it.
+// Of a CPU worker's swap file, MemoryCaps::disk_copy_compute_us_per_byte: the kernel's block I/O
+// work, interrupts, a virtual machine's copies on the cores the kernels run on, memory bandwidth.
+// Errors of the profile, or of a copy (a link too small for the 16 MiB buffer), with context.
+Result<double> MeasureCopyCompute(const ModelSpec& model, const TrainingPlan& plan,
+                                  const ExecutorOptions& executor, DeviceRuntime& link,
+                                  const StepProfile& alone,
+                                  const LayerProfileOptions& options = {});
+
 }  // namespace tessera

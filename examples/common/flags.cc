@@ -81,6 +81,13 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "With --swap-dir: the swap file's bandwidth, each way, in GB/s (0: measured "
                  "with --balance profile on this process's swap file)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--disk-copy-compute-us-per-mib", flags.disk_copy_compute_us_per_mib,
+                 "With --swap-dir: the compute time a MiB copied to or from the swap file takes, "
+                 "in microseconds (the kernel's I/O work, interrupts, a virtual machine's copies "
+                 "on the same cores), which the planner adds to every swap's cost (0: measured "
+                 "with the link by --balance profile: the step profiled beside copies; else "
+                 "none)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddDeviceFlags(CLI::App& app, CommonFlags& flags) {
@@ -289,6 +296,7 @@ Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPla
   plan.memory.activation_budget = flags.activation_budget;
   plan.memory.host_link_bytes_per_us = flags.host_link_gbps * 1e3;  // 1 GB/s = 1e3 bytes/us
   plan.memory.disk_link_bytes_per_us = flags.disk_link_gbps * 1e3;
+  plan.memory.disk_copy_compute_us_per_byte = flags.disk_copy_compute_us_per_mib / (1 << 20);
   // --workers N: N data-parallel ranks, one per worker (layer placement splits one rank).
   if (flags.workers > 0 && flags.placement != "layers") plan.parallel.data_parallel = flags.workers;
   return ApplyPipeline(flags, plan);
@@ -338,8 +346,17 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
   if (capped && plan.device.is_cpu() && executor.disk != nullptr &&
       plan.memory.disk_link_bytes_per_us == 0) {
     TESSERA_ASSIGN_OR_RETURN(plan.memory.disk_link_bytes_per_us, MeasureHostLink(*executor.disk));
-    std::fprintf(stderr, "%s: disk link (measured, %s): %.2f GB/s each way\n", program,
-                 executor.disk->Describe().c_str(), plan.memory.disk_link_bytes_per_us / 1e3);
+    if (plan.memory.disk_copy_compute_us_per_byte == 0) {
+      TESSERA_ASSIGN_OR_RETURN(
+          plan.memory.disk_copy_compute_us_per_byte,
+          MeasureCopyCompute(model, plan, executor, *executor.disk, profile, options));
+    }
+    std::fprintf(stderr,
+                 "%s: disk link (measured, %s): %.2f GB/s each way; a MiB copied takes %.1f us "
+                 "of the compute\n",
+                 program, executor.disk->Describe().c_str(),
+                 plan.memory.disk_link_bytes_per_us / 1e3,
+                 plan.memory.disk_copy_compute_us_per_byte * (1 << 20));
   }
   return Status::Ok();
 }

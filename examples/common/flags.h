@@ -90,6 +90,9 @@ struct CommonFlags {
   // --balance profile on this process's swap file, else no swapping).
   std::string swap_dir;
   double disk_link_gbps = 0;
+  // The compute time a MiB copied to or from the swap file takes, in microseconds
+  // (MemoryCaps::disk_copy_compute_us_per_byte; 0: measured with the link when that is).
+  double disk_copy_compute_us_per_mib = 0;
   std::string address;  // a running cluster; empty: a local one or this process
   std::string token_file;
   std::string placement = "scheduler";

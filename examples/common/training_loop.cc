@@ -240,7 +240,8 @@ Status PrintMemoryPlan(const Trainer& trainer, const TraceFlags& flags) {
     OpRegistry registry;
     TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
     Result<StepTimePrediction> predicted = PredictStepTime(
-        graph, trainer.model(), parallel.layer_op_costs, registry, parallel.task_overhead_ms);
+        graph, trainer.model(), parallel.layer_op_costs, registry, parallel.task_overhead_ms,
+        trainer.plan().memory.disk_copy_compute_us_per_byte);
     if (!predicted.ok()) return predicted.status().WithContext("--explain-memory: the step time");
     std::printf(
         "predicted step time: %.1f ms (the slowest worker: layers %.1f, other tasks %.1f, "

@@ -120,10 +120,11 @@ TEST(TrainGpt2Test, OnAGpuTheProfileMeasuresTheHostLinkAndThePlanSwaps) {
 }
 
 // On CPU workers under an activation budget, --swap-dir gives the disk tier: --balance profile
-// measures the swap file's link, the plan swaps saved activations to the disk, --explain-memory
-// shows the disk tier's peak, and the run trains the unbudgeted run's losses exactly (swaps move
-// bytes, they change none), in this process and on a local cluster's worker (which makes its own
-// swap file from TESSERA_SWAP_DIR). A swap directory that is not there is named.
+// measures the swap file's link (and the compute time its copies take), the plan swaps saved
+// activations to the disk, --explain-memory shows the disk tier's peak, and the run trains the
+// unbudgeted run's losses exactly (swaps move bytes, they change none), in this process and on a
+// local cluster's worker (which makes its own swap file from TESSERA_SWAP_DIR). A swap directory
+// that is not there is named.
 TEST(TrainGpt2Test, OnCpuWorkersTheSwapDirGivesADiskTierActivationsSwapTo) {
   const std::string dir = TempPath("train_gpt2_swap");
   std::filesystem::remove_all(dir);
@@ -152,6 +153,10 @@ TEST(TrainGpt2Test, OnCpuWorkersTheSwapDirGivesADiskTierActivationsSwapTo) {
   ASSERT_EQ(measured.exit_code, 0) << measured.output;
   EXPECT_GT(FirstMatch(measured.output, R"(disk link \(measured, swap file in .*: ([0-9.]+) GB/s)"),
             0)
+      << measured.output;
+  // And the compute time its copies take, which the plan prices every swap by (a figure of this
+  // machine: at least 0).
+  EXPECT_GE(FirstMatch(measured.output, R"(a MiB copied takes ([0-9.]+) us of the compute)"), 0)
       << measured.output;
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_NE(missing.output.find("--swap-dir"), std::string::npos) << missing.output;

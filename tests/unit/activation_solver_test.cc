@@ -88,6 +88,10 @@ ActivationProblem RandomProblem(std::mt19937& rng, size_t n, bool swap, int part
   std::uniform_real_distribution<double> share(0.2, 1.1);
   problem.cap_bytes = static_cast<int64_t>(share(rng) * static_cast<double>(all + 10'000));
   problem.link_bytes_per_us = swap ? std::uniform_real_distribution<double>(200, 20'000)(rng) : 0;
+  // Some links take compute time from each byte copied (a CPU worker's swap file).
+  if (swap && bytes(rng) % 2 == 0) {
+    problem.copy_compute_us_per_byte = std::uniform_real_distribution<double>(0, 1e-3)(rng);
+  }
   problem.allow_swap = swap;
   return problem;
 }
@@ -255,6 +259,29 @@ TEST(ActivationSolverTest, APartIsSwappedWhereTheWholeDoesNotFitBesideTheNextFor
   ASSERT_OK_AND_ASSIGN(ActivationPlan whole, SolveActivations(problem));
   EXPECT_GT(whole.Count(ActivationChoice::kRecompute), 0) << DescribeActivationPlan(whole, {});
   EXPECT_GT(whole.step_us, plan.step_us);
+}
+
+TEST(ActivationSolverTest, CopiesThatTakeComputeTimeAreSwappedLess) {
+  // The case above with copies free besides their time on the link: every layer but the last
+  // swaps. When each byte copied takes compute time (a CPU worker's swap file), a swap of 1000
+  // bytes costs 2 x 1000 x 0.004 = 8 us, more than keeping part (1 us) where that fits: only
+  // what the cap needs is swapped, and the step costs what the copies take.
+  ActivationProblem problem = EqualLayers(6, 1000, 10);
+  for (ActivationLayer& layer : problem.layers) layer.partial_keeps = {{"lean", 400, 1}};
+  problem.cap_bytes = 3000;
+  problem.link_bytes_per_us = 1000;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan free, SolveActivations(problem));
+  EXPECT_DOUBLE_EQ(free.step_us, 6 * 30);
+  const int free_swaps = free.Count(ActivationChoice::kSwap);
+  EXPECT_GE(free_swaps, 3) << DescribeActivationPlan(free, {});
+  problem.copy_compute_us_per_byte = 0.004;
+  ASSERT_OK_AND_ASSIGN(ActivationPlan taxed, SolveActivations(problem));
+  EXPECT_LE(taxed.peak_bytes, 3000);
+  EXPECT_LT(taxed.Count(ActivationChoice::kSwap), free_swaps) << DescribeActivationPlan(taxed, {});
+  EXPECT_GT(taxed.Count(ActivationChoice::kKeepPart), 0) << DescribeActivationPlan(taxed, {});
+  // What the plan's copies take is in its time: it matches the cost model's evaluation.
+  EXPECT_DOUBLE_EQ(taxed.step_us, EvaluateActivationPlan(problem, taxed.decisions).step_us);
+  EXPECT_GT(taxed.step_us, free.step_us);
 }
 
 TEST(ActivationSolverTest, BaseMemoryCountsAgainstTheCap) {

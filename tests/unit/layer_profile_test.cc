@@ -1,8 +1,10 @@
 // Balancing pipeline stages by measured layer times (training/layer_profile.h): the times a trace
-// gives each layer, and a profiling run that times every layer of a model.
+// gives each layer, a profiling run that times every layer of a model, the host link, and what
+// copies beside a step take from its compute.
 #include "training/layer_profile.h"
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 
 #include <gmock/gmock.h>
@@ -11,6 +13,7 @@
 #include "model/unet3d.h"
 #include "test_util.h"
 #include "worker/simulated_gpu.h"
+#include "worker/swap_file.h"
 
 namespace tessera::testing {
 namespace {
@@ -142,6 +145,39 @@ TEST(LayerProfileTest, TheHostLinkIsMeasuredBothWays) {
   EXPECT_EQ(gpu->memory().live_bytes, 0);  // the probe's device buffer is freed
   EXPECT_THAT(MeasureHostLink(*gpu, 0, 3).status().message(),
               ::testing::HasSubstr("0 bytes 3 times; both must be >= 1"));
+}
+
+// What copies beside a step take from its compute, measured on a swap file: a finite figure of at
+// least 0 (how much depends on the machine: nothing where the copier has a core and a drive of
+// its own, a share of the kernels' time where it has neither); a link too small for the probe's
+// 16 MiB buffer is named, as is a bad profile.
+TEST(LayerProfileTest, WhatCopiesTakeFromTheComputeIsMeasuredBesideAProfile) {
+  const ModelSpec model = *BuildGpt2(Gpt2Config{1, 32, 4, 64, 16});
+  TrainingPlan plan;
+  plan.batch = 4;
+  plan.seq_len = 16;
+  ASSERT_OK_AND_ASSIGN(StepProfile alone,
+                       ProfileStep(model, plan, ExecutorOptions{}, {.steps = 2}));
+  const std::string dir = TempPath("layer_profile_swap");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> disk, OpenSwapFile({dir}));
+  ASSERT_OK_AND_ASSIGN(double us_per_byte, MeasureCopyCompute(model, plan, ExecutorOptions{}, *disk,
+                                                              alone, {.steps = 2}));
+  EXPECT_GE(us_per_byte, 0.0);
+  EXPECT_TRUE(std::isfinite(us_per_byte));
+  EXPECT_EQ(disk->memory().live_bytes, 0);  // the probe's region is freed
+
+  std::shared_ptr<DeviceRuntime> small = MakeSimulatedGpu(int64_t{1} << 20);
+  const Status too_small =
+      MeasureCopyCompute(model, plan, ExecutorOptions{}, *small, alone, {.steps = 1}).status();
+  EXPECT_THAT(too_small.message(), ::testing::HasSubstr("take from the compute"));
+  TrainingPlan empty = plan;
+  empty.batch = 0;
+  const Status refused =
+      MeasureCopyCompute(model, empty, ExecutorOptions{}, *disk, alone, {.steps = 1}).status();
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("profiling the layers"));
+  EXPECT_EQ(disk->memory().live_bytes, 0);
 }
 
 }  // namespace

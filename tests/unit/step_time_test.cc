@@ -85,6 +85,32 @@ TEST(StepTimeTest, AnOverheadPerTaskIsAddedForEveryTask) {
   EXPECT_DOUBLE_EQ(loaded.step_ms, bare.step_ms + loaded.overhead_ms);
 }
 
+// A CPU worker swapping to its swap file: the copies run beside the compute, so they add only the
+// compute time they take from it, their bytes times what a byte takes.
+TEST(StepTimeTest, CopiesToTheDiskAddTheProcessorTimeTheyTake) {
+  const Gpt2Step g;
+  TrainingPlan swapped = g.plan;
+  swapped.memory.activation_budget = 0.5;
+  swapped.memory.disk_link_bytes_per_us = 1e6;  // far faster than a 1 ms layer: copies hide
+  swapped.parallel.layer_op_costs = g.layer_ms;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(g.model, swapped, CpuRegistry()));
+  ASSERT_GT(CountChoice(step.memory.activations, ActivationChoice::kSwap), 0) << step.memory.reason;
+  int64_t copied = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    if (task.name.find("/swap_") == std::string::npos) continue;
+    for (ObjectId output : task.outputs) copied += step.graph.object(output).meta.bytes();
+  }
+  ASSERT_GT(copied, 0);
+  ASSERT_OK_AND_ASSIGN(StepTimePrediction free_copies,
+                       PredictStepTime(step.graph, g.model, g.layer_ms, CpuRegistry()));
+  const double us_per_byte = 1e-3;
+  ASSERT_OK_AND_ASSIGN(StepTimePrediction taxed, PredictStepTime(step.graph, g.model, g.layer_ms,
+                                                                 CpuRegistry(), 0, us_per_byte));
+  EXPECT_DOUBLE_EQ(taxed.layer_ms, free_copies.layer_ms);
+  EXPECT_NEAR(taxed.other_ms - free_copies.other_ms,
+              static_cast<double>(copied) * us_per_byte / 1e3, 1e-9);
+}
+
 TEST(StepTimeTest, EachWorkerSumsItsOwnTasks) {
   const Gpt2Step g;
   TrainingPlan two = g.plan;
