@@ -16,7 +16,8 @@
 // and unet3d (--unet-preset, batch --unet-batch). Each round (--rounds) runs every plan, in an
 // order rotated by the round, --warmup steps then --steps timed ones (StepReport::step_ms,
 // median); a plan's figure is the median of its rounds' medians. Prints per plan:
-//   model plan budget  step_ms  x_uncapped (step time / the uncapped plan's: above 1, slower)
+//   model plan budget  step_ms  x_uncapped (step time / the uncapped plan's in the same round,
+//              the median over the rounds: above 1, slower)
 //   pred/meas  the predicted step time (planner/step_time.h, from a profile of the step taken
 //              just before the plan's run) over the measured one: the median of the rounds'
 //              ratios
@@ -47,6 +48,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
@@ -473,11 +475,18 @@ static int Main(int argc, char** argv) {
               "recmp", "part", "kernel_ms");
   std::string json = "[\n";
   for (const Row& row : rows) {
-    double uncapped = 0;
-    // A cluster's rows against the cluster uncapped, the others against this process's.
+    // A cluster's rows against the cluster uncapped, the others against this process's: the
+    // median over the rounds of the round's ratio (a round runs every plan within a minute or
+    // two; the machine's speed drifts between rounds).
     const char* baseline = row.on_cluster ? "cluster-uncapped" : "uncapped";
+    double x_uncapped = 0;
     for (const Row& other : rows) {
-      if (other.model == row.model && other.plan == baseline) uncapped = other.step_ms;
+      if (other.model != row.model || other.plan != baseline) continue;
+      std::vector<double> ratios;
+      for (size_t r = 0; r < row.round_ms.size() && r < other.round_ms.size(); ++r) {
+        if (other.round_ms[r] > 0) ratios.push_back(row.round_ms[r] / other.round_ms[r]);
+      }
+      if (!ratios.empty()) x_uncapped = Median(ratios);
     }
     if (!row.refused.empty()) {
       std::printf("%-14s %-14s %6.2f refused: %s\n", row.model.c_str(), row.plan.c_str(),
@@ -485,7 +494,7 @@ static int Main(int argc, char** argv) {
     } else {
       std::printf(
           "%-14s %-14s %6.2f %9.1f %10.3f %9.3f %9.2f / %-7.2f %9.2f / %-7.2f %5d %5d %9.1f\n",
-          row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms, row.step_ms / uncapped,
+          row.model.c_str(), row.plan.c_str(), row.budget, row.step_ms, x_uncapped,
           row.predicted_ratio, Mb(row.predicted_peak), Mb(row.measured_peak),
           Mb(row.predicted_activations), Mb(row.measured_activations), row.recomputed,
           row.kept_part, row.kernel_ms);
@@ -510,12 +519,12 @@ static int Main(int argc, char** argv) {
         "\"kept_part\": {}, \"store_bytes\": {}, \"spilled_bytes\": {}, \"swapped\": {}, "
         "\"swapped_part\": {}, \"predicted_disk_peak\": {}, \"measured_disk_peak\": {}, "
         "\"copied_bytes\": {}, "
-        "\"kernel_ms\": {:.3f}, \"refused\": {}}}{}\n",
-        row.model, row.plan, row.budget, row.step_ms, uncapped > 0 ? row.step_ms / uncapped : 0,
-        row.predicted_ms, row.predicted_ratio, row.predicted_peak, row.measured_peak,
-        row.predicted_activations, row.measured_activations, row.recomputed, row.kept_part,
-        row.store_bytes, row.spilled_bytes, row.swapped, row.swapped_part, row.predicted_disk_peak,
-        row.measured_disk_peak, row.copied_bytes, row.kernel_ms,
+        "\"kernel_ms\": {:.3f}, \"round_ms\": [{:.3f}], \"refused\": {}}}{}\n",
+        row.model, row.plan, row.budget, row.step_ms, x_uncapped, row.predicted_ms,
+        row.predicted_ratio, row.predicted_peak, row.measured_peak, row.predicted_activations,
+        row.measured_activations, row.recomputed, row.kept_part, row.store_bytes, row.spilled_bytes,
+        row.swapped, row.swapped_part, row.predicted_disk_peak, row.measured_disk_peak,
+        row.copied_bytes, row.kernel_ms, fmt::join(row.round_ms, ", "),
         row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
