@@ -182,6 +182,13 @@ struct Disk {
   double copy_compute_us_per_byte = 0;  // what a byte copied takes of the compute (per model)
 };
 
+// How the plans run: --threads executor threads.
+tessera::ExecutorOptions Executor(const Flags& flags) {
+  tessera::ExecutorOptions options;
+  options.threads = flags.threads;
+  return options;
+}
+
 // Trains `warmup` + `steps` steps of the variant; the median step time and the last step's
 // figures.
 // `now`: a profile taken just before, the step time is predicted from (empty: none).
@@ -192,8 +199,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   const bool on_disk = variant.name == "planned-disk";
   if (variant.name == "planned" || on_disk) plan.memory.activation_budget = variant.budget;
   if (variant.name == "recompute-all") plan.memory.recompute_all = true;
-  tessera::ExecutorOptions options;
-  options.threads = flags.threads;
+  tessera::ExecutorOptions options = Executor(flags);
   if (on_disk) {
     plan.memory.disk_link_bytes_per_us = disk.link_bytes_per_us;
     plan.memory.disk_copy_compute_us_per_byte = disk.copy_compute_us_per_byte;
@@ -312,16 +318,20 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   row.reason = memory.reason;
 }
 
-// The case's step at one micro-batch, profiled (whole backwards, as the plans run them).
-tessera::StepProfile Profile(const Flags& flags, const Case& c) {
-  std::fprintf(stderr, "%s: %s: profiling the layers\n", kProgram, c.name.c_str());
-  tessera::ExecutorOptions options;
-  options.threads = flags.threads;
+// How a profile runs: --warmup and --steps steps, whole backwards (as the plans run them).
+tessera::LayerProfileOptions ProfileOptions(const Flags& flags) {
   tessera::LayerProfileOptions profile;
   profile.warmup_steps = flags.warmup;
   profile.steps = flags.steps;
   profile.split_backwards = false;
-  return Check(tessera::ProfileStep(c.model, c.plan, options, profile), "profile");
+  return profile;
+}
+
+// The case's step at one micro-batch, profiled.
+tessera::StepProfile Profile(const Flags& flags, const Case& c) {
+  std::fprintf(stderr, "%s: %s: profiling the layers\n", kProgram, c.name.c_str());
+  return Check(tessera::ProfileStep(c.model, c.plan, Executor(flags), ProfileOptions(flags)),
+               "profile");
 }
 
 double Mb(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -394,14 +404,9 @@ static int Main(int argc, char** argv) {
       c.plan.parallel.layer_op_costs = profile.layer_ms;
       // What the swap file's copies take from this model's step (as --balance profile does).
       if (disk.file != nullptr && flags.disk_copy_compute_us_per_mib == 0) {
-        tessera::ExecutorOptions options;
-        options.threads = flags.threads;
-        tessera::LayerProfileOptions again;
-        again.warmup_steps = flags.warmup;
-        again.steps = flags.steps;
-        again.split_backwards = false;
         disk.copy_compute_us_per_byte =
-            Check(tessera::MeasureCopyCompute(c.model, c.plan, options, *disk.file, profile, again),
+            Check(tessera::MeasureCopyCompute(c.model, c.plan, Executor(flags), *disk.file, profile,
+                                              ProfileOptions(flags)),
                   "what the swap file's copies take from the compute");
       }
     }
