@@ -82,6 +82,7 @@ using tessera::bench::Median;
 
 struct Flags {
   bool lru = true;
+  bool layer_times = false;
   std::vector<std::string> models = {"gpt2", "unet3d"};
   std::string gpt2_preset = "small";
   int64_t gpt2_batch = 4;
@@ -162,6 +163,9 @@ struct Row {
   // The forward and backward spans of a timed step, summed (in-process plans).
   std::vector<double> round_kernel_ms;
   double kernel_ms = 0;
+  // Per layer, its forward (and recompute) and backward tasks' milliseconds a step (the latest
+  // round's; in-process plans): where a plan's kernel time goes.
+  std::vector<tessera::OpCosts> layer_ms;
   std::string reason;
   std::string refused;        // why the plan could not be made
   int64_t store_bytes = 0;    // on a cluster: the object store's capacity
@@ -251,6 +255,8 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
       }
     }
     row.round_kernel_ms.push_back(static_cast<double>(kernel_us) / 1e3 / flags.steps);
+    row.layer_ms =
+        Check(tessera::LayerTimesFromTimeline(c.model, timeline, flags.steps), "layer times");
   }
   if (cluster != nullptr) {
     row.on_cluster = true;
@@ -368,6 +374,9 @@ static int Main(int argc, char** argv) {
                "store holds what each budget leaves, spilling to disk (default), and that cluster "
                "uncapped");
   app.add_option("--json", flags.json, "Also write the figures to this JSON file");
+  app.add_flag("--layer-times", flags.layer_times,
+               "Also print each plan's per-layer forward and backward milliseconds a step (its "
+               "latest round's, from the trace)");
   app.add_option("--swap-dir", flags.swap_dir,
                  "Also plan each budget with a swap file in this directory (planned-disk rows: "
                  "activations may be swapped to the disk)");
@@ -533,6 +542,16 @@ static int Main(int argc, char** argv) {
         row.refused.empty() ? "false" : "true", &row == &rows.back() ? "" : ",");
   }
   json += "]\n";
+  for (const Row& row : rows) {
+    if (!flags.layer_times || row.layer_ms.empty()) continue;
+    std::string text;
+    for (size_t l = 0; l < row.layer_ms.size(); ++l) {
+      text += fmt::format("{}{:.1f}/{:.1f}", l == 0 ? "" : " ", row.layer_ms[l].forward,
+                          row.layer_ms[l].backward + row.layer_ms[l].weight);
+    }
+    std::printf("%s %s %.2f: layer ms forward/backward: %s\n", row.model.c_str(), row.plan.c_str(),
+                row.budget, text.c_str());
+  }
   for (const Row& row : rows) {
     if (!row.reason.empty()) {
       std::printf("%s %s %.2f: %s\n", row.model.c_str(), row.plan.c_str(), row.budget,
