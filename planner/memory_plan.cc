@@ -31,9 +31,11 @@
 // A cap nothing fits under is refused with the figures: the peak keeping everything and what is
 // live at it, the peak recomputing every layer, and what to change.
 //
-// Swapping (GPU workers, with the host link's bandwidth and measured layer times): a swapped
-// layer's saved activations are copied to the host after its forward and back one layer ahead
-// of its backward (the expansion's swap_out / swap_in copies).
+// Swapping (with measured layer times; GPU workers given the host link's bandwidth, CPU workers
+// a swap file's): a swapped layer's saved activations (whole, or the part a partial keep saves)
+// are copied one tier down after its forward and back one layer ahead of its backward (the
+// expansion's swap_out / swap_in copies); on CPU workers each byte copied also costs the
+// compute time MemoryCaps::disk_copy_compute_us_per_byte says.
 //
 // Pipelines (schedules that do not split backwards): each rank's layers on each stage worker are
 // a chain of their own, what they keep held as many times as the stage holds micro-batches in
