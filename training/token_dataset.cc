@@ -66,10 +66,74 @@ Result<TokenDataset> TokenDataset::Load(const std::string& path) {
     return InvalidArgument(
         "data file '{}' is neither an llm.c token file (it starts with {}, not the magic {}) nor "
         "text (it has NUL or control bytes in its first {} KiB): give a text file, tokenized as "
-        "bytes, or a .bin token file of llm.c's format",
+        "bytes, or a .bin token file of llm.c's format; for nanoGPT's .bin (raw uint16 tokens, "
+        "no header) pass --data-format uint16",
         path, magic, kTokenFileMagic, kTextSniffBytes / 1024);
   }
   return FromTextBytes(bytes, path);
+}
+
+Result<DataFormat> ParseDataFormat(std::string_view text) {
+  for (const DataFormat format :
+       {DataFormat::kAuto, DataFormat::kText, DataFormat::kLlmc, DataFormat::kUint16}) {
+    if (text == DataFormatName(format)) return format;
+  }
+  return InvalidArgument(
+      "data format '{}' is not one of auto (by content), text (bytes), llmc (llm.c's .bin with "
+      "its header) or uint16 (raw tokens, no header: nanoGPT's .bin)",
+      text);
+}
+
+const char* DataFormatName(DataFormat format) {
+  switch (format) {
+    case DataFormat::kAuto:
+      return "auto";
+    case DataFormat::kText:
+      return "text";
+    case DataFormat::kLlmc:
+      return "llmc";
+    case DataFormat::kUint16:
+      return "uint16";
+  }
+  return "?";
+}
+
+Result<TokenDataset> TokenDataset::Load(const std::string& path, DataFormat format) {
+  switch (format) {
+    case DataFormat::kAuto:
+      return Load(path);
+    case DataFormat::kText:
+      return LoadText(path);
+    case DataFormat::kLlmc:
+      return LoadTokenFile(path);
+    case DataFormat::kUint16:
+      return LoadRawUint16(path);
+  }
+  return InvalidArgument("data format {} is unknown", static_cast<int>(format));
+}
+
+Result<TokenDataset> TokenDataset::LoadRawUint16(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path, "data file"));
+  if (bytes.empty()) return InvalidArgument("data file '{}' is empty", path);
+  if (bytes.size() % sizeof(uint16_t) != 0) {
+    return DataLoss(
+        "data file '{}' is {} bytes, an odd count, so not raw uint16 tokens (--data-format "
+        "uint16): truncated, or another format",
+        path, bytes.size());
+  }
+  return FromUint16Bytes(bytes.data(), static_cast<int64_t>(bytes.size() / sizeof(uint16_t)), path);
+}
+
+Result<TokenDataset> TokenDataset::FromUint16Bytes(const char* data, int64_t count,
+                                                   const std::string& path) {
+  TESSERA_RETURN_IF_ERROR(CheckTokensFit(path, count));
+  std::vector<int32_t> tokens(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    uint16_t token;
+    std::memcpy(&token, data + i * static_cast<int64_t>(sizeof(uint16_t)), sizeof(token));
+    tokens[static_cast<size_t>(i)] = token;
+  }
+  return TokenDataset(std::move(tokens), path, /*is_text=*/false);
 }
 
 Result<TokenDataset> TokenDataset::LoadText(const std::string& path) {
@@ -116,15 +180,7 @@ Result<TokenDataset> TokenDataset::FromTokenFileBytes(const std::string& bytes,
         "token file '{}' declares {} tokens ({} bytes) but has {} bytes (truncated or corrupt)",
         path, count, expected, bytes.size());
   }
-  TESSERA_RETURN_IF_ERROR(CheckTokensFit(path, count));
-  std::vector<int32_t> tokens(static_cast<size_t>(count));
-  const char* data = bytes.data() + kHeaderBytes;
-  for (int64_t i = 0; i < count; ++i) {
-    uint16_t token;
-    std::memcpy(&token, data + i * sizeof(uint16_t), sizeof(token));
-    tokens[static_cast<size_t>(i)] = token;
-  }
-  return TokenDataset(std::move(tokens), path, /*is_text=*/false);
+  return FromUint16Bytes(bytes.data() + kHeaderBytes, count, path);
 }
 
 TokenDataset TokenDataset::Synthetic(int64_t num_tokens, int32_t vocab, uint64_t seed) {

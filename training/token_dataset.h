@@ -2,8 +2,10 @@
 //
 // Sources:
 //   - a text file, tokenized as bytes (vocab 256): what ships in data/ for the main job;
-//   - a .bin token file in the llm.c / nanoGPT format: a header of 256 int32 (magic 20240520,
-//     version 1, token count) followed by that many uint16 tokens;
+//   - a .bin token file in the llm.c format: a header of 256 int32 (magic 20240520, version 1,
+//     token count) followed by that many uint16 tokens;
+//   - nanoGPT's .bin (what its prepare.py writes): raw little-endian uint16 tokens, no header,
+//     read only when asked for (DataFormat::kUint16: nothing in such a file says what it is);
 //   - synthetic tokens (uniform random), for benchmarks.
 // Errors name the file and what is wrong with it (missing, not a regular file, empty, bad magic,
 // neither tokens nor text, truncated, larger than memory).
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -25,15 +28,26 @@ inline constexpr int32_t kTokenFileMagic = 20240520;
 inline constexpr int32_t kTokenFileVersion = 1;
 inline constexpr int kTokenFileHeaderInts = 256;
 
+// How a data file is read: by its content (Load's rules), or as the user says.
+enum class DataFormat : uint8_t { kAuto, kText, kLlmc, kUint16 };
+// "auto", "text", "llmc", "uint16"; InvalidArgument naming the choices otherwise.
+Result<DataFormat> ParseDataFormat(std::string_view text);
+const char* DataFormatName(DataFormat format);
+
 class TokenDataset {
  public:
   // By content: a file starting with the .bin magic is read as tokens; anything else only if it
   // is plausibly text (no NUL byte and at most 1% control bytes in its first 64 KiB), so a token
   // file with a wrong magic or another binary file is refused (InvalidArgument naming what it
-  // starts with) instead of trained on as bytes. A path that is not a regular file (a directory,
-  // /dev/zero) is InvalidArgument; a file whose tokens would not fit in the machine's memory is
-  // ResourceExhausted.
+  // starts with, and that a headerless nanoGPT file needs DataFormat::kUint16) instead of trained
+  // on as bytes. A path that is not a regular file (a directory, /dev/zero) is InvalidArgument; a
+  // file whose tokens would not fit in the machine's memory is ResourceExhausted.
   static Result<TokenDataset> Load(const std::string& path);
+  // As `format` says (kAuto: Load).
+  static Result<TokenDataset> Load(const std::string& path, DataFormat format);
+  // Raw little-endian uint16 tokens, no header (nanoGPT's train.bin); DataLoss for an odd byte
+  // count, InvalidArgument for an empty file.
+  static Result<TokenDataset> LoadRawUint16(const std::string& path);
   static Result<TokenDataset> LoadText(const std::string& path);
   static Result<TokenDataset> LoadTokenFile(const std::string& path);
   static TokenDataset Synthetic(int64_t num_tokens, int32_t vocab, uint64_t seed);
@@ -55,6 +69,8 @@ class TokenDataset {
   TokenDataset(std::vector<int32_t> tokens, std::string source, bool is_text);
   static Result<TokenDataset> FromTextBytes(const std::string& bytes, const std::string& path);
   static Result<TokenDataset> FromTokenFileBytes(const std::string& bytes, const std::string& path);
+  static Result<TokenDataset> FromUint16Bytes(const char* data, int64_t count,
+                                              const std::string& path);
   std::vector<int32_t> tokens_;
   int32_t max_token_ = -1;
   std::string source_;

@@ -3,6 +3,7 @@
 //   build/bin/train_gpt2                          # tiny model on the bundled Shakespeare text
 //   build/bin/train_gpt2 --preset small --steps 500 --eval-every 100 --sample 300
 //   build/bin/train_gpt2 --data train.bin --preset gpt2-124m --seq-len 64 --batch 4
+//   build/bin/train_gpt2 --data nanogpt/train.bin --data-format uint16 --preset gpt2-124m
 //   build/bin/train_gpt2 --init-from gpt2_124M.bin --steps 20 --export tuned.bin   # llm.c files
 //   build/bin/train_gpt2 --layer-impl primitive   # the layers as programs of primitive ops
 //
@@ -65,6 +66,7 @@ struct Flags {
   std::string optimizer = "adamw";
   uint64_t seed = 1337;
   std::string data = TESSERA_DEFAULT_DATA;
+  std::string data_format = "auto";
   double val_fraction = 0.1;
   int64_t eval_every = 0;
   int64_t eval_batches = 8;
@@ -207,7 +209,7 @@ Result<std::unique_ptr<Data>> LoadData(const Flags& flags, const ResolvedShape& 
           ? Result<tessera::TokenDataset>(tessera::TokenDataset::Synthetic(
                 std::max<int64_t>(1 << 20, 16 * shape.batch * (shape.seq_len + 1)),
                 static_cast<int32_t>(vocab), flags.seed))
-          : tessera::TokenDataset::Load(flags.data));
+          : tessera::TokenDataset::Load(flags.data, *tessera::ParseDataFormat(flags.data_format)));
   if (dataset.max_token() >= vocab) {
     return tessera::InvalidArgument(
         "data '{}' has token id {} but the vocabulary is {}; use --vocab {} or more",
@@ -526,6 +528,11 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
 void AddDataFlags(CLI::App& app, Flags& flags) {
   app.add_option("--data", flags.data,
                  "Text file (tokenized as bytes), llm.c .bin token file, or 'synthetic'");
+  app.add_option("--data-format", flags.data_format,
+                 "How --data is read: auto (an llm.c .bin by its header, else text if it looks "
+                 "like text, else refused), text (every byte a token), llmc (llm.c's .bin), "
+                 "uint16 (raw little-endian uint16 tokens, no header: nanoGPT's train.bin)")
+      ->check(CLI::IsMember({"auto", "text", "llmc", "uint16"}));
   app.add_option("--val-fraction", flags.val_fraction,
                  "Share of the data held out for --eval-every")
       ->check(CLI::Range(0.0, 0.5));

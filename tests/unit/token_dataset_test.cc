@@ -1,4 +1,5 @@
-// Token datasets: text, llm.c .bin files, and what is wrong with a bad file.
+// Token datasets: text, llm.c .bin files, nanoGPT's headerless ones, and what is wrong with a
+// bad file.
 #include <fstream>
 
 #include "test_util.h"
@@ -102,6 +103,48 @@ TEST(TokenDatasetTest, OnlyTextIsReadAsText) {
     EXPECT_NE(special.status().message().find("not a regular file"), std::string::npos)
         << special.status().ToString();
   }
+}
+
+// nanoGPT's .bin (raw little-endian uint16 tokens, no header): refused by content, with the flag
+// that reads it named; read exactly as asked; an odd byte count refused as not uint16 tokens.
+// The formats parse by name, and a format forced on a file reads it that way.
+TEST(TokenDatasetTest, NanoGptsHeaderlessTokensAreReadWhenAskedFor) {
+  const std::string path = TempPath("nanogpt_train.bin");
+  const std::vector<uint16_t> tokens = {50256, 0, 464, 2068, 7586, 65535};
+  WriteBytes(path, std::string(reinterpret_cast<const char*>(tokens.data()),
+                               tokens.size() * sizeof(uint16_t)));
+  Result<TokenDataset> guessed = TokenDataset::Load(path);
+  ASSERT_FALSE(guessed.ok());
+  EXPECT_NE(guessed.status().message().find("--data-format uint16"), std::string::npos)
+      << guessed.status().ToString();
+  ASSERT_OK_AND_ASSIGN(TokenDataset raw, TokenDataset::Load(path, DataFormat::kUint16));
+  EXPECT_FALSE(raw.is_text());
+  EXPECT_EQ(raw.tokens(), (std::vector<int32_t>{50256, 0, 464, 2068, 7586, 65535}));
+  EXPECT_EQ(raw.max_token(), 65535);
+
+  const std::string odd = TempPath("odd.bin");
+  WriteBytes(odd, std::string("\x01\x02\x03", 3));
+  Result<TokenDataset> odd_bytes = TokenDataset::LoadRawUint16(odd);
+  EXPECT_EQ(odd_bytes.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(odd_bytes.status().message().find("3 bytes, an odd count"), std::string::npos)
+      << odd_bytes.status().ToString();
+  const std::string empty = TempPath("empty_raw.bin");
+  WriteBytes(empty, "");
+  EXPECT_NE(TokenDataset::LoadRawUint16(empty).status().message().find("is empty"),
+            std::string::npos);
+
+  for (const DataFormat format :
+       {DataFormat::kAuto, DataFormat::kText, DataFormat::kLlmc, DataFormat::kUint16}) {
+    ASSERT_OK_AND_ASSIGN(DataFormat parsed, ParseDataFormat(DataFormatName(format)));
+    EXPECT_EQ(parsed, format);
+  }
+  EXPECT_NE(ParseDataFormat("nanogpt").status().message().find("uint16 (raw tokens"),
+            std::string::npos);
+  // Forced: the same bytes as text are one token a byte; as llm.c's format, refused for its
+  // missing header.
+  ASSERT_OK_AND_ASSIGN(TokenDataset bytes, TokenDataset::Load(path, DataFormat::kText));
+  EXPECT_EQ(bytes.size(), static_cast<int64_t>(tokens.size() * sizeof(uint16_t)));
+  EXPECT_FALSE(TokenDataset::Load(path, DataFormat::kLlmc).ok());
 }
 
 TEST(TokenDatasetTest, SplitKeepsOrderAndProportions) {
