@@ -192,10 +192,24 @@ class HttpServerImpl final : public HttpServer {
 
   Status Listen() {
     beast::error_code error;
-    const asio::ip::address ip = asio::ip::make_address(state_->options.host, error);
+    asio::ip::address ip = asio::ip::make_address(state_->options.host, error);
     if (error) {
-      return InvalidArgument("dashboard host '{}' is not an IP address: {}", state_->options.host,
-                             error.message());
+      // A host name ("localhost", this machine's name): the address it resolves to, IPv4 first.
+      tcp::resolver resolver(acceptor_.get_executor());
+      const tcp::resolver::results_type found = resolver.resolve(state_->options.host, "", error);
+      if (error || found.empty()) {
+        return InvalidArgument(
+            "dashboard host '{}' is neither an IP address nor a name this machine resolves ({}): "
+            "give an address of this host, or a name for one",
+            state_->options.host, error ? error.message() : "no address");
+      }
+      ip = found.begin()->endpoint().address();
+      for (const tcp::resolver::results_type::value_type& entry : found) {
+        if (entry.endpoint().address().is_v4()) {
+          ip = entry.endpoint().address();
+          break;
+        }
+      }
     }
     const tcp::endpoint endpoint(ip, state_->options.port);
     const std::string where = fmt::format("{}:{}", state_->options.host, state_->options.port);

@@ -48,8 +48,9 @@ class HttpServer {
  public:
   using Handler = std::function<HttpResponse(const HttpRequest&)>;
 
-  // Binds and starts accepting (once `io` runs). Unavailable naming the address when it cannot
-  // listen; InvalidArgument for a host that is not an IP address.
+  // Binds and starts accepting (once `io` runs). The host is an IP address or a name this machine
+  // resolves ("localhost": its IPv4 address first). Unavailable naming the address when it cannot
+  // listen; InvalidArgument for a host that is neither.
   static Result<std::unique_ptr<HttpServer>> Start(boost::asio::io_context& io,
                                                    const HttpServerOptions& options,
                                                    Handler handler);

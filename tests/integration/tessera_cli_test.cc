@@ -240,6 +240,26 @@ TEST_F(SchedulerLossTest, ASupervisedSchedulerComesBackAndIsGivenUpOnIfItKeepsDy
                  std::chrono::seconds(20)));
 }
 
+// Host names where addresses go: a head on "localhost" listens (the scheduler and its dashboard,
+// whose URL names the host as given), a worker joins it by that name, and status reaches it.
+TEST(TesseraCliTest, AHostNameWorksWhereAnAddressDoes) {
+  const std::string session = TempPath("tessera_cli_localhost");
+  std::filesystem::remove_all(session);
+  ProcessResult head = Tessera("start --head --host localhost --port 0 --session-dir " + session);
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  const std::string address = ReadLine(session + "/scheduler.address");
+  ASSERT_TRUE(address.starts_with("localhost:")) << address;
+  EXPECT_NE(head.output.find("dashboard: http://localhost:"), std::string::npos) << head.output;
+  const std::string target = " --address " + address + " --token-file " + session + "/token";
+  ProcessResult worker = Tessera("start --cpu-workers 1 --threads 1" + target);
+  EXPECT_EQ(worker.exit_code, 0) << worker.output;
+  ProcessResult status = Tessera("status" + target);
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("1 of 1 workers alive"), std::string::npos) << status.output;
+  ProcessResult stop = Tessera("stop" + target);
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
 TEST(TesseraCliTest, NonsenseIsExplained) {
   ProcessResult none = Tessera("");
   EXPECT_EQ(none.exit_code, 2);

@@ -12,6 +12,7 @@
 #include <vector>
 
 // Boost 1.74's Asio under GCC 12 in C++20 needs <utility> first (included above).
+#include <fmt/format.h>
 #include <gtest/gtest-spi.h>
 #include <boost/asio.hpp>
 #include <nlohmann/json.hpp>
@@ -544,6 +545,31 @@ TEST_F(DashboardServerTest, ServesWithTheTokenAndRefusesWithout) {
                "Connection: close\r\nAuthorization: Bearer " + kToken + "\r\n\r\n");
   EXPECT_TRUE(head.starts_with("HTTP/1.1 200"));
   EXPECT_TRUE(head.ends_with("\r\n\r\n")) << head;
+}
+
+// A host name is as good as an address: "localhost" listens on the loopback address (IPv4
+// first), and a name nothing resolves is refused naming it.
+class DashboardOnLocalhostTest : public DashboardServerTest {
+ protected:
+  dashboard::HttpServerOptions Options() override {
+    dashboard::HttpServerOptions options = DashboardServerTest::Options();
+    options.host = "localhost";
+    return options;
+  }
+};
+
+TEST_F(DashboardOnLocalhostTest, AHostNameIsResolved) {
+  const std::string ok = Exchange(GoodRequest("/api/cluster", true));
+  EXPECT_TRUE(ok.starts_with("HTTP/1.1 200")) << ok.substr(0, 200);
+  EXPECT_EQ(server_->address(), fmt::format("localhost:{}", server_->port()));
+  boost::asio::io_context io;
+  dashboard::HttpServerOptions nowhere = Options();
+  nowhere.host = "no-such-host.invalid";
+  Result<std::unique_ptr<dashboard::HttpServer>> refused =
+      dashboard::HttpServer::Start(io, nowhere, [](const HttpRequest&) { return HttpResponse{}; });
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("'no-such-host.invalid'"), std::string::npos)
+      << refused.status().ToString();
 }
 
 TEST_F(DashboardServerTest, MalformedAndOversizedRequestsAreRefusedAndTheServerLivesOn) {
