@@ -39,18 +39,24 @@
 
 #include "client/cluster.h"
 #include "client/trace.h"
+#include "collectives/nccl_communicator.h"
+#include "core/allocator.h"
 #include "core/atomic_file.h"
+#include "core/cuda_device.h"
 #include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
 #include "core/run_main.h"
 #include "core/settings.h"
+#include "core/transport/ucx_info.h"
+#include "core/version.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
 #include "launcher/session.h"
 #include "launcher/ssh_shell.h"
+#include "ops/cpu/blas.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "scheduler/scheduler_main.h"
 #include "worker/gpu.h"
@@ -498,9 +504,58 @@ int Start(const CLI::App& start_cmd, StartFlags& start) {
   return StartWorkers(start);
 }
 
+// `tessera doctor`: what this build and machine have, one line each (as DeepSpeed's ds_report):
+// the build, the processor and its memory, the BLAS kernels, the GPUs, NCCL and UCX. Exit 0;
+// a settings error is 1.
+int Doctor() {
+  Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+  if (!settings.ok()) {
+    std::fprintf(stderr, "tessera doctor: %s\n", settings.status().ToString().c_str());
+    return 1;
+  }
+  std::string cpu = "unknown processor";
+  {
+    std::ifstream info("/proc/cpuinfo");
+    for (std::string line; std::getline(info, line);) {
+      if (line.starts_with("model name")) {
+        const size_t colon = line.find(':');
+        if (colon != std::string::npos && colon + 2 <= line.size()) cpu = line.substr(colon + 2);
+        break;
+      }
+    }
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  const int threads = settings->cpu_threads;
+  std::printf("tessera doctor\n");
+  std::printf("  build:   %s\n", tessera::BuildDescription().c_str());
+  const std::string executor = threads == 0 ? "one per core" : fmt::format("{}", threads);
+  std::printf("  cpu:     %s, %u core(s) online; executor threads: %s (TESSERA_CPU_THREADS=%d)\n",
+              cpu.c_str(), cores, executor.c_str(), threads);
+  std::printf("  memory:  %.1f GiB physical\n",
+              static_cast<double>(tessera::PhysicalHostMemoryBytes()) / (1 << 30));
+  std::printf("  blas:    %s\n", tessera::cpu::BlasDescription().c_str());
+  const tessera::CudaDevices gpus = tessera::ProbeCudaDevices();
+  if (gpus.devices.empty()) {
+    std::printf("  gpus:    none usable: %s\n", gpus.reason.c_str());
+  }
+  for (const tessera::CudaDeviceInfo& gpu : gpus.devices) {
+    std::printf("  gpu %d:   %s, %.1f GiB, compute capability %d.%d\n", gpu.index, gpu.name.c_str(),
+                static_cast<double>(gpu.total_memory_bytes) / (1 << 30),
+                gpu.compute_capability_major, gpu.compute_capability_minor);
+  }
+  Result<std::string> nccl = tessera::NcclVersion();
+  const std::string nccl_text = nccl.ok() ? *nccl : "not loaded: " + nccl.status().message();
+  std::printf("  nccl:    %s\n", nccl_text.c_str());
+  std::printf("  ucx:     %s\n", tessera::DescribeUcx().c_str());
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
   app.require_subcommand(1);
+  app.set_version_flag("--version", tessera::VersionLine("tessera"));
+  CLI::App* doctor_cmd = app.add_subcommand(
+      "doctor", "Print what this build and machine have: CPU, BLAS kernels, GPUs, NCCL, UCX");
 
   StartFlags start;
   CLI::App* start_cmd = AddStartCommand(app, start);
@@ -531,13 +586,14 @@ int Main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
+  } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "tessera: %s\n\n%s", tessera::FlagErrorMessage(e).c_str(),
                  app.help().c_str());
     return 2;
   }
+  if (doctor_cmd->parsed()) return Doctor();
   if (start_cmd->parsed()) return Start(*start_cmd, start);
   if (status_cmd->parsed()) {
     return status.waits ? ShowWaits(status.address, status.token_file)

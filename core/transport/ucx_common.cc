@@ -1,8 +1,13 @@
 #include "core/transport/ucx_common.h"
 
 #include <cstdlib>
+#include <string>
 #include <string_view>
 #include <utility>
+
+#include <fmt/format.h>
+
+#include "core/transport/ucx_info.h"
 
 namespace tessera::detail {
 
@@ -48,3 +53,23 @@ Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const ch
 }
 
 }  // namespace tessera::detail
+
+namespace tessera {
+
+std::string DescribeUcx() {
+  const char* tls = std::getenv("UCX_TLS");
+  const std::string transports =
+      tls != nullptr ? fmt::format("UCX_TLS={}", tls) : std::string("UCX's choice but cma");
+  Result<detail::UcxHandles> opened =
+      detail::CreateUcxWorker(UCP_FEATURE_AM, "tessera-doctor", "^cma");
+  if (!opened.ok()) {
+    return fmt::format("UCX {}; no worker opens ({}): {}", ucp_get_version_string(), transports,
+                       opened.status().message());
+  }
+  ucp_worker_destroy(opened->worker);
+  ucp_cleanup(opened->context);
+  return fmt::format("UCX {}; a worker opens (transports: {})", ucp_get_version_string(),
+                     transports);
+}
+
+}  // namespace tessera

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/flag_checks.h"
+#include "core/version.h"
 #include "training/layer_profile.h"
 
 namespace tessera::examples {
@@ -188,9 +189,10 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
 }
 
 std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program) {
+  app.set_version_flag("--version", VersionLine(program));
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
+  } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: %s\n\n%s", program, FlagErrorMessage(e).c_str(), app.help().c_str());

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <cblas.h>
+#include <fmt/format.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
@@ -13,9 +14,20 @@
 extern "C" {
 void openblas_set_num_threads(int num_threads);
 int openblas_get_parallel(void);
+char* openblas_get_config(void);
+char* openblas_get_corename(void);
 }
 
 namespace tessera::cpu {
+
+std::string BlasDescription() {
+  const char* core = openblas_get_corename();
+  const char* config = openblas_get_config();
+  return fmt::format("OpenBLAS, {} kernels ({}), {}", core != nullptr ? core : "?",
+                     config != nullptr ? config : "?",
+                     openblas_get_parallel() == 0 ? "sequential build: GEMMs serialised"
+                                                  : "threaded build, one thread per call");
+}
 
 namespace {
 

@@ -14,10 +14,16 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 
 namespace tessera::cpu {
 
 enum class Transpose : bool { kNo = false, kYes = true };
+
+// "OpenBLAS, Zen kernels (<its build config>), threaded build, one thread per call": which BLAS
+// and which of its kernels this machine runs (OPENBLAS_CORETYPE picks another), for `tessera
+// doctor`.
+std::string BlasDescription();
 
 // Never split (for GEMMs issued from inside an already-parallel loop).
 inline constexpr int64_t kNeverSplit = std::numeric_limits<int64_t>::max();

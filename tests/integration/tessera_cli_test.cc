@@ -260,6 +260,26 @@ TEST(TesseraCliTest, AHostNameWorksWhereAnAddressDoes) {
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
 }
 
+// --version names the build; `tessera doctor` reports each thing it checks, one line each, and
+// says why where a GPU or NCCL is missing rather than failing.
+TEST(TesseraCliTest, VersionAndDoctorDescribeTheBuildAndTheMachine) {
+  ProcessResult version = Tessera("--version");
+  EXPECT_EQ(version.exit_code, 0) << version.output;
+  EXPECT_NE(version.output.find("tessera: Tessera 0."), std::string::npos) << version.output;
+  EXPECT_NE(version.output.find(" build, "), std::string::npos) << version.output;
+  ProcessResult doctor = Tessera("doctor");
+  EXPECT_EQ(doctor.exit_code, 0) << doctor.output;
+  for (const char* line : {"  build:   Tessera ", "  cpu:     ", "  memory:  ", "  blas:    ",
+                           "  nccl:    ", "  ucx:     UCX "}) {
+    EXPECT_NE(doctor.output.find(line), std::string::npos) << line << "\n" << doctor.output;
+  }
+  // A GPU line, or why there is none.
+  EXPECT_TRUE(doctor.output.find("  gpus:    none usable: ") != std::string::npos ||
+              doctor.output.find("  gpu 0:   ") != std::string::npos)
+      << doctor.output;
+  EXPECT_NE(doctor.output.find("executor threads: "), std::string::npos) << doctor.output;
+}
+
 TEST(TesseraCliTest, NonsenseIsExplained) {
   ProcessResult none = Tessera("");
   EXPECT_EQ(none.exit_code, 2);

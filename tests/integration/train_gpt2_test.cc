@@ -253,6 +253,12 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
   }
 }
 
+TEST(TrainGpt2Test, VersionNamesTheBuild) {
+  ProcessResult run = RunTrainGpt2("--version");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("train_gpt2: Tessera 0."), std::string::npos) << run.output;
+}
+
 TEST(TrainGpt2Test, NonsenseFlagsPrintUsage) {
   for (const char* arguments :
        {"--bogus", "--steps many", "--preset huge", "--batch -3", "--balance guess"}) {
