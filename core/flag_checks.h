@@ -7,15 +7,22 @@
 //   } catch (const CLI::ParseError& e) {
 //     std::fprintf(stderr, "%s: %s\n", program, tessera::FlagErrorMessage(e).c_str());
 //
+// Also: FlagErrorMessage(error, app) adds the flag a mistyped one was likely meant to be ("did you
+// mean --steps?"), and PrepareHelp(app) makes help start with the usage line and show every
+// option's default.
+//
 // Header-only, for the code that declares a program's flags (it links CLI11 itself; core does not);
 // internal, not installed. The checks read a value as a number (integer or floating point), so one
 // works for any numeric flag; a value that is not a number is left to CLI11's conversion, which
 // names it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -67,6 +74,98 @@ inline std::string FlagErrorMessage(const CLI::ParseError& error) {
     message.erase(colon, 1);
   }
   return message;
+}
+
+namespace detail {
+
+// Edits (insert, delete, substitute) between a and b.
+inline size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// Every long flag of `app` and of its subcommands ("--steps").
+inline void LongFlags(const CLI::App& app, std::vector<std::string>& flags) {
+  for (const CLI::Option* option : app.get_options()) {
+    for (const std::string& name : option->get_lnames()) flags.push_back("--" + name);
+  }
+  for (const CLI::App* sub : app.get_subcommands({})) LongFlags(*sub, flags);
+}
+
+}  // namespace detail
+
+// The flag of `app` closest to a mistyped `word` ("--step": "--steps"), within two edits or a
+// third of its length; empty when none is that close.
+inline std::string ClosestFlag(const CLI::App& app, const std::string& word) {
+  std::vector<std::string> flags;
+  detail::LongFlags(app, flags);
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, word.size() / 3) + 1;
+  for (const std::string& flag : flags) {
+    const size_t distance = detail::EditDistance(word, flag);
+    if (distance < best_distance) {
+      best_distance = distance;
+      best = flag;
+    }
+  }
+  return best;
+}
+
+// FlagErrorMessage, and for arguments the program did not expect, the flags they were likely
+// meant to be: "The following argument was not expected: --step (did you mean --steps?)".
+inline std::string FlagErrorMessage(const CLI::ParseError& error, const CLI::App& app) {
+  std::string message = FlagErrorMessage(error);
+  const std::string marker = "not expected: ";
+  const size_t at = message.find(marker);
+  if (at == std::string::npos) return message;
+  std::vector<std::string> hints;
+  size_t start = at + marker.size();
+  while (start < message.size()) {
+    size_t end = message.find(' ', start);
+    if (end == std::string::npos) end = message.size();
+    std::string word = message.substr(start, end - start);
+    if (const size_t equals = word.find('='); equals != std::string::npos) word.resize(equals);
+    if (word.starts_with("--")) {
+      const std::string closest = ClosestFlag(app, word);
+      if (!closest.empty() && closest != word) hints.push_back(closest);
+    }
+    start = end + 1;
+  }
+  if (hints.empty()) return message;
+  std::string joined;
+  for (const std::string& hint : hints) joined += (joined.empty() ? "" : " or ") + hint;
+  return message + " (did you mean " + joined + "?)";
+}
+
+// Help that starts with how to call the program: the usage line, then the description, the
+// options and subcommands, then the footer (where programs put the settings they read from the
+// environment).
+class UsageFirstFormatter : public CLI::Formatter {
+ public:
+  std::string make_help(const CLI::App* app, std::string name,
+                        CLI::AppFormatMode mode) const override {
+    if (mode == CLI::AppFormatMode::Sub) return make_expanded(app);
+    return make_usage(app, std::move(name)) + make_description(app) + make_positionals(app) +
+           make_groups(app, mode) + make_subcommands(app, mode) + "\n" + make_footer(app);
+  }
+};
+
+// Usage-first help for `app` and its subcommands, every option's default shown (the value its
+// variable holds when this is called: call it after the options are added).
+inline void PrepareHelp(CLI::App& app) {
+  app.formatter(std::make_shared<UsageFirstFormatter>());
+  for (CLI::Option* option : app.get_options()) option->capture_default_str();
+  for (CLI::App* sub : app.get_subcommands({})) PrepareHelp(*sub);
 }
 
 }  // namespace tessera

@@ -551,7 +551,8 @@ int Doctor() {
 }
 
 int Main(int argc, char** argv) {
-  CLI::App app{"Tessera: start, stop and inspect a cluster.\n" + tessera::Settings::Describe()};
+  CLI::App app{"Tessera: start, stop and inspect a cluster."};
+  app.footer("Settings (environment variables):\n" + tessera::Settings::Describe());
   app.require_subcommand(1);
   app.set_version_flag("--version", tessera::VersionLine("tessera"));
   CLI::App* doctor_cmd = app.add_subcommand(
@@ -584,12 +585,13 @@ int Main(int argc, char** argv) {
   tessera::WorkerProcessFlags worker;
   CLI::App* worker_cmd = tessera::AddWorkerCommand(app, worker);
 
+  tessera::PrepareHelp(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "tessera: %s\n\n%s", tessera::FlagErrorMessage(e).c_str(),
+    std::fprintf(stderr, "tessera: %s\n\n%s", tessera::FlagErrorMessage(e, app).c_str(),
                  app.help().c_str());
     return 2;
   }

@@ -566,8 +566,8 @@ int Main(int argc, char** argv) {
       "processes it starts (--workers N), or on a running cluster (--address), with data "
       "parallelism or ZeRO-1/2/3 (--zero-stage) on CPU workers.\n"
       "Output: one line per step, then 'summary: ...'. Settings such as "
-      "TESSERA_CPU_THREADS can also come from the environment:\n" +
-      tessera::Settings::Describe()};
+      "TESSERA_CPU_THREADS can also come from the environment (below)."};
+  app.footer("Settings (environment variables):\n" + tessera::Settings::Describe());
   app.option_defaults()->always_capture_default();
   CLI::Option* preset =
       app.add_option("--preset", flags.preset, "Model preset: tiny, small, gpt2-124m")

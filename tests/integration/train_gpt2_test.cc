@@ -253,6 +253,19 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
   }
 }
 
+// Help starts with the usage line and shows the defaults; the environment's settings come last.
+// A mistyped flag is answered with the one it was likely meant to be.
+TEST(TrainGpt2Test, HelpStartsWithUsageAndAMistypedFlagGetsAGuess) {
+  ProcessResult help = RunTrainGpt2("--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_EQ(help.output.rfind("Usage:", 0), 0u) << help.output.substr(0, 300);
+  EXPECT_NE(help.output.find("--steps INT:>=0=200"), std::string::npos) << help.output;
+  EXPECT_GT(help.output.find("TESSERA_CPU_THREADS="), help.output.find("--steps")) << help.output;
+  ProcessResult typo = RunTrainGpt2("--step 3");
+  EXPECT_EQ(typo.exit_code, 2) << typo.output;
+  EXPECT_NE(typo.output.find("(did you mean --steps?)"), std::string::npos) << typo.output;
+}
+
 TEST(TrainGpt2Test, VersionNamesTheBuild) {
   ProcessResult run = RunTrainGpt2("--version");
   EXPECT_EQ(run.exit_code, 0) << run.output;
