@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <utility>
 
 #include "client/cluster.h"
 #include "core/cuda_device.h"
@@ -25,12 +26,19 @@ std::string ReadLine(const std::string& path) {
   return line;
 }
 
+// `tessera start --head --port 0` (and `flags`) in a fresh session directory `session`: its run,
+// and the address it wrote there (empty if none).
+std::pair<ProcessResult, std::string> StartHead(const std::string& session,
+                                                const std::string& flags = "") {
+  std::filesystem::remove_all(session);
+  ProcessResult head = Tessera("start --head --port 0 --session-dir " + session + flags);
+  return {head, ReadLine(session + "/scheduler.address")};
+}
+
 TEST(TesseraCliTest, StartStatusStop) {
   const std::string session = TempPath("tessera_cli_session");
-  std::filesystem::remove_all(session);
-  ProcessResult head = Tessera("start --head --port 0 --session-dir " + session);
+  const auto [head, address] = StartHead(session);
   ASSERT_EQ(head.exit_code, 0) << head.output;
-  const std::string address = ReadLine(session + "/scheduler.address");
   const std::string token = session + "/token";
   ASSERT_FALSE(address.empty());
   EXPECT_NE(head.output.find(address), std::string::npos);
@@ -244,10 +252,8 @@ TEST_F(SchedulerLossTest, ASupervisedSchedulerComesBackAndIsGivenUpOnIfItKeepsDy
 // whose URL names the host as given), a worker joins it by that name, and status reaches it.
 TEST(TesseraCliTest, AHostNameWorksWhereAnAddressDoes) {
   const std::string session = TempPath("tessera_cli_localhost");
-  std::filesystem::remove_all(session);
-  ProcessResult head = Tessera("start --head --host localhost --port 0 --session-dir " + session);
+  const auto [head, address] = StartHead(session, " --host localhost");
   ASSERT_EQ(head.exit_code, 0) << head.output;
-  const std::string address = ReadLine(session + "/scheduler.address");
   ASSERT_TRUE(address.starts_with("localhost:")) << address;
   EXPECT_NE(head.output.find("dashboard: http://localhost:"), std::string::npos) << head.output;
   const std::string target = " --address " + address + " --token-file " + session + "/token";

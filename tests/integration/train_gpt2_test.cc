@@ -492,17 +492,23 @@ TEST(TrainGpt2Test, AnUnreachableClusterIsReported) {
   EXPECT_NE(run.output.find("127.0.0.1:1"), std::string::npos) << run.output;
 }
 
-TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
-  const std::string path = TempPath("ramp_tokens.bin");
-  {
-    std::ofstream out(path, std::ios::binary);
+// 5000 tokens of a ramp 0..96 repeating, as uint16, after llm.c's 256-int32 header or (nanoGPT's
+// way) none.
+void WriteRampTokens(const std::string& path, bool llmc_header) {
+  std::ofstream out(path, std::ios::binary);
+  if (llmc_header) {
     int32_t header[256] = {20240520, 1, 5000};
     out.write(reinterpret_cast<const char*>(header), sizeof(header));
-    for (int i = 0; i < 5000; ++i) {
-      const uint16_t token = static_cast<uint16_t>(i % 97);
-      out.write(reinterpret_cast<const char*>(&token), 2);
-    }
   }
+  for (int i = 0; i < 5000; ++i) {
+    const uint16_t token = static_cast<uint16_t>(i % 97);
+    out.write(reinterpret_cast<const char*>(&token), 2);
+  }
+}
+
+TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
+  const std::string path = TempPath("ramp_tokens.bin");
+  WriteRampTokens(path, /*llmc_header=*/true);
   ProcessResult run = RunTrainGpt2("--data " + path + " --vocab 97 --steps 30 --log-every 30");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   // A repeating ramp is easy to predict: the loss must fall clearly.
@@ -516,17 +522,8 @@ TEST(TrainGpt2Test, ReadsLlmcTokenFiles) {
 TEST(TrainGpt2Test, ReadsNanoGptsHeaderlessTokensWhenAskedFor) {
   const std::string raw = TempPath("ramp_raw.bin");
   const std::string llmc = TempPath("ramp_llmc.bin");
-  {
-    std::ofstream raw_out(raw, std::ios::binary);
-    std::ofstream llmc_out(llmc, std::ios::binary);
-    int32_t header[256] = {20240520, 1, 5000};
-    llmc_out.write(reinterpret_cast<const char*>(header), sizeof(header));
-    for (int i = 0; i < 5000; ++i) {
-      const uint16_t token = static_cast<uint16_t>(i % 97);
-      raw_out.write(reinterpret_cast<const char*>(&token), 2);
-      llmc_out.write(reinterpret_cast<const char*>(&token), 2);
-    }
-  }
+  WriteRampTokens(raw, /*llmc_header=*/false);
+  WriteRampTokens(llmc, /*llmc_header=*/true);
   const std::string run = " --vocab 97 --steps 30 --log-every 30";
   ProcessResult guessed = RunTrainGpt2("--data " + raw + run);
   EXPECT_EQ(guessed.exit_code, 1) << guessed.output;
