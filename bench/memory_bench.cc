@@ -38,7 +38,8 @@
 // swap activations to the disk instead of recomputing them; its rows add the disk tier's predicted
 // and measured peak (the swap file's allocator), the layers swapped and the bytes copied between
 // tiers a step.
-// --json PATH writes the same figures as JSON.
+// --json PATH writes the same figures as JSON (with each round's step time); --layer-times also
+// prints each plan's per-layer forward and backward milliseconds (its latest round's trace).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
