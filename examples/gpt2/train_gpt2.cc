@@ -203,13 +203,14 @@ struct Data {
 
 Result<std::unique_ptr<Data>> LoadData(const Flags& flags, const ResolvedShape& shape) {
   const int64_t vocab = shape.config.vocab;
+  TESSERA_ASSIGN_OR_RETURN(tessera::DataFormat format, tessera::ParseDataFormat(flags.data_format));
   TESSERA_ASSIGN_OR_RETURN(
       tessera::TokenDataset dataset,
       flags.data == "synthetic"
           ? Result<tessera::TokenDataset>(tessera::TokenDataset::Synthetic(
                 std::max<int64_t>(1 << 20, 16 * shape.batch * (shape.seq_len + 1)),
                 static_cast<int32_t>(vocab), flags.seed))
-          : tessera::TokenDataset::Load(flags.data, *tessera::ParseDataFormat(flags.data_format)));
+          : tessera::TokenDataset::Load(flags.data, format));
   if (dataset.max_token() >= vocab) {
     return tessera::InvalidArgument(
         "data '{}' has token id {} but the vocabulary is {}; use --vocab {} or more",
