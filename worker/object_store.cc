@@ -1,5 +1,6 @@
 #include "worker/object_store.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,7 +9,6 @@
 #include <fstream>
 #include <vector>
 
-#include "core/atomic_file.h"
 #include "core/checksum.h"
 
 namespace tessera {
@@ -72,6 +72,15 @@ void ObjectStore::Touch(ObjectId id, Entry& entry) {
   entry.lru = lru_.begin();
 }
 
+ObjectStore::Entry* ObjectStore::FindCurrent(ObjectId id, uint64_t serial) {
+  auto it = entries_.find(id);
+  return it == entries_.end() || it->second.serial != serial ? nullptr : &it->second;
+}
+
+std::string ObjectStore::SpillPath(ObjectId id, uint64_t serial) const {
+  return fmt::format("{}/{}-{}.spill", options_.spill_dir, id.ToString(), serial);
+}
+
 Status ObjectStore::Put(ObjectId id, Tensor tensor) {
   MutexLock lock(&mutex_);
   if (entries_.contains(id)) return AlreadyExists("object {} is already stored", id.ToString());
@@ -79,129 +88,247 @@ Status ObjectStore::Put(ObjectId id, Tensor tensor) {
   Entry entry;
   entry.meta = tensor.meta();
   entry.tensor = std::move(tensor);
+  entry.serial = next_serial_++;
+  const uint64_t serial = entry.serial;
   if (!entry.meta.device.is_cpu()) {  // the device tier: not in the LRU, never spilled
+    entry.state = State::kDevice;
     entries_.emplace(id, std::move(entry));
     device_bytes_ += bytes;
     return Status::Ok();
   }
-  Status room = MakeRoom(bytes);
+  // In the host tier at once (no other Put of the id can start), pinned while room is made so
+  // that it is not chosen to make its own.
+  entry.pins = 1;
   auto [it, inserted] = entries_.emplace(id, std::move(entry));
   lru_.push_front(id);
   it->second.lru = lru_.begin();
   host_bytes_ += bytes;
-  if (!room.ok()) {
-    // It cannot fit in the host tier even after spilling everything else: keep it on disk.
-    Status spilled = SpillToDisk(id, it->second);
-    if (!spilled.ok()) {
+  const Status room = MakeRoom(0, bytes);
+  Entry* placed = FindCurrent(id, serial);
+  if (placed == nullptr) return Status::Ok();  // deleted meanwhile
+  --placed->pins;
+  if (room.ok()) return Status::Ok();
+  // It cannot fit in the host tier even after spilling everything else: keep it on disk.
+  const Status spilled = Spill({id});
+  if (!spilled.ok()) {
+    if (Entry* kept = FindCurrent(id, serial); kept != nullptr && kept->state == State::kHost) {
       host_bytes_ -= bytes;
-      lru_.erase(it->second.lru);
-      entries_.erase(it);
-      return spilled.WithContext(room.message());
+      lru_.erase(kept->lru);
+      entries_.erase(id);
+    }
+    return spilled.WithContext(room.message());
+  }
+  return Status::Ok();
+}
+
+Status ObjectStore::MakeRoom(int64_t bytes, int64_t reserved) {
+  const int64_t capacity = options_.host_capacity_bytes;
+  for (;;) {
+    if (host_bytes_ + bytes <= capacity) return Status::Ok();
+    if (options_.spill_dir.empty()) {
+      return ResourceExhausted(
+          "host tier full: {} bytes needed, {} of {} used, and no spill directory is set",
+          bytes + reserved, host_bytes_ - reserved, capacity);
+    }
+    // What spills in flight will free counts as free; then the least recently used unpinned
+    // objects, chosen before any is spilled (spilling edits the list being walked).
+    std::vector<ObjectId> victims;
+    int64_t freed = spilling_bytes_;
+    for (auto it = lru_.rbegin(); it != lru_.rend() && host_bytes_ - freed + bytes > capacity;
+         ++it) {
+      const Entry& entry = entries_.at(*it);
+      if (entry.pins > 0) continue;
+      victims.push_back(*it);
+      freed += entry.tensor.bytes();
+    }
+    if (host_bytes_ - freed + bytes > capacity) {
+      return ResourceExhausted(
+          "host tier cannot take {} bytes: {} of {} bytes are held by pinned objects",
+          bytes + reserved, host_bytes_ - freed - reserved, capacity);
+    }
+    if (victims.empty()) {
+      io_done_.Wait(&mutex_);  // others' spills will make the room
+    } else {
+      TESSERA_RETURN_IF_ERROR(Spill(victims));
     }
   }
+}
+
+namespace {
+
+// Writes all of `data`; the system error otherwise.
+Status WriteAll(int fd, const void* data, size_t size, const std::string& path) {
+  const auto* at = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd, at, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return Unavailable("cannot write spill file '{}': {} (free space in the spill directory)",
+                         path, n < 0 ? std::strerror(errno) : "nothing written");
+    }
+    at += n;
+    size -= static_cast<size_t>(n);
+  }
   return Status::Ok();
 }
 
-Status ObjectStore::MakeRoom(int64_t bytes) {
-  if (host_bytes_ + bytes <= options_.host_capacity_bytes) return Status::Ok();
-  if (options_.spill_dir.empty()) {
-    return ResourceExhausted(
-        "host tier full: {} bytes needed, {} of {} used, and no spill directory is set", bytes,
-        host_bytes_, options_.host_capacity_bytes);
-  }
-  // Choose the victims first (least recently used, unpinned), then spill them: spilling edits
-  // the LRU list being walked.
-  std::vector<ObjectId> victims;
-  int64_t freed = 0;
-  for (auto it = lru_.rbegin();
-       it != lru_.rend() && host_bytes_ - freed + bytes > options_.host_capacity_bytes; ++it) {
-    const Entry& entry = entries_.at(*it);
-    if (entry.pins > 0) continue;
-    victims.push_back(*it);
-    freed += entry.tensor.bytes();
-  }
-  if (host_bytes_ - freed + bytes > options_.host_capacity_bytes) {
-    return ResourceExhausted(
-        "host tier cannot take {} bytes: {} of {} bytes are held by pinned objects", bytes,
-        host_bytes_ - freed, options_.host_capacity_bytes);
-  }
-  for (ObjectId victim : victims) TESSERA_RETURN_IF_ERROR(SpillToDisk(victim, entries_.at(victim)));
-  return Status::Ok();
-}
-
-Status ObjectStore::SpillToDisk(ObjectId id, Entry& entry) {
-  if (options_.spill_dir.empty()) {
-    return ResourceExhausted("cannot spill {}: no spill directory is set", id.ToString());
-  }
-  const int64_t bytes = entry.tensor.bytes();
-  std::string contents(kSpillHeaderBytes + static_cast<size_t>(bytes), '\0');
-  const auto* payload = static_cast<const uint8_t*>(entry.tensor.raw_data());
+Status WriteSpillFile(const std::string& path, const Tensor& tensor) {
+  const auto bytes = static_cast<size_t>(tensor.bytes());
   const uint64_t header[3] = {kSpillMagic, static_cast<uint64_t>(bytes),
-                              Fnv1aWords(payload, static_cast<size_t>(bytes))};
-  std::memcpy(contents.data(), header, kSpillHeaderBytes);
-  std::memcpy(contents.data() + kSpillHeaderBytes, payload, static_cast<size_t>(bytes));
-  const std::string path = fmt::format("{}/{}.spill", options_.spill_dir, id.ToString());
-  TESSERA_RETURN_IF_ERROR(
-      WriteFileAtomically(path, contents).WithContext("spilling " + id.ToString()));
-  entry.spill_path = path;
-  entry.tensor = Tensor();
-  lru_.erase(entry.lru);
-  host_bytes_ -= bytes;
-  spilled_bytes_ += bytes;
-  spilled_total_bytes_ += bytes;
-  ++spills_;
-  return Status::Ok();
+                              Fnv1aWords(tensor.raw_data(), bytes)};
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return Unavailable("cannot create spill file '{}': {}", path, std::strerror(errno));
+  }
+  Status written = WriteAll(fd, header, kSpillHeaderBytes, path);
+  if (written.ok()) written = WriteAll(fd, tensor.raw_data(), bytes, path);
+  if (::close(fd) != 0 && written.ok()) {
+    written = Unavailable("cannot write spill file '{}': {}", path, std::strerror(errno));
+  }
+  if (!written.ok()) ::unlink(path.c_str());
+  return written;
 }
 
-Result<Tensor> ObjectStore::ReadSpillFile(const Entry& entry) const {
-  std::ifstream file(entry.spill_path, std::ios::binary);
+}  // namespace
+
+Status ObjectStore::Spill(const std::vector<ObjectId>& ids) {
+  if (options_.spill_dir.empty()) {
+    return ResourceExhausted("cannot spill {}: no spill directory is set", ids.front().ToString());
+  }
+  struct Write {
+    ObjectId id;
+    uint64_t serial;
+    Tensor tensor;  // shares the entry's memory
+    std::string path;
+    Status written;
+  };
+  std::vector<Write> writes;
+  writes.reserve(ids.size());
+  for (ObjectId id : ids) {
+    Entry& entry = entries_.at(id);
+    entry.state = State::kSpilling;
+    lru_.erase(entry.lru);
+    spilling_bytes_ += entry.tensor.bytes();
+    writes.push_back(
+        Write{id, entry.serial, entry.tensor, SpillPath(id, entry.serial), Status::Ok()});
+  }
+  mutex_.Unlock();
+  for (Write& write : writes) {
+    write.written =
+        WriteSpillFile(write.path, write.tensor).WithContext("spilling " + write.id.ToString());
+  }
+  mutex_.Lock();
+  Status first_error;
+  for (Write& write : writes) {
+    const int64_t bytes = write.tensor.bytes();
+    Entry* entry = FindCurrent(write.id, write.serial);
+    if (entry == nullptr) {  // deleted while written: Delete took it out of the counts
+      ::unlink(write.path.c_str());
+      continue;
+    }
+    spilling_bytes_ -= bytes;
+    if (!write.written.ok() || entry->pins > 0) {
+      // Not written, or handed out meanwhile: it stays in memory, as recently used.
+      if (write.written.ok()) ::unlink(write.path.c_str());
+      if (first_error.ok()) first_error = write.written;
+      entry->state = State::kHost;
+      lru_.push_front(write.id);
+      entry->lru = lru_.begin();
+      continue;
+    }
+    entry->state = State::kDisk;
+    entry->tensor = Tensor();
+    entry->spill_path = std::move(write.path);
+    host_bytes_ -= bytes;
+    spilled_bytes_ += bytes;
+    spilled_total_bytes_ += bytes;
+    ++spills_;
+  }
+  io_done_.NotifyAll();
+  return first_error;
+}
+
+Result<Tensor> ObjectStore::ReadSpillFile(const std::string& path, const TensorMeta& meta) const {
+  std::ifstream file(path, std::ios::binary);
   if (!file) {
-    return DataLoss("spill file '{}' is missing: {}", entry.spill_path, std::strerror(errno));
+    return DataLoss("spill file '{}' is missing: {}", path, std::strerror(errno));
   }
   uint64_t header[3];
   file.read(reinterpret_cast<char*>(header), kSpillHeaderBytes);
-  const auto bytes = static_cast<uint64_t>(entry.meta.bytes());
+  const auto bytes = static_cast<uint64_t>(meta.bytes());
   if (!file || header[0] != kSpillMagic || header[1] != bytes) {
-    return DataLoss("spill file '{}' has a bad header (expected {} bytes)", entry.spill_path,
-                    bytes);
+    return DataLoss("spill file '{}' has a bad header (expected {} bytes)", path, bytes);
   }
-  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(entry.meta, allocator_));
+  TESSERA_ASSIGN_OR_RETURN(Tensor tensor, Tensor::Empty(meta, allocator_));
   file.read(static_cast<char*>(tensor.raw_data()), static_cast<std::streamsize>(bytes));
   if (static_cast<uint64_t>(file.gcount()) != bytes) {
-    return DataLoss("spill file '{}' is truncated: {} of {} bytes", entry.spill_path, file.gcount(),
-                    bytes);
+    return DataLoss("spill file '{}' is truncated: {} of {} bytes", path, file.gcount(), bytes);
   }
   if (Fnv1aWords(tensor.raw_data(), bytes) != header[2]) {
-    return DataLoss("spill file '{}' is corrupt (checksum mismatch)", entry.spill_path);
+    return DataLoss("spill file '{}' is corrupt (checksum mismatch)", path);
   }
   return tensor;
 }
 
 Result<PinnedObject> ObjectStore::Get(ObjectId id) {
   MutexLock lock(&mutex_);
-  auto it = entries_.find(id);
-  if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
-  Entry& entry = it->second;
-  if (!entry.meta.device.is_cpu()) {
-    ++entry.pins;
-    return PinnedObject(this, id, entry.tensor);
-  }
-  if (!entry.tensor.defined()) {
+  for (;;) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
+    Entry& entry = it->second;
+    switch (entry.state) {
+      case State::kHost:
+        Touch(id, entry);
+        [[fallthrough]];
+      case State::kDevice:
+      case State::kSpilling:  // still in memory; the spill is dropped once written
+        ++entry.pins;
+        return PinnedObject(this, id, entry.tensor);
+      case State::kRestoring:
+        io_done_.Wait(&mutex_);
+        continue;
+      case State::kDisk:
+        break;
+    }
+    // Read it back: its bytes are reserved in the host tier first, room made for them, and the
+    // file read outside the lock (other Gets of it wait meanwhile).
+    const uint64_t serial = entry.serial;
     const int64_t bytes = entry.meta.bytes();
-    TESSERA_RETURN_IF_ERROR(MakeRoom(bytes).WithContext("restoring " + id.ToString()));
-    TESSERA_ASSIGN_OR_RETURN(entry.tensor, ReadSpillFile(entry));
-    ::unlink(entry.spill_path.c_str());
-    entry.spill_path.clear();
+    const TensorMeta meta = entry.meta;
+    const std::string path = entry.spill_path;
+    entry.state = State::kRestoring;
     spilled_bytes_ -= bytes;
     host_bytes_ += bytes;
+    Result<Tensor> restored = Tensor();
+    if (Status room = MakeRoom(0, bytes); !room.ok()) {
+      restored = room.WithContext("restoring " + id.ToString());
+    } else {
+      mutex_.Unlock();
+      restored = ReadSpillFile(path, meta);
+      mutex_.Lock();
+    }
+    Entry* current = FindCurrent(id, serial);
+    io_done_.NotifyAll();
+    if (current == nullptr) {  // deleted meanwhile (Delete took it out of the counts)
+      ::unlink(path.c_str());
+      return NotFound("object {} was deleted while it was read back", id.ToString());
+    }
+    if (!restored.ok()) {  // it stays on disk
+      current->state = State::kDisk;
+      host_bytes_ -= bytes;
+      spilled_bytes_ += bytes;
+      return restored.status();
+    }
+    ::unlink(path.c_str());
+    current->spill_path.clear();
+    current->tensor = *std::move(restored);
+    current->state = State::kHost;
     ++restores_;
     lru_.push_front(id);
-    entry.lru = lru_.begin();
-  } else {
-    Touch(id, entry);
+    current->lru = lru_.begin();
+    ++current->pins;
+    return PinnedObject(this, id, current->tensor);
   }
-  ++entry.pins;
-  return PinnedObject(this, id, entry.tensor);
 }
 
 void ObjectStore::Unpin(ObjectId id) {
@@ -215,14 +342,26 @@ Status ObjectStore::Delete(ObjectId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
   Entry& entry = it->second;
-  if (!entry.meta.device.is_cpu()) {
-    device_bytes_ -= entry.meta.bytes();
-  } else if (entry.tensor.defined()) {
-    host_bytes_ -= entry.tensor.bytes();
-    lru_.erase(entry.lru);
-  } else {
-    spilled_bytes_ -= entry.meta.bytes();
-    ::unlink(entry.spill_path.c_str());
+  const int64_t bytes = entry.meta.bytes();
+  switch (entry.state) {
+    case State::kDevice:
+      device_bytes_ -= bytes;
+      break;
+    case State::kHost:
+      host_bytes_ -= bytes;
+      lru_.erase(entry.lru);
+      break;
+    case State::kSpilling:  // the writer removes the file when it finds the entry gone
+      host_bytes_ -= bytes;
+      spilling_bytes_ -= bytes;
+      break;
+    case State::kRestoring:  // the reader removes the file when it finds the entry gone
+      host_bytes_ -= bytes;
+      break;
+    case State::kDisk:
+      spilled_bytes_ -= bytes;
+      ::unlink(entry.spill_path.c_str());
+      break;
   }
   entries_.erase(it);
   return Status::Ok();
@@ -237,8 +376,17 @@ Result<StorageTier> ObjectStore::TierOf(ObjectId id) const {
   MutexLock lock(&mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return NotFound("object {} is not in this store", id.ToString());
-  if (!it->second.meta.device.is_cpu()) return StorageTier::kDevice;
-  return it->second.tensor.defined() ? StorageTier::kHost : StorageTier::kDisk;
+  switch (it->second.state) {
+    case State::kDevice:
+      return StorageTier::kDevice;
+    case State::kHost:
+    case State::kSpilling:
+      return StorageTier::kHost;
+    case State::kDisk:
+    case State::kRestoring:
+      break;
+  }
+  return StorageTier::kDisk;
 }
 
 ObjectStoreStats ObjectStore::stats() const {
@@ -250,7 +398,8 @@ ObjectStoreStats ObjectStore::stats() const {
                           .spills = spills_,
                           .spilled_total_bytes = spilled_total_bytes_,
                           .restores = restores_,
-                          .device_bytes = device_bytes_};
+                          .device_bytes = device_bytes_,
+                          .spilling_bytes = spilling_bytes_};
 }
 
 }  // namespace tessera

@@ -15,12 +15,20 @@
 // object cannot fit even after spilling every unpinned object, Put writes it straight to disk
 // and Get fails with ResourceExhausted naming the sizes.
 //
+// Spill files are scratch: a store deletes those of an earlier one in its directory when it
+// starts, so they are written in place, not fsynced or renamed (a crash mid-write leaves a file
+// nobody reads); a checksum in the header catches a damaged or truncated one on restore.
+//
 // Objects are immutable: Put of an existing id is AlreadyExists. Reference counts live in the
 // scheduler; the store deletes an object when told to (Delete).
 //
 // Thread safety: every method may be called from any thread (executor threads, the data plane,
-// the control thread). Disk I/O happens under the store's lock (it blocks other callers while a
-// spill is written or read back).
+// the control thread). Disk I/O happens outside the store's lock: while one caller writes a spill
+// or reads one back, the others go on (a worker's heartbeat reads stats() on its I/O thread, so a
+// spill of gigabytes must not hold it). An object being spilled is still in memory: Get hands it
+// out (and the spill, once written, is dropped, the object staying in memory); Delete forgets it
+// at once. An object being restored makes other Gets of it wait for the read; callers needing
+// room wait for spills in flight that will make it.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "core/allocator.h"
 #include "core/ids.h"
@@ -53,6 +62,7 @@ struct ObjectStoreStats {
   int64_t spilled_total_bytes = 0;  // their bytes
   int64_t restores = 0;             // objects read back so far
   int64_t device_bytes = 0;         // objects in the device tier
+  int64_t spilling_bytes = 0;       // being written to disk now (still in host_bytes)
 };
 
 class ObjectStore;
@@ -98,28 +108,51 @@ class ObjectStore {
 
  private:
   friend class PinnedObject;
+  enum class State : uint8_t {
+    kHost,       // in memory, in lru_
+    kDevice,     // in the device tier
+    kSpilling,   // in memory, not in lru_: its spill file is being written
+    kDisk,       // in its spill file only
+    kRestoring,  // being read back (its bytes already counted in host_bytes_)
+  };
   struct Entry {
     TensorMeta meta;
-    Tensor tensor;           // defined while in the host or the device tier
-    std::string spill_path;  // non-empty while on disk
+    State state = State::kHost;
+    uint64_t serial = 0;     // tells an entry from a later one of the same id
+    Tensor tensor;           // defined in kHost, kDevice and kSpilling
+    std::string spill_path;  // set in kDisk and kRestoring
     int pins = 0;
-    std::list<ObjectId>::iterator lru;  // position in lru_ while in the host tier
+    std::list<ObjectId>::iterator lru;  // position in lru_ in kHost
   };
 
   void Unpin(ObjectId id) EXCLUDES(mutex_);
-  // Spills unpinned host objects, least recently used first, until `bytes` more fit.
-  Status MakeRoom(int64_t bytes) REQUIRES(mutex_);
-  Status SpillToDisk(ObjectId id, Entry& entry) REQUIRES(mutex_);
-  Result<Tensor> ReadSpillFile(const Entry& entry) const;
-  void Touch(ObjectId id, Entry& entry) REQUIRES(mutex_);  // REQUIRES: entry in the host tier
+  // Until the host tier has room for `bytes` more: spills unpinned host objects, least recently
+  // used first, or waits for spills in flight that will make the room. `reserved`: the caller's
+  // bytes already counted in host_bytes_ (named with `bytes` in the errors). Drops the lock while
+  // it writes or waits (entries may come and go meanwhile).
+  Status MakeRoom(int64_t bytes, int64_t reserved) REQUIRES(mutex_);
+  // Writes the objects (unpinned, in kHost) to their spill files outside the lock, then drops
+  // from memory those still unpinned and not deleted. The first write error, if any (those
+  // objects stay in memory).
+  Status Spill(const std::vector<ObjectId>& ids) REQUIRES(mutex_);
+  // Unique per entry (an id deleted while spilled and put again gets a file of its own).
+  std::string SpillPath(ObjectId id, uint64_t serial) const;
+  Result<Tensor> ReadSpillFile(const std::string& path, const TensorMeta& meta) const;
+  // The entry of `id` if it is still the one with `serial`; nullptr otherwise.
+  Entry* FindCurrent(ObjectId id, uint64_t serial) REQUIRES(mutex_);
+  void Touch(ObjectId id, Entry& entry) REQUIRES(mutex_);  // REQUIRES: entry in kHost
 
   const ObjectStoreOptions options_;
   std::shared_ptr<Allocator> allocator_;
   mutable Mutex mutex_;
+  CondVar io_done_;  // a spill or a restore finished
   std::unordered_map<ObjectId, Entry> entries_ GUARDED_BY(mutex_);
   // Host-tier objects, most recently used at the front.
   std::list<ObjectId> lru_ GUARDED_BY(mutex_);
+  // kHost, kSpilling and kRestoring entries' bytes (those being restored reserved up front).
   int64_t host_bytes_ GUARDED_BY(mutex_) = 0;
+  int64_t spilling_bytes_ GUARDED_BY(mutex_) = 0;  // kSpilling entries' bytes
+  uint64_t next_serial_ GUARDED_BY(mutex_) = 1;
   int64_t device_bytes_ GUARDED_BY(mutex_) = 0;
   int64_t spilled_bytes_ GUARDED_BY(mutex_) = 0;
   int64_t spills_ GUARDED_BY(mutex_) = 0;

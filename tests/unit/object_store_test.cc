@@ -1,6 +1,11 @@
 // The worker's tiered object store: capacity, LRU spilling, pins, restore and damaged files.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 #include "fake_device.h"
 #include "test_util.h"
@@ -26,6 +31,16 @@ std::string SpillDir(const std::string& name) {
 
 ObjectStore MakeStore(int64_t capacity, const std::string& spill_dir) {
   return ObjectStore(ObjectStoreOptions{capacity, spill_dir}, TestAllocator());
+}
+
+// The one spill file in `dir` (a test failure and "" unless there is exactly one).
+std::string OnlySpillFile(const std::string& dir) {
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() == ".spill") found.push_back(entry.path().string());
+  }
+  EXPECT_EQ(found.size(), 1u) << dir;
+  return found.size() == 1 ? found[0] : "";
 }
 
 TEST(ObjectStoreTest, PutGetDeleteAndErrors) {
@@ -146,8 +161,8 @@ TEST(ObjectStoreTest, DamagedSpillFilesAreDataLoss) {
   ObjectStore store = MakeStore(kBytes, dir);
   ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
   ASSERT_OK(store.Put(ObjectId(2), Filled(2)));  // spills 1
-  const std::string path = dir + "/obj1.spill";
-  ASSERT_TRUE(std::filesystem::exists(path));
+  const std::string path = OnlySpillFile(dir);
+  ASSERT_FALSE(path.empty());
   {
     std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
     file.seekp(1000);
@@ -161,6 +176,95 @@ TEST(ObjectStoreTest, DamagedSpillFilesAreDataLoss) {
   Result<PinnedObject> truncated = store.Get(ObjectId(1));
   ASSERT_FALSE(truncated.ok());
   EXPECT_NE(truncated.status().message().find("truncated"), std::string::npos);
+}
+
+// A spill is written outside the store's lock: while one is in flight (here its file is a FIFO
+// nobody reads yet, so the write waits), stats, lookups, Gets of other objects and of the one
+// being spilled all go on. A worker's heartbeat reads stats() on its I/O thread:
+// with the old store, a spill of gigabytes held it past the scheduler's heartbeat timeout.
+TEST(ObjectStoreTest, ASpillInFlightBlocksNoOtherCaller) {
+  const std::string dir = SpillDir("in_flight");
+  ObjectStore store = MakeStore(2 * kBytes, dir);
+  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+  ASSERT_OK(store.Put(ObjectId(2), Filled(2)));
+  // The first entry of object 1 is the store's first: its spill file's name (SpillPath).
+  const std::string fifo = dir + "/" + ObjectId(1).ToString() + "-1.spill";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
+  Status put3;
+  std::thread putter([&] { put3 = store.Put(ObjectId(3), Filled(3)); });  // spills 1
+  while (store.stats().spilling_bytes == 0) std::this_thread::yield();
+  // The spill of 1 waits on the FIFO; everything else goes on.
+  EXPECT_EQ(store.stats().spilling_bytes, kBytes);
+  EXPECT_TRUE(store.Contains(ObjectId(1)));
+  EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kHost);
+  {
+    ASSERT_OK_AND_ASSIGN(PinnedObject two, store.Get(ObjectId(2)));
+    EXPECT_EQ(two.tensor().data<float>()[5], 2.0f);
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(PinnedObject one, store.Get(ObjectId(1)));  // still in memory
+    EXPECT_EQ(one.tensor().data<float>()[5], 1.0f);
+  }
+  // Drain the FIFO: the spill completes, the Put that needed the room returns.
+  std::vector<char> drained;
+  {
+    std::ifstream reader(fifo, std::ios::binary);
+    drained.assign(std::istreambuf_iterator<char>(reader), std::istreambuf_iterator<char>());
+  }
+  putter.join();
+  ASSERT_OK(put3);
+  EXPECT_EQ(drained.size(), static_cast<size_t>(kBytes) + 24);  // the header, then the payload
+  const ObjectStoreStats stats = store.stats();
+  EXPECT_EQ(stats.spilling_bytes, 0);
+  EXPECT_EQ(stats.spills, 1);
+  EXPECT_EQ(stats.host_bytes, 2 * kBytes);
+  EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kDisk);
+}
+
+// An object handed out while its spill is written stays in memory (the file is dropped, and the
+// room is made by spilling another); one deleted meanwhile leaves no file behind. Both with the
+// spill waiting on a FIFO, as above.
+TEST(ObjectStoreTest, AnObjectUsedOrDeletedWhileSpilledStaysOrGoesWhole) {
+  for (const bool delete_it : {false, true}) {
+    SCOPED_TRACE(delete_it ? "deleted while spilled" : "used while spilled");
+    const std::string dir = SpillDir(delete_it ? "deleted_in_flight" : "used_in_flight");
+    ObjectStore store = MakeStore(2 * kBytes, dir);
+    ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
+    ASSERT_OK(store.Put(ObjectId(2), Filled(2)));
+    const std::string fifo = dir + "/" + ObjectId(1).ToString() + "-1.spill";
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
+    Status put3;
+    std::thread putter([&] { put3 = store.Put(ObjectId(3), Filled(3)); });
+    while (store.stats().spilling_bytes == 0) std::this_thread::yield();
+    PinnedObject held;
+    if (delete_it) {
+      ASSERT_OK(store.Delete(ObjectId(1)));
+    } else {
+      ASSERT_OK_AND_ASSIGN(held, store.Get(ObjectId(1)));
+    }
+    {
+      std::ifstream reader(fifo, std::ios::binary);
+      std::string rest((std::istreambuf_iterator<char>(reader)), {});
+    }
+    putter.join();
+    ASSERT_OK(put3);
+    const ObjectStoreStats stats = store.stats();
+    EXPECT_EQ(stats.spilling_bytes, 0);
+    EXPECT_FALSE(std::filesystem::exists(fifo));
+    EXPECT_EQ(stats.host_bytes, 2 * kBytes);
+    if (delete_it) {  // its going made the room
+      EXPECT_FALSE(store.Contains(ObjectId(1)));
+      EXPECT_EQ(stats.spills, 0);
+      EXPECT_EQ(*store.TierOf(ObjectId(2)), StorageTier::kHost);
+    } else {  // it stayed, so the Put that needed room spilled the next least recently used
+      EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kHost);
+      EXPECT_EQ(held.tensor().data<float>()[9], 1.0f);
+      EXPECT_EQ(stats.spills, 1);
+      EXPECT_EQ(*store.TierOf(ObjectId(2)), StorageTier::kDisk);
+      ASSERT_OK_AND_ASSIGN(PinnedObject two, store.Get(ObjectId(2)));
+      EXPECT_EQ(two.tensor().data<float>()[9], 2.0f);
+    }
+  }
 }
 
 TEST(ObjectStoreTest, WithoutASpillDirectoryAFullHostTierIsRefused) {
