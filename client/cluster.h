@@ -143,9 +143,9 @@ struct WorkerInfo {
   int64_t host_capacity_bytes = 0;
   int64_t spilled_bytes = 0;        // on disk now
   int64_t spilled_total_bytes = 0;  // written to disk so far
-  int tasks_running = 0;
-  int64_t tasks_done = 0;
-  int64_t bytes_pulled = 0;  // data plane, cumulative
+  int tasks_running = 0;            // graph instances running here
+  int64_t tasks_done = 0;           // tasks finished here (registered graphs' and submitted)
+  int64_t bytes_pulled = 0;         // data plane, cumulative
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
   RunFigures last_run;  // the latest graph instance it finished
@@ -183,7 +183,7 @@ struct ClusterInfo {
   int64_t objects = 0;
   int64_t tasks_queued = 0;
   int64_t tasks_running = 0;
-  int64_t tasks_done = 0;
+  int64_t tasks_done = 0;  // submitted tasks and registered graphs' tasks finished
   std::string session_dir;
 };
 

@@ -72,7 +72,8 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
       .Sample("", static_cast<double>(cluster.tasks_queued));
   Family(out, "tessera_tasks_running", "gauge", "Dynamic tasks dispatched and not finished.")
       .Sample("", static_cast<double>(cluster.tasks_running));
-  Family(out, "tessera_tasks_done_total", "counter", "Dynamic tasks finished.")
+  Family(out, "tessera_tasks_done_total", "counter",
+         "Tasks finished: submitted ones and registered graphs' (a training step's).")
       .Sample("", static_cast<double>(cluster.tasks_done));
 
   // Per worker: one family at a time, a sample per worker.

@@ -50,7 +50,8 @@ struct ObjectReport {
   std::string_view inline_data;
 };
 
-// The submitted tasks by state (TaskTable::counts).
+// The submitted tasks by state (TaskTable::counts); SchedulerCore::task_counts adds registered
+// graphs' finished tasks to done.
 struct TaskCounts {
   int64_t waiting = 0;  // for inputs, or for their collective's siblings
   int64_t running = 0;  // started (their instance runs)

@@ -155,6 +155,10 @@ Status SchedulerCore::OnInstanceFinished(Participant& worker,
   // A submitted task's instance is no step: the worker's last run stays its last step's.
   const bool submitted = graph == nullptr || !graph->driver.valid();
   if (finished.hasReport() && !submitted) participants_.RecordRun(worker, finished.getReport());
+  if (!submitted && !finished.hasError()) {  // a submitted task counts in the task table
+    graph_tasks_done_ +=
+        std::count(graph->task_worker.begin(), graph->task_worker.end(), worker.id);
+  }
   if (finished.hasSpans() && graph != nullptr) {
     TESSERA_RETURN_IF_ERROR(traces_
                                 .RecordPacked(worker.id, graph_id, finished.getInstance(),
@@ -225,7 +229,7 @@ void SchedulerCore::OnStatusRequest(WorkerId from, uint64_t request_id) {
   }
   summary.waits = Waits();
   summary.objects = objects_.size();
-  summary.tasks = tasks_.counts();
+  summary.tasks = task_counts();
   summary.session_dir = options_.session_dir;
   SendStatusReply(*outbox_, from, request_id, summary);
 }

@@ -119,7 +119,13 @@ class SchedulerCore {
   size_t num_graphs() const { return graphs_.graphs(); }
   // Read-only views for the dashboard (scheduler/dashboard_view.h), on the core's thread.
   const ParticipantTable& participants() const { return participants_; }
-  TaskCounts task_counts() const { return tasks_.counts(); }
+  // The submitted tasks by state; done also counts the tasks of registered graphs' instances that
+  // finished on their workers (a training step's tasks), so that it counts the work done.
+  TaskCounts task_counts() const {
+    TaskCounts counts = tasks_.counts();
+    counts.done += graph_tasks_done_;
+    return counts;
+  }
   const JobMetrics& job_metrics() const { return jobs_; }
   // The spans of the latest `last` graph instances kept (every one kept when <= 0), finished
   // instances only (as a TimelineRequest is answered).
@@ -164,6 +170,7 @@ class SchedulerCore {
   TaskTable tasks_;
   JobMetrics jobs_;
   TraceStore traces_;
+  int64_t graph_tasks_done_ = 0;  // registered graphs' tasks, per worker's finished instance
   struct TimelineWaiter {
     WorkerId from;
     uint64_t request_id = 0;

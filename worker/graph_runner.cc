@@ -237,7 +237,7 @@ void GraphRunner::Launch(const std::shared_ptr<Instance>& instance) {
   if (instance->error.ok()) return;  // on the executor; Ended takes it from there
   // Its collectives never come: the worker's order moves past them.
   if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->places, instance->error);
-  CountDone();
+  CountDone(0);
   Report(instance->key, instance->error, {});
   Retire(*instance);
 }
@@ -560,7 +560,7 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
     if (!error.ok() && outcome.error.ok()) outcome.error = error;
     outcome.sealed = std::move(sealed);
   }
-  CountDone();
+  CountDone(result.ok() ? result->stats.tasks_run : 0);
   ReportWhenPushed(key, outcome);
   Retire(*instance);  // `this` may be gone once it returned: the destructor waits for it
 }
@@ -590,9 +590,10 @@ InstanceFigures GraphRunner::Outcome::FiguresOf(const Part& part, const RunStats
   return result;
 }
 
-void GraphRunner::CountDone() {
+void GraphRunner::CountDone(int64_t tasks) {
   MutexLock lock(&mutex_);
   ++done_;
+  tasks_done_ += tasks;
 }
 
 void GraphRunner::Retire(const Instance& instance) {
@@ -635,7 +636,7 @@ void GraphRunner::RemovePart(uint64_t graph) {
 
 GraphRunnerStats GraphRunner::stats() {
   MutexLock lock(&mutex_);
-  return GraphRunnerStats{static_cast<int64_t>(in_flight_.size()), done_};
+  return GraphRunnerStats{static_cast<int64_t>(in_flight_.size()), done_, tasks_done_};
 }
 
 void GraphRunner::Report(const Key& key, const Status& error,

@@ -84,10 +84,12 @@ struct GraphRunActivity {
   std::vector<Awaited> awaited;  // inputs from other workers not here yet
 };
 
-// Instances in flight here, and those ended since the start.
+// Instances in flight here, those ended since the start, and the tasks they ran to completion
+// (registered graphs' and submitted tasks' alike).
 struct GraphRunnerStats {
   int64_t running = 0;
   int64_t done = 0;
+  int64_t tasks_done = 0;
 };
 
 class GraphRunner {
@@ -143,9 +145,9 @@ class GraphRunner {
   void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) EXCLUDES(mutex_);
   // Reports the instance when its run has ended and no push is out (once).
   void ReportWhenPushed(const Key& key, Outcome& outcome) EXCLUDES(mutex_);
-  // Counts an ended instance in stats().done: before its report, so that whoever the report
-  // wakes sees it counted.
-  void CountDone() EXCLUDES(mutex_);
+  // Counts an ended instance in stats().done, and the tasks it ran here in stats().tasks_done:
+  // before its report, so that whoever the report wakes sees it counted.
+  void CountDone(int64_t tasks) EXCLUDES(mutex_);
   // The instance is over here.
   void Retire(const Instance& instance) EXCLUDES(mutex_);
   // An input of an instance is here (pushed or pulled): give it to the run, or keep it for when
@@ -179,6 +181,7 @@ class GraphRunner {
   std::map<Key, std::shared_ptr<Instance>> in_flight_ GUARDED_BY(mutex_);
   uint64_t self_ GUARDED_BY(mutex_) = 0;  // this worker's id (every part names it)
   int64_t done_ GUARDED_BY(mutex_) = 0;   // instances ended here
+  int64_t tasks_done_ GUARDED_BY(mutex_) = 0;
   uint64_t next_sequence_ GUARDED_BY(mutex_) = 0;
   // Inputs that came before their instance's run started.
   std::map<Key, std::vector<std::pair<ObjectId, Tensor>>> arrivals_ GUARDED_BY(mutex_);

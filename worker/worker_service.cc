@@ -295,7 +295,7 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   heartbeat.setSpilledTotal(stats.spilled_total_bytes);
   const GraphRunnerStats runs = graph_runner_->stats();
   heartbeat.setTasksRunning(static_cast<int32_t>(runs.running));
-  heartbeat.setTasksDone(runs.done);
+  heartbeat.setTasksDone(runs.tasks_done);
   const DataPlaneStats transfers = data_plane_->stats();
   heartbeat.setBytesPulled(transfers.bytes_pulled);
   heartbeat.setPullMicros(transfers.pull_micros);

@@ -100,7 +100,7 @@ struct Heartbeat {
   hostCapacity @1 :Int64;
   spilledBytes @2 :Int64;
   tasksRunning @3 :Int32;
-  tasksDone @4 :Int64;
+  tasksDone @4 :Int64;       # cumulative: tasks finished here (registered graphs' and submitted)
   bytesPulled @5 :Int64;     # data plane, cumulative: bytes this worker pulled from peers
   pullMicros @6 :Int64;      # ... and the time those pulls took (start to last byte)
   bytesServed @7 :Int64;     # bytes peers pulled from this worker
@@ -317,7 +317,7 @@ struct ClusterStatus {
   objects @2 :Int64;
   tasksQueued @3 :Int64;
   tasksRunning @4 :Int64;
-  tasksDone @5 :Int64;
+  tasksDone @5 :Int64;       # submitted tasks finished, and registered graphs' tasks run
   sessionDir @6 :Text;
 }
 

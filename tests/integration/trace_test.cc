@@ -3,10 +3,12 @@
 // parameter all-gathers, the backward pass's too, run on the communication stream while compute
 // goes on; layer-split
 // placement shows pushes on the transfer stream; `tessera timeline` writes the same trace.
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <set>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -171,6 +173,40 @@ TEST_F(TraceTest, Zero3StepShowsAllGathersOverlappingCompute) {
   ASSERT_EQ(cli.exit_code, 0) << cli.output;
   EXPECT_NE(cli.output.find("wrote"), std::string::npos) << cli.output;
   ExpectChromeTraceSchema(ReadFileText(cli_path));
+}
+
+// The cluster's and each worker's count of tasks done count a training step's tasks (registered
+// graphs' instances), not only submitted tasks: `tessera status`, the dashboard and /metrics read
+// them.
+TEST_F(TraceTest, TaskCountersCountATrainingStepsTasks) {
+  ASSERT_OK_AND_ASSIGN(ClusterInfo before, cluster_->Info());
+  TrainingPlan plan;
+  plan.batch = kBatch;
+  plan.seq_len = kSeqLen;
+  plan.parallel.data_parallel = 2;
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_));
+  ASSERT_OK_AND_ASSIGN(auto trainer,
+                       Trainer::Create(*BuildGpt2(Model()), plan, std::move(backend)));
+  constexpr int kSteps = 3;
+  ASSERT_OK(TrainSteps(*trainer, kSteps));
+  const int64_t step_tasks = static_cast<int64_t>(trainer->step_graph().graph.tasks().size());
+  ASSERT_OK_AND_ASSIGN(ClusterInfo after, cluster_->Info());
+  EXPECT_GE(after.tasks_done - before.tasks_done, kSteps * step_tasks);
+  // Each worker's own count comes with its heartbeats: wait for one after the steps.
+  std::map<uint64_t, int64_t> done_before;
+  for (const WorkerInfo& worker : before.workers)
+    done_before[worker.id.value()] = worker.tasks_done;
+  int64_t workers_done = 0;
+  for (int tries = 0; tries < 300 && workers_done < kSteps * step_tasks; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_OK_AND_ASSIGN(ClusterInfo now, cluster_->Info());
+    workers_done = 0;
+    for (const WorkerInfo& worker : now.workers) {
+      workers_done += worker.tasks_done - done_before[worker.id.value()];
+    }
+  }
+  EXPECT_GE(workers_done, kSteps * step_tasks)
+      << "the workers' heartbeats count the tasks they ran";
 }
 
 TEST_F(TraceTest, LayerPlacementPushesShowOnTheTransferStream) {
