@@ -11,6 +11,7 @@
 // milliseconds on the system clock (since the Unix epoch): workers stamp their spans with it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -84,12 +85,34 @@ struct JobPoint {
   double samples_per_second = std::numeric_limits<double>::quiet_NaN();
 };
 
+// Upper bounds, in seconds, of the step-time histogram's buckets (/metrics
+// tessera_job_step_duration_seconds); a last bucket takes the rest (+Inf).
+inline constexpr std::array<double, 13> kStepSecondsBounds = {
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+
+// The step times of every step a job reported (its points are bounded; this is not): counts
+// per bucket (not cumulative), their sum and count.
+struct StepTimeHistogram {
+  std::array<int64_t, kStepSecondsBounds.size() + 1> counts{};
+  double sum_s = 0;
+  int64_t count = 0;
+  void Add(double seconds) {
+    size_t bucket = 0;
+    while (bucket < kStepSecondsBounds.size() && seconds > kStepSecondsBounds[bucket]) ++bucket;
+    ++counts[bucket];
+    sum_s += seconds;
+    ++count;
+  }
+};
+
 struct JobView {
   std::string name;
   uint64_t driver = 0;  // the reporting driver's participant id
   bool connected = false;
   int64_t points_dropped = 0;    // older points forgotten (the history is bounded)
   std::vector<JobPoint> points;  // ascending arrival
+  int64_t steps_reported = 0;    // every step reported, dropped points included
+  StepTimeHistogram step_times;  // of the steps that reported their time
 };
 
 // A span of work on a worker: a task, a push of an object to another worker, or a collective

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "core/version.h"
+
 namespace tessera::dashboard {
 
 namespace {
@@ -41,6 +43,10 @@ class Family {
 
 std::string WorkerLabel(const WorkerView& w) { return fmt::format("worker=\"{}\"", w.id); }
 
+std::string JobLabels(const JobView& job) {
+  return fmt::format("job=\"{}\",driver=\"{}\"", EscapeLabelValue(job.name), job.driver);
+}
+
 }  // namespace
 
 std::string EscapeLabelValue(std::string_view value) {
@@ -62,6 +68,10 @@ std::string EscapeLabelValue(std::string_view value) {
 
 std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView>& jobs) {
   std::string out;
+  Family(out, "tessera_build_info", "gauge", "1, labelled with the scheduler's build.")
+      .Sample(fmt::format("version=\"{}\",build=\"{}\"", EscapeLabelValue(TesseraVersion()),
+                          EscapeLabelValue(BuildDescription())),
+              1);
   int alive = 0;
   for (const WorkerView& w : cluster.workers) alive += w.alive;
   Family(out, "tessera_workers_alive", "gauge", "Workers alive.").Sample("", alive);
@@ -128,8 +138,7 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
     Family family(out, name, "gauge", help);
     for (const JobView& job : jobs) {
       if (job.points.empty()) continue;
-      family.Sample(fmt::format("job=\"{}\",driver=\"{}\"", EscapeLabelValue(job.name), job.driver),
-                    value(job.points.back()));
+      family.Sample(JobLabels(job), value(job.points.back()));
     }
   };
   per_job("tessera_job_step", "The job's latest reported training step.",
@@ -142,6 +151,31 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
           [](const JobPoint& p) { return p.tokens_per_second; });
   per_job("tessera_job_samples_per_second", "Training throughput of the job's latest step.",
           [](const JobPoint& p) { return p.samples_per_second; });
+
+  // Per job, over every step it reported.
+  {
+    Family steps(out, "tessera_job_steps_total", "counter", "Training steps the job reported.");
+    for (const JobView& job : jobs) {
+      steps.Sample(JobLabels(job), static_cast<double>(job.steps_reported));
+    }
+  }
+  const std::string_view histogram = "tessera_job_step_duration_seconds";
+  Family(out, histogram, "histogram", "Wall time of the job's steps in seconds.");
+  for (const JobView& job : jobs) {
+    const std::string labels = JobLabels(job);
+    int64_t cumulative = 0;
+    for (size_t b = 0; b < job.step_times.counts.size(); ++b) {
+      cumulative += job.step_times.counts[b];
+      const std::string le =
+          b < kStepSecondsBounds.size() ? fmt::format("{}", kStepSecondsBounds[b]) : "+Inf";
+      fmt::format_to(std::back_inserter(out), "{}_bucket{{{},le=\"{}\"}} {}\n", histogram, labels,
+                     le, cumulative);
+    }
+    fmt::format_to(std::back_inserter(out), "{}_sum{{{}}} {}\n", histogram, labels,
+                   job.step_times.sum_s);
+    fmt::format_to(std::back_inserter(out), "{}_count{{{}}} {}\n", histogram, labels,
+                   job.step_times.count);
+  }
   return out;
 }
 

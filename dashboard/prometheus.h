@@ -12,7 +12,9 @@
 //   tessera_collective_bytes_sent_total, tessera_model_state_peak_bytes (latest run);
 //   per job: tessera_job_step, tessera_job_loss, tessera_job_step_seconds,
 //   tessera_job_tokens_per_second, tessera_job_samples_per_second (latest reported step; a
-//   figure the job does not report is left out).
+//   figure the job does not report is left out); over all its steps tessera_job_steps_total and
+//   the histogram tessera_job_step_duration_seconds (buckets kStepSecondsBounds);
+//   tessera_build_info{version,build} 1.
 // Stateless; thread-safe.
 #pragma once
 

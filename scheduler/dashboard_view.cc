@@ -88,6 +88,8 @@ std::vector<dashboard::JobView> CoreDashboardSource::Jobs() {
     job.driver = history.driver.value();
     job.connected = history.connected;
     job.points_dropped = history.dropped;
+    job.steps_reported = history.reported;
+    job.step_times = history.step_times;
     job.points.reserve(history.steps.size());
     for (const JobStep& step : history.steps) {
       job.points.push_back(dashboard::JobPoint{.step = step.step,

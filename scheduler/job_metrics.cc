@@ -1,5 +1,7 @@
 #include "scheduler/job_metrics.h"
 
+#include <cmath>
+
 namespace tessera {
 
 void JobMetrics::Record(WorkerId driver, proto::JobProgress::Reader progress,
@@ -19,6 +21,10 @@ void JobMetrics::Record(WorkerId driver, proto::JobProgress::Reader progress,
   if (job->steps.size() >= kMaxPoints) {
     job->steps.pop_front();
     ++job->dropped;
+  }
+  ++job->reported;
+  if (const double ms = progress.getStepMs(); std::isfinite(ms) && ms > 0) {
+    job->step_times.Add(ms / 1000.0);
   }
   job->steps.push_back(JobStep{.step = progress.getStep(),
                                .received = now,

@@ -16,6 +16,7 @@
 
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
+#include "dashboard/dashboard_state.h"
 
 namespace tessera {
 
@@ -34,6 +35,8 @@ struct JobHistory {
   bool connected = true;
   int64_t dropped = 0;  // points forgotten to keep the bound
   std::deque<JobStep> steps;
+  int64_t reported = 0;                     // every step reported
+  dashboard::StepTimeHistogram step_times;  // of those with a step time (> 0)
 };
 
 class JobMetrics {

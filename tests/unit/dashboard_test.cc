@@ -17,6 +17,7 @@
 #include <boost/asio.hpp>
 #include <nlohmann/json.hpp>
 
+#include "core/version.h"
 #include "dashboard/api_json.h"
 #include "dashboard/http_handler.h"
 #include "dashboard/http_parse.h"
@@ -87,7 +88,9 @@ class FakeSource : public dashboard::DashboardSource {
                             .loss = 5.0 / static_cast<double>(step),
                             .step_ms = 20,
                             .tokens_per_second = 25000});
+      job.step_times.Add(0.02);
     }
+    job.steps_reported = steps;
     return {job};
   }
   dashboard::TimelineView Timeline() override {
@@ -393,13 +396,23 @@ std::vector<Sample> ParsePrometheus(const std::string& text) {
       }
       EXPECT_TRUE(!value.empty() && used == value.size()) << "value '" << value << "'";
     }
-    // The sample belongs to the family declared just before (counters: name_total is the family).
-    EXPECT_EQ(sample.name, current_family) << "sample outside its family";
-    EXPECT_EQ(types.count(sample.name), 1u) << "sample before its TYPE";
+    // The sample belongs to the family declared just before (counters: name_total is the family;
+    // a histogram's samples are its _bucket{le}, _sum and _count).
+    const bool histogram = types.contains(current_family) && types[current_family] == "histogram";
+    if (histogram) {
+      const bool bucket = sample.name == current_family + "_bucket";
+      EXPECT_TRUE(bucket || sample.name == current_family + "_sum" ||
+                  sample.name == current_family + "_count")
+          << "sample outside its histogram";
+      EXPECT_EQ(bucket, sample.labels.contains("le")) << "le on the buckets, and only there";
+    } else {
+      EXPECT_EQ(sample.name, current_family) << "sample outside its family";
+      EXPECT_EQ(types.count(sample.name), 1u) << "sample before its TYPE";
+    }
     std::string key = sample.name;
     for (const auto& [k, v] : sample.labels) key.append("|").append(k).append("=").append(v);
     EXPECT_TRUE(series.insert(key).second) << "duplicate series";
-    if (types[sample.name] == "counter") {
+    if (!histogram && types[sample.name] == "counter") {
       EXPECT_TRUE(sample.name.ends_with("_total"));
       EXPECT_GE(sample.value, 0);
     }
@@ -439,6 +452,22 @@ TEST_F(DashboardHandlerTest, MetricsParseAsPrometheusText) {
   EXPECT_EQ(ValueOf(samples, "tessera_job_step", job), 3);
   EXPECT_DOUBLE_EQ(ValueOf(samples, "tessera_job_loss", job), 5.0 / 3.0);
   EXPECT_DOUBLE_EQ(ValueOf(samples, "tessera_job_step_seconds", job), 0.02);
+  // Over every step: a counter and a histogram of step times (three steps of 20 ms).
+  EXPECT_EQ(ValueOf(samples, "tessera_job_steps_total", job), 3);
+  auto bucket = [&](const std::string& le) {
+    std::map<std::string, std::string> labels = job;
+    labels["le"] = le;
+    return ValueOf(samples, "tessera_job_step_duration_seconds_bucket", labels);
+  };
+  EXPECT_EQ(bucket("0.01"), 0);
+  EXPECT_EQ(bucket("0.025"), 3);
+  EXPECT_EQ(bucket("60"), 3);
+  EXPECT_EQ(bucket("+Inf"), 3);
+  EXPECT_EQ(ValueOf(samples, "tessera_job_step_duration_seconds_count", job), 3);
+  EXPECT_DOUBLE_EQ(ValueOf(samples, "tessera_job_step_duration_seconds_sum", job), 0.06);
+  EXPECT_EQ(ValueOf(samples, "tessera_build_info",
+                    {{"version", TesseraVersion()}, {"build", BuildDescription()}}),
+            1);
   for (const Sample& s : samples) {
     EXPECT_NE(s.name, "tessera_job_samples_per_second") << "a figure not reported is left out";
     if (s.name == "tessera_model_state_peak_bytes") {

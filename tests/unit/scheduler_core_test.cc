@@ -354,12 +354,20 @@ TEST(JobMetricsTest, HistoryIsBoundedAndCountsWhatItDropped) {
   const auto now = std::chrono::steady_clock::now();
   for (size_t step = 1; step <= JobMetrics::kMaxPoints + 5; ++step) {
     progress.setStep(static_cast<int64_t>(step));
+    progress.setStepMs(step % 2 == 0 ? 3000 : 0);  // every other step without a time
     metrics.Record(WorkerId(7), progress.asReader(), now);
   }
   ASSERT_EQ(metrics.jobs().size(), 1u);
   EXPECT_EQ(metrics.jobs()[0].steps.size(), JobMetrics::kMaxPoints);
   EXPECT_EQ(metrics.jobs()[0].dropped, 5);
   EXPECT_EQ(metrics.jobs()[0].steps.front().step, 6);
+  // The step counter and the step-time histogram count every step, dropped points included.
+  const int64_t reported = static_cast<int64_t>(JobMetrics::kMaxPoints) + 5;
+  const dashboard::StepTimeHistogram& times = metrics.jobs()[0].step_times;
+  EXPECT_EQ(metrics.jobs()[0].reported, reported);
+  EXPECT_EQ(times.count, reported / 2);
+  EXPECT_DOUBLE_EQ(times.sum_s, 3.0 * static_cast<double>(reported / 2));
+  EXPECT_EQ(times.counts[9], reported / 2);  // the bucket (2.5 s, 5 s]
   for (size_t job = 0; job < JobMetrics::kMaxJobs + 2; ++job) {
     metrics.Record(WorkerId(100 + job), progress.asReader(), now);
   }
