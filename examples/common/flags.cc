@@ -28,7 +28,8 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   CLI::Option* workers =
       app.add_option("--workers", flags.workers,
                      "N data-parallel workers: a local cluster of N CPU worker processes, or N "
-                     "workers of --address (0: in this process)")
+                     "workers of --address (0: in this process; with --address, every worker "
+                     "there that the batch splits across)")
           ->check(tessera::AtLeast(0));
   app.add_flag("--in-process", flags.in_process,
                "Train in this process: no scheduler or worker processes (the default when "

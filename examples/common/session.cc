@@ -106,6 +106,45 @@ Result<Cluster*> Session::Reconnect(int retry_ms) {
   return cluster_.get();
 }
 
+Status UseTheClustersWorkers(const CommonFlags& flags, Session& session, const ModelSpec& model,
+                             const Runtime& runtime, const char* program, TrainingPlan& plan) {
+  const ParallelConfig& p = plan.parallel;
+  if (flags.address.empty() || flags.workers > 0 || flags.placement == "layers" ||
+      session.cluster() == nullptr || p.data_parallel != 1 || p.pipeline_stages != 1 ||
+      p.virtual_stages != 1 || !p.workers.empty()) {
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(ClusterInfo info, session.cluster()->Info());
+  int alive = 0;
+  for (const WorkerInfo& worker : info.workers) {
+    alive += worker.alive && (plan.device.is_cpu() || !worker.gpu.empty());
+  }
+  if (alive <= 1) return Status::Ok();
+  Status refused;
+  for (int ranks = alive; ranks >= 2; --ranks) {
+    TrainingPlan candidate = plan;
+    candidate.parallel.data_parallel = ranks;
+    const Status valid = candidate.Validate(model);
+    if (!valid.ok()) {
+      if (refused.ok()) refused = valid;
+      continue;
+    }
+    std::fprintf(stderr,
+                 "%s: the cluster at %s has %d %sworkers: training with %d data-parallel ranks, "
+                 "one per worker%s (--workers N chooses)\n",
+                 program, flags.address.c_str(), alive, plan.device.is_cpu() ? "" : "GPU ", ranks,
+                 ranks < alive
+                     ? fmt::format(", as many as the batch of {} splits into", plan.batch).c_str()
+                     : "");
+    const bool profiled = !plan.parallel.layer_op_costs.empty();  // for one rank's rows
+    plan = std::move(candidate);
+    return profiled ? ApplyBalance(flags, model, runtime.executor, program, plan) : Status::Ok();
+  }
+  std::fprintf(stderr, "%s: the cluster at %s has %d workers, but the plan keeps one rank: %s\n",
+               program, flags.address.c_str(), alive, refused.ToString().c_str());
+  return Status::Ok();
+}
+
 std::unique_ptr<StepRecovery> MakeRecovery(const CommonFlags& flags, Session& session,
                                            const Settings& settings, const ModelSpec& model,
                                            const TrainingPlan& plan) {

@@ -67,6 +67,15 @@ class Session {
   std::unique_ptr<Cluster> cluster_;
 };
 
+// On a running cluster (--address) without --workers, a plan of one data-parallel rank (no
+// pipeline, no layer placement) uses the workers that are there: as many ranks as alive workers
+// (GPU workers for a GPU plan) the batch splits into, said on stderr ("<program>: the cluster at
+// ... has N workers: ..."); with --balance profile the layers are profiled again for the ranks'
+// rows. Otherwise the plan is left as it is (a cluster of one worker, or a batch that does not
+// split: said why).
+Status UseTheClustersWorkers(const CommonFlags& flags, Session& session, const ModelSpec& model,
+                             const Runtime& runtime, const char* program, TrainingPlan& plan);
+
 // --max-restarts K: the recovery of `model` and `plan` on the session's cluster, from the
 // checkpoints of --checkpoint-dir (null when K is 0). With --address a lost scheduler is
 // recovered by connecting again for scheduler_grace_ms.

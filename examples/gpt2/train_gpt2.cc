@@ -451,6 +451,8 @@ Status Train(const Flags& flags) {
   // Where the step runs: this process, a local cluster we start, or a running cluster.
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<examples::Session> session,
                            examples::Session::Open(flags.common, runtime, kProgram));
+  TESSERA_RETURN_IF_ERROR(
+      examples::UseTheClustersWorkers(flags.common, *session, model, runtime, kProgram, plan));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            MakeTrainer(flags, shape, model, plan, *session, *data));
   TESSERA_RETURN_IF_ERROR(examples::PrintMemoryPlan(*trainer, flags.common.trace));

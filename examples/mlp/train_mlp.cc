@@ -56,6 +56,8 @@ Status Train(const examples::CommonFlags& flags) {
   TrainingPlan plan{.batch = 64};
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags, "train_mlp", plan));
   TESSERA_ASSIGN_OR_RETURN(auto session, examples::Session::Open(flags, runtime, "train_mlp"));
+  TESSERA_RETURN_IF_ERROR(
+      examples::UseTheClustersWorkers(flags, *session, model, runtime, "train_mlp", plan));
   TESSERA_ASSIGN_OR_RETURN(auto backend, session->MakeBackend());
   TESSERA_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));

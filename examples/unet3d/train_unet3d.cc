@@ -116,6 +116,8 @@ Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(tessera::TrainingPlan plan, MakePlan(flags, model, runtime));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<examples::Session> session,
                            examples::Session::Open(flags.common, runtime, kProgram));
+  TESSERA_RETURN_IF_ERROR(
+      examples::UseTheClustersWorkers(flags.common, *session, model, runtime, kProgram, plan));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::GraphBackend> backend, session->MakeBackend());
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Trainer> trainer,
                            tessera::Trainer::Create(model, plan, std::move(backend)));

@@ -7,8 +7,12 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <regex>
+#include <sstream>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "client/cluster.h"
 #include "core/cuda_device.h"
@@ -262,6 +266,43 @@ TEST(TesseraCliTest, AHostNameWorksWhereAnAddressDoes) {
   ProcessResult status = Tessera("status" + target);
   EXPECT_EQ(status.exit_code, 0) << status.output;
   EXPECT_NE(status.output.find("1 of 1 workers alive"), std::string::npos) << status.output;
+  ProcessResult stop = Tessera("stop" + target);
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
+// A driver on a running cluster (--address, no --workers) trains on the workers that are there,
+// says so, and each worker's count of tasks done shows it ran its share of the steps.
+TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
+  const std::string session = TempPath("tessera_cli_every_worker");
+  const auto [head, address] = StartHead(session);
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  const std::string target = " --address " + address + " --token-file " + session + "/token";
+  ProcessResult workers = Tessera("start --cpu-workers 2 --threads 1" + target);
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  ProcessResult run = RunBinary("train_gpt2", "--preset tiny --steps 3 --batch 4" + target);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("has 2 workers: training with 2 data-parallel ranks, one per worker"),
+            std::string::npos)
+      << run.output;
+  // Each worker's "done" column (the last but one of its row) grows with its heartbeats.
+  std::vector<long long> done;
+  for (int tries = 0; tries < 100; ++tries) {
+    ProcessResult status = Tessera("status" + target);
+    ASSERT_EQ(status.exit_code, 0) << status.output;
+    done.clear();
+    std::istringstream lines(status.output);
+    for (std::string line; std::getline(lines, line);) {
+      if (!std::regex_search(line, std::regex("^worker[0-9]+ "))) continue;
+      std::istringstream fields(line);
+      std::vector<std::string> words{std::istream_iterator<std::string>(fields), {}};
+      done.push_back(std::stoll(words[words.size() - 2]));
+    }
+    if (done.size() == 2 && done[0] > 0 && done[1] > 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_GT(done[0], 0) << "the first worker ran no task";
+  EXPECT_GT(done[1], 0) << "the second worker ran no task";
   ProcessResult stop = Tessera("stop" + target);
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
 }
