@@ -27,6 +27,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "core/version.h"
 #include "ops/cpu/kernels.h"
 
 namespace {
@@ -214,6 +215,7 @@ static int Main(int argc, char** argv) {
   CLI::App app{
       "bench_adamw: CPU AdamW params/s, Tessera's kernel vs a plain loop vs PyTorch's CPU "
       "AdamW, in the same run"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_adamw"));
   app.add_option("--numel", flags.numel, "group sizes (parameters)")->capture_default_str();
   app.add_option("--threads", flags.threads, "threads of the parallel rows")
       ->capture_default_str()

@@ -34,6 +34,7 @@
 
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
+#include "core/version.h"
 
 namespace {
 
@@ -145,6 +146,7 @@ int RunMember(const Flags& flags, int rank, const std::string& address, int repo
 static int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"UCX host collectives between worker processes: bus bandwidth vs point-to-point"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_collectives"));
   app.add_option("--workers", flags.workers, "Member processes")->check(CLI::Range(2, 64));
   app.add_option("--bytes", flags.bytes, "Message size for the bandwidth figures")
       ->check(CLI::Range(int64_t{1} << 10, int64_t{1} << 32));

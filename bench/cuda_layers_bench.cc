@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "core/version.h"
 #include "ops/cuda/cuda_context.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/matmul.h"
@@ -286,6 +287,7 @@ void LayersBench::Print() const {
 int Main(int argc, char** argv) {
   Options o;
   CLI::App app{"GPU time of GPT-2's GEMMs, kernels and layers (CUDA events)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_cuda_layers"));
   app.add_option("--batch", o.batch);
   app.add_option("--seq-len", o.seq_len);
   app.add_option("--channels", o.channels);

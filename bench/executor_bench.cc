@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "core/version.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/graph_builder.h"
 #include "worker/in_process_executor.h"
@@ -28,6 +29,7 @@ T Check(tessera::Result<T> result, const std::string& what) {
 int Main(int argc, char** argv) {
   int tasks = 50'000, runs = 20, threads = 1;
   CLI::App app{"Executor cost per task: empty tasks and a join, in process"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_executor"));
   app.add_option("--tasks", tasks, "Empty tasks per run")->check(CLI::Range(1, 1'000'000));
   app.add_option("--runs", runs, "Timed runs (median)")->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "Executor threads")->check(CLI::Range(1, 256));

@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "core/version.h"
 #include "model/gpt2.h"
 #include "training/trainer.h"
 #include "worker/gpu.h"
@@ -141,6 +142,7 @@ const std::vector<Gpt2Config>& Shapes() {
 int Main(int argc, char** argv) {
   Options o;
   CLI::App app{"GPT-2 training steps on one GPU (Tessera's runtime and CUDA kernels)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_gpt2_cuda"));
   app.add_option("--preset", o.preset, "tiny, small or gpt2-124m");
   app.add_option("--layers", o.layers, "Override the preset's layers");
   app.add_option("--channels", o.channels, "Override the preset's channels");

@@ -59,6 +59,7 @@
 #include "client/graph_backend.h"
 #include "core/atomic_file.h"
 #include "core/timeline.h"
+#include "core/version.h"
 #include "data/volumes.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
@@ -350,6 +351,7 @@ static int Main(int argc, char** argv) {
   CLI::App app{
       "The memory plan's step time against keeping everything and recomputing every "
       "layer, in this process (see the header for the figures)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_memory"));
   app.add_option("--models", flags.models, "gpt2 and/or unet3d")
       ->check(CLI::IsMember({"gpt2", "unet3d"}));
   app.add_option("--gpt2-preset", flags.gpt2_preset, "tiny, small or gpt2-124m");

@@ -34,6 +34,7 @@
 #include "bench/bench_util.h"
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "core/version.h"
 #include "model/gpt2.h"
 #include "planner/pipeline_schedule.h"
 #include "training/layer_profile.h"
@@ -354,6 +355,7 @@ void CompareStepTimes(const Flags& f) {
 static int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Pipeline schedules: bubble and memory from traces vs theory; PP vs DP vs ZeRO-3"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_pipeline"));
   app.add_option("--layers", f.layers, "GPT-2 blocks");
   app.add_option("--channels", f.channels, "Channels");
   app.add_option("--batch", f.batch, "Global batch (rows)");

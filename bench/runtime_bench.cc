@@ -24,6 +24,7 @@
 
 #include "bench/bench_util.h"
 #include "client/cluster.h"
+#include "core/version.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 
@@ -168,6 +169,7 @@ static int Main(int argc, char** argv) {
       graph_instances = 10;
   std::vector<std::string> only;
   CLI::App app{"Runtime overheads of Tessera on a local cluster (see the header for metrics)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_runtime"));
   app.add_option("--tasks", tasks, "Empty tasks for the throughput runs")
       ->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds, "Round trips for latency")->check(CLI::PositiveNumber);

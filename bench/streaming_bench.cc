@@ -42,6 +42,7 @@
 
 #include "core/atomic_file.h"
 #include "core/timeline.h"
+#include "core/version.h"
 #include "model/gpt2.h"
 #include "planner/memory_model.h"
 #include "planner/step_graph.h"
@@ -125,6 +126,7 @@ static int Main(int argc, char** argv) {
       "A GPT-2 whose model states are several times the (simulated) GPU's memory, trained with "
       "its parameters streamed from the host, against the same GPT-2 uncapped (see the header "
       "for the figures)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_streaming"));
   app.add_option("--preset", flags.preset, "GPT-2 preset: tiny, small or gpt2-124m");
   app.add_option("--batch", flags.batch, "Sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--states-over-cap", flags.states_over_cap,

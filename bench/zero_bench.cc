@@ -34,6 +34,7 @@
 #include "client/graph_backend.h"
 #include "client/trace.h"
 #include "core/timeline.h"
+#include "core/version.h"
 #include "model/gpt2.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
@@ -237,6 +238,7 @@ void WriteJson(const Flags& flags, int64_t params, const std::vector<Row>& rows)
 static int Main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"GPT-2 step time: Tessera data parallel and ZeRO-1/2/3 vs PyTorch DDP (gloo)"};
+  app.set_version_flag("--version", tessera::VersionLine("bench_zero"));
   app.add_option("--layers", flags.layers, "Transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--channels", flags.channels, "Model width")->check(CLI::PositiveNumber);
   app.add_option("--heads", flags.heads, "Attention heads")->check(CLI::PositiveNumber);

@@ -16,6 +16,7 @@
 
 #include "client/cluster.h"
 #include "core/cuda_device.h"
+#include "core/version.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -305,6 +306,23 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
   EXPECT_GT(done[1], 0) << "the second worker ran no task";
   ProcessResult stop = Tessera("stop" + target);
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
+// Every binary a user runs answers --version with its name and the build (issue 30, point 9):
+// the CLI, the examples and, when built, the benchmarks (bench_kernels is Google Benchmark's
+// runner, with that library's flags).
+TEST(TesseraCliTest, EveryBinaryNamesItsBuildOnVersion) {
+  std::vector<std::string> binaries = {"tessera", "train_gpt2", "train_unet3d", "train_mlp"};
+#ifdef TESSERA_TEST_BENCHES
+  std::istringstream benches(TESSERA_TEST_BENCHES);
+  for (std::string bench; std::getline(benches, bench, ',');) binaries.push_back(bench);
+#endif
+  for (const std::string& binary : binaries) {
+    ProcessResult version = RunBinary(binary, "--version");
+    EXPECT_EQ(version.exit_code, 0) << binary << ": " << version.output;
+    EXPECT_TRUE(version.output.starts_with(binary + ": Tessera " + TesseraVersion() + " ("))
+        << binary << ": " << version.output;
+  }
 }
 
 // --version names the build; `tessera doctor` reports each thing it checks, one line each, and
