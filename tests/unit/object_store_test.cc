@@ -178,22 +178,52 @@ TEST(ObjectStoreTest, DamagedSpillFilesAreDataLoss) {
   EXPECT_NE(truncated.status().message().find("truncated"), std::string::npos);
 }
 
-// A spill is written outside the store's lock: while one is in flight (here its file is a FIFO
-// nobody reads yet, so the write waits), stats, lookups, Gets of other objects and of the one
-// being spilled all go on. A worker's heartbeat reads stats() on its I/O thread:
-// with the old store, a spill of gigabytes held it past the scheduler's heartbeat timeout.
+// A store of capacity two objects holding objects 1 and 2, and a thread putting object 3, whose
+// room comes from spilling 1 into a FIFO nobody reads yet: the write waits, so the spill stays in
+// flight until Drain() reads the FIFO (returning what was written) and the Put returns.
+class SpillIntoFifo {
+ public:
+  explicit SpillIntoFifo(const std::string& name)
+      : dir_(SpillDir(name)), store_(MakeStore(2 * kBytes, dir_)) {
+    EXPECT_OK(store_.Put(ObjectId(1), Filled(1)));
+    EXPECT_OK(store_.Put(ObjectId(2), Filled(2)));
+    // The first entry of object 1 is the store's first: its spill file's name (SpillPath).
+    fifo_ = dir_ + "/" + ObjectId(1).ToString() + "-1.spill";
+    EXPECT_EQ(::mkfifo(fifo_.c_str(), 0600), 0) << fifo_;
+    putter_ = std::thread([this] { put3_ = store_.Put(ObjectId(3), Filled(3)); });
+    while (store_.stats().spilling_bytes == 0) std::this_thread::yield();
+  }
+  ~SpillIntoFifo() {
+    if (putter_.joinable()) Drain();
+  }
+  std::string Drain() {
+    std::string written;
+    {
+      std::ifstream reader(fifo_, std::ios::binary);
+      written.assign(std::istreambuf_iterator<char>(reader), std::istreambuf_iterator<char>());
+    }
+    putter_.join();
+    EXPECT_OK(put3_);
+    return written;
+  }
+  ObjectStore& store() { return store_; }
+  const std::string& fifo() const { return fifo_; }
+
+ private:
+  std::string dir_;
+  ObjectStore store_;
+  std::string fifo_;
+  Status put3_;
+  std::thread putter_;
+};
+
+// A spill is written outside the store's lock: while one is in flight, stats, lookups, Gets of
+// other objects and of the one being spilled all go on. A worker's heartbeat reads stats() on its
+// I/O thread: with the old store, a spill of gigabytes held it past the scheduler's heartbeat
+// timeout.
 TEST(ObjectStoreTest, ASpillInFlightBlocksNoOtherCaller) {
-  const std::string dir = SpillDir("in_flight");
-  ObjectStore store = MakeStore(2 * kBytes, dir);
-  ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
-  ASSERT_OK(store.Put(ObjectId(2), Filled(2)));
-  // The first entry of object 1 is the store's first: its spill file's name (SpillPath).
-  const std::string fifo = dir + "/" + ObjectId(1).ToString() + "-1.spill";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
-  Status put3;
-  std::thread putter([&] { put3 = store.Put(ObjectId(3), Filled(3)); });  // spills 1
-  while (store.stats().spilling_bytes == 0) std::this_thread::yield();
-  // The spill of 1 waits on the FIFO; everything else goes on.
+  SpillIntoFifo spill("in_flight");
+  ObjectStore& store = spill.store();
   EXPECT_EQ(store.stats().spilling_bytes, kBytes);
   EXPECT_TRUE(store.Contains(ObjectId(1)));
   EXPECT_EQ(*store.TierOf(ObjectId(1)), StorageTier::kHost);
@@ -205,15 +235,8 @@ TEST(ObjectStoreTest, ASpillInFlightBlocksNoOtherCaller) {
     ASSERT_OK_AND_ASSIGN(PinnedObject one, store.Get(ObjectId(1)));  // still in memory
     EXPECT_EQ(one.tensor().data<float>()[5], 1.0f);
   }
-  // Drain the FIFO: the spill completes, the Put that needed the room returns.
-  std::vector<char> drained;
-  {
-    std::ifstream reader(fifo, std::ios::binary);
-    drained.assign(std::istreambuf_iterator<char>(reader), std::istreambuf_iterator<char>());
-  }
-  putter.join();
-  ASSERT_OK(put3);
-  EXPECT_EQ(drained.size(), static_cast<size_t>(kBytes) + 24);  // the header, then the payload
+  // The spill completes, the Put that needed the room returns.
+  EXPECT_EQ(spill.Drain().size(), static_cast<size_t>(kBytes) + 24);  // the header, the payload
   const ObjectStoreStats stats = store.stats();
   EXPECT_EQ(stats.spilling_bytes, 0);
   EXPECT_EQ(stats.spills, 1);
@@ -222,35 +245,22 @@ TEST(ObjectStoreTest, ASpillInFlightBlocksNoOtherCaller) {
 }
 
 // An object handed out while its spill is written stays in memory (the file is dropped, and the
-// room is made by spilling another); one deleted meanwhile leaves no file behind. Both with the
-// spill waiting on a FIFO, as above.
+// room is made by spilling another); one deleted meanwhile leaves no file behind.
 TEST(ObjectStoreTest, AnObjectUsedOrDeletedWhileSpilledStaysOrGoesWhole) {
   for (const bool delete_it : {false, true}) {
     SCOPED_TRACE(delete_it ? "deleted while spilled" : "used while spilled");
-    const std::string dir = SpillDir(delete_it ? "deleted_in_flight" : "used_in_flight");
-    ObjectStore store = MakeStore(2 * kBytes, dir);
-    ASSERT_OK(store.Put(ObjectId(1), Filled(1)));
-    ASSERT_OK(store.Put(ObjectId(2), Filled(2)));
-    const std::string fifo = dir + "/" + ObjectId(1).ToString() + "-1.spill";
-    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
-    Status put3;
-    std::thread putter([&] { put3 = store.Put(ObjectId(3), Filled(3)); });
-    while (store.stats().spilling_bytes == 0) std::this_thread::yield();
+    SpillIntoFifo spill(delete_it ? "deleted_in_flight" : "used_in_flight");
+    ObjectStore& store = spill.store();
     PinnedObject held;
     if (delete_it) {
       ASSERT_OK(store.Delete(ObjectId(1)));
     } else {
       ASSERT_OK_AND_ASSIGN(held, store.Get(ObjectId(1)));
     }
-    {
-      std::ifstream reader(fifo, std::ios::binary);
-      std::string rest((std::istreambuf_iterator<char>(reader)), {});
-    }
-    putter.join();
-    ASSERT_OK(put3);
+    spill.Drain();
     const ObjectStoreStats stats = store.stats();
     EXPECT_EQ(stats.spilling_bytes, 0);
-    EXPECT_FALSE(std::filesystem::exists(fifo));
+    EXPECT_FALSE(std::filesystem::exists(spill.fifo()));
     EXPECT_EQ(stats.host_bytes, 2 * kBytes);
     if (delete_it) {  // its going made the room
       EXPECT_FALSE(store.Contains(ObjectId(1)));
