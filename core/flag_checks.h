@@ -8,8 +8,8 @@
 //     std::fprintf(stderr, "%s: %s\n", program, tessera::FlagErrorMessage(e).c_str());
 //
 // Also: FlagErrorMessage(error, app) adds the flag a mistyped one was likely meant to be ("did you
-// mean --steps?"), and PrepareHelp(app) makes help start with the usage line and show every
-// option's default.
+// mean --steps?"), PrepareHelp(app) makes help start with the usage line and show every option's
+// default, and ParseCommandLine puts it all together for a program's main.
 //
 // Header-only, for the code that declares a program's flags (it links CLI11 itself; core does not);
 // internal, not installed. The checks read a value as a number (integer or floating point), so one
@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -166,6 +168,27 @@ inline void PrepareHelp(CLI::App& app) {
   app.formatter(std::make_shared<UsageFirstFormatter>());
   for (CLI::Option* option : app.get_options()) option->capture_default_str();
   for (CLI::App* sub : app.get_subcommands({})) PrepareHelp(*sub);
+}
+
+// Parses a program's command line the way every Tessera binary does: --version prints
+// `version_line` (core/version.h VersionLine), help is usage-first (PrepareHelp), and a bad flag
+// prints "<program>: <FlagErrorMessage with a guess>" and the help on stderr. nullopt: parsed, go
+// on; else the exit code (0 after --help or --version, 2 for a bad flag). Call it after every
+// option and subcommand is added.
+inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv,
+                                           const char* program, const std::string& version_line) {
+  app.set_version_flag("--version", version_line);
+  PrepareHelp(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help, --version
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: %s\n\n%s", program, FlagErrorMessage(e, app).c_str(),
+                 app.help().c_str());
+    return 2;
+  }
+  return std::nullopt;
 }
 
 }  // namespace tessera

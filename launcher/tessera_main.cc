@@ -32,6 +32,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -554,7 +555,6 @@ int Main(int argc, char** argv) {
   CLI::App app{"Tessera: start, stop and inspect a cluster."};
   app.footer("Settings (environment variables):\n" + tessera::Settings::Describe());
   app.require_subcommand(1);
-  app.set_version_flag("--version", tessera::VersionLine("tessera"));
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "Print what this build and machine have: CPU, BLAS kernels, GPUs, NCCL, UCX");
 
@@ -585,15 +585,9 @@ int Main(int argc, char** argv) {
   tessera::WorkerProcessFlags worker;
   CLI::App* worker_cmd = tessera::AddWorkerCommand(app, worker);
 
-  tessera::PrepareHelp(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success& e) {  // --help, --version
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "tessera: %s\n\n%s", tessera::FlagErrorMessage(e, app).c_str(),
-                 app.help().c_str());
-    return 2;
+  if (std::optional<int> exit =
+          tessera::ParseCommandLine(app, argc, argv, "tessera", tessera::VersionLine("tessera"))) {
+    return *exit;
   }
   if (doctor_cmd->parsed()) return Doctor();
   if (start_cmd->parsed()) return Start(*start_cmd, start);

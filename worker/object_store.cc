@@ -103,7 +103,7 @@ Status ObjectStore::Put(ObjectId id, Tensor tensor) {
   lru_.push_front(id);
   it->second.lru = lru_.begin();
   host_bytes_ += bytes;
-  const Status room = MakeRoom(0, bytes);
+  const Status room = MakeRoom(bytes);
   Entry* placed = FindCurrent(id, serial);
   if (placed == nullptr) return Status::Ok();  // deleted meanwhile
   --placed->pins;
@@ -121,30 +121,29 @@ Status ObjectStore::Put(ObjectId id, Tensor tensor) {
   return Status::Ok();
 }
 
-Status ObjectStore::MakeRoom(int64_t bytes, int64_t reserved) {
+Status ObjectStore::MakeRoom(int64_t bytes) {
   const int64_t capacity = options_.host_capacity_bytes;
   for (;;) {
-    if (host_bytes_ + bytes <= capacity) return Status::Ok();
+    if (host_bytes_ <= capacity) return Status::Ok();
     if (options_.spill_dir.empty()) {
       return ResourceExhausted(
-          "host tier full: {} bytes needed, {} of {} used, and no spill directory is set",
-          bytes + reserved, host_bytes_ - reserved, capacity);
+          "host tier full: {} bytes needed, {} of {} used, and no spill directory is set", bytes,
+          host_bytes_ - bytes, capacity);
     }
     // What spills in flight will free counts as free; then the least recently used unpinned
     // objects, chosen before any is spilled (spilling edits the list being walked).
     std::vector<ObjectId> victims;
     int64_t freed = spilling_bytes_;
-    for (auto it = lru_.rbegin(); it != lru_.rend() && host_bytes_ - freed + bytes > capacity;
-         ++it) {
+    for (auto it = lru_.rbegin(); it != lru_.rend() && host_bytes_ - freed > capacity; ++it) {
       const Entry& entry = entries_.at(*it);
       if (entry.pins > 0) continue;
       victims.push_back(*it);
       freed += entry.tensor.bytes();
     }
-    if (host_bytes_ - freed + bytes > capacity) {
+    if (host_bytes_ - freed > capacity) {
       return ResourceExhausted(
-          "host tier cannot take {} bytes: {} of {} bytes are held by pinned objects",
-          bytes + reserved, host_bytes_ - freed - reserved, capacity);
+          "host tier cannot take {} bytes: {} of {} bytes are held by pinned objects", bytes,
+          host_bytes_ - freed - bytes, capacity);
     }
     if (victims.empty()) {
       io_done_.Wait(&mutex_);  // others' spills will make the room
@@ -300,7 +299,7 @@ Result<PinnedObject> ObjectStore::Get(ObjectId id) {
     spilled_bytes_ -= bytes;
     host_bytes_ += bytes;
     Result<Tensor> restored = Tensor();
-    if (Status room = MakeRoom(0, bytes); !room.ok()) {
+    if (Status room = MakeRoom(bytes); !room.ok()) {
       restored = room.WithContext("restoring " + id.ToString());
     } else {
       mutex_.Unlock();

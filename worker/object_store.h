@@ -126,11 +126,11 @@ class ObjectStore {
   };
 
   void Unpin(ObjectId id) EXCLUDES(mutex_);
-  // Until the host tier has room for `bytes` more: spills unpinned host objects, least recently
-  // used first, or waits for spills in flight that will make the room. `reserved`: the caller's
-  // bytes already counted in host_bytes_ (named with `bytes` in the errors). Drops the lock while
-  // it writes or waits (entries may come and go meanwhile).
-  Status MakeRoom(int64_t bytes, int64_t reserved) REQUIRES(mutex_);
+  // Until the host tier holds what it counts, the caller's `bytes` already among them (an object
+  // being put or restored, named in the errors): spills unpinned host objects, least recently
+  // used first, or waits for spills in flight that will make the room. Drops the lock while it
+  // writes or waits (entries may come and go meanwhile).
+  Status MakeRoom(int64_t bytes) REQUIRES(mutex_);
   // Writes the objects (unpinned, in kHost) to their spill files outside the lock, then drops
   // from memory those still unpinned and not deleted. The first write error, if any (those
   // objects stay in memory).

@@ -190,18 +190,7 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
 }
 
 std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program) {
-  app.set_version_flag("--version", VersionLine(program));
-  PrepareHelp(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success& e) {  // --help, --version
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "%s: %s\n\n%s", program, FlagErrorMessage(e, app).c_str(),
-                 app.help().c_str());
-    return 2;
-  }
-  return std::nullopt;
+  return ParseCommandLine(app, argc, argv, program, VersionLine(program));
 }
 
 Status CheckFlagCombinations(const CommonFlags& flags) {
