@@ -320,6 +320,8 @@ TEST_F(GraphRunnerTest, AnInstanceOfASharedGraphGoesByItsOwnTaskName) {
   Start(id, 43, OutputIds(shared, 3000), X(shared), {}, {"late#43"});
   EXPECT_EQ(WaitFinished(id, 43).error.code(), StatusCode::kNotFound);
   EXPECT_EQ(runner_->stats().done, 3);
+  EXPECT_EQ(runner_->stats().tasks_done,
+            1);  // the one task of instance 41; 42 failed, 43 never ran
 }
 
 TEST_F(GraphRunnerTest, AHighPriorityTaskOfALaterInstanceGoesBeforeQueuedWork) {
