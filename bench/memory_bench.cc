@@ -21,7 +21,8 @@
 //   pred/meas  the predicted step time (planner/step_time.h, from a profile of the step taken
 //              just before the plan's run) over the measured one: the median of the rounds'
 //              ratios
-//   peak_mb predicted / measured (every object, RunFigures::total_peak)
+//   peak_mb predicted / measured (every object and the running kernel's scratch,
+//   RunFigures::total_with_scratch_peak)
 //   act_mb  predicted / measured (activations, the role's peak)
 //   recmp   recompute tasks in the step; part: layers kept in part (their backward rebuilding
 //           the rest)
@@ -236,7 +237,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     const tessera::StepReport report = Check(trainer.Step(c.batch, 1e-4f), "step");
     if (step >= flags.warmup) times.push_back(report.step_ms);
     if (!report.ranks.empty()) {
-      row.measured_peak = report.ranks[0].figures.total_peak;
+      row.measured_peak = report.ranks[0].figures.total_with_scratch_peak;
       row.measured_activations = report.ranks[0].figures.peak(tessera::ObjectRole::kActivation);
     }
   }
@@ -270,7 +271,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
     for (const tessera::WorkerInfo& worker : info.workers) {
       row.spilled_bytes += worker.spilled_total_bytes;
       // A one-rank plan the scheduler placed reports no rank figures: the worker's last run's.
-      row.measured_peak = worker.last_run.total_peak;
+      row.measured_peak = worker.last_run.total_with_scratch_peak;
       row.measured_activations = worker.last_run.peak(tessera::ObjectRole::kActivation);
     }
   }
@@ -281,7 +282,7 @@ void RunOnce(const Flags& flags, const Case& c, const Variant& variant,
   } else {
     const tessera::MemoryProfile profile =
         Check(tessera::PredictMemory(trainer.step_graph().graph), "predict");
-    row.predicted_peak = profile.workers[0].total_peak;
+    row.predicted_peak = profile.workers[0].total_with_scratch_peak;
     row.predicted_activations =
         profile.workers[0].role_peaks[static_cast<size_t>(tessera::ObjectRole::kActivation)];
   }

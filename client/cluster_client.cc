@@ -43,6 +43,7 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
     w.last_run.model_state_peak = run.getModelStatePeak();
     w.last_run.transient_peak = run.getTransientPeak();
     w.last_run.total_peak = run.getTotalPeak();
+    w.last_run.total_with_scratch_peak = run.getTotalWithScratchPeak();
     w.last_run.allocator_peak = run.getAllocatorPeak();
     w.last_run.collective_bytes_sent = run.getCollectiveBytesSent();
     w.last_run.pushed_bytes = run.getPushedBytes();

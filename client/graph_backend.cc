@@ -50,6 +50,7 @@ class InProcessBackend final : public GraphBackend {
     last_figures_.model_state_peak = roles.model_state_peak;
     last_figures_.transient_peak = roles.transient_peak;
     last_figures_.total_peak = roles.total_peak;
+    last_figures_.total_with_scratch_peak = roles.total_with_scratch_peak;
     last_figures_.allocator_peak = run->stats.peak_bytes;
     last_figures_.wall_ms = run->stats.wall_ms;
     ValueMap outputs;

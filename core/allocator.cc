@@ -54,6 +54,15 @@ void Allocator::Deallocate(void* ptr, int64_t bytes) {
   DoDeallocate(ptr, bytes);
 }
 
+void* CountingAllocator::DoAllocate(int64_t bytes) {
+  Result<void*> ptr = base_->Allocate(bytes);
+  return ptr.ok() ? *ptr : nullptr;
+}
+
+std::string CountingAllocator::Limit() const {
+  return fmt::format("; {} bytes live in all{}", base_->stats().live_bytes, base_->Limit());
+}
+
 MemoryStats Allocator::stats() const {
   MemoryStats stats;
   stats.live_bytes = live_bytes_.load();

@@ -71,6 +71,25 @@ class AlignedHostAllocator final : public Allocator {
   void DoDeallocate(void* ptr, int64_t bytes) override;
 };
 
+// Another allocator's memory, counted apart: what one kernel takes as scratch (the executor gives
+// each kernel one: worker/task_runner.cc). Its stats() are the buffers it handed out; the wrapped
+// allocator counts (and caps) them as well.
+class CountingAllocator final : public Allocator {
+ public:
+  // REQUIRES: base is not null.
+  explicit CountingAllocator(std::shared_ptr<Allocator> base) : base_(std::move(base)) {}
+  std::string Name() const override { return base_->Name() + " (a kernel's scratch)"; }
+  std::string Limit() const override;
+  DeviceKind kind() const override { return base_->kind(); }
+
+ protected:
+  void* DoAllocate(int64_t bytes) override;
+  void DoDeallocate(void* ptr, int64_t bytes) override { base_->Deallocate(ptr, bytes); }
+
+ private:
+  std::shared_ptr<Allocator> base_;
+};
+
 // One AlignedHostAllocator for the process: tensors a driver builds to feed a step.
 std::shared_ptr<Allocator> SharedHostAllocator();
 

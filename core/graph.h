@@ -89,6 +89,10 @@ struct TaskSpec {
   WorkerId pinned_worker;  // invalid: the scheduler decides
   int32_t priority = 0;    // among ready tasks, higher runs first
   int64_t memory_estimate_bytes = 0;
+  // Scratch its kernel holds while it runs, on top of its outputs (OpDef::workspace): what the
+  // memory model adds at the task's run. Set when the graph is built; the planner's alone (not
+  // sent to workers).
+  int64_t workspace_bytes = 0;
   std::vector<Donation> donations;
   std::vector<TaskId> after;  // control edges: tasks that must end before this one starts
 };

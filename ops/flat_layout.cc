@@ -141,6 +141,25 @@ FlatLayout TransformerBlockStashLayout(int64_t batch, int64_t seq_len, int64_t c
   return layout;
 }
 
+int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims) {
+  return TransformerBlockRebuiltLayout(dims.batch, dims.seq_len, dims.channels, dims.heads,
+                                       dims.rebuild)
+      .numel();
+}
+
+int64_t TransformerBlockInputWorkspace(const TransformerDims& dims) {
+  return dims.rows() * dims.channels;
+}
+
+int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims) {
+  return TransformerBlockStashLayout(dims.batch, dims.seq_len, dims.channels).numel() +
+         TransformerBlockInputWorkspace(dims) + TransformerBlockForwardWorkspace(dims);
+}
+
+int64_t TiedLmHeadWorkspace(const TransformerDims& dims) {
+  return dims.rows() * (dims.channels + 2);
+}
+
 FlatLayout TiedLmHeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channels, int64_t vocab) {
   const int64_t b = batch, t = seq_len;
   FlatLayout layout;

@@ -127,6 +127,16 @@ FlatLayout TiedLmHeadSavedLayout(int64_t batch, int64_t seq_len, int64_t channel
 // layernorms' parameter gradients ln2_w, ln2_b, ln1_w, ln1_b [C] (cheap: computed with dx).
 FlatLayout TransformerBlockStashLayout(int64_t batch, int64_t seq_len, int64_t channels);
 
+// The scratch the CPU kernels take (floats, KernelContext::allocator; the memory model counts it
+// through OpDef::workspace): the block's forward, what dims.rebuild leaves to the backward; its
+// whole backward, the stash, the input half's scratch and what it rebuilds; its input half, one
+// [B,T,C] buffer; the head's backward and logits, [B*T, C + 2] (the final layernorm's output and
+// statistics again).
+int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims);
+int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims);
+int64_t TransformerBlockInputWorkspace(const TransformerDims& dims);
+int64_t TiedLmHeadWorkspace(const TransformerDims& dims);
+
 // The same on a GPU, where activations are bf16 (attribute activation_dtype = "bf16"): a flat
 // bf16 buffer with the same slot names. Slots kept in fp32 (the layernorm means and rstds, the
 // attention lse, the head's per-row losses) take two bf16 elements per value, and every slot

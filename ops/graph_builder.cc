@@ -68,6 +68,9 @@ Result<std::vector<ObjectId>> GraphBuilder::AddTask(std::string name, const std:
   task.device_kind = options.device_kind;
   task.pinned_worker = options.pinned_worker;
   task.priority = options.priority;
+  Result<int64_t> workspace = registry_.Workspace(op, input_metas, task.attrs);
+  if (!workspace.ok()) return workspace.status().WithContext(context);
+  task.workspace_bytes = *workspace;
   for (const auto& [input_index, output_index] : def->in_place) {
     task.donations.push_back(Donation{input_index, output_index});
   }

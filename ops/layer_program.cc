@@ -517,4 +517,82 @@ Result<detail::SplitPlan> detail::PlanSplit(const OpRegistry& registry, const La
   return plan;
 }
 
+namespace detail {
+
+Result<std::vector<int>> Donations(const OpRegistry& registry, const LayerProgram& program,
+                                   const ProgramShapes& shapes) {
+  const size_t n = static_cast<size_t>(program.num_values());
+  std::vector<int> home(n), last_reader(n, -1);
+  for (size_t v = 0; v < n; ++v) home[v] = static_cast<int>(v);
+  std::vector<bool> kept(n, false);
+  for (int v : program.outputs) kept[static_cast<size_t>(v)] = true;
+  for (int v : shapes.saved) kept[static_cast<size_t>(v)] = true;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    for (int v : program.ops[i].inputs) last_reader[static_cast<size_t>(v)] = static_cast<int>(i);
+  }
+  const int made = program.num_leaf_values();
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const ProgramOp& op = program.ops[i];
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+    for (const auto& [in, out] : def->in_place) {
+      const int v = op.inputs[static_cast<size_t>(in)];
+      const int w = program.first_output(i) + out;
+      if (v < made || kept[static_cast<size_t>(v)] ||
+          last_reader[static_cast<size_t>(v)] != static_cast<int>(i) ||
+          shapes.values[static_cast<size_t>(v)].bytes() !=
+              shapes.values[static_cast<size_t>(w)].bytes()) {
+        continue;
+      }
+      // Read only once, by this op: no other input of it is v.
+      if (std::count(op.inputs.begin(), op.inputs.end(), v) != 1) continue;
+      home[static_cast<size_t>(v)] = w;
+    }
+  }
+  for (size_t v = n; v-- > 0;) {  // a value's home comes after it: resolve from the back
+    home[v] = home[static_cast<size_t>(home[v])];
+  }
+  return home;
+}
+
+RebuildOrder PlanRebuild(const OpRegistry& registry, const LayerProgram& program,
+                         const ProgramShapes& shapes) {
+  RebuildOrder order;
+  const auto n = static_cast<size_t>(program.num_values());
+  order.producer.assign(n, -1);
+  order.last_reader.assign(n, -1);
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    if (!shapes.rebuilt[i]) continue;
+    for (int o = 0; o < program.ops[i].outputs; ++o) {
+      const size_t v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
+      order.producer[v] = static_cast<int>(i);
+      order.rebuilt.push_back(v);
+    }
+  }
+  // The walk reaches op i after every op after it, so a value is last read at the lowest op
+  // that reads it: as an input (its rule, or rebuilding its outputs), or as an output (its
+  // producer's rule).
+  for (size_t i = program.ops.size(); i-- > 0;) {
+    for (int v : program.ops[i].inputs)
+      order.last_reader[static_cast<size_t>(v)] = static_cast<int>(i);
+  }
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    if (!shapes.rebuilt[i]) continue;
+    Result<const OpDef*> found = registry.Find(program.ops[i].op);
+    const OpDef* def = found.ok() ? *found : nullptr;
+    for (int o = 0; o < program.ops[i].outputs; ++o) {
+      const auto v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
+      const bool read_by_rule =
+          def != nullptr && def->gradient &&
+          std::any_of(def->gradient->inputs.begin(), def->gradient->inputs.end(),
+                      [o](const GradientRule::Arg& arg) {
+                        return arg.from == GradientRule::From::kOutput && arg.index == o;
+                      });
+      if (read_by_rule || order.last_reader[v] < 0) order.last_reader[v] = static_cast<int>(i);
+    }
+  }
+  return order;
+}
+
+}  // namespace detail
+
 }  // namespace tessera

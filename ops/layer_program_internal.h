@@ -63,4 +63,32 @@ Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& prog
 // Which backward a kernel or inference is for: the whole one, or a half of the split one.
 enum class BackwardPart : uint8_t { kAll, kInput, kWeight };
 
+// Where each value of a forward is stored: its own place, or (donation) the place of the output
+// of the in-place op that overwrites it, when that op is its last reader and nothing else keeps
+// it (not kept for the backward, not an output of the layer, made by an earlier op, same size):
+// the in-place op then finds its input already there instead of copying it (a classifier's
+// logits become their gradient in place). Chains resolve to the last value's place.
+Result<std::vector<int>> Donations(const OpRegistry& registry, const LayerProgram& program,
+                                   const ProgramShapes& shapes);
+
+// The values a backward rebuilds (ProgramShapes::rebuilt) and when: each made again, with its
+// op's other outputs, when the walk first reads it, and dropped once the walk is past its last
+// reader.
+struct RebuildOrder {
+  std::vector<int> producer;     // per value: its op when rebuilt, else -1
+  std::vector<int> last_reader;  // per value: the lowest op reading it
+  std::vector<size_t> rebuilt;   // the values rebuilt ops make
+};
+RebuildOrder PlanRebuild(const OpRegistry& registry, const LayerProgram& program,
+                         const ProgramShapes& shapes);
+
+// The most scratch the kernels of layer_forward and layer_backward* hold at once
+// (OpDef::nested_workspace; `in`: the op's inputs): their allocations replayed on sizes alone
+// (layer_program_workspace.cc): every value, gradient sum, zero and rebuilt value they take from
+// KernelContext::allocator, each freed where the kernel drops it, and each nested op's own
+// scratch while it runs.
+Result<int64_t> ForwardWorkspace(const OpRegistry& registry, const Metas& in, const Attrs& attrs);
+Result<int64_t> BackwardWorkspace(BackwardPart part, const OpRegistry& registry, const Metas& in,
+                                  const Attrs& attrs);
+
 }  // namespace tessera::detail

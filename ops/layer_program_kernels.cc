@@ -14,14 +14,17 @@ namespace tessera {
 namespace {
 
 using detail::BackwardPart;
+using detail::Donations;
 using detail::GradientInputs;
 using detail::Half;
 using detail::HasParams;
 using detail::Metas;
 using detail::OpLabel;
+using detail::PlanRebuild;
 using detail::PlanSplit;
 using detail::ProgramOf;
 using detail::RebuildOf;
+using detail::RebuildOrder;
 using detail::SplitPlan;
 using detail::StashEntry;
 
@@ -89,46 +92,6 @@ Status CheckRegistry(const KernelContext& context) {
     return Internal("a layer program ran without a registry in its kernel context");
   }
   return Status::Ok();
-}
-
-// Where each value of a forward is stored: its own place, or (donation) the place of the output
-// of the in-place op that overwrites it, when that op is its last reader and nothing else keeps
-// it (not kept for the backward, not an output of the layer, made by an earlier op, same size):
-// the in-place op then finds its input already there instead of copying it (a classifier's
-// logits become their gradient in place). Chains resolve to the last value's place.
-Result<std::vector<int>> Donations(const OpRegistry& registry, const LayerProgram& program,
-                                   const ProgramShapes& shapes) {
-  const size_t n = static_cast<size_t>(program.num_values());
-  std::vector<int> home(n), last_reader(n, -1);
-  for (size_t v = 0; v < n; ++v) home[v] = static_cast<int>(v);
-  std::vector<bool> kept(n, false);
-  for (int v : program.outputs) kept[static_cast<size_t>(v)] = true;
-  for (int v : shapes.saved) kept[static_cast<size_t>(v)] = true;
-  for (size_t i = 0; i < program.ops.size(); ++i) {
-    for (int v : program.ops[i].inputs) last_reader[static_cast<size_t>(v)] = static_cast<int>(i);
-  }
-  const int made = program.num_leaf_values();
-  for (size_t i = 0; i < program.ops.size(); ++i) {
-    const ProgramOp& op = program.ops[i];
-    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
-    for (const auto& [in, out] : def->in_place) {
-      const int v = op.inputs[static_cast<size_t>(in)];
-      const int w = program.first_output(i) + out;
-      if (v < made || kept[static_cast<size_t>(v)] ||
-          last_reader[static_cast<size_t>(v)] != static_cast<int>(i) ||
-          shapes.values[static_cast<size_t>(v)].bytes() !=
-              shapes.values[static_cast<size_t>(w)].bytes()) {
-        continue;
-      }
-      // Read only once, by this op: no other input of it is v.
-      if (std::count(op.inputs.begin(), op.inputs.end(), v) != 1) continue;
-      home[static_cast<size_t>(v)] = w;
-    }
-  }
-  for (size_t v = n; v-- > 0;) {  // a value's home comes after it: resolve from the back
-    home[v] = home[static_cast<size_t>(home[v])];
-  }
-  return home;
 }
 
 Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tensors& in,
@@ -327,41 +290,11 @@ class Rebuilder {
  public:
   Rebuilder(const KernelContext& context, DeviceKind device, const LayerProgram& program,
             const ProgramShapes& shapes, std::vector<Tensor>& values)
-      : context_(context), device_(device), program_(program), values_(values) {
-    const size_t n = values.size();
-    producer_.assign(n, -1);
-    last_reader_.assign(n, -1);
-    for (size_t i = 0; i < program.ops.size(); ++i) {
-      if (!shapes.rebuilt[i]) continue;
-      for (int o = 0; o < program.ops[i].outputs; ++o) {
-        const size_t v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
-        producer_[v] = static_cast<int>(i);
-        rebuilt_.push_back(v);
-      }
-    }
-    // The walk reaches op i after every op after it, so a value is last read at the lowest op
-    // that reads it: as an input (its rule, or rebuilding its outputs), or as an output (its
-    // producer's rule).
-    for (size_t i = program.ops.size(); i-- > 0;) {
-      for (int v : program.ops[i].inputs)
-        last_reader_[static_cast<size_t>(v)] = static_cast<int>(i);
-    }
-    for (size_t i = 0; i < program.ops.size(); ++i) {
-      if (!shapes.rebuilt[i]) continue;
-      Result<const OpDef*> found = context.registry->Find(program.ops[i].op);
-      const OpDef* def = found.ok() ? *found : nullptr;
-      for (int o = 0; o < program.ops[i].outputs; ++o) {
-        const auto v = static_cast<size_t>(program.first_output(i)) + static_cast<size_t>(o);
-        const bool read_by_rule =
-            def != nullptr && def->gradient &&
-            std::any_of(def->gradient->inputs.begin(), def->gradient->inputs.end(),
-                        [o](const GradientRule::Arg& arg) {
-                          return arg.from == GradientRule::From::kOutput && arg.index == o;
-                        });
-        if (read_by_rule || last_reader_[v] < 0) last_reader_[v] = static_cast<int>(i);
-      }
-    }
-  }
+      : context_(context),
+        device_(device),
+        program_(program),
+        values_(values),
+        order_(PlanRebuild(*context.registry, program, shapes)) {}
 
   // Makes every value `op`'s rule reads that is rebuilt and not live.
   Status Provide(const ProgramOp& op, int first, const GradientRule& rule) {
@@ -377,8 +310,8 @@ class Rebuilder {
 
   // Drops the rebuilt values no op before `op` reads.
   void PassedOp(size_t op) {
-    for (size_t v : rebuilt_) {
-      if (values_[v].defined() && last_reader_[v] >= static_cast<int>(op)) {
+    for (size_t v : order_.rebuilt) {
+      if (values_[v].defined() && order_.last_reader[v] >= static_cast<int>(op)) {
         values_[v] = Tensor();
       }
     }
@@ -387,8 +320,8 @@ class Rebuilder {
  private:
   Status Make(int value) {
     const auto v = static_cast<size_t>(value);
-    if (values_[v].defined() || producer_[v] < 0) return Status::Ok();
-    const auto i = static_cast<size_t>(producer_[v]);
+    if (values_[v].defined() || order_.producer[v] < 0) return Status::Ok();
+    const auto i = static_cast<size_t>(order_.producer[v]);
     const ProgramOp& op = program_.ops[i];
     Tensors inputs;
     for (int u : op.inputs) {
@@ -407,9 +340,7 @@ class Rebuilder {
   DeviceKind device_;
   const LayerProgram& program_;
   std::vector<Tensor>& values_;
-  std::vector<int> producer_;     // per value: its op when rebuilt, else -1
-  std::vector<int> last_reader_;  // per value: the lowest op reading it
-  std::vector<size_t> rebuilt_;   // the values rebuilt ops make
+  RebuildOrder order_;
 };
 
 // The backward (BackwardPart::kAll) or one half of it; see PlanSplit for what each half does per

@@ -14,6 +14,8 @@ namespace tessera {
 namespace {
 
 using detail::BackwardPart;
+using detail::BackwardWorkspace;
+using detail::ForwardWorkspace;
 using detail::GradientInputs;
 using detail::HasParams;
 using detail::Metas;
@@ -207,6 +209,7 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
             in.begin(), in.begin() + std::min<long>(program.inputs, static_cast<long>(in.size())));
         return ProgramCost(registry, inputs, attrs, /*backward=*/false);
       },
+      .nested_workspace = ForwardWorkspace,
       .rebuild_options = {kRebuildCheapOps},
       .rebuild_cost = ProgramRebuildCostOf,
   }));
@@ -259,6 +262,10 @@ Status RegisterLayerProgramOps(OpRegistry& r) {
           TESSERA_ASSIGN_OR_RETURN(OpCost rebuild, ProgramRebuildCostOf(registry, inputs, attrs));
           return OpCost{cost.flops + rebuild.flops, cost.bytes + rebuild.bytes};
         },
+        .nested_workspace =
+            [part](const OpRegistry& registry, const Metas& in, const Attrs& attrs) {
+              return BackwardWorkspace(part, registry, in, attrs);
+            },
     }));
   }
   return Status::Ok();

@@ -84,6 +84,20 @@ Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMet
   return def->cost(named, attrs);
 }
 
+Result<int64_t> OpRegistry::Workspace(std::string_view op, const std::vector<TensorMeta>& inputs,
+                                      const Attrs& attrs) const {
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
+  for (const TensorMeta& input : inputs) {
+    if (!input.device.is_cpu()) return int64_t{0};
+  }
+  std::vector<TensorMeta> named = inputs;
+  if (def->control_inputs && inputs.size() > def->input_names.size()) {
+    named.resize(def->input_names.size());
+  }
+  if (def->nested_workspace) return def->nested_workspace(*this, named, attrs);
+  return def->workspace ? def->workspace(named, attrs) : int64_t{0};
+}
+
 std::vector<std::string> OpRegistry::OpNames() const {
   std::vector<std::string> names;
   names.reserve(ops_.size());

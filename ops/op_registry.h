@@ -69,10 +69,16 @@ Status CopyAcrossTiers(const Tensor& dst, const Tensor& src, const KernelContext
 using InferFn = std::function<Result<std::vector<TensorMeta>>(const std::vector<TensorMeta>& inputs,
                                                               const Attrs& attrs)>;
 using CostFn = std::function<OpCost(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+// Bytes of scratch (KernelContext::allocator) the op's kernel on the inputs' device holds at most
+// while it runs, on top of its outputs; 0 for none.
+using WorkspaceFn =
+    std::function<int64_t(const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
 // Inference and cost of ops made of other ops: they see the registry they are in.
 using NestedInferFn = std::function<Result<std::vector<TensorMeta>>(
     const OpRegistry& registry, const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
 using NestedCostFn = std::function<Result<OpCost>(
+    const OpRegistry& registry, const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
+using NestedWorkspaceFn = std::function<Result<int64_t>(
     const OpRegistry& registry, const std::vector<TensorMeta>& inputs, const Attrs& attrs)>;
 // REQUIRES: inputs/outputs match the op's inferred metas; outputs are allocated, and in-place
 // outputs hold their input's contents. Returns InvalidArgument for data-dependent errors (a
@@ -126,6 +132,12 @@ struct OpDef {
   // Instead of infer and cost, for ops made of other ops (ops/layer_program.h).
   NestedInferFn nested_infer;
   NestedCostFn nested_cost;
+  // The kernels' scratch space (either or neither; none: the kernel takes none worth counting:
+  // a few rows' worth at most). The memory model counts it while the task runs
+  // (planner/memory_model.h), and the executor measures it (worker/role_meter.h). The figures
+  // are the CPU kernels'; GPU kernels' scratch is not counted yet.
+  WorkspaceFn workspace;
+  NestedWorkspaceFn nested_workspace;
   // Absent: the op has no gradient (optimizer steps, collectives, backward ops themselves).
   std::optional<GradientRule> gradient;
   // A layer forward whose backward can recompute part of what the forward saves instead of
@@ -158,6 +170,10 @@ class OpRegistry {
                                               const Attrs& attrs) const;
   Result<OpCost> Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
                       const Attrs& attrs) const;
+  // OpDef::workspace's bytes (0 where the op declares none, and for inputs off the host: GPU
+  // kernels' scratch is not counted yet). Errors name the op.
+  Result<int64_t> Workspace(std::string_view op, const std::vector<TensorMeta>& inputs,
+                            const Attrs& attrs) const;
 
   std::vector<std::string> OpNames() const;
 

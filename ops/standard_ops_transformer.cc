@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ops/flat_layout.h"
+#include "ops/kernel_attrs.h"
 #include "ops/op_def_util.h"
 #include "ops/standard_ops.h"
 #include "ops/standard_ops_internal.h"
@@ -138,6 +139,15 @@ OpCost BlockRebuildCost(const TransformerShape& s) {
   return cost;
 }
 
+// The CPU kernel's scratch of a layer op whose activation x [B, T, C] is in[x]: `floats(dims)`
+// floats (ops/flat_layout.h); none for shapes inference refuses.
+WorkspaceFn LayerScratch(size_t x, int64_t (*floats)(const TransformerDims&)) {
+  return [x, floats](const Metas& in, const Attrs& attrs) -> int64_t {
+    if (in.size() <= x || in[x].shape.rank() != 3) return 0;
+    return 4 * floats(ReadTransformerDims(attrs, in[x]));
+  };
+}
+
 }  // namespace
 
 Status AddTransformerLayerOps(OpRegistry& r) {
@@ -197,6 +207,7 @@ Status AddTransformerLayerOps(OpRegistry& r) {
             Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], true, false);
             return OpCost{s.ok() ? BlockForwardFlops(*s) : 0.0, 2 * Bytes(in)};
           },
+      .workspace = LayerScratch(0, TransformerBlockForwardWorkspace),
       .rebuild_options = {BlockRebuildName(BlockRebuild::kNormsAndGelu),
                           BlockRebuildName(BlockRebuild::kNormsGeluAttention)},
       .rebuild_cost = [](const OpRegistry&, const Metas& in, const Attrs& attrs) -> Result<OpCost> {
@@ -248,6 +259,9 @@ Status AddTransformerLayerOps(OpRegistry& r) {
               return OpCost{forwards * BlockForwardFlops(*s) + rebuild.flops,
                             2 * Bytes(in) + rebuild.bytes};
             },
+        .workspace = part == Part::kWeight ? WorkspaceFn()
+                     : whole               ? LayerScratch(1, TransformerBlockBackwardWorkspace)
+                                           : LayerScratch(1, TransformerBlockInputWorkspace),
     };
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(block_backward("transformer_block_backward", "", Part::kWhole)));
@@ -304,6 +318,7 @@ Status AddTransformerLayerOps(OpRegistry& r) {
             Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], false, true);
             return OpCost{s.ok() ? head_flops(*s, 2.0) : 0.0, 2 * Bytes(in)};
           },
+      .workspace = LayerScratch(0, TiedLmHeadWorkspace),
   }));
   return r.AddOp(OpDef{
       .name = "tied_lm_head_logits",
@@ -325,6 +340,7 @@ Status AddTransformerLayerOps(OpRegistry& r) {
             Result<TransformerShape> s = ReadTransformerShape(attrs, in[0], false, true);
             return OpCost{s.ok() ? head_flops(*s, 1.0) : 0.0, 2 * Bytes(in)};
           },
+      .workspace = LayerScratch(0, TiedLmHeadWorkspace),
   });
 }
 

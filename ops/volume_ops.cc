@@ -1,5 +1,6 @@
 #include "ops/volume_ops.h"
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -7,6 +8,24 @@
 #include "ops/op_def_util.h"
 
 namespace tessera {
+
+namespace {
+
+// The column matrix of one chunk: 8 MB, wide enough that its GEMM splits into many pieces.
+constexpr int64_t kColumnFloats = int64_t{1} << 21;
+constexpr int64_t kChunkQuantum = 64;
+
+}  // namespace
+
+int64_t Conv3dPositionsPerChunk(int64_t column_rows, int64_t out_volume) {
+  int64_t chunk = kColumnFloats / std::max<int64_t>(column_rows, 1);
+  chunk = std::max<int64_t>(chunk / kChunkQuantum * kChunkQuantum, kChunkQuantum);
+  return std::max<int64_t>(1, std::min(chunk, out_volume));
+}
+
+int64_t Conv3dWorkspaceFloats(int64_t column_rows, int64_t out_volume) {
+  return column_rows * std::min(Conv3dPositionsPerChunk(column_rows, out_volume), out_volume);
+}
 
 namespace {
 
@@ -117,6 +136,16 @@ Result<Shape> ConvOutputShape(const Metas& in, int x_index, const Attrs& attrs, 
   return Shape(std::move(dims));
 }
 
+// The CPU kernels' scratch for a convolution from `volume` to `grid` (conv3d's x to y; the
+// transposed op's y to x): one column matrix, at least one float.
+int64_t ConvScratchBytes(const TensorMeta& volume, const TensorMeta& weight,
+                         const TensorMeta& grid) {
+  if (volume.shape.rank() != 5 || weight.shape.rank() != 5 || grid.shape.rank() != 5) return 0;
+  const int64_t rows = volume.shape[1] * weight.shape[2] * weight.shape[3] * weight.shape[4];
+  const int64_t positions = grid.shape[2] * grid.shape[3] * grid.shape[4];
+  return 4 * std::max<int64_t>(1, Conv3dWorkspaceFloats(rows, positions));
+}
+
 Status AddConvOps(OpRegistry& r, bool transposed) {
   const std::string name = transposed ? "conv_transpose3d" : "conv3d";
   const InferFn forward_infer = [transposed](const Metas& in, const Attrs& attrs) -> Result<Metas> {
@@ -145,9 +174,20 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
                      [conv_flops](const Metas& in, const Metas& out) {
                        return conv_flops(in[0], in[1], out[0]) + Numel(out[0]);
                      }),
+      .workspace = [forward_infer, transposed](const Metas& in, const Attrs& attrs) -> int64_t {
+        Result<Metas> y = forward_infer(in, attrs);
+        if (!y.ok()) return 0;
+        return transposed ? ConvScratchBytes((*y)[0], in[1], in[0])
+                          : ConvScratchBytes(in[0], in[1], (*y)[0]);
+      },
       .gradient = Split(Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
                         name + "_backward_input", name + "_backward_weight", 1),
   }));
+  // The backwards' (in: dy, x, weight): one column matrix at a time.
+  const WorkspaceFn backward_scratch = [transposed](const Metas& in, const Attrs&) -> int64_t {
+    return transposed ? ConvScratchBytes(in[0], in[2], in[1])
+                      : ConvScratchBytes(in[1], in[2], in[0]);
+  };
   const InferFn backward_infer = [transposed](const Metas& in,
                                               const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 1, attrs, transposed));
@@ -164,6 +204,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
                      [conv_flops](const Metas& in, const Metas&) {
                        return 2.0 * conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
                      }),
+      .workspace = backward_scratch,
   }));
   // The halves of the backward (zero-bubble pipelines): dx alone, and dweight and dbias alone,
   // from the same inputs.
@@ -186,6 +227,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
       .cost = CostOf(
           input_infer,
           [conv_flops](const Metas& in, const Metas&) { return conv_flops(in[1], in[2], in[0]); }),
+      .workspace = backward_scratch,
   }));
   return r.AddOp(OpDef{
       .name = name + "_backward_weight",
@@ -197,6 +239,7 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
                      [conv_flops](const Metas& in, const Metas&) {
                        return conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
                      }),
+      .workspace = backward_scratch,
   });
 }
 

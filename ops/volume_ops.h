@@ -46,10 +46,19 @@
 //                             A metric: no gradient
 #pragma once
 
+#include <cstdint>
+
 #include "core/status.h"
 #include "ops/op_registry.h"
 
 namespace tessera {
+
+// The CPU convolution kernels' scratch (OpDef::workspace; ops/cpu/volume_kernels.h): one column
+// matrix of `column_rows` rows (Cin * kD * kH * kW of the convolution's input side) by the output
+// positions unfolded at once: a few MB, and wide enough for a GEMM to split into many pieces (a
+// function of the shape only).
+int64_t Conv3dPositionsPerChunk(int64_t column_rows, int64_t out_volume);
+int64_t Conv3dWorkspaceFloats(int64_t column_rows, int64_t out_volume);
 
 // Adds the volume ops above. Called by RegisterStandardOps; AlreadyExists if called twice.
 Status RegisterVolumeOps(OpRegistry& registry);

@@ -133,11 +133,19 @@ int64_t KeptBytes(const ActivationLayer& layer, const Option& option) {
 }
 
 // The bytes of what layer j's forward saves under `option` (and, recomputed, its recompute;
-// swapped, what is copied down and back): what the memory model sees while its forward and its
-// backward run (what a partial keep rebuilds is the kernel's scratch).
+// swapped, what is copied down and back).
 int64_t MadeBytes(const ActivationLayer& layer, const Option& option) {
   return option.part >= 0 ? layer.partial_keeps[static_cast<size_t>(option.part)].kept_bytes
                           : layer.saved_bytes;
+}
+
+// What layer j holds while its own forward or backward runs: what it saves, and under a partial
+// keep, where the cap counts scratch, also what its kernels rebuild (the rest of s_j: the
+// forward makes it, and the backward makes it again first).
+int64_t RunningBytes(const ActivationProblem& problem, const ActivationLayer& layer,
+                     const Option& option) {
+  return option.part >= 0 && problem.cap_counts_scratch ? layer.saved_bytes
+                                                        : MadeBytes(layer, option);
 }
 
 // What a recompute under `option` makes besides what it saves, live just before B_j.
@@ -186,7 +194,7 @@ double ExtraTime(const ActivationProblem& problem, size_t j, const Option& optio
 int64_t PeakAt(const ActivationProblem& problem, size_t j, int64_t kept_before,
                const Option& option, int64_t previous_in_flight) {
   const ActivationLayer& layer = problem.layers[j];
-  const int64_t local = MadeBytes(layer, option) +
+  const int64_t local = RunningBytes(problem, layer, option) +
                         (layer.kept_copies - 1) * KeptBytes(layer, option) + previous_in_flight +
                         kept_before;
   return local + std::max(Base(problem.base_forward_bytes, j),
@@ -260,7 +268,7 @@ ActivationPlan EvaluateActivationPlan(const ActivationProblem& problem,
       for (size_t i = 0; i < n; ++i) {
         const ActivationLayer& layer = problem.layers[i];
         if (i == j) {
-          live += MadeBytes(layer, options[i]) +
+          live += RunningBytes(problem, layer, options[i]) +
                   (backward ? RecomputeBytes(layer, options[i]) : 0) +
                   (layer.kept_copies - 1) * KeptBytes(layer, options[i]);
         } else if (i < j) {

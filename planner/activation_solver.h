@@ -15,16 +15,17 @@
 //
 // The cost model (what EvaluateActivationPlan computes for any choices, and the solver
 // minimises):
-//   * memory (objects, as the memory model counts them): while F_j or B_j runs, the device holds
-//     its base bytes, what layer j's forward saves (being made, or back for its backward: s_j,
-//     or p_j under a partial keep, kept or recomputed; what is rebuilt is the kernels' scratch,
-//     which the model does not count), every earlier layer's s_i it keeps or p_i it keeps part
-//     of (c_i copies of it: micro-batches in flight), c_j - 1 copies of what layer j keeps, and
-//     what layer j-1 swaps when it does (s_{j-1}, or p_{j-1} swapping part: its copy down
-//     overlaps F_j; its copy up, prefetched one layer ahead, overlaps B_j). A recompute of layer j
-//     runs just before B_j and holds what B_j does and o_j (counted at B_j). The peak is the
-//     largest of these sums. (With c > 1, the other micro-batches' later layers are not counted at
-//     F_j: a pipeline stage's peak is at its first backward, where they are.)
+//   * memory (objects and kernel scratch, as the memory model counts them): while F_j or B_j
+//     runs, the device holds its base bytes, what layer j's forward saves (being made, or back for
+//     its backward: s_j; under a partial keep p_j of it is saved and the rest is the kernels'
+//     scratch, rebuilt by the backward: s_j all the same where the cap counts scratch, else
+//     p_j), every earlier layer's s_i it keeps or
+//     p_i it keeps part of (c_i copies of it: micro-batches in flight), c_j - 1 copies of what
+//     layer j keeps, and what layer j-1 swaps when it does (s_{j-1}, or p_{j-1} swapping part: its
+//     copy down overlaps F_j; its copy up, prefetched one layer ahead, overlaps B_j). A recompute
+//     of layer j runs just before B_j and holds what B_j does and o_j (counted at B_j). The peak is
+//     the largest of these sums. (With c > 1, the other micro-batches' later layers are not counted
+//     at F_j: a pipeline stage's peak is at its first backward, where they are.)
 //   * time: the forwards and backwards, plus f_j for each recomputed layer, r_j for each layer
 //     kept in part (also for a recompute or a swap keeping part), plus each swapped layer's
 //     transfer time not hidden under compute: the copy down (s_j or p_j / bandwidth) overlaps
@@ -78,6 +79,10 @@ struct ActivationDecision {
   ActivationChoice choice = ActivationChoice::kKeep;
   // kKeepPart, and kRecompute or kSwap keeping part: the PartialKeep's option (else empty).
   std::string rebuild;
+  // Under a plan that splits backwards (zero-bubble schedules): the layer's backward runs whole,
+  // so what its forward saved is freed with its input gradient instead of waiting for a deferred
+  // weight half (the memory plan's choice under a cap; planner/memory_plan.cc).
+  bool whole_backward = false;
   bool operator==(const ActivationDecision&) const = default;
 };
 // How many of `decisions` make `choice`.
@@ -96,6 +101,9 @@ struct ActivationProblem {
   double copy_compute_us_per_byte = 0;
   bool allow_recompute = true;
   bool allow_swap = true;
+  // Whether the cap counts kernel scratch (a tier's cap does: what a partial keep rebuilds is
+  // held while its layer runs; an activation budget counts activations, objects, alone).
+  bool cap_counts_scratch = true;
 
   // InvalidArgument naming the field: negative sizes or times, a partial keep no smaller than
   // what it keeps part of, base vectors of the wrong size, a non-positive cap.

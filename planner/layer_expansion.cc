@@ -59,7 +59,10 @@ class Expansion {
     for (size_t l = 0; l < state.num_layers; ++l) {
       const LayerSpec& layer = state.model.layers[l];
       layer_attrs_.push_back(LayerAttrs(layer, state.sharding->GroupMultiple()));
-      split_.push_back((zero_bubble || p.split_backwards) && SplitsLayerBackward(state.model, l));
+      const bool whole = l < state.activation_choices.size() &&
+                         state.activation_choices[l].whole_backward;  // the memory plan's
+      split_.push_back((zero_bubble || p.split_backwards) && !whole &&
+                       SplitsLayerBackward(state.model, l));
       for (const LayerArg& arg : layer.forward_args) {
         if (arg.kind == Arg::kParams) readers_[arg.index].push_back(l);
       }

@@ -43,6 +43,11 @@ namespace {
 size_t Index(TaskId id) { return static_cast<size_t>(id.value() - 1); }
 size_t Index(ObjectId id) { return static_cast<size_t>(id.value() - 1); }
 size_t TierIndex(MemoryTier tier) { return static_cast<size_t>(tier); }
+
+// Where a task's kernel scratch lives: its device's memory (the host for CPU tasks).
+size_t ScratchTier(const TaskSpec& task) {
+  return TierIndex(task.device_kind == DeviceKind::kCpu ? MemoryTier::kHost : MemoryTier::kDevice);
+}
 size_t RoleIndex(ObjectRole role) { return static_cast<size_t>(role); }
 
 // The graph's workers (WorkerOrder's indexing) and each task's.
@@ -360,16 +365,24 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   auto observe = [&](int p) {
     RoleArray by_role{};
     std::array<int64_t, kMemoryTiers> tiers{};
+    // The running task's kernel scratch, on its device's tier.
+    const TaskSpec* running =
+        p >= 0 ? &graph.task(memory.order.tasks[static_cast<size_t>(p)]) : nullptr;
+    const int64_t scratch = running != nullptr ? running->workspace_bytes : 0;
+    const size_t scratch_tier = running != nullptr ? ScratchTier(*running) : 0;
     for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
       for (size_t role = 0; role < kObjectRoles; ++role) {
         // The role figures are what memory holds (RoleMeter's): the disk tier is not memory.
         if (tier != TierIndex(MemoryTier::kDisk)) by_role[role] += live[tier][role];
         tiers[tier] += live[tier][role];
       }
+      const int64_t tier_scratch = tier == scratch_tier ? scratch : 0;
+      tiers[tier] += tier_scratch;
       if (tiers[tier] > memory.peaks[tier].bytes) {
         memory.peaks[tier].bytes = tiers[tier];
         memory.peaks[tier].position = p;
         memory.peaks[tier].by_role = live[tier];
+        memory.peaks[tier].scratch = tier_scratch;
       }
     }
     int64_t total = 0;
@@ -388,6 +401,7 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
     memory.transient_peak = std::max(
         memory.transient_peak, sum({ObjectRole::kGatheredParameter, ObjectRole::kGradientBucket}));
     memory.total_peak = std::max(memory.total_peak, total);
+    memory.total_with_scratch_peak = std::max(memory.total_with_scratch_peak, total + scratch);
     return tiers;
   };
   observe(-1);
@@ -395,6 +409,10 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   for (int p = 0; p < size; ++p) {
     add(live, starts[slot(p)], 1);
     memory.during.push_back(observe(p));
+    const TaskSpec& running = graph.task(memory.order.tasks[static_cast<size_t>(p)]);
+    std::array<int64_t, kMemoryTiers> scratch{};
+    scratch[ScratchTier(running)] = running.workspace_bytes;
+    memory.scratch.push_back(scratch);
     add(live, ends[slot(p)], -1);
   }
   for (TierPeak& peak : memory.peaks) {
@@ -484,7 +502,7 @@ Result<MemoryProfile> PredictMemory(const Graph& graph) {
 std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile, int timeline_points) {
   std::string text = fmt::format(
       "memory plan: predicted before the step runs, from each object's size and live interval "
-      "in its worker's task order (the step's objects; kernels' scratch space comes on top)\n");
+      "in its worker's task order, with the running kernel's scratch space\n");
   for (size_t w = 0; w < profile.workers.size(); ++w) {
     const WorkerMemory& memory = profile.workers[w];
     text += fmt::format(
@@ -507,6 +525,9 @@ std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile, int 
         roles +=
             fmt::format("{}{} {}", roles.empty() ? "" : ", ",
                         ObjectRoleName(static_cast<ObjectRole>(role)), Bytes(peak.by_role[role]));
+      }
+      if (peak.scratch > 0) {
+        roles += fmt::format("{}kernel scratch {}", roles.empty() ? "" : ", ", Bytes(peak.scratch));
       }
       text += fmt::format("    live at the peak by role: {}\n", roles);
       const size_t shown = std::min<size_t>(peak.live.size(), 6);

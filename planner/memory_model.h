@@ -19,9 +19,11 @@
 //     then lower); and since the copies' timing is the drive's, two ready tasks may run in the
 //     other order than the model's (a few scalars over it, seen on a loaded machine).
 // So while a task runs, the live set is what was live before it plus its outputs, less the
-// donated inputs it replaces; the peak of a tier is the largest such sum. Figures are plan
-// memory (what the step's objects hold), the figure RoleMeter measures; kernels' scratch space
-// and allocator slack come on top.
+// donated inputs it replaces, plus the scratch its kernel holds (TaskSpec::workspace_bytes,
+// from OpDef::workspace: the CPU kernels'; GPU kernels' is not counted yet); the peak of a tier
+// is the largest such sum. The role figures are the step's objects alone (RoleMeter's); the
+// tiers' peaks and total_with_scratch_peak count the scratch too (RoleMeter's
+// total_with_scratch_peak measures the same). Allocator slack comes on top.
 //
 // Tiers: an object lives on its TensorMeta's device: the device tier (a GPU's memory, or the
 // simulated GPU's), the disk tier (a CPU worker's swap file: what the memory plan swapped out),
@@ -93,6 +95,7 @@ struct TierPeak {
   int64_t bytes = 0;
   int position = -1;  // in the worker's order; -1: before the first task
   RoleArray by_role{};
+  int64_t scratch = 0;  // the running task's kernel scratch (counted in bytes, not by_role)
   std::vector<ObjectId> live;
 };
 
@@ -105,8 +108,12 @@ struct WorkerMemory {
   // largest total; in memory (the device and host tiers; not the disk's).
   RoleArray role_peaks{};
   int64_t model_state_peak = 0, transient_peak = 0, total_peak = 0;
-  // Per position in the order: live bytes per tier while that task runs.
+  // The largest total with the running task's kernel scratch on top.
+  int64_t total_with_scratch_peak = 0;
+  // Per position in the order: live bytes per tier while that task runs (its scratch included).
   std::vector<std::array<int64_t, kMemoryTiers>> during;
+  // Per position: the running task's kernel scratch per tier (on its device's; in `during`).
+  std::vector<std::array<int64_t, kMemoryTiers>> scratch;
   // Bytes its tasks copy between tiers in a step (swaps, parameter uploads, gradient downloads:
   // every task reading an object of one tier and making one of another).
   int64_t tier_copy_bytes = 0;

@@ -14,7 +14,8 @@
 //    serialize_micro_batches): if that fits, nothing is recomputed.
 // 3. Plan again with those choices (the expansion adds the recomputes) and predict again: the
 //    model, not the solver's simpler view, has the last word. If a worker still exceeds the cap,
-//    solve again with the cap lowered by the excess (a few rounds).
+//    solve again with the cap lowered by the excess and by the room the solver's choices left
+//    unused (else it would choose the same again; a few rounds).
 // Across workers a plan fits when each worker's predicted peak plus the largest object one worker
 // pushes to another, once per micro-batch a worker may hold in flight (a pipeline's; else once),
 // is under the cap: the model moves a push the moment its object is made, and a push that leaves
@@ -42,7 +43,12 @@
 // flight (ActivationLayer::kept_copies, from the worker's order: 1F1B's P - s); the schedule
 // runs a recompute just before its backward (schedule_pass.cc). The memory model checks the
 // interleaved result as above.
-// Not yet: split backwards (zero-bubble schedules) are refused under a cap.
+// Split backwards (zero-bubble schedules: --schedule zb-h1): what a layer saves, and its input
+// half's stash, wait for its deferred weight half, which recomputing does not move. Under a cap
+// the split plan exceeds, every layer's backward runs whole first (ActivationDecision::
+// whole_backward; the schedule's order otherwise the same: ZB-H1's W ops of those layers become
+// part of their B), the steps above run on that plan, and then the layers kept whole get their
+// halves back, last layer first, while the plan still fits (ResplitWhileItFits).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -81,8 +87,8 @@ std::string Mib(int64_t bytes) {
   return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
-// Bytes live in `tier` while each task of a worker's order runs: every object, or only
-// activations; less the objects in `without`.
+// Bytes live in `tier` while each task of a worker's order runs: every object and the task's
+// kernel scratch, or only activations; less the objects in `without`.
 std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, bool activations_only,
                                 const std::set<ObjectId>& without = {}) {
   const size_t size = memory.order.tasks.size();
@@ -98,7 +104,10 @@ std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, boo
   }
   std::vector<int64_t> live(size, 0);
   int64_t running = 0;
-  for (size_t p = 0; p < size; ++p) live[p] = running += delta[p];
+  for (size_t p = 0; p < size; ++p) {
+    live[p] = running += delta[p];
+    if (!activations_only) live[p] += memory.scratch[p][static_cast<size_t>(tier)];
+  }
   return live;
 }
 
@@ -304,6 +313,7 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   }
   Chain chain;
   chain.problem.cap_bytes = cap;
+  chain.problem.cap_counts_scratch = caps.total > 0;
   // Swapping needs somewhere to swap to (a GPU's host, a CPU worker's swap file), the link's
   // bandwidth, and times in microseconds.
   chain.problem.link_bytes_per_us = SwapLinkBytesPerUs(plan);
@@ -326,7 +336,7 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
     layer.kept_copies = in_flight;
     layer.forward_us = times[l].forward;
     layer.backward_us = times[l].backward + times[l].weight;
-    if (!layer.must_keep && !plan.parallel.split_backwards) {
+    if (!layer.must_keep) {  // split backwards run whole under a cap: rebuilding is theirs
       TESSERA_ASSIGN_OR_RETURN(layer.partial_keeps,
                                PartialKeeps(graph, registry, forward[l][0], saved_of[l], layer));
     }
@@ -439,11 +449,10 @@ std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
                          const OpRegistry& registry);
 
 // Whether the memory plan may split each rank's batch into twice the micro-batches when nothing
-// else fits: the rows split, and no split backwards. A pipeline holds as many micro-batches in
-// flight either way (1F1B's P - s), each of half the rows.
+// else fits: the rows split. A pipeline holds as many micro-batches in flight either way (1F1B's
+// P - s; a zero-bubble schedule's, its backwards run whole), each of half the rows.
 bool SplitsMicroBatchesIfNeeded(const TrainingPlan& plan) {
-  const ParallelConfig& p = plan.parallel;
-  return !p.split_backwards && !SplitsBackward(p.schedule) && p.MicroBatchRows(plan.batch) % 2 == 0;
+  return plan.parallel.MicroBatchRows(plan.batch) % 2 == 0;
 }
 
 // A plan the memory plan changed on its own (`how`), fitted under the caller's caps (its
@@ -459,6 +468,44 @@ StepGraph Changed(StepGraph step, const std::string& how, int64_t uncapped_total
 }
 
 // The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
+// Under split backwards, gives the layers kept whole (kKeep with whole_backward) their halves
+// back, the last layer first, each while the plan still fits the caps (re-planned and predicted
+// again each time): a split layer holds what it saved, and its stash, until its deferred weight
+// half runs. `choices`, `planned` and `peaks` become the plan's; returns what it did, for the
+// decision's reason.
+Result<std::string> ResplitWhileItFits(const ModelSpec& model, const TrainingPlan& plan,
+                                       const OpRegistry& registry, const Caps& caps,
+                                       MemoryTier tier, bool serialize,
+                                       std::vector<ActivationDecision>& choices,
+                                       PlannedPasses& planned, Peaks& peaks) {
+  int whole = 0, splittable = 0;
+  for (size_t l = model.layers.size(); l-- > 0;) {
+    if (!choices[l].whole_backward || !SplitsLayerBackward(model, l)) continue;
+    ++splittable;
+    if (choices[l].choice != ActivationChoice::kKeep) {
+      ++whole;
+      continue;
+    }
+    std::vector<ActivationDecision> tried = choices;
+    tried[l].whole_backward = false;
+    TESSERA_ASSIGN_OR_RETURN(PlannedPasses replanned,
+                             RunTrainingPasses(model, plan, registry, tried, serialize));
+    TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(replanned.step.graph));
+    const Peaks split = PeaksOf(profile, tier);
+    if (!caps.Fit(split)) {
+      ++whole;
+      continue;
+    }
+    choices = std::move(tried);
+    planned = std::move(replanned);
+    peaks = split;
+  }
+  return fmt::format(
+      "{} of {} layers' backwards run whole (what they save freed with their input gradients, "
+      "not kept for a deferred weight half)",
+      whole, splittable);
+}
+
 // `activation_cap`: the activations' cap in bytes when a plan changed on its own is fitted
 // (the caller's budget, of its own uncapped activations); 0: from the plan's budget.
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
@@ -471,9 +518,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     caps.late_pushes = std::min<int64_t>(
         parallel.micro_batches, int64_t{parallel.pipeline_stages} * parallel.virtual_stages);
   }
+  const bool splits = parallel.split_backwards || SplitsBackward(parallel.schedule);
   if (plan.memory.recompute_all) {
-    std::vector<ActivationDecision> all(model.layers.size(),
-                                        ActivationDecision{ActivationChoice::kRecompute});
+    std::vector<ActivationDecision> all(
+        model.layers.size(),
+        ActivationDecision{.choice = ActivationChoice::kRecompute, .whole_backward = splits});
     TESSERA_ASSIGN_OR_RETURN(
         PlannedPasses recomputed,
         RunTrainingPasses(model, plan, registry, all, SerializesMicroBatches(plan)));
@@ -541,21 +590,38 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
                                          Mib(caps.activations), 100 * plan.memory.activation_budget)
                            : "");
   const ParallelConfig& p = plan.parallel;
-  if (p.split_backwards || SplitsBackward(p.schedule)) {
-    // Tried: with the refusal lifted, recomputing every layer of a two-stage ZB-H1 GPT-2 left its
-    // activation peak where it was (100%): each layer's saved activations and its input half's
-    // stash wait for the deferred weight half, which only the schedule can move.
-    return InvalidArgument(
-        "{}; fitting a split backward's activations (zero-bubble schedules) under a cap is not "
-        "planned yet (what a layer saves, and its input half's stash, wait for its deferred "
-        "weight half, and recomputing does not move that): raise the cap, or use --schedule 1f1b",
-        over);
+  const bool serialize = SerializesMicroBatches(plan);
+  // Each layer's starting choice: kept. Under split backwards (zero-bubble schedules) what a
+  // layer saves, and its input half's stash, wait for its deferred weight half, which
+  // recomputing does not move: under a cap that the split plan exceeds, every backward runs
+  // whole first (the schedule's order otherwise the same), and the layers kept whole get their
+  // halves back afterwards while the plan still fits (ResplitWhileItFits).
+  std::vector<ActivationDecision> start(model.layers.size(),
+                                        ActivationDecision{.whole_backward = splits});
+  if (splits) {
+    TESSERA_ASSIGN_OR_RETURN(planned, RunTrainingPasses(model, plan, registry, start, serialize));
+    TESSERA_ASSIGN_OR_RETURN(profile, PredictMemory(planned.step.graph));
+    Peaks whole = PeaksOf(profile, tier);
+    if (caps.Fit(whole)) {
+      TESSERA_ASSIGN_OR_RETURN(
+          const std::string halves,
+          ResplitWhileItFits(model, plan, registry, caps, tier, serialize, start, planned, whole));
+      decision.peak_bytes = whole.total;
+      decision.activation_peak_bytes = whole.activations;
+      decision.activations = start;
+      decision.reason = fmt::format(
+          "every activation kept, {}: predicted peak {} (activations {}) "
+          "under {}; as planned: {} (activations {})",
+          halves, Mib(decision.peak_bytes), Mib(decision.activation_peak_bytes), limits,
+          Mib(uncapped.total), Mib(uncapped.activations));
+      planned.step.memory = std::move(decision);
+      return std::move(planned.step);
+    }
   }
   // Several micro-batches and no pipeline: one after another first (what accumulating gradients
   // is for; as planned, every micro-batch's forwards run as soon as they are ready). A
-  // pipeline's schedule keeps its micro-batches in flight.
-  const bool serialize = SerializesMicroBatches(plan);
-  if (serialize) {
+  // pipeline's schedule keeps its micro-batches in flight. (Split backwards were tried so above.)
+  if (serialize && !splits) {
     TESSERA_ASSIGN_OR_RETURN(planned, RunTrainingPasses(model, plan, registry, {}, serialize));
     TESSERA_ASSIGN_OR_RETURN(profile, PredictMemory(planned.step.graph));
     const Peaks serialized = PeaksOf(profile, tier);
@@ -575,9 +641,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   const std::vector<std::vector<TaskId>> readers = ReadersOf(planned.step.graph);
   int64_t lowered = 0;
   for (int round = 0; round < kVerifyRounds; ++round) {
-    std::vector<ActivationDecision> choices(model.layers.size());
+    std::vector<ActivationDecision> choices = start;
     bool solved_all = true;
     double overhead = 0;  // the solver's predicted time of the choices, over keeping everything
+    // The least room any chain's solution left under its cap, as the solver saw it.
+    int64_t slack = std::numeric_limits<int64_t>::max();
     // Per rank, a chain per worker it runs layers on (a pipeline's stages; else one).
     for (size_t rank = 0; rank < planned.forward_task.size() && solved_all; ++rank) {
       for (const WorkerMemory& memory : profile.workers) {
@@ -590,9 +658,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
           solved_all = false;
           break;
         }
+        slack = std::min(slack, chain.problem.cap_bytes - solved->peak_bytes);
         for (size_t i = 0; i < chain.layers.size(); ++i) {
           if (solved->decisions[i].choice != ActivationChoice::kKeep) {
             choices[chain.layers[i]] = solved->decisions[i];
+            choices[chain.layers[i]].whole_backward = splits;
           }
         }
         overhead += solved->step_us -
@@ -605,8 +675,14 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     TESSERA_ASSIGN_OR_RETURN(PlannedPasses replanned,
                              RunTrainingPasses(model, plan, registry, choices, serialize));
     TESSERA_ASSIGN_OR_RETURN(MemoryProfile checked, PredictMemory(replanned.step.graph));
-    const Peaks peaks = PeaksOf(checked, tier);
+    Peaks peaks = PeaksOf(checked, tier);
     if (caps.Fit(peaks)) {
+      std::string halves;
+      if (splits) {
+        TESSERA_ASSIGN_OR_RETURN(halves, ResplitWhileItFits(model, plan, registry, caps, tier,
+                                                            serialize, choices, replanned, peaks));
+        halves = "; " + halves;
+      }
       decision.peak_bytes = peaks.total;
       decision.activation_peak_bytes = peaks.activations;
       std::vector<std::string> names;
@@ -616,26 +692,30 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
       described.decisions = choices;
       decision.reason = fmt::format(
           "{}predicted peak {} (activations {}) under {}; every activation kept: {} (activations "
-          "{}); {}",
+          "{}); {}{}",
           serialize ? "micro-batches one after another, " : "", Mib(peaks.total),
           Mib(peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations),
-          DescribeActivationPlan(described, names));
+          DescribeActivationPlan(described, names), halves);
       decision.activations = std::move(choices);
       decision.activation_overhead = overhead;
       replanned.step.memory = std::move(decision);
       return std::move(replanned.step);
     }
-    lowered += caps.Excess(peaks);  // the model saw more than the solver: leave that much free
+    // The model saw more than the solver: leave that much free, below what the solver's choices
+    // took (room they left unused would leave the same choices).
+    lowered += caps.Excess(peaks) +
+               (slack == std::numeric_limits<int64_t>::max() ? 0 : std::max<int64_t>(slack, 0));
   }
   // Nothing fits: how far recomputing every layer gets (keeping the least part its op offers,
   // where the shapes allow it).
-  std::vector<ActivationDecision> all(model.layers.size(),
-                                      ActivationDecision{ActivationChoice::kRecompute});
+  std::vector<ActivationDecision> all(
+      model.layers.size(),
+      ActivationDecision{.choice = ActivationChoice::kRecompute, .whole_backward = splits});
   std::vector<ActivationDecision> least_parts = all;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     if (model.layers[l].loss) continue;
     Result<const OpDef*> def = registry.Find(model.layers[l].forward_op);
-    if (def.ok() && !(*def)->rebuild_options.empty() && !plan.parallel.split_backwards) {
+    if (def.ok() && !(*def)->rebuild_options.empty()) {
       least_parts[l].rebuild = (*def)->rebuild_options.back();  // least kept last
     }
   }
@@ -652,10 +732,11 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     decision.activations = kept_parts ? least_parts : all;
     decision.activation_overhead = std::numeric_limits<double>::infinity();
     decision.reason = fmt::format(
-        "{}every layer recomputed{}: predicted peak {} (activations {}) under {}; every "
+        "{}every layer recomputed{}{}: predicted peak {} (activations {}) under {}; every "
         "activation kept: {} (activations {})",
         serialize ? "micro-batches one after another, " : "",
-        kept_parts ? ", keeping the least part" : "", Mib(least_peaks.total),
+        kept_parts ? ", keeping the least part" : "",
+        splits ? ", its backward whole (not split in halves)" : "", Mib(least_peaks.total),
         Mib(least_peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations));
     least.step.memory = std::move(decision);
     return std::move(least.step);

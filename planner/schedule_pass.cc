@@ -19,9 +19,12 @@ OpCosts ChunkOpCosts(const PlanState& state, size_t chunk_count) {
   OpCosts total{0, 0, 0};
   for (size_t l = 0; l < state.num_layers; ++l) {
     if (!p.layer_op_costs.empty()) {  // measured
+      // A layer whose backward runs whole (the memory plan's whole_backward) has no W: its B
+      // does that work too.
+      const bool whole = !rank.weight_task[l][0].valid();
       total.forward += p.layer_op_costs[l].forward;
-      total.backward += p.layer_op_costs[l].backward;
-      total.weight += p.layer_op_costs[l].weight;
+      total.backward += p.layer_op_costs[l].backward + (whole ? p.layer_op_costs[l].weight : 0);
+      total.weight += whole ? 0 : p.layer_op_costs[l].weight;
       continue;
     }
     for (auto [tasks, sum] : {std::pair{&rank.forward_task, &total.forward},

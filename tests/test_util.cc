@@ -115,8 +115,17 @@ Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<T
                 static_cast<size_t>(inputs[in].bytes()));
   }
   TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry.FindKernel(op, DeviceKind::kCpu));
-  KernelContext context{TestAllocator(), 1, &registry};  // split every GEMM: the split path
+  // Its scratch counted apart, against what the op declares (OpDef::workspace, which the memory
+  // model counts).
+  auto scratch = std::make_shared<CountingAllocator>(TestAllocator());
+  KernelContext context{scratch, 1, &registry};  // split every GEMM: the split path
   TESSERA_RETURN_IF_ERROR((*kernel)(context, inputs, outputs, attrs));
+  TESSERA_ASSIGN_OR_RETURN(const int64_t declared, registry.Workspace(op, metas, attrs));
+  if (scratch->stats().peak_bytes != declared) {
+    return Internal(
+        "op {}: its CPU kernel held {} bytes of scratch at once, but the op declares {}", op,
+        scratch->stats().peak_bytes, declared);
+  }
   return outputs;
 }
 

@@ -78,7 +78,8 @@ Tensor Int64Scalar(int64_t value);
 std::vector<float> ToVector(const Tensor& tensor);
 
 // Infers the op's outputs, allocates them (in-place outputs start as copies of their inputs,
-// as the executor guarantees), and runs the CPU kernel.
+// as the executor guarantees), and runs the CPU kernel. Internal when the scratch the kernel held
+// at most differs from what the op declares (OpRegistry::Workspace).
 Result<std::vector<Tensor>> RunKernel(const std::string& op, const std::vector<Tensor>& inputs,
                                       const Attrs& attrs = {});
 

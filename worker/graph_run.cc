@@ -287,7 +287,7 @@ void GraphExecution::RunTask(int t, std::vector<int>* ready) {
   donations_copied_ += counters.donations_copied;
   in.clear();  // drop our references before releasing inputs
   if (!ran.ok()) return Fail(ran.status());
-  FinishTask(t, *ran, ready);
+  FinishTask(t, *ran, ready, counters.scratch_peak_bytes);
 }
 
 bool GraphExecution::TakeDonation(const TaskSpec& task, const std::vector<Tensor>& in,
@@ -319,9 +319,11 @@ int64_t InMemoryBytes(const ObjectSpec& spec) {
 
 }  // namespace
 
-void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int>* ready) {
+void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int>* ready,
+                                int64_t scratch) {
   const TaskSpec& task = graph().tasks()[static_cast<size_t>(t)];
   RoleMeter::Change change;
+  change.scratch = scratch;
   TaskTiming& timing = stats_.timings[static_cast<size_t>(t)];
   const bool from_host =
       !task.inputs.empty() && graph().object(task.inputs[0]).meta.device.is_cpu();

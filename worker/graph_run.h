@@ -226,7 +226,9 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // Steps 3 and 4 (from the executor's slots): runs one task; `ready` gets its dependents that
   // became ready and are to be queued (already counted as busy).
   void RunTask(int task, std::vector<int>* ready);
-  void FinishTask(int task, std::vector<Tensor>& outputs, std::vector<int>* ready);
+  // `scratch`: the most its kernel held (TaskRunCounters::scratch_peak_bytes; 0 when unknown).
+  void FinishTask(int task, std::vector<Tensor>& outputs, std::vector<int>* ready,
+                  int64_t scratch = 0);
   // Releases one use of an object; frees it after its last use unless it is a graph output.
   // Returns whether it freed it.
   bool ReleaseObject(int object);

@@ -657,6 +657,7 @@ void GraphRunner::Report(const Key& key, const Status& error,
     report.setModelStatePeak(figures.role_bytes.model_state_peak);
     report.setTransientPeak(figures.role_bytes.transient_peak);
     report.setTotalPeak(figures.role_bytes.total_peak);
+    report.setTotalWithScratchPeak(figures.role_bytes.total_with_scratch_peak);
     report.setAllocatorPeak(figures.allocator_peak);
     report.setCollectiveBytesSent(figures.collective_bytes);
     report.setPushedBytes(figures.pushed_bytes);

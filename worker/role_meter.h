@@ -7,6 +7,10 @@
 // buffer (the worker copied it) is still counted once, so these figures are the plan's memory,
 // and the allocator's peak (RunStats::peak_bytes) is the process's. They are memory's: objects
 // on the disk tier (swapped to a swap file) count as nothing; its allocator measures that tier.
+// A task's kernel scratch (what its kernel allocates from KernelContext::allocator: the executor
+// gives each kernel a CountingAllocator) is reported with its end, on top of what is live with
+// its outputs: total_with_scratch_peak, the memory model's tier peaks. With several threads,
+// tasks running at once overlap their scratch too; the figure counts one task's at a time.
 //
 // Model state is parameters + gradients + optimizer state (the ZeRO formulas); transient state is
 // gathered parameters + gradient buckets, bounded by the plan's prefetch and bucket choices.
@@ -28,6 +32,8 @@ struct RoleBytes {
   int64_t model_state_peak = 0;              // max of parameters + gradients + optimizer state
   int64_t transient_peak = 0;                // max of gathered parameters + gradient buckets
   int64_t total_peak = 0;                    // max of every role together
+  // max of every role together plus the running task's kernel scratch (Change::scratch)
+  int64_t total_with_scratch_peak = 0;
   int64_t operator[](ObjectRole role) const { return peak[static_cast<size_t>(role)]; }
 };
 
@@ -38,6 +44,9 @@ class RoleMeter {
   // added outputs took over (donation): they never coexist with those outputs.
   struct Change {
     std::array<int64_t, kObjectRoles> added{}, freed{}, replaced{};
+    // The task's kernel scratch at its most (freed before it ended): on top of what is live
+    // with its outputs, for total_with_scratch_peak.
+    int64_t scratch = 0;
     void Add(ObjectRole role, int64_t bytes) { added[static_cast<size_t>(role)] += bytes; }
     void Free(ObjectRole role, int64_t bytes) { freed[static_cast<size_t>(role)] += bytes; }
     void Replace(ObjectRole role, int64_t bytes) { replaced[static_cast<size_t>(role)] += bytes; }
@@ -50,9 +59,9 @@ class RoleMeter {
   void Apply(const Change& change) EXCLUDES(mutex_) {
     MutexLock lock(&mutex_);
     for (size_t r = 0; r < kObjectRoles; ++r) live_[r] += change.added[r] - change.replaced[r];
-    UpdatePeaks();
+    UpdatePeaks(change.scratch);
     for (size_t r = 0; r < kObjectRoles; ++r) live_[r] += change.replaced[r] - change.freed[r];
-    UpdatePeaks();
+    UpdatePeaks(0);
   }
   RoleBytes bytes() const {
     MutexLock lock(&mutex_);
@@ -68,7 +77,7 @@ class RoleMeter {
   }
 
  private:
-  void UpdatePeaks() REQUIRES(mutex_) {
+  void UpdatePeaks(int64_t scratch) REQUIRES(mutex_) {
     int64_t model_state = 0, transient = 0, total = 0;
     for (size_t r = 0; r < kObjectRoles; ++r) {
       const auto role = static_cast<ObjectRole>(r);
@@ -80,6 +89,7 @@ class RoleMeter {
     bytes_.model_state_peak = std::max(bytes_.model_state_peak, model_state);
     bytes_.transient_peak = std::max(bytes_.transient_peak, transient);
     bytes_.total_peak = std::max(bytes_.total_peak, total);
+    bytes_.total_with_scratch_peak = std::max(bytes_.total_with_scratch_peak, total + scratch);
   }
 
   mutable Mutex mutex_;

@@ -138,7 +138,16 @@ Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<Tensor> outputs,
       PrepareTaskOutputs(task, inputs, output_metas, context, can_donate, counters, name));
-  TESSERA_RETURN_IF_ERROR(CallKernel(kernel, task, inputs, outputs, context, name));
+  if (context.allocator == nullptr) {
+    TESSERA_RETURN_IF_ERROR(CallKernel(kernel, task, inputs, outputs, context, name));
+    return outputs;
+  }
+  // The kernel's scratch comes from an allocator of its own, whose peak is the task's scratch.
+  KernelContext counted = context;
+  auto scratch = std::make_shared<CountingAllocator>(context.allocator);
+  counted.allocator = scratch;
+  TESSERA_RETURN_IF_ERROR(CallKernel(kernel, task, inputs, outputs, counted, name));
+  counters->scratch_peak_bytes = scratch->stats().peak_bytes;
   return outputs;
 }
 

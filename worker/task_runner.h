@@ -27,6 +27,8 @@ std::string TaskContext(const TaskSpec& task, std::string_view name = {});
 struct TaskRunCounters {
   int donations_taken = 0;
   int donations_copied = 0;
+  // RunTaskKernel: the most scratch its kernel held at once (KernelContext::allocator).
+  int64_t scratch_peak_bytes = 0;
 };
 
 // Allocates a task's outputs; an output in an in-place pair takes over its input's buffer when
@@ -67,7 +69,7 @@ KernelFn OnHostCopies(KernelFn cpu);
 Status AddKernelsOnHostCopies(OpRegistry& registry, DeviceKind device,
                               const std::function<bool(std::string_view)>& which);
 
-// PrepareTaskOutputs, then the kernel.
+// PrepareTaskOutputs, then the kernel, its scratch counted (counters->scratch_peak_bytes).
 Result<std::vector<Tensor>> RunTaskKernel(const KernelFn& kernel, const TaskSpec& task,
                                           const std::vector<Tensor>& inputs,
                                           const std::vector<TensorMeta>& output_metas,

@@ -257,6 +257,7 @@ struct RunReport {
   pushedBytes @7 :Int64;          # objects pushed to other workers
   wallMicros @8 :Int64;
   totalPeak @9 :Int64;            # every role together (the memory model's prediction)
+  totalWithScratchPeak @10 :Int64;  # the same with the running kernels' scratch on top
 }
 
 # ---- collectives: forming a group's communicator, and its failures ----

@@ -179,7 +179,9 @@ void AddTraceFlags(CLI::App& app, CommonFlags& flags) {
                "Before training, print the memory one step needs on each worker, predicted from "
                "its graph: the peak per tier, the task it is reached at, what is live then, and "
                "a timeline (with --steps 0: only that). After training, each rank's line gives "
-               "the measured peak (all objects) beside it");
+               "the measured peak (all objects, and with the running kernels' scratch: the "
+               "predicted figure) "
+               "beside it");
 }
 
 void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {

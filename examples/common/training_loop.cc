@@ -84,6 +84,8 @@ void StepStats::Record(const StepReport& report) {
     kept.figures.model_state_peak = std::max(kept.figures.model_state_peak, now.model_state_peak);
     kept.figures.transient_peak = std::max(kept.figures.transient_peak, now.transient_peak);
     kept.figures.total_peak = std::max(kept.figures.total_peak, now.total_peak);
+    kept.figures.total_with_scratch_peak =
+        std::max(kept.figures.total_with_scratch_peak, now.total_with_scratch_peak);
     kept.figures.collective_bytes_sent = now.collective_bytes_sent;
     kept.figures.pushed_bytes = now.pushed_bytes;
   }
@@ -103,11 +105,12 @@ void StepStats::PrintRanks() const {
     const RunFigures& f = rank.figures;
     std::printf(
         "worker rank %d%s: peak params %.2f MB, grads %.2f MB, optimizer %.2f MB (model state "
-        "%.2f MB), transient %.2f MB, all objects %.2f MB; sent %.2f MB/step\n",
+        "%.2f MB), transient %.2f MB, all objects %.2f MB, with kernel scratch %.2f MB; sent %.2f "
+        "MB/step\n",
         rank.rank, rank.worker.valid() ? (" (" + rank.worker.ToString() + ")").c_str() : "",
         Megabytes(f.peak(ObjectRole::kParameter)), Megabytes(f.peak(ObjectRole::kGradient)),
         Megabytes(f.peak(ObjectRole::kOptimizerState)), Megabytes(f.model_state_peak),
-        Megabytes(f.transient_peak), Megabytes(f.total_peak),
+        Megabytes(f.transient_peak), Megabytes(f.total_peak), Megabytes(f.total_with_scratch_peak),
         Megabytes(f.collective_bytes_sent + f.pushed_bytes));
   }
 }

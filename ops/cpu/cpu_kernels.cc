@@ -364,32 +364,32 @@ Status RegisterTransformerLayerKernels(OpRegistry& r) {
                   const Attrs& attrs) -> Status {
                  const cpu::TransformerDims dims = Dims(attrs, in[0]);
                  // What the backward rebuilds is made here too, but not kept.
-                 TESSERA_ASSIGN_OR_RETURN(
-                     Tensor workspace, Workspace(ctx, cpu::TransformerBlockForwardWorkspace(dims)));
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                          Workspace(ctx, TransformerBlockForwardWorkspace(dims)));
                  cpu::TransformerBlockForward(F(out[0]), F(out[1]), F(workspace), F(in[0]),
                                               F(in[1]), dims, ctx.gemm_split_min_flops);
                  return Status::Ok();
                }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "transformer_block_backward",
-      [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-         const Attrs& attrs) -> Status {
-        const cpu::TransformerDims dims = Dims(attrs, in[1]);
-        TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                 Workspace(ctx, cpu::TransformerBlockBackwardWorkspace(dims)));
-        // out[0] holds dy on entry (in place) and dx on exit.
-        cpu::TransformerBlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
-                                      F(in[3]), dims, ctx.gemm_split_min_flops);
-        ZeroPadding(out[1], TransformerBlockParamLayout(dims.channels).numel());
-        return Status::Ok();
-      }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "transformer_block_backward",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) -> Status {
+                 const cpu::TransformerDims dims = Dims(attrs, in[1]);
+                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
+                                          Workspace(ctx, TransformerBlockBackwardWorkspace(dims)));
+                 // out[0] holds dy on entry (in place) and dx on exit.
+                 cpu::TransformerBlockBackward(F(out[0]), F(out[1]), F(workspace), F(in[1]),
+                                               F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
+                 ZeroPadding(out[1], TransformerBlockParamLayout(dims.channels).numel());
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "transformer_block_backward_input",
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
          const Attrs& attrs) -> Status {
         const cpu::TransformerDims dims = Dims(attrs, in[1]);
         TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                 Workspace(ctx, cpu::TransformerBlockInputWorkspace(dims)));
+                                 Workspace(ctx, TransformerBlockInputWorkspace(dims)));
         cpu::TransformerBlockBackwardInput(F(out[0]), F(out[1]), F(workspace), F(in[1]), F(in[2]),
                                            F(in[3]), dims, ctx.gemm_split_min_flops);
         return Status::Ok();
@@ -421,7 +421,7 @@ Status RegisterTransformerLayerKernels(OpRegistry& r) {
       [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
          const Attrs& attrs) -> Status {
         const cpu::TransformerDims dims = Dims(attrs, in[0]);
-        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, cpu::TiedLmHeadWorkspace(dims)));
+        TESSERA_ASSIGN_OR_RETURN(Tensor workspace, Workspace(ctx, TiedLmHeadWorkspace(dims)));
         cpu::TiedLmHeadBackward(F(out[0]), F(out[1]), F(out[2]), F(workspace), F(in[0]), F(in[1]),
                                 F(in[2]), F(in[3]), dims, ctx.gemm_split_min_flops);
         ZeroPadding(out[1], TiedLmHeadParamLayout(dims.channels).numel());
@@ -435,7 +435,7 @@ Status RegisterTransformerLayerKernels(OpRegistry& r) {
                      const Attrs& attrs) -> Status {
                     const cpu::TransformerDims dims = Dims(attrs, in[0]);
                     TESSERA_ASSIGN_OR_RETURN(Tensor workspace,
-                                             Workspace(ctx, cpu::TiedLmHeadWorkspace(dims)));
+                                             Workspace(ctx, TiedLmHeadWorkspace(dims)));
                     cpu::TiedLmHeadLogits(F(out[0]), F(workspace), F(in[0]), F(in[1]), F(in[2]),
                                           dims, ctx.gemm_split_min_flops);
                     return Status::Ok();

@@ -57,12 +57,6 @@ FlatLayout BlockStash(const TransformerDims& dims) {
   return TransformerBlockStashLayout(dims.batch, dims.seq_len, dims.channels);
 }
 
-int64_t RebuiltNumel(const TransformerDims& dims) {
-  return TransformerBlockRebuiltLayout(dims.batch, dims.seq_len, dims.channels, dims.heads,
-                                       dims.rebuild)
-      .numel();
-}
-
 // Recomputes what dims.rebuild leaves out of the saved buffer, in the forward's order and with
 // its kernels (so bit for bit what the forward computed).
 void RebuildSaved(const BlockSaved<const float>& s, const float* x, const float* params,
@@ -145,8 +139,6 @@ void BackwardWeight(float* dparams, const float* stash, const BlockSaved<const f
 
 }  // namespace
 
-int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims) { return RebuiltNumel(dims); }
-
 void TransformerBlockForward(float* y, float* saved, float* workspace, const float* x,
                              const float* params, const TransformerDims& dims,
                              int64_t split_min_flops) {
@@ -166,14 +158,6 @@ void TransformerBlockForward(float* y, float* saved, float* workspace, const flo
   GeluForward(s["fch_gelu"], s["fch"], n * 4 * c);
   LinearForward(y, s["fch_gelu"], p["fcproj_w"], p["fcproj_b"], /*residual=*/s["x_mid"], n, 4 * c,
                 c, split_min_flops);
-}
-
-int64_t TransformerBlockInputWorkspace(const TransformerDims& dims) {
-  return dims.rows() * dims.channels;
-}
-
-int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims) {
-  return BlockStash(dims).numel() + TransformerBlockInputWorkspace(dims) + RebuiltNumel(dims);
 }
 
 void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
@@ -216,10 +200,6 @@ Result<float> TiedLmHeadForward(float* saved, const float* x, const float* head_
   float* logits = s["dlogits"];
   LinearForward(logits, s["lnf"], wte, nullptr, nullptr, n, c, dims.vocab, split_min_flops);
   return SoftmaxCrossEntropy(logits, logits, targets, n, dims.vocab, grad_scale);
-}
-
-int64_t TiedLmHeadWorkspace(const TransformerDims& dims) {
-  return dims.rows() * (dims.channels + 2);
 }
 
 void TiedLmHeadBackward(float* dx, float* dhead, float* demb, float* workspace, const float* x,

@@ -27,12 +27,11 @@ void TokenPositionEmbeddingBackward(float* demb, const float* dx, const int32_t*
                                     const TransformerDims& dims);
 
 // y[B,T,C] = block(x); saved: the block saved layout (less what dims.rebuild leaves to the
-// backward); workspace: TransformerBlockForwardWorkspace(dims) floats (none when it rebuilds
-// nothing: may then be null).
+// backward); workspace: TransformerBlockForwardWorkspace(dims) floats (ops/flat_layout.h) (none
+// when it rebuilds nothing: may then be null).
 void TransformerBlockForward(float* y, float* saved, float* workspace, const float* x,
                              const float* params, const TransformerDims& dims,
                              int64_t split_min_flops);
-int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims);
 // On entry d holds dL/dy; on exit dL/dx (computed in place: the residual stream's gradient
 // flows through unchanged and the branches add to it). dparams (block layout) is overwritten.
 // workspace: TransformerBlockBackwardWorkspace(dims) floats (with room for what dims.rebuild
@@ -40,7 +39,6 @@ int64_t TransformerBlockForwardWorkspace(const TransformerDims& dims);
 void TransformerBlockBackward(float* d, float* dparams, float* workspace, const float* x,
                               const float* saved, const float* params, const TransformerDims& dims,
                               int64_t split_min_flops);
-int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims);
 // The same backward in two halves, for zero-bubble pipelines (the weight gradients wait while the
 // input gradient goes on to the previous stage). Input: d as above (dL/dy in, dL/dx out) and
 // `stash` (TransformerBlockStashLayout, overwritten) with what Weight needs; workspace:
@@ -50,7 +48,6 @@ int64_t TransformerBlockBackwardWorkspace(const TransformerDims& dims);
 void TransformerBlockBackwardInput(float* d, float* stash, float* workspace, const float* x,
                                    const float* saved, const float* params,
                                    const TransformerDims& dims, int64_t split_min_flops);
-int64_t TransformerBlockInputWorkspace(const TransformerDims& dims);
 void TransformerBlockBackwardWeight(float* dparams, const float* stash, const float* saved,
                                     const TransformerDims& dims, int64_t split_min_flops);
 
@@ -67,7 +64,6 @@ void TiedLmHeadBackward(float* dx, float* dhead, float* demb, float* workspace, 
                         const float* saved, const float* head_params, const float* wte,
                         const TransformerDims& dims, int64_t split_min_flops);
 // logits[B,T,V] for inference; workspace: TiedLmHeadWorkspace(dims) floats.
-int64_t TiedLmHeadWorkspace(const TransformerDims& dims);
 void TiedLmHeadLogits(float* logits, float* workspace, const float* x, const float* head_params,
                       const float* wte, const TransformerDims& dims, int64_t split_min_flops);
 

@@ -9,6 +9,7 @@
 
 #include "ops/cpu/blas.h"
 #include "ops/cpu/parallel.h"
+#include "ops/volume_ops.h"
 
 namespace tessera::cpu {
 
@@ -17,9 +18,6 @@ using detail::ParallelFor;
 namespace {
 
 constexpr int64_t kElementGrain = 1 << 14;
-// The column matrix of one chunk: 8 MB, wide enough that its GEMM splits into many pieces.
-constexpr int64_t kColumnFloats = int64_t{1} << 21;
-constexpr int64_t kChunkQuantum = 64;
 // Voxels per task of the segmentation loss and metric (fixed: the basis of their determinism).
 constexpr int64_t kVoxelChunk = 1024;
 
@@ -103,9 +101,7 @@ void FillRows(float* t, const float* value, int64_t rows, int64_t length, int64_
 }  // namespace
 
 int64_t DefaultPositionsPerChunk(int64_t column_rows, int64_t out_volume) {
-  int64_t chunk = kColumnFloats / std::max<int64_t>(column_rows, 1);
-  chunk = std::max<int64_t>(chunk / kChunkQuantum * kChunkQuantum, kChunkQuantum);
-  return std::max<int64_t>(1, std::min(chunk, out_volume));
+  return Conv3dPositionsPerChunk(column_rows, out_volume);
 }
 
 int64_t Conv3dWorkspaceFloats(const Conv3dGeometry& g) {

@@ -86,7 +86,7 @@ TEST_P(CudaGpt2Test, BlockForwardAndBackwardMatchTheCpu) {
                                1 << 30);
   std::vector<float> dx_cpu = dy;
   std::vector<float> dparams_cpu(params.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::TransformerBlockBackwardWorkspace(d)));
+  std::vector<float> workspace(static_cast<size_t>(TransformerBlockBackwardWorkspace(d)));
   cpu::TransformerBlockBackward(dx_cpu.data(), dparams_cpu.data(), workspace.data(), x.data(),
                                 saved_cpu.data(), params.data(), d, 1 << 30);
 
@@ -146,7 +146,7 @@ TEST_P(CudaGpt2Test, EmbeddingAndHeadMatchTheCpu) {
                        cpu::TiedLmHeadForward(saved_cpu.data(), x.data(), head.data(), wte_cpu,
                                               targets.data(), d, 1.0f, 1 << 30));
   std::vector<float> dx_cpu(x.size()), dhead_cpu(head.size()), demb_cpu(emb.size());
-  std::vector<float> workspace(static_cast<size_t>(cpu::TiedLmHeadWorkspace(d)));
+  std::vector<float> workspace(static_cast<size_t>(TiedLmHeadWorkspace(d)));
   cpu::TiedLmHeadBackward(dx_cpu.data(), dhead_cpu.data(), demb_cpu.data(), workspace.data(),
                           x.data(), saved_cpu.data(), head.data(), wte_cpu, d, 1 << 30);
   cpu::TokenPositionEmbeddingBackward(demb_cpu.data(), RoundToBf16(dx_cpu).data(), tokens.data(),
@@ -190,7 +190,7 @@ TEST_P(CudaGpt2Test, HeadLogitsMatchTheCpu) {
   const std::vector<float> wte = RandomFloats(v * c, 42, -0.1f, 0.1f);
   const std::vector<float> x = RoundToBf16(RandomFloats(n * c, 43));
   std::vector<float> logits_cpu(static_cast<size_t>(n * v));
-  std::vector<float> workspace(static_cast<size_t>(cpu::TiedLmHeadWorkspace(d)));
+  std::vector<float> workspace(static_cast<size_t>(TiedLmHeadWorkspace(d)));
   cpu::TiedLmHeadLogits(logits_cpu.data(), workspace.data(), x.data(), head.data(), wte.data(), d,
                         1 << 30);
   DeviceBuffer<float> head_gpu(head), wte_gpu(wte), logits_gpu(n * v);

@@ -56,16 +56,18 @@ TEST(TrainGpt2Test, EvalEveryReportsValidationLoss) {
 }
 
 // --explain-memory predicts the step's memory before it runs; on one executor thread the
-// measured peak of the step's objects (the rank line after training) is exactly that.
+// measured peak of the step's objects with the running kernel's scratch (the rank line after
+// training) is exactly that.
 TEST(TrainGpt2Test, ExplainMemoryPredictsTheMeasuredPeak) {
   ProcessResult run = RunTrainGpt2("--preset tiny --steps 2 --threads 1 --explain-memory");
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  const double predicted =
-      FirstMatch(run.output, R"(host tier: peak ([0-9.]+) MiB while head/backward)");
-  const double measured = FirstMatch(run.output, R"(worker rank 0: .*all objects ([0-9.]+) MB)");
+  const double predicted = FirstMatch(run.output, R"(host tier: peak ([0-9.]+) MiB while )");
+  const double measured =
+      FirstMatch(run.output, R"(worker rank 0: .*with kernel scratch ([0-9.]+) MB)");
   ASSERT_GT(predicted, 0) << run.output;
   EXPECT_EQ(predicted, measured) << run.output;
   EXPECT_NE(run.output.find("live at the peak by role: "), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("kernel scratch"), std::string::npos) << run.output;
   EXPECT_NE(run.output.find("timeline (live while the task runs)"), std::string::npos)
       << run.output;
   // With no steps it only explains.
@@ -166,8 +168,8 @@ TEST(TrainGpt2Test, OnCpuWorkersTheSwapDirGivesADiskTierActivationsSwapTo) {
 
 // On a GPU (the simulated one) whose --device-memory-gib is below the model state (3.37 MB of
 // fp32 parameters, gradients and Adam moments here), the plan streams the parameters from the
-// host on its own and says so, --explain-memory says what moves between the tiers, and the
-// losses are those of --offload parameters asked for.
+// host on its own (some layers' at least: the largest that fit stay) and says so, --explain-memory
+// says what moves between the tiers, and the losses are those of --offload parameters asked for.
 TEST(TrainGpt2Test, OnAGpuAStateBeyondTheDeviceCapIsStreamedFromTheHost) {
   ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
   ProcessResult capped = RunTrainGpt2(
@@ -177,8 +179,8 @@ TEST(TrainGpt2Test, OnAGpuAStateBeyondTheDeviceCapIsStreamedFromTheHost) {
       "parameters");
   ::unsetenv("TESSERA_SIMULATED_GPU");
   ASSERT_EQ(capped.exit_code, 0) << capped.output;
-  EXPECT_NE(capped.output.find("the parameters of 6 of 6 layers streamed from the host"),
-            std::string::npos)
+  EXPECT_GE(FirstMatch(capped.output, R"(the parameters of ([0-9]+) of 6 layers streamed from )"),
+            1)
       << capped.output;
   EXPECT_GT(FirstMatch(capped.output, R"(copied between tiers: ([0-9.]+) MiB a step)"), 0)
       << capped.output;

@@ -2,12 +2,14 @@
 // GPT-2 tiny step computes the same training run as one worker (the equivalence the plans
 // promise), and impossible plans are refused before anything runs.
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <set>
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
@@ -78,8 +80,8 @@ class ZeroPlansTest : public ::testing::Test {
     return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
   }
 
-  // The two-stage 1F1B pipeline under an activation budget (below).
-  static void ExpectPipelineUnderBudget(double budget);
+  // The two-stage pipeline under an activation budget (below).
+  static void ExpectPipelineUnderBudget(PipelineSchedule schedule, double budget);
   static void ExpectSameRun(const TrainingPlan& plan) {
     ASSERT_NE(reference_, nullptr);
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
@@ -147,19 +149,35 @@ TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
 // and near its prediction (below).
 TEST_F(ZeroPlansTest, A1F1BPipelineUnderAnActivationBudgetMatchesOneWorker) {
   for (double budget : {0.5, 0.25}) {
-    ExpectPipelineUnderBudget(budget);
+    ExpectPipelineUnderBudget(PipelineSchedule::k1F1B, budget);
   }
 }
 
-void ZeroPlansTest::ExpectPipelineUnderBudget(double budget) {
-  const std::string what = fmt::format("1F1B with {:.0f}% of its activations", 100 * budget);
+// The same with ZB-H1 (split backwards): under the budget every layer's backward runs whole
+// first (what a layer saves no longer waits for its deferred weight half), then as with 1F1B;
+// the layers kept whole get their halves back where the budget allows.
+TEST_F(ZeroPlansTest, AZeroBubblePipelineUnderAnActivationBudgetMatchesOneWorker) {
+  for (double budget : {0.5, 0.25}) {
+    ExpectPipelineUnderBudget(PipelineSchedule::kZbH1, budget);
+  }
+}
+
+void ZeroPlansTest::ExpectPipelineUnderBudget(PipelineSchedule schedule, double budget) {
+  const std::string what =
+      fmt::format("{} with {:.0f}% of its activations", ScheduleName(schedule), 100 * budget);
   TrainingPlan plan = Plan(1, 0, OffloadMode::kNone, 4);
   plan.parallel.pipeline_stages = 2;
+  plan.parallel.schedule = schedule;
   plan.memory.activation_budget = budget;
   ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
   ExpectActivationsPlanned(trainer->step_graph().memory);
   EXPECT_EQ(trainer->step_graph().parallel.micro_batches, budget < 0.34 ? 8 : 4)
       << trainer->step_graph().memory.reason;
+  if (schedule == PipelineSchedule::kZbH1) {
+    EXPECT_THAT(trainer->step_graph().memory.reason,
+                ::testing::HasSubstr("layers' backwards run whole"));
+  }
+  std::printf("[ %s ] %s\n", what.c_str(), trainer->step_graph().memory.reason.c_str());
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
   testing::ExpectSameRun(run, *reference_, what);
   ASSERT_FALSE(run.reports.empty());
