@@ -231,7 +231,8 @@ Result<int64_t> BackwardWorkspace(BackwardPart part, const OpRegistry& registry,
       }
     }
     const auto drop_output_sums = [&] {
-      for (int o = 0; o < op.outputs; ++o) sums[static_cast<size_t>(first + o)] = Held{};
+      const auto begin = static_cast<size_t>(first);
+      for (size_t v = begin; v < begin + static_cast<size_t>(op.outputs); ++v) sums[v] = Held{};
     };
     if (part == BackwardPart::kWeight) {
       const bool split = half == Half::kSplit;

@@ -59,6 +59,7 @@
 #include <fmt/format.h>
 
 #include "ops/standard_ops.h"
+#include "planner/model_facts.h"
 #include "planner/plan_passes.h"
 
 namespace tessera {
@@ -681,7 +682,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
       if (splits) {
         TESSERA_ASSIGN_OR_RETURN(halves, ResplitWhileItFits(model, plan, registry, caps, tier,
                                                             serialize, choices, replanned, peaks));
-        halves = "; " + halves;
+        halves.insert(0, "; ");
       }
       decision.peak_bytes = peaks.total;
       decision.activation_peak_bytes = peaks.activations;
