@@ -468,7 +468,6 @@ StepGraph Changed(StepGraph step, const std::string& how, int64_t uncapped_total
   return step;
 }
 
-// The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
 // Under split backwards, gives the layers kept whole (kKeep with whole_backward) their halves
 // back, the last layer first, each while the plan still fits the caps (re-planned and predicted
 // again each time): a split layer holds what it saved, and its stash, until its deferred weight
@@ -507,6 +506,7 @@ Result<std::string> ResplitWhileItFits(const ModelSpec& model, const TrainingPla
       whole, splittable);
 }
 
+// The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
 // `activation_cap`: the activations' cap in bytes when a plan changed on its own is fitted
 // (the caller's budget, of its own uncapped activations); 0: from the plan's budget.
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
