@@ -593,6 +593,18 @@ RebuildOrder PlanRebuild(const OpRegistry& registry, const LayerProgram& program
   return order;
 }
 
+Result<const GradientRule*> BackwardRuleOf(const OpRegistry& registry, const ProgramOp& op) {
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
+  if (!def->gradient) return Internal("op {} has no gradient rule to split", op.op);
+  return &*def->gradient;
+}
+
+size_t TakeStashEntries(const SplitPlan& plan, size_t op, size_t& next_entry) {
+  const size_t first = next_entry;
+  while (next_entry < plan.stash.size() && plan.stash[next_entry].op == op) ++next_entry;
+  return first;
+}
+
 }  // namespace detail
 
 }  // namespace tessera

@@ -60,6 +60,12 @@ struct SplitPlan {
 Result<SplitPlan> PlanSplit(const OpRegistry& registry, const LayerProgram& program,
                             const ProgramShapes& shapes);
 
+// The backward's walk (its kernel's and the scratch replay's), per op: the op's gradient rule
+// (Internal when it has none), and its stash entries, from the returned index to `next_entry`
+// (moved past them: SplitPlan::stash is in the walk's order).
+Result<const GradientRule*> BackwardRuleOf(const OpRegistry& registry, const ProgramOp& op);
+size_t TakeStashEntries(const SplitPlan& plan, size_t op, size_t& next_entry);
+
 // Which backward a kernel or inference is for: the whole one, or a half of the split one.
 enum class BackwardPart : uint8_t { kAll, kInput, kWeight };
 

@@ -14,6 +14,7 @@ namespace tessera {
 namespace {
 
 using detail::BackwardPart;
+using detail::BackwardRuleOf;
 using detail::Donations;
 using detail::GradientInputs;
 using detail::Half;
@@ -27,6 +28,7 @@ using detail::RebuildOf;
 using detail::RebuildOrder;
 using detail::SplitPlan;
 using detail::StashEntry;
+using detail::TakeStashEntries;
 
 using Tensors = std::vector<Tensor>;
 
@@ -387,11 +389,9 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
     if (half == Half::kNone) continue;
     const ProgramOp& op = program.ops[i];
     const int first = program.first_output(i);
-    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
-    if (!def->gradient) return Internal("op {} has no gradient rule to split", op.op);
-    const GradientRule& rule = *def->gradient;
-    const size_t entries = next_entry;
-    while (next_entry < plan.stash.size() && plan.stash[next_entry].op == i) ++next_entry;
+    TESSERA_ASSIGN_OR_RETURN(const GradientRule* rule_of, BackwardRuleOf(registry, op));
+    const GradientRule& rule = *rule_of;
+    const size_t entries = TakeStashEntries(plan, i, next_entry);
     // The gradient of forward input gradient_of[from + j] (unless taken: undefined) goes into
     // the sums.
     const auto add = [&](const Tensors& outputs, size_t from) -> Status {

@@ -183,11 +183,9 @@ Result<int64_t> BackwardWorkspace(BackwardPart part, const OpRegistry& registry,
     if (half == Half::kNone) continue;
     const ProgramOp& op = program.ops[i];
     const int first = program.first_output(i);
-    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op.op));
-    if (!def->gradient) return Internal("op {} has no gradient rule to split", op.op);
-    const GradientRule& rule = *def->gradient;
-    const size_t entries = next_entry;
-    while (next_entry < plan.stash.size() && plan.stash[next_entry].op == i) ++next_entry;
+    TESSERA_ASSIGN_OR_RETURN(const GradientRule* rule_of, BackwardRuleOf(registry, op));
+    const GradientRule& rule = *rule_of;
+    const size_t entries = TakeStashEntries(plan, i, next_entry);
     const auto add = [&](const std::vector<Held>& outputs, size_t from) -> Status {
       for (size_t j = 0; j < outputs.size() && from + j < rule.gradient_of.size(); ++j) {
         const int value = op.inputs[static_cast<size_t>(rule.gradient_of[from + j])];

@@ -4,6 +4,19 @@
 
 namespace tessera {
 
+namespace {
+
+// The inputs an op's cost and workspace see: the named ones, without control inputs.
+std::vector<TensorMeta> NamedInputs(const OpDef& def, const std::vector<TensorMeta>& inputs) {
+  std::vector<TensorMeta> named = inputs;
+  if (def.control_inputs && inputs.size() > def.input_names.size()) {
+    named.resize(def.input_names.size());
+  }
+  return named;
+}
+
+}  // namespace
+
 Status OpRegistry::AddOp(OpDef def) {
   if (!(def.infer || def.nested_infer) || !(def.cost || def.nested_cost)) {
     return InvalidArgument("op '{}' needs both shape inference and a cost function", def.name);
@@ -76,10 +89,7 @@ Result<std::vector<TensorMeta>> OpRegistry::InferShapes(std::string_view op,
 Result<OpCost> OpRegistry::Cost(std::string_view op, const std::vector<TensorMeta>& inputs,
                                 const Attrs& attrs) const {
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, Find(op));
-  std::vector<TensorMeta> named = inputs;
-  if (def->control_inputs && inputs.size() > def->input_names.size()) {
-    named.resize(def->input_names.size());
-  }
+  const std::vector<TensorMeta> named = NamedInputs(*def, inputs);
   if (def->nested_cost) return def->nested_cost(*this, named, attrs);
   return def->cost(named, attrs);
 }
@@ -90,10 +100,7 @@ Result<int64_t> OpRegistry::Workspace(std::string_view op, const std::vector<Ten
   for (const TensorMeta& input : inputs) {
     if (!input.device.is_cpu()) return int64_t{0};
   }
-  std::vector<TensorMeta> named = inputs;
-  if (def->control_inputs && inputs.size() > def->input_names.size()) {
-    named.resize(def->input_names.size());
-  }
+  const std::vector<TensorMeta> named = NamedInputs(*def, inputs);
   if (def->nested_workspace) return def->nested_workspace(*this, named, attrs);
   return def->workspace ? def->workspace(named, attrs) : int64_t{0};
 }

@@ -362,27 +362,22 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
   for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
     memory.peaks[tier].tier = static_cast<MemoryTier>(tier);
   }
-  auto observe = [&](int p) {
+  // `scratch`: the running task's kernel scratch per tier.
+  auto observe = [&](int p, const std::array<int64_t, kMemoryTiers>& scratch) {
     RoleArray by_role{};
     std::array<int64_t, kMemoryTiers> tiers{};
-    // The running task's kernel scratch, on its device's tier.
-    const TaskSpec* running =
-        p >= 0 ? &graph.task(memory.order.tasks[static_cast<size_t>(p)]) : nullptr;
-    const int64_t scratch = running != nullptr ? running->workspace_bytes : 0;
-    const size_t scratch_tier = running != nullptr ? ScratchTier(*running) : 0;
     for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
       for (size_t role = 0; role < kObjectRoles; ++role) {
         // The role figures are what memory holds (RoleMeter's): the disk tier is not memory.
         if (tier != TierIndex(MemoryTier::kDisk)) by_role[role] += live[tier][role];
         tiers[tier] += live[tier][role];
       }
-      const int64_t tier_scratch = tier == scratch_tier ? scratch : 0;
-      tiers[tier] += tier_scratch;
+      tiers[tier] += scratch[tier];
       if (tiers[tier] > memory.peaks[tier].bytes) {
         memory.peaks[tier].bytes = tiers[tier];
         memory.peaks[tier].position = p;
         memory.peaks[tier].by_role = live[tier];
-        memory.peaks[tier].scratch = tier_scratch;
+        memory.peaks[tier].scratch = scratch[tier];
       }
     }
     int64_t total = 0;
@@ -401,18 +396,21 @@ WorkerMemory Account(const Graph& graph, WorkerOrder order, std::vector<ObjectLi
     memory.transient_peak = std::max(
         memory.transient_peak, sum({ObjectRole::kGatheredParameter, ObjectRole::kGradientBucket}));
     memory.total_peak = std::max(memory.total_peak, total);
-    memory.total_with_scratch_peak = std::max(memory.total_with_scratch_peak, total + scratch);
+    memory.total_with_scratch_peak =
+        std::max(memory.total_with_scratch_peak, total + scratch[TierIndex(MemoryTier::kDevice)] +
+                                                     scratch[TierIndex(MemoryTier::kHost)]);
     return tiers;
   };
-  observe(-1);
+  observe(-1, {});
   add(live, ends[slot(-1)], -1);  // inputs replaced by the first task's outputs
   for (int p = 0; p < size; ++p) {
     add(live, starts[slot(p)], 1);
-    memory.during.push_back(observe(p));
+    // The running task's kernel scratch, on its device's tier.
     const TaskSpec& running = graph.task(memory.order.tasks[static_cast<size_t>(p)]);
     std::array<int64_t, kMemoryTiers> scratch{};
     scratch[ScratchTier(running)] = running.workspace_bytes;
     memory.scratch.push_back(scratch);
+    memory.during.push_back(observe(p, scratch));
     add(live, ends[slot(p)], -1);
   }
   for (TierPeak& peak : memory.peaks) {
