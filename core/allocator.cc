@@ -37,12 +37,24 @@ void* AllocateHostBytes(int64_t rounded) {
 
 Result<void*> Allocator::Allocate(int64_t bytes) {
   TESSERA_CHECK(bytes >= 0, "negative allocation size {}", bytes);
+  // Reserve the bytes first, so that threads allocating at once never pass the cap together.
+  const int64_t cap = cap_bytes_.load(std::memory_order_relaxed);
+  int64_t live = live_bytes_.load(std::memory_order_relaxed);
+  do {
+    if (cap > 0 && live + bytes > cap) {
+      return ResourceExhausted(
+          "{} allocation of {} bytes would pass its cap ({} bytes live{}): the step needs more "
+          "of this memory than the cap leaves; plan under the cap (the memory planner's "
+          "--explain-memory says what it predicted) or raise the cap",
+          Name(), bytes, live, Limit());
+    }
+  } while (!live_bytes_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed));
   void* ptr = DoAllocate(bytes);
   if (ptr == nullptr) {
-    return ResourceExhausted("{} allocation of {} bytes failed ({} bytes live{})", Name(), bytes,
-                             live_bytes_.load(), Limit());
+    live = live_bytes_.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
+    return AllocationFailure(bytes, live);
   }
-  int64_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  live += bytes;
   int64_t peak = peak_bytes_.load(std::memory_order_relaxed);
   while (live > peak && !peak_bytes_.compare_exchange_weak(peak, live)) {
   }
@@ -54,9 +66,43 @@ void Allocator::Deallocate(void* ptr, int64_t bytes) {
   DoDeallocate(ptr, bytes);
 }
 
+void Allocator::SetCap(int64_t bytes, std::string source) {
+  TESSERA_CHECK(bytes >= 0, "negative allocator cap {}", bytes);
+  MutexLock lock(&cap_mutex_);
+  cap_source_ = std::move(source);
+  cap_bytes_.store(bytes, std::memory_order_relaxed);
+}
+
+std::string Allocator::Limit() const {
+  const int64_t cap = this->cap();
+  if (cap <= 0) return "";
+  MutexLock lock(&cap_mutex_);
+  return fmt::format(", cap {} bytes ({:.2f} MiB{}{})", cap, cap / double(1 << 20),
+                     cap_source_.empty() ? "" : ", from ", cap_source_);
+}
+
+Status Allocator::AllocationFailure(int64_t bytes, int64_t live) const {
+  return ResourceExhausted("{} allocation of {} bytes failed ({} bytes live{})", Name(), bytes,
+                           live, Limit());
+}
+
+namespace {
+// The base allocator's refusal of the last CountingAllocator::DoAllocate on this thread (a
+// kernel's allocations run on its own thread, one at a time).
+thread_local Status last_base_failure;
+}  // namespace
+
 void* CountingAllocator::DoAllocate(int64_t bytes) {
   Result<void*> ptr = base_->Allocate(bytes);
-  return ptr.ok() ? *ptr : nullptr;
+  if (ptr.ok()) return *ptr;
+  last_base_failure = ptr.status();
+  return nullptr;
+}
+
+Status CountingAllocator::AllocationFailure(int64_t bytes, int64_t live) const {
+  if (last_base_failure.ok()) return Allocator::AllocationFailure(bytes, live);
+  return last_base_failure.WithContext(
+      fmt::format("a kernel's scratch ({} bytes of it live)", live));
 }
 
 std::string CountingAllocator::Limit() const {
@@ -102,6 +148,10 @@ void* CachingHostAllocator::DoAllocate(int64_t bytes) {
       return block;
     }
   }
+  // Under a cap, what the cache holds counts too (the live bytes already hold this one's
+  // reservation): make room by giving the cache back rather than hold more than the cap.
+  const int64_t cap = this->cap();
+  if (cap > 0 && stats().live_bytes + CachedBytes() > cap) ReleaseCache();
   void* block = AllocateHostBytes(rounded);
   if (block == nullptr) {
     // Out of memory with blocks of other sizes parked in the cache: give them back and retry.

@@ -2,13 +2,21 @@
 //
 // Every tensor buffer comes from an Allocator. The base class counts live and peak bytes of
 // the buffers it handed out (what the step's tensors occupy, not what a cache holds), so an
-// executor can report a step's peak memory (and the memory planner, not built yet, could hold a
-// tier under a cap).
+// executor can report a step's peak memory, and holds them under a cap when it has one
+// (SetCap): an allocation that would take the live bytes past it fails with ResourceExhausted
+// naming the cap and where it came from, before any memory is taken (the reservation is atomic,
+// so threads allocating at once never pass it together). The memory planner plans a tier under
+// the same cap (--host-memory-gib on CPU workers, a GPU allocator's cap on GPU workers): a
+// capped allocator is what makes the plan's promise hold at run time instead of the kernel's
+// out-of-memory killer ending the process mid-step.
 // Implementations supply DoAllocate/DoDeallocate:
 //   - AlignedHostAllocator: aligned_alloc/free, nothing cached.
 //   - CachingHostAllocator: keeps freed blocks by exact size and hands them out again. A step
 //     graph allocates the same sizes every step, so after the first step nothing reaches the
 //     system allocator; in particular large buffers stop paying mmap + page faults each step.
+//     Under a cap, what it caches counts as well: a new block that would take the live and
+//     cached bytes past the cap first gives the cache back, so the memory it holds from the
+//     system stays under the cap too.
 //
 // Thread safety: Allocate/Deallocate and the statistics may be called from any thread.
 // Ownership: an Allocator must outlive its buffers; Buffer holds a shared_ptr to guarantee it.
@@ -40,14 +48,22 @@ class Allocator {
  public:
   virtual ~Allocator() = default;
 
-  // Returns kBufferAlignment-aligned memory of `bytes` (>= 0), or ResourceExhausted.
+  // Returns kBufferAlignment-aligned memory of `bytes` (>= 0), or ResourceExhausted (the cap, or
+  // the system out of memory).
   Result<void*> Allocate(int64_t bytes);
   // REQUIRES: ptr came from Allocate(bytes) on this allocator and was not freed since.
   void Deallocate(void* ptr, int64_t bytes);
 
-  // For messages: what memory this is ("host", "cuda:0") and its limit (", cap 70.0 GiB").
+  // Holds the live bytes at or under `bytes` from now on (0: no cap); `source` says where the cap
+  // comes from, for messages ("--host-memory-gib 0.25"). Buffers already live stay, even over a
+  // new cap; the next allocation that would add to them fails.
+  void SetCap(int64_t bytes, std::string source = "");
+  int64_t cap() const { return cap_bytes_.load(std::memory_order_relaxed); }
+
+  // For messages: what memory this is ("host", "cuda:0") and its limit (", cap 70.0 GiB (from
+  // --gpu-memory-gib)").
   virtual std::string Name() const { return "host"; }
-  virtual std::string Limit() const { return ""; }
+  virtual std::string Limit() const;
   // Where its memory is: the host, or a GPU (tensors of that device kind come from it).
   virtual DeviceKind kind() const { return DeviceKind::kCpu; }
 
@@ -58,11 +74,17 @@ class Allocator {
  protected:
   virtual void* DoAllocate(int64_t bytes) = 0;  // nullptr when exhausted
   virtual void DoDeallocate(void* ptr, int64_t bytes) = 0;
+  // Why DoAllocate(bytes) just returned nullptr on this thread, `live` bytes being live: by
+  // default the system's memory ran out.
+  virtual Status AllocationFailure(int64_t bytes, int64_t live) const;
   virtual int64_t CachedBytes() const { return 0; }
 
  private:
   std::atomic<int64_t> live_bytes_{0};
   std::atomic<int64_t> peak_bytes_{0};
+  std::atomic<int64_t> cap_bytes_{0};
+  mutable Mutex cap_mutex_;
+  std::string cap_source_ GUARDED_BY(cap_mutex_);
 };
 
 class AlignedHostAllocator final : public Allocator {
@@ -85,6 +107,8 @@ class CountingAllocator final : public Allocator {
  protected:
   void* DoAllocate(int64_t bytes) override;
   void DoDeallocate(void* ptr, int64_t bytes) override { base_->Deallocate(ptr, bytes); }
+  // The base's refusal (its cap, or the system), as a kernel's scratch.
+  Status AllocationFailure(int64_t bytes, int64_t live) const override;
 
  private:
   std::shared_ptr<Allocator> base_;

@@ -21,23 +21,16 @@ void Scramble(void* data, int64_t bytes) {
 // Host memory handed out as device memory (kind kCuda), capped like a GPU's allocator.
 class SimulatedDeviceAllocator final : public Allocator {
  public:
-  explicit SimulatedDeviceAllocator(int64_t cap) : cap_(cap) {}
+  explicit SimulatedDeviceAllocator(int64_t cap) { SetCap(cap, "the simulated GPU's memory"); }
   std::string Name() const override { return "cuda:0 (simulated)"; }
-  std::string Limit() const override {
-    return fmt::format(", cap {:.1f} GiB", cap_ / double(int64_t{1} << 30));
-  }
   DeviceKind kind() const override { return DeviceKind::kCuda; }
 
  protected:
   void* DoAllocate(int64_t bytes) override {
-    if (stats().live_bytes + bytes > cap_) return nullptr;
     const size_t rounded = static_cast<size_t>((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
     return std::aligned_alloc(64, rounded);
   }
   void DoDeallocate(void* ptr, int64_t) override { std::free(ptr); }
-
- private:
-  const int64_t cap_;
 };
 
 class SimulatedGpu final : public DeviceRuntime {

@@ -36,13 +36,12 @@ void HostCopy(char* dst, const char* src, int64_t bytes) {
 class PoolAllocator final : public Allocator {
  public:
   PoolAllocator(int device, cudaStream_t stream, cudaMemPool_t pool, int64_t cap)
-      : device_(device), stream_(stream), pool_(pool), cap_(cap) {}
-
-  int64_t cap() const { return cap_; }
+      : device_(device), stream_(stream), pool_(pool) {
+    SetCap(cap, "--gpu-memory-gib, or the GPU's free memory");
+  }
 
  protected:
   void* DoAllocate(int64_t bytes) override {
-    if (stats().live_bytes + bytes > cap_) return nullptr;
     if (cudaSetDevice(device_) != cudaSuccess) return nullptr;
     void* ptr = nullptr;
     if (cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(std::max<int64_t>(bytes, 256)), pool_,
@@ -64,13 +63,11 @@ class PoolAllocator final : public Allocator {
   }
   std::string Name() const override { return fmt::format("cuda:{}", device_); }
   DeviceKind kind() const override { return DeviceKind::kCuda; }
-  std::string Limit() const override { return fmt::format(", cap {}", GiB(cap_)); }
 
  private:
   int device_;
   cudaStream_t stream_;
   cudaMemPool_t pool_;
-  int64_t cap_;
 };
 
 }  // namespace

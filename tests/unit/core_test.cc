@@ -1,9 +1,14 @@
 // core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings,
 // the bounds on pending connections.
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
 
 #include "core/atomic_file.h"
 #include "core/attrs.h"
@@ -17,6 +22,8 @@
 
 namespace tessera::testing {
 namespace {
+
+using ::testing::HasSubstr;
 
 Result<int> Half(int x) {
   if (x % 2 != 0) return InvalidArgument("{} is odd", x);
@@ -140,6 +147,79 @@ TEST(AllocatorTest, CachingAllocatorReusesBlocksOfTheSameSize) {
   ASSERT_OK_AND_ASSIGN(Tensor b, Tensor::Empty({Shape{4096}, DType::kF32}, allocator));
   EXPECT_EQ(b.raw_data(), first);
   EXPECT_EQ(allocator->stats().live_bytes, 4096 * 4);
+}
+
+// A capped allocator refuses what would take its live bytes past the cap, before taking any
+// memory, with a message naming the cap and where it came from; what is freed makes room again.
+TEST(AllocatorTest, ACapRefusesWhatWouldPassItAndSaysWhere) {
+  for (const std::shared_ptr<Allocator>& allocator :
+       {std::shared_ptr<Allocator>(std::make_shared<AlignedHostAllocator>()),
+        std::shared_ptr<Allocator>(std::make_shared<CachingHostAllocator>())}) {
+    allocator->SetCap(10000, "--host-memory-gib 0.00001");
+    EXPECT_EQ(allocator->cap(), 10000);
+    ASSERT_OK_AND_ASSIGN(Tensor a, Tensor::Empty({Shape{2000}, DType::kF32}, allocator));
+    const Result<Tensor> b = Tensor::Empty({Shape{1000}, DType::kF32}, allocator);  // 12000
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_THAT(b.status().message(), HasSubstr("allocation of 4000 bytes would pass its cap"));
+    EXPECT_THAT(b.status().message(), HasSubstr("8000 bytes live"));
+    EXPECT_THAT(b.status().message(), HasSubstr("cap 10000 bytes"));
+    EXPECT_THAT(b.status().message(), HasSubstr("from --host-memory-gib 0.00001"));
+    EXPECT_EQ(allocator->stats().live_bytes, 8000);  // the refusal took nothing
+    EXPECT_EQ(allocator->stats().peak_bytes, 8000);
+    ASSERT_OK_AND_ASSIGN(Tensor c, Tensor::Empty({Shape{500}, DType::kF32}, allocator));  // 10000
+    EXPECT_EQ(allocator->stats().live_bytes, 10000);
+    a = Tensor();
+    ASSERT_OK_AND_ASSIGN(Tensor d, Tensor::Empty({Shape{1000}, DType::kF32}, allocator));
+    EXPECT_EQ(allocator->stats().live_bytes, 6000);
+    allocator->SetCap(0);  // no cap
+    EXPECT_OK(Tensor::Empty({Shape{100000}, DType::kF32}, allocator).status());
+  }
+}
+
+// Threads allocating at once never pass the cap together: the reservation is atomic.
+TEST(AllocatorTest, ThreadsAllocatingAtOnceNeverPassTheCap) {
+  auto allocator = std::make_shared<AlignedHostAllocator>();
+  constexpr int64_t kBlock = 4096, kCap = 10 * kBlock;
+  allocator->SetCap(kCap);
+  std::atomic<int> refused{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 2000; ++i) {
+        Result<void*> block = allocator->Allocate(kBlock);
+        if (!block.ok()) {
+          refused.fetch_add(1);
+          continue;
+        }
+        static_cast<char*>(*block)[0] = 1;
+        allocator->Deallocate(*block, kBlock);
+      }
+    });
+  }
+  std::vector<void*> held;  // this thread holds 8 blocks meanwhile: the others share two
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_OK_AND_ASSIGN(void* block, allocator->Allocate(kBlock));
+    held.push_back(block);
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_LE(allocator->stats().peak_bytes, kCap);
+  for (void* block : held) allocator->Deallocate(block, kBlock);
+  EXPECT_EQ(allocator->stats().live_bytes, 0);
+}
+
+// Under a cap the caching allocator's cache counts too: a new block that would take the live and
+// cached bytes past it gives the cache back first, so what it holds stays under the cap.
+TEST(AllocatorTest, ACappedCacheGivesItsBlocksBackToStayUnderTheCap) {
+  auto allocator = std::make_shared<CachingHostAllocator>();
+  allocator->SetCap(60000);
+  { ASSERT_OK_AND_ASSIGN(Tensor a, Tensor::Empty({Shape{10000}, DType::kF32}, allocator)); }
+  EXPECT_EQ(allocator->stats().reserved_bytes, 40000);  // cached
+  ASSERT_OK_AND_ASSIGN(Tensor b, Tensor::Empty({Shape{6000}, DType::kF32}, allocator));
+  EXPECT_EQ(allocator->stats().live_bytes, 24000);
+  EXPECT_EQ(allocator->stats().reserved_bytes, 24000);  // 40000 + 24000 would pass 60000
+  ASSERT_OK_AND_ASSIGN(Tensor c, Tensor::Empty({Shape{100}, DType::kF32}, allocator));
+  EXPECT_EQ(allocator->stats().reserved_bytes, 24400);
 }
 
 // Buffers of 4 MiB and more start on a 2 MiB boundary (transparent huge pages can back them
