@@ -75,6 +75,7 @@ WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<i
                      ? options.threads_per_worker
                      : std::max(1, cores / std::max(1, LocalWorkers(options))),
       .host_memory_mb = options.host_capacity_bytes >> 20,
+      .host_cap_gib = options.host_cap_gib,
       .tag = std::move(tag),
       .gpus = gpus,
       .gpu_memory_gib = options.gpu_memory_gib,

@@ -103,7 +103,10 @@ struct LocalClusterOptions {
   double gpu_memory_gib = 0;
   int threads_per_worker = 0;  // 0: the machine's cores divided among the workers
   int64_t host_capacity_bytes = int64_t{4} << 30;  // per worker; beyond it objects spill to disk
-  std::string session_dir;                         // default: a new directory under /tmp/tessera
+  // Per worker, the allocator's cap on its host memory (tasks and objects together: `tessera
+  // worker --host-cap-gib`); 0: none. Plans for these workers fit with --host-memory-gib below it.
+  double host_cap_gib = 0;
+  std::string session_dir;     // default: a new directory under /tmp/tessera
   std::string tessera_binary;  // default: FindTesseraBinary's search (launcher/session.h)
   int start_timeout_ms = 20'000;
 };

@@ -77,6 +77,17 @@ class GraphBackend {
   // Host memory this process may give the plan's host-tier state: in process, the executor's
   // limit; 0 on a cluster (each worker's store holds its own objects under its own capacity).
   virtual int64_t host_memory_bytes() const { return 0; }
+  // Holds the host memory the backend's runs and uploads take under `bytes` from now on (0: no
+  // cap): a plan's host-tier cap, which the allocator then enforces (an allocation that would
+  // pass it fails its run, naming the cap and `source`, instead of the process running out of
+  // memory mid-step). In process: the executor's allocator (what the memory model counts: the
+  // state uploaded, the inputs, every intermediate and kernel's scratch). A cluster's workers
+  // hold theirs under the cap they were started with (`tessera worker --host-cap-gib`): nothing
+  // to do here.
+  virtual void CapHostMemory(int64_t bytes, std::string source) {
+    (void)bytes;
+    (void)source;
+  }
 };
 
 // InProcessExecutor on a registry with CPU kernels.

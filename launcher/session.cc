@@ -244,6 +244,9 @@ Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch
                                         "--threads",        std::to_string(launch.threads),
                                         "--host-memory-mb", std::to_string(launch.host_memory_mb),
                                         "--spill-dir",      fmt::format("{}/spill-{}", dir_, name)};
+    if (launch.host_cap_gib > 0) {
+      command.insert(command.end(), {"--host-cap-gib", fmt::format("{}", launch.host_cap_gib)});
+    }
     if (!launch.gpus.empty()) {
       command.insert(
           command.end(),

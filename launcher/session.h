@@ -99,7 +99,8 @@ struct WorkerLaunch {
   int count = 1;
   int threads = 0;  // each; 0: the worker's cores
   int64_t host_memory_mb = 4096;
-  std::string tag;  // names logs and spill directories: worker-<tag>-<i>.log
+  double host_cap_gib = 0;  // each worker's allocator cap on its host memory (`--host-cap-gib`)
+  std::string tag;          // names logs and spill directories: worker-<tag>-<i>.log
   // GPU workers: worker i owns GPU gpus[i % gpus.size()] (`tessera worker --gpu N`); empty: CPU
   // workers. Several workers may share one GPU (each its own context and allocator cap).
   std::vector<int> gpus;

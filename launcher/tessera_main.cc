@@ -101,6 +101,7 @@ struct StartFlags {
   int cpu_workers = 1;
   int threads = 0;
   int64_t host_memory_mb = 4096;
+  double host_cap_gib = 0;
   std::string token_file;
   bool cpu_workers_given = false;  // --cpu-workers on the command line (with --gpus: both kinds)
   std::string gpus;
@@ -165,6 +166,7 @@ int StartWorkers(const StartFlags& flags) {
                         .count = flags.cpu_workers,
                         .threads = flags.threads,
                         .host_memory_mb = flags.host_memory_mb,
+                        .host_cap_gib = flags.host_cap_gib,
                         .tag = tag});
   }
   if (!gpus.empty()) {
@@ -172,6 +174,7 @@ int StartWorkers(const StartFlags& flags) {
                         .count = static_cast<int>(gpus.size()),
                         .threads = flags.threads,
                         .host_memory_mb = flags.host_memory_mb,
+                        .host_cap_gib = flags.host_cap_gib,
                         .tag = tag + "-gpu",
                         .gpus = gpus,
                         .gpu_memory_gib = flags.gpu_memory_gib});
@@ -432,6 +435,11 @@ CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
       ->add_option("--host-memory-mb", start.host_memory_mb,
                    "Workers: host-tier capacity each, beyond which objects spill to disk")
       ->check(tessera::AtLeast(1));
+  start_cmd
+      ->add_option("--host-cap-gib", start.host_cap_gib,
+                   "Workers: the cap on the host memory each one's tasks and objects take at "
+                   "once (plan steps for them with --host-memory-gib at most this; 0: none)")
+      ->check(tessera::AtLeast(0));
   start_cmd->add_option("--token-file", start.token_file, "Workers: the cluster token file");
   start_cmd->add_option("--gpus", start.gpus,
                         "Workers: start one GPU worker per GPU listed (all, or 0,1,...), instead "

@@ -10,10 +10,11 @@
 
 namespace tessera::testing {
 
-Result<std::unique_ptr<Cluster>> StartTestCluster(int workers) {
+Result<std::unique_ptr<Cluster>> StartTestCluster(int workers, double host_cap_gib) {
   LocalClusterOptions options;
   options.cpu_workers = workers;
   options.threads_per_worker = 1;
+  options.host_cap_gib = host_cap_gib;
   options.tessera_binary = BinaryPath("tessera");
   return Cluster::StartLocal(options);
 }

@@ -25,9 +25,10 @@ Result<TrainingRun> RecordRun(Trainer& trainer, uint64_t seed, int steps,
                               const std::function<Result<StepReport>(Trainer&, int)>& step,
                               const std::string& parameter);
 
-// A local cluster of `workers` CPU worker processes of this build's `tessera`, one thread each:
-// what the plan tests run their plans on.
-Result<std::unique_ptr<Cluster>> StartTestCluster(int workers);
+// A local cluster of `workers` CPU worker processes of this build's `tessera`, one thread each
+// (each with its allocator capped at `host_cap_gib` when it is not 0): what the plan tests run
+// their plans on.
+Result<std::unique_ptr<Cluster>> StartTestCluster(int workers, double host_cap_gib = 0);
 
 // `run` against `reference`: every loss within 1e-5 relative, every gradient norm within 1e-4
 // relative, the parameter within 1e-4 of its scale. Prints the worst loss difference, labelled.

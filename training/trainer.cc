@@ -90,6 +90,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
 
 namespace {
 
+double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
 // Gradient buckets sized from the link (ParallelConfig::bucket_bytes auto) over workers whose link
 // nobody gave: measured on the first stage's ranks (every stage's are alike). A failed
 // measurement is not a failed plan: the planner's default link stands, and the log says why.
@@ -141,6 +143,11 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
   TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
                            trainer->backend_->Register(trainer->eval_graph_.graph));
   TESSERA_RETURN_IF_ERROR(trainer->CheckHostMemory());
+  if (const int64_t cap = trainer->plan_.memory.host_bytes; cap > 0) {
+    // The plan fits the host tier under the cap; from here the allocator holds it there.
+    trainer->backend_->CapHostMemory(
+        cap, fmt::format("the plan's host-memory cap, --host-memory-gib {:.6g}", GiB(cap)));
+  }
   TESSERA_RETURN_IF_ERROR(trainer->AllocateState(std::nullopt));
   return trainer;
 }
@@ -170,8 +177,6 @@ StepFootprint FootprintOf(const Graph& graph) {
   }
   return footprint;
 }
-
-double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
 
 }  // namespace
 
@@ -478,9 +483,10 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
   std::vector<int64_t> dims = batch.shape().dims();
   const int64_t row_bytes = batch.bytes() / dims[0];
   dims[0] = rows;
-  TESSERA_ASSIGN_OR_RETURN(
-      Tensor t, Tensor::Empty(TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()},
-                              backend_->allocator()));
+  Result<Tensor> made = Tensor::Empty(
+      TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()}, backend_->allocator());
+  if (!made.ok()) return made.status().WithContext("uploading a batch's rows");
+  Tensor t = std::move(*made);
   std::memcpy(t.raw_data(), static_cast<const char*>(batch.raw_data()) + first * row_bytes,
               static_cast<size_t>(rows * row_bytes));
   return backend_->Upload(std::move(t));

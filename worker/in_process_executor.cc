@@ -24,7 +24,9 @@ InProcessExecutor::InProcessExecutor(const OpRegistry& registry, const ExecutorO
     : registry_(registry), options_(options) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   threads_ = options.threads > 0 ? options.threads : cores;
-  if (options.cache_host_allocations) {
+  if (options.host_allocator != nullptr) {
+    allocator_ = options.host_allocator;
+  } else if (options.cache_host_allocations) {
     allocator_ = std::make_shared<CachingHostAllocator>();
   } else {
     allocator_ = std::make_shared<AlignedHostAllocator>();

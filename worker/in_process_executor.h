@@ -77,6 +77,10 @@ struct ExecutorOptions {
   // The swap file (worker/swap_file.h) objects on the disk tier live in, or null (a plan that
   // swaps to the disk then fails at its first swap, naming --swap-dir).
   std::shared_ptr<DeviceRuntime> disk;
+  // The host allocator for the executor's buffers, shared with whoever else gives it (a worker's
+  // object store: one allocator, one count and one cap for the worker's host memory); null: one
+  // of its own (caching as cache_host_allocations says).
+  std::shared_ptr<Allocator> host_allocator;
 
   static ExecutorOptions FromSettings(const Settings& settings);
 };

@@ -52,6 +52,7 @@ int RunWorkerProcess(const WorkerProcessFlags& flags) {
   options.token = *token;
   options.threads = flags.threads;
   options.host_capacity_bytes = flags.host_memory_mb << 20;
+  options.host_cap_bytes = static_cast<int64_t>(flags.host_cap_gib * double(int64_t{1} << 30));
   options.spill_dir = flags.spill_dir;
   options.settings = *settings;
   options.data_host = settings->data_host;
@@ -107,6 +108,12 @@ CLI::App* AddWorkerCommand(CLI::App& app, WorkerProcessFlags& flags) {
   command->add_option("--token-file", flags.token_file);
   command->add_option("--threads", flags.threads)->check(tessera::AtLeast(0));
   command->add_option("--host-memory-mb", flags.host_memory_mb)->check(tessera::AtLeast(1));
+  command
+      ->add_option("--host-cap-gib", flags.host_cap_gib,
+                   "The cap on the host memory the worker's tasks and objects take at once (a "
+                   "step planned with --host-memory-gib fits under the same figure); an "
+                   "allocation that would pass it fails its task, naming the cap (0: none)")
+      ->check(tessera::AtLeast(0));
   command->add_option("--spill-dir", flags.spill_dir);
   command->add_option("--gpu", flags.gpu, "The GPU this worker owns (-1: a CPU worker)")
       ->check(tessera::Between(-1, 1023));

@@ -23,6 +23,7 @@ struct WorkerProcessFlags {
   std::string token_file;  // empty: the latest session's
   int threads = 0;         // 0: one per core
   int64_t host_memory_mb = 4096;
+  double host_cap_gib = 0;  // the allocator's cap on the worker's host memory; 0: none
   std::string spill_dir;
   int gpu = -1;  // the GPU this worker owns; -1: a CPU worker
   double gpu_memory_gib = 0;

@@ -30,6 +30,16 @@ namespace {
 
 using rpc::asio::io_context;
 
+// The worker's host allocator, under its --host-cap-gib when it has one.
+std::shared_ptr<Allocator> CappedHostAllocator(int64_t cap_bytes) {
+  auto allocator = std::make_shared<CachingHostAllocator>();
+  if (cap_bytes > 0) {
+    allocator->SetCap(cap_bytes, fmt::format("this worker's --host-cap-gib {:.6g}",
+                                             static_cast<double>(cap_bytes) / (1 << 30)));
+  }
+  return allocator;
+}
+
 class WorkerServiceImpl final : public WorkerService {
  public:
   WorkerServiceImpl(WorkerServiceOptions options, const OpRegistry& registry)
@@ -38,7 +48,7 @@ class WorkerServiceImpl final : public WorkerService {
         threads_(options_.threads > 0
                      ? options_.threads
                      : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
-        allocator_(std::make_shared<CachingHostAllocator>()),
+        allocator_(CappedHostAllocator(options_.host_cap_bytes)),
         store_(ObjectStoreOptions{options_.host_capacity_bytes, options_.spill_dir}, allocator_),
         work_(rpc::asio::make_work_guard(io_)) {}
 
@@ -107,6 +117,7 @@ Status WorkerServiceImpl::Init() {
   ExecutorOptions executor_options = ExecutorOptions::FromSettings(options_.settings);
   executor_options.threads = threads_;
   executor_options.device = options_.device;
+  executor_options.host_allocator = allocator_;  // the store's: one count, one cap
   if (!options_.settings.swap_dir.empty()) {
     SwapFileOptions swap;
     swap.directory = options_.settings.swap_dir;

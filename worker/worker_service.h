@@ -35,6 +35,10 @@ struct WorkerServiceOptions {
   std::string token;
   int threads = 0;  // 0: one per core
   int64_t host_capacity_bytes = int64_t{8} << 30;
+  // The cap on the host memory the worker's tasks and objects take at once (its allocator's:
+  // core/allocator.h); 0: none. A plan's --host-memory-gib plans a step under it; an allocation
+  // that would pass it fails its task, naming the cap (the worker goes on).
+  int64_t host_cap_bytes = 0;
   std::string spill_dir;  // empty: no spilling
   std::string data_host = "127.0.0.1";
   int connect_timeout_ms = 5000;

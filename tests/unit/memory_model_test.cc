@@ -495,6 +495,52 @@ TEST(MemoryPlanTest, AStepCappedOnItsTierFitsUnderTheCapAsMeasured) {
   EXPECT_THAT(trained.memory.reason, HasSubstr("recompute"));
 }
 
+// The plan's host cap is the executor's allocator's (on CPU workers the tier they compute in):
+// a step under it runs with the allocator's own peak under it too, and memory that something
+// else takes from the same allocator meanwhile makes the next step fail with the cap named,
+// before the optimizer touched anything (the step can be retried: the same losses after).
+TEST(MemoryPlanTest, TheAllocatorHoldsAStepUnderThePlansHostCap) {
+  CappedCase c = Gpt2Case();
+  ASSERT_OK_AND_ASSIGN(StepGraph uncapped, PlanTrainingStep(c.model, c.plan, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(uncapped.graph));
+  const int64_t peak = profile.workers[0].peaks[static_cast<size_t>(MemoryTier::kHost)].bytes;
+  c.plan.memory.host_bytes = peak * 17 / 20;
+  const Trained reference = Train(c, c.plan, 3);
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<GraphBackend> backend, MakeInProcessBackend(OneThread()));
+  const std::shared_ptr<Allocator> allocator = backend->allocator();
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(c.model, c.plan, std::move(backend)));
+  EXPECT_EQ(allocator->cap(), c.plan.memory.host_bytes);
+  ASSERT_OK(trainer->InitializeParameters(5));
+  ASSERT_OK_AND_ASSIGN(StepReport first, trainer->Step(c.batch, 1e-3f));
+  EXPECT_EQ(first.loss, reference.losses[0]);
+  EXPECT_LE(first.ranks.at(0).figures.allocator_peak, c.plan.memory.host_bytes);
+  EXPECT_LE(allocator->stats().peak_bytes, c.plan.memory.host_bytes);
+
+  // Something else in the process takes what the cap leaves: all of it (the batch's upload is
+  // refused), or all but the batch and a little (the forward's first outputs are).
+  int64_t batch_bytes = 0;
+  for (const Tensor& input : c.batch) batch_bytes += input.bytes();
+  for (const int64_t leave : {int64_t{0}, batch_bytes + 1024}) {
+    const int64_t room = c.plan.memory.host_bytes - allocator->stats().live_bytes - leave;
+    ASSERT_GT(room, 0);
+    ASSERT_OK_AND_ASSIGN(Tensor hog,
+                         Tensor::Empty({Shape{room / 4}, DType::kF32, Device::Cpu()}, allocator));
+    const Result<StepReport> refused = trainer->Step(c.batch, 1e-3f);
+    ASSERT_FALSE(refused.ok()) << "leaving " << leave;
+    EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted)
+        << refused.status().ToString();
+    EXPECT_THAT(refused.status().message(), HasSubstr("would pass its cap"));
+    EXPECT_THAT(refused.status().message(), HasSubstr("--host-memory-gib"));
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr(leave == 0 ? "uploading a batch's rows" : "task '"));
+    EXPECT_LE(allocator->stats().peak_bytes, c.plan.memory.host_bytes);
+  }
+  // Nothing was updated: the next step is the uninterrupted run's second.
+  ASSERT_OK_AND_ASSIGN(StepReport second, trainer->Step(c.batch, 1e-3f));
+  EXPECT_EQ(second.loss, reference.losses[1]);
+}
+
 TEST(MemoryPlanTest, APlanThatFitsUncappedIsLeftAsItIs) {
   CappedCase c = Gpt2Case();
   ASSERT_OK_AND_ASSIGN(StepGraph uncapped, PlanTrainingStep(c.model, c.plan, CpuRegistry()));
