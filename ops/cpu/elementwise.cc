@@ -16,6 +16,19 @@ constexpr int64_t kElementGrain = 1 << 14;
 // sqrt(2/pi) and the cubic coefficient of the tanh approximation of GELU.
 constexpr float kGeluBeta = 0.7978845608028654f;
 constexpr float kGeluKappa = 0.044715f;
+
+// One element's GELU pieces, shared by the forward, the backward and the backward that rebuilds
+// the forward's values: the same expressions compile to the same roundings, so a rebuilt value
+// equals the forward's bit for bit.
+inline float GeluTanh(float v) { return VectorTanh(kGeluBeta * (v + kGeluKappa * v * v * v)); }
+inline float GeluFromTanh(float v, float tanh_inner) { return 0.5f * v * (1.0f + tanh_inner); }
+inline float GeluDerivative(float v, float tanh_inner) {
+  const float v2 = v * v;
+  const float left = 0.5f * (1.0f + tanh_inner);
+  const float right =
+      0.5f * v * (1.0f - tanh_inner * tanh_inner) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * v2);
+  return left + right;
+}
 }  // namespace
 
 Status EmbeddingForward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
@@ -64,24 +77,23 @@ void EmbeddingBackward(float* dwte, float* dwpe, const float* dout, const int32_
 
 void GeluForward(float* out, const float* x, int64_t n) {
   ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = x[i];
-      const float inner = kGeluBeta * (v + kGeluKappa * v * v * v);
-      out[i] = 0.5f * v * (1.0f + VectorTanh(inner));
-    }
+    for (int64_t i = begin; i < end; ++i) out[i] = GeluFromTanh(x[i], GeluTanh(x[i]));
   });
 }
 
 void GeluBackward(float* dx, const float* dout, const float* x, int64_t n) {
   ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dx[i] = dout[i] * GeluDerivative(x[i], GeluTanh(x[i]));
+  });
+}
+
+void GeluBackwardRebuilding(float* dx, float* out, const float* dout, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float v = x[i];
-      const float v2 = v * v;
-      const float tanh_inner = VectorTanh(kGeluBeta * (v + kGeluKappa * v2 * v));
-      const float left_derivative = 0.5f * (1.0f + tanh_inner);
-      const float right_derivative =
-          0.5f * v * (1.0f - tanh_inner * tanh_inner) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * v2);
-      dx[i] = dout[i] * (left_derivative + right_derivative);
+      const float tanh_inner = GeluTanh(v);
+      out[i] = GeluFromTanh(v, tanh_inner);
+      dx[i] = dout[i] * GeluDerivative(v, tanh_inner);
     }
   });
 }

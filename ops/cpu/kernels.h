@@ -68,6 +68,9 @@ void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const f
 void GeluForward(float* out, const float* x, int64_t n);
 // dx = dout * gelu'(x). dx may alias dout.
 void GeluBackward(float* dx, const float* dout, const float* x, int64_t n);
+// GeluBackward, also writing GeluForward's out (bit for bit) in the same pass: a backward that
+// rebuilds the forward's GELU values pays one tanh per element for both. dx may alias dout.
+void GeluBackwardRebuilding(float* dx, float* out, const float* dout, const float* x, int64_t n);
 
 // ---- elementwise ----
 // out = a + b. out may alias a or b.

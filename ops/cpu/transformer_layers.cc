@@ -58,7 +58,8 @@ FlatLayout BlockStash(const TransformerDims& dims) {
 }
 
 // Recomputes what dims.rebuild leaves out of the saved buffer, in the forward's order and with
-// its kernels (so bit for bit what the forward computed).
+// its kernels (so bit for bit what the forward computed), all but fch_gelu: the backward's GELU
+// pass rebuilds that (GeluBackwardRebuilding, one tanh per element for both).
 void RebuildSaved(const BlockSaved<const float>& s, const float* x, const float* params,
                   const TransformerDims& dims, int64_t split_min_flops) {
   if (dims.rebuild == BlockRebuild::kNothing) return;
@@ -75,12 +76,14 @@ void RebuildSaved(const BlockSaved<const float>& s, const float* x, const float*
   }
   LayerNormForward(s.Rebuilt("ln2"), s.Rebuilt("ln2_mean"), s.Rebuilt("ln2_rstd"), s["x_mid"],
                    p["ln2_w"], p["ln2_b"], n, c);
-  GeluForward(s.Rebuilt("fch_gelu"), s["fch"], n * 4 * c);
 }
 
+// `rebuilt_gelu`: where the backward's GELU pass writes the forward's fch_gelu (a block that
+// rebuilds it), or null (saved).
 void BackwardInput(float* d, float* stash, float* workspace, const float* x,
                    const BlockSaved<const float>& s, const float* params,
-                   const TransformerDims& dims, int64_t split_min_flops) {
+                   const TransformerDims& dims, int64_t split_min_flops,
+                   float* rebuilt_gelu = nullptr) {
   const int64_t n = dims.rows(), c = dims.channels;
   const FlatLayout param_layout = TransformerBlockParamLayout(c);
   const FlatLayout stash_layout = BlockStash(dims);
@@ -95,9 +98,14 @@ void BackwardInput(float* d, float* stash, float* workspace, const float* x,
   // MLP branch: y = x_mid + fcproj(gelu(fc(ln2(x_mid)))). d = dL/dy = dL/dx_mid so far.
   keep(st["dfcproj"], d);
   float* dfc = st["dfc"];
-  LinearBackward(dfc, nullptr, nullptr, d, s["fch_gelu"], p["fcproj_w"], n, 4 * c, c,
+  // The input gradient alone: fch_gelu is not read (the weight half reads it).
+  LinearBackward(dfc, nullptr, nullptr, d, nullptr, p["fcproj_w"], n, 4 * c, c,
                  /*accumulate_dx=*/false, split_min_flops);
-  GeluBackward(dfc, dfc, s["fch"], n * 4 * c);
+  if (rebuilt_gelu != nullptr) {
+    GeluBackwardRebuilding(dfc, rebuilt_gelu, dfc, s["fch"], n * 4 * c);
+  } else {
+    GeluBackward(dfc, dfc, s["fch"], n * 4 * c);
+  }
   LinearBackward(ln_grad, nullptr, nullptr, dfc, s["ln2"], p["fc_w"], n, c, 4 * c, false,
                  split_min_flops);
   LayerNormBackward(d, st["ln2_w"], st["ln2_b"], ln_grad, s["x_mid"], p["ln2_w"], s["ln2_mean"],
@@ -168,7 +176,8 @@ void TransformerBlockBackward(float* d, float* dparams, float* workspace, const 
   const BlockSaved<const float> s(dims, saved,
                                   input_workspace + TransformerBlockInputWorkspace(dims));
   RebuildSaved(s, x, params, dims, split_min_flops);
-  BackwardInput(d, stash, input_workspace, x, s, params, dims, split_min_flops);
+  BackwardInput(d, stash, input_workspace, x, s, params, dims, split_min_flops,
+                dims.rebuild == BlockRebuild::kNothing ? nullptr : s.Rebuilt("fch_gelu"));
   BackwardWeight(dparams, stash, s, dims, split_min_flops);
 }
 
