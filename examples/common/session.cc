@@ -73,6 +73,8 @@ Status Session::Start() {
     local.gpu_memory_gib = flags_.gpu_memory_gib;
   }
   local.threads_per_worker = flags_.threads;
+  // The plan's host cap is each worker's: their allocators hold the step under it.
+  local.host_cap_gib = flags_.host_memory_gib;
   TESSERA_ASSIGN_OR_RETURN(cluster_, Cluster::StartLocal(local));
   if (!cluster_->dashboard_url().empty()) {
     std::fprintf(stderr, "%s: dashboard %s\n", program_.c_str(), cluster_->dashboard_url().c_str());
