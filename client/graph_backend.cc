@@ -72,8 +72,8 @@ class InProcessBackend final : public GraphBackend {
     return HostCopyOf(value.tensor, executor_.Copier());
   }
   std::shared_ptr<Allocator> allocator() override { return executor_.allocator(); }
-  void CapHostMemory(int64_t bytes, std::string source) override {
-    executor_.allocator()->SetCap(bytes, std::move(source));
+  void CapHostMemory(int64_t bytes, const std::string& source) override {
+    executor_.allocator()->SetCap(bytes, source);
   }
   int64_t last_peak_bytes() const override { return last_peak_bytes_; }
   int64_t last_device_peak_bytes() const override { return last_device_peak_bytes_; }

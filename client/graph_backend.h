@@ -84,7 +84,7 @@ class GraphBackend {
   // state uploaded, the inputs, every intermediate and kernel's scratch). A cluster's workers
   // hold theirs under the cap they were started with (`tessera worker --host-cap-gib`): nothing
   // to do here.
-  virtual void CapHostMemory(int64_t bytes, std::string source) {
+  virtual void CapHostMemory(int64_t bytes, const std::string& source) {
     (void)bytes;
     (void)source;
   }
