@@ -126,7 +126,7 @@ struct RunFigures {
   int64_t transient_peak = 0;           // gathered parameters + gradient buckets
   int64_t total_peak = 0;               // every role together (planner/memory_model.h predicts it)
   int64_t total_with_scratch_peak = 0;  // the same with the running kernels' scratch on top
-  int64_t allocator_peak = 0;           // the worker executor allocator's peak
+  int64_t allocator_peak = 0;           // the worker allocator's peak (store and executor: one)
   int64_t collective_bytes_sent = 0;
   int64_t pushed_bytes = 0;
   double wall_ms = 0;

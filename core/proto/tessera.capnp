@@ -252,7 +252,7 @@ struct RunReport {
   rolePeaks @2 :List(Int64);      # peak bytes per object role (core/graph.h ObjectRole order)
   modelStatePeak @3 :Int64;       # parameters + gradients + optimizer state
   transientPeak @4 :Int64;        # gathered parameters + gradient buckets
-  allocatorPeak @5 :Int64;        # the executor allocator's peak (the process's view)
+  allocatorPeak @5 :Int64;        # the worker allocator's peak: store and executor share it
   collectiveBytesSent @6 :Int64;  # sent by this worker's collective members
   pushedBytes @7 :Int64;          # objects pushed to other workers
   wallMicros @8 :Int64;
