@@ -151,7 +151,7 @@ void* CachingHostAllocator::DoAllocate(int64_t bytes) {
   // Under a cap, what the cache holds counts too (the live bytes already hold this one's
   // reservation): make room by giving the cache back rather than hold more than the cap.
   const int64_t cap = this->cap();
-  if (cap > 0 && stats().live_bytes + CachedBytes() > cap) ReleaseCache();
+  if (cap > 0 && stats().reserved_bytes > cap) ReleaseCache();
   void* block = AllocateHostBytes(rounded);
   if (block == nullptr) {
     // Out of memory with blocks of other sizes parked in the cache: give them back and retry.
