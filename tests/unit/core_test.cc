@@ -182,11 +182,13 @@ TEST(AllocatorTest, ThreadsAllocatingAtOnceNeverPassTheCap) {
   constexpr int64_t kBlock = 4096, kCap = 10 * kBlock;
   allocator->SetCap(kCap);
   std::vector<void*> held;  // 8 blocks held throughout: the threads share the other two
+  held.reserve(8);
   for (int i = 0; i < 8; ++i) {
     ASSERT_OK_AND_ASSIGN(void* block, allocator->Allocate(kBlock));
     held.push_back(block);
   }
   std::vector<std::thread> threads;
+  threads.reserve(4);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&] {
       for (int i = 0; i < 2000; ++i) {
