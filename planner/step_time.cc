@@ -38,10 +38,10 @@ bool IsRecompute(const TaskSpec& task) { return task.name.find("/recompute") != 
 
 }  // namespace
 
-Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& model,
-                                           const std::vector<OpCosts>& layer_ms,
-                                           const OpRegistry& registry, double task_overhead_ms,
-                                           double disk_copy_compute_us_per_byte) {
+Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelSpec& model,
+                                                const std::vector<OpCosts>& layer_ms,
+                                                const OpRegistry& registry,
+                                                double disk_copy_compute_us_per_byte) {
   if (layer_ms.size() != model.layers.size()) {
     return InvalidArgument("step time: {} measured layer times for a model of {} layers",
                            layer_ms.size(), model.layers.size());
@@ -76,10 +76,54 @@ Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& 
   }
   const double ms_per_unit = measured / estimated;
 
-  std::vector<WorkerId> workers;  // in order of first appearance
-  StepTimePrediction prediction;
-  std::vector<double> layer_part, other_part, overhead_part;
+  std::vector<TaskTime> times;
+  times.reserve(graph.tasks().size());
   for (const TaskSpec& task : graph.tasks()) {
+    TaskTime& time = times.emplace_back();
+    if (TouchesDisk(graph, task)) {  // on the I/O thread, beside the compute: what it takes of it
+      int64_t bytes = 0;
+      for (ObjectId output : task.outputs) bytes += graph.object(output).meta.bytes();
+      time.on_disk = true;
+      time.ms = static_cast<double>(bytes) * disk_copy_compute_us_per_byte / 1e3;
+      continue;
+    }
+    const int l = layer_of(task);
+    const SpanKind kind =
+        l < 0 ? SpanKind::kOther : LayerTaskKind(model.layers[static_cast<size_t>(l)], task);
+    if (kind == SpanKind::kOther) {
+      TESSERA_ASSIGN_OR_RETURN(double units, UnitsOf(graph, task, registry, task.attrs));
+      time.ms = units * ms_per_unit;
+      continue;
+    }
+    const OpCosts& ms = layer_ms[static_cast<size_t>(l)];
+    time.layer = true;
+    time.ms = kind == SpanKind::kForward          ? ms.forward
+              : kind == SpanKind::kBackwardWeight ? ms.weight
+              : kind == SpanKind::kBackwardInput  ? ms.backward
+                                                  : ms.backward + ms.weight;
+    if (task.attrs.Has(kRebuildAttr) && kind != SpanKind::kForward) {
+      Attrs whole = task.attrs;
+      whole.Set(kRebuildAttr, std::string());  // "": the op rebuilds nothing
+      TESSERA_ASSIGN_OR_RETURN(double with, UnitsOf(graph, task, registry, task.attrs));
+      TESSERA_ASSIGN_OR_RETURN(double without, UnitsOf(graph, task, registry, whole));
+      const double units = forward_units[static_cast<size_t>(l)];
+      if (units > 0) time.ms += ms.forward * std::max(0.0, with - without) / units;
+    }
+  }
+  return times;
+}
+
+Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& model,
+                                           const std::vector<OpCosts>& layer_ms,
+                                           const OpRegistry& registry, double task_overhead_ms,
+                                           double disk_copy_compute_us_per_byte) {
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<TaskTime> times,
+      EstimateTaskTimes(graph, model, layer_ms, registry, disk_copy_compute_us_per_byte));
+  std::vector<WorkerId> workers;  // in order of first appearance
+  std::vector<double> layer_part, other_part, overhead_part;
+  for (size_t t = 0; t < times.size(); ++t) {
+    const TaskSpec& task = graph.tasks()[t];
     auto found = std::find(workers.begin(), workers.end(), task.pinned_worker);
     const auto w = static_cast<size_t>(found - workers.begin());
     if (found == workers.end()) {
@@ -89,35 +133,9 @@ Result<StepTimePrediction> PredictStepTime(const Graph& graph, const ModelSpec& 
       overhead_part.push_back(0);
     }
     overhead_part[w] += task_overhead_ms;
-    if (TouchesDisk(graph, task)) {  // on the I/O thread, beside the compute: what it takes of it
-      int64_t bytes = 0;
-      for (ObjectId output : task.outputs) bytes += graph.object(output).meta.bytes();
-      other_part[w] += static_cast<double>(bytes) * disk_copy_compute_us_per_byte / 1e3;
-      continue;
-    }
-    const int l = layer_of(task);
-    const SpanKind kind =
-        l < 0 ? SpanKind::kOther : LayerTaskKind(model.layers[static_cast<size_t>(l)], task);
-    if (kind != SpanKind::kOther) {
-      const OpCosts& ms = layer_ms[static_cast<size_t>(l)];
-      double time = kind == SpanKind::kForward          ? ms.forward
-                    : kind == SpanKind::kBackwardWeight ? ms.weight
-                    : kind == SpanKind::kBackwardInput  ? ms.backward
-                                                        : ms.backward + ms.weight;
-      if (task.attrs.Has(kRebuildAttr) && kind != SpanKind::kForward) {
-        Attrs whole = task.attrs;
-        whole.Set(kRebuildAttr, std::string());  // "": the op rebuilds nothing
-        TESSERA_ASSIGN_OR_RETURN(double with, UnitsOf(graph, task, registry, task.attrs));
-        TESSERA_ASSIGN_OR_RETURN(double without, UnitsOf(graph, task, registry, whole));
-        const double units = forward_units[static_cast<size_t>(l)];
-        if (units > 0) time += ms.forward * std::max(0.0, with - without) / units;
-      }
-      layer_part[w] += time;
-    } else {
-      TESSERA_ASSIGN_OR_RETURN(double units, UnitsOf(graph, task, registry, task.attrs));
-      other_part[w] += units * ms_per_unit;
-    }
+    (times[t].layer ? layer_part : other_part)[w] += times[t].ms;
   }
+  StepTimePrediction prediction;
   for (size_t w = 0; w < workers.size(); ++w) {
     const double busy = layer_part[w] + other_part[w] + overhead_part[w];
     prediction.worker_ms.push_back(busy);

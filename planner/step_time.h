@@ -36,6 +36,20 @@
 
 namespace tessera {
 
+// One task's time by the model above, and whether its worker's compute runs it (the swap file's
+// copies run on the I/O thread beside it: their `ms` is what they take from the compute).
+struct TaskTime {
+  double ms = 0;
+  bool layer = false;    // a layer's forward, recompute or backward (half): measured time
+  bool on_disk = false;  // reaches the disk tier (core/disk_tasks.h)
+};
+
+// Per task of `graph` (in its order), its time. Errors as PredictStepTime's.
+Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelSpec& model,
+                                                const std::vector<OpCosts>& layer_ms,
+                                                const OpRegistry& registry,
+                                                double disk_copy_compute_us_per_byte = 0);
+
 struct StepTimePrediction {
   double step_ms = 0;             // the slowest worker's busy time
   std::vector<double> worker_ms;  // per worker (MemoryProfile's order: first task's appearance)

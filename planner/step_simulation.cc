@@ -1,0 +1,427 @@
+#include "planner/step_simulation.h"
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <limits>
+#include <map>
+#include <queue>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+
+#include "core/collective_task.h"
+#include "core/disk_tasks.h"
+
+namespace tessera {
+namespace {
+
+enum class Lane : uint8_t { kCompute, kCollective, kIo };
+
+// An all-reduce of B bytes over a ring of N moves 2(N-1)/N x B per member; the others less.
+double RingTraffic(std::string_view op, int members) {
+  if (members <= 1) return 0;
+  const double share = static_cast<double>(members - 1) / members;
+  if (op == "all_reduce") return 2 * share;
+  if (op == "broadcast") return 1;
+  return share;  // reduce_scatter, all_gather, all_gather_in_place
+}
+
+int64_t LargestTensorBytes(const Graph& graph, const TaskSpec& task) {
+  int64_t bytes = 0;
+  if (!task.inputs.empty()) bytes = graph.object(task.inputs[0]).meta.bytes();
+  if (!task.outputs.empty()) bytes = std::max(bytes, graph.object(task.outputs[0]).meta.bytes());
+  return bytes;
+}
+
+int64_t OutputBytes(const Graph& graph, const TaskSpec& task) {
+  int64_t bytes = 0;
+  for (ObjectId output : task.outputs) bytes += graph.object(output).meta.bytes();
+  return bytes;
+}
+
+// Why a task became ready when it did: the dependency that arrived last.
+struct ReadyCause {
+  enum class Kind : uint8_t { kNone, kLocal, kRemote, kCollective, kDisk };
+  Kind kind = Kind::kNone;
+  double producer_end = 0;   // kRemote: when the producer ended (after: the transfer)
+  double members_ready = 0;  // kCollective: when its last member was ready (after: its transfer)
+};
+
+struct Collective {
+  std::vector<size_t> members;
+  int channel = 0;
+};
+
+class Simulator {
+ public:
+  Simulator(const Graph& graph, const std::vector<TaskTime>& times, const StepLinks& links,
+            double overhead)
+      : graph_(graph), times_(times), links_(links), overhead_(overhead) {}
+
+  Result<SimulatedStep> Run() {
+    TESSERA_RETURN_IF_ERROR(Index());
+    const size_t n = graph_.tasks().size();
+    for (size_t t = 0; t < n; ++t) {
+      if (pending_[t] == 0) Ready(t, 0, ReadyCause{});
+    }
+    Dispatch(0);
+    size_t ended = 0;
+    while (!events_.empty()) {
+      const double now = events_.top().first;
+      while (!events_.empty() && events_.top().first == now) {
+        const size_t task = events_.top().second;
+        events_.pop();
+        if (task != kWake) {
+          End(task, now);
+          ++ended;
+        }
+      }
+      Dispatch(now);
+    }
+    if (ended != n) {
+      return InvalidArgument(
+          "simulating the step: {} of its {} tasks never ran (a cycle, or a collective some "
+          "member of which never becomes ready)",
+          n - ended, n);
+    }
+    return Finish();
+  }
+
+ private:
+  static constexpr size_t kWake = std::numeric_limits<size_t>::max();
+  using Event = std::pair<double, size_t>;  // (time, task ending or kWake)
+
+  struct Worker {
+    double compute_free = 0;  // when its compute lane is next free
+    double io_free = 0;
+    std::array<double, kCollectiveChannels> channel_free{};
+    double debt = 0;  // compute taken by swap-file copies, charged to the next compute task
+    std::vector<size_t> ready_compute, ready_io;  // ready (possibly in the future) tasks
+    double last_compute_end = 0;
+    double end = 0;
+    Lane last_lane = Lane::kCompute;
+    SimulatedWorker figures;
+  };
+
+  Status Index() {
+    const size_t n = graph_.tasks().size();
+    if (times_.size() != n) {
+      return InvalidArgument("simulating the step: {} task times for a graph of {} tasks",
+                             times_.size(), n);
+    }
+    std::unordered_map<WorkerId, size_t> index;
+    worker_of_.resize(n);
+    lane_.assign(n, Lane::kCompute);
+    collective_of_.assign(n, -1);
+    std::map<int64_t, size_t> collective_index;
+    for (size_t t = 0; t < n; ++t) {
+      const TaskSpec& task = graph_.tasks()[t];
+      auto [it, added] = index.emplace(task.pinned_worker, workers_.size());
+      if (added) {
+        workers_.emplace_back();
+        workers_.back().figures.worker = task.pinned_worker;
+      }
+      worker_of_[t] = it->second;
+      TESSERA_ASSIGN_OR_RETURN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+      if (member.has_value()) {
+        lane_[t] = Lane::kCollective;
+        auto [c, new_collective] =
+            collective_index.emplace(member->collective, collectives_.size());
+        if (new_collective) collectives_.push_back(Collective{{}, member->channel});
+        collectives_[c->second].members.push_back(t);
+        collective_of_[t] = static_cast<int64_t>(c->second);
+      } else if (times_[t].on_disk || TouchesDisk(graph_, task)) {
+        lane_[t] = Lane::kIo;
+      }
+    }
+    pending_.assign(n, 0);
+    dependents_.resize(n);
+    for (size_t t = 0; t < n; ++t) {
+      const TaskSpec& task = graph_.tasks()[t];
+      for (ObjectId input : task.inputs) {
+        const TaskId producer = graph_.object(input).producer;
+        if (!producer.valid()) continue;
+        ++pending_[t];
+        dependents_[producer.value() - 1].push_back({t, input});
+      }
+      for (TaskId earlier : task.after) {
+        ++pending_[t];
+        dependents_[earlier.value() - 1].push_back({t, ObjectId()});
+      }
+    }
+    avail_.assign(n, 0);
+    cause_.assign(n, ReadyCause{});
+    start_.assign(n, 0);
+    end_.assign(n, 0);
+    members_ready_.assign(collectives_.size(), 0);
+    arrived_.assign(collectives_.size(), 0);
+    return Status::Ok();
+  }
+
+  double BusBandwidth() const {
+    const CollectiveLink& link = links_.collective;
+    if (!link.measured()) return 0;
+    const int group = links_.collective_group;
+    return group > 1 ? link.bytes_per_us * RingTraffic("all_reduce", group) : link.bytes_per_us;
+  }
+
+  // The time an object of `bytes` takes from its producer's end to a reader on another worker.
+  double PushMs(int64_t bytes) const {
+    const CollectiveLink& p2p = links_.point_to_point;
+    if (p2p.measured())
+      return (p2p.latency_us + static_cast<double>(bytes) / p2p.bytes_per_us) / 1e3;
+    const double bus = BusBandwidth();
+    if (bus <= 0) return 0;
+    return (links_.collective.latency_us + static_cast<double>(bytes) / bus) / 1e3;
+  }
+
+  double CollectiveMs(const Collective& collective) const {
+    const TaskSpec& first = graph_.tasks()[collective.members.front()];
+    double compute = 0;
+    for (size_t m : collective.members) compute = std::max(compute, times_[m].ms);
+    const double bus = BusBandwidth();
+    double transfer = 0;
+    const int members = static_cast<int>(collective.members.size());
+    if (bus > 0 && members > 1) {
+      const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
+      transfer =
+          (links_.collective.latency_us + RingTraffic(first.op, members) * bytes / bus) / 1e3;
+    }
+    return compute + overhead_ + transfer;
+  }
+
+  void Ready(size_t task, double at, const ReadyCause& cause) {
+    avail_[task] = at;
+    cause_[task] = cause;
+    Worker& worker = workers_[worker_of_[task]];
+    switch (lane_[task]) {
+      case Lane::kCompute:
+        worker.ready_compute.push_back(task);
+        break;
+      case Lane::kIo:
+        worker.ready_io.push_back(task);
+        break;
+      case Lane::kCollective: {
+        const auto c = static_cast<size_t>(collective_of_[task]);
+        members_ready_[c] = std::max(members_ready_[c], at);
+        if (++arrived_[c] == collectives_[c].members.size()) waiting_.push_back(c);
+        break;
+      }
+    }
+    events_.emplace(at, kWake);
+  }
+
+  void End(size_t task, double now) {
+    for (const auto& [dependent, object] : dependents_[task]) {
+      double at = now;
+      ReadyCause cause;
+      const bool remote = worker_of_[dependent] != worker_of_[task];
+      if (lane_[task] == Lane::kCollective) {
+        cause.kind = ReadyCause::Kind::kCollective;
+        cause.members_ready = members_ready_[static_cast<size_t>(collective_of_[task])];
+      } else if (lane_[task] == Lane::kIo) {
+        cause.kind = ReadyCause::Kind::kDisk;
+      } else if (remote) {
+        cause.kind = ReadyCause::Kind::kRemote;
+        cause.producer_end = now;
+      } else {
+        cause.kind = ReadyCause::Kind::kLocal;
+      }
+      if (remote && object.valid()) at += PushMs(graph_.object(object).meta.bytes());
+      if (at >= avail_[dependent]) {
+        avail_[dependent] = at;
+        cause_[dependent] = cause;
+      }
+      if (--pending_[dependent] == 0) Ready(dependent, avail_[dependent], cause_[dependent]);
+    }
+  }
+
+  // Puts the idle gap [from, to) of a worker's compute lane down to what `task` waited for.
+  void ChargeGap(Worker& worker, double from, double to, const ReadyCause& cause) {
+    if (to <= from) return;
+    SimulatedWorker& f = worker.figures;
+    switch (cause.kind) {
+      case ReadyCause::Kind::kRemote: {
+        const double split = std::clamp(cause.producer_end, from, to);
+        f.bubble_ms += split - from;
+        f.communication_ms += to - split;
+        break;
+      }
+      case ReadyCause::Kind::kCollective: {
+        const double split = std::clamp(cause.members_ready, from, to);
+        f.bubble_ms += split - from;
+        f.communication_ms += to - split;
+        break;
+      }
+      case ReadyCause::Kind::kDisk:
+        f.swap_ms += to - from;
+        break;
+      case ReadyCause::Kind::kNone:
+      case ReadyCause::Kind::kLocal:
+        f.bubble_ms += to - from;  // not expected: its own lane's work would have kept it busy
+        break;
+    }
+  }
+
+  void Start(size_t task, double now, double duration) {
+    start_[task] = now;
+    end_[task] = now + duration;
+    events_.emplace(now + duration, task);
+  }
+
+  void Dispatch(double now) {
+    for (Worker& worker : workers_) {
+      if (worker.compute_free <= now) {
+        auto best = worker.ready_compute.end();
+        for (auto it = worker.ready_compute.begin(); it != worker.ready_compute.end(); ++it) {
+          if (avail_[*it] > now) continue;
+          if (best == worker.ready_compute.end() || Before(*it, *best)) best = it;
+        }
+        if (best != worker.ready_compute.end()) {
+          const size_t task = *best;
+          worker.ready_compute.erase(best);
+          ChargeGap(worker, worker.compute_free, now, cause_[task]);
+          const double duration = times_[task].ms + overhead_ + worker.debt;
+          worker.figures.compute_ms += duration;
+          worker.debt = 0;
+          Start(task, now, duration);
+          worker.compute_free = end_[task];
+          worker.last_compute_end = end_[task];
+          Touch(worker, end_[task], Lane::kCompute);
+        }
+      }
+      if (worker.io_free <= now) {
+        auto best = worker.ready_io.end();
+        for (auto it = worker.ready_io.begin(); it != worker.ready_io.end(); ++it) {
+          if (avail_[*it] > now) continue;
+          if (best == worker.ready_io.end() || avail_[*it] < avail_[*best] ||
+              (avail_[*it] == avail_[*best] && *it < *best)) {
+            best = it;
+          }
+        }
+        if (best != worker.ready_io.end()) {
+          const size_t task = *best;
+          worker.ready_io.erase(best);
+          const double bytes = static_cast<double>(OutputBytes(graph_, graph_.tasks()[task]));
+          const double copy =
+              links_.disk_bytes_per_us > 0 ? bytes / links_.disk_bytes_per_us / 1e3 : 0;
+          worker.debt += times_[task].ms;
+          Start(task, now, copy);
+          worker.io_free = end_[task];
+          Touch(worker, end_[task], Lane::kIo);
+        }
+      }
+    }
+    // Collectives whose members are all ready, in the order they became so (then by id).
+    std::stable_sort(waiting_.begin(), waiting_.end(), [this](size_t a, size_t b) {
+      return std::tie(members_ready_[a], a) < std::tie(members_ready_[b], b);
+    });
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      Collective& collective = collectives_[*it];
+      const auto channel = static_cast<size_t>(collective.channel);
+      const bool free =
+          members_ready_[*it] <= now &&
+          std::all_of(collective.members.begin(), collective.members.end(), [&](size_t m) {
+            return workers_[worker_of_[m]].channel_free[channel] <= now;
+          });
+      if (!free) {
+        ++it;
+        continue;
+      }
+      const double duration = CollectiveMs(collective);
+      for (size_t m : collective.members) {
+        Start(m, now, duration);
+        Worker& worker = workers_[worker_of_[m]];
+        worker.channel_free[channel] = now + duration;
+        Touch(worker, now + duration, Lane::kCollective);
+      }
+      it = waiting_.erase(it);
+    }
+  }
+
+  // Ready compute tasks: higher priority first, then the one ready first, then graph order.
+  bool Before(size_t a, size_t b) const {
+    const int32_t pa = graph_.tasks()[a].priority, pb = graph_.tasks()[b].priority;
+    if (pa != pb) return pa > pb;
+    if (avail_[a] != avail_[b]) return avail_[a] < avail_[b];
+    return a < b;
+  }
+
+  static void Touch(Worker& worker, double end, Lane lane) {
+    if (end >= worker.end) {
+      worker.end = end;
+      worker.last_lane = lane;
+    }
+  }
+
+  Result<SimulatedStep> Finish() {
+    SimulatedStep step;
+    step.start_ms = start_;
+    step.end_ms = end_;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      Worker& worker = workers_[w];
+      SimulatedWorker f = worker.figures;
+      f.end_ms = worker.end;
+      const double tail = worker.end - worker.last_compute_end;
+      if (tail > 0) (worker.last_lane == Lane::kIo ? f.swap_ms : f.communication_ms) += tail;
+      if (f.end_ms >= step.step_ms) {
+        step.step_ms = f.end_ms;
+        step.critical = w;
+      }
+      step.workers.push_back(f);
+    }
+    if (!step.workers.empty()) {
+      const SimulatedWorker& c = step.workers[step.critical];
+      const std::array<std::pair<double, Bottleneck>, 4> parts{
+          {{c.compute_ms, Bottleneck::kCompute},
+           {c.bubble_ms, Bottleneck::kBubble},
+           {c.communication_ms, Bottleneck::kCommunication},
+           {c.swap_ms, Bottleneck::kSwap}}};
+      step.bottleneck = std::max_element(parts.begin(), parts.end(), [](auto a, auto b) {
+                          return a.first < b.first;
+                        })->second;
+    }
+    return step;
+  }
+
+  const Graph& graph_;
+  const std::vector<TaskTime>& times_;
+  const StepLinks& links_;
+  const double overhead_;
+  std::vector<Worker> workers_;
+  std::vector<size_t> worker_of_;
+  std::vector<Lane> lane_;
+  std::vector<int64_t> collective_of_;
+  std::vector<Collective> collectives_;
+  std::vector<int> pending_;
+  std::vector<std::vector<std::pair<size_t, ObjectId>>> dependents_;
+  std::vector<double> avail_, start_, end_, members_ready_;
+  std::vector<size_t> arrived_;
+  std::vector<ReadyCause> cause_;
+  std::vector<size_t> waiting_;  // collectives whose members are all ready, not started
+  std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
+};
+
+}  // namespace
+
+const char* BottleneckName(Bottleneck bottleneck) {
+  switch (bottleneck) {
+    case Bottleneck::kCompute:
+      return "compute";
+    case Bottleneck::kBubble:
+      return "bubble";
+    case Bottleneck::kCommunication:
+      return "communication";
+    case Bottleneck::kSwap:
+      return "swap";
+  }
+  return "?";
+}
+
+Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
+                                   const StepLinks& links, double task_overhead_ms) {
+  return Simulator(graph, times, links, task_overhead_ms).Run();
+}
+
+}  // namespace tessera

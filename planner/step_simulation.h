@@ -1,0 +1,84 @@
+// Step simulation: a planned step run against a clock before it runs, to predict its time with
+// the waits that one worker's busy time (planner/step_time.h) leaves out: pipeline bubbles,
+// collectives' transfers, objects pushed between workers, swaps.
+//
+// The step graph is replayed on its workers, every task taking its time (EstimateTaskTimes: the
+// measured layer times and the op cost model's estimate for the rest, plus the per-task
+// overhead), on the lanes a worker runs them on:
+//   compute     one task at a time, ready tasks by priority, first ready first among equals,
+//               then graph order (the in-process executor's choice, as SimulateWorkerOrders
+//               makes it with unit times);
+//   collective  one lane per communication channel (core/collective_task.h): a collective
+//               starts once every member is ready and every member's channel is free, and its
+//               members end together after its reduction's compute (the op cost model's) plus
+//               the link's latency and its bytes over the link's bandwidth, scaled by the
+//               ring's traffic (all-reduce 2(N-1)/N of the tensor, reduce-scatter and
+//               all-gather (N-1)/N, broadcast the whole) relative to the all-reduce the link was
+//               measured with;
+//   I/O         a CPU worker's swap-file copies (core/disk_tasks.h), one at a time, their bytes
+//               over the disk link, each taking its share of compute (TaskTime::ms) from the
+//               next compute task.
+// An object made on one worker and read on another arrives the point-to-point link's latency
+// plus its bytes over that link's bandwidth after its producer ends.
+//
+// The step ends when the last lane of any worker does. Each worker's compute lane is busy or
+// idle; an idle gap before a task is put down to what the task waited for last: a task of
+// another worker (a bubble: the pipeline's, or a rank waiting on a slower one), a transfer or a
+// collective (communication), a swap-file copy (swap). The bottleneck of a plan is the largest of
+// the critical (last to end) worker's compute, bubble, communication and swap time.
+//
+// It is a model: CPU workers' collectives and copies take cores from the compute beyond what
+// the calibration saw, a real executor may overlap tasks, links are shared. bench_plan_search
+// measures it against runs.
+//
+// Thread safety: pure functions of their arguments.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/graph.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "planner/step_time.h"
+#include "planner/training_plan.h"
+
+namespace tessera {
+
+// The links a step's communication takes.
+struct StepLinks {
+  // An all-reduce among `collective_group` workers (0: each collective's own group): latency +
+  // bytes / bandwidth (training/collective_link.h measures it).
+  CollectiveLink collective;
+  int collective_group = 0;
+  // An object pushed from one worker to another; unmeasured: the collective link's latency and
+  // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
+  CollectiveLink point_to_point;
+  double disk_bytes_per_us = 0;  // the swap file's, each way; 0: copies take no time
+};
+
+enum class Bottleneck : uint8_t { kCompute, kBubble, kCommunication, kSwap };
+const char* BottleneckName(Bottleneck bottleneck);  // "compute", "bubble", ...
+
+struct SimulatedWorker {
+  WorkerId worker;
+  double end_ms = 0;  // when its last lane is done
+  // Its compute lane's time, busy (tasks and their overhead) and idle by what it waited for;
+  // they add up to end_ms (what follows the last compute task is put down to what runs then).
+  double compute_ms = 0, bubble_ms = 0, communication_ms = 0, swap_ms = 0;
+};
+
+struct SimulatedStep {
+  double step_ms = 0;
+  std::vector<SimulatedWorker> workers;  // in order of their first task in the graph
+  size_t critical = 0;                   // the worker that ends last
+  Bottleneck bottleneck = Bottleneck::kCompute;
+  std::vector<double> start_ms, end_ms;  // per task
+};
+
+// InvalidArgument when `times` does not hold one entry per task, or when the graph cannot
+// finish (a cycle; a collective with inconsistent attributes, named).
+Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
+                                   const StepLinks& links, double task_overhead_ms = 0);
+
+}  // namespace tessera

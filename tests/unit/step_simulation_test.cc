@@ -1,0 +1,202 @@
+// The step simulation (planner/step_simulation.h) against references: one worker's step is its
+// busy time (PredictStepTime's figure); a pipeline's layer tasks with the schedule's op costs end
+// when SimulateSchedule's makespan says; a collective takes the link's latency and its ring
+// traffic over the bandwidth; each worker's compute, bubble, communication and swap add up to its
+// end. (Against measured steps: bench_plan_search.)
+#include "planner/step_simulation.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/collective_task.h"
+#include "model/gpt2.h"
+#include "planner/step_graph.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Eight layers: embedding, h.0 .. h.5, head (only the blocks split their backward).
+ModelSpec SixBlocks() { return *BuildGpt2(Gpt2Config{6, 32, 4, 64, 16}); }
+
+TrainingPlan Plan(int stages, int ranks, int micro, PipelineSchedule schedule,
+                  int virtual_stages = 1) {
+  TrainingPlan plan;
+  plan.batch = int64_t{2} * ranks * micro;
+  plan.seq_len = 16;
+  plan.parallel.pipeline_stages = stages;
+  plan.parallel.data_parallel = ranks;
+  plan.parallel.micro_batches = micro;
+  plan.parallel.schedule = schedule;
+  plan.parallel.virtual_stages = virtual_stages;
+  plan.parallel.layer_costs.assign(8, 1.0);  // equal layers: equal chunks
+  for (int w = 0; w < stages * ranks; ++w) plan.parallel.workers.push_back(WorkerId(100 + w));
+  return plan;
+}
+
+// Layer tasks: 1 ms a forward, 2 a whole backward, 1 each half; everything else free.
+std::vector<TaskTime> LayerTimesOnly(const StepGraph& step, const ModelSpec& model) {
+  std::vector<TaskTime> times;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    TaskTime& time = times.emplace_back();
+    Result<const LayerSpec*> layer = model.FindLayer(task.layer);
+    if (!layer.ok() || task.layer.empty()) continue;
+    const LayerSpec& spec = **layer;
+    if (task.op == spec.forward_op) time.ms = 1;
+    if (task.op == spec.backward_op) time.ms = 2;
+    if (task.op == spec.backward_input_op || task.op == spec.backward_weight_op) time.ms = 1;
+    time.layer = time.ms > 0;
+  }
+  return times;
+}
+
+void ExpectPartsAddUp(const SimulatedStep& simulated) {
+  for (const SimulatedWorker& w : simulated.workers) {
+    EXPECT_NEAR(w.compute_ms + w.bubble_ms + w.communication_ms + w.swap_ms, w.end_ms, 1e-9)
+        << w.worker.ToString();
+  }
+}
+
+TEST(StepSimulationTest, OneWorkersStepIsItsBusyTime) {
+  const ModelSpec model = SixBlocks();
+  TrainingPlan plan{.batch = 4, .seq_len = 16};
+  plan.parallel.micro_batches = 2;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<OpCosts> layer_ms(model.layers.size(), OpCosts{1, 1.5, 0.5});
+  ASSERT_OK_AND_ASSIGN(std::vector<TaskTime> times,
+                       EstimateTaskTimes(step.graph, model, layer_ms, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(StepTimePrediction busy,
+                       PredictStepTime(step.graph, model, layer_ms, CpuRegistry(), 0.25));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, {}, 0.25));
+  ASSERT_EQ(simulated.workers.size(), 1u);
+  EXPECT_NEAR(simulated.step_ms, busy.step_ms, 1e-9);
+  EXPECT_NEAR(simulated.workers[0].compute_ms, busy.step_ms, 1e-9);
+  EXPECT_EQ(simulated.workers[0].bubble_ms, 0);
+  EXPECT_EQ(simulated.bottleneck, Bottleneck::kCompute);
+  // Every task ran once, one after another, each after what it reads.
+  for (const TaskSpec& task : step.graph.tasks()) {
+    const size_t t = task.id.value() - 1;
+    EXPECT_GE(simulated.end_ms[t], simulated.start_ms[t]);
+    for (ObjectId input : task.inputs) {
+      const TaskId producer = step.graph.object(input).producer;
+      if (producer.valid()) {
+        EXPECT_LE(simulated.end_ms[producer.value() - 1], simulated.start_ms[t]) << task.name;
+      }
+    }
+  }
+}
+
+TEST(StepSimulationTest, APipelinesLayerTasksEndWhenTheScheduleSimulationSays) {
+  const ModelSpec model = SixBlocks();
+  struct Case {
+    PipelineSchedule schedule;
+    int stages, micro, virtual_stages;
+  };
+  for (const Case& c :
+       {Case{PipelineSchedule::kGPipe, 2, 4, 1}, Case{PipelineSchedule::k1F1B, 2, 4, 1},
+        Case{PipelineSchedule::k1F1B, 4, 6, 1}, Case{PipelineSchedule::kInterleaved, 2, 4, 2},
+        Case{PipelineSchedule::kZbH1, 2, 4, 1}}) {
+    SCOPED_TRACE(fmt::format("{} P={} M={} V={}", ScheduleName(c.schedule), c.stages, c.micro,
+                             c.virtual_stages));
+    const TrainingPlan plan = Plan(c.stages, 1, c.micro, c.schedule, c.virtual_stages);
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    // Each stage holds as many layers, each 1 ms forward; whole backwards 2 ms, split ones (the
+    // blocks, under zb-h1) 1 + 1, the ends' (embedding, head: one per end stage) whole.
+    // SimulateSchedule takes a stage's costs (a chunk's are 1/V of them).
+    const double layers = 8.0 / c.stages;
+    OpCosts chunk{layers, 2 * layers, 0};
+    if (SplitsBackward(c.schedule)) chunk = OpCosts{layers, layers + 1, layers - 1};
+    ASSERT_OK_AND_ASSIGN(
+        ScheduleSimulation reference,
+        SimulateSchedule(step.schedule_order, c.stages, c.virtual_stages, c.micro, chunk));
+    ASSERT_OK_AND_ASSIGN(SimulatedStep simulated,
+                         SimulateStep(step.graph, LayerTimesOnly(step, model), {}));
+    EXPECT_NEAR(simulated.step_ms, reference.makespan, 1e-9);
+    ExpectPartsAddUp(simulated);
+    // Idle time is bubble; no transfer is timed.
+    const SimulatedWorker& critical = simulated.workers[simulated.critical];
+    EXPECT_EQ(critical.communication_ms, 0);
+    EXPECT_NEAR(critical.compute_ms + critical.bubble_ms, reference.makespan, 1e-9);
+  }
+}
+
+TEST(StepSimulationTest, ACollectiveTakesTheLinksLatencyAndItsRingTrafficOverTheBandwidth) {
+  const ModelSpec model = SixBlocks();
+  TrainingPlan plan = Plan(1, 2, 1, PipelineSchedule::k1F1B);
+  plan.parallel.bucket_bytes = 0;  // one all-reduce per group
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep free, SimulateStep(step.graph, times, {}));
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 100, .bytes_per_us = 50};  // 50 MB/s
+  links.collective_group = 2;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep linked, SimulateStep(step.graph, times, links));
+  int checked = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    if (task.op != "all_reduce") continue;
+    // Two members: a ring all-reduce moves the tensor once per member, as the link measured.
+    const double bytes = static_cast<double>(step.graph.object(task.inputs[0]).meta.bytes());
+    const size_t t = task.id.value() - 1;
+    EXPECT_NEAR(linked.end_ms[t] - linked.start_ms[t], (100 + bytes / 50) / 1e3, 1e-9) << task.name;
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+  // The last layers' reductions wait on nothing but run after the backward: the step waits.
+  EXPECT_GT(linked.step_ms, free.step_ms);
+  EXPECT_GT(linked.workers[linked.critical].communication_ms, 0);
+  ExpectPartsAddUp(linked);
+  // Far slower, the step is the link's.
+  links.collective.bytes_per_us = 0.05;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep slow, SimulateStep(step.graph, times, links));
+  EXPECT_EQ(slow.bottleneck, Bottleneck::kCommunication);
+  ExpectPartsAddUp(slow);
+}
+
+TEST(StepSimulationTest, PushingActivationsBetweenStagesDelaysTheNextStage) {
+  const ModelSpec model = SixBlocks();
+  const TrainingPlan plan = Plan(2, 1, 4, PipelineSchedule::k1F1B);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep free, SimulateStep(step.graph, times, {}));
+  StepLinks links;
+  links.point_to_point = CollectiveLink{.latency_us = 500, .bytes_per_us = 1e9};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep pushed, SimulateStep(step.graph, times, links));
+  // Each micro-batch crosses twice (activation forward, gradient back) on the critical path at
+  // least once each way.
+  EXPECT_GE(pushed.step_ms, free.step_ms + 2 * 0.5);
+  double communication = 0;
+  for (const SimulatedWorker& w : pushed.workers) communication += w.communication_ms;
+  EXPECT_GT(communication, 0);
+  ExpectPartsAddUp(pushed);
+}
+
+TEST(StepSimulationTest, ARunIsTheSameEveryTime) {
+  const ModelSpec model = SixBlocks();
+  const TrainingPlan plan = Plan(2, 2, 4, PipelineSchedule::kZbH1);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 30, .bytes_per_us = 800};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep a,
+                       SimulateStep(step.graph, LayerTimesOnly(step, model), links, 0.1));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep b,
+                       SimulateStep(step.graph, LayerTimesOnly(step, model), links, 0.1));
+  EXPECT_EQ(a.step_ms, b.step_ms);
+  EXPECT_EQ(a.start_ms, b.start_ms);
+  EXPECT_EQ(a.workers.size(), 4u);
+  ExpectPartsAddUp(a);
+}
+
+TEST(StepSimulationTest, TimesForAnotherGraphAreRefused) {
+  const ModelSpec model = SixBlocks();
+  ASSERT_OK_AND_ASSIGN(
+      StepGraph step,
+      PlanTrainingStep(model, TrainingPlan{.batch = 2, .seq_len = 16}, CpuRegistry()));
+  const Result<SimulatedStep> refused = SimulateStep(step.graph, {TaskTime{}}, {});
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("1 task times for a graph of"));
+}
+
+}  // namespace
+}  // namespace tessera::testing
