@@ -1,0 +1,369 @@
+#include "planner/plan_search.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <thread>
+#include <tuple>
+#include <variant>
+
+#include <fmt/format.h>
+
+#include "planner/step_graph.h"
+#include "planner/step_time.h"
+
+namespace tessera {
+namespace {
+
+std::string Mib(int64_t bytes) {
+  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+bool AnyLayerSplits(const ModelSpec& model) {
+  return std::any_of(model.layers.begin(), model.layers.end(),
+                     [](const LayerSpec& layer) { return !layer.backward_input_op.empty(); });
+}
+
+MemoryTier ComputeTier(const TrainingPlan& plan) {
+  return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
+}
+
+int64_t CapOf(const TrainingPlan& plan) {
+  return plan.device.is_cpu() ? plan.memory.host_bytes : plan.memory.device_bytes;
+}
+
+std::array<int64_t, kMemoryTiers> LargestPeaks(const MemoryProfile& profile) {
+  std::array<int64_t, kMemoryTiers> peaks{};
+  for (const WorkerMemory& worker : profile.workers) {
+    for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
+      peaks[tier] = std::max(peaks[tier], worker.peaks[tier].bytes);
+    }
+  }
+  return peaks;
+}
+
+TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
+  TrainingPlan plan = base;
+  ParallelConfig& p = plan.parallel;
+  p.data_parallel = choice.data_parallel;
+  p.pipeline_stages = choice.pipeline_stages;
+  p.virtual_stages = choice.virtual_stages;
+  p.micro_batches = choice.micro_batches;
+  p.zero_stage = choice.zero_stage;
+  p.schedule = choice.schedule;
+  p.offload = choice.offload;
+  p.resident_params.clear();
+  p.layer_costs.clear();
+  p.split_backwards = false;
+  p.workers.clear();
+  for (int w = 0; w < choice.workers(); ++w) p.workers.emplace_back(static_cast<uint64_t>(w + 1));
+  return plan;
+}
+
+using Outcome = std::variant<RankedPlan, RefusedPlan>;
+
+// How far a refused plan stays over its tier's cap with every activation recomputed.
+int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
+  TrainingPlan least = plan;
+  least.memory.device_bytes = 0;
+  least.memory.host_bytes = 0;
+  least.memory.activation_budget = 0;
+  least.memory.recompute_all = true;
+  Result<StepGraph> step = PlanTrainingStep(model, least, registry);
+  if (!step.ok()) return 0;
+  Result<MemoryProfile> profile = PredictMemory(step->graph);
+  if (!profile.ok()) return 0;
+  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(ComputeTier(plan))];
+  return std::max<int64_t>(0, peak - CapOf(plan));
+}
+
+Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
+                         const Calibration& calibration, const PlanChoice& choice,
+                         const OpRegistry& registry) {
+  TrainingPlan plan = CandidatePlan(base, choice);
+  ParallelConfig& p = plan.parallel;
+  const int64_t rows = p.MicroBatchRows(plan.batch);
+  TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesAt(calibration, rows));
+  p.task_overhead_ms = calibration.task_overhead_ms;
+  if (calibration.links.collective.measured()) p.link = calibration.links.collective;
+  Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
+  if (!step.ok()) {
+    RefusedPlan refused{choice, step.status().message(), 0, ComputeTier(plan)};
+    if (step.status().code() == StatusCode::kInfeasible && CapOf(plan) > 0) {
+      refused.shortfall_bytes = Shortfall(model, plan, registry);
+    }
+    return Outcome(std::move(refused));
+  }
+  TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<TaskTime> times,
+                           EstimateTaskTimes(step->graph, model, p.layer_op_costs, registry,
+                                             plan.memory.disk_copy_compute_us_per_byte));
+  StepLinks links = calibration.links;
+  if (links.disk_bytes_per_us <= 0) links.disk_bytes_per_us = plan.memory.disk_link_bytes_per_us;
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated,
+                           SimulateStep(step->graph, times, links, p.task_overhead_ms));
+  RankedPlan ranked;
+  ranked.choice = choice;
+  ranked.parallel = step->parallel;
+  ranked.parallel.workers.clear();
+  ranked.step_ms = simulated.step_ms;
+  ranked.critical = simulated.workers[simulated.critical];
+  ranked.bottleneck = simulated.bottleneck;
+  ranked.peak_bytes = LargestPeaks(memory);
+  const std::vector<ActivationDecision>& decisions = step->memory.activations;
+  ranked.recomputed_layers = CountChoice(decisions, ActivationChoice::kRecompute);
+  ranked.swapped_layers = CountChoice(decisions, ActivationChoice::kSwap);
+  ranked.partly_kept_layers = CountChoice(decisions, ActivationChoice::kKeepPart);
+  ranked.memory_reason = step->memory.reason;
+  return Outcome(std::move(ranked));
+}
+
+std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const SearchSpace& space,
+                       const std::vector<RefusedPlan>& refused) {
+  const RefusedPlan* closest = nullptr;
+  for (const RefusedPlan& r : refused) {
+    if (r.shortfall_bytes <= 0) continue;
+    if (closest == nullptr || r.shortfall_bytes < closest->shortfall_bytes) closest = &r;
+  }
+  const std::string workers =
+      fmt::format("{} worker{}{}", space.workers, space.workers == 1 ? "" : "s",
+                  space.fewer_workers ? " or fewer" : "");
+  if (closest == nullptr) {
+    return fmt::format(
+        "no plan of the model ({} layers, batch {}) runs on {}: {} plans "
+        "considered, each refused{}",
+        model.layers.size(), base.batch, workers, refused.size(),
+        refused.empty() ? "" : "; the first: " + refused.front().reason);
+  }
+  const bool cpu = base.device.is_cpu();
+  const int64_t cap = CapOf(base);
+  const int64_t need = cap + closest->shortfall_bytes;
+  std::string fixes =
+      fmt::format("{} {:.2f} or more", cpu ? "--host-memory-gib" : "--device-memory-gib",
+                  std::ceil(static_cast<double>(need) / (1 << 30) * 100) / 100);
+  fixes += ", more workers (ZeRO-3 and pipelines split the model state over them)";
+  if (cpu && base.memory.disk_link_bytes_per_us <= 0) {
+    fixes += ", a swap file (--swap-dir) for the activations";
+  }
+  if (!cpu && base.memory.host_link_bytes_per_us <= 0) {
+    fixes += ", the host link (--host-link-gbps) so activations can be swapped to the host";
+  }
+  fixes += fmt::format(", or a smaller --batch than {}", base.batch);
+  return fmt::format(
+      "no plan fits {} under the {} tier's cap of {} a worker: of {} plans, the closest, {} "
+      "({}), still needs {} more with every activation recomputed; to fix it: {}",
+      workers, MemoryTierName(closest->tier), Mib(cap), refused.size(), closest->choice.Name(),
+      closest->choice.Flags(), Mib(closest->shortfall_bytes), fixes);
+}
+
+}  // namespace
+
+Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {
+  if (calibration.layers.empty()) {
+    return InvalidArgument("no layer times were measured (calibrate the cluster first)");
+  }
+  if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
+  const LayerTimesAtRows* below = nullptr;
+  const LayerTimesAtRows* above = nullptr;
+  for (const LayerTimesAtRows& at : calibration.layers) {
+    if (at.rows == rows) return at.layer_ms;
+    if (at.rows < rows && (below == nullptr || at.rows > below->rows)) below = &at;
+    if (at.rows > rows && (above == nullptr || at.rows < above->rows)) above = &at;
+  }
+  const auto blend = [](const OpCosts& a, const OpCosts& b, double t) {
+    return OpCosts{a.forward + t * (b.forward - a.forward),
+                   a.backward + t * (b.backward - a.backward),
+                   a.weight + t * (b.weight - a.weight)};
+  };
+  std::vector<OpCosts> ms;
+  if (below != nullptr && above != nullptr) {
+    const double t =
+        static_cast<double>(rows - below->rows) / static_cast<double>(above->rows - below->rows);
+    for (size_t l = 0; l < below->layer_ms.size() && l < above->layer_ms.size(); ++l) {
+      ms.push_back(blend(below->layer_ms[l], above->layer_ms[l], t));
+    }
+    return ms;
+  }
+  const LayerTimesAtRows& nearest = below != nullptr ? *below : *above;
+  const double scale = static_cast<double>(rows) / static_cast<double>(nearest.rows);
+  for (const OpCosts& c : nearest.layer_ms) {
+    ms.push_back(OpCosts{c.forward * scale, c.backward * scale, c.weight * scale});
+  }
+  return ms;
+}
+
+std::string PlanChoice::Name() const {
+  std::string name = fmt::format("D{} x P{}", data_parallel, pipeline_stages);
+  if (pipeline_stages > 1) name += fmt::format(" {}", ScheduleName(schedule));
+  if (virtual_stages > 1) name += fmt::format(" V{}", virtual_stages);
+  name += fmt::format(" M{}", micro_batches);
+  if (data_parallel > 1) name += fmt::format(" ZeRO-{}", zero_stage);
+  if (offload != OffloadMode::kNone) name += fmt::format(" offload {}", OffloadModeName(offload));
+  return name;
+}
+
+std::string PlanChoice::Flags() const {
+  std::string flags = fmt::format("--workers {}", workers());
+  if (pipeline_stages > 1) {
+    flags +=
+        fmt::format(" --pipeline-stages {} --schedule {}", pipeline_stages, ScheduleName(schedule));
+  }
+  if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
+  flags += fmt::format(" --micro-batches {}", micro_batches);
+  if (data_parallel > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
+  if (offload != OffloadMode::kNone)
+    flags += fmt::format(" --offload {}", OffloadModeName(offload));
+  return flags;
+}
+
+std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
+                                            const SearchSpace& space) {
+  std::vector<PlanChoice> candidates;
+  const int layers = static_cast<int>(model.layers.size());
+  const bool splits = AnyLayerSplits(model);
+  int max_stages = std::min(space.workers, layers);
+  if (space.max_pipeline_stages > 0) max_stages = std::min(max_stages, space.max_pipeline_stages);
+  const std::vector<OffloadMode> offloads =
+      base.device.is_cpu() ? std::vector<OffloadMode>{OffloadMode::kNone}
+                           : std::vector<OffloadMode>{OffloadMode::kNone, OffloadMode::kOptimizer,
+                                                      OffloadMode::kParameters};
+  const auto has = [&space](PipelineSchedule schedule) {
+    return std::find(space.schedules.begin(), space.schedules.end(), schedule) !=
+           space.schedules.end();
+  };
+  for (int stages = 1; stages <= max_stages; ++stages) {
+    for (int ranks = 1; ranks * stages <= space.workers; ++ranks) {
+      if (!space.fewer_workers && ranks * stages != space.workers) continue;
+      if (base.batch % ranks != 0) continue;
+      const int64_t rank_rows = base.batch / ranks;
+      for (int micro = 1; micro <= space.max_micro_batches && micro <= rank_rows; ++micro) {
+        if (rank_rows % micro != 0) continue;
+        // (schedule, virtual stages) pairs this shape allows.
+        std::vector<std::pair<PipelineSchedule, int>> orders;
+        if (stages == 1) {
+          orders.emplace_back(PipelineSchedule::k1F1B, 1);
+        } else {
+          if (has(PipelineSchedule::kGPipe)) orders.emplace_back(PipelineSchedule::kGPipe, 1);
+          if (has(PipelineSchedule::k1F1B) && micro >= stages) {
+            orders.emplace_back(PipelineSchedule::k1F1B, 1);
+          }
+          if (has(PipelineSchedule::kInterleaved) && micro % stages == 0 && 2 * stages <= layers) {
+            orders.emplace_back(PipelineSchedule::kInterleaved, 2);
+          }
+          if (has(PipelineSchedule::kZbH1) && splits && micro >= stages) {
+            orders.emplace_back(PipelineSchedule::kZbH1, 1);
+          }
+        }
+        const std::vector<int> zeros = ranks == 1 ? std::vector<int>{0} : space.zero_stages;
+        for (const auto& [schedule, virtual_stages] : orders) {
+          for (int zero : zeros) {
+            for (OffloadMode offload : offloads) {
+              candidates.push_back(
+                  PlanChoice{ranks, stages, virtual_stages, micro, zero, schedule, offload});
+            }
+          }
+        }
+      }
+    }
+  }
+  return candidates;
+}
+
+Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& base,
+                                    const SearchSpace& space, const Calibration& calibration,
+                                    const OpRegistry& registry) {
+  if (space.workers < 1) {
+    return InvalidArgument("plan search over {} workers: give at least one", space.workers);
+  }
+  if (calibration.layers.empty()) {
+    return InvalidArgument(
+        "plan search: the calibration holds no layer times (profile the layers first)");
+  }
+  const auto started = std::chrono::steady_clock::now();
+  const std::vector<PlanChoice> candidates = EnumerateCandidates(model, base, space);
+  std::vector<std::optional<Result<Outcome>>> outcomes(candidates.size());
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i = next++; i < candidates.size(); i = next++) {
+      outcomes[i] = Evaluate(model, base, calibration, candidates[i], registry);
+    }
+  };
+  const int threads = std::clamp(space.threads, 1, 64);
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads - 1));
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& thread : pool) thread.join();
+
+  PlanSearchResult result;
+  result.considered = static_cast<int>(candidates.size());
+  std::vector<size_t> order;  // enumeration index of each ranked plan
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    Result<Outcome>& outcome = *outcomes[i];
+    if (!outcome.ok()) {
+      return outcome.status().WithContext(fmt::format("plan search, {}", candidates[i].Name()));
+    }
+    if (auto* ranked = std::get_if<RankedPlan>(&*outcome)) {
+      result.ranked.push_back(std::move(*ranked));
+      order.push_back(i);
+    } else {
+      result.refused.push_back(std::get<RefusedPlan>(std::move(*outcome)));
+    }
+  }
+  const auto tier = static_cast<size_t>(ComputeTier(base));
+  std::vector<size_t> rank(result.ranked.size());
+  for (size_t i = 0; i < rank.size(); ++i) rank[i] = i;
+  std::stable_sort(rank.begin(), rank.end(), [&](size_t a, size_t b) {
+    const RankedPlan& x = result.ranked[a];
+    const RankedPlan& y = result.ranked[b];
+    return std::make_tuple(x.step_ms, x.peak_bytes[tier], x.choice.workers(), order[a]) <
+           std::make_tuple(y.step_ms, y.peak_bytes[tier], y.choice.workers(), order[b]);
+  });
+  std::vector<RankedPlan> sorted;
+  sorted.reserve(rank.size());
+  for (size_t i : rank) sorted.push_back(std::move(result.ranked[i]));
+  result.ranked = std::move(sorted);
+  result.search_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+  if (result.ranked.empty())
+    return Infeasible("{}", NoPlanFits(model, base, space, result.refused));
+  return result;
+}
+
+std::string DescribeSearch(const PlanSearchResult& result, int top) {
+  std::string text = fmt::format("{:>3}  {:<28} {:>10}  {:<34} {:>11} {:>11} {:>10}  {}\n", "#",
+                                 "plan", "step (ms)", "critical worker: compute/bubble/comm/swap",
+                                 "host peak", "device peak", "disk peak", "memory plan");
+  const int shown = std::min<int>(top, static_cast<int>(result.ranked.size()));
+  for (int i = 0; i < shown; ++i) {
+    const RankedPlan& r = result.ranked[static_cast<size_t>(i)];
+    const SimulatedWorker& c = r.critical;
+    const double end = std::max(c.end_ms, 1e-12);
+    const std::string parts = fmt::format(
+        "{:.0f}/{:.0f}/{:.0f}/{:.0f}% ({})", 100 * c.compute_ms / end, 100 * c.bubble_ms / end,
+        100 * c.communication_ms / end, 100 * c.swap_ms / end, BottleneckName(r.bottleneck));
+    std::string memory = "keeps every activation";
+    if (r.recomputed_layers + r.swapped_layers + r.partly_kept_layers > 0) {
+      memory = fmt::format("recomputes {}, swaps {}, keeps part of {} layers", r.recomputed_layers,
+                           r.swapped_layers, r.partly_kept_layers);
+    }
+    const auto peak = [&r](MemoryTier tier) {
+      const int64_t bytes = r.peak_bytes[static_cast<size_t>(tier)];
+      return bytes == 0 ? std::string("-") : Mib(bytes);
+    };
+    text += fmt::format("{:>3}  {:<28} {:>10.2f}  {:<34} {:>11} {:>11} {:>10}  {}\n", i + 1,
+                        r.choice.Name(), r.step_ms, parts, peak(MemoryTier::kHost),
+                        peak(MemoryTier::kDevice), peak(MemoryTier::kDisk), memory);
+  }
+  int by_memory = 0;
+  for (const RefusedPlan& r : result.refused) by_memory += r.shortfall_bytes > 0 ? 1 : 0;
+  text += fmt::format(
+      "{} plans considered: {} fit and were timed, {} refused ({} over the memory cap); searched "
+      "in {:.0f} ms\n",
+      result.considered, result.ranked.size(), result.refused.size(), by_memory, result.search_ms);
+  return text;
+}
+
+}  // namespace tessera

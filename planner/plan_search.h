@@ -1,0 +1,132 @@
+// Plan search: the parallel plan chosen by the system instead of by flags (`--plan auto`,
+// `tessera plan`).
+//
+// A search enumerates plans of one model and global batch over a number of workers, in one
+// deterministic order:
+//   data-parallel ranks D x pipeline stages P (every worker, or also fewer: SearchSpace),
+//   the schedule (P > 1: gpipe, 1f1b, interleaved with V = 2, zb-h1 where a layer splits),
+//   micro-batches M (divisors of a rank's rows; M >= P for the 1f1b family),
+//   the ZeRO stage (D > 1), offload (GPU workers),
+// and the memory planner's decisions for each (recompute, keep part, swap: PlanTrainingStep under
+// the base plan's caps). Each dimension is one loop of EnumerateCandidates; a new one (tensor
+// parallelism) is a new loop there.
+//
+// Every candidate is planned (PlanTrainingStep): a plan that cannot fit under the caps is refused
+// there and never timed (the memory prune); the others get their predicted peak per tier
+// (PredictMemory) and a simulated step (planner/step_simulation.h) on the calibrated costs. The
+// ranking is by simulated step time, then the lower peak in the capped tier, then fewer workers,
+// then the enumeration order: the same inputs give the same ranking.
+//
+// The calibration is what the costs come from (training/plan_calibration.h measures it on a
+// cluster): per-layer times at the micro-batch row counts the plans use (other counts are
+// interpolated per layer, or scaled in proportion beyond the measured ones), the per-task
+// overhead, and the links.
+//
+// Thread safety: PlanSearch plans candidates on `threads` threads of its own; the registry is
+// only read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "ops/op_registry.h"
+#include "planner/memory_model.h"
+#include "planner/step_simulation.h"
+#include "planner/training_plan.h"
+
+namespace tessera {
+
+// The layers' times at one micro-batch row count (ProfileLayerTimes).
+struct LayerTimesAtRows {
+  int64_t rows = 0;
+  std::vector<OpCosts> layer_ms;
+};
+
+struct Calibration {
+  std::vector<LayerTimesAtRows> layers;  // any order; distinct row counts
+  double task_overhead_ms = 0;           // StepProfile::TaskOverheadMs
+  StepLinks links;
+};
+
+// Per layer, its times at `rows` micro-batch rows: a measured row count's, else interpolated
+// linearly between the nearest measured counts below and above, else the nearest one's scaled
+// by rows over its rows. InvalidArgument when nothing was measured or rows < 1.
+Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows);
+
+struct SearchSpace {
+  int workers = 1;
+  // Plans on fewer workers too (D x P < workers): on machines whose workers share cores, fewer
+  // may be faster.
+  bool fewer_workers = false;
+  std::vector<int> zero_stages = {0, 1, 2, 3};
+  std::vector<PipelineSchedule> schedules = {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
+                                             PipelineSchedule::kInterleaved,
+                                             PipelineSchedule::kZbH1};
+  int max_micro_batches = 16;
+  int max_pipeline_stages = 0;  // 0: as many as the workers and layers allow
+  int threads = 1;              // planning threads (candidates are independent)
+};
+
+// A candidate's dimensions; the flags that would run it by hand.
+struct PlanChoice {
+  int data_parallel = 1, pipeline_stages = 1, virtual_stages = 1, micro_batches = 1;
+  int zero_stage = 0;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  OffloadMode offload = OffloadMode::kNone;
+  int workers() const { return data_parallel * pipeline_stages; }
+  // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8"
+  std::string Name() const;
+  // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
+  // --virtual-stages, --offload when they differ from the defaults).
+  std::string Flags() const;
+};
+
+struct RankedPlan {
+  PlanChoice choice;
+  ParallelConfig parallel;  // as planned (no workers bound), for the caller to run
+  double step_ms = 0;
+  SimulatedWorker critical;  // the worker that ends last: its compute and waits
+  Bottleneck bottleneck = Bottleneck::kCompute;
+  // The largest worker's predicted peak per tier (MemoryTier order), and what the memory plan
+  // chose (empty: kept everything).
+  std::array<int64_t, kMemoryTiers> peak_bytes{};
+  int recomputed_layers = 0, swapped_layers = 0, partly_kept_layers = 0;
+  std::string memory_reason;
+};
+
+struct RefusedPlan {
+  PlanChoice choice;
+  std::string reason;
+  // Memory refusals: how far the plan stays over its tier's cap with every activation
+  // recomputed (0 for refusals of other kinds).
+  int64_t shortfall_bytes = 0;
+  MemoryTier tier = MemoryTier::kHost;
+};
+
+struct PlanSearchResult {
+  std::vector<RankedPlan> ranked;  // best first
+  std::vector<RefusedPlan> refused;
+  int considered = 0;
+  double search_ms = 0;
+};
+
+// The ranked plans of `model` for `base` (its batch, seq_len, optimizer, device and memory caps;
+// its parallel part is what the search fills in). Infeasible when no candidate fits, naming the
+// closest (smallest shortfall), by how much, and what would fix it; InvalidArgument for a space
+// without workers or a calibration without layer times.
+Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& base,
+                                    const SearchSpace& space, const Calibration& calibration,
+                                    const OpRegistry& registry);
+
+// The candidates a search plans, in its order (exposed for tests and `tessera plan --list`).
+std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
+                                            const SearchSpace& space);
+
+// The table `tessera plan` and `--plan auto` print: the top `top` plans with their predicted step
+// time, peak per tier and bottleneck, and the refusals' count.
+std::string DescribeSearch(const PlanSearchResult& result, int top);
+
+}  // namespace tessera

@@ -1,0 +1,219 @@
+// The plan search (planner/plan_search.h): the candidates it enumerates, the layer times it
+// interpolates, the ranking (by simulated step time, deterministic whatever the threads), the
+// memory prune (no plan over the cap is timed; each refusal has its shortfall), the refusal when
+// nothing fits, and that the choice follows the costs (free links: data parallelism; a slow
+// collective link: a pipeline). Against measured runs: bench_plan_search.
+#include "planner/plan_search.h"
+
+#include <set>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "model/gpt2.h"
+#include "planner/step_graph.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Eight layers: embedding, h.0 .. h.5, head.
+ModelSpec SixBlocks() { return *BuildGpt2(Gpt2Config{6, 32, 4, 64, 16}); }
+
+TrainingPlan Base() { return TrainingPlan{.batch = 8, .seq_len = 16}; }
+
+// Times proportional to the rows: 0.1 ms a row forward, twice that backward (in halves for the
+// blocks), measured at 1, 2, 4 and 8 rows.
+Calibration Proportional(const ModelSpec& model) {
+  Calibration calibration;
+  for (int64_t rows : {1, 2, 4, 8}) {
+    LayerTimesAtRows at{rows, {}};
+    const double f = 0.1 * static_cast<double>(rows);
+    for (const LayerSpec& layer : model.layers) {
+      at.layer_ms.push_back(layer.backward_input_op.empty() ? OpCosts{f, 2 * f, 0}
+                                                            : OpCosts{f, f, f});
+    }
+    calibration.layers.push_back(std::move(at));
+  }
+  calibration.task_overhead_ms = 0.01;
+  return calibration;
+}
+
+TEST(PlanSearchTest, LayerTimesAreTheMeasuredOnesInterpolatedOrScaled) {
+  Calibration calibration;
+  calibration.layers = {{2, {OpCosts{1, 2, 0}}}, {8, {OpCosts{4, 8, 2}}}};
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> at2, LayerTimesAt(calibration, 2));
+  EXPECT_EQ(at2[0].forward, 1);
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> at4,
+                       LayerTimesAt(calibration, 4));  // a third of the way
+  EXPECT_DOUBLE_EQ(at4[0].forward, 2);
+  EXPECT_DOUBLE_EQ(at4[0].backward, 4);
+  EXPECT_DOUBLE_EQ(at4[0].weight, 2.0 / 3);
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> at16, LayerTimesAt(calibration, 16));  // x 2 of 8's
+  EXPECT_DOUBLE_EQ(at16[0].forward, 8);
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> at1, LayerTimesAt(calibration, 1));  // half of 2's
+  EXPECT_DOUBLE_EQ(at1[0].backward, 1);
+  EXPECT_EQ(LayerTimesAt(Calibration{}, 4).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(LayerTimesAt(calibration, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PlanSearchTest, TheCandidatesCoverEveryDimensionAndEachIsAValidShape) {
+  const ModelSpec model = SixBlocks();
+  SearchSpace space;
+  space.workers = 4;
+  const std::vector<PlanChoice> candidates = EnumerateCandidates(model, Base(), space);
+  std::set<std::string> names;
+  std::set<std::pair<int, int>> shapes;
+  std::set<PipelineSchedule> schedules;
+  std::set<int> zeros, micros;
+  for (const PlanChoice& c : candidates) {
+    EXPECT_TRUE(names.insert(c.Name()).second) << "twice: " << c.Name();
+    EXPECT_EQ(c.workers(), 4) << c.Name();  // every worker unless fewer are asked for
+    EXPECT_EQ(Base().batch % (c.data_parallel * c.micro_batches), 0) << c.Name();
+    if (c.data_parallel == 1) {
+      EXPECT_EQ(c.zero_stage, 0) << c.Name();
+    }
+    if (c.pipeline_stages > 1) {
+      EXPECT_TRUE(
+          CheckSchedule(c.schedule, c.pipeline_stages, c.micro_batches, c.virtual_stages).ok())
+          << c.Name();
+    }
+    shapes.insert({c.data_parallel, c.pipeline_stages});
+    if (c.pipeline_stages > 1) schedules.insert(c.schedule);
+    zeros.insert(c.zero_stage);
+    micros.insert(c.micro_batches);
+  }
+  EXPECT_EQ(shapes, (std::set<std::pair<int, int>>{{4, 1}, {2, 2}, {1, 4}}));
+  EXPECT_EQ(schedules.size(), 4u);
+  EXPECT_EQ(zeros, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_EQ(micros, (std::set<int>{1, 2, 4, 8}));
+  // Fewer workers on request; the same order every time.
+  space.fewer_workers = true;
+  const std::vector<PlanChoice> more = EnumerateCandidates(model, Base(), space);
+  EXPECT_GT(more.size(), candidates.size());
+  EXPECT_EQ(more.front().workers(), 1);
+  EXPECT_EQ(EnumerateCandidates(model, Base(), space).size(), more.size());
+  EXPECT_EQ(PlanChoice({2, 2, 1, 4, 1, PipelineSchedule::kZbH1}).Flags(),
+            "--workers 4 --pipeline-stages 2 --schedule zb-h1 --micro-batches 4 --zero-stage 1");
+}
+
+TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
+  const ModelSpec model = SixBlocks();
+  const Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 4;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult one,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  space.threads = 3;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult three,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  ASSERT_EQ(one.ranked.size(), three.ranked.size());
+  EXPECT_EQ(one.considered, static_cast<int>(one.ranked.size() + one.refused.size()));
+  for (size_t i = 0; i < one.ranked.size(); ++i) {
+    EXPECT_EQ(one.ranked[i].choice.Name(), three.ranked[i].choice.Name()) << i;
+    EXPECT_EQ(one.ranked[i].step_ms, three.ranked[i].step_ms) << i;
+    if (i > 0) {
+      EXPECT_LE(one.ranked[i - 1].step_ms, one.ranked[i].step_ms) << i;
+    }
+  }
+  // The best plan's figure is its own step simulated again by hand.
+  const RankedPlan& best = one.ranked.front();
+  TrainingPlan plan = Base();
+  plan.parallel = best.parallel;
+  for (int w = 1; w <= best.choice.workers(); ++w) plan.parallel.workers.emplace_back(w);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(
+      std::vector<TaskTime> times,
+      EstimateTaskTimes(step.graph, model, plan.parallel.layer_op_costs, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated,
+                       SimulateStep(step.graph, times, calibration.links, 0.01));
+  EXPECT_DOUBLE_EQ(simulated.step_ms, best.step_ms);
+  EXPECT_THAT(DescribeSearch(one, 5), HasSubstr(best.choice.Name()));
+}
+
+TEST(PlanSearchTest, TheChoiceFollowsTheLinks) {
+  const ModelSpec model = SixBlocks();
+  Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 4;
+  // Free links: four ranks each do a quarter of the rows, with nothing to wait for.
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult free,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  EXPECT_EQ(free.ranked.front().choice.data_parallel, 4) << DescribeSearch(free, 5);
+  // Collectives at 1 MB/s and 5 ms each, pushes between stages cheap: data parallelism's
+  // gradient reductions cost more than a pipeline's bubble.
+  calibration.links.collective = CollectiveLink{.latency_us = 5000, .bytes_per_us = 1};
+  calibration.links.collective_group = 4;
+  calibration.links.point_to_point = CollectiveLink{.latency_us = 10, .bytes_per_us = 1e4};
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult slow,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  const RankedPlan& best = slow.ranked.front();
+  EXPECT_EQ(best.choice.data_parallel, 1) << DescribeSearch(slow, 5);
+  EXPECT_EQ(best.choice.pipeline_stages, 4);
+  // The data-parallel plans that remain are bound by their communication.
+  for (const RankedPlan& r : slow.ranked) {
+    if (r.choice.data_parallel == 4) {
+      EXPECT_EQ(r.bottleneck, Bottleneck::kCommunication) << r.choice.Name();
+    }
+  }
+}
+
+TEST(PlanSearchTest, PlansOverTheCapAreRefusedWithTheirShortfallAndNeverTimed) {
+  const ModelSpec model = SixBlocks();
+  const Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 2;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult uncapped,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  EXPECT_TRUE(uncapped.refused.empty()) << uncapped.refused.front().reason;
+  // A cap between the smallest and the largest host peak.
+  int64_t least = INT64_MAX, most = 0;
+  for (const RankedPlan& r : uncapped.ranked) {
+    least = std::min(least, r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)]);
+    most = std::max(most, r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)]);
+  }
+  ASSERT_LT(least, most);
+  TrainingPlan capped = Base();
+  capped.memory.host_bytes = least + (most - least) / 4;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult fitted,
+                       PlanSearch(model, capped, space, calibration, CpuRegistry()));
+  EXPECT_FALSE(fitted.ranked.empty());
+  for (const RankedPlan& r : fitted.ranked) {
+    EXPECT_LE(r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)], capped.memory.host_bytes)
+        << r.choice.Name();
+  }
+  // Plans that were over it either fit now by recomputing or were refused with figures.
+  int recomputing = 0;
+  for (const RankedPlan& r : fitted.ranked) recomputing += r.recomputed_layers > 0 ? 1 : 0;
+  EXPECT_GT(recomputing + static_cast<int>(fitted.refused.size()), 0);
+  for (const RefusedPlan& r : fitted.refused) {
+    EXPECT_GT(r.shortfall_bytes, 0) << r.choice.Name() << ": " << r.reason;
+  }
+}
+
+TEST(PlanSearchTest, WhenNothingFitsTheClosestPlanAndTheFixAreNamed) {
+  const ModelSpec model = SixBlocks();
+  SearchSpace space;
+  space.workers = 2;
+  TrainingPlan tiny = Base();
+  tiny.memory.host_bytes = 64 << 10;  // 64 KiB: not even the parameters
+  const Result<PlanSearchResult> refused =
+      PlanSearch(model, tiny, space, Proportional(model), CpuRegistry());
+  ASSERT_EQ(refused.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(refused.status().message(), HasSubstr("no plan fits 2 workers"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("the closest, D"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--host-memory-gib"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--swap-dir"));
+  // A space without workers, a calibration without times.
+  space.workers = 0;
+  EXPECT_EQ(PlanSearch(model, Base(), space, Proportional(model), CpuRegistry()).status().code(),
+            StatusCode::kInvalidArgument);
+  space.workers = 2;
+  EXPECT_EQ(PlanSearch(model, Base(), space, Calibration{}, CpuRegistry()).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tessera::testing
