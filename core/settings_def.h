@@ -74,6 +74,11 @@ TESSERA_SETTING(std::string, swap_dir, "", "",
                 "host cap cannot hold (with a disk link: --disk-link-gbps, or measured). Put it "
                 "on a local NVMe drive. Empty: no disk tier.")
 
+TESSERA_SETTING(std::string, cache_dir, "", "",
+                "Where measurements worth keeping between runs go (the plan search's "
+                "calibrations: training/plan_calibration.h). Empty: $XDG_CACHE_HOME/tessera, "
+                "else ~/.cache/tessera.")
+
 TESSERA_SETTING(std::string, log_level, "info", "",
                 "spdlog level for every component: trace, debug, info, warn, error, off.")
 

@@ -234,12 +234,15 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
            space.schedules.end();
   };
   for (int stages = 1; stages <= max_stages; ++stages) {
+    if (space.pipeline_stages > 0 && stages != space.pipeline_stages) continue;
     for (int ranks = 1; ranks * stages <= space.workers; ++ranks) {
       if (!space.fewer_workers && ranks * stages != space.workers) continue;
       if (base.batch % ranks != 0) continue;
       const int64_t rank_rows = base.batch / ranks;
-      for (int micro = 1; micro <= space.max_micro_batches && micro <= rank_rows; ++micro) {
+      const int max_micro = space.micro_batches > 0 ? space.micro_batches : space.max_micro_batches;
+      for (int micro = 1; micro <= max_micro && micro <= rank_rows; ++micro) {
         if (rank_rows % micro != 0) continue;
+        if (space.micro_batches > 0 && micro != space.micro_batches) continue;
         // (schedule, virtual stages) pairs this shape allows.
         std::vector<std::pair<PipelineSchedule, int>> orders;
         if (stages == 1) {
@@ -258,6 +261,7 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
         }
         const std::vector<int> zeros = ranks == 1 ? std::vector<int>{0} : space.zero_stages;
         for (const auto& [schedule, virtual_stages] : orders) {
+          if (space.virtual_stages > 0 && virtual_stages != space.virtual_stages) continue;
           for (int zero : zeros) {
             for (OffloadMode offload : offloads) {
               candidates.push_back(
@@ -353,7 +357,7 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
       const int64_t bytes = r.peak_bytes[static_cast<size_t>(tier)];
       return bytes == 0 ? std::string("-") : Mib(bytes);
     };
-    text += fmt::format("{:>3}  {:<28} {:>10.2f}  {:<34} {:>11} {:>11} {:>10}  {}\n", i + 1,
+    text += fmt::format("{:>3}  {:<36} {:>10.2f}  {:<40} {:>11} {:>11} {:>10}  {}\n", i + 1,
                         r.choice.Name(), r.step_ms, parts, peak(MemoryTier::kHost),
                         peak(MemoryTier::kDevice), peak(MemoryTier::kDisk), memory);
   }

@@ -67,7 +67,10 @@ struct SearchSpace {
                                              PipelineSchedule::kZbH1};
   int max_micro_batches = 16;
   int max_pipeline_stages = 0;  // 0: as many as the workers and layers allow
-  int threads = 1;              // planning threads (candidates are independent)
+  // Dimensions the user fixed (0: searched): only plans with this many stages, micro-batches,
+  // virtual stages.
+  int pipeline_stages = 0, micro_batches = 0, virtual_stages = 0;
+  int threads = 1;  // planning threads (candidates are independent)
 };
 
 // A candidate's dimensions; the flags that would run it by hand.

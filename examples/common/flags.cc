@@ -59,6 +59,19 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "the step's peak and recomputes activations where that costs least to fit it, "
                  "or refuses the plan with figures (0: uncapped)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--plan", flags.search.plan,
+                 "flags: the plan the flags say; auto: the system chooses data parallelism, "
+                 "pipeline stages and schedule, micro-batches and the ZeRO stage (any of those "
+                 "flags given fixes its part) by simulating every plan that fits the memory caps "
+                 "on costs measured on this cluster (cached between runs; --recalibrate measures "
+                 "again), and says which it chose and why")
+      ->check(CLI::IsMember({"flags", "auto"}));
+  app.add_flag("--recalibrate", flags.search.recalibrate,
+               "With --plan auto: measure the layer times and links again instead of using the "
+               "cached ones");
+  app.add_option("--show-plans", flags.search.show_plans,
+                 "With --plan auto: how many of the best plans to list")
+      ->check(tessera::AtLeast(1));
   app.add_option("--host-memory-gib", flags.host_memory_gib,
                  "Per worker, the host memory a step may use (on CPU workers the tier they "
                  "compute in, planned as --device-memory-gib is on GPUs; 0: uncapped)")
@@ -191,8 +204,20 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
       ->check(CLI::IsMember({"scheduler", "layers"}));
 }
 
-std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program) {
-  return ParseCommandLine(app, argc, argv, program, VersionLine(program));
+std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program,
+                              CommonFlags& flags) {
+  std::optional<int> exit = ParseCommandLine(app, argc, argv, program, VersionLine(program));
+  const auto given = [&app](const char* name) {
+    const CLI::Option* option = app.get_option_no_throw(name);
+    return option != nullptr && option->count() > 0;
+  };
+  PlanSearchFlags& search = flags.search;
+  search.zero_given = given("--zero-stage");
+  search.stages_given = given("--pipeline-stages");
+  search.micro_given = given("--micro-batches") || given("--grad-accum");
+  search.schedule_given = given("--schedule");
+  search.virtual_given = given("--virtual-stages");
+  return exit;
 }
 
 Status CheckFlagCombinations(const CommonFlags& flags) {

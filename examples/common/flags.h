@@ -5,7 +5,7 @@
 //   logging      --log-every N
 //   plan         --workers N --in-process --zero-stage S --offload none|optimizer --grad-accum K
 //                --bucket-mb auto|MB --device-memory-gib G --host-memory-gib G
-//                --activation-budget F
+//                --activation-budget F --plan flags|auto --recalibrate --show-plans N
 //   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
 //   pipeline     --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
 //                --virtual-stages V --gather auto|step|micro-batch --balance estimate|profile
@@ -66,6 +66,18 @@ struct TraceFlags {
   bool explain_memory = false;  // print the step's predicted memory before training
 };
 
+// --plan auto: the plan search (training/auto_plan.h) chooses the parallel plan; the plan flags
+// given on the command line fix their dimension of the search.
+struct PlanSearchFlags {
+  std::string plan = "flags";  // flags: the plan the flags say; auto: searched
+  bool recalibrate = false;
+  int show_plans = 5;
+  // Which of --zero-stage, --pipeline-stages, --micro-batches (or --grad-accum), --schedule and
+  // --virtual-stages the command line gave (ParseFlags records them).
+  bool zero_given = false, stages_given = false, micro_given = false, schedule_given = false,
+       virtual_given = false;
+};
+
 struct CommonFlags {
   int threads = 0;
   int64_t log_every = 1;
@@ -97,6 +109,7 @@ struct CommonFlags {
   std::string token_file;
   std::string placement = "scheduler";
   PipelineFlags pipeline;
+  PlanSearchFlags search;
   CheckpointFlags checkpoints;
   RecoveryFlags recovery;
   TraceFlags trace;
@@ -120,7 +133,9 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags);
 
 // Parses the command line. Returns the exit code when the program should stop: 0 after --help
 // (printed), 2 after a usage error (printed on stderr as "<program>: <error>", then the usage).
-std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program);
+// Records which plan flags were given (PlanSearchFlags).
+std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program,
+                              CommonFlags& flags);
 
 // InvalidArgument, saying what to change, for flags that do not go together: --resume without
 // --checkpoint-dir, --max-restarts without a cluster and checkpoints, --min-workers above

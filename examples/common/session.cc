@@ -2,11 +2,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "core/logging.h"
+#include "training/auto_plan.h"
 #include "worker/gpu.h"
 #include "worker/swap_file.h"
 
@@ -144,6 +146,47 @@ Status UseTheClustersWorkers(const CommonFlags& flags, Session& session, const M
   }
   std::fprintf(stderr, "%s: the cluster at %s has %d workers, but the plan keeps one rank: %s\n",
                program, flags.address.c_str(), alive, refused.ToString().c_str());
+  return Status::Ok();
+}
+
+Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec& model,
+                     const Runtime& runtime, const char* program, TrainingPlan& plan) {
+  const PlanSearchFlags& search = flags.search;
+  if (search.plan != "auto") return Status::Ok();
+  if (flags.placement == "layers") {
+    return InvalidArgument(
+        "--plan auto chooses among data-parallel, pipeline and ZeRO plans; --placement layers "
+        "is a placement of its own: drop one of them");
+  }
+  AutoPlanOptions options;
+  SearchSpace& space = options.space;
+  space.workers = std::max(flags.workers, 1);
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, session.MakeBackend());
+  if (flags.workers == 0 && session.cluster() != nullptr) {
+    space.workers = std::max<int>(1, static_cast<int>(backend->workers().size()));
+  }
+  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const ParallelConfig& given = plan.parallel;
+  if (search.zero_given) space.zero_stages = {given.zero_stage};
+  if (search.stages_given) space.pipeline_stages = given.pipeline_stages;
+  if (search.micro_given) space.micro_batches = given.micro_batches;
+  if (search.schedule_given) space.schedules = {given.schedule};
+  if (search.virtual_given) space.virtual_stages = given.virtual_stages;
+  options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
+  options.recalibrate = search.recalibrate;
+  options.threads = runtime.executor.threads;
+  std::fprintf(stderr, "%s: --plan auto: searching the plans of %d worker(s)\n", program,
+               space.workers);
+  TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen,
+                           ChooseAutoPlan(model, plan, options, runtime.executor, backend.get(),
+                                          [program](const std::string& line) {
+                                            std::fprintf(stderr, "%s: calibrating: %s\n", program,
+                                                         line.c_str());
+                                          }));
+  std::fprintf(stderr, "%s: calibration %s\n%s", program, chosen.calibration_source.c_str(),
+               DescribeSearch(chosen.search, search.show_plans).c_str());
+  std::fprintf(stderr, "%s: --plan auto chose %s\n", program, chosen.why.c_str());
+  plan = std::move(chosen.chosen);
   return Status::Ok();
 }
 

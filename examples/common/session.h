@@ -76,6 +76,15 @@ class Session {
 Status UseTheClustersWorkers(const CommonFlags& flags, Session& session, const ModelSpec& model,
                              const Runtime& runtime, const char* program, TrainingPlan& plan);
 
+// --plan auto: the plan search (training/auto_plan.h) over the session's workers (--workers N,
+// the running cluster's alive workers, or this process), with the plan flags given fixing their
+// dimension; calibrated on this session (cached under the setting cache_dir); the best plans and
+// the choice are printed on stderr, and `plan` becomes the chosen one. Nothing with --plan flags.
+// InvalidArgument for flags the search cannot honour (--placement layers); the search's errors
+// (Infeasible: no plan fits, with the closest and the fix).
+Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec& model,
+                     const Runtime& runtime, const char* program, TrainingPlan& plan);
+
 // --max-restarts K: the recovery of `model` and `plan` on the session's cluster, from the
 // checkpoints of --checkpoint-dir (null when K is 0). With --address a lost scheduler is
 // recovered by connecting again for scheduler_grace_ms.

@@ -453,6 +453,8 @@ Status Train(const Flags& flags) {
                            examples::Session::Open(flags.common, runtime, kProgram));
   TESSERA_RETURN_IF_ERROR(
       examples::UseTheClustersWorkers(flags.common, *session, model, runtime, kProgram, plan));
+  TESSERA_RETURN_IF_ERROR(
+      examples::ChooseThePlan(flags.common, *session, model, runtime, kProgram, plan));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            MakeTrainer(flags, shape, model, plan, *session, *data));
   TESSERA_RETURN_IF_ERROR(examples::PrintMemoryPlan(*trainer, flags.common.trace));
@@ -588,7 +590,9 @@ int Main(int argc, char** argv) {
   AddLlmcFlags(app, flags);
   examples::AddTraceFlags(app, flags.common);
   examples::AddPlacementFlag(app, flags.common);
-  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, kProgram)) return *exit;
+  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, kProgram, flags.common)) {
+    return *exit;
+  }
   flags.preset_given = preset->count() > 0;
   if (Status status = Train(flags); !status.ok()) {
     std::fprintf(stderr, "%s: error: %s\n", kProgram, status.ToString().c_str());

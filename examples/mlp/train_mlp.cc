@@ -58,6 +58,8 @@ Status Train(const examples::CommonFlags& flags) {
   TESSERA_ASSIGN_OR_RETURN(auto session, examples::Session::Open(flags, runtime, "train_mlp"));
   TESSERA_RETURN_IF_ERROR(
       examples::UseTheClustersWorkers(flags, *session, model, runtime, "train_mlp", plan));
+  TESSERA_RETURN_IF_ERROR(
+      examples::ChooseThePlan(flags, *session, model, runtime, "train_mlp", plan));
   TESSERA_ASSIGN_OR_RETURN(auto backend, session->MakeBackend());
   TESSERA_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
@@ -77,7 +79,9 @@ int Main(int argc, char** argv) {
   CLI::App app{"Train an MLP (the model API) with ZeRO-2 on a local cluster of two workers"};
   examples::AddThreadsFlag(app, flags);
   examples::AddPlanFlags(app, flags);
-  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, "train_mlp")) return *exit;
+  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, "train_mlp", flags)) {
+    return *exit;
+  }
   if (flags.in_process) flags.workers = 0;  // the default here is a cluster
   if (Status status = Train(flags); !status.ok()) {
     std::fprintf(stderr, "train_mlp: %s\n", status.ToString().c_str());

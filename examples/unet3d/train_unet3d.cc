@@ -118,6 +118,8 @@ Status Train(const Flags& flags) {
                            examples::Session::Open(flags.common, runtime, kProgram));
   TESSERA_RETURN_IF_ERROR(
       examples::UseTheClustersWorkers(flags.common, *session, model, runtime, kProgram, plan));
+  TESSERA_RETURN_IF_ERROR(
+      examples::ChooseThePlan(flags.common, *session, model, runtime, kProgram, plan));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::GraphBackend> backend, session->MakeBackend());
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Trainer> trainer,
                            tessera::Trainer::Create(model, plan, std::move(backend)));
@@ -178,7 +180,9 @@ int Main(int argc, char** argv) {
   examples::AddLogEveryFlag(app, flags.common);
   examples::AddTraceFlags(app, flags.common);
   examples::AddPlacementFlag(app, flags.common);
-  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, kProgram)) return *exit;
+  if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, kProgram, flags.common)) {
+    return *exit;
+  }
   if (Status status = Train(flags); !status.ok()) {
     std::fprintf(stderr, "%s: %s\n", kProgram, status.ToString().c_str());
     return 1;

@@ -250,7 +250,10 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--host-memory-gib",
                            "--device-memory-gib",
                            "--host-link-gbps",
-                           "--layer-impl"}) {
+                           "--layer-impl",
+                           "--plan",
+                           "--recalibrate",
+                           "--show-plans"}) {
     EXPECT_NE(run.output.find(flag), std::string::npos) << flag;
   }
 }
@@ -418,6 +421,63 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
     EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
     EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
   }
+}
+
+// --plan auto on a local cluster of four workers: it calibrates (layer times, the collective
+// link), lists the best plans, says which it chose and why, and trains the losses of one process
+// (as every plan does); the calibration is cached for the next run, --recalibrate measures again,
+// a plan flag given fixes its dimension, and a cap nothing fits is refused with the fix.
+TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
+  const std::string cache =
+      (std::filesystem::temp_directory_path() / fmt::format("tessera_auto_{}", getpid())).string();
+  std::filesystem::remove_all(cache);
+  const std::string env = "TESSERA_CACHE_DIR=" + cache;
+  const auto run = [&env](const std::string& arguments) {
+    return RunBinaryWithin("train_gpt2", arguments, std::chrono::minutes(3), env);
+  };
+  const std::string common = "--steps 10 --log-every 10 --threads 1 --batch 8";
+  ProcessResult alone = RunTrainGpt2(common);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  ASSERT_GT(expected, 0);
+
+  BoundedRun first = run(common + " --workers 4 --plan auto");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NEAR(FirstMatch(first.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << first.output;
+  EXPECT_NE(first.output.find("calibrating: collectives among 4 workers"), std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("calibration measured"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
+  std::smatch chose;
+  ASSERT_TRUE(std::regex_search(first.output, chose,
+                                std::regex(R"(--plan auto chose (D\d x P\d[^(]*) \(--workers)")))
+      << first.output;
+  // The table's first line is the plan chosen.
+  EXPECT_NE(first.output.find("  1  " + chose[1].str()), std::string::npos) << first.output;
+
+  BoundedRun cached = run(common + " --workers 4 --plan auto");
+  ASSERT_EQ(cached.exit_code, 0) << cached.output;
+  EXPECT_NE(cached.output.find("calibration cached in " + cache), std::string::npos)
+      << cached.output;
+  EXPECT_EQ(cached.output.find("calibrating:"), std::string::npos) << cached.output;
+  BoundedRun again = run("--steps 0 --threads 1 --batch 8 --workers 4 --plan auto --recalibrate");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("calibration measured"), std::string::npos) << again.output;
+
+  BoundedRun fixed =
+      run(common + " --workers 4 --plan auto --pipeline-stages 1 --micro-batches 2 --zero-stage 1");
+  ASSERT_EQ(fixed.exit_code, 0) << fixed.output;
+  EXPECT_NE(fixed.output.find("--plan auto chose D4 x P1 M2 ZeRO-1"), std::string::npos)
+      << fixed.output;
+  EXPECT_NEAR(FirstMatch(fixed.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << fixed.output;
+
+  BoundedRun refused = run(common + " --workers 4 --plan auto --host-memory-gib 0.0001");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("no plan fits 4 workers"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("--host-memory-gib"), std::string::npos) << refused.output;
+  std::filesystem::remove_all(cache);
 }
 
 // ZeRO-3 on 2 workers with checkpoints, resumed on 4 workers at ZeRO-1: the same final loss as

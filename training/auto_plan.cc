@@ -1,0 +1,105 @@
+#include "training/auto_plan.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "ops/standard_ops.h"
+
+namespace tessera {
+namespace {
+
+std::string Why(const PlanSearchResult& search) {
+  const RankedPlan& best = search.ranked.front();
+  const SimulatedWorker& c = best.critical;
+  const double end = std::max(c.end_ms, 1e-12);
+  std::vector<double> times;
+  times.reserve(search.ranked.size());
+  for (const RankedPlan& r : search.ranked) times.push_back(r.step_ms);
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  std::string why = fmt::format(
+      "{} ({}): predicted {:.2f} ms a step, bound by {} (its slowest worker computes {:.0f}% of "
+      "the step, waits {:.0f}% on other stages or ranks, {:.0f}% on communication, {:.0f}% on "
+      "swaps)",
+      best.choice.Name(), best.choice.Flags(), best.step_ms, BottleneckName(best.bottleneck),
+      100 * c.compute_ms / end, 100 * c.bubble_ms / end, 100 * c.communication_ms / end,
+      100 * c.swap_ms / end);
+  if (search.ranked.size() > 1) {
+    why += fmt::format(
+        "; the next best, {}, {:.2f} ms; the median of the {} plans that fit, "
+        "{:.2f} ms",
+        search.ranked[1].choice.Name(), search.ranked[1].step_ms, search.ranked.size(), median);
+  }
+  if (!search.refused.empty()) {
+    why += fmt::format("; {} plans refused (over the memory cap, or not plannable)",
+                       search.refused.size());
+  }
+  return why;
+}
+
+}  // namespace
+
+Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base,
+                                const AutoPlanOptions& options, const ExecutorOptions& executor,
+                                GraphBackend* backend,
+                                const std::function<void(const std::string&)>& progress) {
+  const auto say = [&progress](const std::string& line) {
+    if (progress) progress(line);
+  };
+  CalibrationRequest request;
+  request.rows = CandidateRows(model, base, options.space);
+  if (request.rows.empty()) {
+    return InvalidArgument(
+        "--plan auto: no plan splits the batch of {} over {} worker(s) (each data-parallel rank "
+        "needs whole rows): use a batch that is a multiple of the workers",
+        base.batch, options.space.workers);
+  }
+  request.profile_steps = options.profile_steps;
+  if (backend != nullptr && options.space.workers >= 2) {
+    const std::vector<WorkerId> workers = backend->workers();
+    const size_t n = std::min(workers.size(), static_cast<size_t>(options.space.workers));
+    if (n >= 2) request.link.assign(workers.begin(), workers.begin() + static_cast<long>(n));
+  }
+  AutoPlan plan;
+  const std::string key = CalibrationKey(model, base, request, options.threads);
+  const std::string path =
+      options.cache_dir.empty() ? std::string() : CalibrationPath(options.cache_dir, key);
+  bool measured = true;
+  if (!path.empty() && !options.recalibrate) {
+    Result<Calibration> cached = LoadCalibration(path, key);
+    if (cached.ok()) {
+      plan.calibration = std::move(*cached);
+      plan.calibration_source = "cached in " + path;
+      measured = false;
+    } else if (cached.status().code() != StatusCode::kNotFound) {
+      say(fmt::format("{}; measuring again", cached.status().message()));
+    }
+  }
+  if (measured) {
+    TESSERA_ASSIGN_OR_RETURN(plan.calibration,
+                             Calibrate(model, base, request, executor, backend, progress));
+    plan.calibration_source = fmt::format(
+        "measured: the layers at {} micro-batch shape(s){}", request.rows.size(),
+        request.link.empty() ? ""
+                             : fmt::format(", collectives among {} workers", request.link.size()));
+    if (!path.empty()) {
+      const Status saved = SaveCalibration(path, key, plan.calibration);
+      if (saved.ok()) {
+        plan.calibration_source += ", saved to " + path;
+      } else {
+        say(fmt::format("{} (the next run measures again)", saved.message()));
+      }
+    }
+  }
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  TESSERA_ASSIGN_OR_RETURN(plan.search,
+                           PlanSearch(model, base, options.space, plan.calibration, registry));
+  plan.chosen = base;
+  plan.chosen.parallel = plan.search.ranked.front().parallel;
+  plan.why = Why(plan.search);
+  return plan;
+}
+
+}  // namespace tessera

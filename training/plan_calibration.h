@@ -1,0 +1,69 @@
+// Calibrating a cluster for the plan search (planner/plan_search.h), and keeping the result so
+// the next run on the same machine, model and shape does not measure it again.
+//
+// A calibration is:
+//   * the layers' forward, backward and weight-half times at every micro-batch row count the
+//     search's candidates use (ProfileStep in this process, split backwards, at that shape:
+//     training/layer_profile.h), and the per-task overhead measured beside them;
+//   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
+//     workers: its latency and all-reduce bandwidth), which also stands for the point-to-point
+//     link (StepLinks). One worker: none.
+// On CPU workers sharing one machine the profile runs alone; what the workers lose to each other
+// when they compute at once is the simulation's to model (not yet: see docs/architecture.md).
+//
+// The cache: one JSON file per key under the cache directory (setting cache_dir, else
+// $XDG_CACHE_HOME/tessera, else ~/.cache/tessera), written atomically. The key names what the
+// figures depend on: the model's layers (names, ops, parameter counts), the sequence length, the
+// device, the row counts, the workers, this host and its threads. A file of another key, or one
+// that cannot be read, is measured again (and the reason said).
+//
+// Thread safety: uses the backend like any caller of it (one call at a time).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "client/graph_backend.h"
+#include "core/ids.h"
+#include "core/status.h"
+#include "model/model_spec.h"
+#include "planner/plan_search.h"
+#include "worker/in_process_executor.h"
+
+namespace tessera {
+
+// The distinct micro-batch row counts of EnumerateCandidates(model, base, space), ascending.
+std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& base,
+                                   const SearchSpace& space);
+
+struct CalibrationRequest {
+  std::vector<int64_t> rows;   // the row counts to profile the layers at
+  std::vector<WorkerId> link;  // the workers to measure the collective link among (2+; else none)
+  int profile_steps = 2;       // timed steps per row count (after one untimed)
+};
+
+// Measures a calibration; `progress` (may be null) hears a line per row count. Errors name what
+// was measured ("calibrating the layers at 4 rows: ...").
+Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
+                              const CalibrationRequest& request, const ExecutorOptions& executor,
+                              GraphBackend* backend,
+                              const std::function<void(const std::string&)>& progress = nullptr);
+
+// What a calibration depends on, as text (the cache file holds it) and as a file name.
+std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
+                           const CalibrationRequest& request, int threads);
+std::string CalibrationPath(const std::string& cache_dir, const std::string& key);
+// The cache directory: `setting` when given, else $XDG_CACHE_HOME/tessera, else
+// $HOME/.cache/tessera, else /tmp/tessera/cache.
+std::string DefaultCacheDir(const std::string& setting);
+
+// Writes the calibration and its key as JSON, atomically, making the directory if needed.
+Status SaveCalibration(const std::string& path, const std::string& key,
+                       const Calibration& calibration);
+// NotFound when there is no file; DataLoss naming the path when it cannot be parsed;
+// InvalidArgument when it holds another key (the cluster, model or shape changed).
+Result<Calibration> LoadCalibration(const std::string& path, const std::string& key);
+
+}  // namespace tessera
