@@ -56,8 +56,8 @@ struct Collective {
 class Simulator {
  public:
   Simulator(const Graph& graph, const std::vector<TaskTime>& times, const StepLinks& links,
-            double overhead)
-      : graph_(graph), times_(times), links_(links), overhead_(overhead) {}
+            double overhead, ComputeSharing sharing)
+      : graph_(graph), times_(times), links_(links), overhead_(overhead), sharing_(sharing) {}
 
   Result<SimulatedStep> Run() {
     TESSERA_RETURN_IF_ERROR(Index());
@@ -67,17 +67,46 @@ class Simulator {
     }
     Dispatch(0);
     size_t ended = 0;
-    while (!events_.empty()) {
-      const double now = events_.top().first;
-      while (!events_.empty() && events_.top().first == now) {
-        const size_t task = events_.top().second;
-        events_.pop();
-        if (task != kWake) {
-          End(task, now);
+    double clock = 0;
+    constexpr double kNever = std::numeric_limits<double>::infinity();
+    while (true) {
+      // The next moment something happens: an event, or (sharing the compute) the first of the
+      // running compute tasks to finish at the rate they share.
+      const double rate = SharedRate();
+      double finish = kNever, least = kNever;
+      for (size_t w : running_) least = std::min(least, workers_[w].remaining);
+      if (!running_.empty()) finish = clock + least / rate;
+      const double next = std::min(events_.empty() ? kNever : events_.top().first, finish);
+      if (next == kNever) break;
+      for (size_t w : running_) workers_[w].remaining -= (next - clock) * rate;
+      clock = next;
+      if (finish <= next) {
+        for (auto it = running_.begin(); it != running_.end();) {
+          Worker& worker = workers_[*it];
+          if (worker.remaining > 1e-12 + 1e-9 * least) {  // not among the first to finish
+            ++it;
+            continue;
+          }
+          const size_t task = worker.running;
+          end_[task] = clock;
+          worker.compute_free = clock;
+          worker.last_compute_end = clock;
+          worker.figures.compute_ms += clock - start_[task];
+          Touch(worker, clock, Lane::kCompute);
+          it = running_.erase(it);
+          End(task, clock);
           ++ended;
         }
       }
-      Dispatch(now);
+      while (!events_.empty() && events_.top().first == clock) {
+        const size_t task = events_.top().second;
+        events_.pop();
+        if (task != kWake) {
+          End(task, clock);
+          ++ended;
+        }
+      }
+      Dispatch(clock);
     }
     if (ended != n) {
       return InvalidArgument(
@@ -97,6 +126,10 @@ class Simulator {
     double io_free = 0;
     std::array<double, kCollectiveChannels> channel_free{};
     double debt = 0;  // compute taken by swap-file copies, charged to the next compute task
+    // Sharing the compute: the task its compute lane runs, and the work it has left (ms at the
+    // full rate).
+    size_t running = 0;
+    double remaining = 0;
     std::vector<size_t> ready_compute, ready_io;  // ready (possibly in the future) tasks
     double last_compute_end = 0;
     double end = 0;
@@ -283,12 +316,20 @@ class Simulator {
           worker.ready_compute.erase(best);
           ChargeGap(worker, worker.compute_free, now, cause_[task]);
           const double duration = times_[task].ms + overhead_ + worker.debt;
-          worker.figures.compute_ms += duration;
           worker.debt = 0;
-          Start(task, now, duration);
-          worker.compute_free = end_[task];
-          worker.last_compute_end = end_[task];
-          Touch(worker, end_[task], Lane::kCompute);
+          if (sharing_.capacity > 0) {  // ends when its work is done at the shared rate
+            start_[task] = now;
+            worker.running = task;
+            worker.remaining = duration;
+            worker.compute_free = std::numeric_limits<double>::infinity();
+            running_.push_back(static_cast<size_t>(&worker - workers_.data()));
+          } else {
+            worker.figures.compute_ms += duration;
+            Start(task, now, duration);
+            worker.compute_free = end_[task];
+            worker.last_compute_end = end_[task];
+            Touch(worker, end_[task], Lane::kCompute);
+          }
         }
       }
       if (worker.io_free <= now) {
@@ -340,6 +381,13 @@ class Simulator {
     }
   }
 
+  // The rate each running compute task progresses at: all at full speed up to the capacity,
+  // then the capacity shared evenly.
+  double SharedRate() const {
+    if (sharing_.capacity <= 0 || running_.empty()) return 1;
+    return std::min(1.0, sharing_.capacity / static_cast<double>(running_.size()));
+  }
+
   // Ready compute tasks: higher priority first, then the one ready first, then graph order.
   bool Before(size_t a, size_t b) const {
     const int32_t pa = graph_.tasks()[a].priority, pb = graph_.tasks()[b].priority;
@@ -389,7 +437,9 @@ class Simulator {
   const std::vector<TaskTime>& times_;
   const StepLinks& links_;
   const double overhead_;
+  const ComputeSharing sharing_;
   std::vector<Worker> workers_;
+  std::vector<size_t> running_;  // sharing: the workers whose compute lane runs a task
   std::vector<size_t> worker_of_;
   std::vector<Lane> lane_;
   std::vector<int64_t> collective_of_;
@@ -420,8 +470,9 @@ const char* BottleneckName(Bottleneck bottleneck) {
 }
 
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
-                                   const StepLinks& links, double task_overhead_ms) {
-  return Simulator(graph, times, links, task_overhead_ms).Run();
+                                   const StepLinks& links, double task_overhead_ms,
+                                   ComputeSharing sharing) {
+  return Simulator(graph, times, links, task_overhead_ms, sharing).Run();
 }
 
 }  // namespace tessera

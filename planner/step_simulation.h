@@ -18,6 +18,8 @@
 //   I/O         a CPU worker's swap-file copies (core/disk_tasks.h), one at a time, their bytes
 //               over the disk link, each taking its share of compute (TaskTime::ms) from the
 //               next compute task.
+// Workers may share one machine's compute (ComputeSharing): then a compute task's time stretches
+// while more workers compute at once than the machine holds at full speed.
 // An object made on one worker and read on another arrives the point-to-point link's latency
 // plus its bytes over that link's bandwidth after its producer ends.
 //
@@ -57,6 +59,15 @@ struct StepLinks {
   double disk_bytes_per_us = 0;  // the swap file's, each way; 0: copies take no time
 };
 
+// Workers that share one machine's cores (a local cluster of CPU workers) compute slower when
+// several compute at once: `capacity` is how many can compute at full speed together (the cores
+// over each worker's threads, as calibrated: training/plan_calibration.h); with more running,
+// each runs at capacity / running of its speed (processor sharing). 0: every worker has its own
+// hardware (GPU workers, one worker per machine).
+struct ComputeSharing {
+  double capacity = 0;
+};
+
 enum class Bottleneck : uint8_t { kCompute, kBubble, kCommunication, kSwap };
 const char* BottleneckName(Bottleneck bottleneck);  // "compute", "bubble", ...
 
@@ -79,6 +90,7 @@ struct SimulatedStep {
 // InvalidArgument when `times` does not hold one entry per task, or when the graph cannot
 // finish (a cycle; a collective with inconsistent attributes, named).
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
-                                   const StepLinks& links, double task_overhead_ms = 0);
+                                   const StepLinks& links, double task_overhead_ms = 0,
+                                   ComputeSharing sharing = {});
 
 }  // namespace tessera

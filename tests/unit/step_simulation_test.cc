@@ -172,6 +172,32 @@ TEST(StepSimulationTest, PushingActivationsBetweenStagesDelaysTheNextStage) {
   ExpectPartsAddUp(pushed);
 }
 
+// Workers sharing one machine: four ranks computing the same tasks at once on room for one take
+// four times as long, on room for two twice; a pipeline on room for one keeps the machine busy,
+// so its step is all its work one after another.
+TEST(StepSimulationTest, WorkersSharingAMachineComputeAtTheirShareOfIt) {
+  const ModelSpec model = SixBlocks();
+  const TrainingPlan ranks = Plan(1, 4, 1, PipelineSchedule::k1F1B);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, ranks, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep own, SimulateStep(step.graph, times, {}));
+  for (double capacity : {1.0, 2.0, 4.0, 8.0}) {
+    ASSERT_OK_AND_ASSIGN(SimulatedStep shared,
+                         SimulateStep(step.graph, times, {}, 0, ComputeSharing{capacity}));
+    EXPECT_NEAR(shared.step_ms, own.step_ms * std::max(1.0, 4 / capacity), 1e-9) << capacity;
+    ExpectPartsAddUp(shared);
+  }
+  const TrainingPlan piped = Plan(2, 1, 4, PipelineSchedule::kGPipe);
+  ASSERT_OK_AND_ASSIGN(StepGraph pipeline, PlanTrainingStep(model, piped, CpuRegistry()));
+  const std::vector<TaskTime> piped_times = LayerTimesOnly(pipeline, model);
+  double work = 0;
+  for (const TaskTime& t : piped_times) work += t.ms;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep one,
+                       SimulateStep(pipeline.graph, piped_times, {}, 0, ComputeSharing{1}));
+  EXPECT_NEAR(one.step_ms, work, 1e-9);
+  ExpectPartsAddUp(one);
+}
+
 TEST(StepSimulationTest, ARunIsTheSameEveryTime) {
   const ModelSpec model = SixBlocks();
   const TrainingPlan plan = Plan(2, 2, 4, PipelineSchedule::kZbH1);
