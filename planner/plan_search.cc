@@ -97,13 +97,8 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
     return Outcome(std::move(refused));
   }
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
-  TESSERA_ASSIGN_OR_RETURN(std::vector<TaskTime> times,
-                           EstimateTaskTimes(step->graph, model, p.layer_op_costs, registry,
-                                             plan.memory.disk_copy_compute_us_per_byte));
-  StepLinks links = calibration.links;
-  if (links.disk_bytes_per_us <= 0) links.disk_bytes_per_us = plan.memory.disk_link_bytes_per_us;
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated,
-                           SimulateStep(step->graph, times, links, p.task_overhead_ms));
+                           SimulatePlannedStep(*step, model, plan.memory, calibration, registry));
   RankedPlan ranked;
   ranked.choice = choice;
   ranked.parallel = step->parallel;
@@ -159,6 +154,19 @@ std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const S
 }
 
 }  // namespace
+
+Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec& model,
+                                          const MemoryCaps& disk, const Calibration& calibration,
+                                          const OpRegistry& registry) {
+  TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> layer_ms,
+                           LayerTimesAt(calibration, step.micro_batch_rows));
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<TaskTime> times,
+      EstimateTaskTimes(step.graph, model, layer_ms, registry, disk.disk_copy_compute_us_per_byte));
+  StepLinks links = calibration.links;
+  if (links.disk_bytes_per_us <= 0) links.disk_bytes_per_us = disk.disk_link_bytes_per_us;
+  return SimulateStep(step.graph, times, links, calibration.task_overhead_ms, calibration.sharing);
+}
 
 Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {
   if (calibration.layers.empty()) {

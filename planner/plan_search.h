@@ -34,6 +34,7 @@
 #include "model/model_spec.h"
 #include "ops/op_registry.h"
 #include "planner/memory_model.h"
+#include "planner/step_graph.h"
 #include "planner/step_simulation.h"
 #include "planner/training_plan.h"
 
@@ -47,8 +48,11 @@ struct LayerTimesAtRows {
 
 struct Calibration {
   std::vector<LayerTimesAtRows> layers;  // any order; distinct row counts
-  double task_overhead_ms = 0;           // StepProfile::TaskOverheadMs
+  // What a step spends per task beyond the tasks' own time on the workers (measured against a
+  // step run there: training/plan_calibration.h), else in this process (StepProfile).
+  double task_overhead_ms = 0;
   StepLinks links;
+  ComputeSharing sharing;  // workers sharing one machine's compute
 };
 
 // Per layer, its times at `rows` micro-batch rows: a measured row count's, else interpolated
@@ -123,6 +127,13 @@ struct PlanSearchResult {
 Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& base,
                                     const SearchSpace& space, const Calibration& calibration,
                                     const OpRegistry& registry);
+
+// The simulated step of `step` (a plan of `model`; PlanTrainingStep's result) on the calibrated
+// costs: its layers' times at its micro-batch rows (LayerTimesAt), the calibration's overhead,
+// links and sharing; `disk` the plan's swap-file link and copy cost (MemoryCaps).
+Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec& model,
+                                          const MemoryCaps& disk, const Calibration& calibration,
+                                          const OpRegistry& registry);
 
 // The candidates a search plans, in its order (exposed for tests and `tessera plan --list`).
 std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,

@@ -42,7 +42,8 @@ std::string Why(const PlanSearchResult& search) {
 
 Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base,
                                 const AutoPlanOptions& options, const ExecutorOptions& executor,
-                                GraphBackend* backend,
+                                const std::vector<WorkerId>& workers,
+                                const BackendFactory& make_backend,
                                 const std::function<void(const std::string&)>& progress) {
   const auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
@@ -56,11 +57,8 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
         base.batch, options.space.workers);
   }
   request.profile_steps = options.profile_steps;
-  if (backend != nullptr && options.space.workers >= 2) {
-    const std::vector<WorkerId> workers = backend->workers();
-    const size_t n = std::min(workers.size(), static_cast<size_t>(options.space.workers));
-    if (n >= 2) request.link.assign(workers.begin(), workers.begin() + static_cast<long>(n));
-  }
+  const size_t n = std::min(workers.size(), static_cast<size_t>(options.space.workers));
+  request.workers.assign(workers.begin(), workers.begin() + static_cast<long>(n));
   AutoPlan plan;
   const std::string key = CalibrationKey(model, base, request, options.threads);
   const std::string path =
@@ -78,11 +76,11 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
   }
   if (measured) {
     TESSERA_ASSIGN_OR_RETURN(plan.calibration,
-                             Calibrate(model, base, request, executor, backend, progress));
+                             Calibrate(model, base, request, executor, make_backend, progress));
     plan.calibration_source = fmt::format(
         "measured: the layers at {} micro-batch shape(s){}", request.rows.size(),
-        request.link.empty() ? ""
-                             : fmt::format(", collectives among {} workers", request.link.size()));
+        request.workers.empty() ? ""
+                                : fmt::format(", steps on {} worker(s)", request.workers.size()));
     if (!path.empty()) {
       const Status saved = SaveCalibration(path, key, plan.calibration);
       if (saved.ok()) {

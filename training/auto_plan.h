@@ -43,9 +43,11 @@ struct AutoPlan {
 
 // Errors: the calibration's (named), the search's (Infeasible: nothing fits, with the fix).
 // `progress` (may be null) hears the calibration's lines.
+// `workers`: the cluster's workers (empty: this process), on backends `make_backend` makes.
 Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base,
                                 const AutoPlanOptions& options, const ExecutorOptions& executor,
-                                GraphBackend* backend,
+                                const std::vector<WorkerId>& workers,
+                                const BackendFactory& make_backend,
                                 const std::function<void(const std::string&)>& progress = nullptr);
 
 }  // namespace tessera

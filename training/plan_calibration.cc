@@ -13,8 +13,11 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
+#include "ops/standard_ops.h"
+#include "planner/step_graph.h"
 #include "training/collective_link.h"
 #include "training/layer_profile.h"
+#include "training/trainer.h"
 
 namespace tessera {
 namespace {
@@ -46,13 +49,140 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
   return {rows.begin(), rows.end()};
 }
 
+namespace {
+
+// The mean step time of `plan` (its workers bound) on a new backend: zeros at a zero learning
+// rate, one untimed step then `steps`.
+Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
+                           const BackendFactory& make_backend, int steps) {
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                           Trainer::Create(model, plan, std::move(backend)));
+  std::vector<Tensor> batch;
+  for (const ModelInput& input : model.inputs) {
+    TESSERA_ASSIGN_OR_RETURN(
+        Tensor zeros, Tensor::Zeros(input.Meta(plan.batch, plan.seq_len), SharedHostAllocator()));
+    batch.push_back(std::move(zeros));
+  }
+  double ms = 0;
+  for (int step = 0; step <= steps; ++step) {
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 0.0f));
+    if (step > 0) ms += report.step_ms / steps;
+  }
+  return ms;
+}
+
+// The simulated step of `plan` on `calibration`.
+Result<SimulatedStep> Simulated(const ModelSpec& model, const TrainingPlan& plan,
+                                const Calibration& calibration, const OpRegistry& registry,
+                                size_t* tasks = nullptr) {
+  TESSERA_ASSIGN_OR_RETURN(StepGraph step, PlanTrainingStep(model, plan, registry));
+  if (tasks != nullptr) *tasks = step.graph.tasks().size();
+  return SimulatePlannedStep(step, model, plan.memory, calibration, registry);
+}
+
+// The per-task overhead and the compute sharing that make the simulation give the probes'
+// measured steps.
+Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
+                    const CalibrationRequest& request, const BackendFactory& make_backend,
+                    const std::function<void(const std::string&)>& say, Calibration& calibration) {
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  const auto n = static_cast<int>(request.workers.size());
+  // Rows of one rank of the widest data-parallel plan (the base batch over the workers, when it
+  // splits), else the fewest profiled.
+  const int64_t rows = base.batch % n == 0 ? base.batch / n : request.rows.front();
+  TrainingPlan one = base;
+  one.batch = rows;
+  one.parallel = ParallelConfig{};
+  one.parallel.workers = {request.workers.front()};
+  one.memory = MemoryCaps{};
+  TESSERA_ASSIGN_OR_RETURN(double measured_one,
+                           ProbeStepMs(model, one, make_backend, request.profile_steps));
+  Calibration bare = calibration;
+  bare.task_overhead_ms = 0;
+  size_t tasks = 0;
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_one,
+                           Simulated(model, one, bare, registry, &tasks));
+  calibration.task_overhead_ms =
+      std::max(0.0, (measured_one - simulated_one.step_ms) / static_cast<double>(tasks));
+  say(
+      fmt::format("one rank on one worker at {} rows: {:.2f} ms a step against {:.2f} ms of "
+                  "profiled work: {:.3f} ms a task beyond it",
+                  rows, measured_one, simulated_one.step_ms, calibration.task_overhead_ms));
+  if (n < 2) return Status::Ok();
+  TrainingPlan all = one;
+  all.batch = rows * n;
+  all.parallel.data_parallel = n;
+  all.parallel.workers = request.workers;
+  all.parallel.link = calibration.links.collective;
+  TESSERA_ASSIGN_OR_RETURN(double measured_all,
+                           ProbeStepMs(model, all, make_backend, request.profile_steps));
+  calibration.sharing = ComputeSharing{};
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone, Simulated(model, all, calibration, registry));
+  if (measured_all <= alone.step_ms * 1.05) {
+    say(
+        fmt::format("{} ranks at once: {:.2f} ms a step, as simulated with a worker's compute to "
+                    "itself ({:.2f} ms)",
+                    n, measured_all, alone.step_ms));
+  } else {
+    // The simulated step shrinks as the capacity grows: bisect for the measured one.
+    double lo = 0.05, hi = n;
+    for (int i = 0; i < 30; ++i) {
+      const double mid = (lo + hi) / 2;
+      calibration.sharing = ComputeSharing{mid};
+      TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared, Simulated(model, all, calibration, registry));
+      (shared.step_ms > measured_all ? lo : hi) = mid;
+    }
+    calibration.sharing = ComputeSharing{(lo + hi) / 2};
+    say(
+        fmt::format("{} ranks at once: {:.2f} ms a step against {:.2f} ms with a worker's "
+                    "compute to itself: the workers share a machine, room for {:.2f} of them at "
+                    "full speed",
+                    n, measured_all, alone.step_ms, calibration.sharing.capacity));
+  }
+  // A pipeline of two stages: what an object pushed from one worker to the next waits beyond
+  // its bytes over the link (the producer's report, the reader's dispatch and pull), fitted as
+  // the point-to-point latency.
+  if (model.layers.size() < 2) return Status::Ok();
+  TrainingPlan piped = one;
+  piped.batch = rows * 2;
+  piped.parallel.pipeline_stages = 2;
+  piped.parallel.micro_batches = 2;
+  piped.parallel.schedule = PipelineSchedule::kGPipe;
+  piped.parallel.workers = {request.workers[0], request.workers[1]};
+  TESSERA_ASSIGN_OR_RETURN(double measured_piped,
+                           ProbeStepMs(model, piped, make_backend, request.profile_steps));
+  const double bytes_per_us = calibration.links.collective.measured()
+                                  ? calibration.links.collective.bytes_per_us
+                                  : 1e3;  // 1 GB/s when unmeasured
+  double lo = 0, hi = 1e5;                // microseconds
+  for (int i = 0; i < 40; ++i) {
+    const double mid = (lo + hi) / 2;
+    calibration.links.point_to_point = CollectiveLink{mid, bytes_per_us};
+    TESSERA_ASSIGN_OR_RETURN(SimulatedStep pushed, Simulated(model, piped, calibration, registry));
+    (pushed.step_ms < measured_piped ? lo : hi) = mid;
+  }
+  calibration.links.point_to_point = CollectiveLink{std::max((lo + hi) / 2, 1.0), bytes_per_us};
+  say(
+      fmt::format("a pipeline of two stages: {:.2f} ms a step: an object pushed between workers "
+                  "waits {:.0f} us beyond its bytes",
+                  measured_piped, calibration.links.point_to_point.latency_us));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
                               const CalibrationRequest& request, const ExecutorOptions& executor,
-                              GraphBackend* backend,
+                              const BackendFactory& make_backend,
                               const std::function<void(const std::string&)>& progress) {
   if (request.rows.empty()) {
     return InvalidArgument("calibrating: no micro-batch row counts to profile the layers at");
   }
+  const auto say = [&progress](const std::string& line) {
+    if (progress) progress(line);
+  };
   Calibration calibration;
   LayerProfileOptions options;
   options.split_backwards = true;
@@ -74,24 +204,24 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
       ms.backward = std::max(ms.backward, 1e-3);
       step_layers += ms.forward + ms.backward + ms.weight;
     }
-    if (progress) {
-      progress(fmt::format("layers at {} rows a micro-batch: {:.1f} ms forward + backward", rows,
-                           step_layers));
-    }
+    say(fmt::format("layers at {} rows a micro-batch: {:.1f} ms forward + backward", rows,
+                    step_layers));
     overhead_sum += profile->TaskOverheadMs();
     calibration.layers.push_back(LayerTimesAtRows{rows, std::move(profile->layer_ms)});
   }
   calibration.task_overhead_ms = overhead_sum / static_cast<double>(request.rows.size());
-  if (backend != nullptr && request.link.size() >= 2) {
+  if (!make_backend || request.workers.empty()) return calibration;
+  if (request.workers.size() >= 2) {
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
     TESSERA_ASSIGN_OR_RETURN(CollectiveLink link,
-                             MeasureCollectiveLink(*backend, request.link, base.device));
+                             MeasureCollectiveLink(*backend, request.workers, base.device));
     calibration.links.collective = link;
-    calibration.links.collective_group = static_cast<int>(request.link.size());
-    if (progress) {
-      progress(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
-                           request.link.size(), link.latency_us, link.bytes_per_us / 1e3));
-    }
+    calibration.links.collective_group = static_cast<int>(request.workers.size());
+    say(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
+                    request.workers.size(), link.latency_us, link.bytes_per_us / 1e3));
   }
+  TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, request, make_backend, say, calibration)
+                              .WithContext("calibrating the workers' steps"));
   return calibration;
 }
 
@@ -106,7 +236,7 @@ std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
   return fmt::format(
       "model {:016x} ({} layers) seq {} device {} rows [{}] workers {} host {} threads {}",
       std::hash<std::string>()(layers), model.layers.size(), base.seq_len, base.device.ToString(),
-      rows, request.link.size(), HostName(), threads);
+      rows, request.workers.size(), HostName(), threads);
 }
 
 std::string CalibrationPath(const std::string& cache_dir, const std::string& key) {
@@ -137,7 +267,8 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                      {"task_overhead_ms", calibration.task_overhead_ms},
                      {"collective", LinkJson(calibration.links.collective)},
                      {"collective_group", calibration.links.collective_group},
-                     {"point_to_point", LinkJson(calibration.links.point_to_point)}};
+                     {"point_to_point", LinkJson(calibration.links.point_to_point)},
+                     {"sharing_capacity", calibration.sharing.capacity}};
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
   if (error) {
@@ -172,6 +303,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
+    calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);
     return calibration;

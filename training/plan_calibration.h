@@ -7,9 +7,15 @@
 //     training/layer_profile.h), and the per-task overhead measured beside them;
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
 //     workers: its latency and all-reduce bandwidth), which also stands for the point-to-point
-//     link (StepLinks). One worker: none.
-// On CPU workers sharing one machine the profile runs alone; what the workers lose to each other
-// when they compute at once is the simulation's to model (not yet: see docs/architecture.md).
+//     link (StepLinks). One worker: none;
+//   * on a cluster, two probe steps that fit what the profile in this process cannot see: one
+//     rank on one worker (at the rows of one rank of the widest data-parallel plan): what a step
+//     there spends per task beyond the profiled times (dispatch, the worker's own thread
+//     count), spread over its tasks as the overhead; then every worker a data-parallel rank at
+//     once: when that step is slower than the simulation with that overhead says, the workers
+//     share a machine's compute, and the capacity (ComputeSharing) is fitted so the simulation
+//     gives the measured step.
+// Probes run zeros at a zero learning rate (training/layer_profile.h's way).
 //
 // The cache: one JSON file per key under the cache directory (setting cache_dir, else
 // $XDG_CACHE_HOME/tessera, else ~/.cache/tessera), written atomically. The key names what the
@@ -39,16 +45,20 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
                                    const SearchSpace& space);
 
 struct CalibrationRequest {
-  std::vector<int64_t> rows;   // the row counts to profile the layers at
-  std::vector<WorkerId> link;  // the workers to measure the collective link among (2+; else none)
-  int profile_steps = 2;       // timed steps per row count (after one untimed)
+  std::vector<int64_t> rows;      // the row counts to profile the layers at
+  std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
+  int profile_steps = 2;          // timed steps per row count and probe (after one untimed)
 };
 
-// Measures a calibration; `progress` (may be null) hears a line per row count. Errors name what
-// was measured ("calibrating the layers at 4 rows: ...").
+// A new backend on the cluster (each probe's trainer owns one).
+using BackendFactory = std::function<Result<std::unique_ptr<GraphBackend>>()>;
+
+// Measures a calibration: the layer profile in this process; with `make_backend` and workers,
+// the link and the probes there. `progress` (may be null) hears a line per measurement. Errors
+// name what was measured ("calibrating the layers at 4 rows: ...").
 Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
                               const CalibrationRequest& request, const ExecutorOptions& executor,
-                              GraphBackend* backend,
+                              const BackendFactory& make_backend,
                               const std::function<void(const std::string&)>& progress = nullptr);
 
 // What a calibration depends on, as text (the cache file holds it) and as a file name.

@@ -161,9 +161,11 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   AutoPlanOptions options;
   SearchSpace& space = options.space;
   space.workers = std::max(flags.workers, 1);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, session.MakeBackend());
-  if (flags.workers == 0 && session.cluster() != nullptr) {
-    space.workers = std::max<int>(1, static_cast<int>(backend->workers().size()));
+  std::vector<WorkerId> workers;
+  if (session.cluster() != nullptr) {
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, session.MakeBackend());
+    workers = backend->workers();
+    if (flags.workers == 0) space.workers = std::max<int>(1, static_cast<int>(workers.size()));
   }
   space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const ParallelConfig& given = plan.parallel;
@@ -177,12 +179,13 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   options.threads = runtime.executor.threads;
   std::fprintf(stderr, "%s: --plan auto: searching the plans of %d worker(s)\n", program,
                space.workers);
-  TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen,
-                           ChooseAutoPlan(model, plan, options, runtime.executor, backend.get(),
-                                          [program](const std::string& line) {
-                                            std::fprintf(stderr, "%s: calibrating: %s\n", program,
-                                                         line.c_str());
-                                          }));
+  TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen, ChooseAutoPlan(
+                                                model, plan, options, runtime.executor, workers,
+                                                [&session] { return session.MakeBackend(); },
+                                                [program](const std::string& line) {
+                                                  std::fprintf(stderr, "%s: calibrating: %s\n",
+                                                               program, line.c_str());
+                                                }));
   std::fprintf(stderr, "%s: calibration %s\n%s", program, chosen.calibration_source.c_str(),
                DescribeSearch(chosen.search, search.show_plans).c_str());
   std::fprintf(stderr, "%s: --plan auto chose %s\n", program, chosen.why.c_str());
