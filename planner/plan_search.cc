@@ -165,7 +165,11 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
       EstimateTaskTimes(step.graph, model, layer_ms, registry, disk.disk_copy_compute_us_per_byte));
   StepLinks links = calibration.links;
   if (links.disk_bytes_per_us <= 0) links.disk_bytes_per_us = disk.disk_link_bytes_per_us;
-  return SimulateStep(step.graph, times, links, calibration.task_overhead_ms, calibration.sharing);
+  TESSERA_ASSIGN_OR_RETURN(
+      SimulatedStep simulated,
+      SimulateStep(step.graph, times, links, calibration.task_overhead_ms, calibration.sharing));
+  simulated.step_ms += calibration.step_overhead_ms;
+  return simulated;
 }
 
 Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {

@@ -51,6 +51,9 @@ struct Calibration {
   // What a step spends per task beyond the tasks' own time on the workers (measured against a
   // step run there: training/plan_calibration.h), else in this process (StepProfile).
   double task_overhead_ms = 0;
+  // What a step on the workers takes beyond its tasks (starting the instance on every worker,
+  // collecting their reports): measured against a step run there; 0: in this process.
+  double step_overhead_ms = 0;
   StepLinks links;
   ComputeSharing sharing;  // workers sharing one machine's compute
 };
@@ -129,8 +132,9 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
                                     const OpRegistry& registry);
 
 // The simulated step of `step` (a plan of `model`; PlanTrainingStep's result) on the calibrated
-// costs: its layers' times at its micro-batch rows (LayerTimesAt), the calibration's overhead,
-// links and sharing; `disk` the plan's swap-file link and copy cost (MemoryCaps).
+// costs: its layers' times at its micro-batch rows (LayerTimesAt), the calibration's overheads
+// (the step's added to step_ms), links and sharing; `disk` the plan's swap-file link and copy
+// cost (MemoryCaps).
 Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec& model,
                                           const MemoryCaps& disk, const Calibration& calibration,
                                           const OpRegistry& registry);

@@ -51,8 +51,8 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
 
 namespace {
 
-// The mean step time of `plan` (its workers bound) on a new backend: zeros at a zero learning
-// rate, one untimed step then `steps`.
+// The median step time of `plan` (its workers bound) on a new backend: zeros at a zero
+// learning rate, two untimed steps then `steps`.
 Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
                            const BackendFactory& make_backend, int steps) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
@@ -64,20 +64,20 @@ Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
         Tensor zeros, Tensor::Zeros(input.Meta(plan.batch, plan.seq_len), SharedHostAllocator()));
     batch.push_back(std::move(zeros));
   }
-  double ms = 0;
-  for (int step = 0; step <= steps; ++step) {
+  // Two untimed steps (communicators, the allocators' caches), then the median of the rest.
+  std::vector<double> ms;
+  for (int step = 0; step < 2 + steps; ++step) {
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 0.0f));
-    if (step > 0) ms += report.step_ms / steps;
+    if (step >= 2) ms.push_back(report.step_ms);
   }
-  return ms;
+  std::sort(ms.begin(), ms.end());
+  return ms.size() % 2 == 1 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
 }
 
 // The simulated step of `plan` on `calibration`.
 Result<SimulatedStep> Simulated(const ModelSpec& model, const TrainingPlan& plan,
-                                const Calibration& calibration, const OpRegistry& registry,
-                                size_t* tasks = nullptr) {
+                                const Calibration& calibration, const OpRegistry& registry) {
   TESSERA_ASSIGN_OR_RETURN(StepGraph step, PlanTrainingStep(model, plan, registry));
-  if (tasks != nullptr) *tasks = step.graph.tasks().size();
   return SimulatePlannedStep(step, model, plan.memory, calibration, registry);
 }
 
@@ -98,18 +98,14 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   one.parallel.workers = {request.workers.front()};
   one.memory = MemoryCaps{};
   TESSERA_ASSIGN_OR_RETURN(double measured_one,
-                           ProbeStepMs(model, one, make_backend, request.profile_steps));
-  Calibration bare = calibration;
-  bare.task_overhead_ms = 0;
-  size_t tasks = 0;
+                           ProbeStepMs(model, one, make_backend, request.probe_steps));
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_one,
-                           Simulated(model, one, bare, registry, &tasks));
-  calibration.task_overhead_ms =
-      std::max(0.0, (measured_one - simulated_one.step_ms) / static_cast<double>(tasks));
+                           Simulated(model, one, calibration, registry));
+  calibration.step_overhead_ms = std::max(0.0, measured_one - simulated_one.step_ms);
   say(
-      fmt::format("one rank on one worker at {} rows: {:.2f} ms a step against {:.2f} ms of "
-                  "profiled work: {:.3f} ms a task beyond it",
-                  rows, measured_one, simulated_one.step_ms, calibration.task_overhead_ms));
+      fmt::format("one rank on one worker at {} rows: {:.2f} ms a step against {:.2f} ms "
+                  "simulated from the profile: {:.2f} ms a step beyond its tasks",
+                  rows, measured_one, simulated_one.step_ms, calibration.step_overhead_ms));
   if (n < 2) return Status::Ok();
   TrainingPlan all = one;
   all.batch = rows * n;
@@ -117,7 +113,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   all.parallel.workers = request.workers;
   all.parallel.link = calibration.links.collective;
   TESSERA_ASSIGN_OR_RETURN(double measured_all,
-                           ProbeStepMs(model, all, make_backend, request.profile_steps));
+                           ProbeStepMs(model, all, make_backend, request.probe_steps));
   calibration.sharing = ComputeSharing{};
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone, Simulated(model, all, calibration, registry));
   if (measured_all <= alone.step_ms * 1.05) {
@@ -152,7 +148,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   piped.parallel.schedule = PipelineSchedule::kGPipe;
   piped.parallel.workers = {request.workers[0], request.workers[1]};
   TESSERA_ASSIGN_OR_RETURN(double measured_piped,
-                           ProbeStepMs(model, piped, make_backend, request.profile_steps));
+                           ProbeStepMs(model, piped, make_backend, request.probe_steps));
   const double bytes_per_us = calibration.links.collective.measured()
                                   ? calibration.links.collective.bytes_per_us
                                   : 1e3;  // 1 GB/s when unmeasured
@@ -265,6 +261,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
   const json file = {{"key", key},
                      {"layers", layers},
                      {"task_overhead_ms", calibration.task_overhead_ms},
+                     {"step_overhead_ms", calibration.step_overhead_ms},
                      {"collective", LinkJson(calibration.links.collective)},
                      {"collective_group", calibration.links.collective_group},
                      {"point_to_point", LinkJson(calibration.links.point_to_point)},
@@ -300,6 +297,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
       calibration.layers.push_back(std::move(rows));
     }
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
+    calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));

@@ -47,7 +47,8 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
 struct CalibrationRequest {
   std::vector<int64_t> rows;      // the row counts to profile the layers at
   std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
-  int profile_steps = 2;          // timed steps per row count and probe (after one untimed)
+  int profile_steps = 2;          // timed steps per row count (after one untimed)
+  int probe_steps = 5;            // timed steps per probe on the workers (after two untimed)
 };
 
 // A new backend on the cluster (each probe's trainer owns one).

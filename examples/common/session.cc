@@ -176,7 +176,14 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.virtual_given) space.virtual_stages = given.virtual_stages;
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
-  options.threads = runtime.executor.threads;
+  // The layers are profiled in this process with a local cluster's workers' threads (what the
+  // cluster gives each worker), so their times are the workers'.
+  ExecutorOptions executor = runtime.executor;
+  if (flags.workers > 0 && flags.address.empty()) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    executor.threads = flags.threads > 0 ? flags.threads : std::max(1, cores / flags.workers);
+  }
+  options.threads = executor.threads;
   std::fprintf(stderr, "%s: --plan auto: searching the plans of %d worker(s)\n", program,
                space.workers);
   TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen, ChooseAutoPlan(

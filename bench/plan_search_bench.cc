@@ -1,0 +1,275 @@
+// bench_plan_search: the plan search (planner/plan_search.h) against measured runs.
+//
+// For each model (a GPT-2 and a 3D U-Net) on a local cluster of --workers CPU workers (one
+// thread each unless --threads-per-worker), and each memory cap (--caps: fractions of the
+// largest host peak any uncapped plan predicts; 0: uncapped):
+//   1. calibrate on the cluster (training/plan_calibration.h: layer times at every micro-batch
+//      shape, the collective link, the probe steps) and search, timing the search;
+//   2. run a grid of the ranked plans (--grid of them, evenly spaced from the best to the worst,
+//      so the search's choice, rank 1, is among them): each trains --warmup + --steps steps of
+//      zeros at a zero learning rate (step times and memory do not depend on the values);
+//   3. print, per plan, the predicted and measured step time (the median) and largest worker's
+//      peak (all objects with the running kernels' scratch: RoleMeter's total_with_scratch_peak,
+//      the memory model's figure), and per model and cap: the search's choice measured against
+//      the best and the median grid point, and how many grid points the prediction was within
+//      10% (time) and 3% (peak) of.
+// --out DIR writes every grid point as a TSV line (plan_search.tsv) for bench/results.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "bench/bench_util.h"
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "core/version.h"
+#include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "ops/standard_ops.h"
+#include "planner/plan_search.h"
+#include "training/plan_calibration.h"
+#include "training/trainer.h"
+
+namespace {
+
+constexpr const char* kProgram = "bench_plan_search";
+template <typename T>
+T Check(tessera::Result<T> result, const std::string& what) {
+  return tessera::bench::Check(kProgram, std::move(result), what);
+}
+using tessera::bench::Median;
+
+struct Flags {
+  std::vector<std::string> models = {"gpt2", "unet3d"};
+  int workers = 4;
+  int threads_per_worker = 1;
+  std::vector<double> caps = {0, 0.6};
+  int grid = 10;
+  int steps = 5, warmup = 2;
+  // GPT-2: blocks, width, heads, sequence length, batch; U-Net: preset and batch.
+  int64_t layers = 4, channels = 128, heads = 4, seq_len = 64, gpt2_batch = 16;
+  std::string unet_preset = "tiny";
+  int64_t unet_batch = 8;
+  std::string out;
+};
+
+struct Model {
+  std::string name;
+  tessera::ModelSpec spec;
+  tessera::TrainingPlan base;
+};
+
+Model MakeModel(const Flags& f, const std::string& name) {
+  Model model{name, {}, {}};
+  if (name == "gpt2") {
+    model.spec = Check(
+        tessera::BuildGpt2(tessera::Gpt2Config{f.layers, f.channels, f.heads, 256, f.seq_len}),
+        "GPT-2");
+    model.base.batch = f.gpt2_batch;
+    model.base.seq_len = f.seq_len;
+    return model;
+  }
+  tessera::OpRegistry registry;
+  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "ops");
+  }
+  const tessera::UNet3dConfig config =
+      Check(tessera::UNet3dConfig::Preset(f.unet_preset), "--unet-preset");
+  model.spec = Check(tessera::BuildUNet3d(config, registry), "U-Net");
+  model.base.batch = f.unet_batch;
+  model.base.seq_len = 1;
+  return model;
+}
+
+struct Measured {
+  double step_ms = 0;
+  int64_t peak_bytes = 0;  // the largest worker's, with kernel scratch
+};
+
+Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
+                 const tessera::TrainingPlan& plan, const std::string& what) {
+  auto backend =
+      Check(tessera::MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
+  auto trainer = Check(tessera::Trainer::Create(model.spec, plan, std::move(backend)), what);
+  std::vector<tessera::Tensor> batch;
+  for (const tessera::ModelInput& input : model.spec.inputs) {
+    batch.push_back(Check(tessera::Tensor::Zeros(input.Meta(plan.batch, plan.seq_len),
+                                                 tessera::SharedHostAllocator()),
+                          what));
+  }
+  std::vector<double> ms;
+  Measured measured;
+  for (int step = 0; step < f.warmup + f.steps; ++step) {
+    const tessera::StepReport report = Check(trainer->Step(batch, 0.0f), what);
+    if (step < f.warmup) continue;
+    ms.push_back(report.step_ms);
+    for (const tessera::RankFigures& rank : report.ranks) {
+      measured.peak_bytes = std::max(measured.peak_bytes, rank.figures.total_with_scratch_peak);
+    }
+  }
+  measured.step_ms = Median(ms);
+  return measured;
+}
+
+double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
+  const Model model = MakeModel(f, name);
+  tessera::LocalClusterOptions options;
+  options.cpu_workers = f.workers;
+  options.threads_per_worker = f.threads_per_worker;
+  auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
+  std::vector<tessera::WorkerId> workers;
+  {
+    auto backend = Check(
+        tessera::MakeClusterBackend(*cluster, tessera::ClusterPlacement::kScheduler), "backend");
+    workers = backend->workers();
+    workers.resize(static_cast<size_t>(f.workers));
+  }
+  tessera::SearchSpace space;
+  space.workers = f.workers;
+  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  tessera::CalibrationRequest request;
+  request.rows = tessera::CandidateRows(model.spec, model.base, space);
+  request.workers = workers;
+  tessera::ExecutorOptions executor;
+  executor.threads = f.threads_per_worker;
+  const auto started = std::chrono::steady_clock::now();
+  const tessera::Calibration calibration = Check(
+      tessera::Calibrate(
+          model.spec, model.base, request, executor,
+          [&cluster] {
+            return tessera::MakeClusterBackend(*cluster, tessera::ClusterPlacement::kScheduler);
+          },
+          [&name](const std::string& line) {
+            std::printf("# %s calibration: %s\n", name.c_str(), line.c_str());
+          }),
+      "calibration");
+  const double calibrate_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  tessera::OpRegistry registry;
+  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "ops");
+  }
+  // The largest host peak an uncapped plan predicts: the caps are fractions of it.
+  const tessera::PlanSearchResult uncapped =
+      Check(tessera::PlanSearch(model.spec, model.base, space, calibration, registry), "search");
+  int64_t largest = 0;
+  for (const tessera::RankedPlan& r : uncapped.ranked) largest = std::max(largest, r.peak_bytes[1]);
+  std::printf("# %s: %zu layers, batch %lld, %d workers x %d thread(s); calibrated in %.1f s\n",
+              name.c_str(), model.spec.layers.size(), static_cast<long long>(model.base.batch),
+              f.workers, f.threads_per_worker, calibrate_s);
+  for (double cap : f.caps) {
+    tessera::TrainingPlan base = model.base;
+    base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
+    const tessera::PlanSearchResult search =
+        Check(tessera::PlanSearch(model.spec, base, space, calibration, registry), "search");
+    std::printf("\n## %s, host cap %s: %d plans, %zu fit, %zu refused; searched in %.0f ms\n",
+                name.c_str(),
+                cap > 0 ? fmt::format("{:.2f} MiB ({:.0f}% of the largest peak)",
+                                      Mib(base.memory.host_bytes), 100 * cap)
+                              .c_str()
+                        : "none",
+                search.considered, search.ranked.size(), search.refused.size(), search.search_ms);
+    std::printf("%-4s %-36s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
+                "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck");
+    const size_t n = search.ranked.size();
+    const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
+    std::vector<size_t> picks;
+    for (size_t i = 0; i < grid; ++i) {
+      const size_t at = grid == 1 ? 0 : (i * (n - 1) + (grid - 1) / 2) / (grid - 1);
+      if (picks.empty() || picks.back() != at) picks.push_back(at);
+    }
+    std::vector<double> measured_ms;
+    double auto_ms = 0;
+    int time_within = 0, peak_within = 0;
+    for (size_t at : picks) {
+      const tessera::RankedPlan& r = search.ranked[at];
+      tessera::TrainingPlan plan = base;
+      plan.parallel = r.parallel;
+      plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
+      const Measured m = RunPlan(f, *cluster, model, plan, r.choice.Name());
+      const auto predicted_peak = r.peak_bytes[1];
+      const double time_err = r.step_ms / m.step_ms - 1;
+      const double peak_err = static_cast<double>(predicted_peak) /
+                                  static_cast<double>(std::max<int64_t>(m.peak_bytes, 1)) -
+                              1;
+      time_within += std::abs(time_err) <= 0.10 ? 1 : 0;
+      peak_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
+      measured_ms.push_back(m.step_ms);
+      if (at == 0) auto_ms = m.step_ms;
+      std::printf("%-4zu %-36s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s\n", at + 1,
+                  r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
+                  Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
+                  tessera::BottleneckName(r.bottleneck));
+      if (tsv != nullptr) {
+        *tsv << fmt::format("{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\n", name, cap,
+                            at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
+                            predicted_peak, m.peak_bytes, tessera::BottleneckName(r.bottleneck));
+      }
+      std::fflush(stdout);
+    }
+    const double best = *std::min_element(measured_ms.begin(), measured_ms.end());
+    const double median = Median(measured_ms);
+    std::printf(
+        "%s, cap %.2f: the search's choice ran %.2f ms: %.3fx the best grid point's speed "
+        "(%.2f ms), %.2fx the grid median's (%.2f ms); predictions within 10%%: %d of %zu "
+        "(time), within 3%%: %d of %zu (peak)\n",
+        name.c_str(), cap, auto_ms, best / auto_ms, best, median / auto_ms, median, time_within,
+        picks.size(), peak_within, picks.size());
+  }
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"The plan search's predictions and choice against measured runs"};
+  app.add_option("--models", f.models, "gpt2 and/or unet3d");
+  app.add_option("--workers", f.workers, "Local CPU workers");
+  app.add_option("--threads-per-worker", f.threads_per_worker, "Threads each worker computes on");
+  app.add_option("--caps", f.caps,
+                 "Host caps as fractions of the largest uncapped plan's predicted peak (0: none)");
+  app.add_option("--grid", f.grid, "Grid points per model and cap (evenly spaced by rank)");
+  app.add_option("--steps", f.steps, "Timed steps per grid point");
+  app.add_option("--warmup", f.warmup, "Untimed steps first");
+  app.add_option("--layers", f.layers, "GPT-2 blocks");
+  app.add_option("--channels", f.channels, "GPT-2 width");
+  app.add_option("--seq-len", f.seq_len, "GPT-2 sequence length");
+  app.add_option("--gpt2-batch", f.gpt2_batch, "GPT-2 global batch");
+  app.add_option("--unet-preset", f.unet_preset, "U-Net preset");
+  app.add_option("--unet-batch", f.unet_batch, "U-Net global batch");
+  app.add_option("--out", f.out, "Directory for plan_search.tsv (every grid point)");
+  app.set_version_flag("--version", tessera::VersionLine(kProgram));
+  CLI11_PARSE(app, argc, argv);
+  std::unique_ptr<std::ofstream> tsv;
+  if (!f.out.empty()) {
+    std::filesystem::create_directories(f.out);
+    tsv = std::make_unique<std::ofstream>(f.out + "/plan_search.tsv");
+    *tsv << "model\tcap\trank\tplan\tflags\tpredicted_ms\tmeasured_ms\tpredicted_peak_bytes\t"
+            "measured_peak_bytes\tbottleneck\n";
+  }
+  std::printf("# %s, %s\n", kProgram, tessera::VersionLine(kProgram).c_str());
+  for (const std::string& name : f.models) {
+    if (name != "gpt2" && name != "unet3d") {
+      std::fprintf(stderr, "%s: --models: '%s' is neither gpt2 nor unet3d\n", kProgram,
+                   name.c_str());
+      return 2;
+    }
+    RunModel(f, name, tsv.get());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return tessera::bench::RunMain(kProgram, [&] { return Main(argc, argv); });
+}
