@@ -13,6 +13,9 @@
 //   tessera timeline --out trace.json [--steps N] [--address HOST:PORT]
 //                                                             the last N graph instances'
 //                                                             spans, as Chrome/Perfetto JSON
+//   tessera plan --model gpt2 --batch B --workers N [...]     the best parallel plans, searched
+//                                                             on calibrated costs
+//                                                             (launcher/plan_command.h)
 //
 // `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
 // /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
@@ -53,6 +56,7 @@
 #include "core/version.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
+#include "launcher/plan_command.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
 #include "launcher/session.h"
@@ -587,6 +591,8 @@ int Main(int argc, char** argv) {
   attach_cmd->add_flag("--status", attach.status, "Also show `tessera status`");
   TimelineFlags timeline;
   CLI::App* timeline_cmd = AddTimelineCommand(app, timeline);
+  tessera::PlanCommandFlags plan;
+  CLI::App* plan_cmd = tessera::AddPlanCommand(app, plan);
 
   tessera::SchedulerProcessFlags scheduler;
   CLI::App* scheduler_cmd = tessera::AddSchedulerCommand(app, scheduler);
@@ -610,6 +616,7 @@ int Main(int argc, char** argv) {
   if (timeline_cmd->parsed()) {
     return WriteTimeline(timeline.address, timeline.token_file, timeline.out, timeline.steps);
   }
+  if (plan_cmd->parsed()) return tessera::RunPlanCommand(plan);
   if (scheduler_cmd->parsed()) return tessera::RunSchedulerProcess(scheduler);
   if (worker_cmd->parsed()) return tessera::RunWorkerProcess(worker);
   return 2;

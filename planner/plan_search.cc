@@ -135,9 +135,12 @@ std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const S
   const bool cpu = base.device.is_cpu();
   const int64_t cap = CapOf(base);
   const int64_t need = cap + closest->shortfall_bytes;
-  std::string fixes =
-      fmt::format("{} {:.2f} or more", cpu ? "--host-memory-gib" : "--device-memory-gib",
-                  std::ceil(static_cast<double>(need) / (1 << 30) * 100) / 100);
+  // The cap that would fit it, rounded up at four significant figures of GiB.
+  const double gib = static_cast<double>(need) / (1 << 30);
+  const double unit = std::pow(10.0, std::floor(std::log10(gib)) - 3);
+  std::string fixes = fmt::format("{} {:.4g} or more ({} a worker)",
+                                  cpu ? "--host-memory-gib" : "--device-memory-gib",
+                                  std::ceil(gib / unit) * unit, Mib(need));
   fixes += ", more workers (ZeRO-3 and pipelines split the model state over them)";
   if (cpu && base.memory.disk_link_bytes_per_us <= 0) {
     fixes += ", a swap file (--swap-dir) for the activations";
@@ -349,7 +352,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
 }
 
 std::string DescribeSearch(const PlanSearchResult& result, int top) {
-  std::string text = fmt::format("{:>3}  {:<28} {:>10}  {:<34} {:>11} {:>11} {:>10}  {}\n", "#",
+  std::string text = fmt::format("{:>3}  {:<36} {:>10}  {:<40} {:>11} {:>11} {:>10}  {}\n", "#",
                                  "plan", "step (ms)", "critical worker: compute/bubble/comm/swap",
                                  "host peak", "device peak", "disk peak", "memory plan");
   const int shown = std::min<int>(top, static_cast<int>(result.ranked.size()));

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "client/cluster.h"
 #include "core/cuda_device.h"
 #include "core/version.h"
@@ -343,6 +345,44 @@ TEST(TesseraCliTest, VersionAndDoctorDescribeTheBuildAndTheMachine) {
               doctor.output.find("  gpu 0:   ") != std::string::npos)
       << doctor.output;
   EXPECT_NE(doctor.output.find("executor threads: "), std::string::npos) << doctor.output;
+}
+
+// `tessera plan`: calibrated on a local cluster it starts for the probes, it lists the best plans
+// (the first is the one it names best, with the flags that run it); the next run uses the cached
+// calibration; a cap nothing fits is refused with the closest plan and the fix.
+TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
+  const std::string cache =
+      (std::filesystem::temp_directory_path() / fmt::format("tessera_plan_{}", getpid())).string();
+  std::filesystem::remove_all(cache);
+  const std::string env = "TESSERA_CACHE_DIR=" + cache;
+  const auto plan = [&env](const std::string& arguments) {
+    return RunBinaryWithin("tessera", "plan " + arguments, std::chrono::minutes(2), env);
+  };
+  BoundedRun first = plan("--model gpt2 --batch 8 --workers 4 --top 3");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("calibrating: collectives among 4 workers"), std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("calibrating: 4 ranks at once"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
+  std::smatch best;
+  ASSERT_TRUE(std::regex_search(first.output, best,
+                                std::regex(R"(best: (D\d x P\d[^(]*) \((--workers [^)]*)\))")))
+      << first.output;
+  EXPECT_NE(first.output.find("  1  " + best[1].str()), std::string::npos) << first.output;
+  EXPECT_NE(best[2].str().find("--micro-batches"), std::string::npos) << first.output;
+
+  BoundedRun cached = plan("--model gpt2 --batch 8 --workers 4 --top 3");
+  ASSERT_EQ(cached.exit_code, 0) << cached.output;
+  EXPECT_NE(cached.output.find("calibration cached in " + cache), std::string::npos)
+      << cached.output;
+
+  BoundedRun refused =
+      plan("--model unet3d --batch 8 --workers 2 --no-probe --host-memory-gib 0.0001");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("no plan fits 2 workers"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("the closest, D"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("--host-memory-gib"), std::string::npos) << refused.output;
+  std::filesystem::remove_all(cache);
 }
 
 TEST(TesseraCliTest, NonsenseIsExplained) {

@@ -1,0 +1,175 @@
+#include "launcher/plan_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "core/device.h"
+#include "core/flag_checks.h"
+#include "core/settings.h"
+#include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "ops/standard_ops.h"
+#include "training/auto_plan.h"
+#include "worker/gpu.h"
+
+namespace tessera {
+namespace {
+
+Result<ModelSpec> BuildModel(const PlanCommandFlags& flags, bool gpu) {
+  if (flags.model == "gpt2") {
+    TESSERA_ASSIGN_OR_RETURN(Gpt2Config config, Gpt2Config::Preset(flags.preset));
+    if (flags.layers > 0) config.layers = flags.layers;
+    if (flags.channels > 0) config.channels = flags.channels;
+    if (flags.heads > 0) config.heads = flags.heads;
+    if (flags.vocab > 0) config.vocab = flags.vocab;
+    config.max_seq_len = std::max(config.max_seq_len, flags.seq_len);
+    if (gpu) config.activations = GpuActivations();
+    TESSERA_RETURN_IF_ERROR(config.Validate().WithContext("--model gpt2"));
+    return BuildGpt2(config);
+  }
+  if (flags.model == "unet3d") {
+    TESSERA_ASSIGN_OR_RETURN(UNet3dConfig config, UNet3dConfig::Preset(flags.preset));
+    OpRegistry registry;
+    TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+    return BuildUNet3d(config, registry);
+  }
+  return InvalidArgument("--model '{}' is not one of: gpt2, unet3d", flags.model);
+}
+
+Status Plan(const PlanCommandFlags& flags) {
+  TESSERA_ASSIGN_OR_RETURN(Device device, ParseDevice(flags.device));
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildModel(flags, !device.is_cpu()));
+  TrainingPlan base;
+  base.batch = flags.batch;
+  base.seq_len = flags.model == "gpt2" ? flags.seq_len : 1;
+  if (!device.is_cpu()) base.device = Device::Cuda(0);
+  base.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
+  base.memory.device_bytes = static_cast<int64_t>(flags.device_memory_gib * (1 << 30));
+
+  AutoPlanOptions options;
+  options.space.workers = flags.workers;
+  options.space.fewer_workers = flags.fewer_workers;
+  options.space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  TESSERA_ASSIGN_OR_RETURN(Settings settings, Settings::FromProcessEnvironment());
+  options.cache_dir = DefaultCacheDir(settings.cache_dir);
+  options.recalibrate = flags.recalibrate;
+  ExecutorOptions executor = ExecutorOptions::FromSettings(settings);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  executor.threads = flags.threads > 0 ? flags.threads : std::max(1, cores / flags.workers);
+  options.threads = executor.threads;
+
+  // Where the probes run: the cluster at --address, a local one, or nowhere.
+  std::unique_ptr<Cluster> cluster;
+  if (!flags.address.empty()) {
+    ConnectOptions connect;
+    connect.token_file = flags.token_file;
+    TESSERA_ASSIGN_OR_RETURN(cluster, Cluster::Connect(flags.address, connect));
+  } else if (!flags.no_probe && flags.workers >= 2) {
+    LocalClusterOptions local;
+    local.cpu_workers = flags.workers;
+    if (!device.is_cpu()) local.gpu_workers = flags.workers;
+    local.threads_per_worker = executor.threads;
+    std::fprintf(stderr, "tessera plan: starting %d local workers for the calibration probes\n",
+                 flags.workers);
+    TESSERA_ASSIGN_OR_RETURN(cluster, Cluster::StartLocal(local));
+  }
+  std::vector<WorkerId> workers;
+  BackendFactory make_backend;
+  if (cluster != nullptr) {
+    make_backend = [&cluster] {
+      return MakeClusterBackend(*cluster, ClusterPlacement::kScheduler);
+    };
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
+    workers = backend->workers();
+    if (static_cast<int>(workers.size()) < flags.workers) {
+      return InvalidArgument(
+          "--workers {}: the cluster at {} has {} worker(s); start more or plan for fewer",
+          flags.workers, flags.address, workers.size());
+    }
+  } else if (flags.workers >= 2) {
+    std::fprintf(stderr,
+                 "tessera plan: --no-probe: the collectives, pushes between workers and workers "
+                 "sharing a machine are not measured, so communication is priced as free\n");
+  }
+  TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen,
+                           ChooseAutoPlan(model, base, options, executor, workers, make_backend,
+                                          [](const std::string& line) {
+                                            std::fprintf(stderr, "tessera plan: calibrating: %s\n",
+                                                         line.c_str());
+                                          }));
+  std::printf("%s, batch %lld%s on %d worker(s); calibration %s\n", flags.model.c_str(),
+              static_cast<long long>(flags.batch),
+              flags.model == "gpt2" ? fmt::format(" x {} tokens", flags.seq_len).c_str() : "",
+              flags.workers, chosen.calibration_source.c_str());
+  std::printf("%s", DescribeSearch(chosen.search, flags.top).c_str());
+  std::printf("best: %s\n", chosen.why.c_str());
+  return Status::Ok();
+}
+
+}  // namespace
+
+CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
+  CLI::App* command = app.add_subcommand(
+      "plan",
+      "The best parallel plans of a model on N workers, by simulating every plan that fits "
+      "the memory caps on costs measured on the cluster: predicted step time, peak per tier, "
+      "bottleneck, and the flags that run the best (train_gpt2 --plan auto runs it)");
+  command->add_option("--model", flags.model, "gpt2 or unet3d")
+      ->check(CLI::IsMember({"gpt2", "unet3d"}));
+  command->add_option("--preset", flags.preset,
+                      "The model's preset (gpt2: tiny, small, gpt2-124m; unet3d: tiny, small)");
+  command->add_option("--layers", flags.layers, "GPT-2 blocks (overrides the preset)")
+      ->check(AtLeast(1));
+  command->add_option("--channels", flags.channels, "GPT-2 width (overrides the preset)")
+      ->check(AtLeast(1));
+  command->add_option("--heads", flags.heads, "GPT-2 attention heads (overrides the preset)")
+      ->check(AtLeast(1));
+  command->add_option("--vocab", flags.vocab, "GPT-2 vocabulary (overrides the preset)")
+      ->check(AtLeast(1));
+  command->add_option("--batch", flags.batch, "Global batch (sequences or volumes per step)")
+      ->check(AtLeast(1));
+  command->add_option("--seq-len", flags.seq_len, "GPT-2 tokens per sequence")->check(AtLeast(1));
+  command->add_option("--workers", flags.workers, "Workers to plan for")->check(AtLeast(1));
+  command
+      ->add_option("--host-memory-gib", flags.host_memory_gib,
+                   "Per worker, the host memory a step may use (0: uncapped)")
+      ->check(CLI::NonNegativeNumber);
+  command
+      ->add_option("--device-memory-gib", flags.device_memory_gib,
+                   "Per GPU worker, the GPU memory a step may use (0: uncapped)")
+      ->check(CLI::NonNegativeNumber);
+  command->add_option("--device", flags.device, "cpu, or cuda: GPU workers");
+  command->add_option("--top", flags.top, "How many plans to list")->check(AtLeast(1));
+  command->add_option("--address", flags.address,
+                      "Calibrate on the cluster at HOST:PORT (default: a local cluster of "
+                      "--workers CPU workers started for it)");
+  command->add_option("--token-file", flags.token_file, "With --address: the cluster token");
+  command->add_flag("--no-probe", flags.no_probe,
+                    "Calibrate in this process only (links and sharing unmeasured)");
+  command->add_flag("--recalibrate", flags.recalibrate,
+                    "Measure again instead of using the cached calibration");
+  command->add_flag("--fewer-workers", flags.fewer_workers,
+                    "Also plans on fewer than --workers (when workers share a machine, fewer can "
+                    "be faster)");
+  command
+      ->add_option("--threads", flags.threads,
+                   "Threads per worker (0: the machine's cores over the workers)")
+      ->check(AtLeast(0));
+  return command;
+}
+
+int RunPlanCommand(const PlanCommandFlags& flags) {
+  if (Status status = Plan(flags); !status.ok()) {
+    std::fprintf(stderr, "tessera plan: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace tessera

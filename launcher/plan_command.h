@@ -1,0 +1,43 @@
+// `tessera plan`: the plan search (training/auto_plan.h) from the command line, without
+// training: the best plans of a model on N workers with their predicted step time, peak per tier
+// and bottleneck, and the flags that run the best one.
+//
+//   tessera plan --model gpt2 [--preset small] [--layers L ...] --batch B --seq-len T
+//                --workers N [--host-memory-gib G] [--device-memory-gib G] [--top K]
+//                [--address HOST:PORT | --no-probe] [--recalibrate] [--fewer-workers]
+//
+// The calibration is measured where the plan would run: on the cluster at --address, else on a
+// local cluster of N CPU workers started for the probes (--no-probe: only this process's layer
+// profile; the links and the workers' sharing are then not priced, and it says so). It is cached
+// like a driver's (setting cache_dir), under the same key as `train_gpt2 --plan auto` on the same
+// setup, so either reuses the other's.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace tessera {
+
+struct PlanCommandFlags {
+  std::string model = "gpt2";
+  std::string preset = "tiny";
+  int64_t layers = 0, channels = 0, heads = 0, vocab = 0;  // GPT-2 overrides (0: the preset's)
+  int64_t batch = 8;
+  int64_t seq_len = 64;
+  int workers = 1;
+  double host_memory_gib = 0, device_memory_gib = 0;
+  std::string device = "cpu";
+  int top = 10;
+  std::string address, token_file;
+  bool no_probe = false;
+  bool recalibrate = false;
+  bool fewer_workers = false;
+  int threads = 0;  // per worker (0: the machine's cores over the workers, as a local cluster's)
+};
+
+CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags);
+// Prints the search; 0 on success, 1 with the error on stderr ("tessera plan: ...").
+int RunPlanCommand(const PlanCommandFlags& flags);
+
+}  // namespace tessera
