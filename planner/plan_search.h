@@ -54,6 +54,9 @@ struct Calibration {
   // What a step on the workers takes beyond its tasks (starting the instance on every worker,
   // collecting their reports): measured against a step run there; 0: in this process.
   double step_overhead_ms = 0;
+  // The workers' compute time over the profile's (this process's): every task's time is
+  // scaled by it; 1: the same.
+  double compute_scale = 1;
   StepLinks links;
   ComputeSharing sharing;  // workers sharing one machine's compute
 };

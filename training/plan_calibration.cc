@@ -97,15 +97,32 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   one.parallel = ParallelConfig{};
   one.parallel.workers = {request.workers.front()};
   one.memory = MemoryCaps{};
+  // One rank on one worker at two row counts: the worker's step is a scale of the profiled work
+  // (its kernels may run faster or slower there than in this process) plus a constant per step.
+  TrainingPlan other = one;
+  other.batch = rows >= 2 && n == 1 ? rows / 2 : rows * 2;
   TESSERA_ASSIGN_OR_RETURN(double measured_one,
                            ProbeStepMs(model, one, make_backend, request.probe_steps));
+  TESSERA_ASSIGN_OR_RETURN(double measured_other,
+                           ProbeStepMs(model, other, make_backend, request.probe_steps));
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_one,
                            Simulated(model, one, calibration, registry));
-  calibration.step_overhead_ms = std::max(0.0, measured_one - simulated_one.step_ms);
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_other,
+                           Simulated(model, other, calibration, registry));
+  const double a = simulated_one.step_ms, b = simulated_other.step_ms;
+  double scale = b != a ? (measured_other - measured_one) / (b - a) : 0;
+  double constant = measured_one - scale * a;
+  if (scale <= 0 || constant < 0) {  // noise: no constant, the scale of both together
+    scale = (measured_one + measured_other) / (a + b);
+    constant = 0;
+  }
+  calibration.compute_scale = scale;
+  calibration.step_overhead_ms = constant;
   say(
-      fmt::format("one rank on one worker at {} rows: {:.2f} ms a step against {:.2f} ms "
-                  "simulated from the profile: {:.2f} ms a step beyond its tasks",
-                  rows, measured_one, simulated_one.step_ms, calibration.step_overhead_ms));
+      fmt::format("one rank on one worker at {} and {} rows: {:.2f} and {:.2f} ms a step against "
+                  "{:.2f} and {:.2f} ms of profiled work: the worker computes at {:.2f}x the "
+                  "profile's times, plus {:.2f} ms a step",
+                  one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
   if (n < 2) return Status::Ok();
   TrainingPlan all = one;
   all.batch = rows * n;
@@ -262,6 +279,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                      {"layers", layers},
                      {"task_overhead_ms", calibration.task_overhead_ms},
                      {"step_overhead_ms", calibration.step_overhead_ms},
+                     {"compute_scale", calibration.compute_scale},
                      {"collective", LinkJson(calibration.links.collective)},
                      {"collective_group", calibration.links.collective_group},
                      {"point_to_point", LinkJson(calibration.links.point_to_point)},
@@ -298,6 +316,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     }
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
     calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();
+    calibration.compute_scale = file.at("compute_scale").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));

@@ -8,13 +8,13 @@
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
 //     workers: its latency and all-reduce bandwidth), which also stands for the point-to-point
 //     link (StepLinks). One worker: none;
-//   * on a cluster, two probe steps that fit what the profile in this process cannot see: one
-//     rank on one worker (at the rows of one rank of the widest data-parallel plan): what a step
-//     there spends per task beyond the profiled times (dispatch, the worker's own thread
-//     count), spread over its tasks as the overhead; then every worker a data-parallel rank at
-//     once: when that step is slower than the simulation with that overhead says, the workers
-//     share a machine's compute, and the capacity (ComputeSharing) is fitted so the simulation
-//     gives the measured step.
+//   * on a cluster, probe steps that fit what the profile in this process cannot see: one rank
+//     on one worker at two row counts (one rank's of the widest data-parallel plan, and twice
+//     that): the worker's step as a scale of the profiled work plus a constant per step
+//     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
+//     when that step is slower than the simulation says, the workers share a machine's compute,
+//     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
+//     a two-stage pipeline: the point-to-point latency, bisected alike.
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way).
 //
 // The cache: one JSON file per key under the cache directory (setting cache_dir, else
@@ -47,7 +47,7 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
 struct CalibrationRequest {
   std::vector<int64_t> rows;      // the row counts to profile the layers at
   std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
-  int profile_steps = 2;          // timed steps per row count (after one untimed)
+  int profile_steps = 4;          // timed steps per row count (after one untimed)
   int probe_steps = 5;            // timed steps per probe on the workers (after two untimed)
 };
 
