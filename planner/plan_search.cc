@@ -221,13 +221,14 @@ std::string PlanChoice::Name() const {
 }
 
 std::string PlanChoice::Flags() const {
-  std::string flags = fmt::format("--workers {}", workers());
+  // One worker: this process (a driver's default), so no --workers.
+  std::string flags = workers() > 1 ? fmt::format("--workers {}", workers()) : std::string();
   if (pipeline_stages > 1) {
     flags +=
         fmt::format(" --pipeline-stages {} --schedule {}", pipeline_stages, ScheduleName(schedule));
   }
   if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
-  flags += fmt::format(" --micro-batches {}", micro_batches);
+  flags += fmt::format("{}--micro-batches {}", flags.empty() ? "" : " ", micro_batches);
   if (data_parallel > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
   if (offload != OffloadMode::kNone)
     flags += fmt::format(" --offload {}", OffloadModeName(offload));

@@ -93,7 +93,7 @@ struct PlanChoice {
   // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8"
   std::string Name() const;
   // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
-  // --virtual-stages, --offload when they differ from the defaults).
+  // --virtual-stages, --offload when they differ from the defaults; no --workers for one).
   std::string Flags() const;
 };
 
