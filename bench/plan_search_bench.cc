@@ -101,6 +101,7 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
       Check(tessera::MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
   auto trainer = Check(tessera::Trainer::Create(model.spec, plan, std::move(backend)), what);
   std::vector<tessera::Tensor> batch;
+  batch.reserve(model.spec.inputs.size());
   for (const tessera::ModelInput& input : model.spec.inputs) {
     batch.push_back(Check(tessera::Tensor::Zeros(input.Meta(plan.batch, plan.seq_len),
                                                  tessera::SharedHostAllocator()),

@@ -4,7 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <optional>
 #include <thread>
 #include <tuple>
 #include <variant>
@@ -304,7 +303,8 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
   }
   const auto started = std::chrono::steady_clock::now();
   const std::vector<PlanChoice> candidates = EnumerateCandidates(model, base, space);
-  std::vector<std::optional<Result<Outcome>>> outcomes(candidates.size());
+  std::vector<Result<Outcome>> outcomes(candidates.size(),
+                                        Result<Outcome>(Internal("the candidate was not planned")));
   std::atomic<size_t> next{0};
   const auto work = [&] {
     for (size_t i = next++; i < candidates.size(); i = next++) {
@@ -322,7 +322,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
   result.considered = static_cast<int>(candidates.size());
   std::vector<size_t> order;  // enumeration index of each ranked plan
   for (size_t i = 0; i < outcomes.size(); ++i) {
-    Result<Outcome>& outcome = *outcomes[i];
+    Result<Outcome>& outcome = outcomes[i];
     if (!outcome.ok()) {
       return outcome.status().WithContext(fmt::format("plan search, {}", candidates[i].Name()));
     }

@@ -59,6 +59,7 @@ Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            Trainer::Create(model, plan, std::move(backend)));
   std::vector<Tensor> batch;
+  batch.reserve(model.inputs.size());
   for (const ModelInput& input : model.inputs) {
     TESSERA_ASSIGN_OR_RETURN(
         Tensor zeros, Tensor::Zeros(input.Meta(plan.batch, plan.seq_len), SharedHostAllocator()));

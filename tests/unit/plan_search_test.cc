@@ -71,7 +71,7 @@ TEST(PlanSearchTest, TheCandidatesCoverEveryDimensionAndEachIsAValidShape) {
   for (const PlanChoice& c : candidates) {
     EXPECT_TRUE(names.insert(c.Name()).second) << "twice: " << c.Name();
     EXPECT_EQ(c.workers(), 4) << c.Name();  // every worker unless fewer are asked for
-    EXPECT_EQ(Base().batch % (c.data_parallel * c.micro_batches), 0) << c.Name();
+    EXPECT_EQ(Base().batch % (int64_t{c.data_parallel} * c.micro_batches), 0) << c.Name();
     if (c.data_parallel == 1) {
       EXPECT_EQ(c.zero_stage, 0) << c.Name();
     }
