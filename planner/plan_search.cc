@@ -95,9 +95,31 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
     }
     return Outcome(std::move(refused));
   }
-  TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated,
                            SimulatePlannedStep(*step, model, plan.memory, calibration, registry));
+  // The peaks in the order the simulated step ends its tasks: collectives and copies on the
+  // lanes beside the compute keep their inputs while they take their time (the executor's
+  // untimed order, which the memory plan fits by, finishes them at once). The larger of the two.
+  TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
+  std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
+  if (Result<MemoryProfile> timed =
+          PredictMemory(step->graph, TimedWorkerOrders(step->graph, simulated));
+      timed.ok()) {
+    const std::array<int64_t, kMemoryTiers> timed_peaks = LargestPeaks(*timed);
+    for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
+      peaks[tier] = std::max(peaks[tier], timed_peaks[tier]);
+    }
+  }
+  const int64_t cap = CapOf(plan);
+  const auto tier = static_cast<size_t>(ComputeTier(plan));
+  if (cap > 0 && peaks[tier] > cap) {
+    return Outcome(RefusedPlan{
+        choice,
+        fmt::format("fits the cap in the executor's order, but with its collectives and copies "
+                    "taking their time it peaks at {} on the {} tier, over the cap of {}",
+                    Mib(peaks[tier]), MemoryTierName(ComputeTier(plan)), Mib(cap)),
+        peaks[tier] - cap, ComputeTier(plan)});
+  }
   RankedPlan ranked;
   ranked.choice = choice;
   ranked.parallel = step->parallel;
@@ -105,7 +127,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   ranked.step_ms = simulated.step_ms;
   ranked.critical = simulated.workers[simulated.critical];
   ranked.bottleneck = simulated.bottleneck;
-  ranked.peak_bytes = LargestPeaks(memory);
+  ranked.peak_bytes = peaks;
   const std::vector<ActivationDecision>& decisions = step->memory.activations;
   ranked.recomputed_layers = CountChoice(decisions, ActivationChoice::kRecompute);
   ranked.swapped_layers = CountChoice(decisions, ActivationChoice::kSwap);
@@ -150,7 +172,8 @@ std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const S
   fixes += fmt::format(", or a smaller --batch than {}", base.batch);
   return fmt::format(
       "no plan fits {} under the {} tier's cap of {} a worker: of {} plans, the closest, {} "
-      "({}), still needs {} more with every activation recomputed; to fix it: {}",
+      "({}), stays {} over it at the least (every activation recomputed, or its collectives "
+      "timed); to fix it: {}",
       workers, MemoryTierName(closest->tier), Mib(cap), refused.size(), closest->choice.Name(),
       closest->choice.Flags(), Mib(closest->shortfall_bytes), fixes);
 }

@@ -469,6 +469,26 @@ const char* BottleneckName(Bottleneck bottleneck) {
   return "?";
 }
 
+std::vector<WorkerOrder> TimedWorkerOrders(const Graph& graph, const SimulatedStep& simulated) {
+  std::vector<WorkerOrder> orders;
+  std::unordered_map<WorkerId, size_t> index;
+  const size_t n = graph.tasks().size();
+  for (size_t t = 0; t < n; ++t) {
+    const TaskSpec& task = graph.tasks()[t];
+    auto [it, added] = index.emplace(task.pinned_worker, orders.size());
+    if (added) orders.push_back(WorkerOrder{task.pinned_worker, {}});
+    orders[it->second].tasks.push_back(task.id);
+  }
+  for (WorkerOrder& order : orders) {
+    std::stable_sort(order.tasks.begin(), order.tasks.end(), [&simulated](TaskId a, TaskId b) {
+      const size_t x = a.value() - 1, y = b.value() - 1;
+      return std::tie(simulated.end_ms[x], simulated.start_ms[x], x) <
+             std::tie(simulated.end_ms[y], simulated.start_ms[y], y);
+    });
+  }
+  return orders;
+}
+
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
                                    const StepLinks& links, double task_overhead_ms,
                                    ComputeSharing sharing) {

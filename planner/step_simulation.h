@@ -42,6 +42,7 @@
 #include "core/graph.h"
 #include "core/ids.h"
 #include "core/status.h"
+#include "planner/memory_model.h"
 #include "planner/step_time.h"
 #include "planner/training_plan.h"
 
@@ -92,5 +93,11 @@ struct SimulatedStep {
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
                                    const StepLinks& links, double task_overhead_ms = 0,
                                    ComputeSharing sharing = {});
+
+// Each worker's tasks in the order the simulated step ended them (then by start, then graph
+// order): the order the memory model (PredictMemory) takes to count what lives while the
+// collectives and copies of the lanes beside the compute take their time. The workers in the
+// order their first task appears (SimulateWorkerOrders' order).
+std::vector<WorkerOrder> TimedWorkerOrders(const Graph& graph, const SimulatedStep& simulated);
 
 }  // namespace tessera

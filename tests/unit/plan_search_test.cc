@@ -193,6 +193,55 @@ TEST(PlanSearchTest, PlansOverTheCapAreRefusedWithTheirShortfallAndNeverTimed) {
   }
 }
 
+// With collectives that take their time, what they read lives longer than the executor's untimed
+// order says: the peaks a search reports are the larger of the two orders', and a plan over
+// the cap only in the timed one is refused, saying so.
+TEST(PlanSearchTest, CollectivesTakingTheirTimeKeepTheirInputsLonger) {
+  const ModelSpec model = SixBlocks();
+  Calibration slow = Proportional(model);
+  slow.links.collective = CollectiveLink{.latency_us = 2000, .bytes_per_us = 5};
+  slow.links.collective_group = 2;
+  SearchSpace space;
+  space.workers = 2;
+  space.pipeline_stages = 1;
+  space.zero_stages = {2};
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult search,
+                       PlanSearch(model, Base(), space, slow, CpuRegistry()));
+  bool longer = false;
+  int64_t least_untimed = INT64_MAX;
+  for (const RankedPlan& r : search.ranked) {
+    TrainingPlan plan = Base();
+    plan.parallel = r.parallel;
+    plan.parallel.workers = {WorkerId(1), WorkerId(2)};
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    ASSERT_OK_AND_ASSIGN(MemoryProfile untimed, PredictMemory(step.graph));
+    int64_t peak = 0;
+    for (const WorkerMemory& w : untimed.workers) {
+      peak = std::max(peak, w.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+    }
+    const int64_t reported = r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)];
+    EXPECT_GE(reported, peak) << r.choice.Name();
+    longer = longer || reported > peak;
+    least_untimed = std::min(least_untimed, peak);
+  }
+  EXPECT_TRUE(longer) << DescribeSearch(search, 10);
+  // A cap at the least untimed peak: plans over it only once timed are refused as such.
+  TrainingPlan capped = Base();
+  capped.memory.host_bytes = least_untimed;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult at_cap,
+                       PlanSearch(model, capped, space, slow, CpuRegistry()));
+  int timed_refusals = 0;
+  for (const RefusedPlan& r : at_cap.refused) {
+    timed_refusals +=
+        r.reason.find("with its collectives and copies taking their time") != std::string::npos;
+    EXPECT_GT(r.shortfall_bytes, 0) << r.reason;
+  }
+  EXPECT_GT(timed_refusals, 0) << DescribeSearch(at_cap, 10);
+  for (const RankedPlan& r : at_cap.ranked) {
+    EXPECT_LE(r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)], capped.memory.host_bytes);
+  }
+}
+
 TEST(PlanSearchTest, WhenNothingFitsTheClosestPlanAndTheFixAreNamed) {
   const ModelSpec model = SixBlocks();
   SearchSpace space;
