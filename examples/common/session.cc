@@ -187,7 +187,7 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   std::fprintf(stderr, "%s: --plan auto: searching the plans of %d worker(s)\n", program,
                space.workers);
   TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen, ChooseAutoPlan(
-                                                model, plan, options, runtime.executor, workers,
+                                                model, plan, options, executor, workers,
                                                 [&session] { return session.MakeBackend(); },
                                                 [program](const std::string& line) {
                                                   std::fprintf(stderr, "%s: calibrating: %s\n",
