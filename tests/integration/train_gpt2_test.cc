@@ -473,6 +473,17 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   EXPECT_NEAR(FirstMatch(fixed.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
       << fixed.output;
 
+  // Under a cap the workers hold (a fresh cache: every probe runs on the capped workers), the
+  // probes are planned under it too, and the chosen plan trains the same losses.
+  BoundedRun capped =
+      RunBinaryWithin("train_gpt2", common + " --workers 2 --plan auto --host-memory-gib 0.004",
+                      std::chrono::minutes(3), env + "/capped");
+  ASSERT_EQ(capped.exit_code, 0) << capped.output;
+  EXPECT_NE(capped.output.find("calibrating: 2 ranks at once"), std::string::npos) << capped.output;
+  EXPECT_EQ(capped.output.find("the probe step failed"), std::string::npos) << capped.output;
+  EXPECT_NEAR(FirstMatch(capped.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << capped.output;
+
   BoundedRun refused = run(common + " --workers 4 --plan auto --host-memory-gib 0.0001");
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
   EXPECT_NE(refused.output.find("no plan fits 4 workers"), std::string::npos) << refused.output;
