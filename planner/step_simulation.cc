@@ -75,15 +75,18 @@ class Simulator {
       const double rate = SharedRate();
       double finish = kNever, least = kNever;
       for (size_t w : running_) least = std::min(least, workers_[w].remaining);
-      if (!running_.empty()) finish = clock + least / rate;
+      for (const RunningCollective& c : running_collectives_) least = std::min(least, c.remaining);
+      if (least < kNever) finish = clock + least / rate;
       const double next = std::min(events_.empty() ? kNever : events_.top().first, finish);
       if (next == kNever) break;
       for (size_t w : running_) workers_[w].remaining -= (next - clock) * rate;
+      for (RunningCollective& c : running_collectives_) c.remaining -= (next - clock) * rate;
       clock = next;
       if (finish <= next) {
+        const double done = 1e-12 + 1e-9 * least;  // among the first to finish
         for (auto it = running_.begin(); it != running_.end();) {
           Worker& worker = workers_[*it];
-          if (worker.remaining > 1e-12 + 1e-9 * least) {  // not among the first to finish
+          if (worker.remaining > done) {
             ++it;
             continue;
           }
@@ -96,6 +99,24 @@ class Simulator {
           it = running_.erase(it);
           End(task, clock);
           ++ended;
+        }
+        for (auto it = running_collectives_.begin(); it != running_collectives_.end();) {
+          if (it->remaining > done) {
+            ++it;
+            continue;
+          }
+          const Collective& collective = collectives_[it->collective];
+          it = running_collectives_.erase(it);
+          for (size_t m : collective.members) {
+            end_[m] = clock;
+            Worker& worker = workers_[worker_of_[m]];
+            worker.channel_free[static_cast<size_t>(collective.channel)] = clock;
+            Touch(worker, clock, Lane::kCollective);
+          }
+          for (size_t m : collective.members) {
+            End(m, clock);
+            ++ended;
+          }
         }
       }
       while (!events_.empty() && events_.top().first == clock) {
@@ -371,21 +392,33 @@ class Simulator {
         continue;
       }
       const double duration = CollectiveMs(collective);
-      for (size_t m : collective.members) {
-        Start(m, now, duration);
-        Worker& worker = workers_[worker_of_[m]];
-        worker.channel_free[channel] = now + duration;
-        Touch(worker, now + duration, Lane::kCollective);
+      if (sharing_.capacity > 0) {  // its members take the machine's cores too
+        for (size_t m : collective.members) {
+          start_[m] = now;
+          workers_[worker_of_[m]].channel_free[channel] = std::numeric_limits<double>::infinity();
+        }
+        running_collectives_.push_back(RunningCollective{*it, duration});
+      } else {
+        for (size_t m : collective.members) {
+          Start(m, now, duration);
+          Worker& worker = workers_[worker_of_[m]];
+          worker.channel_free[channel] = now + duration;
+          Touch(worker, now + duration, Lane::kCollective);
+        }
       }
       it = waiting_.erase(it);
     }
   }
 
-  // The rate each running compute task progresses at: all at full speed up to the capacity,
-  // then the capacity shared evenly.
+  // The rate each running compute task and collective member progresses at: all at full speed
+  // up to the capacity, then the capacity shared evenly.
   double SharedRate() const {
-    if (sharing_.capacity <= 0 || running_.empty()) return 1;
-    return std::min(1.0, sharing_.capacity / static_cast<double>(running_.size()));
+    double running = static_cast<double>(running_.size());
+    for (const RunningCollective& c : running_collectives_) {
+      running += static_cast<double>(collectives_[c.collective].members.size());
+    }
+    if (sharing_.capacity <= 0 || running == 0) return 1;
+    return std::min(1.0, sharing_.capacity / running);
   }
 
   // Ready compute tasks: higher priority first, then the one ready first, then graph order.
@@ -440,6 +473,12 @@ class Simulator {
   const ComputeSharing sharing_;
   std::vector<Worker> workers_;
   std::vector<size_t> running_;  // sharing: the workers whose compute lane runs a task
+  // Sharing: the collectives running, each member a user of the machine's cores.
+  struct RunningCollective {
+    size_t collective = 0;
+    double remaining = 0;  // ms at the full rate
+  };
+  std::vector<RunningCollective> running_collectives_;
   std::vector<size_t> worker_of_;
   std::vector<Lane> lane_;
   std::vector<int64_t> collective_of_;

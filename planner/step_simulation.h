@@ -63,8 +63,9 @@ struct StepLinks {
 // Workers that share one machine's cores (a local cluster of CPU workers) compute slower when
 // several compute at once: `capacity` is how many can compute at full speed together (the cores
 // over each worker's threads, as calibrated: training/plan_calibration.h); with more running,
-// each runs at capacity / running of its speed (processor sharing). 0: every worker has its own
-// hardware (GPU workers, one worker per machine).
+// each runs at capacity / running of its speed (processor sharing). A running collective counts
+// each member as one more user (CPU workers' collectives copy and reduce on their cores). 0:
+// every worker has its own hardware (GPU workers, one worker per machine).
 struct ComputeSharing {
   double capacity = 0;
 };

@@ -170,9 +170,9 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // the point-to-point latency.
   if (model.layers.size() < 2) return Status::Ok();
   TrainingPlan piped = one;
-  piped.batch = rows * 2;
+  piped.batch = rows * 4;
   piped.parallel.pipeline_stages = 2;
-  piped.parallel.micro_batches = 2;
+  piped.parallel.micro_batches = 4;  // 8 pushes a step: one noisy one moves the fit less
   piped.parallel.schedule = PipelineSchedule::kGPipe;
   piped.parallel.workers = {request.workers[0], request.workers[1]};
   Result<double> probed_piped = probe(piped, "a pipeline of two stages");
