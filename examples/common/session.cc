@@ -186,13 +186,13 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   options.threads = executor.threads;
   std::fprintf(stderr, "%s: --plan auto: searching the plans of %d worker(s)\n", program,
                space.workers);
-  TESSERA_ASSIGN_OR_RETURN(AutoPlan chosen, ChooseAutoPlan(
-                                                model, plan, options, executor, workers,
-                                                [&session] { return session.MakeBackend(); },
-                                                [program](const std::string& line) {
-                                                  std::fprintf(stderr, "%s: calibrating: %s\n",
-                                                               program, line.c_str());
-                                                }));
+  TESSERA_ASSIGN_OR_RETURN(
+      AutoPlan chosen,
+      ChooseAutoPlan(
+          model, plan, options, executor, workers, [&session] { return session.MakeBackend(); },
+          [program](const std::string& line) {
+            std::fprintf(stderr, "%s: calibrating: %s\n", program, line.c_str());
+          }));
   std::fprintf(stderr, "%s: calibration %s\n%s", program, chosen.calibration_source.c_str(),
                DescribeSearch(chosen.search, search.show_plans).c_str());
   std::fprintf(stderr, "%s: --plan auto chose %s\n", program, chosen.why.c_str());
