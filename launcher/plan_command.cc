@@ -12,9 +12,11 @@
 #include "core/device.h"
 #include "core/flag_checks.h"
 #include "core/settings.h"
+#include "launcher/described_cluster.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "ops/standard_ops.h"
+#include "planner/scale_search.h"
 #include "training/auto_plan.h"
 #include "worker/gpu.h"
 
@@ -42,11 +44,61 @@ Result<ModelSpec> BuildModel(const PlanCommandFlags& flags, bool gpu) {
   return InvalidArgument("--model '{}' is not one of: gpt2, unet3d", flags.model);
 }
 
+constexpr const char* kScaleModels = "gpt3-175b, megatron-76b, llama2-70b, gpt2-1.5b";
+
+// --cluster: the search at scale on a described cluster.
+Status PlanAtScale(const PlanCommandFlags& flags) {
+  if (flags.model == "gpt2" || flags.model == "unet3d") {
+    return InvalidArgument(
+        "--cluster plans a transformer by its shape: --model must be one of: {} (gpt2 and unet3d "
+        "are planned on a real cluster, without --cluster)",
+        kScaleModels);
+  }
+  TESSERA_ASSIGN_OR_RETURN(DescribedCluster cluster, launcher::ReadDescribedCluster(flags.cluster));
+  TESSERA_ASSIGN_OR_RETURN(TransformerShape shape, TransformerShape::Preset(flags.model));
+  ScaleTraining training;
+  training.global_batch = flags.batch > 0 ? flags.batch : shape.published_batch;
+  training.overlap_communication = !flags.no_overlap;
+  ScaleSpace space;
+  space.gpus = flags.gpus;
+  std::printf("%s (%.1fB parameters), global batch %lld x %lld tokens on %s (%d nodes x %d %s)\n",
+              shape.name.c_str(), static_cast<double>(shape.Parameters()) / 1e9,
+              static_cast<long long>(training.global_batch), static_cast<long long>(shape.seq_len),
+              cluster.name.c_str(), cluster.nodes, cluster.gpus_per_node,
+              cluster.gpu.empty() ? "GPUs" : cluster.gpu.c_str());
+  TESSERA_ASSIGN_OR_RETURN(std::vector<ScaleSearchResult> results,
+                           SearchAtScale(cluster, shape, training, space));
+  for (const ScaleSearchResult& result : results) {
+    std::printf("%s", DescribeScaleSearch(result, flags.top).c_str());
+    const ScalePlan& best = result.ranked.front();
+    std::printf(
+        "best on %d GPUs: %s: %.2f s a step (pipeline %.2f, data-parallel %.2f, optimizer "
+        "%.2f), %.1f GiB of %.0f (model states %.1f, activations %.1f), bottleneck %s\n",
+        result.gpus, best.Name().c_str(), best.step_ms / 1e3, best.costs.pipeline_ms / 1e3,
+        best.costs.data_parallel_ms / 1e3, best.costs.optimizer_ms / 1e3, best.peak_gib,
+        cluster.gpu_memory_gib, best.costs.model_state_gib, best.costs.activation_gib,
+        BottleneckName(best.bottleneck));
+  }
+  return Status::Ok();
+}
+
 Status Plan(const PlanCommandFlags& flags) {
+  if (!flags.cluster.empty()) return PlanAtScale(flags);
+  if (flags.model != "gpt2" && flags.model != "unet3d") {
+    return InvalidArgument(
+        "--model {} is planned on a described cluster: add --cluster FILE.yaml "
+        "(examples/clusters/); without it --model is gpt2 or unet3d",
+        flags.model);
+  }
+  if (!flags.gpus.empty() || flags.no_overlap) {
+    return InvalidArgument(
+        "--gpus and --no-overlap belong to the search at scale: add --cluster "
+        "FILE.yaml, or use --workers N");
+  }
   TESSERA_ASSIGN_OR_RETURN(Device device, ParseDevice(flags.device));
   TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildModel(flags, !device.is_cpu()));
   TrainingPlan base;
-  base.batch = flags.batch;
+  base.batch = flags.batch > 0 ? flags.batch : 8;
   base.seq_len = flags.model == "gpt2" ? flags.seq_len : 1;
   if (!device.is_cpu()) base.device = Device::Cuda(0);
   base.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
@@ -104,7 +156,7 @@ Status Plan(const PlanCommandFlags& flags) {
                                                          line.c_str());
                                           }));
   std::printf("%s, batch %lld%s on %d worker(s); calibration %s\n", flags.model.c_str(),
-              static_cast<long long>(flags.batch),
+              static_cast<long long>(base.batch),
               flags.model == "gpt2" ? fmt::format(" x {} tokens", flags.seq_len).c_str() : "",
               flags.workers, chosen.calibration_source.c_str());
   std::printf("%s", DescribeSearch(chosen.search, flags.top).c_str());
@@ -119,9 +171,14 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
       "plan",
       "The best parallel plans of a model on N workers, by simulating every plan that fits "
       "the memory caps on costs measured on the cluster: predicted step time, peak per tier, "
-      "bottleneck, and the flags that run the best (train_gpt2 --plan auto runs it)");
-  command->add_option("--model", flags.model, "gpt2 or unet3d")
-      ->check(CLI::IsMember({"gpt2", "unet3d"}));
+      "bottleneck, and the flags that run the best (train_gpt2 --plan auto runs it). With "
+      "--cluster FILE.yaml: on a described cluster of GPUs, for a large transformer");
+  command
+      ->add_option("--model", flags.model,
+                   "gpt2 or unet3d; with --cluster: gpt3-175b, megatron-76b, llama2-70b, "
+                   "gpt2-1.5b")
+      ->check(CLI::IsMember(
+          {"gpt2", "unet3d", "gpt3-175b", "megatron-76b", "llama2-70b", "gpt2-1.5b"}));
   command->add_option("--preset", flags.preset,
                       "The model's preset (gpt2: tiny, small, gpt2-124m; unet3d: tiny, small)");
   command->add_option("--layers", flags.layers, "GPT-2 blocks (overrides the preset)")
@@ -132,7 +189,10 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
       ->check(AtLeast(1));
   command->add_option("--vocab", flags.vocab, "GPT-2 vocabulary (overrides the preset)")
       ->check(AtLeast(1));
-  command->add_option("--batch", flags.batch, "Global batch (sequences or volumes per step)")
+  command
+      ->add_option("--batch", flags.batch,
+                   "Global batch (sequences or volumes per step; default 8, with --cluster the "
+                   "model's published batch)")
       ->check(AtLeast(1));
   command->add_option("--seq-len", flags.seq_len, "GPT-2 tokens per sequence")->check(AtLeast(1));
   command->add_option("--workers", flags.workers, "Workers to plan for")->check(AtLeast(1));
@@ -161,6 +221,13 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
       ->add_option("--threads", flags.threads,
                    "Threads per worker (0: the machine's cores over the workers)")
       ->check(AtLeast(0));
+  command->add_option("--cluster", flags.cluster,
+                      "A described cluster (YAML: nodes, GPUs, memory, FLOP/s, links; see "
+                      "examples/clusters/): search at scale by simulation, nothing is probed");
+  command->add_option("--gpus", flags.gpus, "With --cluster: GPU counts to plan for (default: all)")
+      ->check(AtLeast(1));
+  command->add_flag("--no-overlap", flags.no_overlap,
+                    "With --cluster: price collectives as not overlapping the compute");
   return command;
 }
 

@@ -5,6 +5,12 @@
 //   tessera plan --model gpt2 [--preset small] [--layers L ...] --batch B --seq-len T
 //                --workers N [--host-memory-gib G] [--device-memory-gib G] [--top K]
 //                [--address HOST:PORT | --no-probe] [--recalibrate] [--fewer-workers]
+//   tessera plan --cluster FILE.yaml --model gpt3-175b [--gpus N ...] [--batch B] [--top K]
+//                [--no-overlap]
+//
+// With --cluster the cluster is described, not probed (launcher/described_cluster.h), and the
+// model is a transformer by its shape (gpt3-175b, megatron-76b, llama2-70b, gpt2-1.5b): the
+// search at scale (planner/scale_search.h) simulates every plan on the described hardware.
 //
 // The calibration is measured where the plan would run: on the cluster at --address, else on a
 // local cluster of N CPU workers started for the probes (--no-probe: only this process's layer
@@ -14,6 +20,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -23,7 +30,7 @@ struct PlanCommandFlags {
   std::string model = "gpt2";
   std::string preset = "tiny";
   int64_t layers = 0, channels = 0, heads = 0, vocab = 0;  // GPT-2 overrides (0: the preset's)
-  int64_t batch = 8;
+  int64_t batch = 0;  // 0: 8, or with --cluster the model's published global batch
   int64_t seq_len = 64;
   int workers = 1;
   double host_memory_gib = 0, device_memory_gib = 0;
@@ -34,6 +41,11 @@ struct PlanCommandFlags {
   bool recalibrate = false;
   bool fewer_workers = false;
   int threads = 0;  // per worker (0: the machine's cores over the workers, as a local cluster's)
+  // The search at scale: a described cluster, the GPU counts (empty: all of it), whether the
+  // collectives overlap the compute.
+  std::string cluster;
+  std::vector<int> gpus;
+  bool no_overlap = false;
 };
 
 CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags);

@@ -232,7 +232,22 @@ std::vector<std::vector<PipelineOp>> ScheduleOrder(PipelineSchedule schedule, in
 Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<PipelineOp>>& orders,
                                             int stages, int virtual_stages, int micro_batches,
                                             OpCosts costs) {
+  // A chunk is 1/V of a stage's layers.
+  const double scale = 1.0 / virtual_stages;
+  const OpCosts chunk{costs.forward * scale, costs.backward * scale, costs.weight * scale};
+  return SimulateSchedule(
+      orders, stages, virtual_stages, micro_batches,
+      std::vector<OpCosts>(static_cast<size_t>(stages * virtual_stages), chunk));
+}
+
+Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<PipelineOp>>& orders,
+                                            int stages, int virtual_stages, int micro_batches,
+                                            const std::vector<OpCosts>& chunk_costs) {
   const int chunks = stages * virtual_stages;
+  if (chunk_costs.size() != static_cast<size_t>(chunks)) {
+    return InvalidArgument("schedule simulation: {} chunk costs for {} stages x {} virtual stages",
+                           chunk_costs.size(), stages, virtual_stages);
+  }
   constexpr double kNotYet = -1;
   auto index = [&](int chunk, int micro) {
     return static_cast<size_t>(chunk) * static_cast<size_t>(micro_batches) +
@@ -240,8 +255,8 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
   };
   const size_t n = static_cast<size_t>(chunks) * static_cast<size_t>(micro_batches);
   std::vector<double> f_end(n, kNotYet), b_end(n, kNotYet), w_end(n, kNotYet);
-  const double scale = 1.0 / virtual_stages;  // a chunk is 1/V of a stage's layers
-  const bool split = costs.weight > 0;
+  const bool split = std::any_of(chunk_costs.begin(), chunk_costs.end(),
+                                 [](const OpCosts& c) { return c.weight > 0; });
   std::vector<size_t> next(orders.size(), 0);
   std::vector<double> free_at(orders.size(), 0), busy(orders.size(), 0);
   ScheduleSimulation result;
@@ -254,6 +269,7 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
       while (next[s] < orders[s].size()) {
         const PipelineOp& op = orders[s][next[s]];
         const size_t i = index(op.chunk, op.micro);
+        const OpCosts& costs = chunk_costs[static_cast<size_t>(op.chunk)];
         double ready = 0, cost = 0;
         switch (op.kind) {
           case Kind::kForward:
@@ -272,10 +288,10 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
         }
         if (ready == kNotYet) break;
         const double start = std::max(ready, free_at[s]);
-        const double end = start + cost * scale;
+        const double end = start + cost;
         (op.kind == Kind::kForward ? f_end : op.kind == Kind::kBackward ? b_end : w_end)[i] = end;
         free_at[s] = end;
-        busy[s] += cost * scale;
+        busy[s] += cost;
         // Activations live from F until the last op that reads them (W if split, else B).
         if (op.kind == Kind::kForward) {
           result.peak_in_flight[s] = std::max(result.peak_in_flight[s], ++in_flight[s]);

@@ -89,6 +89,13 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
                                             int stages, int virtual_stages, int micro_batches,
                                             OpCosts costs);
 
+// As above with each chunk's own costs (chunk_costs[c] for chunk c, not scaled by V): chunks
+// holding more layers, or the embedding or the head, take longer. InvalidArgument also when
+// chunk_costs does not hold stages x virtual_stages entries.
+Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<PipelineOp>>& orders,
+                                            int stages, int virtual_stages, int micro_batches,
+                                            const std::vector<OpCosts>& chunk_costs);
+
 // The textbook bubble: (P-1)/(M+P-1) for GPipe and 1F1B, that over V for interleaved, and
 // (P-1)/(3M+P-1) for ZB-H1 (F = B = W: a third of 1F1B's bubble time).
 double TheoreticalBubble(PipelineSchedule schedule, int stages, int micro_batches,
