@@ -385,6 +385,45 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
   std::filesystem::remove_all(cache);
 }
 
+TEST(TesseraCliTest, PlanSearchesADescribedClusterAndRefusesWhatCannotFit) {
+  const std::string a100 =
+      std::string(TESSERA_SOURCE_DIR) + "/examples/clusters/dgx-a100-80gb.yaml";
+  const auto plan = [](const std::string& arguments) {
+    return RunBinaryWithin("tessera", "plan " + arguments, std::chrono::minutes(2));
+  };
+  BoundedRun searched = plan("--cluster " + a100 + " --model gpt3-175b --gpus 64 1024 --top 2");
+  ASSERT_EQ(searched.exit_code, 0) << searched.output;
+  EXPECT_NE(searched.output.find("gpt3-175b (174.6B parameters), global batch 1536"),
+            std::string::npos)
+      << searched.output;
+  for (const char* gpus : {"best on 64 GPUs: D", "best on 1024 GPUs: D"}) {
+    EXPECT_NE(searched.output.find(gpus), std::string::npos) << searched.output;
+  }
+  EXPECT_NE(searched.output.find("1024 GPUs: "), std::string::npos) << searched.output;
+
+  const std::string rack =
+      std::string(TESSERA_SOURCE_DIR) + "/examples/clusters/commodity-rtx4090.yaml";
+  BoundedRun refused = plan("--cluster " + rack + " --model gpt3-175b");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("no plan fits in 24.0 GiB per GPU"), std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("Use more GPUs"), std::string::npos) << refused.output;
+
+  BoundedRun no_cluster = plan("--model llama2-70b");
+  EXPECT_EQ(no_cluster.exit_code, 1) << no_cluster.output;
+  EXPECT_NE(no_cluster.output.find("add --cluster FILE.yaml"), std::string::npos)
+      << no_cluster.output;
+  BoundedRun missing = plan("--cluster /nonexistent/rack.yaml --model gpt3-175b");
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("/nonexistent/rack.yaml cannot be read"), std::string::npos)
+      << missing.output;
+  BoundedRun too_many = plan("--cluster " + rack + " --model gpt2-1.5b --gpus 65");
+  EXPECT_EQ(too_many.exit_code, 1) << too_many.output;
+  EXPECT_NE(too_many.output.find("65 GPUs: the cluster commodity-rtx4090 has 64"),
+            std::string::npos)
+      << too_many.output;
+}
+
 TEST(TesseraCliTest, NonsenseIsExplained) {
   ProcessResult none = Tessera("");
   EXPECT_EQ(none.exit_code, 2);
