@@ -60,6 +60,9 @@ struct Flags {
   std::string unet_preset = "tiny";
   int64_t unet_batch = 8;
   std::string out;
+  // Named plans instead of the grid (PlanChoice::Name: "D4 x P1 M4 ZeRO-3"), each run wherever
+  // it ranks.
+  std::vector<std::string> plans;
 };
 
 struct Model {
@@ -186,9 +189,19 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     const size_t n = search.ranked.size();
     const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
     std::vector<size_t> picks;
-    for (size_t i = 0; i < grid; ++i) {
+    for (size_t i = 0; i < grid && f.plans.empty(); ++i) {
       const size_t at = grid == 1 ? 0 : (i * (n - 1) + (grid - 1) / 2) / (grid - 1);
       if (picks.empty() || picks.back() != at) picks.push_back(at);
+    }
+    for (size_t at = 0; at < n; ++at) {
+      const std::string plan_name = search.ranked[at].choice.Name();
+      if (std::find(f.plans.begin(), f.plans.end(), plan_name) != f.plans.end()) {
+        picks.push_back(at);
+      }
+    }
+    if (picks.empty()) {
+      std::printf("no plan of the search is named by --plans\n");
+      continue;
     }
     std::vector<double> measured_ms;
     double auto_ms = 0;
@@ -208,10 +221,13 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       peak_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
       measured_ms.push_back(m.step_ms);
       if (at == 0) auto_ms = m.step_ms;
-      std::printf("%-4zu %-36s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s\n", at + 1,
-                  r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
-                  Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
-                  tessera::BottleneckName(r.bottleneck));
+      std::printf(
+          "%-4zu %-36s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
+          "executor's order %.2f MiB, in the simulated order %.2f)\n",
+          at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
+          Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
+          tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes),
+          Mib(r.timed_peak_bytes));
       if (tsv != nullptr) {
         *tsv << fmt::format("{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\n", name, cap,
                             at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
@@ -248,6 +264,8 @@ int Main(int argc, char** argv) {
   app.add_option("--unet-preset", f.unet_preset, "U-Net preset");
   app.add_option("--unet-batch", f.unet_batch, "U-Net global batch");
   app.add_option("--out", f.out, "Directory for plan_search.tsv (every grid point)");
+  app.add_option("--plans", f.plans,
+                 "Run these plans (by name, e.g. \"D4 x P1 M4 ZeRO-3\") instead of the grid");
   app.set_version_flag("--version", tessera::VersionLine(kProgram));
   CLI11_PARSE(app, argc, argv);
   std::unique_ptr<std::ofstream> tsv;

@@ -5,12 +5,14 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <unordered_map>
 
 #include <fmt/format.h>
 
 #include "core/collective_task.h"
 #include "core/disk_tasks.h"
+#include "planner/channel_order.h"
 
 namespace tessera {
 
@@ -122,6 +124,7 @@ Result<Simulation> Simulate(const Graph& graph, const Workers& workers,
   const size_t n = graph.tasks().size();
   Dependencies deps = CountDependencies(graph);
   TESSERA_ASSIGN_OR_RETURN(auto members, EngineMembers(graph));
+  TESSERA_ASSIGN_OR_RETURN(ChannelQueues channels, ChannelQueues::Of(graph));
   const size_t num_workers = workers.ids.size();
   Simulation sim;
   sim.round_of_task.assign(n, -1);
@@ -133,14 +136,14 @@ Result<Simulation> Simulate(const Graph& graph, const Workers& workers,
   std::vector<bool> ready(n, false);
   std::vector<size_t> next_in_order(num_workers, 0);  // fixed: the next ordinary task's place
   std::map<int64_t, std::vector<size_t>> started;     // collective -> members ready so far
-  std::vector<int64_t> complete;                      // collectives all of whose members are in
+  std::set<int64_t> complete;  // collectives all of whose members are in, waiting for their turn
   auto make_ready = [&](size_t t) {
     ready[t] = true;
     if (members[t]) {
       std::vector<size_t>& in = started[members[t]->collective];
       in.push_back(t);
       if (static_cast<int>(in.size()) == members[t]->group_size) {
-        complete.push_back(members[t]->collective);
+        complete.insert(members[t]->collective);
       }
       return;
     }
@@ -172,10 +175,24 @@ Result<Simulation> Simulate(const Graph& graph, const Workers& workers,
         finishing.push_back(Index(order[next++]));
     }
     // Collectives completing this round come first: a member runs off the worker's slot and,
-    // as soon as its peers are there, finishes while that worker's task of the round still runs
-    // (what it made is live during that task).
+    // as soon as its peers are there and every earlier collective of its channel has run on
+    // their workers, finishes while that worker's task of the round still runs (what it made is
+    // live during that task). One that runs lets the next of its channels run too.
     std::vector<int64_t> completing;
-    completing.swap(complete);
+    std::vector<int64_t> turn;
+    for (int64_t collective : complete) {
+      if (channels.IsNext(collective)) turn.push_back(collective);
+    }
+    while (!turn.empty()) {
+      const int64_t collective = turn.back();
+      turn.pop_back();
+      if (complete.erase(collective) == 0) continue;
+      completing.push_back(collective);
+      for (int64_t next : channels.Pop(collective)) {
+        if (complete.count(next) > 0 && channels.IsNext(next)) turn.push_back(next);
+      }
+    }
+    std::sort(completing.begin(), completing.end());
     std::vector<size_t> members_done;
     for (int64_t collective : completing) {
       std::vector<size_t>& in = started[collective];

@@ -32,7 +32,9 @@
 // The order (SimulateWorkerOrders) is the in-process executor's with one slot per worker: ready
 // tasks by priority, first ready first among equals (worker/in_process_executor.h), every task
 // taking one unit of time, a collective's members finishing together once every member is
-// ready (before that round's task on their worker: they run beside it, off its slot), and
+// ready and every collective before it in its channel's order has run on their workers (the
+// runtime's order: planner/channel_order.h; before that round's task on their worker: they run
+// beside it, off its slot), and
 // objects reaching other workers at once. Tasks that reach the disk take a round of their
 // worker's slot like any other (the I/O thread runs them beside the compute: which of two ready
 // tasks finishes first then follows the drive's speed too, so a swapping plan's figures are

@@ -16,7 +16,7 @@
 namespace tessera {
 namespace {
 
-std::string Mib(int64_t bytes) {
+std::string MibText(int64_t bytes) {
   return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
@@ -25,7 +25,7 @@ bool AnyLayerSplits(const ModelSpec& model) {
                      [](const LayerSpec& layer) { return !layer.backward_input_op.empty(); });
 }
 
-MemoryTier ComputeTier(const TrainingPlan& plan) {
+MemoryTier CapTier(const TrainingPlan& plan) {
   return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
 }
 
@@ -74,7 +74,7 @@ int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   if (!step.ok()) return 0;
   Result<MemoryProfile> profile = PredictMemory(step->graph);
   if (!profile.ok()) return 0;
-  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(ComputeTier(plan))];
+  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(CapTier(plan))];
   return std::max<int64_t>(0, peak - CapOf(plan));
 }
 
@@ -89,7 +89,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
   Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
   if (!step.ok()) {
-    RefusedPlan refused{choice, step.status().message(), 0, ComputeTier(plan)};
+    RefusedPlan refused{choice, step.status().message(), 0, CapTier(plan)};
     if (step.status().code() == StatusCode::kInfeasible && CapOf(plan) > 0) {
       refused.shortfall_bytes = Shortfall(model, plan, registry);
     }
@@ -102,23 +102,24 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   // untimed order, which the memory plan fits by, finishes them at once). The larger of the two.
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
+  const auto tier = static_cast<size_t>(CapTier(plan));
+  const int64_t untimed_peak = peaks[tier];
+  int64_t timed_peak = 0;
   if (Result<MemoryProfile> timed =
           PredictMemory(step->graph, TimedWorkerOrders(step->graph, simulated));
       timed.ok()) {
     const std::array<int64_t, kMemoryTiers> timed_peaks = LargestPeaks(*timed);
-    for (size_t tier = 0; tier < kMemoryTiers; ++tier) {
-      peaks[tier] = std::max(peaks[tier], timed_peaks[tier]);
-    }
+    timed_peak = timed_peaks[tier];
+    for (size_t t = 0; t < kMemoryTiers; ++t) peaks[t] = std::max(peaks[t], timed_peaks[t]);
   }
   const int64_t cap = CapOf(plan);
-  const auto tier = static_cast<size_t>(ComputeTier(plan));
   if (cap > 0 && peaks[tier] > cap) {
     return Outcome(RefusedPlan{
         choice,
         fmt::format("fits the cap in the executor's order, but with its collectives and copies "
                     "taking their time it peaks at {} on the {} tier, over the cap of {}",
-                    Mib(peaks[tier]), MemoryTierName(ComputeTier(plan)), Mib(cap)),
-        peaks[tier] - cap, ComputeTier(plan)});
+                    MibText(peaks[tier]), MemoryTierName(CapTier(plan)), MibText(cap)),
+        peaks[tier] - cap, CapTier(plan)});
   }
   RankedPlan ranked;
   ranked.choice = choice;
@@ -128,6 +129,8 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   ranked.critical = simulated.workers[simulated.critical];
   ranked.bottleneck = simulated.bottleneck;
   ranked.peak_bytes = peaks;
+  ranked.untimed_peak_bytes = untimed_peak;
+  ranked.timed_peak_bytes = timed_peak;
   const std::vector<ActivationDecision>& decisions = step->memory.activations;
   ranked.recomputed_layers = CountChoice(decisions, ActivationChoice::kRecompute);
   ranked.swapped_layers = CountChoice(decisions, ActivationChoice::kSwap);
@@ -161,7 +164,7 @@ std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const S
   const double unit = std::pow(10.0, std::floor(std::log10(gib)) - 3);
   std::string fixes = fmt::format("{} {:.4g} or more ({} a worker)",
                                   cpu ? "--host-memory-gib" : "--device-memory-gib",
-                                  std::ceil(gib / unit) * unit, Mib(need));
+                                  std::ceil(gib / unit) * unit, MibText(need));
   fixes += ", more workers (ZeRO-3 and pipelines split the model state over them)";
   if (cpu && base.memory.disk_link_bytes_per_us <= 0) {
     fixes += ", a swap file (--swap-dir) for the activations";
@@ -174,8 +177,8 @@ std::string NoPlanFits(const ModelSpec& model, const TrainingPlan& base, const S
       "no plan fits {} under the {} tier's cap of {} a worker: of {} plans, the closest, {} "
       "({}), stays {} over it at the least (every activation recomputed, or its collectives "
       "timed); to fix it: {}",
-      workers, MemoryTierName(closest->tier), Mib(cap), refused.size(), closest->choice.Name(),
-      closest->choice.Flags(), Mib(closest->shortfall_bytes), fixes);
+      workers, MemoryTierName(closest->tier), MibText(cap), refused.size(), closest->choice.Name(),
+      closest->choice.Flags(), MibText(closest->shortfall_bytes), fixes);
 }
 
 }  // namespace
@@ -356,7 +359,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
       result.refused.push_back(std::get<RefusedPlan>(std::move(*outcome)));
     }
   }
-  const auto tier = static_cast<size_t>(ComputeTier(base));
+  const auto tier = static_cast<size_t>(CapTier(base));
   std::vector<size_t> rank(result.ranked.size());
   for (size_t i = 0; i < rank.size(); ++i) rank[i] = i;
   std::stable_sort(rank.begin(), rank.end(), [&](size_t a, size_t b) {
@@ -395,7 +398,7 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
     }
     const auto peak = [&r](MemoryTier tier) {
       const int64_t bytes = r.peak_bytes[static_cast<size_t>(tier)];
-      return bytes == 0 ? std::string("-") : Mib(bytes);
+      return bytes == 0 ? std::string("-") : MibText(bytes);
     };
     text += fmt::format("{:>3}  {:<36} {:>10.2f}  {:<40} {:>11} {:>11} {:>10}  {}\n", i + 1,
                         r.choice.Name(), r.step_ms, parts, peak(MemoryTier::kHost),

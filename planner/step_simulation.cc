@@ -12,6 +12,7 @@
 
 #include "core/collective_task.h"
 #include "core/disk_tasks.h"
+#include "planner/channel_order.h"
 
 namespace tessera {
 namespace {
@@ -51,6 +52,7 @@ struct ReadyCause {
 struct Collective {
   std::vector<size_t> members;
   int channel = 0;
+  int64_t id = 0;  // its `collective` attribute
 };
 
 class Simulator {
@@ -182,7 +184,9 @@ class Simulator {
         lane_[t] = Lane::kCollective;
         auto [c, new_collective] =
             collective_index.emplace(member->collective, collectives_.size());
-        if (new_collective) collectives_.push_back(Collective{{}, member->channel});
+        if (new_collective) {
+          collectives_.push_back(Collective{{}, member->channel, member->collective});
+        }
         collectives_[c->second].members.push_back(t);
         collective_of_[t] = static_cast<int64_t>(c->second);
       } else if (times_[t].on_disk || TouchesDisk(graph_, task)) {
@@ -210,6 +214,7 @@ class Simulator {
     end_.assign(n, 0);
     members_ready_.assign(collectives_.size(), 0);
     arrived_.assign(collectives_.size(), 0);
+    TESSERA_ASSIGN_OR_RETURN(channels_, ChannelQueues::Of(graph_));
     return Status::Ok();
   }
 
@@ -375,7 +380,9 @@ class Simulator {
         }
       }
     }
-    // Collectives whose members are all ready, in the order they became so (then by id).
+    // Collectives whose members are all ready, in the order they became so (then by id), each
+    // once every earlier collective of its channel has started on its members' workers (the
+    // channel then runs it after them: channel_free).
     std::stable_sort(waiting_.begin(), waiting_.end(), [this](size_t a, size_t b) {
       return std::tie(members_ready_[a], a) < std::tie(members_ready_[b], b);
     });
@@ -383,7 +390,7 @@ class Simulator {
       Collective& collective = collectives_[*it];
       const auto channel = static_cast<size_t>(collective.channel);
       const bool free =
-          members_ready_[*it] <= now &&
+          members_ready_[*it] <= now && channels_.IsNext(collective.id) &&
           std::all_of(collective.members.begin(), collective.members.end(), [&](size_t m) {
             return workers_[worker_of_[m]].channel_free[channel] <= now;
           });
@@ -391,6 +398,7 @@ class Simulator {
         ++it;
         continue;
       }
+      channels_.Pop(collective.id);
       const double duration = CollectiveMs(collective);
       if (sharing_.capacity > 0) {  // its members take the machine's cores too
         for (size_t m : collective.members) {
@@ -483,6 +491,7 @@ class Simulator {
   std::vector<Lane> lane_;
   std::vector<int64_t> collective_of_;
   std::vector<Collective> collectives_;
+  ChannelQueues channels_;
   std::vector<int> pending_;
   std::vector<std::vector<std::pair<size_t, ObjectId>>> dependents_;
   std::vector<double> avail_, start_, end_, members_ready_;

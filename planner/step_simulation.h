@@ -9,7 +9,9 @@
 //               then graph order (the in-process executor's choice, as SimulateWorkerOrders
 //               makes it with unit times);
 //   collective  one lane per communication channel (core/collective_task.h): a collective
-//               starts once every member is ready and every member's channel is free, and its
+//               starts once every member is ready, the collectives before it in its channel's
+//               order (the runtime's: planner/channel_order.h) have started on its members'
+//               workers, and every member's channel is free, and its
 //               members end together after its reduction's compute (the op cost model's) plus
 //               the link's latency and its bytes over the link's bandwidth, scaled by the
 //               ring's traffic (all-reduce 2(N-1)/N of the tensor, reduce-scatter and

@@ -16,9 +16,13 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <tbb/global_control.h>
 
+#include <fmt/format.h>
+
+#include "core/collective_task.h"
 #include "ops/cpu/cpu_kernels.h"
 
 namespace tessera::testing {
@@ -52,6 +56,48 @@ Tensor Allocate(const TensorMeta& meta) {
   return *std::move(tensor);
 }
 }  // namespace
+
+Graph ChannelOrderGraph() {
+  Graph graph;
+  const TensorMeta one{Shape{1}, DType::kF32, Device::Cpu()};
+  const ObjectId in = graph.AddObject("slow_in", one, ObjectRole::kInput);
+  const ObjectId mid = graph.AddObject("slow_mid", one, ObjectRole::kActivation);
+  const ObjectId late = graph.AddObject("slow_out", one, ObjectRole::kActivation);
+  for (const auto& [name, from, to] :
+       {std::tuple{"slow.a", in, mid}, std::tuple{"slow.b", mid, late}}) {
+    TaskSpec slow;
+    slow.name = name;
+    slow.op = "probe";
+    slow.inputs = {from};
+    slow.outputs = {to};
+    slow.pinned_worker = WorkerId(2);
+    graph.AddTask(std::move(slow));
+  }
+  for (const int64_t collective : {1, 2, 3}) {
+    for (int r = 0; r < 2; ++r) {
+      const ObjectId shard = graph.AddObject(fmt::format("shard{}.{}", collective, r),
+                                             TensorMeta{Shape{10}, DType::kF32, Device::Cpu()},
+                                             ObjectRole::kParameter);
+      const ObjectId full = graph.AddObject(fmt::format("full{}.{}", collective, r),
+                                            TensorMeta{Shape{20}, DType::kF32, Device::Cpu()},
+                                            ObjectRole::kGatheredParameter);
+      TaskSpec gather;
+      gather.name = fmt::format("gather{}.{}", collective, r);
+      gather.op = "all_gather";
+      gather.inputs = {shard};
+      if (collective == 1 && r == 1) gather.inputs.push_back(late);
+      gather.outputs = {full};
+      gather.pinned_worker = WorkerId(static_cast<uint64_t>(r + 1));
+      gather.attrs.Set(kCollectiveAttr, collective);
+      gather.attrs.Set(kRankAttr, int64_t{r});
+      gather.attrs.Set(kGroupSizeAttr, int64_t{2});
+      if (collective == 3) gather.attrs.Set(kChannelAttr, int64_t{kGatherChannel});
+      graph.AddTask(std::move(gather));
+      graph.MarkOutput(full);
+    }
+  }
+  return graph;
+}
 
 Tensor FloatTensor(const Shape& shape, const std::vector<float>& values) {
   Tensor t = Allocate(TensorMeta{shape, DType::kF32, Device::Cpu()});

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "core/attrs.h"
+#include "core/graph.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "ops/op_registry.h"
@@ -67,6 +68,13 @@ bool ProcessGone(int pid);
 std::shared_ptr<Allocator> TestAllocator();
 // The registry with every standard op and its CPU kernel (built once per process).
 const OpRegistry& CpuRegistry();
+
+// A graph whose collectives' channel order matters: worker 2 runs "slow.a" then "slow.b";
+// all-gathers 1, 2 (channel 0) and 3 (the gather channel) over workers 1 and 2, members
+// "gather<c>.<rank>", each gathering a 10-float shard into a 20-float output (a graph output).
+// Collective 1 comes first in the graph, so first on channel 0, but its member on worker 2 waits
+// for slow.b; 2 and 3 are ready at once.
+Graph ChannelOrderGraph();
 
 Tensor FloatTensor(const Shape& shape, const std::vector<float>& values);
 Tensor IntTensor(const Shape& shape, const std::vector<int32_t>& values);

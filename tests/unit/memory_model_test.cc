@@ -207,6 +207,18 @@ TEST(MemoryModelTest, CollectiveMembersFinishTogetherOnEveryWorker) {
   EXPECT_THAT(Names(graph, profile.workers[1].order.tasks), ElementsAre("gather0"));
 }
 
+TEST(MemoryModelTest, AChannelRunsItsCollectivesInTheRuntimesOrder) {
+  const Graph graph = ChannelOrderGraph();
+  ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(graph));
+  ASSERT_EQ(profile.workers.size(), 2u);
+  // Worker 2 (first in the graph): 3 runs at once on its own channel; 2, ready as early, waits
+  // on channel 0 for 1, whose member there waits for slow.a and slow.b.
+  EXPECT_THAT(Names(graph, profile.workers[0].order.tasks),
+              ElementsAre("gather3.1", "slow.a", "slow.b", "gather1.1", "gather2.1"));
+  EXPECT_THAT(Names(graph, profile.workers[1].order.tasks),
+              ElementsAre("gather3.0", "gather1.0", "gather2.0"));
+}
+
 TEST(MemoryModelTest, OrdersThatMissRepeatOrInvertTasksAreRefusedNamingTheTask) {
   Graph graph;
   const ObjectId x = graph.AddObject("x", Floats(1), ObjectRole::kInput);

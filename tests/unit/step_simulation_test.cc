@@ -8,7 +8,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "core/collective_task.h"
 #include "model/gpt2.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
@@ -152,6 +151,29 @@ TEST(StepSimulationTest, ACollectiveTakesTheLinksLatencyAndItsRingTrafficOverThe
   ASSERT_OK_AND_ASSIGN(SimulatedStep slow, SimulateStep(step.graph, times, links));
   EXPECT_EQ(slow.bottleneck, Bottleneck::kCommunication);
   ExpectPartsAddUp(slow);
+}
+
+TEST(StepSimulationTest, AChannelRunsItsCollectivesInTheRuntimesOrder) {
+  // Collective 1 is first on channel 0 but its member on worker 2 waits 2 x 2.5 ms for slow.a
+  // and slow.b; collective 2, ready at once on the same channel, waits for it; collective 3, on
+  // the gather channel, does not.
+  const Graph graph = ChannelOrderGraph();
+  std::vector<TaskTime> times(graph.tasks().size());
+  times[0].ms = times[1].ms = 2.5;
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 1000, .bytes_per_us = 1e6};  // 1 ms each
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(graph, times, links));
+  auto start = [&](const std::string& name) {
+    for (const TaskSpec& task : graph.tasks()) {
+      if (task.name == name) return simulated.start_ms[task.id.value() - 1];
+    }
+    ADD_FAILURE() << name;
+    return -1.0;
+  };
+  EXPECT_NEAR(start("gather3.0"), 0, 1e-9);
+  EXPECT_NEAR(start("gather1.0"), 5, 1e-6);
+  EXPECT_NEAR(start("gather2.0"), start("gather1.0") + 1, 1e-3);
+  EXPECT_NEAR(start("gather2.1"), start("gather2.0"), 1e-9);
 }
 
 TEST(StepSimulationTest, PushingActivationsBetweenStagesDelaysTheNextStage) {
