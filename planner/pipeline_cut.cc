@@ -2,8 +2,13 @@
 #include "planner/pipeline_cut.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "planner/plan_passes.h"
 #include "planner/step_graph.h"
@@ -60,10 +65,83 @@ std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks) {
   return chunk_of;
 }
 
+std::vector<std::vector<int>> NearBalancedCuts(const std::vector<double>& costs, int chunks,
+                                               double slack, int most) {
+  const std::vector<int> balanced = BalancedChunks(costs, chunks);
+  std::vector<int> counts(static_cast<size_t>(chunks), 0);
+  for (int chunk : balanced) ++counts[static_cast<size_t>(chunk)];
+  std::vector<double> prefix(costs.size() + 1, 0);
+  for (size_t i = 0; i < costs.size(); ++i) prefix[i + 1] = prefix[i] + std::max(costs[i], 0.0);
+  double largest = 0;
+  for (size_t c = 0, begin = 0; c < counts.size(); begin += static_cast<size_t>(counts[c]), ++c) {
+    largest = std::max(largest, prefix[begin + static_cast<size_t>(counts[c])] - prefix[begin]);
+  }
+  const double bound = largest * (1 + slack) * (1 + 1e-12);
+  // Every composition of the layers into `chunks` parts within the bound (depth first, pruned
+  // by it), with its largest chunk; a bounded number of visits keeps deep models cheap.
+  std::vector<std::pair<double, std::vector<int>>> found;
+  std::vector<int> current;
+  int64_t visits = 0;
+  constexpr int64_t kMostVisits = 200000;
+  const size_t n = costs.size();
+  std::function<void(size_t, double)> visit = [&](size_t begin, double worst) {
+    if (++visits > kMostVisits) return;
+    const size_t left = static_cast<size_t>(chunks) - current.size();
+    if (left == 1) {
+      const double last = prefix[n] - prefix[begin];
+      if (last > bound) return;
+      current.push_back(static_cast<int>(n - begin));
+      found.emplace_back(std::max(worst, last), current);
+      current.pop_back();
+      return;
+    }
+    for (size_t end = begin + 1; end + (left - 1) <= n; ++end) {
+      const double cost = prefix[end] - prefix[begin];
+      if (cost > bound) break;
+      current.push_back(static_cast<int>(end - begin));
+      visit(end, std::max(worst, cost));
+      current.pop_back();
+    }
+  };
+  visit(0, 0);
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.first, a.second) < std::tie(b.first, b.second);
+  });
+  std::vector<std::vector<int>> cuts = {counts};
+  for (auto& [worst, cut] : found) {
+    if (static_cast<int>(cuts.size()) >= most) break;
+    if (cut != counts) cuts.push_back(std::move(cut));
+  }
+  return cuts;
+}
+
 Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
                                        const OpRegistry& registry) {
   const ParallelConfig& p = plan.parallel;
   const int chunks = p.pipeline_stages * p.virtual_stages;
+  if (!p.chunk_layers.empty()) {
+    int64_t total = 0;
+    bool positive = true;
+    for (int count : p.chunk_layers) {
+      total += count;
+      positive = positive && count >= 1;
+    }
+    if (static_cast<int>(p.chunk_layers.size()) != chunks || !positive ||
+        total != static_cast<int64_t>(model.layers.size())) {
+      return InvalidArgument(
+          "--stage-layers {}: give {} counts (one per chunk: {} stages x {} virtual), each at "
+          "least 1, adding up to the model's {} layers",
+          fmt::join(p.chunk_layers, ","), chunks, p.pipeline_stages, p.virtual_stages,
+          model.layers.size());
+    }
+    std::vector<int> chunk_of;
+    chunk_of.reserve(model.layers.size());
+    for (int c = 0; c < chunks; ++c) {
+      chunk_of.insert(chunk_of.end(), static_cast<size_t>(p.chunk_layers[static_cast<size_t>(c)]),
+                      c);
+    }
+    return chunk_of;
+  }
   if (chunks <= 1) return std::vector<int>(model.layers.size(), 0);
   std::vector<double> costs = p.layer_costs;
   if (costs.empty()) {

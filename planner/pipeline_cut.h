@@ -27,9 +27,18 @@ Result<std::vector<double>> EstimateLayerCosts(const ModelSpec& model, int64_t r
 // Layers (in forward order) into `chunks` contiguous chunks minimizing the largest chunk's cost;
 // per layer, its chunk. REQUIRES: 1 <= chunks <= costs.size().
 std::vector<int> BalancedChunks(const std::vector<double>& costs, int chunks);
-// Per layer, its chunk under the plan: balanced by parallel.layer_costs, else by the estimate.
-// All zero without a pipeline.
+// Per layer, its chunk under the plan: parallel.chunk_layers when given, else balanced by
+// parallel.layer_costs, else by the estimate. All zero without a pipeline. InvalidArgument when
+// chunk_layers does not give P x V chunks of at least one layer each, adding up to the layers.
 Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPlan& plan,
                                        const OpRegistry& registry);
+
+// The cuts worth trying for `chunks` chunks of layers of these costs: the balanced one
+// (BalancedChunks) first, then the other contiguous cuts whose largest chunk costs at most
+// (1 + slack) x the balanced one's, cheapest largest chunk first (ties: fewer layers in the
+// earlier chunks, which hold more micro-batches in flight), at most `most` in all. Each cut as
+// per-chunk layer counts (ParallelConfig::chunk_layers). REQUIRES: 1 <= chunks <= costs.size().
+std::vector<std::vector<int>> NearBalancedCuts(const std::vector<double>& costs, int chunks,
+                                               double slack, int most);
 
 }  // namespace tessera

@@ -9,7 +9,9 @@
 #include <variant>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include "planner/pipeline_cut.h"
 #include "planner/step_graph.h"
 #include "planner/step_time.h"
 
@@ -43,6 +45,26 @@ std::array<int64_t, kMemoryTiers> LargestPeaks(const MemoryProfile& profile) {
   return peaks;
 }
 
+// The cuts of `chunks` chunks a search tries (empty: the balanced cut): the given one; else the
+// balanced one and, with a calibration, the near-balanced ones by the layers' times at `rows`.
+// None when the given cut has another number of chunks.
+std::vector<std::vector<int>> Cuts(const ModelSpec& model, const SearchSpace& space,
+                                   const Calibration* calibration, int chunks, int64_t rows) {
+  if (!space.chunk_layers.empty()) {
+    if (static_cast<int>(space.chunk_layers.size()) != chunks) return {};
+    return {space.chunk_layers};
+  }
+  if (chunks <= 1 || calibration == nullptr || space.cuts <= 1) return {{}};
+  const Result<std::vector<OpCosts>> times = LayerTimesAt(*calibration, rows);
+  if (!times.ok() || times->size() != model.layers.size()) return {{}};
+  std::vector<double> costs;
+  costs.reserve(times->size());
+  for (const OpCosts& op : *times) costs.push_back(op.forward + op.backward + op.weight);
+  std::vector<std::vector<int>> cuts = NearBalancedCuts(costs, chunks, space.cut_slack, space.cuts);
+  cuts.front().clear();  // the balanced cut: the planner's own, from the same times
+  return cuts;
+}
+
 TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   TrainingPlan plan = base;
   ParallelConfig& p = plan.parallel;
@@ -53,6 +75,7 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   p.zero_stage = choice.zero_stage;
   p.schedule = choice.schedule;
   p.offload = choice.offload;
+  p.chunk_layers = choice.chunk_layers;
   p.resident_params.clear();
   p.layer_costs.clear();
   p.split_backwards = false;
@@ -240,6 +263,7 @@ std::string PlanChoice::Name() const {
   if (pipeline_stages > 1) name += fmt::format(" {}", ScheduleName(schedule));
   if (virtual_stages > 1) name += fmt::format(" V{}", virtual_stages);
   name += fmt::format(" M{}", micro_batches);
+  if (!chunk_layers.empty()) name += fmt::format(" cut {}", fmt::join(chunk_layers, "+"));
   if (data_parallel > 1) name += fmt::format(" ZeRO-{}", zero_stage);
   if (offload != OffloadMode::kNone) name += fmt::format(" offload {}", OffloadModeName(offload));
   return name;
@@ -253,6 +277,8 @@ std::string PlanChoice::Flags() const {
         fmt::format(" --pipeline-stages {} --schedule {}", pipeline_stages, ScheduleName(schedule));
   }
   if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
+  if (!chunk_layers.empty())
+    flags += fmt::format(" --stage-layers {}", fmt::join(chunk_layers, ","));
   flags += fmt::format("{}--micro-batches {}", flags.empty() ? "" : " ", micro_batches);
   if (data_parallel > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
   if (offload != OffloadMode::kNone)
@@ -261,7 +287,8 @@ std::string PlanChoice::Flags() const {
 }
 
 std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
-                                            const SearchSpace& space) {
+                                            const SearchSpace& space,
+                                            const Calibration* calibration) {
   std::vector<PlanChoice> candidates;
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = AnyLayerSplits(model);
@@ -304,10 +331,14 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
         const std::vector<int> zeros = ranks == 1 ? std::vector<int>{0} : space.zero_stages;
         for (const auto& [schedule, virtual_stages] : orders) {
           if (space.virtual_stages > 0 && virtual_stages != space.virtual_stages) continue;
-          for (int zero : zeros) {
-            for (OffloadMode offload : offloads) {
-              candidates.push_back(
-                  PlanChoice{ranks, stages, virtual_stages, micro, zero, schedule, offload});
+          const std::vector<std::vector<int>> cuts =
+              Cuts(model, space, calibration, stages * virtual_stages, rank_rows / micro);
+          for (const std::vector<int>& cut : cuts) {
+            for (int zero : zeros) {
+              for (OffloadMode offload : offloads) {
+                candidates.push_back(
+                    PlanChoice{ranks, stages, virtual_stages, micro, zero, schedule, offload, cut});
+              }
             }
           }
         }
@@ -328,7 +359,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
         "plan search: the calibration holds no layer times (profile the layers first)");
   }
   const auto started = std::chrono::steady_clock::now();
-  const std::vector<PlanChoice> candidates = EnumerateCandidates(model, base, space);
+  const std::vector<PlanChoice> candidates = EnumerateCandidates(model, base, space, &calibration);
   std::vector<Result<Outcome>> outcomes(candidates.size(),
                                         Result<Outcome>(Internal("the candidate was not planned")));
   std::atomic<size_t> next{0};

@@ -6,6 +6,8 @@
 //   data-parallel ranks D x pipeline stages P (every worker, or also fewer: SearchSpace),
 //   the schedule (P > 1: gpipe, 1f1b, interleaved with V = 2, zb-h1 where a layer splits),
 //   micro-batches M (divisors of a rank's rows; M >= P for the 1f1b family),
+//   the cut (P > 1, with the calibration: the balanced cut and the next ones within
+//   cut_slack of its largest chunk, NearBalancedCuts over the layers' calibrated times),
 //   the ZeRO stage (D > 1), offload (GPU workers),
 // and the memory planner's decisions for each (recompute, keep part, swap: PlanTrainingStep under
 // the base plan's caps). Each dimension is one loop of EnumerateCandidates; a new one (tensor
@@ -77,10 +79,15 @@ struct SearchSpace {
                                              PipelineSchedule::kZbH1};
   int max_micro_batches = 16;
   int max_pipeline_stages = 0;  // 0: as many as the workers and layers allow
+  // Cuts tried per pipeline shape (the balanced one included), and how much larger than the
+  // balanced cut's their largest chunk may be.
+  int cuts = 3;
+  double cut_slack = 0.25;
   // Dimensions the user fixed (0: searched): only plans with this many stages, micro-batches,
   // virtual stages.
   int pipeline_stages = 0, micro_batches = 0, virtual_stages = 0;
-  int threads = 1;  // planning threads (candidates are independent)
+  std::vector<int> chunk_layers;  // a given cut (--stage-layers): only plans of its chunks
+  int threads = 1;                // planning threads (candidates are independent)
 };
 
 // A candidate's dimensions; the flags that would run it by hand.
@@ -89,11 +96,13 @@ struct PlanChoice {
   int zero_stage = 0;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   OffloadMode offload = OffloadMode::kNone;
+  std::vector<int> chunk_layers;  // the cut (ParallelConfig::chunk_layers); empty: balanced
   int workers() const { return data_parallel * pipeline_stages; }
-  // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8"
+  // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8", "D2 x P2 1f1b M4 cut 2+4 ZeRO-1"
   std::string Name() const;
   // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
-  // --virtual-stages, --offload when they differ from the defaults; no --workers for one).
+  // --virtual-stages, --stage-layers, --offload when they differ from the defaults; no
+  // --workers for one).
   std::string Flags() const;
 };
 
@@ -146,8 +155,10 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
                                           const OpRegistry& registry);
 
 // The candidates a search plans, in its order (exposed for tests and `tessera plan --list`).
+// Without a calibration (or given a cut) no cuts beyond the balanced one (or the given one).
 std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
-                                            const SearchSpace& space);
+                                            const SearchSpace& space,
+                                            const Calibration* calibration = nullptr);
 
 // The table `tessera plan` and `--plan auto` print: the top `top` plans with their predicted step
 // time, peak per tier and bottleneck, and the refusals' count.

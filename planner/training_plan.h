@@ -93,6 +93,9 @@ struct ParallelConfig {
   // Per layer, its relative cost for balancing the stages (e.g. measured times); empty: the sum
   // of layer_op_costs, else the op cost model's estimate of its forward.
   std::vector<double> layer_costs;
+  // The cut, given: per chunk (0 .. P x V - 1), how many consecutive layers it runs (`--stage-
+  // layers`; the plan search's cuts). Empty: the cut that balances the layers' costs.
+  std::vector<int> chunk_layers;
   // Per layer, measured times in milliseconds of its forward, backward (input half, or whole)
   // and weight half (ProfileLayerTimes, training/layer_profile.h); empty: the op cost model's
   // estimates. Their per-chunk means order zb-h1 (ScheduleOrder's costs).

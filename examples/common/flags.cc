@@ -126,6 +126,12 @@ void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--virtual-stages", p.virtual_stages,
                  "V model chunks per stage (--schedule interleaved)")
       ->check(tessera::AtLeast(1));
+  app.add_option("--stage-layers", p.stage_layers,
+                 "The cut: how many consecutive layers each pipeline chunk runs, in order "
+                 "(P numbers, P x V with --virtual-stages; default: the cut that balances the "
+                 "layers' costs)")
+      ->delimiter(',')
+      ->check(tessera::AtLeast(1));
   app.add_option("--gather", p.gather,
                  "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
                  "(step), before every use (micro-batch), or let the planner choose (auto)");
@@ -217,6 +223,7 @@ std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* 
   search.micro_given = given("--micro-batches") || given("--grad-accum");
   search.schedule_given = given("--schedule");
   search.virtual_given = given("--virtual-stages");
+  search.cut_given = given("--stage-layers");
   return exit;
 }
 
@@ -265,6 +272,7 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   }
   p.pipeline_stages = pipeline.stages;
   p.virtual_stages = pipeline.virtual_stages;
+  p.chunk_layers = pipeline.stage_layers;
   if (pipeline.stages == 1) return Status::Ok();
   if (flags.workers < pipeline.stages || flags.workers % pipeline.stages != 0) {
     return InvalidArgument(

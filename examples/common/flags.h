@@ -42,6 +42,7 @@ struct PipelineFlags {
   int stages = 1;
   std::string schedule = "1f1b";
   int virtual_stages = 1;
+  std::vector<int> stage_layers;  // the cut, per chunk (empty: balanced)
   std::string gather = "auto";
   std::string balance = "estimate";
 };
@@ -72,10 +73,10 @@ struct PlanSearchFlags {
   std::string plan = "flags";  // flags: the plan the flags say; auto: searched
   bool recalibrate = false;
   int show_plans = 5;
-  // Which of --zero-stage, --pipeline-stages, --micro-batches (or --grad-accum), --schedule and
-  // --virtual-stages the command line gave (ParseFlags records them).
+  // Which of --zero-stage, --pipeline-stages, --micro-batches (or --grad-accum), --schedule,
+  // --virtual-stages and --stage-layers the command line gave (ParseFlags records them).
   bool zero_given = false, stages_given = false, micro_given = false, schedule_given = false,
-       virtual_given = false;
+       virtual_given = false, cut_given = false;
 };
 
 struct CommonFlags {

@@ -174,6 +174,7 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.micro_given) space.micro_batches = given.micro_batches;
   if (search.schedule_given) space.schedules = {given.schedule};
   if (search.virtual_given) space.virtual_stages = given.virtual_stages;
+  if (search.cut_given) space.chunk_layers = given.chunk_layers;
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
   // The layers are profiled in this process with a local cluster's workers' threads (what the

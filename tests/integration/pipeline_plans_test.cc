@@ -6,6 +6,7 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
@@ -34,13 +35,15 @@ struct Pipeline {
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   OffloadMode offload = OffloadMode::kNone;
   bool per_micro_gather = false;
+  std::vector<int> cut;  // layers per chunk (empty: balanced)
 };
 
 std::string Label(const Pipeline& p) {
-  return fmt::format("P={} D={} M={} V={} {} zero={}{}{}", p.stages, p.ranks, p.micro,
+  return fmt::format("P={} D={} M={} V={} {} zero={}{}{}{}", p.stages, p.ranks, p.micro,
                      p.virtual_stages, ScheduleName(p.schedule), p.zero,
                      p.offload == OffloadMode::kOptimizer ? " offload" : "",
-                     p.per_micro_gather ? " gather-per-micro-batch" : "");
+                     p.per_micro_gather ? " gather-per-micro-batch" : "",
+                     p.cut.empty() ? "" : fmt::format(" cut {}", fmt::join(p.cut, "+")));
 }
 
 TrainingPlan PlanOf(const Pipeline& p, int64_t batch, int64_t seq_len) {
@@ -55,7 +58,16 @@ TrainingPlan PlanOf(const Pipeline& p, int64_t batch, int64_t seq_len) {
   plan.parallel.virtual_stages = p.virtual_stages;
   plan.parallel.schedule = p.schedule;
   if (p.per_micro_gather) plan.parallel.gather = GatherPolicy::kPerMicroBatch;
+  plan.parallel.chunk_layers = p.cut;
   return plan;
+}
+
+// GPT-2's eight layers cut by hand (the plan search's cuts, --stage-layers): lopsided, with
+// ZeRO inside the stages, and four stages.
+std::vector<Pipeline> GivenCuts() {
+  return {{.stages = 2, .micro = 4, .cut = {2, 6}},
+          {.stages = 2, .ranks = 2, .micro = 4, .zero = 1, .cut = {5, 3}},
+          {.stages = 4, .micro = 4, .schedule = PipelineSchedule::kZbH1, .cut = {1, 3, 2, 2}}};
 }
 
 // Every schedule at P = 2 and 4 (interleaved with two chunks per stage).
@@ -152,6 +164,7 @@ TEST_F(PipelinePlansTest, Gpt2UnderEveryScheduleAndZeroInsideStagesMatchesOneWor
   ASSERT_OK_AND_ASSIGN(TrainingRun expected, TrainGpt2(*reference));
   std::vector<Pipeline> plans = EverySchedule();
   for (const Pipeline& p : ZeroInsideStages()) plans.push_back(p);
+  for (const Pipeline& p : GivenCuts()) plans.push_back(p);
   for (const Pipeline& p : plans) {
     SCOPED_TRACE(Label(p));
     ASSERT_OK_AND_ASSIGN(auto backend, Backend());

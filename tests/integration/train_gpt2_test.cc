@@ -240,6 +240,7 @@ TEST(TrainGpt2Test, HelpListsEveryFlag) {
                            "--checkpoint-every",
                            "--resume",
                            "--pipeline-stages",
+                           "--stage-layers",
                            "--micro-batches",
                            "--schedule",
                            "--virtual-stages",
@@ -390,6 +391,16 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
                 "layer times (profiled, ms per micro-batch, forward/backward/weight): embedding "),
             std::string::npos)
       << zero_bubble.output;
+  // A cut given by hand (four layers): the embedding alone on stage 0, the rest on stage 1; the
+  // same run.
+  ProcessResult cut = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 2 --pipeline-stages 2 "
+      "--micro-batches 4 --stage-layers 1,3");
+  ASSERT_EQ(cut.exit_code, 0) << cut.output;
+  EXPECT_NEAR(FirstMatch(cut.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << cut.output;
+  EXPECT_NE(cut.output.find("pipeline stage 0: embedding | stage 1: h.0..head"), std::string::npos)
+      << cut.output;
 
   ProcessResult unpiped = RunTrainGpt2("--steps 1 --batch 8 --balance profile");
   EXPECT_EQ(unpiped.exit_code, 0) << unpiped.output;
@@ -415,6 +426,8 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
       {"--workers 2 --pipeline-stages 2 --micro-batches 4 --schedule zigzag",
        "schedule 'zigzag' is not one of: gpipe, 1f1b, interleaved, zb-h1"},
       {"--workers 8 --pipeline-stages 8 --micro-batches 8", "has 4 layers: use at most 4 stages"},
+      {"--workers 2 --pipeline-stages 2 --micro-batches 4 --stage-layers 3,4",
+       "--stage-layers 3,4: give 2 counts"},
   };
   for (const auto& [arguments, message] : refused) {
     ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);

@@ -3,15 +3,21 @@
 // and the plans it refuses before anything runs. The losses of these plans on real workers are
 // checked in tests/integration/pipeline_plans_test.cc.
 #include <map>
+#include <numeric>
 #include <set>
+
+#include <gmock/gmock.h>
 
 #include "model/gpt2.h"
 #include "model/model.h"
+#include "planner/pipeline_cut.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
 
 namespace tessera::testing {
 namespace {
+
+using ::testing::HasSubstr;
 
 // Six blocks: eight layers (embedding, h.0 .. h.5, head).
 Gpt2Config SixBlocks() { return Gpt2Config{6, 32, 4, 64, 16}; }
@@ -36,6 +42,40 @@ TEST(BalancedChunksTest, ContiguousChunksMinimizingTheLargest) {
   EXPECT_EQ(BalancedChunks({4, 1, 1, 1, 1}, 2), (std::vector<int>{0, 1, 1, 1, 1}));
   EXPECT_EQ(BalancedChunks({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{0, 0, 0, 1, 1, 2}));
   EXPECT_EQ(BalancedChunks({5, 5, 5}, 3), (std::vector<int>{0, 1, 2}));
+}
+
+TEST(BalancedChunksTest, NearBalancedCutsStartWithTheBalancedOneWithinTheSlack) {
+  // Four equal layers in two chunks: 2+2 (largest 2), then 1+3 and 3+1 (3 = 1.5 x 2).
+  EXPECT_EQ(NearBalancedCuts({1, 1, 1, 1}, 2, 0.5, 5),
+            (std::vector<std::vector<int>>{{2, 2}, {1, 3}, {3, 1}}));
+  EXPECT_EQ(NearBalancedCuts({1, 1, 1, 1}, 2, 0.5, 2),
+            (std::vector<std::vector<int>>{{2, 2}, {1, 3}}));
+  EXPECT_EQ(NearBalancedCuts({1, 1, 1, 1}, 2, 0.25, 5), (std::vector<std::vector<int>>{{2, 2}}));
+  // The balanced cut leads even when another ties with it.
+  const std::vector<std::vector<int>> cuts = NearBalancedCuts({4, 1, 1, 1, 1, 4}, 3, 0, 4);
+  ASSERT_FALSE(cuts.empty());
+  std::vector<int> counts(3, 0);
+  for (int chunk : BalancedChunks({4, 1, 1, 1, 1, 4}, 3)) ++counts[static_cast<size_t>(chunk)];
+  EXPECT_EQ(cuts.front(), counts);
+  for (const std::vector<int>& cut : cuts) {
+    EXPECT_EQ(cut.size(), 3u);
+    EXPECT_EQ(std::accumulate(cut.begin(), cut.end(), 0), 6);
+  }
+}
+
+TEST(PipelinePlanTest, AGivenCutIsTheStagesLayersOrRefusedWithWhatToGive) {
+  const ModelSpec model = *BuildGpt2(SixBlocks());  // eight layers
+  TrainingPlan plan = PipelinePlan(2, 1, 4, PipelineSchedule::k1F1B);
+  plan.parallel.chunk_layers = {1, 7};
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  EXPECT_EQ(step.layer_stage, (std::vector<int>{0, 1, 1, 1, 1, 1, 1, 1}));
+  for (const std::vector<int>& bad : std::vector<std::vector<int>>{{4, 3}, {8, 0}, {2, 2, 4}}) {
+    plan.parallel.chunk_layers = bad;
+    const Status status = PlanTrainingStep(model, plan, CpuRegistry()).status();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr("give 2 counts"));
+    EXPECT_THAT(status.message(), HasSubstr("the model's 8 layers"));
+  }
 }
 
 TEST(PipelinePlanTest, EachStageRunsItsLayersOnItsWorkersAndTheBlocksBalance) {

@@ -5,6 +5,7 @@
 // collective link: a pipeline). Against measured runs: bench_plan_search.
 #include "planner/plan_search.h"
 
+#include <numeric>
 #include <set>
 
 #include <gmock/gmock.h>
@@ -97,6 +98,53 @@ TEST(PlanSearchTest, TheCandidatesCoverEveryDimensionAndEachIsAValidShape) {
   EXPECT_EQ(EnumerateCandidates(model, Base(), space).size(), more.size());
   EXPECT_EQ(PlanChoice({2, 2, 1, 4, 1, PipelineSchedule::kZbH1}).Flags(),
             "--workers 4 --pipeline-stages 2 --schedule zb-h1 --micro-batches 4 --zero-stage 1");
+}
+
+TEST(PlanSearchTest, PipelinesAlsoTryTheNearBalancedCutsOrAGivenOne) {
+  const ModelSpec model = SixBlocks();
+  const Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 4;
+  space.cut_slack = 1.0;
+  const std::vector<PlanChoice> without = EnumerateCandidates(model, Base(), space);
+  const std::vector<PlanChoice> with = EnumerateCandidates(model, Base(), space, &calibration);
+  EXPECT_GT(with.size(), without.size());
+  std::set<std::string> names;
+  int cut = 0;
+  for (size_t i = 0; i < with.size(); ++i) {
+    const PlanChoice& c = with[i];
+    EXPECT_TRUE(names.insert(c.Name()).second) << "twice: " << c.Name();
+    if (c.chunk_layers.empty()) continue;
+    ++cut;
+    EXPECT_GT(c.pipeline_stages, 1) << c.Name();
+    EXPECT_EQ(c.chunk_layers.size(), static_cast<size_t>(c.pipeline_stages * c.virtual_stages));
+    EXPECT_EQ(std::accumulate(c.chunk_layers.begin(), c.chunk_layers.end(), size_t{0}),
+              model.layers.size());
+    EXPECT_THAT(c.Name(), HasSubstr(" cut "));
+    EXPECT_THAT(c.Flags(), HasSubstr("--stage-layers "));
+    // The balanced cut of the same shape comes before it.
+    const auto balanced = std::find_if(with.begin(), with.end(), [&c](const PlanChoice& b) {
+      return b.chunk_layers.empty() && b.data_parallel == c.data_parallel &&
+             b.pipeline_stages == c.pipeline_stages && b.micro_batches == c.micro_batches &&
+             b.schedule == c.schedule && b.zero_stage == c.zero_stage;
+    });
+    ASSERT_NE(balanced, with.end()) << c.Name();
+    EXPECT_LT(balanced - with.begin(), static_cast<std::ptrdiff_t>(i)) << c.Name();
+  }
+  EXPECT_GT(cut, 0);
+  // A given cut: only plans of its chunks, all with it.
+  space.chunk_layers = {3, 5};
+  const std::vector<PlanChoice> given = EnumerateCandidates(model, Base(), space, &calibration);
+  ASSERT_FALSE(given.empty());
+  for (const PlanChoice& c : given) {
+    EXPECT_EQ(c.chunk_layers, (std::vector<int>{3, 5})) << c.Name();
+    EXPECT_EQ(c.pipeline_stages, 2) << c.Name();
+  }
+  // The search plans them: the ranked ones carry their cut to the trainer.
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult result,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  ASSERT_FALSE(result.ranked.empty());
+  EXPECT_EQ(result.ranked.front().parallel.chunk_layers, (std::vector<int>{3, 5}));
 }
 
 TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
