@@ -191,10 +191,10 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
 
   const bool zero3 = d > 1 && choice.zero_stage == 3, zero2 = d > 1 && choice.zero_stage == 2;
   const bool split = SplitsBackward(choice.schedule);
-  // Chunk costs with r_c layers of chunk c recomputed; the data-parallel traffic a chunk's ops
-  // wait on (ZeRO-2/3) is priced per op: the op takes the longer of compute and communication.
-  // With overlap an op takes the longer of its compute and its communication, else their sum;
-  // chunk_wait[c] is what a micro-batch's ops on chunk c spend beyond their compute.
+  // Chunk costs with a fraction of each stage's layers recomputed. The data-parallel traffic a
+  // chunk's ops wait on (ZeRO-2/3) is priced per op: with overlap the op takes the longer of its
+  // compute and its communication, else their sum; chunk_wait[c] is what a micro-batch's ops on
+  // chunk c spend beyond their compute.
   const bool overlap = training_.overlap_communication;
   auto hidden = [overlap](double compute, double communication) {
     return overlap ? std::max(compute, communication) : compute + communication;
