@@ -78,6 +78,10 @@ Status PlanAtScale(const PlanCommandFlags& flags) {
         best.costs.data_parallel_ms / 1e3, best.costs.optimizer_ms / 1e3, best.peak_gib,
         cluster.gpu_memory_gib, best.costs.model_state_gib, best.costs.activation_gib,
         BottleneckName(best.bottleneck));
+    // The runtime's flags for it: the memory plan recomputes what the cap needs.
+    std::printf("  its flags: --device cuda --batch %lld %s --device-memory-gib %g\n",
+                static_cast<long long>(training.global_batch), best.choice.Flags().c_str(),
+                cluster.gpu_memory_gib - cluster.reserved_gib);
   }
   return Status::Ok();
 }

@@ -400,6 +400,10 @@ TEST(TesseraCliTest, PlanSearchesADescribedClusterAndRefusesWhatCannotFit) {
     EXPECT_NE(searched.output.find(gpus), std::string::npos) << searched.output;
   }
   EXPECT_NE(searched.output.find("1024 GPUs: "), std::string::npos) << searched.output;
+  EXPECT_NE(searched.output.find("its flags: --device cuda --batch 1536 --workers 1024 "),
+            std::string::npos)
+      << searched.output;
+  EXPECT_NE(searched.output.find("--device-memory-gib 78"), std::string::npos) << searched.output;
 
   const std::string rack =
       std::string(TESSERA_SOURCE_DIR) + "/examples/clusters/commodity-rtx4090.yaml";
