@@ -310,6 +310,7 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
                              ToString(orders[s][next[s]]));
     }
     result.makespan = std::max(result.makespan, free_at[s]);
+    result.stage_end.push_back(free_at[s]);
     total_busy += busy[s];
   }
   result.bubble = result.makespan > 0

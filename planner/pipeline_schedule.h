@@ -80,8 +80,9 @@ struct ScheduleSimulation {
   double makespan = 0;
   double bubble = 0;  // idle time over stages x makespan
   // Per stage: the most micro-batches whose activations it held at once (after F, until the
-  // last of B / W that reads them).
+  // last of B / W that reads them), and when its last op ended.
   std::vector<int> peak_in_flight;
+  std::vector<double> stage_end;
 };
 
 // InvalidArgument if the orders deadlock (an op waits for one that comes later on its stage).

@@ -331,60 +331,74 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
     plan.costs.backward_ms = std::max(plan.costs.backward_ms, cost.backward + cost.weight);
   }
 
-  // Data-parallel communication after the last backward, on the stage with the most parameters.
-  const size_t big = static_cast<size_t>(
-      std::max_element(stage_params.begin(), stage_params.end()) - stage_params.begin());
-  const double params = stage_params[big];
-  const double grad_bytes = training_.gradient_bytes * params;
-  const double weight_bytes = training_.weight_bytes * params;
-  double exposed = 0;
-  if (d > 1) {
-    // The last micro-batch's backward over the stage hides all but its last layer's reduction.
-    double last_backward = 0;
-    for (int c = 0; c < v; ++c) {
-      last_backward += costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].backward +
-                       costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].weight;
+  // What each stage does after its last backward: its data-parallel communication and its
+  // optimizer step. The step ends when the last stage to finish them does.
+  struct After {
+    double exposed = 0, optimizer = 0;
+  };
+  auto after_backward = [&](size_t big) {
+    After after;
+    const double params = stage_params[big];
+    const double grad_bytes = training_.gradient_bytes * params;
+    const double weight_bytes = training_.weight_bytes * params;
+    double& exposed = after.exposed;
+    if (d > 1) {
+      // The last micro-batch's backward over the stage hides all but its last layer's reduction.
+      double last_backward = 0;
+      for (int c = 0; c < v; ++c) {
+        last_backward += costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].backward +
+                         costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].weight;
+      }
+      const double n = std::max(1, stage_layers[big]);
+      auto overlapped = [&](double ms) {
+        return overlap ? std::max(ms - last_backward * (n - 1) / n, ms / n) : ms;
+      };
+      switch (choice.zero_stage) {
+        case 0:
+          exposed = overlapped(RingMs(grad_bytes, d, Ring::kAllReduce, dp_link));
+          break;
+        case 1:
+          exposed = overlapped(RingMs(grad_bytes, d, Ring::kReduceScatter, dp_link)) +
+                    RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
+          break;
+        case 2:  // the reduce-scatters ran with each backward; the updated shards gathered
+          exposed = RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
+          break;
+        default:
+          // A pipeline gathers each layer once a step: the first forward hides all but the first
+          // layer's gather.
+          if (p > 1) {
+            const double gather = RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
+            exposed = overlap ? std::max(gather - costs[big].forward, gather / n) : gather;
+          }
+          break;
+      }
     }
-    const double n = std::max(1, stage_layers[big]);
-    auto overlapped = [&](double ms) {
-      return overlap ? std::max(ms - last_backward * (n - 1) / n, ms / n) : ms;
-    };
-    switch (choice.zero_stage) {
-      case 0:
-        exposed = overlapped(RingMs(grad_bytes, d, Ring::kAllReduce, dp_link));
-        break;
-      case 1:
-        exposed = overlapped(RingMs(grad_bytes, d, Ring::kReduceScatter, dp_link)) +
-                  RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
-        break;
-      case 2:  // the reduce-scatters ran with each backward; the updated shards gathered
-        exposed = RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
-        break;
-      default:
-        // A pipeline gathers each layer once a step: the first forward hides all but the first
-        // layer's gather.
-        if (p > 1) {
-          const double gather = RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
-          exposed = overlap ? std::max(gather - costs[big].forward, gather / n) : gather;
-        }
-        break;
+    const double owned = params / (d > 1 && choice.zero_stage >= 1 ? d : 1);
+    if (choice.offload == OffloadMode::kNone) {
+      after.optimizer = kAdamBytesPerParameter * owned / (cluster_.memory_gb_per_s * 1e9) * 1e3;
+    } else {
+      const double pcie = (training_.gradient_bytes + training_.weight_bytes) * owned /
+                          (cluster_.pcie_gb_per_s * 1e9) * 1e3;
+      const double host_share = cluster_.host_memory_gb_per_s / cluster_.gpus_per_node;
+      after.optimizer = pcie + kAdamBytesPerParameter * owned / (host_share * 1e9) * 1e3;
+    }
+    return after;
+  };
+  size_t big = 0;  // the stage that ends the step
+  plan.step_ms = 0;
+  for (size_t st = 0; st < static_cast<size_t>(p); ++st) {
+    const After after = after_backward(st);
+    const double end = sim.stage_end[st] + after.exposed + after.optimizer;
+    if (end > plan.step_ms) {
+      plan.step_ms = end;
+      big = st;
+      plan.costs.data_parallel_ms = after.exposed;
+      plan.costs.optimizer_ms = after.optimizer;
     }
   }
-  plan.costs.data_parallel_ms = exposed;
 
-  const double owned = params / (d > 1 && choice.zero_stage >= 1 ? d : 1);
-  if (choice.offload == OffloadMode::kNone) {
-    plan.costs.optimizer_ms =
-        kAdamBytesPerParameter * owned / (cluster_.memory_gb_per_s * 1e9) * 1e3;
-  } else {
-    const double pcie = (training_.gradient_bytes + training_.weight_bytes) * owned /
-                        (cluster_.pcie_gb_per_s * 1e9) * 1e3;
-    const double host_share = cluster_.host_memory_gb_per_s / cluster_.gpus_per_node;
-    plan.costs.optimizer_ms = pcie + kAdamBytesPerParameter * owned / (host_share * 1e9) * 1e3;
-  }
-  plan.step_ms = plan.costs.pipeline_ms + plan.costs.data_parallel_ms + plan.costs.optimizer_ms;
-
-  // The bottleneck: the largest of the busiest stage's compute and what it waits for.
+  // The bottleneck: the largest of the last stage to end its compute and what it waits for.
   double busy = 0, waits = 0;
   for (int c = 0; c < v; ++c) {
     const size_t chunk = static_cast<size_t>(c) * static_cast<size_t>(p) + big;
@@ -393,7 +407,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   }
   const double p2p_total = 2.0 * m * v * p2p_ms;
   const double communication = plan.costs.data_parallel_ms + p2p_total + waits;
-  const double bubble = std::max(0.0, plan.costs.pipeline_ms - busy);
+  const double bubble = std::max(0.0, sim.stage_end[big] - busy);
   const double swap = choice.offload == OffloadMode::kNone ? 0 : plan.costs.optimizer_ms;
   const std::array<std::pair<double, Bottleneck>, 4> parts{
       {{busy - p2p_total - waits, Bottleneck::kCompute},
