@@ -8,13 +8,16 @@
 //                                                       trains a step (ZeRO-Offload)
 //
 // Prints one line per measurement:
-//   tessera_step device=... params=N B= T= step_ms= tok_s= mfu= peak_gpu_gib= loss=
-// MFU counts 6 N + 12 L C T flops per token (as the PyTorch script), against --peak-flops
-// (default: H100/H200 SXM dense bf16, 989.4e12).
+//   tessera_step device=... params=N vocab= B= T= step_ms= tok_s= mfu= mfu_llmc= peak_gpu_gib=
+//                loss= loss_timed=
+// MFU by two counts of flops per token, against --peak-flops (default: H100/H200 SXM dense bf16,
+// 989.4e12): mfu, 6 N + 12 L C T (attention's matmuls at full T x T, as PaLM's appendix B and
+// Tessera's figures count them); mfu_llmc, 6 N + 6 L C T (llm.c's gpt2_estimate_mfu: the causal
+// half). Every step trains on one batch of tokens the PyTorch script makes alike (SharedTokens),
+// so loss_timed, the mean loss of the timed steps, compares the two on the same data.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -31,7 +34,7 @@ namespace {
 
 struct Options {
   std::string preset = "gpt2-124m";
-  int64_t layers = 0, channels = 0, heads = 0;
+  int64_t layers = 0, channels = 0, heads = 0, vocab = 0;
   int64_t batch = 16;
   int64_t seq_len = 1024;
   int steps = 30;
@@ -48,10 +51,17 @@ struct Measured {
   int64_t params = 0;
   double step_ms = 0;
   double tok_s = 0;
-  double mfu = 0;
+  double mfu = 0, mfu_llmc = 0;
   double peak_gib = 0;
   float loss = 0;
+  double loss_timed = 0;  // the mean over the timed steps
 };
+
+// Token i of the batch (inputs, then targets from i = batch x T on): an LCG both benchmarks
+// compute alike (bench/torch_gpt2_cuda.py's shared_tokens), so they train on the same data.
+int32_t SharedToken(int64_t i, int64_t vocab) {
+  return static_cast<int32_t>(((i * 1103515245 + 12345) % (int64_t{1} << 31)) % vocab);
+}
 
 Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int steps,
                          int warmup) {
@@ -84,10 +94,11 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
                seconds());
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
   std::fprintf(stderr, "bench_gpt2_cuda: initialised in %.1f s\n", seconds());
-  std::mt19937 rng(1);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.vocab - 1));
   std::vector<int32_t> x(static_cast<size_t>(batch * o.seq_len)), y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = SharedToken(static_cast<int64_t>(i), config.vocab);
+    y[i] = SharedToken(static_cast<int64_t>(i + x.size()), config.vocab);
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<Tensor> inputs, Gpt2Batch(config, x, y, batch, o.seq_len));
   std::vector<double> times;
   Measured m;
@@ -97,7 +108,10 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(inputs, 3e-4f));
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (step >= warmup) times.push_back(ms);
+    if (step >= warmup) {
+      times.push_back(ms);
+      m.loss_timed += report.loss / steps;
+    }
     m.loss = report.loss;
     if (config.NumParameters() > (int64_t{1} << 30)) {
       std::fprintf(stderr, "bench_gpt2_cuda: step %d: %.1f s (%.1f s since the start)\n", step + 1,
@@ -108,22 +122,22 @@ Result<Measured> Measure(Gpt2Config config, const Options& o, int64_t batch, int
   m.step_ms = Median(times);
   const double tokens = static_cast<double>(batch * o.seq_len);
   m.tok_s = tokens / (m.step_ms / 1e3);
-  const double flops_per_token =
-      6.0 * static_cast<double>(m.params) +
-      12.0 * static_cast<double>(config.layers * config.channels * o.seq_len);
-  m.mfu = m.tok_s * flops_per_token / o.peak_flops;
+  const double attention = static_cast<double>(config.layers * config.channels * o.seq_len);
+  m.mfu = m.tok_s * (6.0 * static_cast<double>(m.params) + 12.0 * attention) / o.peak_flops;
+  m.mfu_llmc = m.tok_s * (6.0 * static_cast<double>(m.params) + 6.0 * attention) / o.peak_flops;
   m.peak_gib = static_cast<double>(device->memory().peak_bytes) / double(1 << 30);
   return m;
 }
 
 void Print(const Gpt2Config& config, const Options& o, int64_t batch, const Measured& m) {
   std::printf(
-      "tessera_step device=cuda params=%lld layers=%lld channels=%lld B=%lld T=%lld offload=%s "
-      "step_ms=%.2f tok_s=%.0f mfu=%.4f peak_gpu_gib=%.2f loss=%.4f\n",
+      "tessera_step device=cuda params=%lld layers=%lld channels=%lld vocab=%lld B=%lld T=%lld "
+      "offload=%s step_ms=%.2f tok_s=%.0f mfu=%.4f mfu_llmc=%.4f peak_gpu_gib=%.2f loss=%.4f "
+      "loss_timed=%.4f\n",
       static_cast<long long>(m.params), static_cast<long long>(config.layers),
-      static_cast<long long>(config.channels), static_cast<long long>(batch),
-      static_cast<long long>(o.seq_len), o.offload.c_str(), m.step_ms, m.tok_s, m.mfu, m.peak_gib,
-      m.loss);
+      static_cast<long long>(config.channels), static_cast<long long>(config.vocab),
+      static_cast<long long>(batch), static_cast<long long>(o.seq_len), o.offload.c_str(),
+      m.step_ms, m.tok_s, m.mfu, m.mfu_llmc, m.peak_gib, m.loss, m.loss_timed);
   std::fflush(stdout);
 }
 
@@ -147,6 +161,8 @@ int Main(int argc, char** argv) {
   app.add_option("--layers", o.layers, "Override the preset's layers");
   app.add_option("--channels", o.channels, "Override the preset's channels");
   app.add_option("--heads", o.heads, "Override the preset's heads");
+  app.add_option("--vocab", o.vocab,
+                 "Override the preset's vocabulary (50304: GPT-2's padded to a multiple of 128)");
   app.add_option("--batch", o.batch, "Sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--seq-len", o.seq_len, "Tokens per sequence")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "Timed steps")->check(CLI::PositiveNumber);
@@ -169,6 +185,7 @@ int Main(int argc, char** argv) {
   if (o.layers) config.layers = o.layers;
   if (o.channels) config.channels = o.channels;
   if (o.heads) config.heads = o.heads;
+  if (o.vocab) config.vocab = o.vocab;
   if (o.max_model) {
     for (size_t i = o.from_shape; i < Shapes().size(); ++i) {
       const Gpt2Config& shape = Shapes()[i];

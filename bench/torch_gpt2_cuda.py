@@ -4,13 +4,16 @@
 The same model and step as train_gpt2 --device cuda: pre-norm blocks, GELU (tanh), tied
 classifier, mean cross-entropy, global-norm clipping (1.0) and AdamW (betas 0.9/0.95, eps 1e-8,
 weight decay 0.1 on matrices, fp32 master weights and state), under bf16 autocast with flash
-attention (scaled_dot_product_attention, is_causal), fused AdamW. Random tokens.
+attention (scaled_dot_product_attention, is_causal), fused AdamW. Every step trains on one batch
+of tokens made by an LCG that bench_gpt2_cuda computes alike (shared_tokens), so the mean loss
+of the timed steps (loss_timed) compares the two on the same data.
 
 usage:
   torch_gpt2_cuda.py speed [--layers 12 --channels 768 --heads 12 --vocab 50257 --seq-len 1024]
                            [--batch 16] [--steps 30] [--compile [--activation-budget F]]
                            [--fsdp-cpu-offload]
-      prints: torch_step ... tok_s=<tokens/s> mfu=<fraction> step_ms=<median> loss=<last>
+      prints: torch_step ... tok_s=<tokens/s> mfu=<fraction> mfu_llmc=<fraction>
+              step_ms=<median> loss=<last> loss_timed=<mean of the timed steps>
   torch_gpt2_cuda.py max-model [--seq-len 1024 --batch 1 --from-shape K]
       tries GPT-2-shaped models of growing size (one subprocess each) and prints the largest
       that trains one step: torch_max_model layers=.. channels=.. params=..
@@ -22,9 +25,10 @@ of train_gpt2 --activation-budget F. --fsdp-cpu-offload trains under FSDP2 on th
 CPUOffloadPolicy (parameters, gradients and Adam state on the host; the peer of Tessera's
 --offload parameters), also in max-model.
 
-MFU counts 6 N + 12 L C T flops per token (N: every parameter, the tied wte once; attention's
-matmuls at full T x T, as PaLM and llm.c count them) against the H100 SXM's dense bf16 peak,
-989.4e12 flop/s (--peak-flops to change).
+MFU by two counts of flops per token (N: every parameter, the tied wte once) against the H100
+SXM's dense bf16 peak, 989.4e12 flop/s (--peak-flops to change): mfu, 6 N + 12 L C T
+(attention's matmuls at full T x T, as PaLM's appendix B and Tessera's bench_gpt2_cuda count
+them); mfu_llmc, 6 N + 6 L C T (llm.c's gpt2_estimate_mfu, the causal half).
 """
 import argparse
 import math
@@ -136,6 +140,12 @@ def make_step(args):
     return step, params
 
 
+def shared_tokens(start, count, vocab):
+    """Tokens start .. start+count-1 of the LCG bench_gpt2_cuda's SharedToken computes."""
+    i = torch.arange(start, start + count, dtype=torch.int64)
+    return ((i * 1103515245 + 12345) % 2**31) % vocab
+
+
 def speed(args):
     if args.gpu_memory_gib > 0:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -143,13 +153,14 @@ def speed(args):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     step, params = make_step(args)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq_len), device="cuda", generator=g)
-    tgt = torch.randint(0, args.vocab, (args.batch, args.seq_len), device="cuda", generator=g)
+    n = args.batch * args.seq_len
+    idx = shared_tokens(0, n, args.vocab).view(args.batch, args.seq_len).cuda()
+    tgt = shared_tokens(n, n, args.vocab).view(args.batch, args.seq_len).cuda()
     for _ in range(args.warmup):
         step(idx, tgt)
     torch.cuda.synchronize()
     times = []
+    losses = []
     loss = None
     for _ in range(args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -158,18 +169,21 @@ def speed(args):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+        losses.append(loss.item())
     times.sort()
     median = times[len(times) // 2]
     tokens = args.batch * args.seq_len
-    flops_per_token = 6 * params + 12 * args.layers * args.channels * args.seq_len
+    attention = args.layers * args.channels * args.seq_len
     tok_s = tokens / median
-    mfu = tok_s * flops_per_token / args.peak_flops
+    mfu = tok_s * (6 * params + 12 * attention) / args.peak_flops
+    mfu_llmc = tok_s * (6 * params + 6 * attention) / args.peak_flops
     print(f"torch_step torch={torch.__version__} compile={int(args.compile)} "
           f"budget={args.activation_budget:g} fsdp_cpu_offload={int(args.fsdp_cpu_offload)} "
-          f"device='{torch.cuda.get_device_name()}' params={params} B={args.batch} "
-          f"T={args.seq_len} step_ms={median * 1e3:.2f} tok_s={tok_s:.0f} mfu={mfu:.4f} "
+          f"device='{torch.cuda.get_device_name()}' params={params} vocab={args.vocab} "
+          f"B={args.batch} T={args.seq_len} step_ms={median * 1e3:.2f} tok_s={tok_s:.0f} "
+          f"mfu={mfu:.4f} mfu_llmc={mfu_llmc:.4f} "
           f"peak_mem_gib={torch.cuda.max_memory_allocated() / 2**30:.2f} "
-          f"loss={loss.item():.4f}", flush=True)
+          f"loss={loss.item():.4f} loss_timed={sum(losses) / len(losses):.4f}", flush=True)
 
 
 # GPT-2-shaped models (layers, channels, heads), growing; head sizes 64 or 128 (Tessera's

@@ -15,7 +15,8 @@
 #                                     budgets next to torch.compile's, and parameter offload's
 #                                     largest model next to FSDP2 with CPU offload)
 #
-# Knobs (environment): SPEED_BATCHES (default "16 32"); CHECK_CPU=0 runs only the GPU side of
+# Knobs (environment): SPEED_BATCHES (default "16 32"), SPEED_VOCABS (default "50257 50304"),
+# SPEED_REPEATS (default 3: rounds of the speed race, its order rotated); CHECK_CPU=0 runs only the GPU side of
 # the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
 # it is fp32 and takes minutes per step); MAX_MODEL_FROM=K starts both model-size searches at
 # shape K of their common list; MEMORY_SECONDS bounds each search (default 600); GPU_MEMORY_GIB
@@ -107,14 +108,36 @@ run() {
     fi
   fi
   if [[ "$part" == all || "$part" == speed ]]; then
+    # Tessera, PyTorch eager and torch.compile on the same model, shapes, vocabulary and tokens,
+    # at GPT-2's vocabulary and at it padded to 50304 (llm.c's and nanoGPT's), each repeated
+    # SPEED_REPEATS times with the order of the three rotated every round (so none always runs
+    # first on a cold or warm GPU); the summary takes medians.
     echo "== speed race: GPT-2 124M, T=1024"
-    for batch in ${SPEED_BATCHES:-16 32}; do
-      timeout 300 .gpu/bin/bench_gpt2_cuda --batch "$batch" 2>&1 | tee -a "$out/speed.txt" |
-        tail -n 1 || true
-      timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" 2>&1 |
-        grep torch_step | tee -a "$out/speed.txt" || true
-      timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" --compile 2>&1 |
-        grep torch_step | tee -a "$out/speed.txt" || true
+    local runners=(tessera eager compile)
+    for vocab in ${SPEED_VOCABS:-50257 50304}; do
+      for batch in ${SPEED_BATCHES:-16 32}; do
+        for ((round = 0; round < ${SPEED_REPEATS:-3}; ++round)); do
+          for ((k = 0; k < 3; ++k)); do
+            local runner="${runners[$(((round + k) % 3))]}"
+            case "$runner" in
+              tessera)
+                timeout 300 .gpu/bin/bench_gpt2_cuda --batch "$batch" --vocab "$vocab" 2>&1 |
+                  grep tessera_step | sed "s/^/round=$round /" | tee -a "$out/speed.txt" || true
+                ;;
+              eager)
+                timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" \
+                  --vocab "$vocab" 2>&1 | grep torch_step | sed "s/^/round=$round /" |
+                  tee -a "$out/speed.txt" || true
+                ;;
+              compile)
+                timeout 300 python3 .gpu/torch_gpt2_cuda.py speed --batch "$batch" \
+                  --vocab "$vocab" --compile 2>&1 | grep torch_step | sed "s/^/round=$round /" |
+                  tee -a "$out/speed.txt" || true
+                ;;
+            esac
+          done
+        done
+      done
     done
   fi
   if [[ "$part" == all || "$part" == layers ]]; then
@@ -181,13 +204,37 @@ summarize() {
       tr '\n' ' ')"
   done
   if [[ -f "$out/speed.txt" ]]; then
-    for batch in ${SPEED_BATCHES:-16 32}; do
-      local t p c
-      t=$(grep "tessera_step" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*mfu=([0-9.]+).*/\1 \2/')
-      p=$(grep "compile=0" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*/\1/')
-      c=$(grep "compile=1" "$out/speed.txt" | grep " B=$batch " | sed -E 's/.*tok_s=([0-9]+).*/\1/')
-      echo "B=$batch tessera_tok_s=${t% *} torch_tok_s=$p torch_compile_tok_s=$c mfu=${t#* }"
-    done
+    # Per vocabulary, batch and runner: the medians over the rounds of tokens/s, both MFUs and the
+    # timed steps' mean loss, and Tessera's speed over each PyTorch's.
+    python3 - "$out/speed.txt" <<'PY'
+import re, statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    fields = dict(re.findall(r"(\w+)=('[^']*'|\S+)", line))
+    if "tok_s" not in fields:
+        continue
+    runner = "tessera" if "tessera_step" in line else (
+        "compile" if fields.get("compile") == "1" else "eager")
+    key = (fields.get("vocab", "?"), fields["B"], runner)
+    for name in ("tok_s", "mfu", "mfu_llmc", "loss_timed"):
+        if name in fields:
+            rows.setdefault(key + (name,), []).append(float(fields[name]))
+def med(*key):
+    values = rows.get(key)
+    return statistics.median(values) if values else float("nan")
+for vocab, batch in sorted({(k[0], k[1]) for k in rows}, key=lambda k: (k[0], int(k[1]))):
+    t, e, c = (med(vocab, batch, r, "tok_s") for r in ("tessera", "eager", "compile"))
+    n = len(rows.get((vocab, batch, "tessera", "tok_s"), []))
+    print(f"vocab={vocab} B={batch} (median of {n}): tok_s tessera={t:.0f} torch={e:.0f} "
+          f"torch_compile={c:.0f}; tessera/torch={t / e:.3f} tessera/compile={t / c:.3f}; "
+          f"mfu (6N+12LCT) tessera={med(vocab, batch, 'tessera', 'mfu'):.4f} "
+          f"compile={med(vocab, batch, 'compile', 'mfu'):.4f}; mfu_llmc (6N+6LCT) "
+          f"tessera={med(vocab, batch, 'tessera', 'mfu_llmc'):.4f} "
+          f"compile={med(vocab, batch, 'compile', 'mfu_llmc'):.4f}; loss_timed "
+          f"tessera={med(vocab, batch, 'tessera', 'loss_timed'):.4f} "
+          f"torch={med(vocab, batch, 'eager', 'loss_timed'):.4f} "
+          f"compile={med(vocab, batch, 'compile', 'loss_timed'):.4f}")
+PY
   fi
   if [[ -f "$out/planner_budgets.txt" ]]; then
     grep -E "^tessera .*summary|^torch " "$out/planner_budgets.txt" |
