@@ -296,7 +296,8 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   plan.peak_gib += cluster_.reserved_gib;
   // The optimizer's host memory, with offload: a node's GPUs' shards.
   if (choice.offload != OffloadMode::kNone) {
-    const double owned = stage_params.front() / (d > 1 && choice.zero_stage >= 1 ? d : 1);
+    const double largest = *std::max_element(stage_params.begin(), stage_params.end());
+    const double owned = largest / (d > 1 && choice.zero_stage >= 1 ? d : 1);
     const double host = training_.optimizer_bytes * owned * cluster_.gpus_per_node / kGiB;
     if (host > cluster_.host_memory_gib) {
       if (shortfall_gib != nullptr) {

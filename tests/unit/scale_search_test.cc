@@ -233,6 +233,28 @@ TEST(ScaleSearchTest, RefusesWhatCannotFitWithTheShortfallAndTheFix) {
   space.gpus = {16};
   EXPECT_EQ(SearchAtScale(A100s(1), shape, training, space).status().code(),
             StatusCode::kInvalidArgument);
+  // The optimizer offloaded to hosts with room for the first stage's shards but not the last's
+  // (Llama's untied classifier and final norm: the largest stage by a norm's width).
+  const TransformerShape llama = *TransformerShape::Preset("llama2-70b");
+  PlanChoice offloaded;
+  offloaded.data_parallel = 8;
+  offloaded.pipeline_stages = 16;  // five layers each
+  offloaded.micro_batches = 8;
+  offloaded.schedule = PipelineSchedule::kGPipe;
+  offloaded.zero_stage = 1;
+  offloaded.offload = OffloadMode::kOptimizer;
+  const double layers = 5 * static_cast<double>(llama.LayerParameters());
+  const double first = layers + static_cast<double>(llama.EmbeddingParameters());
+  const double last = layers + static_cast<double>(llama.HeadParameters());
+  ASSERT_GT(last, first);
+  // 12 bytes a parameter, sharded over the 8 ranks, 8 GPUs a node.
+  const auto node_gib = [](double params) { return 12 * params / 8 * 8 / (1 << 30); };
+  DescribedCluster small_hosts = A100s(16);
+  small_hosts.host_memory_gib = (node_gib(first) + node_gib(last)) / 2;
+  const Result<ScalePlan> refused_host =
+      EvaluateScalePlan(small_hosts, llama, training, offloaded, 1, RankLayout::kStagesInNode);
+  EXPECT_EQ(refused_host.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(refused_host.status().message(), HasSubstr("GiB of host memory per node"));
   PlanChoice wrong_batch;
   wrong_batch.data_parallel = 8;
   EXPECT_EQ(EvaluateScalePlan(A100s(1), shape, training, wrong_batch, 1, RankLayout::kStagesInNode)
