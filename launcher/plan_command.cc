@@ -23,6 +23,8 @@
 namespace tessera {
 namespace {
 
+int64_t SeqLen(const PlanCommandFlags& flags) { return flags.seq_len > 0 ? flags.seq_len : 64; }
+
 Result<ModelSpec> BuildModel(const PlanCommandFlags& flags, bool gpu) {
   if (flags.model == "gpt2") {
     TESSERA_ASSIGN_OR_RETURN(Gpt2Config config, Gpt2Config::Preset(flags.preset));
@@ -30,7 +32,7 @@ Result<ModelSpec> BuildModel(const PlanCommandFlags& flags, bool gpu) {
     if (flags.channels > 0) config.channels = flags.channels;
     if (flags.heads > 0) config.heads = flags.heads;
     if (flags.vocab > 0) config.vocab = flags.vocab;
-    config.max_seq_len = std::max(config.max_seq_len, flags.seq_len);
+    config.max_seq_len = std::max(config.max_seq_len, SeqLen(flags));
     if (gpu) config.activations = GpuActivations();
     TESSERA_RETURN_IF_ERROR(config.Validate().WithContext("--model gpt2"));
     return BuildGpt2(config);
@@ -56,6 +58,16 @@ Status PlanAtScale(const PlanCommandFlags& flags) {
   }
   TESSERA_ASSIGN_OR_RETURN(DescribedCluster cluster, launcher::ReadDescribedCluster(flags.cluster));
   TESSERA_ASSIGN_OR_RETURN(TransformerShape shape, TransformerShape::Preset(flags.model));
+  // The preset's shape, changed where the flags say (a model of one's own, by its shape).
+  if (flags.layers > 0) shape.layers = flags.layers;
+  if (flags.channels > 0) shape.hidden = flags.channels;
+  if (flags.heads > 0) shape.heads = flags.heads;
+  if (flags.vocab > 0) shape.vocab = flags.vocab;
+  if (flags.seq_len > 0) shape.seq_len = flags.seq_len;
+  const bool changed = flags.layers > 0 || flags.channels > 0 || flags.heads > 0 ||
+                       flags.vocab > 0 || flags.seq_len > 0;
+  if (changed) shape.name += " (changed)";
+  TESSERA_RETURN_IF_ERROR(shape.Validate().WithContext("--layers/--channels/--heads"));
   ScaleTraining training;
   training.global_batch = flags.batch > 0 ? flags.batch : shape.published_batch;
   training.overlap_communication = !flags.no_overlap;
@@ -103,7 +115,7 @@ Status Plan(const PlanCommandFlags& flags) {
   TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildModel(flags, !device.is_cpu()));
   TrainingPlan base;
   base.batch = flags.batch > 0 ? flags.batch : 8;
-  base.seq_len = flags.model == "gpt2" ? flags.seq_len : 1;
+  base.seq_len = flags.model == "gpt2" ? SeqLen(flags) : 1;
   if (!device.is_cpu()) base.device = Device::Cuda(0);
   base.memory.host_bytes = static_cast<int64_t>(flags.host_memory_gib * (1 << 30));
   base.memory.device_bytes = static_cast<int64_t>(flags.device_memory_gib * (1 << 30));
@@ -161,7 +173,7 @@ Status Plan(const PlanCommandFlags& flags) {
                                           }));
   std::printf("%s, batch %lld%s on %d worker(s); calibration %s\n", flags.model.c_str(),
               static_cast<long long>(base.batch),
-              flags.model == "gpt2" ? fmt::format(" x {} tokens", flags.seq_len).c_str() : "",
+              flags.model == "gpt2" ? fmt::format(" x {} tokens", SeqLen(flags)).c_str() : "",
               flags.workers, chosen.calibration_source.c_str());
   std::printf("%s", DescribeSearch(chosen.search, flags.top).c_str());
   std::printf("best: %s\n", chosen.why.c_str());
@@ -185,20 +197,23 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
           {"gpt2", "unet3d", "gpt3-175b", "megatron-76b", "llama2-70b", "gpt2-1.5b"}));
   command->add_option("--preset", flags.preset,
                       "The model's preset (gpt2: tiny, small, gpt2-124m; unet3d: tiny, small)");
-  command->add_option("--layers", flags.layers, "GPT-2 blocks (overrides the preset)")
+  command->add_option("--layers", flags.layers, "Transformer blocks (overrides the preset)")
       ->check(AtLeast(1));
-  command->add_option("--channels", flags.channels, "GPT-2 width (overrides the preset)")
+  command->add_option("--channels", flags.channels, "Width (overrides the preset)")
       ->check(AtLeast(1));
-  command->add_option("--heads", flags.heads, "GPT-2 attention heads (overrides the preset)")
+  command->add_option("--heads", flags.heads, "Attention heads (overrides the preset)")
       ->check(AtLeast(1));
-  command->add_option("--vocab", flags.vocab, "GPT-2 vocabulary (overrides the preset)")
+  command->add_option("--vocab", flags.vocab, "Vocabulary (overrides the preset)")
       ->check(AtLeast(1));
   command
       ->add_option("--batch", flags.batch,
                    "Global batch (sequences or volumes per step; default 8, with --cluster the "
                    "model's published batch)")
       ->check(AtLeast(1));
-  command->add_option("--seq-len", flags.seq_len, "GPT-2 tokens per sequence")->check(AtLeast(1));
+  command
+      ->add_option("--seq-len", flags.seq_len,
+                   "Tokens per sequence (default 64 for gpt2, the preset's with --cluster)")
+      ->check(AtLeast(1));
   command->add_option("--workers", flags.workers, "Workers to plan for")->check(AtLeast(1));
   command
       ->add_option("--host-memory-gib", flags.host_memory_gib,

@@ -9,8 +9,9 @@
 //                [--no-overlap]
 //
 // With --cluster the cluster is described, not probed (launcher/described_cluster.h), and the
-// model is a transformer by its shape (gpt3-175b, megatron-76b, llama2-70b, gpt2-1.5b): the
-// search at scale (planner/scale_search.h) simulates every plan on the described hardware.
+// model is a transformer by its shape (gpt3-175b, megatron-76b, llama2-70b, gpt2-1.5b; --layers,
+// --channels, --heads, --vocab and --seq-len change it): the search at scale
+// (planner/scale_search.h) simulates every plan on the described hardware.
 //
 // The calibration is measured where the plan would run: on the cluster at --address, else on a
 // local cluster of N CPU workers started for the probes (--no-probe: only this process's layer
@@ -30,8 +31,8 @@ struct PlanCommandFlags {
   std::string model = "gpt2";
   std::string preset = "tiny";
   int64_t layers = 0, channels = 0, heads = 0, vocab = 0;  // GPT-2 overrides (0: the preset's)
-  int64_t batch = 0;  // 0: 8, or with --cluster the model's published global batch
-  int64_t seq_len = 64;
+  int64_t batch = 0;    // 0: 8, or with --cluster the model's published global batch
+  int64_t seq_len = 0;  // 0: 64 for gpt2, the preset's with --cluster
   int workers = 1;
   double host_memory_gib = 0, device_memory_gib = 0;
   std::string device = "cpu";

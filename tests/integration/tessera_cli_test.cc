@@ -413,6 +413,19 @@ TEST(TesseraCliTest, PlanSearchesADescribedClusterAndRefusesWhatCannotFit) {
       << refused.output;
   EXPECT_NE(refused.output.find("Use more GPUs"), std::string::npos) << refused.output;
 
+  // A shape of one's own: the preset changed by the model flags.
+  BoundedRun changed = plan("--cluster " + rack +
+                            " --model gpt2-1.5b --layers 24 --channels 2048 --heads 16 "
+                            "--seq-len 2048 --gpus 64 --top 1");
+  ASSERT_EQ(changed.exit_code, 0) << changed.output;
+  EXPECT_NE(changed.output.find("gpt2-1.5b (changed) (1.3B parameters), global batch 512 x 2048"),
+            std::string::npos)
+      << changed.output;
+  BoundedRun bad_shape = plan("--cluster " + rack + " --model gpt2-1.5b --heads 7");
+  EXPECT_EQ(bad_shape.exit_code, 1) << bad_shape.output;
+  EXPECT_NE(bad_shape.output.find("hidden 1600 is not a multiple of heads 7"), std::string::npos)
+      << bad_shape.output;
+
   BoundedRun no_cluster = plan("--model llama2-70b");
   EXPECT_EQ(no_cluster.exit_code, 1) << no_cluster.output;
   EXPECT_NE(no_cluster.output.find("add --cluster FILE.yaml"), std::string::npos)
