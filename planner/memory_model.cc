@@ -28,8 +28,10 @@ const char* MemoryTierName(MemoryTier tier) {
   return "?";
 }
 
-MemoryTier TierOf(const TensorMeta& meta) {
-  switch (meta.device.kind) {
+MemoryTier TierOf(const TensorMeta& meta) { return TierOf(meta.device); }
+
+MemoryTier TierOf(const Device& device) {
+  switch (device.kind) {
     case DeviceKind::kCpu:
       return MemoryTier::kHost;
     case DeviceKind::kCuda:

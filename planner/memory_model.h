@@ -62,6 +62,9 @@ inline constexpr size_t kMemoryTiers = 3;
 const char* MemoryTierName(MemoryTier tier);
 // The tier an object of this meta lives in: the device tier off the host, else the host tier.
 MemoryTier TierOf(const TensorMeta& meta);
+// The tier a device's memory is: a CPU's the host tier, a GPU's the device tier, the disk's its own
+// (a plan's compute tier: TierOf(plan.device)).
+MemoryTier TierOf(const Device& device);
 
 using RoleArray = std::array<int64_t, kObjectRoles>;
 

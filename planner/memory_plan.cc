@@ -72,10 +72,6 @@ double SwapLinkBytesPerUs(const TrainingPlan& plan) {
                               : plan.memory.host_link_bytes_per_us;
 }
 
-MemoryTier ComputeTier(const TrainingPlan& plan) {
-  return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
-}
-
 int64_t CapOf(const TrainingPlan& plan, MemoryTier tier) {
   return tier == MemoryTier::kDevice ? plan.memory.device_bytes : plan.memory.host_bytes;
 }
@@ -511,7 +507,7 @@ Result<std::string> ResplitWhileItFits(const ModelSpec& model, const TrainingPla
 // (the caller's budget, of its own uncapped activations); 0: from the plan's budget.
 Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry,
                       bool suggest, int64_t activation_cap = 0) {
-  const MemoryTier tier = ComputeTier(plan);
+  const MemoryTier tier = TierOf(plan.device);
   Caps caps;
   caps.total = CapOf(plan, tier);
   const ParallelConfig& parallel = plan.parallel;
@@ -853,7 +849,7 @@ std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
     }
     changes.push_back(std::move(change));
   }
-  const MemoryTier tier = ComputeTier(plan);
+  const MemoryTier tier = TierOf(plan.device);
   std::string fits;
   for (Change& change : changes) {
     change.plan.memory.activation_budget = 0;  // a share of another plan's peak: not comparable

@@ -27,10 +27,6 @@ bool AnyLayerSplits(const ModelSpec& model) {
                      [](const LayerSpec& layer) { return !layer.backward_input_op.empty(); });
 }
 
-MemoryTier CapTier(const TrainingPlan& plan) {
-  return plan.device.is_cpu() ? MemoryTier::kHost : MemoryTier::kDevice;
-}
-
 int64_t CapOf(const TrainingPlan& plan) {
   return plan.device.is_cpu() ? plan.memory.host_bytes : plan.memory.device_bytes;
 }
@@ -97,7 +93,7 @@ int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   if (!step.ok()) return 0;
   Result<MemoryProfile> profile = PredictMemory(step->graph);
   if (!profile.ok()) return 0;
-  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(CapTier(plan))];
+  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(TierOf(plan.device))];
   return std::max<int64_t>(0, peak - CapOf(plan));
 }
 
@@ -112,7 +108,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
   Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
   if (!step.ok()) {
-    RefusedPlan refused{choice, step.status().message(), 0, CapTier(plan)};
+    RefusedPlan refused{choice, step.status().message(), 0, TierOf(plan.device)};
     if (step.status().code() == StatusCode::kInfeasible && CapOf(plan) > 0) {
       refused.shortfall_bytes = Shortfall(model, plan, registry);
     }
@@ -125,7 +121,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   // untimed order, which the memory plan fits by, finishes them at once). The larger of the two.
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
-  const auto tier = static_cast<size_t>(CapTier(plan));
+  const auto tier = static_cast<size_t>(TierOf(plan.device));
   const int64_t untimed_peak = peaks[tier];
   int64_t timed_peak = 0;
   if (Result<MemoryProfile> timed =
@@ -141,8 +137,8 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
         choice,
         fmt::format("fits the cap in the executor's order, but with its collectives and copies "
                     "taking their time it peaks at {} on the {} tier, over the cap of {}",
-                    MibText(peaks[tier]), MemoryTierName(CapTier(plan)), MibText(cap)),
-        peaks[tier] - cap, CapTier(plan)});
+                    MibText(peaks[tier]), MemoryTierName(TierOf(plan.device)), MibText(cap)),
+        peaks[tier] - cap, TierOf(plan.device)});
   }
   RankedPlan ranked;
   ranked.choice = choice;
@@ -390,7 +386,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
       result.refused.push_back(std::get<RefusedPlan>(std::move(*outcome)));
     }
   }
-  const auto tier = static_cast<size_t>(CapTier(base));
+  const auto tier = static_cast<size_t>(TierOf(base.device));
   std::vector<size_t> rank(result.ranked.size());
   for (size_t i = 0; i < rank.size(); ++i) rank[i] = i;
   std::stable_sort(rank.begin(), rank.end(), [&](size_t a, size_t b) {

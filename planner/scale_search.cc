@@ -190,6 +190,8 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   stage_params.back() += head_params;
 
   const bool zero3 = d > 1 && choice.zero_stage == 3, zero2 = d > 1 && choice.zero_stage == 2;
+  // The parameters a rank updates (its shard under ZeRO >= 1), of a stage's.
+  const double update_share = d > 1 && choice.zero_stage >= 1 ? 1.0 / d : 1.0;
   const bool split = SplitsBackward(choice.schedule);
   // Chunk costs with a fraction of each stage's layers recomputed. The data-parallel traffic a
   // chunk's ops wait on (ZeRO-2/3) is priced per op: with overlap the op takes the longer of its
@@ -297,7 +299,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   // The optimizer's host memory, with offload: a node's GPUs' shards.
   if (choice.offload != OffloadMode::kNone) {
     const double largest = *std::max_element(stage_params.begin(), stage_params.end());
-    const double owned = largest / (d > 1 && choice.zero_stage >= 1 ? d : 1);
+    const double owned = largest * update_share;
     const double host = training_.optimizer_bytes * owned * cluster_.gpus_per_node / kGiB;
     if (host > cluster_.host_memory_gib) {
       if (shortfall_gib != nullptr) {
@@ -337,9 +339,9 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   struct After {
     double exposed = 0, optimizer = 0;
   };
-  auto after_backward = [&](size_t big) {
+  auto after_backward = [&](size_t stage) {
     After after;
-    const double params = stage_params[big];
+    const double params = stage_params[stage];
     const double grad_bytes = training_.gradient_bytes * params;
     const double weight_bytes = training_.weight_bytes * params;
     double& exposed = after.exposed;
@@ -347,10 +349,10 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
       // The last micro-batch's backward over the stage hides all but its last layer's reduction.
       double last_backward = 0;
       for (int c = 0; c < v; ++c) {
-        last_backward += costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].backward +
-                         costs[static_cast<size_t>(c) * static_cast<size_t>(p) + big].weight;
+        last_backward += costs[static_cast<size_t>(c) * static_cast<size_t>(p) + stage].backward +
+                         costs[static_cast<size_t>(c) * static_cast<size_t>(p) + stage].weight;
       }
-      const double n = std::max(1, stage_layers[big]);
+      const double n = std::max(1, stage_layers[stage]);
       auto overlapped = [&](double ms) {
         return overlap ? std::max(ms - last_backward * (n - 1) / n, ms / n) : ms;
       };
@@ -370,12 +372,12 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
           // layer's gather.
           if (p > 1) {
             const double gather = RingMs(weight_bytes, d, Ring::kAllGather, dp_link);
-            exposed = overlap ? std::max(gather - costs[big].forward, gather / n) : gather;
+            exposed = overlap ? std::max(gather - costs[stage].forward, gather / n) : gather;
           }
           break;
       }
     }
-    const double owned = params / (d > 1 && choice.zero_stage >= 1 ? d : 1);
+    const double owned = params * update_share;
     if (choice.offload == OffloadMode::kNone) {
       after.optimizer = kAdamBytesPerParameter * owned / (cluster_.memory_gb_per_s * 1e9) * 1e3;
     } else {
@@ -386,29 +388,29 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
     }
     return after;
   };
-  size_t big = 0;  // the stage that ends the step
+  size_t ending = 0;  // the stage that ends the step
   plan.step_ms = 0;
   for (size_t st = 0; st < static_cast<size_t>(p); ++st) {
     const After after = after_backward(st);
     const double end = sim.stage_end[st] + after.exposed + after.optimizer;
     if (end > plan.step_ms) {
       plan.step_ms = end;
-      big = st;
+      ending = st;
       plan.costs.data_parallel_ms = after.exposed;
       plan.costs.optimizer_ms = after.optimizer;
     }
   }
 
-  // The bottleneck: the largest of the last stage to end its compute and what it waits for.
+  // The bottleneck: the largest of the ending stage's compute and what it waits for.
   double busy = 0, waits = 0;
   for (int c = 0; c < v; ++c) {
-    const size_t chunk = static_cast<size_t>(c) * static_cast<size_t>(p) + big;
+    const size_t chunk = static_cast<size_t>(c) * static_cast<size_t>(p) + ending;
     busy += m * (costs[chunk].forward + costs[chunk].backward + costs[chunk].weight);
     waits += m * chunk_wait[chunk];
   }
   const double p2p_total = 2.0 * m * v * p2p_ms;
   const double communication = plan.costs.data_parallel_ms + p2p_total + waits;
-  const double bubble = std::max(0.0, sim.stage_end[big] - busy);
+  const double bubble = std::max(0.0, sim.stage_end[ending] - busy);
   const double swap = choice.offload == OffloadMode::kNone ? 0 : plan.costs.optimizer_ms;
   const std::array<std::pair<double, Bottleneck>, 4> parts{
       {{busy - p2p_total - waits, Bottleneck::kCompute},
