@@ -41,6 +41,37 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .cost = ElementwiseCost(1),
                                         .gradient = Rule("add_backward", {OutGrad(0)}, {0, 1})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "bias_add_forward",
+      .doc = "out = x + b, b [C] added to every row of x [..., C] (a row-parallel linear's bias, "
+             "added once after its partial sums are all-reduced)",
+      .input_names = {"x", "b"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckDType("b", in[1], DType::kF32));
+        if (in[0].shape.rank() < 1 || in[1].shape.rank() != 1 ||
+            in[1].shape[0] != in[0].shape[in[0].shape.rank() - 1]) {
+          return InvalidArgument("bias 'b' of shape {} does not match the last dimension of x {}",
+                                 in[1].shape.ToString(), in[0].shape.ToString());
+        }
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(1),
+      .gradient = Rule("bias_add_backward", {OutGrad(0)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(
+      r.AddOp(OpDef{.name = "bias_add_backward",
+                    .doc = "dx = dout; db = dout summed over every row",
+                    .input_names = {"dout"},
+                    .output_names = {"dx", "db"},
+                    .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+                      TESSERA_RETURN_IF_ERROR(CheckDType("dout", in[0], DType::kF32));
+                      if (in[0].shape.rank() < 1)
+                        return InvalidArgument("dout is a scalar; it needs rows of C");
+                      const int64_t c = in[0].shape[in[0].shape.rank() - 1];
+                      return Metas{in[0], TensorMeta{Shape{c}, DType::kF32, in[0].device}};
+                    },
+                    .cost = ElementwiseCost(1)}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "reshape",
       .doc = "the same elements in attribute 'shape' (one dimension may be -1: inferred)",
       .input_names = {"x"},

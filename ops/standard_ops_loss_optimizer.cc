@@ -100,11 +100,24 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sum_of_squares",
-      .doc = "sum of squared elements (a gradient's contribution to the global norm)",
+      .doc = "sum of squared elements (a gradient's contribution to the global norm); with "
+             "attribute 'ranges' [begin0, end0, begin1, end1, ...], of those elements only (a "
+             "tensor-parallel rank leaving out the replicated slots another rank counts)",
       .input_names = {"x"},
       .output_names = {"sum"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        if (attrs.Has("ranges")) {
+          TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("ranges"));
+          for (size_t i = 0; i < ranges.size(); i += 2) {
+            if (i + 1 >= ranges.size() || ranges[i] < 0 || ranges[i] > ranges[i + 1] ||
+                ranges[i + 1] > in[0].numel()) {
+              return InvalidArgument(
+                  "attribute 'ranges' must be pairs begin <= end within x's {} elements",
+                  in[0].numel());
+            }
+          }
+        }
         return Metas{Scalar()};
       },
       .cost = ElementwiseCost(2),

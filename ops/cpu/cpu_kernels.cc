@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "core/atomic_file.h"
 #include "core/checksum.h"
@@ -182,6 +183,33 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                  return Status::Ok();
                }));
   TESSERA_RETURN_IF_ERROR(
+      Register(r, "bias_add_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const int64_t c = in[1].numel();
+                 const int64_t rows = in[0].numel() / c;
+                 const float* x = F(in[0]);
+                 const float* b = F(in[1]);
+                 float* y = F(out[0]);
+                 for (int64_t i = 0; i < rows; ++i) cpu::Add(y + i * c, x + i * c, b, c);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "bias_add_backward",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+        const int64_t c = out[1].numel();
+        const int64_t rows = in[0].numel() / c;
+        const float* dout = F(in[0]);
+        std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
+        // Summed in double, row by row: the same order on every rank.
+        std::vector<double> sum(static_cast<size_t>(c), 0.0);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < c; ++j) sum[static_cast<size_t>(j)] += dout[i * c + j];
+        }
+        float* db = F(out[1]);
+        for (int64_t j = 0; j < c; ++j) db[j] = static_cast<float>(sum[static_cast<size_t>(j)]);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(
       Register(r, "accumulate",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
                  cpu::Add(F(out[0]), F(out[0]), F(in[1]), in[0].numel());  // out[0] holds sum
@@ -329,8 +357,17 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
                }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "sum_of_squares",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 *F(out[0]) = static_cast<float>(cpu::SumOfSquares(F(in[0]), in[0].numel()));
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 if (!attrs.Has("ranges")) {
+                   *F(out[0]) = static_cast<float>(cpu::SumOfSquares(F(in[0]), in[0].numel()));
+                   return Status::Ok();
+                 }
+                 TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("ranges"));
+                 double sum = 0;
+                 for (size_t i = 0; i + 1 < ranges.size(); i += 2) {
+                   sum += cpu::SumOfSquares(F(in[0]) + ranges[i], ranges[i + 1] - ranges[i]);
+                 }
+                 *F(out[0]) = static_cast<float>(sum);
                  return Status::Ok();
                }));
   return Register(

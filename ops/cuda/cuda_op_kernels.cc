@@ -155,7 +155,11 @@ Status RegisterOptimizerKernels(OpRegistry& r) {
       }));
   TESSERA_RETURN_IF_ERROR(Register(
       r, "sum_of_squares",
-      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) -> Status {
+        if (attrs.Has("ranges")) {
+          return InvalidArgument(
+              "sum_of_squares over ranges (tensor parallelism) runs on CPU workers only");
+        }
         TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> scratch,
                                  cuda.Scratch(SumOfSquaresScratch(in[0].numel())));
         return SumOfSquares(F(out[0]), scratch->data(), F(in[0]), in[0].numel(), cuda.stream());

@@ -132,6 +132,25 @@ TEST(OpGradientTest, ResidualAdd) {
   });
 }
 
+TEST(OpGradientTest, BiasAdd) {
+  CheckGradients({
+      .forward = "bias_add_forward",
+      .backward = "bias_add_backward",
+      .inputs = {RandomTensor({3, 4, 5}, 1), RandomTensor({5}, 2)},
+      .differentiable_outputs = {0},
+      .checked = {{0, 0}, {1, 1}},
+      .backward_inputs = [](const Tensors&, const Tensors&, const Tensors& g) -> Tensors {
+        return {g[0]};
+      },
+  });
+  // A bias that is not the last dimension's size is refused, naming both shapes.
+  Result<std::vector<Tensor>> refused =
+      RunKernel("bias_add_forward", {RandomTensor({3, 4}, 1), RandomTensor({3}, 2)});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("[3]"), std::string::npos)
+      << refused.status().ToString();
+}
+
 Attrs Gpt2TestAttrs() {
   return Attrs{{"channels", int64_t{16}},
                {"heads", int64_t{2}},
@@ -388,6 +407,8 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "gelu_backward",
                                               "add_forward",
                                               "add_backward",
+                                              "bias_add_forward",
+                                              "bias_add_backward",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",

@@ -137,6 +137,21 @@ TEST(OptimizerTest, SumOfSquaresAndClipScale) {
   ASSERT_OK_AND_ASSIGN(auto sb, RunKernel("sum_of_squares", {b}));
   EXPECT_NEAR(*sa[0].data<float>(), expected_a, 1e-6 * expected_a);
   EXPECT_NEAR(*sb[0].data<float>(), expected_b, 1e-6 * expected_b);
+  // Over ranges only (a tensor-parallel rank leaving out the slots another rank counts).
+  const std::vector<float> values = ToVector(b);
+  double expected_ranges = 0;
+  for (int64_t i : {2, 3, 4, 10, 11}) {
+    expected_ranges +=
+        static_cast<double>(values[static_cast<size_t>(i)]) * values[static_cast<size_t>(i)];
+  }
+  ASSERT_OK_AND_ASSIGN(
+      auto ranged,
+      RunKernel("sum_of_squares", {b}, Attrs{{"ranges", std::vector<int64_t>{2, 5, 10, 12}}}));
+  EXPECT_NEAR(*ranged[0].data<float>(), expected_ranges, 1e-6 * expected_ranges);
+  EXPECT_FALSE(
+      RunKernel("sum_of_squares", {b}, Attrs{{"ranges", std::vector<int64_t>{5, 2}}}).ok());
+  EXPECT_FALSE(
+      RunKernel("sum_of_squares", {b}, Attrs{{"ranges", std::vector<int64_t>{0, 18}}}).ok());
 
   const double norm = std::sqrt(expected_a + expected_b);
   ASSERT_OK_AND_ASSIGN(auto clipped,
