@@ -58,8 +58,10 @@ inline constexpr const char* kChannelAttr = "channel";
 
 // A worker's communication channels (threads and communicators of their own, per group).
 inline constexpr int kCollectiveChannels = 4;
-// The channel of ZeRO-3's parameter gathers (the rest use channel 0).
+// The channel of ZeRO-3's parameter gathers (the rest use channel 0 but tensor parallelism's).
 inline constexpr int kGatherChannel = 1;
+// The channel of tensor parallelism's all-reduces of activations and their gradients.
+inline constexpr int kTensorChannel = 2;
 
 // No collective has more members than this: a cluster of Tessera's kind has far fewer workers,
 // and a group size read from the wire must be bounded before anything is sized by it.

@@ -259,6 +259,129 @@ Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
   return model.Build();
 }
 
+// GPT-2 split over `ranks` ranks (Megatron-LM's tensor slicing): what each rank runs. Each block
+// is four layers, so that every all-reduce sits between layers and every replicated parameter
+// gets its whole gradient on every rank:
+//   h.<b>.attn  QKV column-parallel (this rank's heads' rows of Q, K and V), attention over its
+//               heads, the projection row-parallel without its bias: a partial sum; the gradient
+//               of its input (ln1's output) is one too
+//   h.<b>.mid   x + the attention's sum + proj_b, then ln2 (replicated)
+//   h.<b>.mlp   fc column-parallel, GELU, fcproj row-parallel without its bias: a partial sum
+//   h.<b>.out   the residual + the MLP's sum + fcproj_b, then the next block's ln1 (replicated)
+// The embedding runs h.0's ln1 too; the embedding and the tied classifier are replicated.
+// Parameters keep the whole model's names (every layer's prefix is empty).
+Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
+  if (config.heads % ranks != 0) {
+    return InvalidArgument(
+        "GPT-2's {} attention heads do not split over {} tensor-parallel ranks: use a degree "
+        "that divides the heads",
+        config.heads, ranks);
+  }
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  const int64_t c = config.channels;
+  const double residual_std = ResidualStd(config);
+  const FlatLayout embedding =
+      TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c);
+  const FlatLayout block = TransformerBlockParamLayout(c);
+  const FlatLayout head = TiedLmHeadParamLayout(c);
+  // Slot `slot` of `layout`, as the whole model's parameter `prefix + slot`, split as `split`.
+  const auto declare = [&](LayerBuilder& l, const FlatLayout& layout, const std::string& prefix,
+                           const char* slot, SlotSplit split = {}) {
+    const FlatSlot& whole = **layout.Find(slot);
+    return l.SlicedParam(prefix + slot, whole.shape, split, SlotInit(whole, residual_std),
+                         whole.weight_decay);
+  };
+  const SlotSplit rows{.dim = 0}, qkv_rows{.dim = 0, .blocks = 3}, columns{.dim = 1};
+  const auto block_prefix = [](int64_t b) { return fmt::format("h.{}.", b); };
+  ModelBuilder model("gpt2", registry);
+  model.SplitOver(ranks);
+  ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
+  ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
+                                           /*label=*/true);
+  model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
+    const LayerValue wte = declare(l, embedding, "", "wte");
+    const LayerValue wpe = declare(l, embedding, "", "wpe");
+    const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
+    const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+    const LayerValue x =
+        l.Call("embedding_forward", {l.input(0), wte, wpe},
+               Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
+    return std::vector<LayerValue>{x, l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+  });
+  std::string residual = "embedding";  // the layer whose outputs are x and ln1(x)
+  for (int64_t b = 0; b < config.layers; ++b) {
+    const std::string h = block_prefix(b);
+    model.Layer(h + "attn", {ModelBuilder::LayerOutput(residual, 1)}, [&](LayerBuilder& l) {
+      const LayerValue qkv_w = declare(l, block, h, "qkv_w", qkv_rows);
+      const LayerValue qkv_b = declare(l, block, h, "qkv_b", qkv_rows);
+      const LayerValue proj_w = declare(l, block, h, "proj_w", columns);
+      l.PartialGradient(0);
+      const LayerValue qkv = l.Call("linear_forward", {l.input(0), qkv_w, qkv_b}, {}, "qkv");
+      const LayerValue att =
+          l.Call("attention_forward", {qkv}, Attrs{{"heads", config.heads / ranks}}, "attention");
+      const LayerValue part = l.Call("linear_no_bias_forward", {att, proj_w}, {}, "proj");
+      l.PartialSum(part);
+      return part;
+    });
+    model.LayerWithOutputs(
+        h + "mid", {ModelBuilder::LayerOutput(residual, 0), ModelBuilder::LayerOutput(h + "attn")},
+        [&](LayerBuilder& l) {
+          const LayerValue proj_b = declare(l, block, h, "proj_b");
+          const LayerValue ln2_w = declare(l, block, h, "ln2_w");
+          const LayerValue ln2_b = declare(l, block, h, "ln2_b");
+          const LayerValue sum = l.Call("add_forward", {l.input(0), l.input(1)}, {}, "residual1");
+          const LayerValue mid = l.Call("bias_add_forward", {sum, proj_b}, {}, "proj_bias");
+          return std::vector<LayerValue>{
+              mid, l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2")};
+        });
+    model.Layer(h + "mlp", {ModelBuilder::LayerOutput(h + "mid", 1)}, [&](LayerBuilder& l) {
+      const LayerValue fc_w = declare(l, block, h, "fc_w", rows);
+      const LayerValue fc_b = declare(l, block, h, "fc_b", rows);
+      const LayerValue fcproj_w = declare(l, block, h, "fcproj_w", columns);
+      l.PartialGradient(0);
+      const LayerValue fc = l.Call("linear_forward", {l.input(0), fc_w, fc_b}, {}, "fc");
+      const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
+      const LayerValue part = l.Call("linear_no_bias_forward", {gelu, fcproj_w}, {}, "fcproj");
+      l.PartialSum(part);
+      return part;
+    });
+    const bool last = b + 1 == config.layers;
+    model.LayerWithOutputs(
+        h + "out", {ModelBuilder::LayerOutput(h + "mid", 0), ModelBuilder::LayerOutput(h + "mlp")},
+        [&](LayerBuilder& l) {
+          const LayerValue fcproj_b = declare(l, block, h, "fcproj_b");
+          LayerValue ln1_w, ln1_b;
+          if (!last) {
+            ln1_w = declare(l, block, block_prefix(b + 1), "ln1_w");
+            ln1_b = declare(l, block, block_prefix(b + 1), "ln1_b");
+          }
+          const LayerValue sum = l.Call("add_forward", {l.input(0), l.input(1)}, {}, "residual2");
+          const LayerValue x = l.Call("bias_add_forward", {sum, fcproj_b}, {}, "fcproj_bias");
+          if (last) return std::vector<LayerValue>{x};
+          return std::vector<LayerValue>{x,
+                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+        });
+    residual = h + "out";
+  }
+  model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
+    const LayerValue lnf_w = declare(l, head, "", "lnf_w");
+    const LayerValue lnf_b = declare(l, head, "", "lnf_b");
+    const LayerValue wte = l.SharedParam("embedding", "wte");
+    const LayerValue flat =
+        l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
+    const LayerValue lnf = l.Call("layernorm_forward", {flat, lnf_w, lnf_b}, {}, "lnf");
+    const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
+    const LayerValue flat_targets =
+        l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
+    return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+  });
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
+  DescribeCommon(config, split);
+  for (LayerSpec& layer : split.layers) layer.param_prefix = "";
+  return split;
+}
+
 // `ids` as an i32 [batch, seq_len] tensor, every id checked against the vocabulary.
 Result<Tensor> IdTensor(const Gpt2Config& config, std::span<const int32_t> ids, const char* what,
                         int64_t batch, int64_t seq_len) {
@@ -284,8 +407,16 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
   ModelSpec model;
   if (layers == Gpt2LayerImpl::kFused) {
     model = DescribeFused(config);
+    model.split_for_tensor_parallel = [](int) -> Result<ModelSpec> {
+      return InvalidArgument(
+          "GPT-2's fused layers do not split over tensor-parallel ranks; its primitive layers "
+          "do: use --layer-impl primitive");
+    };
   } else {
     TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
+    model.split_for_tensor_parallel = [config](int ranks) {
+      return BuildPrimitiveSplit(config, ranks);
+    };
   }
   DescribeCommon(config, model);
   return model;

@@ -9,8 +9,8 @@ namespace tessera {
 
 // ---- LayerBuilder ----
 
-LayerBuilder::LayerBuilder(const OpRegistry& registry, int inputs)
-    : registry_(registry), values_(inputs) {
+LayerBuilder::LayerBuilder(const OpRegistry& registry, int inputs, int tensor_parallel)
+    : registry_(registry), tensor_parallel_(tensor_parallel), values_(inputs) {
   program_.inputs = inputs;
 }
 
@@ -53,7 +53,38 @@ LayerValue LayerBuilder::Param(std::string name, Shape shape, ParamInit init, bo
   }
   program_.params.Add(std::move(name), std::move(shape), decay);
   init_.push_back(init);
+  splits_.push_back(SlotSplit{});
   return LayerValue{values_++};
+}
+
+LayerValue LayerBuilder::SlicedParam(std::string name, Shape whole, SlotSplit split, ParamInit init,
+                                     bool decay) {
+  if (split.replicated()) return Param(std::move(name), std::move(whole), init, decay);
+  const int64_t parts = split.blocks * tensor_parallel_;
+  if (split.dim >= whole.rank() || split.blocks < 1 || whole[split.dim] % parts != 0) {
+    errors_.push_back(fmt::format(
+        "parameter '{}' of shape {} cannot split along dimension {} into {} block(s) of {} "
+        "part(s): use a tensor-parallel degree that divides {}",
+        name, whole.ToString(), split.dim, split.blocks, tensor_parallel_,
+        split.dim < whole.rank() ? whole[split.dim] / std::max<int64_t>(split.blocks, 1) : 0));
+    return LayerValue{};
+  }
+  std::vector<int64_t> dims = whole.dims();
+  dims[static_cast<size_t>(split.dim)] /= tensor_parallel_;
+  LayerValue value = Param(std::move(name), Shape(std::move(dims)), init, decay);
+  if (value.id >= 0) splits_.back() = split;
+  return value;
+}
+
+void LayerBuilder::PartialSum(LayerValue value) { partial_values_.push_back(value.id); }
+
+void LayerBuilder::PartialGradient(int i) {
+  if (i < 0 || i >= program_.inputs) {
+    errors_.push_back(fmt::format("marks the gradient of input {} partial, but the layer has {}", i,
+                                  program_.inputs));
+    return;
+  }
+  partial_inputs_.push_back(i);
 }
 
 LayerValue LayerBuilder::SharedParam(std::string layer, std::string param) {
@@ -134,7 +165,7 @@ ModelValue ModelBuilder::LayerOutput(std::string layer, int output) {
 
 void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, const LayerFn& define,
                            bool loss) {
-  LayerBuilder builder(registry_, static_cast<int>(inputs.size()));
+  LayerBuilder builder(registry_, static_cast<int>(inputs.size()), tensor_parallel_);
   std::vector<LayerValue> outputs = define(builder);
   DeclaredLayer layer{.name = std::move(name), .inputs = std::move(inputs), .loss = loss};
   layer.errors = std::move(builder.errors_);
@@ -144,7 +175,13 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
       break;
     }
     builder.program_.outputs.push_back(v.id);
+    layer.partial_outputs.push_back(std::find(builder.partial_values_.begin(),
+                                              builder.partial_values_.end(),
+                                              v.id) != builder.partial_values_.end());
   }
+  layer.partial_inputs.assign(layer.inputs.size(), false);
+  for (int i : builder.partial_inputs_) layer.partial_inputs[static_cast<size_t>(i)] = true;
+  layer.splits = std::move(builder.splits_);
   if (outputs.empty()) layer.errors.push_back("returns no output");
   if (loss && outputs.size() != 1) {
     layer.errors.push_back(
@@ -260,6 +297,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
   ModelSpec model;
   model.name = name_;
   model.inputs = inputs_;
+  model.tensor_parallel = tensor_parallel_;
   model.layers.reserve(resolved.order.size());
   for (size_t k = 0; k < resolved.order.size(); ++k) {
     TESSERA_ASSIGN_OR_RETURN(LayerSpec layer, SpecOf(k, resolved));
@@ -389,6 +427,13 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
     layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, resolved.index_of[owner], 0});
   }
   layer.activations = static_cast<int>(program.outputs.size());
+  if (tensor_parallel_ > 1) {
+    TensorParallelLayer split{.slots = declared.splits,
+                              .partial_outputs = declared.partial_outputs,
+                              .partial_input_gradients = declared.partial_inputs};
+    split.partial_input_gradients.resize(layer.forward_args.size(), false);
+    layer.tensor_parallel = std::move(split);
+  }
   AddBackwardArgs(declared, program, first_shared, layer);
   layer.attrs.Set(kProgramAttr, program.Encode());
   return layer;

@@ -63,6 +63,20 @@ class LayerBuilder {
   // layer or parameter, naming them, and a layer reading its own or the loss layer's.
   // REQUIRES (else Build refuses): after the layer's own parameters, before its first op.
   LayerValue SharedParam(std::string layer, std::string param);
+  // Tensor parallelism (model_spec.h's TensorParallelLayer), for a model built split over
+  // tensor_parallel() ranks (ModelBuilder::SplitOver): a parameter this rank holds a slice of,
+  // `whole` the whole model's shape and `split` which part is this rank's (the layer's program
+  // sees the slice). Build refuses a dimension the ranks do not divide, naming it.
+  // REQUIRES (else Build refuses): where Param may be called.
+  LayerValue SlicedParam(std::string name, Shape whole, SlotSplit split, ParamInit init,
+                         bool decay = false);
+  // `value`, returned as an output, is each rank's partial sum: readers see the sum over ranks.
+  void PartialSum(LayerValue value);
+  // The gradient of input i that the backward returns is a partial sum over the ranks.
+  void PartialGradient(int i);
+  // The ranks the model is built split over (1: the whole model).
+  int tensor_parallel() const { return tensor_parallel_; }
+
   // Runs `op` on `inputs`: all its outputs.
   std::vector<LayerValue> CallAll(std::string op, const std::vector<LayerValue>& inputs,
                                   Attrs attrs = {}, std::string label = "");
@@ -72,10 +86,14 @@ class LayerBuilder {
 
  private:
   friend class ModelBuilder;
-  LayerBuilder(const OpRegistry& registry, int inputs);
+  LayerBuilder(const OpRegistry& registry, int inputs, int tensor_parallel);
 
   const OpRegistry& registry_;
-  LayerProgram program_;  // its shared groups are resolved by ModelBuilder::Build
+  int tensor_parallel_ = 1;
+  std::vector<SlotSplit> splits_;    // per parameter declared
+  std::vector<int> partial_values_;  // PartialSum's
+  std::vector<int> partial_inputs_;  // PartialGradient's
+  LayerProgram program_;             // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
   // SharedParam calls (layer, param), in order: values after the parameters, in this order.
   std::vector<std::pair<std::string, std::string>> shared_;
@@ -113,6 +131,11 @@ class ModelBuilder {
   // Output `output` of the layer named `layer`, declared before or after this call.
   static ModelValue LayerOutput(std::string layer, int output = 0);
 
+  // Builds the model split over `ranks` ranks (tensor parallelism): what each rank runs, its
+  // layers declaring their slices (LayerBuilder::SlicedParam) and partial sums. Call before
+  // declaring layers.
+  void SplitOver(int ranks) { tensor_parallel_ = ranks; }
+
   // Orders the layers, infers every shape, derives the backward of each layer.
   // InvalidArgument naming the layer (and op, and shapes) otherwise.
   Result<ModelSpec> Build() const;
@@ -126,6 +149,9 @@ class ModelBuilder {
     std::vector<std::pair<std::string, std::string>> shared;  // LayerBuilder::shared_
     std::vector<std::string> errors;
     bool loss = false;
+    // Under SplitOver: per parameter its split, per output and input whether it is partial.
+    std::vector<SlotSplit> splits;
+    std::vector<bool> partial_outputs, partial_inputs;
   };
   // What Build works out about the layers before it writes their specs.
   struct Resolved {
@@ -167,6 +193,7 @@ class ModelBuilder {
 
   std::string name_;
   const OpRegistry& registry_;
+  int tensor_parallel_ = 1;
   std::vector<ModelInput> inputs_;
   std::vector<DeclaredLayer> layers_;
 };

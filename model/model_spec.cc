@@ -32,10 +32,79 @@ Result<size_t> ModelSpec::LossLayer() const {
   return layers.size() - 1;
 }
 
+Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks) const {
+  if (ranks == tensor_parallel) return *this;
+  if (ranks < 1) return InvalidArgument("tensor-parallel degree must be >= 1, got {}", ranks);
+  if (tensor_parallel != 1) {
+    return InvalidArgument("model '{}' is already split over {} ranks; split the whole model", name,
+                           tensor_parallel);
+  }
+  if (!split_for_tensor_parallel) {
+    return InvalidArgument(
+        "model '{}' does not say how its layers split over ranks (model/model.h: "
+        "ModelBuilder::SplitOver, LayerBuilder::SlicedParam), so it cannot run tensor parallel: "
+        "use --tensor-parallel 1",
+        name);
+  }
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, split_for_tensor_parallel(ranks));
+  if (split.tensor_parallel != ranks) {
+    return Internal("model '{}' split for {} ranks says it is split over {}", name, ranks,
+                    split.tensor_parallel);
+  }
+  TESSERA_RETURN_IF_ERROR(split.Validate());
+  return split;
+}
+
+namespace {
+
+// A split model's layer: its TensorParallelLayer sized to its slots, outputs and arguments.
+Status ValidateSplitLayer(const LayerSpec& layer) {
+  if (!layer.tensor_parallel) {
+    return InvalidArgument("layer '{}' of a split model does not say how it is split", layer.name);
+  }
+  const TensorParallelLayer& tp = *layer.tensor_parallel;
+  const auto& slots = layer.params.slots();
+  if (tp.slots.size() != slots.size() ||
+      tp.partial_outputs.size() != static_cast<size_t>(layer.activations) ||
+      tp.partial_input_gradients.size() != layer.forward_args.size()) {
+    return InvalidArgument(
+        "layer '{}' says how {} slot(s), {} output(s) and {} argument(s) split, but has {}, {} "
+        "and {}",
+        layer.name, tp.slots.size(), tp.partial_outputs.size(), tp.partial_input_gradients.size(),
+        slots.size(), layer.activations, layer.forward_args.size());
+  }
+  for (size_t s = 0; s < slots.size(); ++s) {
+    const SlotSplit& split = tp.slots[s];
+    if (!split.replicated() && (split.dim >= slots[s].shape.rank() || split.blocks < 1 ||
+                                slots[s].shape[split.dim] % split.blocks != 0)) {
+      return InvalidArgument(
+          "layer '{}' slot '{}' of shape {} cannot split along dimension {} in {} block(s)",
+          layer.name, slots[s].name, slots[s].shape.ToString(), split.dim, split.blocks);
+    }
+  }
+  for (size_t a = 0; a < layer.forward_args.size(); ++a) {
+    if (tp.partial_input_gradients[a] &&
+        layer.forward_args[a].kind != LayerArg::Kind::kActivation) {
+      return InvalidArgument(
+          "layer '{}' argument {} has a partial gradient but is not an activation", layer.name, a);
+    }
+  }
+  if (layer.loss && !tp.partial_outputs.empty() && tp.partial_outputs[0]) {
+    return InvalidArgument("the loss layer '{}' cannot return a partial loss", layer.name);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ModelSpec::Validate() const {
   TESSERA_RETURN_IF_ERROR(LossLayer().status());
+  if (tensor_parallel < 1) {
+    return InvalidArgument("model '{}' is split over {} ranks", name, tensor_parallel);
+  }
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
+    if (tensor_parallel > 1) TESSERA_RETURN_IF_ERROR(ValidateSplitLayer(layer));
     if (layer.loss && l + 1 != layers.size()) {
       return InvalidArgument("layer '{}' computes the loss but is not the last layer", layer.name);
     }

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -88,6 +89,34 @@ struct BackwardArg {
   size_t index = 0;
 };
 
+// Tensor parallelism (Megatron-LM's tensor slicing). A model that can split over T ranks says
+// how (ModelSpec::split_for_tensor_parallel): the split model is what each of the T ranks runs,
+// the same layers on every rank, each over its slices of the parameters, and the planner adds the
+// collectives the slicing needs (planner/tensor_parallel.h). A split model's parameters keep the
+// whole model's names (ParamPrefix() + slot name); a parameter of the whole model may be split
+// across several layers of the split model.
+//
+// How one slot of a split layer's group relates to the whole model's parameter of its name:
+// dimension `dim` of the whole tensor is `blocks` equal blocks, each cut into T equal parts, and
+// rank t holds part t of every block, in order (a fused QKV weight [3C, C] is three blocks: rank
+// t holds its heads' rows of Q, of K and of V). dim -1: replicated, every rank holds all of it.
+struct SlotSplit {
+  int dim = -1;
+  int64_t blocks = 1;
+  bool replicated() const { return dim < 0; }
+};
+
+// What a layer of a split model adds to a LayerSpec.
+struct TensorParallelLayer {
+  std::vector<SlotSplit> slots;  // per slot of the layer's params
+  // Per activation output: each rank's value is a partial sum; readers get the sum over the
+  // ranks (an all-reduce after the forward; its backward passes the gradient on as it is).
+  std::vector<bool> partial_outputs;
+  // Per forward argument: the backward's gradient of this activation is a partial sum over the
+  // ranks (all-reduced before it is used): what a column-parallel linear's input gets.
+  std::vector<bool> partial_input_gradients;
+};
+
 struct LayerSpec {
   std::string name;  // "embedding", "h.0" ... "h.{L-1}", "head"
   FlatLayout params;
@@ -124,6 +153,8 @@ struct LayerSpec {
   // the prefix is the layer's name and a dot ("h.0.qkv_w", "enc0.conv1.w"). A model may name a
   // layer's parameters without it (GPT-2's "wte", "lnf_w", as nanoGPT does).
   std::optional<std::string> param_prefix;
+  // In a split model (ModelSpec::tensor_parallel > 1): how the layer is split.
+  std::optional<TensorParallelLayer> tensor_parallel;
 
   std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };
@@ -136,7 +167,14 @@ struct ModelSpec {
   // its hyper-parameters (GPT-2: layers, channels, heads, vocab, max_seq_len). Empty: the name
   // and every layer's parameter count.
   Attrs config;
+  // The ranks this description is split over (1: the whole model); see TensorParallelLayer.
+  int tensor_parallel = 1;
+  // Set by a model that can split: its description for T ranks (T >= 2). Empty: it cannot.
+  std::function<Result<ModelSpec>(int ranks)> split_for_tensor_parallel;
 
+  // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's.
+  // InvalidArgument naming the model when it cannot split, or not over that many ranks.
+  Result<ModelSpec> SplitForTensorParallel(int ranks) const;
   int64_t NumParameters() const;
   // NotFound otherwise.
   Result<const LayerSpec*> FindLayer(std::string_view name) const;
@@ -144,7 +182,8 @@ struct ModelSpec {
   Result<size_t> LossLayer() const;
   // InvalidArgument naming the layer and argument when the wiring is wrong: an argument naming
   // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss; or
-  // when a layer's init does not give one ParamInit per slot.
+  // when a layer's init does not give one ParamInit per slot; in a split model, a layer without
+  // its TensorParallelLayer or with one of the wrong sizes.
   Status Validate() const;
 };
 

@@ -10,8 +10,7 @@ Status ReduceGradientsPass(PlanState& state) {
     const RankState& rank = state.ranks[static_cast<size_t>(r)];
     for (size_t l = 0; l < state.num_layers; ++l) {
       if (!state.HasParams(l)) continue;
-      state.step.grads.push_back(GradientObject{
-          state.sharding->UpdatePiece(l, r, state.step.group_numel[l]), rank.grad[l]});
+      state.step.grads.push_back(GradientObject{state.UpdatePiece(l, r), rank.grad[l]});
     }
   }
   return Status::Ok();

@@ -136,7 +136,7 @@ class Expansion {
   // loss is a mean over every rank's micro-batches).
   Attrs AttrsOf(size_t l) const {
     Attrs attrs = layer_attrs_[l];
-    const int splits = s_.num_ranks * s_.num_micro_batches;
+    const int splits = s_.num_data_ranks * s_.num_micro_batches;
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
     }
@@ -180,7 +180,8 @@ class Expansion {
     std::vector<std::string> names;
     std::vector<ObjectRole> roles;
     if (layer.loss) {
-      names = {ObjectName(mb, s_.num_ranks * s_.num_micro_batches > 1 ? "micro_loss" : "loss")};
+      names = {
+          ObjectName(mb, s_.num_data_ranks * s_.num_micro_batches > 1 ? "micro_loss" : "loss")};
       roles = {ObjectRole::kOutput};
     }
     TESSERA_ASSIGN_OR_RETURN(
@@ -191,6 +192,7 @@ class Expansion {
     const TaskId forward = s_.ProducerOf(mb.outputs[l][0]);
     Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = forward;
     if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
+    TESSERA_RETURN_IF_ERROR(SumPartialOutputs(mb, l));
     // A swap out overlaps the next layer's forward, and is done before the one after starts
     // (what the solver and the memory model count: a slow copy holds the forwards back, rather
     // than the saved objects of layer after layer waiting in memory for it).
@@ -201,6 +203,57 @@ class Expansion {
     }
     if (Swaps(l)) return AddSwapOut(mb, l);
     return Status::Ok();
+  }
+
+  // Tensor parallelism: an all-reduce over the tensor ranks of `part`, rank r's partial sum
+  // ("<layer>/<what>", on the tensor channel); returns the sum.
+  Result<ObjectId> SumOverTensorRanks(const MicroBatch& mb, size_t l, const std::string& what,
+                                      ObjectId part, int32_t priority) {
+    const std::string& layer = s_.LayerName(l);
+    const std::string name = s_.Micro(mb.k, layer + "/" + what);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto sum,
+        s_.builder.AddTask(s_.Name(mb.r, name), "all_reduce", {part},
+                           s_.TensorCollective(name, mb.r).Set("reduce", "sum"),
+                           s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
+                                 {ObjectRole::kActivation})));
+    return sum[0];
+  }
+
+  // The layer's partial outputs (TensorParallelLayer::partial_outputs) summed over the tensor
+  // ranks: what every reader reads. Their gradients need nothing: the sum's backward passes the
+  // gradient on to each part as it is.
+  Status SumPartialOutputs(MicroBatch& mb, size_t l) {
+    const LayerSpec& layer = s_.model.layers[l];
+    if (s_.tensor_parallel == 1 || !layer.tensor_parallel) return Status::Ok();
+    const std::vector<bool>& partial = layer.tensor_parallel->partial_outputs;
+    for (size_t o = 0; o < partial.size(); ++o) {
+      if (!partial[o]) continue;
+      for (const BackwardArg& arg : layer.backward_args) {
+        if (arg.kind == BackwardArg::Kind::kForwardOutput && arg.index == o) {
+          return InvalidArgument(
+              "layer '{}' keeps its partial output {} for its backward: keep what it is made of "
+              "instead",
+              layer.name, o);
+        }
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          mb.outputs[l][o], SumOverTensorRanks(mb, l, fmt::format("tp_sum{}", o), mb.outputs[l][o],
+                                               kForwardPriority + 1));
+    }
+    return Status::Ok();
+  }
+
+  // Backward output j of layer l, the gradient of an activation the layer declares partial
+  // (TensorParallelLayer::partial_input_gradients), summed over the tensor ranks.
+  Result<ObjectId> InputGradient(const MicroBatch& mb, size_t l, size_t j, ObjectId grad) {
+    const LayerSpec& layer = s_.model.layers[l];
+    const size_t arg = layer.backward_outputs[j];
+    if (s_.tensor_parallel == 1 || !layer.tensor_parallel ||
+        !layer.tensor_parallel->partial_input_gradients[arg]) {
+      return grad;
+    }
+    return SumOverTensorRanks(mb, l, fmt::format("tp_sum_dx{}", arg), grad, kBackwardPriority + 1);
   }
 
   bool Swaps(size_t l) const {
@@ -283,7 +336,8 @@ class Expansion {
     for (size_t j = 0; j < grads.size() && j < layer.backward_outputs.size(); ++j) {
       const LayerArg& forward = layer.forward_args[layer.backward_outputs[j]];
       if (forward.kind == Arg::kActivation) {
-        mb.output_grads[forward.index][static_cast<size_t>(forward.output)].push_back(grads[j]);
+        TESSERA_ASSIGN_OR_RETURN(ObjectId dx, InputGradient(mb, l, j, grads[j]));
+        mb.output_grads[forward.index][static_cast<size_t>(forward.output)].push_back(dx);
       } else {
         mb.param_grads[forward.index].push_back(grads[j]);
       }

@@ -14,7 +14,9 @@ PlanState::PlanState(const ModelSpec& model_in, const TrainingPlan& plan_in,
       plan(plan_in),
       parallel(plan_in.parallel),
       registry(registry_in),
-      num_ranks(plan_in.parallel.data_parallel),
+      num_ranks(plan_in.parallel.ranks_per_stage()),
+      num_data_ranks(plan_in.parallel.data_parallel),
+      tensor_parallel(plan_in.parallel.tensor_parallel),
       num_micro_batches(plan_in.parallel.micro_batches),
       num_stages(plan_in.parallel.pipeline_stages),
       num_layers(model_in.layers.size()),
@@ -85,9 +87,33 @@ int64_t PlanState::CollectiveId(const std::string& name) {
   return it->second;
 }
 
-Attrs PlanState::Collective(int64_t id, int r) const {
-  return Attrs{
-      {kCollectiveAttr, id}, {kRankAttr, int64_t{r}}, {kGroupSizeAttr, int64_t{num_ranks}}};
+GroupPiece PlanState::ParameterPiece(size_t l, int r) const {
+  GroupPiece piece = sharding->ParameterPiece(l, DataRank(r), step.group_numel[l]);
+  piece.rank = r;
+  return piece;
+}
+
+GroupPiece PlanState::UpdatePiece(size_t l, int r) const {
+  GroupPiece piece = sharding->UpdatePiece(l, DataRank(r), step.group_numel[l]);
+  piece.rank = r;
+  return piece;
+}
+
+Attrs PlanState::DataCollective(const std::string& name, int r) {
+  const int64_t id =
+      CollectiveId(tensor_parallel > 1 ? fmt::format("tp{}/{}", TensorRank(r), name) : name);
+  return Attrs{{kCollectiveAttr, id},
+               {kRankAttr, int64_t{DataRank(r)}},
+               {kGroupSizeAttr, int64_t{num_data_ranks}}};
+}
+
+Attrs PlanState::TensorCollective(const std::string& name, int r) {
+  const int64_t id =
+      CollectiveId(num_data_ranks > 1 ? fmt::format("dp{}/{}", DataRank(r), name) : name);
+  return Attrs{{kCollectiveAttr, id},
+               {kRankAttr, int64_t{TensorRank(r)}},
+               {kGroupSizeAttr, int64_t{tensor_parallel}},
+               {kChannelAttr, int64_t{kTensorChannel}}};
 }
 
 Result<ObjectId> PlanState::Sum(int r, int s, const std::string& name,

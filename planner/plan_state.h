@@ -77,7 +77,9 @@ struct PlanState {
   const TrainingPlan& plan;
   const ParallelConfig& parallel;
   const OpRegistry& registry;
-  const int num_ranks;          // parallel.data_parallel
+  const int num_ranks;          // parallel.ranks_per_stage(): data-parallel x tensor-parallel
+  const int num_data_ranks;     // parallel.data_parallel (N: what ZeRO shards over)
+  const int tensor_parallel;    // parallel.tensor_parallel (T)
   const int num_micro_batches;  // parallel.micro_batches
   const int num_stages;         // parallel.pipeline_stages
   const size_t num_layers;
@@ -124,6 +126,10 @@ struct PlanState {
   bool HostParams(size_t l) const {
     return host_params && !(l < parallel.resident_params.size() && parallel.resident_params[l]);
   }
+  // The piece of layer l's group rank r keeps its parameters of, and updates (the sharding
+  // policy's, over the data-parallel ranks of r's tensor rank).
+  GroupPiece ParameterPiece(size_t l, int r) const;
+  GroupPiece UpdatePiece(size_t l, int r) const;
   // Where the optimizer's state, lr and step live and its update runs.
   Device OptimizerDevice() const { return host_update ? Device::Cpu() : plan.device; }
   // A task of rank r in stage s, on its worker and the plan's device.
@@ -144,11 +150,19 @@ struct PlanState {
   TaskId ProducerOf(ObjectId id) const { return builder.graph().object(id).producer; }
   // Whether a task of a layer of stage s produced `id`.
   bool ProducedOnStage(ObjectId id, int s) const;
+  // Rank r's coordinates (ParallelConfig::DataRankOf, TensorRankOf).
+  int DataRank(int r) const { return parallel.DataRankOf(r); }
+  int TensorRank(int r) const { return parallel.TensorRankOf(r); }
   // One collective id per name: every rank's member of "h.0/gather_forward@1" shares it; ids
   // count from 1 in the order names are first asked for.
   int64_t CollectiveId(const std::string& name);
-  // The attributes of rank r's member of collective `id` over the stage's ranks.
-  Attrs Collective(int64_t id, int r) const;
+  // The attributes of rank r's member of collective `name` over the stage's data-parallel ranks
+  // of its tensor rank (one collective per tensor rank: "tp1/<name>" under tensor parallelism).
+  Attrs DataCollective(const std::string& name, int r);
+  // ... over the tensor ranks of rank r's data-parallel rank ("dp1/<name>" with several), on the
+  // channel of its own (kTensorChannel): the activations' all-reduces do not queue behind the
+  // gradients' reductions.
+  Attrs TensorCollective(const std::string& name, int r);
   // The sum of `parts` on rank r's worker of stage s, added in place into the first in order
   // ("<name>/sum<i>" tasks); invalid when there are none.
   Result<ObjectId> Sum(int r, int s, const std::string& name, const std::vector<ObjectId>& parts);

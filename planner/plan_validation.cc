@@ -2,7 +2,9 @@
 // messages are given (the first problem found is the one reported).
 #include <cmath>
 
+#include <fmt/format.h>
 #include "planner/model_facts.h"
+
 #include "planner/plan_passes.h"
 #include "planner/sharding_policy.h"
 #include "planner/training_plan.h"
@@ -32,6 +34,16 @@ Status CheckRanks(const TrainingPlan& plan) {
   }
   if (p.micro_batches < 1) {
     return InvalidArgument("micro_batches must be >= 1, got {}", p.micro_batches);
+  }
+  if (p.tensor_parallel < 1) {
+    return InvalidArgument("tensor_parallel (--tensor-parallel) must be >= 1, got {}",
+                           p.tensor_parallel);
+  }
+  if (p.tensor_parallel > 1 && !plan.device.is_cpu()) {
+    return InvalidArgument(
+        "tensor parallelism runs the model's split layer programs, which run on CPU workers: use "
+        "--tensor-parallel 1 on {}",
+        plan.device.ToString());
   }
   if (p.prefetch_layers < 0) {
     return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
@@ -107,15 +119,36 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
           "P x D = {} workers",
           p.workers.size(), p.pipeline_stages, p.data_parallel, p.num_workers());
     }
-    return InvalidArgument("{} worker(s) given for {} data-parallel ranks", p.workers.size(),
-                           p.data_parallel);
+    return InvalidArgument(
+        "{} worker(s) given for {} data-parallel x {} tensor-parallel ranks x {} stage(s): the "
+        "plan needs D x T x P = {} workers",
+        p.workers.size(), p.data_parallel, p.tensor_parallel, p.pipeline_stages, p.num_workers());
   }
   return Status::Ok();
+}
+
+// The plan's model as the step is planned on it: `model` split for the plan's tensor ranks.
+Status CheckSplit(const ParallelConfig& p, const ModelSpec& model) {
+  if (model.tensor_parallel == p.tensor_parallel) return Status::Ok();
+  if (model.tensor_parallel != 1) {
+    return InvalidArgument(
+        "the plan splits layers over {} tensor-parallel rank(s) but model '{}' is split for {}: "
+        "give the whole model",
+        p.tensor_parallel, model.name, model.tensor_parallel);
+  }
+  return model.SplitForTensorParallel(p.tensor_parallel).status();
 }
 
 }  // namespace
 
 Status TrainingPlan::Validate(const ModelSpec& model) const {
+  // A whole model is checked as the step will be planned on it: split for the tensor ranks.
+  if (model.tensor_parallel != parallel.tensor_parallel) {
+    TESSERA_RETURN_IF_ERROR(CheckSplit(parallel, model));
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
+                             model.SplitForTensorParallel(parallel.tensor_parallel));
+    return Validate(split);
+  }
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
   TESSERA_RETURN_IF_ERROR(CheckOptimizer(optimizer));
   TESSERA_RETURN_IF_ERROR(CheckRanks(*this));
@@ -149,11 +182,20 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
 Status ValidatePlanPass(PlanState& state) {
   TESSERA_RETURN_IF_ERROR(state.plan.Validate(state.model));
   const ParallelConfig& p = state.parallel;
-  if (p.workers.empty() && p.num_workers() > 1) {
+  if (state.model.tensor_parallel != p.tensor_parallel) {
     return InvalidArgument(
-        "{} data-parallel ranks x {} pipeline stages need a worker each: run on a cluster with "
-        "at least {} workers",
-        p.data_parallel, p.pipeline_stages, p.num_workers());
+        "the plan splits layers over {} tensor-parallel ranks: plan the split model, "
+        "model.SplitForTensorParallel({}) (the trainer does)",
+        p.tensor_parallel, p.tensor_parallel);
+  }
+  if (p.workers.empty() && p.num_workers() > 1) {
+    const std::string ranks = p.tensor_parallel > 1
+                                  ? fmt::format("{} data-parallel x {} tensor-parallel ranks",
+                                                p.data_parallel, p.tensor_parallel)
+                                  : fmt::format("{} data-parallel ranks", p.data_parallel);
+    return InvalidArgument(
+        "{} x {} pipeline stages need a worker each: run on a cluster with at least {} workers",
+        ranks, p.pipeline_stages, p.num_workers());
   }
   TESSERA_ASSIGN_OR_RETURN(state.sharding, MakeShardingPolicy(p));
   return Status::Ok();

@@ -73,7 +73,7 @@ Result<ObjectId> ReduceScatterMicroBatch(PlanState& state, int r, int k, size_t 
   TESSERA_ASSIGN_OR_RETURN(
       auto shard,
       state.builder.AddTask(state.Name(r, name), "reduce_scatter", {full},
-                            state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+                            state.DataCollective(name, r).Set("reduce", "sum"),
                             state.On(r, layer, kBackwardPriority + 1,
                                      {state.Name(r, state.Micro(k, layer + ".grad[shard]"))},
                                      {ObjectRole::kGradient})));
@@ -89,7 +89,7 @@ Result<ObjectId> GatherShards(PlanState& state, int r, size_t l, const char* op,
   TESSERA_ASSIGN_OR_RETURN(
       auto gathered,
       state.builder.AddTask(
-          state.Name(r, name), op, {input}, state.Collective(state.CollectiveId(name), r),
+          state.Name(r, name), op, {input}, state.DataCollective(name, r),
           state.On(r, layer, kOptimizerPriority, {state.Name(r, layer + ".params" + suffix)},
                    {ObjectRole::kParameter})));
   return gathered[0];
@@ -124,8 +124,7 @@ Result<std::vector<ObjectId>> FusedReduction(PlanState& state, int r, int k,
   TESSERA_ASSIGN_OR_RETURN(
       auto reduced,
       state.builder.AddTask(
-          state.Name(r, name), op, {packed[0]},
-          state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+          state.Name(r, name), op, {packed[0]}, state.DataCollective(name, r).Set("reduce", "sum"),
           state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads_reduced"))},
                    {ObjectRole::kGradientBucket})));
   std::vector<int64_t> sizes;
@@ -189,12 +188,11 @@ class DataParallelPolicy final : public ShardingPolicy {
     const std::string& layer = state.LayerName(l);
     const std::string name = layer + "/all_reduce";
     TESSERA_ASSIGN_OR_RETURN(
-        auto reduced,
-        state.builder.AddTask(
-            state.Name(r, name), "all_reduce", {grad},
-            state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
-            state.On(r, layer, kBackwardPriority + 1, {state.Name(r, layer + ".grad_reduced")},
-                     {ObjectRole::kGradient})));
+        auto reduced, state.builder.AddTask(state.Name(r, name), "all_reduce", {grad},
+                                            state.DataCollective(name, r).Set("reduce", "sum"),
+                                            state.On(r, layer, kBackwardPriority + 1,
+                                                     {state.Name(r, layer + ".grad_reduced")},
+                                                     {ObjectRole::kGradient})));
     return reduced[0];
   }
   Result<std::vector<ObjectId>> ReduceAccumulatedGradients(
@@ -280,7 +278,7 @@ class Zero1Policy final : public ShardedUpdatePolicy {
       if (!state.HasParams(l)) continue;
       const std::string& layer = state.LayerName(l);
       const std::string name = layer + "/reduce_scatter";
-      for (int r = 0; r < ranks(); ++r) {
+      for (int r = 0; r < state.num_ranks; ++r) {
         RankState& rank = state.ranks[static_cast<size_t>(r)];
         std::vector<ObjectId> inputs{rank.grad[l]};
         const size_t last = state.last_gradient[static_cast<size_t>(state.StageOf(l))];
@@ -289,7 +287,7 @@ class Zero1Policy final : public ShardedUpdatePolicy {
             auto shard,
             state.builder.AddTask(
                 state.Name(r, name), "reduce_scatter", std::move(inputs),
-                state.Collective(state.CollectiveId(name), r).Set("reduce", "sum"),
+                state.DataCollective(name, r).Set("reduce", "sum"),
                 state.On(r, layer, kOptimizerPriority + 1, {state.Name(r, layer + ".grad[shard]")},
                          {ObjectRole::kGradient})));
         rank.grad[l] = shard[0];
@@ -396,12 +394,12 @@ class Zero3Policy final : public ShardingPolicy {
     // On a channel of their own: a gather never waits behind a gradient's reduce-scatter, so the
     // backward pass's gathers are prefetched like the forward's (core/collective_task.h).
     TESSERA_ASSIGN_OR_RETURN(
-        auto gathered, state.builder.AddTask(state.Name(r, name), "all_gather", std::move(inputs),
-                                             state.Collective(state.CollectiveId(name), r)
-                                                 .Set(kChannelAttr, int64_t{kGatherChannel}),
-                                             state.On(r, state.LayerName(l), kForwardPriority + 1,
-                                                      {state.Name(r, name + ":params")},
-                                                      {ObjectRole::kGatheredParameter})));
+        auto gathered,
+        state.builder.AddTask(
+            state.Name(r, name), "all_gather", std::move(inputs),
+            state.DataCollective(name, r).Set(kChannelAttr, int64_t{kGatherChannel}),
+            state.On(r, state.LayerName(l), kForwardPriority + 1, {state.Name(r, name + ":params")},
+                     {ObjectRole::kGatheredParameter})));
     return gathered[0];
   }
 

@@ -28,16 +28,14 @@ void PlaceRankState(PlanState& state, int r) {
   for (auto* list : {&rank.param, &rank.master, &rank.exp_avg, &rank.exp_avg_sq}) {
     list->assign(state.num_layers, kNoState);
   }
-  const ShardingPolicy& sharding = *state.sharding;
   for (size_t l = 0; l < state.num_layers; ++l) {
     if (!state.HasParams(l)) continue;
-    const int64_t full = state.step.group_numel[l];
-    const GroupPiece update = sharding.UpdatePiece(l, r, full);
+    const GroupPiece update = state.UpdatePiece(l, r);
     // Under parameter offload the parameters are the host's and the update's target: the piece
     // a rank keeps is the piece it updates (validation refuses the stages where they differ).
     rank.param[l] =
-        AddState(state, StateKind::kParameter, sharding.ParameterPiece(l, r, full),
-                 ObjectRole::kParameter, state.HostParams(l) ? Device::Cpu() : state.plan.device);
+        AddState(state, StateKind::kParameter, state.ParameterPiece(l, r), ObjectRole::kParameter,
+                 state.HostParams(l) ? Device::Cpu() : state.plan.device);
     if (state.host_update && !state.HostParams(l)) {
       rank.master[l] = AddState(state, StateKind::kMasterParameter, update, ObjectRole::kParameter,
                                 Device::Cpu());

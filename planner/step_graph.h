@@ -144,7 +144,7 @@ struct StepGraph {
   // worker's index in parallel.workers.
   int WorkerIndexOf(const GroupPiece& piece) const {
     const int stage = layer_stage.empty() ? 0 : layer_stage[piece.layer];
-    return stage * parallel.data_parallel + piece.rank;
+    return stage * parallel.ranks_per_stage() + piece.rank;
   }
   WorkerId WorkerOf(const GroupPiece& piece) const {
     return parallel.workers.empty() ? WorkerId()

@@ -13,7 +13,13 @@
 //   micro-batch rows the rows of one micro-batch: batch / (data_parallel x micro_batches)
 //   pipeline stage   one of `pipeline_stages` groups of ranks, each running a contiguous part of
 //                    the layers (P in formulas); `virtual_stages` chunks per stage (V)
-//   worker           the process a rank of a stage runs on: workers[stage * data_parallel + rank]
+//   tensor rank      one of `tensor_parallel` ranks a layer is split over (T in formulas;
+//                    Megatron-LM's tensor slicing, model/model_spec.h's TensorParallelLayer):
+//                    with T > 1 a stage has T x data_parallel ranks, rank r being tensor rank
+//                    r % T of data-parallel rank r / T (the tensor ranks side by side, as on
+//                    one node)
+//   worker           the process a rank of a stage runs on:
+//                    workers[stage * ranks_per_stage() + rank]
 //   group            a layer's flat parameter group (model/model_spec.h), what ZeRO shards;
 //                    its shard r is what rank r holds of it
 //
@@ -73,8 +79,11 @@ struct CollectiveLink {
 inline constexpr int64_t kAutoBucketBytes = -1;
 
 struct ParallelConfig {
-  int data_parallel = 1;  // ranks per pipeline stage, each on its own worker
-  int zero_stage = 0;     // 0..3: what the ranks shard (planner/sharding_policy.h)
+  int data_parallel = 1;  // data-parallel ranks per pipeline stage, each on its own worker(s)
+  // Tensor parallelism: each data-parallel rank's layers split over this many ranks (the model
+  // must be split for it: ModelSpec::SplitForTensorParallel).
+  int tensor_parallel = 1;
+  int zero_stage = 0;  // 0..3: what the ranks shard (planner/sharding_policy.h)
   OffloadMode offload = OffloadMode::kNone;
   // Under OffloadMode::kParameters on GPU workers, per layer: whether its parameters stay on the
   // device between uses (ZeRO-Offload's placement for that layer: the master copy, moments and
@@ -116,11 +125,15 @@ struct ParallelConfig {
   // unpinned.
   std::vector<WorkerId> workers;
 
-  int num_workers() const { return data_parallel * pipeline_stages; }
+  // Ranks per stage (T x data_parallel), and each rank's coordinates.
+  int ranks_per_stage() const { return data_parallel * tensor_parallel; }
+  int DataRankOf(int rank) const { return rank / tensor_parallel; }
+  int TensorRankOf(int rank) const { return rank % tensor_parallel; }
+  int num_workers() const { return ranks_per_stage() * pipeline_stages; }
   WorkerId WorkerOf(int rank, int stage) const {
     return workers.empty()
                ? WorkerId()
-               : workers[static_cast<size_t>(stage) * static_cast<size_t>(data_parallel) +
+               : workers[static_cast<size_t>(stage) * static_cast<size_t>(ranks_per_stage()) +
                          static_cast<size_t>(rank)];
   }
 

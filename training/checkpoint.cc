@@ -101,33 +101,21 @@ Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::st
       writes.emplace_back(l, kind, &it->second);
     }
   }
-  const StepGraph& step = trainer.step_graph();
   for (const auto& [layer, kind, group] : writes) {
     const int64_t numel = model.layers[layer].params.numel();
-    std::vector<float> values(static_cast<size_t>(step.group_numel[layer]), 0.0f);
+    std::vector<float> values(static_cast<size_t>(trainer.GroupNumel(layer)), 0.0f);
     std::copy_n(group->begin(), numel, values.begin());  // re-padded for this plan
     TESSERA_RETURN_IF_ERROR(trainer.WriteGroup(layer, kind, values));
   }
   return Status::Ok();
 }
 
-Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
-                                   const std::string& sampler_state) {
+namespace {
+
+// Each state object's piece written by the worker that holds it ("rank<r>/<layer>.<kind>.bin"
+// under `partial`), atomically; returns the manifest's pieces.
+Result<json> WritePieces(Trainer& trainer, const fs::path& partial) {
   const StepGraph& step = trainer.step_graph();
-  const std::string name = fmt::format("step_{:08d}", trainer.steps_taken());
-  const fs::path final_dir = fs::path(dir) / name;
-  std::error_code error;
-  if (fs::exists(final_dir / "manifest.json", error)) return final_dir.string();  // already saved
-  // The pieces go to a staging directory (always the same one, so the workers' write graph is
-  // planned once per checkpoint directory) that becomes the step directory once complete.
-  // Absolute: the workers' working directories are not the driver's.
-  const fs::path partial = fs::absolute(fs::path(dir) / "incoming.partial", error);
-  if (error) return InvalidArgument("bad checkpoint directory '{}': {}", dir, error.message());
-  fs::remove_all(partial, error);
-  if (!fs::create_directories(partial, error) && error) {
-    return Unavailable("cannot create checkpoint directory '{}': {}", partial.string(),
-                       error.message());
-  }
   std::vector<size_t> indices;
   std::vector<std::string> files, paths;
   for (size_t i = 0; i < step.state.size(); ++i) {
@@ -161,10 +149,73 @@ Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
                           {"bytes", receipts[j].bytes},
                           {"fnv1a", receipts[j].fnv1a}});
   }
+  return pieces;
+}
+
+// Under tensor parallelism: each whole group gathered here and written as one piece
+// ("whole/<layer>.<kind>.bin"), so that any plan, of any tensor-parallel degree, loads it.
+Result<json> WriteWholeGroups(Trainer& trainer, const fs::path& partial) {
+  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  json pieces = json::array();
+  for (size_t l = 0; l < trainer.model().layers.size(); ++l) {
+    const LayerSpec& layer = trainer.model().layers[l];
+    if (layer.params.numel() == 0) continue;
+    for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      if (kind != StateKind::kParameter && !adamw) continue;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, trainer.ReadGroup(l, kind));
+      const std::string file = fmt::format("whole/{}.{}.bin", layer.name, StateKindName(kind));
+      const std::string_view bytes(reinterpret_cast<const char*>(group.data()),
+                                   group.size() * sizeof(float));
+      std::error_code error;
+      fs::create_directories((partial / file).parent_path(), error);
+      TESSERA_RETURN_IF_ERROR(WriteFileAtomically((partial / file).string(), bytes));
+      pieces.push_back(json{{"layer", layer.name},
+                            {"kind", StateKindName(kind)},
+                            {"rank", 0},
+                            {"begin", 0},
+                            {"numel", static_cast<int64_t>(group.size())},
+                            {"file", file},
+                            {"bytes", static_cast<int64_t>(bytes.size())},
+                            {"fnv1a", Fnv1a(bytes.data(), bytes.size())}});
+    }
+  }
+  return pieces;
+}
+
+}  // namespace
+
+Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
+                                   const std::string& sampler_state) {
+  const StepGraph& step = trainer.step_graph();
+  const std::string name = fmt::format("step_{:08d}", trainer.steps_taken());
+  const fs::path final_dir = fs::path(dir) / name;
+  std::error_code error;
+  if (fs::exists(final_dir / "manifest.json", error)) return final_dir.string();  // already saved
+  // The pieces go to a staging directory (always the same one, so the workers' write graph is
+  // planned once per checkpoint directory) that becomes the step directory once complete.
+  // Absolute: the workers' working directories are not the driver's.
+  const fs::path partial = fs::absolute(fs::path(dir) / "incoming.partial", error);
+  if (error) return InvalidArgument("bad checkpoint directory '{}': {}", dir, error.message());
+  fs::remove_all(partial, error);
+  if (!fs::create_directories(partial, error) && error) {
+    return Unavailable("cannot create checkpoint directory '{}': {}", partial.string(),
+                       error.message());
+  }
+  json pieces = json::array();
   json groups = json::object();
-  for (size_t l = 0; l < step.group_numel.size(); ++l) {
-    groups[trainer.model().layers[l].name] = json{
-        {"numel", trainer.model().layers[l].params.numel()}, {"padded_numel", step.group_numel[l]}};
+  if (trainer.plan().parallel.tensor_parallel > 1) {
+    TESSERA_ASSIGN_OR_RETURN(pieces, WriteWholeGroups(trainer, partial));
+    for (const LayerSpec& layer : trainer.model().layers) {
+      groups[layer.name] =
+          json{{"numel", layer.params.numel()}, {"padded_numel", layer.params.numel()}};
+    }
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(pieces, WritePieces(trainer, partial));
+    for (size_t l = 0; l < step.group_numel.size(); ++l) {
+      groups[trainer.model().layers[l].name] =
+          json{{"numel", trainer.model().layers[l].params.numel()},
+               {"padded_numel", step.group_numel[l]}};
+    }
   }
   const json manifest{{"format", "tessera-checkpoint"},
                       {"version", kFormatVersion},

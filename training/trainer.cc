@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 #include <span>
 
 #include <tbb/parallel_for.h>
@@ -74,9 +75,10 @@ void InitializeSlot(const ParamInit& init, uint64_t stream, float* values, int64
 
 }  // namespace
 
-Trainer::Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
-                 std::unique_ptr<GraphBackend> backend)
+Trainer::Trainer(ModelSpec model, ModelSpec split, TrainingPlan plan,
+                 std::unique_ptr<OpRegistry> registry, std::unique_ptr<GraphBackend> backend)
     : model_(std::move(model)),
+      split_(std::move(split)),
       plan_(std::move(plan)),
       registry_(std::move(registry)),
       backend_(std::move(backend)) {}
@@ -122,19 +124,22 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
     const std::vector<WorkerId> workers = backend->workers();
     if (static_cast<int>(workers.size()) < ranks) {
       return InvalidArgument(
-          "the plan has {} data-parallel ranks x {} pipeline stages but {} has {} worker(s): "
-          "start at least {} workers or use --workers <= {}",
-          plan.parallel.data_parallel, plan.parallel.pipeline_stages, backend->Describe(),
-          workers.size(), ranks, std::max<size_t>(workers.size(), 1));
+          "the plan has {} data-parallel x {} tensor-parallel ranks x {} pipeline stages but {} "
+          "has {} worker(s): start at least {} workers or use fewer ranks",
+          plan.parallel.data_parallel, plan.parallel.tensor_parallel, plan.parallel.pipeline_stages,
+          backend->Describe(), workers.size(), ranks);
     }
     placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
   }
-  TESSERA_RETURN_IF_ERROR(placed.Validate(model));
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
+                           model.SplitForTensorParallel(plan.parallel.tensor_parallel));
+  TESSERA_RETURN_IF_ERROR(placed.Validate(split));
   MeasureLinkForBuckets(*backend, placed);
   auto registry = std::make_unique<OpRegistry>();
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(*registry));
-  std::unique_ptr<Trainer> trainer(
-      new Trainer(std::move(model), placed, std::move(registry), std::move(backend)));
+  std::unique_ptr<Trainer> trainer(new Trainer(std::move(model), std::move(split), placed,
+                                               std::move(registry), std::move(backend)));
+  TESSERA_RETURN_IF_ERROR(trainer->MapSlices());
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
   TESSERA_ASSIGN_OR_RETURN(
       trainer->eval_graph_,
@@ -230,7 +235,7 @@ Status Trainer::CheckHostMemory() const {
 }
 
 Status Trainer::PrepareStepGraph() {
-  TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(model_, plan_, *registry_));
+  TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(split_, plan_, *registry_));
   if (keep_gradients_) {
     for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
   }
@@ -247,7 +252,110 @@ Status Trainer::SetKeepGradients(bool keep) {
 Status Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
 
 int64_t Trainer::ParamMultiple() const {
+  // Under tensor parallelism the forward-only graphs read whole groups, gathered unpadded.
+  if (plan_.parallel.tensor_parallel > 1) return 1;
   return plan_.parallel.sharded_optimizer() ? plan_.parallel.data_parallel : 1;
+}
+
+int64_t Trainer::GroupNumel(size_t layer) const {
+  return plan_.parallel.tensor_parallel > 1 ? model_.layers[layer].params.numel()
+                                            : step_graph_.group_numel[layer];
+}
+
+Status Trainer::MapSlices() {
+  slices_.clear();
+  if (plan_.parallel.tensor_parallel == 1) return Status::Ok();
+  const int64_t ranks = plan_.parallel.tensor_parallel;
+  slices_.resize(model_.layers.size());
+  for (size_t l = 0; l < model_.layers.size(); ++l) {
+    slices_[l].resize(model_.layers[l].params.slots().size());
+  }
+  std::vector<std::vector<bool>> found(model_.layers.size());
+  for (size_t l = 0; l < model_.layers.size(); ++l) found[l].assign(slices_[l].size(), false);
+  for (size_t p = 0; p < split_.layers.size(); ++p) {
+    const LayerSpec& planned = split_.layers[p];
+    if (!planned.tensor_parallel) {
+      return Internal("layer '{}' of model '{}' split over {} ranks does not say how it splits",
+                      planned.name, model_.name, ranks);
+    }
+    const auto& slots = planned.params.slots();
+    for (size_t s = 0; s < slots.size(); ++s) {
+      const std::string name = planned.ParamPrefix() + slots[s].name;
+      TESSERA_ASSIGN_OR_RETURN(ParameterRef whole, FindParameter(name));
+      const SlotSplit split = planned.tensor_parallel->slots[s];
+      std::vector<int64_t> dims = whole.slot->shape.dims();
+      if (!split.replicated()) dims[static_cast<size_t>(split.dim)] /= ranks;
+      if (Shape(dims) != slots[s].shape) {
+        return Internal(
+            "model '{}' split over {} ranks gives parameter '{}' shape {}, not a slice of {}",
+            model_.name, ranks, name, slots[s].shape.ToString(), whole.slot->shape.ToString());
+      }
+      const size_t index =
+          static_cast<size_t>(whole.slot - model_.layers[whole.group].params.slots().data());
+      if (found[whole.group][index]) {
+        return Internal("model '{}' split over {} ranks holds parameter '{}' twice", model_.name,
+                        ranks, name);
+      }
+      found[whole.group][index] = true;
+      slices_[whole.group][index] = SliceOfSlot{p, &slots[s], split};
+    }
+  }
+  for (size_t l = 0; l < found.size(); ++l) {
+    for (size_t s = 0; s < found[l].size(); ++s) {
+      if (!found[l][s]) {
+        return Internal("model '{}' split over {} ranks lacks parameter '{}{}'", model_.name, ranks,
+                        model_.layers[l].ParamPrefix(), model_.layers[l].params.slots()[s].name);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+void Trainer::CopySlice(const SliceOfSlot& slice, const FlatSlot& whole_slot, int t,
+                        const float* from, float* to, bool to_slice) const {
+  const Shape& shape = whole_slot.shape;
+  if (slice.split.replicated()) {
+    std::memcpy(to, from, static_cast<size_t>(shape.numel()) * sizeof(float));
+    return;
+  }
+  // The whole tensor as [outer, blocks, ranks, part x inner]; the slice is [outer, blocks, part
+  // x inner].
+  const int64_t ranks = plan_.parallel.tensor_parallel;
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < slice.split.dim; ++d) outer *= shape[d];
+  for (int d = slice.split.dim + 1; d < shape.rank(); ++d) inner *= shape[d];
+  const int64_t blocks = slice.split.blocks;
+  const int64_t chunk = shape[slice.split.dim] / (blocks * ranks) * inner;
+  for (int64_t o = 0; o < outer * blocks; ++o) {
+    const int64_t whole_at = (o * ranks + t) * chunk;
+    const int64_t slice_at = o * chunk;
+    if (to_slice) {
+      std::memcpy(to + slice_at, from + whole_at, static_cast<size_t>(chunk) * sizeof(float));
+    } else {
+      std::memcpy(to + whole_at, from + slice_at, static_cast<size_t>(chunk) * sizeof(float));
+    }
+  }
+}
+
+Result<std::vector<float>> Trainer::GatherWholeGroup(size_t layer, const PlannedGroupReader& read) {
+  const LayerSpec& whole = model_.layers[layer];
+  std::vector<float> group(static_cast<size_t>(whole.params.numel()), 0.0f);
+  std::map<std::pair<size_t, int>, std::vector<float>> planned;  // read once each
+  const auto& slots = whole.params.slots();
+  for (size_t s = 0; s < slots.size(); ++s) {
+    const SliceOfSlot& slice = slices_[layer][s];
+    const int ranks = slice.split.replicated() ? 1 : plan_.parallel.tensor_parallel;
+    for (int t = 0; t < ranks; ++t) {
+      auto it = planned.find({slice.layer, t});
+      if (it == planned.end()) {
+        TESSERA_ASSIGN_OR_RETURN(std::vector<float> values, read(slice.layer, t));
+        it = planned.emplace(std::make_pair(slice.layer, t), std::move(values)).first;
+      }
+      CopySlice(slice, slots[s], t, it->second.data() + slice.slot->offset,
+                group.data() + slots[s].offset, /*to_slice=*/false);
+    }
+  }
+  return group;
 }
 
 Status Trainer::AllocateState(std::optional<uint64_t> seed) {
@@ -257,6 +365,7 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   // is faulted in once, not twice.
   state_.resize(step_graph_.state.size());
   full_params_.clear();
+  if (plan_.parallel.tensor_parallel > 1) return AllocateSplitState(seed);
   // One staging buffer for every layer's group (not a fresh one each: freed and faulted again).
   int64_t largest = 0;
   for (int64_t numel : step_graph_.group_numel) largest = std::max(largest, numel);
@@ -284,10 +393,88 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   return Status::Ok();
 }
 
+// Draws a whole layer's parameters as its ParamInit says, from its own streams of the seed.
+void Trainer::InitializeGroup(size_t l, uint64_t seed, std::span<float> values) const {
+  const LayerSpec& layer = model_.layers[l];
+  ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
+  // A layer without ParamInit starts at zero (the fill above).
+  const std::vector<FlatSlot>& slots = layer.params.slots();
+  for (size_t s = 0; s < layer.init.size(); ++s) {
+    // Each slot draws from its own stream of the seed.
+    const uint64_t stream = Mix(Mix(Mix(seed) ^ static_cast<uint64_t>(l)) ^ s);
+    InitializeSlot(layer.init[s], stream, values.data() + slots[s].offset, slots[s].shape.numel());
+  }
+}
+
+Status Trainer::AllocateSplitState(std::optional<uint64_t> seed) {
+  // The whole model's groups as a run without tensor parallelism draws them, cut into each
+  // tensor rank's split groups.
+  const int ranks = plan_.parallel.tensor_parallel;
+  std::vector<std::vector<std::vector<float>>> planned(split_.layers.size());
+  for (size_t p = 0; p < split_.layers.size(); ++p) {
+    planned[p].assign(static_cast<size_t>(ranks),
+                      std::vector<float>(static_cast<size_t>(step_graph_.group_numel[p]), 0.0f));
+  }
+  for (size_t l = 0; l < model_.layers.size() && seed.has_value(); ++l) {
+    std::vector<float> whole(static_cast<size_t>(model_.layers[l].params.numel()));
+    InitializeGroup(l, *seed, whole);
+    const auto& slots = model_.layers[l].params.slots();
+    for (size_t s = 0; s < slots.size(); ++s) {
+      const SliceOfSlot& slice = slices_[l][s];
+      for (int t = 0; t < ranks; ++t) {
+        CopySlice(slice, slots[s], t, whole.data() + slots[s].offset,
+                  planned[slice.layer][static_cast<size_t>(t)].data() + slice.slot->offset,
+                  /*to_slice=*/true);
+      }
+    }
+  }
+  const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  for (size_t p = 0; p < split_.layers.size(); ++p) {
+    if (step_graph_.group_numel[p] == 0) continue;
+    for (int t = 0; t < ranks; ++t) {
+      std::vector<float>& values = planned[p][static_cast<size_t>(t)];
+      TESSERA_RETURN_IF_ERROR(WritePlannedGroup(p, t, StateKind::kParameter, values));
+      if (!adamw) continue;
+      std::fill(values.begin(), values.end(), 0.0f);
+      TESSERA_RETURN_IF_ERROR(WritePlannedGroup(p, t, StateKind::kExpAvg, values));
+      TESSERA_RETURN_IF_ERROR(WritePlannedGroup(p, t, StateKind::kExpAvgSq, values));
+    }
+  }
+  steps_taken_ = 0;
+  return Status::Ok();
+}
+
 Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> values) {
+  if (static_cast<int64_t>(values.size()) != GroupNumel(layer)) {
+    return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
+                           model_.layers[layer].name, GroupNumel(layer), values.size());
+  }
+  if (plan_.parallel.tensor_parallel == 1) return WritePlannedGroup(layer, -1, kind, values);
+  // Each split group holding a slot of the layer, read, changed and written back.
+  const auto& slots = model_.layers[layer].params.slots();
+  std::set<std::pair<size_t, int>> done;
+  for (size_t s = 0; s < slots.size(); ++s) {
+    for (int t = 0; t < plan_.parallel.tensor_parallel; ++t) {
+      const size_t planned = slices_[layer][s].layer;
+      if (!done.insert({planned, t}).second) continue;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, ReadPlannedGroup(planned, t, kind));
+      for (size_t u = 0; u < slots.size(); ++u) {
+        const SliceOfSlot& slice = slices_[layer][u];
+        if (slice.layer != planned) continue;
+        CopySlice(slice, slots[u], t, values.data() + slots[u].offset,
+                  group.data() + slice.slot->offset, /*to_slice=*/true);
+      }
+      TESSERA_RETURN_IF_ERROR(WritePlannedGroup(planned, t, kind, group));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Trainer::WritePlannedGroup(size_t layer, int t, StateKind kind,
+                                  std::span<const float> values) {
   if (static_cast<int64_t>(values.size()) != step_graph_.group_numel[layer]) {
     return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
-                           model_.layers[layer].name, step_graph_.group_numel[layer],
+                           split_.layers[layer].name, step_graph_.group_numel[layer],
                            values.size());
   }
   // Parameters are also written to the offloaded master copies, which hold the same values.
@@ -298,6 +485,7 @@ Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> 
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
     const StateObject& object = step_graph_.state[i];
     if (object.piece.layer != layer || !written(object.kind)) continue;
+    if (t >= 0 && plan_.parallel.TensorRankOf(object.piece.rank) != t) continue;
     const float* source = values.data() + object.piece.begin;
     Tensor& held = state_[i].tensor;  // in process: the value itself
     if (held.defined() && held.meta() == F32(object.piece.numel)) {
@@ -344,17 +532,24 @@ Result<std::vector<float>> Assemble(int64_t numel, const std::vector<GroupPiece>
 }  // namespace
 
 Result<std::vector<float>> Trainer::ReadGroup(size_t layer, StateKind kind) {
+  if (plan_.parallel.tensor_parallel == 1) return ReadPlannedGroup(layer, -1, kind);
+  return GatherWholeGroup(
+      layer, [&](size_t planned, int t) { return ReadPlannedGroup(planned, t, kind); });
+}
+
+Result<std::vector<float>> Trainer::ReadPlannedGroup(size_t layer, int t, StateKind kind) {
   std::vector<GroupPiece> pieces;
   std::vector<size_t> index;
   for (size_t i = 0; i < step_graph_.state.size(); ++i) {
     const StateObject& object = step_graph_.state[i];
     if (object.piece.layer != layer || object.kind != kind) continue;
+    if (t >= 0 && plan_.parallel.TensorRankOf(object.piece.rank) != t) continue;
     pieces.push_back(object.piece);
     index.push_back(i);
   }
   if (pieces.empty()) {
     return NotFound("the plan holds no {} for layer '{}'", StateKindName(kind),
-                    model_.layers[layer].name);
+                    split_.layers[layer].name);
   }
   return Assemble(step_graph_.group_numel[layer], pieces,
                   [&](size_t i) { return backend_->Download(state_[index[i]]); });
@@ -362,7 +557,7 @@ Result<std::vector<float>> Trainer::ReadGroup(size_t layer, StateKind kind) {
 
 Result<std::vector<Value>> Trainer::FullParameters() {
   std::vector<Value> params(model_.layers.size());
-  if (!plan_.parallel.sharded_parameters()) {
+  if (!plan_.parallel.sharded_parameters() && plan_.parallel.tensor_parallel == 1) {
     // Every rank holds whole groups: rank 0's serve.
     for (size_t i = 0; i < step_graph_.state.size(); ++i) {
       const StateObject& object = step_graph_.state[i];
@@ -374,7 +569,7 @@ Result<std::vector<Value>> Trainer::FullParameters() {
   }
   if (full_params_.empty()) {
     for (size_t l = 0; l < model_.layers.size(); ++l) {
-      if (step_graph_.group_numel[l] == 0) {  // no parameters
+      if (GroupNumel(l) == 0) {  // no parameters
         full_params_.emplace_back();
         continue;
       }
@@ -434,17 +629,25 @@ Result<std::vector<float>> Trainer::GetGradient(const std::string& name) {
   if (last_grads_.empty()) {
     return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
   }
-  std::vector<GroupPiece> pieces;
-  std::vector<size_t> index;
-  for (size_t i = 0; i < step_graph_.grads.size(); ++i) {
-    if (step_graph_.grads[i].piece.layer != ref.group) continue;
-    pieces.push_back(step_graph_.grads[i].piece);
-    index.push_back(i);
+  const auto read = [&](size_t layer, int t) -> Result<std::vector<float>> {
+    std::vector<GroupPiece> pieces;
+    std::vector<size_t> index;
+    for (size_t i = 0; i < step_graph_.grads.size(); ++i) {
+      const GroupPiece& piece = step_graph_.grads[i].piece;
+      if (piece.layer != layer) continue;
+      if (t >= 0 && plan_.parallel.TensorRankOf(piece.rank) != t) continue;
+      pieces.push_back(piece);
+      index.push_back(i);
+    }
+    return Assemble(step_graph_.group_numel[layer], pieces,
+                    [&](size_t i) { return backend_->Download(last_grads_[index[i]]); });
+  };
+  std::vector<float> group;
+  if (plan_.parallel.tensor_parallel == 1) {
+    TESSERA_ASSIGN_OR_RETURN(group, read(ref.group, -1));
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(group, GatherWholeGroup(ref.group, read));
   }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<float> group,
-                           Assemble(step_graph_.group_numel[ref.group], pieces, [&](size_t i) {
-                             return backend_->Download(last_grads_[index[i]]);
-                           }));
   const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }
@@ -497,13 +700,17 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
-  // Rank r's micro-batch k takes rows [(r * micro_batches + k) * b, ... + b) of the global batch.
+  // Rank r's micro-batch k takes rows [(d * micro_batches + k) * b, ... + b) of the global
+  // batch, d its data-parallel rank (a data-parallel rank's tensor ranks read the same rows).
   const int64_t micro = step_graph_.micro_batch_rows;
+  const int64_t micro_batches = plan_.parallel.micro_batches;
   for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
     const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
     for (size_t i = 0; i < pieces.size(); ++i) {
-      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
-                               UploadRows(batch[input], static_cast<int64_t>(i) * micro, micro));
+      const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
+      const int64_t slice =
+          plan_.parallel.DataRankOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
+      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]], UploadRows(batch[input], slice * micro, micro));
     }
   }
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
@@ -651,7 +858,7 @@ Result<std::vector<Value>> Trainer::RunStateTasks(const std::string& op,
       auto [input, added] = made.inputs.try_emplace(indices[i]);
       if (added) input->second = builder.AddInput(spec.name, spec.meta, spec.role);
       TaskOptions options;
-      options.layer = model_.layers[object.piece.layer].name;
+      options.layer = split_.layers[object.piece.layer].name;
       options.device_kind = spec.meta.device.kind;
       options.pinned_worker = tasks[i].worker;
       options.output_names = {fmt::format("{}:{}{}", spec.name, op, i)};

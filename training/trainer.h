@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -111,10 +112,15 @@ class Trainer {
   // debugging; they stay alive until the next step). Re-plans the step graph.
   Status SetKeepGradients(bool keep);
 
-  // A whole group of state (step_graph().group_numel[layer] elements, padding included), read
-  // from / written to every object that holds a piece of it, whatever the placement.
+  // A whole group of state (GroupNumel(layer) elements), read from / written to every object
+  // that holds a piece of it, whatever the placement. `layer` is the whole model's (model()),
+  // also under tensor parallelism, where the group is gathered from (scattered to) the slices
+  // of the split model's layers that hold its slots.
   Result<std::vector<float>> ReadGroup(size_t layer, StateKind kind);
   Status WriteGroup(size_t layer, StateKind kind, std::span<const float> values);
+  // Elements of ReadGroup's groups: step_graph().group_numel[layer] (padding for ZeRO's shards
+  // included); under tensor parallelism the whole model's group, unpadded.
+  int64_t GroupNumel(size_t layer) const;
   // The value of step_graph().state[index] (a piece of a group on one rank).
   Result<Tensor> DownloadState(size_t index) { return backend_->Download(state_.at(index)); }
   // Writes state objects to files, each by the worker that holds it (in process: this
@@ -138,7 +144,11 @@ class Trainer {
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
   const StepGraph& step_graph() const { return step_graph_; }
 
+  // The whole model, and the model the step graph runs: the same, or under tensor parallelism
+  // (ParallelConfig::tensor_parallel) the split model each tensor rank runs (its layers are
+  // what step_graph()'s pieces index).
   const ModelSpec& model() const { return model_; }
+  const ModelSpec& planned_model() const { return split_; }
   const TrainingPlan& plan() const { return plan_; }
   int64_t steps_taken() const { return steps_taken_; }
   GraphBackend& backend() { return *backend_; }
@@ -157,7 +167,7 @@ class Trainer {
   // process, when the state, the inputs and the step's largest intermediate together are (a
   // lower bound of the step's peak), naming the flags that shrink it.
   Status CheckHostMemory() const;
-  Trainer(ModelSpec model, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
+  Trainer(ModelSpec model, ModelSpec split, TrainingPlan plan, std::unique_ptr<OpRegistry> registry,
           std::unique_ptr<GraphBackend> backend);
 
   Result<Value> Scalar(DType dtype, double value);
@@ -170,11 +180,16 @@ class Trainer {
   Status PrepareStepGraph();
   // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);
+  // AllocateState under tensor parallelism: the whole groups drawn, each rank given its slices.
+  Status AllocateSplitState(std::optional<uint64_t> seed);
+  // The whole model's group `l` as its ParamInit draws it from `seed` (zeros where none).
+  void InitializeGroup(size_t l, uint64_t seed, std::span<float> values) const;
   // After a failed step: takes back the state the backend returned intact. Returns `error`
   // when everything came back, DataLoss naming what the optimizer had already changed.
   Status RecoverState(const Status& error, ValueMap& intact);
 
   ModelSpec model_;
+  ModelSpec split_;  // what the step graph runs (model_ without tensor parallelism)
   TrainingPlan plan_;
   std::unique_ptr<OpRegistry> registry_;  // definitions, for planning
   std::unique_ptr<GraphBackend> backend_;
@@ -213,6 +228,26 @@ class Trainer {
   // Full parameter groups for the forward-only graphs (stage 3 gathers them here).
   Result<std::vector<Value>> FullParameters();
   int64_t ParamMultiple() const;
+  // The split model's group `layer` (step_graph_.group_numel elements) of tensor rank t, from
+  // or to the state objects of the ranks of that tensor rank (t < 0: every rank).
+  Result<std::vector<float>> ReadPlannedGroup(size_t layer, int t, StateKind kind);
+  Status WritePlannedGroup(size_t layer, int t, StateKind kind, std::span<const float> values);
+  // Tensor parallelism: a whole group from the split model's groups of every tensor rank that
+  // `read(planned layer, t)` returns, and the split groups of tensor rank t from whole groups
+  // (`whole(layer)`).
+  using PlannedGroupReader = std::function<Result<std::vector<float>>(size_t, int)>;
+  Result<std::vector<float>> GatherWholeGroup(size_t layer, const PlannedGroupReader& read);
+  // Where each slot of the whole model lives in the split one (Create fills it).
+  struct SliceOfSlot {
+    size_t layer = 0;  // the split model's
+    const FlatSlot* slot = nullptr;
+    SlotSplit split;
+  };
+  Status MapSlices();
+  // The whole tensor `whole` (shape of the whole slot) -> rank t's slice, or back.
+  void CopySlice(const SliceOfSlot& slice, const FlatSlot& whole_slot, int t, const float* from,
+                 float* to, bool to_slice) const;
+  std::vector<std::vector<SliceOfSlot>> slices_;  // per whole layer, per slot (tensor parallel)
 
   std::vector<Value> state_;        // parallel to step_graph_.state
   std::vector<Value> last_grads_;   // parallel to step_graph_.grads (SetKeepGradients)
