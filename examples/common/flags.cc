@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/flag_checks.h"
 #include "core/version.h"
@@ -38,6 +39,11 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--zero-stage", flags.zero_stage,
                  "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
                  "3 + parameters");
+  app.add_option("--tensor-parallel", flags.tensor_parallel,
+                 "T: each layer split over T workers (Megatron-LM's tensor slicing: attention "
+                 "heads and MLP columns, two all-reduces forward and two backward per block); "
+                 "--workers is then D x T x P (GPT-2 with --layer-impl primitive)")
+      ->check(tessera::AtLeast(1));
   app.add_option("--offload", flags.offload,
                  "none; optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload); parameters: the parameters too, each "
@@ -247,6 +253,18 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
     return InvalidArgument(
         "--snapshot-every keeps state for recovery: it needs --max-restarts K (K >= 1)");
   }
+  if (flags.tensor_parallel > 1 && flags.search.plan == "auto") {
+    return InvalidArgument(
+        "--plan auto does not search tensor parallelism yet: give the plan's flags with "
+        "--tensor-parallel {}, or --plan auto without it",
+        flags.tensor_parallel);
+  }
+  if (flags.tensor_parallel > 1 && flags.workers == 0) {
+    return InvalidArgument(
+        "--tensor-parallel {} splits each layer over {} workers: give --workers (a multiple of "
+        "{})",
+        flags.tensor_parallel, flags.tensor_parallel, flags.tensor_parallel);
+  }
   if (r.replace_workers && !flags.address.empty()) {
     return InvalidArgument(
         "--replace-workers starts workers of a local cluster; on a running cluster start them "
@@ -273,14 +291,16 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   p.pipeline_stages = pipeline.stages;
   p.virtual_stages = pipeline.virtual_stages;
   p.chunk_layers = pipeline.stage_layers;
-  if (pipeline.stages == 1) return Status::Ok();
-  if (flags.workers < pipeline.stages || flags.workers % pipeline.stages != 0) {
+  p.tensor_parallel = flags.tensor_parallel;
+  const int per_rank = pipeline.stages * flags.tensor_parallel;  // workers a data rank takes
+  if (per_rank == 1) return Status::Ok();
+  if (flags.workers < per_rank || flags.workers % per_rank != 0) {
     return InvalidArgument(
-        "--pipeline-stages {} needs --workers a multiple of {} (P x D workers: D data-parallel "
-        "ranks per stage), got --workers {}",
-        pipeline.stages, pipeline.stages, flags.workers);
+        "--pipeline-stages {} x --tensor-parallel {} needs --workers a multiple of {} (D x T x P "
+        "workers: D data-parallel ranks), got --workers {}",
+        pipeline.stages, flags.tensor_parallel, per_rank, flags.workers);
   }
-  p.data_parallel = flags.workers / pipeline.stages;
+  p.data_parallel = flags.workers / per_rank;
   return Status::Ok();
 }
 
@@ -395,6 +415,46 @@ std::string DescribeBuckets(const StepGraph& step) {
   return fmt::format("{:.2f} MB, {} collective(s) of several layers per step: {}",
                      static_cast<double>(step.buckets.bytes) / 1e6, step.fused_reductions,
                      step.buckets.reason);
+}
+
+std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& planned) {
+  const int ranks = step.parallel.tensor_parallel;
+  if (ranks == 1) return "";
+  std::string text = fmt::format("each layer over {} tensor ranks:", ranks);
+  for (const LayerSpec& layer : planned.layers) {
+    if (!layer.tensor_parallel) continue;
+    const TensorParallelLayer& tp = *layer.tensor_parallel;
+    std::vector<std::string> parts;
+    const auto& slots = layer.params.slots();
+    std::vector<std::string> replicated;
+    for (size_t s = 0; s < slots.size(); ++s) {
+      const SlotSplit& split = tp.slots[s];
+      if (split.replicated()) {
+        replicated.push_back(slots[s].name);
+      } else {
+        parts.push_back(
+            fmt::format("{} {} split{}", slots[s].name,
+                        split.dim == 0   ? std::string("rows")
+                        : split.dim == 1 ? std::string("columns")
+                                         : fmt::format("dim {}", split.dim),
+                        split.blocks > 1 ? fmt::format(" in {} blocks", split.blocks) : ""));
+      }
+    }
+    if (!replicated.empty())
+      parts.push_back(fmt::format("{} replicated", fmt::join(replicated, ", ")));
+    for (size_t o = 0; o < tp.partial_outputs.size(); ++o) {
+      if (tp.partial_outputs[o]) parts.push_back(fmt::format("output {} all-reduced", o));
+    }
+    for (size_t a = 0; a < tp.partial_input_gradients.size(); ++a) {
+      if (tp.partial_input_gradients[a]) {
+        parts.push_back(fmt::format("gradient of input {} all-reduced", a));
+      }
+    }
+    text += fmt::format("\n  {}: {}", layer.name,
+                        parts.empty() ? std::string("no parameters, replicated")
+                                      : fmt::format("{}", fmt::join(parts, "; ")));
+  }
+  return text;
 }
 
 std::string DescribePipeline(const StepGraph& step, const ModelSpec& model) {

@@ -3,7 +3,8 @@
 //
 //   threads      --threads N
 //   logging      --log-every N
-//   plan         --workers N --in-process --zero-stage S --offload none|optimizer --grad-accum K
+//   plan         --workers N --in-process --zero-stage S --tensor-parallel T
+//                --offload none|optimizer --grad-accum K
 //                --bucket-mb auto|MB --device-memory-gib G --host-memory-gib G
 //                --activation-budget F --plan flags|auto --recalibrate --show-plans N
 //   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
@@ -86,6 +87,7 @@ struct CommonFlags {
   int workers = 0;  // 0: this process
   bool in_process = false;
   int zero_stage = 0;
+  int tensor_parallel = 1;  // T: each layer split over T workers (Megatron's tensor slicing)
   std::string offload = "none";
   std::string bucket_mb = "auto";  // gradient buckets: auto (from the measured link) or MB
   int micro_batches = 0;           // 0: not given (--grad-accum's value, else 1)
@@ -162,5 +164,8 @@ Status ApplyBalance(const CommonFlags& flags, const ModelSpec& model,
 std::string DescribePipeline(const StepGraph& step, const ModelSpec& model);
 // "0.45 MB, 2 collectives of several groups per step: <why>"; empty over one rank.
 std::string DescribeBuckets(const StepGraph& step);
+// Under tensor parallelism: each layer of the split model (`planned`) on one line, how its
+// parameters are split and which of its values are all-reduced over the tensor ranks; "" else.
+std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& planned);
 
 }  // namespace tessera::examples

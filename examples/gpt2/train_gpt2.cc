@@ -58,7 +58,7 @@ struct Flags {
   std::string preset = "tiny";
   int64_t layers = 0, channels = 0, heads = 0, vocab = 0, seq_len = 0, batch = 0;
   int64_t max_seq_len = 0;
-  std::string layer_impl = "fused";
+  std::string layer_impl;  // empty: fused, or primitive under --tensor-parallel
   int64_t steps = 200;
   double lr = 1e-3;
   double weight_decay = 0.1;
@@ -361,9 +361,15 @@ Result<std::unique_ptr<Trainer>> MakeTrainer(const Flags& flags, const ResolvedS
   std::fprintf(stderr, "%s: plan %s, micro-batch %lld\n", kProgram,
                trainer->plan().parallel.ToString().c_str(),
                static_cast<long long>(trainer->step_graph().micro_batch_rows));
-  if (std::string pipeline = examples::DescribePipeline(trainer->step_graph(), trainer->model());
+  if (std::string pipeline =
+          examples::DescribePipeline(trainer->step_graph(), trainer->planned_model());
       !pipeline.empty()) {
     std::fprintf(stderr, "%s: pipeline %s\n", kProgram, pipeline.c_str());
+  }
+  if (std::string tensor =
+          examples::DescribeTensorParallel(trainer->step_graph(), trainer->planned_model());
+      !tensor.empty()) {
+    std::fprintf(stderr, "%s: %s\n", kProgram, tensor.c_str());
   }
   if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
     std::fprintf(stderr, "%s: gradient buckets %s\n", kProgram, buckets.c_str());
@@ -444,8 +450,11 @@ Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags.common));
   if (!runtime.device.is_cpu()) shape.config.activations = tessera::GpuActivations();
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Data> data, LoadData(flags, shape));
-  TESSERA_ASSIGN_OR_RETURN(tessera::Gpt2LayerImpl layers,
-                           tessera::ParseGpt2LayerImpl(flags.layer_impl));
+  // The fused layers do not split over tensor ranks; the primitive ones do.
+  const std::string impl = !flags.layer_impl.empty()          ? flags.layer_impl
+                           : flags.common.tensor_parallel > 1 ? "primitive"
+                                                              : "fused";
+  TESSERA_ASSIGN_OR_RETURN(tessera::Gpt2LayerImpl layers, tessera::ParseGpt2LayerImpl(impl));
   TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildGpt2(shape.config, layers));
   TESSERA_ASSIGN_OR_RETURN(tessera::TrainingPlan plan, MakePlan(flags, shape, runtime, model));
   // Where the step runs: this process, a local cluster we start, or a running cluster.
@@ -516,7 +525,8 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
       ->check(tessera::AtLeast(1));
   app.add_option("--layer-impl", flags.layer_impl,
                  "How the layers run: fused (hand-fused layer ops, the fast path) or primitive "
-                 "(programs of primitive ops with derived backwards, the reference; CPU only)")
+                 "(programs of primitive ops with derived backwards, the reference; CPU only; "
+                 "the default under --tensor-parallel: the layers that split)")
       ->check(CLI::IsMember({"fused", "primitive"}));
   app.add_option("--batch", flags.batch, "Sequences per step")->check(tessera::AtLeast(1));
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));

@@ -128,7 +128,8 @@ Status Train(const Flags& flags) {
               config.ToString().c_str(), static_cast<long long>(model.NumParameters()),
               static_cast<long long>(config.volume), static_cast<long long>(flags.batch),
               plan.parallel.ToString().c_str());
-  if (std::string pipeline = examples::DescribePipeline(trainer->step_graph(), model);
+  if (std::string pipeline =
+          examples::DescribePipeline(trainer->step_graph(), trainer->planned_model());
       !pipeline.empty()) {
     std::printf("pipeline %s\n", pipeline.c_str());
   }
