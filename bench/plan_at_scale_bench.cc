@@ -8,8 +8,9 @@
 // plans' best few with predicted step time, TFLOP/s per GPU (by the model's FLOPs, 3 x forward,
 // and by Megatron-LM's eq. 3, which counts activation recompute) and peak memory, and the search
 // time; then each published plan beside it: its achieved TFLOP/s (Megatron's count), and where
-// the plan is one Tessera can run (no tensor parallelism: DeepSpeed ZeRO-3 without model
-// parallelism), the same plan's predicted TFLOP/s.
+// the paper gives its micro-batch size, the same plan's predicted TFLOP/s (Megatron-LM's PTD-P
+// plans with their vocabulary-parallel embedding and head, no ZeRO, 1F1B assumed; DeepSpeed's
+// ZeRO-3 plans without model parallelism).
 // --out DIR writes scale_search.tsv (the best plan per model and count) and published.tsv.
 #include <chrono>
 #include <cstdio>
@@ -47,25 +48,26 @@ struct Published {
   std::string plan;  // as the paper gives it
   double tflops;     // achieved, per GPU
   std::string source;
-  // The same plan in Tessera's dimensions when it has no tensor parallelism (D, b; ZeRO-3, one
-  // stage); 0: not expressible.
-  int data_parallel = 0, micro_batch_size = 0;
+  // The same plan in Tessera's dimensions (D x T x P, b, the ZeRO stage); micro_batch_size 0:
+  // not given by the paper, not predicted.
+  int data_parallel = 0, tensor_parallel = 1, pipeline_stages = 1, micro_batch_size = 0;
+  int zero_stage = 0;
 };
 
 const std::vector<Published>& PublishedPlans() {
   static const std::vector<Published> plans = {
       {"gpt3-175b", 384, 1536, "TP 8 x PP 12 x DP 4, micro-batch 1", 153,
-       "Narayanan et al. 2021, Table 2 (PTD-P)"},
+       "Narayanan et al. 2021, Table 2 (PTD-P)", 4, 8, 12, 1},
       {"gpt3-175b", 768, 1536, "TP 8 x PP 12 x DP 8, micro-batch 1", 149,
-       "Narayanan et al. 2021, Table 2 (PTD-P)"},
+       "Narayanan et al. 2021, Table 2 (PTD-P)", 8, 8, 12, 1},
       {"gpt3-175b", 1536, 1536, "TP 8 x PP 12 x DP 16, micro-batch 1", 141,
-       "Narayanan et al. 2021, Table 2 (PTD-P)"},
+       "Narayanan et al. 2021, Table 2 (PTD-P)", 16, 8, 12, 1},
       {"gpt3-175b", 384, 1536, "DeepSpeed ZeRO-3 x DP 384, micro-batch 4", 144,
-       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 384, 4},
+       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 384, 1, 1, 4, 3},
       {"gpt3-175b", 768, 1536, "DeepSpeed ZeRO-3 x DP 768, micro-batch 2", 88,
-       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 768, 2},
+       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 768, 1, 1, 2, 3},
       {"gpt3-175b", 1536, 1536, "DeepSpeed ZeRO-3 x DP 1536, micro-batch 1", 44,
-       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 1536, 1},
+       "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism)", 1536, 1, 1, 1, 3},
       {"megatron-76b", 1024, 1792, "TP 8 x PP 4 x DP 32", 140,
        "Narayanan et al. 2021, Table 1 (76.1B row)"},
   };
@@ -154,14 +156,19 @@ int Main(int argc, char** argv) {
       training.global_batch = row.global_batch;
       training.overlap_communication = overlap;
       const size_t k = overlap ? 0 : 1;
-      if (row.data_parallel > 0) {
+      if (row.micro_batch_size > 0) {
         PlanChoice choice;
         choice.data_parallel = row.data_parallel;
+        choice.tensor_parallel = row.tensor_parallel;
+        choice.pipeline_stages = row.pipeline_stages;
         choice.micro_batches = static_cast<int>(
             row.global_batch / (static_cast<int64_t>(row.data_parallel) * row.micro_batch_size));
-        choice.zero_stage = 3;
+        choice.zero_stage = row.zero_stage;
+        // Megatron-LM splits the embedding and the head by vocabulary.
+        ScaleTraining as_published = training;
+        as_published.vocab_parallel = row.tensor_parallel > 1;
         const Result<ScalePlan> plan = EvaluateScalePlan(
-            cluster, shape, training, choice, row.micro_batch_size, RankLayout::kStagesInNode);
+            cluster, shape, as_published, choice, row.micro_batch_size, RankLayout::kStagesInNode);
         same[k] = plan.ok() ? fmt::format("{:.1f}", plan->megatron_tflops) : "does not fit";
       }
       if (row.gpus <= cluster.gpus()) {

@@ -73,6 +73,7 @@ Status PlanAtScale(const PlanCommandFlags& flags) {
   training.overlap_communication = !flags.no_overlap;
   ScaleSpace space;
   space.gpus = flags.gpus;
+  if (!flags.tensor_parallel.empty()) space.tensor_parallel = flags.tensor_parallel;
   std::printf("%s (%.1fB parameters), global batch %lld x %lld tokens on %s (%d nodes x %d %s)\n",
               shape.name.c_str(), static_cast<double>(shape.Parameters()) / 1e9,
               static_cast<long long>(training.global_batch), static_cast<long long>(shape.seq_len),
@@ -94,6 +95,11 @@ Status PlanAtScale(const PlanCommandFlags& flags) {
     std::printf("  its flags: --device cuda --batch %lld %s --device-memory-gib %g\n",
                 static_cast<long long>(training.global_batch), best.choice.Flags().c_str(),
                 cluster.gpu_memory_gib - cluster.reserved_gib);
+    if (best.choice.tensor_parallel > 1) {
+      std::printf(
+          "  (the runtime runs --tensor-parallel on CPU workers only so far: on GPUs plan with "
+          "--tensor-parallel 1 for a plan it runs today)\n");
+    }
   }
   return Status::Ok();
 }
@@ -106,9 +112,9 @@ Status Plan(const PlanCommandFlags& flags) {
         "(examples/clusters/); without it --model is gpt2 or unet3d",
         flags.model);
   }
-  if (!flags.gpus.empty() || flags.no_overlap) {
+  if (!flags.gpus.empty() || flags.no_overlap || !flags.tensor_parallel.empty()) {
     return InvalidArgument(
-        "--gpus and --no-overlap belong to the search at scale: add --cluster "
+        "--gpus, --no-overlap and --tensor-parallel belong to the search at scale: add --cluster "
         "FILE.yaml, or use --workers N");
   }
   TESSERA_ASSIGN_OR_RETURN(Device device, ParseDevice(flags.device));
@@ -244,6 +250,11 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
                       "A described cluster (YAML: nodes, GPUs, memory, FLOP/s, links; see "
                       "examples/clusters/): search at scale by simulation, nothing is probed");
   command->add_option("--gpus", flags.gpus, "With --cluster: GPU counts to plan for (default: all)")
+      ->check(AtLeast(1));
+  command
+      ->add_option("--tensor-parallel", flags.tensor_parallel,
+                   "With --cluster: the tensor-parallel degrees to plan (default: 1 2 4 8; "
+                   "those that split the layers inside a node)")
       ->check(AtLeast(1));
   command->add_flag("--no-overlap", flags.no_overlap,
                     "With --cluster: price collectives as not overlapping the compute");

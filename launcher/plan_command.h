@@ -47,6 +47,7 @@ struct PlanCommandFlags {
   std::string cluster;
   std::vector<int> gpus;
   bool no_overlap = false;
+  std::vector<int> tensor_parallel;  // with --cluster: the degrees T to plan (empty: 1, 2, 4, 8)
 };
 
 CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags);

@@ -65,6 +65,7 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   TrainingPlan plan = base;
   ParallelConfig& p = plan.parallel;
   p.data_parallel = choice.data_parallel;
+  p.tensor_parallel = choice.tensor_parallel;
   p.pipeline_stages = choice.pipeline_stages;
   p.virtual_stages = choice.virtual_stages;
   p.micro_batches = choice.micro_batches;
@@ -255,7 +256,9 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
 }
 
 std::string PlanChoice::Name() const {
-  std::string name = fmt::format("D{} x P{}", data_parallel, pipeline_stages);
+  std::string name = tensor_parallel > 1 ? fmt::format("D{} x T{} x P{}", data_parallel,
+                                                       tensor_parallel, pipeline_stages)
+                                         : fmt::format("D{} x P{}", data_parallel, pipeline_stages);
   if (pipeline_stages > 1) name += fmt::format(" {}", ScheduleName(schedule));
   if (virtual_stages > 1) name += fmt::format(" V{}", virtual_stages);
   name += fmt::format(" M{}", micro_batches);
@@ -273,6 +276,7 @@ std::string PlanChoice::Flags() const {
         fmt::format(" --pipeline-stages {} --schedule {}", pipeline_stages, ScheduleName(schedule));
   }
   if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
+  if (tensor_parallel > 1) flags += fmt::format(" --tensor-parallel {}", tensor_parallel);
   if (!chunk_layers.empty())
     flags += fmt::format(" --stage-layers {}", fmt::join(chunk_layers, ","));
   flags += fmt::format("{}--micro-batches {}", flags.empty() ? "" : " ", micro_batches);

@@ -80,7 +80,8 @@ class Evaluator {
     return flops / (cluster_.peak_tflops * 1e12 * cluster_.gemm_efficiency) * 1e3 +
            bytes / (cluster_.memory_gb_per_s * 1e9) * 1e3;
   }
-  LayerOps Layer(int b) const;
+  // A layer on a micro-batch of b rows on one of t tensor ranks, whose all-reduces take `link`.
+  LayerOps Layer(int b, int t, Link link) const;
   double ModelStateBytes(const PlanChoice& choice, double stage_params, double layer_params) const;
 
   // The schedule's order for these dimensions and stage costs: zb-h1's list schedule is the
@@ -110,14 +111,17 @@ const std::vector<std::vector<PipelineOp>>& Evaluator::Order(const PlanChoice& c
   return it->second;
 }
 
-LayerOps Evaluator::Layer(int b) const {
+LayerOps Evaluator::Layer(int b, int t, Link link) const {
   const double s = static_cast<double>(shape_.seq_len), h = static_cast<double>(shape_.hidden);
-  const double core = 4.0 * s * s * h * b;  // Q K^T and the weighted sum of V
-  const double gemm = shape_.LayerForwardFlops() * b - core;
-  const double traffic = shape_.LayerForwardTrafficBytes() * b;
+  const double core = 4.0 * s * s * h * b / t;  // Q K^T and the weighted sum of V, its heads
+  const double gemm = shape_.LayerForwardFlops() * b / t - core;
+  const double traffic = shape_.LayerForwardTrafficBytes(t) * b;
+  // Tensor slicing: two all-reduces of the activations in the forward (after the attention's
+  // and the MLP's row-parallel linears), two of their gradients in the input half.
+  const double all_reduces = 2 * RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, link);
   LayerOps ops;
-  ops.forward = ComputeMs(gemm + core, traffic);
-  ops.input_half = ComputeMs(gemm + 2 * core, 2 * traffic);
+  ops.forward = ComputeMs(gemm + core, traffic) + all_reduces;
+  ops.input_half = ComputeMs(gemm + 2 * core, 2 * traffic) + all_reduces;
   ops.weight_half = ComputeMs(gemm, 0);
   return ops;
 }
@@ -147,6 +151,7 @@ double Evaluator::ModelStateBytes(const PlanChoice& choice, double stage_params,
 Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortfall_gib) const {
   const PlanChoice& choice = candidate.choice;
   const int p = choice.pipeline_stages, v = choice.virtual_stages, d = choice.data_parallel;
+  const int t = choice.tensor_parallel;
   const int chunks = p * v;
   const int b = candidate.b, m = choice.micro_batches;
   if (shape_.layers < chunks) {
@@ -157,27 +162,41 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   const double s = static_cast<double>(shape_.seq_len), h = static_cast<double>(shape_.hidden);
   const double vocab = static_cast<double>(shape_.vocab);
 
-  // Links: a stage's data-parallel group and the pipeline's neighbours.
+  // Links: the tensor ranks (innermost: side by side), a stage's data-parallel group and the
+  // pipeline's neighbours.
   const bool stages_in_node = candidate.layout == RankLayout::kStagesInNode;
-  const Link dp_link = LinkFor(cluster_, InOneNode(cluster_, d, stages_in_node ? p : 1));
-  const Link p2p_link = LinkFor(cluster_, InOneNode(cluster_, p, stages_in_node ? 1 : d));
+  const Link tp_link = LinkFor(cluster_, InOneNode(cluster_, t, 1));
+  const Link dp_link = LinkFor(cluster_, InOneNode(cluster_, d, stages_in_node ? p * t : t));
+  const Link p2p_link = LinkFor(cluster_, InOneNode(cluster_, p, stages_in_node ? t : d * t));
 
-  const LayerOps layer = Layer(b);
+  const LayerOps layer = Layer(b, t, tp_link);
   const std::vector<int> chunk_layers = ChunkLayers(shape_.layers, chunks);
-  const double layer_params = static_cast<double>(shape_.LayerParameters());
-  const double embedding_params = static_cast<double>(shape_.EmbeddingParameters());
+  // Parameters per tensor rank.
+  const double layer_params = static_cast<double>(shape_.LayerSplitParameters()) / t +
+                              static_cast<double>(shape_.LayerReplicatedParameters());
+  // The embedding and the classifier: split by vocabulary over the tensor ranks, or whole.
+  const double vocab_share = training_.vocab_parallel ? 1.0 / t : 1.0;
+  const double embedding_params = static_cast<double>(shape_.EmbeddingParameters()) * vocab_share;
   // The last stage's classifier: its own, or (tied, P > 1) a copy of the embedding, as
   // Megatron-LM keeps it; with one stage the tied weights are the embedding's.
   const bool tied = !shape_.llama_style;
-  const double head_params = static_cast<double>(shape_.HeadParameters()) +
-                             (tied && p > 1 ? static_cast<double>(shape_.vocab) * h : 0);
+  const double head_params = (static_cast<double>(shape_.HeadParameters()) +
+                              (tied && p > 1 ? static_cast<double>(shape_.vocab) * h : 0)) *
+                             vocab_share;
   const double p2p_bytes = s * b * h * kActivationBytes;
   const double p2p_ms =
       p > 1 ? p2p_bytes / (p2p_link.gb_per_s * 1e9) * 1e3 + p2p_link.latency_us * 1e-3 : 0;
-  const double head_forward =
-      ComputeMs(shape_.HeadForwardFlops() * b, 2 * kLogitBytes * s * vocab * b);
-  const double head_backward =
-      ComputeMs(2 * shape_.HeadForwardFlops() * b, 2 * kLogitBytes * s * vocab * b);
+  // Split by vocabulary, the embedding's lookups are summed over the tensor ranks, and so is
+  // the gradient entering the last layer from the classifier (the cross-entropy's own
+  // all-reduces are of a few numbers per row).
+  const double vocab_all_reduce =
+      training_.vocab_parallel ? RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, tp_link)
+                               : 0;
+  const double head_forward = ComputeMs(shape_.HeadForwardFlops() * b * vocab_share,
+                                        2 * kLogitBytes * s * vocab * b * vocab_share);
+  const double head_backward = ComputeMs(2 * shape_.HeadForwardFlops() * b * vocab_share,
+                                         2 * kLogitBytes * s * vocab * b * vocab_share) +
+                               vocab_all_reduce;
 
   // Per stage: its layers and parameters.
   std::vector<int> stage_layers(static_cast<size_t>(p), 0);
@@ -210,7 +229,9 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
       OpCosts& cost = costs[static_cast<size_t>(c)];
       cost.forward = n * layer.forward;
       double input = n * layer.input_half + r * layer.forward, weight = n * layer.weight_half;
-      if (c == 0) cost.forward += ComputeMs(0, 2 * kActivationBytes * s * h * b);  // embedding
+      if (c == 0) {  // the embedding
+        cost.forward += ComputeMs(0, 2 * kActivationBytes * s * h * b) + vocab_all_reduce;
+      }
       if (c == chunks - 1) {
         cost.forward += head_forward;
         input += head_backward / 2;
@@ -254,7 +275,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
 
   // Memory per stage; the fewest recomputed layers that fit.
   const double cap = (cluster_.gpu_memory_gib - cluster_.reserved_gib) * kGiB;
-  const double act_layer = shape_.LayerActivationBytes() * b;
+  const double act_layer = shape_.LayerActivationBytes(t) * b;
   const double kept_input = kActivationBytes * s * h * b;  // a recomputed layer's checkpoint
   std::vector<double> recompute(static_cast<size_t>(p), 0);
   ScalePlan plan;
@@ -269,7 +290,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
     const double held = order_sim.peak_in_flight[i] * n / v;
     const double state = ModelStateBytes(choice, stage_params[i], layer_params);
     double working = act_layer;  // the layer being rebuilt or differentiated
-    if (st == p - 1) working += 2 * kLogitBytes * s * vocab * b;
+    if (st == p - 1) working += 2 * kLogitBytes * s * vocab * b * vocab_share;
     const double fixed = state + working;
     // held x ((1 - f) act + f kept) + fixed <= cap
     double f = 0;
@@ -419,7 +440,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
        {swap, Bottleneck::kSwap}}};
   plan.bottleneck = std::max_element(parts.begin(), parts.end())->second;
 
-  const double gpus = static_cast<double>(d) * p;
+  const double gpus = static_cast<double>(d) * t * p;
   plan.model_tflops =
       ModelStepFlops(shape_, training_.global_batch) / (plan.step_ms * 1e-3) / gpus / 1e12;
   plan.megatron_tflops = shape_.llama_style ? 0
@@ -436,13 +457,13 @@ std::vector<int> Divisors(int n) {
   return divisors;
 }
 
-// The candidates over `gpus` GPUs, in the search's order: one loop per dimension.
-std::vector<Candidate> Candidates(const TransformerShape& shape, const ScaleTraining& training,
-                                  const ScaleSpace& space, int gpus) {
-  std::vector<Candidate> candidates;
-  for (int p : Divisors(gpus)) {
+// The candidates with t tensor ranks over `gpus` GPUs, in the search's order: one loop per
+// dimension.
+void AddCandidates(const TransformerShape& shape, const ScaleTraining& training,
+                   const ScaleSpace& space, int gpus, int t, std::vector<Candidate>& candidates) {
+  for (int p : Divisors(gpus / t)) {
     if (p > shape.layers) break;
-    const int d = gpus / p;
+    const int d = gpus / t / p;
     if (training.global_batch % d != 0) continue;
     const int64_t rows = training.global_batch / d;
     std::vector<std::pair<PipelineSchedule, int>> schedules;
@@ -468,6 +489,7 @@ std::vector<Candidate> Candidates(const TransformerShape& shape, const ScaleTrai
               if ((d == 1 || p == 1) && layout != RankLayout::kStagesInNode) continue;
               Candidate candidate;
               candidate.choice.data_parallel = d;
+              candidate.choice.tensor_parallel = t;
               candidate.choice.pipeline_stages = p;
               candidate.choice.virtual_stages = v;
               candidate.choice.micro_batches = static_cast<int>(m);
@@ -482,6 +504,18 @@ std::vector<Candidate> Candidates(const TransformerShape& shape, const ScaleTrai
         }
       }
     }
+  }
+}
+
+// The candidates over `gpus` GPUs, in the search's order: the tensor-parallel degrees that split
+// the layers inside a node, then AddCandidates' loops.
+std::vector<Candidate> Candidates(const DescribedCluster& cluster, const TransformerShape& shape,
+                                  const ScaleTraining& training, const ScaleSpace& space,
+                                  int gpus) {
+  std::vector<Candidate> candidates;
+  for (int t : space.tensor_parallel) {
+    if (t < 1 || gpus % t != 0 || !shape.SplitsOver(t) || !InOneNode(cluster, t, 1)) continue;
+    AddCandidates(shape, training, space, gpus, t, candidates);
   }
   return candidates;
 }
@@ -529,6 +563,17 @@ int64_t TransformerShape::LayerParameters() const {
   return 2 * h * h + 2 * h * kv + (2 * h + 2 * kv) + 2 * h * f + f + h + 4 * h;
 }
 
+int64_t TransformerShape::LayerSplitParameters() const {
+  const int64_t h = hidden, kv = hidden / heads * KvHeads(), f = Ffn();
+  if (llama_style) return 2 * h * h + 2 * h * kv + 3 * h * f;
+  // The matrices, the QKV and first MLP biases (column-parallel).
+  return 2 * h * h + 2 * h * kv + 2 * h * f + (h + 2 * kv) + f;
+}
+
+bool TransformerShape::SplitsOver(int t) const {
+  return t >= 1 && heads % t == 0 && KvHeads() % t == 0 && Ffn() % t == 0 && hidden % t == 0;
+}
+
 int64_t TransformerShape::EmbeddingParameters() const {
   return vocab * hidden + (llama_style ? 0 : seq_len * hidden);
 }
@@ -554,47 +599,52 @@ double TransformerShape::HeadForwardFlops() const {
          static_cast<double>(vocab);
 }
 
-double TransformerShape::LayerForwardTrafficBytes() const {
-  // Elements read and written by the element-wise ops, each its own kernel.
+double TransformerShape::LayerForwardTrafficBytes(int t) const {
+  // Elements read and written by the element-wise ops, each its own kernel: on every tensor
+  // rank (replicated) or on its share of the heads and MLP columns (split).
   const double s = static_cast<double>(seq_len), h = static_cast<double>(hidden);
   const double kv = h / static_cast<double>(heads) * static_cast<double>(KvHeads());
   const double f = static_cast<double>(Ffn()), a = static_cast<double>(heads);
-  double elements = 0;
+  double replicated = 0, split = 0;
   if (llama_style) {
-    // Two RMSNorms (read, write), two residual adds (read 2, write 1), SiLU(gate) x up (read 2,
+    // Two RMSNorms (read, write), two residual adds (read 2, write 1); SiLU(gate) x up (read 2,
     // write 1), rotary embedding of q and k (read, write).
-    elements = 4 * s * h + 6 * s * h + 3 * s * f + 2 * (s * h + s * kv);
+    replicated = 4 * s * h + 6 * s * h;
+    split = 3 * s * f + 2 * (s * h + s * kv);
   } else {
     // Two layer norms; bias, dropout (a byte mask) and residual after the projection and after
     // the MLP; GELU with its bias.
-    elements = 4 * s * h + 2 * 3.5 * s * h + 2 * s * f;
+    replicated = 4 * s * h + 2 * 3.5 * s * h;
+    split = 2 * s * f;
   }
   if (!flash_attention) {
     // Scale, mask and softmax (read, write); dropout of the probabilities (GPT: read, write, a
     // byte mask).
-    elements += 2 * a * s * s + (llama_style ? 0 : 2.5 * a * s * s);
+    split += 2 * a * s * s + (llama_style ? 0 : 2.5 * a * s * s);
   }
-  return elements * kActivationBytes;
+  return (replicated + split / t) * kActivationBytes;
 }
 
-double TransformerShape::LayerActivationBytes() const {
-  // Korthikanti et al. 2022, section 4.1, generalised to the MLP width, grouped-query attention,
-  // the Llama layer and flash attention.
+double TransformerShape::LayerActivationBytes(int t) const {
+  // Korthikanti et al. 2022, sections 4.1-4.2, generalised to the MLP width, grouped-query
+  // attention, the Llama layer and flash attention.
   const double s = static_cast<double>(seq_len), h = static_cast<double>(hidden);
   const double kv = h / static_cast<double>(heads) * static_cast<double>(KvHeads());
   const double f = static_cast<double>(Ffn()), a = static_cast<double>(heads);
   const bool dropout = !llama_style;
-  // Attention: its input, Q, K, V, the projection's input, the dropout mask.
-  double bytes = 2 * s * h + 2 * s * h + 4 * s * kv + 2 * s * h + (dropout ? s * h : 0);
+  // On every tensor rank: the attention's and the MLP's inputs, the dropout masks after the
+  // row-parallel linears, the two norms' inputs.
+  const double replicated = 2 * s * h + 2 * s * h + (dropout ? 2 * s * h : 0) + 4 * s * h;
+  // On the rank's heads and columns: Q, K, V and the projection's input; the MLP's inner
+  // activations (GPT: the GELU's input and output; Llama: gate, up, product).
+  double split = 2 * s * h + 4 * s * kv + 2 * s * h;
   if (flash_attention) {
-    bytes += 4 * a * s;  // the softmax's log-sum-exp, fp32
+    split += 4 * a * s;  // the softmax's log-sum-exp, fp32
   } else {
-    bytes += 2 * a * s * s + (dropout ? 3 * a * s * s : 0);  // softmax out; dropout mask and out
+    split += 2 * a * s * s + (dropout ? 3 * a * s * s : 0);  // softmax out; dropout mask and out
   }
-  // MLP: GPT: input, the GELU's input and output, dropout mask; Llama: input, gate, up, product.
-  bytes += llama_style ? 2 * s * h + 6 * s * f : 2 * s * h + 4 * s * f + s * h;
-  bytes += 4 * s * h;  // the two norms' inputs
-  return bytes;
+  split += llama_style ? 6 * s * f : 4 * s * f;
+  return replicated + split / t;
 }
 
 Status TransformerShape::Validate() const {
@@ -671,6 +721,13 @@ Result<ScalePlan> EvaluateScalePlan(const DescribedCluster& cluster, const Trans
     return InvalidArgument("{}: {} GPUs, the cluster has {}", choice.Name(), choice.workers(),
                            cluster.gpus());
   }
+  if (!shape.SplitsOver(choice.tensor_parallel)) {
+    return InvalidArgument(
+        "{}: {}'s layers do not split over {} tensor ranks (its {} heads, {} KV heads, MLP of {} "
+        "and hidden {} must divide by it)",
+        choice.Name(), shape.name, choice.tensor_parallel, shape.heads, shape.KvHeads(),
+        shape.Ffn(), shape.hidden);
+  }
   if (micro_batch_size < 1 ||
       static_cast<int64_t>(choice.data_parallel) * choice.micro_batches * micro_batch_size !=
           training.global_batch) {
@@ -703,7 +760,7 @@ Result<std::vector<ScaleSearchResult>> SearchAtScale(const DescribedCluster& clu
     const auto start = std::chrono::steady_clock::now();
     ScaleSearchResult result;
     result.gpus = gpus;
-    const std::vector<Candidate> candidates = Candidates(shape, training, space, gpus);
+    const std::vector<Candidate> candidates = Candidates(cluster, shape, training, space, gpus);
     result.considered = static_cast<int>(candidates.size());
     for (const Candidate& candidate : candidates) {
       double shortfall = 0;

@@ -4,7 +4,8 @@
 // plan task by task (GPT-3 175B on 1024 GPUs), in seconds.
 //
 // The same dimensions are searched, one loop each, in a fixed order:
-//   data-parallel ranks D x pipeline stages P (D x P = the cluster's GPUs, P dividing them),
+//   tensor-parallel ranks T (Megatron-LM's tensor slicing, inside a node), data-parallel ranks D
+//   x pipeline stages P (D x T x P = the cluster's GPUs),
 //   the schedule (gpipe, 1f1b, interleaved with V = 2, zb-h1), the micro-batch size b (rows per
 //   micro-batch; M = global batch / (D b) micro-batches), the ZeRO stage (D > 1), optimizer
 //   offload to the host, the placement of the ranks on the nodes (a pipeline's stages side by
@@ -46,8 +47,15 @@
 //   optimizer Adam's memory traffic (32 bytes per owned parameter) at the GPU's bandwidth, or
 //             with offload: the gradients down and the parameters up over PCIe and the update at
 //             the node's host-memory bandwidth shared by its GPUs.
-// Not modelled: tensor and sequence parallelism (not in the runtime yet), kernel fusion beyond
-// flash attention, network contention between collectives, stragglers.
+//   tensor    T ranks split each layer's matrix multiplies, attention heads and their element-
+//             wise work (not the norms, residuals and the dropouts after the row-parallel
+//             linears), its parameters but the replicated ones, and its activations as
+//             Korthikanti et al. count them; each layer adds two all-reduces of the activations
+//             forward and two backward on the tensor ranks' link, waited for (they sit between
+//             a layer's ops); the embedding and classifier are whole on every rank, or split by
+//             vocabulary (ScaleTraining::vocab_parallel).
+// Not modelled: sequence parallelism (not in the runtime yet), kernel fusion beyond flash
+// attention, network contention between collectives, stragglers.
 //
 // Thread safety: pure functions of their arguments.
 #pragma once
@@ -98,6 +106,13 @@ struct TransformerShape {
   int64_t Ffn() const { return ffn > 0 ? ffn : 4 * hidden; }
   int64_t KvHeads() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t LayerParameters() const;
+  // Of a layer's parameters, those Megatron-LM's tensor slicing splits over the tensor ranks
+  // (the matrices, the column-parallel biases) and those every rank keeps (norms, the row-
+  // parallel biases): LayerParameters() = split + replicated.
+  int64_t LayerSplitParameters() const;
+  int64_t LayerReplicatedParameters() const { return LayerParameters() - LayerSplitParameters(); }
+  // Whether the layers split over t tensor ranks (t divides the heads, the KV heads, the MLP).
+  bool SplitsOver(int t) const;
   int64_t EmbeddingParameters() const;  // token (+ position) embedding
   int64_t HeadParameters() const;       // the final norm, and the classifier unless tied
   int64_t Parameters() const;
@@ -105,10 +120,13 @@ struct TransformerShape {
   // the attention core) and the classifier's.
   double LayerForwardFlops() const;
   double HeadForwardFlops() const;
-  // Per sequence: the bytes a layer's forward reads and writes in its element-wise ops, and the
-  // bytes its saved activations take until its backward (no recompute).
-  double LayerForwardTrafficBytes() const;
-  double LayerActivationBytes() const;
+  // Per sequence and tensor rank of t: the bytes a layer's forward reads and writes in its
+  // element-wise ops, and the bytes its saved activations take until its backward (no
+  // recompute). Under tensor slicing the norms, residuals and the dropouts after the two
+  // row-parallel linears run on every rank, the rest on the rank's heads and MLP columns
+  // (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) for GPT).
+  double LayerForwardTrafficBytes(int t = 1) const;
+  double LayerActivationBytes(int t = 1) const;
   // Named shapes: "gpt3-175b" (Brown et al.), "megatron-76b" (Narayanan et al. 2021, Table 1's
   // 76.1B row), "llama2-70b" (Touvron et al. 2023), "gpt2-1.5b"; NotFound listing them otherwise.
   static Result<TransformerShape> Preset(std::string_view name);
@@ -129,6 +147,10 @@ struct ScaleTraining {
   // Whether collectives run beside the compute (Tessera's runtime: a lane per channel) or
   // between it (a runtime that waits for each gather and reduction).
   bool overlap_communication = true;
+  // Under tensor parallelism, whether the embedding and the classifier split over the tensor
+  // ranks by vocabulary (Megatron-LM's vocabulary-parallel embedding and cross-entropy) or run
+  // whole on every rank (Tessera's runtime today: planner/ and model/gpt2.cc replicate them).
+  bool vocab_parallel = false;
 };
 
 enum class RankLayout : uint8_t {
@@ -139,6 +161,9 @@ const char* RankLayoutName(RankLayout layout);
 
 struct ScaleSpace {
   std::vector<int> gpus;  // GPU counts to plan for (empty: the whole cluster)
+  // Tensor-parallel degrees T; a degree is planned where it splits the layers and its ranks fit
+  // in one node (its all-reduces on NVLink, as Megatron-LM places them).
+  std::vector<int> tensor_parallel = {1, 2, 4, 8};
   std::vector<int> zero_stages = {0, 1, 2, 3};
   std::vector<PipelineSchedule> schedules = {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
                                              PipelineSchedule::kInterleaved,

@@ -404,10 +404,21 @@ TEST(TesseraCliTest, PlanSearchesADescribedClusterAndRefusesWhatCannotFit) {
             std::string::npos)
       << searched.output;
   EXPECT_NE(searched.output.find("--device-memory-gib 78"), std::string::npos) << searched.output;
+  // Tensor parallelism is a dimension of the search; --tensor-parallel restricts it.
+  EXPECT_NE(searched.output.find(" x T"), std::string::npos) << searched.output;
+  BoundedRun without_tp =
+      plan("--cluster " + a100 + " --model gpt3-175b --gpus 1024 --top 3 --tensor-parallel 1");
+  ASSERT_EQ(without_tp.exit_code, 0) << without_tp.output;
+  EXPECT_EQ(without_tp.output.find(" x T"), std::string::npos) << without_tp.output;
 
   const std::string rack =
       std::string(TESSERA_SOURCE_DIR) + "/examples/clusters/commodity-rtx4090.yaml";
-  BoundedRun refused = plan("--cluster " + rack + " --model gpt3-175b");
+  // GPT-3 175B fits 64 24-GiB GPUs only split 8 ways by tensor parallelism (and slowly): without
+  // it nothing fits, and the refusal says what would.
+  BoundedRun tight = plan("--cluster " + rack + " --model gpt3-175b --top 1");
+  ASSERT_EQ(tight.exit_code, 0) << tight.output;
+  EXPECT_NE(tight.output.find("best on 64 GPUs: D2 x T8"), std::string::npos) << tight.output;
+  BoundedRun refused = plan("--cluster " + rack + " --model gpt3-175b --tensor-parallel 1");
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
   EXPECT_NE(refused.output.find("no plan fits in 24.0 GiB per GPU"), std::string::npos)
       << refused.output;

@@ -73,6 +73,69 @@ TEST(ScaleSearchTest, ActivationsMatchKorthikanti) {
                                                      2 * ls * lh + 6 * ls * f + 4 * ls * lh);
 }
 
+// Tensor slicing: Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) activations per layer,
+// the split and replicated parameters, and a plan's model state and compute shrinking with t.
+TEST(ScaleSearchTest, TensorSlicingMatchesMegatronsCounts) {
+  const TransformerShape shape = *TransformerShape::Preset("gpt3-175b");
+  const double s = 2048, h = 12288, a = 96;
+  for (int t : {1, 2, 4, 8}) {
+    EXPECT_DOUBLE_EQ(shape.LayerActivationBytes(t), s * h * (10 + 24.0 / t + 5 * a * s / (h * t)))
+        << t;
+  }
+  // Megatron-LM: 12 h^2 + 13 h per layer, of which the norms (4 h) and the two row-parallel
+  // biases (2 h) stay whole on every rank.
+  EXPECT_EQ(shape.LayerReplicatedParameters(), 6 * 12288);
+  EXPECT_EQ(shape.LayerSplitParameters() + shape.LayerReplicatedParameters(),
+            shape.LayerParameters());
+  EXPECT_TRUE(shape.SplitsOver(8));
+  const TransformerShape gpt2 = *TransformerShape::Preset("gpt2-1.5b");  // 25 heads
+  EXPECT_FALSE(gpt2.SplitsOver(2));
+
+  DescribedCluster roomy = A100s(48);
+  roomy.gpu_memory_gib = 1e6;
+  ScaleTraining training;
+  training.global_batch = 1536;
+  double previous_state = 0, previous_ms = 0;
+  for (int t : {1, 2, 4, 8}) {
+    SCOPED_TRACE(t);
+    PlanChoice choice;
+    choice.data_parallel = 4;
+    choice.tensor_parallel = t;
+    choice.pipeline_stages = 12;
+    choice.micro_batches = 384;
+    training.vocab_parallel = true;
+    const Result<ScalePlan> plan =
+        EvaluateScalePlan(roomy, shape, training, choice, 1, RankLayout::kStagesInNode);
+    ASSERT_TRUE(plan.ok()) << plan.status().message();
+    // ZeRO-0: 16 bytes per parameter a rank holds; its layers' and the embedding's share 1/t.
+    const double stage_layers = 8;
+    const double expected_params =
+        stage_layers * (static_cast<double>(shape.LayerSplitParameters()) / t +
+                        static_cast<double>(shape.LayerReplicatedParameters())) +
+        static_cast<double>(shape.EmbeddingParameters()) / t;
+    EXPECT_NEAR(plan->costs.model_state_gib * (1 << 30), 16 * expected_params,
+                1e-9 * 16 * expected_params);
+    if (t > 1) {
+      EXPECT_LT(plan->costs.model_state_gib, previous_state);
+      EXPECT_LT(plan->step_ms, previous_ms);  // on NVLink the compute shrinks faster
+    }
+    previous_state = plan->costs.model_state_gib;
+    previous_ms = plan->step_ms;
+    EXPECT_EQ(plan->choice.Flags().find("--tensor-parallel") != std::string::npos, t > 1);
+  }
+  // A degree the heads do not divide is refused, naming them.
+  PlanChoice bad;
+  bad.tensor_parallel = 2;
+  bad.data_parallel = 4;
+  bad.micro_batches = 128;
+  training.global_batch = 512;
+  const Result<ScalePlan> refused =
+      EvaluateScalePlan(roomy, gpt2, training, bad, 1, RankLayout::kStagesInNode);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("25 heads"), std::string::npos)
+      << refused.status().message();
+}
+
 TEST(ScaleSearchTest, ModelStatesMatchTheZeroPaper) {
   // Figure 1 of the ZeRO paper: 7.5B parameters, 64 ranks, K = 12: 120, 31.4, 16.6 and 1.9 GB
   // per GPU for the baseline and ZeRO-1, 2, 3 (mixed-precision Adam: 2 + 2 + 12 bytes).
@@ -145,9 +208,13 @@ TEST(ScaleSearchTest, SearchRanksFittingPlansDeterministically) {
   const ScaleSearchResult& result = first->front();
   ASSERT_FALSE(result.ranked.empty());
   EXPECT_EQ(result.considered, static_cast<int>(result.ranked.size() + result.refused.size()));
+  bool tensor_parallel = false;
   for (size_t i = 0; i < result.ranked.size(); ++i) {
     const ScalePlan& plan = result.ranked[i];
     EXPECT_EQ(plan.choice.workers(), 384);
+    // Tensor ranks inside a node (8 GPUs), dividing the 96 heads.
+    EXPECT_EQ(8 % plan.choice.tensor_parallel, 0) << plan.Name();
+    tensor_parallel |= plan.choice.tensor_parallel > 1;
     EXPECT_EQ(static_cast<int64_t>(plan.choice.data_parallel) * plan.choice.micro_batches *
                   plan.micro_batch_size,
               1536);
@@ -156,6 +223,7 @@ TEST(ScaleSearchTest, SearchRanksFittingPlansDeterministically) {
       EXPECT_GE(plan.step_ms, result.ranked[i - 1].step_ms);
     }
   }
+  EXPECT_TRUE(tensor_parallel) << "the search plans tensor parallelism too";
   for (const ScaleRefusal& refusal : result.refused) {
     EXPECT_GT(refusal.shortfall_gib, 0) << refusal.reason;
     EXPECT_THAT(refusal.reason, HasSubstr("GiB"));
