@@ -12,6 +12,10 @@
 //     of n segments to the right neighbour; a segment moves in chunks of chunk_bytes so reducing a
 //     chunk overlaps receiving the next. Each rank sends 2(n-1)/n of the buffer: bandwidth-optimal.
 //   - broadcast: direct when small, a pipelined chain from the root when large.
+//   - all-to-all: pairwise exchange over n-1 steps; at step k rank r sends its block for rank
+//     (r+k)%n and receives rank (r-k+n)%n's block for it, so each step pairs every rank with one
+//     sender and one receiver (no rank is flooded). Its own block is copied locally: each rank
+//     sends (n-1)/n of its buffer.
 // Every segment is reduced once and then copied, so ring results are identical on all ranks too.
 //
 // Failures: every call has a deadline (timeout_ms); a peer that is dead or silent makes the call
@@ -44,6 +48,11 @@ class Communicator {
                                ReduceOp op) = 0;
   // `send` (count elements) from every rank lands in `recv` (size()*count), block r from rank r.
   virtual Status AllGather(const void* send, void* recv, int64_t count, DType dtype) = 0;
+  // `send` holds size()*count elements, block j (count elements) for rank j; `recv`
+  // (size()*count) receives block j from rank j: recv block j = rank j's send block rank(). Any
+  // dtype (nothing is reduced). REQUIRES: `send` and `recv` do not overlap (InvalidArgument
+  // otherwise). Sequence parallelism (Ulysses) uses it to trade a sequence split for a head split.
+  virtual Status AllToAll(const void* send, void* recv, int64_t count, DType dtype) = 0;
   // Root's `buffer` is copied into every rank's.
   virtual Status Broadcast(void* buffer, int64_t count, DType dtype, int root) = 0;
   // op over every rank's `send` lands in root's `recv` (other ranks' recv is untouched).

@@ -1,5 +1,6 @@
 // HostCommunicator: the collective algorithms, written over PeerTransport's Isend/Irecv/Wait.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -25,6 +26,15 @@ uint64_t CollectiveTag(uint64_t sequence, int step, int64_t chunk) {
 }
 
 int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Whether two buffers of `bytes` each share a byte (compared as addresses: they may be unrelated
+// allocations).
+bool BuffersOverlap(const void* a, const void* b, int64_t bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  const auto length = static_cast<uintptr_t>(bytes);
+  return x < y + length && y < x + length;
+}
 
 // A buffer of `count` elements (of `element` bytes) as the ring sees it: n nearly equal
 // segments (the first count % n are one element longer), each moved in chunks of at most
@@ -107,6 +117,34 @@ class HostCommunicator final : public Communicator {
     // The all-gather half of the ring: rank r starts with block r.
     return Ring(call, out, Layout(count * size_, dtype), dtype, ReduceOp::kSum, size_ - 1,
                 2 * (size_ - 1));
+  }
+
+  // Pairwise exchange: at step k (1 .. n-1) this rank sends its block for rank+k and receives
+  // rank-k's block for it, so each step every rank has exactly one sender and one receiver.
+  Status AllToAll(const void* send, void* recv, int64_t count, DType dtype) override {
+    TESSERA_ASSIGN_OR_RETURN(const Call call, Begin(count, dtype, "all-to-all", Kind::kCopy));
+    if (count == 0) return Status::Ok();
+    const int64_t block = count * DTypeSize(dtype);
+    const char* input = static_cast<const char*>(send);
+    char* output = static_cast<char*>(recv);
+    if (BuffersOverlap(send, recv, block * size_)) {
+      return InvalidArgument(
+          "all-to-all of {} x {} per rank: the send and receive buffers overlap (pass separate "
+          "buffers of {} bytes each)",
+          count, DTypeName(dtype), block * size_);
+    }
+    std::memcpy(output + rank_ * block, input + rank_ * block, static_cast<size_t>(block));
+    for (int step = 1; step < size_; ++step) {
+      const int dest = Mod(rank_ + step, size_);
+      const int source = Mod(rank_ - step, size_);
+      const uint64_t tag = CollectiveTag(call.sequence, step, 0);
+      TESSERA_ASSIGN_OR_RETURN(auto receive,
+                               transport_.Irecv(source, tag, output + source * block, block));
+      TESSERA_ASSIGN_OR_RETURN(auto sent, SendTo(dest, tag, input + dest * block, block));
+      TESSERA_RETURN_IF_ERROR(WaitFor({receive}, call, source));
+      TESSERA_RETURN_IF_ERROR(WaitFor({sent}, call, dest));
+    }
+    return Status::Ok();
   }
 
   Status Broadcast(void* buffer, int64_t count, DType dtype, int root) override {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -176,6 +177,37 @@ class NcclCommunicator final : public DeviceCommunicator {
     Account(count * DTypeSize(dtype) * (size_ - 1));
     return Enqueue("all-gather", [&] {
       return nccl_.AllGather(send, recv, typed.first, typed.second, comm_, stream_);
+    });
+  }
+  // One group of a send and a receive per peer (this rank's own block too: NCCL copies it), which
+  // NCCL schedules as one exchange. Not ncclAlltoAll: that is NCCL 2.28's, and the library loaded
+  // at run time may be older (e.g. the one PyTorch ships).
+  Status AllToAll(const void* send, void* recv, int64_t count, DType dtype) override {
+    TESSERA_ASSIGN_OR_RETURN(auto typed, CopyType(count, dtype));
+    const int64_t block = count * DTypeSize(dtype);
+    const auto from = reinterpret_cast<uintptr_t>(send);
+    const auto into = reinterpret_cast<uintptr_t>(recv);
+    const auto total = static_cast<uintptr_t>(block * size_);
+    if (count > 0 && from < into + total && into < from + total) {
+      return InvalidArgument(
+          "all-to-all of {} x {} per rank: the send and receive buffers overlap (pass separate "
+          "buffers of {} bytes each)",
+          count, DTypeName(dtype), block * size_);
+    }
+    Account(block * (size_ - 1));
+    const char* input = static_cast<const char*>(send);
+    char* output = static_cast<char*>(recv);
+    return Enqueue("all-to-all", [&] {
+      ncclResult_t result = nccl_.GroupStart();
+      for (int peer = 0; peer < size_ && result == ncclSuccess; ++peer) {
+        result = nccl_.Send(input + peer * block, typed.first, typed.second, peer, comm_, stream_);
+        if (result == ncclSuccess) {
+          result =
+              nccl_.Recv(output + peer * block, typed.first, typed.second, peer, comm_, stream_);
+        }
+      }
+      const ncclResult_t ended = nccl_.GroupEnd();
+      return result != ncclSuccess ? result : ended;
     });
   }
   Status Broadcast(void* buffer, int64_t count, DType dtype, int root) override {

@@ -8,7 +8,7 @@ namespace tessera {
 
 bool IsCollectiveOp(std::string_view op) {
   return op == "all_reduce" || op == "reduce_scatter" || op == "all_gather" ||
-         op == "all_gather_in_place" || op == "broadcast";
+         op == "all_gather_in_place" || op == "all_to_all" || op == "broadcast";
 }
 
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {

@@ -2,8 +2,9 @@
 //
 // A collective (an all-reduce of a gradient, an all-gather of a parameter shard, ...) is a group
 // of member tasks, one per participating worker, sharing a collective id. Each member is an
-// ordinary task of the graph (op all_reduce, reduce_scatter, all_gather or broadcast, see
-// ops/standard_ops.h) whose attributes say which collective it belongs to and its rank:
+// ordinary task of the graph (op all_reduce, reduce_scatter, all_gather, all_gather_in_place,
+// all_to_all or broadcast, see ops/standard_ops.h) whose attributes say which collective it
+// belongs to and its rank:
 //
 //   collective   int   the collective's id, unique within the graph; members share it
 //   rank         int   this member's rank, 0 .. group_size-1, each exactly once
@@ -91,7 +92,7 @@ struct CollectivePlace {
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 
 // Whether `op` is one of the collective ops (all_reduce, reduce_scatter, all_gather,
-// all_gather_in_place, broadcast).
+// all_gather_in_place, all_to_all, broadcast).
 bool IsCollectiveOp(std::string_view op);
 
 // Checks every collective among `tasks`: members of one collective agree on group_size and

@@ -36,7 +36,7 @@ enum class SpanKind : uint8_t {
   kBackwardInput,   // "<name>/backward_input": the "B" of a zero-bubble split backward
   kBackwardWeight,  // "<name>/backward_weight": its "W"
   kOptimizer,       // adamw, sgd, clipping, gradient norms
-  kCollective,      // all_reduce, reduce_scatter, all_gather, broadcast members
+  kCollective,      // all_reduce, reduce_scatter, all_gather, all_to_all, broadcast members
   kTransfer,        // copies between workers or tiers, and pushes of objects
   kOther,
 };
@@ -47,8 +47,8 @@ inline constexpr int kSpanKinds = 8;
 std::string_view SpanKindName(SpanKind kind);
 
 // Classifies a task by its name and op (a pure function of both). In order:
-//   1. collective ops (all_reduce, reduce_scatter, all_gather, all_gather_in_place, broadcast)
-//      -> kCollective;
+//   1. collective ops (all_reduce, reduce_scatter, all_gather, all_gather_in_place, all_to_all,
+//      broadcast: IsCollectiveOp) -> kCollective;
 //   2. a name ending "/backward_input" or "/backward_weight", before any micro-batch suffix
 //      ("@3") -> kBackwardInput / kBackwardWeight;
 //   3. transfer ops (copy, write_file, ...) -> kTransfer;

@@ -12,7 +12,8 @@
 // Collective members (attributes in core/collective_task.h; run by a worker's communicator, or
 // by the CPU kernels when the group has one member):
 //   all_reduce (attribute reduce = sum|avg|max|min), reduce_scatter (reduce), all_gather,
-//   all_gather_in_place, broadcast (root). Inputs after `x` are control inputs (ordering only).
+//   all_gather_in_place, all_to_all, broadcast (root). Inputs after `x` are control inputs
+//   (ordering only).
 // Transformer layer ops: whole layers over flat parameter groups (ops/flat_layout.h) with a
 // hand-fused backward, what a step graph's tasks run for a decoder-only language model (one task
 // per layer per direction):

@@ -1,6 +1,6 @@
 // The standard ops' collective members (see core/collective_task.h for the attributes): the
-// ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place) and
-// broadcast, and the two that pack gradient buckets for them (pack_shards, split).
+// ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place),
+// all_to_all and broadcast, and the two that pack gradient buckets for them (pack_shards, split).
 #include <limits>
 #include <string>
 
@@ -35,7 +35,7 @@ Status CheckCollective(const TensorMeta& x, const Attrs& attrs, bool reduces) {
 }
 
 // The group size, for a member whose x holds one equal block per member (reduce-scatter,
-// all-gather in place); InvalidArgument when it does not divide.
+// all-gather in place, all-to-all); InvalidArgument when it does not divide.
 Result<int64_t> BlockCount(const TensorMeta& x, const Attrs& attrs) {
   const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
   if (x.numel() % size != 0) {
@@ -187,6 +187,22 @@ Status AddCollectiveOps(OpRegistry& r) {
             const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
             return OpCost{0, Bytes(in) * (n - 1) / n};
           },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "all_to_all",
+      .doc = "member of an all-to-all: x, read flat, is group_size equal contiguous blocks; "
+             "block j goes to rank j, and out (x's shape) holds in block j what rank j's x held "
+             "in block r (this member's rank). Any dtype. Sequence parallelism (Ulysses) uses "
+             "it to turn a sequence split into a head split and back",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .control_inputs = true,
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        TESSERA_RETURN_IF_ERROR(BlockCount(in[0], attrs).status());
+        return Metas{in[0]};
+      },
+      .cost = CollectiveCost(1),
   }));
   TESSERA_RETURN_IF_ERROR(AddBucketOps(r));
   return r.AddOp(OpDef{

@@ -458,6 +458,14 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
     char* base = static_cast<char*>(out.raw_data());
     status = communicator->AllGather(base + rank * block * DTypeSize(out.dtype()), base, block,
                                      out.dtype());
+  } else if (member.op == "all_to_all") {
+    if (in.numel() % size != 0 || out.numel() != in.numel()) {
+      return InvalidArgument(
+          "all-to-all '{}': input of {} and output of {} elements, but both must be the same "
+          "multiple of the group's {} members",
+          member.task, in.numel(), out.numel(), size);
+    }
+    status = communicator->AllToAll(in.raw_data(), out.raw_data(), in.numel() / size, in.dtype());
   } else if (member.op == "broadcast") {
     TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
     if (root < 0 || root >= size) {

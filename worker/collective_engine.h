@@ -64,7 +64,7 @@ namespace tessera {
 
 struct CollectiveMember {
   std::string task;  // the task's name, for errors
-  std::string op;    // all_reduce, reduce_scatter, all_gather, broadcast
+  std::string op;    // a collective op (IsCollectiveOp: all_reduce, all_to_all, ...)
   Attrs attrs;       // collective, rank, group_size, group, position, reduce, root
   std::vector<Tensor> inputs;
   std::vector<Tensor> outputs;  // allocated; in-place outputs hold the input already

@@ -268,8 +268,8 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
       }));
   // Collective members of a one-member group are copies; larger groups need a communicator,
   // which the worker's collective engine provides (it runs those tasks instead of a kernel).
-  for (const char* collective :
-       {"all_reduce", "reduce_scatter", "all_gather", "all_gather_in_place", "broadcast"}) {
+  for (const char* collective : {"all_reduce", "reduce_scatter", "all_gather",
+                                 "all_gather_in_place", "all_to_all", "broadcast"}) {
     TESSERA_RETURN_IF_ERROR(Register(
         r, collective,
         [collective](const KernelContext&, const Tensors& in, const Tensors& out,

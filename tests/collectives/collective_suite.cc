@@ -138,6 +138,24 @@ Status CheckCopied(const char* actual, int64_t count, DType dtype, int rank, int
   return Status::Ok();
 }
 
+// All-to-all of `block` elements per pair: rank r sends its inputs 0 .. n*block-1, so block j
+// of what it receives must be rank j's inputs from element r*block on. The receive buffer starts
+// as 0x7F bytes (a value no input takes), so a block never written is caught.
+Status CheckAllToAll(Communicator& comm, DType dtype, int64_t block) {
+  const int rank = comm.rank(), n = comm.size();
+  const int64_t element = DTypeSize(dtype);
+  std::vector<char> send = Inputs(rank, block * n, dtype);
+  std::vector<char> recv(static_cast<size_t>(block * n * element), 0x7F);
+  TESSERA_RETURN_IF_ERROR(
+      comm.AllToAll(send.data(), recv.data(), block, dtype).WithContext("all-to-all"));
+  for (int source = 0; source < n; ++source) {
+    TESSERA_RETURN_IF_ERROR(CheckCopied(recv.data() + source * block * element, block, dtype,
+                                        source, rank * block,
+                                        fmt::format("all-to-all block from rank {}", source)));
+  }
+  return Status::Ok();
+}
+
 Status RunOne(Communicator& comm, DType dtype, int64_t count, bool all_ops, bool everything) {
   const int rank = comm.rank(), n = comm.size();
   const int64_t element = DTypeSize(dtype);
@@ -148,9 +166,11 @@ Status RunOne(Communicator& comm, DType dtype, int64_t count, bool all_ops, bool
     TESSERA_RETURN_IF_ERROR(comm.AllReduce(buffer.data(), count, dtype, op).WithContext(what));
     TESSERA_RETURN_IF_ERROR(CheckReduced(buffer.data(), count, dtype, op, n, 0, "all-reduce"));
   }
-  if (!everything) return Status::Ok();
-  // Reduce-scatter and all-gather take `count` as the whole buffer when it is large.
+  // Reduce-scatter, all-gather and all-to-all take `count` as the whole buffer when it is large.
   const int64_t block = all_ops ? count : count / n;
+  // All-to-all copies: cheap enough to run on every dtype at the large size too.
+  TESSERA_RETURN_IF_ERROR(CheckAllToAll(comm, dtype, block));
+  if (!everything) return Status::Ok();
   for (ReduceOp op : kOps) {
     if (!all_ops && op != ReduceOp::kSum) continue;
     std::vector<char> send = Inputs(rank, block * n, dtype);

@@ -23,13 +23,15 @@ double CollectiveInput(int rank, int64_t index, DType dtype);
 struct CollectiveSuiteOptions {
   std::vector<int64_t> sizes = {0, 1, 2, 7, 13, 127, 1021, 65537};
   std::vector<DType> dtypes = {DType::kF32, DType::kBF16, DType::kF16, DType::kI32};
-  // Also run every op on f32 buffers of this many bytes (0: not), and all-reduce on every dtype.
+  // Also run every op on f32 buffers of this many bytes (0: not), and all-reduce and all-to-all
+  // on every dtype.
   int64_t large_bytes = 0;
 };
 
 // Runs every collective (all-reduce, reduce-scatter and reduce with each reduce op; all-gather;
-// broadcast from two roots; a ring shift by send-recv; a chain of send/recv) for every dtype and
-// size, checking each result against the reference. All ranks must call it with the same options.
+// all-to-all; broadcast from two roots; a ring shift by send-recv; a chain of send/recv) for
+// every dtype and size (for all-to-all, the size of each rank's block for each peer), checking
+// each result against the reference. All ranks must call it with the same options.
 // Returns the first mismatch or communicator error, naming the collective, dtype, size and element.
 Status RunCollectiveSuite(Communicator& communicator, const CollectiveSuiteOptions& options);
 

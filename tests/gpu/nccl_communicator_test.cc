@@ -98,6 +98,9 @@ TEST_F(NcclTest, OneRankRunsEveryOpAndDtypeOnDeviceBuffers) {
       ASSERT_OK(communicator_->AllGather(a.data, b.data, count, dtype));
       check("all-gather");
       ASSERT_CUDA(cudaMemset(b.data, 0, inputs.size()));
+      ASSERT_OK(communicator_->AllToAll(a.data, b.data, count, dtype));
+      check("all-to-all");
+      ASSERT_CUDA(cudaMemset(b.data, 0, inputs.size()));
       ASSERT_OK(communicator_->Reduce(a.data, b.data, count, dtype, ReduceOp::kMax, 0));
       check("reduce");
       ASSERT_CUDA(cudaMemcpy(b.data, inputs.data(), inputs.size(), cudaMemcpyHostToDevice));
@@ -141,6 +144,14 @@ TEST_F(NcclTest, CollectivesAreOrderedWithTheComputeStreamByEvents) {
   cudaFree(busy_from);
   cudaFree(busy_to);
   cudaStreamDestroy(compute);
+}
+
+TEST_F(NcclTest, AllToAllRefusesOverlappingBuffers) {
+  DeviceBuffer buffer(8, DType::kF32);
+  char* base = static_cast<char*>(buffer.data);
+  Status status = communicator_->AllToAll(base, base + 4, 4, DType::kF32);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("overlap"), std::string::npos) << status.ToString();
 }
 
 TEST_F(NcclTest, AnAbortedCommunicatorFailsWithTheReason) {

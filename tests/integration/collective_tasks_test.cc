@@ -1,5 +1,5 @@
-// Collective tasks in the runtime: members of all-reduce, reduce-scatter, all-gather and
-// broadcast placed on real worker processes, their communicators formed through the scheduler,
+// Collective tasks in the runtime: members of all-reduce, reduce-scatter, all-gather, all-to-all
+// and broadcast placed on real worker processes, their communicators formed through the scheduler,
 // checked against the values computed here; and a member's worker dying mid-collective.
 #include <signal.h>
 
@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "client/cluster.h"
+#include "core/collective_task.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 
@@ -108,6 +109,64 @@ TEST(CollectiveTasksTest, PinnedMembersOnThreeWorkersMatchTheReference) {
   // 300k elements (1.2 MB): the ring, in chunks; three instances reuse the communicators.
   const int64_t numel = 300'000;
   RunChainAndCheck(*cluster, BuildChain(n, numel, pins), n, numel, 3);
+}
+
+// Per rank r: x_r -> all_to_all -> all_to_all (on channel 2, as tensor parallelism's would run).
+// The first hands rank r block r of every rank's x, in rank order; the second, the transpose of
+// the transpose, gives every rank its x back (Ulysses' exchange before attention and after).
+TEST(CollectiveTasksTest, AllToAllMembersExchangeBlocksAndTheSecondUndoesTheFirst) {
+  const int n = 3;
+  const int64_t block = 100'001;  // odd; 1.2 MB per rank
+  const int64_t numel = block * n;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(Local(n)));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  GraphBuilder builder(CpuRegistry());
+  const TensorMeta meta{Shape{numel}, DType::kF32, Device::Cpu()};
+  std::vector<ObjectId> inputs, exchanged, restored;
+  for (int r = 0; r < n; ++r) {
+    TaskOptions options;
+    options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
+    ObjectId x = builder.AddInput(fmt::format("x{}", r), meta, ObjectRole::kInput);
+    ObjectId y =
+        (*builder.AddTask(fmt::format("sequence_to_heads.{}", r), "all_to_all", {x},
+                          Member(1, r, n).Set(kChannelAttr, int64_t{kTensorChannel}), options))[0];
+    ObjectId z =
+        (*builder.AddTask(fmt::format("heads_to_sequence.{}", r), "all_to_all", {y},
+                          Member(2, r, n).Set(kChannelAttr, int64_t{kTensorChannel}), options))[0];
+    builder.MarkOutput(y);
+    builder.MarkOutput(z);
+    inputs.push_back(x);
+    exchanged.push_back(y);
+    restored.push_back(z);
+  }
+  ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(*builder.Build()));
+  for (int instance = 0; instance < 2; ++instance) {
+    // Element i of rank r's x: distinct across ranks and instances, exact in f32.
+    auto value = [&](int r, int64_t i) {
+      return static_cast<float>(r * 1'000'000 + instance * 500'000 + i);
+    };
+    std::map<ObjectId, ObjectRef> bound;
+    std::vector<std::vector<float>> xs(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < numel; ++i) xs[static_cast<size_t>(r)].push_back(value(r, i));
+      ASSERT_OK_AND_ASSIGN(bound[inputs[static_cast<size_t>(r)]],
+                           cluster->Put(FloatTensor({numel}, xs[static_cast<size_t>(r)])));
+    }
+    ASSERT_OK_AND_ASSIGN(auto outputs, cluster->RunGraph(handle, bound));
+    for (int r = 0; r < n; ++r) {
+      const size_t rr = static_cast<size_t>(r);
+      std::vector<float> expected;
+      for (int source = 0; source < n; ++source) {
+        for (int64_t i = 0; i < block; ++i) expected.push_back(value(source, r * block + i));
+      }
+      ASSERT_OK_AND_ASSIGN(Tensor y, cluster->Get(outputs.at(exchanged[rr]), 30'000));
+      EXPECT_EQ(ToVector(y), expected)
+          << "first all-to-all, rank " << r << ", instance " << instance;
+      ASSERT_OK_AND_ASSIGN(Tensor z, cluster->Get(outputs.at(restored[rr]), 30'000));
+      EXPECT_EQ(ToVector(z), xs[rr])
+          << "second all-to-all, rank " << r << ", instance " << instance;
+    }
+  }
 }
 
 TEST(CollectiveTasksTest, UnpinnedMembersAreSpreadOverDistinctWorkers) {

@@ -1,5 +1,6 @@
-// The collective algorithms on the loopback transport (threads in one process), every op and
-// dtype against the naive reference, for groups of 1 to 8 ranks; and failures.
+// The collective algorithms on the loopback transport (threads in one process), every op (the
+// all-to-all included) and dtype against the naive reference, for groups of 1 to 8 ranks; and
+// failures.
 #include <bit>
 #include <chrono>
 #include <thread>
@@ -109,6 +110,47 @@ TEST(CollectivesTest, BytesSentFollowTheRing) {
     EXPECT_EQ(sent[static_cast<size_t>(r)], int64_t{2} * (n - 1) * count * 4 / n);
 }
 
+TEST(CollectivesTest, AllToAllSendsAllButItsOwnBlock) {
+  // Pairwise exchange: each rank sends (n-1)/n of its buffer, its own block is copied locally.
+  const int n = 4;
+  const int64_t block = 100'003;
+  std::vector<int64_t> sent(n);
+  for (const Status& status : RunGroup(n, {}, [&](int r, Communicator&c) {
+         std::vector<float> send(static_cast<size_t>(block * n), 1.0f);
+         std::vector<float> recv(send.size());
+         Status result = c.AllToAll(send.data(), recv.data(), block, DType::kF32);
+         sent[static_cast<size_t>(r)] = c.bytes_sent();
+         return result;
+       })) {
+    ASSERT_OK(status);
+  }
+  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[static_cast<size_t>(r)], (n - 1) * block * 4);
+}
+
+TEST(CollectivesTest, AllToAllMovesEveryDtypeAsBytes) {
+  // Copies take any dtype, i64 and u16 included (the reference suite covers the float ones).
+  const int n = 3;
+  const int64_t block = 5;
+  std::vector<std::vector<int64_t>> received(n);
+  for (const Status& status : RunGroup(n, {}, [&](int r, Communicator&c) {
+         std::vector<int64_t> send;
+         for (int64_t i = 0; i < block * n; ++i) send.push_back((int64_t{r} << 40) | i);
+         std::vector<int64_t>& recv = received[static_cast<size_t>(r)];
+         recv.assign(send.size(), -1);
+         return c.AllToAll(send.data(), recv.data(), block, DType::kI64);
+       })) {
+    ASSERT_OK(status);
+  }
+  for (int r = 0; r < n; ++r) {
+    std::vector<int64_t> expected;
+    for (int source = 0; source < n; ++source) {
+      for (int64_t i = 0; i < block; ++i)
+        expected.push_back((int64_t{source} << 40) | (r * block + i));
+    }
+    EXPECT_EQ(received[static_cast<size_t>(r)], expected) << "rank " << r;
+  }
+}
+
 TEST(CollectivesTest, BadArgumentsAreRefused) {
   LoopbackGroup group(2);
   auto communicator = MakeHostCommunicator(group.transport(0));
@@ -121,6 +163,12 @@ TEST(CollectivesTest, BadArgumentsAreRefused) {
   EXPECT_NE(status.message().find("root 2"), std::string::npos) << status.ToString();
   EXPECT_EQ(communicator->AllReduce(&x, -1, DType::kF32, ReduceOp::kSum).code(),
             StatusCode::kInvalidArgument);
+  EXPECT_EQ(communicator->AllToAll(&x, &x, -1, DType::kF32).code(), StatusCode::kInvalidArgument);
+  // All-to-all cannot run in place: the blocks it sends would be overwritten by those it gets.
+  std::vector<float> buffer(6);
+  status = communicator->AllToAll(buffer.data(), buffer.data() + 2, 2, DType::kF32);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("overlap"), std::string::npos) << status.ToString();
 }
 
 TEST(CollectivesTest, ADeadMemberFailsEveryOtherRankNamingIt) {
@@ -157,6 +205,24 @@ TEST(CollectivesTest, ASilentPeerTimesOutNamingIt) {
   });
   EXPECT_EQ(results[0].code(), StatusCode::kTimedOut) << results[0].ToString();
   EXPECT_NE(results[0].message().find("rank 1"), std::string::npos) << results[0].ToString();
+}
+
+TEST(CollectivesTest, AllToAllWithASilentPeerTimesOutNamingIt) {
+  // Rank 2 never joins: rank 0 waits on it at step 1, rank 1 (whose step-1 partner is rank 0)
+  // at step 2; both name it.
+  const int n = 3;
+  CommunicatorOptions options;
+  options.timeout_ms = 200;
+  std::vector<Status> results = RunGroup(n, options, [&](int r, Communicator& c) {
+    if (r == 2) return Status::Ok();
+    std::vector<float> send(3, 1.0f), recv(3);
+    return c.AllToAll(send.data(), recv.data(), 1, DType::kF32);
+  });
+  for (int r : {0, 1}) {
+    const Status& status = results[static_cast<size_t>(r)];
+    EXPECT_EQ(status.code(), StatusCode::kTimedOut) << "rank " << r << ": " << status.ToString();
+    EXPECT_NE(status.message().find("waiting on rank 2"), std::string::npos) << status.ToString();
+  }
 }
 
 TEST(CollectivesTest, AbortStopsABlockedCollective) {

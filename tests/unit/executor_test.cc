@@ -432,12 +432,17 @@ TEST(ExecutorOffloadTest, OneMemberCollectivesRunAsKernels) {
   ObjectId y = (*builder.AddTask("rs", "reduce_scatter", {x}, one))[0];
   Attrs gather{{"collective", int64_t{2}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}}};
   ObjectId z = (*builder.AddTask("ag", "all_gather", {y}, gather))[0];
+  Attrs exchange{{"collective", int64_t{3}}, {"rank", int64_t{0}}, {"group_size", int64_t{1}}};
+  ObjectId w = (*builder.AddTask("a2a", "all_to_all", {z}, exchange))[0];
   builder.MarkOutput(z);
+  builder.MarkOutput(w);
   InProcessExecutor executor(CpuRegistry(), TwoThreads());
   ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
   Tensor input = FloatTensor({6}, {1, 2, 3, 4, 5, 6});
   ASSERT_OK_AND_ASSIGN(RunResult result, executor.Run(prepared, {{x, input}}));
   EXPECT_EQ(ToVector(result.outputs.at(z)), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  // One member's all-to-all: its one block goes to itself.
+  EXPECT_EQ(ToVector(result.outputs.at(w)), (std::vector<float>{1, 2, 3, 4, 5, 6}));
 }
 
 TEST(ExecutorOffloadTest, CollectiveShapesAreChecked) {
@@ -452,6 +457,12 @@ TEST(ExecutorOffloadTest, CollectiveShapesAreChecked) {
   EXPECT_NE(odd.status().message().find("not a multiple of the group's 2 members"),
             std::string::npos)
       << odd.status().ToString();
+  // All-to-all splits x into one block per member, so x's elements must divide too.
+  Result<std::vector<ObjectId>> uneven = builder.AddTask("a2a", "all_to_all", {x}, members);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("7 elements, not a multiple of the group's 2 members"),
+            std::string::npos)
+      << uneven.status().ToString();
   members.Set("reduce", std::string("product"));
   Result<std::vector<ObjectId>> bad_op = builder.AddTask("ar", "all_reduce", {x}, members);
   ASSERT_FALSE(bad_op.ok());

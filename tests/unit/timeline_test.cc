@@ -49,6 +49,7 @@ TEST(ClassifyTaskTest, KindsOfTrainingTasks) {
       {"h.0/reduce_scatter", "reduce_scatter", SpanKind::kCollective},
       {"grad_norm/all_reduce", "all_reduce", SpanKind::kCollective},
       {"params/broadcast", "broadcast", SpanKind::kCollective},
+      {"h.0/attn/heads_to_sequence", "all_to_all", SpanKind::kCollective},
       {"h.0/grad_to_host", "copy", SpanKind::kTransfer},
       {"clip_to_host", "copy", SpanKind::kTransfer},
       {"save/h.0.w", "write_file", SpanKind::kTransfer},
