@@ -295,10 +295,15 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   const int per_rank = pipeline.stages * flags.tensor_parallel;  // workers a data rank takes
   if (per_rank == 1) return Status::Ok();
   if (flags.workers < per_rank || flags.workers % per_rank != 0) {
+    const std::string dims =
+        flags.tensor_parallel == 1 ? fmt::format("--pipeline-stages {}", pipeline.stages)
+        : pipeline.stages == 1     ? fmt::format("--tensor-parallel {}", flags.tensor_parallel)
+                                   : fmt::format("--pipeline-stages {} x --tensor-parallel {}",
+                                                 pipeline.stages, flags.tensor_parallel);
     return InvalidArgument(
-        "--pipeline-stages {} x --tensor-parallel {} needs --workers a multiple of {} (D x T x P "
-        "workers: D data-parallel ranks), got --workers {}",
-        pipeline.stages, flags.tensor_parallel, per_rank, flags.workers);
+        "{} needs --workers a multiple of {} (D x T x P workers: D data-parallel ranks), got "
+        "--workers {}",
+        dims, per_rank, flags.workers);
   }
   p.data_parallel = flags.workers / per_rank;
   return Status::Ok();

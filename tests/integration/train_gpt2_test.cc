@@ -436,6 +436,44 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
   }
 }
 
+// Tensor parallelism from the command line: TP 2 x DP 2 on four workers (the primitive layers by
+// default) trains the run of one process with the same layers, prints each split layer's
+// placement; bad combinations are explained.
+TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
+  ProcessResult alone =
+      RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
+  ProcessResult split = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 4 --tensor-parallel 2");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << split.output;
+  EXPECT_NE(split.output.find("data_parallel=2 zero_stage=0 offload=none micro_batches=1 "
+                              "tensor_parallel=2"),
+            std::string::npos)
+      << split.output;
+  EXPECT_NE(split.output.find("each layer over 2 tensor ranks:"), std::string::npos)
+      << split.output;
+  EXPECT_NE(split.output.find("h.0.attn: h.0.qkv_w rows split in 3 blocks"), std::string::npos)
+      << split.output;
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--workers 3 --tensor-parallel 2", "--tensor-parallel 2 needs --workers a multiple of 2"},
+      {"--tensor-parallel 2",
+       "needs --workers a multiple of 2 (D x T x P workers: D data-parallel ranks), got --workers "
+       "0"},
+      {"--workers 4 --tensor-parallel 4 --heads 6 --channels 96",
+       "6 attention heads do not split over 4 tensor-parallel ranks"},
+      {"--workers 2 --tensor-parallel 2 --layer-impl fused", "use --layer-impl primitive"},
+      {"--workers 2 --tensor-parallel 2 --plan auto", "--plan auto does not search tensor"},
+  };
+  for (const auto& [arguments, message] : refused) {
+    ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);
+    EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
+    EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
+  }
+}
+
 // --plan auto on a local cluster of four workers: it calibrates (layer times, the collective
 // link), lists the best plans, says which it chose and why, and trains the losses of one process
 // (as every plan does); the calibration is cached for the next run, --recalibrate measures again,
