@@ -58,6 +58,12 @@ void ExpectActivationsPlanned(const MemoryDecision& memory) {
       << memory.reason;
 }
 
+const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worker) {
+  const auto it = std::find_if(profile.workers.begin(), profile.workers.end(),
+                               [&](const WorkerMemory& w) { return w.order.worker == worker; });
+  return it == profile.workers.end() ? nullptr : &*it;
+}
+
 void ExpectActivationPeaksAsPredicted(const Trainer& trainer, const TrainingRun& run,
                                       double relative, int64_t absolute) {
   const MemoryDecision& memory = trainer.step_graph().memory;
@@ -67,10 +73,8 @@ void ExpectActivationPeaksAsPredicted(const Trainer& trainer, const TrainingRun&
   for (const RankFigures& rank : run.reports.back().ranks) {
     const int64_t measured = rank.figures.peak(ObjectRole::kActivation);
     EXPECT_LE(measured, memory.activation_cap_bytes) << memory.reason;
-    const auto worker =
-        std::find_if(profile.workers.begin(), profile.workers.end(),
-                     [&](const WorkerMemory& w) { return w.order.worker == rank.worker; });
-    ASSERT_NE(worker, profile.workers.end());
+    const WorkerMemory* worker = PredictedWorker(profile, rank.worker);
+    ASSERT_NE(worker, nullptr);
     const auto predicted =
         static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
     EXPECT_NEAR(static_cast<double>(measured), predicted,

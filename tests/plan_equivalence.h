@@ -38,6 +38,9 @@ void ExpectSameRun(const TrainingRun& run, const TrainingRun& reference, const s
 // whole (kept in part, recomputed or swapped).
 void ExpectActivationsPlanned(const MemoryDecision& memory);
 
+// The predicted memory of `worker` in `profile` (nullptr when it has none).
+const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worker);
+
 // After `run` of `trainer`'s plan under an activation budget: every rank's measured activation
 // peak (its last step's) is under the budget and within max(`relative` x the prediction,
 // `absolute` bytes) of its worker's predicted peak.

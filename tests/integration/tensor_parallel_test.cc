@@ -280,10 +280,8 @@ TEST_F(TensorParallelTest, BytesAndMemoryPerRankAreTheFormulas) {
       const auto params = static_cast<double>(rank.figures.peak(ObjectRole::kParameter));
       EXPECT_NEAR(params, expected_params, 0.05 * expected_params) << "TP " << ranks;
       // Activations: what the memory model predicts for the rank's worker.
-      const auto worker =
-          std::find_if(profile.workers.begin(), profile.workers.end(),
-                       [&](const WorkerMemory& w) { return w.order.worker == rank.worker; });
-      ASSERT_NE(worker, profile.workers.end());
+      const WorkerMemory* worker = testing::PredictedWorker(profile, rank.worker);
+      ASSERT_NE(worker, nullptr);
       const auto predicted =
           static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
       const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
