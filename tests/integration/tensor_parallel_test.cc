@@ -91,6 +91,9 @@ class TensorParallelTest : public ::testing::Test {
     Result<testing::TrainingRun> run = Train(**reference);
     ASSERT_TRUE(run.ok()) << run.status().ToString();
     reference_ = new testing::TrainingRun(*std::move(run));
+    Result<float> eval_loss = (*reference)->EvalLoss(Batch(kSteps));
+    ASSERT_TRUE(eval_loss.ok()) << eval_loss.status().ToString();
+    reference_eval_loss_ = new float(*eval_loss);
     auto fresh = Trainer::Create(Model(), Plan(1, 1, 1, 0), ExecutorOptions{});
     ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
     Result<std::vector<std::vector<float>>> grads = FirstGradients(**fresh);
@@ -101,6 +104,8 @@ class TensorParallelTest : public ::testing::Test {
     delete cluster_;
     delete reference_;
     delete reference_grads_;
+    delete reference_eval_loss_;
+    reference_eval_loss_ = nullptr;
     cluster_ = nullptr;
     reference_ = nullptr;
     reference_grads_ = nullptr;
@@ -117,6 +122,9 @@ class TensorParallelTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(plan));
     ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*trainer));
     testing::ExpectSameRun(run, *reference_, plan.parallel.ToString());
+    // The trained model evaluated (the whole groups gathered from the tensor ranks' slices).
+    ASSERT_OK_AND_ASSIGN(float eval_loss, trainer->EvalLoss(Batch(kSteps)));
+    EXPECT_NEAR(eval_loss, *reference_eval_loss_, 1e-5 * *reference_eval_loss_);
     // The gradients of the first step, parameter by parameter.
     ASSERT_OK_AND_ASSIGN(auto again, OnCluster(plan));
     ASSERT_OK_AND_ASSIGN(auto grads, FirstGradients(*again));
@@ -156,11 +164,13 @@ class TensorParallelTest : public ::testing::Test {
   static Cluster* cluster_;
   static testing::TrainingRun* reference_;
   static std::vector<std::vector<float>>* reference_grads_;
+  static float* reference_eval_loss_;
 };
 
 Cluster* TensorParallelTest::cluster_ = nullptr;
 testing::TrainingRun* TensorParallelTest::reference_ = nullptr;
 std::vector<std::vector<float>>* TensorParallelTest::reference_grads_ = nullptr;
+float* TensorParallelTest::reference_eval_loss_ = nullptr;
 
 TEST(TensorParallelSplitTest, EveryParameterIsSlicedOnce) {
   const ModelSpec whole = Model();
