@@ -1,6 +1,6 @@
 // Tensor parallelism (Megatron-LM's tensor slicing) on local clusters of CPU worker processes:
-// GPT-2 split over 2 and 4 tensor ranks, TP 2 x DP 2 under ZeRO-1, and 3D (TP 2 x PP 2 x DP 2,
-// ZeRO-1, eight workers) train the single-worker run: every loss within 1e-5 relative, every
+// GPT-2 split over 2 and 4 tensor ranks, TP 2 x DP 2 under ZeRO-1 and ZeRO-3, and 3D (TP 2 x PP 2 x
+// DP 2, ZeRO-1, eight workers) train the single-worker run: every loss within 1e-5 relative, every
 // gradient norm within 1e-4, and after the first step every parameter's gradient within 1e-6
 // (the norm of the difference against the gradient's norm). The split model's slices cover each
 // parameter of the whole model once; the activations' all-reduces are collectives of the step graph
@@ -240,6 +240,14 @@ TEST_F(TensorParallelTest, TwoDataRanksForComparison) { ExpectSameRun(Plan(2, 1,
 TEST_F(TensorParallelTest, FourRanksTrainTheOneWorkerRun) { ExpectSameRun(Plan(1, 4, 1, 0)); }
 
 TEST_F(TensorParallelTest, TwoTensorByTwoDataRanksUnderZero1) { ExpectSameRun(Plan(2, 2, 1, 1)); }
+
+// ZeRO-3 over the data-parallel ranks of each tensor rank: the split groups' shards gathered
+// per micro-batch.
+TEST_F(TensorParallelTest, TwoTensorByTwoDataRanksUnderZero3WithMicroBatches) {
+  TrainingPlan plan = Plan(2, 2, 1, 3);
+  plan.parallel.micro_batches = 2;
+  ExpectSameRun(plan);
+}
 
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightWorkers) { ExpectSameRun(Plan(2, 2, 2, 1)); }
 
