@@ -89,6 +89,15 @@ Status ValidateSplitLayer(const LayerSpec& layer) {
           "layer '{}' argument {} has a partial gradient but is not an activation", layer.name, a);
     }
   }
+  for (const BackwardArg& arg : layer.backward_args) {
+    if (arg.kind == BackwardArg::Kind::kForwardOutput && arg.index < tp.partial_outputs.size() &&
+        tp.partial_outputs[arg.index]) {
+      return InvalidArgument(
+          "layer '{}' keeps its partial output {} for its backward: keep what it is made of "
+          "instead",
+          layer.name, arg.index);
+    }
+  }
   if (layer.loss && !tp.partial_outputs.empty() && tp.partial_outputs[0]) {
     return InvalidArgument("the loss layer '{}' cannot return a partial loss", layer.name);
   }

@@ -228,15 +228,7 @@ class Expansion {
     if (s_.tensor_parallel == 1 || !layer.tensor_parallel) return Status::Ok();
     const std::vector<bool>& partial = layer.tensor_parallel->partial_outputs;
     for (size_t o = 0; o < partial.size(); ++o) {
-      if (!partial[o]) continue;
-      for (const BackwardArg& arg : layer.backward_args) {
-        if (arg.kind == BackwardArg::Kind::kForwardOutput && arg.index == o) {
-          return InvalidArgument(
-              "layer '{}' keeps its partial output {} for its backward: keep what it is made of "
-              "instead",
-              layer.name, o);
-        }
-      }
+      if (!partial[o]) continue;  // ModelSpec::Validate refused a partial output kept
       TESSERA_ASSIGN_OR_RETURN(
           mb.outputs[l][o], SumOverTensorRanks(mb, l, fmt::format("tp_sum{}", o), mb.outputs[l][o],
                                                kForwardPriority + 1));

@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include <fmt/format.h>
-#include "planner/model_facts.h"
 
+#include "planner/model_facts.h"
 #include "planner/plan_passes.h"
 #include "planner/sharding_policy.h"
 #include "planner/training_plan.h"
@@ -113,7 +113,7 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
                            p.resident_params.size(), model.layers.size());
   }
   if (!p.workers.empty() && static_cast<int>(p.workers.size()) != p.num_workers()) {
-    if (p.pipeline_stages > 1) {
+    if (p.pipeline_stages > 1 && p.tensor_parallel == 1) {
       return InvalidArgument(
           "{} worker(s) given for {} pipeline stages x {} data-parallel ranks: a pipeline needs "
           "P x D = {} workers",
@@ -127,24 +127,17 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
   return Status::Ok();
 }
 
-// The plan's model as the step is planned on it: `model` split for the plan's tensor ranks.
-Status CheckSplit(const ParallelConfig& p, const ModelSpec& model) {
-  if (model.tensor_parallel == p.tensor_parallel) return Status::Ok();
-  if (model.tensor_parallel != 1) {
-    return InvalidArgument(
-        "the plan splits layers over {} tensor-parallel rank(s) but model '{}' is split for {}: "
-        "give the whole model",
-        p.tensor_parallel, model.name, model.tensor_parallel);
-  }
-  return model.SplitForTensorParallel(p.tensor_parallel).status();
-}
-
 }  // namespace
 
 Status TrainingPlan::Validate(const ModelSpec& model) const {
   // A whole model is checked as the step will be planned on it: split for the tensor ranks.
   if (model.tensor_parallel != parallel.tensor_parallel) {
-    TESSERA_RETURN_IF_ERROR(CheckSplit(parallel, model));
+    if (model.tensor_parallel != 1) {
+      return InvalidArgument(
+          "the plan splits layers over {} tensor-parallel rank(s) but model '{}' is split for {}: "
+          "give the whole model",
+          parallel.tensor_parallel, model.name, model.tensor_parallel);
+    }
     TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
                              model.SplitForTensorParallel(parallel.tensor_parallel));
     return Validate(split);

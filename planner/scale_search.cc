@@ -80,8 +80,9 @@ class Evaluator {
     return flops / (cluster_.peak_tflops * 1e12 * cluster_.gemm_efficiency) * 1e3 +
            bytes / (cluster_.memory_gb_per_s * 1e9) * 1e3;
   }
-  // A layer on a micro-batch of b rows on one of t tensor ranks, whose all-reduces take `link`.
-  LayerOps Layer(int b, int t, Link link) const;
+  // A layer on a micro-batch of b rows on one of t tensor ranks, each of whose activation
+  // all-reduces takes `all_reduce_ms`.
+  LayerOps Layer(int b, int t, double all_reduce_ms) const;
   double ModelStateBytes(const PlanChoice& choice, double stage_params, double layer_params) const;
 
   // The schedule's order for these dimensions and stage costs: zb-h1's list schedule is the
@@ -111,14 +112,14 @@ const std::vector<std::vector<PipelineOp>>& Evaluator::Order(const PlanChoice& c
   return it->second;
 }
 
-LayerOps Evaluator::Layer(int b, int t, Link link) const {
+LayerOps Evaluator::Layer(int b, int t, double all_reduce_ms) const {
   const double s = static_cast<double>(shape_.seq_len), h = static_cast<double>(shape_.hidden);
   const double core = 4.0 * s * s * h * b / t;  // Q K^T and the weighted sum of V, its heads
   const double gemm = shape_.LayerForwardFlops() * b / t - core;
   const double traffic = shape_.LayerForwardTrafficBytes(t) * b;
   // Tensor slicing: two all-reduces of the activations in the forward (after the attention's
   // and the MLP's row-parallel linears), two of their gradients in the input half.
-  const double all_reduces = 2 * RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, link);
+  const double all_reduces = 2 * all_reduce_ms;
   LayerOps ops;
   ops.forward = ComputeMs(gemm + core, traffic) + all_reduces;
   ops.input_half = ComputeMs(gemm + 2 * core, 2 * traffic) + all_reduces;
@@ -169,7 +170,10 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   const Link dp_link = LinkFor(cluster_, InOneNode(cluster_, d, stages_in_node ? p * t : t));
   const Link p2p_link = LinkFor(cluster_, InOneNode(cluster_, p, stages_in_node ? t : d * t));
 
-  const LayerOps layer = Layer(b, t, tp_link);
+  // One all-reduce of a micro-batch's activations [s, b, h] over the tensor ranks.
+  const double activation_all_reduce =
+      RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, tp_link);
+  const LayerOps layer = Layer(b, t, activation_all_reduce);
   const std::vector<int> chunk_layers = ChunkLayers(shape_.layers, chunks);
   // Parameters per tensor rank.
   const double layer_params = static_cast<double>(shape_.LayerSplitParameters()) / t +
@@ -189,9 +193,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   // Split by vocabulary, the embedding's lookups are summed over the tensor ranks, and so is
   // the gradient entering the last layer from the classifier (the cross-entropy's own
   // all-reduces are of a few numbers per row).
-  const double vocab_all_reduce =
-      training_.vocab_parallel ? RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, tp_link)
-                               : 0;
+  const double vocab_all_reduce = training_.vocab_parallel ? activation_all_reduce : 0;
   const double head_forward = ComputeMs(shape_.HeadForwardFlops() * b * vocab_share,
                                         2 * kLogitBytes * s * vocab * b * vocab_share);
   const double head_backward = ComputeMs(2 * shape_.HeadForwardFlops() * b * vocab_share,

@@ -156,6 +156,11 @@ Result<json> WritePieces(Trainer& trainer, const fs::path& partial) {
 // ("whole/<layer>.<kind>.bin"), so that any plan, of any tensor-parallel degree, loads it.
 Result<json> WriteWholeGroups(Trainer& trainer, const fs::path& partial) {
   const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  std::error_code error;
+  if (!fs::create_directories(partial / "whole", error) && error) {
+    return Unavailable("cannot create checkpoint directory '{}': {}", (partial / "whole").string(),
+                       error.message());
+  }
   json pieces = json::array();
   for (size_t l = 0; l < trainer.model().layers.size(); ++l) {
     const LayerSpec& layer = trainer.model().layers[l];
@@ -166,8 +171,6 @@ Result<json> WriteWholeGroups(Trainer& trainer, const fs::path& partial) {
       const std::string file = fmt::format("whole/{}.{}.bin", layer.name, StateKindName(kind));
       const std::string_view bytes(reinterpret_cast<const char*>(group.data()),
                                    group.size() * sizeof(float));
-      std::error_code error;
-      fs::create_directories((partial / file).parent_path(), error);
       TESSERA_RETURN_IF_ERROR(WriteFileAtomically((partial / file).string(), bytes));
       pieces.push_back(json{{"layer", layer.name},
                             {"kind", StateKindName(kind)},
@@ -205,17 +208,13 @@ Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
   json groups = json::object();
   if (trainer.plan().parallel.tensor_parallel > 1) {
     TESSERA_ASSIGN_OR_RETURN(pieces, WriteWholeGroups(trainer, partial));
-    for (const LayerSpec& layer : trainer.model().layers) {
-      groups[layer.name] =
-          json{{"numel", layer.params.numel()}, {"padded_numel", layer.params.numel()}};
-    }
   } else {
     TESSERA_ASSIGN_OR_RETURN(pieces, WritePieces(trainer, partial));
-    for (size_t l = 0; l < step.group_numel.size(); ++l) {
-      groups[trainer.model().layers[l].name] =
-          json{{"numel", trainer.model().layers[l].params.numel()},
-               {"padded_numel", step.group_numel[l]}};
-    }
+  }
+  for (size_t l = 0; l < trainer.model().layers.size(); ++l) {
+    const LayerSpec& layer = trainer.model().layers[l];
+    groups[layer.name] =
+        json{{"numel", layer.params.numel()}, {"padded_numel", trainer.GroupNumel(l)}};
   }
   const json manifest{{"format", "tessera-checkpoint"},
                       {"version", kFormatVersion},

@@ -338,6 +338,7 @@ void Trainer::CopySlice(const SliceOfSlot& slice, const FlatSlot& whole_slot, in
 }
 
 Result<std::vector<float>> Trainer::GatherWholeGroup(size_t layer, const PlannedGroupReader& read) {
+  if (plan_.parallel.tensor_parallel == 1) return read(layer, -1);  // the group is planned whole
   const LayerSpec& whole = model_.layers[layer];
   std::vector<float> group(static_cast<size_t>(whole.params.numel()), 0.0f);
   std::map<std::pair<size_t, int>, std::vector<float>> planned;  // read once each
@@ -359,7 +360,6 @@ Result<std::vector<float>> Trainer::GatherWholeGroup(size_t layer, const Planned
 }
 
 Status Trainer::AllocateState(std::optional<uint64_t> seed) {
-  const bool zero = !seed.has_value();
   const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
   // Values already allocated (the zeros Create allocates) are written in place: a model's state
   // is faulted in once, not twice.
@@ -371,17 +371,8 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   for (int64_t numel : step_graph_.group_numel) largest = std::max(largest, numel);
   std::vector<float> staging(static_cast<size_t>(std::max<int64_t>(largest, 0)));
   for (size_t l = 0; l < model_.layers.size(); ++l) {
-    const LayerSpec& layer = model_.layers[l];
     std::span<float> values(staging.data(), static_cast<size_t>(step_graph_.group_numel[l]));
-    ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
-    // A layer without ParamInit starts at zero (the fill above).
-    const std::vector<FlatSlot>& slots = layer.params.slots();
-    for (size_t s = 0; s < layer.init.size() && !zero; ++s) {
-      // Each slot draws from its own stream of the seed.
-      const uint64_t stream = Mix(Mix(Mix(*seed) ^ static_cast<uint64_t>(l)) ^ s);
-      InitializeSlot(layer.init[s], stream, values.data() + slots[s].offset,
-                     slots[s].shape.numel());
-    }
+    InitializeGroup(l, seed, values);
     TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kParameter, values));
     if (adamw) {
       ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
@@ -393,15 +384,15 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   return Status::Ok();
 }
 
-// Draws a whole layer's parameters as its ParamInit says, from its own streams of the seed.
-void Trainer::InitializeGroup(size_t l, uint64_t seed, std::span<float> values) const {
+void Trainer::InitializeGroup(size_t l, std::optional<uint64_t> seed,
+                              std::span<float> values) const {
   const LayerSpec& layer = model_.layers[l];
   ParallelFill(values.data(), static_cast<int64_t>(values.size()), 0.0f);
-  // A layer without ParamInit starts at zero (the fill above).
+  // A layer without ParamInit (or no seed) starts at zero (the fill above); the padding stays.
   const std::vector<FlatSlot>& slots = layer.params.slots();
-  for (size_t s = 0; s < layer.init.size(); ++s) {
+  for (size_t s = 0; s < layer.init.size() && seed.has_value(); ++s) {
     // Each slot draws from its own stream of the seed.
-    const uint64_t stream = Mix(Mix(Mix(seed) ^ static_cast<uint64_t>(l)) ^ s);
+    const uint64_t stream = Mix(Mix(Mix(*seed) ^ static_cast<uint64_t>(l)) ^ s);
     InitializeSlot(layer.init[s], stream, values.data() + slots[s].offset, slots[s].shape.numel());
   }
 }
@@ -417,7 +408,7 @@ Status Trainer::AllocateSplitState(std::optional<uint64_t> seed) {
   }
   for (size_t l = 0; l < model_.layers.size() && seed.has_value(); ++l) {
     std::vector<float> whole(static_cast<size_t>(model_.layers[l].params.numel()));
-    InitializeGroup(l, *seed, whole);
+    InitializeGroup(l, seed, whole);
     const auto& slots = model_.layers[l].params.slots();
     for (size_t s = 0; s < slots.size(); ++s) {
       const SliceOfSlot& slice = slices_[l][s];
@@ -532,27 +523,37 @@ Result<std::vector<float>> Assemble(int64_t numel, const std::vector<GroupPiece>
 }  // namespace
 
 Result<std::vector<float>> Trainer::ReadGroup(size_t layer, StateKind kind) {
-  if (plan_.parallel.tensor_parallel == 1) return ReadPlannedGroup(layer, -1, kind);
   return GatherWholeGroup(
       layer, [&](size_t planned, int t) { return ReadPlannedGroup(planned, t, kind); });
 }
 
-Result<std::vector<float>> Trainer::ReadPlannedGroup(size_t layer, int t, StateKind kind) {
+Result<std::vector<float>> Trainer::AssembleOfTensorRank(
+    size_t layer, int t, const char* what, size_t count,
+    const std::function<const GroupPiece*(size_t)>& piece_of, const std::vector<Value>& values) {
   std::vector<GroupPiece> pieces;
   std::vector<size_t> index;
-  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
-    const StateObject& object = step_graph_.state[i];
-    if (object.piece.layer != layer || object.kind != kind) continue;
-    if (t >= 0 && plan_.parallel.TensorRankOf(object.piece.rank) != t) continue;
-    pieces.push_back(object.piece);
+  for (size_t i = 0; i < count; ++i) {
+    const GroupPiece* piece = piece_of(i);
+    if (piece == nullptr || piece->layer != layer) continue;
+    if (t >= 0 && plan_.parallel.TensorRankOf(piece->rank) != t) continue;
+    pieces.push_back(*piece);
     index.push_back(i);
   }
   if (pieces.empty()) {
-    return NotFound("the plan holds no {} for layer '{}'", StateKindName(kind),
-                    split_.layers[layer].name);
+    return NotFound("the plan holds no {} for layer '{}'", what, split_.layers[layer].name);
   }
   return Assemble(step_graph_.group_numel[layer], pieces,
-                  [&](size_t i) { return backend_->Download(state_[index[i]]); });
+                  [&](size_t i) { return backend_->Download(values[index[i]]); });
+}
+
+Result<std::vector<float>> Trainer::ReadPlannedGroup(size_t layer, int t, StateKind kind) {
+  return AssembleOfTensorRank(
+      layer, t, StateKindName(kind), step_graph_.state.size(),
+      [&](size_t i) {
+        const StateObject& object = step_graph_.state[i];
+        return object.kind == kind ? &object.piece : nullptr;
+      },
+      state_);
 }
 
 Result<std::vector<Value>> Trainer::FullParameters() {
@@ -629,25 +630,12 @@ Result<std::vector<float>> Trainer::GetGradient(const std::string& name) {
   if (last_grads_.empty()) {
     return InvalidArgument("no gradients kept: call SetKeepGradients(true), then Step");
   }
-  const auto read = [&](size_t layer, int t) -> Result<std::vector<float>> {
-    std::vector<GroupPiece> pieces;
-    std::vector<size_t> index;
-    for (size_t i = 0; i < step_graph_.grads.size(); ++i) {
-      const GroupPiece& piece = step_graph_.grads[i].piece;
-      if (piece.layer != layer) continue;
-      if (t >= 0 && plan_.parallel.TensorRankOf(piece.rank) != t) continue;
-      pieces.push_back(piece);
-      index.push_back(i);
-    }
-    return Assemble(step_graph_.group_numel[layer], pieces,
-                    [&](size_t i) { return backend_->Download(last_grads_[index[i]]); });
-  };
-  std::vector<float> group;
-  if (plan_.parallel.tensor_parallel == 1) {
-    TESSERA_ASSIGN_OR_RETURN(group, read(ref.group, -1));
-  } else {
-    TESSERA_ASSIGN_OR_RETURN(group, GatherWholeGroup(ref.group, read));
-  }
+  TESSERA_ASSIGN_OR_RETURN(
+      std::vector<float> group, GatherWholeGroup(ref.group, [&](size_t layer, int t) {
+        return AssembleOfTensorRank(
+            layer, t, "gradient", step_graph_.grads.size(),
+            [&](size_t i) { return &step_graph_.grads[i].piece; }, last_grads_);
+      }));
   const auto begin = group.begin() + ref.slot->offset;
   return std::vector<float>(begin, begin + ref.slot->shape.numel());
 }

@@ -182,8 +182,9 @@ class Trainer {
   Status AllocateState(std::optional<uint64_t> seed);
   // AllocateState under tensor parallelism: the whole groups drawn, each rank given its slices.
   Status AllocateSplitState(std::optional<uint64_t> seed);
-  // The whole model's group `l` as its ParamInit draws it from `seed` (zeros where none).
-  void InitializeGroup(size_t l, uint64_t seed, std::span<float> values) const;
+  // The whole model's group `l` as its ParamInit draws it from `seed` (zeros where none, or
+  // without a seed), into `values` (the group, or the group and its padding).
+  void InitializeGroup(size_t l, std::optional<uint64_t> seed, std::span<float> values) const;
   // After a failed step: takes back the state the backend returned intact. Returns `error`
   // when everything came back, DataLoss naming what the optimizer had already changed.
   Status RecoverState(const Status& error, ValueMap& intact);
@@ -232,11 +233,16 @@ class Trainer {
   // or to the state objects of the ranks of that tensor rank (t < 0: every rank).
   Result<std::vector<float>> ReadPlannedGroup(size_t layer, int t, StateKind kind);
   Status WritePlannedGroup(size_t layer, int t, StateKind kind, std::span<const float> values);
-  // Tensor parallelism: a whole group from the split model's groups of every tensor rank that
-  // `read(planned layer, t)` returns, and the split groups of tensor rank t from whole groups
-  // (`whole(layer)`).
+  // A whole group from the split model's groups of every tensor rank that `read(planned layer,
+  // t)` returns (without tensor parallelism the planned group itself: read(layer, -1)).
   using PlannedGroupReader = std::function<Result<std::vector<float>>(size_t, int)>;
   Result<std::vector<float>> GatherWholeGroup(size_t layer, const PlannedGroupReader& read);
+  // The split model's group `layer` of tensor rank t (t < 0: any) assembled from the first
+  // `count` objects that piece_of(i) places (nullptr: not one of them), values[i] holding each;
+  // NotFound naming `what` ("exp_avg", "gradient") when none does.
+  Result<std::vector<float>> AssembleOfTensorRank(
+      size_t layer, int t, const char* what, size_t count,
+      const std::function<const GroupPiece*(size_t)>& piece_of, const std::vector<Value>& values);
   // Where each slot of the whole model lives in the split one (Create fills it).
   struct SliceOfSlot {
     size_t layer = 0;  // the split model's

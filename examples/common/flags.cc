@@ -259,12 +259,6 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
         "--tensor-parallel {}, or --plan auto without it",
         flags.tensor_parallel);
   }
-  if (flags.tensor_parallel > 1 && flags.workers == 0) {
-    return InvalidArgument(
-        "--tensor-parallel {} splits each layer over {} workers: give --workers (a multiple of "
-        "{})",
-        flags.tensor_parallel, flags.tensor_parallel, flags.tensor_parallel);
-  }
   if (r.replace_workers && !flags.address.empty()) {
     return InvalidArgument(
         "--replace-workers starts workers of a local cluster; on a running cluster start them "
