@@ -23,6 +23,15 @@ ProcessResult RunTrainGpt2(const std::string& arguments) {
   return RunBinary("train_gpt2", arguments);
 }
 
+// Each (arguments, message): a one-step run with them exits 1 saying the message.
+void ExpectRefused(const std::vector<std::pair<std::string, std::string>>& refused) {
+  for (const auto& [arguments, message] : refused) {
+    ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);
+    EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
+    EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
+  }
+}
+
 double FirstMatch(const std::string& text, const std::string& pattern) {
   std::smatch match;
   if (!std::regex_search(text, match, std::regex(pattern))) return -1;
@@ -429,11 +438,7 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
       {"--workers 2 --pipeline-stages 2 --micro-batches 4 --stage-layers 3,4",
        "--stage-layers 3,4: give 2 counts"},
   };
-  for (const auto& [arguments, message] : refused) {
-    ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);
-    EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
-    EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
-  }
+  ExpectRefused(refused);
 }
 
 // Tensor parallelism from the command line: TP 2 x DP 2 on four workers (the primitive layers by
@@ -467,11 +472,7 @@ TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
       {"--workers 2 --tensor-parallel 2 --layer-impl fused", "use --layer-impl primitive"},
       {"--workers 2 --tensor-parallel 2 --plan auto", "--plan auto does not search tensor"},
   };
-  for (const auto& [arguments, message] : refused) {
-    ProcessResult run = RunTrainGpt2("--steps 1 --batch 8 " + arguments);
-    EXPECT_EQ(run.exit_code, 1) << arguments << "\n" << run.output;
-    EXPECT_NE(run.output.find(message), std::string::npos) << arguments << "\n" << run.output;
-  }
+  ExpectRefused(refused);
 }
 
 // --plan auto on a local cluster of four workers: it calibrates (layer times, the collective
