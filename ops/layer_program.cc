@@ -298,7 +298,13 @@ std::string OpLabel(const ProgramOp& op) {
 
 Result<LayerProgram> ProgramOf(const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(std::string text, attrs.GetString(kProgramAttr));
-  return LayerProgram::Decode(text);
+  TESSERA_ASSIGN_OR_RETURN(LayerProgram program, LayerProgram::Decode(text));
+  // A split layer's tensor rank goes to every op (the vocabulary-parallel ones read it).
+  if (attrs.Has(kTensorRankAttr)) {
+    TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kTensorRankAttr));
+    for (ProgramOp& op : program.ops) op.attrs.Set(kTensorRankAttr, rank);
+  }
+  return program;
 }
 
 Result<std::string> RebuildOf(const Attrs& attrs) {

@@ -75,6 +75,7 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(detail::AddElementwiseOps(registry));
   TESSERA_RETURN_IF_ERROR(detail::AddLossAndOptimizerOps(registry));
   TESSERA_RETURN_IF_ERROR(detail::AddTransformerLayerOps(registry));
+  TESSERA_RETURN_IF_ERROR(detail::AddTensorParallelOps(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeOps(registry));
   return RegisterLayerProgramOps(registry);
 }

@@ -27,6 +27,12 @@
 //   tied_lm_head_forward/backward              final layernorm, a classifier tied to the
 //                                              embedding's wte, and fused softmax cross-entropy
 //   tied_lm_head_logits                        final layernorm and the tied classifier: logits
+// Tensor-parallel ops (vocabulary-parallel embedding and cross-entropy, Megatron-LM's; attribute
+// tensor_rank, set by the planner on a split layer's tasks):
+//   vocab_shard_embedding_forward/backward     a rank's rows of wte looked up (zeros elsewhere)
+//   position_add_forward/backward              x + wpe[positions]
+//   vocab_shard_logit_stats(_backward)         a rank's logits [R, V/T] as [R, T+1] statistics
+//   cross_entropy_from_stats(_backward)        the loss from the statistics summed over ranks
 // Volume ops on NCDHW tensors (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
 // group_norm, relu, silu, concat, voxel_cross_entropy, dice_score): ops/volume_ops.h.
 //
@@ -59,6 +65,9 @@ namespace tessera {
 inline constexpr const char* kParamMultipleAttr = "param_multiple";
 inline constexpr const char* kActivationDTypeAttr = "activation_dtype";
 inline constexpr const char* kRebuildAttr = "rebuild";
+// A split layer's tensor rank (0 .. T-1): set by the planner on the tasks of a tensor-parallel
+// layer; a layer program hands it to each of its ops (the vocabulary-parallel ops read it).
+inline constexpr const char* kTensorRankAttr = "tensor_rank";
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

@@ -6,6 +6,7 @@
 //   standard_ops_loss_optimizer.cc  losses and optimizers
 //   standard_ops_transformer.cc     transformer layers (flat parameter groups, fused backward)
 //   standard_ops_collective.cc      collective members
+//   standard_ops_tensor_parallel.cc vocabulary-parallel embedding and cross-entropy
 #pragma once
 
 #include <cstdint>
@@ -68,5 +69,6 @@ Status AddElementwiseOps(OpRegistry& r);
 Status AddLossAndOptimizerOps(OpRegistry& r);
 Status AddTransformerLayerOps(OpRegistry& r);
 Status AddCollectiveOps(OpRegistry& r);
+Status AddTensorParallelOps(OpRegistry& r);
 
 }  // namespace tessera::detail

@@ -16,6 +16,7 @@
 #include "ops/bucket_copies.h"
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/tensor_parallel.h"
 #include "ops/cpu/transformer_layers.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/flat_layout.h"
@@ -486,6 +487,7 @@ Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterLossAndOptimizerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterTransformerLayerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeKernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterTensorParallelKernels(registry));
   return RegisterLayerProgramKernels(registry, DeviceKind::kCpu);
 }
 

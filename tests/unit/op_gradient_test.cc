@@ -12,6 +12,7 @@
 
 #include "core/checksum.h"
 #include "op_gradient_check.h"
+#include "ops/standard_ops.h"
 #include "ops/volume_ops.h"
 #include "test_util.h"
 
@@ -149,6 +150,124 @@ TEST(OpGradientTest, BiasAdd) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("[3]"), std::string::npos)
       << refused.status().ToString();
+}
+
+// The vocabulary-parallel ops at tensor rank 1 of 3 (rows [11, 22) of a 33-token vocabulary),
+// checked through their gradient rules.
+const Attrs kRank1Of3{{"ranks", int64_t{3}}, {kTensorRankAttr, int64_t{1}}};
+
+TEST(OpGradientTest, VocabShardEmbedding) {
+  CheckGradients({
+      .forward = "vocab_shard_embedding_forward",
+      .forward_attrs = kRank1Of3,
+      .inputs = {RandomTokens({3, 7}, 33, 1), RandomTensor({11, 8}, 2)},
+  });
+}
+
+TEST(OpGradientTest, PositionAdd) {
+  CheckGradients({
+      .forward = "position_add_forward",
+      .inputs = {RandomTensor({2, 5, 8}, 1), RandomTensor({7, 8}, 2)},
+  });
+  Result<std::vector<Tensor>> short_wpe =
+      RunKernel("position_add_forward", {RandomTensor({2, 5, 8}, 1), RandomTensor({4, 8}, 2)});
+  ASSERT_FALSE(short_wpe.ok());
+  EXPECT_NE(short_wpe.status().message().find("[>= 5, 8]"), std::string::npos)
+      << short_wpe.status().ToString();
+}
+
+TEST(OpGradientTest, VocabShardLogitStats) {
+  CheckGradients({
+      .forward = "vocab_shard_logit_stats",
+      .forward_attrs = kRank1Of3,
+      .inputs = {RandomTensor({12, 11}, 1, 3.0f), RandomTokens({12}, 33, 2)},
+  });
+  Result<std::vector<Tensor>> bad_rank =
+      RunKernel("vocab_shard_logit_stats", {RandomTensor({4, 11}, 1), RandomTokens({4}, 33, 2)},
+                Attrs{{"ranks", int64_t{3}}, {kTensorRankAttr, int64_t{3}}});
+  ASSERT_FALSE(bad_rank.ok());
+  EXPECT_NE(bad_rank.status().message().find("[0, 3)"), std::string::npos)
+      << bad_rank.status().ToString();
+}
+
+TEST(OpGradientTest, CrossEntropyFromStats) {
+  CheckGradients({
+      .forward = "cross_entropy_from_stats",
+      .inputs = {RandomTensor({6, 4}, 1, 4.0f)},
+  });
+}
+
+// The parts of T = 3 ranks sum to the whole ops': the embedding parts to embedding_forward's
+// token rows, and the cross-entropy from the summed statistics to softmax_cross_entropy's loss
+// and gradient over the whole vocabulary.
+TEST(OpGradientTest, VocabParallelPartsSumToTheWholeOps) {
+  constexpr int64_t kRanks = 3, kShard = 11, kVocab = kRanks * kShard, kRows = 24, kC = 8;
+  const Tensor tokens = RandomTokens({4, 6}, kVocab, 1);
+  const Tensor wte = RandomTensor({kVocab, kC}, 2);
+  const Tensor logits = RandomTensor({kRows, kVocab}, 3, 4.0f);
+  const Tensor targets = RandomTokens({kRows}, kVocab, 4);
+  const std::vector<float> wte_values = ToVector(wte), logit_values = ToVector(logits);
+  std::vector<float> embedded(static_cast<size_t>(4 * 6 * kC), 0.0f);
+  std::vector<float> stats(static_cast<size_t>(kRows * (kRanks + 1)), 0.0f);
+  std::vector<Tensor> shard_logits;
+  for (int64_t t = 0; t < kRanks; ++t) {
+    const Attrs attrs{{"ranks", kRanks}, {kTensorRankAttr, t}};
+    const auto rows_of = [&](const std::vector<float>& whole, int64_t rows, int64_t width,
+                             int64_t first, int64_t count, bool columns) {
+      std::vector<float> part;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < count; ++j) {
+          part.push_back(columns ? whole[static_cast<size_t>(i * width + first + j)]
+                                 : whole[static_cast<size_t>((first + i) * width + j)]);
+        }
+      }
+      return part;
+    };
+    const Tensor wte_shard =
+        FloatTensor({kShard, kC}, rows_of(wte_values, kShard, kC, t * kShard, kC, false));
+    ASSERT_OK_AND_ASSIGN(auto part,
+                         RunKernel("vocab_shard_embedding_forward", {tokens, wte_shard}, attrs));
+    const std::vector<float> part_values = ToVector(part[0]);
+    for (size_t i = 0; i < embedded.size(); ++i) embedded[i] += part_values[i];
+    shard_logits.push_back(FloatTensor(
+        {kRows, kShard}, rows_of(logit_values, kRows, kVocab, t * kShard, kShard, true)));
+    ASSERT_OK_AND_ASSIGN(auto shard_stats, RunKernel("vocab_shard_logit_stats",
+                                                     {shard_logits.back(), targets}, attrs));
+    const std::vector<float> stat_values = ToVector(shard_stats[0]);
+    for (size_t i = 0; i < stats.size(); ++i) stats[i] += stat_values[i];
+  }
+  // embedding_forward adds wpe: with zero positions it is the token rows alone.
+  ASSERT_OK_AND_ASSIGN(
+      auto whole_embedding,
+      RunKernel("embedding_forward",
+                {tokens, wte, FloatTensor({6, kC}, std::vector<float>(6 * kC, 0))}));
+  EXPECT_EQ(embedded, ToVector(whole_embedding[0]));
+  const Tensor summed = FloatTensor({kRows, kRanks + 1}, stats);
+  ASSERT_OK_AND_ASSIGN(auto loss, RunKernel("cross_entropy_from_stats", {summed}));
+  ASSERT_OK_AND_ASSIGN(auto whole, RunKernel("softmax_cross_entropy", {logits, targets}));
+  EXPECT_NEAR(ToVector(loss[0])[0], ToVector(whole[0])[0], 1e-6 * std::abs(ToVector(whole[0])[0]));
+  // The gradient: dstats from the loss, then each rank's dlogits against the whole's columns.
+  ASSERT_OK_AND_ASSIGN(
+      auto dstats, RunKernel("cross_entropy_from_stats_backward", {ScalarTensor(1.0f), summed}));
+  const std::vector<float> whole_grad = ToVector(whole[1]);
+  for (int64_t t = 0; t < kRanks; ++t) {
+    const Attrs attrs{{"ranks", kRanks}, {kTensorRankAttr, t}};
+    ASSERT_OK_AND_ASSIGN(auto shard_stats,
+                         RunKernel("vocab_shard_logit_stats",
+                                   {shard_logits[static_cast<size_t>(t)], targets}, attrs));
+    ASSERT_OK_AND_ASSIGN(
+        auto dlogits,
+        RunKernel("vocab_shard_logit_stats_backward",
+                  {dstats[0], shard_logits[static_cast<size_t>(t)], targets, summed}, attrs));
+    const std::vector<float> grad = ToVector(dlogits[0]);
+    std::vector<float> expected;
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t j = 0; j < kShard; ++j) {
+        expected.push_back(whole_grad[static_cast<size_t>(i * kVocab + t * kShard + j)]);
+      }
+    }
+    EXPECT_LT(ScaledMaxError(grad, expected), 1e-5) << "rank " << t;
+  }
 }
 
 Attrs Gpt2TestAttrs() {
@@ -409,6 +528,14 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "add_backward",
                                               "bias_add_forward",
                                               "bias_add_backward",
+                                              "vocab_shard_embedding_forward",
+                                              "vocab_shard_embedding_backward",
+                                              "position_add_forward",
+                                              "position_add_backward",
+                                              "vocab_shard_logit_stats",
+                                              "vocab_shard_logit_stats_backward",
+                                              "cross_entropy_from_stats",
+                                              "cross_entropy_from_stats_backward",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",

@@ -1,0 +1,213 @@
+#include "ops/cpu/tensor_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops/cpu/kernel_glue.h"
+#include "ops/cpu/parallel.h"
+#include "ops/standard_ops.h"
+
+namespace tessera {
+
+namespace {
+
+using cpu::detail::F;
+using cpu::detail::I;
+using cpu::detail::ParallelChunks;
+using cpu::detail::ParallelFor;
+using cpu::detail::Register;
+using cpu::detail::Tensors;
+
+constexpr int64_t kRowGrain = 16;
+constexpr int64_t kChannelBlock = 64;
+
+int64_t TensorRank(const Attrs& attrs) { return attrs.GetInt(kTensorRankAttr, 0); }
+
+Status CheckIds(const int32_t* ids, int64_t n, int64_t limit, const char* what) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= limit) {
+      return InvalidArgument("{} id {} at index {} is outside the vocabulary [0, {})", what,
+                             ids[i], i, limit);
+    }
+  }
+  return Status::Ok();
+}
+
+// The row of `id` in the shard of rank `rank` holding `rows` rows, or -1 when another rank's.
+int64_t ShardRow(int64_t id, int64_t rank, int64_t rows) {
+  const int64_t local = id - rank * rows;
+  return local >= 0 && local < rows ? local : -1;
+}
+
+Status VocabShardEmbeddingForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                  const Attrs& attrs) {
+  const int64_t rows = in[1].shape()[0], c = in[1].shape()[1], n = in[0].numel();
+  TESSERA_RETURN_IF_ERROR(CheckIds(I(in[0]), n, std::numeric_limits<int32_t>::max(), "token"));
+  const int64_t rank = TensorRank(attrs);
+  ParallelFor(n, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* y = F(out[0]) + i * c;
+      const int64_t row = ShardRow(I(in[0])[i], rank, rows);
+      if (row < 0) {
+        std::fill(y, y + c, 0.0f);
+      } else {
+        std::memcpy(y, F(in[1]) + row * c, static_cast<size_t>(c) * sizeof(float));
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+Status VocabShardEmbeddingBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                   const Attrs& attrs) {
+  const int64_t rows = in[2].shape()[0], c = in[2].shape()[1], n = in[1].numel();
+  const int64_t rank = TensorRank(attrs);
+  float* dwte = F(out[0]);
+  std::fill(dwte, dwte + out[0].numel(), 0.0f);
+  // Over channel blocks: a token repeated adds to the same row, so splitting rows would race;
+  // every row's sum runs in token order.
+  ParallelChunks(c, kChannelBlock, [&](int64_t, int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = ShardRow(I(in[1])[i], rank, rows);
+      if (row < 0) continue;
+      const float* g = F(in[0]) + i * c;
+      float* d = dwte + row * c;
+      for (int64_t j = c0; j < c1; ++j) d[j] += g[j];
+    }
+  });
+  return Status::Ok();
+}
+
+Status PositionAddForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                          const Attrs&) {
+  const int64_t seq = in[0].shape()[1], c = in[0].shape()[2], n = in[0].numel() / c;
+  ParallelFor(n, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* x = F(in[0]) + i * c;
+      const float* p = F(in[1]) + (i % seq) * c;
+      float* y = F(out[0]) + i * c;
+      for (int64_t j = 0; j < c; ++j) y[j] = x[j] + p[j];
+    }
+  });
+  return Status::Ok();
+}
+
+Status PositionAddBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                           const Attrs&) {
+  const int64_t batch = in[0].shape()[0], seq = in[0].shape()[1], c = in[0].shape()[2];
+  if (out[0].raw_data() != in[0].raw_data()) {
+    std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
+  }
+  float* dwpe = F(out[1]);
+  std::fill(dwpe, dwpe + out[1].numel(), 0.0f);
+  // Each position's row summed over the batch in batch order (embedding_backward's order).
+  ParallelFor(seq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float* d = dwpe + s * c;
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* g = F(in[0]) + (b * seq + s) * c;
+        for (int64_t j = 0; j < c; ++j) d[j] += g[j];
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+Status VocabShardLogitStats(const KernelContext&, const Tensors& in, const Tensors& out,
+                            const Attrs& attrs) {
+  const int64_t rows = in[0].shape()[0], shard = in[0].shape()[1];
+  const int64_t width = out[0].shape()[1], ranks = width - 1, rank = TensorRank(attrs);
+  TESSERA_RETURN_IF_ERROR(CheckIds(I(in[1]), rows, ranks * shard, "target"));
+  ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* l = F(in[0]) + r * shard;
+      float max_value = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < shard; ++j) max_value = std::max(max_value, l[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < shard; ++j) sum += std::exp(l[j] - max_value);
+      float* stats = F(out[0]) + r * width;
+      std::fill(stats, stats + width, 0.0f);
+      stats[rank] =
+          static_cast<float>(static_cast<double>(max_value) + std::log(static_cast<double>(sum)));
+      const int64_t target = ShardRow(I(in[1])[r], rank, shard);
+      if (target >= 0) stats[ranks] = l[target];
+    }
+  });
+  return Status::Ok();
+}
+
+Status VocabShardLogitStatsBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                    const Attrs& attrs) {
+  const int64_t rows = in[1].shape()[0], shard = in[1].shape()[1];
+  const int64_t width = in[0].shape()[1], ranks = width - 1, rank = TensorRank(attrs);
+  ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* l = F(in[1]) + r * shard;
+      const float* dstats = F(in[0]) + r * width;
+      const float lse = F(in[3])[r * width + rank];
+      float* d = F(out[0]) + r * shard;
+      for (int64_t j = 0; j < shard; ++j) d[j] = dstats[rank] * std::exp(l[j] - lse);
+      const int64_t target = ShardRow(I(in[2])[r], rank, shard);
+      if (target >= 0) d[target] += dstats[ranks];
+    }
+  });
+  return Status::Ok();
+}
+
+// Each row's log sum_t exp(stats[r, t]) over the T ranks' columns, in double.
+double RowLogSumExp(const float* stats, int64_t ranks) {
+  double max_value = -std::numeric_limits<double>::infinity();
+  for (int64_t t = 0; t < ranks; ++t) max_value = std::max(max_value, double{stats[t]});
+  double sum = 0.0;
+  for (int64_t t = 0; t < ranks; ++t) sum += std::exp(double{stats[t]} - max_value);
+  return max_value + std::log(sum);
+}
+
+Status CrossEntropyFromStats(const KernelContext&, const Tensors& in, const Tensors& out,
+                             const Attrs&) {
+  const int64_t rows = in[0].shape()[0], width = in[0].shape()[1];
+  double total = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* stats = F(in[0]) + r * width;
+    total += RowLogSumExp(stats, width - 1) - double{stats[width - 1]};
+  }
+  *F(out[0]) = rows == 0 ? 0.0f : static_cast<float>(total / static_cast<double>(rows));
+  return Status::Ok();
+}
+
+Status CrossEntropyFromStatsBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                     const Attrs&) {
+  const int64_t rows = in[1].shape()[0], width = in[1].shape()[1];
+  const double scale = rows == 0 ? 0.0 : double{*F(in[0])} / static_cast<double>(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* stats = F(in[1]) + r * width;
+    float* d = F(out[0]) + r * width;
+    const double lse = RowLogSumExp(stats, width - 1);
+    for (int64_t t = 0; t + 1 < width; ++t) {
+      d[t] = static_cast<float>(scale * std::exp(double{stats[t]} - lse));
+    }
+    d[width - 1] = static_cast<float>(-scale);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RegisterTensorParallelKernels(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "vocab_shard_embedding_forward", VocabShardEmbeddingForward));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "vocab_shard_embedding_backward", VocabShardEmbeddingBackward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "position_add_forward", PositionAddForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "position_add_backward", PositionAddBackward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "vocab_shard_logit_stats", VocabShardLogitStats));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "vocab_shard_logit_stats_backward", VocabShardLogitStatsBackward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "cross_entropy_from_stats", CrossEntropyFromStats));
+  return Register(r, "cross_entropy_from_stats_backward", CrossEntropyFromStatsBackward);
+}
+
+}  // namespace tessera
