@@ -268,7 +268,18 @@ Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
 //   h.<b>.mid   x + the attention's sum + proj_b, then ln2 (replicated)
 //   h.<b>.mlp   fc column-parallel, GELU, fcproj row-parallel without its bias: a partial sum
 //   h.<b>.out   the residual + the MLP's sum + fcproj_b, then the next block's ln1 (replicated)
-// The embedding runs h.0's ln1 too; the embedding and the tied classifier are replicated.
+//               (after the last block: the final norm, when the classifier is split)
+// When T divides the vocabulary (Megatron-LM's vocabulary parallelism; no rank holds the whole
+// vocabulary's logits):
+//   embedding   this rank's V/T rows of wte looked up, zeros for other ranks' tokens: a partial
+//               sum
+//   positions   the sum + wpe, then h.0's ln1 (replicated)
+//   head        the tied classifier over this rank's rows of wte: logits [R, V/T], reduced to
+//               statistics [R, T + 1] (vocab_shard_logit_stats): a partial sum; its input's
+//               gradient is one too
+//   loss        the cross-entropy from the summed statistics (replicated)
+// Otherwise the embedding (with h.0's ln1) and the head (final norm, tied classifier and
+// cross-entropy) are replicated.
 // Parameters keep the whole model's names (every layer's prefix is empty).
 Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
   if (config.heads % ranks != 0) {
@@ -299,17 +310,42 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
   ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
                                            /*label=*/true);
-  model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
-    const LayerValue wte = declare(l, embedding, "", "wte");
-    const LayerValue wpe = declare(l, embedding, "", "wpe");
-    const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
-    const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
-    const LayerValue x =
-        l.Call("embedding_forward", {l.input(0), wte, wpe},
-               Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
-    return std::vector<LayerValue>{x, l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
-  });
-  std::string residual = "embedding";  // the layer whose outputs are x and ln1(x)
+  // Megatron's vocabulary-parallel embedding and cross-entropy when the degree divides the
+  // vocabulary: each rank holds V/T rows of wte, looks up its tokens (a partial sum) and computes
+  // its V/T logits, of which only R (T + 1) statistics are summed; otherwise both replicated.
+  const bool vocab_parallel = config.vocab % ranks == 0;
+  std::string residual;  // the layer whose outputs are x and ln1(x)
+  if (vocab_parallel) {
+    model.Layer("embedding", {tokens}, [&](LayerBuilder& l) {
+      const LayerValue wte = declare(l, embedding, "", "wte", rows);
+      const LayerValue part =
+          l.Call("vocab_shard_embedding_forward", {l.input(0), wte}, {}, "embed");
+      l.PartialSum(part);
+      return part;
+    });
+    model.LayerWithOutputs(
+        "positions", {ModelBuilder::LayerOutput("embedding")}, [&](LayerBuilder& l) {
+          const LayerValue wpe = declare(l, embedding, "", "wpe");
+          const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
+          const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+          const LayerValue x = l.Call("position_add_forward", {l.input(0), wpe}, {}, "positions");
+          return std::vector<LayerValue>{x,
+                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+        });
+    residual = "positions";
+  } else {
+    model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
+      const LayerValue wte = declare(l, embedding, "", "wte");
+      const LayerValue wpe = declare(l, embedding, "", "wpe");
+      const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
+      const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+      const LayerValue x =
+          l.Call("embedding_forward", {l.input(0), wte, wpe},
+                 Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
+      return std::vector<LayerValue>{x, l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+    });
+    residual = "embedding";
+  }
   for (int64_t b = 0; b < config.layers; ++b) {
     const std::string h = block_prefix(b);
     model.Layer(h + "attn", {ModelBuilder::LayerOutput(residual, 1)}, [&](LayerBuilder& l) {
@@ -351,31 +387,58 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
         h + "out", {ModelBuilder::LayerOutput(h + "mid", 0), ModelBuilder::LayerOutput(h + "mlp")},
         [&](LayerBuilder& l) {
           const LayerValue fcproj_b = declare(l, block, h, "fcproj_b");
-          LayerValue ln1_w, ln1_b;
+          // The next block's ln1; after the last block, the final norm when the classifier is
+          // split (its input gradient is then a partial sum, which a norm's parameters must not
+          // see).
+          LayerValue norm_w, norm_b;
           if (!last) {
-            ln1_w = declare(l, block, block_prefix(b + 1), "ln1_w");
-            ln1_b = declare(l, block, block_prefix(b + 1), "ln1_b");
+            norm_w = declare(l, block, block_prefix(b + 1), "ln1_w");
+            norm_b = declare(l, block, block_prefix(b + 1), "ln1_b");
+          } else if (vocab_parallel) {
+            norm_w = declare(l, head, "", "lnf_w");
+            norm_b = declare(l, head, "", "lnf_b");
           }
           const LayerValue sum = l.Call("add_forward", {l.input(0), l.input(1)}, {}, "residual2");
           const LayerValue x = l.Call("bias_add_forward", {sum, fcproj_b}, {}, "fcproj_bias");
-          if (last) return std::vector<LayerValue>{x};
-          return std::vector<LayerValue>{x,
-                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+          if (last && !vocab_parallel) return std::vector<LayerValue>{x};
+          const LayerValue norm =
+              l.Call("layernorm_forward", {x, norm_w, norm_b}, {}, last ? "lnf" : "ln1");
+          if (last) return std::vector<LayerValue>{norm};
+          return std::vector<LayerValue>{x, norm};
         });
     residual = h + "out";
   }
-  model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
-    const LayerValue lnf_w = declare(l, head, "", "lnf_w");
-    const LayerValue lnf_b = declare(l, head, "", "lnf_b");
-    const LayerValue wte = l.SharedParam("embedding", "wte");
-    const LayerValue flat =
-        l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
-    const LayerValue lnf = l.Call("layernorm_forward", {flat, lnf_w, lnf_b}, {}, "lnf");
-    const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
-    const LayerValue flat_targets =
-        l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
-    return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
-  });
+  if (vocab_parallel) {
+    model.Layer("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
+      const LayerValue wte = l.SharedParam("embedding", "wte");
+      l.PartialGradient(0);
+      const LayerValue flat =
+          l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
+      const LayerValue logits = l.Call("linear_no_bias_forward", {flat, wte}, {}, "classifier");
+      const LayerValue flat_targets = l.Call(
+          "reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
+      const LayerValue stats = l.Call("vocab_shard_logit_stats", {logits, flat_targets},
+                                      Attrs{{"ranks", int64_t{ranks}}}, "logit_stats");
+      l.PartialSum(stats);
+      return stats;
+    });
+    model.Loss("loss", {ModelBuilder::LayerOutput("head")}, [&](LayerBuilder& l) {
+      return l.Call("cross_entropy_from_stats", {l.input(0)}, {}, "cross_entropy");
+    });
+  } else {
+    model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
+      const LayerValue lnf_w = declare(l, head, "", "lnf_w");
+      const LayerValue lnf_b = declare(l, head, "", "lnf_b");
+      const LayerValue wte = l.SharedParam("embedding", "wte");
+      const LayerValue flat =
+          l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
+      const LayerValue lnf = l.Call("layernorm_forward", {flat, lnf_w, lnf_b}, {}, "lnf");
+      const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
+      const LayerValue flat_targets = l.Call(
+          "reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
+      return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+    });
+  }
   TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
   DescribeCommon(config, split);
   for (LayerSpec& layer : split.layers) layer.param_prefix = "";

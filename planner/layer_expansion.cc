@@ -134,8 +134,12 @@ class Expansion {
 
   // The layer's attributes; the loss layer's carry grad_scale (1 / (ranks x micro-batches): the
   // loss is a mean over every rank's micro-batches).
-  Attrs AttrsOf(size_t l) const {
+  Attrs AttrsOf(const MicroBatch& mb, size_t l) const {
     Attrs attrs = layer_attrs_[l];
+    // A split layer's tasks carry their tensor rank, which the layer program hands to its ops.
+    if (s_.tensor_parallel > 1 && s_.model.layers[l].tensor_parallel) {
+      attrs.Set(kTensorRankAttr, int64_t{s_.TensorRank(mb.r)});
+    }
     const int splits = s_.num_data_ranks * s_.num_micro_batches;
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
@@ -187,7 +191,7 @@ class Expansion {
     TESSERA_ASSIGN_OR_RETURN(
         mb.outputs[l],
         s_.builder.AddTask(
-            TaskName(mb, l, "forward"), layer.forward_op, mb.args[l], AttrsOf(l),
+            TaskName(mb, l, "forward"), layer.forward_op, mb.args[l], AttrsOf(mb, l),
             s_.On(mb.r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
     const TaskId forward = s_.ProducerOf(mb.outputs[l][0]);
     Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = forward;
@@ -318,7 +322,7 @@ class Expansion {
     } else {
       TESSERA_ASSIGN_OR_RETURN(
           grads, s_.builder.AddTask(TaskName(mb, l, "backward"), layer.backward_op,
-                                    std::move(reads.whole), AttrsOf(l),
+                                    std::move(reads.whole), AttrsOf(mb, l),
                                     s_.On(mb.r, layer.name, kBackwardPriority,
                                           std::move(outputs.names), std::move(outputs.roles))));
       if (!grads.empty()) {
@@ -434,7 +438,7 @@ class Expansion {
     TESSERA_ASSIGN_OR_RETURN(
         std::vector<ObjectId> outputs,
         s_.builder.AddTask(TaskName(mb, l, "recompute"), layer.forward_op, std::move(args),
-                           AttrsOf(l), s_.On(mb.r, layer.name, kBackwardPriority)));
+                           AttrsOf(mb, l), s_.On(mb.r, layer.name, kBackwardPriority)));
     const TaskId recompute = s_.ProducerOf(outputs[0]);
     Rank(mb).recompute_task[l][static_cast<size_t>(mb.k)] = recompute;
     const Graph& graph = s_.builder.graph();
@@ -490,14 +494,14 @@ class Expansion {
     half_roles[0].push_back(ObjectRole::kActivation);
     TESSERA_ASSIGN_OR_RETURN(
         auto b, s_.builder.AddTask(TaskName(mb, l, "backward_input"), layer.backward_input_op,
-                                   std::move(reads.input_half), AttrsOf(l),
+                                   std::move(reads.input_half), AttrsOf(mb, l),
                                    s_.On(mb.r, layer.name, kBackwardPriority,
                                          std::move(half_names[0]), std::move(half_roles[0]))));
     reads.weight_half.insert(reads.weight_half.begin(), b.back());
     const size_t param_grads = half_names[1].size();
     TESSERA_ASSIGN_OR_RETURN(
         auto w, s_.builder.AddTask(TaskName(mb, l, "backward_weight"), layer.backward_weight_op,
-                                   std::move(reads.weight_half), AttrsOf(l),
+                                   std::move(reads.weight_half), AttrsOf(mb, l),
                                    s_.On(mb.r, layer.name, kBackwardPriority,
                                          std::move(half_names[1]), std::move(half_roles[1]))));
     if (b.size() != input_grads + 1 || w.size() != param_grads) {

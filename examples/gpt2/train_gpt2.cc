@@ -370,6 +370,17 @@ Result<std::unique_ptr<Trainer>> MakeTrainer(const Flags& flags, const ResolvedS
           examples::DescribeTensorParallel(trainer->step_graph(), trainer->planned_model());
       !tensor.empty()) {
     std::fprintf(stderr, "%s: %s\n", kProgram, tensor.c_str());
+    const int64_t ranks = trainer->plan().parallel.tensor_parallel;
+    const int64_t vocab = shape.config.vocab;
+    const int64_t splitting = (vocab + ranks - 1) / ranks * ranks;
+    if (vocab % ranks != 0) {
+      std::fprintf(stderr,
+                   "%s: the vocabulary (%lld) is not a multiple of %lld tensor ranks, so the "
+                   "embedding and classifier are replicated on every rank; --vocab %lld would "
+                   "split them\n",
+                   kProgram, static_cast<long long>(vocab), static_cast<long long>(ranks),
+                   static_cast<long long>(splitting));
+    }
   }
   if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
     std::fprintf(stderr, "%s: gradient buckets %s\n", kProgram, buckets.c_str());

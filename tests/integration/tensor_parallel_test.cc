@@ -4,8 +4,9 @@
 // gradient norm within 1e-4, and after the first step every parameter's gradient within 1e-6
 // (the norm of the difference against the gradient's norm). The split model's slices cover each
 // parameter of the whole model once; the activations' all-reduces are collectives of the step graph
-// (two forward, two backward per block); a checkpoint written at TP 2 x DP 2 resumes at TP 4 and at
-// TP 1 with the same next loss; bad degrees are refused naming the fix.
+// (two forward, two backward per block; the vocabulary-parallel embedding and cross-entropy's,
+// with no rank holding the whole vocabulary's logits); a checkpoint written at TP 2 x DP 2 resumes
+// at TP 4 and at TP 1 with the same next loss; bad degrees are refused naming the fix.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "model/gpt2.h"
+#include "ops/layer_program.h"
 #include "ops/standard_ops.h"
 #include "plan_equivalence.h"
 #include "planner/memory_model.h"
@@ -177,8 +179,8 @@ TEST(TensorParallelSplitTest, EveryParameterIsSlicedOnce) {
   for (int ranks : {2, 4}) {
     ASSERT_OK_AND_ASSIGN(ModelSpec split, whole.SplitForTensorParallel(ranks));
     EXPECT_EQ(split.tensor_parallel, ranks);
-    // Four layers a block, the embedding and the head.
-    ASSERT_EQ(split.layers.size(), static_cast<size_t>(4 * kTiny.layers + 2));
+    // Four layers a block; the embedding and positions; the head and the loss.
+    ASSERT_EQ(split.layers.size(), static_cast<size_t>(4 * kTiny.layers + 4));
     int64_t held = 0, partial_outputs = 0, partial_gradients = 0;
     for (const LayerSpec& layer : split.layers) {
       ASSERT_TRUE(layer.tensor_parallel.has_value()) << layer.name;
@@ -194,10 +196,50 @@ TEST(TensorParallelSplitTest, EveryParameterIsSlicedOnce) {
       }
     }
     EXPECT_EQ(held, whole.NumParameters()) << ranks << " ranks";
-    // Megatron's two all-reduces forward and two backward per block.
-    EXPECT_EQ(partial_outputs, 2 * kTiny.layers);
-    EXPECT_EQ(partial_gradients, 2 * kTiny.layers);
+    // Megatron's two all-reduces forward and two backward per block; the vocabulary-parallel
+    // embedding's sum, the head's statistics and its input's gradient.
+    EXPECT_EQ(partial_outputs, 2 * kTiny.layers + 2);
+    EXPECT_EQ(partial_gradients, 2 * kTiny.layers + 1);
   }
+}
+
+// The logits of the whole vocabulary are on no rank: the split head's values are at most
+// [B S, V / T] (the whole model's head holds [B S, V]).
+TEST(TensorParallelSplitTest, NoRankHoldsTheWholeVocabularysLogits) {
+  OpRegistry registry;
+  ASSERT_OK(RegisterStandardOps(registry));
+  const std::vector<TensorMeta> inputs = {
+      TensorMeta{Shape{kBatch, kSeqLen, kTiny.channels}, DType::kF32, Device::Cpu()},
+      TensorMeta{Shape{kBatch, kSeqLen}, DType::kI32, Device::Cpu()}};
+  // The largest value of the layer `name`'s program.
+  const auto largest = [&](const ModelSpec& model, const std::string& name) -> Result<int64_t> {
+    for (const LayerSpec& layer : model.layers) {
+      if (layer.name != name) continue;
+      TESSERA_ASSIGN_OR_RETURN(std::string text, layer.attrs.GetString(kProgramAttr));
+      TESSERA_ASSIGN_OR_RETURN(LayerProgram program, LayerProgram::Decode(text));
+      TESSERA_ASSIGN_OR_RETURN(ProgramShapes shapes, InferProgram(registry, program, inputs));
+      int64_t most = 0;
+      for (const TensorMeta& value : shapes.values) most = std::max(most, value.numel());
+      return most;
+    }
+    return NotFound("no layer '{}'", name);
+  };
+  const int64_t rows = kBatch * kSeqLen;
+  ASSERT_OK_AND_ASSIGN(int64_t whole, largest(Model(), "head"));
+  EXPECT_EQ(whole, rows * kTiny.vocab);
+  for (int ranks : {2, 4}) {
+    ASSERT_OK_AND_ASSIGN(ModelSpec split, Model().SplitForTensorParallel(ranks));
+    ASSERT_OK_AND_ASSIGN(int64_t part, largest(split, "head"));
+    EXPECT_EQ(part, rows * kTiny.vocab / ranks) << "TP " << ranks;
+  }
+  // A degree that does not divide the vocabulary keeps the embedding and the head replicated.
+  Gpt2Config odd = kTiny;
+  odd.vocab = 257;
+  ASSERT_OK_AND_ASSIGN(ModelSpec odd_whole, BuildGpt2(odd, Gpt2LayerImpl::kPrimitive));
+  ASSERT_OK_AND_ASSIGN(ModelSpec odd_split, odd_whole.SplitForTensorParallel(2));
+  EXPECT_EQ(odd_split.layers.size(), static_cast<size_t>(4 * kTiny.layers + 2));
+  ASSERT_OK_AND_ASSIGN(int64_t replicated, largest(odd_split, "head"));
+  EXPECT_EQ(replicated, rows * odd.vocab);
 }
 
 TEST(TensorParallelSplitTest, BadDegreesAreRefusedWithTheFix) {
@@ -251,6 +293,26 @@ TEST_F(TensorParallelTest, TwoTensorByTwoDataRanksUnderZero3WithMicroBatches) {
 
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightWorkers) { ExpectSameRun(Plan(2, 2, 2, 1)); }
 
+// A vocabulary the degree does not divide (257 over 2 ranks): the embedding and the head stay
+// replicated, and the run is the one worker's.
+TEST_F(TensorParallelTest, AVocabularyTheDegreeDoesNotDivideTrainsReplicated) {
+  Gpt2Config odd = kTiny;
+  odd.vocab = 257;
+  const auto run = [&](const TrainingPlan& plan,
+                       std::unique_ptr<GraphBackend> backend) -> Result<testing::TrainingRun> {
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildGpt2(odd, Gpt2LayerImpl::kPrimitive));
+    TESSERA_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(model, plan, std::move(backend)));
+    return testing::RecordRun(
+        *trainer, 7, 5, [](Trainer& t, int step) { return t.Step(Batch(step), 3e-3f); },
+        "h.1.qkv_w");
+  };
+  ASSERT_OK_AND_ASSIGN(auto local, MakeInProcessBackend(ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(testing::TrainingRun reference, run(Plan(1, 1, 1, 0), std::move(local)));
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+  ASSERT_OK_AND_ASSIGN(testing::TrainingRun split, run(Plan(1, 2, 1, 0), std::move(backend)));
+  testing::ExpectSameRun(split, reference, "TP 2, vocabulary 257");
+}
+
 TEST_F(TensorParallelTest, TheStepGraphHoldsTheActivationsAllReduces) {
   ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(Plan(1, 2, 1, 0)));
   int64_t forward = 0, backward = 0;
@@ -258,9 +320,10 @@ TEST_F(TensorParallelTest, TheStepGraphHoldsTheActivationsAllReduces) {
     if (task.op != "all_reduce" || task.name.find("/tp_sum") == std::string::npos) continue;
     ++(task.name.find("tp_sum_dx") != std::string::npos ? backward : forward);
   }
-  // Per tensor rank: two forward and two backward per block.
-  EXPECT_EQ(forward, int64_t{2} * 2 * kTiny.layers);
-  EXPECT_EQ(backward, int64_t{2} * 2 * kTiny.layers);
+  // Per tensor rank: two forward and two backward per block; the embedding's and the head's
+  // statistics forward, the head's input gradient backward.
+  EXPECT_EQ(forward, int64_t{2} * (2 * kTiny.layers + 2));
+  EXPECT_EQ(backward, int64_t{2} * (2 * kTiny.layers + 1));
 }
 
 // What one member of an all-reduce of `bytes` over `members` sends: the host communicator's
@@ -271,8 +334,11 @@ double AllReduceBytesSent(double bytes, int members) {
 }
 
 // The bytes each worker's collectives send in a step, against Megatron's count: per block two
-// all-reduces of the activations [B, S, h] forward and two of their gradients backward, and the
-// gradient norm's scalar; and each rank's parameters and activations against the formulas.
+// all-reduces of the activations [B, S, h] forward and two of their gradients backward; the
+// vocabulary-parallel embedding's [B, S, h] forward and the head's input gradient backward; the
+// cross-entropy's statistics [B S, T + 1] (Megatron's three all-reduces of [B S]: max, sum, target
+// logit); and the gradient norm's scalar. Each rank's parameters and activations against the
+// formulas.
 TEST_F(TensorParallelTest, BytesAndMemoryPerRankAreTheFormulas) {
   for (int ranks : {2, 4}) {
     ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(Plan(1, ranks, 1, 0)));
@@ -280,14 +346,15 @@ TEST_F(TensorParallelTest, BytesAndMemoryPerRankAreTheFormulas) {
     ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
     ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
     const double activation = 4.0 * kBatch * kSeqLen * kTiny.channels;
-    const double expected_sent =
-        4.0 * kTiny.layers * AllReduceBytesSent(activation, ranks) + AllReduceBytesSent(4, ranks);
-    // Parameters: the replicated ones whole, the split ones a 1/T slice.
+    const double stats = 4.0 * kBatch * kSeqLen * (ranks + 1);
+    const double expected_sent = (4.0 * kTiny.layers + 2) * AllReduceBytesSent(activation, ranks) +
+                                 AllReduceBytesSent(stats, ranks) + AllReduceBytesSent(4, ranks);
+    // Parameters: the replicated ones whole, the split ones (and wte's rows) a 1/T slice.
     const int64_t c = kTiny.channels;
     const int64_t replicated =
-        kTiny.vocab * c + kTiny.max_seq_len * c + 2 * c + kTiny.layers * (2 * c + 2 * c + c + c);
-    const int64_t split =
-        kTiny.layers * (3 * c * c + 3 * c + c * c + 4 * c * c + 4 * c + 4 * c * c);
+        kTiny.max_seq_len * c + 2 * c + kTiny.layers * (2 * c + 2 * c + c + c);
+    const int64_t split = kTiny.vocab * c + kTiny.layers * (3 * c * c + 3 * c + c * c + 4 * c * c +
+                                                            4 * c + 4 * c * c);
     ASSERT_EQ(replicated + split, kTiny.NumParameters());
     const double expected_params =
         4.0 * (static_cast<double>(replicated) + static_cast<double>(split) / ranks);

@@ -443,7 +443,8 @@ TEST(TrainGpt2Test, APipelineOfTwoStagesTrainsLikeOneProcess) {
 
 // Tensor parallelism from the command line: TP 2 x DP 2 on four workers (the primitive layers by
 // default) trains the run of one process with the same layers, prints each split layer's
-// placement; bad combinations are explained.
+// placement (the vocabulary-parallel embedding among them, or why it is replicated); bad
+// combinations are explained.
 TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
   ProcessResult alone =
       RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
@@ -462,6 +463,16 @@ TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
       << split.output;
   EXPECT_NE(split.output.find("h.0.attn: h.0.qkv_w rows split in 3 blocks"), std::string::npos)
       << split.output;
+  // The byte vocabulary (256) splits over 2 ranks; 301 does not, and the driver says so.
+  EXPECT_NE(split.output.find("embedding: wte rows split; output 0 all-reduced"), std::string::npos)
+      << split.output;
+  ProcessResult odd = RunTrainGpt2(
+      "--steps 1 --log-every 1 --threads 1 --batch 8 --workers 2 --tensor-parallel 2 --vocab 301");
+  ASSERT_EQ(odd.exit_code, 0) << odd.output;
+  EXPECT_NE(odd.output.find("the vocabulary (301) is not a multiple of 2 tensor ranks, so the "
+                            "embedding and classifier are replicated on every rank; --vocab 302"),
+            std::string::npos)
+      << odd.output;
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"--workers 3 --tensor-parallel 2", "--tensor-parallel 2 needs --workers a multiple of 2"},
       {"--tensor-parallel 2",
