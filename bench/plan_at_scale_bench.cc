@@ -164,11 +164,10 @@ int Main(int argc, char** argv) {
         choice.micro_batches = static_cast<int>(
             row.global_batch / (static_cast<int64_t>(row.data_parallel) * row.micro_batch_size));
         choice.zero_stage = row.zero_stage;
-        // Megatron-LM splits the embedding and the head by vocabulary.
-        ScaleTraining as_published = training;
-        as_published.vocab_parallel = row.tensor_parallel > 1;
+        // Megatron-LM splits the embedding and the head by vocabulary, as the runtime does
+        // (ScaleTraining::vocab_parallel, the default).
         const Result<ScalePlan> plan = EvaluateScalePlan(
-            cluster, shape, as_published, choice, row.micro_batch_size, RankLayout::kStagesInNode);
+            cluster, shape, training, choice, row.micro_batch_size, RankLayout::kStagesInNode);
         same[k] = plan.ok() ? fmt::format("{:.1f}", plan->megatron_tflops) : "does not fit";
       }
       if (row.gpus <= cluster.gpus()) {

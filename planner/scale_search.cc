@@ -178,8 +178,10 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   // Parameters per tensor rank.
   const double layer_params = static_cast<double>(shape_.LayerSplitParameters()) / t +
                               static_cast<double>(shape_.LayerReplicatedParameters());
-  // The embedding and the classifier: split by vocabulary over the tensor ranks, or whole.
-  const double vocab_share = training_.vocab_parallel ? 1.0 / t : 1.0;
+  // The embedding and the classifier: split by vocabulary over the tensor ranks where T divides
+  // the vocabulary (as model/gpt2.cc splits GPT-2), or whole.
+  const bool split_vocab = training_.vocab_parallel && t > 1 && shape_.vocab % t == 0;
+  const double vocab_share = split_vocab ? 1.0 / t : 1.0;
   const double embedding_params = static_cast<double>(shape_.EmbeddingParameters()) * vocab_share;
   // The last stage's classifier: its own, or (tied, P > 1) a copy of the embedding, as
   // Megatron-LM keeps it; with one stage the tied weights are the embedding's.
@@ -193,7 +195,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   // Split by vocabulary, the embedding's lookups are summed over the tensor ranks, and so is
   // the gradient entering the last layer from the classifier (the cross-entropy's own
   // all-reduces are of a few numbers per row).
-  const double vocab_all_reduce = training_.vocab_parallel ? activation_all_reduce : 0;
+  const double vocab_all_reduce = split_vocab ? activation_all_reduce : 0;
   const double head_forward = ComputeMs(shape_.HeadForwardFlops() * b * vocab_share,
                                         2 * kLogitBytes * s * vocab * b * vocab_share);
   const double head_backward = ComputeMs(2 * shape_.HeadForwardFlops() * b * vocab_share,

@@ -52,8 +52,8 @@
 //             linears), its parameters but the replicated ones, and its activations as
 //             Korthikanti et al. count them; each layer adds two all-reduces of the activations
 //             forward and two backward on the tensor ranks' link, waited for (they sit between
-//             a layer's ops); the embedding and classifier are whole on every rank, or split by
-//             vocabulary (ScaleTraining::vocab_parallel).
+//             a layer's ops); the embedding and classifier are split by vocabulary where T
+//             divides it, else whole on every rank (ScaleTraining::vocab_parallel).
 // Not modelled: sequence parallelism (not in the runtime yet), kernel fusion beyond flash
 // attention, network contention between collectives, stragglers.
 //
@@ -148,9 +148,10 @@ struct ScaleTraining {
   // between it (a runtime that waits for each gather and reduction).
   bool overlap_communication = true;
   // Under tensor parallelism, whether the embedding and the classifier split over the tensor
-  // ranks by vocabulary (Megatron-LM's vocabulary-parallel embedding and cross-entropy) or run
-  // whole on every rank (Tessera's runtime today: planner/ and model/gpt2.cc replicate them).
-  bool vocab_parallel = false;
+  // ranks by vocabulary where T divides the vocabulary (Megatron-LM's vocabulary-parallel
+  // embedding and cross-entropy; Tessera's runtime's rule, model/gpt2.cc) or run whole on every
+  // rank (false, and where T does not divide it).
+  bool vocab_parallel = true;
 };
 
 enum class RankLayout : uint8_t {
