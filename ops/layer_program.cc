@@ -299,10 +299,12 @@ std::string OpLabel(const ProgramOp& op) {
 Result<LayerProgram> ProgramOf(const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(std::string text, attrs.GetString(kProgramAttr));
   TESSERA_ASSIGN_OR_RETURN(LayerProgram program, LayerProgram::Decode(text));
-  // A split layer's tensor rank goes to every op (the vocabulary-parallel ones read it).
-  if (attrs.Has(kTensorRankAttr)) {
-    TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(kTensorRankAttr));
-    for (ProgramOp& op : program.ops) op.attrs.Set(kTensorRankAttr, rank);
+  // A split layer's tensor rank and a sequence-parallel rank go to every op (the
+  // vocabulary-parallel ones and position_add read them).
+  for (const char* name : {kTensorRankAttr, kSequenceRankAttr}) {
+    if (!attrs.Has(name)) continue;
+    TESSERA_ASSIGN_OR_RETURN(int64_t rank, attrs.GetInt(name));
+    for (ProgramOp& op : program.ops) op.attrs.Set(name, rank);
   }
   return program;
 }

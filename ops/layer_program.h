@@ -20,8 +20,9 @@
 //                            group, zero outside the slots this layer reads (the planner sums
 //                            it with the owner's own part: planner/layer_expansion.cc)
 //
-// A task's attribute tensor_rank (kTensorRankAttr: a tensor-parallel layer's rank, set by the
-// planner) is handed to every op of the program, forward and backward.
+// A task's attributes tensor_rank and sequence_rank (kTensorRankAttr, kSequenceRankAttr: a
+// tensor-parallel layer's rank, a sequence-parallel plan's; set by the planner) are handed to
+// every op of the program, forward and backward.
 //
 // The backward walks the ops in reverse. Each op with a gradient rule whose outputs have a
 // gradient runs its backward op; the results are summed per value. Ops on values no gradient

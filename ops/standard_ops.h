@@ -33,6 +33,8 @@
 //   position_add_forward/backward              x + wpe[positions]
 //   vocab_shard_logit_stats(_backward)         a rank's logits [R, V/T] as [R, T+1] statistics
 //   cross_entropy_from_stats(_backward)        the loss from the statistics summed over ranks
+//   heads_to_chunks, chunks_to_heads,          sequence parallelism (Ulysses): the all-to-all's
+//   chunks_to_sequence, sequence_to_chunks     blocks between a sequence split and a head split
 // Volume ops on NCDHW tensors (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
 // group_norm, relu, silu, concat, voxel_cross_entropy, dice_score): ops/volume_ops.h.
 //
@@ -68,6 +70,10 @@ inline constexpr const char* kRebuildAttr = "rebuild";
 // A split layer's tensor rank (0 .. T-1): set by the planner on the tasks of a tensor-parallel
 // layer; a layer program hands it to each of its ops (the vocabulary-parallel ops read it).
 inline constexpr const char* kTensorRankAttr = "tensor_rank";
+// A sequence-parallel rank (0 .. P-1, DeepSpeed-Ulysses): set by the planner on every layer task
+// of a sequence-parallel plan and handed on likewise (position_add reads it: its positions start
+// at sequence_rank x its sequence length).
+inline constexpr const char* kSequenceRankAttr = "sequence_rank";
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

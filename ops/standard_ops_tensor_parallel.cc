@@ -13,7 +13,21 @@
 //
 // The ops read the rank from attribute tensor_rank (kTensorRankAttr), which the planner sets on
 // a split layer's tasks and the layer program hands to each of its ops; absent, 0.
+//
+// Sequence parallelism (DeepSpeed-Ulysses): P sequence ranks each hold S/P positions of every
+// row. Around attention an all-to-all turns the sequence split into a head split and back; these
+// ops lay the activations out as the all-to-all's P contiguous blocks, block j going to rank j:
+//   heads_to_chunks     [B, S/P, G H d] -> [P, B, S/P, G Hp d]: block j holds head group j
+//                       (heads [j Hp, (j + 1) Hp), Hp = ceil(H / P); the heads past H are zero, so
+//                       a head count P does not divide runs as padded heads, not refused)
+//   chunks_to_sequence  [P, B, S/P, F] -> [B, S, F]: the received blocks in sequence order
+//   sequence_to_chunks  [B, S, F] -> [P, B, S/P, F]: its adjoint
+//   chunks_to_heads     [P, B, S/P, G Hp d] -> [B, S/P, G H d]: heads_to_chunks' adjoint
+// (G = 3 for the fused Q, K, V.) position_add_forward reads attribute sequence_rank
+// (kSequenceRankAttr): its x holds positions [sequence_rank S, (sequence_rank + 1) S).
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "ops/op_def_util.h"
 #include "ops/standard_ops.h"
@@ -38,17 +52,24 @@ Status CheckMatrix(const char* name, const TensorMeta& meta, const char* dims) {
   return Status::Ok();
 }
 
-// x (or its gradient) [B, S, C] f32 and wpe [>= S, C].
-Status CheckPositions(const char* name, const TensorMeta& x, const TensorMeta& wpe) {
+// x (or its gradient) [B, S, C] f32 and wpe [>= (sequence_rank + 1) S, C].
+Status CheckPositions(const char* name, const TensorMeta& x, const TensorMeta& wpe,
+                      const Attrs& attrs) {
+  const int64_t shard = attrs.GetInt(kSequenceRankAttr, 0);
+  if (shard < 0) {
+    return InvalidArgument("attribute '{}' is {}; must be >= 0", kSequenceRankAttr, shard);
+  }
   TESSERA_RETURN_IF_ERROR(CheckDType(name, x, DType::kF32));
   if (x.shape.rank() != 3) {
     return InvalidArgument("input '{}' has shape {} but must be [B, S, C]", name,
                            x.shape.ToString());
   }
   TESSERA_RETURN_IF_ERROR(CheckMatrix("wpe", wpe, "[max_seq_len, C]"));
-  if (wpe.shape[0] < x.shape[1] || wpe.shape[1] != x.shape[2]) {
-    return InvalidArgument("input 'wpe' has shape {} but must be [>= {}, {}] for {} {}",
-                           wpe.shape.ToString(), x.shape[1], x.shape[2], name, x.shape.ToString());
+  if (wpe.shape[0] < (shard + 1) * x.shape[1] || wpe.shape[1] != x.shape[2]) {
+    return InvalidArgument("input 'wpe' has shape {} but must be [>= {}, {}] for {} {}{}",
+                           wpe.shape.ToString(), (shard + 1) * x.shape[1], x.shape[2], name,
+                           x.shape.ToString(),
+                           shard > 0 ? fmt::format(" at sequence rank {}", shard) : "");
   }
   return Status::Ok();
 }
@@ -100,28 +121,137 @@ Status AddVocabShardEmbeddingOps(OpRegistry& r) {
 }
 
 Status AddPositionAddOps(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(r.AddOp(
-      OpDef{.name = "position_add_forward",
-            .doc = "out[b,s] = x[b,s] + wpe[s]: the position embedding added to a token embedding",
-            .input_names = {"x", "wpe"},
-            .output_names = {"out"},
-            .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-              TESSERA_RETURN_IF_ERROR(CheckPositions("x", in[0], in[1]));
-              return Metas{in[0]};
-            },
-            .cost = ElementwiseCost(1),
-            .gradient = Rule("position_add_backward", {OutGrad(0), In(1)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "position_add_forward",
+      .doc = "out[b,s] = x[b,s] + wpe[s + sequence_rank S]: the position embedding added to a "
+             "token embedding (attribute sequence_rank, default 0: the sequence shard x holds)",
+      .input_names = {"x", "wpe"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckPositions("x", in[0], in[1], attrs));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(1),
+      .gradient = Rule("position_add_backward", {OutGrad(0), In(1)}, {0, 1})}));
   return r.AddOp(OpDef{
       .name = "position_add_backward",
-      .doc = "dx = dout; dwpe[s] = sum over the batch of dout[b,s] (0 past the sequence)",
+      .doc = "dx = dout; dwpe[s + sequence_rank S] = sum over the batch of dout[b,s] (0 "
+             "elsewhere)",
       .input_names = {"dout", "wpe"},
       .output_names = {"dx", "dwpe"},
-      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-        TESSERA_RETURN_IF_ERROR(CheckPositions("dout", in[0], in[1]));
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckPositions("dout", in[0], in[1], attrs));
         return Metas{in[0], in[1]};
       },
       .cost = ElementwiseCost(1),
   });
+}
+
+// Attributes heads (H), ranks (P) and groups (G, default 1), and Hp = ceil(H / P).
+struct HeadChunks {
+  int64_t heads, ranks, groups, heads_per_rank;
+};
+
+Result<HeadChunks> HeadChunksOf(const Attrs& attrs) {
+  HeadChunks c{};
+  TESSERA_ASSIGN_OR_RETURN(c.heads, PositiveAttr(attrs, "heads"));
+  TESSERA_ASSIGN_OR_RETURN(c.ranks, PositiveAttr(attrs, "ranks"));
+  c.groups = attrs.GetInt("groups", 1);
+  if (c.groups < 1) return InvalidArgument("attribute 'groups' is {}; must be >= 1", c.groups);
+  c.heads_per_rank = (c.heads + c.ranks - 1) / c.ranks;
+  return c;
+}
+
+// The head size d of `x` [..., per_row], per_row = groups x heads x d.
+Result<int64_t> HeadSize(const char* name, const TensorMeta& x, int64_t groups, int64_t heads) {
+  TESSERA_RETURN_IF_ERROR(CheckDType(name, x, DType::kF32));
+  const int64_t per_row = x.shape.rank() == 0 ? 0 : x.shape[-1];
+  if (per_row == 0 || per_row % (groups * heads) != 0) {
+    return InvalidArgument(
+        "input '{}' has shape {} but its last dimension must be groups x heads x d = {} x {} x d",
+        name, x.shape.ToString(), groups, heads);
+  }
+  return per_row / (groups * heads);
+}
+
+Status AddSequenceParallelOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "heads_to_chunks",
+      .doc = "x [B, S, G H d] as P blocks [P, B, S, G Hp d], block j the heads [j Hp, (j+1) Hp) "
+             "(Hp = ceil(H / P); heads past H zero): what an all-to-all sends from a sequence "
+             "rank to the head ranks (attributes heads, ranks, groups)",
+      .input_names = {"x"},
+      .output_names = {"chunks"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("x", in[0], 2));
+        TESSERA_ASSIGN_OR_RETURN(int64_t d, HeadSize("x", in[0], c.groups, c.heads));
+        std::vector<int64_t> dims = {c.ranks};
+        for (int i = 0; i + 1 < in[0].shape.rank(); ++i) dims.push_back(in[0].shape[i]);
+        dims.push_back(c.groups * c.heads_per_rank * d);
+        return Metas{F32(Shape(dims))};
+      },
+      .cost = ElementwiseCost(0),
+      .gradient = Rule("chunks_to_heads", {OutGrad(0)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "chunks_to_heads",
+      .doc = "the adjoint of heads_to_chunks: [P, B, S, G Hp d] -> [B, S, G H d], the padded "
+             "heads dropped",
+      .input_names = {"chunks"},
+      .output_names = {"x"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", in[0], 3));
+        if (in[0].shape[0] != c.ranks) {
+          return InvalidArgument("input 'chunks' has shape {} but must have {} blocks (ranks)",
+                                 in[0].shape.ToString(), c.ranks);
+        }
+        TESSERA_ASSIGN_OR_RETURN(int64_t d, HeadSize("chunks", in[0], c.groups, c.heads_per_rank));
+        std::vector<int64_t> dims(in[0].shape.dims().begin() + 1, in[0].shape.dims().end());
+        dims.back() = c.groups * c.heads * d;
+        return Metas{F32(Shape(dims))};
+      },
+      .cost = ElementwiseCost(0),
+      .gradient = Rule("heads_to_chunks", {OutGrad(0)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "chunks_to_sequence",
+            .doc = "[P, B, S, F] -> [B, P S, F] (attribute ranks: P): block j holds positions "
+                   "[j S, (j+1) S)",
+            .input_names = {"chunks"},
+            .output_names = {"x"},
+            .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+              TESSERA_ASSIGN_OR_RETURN(int64_t ranks, PositiveAttr(attrs, "ranks"));
+              TESSERA_RETURN_IF_ERROR(CheckDType("chunks", in[0], DType::kF32));
+              if (in[0].shape.rank() != 4 || in[0].shape[0] != ranks) {
+                return InvalidArgument(
+                    "input 'chunks' has shape {} but must be [P, B, S, F] with P = {} (ranks)",
+                    in[0].shape.ToString(), ranks);
+              }
+              const Shape& c = in[0].shape;
+              return Metas{F32({c[1], c[0] * c[2], c[3]})};
+            },
+            .cost = ElementwiseCost(0),
+            .gradient = Rule("sequence_to_chunks", {OutGrad(0)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "sequence_to_chunks",
+      .doc = "[B, S, F] -> [P, B, S / P, F] (attribute ranks: P): block j the positions [j S/P, "
+             "(j+1) S/P)",
+      .input_names = {"x"},
+      .output_names = {"chunks"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(int64_t ranks, PositiveAttr(attrs, "ranks"));
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        if (in[0].shape.rank() != 3 || in[0].shape[1] % ranks != 0) {
+          return InvalidArgument(
+              "input 'x' has shape {} but must be [B, S, F] with S a multiple of {} (ranks)",
+              in[0].shape.ToString(), ranks);
+        }
+        const Shape& x = in[0].shape;
+        return Metas{F32({ranks, x[0], x[1] / ranks, x[2]})};
+      },
+      .cost = ElementwiseCost(0),
+      .gradient = Rule("chunks_to_sequence", {OutGrad(0)}, {0})}));
+  return Status::Ok();
 }
 
 Status AddVocabParallelCrossEntropyOps(OpRegistry& r) {
@@ -192,6 +322,7 @@ Status AddVocabParallelCrossEntropyOps(OpRegistry& r) {
 Status AddTensorParallelOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(AddVocabShardEmbeddingOps(r));
   TESSERA_RETURN_IF_ERROR(AddPositionAddOps(r));
+  TESSERA_RETURN_IF_ERROR(AddSequenceParallelOps(r));
   return AddVocabParallelCrossEntropyOps(r);
 }
 

@@ -29,8 +29,8 @@ int64_t TensorRank(const Attrs& attrs) { return attrs.GetInt(kTensorRankAttr, 0)
 Status CheckIds(const int32_t* ids, int64_t n, int64_t limit, const char* what) {
   for (int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= limit) {
-      return InvalidArgument("{} id {} at index {} is outside the vocabulary [0, {})", what,
-                             ids[i], i, limit);
+      return InvalidArgument("{} id {} at index {} is outside the vocabulary [0, {})", what, ids[i],
+                             i, limit);
     }
   }
   return Status::Ok();
@@ -81,13 +81,19 @@ Status VocabShardEmbeddingBackward(const KernelContext&, const Tensors& in, cons
   return Status::Ok();
 }
 
+// The first position of a sequence shard of `seq` positions (attribute sequence_rank).
+int64_t FirstPosition(const Attrs& attrs, int64_t seq) {
+  return attrs.GetInt(kSequenceRankAttr, 0) * seq;
+}
+
 Status PositionAddForward(const KernelContext&, const Tensors& in, const Tensors& out,
-                          const Attrs&) {
+                          const Attrs& attrs) {
   const int64_t seq = in[0].shape()[1], c = in[0].shape()[2], n = in[0].numel() / c;
+  const float* wpe = F(in[1]) + FirstPosition(attrs, seq) * c;
   ParallelFor(n, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* x = F(in[0]) + i * c;
-      const float* p = F(in[1]) + (i % seq) * c;
+      const float* p = wpe + (i % seq) * c;
       float* y = F(out[0]) + i * c;
       for (int64_t j = 0; j < c; ++j) y[j] = x[j] + p[j];
     }
@@ -96,7 +102,7 @@ Status PositionAddForward(const KernelContext&, const Tensors& in, const Tensors
 }
 
 Status PositionAddBackward(const KernelContext&, const Tensors& in, const Tensors& out,
-                           const Attrs&) {
+                           const Attrs& attrs) {
   const int64_t batch = in[0].shape()[0], seq = in[0].shape()[1], c = in[0].shape()[2];
   if (out[0].raw_data() != in[0].raw_data()) {
     std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
@@ -104,12 +110,65 @@ Status PositionAddBackward(const KernelContext&, const Tensors& in, const Tensor
   float* dwpe = F(out[1]);
   std::fill(dwpe, dwpe + out[1].numel(), 0.0f);
   // Each position's row summed over the batch in batch order (embedding_backward's order).
+  const int64_t first = FirstPosition(attrs, seq);
   ParallelFor(seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
-      float* d = dwpe + s * c;
+      float* d = dwpe + (first + s) * c;
       for (int64_t b = 0; b < batch; ++b) {
         const float* g = F(in[0]) + (b * seq + s) * c;
         for (int64_t j = 0; j < c; ++j) d[j] += g[j];
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// heads_to_chunks and chunks_to_heads: x [rows, G, H, d] and chunks [P, rows, G, Hp, d], head h
+// of x at block h / Hp, head h % Hp; `to_chunks` copies x into the chunks (padding zero),
+// otherwise the chunks into x.
+Status MoveHeadChunks(const Tensor& x, const Tensor& chunks, const Attrs& attrs, bool to_chunks) {
+  const int64_t heads = attrs.GetInt("heads", 1), ranks = attrs.GetInt("ranks", 1);
+  const int64_t groups = attrs.GetInt("groups", 1);
+  const int64_t per_rank = (heads + ranks - 1) / ranks;
+  const int64_t rows = x.numel() / x.shape()[-1];
+  const int64_t d = x.shape()[-1] / (groups * heads);
+  float* xs = F(x);
+  float* cs = F(chunks);
+  if (to_chunks) std::fill(cs, cs + chunks.numel(), 0.0f);
+  const size_t bytes = static_cast<size_t>(d) * sizeof(float);
+  ParallelFor(rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t h = 0; h < heads; ++h) {
+          float* whole = xs + ((i * groups + g) * heads + h) * d;
+          float* block =
+              cs + (((h / per_rank * rows + i) * groups + g) * per_rank + h % per_rank) * d;
+          if (to_chunks) {
+            std::memcpy(block, whole, bytes);
+          } else {
+            std::memcpy(whole, block, bytes);
+          }
+        }
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// chunks_to_sequence and sequence_to_chunks: chunks [P, B, S, F] and x [B, P S, F].
+Status MoveSequenceChunks(const Tensor& x, const Tensor& chunks, bool to_chunks) {
+  const int64_t ranks = chunks.shape()[0], batch = chunks.shape()[1];
+  const int64_t seq = chunks.shape()[2], width = chunks.shape()[3];
+  const size_t bytes = static_cast<size_t>(seq * width) * sizeof(float);
+  ParallelFor(ranks * batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t jb = begin; jb < end; ++jb) {
+      const int64_t j = jb / batch, b = jb % batch;
+      float* block = F(chunks) + jb * seq * width;
+      float* whole = F(x) + (b * ranks + j) * seq * width;
+      if (to_chunks) {
+        std::memcpy(block, whole, bytes);
+      } else {
+        std::memcpy(whole, block, bytes);
       }
     }
   });
@@ -197,12 +256,31 @@ Status CrossEntropyFromStatsBackward(const KernelContext&, const Tensors& in, co
 }  // namespace
 
 Status RegisterTensorParallelKernels(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "vocab_shard_embedding_forward", VocabShardEmbeddingForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "vocab_shard_embedding_forward", VocabShardEmbeddingForward));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "vocab_shard_embedding_backward", VocabShardEmbeddingBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "position_add_forward", PositionAddForward));
   TESSERA_RETURN_IF_ERROR(Register(r, "position_add_backward", PositionAddBackward));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "heads_to_chunks",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 return MoveHeadChunks(in[0], out[0], attrs, /*to_chunks=*/true);
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "chunks_to_heads",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 return MoveHeadChunks(out[0], in[0], attrs, /*to_chunks=*/false);
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "sequence_to_chunks",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 return MoveSequenceChunks(in[0], out[0], /*to_chunks=*/true);
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "chunks_to_sequence",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 return MoveSequenceChunks(out[0], in[0], /*to_chunks=*/false);
+               }));
   TESSERA_RETURN_IF_ERROR(Register(r, "vocab_shard_logit_stats", VocabShardLogitStats));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "vocab_shard_logit_stats_backward", VocabShardLogitStatsBackward));

@@ -197,6 +197,144 @@ TEST(OpGradientTest, CrossEntropyFromStats) {
   });
 }
 
+// The Ulysses layout ops (three heads over two ranks: one padded head), through their rules.
+const Attrs kThreeHeadsOverTwo{
+    {"heads", int64_t{3}}, {"ranks", int64_t{2}}, {"groups", int64_t{3}}};
+
+TEST(OpGradientTest, HeadsToChunksAndBack) {
+  CheckGradients({.forward = "heads_to_chunks",
+                  .forward_attrs = kThreeHeadsOverTwo,
+                  .inputs = {RandomTensor({2, 3, 3 * 3 * 4}, 1)}});
+  CheckGradients({.forward = "chunks_to_heads",
+                  .forward_attrs = kThreeHeadsOverTwo,
+                  .inputs = {RandomTensor({2, 2, 3, 3 * 2 * 4}, 2)}});
+  CheckGradients({.forward = "sequence_to_chunks",
+                  .forward_attrs = Attrs{{"ranks", int64_t{2}}},
+                  .inputs = {RandomTensor({2, 6, 5}, 3)}});
+  CheckGradients({.forward = "chunks_to_sequence",
+                  .forward_attrs = Attrs{{"ranks", int64_t{2}}},
+                  .inputs = {RandomTensor({2, 2, 3, 5}, 4)}});
+  Result<std::vector<Tensor>> odd =
+      RunKernel("sequence_to_chunks", {RandomTensor({2, 5, 4}, 1)}, Attrs{{"ranks", int64_t{2}}});
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("S a multiple of 2"), std::string::npos)
+      << odd.status().ToString();
+}
+
+// Ulysses' exchange, simulated: P = 2 sequence ranks each hold half the positions of QKV
+// [B, S, 3 H d] (H = 3: rank 1's second head is padding). heads_to_chunks, the all-to-all (block
+// j of rank i to rank j, placed at i) and chunks_to_sequence give rank j the whole sequence of
+// its heads; sequence_to_chunks, the all-to-all and chunks_to_heads bring each rank back its
+// positions of every head.
+TEST(OpGradientTest, UlyssesExchangeRegroupsSequenceAndHeads) {
+  constexpr int64_t kRanks = 2, kB = 2, kS = 6, kHeads = 3, kD = 4, kLocal = kS / kRanks;
+  const Tensor whole = RandomTensor({kB, kS, 3 * kHeads * kD}, 1);
+  const std::vector<float> values = ToVector(whole);
+  const auto at = [&](int64_t b, int64_t s, int64_t g, int64_t h, int64_t i) {
+    return values[static_cast<size_t>((((b * kS + s) * 3 + g) * kHeads + h) * kD + i)];
+  };
+  std::vector<std::vector<float>> sent(kRanks);  // each rank's [P, B, S/P, 3 Hp d]
+  for (int64_t r = 0; r < kRanks; ++r) {
+    std::vector<float> local;
+    for (int64_t b = 0; b < kB; ++b) {
+      for (int64_t s = 0; s < kLocal; ++s) {
+        for (int64_t x = 0; x < 3 * kHeads * kD; ++x) {
+          local.push_back(
+              values[static_cast<size_t>((b * kS + r * kLocal + s) * 3 * kHeads * kD + x)]);
+        }
+      }
+    }
+    ASSERT_OK_AND_ASSIGN(auto chunks, RunKernel("heads_to_chunks",
+                                                {FloatTensor({kB, kLocal, 3 * kHeads * kD}, local)},
+                                                kThreeHeadsOverTwo));
+    sent[static_cast<size_t>(r)] = ToVector(chunks[0]);
+  }
+  const int64_t block = kB * kLocal * 3 * 2 * kD;  // Hp = 2
+  std::vector<std::vector<float>> back(kRanks);
+  for (int64_t j = 0; j < kRanks; ++j) {
+    std::vector<float> received;
+    for (int64_t i = 0; i < kRanks; ++i) {
+      const auto& from = sent[static_cast<size_t>(i)];
+      received.insert(received.end(), from.begin() + j * block, from.begin() + (j + 1) * block);
+    }
+    ASSERT_OK_AND_ASSIGN(
+        auto joined,
+        RunKernel("chunks_to_sequence", {FloatTensor({kRanks, kB, kLocal, 3 * 2 * kD}, received)},
+                  Attrs{{"ranks", kRanks}}));
+    const std::vector<float> heads = ToVector(joined[0]);
+    ASSERT_EQ(heads.size(), static_cast<size_t>(kB * kS * 3 * 2 * kD));
+    for (int64_t b = 0; b < kB; ++b) {
+      for (int64_t s = 0; s < kS; ++s) {
+        for (int64_t g = 0; g < 3; ++g) {
+          for (int64_t k = 0; k < 2; ++k) {
+            const int64_t h = j * 2 + k;
+            for (int64_t i = 0; i < kD; ++i) {
+              const float got =
+                  heads[static_cast<size_t>((((b * kS + s) * 3 + g) * 2 + k) * kD + i)];
+              EXPECT_EQ(got, h < kHeads ? at(b, s, g, h, i) : 0.0f) << b << s << g << h << i;
+            }
+          }
+        }
+      }
+    }
+    // Back: this rank's heads (its Q part, as an attention output would be) over the sequence.
+    std::vector<float> out;
+    for (int64_t b = 0; b < kB; ++b) {
+      for (int64_t s = 0; s < kS; ++s) {
+        for (int64_t x = 0; x < 2 * kD; ++x) {
+          out.push_back(heads[static_cast<size_t>((b * kS + s) * 3 * 2 * kD + x)]);
+        }
+      }
+    }
+    ASSERT_OK_AND_ASSIGN(auto split,
+                         RunKernel("sequence_to_chunks", {FloatTensor({kB, kS, 2 * kD}, out)},
+                                   Attrs{{"ranks", kRanks}}));
+    back[static_cast<size_t>(j)] = ToVector(split[0]);
+  }
+  const int64_t out_block = kB * kLocal * 2 * kD;
+  for (int64_t i = 0; i < kRanks; ++i) {
+    std::vector<float> received;
+    for (int64_t j = 0; j < kRanks; ++j) {
+      const auto& from = back[static_cast<size_t>(j)];
+      received.insert(received.end(), from.begin() + i * out_block,
+                      from.begin() + (i + 1) * out_block);
+    }
+    ASSERT_OK_AND_ASSIGN(
+        auto regrouped,
+        RunKernel("chunks_to_heads", {FloatTensor({kRanks, kB, kLocal, 2 * kD}, received)},
+                  Attrs{{"heads", kHeads}, {"ranks", kRanks}}));
+    const std::vector<float> mine = ToVector(regrouped[0]);
+    ASSERT_EQ(mine.size(), static_cast<size_t>(kB * kLocal * kHeads * kD));
+    for (int64_t b = 0; b < kB; ++b) {
+      for (int64_t s = 0; s < kLocal; ++s) {
+        for (int64_t h = 0; h < kHeads; ++h) {
+          for (int64_t x = 0; x < kD; ++x) {
+            EXPECT_EQ(mine[static_cast<size_t>(((b * kLocal + s) * kHeads + h) * kD + x)],
+                      at(b, i * kLocal + s, 0, h, x));
+          }
+        }
+      }
+    }
+  }
+}
+
+// position_add at sequence rank 1 adds the positions after the first shard's.
+TEST(OpGradientTest, PositionAddAtASequenceRank) {
+  const Attrs rank1{{kSequenceRankAttr, int64_t{1}}};
+  CheckGradients({.forward = "position_add_forward",
+                  .forward_attrs = rank1,
+                  .inputs = {RandomTensor({2, 3, 4}, 1), RandomTensor({7, 4}, 2)}});
+  const Tensor x = RandomTensor({1, 3, 4}, 1), wpe = RandomTensor({7, 4}, 2);
+  ASSERT_OK_AND_ASSIGN(auto shifted, RunKernel("position_add_forward", {x, wpe}, rank1));
+  const std::vector<float> xs = ToVector(x), ws = ToVector(wpe), ys = ToVector(shifted[0]);
+  for (size_t i = 0; i < ys.size(); ++i) EXPECT_EQ(ys[i], xs[i] + ws[i + 12]);
+  Result<std::vector<Tensor>> past =
+      RunKernel("position_add_forward", {x, wpe}, Attrs{{kSequenceRankAttr, int64_t{2}}});
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.status().message().find("at sequence rank 2"), std::string::npos)
+      << past.status().ToString();
+}
+
 // The parts of T = 3 ranks sum to the whole ops': the embedding parts to embedding_forward's
 // token rows, and the cross-entropy from the summed statistics to softmax_cross_entropy's loss
 // and gradient over the whole vocabulary.
@@ -536,6 +674,10 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "vocab_shard_logit_stats_backward",
                                               "cross_entropy_from_stats",
                                               "cross_entropy_from_stats_backward",
+                                              "heads_to_chunks",
+                                              "chunks_to_heads",
+                                              "sequence_to_chunks",
+                                              "chunks_to_sequence",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",
