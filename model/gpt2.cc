@@ -445,6 +445,124 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
   return split;
 }
 
+// GPT-2 for P sequence ranks (DeepSpeed-Ulysses): what each rank runs on its S/P positions of
+// the same rows, every parameter whole. Each block is three layers, an all-to-all after each of
+// the first two:
+//   h.<b>.qkv        QKV of the rank's positions, laid out by head group (heads_to_chunks):
+//                    exchanged, so rank j receives every position of head group j
+//   h.<b>.attention  causal attention over the whole sequence for the rank's Hp = ceil(H/P)
+//                    heads (padded heads, where P does not divide H, are zero), laid out by
+//                    position block (sequence_to_chunks): exchanged back
+//   h.<b>.post       the heads regrouped (chunks_to_heads), proj, the residual, ln2, the MLP,
+//                    the residual and the next block's ln1
+// The embedding looks up the rank's tokens and adds the positions of its shard (position_add
+// reads the plan's sequence_rank); the head is the whole model's, on the rank's positions.
+// Parameters keep the whole model's names (every layer's prefix is empty).
+Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  const int64_t c = config.channels;
+  const int64_t heads_per_rank = (config.heads + ranks - 1) / ranks;
+  const double residual_std = ResidualStd(config);
+  const FlatLayout embedding =
+      TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c);
+  const FlatLayout block = TransformerBlockParamLayout(c);
+  const FlatLayout head = TiedLmHeadParamLayout(c);
+  const auto declare = [&](LayerBuilder& l, const FlatLayout& layout, const std::string& prefix,
+                           const char* slot) {
+    const FlatSlot& whole = **layout.Find(slot);
+    return l.Param(prefix + slot, whole.shape, SlotInit(whole, residual_std), whole.weight_decay);
+  };
+  const auto block_prefix = [](int64_t b) { return fmt::format("h.{}.", b); };
+  const Attrs chunks{{"heads", config.heads}, {"ranks", int64_t{ranks}}};
+  ModelBuilder model("gpt2", registry);
+  model.SplitSequenceOver(ranks);
+  ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
+  ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
+                                           /*label=*/true);
+  model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
+    const LayerValue wte = declare(l, embedding, "", "wte");
+    const LayerValue wpe = declare(l, embedding, "", "wpe");
+    const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
+    const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+    const LayerValue tok = l.Call("vocab_shard_embedding_forward", {l.input(0), wte}, {}, "embed");
+    const LayerValue x = l.Call("position_add_forward", {tok, wpe}, {}, "positions");
+    return std::vector<LayerValue>{x, l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+  });
+  std::string residual = "embedding";  // the layer whose outputs are x and ln1(x)
+  for (int64_t b = 0; b < config.layers; ++b) {
+    const std::string h = block_prefix(b);
+    model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual, 1)}, [&](LayerBuilder& l) {
+      const LayerValue qkv_w = declare(l, block, h, "qkv_w");
+      const LayerValue qkv_b = declare(l, block, h, "qkv_b");
+      const LayerValue qkv = l.Call("linear_forward", {l.input(0), qkv_w, qkv_b}, {}, "qkv");
+      Attrs by_head = chunks;
+      by_head.Set("groups", int64_t{3});
+      const LayerValue out = l.Call("heads_to_chunks", {qkv}, by_head, "by_head");
+      l.Exchange(out);
+      return out;
+    });
+    model.Layer(h + "attention", {ModelBuilder::LayerOutput(h + "qkv")}, [&](LayerBuilder& l) {
+      const LayerValue seq =
+          l.Call("chunks_to_sequence", {l.input(0)}, Attrs{{"ranks", int64_t{ranks}}}, "sequence");
+      const LayerValue att =
+          l.Call("attention_forward", {seq}, Attrs{{"heads", heads_per_rank}}, "attention");
+      const LayerValue out =
+          l.Call("sequence_to_chunks", {att}, Attrs{{"ranks", int64_t{ranks}}}, "by_position");
+      l.Exchange(out);
+      return out;
+    });
+    const bool last = b + 1 == config.layers;
+    model.LayerWithOutputs(
+        h + "post",
+        {ModelBuilder::LayerOutput(residual, 0), ModelBuilder::LayerOutput(h + "attention")},
+        [&](LayerBuilder& l) {
+          const LayerValue proj_w = declare(l, block, h, "proj_w");
+          const LayerValue proj_b = declare(l, block, h, "proj_b");
+          const LayerValue ln2_w = declare(l, block, h, "ln2_w");
+          const LayerValue ln2_b = declare(l, block, h, "ln2_b");
+          const LayerValue fc_w = declare(l, block, h, "fc_w");
+          const LayerValue fc_b = declare(l, block, h, "fc_b");
+          const LayerValue fcproj_w = declare(l, block, h, "fcproj_w");
+          const LayerValue fcproj_b = declare(l, block, h, "fcproj_b");
+          LayerValue ln1_w, ln1_b;
+          if (!last) {
+            ln1_w = declare(l, block, block_prefix(b + 1), "ln1_w");
+            ln1_b = declare(l, block, block_prefix(b + 1), "ln1_b");
+          }
+          const LayerValue att = l.Call("chunks_to_heads", {l.input(1)}, chunks, "by_row");
+          const LayerValue proj = l.Call("linear_forward", {att, proj_w, proj_b}, {}, "proj");
+          const LayerValue mid = l.Call("add_forward", {l.input(0), proj}, {}, "residual1");
+          const LayerValue ln2 = l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2");
+          const LayerValue fc = l.Call("linear_forward", {ln2, fc_w, fc_b}, {}, "fc");
+          const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
+          const LayerValue fcproj =
+              l.Call("linear_forward", {gelu, fcproj_w, fcproj_b}, {}, "fcproj");
+          const LayerValue x = l.Call("add_forward", {mid, fcproj}, {}, "residual2");
+          if (last) return std::vector<LayerValue>{x};
+          return std::vector<LayerValue>{x,
+                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+        });
+    residual = h + "post";
+  }
+  model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
+    const LayerValue lnf_w = declare(l, head, "", "lnf_w");
+    const LayerValue lnf_b = declare(l, head, "", "lnf_b");
+    const LayerValue wte = l.SharedParam("embedding", "wte");
+    const LayerValue rows =
+        l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
+    const LayerValue lnf = l.Call("layernorm_forward", {rows, lnf_w, lnf_b}, {}, "lnf");
+    const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
+    const LayerValue flat_targets =
+        l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
+    return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+  });
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
+  DescribeCommon(config, split);
+  for (LayerSpec& layer : split.layers) layer.param_prefix = "";
+  return split;
+}
+
 // `ids` as an i32 [batch, seq_len] tensor, every id checked against the vocabulary.
 Result<Tensor> IdTensor(const Gpt2Config& config, std::span<const int32_t> ids, const char* what,
                         int64_t batch, int64_t seq_len) {
@@ -475,10 +593,18 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
           "GPT-2's fused layers do not split over tensor-parallel ranks; its primitive layers "
           "do: use --layer-impl primitive");
     };
+    model.split_for_sequence_parallel = [](int) -> Result<ModelSpec> {
+      return InvalidArgument(
+          "GPT-2's fused layers do not split sequences over ranks; its primitive layers do: use "
+          "--layer-impl primitive");
+    };
   } else {
     TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
     model.split_for_tensor_parallel = [config](int ranks) {
       return BuildPrimitiveSplit(config, ranks);
+    };
+    model.split_for_sequence_parallel = [config](int ranks) {
+      return BuildPrimitiveUlysses(config, ranks);
     };
   }
   DescribeCommon(config, model);

@@ -178,6 +178,9 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
     layer.partial_outputs.push_back(std::find(builder.partial_values_.begin(),
                                               builder.partial_values_.end(),
                                               v.id) != builder.partial_values_.end());
+    layer.exchanged_outputs.push_back(std::find(builder.exchanged_values_.begin(),
+                                                builder.exchanged_values_.end(),
+                                                v.id) != builder.exchanged_values_.end());
   }
   layer.partial_inputs.assign(layer.inputs.size(), false);
   for (int i : builder.partial_inputs_) layer.partial_inputs[static_cast<size_t>(i)] = true;
@@ -298,6 +301,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
   model.name = name_;
   model.inputs = inputs_;
   model.tensor_parallel = tensor_parallel_;
+  model.sequence_parallel = sequence_parallel_;
   model.layers.reserve(resolved.order.size());
   for (size_t k = 0; k < resolved.order.size(); ++k) {
     TESSERA_ASSIGN_OR_RETURN(LayerSpec layer, SpecOf(k, resolved));
@@ -433,6 +437,10 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
                               .partial_input_gradients = declared.partial_inputs};
     split.partial_input_gradients.resize(layer.forward_args.size(), false);
     layer.tensor_parallel = std::move(split);
+  }
+  if (std::find(declared.exchanged_outputs.begin(), declared.exchanged_outputs.end(), true) !=
+      declared.exchanged_outputs.end()) {
+    layer.exchanged_outputs = declared.exchanged_outputs;
   }
   AddBackwardArgs(declared, program, first_shared, layer);
   layer.attrs.Set(kProgramAttr, program.Encode());

@@ -74,6 +74,9 @@ class LayerBuilder {
   void PartialSum(LayerValue value);
   // The gradient of input i that the backward returns is a partial sum over the ranks.
   void PartialGradient(int i);
+  // Sequence parallelism (ModelBuilder::SplitSequenceOver): `value`, returned as an output, is
+  // read after an all-to-all over the sequence ranks (LayerSpec::exchanged_outputs).
+  void Exchange(LayerValue value) { exchanged_values_.push_back(value.id); }
   // The ranks the model is built split over (1: the whole model).
   int tensor_parallel() const { return tensor_parallel_; }
 
@@ -90,10 +93,11 @@ class LayerBuilder {
 
   const OpRegistry& registry_;
   int tensor_parallel_ = 1;
-  std::vector<SlotSplit> splits_;    // per parameter declared
-  std::vector<int> partial_values_;  // PartialSum's
-  std::vector<int> partial_inputs_;  // PartialGradient's
-  LayerProgram program_;             // its shared groups are resolved by ModelBuilder::Build
+  std::vector<SlotSplit> splits_;      // per parameter declared
+  std::vector<int> partial_values_;    // PartialSum's
+  std::vector<int> partial_inputs_;    // PartialGradient's
+  std::vector<int> exchanged_values_;  // Exchange's
+  LayerProgram program_;               // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
   // SharedParam calls (layer, param), in order: values after the parameters, in this order.
   std::vector<std::pair<std::string, std::string>> shared_;
@@ -135,6 +139,10 @@ class ModelBuilder {
   // layers declaring their slices (LayerBuilder::SlicedParam) and partial sums. Call before
   // declaring layers.
   void SplitOver(int ranks) { tensor_parallel_ = ranks; }
+  // Builds the model for `ranks` sequence ranks (DeepSpeed-Ulysses): what each runs on its 1/P
+  // of every sequence, its layers marking the outputs exchanged by all-to-alls
+  // (LayerBuilder::Exchange). Call before declaring layers.
+  void SplitSequenceOver(int ranks) { sequence_parallel_ = ranks; }
 
   // Orders the layers, infers every shape, derives the backward of each layer.
   // InvalidArgument naming the layer (and op, and shapes) otherwise.
@@ -152,6 +160,7 @@ class ModelBuilder {
     // Under SplitOver: per parameter its split, per output and input whether it is partial.
     std::vector<SlotSplit> splits;
     std::vector<bool> partial_outputs, partial_inputs;
+    std::vector<bool> exchanged_outputs;  // Exchange's, per output
   };
   // What Build works out about the layers before it writes their specs.
   struct Resolved {
@@ -194,6 +203,7 @@ class ModelBuilder {
   std::string name_;
   const OpRegistry& registry_;
   int tensor_parallel_ = 1;
+  int sequence_parallel_ = 1;
   std::vector<ModelInput> inputs_;
   std::vector<DeclaredLayer> layers_;
 };

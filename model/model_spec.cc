@@ -55,7 +55,69 @@ Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks) const {
   return split;
 }
 
+Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
+  if (ranks == sequence_parallel) return *this;
+  if (ranks < 1) return InvalidArgument("sequence-parallel degree must be >= 1, got {}", ranks);
+  if (rewritten()) {
+    return InvalidArgument(
+        "model '{}' is already split over {} tensor / {} sequence ranks; split the whole model",
+        name, tensor_parallel, sequence_parallel);
+  }
+  if (!split_for_sequence_parallel) {
+    return InvalidArgument(
+        "model '{}' does not say how its layers split a sequence over ranks (model/model.h: "
+        "ModelBuilder::SplitSequenceOver, LayerBuilder::Exchange), so it cannot run sequence "
+        "parallel: use --sequence-parallel none",
+        name);
+  }
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, split_for_sequence_parallel(ranks));
+  if (split.sequence_parallel != ranks) {
+    return Internal("model '{}' split for {} sequence ranks says it is split over {}", name, ranks,
+                    split.sequence_parallel);
+  }
+  TESSERA_RETURN_IF_ERROR(split.Validate());
+  return split;
+}
+
+Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks) const {
+  if (tensor_ranks > 1 && sequence_ranks > 1) {
+    return InvalidArgument(
+        "tensor parallelism ({} ranks) and sequence parallelism ({} ranks) together are not "
+        "built: use one of them (data and pipeline parallelism compose with either)",
+        tensor_ranks, sequence_ranks);
+  }
+  if (sequence_ranks > 1 || sequence_parallel > 1) return SplitForSequenceParallel(sequence_ranks);
+  return SplitForTensorParallel(tensor_ranks);
+}
+
 namespace {
+
+// A sequence-parallel model's layer: its exchanged outputs are activations not kept for its
+// backward.
+Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
+  if (layer.exchanged_outputs.empty()) return Status::Ok();
+  if (ranks == 1) {
+    return InvalidArgument("layer '{}' exchanges outputs but the model splits no sequence",
+                           layer.name);
+  }
+  if (layer.exchanged_outputs.size() != static_cast<size_t>(layer.activations)) {
+    return InvalidArgument("layer '{}' says whether {} output(s) are exchanged but has {}",
+                           layer.name, layer.exchanged_outputs.size(), layer.activations);
+  }
+  for (const BackwardArg& arg : layer.backward_args) {
+    if (arg.kind == BackwardArg::Kind::kForwardOutput &&
+        arg.index < layer.exchanged_outputs.size() && layer.exchanged_outputs[arg.index]) {
+      return InvalidArgument(
+          "layer '{}' keeps its exchanged output {} for its backward: keep what it is made of "
+          "instead",
+          layer.name, arg.index);
+    }
+  }
+  if (layer.loss && layer.exchanged_outputs[0]) {
+    return InvalidArgument("the loss layer '{}' cannot exchange its loss", layer.name);
+  }
+  return Status::Ok();
+}
 
 // A split model's layer: its TensorParallelLayer sized to its slots, outputs and arguments.
 Status ValidateSplitLayer(const LayerSpec& layer) {
@@ -108,12 +170,14 @@ Status ValidateSplitLayer(const LayerSpec& layer) {
 
 Status ModelSpec::Validate() const {
   TESSERA_RETURN_IF_ERROR(LossLayer().status());
-  if (tensor_parallel < 1) {
-    return InvalidArgument("model '{}' is split over {} ranks", name, tensor_parallel);
+  if (tensor_parallel < 1 || sequence_parallel < 1) {
+    return InvalidArgument("model '{}' is split over {} tensor / {} sequence ranks", name,
+                           tensor_parallel, sequence_parallel);
   }
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
     if (tensor_parallel > 1) TESSERA_RETURN_IF_ERROR(ValidateSplitLayer(layer));
+    TESSERA_RETURN_IF_ERROR(ValidateSequenceLayer(layer, sequence_parallel));
     if (layer.loss && l + 1 != layers.size()) {
       return InvalidArgument("layer '{}' computes the loss but is not the last layer", layer.name);
     }

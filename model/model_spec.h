@@ -155,6 +155,10 @@ struct LayerSpec {
   std::optional<std::string> param_prefix;
   // In a split model (ModelSpec::tensor_parallel > 1): how the layer is split.
   std::optional<TensorParallelLayer> tensor_parallel;
+  // In a sequence-parallel model (ModelSpec::sequence_parallel > 1), per activation output:
+  // whether readers read it after an all-to-all over the sequence ranks (block j of each rank's
+  // value to rank j; its gradient goes back by the same all-to-all). Empty: none.
+  std::vector<bool> exchanged_outputs;
 
   std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };
@@ -171,10 +175,24 @@ struct ModelSpec {
   int tensor_parallel = 1;
   // Set by a model that can split: its description for T ranks (T >= 2). Empty: it cannot.
   std::function<Result<ModelSpec>(int ranks)> split_for_tensor_parallel;
+  // Sequence parallelism (DeepSpeed-Ulysses): the ranks this description splits each sequence
+  // over (1: none), and, set by a model that can, its description for P sequence ranks (P >= 2):
+  // what each rank runs on its S/P positions of the same rows, the layers' parameters whole,
+  // activations crossing between a sequence and a head split by all-to-alls
+  // (LayerSpec::exchanged_outputs).
+  int sequence_parallel = 1;
+  std::function<Result<ModelSpec>(int ranks)> split_for_sequence_parallel;
 
   // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's.
   // InvalidArgument naming the model when it cannot split, or not over that many ranks.
   Result<ModelSpec> SplitForTensorParallel(int ranks) const;
+  // The description for `ranks` sequence ranks: this one for 1, else
+  // split_for_sequence_parallel's. InvalidArgument naming the model when it cannot.
+  Result<ModelSpec> SplitForSequenceParallel(int ranks) const;
+  // What a plan of T tensor and P sequence ranks runs (at most one of them above 1).
+  Result<ModelSpec> PlannedFor(int tensor_ranks, int sequence_ranks) const;
+  // Whether this is a whole model's rewrite for tensor or sequence ranks.
+  bool rewritten() const { return tensor_parallel > 1 || sequence_parallel > 1; }
   int64_t NumParameters() const;
   // NotFound otherwise.
   Result<const LayerSpec*> FindLayer(std::string_view name) const;

@@ -140,6 +140,11 @@ class Expansion {
     if (s_.tensor_parallel > 1 && s_.model.layers[l].tensor_parallel) {
       attrs.Set(kTensorRankAttr, int64_t{s_.TensorRank(mb.r)});
     }
+    // Under sequence parallelism every layer's tasks carry their sequence rank (the positions
+    // they hold).
+    if (s_.parallel.sequence_parallel > 1) {
+      attrs.Set(kSequenceRankAttr, int64_t{s_.parallel.SequenceRankOf(mb.r)});
+    }
     const int splits = s_.num_data_ranks * s_.num_micro_batches;
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
@@ -197,6 +202,7 @@ class Expansion {
     Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = forward;
     if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
     TESSERA_RETURN_IF_ERROR(SumPartialOutputs(mb, l));
+    TESSERA_RETURN_IF_ERROR(ExchangeOutputs(mb, l));
     // A swap out overlaps the next layer's forward, and is done before the one after starts
     // (what the solver and the memory model count: a slow copy holds the forwards back, rather
     // than the saved objects of layer after layer waiting in memory for it).
@@ -236,6 +242,34 @@ class Expansion {
       TESSERA_ASSIGN_OR_RETURN(
           mb.outputs[l][o], SumOverTensorRanks(mb, l, fmt::format("tp_sum{}", o), mb.outputs[l][o],
                                                kForwardPriority + 1));
+    }
+    return Status::Ok();
+  }
+
+  // Sequence parallelism: `value` after an all-to-all over rank r's sequence ranks
+  // ("<layer>/<what>", on the activations' channel): block j of every rank's value to rank j.
+  Result<ObjectId> ExchangeOverSequenceRanks(const MicroBatch& mb, size_t l,
+                                             const std::string& what, ObjectId value,
+                                             int32_t priority) {
+    const std::string& layer = s_.LayerName(l);
+    const std::string name = s_.Micro(mb.k, layer + "/" + what);
+    TESSERA_ASSIGN_OR_RETURN(
+        auto exchanged,
+        s_.builder.AddTask(s_.Name(mb.r, name), "all_to_all", {value},
+                           s_.SequenceCollective(name, mb.r),
+                           s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
+                                 {ObjectRole::kActivation})));
+    return exchanged[0];
+  }
+
+  // The layer's exchanged outputs (LayerSpec::exchanged_outputs), what every reader reads.
+  Status ExchangeOutputs(MicroBatch& mb, size_t l) {
+    const std::vector<bool>& exchanged = s_.model.layers[l].exchanged_outputs;
+    for (size_t o = 0; o < exchanged.size(); ++o) {
+      if (!exchanged[o]) continue;  // ModelSpec::Validate refused an exchanged output kept
+      TESSERA_ASSIGN_OR_RETURN(mb.outputs[l][o],
+                               ExchangeOverSequenceRanks(mb, l, fmt::format("exchange{}", o),
+                                                         mb.outputs[l][o], kForwardPriority + 1));
     }
     return Status::Ok();
   }
@@ -309,6 +343,12 @@ class Expansion {
         TESSERA_ASSIGN_OR_RETURN(
             dy[o], s_.Sum(mb.r, s_.StageOf(l), ObjectName(mb, fmt::format("{}.d{}", layer.name, o)),
                           mb.output_grads[l][o]));
+        // An exchanged output's gradient goes back by the same all-to-all (its own adjoint).
+        if (o < layer.exchanged_outputs.size() && layer.exchanged_outputs[o] && dy[o].valid()) {
+          TESSERA_ASSIGN_OR_RETURN(
+              dy[o], ExchangeOverSequenceRanks(mb, l, fmt::format("exchange_d{}", o), dy[o],
+                                               kBackwardPriority + 1));
+        }
       }
       if (!dy.empty()) mb.entering_grad[l] = dy[0];
     }

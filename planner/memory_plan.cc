@@ -184,9 +184,9 @@ Result<std::vector<OpCosts>> LayerTimes(const ModelSpec& model, const TrainingPl
     for (OpCosts& c : micros) c = OpCosts{1e3 * c.forward, 1e3 * c.backward, 1e3 * c.weight};
     return micros;
   }
-  TESSERA_ASSIGN_OR_RETURN(
-      std::vector<double> forward,
-      EstimateLayerCosts(model, plan.parallel.MicroBatchRows(plan.batch), plan.seq_len, registry));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<double> forward,
+                           EstimateLayerCosts(model, plan.parallel.MicroBatchRows(plan.batch),
+                                              plan.parallel.RankSeqLen(plan.seq_len), registry));
   std::vector<OpCosts> costs;
   costs.reserve(forward.size());
   for (double f : forward) costs.push_back(OpCosts{f, 2 * f, 0});

@@ -150,8 +150,8 @@ Result<std::vector<int>> CutIntoChunks(const ModelSpec& model, const TrainingPla
     }
   }
   if (costs.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(
-        costs, EstimateLayerCosts(model, p.MicroBatchRows(plan.batch), plan.seq_len, registry));
+    TESSERA_ASSIGN_OR_RETURN(costs, EstimateLayerCosts(model, p.MicroBatchRows(plan.batch),
+                                                       p.RankSeqLen(plan.seq_len), registry));
   }
   return BalancedChunks(costs, chunks);
 }

@@ -116,6 +116,16 @@ Attrs PlanState::TensorCollective(const std::string& name, int r) {
                {kChannelAttr, int64_t{kTensorChannel}}};
 }
 
+Attrs PlanState::SequenceCollective(const std::string& name, int r) {
+  const int groups = parallel.data_parallel / parallel.sequence_parallel;
+  const int64_t id =
+      CollectiveId(groups > 1 ? fmt::format("sp{}/{}", parallel.RowGroupOf(r), name) : name);
+  return Attrs{{kCollectiveAttr, id},
+               {kRankAttr, int64_t{parallel.SequenceRankOf(r)}},
+               {kGroupSizeAttr, int64_t{parallel.sequence_parallel}},
+               {kChannelAttr, int64_t{kTensorChannel}}};
+}
+
 Result<ObjectId> PlanState::Sum(int r, int s, const std::string& name,
                                 const std::vector<ObjectId>& parts) {
   if (parts.empty()) return ObjectId();

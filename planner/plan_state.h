@@ -163,6 +163,9 @@ struct PlanState {
   // channel of its own (kTensorChannel): the activations' all-reduces do not queue behind the
   // gradients' reductions.
   Attrs TensorCollective(const std::string& name, int r);
+  // ... over the sequence ranks of rank r's group ("sp<g>/<name>", sequence parallelism), on the
+  // activations' channel too.
+  Attrs SequenceCollective(const std::string& name, int r);
   // The sum of `parts` on rank r's worker of stage s, added in place into the first in order
   // ("<name>/sum<i>" tasks); invalid when there are none.
   Result<ObjectId> Sum(int r, int s, const std::string& name, const std::vector<ObjectId>& parts);

@@ -45,6 +45,27 @@ Status CheckRanks(const TrainingPlan& plan) {
         "--tensor-parallel 1 on {}",
         plan.device.ToString());
   }
+  if (p.sequence_parallel < 1 || p.data_parallel % p.sequence_parallel != 0) {
+    return InvalidArgument(
+        "sequence_parallel (--sequence-degree) {} must be >= 1 and divide the {} data-parallel "
+        "ranks (each group of that many ranks splits the same rows' sequence)",
+        p.sequence_parallel, p.data_parallel);
+  }
+  if (p.sequence_parallel > 1) {
+    if (!plan.device.is_cpu()) {
+      return InvalidArgument(
+          "sequence parallelism runs the model's split layer programs, which run on CPU workers: "
+          "use --sequence-parallel none on {}",
+          plan.device.ToString());
+    }
+    if (plan.seq_len % p.sequence_parallel != 0) {
+      return InvalidArgument(
+          "seq_len {} does not split over {} sequence ranks: use a --seq-len that is a multiple "
+          "of {} (e.g. {})",
+          plan.seq_len, p.sequence_parallel, p.sequence_parallel,
+          (plan.seq_len / p.sequence_parallel + 1) * p.sequence_parallel);
+    }
+  }
   if (p.prefetch_layers < 0) {
     return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
   }
@@ -59,12 +80,16 @@ Status CheckRanks(const TrainingPlan& plan) {
         "copy: use --zero-stage 3 (each rank keeps and updates its shard) or 0",
         p.zero_stage);
   }
-  const int64_t splits = int64_t{p.data_parallel} * p.micro_batches;
+  const int row_groups = p.data_parallel / p.sequence_parallel;
+  const int64_t splits = int64_t{row_groups} * p.micro_batches;
   if (plan.batch % splits != 0) {
     return InvalidArgument(
-        "the batch of {} rows does not split evenly over {} worker(s) x {} micro-batch(es): use "
+        "the batch of {} rows does not split evenly over {} worker(s){} x {} micro-batch(es): use "
         "a batch that is a multiple of {} (e.g. {}), or change --workers / --micro-batches",
-        plan.batch, p.data_parallel, p.micro_batches, splits, (plan.batch / splits + 1) * splits);
+        plan.batch, row_groups,
+        p.sequence_parallel > 1 ? fmt::format(" (groups of {} sequence ranks)", p.sequence_parallel)
+                                : std::string(),
+        p.micro_batches, splits, (plan.batch / splits + 1) * splits);
   }
   return Status::Ok();
 }
@@ -130,16 +155,19 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
 }  // namespace
 
 Status TrainingPlan::Validate(const ModelSpec& model) const {
-  // A whole model is checked as the step will be planned on it: split for the tensor ranks.
-  if (model.tensor_parallel != parallel.tensor_parallel) {
-    if (model.tensor_parallel != 1) {
+  // A whole model is checked as the step will be planned on it: split for the tensor or
+  // sequence ranks.
+  if (model.tensor_parallel != parallel.tensor_parallel ||
+      model.sequence_parallel != parallel.sequence_parallel) {
+    if (model.rewritten()) {
       return InvalidArgument(
-          "the plan splits layers over {} tensor-parallel rank(s) but model '{}' is split for {}: "
-          "give the whole model",
-          parallel.tensor_parallel, model.name, model.tensor_parallel);
+          "the plan splits layers over {} tensor-parallel and sequences over {} rank(s) but model "
+          "'{}' is split for {} and {}: give the whole model",
+          parallel.tensor_parallel, parallel.sequence_parallel, model.name, model.tensor_parallel,
+          model.sequence_parallel);
     }
-    TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
-                             model.SplitForTensorParallel(parallel.tensor_parallel));
+    TESSERA_ASSIGN_OR_RETURN(
+        ModelSpec split, model.PlannedFor(parallel.tensor_parallel, parallel.sequence_parallel));
     return Validate(split);
   }
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
@@ -175,11 +203,12 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
 Status ValidatePlanPass(PlanState& state) {
   TESSERA_RETURN_IF_ERROR(state.plan.Validate(state.model));
   const ParallelConfig& p = state.parallel;
-  if (state.model.tensor_parallel != p.tensor_parallel) {
+  if (state.model.tensor_parallel != p.tensor_parallel ||
+      state.model.sequence_parallel != p.sequence_parallel) {
     return InvalidArgument(
-        "the plan splits layers over {} tensor-parallel ranks: plan the split model, "
-        "model.SplitForTensorParallel({}) (the trainer does)",
-        p.tensor_parallel, p.tensor_parallel);
+        "the plan splits layers over {} tensor-parallel ranks and sequences over {}: plan the "
+        "split model, model.PlannedFor({}, {}) (the trainer does)",
+        p.tensor_parallel, p.sequence_parallel, p.tensor_parallel, p.sequence_parallel);
   }
   if (p.workers.empty() && p.num_workers() > 1) {
     const std::string ranks = p.tensor_parallel > 1

@@ -83,7 +83,8 @@ Status PlaceStatePass(PlanState& state) {
         const ModelInput& input = state.model.inputs[i];
         step.inputs[i].push_back(state.builder.AddInput(
             state.Name(r, state.Micro(k, input.name)),
-            input.Meta(step.micro_batch_rows, state.plan.seq_len, state.plan.device),
+            input.Meta(step.micro_batch_rows, state.parallel.RankSeqLen(state.plan.seq_len),
+                       state.plan.device),
             ObjectRole::kInput));
       }
     }

@@ -22,6 +22,8 @@ std::string ParallelConfig::ToString() const {
       fmt::format("data_parallel={} zero_stage={} offload={} micro_batches={}", data_parallel,
                   zero_stage, OffloadModeName(offload), micro_batches);
   if (tensor_parallel > 1) text += fmt::format(" tensor_parallel={}", tensor_parallel);
+  if (sequence_parallel > 1)
+    text += fmt::format(" sequence_parallel={} (ulysses)", sequence_parallel);
   if (pipeline_stages > 1 || virtual_stages > 1) {
     text += fmt::format(" pipeline_stages={} schedule={}", pipeline_stages, ScheduleName(schedule));
     if (virtual_stages > 1) text += fmt::format(" virtual_stages={}", virtual_stages);

@@ -83,6 +83,12 @@ struct ParallelConfig {
   // Tensor parallelism: each data-parallel rank's layers split over this many ranks (the model
   // must be split for it: ModelSpec::SplitForTensorParallel).
   int tensor_parallel = 1;
+  // Sequence parallelism (DeepSpeed-Ulysses): the data-parallel ranks of a stage in groups of
+  // this many consecutive ranks, a group's ranks reading the same rows, each its 1/P of their
+  // positions; around attention all-to-alls swap the sequence split for a head split (the model
+  // must be split for it: ModelSpec::SplitForSequenceParallel). ZeRO and the gradients'
+  // reductions run over all data_parallel ranks. 1: none.
+  int sequence_parallel = 1;
   int zero_stage = 0;  // 0..3: what the ranks shard (planner/sharding_policy.h)
   OffloadMode offload = OffloadMode::kNone;
   // Under OffloadMode::kParameters on GPU workers, per layer: whether its parameters stay on the
@@ -129,6 +135,10 @@ struct ParallelConfig {
   int ranks_per_stage() const { return data_parallel * tensor_parallel; }
   int DataRankOf(int rank) const { return rank / tensor_parallel; }
   int TensorRankOf(int rank) const { return rank % tensor_parallel; }
+  // Under sequence parallelism: a rank's place in its group (its positions), and the group (its
+  // rows).
+  int SequenceRankOf(int rank) const { return DataRankOf(rank) % sequence_parallel; }
+  int RowGroupOf(int rank) const { return DataRankOf(rank) / sequence_parallel; }
   int num_workers() const { return ranks_per_stage() * pipeline_stages; }
   WorkerId WorkerOf(int rank, int stage) const {
     return workers.empty()
@@ -137,10 +147,12 @@ struct ParallelConfig {
                          static_cast<size_t>(rank)];
   }
 
-  // The rows of one micro-batch of a global batch of `batch` rows.
+  // The rows of one micro-batch of a global batch of `batch` rows (the sequence ranks of a group
+  // read the same rows), and the positions of each of them a rank holds.
   int64_t MicroBatchRows(int64_t batch) const {
-    return batch / (int64_t{data_parallel} * micro_batches);
+    return batch / (int64_t{data_parallel / sequence_parallel} * micro_batches);
   }
+  int64_t RankSeqLen(int64_t seq_len) const { return seq_len / sequence_parallel; }
   // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
   int64_t PaddedGroup(int64_t numel) const;
   // Elements of one rank's shard of such a group.

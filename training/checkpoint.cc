@@ -206,7 +206,7 @@ Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
   }
   json pieces = json::array();
   json groups = json::object();
-  if (trainer.plan().parallel.tensor_parallel > 1) {
+  if (trainer.planned_model().rewritten()) {  // tensor or sequence parallelism
     TESSERA_ASSIGN_OR_RETURN(pieces, WriteWholeGroups(trainer, partial));
   } else {
     TESSERA_ASSIGN_OR_RETURN(pieces, WritePieces(trainer, partial));

@@ -8,11 +8,12 @@ namespace tessera {
 
 Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_state) {
   const StepGraph& step = trainer.step_graph();
-  if (step.parallel.tensor_parallel > 1) {
+  if (step.parallel.tensor_parallel > 1 || step.parallel.sequence_parallel > 1) {
     return InvalidArgument(
-        "peer snapshots keep the pieces of a plan without tensor parallelism; with "
-        "--tensor-parallel {} recover from checkpoints (--checkpoint-dir) instead",
-        step.parallel.tensor_parallel);
+        "peer snapshots keep the pieces of a plan without tensor or sequence parallelism; with "
+        "--tensor-parallel {} / {} sequence ranks recover from checkpoints (--checkpoint-dir) "
+        "instead",
+        step.parallel.tensor_parallel, step.parallel.sequence_parallel);
   }
   // Each piece's buddy is the next worker of the plan (the next rank of its stage, or the
   // first of the next stage).

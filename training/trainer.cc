@@ -131,8 +131,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
     }
     placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
   }
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
-                           model.SplitForTensorParallel(plan.parallel.tensor_parallel));
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.PlannedFor(plan.parallel.tensor_parallel,
+                                                             plan.parallel.sequence_parallel));
   TESSERA_RETURN_IF_ERROR(placed.Validate(split));
   MeasureLinkForBuckets(*backend, placed);
   auto registry = std::make_unique<OpRegistry>();
@@ -252,19 +252,19 @@ Status Trainer::SetKeepGradients(bool keep) {
 Status Trainer::InitializeParameters(uint64_t seed) { return AllocateState(seed); }
 
 int64_t Trainer::ParamMultiple() const {
-  // Under tensor parallelism the forward-only graphs read whole groups, gathered unpadded.
-  if (plan_.parallel.tensor_parallel > 1) return 1;
+  // Under tensor or sequence parallelism the forward-only graphs read whole groups, gathered
+  // unpadded.
+  if (split_.rewritten()) return 1;
   return plan_.parallel.sharded_optimizer() ? plan_.parallel.data_parallel : 1;
 }
 
 int64_t Trainer::GroupNumel(size_t layer) const {
-  return plan_.parallel.tensor_parallel > 1 ? model_.layers[layer].params.numel()
-                                            : step_graph_.group_numel[layer];
+  return split_.rewritten() ? model_.layers[layer].params.numel() : step_graph_.group_numel[layer];
 }
 
 Status Trainer::MapSlices() {
   slices_.clear();
-  if (plan_.parallel.tensor_parallel == 1) return Status::Ok();
+  if (!split_.rewritten()) return Status::Ok();
   const int64_t ranks = plan_.parallel.tensor_parallel;
   slices_.resize(model_.layers.size());
   for (size_t l = 0; l < model_.layers.size(); ++l) {
@@ -274,7 +274,7 @@ Status Trainer::MapSlices() {
   for (size_t l = 0; l < model_.layers.size(); ++l) found[l].assign(slices_[l].size(), false);
   for (size_t p = 0; p < split_.layers.size(); ++p) {
     const LayerSpec& planned = split_.layers[p];
-    if (!planned.tensor_parallel) {
+    if (!planned.tensor_parallel && split_.tensor_parallel > 1) {
       return Internal("layer '{}' of model '{}' split over {} ranks does not say how it splits",
                       planned.name, model_.name, ranks);
     }
@@ -282,7 +282,9 @@ Status Trainer::MapSlices() {
     for (size_t s = 0; s < slots.size(); ++s) {
       const std::string name = planned.ParamPrefix() + slots[s].name;
       TESSERA_ASSIGN_OR_RETURN(ParameterRef whole, FindParameter(name));
-      const SlotSplit split = planned.tensor_parallel->slots[s];
+      // Sequence parallelism keeps every parameter whole (replicated).
+      const SlotSplit split =
+          planned.tensor_parallel ? planned.tensor_parallel->slots[s] : SlotSplit{};
       std::vector<int64_t> dims = whole.slot->shape.dims();
       if (!split.replicated()) dims[static_cast<size_t>(split.dim)] /= ranks;
       if (Shape(dims) != slots[s].shape) {
@@ -338,7 +340,7 @@ void Trainer::CopySlice(const SliceOfSlot& slice, const FlatSlot& whole_slot, in
 }
 
 Result<std::vector<float>> Trainer::GatherWholeGroup(size_t layer, const PlannedGroupReader& read) {
-  if (plan_.parallel.tensor_parallel == 1) return read(layer, -1);  // the group is planned whole
+  if (!split_.rewritten()) return read(layer, -1);  // the group is planned whole
   const LayerSpec& whole = model_.layers[layer];
   std::vector<float> group(static_cast<size_t>(whole.params.numel()), 0.0f);
   std::map<std::pair<size_t, int>, std::vector<float>> planned;  // read once each
@@ -365,7 +367,7 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
   // is faulted in once, not twice.
   state_.resize(step_graph_.state.size());
   full_params_.clear();
-  if (plan_.parallel.tensor_parallel > 1) return AllocateSplitState(seed);
+  if (split_.rewritten()) return AllocateSplitState(seed);
   // One staging buffer for every layer's group (not a fresh one each: freed and faulted again).
   int64_t largest = 0;
   for (int64_t numel : step_graph_.group_numel) largest = std::max(largest, numel);
@@ -440,7 +442,7 @@ Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> 
     return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
                            model_.layers[layer].name, GroupNumel(layer), values.size());
   }
-  if (plan_.parallel.tensor_parallel == 1) return WritePlannedGroup(layer, -1, kind, values);
+  if (!split_.rewritten()) return WritePlannedGroup(layer, -1, kind, values);
   // Each split group holding a slot of the layer, read, changed and written back.
   const auto& slots = model_.layers[layer].params.slots();
   std::set<std::pair<size_t, int>> done;
@@ -558,7 +560,7 @@ Result<std::vector<float>> Trainer::ReadPlannedGroup(size_t layer, int t, StateK
 
 Result<std::vector<Value>> Trainer::FullParameters() {
   std::vector<Value> params(model_.layers.size());
-  if (!plan_.parallel.sharded_parameters() && plan_.parallel.tensor_parallel == 1) {
+  if (!plan_.parallel.sharded_parameters() && !split_.rewritten()) {
     // Every rank holds whole groups: rank 0's serve.
     for (size_t i = 0; i < step_graph_.state.size(); ++i) {
       const StateObject& object = step_graph_.state[i];
@@ -670,6 +672,27 @@ Status Trainer::CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64
   return Status::Ok();
 }
 
+Result<Value> Trainer::UploadBlock(const Tensor& batch, int64_t first, int64_t rows,
+                                   int64_t first_position, int64_t positions) {
+  std::vector<int64_t> dims = batch.shape().dims();
+  const int64_t position_bytes = batch.bytes() / (dims[0] * dims[1]);
+  const int64_t row_bytes = position_bytes * dims[1];
+  dims[0] = rows;
+  dims[1] = positions;
+  Result<Tensor> made = Tensor::Empty(
+      TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()}, backend_->allocator());
+  if (!made.ok()) return made.status().WithContext("uploading a batch's positions");
+  Tensor t = std::move(*made);
+  const auto* from = static_cast<const char*>(batch.raw_data());
+  auto* to = static_cast<char*>(t.raw_data());
+  const int64_t bytes = positions * position_bytes;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(to + r * bytes, from + (first + r) * row_bytes + first_position * position_bytes,
+                static_cast<size_t>(bytes));
+  }
+  return backend_->Upload(std::move(t));
+}
+
 Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
   std::vector<int64_t> dims = batch.shape().dims();
   const int64_t row_bytes = batch.bytes() / dims[0];
@@ -688,17 +711,28 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
-  // Rank r's micro-batch k takes rows [(d * micro_batches + k) * b, ... + b) of the global
-  // batch, d its data-parallel rank (a data-parallel rank's tensor ranks read the same rows).
+  // Rank r's micro-batch k takes rows [(g * micro_batches + k) * b, ... + b) of the global
+  // batch, g its row group: its data-parallel rank (a data-parallel rank's tensor ranks read the
+  // same rows), or under sequence parallelism its group of sequence ranks, each of which takes
+  // its 1/P of each sequence input's positions.
+  const ParallelConfig& p = plan_.parallel;
   const int64_t micro = step_graph_.micro_batch_rows;
-  const int64_t micro_batches = plan_.parallel.micro_batches;
+  const int64_t micro_batches = p.micro_batches;
   for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
     const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
+    const bool by_position = p.sequence_parallel > 1 && model_.inputs[input].sequence;
     for (size_t i = 0; i < pieces.size(); ++i) {
       const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
       const int64_t slice =
-          plan_.parallel.DataRankOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
-      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]], UploadRows(batch[input], slice * micro, micro));
+          p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
+      if (by_position) {
+        TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
+                                 UploadBlock(batch[input], slice * micro, micro,
+                                             p.SequenceRankOf(rank) * p.RankSeqLen(plan_.seq_len),
+                                             p.RankSeqLen(plan_.seq_len)));
+      } else {
+        TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]], UploadRows(batch[input], slice * micro, micro));
+      }
     }
   }
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));

@@ -177,6 +177,10 @@ class Trainer {
                     bool labels) const;
   // Rows [first, first + rows) of a batch tensor, uploaded.
   Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
+  // Of those rows, positions [first_position, + positions) (dimension 1), uploaded: a sequence
+  // rank's part.
+  Result<Value> UploadBlock(const Tensor& batch, int64_t first, int64_t rows,
+                            int64_t first_position, int64_t positions);
   Status PrepareStepGraph();
   // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);

@@ -44,6 +44,17 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "heads and MLP columns, two all-reduces forward and two backward per block); "
                  "--workers is then D x T x P (GPT-2 with --layer-impl primitive)")
       ->check(tessera::AtLeast(1));
+  app.add_option("--sequence-parallel", flags.sequence_parallel,
+                 "none, or ulysses: each sequence split over groups of data-parallel workers "
+                 "(DeepSpeed-Ulysses: every worker of a group reads the same rows, each 1/P of "
+                 "their positions; all-to-alls swap the sequence split for a head split around "
+                 "attention; head counts P does not divide run padded). megatron and ring are "
+                 "not built yet (GPT-2 with --layer-impl primitive)")
+      ->check(CLI::IsMember({"none", "ulysses", "megatron", "ring"}));
+  app.add_option("--sequence-degree", flags.sequence_degree,
+                 "P: the data-parallel workers a sequence splits over under --sequence-parallel "
+                 "(0: all of a stage's)")
+      ->check(tessera::AtLeast(0));
   app.add_option("--offload", flags.offload,
                  "none; optimizer: master weights, Adam state and the update in the host "
                  "tier and on the CPU (ZeRO-Offload); parameters: the parameters too, each "
@@ -259,6 +270,23 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
         "--tensor-parallel {}, or --plan auto without it",
         flags.tensor_parallel);
   }
+  if (flags.sequence_parallel == "megatron" || flags.sequence_parallel == "ring") {
+    return InvalidArgument(
+        "--sequence-parallel {} is not built yet; --sequence-parallel ulysses is (DeepSpeed-"
+        "Ulysses: all-to-alls around attention)",
+        flags.sequence_parallel);
+  }
+  if (flags.sequence_parallel != "none" && flags.search.plan == "auto") {
+    return InvalidArgument(
+        "--plan auto does not search sequence parallelism yet: give the plan's flags with "
+        "--sequence-parallel {}, or --plan auto without it",
+        flags.sequence_parallel);
+  }
+  if (flags.sequence_degree > 0 && flags.sequence_parallel == "none") {
+    return InvalidArgument(
+        "--sequence-degree {} splits sequences: add --sequence-parallel ulysses, or drop it",
+        flags.sequence_degree);
+  }
   if (r.replace_workers && !flags.address.empty()) {
     return InvalidArgument(
         "--replace-workers starts workers of a local cluster; on a running cluster start them "
@@ -268,6 +296,21 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
 }
 
 namespace {
+
+// --sequence-parallel ulysses over --sequence-degree of the data-parallel ranks (0: all).
+Status ApplySequenceParallel(const CommonFlags& flags, ParallelConfig& p) {
+  if (flags.sequence_parallel == "none") return Status::Ok();
+  const int degree = flags.sequence_degree > 0 ? flags.sequence_degree : p.data_parallel;
+  if (degree < 2 || p.data_parallel % degree != 0) {
+    return InvalidArgument(
+        "--sequence-parallel {} splits each sequence over {} of the {} data-parallel worker(s) "
+        "per stage: it needs --sequence-degree a divisor of them, at least 2 (and --workers "
+        "D x T x P with D >= 2)",
+        flags.sequence_parallel, degree, p.data_parallel);
+  }
+  p.sequence_parallel = degree;
+  return Status::Ok();
+}
 
 Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   const PipelineFlags& pipeline = flags.pipeline;
@@ -287,7 +330,7 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   p.chunk_layers = pipeline.stage_layers;
   p.tensor_parallel = flags.tensor_parallel;
   const int per_rank = pipeline.stages * flags.tensor_parallel;  // workers a data rank takes
-  if (per_rank == 1) return Status::Ok();
+  if (per_rank == 1) return ApplySequenceParallel(flags, p);
   if (flags.workers < per_rank || flags.workers % per_rank != 0) {
     const std::string dims =
         flags.tensor_parallel == 1 ? fmt::format("--pipeline-stages {}", pipeline.stages)
@@ -300,7 +343,7 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
         dims, per_rank, flags.workers);
   }
   p.data_parallel = flags.workers / per_rank;
-  return Status::Ok();
+  return ApplySequenceParallel(flags, p);
 }
 
 }  // namespace
@@ -454,6 +497,24 @@ std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& plann
                                       : fmt::format("{}", fmt::join(parts, "; ")));
   }
   return text;
+}
+
+std::string DescribeSequenceParallel(const StepGraph& step, const ModelSpec& planned) {
+  const ParallelConfig& p = step.parallel;
+  if (p.sequence_parallel == 1) return "";
+  std::vector<std::string> exchanged;
+  for (const LayerSpec& layer : planned.layers) {
+    for (size_t o = 0; o < layer.exchanged_outputs.size(); ++o) {
+      if (layer.exchanged_outputs[o])
+        exchanged.push_back(fmt::format("{} output {}", layer.name, o));
+    }
+  }
+  return fmt::format(
+      "each sequence over {} ranks (DeepSpeed-Ulysses; {} group(s) of the {} data-parallel "
+      "ranks, each rank {} of every row's positions); all-to-alls after {}",
+      p.sequence_parallel, p.data_parallel / p.sequence_parallel, p.data_parallel,
+      p.sequence_parallel == 2 ? std::string("half") : fmt::format("1/{}", p.sequence_parallel),
+      fmt::join(exchanged, ", "));
 }
 
 std::string DescribePipeline(const StepGraph& step, const ModelSpec& model) {

@@ -88,6 +88,12 @@ struct CommonFlags {
   bool in_process = false;
   int zero_stage = 0;
   int tensor_parallel = 1;  // T: each layer split over T workers (Megatron's tensor slicing)
+  // How each sequence splits over workers: none, or ulysses (DeepSpeed-Ulysses) over groups of
+  // sequence_degree data-parallel ranks (0: all of a stage's).
+  std::string sequence_parallel = "none";
+  int sequence_degree = 0;
+  // Whether the plan splits layers or sequences (the model then runs its split layers).
+  bool splits_layers() const { return tensor_parallel > 1 || sequence_parallel != "none"; }
   std::string offload = "none";
   std::string bucket_mb = "auto";  // gradient buckets: auto (from the measured link) or MB
   int micro_batches = 0;           // 0: not given (--grad-accum's value, else 1)
@@ -167,5 +173,8 @@ std::string DescribeBuckets(const StepGraph& step);
 // Under tensor parallelism: each layer of the split model (`planned`) on one line, how its
 // parameters are split and which of its values are all-reduced over the tensor ranks; "" else.
 std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& planned);
+// Under sequence parallelism: the groups, and the layers whose outputs cross between a sequence
+// and a head split (all-to-alls); empty otherwise.
+std::string DescribeSequenceParallel(const StepGraph& step, const ModelSpec& planned);
 
 }  // namespace tessera::examples

@@ -382,6 +382,11 @@ Result<std::unique_ptr<Trainer>> MakeTrainer(const Flags& flags, const ResolvedS
                    static_cast<long long>(splitting));
     }
   }
+  if (std::string sequence =
+          examples::DescribeSequenceParallel(trainer->step_graph(), trainer->planned_model());
+      !sequence.empty()) {
+    std::fprintf(stderr, "%s: %s\n", kProgram, sequence.c_str());
+  }
   if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
     std::fprintf(stderr, "%s: gradient buckets %s\n", kProgram, buckets.c_str());
   }
@@ -462,9 +467,9 @@ Status Train(const Flags& flags) {
   if (!runtime.device.is_cpu()) shape.config.activations = tessera::GpuActivations();
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Data> data, LoadData(flags, shape));
   // The fused layers do not split over tensor ranks; the primitive ones do.
-  const std::string impl = !flags.layer_impl.empty()          ? flags.layer_impl
-                           : flags.common.tensor_parallel > 1 ? "primitive"
-                                                              : "fused";
+  const std::string impl = !flags.layer_impl.empty()      ? flags.layer_impl
+                           : flags.common.splits_layers() ? "primitive"
+                                                          : "fused";
   TESSERA_ASSIGN_OR_RETURN(tessera::Gpt2LayerImpl layers, tessera::ParseGpt2LayerImpl(impl));
   TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildGpt2(shape.config, layers));
   TESSERA_ASSIGN_OR_RETURN(tessera::TrainingPlan plan, MakePlan(flags, shape, runtime, model));
@@ -537,7 +542,8 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
   app.add_option("--layer-impl", flags.layer_impl,
                  "How the layers run: fused (hand-fused layer ops, the fast path) or primitive "
                  "(programs of primitive ops with derived backwards, the reference; CPU only; "
-                 "the default under --tensor-parallel: the layers that split)")
+                 "the default under --tensor-parallel and --sequence-parallel: the layers that "
+                 "split)")
       ->check(CLI::IsMember({"fused", "primitive"}));
   app.add_option("--batch", flags.batch, "Sequences per step")->check(tessera::AtLeast(1));
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));

@@ -57,6 +57,13 @@ TrainingPlan Plan(int data, int tensor, int stages, int zero_stage) {
   return plan;
 }
 
+// Sequence parallelism (DeepSpeed-Ulysses): `data` data-parallel ranks in groups of `sequence`.
+TrainingPlan SequencePlan(int data, int sequence, int stages, int zero_stage) {
+  TrainingPlan plan = Plan(data, 1, stages, zero_stage);
+  plan.parallel.sequence_parallel = sequence;
+  return plan;
+}
+
 ModelSpec Model() {
   Result<ModelSpec> model = BuildGpt2(kTiny, Gpt2LayerImpl::kPrimitive);
   TESSERA_CHECK(model.ok(), "GPT-2 tiny");
@@ -292,6 +299,143 @@ TEST_F(TensorParallelTest, TwoTensorByTwoDataRanksUnderZero3WithMicroBatches) {
 }
 
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightWorkers) { ExpectSameRun(Plan(2, 2, 2, 1)); }
+
+// The gradients of two runs' first steps, parameter by parameter: the norm of each difference
+// against the reference's norm, at most 1e-6; returns the worst.
+double ExpectSameGradients(const std::vector<std::vector<float>>& grads,
+                           const std::vector<std::vector<float>>& reference,
+                           const std::vector<std::string>& names, const std::string& label) {
+  EXPECT_EQ(grads.size(), reference.size()) << label;
+  double worst = 0;
+  for (size_t p = 0; p < grads.size() && p < reference.size(); ++p) {
+    EXPECT_EQ(grads[p].size(), reference[p].size()) << label << " " << names[p];
+    double norm = 0, difference = 0;
+    for (size_t i = 0; i < grads[p].size() && i < reference[p].size(); ++i) {
+      const double d = static_cast<double>(grads[p][i]) - reference[p][i];
+      norm += static_cast<double>(reference[p][i]) * reference[p][i];
+      difference += d * d;
+    }
+    const double relative = std::sqrt(difference / std::max(norm, 1e-60));
+    EXPECT_LE(relative, 1e-6) << label << " gradient of " << names[p];
+    worst = std::max(worst, relative);
+  }
+  return worst;
+}
+
+// Sequence parallelism (Ulysses) trains the one-worker run: every sequence rank of a group
+// reads the same rows, each its 1/P of their positions, with all-to-alls around attention.
+TEST_F(TensorParallelTest, TwoSequenceRanksTrainTheOneWorkerRun) {
+  ExpectSameRun(SequencePlan(2, 2, 1, 0));
+}
+
+TEST_F(TensorParallelTest, FourSequenceRanksTrainTheOneWorkerRun) {
+  ExpectSameRun(SequencePlan(4, 4, 1, 0));
+}
+
+// Two row groups of two sequence ranks, ZeRO-1 over all four; and ZeRO-3 over four sequence
+// ranks with two micro-batches.
+TEST_F(TensorParallelTest, SequenceRanksComposeWithDataRanksAndZero) {
+  ExpectSameRun(SequencePlan(4, 2, 1, 1));
+  TrainingPlan zero3 = SequencePlan(4, 4, 1, 3);
+  zero3.parallel.micro_batches = 2;
+  ExpectSameRun(zero3);
+}
+
+// Two pipeline stages of two sequence ranks each (1F1B, two micro-batches).
+TEST_F(TensorParallelTest, SequenceRanksInAPipeline) { ExpectSameRun(SequencePlan(2, 2, 2, 1)); }
+
+// Six heads over four sequence ranks: each rank attends over two heads, the last rank's both
+// padding (zeros), and the run is the one worker's, losses and first-step gradients.
+TEST_F(TensorParallelTest, AHeadCountTheSequenceDegreeDoesNotDivide) {
+  Gpt2Config six = kTiny;
+  six.heads = 6;
+  six.channels = 96;
+  const auto trainer = [&](const TrainingPlan& plan,
+                           bool cluster) -> Result<std::unique_ptr<Trainer>> {
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildGpt2(six, Gpt2LayerImpl::kPrimitive));
+    if (!cluster) return Trainer::Create(model, plan, ExecutorOptions{});
+    TESSERA_ASSIGN_OR_RETURN(auto backend,
+                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+    return Trainer::Create(model, plan, std::move(backend));
+  };
+  const TrainingPlan split = SequencePlan(4, 4, 1, 0);
+  ASSERT_OK_AND_ASSIGN(auto reference, trainer(Plan(1, 1, 1, 0), false));
+  ASSERT_OK_AND_ASSIGN(testing::TrainingRun expected, Train(*reference));
+  ASSERT_OK_AND_ASSIGN(auto ranks, trainer(split, true));
+  ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*ranks));
+  testing::ExpectSameRun(run, expected, "6 heads over 4 sequence ranks");
+  ASSERT_OK_AND_ASSIGN(auto fresh, trainer(Plan(1, 1, 1, 0), false));
+  ASSERT_OK_AND_ASSIGN(auto expected_grads, FirstGradients(*fresh));
+  ASSERT_OK_AND_ASSIGN(auto again, trainer(split, true));
+  ASSERT_OK_AND_ASSIGN(auto grads, FirstGradients(*again));
+  const double worst = ExpectSameGradients(grads, expected_grads, again->ParameterNames(),
+                                           "6 heads over 4 sequence ranks");
+  std::printf("[ 6 heads over 4 sequence ranks ] first-step gradients: worst %.2e\n", worst);
+}
+
+// The all-to-alls' bytes: a run of P sequence ranks sends, beyond what P data-parallel ranks
+// send (the same gradient reductions), per block two all-to-alls forward and two backward, each
+// rank sending (P - 1) / P of its buffer: QKV's [P, B, S/P, 3 Hp d] and attention's
+// [P, B, S/P, Hp d] (Hp d = h / P when P divides the heads: 4 x 4 B S h (P - 1) / P^2 bytes per
+// block per direction).
+TEST_F(TensorParallelTest, SequenceRanksSendTheAllToAllsBytes) {
+  for (int ranks : {2, 4}) {
+    double sent[2] = {0, 0};
+    for (int sequence : {1, ranks}) {
+      ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(SequencePlan(ranks, sequence, 1, 0)));
+      ASSERT_OK(trainer->InitializeParameters(7));
+      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
+      ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
+      const double first = static_cast<double>(report.ranks[0].figures.collective_bytes_sent);
+      for (const RankFigures& rank : report.ranks) {
+        EXPECT_EQ(static_cast<double>(rank.figures.collective_bytes_sent), first);
+      }
+      sent[sequence == 1 ? 0 : 1] = first;
+    }
+    const double local = static_cast<double>(kBatch) * kSeqLen / ranks;  // B S / P positions
+    const double buffers = 4.0 * local * (3 + 1) * kTiny.channels;       // QKV's and attention's
+    const double expected = kTiny.layers * 2.0 * buffers * (ranks - 1) / ranks;
+    EXPECT_NEAR(sent[1] - sent[0], expected, 0.01 * expected) << "P " << ranks;
+    std::printf("[ Ulysses P %d ] all-to-alls sent %.0f bytes per rank (formula %.0f)\n", ranks,
+                sent[1] - sent[0], expected);
+  }
+}
+
+// A checkpoint written by two groups of two sequence ranks under ZeRO-1 resumes on four
+// sequence ranks, on one worker and at TP 2, with the same next loss.
+TEST_F(TensorParallelTest, ASequenceParallelCheckpointResumesAnywhere) {
+  const std::string dir = testing::TempPath("sp_checkpoint");
+  std::filesystem::remove_all(dir);
+  ASSERT_OK_AND_ASSIGN(auto writer, OnCluster(SequencePlan(4, 2, 1, 1)));
+  ASSERT_OK(writer->InitializeParameters(7));
+  for (int step = 0; step < 3; ++step) ASSERT_OK(writer->Step(Batch(step), 3e-3f).status());
+  ASSERT_OK_AND_ASSIGN(std::string saved, SaveCheckpoint(*writer, dir, ""));
+  ASSERT_OK_AND_ASSIGN(StepReport next, writer->Step(Batch(3), 3e-3f));
+  writer.reset();
+  for (const TrainingPlan& plan : {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), Plan(1, 2, 1, 0)}) {
+    ASSERT_OK_AND_ASSIGN(auto reader, OnCluster(plan));
+    ASSERT_OK(LoadCheckpoint(*reader, saved).status());
+    ASSERT_OK_AND_ASSIGN(StepReport resumed, reader->Step(Batch(3), 3e-3f));
+    EXPECT_NEAR(resumed.loss, next.loss, 1e-5 * next.loss) << plan.parallel.ToString();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TensorParallelSplitTest, SequenceParallelismIsRefusedWithTheFix) {
+  TrainingPlan odd_length = SequencePlan(2, 2, 1, 0);
+  odd_length.seq_len = 31;
+  Status status = odd_length.Validate(Model());
+  EXPECT_NE(status.message().find("multiple of 2"), std::string::npos) << status.ToString();
+  Status groups = SequencePlan(3, 2, 1, 0).Validate(Model());
+  EXPECT_NE(groups.message().find("divide the 3 data-parallel ranks"), std::string::npos)
+      << groups.ToString();
+  TrainingPlan both = SequencePlan(2, 2, 1, 0);
+  both.parallel.tensor_parallel = 2;
+  Status together = both.Validate(Model());
+  EXPECT_NE(together.message().find("not built"), std::string::npos) << together.ToString();
+  Status fused = SequencePlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny));
+  EXPECT_NE(fused.message().find("--layer-impl primitive"), std::string::npos) << fused.ToString();
+}
 
 // A vocabulary the degree does not divide (257 over 2 ranks): the embedding and the head stay
 // replicated, and the run is the one worker's.

@@ -486,6 +486,37 @@ TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
   ExpectRefused(refused);
 }
 
+// Sequence parallelism from the command line: two groups of two Ulysses ranks on four workers
+// train the run of one process with the same layers, and say how the sequences split; the modes
+// not built and bad degrees are explained.
+TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
+  ProcessResult alone =
+      RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
+  ProcessResult split = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 4 --sequence-parallel ulysses "
+      "--sequence-degree 2");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << split.output;
+  EXPECT_NE(split.output.find("sequence_parallel=2 (ulysses)"), std::string::npos) << split.output;
+  EXPECT_NE(split.output.find("each sequence over 2 ranks (DeepSpeed-Ulysses; 2 group(s) of the 4 "
+                              "data-parallel ranks"),
+            std::string::npos)
+      << split.output;
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--workers 2 --sequence-parallel ring", "--sequence-parallel ring is not built yet"},
+      {"--workers 2 --sequence-degree 2", "add --sequence-parallel ulysses"},
+      {"--workers 3 --sequence-parallel ulysses --sequence-degree 2",
+       "needs --sequence-degree a divisor of them"},
+      {"--workers 2 --sequence-parallel ulysses --seq-len 63", "multiple of 2"},
+      {"--workers 2 --sequence-parallel ulysses --plan auto",
+       "--plan auto does not search sequence parallelism"},
+  };
+  ExpectRefused(refused);
+}
+
 // --plan auto on a local cluster of four workers: it calibrates (layer times, the collective
 // link), lists the best plans, says which it chose and why, and trains the losses of one process
 // (as every plan does); the calibration is cached for the next run, --recalibrate measures again,
