@@ -448,16 +448,20 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
 // GPT-2 for P sequence ranks (DeepSpeed-Ulysses): what each rank runs on its S/P positions of
 // the same rows, every parameter whole. Each block is three layers, an all-to-all after each of
 // the first two:
-//   h.<b>.qkv        QKV of the rank's positions, laid out by head group (heads_to_chunks):
-//                    exchanged, so rank j receives every position of head group j
+//   h.<b>.qkv        ln1, then QKV of the rank's positions, laid out by head group
+//                    (heads_to_chunks): exchanged into the sequence order, so rank j receives
+//                    QKV [B, S, 3 Hp d] of head group j
 //   h.<b>.attention  causal attention over the whole sequence for the rank's Hp = ceil(H/P)
-//                    heads (padded heads, where P does not divide H, are zero), laid out by
-//                    position block (sequence_to_chunks): exchanged back
-//   h.<b>.post       the heads regrouped (chunks_to_heads), proj, the residual, ln2, the MLP,
-//                    the residual and the next block's ln1
-// The embedding looks up the rank's tokens and adds the positions of its shard (position_add
-// reads the plan's sequence_rank); the head is the whole model's, on the rank's positions.
-// Parameters keep the whole model's names (every layer's prefix is empty).
+//                    heads (padded heads, where P does not divide H, are zero): exchanged back
+//                    from the sequence order, each rank receiving its positions of every group
+//   h.<b>.post       proj over the received heads in place (heads_linear: no regrouped copy
+//                    kept), the residual, ln2, the MLP and the residual
+// so that a block keeps what the whole model's block keeps, a quarter as much per rank at P 4:
+// the block's input (read by qkv and post), ln1's output, QKV (the attention's input, as the
+// all-to-all leaves it), the attention's output (post's input) and the MLP's values. The embedding
+// looks up the rank's tokens and adds the positions of its shard (position_add reads the plan's
+// sequence_rank); the head is the whole model's, on the rank's positions. Parameters keep the whole
+// model's names.
 Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
@@ -480,42 +484,37 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
   ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
                                            /*label=*/true);
-  model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
+  model.Layer("embedding", {tokens}, [&](LayerBuilder& l) {
     const LayerValue wte = declare(l, embedding, "", "wte");
     const LayerValue wpe = declare(l, embedding, "", "wpe");
-    const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
-    const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
     const LayerValue tok = l.Call("vocab_shard_embedding_forward", {l.input(0), wte}, {}, "embed");
-    const LayerValue x = l.Call("position_add_forward", {tok, wpe}, {}, "positions");
-    return std::vector<LayerValue>{x, l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+    return l.Call("position_add_forward", {tok, wpe}, {}, "positions");
   });
-  std::string residual = "embedding";  // the layer whose outputs are x and ln1(x)
+  std::string residual = "embedding";  // the layer whose output is the block's input
   for (int64_t b = 0; b < config.layers; ++b) {
     const std::string h = block_prefix(b);
-    model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual, 1)}, [&](LayerBuilder& l) {
+    model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
+      const LayerValue ln1_w = declare(l, block, h, "ln1_w");
+      const LayerValue ln1_b = declare(l, block, h, "ln1_b");
       const LayerValue qkv_w = declare(l, block, h, "qkv_w");
       const LayerValue qkv_b = declare(l, block, h, "qkv_b");
-      const LayerValue qkv = l.Call("linear_forward", {l.input(0), qkv_w, qkv_b}, {}, "qkv");
+      const LayerValue ln1 = l.Call("layernorm_forward", {l.input(0), ln1_w, ln1_b}, {}, "ln1");
+      const LayerValue qkv = l.Call("linear_forward", {ln1, qkv_w, qkv_b}, {}, "qkv");
       Attrs by_head = chunks;
       by_head.Set("groups", int64_t{3});
       const LayerValue out = l.Call("heads_to_chunks", {qkv}, by_head, "by_head");
-      l.Exchange(out);
+      l.Exchange(out, ExchangeLayout::kToSequence);
       return out;
     });
     model.Layer(h + "attention", {ModelBuilder::LayerOutput(h + "qkv")}, [&](LayerBuilder& l) {
-      const LayerValue seq =
-          l.Call("chunks_to_sequence", {l.input(0)}, Attrs{{"ranks", int64_t{ranks}}}, "sequence");
       const LayerValue att =
-          l.Call("attention_forward", {seq}, Attrs{{"heads", heads_per_rank}}, "attention");
-      const LayerValue out =
-          l.Call("sequence_to_chunks", {att}, Attrs{{"ranks", int64_t{ranks}}}, "by_position");
-      l.Exchange(out);
-      return out;
+          l.Call("attention_forward", {l.input(0)}, Attrs{{"heads", heads_per_rank}}, "attention");
+      l.Exchange(att, ExchangeLayout::kFromSequence);
+      return att;
     });
-    const bool last = b + 1 == config.layers;
-    model.LayerWithOutputs(
+    model.Layer(
         h + "post",
-        {ModelBuilder::LayerOutput(residual, 0), ModelBuilder::LayerOutput(h + "attention")},
+        {ModelBuilder::LayerOutput(residual), ModelBuilder::LayerOutput(h + "attention")},
         [&](LayerBuilder& l) {
           const LayerValue proj_w = declare(l, block, h, "proj_w");
           const LayerValue proj_b = declare(l, block, h, "proj_b");
@@ -525,23 +524,15 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
           const LayerValue fc_b = declare(l, block, h, "fc_b");
           const LayerValue fcproj_w = declare(l, block, h, "fcproj_w");
           const LayerValue fcproj_b = declare(l, block, h, "fcproj_b");
-          LayerValue ln1_w, ln1_b;
-          if (!last) {
-            ln1_w = declare(l, block, block_prefix(b + 1), "ln1_w");
-            ln1_b = declare(l, block, block_prefix(b + 1), "ln1_b");
-          }
-          const LayerValue att = l.Call("chunks_to_heads", {l.input(1)}, chunks, "by_row");
-          const LayerValue proj = l.Call("linear_forward", {att, proj_w, proj_b}, {}, "proj");
+          const LayerValue proj =
+              l.Call("heads_linear_forward", {l.input(1), proj_w, proj_b}, chunks, "proj");
           const LayerValue mid = l.Call("add_forward", {l.input(0), proj}, {}, "residual1");
           const LayerValue ln2 = l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2");
           const LayerValue fc = l.Call("linear_forward", {ln2, fc_w, fc_b}, {}, "fc");
           const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
           const LayerValue fcproj =
               l.Call("linear_forward", {gelu, fcproj_w, fcproj_b}, {}, "fcproj");
-          const LayerValue x = l.Call("add_forward", {mid, fcproj}, {}, "residual2");
-          if (last) return std::vector<LayerValue>{x};
-          return std::vector<LayerValue>{x,
-                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+          return l.Call("add_forward", {mid, fcproj}, {}, "residual2");
         });
     residual = h + "post";
   }

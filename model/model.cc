@@ -178,9 +178,11 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
     layer.partial_outputs.push_back(std::find(builder.partial_values_.begin(),
                                               builder.partial_values_.end(),
                                               v.id) != builder.partial_values_.end());
-    layer.exchanged_outputs.push_back(std::find(builder.exchanged_values_.begin(),
-                                                builder.exchanged_values_.end(),
-                                                v.id) != builder.exchanged_values_.end());
+    ExchangeLayout exchange = ExchangeLayout::kNone;
+    for (const auto& [id, layout] : builder.exchanged_values_) {
+      if (id == v.id) exchange = layout;
+    }
+    layer.exchanged_outputs.push_back(exchange);
   }
   layer.partial_inputs.assign(layer.inputs.size(), false);
   for (int i : builder.partial_inputs_) layer.partial_inputs[static_cast<size_t>(i)] = true;
@@ -419,8 +421,22 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
   if (!shapes.ok()) {
     return shapes.status().WithContext(fmt::format("model '{}': layer '{}'", name_, declared.name));
   }
-  for (int v : program.outputs) {
-    resolved.output_metas[i].push_back(shapes->values[static_cast<size_t>(v)]);
+  for (size_t o = 0; o < program.outputs.size(); ++o) {
+    TensorMeta meta = shapes->values[static_cast<size_t>(program.outputs[o])];
+    // Readers of an exchanged output read what the all-to-all makes of it.
+    const ExchangeLayout exchange = o < declared.exchanged_outputs.size()
+                                        ? declared.exchanged_outputs[o]
+                                        : ExchangeLayout::kNone;
+    if (exchange != ExchangeLayout::kNone) {
+      Result<std::vector<int64_t>> dims =
+          ExchangedDims(meta.shape.dims(), exchange, sequence_parallel_);
+      if (!dims.ok()) {
+        return dims.status().WithContext(
+            fmt::format("model '{}': layer '{}' output {}", name_, declared.name, o));
+      }
+      meta.shape = Shape(*std::move(dims));
+    }
+    resolved.output_metas[i].push_back(meta);
   }
   if (program.params.numel() > 0) {
     layer.forward_args.push_back(LayerArg{LayerArg::Kind::kParams, k, 0});
@@ -438,8 +454,8 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
     split.partial_input_gradients.resize(layer.forward_args.size(), false);
     layer.tensor_parallel = std::move(split);
   }
-  if (std::find(declared.exchanged_outputs.begin(), declared.exchanged_outputs.end(), true) !=
-      declared.exchanged_outputs.end()) {
+  if (std::any_of(declared.exchanged_outputs.begin(), declared.exchanged_outputs.end(),
+                  [](ExchangeLayout layout) { return layout != ExchangeLayout::kNone; })) {
     layer.exchanged_outputs = declared.exchanged_outputs;
   }
   AddBackwardArgs(declared, program, first_shared, layer);

@@ -75,8 +75,11 @@ class LayerBuilder {
   // The gradient of input i that the backward returns is a partial sum over the ranks.
   void PartialGradient(int i);
   // Sequence parallelism (ModelBuilder::SplitSequenceOver): `value`, returned as an output, is
-  // read after an all-to-all over the sequence ranks (LayerSpec::exchanged_outputs).
-  void Exchange(LayerValue value) { exchanged_values_.push_back(value.id); }
+  // read after an all-to-all over the sequence ranks in `layout` (LayerSpec::exchanged_outputs;
+  // its readers see the shape the all-to-all makes).
+  void Exchange(LayerValue value, ExchangeLayout layout = ExchangeLayout::kBlocks) {
+    exchanged_values_.emplace_back(value.id, layout);
+  }
   // The ranks the model is built split over (1: the whole model).
   int tensor_parallel() const { return tensor_parallel_; }
 
@@ -93,11 +96,11 @@ class LayerBuilder {
 
   const OpRegistry& registry_;
   int tensor_parallel_ = 1;
-  std::vector<SlotSplit> splits_;      // per parameter declared
-  std::vector<int> partial_values_;    // PartialSum's
-  std::vector<int> partial_inputs_;    // PartialGradient's
-  std::vector<int> exchanged_values_;  // Exchange's
-  LayerProgram program_;               // its shared groups are resolved by ModelBuilder::Build
+  std::vector<SlotSplit> splits_;                                 // per parameter declared
+  std::vector<int> partial_values_;                               // PartialSum's
+  std::vector<int> partial_inputs_;                               // PartialGradient's
+  std::vector<std::pair<int, ExchangeLayout>> exchanged_values_;  // Exchange's
+  LayerProgram program_;  // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
   // SharedParam calls (layer, param), in order: values after the parameters, in this order.
   std::vector<std::pair<std::string, std::string>> shared_;
@@ -160,7 +163,7 @@ class ModelBuilder {
     // Under SplitOver: per parameter its split, per output and input whether it is partial.
     std::vector<SlotSplit> splits;
     std::vector<bool> partial_outputs, partial_inputs;
-    std::vector<bool> exchanged_outputs;  // Exchange's, per output
+    std::vector<ExchangeLayout> exchanged_outputs;  // Exchange's, per output
   };
   // What Build works out about the layers before it writes their specs.
   struct Resolved {

@@ -105,15 +105,14 @@ Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
                            layer.name, layer.exchanged_outputs.size(), layer.activations);
   }
   for (const BackwardArg& arg : layer.backward_args) {
-    if (arg.kind == BackwardArg::Kind::kForwardOutput &&
-        arg.index < layer.exchanged_outputs.size() && layer.exchanged_outputs[arg.index]) {
+    if (arg.kind == BackwardArg::Kind::kForwardOutput && layer.exchanges(arg.index)) {
       return InvalidArgument(
           "layer '{}' keeps its exchanged output {} for its backward: keep what it is made of "
           "instead",
           layer.name, arg.index);
     }
   }
-  if (layer.loss && layer.exchanged_outputs[0]) {
+  if (layer.loss && layer.exchanges(0)) {
     return InvalidArgument("the loss layer '{}' cannot exchange its loss", layer.name);
   }
   return Status::Ok();

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/attrs.h"
+#include "core/collective_task.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -156,9 +157,14 @@ struct LayerSpec {
   // In a split model (ModelSpec::tensor_parallel > 1): how the layer is split.
   std::optional<TensorParallelLayer> tensor_parallel;
   // In a sequence-parallel model (ModelSpec::sequence_parallel > 1), per activation output:
-  // whether readers read it after an all-to-all over the sequence ranks (block j of each rank's
-  // value to rank j; its gradient goes back by the same all-to-all). Empty: none.
-  std::vector<bool> exchanged_outputs;
+  // whether readers read it after an all-to-all over the sequence ranks, and in which layout
+  // (core/collective_task.h ExchangeLayout: block j of each rank's value to rank j, joined into or
+  // split from the sequence order; its gradient goes back by the adjoint all-to-all). Empty, or
+  // kNone: read as it is.
+  std::vector<ExchangeLayout> exchanged_outputs;
+  bool exchanges(size_t output) const {
+    return output < exchanged_outputs.size() && exchanged_outputs[output] != ExchangeLayout::kNone;
+  }
 
   std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };

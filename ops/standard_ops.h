@@ -33,8 +33,9 @@
 //   position_add_forward/backward              x + wpe[positions]
 //   vocab_shard_logit_stats(_backward)         a rank's logits [R, V/T] as [R, T+1] statistics
 //   cross_entropy_from_stats(_backward)        the loss from the statistics summed over ranks
-//   heads_to_chunks, chunks_to_heads,          sequence parallelism (Ulysses): the all-to-all's
-//   chunks_to_sequence, sequence_to_chunks     blocks between a sequence split and a head split
+//   heads_to_chunks, chunks_to_heads           sequence parallelism (Ulysses): heads as the
+//                                              all-to-all's blocks, and back
+//   heads_linear_forward/backward              a linear over such blocks' heads, read in place
 // Volume ops on NCDHW tensors (conv3d, conv_transpose3d, upsample_nearest3d, max_pool3d,
 // group_norm, relu, silu, concat, voxel_cross_entropy, dice_score): ops/volume_ops.h.
 //

@@ -192,15 +192,23 @@ Status AddCollectiveOps(OpRegistry& r) {
       .name = "all_to_all",
       .doc = "member of an all-to-all: x, read flat, is group_size equal contiguous blocks; "
              "block j goes to rank j, and out (x's shape) holds in block j what rank j's x held "
-             "in block r (this member's rank). Any dtype. Sequence parallelism (Ulysses) uses "
-             "it to turn a sequence split into a head split and back",
+             "in block r (this member's rank). Any dtype. Attribute layout (core/"
+             "collective_task.h): blocks (that), to_sequence ([P, B, S, ...] -> [B, P S, ...]: "
+             "the received blocks joined along each row's sequence) or from_sequence (its "
+             "adjoint). Sequence parallelism (Ulysses) uses it to turn a sequence split into a "
+             "head split and back",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
-        TESSERA_RETURN_IF_ERROR(BlockCount(in[0], attrs).status());
-        return Metas{in[0]};
+        TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
+        TESSERA_ASSIGN_OR_RETURN(ExchangeLayout layout, ExchangeLayoutOf(attrs));
+        TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
+                                 ExchangedDims(in[0].shape.dims(), layout, size));
+        TensorMeta out = in[0];
+        out.shape = Shape(std::move(dims));
+        return Metas{out};
       },
       .cost = CollectiveCost(1),
   }));

@@ -15,14 +15,15 @@
 // a split layer's tasks and the layer program hands to each of its ops; absent, 0.
 //
 // Sequence parallelism (DeepSpeed-Ulysses): P sequence ranks each hold S/P positions of every
-// row. Around attention an all-to-all turns the sequence split into a head split and back; these
-// ops lay the activations out as the all-to-all's P contiguous blocks, block j going to rank j:
+// row. Around attention an all-to-all turns the sequence split into a head split and back (its
+// layouts to_sequence and from_sequence join and split the sequence: core/collective_task.h);
+// these ops lay the heads out as its P contiguous blocks, block j going to rank j:
 //   heads_to_chunks     [B, S/P, G H d] -> [P, B, S/P, G Hp d]: block j holds head group j
 //                       (heads [j Hp, (j + 1) Hp), Hp = ceil(H / P); the heads past H are zero, so
 //                       a head count P does not divide runs as padded heads, not refused)
-//   chunks_to_sequence  [P, B, S/P, F] -> [B, S, F]: the received blocks in sequence order
-//   sequence_to_chunks  [B, S, F] -> [P, B, S/P, F]: its adjoint
 //   chunks_to_heads     [P, B, S/P, G Hp d] -> [B, S/P, G H d]: heads_to_chunks' adjoint
+//   heads_linear        a linear over the heads as chunks_to_heads would regroup them, read in
+//                       place: the projection after attention, without a regrouped copy kept
 // (G = 3 for the fused Q, K, V.) position_add_forward reads attribute sequence_rank
 // (kSequenceRankAttr): its x holds positions [sequence_rank S, (sequence_rank + 1) S).
 #include <vector>
@@ -213,45 +214,61 @@ Status AddSequenceParallelOps(OpRegistry& r) {
       },
       .cost = ElementwiseCost(0),
       .gradient = Rule("heads_to_chunks", {OutGrad(0)}, {0})}));
-  TESSERA_RETURN_IF_ERROR(r.AddOp(
-      OpDef{.name = "chunks_to_sequence",
-            .doc = "[P, B, S, F] -> [B, P S, F] (attribute ranks: P): block j holds positions "
-                   "[j S, (j+1) S)",
-            .input_names = {"chunks"},
-            .output_names = {"x"},
-            .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-              TESSERA_ASSIGN_OR_RETURN(int64_t ranks, PositiveAttr(attrs, "ranks"));
-              TESSERA_RETURN_IF_ERROR(CheckDType("chunks", in[0], DType::kF32));
-              if (in[0].shape.rank() != 4 || in[0].shape[0] != ranks) {
-                return InvalidArgument(
-                    "input 'chunks' has shape {} but must be [P, B, S, F] with P = {} (ranks)",
-                    in[0].shape.ToString(), ranks);
-              }
-              const Shape& c = in[0].shape;
-              return Metas{F32({c[1], c[0] * c[2], c[3]})};
-            },
-            .cost = ElementwiseCost(0),
-            .gradient = Rule("sequence_to_chunks", {OutGrad(0)}, {0})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "sequence_to_chunks",
-      .doc = "[B, S, F] -> [P, B, S / P, F] (attribute ranks: P): block j the positions [j S/P, "
-             "(j+1) S/P)",
-      .input_names = {"x"},
-      .output_names = {"chunks"},
+      .name = "heads_linear_forward",
+      .doc = "out = chunks_to_heads(chunks) @ w^T + b, read from the chunks [P, B, S, Hp d] in "
+             "place (attributes heads, ranks): w [O, H d], b [O] -> out [B, S, O]",
+      .input_names = {"chunks", "w", "b"},
+      .output_names = {"out"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(int64_t ranks, PositiveAttr(attrs, "ranks"));
-        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
-        if (in[0].shape.rank() != 3 || in[0].shape[1] % ranks != 0) {
-          return InvalidArgument(
-              "input 'x' has shape {} but must be [B, S, F] with S a multiple of {} (ranks)",
-              in[0].shape.ToString(), ranks);
+        TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", in[0], 3));
+        if (in[0].shape[0] != c.ranks) {
+          return InvalidArgument("input 'chunks' has shape {} but must have {} blocks (ranks)",
+                                 in[0].shape.ToString(), c.ranks);
         }
-        const Shape& x = in[0].shape;
-        return Metas{F32({ranks, x[0], x[1] / ranks, x[2]})};
+        TESSERA_ASSIGN_OR_RETURN(int64_t d, HeadSize("chunks", in[0], 1, c.heads_per_rank));
+        TESSERA_RETURN_IF_ERROR(CheckMatrix("w", in[1], "[O, H d]"));
+        if (in[1].shape[1] != c.heads * d) {
+          return InvalidArgument("input 'w' has shape {} but must be [O, {}] ({} heads of {})",
+                                 in[1].shape.ToString(), c.heads * d, c.heads, d);
+        }
+        TESSERA_RETURN_IF_ERROR(CheckShape("b", in[2], Shape{in[1].shape[0]}));
+        std::vector<int64_t> dims(in[0].shape.dims().begin() + 1, in[0].shape.dims().end());
+        dims.back() = in[1].shape[0];
+        return Metas{F32(Shape(dims))};
       },
-      .cost = ElementwiseCost(0),
-      .gradient = Rule("chunks_to_sequence", {OutGrad(0)}, {0})}));
-  return Status::Ok();
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            const int64_t rows_made = in[0].numel() / in[0].shape[-1] / in[0].shape[0];
+            const auto rows = static_cast<double>(rows_made);
+            return OpCost{2 * rows * static_cast<double>(in[1].numel()), op_def::Bytes(in)};
+          },
+      .gradient = Rule("heads_linear_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2})}));
+  return r.AddOp(OpDef{
+      .name = "heads_linear_backward",
+      .doc = "dchunks (zero at padded heads), dw, db of heads_linear_forward",
+      .input_names = {"dout", "chunks", "w"},
+      .output_names = {"dchunks", "dw", "db"},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", in[1], 3));
+        TESSERA_RETURN_IF_ERROR(CheckMatrix("w", in[2], "[O, H d]"));
+        TESSERA_RETURN_IF_ERROR(CheckDType("dout", in[0], DType::kF32));
+        if (in[0].numel() != in[1].numel() / in[1].shape[-1] / c.ranks * in[2].shape[0]) {
+          return InvalidArgument("input 'dout' has shape {} but chunks {} and w {} make {}",
+                                 in[0].shape.ToString(), in[1].shape.ToString(),
+                                 in[2].shape.ToString(), "[B, S, O]");
+        }
+        return Metas{in[1], in[2], F32({in[2].shape[0]})};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            const int64_t rows_read = in[0].numel() / in[0].shape[-1];
+            const auto rows = static_cast<double>(rows_read);
+            return OpCost{4 * rows * static_cast<double>(in[2].numel()), op_def::Bytes(in)};
+          },
+  });
 }
 
 Status AddVocabParallelCrossEntropyOps(OpRegistry& r) {

@@ -4,6 +4,8 @@
 // placement, and prediction drops the label inputs and may replace the loss layer's op.
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "ops/flat_layout.h"
 #include "ops/graph_builder.h"
 #include "planner/model_facts.h"
@@ -97,6 +99,24 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
         builder.AddTask(layer.name + (predicting ? "/logits" : "/forward"),
                         predicting ? layer.predict_op : layer.forward_op, std::move(args),
                         LayerAttrs(layer, param_multiple), std::move(options)));
+    // A sequence-parallel model planned as one rank (its layers' cost estimates: pipeline cuts,
+    // the memory plan) reads each exchanged output in the shape the all-to-all would make; its
+    // values are not exchanged, so such a graph serves estimates only (a trainer evaluates the
+    // whole model).
+    for (size_t o = 0; o < outputs[l].size(); ++o) {
+      if (!layer.exchanges(o)) continue;
+      const TensorMeta& meta = builder.graph().object(outputs[l][o]).meta;
+      TESSERA_ASSIGN_OR_RETURN(
+          std::vector<int64_t> dims,
+          ExchangedDims(meta.shape.dims(), layer.exchanged_outputs[o], model.sequence_parallel));
+      TaskOptions reshape;
+      reshape.layer = layer.name;
+      reshape.device_kind = device.kind;
+      TESSERA_ASSIGN_OR_RETURN(
+          auto reshaped, builder.AddTask(fmt::format("{}/exchange{}", layer.name, o), "reshape",
+                                         {outputs[l][o]}, Attrs{{"shape", dims}}, reshape));
+      outputs[l][o] = reshaped[0];
+    }
   }
   result.result = outputs[loss_layer][0];
   builder.MarkOutput(result.result);

@@ -250,13 +250,14 @@ class Expansion {
   // ("<layer>/<what>", on the activations' channel): block j of every rank's value to rank j.
   Result<ObjectId> ExchangeOverSequenceRanks(const MicroBatch& mb, size_t l,
                                              const std::string& what, ObjectId value,
-                                             int32_t priority) {
+                                             ExchangeLayout layout, int32_t priority) {
     const std::string& layer = s_.LayerName(l);
     const std::string name = s_.Micro(mb.k, layer + "/" + what);
     TESSERA_ASSIGN_OR_RETURN(
         auto exchanged,
         s_.builder.AddTask(s_.Name(mb.r, name), "all_to_all", {value},
-                           s_.SequenceCollective(name, mb.r),
+                           s_.SequenceCollective(name, mb.r)
+                               .Set(kLayoutAttr, std::string(ExchangeLayoutName(layout))),
                            s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
                                  {ObjectRole::kActivation})));
     return exchanged[0];
@@ -264,12 +265,14 @@ class Expansion {
 
   // The layer's exchanged outputs (LayerSpec::exchanged_outputs), what every reader reads.
   Status ExchangeOutputs(MicroBatch& mb, size_t l) {
-    const std::vector<bool>& exchanged = s_.model.layers[l].exchanged_outputs;
+    const std::vector<ExchangeLayout>& exchanged = s_.model.layers[l].exchanged_outputs;
     for (size_t o = 0; o < exchanged.size(); ++o) {
-      if (!exchanged[o]) continue;  // ModelSpec::Validate refused an exchanged output kept
-      TESSERA_ASSIGN_OR_RETURN(mb.outputs[l][o],
-                               ExchangeOverSequenceRanks(mb, l, fmt::format("exchange{}", o),
-                                                         mb.outputs[l][o], kForwardPriority + 1));
+      // ModelSpec::Validate refused an exchanged output kept for the backward.
+      if (exchanged[o] == ExchangeLayout::kNone) continue;
+      TESSERA_ASSIGN_OR_RETURN(
+          mb.outputs[l][o],
+          ExchangeOverSequenceRanks(mb, l, fmt::format("exchange{}", o), mb.outputs[l][o],
+                                    exchanged[o], kForwardPriority + 1));
     }
     return Status::Ok();
   }
@@ -344,9 +347,10 @@ class Expansion {
             dy[o], s_.Sum(mb.r, s_.StageOf(l), ObjectName(mb, fmt::format("{}.d{}", layer.name, o)),
                           mb.output_grads[l][o]));
         // An exchanged output's gradient goes back by the same all-to-all (its own adjoint).
-        if (o < layer.exchanged_outputs.size() && layer.exchanged_outputs[o] && dy[o].valid()) {
+        if (layer.exchanges(o) && dy[o].valid()) {
           TESSERA_ASSIGN_OR_RETURN(
               dy[o], ExchangeOverSequenceRanks(mb, l, fmt::format("exchange_d{}", o), dy[o],
+                                               AdjointExchange(layer.exchanged_outputs[o]),
                                                kBackwardPriority + 1));
         }
       }

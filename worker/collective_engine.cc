@@ -29,6 +29,38 @@ Result<ReduceOp> ParseReduce(const Attrs& attrs) {
   return InvalidArgument("attribute 'reduce' is '{}'; use sum, avg, max or min", name);
 }
 
+// An all-to-all in the layout attribute "layout" says (core/collective_task.h): the blocks sent
+// from the sequence order are gathered first, and the blocks received for it placed after, in
+// host staging of the block order.
+Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tensor& out,
+                        const Attrs& attrs, int size) {
+  TESSERA_ASSIGN_OR_RETURN(ExchangeLayout layout, ExchangeLayoutOf(attrs));
+  const int64_t block = in.numel() / size;
+  if (layout == ExchangeLayout::kBlocks) {
+    return communicator.AllToAll(in.raw_data(), out.raw_data(), block, in.dtype());
+  }
+  // The sequence side's dims [B, P S, ...]: out's for kToSequence, in's for kFromSequence.
+  const Tensor& sequence = layout == ExchangeLayout::kToSequence ? out : in;
+  const std::vector<int64_t>& dims = sequence.shape().dims();
+  if (dims.size() < 2 || dims[1] % size != 0) {
+    return InvalidArgument("all-to-all in layout {}: shape {} does not split over {} members",
+                           ExchangeLayoutName(layout), sequence.shape().ToString(), size);
+  }
+  const int64_t batch = dims[0], positions = dims[1] / size;
+  const int64_t row_bytes = sequence.bytes() / (batch * dims[1]);
+  std::vector<char> staging(static_cast<size_t>(in.bytes()));
+  if (layout == ExchangeLayout::kToSequence) {
+    TESSERA_RETURN_IF_ERROR(
+        communicator.AllToAll(in.raw_data(), staging.data(), block, in.dtype()));
+    MoveSequenceBlocks(out.raw_data(), staging.data(), size, batch, positions, row_bytes,
+                       /*to_sequence=*/true);
+    return Status::Ok();
+  }
+  MoveSequenceBlocks(in.raw_data(), staging.data(), size, batch, positions, row_bytes,
+                     /*to_sequence=*/false);
+  return communicator.AllToAll(staging.data(), out.raw_data(), block, in.dtype());
+}
+
 }  // namespace
 
 // The scheduler as a Rendezvous for one formation (epoch) of one group.
@@ -465,7 +497,7 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
           "multiple of the group's {} members",
           member.task, in.numel(), out.numel(), size);
     }
-    status = communicator->AllToAll(in.raw_data(), out.raw_data(), in.numel() / size, in.dtype());
+    status = AllToAllInLayout(*communicator, in, out, attrs, size);
   } else if (member.op == "broadcast") {
     TESSERA_ASSIGN_OR_RETURN(int64_t root, attrs.GetInt("root"));
     if (root < 0 || root >= size) {

@@ -505,8 +505,10 @@ std::string DescribeSequenceParallel(const StepGraph& step, const ModelSpec& pla
   std::vector<std::string> exchanged;
   for (const LayerSpec& layer : planned.layers) {
     for (size_t o = 0; o < layer.exchanged_outputs.size(); ++o) {
-      if (layer.exchanged_outputs[o])
-        exchanged.push_back(fmt::format("{} output {}", layer.name, o));
+      if (layer.exchanges(o)) {
+        exchanged.push_back(fmt::format("{} output {} ({})", layer.name, o,
+                                        ExchangeLayoutName(layer.exchanged_outputs[o])));
+      }
     }
   }
   return fmt::format(

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops/cpu/blas.h"
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/parallel.h"
 #include "ops/standard_ops.h"
@@ -155,23 +156,69 @@ Status MoveHeadChunks(const Tensor& x, const Tensor& chunks, const Attrs& attrs,
   return Status::Ok();
 }
 
-// chunks_to_sequence and sequence_to_chunks: chunks [P, B, S, F] and x [B, P S, F].
-Status MoveSequenceChunks(const Tensor& x, const Tensor& chunks, bool to_chunks) {
-  const int64_t ranks = chunks.shape()[0], batch = chunks.shape()[1];
-  const int64_t seq = chunks.shape()[2], width = chunks.shape()[3];
-  const size_t bytes = static_cast<size_t>(seq * width) * sizeof(float);
-  ParallelFor(ranks * batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t jb = begin; jb < end; ++jb) {
-      const int64_t j = jb / batch, b = jb % batch;
-      float* block = F(chunks) + jb * seq * width;
-      float* whole = F(x) + (b * ranks + j) * seq * width;
-      if (to_chunks) {
-        std::memcpy(block, whole, bytes);
-      } else {
-        std::memcpy(whole, block, bytes);
-      }
-    }
-  });
+// heads_linear: per block j, the rows' first n_j heads (n_j = those of the group under H) times
+// their columns of w. in: chunks [P, R, Hp d]; w [O, H d].
+struct HeadBlocks {
+  int64_t ranks, rows, per_rank_width, head_size, heads, outputs;
+  int64_t Width(int64_t j) const {  // the valid columns of block j
+    const int64_t per_rank = per_rank_width / head_size;
+    return std::clamp<int64_t>(heads - j * per_rank, 0, per_rank) * head_size;
+  }
+};
+
+HeadBlocks HeadBlocksOf(const Tensor& chunks, const Tensor& w, const Attrs& attrs) {
+  HeadBlocks b{};
+  b.ranks = chunks.shape()[0];
+  b.per_rank_width = chunks.shape()[-1];
+  b.rows = chunks.numel() / b.per_rank_width / b.ranks;
+  b.heads = attrs.GetInt("heads", 1);
+  b.head_size = w.shape()[1] / b.heads;
+  b.outputs = w.shape()[0];
+  return b;
+}
+
+Status HeadsLinearForward(const KernelContext& context, const Tensors& in, const Tensors& out,
+                          const Attrs& attrs) {
+  const HeadBlocks b = HeadBlocksOf(in[0], in[1], attrs);
+  float* y = F(out[0]);
+  for (int64_t r = 0; r < b.rows; ++r) {
+    std::memcpy(y + r * b.outputs, F(in[2]), static_cast<size_t>(b.outputs) * sizeof(float));
+  }
+  for (int64_t j = 0; j < b.ranks; ++j) {
+    if (b.Width(j) == 0) continue;
+    cpu::Gemm(cpu::Transpose::kNo, cpu::Transpose::kYes, b.rows, b.outputs, b.Width(j), 1.0f,
+              F(in[0]) + j * b.rows * b.per_rank_width, b.per_rank_width,
+              F(in[1]) + j * b.per_rank_width, b.heads * b.head_size, 1.0f, y, b.outputs,
+              context.gemm_split_min_flops);
+  }
+  return Status::Ok();
+}
+
+Status HeadsLinearBackward(const KernelContext& context, const Tensors& in, const Tensors& out,
+                           const Attrs& attrs) {
+  const HeadBlocks b = HeadBlocksOf(in[1], in[2], attrs);
+  const float* dout = F(in[0]);
+  std::fill(F(out[0]), F(out[0]) + out[0].numel(), 0.0f);
+  std::fill(F(out[1]), F(out[1]) + out[1].numel(), 0.0f);
+  const int64_t ldw = b.heads * b.head_size;
+  for (int64_t j = 0; j < b.ranks; ++j) {
+    if (b.Width(j) == 0) continue;
+    // dchunks_j = dout w_j; dw_j = dout^T chunks_j.
+    cpu::Gemm(cpu::Transpose::kNo, cpu::Transpose::kNo, b.rows, b.Width(j), b.outputs, 1.0f, dout,
+              b.outputs, F(in[2]) + j * b.per_rank_width, ldw, 0.0f,
+              F(out[0]) + j * b.rows * b.per_rank_width, b.per_rank_width,
+              context.gemm_split_min_flops);
+    cpu::Gemm(cpu::Transpose::kYes, cpu::Transpose::kNo, b.outputs, b.Width(j), b.rows, 1.0f, dout,
+              b.outputs, F(in[1]) + j * b.rows * b.per_rank_width, b.per_rank_width, 0.0f,
+              F(out[1]) + j * b.per_rank_width, ldw, context.gemm_split_min_flops);
+  }
+  // The bias gradient: each column summed over the rows in double, in row order.
+  std::vector<double> sum(static_cast<size_t>(b.outputs), 0.0);
+  for (int64_t r = 0; r < b.rows; ++r) {
+    for (int64_t o = 0; o < b.outputs; ++o) sum[static_cast<size_t>(o)] += dout[r * b.outputs + o];
+  }
+  for (int64_t o = 0; o < b.outputs; ++o)
+    F(out[2])[o] = static_cast<float>(sum[static_cast<size_t>(o)]);
   return Status::Ok();
 }
 
@@ -271,16 +318,8 @@ Status RegisterTensorParallelKernels(OpRegistry& r) {
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
                  return MoveHeadChunks(out[0], in[0], attrs, /*to_chunks=*/false);
                }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "sequence_to_chunks",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 return MoveSequenceChunks(in[0], out[0], /*to_chunks=*/true);
-               }));
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "chunks_to_sequence",
-               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 return MoveSequenceChunks(out[0], in[0], /*to_chunks=*/false);
-               }));
+  TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_forward", HeadsLinearForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_backward", HeadsLinearBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "vocab_shard_logit_stats", VocabShardLogitStats));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "vocab_shard_logit_stats_backward", VocabShardLogitStatsBackward));

@@ -401,6 +401,115 @@ TEST_F(TensorParallelTest, SequenceRanksSendTheAllToAllsBytes) {
   }
 }
 
+// Under a per-worker memory cap, the longest sequence that trains: on one worker, and on four
+// Ulysses ranks (each holding a quarter of every activation). Found with the memory model (whose
+// predictions the runs' measured peaks match) keeping every activation, then trained at that
+// length under the cap, measured peaks within it and the activations' the model's within 5%.
+// With the planner free to recompute, both lengths grow (printed; four ranks reach the model's
+// max_seq_len).
+TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger) {
+  Gpt2Config config = kTiny;
+  config.max_seq_len = 4096;
+  constexpr int64_t kRows = 4, kCap = int64_t{24} << 20;
+  ASSERT_OK_AND_ASSIGN(ModelSpec whole, BuildGpt2(config, Gpt2LayerImpl::kPrimitive));
+  OpRegistry registry;
+  ASSERT_OK(RegisterStandardOps(registry));
+  const auto capped = [&](TrainingPlan plan) {
+    plan.batch = kRows;
+    plan.memory.host_bytes = kCap;
+    return plan;
+  };
+  const TrainingPlan one = capped(Plan(1, 1, 1, 0));
+  const TrainingPlan four = capped(SequencePlan(4, 4, 1, 0));
+  // The longest multiple of 16 positions whose step fits under the cap: keeping every
+  // activation (the predicted peak of the plan without a cap), or as the planner plans it.
+  const auto longest = [&](TrainingPlan plan, bool keep_all) -> int64_t {
+    for (int w = 1; w <= plan.parallel.num_workers() && plan.parallel.num_workers() > 1; ++w) {
+      plan.parallel.workers.push_back(WorkerId(static_cast<uint64_t>(w)));
+    }
+    if (keep_all) plan.memory.host_bytes = 0;
+    Result<ModelSpec> split =
+        whole.PlannedFor(plan.parallel.tensor_parallel, plan.parallel.sequence_parallel);
+    if (!split.ok()) return 0;
+    int64_t fits = 0;
+    for (int64_t lo = 1, hi = config.max_seq_len / 16; lo <= hi;) {
+      const int64_t mid = (lo + hi) / 2;
+      plan.seq_len = mid * 16;
+      Result<StepGraph> step = PlanTrainingStep(*split, plan, registry);
+      bool ok = step.ok();
+      if (ok && keep_all) {
+        Result<MemoryProfile> profile = PredictMemory(step->graph);
+        ok = profile.ok();
+        for (const WorkerMemory& worker : ok ? profile->workers : std::vector<WorkerMemory>{}) {
+          ok = ok && worker.total_peak <= kCap;
+        }
+      }
+      if (ok) {
+        fits = plan.seq_len;
+        lo = mid + 1;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return fits;
+  };
+  const int64_t alone = longest(one, true), split = longest(four, true);
+  const int64_t planned_alone = longest(one, false), planned_split = longest(four, false);
+  const bool at_most = planned_split == config.max_seq_len;  // the model's positions end there
+  std::printf(
+      "[ cap %lld MiB ] longest sequence keeping every activation: %lld positions on one worker, "
+      "%lld on four Ulysses ranks (%.2fx); as planned (recomputing): %lld and %s%lld (%s%.2fx)\n",
+      static_cast<long long>(kCap >> 20), static_cast<long long>(alone),
+      static_cast<long long>(split), static_cast<double>(split) / static_cast<double>(alone),
+      static_cast<long long>(planned_alone), at_most ? "the model's max_seq_len, " : "",
+      static_cast<long long>(planned_split), at_most ? "at least " : "",
+      static_cast<double>(planned_split) / static_cast<double>(planned_alone));
+  ASSERT_GT(alone, 0);
+  EXPECT_GE(static_cast<double>(split), 3.6 * static_cast<double>(alone));
+  EXPECT_GE(planned_alone, alone);
+  EXPECT_GE(planned_split, split);
+  // Both train at their length, within the cap, as the memory model predicts.
+  const auto batch = [&](int64_t seq_len) {
+    std::mt19937_64 rng(77);
+    std::vector<int32_t> stream(static_cast<size_t>(kRows * seq_len + 1));
+    for (int32_t& token : stream) token = static_cast<int32_t>(rng() % config.vocab);
+    return *Gpt2Batch(config, std::span(stream).first(stream.size() - 1),
+                      std::span(stream).subspan(1), kRows, seq_len);
+  };
+  for (const bool sequence_parallel : {false, true}) {
+    TrainingPlan plan = sequence_parallel ? four : one;
+    plan.seq_len = sequence_parallel ? split : alone;
+    std::unique_ptr<Trainer> trainer;
+    if (sequence_parallel) {
+      ASSERT_OK_AND_ASSIGN(auto backend,
+                           MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+      ASSERT_OK_AND_ASSIGN(trainer, Trainer::Create(whole, plan, std::move(backend)));
+    } else {
+      ASSERT_OK_AND_ASSIGN(trainer, Trainer::Create(whole, plan, ExecutorOptions{}));
+    }
+    ASSERT_OK(trainer->InitializeParameters(7));
+    ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(batch(plan.seq_len), 3e-3f));
+    EXPECT_TRUE(std::isfinite(report.loss));
+    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    for (const RankFigures& rank : report.ranks) {
+      const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
+      const WorkerMemory* worker = testing::PredictedWorker(profile, rank.worker);
+      ASSERT_NE(worker, nullptr);
+      const auto predicted =
+          static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+      EXPECT_NEAR(measured, predicted, 0.05 * predicted) << plan.parallel.ToString();
+      EXPECT_LE(rank.figures.total_peak, kCap) << plan.parallel.ToString();
+      std::printf(
+          "[ %s, %lld positions ] rank %d: activations %.2f MiB (predicted %.2f), all "
+          "objects %.2f MiB (cap %lld)\n",
+          plan.parallel.ToString().c_str(), static_cast<long long>(plan.seq_len), rank.rank,
+          measured / (1 << 20), predicted / (1 << 20),
+          static_cast<double>(rank.figures.total_peak) / (1 << 20),
+          static_cast<long long>(kCap >> 20));
+    }
+  }
+}
+
 // A checkpoint written by two groups of two sequence ranks under ZeRO-1 resumes on four
 // sequence ranks, on one worker and at TP 2, with the same next loss.
 TEST_F(TensorParallelTest, ASequenceParallelCheckpointResumesAnywhere) {

@@ -11,6 +11,7 @@
 #include <gmock/gmock.h>
 
 #include "core/checksum.h"
+#include "core/collective_task.h"
 #include "op_gradient_check.h"
 #include "ops/standard_ops.h"
 #include "ops/volume_ops.h"
@@ -208,23 +209,60 @@ TEST(OpGradientTest, HeadsToChunksAndBack) {
   CheckGradients({.forward = "chunks_to_heads",
                   .forward_attrs = kThreeHeadsOverTwo,
                   .inputs = {RandomTensor({2, 2, 3, 3 * 2 * 4}, 2)}});
-  CheckGradients({.forward = "sequence_to_chunks",
-                  .forward_attrs = Attrs{{"ranks", int64_t{2}}},
-                  .inputs = {RandomTensor({2, 6, 5}, 3)}});
-  CheckGradients({.forward = "chunks_to_sequence",
-                  .forward_attrs = Attrs{{"ranks", int64_t{2}}},
-                  .inputs = {RandomTensor({2, 2, 3, 5}, 4)}});
-  Result<std::vector<Tensor>> odd =
-      RunKernel("sequence_to_chunks", {RandomTensor({2, 5, 4}, 1)}, Attrs{{"ranks", int64_t{2}}});
-  ASSERT_FALSE(odd.ok());
-  EXPECT_NE(odd.status().message().find("S a multiple of 2"), std::string::npos)
-      << odd.status().ToString();
+  Result<std::vector<Tensor>> uneven =
+      RunKernel("heads_to_chunks", {RandomTensor({2, 3, 3 * 3 * 4 + 1}, 1)}, kThreeHeadsOverTwo);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("groups x heads x d = 3 x 3 x d"), std::string::npos)
+      << uneven.status().ToString();
+}
+
+// The all-to-all's layouts (run by the collective engine; here their shapes): to_sequence joins
+// [P, B, S, F] into [B, P S, F], from_sequence splits it back; a bad layout names the choices.
+TEST(OpGradientTest, AllToAllLayoutsShapeTheSequence) {
+  const Attrs member{
+      {kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{0}}, {kGroupSizeAttr, int64_t{2}}};
+  const TensorMeta blocks{Shape{2, 3, 4, 5}, DType::kF32, Device::Cpu()};
+  Attrs to = member;
+  to.Set(kLayoutAttr, std::string("to_sequence"));
+  ASSERT_OK_AND_ASSIGN(auto joined, CpuRegistry().InferShapes("all_to_all", {blocks}, to));
+  EXPECT_EQ(joined[0].shape, (Shape{3, 8, 5}));
+  Attrs from = member;
+  from.Set(kLayoutAttr, std::string("from_sequence"));
+  ASSERT_OK_AND_ASSIGN(auto split, CpuRegistry().InferShapes("all_to_all", {joined[0]}, from));
+  EXPECT_EQ(split[0].shape, blocks.shape);
+  EXPECT_EQ(AdjointExchange(ExchangeLayout::kToSequence), ExchangeLayout::kFromSequence);
+  Attrs bad = member;
+  bad.Set(kLayoutAttr, std::string("diagonal"));
+  Result<std::vector<TensorMeta>> refused = CpuRegistry().InferShapes("all_to_all", {blocks}, bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("to_sequence or from_sequence"), std::string::npos)
+      << refused.status().ToString();
+}
+
+// heads_linear reads the chunks in place: the linear of chunks_to_heads' regrouped copy, and its
+// gradients through its rule (three heads over two ranks, one padded).
+TEST(OpGradientTest, HeadsLinearIsTheLinearOfTheRegroupedHeads) {
+  const Attrs attrs{{"heads", int64_t{3}}, {"ranks", int64_t{2}}};
+  const Tensor chunks = RandomTensor({2, 2, 3, 2 * 4}, 1);
+  const Tensor w = RandomTensor({5, 3 * 4}, 2), b = RandomTensor({5}, 3);
+  CheckGradients(
+      {.forward = "heads_linear_forward", .forward_attrs = attrs, .inputs = {chunks, w, b}});
+  ASSERT_OK_AND_ASSIGN(auto regrouped, RunKernel("chunks_to_heads", {chunks}, attrs));
+  ASSERT_OK_AND_ASSIGN(auto expected, RunKernel("linear_forward", {regrouped[0], w, b}));
+  ASSERT_OK_AND_ASSIGN(auto got, RunKernel("heads_linear_forward", {chunks, w, b}, attrs));
+  EXPECT_LT(ScaledMaxError(ToVector(got[0]), ToVector(expected[0])), 1e-6);
+  Result<std::vector<Tensor>> wide =
+      RunKernel("heads_linear_forward", {chunks, RandomTensor({5, 16}, 2), b}, attrs);
+  ASSERT_FALSE(wide.ok());
+  EXPECT_NE(wide.status().message().find("[5, 16] but must be [O, 12]"), std::string::npos)
+      << wide.status().ToString();
 }
 
 // Ulysses' exchange, simulated: P = 2 sequence ranks each hold half the positions of QKV
-// [B, S, 3 H d] (H = 3: rank 1's second head is padding). heads_to_chunks, the all-to-all (block
-// j of rank i to rank j, placed at i) and chunks_to_sequence give rank j the whole sequence of
-// its heads; sequence_to_chunks, the all-to-all and chunks_to_heads bring each rank back its
+// [B, S, 3 H d] (H = 3: rank 1's second head is padding). heads_to_chunks, then the all-to-all
+// (block j of rank i to rank j, placed at i) joined into the sequence order as the collective
+// engine does it (MoveSequenceBlocks: layout to_sequence), give rank j the whole sequence of its
+// heads; the way back (layout from_sequence) and chunks_to_heads bring each rank back its
 // positions of every head.
 TEST(OpGradientTest, UlyssesExchangeRegroupsSequenceAndHeads) {
   constexpr int64_t kRanks = 2, kB = 2, kS = 6, kHeads = 3, kD = 4, kLocal = kS / kRanks;
@@ -257,11 +295,9 @@ TEST(OpGradientTest, UlyssesExchangeRegroupsSequenceAndHeads) {
       const auto& from = sent[static_cast<size_t>(i)];
       received.insert(received.end(), from.begin() + j * block, from.begin() + (j + 1) * block);
     }
-    ASSERT_OK_AND_ASSIGN(
-        auto joined,
-        RunKernel("chunks_to_sequence", {FloatTensor({kRanks, kB, kLocal, 3 * 2 * kD}, received)},
-                  Attrs{{"ranks", kRanks}}));
-    const std::vector<float> heads = ToVector(joined[0]);
+    std::vector<float> heads(received.size());
+    MoveSequenceBlocks(heads.data(), received.data(), kRanks, kB, kLocal, 3 * 2 * kD * 4,
+                       /*to_sequence=*/true);
     ASSERT_EQ(heads.size(), static_cast<size_t>(kB * kS * 3 * 2 * kD));
     for (int64_t b = 0; b < kB; ++b) {
       for (int64_t s = 0; s < kS; ++s) {
@@ -286,10 +322,10 @@ TEST(OpGradientTest, UlyssesExchangeRegroupsSequenceAndHeads) {
         }
       }
     }
-    ASSERT_OK_AND_ASSIGN(auto split,
-                         RunKernel("sequence_to_chunks", {FloatTensor({kB, kS, 2 * kD}, out)},
-                                   Attrs{{"ranks", kRanks}}));
-    back[static_cast<size_t>(j)] = ToVector(split[0]);
+    std::vector<float> split(out.size());
+    MoveSequenceBlocks(out.data(), split.data(), kRanks, kB, kLocal, 2 * kD * 4,
+                       /*to_sequence=*/false);
+    back[static_cast<size_t>(j)] = split;
   }
   const int64_t out_block = kB * kLocal * 2 * kD;
   for (int64_t i = 0; i < kRanks; ++i) {
@@ -676,8 +712,8 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "cross_entropy_from_stats_backward",
                                               "heads_to_chunks",
                                               "chunks_to_heads",
-                                              "sequence_to_chunks",
-                                              "chunks_to_sequence",
+                                              "heads_linear_forward",
+                                              "heads_linear_backward",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",
