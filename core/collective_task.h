@@ -45,6 +45,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/exchange_layout.h"
 #include "core/graph.h"
 #include "core/status.h"
 
@@ -86,25 +87,6 @@ struct CollectivePlace {
   auto operator<=>(const CollectivePlace&) const = default;
 };
 
-// How an all-to-all lays out what it sends and receives (attribute "layout", kLayoutAttr), for
-// sequence parallelism's swaps between a sequence split and a head split:
-//   kBlocks        x and out are group_size contiguous blocks (the default)
-//   kToSequence    x [P, B, S, ...] sends block j to rank j; out [B, P S, ...] holds the block
-//                  from rank j at positions [j S, (j + 1) S) of each row: a sequence joined
-//   kFromSequence  x [B, P S, ...] sends positions [j S, (j + 1) S) of each row to rank j; out
-//                  [P, B, S, ...] holds the block from rank j at j
-// kToSequence and kFromSequence are each other's adjoint (what an output's gradient goes back
-// by); kBlocks is its own. kNone: no exchange (a LayerSpec's outputs that are read as they are).
-enum class ExchangeLayout : uint8_t { kNone, kBlocks, kToSequence, kFromSequence };
-inline constexpr const char* kLayoutAttr = "layout";
-const char* ExchangeLayoutName(ExchangeLayout layout);  // "none", "blocks", ...
-// Attribute "layout" (absent: kBlocks); InvalidArgument naming the choices otherwise.
-Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs);
-ExchangeLayout AdjointExchange(ExchangeLayout layout);
-// What an all-to-all of `group` members makes of x's dims under `layout`; InvalidArgument
-// naming the shape when it does not split so.
-Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,
-                                           int64_t group);
 // Moves `group` blocks between the block order [P, B, S, row] (`blocks`) and the sequence order
 // [B, P S, row] (`sequence`), `row_bytes` bytes a position: to the sequence order when
 // `to_sequence`, else back.

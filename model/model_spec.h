@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "core/attrs.h"
-#include "core/collective_task.h"
 #include "core/dtype.h"
+#include "core/exchange_layout.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "ops/flat_layout.h"
@@ -158,7 +158,7 @@ struct LayerSpec {
   std::optional<TensorParallelLayer> tensor_parallel;
   // In a sequence-parallel model (ModelSpec::sequence_parallel > 1), per activation output:
   // whether readers read it after an all-to-all over the sequence ranks, and in which layout
-  // (core/collective_task.h ExchangeLayout: block j of each rank's value to rank j, joined into or
+  // (core/exchange_layout.h: block j of each rank's value to rank j, joined into or
   // split from the sequence order; its gradient goes back by the adjoint all-to-all). Empty, or
   // kNone: read as it is.
   std::vector<ExchangeLayout> exchanged_outputs;

@@ -16,7 +16,7 @@
 //
 // Sequence parallelism (DeepSpeed-Ulysses): P sequence ranks each hold S/P positions of every
 // row. Around attention an all-to-all turns the sequence split into a head split and back (its
-// layouts to_sequence and from_sequence join and split the sequence: core/collective_task.h);
+// layouts to_sequence and from_sequence join and split the sequence: core/exchange_layout.h);
 // these ops lay the heads out as its P contiguous blocks, block j going to rank j:
 //   heads_to_chunks     [B, S/P, G H d] -> [P, B, S/P, G Hp d]: block j holds head group j
 //                       (heads [j Hp, (j + 1) Hp), Hp = ceil(H / P); the heads past H are zero, so
@@ -175,6 +175,16 @@ Result<int64_t> HeadSize(const char* name, const TensorMeta& x, int64_t groups, 
   return per_row / (groups * heads);
 }
 
+// The head size d of chunks [P, ..., groups x Hp x d] (P = attribute ranks).
+Result<int64_t> ChunkHeadSize(const TensorMeta& chunks, const HeadChunks& c, int64_t groups) {
+  TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", chunks, 3));
+  if (chunks.shape[0] != c.ranks) {
+    return InvalidArgument("input 'chunks' has shape {} but must have {} blocks (ranks)",
+                           chunks.shape.ToString(), c.ranks);
+  }
+  return HeadSize("chunks", chunks, groups, c.heads_per_rank);
+}
+
 Status AddSequenceParallelOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "heads_to_chunks",
@@ -194,26 +204,21 @@ Status AddSequenceParallelOps(OpRegistry& r) {
       },
       .cost = ElementwiseCost(0),
       .gradient = Rule("chunks_to_heads", {OutGrad(0)}, {0})}));
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = "chunks_to_heads",
-      .doc = "the adjoint of heads_to_chunks: [P, B, S, G Hp d] -> [B, S, G H d], the padded "
-             "heads dropped",
-      .input_names = {"chunks"},
-      .output_names = {"x"},
-      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-        TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", in[0], 3));
-        if (in[0].shape[0] != c.ranks) {
-          return InvalidArgument("input 'chunks' has shape {} but must have {} blocks (ranks)",
-                                 in[0].shape.ToString(), c.ranks);
-        }
-        TESSERA_ASSIGN_OR_RETURN(int64_t d, HeadSize("chunks", in[0], c.groups, c.heads_per_rank));
-        std::vector<int64_t> dims(in[0].shape.dims().begin() + 1, in[0].shape.dims().end());
-        dims.back() = c.groups * c.heads * d;
-        return Metas{F32(Shape(dims))};
-      },
-      .cost = ElementwiseCost(0),
-      .gradient = Rule("heads_to_chunks", {OutGrad(0)}, {0})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "chunks_to_heads",
+            .doc = "the adjoint of heads_to_chunks: [P, B, S, G Hp d] -> [B, S, G H d], the padded "
+                   "heads dropped",
+            .input_names = {"chunks"},
+            .output_names = {"x"},
+            .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+              TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
+              TESSERA_ASSIGN_OR_RETURN(int64_t d, ChunkHeadSize(in[0], c, c.groups));
+              std::vector<int64_t> dims(in[0].shape.dims().begin() + 1, in[0].shape.dims().end());
+              dims.back() = c.groups * c.heads * d;
+              return Metas{F32(Shape(dims))};
+            },
+            .cost = ElementwiseCost(0),
+            .gradient = Rule("heads_to_chunks", {OutGrad(0)}, {0})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "heads_linear_forward",
       .doc = "out = chunks_to_heads(chunks) @ w^T + b, read from the chunks [P, B, S, Hp d] in "
@@ -222,12 +227,7 @@ Status AddSequenceParallelOps(OpRegistry& r) {
       .output_names = {"out"},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(HeadChunks c, HeadChunksOf(attrs));
-        TESSERA_RETURN_IF_ERROR(CheckRankAtLeast("chunks", in[0], 3));
-        if (in[0].shape[0] != c.ranks) {
-          return InvalidArgument("input 'chunks' has shape {} but must have {} blocks (ranks)",
-                                 in[0].shape.ToString(), c.ranks);
-        }
-        TESSERA_ASSIGN_OR_RETURN(int64_t d, HeadSize("chunks", in[0], 1, c.heads_per_rank));
+        TESSERA_ASSIGN_OR_RETURN(int64_t d, ChunkHeadSize(in[0], c, 1));
         TESSERA_RETURN_IF_ERROR(CheckMatrix("w", in[1], "[O, H d]"));
         if (in[1].shape[1] != c.heads * d) {
           return InvalidArgument("input 'w' has shape {} but must be [O, {}] ({} heads of {})",

@@ -29,7 +29,7 @@ Result<ReduceOp> ParseReduce(const Attrs& attrs) {
   return InvalidArgument("attribute 'reduce' is '{}'; use sum, avg, max or min", name);
 }
 
-// An all-to-all in the layout attribute "layout" says (core/collective_task.h): the blocks sent
+// An all-to-all in the layout attribute "layout" says (core/exchange_layout.h): the blocks sent
 // from the sequence order are gathered first, and the blocks received for it placed after, in
 // host staging of the block order.
 Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tensor& out,

@@ -1,0 +1,61 @@
+#include "core/exchange_layout.h"
+
+#include <string>
+
+namespace tessera {
+
+const char* ExchangeLayoutName(ExchangeLayout layout) {
+  switch (layout) {
+    case ExchangeLayout::kNone:
+      return "none";
+    case ExchangeLayout::kBlocks:
+      return "blocks";
+    case ExchangeLayout::kToSequence:
+      return "to_sequence";
+    case ExchangeLayout::kFromSequence:
+      return "from_sequence";
+  }
+  return "?";
+}
+
+Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs) {
+  if (!attrs.Has(kLayoutAttr)) return ExchangeLayout::kBlocks;
+  TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kLayoutAttr));
+  for (ExchangeLayout layout :
+       {ExchangeLayout::kBlocks, ExchangeLayout::kToSequence, ExchangeLayout::kFromSequence}) {
+    if (name == ExchangeLayoutName(layout)) return layout;
+  }
+  return InvalidArgument("attribute '{}' is '{}'; use blocks, to_sequence or from_sequence",
+                         kLayoutAttr, name);
+}
+
+ExchangeLayout AdjointExchange(ExchangeLayout layout) {
+  if (layout == ExchangeLayout::kToSequence) return ExchangeLayout::kFromSequence;
+  if (layout == ExchangeLayout::kFromSequence) return ExchangeLayout::kToSequence;
+  return layout;
+}
+
+Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,
+                                           int64_t group) {
+  std::vector<int64_t> out = dims;
+  if (layout == ExchangeLayout::kToSequence) {
+    if (dims.size() < 3 || dims[0] != group) {
+      return InvalidArgument(
+          "an all-to-all to the sequence order takes [{}, B, S, ...], not {} dims "
+          "led by {}",
+          group, dims.size(), dims.empty() ? 0 : dims[0]);
+    }
+    out.erase(out.begin());
+    out[1] *= group;
+  } else if (layout == ExchangeLayout::kFromSequence) {
+    if (dims.size() < 2 || dims[1] % group != 0) {
+      return InvalidArgument(
+          "an all-to-all from the sequence order takes [B, S, ...] with S a multiple of {}", group);
+    }
+    out[1] /= group;
+    out.insert(out.begin(), group);
+  }
+  return out;
+}
+
+}  // namespace tessera

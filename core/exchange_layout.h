@@ -1,0 +1,34 @@
+// How an all-to-all lays out what it sends and receives (sequence parallelism's exchanges): the
+// layouts a model declares for its exchanged outputs (model/model_spec.h) and the all-to-all op
+// and collective engine run (core/collective_task.h, worker/collective_engine.cc).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/attrs.h"
+#include "core/status.h"
+
+namespace tessera {
+
+// How an all-to-all lays out what it sends and receives (attribute "layout", kLayoutAttr), for
+// sequence parallelism's swaps between a sequence split and a head split:
+//   kBlocks        x and out are group_size contiguous blocks (the default)
+//   kToSequence    x [P, B, S, ...] sends block j to rank j; out [B, P S, ...] holds the block
+//                  from rank j at positions [j S, (j + 1) S) of each row: a sequence joined
+//   kFromSequence  x [B, P S, ...] sends positions [j S, (j + 1) S) of each row to rank j; out
+//                  [P, B, S, ...] holds the block from rank j at j
+// kToSequence and kFromSequence are each other's adjoint (what an output's gradient goes back
+// by); kBlocks is its own. kNone: no exchange (a LayerSpec's outputs that are read as they are).
+enum class ExchangeLayout : uint8_t { kNone, kBlocks, kToSequence, kFromSequence };
+inline constexpr const char* kLayoutAttr = "layout";
+const char* ExchangeLayoutName(ExchangeLayout layout);  // "none", "blocks", ...
+// Attribute "layout" (absent: kBlocks); InvalidArgument naming the choices otherwise.
+Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs);
+ExchangeLayout AdjointExchange(ExchangeLayout layout);
+// What an all-to-all of `group` members makes of x's dims under `layout`; InvalidArgument
+// naming the shape when it does not split so.
+Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,
+                                           int64_t group);
+
+}  // namespace tessera
