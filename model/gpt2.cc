@@ -215,6 +215,21 @@ LayerValue Block(LayerBuilder& l, const Params& p, int64_t heads) {
   return l.Call("add_forward", {mid, fcproj}, {}, "residual2");
 }
 
+// The tied head on x [B, T, C] and targets [B, T] (inputs 0 and 1): the final layernorm, the
+// classifier reading the embedding's wte, and the mean cross-entropy. Rows of tokens: [B, T, C]
+// -> [B*T, C] before the classifier (cheaper than reshaping the [B, T, V] logits, and the same
+// values).
+LayerValue TiedHeadLoss(LayerBuilder& l, LayerValue lnf_w, LayerValue lnf_b, int64_t channels) {
+  const LayerValue wte = l.SharedParam("embedding", "wte");
+  const LayerValue rows =
+      l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, channels}}}, "rows");
+  const LayerValue lnf = l.Call("layernorm_forward", {rows, lnf_w, lnf_b}, {}, "lnf");
+  const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
+  const LayerValue flat_targets =
+      l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
+  return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+}
+
 Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
   if (config.activations != DType::kF32) {
     return InvalidArgument(
@@ -245,16 +260,7 @@ Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
   }
   model.Loss("head", {x, targets}, [&](LayerBuilder& l) {
     const Params p = Declare(l, TiedLmHeadParamLayout(c), residual_std);
-    const LayerValue wte = l.SharedParam("embedding", "wte");
-    // Rows of tokens: [B, T, C] -> [B*T, C] before the classifier (cheaper than reshaping the
-    // [B, T, V] logits, and the same values).
-    const LayerValue rows =
-        l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
-    const LayerValue lnf = l.Call("layernorm_forward", {rows, p["lnf_w"], p["lnf_b"]}, {}, "lnf");
-    const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
-    const LayerValue flat_targets =
-        l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
-    return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+    return TiedHeadLoss(l, p["lnf_w"], p["lnf_b"], c);
   });
   return model.Build();
 }
@@ -427,16 +433,9 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
     });
   } else {
     model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
-      const LayerValue lnf_w = declare(l, head, "", "lnf_w");
+      const LayerValue lnf_w = declare(l, head, "", "lnf_w");  // in slot order
       const LayerValue lnf_b = declare(l, head, "", "lnf_b");
-      const LayerValue wte = l.SharedParam("embedding", "wte");
-      const LayerValue flat =
-          l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
-      const LayerValue lnf = l.Call("layernorm_forward", {flat, lnf_w, lnf_b}, {}, "lnf");
-      const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
-      const LayerValue flat_targets = l.Call(
-          "reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
-      return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+      return TiedHeadLoss(l, lnf_w, lnf_b, c);
     });
   }
   TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
@@ -537,16 +536,9 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
     residual = h + "post";
   }
   model.Loss("head", {ModelBuilder::LayerOutput(residual, 0), targets}, [&](LayerBuilder& l) {
-    const LayerValue lnf_w = declare(l, head, "", "lnf_w");
+    const LayerValue lnf_w = declare(l, head, "", "lnf_w");  // in slot order
     const LayerValue lnf_b = declare(l, head, "", "lnf_b");
-    const LayerValue wte = l.SharedParam("embedding", "wte");
-    const LayerValue rows =
-        l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, c}}}, "rows");
-    const LayerValue lnf = l.Call("layernorm_forward", {rows, lnf_w, lnf_b}, {}, "lnf");
-    const LayerValue logits = l.Call("linear_no_bias_forward", {lnf, wte}, {}, "classifier");
-    const LayerValue flat_targets =
-        l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}}, "flat_targets");
-    return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
+    return TiedHeadLoss(l, lnf_w, lnf_b, c);
   });
   TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
   DescribeCommon(config, split);
