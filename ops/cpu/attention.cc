@@ -2,10 +2,12 @@
 //
 // Forward, per (batch, head):  S = Q K^T / sqrt(hs);  P = causal_softmax(S);  O = P V.
 // Backward rebuilds P from Q, K and the saved lse instead of storing the T x T matrix (the
-// flash-attention trade: one extra Q K^T product for O(T) instead of O(T^2) saved memory):
+// flash-attention trade: one extra Q K^T product for O(T) instead of O(T^2) saved memory); both
+// run a block of query rows at a time against the keys the block can see:
 //   dP = dO V^T;  D_i = sum_j P_ij dP_ij;  dS = P * (dP - D);
 //   dQ = dS K / sqrt(hs);  dK = dS^T Q / sqrt(hs);  dV = P^T dO.
 // (batch, head) pairs run in parallel, each with single-threaded GEMMs on strided views of qkv.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -20,7 +22,7 @@ namespace tessera::cpu {
 namespace {
 
 struct HeadView {
-  int64_t t, hs, qkv_stride;
+  int64_t hs, qkv_stride;
   const float* q;
   const float* k;
   const float* v;
@@ -30,13 +32,18 @@ HeadView ViewHead(const float* qkv, int64_t b, int64_t h, int64_t seq_len, int64
                   int64_t heads) {
   const int64_t hs = channels / heads;
   const float* base = qkv + b * seq_len * 3 * channels + h * hs;
-  return {seq_len, hs, 3 * channels, base, base + channels, base + 2 * channels};
+  return {hs, 3 * channels, base, base + channels, base + 2 * channels};
 }
 
-// scores[T,T] = Q K^T * scale (all of it; the causal mask is applied by the callers).
-void Scores(float* scores, const HeadView& head, float scale) {
-  Gemm(Transpose::kNo, Transpose::kYes, head.t, head.t, head.hs, scale, head.q, head.qkv_stride,
-       head.k, head.qkv_stride, 0.0f, scores, head.t, kNeverSplit);
+// Query rows are taken kQueryBlock at a time, each block against the keys it can see (causal:
+// those up to its last row), so a thread's scratch is kQueryBlock rows of scores (two in the
+// backward), not T x T: 64 x 4096 floats, 1 MiB, where the whole matrix would take 64 MiB.
+constexpr int64_t kQueryBlock = 64;
+
+// scores[i1 - i0, i1] = Q[i0:i1] K[0:i1]^T * scale (the causal mask is applied by the callers).
+void Scores(float* scores, const HeadView& head, int64_t i0, int64_t i1, float scale) {
+  Gemm(Transpose::kNo, Transpose::kYes, i1 - i0, i1, head.hs, scale, head.q + i0 * head.qkv_stride,
+       head.qkv_stride, head.k, head.qkv_stride, 0.0f, scores, i1, kNeverSplit);
 }
 
 // Runs fn(head, b, h, scratch) for every (batch, head) pair in parallel; scratch holds
@@ -66,27 +73,31 @@ void AttentionForward(float* out, float* lse, const float* qkv, int64_t batch, i
                       int64_t channels, int64_t heads) {
   const int64_t t_len = seq_len;
   const float scale = SoftmaxScale(channels, heads);
-  ForEachHead(qkv, batch, seq_len, channels, heads, t_len * t_len,
+  ForEachHead(qkv, batch, seq_len, channels, heads, kQueryBlock * t_len,
               [&](const HeadView& head, int64_t b, int64_t h, float* p) {
-                Scores(p, head, scale);
-                float* lse_row = lse + (b * heads + h) * t_len;
-                for (int64_t i = 0; i < t_len; ++i) {
-                  float* row = p + i * t_len;
-                  float max_value = -std::numeric_limits<float>::infinity();
-                  for (int64_t j = 0; j <= i; ++j) max_value = std::max(max_value, row[j]);
-                  float sum = 0.0f;
-                  for (int64_t j = 0; j <= i; ++j) {
-                    row[j] = std::exp(row[j] - max_value);
-                    sum += row[j];
-                  }
-                  const float inv_sum = 1.0f / sum;
-                  for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
-                  for (int64_t j = i + 1; j < t_len; ++j) row[j] = 0.0f;
-                  lse_row[i] = max_value + std::log(sum);
-                }
+                float* lse_head = lse + (b * heads + h) * t_len;
                 float* o = out + b * t_len * channels + h * head.hs;
-                Gemm(Transpose::kNo, Transpose::kNo, t_len, head.hs, t_len, 1.0f, p, t_len, head.v,
-                     head.qkv_stride, 0.0f, o, channels, kNeverSplit);
+                for (int64_t i0 = 0; i0 < t_len; i0 += kQueryBlock) {
+                  // Rows [i0, i1) see keys [0, i1): P [rows, i1], rows of stride i1.
+                  const int64_t i1 = std::min(t_len, i0 + kQueryBlock), rows = i1 - i0;
+                  Scores(p, head, i0, i1, scale);
+                  for (int64_t i = i0; i < i1; ++i) {
+                    float* row = p + (i - i0) * i1;
+                    float max_value = -std::numeric_limits<float>::infinity();
+                    for (int64_t j = 0; j <= i; ++j) max_value = std::max(max_value, row[j]);
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j <= i; ++j) {
+                      row[j] = std::exp(row[j] - max_value);
+                      sum += row[j];
+                    }
+                    const float inv_sum = 1.0f / sum;
+                    for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
+                    for (int64_t j = i + 1; j < i1; ++j) row[j] = 0.0f;
+                    lse_head[i] = max_value + std::log(sum);
+                  }
+                  Gemm(Transpose::kNo, Transpose::kNo, rows, head.hs, i1, 1.0f, p, i1, head.v,
+                       head.qkv_stride, 0.0f, o + i0 * channels, channels, kNeverSplit);
+                }
               });
 }
 
@@ -94,40 +105,47 @@ void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const f
                        int64_t batch, int64_t seq_len, int64_t channels, int64_t heads) {
   const int64_t t_len = seq_len;
   const float scale = SoftmaxScale(channels, heads);
-  ForEachHead(qkv, batch, seq_len, channels, heads, 2 * t_len * t_len,
+  ForEachHead(qkv, batch, seq_len, channels, heads, 2 * kQueryBlock * t_len,
               [&](const HeadView& head, int64_t b, int64_t h, float* p) {
-                float* dp = p + t_len * t_len;
-                const float* lse_row = lse + (b * heads + h) * t_len;
+                float* dp = p + kQueryBlock * t_len;
+                const float* lse_head = lse + (b * heads + h) * t_len;
                 const float* d_o = dout + b * t_len * channels + h * head.hs;
-
-                Scores(p, head, scale);
-                for (int64_t i = 0; i < t_len; ++i) {
-                  float* row = p + i * t_len;
-                  for (int64_t j = 0; j <= i; ++j) row[j] = std::exp(row[j] - lse_row[i]);
-                  for (int64_t j = i + 1; j < t_len; ++j) row[j] = 0.0f;
-                }
-                // dP = dO V^T
-                Gemm(Transpose::kNo, Transpose::kYes, t_len, t_len, head.hs, 1.0f, d_o, channels,
-                     head.v, head.qkv_stride, 0.0f, dp, t_len, kNeverSplit);
-                // dS = P * (dP - rowsum(P * dP)), written over dP.
-                for (int64_t i = 0; i < t_len; ++i) {
-                  const float* p_row = p + i * t_len;
-                  float* ds_row = dp + i * t_len;
-                  float d = 0.0f;
-                  for (int64_t j = 0; j <= i; ++j) d += p_row[j] * ds_row[j];
-                  for (int64_t j = 0; j <= i; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d);
-                  for (int64_t j = i + 1; j < t_len; ++j) ds_row[j] = 0.0f;
-                }
                 float* dq = dqkv + b * t_len * 3 * channels + h * head.hs;
                 float* dk = dq + channels;
                 float* dv = dq + 2 * channels;
                 const int64_t stride = head.qkv_stride;
-                Gemm(Transpose::kNo, Transpose::kNo, t_len, head.hs, t_len, scale, dp, t_len,
-                     head.k, stride, 0.0f, dq, stride, kNeverSplit);
-                Gemm(Transpose::kYes, Transpose::kNo, t_len, head.hs, t_len, scale, dp, t_len,
-                     head.q, stride, 0.0f, dk, stride, kNeverSplit);
-                Gemm(Transpose::kYes, Transpose::kNo, t_len, head.hs, t_len, 1.0f, p, t_len, d_o,
-                     channels, 0.0f, dv, stride, kNeverSplit);
+                // dK and dV add up over the query blocks, in block order.
+                for (int64_t t = 0; t < t_len; ++t) {
+                  std::fill(dk + t * stride, dk + t * stride + head.hs, 0.0f);
+                  std::fill(dv + t * stride, dv + t * stride + head.hs, 0.0f);
+                }
+                for (int64_t i0 = 0; i0 < t_len; i0 += kQueryBlock) {
+                  const int64_t i1 = std::min(t_len, i0 + kQueryBlock), rows = i1 - i0;
+                  Scores(p, head, i0, i1, scale);
+                  for (int64_t i = i0; i < i1; ++i) {
+                    float* row = p + (i - i0) * i1;
+                    for (int64_t j = 0; j <= i; ++j) row[j] = std::exp(row[j] - lse_head[i]);
+                    for (int64_t j = i + 1; j < i1; ++j) row[j] = 0.0f;
+                  }
+                  // dP = dO V^T
+                  Gemm(Transpose::kNo, Transpose::kYes, rows, i1, head.hs, 1.0f,
+                       d_o + i0 * channels, channels, head.v, stride, 0.0f, dp, i1, kNeverSplit);
+                  // dS = P * (dP - rowsum(P * dP)), written over dP.
+                  for (int64_t i = i0; i < i1; ++i) {
+                    const float* p_row = p + (i - i0) * i1;
+                    float* ds_row = dp + (i - i0) * i1;
+                    float d = 0.0f;
+                    for (int64_t j = 0; j <= i; ++j) d += p_row[j] * ds_row[j];
+                    for (int64_t j = 0; j <= i; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d);
+                    for (int64_t j = i + 1; j < i1; ++j) ds_row[j] = 0.0f;
+                  }
+                  Gemm(Transpose::kNo, Transpose::kNo, rows, head.hs, i1, scale, dp, i1, head.k,
+                       stride, 0.0f, dq + i0 * stride, stride, kNeverSplit);
+                  Gemm(Transpose::kYes, Transpose::kNo, i1, head.hs, rows, scale, dp, i1,
+                       head.q + i0 * stride, stride, 1.0f, dk, stride, kNeverSplit);
+                  Gemm(Transpose::kYes, Transpose::kNo, i1, head.hs, rows, 1.0f, p, i1,
+                       d_o + i0 * channels, channels, 1.0f, dv, stride, kNeverSplit);
+                }
               });
 }
 
