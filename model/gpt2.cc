@@ -265,6 +265,15 @@ Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
   return model.Build();
 }
 
+// A tensor- or sequence-parallel rewrite of GPT-2 built: the whole model's description, and
+// its parameters keeping the whole model's names (every layer's prefix empty).
+Result<ModelSpec> BuildRewrite(const ModelBuilder& model, const Gpt2Config& config) {
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec rewrite, model.Build());
+  DescribeCommon(config, rewrite);
+  for (LayerSpec& layer : rewrite.layers) layer.param_prefix = "";
+  return rewrite;
+}
+
 // GPT-2 split over `ranks` ranks (Megatron-LM's tensor slicing): what each rank runs. Each block
 // is four layers, so that every all-reduce sits between layers and every replicated parameter
 // gets its whole gradient on every rank:
@@ -438,10 +447,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
       return TiedHeadLoss(l, lnf_w, lnf_b, c);
     });
   }
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
-  DescribeCommon(config, split);
-  for (LayerSpec& layer : split.layers) layer.param_prefix = "";
-  return split;
+  return BuildRewrite(model, config);
 }
 
 // GPT-2 for P sequence ranks (DeepSpeed-Ulysses): what each rank runs on its S/P positions of
@@ -540,10 +546,7 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
     const LayerValue lnf_b = declare(l, head, "", "lnf_b");
     return TiedHeadLoss(l, lnf_w, lnf_b, c);
   });
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.Build());
-  DescribeCommon(config, split);
-  for (LayerSpec& layer : split.layers) layer.param_prefix = "";
-  return split;
+  return BuildRewrite(model, config);
 }
 
 // `ids` as an i32 [batch, seq_len] tensor, every id checked against the vocabulary.
