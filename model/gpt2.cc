@@ -265,6 +265,33 @@ Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
   return model.Build();
 }
 
+// What a rewrite of GPT-2 (tensor or sequence parallel) declares its parameters by: each slot of
+// GPT-2's layouts under the whole model's name `prefix + slot`, initialised as nanoGPT does, split
+// as `split` (replicated by default), so that the rewrite's parameters map onto the whole model's.
+class WholeModelSlots {
+ public:
+  explicit WholeModelSlots(const Gpt2Config& config)
+      : embedding(
+            TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, config.channels)),
+        block(TransformerBlockParamLayout(config.channels)),
+        head(TiedLmHeadParamLayout(config.channels)),
+        residual_std_(ResidualStd(config)) {}
+
+  LayerValue operator()(LayerBuilder& l, const FlatLayout& layout, const std::string& prefix,
+                        const char* slot, SlotSplit split = {}) const {
+    const FlatSlot& whole = **layout.Find(slot);
+    return l.SlicedParam(prefix + slot, whole.shape, split, SlotInit(whole, residual_std_),
+                         whole.weight_decay);
+  }
+
+  const FlatLayout embedding, block, head;
+
+ private:
+  double residual_std_;
+};
+
+std::string BlockPrefix(int64_t b) { return fmt::format("h.{}.", b); }
+
 // A tensor- or sequence-parallel rewrite of GPT-2 built: the whole model's description, and
 // its parameters keeping the whole model's names (every layer's prefix empty).
 Result<ModelSpec> BuildRewrite(const ModelBuilder& model, const Gpt2Config& config) {
@@ -306,20 +333,9 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
-  const double residual_std = ResidualStd(config);
-  const FlatLayout embedding =
-      TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c);
-  const FlatLayout block = TransformerBlockParamLayout(c);
-  const FlatLayout head = TiedLmHeadParamLayout(c);
-  // Slot `slot` of `layout`, as the whole model's parameter `prefix + slot`, split as `split`.
-  const auto declare = [&](LayerBuilder& l, const FlatLayout& layout, const std::string& prefix,
-                           const char* slot, SlotSplit split = {}) {
-    const FlatSlot& whole = **layout.Find(slot);
-    return l.SlicedParam(prefix + slot, whole.shape, split, SlotInit(whole, residual_std),
-                         whole.weight_decay);
-  };
+  const WholeModelSlots declare(config);
+  const FlatLayout &embedding = declare.embedding, &block = declare.block, &head = declare.head;
   const SlotSplit rows{.dim = 0}, qkv_rows{.dim = 0, .blocks = 3}, columns{.dim = 1};
-  const auto block_prefix = [](int64_t b) { return fmt::format("h.{}.", b); };
   ModelBuilder model("gpt2", registry);
   model.SplitOver(ranks);
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
@@ -341,8 +357,8 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
     model.LayerWithOutputs(
         "positions", {ModelBuilder::LayerOutput("embedding")}, [&](LayerBuilder& l) {
           const LayerValue wpe = declare(l, embedding, "", "wpe");
-          const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
-          const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+          const LayerValue ln1_w = declare(l, block, BlockPrefix(0), "ln1_w");
+          const LayerValue ln1_b = declare(l, block, BlockPrefix(0), "ln1_b");
           const LayerValue x = l.Call("position_add_forward", {l.input(0), wpe}, {}, "positions");
           return std::vector<LayerValue>{x,
                                          l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
@@ -352,8 +368,8 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
     model.LayerWithOutputs("embedding", {tokens}, [&](LayerBuilder& l) {
       const LayerValue wte = declare(l, embedding, "", "wte");
       const LayerValue wpe = declare(l, embedding, "", "wpe");
-      const LayerValue ln1_w = declare(l, block, block_prefix(0), "ln1_w");
-      const LayerValue ln1_b = declare(l, block, block_prefix(0), "ln1_b");
+      const LayerValue ln1_w = declare(l, block, BlockPrefix(0), "ln1_w");
+      const LayerValue ln1_b = declare(l, block, BlockPrefix(0), "ln1_b");
       const LayerValue x =
           l.Call("embedding_forward", {l.input(0), wte, wpe},
                  Attrs{{"vocab", config.vocab}, {"max_seq_len", config.max_seq_len}}, "embed");
@@ -362,7 +378,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
     residual = "embedding";
   }
   for (int64_t b = 0; b < config.layers; ++b) {
-    const std::string h = block_prefix(b);
+    const std::string h = BlockPrefix(b);
     model.Layer(h + "attn", {ModelBuilder::LayerOutput(residual, 1)}, [&](LayerBuilder& l) {
       const LayerValue qkv_w = declare(l, block, h, "qkv_w", qkv_rows);
       const LayerValue qkv_b = declare(l, block, h, "qkv_b", qkv_rows);
@@ -407,8 +423,8 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
           // see).
           LayerValue norm_w, norm_b;
           if (!last) {
-            norm_w = declare(l, block, block_prefix(b + 1), "ln1_w");
-            norm_b = declare(l, block, block_prefix(b + 1), "ln1_b");
+            norm_w = declare(l, block, BlockPrefix(b + 1), "ln1_w");
+            norm_b = declare(l, block, BlockPrefix(b + 1), "ln1_b");
           } else if (vocab_parallel) {
             norm_w = declare(l, head, "", "lnf_w");
             norm_b = declare(l, head, "", "lnf_b");
@@ -472,17 +488,8 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
   const int64_t heads_per_rank = (config.heads + ranks - 1) / ranks;
-  const double residual_std = ResidualStd(config);
-  const FlatLayout embedding =
-      TokenPositionEmbeddingParamLayout(config.vocab, config.max_seq_len, c);
-  const FlatLayout block = TransformerBlockParamLayout(c);
-  const FlatLayout head = TiedLmHeadParamLayout(c);
-  const auto declare = [&](LayerBuilder& l, const FlatLayout& layout, const std::string& prefix,
-                           const char* slot) {
-    const FlatSlot& whole = **layout.Find(slot);
-    return l.Param(prefix + slot, whole.shape, SlotInit(whole, residual_std), whole.weight_decay);
-  };
-  const auto block_prefix = [](int64_t b) { return fmt::format("h.{}.", b); };
+  const WholeModelSlots declare(config);
+  const FlatLayout &embedding = declare.embedding, &block = declare.block, &head = declare.head;
   const Attrs chunks{{"heads", config.heads}, {"ranks", int64_t{ranks}}};
   ModelBuilder model("gpt2", registry);
   model.SplitSequenceOver(ranks);
@@ -497,7 +504,7 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
   });
   std::string residual = "embedding";  // the layer whose output is the block's input
   for (int64_t b = 0; b < config.layers; ++b) {
-    const std::string h = block_prefix(b);
+    const std::string h = BlockPrefix(b);
     model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
       const LayerValue ln1_w = declare(l, block, h, "ln1_w");
       const LayerValue ln1_b = declare(l, block, h, "ln1_b");

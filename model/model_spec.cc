@@ -1,5 +1,7 @@
 #include "model/model_spec.h"
 
+#include <functional>
+
 #include <fmt/format.h>
 
 namespace tessera {
@@ -32,51 +34,53 @@ Result<size_t> ModelSpec::LossLayer() const {
   return layers.size() - 1;
 }
 
-Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks) const {
-  if (ranks == tensor_parallel) return *this;
-  if (ranks < 1) return InvalidArgument("tensor-parallel degree must be >= 1, got {}", ranks);
-  if (tensor_parallel != 1) {
-    return InvalidArgument("model '{}' is already split over {} ranks; split the whole model", name,
-                           tensor_parallel);
+namespace {
+
+// How a whole model is rewritten for `ranks` ranks of one kind, and what to say when it cannot.
+struct Rewrite {
+  const char* kind;  // "tensor", "sequence"
+  int ModelSpec::*degree;
+  const std::function<Result<ModelSpec>(int)>& split;
+  const char* cannot;  // what the model lacks and the flag that runs without it
+};
+
+Result<ModelSpec> Rewritten(const ModelSpec& model, int ranks, const Rewrite& rewrite) {
+  if (ranks == model.*rewrite.degree) return model;
+  if (ranks < 1) {
+    return InvalidArgument("{}-parallel degree must be >= 1, got {}", rewrite.kind, ranks);
   }
-  if (!split_for_tensor_parallel) {
+  if (model.rewritten()) {
     return InvalidArgument(
-        "model '{}' does not say how its layers split over ranks (model/model.h: "
-        "ModelBuilder::SplitOver, LayerBuilder::SlicedParam), so it cannot run tensor parallel: "
-        "use --tensor-parallel 1",
-        name);
+        "model '{}' is already split over {} tensor / {} sequence ranks; split the whole model",
+        model.name, model.tensor_parallel, model.sequence_parallel);
   }
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, split_for_tensor_parallel(ranks));
-  if (split.tensor_parallel != ranks) {
-    return Internal("model '{}' split for {} ranks says it is split over {}", name, ranks,
-                    split.tensor_parallel);
+  if (!rewrite.split) return InvalidArgument("model '{}' {}", model.name, rewrite.cannot);
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, rewrite.split(ranks));
+  if (split.*rewrite.degree != ranks) {
+    return Internal("model '{}' split for {} {} ranks says it is split over {}", model.name, ranks,
+                    rewrite.kind, split.*rewrite.degree);
   }
   TESSERA_RETURN_IF_ERROR(split.Validate());
   return split;
 }
 
+}  // namespace
+
+Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks) const {
+  return Rewritten(*this, ranks,
+                   Rewrite{"tensor", &ModelSpec::tensor_parallel, split_for_tensor_parallel,
+                           "does not say how its layers split over ranks (model/model.h: "
+                           "ModelBuilder::SplitOver, LayerBuilder::SlicedParam), so it cannot run "
+                           "tensor parallel: use --tensor-parallel 1"});
+}
+
 Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
-  if (ranks == sequence_parallel) return *this;
-  if (ranks < 1) return InvalidArgument("sequence-parallel degree must be >= 1, got {}", ranks);
-  if (rewritten()) {
-    return InvalidArgument(
-        "model '{}' is already split over {} tensor / {} sequence ranks; split the whole model",
-        name, tensor_parallel, sequence_parallel);
-  }
-  if (!split_for_sequence_parallel) {
-    return InvalidArgument(
-        "model '{}' does not say how its layers split a sequence over ranks (model/model.h: "
-        "ModelBuilder::SplitSequenceOver, LayerBuilder::Exchange), so it cannot run sequence "
-        "parallel: use --sequence-parallel none",
-        name);
-  }
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, split_for_sequence_parallel(ranks));
-  if (split.sequence_parallel != ranks) {
-    return Internal("model '{}' split for {} sequence ranks says it is split over {}", name, ranks,
-                    split.sequence_parallel);
-  }
-  TESSERA_RETURN_IF_ERROR(split.Validate());
-  return split;
+  return Rewritten(*this, ranks,
+                   Rewrite{"sequence", &ModelSpec::sequence_parallel, split_for_sequence_parallel,
+                           "does not say how its layers split a sequence over ranks "
+                           "(model/model.h: ModelBuilder::SplitSequenceOver, "
+                           "LayerBuilder::Exchange), so it cannot run sequence parallel: use "
+                           "--sequence-parallel none"});
 }
 
 Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks) const {
@@ -92,6 +96,21 @@ Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks) co
 
 namespace {
 
+// Readers read a collective's result in place of the outputs `replaced` names (partial sums,
+// exchanged values), so the layer's backward must not keep them: it would read the result's
+// parts, not what it made.
+Status RefuseKeptOutputs(const LayerSpec& layer, const char* what,
+                         const std::function<bool(size_t)>& replaced) {
+  for (const BackwardArg& arg : layer.backward_args) {
+    if (arg.kind == BackwardArg::Kind::kForwardOutput && replaced(arg.index)) {
+      return InvalidArgument(
+          "layer '{}' keeps its {} output {} for its backward: keep what it is made of instead",
+          layer.name, what, arg.index);
+    }
+  }
+  return Status::Ok();
+}
+
 // A sequence-parallel model's layer: its exchanged outputs are activations not kept for its
 // backward.
 Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
@@ -104,14 +123,8 @@ Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
     return InvalidArgument("layer '{}' says whether {} output(s) are exchanged but has {}",
                            layer.name, layer.exchanged_outputs.size(), layer.activations);
   }
-  for (const BackwardArg& arg : layer.backward_args) {
-    if (arg.kind == BackwardArg::Kind::kForwardOutput && layer.exchanges(arg.index)) {
-      return InvalidArgument(
-          "layer '{}' keeps its exchanged output {} for its backward: keep what it is made of "
-          "instead",
-          layer.name, arg.index);
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(
+      RefuseKeptOutputs(layer, "exchanged", [&](size_t o) { return layer.exchanges(o); }));
   if (layer.loss && layer.exchanges(0)) {
     return InvalidArgument("the loss layer '{}' cannot exchange its loss", layer.name);
   }
@@ -150,15 +163,9 @@ Status ValidateSplitLayer(const LayerSpec& layer) {
           "layer '{}' argument {} has a partial gradient but is not an activation", layer.name, a);
     }
   }
-  for (const BackwardArg& arg : layer.backward_args) {
-    if (arg.kind == BackwardArg::Kind::kForwardOutput && arg.index < tp.partial_outputs.size() &&
-        tp.partial_outputs[arg.index]) {
-      return InvalidArgument(
-          "layer '{}' keeps its partial output {} for its backward: keep what it is made of "
-          "instead",
-          layer.name, arg.index);
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(RefuseKeptOutputs(layer, "partial", [&](size_t o) {
+    return o < tp.partial_outputs.size() && tp.partial_outputs[o];
+  }));
   if (layer.loss && !tp.partial_outputs.empty() && tp.partial_outputs[0]) {
     return InvalidArgument("the loss layer '{}' cannot return a partial loss", layer.name);
   }

@@ -215,19 +215,29 @@ class Expansion {
     return Status::Ok();
   }
 
-  // Tensor parallelism: an all-reduce over the tensor ranks of `part`, rank r's partial sum
-  // ("<layer>/<what>", on the tensor channel); returns the sum.
-  Result<ObjectId> SumOverTensorRanks(const MicroBatch& mb, size_t l, const std::string& what,
-                                      ObjectId part, int32_t priority) {
+  // Rank r's member of collective `op` on an activation of layer l ("<layer>/<what>", its result
+  // the activation "<layer>.<what>"); `members(name, r)` gives the member's attributes.
+  Result<ObjectId> ActivationCollective(const MicroBatch& mb, size_t l, const std::string& what,
+                                        const char* op, ObjectId value, int32_t priority,
+                                        Attrs (PlanState::*members)(const std::string&, int),
+                                        const std::pair<const char*, std::string>& attr) {
     const std::string& layer = s_.LayerName(l);
     const std::string name = s_.Micro(mb.k, layer + "/" + what);
     TESSERA_ASSIGN_OR_RETURN(
-        auto sum,
-        s_.builder.AddTask(s_.Name(mb.r, name), "all_reduce", {part},
-                           s_.TensorCollective(name, mb.r).Set("reduce", "sum"),
+        auto result,
+        s_.builder.AddTask(s_.Name(mb.r, name), op, {value},
+                           (s_.*members)(name, mb.r).Set(attr.first, attr.second),
                            s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
                                  {ObjectRole::kActivation})));
-    return sum[0];
+    return result[0];
+  }
+
+  // Tensor parallelism: an all-reduce over the tensor ranks of `part`, rank r's partial sum (on
+  // the tensor channel); returns the sum.
+  Result<ObjectId> SumOverTensorRanks(const MicroBatch& mb, size_t l, const std::string& what,
+                                      ObjectId part, int32_t priority) {
+    return ActivationCollective(mb, l, what, "all_reduce", part, priority,
+                                &PlanState::TensorCollective, {"reduce", "sum"});
   }
 
   // The layer's partial outputs (TensorParallelLayer::partial_outputs) summed over the tensor
@@ -246,21 +256,14 @@ class Expansion {
     return Status::Ok();
   }
 
-  // Sequence parallelism: `value` after an all-to-all over rank r's sequence ranks
-  // ("<layer>/<what>", on the activations' channel): block j of every rank's value to rank j.
+  // Sequence parallelism: `value` after an all-to-all over rank r's sequence ranks in `layout`
+  // (on the activations' channel): block j of every rank's value to rank j.
   Result<ObjectId> ExchangeOverSequenceRanks(const MicroBatch& mb, size_t l,
                                              const std::string& what, ObjectId value,
                                              ExchangeLayout layout, int32_t priority) {
-    const std::string& layer = s_.LayerName(l);
-    const std::string name = s_.Micro(mb.k, layer + "/" + what);
-    TESSERA_ASSIGN_OR_RETURN(
-        auto exchanged,
-        s_.builder.AddTask(s_.Name(mb.r, name), "all_to_all", {value},
-                           s_.SequenceCollective(name, mb.r)
-                               .Set(kLayoutAttr, std::string(ExchangeLayoutName(layout))),
-                           s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
-                                 {ObjectRole::kActivation})));
-    return exchanged[0];
+    return ActivationCollective(mb, l, what, "all_to_all", value, priority,
+                                &PlanState::SequenceCollective,
+                                {kLayoutAttr, ExchangeLayoutName(layout)});
   }
 
   // The layer's exchanged outputs (LayerSpec::exchanged_outputs), what every reader reads.
@@ -346,7 +349,7 @@ class Expansion {
         TESSERA_ASSIGN_OR_RETURN(
             dy[o], s_.Sum(mb.r, s_.StageOf(l), ObjectName(mb, fmt::format("{}.d{}", layer.name, o)),
                           mb.output_grads[l][o]));
-        // An exchanged output's gradient goes back by the same all-to-all (its own adjoint).
+        // An exchanged output's gradient goes back by the adjoint all-to-all.
         if (layer.exchanges(o) && dy[o].valid()) {
           TESSERA_ASSIGN_OR_RETURN(
               dy[o], ExchangeOverSequenceRanks(mb, l, fmt::format("exchange_d{}", o), dy[o],

@@ -672,37 +672,32 @@ Status Trainer::CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64
   return Status::Ok();
 }
 
-Result<Value> Trainer::UploadBlock(const Tensor& batch, int64_t first, int64_t rows,
-                                   int64_t first_position, int64_t positions) {
-  std::vector<int64_t> dims = batch.shape().dims();
-  const int64_t position_bytes = batch.bytes() / (dims[0] * dims[1]);
-  const int64_t row_bytes = position_bytes * dims[1];
-  dims[0] = rows;
-  dims[1] = positions;
-  Result<Tensor> made = Tensor::Empty(
-      TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()}, backend_->allocator());
-  if (!made.ok()) return made.status().WithContext("uploading a batch's positions");
-  Tensor t = std::move(*made);
-  const auto* from = static_cast<const char*>(batch.raw_data());
-  auto* to = static_cast<char*>(t.raw_data());
-  const int64_t bytes = positions * position_bytes;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(to + r * bytes, from + (first + r) * row_bytes + first_position * position_bytes,
-                static_cast<size_t>(bytes));
-  }
-  return backend_->Upload(std::move(t));
-}
-
-Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows) {
+Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows,
+                                  int64_t first_position, int64_t positions) {
   std::vector<int64_t> dims = batch.shape().dims();
   const int64_t row_bytes = batch.bytes() / dims[0];
+  // Each row's part: all of it, or positions [first_position, + positions) of dimension 1.
+  int64_t offset = 0, part = row_bytes;
+  if (positions >= 0) {
+    const int64_t position_bytes = row_bytes / dims[1];
+    offset = first_position * position_bytes;
+    part = positions * position_bytes;
+    dims[1] = positions;
+  }
   dims[0] = rows;
   Result<Tensor> made = Tensor::Empty(
       TensorMeta{Shape(std::move(dims)), batch.dtype(), Device::Cpu()}, backend_->allocator());
   if (!made.ok()) return made.status().WithContext("uploading a batch's rows");
   Tensor t = std::move(*made);
-  std::memcpy(t.raw_data(), static_cast<const char*>(batch.raw_data()) + first * row_bytes,
-              static_cast<size_t>(rows * row_bytes));
+  const auto* from = static_cast<const char*>(batch.raw_data()) + first * row_bytes + offset;
+  auto* to = static_cast<char*>(t.raw_data());
+  if (part == row_bytes) {
+    std::memcpy(to, from, static_cast<size_t>(rows * row_bytes));
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(to + r * part, from + r * row_bytes, static_cast<size_t>(part));
+    }
+  }
   return backend_->Upload(std::move(t));
 }
 
@@ -720,19 +715,16 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t micro_batches = p.micro_batches;
   for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
     const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
-    const bool by_position = p.sequence_parallel > 1 && model_.inputs[input].sequence;
+    const int64_t positions = p.sequence_parallel > 1 && model_.inputs[input].sequence
+                                  ? p.RankSeqLen(plan_.seq_len)
+                                  : -1;  // all of each row
     for (size_t i = 0; i < pieces.size(); ++i) {
       const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
       const int64_t slice =
           p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
-      if (by_position) {
-        TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
-                                 UploadBlock(batch[input], slice * micro, micro,
-                                             p.SequenceRankOf(rank) * p.RankSeqLen(plan_.seq_len),
-                                             p.RankSeqLen(plan_.seq_len)));
-      } else {
-        TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]], UploadRows(batch[input], slice * micro, micro));
-      }
+      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
+                               UploadRows(batch[input], slice * micro, micro,
+                                          p.SequenceRankOf(rank) * positions, positions));
     }
   }
   TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));

@@ -175,12 +175,10 @@ class Trainer {
   // rows and `seq_len`; label inputs only when `labels` (not when predicting).
   Status CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64_t seq_len,
                     bool labels) const;
-  // Rows [first, first + rows) of a batch tensor, uploaded.
-  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows);
-  // Of those rows, positions [first_position, + positions) (dimension 1), uploaded: a sequence
-  // rank's part.
-  Result<Value> UploadBlock(const Tensor& batch, int64_t first, int64_t rows,
-                            int64_t first_position, int64_t positions);
+  // Rows [first, first + rows) of a batch tensor, uploaded; with `positions` >= 0, only their
+  // positions [first_position, + positions) (dimension 1: a sequence rank's part).
+  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows,
+                           int64_t first_position = 0, int64_t positions = -1);
   Status PrepareStepGraph();
   // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);

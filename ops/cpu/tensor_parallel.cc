@@ -8,6 +8,7 @@
 
 #include "ops/cpu/blas.h"
 #include "ops/cpu/kernel_glue.h"
+#include "ops/cpu/kernels.h"
 #include "ops/cpu/parallel.h"
 #include "ops/standard_ops.h"
 
@@ -108,19 +109,10 @@ Status PositionAddBackward(const KernelContext&, const Tensors& in, const Tensor
   if (out[0].raw_data() != in[0].raw_data()) {
     std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));
   }
+  // Each position's row summed over the batch in batch order (dout as [B, S C]); zero elsewhere.
   float* dwpe = F(out[1]);
   std::fill(dwpe, dwpe + out[1].numel(), 0.0f);
-  // Each position's row summed over the batch in batch order (embedding_backward's order).
-  const int64_t first = FirstPosition(attrs, seq);
-  ParallelFor(seq, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      float* d = dwpe + (first + s) * c;
-      for (int64_t b = 0; b < batch; ++b) {
-        const float* g = F(in[0]) + (b * seq + s) * c;
-        for (int64_t j = 0; j < c; ++j) d[j] += g[j];
-      }
-    }
-  });
+  cpu::SumRows(dwpe + FirstPosition(attrs, seq) * c, F(in[0]), batch, seq * c);
   return Status::Ok();
 }
 
@@ -212,13 +204,7 @@ Status HeadsLinearBackward(const KernelContext& context, const Tensors& in, cons
               b.outputs, F(in[1]) + j * b.rows * b.per_rank_width, b.per_rank_width, 0.0f,
               F(out[1]) + j * b.per_rank_width, ldw, context.gemm_split_min_flops);
   }
-  // The bias gradient: each column summed over the rows in double, in row order.
-  std::vector<double> sum(static_cast<size_t>(b.outputs), 0.0);
-  for (int64_t r = 0; r < b.rows; ++r) {
-    for (int64_t o = 0; o < b.outputs; ++o) sum[static_cast<size_t>(o)] += dout[r * b.outputs + o];
-  }
-  for (int64_t o = 0; o < b.outputs; ++o)
-    F(out[2])[o] = static_cast<float>(sum[static_cast<size_t>(o)]);
+  cpu::SumRows(F(out[2]), dout, b.rows, b.outputs);  // as linear_backward's bias gradient
   return Status::Ok();
 }
 
