@@ -205,10 +205,10 @@ const Attrs kThreeHeadsOverTwo{
 TEST(OpGradientTest, HeadsToChunksAndBack) {
   CheckGradients({.forward = "heads_to_chunks",
                   .forward_attrs = kThreeHeadsOverTwo,
-                  .inputs = {RandomTensor({2, 3, 3 * 3 * 4}, 1)}});
+                  .inputs = {RandomTensor({2, 3, int64_t{3} * 3 * 4}, 1)}});
   CheckGradients({.forward = "chunks_to_heads",
                   .forward_attrs = kThreeHeadsOverTwo,
-                  .inputs = {RandomTensor({2, 2, 3, 3 * 2 * 4}, 2)}});
+                  .inputs = {RandomTensor({2, 2, 3, int64_t{3} * 2 * 4}, 2)}});
   Result<std::vector<Tensor>> uneven =
       RunKernel("heads_to_chunks", {RandomTensor({2, 3, 3 * 3 * 4 + 1}, 1)}, kThreeHeadsOverTwo);
   ASSERT_FALSE(uneven.ok());
@@ -243,8 +243,8 @@ TEST(OpGradientTest, AllToAllLayoutsShapeTheSequence) {
 // gradients through its rule (three heads over two ranks, one padded).
 TEST(OpGradientTest, HeadsLinearIsTheLinearOfTheRegroupedHeads) {
   const Attrs attrs{{"heads", int64_t{3}}, {"ranks", int64_t{2}}};
-  const Tensor chunks = RandomTensor({2, 2, 3, 2 * 4}, 1);
-  const Tensor w = RandomTensor({5, 3 * 4}, 2), b = RandomTensor({5}, 3);
+  const Tensor chunks = RandomTensor({2, 2, 3, int64_t{2} * 4}, 1);
+  const Tensor w = RandomTensor({5, int64_t{3} * 4}, 2), b = RandomTensor({5}, 3);
   CheckGradients(
       {.forward = "heads_linear_forward", .forward_attrs = attrs, .inputs = {chunks, w, b}});
   ASSERT_OK_AND_ASSIGN(auto regrouped, RunKernel("chunks_to_heads", {chunks}, attrs));
@@ -296,7 +296,7 @@ TEST(OpGradientTest, UlyssesExchangeRegroupsSequenceAndHeads) {
       received.insert(received.end(), from.begin() + j * block, from.begin() + (j + 1) * block);
     }
     std::vector<float> heads(received.size());
-    MoveSequenceBlocks(heads.data(), received.data(), kRanks, kB, kLocal, 3 * 2 * kD * 4,
+    MoveSequenceBlocks(heads.data(), received.data(), kRanks, kB, kLocal, int64_t{3} * 2 * kD * 4,
                        /*to_sequence=*/true);
     ASSERT_EQ(heads.size(), static_cast<size_t>(kB * kS * 3 * 2 * kD));
     for (int64_t b = 0; b < kB; ++b) {
@@ -381,7 +381,7 @@ TEST(OpGradientTest, VocabParallelPartsSumToTheWholeOps) {
   const Tensor logits = RandomTensor({kRows, kVocab}, 3, 4.0f);
   const Tensor targets = RandomTokens({kRows}, kVocab, 4);
   const std::vector<float> wte_values = ToVector(wte), logit_values = ToVector(logits);
-  std::vector<float> embedded(static_cast<size_t>(4 * 6 * kC), 0.0f);
+  std::vector<float> embedded(static_cast<size_t>(int64_t{4} * 6 * kC), 0.0f);
   std::vector<float> stats(static_cast<size_t>(kRows * (kRanks + 1)), 0.0f);
   std::vector<Tensor> shard_logits;
   for (int64_t t = 0; t < kRanks; ++t) {
