@@ -146,11 +146,24 @@ int64_t ConvScratchBytes(const TensorMeta& volume, const TensorMeta& weight,
   return 4 * std::max<int64_t>(1, Conv3dWorkspaceFloats(rows, positions));
 }
 
-Status AddConvOps(OpRegistry& r, bool transposed) {
-  const std::string name = transposed ? "conv_transpose3d" : "conv3d";
-  const InferFn forward_infer = [transposed](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+// conv3d and conv_transpose3d add a bias; conv3d_no_bias does not (the row-parallel half of a
+// tensor-parallel pair of convolutions, whose partial sums are added before its bias is).
+struct ConvVariant {
+  bool transposed = false;
+  bool bias = true;
+  std::string Name() const {
+    if (transposed) return "conv_transpose3d";
+    return bias ? "conv3d" : "conv3d_no_bias";
+  }
+};
+
+Status AddConvOps(OpRegistry& r, ConvVariant variant) {
+  const bool transposed = variant.transposed, bias = variant.bias;
+  const std::string name = variant.Name();
+  const InferFn forward_infer = [transposed, bias](const Metas& in,
+                                                   const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 0, attrs, transposed));
-    TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{y[1]}));
+    if (bias) TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{y[1]}));
     return Metas{F32Like(in[0], std::move(y))};
   };
   // One multiply-add per weight tap of each output of the underlying convolution: conv3d's y,
@@ -161,18 +174,33 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
     const double taps = Numel(weight) / static_cast<double>(weight.shape[0]);
     return 2.0 * (transposed ? Numel(x) : Numel(y)) * taps;
   };
+  const char* doc = transposed ? "3D transposed convolution (the adjoint of conv3d) plus bias, "
+                                 "NCDHW; attrs stride, padding"
+                    : bias     ? "3D convolution plus bias, NCDHW, as im2col + GEMM; attrs stride, "
+                                 "padding"
+                           : "3D convolution without bias, NCDHW, as im2col + GEMM; attrs stride, "
+                             "padding";
+  std::vector<std::string> forward_inputs = {"x", "weight"};
+  std::vector<std::string> backward_outputs = {"dx", "dweight"};
+  std::vector<std::string> weight_outputs = {"dweight"};
+  std::vector<int> gradient_of = {0, 1};
+  if (bias) {
+    forward_inputs.emplace_back("bias");
+    backward_outputs.emplace_back("dbias");
+    weight_outputs.emplace_back("dbias");
+    gradient_of.push_back(2);
+  }
+  // The bias-free convolution's input half is conv3d's: the same inputs, the same dx.
+  const std::string input_half = (bias ? name : std::string("conv3d")) + "_backward_input";
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = name + "_forward",
-      .doc = transposed ? "3D transposed convolution (the adjoint of conv3d) plus bias, NCDHW; "
-                          "attrs stride, padding"
-                        : "3D convolution plus bias, NCDHW, as im2col + GEMM; attrs stride, "
-                          "padding",
-      .input_names = {"x", "weight", "bias"},
+      .doc = doc,
+      .input_names = forward_inputs,
       .output_names = {"y"},
       .infer = forward_infer,
       .cost = CostOf(forward_infer,
-                     [conv_flops](const Metas& in, const Metas& out) {
-                       return conv_flops(in[0], in[1], out[0]) + Numel(out[0]);
+                     [conv_flops, bias](const Metas& in, const Metas& out) {
+                       return conv_flops(in[0], in[1], out[0]) + (bias ? Numel(out[0]) : 0.0);
                      }),
       .workspace = [forward_infer, transposed](const Metas& in, const Attrs& attrs) -> int64_t {
         Result<Metas> y = forward_infer(in, attrs);
@@ -180,25 +208,26 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
         return transposed ? ConvScratchBytes((*y)[0], in[1], in[0])
                           : ConvScratchBytes(in[0], in[1], (*y)[0]);
       },
-      .gradient = Split(Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, {0, 1, 2}),
-                        name + "_backward_input", name + "_backward_weight", 1),
+      .gradient = Split(Rule(name + "_backward", {OutGrad(0), In(0), In(1)}, gradient_of),
+                        input_half, name + "_backward_weight", 1),
   }));
   // The backwards' (in: dy, x, weight): one column matrix at a time.
   const WorkspaceFn backward_scratch = [transposed](const Metas& in, const Attrs&) -> int64_t {
     return transposed ? ConvScratchBytes(in[0], in[2], in[1])
                       : ConvScratchBytes(in[1], in[2], in[0]);
   };
-  const InferFn backward_infer = [transposed](const Metas& in,
-                                              const Attrs& attrs) -> Result<Metas> {
+  const InferFn backward_infer = [transposed, bias](const Metas& in,
+                                                    const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 1, attrs, transposed));
     TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], y));
+    if (!bias) return Metas{in[1], in[2]};
     return Metas{in[1], in[2], F32Like(in[1], Shape{y[1]})};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = name + "_backward",
-      .doc = "dx, dweight, dbias of " + name + "_forward",
+      .doc = (bias ? "dx, dweight, dbias of " : "dx, dweight of ") + name + "_forward",
       .input_names = {"dy", "x", "weight"},
-      .output_names = {"dx", "dweight", "dbias"},
+      .output_names = backward_outputs,
       .infer = backward_infer,
       .cost = CostOf(backward_infer,
                      [conv_flops](const Metas& in, const Metas&) {
@@ -216,30 +245,73 @@ Status AddConvOps(OpRegistry& r, bool transposed) {
   const InferFn weight_infer = [backward_infer](const Metas& in,
                                                 const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Metas all, backward_infer(in, attrs));
-    return Metas{all[1], all[2]};
+    return Metas(all.begin() + 1, all.end());
   };
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
-      .name = name + "_backward_input",
-      .doc = "dx of " + name + "_forward (the input half of its backward)",
-      .input_names = {"dy", "x", "weight"},
-      .output_names = {"dx"},
-      .infer = input_infer,
-      .cost = CostOf(
-          input_infer,
-          [conv_flops](const Metas& in, const Metas&) { return conv_flops(in[1], in[2], in[0]); }),
-      .workspace = backward_scratch,
-  }));
+  if (bias) {
+    TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+        .name = name + "_backward_input",
+        .doc = "dx of " + name + "_forward (the input half of its backward)",
+        .input_names = {"dy", "x", "weight"},
+        .output_names = {"dx"},
+        .infer = input_infer,
+        .cost = CostOf(input_infer,
+                       [conv_flops](const Metas& in, const Metas&) {
+                         return conv_flops(in[1], in[2], in[0]);
+                       }),
+        .workspace = backward_scratch,
+    }));
+  }
   return r.AddOp(OpDef{
       .name = name + "_backward_weight",
-      .doc = "dweight, dbias of " + name + "_forward (the weight half of its backward)",
+      .doc = (bias ? "dweight, dbias of " : "dweight of ") + name +
+             "_forward (the weight half of its backward)",
       .input_names = {"dy", "x", "weight"},
-      .output_names = {"dweight", "dbias"},
+      .output_names = weight_outputs,
       .infer = weight_infer,
       .cost = CostOf(weight_infer,
-                     [conv_flops](const Metas& in, const Metas&) {
-                       return conv_flops(in[1], in[2], in[0]) + Numel(in[0]);
+                     [conv_flops, bias](const Metas& in, const Metas&) {
+                       return conv_flops(in[1], in[2], in[0]) + (bias ? Numel(in[0]) : 0.0);
                      }),
       .workspace = backward_scratch,
+  });
+}
+
+// ---- the per-channel bias ----
+
+Status AddChannelBiasOps(OpRegistry& r) {
+  const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
+    if (in[0].shape.rank() < 2) {
+      return InvalidArgument("input 'x' has shape {} but channel_bias_add needs [N, C, ...]",
+                             in[0].shape.ToString());
+    }
+    TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[1], Shape{in[0].shape[1]}));
+    return Metas{in[0]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "channel_bias_add_forward",
+      .doc = "y[n, c, ...] = x[n, c, ...] + bias[c] (a convolution's bias added on its own)",
+      .input_names = {"x", "bias"},
+      .output_names = {"y"},
+      .infer = forward_infer,
+      .cost = CostOf(forward_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+      .gradient = Rule("channel_bias_add_backward", {OutGrad(0)}, {0, 1}),
+  }));
+  const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("dy", in[0]));
+    if (in[0].shape.rank() < 2) {
+      return InvalidArgument("input 'dy' has shape {} but channel_bias_add needs [N, C, ...]",
+                             in[0].shape.ToString());
+    }
+    return Metas{in[0], F32Like(in[0], Shape{in[0].shape[1]})};
+  };
+  return r.AddOp(OpDef{
+      .name = "channel_bias_add_backward",
+      .doc = "dx = dy, dbias[c] = sum of dy[n, c, ...] over n and the rest",
+      .input_names = {"dy"},
+      .output_names = {"dx", "dbias"},
+      .infer = backward_infer,
+      .cost = CostOf(backward_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
   });
 }
 
@@ -555,8 +627,10 @@ Status AddSegmentationOps(OpRegistry& r) {
 }  // namespace
 
 Status RegisterVolumeOps(OpRegistry& registry) {
-  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, /*transposed=*/false));
-  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, /*transposed=*/true));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{}));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{.bias = false}));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{.transposed = true}));
+  TESSERA_RETURN_IF_ERROR(AddChannelBiasOps(registry));
   TESSERA_RETURN_IF_ERROR(AddResamplingOps(registry));
   TESSERA_RETURN_IF_ERROR(AddGroupNormOps(registry));
   TESSERA_RETURN_IF_ERROR(AddActivationOps(registry));

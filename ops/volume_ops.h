@@ -11,6 +11,11 @@
 //                             spatial axis; y's extent per axis is
 //                             (in + 2*padding - k) / stride + 1
 //   conv3d_backward           dy, x, weight -> dx, dweight, dbias
+//   conv3d_no_bias_forward    x, weight -> y: conv3d without a bias (the row-parallel half of a
+//                             tensor-parallel pair, whose partial sums are added before the
+//                             bias is: channel_bias_add); conv3d_no_bias_backward -> dx, dweight
+//   channel_bias_add_forward  x [N,C,*], bias [C] -> y = x + bias[c]
+//   channel_bias_add_backward dy -> dx = dy, dbias (dy's sums per channel)
 //   conv_transpose3d_forward  x [N,Cin,D,H,W], weight [Cin,Cout,kD,kH,kW] (PyTorch's layout),
 //                             bias [Cout] -> y; attrs stride (default 1), padding (default 0);
 //                             y's extent is (in - 1) * stride - 2*padding + k (no output_padding).

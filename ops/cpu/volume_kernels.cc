@@ -171,6 +171,18 @@ void ChannelSums(float* out, const float* t, int64_t batch, int64_t channels, in
   });
 }
 
+void ChannelBiasAdd(float* y, const float* x, const float* bias, int64_t batch, int64_t channels,
+                    int64_t spatial) {
+  ParallelFor(batch * channels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float b = bias[p % channels];
+      const float* in = x + p * spatial;
+      float* out = y + p * spatial;
+      for (int64_t s = 0; s < spatial; ++s) out[s] = in[s] + b;
+    }
+  });
+}
+
 // ---- nearest upsampling ----
 
 void UpsampleNearest3dForward(float* y, const float* x, int64_t planes, int64_t d, int64_t h,

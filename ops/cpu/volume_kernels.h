@@ -70,6 +70,9 @@ void Conv3dWeightGradient(float* dweight, const float* dy, const float* x, const
                           float* workspace, int64_t split_min_flops);
 // out[c] = sum over n and s of t[n, c, s] (t is [batch, channels, spatial]); the bias gradient.
 void ChannelSums(float* out, const float* t, int64_t batch, int64_t channels, int64_t spatial);
+// y[n, c, s] = x[n, c, s] + bias[c]; y may be x.
+void ChannelBiasAdd(float* y, const float* x, const float* bias, int64_t batch, int64_t channels,
+                    int64_t spatial);
 
 // ---- nearest upsampling: x [planes, d, h, w] -> y [planes, d*s, h*s, w*s] ----
 void UpsampleNearest3dForward(float* y, const float* x, int64_t planes, int64_t d, int64_t h,

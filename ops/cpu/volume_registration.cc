@@ -55,7 +55,8 @@ Result<Tensor> ConvWorkspace(const KernelContext& context, const cpu::Conv3dGeom
 }
 
 // The halves of the convolutions' backwards; in: dy, x, weight.
-// conv3d: dx = conv^T(dy), dweight from dy and x, dbias = dy's channel sums.
+// conv3d: dx = conv^T(dy), dweight from dy and x, dbias = dy's channel sums (none for
+// conv3d_no_bias: `dbias` null).
 Status Conv3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx, const Attrs& attrs) {
   const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
   TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
@@ -64,12 +65,14 @@ Status Conv3dDx(const KernelContext& ctx, const Tensors& in, const Tensor& dx, c
   return Status::Ok();
 }
 Status Conv3dDw(const KernelContext& ctx, const Tensors& in, const Tensor& dweight,
-                const Tensor& dbias, const Attrs& attrs) {
+                const Tensor* dbias, const Attrs& attrs) {
   const cpu::Conv3dGeometry g = Geometry(in[1], in[2], in[0], attrs);
   TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
   cpu::Conv3dWeightGradient(F(dweight), F(in[0]), F(in[1]), g, F(workspace),
                             ctx.gemm_split_min_flops);
-  cpu::ChannelSums(F(dbias), F(in[0]), g.batch, g.out_channels, g.OutVolume());
+  if (dbias != nullptr) {
+    cpu::ChannelSums(F(*dbias), F(in[0]), g.batch, g.out_channels, g.OutVolume());
+  }
   return Status::Ok();
 }
 // conv_transpose3d, y = conv^T(x): dx = conv(dy), and <dy, conv^T(x)> = <conv(dy), x> gives
@@ -92,23 +95,37 @@ Status ConvTranspose3dDw(const KernelContext& ctx, const Tensors& in, const Tens
 }
 
 Status RegisterConvKernels(OpRegistry& r) {
-  TESSERA_RETURN_IF_ERROR(
-      Register(r, "conv3d_forward",
-               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 const cpu::Conv3dGeometry g = Geometry(in[0], in[1], out[0], attrs);
-                 TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
-                 cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), F(in[2]), g, F(workspace),
-                                    ctx.gemm_split_min_flops);
-                 return Status::Ok();
-               }));
+  // conv3d_forward (in: x, weight, bias) and conv3d_no_bias_forward (in: x, weight).
+  for (const char* op : {"conv3d_forward", "conv3d_no_bias_forward"}) {
+    TESSERA_RETURN_IF_ERROR(Register(
+        r, op,
+        [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+           const Attrs& attrs) -> Status {
+          const cpu::Conv3dGeometry g = Geometry(in[0], in[1], out[0], attrs);
+          TESSERA_ASSIGN_OR_RETURN(Tensor workspace, ConvWorkspace(ctx, g));
+          cpu::Conv3dForward(F(out[0]), F(in[0]), F(in[1]), in.size() > 2 ? F(in[2]) : nullptr, g,
+                             F(workspace), ctx.gemm_split_min_flops);
+          return Status::Ok();
+        }));
+  }
   TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_backward",
                                    [](const KernelContext& ctx, const Tensors& in,
                                       const Tensors& out, const Attrs& attrs) -> Status {
                                      // in: dy, x, weight; out: dx, dweight, dbias.
                                      TESSERA_RETURN_IF_ERROR(Conv3dDx(ctx, in, out[0], attrs));
-                                     return Conv3dDw(ctx, in, out[1], out[2], attrs);
+                                     return Conv3dDw(ctx, in, out[1], &out[2], attrs);
                                    }));
+  TESSERA_RETURN_IF_ERROR(Register(r, "conv3d_no_bias_backward",
+                                   [](const KernelContext& ctx, const Tensors& in,
+                                      const Tensors& out, const Attrs& attrs) -> Status {
+                                     // in: dy, x, weight; out: dx, dweight.
+                                     TESSERA_RETURN_IF_ERROR(Conv3dDx(ctx, in, out[0], attrs));
+                                     return Conv3dDw(ctx, in, out[1], nullptr, attrs);
+                                   }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "conv3d_no_bias_backward_weight",
+               [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
+                  const Attrs& attrs) { return Conv3dDw(ctx, in, out[0], nullptr, attrs); }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv3d_backward_input",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
@@ -116,7 +133,7 @@ Status RegisterConvKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv3d_backward_weight",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) { return Conv3dDw(ctx, in, out[0], out[1], attrs); }));
+                  const Attrs& attrs) { return Conv3dDw(ctx, in, out[0], &out[1], attrs); }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "conv_transpose3d_forward",
                [](const KernelContext& ctx, const Tensors& in, const Tensors& out,
@@ -221,6 +238,21 @@ Status RegisterOtherKernels(OpRegistry& r) {
                    return Status::Ok();
                  }));
   }
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "channel_bias_add_forward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const Shape& x = in[0].shape();
+                 cpu::ChannelBiasAdd(F(out[0]), F(in[0]), F(in[1]), x[0], x[1], Spatial(in[0]));
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "channel_bias_add_backward",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const Shape& dy = in[0].shape();
+                 std::copy_n(F(in[0]), in[0].numel(), F(out[0]));
+                 cpu::ChannelSums(F(out[1]), F(in[0]), dy[0], dy[1], Spatial(in[0]));
+                 return Status::Ok();
+               }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "concat_forward",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {

@@ -89,6 +89,43 @@ TEST(VolumeGradientTest, ConvTranspose3dKernel3Stride2Padding1) {
                              RandomTensor({2}, 3)}});
 }
 
+// The bias-free convolution plus channel_bias_add is conv3d (how a tensor-parallel pair of
+// convolutions adds its bias after its partial sums): values and gradients.
+TEST(VolumeGradientTest, Conv3dWithoutBiasThenChannelBiasIsConv3d) {
+  const Tensor x = RandomTensor({2, 3, 4, 5, 4}, 1), w = RandomTensor({4, 3, 3, 3, 3}, 2);
+  const Tensor b = RandomTensor({4}, 3);
+  CheckGradients(
+      {.forward = "conv3d_no_bias_forward", .forward_attrs = ConvAttrs(1, 1), .inputs = {x, w}});
+  CheckGradients({.forward = "channel_bias_add_forward",
+                  .inputs = {RandomTensor({2, 4, 3, 2, 3}, 4), RandomTensor({4}, 5)}});
+  ASSERT_OK_AND_ASSIGN(Tensors whole, RunKernel("conv3d_forward", {x, w, b}, ConvAttrs(1, 1)));
+  ASSERT_OK_AND_ASSIGN(Tensors part, RunKernel("conv3d_no_bias_forward", {x, w}, ConvAttrs(1, 1)));
+  ASSERT_OK_AND_ASSIGN(Tensors biased, RunKernel("channel_bias_add_forward", {part[0], b}));
+  const std::vector<float> expected = ToVector(whole[0]), got = ToVector(biased[0]);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-5f) << i;
+  // The backward: dx and dweight are conv3d's bit for bit, dbias channel_bias_add's.
+  const Tensor dy = RandomTensor(whole[0].shape(), 6);
+  ASSERT_OK_AND_ASSIGN(Tensors full, RunKernel("conv3d_backward", {dy, x, w}, ConvAttrs(1, 1)));
+  ASSERT_OK_AND_ASSIGN(Tensors no_bias,
+                       RunKernel("conv3d_no_bias_backward", {dy, x, w}, ConvAttrs(1, 1)));
+  ASSERT_OK_AND_ASSIGN(Tensors weight_half,
+                       RunKernel("conv3d_no_bias_backward_weight", {dy, x, w}, ConvAttrs(1, 1)));
+  ASSERT_OK_AND_ASSIGN(Tensors bias_grad, RunKernel("channel_bias_add_backward", {dy}));
+  ASSERT_EQ(no_bias.size(), 2u);
+  ASSERT_EQ(weight_half.size(), 1u);
+  EXPECT_EQ(ToVector(no_bias[0]), ToVector(full[0]));
+  EXPECT_EQ(ToVector(no_bias[1]), ToVector(full[1]));
+  EXPECT_EQ(ToVector(weight_half[0]), ToVector(full[1]));
+  EXPECT_EQ(ToVector(bias_grad[0]), ToVector(dy));
+  EXPECT_EQ(ToVector(bias_grad[1]), ToVector(full[2]));
+  // A bias of the wrong length is refused naming it.
+  Result<Tensors> wrong = RunKernel("channel_bias_add_forward", {part[0], RandomTensor({5}, 7)});
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("input 'bias'"), std::string::npos)
+      << wrong.status().ToString();
+}
+
 // The convolutions' backward halves (zero-bubble pipelines): dx alone and dweight/dbias alone
 // are the whole backward's outputs, bit for bit.
 TEST(VolumeGradientTest, ConvolutionBackwardHalvesAreTheWholeBackward) {
@@ -326,6 +363,10 @@ TEST(VolumeOpsTest, AnyThreadCountGivesTheSameBits) {
       {"conv3d_backward", {RandomTensor({2, 8, 6, 5, 6}, 11), x, w}, ConvAttrs(2, 1)},
       {"conv_transpose3d_forward", {x, tw, b}, up},
       {"conv_transpose3d_backward", {tdy, x, tw}, up},
+      {"conv3d_no_bias_forward", {x, w}, conv},
+      {"conv3d_no_bias_backward", {dy, x, w}, conv},
+      {"channel_bias_add_forward", {y[0], b}, {}},
+      {"channel_bias_add_backward", {dy}, {}},
       {"upsample_nearest3d_forward", {x}, {}},
       {"upsample_nearest3d_backward", {tdy}, {}},
       {"max_pool3d_forward", {x}, {}},
@@ -525,6 +566,11 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "conv3d_backward_weight",
                                         "conv_transpose3d_backward_input",
                                         "conv_transpose3d_backward_weight",
+                                        "conv3d_no_bias_forward",
+                                        "conv3d_no_bias_backward",
+                                        "conv3d_no_bias_backward_weight",
+                                        "channel_bias_add_forward",
+                                        "channel_bias_add_backward",
                                         "upsample_nearest3d_forward",
                                         "upsample_nearest3d_backward",
                                         "max_pool3d_forward",
