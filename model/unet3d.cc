@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "model/model.h"
+#include "ops/standard_ops.h"
 
 namespace tessera {
 
@@ -19,41 +20,104 @@ ParamInit Kaiming(int64_t fan_in) {
   return ParamInit::Normal(std::sqrt(2.0 / static_cast<double>(fan_in)));
 }
 
-// The parameters of one conv block: conv3d (kernel 3, padding 1) -> group_norm -> SiLU.
-struct ConvBlock {
-  LayerValue conv_w, conv_b, norm_w, norm_b;
+// The parameters of conv block `n` (conv3d kernel 3 padding 1 -> group_norm -> SiLU), in -> out
+// channels, named "<prefix>conv<n>.w", "conv<n>.b", "norm<n>.w", "norm<n>.b": the prefix is ""
+// in the whole model (the layer's name prefixes it), "<layer>." in the split one. Each declared
+// as `split` says (the whole model: replicated, i.e. whole).
+struct BlockParams {
+  std::string prefix;
+  int n = 1;
+  int64_t in = 1, out = 1;
+
+  LayerValue ConvWeight(LayerBuilder& l, SlotSplit split = {}) const {
+    return l.SlicedParam(Name("conv", "w"), Shape{out, in, 3, 3, 3}, split, Kaiming(in * 27),
+                         /*decay=*/true);
+  }
+  LayerValue ConvBias(LayerBuilder& l, SlotSplit split = {}) const {
+    return l.SlicedParam(Name("conv", "b"), Shape{out}, split, ParamInit::Zeros());
+  }
+  LayerValue NormWeight(LayerBuilder& l, SlotSplit split = {}) const {
+    return l.SlicedParam(Name("norm", "w"), Shape{out}, split, ParamInit::Ones());
+  }
+  LayerValue NormBias(LayerBuilder& l, SlotSplit split = {}) const {
+    return l.SlicedParam(Name("norm", "b"), Shape{out}, split, ParamInit::Zeros());
+  }
+
+ private:
+  std::string Name(const char* what, const char* tensor) const {
+    return fmt::format("{}{}{}.{}", prefix, what, n, tensor);
+  }
 };
 
-// Declares block `n`'s parameters ("conv<n>.w", "conv<n>.b", "norm<n>.w", "norm<n>.b").
-ConvBlock DeclareBlock(LayerBuilder& l, int n, int64_t in, int64_t out) {
-  ConvBlock block;
-  block.conv_w = l.Param(fmt::format("conv{}.w", n), Shape{out, in, 3, 3, 3}, Kaiming(in * 27),
-                         /*decay=*/true);
-  block.conv_b = l.Param(fmt::format("conv{}.b", n), Shape{out}, ParamInit::Zeros());
-  block.norm_w = l.Param(fmt::format("norm{}.w", n), Shape{out}, ParamInit::Ones());
-  block.norm_b = l.Param(fmt::format("norm{}.b", n), Shape{out}, ParamInit::Zeros());
-  return block;
-}
-
-LayerValue ApplyBlock(LayerBuilder& l, const ConvBlock& block, int n, LayerValue x,
-                      int64_t groups) {
-  LayerValue y = l.Call("conv3d_forward", {x, block.conv_w, block.conv_b},
-                        Attrs{{"padding", int64_t{1}}}, fmt::format("conv{}", n));
-  y = l.Call("group_norm_forward", {y, block.norm_w, block.norm_b}, Attrs{{"groups", groups}},
+// Group norm (`groups`) then SiLU over block `n`'s convolution output `y`.
+LayerValue NormAndActivate(LayerBuilder& l, int n, LayerValue y, LayerValue norm_w,
+                           LayerValue norm_b, int64_t groups) {
+  y = l.Call("group_norm_forward", {y, norm_w, norm_b}, Attrs{{"groups", groups}},
              fmt::format("norm{}", n));
   return l.Call("silu_forward", {y}, {}, fmt::format("act{}", n));
+}
+
+// The input of a layer of two conv blocks: with `skip`, its two inputs concatenated along
+// channels.
+LayerValue BlocksInput(LayerBuilder& l, bool skip) {
+  if (!skip) return l.input(0);
+  return l.Call("concat_forward", {l.input(0), l.input(1)}, {}, "skip");
 }
 
 // A layer of two conv blocks, in -> out -> out channels. With `skip`, the layer reads two inputs
 // and concatenates them along channels first (in counts both).
 SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, int64_t groups, bool skip) {
   return [=](LayerBuilder& l) {
-    const ConvBlock first = DeclareBlock(l, 1, in, out);
-    const ConvBlock second = DeclareBlock(l, 2, out, out);
-    LayerValue x = l.input(0);
-    if (skip) x = l.Call("concat_forward", {l.input(0), l.input(1)}, {}, "skip");
-    return ApplyBlock(l, second, 2, ApplyBlock(l, first, 1, x, groups), groups);
+    const BlockParams first{.n = 1, .in = in, .out = out}, second{.n = 2, .in = out, .out = out};
+    // Every parameter before the first op.
+    const LayerValue w1 = first.ConvWeight(l), b1 = first.ConvBias(l);
+    const LayerValue g1 = first.NormWeight(l), beta1 = first.NormBias(l);
+    const LayerValue w2 = second.ConvWeight(l), b2 = second.ConvBias(l);
+    const LayerValue g2 = second.NormWeight(l), beta2 = second.NormBias(l);
+    const Attrs padding{{"padding", int64_t{1}}};
+    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, padding, "conv1");
+    y = NormAndActivate(l, 1, y, g1, beta1, groups);
+    y = l.Call("conv3d_forward", {y, w2, b2}, padding, "conv2");
+    return NormAndActivate(l, 2, y, g2, beta2, groups);
   };
+}
+
+// The same two blocks split over `ranks` tensor ranks (Megatron-LM's pairing of a column- and a
+// row-parallel linear, for convolutions), as two layers:
+//   <name>.convs  conv1 split by output channels (this rank's out/T filters, their biases and
+//                 group norm gains: groups/T whole groups), group norm, SiLU, then conv2 split by
+//                 input channels (its filters' slices over this rank's out/T channels) without
+//                 its bias: a partial sum; its inputs' gradients are partial sums too
+//   <name>        the sum + conv2's bias, group norm, SiLU (replicated)
+// `model_inputs`: the first layer reads the volume, a model input with no gradient.
+ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
+                          const std::vector<ModelValue>& inputs, int64_t in, int64_t out,
+                          int64_t groups, int ranks, bool reads_model_input) {
+  const bool skip = inputs.size() == 2;
+  const std::string convs = name + ".convs";
+  const BlockParams first{.prefix = name + ".", .n = 1, .in = in, .out = out};
+  const BlockParams second{.prefix = name + ".", .n = 2, .in = out, .out = out};
+  model.Layer(convs, inputs, [=](LayerBuilder& l) {
+    const SlotSplit filters{.dim = 0}, input_channels{.dim = 1};
+    const LayerValue w1 = first.ConvWeight(l, filters), b1 = first.ConvBias(l, filters);
+    const LayerValue g1 = first.NormWeight(l, filters), beta1 = first.NormBias(l, filters);
+    const LayerValue w2 = second.ConvWeight(l, input_channels);
+    if (!reads_model_input) {
+      for (int i = 0; i < static_cast<int>(inputs.size()); ++i) l.PartialGradient(i);
+    }
+    const Attrs padding{{"padding", int64_t{1}}};
+    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, padding, "conv1");
+    y = NormAndActivate(l, 1, y, g1, beta1, groups / ranks);
+    const LayerValue part = l.Call("conv3d_no_bias_forward", {y, w2}, padding, "conv2");
+    l.PartialSum(part);
+    return part;
+  });
+  return model.Layer(name, {ModelBuilder::LayerOutput(convs)}, [=](LayerBuilder& l) {
+    const LayerValue b2 = second.ConvBias(l);
+    const LayerValue g2 = second.NormWeight(l), beta2 = second.NormBias(l);
+    const LayerValue y = l.Call("channel_bias_add_forward", {l.input(0), b2}, {}, "conv2_bias");
+    return NormAndActivate(l, 2, y, g2, beta2, groups);
+  });
 }
 
 }  // namespace
@@ -111,54 +175,100 @@ Result<UNet3dConfig> UNet3dConfig::Preset(std::string_view name) {
   return NotFound("unknown unet3d preset '{}' (expected tiny or small)", name);
 }
 
-Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& registry) {
+namespace {
+
+// The whole U-Net (ranks 1), or what each of `ranks` tensor ranks runs: every pair of conv
+// blocks split (SplitTwoBlocks), the pooling, up-convolutions, head and loss replicated, the
+// parameters keeping the whole model's names. `registry` holds the ops.
+Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registry, int ranks) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
   const int64_t v = config.volume;
   const int64_t groups = config.groups;
   auto channels = [&](int64_t level) { return config.base_channels << level; };
-
+  if (ranks > 1 && groups % ranks != 0) {
+    return InvalidArgument(
+        "unet3d: its {} group-norm groups do not split over {} tensor-parallel ranks (each rank "
+        "normalizes whole groups of its channels): use a degree that divides {}, or a config whose "
+        "groups are a multiple of {}",
+        groups, ranks, groups, ranks);
+  }
+  const bool split = ranks > 1;
+  // A parameter's name: the layer's prefix adds the layer's name in the whole model; in the split
+  // one every prefix is empty and the name says it.
+  auto named = [split](const std::string& layer, const char* param) {
+    return split ? fmt::format("{}.{}", layer, param) : std::string(param);
+  };
   ModelBuilder model("unet3d", registry);
+  if (split) model.SplitOver(ranks);
   ModelValue volume = model.Input("volume", DType::kF32, Shape{1, config.in_channels, v, v, v});
   ModelValue labels = model.Input("labels", DType::kI32, Shape{1, v, v, v}, /*label=*/true);
+  auto blocks = [&](const std::string& name, std::vector<ModelValue> inputs, int64_t in,
+                    int64_t out) {
+    const bool skip = inputs.size() == 2;
+    if (split) {
+      const bool reads_volume = inputs.front().input >= 0;
+      return SplitTwoBlocks(model, name, inputs, in, out, groups, ranks, reads_volume);
+    }
+    return model.Layer(name, std::move(inputs), TwoBlocks(in, out, groups, skip));
+  };
 
   // Encoder: enc{i} at full resolution of its level, down{i} halves it.
   std::vector<ModelValue> encoded;
   ModelValue x = volume;
   int64_t in = config.in_channels;
   for (int64_t i = 0; i < config.depth; ++i) {
-    encoded.push_back(
-        model.Layer(fmt::format("enc{}", i), {x}, TwoBlocks(in, channels(i), groups, false)));
+    encoded.push_back(blocks(fmt::format("enc{}", i), {x}, in, channels(i)));
     x = model.Layer(fmt::format("down{}", i), {encoded.back()}, [](LayerBuilder& l) {
       return l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}}, "pool");
     });
     in = channels(i);
   }
-  x = model.Layer("bottleneck", {x}, TwoBlocks(in, channels(config.depth), groups, false));
+  x = blocks("bottleneck", {x}, in, channels(config.depth));
 
   // Decoder: up{i} doubles the resolution back, dec{i} joins it with enc{i}'s output.
   for (int64_t i = config.depth - 1; i >= 0; --i) {
     const int64_t from = channels(i + 1), to = channels(i);
-    ModelValue up = model.Layer(fmt::format("up{}", i), {x}, [=](LayerBuilder& l) {
+    const std::string up_name = fmt::format("up{}", i);
+    ModelValue up = model.Layer(up_name, {x}, [=](LayerBuilder& l) {
       // Each output voxel of a kernel-2 stride-2 transposed conv sums exactly `from` products.
-      LayerValue w = l.Param("w", Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
-      LayerValue b = l.Param("b", Shape{to}, ParamInit::Zeros());
+      LayerValue w =
+          l.Param(named(up_name, "w"), Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
+      LayerValue b = l.Param(named(up_name, "b"), Shape{to}, ParamInit::Zeros());
       return l.Call("conv_transpose3d_forward", {l.input(0), w, b}, Attrs{{"stride", int64_t{2}}},
                     "upconv");
     });
-    x = model.Layer(fmt::format("dec{}", i), {up, encoded[static_cast<size_t>(i)]},
-                    TwoBlocks(2 * to, to, groups, /*skip=*/true));
+    x = blocks(fmt::format("dec{}", i), {up, encoded[static_cast<size_t>(i)]}, 2 * to, to);
   }
 
   const int64_t c0 = channels(0), classes = config.classes;
   ModelValue logits = model.Layer("head", {x}, [=](LayerBuilder& l) {
-    LayerValue w = l.Param("w", Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
-    LayerValue b = l.Param("b", Shape{classes}, ParamInit::Zeros());
+    LayerValue w =
+        l.Param(named("head", "w"), Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
+    LayerValue b = l.Param(named("head", "b"), Shape{classes}, ParamInit::Zeros());
     return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
   });
   model.Loss("loss", {logits, labels}, [](LayerBuilder& l) {
     return l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, {}, "cross_entropy");
   });
-  return model.Build();
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec built, model.Build());
+  if (split) {
+    for (LayerSpec& layer : built.layers) layer.param_prefix = "";
+    return built;
+  }
+  // Split over T ranks: a registry of the standard ops of its own (the caller's need not live
+  // as long as the model).
+  built.split_for_tensor_parallel = [config](int tensor_ranks) -> Result<ModelSpec> {
+    OpRegistry ops;
+    TESSERA_RETURN_IF_ERROR(RegisterStandardOps(ops));
+    return BuildFor(config, ops, tensor_ranks);
+  };
+  return built;
+}
+
+}  // namespace
+
+Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& registry) {
+  return BuildFor(config, registry, 1);
 }
 
 }  // namespace tessera

@@ -23,6 +23,15 @@
 // start Normal(sqrt(2 / fan_in)) (Kaiming, for the rectifier-like SiLU) and are weight-decayed;
 // biases start at zero, group-norm gains at one. Parameters are named
 // "<layer>.<block>.<tensor>": "enc0.conv1.w", "dec0.norm2.b", "up0.w", "head.b".
+//
+// Tensor parallelism (ModelSpec::SplitForTensorParallel, T dividing `groups`): each layer of two
+// conv blocks becomes two, Megatron-LM's column- and row-parallel pair for convolutions:
+//   <layer>.convs  conv1 split by output channels (each rank's C/T filters and their group norm:
+//                  groups/T whole groups), SiLU, conv2 split by input channels without its bias:
+//                  a partial sum, all-reduced over the ranks (forward; its input's gradient is
+//                  all-reduced in the backward)
+//   <layer>        conv2's bias, group norm, SiLU on the sum (replicated)
+// Pooling, up-convolutions, the head and the loss run replicated; parameters keep their names.
 #pragma once
 
 #include <cstdint>

@@ -133,6 +133,12 @@ Status Train(const Flags& flags) {
       !pipeline.empty()) {
     std::printf("pipeline %s\n", pipeline.c_str());
   }
+  // Under --tensor-parallel T: each layer's split (every pair of conv blocks Megatron-style).
+  if (std::string tensor =
+          examples::DescribeTensorParallel(trainer->step_graph(), trainer->planned_model());
+      !tensor.empty()) {
+    std::printf("%s\n", tensor.c_str());
+  }
   if (std::string buckets = examples::DescribeBuckets(trainer->step_graph()); !buckets.empty()) {
     std::printf("gradient buckets %s\n", buckets.c_str());
   }

@@ -3,10 +3,17 @@
 // (losses within 1e-5 relative over 20 steps), so does ZeRO-3 on two workers with half of its
 // activations (each worker's peak as predicted), each rank's model state follows the ZeRO
 // formulas, and train_unet3d learns (the loss falls, Dice rises) and resumes from checkpoints.
+// Split over 2 and 4 tensor ranks (each pair of convolutions column- then row-parallel), alone and
+// with two data ranks under ZeRO-1, it trains the same run too (first-step gradients within 1e-6),
+// its all-reduces send the bytes the split says, each rank holds its slice of the parameters, and
+// a checkpoint written at TP 2 x DP 2 resumes at TP 4 and at TP 1.
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <regex>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -16,7 +23,9 @@
 #include "model/unet3d.h"
 #include "plan_equivalence.h"
 #include "planner/activation_solver.h"
+#include "planner/memory_model.h"
 #include "test_util.h"
+#include "training/checkpoint.h"
 #include "training/trainer.h"
 
 namespace tessera::testing {
@@ -44,6 +53,13 @@ TrainingPlan Plan(int workers, int stage, OffloadMode offload = OffloadMode::kNo
   plan.parallel.zero_stage = stage;
   plan.parallel.offload = offload;
   plan.parallel.micro_batches = accum;
+  return plan;
+}
+
+// `data` data-parallel ranks of `tensor` tensor ranks each.
+TrainingPlan TensorPlan(int data, int tensor, int stage) {
+  TrainingPlan plan = Plan(data, stage);
+  plan.parallel.tensor_parallel = tensor;
   return plan;
 }
 
@@ -146,6 +162,213 @@ TEST_F(UNet3dPlansTest, ModelStatePerRankFollowsTheZeroFormulas) {
       }
     }
   }
+}
+
+// Every parameter's gradient after one step from the same start.
+Result<std::vector<std::vector<float>>> FirstGradients(Trainer& trainer) {
+  TESSERA_RETURN_IF_ERROR(trainer.SetKeepGradients(true));
+  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(2));
+  TESSERA_RETURN_IF_ERROR(trainer.Step(Batch(0), 3e-3f).status());
+  std::vector<std::vector<float>> grads;
+  for (const std::string& name : trainer.ParameterNames()) {
+    TESSERA_ASSIGN_OR_RETURN(std::vector<float> grad, trainer.GetGradient(name));
+    grads.push_back(std::move(grad));
+  }
+  return grads;
+}
+
+// The split model: every parameter of the whole one held once over the ranks (a split slot a
+// 1/T slice), one partial sum per pair of conv blocks, a partial input gradient per input of
+// each that is not the volume; a degree that does not divide the group norm's groups refused
+// naming the fix.
+TEST(UNet3dSplitTest, EveryParameterIsSlicedOnceAndBadDegreesAreRefused) {
+  for (const char* preset : {"tiny", "small"}) {
+    ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset(preset));
+    ASSERT_OK_AND_ASSIGN(ModelSpec whole, BuildUNet3d(config, CpuRegistry()));
+    const auto pairs = static_cast<size_t>(2 * config.depth + 1);  // enc*, bottleneck, dec*
+    for (int ranks : {2, 4}) {
+      ASSERT_OK_AND_ASSIGN(ModelSpec split, whole.SplitForTensorParallel(ranks));
+      EXPECT_EQ(split.tensor_parallel, ranks);
+      ASSERT_EQ(split.layers.size(), whole.layers.size() + pairs) << preset;
+      int64_t held = 0, partial_outputs = 0, partial_gradients = 0;
+      for (const LayerSpec& layer : split.layers) {
+        ASSERT_TRUE(layer.tensor_parallel.has_value()) << layer.name;
+        const auto& slots = layer.params.slots();
+        for (size_t i = 0; i < slots.size(); ++i) {
+          held += layer.tensor_parallel->slots[i].replicated() ? slots[i].shape.numel()
+                                                               : slots[i].shape.numel() * ranks;
+        }
+        for (bool partial : layer.tensor_parallel->partial_outputs) partial_outputs += partial;
+        for (bool partial : layer.tensor_parallel->partial_input_gradients) {
+          partial_gradients += partial;
+        }
+      }
+      EXPECT_EQ(held, whole.NumParameters()) << preset << " TP " << ranks;
+      EXPECT_EQ(partial_outputs, static_cast<int64_t>(pairs)) << preset;
+      // enc1.. and the bottleneck one input each, dec* two; enc0 reads the volume.
+      EXPECT_EQ(partial_gradients, 3 * config.depth) << preset;
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(ModelSpec whole, BuildUNet3d(Tiny(), CpuRegistry()));
+  for (int ranks : {3, 8}) {
+    Result<ModelSpec> refused = whole.SplitForTensorParallel(ranks);
+    ASSERT_FALSE(refused.ok()) << ranks;
+    EXPECT_NE(refused.status().message().find("4 group-norm groups do not split over"),
+              std::string::npos)
+        << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("use a degree that divides 4"), std::string::npos)
+        << refused.status().ToString();
+  }
+}
+
+// The norm of a gradient.
+double Norm(const std::vector<float>& values) {
+  double sum = 0;
+  for (float v : values) sum += static_cast<double>(v) * v;
+  return std::sqrt(sum);
+}
+
+// Two and four tensor ranks, and two tensor by two data ranks under ZeRO-1 and ZeRO-3: the one
+// worker's losses, and its gradients after the first step, parameter by parameter: the norm of
+// the difference within 5e-6 of the gradient's norm. Data-parallel ranks alone (run first, for
+// comparison) come to about 1e-7; the row-parallel convolution adds T partial sums of its input
+// channels where one rank sums them all, and the group norms that follow (their mean taken out
+// of values of about the same size) turn that order's rounding into 0.3-2e-6 of the gradients
+// before them. A conv bias followed by a group norm of one channel per group has no gradient in
+// exact arithmetic (the norm takes each channel's mean out): the tiny U-Net's at level 0 are
+// rounding noise of about 1e-9, measured against the same block's weight gradient instead.
+TEST_F(UNet3dPlansTest, TensorParallelRanksTrainTheOneWorkerRun) {
+  constexpr double kTolerance = 5e-6;
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(Tiny(), CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(auto one, Trainer::Create(model, Plan(1, 0), ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(auto expected, FirstGradients(*one));
+  const std::vector<std::string> names = one->ParameterNames();
+  // Per parameter, what its difference is measured against.
+  std::vector<double> scales;
+  for (size_t p = 0; p < names.size(); ++p) {
+    const std::string& name = names[p];
+    const bool bias = name.ends_with(".b") && name.find(".conv") != std::string::npos;
+    const bool per_channel_norm = static_cast<int64_t>(expected[p].size()) == Tiny().groups;
+    if (!bias || !per_channel_norm) {
+      scales.push_back(Norm(expected[p]));
+      continue;
+    }
+    const std::string weight = name.substr(0, name.size() - 1) + "w";
+    const auto at = std::find(names.begin(), names.end(), weight);
+    ASSERT_NE(at, names.end()) << weight;
+    const double weight_norm = Norm(expected[static_cast<size_t>(at - names.begin())]);
+    EXPECT_LE(Norm(expected[p]), 1e-6 * weight_norm) << name << " is not zero";
+    scales.push_back(weight_norm);
+  }
+  for (const TrainingPlan& plan : {Plan(2, 0), TensorPlan(1, 2, 0), TensorPlan(1, 4, 0),
+                                   TensorPlan(2, 2, 1), TensorPlan(2, 2, 3)}) {
+    const std::string what = plan.parallel.ToString();
+    ExpectSameRun(plan);
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    ASSERT_OK_AND_ASSIGN(auto grads, FirstGradients(*trainer));
+    ASSERT_EQ(grads.size(), expected.size());
+    double worst = 0;
+    std::string worst_name;
+    for (size_t p = 0; p < grads.size(); ++p) {
+      ASSERT_EQ(grads[p].size(), expected[p].size()) << names[p];
+      double difference = 0;
+      for (size_t i = 0; i < grads[p].size(); ++i) {
+        const double d = static_cast<double>(grads[p][i]) - expected[p][i];
+        difference += d * d;
+      }
+      const double relative = std::sqrt(difference) / std::max(scales[p], 1e-30);
+      EXPECT_LE(relative, kTolerance) << what << " gradient of " << names[p];
+      if (relative > worst) {
+        worst = relative;
+        worst_name = names[p];
+      }
+    }
+    std::printf("[ %s ] first-step gradients: worst relative difference %.2e (%s)\n", what.c_str(),
+                worst, worst_name.c_str());
+  }
+}
+
+// What one member of an all-reduce of `bytes` over `members` sends: the host communicator's
+// direct algorithm up to 64 KiB (to every other member), the ring's 2 (n - 1) / n above.
+double AllReduceBytesSent(double bytes, int members) {
+  if (members == 1) return 0;
+  return bytes <= 64 * 1024 ? bytes * (members - 1) : 2.0 * (members - 1) / members * bytes;
+}
+
+// Each tensor rank's collectives and parameters in a step, against the split's count: per pair
+// of conv blocks one all-reduce of its output [B, C, V^3] forward and one of each input's
+// gradient backward (the volume has none), and the gradient norm's scalar; the split slots a
+// 1/T slice, the rest whole.
+TEST_F(UNet3dPlansTest, TensorRanksSendTheirAllReducesAndHoldTheirSlices) {
+  const UNet3dConfig c = Tiny();  // depth 1: enc0 (V), bottleneck (V/2), dec0 (V, two inputs)
+  const double v3 = static_cast<double>(c.volume * c.volume * c.volume), c0 = c.base_channels;
+  const double c1 = 2.0 * c0;
+  const double enc0 = 4.0 * kBatch * c0 * v3;               // enc0's output, and up0's
+  const double bottleneck = 4.0 * kBatch * c1 * v3 / 8;     // its output at V/2
+  const double bottleneck_in = 4.0 * kBatch * c0 * v3 / 8;  // down0's output
+  // Parameters: conv1 (weights, bias, norm) and conv2's weights split; conv2's bias and norm,
+  // up0 and the head whole.
+  const auto pair = [](double in, double out) {
+    return std::pair<double, double>{out * in * 27 + 3 * out + out * out * 27, 3 * out};
+  };
+  const std::pair<double, double> pairs[] = {pair(c.in_channels, c0), pair(c0, c1),
+                                             pair(2 * c0, c0)};
+  double split = 0, whole = c1 * c0 * 8 + c0 + c.classes * c0 + c.classes;  // up0, head
+  for (const auto& [sliced, replicated] : pairs) {
+    split += sliced;
+    whole += replicated;
+  }
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(c, CpuRegistry()));
+  ASSERT_EQ(static_cast<int64_t>(split + whole), model.NumParameters());
+  for (int ranks : {2, 4}) {
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(TensorPlan(1, ranks, 0)));
+    ASSERT_OK(trainer->InitializeParameters(2));
+    ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
+    ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
+    const double expected_sent =
+        AllReduceBytesSent(enc0, ranks) + AllReduceBytesSent(bottleneck, ranks) +
+        AllReduceBytesSent(enc0, ranks) +                                                 // forward
+        AllReduceBytesSent(bottleneck_in, ranks) + 2 * AllReduceBytesSent(enc0, ranks) +  // dx
+        AllReduceBytesSent(4, ranks);  // gradient norm
+    const double expected_params = 4.0 * (whole + split / ranks);
+    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    for (const RankFigures& rank : report.ranks) {
+      const auto sent = static_cast<double>(rank.figures.collective_bytes_sent);
+      const auto params = static_cast<double>(rank.figures.peak(ObjectRole::kParameter));
+      EXPECT_NEAR(sent, expected_sent, 0.01 * expected_sent) << "TP " << ranks;
+      EXPECT_NEAR(params, expected_params, 0.05 * expected_params) << "TP " << ranks;
+      // Activations: what the memory model predicts for the rank's worker.
+      const WorkerMemory* worker = PredictedWorker(profile, rank.worker);
+      ASSERT_NE(worker, nullptr);
+      const auto predicted =
+          static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+      const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
+      EXPECT_NEAR(measured, predicted, 0.05 * predicted) << "TP " << ranks;
+      std::printf(
+          "[ U-Net TP %d rank %d ] collectives sent %.0f bytes (the split's count %.0f); "
+          "parameters %.0f bytes (formula %.0f); activations peak %.0f bytes (predicted %.0f)\n",
+          ranks, rank.rank, sent, expected_sent, params, expected_params, measured, predicted);
+    }
+  }
+}
+
+TEST_F(UNet3dPlansTest, ATensorParallelCheckpointResumesAtAnyDegree) {
+  const std::string dir = TempPath("unet3d_tp_checkpoint");
+  std::filesystem::remove_all(dir);
+  ASSERT_OK_AND_ASSIGN(auto writer, Distributed(TensorPlan(2, 2, 1)));
+  ASSERT_OK(writer->InitializeParameters(2));
+  for (int step = 0; step < 3; ++step) ASSERT_OK(writer->Step(Batch(step), 3e-3f).status());
+  ASSERT_OK_AND_ASSIGN(std::string saved, SaveCheckpoint(*writer, dir, ""));
+  ASSERT_OK_AND_ASSIGN(StepReport next, writer->Step(Batch(3), 3e-3f));
+  writer.reset();
+  for (int tensor : {4, 1}) {
+    ASSERT_OK_AND_ASSIGN(auto reader, Distributed(TensorPlan(1, tensor, 0)));
+    ASSERT_OK(LoadCheckpoint(*reader, saved).status());
+    EXPECT_EQ(reader->steps_taken(), 3);
+    ASSERT_OK_AND_ASSIGN(StepReport resumed, reader->Step(Batch(3), 3e-3f));
+    EXPECT_NEAR(resumed.loss, next.loss, 1e-5 * next.loss) << "TP " << tensor;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 struct Logged {
