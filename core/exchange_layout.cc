@@ -58,4 +58,27 @@ Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, Exc
   return out;
 }
 
+Result<bool> SplitsSequence(const Attrs& attrs) {
+  if (!attrs.Has(kLayoutAttr)) return false;
+  TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kLayoutAttr));
+  if (name != kSequenceLayout) {
+    return InvalidArgument("attribute '{}' is '{}'; a reduce-scatter or all-gather takes only '{}'",
+                           kLayoutAttr, name, kSequenceLayout);
+  }
+  return true;
+}
+
+Result<std::vector<int64_t>> SequenceSplitDims(const std::vector<int64_t>& dims, int64_t group,
+                                               bool gather) {
+  if (dims.size() < 2 || group < 1 || (!gather && dims[1] % group != 0)) {
+    return InvalidArgument(
+        "a sequence split over {} members takes [B, S, ...] with S a multiple of {}, not {} "
+        "dims{}",
+        group, group, dims.size(), dims.size() >= 2 ? fmt::format(" with S = {}", dims[1]) : "");
+  }
+  std::vector<int64_t> out = dims;
+  out[1] = gather ? dims[1] * group : dims[1] / group;
+  return out;
+}
+
 }  // namespace tessera

@@ -31,4 +31,18 @@ ExchangeLayout AdjointExchange(ExchangeLayout layout);
 Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,
                                            int64_t group);
 
+// Megatron-LM's sequence parallelism (a tensor-parallel model's norms and residuals on 1/T of the
+// positions): a reduce_scatter or all_gather with attribute "layout" = "sequence"
+// (kSequenceLayout) splits dimension 1 of its whole side [B, S, ...] into `group` consecutive
+// parts, member j's part j of every row: the reduce-scatter's x [B, S, ...] gives out
+// [B, S / group, ...] (summed), the all-gather's x [B, S / group, ...] gives out [B, S, ...]. Each
+// is the other's adjoint. Without the attribute both work on flat blocks.
+inline constexpr const char* kSequenceLayout = "sequence";
+// Whether `attrs` ask for the sequence split; InvalidArgument for another layout.
+Result<bool> SplitsSequence(const Attrs& attrs);
+// The dims of the sequence split's other side: x's [B, S, ...] with S multiplied (`gather`) or
+// divided by `group`; InvalidArgument naming the shape when S does not split.
+Result<std::vector<int64_t>> SequenceSplitDims(const std::vector<int64_t>& dims, int64_t group,
+                                               bool gather);
+
 }  // namespace tessera

@@ -140,27 +140,42 @@ Status AddCollectiveOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "reduce_scatter",
       .doc = "member of a reduce-scatter: x (flat, group_size blocks) reduced over the members; "
-             "rank r keeps block r",
+             "rank r keeps block r. Attribute layout 'sequence' (core/exchange_layout.h): x "
+             "[B, S, ...], rank r keeps part r of every row's S positions, out [B, S/size, ...]",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
         TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
-        return Metas{TensorMeta{Shape{in[0].numel() / size}, in[0].dtype, in[0].device}};
+        TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
+        if (!sequence) {
+          return Metas{TensorMeta{Shape{in[0].numel() / size}, in[0].dtype, in[0].device}};
+        }
+        TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
+                                 SequenceSplitDims(in[0].shape.dims(), size, /*gather=*/false));
+        return Metas{TensorMeta{Shape(std::move(dims)), in[0].dtype, in[0].device}};
       },
       .cost = CollectiveCost(1),
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "all_gather",
-      .doc = "member of an all-gather: out (flat) holds every member's x, in rank order",
+      .doc = "member of an all-gather: out (flat) holds every member's x, in rank order. "
+             "Attribute layout 'sequence' (core/exchange_layout.h): x [B, S, ...] is part r of "
+             "every row's positions, out [B, size S, ...] the rows joined",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
         const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
-        return Metas{TensorMeta{Shape{in[0].numel() * size}, in[0].dtype, in[0].device}};
+        TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
+        if (!sequence) {
+          return Metas{TensorMeta{Shape{in[0].numel() * size}, in[0].dtype, in[0].device}};
+        }
+        TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
+                                 SequenceSplitDims(in[0].shape.dims(), size, /*gather=*/true));
+        return Metas{TensorMeta{Shape(std::move(dims)), in[0].dtype, in[0].device}};
       },
       .cost =
           [](const Metas& in, const Attrs& attrs) {

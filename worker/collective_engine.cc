@@ -61,6 +61,35 @@ Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tens
   return communicator.AllToAll(staging.data(), out.raw_data(), block, in.dtype());
 }
 
+// A reduce-scatter (`gather` false) or all-gather along the sequence (attribute layout
+// "sequence", core/exchange_layout.h): the sequence side [B, S, ...] (the reduce-scatter's in, the
+// all-gather's out) moved to or from the block order [size, B, S / size, ...] in host staging.
+Status SequenceSplitCollective(Communicator& communicator, const Tensor& in, const Tensor& out,
+                               const Attrs& attrs, int size, bool gather) {
+  const Tensor& sequence = gather ? out : in;
+  const std::vector<int64_t>& dims = sequence.shape().dims();
+  if (dims.size() < 2 || dims[1] % size != 0 ||
+      sequence.numel() != size * (gather ? in : out).numel()) {
+    return InvalidArgument("{} along the sequence: shapes {} and {} do not split over {} members",
+                           gather ? "all-gather" : "reduce-scatter", in.shape().ToString(),
+                           out.shape().ToString(), size);
+  }
+  const int64_t batch = dims[0], positions = dims[1] / size;
+  const int64_t row_bytes = batch * dims[1] == 0 ? 0 : sequence.bytes() / (batch * dims[1]);
+  std::vector<char> staging(static_cast<size_t>(sequence.bytes()));
+  if (gather) {
+    TESSERA_RETURN_IF_ERROR(
+        communicator.AllGather(in.raw_data(), staging.data(), in.numel(), in.dtype()));
+    MoveSequenceBlocks(out.raw_data(), staging.data(), size, batch, positions, row_bytes,
+                       /*to_sequence=*/true);
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
+  MoveSequenceBlocks(in.raw_data(), staging.data(), size, batch, positions, row_bytes,
+                     /*to_sequence=*/false);
+  return communicator.ReduceScatter(staging.data(), out.raw_data(), out.numel(), out.dtype(), op);
+}
+
 }  // namespace
 
 // The scheduler as a Rendezvous for one formation (epoch) of one group.
@@ -478,12 +507,18 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
   if (member.op == "all_reduce") {
     TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
     status = communicator->AllReduce(out.raw_data(), out.numel(), out.dtype(), op);
-  } else if (member.op == "reduce_scatter") {
-    TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
-    status =
-        communicator->ReduceScatter(in.raw_data(), out.raw_data(), out.numel(), out.dtype(), op);
-  } else if (member.op == "all_gather") {
-    status = communicator->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype());
+  } else if (member.op == "reduce_scatter" || member.op == "all_gather") {
+    const bool gather = member.op == "all_gather";
+    TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
+    if (sequence) {
+      status = SequenceSplitCollective(*communicator, in, out, attrs, size, gather);
+    } else if (gather) {
+      status = communicator->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype());
+    } else {
+      TESSERA_ASSIGN_OR_RETURN(ReduceOp op, ParseReduce(attrs));
+      status =
+          communicator->ReduceScatter(in.raw_data(), out.raw_data(), out.numel(), out.dtype(), op);
+    }
   } else if (member.op == "all_gather_in_place") {
     // This member's block is already in place in `out`.
     const int64_t block = out.numel() / size;
