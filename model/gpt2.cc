@@ -323,13 +323,48 @@ Result<ModelSpec> BuildRewrite(const ModelBuilder& model, const Gpt2Config& conf
 // Otherwise the embedding (with h.0's ln1) and the head (final norm, tied classifier and
 // cross-entropy) are replicated.
 // Parameters keep the whole model's names (every layer's prefix is empty).
-Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
+//
+// With `shard_sequence` (Megatron-LM's sequence parallelism; T must divide the vocabulary), the
+// replicated layers (positions, h.<b>.mid, h.<b>.out) run on this rank's 1/T of the positions:
+// the embedding's, attention's and MLP's partial sums are reduce-scattered along the sequence
+// instead of all-reduced, the norms' outputs all-gathered for the split layers reading them
+// (whose input gradients the gathers' reduce-scatters sum), and the sharded layers' parameter
+// gradients all-reduced. The same bytes move as under plain tensor parallelism; the norms' and
+// residuals' activations are 1/T as large.
+Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool shard_sequence) {
   if (config.heads % ranks != 0) {
     return InvalidArgument(
         "GPT-2's {} attention heads do not split over {} tensor-parallel ranks: use a degree "
         "that divides the heads",
         config.heads, ranks);
   }
+  if (shard_sequence && config.vocab % ranks != 0) {
+    return InvalidArgument(
+        "Megatron sequence parallelism over {} tensor ranks shards the embedding's sum, which "
+        "needs the vocabulary-parallel embedding: use a --vocab that {} divides ({} does not)",
+        ranks, ranks, config.vocab);
+  }
+  if (shard_sequence && config.max_seq_len % ranks != 0) {
+    return InvalidArgument(
+        "Megatron sequence parallelism over {} tensor ranks splits every sequence {} ways: use a "
+        "max_seq_len (train_gpt2: --seq-len) that {} divides ({} does not)",
+        ranks, ranks, ranks, config.max_seq_len);
+  }
+  // Under sequence sharding: a partial sum reduce-scattered rather than all-reduced, a norm's
+  // output gathered for the split layer reading it, and the layer on its 1/T of the positions.
+  const auto sum_of = [shard_sequence](LayerBuilder& l, LayerValue part) {
+    if (shard_sequence) {
+      l.ScatterSum(part);
+    } else {
+      l.PartialSum(part);
+    }
+  };
+  const auto for_split_readers = [shard_sequence](LayerBuilder& l, LayerValue norm) {
+    if (shard_sequence) l.GatherSequence(norm);
+  };
+  const auto on_shard = [shard_sequence](LayerBuilder& l) {
+    if (shard_sequence) l.ShardSequence();
+  };
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
@@ -337,7 +372,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
   const FlatLayout &embedding = declare.embedding, &block = declare.block, &head = declare.head;
   const SlotSplit rows{.dim = 0}, qkv_rows{.dim = 0, .blocks = 3}, columns{.dim = 1};
   ModelBuilder model("gpt2", registry);
-  model.SplitOver(ranks);
+  model.SplitOver(ranks, shard_sequence);
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
   ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
                                            /*label=*/true);
@@ -351,7 +386,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
       const LayerValue wte = declare(l, embedding, "", "wte", rows);
       const LayerValue part =
           l.Call("vocab_shard_embedding_forward", {l.input(0), wte}, {}, "embed");
-      l.PartialSum(part);
+      sum_of(l, part);
       return part;
     });
     model.LayerWithOutputs(
@@ -359,9 +394,11 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
           const LayerValue wpe = declare(l, embedding, "", "wpe");
           const LayerValue ln1_w = declare(l, block, BlockPrefix(0), "ln1_w");
           const LayerValue ln1_b = declare(l, block, BlockPrefix(0), "ln1_b");
+          on_shard(l);
           const LayerValue x = l.Call("position_add_forward", {l.input(0), wpe}, {}, "positions");
-          return std::vector<LayerValue>{x,
-                                         l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1")};
+          const LayerValue ln1 = l.Call("layernorm_forward", {x, ln1_w, ln1_b}, {}, "ln1");
+          for_split_readers(l, ln1);
+          return std::vector<LayerValue>{x, ln1};
         });
     residual = "positions";
   } else {
@@ -388,7 +425,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
       const LayerValue att =
           l.Call("attention_forward", {qkv}, Attrs{{"heads", config.heads / ranks}}, "attention");
       const LayerValue part = l.Call("linear_no_bias_forward", {att, proj_w}, {}, "proj");
-      l.PartialSum(part);
+      sum_of(l, part);
       return part;
     });
     model.LayerWithOutputs(
@@ -397,10 +434,12 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
           const LayerValue proj_b = declare(l, block, h, "proj_b");
           const LayerValue ln2_w = declare(l, block, h, "ln2_w");
           const LayerValue ln2_b = declare(l, block, h, "ln2_b");
+          on_shard(l);
           const LayerValue sum = l.Call("add_forward", {l.input(0), l.input(1)}, {}, "residual1");
           const LayerValue mid = l.Call("bias_add_forward", {sum, proj_b}, {}, "proj_bias");
-          return std::vector<LayerValue>{
-              mid, l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2")};
+          const LayerValue ln2 = l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2");
+          for_split_readers(l, ln2);
+          return std::vector<LayerValue>{mid, ln2};
         });
     model.Layer(h + "mlp", {ModelBuilder::LayerOutput(h + "mid", 1)}, [&](LayerBuilder& l) {
       const LayerValue fc_w = declare(l, block, h, "fc_w", rows);
@@ -410,7 +449,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
       const LayerValue fc = l.Call("linear_forward", {l.input(0), fc_w, fc_b}, {}, "fc");
       const LayerValue gelu = l.Call("gelu_forward", {fc}, {}, "gelu");
       const LayerValue part = l.Call("linear_no_bias_forward", {gelu, fcproj_w}, {}, "fcproj");
-      l.PartialSum(part);
+      sum_of(l, part);
       return part;
     });
     const bool last = b + 1 == config.layers;
@@ -429,11 +468,13 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks) {
             norm_w = declare(l, head, "", "lnf_w");
             norm_b = declare(l, head, "", "lnf_b");
           }
+          on_shard(l);
           const LayerValue sum = l.Call("add_forward", {l.input(0), l.input(1)}, {}, "residual2");
           const LayerValue x = l.Call("bias_add_forward", {sum, fcproj_b}, {}, "fcproj_bias");
           if (last && !vocab_parallel) return std::vector<LayerValue>{x};
           const LayerValue norm =
               l.Call("layernorm_forward", {x, norm_w, norm_b}, {}, last ? "lnf" : "ln1");
+          for_split_readers(l, norm);
           if (last) return std::vector<LayerValue>{norm};
           return std::vector<LayerValue>{x, norm};
         });
@@ -591,10 +632,14 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
           "GPT-2's fused layers do not split sequences over ranks; its primitive layers do: use "
           "--layer-impl primitive");
     };
+    model.split_sharding_sequence = model.split_for_sequence_parallel;
   } else {
     TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
     model.split_for_tensor_parallel = [config](int ranks) {
-      return BuildPrimitiveSplit(config, ranks);
+      return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/false);
+    };
+    model.split_sharding_sequence = [config](int ranks) {
+      return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/true);
     };
     model.split_for_sequence_parallel = [config](int ranks) {
       return BuildPrimitiveUlysses(config, ranks);

@@ -183,6 +183,18 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
       if (id == v.id) exchange = layout;
     }
     layer.exchanged_outputs.push_back(exchange);
+    const auto marked = [&](const std::vector<int>& ids) {
+      return std::find(ids.begin(), ids.end(), v.id) != ids.end();
+    };
+    layer.scattered_outputs.push_back(marked(builder.scattered_values_));
+    layer.gathered_outputs.push_back(marked(builder.gathered_values_));
+  }
+  layer.sequence_sharded = builder.sequence_sharded_;
+  if (!shard_sequence_ && (!builder.scattered_values_.empty() ||
+                           !builder.gathered_values_.empty() || builder.sequence_sharded_)) {
+    layer.errors.push_back(
+        "shards the sequence, but the model is not split with shard_sequence (ModelBuilder::"
+        "SplitOver)");
   }
   layer.partial_inputs.assign(layer.inputs.size(), false);
   for (int i : builder.partial_inputs_) layer.partial_inputs[static_cast<size_t>(i)] = true;
@@ -303,6 +315,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
   model.name = name_;
   model.inputs = inputs_;
   model.tensor_parallel = tensor_parallel_;
+  model.shards_sequence = shard_sequence_ && tensor_parallel_ > 1;
   model.sequence_parallel = sequence_parallel_;
   model.layers.reserve(resolved.order.size());
   for (size_t k = 0; k < resolved.order.size(); ++k) {
@@ -436,6 +449,18 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
       }
       meta.shape = Shape(*std::move(dims));
     }
+    // Readers of a scattered or gathered output read 1/T of its positions, or T times as many.
+    const bool scattered = o < declared.scattered_outputs.size() && declared.scattered_outputs[o];
+    const bool gathered = o < declared.gathered_outputs.size() && declared.gathered_outputs[o];
+    if (scattered || gathered) {
+      Result<std::vector<int64_t>> dims =
+          SequenceSplitDims(meta.shape.dims(), tensor_parallel_, /*gather=*/gathered);
+      if (!dims.ok()) {
+        return dims.status().WithContext(
+            fmt::format("model '{}': layer '{}' output {}", name_, declared.name, o));
+      }
+      meta.shape = Shape(*std::move(dims));
+    }
     resolved.output_metas[i].push_back(meta);
   }
   if (program.params.numel() > 0) {
@@ -452,6 +477,11 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
                               .partial_outputs = declared.partial_outputs,
                               .partial_input_gradients = declared.partial_inputs};
     split.partial_input_gradients.resize(layer.forward_args.size(), false);
+    if (shard_sequence_) {
+      split.scattered_outputs = declared.scattered_outputs;
+      split.gathered_outputs = declared.gathered_outputs;
+      split.sequence_sharded = declared.sequence_sharded;
+    }
     layer.tensor_parallel = std::move(split);
   }
   if (std::any_of(declared.exchanged_outputs.begin(), declared.exchanged_outputs.end(),

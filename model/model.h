@@ -74,6 +74,19 @@ class LayerBuilder {
   void PartialSum(LayerValue value);
   // The gradient of input i that the backward returns is a partial sum over the ranks.
   void PartialGradient(int i);
+  // Megatron-LM's sequence parallelism (ModelBuilder::SplitOver with shard_sequence;
+  // TensorParallelLayer's marks): `value`, returned as an output, is a partial sum that readers
+  // read reduce-scattered along the sequence, their 1/T of the positions ([B, S/T, ...]).
+  void ScatterSum(LayerValue value) {
+    PartialSum(value);
+    scattered_values_.push_back(value.id);
+  }
+  // `value`, returned as an output, is this rank's 1/T of the positions: readers read it
+  // all-gathered along the sequence ([B, S, ...]), and must declare their gradient of it partial.
+  void GatherSequence(LayerValue value) { gathered_values_.push_back(value.id); }
+  // The layer runs on this rank's 1/T of the positions (its replicated parameters' gradients are
+  // summed over the ranks; its ops get attribute sequence_rank).
+  void ShardSequence() { sequence_sharded_ = true; }
   // Sequence parallelism (ModelBuilder::SplitSequenceOver): `value`, returned as an output, is
   // read after an all-to-all over the sequence ranks in `layout` (LayerSpec::exchanged_outputs;
   // its readers see the shape the all-to-all makes).
@@ -100,6 +113,8 @@ class LayerBuilder {
   std::vector<int> partial_values_;                               // PartialSum's
   std::vector<int> partial_inputs_;                               // PartialGradient's
   std::vector<std::pair<int, ExchangeLayout>> exchanged_values_;  // Exchange's
+  std::vector<int> scattered_values_, gathered_values_;           // ScatterSum's, GatherSequence's
+  bool sequence_sharded_ = false;                                 // ShardSequence
   LayerProgram program_;  // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
   // SharedParam calls (layer, param), in order: values after the parameters, in this order.
@@ -141,7 +156,12 @@ class ModelBuilder {
   // Builds the model split over `ranks` ranks (tensor parallelism): what each rank runs, its
   // layers declaring their slices (LayerBuilder::SlicedParam) and partial sums. Call before
   // declaring layers.
-  void SplitOver(int ranks) { tensor_parallel_ = ranks; }
+  // With `shard_sequence`, Megatron-LM's sequence parallelism: layers may shard the sequence
+  // (LayerBuilder::ScatterSum, GatherSequence, ShardSequence).
+  void SplitOver(int ranks, bool shard_sequence = false) {
+    tensor_parallel_ = ranks;
+    shard_sequence_ = shard_sequence;
+  }
   // Builds the model for `ranks` sequence ranks (DeepSpeed-Ulysses): what each runs on its 1/P
   // of every sequence, its layers marking the outputs exchanged by all-to-alls
   // (LayerBuilder::Exchange). Call before declaring layers.
@@ -163,7 +183,9 @@ class ModelBuilder {
     // Under SplitOver: per parameter its split, per output and input whether it is partial.
     std::vector<SlotSplit> splits;
     std::vector<bool> partial_outputs, partial_inputs;
-    std::vector<ExchangeLayout> exchanged_outputs;  // Exchange's, per output
+    std::vector<ExchangeLayout> exchanged_outputs;          // Exchange's, per output
+    std::vector<bool> scattered_outputs, gathered_outputs;  // per output
+    bool sequence_sharded = false;
   };
   // What Build works out about the layers before it writes their specs.
   struct Resolved {
@@ -206,6 +228,7 @@ class ModelBuilder {
   std::string name_;
   const OpRegistry& registry_;
   int tensor_parallel_ = 1;
+  bool shard_sequence_ = false;
   int sequence_parallel_ = 1;
   std::vector<ModelInput> inputs_;
   std::vector<DeclaredLayer> layers_;

@@ -66,12 +66,36 @@ Result<ModelSpec> Rewritten(const ModelSpec& model, int ranks, const Rewrite& re
 
 }  // namespace
 
-Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks) const {
-  return Rewritten(*this, ranks,
-                   Rewrite{"tensor", &ModelSpec::tensor_parallel, split_for_tensor_parallel,
-                           "does not say how its layers split over ranks (model/model.h: "
-                           "ModelBuilder::SplitOver, LayerBuilder::SlicedParam), so it cannot run "
-                           "tensor parallel: use --tensor-parallel 1"});
+Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks, bool shard_sequence) const {
+  if (tensor_parallel > 1 && ranks == tensor_parallel && shards_sequence != shard_sequence) {
+    return InvalidArgument(
+        "model '{}' is split over {} tensor ranks {} the sequence; split the whole model", name,
+        ranks, shards_sequence ? "sharding" : "not sharding");
+  }
+  if (!shard_sequence) {
+    return Rewritten(*this, ranks,
+                     Rewrite{"tensor", &ModelSpec::tensor_parallel, split_for_tensor_parallel,
+                             "does not say how its layers split over ranks (model/model.h: "
+                             "ModelBuilder::SplitOver, LayerBuilder::SlicedParam), so it cannot "
+                             "run tensor parallel: use --tensor-parallel 1"});
+  }
+  if (ranks < 2) {
+    return InvalidArgument(
+        "Megatron sequence parallelism shards the sequence over the tensor ranks, but there are "
+        "{}: use --tensor-parallel 2 or more with it",
+        ranks);
+  }
+  TESSERA_ASSIGN_OR_RETURN(
+      ModelSpec split,
+      Rewritten(*this, ranks,
+                Rewrite{"tensor", &ModelSpec::tensor_parallel, split_sharding_sequence,
+                        "does not say how its layers shard the sequence over tensor ranks "
+                        "(model/model.h: ModelBuilder::ShardSequence), so it cannot run "
+                        "Megatron sequence parallelism: use --sequence-parallel none or ulysses"}));
+  if (!split.shards_sequence) {
+    return Internal("model '{}' split for Megatron sequence parallelism does not shard it", name);
+  }
+  return split;
 }
 
 Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
@@ -83,7 +107,8 @@ Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
                            "--sequence-parallel none"});
 }
 
-Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks) const {
+Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks,
+                                        bool shard_sequence) const {
   if (tensor_ranks > 1 && sequence_ranks > 1) {
     return InvalidArgument(
         "tensor parallelism ({} ranks) and sequence parallelism ({} ranks) together are not "
@@ -91,7 +116,7 @@ Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks) co
         tensor_ranks, sequence_ranks);
   }
   if (sequence_ranks > 1 || sequence_parallel > 1) return SplitForSequenceParallel(sequence_ranks);
-  return SplitForTensorParallel(tensor_ranks);
+  return SplitForTensorParallel(tensor_ranks, shard_sequence);
 }
 
 namespace {
@@ -129,6 +154,54 @@ Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
     return InvalidArgument("the loss layer '{}' cannot exchange its loss", layer.name);
   }
   return Status::Ok();
+}
+
+// Megatron sequence parallelism's marks on a split layer (`tp`, its TensorParallelLayer): only in
+// a model sharding the sequence; a scattered output is a partial sum, a gathered one is not; a
+// sharded layer holds its parameters whole.
+Status ValidateSequenceShards(const LayerSpec& layer, const TensorParallelLayer& tp,
+                              bool shards_sequence) {
+  const bool marked =
+      !tp.scattered_outputs.empty() || !tp.gathered_outputs.empty() || tp.sequence_sharded;
+  if (marked && !shards_sequence) {
+    return InvalidArgument(
+        "layer '{}' shards or gathers the sequence but the model does not shard it "
+        "(ModelSpec::shards_sequence)",
+        layer.name);
+  }
+  const auto sized = [&](const std::vector<bool>& marks) {
+    return marks.empty() || marks.size() == static_cast<size_t>(layer.activations);
+  };
+  if (!sized(tp.scattered_outputs) || !sized(tp.gathered_outputs)) {
+    return InvalidArgument(
+        "layer '{}' says whether {} and {} output(s) are scattered and gathered but has {}",
+        layer.name, tp.scattered_outputs.size(), tp.gathered_outputs.size(), layer.activations);
+  }
+  for (size_t o = 0; o < static_cast<size_t>(layer.activations); ++o) {
+    const bool partial = o < tp.partial_outputs.size() && tp.partial_outputs[o];
+    if (tp.scatters(o) && !partial) {
+      return InvalidArgument(
+          "layer '{}' output {} is reduce-scattered along the sequence but is not a partial sum",
+          layer.name, o);
+    }
+    if (tp.gathers(o) && (partial || tp.scatters(o))) {
+      return InvalidArgument(
+          "layer '{}' output {} is all-gathered along the sequence, so it must be whole and "
+          "unscattered",
+          layer.name, o);
+    }
+  }
+  if (tp.sequence_sharded) {
+    for (size_t s = 0; s < tp.slots.size(); ++s) {
+      if (!tp.slots[s].replicated()) {
+        return InvalidArgument(
+            "layer '{}' runs on 1/T of the positions but splits slot {}: a layer sharding the "
+            "sequence holds its parameters whole",
+            layer.name, s);
+      }
+    }
+  }
+  return RefuseKeptOutputs(layer, "gathered", [&](size_t o) { return tp.gathers(o); });
 }
 
 // A split model's layer: its TensorParallelLayer sized to its slots, outputs and arguments.
@@ -182,7 +255,13 @@ Status ModelSpec::Validate() const {
   }
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerSpec& layer = layers[l];
-    if (tensor_parallel > 1) TESSERA_RETURN_IF_ERROR(ValidateSplitLayer(layer));
+    if (tensor_parallel > 1) {
+      TESSERA_RETURN_IF_ERROR(ValidateSplitLayer(layer));
+      if (layer.tensor_parallel.has_value()) {
+        TESSERA_RETURN_IF_ERROR(
+            ValidateSequenceShards(layer, *layer.tensor_parallel, shards_sequence));
+      }
+    }
     TESSERA_RETURN_IF_ERROR(ValidateSequenceLayer(layer, sequence_parallel));
     if (layer.loss && l + 1 != layers.size()) {
       return InvalidArgument("layer '{}' computes the loss but is not the last layer", layer.name);
@@ -223,6 +302,21 @@ Status ModelSpec::Validate() const {
             return InvalidArgument("layer '{}' argument {} reads output {} of '{}', which has {}",
                                    layer.name, a, arg.output, layers[arg.index].name,
                                    layers[arg.index].activations);
+          }
+          // A gathered value's gradient is summed by its gather's adjoint: its readers' must be
+          // partial sums.
+          {
+            const auto& producer = layers[arg.index].tensor_parallel;
+            const auto& reader = layer.tensor_parallel;
+            if (producer.has_value() && reader.has_value() &&
+                producer->gathers(static_cast<size_t>(arg.output)) &&
+                !reader->partial_input_gradients[a]) {
+              return InvalidArgument(
+                  "layer '{}' argument {} reads the all-gathered output {} of '{}' but its "
+                  "gradient is not a partial sum (LayerBuilder::PartialGradient): the gather's "
+                  "reduce-scatter would sum whole gradients",
+                  layer.name, a, arg.output, layers[arg.index].name);
+            }
           }
           break;
         case LayerArg::Kind::kParams:

@@ -116,6 +116,27 @@ struct TensorParallelLayer {
   // Per forward argument: the backward's gradient of this activation is a partial sum over the
   // ranks (all-reduced before it is used): what a column-parallel linear's input gets.
   std::vector<bool> partial_input_gradients;
+  // Megatron-LM's sequence parallelism (ModelSpec::shards_sequence), per activation output
+  // (empty: none):
+  //   scattered  a partial sum reduce-scattered along the sequence instead of all-reduced: each
+  //              rank reads its 1/T of the positions, [B, S/T, ...]; the gradient comes back
+  //              all-gathered
+  //   gathered   this rank's 1/T of the positions, read all-gathered along the sequence,
+  //              [B, S, ...]; its readers' gradients, partial sums (each reader says so:
+  //              partial_input_gradients), come back summed and scattered by a reduce-scatter
+  //              in place of their all-reduces
+  std::vector<bool> scattered_outputs;
+  std::vector<bool> gathered_outputs;
+  // The layer runs on this rank's 1/T of the positions: its replicated parameters' gradients
+  // are partial sums over the ranks (all-reduced after its backward), and its ops get the rank
+  // as attribute sequence_rank (the position embedding's offset).
+  bool sequence_sharded = false;
+  bool scatters(size_t output) const {
+    return output < scattered_outputs.size() && scattered_outputs[output];
+  }
+  bool gathers(size_t output) const {
+    return output < gathered_outputs.size() && gathered_outputs[output];
+  }
 };
 
 struct LayerSpec {
@@ -181,6 +202,12 @@ struct ModelSpec {
   int tensor_parallel = 1;
   // Set by a model that can split: its description for T ranks (T >= 2). Empty: it cannot.
   std::function<Result<ModelSpec>(int ranks)> split_for_tensor_parallel;
+  // Megatron-LM's sequence parallelism: a split for T ranks whose norms, residuals and other
+  // replicated layers run on 1/T of each sequence (TensorParallelLayer::sequence_sharded), with
+  // reduce-scatters and all-gathers along the sequence in place of the all-reduces; set on such
+  // a split, and the function making it by a model that can.
+  bool shards_sequence = false;
+  std::function<Result<ModelSpec>(int ranks)> split_sharding_sequence;
   // Sequence parallelism (DeepSpeed-Ulysses): the ranks this description splits each sequence
   // over (1: none), and, set by a model that can, its description for P sequence ranks (P >= 2):
   // what each rank runs on its S/P positions of the same rows, the layers' parameters whole,
@@ -189,14 +216,17 @@ struct ModelSpec {
   int sequence_parallel = 1;
   std::function<Result<ModelSpec>(int ranks)> split_for_sequence_parallel;
 
-  // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's.
-  // InvalidArgument naming the model when it cannot split, or not over that many ranks.
-  Result<ModelSpec> SplitForTensorParallel(int ranks) const;
+  // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's
+  // (split_sharding_sequence's when `shard_sequence`). InvalidArgument naming the model when it
+  // cannot split, or not over that many ranks.
+  Result<ModelSpec> SplitForTensorParallel(int ranks, bool shard_sequence = false) const;
   // The description for `ranks` sequence ranks: this one for 1, else
   // split_for_sequence_parallel's. InvalidArgument naming the model when it cannot.
   Result<ModelSpec> SplitForSequenceParallel(int ranks) const;
-  // What a plan of T tensor and P sequence ranks runs (at most one of them above 1).
-  Result<ModelSpec> PlannedFor(int tensor_ranks, int sequence_ranks) const;
+  // What a plan of T tensor and P sequence ranks runs (at most one of them above 1), the tensor
+  // split sharding the sequence when `shard_sequence`.
+  Result<ModelSpec> PlannedFor(int tensor_ranks, int sequence_ranks,
+                               bool shard_sequence = false) const;
   // Whether this is a whole model's rewrite for tensor or sequence ranks.
   bool rewritten() const { return tensor_parallel > 1 || sequence_parallel > 1; }
   int64_t NumParameters() const;

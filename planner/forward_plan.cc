@@ -117,6 +117,39 @@ Result<ForwardGraph> PlanForward(const ModelSpec& model, int64_t batch, int64_t 
                                          {outputs[l][o]}, Attrs{{"shape", dims}}, reshape));
       outputs[l][o] = reshaped[0];
     }
+    // Likewise a tensor-parallel model sharding the sequence (Megatron-LM's sequence
+    // parallelism): a scattered output read as its first 1/T of the elements, a gathered one as
+    // T copies, each in the shape the collective makes.
+    const auto& tp = layer.tensor_parallel;
+    for (size_t o = 0; tp && o < outputs[l].size(); ++o) {
+      if (!tp->scatters(o) && !tp->gathers(o)) continue;
+      const bool gather = tp->gathers(o);
+      const TensorMeta& meta = builder.graph().object(outputs[l][o]).meta;
+      const int64_t ranks = model.tensor_parallel;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
+                               SequenceSplitDims(meta.shape.dims(), ranks, gather));
+      TaskOptions split_options;
+      split_options.layer = layer.name;
+      split_options.device_kind = device.kind;
+      const std::string name = fmt::format("{}/{}{}", layer.name, gather ? "gather" : "scatter", o);
+      std::vector<ObjectId> flat;
+      if (gather) {
+        TESSERA_ASSIGN_OR_RETURN(
+            flat, builder.AddTask(name + "/copies", "pack_shards",
+                                  std::vector<ObjectId>(static_cast<size_t>(ranks), outputs[l][o]),
+                                  Attrs{{"ranks", int64_t{1}}}, split_options));
+      } else {
+        const int64_t part = meta.numel() / ranks;
+        TESSERA_ASSIGN_OR_RETURN(
+            flat, builder.AddTask(name + "/part", "split", {outputs[l][o]},
+                                  Attrs{{"sizes", std::vector<int64_t>{part, meta.numel() - part}}},
+                                  split_options));
+      }
+      TESSERA_ASSIGN_OR_RETURN(
+          auto reshaped,
+          builder.AddTask(name, "reshape", {flat[0]}, Attrs{{"shape", dims}}, split_options));
+      outputs[l][o] = reshaped[0];
+    }
   }
   result.result = outputs[loss_layer][0];
   builder.MarkOutput(result.result);

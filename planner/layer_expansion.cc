@@ -145,6 +145,12 @@ class Expansion {
     if (s_.parallel.sequence_parallel > 1) {
       attrs.Set(kSequenceRankAttr, int64_t{s_.parallel.SequenceRankOf(mb.r)});
     }
+    // Under Megatron-LM's sequence parallelism a layer on 1/T of the positions holds its tensor
+    // rank's part.
+    const auto& tp = s_.model.layers[l].tensor_parallel;
+    if (s_.tensor_parallel > 1 && tp && tp->sequence_sharded) {
+      attrs.Set(kSequenceRankAttr, int64_t{s_.TensorRank(mb.r)});
+    }
     const int splits = s_.num_data_ranks * s_.num_micro_batches;
     if (s_.model.layers[l].loss && splits > 1) {
       attrs.Set("grad_scale", 1.0 / static_cast<double>(splits));
@@ -220,38 +226,65 @@ class Expansion {
   Result<ObjectId> ActivationCollective(const MicroBatch& mb, size_t l, const std::string& what,
                                         const char* op, ObjectId value, int32_t priority,
                                         Attrs (PlanState::*members)(const std::string&, int),
-                                        const std::pair<const char*, std::string>& attr) {
+                                        const Attrs& extra,
+                                        ObjectRole role = ObjectRole::kActivation) {
     const std::string& layer = s_.LayerName(l);
     const std::string name = s_.Micro(mb.k, layer + "/" + what);
+    Attrs attrs = (s_.*members)(name, mb.r);
+    for (const auto& [key, setting] : extra.values()) attrs.Set(key, setting);
     TESSERA_ASSIGN_OR_RETURN(
-        auto result,
-        s_.builder.AddTask(s_.Name(mb.r, name), op, {value},
-                           (s_.*members)(name, mb.r).Set(attr.first, attr.second),
-                           s_.On(mb.r, layer, priority, {ObjectName(mb, layer + "." + what)},
-                                 {ObjectRole::kActivation})));
+        auto result, s_.builder.AddTask(s_.Name(mb.r, name), op, {value}, std::move(attrs),
+                                        s_.On(mb.r, layer, priority,
+                                              {ObjectName(mb, layer + "." + what)}, {role})));
     return result[0];
   }
 
   // Tensor parallelism: an all-reduce over the tensor ranks of `part`, rank r's partial sum (on
   // the tensor channel); returns the sum.
   Result<ObjectId> SumOverTensorRanks(const MicroBatch& mb, size_t l, const std::string& what,
-                                      ObjectId part, int32_t priority) {
+                                      ObjectId part, int32_t priority,
+                                      ObjectRole role = ObjectRole::kActivation) {
     return ActivationCollective(mb, l, what, "all_reduce", part, priority,
-                                &PlanState::TensorCollective, {"reduce", "sum"});
+                                &PlanState::TensorCollective, Attrs{{"reduce", std::string("sum")}},
+                                role);
+  }
+
+  // Megatron-LM's sequence parallelism: `value` reduce-scattered (its sum's 1/T of the positions
+  // this rank holds) or all-gathered (every rank's 1/T joined) along the sequence over the
+  // tensor ranks (core/exchange_layout.h's kSequenceLayout).
+  Result<ObjectId> SplitSequenceOverTensorRanks(const MicroBatch& mb, size_t l,
+                                                const std::string& what, ObjectId value,
+                                                bool gather, int32_t priority) {
+    Attrs extra{{kLayoutAttr, std::string(kSequenceLayout)}};
+    if (!gather) extra.Set("reduce", std::string("sum"));
+    return ActivationCollective(mb, l, what, gather ? "all_gather" : "reduce_scatter", value,
+                                priority, &PlanState::TensorCollective, extra);
   }
 
   // The layer's partial outputs (TensorParallelLayer::partial_outputs) summed over the tensor
-  // ranks: what every reader reads. Their gradients need nothing: the sum's backward passes the
-  // gradient on to each part as it is.
+  // ranks: what every reader reads (reduce-scattered along the sequence where the layer says so;
+  // all-reduced otherwise), and its gathered outputs all-gathered. A sum's gradient needs
+  // nothing (its backward passes the gradient on as it is); the sequence splits' go back by
+  // their adjoints (AddBackward).
   Status SumPartialOutputs(MicroBatch& mb, size_t l) {
     const LayerSpec& layer = s_.model.layers[l];
     if (s_.tensor_parallel == 1 || !layer.tensor_parallel) return Status::Ok();
-    const std::vector<bool>& partial = layer.tensor_parallel->partial_outputs;
-    for (size_t o = 0; o < partial.size(); ++o) {
-      if (!partial[o]) continue;  // ModelSpec::Validate refused a partial output kept
-      TESSERA_ASSIGN_OR_RETURN(
-          mb.outputs[l][o], SumOverTensorRanks(mb, l, fmt::format("tp_sum{}", o), mb.outputs[l][o],
-                                               kForwardPriority + 1));
+    const TensorParallelLayer& tp = *layer.tensor_parallel;
+    for (size_t o = 0; o < tp.partial_outputs.size(); ++o) {
+      ObjectId& output = mb.outputs[l][o];
+      // ModelSpec::Validate refused a partial or gathered output kept for the backward.
+      if (tp.scatters(o)) {
+        TESSERA_ASSIGN_OR_RETURN(
+            output, SplitSequenceOverTensorRanks(mb, l, fmt::format("tp_scatter{}", o), output,
+                                                 /*gather=*/false, kForwardPriority + 1));
+      } else if (tp.partial_outputs[o]) {
+        TESSERA_ASSIGN_OR_RETURN(output, SumOverTensorRanks(mb, l, fmt::format("tp_sum{}", o),
+                                                            output, kForwardPriority + 1));
+      } else if (tp.gathers(o)) {
+        TESSERA_ASSIGN_OR_RETURN(
+            output, SplitSequenceOverTensorRanks(mb, l, fmt::format("tp_gather{}", o), output,
+                                                 /*gather=*/true, kForwardPriority + 1));
+      }
     }
     return Status::Ok();
   }
@@ -263,7 +296,7 @@ class Expansion {
                                              ExchangeLayout layout, int32_t priority) {
     return ActivationCollective(mb, l, what, "all_to_all", value, priority,
                                 &PlanState::SequenceCollective,
-                                {kLayoutAttr, ExchangeLayoutName(layout)});
+                                Attrs{{kLayoutAttr, std::string(ExchangeLayoutName(layout))}});
   }
 
   // The layer's exchanged outputs (LayerSpec::exchanged_outputs), what every reader reads.
@@ -281,7 +314,8 @@ class Expansion {
   }
 
   // Backward output j of layer l, the gradient of an activation the layer declares partial
-  // (TensorParallelLayer::partial_input_gradients), summed over the tensor ranks.
+  // (TensorParallelLayer::partial_input_gradients), summed over the tensor ranks; the gradient of
+  // an all-gathered value is summed (and scattered) by the gather's adjoint instead.
   Result<ObjectId> InputGradient(const MicroBatch& mb, size_t l, size_t j, ObjectId grad) {
     const LayerSpec& layer = s_.model.layers[l];
     const size_t arg = layer.backward_outputs[j];
@@ -289,7 +323,20 @@ class Expansion {
         !layer.tensor_parallel->partial_input_gradients[arg]) {
       return grad;
     }
+    const LayerArg& read = layer.forward_args[arg];
+    const auto& producer = s_.model.layers[read.index].tensor_parallel;
+    if (producer && producer->gathers(static_cast<size_t>(read.output))) return grad;
     return SumOverTensorRanks(mb, l, fmt::format("tp_sum_dx{}", arg), grad, kBackwardPriority + 1);
+  }
+
+  // The gradient of layer l's parameters: a layer on 1/T of the positions (Megatron-LM's
+  // sequence parallelism; its slots all replicated) makes a partial sum, summed over the tensor
+  // ranks before it joins the group's.
+  Result<ObjectId> ParamGradient(const MicroBatch& mb, size_t l, size_t group, ObjectId grad) {
+    const auto& tp = s_.model.layers[l].tensor_parallel;
+    if (s_.tensor_parallel == 1 || !tp || !tp->sequence_sharded) return grad;
+    return SumOverTensorRanks(mb, l, fmt::format("tp_sum_dparams{}", group), grad,
+                              kBackwardPriority + 1, ObjectRole::kGradient);
   }
 
   bool Swaps(size_t l) const {
@@ -349,12 +396,22 @@ class Expansion {
         TESSERA_ASSIGN_OR_RETURN(
             dy[o], s_.Sum(mb.r, s_.StageOf(l), ObjectName(mb, fmt::format("{}.d{}", layer.name, o)),
                           mb.output_grads[l][o]));
-        // An exchanged output's gradient goes back by the adjoint all-to-all.
+        // An exchanged output's gradient goes back by the adjoint all-to-all; a scattered
+        // one's by an all-gather, a gathered one's (its readers' partial sums) by a
+        // reduce-scatter.
         if (layer.exchanges(o) && dy[o].valid()) {
           TESSERA_ASSIGN_OR_RETURN(
               dy[o], ExchangeOverSequenceRanks(mb, l, fmt::format("exchange_d{}", o), dy[o],
                                                AdjointExchange(layer.exchanged_outputs[o]),
                                                kBackwardPriority + 1));
+        }
+        const auto& tp = layer.tensor_parallel;
+        if (s_.tensor_parallel > 1 && tp && (tp->scatters(o) || tp->gathers(o)) && dy[o].valid()) {
+          const bool gather = tp->scatters(o);
+          TESSERA_ASSIGN_OR_RETURN(
+              dy[o], SplitSequenceOverTensorRanks(
+                         mb, l, fmt::format("{}{}", gather ? "tp_gather_d" : "tp_scatter_d", o),
+                         dy[o], gather, kBackwardPriority + 1));
         }
       }
       if (!dy.empty()) mb.entering_grad[l] = dy[0];
@@ -382,7 +439,8 @@ class Expansion {
         TESSERA_ASSIGN_OR_RETURN(ObjectId dx, InputGradient(mb, l, j, grads[j]));
         mb.output_grads[forward.index][static_cast<size_t>(forward.output)].push_back(dx);
       } else {
-        mb.param_grads[forward.index].push_back(grads[j]);
+        TESSERA_ASSIGN_OR_RETURN(ObjectId dparams, ParamGradient(mb, l, forward.index, grads[j]));
+        mb.param_grads[forward.index].push_back(dparams);
       }
     }
     return CompleteGroups(mb, l);

@@ -25,6 +25,15 @@ Status CheckOptimizer(const OptimizerConfig& o) {
   return Status::Ok();
 }
 
+// Each sequence of `seq_len` positions split over `ranks` ranks of `kind` ("sequence", ...).
+Status CheckSequenceSplits(int64_t seq_len, int ranks, const char* kind) {
+  if (seq_len % ranks == 0) return Status::Ok();
+  return InvalidArgument(
+      "seq_len {} does not split over {} {} ranks: use a --seq-len that is a multiple of {} "
+      "(e.g. {})",
+      seq_len, ranks, kind, ranks, (seq_len / ranks + 1) * ranks);
+}
+
 // The ranks, micro-batches and ZeRO stage, and the batch they split.
 Status CheckRanks(const TrainingPlan& plan) {
   const ParallelConfig& p = plan.parallel;
@@ -58,13 +67,17 @@ Status CheckRanks(const TrainingPlan& plan) {
           "use --sequence-parallel none on {}",
           plan.device.ToString());
     }
-    if (plan.seq_len % p.sequence_parallel != 0) {
+    TESSERA_RETURN_IF_ERROR(CheckSequenceSplits(plan.seq_len, p.sequence_parallel, "sequence"));
+  }
+  if (p.shard_sequence) {
+    if (p.tensor_parallel < 2) {
       return InvalidArgument(
-          "seq_len {} does not split over {} sequence ranks: use a --seq-len that is a multiple "
-          "of {} (e.g. {})",
-          plan.seq_len, p.sequence_parallel, p.sequence_parallel,
-          (plan.seq_len / p.sequence_parallel + 1) * p.sequence_parallel);
+          "Megatron sequence parallelism shards each sequence over the tensor ranks, but the plan "
+          "has {}: use --tensor-parallel 2 or more with it",
+          p.tensor_parallel);
     }
+    TESSERA_RETURN_IF_ERROR(CheckSequenceSplits(plan.seq_len, p.tensor_parallel,
+                                                "tensor (Megatron sequence parallelism)"));
   }
   if (p.prefetch_layers < 0) {
     return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
@@ -158,7 +171,8 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
   // A whole model is checked as the step will be planned on it: split for the tensor or
   // sequence ranks.
   if (model.tensor_parallel != parallel.tensor_parallel ||
-      model.sequence_parallel != parallel.sequence_parallel) {
+      model.sequence_parallel != parallel.sequence_parallel ||
+      (model.rewritten() && model.shards_sequence != parallel.shard_sequence)) {
     if (model.rewritten()) {
       return InvalidArgument(
           "the plan splits layers over {} tensor-parallel and sequences over {} rank(s) but model "
@@ -166,8 +180,9 @@ Status TrainingPlan::Validate(const ModelSpec& model) const {
           parallel.tensor_parallel, parallel.sequence_parallel, model.name, model.tensor_parallel,
           model.sequence_parallel);
     }
-    TESSERA_ASSIGN_OR_RETURN(
-        ModelSpec split, model.PlannedFor(parallel.tensor_parallel, parallel.sequence_parallel));
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
+                             model.PlannedFor(parallel.tensor_parallel, parallel.sequence_parallel,
+                                              parallel.shard_sequence));
     return Validate(split);
   }
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
@@ -204,7 +219,8 @@ Status ValidatePlanPass(PlanState& state) {
   TESSERA_RETURN_IF_ERROR(state.plan.Validate(state.model));
   const ParallelConfig& p = state.parallel;
   if (state.model.tensor_parallel != p.tensor_parallel ||
-      state.model.sequence_parallel != p.sequence_parallel) {
+      state.model.sequence_parallel != p.sequence_parallel ||
+      state.model.shards_sequence != (p.shard_sequence && p.tensor_parallel > 1)) {
     return InvalidArgument(
         "the plan splits layers over {} tensor-parallel ranks and sequences over {}: plan the "
         "split model, model.PlannedFor({}, {}) (the trainer does)",

@@ -22,6 +22,7 @@ std::string ParallelConfig::ToString() const {
       fmt::format("data_parallel={} zero_stage={} offload={} micro_batches={}", data_parallel,
                   zero_stage, OffloadModeName(offload), micro_batches);
   if (tensor_parallel > 1) text += fmt::format(" tensor_parallel={}", tensor_parallel);
+  if (shard_sequence) text += " sequence_parallel=megatron";
   if (sequence_parallel > 1)
     text += fmt::format(" sequence_parallel={} (ulysses)", sequence_parallel);
   if (pipeline_stages > 1 || virtual_stages > 1) {

@@ -89,6 +89,11 @@ struct ParallelConfig {
   // must be split for it: ModelSpec::SplitForSequenceParallel). ZeRO and the gradients'
   // reductions run over all data_parallel ranks. 1: none.
   int sequence_parallel = 1;
+  // Megatron-LM's sequence parallelism, with tensor_parallel T >= 2: the split model's norms,
+  // residuals and other replicated layers run on 1/T of each sequence, reduce-scatters and
+  // all-gathers along the sequence in place of the activations' all-reduces (the model must be
+  // split for it: ModelSpec::SplitForTensorParallel(T, true)).
+  bool shard_sequence = false;
   int zero_stage = 0;  // 0..3: what the ranks shard (planner/sharding_policy.h)
   OffloadMode offload = OffloadMode::kNone;
   // Under OffloadMode::kParameters on GPU workers, per layer: whether its parameters stay on the

@@ -64,6 +64,19 @@ const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worke
   return it == profile.workers.end() ? nullptr : &*it;
 }
 
+ActivationPeaks ExpectActivationPeakAsPredicted(const MemoryProfile& profile,
+                                                const RankFigures& rank, const std::string& where) {
+  ActivationPeaks peaks{.measured =
+                            static_cast<double>(rank.figures.peak(ObjectRole::kActivation))};
+  const WorkerMemory* worker = PredictedWorker(profile, rank.worker);
+  EXPECT_NE(worker, nullptr) << where;
+  if (worker == nullptr) return peaks;
+  peaks.predicted =
+      static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+  EXPECT_NEAR(peaks.measured, peaks.predicted, 0.05 * peaks.predicted) << where;
+  return peaks;
+}
+
 void ExpectActivationPeaksAsPredicted(const Trainer& trainer, const TrainingRun& run,
                                       double relative, int64_t absolute) {
   const MemoryDecision& memory = trainer.step_graph().memory;

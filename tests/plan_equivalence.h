@@ -41,6 +41,14 @@ void ExpectActivationsPlanned(const MemoryDecision& memory);
 // The predicted memory of `worker` in `profile` (nullptr when it has none).
 const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worker);
 
+// `rank`'s measured activation peak and its worker's predicted one in `profile`; a failure when
+// they differ by more than 5% of the prediction (or the worker has none), labelled `where`.
+struct ActivationPeaks {
+  double measured = 0, predicted = 0;
+};
+ActivationPeaks ExpectActivationPeakAsPredicted(const MemoryProfile& profile,
+                                                const RankFigures& rank, const std::string& where);
+
 // After `run` of `trainer`'s plan under an activation budget: every rank's measured activation
 // peak (its last step's) is under the budget and within max(`relative` x the prediction,
 // `absolute` bytes) of its worker's predicted peak.

@@ -48,8 +48,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "none, or ulysses: each sequence split over groups of data-parallel workers "
                  "(DeepSpeed-Ulysses: every worker of a group reads the same rows, each 1/P of "
                  "their positions; all-to-alls swap the sequence split for a head split around "
-                 "attention; head counts P does not divide run padded). megatron and ring are "
-                 "not built yet (GPT-2 with --layer-impl primitive)")
+                 "attention; head counts P does not divide run padded), or megatron: with "
+                 "--tensor-parallel T, the norms and residuals on 1/T of each sequence "
+                 "(Megatron-LM's sequence parallelism: reduce-scatters and all-gathers in place "
+                 "of the all-reduces). ring is not built yet (GPT-2 with --layer-impl primitive)")
       ->check(CLI::IsMember({"none", "ulysses", "megatron", "ring"}));
   app.add_option("--sequence-degree", flags.sequence_degree,
                  "P: the data-parallel workers a sequence splits over under --sequence-parallel "
@@ -270,11 +272,21 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
         "--tensor-parallel {}, or --plan auto without it",
         flags.tensor_parallel);
   }
-  if (flags.sequence_parallel == "megatron" || flags.sequence_parallel == "ring") {
+  if (flags.sequence_parallel == "ring") {
     return InvalidArgument(
-        "--sequence-parallel {} is not built yet; --sequence-parallel ulysses is (DeepSpeed-"
-        "Ulysses: all-to-alls around attention)",
-        flags.sequence_parallel);
+        "--sequence-parallel ring is not built yet; --sequence-parallel ulysses (DeepSpeed-"
+        "Ulysses: all-to-alls around attention) and megatron (with --tensor-parallel) are");
+  }
+  if (flags.sequence_parallel == "megatron" && flags.tensor_parallel < 2) {
+    return InvalidArgument(
+        "--sequence-parallel megatron shards each sequence over the tensor-parallel workers: add "
+        "--tensor-parallel T (T >= 2), or use --sequence-parallel ulysses");
+  }
+  if (flags.sequence_parallel == "megatron" && flags.sequence_degree > 0) {
+    return InvalidArgument(
+        "--sequence-parallel megatron splits each sequence over the --tensor-parallel workers: "
+        "drop --sequence-degree {} (it sizes ulysses' groups)",
+        flags.sequence_degree);
   }
   if (flags.sequence_parallel != "none" && flags.search.plan == "auto") {
     return InvalidArgument(
@@ -300,6 +312,10 @@ namespace {
 // --sequence-parallel ulysses over --sequence-degree of the data-parallel ranks (0: all).
 Status ApplySequenceParallel(const CommonFlags& flags, ParallelConfig& p) {
   if (flags.sequence_parallel == "none") return Status::Ok();
+  if (flags.sequence_parallel == "megatron") {
+    p.shard_sequence = true;  // over the tensor ranks (CheckFlagCombinations: T >= 2)
+    return Status::Ok();
+  }
   const int degree = flags.sequence_degree > 0 ? flags.sequence_degree : p.data_parallel;
   if (degree < 2 || p.data_parallel % degree != 0) {
     return InvalidArgument(
@@ -484,13 +500,28 @@ std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& plann
     }
     if (!replicated.empty())
       parts.push_back(fmt::format("{} replicated", fmt::join(replicated, ", ")));
+    if (tp.sequence_sharded) {
+      parts.push_back(
+          fmt::format("on 1/{} of the positions, parameter gradients all-reduced", ranks));
+    }
     for (size_t o = 0; o < tp.partial_outputs.size(); ++o) {
-      if (tp.partial_outputs[o]) parts.push_back(fmt::format("output {} all-reduced", o));
+      if (tp.scatters(o)) {
+        parts.push_back(fmt::format("output {} reduce-scattered along the sequence", o));
+      } else if (tp.partial_outputs[o]) {
+        parts.push_back(fmt::format("output {} all-reduced", o));
+      } else if (tp.gathers(o)) {
+        parts.push_back(fmt::format("output {} all-gathered along the sequence", o));
+      }
     }
     for (size_t a = 0; a < tp.partial_input_gradients.size(); ++a) {
-      if (tp.partial_input_gradients[a]) {
-        parts.push_back(fmt::format("gradient of input {} all-reduced", a));
-      }
+      if (!tp.partial_input_gradients[a]) continue;
+      // The gradient of a gathered value is summed by the gather's adjoint.
+      const LayerArg& read = layer.forward_args[a];
+      const auto& producer = planned.layers[read.index].tensor_parallel;
+      const bool gathered = producer && producer->gathers(static_cast<size_t>(read.output));
+      parts.push_back(
+          fmt::format("gradient of input {} {}", a,
+                      gathered ? "reduce-scattered along the sequence" : "all-reduced"));
     }
     text += fmt::format("\n  {}: {}", layer.name,
                         parts.empty() ? std::string("no parameters, replicated")

@@ -11,10 +11,13 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
@@ -54,6 +57,14 @@ TrainingPlan Plan(int data, int tensor, int stages, int zero_stage) {
   plan.parallel.pipeline_stages = stages;
   plan.parallel.zero_stage = zero_stage;
   if (stages > 1) plan.parallel.micro_batches = 2;
+  return plan;
+}
+
+// Megatron-LM's sequence parallelism: the tensor ranks' norms and residuals on 1/T of each
+// sequence.
+TrainingPlan ShardedPlan(int data, int tensor, int stages, int zero_stage) {
+  TrainingPlan plan = Plan(data, tensor, stages, zero_stage);
+  plan.parallel.shard_sequence = true;
   return plan;
 }
 
@@ -168,6 +179,29 @@ class TensorParallelTest : public ::testing::Test {
         "[ %s ] first-step gradients: worst relative difference %.2e (%s); largest element's "
         "%.2e of its parameter's largest\n",
         plan.parallel.ToString().c_str(), worst, worst_name.c_str(), worst_element);
+  }
+
+  // A checkpoint written after three steps of `writer` (in `name` under the temp directory)
+  // resumes under each of `readers` at step 3 with the same next loss.
+  static void ExpectCheckpointResumes(const TrainingPlan& writer_plan,
+                                      const std::vector<TrainingPlan>& readers,
+                                      const std::string& name) {
+    const std::string dir = testing::TempPath(name);
+    std::filesystem::remove_all(dir);
+    ASSERT_OK_AND_ASSIGN(auto writer, OnCluster(writer_plan));
+    ASSERT_OK(writer->InitializeParameters(7));
+    for (int step = 0; step < 3; ++step) ASSERT_OK(writer->Step(Batch(step), 3e-3f).status());
+    ASSERT_OK_AND_ASSIGN(std::string saved, SaveCheckpoint(*writer, dir, ""));
+    ASSERT_OK_AND_ASSIGN(StepReport next, writer->Step(Batch(3), 3e-3f));
+    writer.reset();
+    for (const TrainingPlan& plan : readers) {
+      ASSERT_OK_AND_ASSIGN(auto reader, OnCluster(plan));
+      ASSERT_OK(LoadCheckpoint(*reader, saved).status());
+      EXPECT_EQ(reader->steps_taken(), 3);
+      ASSERT_OK_AND_ASSIGN(StepReport resumed, reader->Step(Batch(3), 3e-3f));
+      EXPECT_NEAR(resumed.loss, next.loss, 1e-5 * next.loss) << plan.parallel.ToString();
+    }
+    std::filesystem::remove_all(dir);
   }
 
   static Cluster* cluster_;
@@ -518,21 +552,9 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
 // A checkpoint written by two groups of two sequence ranks under ZeRO-1 resumes on four
 // sequence ranks, on one worker and at TP 2, with the same next loss.
 TEST_F(TensorParallelTest, ASequenceParallelCheckpointResumesAnywhere) {
-  const std::string dir = testing::TempPath("sp_checkpoint");
-  std::filesystem::remove_all(dir);
-  ASSERT_OK_AND_ASSIGN(auto writer, OnCluster(SequencePlan(4, 2, 1, 1)));
-  ASSERT_OK(writer->InitializeParameters(7));
-  for (int step = 0; step < 3; ++step) ASSERT_OK(writer->Step(Batch(step), 3e-3f).status());
-  ASSERT_OK_AND_ASSIGN(std::string saved, SaveCheckpoint(*writer, dir, ""));
-  ASSERT_OK_AND_ASSIGN(StepReport next, writer->Step(Batch(3), 3e-3f));
-  writer.reset();
-  for (const TrainingPlan& plan : {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), Plan(1, 2, 1, 0)}) {
-    ASSERT_OK_AND_ASSIGN(auto reader, OnCluster(plan));
-    ASSERT_OK(LoadCheckpoint(*reader, saved).status());
-    ASSERT_OK_AND_ASSIGN(StepReport resumed, reader->Step(Batch(3), 3e-3f));
-    EXPECT_NEAR(resumed.loss, next.loss, 1e-5 * next.loss) << plan.parallel.ToString();
-  }
-  std::filesystem::remove_all(dir);
+  ExpectCheckpointResumes(SequencePlan(4, 2, 1, 1),
+                          {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), Plan(1, 2, 1, 0)},
+                          "sp_checkpoint");
 }
 
 TEST(TensorParallelSplitTest, SequenceParallelismIsRefusedWithTheFix) {
@@ -623,37 +645,128 @@ TEST_F(TensorParallelTest, BytesAndMemoryPerRankAreTheFormulas) {
       const auto params = static_cast<double>(rank.figures.peak(ObjectRole::kParameter));
       EXPECT_NEAR(params, expected_params, 0.05 * expected_params) << "TP " << ranks;
       // Activations: what the memory model predicts for the rank's worker.
-      const WorkerMemory* worker = testing::PredictedWorker(profile, rank.worker);
-      ASSERT_NE(worker, nullptr);
-      const auto predicted =
-          static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
-      const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
-      EXPECT_NEAR(measured, predicted, 0.05 * predicted) << "TP " << ranks;
+      const testing::ActivationPeaks peaks =
+          testing::ExpectActivationPeakAsPredicted(profile, rank, fmt::format("TP {}", ranks));
       std::printf(
           "[ TP %d rank %d ] collectives sent %.0f bytes (Megatron's count %.0f); parameters "
           "%.0f bytes (formula %.0f); activations peak %.0f bytes (predicted %.0f)\n",
-          ranks, rank.rank, sent, expected_sent, params, expected_params, measured, predicted);
+          ranks, rank.rank, sent, expected_sent, params, expected_params, peaks.measured,
+          peaks.predicted);
     }
   }
 }
 
-TEST_F(TensorParallelTest, ACheckpointResumesAtAnyDegree) {
-  const std::string dir = testing::TempPath("tp_checkpoint");
-  std::filesystem::remove_all(dir);
-  ASSERT_OK_AND_ASSIGN(auto writer, OnCluster(Plan(2, 2, 1, 1)));
-  ASSERT_OK(writer->InitializeParameters(7));
-  for (int step = 0; step < 3; ++step) ASSERT_OK(writer->Step(Batch(step), 3e-3f).status());
-  ASSERT_OK_AND_ASSIGN(std::string saved, SaveCheckpoint(*writer, dir, ""));
-  ASSERT_OK_AND_ASSIGN(StepReport next, writer->Step(Batch(3), 3e-3f));
-  writer.reset();
-  for (int tensor : {4, 1}) {
-    ASSERT_OK_AND_ASSIGN(auto reader, OnCluster(Plan(1, tensor, 1, 0)));
-    ASSERT_OK(LoadCheckpoint(*reader, saved).status());
-    EXPECT_EQ(reader->steps_taken(), 3);
-    ASSERT_OK_AND_ASSIGN(StepReport resumed, reader->Step(Batch(3), 3e-3f));
-    EXPECT_NEAR(resumed.loss, next.loss, 1e-5 * next.loss) << "TP " << tensor;
+// Megatron-LM's sequence parallelism trains the one-worker run: TP 2 and 4, TP 2 x DP 2 under
+// ZeRO-1, and 3D with two pipeline stages.
+TEST_F(TensorParallelTest, MegatronSequenceParallelismTrainsTheOneWorkerRun) {
+  ExpectSameRun(ShardedPlan(1, 2, 1, 0));
+  ExpectSameRun(ShardedPlan(1, 4, 1, 0));
+  ExpectSameRun(ShardedPlan(2, 2, 1, 1));
+  ExpectSameRun(ShardedPlan(2, 2, 2, 1));
+}
+
+// The split: the same layers as plain tensor parallelism; positions, mid and out on 1/T of the
+// positions, the embedding's, attention's and MLP's sums reduce-scattered, the norms' outputs
+// all-gathered; the step graph's collectives, per tensor rank, are a reduce-scatter and an
+// all-gather where plain tensor parallelism has an all-reduce (the head's statistics and the
+// sharded layers' parameter gradients all-reduced); bad degrees refused naming the fix.
+TEST_F(TensorParallelTest, MegatronSequenceParallelismShardsTheNormsAndResiduals) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec split, Model().SplitForTensorParallel(2, /*shard_sequence=*/true));
+  EXPECT_TRUE(split.shards_sequence);
+  int sharded = 0, scattered = 0, gathered = 0;
+  for (const LayerSpec& layer : split.layers) {
+    const TensorParallelLayer& tp = *layer.tensor_parallel;
+    sharded += tp.sequence_sharded;
+    for (size_t o = 0; o < static_cast<size_t>(layer.activations); ++o) {
+      scattered += tp.scatters(o);
+      gathered += tp.gathers(o);
+    }
   }
-  std::filesystem::remove_all(dir);
+  EXPECT_EQ(sharded, 2 * kTiny.layers + 1);    // positions, h.<b>.mid, h.<b>.out
+  EXPECT_EQ(scattered, 2 * kTiny.layers + 1);  // embedding, h.<b>.attn, h.<b>.mlp
+  EXPECT_EQ(gathered, 2 * kTiny.layers + 1);   // ln1 of positions, ln2 of mid, out's norm
+  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(ShardedPlan(1, 2, 1, 0)));
+  std::map<std::string, int64_t> ops;
+  for (const TaskSpec& task : trainer->step_graph().graph.tasks()) {
+    if (task.name.find("/tp_") != std::string::npos) ++ops[task.op];
+  }
+  const int64_t per_direction = 2 + 4 * kTiny.layers;  // on each of the 2 tensor ranks
+  EXPECT_EQ(ops["reduce_scatter"], 2 * per_direction);
+  EXPECT_EQ(ops["all_gather"], 2 * per_direction);
+  // The head's statistics; the sharded layers' parameter gradients.
+  EXPECT_EQ(ops["all_reduce"], 2 * (1 + 2 * kTiny.layers + 1));
+  // A degree the vocabulary does not divide, and tensor parallelism of 1, are refused.
+  Gpt2Config odd = kTiny;
+  odd.vocab = 257;
+  ASSERT_OK_AND_ASSIGN(ModelSpec odd_whole, BuildGpt2(odd, Gpt2LayerImpl::kPrimitive));
+  Result<ModelSpec> refused = odd_whole.SplitForTensorParallel(2, true);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("use a --vocab that 2 divides"), std::string::npos)
+      << refused.status().ToString();
+  TrainingPlan alone = ShardedPlan(1, 1, 1, 0);
+  Status status = alone.Validate(Model());
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("--tensor-parallel 2 or more"), std::string::npos)
+      << status.ToString();
+  TrainingPlan uneven = ShardedPlan(1, 4, 1, 0);
+  uneven.seq_len = 30;
+  status = uneven.Validate(Model());
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("a multiple of 4"), std::string::npos) << status.ToString();
+}
+
+// Bytes and memory under Megatron-LM's sequence parallelism: per block a reduce-scatter and an
+// all-gather of [B, S, h] forward where plain tensor parallelism all-reduces (ring: each sends
+// (T - 1) / T of the buffer), and their adjoints backward; the embedding's and ln1's the same;
+// the head's statistics, the sharded layers' parameter gradients and the norm's scalar
+// all-reduced. Each rank's activations are the memory model's prediction, and fewer than plain
+// tensor parallelism's (the norms and residuals a 1/T slice).
+TEST_F(TensorParallelTest, MegatronSequenceParallelBytesAndMemoryAreTheFormulas) {
+  for (int ranks : {2, 4}) {
+    double plain_peak = 0;
+    {
+      ASSERT_OK_AND_ASSIGN(auto plain, OnCluster(Plan(1, ranks, 1, 0)));
+      ASSERT_OK(plain->InitializeParameters(7));
+      ASSERT_OK_AND_ASSIGN(StepReport report, plain->Step(Batch(0), 3e-3f));
+      plain_peak = static_cast<double>(report.ranks[0].figures.peak(ObjectRole::kActivation));
+    }
+    ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(ShardedPlan(1, ranks, 1, 0)));
+    ASSERT_OK(trainer->InitializeParameters(7));
+    ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
+    ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
+    const int64_t c = kTiny.channels;
+    const double activation = 4.0 * kBatch * kSeqLen * c;
+    const double ring = activation * (ranks - 1) / ranks;  // a reduce-scatter's or all-gather's
+    const double stats = 4.0 * kBatch * kSeqLen * (ranks + 1);
+    const double positions = 4.0 * (kTiny.max_seq_len * c + 2 * c), norms = 4.0 * 3 * c;
+    const double expected_sent =
+        2 * (2 + 4 * kTiny.layers) * ring + AllReduceBytesSent(stats, ranks) +
+        AllReduceBytesSent(positions, ranks) + 2 * kTiny.layers * AllReduceBytesSent(norms, ranks) +
+        AllReduceBytesSent(4, ranks);
+    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    for (const RankFigures& rank : report.ranks) {
+      const auto sent = static_cast<double>(rank.figures.collective_bytes_sent);
+      EXPECT_NEAR(sent, expected_sent, 0.01 * expected_sent) << "TP " << ranks;
+      const testing::ActivationPeaks peaks =
+          testing::ExpectActivationPeakAsPredicted(profile, rank, fmt::format("TP {}", ranks));
+      EXPECT_LT(peaks.measured, plain_peak) << "TP " << ranks;
+      std::printf(
+          "[ TP %d Megatron-SP rank %d ] collectives sent %.0f bytes (formula %.0f); activations "
+          "peak %.0f bytes (predicted %.0f; plain tensor parallelism %.0f)\n",
+          ranks, rank.rank, sent, expected_sent, peaks.measured, peaks.predicted, plain_peak);
+    }
+  }
+}
+
+// A checkpoint written under Megatron sequence parallelism resumes under plain tensor
+// parallelism and on one worker with the same next loss (its groups are the whole model's).
+TEST_F(TensorParallelTest, AMegatronSequenceParallelCheckpointResumesAnywhere) {
+  ExpectCheckpointResumes(ShardedPlan(2, 2, 1, 1), {Plan(1, 4, 1, 0), Plan(1, 1, 1, 0)},
+                          "megatron_sp_checkpoint");
+}
+
+TEST_F(TensorParallelTest, ACheckpointResumesAtAnyDegree) {
+  ExpectCheckpointResumes(Plan(2, 2, 1, 1), {Plan(1, 4, 1, 0), Plan(1, 1, 1, 0)}, "tp_checkpoint");
 }
 
 }  // namespace

@@ -513,8 +513,39 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
       {"--workers 2 --sequence-parallel ulysses --seq-len 63", "multiple of 2"},
       {"--workers 2 --sequence-parallel ulysses --plan auto",
        "--plan auto does not search sequence parallelism"},
+      {"--workers 2 --sequence-parallel megatron", "add --tensor-parallel T (T >= 2)"},
+      {"--workers 2 --tensor-parallel 2 --sequence-parallel megatron --sequence-degree 2",
+       "drop --sequence-degree 2"},
+      {"--workers 2 --tensor-parallel 2 --sequence-parallel megatron --seq-len 63",
+       "that 2 divides (63 does not)"},
+      {"--workers 2 --tensor-parallel 2 --sequence-parallel megatron --vocab 257",
+       "use a --vocab that 2 divides"},
   };
   ExpectRefused(refused);
+}
+
+// Megatron-LM's sequence parallelism from the command line: two tensor ranks with the norms and
+// residuals on half of each sequence train the run of one process, and the plan says which
+// layers shard the sequence.
+TEST(TrainGpt2Test, MegatronSequenceParallelismTrainsLikeOneProcess) {
+  ProcessResult alone =
+      RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
+  ProcessResult split = RunTrainGpt2(
+      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 2 --tensor-parallel 2 "
+      "--sequence-parallel megatron --layer-impl primitive");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << split.output;
+  EXPECT_NE(split.output.find("tensor_parallel=2 sequence_parallel=megatron"), std::string::npos)
+      << split.output;
+  EXPECT_NE(split.output.find("h.0.mid: h.0.proj_b, h.0.ln2_w, h.0.ln2_b replicated; on 1/2 of "
+                              "the positions"),
+            std::string::npos)
+      << split.output;
+  EXPECT_NE(split.output.find("output 0 reduce-scattered along the sequence"), std::string::npos)
+      << split.output;
 }
 
 // --plan auto on a local cluster of four workers: it calibrates (layer times, the collective

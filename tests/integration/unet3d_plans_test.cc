@@ -338,16 +338,13 @@ TEST_F(UNet3dPlansTest, TensorRanksSendTheirAllReducesAndHoldTheirSlices) {
       EXPECT_NEAR(sent, expected_sent, 0.01 * expected_sent) << "TP " << ranks;
       EXPECT_NEAR(params, expected_params, 0.05 * expected_params) << "TP " << ranks;
       // Activations: what the memory model predicts for the rank's worker.
-      const WorkerMemory* worker = PredictedWorker(profile, rank.worker);
-      ASSERT_NE(worker, nullptr);
-      const auto predicted =
-          static_cast<double>(worker->role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
-      const auto measured = static_cast<double>(rank.figures.peak(ObjectRole::kActivation));
-      EXPECT_NEAR(measured, predicted, 0.05 * predicted) << "TP " << ranks;
+      const ActivationPeaks peaks =
+          ExpectActivationPeakAsPredicted(profile, rank, fmt::format("TP {}", ranks));
       std::printf(
           "[ U-Net TP %d rank %d ] collectives sent %.0f bytes (the split's count %.0f); "
           "parameters %.0f bytes (formula %.0f); activations peak %.0f bytes (predicted %.0f)\n",
-          ranks, rank.rank, sent, expected_sent, params, expected_params, measured, predicted);
+          ranks, rank.rank, sent, expected_sent, params, expected_params, peaks.measured,
+          peaks.predicted);
     }
   }
 }

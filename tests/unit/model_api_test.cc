@@ -340,6 +340,67 @@ TEST(ModelBuilderTest, BuildsLayersWithDerivedBackwards) {
   EXPECT_OK(model.Validate());
 }
 
+// Megatron-LM's sequence parallelism in the model API: a scattered sum's readers see 1/T of the
+// positions, a gathered value's readers T times as many; marks outside a model split with
+// shard_sequence, a gathered value read without a partial gradient, and a sharded layer holding a
+// slice are refused naming the layer.
+TEST(ModelBuilderTest, SequenceShardsChangeWhatReadersSeeAndAreChecked) {
+  struct Marks {
+    bool shard_model = true, partial_gradient = true, sliced_norm = false;
+  };
+  const auto build = [](const Marks& marks) {
+    ModelBuilder model("sharded", CpuRegistry());
+    model.SplitOver(2, marks.shard_model);
+    ModelValue x = model.SequenceInput("x", DType::kF32, Shape{1, 8, 4});
+    ModelValue y = model.SequenceInput("y", DType::kI32, Shape{1, 8}, /*label=*/true);
+    // Each rank's value stands for its part of a sum (the model is built and checked here, not
+    // trained).
+    model.Layer("part", {x}, [](LayerBuilder& l) {
+      LayerValue w = l.Param("w", Shape{4, 4}, ParamInit::Zeros());
+      LayerValue part = l.Call("linear_no_bias_forward", {l.input(0), w});
+      l.ScatterSum(part);
+      return part;
+    });
+    model.Layer("norm", {ModelBuilder::LayerOutput("part")}, [&](LayerBuilder& l) {
+      LayerValue g = l.Param("g", Shape{4}, ParamInit::Ones());
+      LayerValue b = l.Param("b", Shape{4}, ParamInit::Zeros());
+      if (marks.sliced_norm)
+        l.SlicedParam("slice", Shape{4}, SlotSplit{.dim = 0}, ParamInit::Ones());
+      l.ShardSequence();
+      LayerValue n = l.Call("layernorm_forward", {l.input(0), g, b});
+      l.GatherSequence(n);
+      return n;
+    });
+    model.Layer("mean", {ModelBuilder::LayerOutput("norm")}, [&](LayerBuilder& l) {
+      if (marks.partial_gradient) l.PartialGradient(0);
+      return l.Call("reshape", {l.input(0)}, Attrs{{"shape", std::vector<int64_t>{-1, 4}}});
+    });
+    model.Loss("loss", {ModelBuilder::LayerOutput("mean"), y}, [](LayerBuilder& l) {
+      LayerValue targets =
+          l.Call("reshape", {l.input(1)}, Attrs{{"shape", std::vector<int64_t>{-1}}});
+      return l.Call("softmax_cross_entropy", {l.input(0), targets});
+    });
+    return model.Build();
+  };
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, build(Marks{}));
+  EXPECT_TRUE(model.shards_sequence);
+  ASSERT_OK_AND_ASSIGN(const LayerSpec* norm, model.FindLayer("norm"));
+  EXPECT_TRUE(norm->tensor_parallel->sequence_sharded);
+  EXPECT_TRUE(norm->tensor_parallel->gathers(0));
+  ASSERT_OK_AND_ASSIGN(const LayerSpec* part, model.FindLayer("part"));
+  EXPECT_TRUE(part->tensor_parallel->scatters(0));
+  EXPECT_TRUE(part->tensor_parallel->partial_outputs[0]);
+  const auto refused = [&](const Marks& marks, const std::string& expected) {
+    Result<ModelSpec> built = build(marks);
+    ASSERT_FALSE(built.ok()) << expected;
+    EXPECT_NE(built.status().message().find(expected), std::string::npos)
+        << built.status().ToString();
+  };
+  refused(Marks{.shard_model = false}, "the model is not split with shard_sequence");
+  refused(Marks{.partial_gradient = false}, "reads the all-gathered output 0 of 'norm'");
+  refused(Marks{.sliced_norm = true}, "a layer sharding the sequence holds its parameters whole");
+}
+
 TEST(ModelBuilderTest, AWrongShapeIsRefusedNamingTheLayerOpAndShapes) {
   ModelBuilder model("bad", CpuRegistry());
   ModelValue x = model.Input("x", DType::kF32, Shape{4, 10});
