@@ -41,6 +41,9 @@ void UcxDataPlane::ServePending() {
   std::vector<ServeRequest> serves;
   serves.swap(serves_);
   for (const ServeRequest& serve : serves) {
+    // The requester's connection failed after it asked (OnEndpointError closed its endpoint in
+    // the same progress): no one to answer, and its endpoint must not be used.
+    if (!connections_.contains(serve.reply_ep)) continue;
     const GetChunkHeader& h = serve.header;
     Result<ServedObject> object = lookup_(ObjectId(h.object));
     if (!object.ok()) {
@@ -485,6 +488,8 @@ void UcxDataPlane::OnPushReceived(void* request, ucs_status_t status, size_t len
 }
 
 void UcxDataPlane::AcknowledgePush(const PushReceive& push, const Status& status) {
+  // As for serves: a sender whose connection has failed since is not answered.
+  if (!connections_.contains(push.reply_ep)) return;
   const PushReadHeader ack{push.header.push_id, static_cast<int32_t>(status.code()), 0};
   SendControl(push.reply_ep, kPushRead, &ack, sizeof(ack));
 }
