@@ -74,6 +74,8 @@ Status PlanAtScale(const PlanCommandFlags& flags) {
   ScaleSpace space;
   space.gpus = flags.gpus;
   if (!flags.tensor_parallel.empty()) space.tensor_parallel = flags.tensor_parallel;
+  if (flags.sequence_parallel == "none") space.shard_sequence = {false};
+  if (flags.sequence_parallel == "megatron") space.shard_sequence = {true};
   std::printf("%s (%.1fB parameters), global batch %lld x %lld tokens on %s (%d nodes x %d %s)\n",
               shape.name.c_str(), static_cast<double>(shape.Parameters()) / 1e9,
               static_cast<long long>(training.global_batch), static_cast<long long>(shape.seq_len),
@@ -112,10 +114,11 @@ Status Plan(const PlanCommandFlags& flags) {
         "(examples/clusters/); without it --model is gpt2 or unet3d",
         flags.model);
   }
-  if (!flags.gpus.empty() || flags.no_overlap || !flags.tensor_parallel.empty()) {
+  if (!flags.gpus.empty() || flags.no_overlap || !flags.tensor_parallel.empty() ||
+      flags.sequence_parallel != "auto") {
     return InvalidArgument(
-        "--gpus, --no-overlap and --tensor-parallel belong to the search at scale: add --cluster "
-        "FILE.yaml, or use --workers N");
+        "--gpus, --no-overlap, --tensor-parallel and --sequence-parallel belong to the search at "
+        "scale: add --cluster FILE.yaml, or use --workers N");
   }
   TESSERA_ASSIGN_OR_RETURN(Device device, ParseDevice(flags.device));
   TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildModel(flags, !device.is_cpu()));
@@ -256,6 +259,12 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
                    "With --cluster: the tensor-parallel degrees to plan (default: 1 2 4 8; "
                    "those that split the layers inside a node)")
       ->check(AtLeast(1));
+  command
+      ->add_option("--sequence-parallel", flags.sequence_parallel,
+                   "With --cluster: auto (plans with T > 1 with and without Megatron-LM's sequence "
+                   "parallelism, the norms and residuals on 1/T of each sequence), megatron (only "
+                   "with) or none (only without)")
+      ->check(CLI::IsMember({"auto", "megatron", "none"}));
   command->add_flag("--no-overlap", flags.no_overlap,
                     "With --cluster: price collectives as not overlapping the compute");
   return command;

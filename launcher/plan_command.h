@@ -48,6 +48,9 @@ struct PlanCommandFlags {
   std::vector<int> gpus;
   bool no_overlap = false;
   std::vector<int> tensor_parallel;  // with --cluster: the degrees T to plan (empty: 1, 2, 4, 8)
+  // With --cluster: "auto" (plans with T > 1 with and without Megatron-LM's sequence
+  // parallelism), "megatron" (only with), "none" (only without).
+  std::string sequence_parallel = "auto";
 };
 
 CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags);

@@ -256,9 +256,10 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
 }
 
 std::string PlanChoice::Name() const {
-  std::string name = tensor_parallel > 1 ? fmt::format("D{} x T{} x P{}", data_parallel,
-                                                       tensor_parallel, pipeline_stages)
-                                         : fmt::format("D{} x P{}", data_parallel, pipeline_stages);
+  std::string name = tensor_parallel > 1
+                         ? fmt::format("D{} x T{}{} x P{}", data_parallel, tensor_parallel,
+                                       shard_sequence ? " SP" : "", pipeline_stages)
+                         : fmt::format("D{} x P{}", data_parallel, pipeline_stages);
   if (pipeline_stages > 1) name += fmt::format(" {}", ScheduleName(schedule));
   if (virtual_stages > 1) name += fmt::format(" V{}", virtual_stages);
   name += fmt::format(" M{}", micro_batches);
@@ -277,6 +278,7 @@ std::string PlanChoice::Flags() const {
   }
   if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
   if (tensor_parallel > 1) flags += fmt::format(" --tensor-parallel {}", tensor_parallel);
+  if (shard_sequence) flags += " --sequence-parallel megatron";
   if (!chunk_layers.empty())
     flags += fmt::format(" --stage-layers {}", fmt::join(chunk_layers, ","));
   flags += fmt::format("{}--micro-batches {}", flags.empty() ? "" : " ", micro_batches);

@@ -98,9 +98,12 @@ struct PlanChoice {
   OffloadMode offload = OffloadMode::kNone;
   std::vector<int> chunk_layers;  // the cut (ParallelConfig::chunk_layers); empty: balanced
   int tensor_parallel = 1;        // T (the local search keeps 1; the search at scale chooses it)
+  // Megatron-LM's sequence parallelism over the T tensor ranks (ParallelConfig::shard_sequence;
+  // the search at scale chooses it).
+  bool shard_sequence = false;
   int workers() const { return data_parallel * tensor_parallel * pipeline_stages; }
   // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8", "D2 x P2 1f1b M4 cut 2+4 ZeRO-1",
-  // "D4 x T8 x P12 1f1b M384 ZeRO-1"
+  // "D4 x T8 x P12 1f1b M384 ZeRO-1", "D4 x T8 SP x P12 1f1b M384 ZeRO-1" (sequence-sharded)
   std::string Name() const;
   // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
   // --virtual-stages, --stage-layers, --tensor-parallel, --offload when they differ from the

@@ -80,9 +80,10 @@ class Evaluator {
     return flops / (cluster_.peak_tflops * 1e12 * cluster_.gemm_efficiency) * 1e3 +
            bytes / (cluster_.memory_gb_per_s * 1e9) * 1e3;
   }
-  // A layer on a micro-batch of b rows on one of t tensor ranks, each of whose activation
-  // all-reduces takes `all_reduce_ms`.
-  LayerOps Layer(int b, int t, double all_reduce_ms) const;
+  // A layer on a micro-batch of b rows on one of t tensor ranks (sharding the sequence when
+  // `sequence_sharded`), each of whose activation all-reduces (or reduce-scatter and all-gather)
+  // takes `all_reduce_ms`.
+  LayerOps Layer(int b, int t, bool sequence_sharded, double all_reduce_ms) const;
   double ModelStateBytes(const PlanChoice& choice, double stage_params, double layer_params) const;
 
   // The schedule's order for these dimensions and stage costs: zb-h1's list schedule is the
@@ -112,11 +113,11 @@ const std::vector<std::vector<PipelineOp>>& Evaluator::Order(const PlanChoice& c
   return it->second;
 }
 
-LayerOps Evaluator::Layer(int b, int t, double all_reduce_ms) const {
+LayerOps Evaluator::Layer(int b, int t, bool sequence_sharded, double all_reduce_ms) const {
   const double s = static_cast<double>(shape_.seq_len), h = static_cast<double>(shape_.hidden);
   const double core = 4.0 * s * s * h * b / t;  // Q K^T and the weighted sum of V, its heads
   const double gemm = shape_.LayerForwardFlops() * b / t - core;
-  const double traffic = shape_.LayerForwardTrafficBytes(t) * b;
+  const double traffic = shape_.LayerForwardTrafficBytes(t, sequence_sharded) * b;
   // Tensor slicing: two all-reduces of the activations in the forward (after the attention's
   // and the MLP's row-parallel linears), two of their gradients in the input half.
   const double all_reduces = 2 * all_reduce_ms;
@@ -170,10 +171,15 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
   const Link dp_link = LinkFor(cluster_, InOneNode(cluster_, d, stages_in_node ? p * t : t));
   const Link p2p_link = LinkFor(cluster_, InOneNode(cluster_, p, stages_in_node ? t : d * t));
 
-  // One all-reduce of a micro-batch's activations [s, b, h] over the tensor ranks.
+  // One all-reduce of a micro-batch's activations [s, b, h] over the tensor ranks; sharding the
+  // sequence, a reduce-scatter and an all-gather in its place (the same ring time).
+  const bool sp = choice.shard_sequence;
+  const double activation_bytes = s * h * b * kActivationBytes;
   const double activation_all_reduce =
-      RingMs(s * h * b * kActivationBytes, t, Ring::kAllReduce, tp_link);
-  const LayerOps layer = Layer(b, t, activation_all_reduce);
+      sp ? RingMs(activation_bytes, t, Ring::kReduceScatter, tp_link) +
+               RingMs(activation_bytes, t, Ring::kAllGather, tp_link)
+         : RingMs(activation_bytes, t, Ring::kAllReduce, tp_link);
+  const LayerOps layer = Layer(b, t, sp, activation_all_reduce);
   const std::vector<int> chunk_layers = ChunkLayers(shape_.layers, chunks);
   // Parameters per tensor rank.
   const double layer_params = static_cast<double>(shape_.LayerSplitParameters()) / t +
@@ -194,8 +200,16 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
       p > 1 ? p2p_bytes / (p2p_link.gb_per_s * 1e9) * 1e3 + p2p_link.latency_us * 1e-3 : 0;
   // Split by vocabulary, the embedding's lookups are summed over the tensor ranks, and so is
   // the gradient entering the last layer from the classifier (the cross-entropy's own
-  // all-reduces are of a few numbers per row).
-  const double vocab_all_reduce = split_vocab ? activation_all_reduce : 0;
+  // all-reduces are of a few numbers per row). Sharding the sequence, the sum is a
+  // reduce-scatter (its gradient all-gathered back) and the classifier's input gradient is
+  // summed by the last layer's gather.
+  const double vocab_all_reduce = split_vocab && !sp ? activation_all_reduce : 0;
+  const double embedding_forward_collective =
+      !split_vocab ? 0
+      : sp         ? RingMs(activation_bytes, t, Ring::kReduceScatter, tp_link)
+                   : activation_all_reduce;
+  const double embedding_backward_collective =
+      split_vocab && sp ? RingMs(activation_bytes, t, Ring::kAllGather, tp_link) : 0;
   const double head_forward = ComputeMs(shape_.HeadForwardFlops() * b * vocab_share,
                                         2 * kLogitBytes * s * vocab * b * vocab_share);
   const double head_backward = ComputeMs(2 * shape_.HeadForwardFlops() * b * vocab_share,
@@ -234,7 +248,9 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
       cost.forward = n * layer.forward;
       double input = n * layer.input_half + r * layer.forward, weight = n * layer.weight_half;
       if (c == 0) {  // the embedding
-        cost.forward += ComputeMs(0, 2 * kActivationBytes * s * h * b) + vocab_all_reduce;
+        cost.forward +=
+            ComputeMs(0, 2 * kActivationBytes * s * h * b) + embedding_forward_collective;
+        input += embedding_backward_collective;
       }
       if (c == chunks - 1) {
         cost.forward += head_forward;
@@ -279,8 +295,9 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
 
   // Memory per stage; the fewest recomputed layers that fit.
   const double cap = (cluster_.gpu_memory_gib - cluster_.reserved_gib) * kGiB;
-  const double act_layer = shape_.LayerActivationBytes(t) * b;
-  const double kept_input = kActivationBytes * s * h * b;  // a recomputed layer's checkpoint
+  const double act_layer = shape_.LayerActivationBytes(t, sp) * b;
+  // A recomputed layer's checkpoint: its input, 1/T of it sharding the sequence.
+  const double kept_input = kActivationBytes * s * h * b / (sp ? t : 1);
   std::vector<double> recompute(static_cast<size_t>(p), 0);
   ScalePlan plan;
   plan.choice = choice;
@@ -464,7 +481,8 @@ std::vector<int> Divisors(int n) {
 // The candidates with t tensor ranks over `gpus` GPUs, in the search's order: one loop per
 // dimension.
 void AddCandidates(const TransformerShape& shape, const ScaleTraining& training,
-                   const ScaleSpace& space, int gpus, int t, std::vector<Candidate>& candidates) {
+                   const ScaleSpace& space, int gpus, int t, bool sp,
+                   std::vector<Candidate>& candidates) {
   for (int p : Divisors(gpus / t)) {
     if (p > shape.layers) break;
     const int d = gpus / t / p;
@@ -494,6 +512,7 @@ void AddCandidates(const TransformerShape& shape, const ScaleTraining& training,
               Candidate candidate;
               candidate.choice.data_parallel = d;
               candidate.choice.tensor_parallel = t;
+              candidate.choice.shard_sequence = sp;
               candidate.choice.pipeline_stages = p;
               candidate.choice.virtual_stages = v;
               candidate.choice.micro_batches = static_cast<int>(m);
@@ -511,15 +530,24 @@ void AddCandidates(const TransformerShape& shape, const ScaleTraining& training,
   }
 }
 
+// Whether the runtime shards the sequence over t tensor ranks (model/gpt2.cc: the embedding and
+// classifier split by vocabulary, the sequence split evenly).
+bool CanShardSequence(const TransformerShape& shape, const ScaleTraining& training, int t) {
+  return t > 1 && training.vocab_parallel && shape.vocab % t == 0 && shape.seq_len % t == 0;
+}
+
 // The candidates over `gpus` GPUs, in the search's order: the tensor-parallel degrees that split
-// the layers inside a node, then AddCandidates' loops.
+// the layers inside a node, with and without sharding the sequence, then AddCandidates' loops.
 std::vector<Candidate> Candidates(const DescribedCluster& cluster, const TransformerShape& shape,
                                   const ScaleTraining& training, const ScaleSpace& space,
                                   int gpus) {
   std::vector<Candidate> candidates;
   for (int t : space.tensor_parallel) {
     if (t < 1 || gpus % t != 0 || !shape.SplitsOver(t) || !InOneNode(cluster, t, 1)) continue;
-    AddCandidates(shape, training, space, gpus, t, candidates);
+    for (bool sp : space.shard_sequence) {
+      if (sp && !CanShardSequence(shape, training, t)) continue;
+      AddCandidates(shape, training, space, gpus, t, sp, candidates);
+    }
   }
   return candidates;
 }
@@ -603,7 +631,7 @@ double TransformerShape::HeadForwardFlops() const {
          static_cast<double>(vocab);
 }
 
-double TransformerShape::LayerForwardTrafficBytes(int t) const {
+double TransformerShape::LayerForwardTrafficBytes(int t, bool sequence_sharded) const {
   // Elements read and written by the element-wise ops, each its own kernel: on every tensor
   // rank (replicated) or on its share of the heads and MLP columns (split).
   const double s = static_cast<double>(seq_len), h = static_cast<double>(hidden);
@@ -626,10 +654,10 @@ double TransformerShape::LayerForwardTrafficBytes(int t) const {
     // byte mask).
     split += 2 * a * s * s + (llama_style ? 0 : 2.5 * a * s * s);
   }
-  return (replicated + split / t) * kActivationBytes;
+  return (replicated / (sequence_sharded ? t : 1) + split / t) * kActivationBytes;
 }
 
-double TransformerShape::LayerActivationBytes(int t) const {
+double TransformerShape::LayerActivationBytes(int t, bool sequence_sharded) const {
   // Korthikanti et al. 2022, sections 4.1-4.2, generalised to the MLP width, grouped-query
   // attention, the Llama layer and flash attention.
   const double s = static_cast<double>(seq_len), h = static_cast<double>(hidden);
@@ -648,7 +676,7 @@ double TransformerShape::LayerActivationBytes(int t) const {
     split += 2 * a * s * s + (dropout ? 3 * a * s * s : 0);  // softmax out; dropout mask and out
   }
   split += llama_style ? 6 * s * f : 4 * s * f;
-  return replicated + split / t;
+  return replicated / (sequence_sharded ? t : 1) + split / t;
 }
 
 Status TransformerShape::Validate() const {
@@ -731,6 +759,13 @@ Result<ScalePlan> EvaluateScalePlan(const DescribedCluster& cluster, const Trans
         "and hidden {} must divide by it)",
         choice.Name(), shape.name, choice.tensor_parallel, shape.heads, shape.KvHeads(),
         shape.Ffn(), shape.hidden);
+  }
+  if (choice.shard_sequence && !CanShardSequence(shape, training, choice.tensor_parallel)) {
+    return InvalidArgument(
+        "{}: sequence parallelism shards each sequence over the tensor ranks, where there are at "
+        "least 2 and they divide the vocabulary ({}) and the sequence ({}), the vocabulary split "
+        "over them",
+        choice.Name(), shape.vocab, shape.seq_len);
   }
   if (micro_batch_size < 1 ||
       static_cast<int64_t>(choice.data_parallel) * choice.micro_batches * micro_batch_size !=

@@ -54,7 +54,14 @@
 //             forward and two backward on the tensor ranks' link, waited for (they sit between
 //             a layer's ops); the embedding and classifier are split by vocabulary where T
 //             divides it, else whole on every rank (ScaleTraining::vocab_parallel).
-// Not modelled: sequence parallelism (not in the runtime yet), kernel fusion beyond flash
+//   sequence  with T > 1, Megatron-LM's sequence parallelism (where the runtime runs it: T divides
+//             the vocabulary and the sequence): the norms, residuals and dropouts the tensor
+//             ranks replicate run on 1/T of each sequence, so their element-wise work and their
+//             activations (Korthikanti et al.'s s b h (34 + 5 a s / h) / t) and a recomputed
+//             layer's kept input are 1/T; each all-reduce becomes a reduce-scatter and an
+//             all-gather (the same ring time), the embedding's sum a reduce-scatter forward and
+//             an all-gather backward, and the classifier's input gradient needs none of its own.
+// Not modelled: ring attention and Ulysses (not searched), kernel fusion beyond flash
 // attention, network contention between collectives, stragglers.
 //
 // Thread safety: pure functions of their arguments.
@@ -125,8 +132,10 @@ struct TransformerShape {
   // recompute). Under tensor slicing the norms, residuals and the dropouts after the two
   // row-parallel linears run on every rank, the rest on the rank's heads and MLP columns
   // (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) for GPT).
-  double LayerForwardTrafficBytes(int t = 1) const;
-  double LayerActivationBytes(int t = 1) const;
+  // With `sequence_sharded` (Megatron-LM's sequence parallelism), the replicated part is 1/t too:
+  // s b h (34 + 5 a s / h) / t for GPT.
+  double LayerForwardTrafficBytes(int t = 1, bool sequence_sharded = false) const;
+  double LayerActivationBytes(int t = 1, bool sequence_sharded = false) const;
   // Named shapes: "gpt3-175b" (Brown et al.), "megatron-76b" (Narayanan et al. 2021, Table 1's
   // 76.1B row), "llama2-70b" (Touvron et al. 2023), "gpt2-1.5b"; NotFound listing them otherwise.
   static Result<TransformerShape> Preset(std::string_view name);
@@ -165,6 +174,9 @@ struct ScaleSpace {
   // Tensor-parallel degrees T; a degree is planned where it splits the layers and its ranks fit
   // in one node (its all-reduces on NVLink, as Megatron-LM places them).
   std::vector<int> tensor_parallel = {1, 2, 4, 8};
+  // With T > 1: whether the tensor ranks also shard the sequence (Megatron-LM's sequence
+  // parallelism), planned where the runtime runs it (T divides the vocabulary and the sequence).
+  std::vector<bool> shard_sequence = {false, true};
   std::vector<int> zero_stages = {0, 1, 2, 3};
   std::vector<PipelineSchedule> schedules = {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
                                              PipelineSchedule::kInterleaved,

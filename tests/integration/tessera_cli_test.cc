@@ -413,11 +413,20 @@ TEST(TesseraCliTest, PlanSearchesADescribedClusterAndRefusesWhatCannotFit) {
 
   const std::string rack =
       std::string(TESSERA_SOURCE_DIR) + "/examples/clusters/commodity-rtx4090.yaml";
-  // GPT-3 175B fits 64 24-GiB GPUs only split by tensor parallelism (4 ways, the classifier split
-  // by vocabulary too; and slowly): without it nothing fits, and the refusal says what would.
+  // GPT-3 175B fits 64 24-GiB GPUs only split by tensor parallelism (and slowly): sharding the
+  // sequence too, 2 ways is enough (D2 x T2 SP at the time of writing); without sequence
+  // parallelism it takes 4 (the classifier split by vocabulary too); without tensor parallelism
+  // nothing fits, and the refusal says what would.
   BoundedRun tight = plan("--cluster " + rack + " --model gpt3-175b --top 1");
   ASSERT_EQ(tight.exit_code, 0) << tight.output;
-  EXPECT_NE(tight.output.find("best on 64 GPUs: D2 x T4"), std::string::npos) << tight.output;
+  EXPECT_TRUE(std::regex_search(tight.output, std::regex("best on 64 GPUs: D\\d+ x T\\d SP x P")))
+      << tight.output;
+  EXPECT_NE(tight.output.find("--sequence-parallel megatron"), std::string::npos) << tight.output;
+  BoundedRun plain_tp =
+      plan("--cluster " + rack + " --model gpt3-175b --top 1 --sequence-parallel none");
+  ASSERT_EQ(plain_tp.exit_code, 0) << plain_tp.output;
+  EXPECT_NE(plain_tp.output.find("best on 64 GPUs: D2 x T4 x P"), std::string::npos)
+      << plain_tp.output;
   BoundedRun refused = plan("--cluster " + rack + " --model gpt3-175b --tensor-parallel 1");
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
   EXPECT_NE(refused.output.find("no plan fits in 24.0 GiB per GPU"), std::string::npos)

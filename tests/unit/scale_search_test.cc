@@ -7,6 +7,7 @@
 #include "planner/scale_search.h"
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -152,6 +153,70 @@ TEST(ScaleSearchTest, TensorSlicingMatchesMegatronsCounts) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("25 heads"), std::string::npos)
       << refused.status().message();
+}
+
+// Megatron-LM's sequence parallelism: Korthikanti et al.'s s b h (34 + 5 a s / h) / t activations
+// per layer (section 4.2.2); a plan sharding the sequence holds less and is no slower than the
+// same plan without (the same collectives' ring time, 1/t of the element-wise work); it is
+// planned only where the runtime runs it, and the search offers it.
+TEST(ScaleSearchTest, SequenceParallelismMatchesKorthikanti) {
+  const TransformerShape shape = *TransformerShape::Preset("gpt3-175b");
+  const double s = 2048, h = 12288, a = 96;
+  for (int t : {2, 4, 8}) {
+    EXPECT_DOUBLE_EQ(shape.LayerActivationBytes(t, /*sequence_sharded=*/true),
+                     s * h * (34 + 5 * a * s / h) / t)
+        << t;
+    EXPECT_LT(shape.LayerForwardTrafficBytes(t, true), shape.LayerForwardTrafficBytes(t));
+  }
+  DescribedCluster cluster = A100s(48);
+  ScaleTraining training;
+  training.global_batch = 1536;
+  PlanChoice choice;
+  choice.data_parallel = 4;
+  choice.tensor_parallel = 8;
+  choice.pipeline_stages = 12;
+  choice.micro_batches = 384;
+  choice.zero_stage = 1;
+  ASSERT_OK_AND_ASSIGN(ScalePlan plain, EvaluateScalePlan(cluster, shape, training, choice, 1,
+                                                          RankLayout::kStagesInNode));
+  choice.shard_sequence = true;
+  ASSERT_OK_AND_ASSIGN(ScalePlan sharded, EvaluateScalePlan(cluster, shape, training, choice, 1,
+                                                            RankLayout::kStagesInNode));
+  EXPECT_LT(sharded.costs.activation_gib, plain.costs.activation_gib);
+  EXPECT_LE(sharded.recomputed_layers, plain.recomputed_layers);
+  EXPECT_LT(sharded.step_ms, plain.step_ms);
+  EXPECT_THAT(sharded.Name(), HasSubstr("T8 SP"));
+  EXPECT_THAT(sharded.choice.Flags(), HasSubstr("--sequence-parallel megatron"));
+  std::printf(
+      "175B D4 x T8 x P12 b1 on 384 A100s: %.2f s, %.1f GiB activations, %d of %d layers "
+      "recomputed; sharding the sequence: %.2f s, %.1f GiB, %d\n",
+      plain.step_ms / 1e3, plain.costs.activation_gib, plain.recomputed_layers,
+      plain.layers_per_stage, sharded.step_ms / 1e3, sharded.costs.activation_gib,
+      sharded.recomputed_layers);
+  // Where the runtime does not run it: one tensor rank, or a vocabulary T does not divide.
+  TransformerShape odd = shape;
+  odd.vocab = shape.vocab + 1;
+  const Result<ScalePlan> refused =
+      EvaluateScalePlan(cluster, odd, training, choice, 1, RankLayout::kStagesInNode);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("divide the vocabulary (51201)"));
+  // The search offers both and ranks them by time.
+  ScaleSpace space;
+  space.gpus = {384};
+  ASSERT_OK_AND_ASSIGN(auto results, SearchAtScale(cluster, shape, training, space));
+  int sharding = 0, not_sharding = 0;
+  for (const ScalePlan& plan : results.front().ranked) {
+    if (plan.choice.tensor_parallel == 1) continue;
+    ++(plan.choice.shard_sequence ? sharding : not_sharding);
+  }
+  EXPECT_GT(sharding, 0);
+  EXPECT_GT(not_sharding, 0);
+  EXPECT_TRUE(results.front().ranked.front().choice.shard_sequence)
+      << results.front().ranked.front().Name();
+  space.shard_sequence = {false};
+  ASSERT_OK_AND_ASSIGN(auto without, SearchAtScale(cluster, shape, training, space));
+  for (const ScalePlan& plan : without.front().ranked) EXPECT_FALSE(plan.choice.shard_sequence);
+  EXPECT_GE(without.front().ranked.front().step_ms, results.front().ranked.front().step_ms);
 }
 
 TEST(ScaleSearchTest, ModelStatesMatchTheZeroPaper) {
