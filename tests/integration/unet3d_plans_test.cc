@@ -396,6 +396,34 @@ TEST(TrainUNet3dTest, TheLossFallsAndDiceRisesOver200Steps) {
   EXPECT_GT(logged.held_out_dice, logged.dice.front() + 0.15f) << run.output;
 }
 
+// train_unet3d --tensor-parallel 2 on two workers trains the run of one process, prints each
+// layer's split, and refuses a degree the group norm's groups do not divide, naming the fix.
+TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
+  const auto final_loss = [](const std::string& output) {
+    std::smatch match;
+    if (!std::regex_search(output, match, std::regex(R"(final_loss=([0-9.]+))"))) return -1.0;
+    return std::stod(match[1]);
+  };
+  ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
+  ProcessResult split =
+      RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const double expected = final_loss(alone.output);
+  ASSERT_GT(expected, 0) << alone.output;
+  EXPECT_NEAR(final_loss(split.output), expected, 1e-5 * expected) << split.output;
+  EXPECT_NE(split.output.find("each layer over 2 tensor ranks"), std::string::npos) << split.output;
+  EXPECT_NE(split.output.find("enc0.convs: enc0.conv1.w rows split"), std::string::npos)
+      << split.output;
+  EXPECT_NE(split.output.find("dec0.convs"), std::string::npos) << split.output;
+  ProcessResult refused =
+      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --tensor-parallel 3");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("4 group-norm groups do not split over 3 tensor-parallel ranks"),
+            std::string::npos)
+      << refused.output;
+}
+
 TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
   const std::string dir = TempPath("unet3d_checkpoints");
   std::filesystem::remove_all(dir);
