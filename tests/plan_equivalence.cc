@@ -64,6 +64,23 @@ const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worke
   return it == profile.workers.end() ? nullptr : &*it;
 }
 
+SplitCounts CountSplit(const ModelSpec& split) {
+  SplitCounts counts;
+  for (const LayerSpec& layer : split.layers) {
+    EXPECT_TRUE(layer.tensor_parallel.has_value()) << layer.name;
+    if (!layer.tensor_parallel.has_value()) continue;
+    const TensorParallelLayer& tp = *layer.tensor_parallel;
+    const auto& slots = layer.params.slots();
+    for (size_t s = 0; s < slots.size() && s < tp.slots.size(); ++s) {
+      counts.held += tp.slots[s].replicated() ? slots[s].shape.numel()
+                                              : slots[s].shape.numel() * split.tensor_parallel;
+    }
+    for (bool partial : tp.partial_outputs) counts.partial_outputs += partial;
+    for (bool partial : tp.partial_input_gradients) counts.partial_gradients += partial;
+  }
+  return counts;
+}
+
 ActivationPeaks ExpectActivationPeakAsPredicted(const MemoryProfile& profile,
                                                 const RankFigures& rank, const std::string& where) {
   ActivationPeaks peaks{.measured =

@@ -41,6 +41,15 @@ void ExpectActivationsPlanned(const MemoryDecision& memory);
 // The predicted memory of `worker` in `profile` (nullptr when it has none).
 const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worker);
 
+// Over a split model's layers (ModelSpec::tensor_parallel ranks): the elements of the whole
+// model's parameters its ranks hold together (a split slot a 1/T slice of its parameter, a
+// replicated one the whole of it), its partial outputs and its partial input gradients. A
+// failure names a layer without its TensorParallelLayer.
+struct SplitCounts {
+  int64_t held = 0, partial_outputs = 0, partial_gradients = 0;
+};
+SplitCounts CountSplit(const ModelSpec& split);
+
 // `rank`'s measured activation peak and its worker's predicted one in `profile`; a failure when
 // they differ by more than 5% of the prediction (or the worker has none), labelled `where`.
 struct ActivationPeaks {

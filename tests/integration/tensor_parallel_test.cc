@@ -222,25 +222,12 @@ TEST(TensorParallelSplitTest, EveryParameterIsSlicedOnce) {
     EXPECT_EQ(split.tensor_parallel, ranks);
     // Four layers a block; the embedding and positions; the head and the loss.
     ASSERT_EQ(split.layers.size(), static_cast<size_t>(4 * kTiny.layers + 4));
-    int64_t held = 0, partial_outputs = 0, partial_gradients = 0;
-    for (const LayerSpec& layer : split.layers) {
-      ASSERT_TRUE(layer.tensor_parallel.has_value()) << layer.name;
-      const auto& slots = layer.params.slots();
-      for (size_t s = 0; s < slots.size(); ++s) {
-        // A split slot is a 1/T slice; a replicated one all of it, on every rank.
-        held += layer.tensor_parallel->slots[s].replicated() ? slots[s].shape.numel()
-                                                             : slots[s].shape.numel() * ranks;
-      }
-      for (bool partial : layer.tensor_parallel->partial_outputs) partial_outputs += partial;
-      for (bool partial : layer.tensor_parallel->partial_input_gradients) {
-        partial_gradients += partial;
-      }
-    }
-    EXPECT_EQ(held, whole.NumParameters()) << ranks << " ranks";
+    const testing::SplitCounts counts = testing::CountSplit(split);
+    EXPECT_EQ(counts.held, whole.NumParameters()) << ranks << " ranks";
     // Megatron's two all-reduces forward and two backward per block; the vocabulary-parallel
     // embedding's sum, the head's statistics and its input's gradient.
-    EXPECT_EQ(partial_outputs, 2 * kTiny.layers + 2);
-    EXPECT_EQ(partial_gradients, 2 * kTiny.layers + 1);
+    EXPECT_EQ(counts.partial_outputs, 2 * kTiny.layers + 2);
+    EXPECT_EQ(counts.partial_gradients, 2 * kTiny.layers + 1);
   }
 }
 

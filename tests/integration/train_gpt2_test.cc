@@ -486,20 +486,26 @@ TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
   ExpectRefused(refused);
 }
 
+// Ten steps of batch 8 with `arguments` end at the final loss of one process running the
+// primitive layers (within 1e-5): the run with them.
+ProcessResult TrainsLikeOneProcess(const std::string& arguments) {
+  const std::string steps = "--steps 10 --log-every 10 --threads 1 --batch 8 ";
+  const ProcessResult alone = RunTrainGpt2(steps + "--layer-impl primitive");
+  ProcessResult split = RunTrainGpt2(steps + arguments);
+  EXPECT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_EQ(split.exit_code, 0) << split.output;
+  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
+  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << split.output;
+  return split;
+}
+
 // Sequence parallelism from the command line: two groups of two Ulysses ranks on four workers
 // train the run of one process with the same layers, and say how the sequences split; the modes
 // not built and bad degrees are explained.
 TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
-  ProcessResult alone =
-      RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
-  ProcessResult split = RunTrainGpt2(
-      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 4 --sequence-parallel ulysses "
-      "--sequence-degree 2");
-  ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  ASSERT_EQ(split.exit_code, 0) << split.output;
-  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
-  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
-      << split.output;
+  const ProcessResult split =
+      TrainsLikeOneProcess("--workers 4 --sequence-parallel ulysses --sequence-degree 2");
   EXPECT_NE(split.output.find("sequence_parallel=2 (ulysses)"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("each sequence over 2 ranks (DeepSpeed-Ulysses; 2 group(s) of the 4 "
                               "data-parallel ranks"),
@@ -528,16 +534,8 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
 // residuals on half of each sequence train the run of one process, and the plan says which
 // layers shard the sequence.
 TEST(TrainGpt2Test, MegatronSequenceParallelismTrainsLikeOneProcess) {
-  ProcessResult alone =
-      RunTrainGpt2("--steps 10 --log-every 10 --threads 1 --batch 8 --layer-impl primitive");
-  ProcessResult split = RunTrainGpt2(
-      "--steps 10 --log-every 10 --threads 1 --batch 8 --workers 2 --tensor-parallel 2 "
-      "--sequence-parallel megatron --layer-impl primitive");
-  ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  ASSERT_EQ(split.exit_code, 0) << split.output;
-  const double expected = FirstMatch(alone.output, R"(final_loss=([0-9.]+))");
-  EXPECT_NEAR(FirstMatch(split.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
-      << split.output;
+  const ProcessResult split = TrainsLikeOneProcess(
+      "--workers 2 --tensor-parallel 2 --sequence-parallel megatron --layer-impl primitive");
   EXPECT_NE(split.output.find("tensor_parallel=2 sequence_parallel=megatron"), std::string::npos)
       << split.output;
   EXPECT_NE(split.output.find("h.0.mid: h.0.proj_b, h.0.ln2_w, h.0.ln2_b replicated; on 1/2 of "

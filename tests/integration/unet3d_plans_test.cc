@@ -190,23 +190,11 @@ TEST(UNet3dSplitTest, EveryParameterIsSlicedOnceAndBadDegreesAreRefused) {
       ASSERT_OK_AND_ASSIGN(ModelSpec split, whole.SplitForTensorParallel(ranks));
       EXPECT_EQ(split.tensor_parallel, ranks);
       ASSERT_EQ(split.layers.size(), whole.layers.size() + pairs) << preset;
-      int64_t held = 0, partial_outputs = 0, partial_gradients = 0;
-      for (const LayerSpec& layer : split.layers) {
-        ASSERT_TRUE(layer.tensor_parallel.has_value()) << layer.name;
-        const auto& slots = layer.params.slots();
-        for (size_t i = 0; i < slots.size(); ++i) {
-          held += layer.tensor_parallel->slots[i].replicated() ? slots[i].shape.numel()
-                                                               : slots[i].shape.numel() * ranks;
-        }
-        for (bool partial : layer.tensor_parallel->partial_outputs) partial_outputs += partial;
-        for (bool partial : layer.tensor_parallel->partial_input_gradients) {
-          partial_gradients += partial;
-        }
-      }
-      EXPECT_EQ(held, whole.NumParameters()) << preset << " TP " << ranks;
-      EXPECT_EQ(partial_outputs, static_cast<int64_t>(pairs)) << preset;
+      const SplitCounts counts = CountSplit(split);
+      EXPECT_EQ(counts.held, whole.NumParameters()) << preset << " TP " << ranks;
+      EXPECT_EQ(counts.partial_outputs, static_cast<int64_t>(pairs)) << preset;
       // enc1.. and the bottleneck one input each, dec* two; enc0 reads the volume.
-      EXPECT_EQ(partial_gradients, 3 * config.depth) << preset;
+      EXPECT_EQ(counts.partial_gradients, 3 * config.depth) << preset;
     }
   }
   ASSERT_OK_AND_ASSIGN(ModelSpec whole, BuildUNet3d(Tiny(), CpuRegistry()));
