@@ -64,6 +64,20 @@ const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worke
   return it == profile.workers.end() ? nullptr : &*it;
 }
 
+Result<std::vector<std::vector<float>>> FirstStepGradients(Trainer& trainer, uint64_t seed,
+                                                           const std::vector<Tensor>& batch,
+                                                           float lr) {
+  TESSERA_RETURN_IF_ERROR(trainer.SetKeepGradients(true));
+  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(seed));
+  TESSERA_RETURN_IF_ERROR(trainer.Step(batch, lr).status());
+  std::vector<std::vector<float>> grads;
+  for (const std::string& name : trainer.ParameterNames()) {
+    TESSERA_ASSIGN_OR_RETURN(std::vector<float> grad, trainer.GetGradient(name));
+    grads.push_back(std::move(grad));
+  }
+  return grads;
+}
+
 SplitCounts CountSplit(const ModelSpec& split) {
   SplitCounts counts;
   for (const LayerSpec& layer : split.layers) {

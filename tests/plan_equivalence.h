@@ -41,6 +41,12 @@ void ExpectActivationsPlanned(const MemoryDecision& memory);
 // The predicted memory of `worker` in `profile` (nullptr when it has none).
 const WorkerMemory* PredictedWorker(const MemoryProfile& profile, WorkerId worker);
 
+// Every parameter's gradient (in ParameterNames' order) after `trainer`'s first step on `batch`
+// at `lr`, from parameters initialised from `seed`.
+Result<std::vector<std::vector<float>>> FirstStepGradients(Trainer& trainer, uint64_t seed,
+                                                           const std::vector<Tensor>& batch,
+                                                           float lr);
+
 // Over a split model's layers (ModelSpec::tensor_parallel ranks): the elements of the whole
 // model's parameters its ranks hold together (a split slot a 1/T slice of its parameter, a
 // replicated one the whole of it), its partial outputs and its partial input gradients. A

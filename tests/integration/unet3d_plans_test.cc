@@ -166,15 +166,7 @@ TEST_F(UNet3dPlansTest, ModelStatePerRankFollowsTheZeroFormulas) {
 
 // Every parameter's gradient after one step from the same start.
 Result<std::vector<std::vector<float>>> FirstGradients(Trainer& trainer) {
-  TESSERA_RETURN_IF_ERROR(trainer.SetKeepGradients(true));
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(2));
-  TESSERA_RETURN_IF_ERROR(trainer.Step(Batch(0), 3e-3f).status());
-  std::vector<std::vector<float>> grads;
-  for (const std::string& name : trainer.ParameterNames()) {
-    TESSERA_ASSIGN_OR_RETURN(std::vector<float> grad, trainer.GetGradient(name));
-    grads.push_back(std::move(grad));
-  }
-  return grads;
+  return FirstStepGradients(trainer, 2, Batch(0), 3e-3f);
 }
 
 // The split model: every parameter of the whole one held once over the ranks (a split slot a
