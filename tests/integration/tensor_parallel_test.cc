@@ -644,6 +644,27 @@ TEST_F(TensorParallelTest, MegatronSequenceParallelismTrainsTheOneWorkerRun) {
   ExpectSameRun(ShardedPlan(2, 2, 2, 1));
 }
 
+// With ZeRO-3 over two data ranks and two micro-batches; a zero-bubble pipeline (its backwards
+// split into input and weight halves, the sharded layers' parameter gradients all-reduced from
+// the weight halves); and under half of its activations, the memory plan recomputing or keeping
+// part of the sharded and split layers alike.
+TEST_F(TensorParallelTest, MegatronSequenceParallelismComposesWithZero3PipelinesAndTheMemoryPlan) {
+  TrainingPlan zero3 = ShardedPlan(2, 2, 1, 3);
+  zero3.parallel.micro_batches = 2;
+  ExpectSameRun(zero3);
+  TrainingPlan zero_bubble = ShardedPlan(1, 2, 2, 0);
+  zero_bubble.parallel.schedule = PipelineSchedule::kZbH1;
+  zero_bubble.parallel.micro_batches = 4;
+  ExpectSameRun(zero_bubble);
+  TrainingPlan half = ShardedPlan(1, 2, 1, 0);
+  half.memory.activation_budget = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(half));
+  testing::ExpectActivationsPlanned(trainer->step_graph().memory);
+  ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "Megatron-SP TP 2 with half of its activations");
+  testing::ExpectActivationPeaksAsPredicted(*trainer, run, 0.05, 0);
+}
+
 // The split: the same layers as plain tensor parallelism; positions, mid and out on 1/T of the
 // positions, the embedding's, attention's and MLP's sums reduce-scattered, the norms' outputs
 // all-gathered; the step graph's collectives, per tensor rank, are a reduce-scatter and an
