@@ -685,6 +685,12 @@ TEST_F(TensorParallelTest, MegatronSequenceParallelismShardsTheNormsAndResiduals
   EXPECT_EQ(sharded, 2 * kTiny.layers + 1);    // positions, h.<b>.mid, h.<b>.out
   EXPECT_EQ(scattered, 2 * kTiny.layers + 1);  // embedding, h.<b>.attn, h.<b>.mlp
   EXPECT_EQ(gathered, 2 * kTiny.layers + 1);   // ln1 of positions, ln2 of mid, out's norm
+  // Planned as one rank (the planner's layer estimates), each scattered output is read as 1/T of
+  // the positions and each gathered one as all of them: the loss's graph builds.
+  OpRegistry registry;
+  ASSERT_OK(RegisterStandardOps(registry));
+  ASSERT_OK_AND_ASSIGN(ForwardGraph one_rank, PlanEvalLoss(split, kBatch, kSeqLen, registry));
+  EXPECT_EQ(one_rank.graph.object(one_rank.result).meta.numel(), 1);
   ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(ShardedPlan(1, 2, 1, 0)));
   std::map<std::string, int64_t> ops;
   for (const TaskSpec& task : trainer->step_graph().graph.tasks()) {
