@@ -26,6 +26,19 @@
 //                       place: the projection after attention, without a regrouped copy kept
 // (G = 3 for the fused Q, K, V.) position_add_forward reads attribute sequence_rank
 // (kSequenceRankAttr): its x holds positions [sequence_rank S, (sequence_rank + 1) S).
+//
+// Ring attention's parts (the building blocks; the ring itself is not built yet): causal
+// attention of a shard's queries over one block of keys and values, and the merge of two such
+// partial results by their log-sum-exp, so that the blocks of a whole sequence, merged in any
+// order, give attention_forward's output:
+//   attention_block_forward  q [B, S, C], kv [B, Sk, 2 C] (K then V) -> out [B, S, C], lse
+//                            [B, H, S]; attributes heads, key_offset (key j sits at position
+//                            key_offset + j, query i at i: visible when key_offset + j <= i). A
+//                            query that sees no key gets out 0 and lse -inf
+//   attention_merge_forward  out_a, lse_a, out_b, lse_b -> out, lse: lse = log(e^lse_a +
+//                            e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
+//                            per head (attribute heads)
+// Their backwards take the gradients of both outputs (the merge differentiates through lse).
 #include <vector>
 
 #include <fmt/format.h>
@@ -334,12 +347,115 @@ Status AddVocabParallelCrossEntropyOps(OpRegistry& r) {
   });
 }
 
+// Ring attention's block attention and log-sum-exp merge (above).
+Status AddRingAttentionOps(OpRegistry& r) {
+  const auto heads_of = [](const Attrs& attrs, const TensorMeta& q) -> Result<int64_t> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t heads, attrs.GetInt("heads"));
+    if (heads < 1 || q.shape.rank() != 3 || q.shape[2] % heads != 0) {
+      return InvalidArgument(
+          "input 'q' has shape {} but must be [B, S, C] with C a multiple of "
+          "attribute heads ({})",
+          q.shape.ToString(), heads);
+    }
+    return heads;
+  };
+  const InferFn block_infer = [heads_of](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckDType("q", in[0], DType::kF32));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t heads, heads_of(attrs, in[0]));
+    const Shape& q = in[0].shape;
+    TESSERA_RETURN_IF_ERROR(CheckDType("kv", in[1], DType::kF32));
+    if (in[1].shape.rank() != 3 || in[1].shape[0] != q[0] || in[1].shape[2] != 2 * q[2]) {
+      return InvalidArgument("input 'kv' has shape {} but q {} needs [{}, Sk, {}]",
+                             in[1].shape.ToString(), q.ToString(), q[0], 2 * q[2]);
+    }
+    return Metas{F32(q), F32({q[0], heads, q[1]})};
+  };
+  const auto block_flops = [](const Metas& in) {
+    return 4.0 * static_cast<double>(in[0].numel()) * static_cast<double>(in[1].shape[1]);
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "attention_block_forward",
+      .doc = "causal attention of q [B, S, C] over one block of keys and values kv [B, Sk, 2C] at "
+             "attribute key_offset (attribute heads): out, and the softmax's log-sum-exp lse "
+             "[B, H, S] (-inf where a query sees no key)",
+      .input_names = {"q", "kv"},
+      .output_names = {"out", "lse"},
+      .infer = block_infer,
+      .cost =
+          [block_flops](const Metas& in, const Attrs&) {
+            return OpCost{block_flops(in), 2 * op_def::Bytes(in)};
+          },
+      .gradient = Rule("attention_block_backward",
+                       {OutGrad(0), OutGrad(1), In(0), In(1), Out(0), Out(1)}, {0, 1})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "attention_block_backward",
+      .doc = "dq, dkv of attention_block_forward from the gradients of out and lse",
+      .input_names = {"dout", "dlse", "q", "kv", "out", "lse"},
+      .output_names = {"dq", "dkv"},
+      .infer = [block_infer](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Metas forward, block_infer(Metas{in[2], in[3]}, attrs));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], forward[0].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dlse", in[1], forward[1].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("out", in[4], forward[0].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lse", in[5], forward[1].shape));
+        return Metas{in[2], in[3]};
+      },
+      .cost =
+          [block_flops](const Metas& in, const Attrs&) {
+            return OpCost{2.5 * block_flops(Metas{in[2], in[3]}), 2 * op_def::Bytes(in)};
+          },
+  }));
+  const InferFn merge_infer = [heads_of](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckDType("out_a", in[0], DType::kF32));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t heads, heads_of(attrs, in[0]));
+    const Shape& out = in[0].shape;
+    const Shape lse{out[0], heads, out[1]};
+    TESSERA_RETURN_IF_ERROR(CheckShape("lse_a", in[1], lse));
+    TESSERA_RETURN_IF_ERROR(CheckShape("out_b", in[2], out));
+    TESSERA_RETURN_IF_ERROR(CheckShape("lse_b", in[3], lse));
+    return Metas{in[0], in[1]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "attention_merge_forward",
+            .doc = "two partial attentions merged by their log-sum-exp (attribute heads): lse = "
+                   "log(e^lse_a + e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b",
+            .input_names = {"out_a", "lse_a", "out_b", "lse_b"},
+            .output_names = {"out", "lse"},
+            .infer = merge_infer,
+            .cost =
+                [](const Metas& in, const Attrs&) {
+                  return OpCost{3.0 * static_cast<double>(in[0].numel()), op_def::Bytes(in)};
+                },
+            .gradient = Rule("attention_merge_backward",
+                             {OutGrad(0), OutGrad(1), In(0), In(1), In(2), In(3), Out(0), Out(1)},
+                             {0, 1, 2, 3})}));
+  return r.AddOp(OpDef{
+      .name = "attention_merge_backward",
+      .doc = "dout_a, dlse_a, dout_b, dlse_b of attention_merge_forward",
+      .input_names = {"dout", "dlse", "out_a", "lse_a", "out_b", "lse_b", "out", "lse"},
+      .output_names = {"dout_a", "dlse_a", "dout_b", "dlse_b"},
+      .infer = [merge_infer](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(merge_infer(Metas{in[2], in[3], in[4], in[5]}, attrs).status());
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], in[2].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dlse", in[1], in[3].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("out", in[6], in[2].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lse", in[7], in[3].shape));
+        return Metas{in[2], in[3], in[4], in[5]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{6.0 * static_cast<double>(in[0].numel()), op_def::Bytes(in)};
+          },
+  });
+}
+
 }  // namespace
 
 Status AddTensorParallelOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(AddVocabShardEmbeddingOps(r));
   TESSERA_RETURN_IF_ERROR(AddPositionAddOps(r));
   TESSERA_RETURN_IF_ERROR(AddSequenceParallelOps(r));
+  TESSERA_RETURN_IF_ERROR(AddRingAttentionOps(r));
   return AddVocabParallelCrossEntropyOps(r);
 }
 

@@ -286,6 +286,194 @@ Status CrossEntropyFromStatsBackward(const KernelContext&, const Tensors& in, co
   return Status::Ok();
 }
 
+// ---- ring attention's parts: block attention and the log-sum-exp merge ----
+
+// Attention of q [B, S, C] over the block kv [B, Sk, 2C] (keys, then values) at key_offset.
+struct AttentionBlock {
+  int64_t batch = 0, queries = 0, keys = 0, channels = 0, heads = 1, head_size = 1;
+  int64_t key_offset = 0;
+  float scale = 1;
+  // Keys query i sees: those with key_offset + j <= i.
+  int64_t Visible(int64_t i) const { return std::clamp<int64_t>(i - key_offset + 1, 0, keys); }
+  int64_t Q(int64_t b, int64_t i, int64_t h) const {
+    return (b * queries + i) * channels + h * head_size;
+  }
+  int64_t K(int64_t b, int64_t j, int64_t h) const {
+    return (b * keys + j) * 2 * channels + h * head_size;
+  }
+  int64_t V(int64_t b, int64_t j, int64_t h) const { return K(b, j, h) + channels; }
+  int64_t Lse(int64_t b, int64_t h, int64_t i) const { return (b * heads + h) * queries + i; }
+};
+
+AttentionBlock AttentionBlockOf(const Tensor& q, const Tensor& kv, const Attrs& attrs) {
+  AttentionBlock g;
+  g.batch = q.shape()[0];
+  g.queries = q.shape()[1];
+  g.channels = q.shape()[2];
+  g.keys = kv.shape()[1];
+  g.heads = attrs.GetInt("heads", 1);
+  g.head_size = g.channels / g.heads;
+  g.key_offset = attrs.GetInt("key_offset", 0);
+  g.scale = 1.0f / std::sqrt(static_cast<float>(g.head_size));
+  return g;
+}
+
+double Dot(const float* a, const float* b, int64_t n) {
+  double sum = 0;
+  for (int64_t c = 0; c < n; ++c) sum += static_cast<double>(a[c]) * b[c];
+  return sum;
+}
+
+constexpr float kNoKeys = -std::numeric_limits<float>::infinity();
+
+Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                             const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
+  const float *q = F(in[0]), *kv = F(in[1]);
+  float *y = F(out[0]), *lse = F(out[1]);
+  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<double> scores(static_cast<size_t>(g.keys));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / g.heads, h = p % g.heads;
+      for (int64_t i = 0; i < g.queries; ++i) {
+        float* yi = y + g.Q(b, i, h);
+        std::fill(yi, yi + g.head_size, 0.0f);
+        const int64_t visible = g.Visible(i);
+        if (visible == 0) {
+          lse[g.Lse(b, h, i)] = kNoKeys;
+          continue;
+        }
+        double most = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          scores[static_cast<size_t>(j)] =
+              g.scale * Dot(q + g.Q(b, i, h), kv + g.K(b, j, h), g.head_size);
+          most = std::max(most, scores[static_cast<size_t>(j)]);
+        }
+        double total = 0;
+        for (int64_t j = 0; j < visible; ++j)
+          total += std::exp(scores[static_cast<size_t>(j)] - most);
+        const double log_sum = most + std::log(total);
+        lse[g.Lse(b, h, i)] = static_cast<float>(log_sum);
+        for (int64_t j = 0; j < visible; ++j) {
+          const auto weight =
+              static_cast<float>(std::exp(scores[static_cast<size_t>(j)] - log_sum));
+          const float* v = kv + g.V(b, j, h);
+          for (int64_t c = 0; c < g.head_size; ++c) yi[c] += weight * v[c];
+        }
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// in: dout, dlse, q, kv, out, lse; out: dq, dkv. dS = p (dout . v - dout . out + dlse).
+Status AttentionBlockBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                              const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
+  const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
+  const float *y = F(in[4]), *lse = F(in[5]);
+  float *dq = F(out[0]), *dkv = F(out[1]);
+  std::fill(dq, dq + out[0].numel(), 0.0f);
+  std::fill(dkv, dkv + out[1].numel(), 0.0f);
+  // Each (batch, head) pair writes its own columns of dq and dkv.
+  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / g.heads, h = p % g.heads;
+      for (int64_t i = 0; i < g.queries; ++i) {
+        const float lse_i = lse[g.Lse(b, h, i)];
+        const int64_t visible = g.Visible(i);
+        if (visible == 0 || std::isinf(lse_i)) continue;
+        const float* qi = q + g.Q(b, i, h);
+        const float* gi = dout + g.Q(b, i, h);
+        const double through_out = Dot(gi, y + g.Q(b, i, h), g.head_size);
+        const double through_lse = dlse[g.Lse(b, h, i)];
+        float* dqi = dq + g.Q(b, i, h);
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* k = kv + g.K(b, j, h);
+          const float* v = kv + g.V(b, j, h);
+          const double weight = std::exp(g.scale * Dot(qi, k, g.head_size) - lse_i);
+          const double ds = weight * (Dot(gi, v, g.head_size) - through_out + through_lse);
+          const auto dscore = static_cast<float>(g.scale * ds);
+          float* dk = dkv + g.K(b, j, h);
+          float* dv = dkv + g.V(b, j, h);
+          for (int64_t c = 0; c < g.head_size; ++c) {
+            dqi[c] += dscore * k[c];
+            dk[c] += dscore * qi[c];
+            dv[c] += static_cast<float>(weight) * gi[c];
+          }
+        }
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// The merge's weights of one (batch, head, query): e^(lse_a - lse), e^(lse_b - lse), and lse;
+// both zero (lse -inf) where neither part saw a key.
+struct MergeWeights {
+  double a = 0, b = 0;
+  float lse = kNoKeys;
+};
+MergeWeights MergeWeightsOf(float lse_a, float lse_b) {
+  MergeWeights w;
+  const double most = std::max(lse_a, lse_b);
+  if (std::isinf(most) && most < 0) return w;
+  const double lse = most + std::log(std::exp(lse_a - most) + std::exp(lse_b - most));
+  w.a = std::exp(lse_a - lse);
+  w.b = std::exp(lse_b - lse);
+  w.lse = static_cast<float>(lse);
+  return w;
+}
+
+// [B, S, C] outputs and [B, H, S] log-sum-exps: per (b, h, i) fn(row offset, lse index).
+template <typename Fn>
+void ForEachHeadRow(const Tensor& out, const Attrs& attrs, const Fn& fn) {
+  const int64_t batch = out.shape()[0], queries = out.shape()[1], channels = out.shape()[2];
+  const int64_t heads = attrs.GetInt("heads", 1), head_size = channels / heads;
+  ParallelFor(batch * heads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / heads, h = p % heads;
+      for (int64_t i = 0; i < queries; ++i) {
+        fn((b * queries + i) * channels + h * head_size, (b * heads + h) * queries + i, head_size);
+      }
+    }
+  });
+}
+
+Status AttentionMergeForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                             const Attrs& attrs) {
+  const float *out_a = F(in[0]), *lse_a = F(in[1]), *out_b = F(in[2]), *lse_b = F(in[3]);
+  float *y = F(out[0]), *lse = F(out[1]);
+  ForEachHeadRow(in[0], attrs, [&](int64_t row, int64_t l, int64_t n) {
+    const MergeWeights w = MergeWeightsOf(lse_a[l], lse_b[l]);
+    lse[l] = w.lse;
+    for (int64_t c = 0; c < n; ++c) {
+      y[row + c] = static_cast<float>(w.a * out_a[row + c] + w.b * out_b[row + c]);
+    }
+  });
+  return Status::Ok();
+}
+
+// in: dout, dlse, out_a, lse_a, out_b, lse_b, out, lse; out: dout_a, dlse_a, dout_b, dlse_b.
+// dlse_a = w_a (dout . out_a - dout . out + dlse), likewise for b.
+Status AttentionMergeBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                              const Attrs& attrs) {
+  const float *dout = F(in[0]), *dlse = F(in[1]), *out_a = F(in[2]), *lse_a = F(in[3]);
+  const float *out_b = F(in[4]), *lse_b = F(in[5]), *y = F(in[6]);
+  float *dout_a = F(out[0]), *dlse_a = F(out[1]), *dout_b = F(out[2]), *dlse_b = F(out[3]);
+  ForEachHeadRow(in[2], attrs, [&](int64_t row, int64_t l, int64_t n) {
+    const MergeWeights w = MergeWeightsOf(lse_a[l], lse_b[l]);
+    const double through_out = Dot(dout + row, y + row, n);
+    for (int64_t c = 0; c < n; ++c) {
+      dout_a[row + c] = static_cast<float>(w.a * dout[row + c]);
+      dout_b[row + c] = static_cast<float>(w.b * dout[row + c]);
+    }
+    dlse_a[l] = static_cast<float>(w.a * (Dot(dout + row, out_a + row, n) - through_out + dlse[l]));
+    dlse_b[l] = static_cast<float>(w.b * (Dot(dout + row, out_b + row, n) - through_out + dlse[l]));
+  });
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status RegisterTensorParallelKernels(OpRegistry& r) {
@@ -305,6 +493,10 @@ Status RegisterTensorParallelKernels(OpRegistry& r) {
                  return MoveHeadChunks(out[0], in[0], attrs, /*to_chunks=*/false);
                }));
   TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_forward", HeadsLinearForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_forward", AttentionBlockForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_backward", AttentionBlockBackward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "attention_merge_forward", AttentionMergeForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "attention_merge_backward", AttentionMergeBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_backward", HeadsLinearBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "vocab_shard_logit_stats", VocabShardLogitStats));
   TESSERA_RETURN_IF_ERROR(

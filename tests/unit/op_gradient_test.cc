@@ -91,6 +91,81 @@ TEST(OpGradientTest, Matmul) {
   });
 }
 
+// Ring attention's parts through their rules, both outputs differentiated: a block of keys
+// before the queries (all visible), on the diagonal (causal), and partly after them; the merge.
+TEST(OpGradientTest, AttentionBlocksAndTheirMerge) {
+  for (int64_t offset : {-5, 0, 2}) {
+    SCOPED_TRACE(offset);
+    CheckGradients({.forward = "attention_block_forward",
+                    .forward_attrs = {{"heads", int64_t{2}}, {"key_offset", offset}},
+                    .inputs = {RandomTensor({2, 6, 8}, 1, 1.5f), RandomTensor({2, 5, 16}, 2, 1.5f)},
+                    .differentiable_outputs = {0, 1}});
+  }
+  CheckGradients({.forward = "attention_merge_forward",
+                  .forward_attrs = {{"heads", int64_t{2}}},
+                  .inputs = {RandomTensor({2, 3, 8}, 1), RandomTensor({2, 2, 3}, 2),
+                             RandomTensor({2, 3, 8}, 3), RandomTensor({2, 2, 3}, 4)},
+                  .differentiable_outputs = {0, 1}});
+}
+
+// The blocks of a whole sequence's keys, merged in any order, are attention_forward: its output
+// and log-sum-exp (the parts' gradients are checked against finite differences above).
+TEST(OpGradientTest, MergedAttentionBlocksAreCausalAttention) {
+  constexpr int64_t kB = 2, kS = 8, kC = 8, kBlocks = 4, kBlock = kS / kBlocks;
+  const Attrs heads{{"heads", int64_t{2}}};
+  const Tensor qkv = RandomTensor({kB, kS, 3 * kC}, 1, 1.5f);
+  const std::vector<float> values = ToVector(qkv);
+  ASSERT_OK_AND_ASSIGN(Tensors whole, RunKernel("attention_forward", {qkv}, heads));
+  // q [B, S, C], and block n's keys and values [B, S/4, 2C].
+  std::vector<float> q;
+  std::vector<std::vector<float>> kv(kBlocks);
+  for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t i = 0; i < kS; ++i) {
+      const float* row = values.data() + (b * kS + i) * 3 * kC;
+      q.insert(q.end(), row, row + kC);
+      kv[static_cast<size_t>(i / kBlock)].insert(kv[static_cast<size_t>(i / kBlock)].end(),
+                                                 row + kC, row + 3 * kC);
+    }
+  }
+  const Tensor q_tensor = FloatTensor(Shape{kB, kS, kC}, q);
+  Tensors merged;
+  for (int64_t n : {2, 0, 3, 1}) {  // any order
+    Attrs block = heads;
+    block.Set("key_offset", n * kBlock);
+    ASSERT_OK_AND_ASSIGN(
+        Tensors part,
+        RunKernel("attention_block_forward",
+                  {q_tensor, FloatTensor(Shape{kB, kBlock, 2 * kC}, kv[static_cast<size_t>(n)])},
+                  block));
+    if (merged.empty()) {
+      merged = part;
+      continue;
+    }
+    ASSERT_OK_AND_ASSIGN(merged, RunKernel("attention_merge_forward",
+                                           {merged[0], merged[1], part[0], part[1]}, heads));
+  }
+  const std::vector<float> expected = ToVector(whole[0]), got = ToVector(merged[0]);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-5f) << i;
+  const std::vector<float> expected_lse = ToVector(whole[1]), got_lse = ToVector(merged[1]);
+  ASSERT_EQ(got_lse.size(), expected_lse.size());
+  for (size_t i = 0; i < got_lse.size(); ++i) EXPECT_NEAR(got_lse[i], expected_lse[i], 1e-5f) << i;
+  // A block wholly after the queries: no key visible, out 0 and lse -inf; merged, it changes
+  // nothing.
+  Attrs after = heads;
+  after.Set("key_offset", kS);
+  ASSERT_OK_AND_ASSIGN(Tensors unseen,
+                       RunKernel("attention_block_forward",
+                                 {q_tensor, FloatTensor(Shape{kB, kBlock, 2 * kC}, kv[0])}, after));
+  for (float v : ToVector(unseen[0])) EXPECT_EQ(v, 0.0f);
+  for (float v : ToVector(unseen[1])) EXPECT_TRUE(std::isinf(v) && v < 0);
+  ASSERT_OK_AND_ASSIGN(
+      Tensors same,
+      RunKernel("attention_merge_forward", {merged[0], merged[1], unseen[0], unseen[1]}, heads));
+  EXPECT_EQ(ToVector(same[0]), ToVector(merged[0]));
+  EXPECT_EQ(ToVector(same[1]), ToVector(merged[1]));
+}
+
 TEST(OpGradientTest, CausalAttention) {
   const Attrs heads{{"heads", int64_t{2}}};
   CheckGradients({
@@ -714,6 +789,10 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "chunks_to_heads",
                                               "heads_linear_forward",
                                               "heads_linear_backward",
+                                              "attention_block_forward",
+                                              "attention_block_backward",
+                                              "attention_merge_forward",
+                                              "attention_merge_backward",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",
