@@ -26,6 +26,14 @@ Result<const LayerSpec*> ModelSpec::FindLayer(std::string_view layer_name) const
   return NotFound("model has no layer named '{}'", layer_name);
 }
 
+bool ModelSpec::ReadsGathered(const LayerSpec& layer, size_t arg) const {
+  if (arg >= layer.forward_args.size()) return false;
+  const LayerArg& read = layer.forward_args[arg];
+  if (read.kind != LayerArg::Kind::kActivation || read.index >= layers.size()) return false;
+  const std::optional<TensorParallelLayer>& producer = layers[read.index].tensor_parallel;
+  return producer.has_value() && producer->gathers(static_cast<size_t>(read.output));
+}
+
 Result<size_t> ModelSpec::LossLayer() const {
   if (layers.empty() || !layers.back().loss) {
     return InvalidArgument("model '{}' has no loss layer: its last layer must compute the loss",
@@ -305,18 +313,13 @@ Status ModelSpec::Validate() const {
           }
           // A gathered value's gradient is summed by its gather's adjoint: its readers' must be
           // partial sums.
-          {
-            const auto& producer = layers[arg.index].tensor_parallel;
-            const auto& reader = layer.tensor_parallel;
-            if (producer.has_value() && reader.has_value() &&
-                producer->gathers(static_cast<size_t>(arg.output)) &&
-                !reader->partial_input_gradients[a]) {
-              return InvalidArgument(
-                  "layer '{}' argument {} reads the all-gathered output {} of '{}' but its "
-                  "gradient is not a partial sum (LayerBuilder::PartialGradient): the gather's "
-                  "reduce-scatter would sum whole gradients",
-                  layer.name, a, arg.output, layers[arg.index].name);
-            }
+          if (ReadsGathered(layer, a) && layer.tensor_parallel.has_value() &&
+              !layer.tensor_parallel->partial_input_gradients[a]) {
+            return InvalidArgument(
+                "layer '{}' argument {} reads the all-gathered output {} of '{}' but its gradient "
+                "is not a partial sum (LayerBuilder::PartialGradient): the gather's reduce-scatter "
+                "would sum whole gradients",
+                layer.name, a, arg.output, layers[arg.index].name);
           }
           break;
         case LayerArg::Kind::kParams:

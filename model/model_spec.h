@@ -234,6 +234,10 @@ struct ModelSpec {
   Result<const LayerSpec*> FindLayer(std::string_view name) const;
   // The loss layer (the last one). InvalidArgument when the model has none.
   Result<size_t> LossLayer() const;
+  // Whether forward argument `arg` of `layer` reads an activation its producer all-gathers along
+  // the sequence (TensorParallelLayer::gathered_outputs): its gradient is then summed by the
+  // gather's adjoint reduce-scatter, not all-reduced. False for anything else, or out of range.
+  bool ReadsGathered(const LayerSpec& layer, size_t arg) const;
   // InvalidArgument naming the layer and argument when the wiring is wrong: an argument naming
   // a later layer (a cycle) or one that does not exist, gradients of model inputs, no loss; or
   // when a layer's init does not give one ParamInit per slot; in a split model, a layer without

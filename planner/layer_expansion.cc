@@ -323,9 +323,7 @@ class Expansion {
         !layer.tensor_parallel->partial_input_gradients[arg]) {
       return grad;
     }
-    const LayerArg& read = layer.forward_args[arg];
-    const auto& producer = s_.model.layers[read.index].tensor_parallel;
-    if (producer && producer->gathers(static_cast<size_t>(read.output))) return grad;
+    if (s_.model.ReadsGathered(layer, arg)) return grad;
     return SumOverTensorRanks(mb, l, fmt::format("tp_sum_dx{}", arg), grad, kBackwardPriority + 1);
   }
 

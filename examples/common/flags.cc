@@ -516,12 +516,9 @@ std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& plann
     for (size_t a = 0; a < tp.partial_input_gradients.size(); ++a) {
       if (!tp.partial_input_gradients[a]) continue;
       // The gradient of a gathered value is summed by the gather's adjoint.
-      const LayerArg& read = layer.forward_args[a];
-      const auto& producer = planned.layers[read.index].tensor_parallel;
-      const bool gathered = producer && producer->gathers(static_cast<size_t>(read.output));
-      parts.push_back(
-          fmt::format("gradient of input {} {}", a,
-                      gathered ? "reduce-scattered along the sequence" : "all-reduced"));
+      parts.push_back(fmt::format(
+          "gradient of input {} {}", a,
+          planned.ReadsGathered(layer, a) ? "reduce-scattered along the sequence" : "all-reduced"));
     }
     text += fmt::format("\n  {}: {}", layer.name,
                         parts.empty() ? std::string("no parameters, replicated")
