@@ -14,6 +14,10 @@ const char* ExchangeLayoutName(ExchangeLayout layout) {
       return "to_sequence";
     case ExchangeLayout::kFromSequence:
       return "from_sequence";
+    case ExchangeLayout::kRingNext:
+      return "ring_next";
+    case ExchangeLayout::kRingPrevious:
+      return "ring_previous";
   }
   return "?";
 }
@@ -22,17 +26,26 @@ Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs) {
   if (!attrs.Has(kLayoutAttr)) return ExchangeLayout::kBlocks;
   TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kLayoutAttr));
   for (ExchangeLayout layout :
-       {ExchangeLayout::kBlocks, ExchangeLayout::kToSequence, ExchangeLayout::kFromSequence}) {
+       {ExchangeLayout::kBlocks, ExchangeLayout::kToSequence, ExchangeLayout::kFromSequence,
+        ExchangeLayout::kRingNext, ExchangeLayout::kRingPrevious}) {
     if (name == ExchangeLayoutName(layout)) return layout;
   }
-  return InvalidArgument("attribute '{}' is '{}'; use blocks, to_sequence or from_sequence",
-                         kLayoutAttr, name);
+  return InvalidArgument(
+      "attribute '{}' is '{}'; use blocks, to_sequence, from_sequence, ring_next or "
+      "ring_previous",
+      kLayoutAttr, name);
 }
 
 ExchangeLayout AdjointExchange(ExchangeLayout layout) {
   if (layout == ExchangeLayout::kToSequence) return ExchangeLayout::kFromSequence;
   if (layout == ExchangeLayout::kFromSequence) return ExchangeLayout::kToSequence;
+  if (layout == ExchangeLayout::kRingNext) return ExchangeLayout::kRingPrevious;
+  if (layout == ExchangeLayout::kRingPrevious) return ExchangeLayout::kRingNext;
   return layout;
+}
+
+bool RotatesRing(ExchangeLayout layout) {
+  return layout == ExchangeLayout::kRingNext || layout == ExchangeLayout::kRingPrevious;
 }
 
 Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,

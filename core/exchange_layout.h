@@ -18,14 +18,28 @@ namespace tessera {
 //                  from rank j at positions [j S, (j + 1) S) of each row: a sequence joined
 //   kFromSequence  x [B, P S, ...] sends positions [j S, (j + 1) S) of each row to rank j; out
 //                  [P, B, S, ...] holds the block from rank j at j
+//   kRingNext      ring attention's rotation: x goes whole to the next member (r + 1 mod P) and
+//                  out (x's shape) holds the previous member's x: one send and one receive each
+//   kRingPrevious  the other way round: x to r - 1, out from r + 1
 // kToSequence and kFromSequence are each other's adjoint (what an output's gradient goes back
-// by); kBlocks is its own. kNone: no exchange (a LayerSpec's outputs that are read as they are).
-enum class ExchangeLayout : uint8_t { kNone, kBlocks, kToSequence, kFromSequence };
+// by), as are kRingNext and kRingPrevious; kBlocks is its own. kNone: no exchange (a LayerSpec's
+// outputs that are read as they are).
+enum class ExchangeLayout : uint8_t {
+  kNone,
+  kBlocks,
+  kToSequence,
+  kFromSequence,
+  kRingNext,
+  kRingPrevious
+};
 inline constexpr const char* kLayoutAttr = "layout";
 const char* ExchangeLayoutName(ExchangeLayout layout);  // "none", "blocks", ...
 // Attribute "layout" (absent: kBlocks); InvalidArgument naming the choices otherwise.
 Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs);
 ExchangeLayout AdjointExchange(ExchangeLayout layout);
+// Whether `layout` rotates whole buffers around the ring (kRingNext, kRingPrevious) rather than
+// trading blocks between every pair.
+bool RotatesRing(ExchangeLayout layout);
 // What an all-to-all of `group` members makes of x's dims under `layout`; InvalidArgument
 // naming the shape when it does not split so.
 Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,

@@ -75,6 +75,15 @@ inline constexpr const char* kTensorRankAttr = "tensor_rank";
 // of a sequence-parallel plan and handed on likewise (position_add reads it: its positions start
 // at sequence_rank x its sequence length).
 inline constexpr const char* kSequenceRankAttr = "sequence_rank";
+// Ring attention: attention_block_forward's attribute ring_step k (with attribute ranks P) says
+// its keys and values are those k rotations brought (core/exchange_layout.h's kRingNext): the
+// block sequence rank (r - k) mod P made, r being the task's sequence_rank.
+inline constexpr const char* kRingStepAttr = "ring_step";
+
+// attention_block_forward's key offset (where key 0 sits against query 0): attribute
+// key_offset, or under kRingStepAttr ((r - k) mod P - r) x `keys` (the block's positions against
+// the rank's own, every shard `keys` long). 0 when neither is given.
+int64_t AttentionBlockKeyOffset(const Attrs& attrs, int64_t keys);
 
 // Adds every built-in op definition. AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);

@@ -208,24 +208,34 @@ Status AddCollectiveOps(OpRegistry& r) {
       .doc = "member of an all-to-all: x, read flat, is group_size equal contiguous blocks; "
              "block j goes to rank j, and out (x's shape) holds in block j what rank j's x held "
              "in block r (this member's rank). Any dtype. Attribute layout (core/"
-             "collective_task.h): blocks (that), to_sequence ([P, B, S, ...] -> [B, P S, ...]: "
+             "exchange_layout.h): blocks (that), to_sequence ([P, B, S, ...] -> [B, P S, ...]: "
              "the received blocks joined along each row's sequence) or from_sequence (its "
-             "adjoint). Sequence parallelism (Ulysses) uses it to turn a sequence split into a "
-             "head split and back",
+             "adjoint), ring_next (x whole to member r + 1, out from r - 1) or ring_previous "
+             "(its adjoint). Sequence parallelism uses it to turn a sequence split into a head "
+             "split and back (Ulysses) and to rotate keys and values (ring attention)",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
-        TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
         TESSERA_ASSIGN_OR_RETURN(ExchangeLayout layout, ExchangeLayoutOf(attrs));
+        if (RotatesRing(layout)) return Metas{in[0]};  // sent whole: no blocks
+        TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
         TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
                                  ExchangedDims(in[0].shape.dims(), layout, size));
         TensorMeta out = in[0];
         out.shape = Shape(std::move(dims));
         return Metas{out};
       },
-      .cost = CollectiveCost(1),
+      // A ring rotation sends the whole buffer once; the others (n - 1) / n of it.
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            Result<ExchangeLayout> layout = ExchangeLayoutOf(attrs);
+            if (layout.ok() && RotatesRing(*layout)) {
+              return OpCost{static_cast<double>(in[0].numel()), Bytes(in)};
+            }
+            return CollectiveCost(1)(in, attrs);
+          },
   }));
   TESSERA_RETURN_IF_ERROR(AddBucketOps(r));
   return r.AddOp(OpDef{

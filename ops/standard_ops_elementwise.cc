@@ -126,6 +126,19 @@ Status AddElementwiseOps(OpRegistry& r) {
                                         .infer = same_as_first,
                                         .cost = ElementwiseCost(1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "identity",
+      .doc = "out = x, a new value: what a layer hands on unchanged (ring attention's keys and "
+             "values, on to their next rotation); its own gradient rule",
+      .input_names = {"x"},
+      .output_names = {"out"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> { return Metas{in[0]}; },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{0, 2.0 * static_cast<double>(in[0].bytes())};
+          },
+      .gradient = Rule("identity", {OutGrad(0)}, {0}),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "copy",
       .doc = "out = x, on the device the task runs on: the transfer between a worker's GPU and "
              "its host tier (ZeRO-Offload's gradient download and parameter upload)",

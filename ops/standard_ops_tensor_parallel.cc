@@ -27,18 +27,22 @@
 // (G = 3 for the fused Q, K, V.) position_add_forward reads attribute sequence_rank
 // (kSequenceRankAttr): its x holds positions [sequence_rank S, (sequence_rank + 1) S).
 //
-// Ring attention's parts (the building blocks; the ring itself is not built yet): causal
-// attention of a shard's queries over one block of keys and values, and the merge of two such
-// partial results by their log-sum-exp, so that the blocks of a whole sequence, merged in any
-// order, give attention_forward's output:
+// Ring attention's parts: causal attention of a shard's queries over one block of keys and
+// values, and the merge of two such partial results by their log-sum-exp, so that the blocks of a
+// whole sequence, merged in any order, give attention_forward's output:
+//   split_last_forward       x [..., N] -> a [..., n], b [..., N - n] (attribute first = n): the
+//                            fused QKV parted into Q and the K/V block that rotates
 //   attention_block_forward  q [B, S, C], kv [B, Sk, 2 C] (K then V) -> out [B, S, C], lse
 //                            [B, H, S]; attributes heads, key_offset (key j sits at position
-//                            key_offset + j, query i at i: visible when key_offset + j <= i). A
-//                            query that sees no key gets out 0 and lse -inf
+//                            key_offset + j, query i at i: visible when key_offset + j <= i), or
+//                            ring_step and ranks (AttentionBlockKeyOffset: the block k rotations
+//                            of the ring brought). A query that sees no key gets out 0 and lse
+//                            -inf
 //   attention_merge_forward  out_a, lse_a, out_b, lse_b -> out, lse: lse = log(e^lse_a +
 //                            e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
 //                            per head (attribute heads)
 // Their backwards take the gradients of both outputs (the merge differentiates through lse).
+#include <algorithm>
 #include <vector>
 
 #include <fmt/format.h>
@@ -347,8 +351,65 @@ Status AddVocabParallelCrossEntropyOps(OpRegistry& r) {
   });
 }
 
+// split_last_forward and its backward (above): the last dimension parted at attribute first.
+Status AddSplitLastOps(OpRegistry& r) {
+  const InferFn infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t first, attrs.GetInt("first"));
+    const Shape& x = in[0].shape;
+    if (x.rank() < 1 || first < 1 || first >= x[x.rank() - 1]) {
+      return InvalidArgument(
+          "attribute first ({}) must part input 'x' {}'s last dimension into two non-empty "
+          "pieces",
+          first, x.ToString());
+    }
+    std::vector<int64_t> a = x.dims(), b = x.dims();
+    a.back() = first;
+    b.back() -= first;
+    return Metas{F32(Shape(std::move(a))), F32(Shape(std::move(b)))};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "split_last_forward",
+      .doc = "a, b: x [..., N] parted along its last dimension, a its first attribute 'first' "
+             "columns and b the rest",
+      .input_names = {"x"},
+      .output_names = {"a", "b"},
+      .infer = infer,
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{0, 2 * static_cast<double>(in[0].bytes())};
+          },
+      .gradient = Rule("split_last_backward", {OutGrad(0), OutGrad(1)}, {0})}));
+  return r.AddOp(OpDef{
+      .name = "split_last_backward",
+      .doc = "dx: da and db joined along their last dimension",
+      .input_names = {"da", "db"},
+      .output_names = {"dx"},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("da", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckDType("db", in[1], DType::kF32));
+        const Shape &a = in[0].shape, &b = in[1].shape;
+        std::vector<int64_t> joined = a.dims();
+        bool same = a.rank() == b.rank() && a.rank() >= 1;
+        for (int d = 0; same && d + 1 < a.rank(); ++d) same = a[d] == b[d];
+        if (!same) {
+          return InvalidArgument(
+              "inputs 'da' {} and 'db' {} must differ in the last dimension only", a.ToString(),
+              b.ToString());
+        }
+        joined.back() += b[b.rank() - 1];
+        return Metas{F32(Shape(std::move(joined)))};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{0, 2 * static_cast<double>(op_def::Bytes(in))};
+          },
+  });
+}
+
 // Ring attention's block attention and log-sum-exp merge (above).
 Status AddRingAttentionOps(OpRegistry& r) {
+  TESSERA_RETURN_IF_ERROR(AddSplitLastOps(r));
   const auto heads_of = [](const Attrs& attrs, const TensorMeta& q) -> Result<int64_t> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t heads, attrs.GetInt("heads"));
     if (heads < 1 || q.shape.rank() != 3 || q.shape[2] % heads != 0) {
@@ -367,6 +428,20 @@ Status AddRingAttentionOps(OpRegistry& r) {
     if (in[1].shape.rank() != 3 || in[1].shape[0] != q[0] || in[1].shape[2] != 2 * q[2]) {
       return InvalidArgument("input 'kv' has shape {} but q {} needs [{}, Sk, {}]",
                              in[1].shape.ToString(), q.ToString(), q[0], 2 * q[2]);
+    }
+    if (attrs.Has(kRingStepAttr)) {
+      TESSERA_ASSIGN_OR_RETURN(const int64_t step, attrs.GetInt(kRingStepAttr));
+      TESSERA_ASSIGN_OR_RETURN(const int64_t ranks, attrs.GetInt("ranks"));
+      if (ranks < 1 || step < 0 || step >= ranks || attrs.Has("key_offset")) {
+        return InvalidArgument(
+            "attribute ring_step {} of ranks {}: must be in [0, ranks), without key_offset", step,
+            ranks);
+      }
+      if (in[1].shape[1] != q[1]) {
+        return InvalidArgument(
+            "a ring step's block of keys kv {} must hold as many positions as the queries q {}",
+            in[1].shape.ToString(), q.ToString());
+      }
     }
     return Metas{F32(q), F32({q[0], heads, q[1]})};
   };
@@ -460,3 +535,15 @@ Status AddTensorParallelOps(OpRegistry& r) {
 }
 
 }  // namespace tessera::detail
+
+namespace tessera {
+
+int64_t AttentionBlockKeyOffset(const Attrs& attrs, int64_t keys) {
+  if (!attrs.Has(kRingStepAttr)) return attrs.GetInt("key_offset", 0);
+  const int64_t ranks = std::max<int64_t>(attrs.GetInt("ranks", 1), 1);
+  const int64_t rank = attrs.GetInt(kSequenceRankAttr, 0);
+  const int64_t source = ((rank - attrs.GetInt(kRingStepAttr, 0)) % ranks + ranks) % ranks;
+  return (source - rank) * keys;
+}
+
+}  // namespace tessera

@@ -35,6 +35,25 @@ Result<ReduceOp> ParseReduce(const Attrs& attrs) {
 Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tensor& out,
                         const Attrs& attrs, int size) {
   TESSERA_ASSIGN_OR_RETURN(ExchangeLayout layout, ExchangeLayoutOf(attrs));
+  if (RotatesRing(layout)) {
+    // One send and one receive of the whole buffer: to the next member and from the previous
+    // (kRingNext), or the other way round.
+    const int rank = communicator.rank();
+    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+    const bool forward = layout == ExchangeLayout::kRingNext;
+    if (size < 2) {
+      return InvalidArgument("a ring rotation ({}) needs a group of 2 or more members, not {}",
+                             ExchangeLayoutName(layout), size);
+    }
+    return communicator.SendRecv(in.raw_data(), in.numel(), forward ? next : previous,
+                                 out.raw_data(), out.numel(), forward ? previous : next,
+                                 in.dtype());
+  }
+  if (in.numel() % size != 0) {
+    return InvalidArgument(
+        "all-to-all of {} elements: not a multiple of the group's {} members (pad the input)",
+        in.numel(), size);
+  }
   const int64_t block = in.numel() / size;
   if (layout == ExchangeLayout::kBlocks) {
     return communicator.AllToAll(in.raw_data(), out.raw_data(), block, in.dtype());
@@ -526,11 +545,11 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
     status = communicator->AllGather(base + rank * block * DTypeSize(out.dtype()), base, block,
                                      out.dtype());
   } else if (member.op == "all_to_all") {
-    if (in.numel() % size != 0 || out.numel() != in.numel()) {
+    if (out.numel() != in.numel() || out.dtype() != in.dtype()) {
       return InvalidArgument(
-          "all-to-all '{}': input of {} and output of {} elements, but both must be the same "
-          "multiple of the group's {} members",
-          member.task, in.numel(), out.numel(), size);
+          "all-to-all '{}': input of {} and output of {} elements, but both must hold the same "
+          "number of elements of one dtype",
+          member.task, in.numel(), out.numel());
     }
     status = AllToAllInLayout(*communicator, in, out, attrs, size);
   } else if (member.op == "broadcast") {

@@ -286,7 +286,40 @@ Status CrossEntropyFromStatsBackward(const KernelContext&, const Tensors& in, co
   return Status::Ok();
 }
 
-// ---- ring attention's parts: block attention and the log-sum-exp merge ----
+// ---- ring attention's parts: the QKV parted, block attention and the log-sum-exp merge ----
+
+// x [rows, N] -> a [rows, n], b [rows, N - n] (`join`: the other way round).
+void CopyColumns(float* x, float* a, float* b, int64_t rows, int64_t n, int64_t first, bool join) {
+  ParallelFor(rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = x + r * n;
+      float* ar = a + r * first;
+      float* br = b + r * (n - first);
+      if (join) {
+        std::copy(ar, ar + first, row);
+        std::copy(br, br + n - first, row + first);
+      } else {
+        std::copy(row, row + first, ar);
+        std::copy(row + first, row + n, br);
+      }
+    }
+  });
+}
+
+Status SplitLastForward(const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+  const int64_t n = in[0].shape()[in[0].shape().rank() - 1];
+  const int64_t first = out[0].shape()[out[0].shape().rank() - 1];
+  CopyColumns(F(in[0]), F(out[0]), F(out[1]), in[0].numel() / n, n, first, /*join=*/false);
+  return Status::Ok();
+}
+
+Status SplitLastBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                         const Attrs&) {
+  const int64_t n = out[0].shape()[out[0].shape().rank() - 1];
+  const int64_t first = in[0].shape()[in[0].shape().rank() - 1];
+  CopyColumns(F(out[0]), F(in[0]), F(in[1]), out[0].numel() / n, n, first, /*join=*/true);
+  return Status::Ok();
+}
 
 // Attention of q [B, S, C] over the block kv [B, Sk, 2C] (keys, then values) at key_offset.
 struct AttentionBlock {
@@ -313,7 +346,7 @@ AttentionBlock AttentionBlockOf(const Tensor& q, const Tensor& kv, const Attrs& 
   g.keys = kv.shape()[1];
   g.heads = attrs.GetInt("heads", 1);
   g.head_size = g.channels / g.heads;
-  g.key_offset = attrs.GetInt("key_offset", 0);
+  g.key_offset = AttentionBlockKeyOffset(attrs, g.keys);
   g.scale = 1.0f / std::sqrt(static_cast<float>(g.head_size));
   return g;
 }
@@ -493,6 +526,8 @@ Status RegisterTensorParallelKernels(OpRegistry& r) {
                  return MoveHeadChunks(out[0], in[0], attrs, /*to_chunks=*/false);
                }));
   TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_forward", HeadsLinearForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "split_last_forward", SplitLastForward));
+  TESSERA_RETURN_IF_ERROR(Register(r, "split_last_backward", SplitLastBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_forward", AttentionBlockForward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_backward", AttentionBlockBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_merge_forward", AttentionMergeForward));

@@ -191,11 +191,13 @@ Status RegisterPlanKernels(OpRegistry& r) {
           return cuda.Copy(dst, device, src, device, bytes);
         });
       }));
-  TESSERA_RETURN_IF_ERROR(Register(
-      r, "copy", [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
-        return cuda.Copy(out[0].raw_data(), out[0].meta().device, in[0].raw_data(),
-                         in[0].meta().device, in[0].bytes());
-      }));
+  for (const char* op : {"copy", "identity"}) {
+    TESSERA_RETURN_IF_ERROR(
+        Register(r, op, [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
+          return cuda.Copy(out[0].raw_data(), out[0].meta().device, in[0].raw_data(),
+                           in[0].meta().device, in[0].bytes());
+        }));
+  }
   TESSERA_RETURN_IF_ERROR(Register(
       r, "accumulate",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {

@@ -8,6 +8,7 @@
 
 #include "client/cluster.h"
 #include "core/collective_task.h"
+#include "core/exchange_layout.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
 
@@ -114,6 +115,8 @@ TEST(CollectiveTasksTest, PinnedMembersOnThreeWorkersMatchTheReference) {
 // Per rank r: x_r -> all_to_all -> all_to_all (on channel 2, as tensor parallelism's would run).
 // The first hands rank r block r of every rank's x, in rank order; the second, the transpose of
 // the transpose, gives every rank its x back (Ulysses' exchange before attention and after).
+// Beside them x_r -> ring_next -> ring_previous (ring attention's rotation and its adjoint): rank r
+// receives rank r - 1's whole x, and the rotation back gives it its own.
 TEST(CollectiveTasksTest, AllToAllMembersExchangeBlocksAndTheSecondUndoesTheFirst) {
   const int n = 3;
   const int64_t block = 100'001;  // odd; 1.2 MB per rank
@@ -122,7 +125,7 @@ TEST(CollectiveTasksTest, AllToAllMembersExchangeBlocksAndTheSecondUndoesTheFirs
   ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
   GraphBuilder builder(CpuRegistry());
   const TensorMeta meta{Shape{numel}, DType::kF32, Device::Cpu()};
-  std::vector<ObjectId> inputs, exchanged, restored;
+  std::vector<ObjectId> inputs, exchanged, restored, rotated, rotated_back;
   for (int r = 0; r < n; ++r) {
     TaskOptions options;
     options.pinned_worker = info.workers[static_cast<size_t>(r)].id;
@@ -133,11 +136,20 @@ TEST(CollectiveTasksTest, AllToAllMembersExchangeBlocksAndTheSecondUndoesTheFirs
     ObjectId z =
         (*builder.AddTask(fmt::format("heads_to_sequence.{}", r), "all_to_all", {y},
                           Member(2, r, n).Set(kChannelAttr, int64_t{kTensorChannel}), options))[0];
-    builder.MarkOutput(y);
-    builder.MarkOutput(z);
+    Attrs next = Member(3, r, n).Set(kChannelAttr, int64_t{kTensorChannel});
+    next.Set(kLayoutAttr, std::string(ExchangeLayoutName(ExchangeLayout::kRingNext)));
+    Attrs previous = Member(4, r, n).Set(kChannelAttr, int64_t{kTensorChannel});
+    previous.Set(kLayoutAttr, std::string(ExchangeLayoutName(ExchangeLayout::kRingPrevious)));
+    ObjectId w =
+        (*builder.AddTask(fmt::format("ring_next.{}", r), "all_to_all", {x}, next, options))[0];
+    ObjectId v = (*builder.AddTask(fmt::format("ring_previous.{}", r), "all_to_all", {w}, previous,
+                                   options))[0];
+    for (ObjectId out : {y, z, w, v}) builder.MarkOutput(out);
     inputs.push_back(x);
     exchanged.push_back(y);
     restored.push_back(z);
+    rotated.push_back(w);
+    rotated_back.push_back(v);
   }
   ASSERT_OK_AND_ASSIGN(GraphHandle handle, cluster->RegisterGraph(*builder.Build()));
   for (int instance = 0; instance < 2; ++instance) {
@@ -165,6 +177,11 @@ TEST(CollectiveTasksTest, AllToAllMembersExchangeBlocksAndTheSecondUndoesTheFirs
       ASSERT_OK_AND_ASSIGN(Tensor z, cluster->Get(outputs.at(restored[rr]), 30'000));
       EXPECT_EQ(ToVector(z), xs[rr])
           << "second all-to-all, rank " << r << ", instance " << instance;
+      ASSERT_OK_AND_ASSIGN(Tensor w, cluster->Get(outputs.at(rotated[rr]), 30'000));
+      EXPECT_EQ(ToVector(w), xs[static_cast<size_t>((r + n - 1) % n)])
+          << "ring_next, rank " << r << ", instance " << instance;
+      ASSERT_OK_AND_ASSIGN(Tensor v, cluster->Get(outputs.at(rotated_back[rr]), 30'000));
+      EXPECT_EQ(ToVector(v), xs[rr]) << "ring_previous, rank " << r << ", instance " << instance;
     }
   }
 }

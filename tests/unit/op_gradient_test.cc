@@ -108,6 +108,66 @@ TEST(OpGradientTest, AttentionBlocksAndTheirMerge) {
                   .differentiable_outputs = {0, 1}});
 }
 
+// The fused QKV parted into Q and the K/V block (ring attention): the columns as they are, and
+// the gradients joined back through the rule.
+TEST(OpGradientTest, SplitLastPartsTheLastDimension) {
+  const Tensor x = FloatTensor(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  ASSERT_OK_AND_ASSIGN(Tensors parts,
+                       RunKernel("split_last_forward", {x}, Attrs{{"first", int64_t{1}}}));
+  EXPECT_EQ(parts[0].shape(), (Shape{2, 1}));
+  EXPECT_EQ(ToVector(parts[0]), (std::vector<float>{1, 4}));
+  EXPECT_EQ(ToVector(parts[1]), (std::vector<float>{2, 3, 5, 6}));
+  CheckGradients({.forward = "split_last_forward",
+                  .forward_attrs = {{"first", int64_t{8}}},
+                  .inputs = {RandomTensor({2, 5, 24}, 1)},
+                  .differentiable_outputs = {0, 1}});
+  for (int64_t first : {0, 3}) {
+    EXPECT_FALSE(CpuRegistry()
+                     .InferShapes("split_last_forward",
+                                  {TensorMeta{Shape{2, 3}, DType::kF32, Device::Cpu()}},
+                                  {{"first", first}})
+                     .ok())
+        << first;
+  }
+}
+
+// A ring step's keys are the block k rotations brought: at rank 2 of 4, step 0 its own (on the
+// diagonal), step 1 rank 1's, 2 rank 0's (before the queries), 3 rank 3's (after them, unseen).
+TEST(OpGradientTest, RingStepsPlaceTheirBlockOfKeys) {
+  for (const auto& [step, offset] :
+       std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {1, -5}, {2, -10}, {3, 5}}) {
+    const Attrs attrs{
+        {kRingStepAttr, step}, {"ranks", int64_t{4}}, {kSequenceRankAttr, int64_t{2}}};
+    EXPECT_EQ(AttentionBlockKeyOffset(attrs, 5), offset) << "step " << step;
+  }
+  EXPECT_EQ(AttentionBlockKeyOffset(Attrs{{"key_offset", int64_t{-3}}}, 5), -3);
+  const std::vector<TensorMeta> shapes{TensorMeta{Shape{1, 4, 8}, DType::kF32, Device::Cpu()},
+                                       TensorMeta{Shape{1, 4, 16}, DType::kF32, Device::Cpu()}};
+  EXPECT_TRUE(
+      CpuRegistry()
+          .InferShapes("attention_block_forward", shapes,
+                       {{"heads", int64_t{2}}, {kRingStepAttr, int64_t{3}}, {"ranks", int64_t{4}}})
+          .ok());
+  Result<std::vector<TensorMeta>> past = CpuRegistry().InferShapes(
+      "attention_block_forward", shapes,
+      {{"heads", int64_t{2}}, {kRingStepAttr, int64_t{4}}, {"ranks", int64_t{4}}});
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.status().message().find("ring_step 4 of ranks 4"), std::string::npos)
+      << past.status().ToString();
+  // The same kernel as the explicit offset's: step 1 at rank 2 of 4 is key_offset -4 here.
+  const Tensor q = RandomTensor({1, 4, 8}, 3), kv = RandomTensor({1, 4, 16}, 4);
+  ASSERT_OK_AND_ASSIGN(Tensors ring, RunKernel("attention_block_forward", {q, kv},
+                                               {{"heads", int64_t{2}},
+                                                {kRingStepAttr, int64_t{1}},
+                                                {"ranks", int64_t{4}},
+                                                {kSequenceRankAttr, int64_t{2}}}));
+  ASSERT_OK_AND_ASSIGN(Tensors explicit_offset,
+                       RunKernel("attention_block_forward", {q, kv},
+                                 {{"heads", int64_t{2}}, {"key_offset", int64_t{-4}}}));
+  EXPECT_EQ(ToVector(ring[0]), ToVector(explicit_offset[0]));
+  EXPECT_EQ(ToVector(ring[1]), ToVector(explicit_offset[1]));
+}
+
 // The blocks of a whole sequence's keys, merged in any order, are attention_forward: its output
 // and log-sum-exp (the parts' gradients are checked against finite differences above).
 TEST(OpGradientTest, MergedAttentionBlocksAreCausalAttention) {
@@ -306,11 +366,24 @@ TEST(OpGradientTest, AllToAllLayoutsShapeTheSequence) {
   ASSERT_OK_AND_ASSIGN(auto split, CpuRegistry().InferShapes("all_to_all", {joined[0]}, from));
   EXPECT_EQ(split[0].shape, blocks.shape);
   EXPECT_EQ(AdjointExchange(ExchangeLayout::kToSequence), ExchangeLayout::kFromSequence);
+  // A ring rotation sends the whole buffer, any element count: out is x's shape, and the bytes
+  // one member sends are x's, not (n - 1) / n of them.
+  const TensorMeta odd{Shape{3, 7}, DType::kF32, Device::Cpu()};
+  Attrs next = member;
+  next.Set(kLayoutAttr, std::string("ring_next"));
+  ASSERT_OK_AND_ASSIGN(auto rotated, CpuRegistry().InferShapes("all_to_all", {odd}, next));
+  EXPECT_EQ(rotated[0].shape, odd.shape);
+  ASSERT_OK_AND_ASSIGN(OpCost rotation, CpuRegistry().Cost("all_to_all", {odd}, next));
+  EXPECT_EQ(rotation.bytes, 21.0 * 4);
+  ASSERT_OK_AND_ASSIGN(OpCost exchange, CpuRegistry().Cost("all_to_all", {blocks}, member));
+  EXPECT_EQ(exchange.bytes, 120.0 * 4 / 2);
+  EXPECT_EQ(AdjointExchange(ExchangeLayout::kRingNext), ExchangeLayout::kRingPrevious);
+  EXPECT_EQ(AdjointExchange(ExchangeLayout::kRingPrevious), ExchangeLayout::kRingNext);
   Attrs bad = member;
   bad.Set(kLayoutAttr, std::string("diagonal"));
   Result<std::vector<TensorMeta>> refused = CpuRegistry().InferShapes("all_to_all", {blocks}, bad);
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("to_sequence or from_sequence"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("ring_next or ring_previous"), std::string::npos)
       << refused.status().ToString();
 }
 
@@ -672,10 +745,14 @@ TEST(OpGradientTest, SleepReturnsItsInput) {
 
 TEST(OpGradientTest, CopyReproducesItsInputBitForBit) {
   Tensor x = RandomTensor({3, 7}, 5);
-  ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel("copy", {x}));
-  EXPECT_EQ(out[0].shape(), x.shape());
-  EXPECT_EQ(ToVector(out[0]), ToVector(x));
-  EXPECT_NE(out[0].raw_data(), x.raw_data());
+  for (const char* op : {"copy", "identity"}) {
+    ASSERT_OK_AND_ASSIGN(Tensors out, RunKernel(op, {x}));
+    EXPECT_EQ(out[0].shape(), x.shape()) << op;
+    EXPECT_EQ(ToVector(out[0]), ToVector(x)) << op;
+    EXPECT_NE(out[0].raw_data(), x.raw_data()) << op;
+  }
+  // identity is its own gradient.
+  CheckGradients({.forward = "identity", .inputs = {x}, .differentiable_outputs = {0}});
 }
 
 TEST(OpGradientTest, WriteFileWritesTheBytesAtomicallyAndReturnsAReceipt) {
@@ -789,6 +866,9 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "chunks_to_heads",
                                               "heads_linear_forward",
                                               "heads_linear_backward",
+                                              "identity",
+                                              "split_last_forward",
+                                              "split_last_backward",
                                               "attention_block_forward",
                                               "attention_block_backward",
                                               "attention_merge_forward",
