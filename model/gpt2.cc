@@ -507,9 +507,11 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool 
   return BuildRewrite(model, config);
 }
 
-// GPT-2 for P sequence ranks (DeepSpeed-Ulysses): what each rank runs on its S/P positions of
-// the same rows, every parameter whole. Each block is three layers, an all-to-all after each of
-// the first two:
+// GPT-2 for P sequence ranks: what each rank runs on its S/P positions of the same rows, every
+// parameter whole, attention over the whole sequence by `attention`.
+//
+// DeepSpeed-Ulysses (kUlysses): each block is three layers, an all-to-all after each of the first
+// two:
 //   h.<b>.qkv        ln1, then QKV of the rank's positions, laid out by head group
 //                    (heads_to_chunks): exchanged into the sequence order, so rank j receives
 //                    QKV [B, S, 3 Hp d] of head group j
@@ -520,20 +522,46 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool 
 //                    kept), the residual, ln2, the MLP and the residual
 // so that a block keeps what the whole model's block keeps, a quarter as much per rank at P 4:
 // the block's input (read by qkv and post), ln1's output, QKV (the attention's input, as the
-// all-to-all leaves it), the attention's output (post's input) and the MLP's values. The embedding
-// looks up the rank's tokens and adds the positions of its shard (position_add reads the plan's
-// sequence_rank); the head is the whole model's, on the rank's positions. Parameters keep the whole
-// model's names.
-Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
+// all-to-all leaves it), the attention's output (post's input) and the MLP's values.
+//
+// Ring attention (kRing): every head stays on every rank; the rank's keys and values go round
+// the ring, one rotation (kRingNext: to rank r + 1, from r - 1) per step, so that after k steps
+// rank r holds the block rank (r - k) mod P made. Each block is 2P layers:
+//   h.<b>.qkv        ln1, QKV of the rank's positions parted into Q [B, S/P, C] and the K/V
+//                    block [B, S/P, 2C]; attention of Q over its own block (the diagonal, causal)
+//                    with its log-sum-exp; outputs Q, the K/V block (rotated), out and lse
+//   h.<b>.kv<k>      k = 2 .. P-1: the block that arrived at step k - 1 handed on (identity),
+//                    rotated again: a layer of its own, so that a rotation waits only for the
+//                    previous one, not for the attention over the block
+//   h.<b>.ring<k>    k = 1 .. P-1: Q over the block of step k (attention_block_forward at
+//                    ring_step k: wholly visible when it came from an earlier rank, wholly
+//                    masked, out 0 and lse -inf, from a later one), merged with the steps before
+//                    by the log-sum-exp (attention_merge_forward); the last outputs only out
+//   h.<b>.post       proj over out, the residual, ln2, the MLP and the residual
+// A rank keeps, per block, its queries, every block of keys and values it attended (the whole
+// sequence's K and V: 2 S C per row, the part of the whole model's activations that does not
+// shrink with P) and each step's partial results; the rotations' gradients go back the other way
+// (kRingPrevious), each rank summing the gradients of the keys and values it holds.
+//
+// Either way the embedding looks up the rank's tokens and adds the positions of its shard
+// (position_add reads the plan's sequence_rank); the head is the whole model's, on the rank's
+// positions. Parameters keep the whole model's names.
+Result<ModelSpec> BuildPrimitiveSequenceSplit(const Gpt2Config& config, int ranks,
+                                              SequenceAttention attention) {
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
   const int64_t heads_per_rank = (config.heads + ranks - 1) / ranks;
+  const bool ring = attention == SequenceAttention::kRing;
   const WholeModelSlots declare(config);
   const FlatLayout &embedding = declare.embedding, &block = declare.block, &head = declare.head;
   const Attrs chunks{{"heads", config.heads}, {"ranks", int64_t{ranks}}};
+  const Attrs all_heads{{"heads", config.heads}};
+  const auto ring_step = [&](int64_t step) {
+    return Attrs{{"heads", config.heads}, {kRingStepAttr, step}, {"ranks", int64_t{ranks}}};
+  };
   ModelBuilder model("gpt2", registry);
-  model.SplitSequenceOver(ranks);
+  model.SplitSequenceOver(ranks, attention);
   ModelValue tokens = model.SequenceInput("tokens", DType::kI32, Shape{1, config.max_seq_len});
   ModelValue targets = model.SequenceInput("targets", DType::kI32, Shape{1, config.max_seq_len},
                                            /*label=*/true);
@@ -546,28 +574,73 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
   std::string residual = "embedding";  // the layer whose output is the block's input
   for (int64_t b = 0; b < config.layers; ++b) {
     const std::string h = BlockPrefix(b);
-    model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
+    // ln1 and QKV of the rank's positions.
+    const auto qkv_of = [&](LayerBuilder& l) {
       const LayerValue ln1_w = declare(l, block, h, "ln1_w");
       const LayerValue ln1_b = declare(l, block, h, "ln1_b");
       const LayerValue qkv_w = declare(l, block, h, "qkv_w");
       const LayerValue qkv_b = declare(l, block, h, "qkv_b");
       const LayerValue ln1 = l.Call("layernorm_forward", {l.input(0), ln1_w, ln1_b}, {}, "ln1");
-      const LayerValue qkv = l.Call("linear_forward", {ln1, qkv_w, qkv_b}, {}, "qkv");
-      Attrs by_head = chunks;
-      by_head.Set("groups", int64_t{3});
-      const LayerValue out = l.Call("heads_to_chunks", {qkv}, by_head, "by_head");
-      l.Exchange(out, ExchangeLayout::kToSequence);
-      return out;
-    });
-    model.Layer(h + "attention", {ModelBuilder::LayerOutput(h + "qkv")}, [&](LayerBuilder& l) {
-      const LayerValue att =
-          l.Call("attention_forward", {l.input(0)}, Attrs{{"heads", heads_per_rank}}, "attention");
-      l.Exchange(att, ExchangeLayout::kFromSequence);
-      return att;
-    });
+      return l.Call("linear_forward", {ln1, qkv_w, qkv_b}, {}, "qkv");
+    };
+    std::string attended = h + "attention";  // the layer whose output 0 is attention's
+    if (ring) {
+      model.LayerWithOutputs(
+          h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
+            const std::vector<LayerValue> parts =
+                l.CallAll("split_last_forward", {qkv_of(l)}, Attrs{{"first", c}}, "q_kv");
+            const std::vector<LayerValue> diagonal = l.CallAll(
+                "attention_block_forward", {parts[0], parts[1]}, ring_step(0), "diagonal");
+            const LayerValue rotated = l.Call("identity", {parts[1]}, {}, "kv_out");
+            l.Exchange(rotated, ExchangeLayout::kRingNext);
+            return std::vector<LayerValue>{parts[0], rotated, diagonal[0], diagonal[1]};
+          });
+      ModelValue kv = ModelBuilder::LayerOutput(h + "qkv", 1);
+      ModelValue out = ModelBuilder::LayerOutput(h + "qkv", 2);
+      ModelValue lse = ModelBuilder::LayerOutput(h + "qkv", 3);
+      for (int64_t step = 1; step < ranks; ++step) {
+        if (step > 1) {
+          const std::string hand_on = fmt::format("{}kv{}", h, step);
+          model.Layer(hand_on, {kv}, [&](LayerBuilder& l) {
+            const LayerValue rotated = l.Call("identity", {l.input(0)}, {}, "kv_out");
+            l.Exchange(rotated, ExchangeLayout::kRingNext);
+            return rotated;
+          });
+          kv = ModelBuilder::LayerOutput(hand_on);
+        }
+        const bool last = step + 1 == ranks;
+        attended = fmt::format("{}ring{}", h, step);
+        model.LayerWithOutputs(
+            attended, {ModelBuilder::LayerOutput(h + "qkv", 0), kv, out, lse},
+            [&](LayerBuilder& l) {
+              const std::vector<LayerValue> part = l.CallAll(
+                  "attention_block_forward", {l.input(0), l.input(1)}, ring_step(step), "block");
+              std::vector<LayerValue> merged =
+                  l.CallAll("attention_merge_forward", {l.input(2), l.input(3), part[0], part[1]},
+                            all_heads, "merge");
+              if (last) merged.pop_back();  // the log-sum-exp is read by no later step
+              return merged;
+            });
+        out = ModelBuilder::LayerOutput(attended, 0);
+        lse = ModelBuilder::LayerOutput(attended, 1);
+      }
+    } else {
+      model.Layer(h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
+        Attrs by_head = chunks;
+        by_head.Set("groups", int64_t{3});
+        const LayerValue out = l.Call("heads_to_chunks", {qkv_of(l)}, by_head, "by_head");
+        l.Exchange(out, ExchangeLayout::kToSequence);
+        return out;
+      });
+      model.Layer(attended, {ModelBuilder::LayerOutput(h + "qkv")}, [&](LayerBuilder& l) {
+        const LayerValue att = l.Call("attention_forward", {l.input(0)},
+                                      Attrs{{"heads", heads_per_rank}}, "attention");
+        l.Exchange(att, ExchangeLayout::kFromSequence);
+        return att;
+      });
+    }
     model.Layer(
-        h + "post",
-        {ModelBuilder::LayerOutput(residual), ModelBuilder::LayerOutput(h + "attention")},
+        h + "post", {ModelBuilder::LayerOutput(residual), ModelBuilder::LayerOutput(attended)},
         [&](LayerBuilder& l) {
           const LayerValue proj_w = declare(l, block, h, "proj_w");
           const LayerValue proj_b = declare(l, block, h, "proj_b");
@@ -578,7 +651,8 @@ Result<ModelSpec> BuildPrimitiveUlysses(const Gpt2Config& config, int ranks) {
           const LayerValue fcproj_w = declare(l, block, h, "fcproj_w");
           const LayerValue fcproj_b = declare(l, block, h, "fcproj_b");
           const LayerValue proj =
-              l.Call("heads_linear_forward", {l.input(1), proj_w, proj_b}, chunks, "proj");
+              ring ? l.Call("linear_forward", {l.input(1), proj_w, proj_b}, {}, "proj")
+                   : l.Call("heads_linear_forward", {l.input(1), proj_w, proj_b}, chunks, "proj");
           const LayerValue mid = l.Call("add_forward", {l.input(0), proj}, {}, "residual1");
           const LayerValue ln2 = l.Call("layernorm_forward", {mid, ln2_w, ln2_b}, {}, "ln2");
           const LayerValue fc = l.Call("linear_forward", {ln2, fc_w, fc_b}, {}, "fc");
@@ -633,6 +707,7 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
           "--layer-impl primitive");
     };
     model.split_sharding_sequence = model.split_for_sequence_parallel;
+    model.split_for_ring_attention = model.split_for_sequence_parallel;
   } else {
     TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
     model.split_for_tensor_parallel = [config](int ranks) {
@@ -642,7 +717,10 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
       return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/true);
     };
     model.split_for_sequence_parallel = [config](int ranks) {
-      return BuildPrimitiveUlysses(config, ranks);
+      return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kUlysses);
+    };
+    model.split_for_ring_attention = [config](int ranks) {
+      return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kRing);
     };
   }
   DescribeCommon(config, model);

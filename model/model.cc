@@ -317,6 +317,7 @@ Result<ModelSpec> ModelBuilder::Build() const {
   model.tensor_parallel = tensor_parallel_;
   model.shards_sequence = shard_sequence_ && tensor_parallel_ > 1;
   model.sequence_parallel = sequence_parallel_;
+  model.sequence_attention = sequence_attention_;
   model.layers.reserve(resolved.order.size());
   for (size_t k = 0; k < resolved.order.size(); ++k) {
     TESSERA_ASSIGN_OR_RETURN(LayerSpec layer, SpecOf(k, resolved));

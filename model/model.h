@@ -162,10 +162,14 @@ class ModelBuilder {
     tensor_parallel_ = ranks;
     shard_sequence_ = shard_sequence;
   }
-  // Builds the model for `ranks` sequence ranks (DeepSpeed-Ulysses): what each runs on its 1/P
-  // of every sequence, its layers marking the outputs exchanged by all-to-alls
-  // (LayerBuilder::Exchange). Call before declaring layers.
-  void SplitSequenceOver(int ranks) { sequence_parallel_ = ranks; }
+  // Builds the model for `ranks` sequence ranks: what each runs on its 1/P of every sequence, its
+  // layers marking the outputs exchanged by all-to-alls (LayerBuilder::Exchange), which trade
+  // the sequence split for a head split (`attention` kUlysses) or rotate keys and values around
+  // the ranks (kRing). Call before declaring layers.
+  void SplitSequenceOver(int ranks, SequenceAttention attention = SequenceAttention::kUlysses) {
+    sequence_parallel_ = ranks;
+    sequence_attention_ = attention;
+  }
 
   // Orders the layers, infers every shape, derives the backward of each layer.
   // InvalidArgument naming the layer (and op, and shapes) otherwise.
@@ -230,6 +234,7 @@ class ModelBuilder {
   int tensor_parallel_ = 1;
   bool shard_sequence_ = false;
   int sequence_parallel_ = 1;
+  SequenceAttention sequence_attention_ = SequenceAttention::kUlysses;
   std::vector<ModelInput> inputs_;
   std::vector<DeclaredLayer> layers_;
 };

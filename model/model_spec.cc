@@ -106,7 +106,33 @@ Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks, bool shard_sequen
   return split;
 }
 
-Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
+const char* SequenceAttentionName(SequenceAttention attention) {
+  return attention == SequenceAttention::kRing ? "ring" : "ulysses";
+}
+
+Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks,
+                                                      SequenceAttention attention) const {
+  if (sequence_parallel > 1 && ranks == sequence_parallel && sequence_attention != attention) {
+    return InvalidArgument(
+        "model '{}' is split over {} sequence ranks attending by {}, not {}; split the whole "
+        "model",
+        name, ranks, SequenceAttentionName(sequence_attention), SequenceAttentionName(attention));
+  }
+  if (attention == SequenceAttention::kRing) {
+    TESSERA_ASSIGN_OR_RETURN(
+        ModelSpec split,
+        Rewritten(*this, ranks,
+                  Rewrite{"sequence", &ModelSpec::sequence_parallel, split_for_ring_attention,
+                          "does not say how its attention rotates keys and values around "
+                          "sequence ranks (model/model.h: ModelBuilder::SplitSequenceOver with "
+                          "SequenceAttention::kRing), so it cannot run ring attention: use "
+                          "--sequence-parallel ulysses or none"}));
+    if (ranks > 1 && split.sequence_attention != SequenceAttention::kRing) {
+      return Internal("model '{}' split for ring attention says it attends by {}", name,
+                      SequenceAttentionName(split.sequence_attention));
+    }
+    return split;
+  }
   return Rewritten(*this, ranks,
                    Rewrite{"sequence", &ModelSpec::sequence_parallel, split_for_sequence_parallel,
                            "does not say how its layers split a sequence over ranks "
@@ -115,15 +141,17 @@ Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks) const {
                            "--sequence-parallel none"});
 }
 
-Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks,
-                                        bool shard_sequence) const {
+Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks, bool shard_sequence,
+                                        SequenceAttention attention) const {
   if (tensor_ranks > 1 && sequence_ranks > 1) {
     return InvalidArgument(
         "tensor parallelism ({} ranks) and sequence parallelism ({} ranks) together are not "
         "built: use one of them (data and pipeline parallelism compose with either)",
         tensor_ranks, sequence_ranks);
   }
-  if (sequence_ranks > 1 || sequence_parallel > 1) return SplitForSequenceParallel(sequence_ranks);
+  if (sequence_ranks > 1 || sequence_parallel > 1) {
+    return SplitForSequenceParallel(sequence_ranks, attention);
+  }
   return SplitForTensorParallel(tensor_ranks, shard_sequence);
 }
 
@@ -145,8 +173,9 @@ Status RefuseKeptOutputs(const LayerSpec& layer, const char* what,
 }
 
 // A sequence-parallel model's layer: its exchanged outputs are activations not kept for its
-// backward.
-Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
+// backward, rotated around the ring only in a model attending by ring attention, and exchanged
+// by blocks only in one attending by Ulysses.
+Status ValidateSequenceLayer(const LayerSpec& layer, int ranks, SequenceAttention attention) {
   if (layer.exchanged_outputs.empty()) return Status::Ok();
   if (ranks == 1) {
     return InvalidArgument("layer '{}' exchanges outputs but the model splits no sequence",
@@ -155,6 +184,16 @@ Status ValidateSequenceLayer(const LayerSpec& layer, int ranks) {
   if (layer.exchanged_outputs.size() != static_cast<size_t>(layer.activations)) {
     return InvalidArgument("layer '{}' says whether {} output(s) are exchanged but has {}",
                            layer.name, layer.exchanged_outputs.size(), layer.activations);
+  }
+  for (size_t o = 0; o < layer.exchanged_outputs.size(); ++o) {
+    const ExchangeLayout layout = layer.exchanged_outputs[o];
+    if (layout != ExchangeLayout::kNone &&
+        RotatesRing(layout) != (attention == SequenceAttention::kRing)) {
+      return InvalidArgument(
+          "layer '{}' exchanges output {} in layout {}, but the model attends by {} "
+          "(ModelBuilder::SplitSequenceOver)",
+          layer.name, o, ExchangeLayoutName(layout), SequenceAttentionName(attention));
+    }
   }
   TESSERA_RETURN_IF_ERROR(
       RefuseKeptOutputs(layer, "exchanged", [&](size_t o) { return layer.exchanges(o); }));
@@ -270,7 +309,7 @@ Status ModelSpec::Validate() const {
             ValidateSequenceShards(layer, *layer.tensor_parallel, shards_sequence));
       }
     }
-    TESSERA_RETURN_IF_ERROR(ValidateSequenceLayer(layer, sequence_parallel));
+    TESSERA_RETURN_IF_ERROR(ValidateSequenceLayer(layer, sequence_parallel, sequence_attention));
     if (layer.loss && l + 1 != layers.size()) {
       return InvalidArgument("layer '{}' computes the loss but is not the last layer", layer.name);
     }

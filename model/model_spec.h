@@ -190,6 +190,18 @@ struct LayerSpec {
   std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };
 
+// How a sequence-parallel description attends over the whole sequence
+// (ModelSpec::sequence_attention, ParallelConfig::sequence_attention):
+enum class SequenceAttention : uint8_t {
+  // DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split around attention.
+  kUlysses,
+  // Ring attention: each rank's keys and values rotated around the sequence ranks (P - 1
+  // rotations, core/exchange_layout.h's kRingNext), each block attended by the rank's queries
+  // and the partial results merged by their log-sum-exp.
+  kRing,
+};
+const char* SequenceAttentionName(SequenceAttention attention);  // "ulysses", "ring"
+
 struct ModelSpec {
   std::string name;  // "gpt2", "unet3d", or another model API's name
   std::vector<ModelInput> inputs;
@@ -215,18 +227,26 @@ struct ModelSpec {
   // (LayerSpec::exchanged_outputs).
   int sequence_parallel = 1;
   std::function<Result<ModelSpec>(int ranks)> split_for_sequence_parallel;
+  // Ring attention, the other way to split a sequence over P ranks: set on such a split
+  // (kRing), and the function making it by a model that can. Its layers rotate keys and values
+  // (LayerSpec::exchanged_outputs in kRingNext) instead of exchanging heads.
+  SequenceAttention sequence_attention = SequenceAttention::kUlysses;
+  std::function<Result<ModelSpec>(int ranks)> split_for_ring_attention;
 
   // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's
   // (split_sharding_sequence's when `shard_sequence`). InvalidArgument naming the model when it
   // cannot split, or not over that many ranks.
   Result<ModelSpec> SplitForTensorParallel(int ranks, bool shard_sequence = false) const;
   // The description for `ranks` sequence ranks: this one for 1, else
-  // split_for_sequence_parallel's. InvalidArgument naming the model when it cannot.
-  Result<ModelSpec> SplitForSequenceParallel(int ranks) const;
+  // split_for_sequence_parallel's (split_for_ring_attention's for kRing). InvalidArgument naming
+  // the model when it cannot.
+  Result<ModelSpec> SplitForSequenceParallel(
+      int ranks, SequenceAttention attention = SequenceAttention::kUlysses) const;
   // What a plan of T tensor and P sequence ranks runs (at most one of them above 1), the tensor
-  // split sharding the sequence when `shard_sequence`.
-  Result<ModelSpec> PlannedFor(int tensor_ranks, int sequence_ranks,
-                               bool shard_sequence = false) const;
+  // split sharding the sequence when `shard_sequence`, the sequence split attending by
+  // `attention`.
+  Result<ModelSpec> PlannedFor(int tensor_ranks, int sequence_ranks, bool shard_sequence = false,
+                               SequenceAttention attention = SequenceAttention::kUlysses) const;
   // Whether this is a whole model's rewrite for tensor or sequence ranks.
   bool rewritten() const { return tensor_parallel > 1 || sequence_parallel > 1; }
   int64_t NumParameters() const;

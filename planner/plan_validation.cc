@@ -170,19 +170,24 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
 Status TrainingPlan::Validate(const ModelSpec& model) const {
   // A whole model is checked as the step will be planned on it: split for the tensor or
   // sequence ranks.
+  const bool rings =
+      parallel.sequence_parallel > 1 && parallel.sequence_attention == SequenceAttention::kRing;
   if (model.tensor_parallel != parallel.tensor_parallel ||
       model.sequence_parallel != parallel.sequence_parallel ||
-      (model.rewritten() && model.shards_sequence != parallel.shard_sequence)) {
+      (model.rewritten() && model.shards_sequence != parallel.shard_sequence) ||
+      (model.sequence_parallel > 1 &&
+       (model.sequence_attention == SequenceAttention::kRing) != rings)) {
     if (model.rewritten()) {
       return InvalidArgument(
-          "the plan splits layers over {} tensor-parallel and sequences over {} rank(s) but model "
-          "'{}' is split for {} and {}: give the whole model",
-          parallel.tensor_parallel, parallel.sequence_parallel, model.name, model.tensor_parallel,
-          model.sequence_parallel);
+          "the plan splits layers over {} tensor-parallel and sequences over {} rank(s) ({}) but "
+          "model '{}' is split for {} and {} ({}): give the whole model",
+          parallel.tensor_parallel, parallel.sequence_parallel,
+          SequenceAttentionName(parallel.sequence_attention), model.name, model.tensor_parallel,
+          model.sequence_parallel, SequenceAttentionName(model.sequence_attention));
     }
-    TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
-                             model.PlannedFor(parallel.tensor_parallel, parallel.sequence_parallel,
-                                              parallel.shard_sequence));
+    TESSERA_ASSIGN_OR_RETURN(
+        ModelSpec split, model.PlannedFor(parallel.tensor_parallel, parallel.sequence_parallel,
+                                          parallel.shard_sequence, parallel.sequence_attention));
     return Validate(split);
   }
   TESSERA_RETURN_IF_ERROR(CheckShapeOfBatch(model, batch, seq_len));
@@ -220,7 +225,8 @@ Status ValidatePlanPass(PlanState& state) {
   const ParallelConfig& p = state.parallel;
   if (state.model.tensor_parallel != p.tensor_parallel ||
       state.model.sequence_parallel != p.sequence_parallel ||
-      state.model.shards_sequence != (p.shard_sequence && p.tensor_parallel > 1)) {
+      state.model.shards_sequence != (p.shard_sequence && p.tensor_parallel > 1) ||
+      (p.sequence_parallel > 1 && state.model.sequence_attention != p.sequence_attention)) {
     return InvalidArgument(
         "the plan splits layers over {} tensor-parallel ranks and sequences over {}: plan the "
         "split model, model.PlannedFor({}, {}) (the trainer does)",

@@ -23,8 +23,10 @@ std::string ParallelConfig::ToString() const {
                   zero_stage, OffloadModeName(offload), micro_batches);
   if (tensor_parallel > 1) text += fmt::format(" tensor_parallel={}", tensor_parallel);
   if (shard_sequence) text += " sequence_parallel=megatron";
-  if (sequence_parallel > 1)
-    text += fmt::format(" sequence_parallel={} (ulysses)", sequence_parallel);
+  if (sequence_parallel > 1) {
+    text += fmt::format(" sequence_parallel={} ({})", sequence_parallel,
+                        SequenceAttentionName(sequence_attention));
+  }
   if (pipeline_stages > 1 || virtual_stages > 1) {
     text += fmt::format(" pipeline_stages={} schedule={}", pipeline_stages, ScheduleName(schedule));
     if (virtual_stages > 1) text += fmt::format(" virtual_stages={}", virtual_stages);

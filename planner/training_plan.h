@@ -89,6 +89,10 @@ struct ParallelConfig {
   // must be split for it: ModelSpec::SplitForSequenceParallel). ZeRO and the gradients'
   // reductions run over all data_parallel ranks. 1: none.
   int sequence_parallel = 1;
+  // With sequence_parallel P >= 2: how attention spans the whole sequence, DeepSpeed-Ulysses'
+  // all-to-alls (the default) or ring attention's rotations of keys and values (the model must
+  // be split for it: ModelSpec::SplitForSequenceParallel(P, SequenceAttention::kRing)).
+  SequenceAttention sequence_attention = SequenceAttention::kUlysses;
   // Megatron-LM's sequence parallelism, with tensor_parallel T >= 2: the split model's norms,
   // residuals and other replicated layers run on 1/T of each sequence, reduce-scatters and
   // all-gathers along the sequence in place of the activations' all-reduces (the model must be

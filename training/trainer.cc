@@ -131,9 +131,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
     }
     placed.parallel.workers.assign(workers.begin(), workers.begin() + ranks);
   }
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec split, model.PlannedFor(plan.parallel.tensor_parallel,
-                                                             plan.parallel.sequence_parallel,
-                                                             plan.parallel.shard_sequence));
+  TESSERA_ASSIGN_OR_RETURN(
+      ModelSpec split,
+      model.PlannedFor(plan.parallel.tensor_parallel, plan.parallel.sequence_parallel,
+                       plan.parallel.shard_sequence, plan.parallel.sequence_attention));
   TESSERA_RETURN_IF_ERROR(placed.Validate(split));
   MeasureLinkForBuckets(*backend, placed);
   auto registry = std::make_unique<OpRegistry>();

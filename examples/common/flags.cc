@@ -51,7 +51,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                  "attention; head counts P does not divide run padded), or megatron: with "
                  "--tensor-parallel T, the norms and residuals on 1/T of each sequence "
                  "(Megatron-LM's sequence parallelism: reduce-scatters and all-gathers in place "
-                 "of the all-reduces). ring is not built yet (GPT-2 with --layer-impl primitive)")
+                 "of the all-reduces), or ring: groups as ulysses, every head on every worker, "
+                 "keys and values rotated round the group (P - 1 rotations a block) and the "
+                 "partial attentions merged by their log-sum-exp (GPT-2 with --layer-impl "
+                 "primitive)")
       ->check(CLI::IsMember({"none", "ulysses", "megatron", "ring"}));
   app.add_option("--sequence-degree", flags.sequence_degree,
                  "P: the data-parallel workers a sequence splits over under --sequence-parallel "
@@ -272,11 +275,6 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
         "--tensor-parallel {}, or --plan auto without it",
         flags.tensor_parallel);
   }
-  if (flags.sequence_parallel == "ring") {
-    return InvalidArgument(
-        "--sequence-parallel ring is not built yet; --sequence-parallel ulysses (DeepSpeed-"
-        "Ulysses: all-to-alls around attention) and megatron (with --tensor-parallel) are");
-  }
   if (flags.sequence_parallel == "megatron" && flags.tensor_parallel < 2) {
     return InvalidArgument(
         "--sequence-parallel megatron shards each sequence over the tensor-parallel workers: add "
@@ -296,7 +294,8 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
   }
   if (flags.sequence_degree > 0 && flags.sequence_parallel == "none") {
     return InvalidArgument(
-        "--sequence-degree {} splits sequences: add --sequence-parallel ulysses, or drop it",
+        "--sequence-degree {} splits sequences: add --sequence-parallel ulysses or ring, or "
+        "drop it",
         flags.sequence_degree);
   }
   if (r.replace_workers && !flags.address.empty()) {
@@ -309,7 +308,7 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
 
 namespace {
 
-// --sequence-parallel ulysses over --sequence-degree of the data-parallel ranks (0: all).
+// --sequence-parallel ulysses or ring over --sequence-degree of the data-parallel ranks (0: all).
 Status ApplySequenceParallel(const CommonFlags& flags, ParallelConfig& p) {
   if (flags.sequence_parallel == "none") return Status::Ok();
   if (flags.sequence_parallel == "megatron") {
@@ -325,6 +324,8 @@ Status ApplySequenceParallel(const CommonFlags& flags, ParallelConfig& p) {
         flags.sequence_parallel, degree, p.data_parallel);
   }
   p.sequence_parallel = degree;
+  p.sequence_attention =
+      flags.sequence_parallel == "ring" ? SequenceAttention::kRing : SequenceAttention::kUlysses;
   return Status::Ok();
 }
 
@@ -539,11 +540,14 @@ std::string DescribeSequenceParallel(const StepGraph& step, const ModelSpec& pla
       }
     }
   }
+  const bool ring = p.sequence_attention == SequenceAttention::kRing;
   return fmt::format(
-      "each sequence over {} ranks (DeepSpeed-Ulysses; {} group(s) of the {} data-parallel "
-      "ranks, each rank {} of every row's positions); all-to-alls after {}",
-      p.sequence_parallel, p.data_parallel / p.sequence_parallel, p.data_parallel,
+      "each sequence over {} ranks ({}; {} group(s) of the {} data-parallel ranks, each rank {} "
+      "of every row's positions); {} after {}",
+      p.sequence_parallel, ring ? "ring attention" : "DeepSpeed-Ulysses",
+      p.data_parallel / p.sequence_parallel, p.data_parallel,
       p.sequence_parallel == 2 ? std::string("half") : fmt::format("1/{}", p.sequence_parallel),
+      ring ? "keys and values rotated to the next rank" : "all-to-alls",
       fmt::join(exchanged, ", "));
 }
 

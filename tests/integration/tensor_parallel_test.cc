@@ -75,6 +75,14 @@ TrainingPlan SequencePlan(int data, int sequence, int stages, int zero_stage) {
   return plan;
 }
 
+// Ring attention: `data` data-parallel ranks in groups of `sequence`, keys and values rotated
+// round each group.
+TrainingPlan RingPlan(int data, int sequence, int stages, int zero_stage) {
+  TrainingPlan plan = SequencePlan(data, sequence, stages, zero_stage);
+  plan.parallel.sequence_attention = SequenceAttention::kRing;
+  return plan;
+}
+
 ModelSpec Model() {
   Result<ModelSpec> model = BuildGpt2(kTiny, Gpt2LayerImpl::kPrimitive);
   TESSERA_CHECK(model.ok(), "GPT-2 tiny");
@@ -357,8 +365,29 @@ TEST_F(TensorParallelTest, SequenceRanksComposeWithDataRanksAndZero) {
 // Two pipeline stages of two sequence ranks each (1F1B, two micro-batches).
 TEST_F(TensorParallelTest, SequenceRanksInAPipeline) { ExpectSameRun(SequencePlan(2, 2, 2, 1)); }
 
-// Six heads over four sequence ranks: each rank attends over two heads, the last rank's both
-// padding (zeros), and the run is the one worker's, losses and first-step gradients.
+// Ring attention trains the one-worker run: every rank of a group reads the same rows, each its
+// 1/P of their positions with every head, the keys and values rotated round the group.
+TEST_F(TensorParallelTest, TwoRingRanksTrainTheOneWorkerRun) {
+  ExpectSameRun(RingPlan(2, 2, 1, 0));
+}
+
+TEST_F(TensorParallelTest, FourRingRanksTrainTheOneWorkerRun) {
+  ExpectSameRun(RingPlan(4, 4, 1, 0));
+}
+
+// Two row groups of two ring ranks under ZeRO-1; four under ZeRO-3 with two micro-batches; two
+// pipeline stages of two ring ranks each.
+TEST_F(TensorParallelTest, RingRanksComposeWithDataRanksZeroAndPipelines) {
+  ExpectSameRun(RingPlan(4, 2, 1, 1));
+  TrainingPlan zero3 = RingPlan(4, 4, 1, 3);
+  zero3.parallel.micro_batches = 2;
+  ExpectSameRun(zero3);
+  ExpectSameRun(RingPlan(2, 2, 2, 1));
+}
+
+// Six heads over four sequence ranks: under Ulysses each rank attends over two heads, the last
+// rank's both padding (zeros); under ring attention every rank attends over all six. Either way
+// the run is the one worker's, losses and first-step gradients.
 TEST_F(TensorParallelTest, AHeadCountTheSequenceDegreeDoesNotDivide) {
   Gpt2Config six = kTiny;
   six.heads = 6;
@@ -371,59 +400,71 @@ TEST_F(TensorParallelTest, AHeadCountTheSequenceDegreeDoesNotDivide) {
                              MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
     return Trainer::Create(model, plan, std::move(backend));
   };
-  const TrainingPlan split = SequencePlan(4, 4, 1, 0);
   ASSERT_OK_AND_ASSIGN(auto reference, trainer(Plan(1, 1, 1, 0), false));
   ASSERT_OK_AND_ASSIGN(testing::TrainingRun expected, Train(*reference));
-  ASSERT_OK_AND_ASSIGN(auto ranks, trainer(split, true));
-  ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*ranks));
-  testing::ExpectSameRun(run, expected, "6 heads over 4 sequence ranks");
   ASSERT_OK_AND_ASSIGN(auto fresh, trainer(Plan(1, 1, 1, 0), false));
   ASSERT_OK_AND_ASSIGN(auto expected_grads, FirstGradients(*fresh));
-  ASSERT_OK_AND_ASSIGN(auto again, trainer(split, true));
-  ASSERT_OK_AND_ASSIGN(auto grads, FirstGradients(*again));
-  const double worst = ExpectSameGradients(grads, expected_grads, again->ParameterNames(),
-                                           "6 heads over 4 sequence ranks");
-  std::printf("[ 6 heads over 4 sequence ranks ] first-step gradients: worst %.2e\n", worst);
-}
-
-// The all-to-alls' bytes: a run of P sequence ranks sends, beyond what P data-parallel ranks
-// send (the same gradient reductions), per block two all-to-alls forward and two backward, each
-// rank sending (P - 1) / P of its buffer: QKV's [P, B, S/P, 3 Hp d] and attention's
-// [P, B, S/P, Hp d] (Hp d = h / P when P divides the heads: 4 x 4 B S h (P - 1) / P^2 bytes per
-// block per direction).
-TEST_F(TensorParallelTest, SequenceRanksSendTheAllToAllsBytes) {
-  for (int ranks : {2, 4}) {
-    double sent[2] = {0, 0};
-    for (int sequence : {1, ranks}) {
-      // Every gradient in one bucket in both runs, the same collective whatever the models'
-      // layer groups (buckets sized from the link measured as each trainer is made could differ).
-      TrainingPlan plan = SequencePlan(ranks, sequence, 1, 0);
-      plan.parallel.bucket_bytes = int64_t{1} << 30;
-      ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(plan));
-      ASSERT_OK(trainer->InitializeParameters(7));
-      ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
-      ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
-      const double first = static_cast<double>(report.ranks[0].figures.collective_bytes_sent);
-      for (const RankFigures& rank : report.ranks) {
-        EXPECT_EQ(static_cast<double>(rank.figures.collective_bytes_sent), first);
-      }
-      sent[sequence == 1 ? 0 : 1] = first;
-    }
-    const double local = static_cast<double>(kBatch) * kSeqLen / ranks;  // B S / P positions
-    const double buffers = 4.0 * local * (3 + 1) * kTiny.channels;       // QKV's and attention's
-    const double expected = kTiny.layers * 2.0 * buffers * (ranks - 1) / ranks;
-    EXPECT_NEAR(sent[1] - sent[0], expected, 0.01 * expected) << "P " << ranks;
-    std::printf("[ Ulysses P %d ] all-to-alls sent %.0f bytes per rank (formula %.0f)\n", ranks,
-                sent[1] - sent[0], expected);
+  for (const TrainingPlan& split : {SequencePlan(4, 4, 1, 0), RingPlan(4, 4, 1, 0)}) {
+    const std::string what = fmt::format("6 heads over 4 sequence ranks ({})",
+                                         SequenceAttentionName(split.parallel.sequence_attention));
+    ASSERT_OK_AND_ASSIGN(auto ranks, trainer(split, true));
+    ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*ranks));
+    testing::ExpectSameRun(run, expected, what);
+    ASSERT_OK_AND_ASSIGN(auto again, trainer(split, true));
+    ASSERT_OK_AND_ASSIGN(auto grads, FirstGradients(*again));
+    const double worst = ExpectSameGradients(grads, expected_grads, again->ParameterNames(), what);
+    std::printf("[ %s ] first-step gradients: worst %.2e\n", what.c_str(), worst);
   }
 }
 
-// Under a per-worker memory cap, the longest sequence that trains: on one worker, and on four
-// Ulysses ranks (each holding a quarter of every activation). Found with the memory model (whose
-// predictions the runs' measured peaks match) keeping every activation, then trained at that
-// length under the cap, measured peaks within it and the activations' the model's within 5%.
-// With the planner free to recompute, both lengths grow (printed; four ranks reach the model's
-// max_seq_len).
+// The sequence exchanges' bytes: a run of P sequence ranks sends, beyond what P data-parallel
+// ranks send (the same gradient reductions), per block:
+//   Ulysses  two all-to-alls forward and two backward, each rank sending (P - 1) / P of its
+//            buffer: QKV's [P, B, S/P, 3 Hp d] and attention's [P, B, S/P, Hp d] (Hp d = h / P
+//            when P divides the heads: 4 x 4 B S h (P - 1) / P^2 bytes per block per direction)
+//   ring     P - 1 rotations forward of the rank's keys and values [B, S/P, 2h] and P - 1 of
+//            their gradients backward, each sent whole: 2 (P - 1) x 4 x 2 B S h / P bytes
+TEST_F(TensorParallelTest, SequenceRanksSendTheExchangesBytes) {
+  for (SequenceAttention attention : {SequenceAttention::kUlysses, SequenceAttention::kRing}) {
+    for (int ranks : {2, 4}) {
+      double sent[2] = {0, 0};
+      for (int sequence : {1, ranks}) {
+        // Every gradient in one bucket in both runs, the same collective whatever the models'
+        // layer groups (buckets sized from the link measured as each trainer is made could
+        // differ).
+        TrainingPlan plan = SequencePlan(ranks, sequence, 1, 0);
+        plan.parallel.sequence_attention = attention;
+        plan.parallel.bucket_bytes = int64_t{1} << 30;
+        ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(plan));
+        ASSERT_OK(trainer->InitializeParameters(7));
+        ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(Batch(0), 3e-3f));
+        ASSERT_EQ(report.ranks.size(), static_cast<size_t>(ranks));
+        const double first = static_cast<double>(report.ranks[0].figures.collective_bytes_sent);
+        for (const RankFigures& rank : report.ranks) {
+          EXPECT_EQ(static_cast<double>(rank.figures.collective_bytes_sent), first);
+        }
+        sent[sequence == 1 ? 0 : 1] = first;
+      }
+      const double local = static_cast<double>(kBatch) * kSeqLen / ranks;  // B S / P positions
+      const double expected =
+          attention == SequenceAttention::kRing
+              ? kTiny.layers * 2.0 * (ranks - 1) * 4.0 * local * 2 * kTiny.channels
+              : kTiny.layers * 2.0 * 4.0 * local * (3 + 1) * kTiny.channels * (ranks - 1) / ranks;
+      EXPECT_NEAR(sent[1] - sent[0], expected, 0.01 * expected)
+          << SequenceAttentionName(attention) << " P " << ranks;
+      std::printf("[ %s P %d ] exchanges sent %.0f bytes per rank (formula %.0f)\n",
+                  SequenceAttentionName(attention), ranks, sent[1] - sent[0], expected);
+    }
+  }
+}
+
+// Under a per-worker memory cap, the longest sequence that trains: on one worker, on four
+// Ulysses ranks (each holding a quarter of every activation) and on four ring-attention ranks
+// (a quarter of every activation but the keys and values: each rank keeps every block it
+// attended, the whole sequence's). Found with the memory model (whose predictions the runs'
+// measured peaks match) keeping every activation, then trained at that length under the cap,
+// measured peaks within it and the activations' the model's within 5%. With the planner free to
+// recompute, the lengths grow (printed).
 TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger) {
   Gpt2Config config = kTiny;
   config.max_seq_len = 4096;
@@ -437,8 +478,6 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
     plan.parallel.bucket_bytes = 0;  // as searched, whatever link the trainer measures
     return plan;
   };
-  const TrainingPlan one = capped(Plan(1, 1, 1, 0));
-  const TrainingPlan four = capped(SequencePlan(4, 4, 1, 0));
   // The longest multiple of 16 positions whose step fits under the cap: keeping every
   // activation (the predicted peak of the plan without a cap), or as the planner plans it.
   const auto longest = [&](TrainingPlan plan, bool keep_all) -> int64_t {
@@ -447,7 +486,8 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
     }
     if (keep_all) plan.memory.host_bytes = 0;
     Result<ModelSpec> split =
-        whole.PlannedFor(plan.parallel.tensor_parallel, plan.parallel.sequence_parallel);
+        whole.PlannedFor(plan.parallel.tensor_parallel, plan.parallel.sequence_parallel, false,
+                         plan.parallel.sequence_attention);
     if (!split.ok()) return 0;
     int64_t fits = 0;
     for (int64_t lo = 1, hi = config.max_seq_len / 16; lo <= hi;) {
@@ -471,34 +511,15 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
     }
     return fits;
   };
-  const int64_t alone = longest(one, true), split = longest(four, true);
-  const int64_t planned_alone = longest(one, false), planned_split = longest(four, false);
-  const bool at_most = planned_split == config.max_seq_len;  // the model's positions end there
-  std::printf(
-      "[ cap %lld MiB ] longest sequence keeping every activation: %lld positions on one worker, "
-      "%lld on four Ulysses ranks (%.2fx); as planned (recomputing): %lld and %s%lld (%s%.2fx)\n",
-      static_cast<long long>(kCap >> 20), static_cast<long long>(alone),
-      static_cast<long long>(split), static_cast<double>(split) / static_cast<double>(alone),
-      static_cast<long long>(planned_alone), at_most ? "the model's max_seq_len, " : "",
-      static_cast<long long>(planned_split), at_most ? "at least " : "",
-      static_cast<double>(planned_split) / static_cast<double>(planned_alone));
-  ASSERT_GT(alone, 0);
-  EXPECT_GE(static_cast<double>(split), 3.6 * static_cast<double>(alone));
-  EXPECT_GE(planned_alone, alone);
-  EXPECT_GE(planned_split, split);
-  // Both train at their length, within the cap, as the memory model predicts.
-  const auto batch = [&](int64_t seq_len) {
+  // Trains `plan` one step at its length, within the cap, as the memory model predicts.
+  const auto trains_within_cap = [&](const TrainingPlan& plan) {
     std::mt19937_64 rng(77);
-    std::vector<int32_t> stream(static_cast<size_t>(kRows * seq_len + 1));
+    std::vector<int32_t> stream(static_cast<size_t>(kRows * plan.seq_len + 1));
     for (int32_t& token : stream) token = static_cast<int32_t>(rng() % config.vocab);
-    return *Gpt2Batch(config, std::span(stream).first(stream.size() - 1),
-                      std::span(stream).subspan(1), kRows, seq_len);
-  };
-  for (const bool sequence_parallel : {false, true}) {
-    TrainingPlan plan = sequence_parallel ? four : one;
-    plan.seq_len = sequence_parallel ? split : alone;
+    const std::vector<Tensor> batch = *Gpt2Batch(config, std::span(stream).first(stream.size() - 1),
+                                                 std::span(stream).subspan(1), kRows, plan.seq_len);
     std::unique_ptr<Trainer> trainer;
-    if (sequence_parallel) {
+    if (plan.parallel.num_workers() > 1) {
       ASSERT_OK_AND_ASSIGN(auto backend,
                            MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
       ASSERT_OK_AND_ASSIGN(trainer, Trainer::Create(whole, plan, std::move(backend)));
@@ -506,7 +527,7 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
       ASSERT_OK_AND_ASSIGN(trainer, Trainer::Create(whole, plan, ExecutorOptions{}));
     }
     ASSERT_OK(trainer->InitializeParameters(7));
-    ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(batch(plan.seq_len), 3e-3f));
+    ASSERT_OK_AND_ASSIGN(StepReport report, trainer->Step(batch, 3e-3f));
     EXPECT_TRUE(std::isfinite(report.loss));
     ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
     for (const RankFigures& rank : report.ranks) {
@@ -525,6 +546,37 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
           static_cast<double>(rank.figures.total_peak) / (1 << 20),
           static_cast<long long>(kCap >> 20));
     }
+  };
+  TrainingPlan one = capped(Plan(1, 1, 1, 0));
+  const int64_t alone = longest(one, true), planned_alone = longest(one, false);
+  ASSERT_GT(alone, 0);
+  one.seq_len = alone;
+  trains_within_cap(one);
+  for (TrainingPlan four : {capped(SequencePlan(4, 4, 1, 0)), capped(RingPlan(4, 4, 1, 0))}) {
+    const bool ring = four.parallel.sequence_attention == SequenceAttention::kRing;
+    const int64_t split = longest(four, true), planned_split = longest(four, false);
+    const bool at_most = planned_split == config.max_seq_len;  // the model's positions end there
+    std::printf(
+        "[ cap %lld MiB ] longest sequence keeping every activation: %lld positions on one "
+        "worker, %lld on four %s ranks (%.2fx); as planned (recomputing): %lld and %s%lld "
+        "(%s%.2fx)\n",
+        static_cast<long long>(kCap >> 20), static_cast<long long>(alone),
+        static_cast<long long>(split), ring ? "ring-attention" : "Ulysses",
+        static_cast<double>(split) / static_cast<double>(alone),
+        static_cast<long long>(planned_alone), at_most ? "the model's max_seq_len, " : "",
+        static_cast<long long>(planned_split), at_most ? "at least " : "",
+        static_cast<double>(planned_split) / static_cast<double>(planned_alone));
+    // Ulysses holds a quarter of everything; the ring also keeps, per block, every K/V block it
+    // attended and each step's partial output (about 3 S h per row at P 4 against the whole
+    // block's ~16 S h), so it gains more than twice, less than four times.
+    EXPECT_GE(static_cast<double>(split), (ring ? 2.0 : 3.6) * static_cast<double>(alone));
+    if (ring) {
+      EXPECT_LT(static_cast<double>(split), 4.0 * static_cast<double>(alone));
+    }
+    EXPECT_GE(planned_alone, alone);
+    EXPECT_GE(planned_split, split);
+    four.seq_len = split;
+    trains_within_cap(four);
   }
 }
 
@@ -534,6 +586,14 @@ TEST_F(TensorParallelTest, ASequenceParallelCheckpointResumesAnywhere) {
   ExpectCheckpointResumes(SequencePlan(4, 2, 1, 1),
                           {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), Plan(1, 2, 1, 0)},
                           "sp_checkpoint");
+}
+
+// A ring-attention checkpoint (two groups of two ranks, ZeRO-1) resumes under Ulysses and on one
+// worker with the same next loss: the ring keeps the whole model's parameters and names.
+TEST_F(TensorParallelTest, ARingAttentionCheckpointResumesAnywhere) {
+  ExpectCheckpointResumes(RingPlan(4, 2, 1, 1),
+                          {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), RingPlan(4, 4, 1, 0)},
+                          "ring_checkpoint");
 }
 
 TEST(TensorParallelSplitTest, SequenceParallelismIsRefusedWithTheFix) {
@@ -550,6 +610,22 @@ TEST(TensorParallelSplitTest, SequenceParallelismIsRefusedWithTheFix) {
   EXPECT_NE(together.message().find("not built"), std::string::npos) << together.ToString();
   Status fused = SequencePlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny));
   EXPECT_NE(fused.message().find("--layer-impl primitive"), std::string::npos) << fused.ToString();
+  Status fused_ring = RingPlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny));
+  EXPECT_NE(fused_ring.message().find("--layer-impl primitive"), std::string::npos)
+      << fused_ring.ToString();
+  TrainingPlan ring_with_tensor = RingPlan(2, 2, 1, 0);
+  ring_with_tensor.parallel.tensor_parallel = 2;
+  Status ring_together = ring_with_tensor.Validate(Model());
+  EXPECT_NE(ring_together.message().find("not built"), std::string::npos)
+      << ring_together.ToString();
+  // A split made for one way of attending is not planned for the other.
+  ASSERT_OK_AND_ASSIGN(ModelSpec ulysses, Model().SplitForSequenceParallel(2));
+  Status other = RingPlan(2, 2, 1, 0).Validate(ulysses);
+  EXPECT_NE(other.message().find("give the whole model"), std::string::npos) << other.ToString();
+  Result<ModelSpec> resplit = ulysses.SplitForSequenceParallel(2, SequenceAttention::kRing);
+  ASSERT_FALSE(resplit.ok());
+  EXPECT_NE(resplit.status().message().find("attending by ulysses, not ring"), std::string::npos)
+      << resplit.status().ToString();
 }
 
 // A vocabulary the degree does not divide (257 over 2 ranks): the embedding and the head stay

@@ -512,8 +512,9 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
             std::string::npos)
       << split.output;
   const std::vector<std::pair<std::string, std::string>> refused = {
-      {"--workers 2 --sequence-parallel ring", "--sequence-parallel ring is not built yet"},
-      {"--workers 2 --sequence-degree 2", "add --sequence-parallel ulysses"},
+      {"--workers 4 --tensor-parallel 2 --sequence-parallel ring",
+       "tensor parallelism (2 ranks) and sequence parallelism (2 ranks) together are not built"},
+      {"--workers 2 --sequence-degree 2", "add --sequence-parallel ulysses or ring"},
       {"--workers 3 --sequence-parallel ulysses --sequence-degree 2",
        "needs --sequence-degree a divisor of them"},
       {"--workers 2 --sequence-parallel ulysses --seq-len 63", "multiple of 2"},
@@ -528,6 +529,19 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
        "use a --vocab that 2 divides"},
   };
   ExpectRefused(refused);
+}
+
+// Ring attention from the command line: two ranks rotating keys and values train the run of one
+// process, and the plan says which outputs rotate.
+TEST(TrainGpt2Test, RingAttentionTrainsLikeOneProcess) {
+  const ProcessResult split = TrainsLikeOneProcess("--workers 2 --sequence-parallel ring");
+  EXPECT_NE(split.output.find("sequence_parallel=2 (ring)"), std::string::npos) << split.output;
+  EXPECT_NE(split.output.find("each sequence over 2 ranks (ring attention; 1 group(s) of the 2 "
+                              "data-parallel ranks, each rank half of every row's positions); "
+                              "keys and values rotated to the next rank after h.0.qkv output 1 "
+                              "(ring_next)"),
+            std::string::npos)
+      << split.output;
 }
 
 // Megatron-LM's sequence parallelism from the command line: two tensor ranks with the norms and
