@@ -37,10 +37,15 @@
 //                            key_offset + j, query i at i: visible when key_offset + j <= i), or
 //                            ring_step and ranks (AttentionBlockKeyOffset: the block k rotations
 //                            of the ring brought). A query that sees no key gets out 0 and lse
-//                            -inf
+//                            -inf. Its backward reads q and kv only, computing the block's out
+//                            and lse again row by row (as flash attention does), so a layer
+//                            keeps nothing of them for it
 //   attention_merge_forward  out_a, lse_a, out_b, lse_b -> out, lse: lse = log(e^lse_a +
 //                            e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
 //                            per head (attribute heads)
+//   attention_block_accumulate_forward  q, kv, out_prev, lse_prev -> out, lse: the two in one
+//                            op (a ring step), its backward computing the block's output again
+//                            rather than keeping it
 // Their backwards take the gradients of both outputs (the merge differentiates through lse).
 #include <algorithm>
 #include <vector>
@@ -460,24 +465,64 @@ Status AddRingAttentionOps(OpRegistry& r) {
           [block_flops](const Metas& in, const Attrs&) {
             return OpCost{block_flops(in), 2 * op_def::Bytes(in)};
           },
-      .gradient = Rule("attention_block_backward",
-                       {OutGrad(0), OutGrad(1), In(0), In(1), Out(0), Out(1)}, {0, 1})}));
+      .gradient =
+          Rule("attention_block_backward", {OutGrad(0), OutGrad(1), In(0), In(1)}, {0, 1})}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "attention_block_backward",
-      .doc = "dq, dkv of attention_block_forward from the gradients of out and lse",
-      .input_names = {"dout", "dlse", "q", "kv", "out", "lse"},
+      .doc = "dq, dkv of attention_block_forward from the gradients of out and lse (the block's "
+             "out and lse computed again, row by row, rather than kept)",
+      .input_names = {"dout", "dlse", "q", "kv"},
       .output_names = {"dq", "dkv"},
       .infer = [block_infer](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_ASSIGN_OR_RETURN(Metas forward, block_infer(Metas{in[2], in[3]}, attrs));
         TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], forward[0].shape));
         TESSERA_RETURN_IF_ERROR(CheckShape("dlse", in[1], forward[1].shape));
-        TESSERA_RETURN_IF_ERROR(CheckShape("out", in[4], forward[0].shape));
-        TESSERA_RETURN_IF_ERROR(CheckShape("lse", in[5], forward[1].shape));
         return Metas{in[2], in[3]};
       },
       .cost =
           [block_flops](const Metas& in, const Attrs&) {
-            return OpCost{2.5 * block_flops(Metas{in[2], in[3]}), 2 * op_def::Bytes(in)};
+            return OpCost{3.5 * block_flops(Metas{in[2], in[3]}), 2 * op_def::Bytes(in)};
+          },
+  }));
+  // The block attended and merged into the steps before in one op, nothing of the block kept.
+  const InferFn accumulate_infer = [block_infer](const Metas& in,
+                                                 const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Metas block, block_infer(Metas{in[0], in[1]}, attrs));
+    TESSERA_RETURN_IF_ERROR(CheckShape("out_prev", in[2], block[0].shape));
+    TESSERA_RETURN_IF_ERROR(CheckShape("lse_prev", in[3], block[1].shape));
+    return block;
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "attention_block_accumulate_forward",
+      .doc = "attention_block_forward of q over kv merged into out_prev and lse_prev "
+             "(attention_merge_forward) in one op: out, lse. Ring attention's step; the backward "
+             "computes the block's own output again instead of keeping it",
+      .input_names = {"q", "kv", "out_prev", "lse_prev"},
+      .output_names = {"out", "lse"},
+      .infer = accumulate_infer,
+      .cost =
+          [block_flops](const Metas& in, const Attrs&) {
+            return OpCost{block_flops(in) + 3.0 * static_cast<double>(in[0].numel()),
+                          op_def::Bytes(in)};
+          },
+      .gradient = Rule("attention_block_accumulate_backward",
+                       {OutGrad(0), OutGrad(1), In(0), In(1), In(2), In(3)}, {0, 1, 2, 3})}));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "attention_block_accumulate_backward",
+      .doc = "dq, dkv, dout_prev, dlse_prev of attention_block_accumulate_forward (the block's "
+             "and the merge's outputs computed again, row by row, rather than kept)",
+      .input_names = {"dout", "dlse", "q", "kv", "out_prev", "lse_prev"},
+      .output_names = {"dq", "dkv", "dout_prev", "dlse_prev"},
+      .infer = [accumulate_infer](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_ASSIGN_OR_RETURN(Metas forward,
+                                 accumulate_infer(Metas{in[2], in[3], in[4], in[5]}, attrs));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dout", in[0], forward[0].shape));
+        TESSERA_RETURN_IF_ERROR(CheckShape("dlse", in[1], forward[1].shape));
+        return Metas{in[2], in[3], in[4], in[5]};
+      },
+      .cost =
+          [block_flops](const Metas& in, const Attrs&) {
+            return OpCost{3.5 * block_flops(Metas{in[2], in[3]}), op_def::Bytes(in)};
           },
   }));
   const InferFn merge_infer = [heads_of](const Metas& in, const Attrs& attrs) -> Result<Metas> {

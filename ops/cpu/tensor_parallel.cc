@@ -359,85 +359,105 @@ double Dot(const float* a, const float* b, int64_t n) {
 
 constexpr float kNoKeys = -std::numeric_limits<float>::infinity();
 
+// Query i of (b, h) over the block: its log-sum-exp (kNoKeys where it sees no key) and its
+// output in `o` (head_size values), the visible keys' scores left in `scores`.
+double BlockRow(const AttentionBlock& g, const float* q, const float* kv, int64_t b, int64_t h,
+                int64_t i, std::vector<double>& scores, double* o) {
+  std::fill(o, o + g.head_size, 0.0);
+  const int64_t visible = g.Visible(i);
+  if (visible == 0) return kNoKeys;
+  double most = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < visible; ++j) {
+    scores[static_cast<size_t>(j)] =
+        g.scale * Dot(q + g.Q(b, i, h), kv + g.K(b, j, h), g.head_size);
+    most = std::max(most, scores[static_cast<size_t>(j)]);
+  }
+  double total = 0;
+  for (int64_t j = 0; j < visible; ++j) total += std::exp(scores[static_cast<size_t>(j)] - most);
+  const double log_sum = most + std::log(total);
+  for (int64_t j = 0; j < visible; ++j) {
+    const double weight = std::exp(scores[static_cast<size_t>(j)] - log_sum);
+    const float* v = kv + g.V(b, j, h);
+    for (int64_t c = 0; c < g.head_size; ++c) o[c] += weight * v[c];
+  }
+  return log_sum;
+}
+
+// The gradients of query i's block attention (output `o`, log-sum-exp `lse_i`) from those of its
+// output (`grad`, head_size values) and log-sum-exp (`through_lse`), added into dq and dkv:
+// dS = p (grad . v - grad . o + through_lse).
+void BlockRowBackward(const AttentionBlock& g, const float* q, const float* kv, int64_t b,
+                      int64_t h, int64_t i, const double* grad, const double* o, double lse_i,
+                      double through_lse, float* dq, float* dkv) {
+  const int64_t visible = g.Visible(i);
+  if (visible == 0 || std::isinf(lse_i)) return;
+  const float* qi = q + g.Q(b, i, h);
+  double through_out = 0;
+  for (int64_t c = 0; c < g.head_size; ++c) through_out += grad[c] * o[c];
+  float* dqi = dq + g.Q(b, i, h);
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* k = kv + g.K(b, j, h);
+    const float* v = kv + g.V(b, j, h);
+    double along_v = 0;
+    for (int64_t c = 0; c < g.head_size; ++c) along_v += grad[c] * v[c];
+    const double weight = std::exp(g.scale * Dot(qi, k, g.head_size) - lse_i);
+    const double ds = weight * (along_v - through_out + through_lse);
+    const auto dscore = static_cast<float>(g.scale * ds);
+    float* dk = dkv + g.K(b, j, h);
+    float* dv = dkv + g.V(b, j, h);
+    for (int64_t c = 0; c < g.head_size; ++c) {
+      dqi[c] += dscore * k[c];
+      dk[c] += dscore * qi[c];
+      dv[c] += static_cast<float>(weight * grad[c]);
+    }
+  }
+}
+
+// Runs fn(b, h, i, scores, row) for every (batch, head, query), parallel over (batch, head) with
+// per-thread buffers: scores for the block's keys, `row_values` doubles.
+template <typename Fn>
+void ForEachBlockRow(const AttentionBlock& g, int64_t row_values, const Fn& fn) {
+  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<double> scores(static_cast<size_t>(g.keys));
+    std::vector<double> row(static_cast<size_t>(row_values));
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t i = 0; i < g.queries; ++i) fn(p / g.heads, p % g.heads, i, scores, row.data());
+    }
+  });
+}
+
 Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tensors& out,
                              const Attrs& attrs) {
   const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
   const float *q = F(in[0]), *kv = F(in[1]);
   float *y = F(out[0]), *lse = F(out[1]);
-  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<double> scores(static_cast<size_t>(g.keys));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / g.heads, h = p % g.heads;
-      for (int64_t i = 0; i < g.queries; ++i) {
+  ForEachBlockRow(
+      g, g.head_size, [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* o) {
+        lse[g.Lse(b, h, i)] = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
         float* yi = y + g.Q(b, i, h);
-        std::fill(yi, yi + g.head_size, 0.0f);
-        const int64_t visible = g.Visible(i);
-        if (visible == 0) {
-          lse[g.Lse(b, h, i)] = kNoKeys;
-          continue;
-        }
-        double most = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < visible; ++j) {
-          scores[static_cast<size_t>(j)] =
-              g.scale * Dot(q + g.Q(b, i, h), kv + g.K(b, j, h), g.head_size);
-          most = std::max(most, scores[static_cast<size_t>(j)]);
-        }
-        double total = 0;
-        for (int64_t j = 0; j < visible; ++j)
-          total += std::exp(scores[static_cast<size_t>(j)] - most);
-        const double log_sum = most + std::log(total);
-        lse[g.Lse(b, h, i)] = static_cast<float>(log_sum);
-        for (int64_t j = 0; j < visible; ++j) {
-          const auto weight =
-              static_cast<float>(std::exp(scores[static_cast<size_t>(j)] - log_sum));
-          const float* v = kv + g.V(b, j, h);
-          for (int64_t c = 0; c < g.head_size; ++c) yi[c] += weight * v[c];
-        }
-      }
-    }
-  });
+        for (int64_t c = 0; c < g.head_size; ++c) yi[c] = static_cast<float>(o[c]);
+      });
   return Status::Ok();
 }
 
-// in: dout, dlse, q, kv, out, lse; out: dq, dkv. dS = p (dout . v - dout . out + dlse).
+// in: dout, dlse, q, kv; out: dq, dkv. The block's output and log-sum-exp are computed again
+// per row. Each (batch, head) pair writes its own columns of dq and dkv.
 Status AttentionBlockBackward(const KernelContext&, const Tensors& in, const Tensors& out,
                               const Attrs& attrs) {
   const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
   const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
-  const float *y = F(in[4]), *lse = F(in[5]);
   float *dq = F(out[0]), *dkv = F(out[1]);
   std::fill(dq, dq + out[0].numel(), 0.0f);
   std::fill(dkv, dkv + out[1].numel(), 0.0f);
-  // Each (batch, head) pair writes its own columns of dq and dkv.
-  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / g.heads, h = p % g.heads;
-      for (int64_t i = 0; i < g.queries; ++i) {
-        const float lse_i = lse[g.Lse(b, h, i)];
-        const int64_t visible = g.Visible(i);
-        if (visible == 0 || std::isinf(lse_i)) continue;
-        const float* qi = q + g.Q(b, i, h);
-        const float* gi = dout + g.Q(b, i, h);
-        const double through_out = Dot(gi, y + g.Q(b, i, h), g.head_size);
-        const double through_lse = dlse[g.Lse(b, h, i)];
-        float* dqi = dq + g.Q(b, i, h);
-        for (int64_t j = 0; j < visible; ++j) {
-          const float* k = kv + g.K(b, j, h);
-          const float* v = kv + g.V(b, j, h);
-          const double weight = std::exp(g.scale * Dot(qi, k, g.head_size) - lse_i);
-          const double ds = weight * (Dot(gi, v, g.head_size) - through_out + through_lse);
-          const auto dscore = static_cast<float>(g.scale * ds);
-          float* dk = dkv + g.K(b, j, h);
-          float* dv = dkv + g.V(b, j, h);
-          for (int64_t c = 0; c < g.head_size; ++c) {
-            dqi[c] += dscore * k[c];
-            dk[c] += dscore * qi[c];
-            dv[c] += static_cast<float>(weight) * gi[c];
-          }
-        }
-      }
-    }
-  });
+  ForEachBlockRow(g, 2 * g.head_size,
+                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* row) {
+                    double* o = row;
+                    double* grad = row + g.head_size;
+                    const double lse = BlockRow(g, q, kv, b, h, i, scores, o);
+                    for (int64_t c = 0; c < g.head_size; ++c) grad[c] = dout[g.Q(b, i, h) + c];
+                    BlockRowBackward(g, q, kv, b, h, i, grad, o, lse, dlse[g.Lse(b, h, i)], dq,
+                                     dkv);
+                  });
   return Status::Ok();
 }
 
@@ -507,6 +527,64 @@ Status AttentionMergeBackward(const KernelContext&, const Tensors& in, const Ten
   return Status::Ok();
 }
 
+// in: q, kv, out_prev, lse_prev; out: out, lse. The block's attention merged into the steps
+// before, row by row: attention_block_forward then attention_merge_forward, nothing kept between.
+Status AttentionBlockAccumulateForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                       const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
+  const float *q = F(in[0]), *kv = F(in[1]), *out_prev = F(in[2]), *lse_prev = F(in[3]);
+  float *y = F(out[0]), *lse = F(out[1]);
+  ForEachBlockRow(g, g.head_size,
+                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* o) {
+                    const auto block = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
+                    const int64_t l = g.Lse(b, h, i), row = g.Q(b, i, h);
+                    const MergeWeights w = MergeWeightsOf(lse_prev[l], block);
+                    lse[l] = w.lse;
+                    for (int64_t c = 0; c < g.head_size; ++c) {
+                      y[row + c] = static_cast<float>(w.a * out_prev[row + c] + w.b * o[c]);
+                    }
+                  });
+  return Status::Ok();
+}
+
+// in: dout, dlse, q, kv, out_prev, lse_prev; out: dq, dkv, dout_prev, dlse_prev. Per row the
+// block's output and log-sum-exp and the merged output are computed again (nothing of them was
+// kept), then the merge's gradients (AttentionMergeBackward's) and the block's
+// (AttentionBlockBackward's).
+Status AttentionBlockAccumulateBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                                        const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
+  const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
+  const float *out_prev = F(in[4]), *lse_prev = F(in[5]);
+  float *dq = F(out[0]), *dkv = F(out[1]), *dout_prev = F(out[2]), *dlse_prev = F(out[3]);
+  std::fill(dq, dq + out[0].numel(), 0.0f);
+  std::fill(dkv, dkv + out[1].numel(), 0.0f);
+  ForEachBlockRow(g, 2 * g.head_size,
+                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* row) {
+                    double* o = row;
+                    double* grad = row + g.head_size;
+                    const float block = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
+                    const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
+                    const MergeWeights w = MergeWeightsOf(lse_prev[l], block);
+                    double through_out = 0, along_prev = 0, along_block = 0;
+                    for (int64_t c = 0; c < g.head_size; ++c) {
+                      // The merged output as the forward wrote it (rounded to f32).
+                      const auto merged = static_cast<float>(w.a * out_prev[at + c] + w.b * o[c]);
+                      through_out += double{dout[at + c]} * merged;
+                      along_prev += double{dout[at + c]} * out_prev[at + c];
+                      along_block += double{dout[at + c]} * o[c];
+                    }
+                    for (int64_t c = 0; c < g.head_size; ++c) {
+                      dout_prev[at + c] = static_cast<float>(w.a * dout[at + c]);
+                      grad[c] = w.b * dout[at + c];
+                    }
+                    dlse_prev[l] = static_cast<float>(w.a * (along_prev - through_out + dlse[l]));
+                    const double dblock = w.b * (along_block - through_out + dlse[l]);
+                    BlockRowBackward(g, q, kv, b, h, i, grad, o, block, dblock, dq, dkv);
+                  });
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status RegisterTensorParallelKernels(OpRegistry& r) {
@@ -530,6 +608,10 @@ Status RegisterTensorParallelKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(r, "split_last_backward", SplitLastBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_forward", AttentionBlockForward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_block_backward", AttentionBlockBackward));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "attention_block_accumulate_forward", AttentionBlockAccumulateForward));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "attention_block_accumulate_backward", AttentionBlockAccumulateBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_merge_forward", AttentionMergeForward));
   TESSERA_RETURN_IF_ERROR(Register(r, "attention_merge_backward", AttentionMergeBackward));
   TESSERA_RETURN_IF_ERROR(Register(r, "heads_linear_backward", HeadsLinearBackward));

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <utility>
 
@@ -106,6 +107,43 @@ TEST(OpGradientTest, AttentionBlocksAndTheirMerge) {
                   .inputs = {RandomTensor({2, 3, 8}, 1), RandomTensor({2, 2, 3}, 2),
                              RandomTensor({2, 3, 8}, 3), RandomTensor({2, 2, 3}, 4)},
                   .differentiable_outputs = {0, 1}});
+}
+
+// A ring step in one op: the block's attention merged into the steps before equals the two ops
+// apart, and its gradients (all four inputs, both outputs) match finite differences, the block
+// before, on and after the diagonal, and merged into a part that saw no key.
+TEST(OpGradientTest, AttentionBlockAccumulateIsTheBlockMerged) {
+  const Attrs heads{{"heads", int64_t{2}}};
+  const Tensor q = RandomTensor({2, 6, 8}, 1, 1.5f), kv = RandomTensor({2, 6, 16}, 2, 1.5f);
+  const Tensor out_prev = RandomTensor({2, 6, 8}, 3), lse_prev = RandomTensor({2, 2, 6}, 4);
+  for (int64_t offset : {-6, 0, 3}) {
+    SCOPED_TRACE(offset);
+    Attrs block = heads;
+    block.Set("key_offset", offset);
+    ASSERT_OK_AND_ASSIGN(Tensors part, RunKernel("attention_block_forward", {q, kv}, block));
+    ASSERT_OK_AND_ASSIGN(Tensors apart, RunKernel("attention_merge_forward",
+                                                  {out_prev, lse_prev, part[0], part[1]}, heads));
+    ASSERT_OK_AND_ASSIGN(Tensors fused, RunKernel("attention_block_accumulate_forward",
+                                                  {q, kv, out_prev, lse_prev}, block));
+    for (int o = 0; o < 2; ++o) {
+      const std::vector<float> expected = ToVector(apart[o]), got = ToVector(fused[o]);
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-6f) << o;
+    }
+    CheckGradients({.forward = "attention_block_accumulate_forward",
+                    .forward_attrs = block,
+                    .inputs = {q, kv, out_prev, lse_prev},
+                    .differentiable_outputs = {0, 1}});
+  }
+  // The first step's partial (the diagonal) merged into nothing seen: lse_prev -inf.
+  const std::vector<float> none(2 * 2 * 6, -std::numeric_limits<float>::infinity());
+  ASSERT_OK_AND_ASSIGN(Tensors first,
+                       RunKernel("attention_block_accumulate_forward",
+                                 {q, kv, FloatTensor({2, 6, 8}, std::vector<float>(96, 0.0f)),
+                                  FloatTensor({2, 2, 6}, none)},
+                                 heads));
+  ASSERT_OK_AND_ASSIGN(Tensors alone, RunKernel("attention_block_forward", {q, kv}, heads));
+  const std::vector<float> expected = ToVector(alone[0]), got = ToVector(first[0]);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-6f) << i;
 }
 
 // The fused QKV parted into Q and the K/V block (ring attention): the columns as they are, and
@@ -873,6 +911,8 @@ TEST(OpGradientTest, EveryRegisteredOpIsChecked) {
                                               "attention_block_backward",
                                               "attention_merge_forward",
                                               "attention_merge_backward",
+                                              "attention_block_accumulate_forward",
+                                              "attention_block_accumulate_backward",
                                               "token_position_embedding_forward",
                                               "token_position_embedding_backward",
                                               "transformer_block_forward",
