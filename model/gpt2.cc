@@ -526,22 +526,26 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool 
 //
 // Ring attention (kRing): every head stays on every rank; the rank's keys and values go round
 // the ring, one rotation (kRingNext: to rank r + 1, from r - 1) per step, so that after k steps
-// rank r holds the block rank (r - k) mod P made. Each block is 2P layers:
-//   h.<b>.qkv        ln1, QKV of the rank's positions parted into Q [B, S/P, C] and the K/V
-//                    block [B, S/P, 2C]; attention of Q over its own block (the diagonal, causal)
-//                    with its log-sum-exp; outputs Q, the K/V block (rotated), out and lse
-//   h.<b>.kv<k>      k = 2 .. P-1: the block that arrived at step k - 1 handed on (identity),
-//                    rotated again: a layer of its own, so that a rotation waits only for the
-//                    previous one, not for the attention over the block
-//   h.<b>.ring<k>    k = 1 .. P-1: Q over the block of step k (attention_block_forward at
-//                    ring_step k: wholly visible when it came from an earlier rank, wholly
-//                    masked, out 0 and lse -inf, from a later one), merged with the steps before
-//                    by the log-sum-exp (attention_merge_forward); the last outputs only out
+// rank r holds the block rank (r - k) mod P made. Each block is 2P + 1 layers:
+//   h.<b>.qkv        ln1, QKV of the rank's positions parted into Q [B, S/P, C] and the rank's
+//                    own K/V block [B, S/P, 2C]
+//   h.<b>.ring0      Q over its own block (the diagonal, causal): out and the log-sum-exp lse
+//   h.<b>.kv<k>      k = 1 .. P-1: the block of step k - 1 handed on, rotated to the next rank
+//                    (LayerBuilder::HandOnRotation): a layer of its own, so that a rotation
+//                    waits only for the previous one, not for the attention over the block
+//   h.<b>.ring<k>    k = 1 .. P-1: Q over the block of step k merged into out and lse by the
+//                    log-sum-exp (attention_block_accumulate_forward at ring_step k: wholly
+//                    visible when the block came from an earlier rank, wholly masked from a
+//                    later one); the last outputs only out
 //   h.<b>.post       proj over out, the residual, ln2, the MLP and the residual
-// A rank keeps, per block, its queries, every block of keys and values it attended (the whole
-// sequence's K and V: 2 S C per row, the part of the whole model's activations that does not
-// shrink with P) and each step's partial results; the rotations' gradients go back the other way
-// (kRingPrevious), each rank summing the gradients of the keys and values it holds.
+// The attention ops' backwards compute the block's scores again rather than keep them, and the
+// planner re-derives each step's block for its backward by rotating the rank's own block the
+// other way (planner/layer_expansion.cc: the forward's rotated copies are freed as soon as they
+// are read), so a rank keeps per block its queries, its own block, the chain of merged outputs
+// (one per step: S h per row in all, the part that does not shrink with P) and what the whole
+// model's block keeps beyond attention, on its S/P positions. The gradients of the keys and
+// values go back round the ring the other way (kRingPrevious), each rank summing those of the
+// blocks it attended.
 //
 // Either way the embedding looks up the rank's tokens and adds the positions of its shard
 // (position_add reads the plan's sequence_rank); the head is the whole model's, on the rank's
@@ -556,7 +560,6 @@ Result<ModelSpec> BuildPrimitiveSequenceSplit(const Gpt2Config& config, int rank
   const WholeModelSlots declare(config);
   const FlatLayout &embedding = declare.embedding, &block = declare.block, &head = declare.head;
   const Attrs chunks{{"heads", config.heads}, {"ranks", int64_t{ranks}}};
-  const Attrs all_heads{{"heads", config.heads}};
   const auto ring_step = [&](int64_t step) {
     return Attrs{{"heads", config.heads}, {kRingStepAttr, step}, {"ranks", int64_t{ranks}}};
   };
@@ -587,40 +590,29 @@ Result<ModelSpec> BuildPrimitiveSequenceSplit(const Gpt2Config& config, int rank
     if (ring) {
       model.LayerWithOutputs(
           h + "qkv", {ModelBuilder::LayerOutput(residual)}, [&](LayerBuilder& l) {
-            const std::vector<LayerValue> parts =
-                l.CallAll("split_last_forward", {qkv_of(l)}, Attrs{{"first", c}}, "q_kv");
-            const std::vector<LayerValue> diagonal = l.CallAll(
-                "attention_block_forward", {parts[0], parts[1]}, ring_step(0), "diagonal");
-            const LayerValue rotated = l.Call("identity", {parts[1]}, {}, "kv_out");
-            l.Exchange(rotated, ExchangeLayout::kRingNext);
-            return std::vector<LayerValue>{parts[0], rotated, diagonal[0], diagonal[1]};
+            return l.CallAll("split_last_forward", {qkv_of(l)}, Attrs{{"first", c}}, "q_kv");
           });
+      const ModelValue q = ModelBuilder::LayerOutput(h + "qkv", 0);
       ModelValue kv = ModelBuilder::LayerOutput(h + "qkv", 1);
-      ModelValue out = ModelBuilder::LayerOutput(h + "qkv", 2);
-      ModelValue lse = ModelBuilder::LayerOutput(h + "qkv", 3);
+      model.LayerWithOutputs(h + "ring0", {q, kv}, [&](LayerBuilder& l) {
+        return l.CallAll("attention_block_forward", {l.input(0), l.input(1)}, ring_step(0),
+                         "diagonal");
+      });
+      ModelValue out = ModelBuilder::LayerOutput(h + "ring0", 0);
+      ModelValue lse = ModelBuilder::LayerOutput(h + "ring0", 1);
       for (int64_t step = 1; step < ranks; ++step) {
-        if (step > 1) {
-          const std::string hand_on = fmt::format("{}kv{}", h, step);
-          model.Layer(hand_on, {kv}, [&](LayerBuilder& l) {
-            const LayerValue rotated = l.Call("identity", {l.input(0)}, {}, "kv_out");
-            l.Exchange(rotated, ExchangeLayout::kRingNext);
-            return rotated;
-          });
-          kv = ModelBuilder::LayerOutput(hand_on);
-        }
+        const std::string hand_on = fmt::format("{}kv{}", h, step);
+        model.Layer(hand_on, {kv}, [](LayerBuilder& l) { return l.HandOnRotation(); });
+        kv = ModelBuilder::LayerOutput(hand_on);
         const bool last = step + 1 == ranks;
         attended = fmt::format("{}ring{}", h, step);
-        model.LayerWithOutputs(
-            attended, {ModelBuilder::LayerOutput(h + "qkv", 0), kv, out, lse},
-            [&](LayerBuilder& l) {
-              const std::vector<LayerValue> part = l.CallAll(
-                  "attention_block_forward", {l.input(0), l.input(1)}, ring_step(step), "block");
-              std::vector<LayerValue> merged =
-                  l.CallAll("attention_merge_forward", {l.input(2), l.input(3), part[0], part[1]},
-                            all_heads, "merge");
-              if (last) merged.pop_back();  // the log-sum-exp is read by no later step
-              return merged;
-            });
+        model.LayerWithOutputs(attended, {q, kv, out, lse}, [&](LayerBuilder& l) {
+          std::vector<LayerValue> merged =
+              l.CallAll("attention_block_accumulate_forward",
+                        {l.input(0), l.input(1), l.input(2), l.input(3)}, ring_step(step), "block");
+          if (last) merged.pop_back();  // the log-sum-exp is read by no later step
+          return merged;
+        });
         out = ModelBuilder::LayerOutput(attended, 0);
         lse = ModelBuilder::LayerOutput(attended, 1);
       }

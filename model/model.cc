@@ -190,6 +190,7 @@ void ModelBuilder::Declare(std::string name, std::vector<ModelValue> inputs, con
     layer.gathered_outputs.push_back(marked(builder.gathered_values_));
   }
   layer.sequence_sharded = builder.sequence_sharded_;
+  layer.hands_on_rotation = builder.hands_on_rotation_;
   if (!shard_sequence_ && (!builder.scattered_values_.empty() ||
                            !builder.gathered_values_.empty() || builder.sequence_sharded_)) {
     layer.errors.push_back(
@@ -489,6 +490,7 @@ Result<LayerSpec> ModelBuilder::SpecOf(size_t k, Resolved& resolved) const {
                   [](ExchangeLayout layout) { return layout != ExchangeLayout::kNone; })) {
     layer.exchanged_outputs = declared.exchanged_outputs;
   }
+  layer.hands_on_rotation = declared.hands_on_rotation;
   AddBackwardArgs(declared, program, first_shared, layer);
   layer.attrs.Set(kProgramAttr, program.Encode());
   return layer;

@@ -93,6 +93,15 @@ class LayerBuilder {
   void Exchange(LayerValue value, ExchangeLayout layout = ExchangeLayout::kBlocks) {
     exchanged_values_.emplace_back(value.id, layout);
   }
+  // Ring attention (ModelBuilder::SplitSequenceOver with kRing): the layer's only output is its
+  // input 0, a rotated block of keys and values, handed on and rotated once more
+  // (LayerSpec::hands_on_rotation). Call as the layer's whole program; returns the output.
+  LayerValue HandOnRotation() {
+    hands_on_rotation_ = true;
+    const LayerValue rotated = Call("identity", {input(0)}, {}, "hand_on");
+    Exchange(rotated, ExchangeLayout::kRingNext);
+    return rotated;
+  }
   // The ranks the model is built split over (1: the whole model).
   int tensor_parallel() const { return tensor_parallel_; }
 
@@ -115,6 +124,7 @@ class LayerBuilder {
   std::vector<std::pair<int, ExchangeLayout>> exchanged_values_;  // Exchange's
   std::vector<int> scattered_values_, gathered_values_;           // ScatterSum's, GatherSequence's
   bool sequence_sharded_ = false;                                 // ShardSequence
+  bool hands_on_rotation_ = false;                                // HandOnRotation
   LayerProgram program_;  // its shared groups are resolved by ModelBuilder::Build
   std::vector<ParamInit> init_;
   // SharedParam calls (layer, param), in order: values after the parameters, in this order.
@@ -190,6 +200,7 @@ class ModelBuilder {
     std::vector<ExchangeLayout> exchanged_outputs;          // Exchange's, per output
     std::vector<bool> scattered_outputs, gathered_outputs;  // per output
     bool sequence_sharded = false;
+    bool hands_on_rotation = false;
   };
   // What Build works out about the layers before it writes their specs.
   struct Resolved {

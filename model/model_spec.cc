@@ -106,6 +106,36 @@ Result<ModelSpec> ModelSpec::SplitForTensorParallel(int ranks, bool shard_sequen
   return split;
 }
 
+std::optional<ModelSpec::Rotated> ModelSpec::RotationOrigin(size_t l, size_t arg) const {
+  if (l >= layers.size() || arg >= layers[l].forward_args.size()) return std::nullopt;
+  const auto rotates = [&](const LayerArg& read) {
+    return read.kind == LayerArg::Kind::kActivation && read.index < layers.size() &&
+           layers[read.index].exchanges(static_cast<size_t>(read.output)) &&
+           layers[read.index].exchanged_outputs[static_cast<size_t>(read.output)] ==
+               ExchangeLayout::kRingNext;
+  };
+  LayerArg read = layers[l].forward_args[arg];
+  if (!rotates(read)) return std::nullopt;
+  Rotated rotated;
+  for (;;) {
+    ++rotated.rotations;
+    const LayerSpec& producer = layers[read.index];
+    if (!producer.hands_on_rotation) {  // the block before its rotation is the one it made
+      rotated.origin_layer = read.index;
+      rotated.origin_output = read.output;
+      rotated.origin_rotated = true;
+      return rotated;
+    }
+    read = producer.forward_args.front();
+    if (!rotates(read)) {  // handed on from a block read as it is
+      if (read.kind != LayerArg::Kind::kActivation) return std::nullopt;
+      rotated.origin_layer = read.index;
+      rotated.origin_output = read.output;
+      return rotated;
+    }
+  }
+}
+
 const char* SequenceAttentionName(SequenceAttention attention) {
   return attention == SequenceAttention::kRing ? "ring" : "ulysses";
 }
@@ -176,6 +206,15 @@ Status RefuseKeptOutputs(const LayerSpec& layer, const char* what,
 // backward, rotated around the ring only in a model attending by ring attention, and exchanged
 // by blocks only in one attending by Ulysses.
 Status ValidateSequenceLayer(const LayerSpec& layer, int ranks, SequenceAttention attention) {
+  if (layer.hands_on_rotation &&
+      (layer.activations != 1 || !layer.exchanges(0) ||
+       layer.exchanged_outputs[0] != ExchangeLayout::kRingNext || layer.forward_args.empty() ||
+       layer.forward_args.front().kind != LayerArg::Kind::kActivation)) {
+    return InvalidArgument(
+        "layer '{}' hands a rotation on, so its one output must be its input 0 (an activation) "
+        "rotated in ring_next",
+        layer.name);
+  }
   if (layer.exchanged_outputs.empty()) return Status::Ok();
   if (ranks == 1) {
     return InvalidArgument("layer '{}' exchanges outputs but the model splits no sequence",

@@ -186,6 +186,12 @@ struct LayerSpec {
   bool exchanges(size_t output) const {
     return output < exchanged_outputs.size() && exchanged_outputs[output] != ExchangeLayout::kNone;
   }
+  // Ring attention's hand-on layer (LayerBuilder::HandOnRotation): its one output is its forward
+  // argument 0 (a block, or a block already rotated) rotated once more (kRingNext). The
+  // planner follows such layers back to where a block started (RotationOrigin), and a backward
+  // reading a rotated block re-derives it from there (planner/layer_expansion.cc) instead of
+  // keeping the forward's copy.
+  bool hands_on_rotation = false;
 
   std::string ParamPrefix() const { return param_prefix.value_or(name + "."); }
 };
@@ -254,6 +260,19 @@ struct ModelSpec {
   Result<const LayerSpec*> FindLayer(std::string_view name) const;
   // The loss layer (the last one). InvalidArgument when the model has none.
   Result<size_t> LossLayer() const;
+  // Ring attention: where forward argument `arg` of layer `l` comes from when it reads a rotated
+  // block (an output exchanged in kRingNext, through any hand-on layers): the layer and output
+  // the block started from (the rank's own) and the rotations since (>= 1). The origin is an
+  // output read as it is (a hand-on layer rotated it), or, with `origin_rotated`, one its layer
+  // rotated itself (the block is what the layer made, before the exchange). Empty for anything
+  // else.
+  struct Rotated {
+    size_t origin_layer = 0;
+    int origin_output = 0;
+    int rotations = 0;
+    bool origin_rotated = false;
+  };
+  std::optional<Rotated> RotationOrigin(size_t l, size_t arg) const;
   // Whether forward argument `arg` of `layer` reads an activation its producer all-gathers along
   // the sequence (TensorParallelLayer::gathered_outputs): its gradient is then summed by the
   // gather's adjoint reduce-scatter, not all-reduced. False for anything else, or out of range.

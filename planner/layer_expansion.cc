@@ -35,6 +35,12 @@ struct MicroBatch {
   // Per layer: the copies one tier down of what its forward saves, by output index (a swapped
   // layer).
   std::vector<std::map<int, ObjectId>> swapped;
+  // Ring attention, per layer: its outputs rotated in kRingNext as the layer made them (the
+  // rank's own block), by output index.
+  std::vector<std::map<int, ObjectId>> unrotated;
+  // Ring attention: blocks re-derived for the backwards, per origin (layer, output) and number of
+  // forward rotations (Expansion::RotatedBack).
+  std::map<std::pair<size_t, int>, std::map<int, ObjectId>> rotated_back;
 };
 
 // A backward's arguments, and which of them each half of a split backward reads.
@@ -93,6 +99,7 @@ class Expansion {
         mb.args.resize(layers);
         mb.outputs.resize(layers);
         mb.swapped.resize(layers);
+        mb.unrotated.resize(layers);
         mb.entering.resize(layers);
         for (size_t l = 0; l < layers; ++l) TESSERA_RETURN_IF_ERROR(AddForward(mb, l));
         if (s_.serialize_micro_batches && k > 0) TESSERA_RETURN_IF_ERROR(AfterPrevious(mb));
@@ -305,6 +312,9 @@ class Expansion {
     for (size_t o = 0; o < exchanged.size(); ++o) {
       // ModelSpec::Validate refused an exchanged output kept for the backward.
       if (exchanged[o] == ExchangeLayout::kNone) continue;
+      if (exchanged[o] == ExchangeLayout::kRingNext) {
+        mb.unrotated[l][static_cast<int>(o)] = mb.outputs[l][o];
+      }
       TESSERA_ASSIGN_OR_RETURN(
           mb.outputs[l][o],
           ExchangeOverSequenceRanks(mb, l, fmt::format("exchange{}", o), mb.outputs[l][o],
@@ -481,7 +491,8 @@ class Expansion {
           break;
         case BackwardArg::Kind::kForwardArg: {
           const LayerArg& forward = layer.forward_args[arg.index];
-          read = mb.args[l][arg.index];
+          TESSERA_ASSIGN_OR_RETURN(read,
+                                   ForwardArgAgain(mb, l, static_cast<size_t>(arg.index), dy));
           if (forward.kind == Arg::kParams) {
             TESSERA_ASSIGN_OR_RETURN(read, params_of(static_cast<size_t>(arg.index)));
           }
@@ -495,6 +506,8 @@ class Expansion {
               for (size_t i = 0; i < args.size(); ++i) {
                 if (layer.forward_args[i].kind == Arg::kParams) {
                   TESSERA_ASSIGN_OR_RETURN(args[i], params_of(i));
+                } else {
+                  TESSERA_ASSIGN_OR_RETURN(args[i], ForwardArgAgain(mb, l, i, dy));
                 }
               }
               TESSERA_ASSIGN_OR_RETURN(recomputed, AddRecompute(mb, l, std::move(args), dy));
@@ -523,6 +536,65 @@ class Expansion {
       if (arg.kind != BackwardArg::Kind::kOutputGradient) reads.weight_half.push_back(read);
     }
     return reads;
+  }
+
+  // Forward argument `arg` of layer l as its backward (or its recompute) reads it: what the
+  // forward read, but for a rotated block of ring attention whose rotations started on the same
+  // stage, which is re-derived from the rank's own block (RotatedBack) so that the forward's
+  // rotated copies are freed after their forward readers.
+  Result<ObjectId> ForwardArgAgain(MicroBatch& mb, size_t l, size_t arg,
+                                   const std::vector<ObjectId>& dy) {
+    const ObjectId read = mb.args[l][arg];
+    const std::optional<ModelSpec::Rotated> rotated = s_.model.RotationOrigin(l, arg);
+    if (!rotated.has_value() || s_.StageOf(rotated->origin_layer) != s_.StageOf(l) ||
+        rotated->rotations >= s_.parallel.sequence_parallel) {
+      return read;
+    }
+    return RotatedBack(mb, *rotated, dy);
+  }
+
+  // The block `rotated` names (the rank's own block after k forward rotations: rank r - k's),
+  // re-derived for the backward by rotating the rank's own block the other way (kRingPrevious)
+  // P - k times: P - 1 rotations back first (rank r + 1's block), then each one further. The
+  // backwards read them in that order, each made after the gradients entering its reader's
+  // backward exist, so about two blocks are live at a time, not P ("<origin>/rotate_back<o>_<k>").
+  Result<ObjectId> RotatedBack(MicroBatch& mb, const ModelSpec::Rotated& rotated,
+                               const std::vector<ObjectId>& dy) {
+    std::map<int, ObjectId>& chain = mb.rotated_back[{rotated.origin_layer, rotated.origin_output}];
+    if (auto it = chain.find(rotated.rotations); it != chain.end()) return it->second;
+    const int ranks = s_.parallel.sequence_parallel;
+    ObjectId source;
+    if (rotated.rotations + 1 == ranks && !rotated.origin_rotated) {
+      source = mb.outputs[rotated.origin_layer][static_cast<size_t>(rotated.origin_output)];
+    } else if (rotated.rotations + 1 == ranks) {
+      const auto own = mb.unrotated[rotated.origin_layer].find(rotated.origin_output);
+      if (own == mb.unrotated[rotated.origin_layer].end()) {
+        return Internal("layer '{}' output {} is rotated but its own block was not recorded",
+                        s_.LayerName(rotated.origin_layer), rotated.origin_output);
+      }
+      source = own->second;
+    } else {
+      ModelSpec::Rotated further = rotated;
+      ++further.rotations;
+      TESSERA_ASSIGN_OR_RETURN(source, RotatedBack(mb, further, {}));
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        ObjectId block,
+        ExchangeOverSequenceRanks(
+            mb, rotated.origin_layer,
+            fmt::format("rotate_back{}_{}", rotated.origin_output, rotated.rotations), source,
+            ExchangeLayout::kRingPrevious, kBackwardPriority + 1));
+    const TaskId rotation = s_.ProducerOf(block);
+    const Graph& graph = s_.builder.graph();
+    for (ObjectId gradient : dy) {
+      if (!gradient.valid()) continue;
+      const TaskId producer = s_.ProducerOf(gradient);
+      if (graph.task(producer).pinned_worker == graph.task(rotation).pinned_worker) {
+        s_.builder.AddControlEdge(producer, rotation);
+      }
+    }
+    chain.emplace(rotated.rotations, block);
+    return block;
   }
 
   bool Recomputes(size_t l) const {

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -422,8 +423,9 @@ TEST_F(TensorParallelTest, AHeadCountTheSequenceDegreeDoesNotDivide) {
 //   Ulysses  two all-to-alls forward and two backward, each rank sending (P - 1) / P of its
 //            buffer: QKV's [P, B, S/P, 3 Hp d] and attention's [P, B, S/P, Hp d] (Hp d = h / P
 //            when P divides the heads: 4 x 4 B S h (P - 1) / P^2 bytes per block per direction)
-//   ring     P - 1 rotations forward of the rank's keys and values [B, S/P, 2h] and P - 1 of
-//            their gradients backward, each sent whole: 2 (P - 1) x 4 x 2 B S h / P bytes
+//   ring     P - 1 rotations forward of the rank's keys and values [B, S/P, 2h], P - 1 of them
+//            again backward (the other way, re-deriving the blocks rather than keeping them)
+//            and P - 1 of their gradients, each sent whole: 3 (P - 1) x 4 x 2 B S h / P bytes
 TEST_F(TensorParallelTest, SequenceRanksSendTheExchangesBytes) {
   for (SequenceAttention attention : {SequenceAttention::kUlysses, SequenceAttention::kRing}) {
     for (int ranks : {2, 4}) {
@@ -448,7 +450,7 @@ TEST_F(TensorParallelTest, SequenceRanksSendTheExchangesBytes) {
       const double local = static_cast<double>(kBatch) * kSeqLen / ranks;  // B S / P positions
       const double expected =
           attention == SequenceAttention::kRing
-              ? kTiny.layers * 2.0 * (ranks - 1) * 4.0 * local * 2 * kTiny.channels
+              ? kTiny.layers * 3.0 * (ranks - 1) * 4.0 * local * 2 * kTiny.channels
               : kTiny.layers * 2.0 * 4.0 * local * (3 + 1) * kTiny.channels * (ranks - 1) / ranks;
       EXPECT_NEAR(sent[1] - sent[0], expected, 0.01 * expected)
           << SequenceAttentionName(attention) << " P " << ranks;
@@ -566,10 +568,11 @@ TEST_F(TensorParallelTest, FourSequenceRanksTrainSequencesNearlyFourTimesLonger)
         static_cast<long long>(planned_alone), at_most ? "the model's max_seq_len, " : "",
         static_cast<long long>(planned_split), at_most ? "at least " : "",
         static_cast<double>(planned_split) / static_cast<double>(planned_alone));
-    // Ulysses holds a quarter of everything; the ring also keeps, per block, every K/V block it
-    // attended and each step's partial output (about 3 S h per row at P 4 against the whole
-    // block's ~16 S h), so it gains more than twice, less than four times.
-    EXPECT_GE(static_cast<double>(split), (ring ? 2.0 : 3.6) * static_cast<double>(alone));
+    // Ulysses holds a quarter of everything. The ring keeps a quarter of everything but its
+    // chain of partial outputs: each step's merged output is kept for the next step's backward,
+    // P of them of S/P positions (S h per row per block, against Ulysses' attention output of
+    // S h / P), so it gains more than three times, less than four.
+    EXPECT_GE(static_cast<double>(split), (ring ? 3.0 : 3.6) * static_cast<double>(alone));
     if (ring) {
       EXPECT_LT(static_cast<double>(split), 4.0 * static_cast<double>(alone));
     }
@@ -586,6 +589,33 @@ TEST_F(TensorParallelTest, ASequenceParallelCheckpointResumesAnywhere) {
   ExpectCheckpointResumes(SequencePlan(4, 2, 1, 1),
                           {SequencePlan(4, 4, 1, 0), Plan(1, 1, 1, 0), Plan(1, 2, 1, 0)},
                           "sp_checkpoint");
+}
+
+// The ring split's layers per block (qkv, ring0, then per step a hand-on layer and a ring step,
+// then post), and where each step's block of keys and values comes from: the qkv layer's own
+// block, rotated once per step.
+TEST(TensorParallelSplitTest, RingStepsReadTheirBlockFromTheRanksOwn) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec ring,
+                       Model().SplitForSequenceParallel(4, SequenceAttention::kRing));
+  EXPECT_EQ(ring.sequence_attention, SequenceAttention::kRing);
+  ASSERT_OK_AND_ASSIGN(const LayerSpec* qkv, ring.FindLayer("h.1.qkv"));
+  const auto index = [&](std::string_view name) {
+    const Result<const LayerSpec*> layer = ring.FindLayer(name);
+    return layer.ok() ? static_cast<size_t>(*layer - ring.layers.data()) : ring.layers.size();
+  };
+  for (int step = 1; step < 4; ++step) {
+    const size_t l = index(fmt::format("h.1.ring{}", step));
+    ASSERT_LT(l, ring.layers.size());
+    const std::optional<ModelSpec::Rotated> block = ring.RotationOrigin(l, 1);
+    ASSERT_TRUE(block.has_value()) << step;
+    EXPECT_EQ(block->origin_layer, static_cast<size_t>(qkv - ring.layers.data()));
+    EXPECT_EQ(block->origin_output, 1);
+    EXPECT_EQ(block->rotations, step);
+    EXPECT_FALSE(block->origin_rotated);
+    EXPECT_FALSE(ring.RotationOrigin(l, 0).has_value()) << "the queries are not rotated";
+    EXPECT_TRUE(ring.layers[index(fmt::format("h.1.kv{}", step))].hands_on_rotation);
+  }
+  EXPECT_FALSE(ring.RotationOrigin(index("h.1.ring0"), 1).has_value());
 }
 
 // A ring-attention checkpoint (two groups of two ranks, ZeRO-1) resumes under Ulysses and on one
@@ -659,6 +689,44 @@ TEST_F(TensorParallelTest, TheStepGraphHoldsTheActivationsAllReduces) {
   // statistics forward, the head's input gradient backward.
   EXPECT_EQ(forward, int64_t{2} * (2 * kTiny.layers + 2));
   EXPECT_EQ(backward, int64_t{2} * (2 * kTiny.layers + 1));
+}
+
+// Ring attention's backward re-derives the blocks of keys and values it reads: per rank, block and
+// rotation one rotation the other way ("rotate_back"), and no backward reads a block the forward
+// rotated, so those are freed after their forward readers (the memory test above measures it).
+TEST_F(TensorParallelTest, RingBackwardsRederiveTheirBlocks) {
+  constexpr int kRanks = 4;
+  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(RingPlan(kRanks, kRanks, 1, 0)));
+  const Graph& graph = trainer->step_graph().graph;
+  std::map<ObjectId, std::string> rotated;  // object -> the rotation that made it
+  std::set<ObjectId> rederived;
+  int64_t forward = 0, backward = 0;
+  for (const TaskSpec& task : graph.tasks()) {
+    if (task.op != "all_to_all") continue;
+    ASSERT_OK_AND_ASSIGN(ExchangeLayout layout, ExchangeLayoutOf(task.attrs));
+    if (layout == ExchangeLayout::kRingNext) {
+      ++forward;
+      for (ObjectId out : task.outputs) rotated[out] = task.name;
+    } else if (layout == ExchangeLayout::kRingPrevious &&
+               task.name.find("/rotate_back") != std::string::npos) {
+      ++backward;
+      rederived.insert(task.outputs.begin(), task.outputs.end());
+    }
+  }
+  EXPECT_EQ(forward, int64_t{kRanks} * kTiny.layers * (kRanks - 1));
+  EXPECT_EQ(backward, int64_t{kRanks} * kTiny.layers * (kRanks - 1));
+  int64_t reads_rederived = 0;
+  for (const TaskSpec& task : graph.tasks()) {
+    if (task.name.find("/backward") == std::string::npos) continue;
+    for (ObjectId in : task.inputs) {
+      EXPECT_FALSE(rotated.contains(in))
+          << task.name << " reads " << rotated[in] << "'s block, kept since the forward";
+      reads_rederived += rederived.contains(in) ? 1 : 0;
+    }
+  }
+  // Each ring step's backward reads its block re-derived (P - 1 a block), and so does each
+  // hand-on layer's after the first (P - 2: a layer program's backward reads all its inputs).
+  EXPECT_EQ(reads_rederived, int64_t{kRanks} * kTiny.layers * ((kRanks - 1) + (kRanks - 2)));
 }
 
 // What one member of an all-reduce of `bytes` over `members` sends: the host communicator's

@@ -538,7 +538,7 @@ TEST(TrainGpt2Test, RingAttentionTrainsLikeOneProcess) {
   EXPECT_NE(split.output.find("sequence_parallel=2 (ring)"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("each sequence over 2 ranks (ring attention; 1 group(s) of the 2 "
                               "data-parallel ranks, each rank half of every row's positions); "
-                              "keys and values rotated to the next rank after h.0.qkv output 1 "
+                              "keys and values rotated to the next rank after h.0.kv1 output 0 "
                               "(ring_next)"),
             std::string::npos)
       << split.output;
