@@ -16,6 +16,9 @@ namespace tessera {
 
 namespace {
 
+using cpu::Gemm;
+using cpu::kNeverSplit;
+using cpu::Transpose;
 using cpu::detail::F;
 using cpu::detail::I;
 using cpu::detail::ParallelChunks;
@@ -359,108 +362,6 @@ double Dot(const float* a, const float* b, int64_t n) {
 
 constexpr float kNoKeys = -std::numeric_limits<float>::infinity();
 
-// Query i of (b, h) over the block: its log-sum-exp (kNoKeys where it sees no key) and its
-// output in `o` (head_size values), the visible keys' scores left in `scores`.
-double BlockRow(const AttentionBlock& g, const float* q, const float* kv, int64_t b, int64_t h,
-                int64_t i, std::vector<double>& scores, double* o) {
-  std::fill(o, o + g.head_size, 0.0);
-  const int64_t visible = g.Visible(i);
-  if (visible == 0) return kNoKeys;
-  double most = -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < visible; ++j) {
-    scores[static_cast<size_t>(j)] =
-        g.scale * Dot(q + g.Q(b, i, h), kv + g.K(b, j, h), g.head_size);
-    most = std::max(most, scores[static_cast<size_t>(j)]);
-  }
-  double total = 0;
-  for (int64_t j = 0; j < visible; ++j) total += std::exp(scores[static_cast<size_t>(j)] - most);
-  const double log_sum = most + std::log(total);
-  for (int64_t j = 0; j < visible; ++j) {
-    const double weight = std::exp(scores[static_cast<size_t>(j)] - log_sum);
-    const float* v = kv + g.V(b, j, h);
-    for (int64_t c = 0; c < g.head_size; ++c) o[c] += weight * v[c];
-  }
-  return log_sum;
-}
-
-// The gradients of query i's block attention (output `o`, log-sum-exp `lse_i`) from those of its
-// output (`grad`, head_size values) and log-sum-exp (`through_lse`), added into dq and dkv:
-// dS = p (grad . v - grad . o + through_lse).
-void BlockRowBackward(const AttentionBlock& g, const float* q, const float* kv, int64_t b,
-                      int64_t h, int64_t i, const double* grad, const double* o, double lse_i,
-                      double through_lse, float* dq, float* dkv) {
-  const int64_t visible = g.Visible(i);
-  if (visible == 0 || std::isinf(lse_i)) return;
-  const float* qi = q + g.Q(b, i, h);
-  double through_out = 0;
-  for (int64_t c = 0; c < g.head_size; ++c) through_out += grad[c] * o[c];
-  float* dqi = dq + g.Q(b, i, h);
-  for (int64_t j = 0; j < visible; ++j) {
-    const float* k = kv + g.K(b, j, h);
-    const float* v = kv + g.V(b, j, h);
-    double along_v = 0;
-    for (int64_t c = 0; c < g.head_size; ++c) along_v += grad[c] * v[c];
-    const double weight = std::exp(g.scale * Dot(qi, k, g.head_size) - lse_i);
-    const double ds = weight * (along_v - through_out + through_lse);
-    const auto dscore = static_cast<float>(g.scale * ds);
-    float* dk = dkv + g.K(b, j, h);
-    float* dv = dkv + g.V(b, j, h);
-    for (int64_t c = 0; c < g.head_size; ++c) {
-      dqi[c] += dscore * k[c];
-      dk[c] += dscore * qi[c];
-      dv[c] += static_cast<float>(weight * grad[c]);
-    }
-  }
-}
-
-// Runs fn(b, h, i, scores, row) for every (batch, head, query), parallel over (batch, head) with
-// per-thread buffers: scores for the block's keys, `row_values` doubles.
-template <typename Fn>
-void ForEachBlockRow(const AttentionBlock& g, int64_t row_values, const Fn& fn) {
-  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<double> scores(static_cast<size_t>(g.keys));
-    std::vector<double> row(static_cast<size_t>(row_values));
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t i = 0; i < g.queries; ++i) fn(p / g.heads, p % g.heads, i, scores, row.data());
-    }
-  });
-}
-
-Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tensors& out,
-                             const Attrs& attrs) {
-  const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
-  const float *q = F(in[0]), *kv = F(in[1]);
-  float *y = F(out[0]), *lse = F(out[1]);
-  ForEachBlockRow(
-      g, g.head_size, [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* o) {
-        lse[g.Lse(b, h, i)] = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
-        float* yi = y + g.Q(b, i, h);
-        for (int64_t c = 0; c < g.head_size; ++c) yi[c] = static_cast<float>(o[c]);
-      });
-  return Status::Ok();
-}
-
-// in: dout, dlse, q, kv; out: dq, dkv. The block's output and log-sum-exp are computed again
-// per row. Each (batch, head) pair writes its own columns of dq and dkv.
-Status AttentionBlockBackward(const KernelContext&, const Tensors& in, const Tensors& out,
-                              const Attrs& attrs) {
-  const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
-  const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
-  float *dq = F(out[0]), *dkv = F(out[1]);
-  std::fill(dq, dq + out[0].numel(), 0.0f);
-  std::fill(dkv, dkv + out[1].numel(), 0.0f);
-  ForEachBlockRow(g, 2 * g.head_size,
-                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* row) {
-                    double* o = row;
-                    double* grad = row + g.head_size;
-                    const double lse = BlockRow(g, q, kv, b, h, i, scores, o);
-                    for (int64_t c = 0; c < g.head_size; ++c) grad[c] = dout[g.Q(b, i, h) + c];
-                    BlockRowBackward(g, q, kv, b, h, i, grad, o, lse, dlse[g.Lse(b, h, i)], dq,
-                                     dkv);
-                  });
-  return Status::Ok();
-}
-
 // The merge's weights of one (batch, head, query): e^(lse_a - lse), e^(lse_b - lse), and lse;
 // both zero (lse -inf) where neither part saw a key.
 struct MergeWeights {
@@ -527,30 +428,158 @@ Status AttentionMergeBackward(const KernelContext&, const Tensors& in, const Ten
   return Status::Ok();
 }
 
+// The block ops run a (batch, head) pair at a time, kQueryRows queries at a time against the keys
+// the last of them sees, with single-threaded GEMMs on strided views (as attention_forward's
+// kernel does, ops/cpu/attention.cc): S = scale Q K^T; P = softmax over each row's visible keys
+// (its log-sum-exp l); O = P V. The backwards compute P and O again, then, with each row's
+// gradient dO and scalar g (the softmax's: dS = P (dO V^T + g)):
+//   dQ = scale dS K;  dK += scale dS^T Q;  dV += P^T dO.
+constexpr int64_t kQueryRows = 64;
+
+// Per thread: P and dP [kQueryRows, keys], O and dO [kQueryRows, head_size], and l per row.
+struct BlockScratch {
+  std::vector<float> p, dp, o, d_o, lse;
+  explicit BlockScratch(const AttentionBlock& g)
+      : p(static_cast<size_t>(kQueryRows * g.keys)),
+        dp(static_cast<size_t>(kQueryRows * g.keys)),
+        o(static_cast<size_t>(kQueryRows * g.head_size)),
+        d_o(static_cast<size_t>(kQueryRows * g.head_size)),
+        lse(static_cast<size_t>(kQueryRows)) {}
+};
+
+// Rows [i0, i1) of (b, h): P (stride `seen`) and l per row into the scratch, then O = P V.
+// Returns `seen`, the keys the last row sees (0: none, P and O left unset).
+int64_t BlockRows(const AttentionBlock& g, const float* q, const float* kv, int64_t b, int64_t h,
+                  int64_t i0, int64_t i1, BlockScratch& s) {
+  const int64_t seen = g.Visible(i1 - 1), rows = i1 - i0;
+  for (int64_t i = i0; i < i1; ++i) s.lse[static_cast<size_t>(i - i0)] = kNoKeys;
+  if (seen == 0) return 0;
+  Gemm(Transpose::kNo, Transpose::kYes, rows, seen, g.head_size, g.scale, q + g.Q(b, i0, h),
+       g.channels, kv + g.K(b, 0, h), 2 * g.channels, 0.0f, s.p.data(), seen, kNeverSplit);
+  for (int64_t i = i0; i < i1; ++i) {
+    float* row = s.p.data() + (i - i0) * seen;
+    const int64_t visible = g.Visible(i);
+    float most = kNoKeys;
+    for (int64_t j = 0; j < visible; ++j) most = std::max(most, row[j]);
+    double total = 0;
+    for (int64_t j = 0; j < visible; ++j) {
+      row[j] = std::exp(row[j] - most);
+      total += row[j];
+    }
+    for (int64_t j = visible; j < seen; ++j) row[j] = 0.0f;
+    if (visible == 0) continue;
+    const auto inverse = static_cast<float>(1.0 / total);
+    for (int64_t j = 0; j < visible; ++j) row[j] *= inverse;
+    s.lse[static_cast<size_t>(i - i0)] = most + static_cast<float>(std::log(total));
+  }
+  Gemm(Transpose::kNo, Transpose::kNo, rows, g.head_size, seen, 1.0f, s.p.data(), seen,
+       kv + g.V(b, 0, h), 2 * g.channels, 0.0f, s.o.data(), g.head_size, kNeverSplit);
+  return seen;
+}
+
+// The gradients of rows [i0, i1) (BlockRows' P and O in the scratch, `seen` keys) from each row's
+// dO (s.d_o) and scalar g (`g_rows`): dQ rows written, dK and dV rows [0, seen) added to.
+void BlockRowsBackward(const AttentionBlock& g, const float* q, const float* kv, int64_t b,
+                       int64_t h, int64_t i0, int64_t i1, int64_t seen, const float* g_rows,
+                       BlockScratch& s, float* dq, float* dkv) {
+  const int64_t rows = i1 - i0;
+  if (seen == 0) return;  // dQ rows stay zero
+  Gemm(Transpose::kNo, Transpose::kYes, rows, seen, g.head_size, 1.0f, s.d_o.data(), g.head_size,
+       kv + g.V(b, 0, h), 2 * g.channels, 0.0f, s.dp.data(), seen, kNeverSplit);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p_row = s.p.data() + r * seen;
+    float* ds_row = s.dp.data() + r * seen;
+    for (int64_t j = 0; j < seen; ++j) ds_row[j] = p_row[j] * (ds_row[j] + g_rows[r]);
+  }
+  Gemm(Transpose::kNo, Transpose::kNo, rows, g.head_size, seen, g.scale, s.dp.data(), seen,
+       kv + g.K(b, 0, h), 2 * g.channels, 0.0f, dq + g.Q(b, i0, h), g.channels, kNeverSplit);
+  Gemm(Transpose::kYes, Transpose::kNo, seen, g.head_size, rows, g.scale, s.dp.data(), seen,
+       q + g.Q(b, i0, h), g.channels, 1.0f, dkv + g.K(b, 0, h), 2 * g.channels, kNeverSplit);
+  Gemm(Transpose::kYes, Transpose::kNo, seen, g.head_size, rows, 1.0f, s.p.data(), seen,
+       s.d_o.data(), g.head_size, 1.0f, dkv + g.V(b, 0, h), 2 * g.channels, kNeverSplit);
+}
+
+// Runs fn(b, h, i0, i1, scratch) over every (batch, head) pair in parallel (each pair writes
+// only its own columns), the query blocks of a pair in order.
+template <typename Fn>
+void ForEachBlockRows(const AttentionBlock& g, const Fn& fn) {
+  ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
+    BlockScratch scratch(g);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t i0 = 0; i0 < g.queries; i0 += kQueryRows) {
+        fn(p / g.heads, p % g.heads, i0, std::min(g.queries, i0 + kQueryRows), scratch);
+      }
+    }
+  });
+}
+
+Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tensors& out,
+                             const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
+  const float *q = F(in[0]), *kv = F(in[1]);
+  float *y = F(out[0]), *lse = F(out[1]);
+  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
+    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
+    for (int64_t i = i0; i < i1; ++i) {
+      lse[g.Lse(b, h, i)] = s.lse[static_cast<size_t>(i - i0)];
+      float* yi = y + g.Q(b, i, h);
+      const float* oi = s.o.data() + (i - i0) * g.head_size;
+      for (int64_t c = 0; c < g.head_size; ++c) yi[c] = seen == 0 ? 0.0f : oi[c];
+    }
+  });
+  return Status::Ok();
+}
+
+// in: dout, dlse, q, kv; out: dq, dkv. P and O computed again; g = dlse - dO . O per row.
+Status AttentionBlockBackward(const KernelContext&, const Tensors& in, const Tensors& out,
+                              const Attrs& attrs) {
+  const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
+  const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
+  float *dq = F(out[0]), *dkv = F(out[1]);
+  std::fill(dq, dq + out[0].numel(), 0.0f);
+  std::fill(dkv, dkv + out[1].numel(), 0.0f);
+  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
+    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
+    float g_rows[kQueryRows];
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* d = dout + g.Q(b, i, h);
+      float* d_o = s.d_o.data() + (i - i0) * g.head_size;
+      std::copy(d, d + g.head_size, d_o);
+      g_rows[i - i0] = static_cast<float>(dlse[g.Lse(b, h, i)] -
+                                          Dot(d, s.o.data() + (i - i0) * g.head_size, g.head_size));
+    }
+    BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
+  });
+  return Status::Ok();
+}
+
 // in: q, kv, out_prev, lse_prev; out: out, lse. The block's attention merged into the steps
-// before, row by row: attention_block_forward then attention_merge_forward, nothing kept between.
+// before, row by row: attention_block_forward then attention_merge_forward, the block's output
+// not kept.
 Status AttentionBlockAccumulateForward(const KernelContext&, const Tensors& in, const Tensors& out,
                                        const Attrs& attrs) {
   const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
   const float *q = F(in[0]), *kv = F(in[1]), *out_prev = F(in[2]), *lse_prev = F(in[3]);
   float *y = F(out[0]), *lse = F(out[1]);
-  ForEachBlockRow(g, g.head_size,
-                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* o) {
-                    const auto block = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
-                    const int64_t l = g.Lse(b, h, i), row = g.Q(b, i, h);
-                    const MergeWeights w = MergeWeightsOf(lse_prev[l], block);
-                    lse[l] = w.lse;
-                    for (int64_t c = 0; c < g.head_size; ++c) {
-                      y[row + c] = static_cast<float>(w.a * out_prev[row + c] + w.b * o[c]);
-                    }
-                  });
+  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
+    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
+      const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
+      lse[l] = w.lse;
+      const float* oi = s.o.data() + (i - i0) * g.head_size;
+      for (int64_t c = 0; c < g.head_size; ++c) {
+        const double block = seen == 0 ? 0.0 : w.b * oi[c];
+        y[at + c] = static_cast<float>(w.a * out_prev[at + c] + block);
+      }
+    }
+  });
   return Status::Ok();
 }
 
-// in: dout, dlse, q, kv, out_prev, lse_prev; out: dq, dkv, dout_prev, dlse_prev. Per row the
-// block's output and log-sum-exp and the merged output are computed again (nothing of them was
-// kept), then the merge's gradients (AttentionMergeBackward's) and the block's
-// (AttentionBlockBackward's).
+// in: dout, dlse, q, kv, out_prev, lse_prev; out: dq, dkv, dout_prev, dlse_prev. P, O, the merge
+// weights w_a, w_b and the merged output computed again; the block's rows get dO = w_b dout and
+// g = w_b (dlse - dout . out) (AttentionMergeBackward's gradients through the block's).
 Status AttentionBlockAccumulateBackward(const KernelContext&, const Tensors& in, const Tensors& out,
                                         const Attrs& attrs) {
   const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
@@ -559,29 +588,29 @@ Status AttentionBlockAccumulateBackward(const KernelContext&, const Tensors& in,
   float *dq = F(out[0]), *dkv = F(out[1]), *dout_prev = F(out[2]), *dlse_prev = F(out[3]);
   std::fill(dq, dq + out[0].numel(), 0.0f);
   std::fill(dkv, dkv + out[1].numel(), 0.0f);
-  ForEachBlockRow(g, 2 * g.head_size,
-                  [&](int64_t b, int64_t h, int64_t i, std::vector<double>& scores, double* row) {
-                    double* o = row;
-                    double* grad = row + g.head_size;
-                    const float block = static_cast<float>(BlockRow(g, q, kv, b, h, i, scores, o));
-                    const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
-                    const MergeWeights w = MergeWeightsOf(lse_prev[l], block);
-                    double through_out = 0, along_prev = 0, along_block = 0;
-                    for (int64_t c = 0; c < g.head_size; ++c) {
-                      // The merged output as the forward wrote it (rounded to f32).
-                      const auto merged = static_cast<float>(w.a * out_prev[at + c] + w.b * o[c]);
-                      through_out += double{dout[at + c]} * merged;
-                      along_prev += double{dout[at + c]} * out_prev[at + c];
-                      along_block += double{dout[at + c]} * o[c];
-                    }
-                    for (int64_t c = 0; c < g.head_size; ++c) {
-                      dout_prev[at + c] = static_cast<float>(w.a * dout[at + c]);
-                      grad[c] = w.b * dout[at + c];
-                    }
-                    dlse_prev[l] = static_cast<float>(w.a * (along_prev - through_out + dlse[l]));
-                    const double dblock = w.b * (along_block - through_out + dlse[l]);
-                    BlockRowBackward(g, q, kv, b, h, i, grad, o, block, dblock, dq, dkv);
-                  });
+  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
+    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
+    float g_rows[kQueryRows];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
+      const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
+      const float* oi = s.o.data() + (i - i0) * g.head_size;
+      float* d_o = s.d_o.data() + (i - i0) * g.head_size;
+      double through_out = 0, along_prev = 0;
+      for (int64_t c = 0; c < g.head_size; ++c) {
+        // The merged output as the forward wrote it (rounded to f32).
+        const auto merged =
+            static_cast<float>(w.a * out_prev[at + c] + (seen == 0 ? 0.0 : w.b * oi[c]));
+        through_out += double{dout[at + c]} * merged;
+        along_prev += double{dout[at + c]} * out_prev[at + c];
+        dout_prev[at + c] = static_cast<float>(w.a * dout[at + c]);
+        d_o[c] = static_cast<float>(w.b * dout[at + c]);
+      }
+      dlse_prev[l] = static_cast<float>(w.a * (along_prev - through_out + dlse[l]));
+      g_rows[i - i0] = static_cast<float>(w.b * (dlse[l] - through_out));
+    }
+    BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
+  });
   return Status::Ok();
 }
 

@@ -134,8 +134,8 @@ TEST(OpGradientTest, AttentionBlockAccumulateIsTheBlockMerged) {
                     .inputs = {q, kv, out_prev, lse_prev},
                     .differentiable_outputs = {0, 1}});
   }
-  // The first step's partial (the diagonal) merged into nothing seen: lse_prev -inf.
-  const std::vector<float> none(2 * 2 * 6, -std::numeric_limits<float>::infinity());
+  // The first step's partial (the diagonal) merged into nothing seen: lse_prev -inf (2 x 2 x 6).
+  const std::vector<float> none(24, -std::numeric_limits<float>::infinity());
   ASSERT_OK_AND_ASSIGN(Tensors first,
                        RunKernel("attention_block_accumulate_forward",
                                  {q, kv, FloatTensor({2, 6, 8}, std::vector<float>(96, 0.0f)),
