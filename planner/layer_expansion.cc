@@ -584,17 +584,24 @@ class Expansion {
             mb, rotated.origin_layer,
             fmt::format("rotate_back{}_{}", rotated.origin_output, rotated.rotations), source,
             ExchangeLayout::kRingPrevious, kBackwardPriority + 1));
-    const TaskId rotation = s_.ProducerOf(block);
+    AfterEnteringGradients(s_.ProducerOf(block), dy);
+    chain.emplace(rotated.rotations, block);
+    return block;
+  }
+
+  // `task` (work for a backward, done just before it) waits for the gradients `dy` entering that
+  // backward, so it does not run early and hold what the plan freed. A gradient from another
+  // worker (a pipeline's next stage) cannot order it: the stage's schedule does
+  // (OrderSchedulePass chains a recompute just before its backward).
+  void AfterEnteringGradients(TaskId task, const std::vector<ObjectId>& dy) {
     const Graph& graph = s_.builder.graph();
     for (ObjectId gradient : dy) {
       if (!gradient.valid()) continue;
       const TaskId producer = s_.ProducerOf(gradient);
-      if (graph.task(producer).pinned_worker == graph.task(rotation).pinned_worker) {
-        s_.builder.AddControlEdge(producer, rotation);
+      if (graph.task(producer).pinned_worker == graph.task(task).pinned_worker) {
+        s_.builder.AddControlEdge(producer, task);
       }
     }
-    chain.emplace(rotated.rotations, block);
-    return block;
   }
 
   bool Recomputes(size_t l) const {
@@ -616,16 +623,7 @@ class Expansion {
                            AttrsOf(mb, l), s_.On(mb.r, layer.name, kBackwardPriority)));
     const TaskId recompute = s_.ProducerOf(outputs[0]);
     Rank(mb).recompute_task[l][static_cast<size_t>(mb.k)] = recompute;
-    const Graph& graph = s_.builder.graph();
-    for (ObjectId gradient : dy) {
-      if (!gradient.valid()) continue;
-      // A gradient from another worker (a pipeline's next stage) cannot order it: the stage's
-      // schedule does (OrderSchedulePass chains the recompute just before its backward).
-      const TaskId producer = s_.ProducerOf(gradient);
-      if (graph.task(producer).pinned_worker == graph.task(recompute).pinned_worker) {
-        s_.builder.AddControlEdge(producer, recompute);
-      }
-    }
+    AfterEnteringGradients(recompute, dy);
     return outputs;
   }
 

@@ -500,17 +500,27 @@ void BlockRowsBackward(const AttentionBlock& g, const float* q, const float* kv,
 }
 
 // Runs fn(b, h, i0, i1, scratch) over every (batch, head) pair in parallel (each pair writes
-// only its own columns), the query blocks of a pair in order.
+// only its own columns), the query blocks of a pair in order, after BlockRows put the block's P
+// and O for rows [i0, i1) in the scratch (fn's `seen`: BlockRows' return).
 template <typename Fn>
-void ForEachBlockRows(const AttentionBlock& g, const Fn& fn) {
+void ForEachBlockRows(const AttentionBlock& g, const float* q, const float* kv, const Fn& fn) {
   ParallelFor(g.batch * g.heads, 1, [&](int64_t p0, int64_t p1) {
     BlockScratch scratch(g);
     for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / g.heads, h = p % g.heads;
       for (int64_t i0 = 0; i0 < g.queries; i0 += kQueryRows) {
-        fn(p / g.heads, p % g.heads, i0, std::min(g.queries, i0 + kQueryRows), scratch);
+        const int64_t i1 = std::min(g.queries, i0 + kQueryRows);
+        const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, scratch);
+        fn(b, h, i0, i1, seen, scratch);
       }
     }
   });
+}
+
+// A block backward's dq and dkv start at zero (dkv adds up over the query blocks).
+void ZeroQueryAndKeyGradients(const Tensors& out) {
+  std::fill(F(out[0]), F(out[0]) + out[0].numel(), 0.0f);
+  std::fill(F(out[1]), F(out[1]) + out[1].numel(), 0.0f);
 }
 
 Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tensors& out,
@@ -518,15 +528,15 @@ Status AttentionBlockForward(const KernelContext&, const Tensors& in, const Tens
   const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
   const float *q = F(in[0]), *kv = F(in[1]);
   float *y = F(out[0]), *lse = F(out[1]);
-  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
-    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
-    for (int64_t i = i0; i < i1; ++i) {
-      lse[g.Lse(b, h, i)] = s.lse[static_cast<size_t>(i - i0)];
-      float* yi = y + g.Q(b, i, h);
-      const float* oi = s.o.data() + (i - i0) * g.head_size;
-      for (int64_t c = 0; c < g.head_size; ++c) yi[c] = seen == 0 ? 0.0f : oi[c];
-    }
-  });
+  ForEachBlockRows(
+      g, q, kv, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t seen, BlockScratch& s) {
+        for (int64_t i = i0; i < i1; ++i) {
+          lse[g.Lse(b, h, i)] = s.lse[static_cast<size_t>(i - i0)];
+          float* yi = y + g.Q(b, i, h);
+          const float* oi = s.o.data() + (i - i0) * g.head_size;
+          for (int64_t c = 0; c < g.head_size; ++c) yi[c] = seen == 0 ? 0.0f : oi[c];
+        }
+      });
   return Status::Ok();
 }
 
@@ -536,20 +546,19 @@ Status AttentionBlockBackward(const KernelContext&, const Tensors& in, const Ten
   const AttentionBlock g = AttentionBlockOf(in[2], in[3], attrs);
   const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
   float *dq = F(out[0]), *dkv = F(out[1]);
-  std::fill(dq, dq + out[0].numel(), 0.0f);
-  std::fill(dkv, dkv + out[1].numel(), 0.0f);
-  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
-    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
-    float g_rows[kQueryRows];
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* d = dout + g.Q(b, i, h);
-      float* d_o = s.d_o.data() + (i - i0) * g.head_size;
-      std::copy(d, d + g.head_size, d_o);
-      g_rows[i - i0] = static_cast<float>(dlse[g.Lse(b, h, i)] -
-                                          Dot(d, s.o.data() + (i - i0) * g.head_size, g.head_size));
-    }
-    BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
-  });
+  ZeroQueryAndKeyGradients(out);
+  ForEachBlockRows(
+      g, q, kv, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t seen, BlockScratch& s) {
+        float g_rows[kQueryRows];
+        for (int64_t i = i0; i < i1; ++i) {
+          const float* d = dout + g.Q(b, i, h);
+          float* d_o = s.d_o.data() + (i - i0) * g.head_size;
+          std::copy(d, d + g.head_size, d_o);
+          g_rows[i - i0] = static_cast<float>(
+              dlse[g.Lse(b, h, i)] - Dot(d, s.o.data() + (i - i0) * g.head_size, g.head_size));
+        }
+        BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
+      });
   return Status::Ok();
 }
 
@@ -561,19 +570,19 @@ Status AttentionBlockAccumulateForward(const KernelContext&, const Tensors& in, 
   const AttentionBlock g = AttentionBlockOf(in[0], in[1], attrs);
   const float *q = F(in[0]), *kv = F(in[1]), *out_prev = F(in[2]), *lse_prev = F(in[3]);
   float *y = F(out[0]), *lse = F(out[1]);
-  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
-    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
-      const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
-      lse[l] = w.lse;
-      const float* oi = s.o.data() + (i - i0) * g.head_size;
-      for (int64_t c = 0; c < g.head_size; ++c) {
-        const double block = seen == 0 ? 0.0 : w.b * oi[c];
-        y[at + c] = static_cast<float>(w.a * out_prev[at + c] + block);
-      }
-    }
-  });
+  ForEachBlockRows(
+      g, q, kv, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t seen, BlockScratch& s) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
+          const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
+          lse[l] = w.lse;
+          const float* oi = s.o.data() + (i - i0) * g.head_size;
+          for (int64_t c = 0; c < g.head_size; ++c) {
+            const double block = seen == 0 ? 0.0 : w.b * oi[c];
+            y[at + c] = static_cast<float>(w.a * out_prev[at + c] + block);
+          }
+        }
+      });
   return Status::Ok();
 }
 
@@ -586,31 +595,30 @@ Status AttentionBlockAccumulateBackward(const KernelContext&, const Tensors& in,
   const float *dout = F(in[0]), *dlse = F(in[1]), *q = F(in[2]), *kv = F(in[3]);
   const float *out_prev = F(in[4]), *lse_prev = F(in[5]);
   float *dq = F(out[0]), *dkv = F(out[1]), *dout_prev = F(out[2]), *dlse_prev = F(out[3]);
-  std::fill(dq, dq + out[0].numel(), 0.0f);
-  std::fill(dkv, dkv + out[1].numel(), 0.0f);
-  ForEachBlockRows(g, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, BlockScratch& s) {
-    const int64_t seen = BlockRows(g, q, kv, b, h, i0, i1, s);
-    float g_rows[kQueryRows];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
-      const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
-      const float* oi = s.o.data() + (i - i0) * g.head_size;
-      float* d_o = s.d_o.data() + (i - i0) * g.head_size;
-      double through_out = 0, along_prev = 0;
-      for (int64_t c = 0; c < g.head_size; ++c) {
-        // The merged output as the forward wrote it (rounded to f32).
-        const auto merged =
-            static_cast<float>(w.a * out_prev[at + c] + (seen == 0 ? 0.0 : w.b * oi[c]));
-        through_out += double{dout[at + c]} * merged;
-        along_prev += double{dout[at + c]} * out_prev[at + c];
-        dout_prev[at + c] = static_cast<float>(w.a * dout[at + c]);
-        d_o[c] = static_cast<float>(w.b * dout[at + c]);
-      }
-      dlse_prev[l] = static_cast<float>(w.a * (along_prev - through_out + dlse[l]));
-      g_rows[i - i0] = static_cast<float>(w.b * (dlse[l] - through_out));
-    }
-    BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
-  });
+  ZeroQueryAndKeyGradients(out);
+  ForEachBlockRows(
+      g, q, kv, [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t seen, BlockScratch& s) {
+        float g_rows[kQueryRows];
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t l = g.Lse(b, h, i), at = g.Q(b, i, h);
+          const MergeWeights w = MergeWeightsOf(lse_prev[l], s.lse[static_cast<size_t>(i - i0)]);
+          const float* oi = s.o.data() + (i - i0) * g.head_size;
+          float* d_o = s.d_o.data() + (i - i0) * g.head_size;
+          double through_out = 0, along_prev = 0;
+          for (int64_t c = 0; c < g.head_size; ++c) {
+            // The merged output as the forward wrote it (rounded to f32).
+            const auto merged =
+                static_cast<float>(w.a * out_prev[at + c] + (seen == 0 ? 0.0 : w.b * oi[c]));
+            through_out += double{dout[at + c]} * merged;
+            along_prev += double{dout[at + c]} * out_prev[at + c];
+            dout_prev[at + c] = static_cast<float>(w.a * dout[at + c]);
+            d_o[c] = static_cast<float>(w.b * dout[at + c]);
+          }
+          dlse_prev[l] = static_cast<float>(w.a * (along_prev - through_out + dlse[l]));
+          g_rows[i - i0] = static_cast<float>(w.b * (dlse[l] - through_out));
+        }
+        BlockRowsBackward(g, q, kv, b, h, i0, i1, seen, g_rows, s, dq, dkv);
+      });
   return Status::Ok();
 }
 
