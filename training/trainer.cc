@@ -711,8 +711,9 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   // Rank r's micro-batch k takes rows [(g * micro_batches + k) * b, ... + b) of the global
   // batch, g its row group: its data-parallel rank (a data-parallel rank's tensor ranks read the
   // same rows), or under sequence parallelism its group of sequence ranks, each of which takes
-  // its 1/P of each sequence input's positions.
-  const ParallelConfig& p = plan_.parallel;
+  // its 1/P of each sequence input's positions. The micro-batches are the step's: the memory
+  // plan may have split the batch into more than the plan asked for.
+  const ParallelConfig& p = step_graph_.parallel;
   const int64_t micro = step_graph_.micro_batch_rows;
   const int64_t micro_batches = p.micro_batches;
   for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {

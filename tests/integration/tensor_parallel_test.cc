@@ -386,6 +386,32 @@ TEST_F(TensorParallelTest, RingRanksComposeWithDataRanksZeroAndPipelines) {
   ExpectSameRun(RingPlan(2, 2, 2, 1));
 }
 
+// Sequence parallelism under the memory plan: four Ulysses or ring ranks under an activation
+// budget that makes the plan split each rank's batch into micro-batches (run one after another)
+// and keep layers in part or recompute them (a ring layer's recompute reads the re-derived
+// blocks too) train the one-worker run, their activation peaks as predicted. (The trainer used to
+// hand the sequence ranks the rows of the plan's micro-batch count rather than the step's: the
+// losses were another batch's.)
+TEST_F(TensorParallelTest, SequenceRanksUnderAnActivationBudget) {
+  for (const auto& [plan, budget] :
+       std::vector<std::pair<TrainingPlan, double>>{{SequencePlan(4, 4, 1, 0), 0.3},
+                                                    {RingPlan(4, 4, 1, 0), 0.5},
+                                                    {RingPlan(4, 4, 1, 0), 0.6}}) {
+    TrainingPlan capped = plan;
+    capped.memory.activation_budget = budget;
+    const std::string what =
+        fmt::format("{} with {} of its activations", plan.parallel.ToString(), budget);
+    ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(capped));
+    testing::ExpectActivationsPlanned(trainer->step_graph().memory);
+    ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*trainer));
+    testing::ExpectSameRun(run, *reference_, what);
+    testing::ExpectActivationPeaksAsPredicted(*trainer, run, 0.05, 0);
+    std::printf("[ %s ] %d micro-batch(es) a step; %s\n", what.c_str(),
+                trainer->step_graph().parallel.micro_batches,
+                trainer->step_graph().memory.reason.c_str());
+  }
+}
+
 // Six heads over four sequence ranks: under Ulysses each rank attends over two heads, the last
 // rank's both padding (zeros); under ring attention every rank attends over all six. Either way
 // the run is the one worker's, losses and first-step gradients.
