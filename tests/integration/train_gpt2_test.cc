@@ -532,8 +532,13 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
 }
 
 // Ring attention from the command line: two ranks rotating keys and values train the run of one
-// process, and the plan says which outputs rotate.
+// process, and the plan says which outputs rotate; so do two zb-h1 stages of two ring ranks cut
+// inside a block (after h.0.kv1: the next stage's ring step reads the rotated block and the
+// queries across the cut).
 TEST(TrainGpt2Test, RingAttentionTrainsLikeOneProcess) {
+  TrainsLikeOneProcess(
+      "--workers 4 --sequence-parallel ring --pipeline-stages 2 --micro-batches 4 --schedule "
+      "zb-h1 --stage-layers 4,8");
   const ProcessResult split = TrainsLikeOneProcess("--workers 2 --sequence-parallel ring");
   EXPECT_NE(split.output.find("sequence_parallel=2 (ring)"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("each sequence over 2 ranks (ring attention; 1 group(s) of the 2 "
