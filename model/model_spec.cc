@@ -115,25 +115,18 @@ std::optional<ModelSpec::Rotated> ModelSpec::RotationOrigin(size_t l, size_t arg
                ExchangeLayout::kRingNext;
   };
   LayerArg read = layers[l].forward_args[arg];
-  if (!rotates(read)) return std::nullopt;
   Rotated rotated;
-  for (;;) {
+  // Back through hand-on layers, each a rotation, to the block the first one read as it is.
+  while (rotates(read) && layers[read.index].hands_on_rotation) {
     ++rotated.rotations;
-    const LayerSpec& producer = layers[read.index];
-    if (!producer.hands_on_rotation) {  // the block before its rotation is the one it made
-      rotated.origin_layer = read.index;
-      rotated.origin_output = read.output;
-      rotated.origin_rotated = true;
-      return rotated;
-    }
-    read = producer.forward_args.front();
-    if (!rotates(read)) {  // handed on from a block read as it is
-      if (read.kind != LayerArg::Kind::kActivation) return std::nullopt;
-      rotated.origin_layer = read.index;
-      rotated.origin_output = read.output;
-      return rotated;
-    }
+    read = layers[read.index].forward_args.front();
   }
+  if (rotated.rotations == 0 || rotates(read) || read.kind != LayerArg::Kind::kActivation) {
+    return std::nullopt;  // not rotated, or rotated by a layer that is not a hand-on one
+  }
+  rotated.origin_layer = read.index;
+  rotated.origin_output = read.output;
+  return rotated;
 }
 
 const char* SequenceAttentionName(SequenceAttention attention) {

@@ -260,17 +260,15 @@ struct ModelSpec {
   Result<const LayerSpec*> FindLayer(std::string_view name) const;
   // The loss layer (the last one). InvalidArgument when the model has none.
   Result<size_t> LossLayer() const;
-  // Ring attention: where forward argument `arg` of layer `l` comes from when it reads a rotated
-  // block (an output exchanged in kRingNext, through any hand-on layers): the layer and output
-  // the block started from (the rank's own) and the rotations since (>= 1). The origin is an
-  // output read as it is (a hand-on layer rotated it), or, with `origin_rotated`, one its layer
-  // rotated itself (the block is what the layer made, before the exchange). Empty for anything
-  // else.
+  // Ring attention: where forward argument `arg` of layer `l` comes from when it reads a block
+  // rotated by hand-on layers (hands_on_rotation): the layer and output the first of them read
+  // as it is (the rank's own block) and the rotations since (>= 1). Empty for anything else,
+  // a block rotated by a layer that is not a hand-on one included (its readers' backwards read
+  // the forward's copy).
   struct Rotated {
     size_t origin_layer = 0;
     int origin_output = 0;
     int rotations = 0;
-    bool origin_rotated = false;
   };
   std::optional<Rotated> RotationOrigin(size_t l, size_t arg) const;
   // Whether forward argument `arg` of `layer` reads an activation its producer all-gathers along

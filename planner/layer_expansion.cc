@@ -35,9 +35,6 @@ struct MicroBatch {
   // Per layer: the copies one tier down of what its forward saves, by output index (a swapped
   // layer).
   std::vector<std::map<int, ObjectId>> swapped;
-  // Ring attention, per layer: its outputs rotated in kRingNext as the layer made them (the
-  // rank's own block), by output index.
-  std::vector<std::map<int, ObjectId>> unrotated;
   // Ring attention: blocks re-derived for the backwards, per origin (layer, output) and number of
   // forward rotations (Expansion::RotatedBack).
   std::map<std::pair<size_t, int>, std::map<int, ObjectId>> rotated_back;
@@ -99,7 +96,6 @@ class Expansion {
         mb.args.resize(layers);
         mb.outputs.resize(layers);
         mb.swapped.resize(layers);
-        mb.unrotated.resize(layers);
         mb.entering.resize(layers);
         for (size_t l = 0; l < layers; ++l) TESSERA_RETURN_IF_ERROR(AddForward(mb, l));
         if (s_.serialize_micro_batches && k > 0) TESSERA_RETURN_IF_ERROR(AfterPrevious(mb));
@@ -312,9 +308,6 @@ class Expansion {
     for (size_t o = 0; o < exchanged.size(); ++o) {
       // ModelSpec::Validate refused an exchanged output kept for the backward.
       if (exchanged[o] == ExchangeLayout::kNone) continue;
-      if (exchanged[o] == ExchangeLayout::kRingNext) {
-        mb.unrotated[l][static_cast<int>(o)] = mb.outputs[l][o];
-      }
       TESSERA_ASSIGN_OR_RETURN(
           mb.outputs[l][o],
           ExchangeOverSequenceRanks(mb, l, fmt::format("exchange{}", o), mb.outputs[l][o],
@@ -564,15 +557,8 @@ class Expansion {
     if (auto it = chain.find(rotated.rotations); it != chain.end()) return it->second;
     const int ranks = s_.parallel.sequence_parallel;
     ObjectId source;
-    if (rotated.rotations + 1 == ranks && !rotated.origin_rotated) {
+    if (rotated.rotations + 1 == ranks) {  // the rank's own block, as its layer made it
       source = mb.outputs[rotated.origin_layer][static_cast<size_t>(rotated.origin_output)];
-    } else if (rotated.rotations + 1 == ranks) {
-      const auto own = mb.unrotated[rotated.origin_layer].find(rotated.origin_output);
-      if (own == mb.unrotated[rotated.origin_layer].end()) {
-        return Internal("layer '{}' output {} is rotated but its own block was not recorded",
-                        s_.LayerName(rotated.origin_layer), rotated.origin_output);
-      }
-      source = own->second;
     } else {
       ModelSpec::Rotated further = rotated;
       ++further.rotations;

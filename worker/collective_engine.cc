@@ -38,13 +38,13 @@ Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tens
   if (RotatesRing(layout)) {
     // One send and one receive of the whole buffer: to the next member and from the previous
     // (kRingNext), or the other way round.
-    const int rank = communicator.rank();
-    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
-    const bool forward = layout == ExchangeLayout::kRingNext;
     if (size < 2) {
       return InvalidArgument("a ring rotation ({}) needs a group of 2 or more members, not {}",
                              ExchangeLayoutName(layout), size);
     }
+    const int rank = communicator.rank();
+    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+    const bool forward = layout == ExchangeLayout::kRingNext;
     return communicator.SendRecv(in.raw_data(), in.numel(), forward ? next : previous,
                                  out.raw_data(), out.numel(), forward ? previous : next,
                                  in.dtype());

@@ -637,7 +637,6 @@ TEST(TensorParallelSplitTest, RingStepsReadTheirBlockFromTheRanksOwn) {
     EXPECT_EQ(block->origin_layer, static_cast<size_t>(qkv - ring.layers.data()));
     EXPECT_EQ(block->origin_output, 1);
     EXPECT_EQ(block->rotations, step);
-    EXPECT_FALSE(block->origin_rotated);
     EXPECT_FALSE(ring.RotationOrigin(l, 0).has_value()) << "the queries are not rotated";
     EXPECT_TRUE(ring.layers[index(fmt::format("h.1.kv{}", step))].hands_on_rotation);
   }
