@@ -114,11 +114,10 @@ Status Plan(const PlanCommandFlags& flags) {
         "(examples/clusters/); without it --model is gpt2 or unet3d",
         flags.model);
   }
-  if (!flags.gpus.empty() || flags.no_overlap || !flags.tensor_parallel.empty() ||
-      flags.sequence_parallel != "auto") {
+  if (!flags.gpus.empty() || flags.no_overlap) {
     return InvalidArgument(
-        "--gpus, --no-overlap, --tensor-parallel and --sequence-parallel belong to the search at "
-        "scale: add --cluster FILE.yaml, or use --workers N");
+        "--gpus and --no-overlap belong to the search at scale: add --cluster FILE.yaml, or use "
+        "--workers N");
   }
   TESSERA_ASSIGN_OR_RETURN(Device device, ParseDevice(flags.device));
   TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildModel(flags, !device.is_cpu()));
@@ -132,6 +131,9 @@ Status Plan(const PlanCommandFlags& flags) {
   AutoPlanOptions options;
   options.space.workers = flags.workers;
   options.space.fewer_workers = flags.fewer_workers;
+  options.space.tensor_parallel = flags.tensor_parallel;
+  if (flags.sequence_parallel == "none") options.space.shard_sequence = {false};
+  if (flags.sequence_parallel == "megatron") options.space.shard_sequence = {true};
   options.space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   TESSERA_ASSIGN_OR_RETURN(Settings settings, Settings::FromProcessEnvironment());
   options.cache_dir = DefaultCacheDir(settings.cache_dir);
@@ -256,14 +258,15 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
       ->check(AtLeast(1));
   command
       ->add_option("--tensor-parallel", flags.tensor_parallel,
-                   "With --cluster: the tensor-parallel degrees to plan (default: 1 2 4 8; "
-                   "those that split the layers inside a node)")
+                   "The tensor-parallel degrees to plan (default: with --cluster 1 2 4 8, those "
+                   "that split the layers inside a node; else 1 and the divisors of --workers "
+                   "the model splits over)")
       ->check(AtLeast(1));
   command
       ->add_option("--sequence-parallel", flags.sequence_parallel,
-                   "With --cluster: auto (plans with T > 1 with and without Megatron-LM's sequence "
-                   "parallelism, the norms and residuals on 1/T of each sequence), megatron (only "
-                   "with) or none (only without)")
+                   "auto (plans with T > 1 with and without Megatron-LM's sequence parallelism, "
+                   "the norms and residuals on 1/T of each sequence), megatron (only with) or "
+                   "none (only without)")
       ->check(CLI::IsMember({"auto", "megatron", "none"}));
   command->add_flag("--no-overlap", flags.no_overlap,
                     "With --cluster: price collectives as not overlapping the compute");

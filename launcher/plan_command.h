@@ -47,9 +47,11 @@ struct PlanCommandFlags {
   std::string cluster;
   std::vector<int> gpus;
   bool no_overlap = false;
-  std::vector<int> tensor_parallel;  // with --cluster: the degrees T to plan (empty: 1, 2, 4, 8)
-  // With --cluster: "auto" (plans with T > 1 with and without Megatron-LM's sequence
-  // parallelism), "megatron" (only with), "none" (only without).
+  // The degrees T to plan (empty: with --cluster 1, 2, 4, 8; else 1 and the workers' divisors
+  // the model splits over).
+  std::vector<int> tensor_parallel;
+  // "auto" (plans with T > 1 with and without Megatron-LM's sequence parallelism), "megatron"
+  // (only with), "none" (only without).
   std::string sequence_parallel = "auto";
 };
 

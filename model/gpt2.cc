@@ -230,13 +230,18 @@ LayerValue TiedHeadLoss(LayerBuilder& l, LayerValue lnf_w, LayerValue lnf_b, int
   return l.Call("softmax_cross_entropy", {logits, flat_targets}, {}, "cross_entropy");
 }
 
+// The primitive layers (and so every split of GPT-2) run on CPUs with f32 activations.
+Status CheckPrimitiveActivations(const Gpt2Config& config, const char* what) {
+  if (config.activations == DType::kF32) return Status::Ok();
+  return InvalidArgument("GPT-2's {} run on CPUs with f32 activations, not {}: {}", what,
+                         DTypeName(config.activations),
+                         std::string_view(what) == "primitive layers"
+                             ? "use the fused layers on a GPU (--layer-impl fused)"
+                             : "plan without tensor or sequence parallelism on a GPU");
+}
+
 Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
-  if (config.activations != DType::kF32) {
-    return InvalidArgument(
-        "GPT-2's primitive layers run on CPUs with f32 activations, not {}: use the fused layers "
-        "on a GPU (--layer-impl fused)",
-        DTypeName(config.activations));
-  }
+  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "primitive layers"));
   // The model API infers shapes with the ops' definitions (no kernels needed).
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
@@ -332,6 +337,7 @@ Result<ModelSpec> BuildRewrite(const ModelBuilder& model, const Gpt2Config& conf
 // gradients all-reduced. The same bytes move as under plain tensor parallelism; the norms' and
 // residuals' activations are 1/T as large.
 Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool shard_sequence) {
+  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "tensor-parallel layers"));
   if (config.heads % ranks != 0) {
     return InvalidArgument(
         "GPT-2's {} attention heads do not split over {} tensor-parallel ranks: use a degree "
@@ -552,6 +558,7 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool 
 // positions. Parameters keep the whole model's names.
 Result<ModelSpec> BuildPrimitiveSequenceSplit(const Gpt2Config& config, int ranks,
                                               SequenceAttention attention) {
+  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "sequence-parallel layers"));
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;
@@ -688,33 +695,24 @@ Result<ModelSpec> BuildGpt2(const Gpt2Config& config, Gpt2LayerImpl layers) {
   ModelSpec model;
   if (layers == Gpt2LayerImpl::kFused) {
     model = DescribeFused(config);
-    model.split_for_tensor_parallel = [](int) -> Result<ModelSpec> {
-      return InvalidArgument(
-          "GPT-2's fused layers do not split over tensor-parallel ranks; its primitive layers "
-          "do: use --layer-impl primitive");
-    };
-    model.split_for_sequence_parallel = [](int) -> Result<ModelSpec> {
-      return InvalidArgument(
-          "GPT-2's fused layers do not split sequences over ranks; its primitive layers do: use "
-          "--layer-impl primitive");
-    };
-    model.split_sharding_sequence = model.split_for_sequence_parallel;
-    model.split_for_ring_attention = model.split_for_sequence_parallel;
   } else {
     TESSERA_ASSIGN_OR_RETURN(model, BuildPrimitive(config));
-    model.split_for_tensor_parallel = [config](int ranks) {
-      return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/false);
-    };
-    model.split_sharding_sequence = [config](int ranks) {
-      return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/true);
-    };
-    model.split_for_sequence_parallel = [config](int ranks) {
-      return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kUlysses);
-    };
-    model.split_for_ring_attention = [config](int ranks) {
-      return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kRing);
-    };
   }
+  // Either way a rank of a split runs the primitive layers' rewrite: its parameters keep the
+  // whole model's names and shapes, which the fused and primitive layers share, so a trainer
+  // maps the fused model's parameters onto the split's slices by name (Trainer::MapSlices).
+  model.split_for_tensor_parallel = [config](int ranks) {
+    return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/false);
+  };
+  model.split_sharding_sequence = [config](int ranks) {
+    return BuildPrimitiveSplit(config, ranks, /*shard_sequence=*/true);
+  };
+  model.split_for_sequence_parallel = [config](int ranks) {
+    return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kUlysses);
+  };
+  model.split_for_ring_attention = [config](int ranks) {
+    return BuildPrimitiveSequenceSplit(config, ranks, SequenceAttention::kRing);
+  };
   DescribeCommon(config, model);
   return model;
 }

@@ -178,6 +178,25 @@ Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks, bo
   return SplitForTensorParallel(tensor_ranks, shard_sequence);
 }
 
+Result<ModelSpec> ModelSpec::OneRankView() const {
+  if (shards_sequence || sequence_parallel > 1) {
+    return InvalidArgument(
+        "model '{}' split {}: its collectives change the shapes its layers read, so one rank "
+        "does not run on its own; time its tensor split without sequence sharding",
+        name,
+        shards_sequence ? "sharding sequences (Megatron-LM's sequence parallelism)"
+                        : fmt::format("over {} sequence ranks", sequence_parallel));
+  }
+  ModelSpec view = *this;
+  view.tensor_parallel = 1;
+  view.split_for_tensor_parallel = nullptr;
+  view.split_sharding_sequence = nullptr;
+  view.split_for_sequence_parallel = nullptr;
+  view.split_for_ring_attention = nullptr;
+  for (LayerSpec& layer : view.layers) layer.tensor_parallel.reset();
+  return view;
+}
+
 namespace {
 
 // Readers read a collective's result in place of the outputs `replaced` names (partial sums,

@@ -51,8 +51,8 @@ std::vector<std::vector<int>> Cuts(const ModelSpec& model, const SearchSpace& sp
     return {space.chunk_layers};
   }
   if (chunks <= 1 || calibration == nullptr || space.cuts <= 1) return {{}};
-  const Result<std::vector<OpCosts>> times = LayerTimesAt(*calibration, rows);
-  if (!times.ok() || times->size() != model.layers.size()) return {{}};
+  const Result<std::vector<OpCosts>> times = LayerTimesOf(*calibration, model, rows);
+  if (!times.ok()) return {{}};
   std::vector<double> costs;
   costs.reserve(times->size());
   for (const OpCosts& op : *times) costs.push_back(op.forward + op.backward + op.weight);
@@ -66,6 +66,7 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   ParallelConfig& p = plan.parallel;
   p.data_parallel = choice.data_parallel;
   p.tensor_parallel = choice.tensor_parallel;
+  p.shard_sequence = choice.shard_sequence;
   p.pipeline_stages = choice.pipeline_stages;
   p.virtual_stages = choice.virtual_stages;
   p.micro_batches = choice.micro_batches;
@@ -104,7 +105,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   TrainingPlan plan = CandidatePlan(base, choice);
   ParallelConfig& p = plan.parallel;
   const int64_t rows = p.MicroBatchRows(plan.batch);
-  TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesAt(calibration, rows));
+  TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesOf(calibration, model, rows));
   p.task_overhead_ms = calibration.task_overhead_ms;
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
   Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
@@ -207,7 +208,7 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
                                           const MemoryCaps& disk, const Calibration& calibration,
                                           const OpRegistry& registry) {
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> layer_ms,
-                           LayerTimesAt(calibration, step.micro_batch_rows));
+                           LayerTimesOf(calibration, model, step.micro_batch_rows));
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<TaskTime> times,
       EstimateTaskTimes(step.graph, model, layer_ms, registry, disk.disk_copy_compute_us_per_byte));
@@ -221,14 +222,15 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
   return simulated;
 }
 
-Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {
-  if (calibration.layers.empty()) {
-    return InvalidArgument("no layer times were measured (calibrate the cluster first)");
-  }
+namespace {
+
+// Per layer, its times at `rows` rows from those measured at other counts (LayerTimesAt's way).
+Result<std::vector<OpCosts>> Interpolate(const std::vector<LayerTimesAtRows>& measured,
+                                         int64_t rows) {
   if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
   const LayerTimesAtRows* below = nullptr;
   const LayerTimesAtRows* above = nullptr;
-  for (const LayerTimesAtRows& at : calibration.layers) {
+  for (const LayerTimesAtRows& at : measured) {
     if (at.rows == rows) return at.layer_ms;
     if (at.rows < rows && (below == nullptr || at.rows > below->rows)) below = &at;
     if (at.rows > rows && (above == nullptr || at.rows < above->rows)) above = &at;
@@ -251,6 +253,49 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
   const double scale = static_cast<double>(rows) / static_cast<double>(nearest.rows);
   for (const OpCosts& c : nearest.layer_ms) {
     ms.push_back(OpCosts{c.forward * scale, c.backward * scale, c.weight * scale});
+  }
+  return ms;
+}
+
+}  // namespace
+
+Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {
+  if (calibration.layers.empty()) {
+    return InvalidArgument("no layer times were measured (calibrate the cluster first)");
+  }
+  return Interpolate(calibration.layers, rows);
+}
+
+Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
+                                          int64_t rows) {
+  const int t = model.tensor_parallel;
+  std::vector<OpCosts> ms;
+  if (t <= 1) {
+    TESSERA_ASSIGN_OR_RETURN(ms, LayerTimesAt(calibration, rows));
+  } else {
+    const auto split =
+        std::find_if(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
+                     [t](const TensorSplitTimes& times) { return times.tensor_parallel == t; });
+    if (split == calibration.tensor_splits.end() || split->layers.empty()) {
+      return InvalidArgument(
+          "no layer times of a rank of {} tensor-parallel ranks were measured (calibrate with "
+          "that degree in the search)",
+          t);
+    }
+    TESSERA_ASSIGN_OR_RETURN(ms, Interpolate(split->layers, rows));
+  }
+  if (ms.size() != model.layers.size()) {
+    return InvalidArgument(
+        "the calibration holds {} layer times for {} tensor rank(s) but model '{}' has {} "
+        "layers there: calibrate again for this model",
+        ms.size(), t, model.name, model.layers.size());
+  }
+  if (model.shards_sequence) {
+    for (size_t l = 0; l < ms.size(); ++l) {
+      const std::optional<TensorParallelLayer>& split = model.layers[l].tensor_parallel;
+      if (!split || !split->sequence_sharded) continue;
+      ms[l] = OpCosts{ms[l].forward / t, ms[l].backward / t, ms[l].weight / t};
+    }
   }
   return ms;
 }
@@ -288,13 +333,17 @@ std::string PlanChoice::Flags() const {
   return flags;
 }
 
-std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
-                                            const SearchSpace& space,
-                                            const Calibration* calibration) {
-  std::vector<PlanChoice> candidates;
+namespace {
+
+// The candidates of one planned model (its degree and sharding), appended in the search's order.
+void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
+                      const SearchSpace& space, const Calibration* calibration,
+                      std::vector<PlanChoice>& candidates) {
+  const ModelSpec& model = planned.model;
+  const int t = planned.tensor_parallel;
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = AnyLayerSplits(model);
-  int max_stages = std::min(space.workers, layers);
+  int max_stages = std::min(space.workers / t, layers);
   if (space.max_pipeline_stages > 0) max_stages = std::min(max_stages, space.max_pipeline_stages);
   const std::vector<OffloadMode> offloads =
       base.device.is_cpu() ? std::vector<OffloadMode>{OffloadMode::kNone}
@@ -306,8 +355,8 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
   };
   for (int stages = 1; stages <= max_stages; ++stages) {
     if (space.pipeline_stages > 0 && stages != space.pipeline_stages) continue;
-    for (int ranks = 1; ranks * stages <= space.workers; ++ranks) {
-      if (!space.fewer_workers && ranks * stages != space.workers) continue;
+    for (int ranks = 1; ranks * t * stages <= space.workers; ++ranks) {
+      if (!space.fewer_workers && ranks * t * stages != space.workers) continue;
       if (base.batch % ranks != 0) continue;
       const int64_t rank_rows = base.batch / ranks;
       const int max_micro = space.micro_batches > 0 ? space.micro_batches : space.max_micro_batches;
@@ -338,8 +387,8 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
           for (const std::vector<int>& cut : cuts) {
             for (int zero : zeros) {
               for (OffloadMode offload : offloads) {
-                candidates.push_back(
-                    PlanChoice{ranks, stages, virtual_stages, micro, zero, schedule, offload, cut});
+                candidates.push_back(PlanChoice{ranks, stages, virtual_stages, micro, zero,
+                                                schedule, offload, cut, t, planned.shard_sequence});
               }
             }
           }
@@ -347,7 +396,79 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
       }
     }
   }
+}
+
+bool Calibrated(const Calibration& calibration, int tensor_parallel) {
+  return tensor_parallel == 1 ||
+         std::any_of(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
+                     [tensor_parallel](const TensorSplitTimes& split) {
+                       return split.tensor_parallel == tensor_parallel && !split.layers.empty();
+                     });
+}
+
+// With a calibration, only the degrees it has layer times for (a degree the space gives is
+// never left out: its plans then say what is missing).
+std::vector<PlanChoice> CandidatesOf(const std::vector<PlannedModel>& models,
+                                     const TrainingPlan& base, const SearchSpace& space,
+                                     const Calibration* calibration) {
+  std::vector<PlanChoice> candidates;
+  for (const PlannedModel& planned : models) {
+    if (calibration != nullptr && space.tensor_parallel.empty() &&
+        !Calibrated(*calibration, planned.tensor_parallel)) {
+      continue;
+    }
+    AppendCandidates(planned, base, space, calibration, candidates);
+  }
   return candidates;
+}
+
+}  // namespace
+
+Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const TrainingPlan& base,
+                                                const SearchSpace& space) {
+  const bool given = !space.tensor_parallel.empty();
+  std::vector<int> degrees = space.tensor_parallel;
+  if (!given) {
+    for (int t = 1; t <= space.workers; ++t) {
+      if (space.fewer_workers || space.workers % t == 0) degrees.push_back(t);
+    }
+  }
+  std::vector<PlannedModel> models;
+  for (int t : degrees) {
+    if (t < 1 || t > std::max(space.workers, 1) ||
+        (!space.fewer_workers && space.workers % t != 0)) {
+      return InvalidArgument(
+          "tensor-parallel degree {} for a plan of {} worker(s): give a degree from 1 to the "
+          "workers that divides them (D x T x P workers)",
+          t, space.workers);
+    }
+    if (t == 1) {
+      models.push_back(PlannedModel{1, false, model});
+      continue;
+    }
+    for (bool shard : {false, true}) {
+      if (std::find(space.shard_sequence.begin(), space.shard_sequence.end(), shard) ==
+          space.shard_sequence.end()) {
+        continue;
+      }
+      if (shard && !given && (!model.split_sharding_sequence || base.seq_len % t != 0)) continue;
+      Result<ModelSpec> split = model.PlannedFor(t, 1, shard);
+      if (!split.ok()) {
+        if (given) return split.status().WithContext(fmt::format("planning T = {}", t));
+        continue;
+      }
+      models.push_back(PlannedModel{t, shard, *std::move(split)});
+    }
+  }
+  return models;
+}
+
+std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
+                                            const SearchSpace& space,
+                                            const Calibration* calibration) {
+  Result<std::vector<PlannedModel>> models = PlannedModels(model, base, space);
+  if (!models.ok()) return {};
+  return CandidatesOf(*models, base, space, calibration);
 }
 
 Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& base,
@@ -361,13 +482,25 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
         "plan search: the calibration holds no layer times (profile the layers first)");
   }
   const auto started = std::chrono::steady_clock::now();
-  const std::vector<PlanChoice> candidates = EnumerateCandidates(model, base, space, &calibration);
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<PlannedModel> models,
+                           PlannedModels(model, base, space));
+  const std::vector<PlanChoice> candidates = CandidatesOf(models, base, space, &calibration);
   std::vector<Result<Outcome>> outcomes(candidates.size(),
                                         Result<Outcome>(Internal("the candidate was not planned")));
+  const auto planned_for = [&models](const PlanChoice& choice) -> const ModelSpec& {
+    for (const PlannedModel& planned : models) {
+      if (planned.tensor_parallel == choice.tensor_parallel &&
+          planned.shard_sequence == choice.shard_sequence) {
+        return planned.model;
+      }
+    }
+    return models.front().model;  // not reached: every candidate is of one of the models
+  };
   std::atomic<size_t> next{0};
   const auto work = [&] {
     for (size_t i = next++; i < candidates.size(); i = next++) {
-      outcomes[i] = Evaluate(model, base, calibration, candidates[i], registry);
+      outcomes[i] =
+          Evaluate(planned_for(candidates[i]), base, calibration, candidates[i], registry);
     }
   };
   const int threads = std::clamp(space.threads, 1, 64);
@@ -413,7 +546,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
 }
 
 std::string DescribeSearch(const PlanSearchResult& result, int top) {
-  std::string text = fmt::format("{:>3}  {:<36} {:>10}  {:<40} {:>11} {:>11} {:>10}  {}\n", "#",
+  std::string text = fmt::format("{:>3}  {:<44} {:>10}  {:<40} {:>11} {:>11} {:>10}  {}\n", "#",
                                  "plan", "step (ms)", "critical worker: compute/bubble/comm/swap",
                                  "host peak", "device peak", "disk peak", "memory plan");
   const int shown = std::min<int>(top, static_cast<int>(result.ranked.size()));
@@ -433,7 +566,7 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
       const int64_t bytes = r.peak_bytes[static_cast<size_t>(tier)];
       return bytes == 0 ? std::string("-") : MibText(bytes);
     };
-    text += fmt::format("{:>3}  {:<36} {:>10.2f}  {:<40} {:>11} {:>11} {:>10}  {}\n", i + 1,
+    text += fmt::format("{:>3}  {:<44} {:>10.2f}  {:<40} {:>11} {:>11} {:>10}  {}\n", i + 1,
                         r.choice.Name(), r.step_ms, parts, peak(MemoryTier::kHost),
                         peak(MemoryTier::kDevice), peak(MemoryTier::kDisk), memory);
   }

@@ -3,15 +3,18 @@
 //
 // A search enumerates plans of one model and global batch over a number of workers, in one
 // deterministic order:
-//   data-parallel ranks D x pipeline stages P (every worker, or also fewer: SearchSpace),
+//   the tensor-parallel degree T (Megatron-LM's tensor slicing, where the model splits: each
+//   candidate of T >= 2 is planned on the model's split, ModelSpec::PlannedFor), and with it
+//   Megatron-LM's sequence sharding or not,
+//   data-parallel ranks D x pipeline stages P (D x T x P every worker, or also fewer),
 //   the schedule (P > 1: gpipe, 1f1b, interleaved with V = 2, zb-h1 where a layer splits),
 //   micro-batches M (divisors of a rank's rows; M >= P for the 1f1b family),
 //   the cut (P > 1, with the calibration: the balanced cut and the next ones within
 //   cut_slack of its largest chunk, NearBalancedCuts over the layers' calibrated times),
 //   the ZeRO stage (D > 1), offload (GPU workers),
 // and the memory planner's decisions for each (recompute, keep part, swap: PlanTrainingStep under
-// the base plan's caps). Each dimension is one loop of EnumerateCandidates; a new one (tensor
-// parallelism) is a new loop there.
+// the base plan's caps). Each dimension is one loop of EnumerateCandidates; a new one is a new
+// loop there.
 //
 // Every candidate is planned (PlanTrainingStep): a plan that cannot fit under the caps is refused
 // there and never timed (the memory prune); the others get their predicted peak per tier
@@ -21,8 +24,11 @@
 //
 // The calibration is what the costs come from (training/plan_calibration.h measures it on a
 // cluster): per-layer times at the micro-batch row counts the plans use (other counts are
-// interpolated per layer, or scaled in proportion beyond the measured ones), the per-task
-// overhead, and the links.
+// interpolated per layer, or scaled in proportion beyond the measured ones), of the whole model
+// and of one rank of each tensor split searched, the per-task overhead, and the links. A split
+// sharding sequences runs the tensor split's layers, those on 1/T of each sequence (norms,
+// residuals) in 1/T of their time: its collectives change the shapes its layers read, so one
+// process cannot run a rank of it alone (ModelSpec::OneRankView).
 //
 // Thread safety: PlanSearch plans candidates on `threads` threads of its own; the registry is
 // only read.
@@ -48,8 +54,16 @@ struct LayerTimesAtRows {
   std::vector<OpCosts> layer_ms;
 };
 
+// One rank's layer times in a tensor split over `tensor_parallel` ranks (its own layers: the
+// split's, ModelSpec::PlannedFor).
+struct TensorSplitTimes {
+  int tensor_parallel = 2;
+  std::vector<LayerTimesAtRows> layers;  // as Calibration::layers
+};
+
 struct Calibration {
-  std::vector<LayerTimesAtRows> layers;  // any order; distinct row counts
+  std::vector<LayerTimesAtRows> layers;         // the whole model's; any order; distinct row counts
+  std::vector<TensorSplitTimes> tensor_splits;  // per degree T >= 2 searched; distinct degrees
   // What a step spends per task beyond the tasks' own time on the workers (measured against a
   // step run there: training/plan_calibration.h), else in this process (StepProfile).
   double task_overhead_ms = 0;
@@ -63,10 +77,16 @@ struct Calibration {
   ComputeSharing sharing;  // workers sharing one machine's compute
 };
 
-// Per layer, its times at `rows` micro-batch rows: a measured row count's, else interpolated
-// linearly between the nearest measured counts below and above, else the nearest one's scaled
-// by rows over its rows. InvalidArgument when nothing was measured or rows < 1.
+// Per layer of the whole model, its times at `rows` micro-batch rows: a measured row count's,
+// else interpolated linearly between the nearest measured counts below and above, else the
+// nearest one's scaled by rows over its rows. InvalidArgument when nothing was measured or
+// rows < 1.
 Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows);
+// The same for `model`: the whole model (LayerTimesAt) or a split of it planned for T tensor
+// ranks (its TensorSplitTimes; sharding sequences, each sequence-sharded layer's times over T).
+// InvalidArgument when the calibration has no times for its degree or not one per layer.
+Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
+                                          int64_t rows);
 
 struct SearchSpace {
   int workers = 1;
@@ -87,7 +107,14 @@ struct SearchSpace {
   // virtual stages.
   int pipeline_stages = 0, micro_batches = 0, virtual_stages = 0;
   std::vector<int> chunk_layers;  // a given cut (--stage-layers): only plans of its chunks
-  int threads = 1;                // planning threads (candidates are independent)
+  // Tensor-parallel degrees T (D x T x P workers). Empty: 1 and every T >= 2 of the workers'
+  // count (with fewer_workers, up to it) over which the model splits. A given degree the model
+  // cannot split over is an error of the search.
+  std::vector<int> tensor_parallel;
+  // With T >= 2: Megatron-LM's sequence sharding or not, where the model shards sequences and T
+  // divides the sequence length.
+  std::vector<bool> shard_sequence = {false, true};
+  int threads = 1;  // planning threads (candidates are independent)
 };
 
 // A candidate's dimensions; the flags that would run it by hand.
@@ -97,9 +124,8 @@ struct PlanChoice {
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   OffloadMode offload = OffloadMode::kNone;
   std::vector<int> chunk_layers;  // the cut (ParallelConfig::chunk_layers); empty: balanced
-  int tensor_parallel = 1;        // T (the local search keeps 1; the search at scale chooses it)
-  // Megatron-LM's sequence parallelism over the T tensor ranks (ParallelConfig::shard_sequence;
-  // the search at scale chooses it).
+  int tensor_parallel = 1;        // T
+  // Megatron-LM's sequence parallelism over the T tensor ranks (ParallelConfig::shard_sequence).
   bool shard_sequence = false;
   int workers() const { return data_parallel * tensor_parallel * pipeline_stages; }
   // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8", "D2 x P2 1f1b M4 cut 2+4 ZeRO-1",
@@ -151,8 +177,9 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
                                     const SearchSpace& space, const Calibration& calibration,
                                     const OpRegistry& registry);
 
-// The simulated step of `step` (a plan of `model`; PlanTrainingStep's result) on the calibrated
-// costs: its layers' times at its micro-batch rows (LayerTimesAt), the calibration's overheads
+// The simulated step of `step` (a plan of `model`, the model it was planned on: a split one for
+// T >= 2; PlanTrainingStep's result) on the calibrated costs: its layers' times at its
+// micro-batch rows (LayerTimesOf), the calibration's overheads
 // (the step's added to step_ms), links and sharing; `disk` the plan's swap-file link and copy
 // cost (MemoryCaps).
 Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec& model,
@@ -161,9 +188,23 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
 
 // The candidates a search plans, in its order (exposed for tests and `tessera plan --list`).
 // Without a calibration (or given a cut) no cuts beyond the balanced one (or the given one).
+// Degrees the model does not split over are left out, and with a calibration, unless the space
+// gives them, degrees it holds no layer times for (TensorSplitTimes).
 std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const TrainingPlan& base,
                                             const SearchSpace& space,
                                             const Calibration* calibration = nullptr);
+
+// The models a search plans its candidates on: the whole model (T 1) and its splits
+// (ModelSpec::PlannedFor) for the space's tensor-parallel degrees, without and with sequence
+// sharding, in the search's order. A degree the model does not split over is left out, unless
+// the space gives it (then the split's error, naming the degree).
+struct PlannedModel {
+  int tensor_parallel = 1;
+  bool shard_sequence = false;
+  ModelSpec model;
+};
+Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const TrainingPlan& base,
+                                                const SearchSpace& space);
 
 // The table `tessera plan` and `--plan auto` print: the top `top` plans with their predicted step
 // time, peak per tier and bottleneck, and the refusals' count.

@@ -48,8 +48,16 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
   const auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
   };
+  // A degree the space gives that the model cannot split over: its error, before anything runs.
+  TESSERA_RETURN_IF_ERROR(PlannedModels(model, base, options.space).status());
   CalibrationRequest request;
   request.rows = CandidateRows(model, base, options.space);
+  request.tensor_splits = CandidateTensorSplitRows(model, base, options.space);
+  if (request.rows.empty() && !request.tensor_splits.empty()) {
+    // Only split plans (a given degree): the whole model's layers at the split's rows still
+    // calibrate the workers' probes.
+    request.rows = request.tensor_splits.front().rows;
+  }
   if (request.rows.empty()) {
     return InvalidArgument(
         "--plan auto: no plan splits the batch of {} over {} worker(s) (each data-parallel rank "
@@ -78,7 +86,10 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
     TESSERA_ASSIGN_OR_RETURN(plan.calibration,
                              Calibrate(model, base, request, executor, make_backend, progress));
     plan.calibration_source = fmt::format(
-        "measured: the layers at {} micro-batch shape(s){}", request.rows.size(),
+        "measured: the layers at {} micro-batch shape(s){}{}", request.rows.size(),
+        request.tensor_splits.empty()
+            ? ""
+            : fmt::format(", one rank of {} tensor split(s)", request.tensor_splits.size()),
         request.workers.empty() ? ""
                                 : fmt::format(", steps on {} worker(s)", request.workers.size()));
     if (!path.empty()) {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <set>
 #include <system_error>
 
@@ -38,15 +39,55 @@ CollectiveLink LinkFrom(const json& j) {
   return CollectiveLink{j.at("latency_us").get<double>(), j.at("bytes_per_us").get<double>()};
 }
 
+json LayersJson(const std::vector<LayerTimesAtRows>& layers) {
+  json all = json::array();
+  for (const LayerTimesAtRows& at : layers) {
+    json ms = json::array();
+    for (const OpCosts& c : at.layer_ms) ms.push_back({c.forward, c.backward, c.weight});
+    all.push_back({{"rows", at.rows}, {"layer_ms", ms}});
+  }
+  return all;
+}
+
+std::vector<LayerTimesAtRows> LayersFrom(const json& all) {
+  std::vector<LayerTimesAtRows> layers;
+  for (const json& at : all) {
+    LayerTimesAtRows rows{at.at("rows").get<int64_t>(), {}};
+    for (const json& ms : at.at("layer_ms")) {
+      rows.layer_ms.push_back(
+          OpCosts{ms.at(0).get<double>(), ms.at(1).get<double>(), ms.at(2).get<double>()});
+    }
+    layers.push_back(std::move(rows));
+  }
+  return layers;
+}
+
 }  // namespace
 
 std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& base,
                                    const SearchSpace& space) {
   std::set<int64_t> rows;
   for (const PlanChoice& c : EnumerateCandidates(model, base, space)) {
+    if (c.tensor_parallel > 1) continue;
     rows.insert(base.batch / (int64_t{c.data_parallel} * c.micro_batches));
   }
   return {rows.begin(), rows.end()};
+}
+
+std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
+                                                      const TrainingPlan& base,
+                                                      const SearchSpace& space) {
+  std::map<int, std::set<int64_t>> rows;
+  for (const PlanChoice& c : EnumerateCandidates(model, base, space)) {
+    if (c.tensor_parallel < 2) continue;
+    rows[c.tensor_parallel].insert(base.batch / (int64_t{c.data_parallel} * c.micro_batches));
+  }
+  std::vector<TensorSplitRows> splits;
+  splits.reserve(rows.size());
+  for (const auto& [t, counts] : rows) {
+    splits.push_back(TensorSplitRows{t, {counts.begin(), counts.end()}});
+  }
+  return splits;
 }
 
 namespace {
@@ -213,28 +254,48 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   options.split_backwards = true;
   options.steps = std::max(1, request.profile_steps);
   double overhead_sum = 0;
-  for (int64_t rows : request.rows) {
-    TrainingPlan shape = base;
-    shape.batch = rows;
-    shape.parallel = ParallelConfig{};
-    shape.memory = MemoryCaps{};
-    Result<StepProfile> profile = ProfileStep(model, shape, executor, options);
-    if (!profile.ok()) {
-      return profile.status().WithContext(fmt::format("calibrating the layers at {} rows", rows));
+  // `what`'s layers at each of `counts` rows in this process (`sum`: its task overheads added).
+  const auto profile_layers = [&](const ModelSpec& what, const std::vector<int64_t>& counts,
+                                  const std::string& label,
+                                  double* sum) -> Result<std::vector<LayerTimesAtRows>> {
+    std::vector<LayerTimesAtRows> times;
+    for (int64_t rows : counts) {
+      TrainingPlan shape = base;
+      shape.batch = rows;
+      shape.parallel = ParallelConfig{};
+      shape.memory = MemoryCaps{};
+      Result<StepProfile> profile = ProfileStep(what, shape, executor, options);
+      if (!profile.ok()) {
+        return profile.status().WithContext(
+            fmt::format("calibrating the {} at {} rows", label, rows));
+      }
+      double step_layers = 0;
+      for (OpCosts& ms : profile->layer_ms) {
+        // A layer too fast to time still costs something.
+        ms.forward = std::max(ms.forward, 1e-3);
+        ms.backward = std::max(ms.backward, 1e-3);
+        step_layers += ms.forward + ms.backward + ms.weight;
+      }
+      say(fmt::format("{} at {} rows a micro-batch: {:.1f} ms forward + backward", label, rows,
+                      step_layers));
+      if (sum != nullptr) *sum += profile->TaskOverheadMs();
+      times.push_back(LayerTimesAtRows{rows, std::move(profile->layer_ms)});
     }
-    double step_layers = 0;
-    for (OpCosts& ms : profile->layer_ms) {
-      // A layer too fast to time still costs something.
-      ms.forward = std::max(ms.forward, 1e-3);
-      ms.backward = std::max(ms.backward, 1e-3);
-      step_layers += ms.forward + ms.backward + ms.weight;
-    }
-    say(fmt::format("layers at {} rows a micro-batch: {:.1f} ms forward + backward", rows,
-                    step_layers));
-    overhead_sum += profile->TaskOverheadMs();
-    calibration.layers.push_back(LayerTimesAtRows{rows, std::move(profile->layer_ms)});
-  }
+    return times;
+  };
+  TESSERA_ASSIGN_OR_RETURN(calibration.layers,
+                           profile_layers(model, request.rows, "layers", &overhead_sum));
   calibration.task_overhead_ms = overhead_sum / static_cast<double>(request.rows.size());
+  for (const TensorSplitRows& split : request.tensor_splits) {
+    const std::string label =
+        fmt::format("layers of one of {} tensor ranks", split.tensor_parallel);
+    Result<ModelSpec> rank = model.PlannedFor(split.tensor_parallel, 1);
+    if (rank.ok()) rank = rank->OneRankView();
+    if (!rank.ok()) return rank.status().WithContext("calibrating the " + label);
+    TESSERA_ASSIGN_OR_RETURN(std::vector<LayerTimesAtRows> times,
+                             profile_layers(*rank, split.rows, label, nullptr));
+    calibration.tensor_splits.push_back(TensorSplitTimes{split.tensor_parallel, std::move(times)});
+  }
   if (!make_backend || request.workers.empty()) return calibration;
   if (request.workers.size() >= 2) {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
@@ -258,10 +319,16 @@ std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
   }
   std::string rows;
   for (int64_t r : request.rows) rows += fmt::format("{},", r);
+  std::string splits;
+  for (const TensorSplitRows& split : request.tensor_splits) {
+    splits += fmt::format(" T{} [", split.tensor_parallel);
+    for (int64_t r : split.rows) splits += fmt::format("{},", r);
+    splits += "]";
+  }
   return fmt::format(
-      "model {:016x} ({} layers) seq {} device {} rows [{}] workers {} host {} threads {}",
+      "model {:016x} ({} layers) seq {} device {} rows [{}]{} workers {} host {} threads {}",
       std::hash<std::string>()(layers), model.layers.size(), base.seq_len, base.device.ToString(),
-      rows, request.workers.size(), HostName(), threads);
+      rows, splits, request.workers.size(), HostName(), threads);
 }
 
 std::string CalibrationPath(const std::string& cache_dir, const std::string& key) {
@@ -281,14 +348,14 @@ std::string DefaultCacheDir(const std::string& setting) {
 
 Status SaveCalibration(const std::string& path, const std::string& key,
                        const Calibration& calibration) {
-  json layers = json::array();
-  for (const LayerTimesAtRows& at : calibration.layers) {
-    json ms = json::array();
-    for (const OpCosts& c : at.layer_ms) ms.push_back({c.forward, c.backward, c.weight});
-    layers.push_back({{"rows", at.rows}, {"layer_ms", ms}});
+  json splits = json::array();
+  for (const TensorSplitTimes& split : calibration.tensor_splits) {
+    splits.push_back(
+        {{"tensor_parallel", split.tensor_parallel}, {"layers", LayersJson(split.layers)}});
   }
   const json file = {{"key", key},
-                     {"layers", layers},
+                     {"layers", LayersJson(calibration.layers)},
+                     {"tensor_splits", splits},
                      {"task_overhead_ms", calibration.task_overhead_ms},
                      {"step_overhead_ms", calibration.step_overhead_ms},
                      {"compute_scale", calibration.compute_scale},
@@ -318,13 +385,10 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
                              file.at("key").get<std::string>());
     }
     Calibration calibration;
-    for (const json& at : file.at("layers")) {
-      LayerTimesAtRows rows{at.at("rows").get<int64_t>(), {}};
-      for (const json& ms : at.at("layer_ms")) {
-        rows.layer_ms.push_back(
-            OpCosts{ms.at(0).get<double>(), ms.at(1).get<double>(), ms.at(2).get<double>()});
-      }
-      calibration.layers.push_back(std::move(rows));
+    calibration.layers = LayersFrom(file.at("layers"));
+    for (const json& split : file.at("tensor_splits")) {
+      calibration.tensor_splits.push_back(
+          TensorSplitTimes{split.at("tensor_parallel").get<int>(), LayersFrom(split.at("layers"))});
     }
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
     calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();

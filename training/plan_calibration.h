@@ -4,7 +4,10 @@
 // A calibration is:
 //   * the layers' forward, backward and weight-half times at every micro-batch row count the
 //     search's candidates use (ProfileStep in this process, split backwards, at that shape:
-//     training/layer_profile.h), and the per-task overhead measured beside them;
+//     training/layer_profile.h), and the per-task overhead measured beside them; for each
+//     tensor-parallel degree T searched, the same for one rank of the model's split over T
+//     ranks (ModelSpec::OneRankView: the rank's kernels at its shapes, in this process, without
+//     the split's collectives, which the simulation prices on the link);
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
 //     workers: its latency and all-reduce bandwidth), which also stands for the point-to-point
 //     link (StepLinks). One worker: none;
@@ -40,12 +43,24 @@
 
 namespace tessera {
 
-// The distinct micro-batch row counts of EnumerateCandidates(model, base, space), ascending.
+// The distinct micro-batch row counts of EnumerateCandidates(model, base, space) without
+// tensor parallelism, ascending.
 std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& base,
                                    const SearchSpace& space);
 
+// A tensor split to profile: its degree and its candidates' micro-batch row counts (ascending).
+struct TensorSplitRows {
+  int tensor_parallel = 2;
+  std::vector<int64_t> rows;
+};
+// Per degree T >= 2 among EnumerateCandidates(model, base, space), ascending.
+std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
+                                                      const TrainingPlan& base,
+                                                      const SearchSpace& space);
+
 struct CalibrationRequest {
-  std::vector<int64_t> rows;      // the row counts to profile the layers at
+  std::vector<int64_t> rows;                   // the row counts to profile the layers at
+  std::vector<TensorSplitRows> tensor_splits;  // one rank of each split, at its row counts
   std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
   int profile_steps = 4;          // timed steps per row count (after one untimed)
   int probe_steps = 5;            // timed steps per probe on the workers (after two untimed)

@@ -42,7 +42,7 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--tensor-parallel", flags.tensor_parallel,
                  "T: each layer split over T workers (Megatron-LM's tensor slicing: attention "
                  "heads and MLP columns, two all-reduces forward and two backward per block); "
-                 "--workers is then D x T x P (GPT-2 with --layer-impl primitive)")
+                 "--workers is then D x T x P")
       ->check(tessera::AtLeast(1));
   app.add_option("--sequence-parallel", flags.sequence_parallel,
                  "none, or ulysses: each sequence split over groups of data-parallel workers "
@@ -83,8 +83,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--plan", flags.search.plan,
                  "flags: the plan the flags say; auto: the system chooses data parallelism, "
-                 "pipeline stages and schedule, micro-batches and the ZeRO stage (any of those "
-                 "flags given fixes its part) by simulating every plan that fits the memory caps "
+                 "tensor parallelism (with or without Megatron's sequence sharding, where the "
+                 "model splits), pipeline stages and schedule, micro-batches and the ZeRO stage "
+                 "(any of those flags given fixes its part) by simulating every plan that fits the "
+                 "memory caps "
                  "on costs measured on this cluster (cached between runs; --recalibrate measures "
                  "again), and says which it chose and why")
       ->check(CLI::IsMember({"flags", "auto"}));
@@ -246,6 +248,8 @@ std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* 
   search.schedule_given = given("--schedule");
   search.virtual_given = given("--virtual-stages");
   search.cut_given = given("--stage-layers");
+  search.tensor_given = given("--tensor-parallel");
+  search.sequence_given = given("--sequence-parallel");
   return exit;
 }
 
@@ -269,12 +273,6 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
     return InvalidArgument(
         "--snapshot-every keeps state for recovery: it needs --max-restarts K (K >= 1)");
   }
-  if (flags.tensor_parallel > 1 && flags.search.plan == "auto") {
-    return InvalidArgument(
-        "--plan auto does not search tensor parallelism yet: give the plan's flags with "
-        "--tensor-parallel {}, or --plan auto without it",
-        flags.tensor_parallel);
-  }
   if (flags.sequence_parallel == "megatron" && flags.tensor_parallel < 2) {
     return InvalidArgument(
         "--sequence-parallel megatron shards each sequence over the tensor-parallel workers: add "
@@ -286,10 +284,12 @@ Status CheckFlagCombinations(const CommonFlags& flags) {
         "drop --sequence-degree {} (it sizes ulysses' groups)",
         flags.sequence_degree);
   }
-  if (flags.sequence_parallel != "none" && flags.search.plan == "auto") {
+  if ((flags.sequence_parallel == "ulysses" || flags.sequence_parallel == "ring") &&
+      flags.search.plan == "auto") {
     return InvalidArgument(
-        "--plan auto does not search sequence parallelism yet: give the plan's flags with "
-        "--sequence-parallel {}, or --plan auto without it",
+        "--plan auto searches tensor parallelism and Megatron-LM's sequence sharding, not "
+        "--sequence-parallel {} yet: give the plan's flags without --plan auto, or --plan auto "
+        "without it",
         flags.sequence_parallel);
   }
   if (flags.sequence_degree > 0 && flags.sequence_parallel == "none") {

@@ -75,9 +75,10 @@ struct PlanSearchFlags {
   bool recalibrate = false;
   int show_plans = 5;
   // Which of --zero-stage, --pipeline-stages, --micro-batches (or --grad-accum), --schedule,
-  // --virtual-stages and --stage-layers the command line gave (ParseFlags records them).
+  // --virtual-stages, --stage-layers, --tensor-parallel and --sequence-parallel the command line
+  // gave (ParseFlags records them).
   bool zero_given = false, stages_given = false, micro_given = false, schedule_given = false,
-       virtual_given = false, cut_given = false;
+       virtual_given = false, cut_given = false, tensor_given = false, sequence_given = false;
 };
 
 struct CommonFlags {
@@ -92,8 +93,6 @@ struct CommonFlags {
   // sequence_degree data-parallel ranks (0: all of a stage's).
   std::string sequence_parallel = "none";
   int sequence_degree = 0;
-  // Whether the plan splits layers or sequences (the model then runs its split layers).
-  bool splits_layers() const { return tensor_parallel > 1 || sequence_parallel != "none"; }
   std::string offload = "none";
   std::string bucket_mb = "auto";  // gradient buckets: auto (from the measured link) or MB
   int micro_batches = 0;           // 0: not given (--grad-accum's value, else 1)

@@ -155,7 +155,8 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.plan != "auto") return Status::Ok();
   if (flags.placement == "layers") {
     return InvalidArgument(
-        "--plan auto chooses among data-parallel, pipeline and ZeRO plans; --placement layers "
+        "--plan auto chooses among data-parallel, tensor-parallel, pipeline and ZeRO plans; "
+        "--placement layers "
         "is a placement of its own: drop one of them");
   }
   AutoPlanOptions options;
@@ -175,6 +176,8 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.schedule_given) space.schedules = {given.schedule};
   if (search.virtual_given) space.virtual_stages = given.virtual_stages;
   if (search.cut_given) space.chunk_layers = given.chunk_layers;
+  if (search.tensor_given) space.tensor_parallel = {given.tensor_parallel};
+  if (search.sequence_given) space.shard_sequence = {given.shard_sequence};
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
   // The layers are profiled in this process with a local cluster's workers' threads (what the

@@ -58,7 +58,7 @@ struct Flags {
   std::string preset = "tiny";
   int64_t layers = 0, channels = 0, heads = 0, vocab = 0, seq_len = 0, batch = 0;
   int64_t max_seq_len = 0;
-  std::string layer_impl;  // empty: fused, or primitive under --tensor-parallel
+  std::string layer_impl = "fused";
   int64_t steps = 200;
   double lr = 1e-3;
   double weight_decay = 0.1;
@@ -466,11 +466,8 @@ Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags.common));
   if (!runtime.device.is_cpu()) shape.config.activations = tessera::GpuActivations();
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Data> data, LoadData(flags, shape));
-  // The fused layers do not split over tensor ranks; the primitive ones do.
-  const std::string impl = !flags.layer_impl.empty()      ? flags.layer_impl
-                           : flags.common.splits_layers() ? "primitive"
-                                                          : "fused";
-  TESSERA_ASSIGN_OR_RETURN(tessera::Gpt2LayerImpl layers, tessera::ParseGpt2LayerImpl(impl));
+  TESSERA_ASSIGN_OR_RETURN(tessera::Gpt2LayerImpl layers,
+                           tessera::ParseGpt2LayerImpl(flags.layer_impl));
   TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildGpt2(shape.config, layers));
   TESSERA_ASSIGN_OR_RETURN(tessera::TrainingPlan plan, MakePlan(flags, shape, runtime, model));
   // Where the step runs: this process, a local cluster we start, or a running cluster.
@@ -541,9 +538,9 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
       ->check(tessera::AtLeast(1));
   app.add_option("--layer-impl", flags.layer_impl,
                  "How the layers run: fused (hand-fused layer ops, the fast path) or primitive "
-                 "(programs of primitive ops with derived backwards, the reference; CPU only; "
-                 "the default under --tensor-parallel and --sequence-parallel: the layers that "
-                 "split)")
+                 "(programs of primitive ops with derived backwards, the reference; CPU only). "
+                 "Under --tensor-parallel and --sequence-parallel each rank runs the primitive "
+                 "layers' split either way")
       ->check(CLI::IsMember({"fused", "primitive"}));
   app.add_option("--batch", flags.batch, "Sequences per step")->check(tessera::AtLeast(1));
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));

@@ -132,10 +132,11 @@ class TensorParallelTest : public ::testing::Test {
     reference_grads_ = nullptr;
   }
 
-  static Result<std::unique_ptr<Trainer>> OnCluster(const TrainingPlan& plan) {
+  static Result<std::unique_ptr<Trainer>> OnCluster(const TrainingPlan& plan,
+                                                    ModelSpec model = Model()) {
     TESSERA_ASSIGN_OR_RETURN(auto backend,
                              MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Trainer::Create(Model(), plan, std::move(backend));
+    return Trainer::Create(std::move(model), plan, std::move(backend));
   }
 
   static void ExpectSameRun(const TrainingPlan& plan) {
@@ -277,10 +278,22 @@ TEST(TensorParallelSplitTest, BadDegreesAreRefusedWithTheFix) {
   ASSERT_FALSE(three.ok());
   EXPECT_NE(three.status().message().find("4 attention heads"), std::string::npos)
       << three.status().ToString();
-  Result<ModelSpec> fused = BuildGpt2(kTiny)->SplitForTensorParallel(2);
-  ASSERT_FALSE(fused.ok());
-  EXPECT_NE(fused.status().message().find("--layer-impl primitive"), std::string::npos)
-      << fused.status().ToString();
+  // The fused layers' model splits as the primitive one does (the same split).
+  ASSERT_OK_AND_ASSIGN(ModelSpec fused, BuildGpt2(kTiny)->SplitForTensorParallel(2));
+  ASSERT_OK_AND_ASSIGN(ModelSpec primitive, whole.SplitForTensorParallel(2));
+  ASSERT_EQ(fused.layers.size(), primitive.layers.size());
+  for (size_t l = 0; l < fused.layers.size(); ++l) {
+    EXPECT_EQ(fused.layers[l].name, primitive.layers[l].name);
+    EXPECT_EQ(fused.layers[l].params.numel(), primitive.layers[l].params.numel());
+  }
+  // A split runs on CPUs with f32 activations: bf16 (a GPU's) is refused with the fix.
+  Gpt2Config bf16 = kTiny;
+  bf16.activations = DType::kBF16;
+  Result<ModelSpec> gpu_split = BuildGpt2(bf16)->SplitForTensorParallel(2);
+  ASSERT_FALSE(gpu_split.ok());
+  EXPECT_NE(gpu_split.status().message().find("plan without tensor or sequence parallelism"),
+            std::string::npos)
+      << gpu_split.status().ToString();
   // The plan's workers must be D x T x P.
   TrainingPlan plan = Plan(1, 2, 1, 0);
   plan.parallel.workers = {WorkerId(1), WorkerId(2), WorkerId(3)};
@@ -289,12 +302,10 @@ TEST(TensorParallelSplitTest, BadDegreesAreRefusedWithTheFix) {
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("D x T x P = 2 workers"), std::string::npos) << status.ToString();
   // A split model planned without tensor parallelism is refused; a whole one is checked as it
-  // splits (the fused GPT-2 does not), and the step is planned on the split one only.
+  // splits, and the step is planned on the split one only.
   EXPECT_FALSE(Plan(1, 1, 1, 0).Validate(split).ok());
   EXPECT_OK(Plan(1, 2, 1, 0).Validate(whole));
-  Status fused_plan = Plan(1, 2, 1, 0).Validate(*BuildGpt2(kTiny));
-  EXPECT_NE(fused_plan.message().find("--layer-impl primitive"), std::string::npos)
-      << fused_plan.ToString();
+  EXPECT_OK(Plan(1, 2, 1, 0).Validate(*BuildGpt2(kTiny)));
   OpRegistry registry;
   ASSERT_OK(RegisterStandardOps(registry));
   TrainingPlan bound = Plan(1, 2, 1, 0);
@@ -321,6 +332,21 @@ TEST_F(TensorParallelTest, TwoTensorByTwoDataRanksUnderZero3WithMicroBatches) {
 }
 
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightWorkers) { ExpectSameRun(Plan(2, 2, 2, 1)); }
+
+// A trainer of the fused layers' model (train_gpt2's default) runs every split as the
+// primitive model's: its parameters mapped onto the split's slices by name, the one-worker run's
+// losses (float rounding of other kernels apart, within 1e-5).
+TEST_F(TensorParallelTest, TheFusedModelTrainsEverySplit) {
+  for (const TrainingPlan& plan : {Plan(1, 2, 1, 0), ShardedPlan(1, 2, 1, 0),
+                                   SequencePlan(2, 2, 1, 0), RingPlan(2, 2, 1, 0)}) {
+    ASSERT_OK_AND_ASSIGN(ModelSpec fused, BuildGpt2(kTiny));
+    ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(plan, std::move(fused)));
+    ASSERT_OK_AND_ASSIGN(testing::TrainingRun run, Train(*trainer));
+    testing::ExpectSameRun(run, *reference_, "fused, " + plan.parallel.ToString());
+    ASSERT_OK_AND_ASSIGN(float eval_loss, trainer->EvalLoss(Batch(kSteps)));
+    EXPECT_NEAR(eval_loss, *reference_eval_loss_, 1e-5 * *reference_eval_loss_);
+  }
+}
 
 // The gradients of two runs' first steps, parameter by parameter: the norm of each difference
 // against the reference's norm, at most 1e-6; returns the worst.
@@ -663,11 +689,9 @@ TEST(TensorParallelSplitTest, SequenceParallelismIsRefusedWithTheFix) {
   both.parallel.tensor_parallel = 2;
   Status together = both.Validate(Model());
   EXPECT_NE(together.message().find("not built"), std::string::npos) << together.ToString();
-  Status fused = SequencePlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny));
-  EXPECT_NE(fused.message().find("--layer-impl primitive"), std::string::npos) << fused.ToString();
-  Status fused_ring = RingPlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny));
-  EXPECT_NE(fused_ring.message().find("--layer-impl primitive"), std::string::npos)
-      << fused_ring.ToString();
+  // The fused layers' model splits sequences as the primitive one does.
+  EXPECT_OK(SequencePlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny)));
+  EXPECT_OK(RingPlan(2, 2, 1, 0).Validate(*BuildGpt2(kTiny)));
   TrainingPlan ring_with_tensor = RingPlan(2, 2, 1, 0);
   ring_with_tensor.parallel.tensor_parallel = 2;
   Status ring_together = ring_with_tensor.Validate(Model());

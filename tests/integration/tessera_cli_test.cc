@@ -365,11 +365,26 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
   EXPECT_NE(first.output.find("calibrating: 4 ranks at once"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
   std::smatch best;
-  ASSERT_TRUE(std::regex_search(first.output, best,
-                                std::regex(R"(best: (D\d x P\d[^(]*) \((--workers [^)]*)\))")))
+  ASSERT_TRUE(std::regex_search(
+      first.output, best,
+      std::regex(R"(best: (D\d x (T\d( SP)? x )?P\d[^(]*) \((--workers [^)]*)\))")))
       << first.output;
   EXPECT_NE(first.output.find("  1  " + best[1].str()), std::string::npos) << first.output;
-  EXPECT_NE(best[2].str().find("--micro-batches"), std::string::npos) << first.output;
+  EXPECT_NE(best[4].str().find("--micro-batches"), std::string::npos) << first.output;
+  // Tensor parallelism, given, restricts the search: one rank of the split is calibrated.
+  BoundedRun tensor = plan(
+      "--model gpt2 --batch 8 --workers 2 --no-probe --top 2 --tensor-parallel 2 "
+      "--sequence-parallel megatron");
+  ASSERT_EQ(tensor.exit_code, 0) << tensor.output;
+  EXPECT_NE(tensor.output.find("layers of one of 2 tensor ranks"), std::string::npos)
+      << tensor.output;
+  EXPECT_NE(tensor.output.find("best: D1 x T2 SP x P1"), std::string::npos) << tensor.output;
+  EXPECT_NE(tensor.output.find("--tensor-parallel 2 --sequence-parallel megatron"),
+            std::string::npos)
+      << tensor.output;
+  BoundedRun odd = plan("--model gpt2 --batch 8 --workers 4 --no-probe --tensor-parallel 3");
+  EXPECT_EQ(odd.exit_code, 1) << odd.output;
+  EXPECT_NE(odd.output.find("that divides them"), std::string::npos) << odd.output;
 
   BoundedRun cached = plan("--model gpt2 --batch 8 --workers 4 --top 3");
   ASSERT_EQ(cached.exit_code, 0) << cached.output;

@@ -480,8 +480,6 @@ TEST(TrainGpt2Test, TensorParallelRanksTrainLikeOneProcess) {
        "0"},
       {"--workers 4 --tensor-parallel 4 --heads 6 --channels 96",
        "6 attention heads do not split over 4 tensor-parallel ranks"},
-      {"--workers 2 --tensor-parallel 2 --layer-impl fused", "use --layer-impl primitive"},
-      {"--workers 2 --tensor-parallel 2 --plan auto", "--plan auto does not search tensor"},
   };
   ExpectRefused(refused);
 }
@@ -519,7 +517,7 @@ TEST(TrainGpt2Test, SequenceParallelRanksTrainLikeOneProcess) {
        "needs --sequence-degree a divisor of them"},
       {"--workers 2 --sequence-parallel ulysses --seq-len 63", "multiple of 2"},
       {"--workers 2 --sequence-parallel ulysses --plan auto",
-       "--plan auto does not search sequence parallelism"},
+       "not --sequence-parallel ulysses yet"},
       {"--workers 2 --sequence-parallel megatron", "add --tensor-parallel T (T >= 2)"},
       {"--workers 2 --tensor-parallel 2 --sequence-parallel megatron --sequence-degree 2",
        "drop --sequence-degree 2"},
@@ -592,8 +590,9 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   EXPECT_NE(first.output.find("calibration measured"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
   std::smatch chose;
-  ASSERT_TRUE(std::regex_search(first.output, chose,
-                                std::regex(R"(--plan auto chose (D\d x P\d[^(]*) \(--workers)")))
+  ASSERT_TRUE(std::regex_search(
+      first.output, chose,
+      std::regex(R"(--plan auto chose (D\d x (T\d( SP)? x )?P\d[^(]*) \(--workers)")))
       << first.output;
   // The table's first line is the plan chosen.
   EXPECT_NE(first.output.find("  1  " + chose[1].str()), std::string::npos) << first.output;
@@ -614,6 +613,17 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
       << fixed.output;
   EXPECT_NEAR(FirstMatch(fixed.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
       << fixed.output;
+  // The four-worker search calibrated one rank of each tensor split (T 2 and 4) beside the
+  // whole model; a degree given fixes it, and the plan chosen trains the same losses.
+  EXPECT_NE(first.output.find("calibrating: layers of one of 2 tensor ranks"), std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("calibrating: layers of one of 4 tensor ranks"), std::string::npos)
+      << first.output;
+  BoundedRun tensor = run(common + " --workers 2 --plan auto --tensor-parallel 2");
+  ASSERT_EQ(tensor.exit_code, 0) << tensor.output;
+  EXPECT_NE(tensor.output.find("--plan auto chose D1 x T2"), std::string::npos) << tensor.output;
+  EXPECT_NEAR(FirstMatch(tensor.output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+      << tensor.output;
 
   // Under a cap the workers hold (a fresh cache: every probe runs on the capped workers), the
   // probes are planned under it too, and the chosen plan trains the same losses.

@@ -7,6 +7,7 @@
 
 #include <numeric>
 #include <set>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -66,7 +67,8 @@ TEST(PlanSearchTest, TheCandidatesCoverEveryDimensionAndEachIsAValidShape) {
   space.workers = 4;
   const std::vector<PlanChoice> candidates = EnumerateCandidates(model, Base(), space);
   std::set<std::string> names;
-  std::set<std::pair<int, int>> shapes;
+  std::set<std::tuple<int, int, int>> shapes;  // D, T, P
+  std::set<std::pair<int, bool>> tensor;       // T, sequence sharded
   std::set<PipelineSchedule> schedules;
   std::set<int> zeros, micros;
   for (const PlanChoice& c : candidates) {
@@ -81,12 +83,17 @@ TEST(PlanSearchTest, TheCandidatesCoverEveryDimensionAndEachIsAValidShape) {
           CheckSchedule(c.schedule, c.pipeline_stages, c.micro_batches, c.virtual_stages).ok())
           << c.Name();
     }
-    shapes.insert({c.data_parallel, c.pipeline_stages});
+    shapes.insert({c.data_parallel, c.tensor_parallel, c.pipeline_stages});
+    tensor.insert({c.tensor_parallel, c.shard_sequence});
     if (c.pipeline_stages > 1) schedules.insert(c.schedule);
     zeros.insert(c.zero_stage);
     micros.insert(c.micro_batches);
   }
-  EXPECT_EQ(shapes, (std::set<std::pair<int, int>>{{4, 1}, {2, 2}, {1, 4}}));
+  // D x T x P = 4; T over the heads (4), with and without the sequence sharded.
+  EXPECT_EQ(shapes, (std::set<std::tuple<int, int, int>>{
+                        {4, 1, 1}, {2, 1, 2}, {1, 1, 4}, {2, 2, 1}, {1, 2, 2}, {1, 4, 1}}));
+  EXPECT_EQ(tensor, (std::set<std::pair<int, bool>>{
+                        {1, false}, {2, false}, {2, true}, {4, false}, {4, true}}));
   EXPECT_EQ(schedules.size(), 4u);
   EXPECT_EQ(zeros, (std::set<int>{0, 1, 2, 3}));
   EXPECT_EQ(micros, (std::set<int>{1, 2, 4, 8}));
@@ -145,6 +152,89 @@ TEST(PlanSearchTest, PipelinesAlsoTryTheNearBalancedCutsOrAGivenOne) {
                        PlanSearch(model, Base(), space, calibration, CpuRegistry()));
   ASSERT_FALSE(result.ranked.empty());
   EXPECT_EQ(result.ranked.front().parallel.chunk_layers, (std::vector<int>{3, 5}));
+}
+
+// Times of one rank of a split over `t` tensor ranks: Proportional's layer times over t (its
+// share of the heads and columns).
+TensorSplitTimes SplitTimes(const ModelSpec& whole, int t) {
+  const ModelSpec split = *whole.PlannedFor(t, 1);
+  const Calibration times = Proportional(split);
+  TensorSplitTimes tensor{t, times.layers};
+  for (LayerTimesAtRows& at : tensor.layers) {
+    for (OpCosts& c : at.layer_ms) c = OpCosts{c.forward / t, c.backward / t, c.weight / t};
+  }
+  return tensor;
+}
+
+// Tensor parallelism as a dimension: each degree's plans are planned on the model's split with
+// the split's own layer times; sharding sequences, the sequence-sharded layers take 1/T of
+// them; a degree without times is searched only when given, and then says what is missing.
+TEST(PlanSearchTest, TensorParallelPlansRunOnTheirSplitsTimes) {
+  const ModelSpec model = SixBlocks();
+  Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 2;
+  // No split measured: only T 1.
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult whole,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  for (const RankedPlan& r : whole.ranked) EXPECT_EQ(r.choice.tensor_parallel, 1);
+  space.tensor_parallel = {2};
+  Result<PlanSearchResult> missing = PlanSearch(model, Base(), space, calibration, CpuRegistry());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().ToString(), HasSubstr("no layer times of a rank of 2"));
+  space.tensor_parallel = {3};
+  Result<PlanSearchResult> wide = PlanSearch(model, Base(), space, calibration, CpuRegistry());
+  ASSERT_FALSE(wide.ok());
+  EXPECT_THAT(wide.status().ToString(),
+              HasSubstr("give a degree from 1 to the workers that divides them"));
+  space.workers = 3;  // 4 heads do not split over 3
+  Result<PlanSearchResult> odd = PlanSearch(model, Base(), space, calibration, CpuRegistry());
+  ASSERT_FALSE(odd.ok());
+  EXPECT_THAT(odd.status().ToString(), HasSubstr("4 attention heads"));
+  space.workers = 2;
+
+  calibration.tensor_splits = {SplitTimes(model, 2)};
+  space.tensor_parallel.clear();
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult result,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(ModelSpec split, model.PlannedFor(2, 1));
+  ASSERT_OK_AND_ASSIGN(ModelSpec sharded, model.PlannedFor(2, 1, /*shard_sequence=*/true));
+  std::set<std::string> tensor_plans;
+  for (const RankedPlan& r : result.ranked) {
+    if (r.choice.tensor_parallel == 1) continue;
+    tensor_plans.insert(r.choice.Name());
+    EXPECT_EQ(r.choice.data_parallel, 1) << r.choice.Name();
+    EXPECT_EQ(r.parallel.tensor_parallel, 2);
+    EXPECT_EQ(r.parallel.shard_sequence, r.choice.shard_sequence);
+    // The plan carries the times it was timed by, one per layer of its split.
+    const int64_t rows = Base().batch / r.choice.micro_batches;
+    ASSERT_OK_AND_ASSIGN(
+        std::vector<OpCosts> expected,
+        LayerTimesOf(calibration, r.choice.shard_sequence ? sharded : split, rows));
+    ASSERT_EQ(r.parallel.layer_op_costs.size(), expected.size()) << r.choice.Name();
+    for (size_t l = 0; l < expected.size(); ++l) {
+      EXPECT_DOUBLE_EQ(r.parallel.layer_op_costs[l].forward, expected[l].forward);
+    }
+    EXPECT_THAT(r.choice.Flags(), HasSubstr("--tensor-parallel 2"));
+  }
+  EXPECT_TRUE(tensor_plans.count("D1 x T2 x P1 M1") == 1 &&
+              tensor_plans.count("D1 x T2 SP x P1 M1") == 1)
+      << DescribeSearch(result, 100);
+  // Sharded: the sequence-sharded layers (norms, residuals) at 1/T of the split's times, the
+  // others as they are.
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> plain, LayerTimesOf(calibration, split, 4));
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> shards, LayerTimesOf(calibration, sharded, 4));
+  ASSERT_EQ(plain.size(), sharded.layers.size());
+  int sharded_layers = 0;
+  for (size_t l = 0; l < plain.size(); ++l) {
+    const bool on_shard = sharded.layers[l].tensor_parallel->sequence_sharded;
+    sharded_layers += on_shard ? 1 : 0;
+    EXPECT_DOUBLE_EQ(shards[l].forward, on_shard ? plain[l].forward / 2 : plain[l].forward)
+        << sharded.layers[l].name;
+  }
+  EXPECT_EQ(sharded_layers, 1 + 2 * 6);  // positions, then each block's mid and out
+  // The whole model's count of layer times does not fit a split.
+  EXPECT_FALSE(LayerTimesOf(Proportional(model), split, 4).ok());
 }
 
 TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
