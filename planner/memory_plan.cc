@@ -747,7 +747,8 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   // gradient accumulation: the same gradients but for the order of their sums) holds about
   // half.
   const bool stream = tier == MemoryTier::kDevice && caps.total > 0 &&
-                      least_peaks.total > caps.total && StreamsParametersIfNeeded(plan);
+                      least_peaks.total > caps.total && StreamsParametersIfNeeded(plan) &&
+                      !plan.memory.fixed_dimensions;
   const auto try_streaming = [&]() -> Result<StepGraph> {
     TrainingPlan streamed = plan;
     streamed.parallel.offload = OffloadMode::kParameters;
@@ -791,7 +792,7 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
   if (stream) {
     if (Result<StepGraph> step = try_streaming(); step.ok()) return step;
   }
-  if (SplitsMicroBatchesIfNeeded(plan)) {
+  if (SplitsMicroBatchesIfNeeded(plan) && !plan.memory.fixed_dimensions) {
     if (Result<StepGraph> step = try_splitting(); step.ok()) return step;
   }
   std::string advice;
@@ -870,7 +871,7 @@ std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,
 
 Result<StepGraph> PlanWithinMemory(const ModelSpec& model, const TrainingPlan& plan,
                                    const OpRegistry& registry) {
-  return Fit(model, plan, registry, /*suggest=*/true);
+  return Fit(model, plan, registry, /*suggest=*/!plan.memory.fixed_dimensions);
 }
 
 }  // namespace tessera

@@ -78,14 +78,16 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   p.layer_costs.clear();
   p.split_backwards = false;
   p.workers.clear();
+  plan.memory.fixed_dimensions = true;
   for (int w = 0; w < choice.workers(); ++w) p.workers.emplace_back(static_cast<uint64_t>(w + 1));
   return plan;
 }
 
 using Outcome = std::variant<RankedPlan, RefusedPlan>;
 
-// How far a refused plan stays over its tier's cap with every activation recomputed.
-int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
+// The plan's peak on its compute tier with every activation recomputed (0 when it cannot be
+// planned): without a swap link, the least it can need.
+int64_t LeastPeak(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
   TrainingPlan least = plan;
   least.memory.device_bytes = 0;
   least.memory.host_bytes = 0;
@@ -95,8 +97,17 @@ int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   if (!step.ok()) return 0;
   Result<MemoryProfile> profile = PredictMemory(step->graph);
   if (!profile.ok()) return 0;
-  const int64_t peak = LargestPeaks(*profile)[static_cast<size_t>(TierOf(plan.device))];
-  return std::max<int64_t>(0, peak - CapOf(plan));
+  return LargestPeaks(*profile)[static_cast<size_t>(TierOf(plan.device))];
+}
+
+// How far a refused plan stays over its tier's cap with every activation recomputed.
+int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
+  return std::max<int64_t>(0, LeastPeak(model, plan, registry) - CapOf(plan));
+}
+
+bool SwapsActivations(const TrainingPlan& plan) {
+  return (plan.device.is_cpu() ? plan.memory.disk_link_bytes_per_us
+                               : plan.memory.host_link_bytes_per_us) > 0;
 }
 
 Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
@@ -108,6 +119,18 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesOf(calibration, model, rows));
   p.task_overhead_ms = calibration.task_overhead_ms;
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
+  // The memory prune's first cut: without a swap link nothing needs less than every activation
+  // recomputed, so a plan over the cap so is refused before the memory plan searches it.
+  if (const int64_t cap = CapOf(plan); cap > 0 && !SwapsActivations(plan)) {
+    if (const int64_t least = LeastPeak(model, plan, registry); least > cap) {
+      return Outcome(RefusedPlan{
+          choice,
+          fmt::format("recomputing every layer the step needs {} on the {} tier, over the cap "
+                      "of {}",
+                      MibText(least), MemoryTierName(TierOf(plan.device)), MibText(cap)),
+          least - cap, TierOf(plan.device)});
+    }
+  }
   Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
   if (!step.ok()) {
     RefusedPlan refused{choice, step.status().message(), 0, TierOf(plan.device)};
@@ -454,7 +477,13 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
       if (shard && !given && (!model.split_sharding_sequence || base.seq_len % t != 0)) continue;
       Result<ModelSpec> split = model.PlannedFor(t, 1, shard);
       if (!split.ok()) {
-        if (given) return split.status().WithContext(fmt::format("planning T = {}", t));
+        // A given degree must split; its sharded variant too only when nothing else is asked.
+        const bool only_sharded =
+            std::find(space.shard_sequence.begin(), space.shard_sequence.end(), false) ==
+            space.shard_sequence.end();
+        if (given && (!shard || only_sharded)) {
+          return split.status().WithContext(fmt::format("planning T = {}", t));
+        }
         continue;
       }
       models.push_back(PlannedModel{t, shard, *std::move(split)});

@@ -199,6 +199,11 @@ struct MemoryCaps {
   // Recompute every layer's activations whatever the caps (what checkpointing every layer
   // does: the naive baseline the planned choices are measured against).
   bool recompute_all = false;
+  // The memory plan decides the activations only: it neither streams parameters from the host
+  // nor splits the micro-batches on its own when nothing else fits, nor plans the changes that
+  // would fit for a refusal's message (the plan search sets it: it enumerates those plans
+  // itself, and a candidate changed on its own would be another candidate under its name).
+  bool fixed_dimensions = false;
   // Device <-> host bandwidth (bytes per microsecond, each way; 1 GB/s is 1000). With it, and
   // the layers' times measured (ParallelConfig::layer_op_costs), GPU workers
   // may swap a layer's saved activations to the host and prefetch them back instead of

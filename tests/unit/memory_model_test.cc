@@ -479,6 +479,22 @@ TEST(MemoryPlanTest, AUNetBelowItsLargestLayersBackwardSplitsItsBatch) {
   }
 }
 
+// The plan search fixes the plan's dimensions (MemoryCaps::fixed_dimensions): the same plan is
+// then refused, not changed into another one (the search plans two micro-batches as a candidate
+// of its own), and its refusal plans no alternatives.
+TEST(MemoryPlanTest, WithItsDimensionsFixedAPlanIsRefusedNotChanged) {
+  const CappedCase c = UNetCase();
+  TrainingPlan fixed = c.plan;
+  fixed.memory.activation_budget = 0.25;
+  fixed.memory.fixed_dimensions = true;
+  Result<StepGraph> step = PlanTrainingStep(c.model, fixed, CpuRegistry());
+  ASSERT_FALSE(step.ok());
+  EXPECT_EQ(step.status().code(), StatusCode::kInfeasible);
+  EXPECT_THAT(step.status().message(), HasSubstr("the activation budget needs to be at least"));
+  EXPECT_THAT(step.status().message(), ::testing::Not(HasSubstr("plans that would fit")));
+  EXPECT_THAT(step.status().message(), ::testing::Not(HasSubstr("micro-batches")));
+}
+
 // A batch of one row cannot be split: below the floor, the plan is refused with it.
 TEST(MemoryPlanTest, AUNetBelowItsLargestLayersBackwardIsRefusedWithTheFloor) {
   CappedCase c = UNetCase();

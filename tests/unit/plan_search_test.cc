@@ -235,6 +235,17 @@ TEST(PlanSearchTest, TensorParallelPlansRunOnTheirSplitsTimes) {
   EXPECT_EQ(sharded_layers, 1 + 2 * 6);  // positions, then each block's mid and out
   // The whole model's count of layer times does not fit a split.
   EXPECT_FALSE(LayerTimesOf(Proportional(model), split, 4).ok());
+  // A vocabulary 2 does not divide: a given T 2 plans without sharding the sequence (which
+  // needs the vocabulary-parallel embedding), and asked for sharding alone says why it cannot.
+  const ModelSpec odd_vocab = *BuildGpt2(Gpt2Config{6, 32, 4, 65, 16});
+  space.tensor_parallel = {2};
+  ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> models, PlannedModels(odd_vocab, Base(), space));
+  ASSERT_EQ(models.size(), 1u);
+  EXPECT_FALSE(models[0].shard_sequence);
+  space.shard_sequence = {true};
+  Result<std::vector<PlannedModel>> sharded_only = PlannedModels(odd_vocab, Base(), space);
+  ASSERT_FALSE(sharded_only.ok());
+  EXPECT_THAT(sharded_only.status().ToString(), HasSubstr("use a --vocab that 2 divides"));
 }
 
 TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
@@ -329,6 +340,13 @@ TEST(PlanSearchTest, PlansOverTheCapAreRefusedWithTheirShortfallAndNeverTimed) {
   for (const RefusedPlan& r : fitted.refused) {
     EXPECT_GT(r.shortfall_bytes, 0) << r.choice.Name() << ": " << r.reason;
   }
+  // Without a swap link, a plan over the cap with every activation recomputed is refused
+  // before the memory plan searches it, with that figure.
+  capped.memory.host_bytes = least / 2;
+  Result<PlanSearchResult> none = PlanSearch(model, capped, space, calibration, CpuRegistry());
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(none.status().message(), HasSubstr("no plan fits"));
+  EXPECT_THAT(none.status().message(), HasSubstr("every activation recomputed"));
 }
 
 // With collectives that take their time, what they read lives longer than the executor's untimed
