@@ -7,7 +7,10 @@
 //      shape, the collective link, the probe steps) and search, timing the search;
 //   2. run a grid of the ranked plans (--grid of them, evenly spaced from the best to the worst,
 //      so the search's choice, rank 1, is among them): each trains --warmup + --steps steps of
-//      zeros at a zero learning rate (step times and memory do not depend on the values);
+//      zeros at a zero learning rate (step times and memory do not depend on the values),
+//      in --rounds rounds over the grid, each in a rotated order (a point's time is the median
+//      of its rounds', its peak the largest), since workers sharing cores move a step's time
+//      from run to run;
 //   3. print, per plan, the predicted and measured step time (the median) and largest worker's
 //      peak (all objects with the running kernels' scratch: RoleMeter's total_with_scratch_peak,
 //      the memory model's figure), and per model and cap: the search's choice measured against
@@ -55,6 +58,7 @@ struct Flags {
   std::vector<double> caps = {0, 0.6};
   int grid = 10;
   int steps = 5, warmup = 2;
+  int rounds = 1;  // rounds over the grid (--rounds)
   // GPT-2: blocks, width, heads, sequence length, batch; U-Net: preset and batch.
   int64_t layers = 4, channels = 128, heads = 4, seq_len = 64, gpt2_batch = 16;
   std::string unet_preset = "tiny";
@@ -144,6 +148,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   tessera::CalibrationRequest request;
   request.rows = tessera::CandidateRows(model.spec, model.base, space);
+  request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
   request.workers = workers;
   tessera::ExecutorOptions executor;
   executor.threads = f.threads_per_worker;
@@ -184,7 +189,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                               .c_str()
                         : "none",
                 search.considered, search.ranked.size(), search.refused.size(), search.search_ms);
-    std::printf("%-4s %-36s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
+    std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
                 "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck");
     const size_t n = search.ranked.size();
     const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
@@ -203,15 +208,33 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       std::printf("no plan of the search is named by --plans\n");
       continue;
     }
+    // Every point run in each of --rounds rounds, round q starting at the q-th point (so no
+    // point always runs first or after the same one): its time the median of the rounds'
+    // medians, its peak the largest.
+    std::vector<std::vector<Measured>> rounds(picks.size());
+    for (int q = 0; q < f.rounds; ++q) {
+      for (size_t i = 0; i < picks.size(); ++i) {
+        const size_t p = (i + static_cast<size_t>(q)) % picks.size();
+        const tessera::RankedPlan& r = search.ranked[picks[p]];
+        tessera::TrainingPlan plan = base;
+        plan.parallel = r.parallel;
+        plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
+        rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name()));
+      }
+    }
     std::vector<double> measured_ms;
     double auto_ms = 0;
     int time_within = 0, peak_within = 0;
-    for (size_t at : picks) {
+    for (size_t p = 0; p < picks.size(); ++p) {
+      const size_t at = picks[p];
       const tessera::RankedPlan& r = search.ranked[at];
-      tessera::TrainingPlan plan = base;
-      plan.parallel = r.parallel;
-      plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
-      const Measured m = RunPlan(f, *cluster, model, plan, r.choice.Name());
+      Measured m;
+      std::vector<double> times;
+      for (const Measured& round : rounds[p]) {
+        times.push_back(round.step_ms);
+        m.peak_bytes = std::max(m.peak_bytes, round.peak_bytes);
+      }
+      m.step_ms = Median(times);
       const auto predicted_peak = r.peak_bytes[1];
       const double time_err = r.step_ms / m.step_ms - 1;
       const double peak_err = static_cast<double>(predicted_peak) /
@@ -222,7 +245,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       measured_ms.push_back(m.step_ms);
       if (at == 0) auto_ms = m.step_ms;
       std::printf(
-          "%-4zu %-36s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
+          "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
           "executor's order %.2f MiB, in the simulated order %.2f)\n",
           at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
           Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
@@ -257,6 +280,10 @@ int Main(int argc, char** argv) {
   app.add_option("--grid", f.grid, "Grid points per model and cap (evenly spaced by rank)");
   app.add_option("--steps", f.steps, "Timed steps per grid point");
   app.add_option("--warmup", f.warmup, "Untimed steps first");
+  app.add_option("--rounds", f.rounds,
+                 "Rounds over the grid, each in another order (a point's time: the median of "
+                 "its rounds')")
+      ->check(CLI::PositiveNumber);
   app.add_option("--layers", f.layers, "GPT-2 blocks");
   app.add_option("--channels", f.channels, "GPT-2 width");
   app.add_option("--seq-len", f.seq_len, "GPT-2 sequence length");
