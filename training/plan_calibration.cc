@@ -123,6 +123,71 @@ Result<SimulatedStep> Simulated(const ModelSpec& model, const TrainingPlan& plan
   return SimulatePlannedStep(step, model, plan.memory, calibration, registry);
 }
 
+// With the layers of a split over 2 tensor ranks calibrated and an even number of workers: every
+// worker a rank of pairs of tensor ranks at once (D n/2 x T 2, from `one`'s rows per pair), whose
+// step waits on two all-reduces a layer pair each way. When it is slower than simulated, what a
+// collective waits beyond its bytes while the workers share the machine (a peer that must be
+// scheduled first) is the collective latency, bisected so the simulation gives the measured step;
+// the idle link's otherwise.
+Status FitTheTensorProbe(const ModelSpec& model, const TrainingPlan& one,
+                         const CalibrationRequest& request, const BackendFactory& make_backend,
+                         const std::function<void(const std::string&)>& say,
+                         Calibration& calibration) {
+  const auto n = static_cast<int>(request.workers.size());
+  const bool split_calibrated =
+      std::any_of(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
+                  [](const TensorSplitTimes& split) { return split.tensor_parallel == 2; });
+  if (n < 2 || n % 2 != 0 || !split_calibrated || !calibration.links.collective.measured()) {
+    return Status::Ok();
+  }
+  Result<ModelSpec> split = model.PlannedFor(2, 1);
+  if (!split.ok()) return Status::Ok();
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  TrainingPlan pairs = one;
+  pairs.batch = one.batch * (n / 2);
+  pairs.parallel.data_parallel = n / 2;
+  pairs.parallel.tensor_parallel = 2;
+  pairs.parallel.workers = request.workers;
+  pairs.parallel.link = calibration.links.collective;
+  Result<double> probed = ProbeStepMs(model, pairs, make_backend, request.probe_steps);
+  if (!probed.ok()) {
+    say(
+        fmt::format("{} tensor-parallel pairs: the probe step failed ({}); the collective "
+                    "latency stays the idle link's",
+                    n / 2, probed.status().ToString()));
+    return Status::Ok();
+  }
+  const auto simulated_at = [&](double latency_us) -> Result<double> {
+    calibration.links.collective.latency_us = latency_us;
+    TESSERA_ASSIGN_OR_RETURN(SimulatedStep step, Simulated(*split, pairs, calibration, registry));
+    return step.step_ms;
+  };
+  const double idle = calibration.links.collective.latency_us;
+  TESSERA_ASSIGN_OR_RETURN(const double at_idle, simulated_at(idle));
+  if (*probed <= at_idle) {
+    calibration.links.collective.latency_us = idle;
+    say(
+        fmt::format("{} tensor-parallel pairs at once: {:.2f} ms a step, within the simulated "
+                    "{:.2f} ms: a collective waits its idle latency, {:.0f} us",
+                    n / 2, *probed, at_idle, idle));
+    return Status::Ok();
+  }
+  double lo = idle, hi = 1e5;  // microseconds; the step grows with the latency
+  for (int i = 0; i < 40; ++i) {
+    const double mid = (lo + hi) / 2;
+    TESSERA_ASSIGN_OR_RETURN(const double ms, simulated_at(mid));
+    (ms < *probed ? lo : hi) = mid;
+  }
+  calibration.links.collective.latency_us = (lo + hi) / 2;
+  say(
+      fmt::format("{} tensor-parallel pairs at once: {:.2f} ms a step against {:.2f} ms "
+                  "simulated with the idle link: a collective waits {:.0f} us for its peers when "
+                  "the workers share the machine ({:.0f} us idle)",
+                  n / 2, *probed, at_idle, calibration.links.collective.latency_us, idle));
+  return Status::Ok();
+}
+
 // The compute scale, per-step overhead, compute sharing and push latency that make the
 // simulation give the probes' measured steps. A probe the workers cannot run (a worker's memory
 // cap below an uncapped probe step) leaves its figures at their defaults, and says so.
@@ -234,7 +299,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
       fmt::format("a pipeline of two stages: {:.2f} ms a step: an object pushed between workers "
                   "waits {:.0f} us beyond its bytes",
                   measured_piped, calibration.links.point_to_point.latency_us));
-  return Status::Ok();
+  return FitTheTensorProbe(model, one, request, make_backend, say, calibration);
 }
 
 }  // namespace

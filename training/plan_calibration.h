@@ -17,7 +17,10 @@
 //     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
-//     a two-stage pipeline: the point-to-point latency, bisected alike.
+//     a two-stage pipeline: the point-to-point latency, bisected alike; with a tensor split of
+//     2 calibrated and an even number of workers, every worker a tensor rank of n/2 pairs at
+//     once: what a collective waits for its peers while the workers share the machine (the
+//     collective latency), bisected alike when that step is slower than the idle link says.
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way).
 //
 // The cache: one JSON file per key under the cache directory (setting cache_dir, else
