@@ -94,10 +94,8 @@ int64_t LeastPeak(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   least.memory.activation_budget = 0;
   least.memory.recompute_all = true;
   Result<StepGraph> step = PlanTrainingStep(model, least, registry);
-  if (!step.ok()) return 0;
-  Result<MemoryProfile> profile = PredictMemory(step->graph);
-  if (!profile.ok()) return 0;
-  return LargestPeaks(*profile)[static_cast<size_t>(TierOf(plan.device))];
+  // The memory plan predicted it (the largest worker's peak on the plan's compute tier).
+  return step.ok() ? step->memory.peak_bytes : 0;
 }
 
 // How far a refused plan stays over its tier's cap with every activation recomputed.
