@@ -135,6 +135,49 @@ TEST(LayerProfileTest, AProfilingRunTimesEveryLayerOfAnyModel) {
             "rank(s) x 4 micro-batch(es)");
 }
 
+// One rank of a tensor split runs in one process as a model of its own (ModelSpec::OneRankView):
+// the split's layers and shapes, every layer timed, its parameters a rank's slices; a split whose
+// collectives change shapes (sequence sharding, sequence parallelism) is refused, naming why.
+TEST(LayerProfileTest, OneRankOfATensorSplitIsProfiledInOneProcess) {
+  TrainingPlan plan;
+  plan.batch = 4;
+  plan.seq_len = 16;
+  const ModelSpec gpt2 = *BuildGpt2(Gpt2Config{2, 32, 4, 64, 16});
+  ASSERT_OK_AND_ASSIGN(ModelSpec split, gpt2.PlannedFor(2, 1));
+  ASSERT_OK_AND_ASSIGN(ModelSpec rank, split.OneRankView());
+  EXPECT_EQ(rank.tensor_parallel, 1);
+  EXPECT_FALSE(rank.rewritten());
+  ASSERT_EQ(rank.layers.size(), split.layers.size());
+  for (size_t l = 0; l < rank.layers.size(); ++l) {
+    EXPECT_EQ(rank.layers[l].name, split.layers[l].name);
+    EXPECT_EQ(rank.layers[l].params.numel(), split.layers[l].params.numel());
+    EXPECT_FALSE(rank.layers[l].tensor_parallel.has_value());
+  }
+  EXPECT_LT(rank.NumParameters(), gpt2.NumParameters());
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> ms,
+                       ProfileLayerTimes(rank, plan, ExecutorOptions{}, {.steps = 1}));
+  ASSERT_EQ(ms.size(), rank.layers.size());
+  for (size_t l = 0; l < ms.size(); ++l) {
+    SCOPED_TRACE(rank.layers[l].name);
+    EXPECT_GT(ms[l].forward, 0.0);
+    EXPECT_GT(ms[l].backward + ms[l].weight, 0.0);
+  }
+  ASSERT_OK_AND_ASSIGN(
+      ModelSpec unet,
+      BuildUNet3d(UNet3dConfig{.base_channels = 4, .depth = 1, .volume = 8}, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(ModelSpec unet_split, unet.PlannedFor(2, 1));
+  ASSERT_OK_AND_ASSIGN(ModelSpec unet_rank, unet_split.OneRankView());
+  plan.seq_len = 1;
+  EXPECT_OK(ProfileLayerTimes(unet_rank, plan, ExecutorOptions{}, {.steps = 1}).status());
+
+  ASSERT_OK_AND_ASSIGN(ModelSpec sharded, gpt2.PlannedFor(2, 1, /*shard_sequence=*/true));
+  Result<ModelSpec> refused = sharded.OneRankView();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("Megatron-LM's sequence"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec ulysses, gpt2.PlannedFor(1, 2));
+  EXPECT_FALSE(ulysses.OneRankView().ok());
+}
+
 // The host link of the simulated GPU (copies through host memory, unscrambling as a real GPU's
 // copies would move bytes): a finite positive bandwidth; bad sizes are refused by name.
 TEST(LayerProfileTest, TheHostLinkIsMeasuredBothWays) {
