@@ -396,6 +396,20 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
   EXPECT_NE(split.output.find("enc0.convs: enc0.conv1.w rows split"), std::string::npos)
       << split.output;
   EXPECT_NE(split.output.find("dec0.convs"), std::string::npos) << split.output;
+  // --plan auto with the degree given: one rank of the split calibrated, a D1 x T2 plan chosen,
+  // the same losses (a cache of its own, so the run measures).
+  const std::string cache = TempPath("unet3d_auto_tensor");
+  std::filesystem::remove_all(cache);
+  BoundedRun searched = RunBinaryWithin(
+      "train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2 --plan auto",
+      std::chrono::minutes(3), "TESSERA_CACHE_DIR=" + cache);
+  std::filesystem::remove_all(cache);
+  ASSERT_EQ(searched.exit_code, 0) << searched.output;
+  EXPECT_NE(searched.output.find("layers of one of 2 tensor ranks"), std::string::npos)
+      << searched.output;
+  EXPECT_NE(searched.output.find("--plan auto chose D1 x T2 x P1"), std::string::npos)
+      << searched.output;
+  EXPECT_NEAR(final_loss(searched.output), expected, 1e-5 * expected) << searched.output;
   ProcessResult refused =
       RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --tensor-parallel 3");
   EXPECT_NE(refused.exit_code, 0);
