@@ -245,16 +245,16 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
 
 namespace {
 
-// Per layer, its times at `rows` rows from those measured at other counts (LayerTimesAt's way).
-Result<std::vector<OpCosts>> Interpolate(const std::vector<LayerTimesAtRows>& measured,
-                                         int64_t rows) {
-  if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
+// Per layer, its times at `rows` rows (> 0; a fraction is a share of each sequence's rows) from
+// those measured at other counts (LayerTimesAt's way).
+std::vector<OpCosts> Interpolate(const std::vector<LayerTimesAtRows>& measured, double rows) {
   const LayerTimesAtRows* below = nullptr;
   const LayerTimesAtRows* above = nullptr;
   for (const LayerTimesAtRows& at : measured) {
-    if (at.rows == rows) return at.layer_ms;
-    if (at.rows < rows && (below == nullptr || at.rows > below->rows)) below = &at;
-    if (at.rows > rows && (above == nullptr || at.rows < above->rows)) above = &at;
+    const auto r = static_cast<double>(at.rows);
+    if (r == rows) return at.layer_ms;
+    if (r < rows && (below == nullptr || at.rows > below->rows)) below = &at;
+    if (r > rows && (above == nullptr || at.rows < above->rows)) above = &at;
   }
   const auto blend = [](const OpCosts& a, const OpCosts& b, double t) {
     return OpCosts{a.forward + t * (b.forward - a.forward),
@@ -264,14 +264,14 @@ Result<std::vector<OpCosts>> Interpolate(const std::vector<LayerTimesAtRows>& me
   std::vector<OpCosts> ms;
   if (below != nullptr && above != nullptr) {
     const double t =
-        static_cast<double>(rows - below->rows) / static_cast<double>(above->rows - below->rows);
+        (rows - static_cast<double>(below->rows)) / static_cast<double>(above->rows - below->rows);
     for (size_t l = 0; l < below->layer_ms.size() && l < above->layer_ms.size(); ++l) {
       ms.push_back(blend(below->layer_ms[l], above->layer_ms[l], t));
     }
     return ms;
   }
   const LayerTimesAtRows& nearest = below != nullptr ? *below : *above;
-  const double scale = static_cast<double>(rows) / static_cast<double>(nearest.rows);
+  const double scale = rows / static_cast<double>(nearest.rows);
   for (const OpCosts& c : nearest.layer_ms) {
     ms.push_back(OpCosts{c.forward * scale, c.backward * scale, c.weight * scale});
   }
@@ -284,16 +284,21 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
   if (calibration.layers.empty()) {
     return InvalidArgument("no layer times were measured (calibrate the cluster first)");
   }
-  return Interpolate(calibration.layers, rows);
+  if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
+  return Interpolate(calibration.layers, static_cast<double>(rows));
 }
 
 Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
                                           int64_t rows) {
   const int t = model.tensor_parallel;
   std::vector<OpCosts> ms;
+  // Sharding sequences: the sequence-sharded layers' times at rows / T of the tensor split's (a
+  // rank's 1/T of each sequence is as many elements; per-row work, so per-op costs are kept).
+  std::vector<OpCosts> on_shard;
   if (t <= 1) {
     TESSERA_ASSIGN_OR_RETURN(ms, LayerTimesAt(calibration, rows));
   } else {
+    if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
     const auto split =
         std::find_if(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
                      [t](const TensorSplitTimes& times) { return times.tensor_parallel == t; });
@@ -303,7 +308,8 @@ Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const 
           "that degree in the search)",
           t);
     }
-    TESSERA_ASSIGN_OR_RETURN(ms, Interpolate(split->layers, rows));
+    ms = Interpolate(split->layers, static_cast<double>(rows));
+    if (model.shards_sequence) on_shard = Interpolate(split->layers, static_cast<double>(rows) / t);
   }
   if (ms.size() != model.layers.size()) {
     return InvalidArgument(
@@ -311,12 +317,9 @@ Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const 
         "layers there: calibrate again for this model",
         ms.size(), t, model.name, model.layers.size());
   }
-  if (model.shards_sequence) {
-    for (size_t l = 0; l < ms.size(); ++l) {
-      const std::optional<TensorParallelLayer>& split = model.layers[l].tensor_parallel;
-      if (!split || !split->sequence_sharded) continue;
-      ms[l] = OpCosts{ms[l].forward / t, ms[l].backward / t, ms[l].weight / t};
-    }
+  for (size_t l = 0; l < ms.size() && l < on_shard.size(); ++l) {
+    const std::optional<TensorParallelLayer>& split = model.layers[l].tensor_parallel;
+    if (split && split->sequence_sharded) ms[l] = on_shard[l];
   }
   return ms;
 }

@@ -27,8 +27,8 @@
 // interpolated per layer, or scaled in proportion beyond the measured ones), of the whole model
 // and of one rank of each tensor split searched, the per-task overhead, and the links. A split
 // sharding sequences runs the tensor split's layers, those on 1/T of each sequence (norms,
-// residuals) in 1/T of their time: its collectives change the shapes its layers read, so one
-// process cannot run a rank of it alone (ModelSpec::OneRankView).
+// residuals) timed at 1/T of the rows (the same elements): its collectives change the shapes its
+// layers read, so one process cannot run a rank of it alone (ModelSpec::OneRankView).
 //
 // Thread safety: PlanSearch plans candidates on `threads` threads of its own; the registry is
 // only read.
@@ -83,7 +83,8 @@ struct Calibration {
 // rows < 1.
 Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows);
 // The same for `model`: the whole model (LayerTimesAt) or a split of it planned for T tensor
-// ranks (its TensorSplitTimes; sharding sequences, each sequence-sharded layer's times over T).
+// ranks (its TensorSplitTimes; sharding sequences, each sequence-sharded layer's times at rows / T
+// of them: as many elements as its 1/T of each sequence).
 // InvalidArgument when the calibration has no times for its degree or not one per layer.
 Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
                                           int64_t rows);

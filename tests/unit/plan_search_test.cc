@@ -155,13 +155,15 @@ TEST(PlanSearchTest, PipelinesAlsoTryTheNearBalancedCutsOrAGivenOne) {
 }
 
 // Times of one rank of a split over `t` tensor ranks: Proportional's layer times over t (its
-// share of the heads and columns).
+// share of the heads and columns) and 0.05 ms a task that does not shrink with the rows.
 TensorSplitTimes SplitTimes(const ModelSpec& whole, int t) {
   const ModelSpec split = *whole.PlannedFor(t, 1);
   const Calibration times = Proportional(split);
   TensorSplitTimes tensor{t, times.layers};
   for (LayerTimesAtRows& at : tensor.layers) {
-    for (OpCosts& c : at.layer_ms) c = OpCosts{c.forward / t, c.backward / t, c.weight / t};
+    for (OpCosts& c : at.layer_ms) {
+      c = OpCosts{c.forward / t + 0.05, c.backward / t + 0.05, c.weight / t};
+    }
   }
   return tensor;
 }
@@ -220,16 +222,22 @@ TEST(PlanSearchTest, TensorParallelPlansRunOnTheirSplitsTimes) {
   EXPECT_TRUE(tensor_plans.count("D1 x T2 x P1 M1") == 1 &&
               tensor_plans.count("D1 x T2 SP x P1 M1") == 1)
       << DescribeSearch(result, 100);
-  // Sharded: the sequence-sharded layers (norms, residuals) at 1/T of the split's times, the
-  // others as they are.
+  // Sharded: the sequence-sharded layers (norms, residuals) at the split's times for 1/T of the
+  // rows (as many elements as 1/T of each sequence), the others as they are; below the fewest
+  // rows measured, in proportion.
   ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> plain, LayerTimesOf(calibration, split, 4));
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> half, LayerTimesOf(calibration, split, 2));
   ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> shards, LayerTimesOf(calibration, sharded, 4));
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> one, LayerTimesOf(calibration, split, 1));
+  ASSERT_OK_AND_ASSIGN(std::vector<OpCosts> one_shard, LayerTimesOf(calibration, sharded, 1));
   ASSERT_EQ(plain.size(), sharded.layers.size());
   int sharded_layers = 0;
   for (size_t l = 0; l < plain.size(); ++l) {
     const bool on_shard = sharded.layers[l].tensor_parallel->sequence_sharded;
     sharded_layers += on_shard ? 1 : 0;
-    EXPECT_DOUBLE_EQ(shards[l].forward, on_shard ? plain[l].forward / 2 : plain[l].forward)
+    EXPECT_DOUBLE_EQ(shards[l].forward, on_shard ? half[l].forward : plain[l].forward)
+        << sharded.layers[l].name;
+    EXPECT_DOUBLE_EQ(one_shard[l].backward, on_shard ? one[l].backward / 2 : one[l].backward)
         << sharded.layers[l].name;
   }
   EXPECT_EQ(sharded_layers, 1 + 2 * 6);  // positions, then each block's mid and out
