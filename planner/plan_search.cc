@@ -470,6 +470,16 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
       models.push_back(PlannedModel{1, false, model});
       continue;
     }
+    if (!base.device.is_cpu()) {
+      // The split layers' ops have CPU kernels only (architecture.md, "Tensor parallelism").
+      if (given) {
+        return InvalidArgument(
+            "tensor-parallel degree {}: tensor parallelism runs on CPU workers only so far; plan "
+            "GPU workers with --tensor-parallel 1",
+            t);
+      }
+      continue;
+    }
     for (bool shard : {false, true}) {
       if (std::find(space.shard_sequence.begin(), space.shard_sequence.end(), shard) ==
           space.shard_sequence.end()) {

@@ -197,7 +197,8 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
 
 // The models a search plans its candidates on: the whole model (T 1) and its splits
 // (ModelSpec::PlannedFor) for the space's tensor-parallel degrees, without and with sequence
-// sharding, in the search's order. A degree the model does not split over is left out, unless
+// sharding, in the search's order (T 1 alone on GPU workers: the split layers run on CPU workers
+// only). A degree the model does not split over is left out, unless
 // the space gives it (then the split's error, naming the degree; of the sharded split only when
 // the space asks for sharding alone).
 struct PlannedModel {

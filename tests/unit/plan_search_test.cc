@@ -250,6 +250,15 @@ TEST(PlanSearchTest, TensorParallelPlansRunOnTheirSplitsTimes) {
   ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> models, PlannedModels(odd_vocab, Base(), space));
   ASSERT_EQ(models.size(), 1u);
   EXPECT_FALSE(models[0].shard_sequence);
+  // GPU workers: T 1 alone (the split layers run on CPU workers only), a given T refused.
+  TrainingPlan gpu = Base();
+  gpu.device = Device::Cuda(0);
+  EXPECT_FALSE(PlannedModels(odd_vocab, gpu, space).ok());
+  space.tensor_parallel.clear();
+  ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> on_gpus, PlannedModels(odd_vocab, gpu, space));
+  ASSERT_EQ(on_gpus.size(), 1u);
+  EXPECT_EQ(on_gpus[0].tensor_parallel, 1);
+  space.tensor_parallel = {2};
   space.shard_sequence = {true};
   Result<std::vector<PlannedModel>> sharded_only = PlannedModels(odd_vocab, Base(), space);
   ASSERT_FALSE(sharded_only.ok());
