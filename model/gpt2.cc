@@ -231,17 +231,18 @@ LayerValue TiedHeadLoss(LayerBuilder& l, LayerValue lnf_w, LayerValue lnf_b, int
 }
 
 // The primitive layers (and so every split of GPT-2) run on CPUs with f32 activations.
-Status CheckPrimitiveActivations(const Gpt2Config& config, const char* what) {
+// `what` names the layers refused, `fix` what to do instead.
+Status CheckPrimitiveActivations(const Gpt2Config& config, const char* what, const char* fix) {
   if (config.activations == DType::kF32) return Status::Ok();
   return InvalidArgument("GPT-2's {} run on CPUs with f32 activations, not {}: {}", what,
-                         DTypeName(config.activations),
-                         std::string_view(what) == "primitive layers"
-                             ? "use the fused layers on a GPU (--layer-impl fused)"
-                             : "plan without tensor or sequence parallelism on a GPU");
+                         DTypeName(config.activations), fix);
 }
 
+constexpr const char* kPlanWithoutSplits = "plan without tensor or sequence parallelism on a GPU";
+
 Result<ModelSpec> BuildPrimitive(const Gpt2Config& config) {
-  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "primitive layers"));
+  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(
+      config, "primitive layers", "use the fused layers on a GPU (--layer-impl fused)"));
   // The model API infers shapes with the ops' definitions (no kernels needed).
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
@@ -337,7 +338,8 @@ Result<ModelSpec> BuildRewrite(const ModelBuilder& model, const Gpt2Config& conf
 // gradients all-reduced. The same bytes move as under plain tensor parallelism; the norms' and
 // residuals' activations are 1/T as large.
 Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool shard_sequence) {
-  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "tensor-parallel layers"));
+  TESSERA_RETURN_IF_ERROR(
+      CheckPrimitiveActivations(config, "tensor-parallel layers", kPlanWithoutSplits));
   if (config.heads % ranks != 0) {
     return InvalidArgument(
         "GPT-2's {} attention heads do not split over {} tensor-parallel ranks: use a degree "
@@ -558,7 +560,8 @@ Result<ModelSpec> BuildPrimitiveSplit(const Gpt2Config& config, int ranks, bool 
 // positions. Parameters keep the whole model's names.
 Result<ModelSpec> BuildPrimitiveSequenceSplit(const Gpt2Config& config, int ranks,
                                               SequenceAttention attention) {
-  TESSERA_RETURN_IF_ERROR(CheckPrimitiveActivations(config, "sequence-parallel layers"));
+  TESSERA_RETURN_IF_ERROR(
+      CheckPrimitiveActivations(config, "sequence-parallel layers", kPlanWithoutSplits));
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const int64_t c = config.channels;

@@ -67,11 +67,6 @@ namespace {
 
 constexpr int kVerifyRounds = 4;
 
-double SwapLinkBytesPerUs(const TrainingPlan& plan) {
-  return plan.device.is_cpu() ? plan.memory.disk_link_bytes_per_us
-                              : plan.memory.host_link_bytes_per_us;
-}
-
 int64_t CapOf(const TrainingPlan& plan, MemoryTier tier) {
   return tier == MemoryTier::kDevice ? plan.memory.device_bytes : plan.memory.host_bytes;
 }
@@ -313,7 +308,7 @@ Result<Chain> DescribeChain(const ModelSpec& model, const TrainingPlan& plan,
   chain.problem.cap_counts_scratch = caps.total > 0;
   // Swapping needs somewhere to swap to (a GPU's host, a CPU worker's swap file), the link's
   // bandwidth, and times in microseconds.
-  chain.problem.link_bytes_per_us = SwapLinkBytesPerUs(plan);
+  chain.problem.link_bytes_per_us = plan.SwapLinkBytesPerUs();
   chain.problem.copy_compute_us_per_byte =
       plan.device.is_cpu() ? plan.memory.disk_copy_compute_us_per_byte : 0;
   chain.problem.allow_swap =

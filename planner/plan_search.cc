@@ -103,11 +103,6 @@ int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   return std::max<int64_t>(0, LeastPeak(model, plan, registry) - CapOf(plan));
 }
 
-bool SwapsActivations(const TrainingPlan& plan) {
-  return (plan.device.is_cpu() ? plan.memory.disk_link_bytes_per_us
-                               : plan.memory.host_link_bytes_per_us) > 0;
-}
-
 Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
                          const Calibration& calibration, const PlanChoice& choice,
                          const OpRegistry& registry) {
@@ -119,7 +114,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
   // The memory prune's first cut: without a swap link nothing needs less than every activation
   // recomputed, so a plan over the cap so is refused before the memory plan searches it.
-  if (const int64_t cap = CapOf(plan); cap > 0 && !SwapsActivations(plan)) {
+  if (const int64_t cap = CapOf(plan); cap > 0 && plan.SwapLinkBytesPerUs() <= 0) {
     if (const int64_t least = LeastPeak(model, plan, registry); least > cap) {
       return Outcome(RefusedPlan{
           choice,
@@ -280,6 +275,13 @@ std::vector<OpCosts> Interpolate(const std::vector<LayerTimesAtRows>& measured, 
 
 }  // namespace
 
+const TensorSplitTimes* Calibration::SplitTimes(int tensor_parallel) const {
+  for (const TensorSplitTimes& split : tensor_splits) {
+    if (split.tensor_parallel == tensor_parallel && !split.layers.empty()) return &split;
+  }
+  return nullptr;
+}
+
 Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_t rows) {
   if (calibration.layers.empty()) {
     return InvalidArgument("no layer times were measured (calibrate the cluster first)");
@@ -299,10 +301,8 @@ Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const 
     TESSERA_ASSIGN_OR_RETURN(ms, LayerTimesAt(calibration, rows));
   } else {
     if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
-    const auto split =
-        std::find_if(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
-                     [t](const TensorSplitTimes& times) { return times.tensor_parallel == t; });
-    if (split == calibration.tensor_splits.end() || split->layers.empty()) {
+    const TensorSplitTimes* split = calibration.SplitTimes(t);
+    if (split == nullptr) {
       return InvalidArgument(
           "no layer times of a rank of {} tensor-parallel ranks were measured (calibrate with "
           "that degree in the search)",
@@ -422,14 +422,6 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
   }
 }
 
-bool Calibrated(const Calibration& calibration, int tensor_parallel) {
-  return tensor_parallel == 1 ||
-         std::any_of(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
-                     [tensor_parallel](const TensorSplitTimes& split) {
-                       return split.tensor_parallel == tensor_parallel && !split.layers.empty();
-                     });
-}
-
 // With a calibration, only the degrees it has layer times for (a degree the space gives is
 // never left out: its plans then say what is missing).
 std::vector<PlanChoice> CandidatesOf(const std::vector<PlannedModel>& models,
@@ -437,8 +429,8 @@ std::vector<PlanChoice> CandidatesOf(const std::vector<PlannedModel>& models,
                                      const Calibration* calibration) {
   std::vector<PlanChoice> candidates;
   for (const PlannedModel& planned : models) {
-    if (calibration != nullptr && space.tensor_parallel.empty() &&
-        !Calibrated(*calibration, planned.tensor_parallel)) {
+    if (calibration != nullptr && space.tensor_parallel.empty() && planned.tensor_parallel > 1 &&
+        calibration->SplitTimes(planned.tensor_parallel) == nullptr) {
       continue;
     }
     AppendCandidates(planned, base, space, calibration, candidates);

@@ -75,6 +75,10 @@ struct Calibration {
   double compute_scale = 1;
   StepLinks links;
   ComputeSharing sharing;  // workers sharing one machine's compute
+
+  // The layer times of a rank of the split over `tensor_parallel` ranks; null when none were
+  // measured.
+  const TensorSplitTimes* SplitTimes(int tensor_parallel) const;
 };
 
 // Per layer of the whole model, its times at `rows` micro-batch rows: a measured row count's,

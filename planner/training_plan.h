@@ -239,6 +239,11 @@ struct TrainingPlan {
   // batch that does not split over the ranks). Ranks need not be bound to workers yet
   // (PlanTrainingStep requires it when there are several).
   Status Validate(const ModelSpec& model) const;
+  // Where the memory plan may swap activations to, in bytes per microsecond each way: a CPU
+  // worker's swap file, a GPU worker's host link; 0: nowhere.
+  double SwapLinkBytesPerUs() const {
+    return device.is_cpu() ? memory.disk_link_bytes_per_us : memory.host_link_bytes_per_us;
+  }
 };
 
 }  // namespace tessera

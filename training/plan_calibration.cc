@@ -123,6 +123,18 @@ Result<SimulatedStep> Simulated(const ModelSpec& model, const TrainingPlan& plan
   return SimulatePlannedStep(step, model, plan.memory, calibration, registry);
 }
 
+// The value in [lo, hi] at which `simulated(value)`, a simulated step in ms that grows with the
+// value (`grows`) or shrinks with it, gives `measured`: bisected `rounds` times.
+Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, double measured,
+                              const std::function<Result<double>(double)>& simulated) {
+  for (int i = 0; i < rounds; ++i) {
+    const double mid = (lo + hi) / 2;
+    TESSERA_ASSIGN_OR_RETURN(const double ms, simulated(mid));
+    ((ms < measured) == grows ? lo : hi) = mid;
+  }
+  return (lo + hi) / 2;
+}
+
 // With the layers of a split over 2 tensor ranks calibrated and an even number of workers: every
 // worker a rank of pairs of tensor ranks at once (D n/2 x T 2, from `one`'s rows per pair), whose
 // step waits on two all-reduces a layer pair each way. When it is slower than simulated, what a
@@ -134,10 +146,8 @@ Status FitTheTensorProbe(const ModelSpec& model, const TrainingPlan& one,
                          const std::function<void(const std::string&)>& say,
                          Calibration& calibration) {
   const auto n = static_cast<int>(request.workers.size());
-  const bool split_calibrated =
-      std::any_of(calibration.tensor_splits.begin(), calibration.tensor_splits.end(),
-                  [](const TensorSplitTimes& split) { return split.tensor_parallel == 2; });
-  if (n < 2 || n % 2 != 0 || !split_calibrated || !calibration.links.collective.measured()) {
+  if (n < 2 || n % 2 != 0 || calibration.SplitTimes(2) == nullptr ||
+      !calibration.links.collective.measured()) {
     return Status::Ok();
   }
   Result<ModelSpec> split = model.PlannedFor(2, 1);
@@ -173,13 +183,8 @@ Status FitTheTensorProbe(const ModelSpec& model, const TrainingPlan& one,
                     n / 2, *probed, at_idle, idle));
     return Status::Ok();
   }
-  double lo = idle, hi = 1e5;  // microseconds; the step grows with the latency
-  for (int i = 0; i < 40; ++i) {
-    const double mid = (lo + hi) / 2;
-    TESSERA_ASSIGN_OR_RETURN(const double ms, simulated_at(mid));
-    (ms < *probed ? lo : hi) = mid;
-  }
-  calibration.links.collective.latency_us = (lo + hi) / 2;
+  TESSERA_ASSIGN_OR_RETURN(calibration.links.collective.latency_us,
+                           FitByBisection(idle, 1e5, 40, /*grows=*/true, *probed, simulated_at));
   say(
       fmt::format("{} tensor-parallel pairs at once: {:.2f} ms a step against {:.2f} ms "
                   "simulated with the idle link: a collective waits {:.0f} us for its peers when "
@@ -257,14 +262,16 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                     n, measured_all, alone.step_ms));
   } else {
     // The simulated step shrinks as the capacity grows: bisect for the measured one.
-    double lo = 0.05, hi = n;
-    for (int i = 0; i < 30; ++i) {
-      const double mid = (lo + hi) / 2;
-      calibration.sharing = ComputeSharing{mid};
-      TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared, Simulated(model, all, calibration, registry));
-      (shared.step_ms > measured_all ? lo : hi) = mid;
-    }
-    calibration.sharing = ComputeSharing{(lo + hi) / 2};
+    TESSERA_ASSIGN_OR_RETURN(const double capacity,
+                             FitByBisection(0.05, n, 30, /*grows=*/false, measured_all,
+                                            [&](double room) -> Result<double> {
+                                              calibration.sharing = ComputeSharing{room};
+                                              TESSERA_ASSIGN_OR_RETURN(
+                                                  SimulatedStep shared,
+                                                  Simulated(model, all, calibration, registry));
+                                              return shared.step_ms;
+                                            }));
+    calibration.sharing = ComputeSharing{capacity};
     say(
         fmt::format("{} ranks at once: {:.2f} ms a step against {:.2f} ms with a worker's "
                     "compute to itself: the workers share a machine, room for {:.2f} of them at "
@@ -287,14 +294,16 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   const double bytes_per_us = calibration.links.collective.measured()
                                   ? calibration.links.collective.bytes_per_us
                                   : 1e3;  // 1 GB/s when unmeasured
-  double lo = 0, hi = 1e5;                // microseconds
-  for (int i = 0; i < 40; ++i) {
-    const double mid = (lo + hi) / 2;
-    calibration.links.point_to_point = CollectiveLink{mid, bytes_per_us};
-    TESSERA_ASSIGN_OR_RETURN(SimulatedStep pushed, Simulated(model, piped, calibration, registry));
-    (pushed.step_ms < measured_piped ? lo : hi) = mid;
-  }
-  calibration.links.point_to_point = CollectiveLink{std::max((lo + hi) / 2, 1.0), bytes_per_us};
+  TESSERA_ASSIGN_OR_RETURN(
+      const double latency_us,
+      FitByBisection(0, 1e5, 40, /*grows=*/true, measured_piped,
+                     [&](double us) -> Result<double> {  // the step grows with the latency
+                       calibration.links.point_to_point = CollectiveLink{us, bytes_per_us};
+                       TESSERA_ASSIGN_OR_RETURN(SimulatedStep pushed,
+                                                Simulated(model, piped, calibration, registry));
+                       return pushed.step_ms;
+                     }));
+  calibration.links.point_to_point = CollectiveLink{std::max(latency_us, 1.0), bytes_per_us};
   say(
       fmt::format("a pipeline of two stages: {:.2f} ms a step: an object pushed between workers "
                   "waits {:.0f} us beyond its bytes",
