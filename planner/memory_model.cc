@@ -280,7 +280,7 @@ Status CheckOrders(const Graph& graph, const Workers& workers,
 std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers,
                                       const std::vector<WorkerOrder>& orders,
                                       const std::vector<int>& position,
-                                      const std::vector<int64_t>& round_of_task,
+                                      const std::vector<double>& finish_of_task,
                                       const std::vector<bool>& read_anywhere, size_t w) {
   const std::vector<TaskId>& order = orders[w].tasks;
   const int size = static_cast<int>(order.size());
@@ -310,11 +310,12 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
         life.first = position[producer];
       } else {
         if (last_reader[o] < 0) continue;
-        // Pushed when its producer finishes: live here from the first task that runs after.
+        // Pushed when its producer finishes: live here from the first task that finishes after
+        // it (the one running when it arrives, else the next).
         life.received = true;
         life.first = last_reader[o];
         for (int p = 0; p < size; ++p) {
-          if (round_of_task[Index(order[static_cast<size_t>(p)])] > round_of_task[producer]) {
+          if (finish_of_task[Index(order[static_cast<size_t>(p)])] > finish_of_task[producer]) {
             life.first = std::min(life.first, p);
             break;
           }
@@ -462,7 +463,7 @@ int64_t TierCopyBytes(const Graph& graph, const WorkerOrder& order) {
 
 Result<MemoryProfile> Predict(const Graph& graph, const Workers& workers,
                               const std::vector<WorkerOrder>& orders,
-                              const std::vector<int64_t>& round_of_task) {
+                              const std::vector<double>& finish_of_task) {
   std::vector<int> position;
   TESSERA_RETURN_IF_ERROR(CheckOrders(graph, workers, orders, position));
   std::vector<bool> read_anywhere(graph.objects().size(), false);
@@ -473,10 +474,15 @@ Result<MemoryProfile> Predict(const Graph& graph, const Workers& workers,
   for (size_t w = 0; w < orders.size(); ++w) {
     profile.workers.push_back(
         Account(graph, orders[w],
-                Lifetimes(graph, workers, orders, position, round_of_task, read_anywhere, w)));
+                Lifetimes(graph, workers, orders, position, finish_of_task, read_anywhere, w)));
     profile.workers.back().tier_copy_bytes = TierCopyBytes(graph, orders[w]);
   }
   return profile;
+}
+
+// The unit-time rounds tasks finish in, as finishing times.
+std::vector<double> Rounds(const Simulation& sim) {
+  return {sim.round_of_task.begin(), sim.round_of_task.end()};
 }
 
 std::string Bytes(int64_t bytes) {
@@ -507,13 +513,25 @@ Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<Worker
   std::vector<int> position;
   TESSERA_RETURN_IF_ERROR(CheckOrders(graph, workers, orders, position));
   TESSERA_ASSIGN_OR_RETURN(Simulation sim, Simulate(graph, workers, &orders));
-  return Predict(graph, workers, orders, sim.round_of_task);
+  return Predict(graph, workers, orders, Rounds(sim));
+}
+
+Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<WorkerOrder>& orders,
+                                    const std::vector<double>& finish_ms) {
+  const Workers workers = IndexWorkers(graph);
+  if (finish_ms.size() != graph.tasks().size()) {
+    return InvalidArgument("{} finishing times for a graph of {} tasks", finish_ms.size(),
+                           graph.tasks().size());
+  }
+  std::vector<int> position;
+  TESSERA_RETURN_IF_ERROR(CheckOrders(graph, workers, orders, position));
+  return Predict(graph, workers, orders, finish_ms);
 }
 
 Result<MemoryProfile> PredictMemory(const Graph& graph) {
   const Workers workers = IndexWorkers(graph);
   TESSERA_ASSIGN_OR_RETURN(Simulation sim, Simulate(graph, workers, nullptr));
-  return Predict(graph, workers, sim.orders, sim.round_of_task);
+  return Predict(graph, workers, sim.orders, Rounds(sim));
 }
 
 std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile, int timeline_points) {

@@ -136,6 +136,15 @@ Result<std::vector<WorkerOrder>> SimulateWorkerOrders(const Graph& graph);
 // The memory of each worker running `orders` (every task of the graph exactly once, each
 // after what it waits for on its worker, else InvalidArgument naming the task).
 Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<WorkerOrder>& orders);
+// The same with each task finishing at `finish_ms` (per task; a simulated step's: the orders
+// should end their tasks in that time order, step_simulation.h's PredictTimedMemory): an object
+// another worker produces arrives when its producer finishes, live there from the first task of
+// the order that finishes after it (the one running then, else the next), not after a unit of
+// time per task. A reader slower than its producer holds what piles up (a pipeline stage whose
+// next stage sends its backward inputs faster than it takes them). InvalidArgument for orders
+// PredictMemory refuses or not one time per task.
+Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<WorkerOrder>& orders,
+                                    const std::vector<double>& finish_ms);
 // SimulateWorkerOrders, then PredictMemory.
 Result<MemoryProfile> PredictMemory(const Graph& graph);
 

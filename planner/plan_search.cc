@@ -136,15 +136,15 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
                            SimulatePlannedStep(*step, model, plan.memory, calibration, registry));
   // The peaks in the order the simulated step ends its tasks: collectives and copies on the
   // lanes beside the compute keep their inputs while they take their time (the executor's
-  // untimed order, which the memory plan fits by, finishes them at once). The larger of the two.
+  // untimed order, which the memory plan fits by, finishes them at once), and what another worker
+  // sends arrives at its time (a stage whose neighbour runs ahead holds what piles up). The
+  // larger of the two.
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
   const auto tier = static_cast<size_t>(TierOf(plan.device));
   const int64_t untimed_peak = peaks[tier];
   int64_t timed_peak = 0;
-  if (Result<MemoryProfile> timed =
-          PredictMemory(step->graph, TimedWorkerOrders(step->graph, simulated));
-      timed.ok()) {
+  if (Result<MemoryProfile> timed = PredictTimedMemory(step->graph, simulated); timed.ok()) {
     const std::array<int64_t, kMemoryTiers> timed_peaks = LargestPeaks(*timed);
     timed_peak = timed_peaks[tier];
     for (size_t t = 0; t < kMemoryTiers; ++t) peaks[t] = std::max(peaks[t], timed_peaks[t]);

@@ -152,7 +152,7 @@ struct RankedPlan {
   // chose (empty: kept everything).
   std::array<int64_t, kMemoryTiers> peak_bytes{};
   // Of the compute tier, the two orders peak_bytes is the larger of: the executor's untimed
-  // order and the simulated step's (TimedWorkerOrders).
+  // order and the simulated step's (PredictTimedMemory: its order and its times of arrival).
   int64_t untimed_peak_bytes = 0, timed_peak_bytes = 0;
   int recomputed_layers = 0, swapped_layers = 0, partly_kept_layers = 0;
   std::string memory_reason;

@@ -537,6 +537,10 @@ std::vector<WorkerOrder> TimedWorkerOrders(const Graph& graph, const SimulatedSt
   return orders;
 }
 
+Result<MemoryProfile> PredictTimedMemory(const Graph& graph, const SimulatedStep& simulated) {
+  return PredictMemory(graph, TimedWorkerOrders(graph, simulated), simulated.end_ms);
+}
+
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
                                    const StepLinks& links, double task_overhead_ms,
                                    ComputeSharing sharing) {

@@ -102,5 +102,8 @@ Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTim
 // collectives and copies of the lanes beside the compute take their time. The workers in the
 // order their first task appears (SimulateWorkerOrders' order).
 std::vector<WorkerOrder> TimedWorkerOrders(const Graph& graph, const SimulatedStep& simulated);
+// The memory of the simulated step: TimedWorkerOrders, each object another worker produces
+// arriving when its producer ends there (PredictMemory with the finishing times).
+Result<MemoryProfile> PredictTimedMemory(const Graph& graph, const SimulatedStep& simulated);
 
 }  // namespace tessera

@@ -171,6 +171,46 @@ TEST(MemoryModelTest, AnObjectPushedToAnotherWorkerIsLiveThereFromItsArrival) {
   EXPECT_EQ(Host(w2, 3), 400 + 4);        // a, out (d nobody reads: freed when made)
 }
 
+// With finishing times (a simulated step's), a pushed object arrives at its producer's end, not
+// a unit of time per task: a slow reader holds what its fast neighbour sends while it computes
+// (a pipeline stage whose next stage returns the backward inputs faster than it takes them).
+TEST(MemoryModelTest, WithFinishingTimesWhatAFastProducerSendsPilesUpAtASlowReader) {
+  Graph graph;
+  const ObjectId x = graph.AddObject("x", Floats(10), ObjectRole::kInput);
+  const ObjectId y = graph.AddObject("y", Floats(10), ObjectRole::kInput);
+  const ObjectId a0 = graph.AddObject("a0", Floats(100), ObjectRole::kActivation);
+  const ObjectId a1 = graph.AddObject("a1", Floats(100), ObjectRole::kActivation);
+  const ObjectId b0 = graph.AddObject("b0", Floats(1), ObjectRole::kOutput);
+  const ObjectId b1 = graph.AddObject("b1", Floats(1), ObjectRole::kOutput);
+  const TaskId make0 = Add(graph, "w1.make0", {x}, {a0}, 0, 1);
+  const TaskId make1 = Add(graph, "w1.make1", {y}, {a1}, 0, 1);
+  const TaskId use0 = Add(graph, "w2.use0", {a0}, {b0}, 0, 2);
+  const TaskId use1 = Add(graph, "w2.use1", {a1}, {b1}, 0, 2);
+  graph.MarkOutput(b0);
+  graph.MarkOutput(b1);
+  // Unit time: a1 is made in round 1 while w2 runs use0, and arrives for use1.
+  ASSERT_OK_AND_ASSIGN(MemoryProfile unit, PredictMemory(graph));
+  ASSERT_EQ(unit.workers.size(), 2u);
+  EXPECT_EQ(Life(unit.workers[1], a1).first, 1);
+  EXPECT_EQ(Host(unit.workers[1], 0), 400 + 4);  // a0, b0
+  // Timed: w1 makes both by 2 ms, w2's use0 runs from 1 to 10 ms: a1 arrives during use0.
+  std::vector<double> finish(4);
+  finish[make0.value() - 1] = 1;
+  finish[make1.value() - 1] = 2;
+  finish[use0.value() - 1] = 10;
+  finish[use1.value() - 1] = 11;
+  std::vector<WorkerOrder> orders = {{WorkerId(1), {make0, make1}}, {WorkerId(2), {use0, use1}}};
+  ASSERT_OK_AND_ASSIGN(MemoryProfile timed, PredictMemory(graph, orders, finish));
+  EXPECT_EQ(Life(timed.workers[1], a1).first, 0);
+  EXPECT_EQ(Host(timed.workers[1], 0), 400 + 400 + 4);  // a0, a1, b0
+  EXPECT_EQ(timed.workers[1].total_peak, 400 + 400 + 4);
+  // A time per task, or an error naming the count.
+  finish.pop_back();
+  const Result<MemoryProfile> short_times = PredictMemory(graph, orders, finish);
+  EXPECT_EQ(short_times.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_times.status().message(), HasSubstr("3 finishing times for a graph of 4"));
+}
+
 TEST(MemoryModelTest, CollectiveMembersFinishTogetherOnEveryWorker) {
   Graph graph;
   std::vector<ObjectId> shards, fulls;
