@@ -138,6 +138,7 @@ Status Plan(const PlanCommandFlags& flags) {
   TESSERA_ASSIGN_OR_RETURN(Settings settings, Settings::FromProcessEnvironment());
   options.cache_dir = DefaultCacheDir(settings.cache_dir);
   options.recalibrate = flags.recalibrate;
+  options.calibration_rounds = flags.calibration_rounds;
   ExecutorOptions executor = ExecutorOptions::FromSettings(settings);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   executor.threads = flags.threads > 0 ? flags.threads : std::max(1, cores / flags.workers);
@@ -244,6 +245,11 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
                     "Calibrate in this process only (links and sharing unmeasured)");
   command->add_flag("--recalibrate", flags.recalibrate,
                     "Measure again instead of using the cached calibration");
+  command
+      ->add_option("--calibration-rounds", flags.calibration_rounds,
+                   "Rounds of every calibration measurement (a figure is the median of its "
+                   "rounds')")
+      ->check(AtLeast(1));
   command->add_flag("--fewer-workers", flags.fewer_workers,
                     "Also plans on fewer than --workers (when workers share a machine, fewer can "
                     "be faster)");

@@ -4,7 +4,8 @@
 //
 //   tessera plan --model gpt2 [--preset small] [--layers L ...] --batch B --seq-len T
 //                --workers N [--host-memory-gib G] [--device-memory-gib G] [--top K]
-//                [--address HOST:PORT | --no-probe] [--recalibrate] [--fewer-workers]
+//                [--address HOST:PORT | --no-probe] [--recalibrate] [--calibration-rounds R]
+//                [--fewer-workers]
 //   tessera plan --cluster FILE.yaml --model gpt3-175b [--gpus N ...] [--batch B] [--top K]
 //                [--no-overlap]
 //
@@ -40,6 +41,7 @@ struct PlanCommandFlags {
   std::string address, token_file;
   bool no_probe = false;
   bool recalibrate = false;
+  int calibration_rounds = 3;
   bool fewer_workers = false;
   int threads = 0;  // per worker (0: the machine's cores over the workers, as a local cluster's)
   // The search at scale: a described cluster, the GPU counts (empty: all of it), whether the

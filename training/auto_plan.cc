@@ -65,6 +65,7 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
         base.batch, options.space.workers);
   }
   request.profile_steps = options.profile_steps;
+  request.rounds = options.calibration_rounds;
   const size_t n = std::min(workers.size(), static_cast<size_t>(options.space.workers));
   request.workers.assign(workers.begin(), workers.begin() + static_cast<long>(n));
   AutoPlan plan;

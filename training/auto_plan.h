@@ -28,7 +28,8 @@ struct AutoPlanOptions {
   std::string cache_dir;     // empty: no cache (always measured, never saved)
   bool recalibrate = false;  // measure even when a cached calibration matches
   int profile_steps = 2;
-  int threads = 0;  // this process's compute threads (part of the cache key)
+  int calibration_rounds = 3;  // CalibrationRequest::rounds
+  int threads = 0;             // this process's compute threads (part of the cache key)
 };
 
 struct AutoPlan {

@@ -151,4 +151,97 @@ Result<CollectiveLink> MeasureCollectiveLink(GraphBackend& backend,
   return link;
 }
 
+namespace {
+
+constexpr int kSmallHops = 16;  // tasks: hops + 1, so the chain ends on the worker it starts on
+constexpr int kLargeHops = 8;
+
+// A chain of `hops` + 1 identities of a buffer of `elements` floats, alternating between `from`
+// and `to` ("hop0" on `from`, "hop1" on `to`, ...).
+Result<Graph> BuildChain(const OpRegistry& registry, WorkerId from, WorkerId to, Device device,
+                         int64_t elements, int hops) {
+  GraphBuilder builder(registry);
+  ObjectId x = builder.AddInput("hop/input", TensorMeta{Shape{elements}, DType::kF32, device},
+                                ObjectRole::kInput);
+  for (int i = 0; i <= hops; ++i) {
+    TaskOptions options;
+    options.pinned_worker = i % 2 == 0 ? from : to;
+    options.device_kind = device.kind;
+    TESSERA_ASSIGN_OR_RETURN(
+        auto out, builder.AddTask(fmt::format("hop{}", i), "identity", {x}, {}, options));
+    x = out[0];
+  }
+  builder.MarkOutput(x);
+  return builder.Build();
+}
+
+// Per timed run of the chain, what a hop takes: the chain's time less its tasks', over the hops.
+Result<std::vector<double>> HopMicros(GraphBackend& backend, const OpRegistry& registry,
+                                      WorkerId from, WorkerId to, Device device, int64_t elements,
+                                      int hops) {
+  TESSERA_ASSIGN_OR_RETURN(Graph chain, BuildChain(registry, from, to, device, elements, hops));
+  TESSERA_ASSIGN_OR_RETURN(const int handle, backend.Register(chain));
+  const ObjectId input = chain.InputObjects().front();
+  for (int run = 0; run < 1 + kTimedRuns; ++run) {
+    TensorMeta meta = chain.object(input).meta;
+    meta.device = Device::Cpu();
+    TESSERA_ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(meta, backend.allocator()));
+    ValueMap inputs;
+    TESSERA_ASSIGN_OR_RETURN(inputs[input], backend.UploadTo(std::move(zeros), device));
+    TESSERA_RETURN_IF_ERROR(backend.Run(handle, std::move(inputs)).status());
+  }
+  TESSERA_ASSIGN_OR_RETURN(Timeline timeline, backend.LastTimeline(handle, kTimedRuns));
+  struct Run {
+    int64_t first_start = std::numeric_limits<int64_t>::max(), last_end = 0, busy = 0;
+    int tasks = 0;
+  };
+  std::map<uint64_t, Run> runs;
+  for (const TimelineSpan& span : timeline.spans) {
+    if (span.op != "identity") continue;
+    Run& run = runs[span.instance];
+    run.first_start = std::min(run.first_start, span.start_us);
+    run.last_end = std::max(run.last_end, span.end_us);
+    run.busy += span.end_us - span.start_us;
+    ++run.tasks;
+  }
+  std::vector<double> hop_us;
+  for (const auto& [instance, run] : runs) {
+    if (run.tasks != hops + 1) {
+      return Internal("a chain run's trace holds {} tasks, not {}", run.tasks, hops + 1);
+    }
+    hop_us.push_back(
+        static_cast<double>(std::max<int64_t>(0, run.last_end - run.first_start - run.busy)) /
+        hops);
+  }
+  if (hop_us.size() != static_cast<size_t>(kTimedRuns)) {
+    return Internal("the trace holds {} chain runs, not {}", hop_us.size(), kTimedRuns);
+  }
+  return hop_us;
+}
+
+}  // namespace
+
+Result<CollectiveLink> MeasurePushLink(GraphBackend& backend, WorkerId from, WorkerId to,
+                                       Device device) {
+  const auto fail = [](const Status& status) {
+    return status.WithContext("measuring the push link");
+  };
+  if (from == to) {
+    return fail(
+        InvalidArgument("the push link needs two distinct workers, got {} twice", from.value()));
+  }
+  OpRegistry registry;
+  if (Status s = RegisterStandardOps(registry); !s.ok()) return fail(s);
+  Result<std::vector<double>> small =
+      HopMicros(backend, registry, from, to, device, kSmallElements, kSmallHops);
+  if (!small.ok()) return fail(small.status());
+  Result<std::vector<double>> large =
+      HopMicros(backend, registry, from, to, device, kLargeElements, kLargeHops);
+  if (!large.ok()) return fail(large.status());
+  // A span has microsecond ends: at least 1 us.
+  const double latency = std::max(1.0, Median(*small));
+  const double extra_bytes = static_cast<double>((kLargeElements - kSmallElements) * 4);
+  return CollectiveLink{latency, extra_bytes / std::max(1.0, Median(*large) - latency)};
+}
+
 }  // namespace tessera

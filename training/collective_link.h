@@ -11,6 +11,15 @@
 // the extra bytes of a large one over its extra median time; the link is the median run's. The
 // probe costs a few tens of milliseconds on one host.
 //
+// The push link (MeasurePushLink) between two workers, what a pipeline's objects take from one
+// stage to the next: a chain of tasks alternating between the two, each reading the one before
+// (an identity of a small buffer, 1 KiB, 17 times; then of a large one, 1 MiB, 9 times), so every
+// hop is an object pushed to the other worker and its reader dispatched there, through the path
+// a step's pushes take. A hop's time is the chain's time (it starts and ends on the first worker,
+// one clock) less its tasks' own, over the hops; the latency is a small hop's, the bandwidth the
+// extra bytes of a large one over its extra time; once untimed, three times timed, the median
+// run's.
+//
 // Thread safety: uses the backend like any caller of it (one call at a time).
 #pragma once
 
@@ -29,5 +38,11 @@ namespace tessera {
 // than two workers.
 Result<CollectiveLink> MeasureCollectiveLink(GraphBackend& backend,
                                              const std::vector<WorkerId>& workers, Device device);
+
+// The push link from `from` to `to` and back (two distinct workers) for objects on `device`.
+// Errors name the step that failed ("measuring the push link: ..."); InvalidArgument for one
+// worker twice.
+Result<CollectiveLink> MeasurePushLink(GraphBackend& backend, WorkerId from, WorkerId to,
+                                       Device device);
 
 }  // namespace tessera

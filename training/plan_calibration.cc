@@ -92,6 +92,12 @@ std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
 
 namespace {
 
+double MedianOf(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
 // The median step time of `plan` (its workers bound) on a new backend: zeros at a zero
 // learning rate, two untimed steps then `steps`.
 Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
@@ -112,8 +118,45 @@ Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 0.0f));
     if (step >= 2) ms.push_back(report.step_ms);
   }
-  std::sort(ms.begin(), ms.end());
-  return ms.size() % 2 == 1 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
+  return MedianOf(std::move(ms));
+}
+
+// The order round `round` of `rounds` takes `count` measurements in: rotated by its share of
+// them, so no measurement always runs first or after the same one.
+std::vector<size_t> RoundOrder(size_t count, int round, int rounds) {
+  std::vector<size_t> order(count);
+  const size_t start = count * static_cast<size_t>(round) / static_cast<size_t>(rounds);
+  for (size_t i = 0; i < count; ++i) order[i] = (start + i) % count;
+  return order;
+}
+
+// A probe step: its plan, and the median of its rounds' step times (failed: the first error).
+struct ProbeStep {
+  std::string what;
+  TrainingPlan plan;
+  std::vector<double> ms;
+  Status failed;
+  bool ok() const { return failed.ok() && !ms.empty(); }
+  double median() const { return MedianOf(ms); }
+};
+
+// Every probe in `rounds` rounds (each in RoundOrder), so that what moves a machine's speed for
+// a while (another process, the host of a virtual machine) moves one round of a probe, not the
+// probe.
+void MeasureProbes(const ModelSpec& model, std::vector<ProbeStep>& probes, int rounds, int steps,
+                   const BackendFactory& make_backend) {
+  for (int q = 0; q < rounds; ++q) {
+    for (size_t i : RoundOrder(probes.size(), q, rounds)) {
+      ProbeStep& probe = probes[i];
+      if (!probe.failed.ok()) continue;
+      Result<double> ms = ProbeStepMs(model, probe.plan, make_backend, steps);
+      if (ms.ok()) {
+        probe.ms.push_back(*ms);
+      } else {
+        probe.failed = ms.status();
+      }
+    }
+  }
 }
 
 // The simulated step of `plan` on `calibration`.
@@ -135,67 +178,12 @@ Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, doub
   return (lo + hi) / 2;
 }
 
-// With the layers of a split over 2 tensor ranks calibrated and an even number of workers: every
-// worker a rank of pairs of tensor ranks at once (D n/2 x T 2, from `one`'s rows per pair), whose
-// step waits on two all-reduces a layer pair each way. When it is slower than simulated, what a
-// collective waits beyond its bytes while the workers share the machine (a peer that must be
-// scheduled first) is the collective latency, bisected so the simulation gives the measured step;
-// the idle link's otherwise.
-Status FitTheTensorProbe(const ModelSpec& model, const TrainingPlan& one,
-                         const CalibrationRequest& request, const BackendFactory& make_backend,
-                         const std::function<void(const std::string&)>& say,
-                         Calibration& calibration) {
-  const auto n = static_cast<int>(request.workers.size());
-  if (n < 2 || n % 2 != 0 || calibration.SplitTimes(2) == nullptr ||
-      !calibration.links.collective.measured()) {
-    return Status::Ok();
-  }
-  Result<ModelSpec> split = model.PlannedFor(2, 1);
-  if (!split.ok()) return Status::Ok();
-  OpRegistry registry;
-  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
-  TrainingPlan pairs = one;
-  pairs.batch = one.batch * (n / 2);
-  pairs.parallel.data_parallel = n / 2;
-  pairs.parallel.tensor_parallel = 2;
-  pairs.parallel.workers = request.workers;
-  pairs.parallel.link = calibration.links.collective;
-  Result<double> probed = ProbeStepMs(model, pairs, make_backend, request.probe_steps);
-  if (!probed.ok()) {
-    say(
-        fmt::format("{} tensor-parallel pairs: the probe step failed ({}); the collective "
-                    "latency stays the idle link's",
-                    n / 2, probed.status().ToString()));
-    return Status::Ok();
-  }
-  const auto simulated_at = [&](double latency_us) -> Result<double> {
-    calibration.links.collective.latency_us = latency_us;
-    TESSERA_ASSIGN_OR_RETURN(SimulatedStep step, Simulated(*split, pairs, calibration, registry));
-    return step.step_ms;
-  };
-  const double idle = calibration.links.collective.latency_us;
-  TESSERA_ASSIGN_OR_RETURN(const double at_idle, simulated_at(idle));
-  if (*probed <= at_idle) {
-    calibration.links.collective.latency_us = idle;
-    say(
-        fmt::format("{} tensor-parallel pairs at once: {:.2f} ms a step, within the simulated "
-                    "{:.2f} ms: a collective waits its idle latency, {:.0f} us",
-                    n / 2, *probed, at_idle, idle));
-    return Status::Ok();
-  }
-  TESSERA_ASSIGN_OR_RETURN(calibration.links.collective.latency_us,
-                           FitByBisection(idle, 1e5, 40, /*grows=*/true, *probed, simulated_at));
-  say(
-      fmt::format("{} tensor-parallel pairs at once: {:.2f} ms a step against {:.2f} ms "
-                  "simulated with the idle link: a collective waits {:.0f} us for its peers when "
-                  "the workers share the machine ({:.0f} us idle)",
-                  n / 2, *probed, at_idle, calibration.links.collective.latency_us, idle));
-  return Status::Ok();
-}
-
-// The compute scale, per-step overhead, compute sharing and push latency that make the
-// simulation give the probes' measured steps. A probe the workers cannot run (a worker's memory
-// cap below an uncapped probe step) leaves its figures at their defaults, and says so.
+// The probe steps on the workers (see the header), measured together in rounds, and what each
+// fits: the compute scale and per-step overhead (one rank on one worker at two row counts), the
+// compute sharing (every worker a data-parallel rank) and the collective latency among workers
+// sharing the machine (tensor-parallel pairs). A probe
+// the workers cannot run (a worker's memory cap below an uncapped probe step) leaves its figures
+// at their defaults, and says so.
 Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                     const CalibrationRequest& request, const BackendFactory& make_backend,
                     const std::function<void(const std::string&)>& say, Calibration& calibration) {
@@ -214,18 +202,55 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // (its kernels may run faster or slower there than in this process) plus a constant per step.
   TrainingPlan other = one;
   other.batch = rows >= 2 && n == 1 ? rows / 2 : rows * 2;
-  const auto probe = [&](const TrainingPlan& plan, const std::string& what) -> Result<double> {
-    Result<double> ms = ProbeStepMs(model, plan, make_backend, request.probe_steps);
-    if (!ms.ok()) {
-      say(fmt::format("{}: the probe step failed ({}); its figures are not fitted", what,
-                      ms.status().ToString()));
+  std::vector<ProbeStep> probes = {{"one rank on one worker", one, {}, {}},
+                                   {"one rank on one worker", other, {}, {}}};
+  constexpr size_t kNone = SIZE_MAX;
+  size_t all_at = kNone, pairs_at = kNone;
+  if (n >= 2) {
+    // Every worker a data-parallel rank at once.
+    TrainingPlan all = one;
+    all.batch = rows * n;
+    all.parallel.data_parallel = n;
+    all.parallel.workers = request.workers;
+    all.parallel.link = calibration.links.collective;
+    all_at = probes.size();
+    probes.push_back({fmt::format("{} ranks at once", n), all, {}, {}});
+  }
+  // With the layers of a split over 2 tensor ranks calibrated and an even number of workers:
+  // every worker a rank of n/2 pairs of tensor ranks at once, whose step waits on two all-reduces
+  // a layer pair each way.
+  Result<ModelSpec> split = model.PlannedFor(2, 1);
+  if (n >= 2 && n % 2 == 0 && calibration.SplitTimes(2) != nullptr &&
+      calibration.links.collective.measured() && split.ok()) {
+    TrainingPlan pairs = one;
+    pairs.batch = one.batch * (n / 2);
+    pairs.parallel.data_parallel = n / 2;
+    pairs.parallel.tensor_parallel = 2;
+    pairs.parallel.workers = request.workers;
+    pairs.parallel.link = calibration.links.collective;
+    pairs_at = probes.size();
+    probes.push_back({fmt::format("{} tensor-parallel pairs at once", n / 2), pairs, {}, {}});
+  }
+  const int rounds = std::max(1, request.rounds);
+  MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
+  say(
+      fmt::format("{} probe steps on the workers, {} round(s) each (a step's time: the median of "
+                  "its rounds')",
+                  probes.size(), rounds));
+  const auto measured = [&](size_t at) -> const ProbeStep* {
+    if (at == kNone) return nullptr;
+    const ProbeStep& probe = probes[at];
+    if (!probe.ok()) {
+      say(fmt::format("{}: the probe step failed ({}); its figures are not fitted", probe.what,
+                      probe.failed.ToString()));
+      return nullptr;
     }
-    return ms;
+    return &probe;
   };
-  Result<double> probed_one = probe(one, "one rank on one worker");
-  Result<double> probed_other = probe(other, "one rank on one worker");
-  if (!probed_one.ok() || !probed_other.ok()) return Status::Ok();
-  const double measured_one = *probed_one, measured_other = *probed_other;
+  const ProbeStep* probed_one = measured(0);
+  const ProbeStep* probed_other = measured(1);
+  if (probed_one == nullptr || probed_other == nullptr) return Status::Ok();
+  const double measured_one = probed_one->median(), measured_other = probed_other->median();
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_one,
                            Simulated(model, one, calibration, registry));
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_other,
@@ -244,71 +269,64 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                   "{:.2f} and {:.2f} ms of profiled work: the worker computes at {:.2f}x the "
                   "profile's times, plus {:.2f} ms a step",
                   one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
-  if (n < 2) return Status::Ok();
-  TrainingPlan all = one;
-  all.batch = rows * n;
-  all.parallel.data_parallel = n;
-  all.parallel.workers = request.workers;
-  all.parallel.link = calibration.links.collective;
-  Result<double> probed_all = probe(all, fmt::format("{} ranks at once", n));
-  if (!probed_all.ok()) return Status::Ok();
-  const double measured_all = *probed_all;
-  calibration.sharing = ComputeSharing{};
-  TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone, Simulated(model, all, calibration, registry));
-  if (measured_all <= alone.step_ms * 1.05) {
-    say(
-        fmt::format("{} ranks at once: {:.2f} ms a step, as simulated with a worker's compute to "
-                    "itself ({:.2f} ms)",
-                    n, measured_all, alone.step_ms));
-  } else {
-    // The simulated step shrinks as the capacity grows: bisect for the measured one.
-    TESSERA_ASSIGN_OR_RETURN(const double capacity,
-                             FitByBisection(0.05, n, 30, /*grows=*/false, measured_all,
-                                            [&](double room) -> Result<double> {
-                                              calibration.sharing = ComputeSharing{room};
-                                              TESSERA_ASSIGN_OR_RETURN(
-                                                  SimulatedStep shared,
-                                                  Simulated(model, all, calibration, registry));
-                                              return shared.step_ms;
-                                            }));
-    calibration.sharing = ComputeSharing{capacity};
-    say(
-        fmt::format("{} ranks at once: {:.2f} ms a step against {:.2f} ms with a worker's "
-                    "compute to itself: the workers share a machine, room for {:.2f} of them at "
-                    "full speed",
-                    n, measured_all, alone.step_ms, calibration.sharing.capacity));
+  if (const ProbeStep* probed = measured(all_at); probed != nullptr) {
+    const double measured_all = probed->median();
+    calibration.sharing = ComputeSharing{};
+    TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone,
+                             Simulated(model, probed->plan, calibration, registry));
+    if (measured_all <= alone.step_ms * 1.05) {
+      say(fmt::format(
+          "{}: {:.2f} ms a step, as simulated with a worker's compute to itself ({:.2f} ms)",
+          probed->what, measured_all, alone.step_ms));
+    } else {
+      // The simulated step shrinks as the capacity grows: bisect for the measured one.
+      TESSERA_ASSIGN_OR_RETURN(
+          const double capacity,
+          FitByBisection(
+              0.05, n, 30, /*grows=*/false, measured_all, [&](double room) -> Result<double> {
+                calibration.sharing = ComputeSharing{room};
+                TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared,
+                                         Simulated(model, probed->plan, calibration, registry));
+                return shared.step_ms;
+              }));
+      calibration.sharing = ComputeSharing{capacity};
+      say(
+          fmt::format("{}: {:.2f} ms a step against {:.2f} ms with a worker's compute to itself: "
+                      "the workers share a machine, room for {:.2f} of them at full speed",
+                      probed->what, measured_all, alone.step_ms, calibration.sharing.capacity));
+    }
   }
-  // A pipeline of two stages: what an object pushed from one worker to the next waits beyond
-  // its bytes over the link (the producer's report, the reader's dispatch and pull), fitted as
-  // the point-to-point latency.
-  if (model.layers.size() < 2) return Status::Ok();
-  TrainingPlan piped = one;
-  piped.batch = rows * 4;
-  piped.parallel.pipeline_stages = 2;
-  piped.parallel.micro_batches = 4;  // 8 pushes a step: one noisy one moves the fit less
-  piped.parallel.schedule = PipelineSchedule::kGPipe;
-  piped.parallel.workers = {request.workers[0], request.workers[1]};
-  Result<double> probed_piped = probe(piped, "a pipeline of two stages");
-  if (!probed_piped.ok()) return Status::Ok();
-  const double measured_piped = *probed_piped;
-  const double bytes_per_us = calibration.links.collective.measured()
-                                  ? calibration.links.collective.bytes_per_us
-                                  : 1e3;  // 1 GB/s when unmeasured
+  // The pairs: when slower than simulated, what a collective waits beyond its bytes while the
+  // workers share the machine (a peer that must be scheduled first) is the collective latency,
+  // bisected so the simulation gives the measured step; the idle link's otherwise.
+  const ProbeStep* probed_pairs = measured(pairs_at);
+  if (probed_pairs == nullptr) return Status::Ok();
+  const double measured_pairs = probed_pairs->median();
+  const auto simulated_at = [&](double latency_us) -> Result<double> {
+    calibration.links.collective.latency_us = latency_us;
+    TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
+                             Simulated(*split, probed_pairs->plan, calibration, registry));
+    return step.step_ms;
+  };
+  const double idle = calibration.links.collective.latency_us;
+  TESSERA_ASSIGN_OR_RETURN(const double at_idle, simulated_at(idle));
+  if (measured_pairs <= at_idle) {
+    calibration.links.collective.latency_us = idle;
+    say(
+        fmt::format("{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective waits its "
+                    "idle latency, {:.0f} us",
+                    probed_pairs->what, measured_pairs, at_idle, idle));
+    return Status::Ok();
+  }
   TESSERA_ASSIGN_OR_RETURN(
-      const double latency_us,
-      FitByBisection(0, 1e5, 40, /*grows=*/true, measured_piped,
-                     [&](double us) -> Result<double> {  // the step grows with the latency
-                       calibration.links.point_to_point = CollectiveLink{us, bytes_per_us};
-                       TESSERA_ASSIGN_OR_RETURN(SimulatedStep pushed,
-                                                Simulated(model, piped, calibration, registry));
-                       return pushed.step_ms;
-                     }));
-  calibration.links.point_to_point = CollectiveLink{std::max(latency_us, 1.0), bytes_per_us};
-  say(
-      fmt::format("a pipeline of two stages: {:.2f} ms a step: an object pushed between workers "
-                  "waits {:.0f} us beyond its bytes",
-                  measured_piped, calibration.links.point_to_point.latency_us));
-  return FitTheTensorProbe(model, one, request, make_backend, say, calibration);
+      calibration.links.collective.latency_us,
+      FitByBisection(idle, 1e5, 40, /*grows=*/true, measured_pairs, simulated_at));
+  say(fmt::format(
+      "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a "
+      "collective waits {:.0f} us for its peers when the workers share the machine "
+      "({:.0f} us idle)",
+      probed_pairs->what, measured_pairs, at_idle, calibration.links.collective.latency_us, idle));
+  return Status::Ok();
 }
 
 }  // namespace
@@ -327,58 +345,121 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   LayerProfileOptions options;
   options.split_backwards = true;
   options.steps = std::max(1, request.profile_steps);
-  double overhead_sum = 0;
-  // `what`'s layers at each of `counts` rows in this process (`sum`: its task overheads added).
-  const auto profile_layers = [&](const ModelSpec& what, const std::vector<int64_t>& counts,
-                                  const std::string& label,
-                                  double* sum) -> Result<std::vector<LayerTimesAtRows>> {
-    std::vector<LayerTimesAtRows> times;
-    for (int64_t rows : counts) {
-      TrainingPlan shape = base;
-      shape.batch = rows;
-      shape.parallel = ParallelConfig{};
-      shape.memory = MemoryCaps{};
-      Result<StepProfile> profile = ProfileStep(what, shape, executor, options);
-      if (!profile.ok()) {
-        return profile.status().WithContext(
-            fmt::format("calibrating the {} at {} rows", label, rows));
-      }
-      double step_layers = 0;
-      for (OpCosts& ms : profile->layer_ms) {
-        // A layer too fast to time still costs something.
-        ms.forward = std::max(ms.forward, 1e-3);
-        ms.backward = std::max(ms.backward, 1e-3);
-        step_layers += ms.forward + ms.backward + ms.weight;
-      }
-      say(fmt::format("{} at {} rows a micro-batch: {:.1f} ms forward + backward", label, rows,
-                      step_layers));
-      if (sum != nullptr) *sum += profile->TaskOverheadMs();
-      times.push_back(LayerTimesAtRows{rows, std::move(profile->layer_ms)});
-    }
-    return times;
+  // Every shape to profile: the whole model's at each row count, then one rank of each tensor
+  // split at its row counts (split: -1 for the whole model, else its index in the request).
+  struct ProfiledShape {
+    const ModelSpec* model;
+    int64_t rows;
+    int split;
+    std::vector<StepProfile> rounds;
   };
-  TESSERA_ASSIGN_OR_RETURN(calibration.layers,
-                           profile_layers(model, request.rows, "layers", &overhead_sum));
-  calibration.task_overhead_ms = overhead_sum / static_cast<double>(request.rows.size());
+  std::vector<ModelSpec> ranks;  // one rank of each split (ModelSpec::OneRankView)
+  ranks.reserve(request.tensor_splits.size());
+  const auto split_label = [](int t) { return fmt::format("layers of one of {} tensor ranks", t); };
   for (const TensorSplitRows& split : request.tensor_splits) {
-    const std::string label =
-        fmt::format("layers of one of {} tensor ranks", split.tensor_parallel);
     Result<ModelSpec> rank = model.PlannedFor(split.tensor_parallel, 1);
     if (rank.ok()) rank = rank->OneRankView();
-    if (!rank.ok()) return rank.status().WithContext("calibrating the " + label);
-    TESSERA_ASSIGN_OR_RETURN(std::vector<LayerTimesAtRows> times,
-                             profile_layers(*rank, split.rows, label, nullptr));
-    calibration.tensor_splits.push_back(TensorSplitTimes{split.tensor_parallel, std::move(times)});
+    if (!rank.ok()) {
+      return rank.status().WithContext("calibrating the " + split_label(split.tensor_parallel));
+    }
+    ranks.push_back(*std::move(rank));
   }
+  std::vector<ProfiledShape> shapes;
+  size_t count = request.rows.size();
+  for (const TensorSplitRows& split : request.tensor_splits) count += split.rows.size();
+  shapes.reserve(count);
+  for (int64_t rows : request.rows) shapes.push_back(ProfiledShape{&model, rows, -1, {}});
+  for (size_t i = 0; i < request.tensor_splits.size(); ++i) {
+    for (int64_t rows : request.tensor_splits[i].rows) {
+      shapes.push_back(ProfiledShape{&ranks[i], rows, static_cast<int>(i), {}});
+    }
+  }
+  const auto label_of = [&](const ProfiledShape& shape) {
+    return shape.split < 0
+               ? std::string("layers")
+               : split_label(
+                     request.tensor_splits[static_cast<size_t>(shape.split)].tensor_parallel);
+  };
+  // In rounds (RoundOrder), each figure the median of its rounds': what moves the machine's speed
+  // for a while moves one round of a shape, not the shape, nor one shape against the next.
+  const int rounds = std::max(1, request.rounds);
+  for (int q = 0; q < rounds; ++q) {
+    for (size_t i : RoundOrder(shapes.size(), q, rounds)) {
+      ProfiledShape& shape = shapes[i];
+      TrainingPlan plan = base;
+      plan.batch = shape.rows;
+      plan.parallel = ParallelConfig{};
+      plan.memory = MemoryCaps{};
+      Result<StepProfile> profile = ProfileStep(*shape.model, plan, executor, options);
+      if (!profile.ok()) {
+        return profile.status().WithContext(
+            fmt::format("calibrating the {} at {} rows", label_of(shape), shape.rows));
+      }
+      shape.rounds.push_back(*std::move(profile));
+    }
+  }
+  std::vector<double> overheads;
+  calibration.tensor_splits.resize(request.tensor_splits.size());
+  for (size_t i = 0; i < request.tensor_splits.size(); ++i) {
+    calibration.tensor_splits[i].tensor_parallel = request.tensor_splits[i].tensor_parallel;
+  }
+  for (const ProfiledShape& shape : shapes) {
+    LayerTimesAtRows times{shape.rows, shape.rounds.front().layer_ms};
+    double step_layers = 0;
+    for (size_t l = 0; l < times.layer_ms.size(); ++l) {
+      std::vector<double> forward, backward, weight;
+      for (const StepProfile& round : shape.rounds) {
+        forward.push_back(round.layer_ms[l].forward);
+        backward.push_back(round.layer_ms[l].backward);
+        weight.push_back(round.layer_ms[l].weight);
+      }
+      OpCosts& ms = times.layer_ms[l];
+      // A layer too fast to time still costs something.
+      ms.forward = std::max(MedianOf(forward), 1e-3);
+      ms.backward = std::max(MedianOf(backward), 1e-3);
+      ms.weight = MedianOf(weight);
+      step_layers += ms.forward + ms.backward + ms.weight;
+    }
+    say(fmt::format("{} at {} rows a micro-batch: {:.1f} ms forward + backward", label_of(shape),
+                    shape.rows, step_layers));
+    if (shape.split < 0) {
+      for (const StepProfile& round : shape.rounds) overheads.push_back(round.TaskOverheadMs());
+      calibration.layers.push_back(std::move(times));
+    } else {
+      calibration.tensor_splits[static_cast<size_t>(shape.split)].layers.push_back(
+          std::move(times));
+    }
+  }
+  calibration.task_overhead_ms = MedianOf(overheads);
   if (!make_backend || request.workers.empty()) return calibration;
   if (request.workers.size() >= 2) {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
-    TESSERA_ASSIGN_OR_RETURN(CollectiveLink link,
-                             MeasureCollectiveLink(*backend, request.workers, base.device));
+    std::vector<double> latencies, bandwidths;  // per round; the link: each one's median
+    for (int q = 0; q < rounds; ++q) {
+      TESSERA_ASSIGN_OR_RETURN(CollectiveLink measured,
+                               MeasureCollectiveLink(*backend, request.workers, base.device));
+      latencies.push_back(measured.latency_us);
+      bandwidths.push_back(measured.bytes_per_us);
+    }
+    const CollectiveLink link{MedianOf(latencies), MedianOf(bandwidths)};
     calibration.links.collective = link;
     calibration.links.collective_group = static_cast<int>(request.workers.size());
     say(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
                     request.workers.size(), link.latency_us, link.bytes_per_us / 1e3));
+    // The push link between the first two workers: what a pipeline's objects take.
+    latencies.clear();
+    bandwidths.clear();
+    for (int q = 0; q < rounds; ++q) {
+      TESSERA_ASSIGN_OR_RETURN(
+          CollectiveLink measured,
+          MeasurePushLink(*backend, request.workers[0], request.workers[1], base.device));
+      latencies.push_back(measured.latency_us);
+      bandwidths.push_back(measured.bytes_per_us);
+    }
+    calibration.links.point_to_point = CollectiveLink{MedianOf(latencies), MedianOf(bandwidths)};
+    say(fmt::format("an object pushed between two workers: {:.0f} us + {:.2f} GB/s",
+                    calibration.links.point_to_point.latency_us,
+                    calibration.links.point_to_point.bytes_per_us / 1e3));
   }
   TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, request, make_backend, say, calibration)
                               .WithContext("calibrating the workers' steps"));

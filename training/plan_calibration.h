@@ -21,7 +21,12 @@
 //     2 calibrated and an even number of workers, every worker a tensor rank of n/2 pairs at
 //     once: what a collective waits for its peers while the workers share the machine (the
 //     collective latency), bisected alike when that step is slower than the idle link says.
-// Probes run zeros at a zero learning rate (training/layer_profile.h's way).
+// Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
+// made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
+// probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a
+// while (another process, the host of a virtual machine) moves one round, not the figure, and a
+// fit on two figures (a scale and a constant; a latency bisected from one step) does not carry
+// one round's noise into every plan's prediction.
 //
 // The cache: one JSON file per key under the cache directory (setting cache_dir, else
 // $XDG_CACHE_HOME/tessera, else ~/.cache/tessera), written atomically. The key names what the
@@ -67,6 +72,9 @@ struct CalibrationRequest {
   std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
   int profile_steps = 4;          // timed steps per row count (after one untimed)
   int probe_steps = 5;            // timed steps per probe on the workers (after two untimed)
+  // Every measurement (each shape's layer profile, the collective link, each probe step) is made
+  // in this many rounds, each round in another order; a figure is the median of its rounds'.
+  int rounds = 3;
 };
 
 // A new backend on the cluster (each probe's trainer owns one).

@@ -93,6 +93,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_flag("--recalibrate", flags.search.recalibrate,
                "With --plan auto: measure the layer times and links again instead of using the "
                "cached ones");
+  app.add_option("--calibration-rounds", flags.search.calibration_rounds,
+                 "With --plan auto: rounds of every calibration measurement (a figure is the "
+                 "median of its rounds')")
+      ->check(tessera::AtLeast(1));
   app.add_option("--show-plans", flags.search.show_plans,
                  "With --plan auto: how many of the best plans to list")
       ->check(tessera::AtLeast(1));

@@ -6,7 +6,8 @@
 //   plan         --workers N --in-process --zero-stage S --tensor-parallel T
 //                --offload none|optimizer --grad-accum K
 //                --bucket-mb auto|MB --device-memory-gib G --host-memory-gib G
-//                --activation-budget F --plan flags|auto --recalibrate --show-plans N
+//                --activation-budget F --plan flags|auto --recalibrate --calibration-rounds R
+//                --show-plans N
 //   device       --device cpu|cuda|cuda:N --gpu-memory-gib G
 //   pipeline     --pipeline-stages P --micro-batches M --schedule gpipe|1f1b|interleaved|zb-h1
 //                --virtual-stages V --gather auto|step|micro-batch --balance estimate|profile
@@ -73,6 +74,7 @@ struct TraceFlags {
 struct PlanSearchFlags {
   std::string plan = "flags";  // flags: the plan the flags say; auto: searched
   bool recalibrate = false;
+  int calibration_rounds = 3;
   int show_plans = 5;
   // Which of --zero-stage, --pipeline-stages, --micro-batches (or --grad-accum), --schedule,
   // --virtual-stages, --stage-layers, --tensor-parallel and --sequence-parallel the command line

@@ -180,6 +180,7 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.sequence_given) space.shard_sequence = {given.shard_sequence};
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
+  options.calibration_rounds = search.calibration_rounds;
   // The layers are profiled in this process with a local cluster's workers' threads (what the
   // cluster gives each worker), so their times are the workers'.
   ExecutorOptions executor = runtime.executor;

@@ -363,6 +363,10 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
   EXPECT_NE(first.output.find("calibrating: collectives among 4 workers"), std::string::npos)
       << first.output;
   EXPECT_NE(first.output.find("calibrating: 4 ranks at once"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("calibrating: an object pushed between two workers"),
+            std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("3 round(s) each"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
   std::smatch best;
   ASSERT_TRUE(std::regex_search(

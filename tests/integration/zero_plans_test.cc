@@ -319,6 +319,28 @@ TEST_F(ZeroPlansTest, BucketsAreSizedFromTheLinkMeasuredOnTheWorkers) {
       << alone.status().ToString();
 }
 
+// The push link (what a pipeline's objects take between workers) is measured on two workers
+// through the runtime's pushes: a latency of a microsecond or more and a finite bandwidth; one
+// worker twice is refused.
+TEST_F(ZeroPlansTest, ThePushLinkIsMeasuredBetweenTwoWorkers) {
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+  const std::vector<WorkerId> workers = backend->workers();
+  ASSERT_GE(workers.size(), 2u);
+  ASSERT_OK_AND_ASSIGN(CollectiveLink link,
+                       MeasurePushLink(*backend, workers[0], workers[1], Device::Cpu()));
+  std::printf("[ measured ] push latency %.1f us, %.2f GB/s\n", link.latency_us,
+              link.bytes_per_us / 1e3);
+  EXPECT_GE(link.latency_us, 1.0);
+  EXPECT_TRUE(std::isfinite(link.bytes_per_us));
+  EXPECT_GT(link.bytes_per_us, 0);
+  const Result<CollectiveLink> twice =
+      MeasurePushLink(*backend, workers[0], workers[0], Device::Cpu());
+  ASSERT_FALSE(twice.ok());
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("two distinct workers"), std::string::npos)
+      << twice.status().ToString();
+}
+
 // Per-worker peak model-state bytes against the ZeRO formulas (fp32: parameters 4P, gradients
 // 4P, Adam 8P for P parameters), and bytes sent per step against the ring figures, for every
 // stage at 2 and 4 workers. Transient state (gathered layers, gradient buckets) is reported
