@@ -38,6 +38,7 @@
 #include "model/gpt2.h"
 #include "model/unet3d.h"
 #include "ops/standard_ops.h"
+#include "planner/memory_model.h"
 #include "planner/plan_search.h"
 #include "training/plan_calibration.h"
 #include "training/trainer.h"
@@ -58,7 +59,8 @@ struct Flags {
   std::vector<double> caps = {0, 0.6};
   int grid = 10;
   int steps = 5, warmup = 2;
-  int rounds = 1;  // rounds over the grid (--rounds)
+  int rounds = 1;              // rounds over the grid (--rounds)
+  int calibration_rounds = 3;  // CalibrationRequest::rounds
   // GPT-2: blocks, width, heads, sequence length, batch; U-Net: preset and batch.
   int64_t layers = 4, channels = 128, heads = 4, seq_len = 64, gpt2_batch = 16;
   std::string unet_preset = "tiny";
@@ -67,6 +69,8 @@ struct Flags {
   // Named plans instead of the grid (PlanChoice::Name: "D4 x P1 M4 ZeRO-3"), each run wherever
   // it ranks.
   std::vector<std::string> plans;
+  // Per worker, each role's predicted peak (the executor's order) beside the measured one.
+  bool explain = false;
 };
 
 struct Model {
@@ -102,6 +106,64 @@ struct Measured {
   int64_t peak_bytes = 0;  // the largest worker's, with kernel scratch
 };
 
+double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+// Per worker of `trainer`'s step: each role's peak and the total with scratch, predicted in the
+// executor's untimed order (planner/memory_model.h) and measured in `report`'s step; then, for
+// the worker measured furthest above that prediction, its tasks and the objects pushed to it, in
+// the order the step's timeline saw them (what arrived while what ran).
+void ExplainPeaks(tessera::Trainer& trainer, const tessera::StepReport& report,
+                  const std::string& what) {
+  const tessera::Graph& graph = trainer.step_graph().graph;
+  const tessera::MemoryProfile predicted = Check(tessera::PredictMemory(graph), what);
+  std::printf("  %s: per worker, predicted (untimed order) / measured MiB\n", what.c_str());
+  const tessera::WorkerMemory* furthest = nullptr;
+  int64_t furthest_gap = 0;
+  for (const tessera::RankFigures& rank : report.ranks) {
+    const auto memory = std::find_if(
+        predicted.workers.begin(), predicted.workers.end(),
+        [&rank](const tessera::WorkerMemory& m) { return m.order.worker == rank.worker; });
+    if (memory == predicted.workers.end()) continue;
+    std::string line = fmt::format("  rank {} (worker {}): total {:.3f} / {:.3f}", rank.rank,
+                                   rank.worker.value(), Mib(memory->total_with_scratch_peak),
+                                   Mib(rank.figures.total_with_scratch_peak));
+    for (size_t role = 0; role < tessera::kObjectRoles; ++role) {
+      const auto r = static_cast<tessera::ObjectRole>(role);
+      if (memory->role_peaks[role] == 0 && rank.figures.peak(r) == 0) continue;
+      line += fmt::format(", {} {:.3f} / {:.3f}", tessera::ObjectRoleName(r),
+                          Mib(memory->role_peaks[role]), Mib(rank.figures.peak(r)));
+    }
+    std::printf("%s\n", line.c_str());
+    const int64_t gap = rank.figures.total_with_scratch_peak - memory->total_with_scratch_peak;
+    if (gap > furthest_gap) {
+      furthest_gap = gap;
+      furthest = &*memory;
+    }
+  }
+  if (furthest == nullptr) return;
+  const tessera::Result<tessera::Timeline> timeline = trainer.StepTimeline(1);
+  if (!timeline.ok()) return;
+  const tessera::WorkerId worker = furthest->order.worker;
+  const std::string to_it = fmt::format(" to worker{}", worker.value());
+  std::vector<std::pair<int64_t, std::string>> events;  // microseconds, what
+  for (const tessera::TimelineSpan& span : timeline->spans) {
+    if (span.worker == worker && span.stream >= 0) {
+      events.emplace_back(span.start_us,
+                          fmt::format("runs {} ({} us)", span.name, span.end_us - span.start_us));
+    } else if (span.stream == tessera::kTransferStream && span.name.ends_with(to_it)) {
+      events.emplace_back(span.end_us,
+                          "receives " + span.name.substr(5, span.name.size() - 5 - to_it.size()));
+    }
+  }
+  if (events.empty()) return;
+  std::sort(events.begin(), events.end());
+  std::printf("  worker %llu, %.3f MiB over its untimed prediction: its step as measured (us)\n",
+              static_cast<unsigned long long>(worker.value()), Mib(furthest_gap));
+  for (const auto& [us, event] : events) {
+    std::printf("    %8lld %s\n", static_cast<long long>(us - events.front().first), event.c_str());
+  }
+}
+
 Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
                  const tessera::TrainingPlan& plan, const std::string& what) {
   auto backend =
@@ -116,19 +178,25 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
   }
   std::vector<double> ms;
   Measured measured;
+  tessera::StepReport last;
   for (int step = 0; step < f.warmup + f.steps; ++step) {
-    const tessera::StepReport report = Check(trainer->Step(batch, 0.0f), what);
+    tessera::StepReport report = Check(trainer->Step(batch, 0.0f), what);
     if (step < f.warmup) continue;
     ms.push_back(report.step_ms);
     for (const tessera::RankFigures& rank : report.ranks) {
       measured.peak_bytes = std::max(measured.peak_bytes, rank.figures.total_with_scratch_peak);
     }
+    last = std::move(report);
   }
   measured.step_ms = Median(ms);
+  if (f.explain) {
+    std::string steps;
+    for (double one : ms) steps += fmt::format(" {:.2f}", one);
+    std::printf("  %s: steps (ms):%s\n", what.c_str(), steps.c_str());
+    ExplainPeaks(*trainer, last, what);
+  }
   return measured;
 }
-
-double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   const Model model = MakeModel(f, name);
@@ -150,6 +218,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   request.rows = tessera::CandidateRows(model.spec, model.base, space);
   request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
   request.workers = workers;
+  request.rounds = f.calibration_rounds;
   tessera::ExecutorOptions executor;
   executor.threads = f.threads_per_worker;
   const auto started = std::chrono::steady_clock::now();
@@ -284,6 +353,9 @@ int Main(int argc, char** argv) {
                  "Rounds over the grid, each in another order (a point's time: the median of "
                  "its rounds')")
       ->check(CLI::PositiveNumber);
+  app.add_option("--calibration-rounds", f.calibration_rounds,
+                 "Rounds of every calibration measurement (a figure: the median of its rounds')")
+      ->check(CLI::PositiveNumber);
   app.add_option("--layers", f.layers, "GPT-2 blocks");
   app.add_option("--channels", f.channels, "GPT-2 width");
   app.add_option("--seq-len", f.seq_len, "GPT-2 sequence length");
@@ -293,6 +365,8 @@ int Main(int argc, char** argv) {
   app.add_option("--out", f.out, "Directory for plan_search.tsv (every grid point)");
   app.add_option("--plans", f.plans,
                  "Run these plans (by name, e.g. \"D4 x P1 M4 ZeRO-3\") instead of the grid");
+  app.add_flag("--explain", f.explain,
+               "Per worker of each run, every role's predicted and measured peak");
   app.set_version_flag("--version", tessera::VersionLine(kProgram));
   CLI11_PARSE(app, argc, argv);
   std::unique_ptr<std::ofstream> tsv;
