@@ -25,6 +25,10 @@ namespace {
 
 using nlohmann::json;
 
+// What the figures are measured by, in the cache key: a cache of an older method is measured
+// again (2: in rounds, the push link measured directly).
+constexpr int kCalibrationMethod = 2;
+
 std::string HostName() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
@@ -481,9 +485,11 @@ std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
     splits += "]";
   }
   return fmt::format(
-      "model {:016x} ({} layers) seq {} device {} rows [{}]{} workers {} host {} threads {}",
+      "model {:016x} ({} layers) seq {} device {} rows [{}]{} workers {} host {} threads {} "
+      "method {} rounds {}",
       std::hash<std::string>()(layers), model.layers.size(), base.seq_len, base.device.ToString(),
-      rows, splits, request.workers.size(), HostName(), threads);
+      rows, splits, request.workers.size(), HostName(), threads, kCalibrationMethod,
+      request.rounds);
 }
 
 std::string CalibrationPath(const std::string& cache_dir, const std::string& key) {

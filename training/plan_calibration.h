@@ -9,30 +9,32 @@
 //     ranks (ModelSpec::OneRankView: the rank's kernels at its shapes, in this process, without
 //     the split's collectives, which the simulation prices on the link);
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
-//     workers: its latency and all-reduce bandwidth), which also stands for the point-to-point
-//     link (StepLinks). One worker: none;
+//     workers: its latency and all-reduce bandwidth), and the push link between the first two
+//     (MeasurePushLink: what a pipeline's objects take; StepLinks::point_to_point). One worker:
+//     none;
 //   * on a cluster, probe steps that fit what the profile in this process cannot see: one rank
 //     on one worker at two row counts (one rank's of the widest data-parallel plan, and twice
 //     that): the worker's step as a scale of the profiled work plus a constant per step
 //     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
-//     a two-stage pipeline: the point-to-point latency, bisected alike; with a tensor split of
-//     2 calibrated and an even number of workers, every worker a tensor rank of n/2 pairs at
-//     once: what a collective waits for its peers while the workers share the machine (the
-//     collective latency), bisected alike when that step is slower than the idle link says.
+//     with a tensor split of 2 calibrated and an even number of workers, every worker a tensor
+//     rank of n/2 pairs at once: what a collective waits for its peers while the workers share
+//     the machine (the collective latency), bisected alike when that step is slower than the
+//     idle link says.
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a
 // while (another process, the host of a virtual machine) moves one round, not the figure, and a
-// fit on two figures (a scale and a constant; a latency bisected from one step) does not carry
-// one round's noise into every plan's prediction.
+// fit on figures (a scale and a constant; a latency or capacity bisected from one step) does not
+// carry one round's noise into every plan's prediction.
 //
 // The cache: one JSON file per key under the cache directory (setting cache_dir, else
 // $XDG_CACHE_HOME/tessera, else ~/.cache/tessera), written atomically. The key names what the
 // figures depend on: the model's layers (names, ops, parameter counts), the sequence length, the
-// device, the row counts, the workers, this host and its threads. A file of another key, or one
-// that cannot be read, is measured again (and the reason said).
+// device, the row counts, the workers, this host and its threads, the calibration's method and
+// rounds. A file of another key, or one that cannot be read, is measured again (and the reason
+// said).
 //
 // Thread safety: uses the backend like any caller of it (one call at a time).
 #pragma once
