@@ -185,9 +185,8 @@ Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, doub
 // The probe steps on the workers (see the header), measured together in rounds, and what each
 // fits: the compute scale and per-step overhead (one rank on one worker at two row counts), the
 // compute sharing (every worker a data-parallel rank) and the collective latency among workers
-// sharing the machine (tensor-parallel pairs). A probe
-// the workers cannot run (a worker's memory cap below an uncapped probe step) leaves its figures
-// at their defaults, and says so.
+// sharing the machine (tensor-parallel pairs). A probe the workers cannot run (a worker's memory
+// cap below an uncapped probe step) leaves its figures at their defaults, and says so.
 Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                     const CalibrationRequest& request, const BackendFactory& make_backend,
                     const std::function<void(const std::string&)>& say, Calibration& calibration) {
