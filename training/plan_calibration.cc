@@ -222,9 +222,12 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // With the layers of a split over 2 tensor ranks calibrated and an even number of workers:
   // every worker a rank of n/2 pairs of tensor ranks at once, whose step waits on two all-reduces
   // a layer pair each way.
-  Result<ModelSpec> split = model.PlannedFor(2, 1);
+  Result<ModelSpec> split = InvalidArgument("no tensor-parallel pairs probe");
   if (n >= 2 && n % 2 == 0 && calibration.SplitTimes(2) != nullptr &&
-      calibration.links.collective.measured() && split.ok()) {
+      calibration.links.collective.measured()) {
+    split = model.PlannedFor(2, 1);
+  }
+  if (split.ok()) {
     TrainingPlan pairs = one;
     pairs.batch = one.batch * (n / 2);
     pairs.parallel.data_parallel = n / 2;
@@ -437,29 +440,28 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   if (!make_backend || request.workers.empty()) return calibration;
   if (request.workers.size() >= 2) {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
-    std::vector<double> latencies, bandwidths;  // per round; the link: each one's median
-    for (int q = 0; q < rounds; ++q) {
-      TESSERA_ASSIGN_OR_RETURN(CollectiveLink measured,
-                               MeasureCollectiveLink(*backend, request.workers, base.device));
-      latencies.push_back(measured.latency_us);
-      bandwidths.push_back(measured.bytes_per_us);
-    }
-    const CollectiveLink link{MedianOf(latencies), MedianOf(bandwidths)};
+    // A link measured in every round: each figure the median of its rounds'.
+    const auto median_link = [rounds](const auto& measure) -> Result<CollectiveLink> {
+      std::vector<double> latencies, bandwidths;
+      for (int q = 0; q < rounds; ++q) {
+        TESSERA_ASSIGN_OR_RETURN(CollectiveLink measured, measure());
+        latencies.push_back(measured.latency_us);
+        bandwidths.push_back(measured.bytes_per_us);
+      }
+      return CollectiveLink{MedianOf(latencies), MedianOf(bandwidths)};
+    };
+    TESSERA_ASSIGN_OR_RETURN(const CollectiveLink link, median_link([&] {
+                               return MeasureCollectiveLink(*backend, request.workers, base.device);
+                             }));
     calibration.links.collective = link;
     calibration.links.collective_group = static_cast<int>(request.workers.size());
     say(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
                     request.workers.size(), link.latency_us, link.bytes_per_us / 1e3));
     // The push link between the first two workers: what a pipeline's objects take.
-    latencies.clear();
-    bandwidths.clear();
-    for (int q = 0; q < rounds; ++q) {
-      TESSERA_ASSIGN_OR_RETURN(
-          CollectiveLink measured,
-          MeasurePushLink(*backend, request.workers[0], request.workers[1], base.device));
-      latencies.push_back(measured.latency_us);
-      bandwidths.push_back(measured.bytes_per_us);
-    }
-    calibration.links.point_to_point = CollectiveLink{MedianOf(latencies), MedianOf(bandwidths)};
+    TESSERA_ASSIGN_OR_RETURN(calibration.links.point_to_point, median_link([&] {
+                               return MeasurePushLink(*backend, request.workers[0],
+                                                      request.workers[1], base.device);
+                             }));
     say(fmt::format("an object pushed between two workers: {:.0f} us + {:.2f} GB/s",
                     calibration.links.point_to_point.latency_us,
                     calibration.links.point_to_point.bytes_per_us / 1e3));
