@@ -227,7 +227,8 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
                            LayerTimesOf(calibration, model, step.micro_batch_rows));
   TESSERA_ASSIGN_OR_RETURN(
       std::vector<TaskTime> times,
-      EstimateTaskTimes(step.graph, model, layer_ms, registry, disk.disk_copy_compute_us_per_byte));
+      EstimateTaskTimes(step.graph, model, layer_ms, registry, disk.disk_copy_compute_us_per_byte,
+                        calibration.other_ms_per_unit));
   for (TaskTime& time : times) time.ms *= calibration.compute_scale;
   StepLinks links = calibration.links;
   if (links.disk_bytes_per_us <= 0) links.disk_bytes_per_us = disk.disk_link_bytes_per_us;

@@ -67,6 +67,10 @@ struct Calibration {
   // What a step spends per task beyond the tasks' own time on the workers (measured against a
   // step run there: training/plan_calibration.h), else in this process (StepProfile).
   double task_overhead_ms = 0;
+  // What the tasks that are no layer's (optimizer updates, accumulations, reductions) take per
+  // unit of the op cost model's estimate (StepProfile::other_ms_per_unit); 0: the layers'
+  // forwards' rate (EstimateTaskTimes).
+  double other_ms_per_unit = 0;
   // What a step on the workers takes beyond its tasks (starting the instance on every worker,
   // collecting their reports): measured against a step run there; 0: in this process.
   double step_overhead_ms = 0;

@@ -38,10 +38,15 @@ bool IsRecompute(const TaskSpec& task) { return task.name.find("/recompute") != 
 
 }  // namespace
 
+Result<double> TaskCostUnits(const Graph& graph, const TaskSpec& task, const OpRegistry& registry) {
+  return UnitsOf(graph, task, registry, task.attrs);
+}
+
 Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelSpec& model,
                                                 const std::vector<OpCosts>& layer_ms,
                                                 const OpRegistry& registry,
-                                                double disk_copy_compute_us_per_byte) {
+                                                double disk_copy_compute_us_per_byte,
+                                                double other_ms_per_unit) {
   if (layer_ms.size() != model.layers.size()) {
     return InvalidArgument("step time: {} measured layer times for a model of {} layers",
                            layer_ms.size(), model.layers.size());
@@ -75,6 +80,7 @@ Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelS
         measured, estimated);
   }
   const double ms_per_unit = measured / estimated;
+  const double other_rate = other_ms_per_unit > 0 ? other_ms_per_unit : ms_per_unit;
 
   std::vector<TaskTime> times;
   times.reserve(graph.tasks().size());
@@ -92,7 +98,7 @@ Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelS
         l < 0 ? SpanKind::kOther : LayerTaskKind(model.layers[static_cast<size_t>(l)], task);
     if (kind == SpanKind::kOther) {
       TESSERA_ASSIGN_OR_RETURN(double units, UnitsOf(graph, task, registry, task.attrs));
-      time.ms = units * ms_per_unit;
+      time.ms = units * other_rate;
       continue;
     }
     const OpCosts& ms = layer_ms[static_cast<size_t>(l)];

@@ -11,7 +11,10 @@
 //     by the cost model's ratio of the rebuild (the op's cost with the attribute less without)
 //     to the forward, as the memory plan's solver counts it;
 //   * any other task (optimizer updates, gradient accumulation, collectives, copies): the op cost
-//     model's estimate (flops + 10 x bytes, as the pipeline cut weighs layers) at the rate the
+//     model's estimate (flops + 10 x bytes, as the pipeline cut weighs layers) at a measured rate
+//     of such tasks (`other_ms_per_unit`: what a profile's own non-layer tasks took per unit,
+//     StepProfile::other_ms_per_unit; they move bytes where the layers multiply, and ran 5-9x
+//     faster per unit than the forwards on the development machine), else at the rate the
 //     layers' forwards ran: their measured milliseconds per estimated unit;
 //   * a copy to or from the disk tier (a CPU worker's swap): the executor's I/O thread runs it
 //     beside the compute (what it leaves unhidden is the activation solver's to price), so only
@@ -44,11 +47,16 @@ struct TaskTime {
   bool on_disk = false;  // reaches the disk tier (core/disk_tasks.h)
 };
 
-// Per task of `graph` (in its order), its time. Errors as PredictStepTime's.
+// The op cost model's estimate of a task (flops + 10 x bytes: CostUnits), with its attributes.
+Result<double> TaskCostUnits(const Graph& graph, const TaskSpec& task, const OpRegistry& registry);
+
+// Per task of `graph` (in its order), its time; `other_ms_per_unit` the rate of the tasks that
+// are not a layer's (0: the layers' forwards'). Errors as PredictStepTime's.
 Result<std::vector<TaskTime>> EstimateTaskTimes(const Graph& graph, const ModelSpec& model,
                                                 const std::vector<OpCosts>& layer_ms,
                                                 const OpRegistry& registry,
-                                                double disk_copy_compute_us_per_byte = 0);
+                                                double disk_copy_compute_us_per_byte = 0,
+                                                double other_ms_per_unit = 0);
 
 struct StepTimePrediction {
   double step_ms = 0;             // the slowest worker's busy time

@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "ops/standard_ops.h"
+#include "planner/step_time.h"
 #include "training/trainer.h"
 
 namespace tessera {
@@ -65,20 +67,53 @@ std::vector<double> SharedMicros(const Timeline& timeline) {
   return shared;
 }
 
+// Whether LayerTimesFromTimeline counts the span: a task of one of the model's layers (`layers`
+// their names) running its forward or (half of its) backward.
+bool IsLayerSpan(const TimelineSpan& span, const std::map<std::string, size_t>& layers) {
+  if (!layers.contains(span.layer)) return false;
+  return span.kind == SpanKind::kForward || span.kind == SpanKind::kBackward ||
+         span.kind == SpanKind::kBackwardInput || span.kind == SpanKind::kBackwardWeight;
+}
+
+std::map<std::string, size_t> LayerIndex(const ModelSpec& model) {
+  std::map<std::string, size_t> index;
+  for (size_t l = 0; l < model.layers.size(); ++l) index[model.layers[l].name] = l;
+  return index;
+}
+
+// StepProfile::other_ms_per_unit of `timeline` (whose per-span shares are `shared`), a run of
+// `graph`'s tasks.
+Result<double> OtherMsPerUnit(const ModelSpec& model, const Graph& graph, const Timeline& timeline,
+                              const std::vector<double>& shared) {
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  const std::map<std::string, size_t> layers = LayerIndex(model);
+  double micros = 0, units = 0;
+  for (size_t i = 0; i < timeline.spans.size(); ++i) {
+    const TimelineSpan& span = timeline.spans[i];
+    if (!Computes(span) || IsLayerSpan(span, layers)) continue;
+    Result<TaskId> task = graph.FindTask(span.name);
+    if (!task.ok()) continue;  // not the step graph's (another graph's instance)
+    TESSERA_ASSIGN_OR_RETURN(const double estimate,
+                             TaskCostUnits(graph, graph.task(*task), registry));
+    micros += shared[i];
+    units += estimate;
+  }
+  return units > 0 ? micros / 1e3 / units : 0.0;
+}
+
 }  // namespace
 
 Result<std::vector<OpCosts>> LayerTimesFromTimeline(const ModelSpec& model,
                                                     const Timeline& timeline, int steps) {
   if (steps < 1) return InvalidArgument("layer times need at least one step, got {}", steps);
   const std::vector<double> shared = SharedMicros(timeline);
-  std::map<std::string, size_t> index;
-  for (size_t l = 0; l < model.layers.size(); ++l) index[model.layers[l].name] = l;
+  const std::map<std::string, size_t> index = LayerIndex(model);
   std::vector<OpCosts> ms(model.layers.size(), OpCosts{0, 0, 0});
   for (size_t i = 0; i < timeline.spans.size(); ++i) {
     const TimelineSpan& span = timeline.spans[i];
-    auto it = index.find(span.layer);
-    if (it == index.end()) continue;
-    OpCosts& layer = ms[it->second];
+    if (!IsLayerSpan(span, index)) continue;
+    OpCosts& layer = ms[index.at(span.layer)];
     double* total = nullptr;
     switch (span.kind) {
       case SpanKind::kForward:
@@ -146,8 +181,11 @@ Result<StepProfile> ProfileStep(const ModelSpec& model, const TrainingPlan& plan
   TESSERA_ASSIGN_OR_RETURN(Timeline timeline, (*trainer)->StepTimeline(options.steps));
   TESSERA_ASSIGN_OR_RETURN(profile.layer_ms,
                            LayerTimesFromTimeline(model, timeline, options.steps));
-  for (double micros : SharedMicros(timeline)) profile.busy_ms += micros / 1e3 / options.steps;
+  const std::vector<double> shared = SharedMicros(timeline);
+  for (double micros : shared) profile.busy_ms += micros / 1e3 / options.steps;
   profile.tasks = static_cast<double>(timeline.spans.size()) / options.steps;
+  TESSERA_ASSIGN_OR_RETURN(profile.other_ms_per_unit,
+                           OtherMsPerUnit(model, (*trainer)->step_graph().graph, timeline, shared));
   return profile;
 }
 

@@ -56,6 +56,11 @@ struct StepProfile {
   double step_ms = 0;  // StepReport::step_ms, the mean of the timed steps
   double busy_ms = 0;
   double tasks = 0;
+  // The tasks that are no layer's (optimizer updates, gradient norms, accumulations): their
+  // time (each its share, as above) over the op cost model's estimate of them (TaskCostUnits),
+  // in milliseconds per unit; 0 when the step ran none. What the step time model prices such
+  // tasks by (EstimateTaskTimes' other_ms_per_unit).
+  double other_ms_per_unit = 0;
   // What a step spends per task beyond the tasks' own time (dispatch, waits on the scheduler):
   // (step_ms - busy_ms) / tasks, at least 0.
   double TaskOverheadMs() const;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -26,8 +27,9 @@ namespace {
 using nlohmann::json;
 
 // What the figures are measured by, in the cache key: a cache of an older method is measured
-// again (2: in rounds, the push link measured directly).
-constexpr int kCalibrationMethod = 2;
+// again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
+// layer's measured).
+constexpr int kCalibrationMethod = 3;
 
 std::string HostName() {
   char name[256] = {};
@@ -221,7 +223,9 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   }
   // With the layers of a split over 2 tensor ranks calibrated and an even number of workers:
   // every worker a rank of n/2 pairs of tensor ranks at once, whose step waits on two all-reduces
-  // a layer pair each way.
+  // a layer pair each way, at one row a micro-batch (up to 16 micro-batches): the most
+  // collectives a step's compute, so that what a collective waits, not the compute model's error,
+  // is what the step's time fits.
   Result<ModelSpec> split = InvalidArgument("no tensor-parallel pairs probe");
   if (n >= 2 && n % 2 == 0 && calibration.SplitTimes(2) != nullptr &&
       calibration.links.collective.measured()) {
@@ -232,10 +236,16 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     pairs.batch = one.batch * (n / 2);
     pairs.parallel.data_parallel = n / 2;
     pairs.parallel.tensor_parallel = 2;
+    pairs.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
+    while (one.batch % pairs.parallel.micro_batches != 0) --pairs.parallel.micro_batches;
     pairs.parallel.workers = request.workers;
     pairs.parallel.link = calibration.links.collective;
     pairs_at = probes.size();
-    probes.push_back({fmt::format("{} tensor-parallel pairs at once", n / 2), pairs, {}, {}});
+    probes.push_back({fmt::format("{} tensor-parallel pairs at once, {} micro-batches", n / 2,
+                                  pairs.parallel.micro_batches),
+                      pairs,
+                      {},
+                      {}});
   }
   const int rounds = std::max(1, request.rounds);
   MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
@@ -275,63 +285,92 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                   "{:.2f} and {:.2f} ms of profiled work: the worker computes at {:.2f}x the "
                   "profile's times, plus {:.2f} ms a step",
                   one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
-  if (const ProbeStep* probed = measured(all_at); probed != nullptr) {
-    const double measured_all = probed->median();
+  // The sharing (all ranks) and the collective latency among busy workers (pairs) are fitted in
+  // turn until neither moves: each probe's step depends on both (the ranks' all-reduces wait the
+  // latency; the pairs compute while sharing the machine). The pairs' step depends on the latency
+  // far more than the ranks' does, so the turns converge.
+  const ProbeStep* probed_all = measured(all_at);
+  const ProbeStep* probed_pairs = measured(pairs_at);
+  const double idle = calibration.links.collective.latency_us;
+  double alone_ms = 0, at_idle_ms = 0;
+  const auto fit_sharing = [&]() -> Status {
     calibration.sharing = ComputeSharing{};
     TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone,
-                             Simulated(model, probed->plan, calibration, registry));
-    if (measured_all <= alone.step_ms * 1.05) {
-      say(fmt::format(
-          "{}: {:.2f} ms a step, as simulated with a worker's compute to itself ({:.2f} ms)",
-          probed->what, measured_all, alone.step_ms));
-    } else {
-      // The simulated step shrinks as the capacity grows: bisect for the measured one.
-      TESSERA_ASSIGN_OR_RETURN(
-          const double capacity,
-          FitByBisection(
-              0.05, n, 30, /*grows=*/false, measured_all, [&](double room) -> Result<double> {
-                calibration.sharing = ComputeSharing{room};
-                TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared,
-                                         Simulated(model, probed->plan, calibration, registry));
-                return shared.step_ms;
-              }));
-      calibration.sharing = ComputeSharing{capacity};
-      say(
-          fmt::format("{}: {:.2f} ms a step against {:.2f} ms with a worker's compute to itself: "
-                      "the workers share a machine, room for {:.2f} of them at full speed",
-                      probed->what, measured_all, alone.step_ms, calibration.sharing.capacity));
-    }
-  }
-  // The pairs: when slower than simulated, what a collective waits beyond its bytes while the
-  // workers share the machine (a peer that must be scheduled first) is the collective latency,
-  // bisected so the simulation gives the measured step; the idle link's otherwise.
-  const ProbeStep* probed_pairs = measured(pairs_at);
-  if (probed_pairs == nullptr) return Status::Ok();
-  const double measured_pairs = probed_pairs->median();
+                             Simulated(model, probed_all->plan, calibration, registry));
+    alone_ms = alone.step_ms;
+    if (probed_all->median() <= alone_ms * 1.05) return Status::Ok();
+    // The simulated step shrinks as the capacity grows: bisect for the measured one.
+    TESSERA_ASSIGN_OR_RETURN(
+        const double capacity,
+        FitByBisection(
+            0.05, n, 30, /*grows=*/false, probed_all->median(), [&](double room) -> Result<double> {
+              calibration.sharing = ComputeSharing{room};
+              TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared,
+                                       Simulated(model, probed_all->plan, calibration, registry));
+              return shared.step_ms;
+            }));
+    calibration.sharing = ComputeSharing{capacity};
+    return Status::Ok();
+  };
+  // What a collective waits beyond its bytes while the workers share the machine (a peer that
+  // must be scheduled first), bisected so the simulation gives the pairs' measured step; the idle
+  // link's when that step is no slower than simulated with it.
   const auto simulated_at = [&](double latency_us) -> Result<double> {
     calibration.links.collective.latency_us = latency_us;
     TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
                              Simulated(*split, probed_pairs->plan, calibration, registry));
     return step.step_ms;
   };
-  const double idle = calibration.links.collective.latency_us;
-  TESSERA_ASSIGN_OR_RETURN(const double at_idle, simulated_at(idle));
-  if (measured_pairs <= at_idle) {
-    calibration.links.collective.latency_us = idle;
-    say(
-        fmt::format("{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective waits its "
-                    "idle latency, {:.0f} us",
-                    probed_pairs->what, measured_pairs, at_idle, idle));
+  const auto fit_latency = [&]() -> Status {
+    TESSERA_ASSIGN_OR_RETURN(at_idle_ms, simulated_at(idle));
+    if (probed_pairs->median() <= at_idle_ms) {
+      calibration.links.collective.latency_us = idle;
+      return Status::Ok();
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        calibration.links.collective.latency_us,
+        FitByBisection(idle, 1e5, 40, /*grows=*/true, probed_pairs->median(), simulated_at));
     return Status::Ok();
+  };
+  for (int turn = 0; turn < 6; ++turn) {
+    const double capacity = calibration.sharing.capacity;
+    const double latency = calibration.links.collective.latency_us;
+    if (probed_all != nullptr) TESSERA_RETURN_IF_ERROR(fit_sharing());
+    if (probed_pairs != nullptr) TESSERA_RETURN_IF_ERROR(fit_latency());
+    const auto moved = [](double before, double after) {
+      return std::abs(after - before) > 0.01 * std::max(std::abs(before), 1e-9);
+    };
+    if (turn > 0 && !moved(capacity, calibration.sharing.capacity) &&
+        !moved(latency, calibration.links.collective.latency_us)) {
+      break;
+    }
   }
-  TESSERA_ASSIGN_OR_RETURN(
-      calibration.links.collective.latency_us,
-      FitByBisection(idle, 1e5, 40, /*grows=*/true, measured_pairs, simulated_at));
-  say(fmt::format(
-      "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a "
-      "collective waits {:.0f} us for its peers when the workers share the machine "
-      "({:.0f} us idle)",
-      probed_pairs->what, measured_pairs, at_idle, calibration.links.collective.latency_us, idle));
+  if (probed_all != nullptr) {
+    if (calibration.sharing.capacity <= 0) {
+      say(fmt::format(
+          "{}: {:.2f} ms a step, as simulated with a worker's compute to itself ({:.2f} ms)",
+          probed_all->what, probed_all->median(), alone_ms));
+    } else {
+      say(fmt::format(
+          "{}: {:.2f} ms a step against {:.2f} ms with a worker's compute to itself: "
+          "the workers share a machine, room for {:.2f} of them at full speed",
+          probed_all->what, probed_all->median(), alone_ms, calibration.sharing.capacity));
+    }
+  }
+  if (probed_pairs != nullptr) {
+    const double latency = calibration.links.collective.latency_us;
+    if (latency == idle) {
+      say(fmt::format(
+          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective waits its idle "
+          "latency, {:.0f} us",
+          probed_pairs->what, probed_pairs->median(), at_idle_ms, idle));
+    } else {
+      say(fmt::format(
+          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a collective "
+          "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
+          probed_pairs->what, probed_pairs->median(), at_idle_ms, latency, idle));
+    }
+  }
   return Status::Ok();
 }
 
@@ -404,7 +443,7 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
       shape.rounds.push_back(*std::move(profile));
     }
   }
-  std::vector<double> overheads;
+  std::vector<double> overheads, other_rates;
   calibration.tensor_splits.resize(request.tensor_splits.size());
   for (size_t i = 0; i < request.tensor_splits.size(); ++i) {
     calibration.tensor_splits[i].tensor_parallel = request.tensor_splits[i].tensor_parallel;
@@ -429,7 +468,10 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
     say(fmt::format("{} at {} rows a micro-batch: {:.1f} ms forward + backward", label_of(shape),
                     shape.rows, step_layers));
     if (shape.split < 0) {
-      for (const StepProfile& round : shape.rounds) overheads.push_back(round.TaskOverheadMs());
+      for (const StepProfile& round : shape.rounds) {
+        overheads.push_back(round.TaskOverheadMs());
+        if (round.other_ms_per_unit > 0) other_rates.push_back(round.other_ms_per_unit);
+      }
       calibration.layers.push_back(std::move(times));
     } else {
       calibration.tensor_splits[static_cast<size_t>(shape.split)].layers.push_back(
@@ -437,6 +479,13 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
     }
   }
   calibration.task_overhead_ms = MedianOf(overheads);
+  if (!other_rates.empty()) {
+    calibration.other_ms_per_unit = MedianOf(other_rates);
+    say(
+        fmt::format("tasks of no layer (optimizer updates, gradient norms): {:.3g} ps per unit of "
+                    "the op cost model's estimate",
+                    calibration.other_ms_per_unit * 1e9));
+  }
   if (!make_backend || request.workers.empty()) return calibration;
   if (request.workers.size() >= 2) {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
@@ -519,6 +568,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                      {"layers", LayersJson(calibration.layers)},
                      {"tensor_splits", splits},
                      {"task_overhead_ms", calibration.task_overhead_ms},
+                     {"other_ms_per_unit", calibration.other_ms_per_unit},
                      {"step_overhead_ms", calibration.step_overhead_ms},
                      {"compute_scale", calibration.compute_scale},
                      {"collective", LinkJson(calibration.links.collective)},
@@ -553,6 +603,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
           TensorSplitTimes{split.at("tensor_parallel").get<int>(), LayersFrom(split.at("layers"))});
     }
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
+    calibration.other_ms_per_unit = file.at("other_ms_per_unit").get<double>();
     calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();
     calibration.compute_scale = file.at("compute_scale").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));

@@ -7,7 +7,9 @@
 //     training/layer_profile.h), and the per-task overhead measured beside them; for each
 //     tensor-parallel degree T searched, the same for one rank of the model's split over T
 //     ranks (ModelSpec::OneRankView: the rank's kernels at its shapes, in this process, without
-//     the split's collectives, which the simulation prices on the link);
+//     the split's collectives, which the simulation prices on the link); and the rate of the
+//     tasks that are no layer's (optimizer updates, gradient norms: StepProfile::
+//     other_ms_per_unit, the median over the profiles), which move bytes where layers multiply;
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
 //     workers: its latency and all-reduce bandwidth), and the push link between the first two
 //     (MeasurePushLink: what a pipeline's objects take; StepLinks::point_to_point). One worker:
@@ -19,9 +21,11 @@
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
 //     with a tensor split of 2 calibrated and an even number of workers, every worker a tensor
-//     rank of n/2 pairs at once: what a collective waits for its peers while the workers share
-//     the machine (the collective latency), bisected alike when that step is slower than the
-//     idle link says.
+//     rank of n/2 pairs at once, at one row a micro-batch (the most collectives a step's
+//     compute): what a collective waits for its peers while the workers share the machine (the
+//     collective latency), bisected alike when that step is slower than the idle link says. The
+//     capacity and that latency are fitted in turn until neither moves (each probe's step
+//     depends on both).
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

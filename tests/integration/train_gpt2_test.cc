@@ -620,7 +620,7 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   EXPECT_NE(first.output.find("calibrating: layers of one of 4 tensor ranks"), std::string::npos)
       << first.output;
   // ... and probed pairs of tensor ranks on the workers for what a collective waits there.
-  EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once: "), std::string::npos)
+  EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once, "), std::string::npos)
       << first.output;
   BoundedRun tensor = run(common + " --workers 2 --plan auto --tensor-parallel 2");
   ASSERT_EQ(tensor.exit_code, 0) << tensor.output;

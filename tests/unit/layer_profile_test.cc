@@ -11,6 +11,7 @@
 
 #include "model/gpt2.h"
 #include "model/unet3d.h"
+#include "planner/step_time.h"
 #include "test_util.h"
 #include "worker/simulated_gpu.h"
 #include "worker/swap_file.h"
@@ -90,6 +91,20 @@ TEST(LayerProfileTest, AStepProfileCountsTheTasksAndTimesTheStep) {
   EXPECT_GT(profile.step_ms, 0.0);
   EXPECT_GT(profile.busy_ms, 0.0);
   EXPECT_GE(profile.TaskOverheadMs(), 0.0);
+  // The tasks of no layer (the optimizer's) at their measured rate make up the rest of the busy
+  // time: the layers' times and theirs add up to it.
+  EXPECT_GT(profile.other_ms_per_unit, 0.0);
+  double units = 0, layers = 0;
+  ASSERT_OK_AND_ASSIGN(std::vector<TaskTime> times,
+                       EstimateTaskTimes(step.graph, gpt2, profile.layer_ms, CpuRegistry()));
+  for (size_t t = 0; t < times.size(); ++t) {
+    if (times[t].layer) continue;
+    ASSERT_OK_AND_ASSIGN(const double estimate,
+                         TaskCostUnits(step.graph, step.graph.tasks()[t], CpuRegistry()));
+    units += estimate;
+  }
+  for (const OpCosts& ms : profile.layer_ms) layers += ms.forward + ms.backward + ms.weight;
+  EXPECT_NEAR(profile.other_ms_per_unit * units + layers, profile.busy_ms, 1e-6 * profile.busy_ms);
 }
 
 // Every layer of GPT-2 and of the U-Net runs in the profile and gets a forward and backward

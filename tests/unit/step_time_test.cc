@@ -1,7 +1,8 @@
 // Step time prediction (planner/step_time.h) on planned GPT-2 steps with made-up layer times:
 // layer tasks take their layer's time, recomputes a forward more, a backward that rebuilds part
 // of what its forward saved a share of the forward more, everything else the op cost model's
-// estimate at the layers' rate; each worker its own sum. (Against measured steps: bench_memory.)
+// estimate at a measured rate of such tasks or the layers'; each worker its own sum. (Against
+// measured steps: bench_memory.)
 #include "planner/step_time.h"
 
 #include <gmock/gmock.h>
@@ -48,6 +49,33 @@ TEST(StepTimeTest, LayerTasksTakeTheirLayersTimesAndTheRestIsEstimated) {
   TrainingPlan split = g.plan;
   split.parallel.split_backwards = true;
   EXPECT_DOUBLE_EQ(g.Predict(split).layer_ms, one.layer_ms);
+}
+
+// Given a measured rate for the tasks that are no layer's, each is its estimate at that rate;
+// the layers' tasks keep their measured times.
+TEST(StepTimeTest, TasksOfNoLayerTakeTheirMeasuredRate) {
+  const Gpt2Step g;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(g.model, g.plan, CpuRegistry()));
+  const double rate = 2.5e-9;  // ms per unit
+  ASSERT_OK_AND_ASSIGN(std::vector<TaskTime> times,
+                       EstimateTaskTimes(step.graph, g.model, g.layer_ms, CpuRegistry(), 0, rate));
+  ASSERT_OK_AND_ASSIGN(std::vector<TaskTime> at_forwards,
+                       EstimateTaskTimes(step.graph, g.model, g.layer_ms, CpuRegistry()));
+  ASSERT_EQ(times.size(), static_cast<size_t>(step.graph.num_tasks()));
+  int others = 0;
+  for (size_t t = 0; t < times.size(); ++t) {
+    const TaskSpec& task = step.graph.tasks()[t];
+    if (times[t].layer) {
+      EXPECT_DOUBLE_EQ(times[t].ms, at_forwards[t].ms) << task.name;
+      continue;
+    }
+    ++others;
+    ASSERT_OK_AND_ASSIGN(const double units, TaskCostUnits(step.graph, task, CpuRegistry()));
+    EXPECT_GT(units, 0) << task.name;
+    EXPECT_DOUBLE_EQ(times[t].ms, units * rate) << task.name;
+    EXPECT_NE(times[t].ms, at_forwards[t].ms) << task.name;
+  }
+  EXPECT_GT(others, 0);  // the optimizer's updates
 }
 
 TEST(StepTimeTest, RecomputesAndRebuildsAddToTheStep) {

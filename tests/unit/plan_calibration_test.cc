@@ -1,0 +1,139 @@
+// Calibrating for the plan search (training/plan_calibration.h) in this process: the row counts
+// it profiles, the figures a calibration without workers measures (every layer's times, the
+// per-task overhead, the rate of the tasks that are no layer's), and the cache: every figure
+// read back as written, another setup's file refused, a damaged one named. (On a cluster, with
+// the links and the probes: the `--plan auto` and `tessera plan` integration tests.)
+#include "training/plan_calibration.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "model/gpt2.h"
+#include "test_util.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelSpec TwoBlocks() { return *BuildGpt2(Gpt2Config{2, 32, 4, 64, 16}); }
+
+TrainingPlan Base() { return TrainingPlan{.batch = 8, .seq_len = 16}; }
+
+// The rows a micro-batch of each candidate (without tensor parallelism) has: the batch over its
+// data ranks and micro-batches, each count once, ascending.
+TEST(PlanCalibrationTest, TheRowsProfiledAreTheCandidatesMicroBatchShapes) {
+  SearchSpace space;
+  space.workers = 2;
+  space.max_micro_batches = 4;
+  space.tensor_parallel = {1};
+  EXPECT_EQ(CandidateRows(TwoBlocks(), Base(), space), (std::vector<int64_t>{1, 2, 4, 8}));
+  space.max_micro_batches = 1;
+  EXPECT_EQ(CandidateRows(TwoBlocks(), Base(), space), (std::vector<int64_t>{4, 8}));
+}
+
+// In this process (no workers): each row count's layer times, the overhead per task and the rate
+// of the optimizer's tasks, measured; no links, no probes.
+TEST(PlanCalibrationTest, WithoutWorkersTheLayersAndTheOtherTasksAreMeasured) {
+  const ModelSpec model = TwoBlocks();
+  CalibrationRequest request;
+  request.rows = {2, 4};
+  request.profile_steps = 1;
+  request.rounds = 1;
+  std::vector<std::string> said;
+  ASSERT_OK_AND_ASSIGN(
+      Calibration calibration,
+      Calibrate(model, Base(), request, ExecutorOptions{}, nullptr,
+                [&said](const std::string& line) { said.push_back(line); }));
+  ASSERT_EQ(calibration.layers.size(), 2u);
+  for (const LayerTimesAtRows& at : calibration.layers) {
+    ASSERT_EQ(at.layer_ms.size(), model.layers.size());
+    for (const OpCosts& ms : at.layer_ms) EXPECT_GT(ms.forward, 0.0);
+  }
+  EXPECT_GT(calibration.other_ms_per_unit, 0.0);
+  EXPECT_GE(calibration.task_overhead_ms, 0.0);
+  EXPECT_FALSE(calibration.links.collective.measured());
+  EXPECT_EQ(calibration.sharing.capacity, 0.0);
+  ASSERT_FALSE(said.empty());
+  EXPECT_THAT(said.back(), HasSubstr("tasks of no layer"));
+  request.rows.clear();
+  EXPECT_EQ(Calibrate(model, Base(), request, ExecutorOptions{}, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+Calibration EveryFigure() {
+  Calibration calibration;
+  calibration.layers = {{2, {{1.5, 2.5, 0.5}, {0.25, 0.75, 0}}}, {4, {{3, 5, 1}, {0.5, 1.5, 0}}}};
+  calibration.tensor_splits = {{2, {{2, {{0.75, 1.25, 0.25}, {0.125, 0.375, 0}}}}}};
+  calibration.task_overhead_ms = 0.0125;
+  calibration.other_ms_per_unit = 3.5e-9;
+  calibration.step_overhead_ms = 0.4;
+  calibration.compute_scale = 1.07;
+  calibration.links.collective = CollectiveLink{42, 750};
+  calibration.links.collective_group = 4;
+  calibration.links.point_to_point = CollectiveLink{67, 8230};
+  calibration.sharing.capacity = 1.35;
+  return calibration;
+}
+
+TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
+  const ModelSpec model = TwoBlocks();
+  CalibrationRequest request;
+  request.rows = {2, 4};
+  const std::string key = CalibrationKey(model, Base(), request, 1);
+  const std::string dir = TempPath("calibration-cache");
+  std::filesystem::remove_all(dir);
+  const std::string path = CalibrationPath(dir, key);
+  EXPECT_EQ(LoadCalibration(path, key).status().code(), StatusCode::kNotFound);
+
+  const Calibration written = EveryFigure();
+  ASSERT_OK(SaveCalibration(path, key, written));  // makes the directory
+  ASSERT_OK_AND_ASSIGN(const Calibration read, LoadCalibration(path, key));
+  ASSERT_EQ(read.layers.size(), written.layers.size());
+  for (size_t i = 0; i < read.layers.size(); ++i) {
+    EXPECT_EQ(read.layers[i].rows, written.layers[i].rows);
+    ASSERT_EQ(read.layers[i].layer_ms.size(), written.layers[i].layer_ms.size());
+    for (size_t l = 0; l < read.layers[i].layer_ms.size(); ++l) {
+      EXPECT_EQ(read.layers[i].layer_ms[l].forward, written.layers[i].layer_ms[l].forward);
+      EXPECT_EQ(read.layers[i].layer_ms[l].backward, written.layers[i].layer_ms[l].backward);
+      EXPECT_EQ(read.layers[i].layer_ms[l].weight, written.layers[i].layer_ms[l].weight);
+    }
+  }
+  ASSERT_EQ(read.tensor_splits.size(), 1u);
+  EXPECT_EQ(read.tensor_splits[0].tensor_parallel, 2);
+  ASSERT_EQ(read.tensor_splits[0].layers.size(), 1u);
+  EXPECT_EQ(read.tensor_splits[0].layers[0].layer_ms[0].backward, 1.25);
+  EXPECT_EQ(read.task_overhead_ms, written.task_overhead_ms);
+  EXPECT_EQ(read.other_ms_per_unit, written.other_ms_per_unit);
+  EXPECT_EQ(read.step_overhead_ms, written.step_overhead_ms);
+  EXPECT_EQ(read.compute_scale, written.compute_scale);
+  EXPECT_EQ(read.links.collective.latency_us, 42);
+  EXPECT_EQ(read.links.collective.bytes_per_us, 750);
+  EXPECT_EQ(read.links.collective_group, 4);
+  EXPECT_EQ(read.links.point_to_point.latency_us, 67);
+  EXPECT_EQ(read.links.point_to_point.bytes_per_us, 8230);
+  EXPECT_EQ(read.sharing.capacity, 1.35);
+
+  // Another setup (here: more rounds) has another key: this file is not its calibration.
+  CalibrationRequest more = request;
+  more.rounds = request.rounds + 2;
+  const std::string other_key = CalibrationKey(model, Base(), more, 1);
+  EXPECT_NE(other_key, key);
+  const Result<Calibration> other = LoadCalibration(path, other_key);
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(other.status().message(), HasSubstr("another setup"));
+
+  // A damaged file is named, with what to do.
+  std::ofstream(path, std::ios::trunc) << "{\"key\": ";
+  const Result<Calibration> damaged = LoadCalibration(path, key);
+  EXPECT_EQ(damaged.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(damaged.status().message(), HasSubstr(path));
+  EXPECT_THAT(damaged.status().message(), HasSubstr("delete it"));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tessera::testing
