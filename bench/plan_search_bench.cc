@@ -23,6 +23,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -71,6 +74,8 @@ struct Flags {
   std::vector<std::string> plans;
   // Per worker, each role's predicted peak (the executor's order) beside the measured one.
   bool explain = false;
+  // Per worker of each run, where the step's time went as simulated and as measured.
+  bool explain_time = false;
 };
 
 struct Model {
@@ -164,8 +169,133 @@ void ExplainPeaks(tessera::Trainer& trainer, const tessera::StepReport& report,
   }
 }
 
+// The simulated step of a trainer's step graph (SimulatePlannedStep on the calibrated costs).
+using Simulate = std::function<tessera::Result<tessera::SimulatedStep>(const tessera::StepGraph&)>;
+
+// Per worker of `trainer`'s last step: its compute tasks' time by kind and when its last task
+// ended (from the step's first start), as simulated and as measured in its timeline; then the
+// tasks whose measured time is furthest above their simulated time.
+void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
+  const tessera::StepGraph& step = trainer.step_graph();
+  const tessera::Graph& graph = step.graph;
+  const tessera::SimulatedStep simulated = Check(simulate(step), what);
+  const tessera::Result<tessera::Timeline> timeline = trainer.StepTimeline(1);
+  if (!timeline.ok()) {
+    std::printf("  %s: no timeline (%s)\n", what.c_str(), timeline.status().ToString().c_str());
+    return;
+  }
+  std::map<std::string, const tessera::TimelineSpan*> spans;
+  int64_t first_us = std::numeric_limits<int64_t>::max();
+  for (const tessera::TimelineSpan& span : timeline->spans) {
+    if (span.stream == tessera::kTransferStream) continue;
+    spans[span.name] = &span;
+    first_us = std::min(first_us, span.start_us);
+  }
+  struct PerWorker {
+    std::array<double, tessera::kSpanKinds> simulated_ms{}, measured_ms{};
+    double simulated_end = 0, measured_end = 0;
+    int tasks = 0;
+  };
+  std::map<uint64_t, PerWorker> workers;
+  std::vector<std::pair<double, std::string>> slower;  // measured - simulated ms, task
+  for (size_t t = 0; t < graph.tasks().size(); ++t) {
+    const tessera::TaskSpec& task = graph.tasks()[t];
+    PerWorker& w = workers[task.pinned_worker.value()];
+    const auto kind = static_cast<size_t>(tessera::ClassifyTask(task.name, task.op));
+    const double sim_ms = simulated.end_ms[t] - simulated.start_ms[t];
+    w.simulated_ms[kind] += sim_ms;
+    w.simulated_end = std::max(w.simulated_end, simulated.end_ms[t]);
+    ++w.tasks;
+    const auto found = spans.find(task.name);
+    if (found == spans.end()) continue;
+    const double meas_ms =
+        static_cast<double>(found->second->end_us - found->second->start_us) / 1e3;
+    w.measured_ms[kind] += meas_ms;
+    w.measured_end =
+        std::max(w.measured_end, static_cast<double>(found->second->end_us - first_us) / 1e3);
+    slower.emplace_back(meas_ms - sim_ms,
+                        fmt::format("{} on worker {}: {:.2f} ms simulated, {:.2f} measured",
+                                    task.name, task.pinned_worker.value(), sim_ms, meas_ms));
+  }
+  std::printf("  %s: simulated %.2f ms; per worker, simulated / measured ms\n", what.c_str(),
+              simulated.step_ms);
+  for (const auto& [worker, w] : workers) {
+    std::string line = fmt::format("  worker {} ({} tasks): ends {:.2f} / {:.2f}", worker, w.tasks,
+                                   w.simulated_end, w.measured_end);
+    double sim_busy = 0, meas_busy = 0;
+    for (size_t k = 0; k < tessera::kSpanKinds; ++k) {
+      if (w.simulated_ms[k] == 0 && w.measured_ms[k] == 0) continue;
+      line += fmt::format(", {} {:.2f} / {:.2f}",
+                          tessera::SpanKindName(static_cast<tessera::SpanKind>(k)),
+                          w.simulated_ms[k], w.measured_ms[k]);
+      sim_busy += w.simulated_ms[k];
+      meas_busy += w.measured_ms[k];
+    }
+    std::printf("%s; busy %.2f / %.2f\n", line.c_str(), sim_busy, meas_busy);
+  }
+  // Per worker, its measured idle time before each compute task: waiting for an input (its
+  // producer's end here, or its push's end from another worker) or started after its inputs were
+  // there (the worker's dispatch and wake-up, a machine's cores busy with others).
+  std::map<std::pair<std::string, uint64_t>, int64_t> arrived;  // (object, worker) -> end
+  for (const tessera::TimelineSpan& span : timeline->spans) {
+    if (span.stream != tessera::kTransferStream || !span.name.starts_with("push ")) continue;
+    const size_t to = span.name.rfind(" to worker");
+    if (to == std::string::npos) continue;
+    arrived[{span.name.substr(5, to - 5), std::stoull(span.name.substr(to + 10))}] = span.end_us;
+  }
+  std::map<uint64_t, std::vector<size_t>> compute_tasks;  // worker -> its matched compute tasks
+  for (size_t t = 0; t < graph.tasks().size(); ++t) {
+    const tessera::TaskSpec& task = graph.tasks()[t];
+    const auto found = spans.find(task.name);
+    if (found == spans.end() || found->second->stream < 0) continue;
+    compute_tasks[task.pinned_worker.value()].push_back(t);
+  }
+  for (auto& [worker, tasks] : compute_tasks) {
+    std::sort(tasks.begin(), tasks.end(), [&](size_t a, size_t b) {
+      return spans.at(graph.tasks()[a].name)->start_us < spans.at(graph.tasks()[b].name)->start_us;
+    });
+    int64_t previous_end = first_us;
+    double input_wait = 0, late_start = 0;
+    for (size_t t : tasks) {
+      const tessera::TaskSpec& task = graph.tasks()[t];
+      int64_t ready = first_us;
+      for (tessera::ObjectId input : task.inputs) {
+        const tessera::ObjectSpec& object = graph.object(input);
+        if (!object.producer.valid()) continue;
+        const tessera::TaskSpec& producer = graph.task(object.producer);
+        const auto pushed = arrived.find({object.name, worker});
+        const auto made = spans.find(producer.name);
+        if (producer.pinned_worker.value() != worker && pushed != arrived.end()) {
+          ready = std::max(ready, pushed->second);
+        } else if (made != spans.end()) {
+          ready = std::max(ready, made->second->end_us);
+        }
+      }
+      const int64_t start = spans.at(task.name)->start_us;
+      input_wait += static_cast<double>(std::max<int64_t>(0, ready - previous_end)) / 1e3;
+      late_start +=
+          static_cast<double>(std::max<int64_t>(0, start - std::max(ready, previous_end))) / 1e3;
+      previous_end = std::max(previous_end, spans.at(task.name)->end_us);
+    }
+    const tessera::SimulatedWorker* sim = nullptr;
+    for (const tessera::SimulatedWorker& w : simulated.workers) {
+      if (w.worker.value() == worker) sim = &w;
+    }
+    std::printf(
+        "  worker %llu idle: waiting for inputs %.2f ms, started after its inputs %.2f ms "
+        "(simulated: bubble %.2f, communication %.2f)\n",
+        static_cast<unsigned long long>(worker), input_wait, late_start,
+        sim != nullptr ? sim->bubble_ms : 0.0, sim != nullptr ? sim->communication_ms : 0.0);
+  }
+  std::sort(slower.rbegin(), slower.rend());
+  for (size_t i = 0; i < std::min<size_t>(slower.size(), 6); ++i) {
+    std::printf("    %s\n", slower[i].second.c_str());
+  }
+}
+
 Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
-                 const tessera::TrainingPlan& plan, const std::string& what) {
+                 const tessera::TrainingPlan& plan, const std::string& what,
+                 const Simulate& simulate) {
   auto backend =
       Check(tessera::MakeClusterBackend(cluster, tessera::ClusterPlacement::kScheduler), what);
   auto trainer = Check(tessera::Trainer::Create(model.spec, plan, std::move(backend)), what);
@@ -195,6 +325,7 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
     std::printf("  %s: steps (ms):%s\n", what.c_str(), steps.c_str());
     ExplainPeaks(*trainer, last, what);
   }
+  if (f.explain_time) ExplainTime(*trainer, simulate, what);
   return measured;
 }
 
@@ -288,7 +419,16 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
         tessera::TrainingPlan plan = base;
         plan.parallel = r.parallel;
         plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
-        rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name()));
+        const Simulate simulate = [&](const tessera::StepGraph& step) {
+          tessera::ModelSpec planned = model.spec;
+          if (r.choice.tensor_parallel > 1) {
+            planned =
+                Check(model.spec.PlannedFor(r.choice.tensor_parallel, 1, r.choice.shard_sequence),
+                      "the split");
+          }
+          return tessera::SimulatePlannedStep(step, planned, plan.memory, calibration, registry);
+        };
+        rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name(), simulate));
       }
     }
     std::vector<double> measured_ms;
@@ -367,6 +507,9 @@ int Main(int argc, char** argv) {
                  "Run these plans (by name, e.g. \"D4 x P1 M4 ZeRO-3\") instead of the grid");
   app.add_flag("--explain", f.explain,
                "Per worker of each run, every role's predicted and measured peak");
+  app.add_flag("--explain-time", f.explain_time,
+               "Per worker of each run, its tasks' time by kind and its end, simulated and "
+               "measured");
   app.set_version_flag("--version", tessera::VersionLine(kProgram));
   CLI11_PARSE(app, argc, argv);
   std::unique_ptr<std::ofstream> tsv;
