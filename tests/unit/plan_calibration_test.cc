@@ -44,10 +44,9 @@ TEST(PlanCalibrationTest, WithoutWorkersTheLayersAndTheOtherTasksAreMeasured) {
   request.profile_steps = 1;
   request.rounds = 1;
   std::vector<std::string> said;
-  ASSERT_OK_AND_ASSIGN(
-      Calibration calibration,
-      Calibrate(model, Base(), request, ExecutorOptions{}, nullptr,
-                [&said](const std::string& line) { said.push_back(line); }));
+  ASSERT_OK_AND_ASSIGN(Calibration calibration,
+                       Calibrate(model, Base(), request, ExecutorOptions{}, nullptr,
+                                 [&said](const std::string& line) { said.push_back(line); }));
   ASSERT_EQ(calibration.layers.size(), 2u);
   for (const LayerTimesAtRows& at : calibration.layers) {
     ASSERT_EQ(at.layer_ms.size(), model.layers.size());
