@@ -497,6 +497,40 @@ Result<std::string> ResplitWhileItFits(const ModelSpec& model, const TrainingPla
       whole, splittable);
 }
 
+// The least the plan holds without a swap link: every layer recomputed, keeping the least part
+// its op offers where the shapes allow it (else all of it recomputed).
+struct LeastPlan {
+  PlannedPasses passes;
+  std::vector<ActivationDecision> decisions;
+  bool kept_parts = false;
+  Peaks peaks;
+};
+
+Result<LeastPlan> PlanTheLeast(const ModelSpec& model, const TrainingPlan& plan,
+                               const OpRegistry& registry, MemoryTier tier, bool splits,
+                               bool serialize) {
+  std::vector<ActivationDecision> all(
+      model.layers.size(),
+      ActivationDecision{.choice = ActivationChoice::kRecompute, .whole_backward = splits});
+  std::vector<ActivationDecision> least_parts = all;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (model.layers[l].loss) continue;
+    Result<const OpDef*> def = registry.Find(model.layers[l].forward_op);
+    if (def.ok() && !(*def)->rebuild_options.empty()) {
+      least_parts[l].rebuild = (*def)->rebuild_options.back();  // least kept last
+    }
+  }
+  LeastPlan least;
+  Result<PlannedPasses> parts = RunTrainingPasses(model, plan, registry, least_parts, serialize);
+  least.kept_parts = parts.ok();
+  if (!least.kept_parts) parts = RunTrainingPasses(model, plan, registry, all, serialize);
+  TESSERA_ASSIGN_OR_RETURN(least.passes, std::move(parts));
+  TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(least.passes.step.graph));
+  least.peaks = PeaksOf(profile, tier);
+  least.decisions = least.kept_parts ? std::move(least_parts) : std::move(all);
+  return least;
+}
+
 // The memory plan; `suggest`: a refusal tries other plans that would fit (WhatWouldFit).
 // `activation_cap`: the activations' cap in bytes when a plan changed on its own is fitted
 // (the caller's budget, of its own uncapped activations); 0: from the plan's budget.
@@ -629,6 +663,91 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
       return std::move(planned.step);
     }
   }
+  // What is left when even the least plan is over the caps.
+  const auto nothing_fits = [&](const LeastPlan& least) -> Result<StepGraph> {
+    // What the plan may change on its own when nothing fits as asked. The device cannot hold the
+    // model state beside the least activations: on GPU workers, the state goes to the host and
+    // each layer's parameters come up for their use (Harmony's and ZeRO-Infinity's way), first:
+    // copies the compute hides cost nothing, and a GPU's kernels lose speed on smaller
+    // micro-batches. Every activation is in proportion to a micro-batch's rows: the batch split
+    // into twice the micro-batches (run one after another, or as many in flight in a pipeline;
+    // gradient accumulation: the same gradients but for the order of their sums) holds about
+    // half.
+    const bool stream = tier == MemoryTier::kDevice && caps.total > 0 &&
+                        least.peaks.total > caps.total && StreamsParametersIfNeeded(plan) &&
+                        !plan.memory.fixed_dimensions;
+    const auto try_streaming = [&]() -> Result<StepGraph> {
+      TrainingPlan streamed = plan;
+      streamed.parallel.offload = OffloadMode::kParameters;
+      TESSERA_ASSIGN_OR_RETURN(StepGraph step,
+                               Fit(model, streamed, registry, /*suggest=*/false, caps.activations));
+      const size_t kept =
+          KeepLargestParametersResident(model, registry, caps.activations, streamed, step);
+      size_t groups = 0;
+      for (int64_t numel : step.group_numel) groups += numel > 0;
+      return Changed(
+          std::move(step),
+          fmt::format("the parameters of {} of {} layers streamed from the host (--offload "
+                      "parameters: copied up for each forward and backward, the gradient copied "
+                      "down, the update on the host; the other {} stay on the device, the largest "
+                      "that fit without recomputing more than their copies would leave "
+                      "unhidden), as {} is too small for the model state "
+                      "on the device otherwise (the least it needs so: {})",
+                      groups - kept, groups, kept, CapFlag(tier), Mib(least.peaks.total)),
+          uncapped.total, uncapped.activations);
+    };
+    const auto try_splitting = [&]() -> Result<StepGraph> {
+      TrainingPlan split = plan;
+      split.parallel.micro_batches *= 2;
+      // Measured layer times are a micro-batch's: half the rows take about half the time.
+      for (OpCosts& ms : split.parallel.layer_op_costs) {
+        ms = OpCosts{ms.forward / 2, ms.backward / 2, ms.weight / 2};
+      }
+      TESSERA_ASSIGN_OR_RETURN(StepGraph step,
+                               Fit(model, split, registry, /*suggest=*/false, caps.activations));
+      return Changed(
+          std::move(step),
+          fmt::format("each rank's batch split into {} micro-batches of {} rows (was {} "
+                      "of {}), as recomputing every layer{} still needs {} (activations "
+                      "{})",
+                      split.parallel.micro_batches, split.parallel.MicroBatchRows(plan.batch),
+                      p.micro_batches, p.MicroBatchRows(plan.batch),
+                      least.kept_parts ? " keeping the least part" : "", Mib(least.peaks.total),
+                      Mib(least.peaks.activations)),
+          uncapped.total, uncapped.activations);
+    };
+    if (stream) {
+      if (Result<StepGraph> step = try_streaming(); step.ok()) return step;
+    }
+    if (SplitsMicroBatchesIfNeeded(plan) && !plan.memory.fixed_dimensions) {
+      if (Result<StepGraph> step = try_splitting(); step.ok()) return step;
+    }
+    std::string advice;
+    if (caps.activations > 0 && least.peaks.activations > caps.activations) {
+      advice =
+          fmt::format("; the activation budget needs to be at least {:.0f}%",
+                      std::ceil(100.0 * static_cast<double>(least.peaks.activations) /
+                                static_cast<double>(std::max<int64_t>(uncapped.activations, 1))));
+    }
+    if (caps.total > 0 && least.peaks.total > caps.total) {
+      const std::string fits = suggest ? WhatWouldFit(model, plan, registry) : "";
+      advice += fits.empty() ? fmt::format("; {} needs to be at least {}", CapFlag(tier),
+                                           Mib(least.peaks.total))
+                             : "; " + fits;
+    }
+    return Infeasible(
+        "{}; recomputing every layer's activations{} it still needs {} (activations {}){}", over,
+        least.kept_parts ? " (keeping the least part)" : "", Mib(least.peaks.total),
+        Mib(least.peaks.activations), advice);
+  };
+  // Without a swap link nothing holds less than the least plan: one over the caps so is past
+  // what the solver can choose (its rounds are not spent on it), and only what the plan may
+  // change on its own (nothing_fits) is left.
+  std::optional<LeastPlan> least;
+  if (plan.SwapLinkBytesPerUs() <= 0) {
+    TESSERA_ASSIGN_OR_RETURN(least, PlanTheLeast(model, plan, registry, tier, splits, serialize));
+    if (!caps.Fit(least->peaks)) return nothing_fits(*least);
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<OpCosts> times, LayerTimes(model, plan, registry));
   const std::vector<std::vector<TaskId>> readers = ReadersOf(planned.step.graph);
   int64_t lowered = 0;
@@ -698,115 +817,27 @@ Result<StepGraph> Fit(const ModelSpec& model, const TrainingPlan& plan, const Op
     lowered += caps.Excess(peaks) +
                (slack == std::numeric_limits<int64_t>::max() ? 0 : std::max<int64_t>(slack, 0));
   }
-  // Nothing fits: how far recomputing every layer gets (keeping the least part its op offers,
-  // where the shapes allow it).
-  std::vector<ActivationDecision> all(
-      model.layers.size(),
-      ActivationDecision{.choice = ActivationChoice::kRecompute, .whole_backward = splits});
-  std::vector<ActivationDecision> least_parts = all;
-  for (size_t l = 0; l < model.layers.size(); ++l) {
-    if (model.layers[l].loss) continue;
-    Result<const OpDef*> def = registry.Find(model.layers[l].forward_op);
-    if (def.ok() && !(*def)->rebuild_options.empty()) {
-      least_parts[l].rebuild = (*def)->rebuild_options.back();  // least kept last
-    }
+  // Nothing fits: how far recomputing every layer gets.
+  if (!least) {
+    TESSERA_ASSIGN_OR_RETURN(least, PlanTheLeast(model, plan, registry, tier, splits, serialize));
   }
-  Result<PlannedPasses> parts = RunTrainingPasses(model, plan, registry, least_parts, serialize);
-  const bool kept_parts = parts.ok();
-  if (!kept_parts) parts = RunTrainingPasses(model, plan, registry, all, serialize);
-  TESSERA_ASSIGN_OR_RETURN(PlannedPasses least, std::move(parts));
-  TESSERA_ASSIGN_OR_RETURN(MemoryProfile least_profile, PredictMemory(least.step.graph));
-  const Peaks least_peaks = PeaksOf(least_profile, tier);
-  if (caps.Fit(least_peaks)) {
+  if (caps.Fit(least->peaks)) {
     // The solver's view missed by a little (its rounds spent) where holding the least fits.
-    decision.peak_bytes = least_peaks.total;
-    decision.activation_peak_bytes = least_peaks.activations;
-    decision.activations = kept_parts ? least_parts : all;
+    decision.peak_bytes = least->peaks.total;
+    decision.activation_peak_bytes = least->peaks.activations;
+    decision.activations = least->decisions;
     decision.activation_overhead = std::numeric_limits<double>::infinity();
     decision.reason = fmt::format(
         "{}every layer recomputed{}{}: predicted peak {} (activations {}) under {}; every "
         "activation kept: {} (activations {})",
         serialize ? "micro-batches one after another, " : "",
-        kept_parts ? ", keeping the least part" : "",
-        splits ? ", its backward whole (not split in halves)" : "", Mib(least_peaks.total),
-        Mib(least_peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations));
-    least.step.memory = std::move(decision);
-    return std::move(least.step);
+        least->kept_parts ? ", keeping the least part" : "",
+        splits ? ", its backward whole (not split in halves)" : "", Mib(least->peaks.total),
+        Mib(least->peaks.activations), limits, Mib(uncapped.total), Mib(uncapped.activations));
+    least->passes.step.memory = std::move(decision);
+    return std::move(least->passes.step);
   }
-  // What the plan may change on its own when nothing fits as asked. The device cannot hold the
-  // model state beside the least activations: on GPU workers, the state goes to the host and
-  // each layer's parameters come up for their use (Harmony's and ZeRO-Infinity's way), first:
-  // copies the compute hides cost nothing, and a GPU's kernels lose speed on smaller
-  // micro-batches. Every activation is in proportion to a micro-batch's rows: the batch split
-  // into twice the micro-batches (run one after another, or as many in flight in a pipeline;
-  // gradient accumulation: the same gradients but for the order of their sums) holds about
-  // half.
-  const bool stream = tier == MemoryTier::kDevice && caps.total > 0 &&
-                      least_peaks.total > caps.total && StreamsParametersIfNeeded(plan) &&
-                      !plan.memory.fixed_dimensions;
-  const auto try_streaming = [&]() -> Result<StepGraph> {
-    TrainingPlan streamed = plan;
-    streamed.parallel.offload = OffloadMode::kParameters;
-    TESSERA_ASSIGN_OR_RETURN(StepGraph step,
-                             Fit(model, streamed, registry, /*suggest=*/false, caps.activations));
-    const size_t kept =
-        KeepLargestParametersResident(model, registry, caps.activations, streamed, step);
-    size_t groups = 0;
-    for (int64_t numel : step.group_numel) groups += numel > 0;
-    return Changed(
-        std::move(step),
-        fmt::format("the parameters of {} of {} layers streamed from the host (--offload "
-                    "parameters: copied up for each forward and backward, the gradient copied "
-                    "down, the update on the host; the other {} stay on the device, the largest "
-                    "that fit without recomputing more than their copies would leave "
-                    "unhidden), as {} is too small for the model state "
-                    "on the device otherwise (the least it needs so: {})",
-                    groups - kept, groups, kept, CapFlag(tier), Mib(least_peaks.total)),
-        uncapped.total, uncapped.activations);
-  };
-  const auto try_splitting = [&]() -> Result<StepGraph> {
-    TrainingPlan split = plan;
-    split.parallel.micro_batches *= 2;
-    // Measured layer times are a micro-batch's: half the rows take about half the time.
-    for (OpCosts& ms : split.parallel.layer_op_costs) {
-      ms = OpCosts{ms.forward / 2, ms.backward / 2, ms.weight / 2};
-    }
-    TESSERA_ASSIGN_OR_RETURN(StepGraph step,
-                             Fit(model, split, registry, /*suggest=*/false, caps.activations));
-    return Changed(
-        std::move(step),
-        fmt::format("each rank's batch split into {} micro-batches of {} rows (was {} "
-                    "of {}), as recomputing every layer{} still needs {} (activations "
-                    "{})",
-                    split.parallel.micro_batches, split.parallel.MicroBatchRows(plan.batch),
-                    p.micro_batches, p.MicroBatchRows(plan.batch),
-                    kept_parts ? " keeping the least part" : "", Mib(least_peaks.total),
-                    Mib(least_peaks.activations)),
-        uncapped.total, uncapped.activations);
-  };
-  if (stream) {
-    if (Result<StepGraph> step = try_streaming(); step.ok()) return step;
-  }
-  if (SplitsMicroBatchesIfNeeded(plan) && !plan.memory.fixed_dimensions) {
-    if (Result<StepGraph> step = try_splitting(); step.ok()) return step;
-  }
-  std::string advice;
-  if (caps.activations > 0 && least_peaks.activations > caps.activations) {
-    advice =
-        fmt::format("; the activation budget needs to be at least {:.0f}%",
-                    std::ceil(100.0 * static_cast<double>(least_peaks.activations) /
-                              static_cast<double>(std::max<int64_t>(uncapped.activations, 1))));
-  }
-  if (caps.total > 0 && least_peaks.total > caps.total) {
-    const std::string fits = suggest ? WhatWouldFit(model, plan, registry) : "";
-    advice += fits.empty() ? fmt::format("; {} needs to be at least {}", CapFlag(tier),
-                                         Mib(least_peaks.total))
-                           : "; " + fits;
-  }
-  return Infeasible(
-      "{}; recomputing every layer's activations{} it still needs {} (activations {}){}", over,
-      kept_parts ? " (keeping the least part)" : "", Mib(least_peaks.total),
-      Mib(least_peaks.activations), advice);
+  return nothing_fits(*least);
 }
 
 std::string WhatWouldFit(const ModelSpec& model, const TrainingPlan& plan,

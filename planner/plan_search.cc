@@ -85,9 +85,9 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
 
 using Outcome = std::variant<RankedPlan, RefusedPlan>;
 
-// The plan's peak on its compute tier with every activation recomputed (0 when it cannot be
-// planned): without a swap link, the least it can need.
-int64_t LeastPeak(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
+// How far a refused plan stays over its tier's cap with every activation recomputed (its peak
+// so planned without a cap; 0 when it cannot be planned).
+int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
   TrainingPlan least = plan;
   least.memory.device_bytes = 0;
   least.memory.host_bytes = 0;
@@ -95,12 +95,7 @@ int64_t LeastPeak(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
   least.memory.recompute_all = true;
   Result<StepGraph> step = PlanTrainingStep(model, least, registry);
   // The memory plan predicted it (the largest worker's peak on the plan's compute tier).
-  return step.ok() ? step->memory.peak_bytes : 0;
-}
-
-// How far a refused plan stays over its tier's cap with every activation recomputed.
-int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegistry& registry) {
-  return std::max<int64_t>(0, LeastPeak(model, plan, registry) - CapOf(plan));
+  return step.ok() ? std::max<int64_t>(0, step->memory.peak_bytes - CapOf(plan)) : 0;
 }
 
 Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
@@ -112,18 +107,9 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesOf(calibration, model, rows));
   p.task_overhead_ms = calibration.task_overhead_ms;
   if (calibration.links.collective.measured()) p.link = calibration.links.collective;
-  // The memory prune's first cut: without a swap link nothing needs less than every activation
-  // recomputed, so a plan over the cap so is refused before the memory plan searches it.
-  if (const int64_t cap = CapOf(plan); cap > 0 && plan.SwapLinkBytesPerUs() <= 0) {
-    if (const int64_t least = LeastPeak(model, plan, registry); least > cap) {
-      return Outcome(RefusedPlan{
-          choice,
-          fmt::format("recomputing every layer the step needs {} on the {} tier, over the cap "
-                      "of {}",
-                      MibText(least), MemoryTierName(TierOf(plan.device)), MibText(cap)),
-          least - cap, TierOf(plan.device)});
-    }
-  }
+  // The memory prune: the memory plan refuses a plan over the cap before its solver searches one
+  // (without a swap link, when every activation recomputed is over it too); the shortfall is
+  // planned only for the refused.
   Result<StepGraph> step = PlanTrainingStep(model, plan, registry);
   if (!step.ok()) {
     RefusedPlan refused{choice, step.status().message(), 0, TierOf(plan.device)};
