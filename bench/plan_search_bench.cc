@@ -27,8 +27,10 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -37,6 +39,7 @@
 #include "bench/bench_util.h"
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "core/collective_task.h"
 #include "core/version.h"
 #include "model/gpt2.h"
 #include "model/unet3d.h"
@@ -175,6 +178,67 @@ using Simulate = std::function<tessera::Result<tessera::SimulatedStep>(const tes
 // Per worker of `trainer`'s last step: its compute tasks' time by kind and when its last task
 // ended (from the step's first start), as simulated and as measured in its timeline; then the
 // tasks whose measured time is furthest above their simulated time.
+// The step's collectives by op, members and size: how many, and per collective, simulated /
+// measured, its members' arrival spread (the last start after the first) and its time once all
+// are there (the last start to the members' median end).
+void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedStep& simulated,
+                        const std::map<std::string, const tessera::TimelineSpan*>& spans) {
+  struct Members {
+    std::vector<size_t> tasks;
+  };
+  std::map<int64_t, Members> collectives;
+  for (size_t t = 0; t < graph.tasks().size(); ++t) {
+    const tessera::Result<std::optional<tessera::CollectiveMembership>> member =
+        tessera::CollectiveOf(graph.tasks()[t]);
+    if (member.ok() && member->has_value()) collectives[(*member)->collective].tasks.push_back(t);
+  }
+  struct Sums {
+    int count = 0, measured = 0;
+    double simulated_spread = 0, simulated_after = 0, measured_spread = 0, measured_after = 0;
+  };
+  std::map<std::tuple<std::string, size_t, int64_t>, Sums> by_kind;  // (op, members, bytes)
+  const auto spread_and_after = [](const std::vector<double>& starts, std::vector<double> ends) {
+    const auto [first, last] = std::minmax_element(starts.begin(), starts.end());
+    std::nth_element(ends.begin(), ends.begin() + static_cast<std::ptrdiff_t>(ends.size() / 2),
+                     ends.end());
+    return std::pair{*last - *first, ends[ends.size() / 2] - *last};
+  };
+  for (const auto& [id, members] : collectives) {
+    const tessera::TaskSpec& first = graph.tasks()[members.tasks.front()];
+    int64_t bytes = 0;
+    if (!first.inputs.empty()) bytes = graph.object(first.inputs.front()).meta.bytes();
+    Sums& sums = by_kind[{first.op, members.tasks.size(), bytes}];
+    ++sums.count;
+    std::vector<double> sim_starts, sim_ends, starts, ends;
+    for (size_t t : members.tasks) {
+      sim_starts.push_back(simulated.start_ms[t]);
+      sim_ends.push_back(simulated.end_ms[t]);
+      const auto found = spans.find(graph.tasks()[t].name);
+      if (found == spans.end()) continue;
+      starts.push_back(static_cast<double>(found->second->start_us) / 1e3);
+      ends.push_back(static_cast<double>(found->second->end_us) / 1e3);
+    }
+    const auto [sim_spread, sim_after] = spread_and_after(sim_starts, sim_ends);
+    sums.simulated_spread += sim_spread;
+    sums.simulated_after += sim_after;
+    if (starts.size() != members.tasks.size()) continue;
+    const auto [spread, after] = spread_and_after(starts, ends);
+    ++sums.measured;
+    sums.measured_spread += spread;
+    sums.measured_after += after;
+  }
+  for (const auto& [kind, sums] : by_kind) {
+    const auto& [op, members, bytes] = kind;
+    const double measured = std::max(1, sums.measured);
+    std::printf(
+        "  %d x %s of %zu, %.1f KiB: per collective, arrival spread %.3f / %.3f ms, once all "
+        "there %.3f / %.3f ms\n",
+        sums.count, op.c_str(), members, static_cast<double>(bytes) / 1024,
+        sums.simulated_spread / sums.count, sums.measured_spread / measured,
+        sums.simulated_after / sums.count, sums.measured_after / measured);
+  }
+}
+
 void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
   const tessera::StepGraph& step = trainer.step_graph();
   const tessera::Graph& graph = step.graph;
@@ -287,6 +351,7 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
         static_cast<unsigned long long>(worker), input_wait, late_start,
         sim != nullptr ? sim->bubble_ms : 0.0, sim != nullptr ? sim->communication_ms : 0.0);
   }
+  ExplainCollectives(graph, simulated, spans);
   std::sort(slower.rbegin(), slower.rend());
   for (size_t i = 0; i < std::min<size_t>(slower.size(), 6); ++i) {
     std::printf("    %s\n", slower[i].second.c_str());
