@@ -48,7 +48,8 @@ struct Flags {
   int workers = 4;
   int64_t bytes = 64 << 20;
   int iterations = 10;
-  int64_t chunk_bytes = 0;  // 0: the communicator's default
+  int64_t chunk_bytes = 0;        // 0: the communicator's default
+  int64_t single_copy_bytes = 0;  // 0: the host's rule (ucx_communicator.h)
   bool torch = true;
 };
 
@@ -92,7 +93,9 @@ int RunMember(const Flags& flags, int rank, const std::string& address, int repo
   if (!rendezvous.ok()) Die(rank, rendezvous.status());
   tessera::CommunicatorOptions options;
   if (flags.chunk_bytes > 0) options.chunk_bytes = flags.chunk_bytes;
-  auto connected = tessera::ConnectUcxCommunicator(**rendezvous, options);
+  tessera::UcxCommunicatorOptions ucx;
+  ucx.single_copy_bytes = flags.single_copy_bytes;
+  auto connected = tessera::ConnectUcxCommunicator(**rendezvous, options, ucx);
   if (!connected.ok()) Die(rank, connected.status());
   Communicator& comm = **connected;
   const int n = comm.size();
@@ -153,6 +156,9 @@ static int Main(int argc, char** argv) {
   app.add_option("--iterations", flags.iterations, "Timed runs per figure (median)")
       ->check(CLI::Range(1, 10000));
   app.add_option("--chunk-bytes", flags.chunk_bytes, "Ring chunk size (default: the library's)");
+  app.add_option("--single-copy-bytes", flags.single_copy_bytes,
+                 "Messages from this size to local peers copy once (default: the host's rule, "
+                 "above 8 KiB where the members outnumber the cores, else from 64 KiB)");
   app.add_flag("!--no-torch", flags.torch, "Skip the side-by-side PyTorch gloo measurement");
   CLI11_PARSE(app, argc, argv);
 

@@ -6,10 +6,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "client/cluster_client.h"
 #include "core/atomic_file.h"
+#include "core/transport/ucx_peer_transport.h"
 #include "launcher/process.h"
 #include "launcher/session.h"
 #include "worker/gpu.h"
@@ -68,17 +72,27 @@ int LocalWorkers(const LocalClusterOptions& options) {
 WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<int>& gpus,
                          const std::string& scheduler, int count, std::string tag) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threads_per_worker > 0
+                          ? options.threads_per_worker
+                          : std::max(1, cores / std::max(1, LocalWorkers(options)));
+  // Workers whose threads outnumber the cores take turns on them: their collectives' messages
+  // copy once from a small size on (core/transport/ucx_peer_transport.h), unless the user's
+  // environment says otherwise (the workers inherit it).
+  std::vector<std::pair<std::string, std::string>> environment;
+  constexpr const char* kSingleCopy = "TESSERA_COLLECTIVE_SINGLE_COPY_BYTES";
+  if (int64_t{LocalWorkers(options)} * threads > cores && std::getenv(kSingleCopy) == nullptr) {
+    environment.emplace_back(kSingleCopy, std::to_string(kOversubscribedSingleCopyBytes));
+  }
   return WorkerLaunch{
       .scheduler = scheduler,
       .count = count,
-      .threads = options.threads_per_worker > 0
-                     ? options.threads_per_worker
-                     : std::max(1, cores / std::max(1, LocalWorkers(options))),
+      .threads = threads,
       .host_memory_mb = options.host_capacity_bytes >> 20,
       .host_cap_gib = options.host_cap_gib,
       .tag = std::move(tag),
       .gpus = gpus,
       .gpu_memory_gib = options.gpu_memory_gib,
+      .environment = std::move(environment),
   };
 }
 

@@ -4,10 +4,22 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "core/transport/ucx_peer_transport.h"
 
 namespace tessera {
+
+int64_t SingleCopyBytesFor(const UcxCommunicatorOptions& ucx, const std::vector<std::string>& hosts,
+                           int rank, int cores) {
+  if (ucx.network_only) return std::numeric_limits<int64_t>::max();
+  if (ucx.single_copy_bytes > 0) return ucx.single_copy_bytes;
+  const auto here = std::count(hosts.begin(), hosts.end(), hosts[static_cast<size_t>(rank)]);
+  return here > std::max(1, cores) ? kOversubscribedSingleCopyBytes
+                                   : UcxPeerTransportOptions{}.single_copy_bytes;
+}
 
 Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezvous,
                                                              const CommunicatorOptions& options,
@@ -22,10 +34,10 @@ Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezv
   transport_options.local_only =
       !ucx.network_only &&
       std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts[0]; });
-  if (ucx.network_only) {
-    transport_options.single_copy_bytes = std::numeric_limits<int64_t>::max();
-    transport_options.network_only = true;
-  }
+  transport_options.network_only = ucx.network_only;
+  transport_options.single_copy_bytes =
+      SingleCopyBytesFor(ucx, hosts, rendezvous.rank(),
+                         static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   // Round 2: the UCX worker addresses.
   TESSERA_ASSIGN_OR_RETURN(
       std::shared_ptr<UcxPeerTransport> transport,

@@ -100,6 +100,15 @@ TESSERA_INT_SETTING(
     "every rank sends to every other) instead of the ring: lower latency, more bytes.")
 
 TESSERA_INT_SETTING(
+    collective_single_copy_bytes, 0, 0, int64_t{1} << 40, "bytes",
+    "Collective messages from this size to ranks on the same host are read once straight "
+    "out of the sender's memory instead of passing through UCX's shared memory, whose "
+    "handshakes need both ranks running at once. 0: 64 KiB, or 8 KiB where the group's "
+    "ranks on the host outnumber its cores (a local cluster whose workers' threads "
+    "outnumber the cores sets 8193). Lower helps ranks that take turns on cores; higher "
+    "suits ranks with cores of their own.")
+
+TESSERA_INT_SETTING(
     dashboard_port, 0, -1, 65535, "port",
     "The scheduler's web dashboard, its JSON API and /metrics listen on this TCP port "
     "at the scheduler's host address, guarded by the cluster token. 0: any free port "

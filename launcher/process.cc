@@ -6,11 +6,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -27,6 +29,23 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOpti
   args.reserve(argv.size() + 1);
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
+  // The child's environment, built before fork (the child may only make async-signal-safe
+  // calls): this process's, each of options.environment replacing its name's entry.
+  std::vector<std::string> variables;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string_view variable(*entry);
+    const bool replaced =
+        std::any_of(options.environment.begin(), options.environment.end(), [&](const auto& set) {
+          return variable.size() > set.first.size() && variable.starts_with(set.first) &&
+                 variable[set.first.size()] == '=';
+        });
+    if (!replaced) variables.emplace_back(variable);
+  }
+  for (const auto& [name, value] : options.environment) variables.push_back(name + "=" + value);
+  std::vector<char*> envp;
+  envp.reserve(variables.size() + 1);
+  for (std::string& variable : variables) envp.push_back(variable.data());
+  envp.push_back(nullptr);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) return SystemError("fork");
@@ -47,7 +66,7 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOpti
       const int null_fd = ::open("/dev/null", O_RDONLY);
       if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
     }
-    ::execv(args[0], args.data());
+    ::execve(args[0], args.data(), envp.data());
     ::_exit(127);
   }
   return pid;

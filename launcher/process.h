@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -17,6 +18,8 @@ struct SpawnOptions {
   std::string log_file;         // stdout and stderr go here (appended); empty: inherit
   bool die_with_parent = true;  // the child is killed if this process dies (even by a crash)
   bool new_session = false;     // detach from the terminal (daemons started by `tessera start`)
+  // Variables set in the child's environment (over this process's, which it inherits).
+  std::vector<std::pair<std::string, std::string>> environment;
 };
 
 // Starts argv[0] with the arguments. Unavailable naming the program when it cannot start.

@@ -256,7 +256,8 @@ Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch
     Result<pid_t> pid =
         SpawnProcess(command, SpawnOptions{.log_file = fmt::format("{}/worker-{}.log", dir_, name),
                                            .die_with_parent = !processes_.detached,
-                                           .new_session = processes_.detached});
+                                           .new_session = processes_.detached,
+                                           .environment = launch.environment});
     if (!pid.ok()) {
       for (pid_t started : pids) StopProcess(started, 1000);
       return pid.status();

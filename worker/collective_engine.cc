@@ -472,7 +472,9 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(Lane& lane, uint64_t key
   options.timeout_ms = static_cast<int>(settings_.collective_timeout_ms);
   options.chunk_bytes = settings_.collective_chunk_bytes;
   options.small_bytes = settings_.collective_small_bytes;
-  Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options);
+  UcxCommunicatorOptions ucx;
+  ucx.single_copy_bytes = settings_.collective_single_copy_bytes;
+  Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options, ucx);
   MutexLock lock(&mutex_);
   lane.in_progress.forming = false;
   Group& group = groups_[key];

@@ -15,8 +15,10 @@
 //     the bytes straight out of the sender's memory with process_vm_readv and acknowledges, which
 //     completes the send. Only the receiver spends CPU on the transfer, once, so ranks that share
 //     cores (more ranks than cores) do not need to be scheduled together, as a shared-memory
-//     pipeline needs both sides at once. Connect checks the permission (ptrace scope) with a
-//     probe read and falls back to UCX for a peer it cannot read.
+//     pipeline needs both sides at once. Where the ranks outnumber the host's cores, messages
+//     above 8 KiB take this path (kOversubscribedSingleCopyBytes), else from 64 KiB. Connect checks
+//     the permission (ptrace scope) with a probe read and falls back to UCX for a peer it cannot
+//     read.
 //   UCX's own CMA transport is left out (unless UCX_TLS asks for it): without UCX's peer-failure
 //   mode a peer dying under a CMA transfer makes UCX abort the survivor, and with that mode UCX
 //   1.13 moves the bytes over TCP loopback instead. Here a vanished peer is an error.
@@ -42,10 +44,20 @@
 
 namespace tessera {
 
+// The single-copy threshold for ranks that outnumber their host's cores (collectives/
+// ucx_communicator.cc sets it): above 8 KiB, what UCX's shared memory sends eagerly (beyond it,
+// its handshakes wait for the peer's turn on a core). Measured with bench_collectives, 4 ranks on
+// 2 cores, a 96 KiB all-reduce (a ring of 24 KiB segments): 1.7-1.9 ms at the default threshold,
+// 0.6 at 8 KiB; 2 ranks on 2 cores are 25-35% faster through shared memory at 32-96 KiB, so the
+// default stays for ranks with cores of their own. From 8 KiB itself, a sequence-parallel GPT-2
+// step of 8 KiB blocks ran 11% slower than through shared memory; above it, as fast.
+inline constexpr int64_t kOversubscribedSingleCopyBytes = int64_t{8} * 1024 + 1;
+
 struct UcxPeerTransportOptions {
   int spin_microseconds = 50;  // busy-poll this long without events before sleeping on the fd
-  int64_t single_copy_bytes =
-      int64_t{64} * 1024;  // messages this large to local peers: single copy
+  // Messages this large to local peers: single copy (kOversubscribedSingleCopyBytes where the
+  // ranks take turns on the cores).
+  int64_t single_copy_bytes = int64_t{64} * 1024;
   // Every peer is on this host: UCX gets shared memory only (it would otherwise also stripe
   // large messages over TCP loopback).
   bool local_only = false;

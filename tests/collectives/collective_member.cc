@@ -35,6 +35,8 @@ int Main(int argc, char** argv) {
   app.add_option("--timeout-ms", timeout_ms, "Collective deadline");
   app.add_flag("--network-only", ucx.network_only,
                "TCP only, as between hosts (no shared memory, no single copy)");
+  app.add_option("--single-copy-bytes", ucx.single_copy_bytes,
+                 "Messages from this size to local peers copy once (0: the host's rule)");
   CLI11_PARSE(app, argc, argv);
   const int rank = rendezvous_options.rank;
 

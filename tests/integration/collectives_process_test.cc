@@ -115,6 +115,15 @@ TEST_P(CollectivesProcessTest, EveryOpAndDtypeMatchesTheReference) {
   EXPECT_NE(group.Logs().find("rank 0: suite passed"), std::string::npos) << group.Logs();
 }
 
+// Four processes with single copies above 8 KiB (what ranks that outnumber their cores use): the
+// direct algorithm's and the ring's mid-sized messages take the single-copy path.
+TEST(CollectivesProcessTest, FourProcessesCopyingOnceAboveEightKiBMatchTheReference) {
+  Group group("copy8k", 4, "--mode suite --large-mb 8 --single-copy-bytes 8193");
+  ASSERT_TRUE(group.WaitForExit(std::chrono::seconds(600))) << group.Logs();
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(group[r].exit_code, 0) << group.Logs();
+  EXPECT_NE(group.Logs().find("rank 0: suite passed"), std::string::npos) << group.Logs();
+}
+
 // The path between hosts, on this one: TCP over the loopback interface, UCX's peer-failure mode.
 TEST(CollectivesNetworkTest, ThreeProcessesOverTcpMatchTheReference) {
   Group group("tcp", 3, "--mode suite --large-mb 8 --network-only");

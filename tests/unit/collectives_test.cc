@@ -3,6 +3,7 @@
 // failures.
 #include <bit>
 #include <chrono>
+#include <limits>
 #include <thread>
 
 #include "collectives/collective_suite.h"
@@ -13,6 +14,7 @@
 #include "collectives/ucx_communicator.h"
 #include "core/cuda_device.h"
 #include "core/half.h"
+#include "core/transport/ucx_peer_transport.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -322,10 +324,11 @@ TEST(SocketRendezvousTest, AMemberWithoutRankZeroTimesOutNamingTheAddress) {
       << member.status().ToString();
 }
 
-TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
-  // The UCX backend (single-copy path included) without separate processes.
+// The suite over the UCX backend, every rank a thread of this process (`tag` names its
+// rendezvous).
+void RunUcxSuiteInThreads(const std::string& tag, const UcxCommunicatorOptions& ucx) {
   const int n = 3;
-  const std::string address = RendezvousPath("ucx");
+  const std::string address = RendezvousPath(tag);
   std::vector<Status> results(n);
   std::vector<std::thread> threads;
   threads.reserve(n);
@@ -336,7 +339,7 @@ TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
         results[static_cast<size_t>(r)] = rendezvous.status();
         return;
       }
-      auto communicator = ConnectUcxCommunicator(**rendezvous);
+      auto communicator = ConnectUcxCommunicator(**rendezvous, {}, ucx);
       if (!communicator.ok()) {
         results[static_cast<size_t>(r)] = communicator.status();
         return;
@@ -348,6 +351,38 @@ TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
   }
   for (auto& thread : threads) thread.join();
   for (const Status& status : results) EXPECT_OK(status);
+}
+
+TEST(UcxCommunicatorTest, ThreadsOfOneProcessRunTheSuite) {
+  // The UCX backend (single-copy path included) without separate processes.
+  RunUcxSuiteInThreads("ucx", {});
+}
+
+TEST(UcxCommunicatorTest, TheSuiteHoldsWithSingleCopiesAboveEightKiB) {
+  // What ranks that outnumber their cores use: the ring's segments of 100'003 elements copy
+  // once; 1 and 1021 elements (up to 8 KiB) still go through shared memory.
+  UcxCommunicatorOptions ucx;
+  ucx.single_copy_bytes = kOversubscribedSingleCopyBytes;
+  RunUcxSuiteInThreads("ucx8k", ucx);
+}
+
+TEST(UcxCommunicatorTest, RanksThatOutnumberTheirCoresCopyOnceFromASmallerSize) {
+  const int64_t standard = UcxPeerTransportOptions{}.single_copy_bytes;
+  const std::vector<std::string> hosts = {"a", "a", "a", "b"};
+  // Three ranks on host a: over its two cores, not over four.
+  EXPECT_EQ(SingleCopyBytesFor({}, hosts, 0, 2), kOversubscribedSingleCopyBytes);
+  EXPECT_EQ(SingleCopyBytesFor({}, hosts, 2, 4), standard);
+  // Host b's one rank has cores to itself, whatever its neighbours on a do.
+  EXPECT_EQ(SingleCopyBytesFor({}, hosts, 3, 1), standard);
+  EXPECT_EQ(SingleCopyBytesFor({}, hosts, 0, 0), kOversubscribedSingleCopyBytes);  // 0 cores: 1
+  // The setting wins; network_only copies nothing once.
+  UcxCommunicatorOptions set;
+  set.single_copy_bytes = 12345;
+  EXPECT_EQ(SingleCopyBytesFor(set, hosts, 0, 2), 12345);
+  UcxCommunicatorOptions network;
+  network.network_only = true;
+  network.single_copy_bytes = 12345;
+  EXPECT_EQ(SingleCopyBytesFor(network, hosts, 0, 2), std::numeric_limits<int64_t>::max());
 }
 
 }  // namespace

@@ -157,6 +157,31 @@ TEST(ChildReaperTest, ReapsTheGivenChildrenThatExitAndNoOthers) {
   StopProcess(slow, 1000);
 }
 
+// A spawned child gets the options' variables over this process's environment, the rest
+// inherited.
+TEST(SpawnProcessTest, TheChildGetsTheGivenEnvironmentOverItsParents) {
+  const std::string out = ::testing::TempDir() + "/spawn_environment.txt";
+  std::filesystem::remove(out);
+  ASSERT_EQ(::setenv("TESSERA_SPAWN_TEST_KEPT", "parent", 1), 0);
+  ASSERT_EQ(::setenv("TESSERA_SPAWN_TEST_REPLACED", "parent", 1), 0);
+  SpawnOptions options;
+  options.environment = {{"TESSERA_SPAWN_TEST_REPLACED", "child"},
+                         {"TESSERA_SPAWN_TEST_NEW", "a=b c"}};
+  ASSERT_OK_AND_ASSIGN(const pid_t child,
+                       SpawnProcess({"/bin/sh", "-c",
+                                     "printf '%s|%s|%s|%s' \"$TESSERA_SPAWN_TEST_KEPT\" "
+                                     "\"$TESSERA_SPAWN_TEST_REPLACED\" \"$TESSERA_SPAWN_TEST_NEW\" "
+                                     "\"$(env | grep -c '^TESSERA_SPAWN_TEST_REPLACED=')\" > " +
+                                         out},
+                                    options));
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::unsetenv("TESSERA_SPAWN_TEST_KEPT");
+  ::unsetenv("TESSERA_SPAWN_TEST_REPLACED");
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(ReadFileText(out), "parent|child|a=b c|1");
+}
+
 TEST(SessionTest, TheTesseraBinaryIsLookedForInOrder) {
   BinarySearch search;
   search.places.env_bin_dir = "";  // set, it would be the only place (below)
