@@ -190,7 +190,10 @@ void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedSte
   for (size_t t = 0; t < graph.tasks().size(); ++t) {
     const tessera::Result<std::optional<tessera::CollectiveMembership>> member =
         tessera::CollectiveOf(graph.tasks()[t]);
-    if (member.ok() && member->has_value()) collectives[(*member)->collective].tasks.push_back(t);
+    if (!member.ok()) continue;
+    if (const std::optional<tessera::CollectiveMembership>& membership = *member) {
+      collectives[membership->collective].tasks.push_back(t);
+    }
   }
   struct Sums {
     int count = 0, measured = 0;

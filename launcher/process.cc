@@ -41,7 +41,10 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const SpawnOpti
         });
     if (!replaced) variables.emplace_back(variable);
   }
-  for (const auto& [name, value] : options.environment) variables.push_back(name + "=" + value);
+  for (const auto& [name, value] : options.environment) {
+    variables.push_back(name);
+    variables.back().append("=").append(value);
+  }
   std::vector<char*> envp;
   envp.reserve(variables.size() + 1);
   for (std::string& variable : variables) envp.push_back(variable.data());
