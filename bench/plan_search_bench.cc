@@ -8,9 +8,10 @@
 //   2. run a grid of the ranked plans (--grid of them, evenly spaced from the best to the worst,
 //      so the search's choice, rank 1, is among them): each trains --warmup + --steps steps of
 //      zeros at a zero learning rate (step times and memory do not depend on the values),
-//      in --rounds rounds over the grid, each in a rotated order (a point's time is the median
-//      of its rounds', its peak the largest), since workers sharing cores move a step's time
-//      from run to run;
+//      in --rounds rounds over the grids of every cap together, each in a rotated order (a
+//      point's time is the median of its rounds', its peak the largest), since workers sharing
+//      cores move a step's time from run to run, and a slow spell of the machine then falls on
+//      every cap's points alike;
 //   3. print, per plan, the predicted and measured step time (the median) and largest worker's
 //      peak (all objects with the running kernels' scratch: RoleMeter's total_with_scratch_peak,
 //      the memory model's figure), and per model and cap: the search's choice measured against
@@ -445,69 +446,89 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   std::printf("# %s: %zu layers, batch %lld, %d workers x %d thread(s); calibrated in %.1f s\n",
               name.c_str(), model.spec.layers.size(), static_cast<long long>(model.base.batch),
               f.workers, f.threads_per_worker, calibrate_s);
+  // Every cap's search and grid points first; then every point of every cap run in each of
+  // --rounds rounds, round q starting at the q-th point (so no point always runs first or after
+  // the same one, and a slow spell of the machine falls on points of every cap): a point's time
+  // the median of its rounds' medians, its peak the largest.
+  struct Capped {
+    double cap = 0;
+    tessera::TrainingPlan base;
+    tessera::PlanSearchResult search;
+    std::vector<size_t> picks;  // ranks (0-based) of the grid points
+  };
+  std::vector<Capped> capped;
+  struct Point {
+    size_t capped = 0, pick = 0;
+  };
+  std::vector<Point> points;
   for (double cap : f.caps) {
-    tessera::TrainingPlan base = model.base;
-    base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
-    const tessera::PlanSearchResult search =
-        Check(tessera::PlanSearch(model.spec, base, space, calibration, registry), "search");
+    Capped& c = capped.emplace_back();
+    c.cap = cap;
+    c.base = model.base;
+    c.base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
+    c.search =
+        Check(tessera::PlanSearch(model.spec, c.base, space, calibration, registry), "search");
+    const size_t n = c.search.ranked.size();
+    const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
+    for (size_t i = 0; i < grid && f.plans.empty(); ++i) {
+      const size_t at = grid == 1 ? 0 : (i * (n - 1) + (grid - 1) / 2) / (grid - 1);
+      if (c.picks.empty() || c.picks.back() != at) c.picks.push_back(at);
+    }
+    for (size_t at = 0; at < n; ++at) {
+      const std::string plan_name = c.search.ranked[at].choice.Name();
+      if (std::find(f.plans.begin(), f.plans.end(), plan_name) != f.plans.end()) {
+        c.picks.push_back(at);
+      }
+    }
+    for (size_t i = 0; i < c.picks.size(); ++i) points.push_back({capped.size() - 1, i});
+  }
+  std::vector<std::vector<Measured>> rounds(points.size());
+  for (int q = 0; q < f.rounds; ++q) {
+    for (size_t i = 0; i < points.size(); ++i) {
+      const size_t p = (i + static_cast<size_t>(q)) % points.size();
+      const Capped& c = capped[points[p].capped];
+      const tessera::RankedPlan& r = c.search.ranked[c.picks[points[p].pick]];
+      tessera::TrainingPlan plan = c.base;
+      plan.parallel = r.parallel;
+      plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
+      const Simulate simulate = [&](const tessera::StepGraph& step) {
+        tessera::ModelSpec planned = model.spec;
+        if (r.choice.tensor_parallel > 1) {
+          planned =
+              Check(model.spec.PlannedFor(r.choice.tensor_parallel, 1, r.choice.shard_sequence),
+                    "the split");
+        }
+        return tessera::SimulatePlannedStep(step, planned, plan.memory, calibration, registry);
+      };
+      rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name(), simulate));
+    }
+  }
+  size_t first_point = 0;
+  for (const Capped& c : capped) {
+    const double cap = c.cap;
+    const tessera::PlanSearchResult& search = c.search;
     std::printf("\n## %s, host cap %s: %d plans, %zu fit, %zu refused; searched in %.0f ms\n",
                 name.c_str(),
                 cap > 0 ? fmt::format("{:.2f} MiB ({:.0f}% of the largest peak)",
-                                      Mib(base.memory.host_bytes), 100 * cap)
+                                      Mib(c.base.memory.host_bytes), 100 * cap)
                               .c_str()
                         : "none",
                 search.considered, search.ranked.size(), search.refused.size(), search.search_ms);
-    std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
-                "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck");
-    const size_t n = search.ranked.size();
-    const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
-    std::vector<size_t> picks;
-    for (size_t i = 0; i < grid && f.plans.empty(); ++i) {
-      const size_t at = grid == 1 ? 0 : (i * (n - 1) + (grid - 1) / 2) / (grid - 1);
-      if (picks.empty() || picks.back() != at) picks.push_back(at);
-    }
-    for (size_t at = 0; at < n; ++at) {
-      const std::string plan_name = search.ranked[at].choice.Name();
-      if (std::find(f.plans.begin(), f.plans.end(), plan_name) != f.plans.end()) {
-        picks.push_back(at);
-      }
-    }
-    if (picks.empty()) {
+    if (c.picks.empty()) {
       std::printf("no plan of the search is named by --plans\n");
       continue;
     }
-    // Every point run in each of --rounds rounds, round q starting at the q-th point (so no
-    // point always runs first or after the same one): its time the median of the rounds'
-    // medians, its peak the largest.
-    std::vector<std::vector<Measured>> rounds(picks.size());
-    for (int q = 0; q < f.rounds; ++q) {
-      for (size_t i = 0; i < picks.size(); ++i) {
-        const size_t p = (i + static_cast<size_t>(q)) % picks.size();
-        const tessera::RankedPlan& r = search.ranked[picks[p]];
-        tessera::TrainingPlan plan = base;
-        plan.parallel = r.parallel;
-        plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
-        const Simulate simulate = [&](const tessera::StepGraph& step) {
-          tessera::ModelSpec planned = model.spec;
-          if (r.choice.tensor_parallel > 1) {
-            planned =
-                Check(model.spec.PlannedFor(r.choice.tensor_parallel, 1, r.choice.shard_sequence),
-                      "the split");
-          }
-          return tessera::SimulatePlannedStep(step, planned, plan.memory, calibration, registry);
-        };
-        rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name(), simulate));
-      }
-    }
+    std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
+                "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck");
     std::vector<double> measured_ms;
     double auto_ms = 0;
     int time_within = 0, peak_within = 0;
-    for (size_t p = 0; p < picks.size(); ++p) {
-      const size_t at = picks[p];
+    for (size_t i = 0; i < c.picks.size(); ++i) {
+      const size_t at = c.picks[i];
       const tessera::RankedPlan& r = search.ranked[at];
       Measured m;
       std::vector<double> times;
-      for (const Measured& round : rounds[p]) {
+      for (const Measured& round : rounds[first_point + i]) {
         times.push_back(round.step_ms);
         m.peak_bytes = std::max(m.peak_bytes, round.peak_bytes);
       }
@@ -542,7 +563,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
         "(%.2f ms), %.2fx the grid median's (%.2f ms); predictions within 10%%: %d of %zu "
         "(time), within 3%%: %d of %zu (peak)\n",
         name.c_str(), cap, auto_ms, best / auto_ms, best, median / auto_ms, median, time_within,
-        picks.size(), peak_within, picks.size());
+        c.picks.size(), peak_within, c.picks.size());
+    first_point += c.picks.size();
   }
 }
 
