@@ -243,6 +243,50 @@ void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedSte
   }
 }
 
+// The step's pushes between workers, measured: how many and how large, and on average the time
+// from the producer's end to the push's start, the push itself, and from its end to the first
+// task on the receiving worker that reads it (the link's latency + bytes / bandwidth is what the
+// simulation charges for the three together).
+void ExplainPushes(const tessera::Graph& graph, const tessera::Timeline& timeline,
+                   const std::map<std::string, const tessera::TimelineSpan*>& spans) {
+  std::map<std::string, const tessera::ObjectSpec*> objects;
+  for (const tessera::ObjectSpec& object : graph.objects()) objects[object.name] = &object;
+  int count = 0;
+  double bytes = 0, before = 0, during = 0, after = 0;
+  for (const tessera::TimelineSpan& span : timeline.spans) {
+    if (span.stream != tessera::kTransferStream || !span.name.starts_with("push ")) continue;
+    const size_t to = span.name.rfind(" to worker");
+    if (to == std::string::npos) continue;
+    const auto object = objects.find(span.name.substr(5, to - 5));
+    if (object == objects.end() || !object->second->producer.valid()) continue;
+    const auto made = spans.find(graph.task(object->second->producer).name);
+    if (made == spans.end()) continue;
+    const uint64_t worker = std::stoull(span.name.substr(to + 10));
+    int64_t read = std::numeric_limits<int64_t>::max();
+    for (const tessera::TaskSpec& task : graph.tasks()) {
+      if (task.pinned_worker.value() != worker) continue;
+      if (std::find(task.inputs.begin(), task.inputs.end(), object->second->id) ==
+          task.inputs.end()) {
+        continue;
+      }
+      if (const auto reader = spans.find(task.name); reader != spans.end()) {
+        read = std::min(read, reader->second->start_us);
+      }
+    }
+    if (read == std::numeric_limits<int64_t>::max()) continue;
+    ++count;
+    bytes += static_cast<double>(object->second->meta.bytes());
+    before += static_cast<double>(span.start_us - made->second->end_us) / 1e3;
+    during += static_cast<double>(span.end_us - span.start_us) / 1e3;
+    after += static_cast<double>(read - span.end_us) / 1e3;
+  }
+  if (count == 0) return;
+  std::printf(
+      "  %d pushes of %.1f KiB on average: producer's end to the push %.3f ms, the push %.3f ms, "
+      "its end to the reader's start %.3f ms\n",
+      count, bytes / count / 1024, before / count, during / count, after / count);
+}
+
 void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
   const tessera::StepGraph& step = trainer.step_graph();
   const tessera::Graph& graph = step.graph;
@@ -356,6 +400,7 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
         sim != nullptr ? sim->bubble_ms : 0.0, sim != nullptr ? sim->communication_ms : 0.0);
   }
   ExplainCollectives(graph, simulated, spans);
+  ExplainPushes(graph, *timeline, spans);
   std::sort(slower.rbegin(), slower.rend());
   for (size_t i = 0; i < std::min<size_t>(slower.size(), 6); ++i) {
     std::printf("    %s\n", slower[i].second.c_str());
