@@ -27,6 +27,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_util.h"
+#include "core/statistics.h"
 #include "core/version.h"
 #include "ops/cpu/kernels.h"
 
@@ -102,8 +103,7 @@ double MedianSeconds(const Flags& flags, int64_t n, const Update& update) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= flags.warmup) times.push_back(seconds);
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return tessera::Median(std::move(times));
 }
 
 std::vector<Row> MeasureTessera(const Flags& flags, int64_t n) {

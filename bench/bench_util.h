@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/run_main.h"
+#include "core/statistics.h"
 #include "core/status.h"
 
 namespace tessera::bench {
@@ -38,12 +39,7 @@ inline double JsonNumber(const std::string& text, const std::string& name) {
   return std::atof(text.c_str() + at + key.size());
 }
 
-// The median of `values` (the mean of the middle two for an even count).
-inline double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
+using ::tessera::Median;  // core/statistics.h
 
 // Prints "<program>: <what>: <status>" and exits 1: a benchmark that cannot run says why.
 [[noreturn]] inline void Die(const char* program, const Status& status, const std::string& what) {

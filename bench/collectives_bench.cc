@@ -31,6 +31,7 @@
 
 #include <fmt/format.h>
 #include "bench/bench_util.h"
+#include "core/statistics.h"
 
 #include "collectives/socket_rendezvous.h"
 #include "collectives/ucx_communicator.h"
@@ -80,8 +81,7 @@ double MedianSeconds(Communicator& comm, int iterations, const std::function<Sta
     if (!status.ok()) Die(comm.rank(), status);
     if (i > 0) times.push_back(seconds);  // the first run warms up (pages, UCX registration)
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return tessera::Median(std::move(times));
 }
 
 int RunMember(const Flags& flags, int rank, const std::string& address, int report_fd) {

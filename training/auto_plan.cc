@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "core/statistics.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -16,8 +17,7 @@ std::string Why(const PlanSearchResult& search) {
   std::vector<double> times;
   times.reserve(search.ranked.size());
   for (const RankedPlan& r : search.ranked) times.push_back(r.step_ms);
-  std::sort(times.begin(), times.end());
-  const double median = times[times.size() / 2];
+  const double median = Median(std::move(times));
   std::string why = fmt::format(
       "{} ({}): predicted {:.2f} ms a step, bound by {} (its slowest worker computes {:.0f}% of "
       "the step, waits {:.0f}% on other stages or ranks, {:.0f}% on communication, {:.0f}% on "

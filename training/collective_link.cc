@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/collective_task.h"
+#include "core/statistics.h"
 #include "ops/graph_builder.h"
 #include "ops/standard_ops.h"
 
@@ -74,11 +75,6 @@ Result<ValueMap> ProbeInputs(GraphBackend& backend, const Probe& probe, Device d
     TESSERA_ASSIGN_OR_RETURN(inputs[id], backend.UploadTo(std::move(zeros), device));
   }
   return inputs;
-}
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
 }
 
 }  // namespace

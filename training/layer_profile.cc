@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "core/statistics.h"
 #include "ops/standard_ops.h"
 #include "planner/step_time.h"
 #include "training/trainer.h"
@@ -228,9 +229,7 @@ Result<double> MeasureHostLink(DeviceRuntime& device, int64_t bytes, int repeats
       TESSERA_ASSIGN_OR_RETURN(double us, time_us(up));
       times.push_back(us);
     }
-    std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2),
-                     times.end());
-    slowest = std::max(slowest, times[times.size() / 2]);
+    slowest = std::max(slowest, Median(std::move(times)));
   }
   return static_cast<double>(bytes) / std::max(slowest, 1e-3);
 }

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
+#include "core/statistics.h"
 #include "ops/standard_ops.h"
 #include "planner/step_graph.h"
 #include "training/collective_link.h"
@@ -98,12 +99,6 @@ std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
 
 namespace {
 
-double MedianOf(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
-
 // The median step time of `plan` (its workers bound) on a new backend: zeros at a zero
 // learning rate, two untimed steps then `steps`.
 Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
@@ -124,7 +119,7 @@ Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 0.0f));
     if (step >= 2) ms.push_back(report.step_ms);
   }
-  return MedianOf(std::move(ms));
+  return Median(std::move(ms));
 }
 
 // The order round `round` of `rounds` takes `count` measurements in: rotated by its share of
@@ -143,7 +138,7 @@ struct ProbeStep {
   std::vector<double> ms;
   Status failed;
   bool ok() const { return failed.ok() && !ms.empty(); }
-  double median() const { return MedianOf(ms); }
+  double median() const { return Median(ms); }
 };
 
 // Every probe in `rounds` rounds (each in RoundOrder), so that what moves a machine's speed for
@@ -460,9 +455,9 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
       }
       OpCosts& ms = times.layer_ms[l];
       // A layer too fast to time still costs something.
-      ms.forward = std::max(MedianOf(forward), 1e-3);
-      ms.backward = std::max(MedianOf(backward), 1e-3);
-      ms.weight = MedianOf(weight);
+      ms.forward = std::max(Median(forward), 1e-3);
+      ms.backward = std::max(Median(backward), 1e-3);
+      ms.weight = Median(weight);
       step_layers += ms.forward + ms.backward + ms.weight;
     }
     say(fmt::format("{} at {} rows a micro-batch: {:.1f} ms forward + backward", label_of(shape),
@@ -478,9 +473,9 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
           std::move(times));
     }
   }
-  calibration.task_overhead_ms = MedianOf(overheads);
+  calibration.task_overhead_ms = Median(overheads);
   if (!other_rates.empty()) {
-    calibration.other_ms_per_unit = MedianOf(other_rates);
+    calibration.other_ms_per_unit = Median(other_rates);
     say(
         fmt::format("tasks of no layer (optimizer updates, gradient norms): {:.3g} ps per unit of "
                     "the op cost model's estimate",
@@ -497,7 +492,7 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
         latencies.push_back(measured.latency_us);
         bandwidths.push_back(measured.bytes_per_us);
       }
-      return CollectiveLink{MedianOf(latencies), MedianOf(bandwidths)};
+      return CollectiveLink{Median(latencies), Median(bandwidths)};
     };
     TESSERA_ASSIGN_OR_RETURN(const CollectiveLink link, median_link([&] {
                                return MeasureCollectiveLink(*backend, request.workers, base.device);

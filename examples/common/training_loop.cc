@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "client/trace.h"
+#include "core/statistics.h"
 #include "ops/standard_ops.h"
 #include "planner/memory_model.h"
 #include "planner/step_time.h"
@@ -93,11 +94,9 @@ void StepStats::Record(const StepReport& report) {
 }
 
 double StepStats::MedianStepMs() const {
-  std::vector<double> sorted = step_ms_;
-  if (sorted.empty()) return 0;
-  if (sorted.size() > 1) sorted.erase(sorted.begin());
-  std::sort(sorted.begin(), sorted.end());
-  return sorted[sorted.size() / 2];
+  std::vector<double> timed = step_ms_;
+  if (timed.size() > 1) timed.erase(timed.begin());  // the first step warms up
+  return Median(std::move(timed));
 }
 
 void StepStats::PrintRanks() const {

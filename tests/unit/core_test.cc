@@ -17,6 +17,7 @@
 #include "core/function_ref.h"
 #include "core/pending_connections.h"
 #include "core/settings.h"
+#include "core/statistics.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -252,6 +253,15 @@ TEST(AttrsTest, TypedGettersNameTheAttribute) {
   ASSERT_FALSE(wrong.ok());
   EXPECT_NE(wrong.status().message().find("'eps'"), std::string::npos);
   EXPECT_EQ(attrs.ToString(), "{eps=1e-05, heads=4, mode=train, ranges=[0,10]}");
+}
+
+TEST(StatisticsTest, TheMedianIsTheMiddleOrTheMeanOfTheMiddleTwo) {
+  EXPECT_EQ(Median({3, 1, 2}), 2);
+  EXPECT_EQ(Median({4, 1, 3, 2}), 2.5);
+  EXPECT_EQ(Median({7}), 7);
+  EXPECT_EQ(Median({}), 0);
+  // One disturbed repeat does not move it far.
+  EXPECT_EQ(Median({10, 11, 1000}), 11);
 }
 
 TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {
