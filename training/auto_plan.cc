@@ -32,8 +32,8 @@ std::string Why(const PlanSearchResult& search) {
         search.ranked[1].choice.Name(), search.ranked[1].step_ms, search.ranked.size(), median);
   }
   if (!search.refused.empty()) {
-    why += fmt::format("; {} plans refused (over the memory cap, or not plannable)",
-                       search.refused.size());
+    why += fmt::format("; {} plan{} refused (over the memory cap, or not plannable)",
+                       search.refused.size(), search.refused.size() == 1 ? "" : "s");
   }
   return why;
 }
