@@ -176,24 +176,29 @@ void ExplainPeaks(tessera::Trainer& trainer, const tessera::StepReport& report,
 // The simulated step of a trainer's step graph (SimulatePlannedStep on the calibrated costs).
 using Simulate = std::function<tessera::Result<tessera::SimulatedStep>(const tessera::StepGraph&)>;
 
-// Per worker of `trainer`'s last step: its compute tasks' time by kind and when its last task
-// ended (from the step's first start), as simulated and as measured in its timeline; then the
-// tasks whose measured time is furthest above their simulated time.
+// A push's span ("push <object> to worker <id>"): the object's name and the receiving worker;
+// nullopt for any other span.
+std::optional<std::pair<std::string, uint64_t>> PushOf(const tessera::TimelineSpan& span) {
+  if (span.stream != tessera::kTransferStream || !span.name.starts_with("push ")) {
+    return std::nullopt;
+  }
+  const size_t to = span.name.rfind(" to worker");
+  if (to == std::string::npos) return std::nullopt;
+  return std::pair{span.name.substr(5, to - 5), std::stoull(span.name.substr(to + 10))};
+}
+
 // The step's collectives by op, members and size: how many, and per collective, simulated /
 // measured, its members' arrival spread (the last start after the first) and its time once all
 // are there (the last start to the members' median end).
 void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedStep& simulated,
                         const std::map<std::string, const tessera::TimelineSpan*>& spans) {
-  struct Members {
-    std::vector<size_t> tasks;
-  };
-  std::map<int64_t, Members> collectives;
+  std::map<int64_t, std::vector<size_t>> collectives;  // id -> its members' tasks
   for (size_t t = 0; t < graph.tasks().size(); ++t) {
     const tessera::Result<std::optional<tessera::CollectiveMembership>> member =
         tessera::CollectiveOf(graph.tasks()[t]);
     if (!member.ok()) continue;
     if (const std::optional<tessera::CollectiveMembership>& membership = *member) {
-      collectives[membership->collective].tasks.push_back(t);
+      collectives[membership->collective].push_back(t);
     }
   }
   struct Sums {
@@ -208,13 +213,13 @@ void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedSte
     return std::pair{*last - *first, ends[ends.size() / 2] - *last};
   };
   for (const auto& [id, members] : collectives) {
-    const tessera::TaskSpec& first = graph.tasks()[members.tasks.front()];
+    const tessera::TaskSpec& first = graph.tasks()[members.front()];
     int64_t bytes = 0;
     if (!first.inputs.empty()) bytes = graph.object(first.inputs.front()).meta.bytes();
-    Sums& sums = by_kind[{first.op, members.tasks.size(), bytes}];
+    Sums& sums = by_kind[{first.op, members.size(), bytes}];
     ++sums.count;
     std::vector<double> sim_starts, sim_ends, starts, ends;
-    for (size_t t : members.tasks) {
+    for (size_t t : members) {
       sim_starts.push_back(simulated.start_ms[t]);
       sim_ends.push_back(simulated.end_ms[t]);
       const auto found = spans.find(graph.tasks()[t].name);
@@ -225,7 +230,7 @@ void ExplainCollectives(const tessera::Graph& graph, const tessera::SimulatedSte
     const auto [sim_spread, sim_after] = spread_and_after(sim_starts, sim_ends);
     sums.simulated_spread += sim_spread;
     sums.simulated_after += sim_after;
-    if (starts.size() != members.tasks.size()) continue;
+    if (starts.size() != members.size()) continue;
     const auto [spread, after] = spread_and_after(starts, ends);
     ++sums.measured;
     sums.measured_spread += spread;
@@ -254,14 +259,13 @@ void ExplainPushes(const tessera::Graph& graph, const tessera::Timeline& timelin
   int count = 0;
   double bytes = 0, before = 0, during = 0, after = 0;
   for (const tessera::TimelineSpan& span : timeline.spans) {
-    if (span.stream != tessera::kTransferStream || !span.name.starts_with("push ")) continue;
-    const size_t to = span.name.rfind(" to worker");
-    if (to == std::string::npos) continue;
-    const auto object = objects.find(span.name.substr(5, to - 5));
+    const auto push = PushOf(span);
+    if (!push) continue;
+    const auto& [name, worker] = *push;
+    const auto object = objects.find(name);
     if (object == objects.end() || !object->second->producer.valid()) continue;
     const auto made = spans.find(graph.task(object->second->producer).name);
     if (made == spans.end()) continue;
-    const uint64_t worker = std::stoull(span.name.substr(to + 10));
     int64_t read = std::numeric_limits<int64_t>::max();
     for (const tessera::TaskSpec& task : graph.tasks()) {
       if (task.pinned_worker.value() != worker) continue;
@@ -287,6 +291,10 @@ void ExplainPushes(const tessera::Graph& graph, const tessera::Timeline& timelin
       count, bytes / count / 1024, before / count, during / count, after / count);
 }
 
+// Per worker of `trainer`'s last step: its compute tasks' time by kind and when its last task
+// ended (from the step's first start), as simulated and as measured in its timeline; its idle
+// time; the step's collectives and pushes; then the tasks whose measured time is furthest above
+// their simulated time.
 void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
   const tessera::StepGraph& step = trainer.step_graph();
   const tessera::Graph& graph = step.graph;
@@ -350,10 +358,7 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
   // there (the worker's dispatch and wake-up, a machine's cores busy with others).
   std::map<std::pair<std::string, uint64_t>, int64_t> arrived;  // (object, worker) -> end
   for (const tessera::TimelineSpan& span : timeline->spans) {
-    if (span.stream != tessera::kTransferStream || !span.name.starts_with("push ")) continue;
-    const size_t to = span.name.rfind(" to worker");
-    if (to == std::string::npos) continue;
-    arrived[{span.name.substr(5, to - 5), std::stoull(span.name.substr(to + 10))}] = span.end_us;
+    if (const auto push = PushOf(span)) arrived[*push] = span.end_us;
   }
   std::map<uint64_t, std::vector<size_t>> compute_tasks;  // worker -> its matched compute tasks
   for (size_t t = 0; t < graph.tasks().size(); ++t) {
