@@ -244,8 +244,7 @@ class Simulator {
     const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
-      transfer =
-          (links_.collective.latency_us + RingTraffic(first.op, members) * bytes / bus) / 1e3;
+      transfer = (links_.LatencyUs(members) + RingTraffic(first.op, members) * bytes / bus) / 1e3;
     }
     return compute + overhead_ + transfer;
   }
@@ -502,6 +501,15 @@ class Simulator {
 };
 
 }  // namespace
+
+double StepLinks::LatencyUs(int members) const {
+  double latency = collective.latency_us;
+  for (const GroupLatency& group : group_latency) {
+    if (group.members > members) break;
+    latency = group.latency_us;
+  }
+  return latency;
+}
 
 const char* BottleneckName(Bottleneck bottleneck) {
   switch (bottleneck) {

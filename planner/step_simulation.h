@@ -56,6 +56,16 @@ struct StepLinks {
   // bytes / bandwidth (training/collective_link.h measures it).
   CollectiveLink collective;
   int collective_group = 0;
+  // What a collective of more members than a pair waits in place of the link's latency while
+  // the workers share a machine (calibrated on a probe of that many tensor ranks: a member waits
+  // for more peers to be scheduled), by member count, ascending; a count not listed waits the
+  // figure of the largest count below it, else the link's latency.
+  struct GroupLatency {
+    int members = 0;
+    double latency_us = 0;
+  };
+  std::vector<GroupLatency> group_latency;
+  double LatencyUs(int members) const;
   // An object pushed from one worker to another; unmeasured: the collective link's latency and
   // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
   CollectiveLink point_to_point;

@@ -30,8 +30,8 @@ using nlohmann::json;
 // What the figures are measured by, in the cache key: a cache of an older method is measured
 // again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
-// once above 8 KiB where workers outnumber the cores).
-constexpr int kCalibrationMethod = 4;
+// once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size).
+constexpr int kCalibrationMethod = 5;
 
 std::string HostName() {
   char name[256] = {};
@@ -206,7 +206,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   std::vector<ProbeStep> probes = {{"one rank on one worker", one, {}, {}},
                                    {"one rank on one worker", other, {}, {}}};
   constexpr size_t kNone = SIZE_MAX;
-  size_t all_at = kNone, pairs_at = kNone;
+  size_t all_at = kNone;
   if (n >= 2) {
     // Every worker a data-parallel rank at once.
     TrainingPlan all = one;
@@ -217,31 +217,43 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     all_at = probes.size();
     probes.push_back({fmt::format("{} ranks at once", n), all, {}, {}});
   }
-  // With the layers of a split over 2 tensor ranks calibrated and an even number of workers:
-  // every worker a rank of n/2 pairs of tensor ranks at once, whose step waits on two all-reduces
-  // a layer pair each way, at one row a micro-batch (up to 16 micro-batches): the most
-  // collectives a step's compute, so that what a collective waits, not the compute model's error,
-  // is what the step's time fits.
-  Result<ModelSpec> split = InvalidArgument("no tensor-parallel pairs probe");
-  if (n >= 2 && n % 2 == 0 && calibration.SplitTimes(2) != nullptr &&
-      calibration.links.collective.measured()) {
-    split = model.PlannedFor(2, 1);
-  }
-  if (split.ok()) {
-    TrainingPlan pairs = one;
-    pairs.batch = one.batch * (n / 2);
-    pairs.parallel.data_parallel = n / 2;
-    pairs.parallel.tensor_parallel = 2;
-    pairs.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
-    while (one.batch % pairs.parallel.micro_batches != 0) --pairs.parallel.micro_batches;
-    pairs.parallel.workers = request.workers;
-    pairs.parallel.link = calibration.links.collective;
-    pairs_at = probes.size();
-    probes.push_back({fmt::format("{} tensor-parallel pairs at once, {} micro-batches", n / 2,
-                                  pairs.parallel.micro_batches),
-                      pairs,
-                      {},
-                      {}});
+  // Per tensor degree T calibrated that divides the workers: every worker a rank of n/T groups
+  // of T tensor ranks at once, whose step waits on two all-reduces a layer pair each way, at one
+  // row a micro-batch (up to 16 micro-batches): the most collectives a step's compute, so that
+  // what a collective of T members waits, not the compute model's error, is what the step's
+  // time fits (T = 2: the link's latency; more: StepLinks::group_latency).
+  struct GroupProbe {
+    int members = 0;
+    size_t at = kNone;
+    ModelSpec split;
+  };
+  std::vector<GroupProbe> groups;
+  if (calibration.links.collective.measured()) {
+    for (const TensorSplitTimes& times : calibration.tensor_splits) {
+      const int t = times.tensor_parallel;
+      if (t < 2 || n % t != 0) continue;
+      Result<ModelSpec> split = model.PlannedFor(t, 1);
+      if (!split.ok()) continue;
+      TrainingPlan group = one;
+      group.batch = one.batch * (n / t);
+      group.parallel.data_parallel = n / t;
+      group.parallel.tensor_parallel = t;
+      group.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
+      while (one.batch % group.parallel.micro_batches != 0) --group.parallel.micro_batches;
+      group.parallel.workers = request.workers;
+      group.parallel.link = calibration.links.collective;
+      groups.push_back(GroupProbe{t, probes.size(), *std::move(split)});
+      probes.push_back({t == 2 ? fmt::format("{} tensor-parallel pairs at once, {} micro-batches",
+                                             n / t, group.parallel.micro_batches)
+                               : fmt::format("{} group(s) of {} tensor ranks at once, {} "
+                                             "micro-batches",
+                                             n / t, t, group.parallel.micro_batches),
+                        group,
+                        {},
+                        {}});
+    }
+    std::sort(groups.begin(), groups.end(),
+              [](const GroupProbe& a, const GroupProbe& b) { return a.members < b.members; });
   }
   const int rounds = std::max(1, request.rounds);
   MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
@@ -281,14 +293,35 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                   "{:.2f} and {:.2f} ms of profiled work: the worker computes at {:.2f}x the "
                   "profile's times, plus {:.2f} ms a step",
                   one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
-  // The sharing (all ranks) and the collective latency among busy workers (pairs) are fitted in
-  // turn until neither moves: each probe's step depends on both (the ranks' all-reduces wait the
-  // latency; the pairs compute while sharing the machine). The pairs' step depends on the latency
-  // far more than the ranks' does, so the turns converge.
+  // The sharing (all ranks) and what a collective waits among busy workers (each group probe) are
+  // fitted in turn until none moves: each probe's step depends on all (the ranks' all-reduces
+  // wait the latency; the groups compute while sharing the machine). A group's step depends on
+  // its own latency far more than the ranks' does, so the turns converge.
   const ProbeStep* probed_all = measured(all_at);
-  const ProbeStep* probed_pairs = measured(pairs_at);
   const double idle = calibration.links.collective.latency_us;
-  double alone_ms = 0, at_idle_ms = 0;
+  // Every group probe measured, with where its fitted latency goes: the link's for pairs, else
+  // its entry of StepLinks::group_latency (each made first, at the idle latency).
+  struct Fitted {
+    const GroupProbe* group;
+    const ProbeStep* probe;
+  };
+  std::vector<Fitted> fitted;
+  calibration.links.group_latency.clear();
+  for (const GroupProbe& group : groups) {
+    const ProbeStep* probe = measured(group.at);
+    if (probe == nullptr) continue;
+    fitted.push_back({&group, probe});
+    if (group.members > 2) calibration.links.group_latency.push_back({group.members, idle});
+  }
+  const auto latency_of = [&](const GroupProbe& group) -> double& {
+    if (group.members == 2) return calibration.links.collective.latency_us;
+    for (StepLinks::GroupLatency& entry : calibration.links.group_latency) {
+      if (entry.members == group.members) return entry.latency_us;
+    }
+    return calibration.links.collective.latency_us;  // unreachable: every group has its entry
+  };
+  double alone_ms = 0;
+  std::vector<double> at_idle_ms(fitted.size(), 0);
   const auto fit_sharing = [&]() -> Status {
     calibration.sharing = ComputeSharing{};
     TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone,
@@ -308,38 +341,41 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     calibration.sharing = ComputeSharing{capacity};
     return Status::Ok();
   };
-  // What a collective waits beyond its bytes while the workers share the machine (a peer that
-  // must be scheduled first), bisected so the simulation gives the pairs' measured step; the idle
-  // link's when that step is no slower than simulated with it.
-  const auto simulated_at = [&](double latency_us) -> Result<double> {
-    calibration.links.collective.latency_us = latency_us;
-    TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
-                             Simulated(*split, probed_pairs->plan, calibration, registry));
-    return step.step_ms;
-  };
-  const auto fit_latency = [&]() -> Status {
-    TESSERA_ASSIGN_OR_RETURN(at_idle_ms, simulated_at(idle));
-    if (probed_pairs->median() <= at_idle_ms) {
-      calibration.links.collective.latency_us = idle;
+  // What a collective of the group's members waits beyond its bytes while the workers share the
+  // machine (peers that must be scheduled first), bisected so the simulation gives the group
+  // probe's measured step; the idle link's when that step is no slower than simulated with it.
+  const auto fit_latency = [&](size_t i) -> Status {
+    const GroupProbe& group = *fitted[i].group;
+    const ProbeStep& probe = *fitted[i].probe;
+    double& latency = latency_of(group);
+    const auto simulated_at = [&](double latency_us) -> Result<double> {
+      latency = latency_us;
+      TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
+                               Simulated(group.split, probe.plan, calibration, registry));
+      return step.step_ms;
+    };
+    TESSERA_ASSIGN_OR_RETURN(at_idle_ms[i], simulated_at(idle));
+    if (probe.median() <= at_idle_ms[i]) {
+      latency = idle;
       return Status::Ok();
     }
-    TESSERA_ASSIGN_OR_RETURN(
-        calibration.links.collective.latency_us,
-        FitByBisection(idle, 1e5, 40, /*grows=*/true, probed_pairs->median(), simulated_at));
+    TESSERA_ASSIGN_OR_RETURN(const double fit, FitByBisection(idle, 1e5, 40, /*grows=*/true,
+                                                              probe.median(), simulated_at));
+    latency = fit;
     return Status::Ok();
   };
   for (int turn = 0; turn < 6; ++turn) {
-    const double capacity = calibration.sharing.capacity;
-    const double latency = calibration.links.collective.latency_us;
+    std::vector<double> before = {calibration.sharing.capacity};
+    for (const Fitted& f : fitted) before.push_back(latency_of(*f.group));
     if (probed_all != nullptr) TESSERA_RETURN_IF_ERROR(fit_sharing());
-    if (probed_pairs != nullptr) TESSERA_RETURN_IF_ERROR(fit_latency());
-    const auto moved = [](double before, double after) {
-      return std::abs(after - before) > 0.01 * std::max(std::abs(before), 1e-9);
-    };
-    if (turn > 0 && !moved(capacity, calibration.sharing.capacity) &&
-        !moved(latency, calibration.links.collective.latency_us)) {
-      break;
+    for (size_t i = 0; i < fitted.size(); ++i) TESSERA_RETURN_IF_ERROR(fit_latency(i));
+    std::vector<double> after = {calibration.sharing.capacity};
+    for (const Fitted& f : fitted) after.push_back(latency_of(*f.group));
+    bool moved = false;
+    for (size_t i = 0; i < before.size(); ++i) {
+      moved = moved || std::abs(after[i] - before[i]) > 0.01 * std::max(std::abs(before[i]), 1e-9);
     }
+    if (turn > 0 && !moved) break;
   }
   if (probed_all != nullptr) {
     if (calibration.sharing.capacity <= 0) {
@@ -353,18 +389,20 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
           probed_all->what, probed_all->median(), alone_ms, calibration.sharing.capacity));
     }
   }
-  if (probed_pairs != nullptr) {
-    const double latency = calibration.links.collective.latency_us;
+  for (size_t i = 0; i < fitted.size(); ++i) {
+    const GroupProbe& group = *fitted[i].group;
+    const ProbeStep& probe = *fitted[i].probe;
+    const double latency = latency_of(group);
     if (latency == idle) {
       say(fmt::format(
-          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective waits its idle "
-          "latency, {:.0f} us",
-          probed_pairs->what, probed_pairs->median(), at_idle_ms, idle));
+          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective of {} waits its "
+          "idle latency, {:.0f} us",
+          probe.what, probe.median(), at_idle_ms[i], group.members, idle));
     } else {
       say(fmt::format(
-          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a collective "
-          "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
-          probed_pairs->what, probed_pairs->median(), at_idle_ms, latency, idle));
+          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a collective of "
+          "{} waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
+          probe.what, probe.median(), at_idle_ms[i], group.members, latency, idle));
     }
   }
   return Status::Ok();
@@ -560,6 +598,10 @@ Status SaveCalibration(const std::string& path, const std::string& key,
     splits.push_back(
         {{"tensor_parallel", split.tensor_parallel}, {"layers", LayersJson(split.layers)}});
   }
+  json group_latency = json::array();
+  for (const StepLinks::GroupLatency& group : calibration.links.group_latency) {
+    group_latency.push_back({{"members", group.members}, {"latency_us", group.latency_us}});
+  }
   const json file = {{"key", key},
                      {"layers", LayersJson(calibration.layers)},
                      {"tensor_splits", splits},
@@ -570,6 +612,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                      {"collective", LinkJson(calibration.links.collective)},
                      {"collective_group", calibration.links.collective_group},
                      {"point_to_point", LinkJson(calibration.links.point_to_point)},
+                     {"group_latency", group_latency},
                      {"sharing_capacity", calibration.sharing.capacity}};
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
@@ -605,6 +648,10 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
+    for (const json& group : file.at("group_latency")) {
+      calibration.links.group_latency.push_back(
+          {group.at("members").get<int>(), group.at("latency_us").get<double>()});
+    }
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);

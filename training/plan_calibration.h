@@ -20,12 +20,13 @@
 //     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
-//     with a tensor split of 2 calibrated and an even number of workers, every worker a tensor
-//     rank of n/2 pairs at once, at one row a micro-batch (the most collectives a step's
-//     compute): what a collective waits for its peers while the workers share the machine (the
-//     collective latency), bisected alike when that step is slower than the idle link says. The
-//     capacity and that latency are fitted in turn until neither moves (each probe's step
-//     depends on both).
+//     for each tensor split of T calibrated that divides the workers, every worker a tensor
+//     rank of n/T groups of T at once, at one row a micro-batch (the most collectives a step's
+//     compute): what a collective of T members waits for its peers while the workers share the
+//     machine (for pairs the collective latency, for more StepLinks::group_latency: a member
+//     waits for more peers to be scheduled), bisected alike when that step is slower than the
+//     idle link says. The capacity and the latencies are fitted in turn until none moves (each
+//     probe's step depends on all).
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

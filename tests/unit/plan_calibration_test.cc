@@ -74,6 +74,7 @@ Calibration EveryFigure() {
   calibration.links.collective = CollectiveLink{42, 750};
   calibration.links.collective_group = 4;
   calibration.links.point_to_point = CollectiveLink{67, 8230};
+  calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
   calibration.sharing.capacity = 1.35;
   return calibration;
 }
@@ -114,6 +115,11 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(read.links.collective_group, 4);
   EXPECT_EQ(read.links.point_to_point.latency_us, 67);
   EXPECT_EQ(read.links.point_to_point.bytes_per_us, 8230);
+  ASSERT_EQ(read.links.group_latency.size(), 2u);
+  EXPECT_EQ(read.links.group_latency[0].members, 4);
+  EXPECT_EQ(read.links.group_latency[0].latency_us, 175.5);
+  EXPECT_EQ(read.links.group_latency[1].members, 8);
+  EXPECT_EQ(read.links.group_latency[1].latency_us, 310.25);
   EXPECT_EQ(read.sharing.capacity, 1.35);
 
   // Another setup (here: more rounds) has another key: this file is not its calibration.

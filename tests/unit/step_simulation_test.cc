@@ -153,6 +153,41 @@ TEST(StepSimulationTest, ACollectiveTakesTheLinksLatencyAndItsRingTrafficOverThe
   ExpectPartsAddUp(slow);
 }
 
+TEST(StepSimulationTest, ALargerGroupWaitsItsOwnLatency) {
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
+  EXPECT_EQ(links.LatencyUs(2), 40);
+  EXPECT_EQ(links.LatencyUs(8), 40);  // nothing calibrated for more members: the link's
+  links.group_latency = {{4, 150}, {8, 400}};
+  EXPECT_EQ(links.LatencyUs(2), 40);
+  EXPECT_EQ(links.LatencyUs(3), 40);
+  EXPECT_EQ(links.LatencyUs(4), 150);
+  EXPECT_EQ(links.LatencyUs(6), 150);  // the largest calibrated group below it
+  EXPECT_EQ(links.LatencyUs(16), 400);
+
+  // A step of four data-parallel ranks: each all-reduce of the four waits the group's latency.
+  const ModelSpec model = SixBlocks();
+  TrainingPlan plan = Plan(1, 4, 1, PipelineSchedule::k1F1B);
+  plan.parallel.bucket_bytes = 0;  // one all-reduce per group
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  links.collective_group = 4;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
+  int checked = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    if (task.op != "all_reduce") continue;
+    // A ring all-reduce of four moves 2 * 3/4 of the tensor per member; the bus bandwidth is
+    // the link's at that traffic, so the bytes take bytes / link bandwidth.
+    const double bytes = static_cast<double>(step.graph.object(task.inputs[0]).meta.bytes());
+    const size_t t = task.id.value() - 1;
+    EXPECT_NEAR(simulated.end_ms[t] - simulated.start_ms[t], (150 + bytes / 50) / 1e3, 1e-9)
+        << task.name;
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+  ExpectPartsAddUp(simulated);
+}
+
 TEST(StepSimulationTest, AChannelRunsItsCollectivesInTheRuntimesOrder) {
   // Collective 1 is first on channel 0 but its member on worker 2 waits 2 x 2.5 ms for slow.a
   // and slow.b; collective 2, ready at once on the same channel, waits for it; collective 3, on
