@@ -80,6 +80,9 @@ struct Flags {
   bool explain = false;
   // Per worker of each run, where the step's time went as simulated and as measured.
   bool explain_time = false;
+  // Each round calibrated again (one round of every measurement) before its points, and each
+  // point also predicted with its round's calibration (--calibrate-each-round).
+  bool calibrate_each_round = false;
 };
 
 struct Model {
@@ -112,7 +115,8 @@ Model MakeModel(const Flags& f, const std::string& name) {
 
 struct Measured {
   double step_ms = 0;
-  int64_t peak_bytes = 0;  // the largest worker's, with kernel scratch
+  int64_t peak_bytes = 0;         // the largest worker's, with kernel scratch
+  double round_predicted_ms = 0;  // simulated on the round's calibration (0: none)
 };
 
 double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -438,6 +442,9 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
     last = std::move(report);
   }
   measured.step_ms = Median(ms);
+  if (f.calibrate_each_round) {
+    measured.round_predicted_ms = Check(simulate(trainer->step_graph()), what).step_ms;
+  }
   if (f.explain) {
     std::string steps;
     for (double one : ms) steps += fmt::format(" {:.2f}", one);
@@ -471,17 +478,20 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   request.rounds = f.calibration_rounds;
   tessera::ExecutorOptions executor;
   executor.threads = f.threads_per_worker;
+  const auto calibrate = [&](const tessera::CalibrationRequest& asked, const std::string& label) {
+    return Check(tessera::Calibrate(
+                     model.spec, model.base, asked, executor,
+                     [&cluster] {
+                       return tessera::MakeClusterBackend(*cluster,
+                                                          tessera::ClusterPlacement::kScheduler);
+                     },
+                     [&](const std::string& line) {
+                       std::printf("# %s %s: %s\n", name.c_str(), label.c_str(), line.c_str());
+                     }),
+                 "calibration");
+  };
   const auto started = std::chrono::steady_clock::now();
-  const tessera::Calibration calibration = Check(
-      tessera::Calibrate(
-          model.spec, model.base, request, executor,
-          [&cluster] {
-            return tessera::MakeClusterBackend(*cluster, tessera::ClusterPlacement::kScheduler);
-          },
-          [&name](const std::string& line) {
-            std::printf("# %s calibration: %s\n", name.c_str(), line.c_str());
-          }),
-      "calibration");
+  const tessera::Calibration calibration = calibrate(request, "calibration");
   const double calibrate_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   tessera::OpRegistry registry;
@@ -534,6 +544,13 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   }
   std::vector<std::vector<Measured>> rounds(points.size());
   for (int q = 0; q < f.rounds; ++q) {
+    // The round's own calibration: what the machine is like while the round's points run.
+    tessera::Calibration round_calibration = calibration;
+    if (f.calibrate_each_round) {
+      tessera::CalibrationRequest once = request;
+      once.rounds = 1;
+      round_calibration = calibrate(once, fmt::format("round {} calibration", q + 1));
+    }
     for (size_t i = 0; i < points.size(); ++i) {
       const size_t p = (i + static_cast<size_t>(q)) % points.size();
       const Capped& c = capped[points[p].capped];
@@ -548,7 +565,9 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
               Check(model.spec.PlannedFor(r.choice.tensor_parallel, 1, r.choice.shard_sequence),
                     "the split");
         }
-        return tessera::SimulatePlannedStep(step, planned, plan.memory, calibration, registry);
+        return tessera::SimulatePlannedStep(
+            step, planned, plan.memory, f.calibrate_each_round ? round_calibration : calibration,
+            registry);
       };
       rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name(), simulate));
     }
@@ -568,21 +587,28 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       std::printf("no plan of the search is named by --plans\n");
       continue;
     }
-    std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s\n", "rank", "plan", "pred_ms",
-                "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck");
+    std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s%s\n", "rank", "plan", "pred_ms",
+                "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck",
+                f.calibrate_each_round ? "; then each round's calibration's prediction" : "");
     std::vector<double> measured_ms;
     double auto_ms = 0;
-    int time_within = 0, peak_within = 0;
+    int time_within = 0, peak_within = 0, round_within = 0;
     for (size_t i = 0; i < c.picks.size(); ++i) {
       const size_t at = c.picks[i];
       const tessera::RankedPlan& r = search.ranked[at];
       Measured m;
-      std::vector<double> times;
+      std::vector<double> times, round_predictions;
       for (const Measured& round : rounds[first_point + i]) {
         times.push_back(round.step_ms);
+        round_predictions.push_back(round.round_predicted_ms);
         m.peak_bytes = std::max(m.peak_bytes, round.peak_bytes);
       }
       m.step_ms = Median(times);
+      // Predicted with each round's calibration: the median of those predictions against the
+      // median of the rounds' times.
+      m.round_predicted_ms = f.calibrate_each_round ? Median(round_predictions) : 0;
+      const double round_err = m.round_predicted_ms / m.step_ms - 1;
+      round_within += f.calibrate_each_round && std::abs(round_err) <= 0.10 ? 1 : 0;
       const auto predicted_peak = r.peak_bytes[1];
       const double time_err = r.step_ms / m.step_ms - 1;
       const double peak_err = static_cast<double>(predicted_peak) /
@@ -592,28 +618,48 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       peak_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
       measured_ms.push_back(m.step_ms);
       if (at == 0) auto_ms = m.step_ms;
+      const auto [fewest, most] =
+          std::minmax_element(round_predictions.begin(), round_predictions.end());
+      const std::string round_figures =
+          f.calibrate_each_round
+              ? fmt::format("; {:.2f} ms {:+.0f}% (rounds' {:.2f}-{:.2f})", m.round_predicted_ms,
+                            100 * round_err, *fewest, *most)
+              : "";
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
-          "executor's order %.2f MiB, in the simulated order %.2f)\n",
+          "executor's order %.2f MiB, in the simulated order %.2f)%s\n",
           at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
           Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
-          tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes),
-          Mib(r.timed_peak_bytes));
+          tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes), Mib(r.timed_peak_bytes),
+          round_figures.c_str());
       if (tsv != nullptr) {
-        *tsv << fmt::format("{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\n", name, cap,
-                            at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
-                            predicted_peak, m.peak_bytes, tessera::BottleneckName(r.bottleneck));
+        *tsv << fmt::format("{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\n", name,
+                            cap, at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
+                            predicted_peak, m.peak_bytes, tessera::BottleneckName(r.bottleneck),
+                            m.round_predicted_ms);
       }
       std::fflush(stdout);
     }
     const double best = *std::min_element(measured_ms.begin(), measured_ms.end());
     const double median = Median(measured_ms);
+    // --plans may leave the search's choice out: then there is nothing to compare it by.
+    const std::string choice =
+        auto_ms > 0 ? fmt::format(
+                          "the search's choice ran {:.2f} ms: {:.3f}x the best grid "
+                          "point's speed ({:.2f} ms), {:.2f}x the grid median's ({:.2f} "
+                          "ms)",
+                          auto_ms, best / auto_ms, best, median / auto_ms, median)
+                    : fmt::format("the search's choice ({}) was not run (not among --plans)",
+                                  search.ranked.front().choice.Name());
+    const std::string round_count =
+        f.calibrate_each_round ? fmt::format("; with each round's calibration {} of {} (time)",
+                                             round_within, c.picks.size())
+                               : "";
     std::printf(
-        "%s, cap %.2f: the search's choice ran %.2f ms: %.3fx the best grid point's speed "
-        "(%.2f ms), %.2fx the grid median's (%.2f ms); predictions within 10%%: %d of %zu "
-        "(time), within 3%%: %d of %zu (peak)\n",
-        name.c_str(), cap, auto_ms, best / auto_ms, best, median / auto_ms, median, time_within,
-        c.picks.size(), peak_within, c.picks.size());
+        "%s, cap %.2f: %s; predictions within 10%%: %d of %zu (time), within 3%%: %d of %zu "
+        "(peak)%s\n",
+        name.c_str(), cap, choice.c_str(), time_within, c.picks.size(), peak_within, c.picks.size(),
+        round_count.c_str());
     first_point += c.picks.size();
   }
 }
@@ -647,6 +693,10 @@ int Main(int argc, char** argv) {
                  "Run these plans (by name, e.g. \"D4 x P1 M4 ZeRO-3\") instead of the grid");
   app.add_flag("--explain", f.explain,
                "Per worker of each run, every role's predicted and measured peak");
+  app.add_flag("--calibrate-each-round", f.calibrate_each_round,
+               "Calibrate again before every round (one round of each measurement) and predict "
+               "its points with that calibration too: the prediction error without the "
+               "machine's drift between the calibration and the runs");
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
                "measured");
@@ -657,7 +707,7 @@ int Main(int argc, char** argv) {
     std::filesystem::create_directories(f.out);
     tsv = std::make_unique<std::ofstream>(f.out + "/plan_search.tsv");
     *tsv << "model\tcap\trank\tplan\tflags\tpredicted_ms\tmeasured_ms\tpredicted_peak_bytes\t"
-            "measured_peak_bytes\tbottleneck\n";
+            "measured_peak_bytes\tbottleneck\tround_predicted_ms\n";
   }
   std::printf("# %s, %s\n", kProgram, tessera::VersionLine(kProgram).c_str());
   for (const std::string& name : f.models) {
