@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 namespace tessera {
 
@@ -40,15 +41,29 @@ Result<void*> Allocator::Allocate(int64_t bytes) {
   // Reserve the bytes first, so that threads allocating at once never pass the cap together.
   const int64_t cap = cap_bytes_.load(std::memory_order_relaxed);
   int64_t live = live_bytes_.load(std::memory_order_relaxed);
-  do {
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  for (;;) {
     if (cap > 0 && live + bytes > cap) {
+      // Loans out (pushes the peers have not read yet): their buffers may free room.
+      if (loans_.load(std::memory_order_acquire) > 0) {
+        if (!deadline) {
+          deadline = std::chrono::steady_clock::now() + kLoanWait;
+          loan_waits_.fetch_add(1, std::memory_order_relaxed);
+        }
+        if (AwaitLoanReturn(*deadline)) {
+          live = live_bytes_.load(std::memory_order_relaxed);
+          continue;  // checked against the cap again
+        }
+      }
       return ResourceExhausted(
           "{} allocation of {} bytes would pass its cap ({} bytes live{}): the step needs more "
           "of this memory than the cap leaves; plan under the cap (the memory planner's "
           "--explain-memory says what it predicted) or raise the cap",
           Name(), bytes, live, Limit());
     }
-  } while (!live_bytes_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed));
+    // On failure `live` is reloaded and checked again.
+    if (live_bytes_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed)) break;
+  }
   void* ptr = DoAllocate(bytes);
   if (ptr == nullptr) {
     live = live_bytes_.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
@@ -64,6 +79,41 @@ Result<void*> Allocator::Allocate(int64_t bytes) {
 void Allocator::Deallocate(void* ptr, int64_t bytes) {
   live_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
   DoDeallocate(ptr, bytes);
+}
+
+std::shared_ptr<void> Allocator::Lend(const std::shared_ptr<Allocator>& allocator,
+                                      std::shared_ptr<void> buffer) {
+  TESSERA_CHECK(allocator != nullptr, "a loan needs the allocator it counts on");
+  allocator->loans_.fetch_add(1, std::memory_order_acq_rel);
+  void* data = buffer.get();
+  // The deleter drops the buffer (freeing it when nobody else holds it), then returns the loan.
+  return std::shared_ptr<void>(data, [buffer = std::move(buffer), allocator](void*) mutable {
+    buffer.reset();
+    allocator->ReturnLoan();
+  });
+}
+
+std::shared_ptr<void> Buffer::Lend(std::shared_ptr<Buffer> buffer) {
+  if (buffer == nullptr || buffer->allocator_ == nullptr) return buffer;
+  const std::shared_ptr<Allocator> allocator = buffer->allocator_;
+  return Allocator::Lend(allocator, std::move(buffer));
+}
+
+void Allocator::ReturnLoan() {
+  loans_.fetch_sub(1, std::memory_order_acq_rel);
+  MutexLock lock(&loan_mutex_);
+  ++loans_returned_;
+  loan_returned_.NotifyAll();
+}
+
+bool Allocator::AwaitLoanReturn(std::chrono::steady_clock::time_point deadline) {
+  MutexLock lock(&loan_mutex_);
+  const uint64_t seen = loans_returned_;
+  // Checked under the lock: a loan returned since the caller looked shows in the count.
+  while (loans_returned_ == seen && loans_.load(std::memory_order_acquire) > 0) {
+    if (!loan_returned_.WaitUntil(&loan_mutex_, deadline)) return loans_returned_ != seen;
+  }
+  return true;
 }
 
 void Allocator::SetCap(int64_t bytes, std::string source) {

@@ -9,6 +9,12 @@
 // the same cap (--host-memory-gib on CPU workers, a GPU allocator's cap on GPU workers): a
 // capped allocator is what makes the plan's promise hold at run time instead of the kernel's
 // out-of-memory killer ending the process mid-step.
+// Loans (Lend): a buffer lent to a transfer (a push the peer copies out of this process's memory,
+// core/transport/data_plane.h) stays live until the peer has read it, which takes the peer's
+// progress thread a moment, longer on a loaded machine. The plan counts a pushed object freed
+// after its last reader here, so an allocation the cap refuses while loans are out waits for
+// them to come back (each return may free its buffer) and tries again; it fails once no loan is
+// out, or after kLoanWait. Nothing waits while under the cap.
 // Implementations supply DoAllocate/DoDeallocate:
 //   - AlignedHostAllocator: aligned_alloc/free, nothing cached.
 //   - CachingHostAllocator: keeps freed blocks by exact size and hands them out again. A step
@@ -23,6 +29,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -71,6 +78,18 @@ class Allocator {
   // Starts a new peak-measurement window at the current live size.
   void ResetPeak();
 
+  // `buffer` (one of `allocator`'s) lent out: the returned handle keeps it alive, and when the
+  // borrower drops the handle the buffer is released first and the loan returned after, so an
+  // allocation waiting on the cap sees the bytes gone. REQUIRES: allocator is not null.
+  static std::shared_ptr<void> Lend(const std::shared_ptr<Allocator>& allocator,
+                                    std::shared_ptr<void> buffer);
+  int64_t loans_out() const { return loans_.load(std::memory_order_relaxed); }
+  // Allocations that waited for loans so far (each counted once, whatever it then got).
+  int64_t loan_waits() const { return loan_waits_.load(std::memory_order_relaxed); }
+  // How long an allocation over the cap waits, in all, for loans to come back (a loan nobody
+  // returns ends with the transfer's own deadline; this bounds the wait regardless).
+  static constexpr std::chrono::seconds kLoanWait{30};
+
  protected:
   virtual void* DoAllocate(int64_t bytes) = 0;  // nullptr when exhausted
   virtual void DoDeallocate(void* ptr, int64_t bytes) = 0;
@@ -80,11 +99,20 @@ class Allocator {
   virtual int64_t CachedBytes() const { return 0; }
 
  private:
+  void ReturnLoan() EXCLUDES(loan_mutex_);
+  // Waits until a loan comes back or `deadline`; false when the deadline passed first.
+  bool AwaitLoanReturn(std::chrono::steady_clock::time_point deadline) EXCLUDES(loan_mutex_);
+
   std::atomic<int64_t> live_bytes_{0};
   std::atomic<int64_t> peak_bytes_{0};
   std::atomic<int64_t> cap_bytes_{0};
   mutable Mutex cap_mutex_;
   std::string cap_source_ GUARDED_BY(cap_mutex_);
+  std::atomic<int64_t> loans_{0};
+  std::atomic<int64_t> loan_waits_{0};
+  Mutex loan_mutex_;
+  CondVar loan_returned_;
+  uint64_t loans_returned_ GUARDED_BY(loan_mutex_) = 0;
 };
 
 class AlignedHostAllocator final : public Allocator {
@@ -161,6 +189,9 @@ class Buffer {
 
   void* data() const { return data_; }
   int64_t size() const { return size_; }
+  const std::shared_ptr<Allocator>& allocator() const { return allocator_; }
+  // A handle lending `buffer` out (Allocator::Lend on its allocator); null for null.
+  static std::shared_ptr<void> Lend(std::shared_ptr<Buffer> buffer);
 
  private:
   void* data_;

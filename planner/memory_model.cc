@@ -281,6 +281,7 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
                                       const std::vector<WorkerOrder>& orders,
                                       const std::vector<int>& position,
                                       const std::vector<double>& finish_of_task,
+                                      const std::vector<int>& latest_ancestor,
                                       const std::vector<bool>& read_anywhere, size_t w) {
   const std::vector<TaskId>& order = orders[w].tasks;
   const int size = static_cast<int>(order.size());
@@ -310,14 +311,21 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
         life.first = position[producer];
       } else {
         if (last_reader[o] < 0) continue;
-        // Pushed when its producer finishes: live here from the first task that finishes after
-        // it (the one running when it arrives, else the next).
         life.received = true;
         life.first = last_reader[o];
-        for (int p = 0; p < size; ++p) {
-          if (finish_of_task[Index(order[static_cast<size_t>(p)])] > finish_of_task[producer]) {
-            life.first = std::min(life.first, p);
-            break;
+        if (!latest_ancestor.empty()) {
+          // As early as its producer can finish: right after the last task here that the
+          // producer waits for (directly or not), however fast the other workers run.
+          const int after = latest_ancestor[producer * orders.size() + w];
+          life.first = std::min(life.first, after < 0 ? -1 : after + 1);
+        } else {
+          // Pushed when its producer finishes: live here from the first task that finishes
+          // after it (the one running when it arrives, else the next).
+          for (int p = 0; p < size; ++p) {
+            if (finish_of_task[Index(order[static_cast<size_t>(p)])] > finish_of_task[producer]) {
+              life.first = std::min(life.first, p);
+              break;
+            }
           }
         }
       }
@@ -461,28 +469,65 @@ int64_t TierCopyBytes(const Graph& graph, const WorkerOrder& order) {
   return bytes;
 }
 
+// For each task and worker (task * workers + worker): the latest position in that worker's
+// order of a task it waits for, directly or not (itself included); -1 when none. Empty when no
+// object crosses workers (nothing needs it).
+std::vector<int> LatestAncestorPositions(const Graph& graph, const Workers& workers,
+                                         const std::vector<int>& position) {
+  const size_t n = graph.tasks().size(), num_workers = workers.ids.size();
+  bool crosses = false;
+  for (size_t t = 0; t < n && !crosses; ++t) {
+    for (ObjectId input : graph.tasks()[t].inputs) {
+      const TaskId producer = graph.object(input).producer;
+      if (producer.valid() && workers.of_task[Index(producer)] != workers.of_task[t]) {
+        crosses = true;
+      }
+    }
+  }
+  if (!crosses) return {};
+  std::vector<int> latest(n * num_workers, -1);
+  Dependencies deps = CountDependencies(graph);
+  std::vector<size_t> ready;
+  for (size_t t = 0; t < n; ++t) {
+    if (deps.pending[t] == 0) ready.push_back(t);
+  }
+  while (!ready.empty()) {  // Kahn's order: a task's waits are final before it passes them on
+    const size_t t = ready.back();
+    ready.pop_back();
+    int* mine = &latest[t * num_workers];
+    const auto own = static_cast<size_t>(workers.of_task[t]);
+    mine[own] = std::max(mine[own], position[t]);
+    for (size_t dependent : deps.dependents[t]) {
+      int* theirs = &latest[dependent * num_workers];
+      for (size_t w = 0; w < num_workers; ++w) theirs[w] = std::max(theirs[w], mine[w]);
+      if (--deps.pending[dependent] == 0) ready.push_back(dependent);
+    }
+  }
+  return latest;
+}
+
+// `finish_of_task`: when each task finishes (a simulated step's times), for when what another
+// worker sends arrives; empty: as early as it can (LatestAncestorPositions).
 Result<MemoryProfile> Predict(const Graph& graph, const Workers& workers,
                               const std::vector<WorkerOrder>& orders,
                               const std::vector<double>& finish_of_task) {
   std::vector<int> position;
   TESSERA_RETURN_IF_ERROR(CheckOrders(graph, workers, orders, position));
+  const std::vector<int> latest_ancestor = finish_of_task.empty()
+                                               ? LatestAncestorPositions(graph, workers, position)
+                                               : std::vector<int>();
   std::vector<bool> read_anywhere(graph.objects().size(), false);
   for (const TaskSpec& task : graph.tasks()) {
     for (ObjectId input : task.inputs) read_anywhere[Index(input)] = true;
   }
   MemoryProfile profile;
   for (size_t w = 0; w < orders.size(); ++w) {
-    profile.workers.push_back(
-        Account(graph, orders[w],
-                Lifetimes(graph, workers, orders, position, finish_of_task, read_anywhere, w)));
+    profile.workers.push_back(Account(graph, orders[w],
+                                      Lifetimes(graph, workers, orders, position, finish_of_task,
+                                                latest_ancestor, read_anywhere, w)));
     profile.workers.back().tier_copy_bytes = TierCopyBytes(graph, orders[w]);
   }
   return profile;
-}
-
-// The unit-time rounds tasks finish in, as finishing times.
-std::vector<double> Rounds(const Simulation& sim) {
-  return {sim.round_of_task.begin(), sim.round_of_task.end()};
 }
 
 std::string Bytes(int64_t bytes) {
@@ -512,8 +557,10 @@ Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<Worker
   const Workers workers = IndexWorkers(graph);
   std::vector<int> position;
   TESSERA_RETURN_IF_ERROR(CheckOrders(graph, workers, orders, position));
-  TESSERA_ASSIGN_OR_RETURN(Simulation sim, Simulate(graph, workers, &orders));
-  return Predict(graph, workers, orders, Rounds(sim));
+  // The orders must be able to finish (a collective whose members wait on each other's turns
+  // cannot).
+  TESSERA_RETURN_IF_ERROR(Simulate(graph, workers, &orders).status());
+  return Predict(graph, workers, orders, {});
 }
 
 Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<WorkerOrder>& orders,
@@ -531,7 +578,7 @@ Result<MemoryProfile> PredictMemory(const Graph& graph, const std::vector<Worker
 Result<MemoryProfile> PredictMemory(const Graph& graph) {
   const Workers workers = IndexWorkers(graph);
   TESSERA_ASSIGN_OR_RETURN(Simulation sim, Simulate(graph, workers, nullptr));
-  return Predict(graph, workers, sim.orders, Rounds(sim));
+  return Predict(graph, workers, sim.orders, {});
 }
 
 std::string ExplainMemory(const Graph& graph, const MemoryProfile& profile, int timeline_points) {

@@ -6,10 +6,16 @@
 // The model takes that order (SimulateWorkerOrders: the executor's own choice, or an order a
 // plan imposes) and replays the executor's accounting (worker/role_meter.h) over it:
 //   * the graph inputs a worker reads are bound when the step starts; an object another worker
-//     produces arrives (is pushed) when its producer finishes;
+//     produces is pushed to it as soon as its producer finishes, and the other workers' speeds
+//     decide when that is: it is live from right after the last task of this worker's order
+//     that its producer waits for, directly or not (before the first task when none), the
+//     earliest it can come whatever the timing (with a simulated step's finishing times
+//     instead: when its producer finishes);
 //   * a task's outputs are live from the moment it runs; each object is freed after its last
 //     reader on that worker, unless it is a graph output (kept after the step); an output nobody
-//     reads there is freed as soon as it is made;
+//     reads there is freed as soon as it is made. One pushed to another worker is lent to the
+//     push until the peer has read it: an allocation the cap would refuse meanwhile waits for
+//     the loan (core/allocator.h), so the plan's figure holds under the cap;
 //   * an output donated from an input the task frees (an in-place update) takes that input's
 //     place instead of adding to it;
 //   * an object read last by a task that reaches the disk (a swap out, core/disk_tasks.h: the
@@ -35,7 +41,8 @@
 // ready and every collective before it in its channel's order has run on their workers (the
 // runtime's order: planner/channel_order.h; before that round's task on their worker: they run
 // beside it, off its slot), and
-// objects reaching other workers at once. Tasks that reach the disk take a round of their
+// objects reaching other workers at once (for the order; the memory counts them from the
+// earliest they can come, above). Tasks that reach the disk take a round of their
 // worker's slot like any other (the I/O thread runs them beside the compute: which of two ready
 // tasks finishes first then follows the drive's speed too, so a swapping plan's figures are
 // near the prediction, not exact). It is exact for one worker running one

@@ -18,8 +18,9 @@
 //    unused (else it would choose the same again; a few rounds).
 // Across workers a plan fits when each worker's predicted peak plus the largest object one worker
 // pushes to another, once per micro-batch a worker may hold in flight (a pipeline's; else once),
-// is under the cap: the model moves a push the moment its object is made, and a push that leaves
-// later holds it on its sender that much longer.
+// is under the cap. The model counts a push from the earliest it can arrive, and its sender's
+// allocator waits for a push's lent buffer rather than pass the cap (core/allocator.h); the room
+// is a margin kept from before both, for what the model does not see.
 // 4. When even the least activations (every layer recomputed) do not fit, the plan changes on
 //    its own and steps 1-4 run again for the changed plan under the same caps: a GPU plan whose
 //    device cap is too small for its model state moves the parameters to the host
@@ -108,9 +109,8 @@ std::vector<int64_t> LiveDuring(const WorkerMemory& memory, MemoryTier tier, boo
 struct Peaks {
   int64_t total = 0, activations = 0;
   size_t worker = 0;
-  // The largest object one worker pushes to another (any role; an activation): the model moves
-  // it the moment it is made, but it may leave its sender later, so a worker can hold it on top
-  // of its predicted peak. The caps leave room for it.
+  // The largest object one worker pushes to another (any role; an activation): the caps leave
+  // room for it (the margin above).
   int64_t pushed = 0, pushed_activation = 0;
 };
 

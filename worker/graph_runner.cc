@@ -487,7 +487,9 @@ void GraphRunner::PushExport(const Key& key, const Part& part,
     const WorkerSpans::Push span{
         push_key.object, destination == part.worker_of_address.end() ? 0 : destination->second,
         SystemMicrosNow(), 0, tensor.bytes()};
-    data_plane_->Push(address, push_key, host->raw_data(), host->bytes(), host->buffer(),
+    // Lent: until the peer has read it, an allocation over the cap waits for it (allocator.h).
+    data_plane_->Push(address, push_key, host->raw_data(), host->bytes(),
+                      Buffer::Lend(host->buffer()),
                       [this, key, outcome, address, span](const Status& status) {
                         {
                           MutexLock lock(&outcome->mutex);

@@ -177,6 +177,50 @@ TEST(AllocatorTest, ACapRefusesWhatWouldPassItAndSaysWhere) {
   }
 }
 
+// A buffer lent to a push (the peer copies it out of this process) counts until the borrower
+// gives it back. An allocation the cap refuses meanwhile waits for the loan rather than failing:
+// it succeeds when the returned loan freed the room, and fails with the cap once no loan is out
+// and the room is still not there.
+TEST(AllocatorTest, AnAllocationOverTheCapWaitsForLentBuffersToComeBack) {
+  auto allocator = std::make_shared<AlignedHostAllocator>();
+  allocator->SetCap(10000);
+  const auto waits_for = [&](int64_t waits) {
+    while (allocator->loan_waits() < waits) std::this_thread::yield();
+  };
+  ASSERT_OK_AND_ASSIGN(Tensor pushed, Tensor::Empty({Shape{2000}, DType::kF32}, allocator));
+  std::shared_ptr<void> loan = Buffer::Lend(pushed.buffer());
+  EXPECT_EQ(allocator->loans_out(), 1);
+  pushed = Tensor();  // the step is done with it; the push still reads it
+  EXPECT_EQ(allocator->stats().live_bytes, 8000);
+  Result<Tensor> after_loan = InvalidArgument("not run");
+  std::thread allocating([&] {
+    after_loan = Tensor::Empty({Shape{1000}, DType::kF32}, allocator);
+  });
+  waits_for(1);
+  loan.reset();  // the peer has read it: the buffer goes, then the loan comes back
+  allocating.join();
+  ASSERT_OK(after_loan.status());
+  EXPECT_EQ(allocator->loans_out(), 0);
+  EXPECT_EQ(allocator->stats().live_bytes, 4000);
+  EXPECT_LE(allocator->stats().peak_bytes, 10000);
+
+  // A lent buffer the step still holds frees nothing when the loan comes back.
+  ASSERT_OK_AND_ASSIGN(Tensor kept, Tensor::Empty({Shape{1000}, DType::kF32}, allocator));
+  loan = Buffer::Lend(kept.buffer());
+  Result<Tensor> refused = InvalidArgument("not run");
+  allocating = std::thread([&] { refused = Tensor::Empty({Shape{1000}, DType::kF32}, allocator); });
+  waits_for(2);
+  loan.reset();
+  allocating.join();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("would pass its cap (8000 bytes live"));
+  // With no loan out, a refusal is at once.
+  EXPECT_EQ(Tensor::Empty({Shape{1000}, DType::kF32}, allocator).status().code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(allocator->loan_waits(), 2);
+}
+
 // Threads allocating at once never pass the cap together: the reservation is atomic.
 TEST(AllocatorTest, ThreadsAllocatingAtOnceNeverPassTheCap) {
   auto allocator = std::make_shared<AlignedHostAllocator>();
