@@ -32,6 +32,10 @@
 //                                             sets the state objects' outputs
 //   order_schedule     schedule_pass.cc       reads ranks[r].*_task; adds control edges in the
 //                                             pipeline's order; sets step.schedule_*
+//   settle_reductions  schedule_pass.cc       reads micro_batch_reductions, *_task and
+//                                             step.schedule_order; adds control edges: each
+//                                             micro-batch's reduction before the rank's next
+//                                             layer task (ParallelConfig::settle_reductions)
 //
 // Where the passes to come go, and what they would touch:
 //   * The memory plan (memory_plan.cc) is not a pass but a loop around them: under memory caps
@@ -83,6 +87,9 @@ Status OffloadDownloadsPass(PlanState& state);
 Status UpdateOptimizerPass(PlanState& state);
 // Pipelines: each worker's forwards and backwards chained in the schedule's order.
 Status OrderSchedulePass(PlanState& state);
+// Under ParallelConfig::settle_reductions: each micro-batch's gradient reduction before the
+// rank's next layer task.
+Status SettleReductionsPass(PlanState& state);
 
 // Offload's part of the update (offload_pass.cc), called by the optimizer pass per rank and
 // layer. Before the update of layer l: its download waits for the update kGradientsInFlight

@@ -74,6 +74,7 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   p.schedule = choice.schedule;
   p.offload = choice.offload;
   p.chunk_layers = choice.chunk_layers;
+  p.settle_reductions = choice.settle_reductions;
   p.resident_params.clear();
   p.layer_costs.clear();
   p.split_backwards = false;
@@ -341,6 +342,7 @@ std::string PlanChoice::Flags() const {
   if (data_parallel > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
   if (offload != OffloadMode::kNone)
     flags += fmt::format(" --offload {}", OffloadModeName(offload));
+  if (settle_reductions) flags += " --settle-reductions";
   return flags;
 }
 
@@ -354,6 +356,9 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
   const int t = planned.tensor_parallel;
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = AnyLayerSplits(model);
+  // Workers that share a machine: each micro-batch's reductions settled before the next compute
+  // (ParallelConfig::settle_reductions), where a plan reduces per micro-batch.
+  const bool settle = calibration != nullptr && calibration->sharing.capacity > 0;
   int max_stages = std::min(space.workers / t, layers);
   if (space.max_pipeline_stages > 0) max_stages = std::min(max_stages, space.max_pipeline_stages);
   const std::vector<OffloadMode> offloads =
@@ -399,7 +404,8 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
             for (int zero : zeros) {
               for (OffloadMode offload : offloads) {
                 candidates.push_back(PlanChoice{ranks, stages, virtual_stages, micro, zero,
-                                                schedule, offload, cut, t, planned.shard_sequence});
+                                                schedule, offload, cut, t, planned.shard_sequence,
+                                                settle && ranks > 1 && zero >= 2 && micro > 1});
               }
             }
           }

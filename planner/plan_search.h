@@ -136,13 +136,17 @@ struct PlanChoice {
   int tensor_parallel = 1;        // T
   // Megatron-LM's sequence parallelism over the T tensor ranks (ParallelConfig::shard_sequence).
   bool shard_sequence = false;
+  // ParallelConfig::settle_reductions: set where the calibration found workers sharing a
+  // machine and the plan reduces each micro-batch's gradients (ZeRO-2/3, several micro-batches
+  // over several data-parallel ranks). Not part of the name.
+  bool settle_reductions = false;
   int workers() const { return data_parallel * tensor_parallel * pipeline_stages; }
   // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8", "D2 x P2 1f1b M4 cut 2+4 ZeRO-1",
   // "D4 x T8 x P12 1f1b M384 ZeRO-1", "D4 x T8 SP x P12 1f1b M384 ZeRO-1" (sequence-sharded)
   std::string Name() const;
   // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
-  // --virtual-stages, --stage-layers, --tensor-parallel, --offload when they differ from the
-  // defaults; no --workers for one).
+  // --virtual-stages, --stage-layers, --tensor-parallel, --offload, --settle-reductions when
+  // they differ from the defaults; no --workers for one).
   std::string Flags() const;
 };
 

@@ -171,6 +171,15 @@ struct PlanState {
   Result<ObjectId> Sum(int r, int s, const std::string& name, const std::vector<ObjectId>& parts);
 
   std::map<std::string, int64_t> collective_ids;  // CollectiveId's
+  // Every reduction of one micro-batch's gradients (ZeRO-2/3's reduce-scatters, fused or of one
+  // group): its rank, micro-batch, task and the groups it reduces (the settle_reductions pass).
+  struct MicroBatchReduction {
+    int rank = 0;
+    int micro = 0;
+    TaskId task;
+    std::vector<size_t> groups;
+  };
+  std::vector<MicroBatchReduction> micro_batch_reductions;
 };
 
 }  // namespace tessera

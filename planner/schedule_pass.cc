@@ -2,6 +2,15 @@
 // worker, its layers' forward and backward tasks are chained by control edges in the order
 // ScheduleOrder gives its stage (a chunk's forwards in layer order, its backwards in reverse).
 // Everything else (gradient sums, reductions, gathers, the optimizer) follows its data.
+//
+// The settle_reductions pass (ParallelConfig::settle_reductions): each reduction of one
+// micro-batch's gradients before the rank's next layer task in its stage's order (the schedule's,
+// else the micro-batches one after another), so a rank never computes on with a bucket of its
+// waiting for its peers.
+#include <algorithm>
+#include <optional>
+#include <unordered_map>
+
 #include "planner/plan_passes.h"
 
 namespace tessera {
@@ -45,14 +54,13 @@ OpCosts ChunkOpCosts(const PlanState& state, size_t chunk_count) {
   return OpCosts{total.forward / chunks, total.backward / chunks, total.weight / chunks};
 }
 
-// Rank r's tasks of one stage chained in `order`.
-void ChainStage(PlanState& state, const RankState& rank, const std::vector<PipelineOp>& order,
-                const std::vector<std::vector<size_t>>& chunk_layers) {
-  TaskId previous;
+// Rank r's layer tasks of one stage in `order` (each chunk's forwards in layer order, its
+// backwards in reverse, a recomputation just before its backward).
+std::vector<TaskId> StageTasks(const RankState& rank, const std::vector<PipelineOp>& order,
+                               const std::vector<std::vector<size_t>>& chunk_layers) {
+  std::vector<TaskId> tasks_in_order;
   auto chain = [&](TaskId task) {
-    if (!task.valid()) return;
-    if (previous.valid()) state.builder.AddControlEdge(previous, task);
-    previous = task;
+    if (task.valid()) tasks_in_order.push_back(task);
   };
   for (const PipelineOp& op : order) {
     const std::vector<size_t>& layers = chunk_layers[static_cast<size_t>(op.chunk)];
@@ -68,6 +76,24 @@ void ChainStage(PlanState& state, const RankState& rank, const std::vector<Pipel
       }
     }
   }
+  return tasks_in_order;
+}
+
+// Rank r's tasks of one stage chained in `order`.
+void ChainStage(PlanState& state, const RankState& rank, const std::vector<PipelineOp>& order,
+                const std::vector<std::vector<size_t>>& chunk_layers) {
+  const std::vector<TaskId> tasks = StageTasks(rank, order, chunk_layers);
+  for (size_t i = 1; i < tasks.size(); ++i) state.builder.AddControlEdge(tasks[i - 1], tasks[i]);
+}
+
+// Each chunk's layers, in layer order (the cut's).
+std::vector<std::vector<size_t>> ChunkLayers(const PlanState& state) {
+  std::vector<std::vector<size_t>> chunk_layers(
+      static_cast<size_t>(state.num_stages * state.parallel.virtual_stages));
+  for (size_t l = 0; l < state.num_layers; ++l) {
+    chunk_layers[static_cast<size_t>(state.step.layer_chunk[l])].push_back(l);
+  }
+  return chunk_layers;
 }
 
 }  // namespace
@@ -75,11 +101,7 @@ void ChainStage(PlanState& state, const RankState& rank, const std::vector<Pipel
 Status OrderSchedulePass(PlanState& state) {
   const ParallelConfig& p = state.parallel;
   if (state.num_stages == 1 && p.virtual_stages == 1) return Status::Ok();
-  std::vector<std::vector<size_t>> chunk_layers(
-      static_cast<size_t>(state.num_stages * p.virtual_stages));
-  for (size_t l = 0; l < state.num_layers; ++l) {
-    chunk_layers[static_cast<size_t>(state.step.layer_chunk[l])].push_back(l);
-  }
+  const std::vector<std::vector<size_t>> chunk_layers = ChunkLayers(state);
   StepGraph& step = state.step;
   if (SplitsBackward(p.schedule)) step.schedule_costs = ChunkOpCosts(state, chunk_layers.size());
   step.schedule_order = ScheduleOrder(p.schedule, state.num_stages, state.num_micro_batches,
@@ -87,6 +109,49 @@ Status OrderSchedulePass(PlanState& state) {
   for (int r = 0; r < state.num_ranks; ++r) {
     for (const std::vector<PipelineOp>& order : step.schedule_order) {
       ChainStage(state, state.ranks[static_cast<size_t>(r)], order, chunk_layers);
+    }
+  }
+  return Status::Ok();
+}
+
+Status SettleReductionsPass(PlanState& state) {
+  if (!state.parallel.settle_reductions || state.micro_batch_reductions.empty()) {
+    return Status::Ok();
+  }
+  const std::vector<std::vector<size_t>> chunk_layers = ChunkLayers(state);
+  // Each stage's order: the schedule's in a pipeline; else the micro-batches one after another,
+  // each one's forward then its backward (what the executor's priorities run).
+  std::vector<std::vector<PipelineOp>> orders = state.step.schedule_order;
+  if (orders.empty()) {
+    std::vector<PipelineOp>& order = orders.emplace_back();
+    for (int k = 0; k < state.num_micro_batches; ++k) {
+      order.push_back(PipelineOp{PipelineOp::Kind::kForward, 0, k});
+      order.push_back(PipelineOp{PipelineOp::Kind::kBackward, 0, k});
+      order.push_back(PipelineOp{PipelineOp::Kind::kWeight, 0, k});
+    }
+  }
+  for (int r = 0; r < state.num_ranks; ++r) {
+    const RankState& rank = state.ranks[static_cast<size_t>(r)];
+    for (const std::vector<PipelineOp>& order : orders) {
+      const std::vector<TaskId> tasks = StageTasks(rank, order, chunk_layers);
+      std::unordered_map<uint64_t, size_t> position;
+      for (size_t i = 0; i < tasks.size(); ++i) position.emplace(tasks[i].value(), i);
+      for (const PlanState::MicroBatchReduction& reduction : state.micro_batch_reductions) {
+        if (reduction.rank != r) continue;
+        const auto micro = static_cast<size_t>(reduction.micro);
+        // The last of this stage's tasks that made a gradient the reduction reads: the weight
+        // half, else the whole backward.
+        std::optional<size_t> last;
+        for (size_t l : reduction.groups) {
+          const TaskId made = rank.weight_task[l][micro].valid() ? rank.weight_task[l][micro]
+                                                                 : rank.backward_task[l][micro];
+          const auto at = position.find(made.value());
+          if (at != position.end()) last = std::max(last.value_or(0), at->second);
+        }
+        if (last && *last + 1 < tasks.size()) {
+          state.builder.AddControlEdge(reduction.task, tasks[*last + 1]);
+        }
+      }
     }
   }
   return Status::Ok();

@@ -77,6 +77,7 @@ Result<ObjectId> ReduceScatterMicroBatch(PlanState& state, int r, int k, size_t 
                             state.On(r, layer, kBackwardPriority + 1,
                                      {state.Name(r, state.Micro(k, layer + ".grad[shard]"))},
                                      {ObjectRole::kGradient})));
+  state.micro_batch_reductions.push_back({r, k, state.ProducerOf(shard[0]), {l}});
   return shard[0];
 }
 
@@ -127,6 +128,7 @@ Result<std::vector<ObjectId>> FusedReduction(PlanState& state, int r, int k,
           state.Name(r, name), op, {packed[0]}, state.DataCollective(name, r).Set("reduce", "sum"),
           state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads_reduced"))},
                    {ObjectRole::kGradientBucket})));
+  if (k >= 0) state.micro_batch_reductions.push_back({r, k, state.ProducerOf(reduced[0]), groups});
   std::vector<int64_t> sizes;
   std::vector<std::string> names;
   for (size_t i = 0; i < groups.size(); ++i) {

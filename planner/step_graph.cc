@@ -109,6 +109,7 @@ const std::vector<PlanPass>& TrainingPasses() {
       {"offload_downloads", &OffloadDownloadsPass},
       {"update_optimizer", &UpdateOptimizerPass},
       {"order_schedule", &OrderSchedulePass},
+      {"settle_reductions", &SettleReductionsPass},
   };
   return passes;
 }

@@ -135,6 +135,14 @@ struct ParallelConfig {
   // completes them, within a stage) fused into one collective until it holds at least this many
   // bytes. 0: one collective per group; kAutoBucketBytes: sized from `link`.
   int64_t bucket_bytes = kAutoBucketBytes;
+  // Each reduction of one micro-batch's gradients (ZeRO-2/3's reduce-scatters) done before the
+  // rank's next layer task on its worker runs (control edges: the settle_reductions pass), so a
+  // rank never computes ahead of its data-parallel peers while a bucket of its waits for them:
+  // its memory is the plan's predicted peak whatever their timing (else a rank ahead holds a
+  // bucket the prediction has reduced: 17-27% over it on 4 workers sharing 2 cores). It gives up
+  // overlapping those reductions with the next compute, which workers sharing cores do not have
+  // (their collectives copy on the same cores): the plan search sets it there.
+  bool settle_reductions = false;
   CollectiveLink link;
   // The worker of each rank of each stage: workers[stage * data_parallel + rank]; empty: tasks
   // unpinned.

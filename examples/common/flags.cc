@@ -163,6 +163,11 @@ void AddPipelineFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--gather", p.gather,
                  "ZeRO-3 with several micro-batches: gather each layer's parameters once per step "
                  "(step), before every use (micro-batch), or let the planner choose (auto)");
+  app.add_flag("--settle-reductions", p.settle_reductions,
+               "ZeRO-2/3 with several micro-batches: each micro-batch's gradient reductions done "
+               "before the worker's next layer task, so a worker ahead of its data-parallel peers "
+               "holds no bucket beyond the predicted peak (--plan auto sets it where workers "
+               "share cores)");
   app.add_option("--balance", p.balance,
                  "How stages are balanced and the memory plan prices recomputing: by the op "
                  "cost model's estimate of each layer (estimate), or by each layer's time in a "
@@ -348,6 +353,7 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
   }
   p.pipeline_stages = pipeline.stages;
   p.virtual_stages = pipeline.virtual_stages;
+  p.settle_reductions = pipeline.settle_reductions;
   p.chunk_layers = pipeline.stage_layers;
   p.tensor_parallel = flags.tensor_parallel;
   const int per_rank = pipeline.stages * flags.tensor_parallel;  // workers a data rank takes

@@ -47,6 +47,7 @@ struct PipelineFlags {
   std::vector<int> stage_layers;  // the cut, per chunk (empty: balanced)
   std::string gather = "auto";
   std::string balance = "estimate";
+  bool settle_reductions = false;  // ParallelConfig::settle_reductions
 };
 
 struct CheckpointFlags {

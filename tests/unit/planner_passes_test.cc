@@ -12,9 +12,10 @@ using ::testing::ElementsAre;
 TEST(PlanPassesTest, TheTrainingPassesInTheirOrder) {
   std::vector<std::string> names;
   for (const PlanPass& pass : TrainingPasses()) names.emplace_back(pass.name);
-  EXPECT_THAT(names, ElementsAre("validate", "cut", "place_state", "expand_layers",
-                                 "reduce_gradients", "add_loss", "clip_gradients",
-                                 "offload_downloads", "update_optimizer", "order_schedule"));
+  EXPECT_THAT(names,
+              ElementsAre("validate", "cut", "place_state", "expand_layers", "reduce_gradients",
+                          "add_loss", "clip_gradients", "offload_downloads", "update_optimizer",
+                          "order_schedule", "settle_reductions"));
 }
 
 TEST(PlanPassesTest, PlanTrainingStepIsThePassesOverOneState) {
