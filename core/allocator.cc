@@ -50,7 +50,11 @@ Result<void*> Allocator::Allocate(int64_t bytes) {
           deadline = std::chrono::steady_clock::now() + kLoanWait;
           loan_waits_.fetch_add(1, std::memory_order_relaxed);
         }
-        if (AwaitLoanReturn(*deadline)) {
+        // A return counted before `seen` has freed its bytes already (the buffer goes first):
+        // the live bytes read after it show them; one after it ends the wait.
+        const uint64_t seen = loans_returned_.load(std::memory_order_acquire);
+        live = live_bytes_.load(std::memory_order_relaxed);
+        if (live + bytes <= cap || AwaitLoanReturn(seen, *deadline)) {
           live = live_bytes_.load(std::memory_order_relaxed);
           continue;  // checked against the cap again
         }
@@ -102,16 +106,17 @@ std::shared_ptr<void> Buffer::Lend(std::shared_ptr<Buffer> buffer) {
 void Allocator::ReturnLoan() {
   loans_.fetch_sub(1, std::memory_order_acq_rel);
   MutexLock lock(&loan_mutex_);
-  ++loans_returned_;
+  loans_returned_.fetch_add(1, std::memory_order_acq_rel);
   loan_returned_.NotifyAll();
 }
 
-bool Allocator::AwaitLoanReturn(std::chrono::steady_clock::time_point deadline) {
+bool Allocator::AwaitLoanReturn(uint64_t seen, std::chrono::steady_clock::time_point deadline) {
   MutexLock lock(&loan_mutex_);
-  const uint64_t seen = loans_returned_;
-  // Checked under the lock: a loan returned since the caller looked shows in the count.
-  while (loans_returned_ == seen && loans_.load(std::memory_order_acquire) > 0) {
-    if (!loan_returned_.WaitUntil(&loan_mutex_, deadline)) return loans_returned_ != seen;
+  const auto returned_since = [&] {
+    return loans_returned_.load(std::memory_order_acquire) != seen;
+  };
+  while (!returned_since() && loans_.load(std::memory_order_acquire) > 0) {
+    if (!loan_returned_.WaitUntil(&loan_mutex_, deadline)) return returned_since();
   }
   return true;
 }

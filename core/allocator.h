@@ -100,8 +100,10 @@ class Allocator {
 
  private:
   void ReturnLoan() EXCLUDES(loan_mutex_);
-  // Waits until a loan comes back or `deadline`; false when the deadline passed first.
-  bool AwaitLoanReturn(std::chrono::steady_clock::time_point deadline) EXCLUDES(loan_mutex_);
+  // Waits until a loan comes back after the `seen`th return (or none is out), or `deadline`;
+  // false when the deadline passed first.
+  bool AwaitLoanReturn(uint64_t seen, std::chrono::steady_clock::time_point deadline)
+      EXCLUDES(loan_mutex_);
 
   std::atomic<int64_t> live_bytes_{0};
   std::atomic<int64_t> peak_bytes_{0};
@@ -112,7 +114,8 @@ class Allocator {
   std::atomic<int64_t> loan_waits_{0};
   Mutex loan_mutex_;
   CondVar loan_returned_;
-  uint64_t loans_returned_ GUARDED_BY(loan_mutex_) = 0;
+  // Written under loan_mutex_ (the waits' condition); read without it to note a wait's start.
+  std::atomic<uint64_t> loans_returned_{0};
 };
 
 class AlignedHostAllocator final : public Allocator {
@@ -189,7 +192,6 @@ class Buffer {
 
   void* data() const { return data_; }
   int64_t size() const { return size_; }
-  const std::shared_ptr<Allocator>& allocator() const { return allocator_; }
   // A handle lending `buffer` out (Allocator::Lend on its allocator); null for null.
   static std::shared_ptr<void> Lend(std::shared_ptr<Buffer> buffer);
 

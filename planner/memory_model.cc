@@ -316,7 +316,7 @@ std::vector<ObjectLifetime> Lifetimes(const Graph& graph, const Workers& workers
         if (!latest_ancestor.empty()) {
           // As early as its producer can finish: right after the last task here that the
           // producer waits for (directly or not), however fast the other workers run.
-          const int after = latest_ancestor[producer * orders.size() + w];
+          const int after = latest_ancestor[producer * workers.ids.size() + w];
           life.first = std::min(life.first, after < 0 ? -1 : after + 1);
         } else {
           // Pushed when its producer finishes: live here from the first task that finishes
