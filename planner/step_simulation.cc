@@ -244,7 +244,12 @@ class Simulator {
     const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
-      transfer = (links_.LatencyUs(members) + RingTraffic(first.op, members) * bytes / bus) / 1e3;
+      const bool sequence_shard =
+          collective.channel == kTensorChannel &&
+          (first.op == "reduce_scatter" || first.op.starts_with("all_gather"));
+      const double latency =
+          sequence_shard ? links_.SequenceShardLatencyUs(members) : links_.LatencyUs(members);
+      transfer = (latency + RingTraffic(first.op, members) * bytes / bus) / 1e3;
     }
     return compute + overhead_ + transfer;
   }
@@ -502,13 +507,28 @@ class Simulator {
 
 }  // namespace
 
-double StepLinks::LatencyUs(int members) const {
-  double latency = collective.latency_us;
-  for (const GroupLatency& group : group_latency) {
+namespace {
+
+// The latency of the largest count in `by_members` (ascending) at or below `members`, else
+// `otherwise`.
+double LatencyAtOrBelow(const std::vector<StepLinks::GroupLatency>& by_members, int members,
+                        double otherwise) {
+  double latency = otherwise;
+  for (const StepLinks::GroupLatency& group : by_members) {
     if (group.members > members) break;
     latency = group.latency_us;
   }
   return latency;
+}
+
+}  // namespace
+
+double StepLinks::LatencyUs(int members) const {
+  return LatencyAtOrBelow(group_latency, members, collective.latency_us);
+}
+
+double StepLinks::SequenceShardLatencyUs(int members) const {
+  return LatencyAtOrBelow(sequence_shard_latency, members, LatencyUs(members));
 }
 
 const char* BottleneckName(Bottleneck bottleneck) {

@@ -65,7 +65,15 @@ struct StepLinks {
     double latency_us = 0;
   };
   std::vector<GroupLatency> group_latency;
+  // What a reduce-scatter or all-gather on tensor parallelism's channel (Megatron-LM's sequence
+  // sharding: the pair that takes each all-reduce's place, with little compute between them, so
+  // that peers arrive closer together) waits in place of LatencyUs(members) while the workers
+  // share a machine (calibrated on a sequence-sharded probe of that many tensor ranks); by
+  // member count, ascending, looked up alike; none listed at or below the count:
+  // LatencyUs(members).
+  std::vector<GroupLatency> sequence_shard_latency;
   double LatencyUs(int members) const;
+  double SequenceShardLatencyUs(int members) const;
   // An object pushed from one worker to another; unmeasured: the collective link's latency and
   // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
   CollectiveLink point_to_point;

@@ -30,8 +30,9 @@ using nlohmann::json;
 // What the figures are measured by, in the cache key: a cache of an older method is measured
 // again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
-// once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size).
-constexpr int kCalibrationMethod = 5;
+// once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
+// one sharding sequences).
+constexpr int kCalibrationMethod = 6;
 
 std::string HostName() {
   char name[256] = {};
@@ -45,6 +46,22 @@ json LinkJson(const CollectiveLink& link) {
 
 CollectiveLink LinkFrom(const json& j) {
   return CollectiveLink{j.at("latency_us").get<double>(), j.at("bytes_per_us").get<double>()};
+}
+
+json GroupLatencyJson(const std::vector<StepLinks::GroupLatency>& groups) {
+  json array = json::array();
+  for (const StepLinks::GroupLatency& group : groups) {
+    array.push_back({{"members", group.members}, {"latency_us", group.latency_us}});
+  }
+  return array;
+}
+
+std::vector<StepLinks::GroupLatency> GroupLatencyFrom(const json& array) {
+  std::vector<StepLinks::GroupLatency> groups;
+  for (const json& group : array) {
+    groups.push_back({group.at("members").get<int>(), group.at("latency_us").get<double>()});
+  }
+  return groups;
 }
 
 json LayersJson(const std::vector<LayerTimesAtRows>& layers) {
@@ -222,8 +239,12 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // row a micro-batch (up to 16 micro-batches): the most collectives a step's compute, so that
   // what a collective of T members waits, not the compute model's error, is what the step's
   // time fits (T = 2: the link's latency; more: StepLinks::group_latency).
+  // Where the model shards sequences (Megatron-LM's sequence parallelism), the same groups
+  // sharding them: what their reduce-scatters and all-gathers wait
+  // (StepLinks::sequence_shard_latency), fitted with the all-reduces' latency fixed.
   struct GroupProbe {
     int members = 0;
+    bool sequence_shard = false;
     size_t at = kNone;
     ModelSpec split;
   };
@@ -232,28 +253,33 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     for (const TensorSplitTimes& times : calibration.tensor_splits) {
       const int t = times.tensor_parallel;
       if (t < 2 || n % t != 0) continue;
-      Result<ModelSpec> split = model.PlannedFor(t, 1);
-      if (!split.ok()) continue;
-      TrainingPlan group = one;
-      group.batch = one.batch * (n / t);
-      group.parallel.data_parallel = n / t;
-      group.parallel.tensor_parallel = t;
-      group.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
-      while (one.batch % group.parallel.micro_batches != 0) --group.parallel.micro_batches;
-      group.parallel.workers = request.workers;
-      group.parallel.link = calibration.links.collective;
-      groups.push_back(GroupProbe{t, probes.size(), *std::move(split)});
-      probes.push_back({t == 2 ? fmt::format("{} tensor-parallel pairs at once, {} micro-batches",
-                                             n / t, group.parallel.micro_batches)
-                               : fmt::format("{} group(s) of {} tensor ranks at once, {} "
-                                             "micro-batches",
-                                             n / t, t, group.parallel.micro_batches),
-                        group,
-                        {},
-                        {}});
+      for (const bool shard : {false, true}) {
+        if (shard && base.seq_len % t != 0) continue;
+        Result<ModelSpec> split = model.PlannedFor(t, 1, shard);
+        if (!split.ok()) continue;
+        TrainingPlan group = one;
+        group.batch = one.batch * (n / t);
+        group.parallel.data_parallel = n / t;
+        group.parallel.tensor_parallel = t;
+        group.parallel.shard_sequence = shard;
+        group.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
+        while (one.batch % group.parallel.micro_batches != 0) --group.parallel.micro_batches;
+        group.parallel.workers = request.workers;
+        group.parallel.link = calibration.links.collective;
+        groups.push_back(GroupProbe{t, shard, probes.size(), *std::move(split)});
+        probes.push_back(
+            {fmt::format("{}{}, {} micro-batches",
+                         t == 2 ? fmt::format("{} tensor-parallel pairs at once", n / t)
+                                : fmt::format("{} group(s) of {} tensor ranks at once", n / t, t),
+                         shard ? " sharding sequences" : "", group.parallel.micro_batches),
+             group,
+             {},
+             {}});
+      }
     }
-    std::sort(groups.begin(), groups.end(),
-              [](const GroupProbe& a, const GroupProbe& b) { return a.members < b.members; });
+    std::sort(groups.begin(), groups.end(), [](const GroupProbe& a, const GroupProbe& b) {
+      return std::tie(a.members, a.sequence_shard) < std::tie(b.members, b.sequence_shard);
+    });
   }
   const int rounds = std::max(1, request.rounds);
   MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
@@ -307,18 +333,28 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   };
   std::vector<Fitted> fitted;
   calibration.links.group_latency.clear();
+  calibration.links.sequence_shard_latency.clear();
   for (const GroupProbe& group : groups) {
     const ProbeStep* probe = measured(group.at);
     if (probe == nullptr) continue;
     fitted.push_back({&group, probe});
-    if (group.members > 2) calibration.links.group_latency.push_back({group.members, idle});
+    if (group.sequence_shard) {
+      calibration.links.sequence_shard_latency.push_back({group.members, idle});
+    } else if (group.members > 2) {
+      calibration.links.group_latency.push_back({group.members, idle});
+    }
   }
   const auto latency_of = [&](const GroupProbe& group) -> double& {
-    if (group.members == 2) return calibration.links.collective.latency_us;
-    for (StepLinks::GroupLatency& entry : calibration.links.group_latency) {
-      if (entry.members == group.members) return entry.latency_us;
+    if (group.sequence_shard) {
+      for (StepLinks::GroupLatency& entry : calibration.links.sequence_shard_latency) {
+        if (entry.members == group.members) return entry.latency_us;
+      }
+    } else if (group.members > 2) {
+      for (StepLinks::GroupLatency& entry : calibration.links.group_latency) {
+        if (entry.members == group.members) return entry.latency_us;
+      }
     }
-    return calibration.links.collective.latency_us;  // unreachable: every group has its entry
+    return calibration.links.collective.latency_us;  // pairs' all-reduces: the link's
   };
   double alone_ms = 0;
   std::vector<double> at_idle_ms(fitted.size(), 0);
@@ -395,14 +431,18 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     const double latency = latency_of(group);
     if (latency == idle) {
       say(fmt::format(
-          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: a collective of {} waits its "
-          "idle latency, {:.0f} us",
-          probe.what, probe.median(), at_idle_ms[i], group.members, idle));
+          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: {} of {} waits its idle "
+          "latency, {:.0f} us",
+          probe.what, probe.median(), at_idle_ms[i],
+          group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective", group.members,
+          idle));
     } else {
       say(fmt::format(
-          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: a collective of "
-          "{} waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
-          probe.what, probe.median(), at_idle_ms[i], group.members, latency, idle));
+          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: {} of {} "
+          "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
+          probe.what, probe.median(), at_idle_ms[i],
+          group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective", group.members,
+          latency, idle));
     }
   }
   return Status::Ok();
@@ -598,22 +638,20 @@ Status SaveCalibration(const std::string& path, const std::string& key,
     splits.push_back(
         {{"tensor_parallel", split.tensor_parallel}, {"layers", LayersJson(split.layers)}});
   }
-  json group_latency = json::array();
-  for (const StepLinks::GroupLatency& group : calibration.links.group_latency) {
-    group_latency.push_back({{"members", group.members}, {"latency_us", group.latency_us}});
-  }
-  const json file = {{"key", key},
-                     {"layers", LayersJson(calibration.layers)},
-                     {"tensor_splits", splits},
-                     {"task_overhead_ms", calibration.task_overhead_ms},
-                     {"other_ms_per_unit", calibration.other_ms_per_unit},
-                     {"step_overhead_ms", calibration.step_overhead_ms},
-                     {"compute_scale", calibration.compute_scale},
-                     {"collective", LinkJson(calibration.links.collective)},
-                     {"collective_group", calibration.links.collective_group},
-                     {"point_to_point", LinkJson(calibration.links.point_to_point)},
-                     {"group_latency", group_latency},
-                     {"sharing_capacity", calibration.sharing.capacity}};
+  const json file = {
+      {"key", key},
+      {"layers", LayersJson(calibration.layers)},
+      {"tensor_splits", splits},
+      {"task_overhead_ms", calibration.task_overhead_ms},
+      {"other_ms_per_unit", calibration.other_ms_per_unit},
+      {"step_overhead_ms", calibration.step_overhead_ms},
+      {"compute_scale", calibration.compute_scale},
+      {"collective", LinkJson(calibration.links.collective)},
+      {"collective_group", calibration.links.collective_group},
+      {"point_to_point", LinkJson(calibration.links.point_to_point)},
+      {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
+      {"sequence_shard_latency", GroupLatencyJson(calibration.links.sequence_shard_latency)},
+      {"sharing_capacity", calibration.sharing.capacity}};
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
   if (error) {
@@ -648,10 +686,8 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
-    for (const json& group : file.at("group_latency")) {
-      calibration.links.group_latency.push_back(
-          {group.at("members").get<int>(), group.at("latency_us").get<double>()});
-    }
+    calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
+    calibration.links.sequence_shard_latency = GroupLatencyFrom(file.at("sequence_shard_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);

@@ -25,8 +25,11 @@
 //     compute): what a collective of T members waits for its peers while the workers share the
 //     machine (for pairs the collective latency, for more StepLinks::group_latency: a member
 //     waits for more peers to be scheduled), bisected alike when that step is slower than the
-//     idle link says. The capacity and the latencies are fitted in turn until none moves (each
-//     probe's step depends on all).
+//     idle link says; where the model shards sequences (Megatron-LM's sequence parallelism), the
+//     same groups sharding them: what their reduce-scatters and all-gathers wait
+//     (StepLinks::sequence_shard_latency; peers arrive closer together after the little compute
+//     between such a pair). The capacity and the latencies are fitted in turn until none moves
+//     (each probe's step depends on all).
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

@@ -622,6 +622,10 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   // ... and probed pairs of tensor ranks on the workers for what a collective waits there.
   EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once, "), std::string::npos)
       << first.output;
+  // ... and the same sharding sequences, for what their reduce-scatters and all-gathers wait.
+  EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once sharding sequences, "),
+            std::string::npos)
+      << first.output;
   BoundedRun tensor = run(common + " --workers 2 --plan auto --tensor-parallel 2");
   ASSERT_EQ(tensor.exit_code, 0) << tensor.output;
   EXPECT_NE(tensor.output.find("--plan auto chose D1 x T2"), std::string::npos) << tensor.output;

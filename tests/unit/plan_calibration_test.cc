@@ -75,6 +75,7 @@ Calibration EveryFigure() {
   calibration.links.collective_group = 4;
   calibration.links.point_to_point = CollectiveLink{67, 8230};
   calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
+  calibration.links.sequence_shard_latency = {{2, 96.5}};
   calibration.sharing.capacity = 1.35;
   return calibration;
 }
@@ -120,6 +121,9 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(read.links.group_latency[0].latency_us, 175.5);
   EXPECT_EQ(read.links.group_latency[1].members, 8);
   EXPECT_EQ(read.links.group_latency[1].latency_us, 310.25);
+  ASSERT_EQ(read.links.sequence_shard_latency.size(), 1u);
+  EXPECT_EQ(read.links.sequence_shard_latency[0].members, 2);
+  EXPECT_EQ(read.links.sequence_shard_latency[0].latency_us, 96.5);
   EXPECT_EQ(read.sharing.capacity, 1.35);
 
   // Another setup (here: more rounds) has another key: this file is not its calibration.

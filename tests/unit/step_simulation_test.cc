@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "core/collective_task.h"
 #include "model/gpt2.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
@@ -185,6 +186,52 @@ TEST(StepSimulationTest, ALargerGroupWaitsItsOwnLatency) {
     ++checked;
   }
   EXPECT_GT(checked, 0);
+  ExpectPartsAddUp(simulated);
+}
+
+TEST(StepSimulationTest, SequenceShardingsCollectivesWaitTheirOwnLatency) {
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
+  links.group_latency = {{4, 150}};
+  EXPECT_EQ(links.SequenceShardLatencyUs(2), 40);  // none calibrated: LatencyUs'
+  EXPECT_EQ(links.SequenceShardLatencyUs(4), 150);
+  links.sequence_shard_latency = {{2, 90}};
+  EXPECT_EQ(links.SequenceShardLatencyUs(2), 90);
+  EXPECT_EQ(links.SequenceShardLatencyUs(4), 90);  // the largest calibrated group below it
+  EXPECT_EQ(links.LatencyUs(2), 40);               // the all-reduces' are their own
+
+  // A tensor pair sharding sequences: its reduce-scatters and all-gathers on tensor
+  // parallelism's channel wait the sequence-sharded latency, every other collective the link's.
+  ASSERT_OK_AND_ASSIGN(const ModelSpec model,
+                       SixBlocks().PlannedFor(2, 1, /*shard_sequence=*/true));
+  TrainingPlan plan = Plan(1, 1, 1, PipelineSchedule::k1F1B);
+  plan.parallel.tensor_parallel = 2;
+  plan.parallel.shard_sequence = true;
+  plan.parallel.layer_costs.clear();  // the split has layers of its own
+  plan.parallel.workers = {WorkerId(100), WorkerId(101)};
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<TaskTime> times(step.graph.tasks().size());
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
+  int sharded = 0, others = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+    if (!member.has_value()) continue;
+    const bool shard = member->channel == kTensorChannel &&
+                       (task.op == "reduce_scatter" || task.op == "all_gather");
+    double bytes = 0;
+    if (!task.inputs.empty()) bytes = step.graph.object(task.inputs[0]).meta.bytes();
+    if (!task.outputs.empty()) {
+      bytes = std::max<double>(bytes, step.graph.object(task.outputs[0]).meta.bytes());
+    }
+    const double traffic = task.op == "all_reduce" ? 1.0 : 0.5;  // 2(N-1)/N or (N-1)/N of 2
+    const size_t t = task.id.value() - 1;
+    EXPECT_NEAR(simulated.end_ms[t] - simulated.start_ms[t],
+                ((shard ? 90 : 40) + traffic * bytes / 50) / 1e3, 1e-9)
+        << task.name;
+    ++(shard ? sharded : others);
+  }
+  EXPECT_GT(sharded, 0);
+  EXPECT_GT(others, 0);
   ExpectPartsAddUp(simulated);
 }
 
