@@ -12,7 +12,8 @@
 //      rank), adds server_error (one chunk long), compresses it alike, keeps its error, and the
 //      ranks all-gather every chunk's bits and scale. Every rank decodes the same average.
 // Signs: an element >= 0 (and -0) is +1, else -1. A chunk is a whole number of 32-bit words; the
-// last chunk's padding is zero and in no scale.
+// last chunk's padding is zero and in no scale. The arithmetic is core/sign_compression.h's (the
+// collective task compressed_all_reduce's one-member kernel computes the same bits).
 //
 // Bytes: each rank sends (size - 1) blocks of (chunk / 32 + 1) words in each phase, about
 // 2 (size - 1) / size x count / 8 bytes in all: 1/32 of an f32 ring all-reduce's (1/16 of a

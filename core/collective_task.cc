@@ -25,7 +25,8 @@ void MoveSequenceBlocks(void* sequence, void* blocks, int64_t group, int64_t bat
 
 bool IsCollectiveOp(std::string_view op) {
   return op == "all_reduce" || op == "reduce_scatter" || op == "all_gather" ||
-         op == "all_gather_in_place" || op == "all_to_all" || op == "broadcast";
+         op == "all_gather_in_place" || op == "all_to_all" || op == "broadcast" ||
+         op == "compressed_all_reduce";
 }
 
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {

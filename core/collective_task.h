@@ -3,8 +3,8 @@
 // A collective (an all-reduce of a gradient, an all-gather of a parameter shard, ...) is a group
 // of member tasks, one per participating worker, sharing a collective id. Each member is an
 // ordinary task of the graph (op all_reduce, reduce_scatter, all_gather, all_gather_in_place,
-// all_to_all or broadcast, see ops/standard_ops.h) whose attributes say which collective it
-// belongs to and its rank:
+// all_to_all, broadcast or compressed_all_reduce, see ops/standard_ops.h) whose attributes say
+// which collective it belongs to and its rank:
 //
 //   collective   int   the collective's id, unique within the graph; members share it
 //   rank         int   this member's rank, 0 .. group_size-1, each exactly once

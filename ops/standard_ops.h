@@ -13,7 +13,8 @@
 // by the CPU kernels when the group has one member):
 //   all_reduce (attribute reduce = sum|avg|max|min), reduce_scatter (reduce), all_gather,
 //   all_gather_in_place, all_to_all, broadcast (root). Inputs after `x` are control inputs
-//   (ordering only).
+//   (ordering only). compressed_all_reduce (x, worker_error, server_error; every one updated in
+//   place; control inputs after them): 1-bit Adam's average sent as signs with error feedback.
 // Transformer layer ops: whole layers over flat parameter groups (ops/flat_layout.h) with a
 // hand-fused backward, what a step graph's tasks run for a decoder-only language model (one task
 // per layer per direction):

@@ -1,10 +1,12 @@
 // The standard ops' collective members (see core/collective_task.h for the attributes): the
 // ops a collective task's members run, all_reduce, reduce_scatter, all_gather(_in_place),
-// all_to_all and broadcast, and the two that pack gradient buckets for them (pack_shards, split).
+// all_to_all, broadcast and compressed_all_reduce, and the two that pack gradient buckets for them
+// (pack_shards, split).
 #include <limits>
 #include <string>
 
 #include "core/collective_task.h"
+#include "core/sign_compression.h"
 #include "ops/op_def_util.h"
 #include "ops/standard_ops_internal.h"
 
@@ -235,6 +237,44 @@ Status AddCollectiveOps(OpRegistry& r) {
               return OpCost{static_cast<double>(in[0].numel()), Bytes(in)};
             }
             return CollectiveCost(1)(in, attrs);
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "compressed_all_reduce",
+      .doc = "member of an error-feedback compressed all-reduce (1-bit Adam's: "
+             "collectives/compressed.h): out = the members' average of x sent as signs, "
+             "worker_error (x's elements) and server_error (core/sign_compression.h's "
+             "SignChunkElements) updated in place",
+      .input_names = {"x", "worker_error", "server_error"},
+      .output_names = {"out", "worker_error_out", "server_error_out"},
+      .control_inputs = true,
+      .in_place = {{0, 0}, {1, 1}, {2, 2}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        TESSERA_RETURN_IF_ERROR(op_def::CheckDType("x", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(op_def::CheckDType("worker_error", in[1], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(op_def::CheckDType("server_error", in[2], DType::kF32));
+        if (in[1].numel() != in[0].numel()) {
+          return InvalidArgument(
+              "input 'worker_error' is {} but input 'x' is {}: one error an "
+              "element",
+              in[1].ToString(), in[0].ToString());
+        }
+        const int64_t chunk =
+            SignChunkElements(in[0].numel(), static_cast<int>(attrs.GetInt(kGroupSizeAttr, 1)));
+        if (in[2].numel() != chunk) {
+          return InvalidArgument(
+              "input 'server_error' is {} but a chunk of {} over {} members holds {} elements",
+              in[2].ToString(), in[0].ToString(), attrs.GetInt(kGroupSizeAttr, 1), chunk);
+        }
+        return Metas{in[0], in[1], in[2]};
+      },
+      // Two phases, each (n-1) blocks of a bit an element.
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
+            return OpCost{4.0 * static_cast<double>(in[0].numel()),
+                          2 * static_cast<double>(in[0].numel()) / 8 * (n - 1) / n};
           },
   }));
   TESSERA_RETURN_IF_ERROR(AddBucketOps(r));

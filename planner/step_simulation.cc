@@ -25,6 +25,7 @@ double RingTraffic(std::string_view op, int members) {
   const double share = static_cast<double>(members - 1) / members;
   if (op == "all_reduce") return 2 * share;
   if (op == "broadcast") return 1;
+  if (op == "compressed_all_reduce") return 2 * share / 32;  // a bit an f32 element
   return share;  // reduce_scatter, all_gather, all_gather_in_place
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "collectives/compressed.h"
 #include "collectives/rendezvous.h"
 #include "collectives/ucx_communicator.h"
 #include "core/collective_task.h"
@@ -489,6 +490,32 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(Lane& lane, uint64_t key
   return group.communicator.get();
 }
 
+Result<std::array<Tensor, 2>> CollectiveEngine::CompressedErrorsOnHost(
+    const CollectiveMember& member, const Tensor& out, int size) {
+  // The error buffers are updated in place (outputs 1 and 2 hold them); a device's cross the
+  // host communicator through host copies, as the value does.
+  std::array<Tensor, 2> errors;
+  for (size_t e = 0; e < errors.size(); ++e) {
+    const Tensor& error = member.outputs.at(e + 1);
+    if (error.meta().device.is_cpu()) {
+      errors[e] = error;
+    } else {
+      TESSERA_ASSIGN_OR_RETURN(errors[e], HostCopyOf(error, copier_));
+    }
+  }
+  const int64_t chunk = CompressedChunkElements(out.numel(), size);
+  if (out.dtype() != DType::kF32 || errors[0].dtype() != DType::kF32 ||
+      errors[1].dtype() != DType::kF32 || errors[0].numel() != out.numel() ||
+      errors[1].numel() != chunk) {
+    return InvalidArgument(
+        "compressed all-reduce '{}': x {}, worker error {} and server error {}, but it takes f32 "
+        "x, a worker error as long and a server error of {} elements",
+        member.task, out.meta().ToString(), errors[0].meta().ToString(),
+        errors[1].meta().ToString(), chunk);
+  }
+  return errors;
+}
+
 Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent) {
   // A placeholder for a member that failed before it got here: its position just passes.
   if (member.op.empty()) return Cancelled("the member failed before its collective");
@@ -513,8 +540,8 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
   // where it holds the input already (in place, or a broadcast's root); the result goes back.
   const bool staged =
       !device_out.meta().device.is_cpu() || !member.inputs.at(0).meta().device.is_cpu();
-  const bool out_holds_input =
-      member.op == "all_reduce" || member.op == "all_gather_in_place" || member.op == "broadcast";
+  const bool out_holds_input = member.op == "all_reduce" || member.op == "all_gather_in_place" ||
+                               member.op == "broadcast" || member.op == "compressed_all_reduce";
   TESSERA_ASSIGN_OR_RETURN(Tensor in, HostCopyOf(member.inputs.at(0), copier_));
   Tensor out = device_out;
   if (staged) {
@@ -562,6 +589,16 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
     }
     status =
         communicator->Broadcast(out.raw_data(), out.numel(), out.dtype(), static_cast<int>(root));
+  } else if (member.op == "compressed_all_reduce") {
+    using HostErrors = std::array<Tensor, 2>;
+    TESSERA_ASSIGN_OR_RETURN(HostErrors errors, CompressedErrorsOnHost(member, out, size));
+    status = CompressedAllReduce(*communicator, static_cast<float*>(out.raw_data()), out.numel(),
+                                 static_cast<float*>(errors[0].raw_data()),
+                                 static_cast<float*>(errors[1].raw_data()));
+    for (size_t e = 0; e < errors.size() && status.ok(); ++e) {
+      const Tensor& error = member.outputs.at(e + 1);
+      if (!error.meta().device.is_cpu()) status = CopyTensor(error, errors[e], copier_);
+    }
   } else {
     return InvalidArgument("{} is not a collective op", member.op);
   }

@@ -13,6 +13,7 @@
 #include "core/atomic_file.h"
 #include "core/checksum.h"
 #include "core/collective_task.h"
+#include "core/sign_compression.h"
 #include "ops/bucket_copies.h"
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/kernels.h"
@@ -288,6 +289,32 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
           return Status::Ok();
         }));
   }
+  // A one-member compressed all-reduce still compresses (the same bits a group computes, with
+  // the errors it keeps): the worker's half, the server's, decoded.
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "compressed_all_reduce",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
+        if (size != 1) {
+          return Internal(
+              "compressed_all_reduce of {} members needs a worker's communicator; this executor "
+              "runs only one-member collectives",
+              size);
+        }
+        for (size_t i = 0; i < 3; ++i) {
+          if (out[i].raw_data() != in[i].raw_data()) {
+            std::memcpy(out[i].raw_data(), in[i].raw_data(), static_cast<size_t>(in[i].bytes()));
+          }
+        }
+        const int64_t count = out[0].numel();
+        std::vector<uint32_t> sent(
+            static_cast<size_t>(SignBlockWords(SignChunkElements(count, 1))));
+        std::vector<uint32_t> served(sent.size());
+        CompressWorkerChunks(F(out[0]), count, 1, F(out[1]), sent.data());
+        ServeSignChunk(sent.data(), 1, count, 1, 0, F(out[2]), served.data());
+        DecodeSignChunks(served.data(), count, 1, F(out[0]));
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "sum_scalars",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -1,10 +1,14 @@
 // Two workers' collective engines (worker/collective_engine.h) in one process, on real UCX
 // communicators, with the scheduler's CollectiveGroups (scheduler/collective_groups.h) as their
 // rendezvous and watcher, relayed in process: how a group's formation ends and starts again.
+#include <cmath>
 #include <future>
 #include <mutex>
+#include <thread>
 #include <utility>
 
+#include "collectives/compressed.h"
+#include "collectives/loopback.h"
 #include "core/collective_task.h"
 #include "core/rpc/wire.h"
 #include "scheduler/collective_groups.h"
@@ -256,6 +260,97 @@ TEST_F(CollectiveEngineTest, MembersRunInTheWorkersOneOrderAcrossInstances) {
   EXPECT_OK(other_done.get_future().get());
   next_position_ = 2;
   ExpectSummed(3);
+}
+
+// A compressed all-reduce member (1-bit Adam's) runs on the group's communicator as the
+// collective does on loopback threads: the same average, worker and server errors, bit for bit,
+// over two calls with the errors carried; error buffers of the wrong size are refused on every
+// member before any byte moves.
+TEST_F(CollectiveEngineTest, ACompressedMemberComputesTheCollectivesBitsAndKeepsItsErrors) {
+  constexpr int64_t kCount = 1000;
+  const int64_t chunk = CompressedChunkElements(kCount, 2);
+  std::vector<std::vector<float>> inputs(2), worker(2), server(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int64_t i = 0; i < kCount; ++i) {
+      inputs[rank].push_back(std::sin(static_cast<float>(i * (rank + 2))) + 0.1f * rank);
+    }
+    worker[rank].assign(kCount, 0.f);
+    server[rank].assign(static_cast<size_t>(chunk), 0.f);
+  }
+  const auto member = [&](int rank, std::vector<Tensor> tensors) {
+    CollectiveMember m;
+    m.task = fmt::format("momentum.{}", rank);
+    m.op = "compressed_all_reduce";
+    m.attrs = Attrs{{kCollectiveAttr, int64_t{1}},
+                    {kRankAttr, int64_t{rank}},
+                    {kGroupSizeAttr, int64_t{2}},
+                    {kGroupAttr, static_cast<int64_t>(group_)},
+                    {kPositionAttr, int64_t{0}}};
+    m.inputs = tensors;
+    m.outputs = std::move(tensors);  // in place
+    return m;
+  };
+  // Runs one call on both engines with `tensors` per rank; their statuses.
+  const auto run = [&](std::vector<std::vector<Tensor>> tensors) {
+    const int64_t position = next_position_++;
+    std::vector<std::promise<Status>> done(2);
+    CollectiveEngine* engines[] = {&first_, &second_};
+    for (int rank = 0; rank < 2; ++rank) {
+      engines[rank]->Submit({9, static_cast<uint64_t>(position)}, CollectivePlace{0, position},
+                            member(rank, tensors[rank]),
+                            [&done, rank](const Status& status) { done[rank].set_value(status); });
+    }
+    std::vector<Status> statuses;
+    statuses.reserve(done.size());
+    for (auto& one : done) statuses.push_back(one.get_future().get());
+    for (CollectiveEngine* engine : engines) {
+      engine->EndInstance({9, static_cast<uint64_t>(position)}, {{0, position}}, {});
+    }
+    return statuses;
+  };
+  // The reference: the collective itself on loopback threads, from the same state.
+  LoopbackGroup loopback(2);
+  std::vector<std::vector<float>> ref_worker = worker, ref_server = server;
+  for (int call = 0; call < 2; ++call) {
+    std::vector<std::vector<float>> expected = inputs;
+    std::vector<std::thread> threads;
+    threads.reserve(2);
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        auto communicator = MakeHostCommunicator(loopback.transport(rank));
+        EXPECT_OK(CompressedAllReduce(*communicator, expected[rank].data(), kCount,
+                                      ref_worker[rank].data(), ref_server[rank].data()));
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+
+    std::vector<std::vector<Tensor>> tensors(2);
+    for (int rank = 0; rank < 2; ++rank) {
+      tensors[rank] = {FloatTensor({kCount}, inputs[rank]), FloatTensor({kCount}, worker[rank]),
+                       FloatTensor({chunk}, server[rank])};
+    }
+    for (const Status& status : run(tensors)) ASSERT_OK(status);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(ToVector(tensors[rank][0]), expected[rank]) << "call " << call;
+      worker[rank] = ToVector(tensors[rank][1]);
+      server[rank] = ToVector(tensors[rank][2]);
+      EXPECT_EQ(worker[rank], ref_worker[rank]) << "call " << call;
+      EXPECT_EQ(server[rank], ref_server[rank]) << "call " << call;
+    }
+  }
+  std::vector<std::vector<Tensor>> wrong(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    wrong[rank] = {FloatTensor({kCount}, inputs[rank]), FloatTensor({kCount}, worker[rank]),
+                   FloatTensor({kCount}, std::vector<float>(kCount, 0.f))};
+  }
+  // Each member refuses its own (the second may hear the group's verdict on the first first).
+  int refused = 0;
+  for (const Status& status : run(wrong)) {
+    EXPECT_FALSE(status.ok());
+    refused += status.code() == StatusCode::kInvalidArgument &&
+               status.message().find("server error of 512 elements") != std::string::npos;
+  }
+  EXPECT_GE(refused, 1);
 }
 
 // Channels run at once: with channel 0's first collective waiting for a member that has not

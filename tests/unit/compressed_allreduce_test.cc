@@ -12,6 +12,7 @@
 #include <gmock/gmock.h>
 
 #include "collectives/loopback.h"
+#include "core/collective_task.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -237,6 +238,50 @@ TEST(CompressedAllReduceBytesTest, BadArgumentsAreRefused) {
   EXPECT_EQ(missing.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(missing.message(), ::testing::HasSubstr("error buffers"));
   EXPECT_OK(CompressedAllReduce(*communicator, nullptr, 0, nullptr, nullptr));  // nothing to do
+}
+
+// The collective task's op: a one-member group's CPU kernel computes what a group of one does
+// (it still compresses, keeping both errors), call after call; errors of the wrong size or dtype
+// are refused by name.
+TEST(CompressedAllReduceOpTest, AOneMemberKernelComputesTheGroupOfOnesBits) {
+  constexpr int64_t kCount = 77;
+  std::mt19937 rng(3);
+  LoopbackGroup group(1);
+  std::vector<Rank> ranks = FreshRanks(1, kCount);
+  const int64_t chunk = CompressedChunkElements(kCount, 1);
+  std::vector<float> worker(kCount, 0.f), server(static_cast<size_t>(chunk), 0.f);
+  const Attrs attrs{
+      {kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{0}}, {kGroupSizeAttr, int64_t{1}}};
+  for (int call = 0; call < 3; ++call) {
+    Buffers buffers = RandomInputs(1, kCount, rng);
+    const std::vector<float> input = buffers[0];
+    for (const Status& status : CallOnEveryRank(group, buffers, ranks)) ASSERT_OK(status);
+    ASSERT_OK_AND_ASSIGN(std::vector<Tensor> out,
+                         RunKernel("compressed_all_reduce",
+                                   {FloatTensor({kCount}, input), FloatTensor({kCount}, worker),
+                                    FloatTensor({chunk}, server)},
+                                   attrs));
+    ASSERT_EQ(out.size(), 3u);
+    EXPECT_EQ(ToVector(out[0]), buffers[0]) << "call " << call;
+    worker = ToVector(out[1]);
+    server = ToVector(out[2]);
+    EXPECT_EQ(worker, ranks[0].worker_error) << "call " << call;
+    EXPECT_EQ(server, ranks[0].server_error) << "call " << call;
+  }
+  const Status wrong = RunKernel("compressed_all_reduce",
+                                 {FloatTensor({kCount}, worker), FloatTensor({kCount}, worker),
+                                  FloatTensor({kCount}, worker)},
+                                 attrs)
+                           .status();
+  EXPECT_EQ(wrong.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong.message(), ::testing::HasSubstr("'server_error'"));
+  const Status short_worker = RunKernel("compressed_all_reduce",
+                                        {FloatTensor({kCount}, worker), FloatTensor({3}, {0, 0, 0}),
+                                         FloatTensor({chunk}, server)},
+                                        attrs)
+                                  .status();
+  EXPECT_EQ(short_worker.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_worker.message(), ::testing::HasSubstr("'worker_error'"));
 }
 
 }  // namespace

@@ -761,13 +761,15 @@ TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
 // Ops whose correctness is checked by other tests (not differentiable, or compared with a
 // naive reference instead): optimizer_test.cc.
 // Collective members: against the reference in executor_test (one member) and
-// collective_tasks_test (members on worker processes).
+// collective_tasks_test (members on worker processes); compressed_all_reduce against a
+// one-process reference of its arithmetic in compressed_allreduce_test (one member too) and on
+// the collective engine in collective_engine_test.
 const std::set<std::string> kCheckedElsewhere = {  // model_api_test: layers run through these
                                                    // ops match finite differences
     "layer_forward", "layer_backward", "loss_gradient", "reshape", "reshape_backward", "adamw",
     "sgd", "sum_of_squares", "clip_scale", "tied_lm_head_logits", "noop", "sleep", "all_reduce",
-    "reduce_scatter", "all_gather", "broadcast", "all_gather_in_place", "all_to_all", "sum_scalars",
-    "accumulate", "copy", "constant", "write_file",
+    "reduce_scatter", "all_gather", "broadcast", "all_gather_in_place", "all_to_all",
+    "compressed_all_reduce", "sum_scalars", "accumulate", "copy", "constant", "write_file",
     // split_backward_test: the halves give the whole backward (checked here) bit for bit; the
     // linears' halves run inside the model-API GPT-2's split layers there.
     "transformer_block_backward_input", "transformer_block_backward_weight", "layer_backward_input",

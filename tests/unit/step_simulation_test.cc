@@ -235,6 +235,41 @@ TEST(StepSimulationTest, SequenceShardingsCollectivesWaitTheirOwnLatency) {
   ExpectPartsAddUp(simulated);
 }
 
+TEST(StepSimulationTest, ACompressedAllReduceMovesABitAnElement) {
+  // The same 1 Mi f32 elements over a pair, all-reduced and compressed: the ring moves
+  // 2(N-1)/N of the bytes, the compressed collective 1/32 of that.
+  constexpr int64_t kCount = int64_t{1} << 20;
+  Graph graph;
+  for (const char* op : {"all_reduce", "compressed_all_reduce"}) {
+    const int64_t collective = std::string_view(op) == "all_reduce" ? 1 : 2;
+    for (int r = 0; r < 2; ++r) {
+      const ObjectId x = graph.AddObject(fmt::format("{}.x{}", op, r),
+                                         TensorMeta{Shape{kCount}, DType::kF32, Device::Cpu()},
+                                         ObjectRole::kGradient);
+      TaskSpec task;
+      task.name = fmt::format("{}.{}", op, r);
+      task.op = op;
+      task.inputs = {x};
+      task.outputs = {graph.AddObject(fmt::format("{}.out{}", op, r), graph.object(x).meta,
+                                      ObjectRole::kGradient)};
+      task.pinned_worker = WorkerId(static_cast<uint64_t>(r + 1));
+      task.attrs.Set(kCollectiveAttr, collective);
+      task.attrs.Set(kRankAttr, int64_t{r});
+      task.attrs.Set(kGroupSizeAttr, int64_t{2});
+      graph.MarkOutput(task.outputs[0]);
+      graph.AddTask(std::move(task));
+    }
+  }
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 10, .bytes_per_us = 1000};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated,
+                       SimulateStep(graph, std::vector<TaskTime>(graph.tasks().size()), links));
+  const double bytes = 4.0 * kCount;
+  const auto took = [&](size_t t) { return simulated.end_ms[t] - simulated.start_ms[t]; };
+  EXPECT_NEAR(took(0), (10 + bytes / 1000) / 1e3, 1e-9);       // 2 x 1/2 of the bytes
+  EXPECT_NEAR(took(2), (10 + bytes / 32 / 1000) / 1e3, 1e-9);  // a bit an element
+}
+
 TEST(StepSimulationTest, AChannelRunsItsCollectivesInTheRuntimesOrder) {
   // Collective 1 is first on channel 0 but its member on worker 2 waits 2 x 2.5 ms for slow.a
   // and slow.b; collective 2, ready at once on the same channel, waits for it; collective 3, on

@@ -1,0 +1,35 @@
+// Sign compression with error feedback: the arithmetic of 1-bit Adam's compressed all-reduce
+// (collectives/compressed.h has the algorithm and its exchanges), here in core so that the
+// collective and a one-member group's kernel compute the same bits.
+//
+// A buffer of `count` f32 elements over `size` ranks is cut into `size` chunks of
+// SignChunkElements each (the last one padded with zeros). A chunk compresses to a block of
+// SignBlockWords 32-bit words: its scale's bits (the root mean square of its real elements,
+// DeepSpeed's scale), then one bit an element (set: the element is >= 0, -0 included), packed
+// 32 to a word, the padding's bits clear. Decoded, an element is +-scale by its bit.
+//
+// Thread safety: pure functions of their arguments.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera {
+
+// count / size rounded up to a whole number of 32-bit words of signs; 0 for no elements.
+int64_t SignChunkElements(int64_t count, int size);
+// The words of one chunk's block: its scale, then its signs.
+int64_t SignBlockWords(int64_t chunk);
+
+// The worker half: per chunk j, (buffer + worker_error) compressed into block j of `blocks`
+// (size blocks), and worker_error set to what the compression dropped.
+void CompressWorkerChunks(const float* buffer, int64_t count, int size, float* worker_error,
+                          uint32_t* blocks);
+// The server half for chunk `index`: the blocks of that chunk from every rank (`ranks` blocks,
+// in rank order) averaged in rank order, plus server_error (a chunk long), compressed into
+// `out`; server_error set to what that dropped (zero on the padding).
+void ServeSignChunk(const uint32_t* blocks, int ranks, int64_t count, int size, int index,
+                    float* server_error, uint32_t* out);
+// Every chunk's block (size blocks, in chunk order) decoded into `buffer` (count elements).
+void DecodeSignChunks(const uint32_t* blocks, int64_t count, int size, float* buffer);
+
+}  // namespace tessera
