@@ -98,6 +98,74 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       },
       .cost = ElementwiseCost(4),
   }));
+  // 1-bit Adam (DeepSpeed's OnebitAdam; ops/cpu/kernels.h has the arithmetic): the warm-up's
+  // update, and the compressed phase's two halves around the momentum's compressed all-reduce.
+  const auto check_decay = [](const Attrs& attrs) -> Status {
+    if (!attrs.Has("decay_ranges")) return Status::Ok();
+    TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
+    if (ranges.size() % 2 != 0) {
+      return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
+    }
+    return Status::Ok();
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "onebit_adam",
+      .doc = "1-bit Adam's warm-up update in place (Adam without bias correction, the weight "
+             "decay added to the update: DeepSpeed's OnebitAdam before its freeze step), "
+             "gradients scaled by the clipping factor",
+      .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "clip_scale", "lr"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
+      .in_place = {{0, 0}, {2, 1}, {3, 2}},
+      .infer = [check_decay](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
+        TESSERA_RETURN_IF_ERROR(check_decay(attrs));
+        return Metas{in[0], in[2], in[3]};
+      },
+      .cost =
+          [](const Metas& in, const Attrs&) {
+            return OpCost{12.0 * static_cast<double>(in[0].numel()),
+                          2 * Bytes({in[0], in[0], in[0], in[0]})};
+          },
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "onebit_adam_momentum",
+      .doc = "1-bit Adam's compressed phase, first half: exp_avg = beta1 exp_avg + (1 - beta1) "
+             "grad * clip_scale in place (this rank's momentum, before its compressed "
+             "all-reduce)",
+      .input_names = {"exp_avg", "grad", "clip_scale"},
+      .output_names = {"exp_avg_out"},
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("exp_avg", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "exp_avg", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[2], Shape{}));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(3),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "onebit_adam_frozen",
+      .doc = "1-bit Adam's compressed phase, second half: param -= lr * (exp_avg / "
+             "(sqrt(exp_avg_sq) + eps) + weight_decay * param) in place, exp_avg the ranks' "
+             "(compressed) average, exp_avg_sq frozen since the warm-up",
+      .input_names = {"param", "exp_avg", "exp_avg_sq", "lr"},
+      .output_names = {"param_out"},
+      .in_place = {{0, 0}},
+      .infer = [check_decay](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
+        TESSERA_RETURN_IF_ERROR(check_decay(attrs));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(5),
+  }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sum_of_squares",
       .doc = "sum of squared elements (a gradient's contribution to the global norm); with "

@@ -376,6 +376,39 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
                          static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
         return Status::Ok();
       }));
+  const auto onebit_config = [](const AdamWAttrs& a) {
+    return cpu::OneBitAdamConfig{
+        .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps, .weight_decay = a.weight_decay};
+  };
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "onebit_adam",
+      [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
+                      const Attrs& attrs) {
+        const int64_t n = out[0].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        cpu::OneBitAdamWarmup(F(out[0]), F(out[1]), F(out[2]), F(in[1]), n, onebit_config(a),
+                              *F(in[5]), *F(in[4]), a.decay_ranges.data(),
+                              static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "onebit_adam_momentum",
+      [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        cpu::OneBitAdamMomentum(F(out[0]), F(in[1]), out[0].numel(),
+                                static_cast<float>(attrs.GetFloat("beta1", 0.9)), *F(in[2]));
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "onebit_adam_frozen",
+      [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
+                      const Attrs& attrs) {
+        const int64_t n = out[0].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        cpu::OneBitAdamFrozenUpdate(
+            F(out[0]), F(in[1]), F(in[2]), n, onebit_config(a), *F(in[3]), a.decay_ranges.data(),
+            static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "sgd",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -116,6 +116,25 @@ void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
                  const AdamWConfig& config, float lr, int64_t step, float grad_scale,
                  const int64_t* decay_ranges, int64_t num_decay_ranges, int64_t element_offset,
                  const KernelExecution& execution = {});
+// 1-bit Adam (DeepSpeed's OnebitAdam): Adam without bias correction, its weight decay added to
+// the update (inside decay ranges only, as AdamWUpdate's: [begin, end) pairs of the group,
+// element_offset the first element's index in it). Per element, in this order:
+//   warm-up:   g = grad * grad_scale; m = m * beta1 + (1 - beta1) * g;
+//              v = v * beta2 + ((1 - beta2) * g) * g;  then the update below;
+//   momentum:  m = m * beta1 + (1 - beta1) * (grad * grad_scale)   (the compressed phase's local
+//              momentum, before its compressed all-reduce; v stays frozen);
+//   update:    param = param - lr * (m / (sqrt(v) + eps) + wd * param).
+struct OneBitAdamConfig {
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
+};
+void OneBitAdamWarmup(float* param, float* m, float* v, const float* grad, int64_t n,
+                      const OneBitAdamConfig& config, float lr, float grad_scale,
+                      const int64_t* decay_ranges, int64_t num_decay_ranges,
+                      int64_t element_offset);
+void OneBitAdamMomentum(float* m, const float* grad, int64_t n, float beta1, float grad_scale);
+void OneBitAdamFrozenUpdate(float* param, const float* m, const float* v, int64_t n,
+                            const OneBitAdamConfig& config, float lr, const int64_t* decay_ranges,
+                            int64_t num_decay_ranges, int64_t element_offset);
 // p -= lr * (grad * grad_scale + weight_decay * p)
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,
                float grad_scale);

@@ -1,4 +1,4 @@
-// AdamW and SGD on flat parameter groups, gradient norms and the clipping factor.
+// AdamW, 1-bit Adam and SGD on flat parameter groups, gradient norms and the clipping factor.
 #include <algorithm>
 #include <cmath>
 #include <string_view>
@@ -16,6 +16,24 @@ namespace tessera::cpu {
 namespace {
 constexpr int64_t kOptimizerGrain = 1 << 15;
 constexpr int64_t kNormChunk = 1 << 16;
+
+// Calls segment(begin, end, decays) over [begin, end) of a group's piece in runs of constant
+// weight decay: `decay_ranges` holds [begin, end) pairs in the group's coordinates, the piece's
+// first element at element_offset.
+template <typename Segment>
+void ForDecaySegments(int64_t begin, int64_t end, const int64_t* decay_ranges,
+                      int64_t num_decay_ranges, int64_t element_offset, Segment&& segment) {
+  int64_t position = begin;
+  for (int64_t r = 0; r < num_decay_ranges && position < end; ++r) {
+    const int64_t decay_begin = std::clamp(decay_ranges[2 * r] - element_offset, position, end);
+    const int64_t decay_end =
+        std::clamp(decay_ranges[2 * r + 1] - element_offset, decay_begin, end);
+    if (decay_begin > position) segment(position, decay_begin, false);
+    if (decay_end > decay_begin) segment(decay_begin, decay_end, true);
+    position = decay_end;
+  }
+  if (end > position) segment(position, end, false);
+}
 
 // The per-step scalars of an AdamW update, rounded to float once.
 struct AdamWScalars {
@@ -183,29 +201,71 @@ void AdamWUpdate(float* param, float* m, float* v, const float* grad, int64_t n,
   const float decay_factor =
       static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(config.weight_decay));
   const AdamWSegmentFn segment = AdamWSegmentFor(execution.simd);
-  auto update = [&](int64_t begin, int64_t end, float decay) {
-    if (end > begin) {
-      segment(scalars, decay, param + begin, m + begin, v + begin, grad + begin, end - begin);
-    }
-  };
   auto update_range = [&](int64_t begin, int64_t end) {
-    // Walk [begin, end) in segments of constant decay.
-    int64_t position = begin;
-    for (int64_t r = 0; r < num_decay_ranges && position < end; ++r) {
-      const int64_t decay_begin = std::clamp(decay_ranges[2 * r] - element_offset, position, end);
-      const int64_t decay_end =
-          std::clamp(decay_ranges[2 * r + 1] - element_offset, decay_begin, end);
-      update(position, decay_begin, 1.0f);
-      update(decay_begin, decay_end, decay_factor);
-      position = decay_end;
-    }
-    update(position, end, 1.0f);
+    ForDecaySegments(begin, end, decay_ranges, num_decay_ranges, element_offset,
+                     [&](int64_t from, int64_t to, bool decays) {
+                       segment(scalars, decays ? decay_factor : 1.0f, param + from, m + from,
+                               v + from, grad + from, to - from);
+                     });
   };
   if (execution.parallel) {
     detail::ParallelFor(n, kOptimizerGrain, update_range);
   } else {
     update_range(0, n);
   }
+}
+
+namespace {
+
+// The 1-bit Adam update of [begin, end) (kernels.h): param -= lr * (m / (sqrt(v) + eps) + wd *
+// param), wd the config's inside the decay ranges, else 0.
+void OneBitAdamUpdateRange(float* param, const float* m, const float* v, int64_t begin, int64_t end,
+                           const OneBitAdamConfig& config, float lr, const int64_t* decay_ranges,
+                           int64_t num_decay_ranges, int64_t element_offset) {
+  ForDecaySegments(begin, end, decay_ranges, num_decay_ranges, element_offset,
+                   [&](int64_t from, int64_t to, bool decays) {
+                     const float wd = decays ? config.weight_decay : 0.f;
+                     for (int64_t i = from; i < to; ++i) {
+                       const float update = m[i] / (std::sqrt(v[i]) + config.eps) + wd * param[i];
+                       param[i] = param[i] - lr * update;
+                     }
+                   });
+}
+
+}  // namespace
+
+void OneBitAdamWarmup(float* param, float* m, float* v, const float* grad, int64_t n,
+                      const OneBitAdamConfig& config, float lr, float grad_scale,
+                      const int64_t* decay_ranges, int64_t num_decay_ranges,
+                      int64_t element_offset) {
+  const auto one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
+  const auto one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float g = grad[i] * grad_scale;
+      m[i] = m[i] * config.beta1 + one_minus_beta1 * g;
+      v[i] = v[i] * config.beta2 + one_minus_beta2 * g * g;
+    }
+    OneBitAdamUpdateRange(param, m, v, begin, end, config, lr, decay_ranges, num_decay_ranges,
+                          element_offset);
+  });
+}
+
+void OneBitAdamMomentum(float* m, const float* grad, int64_t n, float beta1, float grad_scale) {
+  const auto one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      m[i] = m[i] * beta1 + one_minus_beta1 * (grad[i] * grad_scale);
+  });
+}
+
+void OneBitAdamFrozenUpdate(float* param, const float* m, const float* v, int64_t n,
+                            const OneBitAdamConfig& config, float lr, const int64_t* decay_ranges,
+                            int64_t num_decay_ranges, int64_t element_offset) {
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    OneBitAdamUpdateRange(param, m, v, begin, end, config, lr, decay_ranges, num_decay_ranges,
+                          element_offset);
+  });
 }
 
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,

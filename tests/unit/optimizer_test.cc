@@ -115,6 +115,78 @@ TEST(OptimizerTest, AdamWRejectsStepZero) {
   EXPECT_NE(out.status().message().find("step must be >= 1"), std::string::npos);
 }
 
+// DeepSpeed's OnebitAdam for one element, in double: Adam without bias correction, the weight
+// decay added to the update; after the freeze step the variance stays and the momentum is the
+// ranks' average (here: given).
+struct NaiveOneBitAdam {
+  double p, m, v;
+  void Warmup(double g, double lr, double beta1, double beta2, double eps, double wd) {
+    m = beta1 * m + (1 - beta1) * g;
+    v = beta2 * v + (1 - beta2) * g * g;
+    p -= lr * (m / (std::sqrt(v) + eps) + wd * p);
+  }
+  void Frozen(double averaged_m, double lr, double eps, double wd) {
+    m = averaged_m;
+    p -= lr * (m / (std::sqrt(v) + eps) + wd * p);
+  }
+};
+
+TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClipping) {
+  constexpr int64_t n = 1000;
+  Tensor param = RandomTensor({n}, 1), grad = RandomTensor({n}, 2);
+  Tensor m = FloatTensor({n}, std::vector<float>(n, 0.f)), v = m;
+  std::vector<NaiveOneBitAdam> naive;
+  for (float x : ToVector(param)) naive.push_back({x, 0, 0});
+  // Element 0 of this piece is element 300 of the group: decay on [100, 400) and [600, 1000)
+  // of the group is on [0, 100) and [300, 700) here.
+  const Attrs attrs{{"beta1", 0.9},
+                    {"beta2", 0.999},
+                    {"eps", 1e-8},
+                    {"weight_decay", 0.01},
+                    {"element_offset", int64_t{300}},
+                    {"decay_ranges", std::vector<int64_t>{100, 400, 600, 1000}}};
+  const auto decays = [](int64_t i) { return i < 100 || (i >= 300 && i < 700); };
+  const float lr = 0.01f, clip = 0.5f;
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(
+        auto out,
+        RunKernel("onebit_adam", {param, grad, m, v, ScalarTensor(clip), ScalarTensor(lr)}, attrs));
+    param = out[0];
+    m = out[1];
+    v = out[2];
+    for (int64_t i = 0; i < n; ++i) {
+      naive[i].Warmup(static_cast<double>(grad.data<float>()[i]) * clip, lr, 0.9, 0.999, 1e-8,
+                      decays(i) ? 0.01 : 0.0);
+    }
+  }
+  // The compressed phase: this rank's momentum, then (standing in for the compressed average)
+  // that momentum scaled, then the frozen update.
+  ASSERT_OK_AND_ASSIGN(auto momentum,
+                       RunKernel("onebit_adam_momentum", {m, grad, ScalarTensor(clip)}, attrs));
+  std::vector<float> averaged = ToVector(momentum[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const double expected =
+        0.9 * naive[i].m + 0.1 * static_cast<double>(grad.data<float>()[i]) * clip;
+    EXPECT_NEAR(averaged[i], expected, 1e-6 * (1 + std::abs(expected))) << i;
+    averaged[i] *= 0.75f;
+  }
+  ASSERT_OK_AND_ASSIGN(auto frozen,
+                       RunKernel("onebit_adam_frozen",
+                                 {param, FloatTensor({n}, averaged), v, ScalarTensor(lr)}, attrs));
+  for (int64_t i = 0; i < n; ++i) {
+    naive[i].Frozen(averaged[i], lr, 1e-8, decays(i) ? 0.01 : 0.0);
+    EXPECT_NEAR(frozen[0].data<float>()[i], naive[i].p, 1e-5 * (1 + std::abs(naive[i].p))) << i;
+    EXPECT_NEAR(v.data<float>()[i], naive[i].v, 1e-6 * (1 + naive[i].v)) << i;
+  }
+  // Odd decay ranges are refused by name.
+  Attrs odd = attrs;
+  odd.Set("decay_ranges", std::vector<int64_t>{1, 2, 3});
+  const Status refused =
+      RunKernel("onebit_adam_frozen", {param, m, v, ScalarTensor(lr)}, odd).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("decay_ranges"), std::string::npos);
+}
+
 TEST(OptimizerTest, SgdMatchesNaiveUpdate) {
   Tensor param = RandomTensor({100}, 1), grad = RandomTensor({100}, 2);
   const std::vector<float> before = ToVector(param);
