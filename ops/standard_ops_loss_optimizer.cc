@@ -152,17 +152,18 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .name = "onebit_adam_frozen",
       .doc = "1-bit Adam's compressed phase, second half: param -= lr * (exp_avg / "
              "(sqrt(exp_avg_sq) + eps) + weight_decay * param) in place, exp_avg the ranks' "
-             "(compressed) average, exp_avg_sq frozen since the warm-up",
+             "(compressed) average, exp_avg_sq frozen since the warm-up (passed through: the "
+             "step's next value of it)",
       .input_names = {"param", "exp_avg", "exp_avg_sq", "lr"},
-      .output_names = {"param_out"},
-      .in_place = {{0, 0}},
+      .output_names = {"param_out", "exp_avg_sq_out"},
+      .in_place = {{0, 0}, {2, 1}},
       .infer = [check_decay](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[1], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[2], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
         TESSERA_RETURN_IF_ERROR(check_decay(attrs));
-        return Metas{in[0]};
+        return Metas{in[0], in[2]};
       },
       .cost = ElementwiseCost(5),
   }));

@@ -1,6 +1,6 @@
-// The optimizer pass: per rank, per group it holds, the update (AdamW or SGD, in place) of the
-// piece the sharding policy gives it, then what makes the next step's parameters of it: the
-// upload of the host master piece (offload), and the policy's gather of the updated shards.
+// The optimizer pass: per rank, per group it holds, the update (AdamW, 1-bit Adam or SGD, in
+// place) of the piece the sharding policy gives it, then what makes the next step's parameters of
+// it: the upload of the host master piece (offload), and the policy's gather of the updated shards.
 //
 // The update writes its target in place: the host master piece under a host update, else the
 // parameters. Where the target and the optimizer state are pieces of different sizes (a shard
@@ -36,6 +36,19 @@ Status FinishUpdate(PlanState& state, int r, size_t l) {
   return Status::Ok();
 }
 
+// An update's outputs (the target, then both moments) as the next step's state; returns the
+// update's task.
+Result<TaskId> TakeMomentsUpdate(PlanState& state, const std::vector<ObjectId>& updated,
+                                 StateObject& target, StateObject& exp_avg,
+                                 StateObject& exp_avg_sq) {
+  target.output = updated[0];
+  exp_avg.output = updated[1];
+  exp_avg_sq.output = updated[2];
+  state.builder.MarkOutput(exp_avg.output);
+  state.builder.MarkOutput(exp_avg_sq.output);
+  return state.ProducerOf(updated[0]);
+}
+
 // Layer l's AdamW update on rank r; returns the task.
 Result<TaskId> AddAdamW(PlanState& state, int r, size_t l, StateObject& target) {
   const RankState& rank = state.ranks[static_cast<size_t>(r)];
@@ -68,9 +81,82 @@ Result<TaskId> AddAdamW(PlanState& state, int r, size_t l, StateObject& target) 
                state.Name(r, layer + ".exp_avg" + state_suffix + ".next"),
                state.Name(r, layer + ".exp_avg_sq" + state_suffix + ".next")},
               {ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState})));
+  return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+}
+
+// Layer l's 1-bit Adam update on rank r; returns the task (the last of several in the
+// compressed phase). The warm-up: onebit_adam on the (reduced) gradient. The compressed phase:
+// this rank's momentum from its own gradient, averaged over the data ranks by a compressed
+// all-reduce with the rank's error buffers (none on one rank), then the update with the frozen
+// variance.
+Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& target) {
+  const RankState& rank = state.ranks[static_cast<size_t>(r)];
+  const OptimizerConfig& o = state.plan.optimizer;
+  const std::string& layer = state.LayerName(l);
+  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
+  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
+  const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
+  Attrs attrs{{"beta1", o.beta1},
+              {"beta2", o.beta2},
+              {"eps", o.eps},
+              {"weight_decay", o.weight_decay},
+              {"decay_ranges", state.model.layers[l].params.DecayRanges()}};
+  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
+  if (!o.compressed_phase) {
+    TESSERA_ASSIGN_OR_RETURN(
+        auto updated, state.builder.AddTask(
+                          state.Name(r, layer + "/onebit_adam"), "onebit_adam",
+                          {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input, clip,
+                           state.step.lr},
+                          std::move(attrs),
+                          state.OnOptimizerDevice(
+                              r, layer,
+                              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
+                               state.Name(r, layer + ".exp_avg_sq.next")},
+                              {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                               ObjectRole::kOptimizerState})));
+    return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+  }
+  TESSERA_ASSIGN_OR_RETURN(
+      auto momentum,
+      state.builder.AddTask(
+          state.Name(r, layer + "/onebit_adam_momentum"), "onebit_adam_momentum",
+          {exp_avg.input, rank.update_grad[l], clip}, Attrs{{"beta1", o.beta1}},
+          state.OnOptimizerDevice(r, layer, {state.Name(r, layer + ".exp_avg.local")},
+                                  {ObjectRole::kOptimizerState})));
+  ObjectId averaged = momentum[0];
+  if (state.compressed_momentum) {
+    StateObject& worker_error = state.step.state[rank.worker_error[l]];
+    StateObject& server_error = state.step.state[rank.server_error[l]];
+    const std::string name = layer + "/compressed_all_reduce";
+    TESSERA_ASSIGN_OR_RETURN(
+        auto reduced,
+        state.builder.AddTask(
+            state.Name(r, name), "compressed_all_reduce",
+            {momentum[0], worker_error.input, server_error.input}, state.DataCollective(name, r),
+            state.OnOptimizerDevice(r, layer,
+                                    {state.Name(r, layer + ".exp_avg.next"),
+                                     state.Name(r, layer + ".worker_error.next"),
+                                     state.Name(r, layer + ".server_error.next")},
+                                    {ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
+                                     ObjectRole::kOptimizerState})));
+    averaged = reduced[0];
+    worker_error.output = reduced[1];
+    server_error.output = reduced[2];
+    state.builder.MarkOutput(worker_error.output);
+    state.builder.MarkOutput(server_error.output);
+  }
+  TESSERA_ASSIGN_OR_RETURN(
+      auto updated,
+      state.builder.AddTask(
+          state.Name(r, layer + "/onebit_adam_frozen"), "onebit_adam_frozen",
+          {target.input, averaged, exp_avg_sq.input, state.step.lr}, std::move(attrs),
+          state.OnOptimizerDevice(
+              r, layer, {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq.next")},
+              {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
   target.output = updated[0];
-  exp_avg.output = updated[1];
-  exp_avg_sq.output = updated[2];
+  exp_avg.output = averaged;
+  exp_avg_sq.output = updated[1];
   state.builder.MarkOutput(exp_avg.output);
   state.builder.MarkOutput(exp_avg_sq.output);
   return state.ProducerOf(updated[0]);
@@ -104,8 +190,9 @@ Status UpdateRank(PlanState& state, int r) {
     LimitDownloadsInFlight(state, r, l, updates);
     StateObject& target =
         state.step.state[rank.master[l] != kNoState ? rank.master[l] : rank.param[l]];
-    TESSERA_ASSIGN_OR_RETURN(
-        TaskId update, state.adamw ? AddAdamW(state, r, l, target) : AddSgd(state, r, l, target));
+    TESSERA_ASSIGN_OR_RETURN(TaskId update, state.onebit_adam ? AddOneBitAdam(state, r, l, target)
+                                            : state.adam_moments ? AddAdamW(state, r, l, target)
+                                                                 : AddSgd(state, r, l, target));
     updates.push_back(update);
     TESSERA_RETURN_IF_ERROR(FinishUpdate(state, r, l));
   }

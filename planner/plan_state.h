@@ -51,6 +51,9 @@ struct RankState {
   // Indices into StepGraph::state of this rank's parameters, Adam moments and (host update)
   // master parameters; kNoState where the layer has none. Written by state placement.
   std::vector<size_t> param, exp_avg, exp_avg_sq, master;
+  // 1-bit Adam's compressed phase: the error buffers of each group's compressed all-reduce
+  // (placed after every rank's other state, so the warm-up's state is a prefix of this phase's).
+  std::vector<size_t> worker_error, server_error;
   // The gradient: accumulated over micro-batches by the expansion (full or shard, as the
   // sharding policy reduces it), final after the reductions pass.
   std::vector<ObjectId> grad;
@@ -83,7 +86,11 @@ struct PlanState {
   const int num_micro_batches;  // parallel.micro_batches
   const int num_stages;         // parallel.pipeline_stages
   const size_t num_layers;
-  const bool adamw;
+  const bool adam_moments;  // AdamW or 1-bit Adam: exp_avg and exp_avg_sq per group
+  const bool onebit_adam;   // 1-bit Adam (OptimizerConfig::Kind::kOneBitAdam)
+  // 1-bit Adam's compressed phase on several data ranks: the gradients stay unreduced and each
+  // rank's momentum is averaged by a compressed all-reduce, with its error buffers as state.
+  const bool compressed_momentum;
   // Offload on GPU workers: the update and its state live in the host tier (on CPU workers that
   // is where everything already is, and offload changes nothing).
   const bool host_update;

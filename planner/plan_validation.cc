@@ -14,9 +14,10 @@ namespace tessera {
 namespace {
 
 Status CheckOptimizer(const OptimizerConfig& o) {
-  if (o.kind == OptimizerConfig::Kind::kAdamW &&
+  if (o.has_moments() &&
       (o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1 || o.eps <= 0)) {
-    return InvalidArgument("AdamW needs 0 <= beta1, beta2 < 1 and eps > 0 (got {}, {}, {})",
+    return InvalidArgument("{} needs 0 <= beta1, beta2 < 1 and eps > 0 (got {}, {}, {})",
+                           o.kind == OptimizerConfig::Kind::kAdamW ? "AdamW" : "1-bit Adam",
                            o.beta1, o.beta2, o.eps);
   }
   if (o.weight_decay < 0) {
@@ -81,6 +82,24 @@ Status CheckRanks(const TrainingPlan& plan) {
   }
   if (p.prefetch_layers < 0) {
     return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);
+  }
+  if (plan.optimizer.kind == OptimizerConfig::Kind::kOneBitAdam) {
+    if (plan.optimizer.freeze_step < 1) {
+      return InvalidArgument("1-bit Adam's freeze step must be >= 1 (warm-up steps), got {}",
+                             plan.optimizer.freeze_step);
+    }
+    if (p.zero_stage > 0 && p.data_parallel > 1) {
+      return InvalidArgument(
+          "1-bit Adam runs with ZeRO stage 0 for now (its momentum is all-reduced whole, "
+          "compressed): use --zero-stage 0, or AdamW with ZeRO-{}",
+          p.zero_stage);
+    }
+    if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
+      return InvalidArgument(
+          "1-bit Adam runs on data-parallel (and pipeline) plans without offload, tensor or "
+          "sequence parallelism for now: drop --offload / --tensor-parallel / "
+          "--sequence-parallel, or use AdamW");
+    }
   }
   if (plan.optimizer.kind == OptimizerConfig::Kind::kSgd && ShardsOptimizerState(p)) {
     return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");

@@ -2,6 +2,7 @@
 // sharding policy places it.
 #include <fmt/format.h>
 
+#include "core/sign_compression.h"
 #include "ops/flat_layout.h"
 #include "planner/plan_passes.h"
 
@@ -40,7 +41,7 @@ void PlaceRankState(PlanState& state, int r) {
       rank.master[l] = AddState(state, StateKind::kMasterParameter, update, ObjectRole::kParameter,
                                 Device::Cpu());
     }
-    if (state.adamw) {
+    if (state.adam_moments) {
       rank.exp_avg[l] = AddState(state, StateKind::kExpAvg, update, ObjectRole::kOptimizerState,
                                  state.OptimizerDevice());
       rank.exp_avg_sq[l] = AddState(state, StateKind::kExpAvgSq, update,
@@ -97,6 +98,25 @@ Status PlaceStatePass(PlanState& state) {
   for (int r = 0; r < state.num_ranks; ++r) {
     PlaceRankState(state, r);
     SizeRankState(state, state.ranks[static_cast<size_t>(r)]);
+  }
+  // 1-bit Adam's compressed phase: every rank's error buffers last, so the warm-up step's state
+  // list is a prefix of this one's (the trainer starts them at zero when it switches).
+  for (int r = 0; r < state.num_ranks && state.compressed_momentum; ++r) {
+    RankState& rank = state.ranks[static_cast<size_t>(r)];
+    rank.worker_error.assign(state.num_layers, kNoState);
+    rank.server_error.assign(state.num_layers, kNoState);
+    for (size_t l = 0; l < state.num_layers; ++l) {
+      if (!state.HasParams(l)) continue;
+      const GroupPiece update = state.UpdatePiece(l, r);
+      rank.worker_error[l] = AddState(state, StateKind::kWorkerError, update,
+                                      ObjectRole::kOptimizerState, state.OptimizerDevice());
+      const GroupPiece chunk{.layer = l,
+                             .rank = r,
+                             .begin = 0,
+                             .numel = SignChunkElements(update.numel, state.num_data_ranks)};
+      rank.server_error[l] = AddState(state, StateKind::kServerError, chunk,
+                                      ObjectRole::kOptimizerState, state.OptimizerDevice());
+    }
   }
   return Status::Ok();
 }

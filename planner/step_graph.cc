@@ -90,6 +90,10 @@ const char* StateKindName(StateKind kind) {
       return "exp_avg_sq";
     case StateKind::kMasterParameter:
       return "master_params";
+    case StateKind::kWorkerError:
+      return "worker_error";
+    case StateKind::kServerError:
+      return "server_error";
   }
   return "?";
 }

@@ -77,7 +77,17 @@ namespace tessera {
 
 // kMasterParameter: the host-tier fp32 copy of a parameter piece under offload on GPU workers
 // (holds the same values as the parameters between steps; checkpoints keep the parameters).
-enum class StateKind : uint8_t { kParameter, kExpAvg, kExpAvgSq, kMasterParameter };
+// kWorkerError, kServerError: 1-bit Adam's compressed phase, the error feedback of each rank's
+// compressed all-reduce of a group's momentum (its piece: the whole group for the worker's; for
+// the server's, SignChunkElements(group, data ranks) elements from 0, the rank's chunk).
+enum class StateKind : uint8_t {
+  kParameter,
+  kExpAvg,
+  kExpAvgSq,
+  kMasterParameter,
+  kWorkerError,
+  kServerError
+};
 const char* StateKindName(StateKind kind);
 
 // Where a piece of a layer's group lives: elements [begin, begin + numel) of the (padded)

@@ -40,8 +40,17 @@
 namespace tessera {
 
 struct OptimizerConfig {
-  enum class Kind { kAdamW, kSgd };
+  // kOneBitAdam: 1-bit Adam (Tang et al. 2021, DeepSpeed's OnebitAdam): Adam without bias
+  // correction for freeze_step steps (gradients all-reduced as usual), then the variance frozen
+  // and each rank's momentum averaged by an error-feedback compressed all-reduce
+  // (collectives/compressed.h) in place of the gradients'. The trainer plans both phases' steps
+  // (compressed_phase false, then true) and runs the second after freeze_step steps.
+  enum class Kind { kAdamW, kSgd, kOneBitAdam };
   Kind kind = Kind::kAdamW;
+  int freeze_step = 100;          // 1-bit Adam: warm-up steps before the compressed phase
+  bool compressed_phase = false;  // 1-bit Adam: plan the compressed phase's step
+  // AdamW and 1-bit Adam keep two moments per parameter (exp_avg, exp_avg_sq); SGD none.
+  bool has_moments() const { return kind != Kind::kSgd; }
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;

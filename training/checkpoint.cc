@@ -84,7 +84,7 @@ Status GatheredState::Add(const std::string& layer, StateKind kind, int64_t padd
 Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::string& source) {
   // Every group checked before anything is written: a state that lacks one changes nothing.
   const ModelSpec& model = trainer.model();
-  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  const bool adamw = trainer.plan().optimizer.has_moments();
   std::vector<std::tuple<size_t, StateKind, const std::vector<float>*>> writes;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     if (model.layers[l].params.numel() == 0) continue;  // a layer without parameters
@@ -155,7 +155,7 @@ Result<json> WritePieces(Trainer& trainer, const fs::path& partial) {
 // Under tensor parallelism: each whole group gathered here and written as one piece
 // ("whole/<layer>.<kind>.bin"), so that any plan, of any tensor-parallel degree, loads it.
 Result<json> WriteWholeGroups(Trainer& trainer, const fs::path& partial) {
-  const bool adamw = trainer.plan().optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  const bool adamw = trainer.plan().optimizer.has_moments();
   std::error_code error;
   if (!fs::create_directories(partial / "whole", error) && error) {
     return Unavailable("cannot create checkpoint directory '{}': {}", (partial / "whole").string(),

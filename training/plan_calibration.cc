@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <system_error>
@@ -214,6 +215,8 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   TrainingPlan one = base;
   one.batch = rows;
   one.parallel = ParallelConfig{};
+  // A 1-bit Adam plan's probes time its warm-up step (the first ones it runs), not its switch.
+  one.optimizer.freeze_step = std::numeric_limits<int>::max();
   one.parallel.workers = {request.workers.front()};
   one.memory = base.memory;  // planned under the caps the workers hold, as the plans will be
   // One rank on one worker at two row counts: the worker's step is a scale of the profiled work

@@ -364,7 +364,12 @@ Result<std::vector<float>> Trainer::GatherWholeGroup(size_t layer, const Planned
 }
 
 Status Trainer::AllocateState(std::optional<uint64_t> seed) {
-  const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  const bool adamw = plan_.optimizer.has_moments();
+  // Fresh state starts 1-bit Adam's warm-up again.
+  if (plan_.optimizer.compressed_phase) {
+    plan_.optimizer.compressed_phase = false;
+    TESSERA_RETURN_IF_ERROR(PrepareStepGraph());
+  }
   // Values already allocated (the zeros Create allocates) are written in place: a model's state
   // is faulted in once, not twice.
   state_.resize(step_graph_.state.size());
@@ -423,7 +428,7 @@ Status Trainer::AllocateSplitState(std::optional<uint64_t> seed) {
       }
     }
   }
-  const bool adamw = plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW;
+  const bool adamw = plan_.optimizer.has_moments();
   for (size_t p = 0; p < split_.layers.size(); ++p) {
     if (step_graph_.group_numel[p] == 0) continue;
     for (int t = 0; t < ranks; ++t) {
@@ -703,8 +708,44 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
   return backend_->Upload(std::move(t));
 }
 
+Status Trainer::EnterCompressedPhase() {
+  // The compressed phase's state is the warm-up's, then every rank's error buffers (state
+  // placement puts them last), which start at zero.
+  const std::vector<StateObject> warmup = step_graph_.state;
+  plan_.optimizer.compressed_phase = true;
+  TESSERA_RETURN_IF_ERROR(PrepareStepGraph());
+  const std::vector<StateObject>& compressed = step_graph_.state;
+  for (size_t i = 0; i < warmup.size(); ++i) {
+    if (i >= compressed.size() || compressed[i].kind != warmup[i].kind ||
+        compressed[i].piece.layer != warmup[i].piece.layer ||
+        compressed[i].piece.rank != warmup[i].piece.rank ||
+        compressed[i].piece.numel != warmup[i].piece.numel) {
+      return Internal("1-bit Adam: the compressed phase's state {} is not the warm-up's", i);
+    }
+  }
+  state_.resize(compressed.size());
+  for (size_t i = warmup.size(); i < compressed.size(); ++i) {
+    const StateObject& object = compressed[i];
+    TESSERA_ASSIGN_OR_RETURN(Tensor zeros,
+                             Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
+    ParallelFill(zeros.data<float>(), object.piece.numel, 0.0f);
+    TESSERA_ASSIGN_OR_RETURN(
+        state_[i],
+        backend_->UploadTo(std::move(zeros), step_graph_.graph.object(object.input).meta.device));
+  }
+  GetLogger("trainer")->info(
+      "1-bit Adam: after {} warm-up steps the variance is frozen and each rank's momentum is "
+      "averaged by a compressed all-reduce ({} error buffers)",
+      steps_taken_, compressed.size() - warmup.size());
+  return Status::Ok();
+}
+
 Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, plan_.batch, plan_.seq_len, /*labels=*/true));
+  if (plan_.optimizer.kind == OptimizerConfig::Kind::kOneBitAdam &&
+      !plan_.optimizer.compressed_phase && steps_taken_ >= plan_.optimizer.freeze_step) {
+    TESSERA_RETURN_IF_ERROR(EnterCompressedPhase());
+  }
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
@@ -945,7 +986,13 @@ Result<std::vector<Value>> Trainer::CopyState(const std::vector<size_t>& indices
 int64_t Trainer::ParameterBytes() const { return 4 * model_.NumParameters(); }
 
 int64_t Trainer::OptimizerStateBytes() const {
-  return plan_.optimizer.kind == OptimizerConfig::Kind::kAdamW ? 8 * model_.NumParameters() : 0;
+  const int64_t params = model_.NumParameters();
+  int64_t bytes = plan_.optimizer.has_moments() ? 8 * params : 0;
+  // 1-bit Adam's compressed phase: each rank's worker error (a group's length) and server error
+  // (its chunk of it), about 4 (1 + 1/N) bytes a parameter.
+  const int ranks = plan_.parallel.data_parallel;
+  if (plan_.optimizer.compressed_phase && ranks > 1) bytes += 4 * params + 4 * params / ranks;
+  return bytes;
 }
 
 }  // namespace tessera

@@ -180,6 +180,9 @@ class Trainer {
   Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows,
                            int64_t first_position = 0, int64_t positions = -1);
   Status PrepareStepGraph();
+  // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, then
+  // every rank's error buffers, started at zero) and runs it from the next step on.
+  Status EnterCompressedPhase();
   // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);
   // AllocateState under tensor parallelism: the whole groups drawn, each rank given its slices.

@@ -64,6 +64,7 @@ struct Flags {
   double weight_decay = 0.1;
   double grad_clip = 1.0;
   std::string optimizer = "adamw";
+  int freeze_step = 100;  // --optimizer onebit-adam: warm-up steps
   uint64_t seed = 1337;
   std::string data = TESSERA_DEFAULT_DATA;
   std::string data_format = "auto";
@@ -242,6 +243,10 @@ Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const ResolvedShape& 
   plan.optimizer.weight_decay = flags.weight_decay;
   plan.optimizer.max_grad_norm = flags.grad_clip;
   if (flags.optimizer == "sgd") plan.optimizer.kind = tessera::OptimizerConfig::Kind::kSgd;
+  if (flags.optimizer == "onebit-adam") {
+    plan.optimizer.kind = tessera::OptimizerConfig::Kind::kOneBitAdam;
+    plan.optimizer.freeze_step = flags.freeze_step;
+  }
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags.common, kProgram, plan));
   if (flags.common.checkpoints.resume && !flags.init_from.empty()) {
     return tessera::InvalidArgument(
@@ -549,8 +554,14 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
       ->check(tessera::AtLeast(0));
   app.add_option("--grad-clip", flags.grad_clip, "Global gradient-norm bound (0: off)")
       ->check(tessera::AtLeast(0));
-  app.add_option("--optimizer", flags.optimizer, "adamw or sgd")
-      ->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--optimizer", flags.optimizer,
+                 "adamw, sgd or onebit-adam (1-bit Adam: --freeze-step steps of Adam without "
+                 "bias correction, then the variance frozen and each worker's momentum averaged "
+                 "by an error-feedback compressed all-reduce, 1/32 of the bytes)")
+      ->check(CLI::IsMember({"adamw", "sgd", "onebit-adam"}));
+  app.add_option("--freeze-step", flags.freeze_step,
+                 "--optimizer onebit-adam: warm-up steps before the compressed phase")
+      ->check(tessera::AtLeast(1));
   app.add_option("--seed", flags.seed, "Seed for initialisation, batches and sampling");
 }
 

@@ -132,9 +132,9 @@ struct NaiveOneBitAdam {
 };
 
 TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClipping) {
-  constexpr int64_t n = 1000;
-  Tensor param = RandomTensor({n}, 1), grad = RandomTensor({n}, 2);
-  Tensor m = FloatTensor({n}, std::vector<float>(n, 0.f)), v = m;
+  constexpr int64_t kCount = 1000;
+  Tensor param = RandomTensor({kCount}, 1), grad = RandomTensor({kCount}, 2);
+  Tensor m = FloatTensor({kCount}, std::vector<float>(kCount, 0.f)), v = m;
   std::vector<NaiveOneBitAdam> naive;
   for (float x : ToVector(param)) naive.push_back({x, 0, 0});
   // Element 0 of this piece is element 300 of the group: decay on [100, 400) and [600, 1000)
@@ -154,7 +154,7 @@ TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClippi
     param = out[0];
     m = out[1];
     v = out[2];
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < kCount; ++i) {
       naive[i].Warmup(static_cast<double>(grad.data<float>()[i]) * clip, lr, 0.9, 0.999, 1e-8,
                       decays(i) ? 0.01 : 0.0);
     }
@@ -164,16 +164,16 @@ TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClippi
   ASSERT_OK_AND_ASSIGN(auto momentum,
                        RunKernel("onebit_adam_momentum", {m, grad, ScalarTensor(clip)}, attrs));
   std::vector<float> averaged = ToVector(momentum[0]);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < kCount; ++i) {
     const double expected =
         0.9 * naive[i].m + 0.1 * static_cast<double>(grad.data<float>()[i]) * clip;
     EXPECT_NEAR(averaged[i], expected, 1e-6 * (1 + std::abs(expected))) << i;
     averaged[i] *= 0.75f;
   }
-  ASSERT_OK_AND_ASSIGN(auto frozen,
-                       RunKernel("onebit_adam_frozen",
-                                 {param, FloatTensor({n}, averaged), v, ScalarTensor(lr)}, attrs));
-  for (int64_t i = 0; i < n; ++i) {
+  ASSERT_OK_AND_ASSIGN(
+      auto frozen, RunKernel("onebit_adam_frozen",
+                             {param, FloatTensor({kCount}, averaged), v, ScalarTensor(lr)}, attrs));
+  for (int64_t i = 0; i < kCount; ++i) {
     naive[i].Frozen(averaged[i], lr, 1e-8, decays(i) ? 0.01 : 0.0);
     EXPECT_NEAR(frozen[0].data<float>()[i], naive[i].p, 1e-5 * (1 + std::abs(naive[i].p))) << i;
     EXPECT_NEAR(v.data<float>()[i], naive[i].v, 1e-6 * (1 + naive[i].v)) << i;
