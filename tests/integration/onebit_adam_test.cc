@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 
 #include "client/cluster.h"
@@ -118,6 +119,8 @@ TEST_F(OneBitAdamTest, TheWarmUpIsOneWorkersAndTheCompressedPhaseSendsAThirtySec
     const int64_t compressed = pair[kSteps - 1].ranks[r].figures.collective_bytes_sent;
     EXPECT_EQ(compressed, compressed_expected) << "rank " << r;
     const double ratio = static_cast<double>(compressed) / static_cast<double>(warmup);
+    RecordProperty(fmt::format("rank{}_bytes_warmup_compressed", r),
+                   fmt::format("{} {} (1/{:.3f})", warmup, compressed, 1 / ratio));
     EXPECT_NEAR(ratio * 32, 1.0, 0.02)
         << "rank " << r << ": " << compressed << " bytes against " << warmup;
   }
