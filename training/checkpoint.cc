@@ -56,10 +56,74 @@ Status CheckSameModel(const json& saved, const Trainer& trainer, const std::stri
 }
 
 Result<StateKind> KindFromName(const std::string& name) {
-  for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+  for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq,
+                         StateKind::kWorkerError, StateKind::kServerError}) {
     if (name == StateKindName(kind)) return kind;
   }
   return DataLoss("unknown state kind '{}'", name);
+}
+
+// 1-bit Adam's error buffers as a checkpoint saved them: per layer, each saving rank's worker
+// error (its group) and server error (its chunk of it).
+struct SavedErrors {
+  std::map<std::string, std::map<int, std::vector<float>>> worker, server;
+};
+
+// Writes the trainer's error buffers from `saved` once past its warm-up (entering the compressed
+// phase). The same number of data ranks: each rank's own, exactly. Another number: what the
+// compressed all-reduce still owes the true averages kept (collectives/compressed.h's
+// invariant): every rank's worker error the saving ranks' mean, and the server errors, joined in
+// chunk order, cut into the new chunks. A layer without saved errors keeps zeros.
+Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
+  const OptimizerConfig& optimizer = trainer.plan().optimizer;
+  if (optimizer.kind != OptimizerConfig::Kind::kOneBitAdam) return Status::Ok();
+  if (step < optimizer.freeze_step) {
+    if (!optimizer.compressed_phase) return Status::Ok();
+    return InvalidArgument(
+        "the checkpoint is of step {}, in 1-bit Adam's warm-up, but this trainer is past its "
+        "freeze step {}: load it into a fresh trainer",
+        step, optimizer.freeze_step);
+  }
+  TESSERA_RETURN_IF_ERROR(trainer.EnterCompressedPhase());
+  const StepGraph& graph = trainer.step_graph();
+  for (size_t i = 0; i < graph.state.size(); ++i) {
+    const StateObject& object = graph.state[i];
+    const bool worker = object.kind == StateKind::kWorkerError;
+    if (!worker && object.kind != StateKind::kServerError) continue;
+    const LayerSpec& layer = trainer.model().layers[object.piece.layer];
+    const auto& by_layer = worker ? saved.worker : saved.server;
+    auto found = by_layer.find(layer.name);
+    if (found == by_layer.end() || found->second.empty()) continue;
+    const std::map<int, std::vector<float>>& ranks = found->second;
+    const int64_t numel = layer.params.numel();
+    std::vector<float> values(static_cast<size_t>(object.piece.numel), 0.0f);
+    const bool same = static_cast<int>(ranks.size()) == graph.parallel.data_parallel &&
+                      ranks.contains(object.piece.rank) &&
+                      ranks.at(object.piece.rank).size() == values.size();
+    if (same) {
+      values = ranks.at(object.piece.rank);
+    } else if (worker) {
+      for (int64_t k = 0; k < std::min<int64_t>(numel, object.piece.numel); ++k) {
+        double sum = 0;
+        for (const auto& [rank, error] : ranks) {
+          if (k < static_cast<int64_t>(error.size())) sum += error[static_cast<size_t>(k)];
+        }
+        values[static_cast<size_t>(k)] =
+            static_cast<float>(sum / static_cast<double>(ranks.size()));
+      }
+    } else {
+      const auto old_chunk = static_cast<int64_t>(ranks.begin()->second.size());
+      const int64_t begin = object.piece.numel * object.piece.rank;
+      for (int64_t j = 0; j < object.piece.numel && begin + j < numel && old_chunk > 0; ++j) {
+        const int64_t k = begin + j;
+        auto chunk = ranks.find(static_cast<int>(k / old_chunk));
+        if (chunk != ranks.end())
+          values[static_cast<size_t>(j)] = chunk->second[static_cast<size_t>(k % old_chunk)];
+      }
+    }
+    TESSERA_RETURN_IF_ERROR(trainer.WriteStateObject(i, values));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -267,13 +331,17 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
   // Every group of the trainer's plan, assembled from the saved pieces; only then is anything
   // written into the trainer (a damaged checkpoint leaves it as it was).
   GatheredState gathered;
+  SavedErrors errors;
   try {
     for (const json& piece : manifest.at("pieces")) {
       const std::string layer = piece.at("layer");
       TESSERA_ASSIGN_OR_RETURN(StateKind kind, KindFromName(piece.at("kind")));
       const int64_t begin = piece.at("begin"), numel = piece.at("numel");
       const int64_t padded = manifest.at("groups").at(layer).at("padded_numel");
-      if (piece.at("rank") != 0 && begin == 0 && numel == padded) continue;  // a replica
+      const bool error_buffer = kind == StateKind::kWorkerError || kind == StateKind::kServerError;
+      if (!error_buffer && piece.at("rank") != 0 && begin == 0 && numel == padded) {
+        continue;  // a replica
+      }
       const std::string file = (step_dir / piece.at("file").get<std::string>()).string();
       TESSERA_ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(file, "checkpoint file"));
       if (static_cast<int64_t>(bytes.size()) != numel * 4) {
@@ -283,10 +351,14 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
       if (Fnv1a(bytes.data(), bytes.size()) != piece.at("fnv1a").get<uint64_t>()) {
         return DataLoss("checkpoint piece '{}' is corrupted (checksum mismatch)", file);
       }
+      const auto* values = reinterpret_cast<const float*>(bytes.data());
+      if (error_buffer) {  // each rank's own
+        (kind == StateKind::kWorkerError ? errors.worker : errors.server)[layer][piece.at("rank")] =
+            std::vector<float>(values, values + numel);
+        continue;
+      }
       TESSERA_RETURN_IF_ERROR(
-          gathered
-              .Add(layer, kind, padded, begin, reinterpret_cast<const float*>(bytes.data()), numel)
-              .WithContext(file));
+          gathered.Add(layer, kind, padded, begin, values, numel).WithContext(file));
     }
   } catch (const json::exception& e) {
     return DataLoss("checkpoint manifest '{}' is damaged: {}", manifest_path, e.what());
@@ -298,6 +370,8 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
   info.step = manifest.at("step");
   info.sampler_state = manifest.value("sampler_state", "");
   trainer.set_steps_taken(info.step);
+  TESSERA_RETURN_IF_ERROR(RestoreErrors(trainer, errors, info.step)
+                              .WithContext("restoring 1-bit Adam's error buffers"));
   return info;
 }
 

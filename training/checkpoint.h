@@ -22,6 +22,12 @@
 // manifest is DataLoss naming the file and what is wrong; a checkpoint of another model shape
 // is InvalidArgument naming the field.
 //
+// 1-bit Adam's error buffers (its compressed phase) are saved per rank like any piece; loading
+// past the freeze step puts the trainer in that phase and restores them: on as many data ranks,
+// each rank's own (the run goes on exactly); on another number, resharded so that what the
+// compressed all-reduce still owes the true averages is kept (every rank's worker error the
+// saving ranks' mean; the server errors joined in chunk order and cut into the new chunks).
+//
 // The manifest's "model" is the model's ModelSpec::config as a JSON object when it has one (the
 // transformer language model's {"channels", "heads", "layers", "max_seq_len", "vocab"}, as its
 // checkpoints have always recorded it), else {"name", "layer_groups": [{"name", "numel"}, ...]};

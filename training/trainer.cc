@@ -709,6 +709,10 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
 }
 
 Status Trainer::EnterCompressedPhase() {
+  if (plan_.optimizer.kind != OptimizerConfig::Kind::kOneBitAdam ||
+      plan_.optimizer.compressed_phase) {
+    return Status::Ok();
+  }
   // The compressed phase's state is the warm-up's, then every rank's error buffers (state
   // placement puts them last), which start at zero.
   const std::vector<StateObject> warmup = step_graph_.state;
@@ -737,6 +741,26 @@ Status Trainer::EnterCompressedPhase() {
       "1-bit Adam: after {} warm-up steps the variance is frozen and each rank's momentum is "
       "averaged by a compressed all-reduce ({} error buffers)",
       steps_taken_, compressed.size() - warmup.size());
+  return Status::Ok();
+}
+
+Status Trainer::WriteStateObject(size_t index, std::span<const float> values) {
+  if (index >= step_graph_.state.size()) {
+    return InvalidArgument("state object {} of a step holding {}", index, step_graph_.state.size());
+  }
+  const StateObject& object = step_graph_.state[index];
+  if (static_cast<int64_t>(values.size()) != object.piece.numel) {
+    return InvalidArgument("state object '{}' has {} elements, {} given",
+                           step_graph_.graph.object(object.input).name, object.piece.numel,
+                           values.size());
+  }
+  TESSERA_ASSIGN_OR_RETURN(Tensor piece,
+                           Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
+  ParallelCopy(piece.data<float>(), values.data(), object.piece.numel);
+  state_[index] = Value();
+  TESSERA_ASSIGN_OR_RETURN(
+      state_[index],
+      backend_->UploadTo(std::move(piece), step_graph_.graph.object(object.input).meta.device));
   return Status::Ok();
 }
 

@@ -142,6 +142,14 @@ class Trainer {
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
+  // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, then
+  // every rank's error buffers, started at zero) and runs it from the next step on. Step calls it
+  // after freeze_step steps; a checkpoint load past them calls it to restore the errors. A no-op
+  // for other optimizers and once in the phase.
+  Status EnterCompressedPhase();
+  // Writes step_graph().state[index] (its piece's elements): what has no group to go through (1-bit
+  // Adam's error buffers).
+  Status WriteStateObject(size_t index, std::span<const float> values);
   const StepGraph& step_graph() const { return step_graph_; }
 
   // The whole model, and the model the step graph runs: the same, or under tensor parallelism
@@ -180,9 +188,7 @@ class Trainer {
   Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows,
                            int64_t first_position = 0, int64_t positions = -1);
   Status PrepareStepGraph();
-  // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, then
-  // every rank's error buffers, started at zero) and runs it from the next step on.
-  Status EnterCompressedPhase();
+
   // Fresh parameters (each layer's ParamInit from `seed`, or zeros) and zeroed optimizer state.
   Status AllocateState(std::optional<uint64_t> seed);
   // AllocateState under tensor parallelism: the whole groups drawn, each rank given its slices.

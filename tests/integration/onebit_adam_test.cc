@@ -2,8 +2,12 @@
 // processes: its warm-up is exact data parallelism (the same losses as one worker's), its
 // compressed phase sends what the compressed all-reduce's byte count says for every group and
 // about 1/32 of the warm-up's all-reduce bytes, and its losses stay within 1% of one worker's
-// (uncompressed: one worker's momentum is its own); plans it cannot run yet are refused by name.
+// (uncompressed: one worker's momentum is its own); a checkpoint in the compressed phase resumes
+// exactly with its error buffers, resharded on four workers, and on one; plans it cannot run yet
+// are refused by name.
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <memory>
 
 #include <fmt/format.h>
@@ -16,6 +20,7 @@
 #include "gpt2_test_util.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "training/checkpoint.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -39,25 +44,53 @@ TrainingPlan OneBitPlan(int workers) {
   return plan;
 }
 
-// kSteps steps on the same synthetic batches; each step's report.
-Result<std::vector<StepReport>> Train(Trainer& trainer) {
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
+// Steps [first, last) of a run on the same synthetic batches (a fresh run initialises the
+// parameters; a resumed one starts from its state); each step's report.
+Result<std::vector<StepReport>> Train(Trainer& trainer, int first = 0, int last = kSteps) {
+  if (first == 0) TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
   TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
   TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
   std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
   std::vector<StepReport> reports;
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < last; ++step) {
     sampler.Next(tokens.data(), targets.data());
+    if (step < first) continue;
     TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(trainer, tokens, targets, 3e-3f));
     reports.push_back(std::move(report));
   }
   return reports;
 }
 
+// A layer's error buffers on every data rank, in rank order.
+struct LayerErrors {
+  std::vector<std::vector<float>> worker, server;
+  // Element k of the server errors joined in chunk order.
+  float Server(int64_t k) const {
+    const auto chunk = static_cast<int64_t>(server.front().size());
+    return server[static_cast<size_t>(k / chunk)][static_cast<size_t>(k % chunk)];
+  }
+};
+using ErrorsByLayer = std::map<size_t, LayerErrors>;
+
+Result<ErrorsByLayer> Errors(Trainer& trainer) {
+  ErrorsByLayer errors;
+  const std::vector<StateObject>& state = trainer.step_graph().state;
+  for (size_t i = 0; i < state.size(); ++i) {
+    const bool worker = state[i].kind == StateKind::kWorkerError;
+    if (!worker && state[i].kind != StateKind::kServerError) continue;
+    TESSERA_ASSIGN_OR_RETURN(Tensor value, trainer.DownloadState(i));
+    LayerErrors& layer = errors[state[i].piece.layer];
+    auto& list = worker ? layer.worker : layer.server;
+    list.resize(std::max(list.size(), static_cast<size_t>(state[i].piece.rank) + 1));
+    list[static_cast<size_t>(state[i].piece.rank)] = ToVector(value);
+  }
+  return errors;
+}
+
 class OneBitAdamTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(2);
+    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(4);  // plans take the first N
     ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
     cluster_ = std::move(*cluster).release();
   }
@@ -123,6 +156,81 @@ TEST_F(OneBitAdamTest, TheWarmUpIsOneWorkersAndTheCompressedPhaseSendsAThirtySec
                    fmt::format("{} {} (1/{:.3f})", warmup, compressed, 1 / ratio));
     EXPECT_NEAR(ratio * 32, 1.0, 0.02)
         << "rank " << r << ": " << compressed << " bytes against " << warmup;
+  }
+}
+
+// A checkpoint in the compressed phase keeps every rank's error buffers: resumed on as many
+// workers, the run goes on exactly as it would have; on one worker it resumes too (the errors
+// resharded: RestoreErrors in training/checkpoint.cc).
+TEST_F(OneBitAdamTest, AResumeInTheCompressedPhaseKeepsTheErrorBuffers) {
+  constexpr int kSaveAt = kFreezeStep + 3;
+  ASSERT_OK_AND_ASSIGN(auto whole, Distributed(OneBitPlan(2)));
+  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> uninterrupted, Train(*whole));
+  whole.reset();
+  const std::string dir = TempPath("onebit-checkpoint");
+  std::filesystem::remove_all(dir);
+  ErrorsByLayer saved;
+  {
+    ASSERT_OK_AND_ASSIGN(auto first, Distributed(OneBitPlan(2)));
+    ASSERT_OK(Train(*first, 0, kSaveAt).status());
+    ASSERT_OK(SaveCheckpoint(*first, dir, "").status());
+    ASSERT_OK_AND_ASSIGN(saved, Errors(*first));
+  }
+  ASSERT_OK_AND_ASSIGN(auto resumed, Distributed(OneBitPlan(2)));
+  ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*resumed, dir));
+  EXPECT_EQ(info.step, kSaveAt);
+  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> rest, Train(*resumed, kSaveAt, kSteps));
+  ASSERT_EQ(rest.size(), static_cast<size_t>(kSteps - kSaveAt));
+  for (size_t i = 0; i < rest.size(); ++i) {
+    EXPECT_EQ(rest[i].loss, uninterrupted[kSaveAt + i].loss) << "step " << kSaveAt + i + 1;
+  }
+  // Without the errors the same resume goes elsewhere: they are what made it exact.
+  ASSERT_OK_AND_ASSIGN(auto forgetful, Distributed(OneBitPlan(2)));
+  ASSERT_OK(LoadCheckpoint(*forgetful, dir).status());
+  ASSERT_OK(forgetful->EnterCompressedPhase());
+  for (size_t i = 0; i < forgetful->step_graph().state.size(); ++i) {
+    const StateObject& object = forgetful->step_graph().state[i];
+    if (object.kind != StateKind::kWorkerError && object.kind != StateKind::kServerError) continue;
+    ASSERT_OK(forgetful->WriteStateObject(
+        i, std::vector<float>(static_cast<size_t>(object.piece.numel), 0.0f)));
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> zeroed, Train(*forgetful, kSaveAt, kSteps));
+  EXPECT_NE(zeroed.back().loss, uninterrupted.back().loss);
+  // On four workers the errors are resharded keeping what the compressed all-reduce still owes
+  // the true averages: the ranks' mean worker error and the server errors in chunk order.
+  ASSERT_OK_AND_ASSIGN(auto wider, Distributed(OneBitPlan(4)));
+  ASSERT_OK(LoadCheckpoint(*wider, dir).status());
+  ASSERT_OK_AND_ASSIGN(ErrorsByLayer resharded, Errors(*wider));
+  ASSERT_EQ(resharded.size(), saved.size());
+  for (const auto& [layer, before] : saved) {
+    const LayerErrors& after = resharded.at(layer);
+    ASSERT_EQ(before.worker.size(), 2u);
+    ASSERT_EQ(after.worker.size(), 4u);
+    const int64_t numel = wider->model().layers[layer].params.numel();
+    for (int64_t k = 0; k < numel; ++k) {
+      const auto at = static_cast<size_t>(k);
+      const double old_mean = (before.worker[0][at] + before.worker[1][at]) / 2.0;
+      double new_mean = 0;
+      for (const std::vector<float>& error : after.worker) new_mean += error[at] / 4.0;
+      ASSERT_NEAR(new_mean, old_mean, 1e-6) << "layer " << layer << " element " << k;
+      ASSERT_EQ(after.Server(k), before.Server(k)) << "layer " << layer << " element " << k;
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> four, Train(*wider, kSaveAt, kSteps));
+  for (const StepReport& report : four) {
+    EXPECT_NEAR(report.loss, uninterrupted[report.step - 1].loss,
+                0.01 * uninterrupted[report.step - 1].loss)
+        << "four workers, step " << report.step;
+  }
+  // On one worker: it resumes and trains on.
+  ASSERT_OK_AND_ASSIGN(auto alone, Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")),
+                                                   OneBitPlan(1), ExecutorOptions{}));
+  ASSERT_OK(LoadCheckpoint(*alone, dir).status());
+  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> single, Train(*alone, kSaveAt, kSteps));
+  for (const StepReport& report : single) {
+    EXPECT_NEAR(report.loss, uninterrupted[report.step - 1].loss,
+                0.01 * uninterrupted[report.step - 1].loss)
+        << "step " << report.step;
   }
 }
 
