@@ -9,18 +9,24 @@
 #   multinode_test.sh link_down    a host's link goes down mid-training: the driver fails
 #                                  naming that host, within the heartbeat bound; nothing hangs
 #   multinode_test.sh kill_worker  a host's worker is SIGKILLed mid-training: the same
+#   multinode_test.sh onebit       a benchmark (not a CTest test): a GPT-2 of ~11M parameters in
+#                                  data parallel on the 3 hosts, AdamW against 1-bit Adam, run
+#                                  alternately twice each; prints each run's median step time
+#                                  over the compressed phase's steps and the ratio (bench/results;
+#                                  TESSERA_ONEBIT_SEQ_LEN: positions a row, 64 by default)
 #
 # Needs root, ip netns, tc, sshd, ssh and ssh-keygen; exits 77 (CTest: skipped) saying which is
 # missing. Everything it makes (namespaces, bridge, processes, files) is removed on exit, also
 # when it fails or is interrupted. TESSERA_BIN_DIR: where tessera and train_gpt2 are.
 set -euo pipefail
 
-mode="${1:?usage: multinode_test.sh train|link_down|kill_worker}"
+mode="${1:?usage: multinode_test.sh train|link_down|kill_worker|onebit}"
 bin_dir="${TESSERA_BIN_DIR:?TESSERA_BIN_DIR must name the directory of tessera and train_gpt2}"
 case "$mode" in
   train) net=0 ;;
   link_down) net=1 ;;
   kill_worker) net=2 ;;
+  onebit) net=3 ;;
   *) echo "unknown mode '$mode'" >&2; exit 2 ;;
 esac
 
@@ -225,6 +231,39 @@ if [[ "$mode" == train ]]; then
   [[ $(grep -c "running, kept" "$dir/up3.out") -eq 4 ]] ||
     fail "tessera up touched the running hosts: $(cat "$dir/up3.out")"
   log "an unreachable node is reported: $(grep "$subnet.9" "$dir/up3.out")"
+  down_and_check
+  exit 0
+fi
+
+if [[ "$mode" == onebit ]]; then
+  # Communication-bound on purpose: one row of 64 positions per worker a step, so the f32 ring
+  # all-reduce of ~44 MB of gradients over 1 Gbit/s links outweighs the compute.
+  steps=30
+  freeze=10
+  seq_len="${TESSERA_ONEBIT_SEQ_LEN:-64}"
+  log "GPT-2 6 x 384 (~11M parameters), 3 workers x 1 row of $seq_len positions a step"
+  bench=("$bin_dir/train_gpt2" --layers 6 --channels 384 --heads 6 --seq-len "$seq_len" --batch 3
+    --threads 1 --log-every 1 --steps $steps --address "$TESSERA_ADDRESS" --workers 3
+    --token-file "$TESSERA_TOKEN_FILE")
+  # The median step time over steps freeze+2 .. steps (the compressed phase, past its switch).
+  median_ms() {
+    grep -oE "^step [0-9]+/$steps loss [0-9.]+ +[0-9.]+ ms" "$1" |
+      awk -v from=$((freeze + 2)) '{ split($2, s, "/"); if (s[1] >= from) print $5 }' | sort -g |
+      awk '{ v[NR] = $1 } END { if (NR == 0) exit 1; print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
+  }
+  for round in 1 2; do
+    for optimizer in adamw onebit-adam; do
+      out="$dir/$optimizer-$round.out"
+      timeout 600 "${bench[@]}" --optimizer $optimizer --freeze-step $freeze >"$out" 2>&1 ||
+        fail "train_gpt2 --optimizer $optimizer failed: $(tail -20 "$out")"
+      ms=$(median_ms "$out") || fail "no step times in $out"
+      final=$(grep -oE "final_loss=[0-9.]+" "$out" | cut -d= -f2)
+      log "round $round, $optimizer: median step ${ms} ms over steps $((freeze + 2))-$steps, final loss $final"
+      echo "$round $optimizer $ms $final" >>"$dir/onebit.tsv"
+    done
+  done
+  awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv"
+  awk '{ n[$2]++; s[$2] += $3 } END { printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx\n", s["adamw"] / n["adamw"], s["onebit-adam"] / n["onebit-adam"], (s["adamw"] / n["adamw"]) / (s["onebit-adam"] / n["onebit-adam"]) }' "$dir/onebit.tsv"
   down_and_check
   exit 0
 fi
