@@ -27,8 +27,13 @@ Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_st
   std::vector<WorkerId> workers;
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
-    // Master copies equal the parameters between steps (the checkpoint's rule too).
-    if (object.kind == StateKind::kMasterParameter) continue;
+    // Master copies equal the parameters between steps (the checkpoint's rule too). 1-bit
+    // Adam's error buffers are per rank, not pieces of a group (a server error's chunk can be
+    // larger than a small group): not snapshotted yet; a restore keeps the trainer's own.
+    if (object.kind == StateKind::kMasterParameter || object.kind == StateKind::kWorkerError ||
+        object.kind == StateKind::kServerError) {
+      continue;
+    }
     const int64_t padded = step.group_numel[object.piece.layer];
     const bool replica =
         object.piece.rank != 0 && object.piece.begin == 0 && object.piece.numel == padded;

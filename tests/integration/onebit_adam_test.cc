@@ -21,6 +21,7 @@
 #include "plan_equivalence.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
+#include "training/peer_snapshot.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -175,6 +176,11 @@ TEST_F(OneBitAdamTest, AResumeInTheCompressedPhaseKeepsTheErrorBuffers) {
     ASSERT_OK(Train(*first, 0, kSaveAt).status());
     ASSERT_OK(SaveCheckpoint(*first, dir, "").status());
     ASSERT_OK_AND_ASSIGN(saved, Errors(*first));
+    // A peer snapshot in the compressed phase restores (its error buffers are the trainer's own:
+    // they are not snapshotted yet, and a server error's chunk is no piece of a small group).
+    ASSERT_OK_AND_ASSIGN(PeerSnapshot snapshot, PeerSnapshot::Take(*first, ""));
+    ASSERT_OK_AND_ASSIGN(CheckpointInfo restored, snapshot.Restore(*first, {}));
+    EXPECT_EQ(restored.step, kSaveAt);
   }
   ASSERT_OK_AND_ASSIGN(auto resumed, Distributed(OneBitPlan(2)));
   ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*resumed, dir));
