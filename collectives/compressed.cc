@@ -6,8 +6,6 @@
 
 namespace tessera {
 
-int64_t CompressedChunkElements(int64_t count, int size) { return SignChunkElements(count, size); }
-
 int64_t CompressedAllReduceBytes(int64_t count, int size) {
   const int64_t block_words = SignBlockWords(SignChunkElements(count, size));
   return 2 * int64_t{size - 1} * block_words * int64_t{sizeof(uint32_t)};

@@ -28,19 +28,17 @@
 #include <cstdint>
 
 #include "collectives/communicator.h"
+#include "core/sign_compression.h"
 #include "core/status.h"
 
 namespace tessera {
-
-// The elements of each rank's chunk for a buffer of `count` over `size` ranks: count / size
-// rounded up to a whole number of 32-bit words of signs. The server error holds this many.
-int64_t CompressedChunkElements(int64_t count, int size);
 
 // What one rank sends for a call of `count` over `size` ranks, in bytes (both phases).
 int64_t CompressedAllReduceBytes(int64_t count, int size);
 
 // Averages `buffer` (count f32 elements) over the communicator's ranks, compressed, in place.
-// `worker_error` holds count elements, `server_error` CompressedChunkElements(count, size());
+// `worker_error` holds count elements, `server_error` SignChunkElements(count, size())
+// (core/sign_compression.h);
 // both are read and updated (zero them before the first call). Every rank calls it with the
 // same count. InvalidArgument for a negative count or null buffers with a positive count.
 Status CompressedAllReduce(Communicator& communicator, float* buffer, int64_t count,

@@ -12,6 +12,20 @@ using op_def::Out;
 using op_def::OutGrad;
 using op_def::Rule;
 
+namespace {
+
+// An optimizer's attribute 'decay_ranges', where given: [begin, end) pairs.
+Status CheckDecayRanges(const Attrs& attrs) {
+  if (!attrs.Has("decay_ranges")) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
+  if (ranges.size() % 2 != 0) {
+    return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status AddLossAndOptimizerOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "softmax_cross_entropy",
@@ -69,12 +83,7 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
         TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("step", in[6], Shape{}, DType::kI64));
-        if (attrs.Has("decay_ranges")) {
-          TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
-          if (ranges.size() % 2 != 0) {
-            return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
-          }
-        }
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
         return Metas{in[0], in[2], in[3]};
       },
       .cost =
@@ -100,14 +109,6 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
   }));
   // 1-bit Adam (DeepSpeed's OnebitAdam; ops/cpu/kernels.h has the arithmetic): the warm-up's
   // update, and the compressed phase's two halves around the momentum's compressed all-reduce.
-  const auto check_decay = [](const Attrs& attrs) -> Status {
-    if (!attrs.Has("decay_ranges")) return Status::Ok();
-    TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> ranges, attrs.GetInts("decay_ranges"));
-    if (ranges.size() % 2 != 0) {
-      return InvalidArgument("attribute 'decay_ranges' needs [begin, end) pairs");
-    }
-    return Status::Ok();
-  };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "onebit_adam",
       .doc = "1-bit Adam's warm-up update in place (Adam without bias correction, the weight "
@@ -116,14 +117,14 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "clip_scale", "lr"},
       .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
       .in_place = {{0, 0}, {2, 1}, {3, 2}},
-      .infer = [check_decay](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
-        TESSERA_RETURN_IF_ERROR(check_decay(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
         return Metas{in[0], in[2], in[3]};
       },
       .cost =
@@ -157,12 +158,12 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .input_names = {"param", "exp_avg", "exp_avg_sq", "lr"},
       .output_names = {"param_out", "exp_avg_sq_out"},
       .in_place = {{0, 0}, {2, 1}},
-      .infer = [check_decay](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[1], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[2], "param", in[0]));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
-        TESSERA_RETURN_IF_ERROR(check_decay(attrs));
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
         return Metas{in[0], in[2]};
       },
       .cost = ElementwiseCost(5),

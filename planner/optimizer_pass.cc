@@ -154,12 +154,7 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
           state.OnOptimizerDevice(
               r, layer, {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq.next")},
               {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
-  target.output = updated[0];
-  exp_avg.output = averaged;
-  exp_avg_sq.output = updated[1];
-  state.builder.MarkOutput(exp_avg.output);
-  state.builder.MarkOutput(exp_avg_sq.output);
-  return state.ProducerOf(updated[0]);
+  return TakeMomentsUpdate(state, {updated[0], averaged, updated[1]}, target, exp_avg, exp_avg_sq);
 }
 
 // Layer l's SGD update on rank r; returns the task.

@@ -348,14 +348,11 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     }
   }
   const auto latency_of = [&](const GroupProbe& group) -> double& {
-    if (group.sequence_shard) {
-      for (StepLinks::GroupLatency& entry : calibration.links.sequence_shard_latency) {
-        if (entry.members == group.members) return entry.latency_us;
-      }
-    } else if (group.members > 2) {
-      for (StepLinks::GroupLatency& entry : calibration.links.group_latency) {
-        if (entry.members == group.members) return entry.latency_us;
-      }
+    std::vector<StepLinks::GroupLatency>& entries = group.sequence_shard
+                                                        ? calibration.links.sequence_shard_latency
+                                                        : calibration.links.group_latency;
+    for (StepLinks::GroupLatency& entry : entries) {
+      if (entry.members == group.members) return entry.latency_us;
     }
     return calibration.links.collective.latency_us;  // pairs' all-reduces: the link's
   };
@@ -432,20 +429,17 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     const GroupProbe& group = *fitted[i].group;
     const ProbeStep& probe = *fitted[i].probe;
     const double latency = latency_of(group);
+    const char* waiter = group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective";
     if (latency == idle) {
       say(fmt::format(
           "{}: {:.2f} ms a step, within the simulated {:.2f} ms: {} of {} waits its idle "
           "latency, {:.0f} us",
-          probe.what, probe.median(), at_idle_ms[i],
-          group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective", group.members,
-          idle));
+          probe.what, probe.median(), at_idle_ms[i], waiter, group.members, idle));
     } else {
       say(fmt::format(
           "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: {} of {} "
           "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
-          probe.what, probe.median(), at_idle_ms[i],
-          group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective", group.members,
-          latency, idle));
+          probe.what, probe.median(), at_idle_ms[i], waiter, group.members, latency, idle));
     }
   }
   return Status::Ok();

@@ -486,19 +486,9 @@ Status Trainer::WritePlannedGroup(size_t layer, int t, StateKind kind,
     const StateObject& object = step_graph_.state[i];
     if (object.piece.layer != layer || !written(object.kind)) continue;
     if (t >= 0 && plan_.parallel.TensorRankOf(object.piece.rank) != t) continue;
-    const float* source = values.data() + object.piece.begin;
-    Tensor& held = state_[i].tensor;  // in process: the value itself
-    if (held.defined() && held.meta() == F32(object.piece.numel)) {
-      ParallelCopy(held.data<float>(), source, object.piece.numel);  // on the host: in place
-      continue;
-    }
-    TESSERA_ASSIGN_OR_RETURN(Tensor piece,
-                             Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
-    ParallelCopy(piece.data<float>(), source, object.piece.numel);
-    state_[i] = Value();  // drop the old value first (in process: frees its buffer)
-    TESSERA_ASSIGN_OR_RETURN(
-        state_[i],
-        backend_->UploadTo(std::move(piece), step_graph_.graph.object(object.input).meta.device));
+    TESSERA_RETURN_IF_ERROR(
+        WriteStateObject(i, values.subspan(static_cast<size_t>(object.piece.begin),
+                                           static_cast<size_t>(object.piece.numel))));
   }
   if (kind == StateKind::kParameter) full_params_.clear();
   return Status::Ok();
@@ -729,13 +719,8 @@ Status Trainer::EnterCompressedPhase() {
   }
   state_.resize(compressed.size());
   for (size_t i = warmup.size(); i < compressed.size(); ++i) {
-    const StateObject& object = compressed[i];
-    TESSERA_ASSIGN_OR_RETURN(Tensor zeros,
-                             Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
-    ParallelFill(zeros.data<float>(), object.piece.numel, 0.0f);
-    TESSERA_ASSIGN_OR_RETURN(
-        state_[i],
-        backend_->UploadTo(std::move(zeros), step_graph_.graph.object(object.input).meta.device));
+    TESSERA_RETURN_IF_ERROR(WriteStateObject(
+        i, std::vector<float>(static_cast<size_t>(compressed[i].piece.numel), 0.0f)));
   }
   GetLogger("trainer")->info(
       "1-bit Adam: after {} warm-up steps the variance is frozen and each rank's momentum is "
@@ -754,10 +739,15 @@ Status Trainer::WriteStateObject(size_t index, std::span<const float> values) {
                            step_graph_.graph.object(object.input).name, object.piece.numel,
                            values.size());
   }
+  Tensor& held = state_[index].tensor;  // in process: the value itself
+  if (held.defined() && held.meta() == F32(object.piece.numel)) {
+    ParallelCopy(held.data<float>(), values.data(), object.piece.numel);  // on the host: in place
+    return Status::Ok();
+  }
   TESSERA_ASSIGN_OR_RETURN(Tensor piece,
                            Tensor::Empty(F32(object.piece.numel), backend_->allocator()));
   ParallelCopy(piece.data<float>(), values.data(), object.piece.numel);
-  state_[index] = Value();
+  state_[index] = Value();  // drop the old value first (in process: frees its buffer)
   TESSERA_ASSIGN_OR_RETURN(
       state_[index],
       backend_->UploadTo(std::move(piece), step_graph_.graph.object(object.input).meta.device));
@@ -766,8 +756,8 @@ Status Trainer::WriteStateObject(size_t index, std::span<const float> values) {
 
 Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, plan_.batch, plan_.seq_len, /*labels=*/true));
-  if (plan_.optimizer.kind == OptimizerConfig::Kind::kOneBitAdam &&
-      !plan_.optimizer.compressed_phase && steps_taken_ >= plan_.optimizer.freeze_step) {
+  // 1-bit Adam past its warm-up (a no-op for other optimizers and once in the phase).
+  if (steps_taken_ >= plan_.optimizer.freeze_step) {
     TESSERA_RETURN_IF_ERROR(EnterCompressedPhase());
   }
   const int64_t step_number = steps_taken_ + 1;

@@ -503,7 +503,7 @@ Result<std::array<Tensor, 2>> CollectiveEngine::CompressedErrorsOnHost(
       TESSERA_ASSIGN_OR_RETURN(errors[e], HostCopyOf(error, copier_));
     }
   }
-  const int64_t chunk = CompressedChunkElements(out.numel(), size);
+  const int64_t chunk = SignChunkElements(out.numel(), size);
   if (out.dtype() != DType::kF32 || errors[0].dtype() != DType::kF32 ||
       errors[1].dtype() != DType::kF32 || errors[0].numel() != out.numel() ||
       errors[1].numel() != chunk) {

@@ -99,20 +99,26 @@ class CollectiveEngineTest : public ::testing::Test {
     group_ = relay_.GroupFor({w1_, w2_});
   }
 
-  // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1 (in `group`: the
-  // group's on channel 0 when 0).
-  CollectiveMember Member(int rank, const Tensor& values, uint64_t group = 0) {
+  // Rank `rank`'s member, task "<name>.<rank>", of collective 1 of op `op` over `tensors` in
+  // place (in `group`: the group's on channel 0 when 0).
+  CollectiveMember MemberOf(const std::string& name, const std::string& op, int rank,
+                            std::vector<Tensor> tensors, uint64_t group = 0) {
     CollectiveMember member;
-    member.task = fmt::format("sum.{}", rank);
-    member.op = "all_reduce";
+    member.task = fmt::format("{}.{}", name, rank);
+    member.op = op;
     member.attrs = Attrs{{kCollectiveAttr, int64_t{1}},
                          {kRankAttr, int64_t{rank}},
                          {kGroupSizeAttr, int64_t{2}},
                          {kGroupAttr, static_cast<int64_t>(group == 0 ? group_ : group)},
-                         {kPositionAttr, int64_t{0}},
-                         {"reduce", std::string("sum")}};
-    member.inputs = {values};
-    member.outputs = {values};  // in place
+                         {kPositionAttr, int64_t{0}}};
+    member.inputs = tensors;
+    member.outputs = std::move(tensors);  // in place
+    return member;
+  }
+  // Rank `rank`'s member of an all_reduce (sum) of 1000 values rank + 1.
+  CollectiveMember Member(int rank, const Tensor& values, uint64_t group = 0) {
+    CollectiveMember member = MemberOf("sum", "all_reduce", rank, {values}, group);
+    member.attrs.Set("reduce", std::string("sum"));
     return member;
   }
 
@@ -268,7 +274,7 @@ TEST_F(CollectiveEngineTest, MembersRunInTheWorkersOneOrderAcrossInstances) {
 // member before any byte moves.
 TEST_F(CollectiveEngineTest, ACompressedMemberComputesTheCollectivesBitsAndKeepsItsErrors) {
   constexpr int64_t kCount = 1000;
-  const int64_t chunk = CompressedChunkElements(kCount, 2);
+  const int64_t chunk = SignChunkElements(kCount, 2);
   std::vector<std::vector<float>> inputs(2), worker(2), server(2);
   for (int rank = 0; rank < 2; ++rank) {
     for (int64_t i = 0; i < kCount; ++i) {
@@ -277,19 +283,6 @@ TEST_F(CollectiveEngineTest, ACompressedMemberComputesTheCollectivesBitsAndKeeps
     worker[rank].assign(kCount, 0.f);
     server[rank].assign(static_cast<size_t>(chunk), 0.f);
   }
-  const auto member = [&](int rank, std::vector<Tensor> tensors) {
-    CollectiveMember m;
-    m.task = fmt::format("momentum.{}", rank);
-    m.op = "compressed_all_reduce";
-    m.attrs = Attrs{{kCollectiveAttr, int64_t{1}},
-                    {kRankAttr, int64_t{rank}},
-                    {kGroupSizeAttr, int64_t{2}},
-                    {kGroupAttr, static_cast<int64_t>(group_)},
-                    {kPositionAttr, int64_t{0}}};
-    m.inputs = tensors;
-    m.outputs = std::move(tensors);  // in place
-    return m;
-  };
   // Runs one call on both engines with `tensors` per rank; their statuses.
   const auto run = [&](std::vector<std::vector<Tensor>> tensors) {
     const int64_t position = next_position_++;
@@ -297,7 +290,7 @@ TEST_F(CollectiveEngineTest, ACompressedMemberComputesTheCollectivesBitsAndKeeps
     CollectiveEngine* engines[] = {&first_, &second_};
     for (int rank = 0; rank < 2; ++rank) {
       engines[rank]->Submit({9, static_cast<uint64_t>(position)}, CollectivePlace{0, position},
-                            member(rank, tensors[rank]),
+                            MemberOf("momentum", "compressed_all_reduce", rank, tensors[rank]),
                             [&done, rank](const Status& status) { done[rank].set_value(status); });
     }
     std::vector<Status> statuses;

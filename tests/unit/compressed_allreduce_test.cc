@@ -28,7 +28,7 @@ class Reference {
   Reference(int size, int64_t count)
       : size_(size),
         count_(count),
-        chunk_(CompressedChunkElements(count, size)),
+        chunk_(SignChunkElements(count, size)),
         worker_error_(static_cast<size_t>(size), std::vector<float>(static_cast<size_t>(count))),
         server_error_(static_cast<size_t>(size), std::vector<float>(static_cast<size_t>(chunk_))) {}
 
@@ -134,7 +134,7 @@ std::vector<Rank> FreshRanks(int size, int64_t count) {
   std::vector<Rank> ranks(static_cast<size_t>(size));
   for (Rank& rank : ranks) {
     rank.worker_error.assign(static_cast<size_t>(count), 0.f);
-    rank.server_error.assign(static_cast<size_t>(CompressedChunkElements(count, size)), 0.f);
+    rank.server_error.assign(static_cast<size_t>(SignChunkElements(count, size)), 0.f);
   }
   return ranks;
 }
@@ -221,11 +221,11 @@ TEST(CompressedAllReduceBytesTest, ARankSendsAThirtySecondOfAnF32RingAllReduce) 
 }
 
 TEST(CompressedAllReduceBytesTest, ChunksAreWholeWordsOfSigns) {
-  EXPECT_EQ(CompressedChunkElements(0, 4), 0);
-  EXPECT_EQ(CompressedChunkElements(1, 4), 32);
-  EXPECT_EQ(CompressedChunkElements(128, 4), 32);
-  EXPECT_EQ(CompressedChunkElements(129, 4), 64);
-  EXPECT_EQ(CompressedChunkElements(1000, 3), 352);  // 334 rounded up to 11 words
+  EXPECT_EQ(SignChunkElements(0, 4), 0);
+  EXPECT_EQ(SignChunkElements(1, 4), 32);
+  EXPECT_EQ(SignChunkElements(128, 4), 32);
+  EXPECT_EQ(SignChunkElements(129, 4), 64);
+  EXPECT_EQ(SignChunkElements(1000, 3), 352);  // 334 rounded up to 11 words
 }
 
 TEST(CompressedAllReduceBytesTest, BadArgumentsAreRefused) {
@@ -248,7 +248,7 @@ TEST(CompressedAllReduceOpTest, AOneMemberKernelComputesTheGroupOfOnesBits) {
   std::mt19937 rng(3);
   LoopbackGroup group(1);
   std::vector<Rank> ranks = FreshRanks(1, kCount);
-  const int64_t chunk = CompressedChunkElements(kCount, 1);
+  const int64_t chunk = SignChunkElements(kCount, 1);
   std::vector<float> worker(kCount, 0.f), server(static_cast<size_t>(chunk), 0.f);
   const Attrs attrs{
       {kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{0}}, {kGroupSizeAttr, int64_t{1}}};
