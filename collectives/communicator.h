@@ -6,8 +6,10 @@
 // and dtypes (f32, bf16, f16, i32) and ops (sum, avg, max, min).
 //
 // Algorithms (HostCommunicator), chosen by size:
-//   - small messages (<= small_bytes): direct. Every rank sends its buffer to every other and
-//     reduces all of them in rank order, so every rank gets bitwise-identical results.
+//   - small messages (<= small_bytes, the whole buffer): direct. Every rank sends its buffer (a
+//     reduce-scatter: each rank's block of it) to every other and reduces all of them in rank
+//     order, so every rank gets bitwise-identical results, the same bits whatever the
+//     segmentation (an element's sum does not depend on which block or bucket it is in).
 //   - large messages: ring. All-reduce = reduce-scatter + all-gather, each n-1 steps passing one
 //     of n segments to the right neighbour; a segment moves in chunks of chunk_bytes so reducing a
 //     chunk overlaps receiving the next. Each rank sends 2(n-1)/n of the buffer: bandwidth-optimal.

@@ -98,6 +98,9 @@ class HostCommunicator final : public Communicator {
     if (count == 0) return Status::Ok();
     if (size_ == 1) {
       std::memmove(recv, send, static_cast<size_t>(count * DTypeSize(dtype)));
+    } else if (count * size_ * DTypeSize(dtype) <= options_.small_bytes) {
+      TESSERA_RETURN_IF_ERROR(DirectReduceScatter(call, static_cast<const char*>(send),
+                                                  static_cast<char*>(recv), count, dtype, op));
     } else {
       TESSERA_RETURN_IF_ERROR(RingReduceScatter(call, static_cast<const char*>(send),
                                                 static_cast<char*>(recv),
@@ -436,6 +439,30 @@ class HostCommunicator final : public Communicator {
     TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
     parts[static_cast<size_t>(rank_)].assign(data, data + bytes);
     return CombineInRankOrder(parts, data, count, dtype, op);
+  }
+
+  // Small reduce-scatter: every rank sends each other rank its block of `count` elements and
+  // combines the blocks it receives for its own in rank order (the bytes of the ring, one hop).
+  Status DirectReduceScatter(const Call& call, const char* send, char* recv, int64_t count,
+                             DType dtype, ReduceOp op) {
+    const int64_t bytes = count * DTypeSize(dtype);
+    const uint64_t tag = CollectiveTag(call.sequence, 0, 0);
+    std::vector<std::vector<char>> parts(static_cast<size_t>(size_));
+    std::vector<RequestId> requests;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      parts[static_cast<size_t>(peer)].resize(static_cast<size_t>(bytes));
+      TESSERA_ASSIGN_OR_RETURN(
+          auto receive,
+          transport_.Irecv(peer, tag, parts[static_cast<size_t>(peer)].data(), bytes));
+      TESSERA_ASSIGN_OR_RETURN(auto sent, SendTo(peer, tag, send + peer * bytes, bytes));
+      requests.push_back(receive);
+      requests.push_back(sent);
+    }
+    TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
+    const char* own = send + rank_ * bytes;
+    parts[static_cast<size_t>(rank_)].assign(own, own + bytes);
+    return CombineInRankOrder(parts, recv, count, dtype, op);
   }
 
   // Small reduce: every rank sends to the root, which combines in rank order.

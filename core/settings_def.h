@@ -96,8 +96,9 @@ TESSERA_INT_SETTING(
 
 TESSERA_INT_SETTING(
     collective_small_bytes, 65536, 0, int64_t{1} << 30, "bytes",
-    "All-reduces and broadcasts up to this size use the direct algorithm (one hop, "
-    "every rank sends to every other) instead of the ring: lower latency, more bytes.")
+    "All-reduces, reduce-scatters and broadcasts of buffers up to this size use the direct "
+    "algorithm (one hop, every rank sends to every other, reductions in rank order: the "
+    "same bits whatever the segmentation) instead of the ring: lower latency, more bytes.")
 
 TESSERA_INT_SETTING(
     collective_single_copy_bytes, 0, 0, int64_t{1} << 40, "bytes",

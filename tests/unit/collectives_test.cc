@@ -97,6 +97,42 @@ TEST(CollectivesTest, RingResultsAreIdenticalOnEveryRank) {
   }
 }
 
+// Direct (small) reductions sum in rank order: a reduce-scatter's block holds the bits of the
+// all-reduce's elements there, whatever the buffer's cut (ZeRO's shards against data
+// parallelism's groups and buckets), and sends the ring's bytes, (n-1) blocks.
+TEST(CollectivesTest, DirectReduceScatterHasTheAllReducesBitsAndTheRingsBytes) {
+  const int n = 4;
+  const int64_t block = 1'001;
+  std::vector<std::vector<float>> inputs(n);
+  for (int r = 0; r < n; ++r) {
+    inputs[static_cast<size_t>(r)] =
+        ToVector(RandomTensor({block * n}, 29 + static_cast<uint64_t>(r)));
+  }
+  std::vector<std::vector<float>> reduced = inputs, scattered(n, std::vector<float>(block));
+  std::vector<int64_t> sent(n);
+  CommunicatorOptions options;
+  options.small_bytes = int64_t{1} << 20;
+  for (const Status& status : RunGroup(n, options, [&](int r, Communicator&c) {
+         const auto at = static_cast<size_t>(r);
+         TESSERA_RETURN_IF_ERROR(
+             c.AllReduce(reduced[at].data(), block * n, DType::kF32, ReduceOp::kSum));
+         const int64_t before = c.bytes_sent();
+         Status status = c.ReduceScatter(inputs[at].data(), scattered[at].data(), block,
+                                         DType::kF32, ReduceOp::kSum);
+         sent[at] = c.bytes_sent() - before;
+         return status;
+       })) {
+    ASSERT_OK(status);
+  }
+  for (int r = 0; r < n; ++r) {
+    const auto at = static_cast<size_t>(r);
+    const std::vector<float> own(reduced[at].begin() + r * block,
+                                 reduced[at].begin() + (r + 1) * block);
+    EXPECT_EQ(Bits(scattered[at]), Bits(own)) << "rank " << r;
+    EXPECT_EQ(sent[at], (n - 1) * block * 4) << "rank " << r;
+  }
+}
+
 TEST(CollectivesTest, BytesSentFollowTheRing) {
   // All-reduce by ring: each rank sends 2(n-1)/n of the buffer.
   const int n = 4;
