@@ -29,6 +29,17 @@ bool IsCollectiveOp(std::string_view op) {
          op == "compressed_all_reduce";
 }
 
+Result<int64_t> CompressedCount(const Attrs& attrs, int64_t numel) {
+  const int64_t count = attrs.GetInt(kCompressedCountAttr, numel);
+  if (count < std::min<int64_t>(numel, 1) || count > numel) {
+    return InvalidArgument(
+        "attribute '{}' is {}: a compressed all-reduce compresses 1 to {} elements of its x "
+        "(the group's own; the rest is padding)",
+        kCompressedCountAttr, count, numel);
+  }
+  return count;
+}
+
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task) {
   if (!task.attrs.Has(kCollectiveAttr)) return std::optional<CollectiveMembership>();
   CollectiveMembership membership;

@@ -58,6 +58,11 @@ inline constexpr const char* kGroupAttr = "group";
 inline constexpr const char* kPositionAttr = "position";
 inline constexpr const char* kChannelAttr = "channel";
 
+// compressed_all_reduce's count: how many of x's leading elements it compresses and averages (a
+// group's own elements; the rest, padding to a sharding's multiple, pass through as they are).
+// Absent: all of them.
+inline constexpr const char* kCompressedCountAttr = "count";
+
 // A worker's communication channels (threads and communicators of their own, per group).
 inline constexpr int kCollectiveChannels = 4;
 // The channel of ZeRO-3's parameter gathers (the rest use channel 0 but tensor parallelism's).
@@ -99,8 +104,12 @@ void MoveSequenceBlocks(void* sequence, void* blocks, int64_t group, int64_t bat
 Result<std::optional<CollectiveMembership>> CollectiveOf(const TaskSpec& task);
 
 // Whether `op` is one of the collective ops (all_reduce, reduce_scatter, all_gather,
-// all_gather_in_place, all_to_all, broadcast).
+// all_gather_in_place, all_to_all, broadcast, compressed_all_reduce).
 bool IsCollectiveOp(std::string_view op);
+
+// A compressed all-reduce's count (kCompressedCountAttr) over an x of `numel` elements;
+// InvalidArgument when it is not 1 .. numel (or 0 for an empty x).
+Result<int64_t> CompressedCount(const Attrs& attrs, int64_t numel);
 
 // Checks every collective among `tasks`: members of one collective agree on group_size and
 // channel, have the ranks 0 .. group_size-1 exactly once, and run the same op. InvalidArgument

@@ -244,7 +244,8 @@ Status AddCollectiveOps(OpRegistry& r) {
       .doc = "member of an error-feedback compressed all-reduce (1-bit Adam's: "
              "collectives/compressed.h): out = the members' average of x sent as signs, "
              "worker_error (x's elements) and server_error (core/sign_compression.h's "
-             "SignChunkElements) updated in place",
+             "SignChunkElements of count) updated in place; attribute 'count' (default: all) "
+             "the leading elements compressed, the rest padding passed through",
       .input_names = {"x", "worker_error", "server_error"},
       .output_names = {"out", "worker_error_out", "server_error_out"},
       .control_inputs = true,
@@ -260,12 +261,13 @@ Status AddCollectiveOps(OpRegistry& r) {
               "element",
               in[1].ToString(), in[0].ToString());
         }
+        TESSERA_ASSIGN_OR_RETURN(int64_t count, CompressedCount(attrs, in[0].numel()));
         const int64_t chunk =
-            SignChunkElements(in[0].numel(), static_cast<int>(attrs.GetInt(kGroupSizeAttr, 1)));
+            SignChunkElements(count, static_cast<int>(attrs.GetInt(kGroupSizeAttr, 1)));
         if (in[2].numel() != chunk) {
           return InvalidArgument(
-              "input 'server_error' is {} but a chunk of {} over {} members holds {} elements",
-              in[2].ToString(), in[0].ToString(), attrs.GetInt(kGroupSizeAttr, 1), chunk);
+              "input 'server_error' is {} but a chunk of {} elements over {} members holds {}",
+              in[2].ToString(), count, attrs.GetInt(kGroupSizeAttr, 1), chunk);
         }
         return Metas{in[0], in[1], in[2]};
       },
@@ -273,8 +275,9 @@ Status AddCollectiveOps(OpRegistry& r) {
       .cost =
           [](const Metas& in, const Attrs& attrs) {
             const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
-            return OpCost{4.0 * static_cast<double>(in[0].numel()),
-                          2 * static_cast<double>(in[0].numel()) / 8 * (n - 1) / n};
+            const auto count =
+                static_cast<double>(attrs.GetInt(kCompressedCountAttr, in[0].numel()));
+            return OpCost{4.0 * count, 2 * count / 8 * (n - 1) / n};
           },
   }));
   TESSERA_RETURN_IF_ERROR(AddBucketOps(r));

@@ -24,6 +24,22 @@ Status CheckDecayRanges(const Attrs& attrs) {
   return Status::Ok();
 }
 
+// An update's piece of state `name` (the gradient, or the frozen variance) against its
+// parameters: the same shape, or with attribute 'param_offset' a shard of the (larger, flat)
+// parameter group updated in place at that offset (ZeRO-1/2).
+Status CheckPieceOfParam(const char* name, const TensorMeta& piece, const TensorMeta& param,
+                         const Attrs& attrs) {
+  if (!attrs.Has("param_offset")) return CheckSameShape(name, piece, "param", param);
+  TESSERA_ASSIGN_OR_RETURN(int64_t offset, attrs.GetInt("param_offset"));
+  TESSERA_RETURN_IF_ERROR(CheckDType(name, piece, DType::kF32));
+  if (piece.shape.rank() != 1 || param.shape.rank() != 1 || offset < 0 ||
+      offset + piece.numel() > param.numel()) {
+    return InvalidArgument("{} shard {} at param_offset {} does not fit in param {}", name,
+                           piece.ToString(), offset, param.ToString());
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status AddLossAndOptimizerOps(OpRegistry& r) {
@@ -67,17 +83,7 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .in_place = {{0, 0}, {2, 1}, {3, 2}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
-        if (attrs.Has("param_offset")) {
-          // A shard's update inside the full (replicated) parameter group: ZeRO-1/2.
-          TESSERA_ASSIGN_OR_RETURN(int64_t offset, attrs.GetInt("param_offset"));
-          TESSERA_RETURN_IF_ERROR(CheckDType("grad", in[1], DType::kF32));
-          if (in[1].shape.rank() != 1 || offset < 0 || offset + in[1].numel() > in[0].numel()) {
-            return InvalidArgument("grad shard {} at param_offset {} does not fit in param {}",
-                                   in[1].ToString(), offset, in[0].ToString());
-          }
-        } else {
-          TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
-        }
+        TESSERA_RETURN_IF_ERROR(CheckPieceOfParam("grad", in[1], in[0], attrs));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "grad", in[1]));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "grad", in[1]));
         TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
@@ -113,15 +119,15 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .name = "onebit_adam",
       .doc = "1-bit Adam's warm-up update in place (Adam without bias correction, the weight "
              "decay added to the update: DeepSpeed's OnebitAdam before its freeze step), "
-             "gradients scaled by the clipping factor",
+             "gradients scaled by the clipping factor; param_offset as adamw's",
       .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "clip_scale", "lr"},
       .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
       .in_place = {{0, 0}, {2, 1}, {3, 2}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckPieceOfParam("grad", in[1], in[0], attrs));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "grad", in[1]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "grad", in[1]));
         TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[4], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[5], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
@@ -129,8 +135,8 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       },
       .cost =
           [](const Metas& in, const Attrs&) {
-            return OpCost{12.0 * static_cast<double>(in[0].numel()),
-                          2 * Bytes({in[0], in[0], in[0], in[0]})};
+            return OpCost{12.0 * static_cast<double>(in[1].numel()),
+                          2 * Bytes({in[1], in[1], in[1], in[1]})};
           },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
@@ -154,14 +160,15 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .doc = "1-bit Adam's compressed phase, second half: param -= lr * (exp_avg / "
              "(sqrt(exp_avg_sq) + eps) + weight_decay * param) in place, exp_avg the ranks' "
              "(compressed) average, exp_avg_sq frozen since the warm-up (passed through: the "
-             "step's next value of it)",
+             "step's next value of it); with param_offset exp_avg_sq is a shard and the update "
+             "is of that piece of param (and of exp_avg, as long as param)",
       .input_names = {"param", "exp_avg", "exp_avg_sq", "lr"},
       .output_names = {"param_out", "exp_avg_sq_out"},
       .in_place = {{0, 0}, {2, 1}},
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
         TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[1], "param", in[0]));
-        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckPieceOfParam("exp_avg_sq", in[2], in[0], attrs));
         TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[3], Shape{}));
         TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
         return Metas{in[0], in[2]};

@@ -7,6 +7,7 @@
 // of the state inside full parameters: ZeRO-1/2), AdamW addresses the parameters at
 // param_offset; where both are the same shard, element_offset places the shard in the group
 // (decay ranges stay in group coordinates).
+#include "core/collective_task.h"
 #include "ops/flat_layout.h"
 #include "planner/plan_passes.h"
 
@@ -49,23 +50,39 @@ Result<TaskId> TakeMomentsUpdate(PlanState& state, const std::vector<ObjectId>& 
   return state.ProducerOf(updated[0]);
 }
 
+// Where an update's piece of state (`state_piece`) sits in its target's: a shard of the state
+// inside full parameters (ZeRO-1/2) is addressed at param_offset; a shard of both at once is
+// placed in the group by element_offset (decay ranges stay in group coordinates). Returns
+// whether the state piece is a shard.
+bool SetShardOffsets(Attrs& attrs, const StateObject& state_piece, const StateObject& target,
+                     int64_t group_numel) {
+  const bool state_shard = state_piece.piece.numel != group_numel;
+  const bool target_shard = target.piece.numel != group_numel;
+  if (state_shard && !target_shard) attrs.Set("param_offset", state_piece.piece.begin);
+  if (state_shard && target_shard) attrs.Set("element_offset", state_piece.piece.begin);
+  return state_shard;
+}
+
+// An update's hyper-parameters (AdamW's and 1-bit Adam's) and layer l's weight-decayed elements.
+Attrs AdamAttrs(const PlanState& state, size_t l) {
+  const OptimizerConfig& o = state.plan.optimizer;
+  return Attrs{{"beta1", o.beta1},
+               {"beta2", o.beta2},
+               {"eps", o.eps},
+               {"weight_decay", o.weight_decay},
+               {"decay_ranges", state.model.layers[l].params.DecayRanges()}};
+}
+
 // Layer l's AdamW update on rank r; returns the task.
 Result<TaskId> AddAdamW(PlanState& state, int r, size_t l, StateObject& target) {
   const RankState& rank = state.ranks[static_cast<size_t>(r)];
-  const OptimizerConfig& o = state.plan.optimizer;
   const std::string& layer = state.LayerName(l);
   const int64_t full = state.step.group_numel[l];
   StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
   StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
-  Attrs attrs{{"beta1", o.beta1},
-              {"beta2", o.beta2},
-              {"eps", o.eps},
-              {"weight_decay", o.weight_decay},
-              {"decay_ranges", state.model.layers[l].params.DecayRanges()}};
-  const bool state_shard = exp_avg.piece.numel != full;
+  Attrs attrs = AdamAttrs(state, l);
+  const bool state_shard = SetShardOffsets(attrs, exp_avg, target, full);
   const bool target_shard = target.piece.numel != full;
-  if (state_shard && !target_shard) attrs.Set("param_offset", exp_avg.piece.begin);
-  if (state_shard && target_shard) attrs.Set("element_offset", exp_avg.piece.begin);
   const std::string target_name = std::string(".") + StateKindName(target.kind);
   const std::string state_suffix = state_shard ? "[shard]" : "";
   TESSERA_ASSIGN_OR_RETURN(
@@ -85,36 +102,36 @@ Result<TaskId> AddAdamW(PlanState& state, int r, size_t l, StateObject& target) 
 }
 
 // Layer l's 1-bit Adam update on rank r; returns the task (the last of several in the
-// compressed phase). The warm-up: onebit_adam on the (reduced) gradient. The compressed phase:
-// this rank's momentum from its own gradient, averaged over the data ranks by a compressed
-// all-reduce with the rank's error buffers (none on one rank), then the update with the frozen
-// variance.
+// compressed phase). The warm-up: onebit_adam on the (reduced) gradient, of the rank's shard
+// under ZeRO-1/2. The compressed phase: this rank's whole momentum from its own gradient,
+// averaged over the data ranks by a compressed all-reduce with the rank's error buffers (none on
+// one rank), then the update with the frozen variance (of the rank's shard under ZeRO-1/2; the
+// sharding policy then gathers the updated shards).
 Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& target) {
   const RankState& rank = state.ranks[static_cast<size_t>(r)];
   const OptimizerConfig& o = state.plan.optimizer;
   const std::string& layer = state.LayerName(l);
+  const int64_t full = state.step.group_numel[l];
   StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
   StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
   const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
-  Attrs attrs{{"beta1", o.beta1},
-              {"beta2", o.beta2},
-              {"eps", o.eps},
-              {"weight_decay", o.weight_decay},
-              {"decay_ranges", state.model.layers[l].params.DecayRanges()}};
+  Attrs attrs = AdamAttrs(state, l);
   const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
+  const std::string shard = SetShardOffsets(attrs, exp_avg_sq, target, full) ? "[shard]" : "";
   if (!o.compressed_phase) {
     TESSERA_ASSIGN_OR_RETURN(
-        auto updated, state.builder.AddTask(
-                          state.Name(r, layer + "/onebit_adam"), "onebit_adam",
-                          {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input, clip,
-                           state.step.lr},
-                          std::move(attrs),
-                          state.OnOptimizerDevice(
-                              r, layer,
-                              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
-                               state.Name(r, layer + ".exp_avg_sq.next")},
-                              {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                               ObjectRole::kOptimizerState})));
+        auto updated,
+        state.builder.AddTask(
+            state.Name(r, layer + "/onebit_adam"), "onebit_adam",
+            {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input, clip,
+             state.step.lr},
+            std::move(attrs),
+            state.OnOptimizerDevice(
+                r, layer,
+                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg" + shard + ".next"),
+                 state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
+                {ObjectRole::kParameter, ObjectRole::kOptimizerState,
+                 ObjectRole::kOptimizerState})));
     return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
   }
   TESSERA_ASSIGN_OR_RETURN(
@@ -133,7 +150,9 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
         auto reduced,
         state.builder.AddTask(
             state.Name(r, name), "compressed_all_reduce",
-            {momentum[0], worker_error.input, server_error.input}, state.DataCollective(name, r),
+            {momentum[0], worker_error.input, server_error.input},
+            state.DataCollective(name, r).Set(kCompressedCountAttr,
+                                              state.model.layers[l].params.numel()),
             state.OnOptimizerDevice(r, layer,
                                     {state.Name(r, layer + ".exp_avg.next"),
                                      state.Name(r, layer + ".worker_error.next"),
@@ -152,7 +171,8 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
           state.Name(r, layer + "/onebit_adam_frozen"), "onebit_adam_frozen",
           {target.input, averaged, exp_avg_sq.input, state.step.lr}, std::move(attrs),
           state.OnOptimizerDevice(
-              r, layer, {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq.next")},
+              r, layer,
+              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
               {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
   return TakeMomentsUpdate(state, {updated[0], averaged, updated[1]}, target, exp_avg, exp_avg_sq);
 }

@@ -88,11 +88,11 @@ Status CheckRanks(const TrainingPlan& plan) {
       return InvalidArgument("1-bit Adam's freeze step must be >= 1 (warm-up steps), got {}",
                              plan.optimizer.freeze_step);
     }
-    if (p.zero_stage > 0 && p.data_parallel > 1) {
+    if (p.zero_stage == 3 && p.data_parallel > 1) {
       return InvalidArgument(
-          "1-bit Adam runs with ZeRO stage 0 for now (its momentum is all-reduced whole, "
-          "compressed): use --zero-stage 0, or AdamW with ZeRO-{}",
-          p.zero_stage);
+          "1-bit Adam runs with ZeRO stages 0-2 (each rank's momentum is averaged whole, "
+          "compressed, and needs the whole gradient and parameters): use --zero-stage 2, or "
+          "AdamW with ZeRO-3");
     }
     if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
       return InvalidArgument(
@@ -260,7 +260,7 @@ Status ValidatePlanPass(PlanState& state) {
         "{} x {} pipeline stages need a worker each: run on a cluster with at least {} workers",
         ranks, p.pipeline_stages, p.num_workers());
   }
-  TESSERA_ASSIGN_OR_RETURN(state.sharding, MakeShardingPolicy(p));
+  TESSERA_ASSIGN_OR_RETURN(state.sharding, MakeShardingPolicy(p, state.plan.optimizer));
   return Status::Ok();
 }
 

@@ -221,16 +221,17 @@ class DataParallelPolicy final : public ShardingPolicy {
 // shards all-gathered. The stages differ in when the gradients are reduce-scattered.
 class ShardedUpdatePolicy : public ShardingPolicy {
  public:
-  explicit ShardedUpdatePolicy(int ranks) : ranks_(ranks) {}
+  ShardedUpdatePolicy(int ranks, int64_t group_multiple)
+      : ranks_(ranks), group_multiple_(group_multiple) {}
 
-  int64_t GroupMultiple() const final { return ranks_; }
+  int64_t GroupMultiple() const final { return group_multiple_; }
   GroupPiece ParameterPiece(size_t l, int r, int64_t numel) const final {
     return FullPiece(l, r, numel);
   }
   GroupPiece UpdatePiece(size_t l, int r, int64_t numel) const final {
     return ShardPiece(l, r, numel, ranks_);
   }
-  bool ShardsUpdate() const final { return true; }
+  bool ShardsUpdate() const override { return true; }
   Result<ObjectId> ForwardParams(PlanState& state, const ParamUse& use) const final {
     return HeldParams(state, use.rank, use.group);
   }
@@ -252,6 +253,7 @@ class ShardedUpdatePolicy : public ShardingPolicy {
 
  private:
   const int ranks_;
+  const int64_t group_multiple_;
 };
 
 // ZeRO-1: optimizer state sharded. The full gradients are accumulated through the whole
@@ -317,6 +319,30 @@ class Zero2Policy final : public ShardedUpdatePolicy {
     return ReduceScatterBucket(state, r, k, groups, fulls, ranks());
   }
   Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
+};
+
+// Stages 1-2 in 1-bit Adam's compressed phase (OptimizerConfig::compressed_phase): no gradient
+// is reduced. Each rank keeps its own gradients whole (what its momentum, averaged by a
+// compressed all-reduce in the optimizer pass, is made of) and clips them by their own norm, as
+// data parallelism does in that phase; the update stays sharded (rank r applies the averaged
+// momentum to shard r of its parameters with its shard of the frozen variance) and the updated
+// shards are all-gathered. Its name is the stage's.
+class CompressedMomentumPolicy final : public ShardedUpdatePolicy {
+ public:
+  CompressedMomentumPolicy(int ranks, int64_t group_multiple, std::string_view name)
+      : ShardedUpdatePolicy(ranks, group_multiple), name_(name) {}
+
+  std::string_view name() const override { return name_; }
+  bool ShardsUpdate() const override { return false; }
+  ObjectRole FullGradientRole() const override { return ObjectRole::kGradient; }
+  Result<ObjectId> ReduceMicroBatchGradient(PlanState&, int, int, size_t,
+                                            ObjectId full) const override {
+    return full;
+  }
+  Status ReduceAfterBackward(PlanState&) const override { return Status::Ok(); }
+
+ private:
+  const std::string_view name_;
 };
 
 // ZeRO-3: parameters sharded too. Each use of a group's parameters all-gathers the shards first
@@ -490,16 +516,24 @@ bool UpdatesTheParametersItKeeps(const ParallelConfig& parallel) {
   return !ShardsOptimizerState(parallel) || parallel.zero_stage == 3;
 }
 
-Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel) {
+Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel,
+                                                           const OptimizerConfig& optimizer) {
   TESSERA_RETURN_IF_ERROR(CheckZeroStage(parallel.zero_stage));
   const int ranks = parallel.data_parallel;
+  // 1-bit Adam: shards of whole 32-bit words of signs, each rank's its chunk of the momentum's
+  // compressed all-reduce (SignChunkElements of the group's own elements over the ranks).
+  const bool onebit = optimizer.kind == OptimizerConfig::Kind::kOneBitAdam;
+  const int64_t multiple = onebit ? int64_t{32} * ranks : ranks;
   std::unique_ptr<ShardingPolicy> policy;
   if (ranks <= 1 || parallel.zero_stage == 0) {
     policy = std::make_unique<DataParallelPolicy>(ranks);
+  } else if (onebit && optimizer.compressed_phase && parallel.zero_stage <= 2) {
+    policy = std::make_unique<CompressedMomentumPolicy>(
+        ranks, multiple, parallel.zero_stage == 1 ? "ZeRO-1" : "ZeRO-2");
   } else if (parallel.zero_stage == 1) {
-    policy = std::make_unique<Zero1Policy>(ranks);
+    policy = std::make_unique<Zero1Policy>(ranks, multiple);
   } else if (parallel.zero_stage == 2) {
-    policy = std::make_unique<Zero2Policy>(ranks);
+    policy = std::make_unique<Zero2Policy>(ranks, multiple);
   } else {
     policy = std::make_unique<Zero3Policy>(parallel);
   }

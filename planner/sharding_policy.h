@@ -18,6 +18,11 @@
 // r, and pad every group to a multiple of the ranks so that shards are equal. With one rank
 // there is nothing to shard: every stage plans as data parallel over one rank.
 //
+// 1-bit Adam (OptimizerConfig::Kind::kOneBitAdam) with stage 1 or 2: its warm-up plans as the
+// stage does; in its compressed phase no gradient is reduced (each rank's momentum, whole, is
+// averaged by a compressed all-reduce whose chunks are the shards), the update stays sharded and
+// the updated shards are gathered as above.
+//
 // A policy is made once per plan (MakeShardingPolicy) and holds only the plan's settings; the
 // methods that add tasks (collectives) add them through the PlanState they are given and keep
 // what later calls need there (RankState::gathered). No pass outside this file and its .cc tests
@@ -36,6 +41,7 @@
 #include "core/graph.h"
 #include "core/status.h"
 #include "planner/step_graph.h"
+#include "planner/training_plan.h"
 
 namespace tessera {
 
@@ -134,8 +140,12 @@ bool ShardsOptimizerState(const ParallelConfig& parallel);
 // several ranks, whose updated shards are gathered into full copies): what parameter offload,
 // whose update writes the kept parameters in place, needs.
 bool UpdatesTheParametersItKeeps(const ParallelConfig& parallel);
-// The policy of the plan's ZeRO stage (data parallel over one rank whatever the stage).
-// InvalidArgument as CheckZeroStage.
-Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel);
+// The policy of the plan's ZeRO stage (data parallel over one rank whatever the stage) for its
+// optimizer: under 1-bit Adam, stages 1-2 pad each group to whole 32-bit words of signs a rank
+// (a rank's shard is its chunk of the compressed all-reduce: its server error lives with its
+// shard of the state) and, in the compressed phase, reduce no gradient (each rank's momentum is
+// averaged instead). InvalidArgument as CheckZeroStage.
+Result<std::unique_ptr<ShardingPolicy>> MakeShardingPolicy(const ParallelConfig& parallel,
+                                                           const OptimizerConfig& optimizer);
 
 }  // namespace tessera

@@ -23,6 +23,11 @@ size_t AddState(PlanState& state, StateKind kind, const GroupPiece& piece, Objec
   return state.step.state.size() - 1;
 }
 
+// Rank r's piece of layer l's group that is all of it.
+GroupPiece WholeGroup(const PlanState& state, size_t l, int r) {
+  return GroupPiece{.layer = l, .rank = r, .begin = 0, .numel = state.step.group_numel[l]};
+}
+
 // Rank r's parameters, host master copy (host update) and Adam moments of every group.
 void PlaceRankState(PlanState& state, int r) {
   RankState& rank = state.ranks[static_cast<size_t>(r)];
@@ -42,8 +47,11 @@ void PlaceRankState(PlanState& state, int r) {
                                 Device::Cpu());
     }
     if (state.adam_moments) {
-      rank.exp_avg[l] = AddState(state, StateKind::kExpAvg, update, ObjectRole::kOptimizerState,
-                                 state.OptimizerDevice());
+      // 1-bit Adam's compressed phase: each rank's momentum is whole (its own gradient's, then
+      // the ranks' compressed average), whatever piece it updates.
+      rank.exp_avg[l] = AddState(state, StateKind::kExpAvg,
+                                 state.compressed_momentum ? WholeGroup(state, l, r) : update,
+                                 ObjectRole::kOptimizerState, state.OptimizerDevice());
       rank.exp_avg_sq[l] = AddState(state, StateKind::kExpAvgSq, update,
                                     ObjectRole::kOptimizerState, state.OptimizerDevice());
     }
@@ -100,20 +108,22 @@ Status PlaceStatePass(PlanState& state) {
     SizeRankState(state, state.ranks[static_cast<size_t>(r)]);
   }
   // 1-bit Adam's compressed phase: every rank's error buffers last, so the warm-up step's state
-  // list is a prefix of this one's (the trainer starts them at zero when it switches).
+  // list is this one's with each momentum made whole (the trainer gathers the momentum's shards
+  // and starts the errors at zero when it switches). A rank's worker error is as long as its
+  // momentum; its server error is its chunk of the group's own elements (under ZeRO, its shard).
   for (int r = 0; r < state.num_ranks && state.compressed_momentum; ++r) {
     RankState& rank = state.ranks[static_cast<size_t>(r)];
     rank.worker_error.assign(state.num_layers, kNoState);
     rank.server_error.assign(state.num_layers, kNoState);
     for (size_t l = 0; l < state.num_layers; ++l) {
       if (!state.HasParams(l)) continue;
-      const GroupPiece update = state.UpdatePiece(l, r);
-      rank.worker_error[l] = AddState(state, StateKind::kWorkerError, update,
+      rank.worker_error[l] = AddState(state, StateKind::kWorkerError, WholeGroup(state, l, r),
                                       ObjectRole::kOptimizerState, state.OptimizerDevice());
-      const GroupPiece chunk{.layer = l,
-                             .rank = r,
-                             .begin = 0,
-                             .numel = SignChunkElements(update.numel, state.num_data_ranks)};
+      const GroupPiece chunk{
+          .layer = l,
+          .rank = r,
+          .begin = 0,
+          .numel = SignChunkElements(state.model.layers[l].params.numel(), state.num_data_ranks)};
       rank.server_error[l] = AddState(state, StateKind::kServerError, chunk,
                                       ObjectRole::kOptimizerState, state.OptimizerDevice());
     }

@@ -1,5 +1,6 @@
 #include "training/checkpoint.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -70,10 +71,11 @@ struct SavedErrors {
 };
 
 // Writes the trainer's error buffers from `saved` once past its warm-up (entering the compressed
-// phase). The same number of data ranks: each rank's own, exactly. Another number: what the
-// compressed all-reduce still owes the true averages kept (collectives/compressed.h's
-// invariant): every rank's worker error the saving ranks' mean, and the server errors, joined in
-// chunk order, cut into the new chunks. A layer without saved errors keeps zeros.
+// phase). The same number of data ranks: each rank's own, exactly (whatever the ZeRO stage).
+// Another number: what the compressed all-reduce still owes the true averages kept
+// (collectives/compressed.h's invariant): every rank's worker error the saving ranks' mean, and the
+// server errors, joined in chunk order, cut into the new chunks. A layer without saved errors keeps
+// zeros.
 Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
   const OptimizerConfig& optimizer = trainer.plan().optimizer;
   if (optimizer.kind != OptimizerConfig::Kind::kOneBitAdam) return Status::Ok();
@@ -97,11 +99,13 @@ Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
     const std::map<int, std::vector<float>>& ranks = found->second;
     const int64_t numel = layer.params.numel();
     std::vector<float> values(static_cast<size_t>(object.piece.numel), 0.0f);
+    // The same ranks: each its own errors. Their lengths may differ by padding (a worker error
+    // saved under ZeRO-1/2 is the padded group's), which holds no error.
     const bool same = static_cast<int>(ranks.size()) == graph.parallel.data_parallel &&
-                      ranks.contains(object.piece.rank) &&
-                      ranks.at(object.piece.rank).size() == values.size();
+                      ranks.contains(object.piece.rank);
     if (same) {
-      values = ranks.at(object.piece.rank);
+      const std::vector<float>& own = ranks.at(object.piece.rank);
+      std::copy_n(own.begin(), std::min(own.size(), values.size()), values.begin());
     } else if (worker) {
       for (int64_t k = 0; k < std::min<int64_t>(numel, object.piece.numel); ++k) {
         double sum = 0;

@@ -704,8 +704,17 @@ Status Trainer::EnterCompressedPhase() {
     return Status::Ok();
   }
   // The compressed phase's state is the warm-up's, then every rank's error buffers (state
-  // placement puts them last), which start at zero.
+  // placement puts them last), which start at zero. Each rank's momentum is whole in it: under
+  // ZeRO-1/2 the warm-up's shards of it are gathered into every rank's.
   const std::vector<StateObject> warmup = step_graph_.state;
+  std::map<size_t, std::vector<float>> momentum;  // by layer: groups made whole
+  for (const StateObject& object : warmup) {
+    if (object.kind == StateKind::kExpAvg && !momentum.contains(object.piece.layer) &&
+        object.piece.numel != step_graph_.group_numel[object.piece.layer]) {
+      TESSERA_ASSIGN_OR_RETURN(momentum[object.piece.layer],
+                               ReadGroup(object.piece.layer, StateKind::kExpAvg));
+    }
+  }
   plan_.optimizer.compressed_phase = true;
   TESSERA_RETURN_IF_ERROR(PrepareStepGraph());
   const std::vector<StateObject>& compressed = step_graph_.state;
@@ -713,11 +722,15 @@ Status Trainer::EnterCompressedPhase() {
     if (i >= compressed.size() || compressed[i].kind != warmup[i].kind ||
         compressed[i].piece.layer != warmup[i].piece.layer ||
         compressed[i].piece.rank != warmup[i].piece.rank ||
-        compressed[i].piece.numel != warmup[i].piece.numel) {
+        (compressed[i].piece.numel != warmup[i].piece.numel &&
+         !momentum.contains(compressed[i].piece.layer))) {
       return Internal("1-bit Adam: the compressed phase's state {} is not the warm-up's", i);
     }
   }
   state_.resize(compressed.size());
+  for (const auto& [layer, values] : momentum) {
+    TESSERA_RETURN_IF_ERROR(WriteGroup(layer, StateKind::kExpAvg, values));
+  }
   for (size_t i = warmup.size(); i < compressed.size(); ++i) {
     TESSERA_RETURN_IF_ERROR(WriteStateObject(
         i, std::vector<float>(static_cast<size_t>(compressed[i].piece.numel), 0.0f)));

@@ -503,15 +503,16 @@ Result<std::array<Tensor, 2>> CollectiveEngine::CompressedErrorsOnHost(
       TESSERA_ASSIGN_OR_RETURN(errors[e], HostCopyOf(error, copier_));
     }
   }
-  const int64_t chunk = SignChunkElements(out.numel(), size);
+  TESSERA_ASSIGN_OR_RETURN(const int64_t count, CompressedCount(member.attrs, out.numel()));
+  const int64_t chunk = SignChunkElements(count, size);
   if (out.dtype() != DType::kF32 || errors[0].dtype() != DType::kF32 ||
       errors[1].dtype() != DType::kF32 || errors[0].numel() != out.numel() ||
       errors[1].numel() != chunk) {
     return InvalidArgument(
         "compressed all-reduce '{}': x {}, worker error {} and server error {}, but it takes f32 "
-        "x, a worker error as long and a server error of {} elements",
+        "x, a worker error as long and a server error of {} elements ({} compressed over {})",
         member.task, out.meta().ToString(), errors[0].meta().ToString(),
-        errors[1].meta().ToString(), chunk);
+        errors[1].meta().ToString(), chunk, count, size);
   }
   return errors;
 }
@@ -592,7 +593,8 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
   } else if (member.op == "compressed_all_reduce") {
     using HostErrors = std::array<Tensor, 2>;
     TESSERA_ASSIGN_OR_RETURN(HostErrors errors, CompressedErrorsOnHost(member, out, size));
-    status = CompressedAllReduce(*communicator, static_cast<float*>(out.raw_data()), out.numel(),
+    TESSERA_ASSIGN_OR_RETURN(const int64_t count, CompressedCount(attrs, out.numel()));
+    status = CompressedAllReduce(*communicator, static_cast<float*>(out.raw_data()), count,
                                  static_cast<float*>(errors[0].raw_data()),
                                  static_cast<float*>(errors[1].raw_data()));
     for (size_t e = 0; e < errors.size() && status.ok(); ++e) {

@@ -306,7 +306,7 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
             std::memcpy(out[i].raw_data(), in[i].raw_data(), static_cast<size_t>(in[i].bytes()));
           }
         }
-        const int64_t count = out[0].numel();
+        TESSERA_ASSIGN_OR_RETURN(const int64_t count, CompressedCount(attrs, out[0].numel()));
         std::vector<uint32_t> sent(
             static_cast<size_t>(SignBlockWords(SignChunkElements(count, 1))));
         std::vector<uint32_t> served(sent.size());
@@ -384,10 +384,10 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
       r, "onebit_adam",
       [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
                       const Attrs& attrs) {
-        const int64_t n = out[0].numel();
+        const int64_t n = in[1].numel();
         const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
-        cpu::OneBitAdamWarmup(F(out[0]), F(out[1]), F(out[2]), F(in[1]), n, onebit_config(a),
-                              *F(in[5]), *F(in[4]), a.decay_ranges.data(),
+        cpu::OneBitAdamWarmup(F(out[0]) + a.param_offset, F(out[1]), F(out[2]), F(in[1]), n,
+                              onebit_config(a), *F(in[5]), *F(in[4]), a.decay_ranges.data(),
                               static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
         return Status::Ok();
       }));
@@ -402,11 +402,12 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
       r, "onebit_adam_frozen",
       [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
                       const Attrs& attrs) {
-        const int64_t n = out[0].numel();
+        const int64_t n = in[2].numel();
         const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
-        cpu::OneBitAdamFrozenUpdate(
-            F(out[0]), F(in[1]), F(in[2]), n, onebit_config(a), *F(in[3]), a.decay_ranges.data(),
-            static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        cpu::OneBitAdamFrozenUpdate(F(out[0]) + a.param_offset, F(in[1]) + a.param_offset, F(in[2]),
+                                    n, onebit_config(a), *F(in[3]), a.decay_ranges.data(),
+                                    static_cast<int64_t>(a.decay_ranges.size() / 2),
+                                    a.element_offset);
         return Status::Ok();
       }));
   TESSERA_RETURN_IF_ERROR(

@@ -284,5 +284,49 @@ TEST(CompressedAllReduceOpTest, AOneMemberKernelComputesTheGroupOfOnesBits) {
   EXPECT_THAT(short_worker.message(), ::testing::HasSubstr("'worker_error'"));
 }
 
+// Attribute 'count': the leading elements a padded buffer compresses (a ZeRO-1/2 group padded to
+// its shards): their bits are those of an unpadded buffer's, the padding and its worker errors
+// pass through, and the server error is a chunk of the count; a count beyond x is refused.
+TEST(CompressedAllReduceOpTest, ACountCompressesOnlyTheLeadingElements) {
+  constexpr int64_t kCount = 77, kPadded = 96;
+  const int64_t chunk = SignChunkElements(kCount, 1);
+  std::mt19937 rng(5);
+  const std::vector<float> input = RandomInputs(1, kCount, rng)[0];
+  std::vector<float> padded = input;
+  padded.resize(kPadded, 0.25f);  // padding holds no zeros here: it must pass through
+  const std::vector<float> no_error(kPadded, 0.f), chunk_zeros(static_cast<size_t>(chunk), 0.f);
+  const Attrs attrs{
+      {kCollectiveAttr, int64_t{1}}, {kRankAttr, int64_t{0}}, {kGroupSizeAttr, int64_t{1}}};
+  ASSERT_OK_AND_ASSIGN(std::vector<Tensor> plain,
+                       RunKernel("compressed_all_reduce",
+                                 {FloatTensor({kCount}, input),
+                                  FloatTensor({kCount}, std::vector<float>(kCount, 0.f)),
+                                  FloatTensor({chunk}, chunk_zeros)},
+                                 attrs));
+  Attrs counted = attrs;
+  counted.Set(kCompressedCountAttr, kCount);
+  ASSERT_OK_AND_ASSIGN(std::vector<Tensor> out,
+                       RunKernel("compressed_all_reduce",
+                                 {FloatTensor({kPadded}, padded), FloatTensor({kPadded}, no_error),
+                                  FloatTensor({chunk}, chunk_zeros)},
+                                 counted));
+  const std::vector<float> value = ToVector(out[0]), worker = ToVector(out[1]);
+  EXPECT_EQ(std::vector<float>(value.begin(), value.begin() + kCount), ToVector(plain[0]));
+  EXPECT_EQ(std::vector<float>(value.begin() + kCount, value.end()),
+            std::vector<float>(kPadded - kCount, 0.25f));
+  EXPECT_EQ(std::vector<float>(worker.begin(), worker.begin() + kCount), ToVector(plain[1]));
+  EXPECT_EQ(std::vector<float>(worker.begin() + kCount, worker.end()),
+            std::vector<float>(kPadded - kCount, 0.f));
+  EXPECT_EQ(ToVector(out[2]), ToVector(plain[2]));
+  counted.Set(kCompressedCountAttr, kPadded + 1);
+  const Status beyond = RunKernel("compressed_all_reduce",
+                                  {FloatTensor({kPadded}, padded), FloatTensor({kPadded}, no_error),
+                                   FloatTensor({chunk}, chunk_zeros)},
+                                  counted)
+                            .status();
+  EXPECT_EQ(beyond.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(beyond.message(), ::testing::HasSubstr("attribute 'count' is 97"));
+}
+
 }  // namespace
 }  // namespace tessera::testing

@@ -187,6 +187,49 @@ TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClippi
   EXPECT_NE(refused.message().find("decay_ranges"), std::string::npos);
 }
 
+// ZeRO-1/2: a shard's 1-bit Adam updates (param_offset) inside the full parameters write the
+// bits the whole group's update writes there and leave the rest as they were; the compressed
+// phase's frozen update reads the whole (averaged) momentum at the same offset.
+TEST(OptimizerTest, OneBitAdamsShardUpdatesAreTheGroupsOnTheirPiece) {
+  constexpr int64_t kCount = 256, kBegin = 128, kShard = 128;
+  const Tensor param = RandomTensor({kCount}, 3), grad = RandomTensor({kCount}, 4);
+  const Tensor zeros = FloatTensor({kCount}, std::vector<float>(kCount, 0.f));
+  const Attrs whole{{"weight_decay", 0.01}, {"decay_ranges", std::vector<int64_t>{0, 200}}};
+  Attrs shard = whole;
+  shard.Set("param_offset", kBegin);
+  const auto piece = [](const Tensor& t, int64_t begin, int64_t numel) {
+    const std::vector<float> all = ToVector(t);
+    return std::vector<float>(all.begin() + begin, all.begin() + begin + numel);
+  };
+  const Tensor lr = ScalarTensor(0.01f), clip = ScalarTensor(0.5f);
+  ASSERT_OK_AND_ASSIGN(auto full,
+                       RunKernel("onebit_adam", {param, grad, zeros, zeros, clip, lr}, whole));
+  const Tensor shard_zeros = FloatTensor({kShard}, std::vector<float>(kShard, 0.f));
+  ASSERT_OK_AND_ASSIGN(
+      auto part, RunKernel("onebit_adam",
+                           {param, FloatTensor({kShard}, piece(grad, kBegin, kShard)), shard_zeros,
+                            shard_zeros, clip, lr},
+                           shard));
+  EXPECT_EQ(piece(part[0], kBegin, kShard), piece(full[0], kBegin, kShard));
+  EXPECT_EQ(piece(part[0], 0, kBegin), piece(param, 0, kBegin)) << "outside the shard";
+  EXPECT_EQ(ToVector(part[1]), piece(full[1], kBegin, kShard));
+  EXPECT_EQ(ToVector(part[2]), piece(full[2], kBegin, kShard));
+  // The frozen update: the whole averaged momentum, the shard's variance.
+  const Tensor momentum = RandomTensor({kCount}, 5);
+  ASSERT_OK_AND_ASSIGN(auto frozen_full,
+                       RunKernel("onebit_adam_frozen", {full[0], momentum, full[2], lr}, whole));
+  ASSERT_OK_AND_ASSIGN(auto frozen_part,
+                       RunKernel("onebit_adam_frozen", {full[0], momentum, part[2], lr}, shard));
+  EXPECT_EQ(piece(frozen_part[0], kBegin, kShard), piece(frozen_full[0], kBegin, kShard));
+  EXPECT_EQ(piece(frozen_part[0], 0, kBegin), piece(full[0], 0, kBegin)) << "outside the shard";
+  // A shard that does not fit is refused by name.
+  shard.Set("param_offset", kCount - 1);
+  const Status refused =
+      RunKernel("onebit_adam_frozen", {full[0], momentum, part[2], lr}, shard).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("exp_avg_sq shard"), std::string::npos) << refused.message();
+}
+
 TEST(OptimizerTest, SgdMatchesNaiveUpdate) {
   Tensor param = RandomTensor({100}, 1), grad = RandomTensor({100}, 2);
   const std::vector<float> before = ToVector(param);

@@ -4,6 +4,9 @@
 
 #include <gmock/gmock.h>
 
+#include "core/sign_compression.h"
+#include "ops/flat_layout.h"
+
 #include "planner_test_util.h"
 
 namespace tessera::testing {
@@ -12,11 +15,12 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::unique_ptr<ShardingPolicy> Policy(int ranks, int zero) {
+std::unique_ptr<ShardingPolicy> Policy(int ranks, int zero,
+                                       const OptimizerConfig& optimizer = OptimizerConfig{}) {
   ParallelConfig parallel;
   parallel.data_parallel = ranks;
   parallel.zero_stage = zero;
-  Result<std::unique_ptr<ShardingPolicy>> policy = MakeShardingPolicy(parallel);
+  Result<std::unique_ptr<ShardingPolicy>> policy = MakeShardingPolicy(parallel, optimizer);
   EXPECT_OK(policy.status());
   return std::move(*policy);
 }
@@ -31,7 +35,7 @@ TEST(ShardingPolicyTest, OnePolicyPerStageAndDataParallelOverOneRank) {
   }
   ParallelConfig five;
   five.zero_stage = 5;
-  EXPECT_THAT(MakeShardingPolicy(five).status().message(),
+  EXPECT_THAT(MakeShardingPolicy(five, OptimizerConfig{}).status().message(),
               HasSubstr("ZeRO stage 5 does not exist: use 0 (data parallel)"));
 }
 
@@ -59,6 +63,34 @@ TEST(ShardingPolicyTest, PiecesAndPaddingFollowTheStage) {
               zero >= 2 ? ObjectRole::kGradientBucket : ObjectRole::kGradient);
     EXPECT_EQ(policy->GathersUpdatedParameters(), zero == 1 || zero == 2);
   }
+}
+
+// 1-bit Adam: ZeRO-1/2 pad each group to whole 32-bit words of signs a rank, so that a shard is
+// a chunk of the momentum's compressed all-reduce; in the compressed phase no gradient is
+// reduced (whole and each rank's own, clipped by its own norm) and the update stays sharded.
+TEST(ShardingPolicyTest, OneBitAdamShardsAreCompressionChunks) {
+  OptimizerConfig onebit;
+  onebit.kind = OptimizerConfig::Kind::kOneBitAdam;
+  OptimizerConfig compressed = onebit;
+  compressed.compressed_phase = true;
+  for (int zero : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(zero));
+    const auto warmup = Policy(3, zero, onebit);
+    EXPECT_EQ(warmup->GroupMultiple(), 96);
+    EXPECT_TRUE(warmup->ShardsUpdate());
+    const auto phase = Policy(3, zero, compressed);
+    EXPECT_EQ(phase->name(), zero == 1 ? "ZeRO-1" : "ZeRO-2");
+    EXPECT_EQ(phase->GroupMultiple(), 96);
+    EXPECT_FALSE(phase->ShardsUpdate()) << "each rank's gradient is whole";
+    EXPECT_EQ(phase->FullGradientRole(), ObjectRole::kGradient);
+    EXPECT_TRUE(phase->GathersUpdatedParameters());
+    // A group of 100 elements pads to 192: shards of 64, SignChunkElements(100, 3).
+    const GroupPiece shard = phase->UpdatePiece(0, 2, PaddedNumel(100, phase->GroupMultiple()));
+    EXPECT_EQ(shard.begin, 128);
+    EXPECT_EQ(shard.numel, SignChunkElements(100, 3));
+    EXPECT_EQ(phase->ParameterPiece(0, 2, 192).numel, 192);
+  }
+  EXPECT_EQ(Policy(3, 0, compressed)->GroupMultiple(), 1) << "data parallelism pads nothing";
 }
 
 // ZeRO-3 gathers a group's shards before each use, on the group's stage and rank's worker,
