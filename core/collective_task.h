@@ -63,6 +63,11 @@ inline constexpr const char* kChannelAttr = "channel";
 // Absent: all of them.
 inline constexpr const char* kCompressedCountAttr = "count";
 
+// all_gather and reduce_scatter's quantize_bits: the payload block-quantized to 8 or 4 bits
+// (core/block_quantization.h, collectives/quantized.h: ZeRO++'s qwZ and qgZ), f32 only. Absent:
+// exact.
+inline constexpr const char* kQuantizeBitsAttr = "quantize_bits";
+
 // A worker's communication channels (threads and communicators of their own, per group).
 inline constexpr int kCollectiveChannels = 4;
 // The channel of ZeRO-3's parameter gathers (the rest use channel 0 but tensor parallelism's).

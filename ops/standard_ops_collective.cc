@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "core/block_quantization.h"
 #include "core/collective_task.h"
 #include "core/sign_compression.h"
 #include "ops/op_def_util.h"
@@ -46,6 +47,28 @@ Result<int64_t> BlockCount(const TensorMeta& x, const Attrs& attrs) {
         size);
   }
   return size;
+}
+
+// A quantized all-gather or reduce-scatter (kQuantizeBitsAttr): f32, flat, summed.
+Status CheckQuantized(const TensorMeta& x, const Attrs& attrs) {
+  if (!attrs.Has(kQuantizeBitsAttr)) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(int64_t bits, attrs.GetInt(kQuantizeBitsAttr));
+  TESSERA_RETURN_IF_ERROR(CheckQuantizationBits(bits));
+  TESSERA_RETURN_IF_ERROR(op_def::CheckDType("x", x, DType::kF32));
+  TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
+  const Result<std::string> reduce = attrs.GetString("reduce");
+  if (sequence || (reduce.ok() && *reduce != "sum")) {
+    return InvalidArgument(
+        "attribute '{}': quantized collectives gather or sum flat buffers (no layout, reduce sum)",
+        kQuantizeBitsAttr);
+  }
+  return Status::Ok();
+}
+
+// The share of an f32 payload a quantized one sends (1 when exact).
+double QuantizedShare(const Attrs& attrs) {
+  const int64_t bits = attrs.GetInt(kQuantizeBitsAttr, 32);
+  return bits >= 32 ? 1.0 : static_cast<double>(bits) / 32.0;
 }
 
 // Bytes one member sends: a ring moves (n-1)/n of the buffer per phase.
@@ -143,12 +166,14 @@ Status AddCollectiveOps(OpRegistry& r) {
       .name = "reduce_scatter",
       .doc = "member of a reduce-scatter: x (flat, group_size blocks) reduced over the members; "
              "rank r keeps block r. Attribute layout 'sequence' (core/exchange_layout.h): x "
-             "[B, S, ...], rank r keeps part r of every row's S positions, out [B, S/size, ...]",
+             "[B, S, ...], rank r keeps part r of every row's S positions, out [B, S/size, ...]. "
+             "Attribute quantize_bits 8|4: the blocks sent block-quantized (ZeRO++'s qgZ)",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/true));
+        TESSERA_RETURN_IF_ERROR(CheckQuantized(in[0], attrs));
         TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
         TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
         if (!sequence) {
@@ -158,18 +183,25 @@ Status AddCollectiveOps(OpRegistry& r) {
                                  SequenceSplitDims(in[0].shape.dims(), size, /*gather=*/false));
         return Metas{TensorMeta{Shape(std::move(dims)), in[0].dtype, in[0].device}};
       },
-      .cost = CollectiveCost(1),
+      .cost =
+          [](const Metas& in, const Attrs& attrs) {
+            OpCost cost = CollectiveCost(1)(in, attrs);
+            cost.bytes *= QuantizedShare(attrs);
+            return cost;
+          },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "all_gather",
       .doc = "member of an all-gather: out (flat) holds every member's x, in rank order. "
              "Attribute layout 'sequence' (core/exchange_layout.h): x [B, S, ...] is part r of "
-             "every row's positions, out [B, size S, ...] the rows joined",
+             "every row's positions, out [B, size S, ...] the rows joined. Attribute "
+             "quantize_bits 8|4: x sent block-quantized, every member's decoded (ZeRO++'s qwZ)",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
+        TESSERA_RETURN_IF_ERROR(CheckQuantized(in[0], attrs));
         const int64_t size = attrs.GetInt(kGroupSizeAttr, 1);
         TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
         if (!sequence) {
@@ -182,7 +214,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .cost =
           [](const Metas& in, const Attrs& attrs) {
             const double n = static_cast<double>(attrs.GetInt(kGroupSizeAttr, 1));
-            return OpCost{0, Bytes(in) * (n - 1)};
+            return OpCost{0, Bytes(in) * (n - 1) * QuantizedShare(attrs)};
           },
   }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{

@@ -75,6 +75,8 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   p.offload = choice.offload;
   p.chunk_layers = choice.chunk_layers;
   p.settle_reductions = choice.settle_reductions;
+  // Quantized collectives asked for are ZeRO-3's: its candidates quantize, the others cannot.
+  if (p.zero_stage != 3 || p.data_parallel < 2) p.quantize_bits = 0;
   p.resident_params.clear();
   p.layer_costs.clear();
   p.split_backwards = false;

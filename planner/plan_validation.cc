@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "core/block_quantization.h"
 #include "planner/model_facts.h"
 #include "planner/plan_passes.h"
 #include "planner/sharding_policy.h"
@@ -79,6 +80,15 @@ Status CheckRanks(const TrainingPlan& plan) {
     }
     TESSERA_RETURN_IF_ERROR(CheckSequenceSplits(plan.seq_len, p.tensor_parallel,
                                                 "tensor (Megatron sequence parallelism)"));
+  }
+  if (p.quantize_bits != 0) {
+    TESSERA_RETURN_IF_ERROR(CheckQuantizationBits(p.quantize_bits));
+    if (p.zero_stage != 3 || p.data_parallel < 2) {
+      return InvalidArgument(
+          "quantized collectives are ZeRO-3's parameter gathers and gradient reduce-scatters "
+          "(ZeRO++): use --zero-stage 3 over several data-parallel ranks, or drop "
+          "--quantize-collectives");
+    }
   }
   if (p.prefetch_layers < 0) {
     return InvalidArgument("prefetch_layers must be >= 0, got {}", p.prefetch_layers);

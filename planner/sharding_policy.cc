@@ -65,18 +65,27 @@ Result<ObjectId> UsableParams(PlanState& state, const ParamUse& use, const std::
   return uploaded[0];
 }
 
+// A gradient reduce-scatter's or parameter gather's attributes, block-quantized where the plan
+// asks (ParallelConfig::quantize_bits: ZeRO-3 only, validation says).
+Attrs QuantizedWhenAsked(const PlanState& state, Attrs attrs) {
+  if (state.parallel.quantize_bits > 0) {
+    attrs.Set(kQuantizeBitsAttr, int64_t{state.parallel.quantize_bits});
+  }
+  return attrs;
+}
+
 // Rank r's member of the reduce-scatter of layer l's full gradient from micro-batch k: its
 // shard of the sum over the ranks.
 Result<ObjectId> ReduceScatterMicroBatch(PlanState& state, int r, int k, size_t l, ObjectId full) {
   const std::string& layer = state.LayerName(l);
   const std::string name = state.Micro(k, layer + "/reduce_scatter");
   TESSERA_ASSIGN_OR_RETURN(
-      auto shard,
-      state.builder.AddTask(state.Name(r, name), "reduce_scatter", {full},
-                            state.DataCollective(name, r).Set("reduce", "sum"),
-                            state.On(r, layer, kBackwardPriority + 1,
-                                     {state.Name(r, state.Micro(k, layer + ".grad[shard]"))},
-                                     {ObjectRole::kGradient})));
+      auto shard, state.builder.AddTask(
+                      state.Name(r, name), "reduce_scatter", {full},
+                      QuantizedWhenAsked(state, state.DataCollective(name, r).Set("reduce", "sum")),
+                      state.On(r, layer, kBackwardPriority + 1,
+                               {state.Name(r, state.Micro(k, layer + ".grad[shard]"))},
+                               {ObjectRole::kGradient})));
   state.micro_batch_reductions.push_back({r, k, state.ProducerOf(shard[0]), {l}});
   return shard[0];
 }
@@ -125,7 +134,9 @@ Result<std::vector<ObjectId>> FusedReduction(PlanState& state, int r, int k,
   TESSERA_ASSIGN_OR_RETURN(
       auto reduced,
       state.builder.AddTask(
-          state.Name(r, name), op, {packed[0]}, state.DataCollective(name, r).Set("reduce", "sum"),
+          state.Name(r, name), op, {packed[0]},
+          shards > 1 ? QuantizedWhenAsked(state, state.DataCollective(name, r).Set("reduce", "sum"))
+                     : state.DataCollective(name, r).Set("reduce", "sum"),
           state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads_reduced"))},
                    {ObjectRole::kGradientBucket})));
   if (k >= 0) state.micro_batch_reductions.push_back({r, k, state.ProducerOf(reduced[0]), groups});
@@ -425,7 +436,8 @@ class Zero3Policy final : public ShardingPolicy {
         auto gathered,
         state.builder.AddTask(
             state.Name(r, name), "all_gather", std::move(inputs),
-            state.DataCollective(name, r).Set(kChannelAttr, int64_t{kGatherChannel}),
+            QuantizedWhenAsked(
+                state, state.DataCollective(name, r).Set(kChannelAttr, int64_t{kGatherChannel})),
             state.On(r, state.LayerName(l), kForwardPriority + 1, {state.Name(r, name + ":params")},
                      {ObjectRole::kGatheredParameter})));
     return gathered[0];

@@ -13,15 +13,12 @@
 
 namespace tessera {
 
-int64_t ParallelConfig::PaddedGroup(int64_t numel) const {
-  return PaddedNumel(numel, sharded_optimizer() ? data_parallel : 1);
-}
-
 std::string ParallelConfig::ToString() const {
   std::string text =
       fmt::format("data_parallel={} zero_stage={} offload={} micro_batches={}", data_parallel,
                   zero_stage, OffloadModeName(offload), micro_batches);
   if (tensor_parallel > 1) text += fmt::format(" tensor_parallel={}", tensor_parallel);
+  if (quantize_bits > 0) text += fmt::format(" quantize_collectives=int{}", quantize_bits);
   if (shard_sequence) text += " sequence_parallel=megatron";
   if (sequence_parallel > 1) {
     text += fmt::format(" sequence_parallel={} ({})", sequence_parallel,

@@ -19,14 +19,17 @@ namespace {
 
 enum class Lane : uint8_t { kCompute, kCollective, kIo };
 
-// An all-reduce of B bytes over a ring of N moves 2(N-1)/N x B per member; the others less.
-double RingTraffic(std::string_view op, int members) {
+// An all-reduce of B bytes over a ring of N moves 2(N-1)/N x B per member; the others less. A
+// quantized gather or reduce-scatter (kQuantizeBitsAttr) moves its bits of an f32 element.
+double RingTraffic(const TaskSpec& task, int members) {
   if (members <= 1) return 0;
+  const std::string_view op = task.op;
   const double share = static_cast<double>(members - 1) / members;
   if (op == "all_reduce") return 2 * share;
   if (op == "broadcast") return 1;
   if (op == "compressed_all_reduce") return 2 * share / 32;  // a bit an f32 element
-  return share;  // reduce_scatter, all_gather, all_gather_in_place
+  // reduce_scatter, all_gather, all_gather_in_place
+  return share * static_cast<double>(task.attrs.GetInt(kQuantizeBitsAttr, 32)) / 32;
 }
 
 int64_t LargestTensorBytes(const Graph& graph, const TaskSpec& task) {
@@ -223,7 +226,8 @@ class Simulator {
     const CollectiveLink& link = links_.collective;
     if (!link.measured()) return 0;
     const int group = links_.collective_group;
-    return group > 1 ? link.bytes_per_us * RingTraffic("all_reduce", group) : link.bytes_per_us;
+    const double all_reduce = 2.0 * (group - 1) / group;
+    return group > 1 ? link.bytes_per_us * all_reduce : link.bytes_per_us;
   }
 
   // The time an object of `bytes` takes from its producer's end to a reader on another worker.
@@ -250,7 +254,7 @@ class Simulator {
           (first.op == "reduce_scatter" || first.op.starts_with("all_gather"));
       const double latency =
           sequence_shard ? links_.SequenceShardLatencyUs(members) : links_.LatencyUs(members);
-      transfer = (latency + RingTraffic(first.op, members) * bytes / bus) / 1e3;
+      transfer = (latency + RingTraffic(first, members) * bytes / bus) / 1e3;
     }
     return compute + overhead_ + transfer;
   }

@@ -116,6 +116,9 @@ struct ParallelConfig {
   std::vector<bool> resident_params;
   int micro_batches = 1;    // micro-batches per rank per step
   int prefetch_layers = 1;  // ZeRO-3: how many layers ahead parameters are gathered
+  // ZeRO-3's parameter gathers and gradient reduce-scatters block-quantized to this many bits,
+  // 8 or 4 (ZeRO++'s qwZ and qgZ: collectives/quantized.h; `--quantize-collectives`); 0: exact.
+  int quantize_bits = 0;
   // Pipeline parallelism: pipeline_stages stages of data_parallel ranks each (num_workers() in
   // all), the layers cut into pipeline_stages x virtual_stages contiguous chunks (chunk c on
   // stage c % pipeline_stages), run in `schedule`'s order over the micro-batches
@@ -179,10 +182,6 @@ struct ParallelConfig {
     return batch / (int64_t{data_parallel / sequence_parallel} * micro_batches);
   }
   int64_t RankSeqLen(int64_t seq_len) const { return seq_len / sequence_parallel; }
-  // Elements of a group of `numel` as every object of it holds it (padded for ZeRO shards).
-  int64_t PaddedGroup(int64_t numel) const;
-  // Elements of one rank's shard of such a group.
-  int64_t Shard(int64_t numel) const { return PaddedGroup(numel) / data_parallel; }
   // Whether ranks hold shards of the parameters (ZeRO-3), of the optimizer state (ZeRO >= 1);
   // the planner asks its ShardingPolicy instead, the trainer asks these.
   bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "collectives/compressed.h"
+#include "collectives/quantized.h"
 #include "collectives/rendezvous.h"
 #include "collectives/ucx_communicator.h"
 #include "core/collective_task.h"
@@ -561,6 +562,17 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
     TESSERA_ASSIGN_OR_RETURN(const bool sequence, SplitsSequence(attrs));
     if (sequence) {
       status = SequenceSplitCollective(*communicator, in, out, attrs, size, gather);
+    } else if (attrs.Has(kQuantizeBitsAttr)) {
+      // ZeRO++'s quantized weight gather and gradient reduce-scatter.
+      const auto bits = static_cast<int>(attrs.GetInt(kQuantizeBitsAttr, 8));
+      if (in.dtype() != DType::kF32 || out.dtype() != DType::kF32) {
+        return InvalidArgument("quantized {} '{}' of {}: quantized collectives take f32", member.op,
+                               member.task, in.meta().ToString());
+      }
+      status = gather ? QuantizedAllGather(*communicator, in.data<float>(), in.numel(), bits,
+                                           out.data<float>())
+                      : QuantizedReduceScatter(*communicator, in.data<float>(), out.numel(), bits,
+                                               out.data<float>());
     } else if (gather) {
       status = communicator->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype());
     } else {

@@ -39,6 +39,10 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
   app.add_option("--zero-stage", flags.zero_stage,
                  "With --workers: 0 data parallel, 1 shard optimizer state, 2 + gradients, "
                  "3 + parameters");
+  app.add_option("--quantize-collectives", flags.quantize_collectives,
+                 "With --zero-stage 3: its parameter gathers and gradient reduce-scatters sent "
+                 "block-quantized, int8 (1/2 of bf16's bytes) or int4 (1/4): ZeRO++'s qwZ and qgZ")
+      ->check(CLI::IsMember({"none", "int8", "int4"}));
   app.add_option("--tensor-parallel", flags.tensor_parallel,
                  "T: each layer split over T workers (Megatron-LM's tensor slicing: attention "
                  "heads and MLP columns, two all-reduces forward and two backward per block); "
@@ -377,6 +381,9 @@ Status ApplyPipeline(const CommonFlags& flags, TrainingPlan& plan) {
 
 Status ApplyPlanFlags(const CommonFlags& flags, const char* program, TrainingPlan& plan) {
   plan.parallel.zero_stage = flags.zero_stage;
+  plan.parallel.quantize_bits = flags.quantize_collectives == "int8"   ? 8
+                                : flags.quantize_collectives == "int4" ? 4
+                                                                       : 0;
   if (flags.micro_batches > 0 && flags.grad_accum > 1 && flags.micro_batches != flags.grad_accum) {
     return InvalidArgument(
         "--micro-batches {} and --grad-accum {} both set the micro-batches per step: give one",

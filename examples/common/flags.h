@@ -3,7 +3,8 @@
 //
 //   threads      --threads N
 //   logging      --log-every N
-//   plan         --workers N --in-process --zero-stage S --tensor-parallel T
+//   plan         --workers N --in-process --zero-stage S --quantize-collectives none|int8|int4
+//                --tensor-parallel T
 //                --offload none|optimizer --grad-accum K
 //                --bucket-mb auto|MB --device-memory-gib G --host-memory-gib G
 //                --activation-budget F --plan flags|auto --recalibrate --calibration-rounds R
@@ -91,6 +92,8 @@ struct CommonFlags {
   int workers = 0;  // 0: this process
   bool in_process = false;
   int zero_stage = 0;
+  // ZeRO-3's gathers and reduce-scatters block-quantized: none, int8 or int4 (ZeRO++).
+  std::string quantize_collectives = "none";
   int tensor_parallel = 1;  // T: each layer split over T workers (Megatron's tensor slicing)
   // How each sequence splits over workers: none, or ulysses (DeepSpeed-Ulysses) over groups of
   // sequence_degree data-parallel ranks (0: all of a stage's).

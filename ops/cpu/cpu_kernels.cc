@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/atomic_file.h"
+#include "core/block_quantization.h"
 #include "core/checksum.h"
 #include "core/collective_task.h"
 #include "core/sign_compression.h"
@@ -282,6 +283,14 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
                 "{} of {} members needs a worker's communicator; this executor runs only "
                 "one-member collectives",
                 collective, size);
+          }
+          if (attrs.Has(kQuantizeBitsAttr)) {
+            // A group of one still quantizes (the bits a group would decode).
+            const auto bits = static_cast<int>(attrs.GetInt(kQuantizeBitsAttr, 8));
+            std::vector<uint32_t> words(static_cast<size_t>(QuantizedWords(in[0].numel(), bits)));
+            QuantizeBlocks(F(in[0]), in[0].numel(), bits, words.data());
+            DequantizeBlocks(words.data(), in[0].numel(), bits, F(out[0]));
+            return Status::Ok();
           }
           if (out[0].raw_data() != in[0].raw_data()) {
             std::memcpy(out[0].raw_data(), in[0].raw_data(), static_cast<size_t>(in[0].bytes()));

@@ -4,6 +4,7 @@
 
 #include <gmock/gmock.h>
 
+#include "core/collective_task.h"
 #include "core/sign_compression.h"
 #include "ops/flat_layout.h"
 
@@ -168,6 +169,33 @@ TEST(ShardingPolicyTest, EachStageReducesMicroBatchGradientsItsOwnWay) {
     const std::string kept = state.builder.graph().object(state.ranks[0].grad[1]).name;
     EXPECT_EQ(kept, zero == 0 ? "rank0/h.0.grad_reduced" : "rank0/h.0.grad_sum@1");
   }
+}
+
+// ZeRO-3 with quantized collectives (ZeRO++): every parameter gather and every gradient
+// reduce-scatter, lone or fused in a bucket, carries the bits; nothing else does.
+TEST(ShardingPolicyTest, ZeroThreeQuantizesItsGathersAndReduceScattersWhenAsked) {
+  const ModelSpec model = TinyGpt2();
+  for (int64_t bucket : {int64_t{0}, int64_t{40'000}}) {
+    SCOPED_TRACE("buckets of " + std::to_string(bucket));
+    TrainingPlan plan = MakeTinyPlan({.ranks = 2, .zero = 3, .micro = 2, .bucket_bytes = bucket});
+    plan.parallel.quantize_bits = 4;
+    PlanState state(model, plan, CpuRegistry());
+    ASSERT_OK(RunPassesThrough(state, "expand_layers"));
+    int quantized = 0;
+    for (const TaskSpec& task : state.builder.graph().tasks()) {
+      const bool gather_or_scatter = task.op == "all_gather" || task.op == "reduce_scatter";
+      EXPECT_EQ(task.attrs.GetInt(kQuantizeBitsAttr, 0), gather_or_scatter ? 4 : 0) << task.name;
+      quantized += gather_or_scatter ? 1 : 0;
+    }
+    EXPECT_EQ(quantized, CountOp(state, "all_gather") + CountOp(state, "reduce_scatter"));
+    EXPECT_GT(quantized, 0);
+  }
+  // Without ZeRO-3 there is nothing to quantize: refused by name.
+  TrainingPlan zero2 = MakeTinyPlan({.ranks = 2, .zero = 2});
+  zero2.parallel.quantize_bits = 8;
+  PlanState refused(model, zero2, CpuRegistry());
+  EXPECT_THAT(RunPassesThrough(refused, "expand_layers").message(),
+              HasSubstr("quantized collectives are ZeRO-3's"));
 }
 
 // Gradient buckets: the tiny GPT-2's gradients complete head (256 B), h.1 (50,816 B), h.0
