@@ -421,8 +421,12 @@ class HostCommunicator final : public Communicator {
 
   // Small all-reduce: every rank sends its buffer to every other and combines all of them in
   // rank order, so every rank computes bitwise the same result. One latency, (n-1) copies.
-  Status DirectAllReduce(const Call& call, char* data, int64_t count, DType dtype, ReduceOp op) {
-    const int64_t bytes = count * DTypeSize(dtype);
+  // One hop of a direct collective: every peer is sent its part (`part_for(peer)`, `bytes`
+  // long) and every peer's part for this rank received; returns the parts in rank order, this
+  // rank's own (part_for(rank_)) among them.
+  template <typename PartFor>
+  Result<std::vector<std::vector<char>>> ExchangeParts(const Call& call, int64_t bytes,
+                                                       PartFor&& part_for) {
     const uint64_t tag = CollectiveTag(call.sequence, 0, 0);
     std::vector<std::vector<char>> parts(static_cast<size_t>(size_));
     std::vector<RequestId> requests;
@@ -432,12 +436,19 @@ class HostCommunicator final : public Communicator {
       TESSERA_ASSIGN_OR_RETURN(
           auto receive,
           transport_.Irecv(peer, tag, parts[static_cast<size_t>(peer)].data(), bytes));
-      TESSERA_ASSIGN_OR_RETURN(auto send, SendTo(peer, tag, data, bytes));
+      TESSERA_ASSIGN_OR_RETURN(auto send, SendTo(peer, tag, part_for(peer), bytes));
       requests.push_back(receive);
       requests.push_back(send);
     }
     TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
-    parts[static_cast<size_t>(rank_)].assign(data, data + bytes);
+    const char* own = part_for(rank_);
+    parts[static_cast<size_t>(rank_)].assign(own, own + bytes);
+    return parts;
+  }
+
+  Status DirectAllReduce(const Call& call, char* data, int64_t count, DType dtype, ReduceOp op) {
+    TESSERA_ASSIGN_OR_RETURN(
+        auto parts, ExchangeParts(call, count * DTypeSize(dtype), [data](int) { return data; }));
     return CombineInRankOrder(parts, data, count, dtype, op);
   }
 
@@ -446,22 +457,9 @@ class HostCommunicator final : public Communicator {
   Status DirectReduceScatter(const Call& call, const char* send, char* recv, int64_t count,
                              DType dtype, ReduceOp op) {
     const int64_t bytes = count * DTypeSize(dtype);
-    const uint64_t tag = CollectiveTag(call.sequence, 0, 0);
-    std::vector<std::vector<char>> parts(static_cast<size_t>(size_));
-    std::vector<RequestId> requests;
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
-      parts[static_cast<size_t>(peer)].resize(static_cast<size_t>(bytes));
-      TESSERA_ASSIGN_OR_RETURN(
-          auto receive,
-          transport_.Irecv(peer, tag, parts[static_cast<size_t>(peer)].data(), bytes));
-      TESSERA_ASSIGN_OR_RETURN(auto sent, SendTo(peer, tag, send + peer * bytes, bytes));
-      requests.push_back(receive);
-      requests.push_back(sent);
-    }
-    TESSERA_RETURN_IF_ERROR(WaitFor(requests, call, -1));
-    const char* own = send + rank_ * bytes;
-    parts[static_cast<size_t>(rank_)].assign(own, own + bytes);
+    TESSERA_ASSIGN_OR_RETURN(auto parts, ExchangeParts(call, bytes, [send, bytes](int peer) {
+                               return send + peer * bytes;
+                             }));
     return CombineInRankOrder(parts, recv, count, dtype, op);
   }
 

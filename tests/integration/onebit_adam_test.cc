@@ -7,7 +7,6 @@
 // its state with the same losses; plans it cannot run yet are refused by name; a pipeline
 // compresses like its data-parallel plan.
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -24,6 +23,7 @@
 #include "gpt2_test_util.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "tiny_gpt2_cluster.h"
 #include "training/checkpoint.h"
 #include "training/peer_snapshot.h"
 #include "training/token_dataset.h"
@@ -92,27 +92,10 @@ Result<ErrorsByLayer> Errors(Trainer& trainer) {
   return errors;
 }
 
-class OneBitAdamTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(4);  // plans take the first N
-    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
-    cluster_ = std::move(*cluster).release();
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
-    TESSERA_ASSIGN_OR_RETURN(auto backend,
-                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
-  }
-
-  static Cluster* cluster_;
+class OneBitAdamTest : public TinyGpt2ClusterTest<OneBitAdamTest> {
+ public:
+  static constexpr int kClusterWorkers = 4;  // plans take the first N
 };
-
-Cluster* OneBitAdamTest::cluster_ = nullptr;
 
 TEST_F(OneBitAdamTest, TheWarmUpIsOneWorkersAndTheCompressedPhaseSendsAThirtySecond) {
   ASSERT_OK_AND_ASSIGN(auto one, Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")),
@@ -325,29 +308,13 @@ TEST_F(OneBitAdamTest, ZeroOneAndTwoShardItsStateWithTheLossesOfDataParallelism)
 // a ring's sum of an element over more than two ranks starts at the rank its segment says, and
 // ZeRO's segments (shards) are not data parallelism's (groups, buckets), so ring reductions
 // differ in the last bits, which the compressed phase's signs of elements near zero amplify.
-class OneBitAdamRankOrderTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    ASSERT_EQ(setenv("TESSERA_COLLECTIVE_SMALL_BYTES", "1073741824", 1), 0);
-    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(4);
-    unsetenv("TESSERA_COLLECTIVE_SMALL_BYTES");
-    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
-    cluster_ = std::move(*cluster).release();
+class OneBitAdamRankOrderTest : public TinyGpt2ClusterTest<OneBitAdamRankOrderTest> {
+ public:
+  static constexpr int kClusterWorkers = 4;
+  static std::vector<std::pair<std::string, std::string>> ClusterEnvironment() {
+    return {{"TESSERA_COLLECTIVE_SMALL_BYTES", "1073741824"}};
   }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
-    TESSERA_ASSIGN_OR_RETURN(auto backend,
-                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
-  }
-
-  static Cluster* cluster_;
 };
-
-Cluster* OneBitAdamRankOrderTest::cluster_ = nullptr;
 
 TEST_F(OneBitAdamRankOrderTest, ZeroOneAndTwoOnFourWorkersGiveTheLossesOfDataParallelism) {
   ExpectZeroShardsWithTheLossesOfDataParallelism(4, Distributed);

@@ -17,6 +17,7 @@
 #include "gpt2_test_util.h"
 #include "plan_equivalence.h"
 #include "test_util.h"
+#include "tiny_gpt2_cluster.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -82,27 +83,10 @@ Quantizable CountQuantizable(const Graph& graph) {
   return q;
 }
 
-class QuantizedZero3Test : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(kWorkers);
-    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
-    cluster_ = std::move(*cluster).release();
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
-    TESSERA_ASSIGN_OR_RETURN(auto backend,
-                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
-    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
-  }
-
-  static Cluster* cluster_;
+class QuantizedZero3Test : public TinyGpt2ClusterTest<QuantizedZero3Test> {
+ public:
+  static constexpr int kClusterWorkers = kWorkers;
 };
-
-Cluster* QuantizedZero3Test::cluster_ = nullptr;
 
 TEST_F(QuantizedZero3Test, Int8AndInt4SendAHalfAndAQuarterOfBf16WithinOnePercentOfTheLosses) {
   ASSERT_OK_AND_ASSIGN(auto exact, Distributed(Zero3Plan(0)));

@@ -93,6 +93,7 @@ std::vector<Status> OnEveryRank(int size, Body body) {
   LoopbackGroup group(size);
   std::vector<Status> statuses(static_cast<size_t>(size));
   std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       auto communicator = MakeHostCommunicator(group.transport(r));

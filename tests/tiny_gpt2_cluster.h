@@ -1,0 +1,60 @@
+// A test suite sharing one local cluster of worker processes and training the tiny GPT-2 on it:
+// the fixture of the integration tests that compare plans run on real workers.
+//
+//   class MyTest : public TinyGpt2ClusterTest<MyTest> {
+//    public:
+//     static constexpr int kClusterWorkers = 4;
+//     // Optional: environment the workers start with (TESSERA_* settings).
+//     static std::vector<std::pair<std::string, std::string>> ClusterEnvironment();
+//   };
+//   TEST_F(MyTest, ...) { ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan)); ... }
+//
+// The cluster starts before the suite's first test and stops after its last (plans take the
+// first workers they need). Not thread-safe: gtest runs a suite's tests one at a time.
+#pragma once
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/cluster.h"
+#include "client/graph_backend.h"
+#include "gpt2_test_util.h"
+#include "plan_equivalence.h"
+#include "training/trainer.h"
+
+namespace tessera::testing {
+
+template <typename Suite>
+class TinyGpt2ClusterTest : public ::testing::Test {
+ public:
+  static std::vector<std::pair<std::string, std::string>> ClusterEnvironment() { return {}; }
+
+ protected:
+  static void SetUpTestSuite() {
+    const auto environment = Suite::ClusterEnvironment();
+    for (const auto& [name, value] : environment) setenv(name.c_str(), value.c_str(), 1);
+    Result<std::unique_ptr<Cluster>> cluster = StartTestCluster(Suite::kClusterWorkers);
+    for (const auto& [name, value] : environment) unsetenv(name.c_str());
+    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+    cluster_ = std::move(*cluster).release();
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  // The tiny GPT-2's trainer of `plan` on the suite's cluster (the scheduler places its tasks).
+  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
+    TESSERA_ASSIGN_OR_RETURN(auto backend,
+                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
+  }
+
+  static inline Cluster* cluster_ = nullptr;
+};
+
+}  // namespace tessera::testing
