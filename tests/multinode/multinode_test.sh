@@ -9,11 +9,16 @@
 #   multinode_test.sh link_down    a host's link goes down mid-training: the driver fails
 #                                  naming that host, within the heartbeat bound; nothing hangs
 #   multinode_test.sh kill_worker  a host's worker is SIGKILLed mid-training: the same
-#   multinode_test.sh onebit       a benchmark (not a CTest test): a GPT-2 of ~11M parameters in
-#                                  data parallel on the 3 hosts, AdamW against 1-bit Adam, run
-#                                  alternately twice each; prints each run's median step time
-#                                  over the compressed phase's steps and the ratio (bench/results;
-#                                  TESSERA_ONEBIT_SEQ_LEN: positions a row, 64 by default)
+#   multinode_test.sh onebit       a benchmark (not a CTest test), on 4 hosts: a GPT-2 of ~11M
+#                                  parameters in data parallel, Tessera's AdamW (f32 ring), its
+#                                  1-bit Adam, PyTorch DDP (gloo) and DDP with PowerSGD (rank 1,
+#                                  bench/torch_ddp_gpt2.py, one process a host), alternated, twice
+#                                  each; each run's median step time over the compressed phase's
+#                                  steps and the ratios (TESSERA_ONEBIT_ROUNDS rounds, 2). Then
+#                                  AdamW, 1-bit Adam, and 1-bit Adam never compressing (its warm-up
+#                                  arithmetic throughout) for TESSERA_ONEBIT_LONG_STEPS (500; 0:
+#                                  none) steps on the shipped text, their losses side by side
+#                                  (bench/results; TESSERA_ONEBIT_SEQ_LEN: positions a row, 64)
 #
 # Needs root, ip netns, tc, sshd, ssh and ssh-keygen; exits 77 (CTest: skipped) saying which is
 # missing. Everything it makes (namespaces, bridge, processes, files) is removed on exit, also
@@ -44,6 +49,7 @@ started=$(date +%s.%N)
 subnet="10.77.$net"
 bridge="tsbr$net"
 hosts=(1 2 3)
+[[ "$mode" == onebit ]] && hosts=(1 2 3 4)
 ns_of() { echo "ts$net-h$1"; }
 dir=$(mktemp -d "/tmp/tessera-multinode-$mode.XXXXXX")
 chmod 755 "$dir"
@@ -138,16 +144,14 @@ for i in "${hosts[@]}"; do
   done
   fail "sshd in $(ns_of "$i") does not answer (log: $(cat "$dir/sshd-$i.log" 2>/dev/null))"
 done
-log "3 hosts up, sshd answering in each"
+log "${#hosts[@]} hosts up, sshd answering in each"
 
 # ---- the cluster ----
 cat >"$dir/$cluster.yaml" <<EOF
 cluster_name: $cluster
 head: {address: $subnet.1, port: 6380}
 nodes:
-  - {address: $subnet.1, workers: 1, threads: 1}
-  - {address: $subnet.2, workers: 1, threads: 1}
-  - {address: $subnet.3, workers: 1, threads: 1}
+$(for i in "${hosts[@]}"; do echo "  - {address: $subnet.$i, workers: 1, threads: 1}"; done)
 ssh: {user: root, key: $dir/id, connect_timeout_s: 5}
 setup_commands: ["test -x ${tessera[0]}"]
 env: {TESSERA_SCHEDULER_GRACE_MS: "2000"}
@@ -163,7 +167,7 @@ grep -q "ok: started 1" "$dir/up.out" || fail "tessera up did not report the nod
 # Idempotent: a second `up` starts nothing.
 timeout 60 "${tessera[@]}" up "$dir/$cluster.yaml" --state-dir "$state" >"$dir/up2.out" ||
   fail "the second tessera up failed: $(cat "$dir/up2.out")"
-[[ $(grep -c "running, kept" "$dir/up2.out") -eq 4 ]] ||
+[[ $(grep -c "running, kept" "$dir/up2.out") -eq $((${#hosts[@]} + 1)) ]] ||
   fail "the second tessera up changed something: $(cat "$dir/up2.out")"
 eval "$("${tessera[@]}" attach "$dir/$cluster.yaml" --state-dir "$state" 2>/dev/null)"
 [[ "$TESSERA_ADDRESS" == "$subnet.1:6380" ]] || fail "attach printed '$TESSERA_ADDRESS'"
@@ -241,32 +245,110 @@ if [[ "$mode" == onebit ]]; then
   steps=30
   freeze=10
   seq_len="${TESSERA_ONEBIT_SEQ_LEN:-64}"
-  log "GPT-2 6 x 384 (~11M parameters), 3 workers x 1 row of $seq_len positions a step"
-  bench=("$bin_dir/train_gpt2" --layers 6 --channels 384 --heads 6 --seq-len "$seq_len" --batch 3
-    --threads 1 --log-every 1 --steps $steps --address "$TESSERA_ADDRESS" --workers 3
+  workers=${#hosts[@]}
+  repo=$(cd "$(dirname "$0")/../.." && pwd)
+  log "GPT-2 6 x 384 (~11M parameters), $workers workers x 1 row of $seq_len positions a step"
+  bench=("$bin_dir/train_gpt2" --layers 6 --channels 384 --heads 6 --seq-len "$seq_len"
+    --batch "$workers" --threads 1 --address "$TESSERA_ADDRESS" --workers "$workers"
     --token-file "$TESSERA_TOKEN_FILE")
-  # The median step time over steps freeze+2 .. steps (the compressed phase, past its switch).
-  median_ms() {
-    grep -oE "^step [0-9]+/$steps loss [0-9.]+ +[0-9.]+ ms" "$1" |
-      awk -v from=$((freeze + 2)) '{ split($2, s, "/"); if (s[1] >= from) print $5 }' | sort -g |
-      awk '{ v[NR] = $1 } END { if (NR == 0) exit 1; print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
+  # The median of a list of numbers, one a line.
+  median() {
+    sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) exit 1; print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
   }
-  for round in 1 2; do
-    for optimizer in adamw onebit-adam; do
-      out="$dir/$optimizer-$round.out"
-      timeout 600 "${bench[@]}" --optimizer $optimizer --freeze-step $freeze >"$out" 2>&1 ||
-        fail "train_gpt2 --optimizer $optimizer failed: $(tail -20 "$out")"
-      ms=$(median_ms "$out") || fail "no step times in $out"
-      # End to end: every step's time, the warm-up's and the switch's included.
-      total=$(grep -oE "^step [0-9]+/$steps loss [0-9.]+ +[0-9.]+ ms" "$out" |
-        awk '{ t += $5 } END { printf "%.0f", t }')
-      final=$(grep -oE "final_loss=[0-9.]+" "$out" | cut -d= -f2)
-      log "round $round, $optimizer: median step ${ms} ms over steps $((freeze + 2))-$steps, all $steps steps ${total} ms, final loss $final"
-      echo "$round $optimizer $ms $final $total" >>"$dir/onebit.tsv"
+  step_lines() { grep -oE "^step [0-9]+/$2 loss [0-9.]+ +[0-9.]+ ms" "$1"; }
+  # PyTorch DDP over gloo, one process a host (eth0 of its namespace), the same model and
+  # shapes; $1: PowerSGD's rank (0: plain all-reduce, DDP's buckets; PowerSGD runs one bucket:
+  # torch 1.13's hook can launch two buckets' all-reduces in different orders on different
+  # ranks, a gloo size mismatch). Prints rank 0's JSON line.
+  torch_ddp() {
+    local port=$((29500 + RANDOM % 400)) pids=() i buckets=25
+    [[ $1 -gt 0 ]] && buckets=1000
+    for i in "${hosts[@]}"; do
+      ip netns exec "$(ns_of "$i")" env GLOO_SOCKET_IFNAME=eth0 PYTHONPATH="$repo/bench" \
+        timeout 600 /usr/bin/python3 "$repo/bench/torch_ddp_gpt2.py" --workers "$workers" \
+        --layers 6 --channels 384 --heads 6 --vocab 256 --seq-len "$seq_len" --batch "$workers" \
+        --warmup $((freeze + 1)) --steps $((steps - freeze - 1)) --powersgd-rank "$1" \
+        --start-powersgd-iter "$freeze" --bucket-mb "$buckets" --rank $((i - 1)) \
+        --init-method "tcp://$subnet.1:$port" >"$dir/torch-$1-rank$i.out" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+      wait "$pid" || fail "torch DDP failed: $(tail -n 5 "$dir"/torch-"$1"-rank*.out 2>&1)"
+    done
+    grep -h '^{' "$dir/torch-$1-rank1.out"
+  }
+  if /usr/bin/python3 -c "import torch" 2>/dev/null; then
+    peers=(adamw onebit-adam torch-ddp torch-powersgd)
+  else
+    log "no PyTorch for /usr/bin/python3 (scripts/install_deps.sh --bench): Tessera only"
+    peers=(adamw onebit-adam)
+  fi
+  for round in $(seq "${TESSERA_ONEBIT_ROUNDS:-2}"); do
+    # Alternated: each round runs every contender once, the order reversed in even rounds.
+    order=("${peers[@]}")
+    [[ $((round % 2)) -eq 0 ]] && mapfile -t order < <(printf '%s\n' "${peers[@]}" | tac)
+    for peer in "${order[@]}"; do
+      case "$peer" in
+        torch-*)
+          rank=0
+          [[ $peer == torch-powersgd ]] && rank=1
+          json=$(torch_ddp $rank)
+          ms=$(sed -E 's/.*"median_ms": ([0-9.]+).*/\1/' <<<"$json")
+          log "round $round, $peer: median step ${ms} ms over steps $((freeze + 2))-$steps: $json"
+          echo "$round $peer $ms - -" >>"$dir/onebit.tsv"
+          ;;
+        *)
+          out="$dir/$peer-$round.out"
+          timeout 600 "${bench[@]}" --steps $steps --log-every 1 --optimizer "$peer" \
+            --freeze-step $freeze >"$out" 2>&1 || fail "train_gpt2 --optimizer $peer failed: $(tail -20 "$out")"
+          # The median step time over steps freeze+2 .. steps (the compressed phase, past its
+          # switch); end to end: every step's time, the warm-up's and the switch's included.
+          ms=$(step_lines "$out" $steps | awk -v from=$((freeze + 2)) \
+            '{ split($2, s, "/"); if (s[1] >= from) print $5 }' | median) ||
+            fail "no step times in $out"
+          total=$(step_lines "$out" $steps | awk '{ t += $5 } END { printf "%.0f", t }')
+          final=$(grep -oE "final_loss=[0-9.]+" "$out" | cut -d= -f2)
+          log "round $round, $peer: median step ${ms} ms over steps $((freeze + 2))-$steps, all $steps steps ${total} ms, final loss $final"
+          echo "$round $peer $ms $final $total" >>"$dir/onebit.tsv"
+          ;;
+      esac
     done
   done
-  awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv"
-  awk '{ n[$2]++; s[$2] += $3; e[$2] += $5 } END { printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx; end to end (all steps): %.2fx\n", s["adamw"] / n["adamw"], s["onebit-adam"] / n["onebit-adam"], (s["adamw"] / n["adamw"]) / (s["onebit-adam"] / n["onebit-adam"]), e["adamw"] / e["onebit-adam"] }' "$dir/onebit.tsv"
+  [[ -f "$dir/onebit.tsv" ]] &&
+  awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv" &&
+  awk '{ n[$2]++; s[$2] += $3; if ($5 != "-") e[$2] += $5 }
+    END {
+      a = s["adamw"] / n["adamw"]; o = s["onebit-adam"] / n["onebit-adam"]
+      printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx; end to end (all steps): %.2fx\n", a, o, a / o, e["adamw"] / e["onebit-adam"]
+      if (n["torch-ddp"] > 0) {
+        d = s["torch-ddp"] / n["torch-ddp"]; p = s["torch-powersgd"] / n["torch-powersgd"]
+        printf "PyTorch DDP %.1f ms (Tessera adamw %.2fx faster), DDP + PowerSGD rank 1 %.1f ms (Tessera onebit-adam %.2fx faster)\n", d, d / a, p, p / o
+      }
+    }' "$dir/onebit.tsv"
+  long="${TESSERA_ONEBIT_LONG_STEPS:-500}"
+  if [[ "$long" -gt 0 ]]; then
+    # The loss after $long steps on the shipped text (a tenth held out): the same batches for
+    # all, 1-bit Adam frozen after a fifth of them, and never (onebit-exact: its arithmetic
+    # uncompressed, what the compression alone changes); the validation loss over 20 batches at
+    # the end, and the mean training loss over the last 10 logged steps.
+    for peer in adamw onebit-adam onebit-exact; do
+      out="$dir/$peer-long.out"
+      optimizer=$peer freeze=$((long / 5))
+      [[ $peer == onebit-exact ]] && optimizer=onebit-adam freeze=$((long + 1))
+      timeout 3000 "${bench[@]}" --steps "$long" --optimizer "$optimizer" --freeze-step "$freeze" \
+        --log-every 10 --val-fraction 0.1 --eval-every "$long" --eval-batches 20 >"$out" 2>&1 ||
+        fail "train_gpt2 --optimizer $optimizer failed: $(tail -20 "$out")"
+      val=$(grep -oE "^eval step $long: val_loss [0-9.]+" "$out" | awk '{ print $5 }')
+      [[ -n "$val" ]] || fail "no validation loss in $out"
+      last=$(grep -oE "^step [0-9]+/$long loss [0-9.]+" "$out" | tail -10 |
+        awk '{ t += $4 } END { printf "%.4f", t / NR }')
+      log "$long steps, $peer: validation loss $val, mean of the last 10 logged losses $last ($(grep -oE "^summary: .*" "$out"))"
+      echo "$peer $val $last" >>"$dir/long.tsv"
+    done
+    awk '{ v[$1] = $2; m[$1] = $3 } END {
+      printf "after the long run: validation loss adamw %.4f, onebit-adam %.4f (%+.2f%%), onebit-exact %.4f (onebit-adam %+.2f%% of it)\n", v["adamw"], v["onebit-adam"], 100 * (v["onebit-adam"] / v["adamw"] - 1), v["onebit-exact"], 100 * (v["onebit-adam"] / v["onebit-exact"] - 1)
+      printf "mean of the last logged training losses: adamw %.4f, onebit-adam %.4f, onebit-exact %.4f\n", m["adamw"], m["onebit-adam"], m["onebit-exact"] }' "$dir/long.tsv"
+  fi
   down_and_check
   exit 0
 fi
