@@ -25,9 +25,31 @@
 #include "client/graph_backend.h"
 #include "gpt2_test_util.h"
 #include "plan_equivalence.h"
+#include "training/token_dataset.h"
 #include "training/trainer.h"
 
 namespace tessera::testing {
+
+// Steps [first, last) of the tiny GPT-2's run on the same synthetic batches of `batch` rows of
+// `seq_len` tokens at learning rate 3e-3 (a fresh run, first 0, initialises the parameters from
+// seed 5; a resumed one starts from its state); each step's report.
+inline Result<std::vector<StepReport>> TrainOnSyntheticTokens(Trainer& trainer, int64_t batch,
+                                                              int64_t seq_len, int first,
+                                                              int last) {
+  if (first == 0) TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
+  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+  TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, batch, seq_len, 3));
+  std::vector<int32_t> tokens(static_cast<size_t>(batch * seq_len)),
+      targets(static_cast<size_t>(batch * seq_len));
+  std::vector<StepReport> reports;
+  for (int step = 0; step < last; ++step) {
+    sampler.Next(tokens.data(), targets.data());
+    if (step < first) continue;
+    TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(trainer, tokens, targets, 3e-3f));
+    reports.push_back(std::move(report));
+  }
+  return reports;
+}
 
 template <typename Suite>
 class TinyGpt2ClusterTest : public ::testing::Test {

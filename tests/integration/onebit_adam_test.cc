@@ -49,21 +49,9 @@ TrainingPlan OneBitPlan(int workers) {
   return plan;
 }
 
-// Steps [first, last) of a run on the same synthetic batches (a fresh run initialises the
-// parameters; a resumed one starts from its state); each step's report.
+// Steps [first, last) of the run on the suites' synthetic batches.
 Result<std::vector<StepReport>> Train(Trainer& trainer, int first = 0, int last = kSteps) {
-  if (first == 0) TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
-  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
-  TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
-  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
-  std::vector<StepReport> reports;
-  for (int step = 0; step < last; ++step) {
-    sampler.Next(tokens.data(), targets.data());
-    if (step < first) continue;
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(trainer, tokens, targets, 3e-3f));
-    reports.push_back(std::move(report));
-  }
-  return reports;
+  return TrainOnSyntheticTokens(trainer, kBatch, kSeqLen, first, last);
 }
 
 // A layer's error buffers on every data rank, in rank order.

@@ -42,17 +42,7 @@ TrainingPlan Zero3Plan(int bits) {
 }
 
 Result<std::vector<StepReport>> Train(Trainer& trainer) {
-  TESSERA_RETURN_IF_ERROR(trainer.InitializeParameters(5));
-  TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
-  TESSERA_ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
-  std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
-  std::vector<StepReport> reports;
-  for (int step = 0; step < kSteps; ++step) {
-    sampler.Next(tokens.data(), targets.data());
-    TESSERA_ASSIGN_OR_RETURN(StepReport report, Gpt2Step(trainer, tokens, targets, 3e-3f));
-    reports.push_back(std::move(report));
-  }
-  return reports;
+  return TrainOnSyntheticTokens(trainer, kBatch, kSeqLen, 0, kSteps);
 }
 
 // A step's gathers and reduce-scatters on rank 0: what each sends exact (f32) and as planned.
