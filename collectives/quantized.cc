@@ -47,19 +47,19 @@ Status QuantizedReduceScatter(Communicator& communicator, const float* in, int64
   const int size = communicator.size();
   const int64_t words = QuantizedWords(count, bits);
   const auto total = static_cast<size_t>(words) * static_cast<size_t>(size);
-  std::vector<uint32_t> sent(total), received(total);
-  for (int j = 0; j < size; ++j)
+  std::vector<uint32_t> sent(total);
+  for (int j = 0; j < size; ++j) {
     QuantizeBlocks(in + count * j, count, bits, sent.data() + words * j);
+  }
+  std::vector<uint32_t> received;  // every rank's block for this rank, in rank order
   if (size > 1) {
+    received.resize(total);
     TESSERA_RETURN_IF_ERROR(
         communicator.AllToAll(sent.data(), received.data(), words, DType::kI32));
-  } else {
-    received = sent;
   }
-  DequantizeBlocks(received.data(), count, bits, out);
-  for (int r = 1; r < size; ++r) {
-    AccumulateDequantized(received.data() + words * r, count, bits, out);
-  }
+  const uint32_t* blocks = size > 1 ? received.data() : sent.data();
+  DequantizeBlocks(blocks, count, bits, out);
+  for (int r = 1; r < size; ++r) AccumulateDequantized(blocks + words * r, count, bits, out);
   return Status::Ok();
 }
 

@@ -1,9 +1,9 @@
 #include "core/block_quantization.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
-#include <vector>
 
 namespace tessera {
 namespace {
@@ -24,23 +24,19 @@ int64_t BlockElements(int64_t count, int64_t b) {
   return std::min(kQuantizationBlock, count - b * kQuantizationBlock);
 }
 
-// Calls visit(element index, decoded value) for every element of the encoded buffer.
-template <typename Visit>
-void ForDecoded(const uint32_t* words, int64_t count, int bits, Visit&& visit) {
+// Decodes the block at `words` (n elements) into out[0, n); returns the words it took.
+int64_t DecodeBlock(const uint32_t* words, int64_t n, int bits, float* out) {
   const int per_word = kCodeWordBits / bits;
   const uint32_t mask = (1u << bits) - 1;
   const int shift_back = kCodeWordBits - bits;  // sign-extends a code from the word's top bits
-  for (int64_t b = 0, begin = 0; begin < count; ++b, begin += kQuantizationBlock) {
-    const int64_t n = BlockElements(count, b);
-    const float scale = std::bit_cast<float>(words[0]);
-    const uint32_t* codes = words + 1;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t raw = (codes[i / per_word] >> ((i % per_word) * bits)) & mask;
-      const int32_t code = static_cast<int32_t>(raw << shift_back) >> shift_back;
-      visit(begin + i, static_cast<float>(code) * scale);
-    }
-    words += BlockWords(n, bits);
+  const float scale = std::bit_cast<float>(words[0]);
+  const uint32_t* codes = words + 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t raw = (codes[i / per_word] >> ((i % per_word) * bits)) & mask;
+    const int32_t code = static_cast<int32_t>(raw << shift_back) >> shift_back;
+    out[i] = static_cast<float>(code) * scale;
   }
+  return BlockWords(n, bits);
 }
 
 }  // namespace
@@ -89,15 +85,20 @@ void QuantizeBlocks(const float* x, int64_t count, int bits, uint32_t* words) {
 }
 
 void DequantizeBlocks(const uint32_t* words, int64_t count, int bits, float* out) {
-  ForDecoded(words, count, bits, [out](int64_t i, float value) { out[i] = value; });
+  for (int64_t b = 0, begin = 0; begin < count; ++b, begin += kQuantizationBlock) {
+    words += DecodeBlock(words, BlockElements(count, b), bits, out + begin);
+  }
 }
 
 void AccumulateDequantized(const uint32_t* words, int64_t count, int bits, float* out) {
-  // Decoded (rounded to f32) first, then added: code * scale + out in one expression may be
-  // contracted into a fused multiply-add, whose single rounding is not the decoded value's.
-  std::vector<float> decoded(static_cast<size_t>(count));
-  DequantizeBlocks(words, count, bits, decoded.data());
-  for (int64_t i = 0; i < count; ++i) out[i] += decoded[static_cast<size_t>(i)];
+  // Each block decoded (rounded to f32) first, then added: code * scale + out in one expression
+  // may be contracted into a fused multiply-add, whose single rounding is not the decoded value's.
+  std::array<float, kQuantizationBlock> decoded;
+  for (int64_t b = 0, begin = 0; begin < count; ++b, begin += kQuantizationBlock) {
+    const int64_t n = BlockElements(count, b);
+    words += DecodeBlock(words, n, bits, decoded.data());
+    for (int64_t i = 0; i < n; ++i) out[begin + i] += decoded[static_cast<size_t>(i)];
+  }
 }
 
 }  // namespace tessera

@@ -131,12 +131,12 @@ Result<std::vector<ObjectId>> FusedReduction(PlanState& state, int r, int k,
                             state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads"))},
                                      {ObjectRole::kGradientBucket})));
   const std::string name = micro(bucket + "/" + op);
+  Attrs attrs = state.DataCollective(name, r).Set("reduce", "sum");
+  if (shards > 1) attrs = QuantizedWhenAsked(state, std::move(attrs));  // a reduce-scatter
   TESSERA_ASSIGN_OR_RETURN(
       auto reduced,
       state.builder.AddTask(
-          state.Name(r, name), op, {packed[0]},
-          shards > 1 ? QuantizedWhenAsked(state, state.DataCollective(name, r).Set("reduce", "sum"))
-                     : state.DataCollective(name, r).Set("reduce", "sum"),
+          state.Name(r, name), op, {packed[0]}, std::move(attrs),
           state.On(r, first, priority, {state.Name(r, micro(bucket + ".grads_reduced"))},
                    {ObjectRole::kGradientBucket})));
   if (k >= 0) state.micro_batch_reductions.push_back({r, k, state.ProducerOf(reduced[0]), groups});

@@ -142,8 +142,9 @@ class Trainer {
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
-  // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, then
-  // every rank's error buffers, started at zero) and runs it from the next step on. Step calls it
+  // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, each
+  // momentum gathered whole under ZeRO-1/2, then every rank's error buffers, started at zero) and
+  // runs it from the next step on. Step calls it
   // after freeze_step steps; a checkpoint load past them calls it to restore the errors. A no-op
   // for other optimizers and once in the phase.
   Status EnterCompressedPhase();

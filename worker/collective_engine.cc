@@ -492,7 +492,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(Lane& lane, uint64_t key
 }
 
 Result<std::array<Tensor, 2>> CollectiveEngine::CompressedErrorsOnHost(
-    const CollectiveMember& member, const Tensor& out, int size) {
+    const CollectiveMember& member, const Tensor& out, int64_t count, int size) {
   // The error buffers are updated in place (outputs 1 and 2 hold them); a device's cross the
   // host communicator through host copies, as the value does.
   std::array<Tensor, 2> errors;
@@ -504,7 +504,6 @@ Result<std::array<Tensor, 2>> CollectiveEngine::CompressedErrorsOnHost(
       TESSERA_ASSIGN_OR_RETURN(errors[e], HostCopyOf(error, copier_));
     }
   }
-  TESSERA_ASSIGN_OR_RETURN(const int64_t count, CompressedCount(member.attrs, out.numel()));
   const int64_t chunk = SignChunkElements(count, size);
   if (out.dtype() != DType::kF32 || errors[0].dtype() != DType::kF32 ||
       errors[1].dtype() != DType::kF32 || errors[0].numel() != out.numel() ||
@@ -604,8 +603,8 @@ Status CollectiveEngine::Run(Lane& lane, CollectiveMember& member, int64_t& sent
         communicator->Broadcast(out.raw_data(), out.numel(), out.dtype(), static_cast<int>(root));
   } else if (member.op == "compressed_all_reduce") {
     using HostErrors = std::array<Tensor, 2>;
-    TESSERA_ASSIGN_OR_RETURN(HostErrors errors, CompressedErrorsOnHost(member, out, size));
     TESSERA_ASSIGN_OR_RETURN(const int64_t count, CompressedCount(attrs, out.numel()));
+    TESSERA_ASSIGN_OR_RETURN(HostErrors errors, CompressedErrorsOnHost(member, out, count, size));
     status = CompressedAllReduce(*communicator, static_cast<float*>(out.raw_data()), count,
                                  static_cast<float*>(errors[0].raw_data()),
                                  static_cast<float*>(errors[1].raw_data()));

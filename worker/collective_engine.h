@@ -165,9 +165,10 @@ class CollectiveEngine {
   // Runs one member; `sent` gets the bytes it sent.
   Status Run(Lane& lane, CollectiveMember& member, int64_t& sent);
   // A compressed all-reduce member's error buffers on the host (outputs 1 and 2, copied when
-  // on a device); InvalidArgument naming what `out` (x) and they should be.
+  // on a device) for `count` of x's elements compressed; InvalidArgument naming what `out` (x)
+  // and they should be.
   Result<std::array<Tensor, 2>> CompressedErrorsOnHost(const CollectiveMember& member,
-                                                       const Tensor& out, int size);
+                                                       const Tensor& out, int64_t count, int size);
   Result<Communicator*> CommunicatorFor(Lane& lane, uint64_t group_key, int rank, int size);
   // Aborts what `lane` runs now (its communicator, or its group still forming): returns the
   // rendezvous to fail outside the lock, if any.
