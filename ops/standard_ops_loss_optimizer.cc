@@ -175,6 +175,92 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       },
       .cost = ElementwiseCost(5),
   }));
+  // 0/1 Adam (DeepSpeed's ZeroOneAdam; ops/cpu/kernels.h has the arithmetic): the compressed
+  // gradient step's update, and the local step's, with its synchronisation's two halves around
+  // the compressed all-reduce of the ranks' moves since the interval's start. Its variance steps
+  // are onebit_adam's.
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "zero_one_adam_compressed",
+      .doc = "0/1 Adam's compressed-gradient step in place: exp_avg = beta1 exp_avg + (1 - "
+             "beta1) grad, grad the ranks' compressed average of their clipped gradients, then "
+             "param -= lr * (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * param); "
+             "exp_avg_sq kept (passed through)",
+      .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "lr"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out"},
+      .in_place = {{0, 0}, {2, 1}, {3, 2}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        for (int i = 1; i <= 3; ++i) {
+          TESSERA_RETURN_IF_ERROR(CheckSameShape(i == 1   ? "grad"
+                                                 : i == 2 ? "exp_avg"
+                                                          : "exp_avg_sq",
+                                                 in[static_cast<size_t>(i)], "param", in[0]));
+        }
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[4], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
+        return Metas{in[0], in[2], in[3]};
+      },
+      .cost = ElementwiseCost(7),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "zero_one_adam_local",
+      .doc = "0/1 Adam's local step in place: exp_avg from this rank's gradient (times "
+             "clip_scale), param -= lr * (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * "
+             "param); with attribute 'sync' 1 then param is set to interval_start (the "
+             "parameters at the last sync) and interval_start to the move since, times "
+             "sqrt(exp_avg_sq) + eps (what the ranks average)",
+      .input_names = {"param", "grad", "exp_avg", "exp_avg_sq", "interval_start", "clip_scale",
+                      "lr"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out", "interval_start_out"},
+      .in_place = {{0, 0}, {2, 1}, {3, 2}, {4, 3}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("grad", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[3], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("interval_start", in[4], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("clip_scale", in[5], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr", in[6], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
+        return Metas{in[0], in[2], in[3], in[4]};
+      },
+      .cost = ElementwiseCost(9),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "zero_one_adam_sync",
+      .doc = "0/1 Adam's synchronisation, second half, in place: interval_start the ranks' "
+             "average of their moves, param the interval's start: exp_avg = -interval_start / "
+             "lr_sum - weight_decay * param * (sqrt(exp_avg_sq) + eps), param += interval_start "
+             "/ (sqrt(exp_avg_sq) + eps), interval_start = param (the next interval's); lr_sum "
+             "the learning rates of the interval's steps summed",
+      .input_names = {"param", "exp_avg", "exp_avg_sq", "interval_start", "lr_sum"},
+      .output_names = {"param_out", "exp_avg_out", "exp_avg_sq_out", "interval_start_out"},
+      .in_place = {{0, 0}, {1, 1}, {2, 2}, {3, 3}},
+      .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("param", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg", in[1], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("exp_avg_sq", in[2], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckSameShape("interval_start", in[3], "param", in[0]));
+        TESSERA_RETURN_IF_ERROR(CheckShape("lr_sum", in[4], Shape{}));
+        TESSERA_RETURN_IF_ERROR(CheckDecayRanges(attrs));
+        return Metas{in[0], in[1], in[2], in[3]};
+      },
+      .cost = ElementwiseCost(8),
+  }));
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "scale",
+      .doc = "x *= scale in place (an f32 scalar input: e.g. a rank's clipping factor on its "
+             "gradient before a compressed all-reduce)",
+      .input_names = {"x", "scale"},
+      .output_names = {"y"},
+      .in_place = {{0, 0}},
+      .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+        TESSERA_RETURN_IF_ERROR(CheckDType("x", in[0], DType::kF32));
+        TESSERA_RETURN_IF_ERROR(CheckShape("scale", in[1], Shape{}));
+        return Metas{in[0]};
+      },
+      .cost = ElementwiseCost(1),
+  }));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "sum_of_squares",
       .doc = "sum of squared elements (a gradient's contribution to the global norm); with "

@@ -739,8 +739,9 @@ class Expansion {
       rank.grad[l] = grads[i];
     }
     if (k + 1 < s_.num_micro_batches) return Status::Ok();
-    // 1-bit Adam's compressed phase: each rank's momentum is averaged instead (optimizer pass).
-    if (s_.compressed_momentum) return Status::Ok();
+    // 1-bit Adam's compressed phase and 0/1 Adam's non-variance steps: each rank's momentum,
+    // gradient or updates are averaged compressed instead, or not at all (optimizer pass).
+    if (!s_.reduces_gradients) return Status::Ok();
     TESSERA_ASSIGN_OR_RETURN(grads, s_.sharding->ReduceAccumulatedGradients(s_, r, groups, grads));
     for (size_t i = 0; i < groups.size(); ++i) rank.grad[groups[i]] = grads[i];
     return Status::Ok();

@@ -1,4 +1,4 @@
-// The optimizer pass: per rank, per group it holds, the update (AdamW, 1-bit Adam or SGD, in
+// The optimizer pass: per rank, per group it holds, the update (AdamW, 1-bit or 0/1 Adam or SGD, in
 // place) of the piece the sharding policy gives it, then what makes the next step's parameters of
 // it: the upload of the host master piece (offload), and the policy's gather of the updated shards.
 //
@@ -101,69 +101,88 @@ Result<TaskId> AddAdamW(PlanState& state, int r, size_t l, StateObject& target) 
   return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
 }
 
-// Layer l's 1-bit Adam update on rank r; returns the task (the last of several in the
-// compressed phase). The warm-up: onebit_adam on the (reduced) gradient, of the rank's shard
-// under ZeRO-1/2. The compressed phase: this rank's whole momentum from its own gradient,
-// averaged over the data ranks by a compressed all-reduce with the rank's error buffers (none on
-// one rank), then the update with the frozen variance (of the rank's shard under ZeRO-1/2; the
-// sharding policy then gathers the updated shards).
-Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& target) {
+// Layer l's `x` on rank r averaged over the data ranks by a compressed all-reduce with the
+// rank's error buffers (their next values taken as this step's): the average, as `averaged`.
+Result<ObjectId> AddCompressedAllReduce(PlanState& state, int r, size_t l, ObjectId x,
+                                        const std::string& averaged) {
   const RankState& rank = state.ranks[static_cast<size_t>(r)];
-  const OptimizerConfig& o = state.plan.optimizer;
   const std::string& layer = state.LayerName(l);
-  const int64_t full = state.step.group_numel[l];
+  StateObject& worker_error = state.step.state[rank.worker_error[l]];
+  StateObject& server_error = state.step.state[rank.server_error[l]];
+  const std::string name = layer + "/compressed_all_reduce";
+  TESSERA_ASSIGN_OR_RETURN(
+      auto reduced,
+      state.builder.AddTask(
+          state.Name(r, name), "compressed_all_reduce", {x, worker_error.input, server_error.input},
+          state.DataCollective(name, r).Set(kCompressedCountAttr,
+                                            state.model.layers[l].params.numel()),
+          state.OnOptimizerDevice(
+              r, layer,
+              {state.Name(r, layer + averaged), state.Name(r, layer + ".worker_error.next"),
+               state.Name(r, layer + ".server_error.next")},
+              {ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
+               ObjectRole::kOptimizerState})));
+  worker_error.output = reduced[1];
+  server_error.output = reduced[2];
+  state.builder.MarkOutput(worker_error.output);
+  state.builder.MarkOutput(server_error.output);
+  return reduced[0];
+}
+
+// Layer l's 1-bit Adam warm-up update on rank r (0/1 Adam's variance step too): onebit_adam on
+// the (reduced) gradient, of the rank's shard under ZeRO-1/2; returns the task.
+Result<TaskId> AddOneBitAdamWarmup(PlanState& state, int r, size_t l, StateObject& target) {
+  const RankState& rank = state.ranks[static_cast<size_t>(r)];
+  const std::string& layer = state.LayerName(l);
   StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
   StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
-  const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
   Attrs attrs = AdamAttrs(state, l);
   const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
-  const std::string shard = SetShardOffsets(attrs, exp_avg_sq, target, full) ? "[shard]" : "";
-  if (!o.compressed_phase) {
-    TESSERA_ASSIGN_OR_RETURN(
-        auto updated,
-        state.builder.AddTask(
-            state.Name(r, layer + "/onebit_adam"), "onebit_adam",
-            {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input, clip,
-             state.step.lr},
-            std::move(attrs),
-            state.OnOptimizerDevice(
-                r, layer,
-                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg" + shard + ".next"),
-                 state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
-                {ObjectRole::kParameter, ObjectRole::kOptimizerState,
-                 ObjectRole::kOptimizerState})));
-    return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
-  }
+  const std::string shard =
+      SetShardOffsets(attrs, exp_avg_sq, target, state.step.group_numel[l]) ? "[shard]" : "";
+  TESSERA_ASSIGN_OR_RETURN(
+      auto updated,
+      state.builder.AddTask(
+          state.Name(r, layer + "/onebit_adam"), "onebit_adam",
+          {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input,
+           rank.update_clip[static_cast<size_t>(state.StageOf(l))], state.step.lr},
+          std::move(attrs),
+          state.OnOptimizerDevice(
+              r, layer,
+              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg" + shard + ".next"),
+               state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
+              {ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState})));
+  return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+}
+
+// Layer l's 1-bit Adam update on rank r; returns the task (the last of several in the
+// compressed phase). The warm-up: AddOneBitAdamWarmup. The compressed phase: this rank's whole
+// momentum from its own gradient, averaged over the data ranks by a compressed all-reduce with
+// the rank's error buffers (none on one rank), then the update with the frozen variance (of the
+// rank's shard under ZeRO-1/2; the sharding policy then gathers the updated shards).
+Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& target) {
+  if (!state.plan.optimizer.compressed_phase) return AddOneBitAdamWarmup(state, r, l, target);
+  const RankState& rank = state.ranks[static_cast<size_t>(r)];
+  const std::string& layer = state.LayerName(l);
+  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
+  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
+  Attrs attrs = AdamAttrs(state, l);
+  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
+  const std::string shard =
+      SetShardOffsets(attrs, exp_avg_sq, target, state.step.group_numel[l]) ? "[shard]" : "";
   TESSERA_ASSIGN_OR_RETURN(
       auto momentum,
       state.builder.AddTask(
           state.Name(r, layer + "/onebit_adam_momentum"), "onebit_adam_momentum",
-          {exp_avg.input, rank.update_grad[l], clip}, Attrs{{"beta1", o.beta1}},
+          {exp_avg.input, rank.update_grad[l],
+           rank.update_clip[static_cast<size_t>(state.StageOf(l))]},
+          Attrs{{"beta1", state.plan.optimizer.beta1}},
           state.OnOptimizerDevice(r, layer, {state.Name(r, layer + ".exp_avg.local")},
                                   {ObjectRole::kOptimizerState})));
   ObjectId averaged = momentum[0];
-  if (state.compressed_momentum) {
-    StateObject& worker_error = state.step.state[rank.worker_error[l]];
-    StateObject& server_error = state.step.state[rank.server_error[l]];
-    const std::string name = layer + "/compressed_all_reduce";
-    TESSERA_ASSIGN_OR_RETURN(
-        auto reduced,
-        state.builder.AddTask(
-            state.Name(r, name), "compressed_all_reduce",
-            {momentum[0], worker_error.input, server_error.input},
-            state.DataCollective(name, r).Set(kCompressedCountAttr,
-                                              state.model.layers[l].params.numel()),
-            state.OnOptimizerDevice(r, layer,
-                                    {state.Name(r, layer + ".exp_avg.next"),
-                                     state.Name(r, layer + ".worker_error.next"),
-                                     state.Name(r, layer + ".server_error.next")},
-                                    {ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
-                                     ObjectRole::kOptimizerState})));
-    averaged = reduced[0];
-    worker_error.output = reduced[1];
-    server_error.output = reduced[2];
-    state.builder.MarkOutput(worker_error.output);
-    state.builder.MarkOutput(server_error.output);
+  if (state.error_feedback) {
+    TESSERA_ASSIGN_OR_RETURN(averaged,
+                             AddCompressedAllReduce(state, r, l, averaged, ".exp_avg.next"));
   }
   TESSERA_ASSIGN_OR_RETURN(
       auto updated,
@@ -175,6 +194,95 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
               {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
               {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
   return TakeMomentsUpdate(state, {updated[0], averaged, updated[1]}, target, exp_avg, exp_avg_sq);
+}
+
+// Layer l's 0/1 Adam update on rank r, of the step OptimizerConfig::zero_one_step says
+// (planner/zero_one_adam.h); returns the task (the last of several). Data parallelism only
+// (validation): every rank updates its whole group.
+//   variance:            AddOneBitAdamWarmup on the all-reduced gradient;
+//   compressed-gradient: the rank's gradient times its clipping factor, averaged by the
+//                        compressed all-reduce (several ranks), then zero_one_adam_compressed;
+//   local:               zero_one_adam_local on the rank's own gradient;
+//   sync:                zero_one_adam_local with sync, the ranks' moves since the interval's
+//                        start averaged by the compressed all-reduce (several ranks), then
+//                        zero_one_adam_sync.
+Result<TaskId> AddZeroOneAdam(PlanState& state, int r, size_t l, StateObject& target) {
+  using Step = OptimizerConfig::ZeroOneStep;
+  if (state.zero_one_step == Step::kVariance) return AddOneBitAdamWarmup(state, r, l, target);
+  const RankState& rank = state.ranks[static_cast<size_t>(r)];
+  const std::string& layer = state.LayerName(l);
+  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
+  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
+  const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
+  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
+  const std::vector<ObjectRole> moments_roles = {
+      ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
+      ObjectRole::kOptimizerState};
+  if (state.zero_one_step == Step::kCompressedGradient) {
+    ObjectId grad = rank.update_grad[l];
+    if (state.plan.optimizer.max_grad_norm > 0) {
+      TESSERA_ASSIGN_OR_RETURN(
+          auto clipped,
+          state.builder.AddTask(
+              state.Name(r, layer + "/clip_gradient"), "scale", {grad, clip}, {},
+              state.OnOptimizerDevice(r, layer, {state.Name(r, layer + ".grad.clipped")},
+                                      {ObjectRole::kGradient})));
+      grad = clipped[0];
+    }
+    if (state.error_feedback) {
+      TESSERA_ASSIGN_OR_RETURN(grad, AddCompressedAllReduce(state, r, l, grad, ".grad.averaged"));
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        auto updated,
+        state.builder.AddTask(
+            state.Name(r, layer + "/zero_one_adam_compressed"), "zero_one_adam_compressed",
+            {target.input, grad, exp_avg.input, exp_avg_sq.input, state.step.lr},
+            AdamAttrs(state, l),
+            state.OnOptimizerDevice(
+                r, layer,
+                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
+                 state.Name(r, layer + ".exp_avg_sq.next")},
+                {moments_roles.begin(), moments_roles.end() - 1})));
+    return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+  }
+  StateObject& interval_start = state.step.state[rank.interval_start[l]];
+  const bool sync = state.zero_one_step == Step::kSync;
+  const std::string local_suffix = sync ? ".local" : ".next";
+  TESSERA_ASSIGN_OR_RETURN(
+      auto local, state.builder.AddTask(
+                      state.Name(r, layer + "/zero_one_adam_local"), "zero_one_adam_local",
+                      {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input,
+                       interval_start.input, clip, state.step.lr},
+                      AdamAttrs(state, l).Set("sync", int64_t{sync ? 1 : 0}),
+                      state.OnOptimizerDevice(
+                          r, layer,
+                          {state.Name(r, layer + "." + StateKindName(target.kind) + local_suffix),
+                           state.Name(r, layer + ".exp_avg" + local_suffix),
+                           state.Name(r, layer + ".exp_avg_sq" + local_suffix),
+                           state.Name(r, layer + ".interval_start" + local_suffix)},
+                          moments_roles)));
+  std::vector<ObjectId> updated = local;
+  if (sync) {
+    ObjectId averaged = local[3];
+    if (state.error_feedback) {
+      TESSERA_ASSIGN_OR_RETURN(
+          averaged, AddCompressedAllReduce(state, r, l, averaged, ".interval_start.averaged"));
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        updated,
+        state.builder.AddTask(
+            state.Name(r, layer + "/zero_one_adam_sync"), "zero_one_adam_sync",
+            {local[0], local[1], local[2], averaged, state.step.lr_sum}, AdamAttrs(state, l),
+            state.OnOptimizerDevice(
+                r, layer,
+                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
+                 state.Name(r, layer + ".exp_avg_sq.next"),
+                 state.Name(r, layer + ".interval_start.next")},
+                moments_roles)));
+  }
+  interval_start.output = updated[3];
+  state.builder.MarkOutput(interval_start.output);
+  return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
 }
 
 // Layer l's SGD update on rank r; returns the task.
@@ -206,6 +314,8 @@ Status UpdateRank(PlanState& state, int r) {
     StateObject& target =
         state.step.state[rank.master[l] != kNoState ? rank.master[l] : rank.param[l]];
     TESSERA_ASSIGN_OR_RETURN(TaskId update, state.onebit_adam ? AddOneBitAdam(state, r, l, target)
+                                            : state.zero_one_adam
+                                                ? AddZeroOneAdam(state, r, l, target)
                                             : state.adam_moments ? AddAdamW(state, r, l, target)
                                                                  : AddSgd(state, r, l, target));
     updates.push_back(update);

@@ -24,6 +24,17 @@ PlanState::PlanState(const ModelSpec& model_in, const TrainingPlan& plan_in,
       onebit_adam(plan_in.optimizer.kind == OptimizerConfig::Kind::kOneBitAdam),
       compressed_momentum(onebit_adam && plan_in.optimizer.compressed_phase &&
                           plan_in.parallel.data_parallel > 1),
+      zero_one_adam(plan_in.optimizer.kind == OptimizerConfig::Kind::kZeroOneAdam),
+      zero_one_step(plan_in.optimizer.zero_one_step),
+      reduces_gradients(
+          !compressed_momentum &&
+          !(zero_one_adam && zero_one_step != OptimizerConfig::ZeroOneStep::kVariance)),
+      error_feedback(compressed_momentum ||
+                     (zero_one_adam && plan_in.parallel.data_parallel > 1 &&
+                      (zero_one_step == OptimizerConfig::ZeroOneStep::kCompressedGradient ||
+                       zero_one_step == OptimizerConfig::ZeroOneStep::kSync))),
+      takes_local_steps(zero_one_adam && (zero_one_step == OptimizerConfig::ZeroOneStep::kLocal ||
+                                          zero_one_step == OptimizerConfig::ZeroOneStep::kSync)),
       host_update(plan_in.parallel.offload != OffloadMode::kNone && !plan_in.device.is_cpu()),
       host_params(plan_in.parallel.offload == OffloadMode::kParameters && !plan_in.device.is_cpu()),
       builder(registry_in),

@@ -52,8 +52,11 @@ struct RankState {
   // master parameters; kNoState where the layer has none. Written by state placement.
   std::vector<size_t> param, exp_avg, exp_avg_sq, master;
   // 1-bit Adam's compressed phase: the error buffers of each group's compressed all-reduce
-  // (placed after every rank's other state, so the warm-up's state is a prefix of this phase's).
+  // (placed after every rank's other state, so the warm-up's state is a prefix of this phase's);
+  // 0/1 Adam's compressed-gradient and sync steps likewise.
   std::vector<size_t> worker_error, server_error;
+  // 0/1 Adam's local and sync steps: the parameters at the last sync.
+  std::vector<size_t> interval_start;
   // The gradient: accumulated over micro-batches by the expansion (full or shard, as the
   // sharding policy reduces it), final after the reductions pass.
   std::vector<ObjectId> grad;
@@ -91,6 +94,17 @@ struct PlanState {
   // 1-bit Adam's compressed phase on several data ranks: the gradients stay unreduced and each
   // rank's momentum is averaged by a compressed all-reduce, with its error buffers as state.
   const bool compressed_momentum;
+  // 0/1 Adam (OptimizerConfig::Kind::kZeroOneAdam): the step planned (plan.optimizer's
+  // zero_one_step) and what it needs.
+  const bool zero_one_adam;
+  const OptimizerConfig::ZeroOneStep zero_one_step;
+  // The gradients are all-reduced (sharding policy) before the update: all but 1-bit Adam's
+  // compressed phase and 0/1 Adam's steps other than its variance steps.
+  const bool reduces_gradients;
+  // Each rank keeps error buffers for compressed all-reduces (several data ranks, in 1-bit
+  // Adam's compressed phase or 0/1 Adam's compressed-gradient and sync steps).
+  const bool error_feedback;
+  const bool takes_local_steps;  // 0/1 Adam's local and sync steps
   // Offload on GPU workers: the update and its state live in the host tier (on CPU workers that
   // is where everything already is, and offload changes nothing).
   const bool host_update;

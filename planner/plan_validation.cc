@@ -18,7 +18,9 @@ Status CheckOptimizer(const OptimizerConfig& o) {
   if (o.has_moments() &&
       (o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1 || o.eps <= 0)) {
     return InvalidArgument("{} needs 0 <= beta1, beta2 < 1 and eps > 0 (got {}, {}, {})",
-                           o.kind == OptimizerConfig::Kind::kAdamW ? "AdamW" : "1-bit Adam",
+                           o.kind == OptimizerConfig::Kind::kAdamW        ? "AdamW"
+                           : o.kind == OptimizerConfig::Kind::kOneBitAdam ? "1-bit Adam"
+                                                                          : "0/1 Adam",
                            o.beta1, o.beta2, o.eps);
   }
   if (o.weight_decay < 0) {
@@ -107,6 +109,28 @@ Status CheckRanks(const TrainingPlan& plan) {
     if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
       return InvalidArgument(
           "1-bit Adam runs on data-parallel (and pipeline) plans without offload, tensor or "
+          "sequence parallelism for now: drop --offload / --tensor-parallel / "
+          "--sequence-parallel, or use AdamW");
+    }
+  }
+  if (plan.optimizer.kind == OptimizerConfig::Kind::kZeroOneAdam) {
+    const OptimizerConfig& o = plan.optimizer;
+    if (o.var_freeze_step < 1 || o.var_update_scaler < 1 || o.local_step_scaler < 1 ||
+        o.local_step_clipper < 1) {
+      return InvalidArgument(
+          "0/1 Adam needs var_freeze_step, var_update_scaler, local_step_scaler and "
+          "local_step_clipper >= 1 (got {}, {}, {}, {}): step 1 always updates the variance",
+          o.var_freeze_step, o.var_update_scaler, o.local_step_scaler, o.local_step_clipper);
+    }
+    if (p.zero_stage > 0 && p.data_parallel > 1) {
+      return InvalidArgument(
+          "0/1 Adam runs on data-parallel (and pipeline) plans without ZeRO for now (its local "
+          "steps update every rank's whole parameters): use --zero-stage 0, or --optimizer "
+          "onebit-adam, which composes with ZeRO-1 and ZeRO-2");
+    }
+    if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
+      return InvalidArgument(
+          "0/1 Adam runs on data-parallel (and pipeline) plans without offload, tensor or "
           "sequence parallelism for now: drop --offload / --tensor-parallel / "
           "--sequence-parallel, or use AdamW");
     }

@@ -102,6 +102,10 @@ Status PlaceStatePass(PlanState& state) {
                                    ObjectRole::kInput);
   step.step = state.builder.AddInput(
       "step", TensorMeta{Shape{}, DType::kI64, state.OptimizerDevice()}, ObjectRole::kInput);
+  if (state.zero_one_adam && state.zero_one_step == OptimizerConfig::ZeroOneStep::kSync) {
+    step.lr_sum = state.builder.AddInput(
+        "lr_sum", TensorMeta{Shape{}, DType::kF32, state.OptimizerDevice()}, ObjectRole::kInput);
+  }
   state.ranks.resize(static_cast<size_t>(state.num_ranks));
   for (int r = 0; r < state.num_ranks; ++r) {
     PlaceRankState(state, r);
@@ -111,7 +115,7 @@ Status PlaceStatePass(PlanState& state) {
   // list is this one's with each momentum made whole (the trainer gathers the momentum's shards
   // and starts the errors at zero when it switches). A rank's worker error is as long as its
   // momentum; its server error is its chunk of the group's own elements (under ZeRO, its shard).
-  for (int r = 0; r < state.num_ranks && state.compressed_momentum; ++r) {
+  for (int r = 0; r < state.num_ranks && state.error_feedback; ++r) {
     RankState& rank = state.ranks[static_cast<size_t>(r)];
     rank.worker_error.assign(state.num_layers, kNoState);
     rank.server_error.assign(state.num_layers, kNoState);
@@ -126,6 +130,16 @@ Status PlaceStatePass(PlanState& state) {
           .numel = SignChunkElements(state.model.layers[l].params.numel(), state.num_data_ranks)};
       rank.server_error[l] = AddState(state, StateKind::kServerError, chunk,
                                       ObjectRole::kOptimizerState, state.OptimizerDevice());
+    }
+  }
+  // 0/1 Adam's local and sync steps: each rank's parameters at the last sync, whole groups.
+  for (int r = 0; r < state.num_ranks && state.takes_local_steps; ++r) {
+    RankState& rank = state.ranks[static_cast<size_t>(r)];
+    rank.interval_start.assign(state.num_layers, kNoState);
+    for (size_t l = 0; l < state.num_layers; ++l) {
+      if (!state.HasParams(l)) continue;
+      rank.interval_start[l] = AddState(state, StateKind::kIntervalStart, WholeGroup(state, l, r),
+                                        ObjectRole::kOptimizerState, state.OptimizerDevice());
     }
   }
   return Status::Ok();

@@ -91,6 +91,8 @@ const char* StateKindName(StateKind kind) {
       return "worker_error";
     case StateKind::kServerError:
       return "server_error";
+    case StateKind::kIntervalStart:
+      return "interval_start";
   }
   return "?";
 }

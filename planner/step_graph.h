@@ -79,14 +79,18 @@ namespace tessera {
 // (holds the same values as the parameters between steps; checkpoints keep the parameters).
 // kWorkerError, kServerError: 1-bit Adam's compressed phase, the error feedback of each rank's
 // compressed all-reduce of a group's momentum (its piece: the whole group for the worker's; for
-// the server's, SignChunkElements(group, data ranks) elements from 0, the rank's chunk).
+// the server's, SignChunkElements(group, data ranks) elements from 0, the rank's chunk); 0/1
+// Adam's too (of the gradients, then of the accumulated updates).
+// kIntervalStart: 0/1 Adam's local steps, the parameters at the last sync (the whole group, the
+// same on every rank), where a sync starts from.
 enum class StateKind : uint8_t {
   kParameter,
   kExpAvg,
   kExpAvgSq,
   kMasterParameter,
   kWorkerError,
-  kServerError
+  kServerError,
+  kIntervalStart
 };
 const char* StateKindName(StateKind kind);
 
@@ -163,9 +167,10 @@ struct StepGraph {
   // Per model input, per rank and micro-batch (index rank * micro_batches + micro): rows
   // [index * micro_batch_rows, (index + 1) * micro_batch_rows) of the global batch.
   std::vector<std::vector<ObjectId>> inputs;
-  ObjectId lr;                       // f32 scalar
-  ObjectId step;                     // i64 scalar, 1-based (AdamW bias correction)
-  ObjectId loss;                     // f32 scalar: mean cross-entropy over the global batch
+  ObjectId lr;      // f32 scalar
+  ObjectId step;    // i64 scalar, 1-based (AdamW bias correction)
+  ObjectId lr_sum;  // f32 scalar: 0/1 Adam's sync step only, the interval's learning rates summed
+  ObjectId loss;    // f32 scalar: mean cross-entropy over the global batch
   ObjectId grad_norm;                // f32 scalar: global gradient norm before clipping
   std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
   std::vector<StateObject> state;

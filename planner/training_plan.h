@@ -45,11 +45,26 @@ struct OptimizerConfig {
   // and each rank's momentum averaged by an error-feedback compressed all-reduce
   // (collectives/compressed.h) in place of the gradients'. The trainer plans both phases' steps
   // (compressed_phase false, then true) and runs the second after freeze_step steps.
-  enum class Kind { kAdamW, kSgd, kOneBitAdam };
+  // kZeroOneAdam: 0/1 Adam (Lu et al. 2022, DeepSpeed's ZeroOneAdam; planner/zero_one_adam.h):
+  // up to var_freeze_step the variance is updated at exponentially spaced steps (from every step,
+  // the interval doubling after every var_update_scaler updates) from all-reduced gradients, and
+  // the other steps average the gradients by a compressed all-reduce; after it the variance is
+  // frozen and the ranks take local steps, synchronising the parameters by a compressed
+  // all-reduce of their moves every local_step_interval steps (from 1, doubling
+  // every local_step_scaler steps up to local_step_clipper): skipped communication rounds. The
+  // trainer plans each kind of step (zero_one_step) and runs the schedule's.
+  enum class Kind { kAdamW, kSgd, kOneBitAdam, kZeroOneAdam };
+  enum class ZeroOneStep { kVariance, kCompressedGradient, kLocal, kSync };
   Kind kind = Kind::kAdamW;
   int freeze_step = 100;          // 1-bit Adam: warm-up steps before the compressed phase
   bool compressed_phase = false;  // 1-bit Adam: plan the compressed phase's step
-  // AdamW and 1-bit Adam keep two moments per parameter (exp_avg, exp_avg_sq); SGD none.
+  int var_freeze_step = 100000;   // 0/1 Adam: the last step that may update the variance
+  int var_update_scaler = 16;     // 0/1 Adam: variance updates between doublings of their interval
+  int local_step_scaler = 32678;  // 0/1 Adam: steps between doublings of the local-step interval
+  int local_step_clipper = 16;    // 0/1 Adam: the largest local-step interval
+  ZeroOneStep zero_one_step = ZeroOneStep::kVariance;  // 0/1 Adam: which step to plan
+  // AdamW, 1-bit Adam and 0/1 Adam keep two moments per parameter (exp_avg, exp_avg_sq); SGD
+  // none.
   bool has_moments() const { return kind != Kind::kSgd; }
   double beta1 = 0.9;
   double beta2 = 0.95;

@@ -57,36 +57,40 @@ Status CheckSameModel(const json& saved, const Trainer& trainer, const std::stri
 }
 
 Result<StateKind> KindFromName(const std::string& name) {
-  for (StateKind kind : {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq,
-                         StateKind::kWorkerError, StateKind::kServerError}) {
+  for (StateKind kind :
+       {StateKind::kParameter, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kWorkerError,
+        StateKind::kServerError, StateKind::kIntervalStart}) {
     if (name == StateKindName(kind)) return kind;
   }
   return DataLoss("unknown state kind '{}'", name);
 }
 
-// 1-bit Adam's error buffers as a checkpoint saved them: per layer, each saving rank's worker
-// error (its group) and server error (its chunk of it).
+// 1-bit and 0/1 Adam's error buffers as a checkpoint saved them: per layer, each saving rank's
+// worker error (its group) and server error (its chunk of it).
 struct SavedErrors {
   std::map<std::string, std::map<int, std::vector<float>>> worker, server;
 };
 
-// Writes the trainer's error buffers from `saved` once past its warm-up (entering the compressed
-// phase). The same number of data ranks: each rank's own, exactly (whatever the ZeRO stage).
-// Another number: what the compressed all-reduce still owes the true averages kept
-// (collectives/compressed.h's invariant): every rank's worker error the saving ranks' mean, and the
-// server errors, joined in chunk order, cut into the new chunks. A layer without saved errors keeps
-// zeros.
+// Writes the trainer's error buffers from `saved`: 1-bit Adam's once past its warm-up (entering
+// the compressed phase), 0/1 Adam's whatever the step. The same number of data ranks: each rank's
+// own, exactly (whatever the ZeRO stage). Another number: what the compressed all-reduce still owes
+// the true averages kept (collectives/compressed.h's invariant): every rank's worker error the
+// saving ranks' mean, and the server errors, joined in chunk order, cut into the new chunks. A
+// layer without saved errors keeps zeros.
 Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
   const OptimizerConfig& optimizer = trainer.plan().optimizer;
-  if (optimizer.kind != OptimizerConfig::Kind::kOneBitAdam) return Status::Ok();
-  if (step < optimizer.freeze_step) {
-    if (!optimizer.compressed_phase) return Status::Ok();
-    return InvalidArgument(
-        "the checkpoint is of step {}, in 1-bit Adam's warm-up, but this trainer is past its "
-        "freeze step {}: load it into a fresh trainer",
-        step, optimizer.freeze_step);
+  if (optimizer.kind == OptimizerConfig::Kind::kOneBitAdam) {
+    if (step < optimizer.freeze_step) {
+      if (!optimizer.compressed_phase) return Status::Ok();
+      return InvalidArgument(
+          "the checkpoint is of step {}, in 1-bit Adam's warm-up, but this trainer is past its "
+          "freeze step {}: load it into a fresh trainer",
+          step, optimizer.freeze_step);
+    }
+    TESSERA_RETURN_IF_ERROR(trainer.EnterCompressedPhase());
+  } else if (optimizer.kind != OptimizerConfig::Kind::kZeroOneAdam) {
+    return Status::Ok();
   }
-  TESSERA_RETURN_IF_ERROR(trainer.EnterCompressedPhase());
   const StepGraph& graph = trainer.step_graph();
   for (size_t i = 0; i < graph.state.size(); ++i) {
     const StateObject& object = graph.state[i];
@@ -189,8 +193,11 @@ Result<json> WritePieces(Trainer& trainer, const fs::path& partial) {
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
     // Master copies equal the parameters between steps (which the checkpoint keeps); a loading
-    // plan that offloads rebuilds them from the parameters (Trainer::WriteGroup).
-    if (object.kind == StateKind::kMasterParameter) continue;
+    // plan that offloads rebuilds them from the parameters (Trainer::WriteGroup). 0/1 Adam's
+    // interval starts are the parameters at every synchronised step, the only ones saved.
+    if (object.kind == StateKind::kMasterParameter || object.kind == StateKind::kIntervalStart) {
+      continue;
+    }
     const std::string& layer = trainer.model().layers[object.piece.layer].name;
     indices.push_back(i);
     files.push_back(
@@ -258,6 +265,12 @@ Result<json> WriteWholeGroups(Trainer& trainer, const fs::path& partial) {
 Result<std::string> SaveCheckpoint(Trainer& trainer, const std::string& dir,
                                    const std::string& sampler_state) {
   const StepGraph& step = trainer.step_graph();
+  if (!trainer.parameters_synchronized()) {
+    return InvalidArgument(
+        "step {} is one of 0/1 Adam's local steps: each rank holds its own parameters until "
+        "the synchronisation at step {}; save a checkpoint then (or lower --local-step-clipper)",
+        trainer.steps_taken(), trainer.NextSynchronizedStep());
+  }
   const std::string name = fmt::format("step_{:08d}", trainer.steps_taken());
   const fs::path final_dir = fs::path(dir) / name;
   std::error_code error;
@@ -375,7 +388,7 @@ Result<CheckpointInfo> LoadCheckpoint(Trainer& trainer, const std::string& path)
   info.sampler_state = manifest.value("sampler_state", "");
   trainer.set_steps_taken(info.step);
   TESSERA_RETURN_IF_ERROR(RestoreErrors(trainer, errors, info.step)
-                              .WithContext("restoring 1-bit Adam's error buffers"));
+                              .WithContext("restoring the compressed all-reduces' error buffers"));
   return info;
 }
 

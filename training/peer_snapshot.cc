@@ -15,6 +15,12 @@ Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_st
         "instead",
         step.parallel.tensor_parallel, step.parallel.sequence_parallel);
   }
+  if (!trainer.parameters_synchronized()) {
+    return InvalidArgument(
+        "step {} is one of 0/1 Adam's local steps: each rank holds its own parameters until the "
+        "synchronisation at step {}; snapshot then",
+        trainer.steps_taken(), trainer.NextSynchronizedStep());
+  }
   // Each piece's buddy is the next worker of the plan (the next rank of its stage, or the
   // first of the next stage).
   const int workers_in_plan = std::max(1, step.parallel.num_workers());
@@ -27,11 +33,12 @@ Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_st
   std::vector<WorkerId> workers;
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
-    // Master copies equal the parameters between steps (the checkpoint's rule too). 1-bit
+    // Master copies equal the parameters between steps (the checkpoint's rule too), as 0/1
+    // Adam's interval starts do at the synchronised steps snapshots are taken at. 1-bit and 0/1
     // Adam's error buffers are per rank, not pieces of a group (a server error's chunk can be
     // larger than a small group): not snapshotted yet; a restore keeps the trainer's own.
     if (object.kind == StateKind::kMasterParameter || object.kind == StateKind::kWorkerError ||
-        object.kind == StateKind::kServerError) {
+        object.kind == StateKind::kServerError || object.kind == StateKind::kIntervalStart) {
       continue;
     }
     const int64_t padded = step.group_numel[object.piece.layer];

@@ -182,7 +182,11 @@ Result<StepRecovery::Recovered> StepRecovery::Replan(const RecoveryReport& so_fa
 void StepRecovery::AfterStep(Trainer& trainer, const std::string& sampler_state,
                              bool checkpointed) {
   if (options_.snapshot_every <= 0 || cluster_ == nullptr) return;
-  if (checkpointed || trainer.steps_taken() % options_.snapshot_every == 0) {
+  snapshot_due_ =
+      snapshot_due_ || checkpointed || trainer.steps_taken() % options_.snapshot_every == 0;
+  // 0/1 Adam's local steps leave every rank its own parameters: the snapshot waits for the sync.
+  if (snapshot_due_ && trainer.parameters_synchronized()) {
+    snapshot_due_ = false;
     (void)Snapshot(trainer, sampler_state);
   }
 }

@@ -152,6 +152,7 @@ class StepRecovery {
   Status Snapshot(Trainer& trainer, std::string sampler_state);
 
   std::optional<PeerSnapshot> snapshot_;
+  bool snapshot_due_ = false;  // a snapshot waits for 0/1 Adam's next sync
   SnapshotStats snapshot_stats_;
 };
 

@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 #include <span>
+#include <tuple>
 
 #include <tbb/parallel_for.h>
 
@@ -237,12 +238,96 @@ Status Trainer::CheckHostMemory() const {
 }
 
 Status Trainer::PrepareStepGraph() {
+  // 0/1 Adam: the sync step's graph holds every kind's state; the others are planned when run.
+  if (plan_.optimizer.kind == OptimizerConfig::Kind::kZeroOneAdam) {
+    plan_.optimizer.zero_one_step = OptimizerConfig::ZeroOneStep::kSync;
+    zero_one_steps_.clear();
+    if (!zero_one_) zero_one_.emplace(plan_.optimizer);
+  }
   TESSERA_ASSIGN_OR_RETURN(step_graph_, PlanTrainingStep(split_, plan_, *registry_));
   if (keep_gradients_) {
     for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
   }
   TESSERA_ASSIGN_OR_RETURN(step_handle_, backend_->Register(step_graph_.graph));
   return Status::Ok();
+}
+
+Result<Trainer::KindStep*> Trainer::ZeroOneStepGraph(OptimizerConfig::ZeroOneStep kind) {
+  auto found = zero_one_steps_.find(kind);
+  if (found != zero_one_steps_.end()) return &found->second;
+  TrainingPlan plan = plan_;
+  plan.optimizer.zero_one_step = kind;
+  KindStep step;
+  TESSERA_ASSIGN_OR_RETURN(step.graph, PlanTrainingStep(split_, plan, *registry_));
+  if (keep_gradients_) {
+    for (const GradientObject& grad : step.graph.grads) step.graph.graph.MarkOutput(grad.id);
+  }
+  // Each state object is the sync step's object of the same kind and piece.
+  const auto key = [](const StateObject& o) {
+    return std::make_tuple(o.kind, o.piece.layer, o.piece.rank, o.piece.begin, o.piece.numel);
+  };
+  std::map<decltype(key(StateObject{})), size_t> sync_index;
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) sync_index[key(step_graph_.state[i])] = i;
+  for (const StateObject& object : step.graph.state) {
+    auto it = sync_index.find(key(object));
+    if (it == sync_index.end()) {
+      return Internal("0/1 Adam's {} step holds state '{}' that its sync step does not",
+                      ZeroOneStepName(kind), step.graph.graph.object(object.input).name);
+    }
+    step.state_index.push_back(it->second);
+  }
+  TESSERA_ASSIGN_OR_RETURN(step.handle, backend_->Register(step.graph.graph));
+  return &zero_one_steps_.emplace(kind, std::move(step)).first->second;
+}
+
+Status Trainer::ZeroStateOf(StateKind kind) {
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    if (step_graph_.state[i].kind != kind) continue;
+    TESSERA_RETURN_IF_ERROR(WriteStateObject(
+        i, std::vector<float>(static_cast<size_t>(step_graph_.state[i].piece.numel), 0.0f)));
+  }
+  return Status::Ok();
+}
+
+void Trainer::set_steps_taken(int64_t steps) {
+  steps_taken_ = steps;
+  if (zero_one_) {
+    // Checkpoints are taken at synchronised steps only: nothing of an interval is under way.
+    zero_one_ = ZeroOneAdamSchedule::After(plan_.optimizer, steps);
+    lr_sum_ = 0;
+    interval_starts_stale_ = true;
+  }
+}
+
+Status Trainer::StartIntervalsAtTheParameters() {
+  std::map<std::pair<size_t, int>, size_t> params;  // by layer and rank
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.kind == StateKind::kParameter) params[{object.piece.layer, object.piece.rank}] = i;
+  }
+  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
+    const StateObject& object = step_graph_.state[i];
+    if (object.kind != StateKind::kIntervalStart) continue;
+    auto param = params.find({object.piece.layer, object.piece.rank});
+    if (param == params.end()) {
+      return Internal("0/1 Adam's interval start of layer {} rank {} has no parameters",
+                      object.piece.layer, object.piece.rank);
+    }
+    TESSERA_ASSIGN_OR_RETURN(Tensor values, DownloadState(param->second));
+    TESSERA_RETURN_IF_ERROR(WriteStateObject(
+        i, std::span<const float>(values.data<float>(), static_cast<size_t>(values.numel()))));
+  }
+  interval_starts_stale_ = false;
+  return Status::Ok();
+}
+
+bool Trainer::parameters_synchronized() const { return !zero_one_ || zero_one_->synchronized(); }
+
+int64_t Trainer::NextSynchronizedStep() const {
+  if (!zero_one_ || zero_one_->synchronized()) return steps_taken_;
+  ZeroOneAdamSchedule ahead = *zero_one_;
+  while (ahead.Next() != OptimizerConfig::ZeroOneStep::kSync) ahead.Advance();
+  return ahead.steps_taken() + 1;
 }
 
 Status Trainer::SetKeepGradients(bool keep) {
@@ -389,7 +474,12 @@ Status Trainer::AllocateState(std::optional<uint64_t> seed) {
       TESSERA_RETURN_IF_ERROR(WriteGroup(l, StateKind::kExpAvgSq, values));
     }
   }
-  steps_taken_ = 0;
+  // 0/1 Adam starts its schedule again, its error buffers at zero (and its interval starts at
+  // the parameters, before its first local step).
+  for (StateKind kind : {StateKind::kWorkerError, StateKind::kServerError}) {
+    TESSERA_RETURN_IF_ERROR(ZeroStateOf(kind));
+  }
+  set_steps_taken(0);
   return Status::Ok();
 }
 
@@ -449,6 +539,7 @@ Status Trainer::WriteGroup(size_t layer, StateKind kind, std::span<const float> 
     return InvalidArgument("group {} of layer '{}' has {} elements, {} given", StateKindName(kind),
                            model_.layers[layer].name, GroupNumel(layer), values.size());
   }
+  if (kind == StateKind::kParameter) interval_starts_stale_ = true;  // 0/1 Adam's
   if (!split_.rewritten()) return WritePlannedGroup(layer, -1, kind, values);
   // Each split group holding a slot of the layer, read, changed and written back.
   const auto& slots = model_.layers[layer].params.slots();
@@ -773,6 +864,39 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   if (steps_taken_ >= plan_.optimizer.freeze_step) {
     TESSERA_RETURN_IF_ERROR(EnterCompressedPhase());
   }
+  // 0/1 Adam: the schedule's kind of step (its sync step is step_graph_).
+  using ZeroOneStep = OptimizerConfig::ZeroOneStep;
+  const StepGraph* graph = &step_graph_;
+  int handle = step_handle_;
+  static const std::vector<size_t> kSameState;
+  const std::vector<size_t>* index = &kSameState;
+  ZeroOneStep kind = ZeroOneStep::kSync;
+  if (zero_one_) {
+    kind = zero_one_->Next();
+    if (kind != ZeroOneStep::kSync) {
+      TESSERA_ASSIGN_OR_RETURN(KindStep * planned, ZeroOneStepGraph(kind));
+      graph = &planned->graph;
+      handle = planned->handle;
+      index = &planned->state_index;
+    }
+    // Local steps start from the parameters as they are (after the variance's freezing, a
+    // checkpoint's load or written parameters).
+    if (kind == ZeroOneStep::kLocal || kind == ZeroOneStep::kSync) {
+      if (interval_starts_stale_) TESSERA_RETURN_IF_ERROR(StartIntervalsAtTheParameters());
+    }
+    // The first step past the variance's freezing: the error buffers, so far the gradients',
+    // start again at zero for the ranks' moves (DeepSpeed's ZeroOneAdam does the same).
+    if (zero_one_->steps_taken() == plan_.optimizer.var_freeze_step) {
+      TESSERA_RETURN_IF_ERROR(ZeroStateOf(StateKind::kWorkerError));
+      TESSERA_RETURN_IF_ERROR(ZeroStateOf(StateKind::kServerError));
+      GetLogger("trainer")->info(
+          "0/1 Adam: the variance is frozen after step {}; local steps from here, the ranks "
+          "synchronised every {} step(s) (up to {})",
+          plan_.optimizer.var_freeze_step, zero_one_->local_step_interval(),
+          plan_.optimizer.local_step_clipper);
+    }
+  }
+  const auto state_at = [index](size_t i) { return index->empty() ? i : (*index)[i]; };
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
@@ -781,11 +905,11 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   // same rows), or under sequence parallelism its group of sequence ranks, each of which takes
   // its 1/P of each sequence input's positions. The micro-batches are the step's: the memory
   // plan may have split the batch into more than the plan asked for.
-  const ParallelConfig& p = step_graph_.parallel;
-  const int64_t micro = step_graph_.micro_batch_rows;
+  const ParallelConfig& p = graph->parallel;
+  const int64_t micro = graph->micro_batch_rows;
   const int64_t micro_batches = p.micro_batches;
-  for (size_t input = 0; input < step_graph_.inputs.size(); ++input) {
-    const std::vector<ObjectId>& pieces = step_graph_.inputs[input];
+  for (size_t input = 0; input < graph->inputs.size(); ++input) {
+    const std::vector<ObjectId>& pieces = graph->inputs[input];
     const int64_t positions = p.sequence_parallel > 1 && model_.inputs[input].sequence
                                   ? p.RankSeqLen(plan_.seq_len)
                                   : -1;  // all of each row
@@ -798,31 +922,38 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
                                           p.SequenceRankOf(rank) * positions, positions));
     }
   }
-  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.lr], Scalar(DType::kF32, lr));
-  TESSERA_ASSIGN_OR_RETURN(inputs[step_graph_.step],
+  TESSERA_ASSIGN_OR_RETURN(inputs[graph->lr], Scalar(DType::kF32, lr));
+  TESSERA_ASSIGN_OR_RETURN(inputs[graph->step],
                            Scalar(DType::kI64, static_cast<double>(step_number)));
+  if (graph->lr_sum.valid()) {
+    TESSERA_ASSIGN_OR_RETURN(inputs[graph->lr_sum], Scalar(DType::kF32, lr_sum_ + lr));
+  }
   // Move the state in so the optimizer can update it in place; it comes back as outputs. If the
   // run fails before the optimizer touched an object, the backend hands that object back.
   full_params_.clear();
-  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
-    inputs[step_graph_.state[i].input] = std::move(state_[i]);
+  for (size_t i = 0; i < graph->state.size(); ++i) {
+    inputs[graph->state[i].input] = std::move(state_[state_at(i)]);
   }
   ValueMap intact;
-  Result<ValueMap> run = backend_->Run(step_handle_, std::move(inputs), &intact);
-  if (!run.ok()) return RecoverState(run.status(), intact);
+  Result<ValueMap> run = backend_->Run(handle, std::move(inputs), &intact);
+  if (!run.ok()) return RecoverState(run.status(), intact, *graph, *index);
   ValueMap& outputs = *run;
-  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
-    state_[i] = std::move(outputs[step_graph_.state[i].output]);
+  for (size_t i = 0; i < graph->state.size(); ++i) {
+    state_[state_at(i)] = std::move(outputs[graph->state[i].output]);
   }
   last_grads_.clear();
   if (keep_gradients_) {
-    for (const GradientObject& grad : step_graph_.grads) {
+    for (const GradientObject& grad : graph->grads) {
       last_grads_.push_back(std::move(outputs[grad.id]));
     }
   }
   steps_taken_ = step_number;
-  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[step_graph_.loss]));
-  TESSERA_ASSIGN_OR_RETURN(Tensor grad_norm, backend_->Download(outputs[step_graph_.grad_norm]));
+  if (zero_one_) {
+    zero_one_->Advance();
+    lr_sum_ = kind == ZeroOneStep::kLocal ? lr_sum_ + lr : 0.0f;
+  }
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[graph->loss]));
+  TESSERA_ASSIGN_OR_RETURN(Tensor grad_norm, backend_->Download(outputs[graph->grad_norm]));
   StepReport report;
   report.step = step_number;
   report.loss = *loss.data<float>();
@@ -833,7 +964,7 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   report.device_peak_bytes = backend_->last_device_peak_bytes();
   const std::vector<WorkerId>& workers = plan_.parallel.workers;
   if (!workers.empty() || backend_->workers().empty()) {
-    TESSERA_ASSIGN_OR_RETURN(auto figures, backend_->LastRunFigures(step_handle_, workers));
+    TESSERA_ASSIGN_OR_RETURN(auto figures, backend_->LastRunFigures(handle, workers));
     for (size_t r = 0; r < figures.size(); ++r) {
       report.ranks.push_back(
           RankFigures{static_cast<int>(r), figures[r].first, std::move(figures[r].second)});
@@ -842,15 +973,16 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   return report;
 }
 
-Status Trainer::RecoverState(const Status& error, ValueMap& intact) {
+Status Trainer::RecoverState(const Status& error, ValueMap& intact, const StepGraph& graph,
+                             const std::vector<size_t>& index) {
   std::vector<std::string> lost;
-  for (size_t i = 0; i < step_graph_.state.size(); ++i) {
-    const ObjectId id = step_graph_.state[i].input;
+  for (size_t i = 0; i < graph.state.size(); ++i) {
+    const ObjectId id = graph.state[i].input;
     auto it = intact.find(id);
     if (it != intact.end()) {
-      state_[i] = std::move(it->second);
+      state_[index.empty() ? i : index[i]] = std::move(it->second);
     } else {
-      lost.push_back(step_graph_.graph.object(id).name);
+      lost.push_back(graph.graph.object(id).name);
     }
   }
   if (lost.empty()) return error;  // state unchanged; the step can be retried

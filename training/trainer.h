@@ -34,6 +34,7 @@
 #include "model/model_spec.h"
 #include "ops/op_registry.h"
 #include "planner/step_graph.h"
+#include "planner/zero_one_adam.h"
 #include "worker/in_process_executor.h"
 
 namespace tessera {
@@ -141,7 +142,13 @@ class Trainer {
   WorkerId PlanWorker(int index) const;
   // After restoring state (a checkpoint): the next Step is number steps + 1 (AdamW's bias
   // correction depends on it).
-  void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
+  // 0/1 Adam's schedule is replayed to that step.
+  void set_steps_taken(int64_t steps);
+  // Every rank holds the same parameters: true but between two of 0/1 Adam's synchronisations
+  // (its local steps). Checkpoints are taken only then.
+  bool parameters_synchronized() const;
+  // 0/1 Adam: the number of the next step that synchronises the ranks; steps_taken() otherwise.
+  int64_t NextSynchronizedStep() const;
   // 1-bit Adam after its warm-up: plans the compressed phase's step (the warm-up's state, each
   // momentum gathered whole under ZeRO-1/2, then every rank's error buffers, started at zero) and
   // runs it from the next step on. Step calls it
@@ -199,7 +206,9 @@ class Trainer {
   void InitializeGroup(size_t l, std::optional<uint64_t> seed, std::span<float> values) const;
   // After a failed step: takes back the state the backend returned intact. Returns `error`
   // when everything came back, DataLoss naming what the optimizer had already changed.
-  Status RecoverState(const Status& error, ValueMap& intact);
+  // `graph`'s state objects are state_[index[i]] (index empty: state_[i]).
+  Status RecoverState(const Status& error, ValueMap& intact, const StepGraph& graph,
+                      const std::vector<size_t>& index);
 
   ModelSpec model_;
   ModelSpec split_;  // what the step graph runs (model_ without tensor parallelism)
@@ -208,6 +217,23 @@ class Trainer {
   std::unique_ptr<GraphBackend> backend_;
   StepGraph step_graph_;
   int step_handle_ = -1;
+  // 0/1 Adam (OptimizerConfig::Kind::kZeroOneAdam): step_graph_ is its sync step's, whose state
+  // holds every other kind's; the other kinds' graphs are planned and registered when first
+  // run, each with the index into state_ of each of its state objects.
+  struct KindStep {
+    StepGraph graph;
+    int handle = -1;
+    std::vector<size_t> state_index;
+  };
+  std::map<OptimizerConfig::ZeroOneStep, KindStep> zero_one_steps_;
+  Result<KindStep*> ZeroOneStepGraph(OptimizerConfig::ZeroOneStep kind);
+  std::optional<ZeroOneAdamSchedule> zero_one_;
+  float lr_sum_ = 0;  // 0/1 Adam: the learning rates of the local steps since the last sync
+  // 0/1 Adam: the interval starts are to be set to the parameters before the next local step.
+  bool interval_starts_stale_ = true;
+  Status StartIntervalsAtTheParameters();
+  // Writes zeros to every state object of `kind` (0/1 Adam's error buffers).
+  Status ZeroStateOf(StateKind kind);
   ForwardGraph eval_graph_;
   int eval_handle_ = -1;
   // Prediction graphs by batch and seq_len, registered once each.

@@ -48,13 +48,32 @@ Status Checkpoints::Save(Trainer& trainer, const std::string& data_state) {
   return Status::Ok();
 }
 
-bool Checkpoints::Due(int64_t step) const {
-  return !flags_.dir.empty() && flags_.every > 0 && step % flags_.every == 0;
+bool Checkpoints::Due(const Trainer& trainer, int64_t step) {
+  if (flags_.dir.empty() || flags_.every <= 0) return false;
+  if (step % flags_.every == 0 && !trainer.parameters_synchronized()) {
+    std::fprintf(stderr,
+                 "%s: checkpoint of step %lld waits for 0/1 Adam's synchronisation at step %lld "
+                 "(each rank holds its own parameters until then)\n",
+                 program_.c_str(), static_cast<long long>(step),
+                 static_cast<long long>(trainer.NextSynchronizedStep()));
+  }
+  waiting_ = waiting_ || step % flags_.every == 0;
+  if (!waiting_ || !trainer.parameters_synchronized()) return false;
+  waiting_ = false;
+  return true;
 }
 
 Status Checkpoints::SaveAtEnd(Trainer& trainer, int64_t steps, const std::string& data_state) {
-  const bool saved_last = flags_.every > 0 && steps % flags_.every == 0;
+  const bool saved_last = flags_.every > 0 && steps % flags_.every == 0 && !waiting_;
   if (flags_.dir.empty() || trainer.steps_taken() == 0 || saved_last) return Status::Ok();
+  if (!trainer.parameters_synchronized()) {
+    std::fprintf(stderr,
+                 "%s: no checkpoint of the last step %lld: it is one of 0/1 Adam's local steps "
+                 "(the ranks synchronise at step %lld); run to a synchronised step to save it\n",
+                 program_.c_str(), static_cast<long long>(trainer.steps_taken()),
+                 static_cast<long long>(trainer.NextSynchronizedStep()));
+    return Status::Ok();
+  }
   return Save(trainer, data_state);
 }
 
@@ -205,7 +224,7 @@ Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) 
     ReportProgress(i, *report);
     if (hooks_.log_step) TESSERA_RETURN_IF_ERROR(hooks_.log_step(*trainer, i, *report, *batch));
     progress_.AfterStep(i, options_.steps);
-    const bool checkpointed = checkpoints_.Due(i);
+    const bool checkpointed = checkpoints_.Due(*trainer, i);
     if (checkpointed) {
       Status saved = checkpoints_.Save(*trainer, DataState());
       if (!saved.ok() && recovery_ && recovery_->Recoverable(saved, *trainer)) {

@@ -43,8 +43,9 @@ class Checkpoints {
   Result<std::optional<CheckpointInfo>> Resume(Trainer& trainer);
   // Saves the trainer's state with the data position `data_state`; prints the step directory.
   Status Save(Trainer& trainer, const std::string& data_state);
-  // Whether --checkpoint-every asks for one after step `step`.
-  bool Due(int64_t step) const;
+  // Whether --checkpoint-every asks for one after step `step` of `trainer`: one that fell on
+  // one of 0/1 Adam's local steps waits (with a message) for its next sync.
+  bool Due(const Trainer& trainer, int64_t step);
   // At the end of a run of `steps` steps: saves unless the last step was saved (or none ran).
   Status SaveAtEnd(Trainer& trainer, int64_t steps, const std::string& data_state);
   // "checkpoints: N saved, X ms each on average" on stdout, when any was saved.
@@ -55,6 +56,7 @@ class Checkpoints {
   std::string program_;
   int saved_ = 0;
   double seconds_ = 0;
+  bool waiting_ = false;  // a checkpoint due at a local step
 };
 
 class StepStats {

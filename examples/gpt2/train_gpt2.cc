@@ -65,6 +65,11 @@ struct Flags {
   double grad_clip = 1.0;
   std::string optimizer = "adamw";
   int freeze_step = 100;  // --optimizer onebit-adam: warm-up steps
+  // --optimizer zero-one-adam (DeepSpeed's defaults but var_freeze_step, theirs 100000)
+  int var_freeze_step = 100;
+  int var_update_scaler = 16;
+  int local_step_scaler = 32678;
+  int local_step_clipper = 16;
   uint64_t seed = 1337;
   std::string data = TESSERA_DEFAULT_DATA;
   std::string data_format = "auto";
@@ -246,6 +251,13 @@ Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const ResolvedShape& 
   if (flags.optimizer == "onebit-adam") {
     plan.optimizer.kind = tessera::OptimizerConfig::Kind::kOneBitAdam;
     plan.optimizer.freeze_step = flags.freeze_step;
+  }
+  if (flags.optimizer == "zero-one-adam") {
+    plan.optimizer.kind = tessera::OptimizerConfig::Kind::kZeroOneAdam;
+    plan.optimizer.var_freeze_step = flags.var_freeze_step;
+    plan.optimizer.var_update_scaler = flags.var_update_scaler;
+    plan.optimizer.local_step_scaler = flags.local_step_scaler;
+    plan.optimizer.local_step_clipper = flags.local_step_clipper;
   }
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags.common, kProgram, plan));
   if (flags.common.checkpoints.resume && !flags.init_from.empty()) {
@@ -555,12 +567,32 @@ void AddModelFlags(CLI::App& app, Flags& flags) {
   app.add_option("--grad-clip", flags.grad_clip, "Global gradient-norm bound (0: off)")
       ->check(tessera::AtLeast(0));
   app.add_option("--optimizer", flags.optimizer,
-                 "adamw, sgd or onebit-adam (1-bit Adam: --freeze-step steps of Adam without "
+                 "adamw, sgd, onebit-adam (1-bit Adam: --freeze-step steps of Adam without "
                  "bias correction, then the variance frozen and each worker's momentum averaged "
-                 "by an error-feedback compressed all-reduce, 1/32 of the bytes)")
-      ->check(CLI::IsMember({"adamw", "sgd", "onebit-adam"}));
+                 "by an error-feedback compressed all-reduce, 1/32 of the bytes) or "
+                 "zero-one-adam (0/1 Adam: the variance updated at exponentially spaced steps "
+                 "until --var-freeze-step, the gradients of the other steps averaged compressed; "
+                 "then local steps, the workers synchronised compressed every 1 to "
+                 "--local-step-clipper steps)")
+      ->check(CLI::IsMember({"adamw", "sgd", "onebit-adam", "zero-one-adam"}));
   app.add_option("--freeze-step", flags.freeze_step,
                  "--optimizer onebit-adam: warm-up steps before the compressed phase")
+      ->check(tessera::AtLeast(1));
+  app.add_option("--var-freeze-step", flags.var_freeze_step,
+                 "--optimizer zero-one-adam: the last step that may update the variance (e.g. "
+                 "the end of a learning-rate warm-up)")
+      ->check(tessera::AtLeast(1));
+  app.add_option("--var-update-scaler", flags.var_update_scaler,
+                 "--optimizer zero-one-adam: variance updates between doublings of their "
+                 "interval (the paper's kappa)")
+      ->check(tessera::AtLeast(1));
+  app.add_option("--local-step-scaler", flags.local_step_scaler,
+                 "--optimizer zero-one-adam: steps past --var-freeze-step between doublings of "
+                 "the local-step interval")
+      ->check(tessera::AtLeast(1));
+  app.add_option("--local-step-clipper", flags.local_step_clipper,
+                 "--optimizer zero-one-adam: the largest local-step interval (the paper's H; 1: "
+                 "synchronise every step)")
       ->check(tessera::AtLeast(1));
   app.add_option("--seed", flags.seed, "Seed for initialisation, batches and sampling");
 }

@@ -419,6 +419,50 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
                                     a.element_offset);
         return Status::Ok();
       }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "zero_one_adam_compressed",
+      [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
+                      const Attrs& attrs) {
+        const int64_t n = in[0].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        cpu::OneBitAdamMomentum(F(out[1]), F(in[1]), n, a.beta1, 1.0f);
+        cpu::OneBitAdamFrozenUpdate(
+            F(out[0]), F(out[1]), F(out[2]), n, onebit_config(a), *F(in[4]), a.decay_ranges.data(),
+            static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "zero_one_adam_local",
+      [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
+                      const Attrs& attrs) {
+        const int64_t n = in[0].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        cpu::ZeroOneAdamLocal(F(out[0]), F(out[1]), F(out[2]), F(out[3]), F(in[1]), n,
+                              onebit_config(a), *F(in[6]), *F(in[5]), attrs.GetInt("sync", 0) != 0,
+                              a.decay_ranges.data(),
+                              static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "zero_one_adam_sync",
+      [onebit_config](const KernelContext&, const Tensors& in, const Tensors& out,
+                      const Attrs& attrs) -> Status {
+        const int64_t n = in[0].numel();
+        const AdamWAttrs a = ReadAdamWAttrs(attrs, n);
+        const float lr_sum = *F(in[4]);
+        if (!(lr_sum > 0)) {
+          return InvalidArgument("0/1 Adam's synchronisation needs lr_sum > 0, got {}", lr_sum);
+        }
+        cpu::ZeroOneAdamSyncEnd(F(out[0]), F(out[1]), F(out[2]), F(out[3]), n, onebit_config(a),
+                                lr_sum, a.decay_ranges.data(),
+                                static_cast<int64_t>(a.decay_ranges.size() / 2), a.element_offset);
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "scale", [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+        cpu::ScaleInPlace(F(out[0]), in[0].numel(), *F(in[1]));
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "sgd",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {

@@ -135,6 +135,30 @@ void OneBitAdamMomentum(float* m, const float* grad, int64_t n, float beta1, flo
 void OneBitAdamFrozenUpdate(float* param, const float* m, const float* v, int64_t n,
                             const OneBitAdamConfig& config, float lr, const int64_t* decay_ranges,
                             int64_t num_decay_ranges, int64_t element_offset);
+// 0/1 Adam (Lu et al. 2022, DeepSpeed's ZeroOneAdam; planner/zero_one_adam.h), weight decay
+// inside decay ranges as OneBitAdam's. Per element, in this order (d = sqrt(v) + eps):
+//   compressed step: m = m * beta1 + (1 - beta1) * grad (grad: the ranks' compressed average),
+//                    then OneBitAdam's update (v frozen or kept);
+//   local step:      m = m * beta1 + (1 - beta1) * (grad * grad_scale);
+//                    param = param - lr * (m / d + wd * param);
+//     with sync:     then delta = param - start; param = start (the interval's start, the same
+//                    bits on every rank); start = delta * d (what the ranks average);
+//   sync end:        (param the interval's start, start the ranks' average of delta * d)
+//                    m = -start / lr_sum - wd * param * d;  param = param + start / d;
+//                    start = param (the next interval's).
+// DeepSpeed's accumulates the updates and subtracts them again (p - u), which rounds each rank
+// to a slightly different start; keeping the start keeps the replicas' bits equal. The sync's
+// momentum leaves the weight decay out (exact at one local step a sync, else the decay at the
+// interval's start): DeepSpeed's folds it into the momentum.
+void ZeroOneAdamLocal(float* param, float* m, const float* v, float* start, const float* grad,
+                      int64_t n, const OneBitAdamConfig& config, float lr, float grad_scale,
+                      bool sync, const int64_t* decay_ranges, int64_t num_decay_ranges,
+                      int64_t element_offset);
+void ZeroOneAdamSyncEnd(float* param, float* m, const float* v, float* start, int64_t n,
+                        const OneBitAdamConfig& config, float lr_sum, const int64_t* decay_ranges,
+                        int64_t num_decay_ranges, int64_t element_offset);
+// x *= scale
+void ScaleInPlace(float* x, int64_t n, float scale);
 // p -= lr * (grad * grad_scale + weight_decay * p)
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,
                float grad_scale);

@@ -268,6 +268,53 @@ void OneBitAdamFrozenUpdate(float* param, const float* m, const float* v, int64_
   });
 }
 
+void ZeroOneAdamLocal(float* param, float* m, const float* v, float* start, const float* grad,
+                      int64_t n, const OneBitAdamConfig& config, float lr, float grad_scale,
+                      bool sync, const int64_t* decay_ranges, int64_t num_decay_ranges,
+                      int64_t element_offset) {
+  const auto one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    ForDecaySegments(begin, end, decay_ranges, num_decay_ranges, element_offset,
+                     [&](int64_t from, int64_t to, bool decays) {
+                       const float wd = decays ? config.weight_decay : 0.f;
+                       for (int64_t i = from; i < to; ++i) {
+                         m[i] = m[i] * config.beta1 + one_minus_beta1 * (grad[i] * grad_scale);
+                         const float denominator = std::sqrt(v[i]) + config.eps;
+                         const float update = m[i] / denominator + wd * param[i];
+                         param[i] = param[i] - lr * update;
+                         if (sync) {
+                           const float delta = param[i] - start[i];
+                           param[i] = start[i];
+                           start[i] = delta * denominator;
+                         }
+                       }
+                     });
+  });
+}
+
+void ZeroOneAdamSyncEnd(float* param, float* m, const float* v, float* start, int64_t n,
+                        const OneBitAdamConfig& config, float lr_sum, const int64_t* decay_ranges,
+                        int64_t num_decay_ranges, int64_t element_offset) {
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    ForDecaySegments(begin, end, decay_ranges, num_decay_ranges, element_offset,
+                     [&](int64_t from, int64_t to, bool decays) {
+                       const float wd = decays ? config.weight_decay : 0.f;
+                       for (int64_t i = from; i < to; ++i) {
+                         const float denominator = std::sqrt(v[i]) + config.eps;
+                         m[i] = -start[i] / lr_sum - wd * param[i] * denominator;
+                         param[i] = param[i] + start[i] / denominator;
+                         start[i] = param[i];
+                       }
+                     });
+  });
+}
+
+void ScaleInPlace(float* x, int64_t n, float scale) {
+  detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) x[i] *= scale;
+  });
+}
+
 void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weight_decay,
                float grad_scale) {
   detail::ParallelFor(n, kOptimizerGrain, [&](int64_t begin, int64_t end) {

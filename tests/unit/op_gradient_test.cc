@@ -767,10 +767,11 @@ TEST(OpGradientTest, SoftmaxCrossEntropyMatchesDirectFormula) {
 const std::set<std::string> kCheckedElsewhere = {  // model_api_test: layers run through these
                                                    // ops match finite differences
     "layer_forward", "layer_backward", "loss_gradient", "reshape", "reshape_backward", "adamw",
-    "onebit_adam", "onebit_adam_momentum", "onebit_adam_frozen", "sgd", "sum_of_squares",
-    "clip_scale", "tied_lm_head_logits", "noop", "sleep", "all_reduce", "reduce_scatter",
-    "all_gather", "broadcast", "all_gather_in_place", "all_to_all", "compressed_all_reduce",
-    "sum_scalars", "accumulate", "copy", "constant", "write_file",
+    "onebit_adam", "onebit_adam_momentum", "onebit_adam_frozen", "zero_one_adam_compressed",
+    "zero_one_adam_local", "zero_one_adam_sync", "scale", "sgd", "sum_of_squares", "clip_scale",
+    "tied_lm_head_logits", "noop", "sleep", "all_reduce", "reduce_scatter", "all_gather",
+    "broadcast", "all_gather_in_place", "all_to_all", "compressed_all_reduce", "sum_scalars",
+    "accumulate", "copy", "constant", "write_file",
     // split_backward_test: the halves give the whole backward (checked here) bit for bit; the
     // linears' halves run inside the model-API GPT-2's split layers there.
     "transformer_block_backward_input", "transformer_block_backward_weight", "layer_backward_input",

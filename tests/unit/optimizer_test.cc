@@ -187,6 +187,149 @@ TEST(OptimizerTest, OneBitAdamsPhasesMatchTheNaiveUpdateWithDecayRangesAndClippi
   EXPECT_NE(refused.message().find("decay_ranges"), std::string::npos);
 }
 
+// DeepSpeed's ZeroOneAdam for one element, in double (ops/cpu/kernels.h's arithmetic): the
+// compressed-gradient step's update, a local step (u: the parameter at the interval's start, then
+// at a sync the move since, times sqrt(v) + eps), and the sync's end (u: the ranks' average).
+struct NaiveZeroOneAdam {
+  double p, m, v, u;
+  double Denominator(double eps) const { return std::sqrt(v) + eps; }
+  void Compressed(double averaged_g, double lr, double beta1, double eps, double wd) {
+    m = beta1 * m + (1 - beta1) * averaged_g;
+    p -= lr * (m / Denominator(eps) + wd * p);
+  }
+  void Local(double g, double lr, double beta1, double eps, double wd, bool sync) {
+    m = beta1 * m + (1 - beta1) * g;
+    p -= lr * (m / Denominator(eps) + wd * p);
+    if (sync) {
+      const double delta = p - u;
+      p = u;
+      u = delta * Denominator(eps);
+    }
+  }
+  void SyncEnd(double averaged_u, double lr_sum, double eps, double wd) {
+    m = -averaged_u / lr_sum - wd * p * Denominator(eps);
+    p += averaged_u / Denominator(eps);
+    u = p;
+  }
+};
+
+TEST(OptimizerTest, ZeroOneAdamsStepsMatchTheNaiveUpdateWithDecayRanges) {
+  constexpr int64_t kCount = 1000;
+  const Tensor grad = RandomTensor({kCount}, 2);
+  Tensor param = RandomTensor({kCount}, 1), m = RandomTensor({kCount}, 3, 0.1f);
+  Tensor v = RandomTensor({kCount}, 4, 0.1f);
+  for (int64_t i = 0; i < kCount; ++i) v.data<float>()[i] = std::abs(v.data<float>()[i]);
+  std::vector<NaiveZeroOneAdam> naive;
+  for (int64_t i = 0; i < kCount; ++i) {
+    naive.push_back({param.data<float>()[i], m.data<float>()[i], v.data<float>()[i], 0.0});
+  }
+  // Decay on [100, 400) and [600, 1000) of the group, element 300 of which is element 0 here.
+  Attrs attrs{{"beta1", 0.9},
+              {"eps", 1e-8},
+              {"weight_decay", 0.01},
+              {"element_offset", int64_t{300}},
+              {"decay_ranges", std::vector<int64_t>{100, 400, 600, 1000}}};
+  const auto decays = [](int64_t i) { return i < 100 || (i >= 300 && i < 700); };
+  Tensor u;  // the interval start, from the first local step on
+  const auto expect_near = [&](const char* what, int step) {
+    for (int64_t i = 0; i < kCount; ++i) {
+      const NaiveZeroOneAdam& e = naive[static_cast<size_t>(i)];
+      ASSERT_NEAR(param.data<float>()[i], e.p, 2e-5 * (1 + std::abs(e.p))) << what << step << i;
+      ASSERT_NEAR(m.data<float>()[i], e.m, 2e-5 * (1 + std::abs(e.m))) << what << step << i;
+      ASSERT_NEAR(u.data<float>()[i], e.u, 2e-5 * (1 + std::abs(e.u))) << what << step << i;
+    }
+  };
+  // A compressed-gradient step (the average standing in: the gradient itself).
+  ASSERT_OK_AND_ASSIGN(auto compressed, RunKernel("zero_one_adam_compressed",
+                                                  {param, grad, m, v, ScalarTensor(0.01f)}, attrs));
+  param = compressed[0];
+  m = compressed[1];
+  for (int64_t i = 0; i < kCount; ++i) {
+    naive[static_cast<size_t>(i)].Compressed(grad.data<float>()[i], 0.01, 0.9, 1e-8,
+                                             decays(i) ? 0.01 : 0.0);
+  }
+  u = FloatTensor({kCount}, ToVector(param));  // the interval starts here
+  for (NaiveZeroOneAdam& e : naive) e.u = e.p;
+  expect_near("compressed", 0);
+  // Three local steps at different rates and clipping factors, the last one a sync.
+  const float lrs[] = {0.01f, 0.02f, 0.005f}, clips[] = {1.0f, 0.5f, 0.8f};
+  double lr_sum = 0;
+  for (int step = 0; step < 3; ++step) {
+    const bool sync = step == 2;
+    Attrs local = attrs;
+    local.Set("sync", int64_t{sync ? 1 : 0});
+    ASSERT_OK_AND_ASSIGN(auto out, RunKernel("zero_one_adam_local",
+                                             {param, grad, m, v, u, ScalarTensor(clips[step]),
+                                              ScalarTensor(lrs[step])},
+                                             local));
+    param = out[0];
+    m = out[1];
+    u = out[3];
+    lr_sum += lrs[step];
+    for (int64_t i = 0; i < kCount; ++i) {
+      naive[static_cast<size_t>(i)].Local(static_cast<double>(grad.data<float>()[i]) * clips[step],
+                                          lrs[step], 0.9, 1e-8, decays(i) ? 0.01 : 0.0, sync);
+    }
+    expect_near("local", step);
+  }
+  // The ranks' average standing in: this rank's buffer scaled.
+  std::vector<float> averaged = ToVector(u);
+  for (float& x : averaged) x *= 0.75f;
+  ASSERT_OK_AND_ASSIGN(auto synced, RunKernel("zero_one_adam_sync",
+                                              {param, m, v, FloatTensor({kCount}, averaged),
+                                               ScalarTensor(static_cast<float>(lr_sum))},
+                                              attrs));
+  param = synced[0];
+  m = synced[1];
+  u = synced[3];
+  for (int64_t i = 0; i < kCount; ++i) {
+    naive[static_cast<size_t>(i)].SyncEnd(averaged[static_cast<size_t>(i)], lr_sum, 1e-8,
+                                          decays(i) ? 0.01 : 0.0);
+  }
+  expect_near("sync", 3);
+  // The sync needs the interval's learning rates.
+  const Status refused =
+      RunKernel("zero_one_adam_sync", {param, m, v, u, ScalarTensor(0.0f)}, attrs).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("lr_sum"), std::string::npos);
+}
+
+// On one rank, a sync every step is 1-bit Adam's frozen update: the weight decay stays out of
+// the momentum the sync recovers.
+TEST(OptimizerTest, ZeroOneAdamsSyncEveryStepIsOneBitAdamsFrozenUpdate) {
+  constexpr int64_t kCount = 500;
+  const Tensor grad = RandomTensor({kCount}, 7);
+  Tensor v = RandomTensor({kCount}, 8, 0.1f);
+  for (int64_t i = 0; i < kCount; ++i) v.data<float>()[i] = std::abs(v.data<float>()[i]) + 1e-4f;
+  const Tensor param = RandomTensor({kCount}, 9), m = RandomTensor({kCount}, 10, 0.1f);
+  const Tensor start = FloatTensor({kCount}, ToVector(param));
+  const Attrs attrs{{"beta1", 0.9}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"sync", int64_t{1}}};
+  const float lr = 0.01f, clip = 0.7f;
+  ASSERT_OK_AND_ASSIGN(
+      auto local,
+      RunKernel("zero_one_adam_local",
+                {param, grad, m, v, start, ScalarTensor(clip), ScalarTensor(lr)}, attrs));
+  ASSERT_OK_AND_ASSIGN(
+      auto synced, RunKernel("zero_one_adam_sync",
+                             {local[0], local[1], local[2], local[3], ScalarTensor(lr)}, attrs));
+  ASSERT_OK_AND_ASSIGN(auto momentum,
+                       RunKernel("onebit_adam_momentum", {m, grad, ScalarTensor(clip)}, attrs));
+  ASSERT_OK_AND_ASSIGN(auto frozen, RunKernel("onebit_adam_frozen",
+                                              {param, momentum[0], v, ScalarTensor(lr)}, attrs));
+  for (int64_t i = 0; i < kCount; ++i) {
+    const float want_p = frozen[0].data<float>()[i], want_m = momentum[0].data<float>()[i];
+    EXPECT_NEAR(synced[0].data<float>()[i], want_p, 1e-6 * (1 + std::abs(want_p))) << i;
+    EXPECT_NEAR(synced[1].data<float>()[i], want_m, 1e-5 * (1 + std::abs(want_m))) << i;
+    EXPECT_EQ(synced[3].data<float>()[i], synced[0].data<float>()[i]) << i;  // the next start
+  }
+}
+
+TEST(OptimizerTest, ScaleMultipliesInPlace) {
+  ASSERT_OK_AND_ASSIGN(
+      auto out, RunKernel("scale", {FloatTensor({3}, {1.f, -2.f, 4.f}), ScalarTensor(0.5f)}));
+  EXPECT_EQ(ToVector(out[0]), (std::vector<float>{0.5f, -1.f, 2.f}));
+}
+
 // ZeRO-1/2: a shard's 1-bit Adam updates (param_offset) inside the full parameters write the
 // bits the whole group's update writes there and leave the rest as they were; the compressed
 // phase's frozen update reads the whole (averaged) momentum at the same offset.
