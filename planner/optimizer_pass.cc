@@ -129,30 +129,47 @@ Result<ObjectId> AddCompressedAllReduce(PlanState& state, int r, size_t l, Objec
   return reduced[0];
 }
 
+// What every 1-bit Adam update of layer l on rank r addresses: its moments, its attributes
+// (shard offsets set) and the names of the updated target and of the variance's piece.
+struct OneBitUpdate {
+  OneBitUpdate(PlanState& state, int r, size_t l, const StateObject& target)
+      : rank(state.ranks[static_cast<size_t>(r)]),
+        layer(state.LayerName(l)),
+        exp_avg(state.step.state[rank.exp_avg[l]]),
+        exp_avg_sq(state.step.state[rank.exp_avg_sq[l]]),
+        attrs(AdamAttrs(state, l)),
+        next(std::string(".") + StateKindName(target.kind) + ".next"),
+        shard(SetShardOffsets(attrs, exp_avg_sq, target, state.step.group_numel[l]) ? "[shard]"
+                                                                                    : ""),
+        clip(rank.update_clip[static_cast<size_t>(state.StageOf(l))]) {}
+  const RankState& rank;
+  const std::string& layer;
+  StateObject& exp_avg;
+  StateObject& exp_avg_sq;
+  Attrs attrs;
+  const std::string next;
+  const std::string shard;  // "[shard]" when the moments are a shard of the group
+  const ObjectId clip;
+};
+
 // Layer l's 1-bit Adam warm-up update on rank r (0/1 Adam's variance step too): onebit_adam on
 // the (reduced) gradient, of the rank's shard under ZeRO-1/2; returns the task.
 Result<TaskId> AddOneBitAdamWarmup(PlanState& state, int r, size_t l, StateObject& target) {
-  const RankState& rank = state.ranks[static_cast<size_t>(r)];
-  const std::string& layer = state.LayerName(l);
-  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
-  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
-  Attrs attrs = AdamAttrs(state, l);
-  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
-  const std::string shard =
-      SetShardOffsets(attrs, exp_avg_sq, target, state.step.group_numel[l]) ? "[shard]" : "";
+  OneBitUpdate u(state, r, l, target);
   TESSERA_ASSIGN_OR_RETURN(
       auto updated,
       state.builder.AddTask(
-          state.Name(r, layer + "/onebit_adam"), "onebit_adam",
-          {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input,
-           rank.update_clip[static_cast<size_t>(state.StageOf(l))], state.step.lr},
-          std::move(attrs),
+          state.Name(r, u.layer + "/onebit_adam"), "onebit_adam",
+          {target.input, u.rank.update_grad[l], u.exp_avg.input, u.exp_avg_sq.input, u.clip,
+           state.step.lr},
+          std::move(u.attrs),
           state.OnOptimizerDevice(
-              r, layer,
-              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg" + shard + ".next"),
-               state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
+              r, u.layer,
+              {state.Name(r, u.layer + u.next),
+               state.Name(r, u.layer + ".exp_avg" + u.shard + ".next"),
+               state.Name(r, u.layer + ".exp_avg_sq" + u.shard + ".next")},
               {ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState})));
-  return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+  return TakeMomentsUpdate(state, updated, target, u.exp_avg, u.exp_avg_sq);
 }
 
 // Layer l's 1-bit Adam update on rank r; returns the task (the last of several in the
@@ -162,22 +179,14 @@ Result<TaskId> AddOneBitAdamWarmup(PlanState& state, int r, size_t l, StateObjec
 // rank's shard under ZeRO-1/2; the sharding policy then gathers the updated shards).
 Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& target) {
   if (!state.plan.optimizer.compressed_phase) return AddOneBitAdamWarmup(state, r, l, target);
-  const RankState& rank = state.ranks[static_cast<size_t>(r)];
-  const std::string& layer = state.LayerName(l);
-  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
-  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
-  Attrs attrs = AdamAttrs(state, l);
-  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
-  const std::string shard =
-      SetShardOffsets(attrs, exp_avg_sq, target, state.step.group_numel[l]) ? "[shard]" : "";
+  OneBitUpdate u(state, r, l, target);
   TESSERA_ASSIGN_OR_RETURN(
       auto momentum,
       state.builder.AddTask(
-          state.Name(r, layer + "/onebit_adam_momentum"), "onebit_adam_momentum",
-          {exp_avg.input, rank.update_grad[l],
-           rank.update_clip[static_cast<size_t>(state.StageOf(l))]},
+          state.Name(r, u.layer + "/onebit_adam_momentum"), "onebit_adam_momentum",
+          {u.exp_avg.input, u.rank.update_grad[l], u.clip},
           Attrs{{"beta1", state.plan.optimizer.beta1}},
-          state.OnOptimizerDevice(r, layer, {state.Name(r, layer + ".exp_avg.local")},
+          state.OnOptimizerDevice(r, u.layer, {state.Name(r, u.layer + ".exp_avg.local")},
                                   {ObjectRole::kOptimizerState})));
   ObjectId averaged = momentum[0];
   if (state.error_feedback) {
@@ -187,13 +196,14 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
   TESSERA_ASSIGN_OR_RETURN(
       auto updated,
       state.builder.AddTask(
-          state.Name(r, layer + "/onebit_adam_frozen"), "onebit_adam_frozen",
-          {target.input, averaged, exp_avg_sq.input, state.step.lr}, std::move(attrs),
-          state.OnOptimizerDevice(
-              r, layer,
-              {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg_sq" + shard + ".next")},
-              {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
-  return TakeMomentsUpdate(state, {updated[0], averaged, updated[1]}, target, exp_avg, exp_avg_sq);
+          state.Name(r, u.layer + "/onebit_adam_frozen"), "onebit_adam_frozen",
+          {target.input, averaged, u.exp_avg_sq.input, state.step.lr}, std::move(u.attrs),
+          state.OnOptimizerDevice(r, u.layer,
+                                  {state.Name(r, u.layer + u.next),
+                                   state.Name(r, u.layer + ".exp_avg_sq" + u.shard + ".next")},
+                                  {ObjectRole::kParameter, ObjectRole::kOptimizerState})));
+  return TakeMomentsUpdate(state, {updated[0], averaged, updated[1]}, target, u.exp_avg,
+                           u.exp_avg_sq);
 }
 
 // Layer l's 0/1 Adam update on rank r, of the step OptimizerConfig::zero_one_step says
@@ -209,12 +219,13 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
 Result<TaskId> AddZeroOneAdam(PlanState& state, int r, size_t l, StateObject& target) {
   using Step = OptimizerConfig::ZeroOneStep;
   if (state.zero_one_step == Step::kVariance) return AddOneBitAdamWarmup(state, r, l, target);
-  const RankState& rank = state.ranks[static_cast<size_t>(r)];
-  const std::string& layer = state.LayerName(l);
-  StateObject& exp_avg = state.step.state[rank.exp_avg[l]];
-  StateObject& exp_avg_sq = state.step.state[rank.exp_avg_sq[l]];
-  const ObjectId clip = rank.update_clip[static_cast<size_t>(state.StageOf(l))];
-  const std::string next = std::string(".") + StateKindName(target.kind) + ".next";
+  const OneBitUpdate u(state, r, l, target);  // whole groups: no shard (validation)
+  const RankState& rank = u.rank;
+  const std::string& layer = u.layer;
+  StateObject& exp_avg = u.exp_avg;
+  StateObject& exp_avg_sq = u.exp_avg_sq;
+  const ObjectId clip = u.clip;
+  const std::string& next = u.next;
   const std::vector<ObjectRole> moments_roles = {
       ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
       ObjectRole::kOptimizerState};

@@ -29,6 +29,18 @@ Status CheckOptimizer(const OptimizerConfig& o) {
   return Status::Ok();
 }
 
+// 1-bit and 0/1 Adam (`name`) run on data-parallel and pipeline plans only.
+Status CheckCompressedOptimizerPlan(const ParallelConfig& p, const char* name) {
+  if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
+    return InvalidArgument(
+        "{} runs on data-parallel (and pipeline) plans without offload, tensor or sequence "
+        "parallelism for now: drop --offload / --tensor-parallel / --sequence-parallel, or use "
+        "AdamW",
+        name);
+  }
+  return Status::Ok();
+}
+
 // Each sequence of `seq_len` positions split over `ranks` ranks of `kind` ("sequence", ...).
 Status CheckSequenceSplits(int64_t seq_len, int ranks, const char* kind) {
   if (seq_len % ranks == 0) return Status::Ok();
@@ -106,12 +118,7 @@ Status CheckRanks(const TrainingPlan& plan) {
           "compressed, and needs the whole gradient and parameters): use --zero-stage 2, or "
           "AdamW with ZeRO-3");
     }
-    if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
-      return InvalidArgument(
-          "1-bit Adam runs on data-parallel (and pipeline) plans without offload, tensor or "
-          "sequence parallelism for now: drop --offload / --tensor-parallel / "
-          "--sequence-parallel, or use AdamW");
-    }
+    TESSERA_RETURN_IF_ERROR(CheckCompressedOptimizerPlan(p, "1-bit Adam"));
   }
   if (plan.optimizer.kind == OptimizerConfig::Kind::kZeroOneAdam) {
     const OptimizerConfig& o = plan.optimizer;
@@ -128,12 +135,7 @@ Status CheckRanks(const TrainingPlan& plan) {
           "steps update every rank's whole parameters): use --zero-stage 0, or --optimizer "
           "onebit-adam, which composes with ZeRO-1 and ZeRO-2");
     }
-    if (p.offload != OffloadMode::kNone || p.tensor_parallel > 1 || p.sequence_parallel > 1) {
-      return InvalidArgument(
-          "0/1 Adam runs on data-parallel (and pipeline) plans without offload, tensor or "
-          "sequence parallelism for now: drop --offload / --tensor-parallel / "
-          "--sequence-parallel, or use AdamW");
-    }
+    TESSERA_RETURN_IF_ERROR(CheckCompressedOptimizerPlan(p, "0/1 Adam"));
   }
   if (plan.optimizer.kind == OptimizerConfig::Kind::kSgd && ShardsOptimizerState(p)) {
     return InvalidArgument("SGD has no optimizer state to shard: use ZeRO stage 0 or AdamW");
