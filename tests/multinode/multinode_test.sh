@@ -11,13 +11,14 @@
 #   multinode_test.sh kill_worker  a host's worker is SIGKILLed mid-training: the same
 #   multinode_test.sh onebit       a benchmark (not a CTest test), on 4 hosts: a GPT-2 of ~11M
 #                                  parameters in data parallel, Tessera's AdamW (f32 ring), its
-#                                  1-bit Adam, PyTorch DDP (gloo) and DDP with PowerSGD (rank 1,
-#                                  bench/torch_ddp_gpt2.py, one process a host), alternated, twice
-#                                  each; each run's median step time over the compressed phase's
-#                                  steps and the ratios (TESSERA_ONEBIT_ROUNDS rounds, 2). Then
-#                                  AdamW, 1-bit Adam, and 1-bit Adam never compressing (its warm-up
-#                                  arithmetic throughout) for TESSERA_ONEBIT_LONG_STEPS (500; 0:
-#                                  none) steps on the shipped text, their losses side by side
+#                                  1-bit Adam, its 0/1 Adam, PyTorch DDP (gloo) and DDP with
+#                                  PowerSGD (rank 1, bench/torch_ddp_gpt2.py, one process a host),
+#                                  alternated, twice each; each run's median and mean step time
+#                                  over the compressed phase's steps and the ratios
+#                                  (TESSERA_ONEBIT_ROUNDS rounds, 2). Then AdamW, 1-bit Adam, 1-bit
+#                                  Adam never compressing (its warm-up arithmetic throughout) and
+#                                  0/1 Adam for TESSERA_ONEBIT_LONG_STEPS (500; 0: none) steps on
+#                                  the shipped text, their losses side by side
 #                                  (bench/results; TESSERA_ONEBIT_SEQ_LEN: positions a row, 64)
 #
 # Needs root, ip netns, tc, sshd, ssh and ssh-keygen; exits 77 (CTest: skipped) saying which is
@@ -278,11 +279,15 @@ if [[ "$mode" == onebit ]]; then
     grep -h '^{' "$dir/torch-$1-rank1.out"
   }
   if /usr/bin/python3 -c "import torch" 2>/dev/null; then
-    peers=(adamw onebit-adam torch-ddp torch-powersgd)
+    peers=(adamw onebit-adam zero-one-adam torch-ddp torch-powersgd)
   else
     log "no PyTorch for /usr/bin/python3 (scripts/install_deps.sh --bench): Tessera only"
-    peers=(adamw onebit-adam)
+    peers=(adamw onebit-adam zero-one-adam)
   fi
+  # 0/1 Adam's variance frozen where 1-bit Adam's is; then its local-step interval doubles
+  # every 4 steps up to 4 (syncs at 11-14, 16, 18, 20, 24, 28: the skipped rounds), so its
+  # steps are measured by their mean, not their median (a local step's).
+  zero_one=(--var-freeze-step $freeze --local-step-scaler 4 --local-step-clipper 4)
   for round in $(seq "${TESSERA_ONEBIT_ROUNDS:-2}"); do
     # Alternated: each round runs every contender once, the order reversed in even rounds.
     order=("${peers[@]}")
@@ -299,27 +304,35 @@ if [[ "$mode" == onebit ]]; then
           ;;
         *)
           out="$dir/$peer-$round.out"
+          extra=()
+          [[ $peer == zero-one-adam ]] && extra=("${zero_one[@]}")
           timeout 600 "${bench[@]}" --steps $steps --log-every 1 --optimizer "$peer" \
-            --freeze-step $freeze >"$out" 2>&1 || fail "train_gpt2 --optimizer $peer failed: $(tail -20 "$out")"
-          # The median step time over steps freeze+2 .. steps (the compressed phase, past its
-          # switch); end to end: every step's time, the warm-up's and the switch's included.
+            --freeze-step $freeze "${extra[@]}" >"$out" 2>&1 || fail "train_gpt2 --optimizer $peer failed: $(tail -20 "$out")"
+          # The median and mean step times over steps freeze+2 .. steps (the compressed phase,
+          # past its switch); end to end: every step's time, the warm-up's and the switch's.
           ms=$(step_lines "$out" $steps | awk -v from=$((freeze + 2)) \
             '{ split($2, s, "/"); if (s[1] >= from) print $5 }' | median) ||
             fail "no step times in $out"
+          mean=$(step_lines "$out" $steps | awk -v from=$((freeze + 2)) \
+            '{ split($2, s, "/"); if (s[1] >= from) { t += $5; n++ } } END { printf "%.1f", t / n }')
           total=$(step_lines "$out" $steps | awk '{ t += $5 } END { printf "%.0f", t }')
           final=$(grep -oE "final_loss=[0-9.]+" "$out" | cut -d= -f2)
-          log "round $round, $peer: median step ${ms} ms over steps $((freeze + 2))-$steps, all $steps steps ${total} ms, final loss $final"
-          echo "$round $peer $ms $final $total" >>"$dir/onebit.tsv"
+          log "round $round, $peer: median step ${ms} ms, mean ${mean} ms over steps $((freeze + 2))-$steps, all $steps steps ${total} ms, final loss $final"
+          echo "$round $peer $ms $final $total $mean" >>"$dir/onebit.tsv"
           ;;
       esac
     done
   done
   [[ -f "$dir/onebit.tsv" ]] &&
   awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv" &&
-  awk '{ n[$2]++; s[$2] += $3; if ($5 != "-") e[$2] += $5 }
+  awk '{ n[$2]++; s[$2] += $3; if ($5 != "-") e[$2] += $5; if (NF >= 6) u[$2] += $6 }
     END {
       a = s["adamw"] / n["adamw"]; o = s["onebit-adam"] / n["onebit-adam"]
       printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx; end to end (all steps): %.2fx\n", a, o, a / o, e["adamw"] / e["onebit-adam"]
+      if (n["zero-one-adam"] > 0) {
+        am = u["adamw"] / n["adamw"]; om = u["onebit-adam"] / n["onebit-adam"]; z = u["zero-one-adam"] / n["zero-one-adam"]
+        printf "mean of the rounds'"'"' means: adamw %.1f ms, onebit-adam %.1f ms (%.2fx), zero-one-adam %.1f ms (%.2fx); end to end: zero-one-adam %.2fx\n", am, om, am / om, z, am / z, e["adamw"] / e["zero-one-adam"]
+      }
       if (n["torch-ddp"] > 0) {
         d = s["torch-ddp"] / n["torch-ddp"]; p = s["torch-powersgd"] / n["torch-powersgd"]
         printf "PyTorch DDP %.1f ms (Tessera adamw %.2fx faster), DDP + PowerSGD rank 1 %.1f ms (Tessera onebit-adam %.2fx faster)\n", d, d / a, p, p / o
@@ -331,11 +344,15 @@ if [[ "$mode" == onebit ]]; then
     # all, 1-bit Adam frozen after a fifth of them, and never (onebit-exact: its arithmetic
     # uncompressed, what the compression alone changes); the validation loss over 20 batches at
     # the end, and the mean training loss over the last 10 logged steps.
-    for peer in adamw onebit-adam onebit-exact; do
+    # 0/1 Adam: the variance frozen where 1-bit Adam's is, the local-step interval doubling
+    # every twentieth of the run up to 4.
+    for peer in adamw onebit-adam onebit-exact zero-one-adam; do
       out="$dir/$peer-long.out"
-      optimizer=$peer freeze=$((long / 5))
+      optimizer=$peer freeze=$((long / 5)) extra=()
       [[ $peer == onebit-exact ]] && optimizer=onebit-adam freeze=$((long + 1))
-      timeout 3000 "${bench[@]}" --steps "$long" --optimizer "$optimizer" --freeze-step "$freeze" \
+      [[ $peer == zero-one-adam ]] &&
+        extra=(--var-freeze-step "$freeze" --local-step-scaler $((long / 20)) --local-step-clipper 4)
+      timeout 3000 "${bench[@]}" --steps "$long" --optimizer "$optimizer" --freeze-step "$freeze" "${extra[@]}" \
         --log-every 10 --val-fraction 0.1 --eval-every "$long" --eval-batches 20 >"$out" 2>&1 ||
         fail "train_gpt2 --optimizer $optimizer failed: $(tail -20 "$out")"
       val=$(grep -oE "^eval step $long: val_loss [0-9.]+" "$out" | awk '{ print $5 }')
@@ -347,7 +364,8 @@ if [[ "$mode" == onebit ]]; then
     done
     awk '{ v[$1] = $2; m[$1] = $3 } END {
       printf "after the long run: validation loss adamw %.4f, onebit-adam %.4f (%+.2f%%), onebit-exact %.4f (onebit-adam %+.2f%% of it)\n", v["adamw"], v["onebit-adam"], 100 * (v["onebit-adam"] / v["adamw"] - 1), v["onebit-exact"], 100 * (v["onebit-adam"] / v["onebit-exact"] - 1)
-      printf "mean of the last logged training losses: adamw %.4f, onebit-adam %.4f, onebit-exact %.4f\n", m["adamw"], m["onebit-adam"], m["onebit-exact"] }' "$dir/long.tsv"
+      printf "mean of the last logged training losses: adamw %.4f, onebit-adam %.4f, onebit-exact %.4f\n", m["adamw"], m["onebit-adam"], m["onebit-exact"]
+      if ("zero-one-adam" in v) printf "zero-one-adam: validation loss %.4f (%+.2f%% of adamw), mean of the last logged training losses %.4f\n", v["zero-one-adam"], 100 * (v["zero-one-adam"] / v["adamw"] - 1), m["zero-one-adam"] }' "$dir/long.tsv"
   fi
   down_and_check
   exit 0
