@@ -65,18 +65,8 @@ Result<StateKind> KindFromName(const std::string& name) {
   return DataLoss("unknown state kind '{}'", name);
 }
 
-// 1-bit and 0/1 Adam's error buffers as a checkpoint saved them: per layer, each saving rank's
-// worker error (its group) and server error (its chunk of it).
-struct SavedErrors {
-  std::map<std::string, std::map<int, std::vector<float>>> worker, server;
-};
+}  // namespace
 
-// Writes the trainer's error buffers from `saved`: 1-bit Adam's once past its warm-up (entering
-// the compressed phase), 0/1 Adam's whatever the step. The same number of data ranks: each rank's
-// own, exactly (whatever the ZeRO stage). Another number: what the compressed all-reduce still owes
-// the true averages kept (collectives/compressed.h's invariant): every rank's worker error the
-// saving ranks' mean, and the server errors, joined in chunk order, cut into the new chunks. A
-// layer without saved errors keeps zeros.
 Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
   const OptimizerConfig& optimizer = trainer.plan().optimizer;
   if (optimizer.kind == OptimizerConfig::Kind::kOneBitAdam) {
@@ -133,8 +123,6 @@ Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step) {
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 Status GatheredState::Add(const std::string& layer, StateKind kind, int64_t padded, int64_t begin,
                           const float* values, int64_t numel) {

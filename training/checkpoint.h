@@ -61,6 +61,21 @@ struct GatheredState {
 // naming `source` and the group when one is missing or not whole; then nothing is written.
 Status WriteGathered(Trainer& trainer, const GatheredState& state, const std::string& source);
 
+// 1-bit and 0/1 Adam's error buffers as some plan held them (a checkpoint's files, a peer
+// snapshot's copies): per layer name, each rank's worker error (its group) and server error (its
+// chunk of the group).
+struct SavedErrors {
+  std::map<std::string, std::map<int, std::vector<float>>> worker, server;
+};
+// Writes the trainer's error buffers from `saved`, the state of step `step`: 1-bit Adam's once
+// past its warm-up (entering the compressed phase), 0/1 Adam's whatever the step; nothing for
+// other optimizers. The same number of data ranks: each rank's own, exactly (whatever the ZeRO
+// stage). Another number: what the compressed all-reduce still owes the true averages kept
+// (collectives/compressed.h's invariant): every rank's worker error the saving ranks' mean, and
+// the server errors, joined in chunk order, cut into the new chunks. A layer without saved
+// errors keeps zeros.
+Status RestoreErrors(Trainer& trainer, const SavedErrors& saved, int64_t step);
+
 struct CheckpointInfo {
   std::string path;           // the step directory
   int64_t step = 0;           // steps taken when saved

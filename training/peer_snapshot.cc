@@ -6,6 +6,14 @@
 
 namespace tessera {
 
+namespace {
+
+bool IsErrorBuffer(StateKind kind) {
+  return kind == StateKind::kWorkerError || kind == StateKind::kServerError;
+}
+
+}  // namespace
+
 Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_state) {
   const StepGraph& step = trainer.step_graph();
   if (step.parallel.tensor_parallel > 1 || step.parallel.sequence_parallel > 1) {
@@ -34,16 +42,14 @@ Result<PeerSnapshot> PeerSnapshot::Take(Trainer& trainer, std::string sampler_st
   for (size_t i = 0; i < step.state.size(); ++i) {
     const StateObject& object = step.state[i];
     // Master copies equal the parameters between steps (the checkpoint's rule too), as 0/1
-    // Adam's interval starts do at the synchronised steps snapshots are taken at. 1-bit and 0/1
-    // Adam's error buffers are per rank, not pieces of a group (a server error's chunk can be
-    // larger than a small group): not snapshotted yet; a restore keeps the trainer's own.
-    if (object.kind == StateKind::kMasterParameter || object.kind == StateKind::kWorkerError ||
-        object.kind == StateKind::kServerError || object.kind == StateKind::kIntervalStart) {
+    // Adam's interval starts do at the synchronised steps snapshots are taken at.
+    if (object.kind == StateKind::kMasterParameter || object.kind == StateKind::kIntervalStart) {
       continue;
     }
     const int64_t padded = step.group_numel[object.piece.layer];
-    const bool replica =
-        object.piece.rank != 0 && object.piece.begin == 0 && object.piece.numel == padded;
+    // 1-bit and 0/1 Adam's error buffers are each rank's own, never replicas.
+    const bool replica = !IsErrorBuffer(object.kind) && object.piece.rank != 0 &&
+                         object.piece.begin == 0 && object.piece.numel == padded;
     if (replica) continue;  // rank 0 holds the same
     Piece piece;
     piece.layer = trainer.model().layers[object.piece.layer].name;
@@ -76,6 +82,7 @@ Result<CheckpointInfo> PeerSnapshot::Restore(Trainer& trainer,
                                              const std::set<WorkerId>& dead) const {
   const std::string name = fmt::format("peer snapshot of step {}", step_);
   GatheredState gathered;
+  SavedErrors errors;
   for (const Piece& piece : pieces_) {
     struct Copy {
       const Value* value;
@@ -100,8 +107,15 @@ Result<CheckpointInfo> PeerSnapshot::Restore(Trainer& trainer,
                         tensor->numel(), StateKindName(piece.kind), piece.layer, piece.rank,
                         piece.numel);
       }
-      TESSERA_RETURN_IF_ERROR(gathered.Add(piece.layer, piece.kind, piece.padded, piece.begin,
-                                           tensor->data<float>(), piece.numel));
+      if (IsErrorBuffer(piece.kind)) {  // each rank's own (a server error's chunk may be larger
+                                        // than a small group)
+        (piece.kind == StateKind::kWorkerError ? errors.worker
+                                               : errors.server)[piece.layer][piece.rank] =
+            std::vector<float>(tensor->data<float>(), tensor->data<float>() + piece.numel);
+      } else {
+        TESSERA_RETURN_IF_ERROR(gathered.Add(piece.layer, piece.kind, piece.padded, piece.begin,
+                                             tensor->data<float>(), piece.numel));
+      }
       restored = true;
       break;
     }
@@ -113,6 +127,8 @@ Result<CheckpointInfo> PeerSnapshot::Restore(Trainer& trainer,
   }
   TESSERA_RETURN_IF_ERROR(WriteGathered(trainer, gathered, "the " + name));
   trainer.set_steps_taken(step_);
+  TESSERA_RETURN_IF_ERROR(RestoreErrors(trainer, errors, step_)
+                              .WithContext("restoring the compressed all-reduces' error buffers"));
   return CheckpointInfo{name, step_, sampler_state_};
 }
 

@@ -151,11 +151,22 @@ TEST_F(OneBitAdamTest, AResumeInTheCompressedPhaseKeepsTheErrorBuffers) {
     ASSERT_OK(Train(*first, 0, kSaveAt).status());
     ASSERT_OK(SaveCheckpoint(*first, dir, "").status());
     ASSERT_OK_AND_ASSIGN(saved, Errors(*first));
-    // A peer snapshot in the compressed phase restores (its error buffers are the trainer's own:
-    // they are not snapshotted yet, and a server error's chunk is no piece of a small group).
+    // A peer snapshot in the compressed phase keeps the error buffers too: two steps later
+    // (other errors) it restores the step's state, and the run goes on exactly as it did.
     ASSERT_OK_AND_ASSIGN(PeerSnapshot snapshot, PeerSnapshot::Take(*first, ""));
+    ASSERT_OK(Train(*first, kSaveAt, kSaveAt + 2).status());
     ASSERT_OK_AND_ASSIGN(CheckpointInfo restored, snapshot.Restore(*first, {}));
     EXPECT_EQ(restored.step, kSaveAt);
+    ASSERT_OK_AND_ASSIGN(ErrorsByLayer back, Errors(*first));
+    ASSERT_EQ(back.size(), saved.size());
+    for (const auto& [layer, errors] : saved) {
+      EXPECT_EQ(back.at(layer).worker, errors.worker) << "layer " << layer;
+      EXPECT_EQ(back.at(layer).server, errors.server) << "layer " << layer;
+    }
+    ASSERT_OK_AND_ASSIGN(std::vector<StepReport> again, Train(*first, kSaveAt, kSteps));
+    for (size_t i = 0; i < again.size(); ++i) {
+      EXPECT_EQ(again[i].loss, uninterrupted[kSaveAt + i].loss) << "step " << kSaveAt + i + 1;
+    }
   }
   ASSERT_OK_AND_ASSIGN(auto resumed, Distributed(OneBitPlan(2)));
   ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*resumed, dir));

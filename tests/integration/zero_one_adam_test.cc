@@ -24,6 +24,7 @@
 #include "test_util.h"
 #include "tiny_gpt2_cluster.h"
 #include "training/checkpoint.h"
+#include "training/peer_snapshot.h"
 #include "training/trainer.h"
 
 namespace tessera::testing {
@@ -180,9 +181,9 @@ TEST_F(ZeroOneAdamTest, LocalStepsLeaveEachRankItsOwnParametersUntilTheSync) {
   EXPECT_THAT(refused.status().message(), HasSubstr("at step 16"));
 }
 
-// A checkpoint at a sync keeps every rank's error buffers: resumed on as many workers the run
-// goes on exactly as it would have (the schedule replayed, the interval starts set to the
-// parameters); on one worker it runs on (the errors resharded: their mean).
+// A checkpoint (and a peer snapshot) at a sync keeps every rank's error buffers: resumed on as
+// many workers the run goes on exactly as it would have (the schedule replayed, the interval starts
+// set to the parameters); on one worker it runs on (the errors resharded: their mean).
 TEST_F(ZeroOneAdamTest, ACheckpointAtASyncResumesExactly) {
   constexpr int kSaveAt = 8;  // a sync, with the errors of the moves' compression
   ASSERT_OK_AND_ASSIGN(auto whole, Distributed(ZeroOnePlan(2)));
@@ -194,6 +195,19 @@ TEST_F(ZeroOneAdamTest, ACheckpointAtASyncResumesExactly) {
     ASSERT_OK_AND_ASSIGN(auto first, Distributed(ZeroOnePlan(2)));
     ASSERT_OK(Train(*first, 0, kSaveAt).status());
     ASSERT_OK(SaveCheckpoint(*first, dir, "").status());
+    // A peer snapshot there keeps the error buffers too: restored two steps later, the run goes
+    // on exactly as it did. At a local step (9) a snapshot is refused.
+    ASSERT_OK_AND_ASSIGN(PeerSnapshot snapshot, PeerSnapshot::Take(*first, ""));
+    ASSERT_OK(Train(*first, kSaveAt, kSaveAt + 1).status());
+    const Result<PeerSnapshot> local = PeerSnapshot::Take(*first, "");
+    ASSERT_FALSE(local.ok());
+    EXPECT_THAT(local.status().message(), HasSubstr("synchronisation at step 10"));
+    ASSERT_OK(Train(*first, kSaveAt + 1, kSaveAt + 2).status());
+    ASSERT_OK(snapshot.Restore(*first, {}).status());
+    ASSERT_OK_AND_ASSIGN(std::vector<StepReport> again, Train(*first, kSaveAt, kSteps));
+    for (size_t i = 0; i < again.size(); ++i) {
+      EXPECT_EQ(again[i].loss, uninterrupted[kSaveAt + i].loss) << "step " << kSaveAt + i + 1;
+    }
   }
   ASSERT_OK_AND_ASSIGN(auto resumed, Distributed(ZeroOnePlan(2)));
   ASSERT_OK_AND_ASSIGN(CheckpointInfo info, LoadCheckpoint(*resumed, dir));
