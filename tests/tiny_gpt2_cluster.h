@@ -25,6 +25,7 @@
 #include "client/graph_backend.h"
 #include "gpt2_test_util.h"
 #include "plan_equivalence.h"
+#include "test_util.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 
@@ -74,6 +75,28 @@ class TinyGpt2ClusterTest : public ::testing::Test {
     TESSERA_ASSIGN_OR_RETURN(auto backend,
                              MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
     return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
+  }
+
+  // A two-stage GPipe pipeline of `plan` (two data ranks a stage) gives the losses of `plan`
+  // itself to 1e-5 over steps [0, steps) of TrainOnSyntheticTokens with `batch` rows of
+  // `seq_len`. One micro-batch: the same gradients to the last bit (micro-batches would sum them
+  // in another order, and a compressed sign of an element near zero may then flip).
+  static void ExpectTwoStagePipelineLikeItsFlatPlan(const TrainingPlan& plan, int64_t batch,
+                                                    int64_t seq_len, int steps) {
+    ASSERT_OK_AND_ASSIGN(auto flat, Distributed(plan));
+    ASSERT_OK_AND_ASSIGN(std::vector<StepReport> expected,
+                         TrainOnSyntheticTokens(*flat, batch, seq_len, 0, steps));
+    flat.reset();
+    TrainingPlan staged = plan;
+    staged.parallel.pipeline_stages = 2;
+    staged.parallel.schedule = PipelineSchedule::kGPipe;
+    ASSERT_OK_AND_ASSIGN(auto pipeline, Distributed(staged));
+    ASSERT_OK_AND_ASSIGN(std::vector<StepReport> run,
+                         TrainOnSyntheticTokens(*pipeline, batch, seq_len, 0, steps));
+    ASSERT_EQ(run.size(), expected.size());
+    for (size_t i = 0; i < run.size(); ++i) {
+      EXPECT_NEAR(run[i].loss, expected[i].loss, 1e-5 * expected[i].loss) << "step " << i + 1;
+    }
   }
 
   static inline Cluster* cluster_ = nullptr;

@@ -229,19 +229,7 @@ TEST_F(OneBitAdamTest, AResumeInTheCompressedPhaseKeepsTheErrorBuffers) {
 // A two-stage pipeline of two data ranks a stage compresses each stage's groups over the same
 // two ranks: the same run as the flat data-parallel plan's, warm-up and compressed phase.
 TEST_F(OneBitAdamTest, APipelineCompressesLikeItsDataParallelPlan) {
-  ASSERT_OK_AND_ASSIGN(auto flat, Distributed(OneBitPlan(2)));
-  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> expected, Train(*flat));
-  flat.reset();
-  TrainingPlan plan = OneBitPlan(2);
-  // One micro-batch: the same gradients to the last bit (micro-batches would sum them in
-  // another order, and a sign of an element near zero may then flip).
-  plan.parallel.pipeline_stages = 2;
-  plan.parallel.schedule = PipelineSchedule::kGPipe;
-  ASSERT_OK_AND_ASSIGN(auto pipeline, Distributed(plan));
-  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> run, Train(*pipeline));
-  for (size_t i = 0; i < run.size(); ++i) {
-    EXPECT_NEAR(run[i].loss, expected[i].loss, 1e-5 * expected[i].loss) << "step " << i + 1;
-  }
+  ExpectTwoStagePipelineLikeItsFlatPlan(OneBitPlan(2), kBatch, kSeqLen, kSteps);
 }
 
 // ZeRO-1 and ZeRO-2 shard the state of 1-bit Adam (warm-up: both moments; compressed phase: the

@@ -252,19 +252,7 @@ TEST(ZeroOneAdamAloneTest, SynchronisingEveryStepItFollowsOneBitAdam) {
 // A two-stage pipeline of two data ranks a stage runs each kind of step on each stage's groups
 // over the same two ranks: the flat data-parallel plan's run.
 TEST_F(ZeroOneAdamTest, APipelineRunsLikeItsDataParallelPlan) {
-  ASSERT_OK_AND_ASSIGN(auto flat, Distributed(ZeroOnePlan(2)));
-  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> expected, Train(*flat));
-  flat.reset();
-  TrainingPlan plan = ZeroOnePlan(2);
-  // One micro-batch: the same gradients to the last bit (micro-batches would sum them in
-  // another order, and a sign of an element near zero may then flip).
-  plan.parallel.pipeline_stages = 2;
-  plan.parallel.schedule = PipelineSchedule::kGPipe;
-  ASSERT_OK_AND_ASSIGN(auto pipeline, Distributed(plan));
-  ASSERT_OK_AND_ASSIGN(std::vector<StepReport> run, Train(*pipeline));
-  for (size_t i = 0; i < run.size(); ++i) {
-    EXPECT_NEAR(run[i].loss, expected[i].loss, 1e-5 * expected[i].loss) << "step " << i + 1;
-  }
+  ExpectTwoStagePipelineLikeItsFlatPlan(ZeroOnePlan(2), kBatch, kSeqLen, kSteps);
 }
 
 TEST_F(ZeroOneAdamTest, PlansItCannotRunAreRefusedByName) {
