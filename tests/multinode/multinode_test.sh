@@ -19,6 +19,9 @@
 #                                  Adam never compressing (its warm-up arithmetic throughout) and
 #                                  0/1 Adam for TESSERA_ONEBIT_LONG_STEPS (500; 0: none) steps on
 #                                  the shipped text, their losses side by side
+#                                  (TESSERA_ONEBIT_PEERS, TESSERA_ONEBIT_LONG_PEERS: other
+#                                  contenders, e.g. "zero3 zero3-int8 zero3-int4": ZeRO-3 with its
+#                                  collectives exact or quantized)
 #                                  (bench/results; TESSERA_ONEBIT_SEQ_LEN: positions a row, 64)
 #
 # Needs root, ip netns, tc, sshd, ssh and ssh-keygen; exits 77 (CTest: skipped) saying which is
@@ -284,10 +287,22 @@ if [[ "$mode" == onebit ]]; then
     log "no PyTorch for /usr/bin/python3 (scripts/install_deps.sh --bench): Tessera only"
     peers=(adamw onebit-adam zero-one-adam)
   fi
-  # 0/1 Adam's variance frozen where 1-bit Adam's is; then its local-step interval doubles
-  # every 4 steps up to 4 (syncs at 11-14, 16, 18, 20, 24, 28: the skipped rounds), so its
-  # steps are measured by their mean, not their median (a local step's).
-  zero_one=(--var-freeze-step $freeze --local-step-scaler 4 --local-step-clipper 4)
+  # TESSERA_ONEBIT_PEERS: the contenders instead (e.g. "zero3 zero3-int8 zero3-int4": ZeRO-3
+  # with AdamW, its collectives exact or quantized).
+  [[ -n "${TESSERA_ONEBIT_PEERS:-}" ]] && read -r -a peers <<<"$TESSERA_ONEBIT_PEERS"
+  # A Tessera contender's train_gpt2 flags. 0/1 Adam's variance frozen where 1-bit Adam's is;
+  # then its local-step interval doubles every 4 steps up to 4 (syncs at 11-14, 16, 18, 20,
+  # 24, 28: the skipped rounds), so its steps are measured by their mean, not their median (a
+  # local step's).
+  flags_of() {
+    case "$1" in
+      adamw | onebit-adam) echo "--optimizer $1 --freeze-step $freeze" ;;
+      zero-one-adam) echo "--optimizer $1 --var-freeze-step $freeze --local-step-scaler 4 --local-step-clipper 4" ;;
+      zero3) echo "--optimizer adamw --zero-stage 3" ;;
+      zero3-int8 | zero3-int4) echo "--optimizer adamw --zero-stage 3 --quantize-collectives ${1#zero3-}" ;;
+      *) fail "unknown contender $1" ;;
+    esac
+  }
   for round in $(seq "${TESSERA_ONEBIT_ROUNDS:-2}"); do
     # Alternated: each round runs every contender once, the order reversed in even rounds.
     order=("${peers[@]}")
@@ -304,10 +319,9 @@ if [[ "$mode" == onebit ]]; then
           ;;
         *)
           out="$dir/$peer-$round.out"
-          extra=()
-          [[ $peer == zero-one-adam ]] && extra=("${zero_one[@]}")
-          timeout 600 "${bench[@]}" --steps $steps --log-every 1 --optimizer "$peer" \
-            --freeze-step $freeze "${extra[@]}" >"$out" 2>&1 || fail "train_gpt2 --optimizer $peer failed: $(tail -20 "$out")"
+          read -r -a extra <<<"$(flags_of "$peer")"
+          timeout 600 "${bench[@]}" --steps $steps --log-every 1 "${extra[@]}" >"$out" 2>&1 ||
+            fail "train_gpt2 ${extra[*]} failed: $(tail -20 "$out")"
           # The median and mean step times over steps freeze+2 .. steps (the compressed phase,
           # past its switch); end to end: every step's time, the warm-up's and the switch's.
           ms=$(step_lines "$out" $steps | awk -v from=$((freeze + 2)) \
@@ -327,6 +341,8 @@ if [[ "$mode" == onebit ]]; then
   awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv" &&
   awk '{ n[$2]++; s[$2] += $3; if ($5 != "-") e[$2] += $5; if (NF >= 6) u[$2] += $6 }
     END {
+      for (p in n) if (NF >= 6 && p != "adamw" && p != "onebit-adam" && p != "zero-one-adam") printf "%s: mean of the rounds'"'"' means %.1f ms, all steps %.0f ms a run\n", p, u[p] / n[p], e[p] / n[p]
+      if (n["adamw"] == 0 || n["onebit-adam"] == 0) exit
       a = s["adamw"] / n["adamw"]; o = s["onebit-adam"] / n["onebit-adam"]
       printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx; end to end (all steps): %.2fx\n", a, o, a / o, e["adamw"] / e["onebit-adam"]
       if (n["zero-one-adam"] > 0) {
@@ -346,15 +362,21 @@ if [[ "$mode" == onebit ]]; then
     # the end, and the mean training loss over the last 10 logged steps.
     # 0/1 Adam: the variance frozen where 1-bit Adam's is, the local-step interval doubling
     # every twentieth of the run up to 4.
-    for peer in adamw onebit-adam onebit-exact zero-one-adam; do
+    # TESSERA_ONEBIT_LONG_PEERS: these contenders instead (flags_of's, or onebit-exact).
+    long_peers=(adamw onebit-adam onebit-exact zero-one-adam)
+    [[ -n "${TESSERA_ONEBIT_LONG_PEERS:-}" ]] && read -r -a long_peers <<<"$TESSERA_ONEBIT_LONG_PEERS"
+    for peer in "${long_peers[@]}"; do
       out="$dir/$peer-long.out"
-      optimizer=$peer freeze=$((long / 5)) extra=()
-      [[ $peer == onebit-exact ]] && optimizer=onebit-adam freeze=$((long + 1))
-      [[ $peer == zero-one-adam ]] &&
-        extra=(--var-freeze-step "$freeze" --local-step-scaler $((long / 20)) --local-step-clipper 4)
-      timeout 3000 "${bench[@]}" --steps "$long" --optimizer "$optimizer" --freeze-step "$freeze" "${extra[@]}" \
+      freeze=$((long / 5))
+      case "$peer" in
+        onebit-exact) extra=(--optimizer onebit-adam --freeze-step $((long + 1))) ;;
+        zero-one-adam) extra=(--optimizer zero-one-adam --var-freeze-step "$freeze"
+          --local-step-scaler $((long / 20)) --local-step-clipper 4) ;;
+        *) read -r -a extra <<<"$(flags_of "$peer")" ;;
+      esac
+      timeout 3000 "${bench[@]}" --steps "$long" "${extra[@]}" \
         --log-every 10 --val-fraction 0.1 --eval-every "$long" --eval-batches 20 >"$out" 2>&1 ||
-        fail "train_gpt2 --optimizer $optimizer failed: $(tail -20 "$out")"
+        fail "train_gpt2 ${extra[*]} failed: $(tail -20 "$out")"
       val=$(grep -oE "^eval step $long: val_loss [0-9.]+" "$out" | awk '{ print $5 }')
       [[ -n "$val" ]] || fail "no validation loss in $out"
       last=$(grep -oE "^step [0-9]+/$long loss [0-9.]+" "$out" | tail -10 |
@@ -363,6 +385,8 @@ if [[ "$mode" == onebit ]]; then
       echo "$peer $val $last" >>"$dir/long.tsv"
     done
     awk '{ v[$1] = $2; m[$1] = $3 } END {
+      for (p in v) printf "%s: validation loss %.4f, mean of the last logged training losses %.4f\n", p, v[p], m[p]
+      if (!("adamw" in v) || !("onebit-adam" in v)) exit
       printf "after the long run: validation loss adamw %.4f, onebit-adam %.4f (%+.2f%%), onebit-exact %.4f (onebit-adam %+.2f%% of it)\n", v["adamw"], v["onebit-adam"], 100 * (v["onebit-adam"] / v["adamw"] - 1), v["onebit-exact"], 100 * (v["onebit-adam"] / v["onebit-exact"] - 1)
       printf "mean of the last logged training losses: adamw %.4f, onebit-adam %.4f, onebit-exact %.4f\n", m["adamw"], m["onebit-adam"], m["onebit-exact"]
       if ("zero-one-adam" in v) printf "zero-one-adam: validation loss %.4f (%+.2f%% of adamw), mean of the last logged training losses %.4f\n", v["zero-one-adam"], 100 * (v["zero-one-adam"] / v["adamw"] - 1), m["zero-one-adam"] }' "$dir/long.tsv"
