@@ -219,23 +219,19 @@ Result<TaskId> AddOneBitAdam(PlanState& state, int r, size_t l, StateObject& tar
 Result<TaskId> AddZeroOneAdam(PlanState& state, int r, size_t l, StateObject& target) {
   using Step = OptimizerConfig::ZeroOneStep;
   if (state.zero_one_step == Step::kVariance) return AddOneBitAdamWarmup(state, r, l, target);
-  const OneBitUpdate u(state, r, l, target);  // whole groups: no shard (validation)
-  const RankState& rank = u.rank;
+  // Whole groups (validation): u.attrs sets no shard offsets.
+  const OneBitUpdate u(state, r, l, target);
   const std::string& layer = u.layer;
-  StateObject& exp_avg = u.exp_avg;
-  StateObject& exp_avg_sq = u.exp_avg_sq;
-  const ObjectId clip = u.clip;
-  const std::string& next = u.next;
   const std::vector<ObjectRole> moments_roles = {
       ObjectRole::kParameter, ObjectRole::kOptimizerState, ObjectRole::kOptimizerState,
       ObjectRole::kOptimizerState};
   if (state.zero_one_step == Step::kCompressedGradient) {
-    ObjectId grad = rank.update_grad[l];
+    ObjectId grad = u.rank.update_grad[l];
     if (state.plan.optimizer.max_grad_norm > 0) {
       TESSERA_ASSIGN_OR_RETURN(
           auto clipped,
           state.builder.AddTask(
-              state.Name(r, layer + "/clip_gradient"), "scale", {grad, clip}, {},
+              state.Name(r, layer + "/clip_gradient"), "scale", {grad, u.clip}, {},
               state.OnOptimizerDevice(r, layer, {state.Name(r, layer + ".grad.clipped")},
                                       {ObjectRole::kGradient})));
       grad = clipped[0];
@@ -247,24 +243,23 @@ Result<TaskId> AddZeroOneAdam(PlanState& state, int r, size_t l, StateObject& ta
         auto updated,
         state.builder.AddTask(
             state.Name(r, layer + "/zero_one_adam_compressed"), "zero_one_adam_compressed",
-            {target.input, grad, exp_avg.input, exp_avg_sq.input, state.step.lr},
-            AdamAttrs(state, l),
+            {target.input, grad, u.exp_avg.input, u.exp_avg_sq.input, state.step.lr}, u.attrs,
             state.OnOptimizerDevice(
                 r, layer,
-                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
+                {state.Name(r, layer + u.next), state.Name(r, layer + ".exp_avg.next"),
                  state.Name(r, layer + ".exp_avg_sq.next")},
                 {moments_roles.begin(), moments_roles.end() - 1})));
-    return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+    return TakeMomentsUpdate(state, updated, target, u.exp_avg, u.exp_avg_sq);
   }
-  StateObject& interval_start = state.step.state[rank.interval_start[l]];
+  StateObject& interval_start = state.step.state[u.rank.interval_start[l]];
   const bool sync = state.zero_one_step == Step::kSync;
   const std::string local_suffix = sync ? ".local" : ".next";
   TESSERA_ASSIGN_OR_RETURN(
       auto local, state.builder.AddTask(
                       state.Name(r, layer + "/zero_one_adam_local"), "zero_one_adam_local",
-                      {target.input, rank.update_grad[l], exp_avg.input, exp_avg_sq.input,
-                       interval_start.input, clip, state.step.lr},
-                      AdamAttrs(state, l).Set("sync", int64_t{sync ? 1 : 0}),
+                      {target.input, u.rank.update_grad[l], u.exp_avg.input, u.exp_avg_sq.input,
+                       interval_start.input, u.clip, state.step.lr},
+                      Attrs(u.attrs).Set("sync", int64_t{sync ? 1 : 0}),
                       state.OnOptimizerDevice(
                           r, layer,
                           {state.Name(r, layer + "." + StateKindName(target.kind) + local_suffix),
@@ -280,20 +275,19 @@ Result<TaskId> AddZeroOneAdam(PlanState& state, int r, size_t l, StateObject& ta
           averaged, AddCompressedAllReduce(state, r, l, averaged, ".interval_start.averaged"));
     }
     TESSERA_ASSIGN_OR_RETURN(
-        updated,
-        state.builder.AddTask(
-            state.Name(r, layer + "/zero_one_adam_sync"), "zero_one_adam_sync",
-            {local[0], local[1], local[2], averaged, state.step.lr_sum}, AdamAttrs(state, l),
-            state.OnOptimizerDevice(
-                r, layer,
-                {state.Name(r, layer + next), state.Name(r, layer + ".exp_avg.next"),
-                 state.Name(r, layer + ".exp_avg_sq.next"),
-                 state.Name(r, layer + ".interval_start.next")},
-                moments_roles)));
+        updated, state.builder.AddTask(
+                     state.Name(r, layer + "/zero_one_adam_sync"), "zero_one_adam_sync",
+                     {local[0], local[1], local[2], averaged, state.step.lr_sum}, u.attrs,
+                     state.OnOptimizerDevice(
+                         r, layer,
+                         {state.Name(r, layer + u.next), state.Name(r, layer + ".exp_avg.next"),
+                          state.Name(r, layer + ".exp_avg_sq.next"),
+                          state.Name(r, layer + ".interval_start.next")},
+                         moments_roles)));
   }
   interval_start.output = updated[3];
   state.builder.MarkOutput(interval_start.output);
-  return TakeMomentsUpdate(state, updated, target, exp_avg, exp_avg_sq);
+  return TakeMomentsUpdate(state, updated, target, u.exp_avg, u.exp_avg_sq);
 }
 
 // Layer l's SGD update on rank r; returns the task.

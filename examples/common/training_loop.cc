@@ -50,14 +50,15 @@ Status Checkpoints::Save(Trainer& trainer, const std::string& data_state) {
 
 bool Checkpoints::Due(const Trainer& trainer, int64_t step) {
   if (flags_.dir.empty() || flags_.every <= 0) return false;
-  if (step % flags_.every == 0 && !trainer.parameters_synchronized()) {
+  const bool asked = step % flags_.every == 0;
+  if (asked && !trainer.parameters_synchronized()) {
     std::fprintf(stderr,
                  "%s: checkpoint of step %lld waits for 0/1 Adam's synchronisation at step %lld "
                  "(each rank holds its own parameters until then)\n",
                  program_.c_str(), static_cast<long long>(step),
                  static_cast<long long>(trainer.NextSynchronizedStep()));
   }
-  waiting_ = waiting_ || step % flags_.every == 0;
+  waiting_ = waiting_ || asked;
   if (!waiting_ || !trainer.parameters_synchronized()) return false;
   waiting_ = false;
   return true;
