@@ -302,6 +302,11 @@ bool GraphExecution::TakeDonation(const TaskSpec& task, const std::vector<Tensor
   return donate;
 }
 
+bool GraphExecution::Kept(int object) const {
+  return prepared_.initial_refcount_[static_cast<size_t>(object)] > 0 ||
+         prepared_.is_output_[static_cast<size_t>(object)];
+}
+
 bool GraphExecution::ReleaseObject(int object) {
   if (refcount_[object].fetch_sub(1) == 1 && !prepared_.is_output_[static_cast<size_t>(object)]) {
     slots_[static_cast<size_t>(object)] = Tensor();
@@ -336,13 +341,7 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
     if (!task.inputs.empty() && out[j].defined() && out[j].meta().device.is_cpu() != from_host) {
       timing.bytes += out[j].meta().bytes();
     }
-    if (watched_[static_cast<size_t>(object)]) hooks_.on_produced(task.outputs[j], out[j]);
-    if (prepared_.initial_refcount_[static_cast<size_t>(object)] > 0 ||
-        prepared_.is_output_[static_cast<size_t>(object)]) {
-      slots_[static_cast<size_t>(object)] = std::move(out[j]);
-    } else {
-      change.Free(spec.role, bytes);  // nobody reads it
-    }
+    if (!Kept(object)) change.Free(spec.role, bytes);  // nobody reads it
   }
   for (ObjectId input : task.inputs) {
     const ObjectSpec& spec = graph().object(input);
@@ -355,7 +354,15 @@ void GraphExecution::FinishTask(int t, std::vector<Tensor>& out, std::vector<int
       }
     }
   }
+  // The task's end is counted before its outputs leave: a peer's reply to one (an object this
+  // worker awaits, made from it) then arrives after it, as the memory model counts it
+  // (planner/memory_model.h); counted after the push, a quick reply would overlap this task.
   meter_.Apply(change);
+  for (size_t j = 0; j < out.size(); ++j) {
+    const int object = IndexOf(task.outputs[j]);
+    if (watched_[static_cast<size_t>(object)]) hooks_.on_produced(task.outputs[j], out[j]);
+    if (Kept(object)) slots_[static_cast<size_t>(object)] = std::move(out[j]);
+  }
   timing.end_us = MicrosSinceStart();
   ++tasks_run_;
   for (int dependent : prepared_.dependents_[static_cast<size_t>(t)]) {

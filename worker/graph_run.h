@@ -97,7 +97,8 @@ struct RunHooks {
   // (objects produced by other workers). Tasks reading them wait for them.
   std::vector<ObjectId> late_inputs;
   // Objects to hand to `on_produced` as soon as their producer finishes (to send them to the
-  // workers that need them), from the thread that produced them. The callback may keep the
+  // workers that need them), from the thread that produced them, after the role meter has
+  // counted that end (a peer's quick reply is counted after it). The callback may keep the
   // tensor; the run never reuses a buffer someone else still holds.
   std::vector<ObjectId> watched;
   std::function<void(ObjectId, const Tensor&)> on_produced;
@@ -229,6 +230,9 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // `scratch`: the most its kernel held (TaskRunCounters::scratch_peak_bytes; 0 when unknown).
   void FinishTask(int task, std::vector<Tensor>& outputs, std::vector<int>* ready,
                   int64_t scratch = 0);
+  // Whether a produced object is kept in its slot: something here reads it, or it is a graph
+  // output (else it is dropped once made, after its push when a peer reads it).
+  bool Kept(int object) const;
   // Releases one use of an object; frees it after its last use unless it is a graph output.
   // Returns whether it freed it.
   bool ReleaseObject(int object);

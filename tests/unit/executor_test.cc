@@ -289,6 +289,40 @@ TEST(ExecutorTest, LateInputsArriveDuringTheRunAndProducedObjectsAreHandedOut) {
   EXPECT_EQ(ToVector(result.outputs.at(g.z)), expected);
 }
 
+// A peer's reply to a pushed object can arrive before the pushing task's thread goes on: the
+// role meter still counts the task's end first (as the memory model does). `send` makes y from x
+// for a peer (nobody reads it here); the peer answers with r before on_produced returns; `recv`
+// makes z from r. Live: x + y while send runs, then r + z while recv runs: 512 bytes at most,
+// never x + y + r (768: the reply counted beside the task that caused it).
+TEST(ExecutorTest, AReplyToAPushedObjectIsCountedAfterTheTaskThatPushedIt) {
+  GraphBuilder builder(CpuRegistry());
+  const ObjectId x = builder.AddInput("x", F32({64}), ObjectRole::kActivation);
+  const ObjectId r = builder.AddInput("r", F32({64}), ObjectRole::kActivation);
+  const ObjectId y = (*builder.AddTask("send", "gelu_forward", {x}, {}))[0];
+  builder.MarkOutput((*builder.AddTask("recv", "gelu_forward", {r}, {}))[0]);
+  InProcessExecutor executor(CpuRegistry(), TwoThreads());
+  ASSERT_OK_AND_ASSIGN(PreparedGraph prepared, executor.Prepare(*builder.Build()));
+  std::promise<void> pushed;
+  std::promise<Status> replied;
+  std::thread peer([&] {
+    pushed.get_future().wait();
+    replied.set_value(executor.Provide(r, RandomTensor({64}, 2)));
+  });
+  RunHooks hooks;
+  hooks.late_inputs = {r};
+  hooks.watched = {y};
+  hooks.on_produced = [&](ObjectId id, const Tensor&) {
+    if (id != y) return;
+    pushed.set_value();
+    EXPECT_OK(replied.get_future().get());  // the reply is in before this thread goes on
+  };
+  ASSERT_OK_AND_ASSIGN(RunResult result,
+                       executor.Run(prepared, {{x, RandomTensor({64}, 1)}}, nullptr, &hooks));
+  peer.join();
+  EXPECT_EQ(result.stats.role_bytes.total_peak, 2 * 64 * 4);
+  EXPECT_EQ(result.stats.role_bytes[ObjectRole::kActivation], 2 * 64 * 4);
+}
+
 TEST(ExecutorTest, CancelEndsARunWaitingForAnInputThatNeverComes) {
   InProcessExecutor executor(CpuRegistry(), TwoThreads());
   SplitGraph g = MakeSplitGraph();
