@@ -1,52 +1,122 @@
 #include "core/sign_compression.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
-#include <vector>
 
 namespace tessera {
 namespace {
 
 constexpr int64_t kBitsPerWord = 32;
+// The server's sums are made a tile at a time (on the stack: no allocation per call).
+constexpr int64_t kTileElements = 2048;
+static_assert(kTileElements % kBitsPerWord == 0);
 
 // A chunk's elements that are the buffer's (the last chunk's tail is padding).
 int64_t RealElements(int64_t count, int64_t chunk, int index) {
   return std::clamp<int64_t>(count - chunk * index, 0, chunk);
 }
 
-// +scale where `bit` is set, else -scale, without a branch (the bits are random: a branch on
-// them mispredicts half the time): the scale's sign bit flipped where `bit` is clear.
-inline float Signed(uint32_t scale_bits, uint32_t bit) {
-  return std::bit_cast<float>(scale_bits ^ ((~bit & 1u) << 31));
+// +scale where bit `k` of `word` is set, else -scale. Written as a select of the whole word's
+// elements at once (the loops below run over a word's 32 elements with constant bounds, which
+// the compiler vectorises: a variable shift, a compare and a blend per lane).
+inline float Signed(float scale, uint32_t word, int64_t k) {
+  return ((word >> k) & 1u) != 0 ? scale : -scale;
 }
 
-// `values` (n real elements of a chunk) into `block`; `error` receives values - decoded.
-void Compress(const float* values, int64_t n, int64_t chunk, uint32_t* block, float* error) {
-  double squares = 0;
-  for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(values[i]) * values[i];
-  const auto scale = n > 0 ? static_cast<float>(std::sqrt(squares / static_cast<double>(n))) : 0.f;
-  const auto scale_bits = std::bit_cast<uint32_t>(scale);
-  block[0] = scale_bits;
-  uint32_t* words = block + 1;
-  std::fill(words, words + chunk / kBitsPerWord, 0u);
-  for (int64_t w = 0; w * kBitsPerWord < n; ++w) {
-    const int64_t begin = w * kBitsPerWord, end = std::min(n, begin + kBitsPerWord);
-    uint32_t word = 0;
-    for (int64_t i = begin; i < end; ++i) {
-      const auto bit = static_cast<uint32_t>(values[i] >= 0.f);
-      word |= bit << (i - begin);
-      error[i] = values[i] - Signed(scale_bits, bit);
+// The root mean square of n values: each square exact in double (a float's 24-bit significand
+// squared fits in 53 bits), summed in double in kSquareLanes partial sums (element i into
+// partial i % kSquareLanes, the partials then added in order), so that the sum is the same on
+// every CPU and compiler that follows IEEE double arithmetic (it is not the serial sum's bits).
+// When `addend` is given, values[i] += addend[i] first (the worker's error feedback, fused into
+// the same pass).
+float RootMeanSquare(float* values, const float* addend, int64_t n) {
+  if (n <= 0) return 0.f;
+  std::array<double, kSquareLanes> partial{};
+  const auto add_square = [&](int64_t i, int64_t l) {
+    if (addend != nullptr) values[i] = addend[i] + values[i];
+    const auto v = static_cast<double>(values[i]);
+    partial[static_cast<size_t>(l)] += v * v;
+  };
+  int64_t i = 0;
+  if (addend != nullptr) {
+    for (; i + kSquareLanes <= n; i += kSquareLanes) {
+      for (int64_t l = 0; l < kSquareLanes; ++l) {
+        values[i + l] = addend[i + l] + values[i + l];
+        const auto v = static_cast<double>(values[i + l]);
+        partial[static_cast<size_t>(l)] += v * v;
+      }
     }
-    words[w] = word;
+  } else {
+    for (; i + kSquareLanes <= n; i += kSquareLanes) {
+      for (int64_t l = 0; l < kSquareLanes; ++l) {
+        const auto v = static_cast<double>(values[i + l]);
+        partial[static_cast<size_t>(l)] += v * v;
+      }
+    }
   }
+  for (int64_t l = 0; i < n; ++i, ++l) add_square(i, l);
+  double squares = 0;
+  for (double p : partial) squares += p;
+  return static_cast<float>(std::sqrt(squares / static_cast<double>(n)));
 }
 
-// Elements [begin, end) of a compressed block added to `sums` (sums[i - begin]).
-void AddDecoded(const uint32_t* block, int64_t begin, int64_t end, float* sums) {
-  const uint32_t scale_bits = block[0];
-  for (int64_t i = begin; i < end; ++i) {
-    sums[i - begin] += Signed(scale_bits, block[1 + i / kBitsPerWord] >> (i % kBitsPerWord));
+// One word's signs of 32 values, each value replaced by what the compression drops (value -
+// +-scale).
+inline uint32_t PackWord(float* values, float scale) {
+  uint32_t word = 0;
+  for (int64_t k = 0; k < kBitsPerWord; ++k) {
+    const bool positive = values[k] >= 0.f;
+    word |= static_cast<uint32_t>(positive) << k;
+    values[k] -= positive ? scale : -scale;
+  }
+  return word;
+}
+
+// `values` (n real elements of a chunk; plus `addend`'s when given) compressed into `block`, in
+// place: each value becomes its error (value - decoded).
+void CompressInPlace(float* values, const float* addend, int64_t n, int64_t chunk,
+                     uint32_t* block) {
+  const float scale = RootMeanSquare(values, addend, n);
+  block[0] = std::bit_cast<uint32_t>(scale);
+  uint32_t* words = block + 1;
+  const int64_t whole = n / kBitsPerWord;
+  for (int64_t w = 0; w < whole; ++w) words[w] = PackWord(values + w * kBitsPerWord, scale);
+  std::fill(words + whole, words + chunk / kBitsPerWord, 0u);
+  uint32_t tail = 0;
+  for (int64_t i = whole * kBitsPerWord; i < n; ++i) {
+    const bool positive = values[i] >= 0.f;
+    tail |= static_cast<uint32_t>(positive) << (i % kBitsPerWord);
+    values[i] -= positive ? scale : -scale;
+  }
+  if (whole * kBitsPerWord < n) words[whole] = tail;
+}
+
+// Elements [begin, begin + n) of a block decoded: out[i] = decoded (assign) or += decoded (add).
+template <bool kAdd>
+void Decode(const uint32_t* block, int64_t begin, int64_t n, float* out) {
+  const float scale = std::bit_cast<float>(block[0]);
+  const uint32_t* words = block + 1 + begin / kBitsPerWord;  // begin: a whole number of words
+  const int64_t whole = n / kBitsPerWord;
+  for (int64_t w = 0; w < whole; ++w) {
+    const uint32_t word = words[w];
+    float* o = out + w * kBitsPerWord;
+    for (int64_t k = 0; k < kBitsPerWord; ++k) {
+      if constexpr (kAdd) {
+        o[k] += Signed(scale, word, k);
+      } else {
+        o[k] = Signed(scale, word, k);
+      }
+    }
+  }
+  for (int64_t i = whole * kBitsPerWord; i < n; ++i) {
+    const float v = Signed(scale, words[i / kBitsPerWord], i % kBitsPerWord);
+    if constexpr (kAdd) {
+      out[i] += v;
+    } else {
+      out[i] = v;
+    }
   }
 }
 
@@ -64,14 +134,11 @@ void CompressWorkerChunks(const float* buffer, int64_t count, int size, float* w
                           uint32_t* blocks) {
   const int64_t chunk = SignChunkElements(count, size);
   const int64_t words = SignBlockWords(chunk);
-  std::vector<float> corrected(static_cast<size_t>(chunk));
   for (int j = 0; j < size; ++j) {
     const int64_t begin = chunk * j;
     const int64_t n = RealElements(count, chunk, j);
-    for (int64_t i = 0; i < n; ++i) {
-      corrected[static_cast<size_t>(i)] = buffer[begin + i] + worker_error[begin + i];
-    }
-    Compress(corrected.data(), n, chunk, blocks + words * j, worker_error + begin);
+    // worker_error: the input with its error, then the new error.
+    CompressInPlace(worker_error + begin, buffer + begin, n, chunk, blocks + words * j);
   }
 }
 
@@ -80,18 +147,17 @@ void ServeSignChunk(const uint32_t* blocks, int ranks, int64_t count, int size, 
   const int64_t chunk = SignChunkElements(count, size);
   const int64_t words = SignBlockWords(chunk);
   const int64_t n = RealElements(count, chunk, index);
-  // Each element's sum over the ranks in rank order, a word's 32 elements at a time.
-  std::vector<float> average(static_cast<size_t>(chunk), 0.f);
-  for (int64_t begin = 0; begin < n; begin += kBitsPerWord) {
-    const int64_t end = std::min(n, begin + kBitsPerWord);
-    float* sums = average.data() + begin;
-    for (int r = 0; r < ranks; ++r) AddDecoded(blocks + words * r, begin, end, sums);
-    for (int64_t i = begin; i < end; ++i) {
-      average[static_cast<size_t>(i)] =
-          average[static_cast<size_t>(i)] / static_cast<float>(ranks) + server_error[i];
-    }
+  // Each element's sum over the ranks in rank order, a tile at a time; then / ranks, plus the
+  // server's error (held in server_error, compressed in place into the new error).
+  std::array<float, kTileElements> sums;
+  for (int64_t begin = 0; begin < n; begin += kTileElements) {
+    const int64_t m = std::min(kTileElements, n - begin);
+    std::fill_n(sums.begin(), m, 0.f);
+    for (int r = 0; r < ranks; ++r) Decode<true>(blocks + words * r, begin, m, sums.data());
+    float* average = server_error + begin;
+    for (int64_t i = 0; i < m; ++i) average[i] = sums[i] / static_cast<float>(ranks) + average[i];
   }
-  Compress(average.data(), n, chunk, out, server_error);
+  CompressInPlace(server_error, nullptr, n, chunk, out);
   std::fill(server_error + n, server_error + chunk, 0.f);
 }
 
@@ -99,11 +165,7 @@ void DecodeSignChunks(const uint32_t* blocks, int64_t count, int size, float* bu
   const int64_t chunk = SignChunkElements(count, size);
   const int64_t words = SignBlockWords(chunk);
   for (int j = 0; j < size; ++j) {
-    const int64_t begin = chunk * j;
-    const uint32_t* block = blocks + words * j;
-    for (int64_t i = 0, n = RealElements(count, chunk, j); i < n; ++i) {
-      buffer[begin + i] = Signed(block[0], block[1 + i / kBitsPerWord] >> (i % kBitsPerWord));
-    }
+    Decode<false>(blocks + words * j, 0, RealElements(count, chunk, j), buffer + chunk * j);
   }
 }
 

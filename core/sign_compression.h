@@ -8,12 +8,25 @@
 // DeepSpeed's scale), then one bit an element (set: the element is >= 0, -0 included), packed
 // 32 to a word, the padding's bits clear. Decoded, an element is +-scale by its bit.
 //
+// The scale's sum of squares is fixed to the bit, so that every rank and the one-member kernel
+// agree on every CPU: each square in double (exact), element i of the chunk added to partial sum
+// i % kSquareLanes in element order, the partials then added in lane order, the root of that
+// over the real elements' count rounded to f32. (Independent partial sums: the additions overlap
+// instead of waiting on one another; a serial sum would be a quarter of the speed.)
+//
+// The passes are loops over whole words the compiler vectorises, in place (no allocation): the
+// worker's half adds the error into worker_error, sums its squares, then packs the signs while
+// turning it into the new error; the server sums the ranks' decoded blocks a tile at a time.
+//
 // Thread safety: pure functions of their arguments.
 #pragma once
 
 #include <cstdint>
 
 namespace tessera {
+
+// The partial sums of a chunk's squares (above).
+inline constexpr int64_t kSquareLanes = 8;
 
 // count / size rounded up to a whole number of 32-bit words of signs; 0 for no elements.
 int64_t SignChunkElements(int64_t count, int size);

@@ -74,15 +74,20 @@ class Reference {
  private:
   static size_t Index(int64_t i) { return static_cast<size_t>(i); }
 
-  // Per chunk, +-the root mean square of its elements by each element's sign.
+  // Per chunk, +-the root mean square of its elements by each element's sign (its squares summed
+  // as core/sign_compression.h fixes).
   std::vector<float> Signs(const std::vector<float>& values) const {
     std::vector<float> out(values.size());
     for (int64_t begin = 0; begin < count_; begin += chunk_) {
       const int64_t end = std::min(count_, begin + chunk_);
-      double squares = 0;
+      // The squares' partial sums: element i of the chunk into partial i % kSquareLanes.
+      std::vector<double> partial(static_cast<size_t>(kSquareLanes), 0.0);
       for (int64_t i = begin; i < end; ++i) {
-        squares += static_cast<double>(values[Index(i)]) * values[Index(i)];
+        partial[Index((i - begin) % kSquareLanes)] +=
+            static_cast<double>(values[Index(i)]) * values[Index(i)];
       }
+      double squares = 0;
+      for (double p : partial) squares += p;
       const auto scale = static_cast<float>(std::sqrt(squares / static_cast<double>(end - begin)));
       for (int64_t i = begin; i < end; ++i) out[Index(i)] = values[Index(i)] >= 0 ? scale : -scale;
     }
