@@ -138,10 +138,14 @@ void StepStats::PrintSummary(int64_t steps, const char* rate, double items_per_s
   const double median = MedianStepMs();
   const std::string gpu_peak =
       gpu_peak_bytes_ > 0 ? fmt::format(" gpu_peak_mb={:.1f}", Megabytes(gpu_peak_bytes_)) : "";
-  std::printf("summary: steps=%lld step_ms_median=%.2f %s=%.0f final_loss=%.6f peak_mb=%.1f%s\n",
-              static_cast<long long>(steps), median, rate,
-              median > 0 ? items_per_step / (median / 1000.0) : 0.0, last_loss_,
-              Megabytes(peak_bytes_), gpu_peak.c_str());
+  double steps_ms = 0;
+  for (double ms : step_ms_) steps_ms += ms;
+  std::printf(
+      "summary: steps=%lld step_ms_median=%.2f %s=%.0f final_loss=%.6f peak_mb=%.1f%s "
+      "steps_s=%.3f\n",
+      static_cast<long long>(steps), median, rate,
+      median > 0 ? items_per_step / (median / 1000.0) : 0.0, last_loss_, Megabytes(peak_bytes_),
+      gpu_peak.c_str(), steps_ms / 1000.0);
 }
 
 // ---- Progress ----

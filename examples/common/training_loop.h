@@ -71,9 +71,11 @@ class StepStats {
   // Per rank on stdout: "worker rank R (workerN): peak params X MB, grads, optimizer (model
   // state), transient; sent Y MB/step".
   void PrintRanks() const;
-  // "summary: steps=N step_ms_median=X <rate>=Y final_loss=Z peak_mb=M [gpu_peak_mb=G]" on
-  // stdout: `rate` is "tokens_per_s" or "samples_per_s", `items_per_step` what one step
-  // processes.
+  // "summary: steps=N step_ms_median=X <rate>=Y final_loss=Z peak_mb=M [gpu_peak_mb=G]
+  // steps_s=S" on stdout: `rate` is "tokens_per_s" or "samples_per_s" (at the median step),
+  // `items_per_step` what one step processes; S the steps' times together, every one (a run's
+  // end-to-end training time: warm-up, plan switches and slow steps included; not the start,
+  // evaluations or checkpoints).
   void PrintSummary(int64_t steps, const char* rate, double items_per_step) const;
 
  private:

@@ -9,8 +9,10 @@
 //
 // Every step prints "step i/N loss X  T ms  K tok/s"; the run ends with one summary line
 //   summary: steps=N step_ms_median=X tokens_per_s=Y final_loss=Z peak_mb=M [gpu_peak_mb=G]
-// (peak_mb: the largest host-memory peak of the executor of any process that ran steps;
-// gpu_peak_mb, with --device cuda in this process: the largest GPU-memory peak of a step.)
+//            steps_s=S
+// (tokens_per_s: at the median step; peak_mb: the largest host-memory peak of the executor of
+// any process that ran steps; gpu_peak_mb, with --device cuda in this process: the largest
+// GPU-memory peak of a step; steps_s: every step's time together, the run end to end.)
 // Diagnostics go to stderr, so stdout stays easy to parse. The flags every example shares (the
 // plan, devices, checkpoints, recovery, traces) and the loop are examples/common's.
 #include <algorithm>

@@ -2,7 +2,7 @@
 // procedurally generated volumes (data/volumes.h: spheres and boxes in noise, made by this
 // program, no download). Prints the loss and the Dice score of each step's batch (hard Dice on
 // the argmax over classes 1..C-1), a held-out Dice at the end, and one summary line
-//   summary: steps=N step_ms_median=X samples_per_s=Y final_loss=Z peak_mb=M
+//   summary: steps=N step_ms_median=X samples_per_s=Y final_loss=Z peak_mb=M steps_s=S
 //
 //   train_unet3d                                   # tiny U-Net, this process
 //   train_unet3d --workers 4 --zero-stage 3        # a local cluster of 4 workers, ZeRO-3

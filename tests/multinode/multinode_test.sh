@@ -381,10 +381,14 @@ if [[ "$mode" == onebit ]]; then
       [[ -n "$val" ]] || fail "no validation loss in $out"
       last=$(grep -oE "^step [0-9]+/$long loss [0-9.]+" "$out" | tail -10 |
         awk '{ t += $4 } END { printf "%.4f", t / NR }')
+      # End to end: every step's time together (the summary's steps_s), warm-up included.
+      seconds=$(grep -oE "^summary: .* steps_s=[0-9.]+" "$out" | sed -E 's/.*steps_s=//')
+      [[ -n "$seconds" ]] || fail "no steps_s in the summary of $out"
       log "$long steps, $peer: validation loss $val, mean of the last 10 logged losses $last ($(grep -oE "^summary: .*" "$out"))"
-      echo "$peer $val $last" >>"$dir/long.tsv"
+      echo "$peer $val $last $seconds" >>"$dir/long.tsv"
     done
-    awk '{ v[$1] = $2; m[$1] = $3 } END {
+    awk '{ v[$1] = $2; m[$1] = $3; t[$1] = $4 } END {
+      if ("adamw" in t) for (p in t) if (p != "adamw") printf "end to end over the long run (every step, warm-up included): %s %.1f s against adamw %.1f s, %.2fx\n", p, t[p], t["adamw"], t["adamw"] / t[p]
       for (p in v) printf "%s: validation loss %.4f, mean of the last logged training losses %.4f\n", p, v[p], m[p]
       if (!("adamw" in v) || !("onebit-adam" in v)) exit
       printf "after the long run: validation loss adamw %.4f, onebit-adam %.4f (%+.2f%%), onebit-exact %.4f (onebit-adam %+.2f%% of it)\n", v["adamw"], v["onebit-adam"], 100 * (v["onebit-adam"] / v["adamw"] - 1), v["onebit-exact"], 100 * (v["onebit-adam"] / v["onebit-exact"] - 1)
