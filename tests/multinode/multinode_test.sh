@@ -341,7 +341,7 @@ if [[ "$mode" == onebit ]]; then
   awk '{ ms[$2] = ms[$2] " " $3 } END { for (o in ms) print o ":" ms[o] }' "$dir/onebit.tsv" &&
   awk '{ n[$2]++; s[$2] += $3; if ($5 != "-") e[$2] += $5; if (NF >= 6) u[$2] += $6 }
     END {
-      for (p in n) if (NF >= 6 && p != "adamw" && p != "onebit-adam" && p != "zero-one-adam") printf "%s: mean of the rounds'"'"' means %.1f ms, all steps %.0f ms a run\n", p, u[p] / n[p], e[p] / n[p]
+      for (p in u) if (p != "adamw" && p != "onebit-adam" && p != "zero-one-adam") printf "%s: mean of the rounds'"'"' means %.1f ms, all steps %.0f ms a run\n", p, u[p] / n[p], e[p] / n[p]
       if (n["adamw"] == 0 || n["onebit-adam"] == 0) exit
       a = s["adamw"] / n["adamw"]; o = s["onebit-adam"] / n["onebit-adam"]
       printf "mean of the rounds'"'"' medians: adamw %.1f ms, onebit-adam %.1f ms, ratio %.2fx; end to end (all steps): %.2fx\n", a, o, a / o, e["adamw"] / e["onebit-adam"]
