@@ -29,32 +29,20 @@ inline float Signed(float scale, uint32_t word, int64_t k) {
 // squared fits in 53 bits), summed in double in kSquareLanes partial sums (element i into
 // partial i % kSquareLanes, the partials then added in order), so that the sum is the same on
 // every CPU and compiler that follows IEEE double arithmetic (it is not the serial sum's bits).
-// When `addend` is given, values[i] += addend[i] first (the worker's error feedback, fused into
+// With kAdd, values[i] = addend[i] + values[i] first (the worker's error feedback, fused into
 // the same pass).
+template <bool kAdd>
 float RootMeanSquare(float* values, const float* addend, int64_t n) {
   if (n <= 0) return 0.f;
   std::array<double, kSquareLanes> partial{};
   const auto add_square = [&](int64_t i, int64_t l) {
-    if (addend != nullptr) values[i] = addend[i] + values[i];
+    if constexpr (kAdd) values[i] = addend[i] + values[i];
     const auto v = static_cast<double>(values[i]);
     partial[static_cast<size_t>(l)] += v * v;
   };
   int64_t i = 0;
-  if (addend != nullptr) {
-    for (; i + kSquareLanes <= n; i += kSquareLanes) {
-      for (int64_t l = 0; l < kSquareLanes; ++l) {
-        values[i + l] = addend[i + l] + values[i + l];
-        const auto v = static_cast<double>(values[i + l]);
-        partial[static_cast<size_t>(l)] += v * v;
-      }
-    }
-  } else {
-    for (; i + kSquareLanes <= n; i += kSquareLanes) {
-      for (int64_t l = 0; l < kSquareLanes; ++l) {
-        const auto v = static_cast<double>(values[i + l]);
-        partial[static_cast<size_t>(l)] += v * v;
-      }
-    }
+  for (; i + kSquareLanes <= n; i += kSquareLanes) {
+    for (int64_t l = 0; l < kSquareLanes; ++l) add_square(i + l, l);
   }
   for (int64_t l = 0; i < n; ++i, ++l) add_square(i, l);
   double squares = 0;
@@ -78,7 +66,8 @@ inline uint32_t PackWord(float* values, float scale) {
 // place: each value becomes its error (value - decoded).
 void CompressInPlace(float* values, const float* addend, int64_t n, int64_t chunk,
                      uint32_t* block) {
-  const float scale = RootMeanSquare(values, addend, n);
+  const float scale = addend != nullptr ? RootMeanSquare<true>(values, addend, n)
+                                        : RootMeanSquare<false>(values, nullptr, n);
   block[0] = std::bit_cast<uint32_t>(scale);
   uint32_t* words = block + 1;
   const int64_t whole = n / kBitsPerWord;
