@@ -26,7 +26,9 @@
 //     options: ["Compression=no"]     # more `-o` options
 //   setup_commands: ["mkdir -p /data"]  # run on every host (head and nodes) before starting
 //   env: {TESSERA_LOG_LEVEL: info}      # set for every process the launcher starts
-//   tessera_binary: /opt/tessera/bin/tessera   # on the hosts; default `tessera` from $PATH
+//   tessera_binary: /opt/tessera/bin/tessera   # on the hosts; default: the path `tessera up`
+//                                     # runs from, where it exists on the host, else `tessera`
+//                                     # on its PATH
 //   session_root: /tmp/tessera        # where each host keeps its session dir
 //   join_timeout_s: 60                # how long `up` waits for every worker to join
 //
@@ -80,7 +82,7 @@ struct ClusterSpec {
   SshSettings ssh;
   std::vector<std::string> setup_commands;
   EnvironmentMap env;
-  std::string tessera_binary = "tessera";
+  std::string tessera_binary;  // empty: found on each host (FindTesseraScript)
   std::string session_root = "/tmp/tessera";
   int join_timeout_s = 60;
 

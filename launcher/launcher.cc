@@ -33,6 +33,9 @@ std::string DescribeOutcome(const CommandOutcome& outcome) {
   return tail.empty() ? how : how + ": " + tail;
 }
 
+// Where FindTesseraScript leaves the program.
+constexpr const char* kTessera = "\"$TESSERA_PROGRAM\"";
+
 // A pgrep/pkill pattern for the processes whose command line names `dir`, which does not match
 // the shell running it: its first character is written as a bracket expression, so the
 // pattern's own text ("[/]tmp/...") never contains what it matches ("/tmp/...").
@@ -54,6 +57,22 @@ std::string ShellQuote(const std::string& word) {
     }
   }
   return quoted + "'";
+}
+
+std::string FindTesseraScript(const std::string& named, const std::string& own) {
+  if (!named.empty()) return "TESSERA_PROGRAM=" + ShellQuote(named) + "; ";
+  const std::string where = own.empty() ? std::string("tessera: not found on PATH on ")
+                                        : "tessera: not found at " + own +
+                                              " (where `tessera up` runs from) nor on PATH on ";
+  const std::string fix =
+      "; install it there, or name it with tessera_binary in the cluster file or "
+      "--tessera-binary";
+  std::string script;
+  if (!own.empty()) {
+    script = "TESSERA_PROGRAM=" + ShellQuote(own) + "; [ -x \"$TESSERA_PROGRAM\" ] || ";
+  }
+  return script + "TESSERA_PROGRAM=$(command -v tessera) || { echo " + ShellQuote(where) +
+         "\"$(hostname)\"" + ShellQuote(fix) + " >&2; exit 127; }; ";
 }
 
 std::string Tail(const std::string& text, size_t max_chars) {
@@ -110,8 +129,17 @@ Result<ClusterState> Launcher::ReadState() const {
     return DataLoss("the state file {} is damaged; remove it (and stop the cluster by hand)",
                     StatePath());
   }
-  return ClusterState{json["address"].get<std::string>(),
-                      json["head_session_dir"].get<std::string>()};
+  ClusterState state{json["address"].get<std::string>(),
+                     json["head_session_dir"].get<std::string>(), ""};
+  // Absent in the state of a cluster started by an older launcher.
+  if (json.contains("dashboard") && json["dashboard"].is_string()) {
+    state.dashboard = json["dashboard"].get<std::string>();
+  }
+  return state;
+}
+
+std::string Launcher::FindTessera() const {
+  return FindTesseraScript(spec_.tessera_binary, options_.launcher_binary);
 }
 
 std::string Launcher::Environment(const EnvironmentMap& extra) const {
@@ -142,10 +170,10 @@ Result<std::string> Launcher::StartHead(ClusterState& state) {
   }
   state.address = fmt::format("{}:{}", host, spec_.head.port);
   state.head_session_dir = spec_.HeadSessionDir();
-  const std::string start = Environment({}) + "mkdir -p " + ShellQuote(spec_.session_root) +
-                            " && " + ShellQuote(spec_.tessera_binary) + " start --head --host " +
-                            ShellQuote(host) + " --port " + std::to_string(spec_.head.port) +
-                            " --session-dir " + ShellQuote(state.head_session_dir);
+  const std::string start =
+      Environment({}) + FindTessera() + "mkdir -p " + ShellQuote(spec_.session_root) + " && " +
+      kTessera + " start --head --host " + ShellQuote(host) + " --port " +
+      std::to_string(spec_.head.port) + " --session-dir " + ShellQuote(state.head_session_dir);
   Result<CommandOutcome> started =
       shell_.Run(host, spec_.ssh.user, start, "", static_cast<int>(options_.command_timeout_ms));
   if (!started.ok()) return started.status().WithContext("starting the head");
@@ -161,6 +189,16 @@ Result<std::string> Launcher::StartHead(ClusterState& state) {
     return Unavailable("cannot read the cluster token {} on {} ({})",
                        state.head_session_dir + "/token", host, DescribeOutcome(*token));
   }
+  // The dashboard's HOST:PORT, written by the scheduler before it answered `start` (none when
+  // it serves no dashboard).
+  Result<CommandOutcome> dashboard = shell_.Run(
+      host, spec_.ssh.user,
+      "cat " + ShellQuote(state.head_session_dir + "/dashboard.address") + " 2>/dev/null || true",
+      "", static_cast<int>(options_.command_timeout_ms));
+  if (dashboard.ok() && dashboard->exit_code == 0) {
+    state.dashboard = Tail(dashboard->output, 256);
+    if (state.dashboard.find_first_of(" |") != std::string::npos) state.dashboard.clear();
+  }
   std::error_code error;
   std::filesystem::create_directories(options_.state_dir, error);
   ::chmod(options_.state_dir.c_str(), 0700);
@@ -169,7 +207,8 @@ Result<std::string> Launcher::StartHead(ClusterState& state) {
                                {"file", spec_.file},
                                {"address", state.address},
                                {"head", host},
-                               {"head_session_dir", state.head_session_dir}};
+                               {"head_session_dir", state.head_session_dir},
+                               {"dashboard", state.dashboard}};
   TESSERA_RETURN_IF_ERROR(WriteFileAtomically(StatePath(), json.dump(2) + "\n", 0600));
   return text;
 }
@@ -189,10 +228,10 @@ HostReport Launcher::StartNode(const NodeSpec& node, int missing, const std::str
   }
   const std::string dir = spec_.NodeSessionDir(node);
   const std::string token_file = dir + "/token";
-  std::string command = Environment(node.env) + "umask 077 && mkdir -p " + ShellQuote(dir) +
-                        " && cat > " + ShellQuote(token_file) + " && " +
-                        ShellQuote(spec_.tessera_binary) + " start --address " +
-                        ShellQuote(address) + " --token-file " + ShellQuote(token_file);
+  std::string command = Environment(node.env) + FindTessera() + "umask 077 && mkdir -p " +
+                        ShellQuote(dir) + " && cat > " + ShellQuote(token_file) + " && " +
+                        kTessera + " start --address " + ShellQuote(address) + " --token-file " +
+                        ShellQuote(token_file);
   std::vector<std::string> starts;
   if (missing > 0) {
     starts.push_back(command + " --cpu-workers " + std::to_string(missing) + " --threads " +
@@ -239,6 +278,7 @@ Result<LaunchReport> Launcher::Up() {
   }
   report.address = state.address;
   report.token_file = TokenPath();
+  report.dashboard = state.dashboard;
   report.hosts.push_back(head);
 
   // The head answered `start` only once it listened, but give a restarted one a moment.
@@ -328,8 +368,8 @@ Result<LaunchReport> Launcher::Down() {
   if (state.ok()) {
     report.address = state->address;
     // Ask the scheduler to stop everything first: workers leave cleanly.
-    const std::string stop = Environment({}) + ShellQuote(spec_.tessera_binary) +
-                             " stop --address " + ShellQuote(state->address) + " --token-file " +
+    const std::string stop = Environment({}) + FindTessera() + kTessera + " stop --address " +
+                             ShellQuote(state->address) + " --token-file " +
                              ShellQuote(state->head_session_dir + "/token");
     Result<CommandOutcome> stopped = shell_.Run(spec_.head.address, spec_.ssh.user, stop, "",
                                                 static_cast<int>(options_.command_timeout_ms));
@@ -374,6 +414,7 @@ Result<LaunchReport> Launcher::Attach() {
   LaunchReport report;
   report.address = state.address;
   report.token_file = TokenPath();
+  report.dashboard = state.dashboard;
   report.hosts.push_back({spec_.head.address, "head", 0, 0, true, "running"});
   for (const NodeSpec& node : spec_.nodes) {
     const int joined = (*alive)[node.address];

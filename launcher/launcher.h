@@ -92,6 +92,7 @@ struct HostReport {
 struct LaunchReport {
   std::string address;     // the scheduler's HOST:PORT
   std::string token_file;  // the local copy of the token (for drivers on this machine)
+  std::string dashboard;   // the dashboard's HOST:PORT; empty when none
   std::vector<HostReport> hosts;
   bool ok() const;
   // A table: one row per host.
@@ -102,6 +103,7 @@ struct LaunchReport {
 struct ClusterState {
   std::string address;
   std::string head_session_dir;
+  std::string dashboard;  // the dashboard's HOST:PORT; empty when the scheduler serves none
 };
 
 struct LauncherOptions {
@@ -109,6 +111,10 @@ struct LauncherOptions {
   int64_t poll_ms = 250;                 // between probes while waiting for workers
   int64_t command_timeout_ms = 120'000;  // any one remote command (setup, start)
   int64_t stop_grace_ms = 5'000;         // SIGTERM to SIGKILL in `down`
+  // The tessera program running this launcher (absolute), tried first on every host when the
+  // cluster file names no tessera_binary (hosts installed alike, or sharing a file system);
+  // empty: only `tessera` on the host's PATH.
+  std::string launcher_binary;
 };
 
 class Launcher {
@@ -143,6 +149,8 @@ class Launcher {
   HostReport StopHost(const std::string& host, const std::string& user,
                       const std::string& session_dir, const std::string& role);
   std::string Environment(const EnvironmentMap& extra) const;
+  // FindTesseraScript for this cluster: the commands that run tessera start with it.
+  std::string FindTessera() const;
   Result<CommandOutcome> Setup(const std::string& host, const std::string& user,
                                const EnvironmentMap& extra);
 
@@ -155,6 +163,12 @@ class Launcher {
 
 // Quotes `word` for a POSIX shell ('...' with embedded quotes escaped).
 std::string ShellQuote(const std::string& word);
+
+// POSIX shell text that sets $TESSERA_PROGRAM to the tessera program on the host it runs on:
+// `named` when the cluster file names one (tessera_binary, --tessera-binary); else `own` (the
+// launcher's own path) when it is executable there, else `tessera` on PATH; else it prints what
+// it looked for and how to fix it, and exits 127. Ends with "; ".
+std::string FindTesseraScript(const std::string& named, const std::string& own);
 
 // The end of `text`: its last `max_chars` characters, trimmed, newlines as " | ".
 std::string Tail(const std::string& text, size_t max_chars = 400);

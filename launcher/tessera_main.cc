@@ -319,6 +319,15 @@ std::string DefaultStateDir() {
                                           : std::string(tessera::kSessionRoot) + "/clusters";
 }
 
+// "dashboard: http://HOST:PORT/?token=..." for a launched cluster with a dashboard, else "".
+std::string DashboardLine(const tessera::launcher::LaunchReport& report) {
+  if (report.dashboard.empty()) return std::string();
+  Result<std::string> token = tessera::ReadFileTrimmed(report.token_file);
+  // The token in the URL is exchanged for a cookie on the first visit.
+  return "dashboard: http://" + report.dashboard + "/" +
+         (token.ok() ? "?token=" + *token : std::string()) + "\n";
+}
+
 // Runs `action` on a Launcher for the flags' cluster file, with ssh and the scheduler probe.
 int WithLauncher(const ClusterFileFlags& flags,
                  const std::function<int(tessera::launcher::Launcher&,
@@ -331,6 +340,8 @@ int WithLauncher(const ClusterFileFlags& flags,
   if (!flags.tessera_binary.empty()) spec->tessera_binary = flags.tessera_binary;
   launcher::LauncherOptions options;
   options.state_dir = flags.state_dir.empty() ? DefaultStateDir() : flags.state_dir;
+  std::error_code no_path;  // no /proc: only `tessera` on each host's PATH
+  options.launcher_binary = std::filesystem::read_symlink("/proc/self/exe", no_path).string();
   std::error_code error;
   std::filesystem::create_directories(options.state_dir, error);
   launcher::SshShell shell({.ssh = spec->ssh, .known_hosts = options.state_dir + "/known_hosts"});
@@ -350,8 +361,8 @@ int Up(const ClusterFileFlags& flags) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::printf("Tessera cluster '%s' at %s (%.1f s)\n%s", spec.name.c_str(),
                 report->address.c_str(), seconds, report->Table().c_str());
-    std::printf("Drivers: train_gpt2 --address %s --token-file %s ...\n", report->address.c_str(),
-                report->token_file.c_str());
+    std::printf("Drivers: train_gpt2 --address %s --token-file %s ...\n%s", report->address.c_str(),
+                report->token_file.c_str(), DashboardLine(*report).c_str());
     if (!report->ok()) {
       std::fprintf(stderr,
                    "tessera: error: some nodes did not come up (above); fix them and run "
@@ -388,8 +399,9 @@ int Attach(const ClusterFileFlags& flags) {
         // Lines a shell can eval; the table goes to stderr so `eval "$(tessera attach F)"` works.
         std::printf("export TESSERA_ADDRESS=%s\nexport TESSERA_TOKEN_FILE=%s\n",
                     report->address.c_str(), report->token_file.c_str());
-        std::fprintf(stderr, "%s# train_gpt2 --address \"$TESSERA_ADDRESS\" ...\n",
-                     report->Table().c_str());
+        const std::string dashboard = DashboardLine(*report);
+        std::fprintf(stderr, "%s# train_gpt2 --address \"$TESSERA_ADDRESS\" ...\n%s%s",
+                     report->Table().c_str(), dashboard.empty() ? "" : "# ", dashboard.c_str());
         if (flags.status) return ShowStatus(report->address, report->token_file);
         return 0;
       });

@@ -5,7 +5,9 @@
 # cluster is brought up with `tessera up` from a YAML file over ssh, exactly as on real hosts.
 #
 #   multinode_test.sh train        GPT-2 tiny, ZeRO-3 on 3 hosts over TCP, matches 1 worker;
-#                                  `tessera down` leaves no process in any namespace
+#                                  `tessera down` leaves no process in any namespace; then the
+#                                  same hosts from a hostfile without tessera_binary (found where
+#                                  `tessera up` runs), the dashboard URL printed by up and attach
 #   multinode_test.sh link_down    a host's link goes down mid-training: the driver fails
 #                                  naming that host, within the heartbeat bound; nothing hangs
 #   multinode_test.sh kill_worker  a host's worker is SIGKILLed mid-training: the same
@@ -83,7 +85,7 @@ cleanup() {
       [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
     done
   fi
-  rm -rf "$dir"
+  rm -rf "$dir" /tmp/tessera/mn-hosts-*  # the hostfile cluster's sessions (the default root)
   log "cleaned up; $mode took $(elapsed "$started") s"
   exit $code
 }
@@ -240,6 +242,30 @@ if [[ "$mode" == train ]]; then
     fail "tessera up touched the running hosts: $(cat "$dir/up3.out")"
   log "an unreachable node is reported: $(grep "$subnet.9" "$dir/up3.out")"
   down_and_check
+  # A DeepSpeed-style hostfile, ssh from the command line, no tessera_binary: every host runs
+  # tessera from where `tessera up` runs; up and attach print the dashboard's URL.
+  for i in "${hosts[@]}"; do echo "$subnet.$i slots=1"; done >"$dir/mn-hosts"
+  ssh_flags=(--ssh-user root --ssh-key "$dir/id" --state-dir "$state")
+  timeout 90 "${tessera[@]}" up "$dir/mn-hosts" "${ssh_flags[@]}" >"$dir/hosts-up.out" 2>&1 ||
+    fail "tessera up of a hostfile failed: $(cat "$dir/hosts-up.out")"
+  [[ $(grep -c "ok: started 1" "$dir/hosts-up.out") -eq ${#hosts[@]} ]] ||
+    fail "tessera up of a hostfile did not start every host: $(cat "$dir/hosts-up.out")"
+  grep -qE "^dashboard: http://$subnet.1:[0-9]+/\?token=[0-9a-f]+$" "$dir/hosts-up.out" ||
+    fail "tessera up printed no dashboard URL: $(cat "$dir/hosts-up.out")"
+  eval "$("${tessera[@]}" attach "$dir/mn-hosts" "${ssh_flags[@]}" 2>"$dir/hosts-attach.err")"
+  grep -qE "^# dashboard: http://$subnet.1:[0-9]+/" "$dir/hosts-attach.err" ||
+    fail "tessera attach printed no dashboard URL: $(cat "$dir/hosts-attach.err")"
+  status=$(timeout 20 "${tessera[@]}" status --address "$TESSERA_ADDRESS" --token-file "$TESSERA_TOKEN_FILE")
+  for i in "${hosts[@]}"; do
+    grep -q "node $(ns_of "$i"): 1 of 1 workers alive" <<<"$status" || fail "status: $status"
+  done
+  log "a hostfile without tessera_binary: $(grep -c "ok: started 1" "$dir/hosts-up.out") hosts up; $(grep "^dashboard" "$dir/hosts-up.out" | cut -d'?' -f1)"
+  timeout 60 "${tessera[@]}" down "$dir/mn-hosts" "${ssh_flags[@]}" >"$dir/hosts-down.out" 2>&1 ||
+    fail "tessera down of the hostfile failed: $(cat "$dir/hosts-down.out")"
+  for i in "${hosts[@]}"; do
+    left=$(tessera_pids_in "$i")
+    [[ -z "$left" ]] || fail "tessera processes left in $(ns_of "$i"): $left"
+  done
   exit 0
 fi
 

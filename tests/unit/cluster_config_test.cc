@@ -70,7 +70,7 @@ TEST(ClusterConfigTest, DefaultsAndNameFromFile) {
   EXPECT_EQ(spec->name, "small");
   EXPECT_EQ(spec->head.port, 6380);
   EXPECT_EQ(spec->nodes[0].workers, 1);
-  EXPECT_EQ(spec->tessera_binary, "tessera");
+  EXPECT_EQ(spec->tessera_binary, "");  // found on each host (FindTesseraScript)
   EXPECT_EQ(spec->ssh.port, 22);
 }
 

@@ -39,6 +39,9 @@ class FakeCluster final : public RemoteShell, public ClusterProbe, public Launch
       token = "t0k3n";
       return CommandOutcome{0, "Tessera scheduler started\n"};
     }
+    if (command.starts_with("cat ") && command.find("dashboard.address") != std::string::npos) {
+      return CommandOutcome{0, dashboard.empty() ? "" : dashboard + "\n"};
+    }
     if (command.starts_with("cat ")) return CommandOutcome{0, token + "\n"};
     if (command.find("--cpu-workers") != std::string::npos) {
       if (input != token + "\n") return CommandOutcome{1, "invalid cluster token\n"};
@@ -94,6 +97,7 @@ class FakeCluster final : public RemoteShell, public ClusterProbe, public Launch
   std::vector<Call> calls;
   bool head_running = false;
   std::string token;
+  std::string dashboard = "10.0.0.1:8265";  // what the head's dashboard.address holds
   std::map<std::string, int> alive;
   std::set<std::string> unreachable, failing_setup, broken_binary, silent, stuck;
   int probes = 0;
@@ -141,7 +145,9 @@ TEST_F(LauncherTest, UpStartsHeadThenEveryNodesWorkers) {
   std::vector<Call> head = fake_.CallsWith("start --head");
   ASSERT_EQ(head.size(), 1u);
   EXPECT_EQ(head[0].host, "10.0.0.1");
-  EXPECT_NE(head[0].command.find("'/opt/bin/tessera' start --head --host '10.0.0.1' --port 7000 "
+  EXPECT_NE(head[0].command.find("TESSERA_PROGRAM='/opt/bin/tessera'; "), std::string::npos)
+      << head[0].command;
+  EXPECT_NE(head[0].command.find("\"$TESSERA_PROGRAM\" start --head --host '10.0.0.1' --port 7000 "
                                  "--session-dir '/tmp/tessera/three-head'"),
             std::string::npos)
       << head[0].command;
@@ -328,10 +334,92 @@ TEST_F(LauncherTest, AttachSaysWhereOrWhyNot) {
   ASSERT_TRUE(report.ok()) << report.status().ToString();
   EXPECT_EQ(report->address, "10.0.0.1:7000");
   EXPECT_EQ(report->token_file, launcher.TokenPath());
+  EXPECT_EQ(report->dashboard, "10.0.0.1:8265");  // kept in the state file by `up`
   fake_.head_running = false;
   Result<LaunchReport> gone = launcher.Attach();
   ASSERT_FALSE(gone.ok());
   EXPECT_NE(gone.status().message().find("is not answering"), std::string::npos);
+}
+
+// `up` reads the dashboard's address the head wrote and reports it (tessera up and attach print
+// its URL); a head without a dashboard reports none.
+TEST_F(LauncherTest, UpReportsTheHeadsDashboard) {
+  {
+    Launcher launcher = Make();
+    Result<LaunchReport> report = launcher.Up();
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(report->dashboard, "10.0.0.1:8265");
+    EXPECT_EQ(fake_.CallsWith("dashboard.address").size(), 1u);
+    ASSERT_TRUE(launcher.Down().ok());
+  }
+  fake_.dashboard.clear();
+  Launcher launcher = Make();
+  Result<LaunchReport> report = launcher.Up();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->dashboard, "");
+}
+
+// Without tessera_binary, every command finds tessera on its host: the launcher's own path
+// first, then PATH.
+TEST_F(LauncherTest, WithoutATesseraBinaryTheHostsLookWhereTheLauncherIs) {
+  spec_.tessera_binary.clear();
+  Launcher launcher(spec_, {.state_dir = state_dir_, .launcher_binary = "/opt/t/bin/tessera"},
+                    fake_, fake_, fake_);
+  ASSERT_TRUE(launcher.Up().ok());
+  ASSERT_TRUE(launcher.Down().ok());
+  for (const char* what : {"start --head", "--cpu-workers", " stop --address"}) {
+    std::vector<Call> calls = fake_.CallsWith(what);
+    ASSERT_FALSE(calls.empty()) << what;
+    for (const Call& call : calls) {
+      EXPECT_NE(call.command.find(FindTesseraScript("", "/opt/t/bin/tessera")), std::string::npos)
+          << call.command;
+    }
+  }
+}
+
+// The script, run by a real shell: the named program; else the launcher's path where it is
+// executable; else `tessera` on PATH; else exit 127 naming where it looked and the fix.
+TEST(FindTesseraScriptTest, NamedThenOwnPathThenPathElseAClearError) {
+  const std::string dir = testing::TempPath("find_tessera");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/own");
+  std::filesystem::create_directories(dir + "/path");
+  const std::string own = dir + "/own/tessera";
+  const std::string on_path = dir + "/path/tessera";
+  ASSERT_TRUE(WriteFileAtomically(on_path, "#!/bin/sh\n", 0755).ok());
+  const auto run = [&](const std::string& named, const std::string& launcher,
+                       const std::string& path) {
+    return RunCapturing({"/usr/bin/env", "PATH=" + path, "/bin/sh", "-c",
+                         FindTesseraScript(named, launcher) + "echo \"$TESSERA_PROGRAM\""},
+                        "", 10'000);
+  };
+  Result<CommandOutcome> named = run("/x/y/tessera", own, dir + "/path");
+  ASSERT_TRUE(named.ok());
+  EXPECT_EQ(named->output, "/x/y/tessera\n");
+  Result<CommandOutcome> from_path = run("", own, dir + "/path:/usr/bin:/bin");
+  ASSERT_TRUE(from_path.ok());
+  EXPECT_EQ(from_path->exit_code, 0) << from_path->output;
+  EXPECT_EQ(from_path->output, on_path + "\n");
+  ASSERT_TRUE(WriteFileAtomically(own, "#!/bin/sh\n", 0755).ok());
+  Result<CommandOutcome> from_own = run("", own, dir + "/path:/usr/bin:/bin");
+  ASSERT_TRUE(from_own.ok());
+  EXPECT_EQ(from_own->output, own + "\n");
+  std::filesystem::remove(own);
+  Result<CommandOutcome> nowhere = run("", own, "/usr/bin:/bin");
+  ASSERT_TRUE(nowhere.ok());
+  EXPECT_EQ(nowhere->exit_code, 127);
+  EXPECT_NE(nowhere->output.find("tessera: not found at " + own +
+                                 " (where `tessera up` runs from) nor on PATH on "),
+            std::string::npos)
+      << nowhere->output;
+  EXPECT_NE(nowhere->output.find("name it with tessera_binary in the cluster file or "
+                                 "--tessera-binary"),
+            std::string::npos);
+  Result<CommandOutcome> no_launcher = run("", "", "/usr/bin:/bin");
+  ASSERT_TRUE(no_launcher.ok());
+  EXPECT_EQ(no_launcher->exit_code, 127);
+  EXPECT_NE(no_launcher->output.find("tessera: not found on PATH on "), std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ShellQuoteTest, QuotesForPosixShells) {
