@@ -2,31 +2,46 @@
 # Installs the Debian 12 packages Tessera builds and tests with. Idempotent: packages already
 # present are skipped, and apt-get runs only when something is missing.
 #   scripts/install_deps.sh            build and test dependencies
+#   scripts/install_deps.sh --main     only what building and running the drivers needs (the
+#                                      README's first command, scripts/train.sh)
 #   scripts/install_deps.sh --bench    also PyTorch (CPU) for the side-by-side benchmarks
 set -euo pipefail
 
+mode="${1:-}"
+case "$mode" in
+  "" | --main | --bench) ;;
+  *) echo "install_deps: unknown option '$mode' (--main or --bench)" >&2; exit 2 ;;
+esac
+
+# What the library, the tessera binary and the example drivers build with.
 packages=(
-  build-essential cmake ninja-build ccache pkg-config git clang-format
-  # Clang for the sanitizer builds (with the thread-safety analysis) and clang-tidy. Version 15:
-  # Debian 12's default (14) lacks the builtin behind libstdc++ 12's std::source_location
-  #, and 16 rejects Cap'n Proto 0.9's headers in C++20.
-  clang-15 clang-tidy-15
-  llvm-15  # llvm-symbolizer: sanitizer reports name functions (and suppressions can match them)
-  libfuzzer-15-dev  # libFuzzer for the fuzz targets (scripts/fuzz.sh)
+  build-essential cmake ninja-build ccache pkg-config git
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev
-  openssh-client openssh-server iproute2 procps  # the launcher (ssh) and the multinode tests
-  chromium  # the dashboard's browser test (tests/browser)
+  procps  # pgrep/pkill: tessera stop and down
 )
-# Node.js and npm for the same test, from Debian unless a node with its own npm is there already
-# (NodeSource's nodejs bundles npm and conflicts with Debian's npm package).
-if ! command -v npm >/dev/null; then
-  packages+=(nodejs npm)
+if [[ "$mode" != --main ]]; then
+  packages+=(
+    clang-format
+    # Clang for the sanitizer builds (with the thread-safety analysis) and clang-tidy. Version
+    # 15: Debian 12's default (14) lacks the builtin behind libstdc++ 12's
+    # std::source_location, and 16 rejects Cap'n Proto 0.9's headers in C++20.
+    clang-15 clang-tidy-15
+    llvm-15  # llvm-symbolizer: sanitizer reports name functions (and suppressions can match them)
+    libfuzzer-15-dev  # libFuzzer for the fuzz targets (scripts/fuzz.sh)
+    libgtest-dev libgmock-dev libbenchmark-dev
+    openssh-client openssh-server iproute2  # the launcher (ssh) and the multinode tests
+    chromium  # the dashboard's browser test (tests/browser)
+  )
+  # Node.js and npm for the same test, from Debian unless a node with its own npm is there
+  # already (NodeSource's nodejs bundles npm and conflicts with Debian's npm package).
+  if ! command -v npm >/dev/null; then
+    packages+=(nodejs npm)
+  fi
 fi
-if [[ "${1:-}" == "--bench" ]]; then
+if [[ "$mode" == --bench ]]; then
   packages+=(python3-torch)
 fi
 
@@ -41,7 +56,7 @@ done
 install_playwright() {
   local dir
   dir="$(cd "$(dirname "$0")/../tests/browser" && pwd)"
-  if [[ -d "$dir/node_modules/playwright-core" ]]; then return 0; fi
+  if [[ "$mode" == --main || -d "$dir/node_modules/playwright-core" ]]; then return 0; fi
   if ! command -v npm >/dev/null; then return 0; fi
   (cd "$dir" && npm ci --no-audit --no-fund) ||
     echo "install_deps: npm could not install playwright-core; the browser test will skip" >&2

@@ -9,8 +9,8 @@
 #   scripts/train.sh --in-process                    # one process, no cluster
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install_deps.sh
-scripts/build.sh
+scripts/install_deps.sh --main
+scripts/build.sh --main
 plan=(--workers 2 --zero-stage 2)
 for arg in "$@"; do
   case "$arg" in
