@@ -52,6 +52,7 @@ class Session {
   Result<std::unique_ptr<GraphBackend>> MakeBackend();
   // Null in process.
   Cluster* cluster() const { return cluster_.get(); }
+  const Settings& settings() const { return runtime_.settings; }
   ClusterPlacement placement() const;
   // A connected cluster's scheduler came back (restarted by its supervisor): drops the old
   // Cluster and connects again for up to retry_ms. The error names the address.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -140,12 +141,14 @@ void StepStats::PrintSummary(int64_t steps, const char* rate, double items_per_s
       gpu_peak_bytes_ > 0 ? fmt::format(" gpu_peak_mb={:.1f}", Megabytes(gpu_peak_bytes_)) : "";
   double steps_ms = 0;
   for (double ms : step_ms_) steps_ms += ms;
+  const std::string spilled =
+      spilled_bytes_ ? fmt::format(" spilled_mb={:.1f}", Megabytes(*spilled_bytes_)) : "";
   std::printf(
-      "summary: steps=%lld step_ms_median=%.2f %s=%.0f final_loss=%.6f peak_mb=%.1f%s "
+      "summary: steps=%lld step_ms_median=%.2f %s=%.0f final_loss=%.6f peak_mb=%.1f%s%s "
       "steps_s=%.3f\n",
       static_cast<long long>(steps), median, rate,
       median > 0 ? items_per_step / (median / 1000.0) : 0.0, last_loss_, Megabytes(peak_bytes_),
-      gpu_peak.c_str(), steps_ms / 1000.0);
+      gpu_peak.c_str(), spilled.c_str(), steps_ms / 1000.0);
 }
 
 // ---- Progress ----
@@ -204,7 +207,45 @@ void TrainingLoop::ReportProgress(int64_t step, const StepReport& report) {
   (void)cluster->ReportProgress(progress);
 }
 
+namespace {
+
+// What the cluster's workers have written to disk so far (their object stores' spills, as of
+// their latest heartbeats); nullopt in process or when the cluster does not answer.
+std::optional<int64_t> SpilledSoFar(Session& session) {
+  Cluster* cluster = session.cluster();
+  if (cluster == nullptr || !cluster->connected()) return std::nullopt;
+  Result<ClusterInfo> info = cluster->Info();
+  if (!info.ok()) return std::nullopt;
+  int64_t total = 0;
+  for (const WorkerInfo& worker : info->workers) total += worker.spilled_total_bytes;
+  return total;
+}
+
+}  // namespace
+
 Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) {
+  const std::optional<int64_t> spilled_before = SpilledSoFar(session_);
+  const Status ran = RunSteps(trainer, first_step);
+  if (spilled_before) {
+    // The workers report their spills with their heartbeats: wait for one after the last step.
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(session_.settings().heartbeat_interval_ms + 50));
+  }
+  if (const std::optional<int64_t> spilled_after = SpilledSoFar(session_);
+      spilled_before && spilled_after) {
+    stats_.SetSpilledBytes(std::max<int64_t>(0, *spilled_after - *spilled_before));
+    if (*spilled_after > *spilled_before) {
+      std::fprintf(stderr,
+                   "%s: the workers spilled %.1f MB of objects to disk (their host tiers were "
+                   "full): give them more host memory (--host-memory-mb of tessera start) or plan "
+                   "under a cap (--host-memory-gib) to keep steps off the disk\n",
+                   options_.program.c_str(), Megabytes(*spilled_after - *spilled_before));
+    }
+  }
+  return ran;
+}
+
+Status TrainingLoop::RunSteps(std::unique_ptr<Trainer>& trainer, int64_t first_step) {
   for (int64_t i = first_step; i <= options_.steps; ++i) {
     Result<std::vector<Tensor>> batch = hooks_.batch(i);
     if (!batch.ok()) return batch.status().WithContext(fmt::format("step {}", i));

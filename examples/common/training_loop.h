@@ -72,14 +72,18 @@ class StepStats {
   // state), transient; sent Y MB/step".
   void PrintRanks() const;
   // "summary: steps=N step_ms_median=X <rate>=Y final_loss=Z peak_mb=M [gpu_peak_mb=G]
-  // steps_s=S" on stdout: `rate` is "tokens_per_s" or "samples_per_s" (at the median step),
+  // [spilled_mb=D] steps_s=S" on stdout: `rate` is "tokens_per_s" or "samples_per_s" (at the
+  // median step), D what the workers' object stores wrote to disk during the steps (on a
+  // cluster only: in process nothing spills),
   // `items_per_step` what one step processes; S the steps' times together, every one (a run's
   // end-to-end training time: warm-up, plan switches and slow steps included; not the start,
   // evaluations or checkpoints).
   void PrintSummary(int64_t steps, const char* rate, double items_per_step) const;
+  void SetSpilledBytes(int64_t bytes) { spilled_bytes_ = bytes; }
 
  private:
   std::vector<double> step_ms_;
+  std::optional<int64_t> spilled_bytes_;  // on a cluster: the workers' spills during the steps
   int64_t peak_bytes_ = 0, gpu_peak_bytes_ = 0;
   float last_loss_ = 0;
   // Per rank: the largest figures of any step, and the last step's bytes sent.
@@ -133,10 +137,13 @@ class TrainingLoop {
   // scheduler was lost is recovered when `recovery` allows (*trainer is then the new one, and
   // the steps since its checkpoint are replayed); any other failure ends the run, naming the
   // step. A loss that is not finite is Internal.
+  // On a cluster, what its workers spilled to disk meanwhile goes to the summary (and, when
+  // anything, a line on stderr saying what to change).
   Status Run(std::unique_ptr<Trainer>& trainer, int64_t first_step);
   const StepStats& stats() const { return stats_; }
 
  private:
+  Status RunSteps(std::unique_ptr<Trainer>& trainer, int64_t first_step);
   std::string DataState() const;
   // A recovered step: the new trainer, the data rewound, the report printed. Returns the
   // checkpoint's step (the loop goes on after it).
