@@ -15,7 +15,7 @@ esac
 
 # What the library, the tessera binary and the example drivers build with.
 packages=(
-  build-essential cmake ninja-build ccache pkg-config git
+  g++ cmake ninja-build pkg-config
   libtbb-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
@@ -24,7 +24,7 @@ packages=(
 )
 if [[ "$mode" != --main ]]; then
   packages+=(
-    clang-format
+    build-essential ccache git clang-format
     # Clang for the sanitizer builds (with the thread-safety analysis) and clang-tidy. Version
     # 15: Debian 12's default (14) lacks the builtin behind libstdc++ 12's
     # std::source_location, and 16 rejects Cap'n Proto 0.9's headers in C++20.
