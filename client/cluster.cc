@@ -13,6 +13,7 @@
 
 #include "client/cluster_client.h"
 #include "core/atomic_file.h"
+#include "core/logging.h"
 #include "core/transport/ucx_peer_transport.h"
 #include "launcher/process.h"
 #include "launcher/session.h"
@@ -30,7 +31,9 @@ Result<std::string> ResolveToken(const ConnectOptions& options) {
   std::string path = options.token_file;
   if (path.empty()) {
     const char* env = std::getenv("TESSERA_TOKEN_FILE");
-    path = env != nullptr ? env : std::string(kLatestSession) + "/token";
+    // The temp_dir setting's latest session (launcher/session.h).
+    const char* temp_dir = std::getenv("TESSERA_TEMP_DIR");
+    path = env != nullptr ? env : LatestSession(temp_dir != nullptr ? temp_dir : "") + "/token";
   }
   Result<std::string> token = ReadFileTrimmed(path);
   if (!token.ok() || token->empty()) {
@@ -115,10 +118,15 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
     gpus = *std::move(resolved);
   }
   TESSERA_ASSIGN_OR_RETURN(std::string binary, FindTesseraBinary(options.tessera_binary));
+  const char* temp_dir_env = std::getenv("TESSERA_TEMP_DIR");
+  const std::string temp_dir = !options.temp_dir.empty() ? options.temp_dir
+                               : temp_dir_env != nullptr ? temp_dir_env
+                                                         : "";
   TESSERA_ASSIGN_OR_RETURN(
       LocalSession session,
-      LocalSession::Create(options.session_dir, "local",
-                           SessionProcesses{.binary = binary, .detached = false}));
+      LocalSession::Create(
+          options.session_dir, "local",
+          SessionProcesses{.binary = binary, .detached = false, .temp_dir = temp_dir}));
   std::unique_ptr<Cluster> cluster(new Cluster());  // stops what was started if a step fails
   cluster->children_ = std::make_unique<ChildReaper>();
   cluster->session_dir_ = session.dir();
@@ -130,6 +138,17 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
           {.host = "127.0.0.1", .port = 0, .timeout_ms = options.start_timeout_ms}));
   cluster->children_->Add(scheduler.pid);
   cluster->address_ = scheduler.address;
+  if (options.session_dir.empty()) {
+    // `tessera status`, `timeline` and `logs` find this cluster while it runs.
+    cluster->latest_root_ = SessionRoot(temp_dir);
+    Result<std::string> previous = LinkLatestSession(cluster->latest_root_, session.dir());
+    if (previous.ok()) {
+      cluster->previous_latest_ = *previous;
+    } else {
+      cluster->latest_root_.clear();
+      GetLogger("client")->warn("{}", previous.status().message());
+    }
+  }
 
   // Everything here is on this machine: workers and this driver join over the Unix socket.
   const WorkerLaunch workers = LocalLaunch(options, gpus, scheduler.local_address, count, "");
@@ -188,6 +207,7 @@ Cluster::~Cluster() {
   if (children_) {
     for (pid_t pid : children_->Stop()) StopProcess(pid, 2000);
   }
+  if (!latest_root_.empty()) UnlinkLatestSession(latest_root_, session_dir_, previous_latest_);
 }
 
 std::vector<pid_t> Cluster::local_processes() const {

@@ -82,8 +82,10 @@ class GraphHandle {
 };
 
 struct ConnectOptions {
-  std::string token;       // the cluster token; when empty, read from token_file
-  std::string token_file;  // default: $TESSERA_TOKEN_FILE, else /tmp/tessera/session_latest/token
+  std::string token;  // the cluster token; when empty, read from token_file
+  // Default: $TESSERA_TOKEN_FILE, else the latest session's (launcher/session.h: under
+  // $TESSERA_TEMP_DIR, else /tmp/tessera-<user>).
+  std::string token_file;
   int timeout_ms = 5000;
   // When nothing answers (a scheduler restarting under its supervisor): keep trying this long.
   int retry_ms = 0;
@@ -106,7 +108,11 @@ struct LocalClusterOptions {
   // Per worker, the allocator's cap on its host memory (tasks and objects together: `tessera
   // worker --host-cap-gib`); 0: none. Plans for these workers fit with --host-memory-gib below it.
   double host_cap_gib = 0;
-  std::string session_dir;     // default: a new directory under /tmp/tessera
+  // Default: a new directory under the session root (temp_dir, else the temp_dir setting
+  // $TESSERA_TEMP_DIR, else /tmp/tessera-<user>), linked as its session_latest while the cluster
+  // runs, so `tessera status`, `timeline` and `logs` find it.
+  std::string session_dir;
+  std::string temp_dir;
   std::string tessera_binary;  // default: FindTesseraBinary's search (launcher/session.h)
   int start_timeout_ms = 20'000;
 };
@@ -271,6 +277,10 @@ class Cluster {
   std::string local_address_;
   std::string dashboard_url_;
   int started_workers_ = 0;
+  // The session root whose session_latest this local cluster linked (empty: none), and what it
+  // linked before (restored when this cluster stops, if that one still runs).
+  std::string latest_root_;
+  std::string previous_latest_;
 };
 
 }  // namespace tessera

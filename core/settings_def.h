@@ -79,6 +79,13 @@ TESSERA_SETTING(std::string, cache_dir, "", "",
                 "calibrations: training/plan_calibration.h). Empty: $XDG_CACHE_HOME/tessera, "
                 "else ~/.cache/tessera.")
 
+TESSERA_SETTING(std::string, temp_dir, "", "",
+                "Where this host's cluster sessions go (each a directory of the token, the "
+                "scheduler's address, every process's log and spill): `tessera start`, a "
+                "driver's local cluster, and the commands that find the latest session without "
+                "--address. --temp-dir on tessera and the drivers sets it. Empty: "
+                "/tmp/tessera-<user>, each user's own, so two users of a host never share one.")
+
 TESSERA_SETTING(std::string, log_level, "info", "",
                 "spdlog level for every component: trace, debug, info, warn, error, off.")
 

@@ -1,6 +1,11 @@
 #include "launcher/session.h"
 
+#include <pwd.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
 
 #include <chrono>
 #include <cstdlib>
@@ -116,20 +121,36 @@ Result<LocalSession> LocalSession::Create(const std::string& dir, const std::str
   std::error_code error;
   std::string path = dir;
   if (path.empty()) {
-    std::filesystem::create_directories(kSessionRoot, error);
+    const std::string root = SessionRoot(processes.temp_dir);
+    const bool own_root = processes.temp_dir.empty();
+    std::filesystem::create_directories(root, error);
     if (error) {
-      return Unavailable("cannot create the session root {}: {}", kSessionRoot, error.message());
+      return Unavailable(
+          "cannot create the session root {}: {}; set TESSERA_TEMP_DIR (or "
+          "--temp-dir) to a directory you may write",
+          root, error.message());
     }
+    if (own_root) {
+      // The default root is this user's alone: its sessions hold tokens.
+      struct stat info {};
+      if (::stat(root.c_str(), &info) != 0 || info.st_uid != ::geteuid()) {
+        return Unavailable(
+            "the session root {} belongs to another user; set TESSERA_TEMP_DIR "
+            "(or --temp-dir) to a directory of your own",
+            root);
+      }
+      ::chmod(root.c_str(), 0700);
+    }
+    RemoveEndedSessions(root, kKeptEndedSessions, "");
     char stamp[32];
     const std::time_t now = std::time(nullptr);
     std::tm local{};
     ::localtime_r(&now, &local);
     std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", &local);
     // mkdtemp: a unique name even for sessions started in the same second by one process.
-    std::string pattern =
-        fmt::format("{}/{}_{}_{}_XXXXXX", kSessionRoot, prefix, stamp, ::getpid());
+    std::string pattern = fmt::format("{}/{}_{}_{}_XXXXXX", root, prefix, stamp, ::getpid());
     if (::mkdtemp(pattern.data()) == nullptr) {
-      return Unavailable("cannot create a session directory under {}: {}", kSessionRoot,
+      return Unavailable("cannot create a session directory under {}: {}", root,
                          std::strerror(errno));
     }
     path = pattern;
@@ -224,6 +245,7 @@ Result<StartedScheduler> LocalSession::StartScheduler(const SchedulerLaunch& lau
   }
   TESSERA_RETURN_IF_ERROR(
       WriteFileAtomically(dir_ + "/scheduler.pid", std::to_string(started.pid) + "\n"));
+  RecordProcess("scheduler", started.pid);
   return started;
 }
 
@@ -263,6 +285,7 @@ Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch
       return pid.status();
     }
     pids.push_back(*pid);
+    RecordProcess("worker-" + name, *pid);
   }
   return pids;
 }
@@ -291,20 +314,107 @@ Status LocalSession::AwaitWorkers(const std::function<Result<int>()>& count_aliv
   }
 }
 
-Result<std::string> SchedulerAddressOrLatest(const std::string& flag) {
+std::string SessionRoot(const std::string& temp_dir) {
+  if (!temp_dir.empty()) return temp_dir;
+  std::string user = std::to_string(::geteuid());
+  passwd entry{};
+  passwd* found = nullptr;
+  std::vector<char> buffer(16384);
+  if (::getpwuid_r(::geteuid(), &entry, buffer.data(), buffer.size(), &found) == 0 &&
+      found != nullptr && found->pw_name != nullptr && *found->pw_name != '\0') {
+    user = found->pw_name;
+  }
+  return "/tmp/tessera-" + user;
+}
+
+std::string LatestSession(const std::string& temp_dir) {
+  return SessionRoot(temp_dir) + "/session_latest";
+}
+
+Result<std::string> SchedulerAddressOrLatest(const std::string& flag, const std::string& temp_dir) {
   if (!flag.empty()) return flag;
-  Result<std::string> address = ReadFileTrimmed(std::string(kLatestSession) + "/scheduler.address");
+  const std::string latest = LatestSession(temp_dir);
+  Result<std::string> address = ReadFileTrimmed(latest + "/scheduler.address");
   if (!address.ok()) {
     return NotFound(
         "no --address given and no running session found ({}); start one with `tessera start "
-        "--head`",
-        kLatestSession);
+        "--head` (or pass --temp-dir / TESSERA_TEMP_DIR where it was started)",
+        latest);
   }
   return address;
 }
 
-std::string TokenFileOrLatest(const std::string& flag) {
-  return flag.empty() ? std::string(kLatestSession) + "/token" : flag;
+std::string TokenFileOrLatest(const std::string& flag, const std::string& temp_dir) {
+  return flag.empty() ? LatestSession(temp_dir) + "/token" : flag;
+}
+
+Result<std::string> LinkLatestSession(const std::string& root, const std::string& dir) {
+  const std::filesystem::path link = std::filesystem::path(root) / "session_latest";
+  std::error_code error;
+  std::string previous = std::filesystem::read_symlink(link, error).string();
+  if (error) previous.clear();
+  const std::filesystem::path temporary =
+      std::filesystem::path(root) / fmt::format(".session_latest.{}", ::getpid());
+  std::filesystem::remove(temporary, error);
+  std::filesystem::create_directory_symlink(dir, temporary, error);
+  if (!error) std::filesystem::rename(temporary, link, error);
+  if (error) {
+    std::filesystem::remove(temporary, error);
+    return Unavailable("cannot link {} to the session {}: {}", link.string(), dir, error.message());
+  }
+  return previous;
+}
+
+void UnlinkLatestSession(const std::string& root, const std::string& dir,
+                         const std::string& previous) {
+  const std::filesystem::path link = std::filesystem::path(root) / "session_latest";
+  std::error_code error;
+  if (std::filesystem::read_symlink(link, error).string() != dir || error) return;
+  if (!previous.empty() && SessionRuns(previous) && LinkLatestSession(root, previous).ok()) {
+    return;
+  }
+  std::filesystem::remove(link, error);
+}
+
+bool SessionRuns(const std::string& dir) {
+  std::vector<pid_t> pids;
+  std::ifstream listed(dir + "/pids");
+  std::string name;
+  for (long pid = 0; listed >> name >> pid;) pids.push_back(static_cast<pid_t>(pid));
+  if (Result<std::string> scheduler = ReadFileTrimmed(dir + "/scheduler.pid"); scheduler.ok()) {
+    pids.push_back(static_cast<pid_t>(std::atol(scheduler->c_str())));
+  }
+  return std::any_of(pids.begin(), pids.end(),
+                     [](pid_t pid) { return pid > 0 && ProcessAlive(pid); });
+}
+
+int RemoveEndedSessions(const std::string& root, int keep, const std::string& except) {
+  std::error_code error;
+  const auto now = std::filesystem::file_time_type::clock::now();
+  std::vector<std::pair<std::filesystem::file_time_type, std::filesystem::path>> ended;
+  for (const auto& entry : std::filesystem::directory_iterator(root, error)) {
+    std::error_code ignored;
+    if (entry.is_symlink(ignored) || !entry.is_directory(ignored)) continue;
+    const std::filesystem::path& dir = entry.path();
+    if (dir.string() == except || !std::filesystem::exists(dir / "token", ignored)) continue;
+    const auto changed = std::filesystem::last_write_time(dir, ignored);
+    if (ignored || now - changed < std::chrono::minutes(1)) continue;  // may be starting
+    if (SessionRuns(dir.string())) continue;
+    ended.emplace_back(changed, dir);
+  }
+  std::sort(ended.begin(), ended.end(), [](const auto& a, const auto& b) { return a > b; });
+  int removed = 0;
+  for (size_t i = static_cast<size_t>(std::max(keep, 0)); i < ended.size(); ++i) {
+    std::error_code ignored;
+    if (std::filesystem::remove_all(ended[i].second, ignored) > 0 && !ignored) ++removed;
+  }
+  return removed;
+}
+
+void LocalSession::RecordProcess(const std::string& name, pid_t pid) const {
+  // One short line appended: atomic with O_APPEND, so concurrent `tessera start`s do not mix.
+  std::ofstream pids(dir_ + "/pids", std::ios::app);
+  pids << name << ' ' << pid << '\n';
 }
 
 }  // namespace tessera

@@ -3,15 +3,23 @@
 // both go through it, so a cluster started either way looks the same on disk and fails the same
 // way.
 //
-// A session is a directory (under /tmp/tessera unless one is given) holding
+// A session is a directory (under the session root unless one is given) holding
 //   token              the cluster token, 0600: every process proves it to join
+//   pids               "<name> <pid>" for every process it started (the scheduler, workers):
+//                      whether the session still runs
 //   scheduler.address  the scheduler's HOST:PORT, written by the scheduler once it listens
 //   scheduler.sock     its Unix socket (processes on this host join over it)
 //   scheduler.pid      its pid
 //   dashboard.address  the HOST:PORT of the scheduler's dashboard, when it has one
 //   scheduler.log, worker-<tag>.log, spill-<tag>/   what each process printed, and spilled
-// `tessera start --head` links the newest one as /tmp/tessera/session_latest, which commands
-// without --address use.
+//   worker<N>.log      a link to the log of the worker the scheduler calls worker<N> (made by
+//                      the worker once it joined: the names `tessera status` shows)
+// The session root is the temp_dir setting ($TESSERA_TEMP_DIR; --temp-dir on tessera and the
+// drivers), else /tmp/tessera-<user>: each user's own (0700), so two users of a host never share
+// a session or its tokens. `tessera start --head`, and a driver's local cluster while it runs,
+// link their session as <root>/session_latest, which commands without --address use. A new
+// session removes the sessions under the root whose processes have all exited, but the newest
+// kKeptEndedSessions of them (their logs, to read after the fact).
 //
 // Start-up never hangs: each wait has a deadline, and a process that exits while starting is
 // reported with the end of its log.
@@ -29,14 +37,32 @@
 
 namespace tessera {
 
-inline constexpr const char* kSessionRoot = "/tmp/tessera";
-inline constexpr const char* kLatestSession = "/tmp/tessera/session_latest";
+inline constexpr int kKeptEndedSessions = 5;
+
+// The session root for the temp_dir setting `temp_dir` (above).
+std::string SessionRoot(const std::string& temp_dir);
+// <SessionRoot(temp_dir)>/session_latest.
+std::string LatestSession(const std::string& temp_dir);
 
 // The scheduler's address: `flag` when given, else the latest session's (NotFound saying how to
 // start one when there is none).
-Result<std::string> SchedulerAddressOrLatest(const std::string& flag);
+Result<std::string> SchedulerAddressOrLatest(const std::string& flag, const std::string& temp_dir);
 // The cluster token file: `flag` when given, else the latest session's.
-std::string TokenFileOrLatest(const std::string& flag);
+std::string TokenFileOrLatest(const std::string& flag, const std::string& temp_dir);
+
+// Points <root>/session_latest at `dir`, atomically (a new link renamed over the old one).
+// Returns the directory it pointed at before (empty when none).
+Result<std::string> LinkLatestSession(const std::string& root, const std::string& dir);
+// Undoes LinkLatestSession(root, dir) when the link still points at `dir`: back to `previous`
+// when that session still runs, else the link is removed. A later session's link is left alone.
+void UnlinkLatestSession(const std::string& root, const std::string& dir,
+                         const std::string& previous);
+// Whether a process the session directory `dir` records (pids, scheduler.pid) still runs.
+bool SessionRuns(const std::string& dir);
+// Removes the session directories under `root` (those with a token file) whose processes have
+// all exited and that were last changed over a minute ago, but the newest `keep` of them; never
+// `except`. Returns how many it removed.
+int RemoveEndedSessions(const std::string& root, int keep, const std::string& except);
 
 // Where the `tessera` binary (the scheduler and worker processes) may be. FindTesseraBinary
 // looks in this order:
@@ -73,6 +99,7 @@ Result<std::string> FindTesseraBinary(const std::string& flag);
 struct SessionProcesses {
   std::string binary;     // the tessera binary (FindTesseraBinary)
   bool detached = false;  // true: daemons in their own session; false: killed with this process
+  std::string temp_dir;   // the temp_dir setting: where a new session goes (SessionRoot)
 };
 
 struct SchedulerLaunch {
@@ -111,8 +138,10 @@ struct WorkerLaunch {
 
 class LocalSession {
  public:
-  // A new session: `dir` (created if missing), or else a fresh directory under kSessionRoot
-  // named <prefix>-<time>-<pid>; a new token in it. Unavailable naming the path on failure.
+  // A new session: `dir` (created if missing), or else a fresh directory under
+  // SessionRoot(processes.temp_dir) named <prefix>_<time>_<pid>_<random> (ended sessions there
+  // removed: RemoveEndedSessions); a new token in it. Unavailable naming the path on failure,
+  // and when the default root belongs to another user.
   static Result<LocalSession> Create(const std::string& dir, const std::string& prefix,
                                      SessionProcesses processes);
   // An existing session directory (one with a token file). NotFound naming what is missing.
@@ -146,6 +175,8 @@ class LocalSession {
   LocalSession(std::string dir, std::string token, SessionProcesses processes)
       : dir_(std::move(dir)), token_(std::move(token)), processes_(std::move(processes)) {}
   std::string WorkerName(const WorkerLaunch& launch, int index) const;
+  // Appends "<name> <pid>" to the pids file.
+  void RecordProcess(const std::string& name, pid_t pid) const;
   std::vector<std::string> SchedulerArgv(const SchedulerLaunch& launch) const;
   // "; its log ends: ..." with the last lines of `log`, or nothing when it is empty.
   static std::string LogTail(const std::string& log);

@@ -17,10 +17,14 @@
 //                                                             on calibrated costs
 //                                                             (launcher/plan_command.h)
 //
-// `start --head` creates a session directory (/tmp/tessera/session_<time>_<pid>, linked from
-// /tmp/tessera/session_latest) holding the cluster token (readable only by this user), the
-// scheduler's address, and every process's log. Commands without --address use the latest
-// session's scheduler; without --token-file, its token.
+//   tessera logs [scheduler | workerN] [-n LINES] [-f]     the latest session's logs (a list;
+//                                                             one of them)
+//
+// `start --head` creates a session directory (<root>/session_<time>_<pid>_<random>, linked from
+// <root>/session_latest; the root is --temp-dir or TESSERA_TEMP_DIR, else /tmp/tessera-<user>:
+// launcher/session.h) holding the cluster token (readable only by this user), the scheduler's
+// address, and every process's log. Commands without --address use the latest session's
+// scheduler; without --token-file, its token.
 //
 // `tessera scheduler ...` and `tessera worker ...` run one process in the foreground; `start`
 // and drivers' local clusters launch these.
@@ -56,6 +60,7 @@
 #include "core/version.h"
 #include "launcher/cluster_config.h"
 #include "launcher/launcher.h"
+#include "launcher/logs_command.h"
 #include "launcher/plan_command.h"
 #include "launcher/process.h"
 #include "launcher/process_main.h"
@@ -77,7 +82,6 @@ namespace {
 using tessera::Result;
 using tessera::Status;
 
-using tessera::kLatestSession;
 using tessera::ReadFileTrimmed;
 
 // How the admin commands (start workers, status, stop) connect: with the cluster token.
@@ -91,6 +95,10 @@ tessera::ConnectOptions AdminConnection(const std::string& token_file) {
 int Fail(const Status& status) { return tessera::FailWith("tessera", status); }
 
 std::string SelfBinary() { return tessera::ExecutableDirectory() + "/tessera"; }
+
+// The temp_dir setting (--temp-dir, else TESSERA_TEMP_DIR): where sessions go. Set once by Main
+// after parsing, before any command runs.
+std::string temp_dir_setting;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
 
 constexpr int kDashboardPortFromSettings = tessera::SchedulerLaunch::kDashboardPortFromSettings;
 
@@ -116,7 +124,8 @@ struct StartFlags {
 
 int StartHead(const StartFlags& flags) {
   Result<tessera::LocalSession> session = tessera::LocalSession::Create(
-      flags.session_dir, "session", {.binary = SelfBinary(), .detached = true});
+      flags.session_dir, "session",
+      {.binary = SelfBinary(), .detached = true, .temp_dir = temp_dir_setting});
   if (!session.ok()) return Fail(session.status());
   Result<tessera::StartedScheduler> scheduler =
       session->StartScheduler({.host = flags.host,
@@ -126,12 +135,10 @@ int StartHead(const StartFlags& flags) {
                                .dashboard_port = flags.dashboard_port});
   if (!scheduler.ok()) return Fail(scheduler.status());
   if (flags.session_dir.empty()) {  // an explicit session dir leaves "latest" alone
-    std::error_code error;
-    std::filesystem::remove(kLatestSession, error);
-    std::filesystem::create_directory_symlink(session->dir(), kLatestSession, error);
-    if (error) {
-      std::fprintf(stderr, "tessera: warning: cannot link %s to the new session: %s\n",
-                   kLatestSession, error.message().c_str());
+    Result<std::string> linked =
+        tessera::LinkLatestSession(tessera::SessionRoot(temp_dir_setting), session->dir());
+    if (!linked.ok()) {
+      std::fprintf(stderr, "tessera: warning: %s\n", linked.status().message().c_str());
     }
   }
   std::printf("Tessera scheduler started at %s (pid %d)\n", scheduler->address.c_str(),
@@ -155,10 +162,11 @@ int StartWorkers(const StartFlags& flags) {
     if (!resolved.ok()) return Fail(resolved.status().WithContext("--gpus"));
     gpus = *std::move(resolved);
   }
-  Result<std::string> address = tessera::SchedulerAddressOrLatest(flags.address);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(flags.address, temp_dir_setting);
   if (!address.ok()) return Fail(address.status());
   Result<tessera::LocalSession> session = tessera::LocalSession::ForToken(
-      tessera::TokenFileOrLatest(flags.token_file), {.binary = SelfBinary(), .detached = true});
+      tessera::TokenFileOrLatest(flags.token_file, temp_dir_setting),
+      {.binary = SelfBinary(), .detached = true, .temp_dir = temp_dir_setting});
   if (!session.ok()) return Fail(session.status());
   auto admin = tessera::Cluster::Connect(*address, AdminConnection(session->token_file()));
   if (!admin.ok()) return Fail(admin.status());
@@ -207,10 +215,10 @@ int StartWorkers(const StartFlags& flags) {
 
 // `tessera status --waits`: one line per worker (tessera::FormatWait).
 int ShowWaits(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag, temp_dir_setting);
   if (!address.ok()) return Fail(address.status());
-  auto cluster =
-      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
+  auto cluster = tessera::Cluster::Connect(
+      *address, AdminConnection(tessera::TokenFileOrLatest(token_file, temp_dir_setting)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<std::vector<tessera::WorkerWait>> waits = (*cluster)->Waits();
   if (!waits.ok()) return Fail(waits.status());
@@ -222,10 +230,10 @@ int ShowWaits(const std::string& address_flag, const std::string& token_file) {
 }
 
 int ShowStatus(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag, temp_dir_setting);
   if (!address.ok()) return Fail(address.status());
-  auto cluster =
-      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
+  auto cluster = tessera::Cluster::Connect(
+      *address, AdminConnection(tessera::TokenFileOrLatest(token_file, temp_dir_setting)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<tessera::ClusterInfo> info = (*cluster)->Info();
   if (!info.ok()) return Fail(info.status());
@@ -246,7 +254,7 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
               "alive", "data plane", "host used", "capacity", "spilled", "running", "done", "gpu");
   for (const tessera::WorkerInfo& w : info->workers) {
     std::printf("%-10s %-16s %-8d %-6s %-22s %9.1f MiB %9.1f MiB %6.1f MiB %8d %10lld  %s\n",
-                w.id.ToString().c_str(), w.hostname.c_str(), w.pid, w.alive ? "yes" : "no",
+                w.id.ToString().c_str(), w.hostname.c_str(), w.pid, w.alive ? "yes" : "dead",
                 w.data_address.c_str(), static_cast<double>(w.host_used_bytes) / (1 << 20),
                 static_cast<double>(w.host_capacity_bytes) / (1 << 20),
                 static_cast<double>(w.spilled_bytes) / (1 << 20), w.tasks_running,
@@ -257,10 +265,10 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
 
 int WriteTimeline(const std::string& address_flag, const std::string& token_file,
                   const std::string& out, int steps) {
-  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag, temp_dir_setting);
   if (!address.ok()) return Fail(address.status());
-  auto cluster =
-      tessera::Cluster::Connect(*address, AdminConnection(tessera::TokenFileOrLatest(token_file)));
+  auto cluster = tessera::Cluster::Connect(
+      *address, AdminConnection(tessera::TokenFileOrLatest(token_file, temp_dir_setting)));
   if (!cluster.ok()) return Fail(cluster.status());
   Result<tessera::Timeline> timeline = (*cluster)->Timeline(steps);
   if (!timeline.ok()) return Fail(timeline.status());
@@ -281,9 +289,10 @@ int WriteTimeline(const std::string& address_flag, const std::string& token_file
 }
 
 int StopCluster(const std::string& address_flag, const std::string& token_file) {
-  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag);
+  Result<std::string> address = tessera::SchedulerAddressOrLatest(address_flag, temp_dir_setting);
   if (!address.ok()) return Fail(address.status());
-  const tessera::ConnectOptions connect = AdminConnection(tessera::TokenFileOrLatest(token_file));
+  const tessera::ConnectOptions connect =
+      AdminConnection(tessera::TokenFileOrLatest(token_file, temp_dir_setting));
   auto cluster = tessera::Cluster::Connect(*address, connect);
   if (!cluster.ok()) return Fail(cluster.status());
   if (Status s = (*cluster)->Shutdown(); !s.ok()) return Fail(s);
@@ -316,7 +325,7 @@ struct ClusterFileFlags {
 std::string DefaultStateDir() {
   const char* home = std::getenv("HOME");
   return home != nullptr && *home != '\0' ? std::string(home) + "/.tessera/clusters"
-                                          : std::string(tessera::kSessionRoot) + "/clusters";
+                                          : tessera::SessionRoot("") + "/clusters";
 }
 
 // "dashboard: http://HOST:PORT/?token=..." for a launched cluster with a dashboard, else "".
@@ -520,7 +529,8 @@ int Start(const CLI::App& start_cmd, StartFlags& start) {
   if (start.head) return StartHead(start);
   std::error_code missing;
   if (start.address.empty() &&
-      !std::filesystem::exists(std::string(kLatestSession) + "/scheduler.address", missing)) {
+      !std::filesystem::exists(tessera::LatestSession(temp_dir_setting) + "/scheduler.address",
+                               missing)) {
     std::fprintf(stderr, "tessera: start needs --head (a scheduler) or --address (workers)\n\n%s",
                  start_cmd.help().c_str());
     return 2;
@@ -579,6 +589,12 @@ int Main(int argc, char** argv) {
   CLI::App app{"Tessera: start, stop and inspect a cluster."};
   app.footer("Settings (environment variables):\n" + tessera::Settings::Describe());
   app.require_subcommand(1);
+  std::string temp_dir;
+  app.add_option("--temp-dir", temp_dir,
+                 "Where this host's sessions go and the latest is looked for (the temp_dir "
+                 "setting, TESSERA_TEMP_DIR; default /tmp/tessera-<user>); before or after the "
+                 "command");
+  app.fallthrough();  // the subcommands made below pass --temp-dir up to it
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "Print what this build and machine have: CPU, BLAS kernels, GPUs, NCCL, UCX");
 
@@ -605,6 +621,8 @@ int Main(int argc, char** argv) {
   CLI::App* timeline_cmd = AddTimelineCommand(app, timeline);
   tessera::PlanCommandFlags plan;
   CLI::App* plan_cmd = tessera::AddPlanCommand(app, plan);
+  tessera::LogsCommandFlags logs;
+  CLI::App* logs_cmd = tessera::AddLogsCommand(app, logs);
 
   tessera::SchedulerProcessFlags scheduler;
   CLI::App* scheduler_cmd = tessera::AddSchedulerCommand(app, scheduler);
@@ -615,7 +633,15 @@ int Main(int argc, char** argv) {
           tessera::ParseCommandLine(app, argc, argv, "tessera", tessera::VersionLine("tessera"))) {
     return *exit;
   }
+  if (!temp_dir.empty()) {
+    ::setenv("TESSERA_TEMP_DIR", temp_dir.c_str(), 1);  // and every process started from here
+    temp_dir_setting = temp_dir;
+  } else if (Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
+             settings.ok()) {
+    temp_dir_setting = settings->temp_dir;  // a bad setting is reported by what reads them
+  }
   if (doctor_cmd->parsed()) return Doctor();
+  if (logs_cmd->parsed()) return tessera::RunLogsCommand(logs, temp_dir_setting);
   if (start_cmd->parsed()) return Start(*start_cmd, start);
   if (status_cmd->parsed()) {
     return status.waits ? ShowWaits(status.address, status.token_file)

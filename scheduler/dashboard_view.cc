@@ -27,9 +27,7 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
   view.tasks_done = tasks.done;
   const std::vector<WorkerWaitLine> waits = core_->Waits();  // in id order, like the loop
   size_t next_wait = 0;
-  for (const auto& [id, p] : core_->participants().all()) {
-    view.drivers += p.role == ParticipantRole::kDriver;
-    if (p.role != ParticipantRole::kWorker) continue;
+  const auto add_worker = [&](WorkerId id, const Participant& p) {
     dashboard::WorkerView& w = view.workers.emplace_back();
     w.id = id.value();
     w.hostname = p.hostname;
@@ -76,7 +74,13 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
         run.role_peaks.emplace_back(name, peaks[role]);
       }
     }
+  };
+  for (const auto& [id, p] : core_->participants().all()) {
+    view.drivers += p.role == ParticipantRole::kDriver;
+    if (p.role == ParticipantRole::kWorker) add_worker(id, p);
   }
+  // Workers whose connection is gone: shown dead, not dropped.
+  for (const Participant& p : core_->participants().departed()) add_worker(p.id, p);
   return view;
 }
 

@@ -30,7 +30,17 @@ const Participant* ParticipantTable::Find(WorkerId id) const {
   return it == participants_.end() ? nullptr : &it->second;
 }
 
-void ParticipantTable::Remove(WorkerId id) { participants_.erase(id); }
+void ParticipantTable::Remove(WorkerId id) {
+  auto it = participants_.find(id);
+  if (it == participants_.end()) return;
+  if (it->second.role == ParticipantRole::kWorker) {
+    Participant& gone = departed_.emplace_back(std::move(it->second));
+    MarkDead(gone);
+    gone.waits = ReportedWait{};
+    if (departed_.size() > kDepartedKept) departed_.pop_front();
+  }
+  participants_.erase(it);
+}
 
 Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
   if (hello.getProtocolVersion() != rpc::kProtocolVersion) {

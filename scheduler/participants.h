@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,7 +77,8 @@ class ParticipantTable {
   // nullptr for an id that is not (or no longer) listed.
   Participant* Find(WorkerId id);
   const Participant* Find(WorkerId id) const;
-  // The connection is gone: forgets the participant.
+  // The connection is gone: forgets the participant. A worker is kept among departed() (dead),
+  // so that status and the dashboard show it as dead rather than drop it.
   void Remove(WorkerId id);
 
   // Admits `from` with the role and figures its Hello gives. InvalidArgument for another protocol
@@ -112,12 +114,17 @@ class ParticipantTable {
 
   // Every participant, by id (for status and broadcasts).
   const std::map<WorkerId, Participant>& all() const { return participants_; }
+  // Workers whose connection is gone, oldest first: the last kDepartedKept, not alive, with
+  // their figures as they last were.
+  static constexpr size_t kDepartedKept = 64;
+  const std::deque<Participant>& departed() const { return departed_; }
 
  private:
   const std::string token_;
   const std::string session_dir_;
   uint64_t next_id_ = 1;
   std::map<WorkerId, Participant> participants_;
+  std::deque<Participant> departed_;
 };
 
 }  // namespace tessera

@@ -227,6 +227,9 @@ void SchedulerCore::OnStatusRequest(WorkerId from, uint64_t request_id) {
     if (p.role == ParticipantRole::kWorker) summary.workers.push_back(&p);
     summary.drivers += p.role == ParticipantRole::kDriver;
   }
+  // Then the departed ones, dead (their waits are not listed: SendStatusReply pairs waits with
+  // the first workers).
+  for (const Participant& p : participants_.departed()) summary.workers.push_back(&p);
   summary.waits = Waits();
   summary.objects = objects_.size();
   summary.tasks = task_counts();

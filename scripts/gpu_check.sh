@@ -85,7 +85,7 @@ run() {
       timeout 300 .gpu/bin/train_gpt2 "${run[@]}" $where 2>&1 | tee -a "$out/workers_speed.txt" |
         tail -n 1 || true
     done
-    for session in /tmp/tessera/local_*; do  # every local cluster's logs, for the record
+    for session in "/tmp/tessera-$(id -un)"/local_*; do  # every local cluster's logs, for the record
       [[ -d "$session" ]] || continue
       mkdir -p "$out/sessions/${session##*/}" && cp "$session"/*.log "$out/sessions/${session##*/}/"
     done

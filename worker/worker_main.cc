@@ -13,6 +13,7 @@
 #include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
+#include "core/session_logs.h"
 #include "launcher/process_main.h"
 #include "launcher/session.h"
 #include "ops/cpu/cpu_kernels.h"
@@ -28,11 +29,12 @@ constexpr const char* kProgram = "tessera";
 int RunWorkerProcess(const WorkerProcessFlags& flags) {
   Result<Settings> settings = LoadProcessSettings();
   if (!settings.ok()) return FailWith(kProgram, settings.status());
-  Result<std::string> address = SchedulerAddressOrLatest(flags.address);
+  Result<std::string> address = SchedulerAddressOrLatest(flags.address, settings->temp_dir);
   if (!address.ok()) return FailWith(kProgram, address.status());
   Result<rpc::Address> parsed = rpc::Address::Parse(*address);
   if (!parsed.ok()) return FailWith(kProgram, parsed.status());
-  Result<std::string> token = ReadFileTrimmed(TokenFileOrLatest(flags.token_file));
+  Result<std::string> token =
+      ReadFileTrimmed(TokenFileOrLatest(flags.token_file, settings->temp_dir));
   if (!token.ok())
     return FailWith(kProgram, token.status().WithContext("reading the cluster token"));
   Result<OpRegistry> registry = MakeCpuOpRegistry();
@@ -88,6 +90,10 @@ int RunWorkerProcess(const WorkerProcessFlags& flags) {
       continue;
     }
     joined = true;
+    // The log by the id the scheduler gave (`tessera status` shows it): <session>/worker<N>.log.
+    if (Status linked = LinkOwnLogAs(fmt::format("worker{}", (*started)->id())); !linked.ok()) {
+      GetLogger("worker")->warn("{}", linked.ToString());
+    }
     lost = (*started)->Wait();
     if (!lost.ok() && !*interrupted) {
       GetLogger("worker")->warn(

@@ -198,6 +198,9 @@ void AddClusterFlags(CLI::App& app, CommonFlags& flags) {
   }
   app.add_option("--token-file", flags.token_file,
                  "With --address: the cluster token (default: the latest session's)");
+  app.add_option("--temp-dir", flags.temp_dir,
+                 "Where a local cluster's session (token, logs, spill) goes and the latest "
+                 "session is looked for (TESSERA_TEMP_DIR; default /tmp/tessera-<user>)");
 }
 
 void AddRecoveryFlags(CLI::App& app, CommonFlags& flags) {

@@ -120,6 +120,9 @@ struct CommonFlags {
   // (MemoryCaps::disk_copy_compute_us_per_byte; 0: measured with the link when that is).
   double disk_copy_compute_us_per_mib = 0;
   std::string address;  // a running cluster; empty: a local one or this process
+  // Where a local cluster's session goes (the temp_dir setting; empty: TESSERA_TEMP_DIR, else
+  // /tmp/tessera-<user>), and where the latest session is looked for.
+  std::string temp_dir;
   std::string token_file;
   std::string placement = "scheduler";
   PipelineFlags pipeline;

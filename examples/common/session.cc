@@ -39,6 +39,11 @@ Result<Runtime> OpenRuntime(const CommonFlags& flags) {
     runtime.settings.swap_dir = flags.swap_dir;
     ::setenv("TESSERA_SWAP_DIR", flags.swap_dir.c_str(), 1);
   }
+  // --temp-dir: this process's session root, and its workers' (they inherit TESSERA_TEMP_DIR).
+  if (!flags.temp_dir.empty()) {
+    runtime.settings.temp_dir = flags.temp_dir;
+    ::setenv("TESSERA_TEMP_DIR", flags.temp_dir.c_str(), 1);
+  }
   if (!runtime.settings.swap_dir.empty()) {
     SwapFileOptions swap;
     swap.directory = runtime.settings.swap_dir;
@@ -77,7 +82,13 @@ Status Session::Start() {
   local.threads_per_worker = flags_.threads;
   // The plan's host cap is each worker's: their allocators hold the step under it.
   local.host_cap_gib = flags_.host_memory_gib;
+  local.temp_dir = runtime_.settings.temp_dir;
   TESSERA_ASSIGN_OR_RETURN(cluster_, Cluster::StartLocal(local));
+  std::fprintf(stderr,
+               "%s: a local cluster of %d workers at %s (session %s): `tessera status`, "
+               "`tessera logs` and `tessera timeline` see it while it runs\n",
+               program_.c_str(), flags_.workers, cluster_->address().c_str(),
+               cluster_->session_dir().c_str());
   if (!cluster_->dashboard_url().empty()) {
     std::fprintf(stderr, "%s: dashboard %s\n", program_.c_str(), cluster_->dashboard_url().c_str());
   }

@@ -50,7 +50,7 @@ std::string WorkerLogs() {
   std::filesystem::path newest;
   std::filesystem::file_time_type newest_time;
   std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(kSessionRoot, error)) {
+  for (const auto& entry : std::filesystem::directory_iterator(SessionRoot(""), error)) {
     if (!entry.is_directory() || entry.path().filename().string().rfind("local_", 0) != 0) continue;
     if (newest.empty() || entry.last_write_time() > newest_time) {
       newest = entry.path();

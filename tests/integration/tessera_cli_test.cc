@@ -287,6 +287,9 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
   EXPECT_NE(run.output.find("has 2 workers: training with 2 data-parallel ranks, one per worker"),
             std::string::npos)
       << run.output;
+  // Room enough: nothing spilled, and the summary says so.
+  EXPECT_NE(run.output.find(" spilled_mb=0.0 "), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("the workers spilled"), std::string::npos) << run.output;
   // Each worker's "done" column (the last but one of its row) grows with its heartbeats.
   std::vector<long long> done;
   for (int tries = 0; tries < 100; ++tries) {
@@ -308,6 +311,164 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
   EXPECT_GT(done[1], 0) << "the second worker ran no task";
   ProcessResult stop = Tessera("stop" + target);
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
+// Workers whose host tier is too small for a step spill objects to disk: the driver's summary
+// says how much (spilled_mb) and a line says what to change.
+TEST(TesseraCliTest, ADriverSaysWhatItsWorkersSpilled) {
+  const std::string session = TempPath("tessera_cli_spill");
+  const auto [head, address] = StartHead(session);
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  const std::string target = " --address " + address + " --token-file " + session + "/token";
+  ProcessResult workers = Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 1" + target);
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  ProcessResult run = RunBinary("train_gpt2", "--preset tiny --steps 5 --batch 4" + target);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::smatch spilled;
+  ASSERT_TRUE(std::regex_search(run.output, spilled, std::regex(" spilled_mb=([0-9.]+) ")))
+      << run.output;
+  EXPECT_GT(std::stod(spilled[1]), 0.0) << run.output;
+  EXPECT_NE(run.output.find("the workers spilled " + spilled[1].str() +
+                            " MB of objects to disk (their host tiers were full)"),
+            std::string::npos)
+      << run.output;
+  ProcessResult stop = Tessera("stop" + target);
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
+// The workers `tessera status` lists (id, pid, alive or dead), from its table.
+struct StatusRow {
+  std::string id;
+  int pid = 0;
+  std::string alive;
+};
+std::vector<StatusRow> StatusRows(const std::string& output) {
+  std::vector<StatusRow> rows;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    if (!std::regex_search(line, std::regex("^worker[0-9]+ "))) continue;
+    std::istringstream fields(line);
+    std::vector<std::string> words{std::istream_iterator<std::string>(fields), {}};
+    if (words.size() < 4) continue;
+    rows.push_back({words[0], std::stoi(words[2]), words[3]});
+  }
+  return rows;
+}
+
+// A session under --temp-dir (no --session-dir): status, logs and stop find it without
+// --address; logs go by the worker ids status shows; a worker that died is shown dead.
+TEST(TesseraCliTest, TheTempDirsLatestSessionItsLogsAndItsDeadWorkers) {
+  const std::string root = TempPath("tessera_cli_temp_dir");
+  std::filesystem::remove_all(root);
+  const std::string temp = " --temp-dir " + root;
+  ProcessResult head = Tessera("start --head --port 0" + temp);
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  ASSERT_TRUE(std::filesystem::is_symlink(root + "/session_latest"));
+  const std::string session = std::filesystem::canonical(root + "/session_latest").string();
+  EXPECT_NE(head.output.find(std::filesystem::path(session).filename().string()), std::string::npos)
+      << head.output;
+  ProcessResult workers = Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 256" + temp);
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  // The option goes before the command too.
+  ProcessResult status = Tessera("--temp-dir " + root + " status");
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("2 of 2 workers alive"), std::string::npos) << status.output;
+  const std::vector<StatusRow> rows = StatusRows(status.output);
+  ASSERT_EQ(rows.size(), 2u) << status.output;
+
+  // Each worker's log under the id status shows (its link appears once it joined).
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return std::filesystem::is_symlink(session + "/" + rows[0].id + ".log") &&
+               std::filesystem::is_symlink(session + "/" + rows[1].id + ".log");
+      },
+      std::chrono::seconds(10)));
+  ProcessResult listed = Tessera("logs" + temp);
+  ASSERT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_NE(listed.output.find("Logs of the session " + session + " (running)"), std::string::npos)
+      << listed.output;
+  for (const char* name : {"scheduler ", "worker"}) {
+    EXPECT_NE(listed.output.find(name), std::string::npos) << listed.output;
+  }
+  for (const StatusRow& row : rows) {
+    EXPECT_NE(listed.output.find(row.id + " "), std::string::npos) << listed.output;
+    ProcessResult one = Tessera("logs " + row.id + " -n 50" + temp);
+    EXPECT_EQ(one.exit_code, 0) << one.output;
+    EXPECT_NE(one.output.find(row.id + " joined"), std::string::npos) << one.output;
+  }
+  ProcessResult scheduler = Tessera("logs scheduler" + temp);
+  EXPECT_EQ(scheduler.exit_code, 0) << scheduler.output;
+  EXPECT_NE(scheduler.output.find("joined"), std::string::npos) << scheduler.output;
+  ProcessResult unknown = Tessera("logs worker999" + temp);
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_NE(unknown.output.find("no log named 'worker999' in the session " + session +
+                                ": it has scheduler, "),
+            std::string::npos)
+      << unknown.output;
+
+  // A worker killed: listed dead, not dropped.
+  ASSERT_EQ(::kill(rows[0].pid, SIGKILL), 0);
+  std::string after;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        after = Tessera("status" + temp).output;
+        return after.find("1 of 2 workers alive") != std::string::npos;
+      },
+      std::chrono::seconds(20)))
+      << after;
+  bool shown_dead = false;
+  for (const StatusRow& row : StatusRows(after)) {
+    if (row.id == rows[0].id) shown_dead = row.alive == "dead";
+  }
+  EXPECT_TRUE(shown_dead) << after;
+  ProcessResult stop = Tessera("stop" + temp);
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  // Nothing left under another root: a temp dir with no session says so.
+  ProcessResult none = Tessera("status --temp-dir " + root + "-none");
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(none.output.find("no running session found (" + root + "-none/session_latest)"),
+            std::string::npos)
+      << none.output;
+}
+
+// A driver's local cluster (--workers N) is its temp dir's latest session while it runs:
+// `tessera status` and `logs` see it; when the driver ends, the link goes.
+TEST(TesseraCliTest, ADriversLocalClusterIsFoundWhileItRuns) {
+  const std::string root = TempPath("tessera_cli_driver_temp_dir");
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  const std::string log = root + "/driver.log";
+  const pid_t driver = ::fork();
+  ASSERT_GE(driver, 0);
+  if (driver == 0) {
+    const std::string binary = BinaryPath("train_gpt2");
+    ::freopen(log.c_str(), "w", stdout);
+    ::dup2(STDOUT_FILENO, STDERR_FILENO);
+    ::execl(binary.c_str(), binary.c_str(), "--preset", "tiny", "--workers", "2", "--threads", "1",
+            "--steps", "600", "--log-every", "1", "--temp-dir", root.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return ReadFileText(log).find("step 5/") != std::string::npos; },
+                         std::chrono::seconds(60)))
+      << ReadFileText(log);
+  ProcessResult status = Tessera("status --temp-dir " + root);
+  ProcessResult logs = Tessera("logs --temp-dir " + root);
+  int exit = 0;
+  ASSERT_TRUE(Eventually([&] { return ::waitpid(driver, &exit, WNOHANG) == driver; },
+                         std::chrono::seconds(120)))
+      << "the driver did not finish";
+  EXPECT_TRUE(WIFEXITED(exit) && WEXITSTATUS(exit) == 0) << ReadFileText(log);
+  EXPECT_NE(ReadFileText(log).find("`tessera status`, `tessera logs` and `tessera timeline` see "
+                                   "it while it runs"),
+            std::string::npos)
+      << ReadFileText(log);
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("2 of 2 workers alive"), std::string::npos) << status.output;
+  EXPECT_NE(logs.output.find("(running)"), std::string::npos) << logs.output;
+  EXPECT_EQ(StatusRows(status.output).size(), 2u) << status.output;
+  EXPECT_FALSE(std::filesystem::is_symlink(root + "/session_latest"))
+      << "the ended driver's session is still the latest";
 }
 
 // Every binary a user runs answers --version with its name and the build (issue 30, point 9):

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <set>
 
+#include <fmt/format.h>
+
 #include "core/atomic_file.h"
 #include "launcher/process.h"
 #include "launcher/session.h"
@@ -49,6 +51,120 @@ TEST(SessionTest, ANewSessionHoldsAPrivateTokenAndReopens) {
   EXPECT_NE(a.token(), b.token());
   std::filesystem::remove_all(a.dir());
   std::filesystem::remove_all(b.dir());
+}
+
+// A session of `root` as the launcher leaves one: a token, and the pids of its processes.
+std::string FakeSession(const std::string& root, const std::string& name, pid_t pid) {
+  const std::string dir = root + "/" + name;
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/token") << "t\n";
+  std::ofstream(dir + "/pids") << "scheduler " << pid << "\n";
+  return dir;
+}
+
+// A pid no process has: a child that exited and was reaped.
+pid_t GonePid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  return child;
+}
+
+TEST(SessionTest, TheSessionRootIsTheTempDirElseTheUsersOwn) {
+  EXPECT_EQ(SessionRoot("/data/t"), "/data/t");
+  EXPECT_EQ(LatestSession("/data/t"), "/data/t/session_latest");
+  const std::string root = SessionRoot("");
+  EXPECT_TRUE(root.starts_with("/tmp/tessera-")) << root;
+  EXPECT_GT(root.size(), std::string("/tmp/tessera-").size());
+  // A new session goes under the temp dir given.
+  const std::string temp = TempDir("root");
+  ASSERT_OK_AND_ASSIGN(LocalSession session, LocalSession::Create("", "local", {.temp_dir = temp}));
+  EXPECT_EQ(std::filesystem::path(session.dir()).parent_path().string(), temp);
+  EXPECT_TRUE(std::filesystem::path(session.dir()).filename().string().starts_with("local_"));
+  // Without one, under this user's root, which only this user may enter.
+  ASSERT_OK_AND_ASSIGN(LocalSession own, LocalSession::Create("", "test", {}));
+  EXPECT_EQ(std::filesystem::path(own.dir()).parent_path().string(), root);
+  struct stat info {};
+  ASSERT_EQ(::stat(root.c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0700);
+  EXPECT_EQ(info.st_uid, ::geteuid());
+  std::filesystem::remove_all(own.dir());
+  std::filesystem::remove_all(temp);
+}
+
+TEST(SessionTest, TheLatestLinkMovesAtomicallyAndIsGivenBack) {
+  const std::string root = TempDir("latest");
+  const std::string running = FakeSession(root, "running", ::getpid());
+  const std::string ended = FakeSession(root, "ended", GonePid());
+  const std::string mine = FakeSession(root, "mine", ::getpid());
+  EXPECT_TRUE(SessionRuns(running));
+  EXPECT_FALSE(SessionRuns(ended));
+  EXPECT_FALSE(SessionRuns(root + "/nothing"));
+  const std::string link = root + "/session_latest";
+  ASSERT_OK_AND_ASSIGN(std::string none, LinkLatestSession(root, running));
+  EXPECT_EQ(none, "");
+  ASSERT_OK_AND_ASSIGN(std::string previous, LinkLatestSession(root, mine));
+  EXPECT_EQ(previous, running);
+  EXPECT_EQ(std::filesystem::read_symlink(link).string(), mine);
+  // Given back to the session it named before, which still runs...
+  UnlinkLatestSession(root, mine, previous);
+  EXPECT_EQ(std::filesystem::read_symlink(link).string(), running);
+  // ...but not to one that ended: then removed.
+  ASSERT_OK(LinkLatestSession(root, mine).status());
+  UnlinkLatestSession(root, mine, ended);
+  EXPECT_FALSE(std::filesystem::is_symlink(link));
+  // A later session's link is left alone.
+  ASSERT_OK(LinkLatestSession(root, running).status());
+  UnlinkLatestSession(root, mine, "");
+  EXPECT_EQ(std::filesystem::read_symlink(link).string(), running);
+  std::filesystem::remove_all(root);
+}
+
+TEST(SessionTest, EndedSessionsAreRemovedButTheNewestFewAndRunningOnes) {
+  const std::string root = TempDir("ended");
+  const pid_t gone = GonePid();
+  const auto an_hour_ago = std::filesystem::file_time_type::clock::now() - std::chrono::hours(1);
+  std::vector<std::string> ended;
+  for (int i = 0; i < 8; ++i) {  // ended, the later ones changed last
+    ended.push_back(FakeSession(root, "ended" + std::to_string(i), gone));
+    std::filesystem::last_write_time(ended.back(), an_hour_ago + std::chrono::minutes(i));
+  }
+  const std::string running = FakeSession(root, "running", ::getpid());
+  std::filesystem::last_write_time(running, an_hour_ago);
+  const std::string fresh = FakeSession(root, "fresh", gone);  // may be starting: kept
+  const std::string excepted = FakeSession(root, "excepted", gone);
+  std::filesystem::last_write_time(excepted, an_hour_ago - std::chrono::hours(1));
+  std::filesystem::create_directories(root + "/clusters");  // not a session (no token)
+  std::filesystem::last_write_time(root + "/clusters", an_hour_ago);
+  EXPECT_EQ(RemoveEndedSessions(root, 5, excepted), 3);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(std::filesystem::exists(ended[static_cast<size_t>(i)]), i >= 3) << i;
+  }
+  EXPECT_TRUE(std::filesystem::exists(running));
+  EXPECT_TRUE(std::filesystem::exists(fresh));
+  EXPECT_TRUE(std::filesystem::exists(excepted));
+  EXPECT_TRUE(std::filesystem::exists(root + "/clusters"));
+  EXPECT_EQ(RemoveEndedSessions(root + "/missing", 5, ""), 0);
+  std::filesystem::remove_all(root);
+}
+
+// Every process a session starts is recorded in its pids file, so SessionRuns sees it.
+TEST(SessionTest, StartedProcessesAreRecorded) {
+  const std::string dir = TempDir("pids");
+  const std::string binary = FakeBinary(dir + "-bin", "sleep 30");
+  ASSERT_OK_AND_ASSIGN(LocalSession session, LocalSession::Create(dir, "test", {.binary = binary}));
+  EXPECT_FALSE(SessionRuns(dir));
+  ASSERT_OK_AND_ASSIGN(std::vector<pid_t> pids,
+                       session.StartWorkers({.scheduler = "127.0.0.1:1", .count = 2, .tag = "t"}));
+  ASSERT_EQ(pids.size(), 2u);
+  const std::string listed = ReadFileText(dir + "/pids");
+  EXPECT_NE(listed.find(fmt::format("worker-t-0 {}\n", pids[0])), std::string::npos) << listed;
+  EXPECT_NE(listed.find(fmt::format("worker-t-1 {}\n", pids[1])), std::string::npos) << listed;
+  EXPECT_TRUE(SessionRuns(dir));
+  for (pid_t pid : pids) StopProcess(pid, 1000);
+  EXPECT_FALSE(SessionRuns(dir));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(dir + "-bin");
 }
 
 TEST(SessionTest, ATokenOutsideASessionGetsANodeSessionWithACopy) {
