@@ -122,4 +122,14 @@ std::string WaitsJson(const ClusterView& cluster) {
   return json{{"workers", std::move(workers)}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+std::string LogsJson(const std::string& session_dir, const std::vector<SessionLog>& logs) {
+  json list = json::array();
+  for (const SessionLog& log : logs) {
+    list.push_back(
+        {{"name", log.name}, {"bytes", log.bytes}, {"modified_unix_s", log.modified_unix_s}});
+  }
+  return json{{"session_dir", session_dir}, {"logs", std::move(list)}}.dump(
+      -1, ' ', false, json::error_handler_t::replace);
+}
+
 }  // namespace tessera::dashboard

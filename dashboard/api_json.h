@@ -1,4 +1,5 @@
-// The dashboard's JSON API bodies: /api/cluster, /api/job and /api/timeline, rendered from the
+// The dashboard's JSON API bodies: /api/cluster, /api/job, /api/timeline, /api/waits and
+// /api/logs, rendered from the
 // snapshots of dashboard_state.h. The page (assets/dashboard.js) and scripts read the same
 // documents; docs/architecture.md ("The dashboard") lists their fields.
 //
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/session_logs.h"
 #include "dashboard/dashboard_state.h"
 
 namespace tessera::dashboard {
@@ -26,5 +28,8 @@ std::string TimelineJson(const TimelineView& timeline);
 // Who waits on what: {"workers": [{"id", "hostname", "pid", "alive", "waits", "blocked_on":
 //  [worker ids]}]} (`waits` as `tessera status --waits` prints it after the worker).
 std::string WaitsJson(const ClusterView& cluster);
+// The session's logs (core/session_logs.h): {"session_dir", "logs": [{"name", "bytes",
+//  "modified_unix_s"}]}.
+std::string LogsJson(const std::string& session_dir, const std::vector<SessionLog>& logs);
 
 }  // namespace tessera::dashboard

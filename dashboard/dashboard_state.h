@@ -144,6 +144,8 @@ class DashboardSource {
   virtual ClusterView Cluster() = 0;
   virtual std::vector<JobView> Jobs() = 0;
   virtual TimelineView Timeline() = 0;
+  // The session directory whose logs /api/logs serves (core/session_logs.h); empty: none.
+  virtual std::string SessionDir() { return std::string(); }
 };
 
 }  // namespace tessera::dashboard

@@ -1,5 +1,8 @@
 #include "dashboard/http_handler.h"
 
+#include <charconv>
+
+#include "core/session_logs.h"
 #include "core/status.h"
 #include "dashboard/api_json.h"
 #include "dashboard/assets.h"
@@ -53,7 +56,35 @@ HttpResponse Json(std::string body) {
   return {.status = 200, .content_type = "application/json", .body = std::move(body)};
 }
 
+constexpr std::string_view kLogPrefix = "/api/logs/";
+constexpr int kDefaultLogLines = 200;
+constexpr int kMostLogLines = 100'000;
+constexpr int64_t kMostLogBytes = int64_t{1} << 20;
+
 }  // namespace
+
+HttpResponse HttpHandler::Log(const std::string& name, const std::string& lines_text) const {
+  const std::string dir = source_->SessionDir();
+  if (dir.empty()) return Text(404, "this scheduler has no session directory\n");
+  int lines = kDefaultLogLines;
+  if (!lines_text.empty()) {
+    const auto [end, error] =
+        std::from_chars(lines_text.data(), lines_text.data() + lines_text.size(), lines);
+    if (error != std::errc() || end != lines_text.data() + lines_text.size() || lines < 0 ||
+        lines > kMostLogLines) {
+      return Text(400, "lines must be a whole number from 0 to 100000\n");
+    }
+  }
+  Result<SessionLog> log = FindSessionLog(dir, name);
+  if (!log.ok()) {
+    return Text(log.status().code() == StatusCode::kInvalidArgument ? 400 : 404,
+                log.status().message() + "\n");
+  }
+  Result<std::string> tail = TailOfFile(log->file, lines, kMostLogBytes);
+  if (!tail.ok()) return Text(404, tail.status().message() + "\n");
+  // Logs are bytes: the browser reads them as UTF-8 (invalid sequences shown replaced).
+  return {.status = 200, .content_type = "text/plain; charset=utf-8", .body = *std::move(tail)};
+}
 
 std::string QueryValue(const std::string& target, const std::string& key) {
   const size_t question = target.find('?');
@@ -136,6 +167,12 @@ HttpResponse HttpHandler::Handle(const HttpRequest& request) const {
   if (path == "/api/job") return Json(JobsJson(source_->Jobs()));
   if (path == "/api/timeline") return Json(TimelineJson(source_->Timeline()));
   if (path == "/api/waits") return Json(WaitsJson(source_->Cluster()));
+  if (path == "/api/logs") {
+    const std::string dir = source_->SessionDir();
+    return Json(LogsJson(dir, dir.empty() ? std::vector<SessionLog>{} : ListSessionLogs(dir)));
+  }
+  if (path.starts_with(kLogPrefix)) return Log(PercentDecode(path.substr(kLogPrefix.size())),
+                                               QueryValue(request.target, "lines"));
   if (path == "/metrics") {
     return {.status = 200,
             .content_type = std::string(kPrometheusContentType),

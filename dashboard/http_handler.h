@@ -8,6 +8,10 @@
 //   /api/cluster       nodes and workers: memory tiers, tasks, bytes moved, latest run reports
 //   /api/job           every job's step history: loss, step time, tokens/s or samples/s
 //   /api/timeline      recent spans of work per worker
+//   /api/waits         per worker: what it runs or waits for, and on whom
+//   /api/logs          the scheduler's session's logs by name (core/session_logs.h)
+//   /api/logs/NAME     the end of one, as text (?lines=N: its last N lines, 200 by default,
+//                      within 1 MiB; 0: all of that); 404 naming the logs there when unknown
 //   /metrics           Prometheus text (prometheus.h)
 //   anything else      404
 //
@@ -57,6 +61,8 @@ class HttpHandler {
 
  private:
   bool Authorized(const HttpRequest& request, const std::string& query_token) const;
+  // /api/logs/<name>?lines=<lines_text>.
+  HttpResponse Log(const std::string& name, const std::string& lines_text) const;
 
   const std::string token_;
   DashboardSource* source_;

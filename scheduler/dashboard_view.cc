@@ -84,6 +84,8 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
   return view;
 }
 
+std::string CoreDashboardSource::SessionDir() { return core_->session_dir(); }
+
 std::vector<dashboard::JobView> CoreDashboardSource::Jobs() {
   std::vector<dashboard::JobView> jobs;
   for (const JobHistory& history : core_->job_metrics().jobs()) {

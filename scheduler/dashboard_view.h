@@ -28,6 +28,7 @@ class CoreDashboardSource final : public dashboard::DashboardSource {
   dashboard::ClusterView Cluster() override;
   std::vector<dashboard::JobView> Jobs() override;
   dashboard::TimelineView Timeline() override;
+  std::string SessionDir() override;
 
  private:
   double SinceStartMs(Clock::time_point t) const;

@@ -1,5 +1,6 @@
-// The Tessera dashboard: polls the JSON API (/api/cluster, /api/job, /api/timeline, /api/waits)
-// once a second and draws the tables, the job's plots and the timeline on canvases. No
+// The Tessera dashboard: polls the JSON API (/api/cluster, /api/job, /api/timeline, /api/waits,
+// /api/logs) once a second and draws the tables, the job's plots and the timeline on canvases,
+// and the end of the log picked (/api/logs/NAME). No
 // libraries; the token travels in the HttpOnly cookie the server set when the page was opened
 // with ?token=.
 'use strict';
@@ -219,16 +220,55 @@ function renderWaits(w) {
   }
 }
 
+// The session's logs (the scheduler's host): a button per log; the one picked is shown, its end
+// fetched again each refresh (kept scrolled to the bottom when it was there).
+let pickedLog = null;
+function renderLogs(l) {
+  document.getElementById('logs-session').textContent = l.session_dir;
+  const div = document.getElementById('logs');
+  div.replaceChildren();
+  for (const log of l.logs) {
+    const button = el('button', log.name + ' (' + bytes(log.bytes) + ')',
+                      log.name === pickedLog ? 'selected' : undefined);
+    button.dataset.name = log.name;
+    button.addEventListener('click', () => {
+      pickedLog = log.name;
+      for (const b of div.children) b.className = b.dataset.name === pickedLog ? 'selected' : '';
+      showLog().catch(() => {});
+    });
+    div.appendChild(button);
+  }
+}
+
+async function showLog() {
+  if (pickedLog === null) return;
+  const name = pickedLog;
+  const response = await fetch('/api/logs/' + encodeURIComponent(name) + '?lines=200',
+                               { credentials: 'same-origin', cache: 'no-store' });
+  const text = await response.text();
+  if (name !== pickedLog) return;  // another was picked meanwhile
+  const pre = document.getElementById('log-text');
+  const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+  pre.textContent = response.ok ? text : name + ': ' + text;
+  pre.dataset.name = name;
+  if (atBottom || pre.dataset.scrolled !== name) {
+    pre.scrollTop = pre.scrollHeight;
+    pre.dataset.scrolled = name;
+  }
+}
+
 async function refresh() {
   const status = document.getElementById('status');
   try {
-    const [cluster, jobs, timeline, waits] = await Promise.all(
+    const [cluster, jobs, timeline, waits, logs] = await Promise.all(
       [getJson('/api/cluster'), getJson('/api/job'), getJson('/api/timeline'),
-       getJson('/api/waits')]);
+       getJson('/api/waits'), getJson('/api/logs')]);
     renderCluster(cluster);
     renderWaits(waits);
     renderJobs(jobs);
     renderTimeline(timeline);
+    renderLogs(logs);
+    await showLog();
     status.textContent = '';
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (error) {

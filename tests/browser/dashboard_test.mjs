@@ -2,7 +2,8 @@
 //
 // Starts a cluster with `tessera start --head` (2 workers) in a fresh session, runs a short
 // train_gpt2 on it, opens the URL the head printed in headless Chromium (playwright-core), and
-// checks that workers, memory, the loss plot and timeline entries appear and then change; saves
+// checks that workers, memory, the loss plot and timeline entries appear and then change, and
+// that the logs view shows a worker's log by its id; saves
 // a screenshot to bench/results/dashboard_<date>.png; checks that requests without the token get
 // 401. No timing thresholds: waits are generous deadlines, never measurements.
 //
@@ -69,7 +70,8 @@ async function main() {
 
   // Without the token: 401, nothing else.
   const base = url.slice(0, url.indexOf('/?token='));
-  for (const route of ['/', '/api/cluster', '/api/job', '/api/timeline', '/metrics']) {
+  for (const route of ['/', '/api/cluster', '/api/job', '/api/timeline', '/api/logs',
+                       '/api/logs/scheduler', '/metrics']) {
     const response = await fetch(base + route);
     const body = await response.text();
     check(response.status === 401 && !body.includes(session), 'without the token ' + route + ' is 401');
@@ -128,6 +130,23 @@ async function main() {
   const second = await read();
   check(second.lastStep > first.lastStep, 'the loss plot updated: step ' + first.lastStep + ' -> ' + second.lastStep);
   check(second.lastEnd > first.lastEnd, 'the timeline updated');
+
+  // The logs view: a button per log of the session (the scheduler's, each worker's by the id
+  // the workers table shows); picking a worker's shows the end of its log.
+  await page.waitForFunction(
+    () => [...document.querySelectorAll('#logs button')].filter(b => /^worker[0-9]+$/.test(b.dataset.name)).length >= 2,
+    null, deadline);
+  const names = await page.$$eval('#logs button', buttons => buttons.map(b => b.dataset.name));
+  check(names.includes('scheduler'), 'the logs view lists the scheduler and the workers by id: ' + names.join(','));
+  const workerLog = names.find(n => /^worker[0-9]+$/.test(n));
+  await page.click(`#logs button[data-name="${workerLog}"]`);
+  await page.waitForFunction(
+    n => document.getElementById('log-text').dataset.name === n &&
+         document.getElementById('log-text').textContent.includes(n + ' joined'),
+    workerLog, deadline);
+  check(true, 'picking ' + workerLog + ' shows the end of its log');
+  const missing = await page.evaluate(async () => (await fetch('/api/logs/worker999')).status);
+  check(missing === 404, 'an unknown log is 404');
 
   const date = new Date().toISOString().slice(0, 10);
   const results = path.join(sourceDir, 'bench', 'results');

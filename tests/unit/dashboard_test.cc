@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
@@ -105,8 +107,10 @@ class FakeSource : public dashboard::DashboardSource {
                           .instance = 5});
     return view;
   }
+  std::string SessionDir() override { return session_dir; }
   int64_t steps = 3;
   std::string odd;  // appended to every text that comes off the wire (names, waits)
+  std::string session_dir;  // the logs' (empty: none)
 };
 
 class DashboardHandlerTest : public ::testing::Test {
@@ -132,7 +136,8 @@ std::string Header(const HttpResponse& response, const std::string& name) {
 TEST_F(DashboardHandlerTest, EveryRouteRefusesARequestWithoutTheToken) {
   for (const char* target :
        {"/", "/dashboard.js", "/dashboard.css", "/api/cluster", "/api/job", "/api/timeline",
-        "/api/waits", "/metrics", "/no-such-page", "/?token=wrong"}) {
+        "/api/waits", "/api/logs", "/api/logs/scheduler", "/metrics", "/no-such-page",
+        "/?token=wrong"}) {
     for (const auto& [authorization, cookie] : std::vector<std::pair<std::string, std::string>>{
              {"", ""},
              {"Bearer wrong", ""},
@@ -229,6 +234,54 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(timeline["spans"][0]["kind"], "forward");
   EXPECT_EQ(timeline["spans"][0]["stream"], "compute 0");
   EXPECT_DOUBLE_EQ(timeline["spans"][0]["end_ms"].get<double>(), 30.0);
+}
+
+// The logs view's routes: the session's logs by name, the end of one, and refusals that name
+// what is wrong (core/session_logs.h decides what a log is).
+TEST_F(DashboardHandlerTest, LogsAreListedAndReadByName) {
+  const HttpResponse none = Get("/api/logs", Bearer());
+  EXPECT_EQ(none.status, 200);
+  EXPECT_EQ(nlohmann::json::parse(none.body)["logs"].size(), 0u);
+  EXPECT_EQ(Get("/api/logs/scheduler", Bearer()).status, 404);
+
+  const std::string dir = testing::TempPath("dashboard_logs");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream scheduler(dir + "/scheduler.log");
+    for (int line = 1; line <= 300; ++line) scheduler << "line " << line << "\n";
+  }
+  std::ofstream(dir + "/worker-0.log") << "worker2 joined\n";
+  std::filesystem::create_symlink("worker-0.log", dir + "/worker2.log");
+  source_.session_dir = dir;
+  const HttpResponse listed = Get("/api/logs", Bearer());
+  ASSERT_EQ(listed.status, 200);
+  EXPECT_EQ(listed.content_type, "application/json");
+  const nlohmann::json logs = nlohmann::json::parse(listed.body);
+  EXPECT_EQ(logs["session_dir"], dir);
+  ASSERT_EQ(logs["logs"].size(), 2u);
+  EXPECT_EQ(logs["logs"][0]["name"], "scheduler");
+  EXPECT_EQ(logs["logs"][1]["name"], "worker2");
+  EXPECT_EQ(logs["logs"][1]["bytes"], 15);
+  EXPECT_GT(logs["logs"][1]["modified_unix_s"].get<int64_t>(), 1'600'000'000);
+
+  const HttpResponse worker = Get("/api/logs/worker2", Bearer());
+  EXPECT_EQ(worker.status, 200);
+  EXPECT_EQ(worker.content_type, "text/plain; charset=utf-8");
+  EXPECT_EQ(worker.body, "worker2 joined\n");
+  const HttpResponse tail = Get("/api/logs/scheduler", Bearer());  // the last 200 lines
+  EXPECT_EQ(tail.body.substr(0, 9), "line 101\n");
+  EXPECT_EQ(Get("/api/logs/scheduler?lines=2", Bearer()).body, "line 299\nline 300\n");
+  EXPECT_EQ(Get("/api/logs/scheduler?lines=0", Bearer()).body.substr(0, 7), "line 1\n");
+  EXPECT_EQ(Get("/api/logs/scheduler?lines=-1", Bearer()).status, 400);
+  EXPECT_EQ(Get("/api/logs/scheduler?lines=x", Bearer()).status, 400);
+  const HttpResponse unknown = Get("/api/logs/worker9", Bearer());
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_NE(unknown.body.find("no log named 'worker9'"), std::string::npos) << unknown.body;
+  // Nothing outside the session: a name with a slash, however it is written, is refused.
+  EXPECT_EQ(Get("/api/logs/..%2Ftoken", Bearer()).status, 400);
+  EXPECT_EQ(Get("/api/logs/token", Bearer()).status, 404);  // the token file is no log
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(DashboardHandlerTest, TextFromTheWireThatIsNotUtf8IsReplacedOnEveryRoute) {
