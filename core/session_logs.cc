@@ -44,7 +44,7 @@ int64_t UnixSeconds(fs::file_time_type time) {
 }  // namespace
 
 std::vector<SessionLog> ListSessionLogs(const std::string& dir) {
-  std::map<std::string, SessionLog> by_file;         // the files, by resolved path
+  std::map<std::string, SessionLog> by_file;           // the files, by resolved path
   std::vector<std::pair<int64_t, SessionLog>> linked;  // worker ids' links, with their mtimes
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(dir, error)) {
@@ -58,11 +58,11 @@ std::vector<SessionLog> ListSessionLogs(const std::string& dir) {
     log.file = target.string();
     log.bytes = static_cast<int64_t>(fs::file_size(target, ignored));
     log.modified_unix_s = UnixSeconds(fs::last_write_time(target, ignored));
-    if (struct stat link {}; entry.is_symlink(ignored) &&
-                              ::lstat(entry.path().c_str(), &link) == 0) {
-      linked.emplace_back(static_cast<int64_t>(link.st_mtim.tv_sec) * 1'000'000'000 +
-                              link.st_mtim.tv_nsec,
-                          std::move(log));
+    if (struct stat link{};
+        entry.is_symlink(ignored) && ::lstat(entry.path().c_str(), &link) == 0) {
+      linked.emplace_back(
+          static_cast<int64_t>(link.st_mtim.tv_sec) * 1'000'000'000 + link.st_mtim.tv_nsec,
+          std::move(log));
     } else if (!entry.is_symlink(ignored)) {
       by_file[log.file] = std::move(log);
     }

@@ -171,8 +171,8 @@ HttpResponse HttpHandler::Handle(const HttpRequest& request) const {
     const std::string dir = source_->SessionDir();
     return Json(LogsJson(dir, dir.empty() ? std::vector<SessionLog>{} : ListSessionLogs(dir)));
   }
-  if (path.starts_with(kLogPrefix)) return Log(PercentDecode(path.substr(kLogPrefix.size())),
-                                               QueryValue(request.target, "lines"));
+  if (path.starts_with(kLogPrefix))
+    return Log(PercentDecode(path.substr(kLogPrefix.size())), QueryValue(request.target, "lines"));
   if (path == "/metrics") {
     return {.status = 200,
             .content_type = std::string(kPrometheusContentType),

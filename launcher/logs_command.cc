@@ -89,8 +89,8 @@ int RunLogsCommand(const LogsCommandFlags& flags, const std::string& temp_dir) {
                 SessionRuns(dir) ? "running" : "ended");
     std::printf("%-16s %12s  %-19s  %s\n", "name", "bytes", "last written", "file");
     for (const SessionLog& log : logs) {
-      std::printf("%-16s %12lld  %-19s  %s\n", log.name.c_str(),
-                  static_cast<long long>(log.bytes), LocalTime(log.modified_unix_s).c_str(),
+      std::printf("%-16s %12lld  %-19s  %s\n", log.name.c_str(), static_cast<long long>(log.bytes),
+                  LocalTime(log.modified_unix_s).c_str(),
                   std::filesystem::path(log.file).filename().c_str());
     }
     std::printf("tessera logs NAME prints one (-n LINES, -f to follow)\n");

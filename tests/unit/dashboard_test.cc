@@ -109,7 +109,7 @@ class FakeSource : public dashboard::DashboardSource {
   }
   std::string SessionDir() override { return session_dir; }
   int64_t steps = 3;
-  std::string odd;  // appended to every text that comes off the wire (names, waits)
+  std::string odd;          // appended to every text that comes off the wire (names, waits)
   std::string session_dir;  // the logs' (empty: none)
 };
 
@@ -134,10 +134,9 @@ std::string Header(const HttpResponse& response, const std::string& name) {
 }
 
 TEST_F(DashboardHandlerTest, EveryRouteRefusesARequestWithoutTheToken) {
-  for (const char* target :
-       {"/", "/dashboard.js", "/dashboard.css", "/api/cluster", "/api/job", "/api/timeline",
-        "/api/waits", "/api/logs", "/api/logs/scheduler", "/metrics", "/no-such-page",
-        "/?token=wrong"}) {
+  for (const char* target : {"/", "/dashboard.js", "/dashboard.css", "/api/cluster", "/api/job",
+                             "/api/timeline", "/api/waits", "/api/logs", "/api/logs/scheduler",
+                             "/metrics", "/no-such-page", "/?token=wrong"}) {
     for (const auto& [authorization, cookie] : std::vector<std::pair<std::string, std::string>>{
              {"", ""},
              {"Bearer wrong", ""},

@@ -30,8 +30,8 @@ std::vector<std::string> Names(const std::vector<SessionLog>& logs) {
 
 TEST(SessionLogsTest, ListedByTheNamesStatusShows) {
   const std::string dir = FreshDir("list");
-  for (const char* file : {"worker-1.log", "scheduler.log", "worker-0.log", "worker-2.log",
-                           "worker-9-0.log"}) {
+  for (const char* file :
+       {"worker-1.log", "scheduler.log", "worker-0.log", "worker-2.log", "worker-9-0.log"}) {
     std::ofstream(dir + "/" + file) << file << "\n";
   }
   std::ofstream(dir + "/token") << "t\n";  // not a log
@@ -39,8 +39,8 @@ TEST(SessionLogsTest, ListedByTheNamesStatusShows) {
   std::filesystem::create_symlink("worker-2.log", dir + "/worker3.log");
   std::filesystem::create_symlink("gone.log", dir + "/worker4.log");  // dangling: skipped
   const std::vector<SessionLog> logs = ListSessionLogs(dir);
-  EXPECT_EQ(Names(logs), (std::vector<std::string>{"scheduler", "worker3", "worker12",
-                                                   "worker-1", "worker-9-0"}));
+  EXPECT_EQ(Names(logs), (std::vector<std::string>{"scheduler", "worker3", "worker12", "worker-1",
+                                                   "worker-9-0"}));
   ASSERT_EQ(logs.size(), 5u);
   EXPECT_EQ(std::filesystem::path(logs[1].file).filename(), "worker-2.log");
   EXPECT_EQ(logs[1].bytes, static_cast<int64_t>(std::string("worker-2.log\n").size()));
