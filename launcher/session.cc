@@ -1,12 +1,14 @@
 #include "launcher/session.h"
 
 #include <pwd.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -384,8 +386,10 @@ bool SessionRuns(const std::string& dir) {
   if (Result<std::string> scheduler = ReadFileTrimmed(dir + "/scheduler.pid"); scheduler.ok()) {
     pids.push_back(static_cast<pid_t>(std::atol(scheduler->c_str())));
   }
+  // kill(pid, 0), not ProcessAlive: that reaps an exited child, which is its ChildReaper's to
+  // reap (a session of a cluster this process started). A zombie counts as running: kept.
   return std::any_of(pids.begin(), pids.end(),
-                     [](pid_t pid) { return pid > 0 && ProcessAlive(pid); });
+                     [](pid_t pid) { return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM); });
 }
 
 int RemoveEndedSessions(const std::string& root, int keep, const std::string& except) {
