@@ -158,7 +158,12 @@ struct WorkerInfo {
   int64_t bytes_pulled = 0;         // data plane, cumulative
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
-  RunFigures last_run;  // the latest graph instance it finished
+  double cpu_seconds = 0;      // CPU time of the worker process so far
+  double cpu_utilization = 0;  // cores it kept busy over its last heartbeat interval
+  int64_t objects = 0;         // in its object store now
+  int64_t device_bytes = 0;    // of the store's, in the device tier
+  int64_t restores = 0;        // objects read back from disk so far
+  RunFigures last_run;         // the latest graph instance it finished
   // What it runs or waits for, explained by the scheduler (see WorkerWait), and the workers it
   // waits for that are silent or absent.
   std::string waits;
@@ -206,6 +211,8 @@ struct JobProgress {
   double step_ms = std::numeric_limits<double>::quiet_NaN();
   double tokens_per_second = std::numeric_limits<double>::quiet_NaN();
   double samples_per_second = std::numeric_limits<double>::quiet_NaN();
+  double validation_loss = std::numeric_limits<double>::quiet_NaN();  // evaluated after the step
+  std::string plan;  // the plan, when it is new or changed (the scheduler keeps the last one)
 };
 
 class Cluster {

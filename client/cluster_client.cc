@@ -33,6 +33,11 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
   w.bytes_pulled = worker.getHeartbeat().getBytesPulled();
   w.pull_micros = worker.getHeartbeat().getPullMicros();
   w.bytes_served = worker.getHeartbeat().getBytesServed();
+  w.cpu_seconds = worker.getHeartbeat().getCpuSeconds();
+  w.cpu_utilization = worker.getHeartbeat().getCpuUtilization();
+  w.objects = worker.getHeartbeat().getObjects();
+  w.device_bytes = worker.getHeartbeat().getDeviceBytes();
+  w.restores = worker.getHeartbeat().getRestores();
   w.waits = rpc::ToString(worker.getWaits());
   for (uint64_t blocked : worker.getBlockedOn()) w.blocked_on.push_back(WorkerId(blocked));
   if (worker.hasLastRun()) {
@@ -422,6 +427,8 @@ Status ClusterClient::ReportProgress(const JobProgress& progress) {
   body.setStepMs(progress.step_ms);
   body.setTokensPerSecond(progress.tokens_per_second);
   body.setSamplesPerSecond(progress.samples_per_second);
+  body.setValidationLoss(progress.validation_loss);
+  body.setPlan(progress.plan);
   connection_->Send(message);
   return Status::Ok();
 }

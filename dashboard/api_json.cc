@@ -44,7 +44,11 @@ std::string ClusterJson(const ClusterView& cluster) {
          {{"host_used", w.host_used},
           {"host_capacity", w.host_capacity},
           {"spilled", w.spilled},
-          {"committed", w.committed}}},
+          {"committed", w.committed},
+          {"device", w.device_bytes},
+          {"spilled_total", w.spilled_total}}},
+        {"store", {{"objects", w.objects}, {"restores", w.restores}}},
+        {"cpu", {{"seconds", Number(w.cpu_seconds)}, {"utilization", Number(w.cpu_utilization)}}},
         {"tasks", {{"in_flight", w.tasks_in_flight}, {"done", w.tasks_done}}},
         {"bytes",
          {{"pulled", w.bytes_pulled},
@@ -78,10 +82,13 @@ std::string JobsJson(const std::vector<JobView>& jobs) {
                         {"loss", Number(p.loss)},
                         {"step_ms", Number(p.step_ms)},
                         {"tokens_per_second", Number(p.tokens_per_second)},
-                        {"samples_per_second", Number(p.samples_per_second)}});
+                        {"samples_per_second", Number(p.samples_per_second)},
+                        {"validation_loss", Number(p.validation_loss)}});
     }
     list.push_back({{"name", job.name},
                     {"driver", job.driver},
+                    {"plan", job.plan},
+                    {"steps_reported", job.steps_reported},
                     {"connected", job.connected},
                     {"points_dropped", job.points_dropped},
                     {"points", std::move(points)}});

@@ -16,11 +16,13 @@ namespace tessera::dashboard {
 
 // {"session_dir", "uptime_s", "drivers", "objects", "tasks": {"queued", "running", "done"},
 //  "workers": [{"id", "hostname", "pid", "alive", "memory": {"host_used", "host_capacity",
-//  "spilled", "committed"}, "tasks": {"in_flight", "done"}, "bytes": {"pulled", "served",
-//  "pushed", "collective_sent"}, "last_run": {...} or null}]}
+//  "spilled", "committed", "device", "spilled_total"}, "store": {"objects", "restores"}, "cpu":
+//  {"seconds", "utilization" (cores busy over the last heartbeat)}, "tasks": {"in_flight", "done"},
+//  "bytes": {"pulled", "served", "pushed", "collective_sent"}, "last_run": {...} or null}]}
 std::string ClusterJson(const ClusterView& cluster);
-// {"jobs": [{"name", "driver", "connected", "points_dropped", "points": [{"step", "time_s",
-//  "loss", "step_ms", "tokens_per_second", "samples_per_second"}]}]}
+// {"jobs": [{"name", "driver", "plan", "steps_reported", "connected", "points_dropped",
+//  "points": [{"step", "time_s", "loss", "step_ms", "tokens_per_second", "samples_per_second",
+//  "validation_loss"}]}]} (oldest job first)
 std::string JobsJson(const std::vector<JobView>& jobs);
 // {"now_ms", "spans": [{"worker", "stream", "name", "kind", "start_ms", "end_ms", "bytes",
 //  "graph", "instance"}]} (times: ms since the Unix epoch)

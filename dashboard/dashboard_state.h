@@ -46,7 +46,15 @@ struct WorkerView {
   int64_t host_used = 0;
   int64_t host_capacity = 0;
   int64_t spilled = 0;
-  int64_t committed = 0;  // promised by the scheduler to tasks in flight there
+  int64_t committed = 0;      // promised by the scheduler to tasks in flight there
+  int64_t device_bytes = 0;   // the store's device tier
+  int64_t spilled_total = 0;  // written to disk so far
+  // The store: objects now, and read back from disk so far.
+  int64_t objects = 0;
+  int64_t restores = 0;
+  // CPU: the process's CPU time so far, and the cores it kept busy over its last heartbeat.
+  double cpu_seconds = 0;
+  double cpu_utilization = 0;
   // Tasks: dispatched by the scheduler and not finished, and finished (the worker's count).
   int tasks_in_flight = 0;
   int64_t tasks_done = 0;
@@ -83,6 +91,7 @@ struct JobPoint {
   double step_ms = std::numeric_limits<double>::quiet_NaN();
   double tokens_per_second = std::numeric_limits<double>::quiet_NaN();
   double samples_per_second = std::numeric_limits<double>::quiet_NaN();
+  double validation_loss = std::numeric_limits<double>::quiet_NaN();  // when evaluated
 };
 
 // Upper bounds, in seconds, of the step-time histogram's buckets (/metrics
@@ -108,6 +117,7 @@ struct StepTimeHistogram {
 struct JobView {
   std::string name;
   uint64_t driver = 0;  // the reporting driver's participant id
+  std::string plan;     // the last plan it reported
   bool connected = false;
   int64_t points_dropped = 0;    // older points forgotten (the history is bounded)
   std::vector<JobPoint> points;  // ascending arrival

@@ -104,8 +104,13 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
              [](const WorkerView& w) { return w.tasks_in_flight; });
   per_worker("tessera_worker_tasks_done_total", "counter", "Tasks the worker finished.", "",
              [](const WorkerView& w) { return static_cast<double>(w.tasks_done); });
-  per_worker("tessera_memory_used_bytes", "gauge", "Bytes in use per memory tier.", "tier=\"host\"",
-             [](const WorkerView& w) { return static_cast<double>(w.host_used); });
+  {  // two tiers, one family
+    Family family(out, "tessera_memory_used_bytes", "gauge", "Bytes in use per memory tier.");
+    for (const WorkerView& w : cluster.workers) {
+      family.Sample(WorkerLabel(w) + ",tier=\"host\"", static_cast<double>(w.host_used));
+      family.Sample(WorkerLabel(w) + ",tier=\"device\"", static_cast<double>(w.device_bytes));
+    }
+  }
   per_worker("tessera_memory_capacity_bytes", "gauge", "Capacity per memory tier in bytes.",
              "tier=\"host\"",
              [](const WorkerView& w) { return static_cast<double>(w.host_capacity); });
@@ -115,6 +120,14 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
   per_worker("tessera_memory_committed_bytes", "gauge",
              "Host bytes the scheduler promised to tasks in flight on the worker.", "",
              [](const WorkerView& w) { return static_cast<double>(w.committed); });
+  per_worker("tessera_worker_objects", "gauge", "Objects in the worker's object store.", "",
+             [](const WorkerView& w) { return static_cast<double>(w.objects); });
+  per_worker("tessera_worker_restores_total", "counter",
+             "Objects the worker's object store read back from disk.", "",
+             [](const WorkerView& w) { return static_cast<double>(w.restores); });
+  per_worker("tessera_worker_cpu_seconds_total", "counter",
+             "CPU time of the worker process (user + system) in seconds.", "",
+             [](const WorkerView& w) { return w.cpu_seconds; });
   per_worker("tessera_bytes_pulled_total", "counter", "Bytes the worker pulled from peers.", "",
              [](const WorkerView& w) { return static_cast<double>(w.bytes_pulled); });
   per_worker("tessera_bytes_served_total", "counter", "Bytes peers pulled from the worker.", "",

@@ -40,6 +40,12 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
     w.host_capacity = p.host_capacity;
     w.spilled = p.spilled_bytes;
     w.committed = p.committed_bytes;
+    w.device_bytes = p.device_bytes;
+    w.spilled_total = p.spilled_total;
+    w.objects = p.objects;
+    w.restores = p.restores;
+    w.cpu_seconds = p.cpu_seconds;
+    w.cpu_utilization = p.cpu_utilization;
     w.tasks_in_flight = p.tasks_in_flight;
     w.tasks_done = p.tasks_done;
     w.bytes_pulled = p.bytes_pulled;
@@ -92,6 +98,7 @@ std::vector<dashboard::JobView> CoreDashboardSource::Jobs() {
     dashboard::JobView& job = jobs.emplace_back();
     job.name = history.name;
     job.driver = history.driver.value();
+    job.plan = history.plan;
     job.connected = history.connected;
     job.points_dropped = history.dropped;
     job.steps_reported = history.reported;
@@ -103,7 +110,8 @@ std::vector<dashboard::JobView> CoreDashboardSource::Jobs() {
                                                .loss = step.loss,
                                                .step_ms = step.step_ms,
                                                .tokens_per_second = step.tokens_per_second,
-                                               .samples_per_second = step.samples_per_second});
+                                               .samples_per_second = step.samples_per_second,
+                                               .validation_loss = step.validation_loss});
     }
   }
   return jobs;

@@ -23,6 +23,7 @@ void JobMetrics::Record(WorkerId driver, proto::JobProgress::Reader progress,
     ++job->dropped;
   }
   ++job->reported;
+  if (const std::string plan = progress.getPlan(); !plan.empty()) job->plan = plan;
   if (const double ms = progress.getStepMs(); std::isfinite(ms) && ms > 0) {
     job->step_times.Add(ms / 1000.0);
   }
@@ -31,7 +32,8 @@ void JobMetrics::Record(WorkerId driver, proto::JobProgress::Reader progress,
                                .loss = progress.getLoss(),
                                .step_ms = progress.getStepMs(),
                                .tokens_per_second = progress.getTokensPerSecond(),
-                               .samples_per_second = progress.getSamplesPerSecond()});
+                               .samples_per_second = progress.getSamplesPerSecond(),
+                               .validation_loss = progress.getValidationLoss()});
 }
 
 void JobMetrics::DriverGone(WorkerId driver) {

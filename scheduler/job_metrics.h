@@ -1,5 +1,6 @@
 // JobMetrics: what drivers report about their jobs after each training step (JobProgress:
-// step, loss, step time, tokens/s or samples/s), kept for the dashboard's plots and /metrics.
+// step, loss, step time, tokens/s or samples/s, a validation loss when the step was evaluated,
+// the plan when new), kept for the dashboard's plots and /metrics.
 //
 // A job is one reporting driver and the name it gives; a driver that leaves keeps its history
 // (marked not connected) until newer jobs push it out. Memory is bounded: at most kMaxPoints per
@@ -27,11 +28,13 @@ struct JobStep {
   double step_ms = 0;
   double tokens_per_second = 0;
   double samples_per_second = 0;
+  double validation_loss = 0;  // NaN when the step was not evaluated
 };
 
 struct JobHistory {
   std::string name;
   WorkerId driver;
+  std::string plan;  // the last one reported
   bool connected = true;
   int64_t dropped = 0;  // points forgotten to keep the bound
   std::deque<JobStep> steps;

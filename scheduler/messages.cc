@@ -84,6 +84,11 @@ void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
   hb.setBytesPulled(p.bytes_pulled);
   hb.setPullMicros(p.pull_micros);
   hb.setBytesServed(p.bytes_served);
+  hb.setCpuSeconds(p.cpu_seconds);
+  hb.setCpuUtilization(static_cast<float>(p.cpu_utilization));
+  hb.setObjects(p.objects);
+  hb.setDeviceBytes(p.device_bytes);
+  hb.setRestores(p.restores);
   if (p.last_run != nullptr) out.setLastRun(p.last_run->getRoot<proto::RunReport>().asReader());
 }
 

@@ -31,6 +31,8 @@ const Participant* ParticipantTable::Find(WorkerId id) const {
 }
 
 void ParticipantTable::Remove(WorkerId id) {
+  // (A departed worker keeps its last figures, CPU time and store included; MarkDead zeroes only
+  // the scheduler's own load on it.)
   auto it = participants_.find(id);
   if (it == participants_.end()) return;
   if (it->second.role == ParticipantRole::kWorker) {
@@ -84,6 +86,15 @@ void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader h
   worker.bytes_pulled = heartbeat.getBytesPulled();
   worker.pull_micros = heartbeat.getPullMicros();
   worker.bytes_served = heartbeat.getBytesServed();
+  // Figures off the wire: what cannot be true (negative, not finite) counts as nothing.
+  const auto at_least_zero = [](double value) {
+    return std::isfinite(value) && value > 0 ? value : 0.0;
+  };
+  worker.cpu_seconds = at_least_zero(heartbeat.getCpuSeconds());
+  worker.cpu_utilization = at_least_zero(heartbeat.getCpuUtilization());
+  worker.objects = std::max<int64_t>(0, heartbeat.getObjects());
+  worker.device_bytes = std::max<int64_t>(0, heartbeat.getDeviceBytes());
+  worker.restores = std::max<int64_t>(0, heartbeat.getRestores());
   worker.waits = ReadWaitState(heartbeat.getWaits());
   if (heartbeat.getHostCapacity() > 0) worker.host_capacity = heartbeat.getHostCapacity();
 }

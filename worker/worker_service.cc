@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "core/collective_task.h"
+#include "core/cpu_use.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/io_loop.h"
@@ -82,6 +83,7 @@ class WorkerServiceImpl final : public WorkerService {
   rpc::asio::executor_work_guard<io_context::executor_type> work_;
   std::thread io_thread_;
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
+  CpuMeter cpu_meter_;  // sampled with each heartbeat (io thread)
   // When the scheduler last sent anything (io thread writes, heartbeat timer reads).
   std::atomic<std::chrono::steady_clock::time_point> last_heard_{std::chrono::steady_clock::now()};
   std::shared_ptr<rpc::Connection> connection_;
@@ -304,6 +306,12 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   heartbeat.setHostCapacity(stats.host_capacity_bytes);
   heartbeat.setSpilledBytes(stats.spilled_bytes);
   heartbeat.setSpilledTotal(stats.spilled_total_bytes);
+  heartbeat.setObjects(stats.objects);
+  heartbeat.setDeviceBytes(stats.device_bytes);
+  heartbeat.setRestores(stats.restores);
+  const CpuUse cpu = cpu_meter_.Sample();
+  heartbeat.setCpuSeconds(cpu.seconds);
+  heartbeat.setCpuUtilization(static_cast<float>(cpu.cores_busy));
   const GraphRunnerStats runs = graph_runner_->stats();
   heartbeat.setTasksRunning(static_cast<int32_t>(runs.running));
   heartbeat.setTasksDone(runs.tasks_done);

@@ -106,6 +106,11 @@ struct Heartbeat {
   bytesServed @7 :Int64;     # bytes peers pulled from this worker
   waits @8 :WaitState;       # what the worker runs or waits for now (tessera status --waits)
   spilledTotal @9 :Int64;    # cumulative: bytes its object store wrote to disk (spilledBytes: now)
+  cpuSeconds @10 :Float64;   # cumulative: CPU time of the worker process (user + system)
+  cpuUtilization @11 :Float32;  # cores it kept busy over the last heartbeat interval
+  objects @12 :Int64;        # objects in its store now
+  deviceBytes @13 :Int64;    # bytes of them in the device tier (a GPU worker's)
+  restores @14 :Int64;       # cumulative: objects its store read back from disk
 }
 
 # A worker's own view of what it runs or waits for, as of its heartbeat (worker/wait_state.h).
@@ -363,6 +368,8 @@ struct JobProgress {
   stepMs @3 :Float64;
   tokensPerSecond @4 :Float64;   # NaN when the job counts samples instead
   samplesPerSecond @5 :Float64;  # NaN when the job counts tokens instead
+  validationLoss @6 :Float64 = nan;  # evaluated after this step; NaN when not
+  plan @7 :Text;                 # the job's plan, when new or changed; empty otherwise
 }
 
 struct Empty {}

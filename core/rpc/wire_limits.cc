@@ -79,6 +79,8 @@ Status Checker::Heartbeat(proto::Heartbeat::Reader heartbeat) const {
                                           limits_.max_host_bytes));
   TESSERA_RETURN_IF_ERROR(CheckByteFigure("Heartbeat.spilledBytes", heartbeat.getSpilledBytes(),
                                           limits_.max_host_bytes));
+  TESSERA_RETURN_IF_ERROR(
+      CheckByteFigure("Heartbeat.deviceBytes", heartbeat.getDeviceBytes(), limits_.max_host_bytes));
   const proto::WaitState::Reader waits = heartbeat.getWaits();
   TESSERA_RETURN_IF_ERROR(Tasks("Heartbeat.waits.running", waits.getRunning().size()));
   for (capnp::Text::Reader name : waits.getRunning()) {
@@ -342,7 +344,8 @@ Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits) 
     case Body::TIMELINE_REPLY:
       return check.Timeline(body.getTimelineReply());
     case Body::JOB_PROGRESS:
-      return check.Name("JobProgress.job", body.getJobProgress().getJob());
+      TESSERA_RETURN_IF_ERROR(check.Name("JobProgress.job", body.getJobProgress().getJob()));
+      return check.Name("JobProgress.plan", body.getJobProgress().getPlan());
     case Body::FORGET_GRAPHS:
       return check.Objects("ForgetGraphs.graphIds", body.getForgetGraphs().getGraphIds().size());
     default:

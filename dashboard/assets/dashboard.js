@@ -25,6 +25,13 @@ function bytes(n) {
   return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + ' ' + units[i];
 }
 
+// A task's name without the graph and instance ids it starts with ("<graph>.<instance>/"): the
+// plan's rank, layer and op ("rank1/block0/attention_forward").
+function taskLabel(name) { return String(name).replace(/(^|\s)\d+\.\d+\//g, '$1'); }
+
+// The driver a graph id belongs to: ids are (driver << 40) | sequence.
+function driverOfGraph(graph) { return Math.floor(Number(graph) / 2 ** 40); }
+
 function num(x, digits) { return x === null || x === undefined ? '-' : Number(x).toFixed(digits); }
 
 async function getJson(path) {
@@ -73,6 +80,9 @@ function renderCluster(c) {
     tr.appendChild(el('td', String(w.pid)));
     tr.appendChild(el('td', w.alive ? 'alive' : 'dead', w.alive ? 'alive' : 'dead'));
     tr.appendChild(el('td', w.gpu || '-'));
+    const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') : '-', 'num cpu');
+    cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far';
+    tr.appendChild(cpu);
     tr.appendChild(memoryCell(w.memory.host_used, w.memory.host_capacity));
     tr.appendChild(el('td', bytes(w.memory.spilled), 'num'));
     tr.appendChild(el('td', String(w.tasks.in_flight), 'num'));
@@ -82,6 +92,20 @@ function renderCluster(c) {
     tr.appendChild(el('td', bytes(w.bytes.pushed), 'num'));
     body.appendChild(tr);
   }
+  const store = document.querySelector('#store tbody');
+  store.replaceChildren();
+  for (const w of c.workers) {
+    const tr = el('tr', undefined, w.alive ? undefined : 'dead');
+    tr.dataset.worker = w.id;
+    tr.appendChild(el('td', 'worker' + w.id + (w.alive ? '' : ' (dead)')));
+    tr.appendChild(el('td', String(w.store.objects), 'num objects'));
+    tr.appendChild(el('td', bytes(w.memory.host_used), 'num'));
+    tr.appendChild(el('td', w.gpu ? bytes(w.memory.device) : '-', 'num'));
+    tr.appendChild(el('td', bytes(w.memory.spilled), 'num'));
+    tr.appendChild(el('td', bytes(w.memory.spilled_total), 'num'));
+    tr.appendChild(el('td', String(w.store.restores), 'num'));
+    store.appendChild(tr);
+  }
   document.getElementById('tasks').textContent =
     'dynamic tasks: ' + c.tasks.queued + ' queued, ' + c.tasks.running + ' running, ' +
     c.tasks.done + ' done';
@@ -89,6 +113,8 @@ function renderCluster(c) {
   ranks.replaceChildren();
   for (const w of c.workers) {
     if (!w.last_run) continue;
+    // Only the shown job's steps: a worker's report from an earlier job is not this job's row.
+    if (shownDriver !== null && driverOfGraph(w.last_run.graph) !== shownDriver) continue;
     const r = w.last_run;
     const tr = el('tr');
     tr.dataset.worker = w.id;
@@ -104,18 +130,22 @@ function renderCluster(c) {
   }
 }
 
-// A line plot of (x, y) points on a canvas, with the axes' ranges written at the corners.
-function plot(canvas, points, colour) {
+// A line plot of (x, y) points on a canvas, with the axes' ranges written at the corners; `dots`
+// (optional) another series drawn as points in `dotColour` (the validation loss).
+function plot(canvas, points, colour, dots = [], dotColour = '#1d2330') {
   const ctx = canvas.getContext('2d');
   const w = canvas.width, h = canvas.height, pad = 34;
   ctx.clearRect(0, 0, w, h);
   const data = points.filter(p => p[1] !== null && Number.isFinite(p[1]));
+  const marks = dots.filter(p => p[1] !== null && Number.isFinite(p[1]));
   canvas.dataset.points = String(data.length);
+  canvas.dataset.dots = String(marks.length);
   ctx.fillStyle = '#8a90a0';
   ctx.font = '11px system-ui, sans-serif';
   if (data.length === 0) { ctx.fillText('no data yet', pad, h / 2); return; }
   let x0 = data[0][0], x1 = data[data.length - 1][0];
-  let y0 = Math.min(...data.map(p => p[1])), y1 = Math.max(...data.map(p => p[1]));
+  const all = data.concat(marks);
+  let y0 = Math.min(...all.map(p => p[1])), y1 = Math.max(...all.map(p => p[1]));
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y1 += Math.abs(y1) * 0.05 + 1e-9; y0 -= Math.abs(y0) * 0.05 + 1e-9; }
   const sx = x => pad + (x - x0) / (x1 - x0) * (w - 2 * pad);
@@ -131,21 +161,51 @@ function plot(canvas, points, colour) {
   ctx.beginPath();
   data.forEach((p, i) => (i === 0 ? ctx.moveTo(sx(p[0]), sy(p[1])) : ctx.lineTo(sx(p[0]), sy(p[1]))));
   ctx.stroke();
+  ctx.fillStyle = dotColour;
+  for (const p of marks) {
+    ctx.beginPath();
+    ctx.arc(sx(p[0]), sy(p[1]), 3, 0, 2 * Math.PI);
+    ctx.fill();
+  }
   const last = data[data.length - 1];
   canvas.dataset.last = String(last[1]);
   canvas.dataset.lastStep = String(last[0]);
 }
 
+// Every job the scheduler kept (oldest first): a row each; the one picked (by default the latest
+// that reported a step) is plotted, with its plan and its validation losses (dots on the loss).
+let pickedJob = null;    // "driver/name" of the job picked by a click; null: the latest
+let shownDriver = null;  // the driver of the job plotted (the per-rank table shows its rows)
 function renderJobs(j) {
-  // The latest job that reported anything.
   const jobs = j.jobs.filter(job => job.points.length > 0);
-  const job = jobs.length ? jobs[jobs.length - 1] : null;
+  const key = job => job.driver + '/' + job.name;
+  let job = jobs.find(x => key(x) === pickedJob) || (jobs.length ? jobs[jobs.length - 1] : null);
+  shownDriver = job ? job.driver : null;
+  const tbody = document.querySelector('#jobs tbody');
+  tbody.replaceChildren();
+  for (const x of [...jobs].reverse()) {
+    const last = x.points[x.points.length - 1];
+    const evaluated = x.points.filter(p => p.validation_loss !== null);
+    const tr = el('tr', undefined, job && key(x) === key(job) ? 'picked' : undefined);
+    tr.dataset.job = key(x);
+    tr.appendChild(el('td', x.name));
+    tr.appendChild(el('td', 'driver ' + x.driver));
+    tr.appendChild(el('td', x.connected ? 'running' : 'finished', x.connected ? 'alive' : 'muted'));
+    tr.appendChild(el('td', String(last.step), 'num'));
+    tr.appendChild(el('td', num(last.loss, 4), 'num'));
+    tr.appendChild(el('td', evaluated.length ? num(evaluated[evaluated.length - 1].validation_loss, 4) : '-', 'num'));
+    tr.appendChild(el('td', x.plan || '-'));
+    tr.addEventListener('click', () => { pickedJob = key(x); renderJobs(j); });
+    tbody.appendChild(tr);
+  }
   document.getElementById('job-name').textContent = job
     ? job.name + ' (driver ' + job.driver + (job.connected ? '' : ', finished') + ', step ' +
       job.points[job.points.length - 1].step + ')'
     : '(no job has reported a step yet)';
+  document.getElementById('job-plan').textContent = job && job.plan ? 'plan: ' + job.plan : '';
   const pts = job ? job.points : [];
-  plot(document.getElementById('plot-loss'), pts.map(p => [p.step, p.loss]), '#b03a2e');
+  plot(document.getElementById('plot-loss'), pts.map(p => [p.step, p.loss]), '#b03a2e',
+       pts.map(p => [p.step, p.validation_loss]));
   plot(document.getElementById('plot-step'), pts.map(p => [p.step, p.step_ms]), '#3b7dd8');
   const tokens = pts.some(p => p.tokens_per_second !== null);
   document.getElementById('throughput-caption').textContent = tokens ? 'tokens/s' : 'samples/s';
@@ -167,7 +227,12 @@ function renderLegend() {
 
 // One row per worker and stream (compute slots, transfer, collective), time left to right over
 // the instances the scheduler kept (up to now).
+// While the pointer is on the timeline it stays still (the spans under it keep their place for the
+// hover); the latest data is drawn when the pointer leaves.
+let timelinePointed = false;
+let pendingTimeline = null;
 function renderTimeline(t) {
+  if (timelinePointed) { pendingTimeline = t; return; }
   const canvas = document.getElementById('timeline');
   const rowKey = s => s.worker + ' ' + s.stream;
   const rows = [...new Set(t.spans.map(rowKey))].sort((a, b) => {
@@ -192,16 +257,48 @@ function renderTimeline(t) {
     ctx.fillStyle = '#555d6e';
     ctx.fillText('worker' + worker + ' ' + stream.join(' '), 4, top + row * rowH + 13);
   });
+  drawnSpans = [];
   for (const s of t.spans) {
     const row = rows.indexOf(rowKey(s));
     ctx.fillStyle = KIND_COLOURS[s.kind] || KIND_COLOURS.other;
     const x = left + (s.start_ms - t0) * scale;
-    ctx.fillRect(x, top + row * rowH + 2, Math.max(1, (s.end_ms - s.start_ms) * scale), rowH - 4);
+    const width = Math.max(1, (s.end_ms - s.start_ms) * scale);
+    ctx.fillRect(x, top + row * rowH + 2, width, rowH - 4);
+    drawnSpans.push({ x, y: top + row * rowH + 2, w: width, h: rowH - 4, span: s, t0 });
   }
   ctx.fillStyle = '#8a90a0';
   ctx.fillText((t1 - t0).toFixed(1) + ' ms shown', left, canvas.height - 4);
   canvas.dataset.lastEnd = String(t1);
   canvas.dataset.kinds = [...new Set(t.spans.map(s => s.kind))].sort().join(',');
+}
+
+// The timeline's spans as drawn, for the hover: what is under the pointer, named by its rank,
+// layer and op, with its kind, where it ran, when and for how long, and the bytes it moved.
+let drawnSpans = [];
+function describeSpan(d) {
+  const s = d.span;
+  return taskLabel(s.name) + '\n' + s.kind + ' on worker' + s.worker + ' ' + s.stream +
+    '\nstarts at ' + (s.start_ms - d.t0).toFixed(2) + ' ms, takes ' +
+    (s.end_ms - s.start_ms).toFixed(3) + ' ms' + (s.bytes ? ', ' + bytes(s.bytes) : '') +
+    '\ngraph ' + s.graph + ', instance ' + s.instance;
+}
+function hoverTimeline(event) {
+  const canvas = document.getElementById('timeline');
+  const tip = document.getElementById('timeline-tip');
+  const box = canvas.getBoundingClientRect();
+  const x = (event.clientX - box.left) * canvas.width / box.width;
+  const y = (event.clientY - box.top) * canvas.height / box.height;
+  // The narrowest span under the pointer (a short task drawn over a long one stays reachable).
+  let hit = null;
+  for (const d of drawnSpans) {
+    if (x >= d.x - 1 && x <= d.x + d.w + 1 && y >= d.y && y <= d.y + d.h && (!hit || d.w < hit.w)) hit = d;
+  }
+  if (!hit) { tip.hidden = true; return; }
+  tip.textContent = describeSpan(hit);
+  tip.dataset.name = taskLabel(hit.span.name);
+  tip.style.left = (event.pageX + 12) + 'px';
+  tip.style.top = (event.pageY + 12) + 'px';
+  tip.hidden = false;
 }
 
 // One row per worker: what it runs or waits for; a row blocked on a silent or absent worker is
@@ -215,7 +312,7 @@ function renderWaits(w) {
     if (x.blocked_on.length > 0) tr.className = 'blocked';
     if (blockers.has(x.id)) tr.className = 'blocker';
     tr.appendChild(el('td', 'worker' + x.id + ' (' + x.hostname + ':' + x.pid + ')'));
-    tr.appendChild(el('td', x.alive ? (x.waits || 'no report') : 'dead'));
+    tr.appendChild(el('td', x.alive ? taskLabel(x.waits || 'no report') : 'dead'));
     tbody.appendChild(tr);
   }
 }
@@ -263,9 +360,9 @@ async function refresh() {
     const [cluster, jobs, timeline, waits, logs] = await Promise.all(
       [getJson('/api/cluster'), getJson('/api/job'), getJson('/api/timeline'),
        getJson('/api/waits'), getJson('/api/logs')]);
+    renderJobs(jobs);  // first: the job shown decides the per-rank rows
     renderCluster(cluster);
     renderWaits(waits);
-    renderJobs(jobs);
     renderTimeline(timeline);
     renderLogs(logs);
     await showLog();
@@ -277,5 +374,14 @@ async function refresh() {
 }
 
 renderLegend();
+document.getElementById('timeline').addEventListener('mousemove', event => {
+  timelinePointed = true;
+  hoverTimeline(event);
+});
+document.getElementById('timeline').addEventListener('mouseleave', () => {
+  timelinePointed = false;
+  document.getElementById('timeline-tip').hidden = true;
+  if (pendingTimeline) { renderTimeline(pendingTimeline); pendingTimeline = null; }
+});
 refresh();
 setInterval(refresh, 1000);

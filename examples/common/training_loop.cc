@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <set>
 #include <thread>
 #include <utility>
@@ -194,16 +195,24 @@ Result<int64_t> TrainingLoop::Recover(std::unique_ptr<Trainer>& trainer, int64_t
   return recovered->checkpoint.step;
 }
 
-void TrainingLoop::ReportProgress(int64_t step, const StepReport& report) {
+void TrainingLoop::ReportProgress(int64_t step, const StepReport& report, const Trainer& trainer,
+                                  double validation_loss) {
   Cluster* cluster = session_.cluster();
   if (cluster == nullptr || !cluster->connected()) return;
   // For the scheduler's dashboard and /metrics. One-way: a lost connection shows up on the next
   // step, where recovery handles it.
   const double per_second = options_.items_per_step / (report.step_ms / 1000.0);
-  JobProgress progress{
-      .job = options_.job, .step = step, .loss = report.loss, .step_ms = report.step_ms};
+  JobProgress progress{.job = options_.job,
+                       .step = step,
+                       .loss = report.loss,
+                       .step_ms = report.step_ms,
+                       .validation_loss = validation_loss};
   (options_.items_are_tokens ? progress.tokens_per_second : progress.samples_per_second) =
       per_second;
+  if (std::string plan = trainer.plan().parallel.ToString(); plan != reported_plan_) {
+    progress.plan = plan;
+    reported_plan_ = std::move(plan);
+  }
   (void)cluster->ReportProgress(progress);
 }
 
@@ -267,7 +276,6 @@ Status TrainingLoop::RunSteps(std::unique_ptr<Trainer>& trainer, int64_t first_s
     if (!std::isfinite(report->loss)) {
       return Internal("loss became {} at step {}; try a lower --lr", report->loss, i);
     }
-    ReportProgress(i, *report);
     if (hooks_.log_step) TESSERA_RETURN_IF_ERROR(hooks_.log_step(*trainer, i, *report, *batch));
     progress_.AfterStep(i, options_.steps);
     const bool checkpointed = checkpoints_.Due(*trainer, i);
@@ -286,7 +294,11 @@ Status TrainingLoop::RunSteps(std::unique_ptr<Trainer>& trainer, int64_t first_s
       TESSERA_RETURN_IF_ERROR(saved.WithContext(fmt::format("checkpoint of step {}", i)));
     }
     if (recovery_) recovery_->AfterStep(*trainer, DataState(), checkpointed);
-    if (hooks_.after_step) TESSERA_RETURN_IF_ERROR(hooks_.after_step(*trainer, i));
+    double validation_loss = std::numeric_limits<double>::quiet_NaN();
+    if (hooks_.after_step) {
+      TESSERA_ASSIGN_OR_RETURN(validation_loss, hooks_.after_step(*trainer, i));
+    }
+    ReportProgress(i, *report, *trainer, validation_loss);
   }
   return Status::Ok();
 }

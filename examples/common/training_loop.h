@@ -125,8 +125,9 @@ class TrainingLoop {
     std::function<Status(Trainer&, int64_t step, const StepReport&,
                          const std::vector<Tensor>& batch)>
         log_step;
-    // Last thing after each completed step (after checkpoints and snapshots): evaluation.
-    std::function<Status(Trainer&, int64_t step)> after_step;
+    // Last thing after each completed step (after checkpoints and snapshots): evaluation. Returns
+    // the validation loss when it evaluated (reported to the dashboard with the step), else NaN.
+    std::function<Result<double>(Trainer&, int64_t step)> after_step;
   };
 
   // `checkpoints`, `recovery` (null: none) and `session` outlive the loop.
@@ -148,8 +149,9 @@ class TrainingLoop {
   // A recovered step: the new trainer, the data rewound, the report printed. Returns the
   // checkpoint's step (the loop goes on after it).
   Result<int64_t> Recover(std::unique_ptr<Trainer>& trainer, int64_t step, const Status& error);
-  // The dashboard's figures of a completed step.
-  void ReportProgress(int64_t step, const StepReport& report);
+  // The dashboard's figures of a completed step (the plan with the first, and when it changed).
+  void ReportProgress(int64_t step, const StepReport& report, const Trainer& trainer,
+                      double validation_loss);
 
   Options options_;
   Hooks hooks_;
@@ -158,6 +160,7 @@ class TrainingLoop {
   Session& session_;
   StepStats stats_;
   Progress progress_;
+  std::string reported_plan_;  // the plan last sent with a step
   // When the step of a recovery failed (reported once the next step completes).
   std::optional<std::chrono::steady_clock::time_point> failed_at_;
 };

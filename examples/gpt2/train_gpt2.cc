@@ -413,8 +413,8 @@ Result<std::unique_ptr<Trainer>> MakeTrainer(const Flags& flags, const ResolvedS
 }
 
 // The validation loss over --eval-batches sequential batches: "eval step i: val_loss X".
-Status Evaluate(Trainer& trainer, const Flags& flags, const ResolvedShape& shape, Data& data,
-                int64_t step) {
+Result<double> Evaluate(Trainer& trainer, const Flags& flags, const ResolvedShape& shape,
+                        Data& data, int64_t step) {
   std::vector<int32_t> tokens(static_cast<size_t>(shape.batch * shape.seq_len));
   std::vector<int32_t> targets(tokens.size());
   double total = 0;
@@ -426,10 +426,10 @@ Status Evaluate(Trainer& trainer, const Flags& flags, const ResolvedShape& shape
     TESSERA_ASSIGN_OR_RETURN(float loss, trainer.EvalLoss(batch));
     total += loss;
   }
-  std::printf("eval step %lld: val_loss %.4f\n", static_cast<long long>(step),
-              total / static_cast<double>(flags.eval_batches));
+  const double validation_loss = total / static_cast<double>(flags.eval_batches);
+  std::printf("eval step %lld: val_loss %.4f\n", static_cast<long long>(step), validation_loss);
   std::fflush(stdout);
-  return Status::Ok();
+  return validation_loss;
 }
 
 // The loop's hooks: batches from the training sampler, GPT-2's step line, evaluation.
@@ -456,13 +456,12 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const ResolvedShape&
                 }
                 return Status::Ok();
               },
-          .after_step =
-              [&flags, &shape, &data](Trainer& trainer, int64_t i) {
-                if (flags.eval_every <= 0 || (i % flags.eval_every != 0 && i != flags.steps)) {
-                  return Status::Ok();
-                }
-                return Evaluate(trainer, flags, shape, data, i);
-              }};
+          .after_step = [&flags, &shape, &data](Trainer& trainer, int64_t i) -> Result<double> {
+            if (flags.eval_every <= 0 || (i % flags.eval_every != 0 && i != flags.steps)) {
+              return std::numeric_limits<double>::quiet_NaN();
+            }
+            return Evaluate(trainer, flags, shape, data, i);
+          }};
 }
 
 // After the steps: the sample, the last checkpoint, the llm.c export, the trace.
@@ -516,7 +515,7 @@ Status Train(const Flags& flags) {
   if (recovery) recovery->AfterStep(*trainer, data->train().SaveState(), /*checkpointed=*/true);
   // A model that did not start from scratch: how good it is before training.
   if (!flags.init_from.empty() && flags.eval_every > 0) {
-    TESSERA_RETURN_IF_ERROR(Evaluate(*trainer, flags, shape, *data, 0));
+    TESSERA_RETURN_IF_ERROR(Evaluate(*trainer, flags, shape, *data, 0).status());
   }
   examples::TrainingLoop loop({.program = kProgram,
                                .job = kProgram,

@@ -2,8 +2,10 @@
 //
 // Starts a cluster with `tessera start --head` (2 workers) in a fresh session, runs a short
 // train_gpt2 on it, opens the URL the head printed in headless Chromium (playwright-core), and
-// checks that workers, memory, the loss plot and timeline entries appear and then change, and
-// that the logs view shows a worker's log by its id; saves
+// checks that workers, memory, the loss plot and timeline entries appear and then change, that
+// the job history keeps a finished job beside the running one (plan, validation loss), that a
+// timeline span names its task on hover, and that the logs view shows a worker's log by its id;
+// saves
 // a screenshot to bench/results/dashboard_<date>.png; checks that requests without the token get
 // 401. No timing thresholds: waits are generous deadlines, never measurements.
 //
@@ -79,9 +81,15 @@ async function main() {
   const wrong = await fetch(base + '/api/cluster', { headers: { Authorization: 'Bearer nope' } });
   check(wrong.status === 401, 'a wrong token is 401');
 
-  // A short training run on the cluster, long enough to watch it progress.
+  // A first, short job that finishes (the job history keeps it), then a run on the cluster
+  // long enough to watch it progress, evaluated every 20 steps.
+  const shortJob = spawnSync(path.join(binDir, 'train_gpt2'),
+                          ['--preset', 'tiny', '--steps', '3', '--address', address,
+                           '--token-file', tokenFile, '--workers', '2'], { encoding: 'utf8' });
+  check(shortJob.status === 0, 'a first short job ran: ' + shortJob.stderr.slice(-500));
   training = spawn(path.join(binDir, 'train_gpt2'),
                    ['--preset', 'tiny', '--steps', '100000', '--log-every', '100',
+                    '--eval-every', '20', '--eval-batches', '1',
                     '--address', address, '--token-file', tokenFile, '--workers', '2'],
                    { stdio: ['ignore', 'pipe', 'pipe'] });
   let trainingLog = '';
@@ -130,6 +138,43 @@ async function main() {
   const second = await read();
   check(second.lastStep > first.lastStep, 'the loss plot updated: step ' + first.lastStep + ' -> ' + second.lastStep);
   check(second.lastEnd > first.lastEnd, 'the timeline updated');
+
+  // The job history: both jobs, the first finished; the latest shown with its plan and its
+  // validation losses as dots on the loss plot; picking the first shows it, and no per-rank row
+  // of the later job's steps.
+  await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr').length >= 2, null, deadline);
+  const jobs = await page.$$eval('#jobs tbody tr', rows => rows.map(r => r.textContent));
+  check(jobs.some(r => r.includes('finished')) && jobs.some(r => r.includes('running')),
+        'the job history lists the finished job and the running one: ' + jobs.join(' | '));
+  check(jobs.every(r => r.includes('data_parallel=2')), 'each job shows its plan: ' + jobs.join(' | '));
+  const plan = await page.locator('#job-plan').textContent();
+  check(plan.includes('plan: data_parallel=2'), 'the job panel shows the plan: ' + plan);
+  await page.waitForFunction(() => Number(document.getElementById('plot-loss').dataset.dots || 0) >= 1, null, deadline);
+  check(true, 'the loss plot shows validation losses');
+  await page.click('#jobs tbody tr:last-child');  // the oldest job
+  await page.waitForFunction(() => document.getElementById('job-name').textContent.includes('finished'), null, deadline);
+  await page.waitForFunction(() => document.querySelectorAll('#ranks tbody tr').length === 0, null, deadline);
+  check(true, 'the finished job is shown, without the running job\'s per-rank rows');
+  await page.click('#jobs tbody tr:first-child');  // back to the running one
+  await page.waitForFunction(() => document.querySelectorAll('#ranks tbody tr').length >= 1, null, deadline);
+
+  // Hovering a span of the timeline names its task by rank, layer and op (no numeric ids); the
+  // timeline holds still while pointed at. First point at it (a corner: no span there), then at
+  // a span as drawn.
+  await page.locator('#timeline').scrollIntoViewIfNeeded();
+  const box = await page.locator('#timeline').boundingBox();  // in the viewport, once in view
+  await page.mouse.move(box.x + 2, box.y + 2);
+  const span = await page.evaluate(() => {
+    const d = drawnSpans.find(x => x.w >= 3) || drawnSpans[0];
+    return { x: d.x + d.w / 2, y: d.y + d.h / 2 };
+  });
+  const canvasWidth = await page.evaluate(() => document.getElementById('timeline').width);
+  const canvasHeight = await page.evaluate(() => document.getElementById('timeline').height);
+  await page.mouse.move(box.x + span.x * box.width / canvasWidth, box.y + span.y * box.height / canvasHeight);
+  await page.waitForFunction(() => !document.getElementById('timeline-tip').hidden, null, deadline);
+  const tip = await page.locator('#timeline-tip').textContent();
+  check(/ ms/.test(tip) && /on worker\d+/.test(tip) && !/^\d+\.\d+\//.test(tip),
+        'hovering a span names its task: ' + tip.replace(/\n/g, ' | '));
 
   // The logs view: a button per log of the session (the scheduler's, each worker's by the id
   // the workers table shows); picking a worker's shows the end of its log.

@@ -1,6 +1,7 @@
 // core: Status/Result, dtypes, devices, shapes and tensors, allocators, attributes, settings,
 // the bounds on pending connections.
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -12,6 +13,7 @@
 #include "core/atomic_file.h"
 #include "core/attrs.h"
 #include "core/checks.h"
+#include "core/cpu_use.h"
 #include "core/crypto.h"
 #include "core/device.h"
 #include "core/function_ref.h"
@@ -34,6 +36,25 @@ Result<int> Quarter(int x) {
   TESSERA_ASSIGN_OR_RETURN(int half, Half(x));
   TESSERA_ASSIGN_OR_RETURN(int quarter, Half(half));
   return quarter;
+}
+
+// The CPU meter: the process's CPU time grows with work, and between two samples the cores it
+// kept busy are that CPU time over the wall time (0 at the first sample).
+TEST(CpuMeterTest, CountsTheCpuTimeAndTheCoresKeptBusy) {
+  CpuMeter meter;
+  const CpuUse first = meter.Sample();
+  EXPECT_EQ(first.cores_busy, 0);
+  // Work until the kernel has counted 20 ms more of this process's CPU time.
+  volatile double sink = 0;
+  while (ProcessCpuSeconds() < first.seconds + 0.02) {
+    for (int i = 0; i < 100000; ++i) sink = sink + std::sqrt(static_cast<double>(i));
+  }
+  const CpuUse second = meter.Sample();
+  EXPECT_GE(second.seconds, first.seconds + 0.02);
+  EXPECT_GT(second.cores_busy, 0);
+  // One thread worked: the cores busy cannot exceed the threads this process has had running
+  // (this test's and the runtime's idle ones), a handful at most.
+  EXPECT_LT(second.cores_busy, 64);
 }
 
 TEST(StatusTest, CodesMessagesAndContext) {

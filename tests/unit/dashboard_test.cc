@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <regex>
 #include <set>
@@ -34,6 +35,8 @@ using dashboard::HttpHandler;
 using dashboard::HttpRequest;
 using dashboard::HttpResponse;
 using nlohmann::json;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 constexpr const char* kToken = "0123456789abcdef";
 
@@ -65,6 +68,12 @@ class FakeSource : public dashboard::DashboardSource {
       w.bytes_pushed = 30;
       if (id == 2) w.gpu = "NVIDIA H200 (cuda:0)";
       w.collective_bytes_sent = 40;
+      w.cpu_seconds = 7.5;
+      w.cpu_utilization = 0.5;
+      w.objects = 9;
+      w.restores = 2;
+      w.device_bytes = id == 2 ? 8192 : 0;
+      w.spilled_total = 16384;
       w.has_last_run = id == 2;
       w.last_run.model_state_peak = 123456;
       w.last_run.role_peaks = {{"parameter", 1000}, {"gradient", 2000}};
@@ -83,13 +92,15 @@ class FakeSource : public dashboard::DashboardSource {
     dashboard::JobView job;
     job.name = "train \"gpt2\"" + odd;
     job.driver = 4;
+    job.plan = "data_parallel=2 zero_stage=2" + odd;
     job.connected = true;
     for (int64_t step = 1; step <= steps; ++step) {
       job.points.push_back({.step = step,
                             .time_s = static_cast<double>(step),
                             .loss = 5.0 / static_cast<double>(step),
                             .step_ms = 20,
-                            .tokens_per_second = 25000});
+                            .tokens_per_second = 25000,
+                            .validation_loss = step == 2 ? 4.5 : kNaN});
       job.step_times.Add(0.02);
     }
     job.steps_reported = steps;
@@ -210,6 +221,12 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(w["last_run"]["model_state_peak"], 123456);
   EXPECT_EQ(w["last_run"]["role_peaks"]["gradient"], 2000);
   EXPECT_TRUE(cluster["workers"][1]["last_run"].is_null());
+  EXPECT_DOUBLE_EQ(w["cpu"]["seconds"].get<double>(), 7.5);
+  EXPECT_DOUBLE_EQ(w["cpu"]["utilization"].get<double>(), 0.5);
+  EXPECT_EQ(w["store"]["objects"], 9);
+  EXPECT_EQ(w["store"]["restores"], 2);
+  EXPECT_EQ(w["memory"]["device"], 8192);
+  EXPECT_EQ(w["memory"]["spilled_total"], 16384);
 
   const json jobs = json::parse(Get("/api/job", Bearer()).body);
   ASSERT_EQ(jobs["jobs"].size(), 1u);
@@ -218,6 +235,10 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(points[2]["step"], 3);
   EXPECT_DOUBLE_EQ(points[0]["loss"].get<double>(), 5.0);
   EXPECT_TRUE(points[0]["samples_per_second"].is_null());  // NaN: not reported
+  EXPECT_TRUE(points[0]["validation_loss"].is_null());     // not evaluated
+  EXPECT_DOUBLE_EQ(points[1]["validation_loss"].get<double>(), 4.5);
+  EXPECT_EQ(jobs["jobs"][0]["plan"], "data_parallel=2 zero_stage=2");
+  EXPECT_EQ(jobs["jobs"][0]["steps_reported"], 3);
 
   const json waits = json::parse(Get("/api/waits", Bearer()).body);
   ASSERT_EQ(waits["workers"].size(), 2u);
@@ -495,7 +516,12 @@ TEST_F(DashboardHandlerTest, MetricsParseAsPrometheusText) {
             1 << 20);
   EXPECT_EQ(ValueOf(samples, "tessera_memory_capacity_bytes", {{"worker", "3"}, {"tier", "host"}}),
             1 << 30);
+  EXPECT_EQ(ValueOf(samples, "tessera_memory_used_bytes", {{"worker", "2"}, {"tier", "device"}}),
+            8192);
   EXPECT_EQ(ValueOf(samples, "tessera_memory_spilled_bytes", {{"worker", "2"}}), 4096);
+  EXPECT_EQ(ValueOf(samples, "tessera_worker_cpu_seconds_total", {{"worker", "3"}}), 7.5);
+  EXPECT_EQ(ValueOf(samples, "tessera_worker_objects", {{"worker", "2"}}), 9);
+  EXPECT_EQ(ValueOf(samples, "tessera_worker_restores_total", {{"worker", "2"}}), 2);
   EXPECT_EQ(ValueOf(samples, "tessera_bytes_pulled_total", {{"worker", "2"}}), 10);
   EXPECT_EQ(ValueOf(samples, "tessera_bytes_served_total", {{"worker", "2"}}), 20);
   EXPECT_EQ(ValueOf(samples, "tessera_bytes_pushed_total", {{"worker", "3"}}), 30);

@@ -306,6 +306,80 @@ TEST_F(SchedulerCoreTest, StatusDescribesWorkersAndTasks) {
   EXPECT_EQ(rpc::ToString(status.getSessionDir()), "/tmp/s");
 }
 
+// A worker's heartbeat figures reach status and the dashboard (CPU, the store); nonsense off the
+// wire (a negative count, a NaN) counts as nothing. A worker whose connection goes is kept,
+// dead, with its last figures.
+TEST_F(SchedulerCoreTest, HeartbeatFiguresAreShownAndADepartedWorkerStaysListedDead) {
+  const WorkerId worker = Join(proto::Role::WORKER);
+  const WorkerId other = Join(proto::Role::WORKER);
+  ASSERT_OK(Deliver(worker, [](proto::Envelope::Builder e) {
+    auto heartbeat = e.initBody().initHeartbeat();
+    heartbeat.setCpuSeconds(12.5);
+    heartbeat.setCpuUtilization(0.75f);
+    heartbeat.setObjects(42);
+    heartbeat.setDeviceBytes(1 << 20);
+    heartbeat.setRestores(3);
+  }));
+  ASSERT_OK(Deliver(other, [](proto::Envelope::Builder e) {
+    auto heartbeat = e.initBody().initHeartbeat();
+    heartbeat.setCpuSeconds(std::numeric_limits<double>::quiet_NaN());
+    heartbeat.setCpuUtilization(-1.0f);
+    heartbeat.setObjects(-5);
+    heartbeat.setRestores(-1);
+  }));
+  CoreDashboardSource source(&core_, now_, [this] { return now_; });
+  dashboard::ClusterView view = source.Cluster();
+  ASSERT_EQ(view.workers.size(), 2u);
+  EXPECT_DOUBLE_EQ(view.workers[0].cpu_seconds, 12.5);
+  EXPECT_DOUBLE_EQ(view.workers[0].cpu_utilization, 0.75);
+  EXPECT_EQ(view.workers[0].objects, 42);
+  EXPECT_EQ(view.workers[0].device_bytes, 1 << 20);
+  EXPECT_EQ(view.workers[0].restores, 3);
+  EXPECT_EQ(view.workers[1].cpu_seconds, 0);
+  EXPECT_EQ(view.workers[1].cpu_utilization, 0);
+  EXPECT_EQ(view.workers[1].objects, 0);
+  EXPECT_EQ(view.workers[1].restores, 0);
+
+  core_.Disconnected(worker, Unavailable("connection reset"));
+  const WorkerId admin = Join(proto::Role::ADMIN);
+  ASSERT_OK(Deliver(admin, [](proto::Envelope::Builder e) { e.initBody().initStatusRequest(); }));
+  auto replies = outbox_.Take(admin, Body::STATUS_REPLY);
+  ASSERT_EQ(replies.size(), 1u);
+  auto workers = BodyOf(replies[0]).getStatusReply().getWorkers();
+  ASSERT_EQ(workers.size(), 2u);  // the live one first, then the departed one
+  EXPECT_EQ(workers[0].getId(), other.value());
+  EXPECT_TRUE(workers[0].getAlive());
+  EXPECT_EQ(workers[1].getId(), worker.value());
+  EXPECT_FALSE(workers[1].getAlive());
+  EXPECT_EQ(workers[1].getHeartbeat().getObjects(), 42);
+  EXPECT_DOUBLE_EQ(workers[1].getHeartbeat().getCpuSeconds(), 12.5);
+  view = source.Cluster();
+  ASSERT_EQ(view.workers.size(), 2u);
+  EXPECT_FALSE(view.workers[1].alive);
+  EXPECT_EQ(view.workers[1].id, worker.value());
+  EXPECT_EQ(core_.alive_workers(), 1);
+}
+
+// The departed are bounded: the oldest go first.
+TEST(ParticipantTableTest, DepartedWorkersAreBounded) {
+  ParticipantTable table("t", "/tmp/s");
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<WorkerId> ids;
+  for (size_t i = 0; i < ParticipantTable::kDepartedKept + 3; ++i) {
+    const WorkerId id = table.Accept(now);
+    table.Find(id)->role = ParticipantRole::kWorker;
+    ids.push_back(id);
+    table.Remove(id);
+  }
+  const WorkerId pending = table.Accept(now);  // never said hello: not a worker, not kept
+  table.Remove(pending);
+  ASSERT_EQ(table.departed().size(), ParticipantTable::kDepartedKept);
+  EXPECT_EQ(table.departed().front().id, ids[3]);
+  EXPECT_EQ(table.departed().back().id, ids.back());
+  EXPECT_FALSE(table.departed().back().alive);
+  EXPECT_TRUE(table.all().empty());
+}
+
 // ---- the dashboard's figures: job progress and the timeline ----
 
 TEST_F(SchedulerCoreTest, DriverProgressIsKeptForTheDashboardAndAWorkersIsRefused) {
@@ -319,6 +393,8 @@ TEST_F(SchedulerCoreTest, DriverProgressIsKeptForTheDashboardAndAWorkersIsRefuse
       progress.setStepMs(20);
       progress.setTokensPerSecond(1000);
       progress.setSamplesPerSecond(std::numeric_limits<double>::quiet_NaN());
+      if (step == 1) progress.setPlan("data_parallel=2 zero_stage=2");  // sent when new
+      if (step == 2) progress.setValidationLoss(3.25);                  // an evaluated step
     }));
   }
   Status refused = Deliver(c.w1, [](proto::Envelope::Builder e) {
@@ -336,6 +412,12 @@ TEST_F(SchedulerCoreTest, DriverProgressIsKeptForTheDashboardAndAWorkersIsRefuse
   EXPECT_EQ(jobs[0].points[2].step, 3);
   EXPECT_DOUBLE_EQ(jobs[0].points[2].loss, 2.0);
   EXPECT_TRUE(std::isnan(jobs[0].points[2].samples_per_second));
+  // The plan is kept from the step that sent it; a validation loss only where one was evaluated
+  // (a report without the field reads NaN, its default).
+  EXPECT_EQ(jobs[0].plan, "data_parallel=2 zero_stage=2");
+  EXPECT_DOUBLE_EQ(jobs[0].points[1].validation_loss, 3.25);
+  EXPECT_TRUE(std::isnan(jobs[0].points[0].validation_loss));
+  EXPECT_TRUE(std::isnan(jobs[0].points[2].validation_loss));
 
   const dashboard::ClusterView cluster = source.Cluster();
   EXPECT_EQ(cluster.workers.size(), 2u);
