@@ -234,7 +234,7 @@ std::optional<int64_t> SpilledSoFar(Session& session) {
 
 Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) {
   const std::optional<int64_t> spilled_before = SpilledSoFar(session_);
-  const Status ran = RunSteps(trainer, first_step);
+  Status ran = RunSteps(trainer, first_step);
   if (spilled_before) {
     // The workers report their spills with their heartbeats: wait for one after the last step.
     std::this_thread::sleep_for(

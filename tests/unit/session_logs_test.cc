@@ -16,7 +16,7 @@ namespace tessera::testing {
 namespace {
 
 std::string FreshDir(const std::string& name) {
-  const std::string dir = TempPath("session_logs_test_" + name);
+  std::string dir = TempPath("session_logs_test_" + name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
@@ -24,6 +24,7 @@ std::string FreshDir(const std::string& name) {
 
 std::vector<std::string> Names(const std::vector<SessionLog>& logs) {
   std::vector<std::string> names;
+  names.reserve(logs.size());
   for (const SessionLog& log : logs) names.push_back(log.name);
   return names;
 }

@@ -55,7 +55,7 @@ TEST(SessionTest, ANewSessionHoldsAPrivateTokenAndReopens) {
 
 // A session of `root` as the launcher leaves one: a token, and the pids of its processes.
 std::string FakeSession(const std::string& root, const std::string& name, pid_t pid) {
-  const std::string dir = root + "/" + name;
+  std::string dir = root + "/" + name;
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/token") << "t\n";
   std::ofstream(dir + "/pids") << "scheduler " << pid << "\n";
