@@ -343,6 +343,13 @@ Result<std::string> SchedulerAddressOrLatest(const std::string& flag, const std:
         "--head` (or pass --temp-dir / TESSERA_TEMP_DIR where it was started)",
         latest);
   }
+  // A driver killed before it could take its link back leaves it on an ended session.
+  if (std::error_code error; !SessionRuns(std::filesystem::canonical(latest, error).string())) {
+    return NotFound(
+        "no --address given, and the latest session ({}) has ended: its processes exited; start "
+        "a cluster with `tessera start --head`, or pass --address",
+        std::filesystem::canonical(latest, error).string());
+  }
   return address;
 }
 

@@ -120,6 +120,30 @@ TEST(SessionTest, TheLatestLinkMovesAtomicallyAndIsGivenBack) {
   std::filesystem::remove_all(root);
 }
 
+// Commands without --address use the latest session's scheduler, unless that session ended (a
+// driver killed before it could take its link back): then they say so.
+TEST(SessionTest, TheLatestSessionsAddressUnlessItEnded) {
+  const std::string root = TempDir("latest_address");
+  Result<std::string> none = SchedulerAddressOrLatest("", root);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("no running session found"), std::string::npos);
+  EXPECT_EQ(*SchedulerAddressOrLatest("10.0.0.1:7000", root), "10.0.0.1:7000");
+  const std::string running = FakeSession(root, "running", ::getpid());
+  std::ofstream(running + "/scheduler.address") << "127.0.0.1:7001\n";
+  ASSERT_OK(LinkLatestSession(root, running).status());
+  EXPECT_EQ(*SchedulerAddressOrLatest("", root), "127.0.0.1:7001");
+  EXPECT_EQ(TokenFileOrLatest("", root), root + "/session_latest/token");
+  const std::string ended = FakeSession(root, "ended", GonePid());
+  std::ofstream(ended + "/scheduler.address") << "127.0.0.1:7002\n";
+  ASSERT_OK(LinkLatestSession(root, ended).status());
+  Result<std::string> gone = SchedulerAddressOrLatest("", root);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("has ended"), std::string::npos)
+      << gone.status().message();
+  std::filesystem::remove_all(root);
+}
+
 TEST(SessionTest, EndedSessionsAreRemovedButTheNewestFewAndRunningOnes) {
   const std::string root = TempDir("ended");
   const pid_t gone = GonePid();
