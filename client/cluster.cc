@@ -26,14 +26,19 @@ const TensorMeta& ObjectRef::meta() const { return state_->meta; }
 
 namespace {
 
+// The temp_dir setting (launcher/session.h): `given`, else $TESSERA_TEMP_DIR, else "".
+std::string TempDirSetting(const std::string& given) {
+  if (!given.empty()) return given;
+  const char* env = std::getenv("TESSERA_TEMP_DIR");
+  return env != nullptr ? env : "";
+}
+
 Result<std::string> ResolveToken(const ConnectOptions& options) {
   if (!options.token.empty()) return options.token;
   std::string path = options.token_file;
   if (path.empty()) {
     const char* env = std::getenv("TESSERA_TOKEN_FILE");
-    // The temp_dir setting's latest session (launcher/session.h).
-    const char* temp_dir = std::getenv("TESSERA_TEMP_DIR");
-    path = env != nullptr ? env : LatestSession(temp_dir != nullptr ? temp_dir : "") + "/token";
+    path = env != nullptr ? env : LatestSession(TempDirSetting("")) + "/token";
   }
   Result<std::string> token = ReadFileTrimmed(path);
   if (!token.ok() || token->empty()) {
@@ -118,10 +123,7 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
     gpus = *std::move(resolved);
   }
   TESSERA_ASSIGN_OR_RETURN(std::string binary, FindTesseraBinary(options.tessera_binary));
-  const char* temp_dir_env = std::getenv("TESSERA_TEMP_DIR");
-  const std::string temp_dir = !options.temp_dir.empty() ? options.temp_dir
-                               : temp_dir_env != nullptr ? temp_dir_env
-                                                         : "";
+  const std::string temp_dir = TempDirSetting(options.temp_dir);
   TESSERA_ASSIGN_OR_RETURN(
       LocalSession session,
       LocalSession::Create(

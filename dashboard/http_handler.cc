@@ -72,7 +72,7 @@ HttpResponse HttpHandler::Log(const std::string& name, const std::string& lines_
         std::from_chars(lines_text.data(), lines_text.data() + lines_text.size(), lines);
     if (error != std::errc() || end != lines_text.data() + lines_text.size() || lines < 0 ||
         lines > kMostLogLines) {
-      return Text(400, "lines must be a whole number from 0 to 100000\n");
+      return Text(400, fmt::format("lines must be a whole number from 0 to {}\n", kMostLogLines));
     }
   }
   Result<SessionLog> log = FindSessionLog(dir, name);

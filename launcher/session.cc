@@ -6,14 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <fstream>
-
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 #include <utility>
 
@@ -344,11 +343,13 @@ Result<std::string> SchedulerAddressOrLatest(const std::string& flag, const std:
         latest);
   }
   // A driver killed before it could take its link back leaves it on an ended session.
-  if (std::error_code error; !SessionRuns(std::filesystem::canonical(latest, error).string())) {
+  std::error_code error;
+  if (const std::string session = std::filesystem::canonical(latest, error).string();
+      !SessionRuns(session)) {
     return NotFound(
         "no --address given, and the latest session ({}) has ended: its processes exited; start "
         "a cluster with `tessera start --head`, or pass --address",
-        std::filesystem::canonical(latest, error).string());
+        session);
   }
   return address;
 }

@@ -235,13 +235,11 @@ std::optional<int64_t> SpilledSoFar(Session& session) {
 Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) {
   const std::optional<int64_t> spilled_before = SpilledSoFar(session_);
   Status ran = RunSteps(trainer, first_step);
-  if (spilled_before) {
-    // The workers report their spills with their heartbeats: wait for one after the last step.
-    std::this_thread::sleep_for(
-        std::chrono::milliseconds(session_.settings().heartbeat_interval_ms + 50));
-  }
-  if (const std::optional<int64_t> spilled_after = SpilledSoFar(session_);
-      spilled_before && spilled_after) {
+  if (!ran.ok() || !spilled_before) return ran;  // the summary is not printed after a failure
+  // The workers report their spills with their heartbeats: wait for one after the last step.
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(session_.settings().heartbeat_interval_ms + 50));
+  if (const std::optional<int64_t> spilled_after = SpilledSoFar(session_); spilled_after) {
     stats_.SetSpilledBytes(std::max<int64_t>(0, *spilled_after - *spilled_before));
     if (*spilled_after > *spilled_before) {
       std::fprintf(stderr,
@@ -251,7 +249,7 @@ Status TrainingLoop::Run(std::unique_ptr<Trainer>& trainer, int64_t first_step) 
                    options_.program.c_str(), Megabytes(*spilled_after - *spilled_before));
     }
   }
-  return ran;
+  return Status::Ok();
 }
 
 Status TrainingLoop::RunSteps(std::unique_ptr<Trainer>& trainer, int64_t first_step) {

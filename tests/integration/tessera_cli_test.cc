@@ -42,6 +42,19 @@ std::pair<ProcessResult, std::string> StartHead(const std::string& session,
   return {head, ReadLine(session + "/scheduler.address")};
 }
 
+// A head in the fresh session directory `session` and workers joined to it by `tessera start
+// <worker_flags>`: the " --address ... --token-file ..." that targets it; a failed start is a
+// test failure (with the command's output) and gives "".
+std::string StartHeadAndWorkers(const std::string& session, const std::string& worker_flags) {
+  const auto [head, address] = StartHead(session);
+  EXPECT_EQ(head.exit_code, 0) << head.output;
+  if (head.exit_code != 0) return "";
+  const std::string target = " --address " + address + " --token-file " + session + "/token";
+  ProcessResult workers = Tessera("start " + worker_flags + target);
+  EXPECT_EQ(workers.exit_code, 0) << workers.output;
+  return workers.exit_code == 0 ? target : "";
+}
+
 TEST(TesseraCliTest, StartStatusStop) {
   const std::string session = TempPath("tessera_cli_session");
   const auto [head, address] = StartHead(session);
@@ -277,12 +290,9 @@ TEST(TesseraCliTest, AHostNameWorksWhereAnAddressDoes) {
 // A driver on a running cluster (--address, no --workers) trains on the workers that are there,
 // says so, and each worker's count of tasks done shows it ran its share of the steps.
 TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
-  const std::string session = TempPath("tessera_cli_every_worker");
-  const auto [head, address] = StartHead(session);
-  ASSERT_EQ(head.exit_code, 0) << head.output;
-  const std::string target = " --address " + address + " --token-file " + session + "/token";
-  ProcessResult workers = Tessera("start --cpu-workers 2 --threads 1" + target);
-  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  const std::string target =
+      StartHeadAndWorkers(TempPath("tessera_cli_every_worker"), "--cpu-workers 2 --threads 1");
+  ASSERT_FALSE(target.empty());
   ProcessResult run = RunBinary("train_gpt2", "--preset tiny --steps 3 --batch 4" + target);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("has 2 workers: training with 2 data-parallel ranks, one per worker"),
@@ -317,12 +327,9 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
 // Workers whose host tier is too small for a step spill objects to disk: the driver's summary
 // says how much (spilled_mb) and a line says what to change.
 TEST(TesseraCliTest, ADriverSaysWhatItsWorkersSpilled) {
-  const std::string session = TempPath("tessera_cli_spill");
-  const auto [head, address] = StartHead(session);
-  ASSERT_EQ(head.exit_code, 0) << head.output;
-  const std::string target = " --address " + address + " --token-file " + session + "/token";
-  ProcessResult workers = Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 1" + target);
-  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  const std::string target = StartHeadAndWorkers(TempPath("tessera_cli_spill"),
+                                                 "--cpu-workers 2 --threads 1 --host-memory-mb 1");
+  ASSERT_FALSE(target.empty());
   ProcessResult run = RunBinary("train_gpt2", "--preset tiny --steps 5 --batch 4" + target);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   std::smatch spilled;
