@@ -85,7 +85,11 @@ ClusterClient::~ClusterClient() {
 Status ClusterClient::Connect(const std::string& address, const std::string& token,
                               const ConnectOptions& options) {
   TESSERA_ASSIGN_OR_RETURN(settings_, Settings::FromProcessEnvironment());
-  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry_));
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry_));  // with the plugins loaded by now
+  {
+    MutexLock lock(&plugins_mutex_);
+    for (const LoadedPlugin* plugin : LoadedPlugins()) plugins_in_registry_.insert(plugin->sha256);
+  }
   TESSERA_ASSIGN_OR_RETURN(rpc::Address parsed, rpc::Address::Parse(address));
   if (!options.admin) {
     DataPlaneOptions data_options;

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -24,6 +25,7 @@
 #include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
 #include "ops/op_registry.h"
+#include "ops/plugin.h"
 
 namespace tessera {
 
@@ -98,12 +100,19 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   bool WaitReady(uint64_t id, std::optional<std::chrono::steady_clock::time_point> deadline)
       REQUIRES(ready_mutex_);
 
+  // Sends the library of each plugin this process loaded that this connection has not sent
+  // (LoadPlugin), adding the ops of those loaded since Connect to registry_. Returns them all.
+  Result<std::vector<const LoadedPlugin*>> SendPlugins() EXCLUDES(plugins_mutex_);
+
   rpc::asio::io_context io_;
   rpc::asio::executor_work_guard<rpc::asio::io_context::executor_type> work_;
   std::thread io_thread_;
   std::shared_ptr<rpc::Connection> connection_;
   std::unique_ptr<DataPlane> data_plane_;
   OpRegistry registry_;
+  Mutex plugins_mutex_;
+  std::set<std::string> plugins_in_registry_ GUARDED_BY(plugins_mutex_);  // sha256s
+  std::set<std::string> plugins_sent_ GUARDED_BY(plugins_mutex_);         // sha256s
   Settings settings_;
   std::shared_ptr<Allocator> allocator_ = std::make_shared<AlignedHostAllocator>();
   uint64_t driver_id_ = 0;

@@ -182,9 +182,32 @@ Status ClusterClient::Wait(const std::vector<ObjectRef>& refs, int timeout_ms) {
   return Status::Ok();
 }
 
+Result<std::vector<const LoadedPlugin*>> ClusterClient::SendPlugins() {
+  std::vector<const LoadedPlugin*> plugins = LoadedPlugins();
+  MutexLock lock(&plugins_mutex_);
+  for (const LoadedPlugin* plugin : plugins) {
+    // A plugin loaded after Connect: its ops, for checking graphs here.
+    if (plugins_in_registry_.insert(plugin->sha256).second) {
+      TESSERA_RETURN_IF_ERROR(AddPluginTo(*plugin, registry_, {}));
+    }
+    if (!plugins_sent_.insert(plugin->sha256).second) continue;
+    rpc::ScopedMessageBuilder message;
+    auto wire = message.initRoot<proto::Envelope>().initBody().initLoadPlugin();
+    wire.setName(plugin->name);
+    wire.setSha256(plugin->sha256);
+    wire.setLibrary(capnp::Data::Reader(
+        reinterpret_cast<const capnp::byte*>(plugin->library.data()), plugin->library.size()));
+    connection_->Send(message);
+  }
+  return plugins;
+}
+
 Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
   if (closed_) return close_reason_;
   TESSERA_RETURN_IF_ERROR(graph.Validate());
+  // Every plugin of this process travels with the graph (its library before, once): the workers
+  // then run its ops, and only with these very builds of them.
+  TESSERA_ASSIGN_OR_RETURN(std::vector<const LoadedPlugin*> plugins, SendPlugins());
   for (const TaskSpec& task : graph.tasks()) {
     TESSERA_RETURN_IF_ERROR(
         registry_.Find(task.op).status().WithContext("task '" + task.name + "'"));
@@ -216,6 +239,11 @@ Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
   }
   auto outputs = wire.initOutputs(static_cast<unsigned>(graph.OutputObjects().size()));
   for (unsigned i = 0; i < outputs.size(); ++i) outputs.set(i, graph.OutputObjects()[i].value());
+  auto wire_plugins = wire.initPlugins(static_cast<unsigned>(plugins.size()));
+  for (unsigned i = 0; i < plugins.size(); ++i) {
+    wire_plugins[i].setName(plugins[i]->name);
+    wire_plugins[i].setSha256(plugins[i]->sha256);
+  }
   connection_->Send(message);
   std::future<Status> future = promise->get_future();
   if (future.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {

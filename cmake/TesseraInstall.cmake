@@ -6,14 +6,18 @@
 #   P/bin/tessera                           the CLI, which is also the scheduler and worker
 #                                           processes Cluster::StartLocal starts
 #   P/lib/cmake/Tessera/                    the CMake package: TesseraConfig.cmake, its version
-#                                           file, the exported targets, TesseraOpenBlas.cmake
+#                                           file, the exported targets, TesseraOpenBlas.cmake,
+#                                           TesseraFunctions.cmake (tessera_add_driver/_plugin)
+#   P/share/tessera/data/                   the text the GPT-2 example trains on
 #
 # so that a project outside the tree writes
 #
 #   find_package(Tessera REQUIRED)
 #   target_link_libraries(my_driver PRIVATE Tessera::tessera)
 #
-# (examples/out_of_tree/; scripts/test_install.sh checks it end to end).
+# (examples/out_of_tree/; scripts/test_install.sh checks it end to end, and builds every example
+# and the example plugin that way). The example drivers' shared code (examples/common: flags,
+# sessions, the training loop) is part of the SDK as Tessera::example_common.
 #
 # Public vs internal headers: each module lists its public headers with tessera_public_headers()
 # in its CMakeLists.txt: what driver programs include, and what those include in turn. Only they
@@ -45,7 +49,8 @@ function(tessera_install_sdk)
   # Every module's library, exported as Tessera::<module> (tessera_core -> Tessera::core).
   set(libraries tessera_core tessera_rpc tessera_transport tessera_ops tessera_ops_cpu
     tessera_collectives tessera_worker tessera_dashboard tessera_scheduler tessera_model
-    tessera_planner tessera_data tessera_launch tessera_client tessera_training)
+    tessera_planner tessera_data tessera_launch tessera_client tessera_training
+    tessera_example_common)
   if(TARGET tessera_ops_cuda)  # the GPU kernels, which the driver links in a CUDA build
     list(APPEND libraries tessera_ops_cuda)
   endif()
@@ -56,7 +61,7 @@ function(tessera_install_sdk)
   # tessera_warnings is linked privately by every module, so the export must carry it; its
   # options are build-only (BUILD_INTERFACE), so exported it is empty.
   set_target_properties(tessera_warnings PROPERTIES EXPORT_NAME internal_warnings)
-  install(TARGETS ${libraries} tessera_sdk tessera_warnings
+  install(TARGETS ${libraries} tessera_sdk tessera_plugin_sdk tessera_warnings
     EXPORT TesseraTargets
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
@@ -70,7 +75,7 @@ function(tessera_install_sdk)
   configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/TesseraConfig.cmake.in
     ${PROJECT_BINARY_DIR}/TesseraConfig.cmake
     INSTALL_DESTINATION ${TESSERA_INSTALL_CMAKEDIR}
-    PATH_VARS CMAKE_INSTALL_BINDIR)
+    PATH_VARS CMAKE_INSTALL_BINDIR CMAKE_INSTALL_DATADIR)
   # 0.x: a minor version may break the API, so only the same minor version is compatible.
   write_basic_package_version_file(${PROJECT_BINARY_DIR}/TesseraConfigVersion.cmake
     VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
@@ -80,4 +85,9 @@ function(tessera_install_sdk)
     DESTINATION ${TESSERA_INSTALL_CMAKEDIR})
   install(FILES ${PROJECT_SOURCE_DIR}/cmake/OpenBlas.cmake
     DESTINATION ${TESSERA_INSTALL_CMAKEDIR} RENAME TesseraOpenBlas.cmake)
+  install(FILES ${PROJECT_SOURCE_DIR}/cmake/TesseraFunctions.cmake
+    DESTINATION ${TESSERA_INSTALL_CMAKEDIR})
+  # The text train_gpt2 trains on by default, for the example built out of tree.
+  install(FILES ${PROJECT_SOURCE_DIR}/data/tinyshakespeare.txt
+    DESTINATION ${CMAKE_INSTALL_DATADIR}/tessera/data)
 endfunction()

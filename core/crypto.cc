@@ -24,6 +24,24 @@ Sha256Digest HmacSha256(std::string_view key, std::string_view message) {
                     std::span(reinterpret_cast<const uint8_t*>(message.data()), message.size()));
 }
 
+std::string Sha256Hex(std::string_view data) {
+  Sha256Digest digest{};
+  unsigned int length = 0;
+  // Fails only on allocation failure or a broken libcrypto, as HMAC above.
+  TESSERA_CHECK(
+      EVP_Digest(data.data(), data.size(), digest.data(), &length, EVP_sha256(), nullptr) == 1 &&
+          length == digest.size(),
+      "SHA-256 failed: {}", ERR_error_string(ERR_get_error(), nullptr));
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(2 * digest.size());
+  for (uint8_t byte : digest) {
+    hex.push_back(kHex[byte >> 4]);
+    hex.push_back(kHex[byte & 15]);
+  }
+  return hex;
+}
+
 bool ConstantTimeEquals(std::span<const uint8_t> a, std::span<const uint8_t> b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "core/status.h"
@@ -23,6 +24,9 @@ using Sha256Digest = std::array<uint8_t, 32>;
 // HMAC-SHA256 (RFC 2104) of `message` under `key`.
 Sha256Digest HmacSha256(std::span<const uint8_t> key, std::span<const uint8_t> message);
 Sha256Digest HmacSha256(std::string_view key, std::string_view message);
+
+// SHA-256 of `data`, as 64 lowercase hex digits.
+std::string Sha256Hex(std::string_view data);
 
 // True when a and b have the same size and bytes; the time taken does not depend on where they
 // differ (for comparing secrets and proofs).

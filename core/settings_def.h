@@ -175,7 +175,12 @@ TESSERA_INT_SETTING(wire_max_tensor_bytes, 1099511627776, 1, int64_t{1} << 50, "
 TESSERA_INT_SETTING(
     wire_max_attr_bytes, 16777216, 1024, int64_t{1} << 30, "bytes",
     "Bytes of one task attribute's value (a text, or 8 per entry of a list of ints), "
-    "and of one error text or collective address blob.")
+    "and of one error text, collective address blob or plugin library.")
+
+TESSERA_SETTING(bool, allow_plugins, true, "",
+                "Whether the scheduler accepts drivers' plugins (shared libraries of ops and "
+                "kernels that every worker loads and runs: ops/plugin.h). A token holder can "
+                "then run native code on every worker; false refuses them, naming this setting.")
 
 TESSERA_INT_SETTING(
     wire_max_name_bytes, 4096, 64, int64_t{1} << 20, "bytes",

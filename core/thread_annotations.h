@@ -6,7 +6,8 @@
 // REQUIRES(mu_) is only called with it held and one declared EXCLUDES(mu_) only without it. The
 // macros below expand to clang's attributes under clang and to nothing elsewhere (GCC builds
 // see plain code). libstdc++'s std::mutex carries no annotations, so annotated state is guarded
-// by tessera::Mutex instead: a std::mutex that tells the analysis when it is held.
+// by tessera::Mutex instead: a std::mutex that tells the analysis when it is held (SharedMutex,
+// with ReaderLock and WriterLock, for state read by many threads and rarely written).
 //
 //   class Queue {
 //    public:
@@ -40,6 +41,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <shared_mutex>
 
 #if defined(__clang__)
 #define TESSERA_THREAD_ANNOTATION(x) __attribute__((x))
@@ -97,6 +99,48 @@ class CAPABILITY("mutex") Mutex {
  private:
   friend class CondVar;
   std::mutex mutex_;
+};
+
+// A std::shared_mutex the analysis knows about: many readers or one writer.
+class CAPABILITY("mutex") SharedMutex {
+ public:
+  SharedMutex() = default;
+  SharedMutex(const SharedMutex&) = delete;
+  SharedMutex& operator=(const SharedMutex&) = delete;
+
+  void Lock() ACQUIRE() { mutex_.lock(); }
+  void Unlock() RELEASE() { mutex_.unlock(); }
+  void LockShared() ACQUIRE_SHARED() { mutex_.lock_shared(); }
+  void UnlockShared() RELEASE_SHARED() { mutex_.unlock_shared(); }
+
+ private:
+  std::shared_mutex mutex_;
+};
+
+// Holds a SharedMutex shared (std::shared_lock, annotated) for its lifetime.
+class SCOPED_CAPABILITY ReaderLock {
+ public:
+  explicit ReaderLock(SharedMutex* mutex) ACQUIRE_SHARED(mutex) : mutex_(mutex) {
+    mutex_->LockShared();
+  }
+  ~ReaderLock() RELEASE() { mutex_->UnlockShared(); }
+  ReaderLock(const ReaderLock&) = delete;
+  ReaderLock& operator=(const ReaderLock&) = delete;
+
+ private:
+  SharedMutex* const mutex_;
+};
+
+// Holds a SharedMutex exclusively (std::unique_lock, annotated) for its lifetime.
+class SCOPED_CAPABILITY WriterLock {
+ public:
+  explicit WriterLock(SharedMutex* mutex) ACQUIRE(mutex) : mutex_(mutex) { mutex_->Lock(); }
+  ~WriterLock() RELEASE() { mutex_->Unlock(); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  SharedMutex* const mutex_;
 };
 
 // Holds a Mutex from construction to destruction (std::lock_guard, annotated). Unlock() and

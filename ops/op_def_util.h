@@ -1,6 +1,6 @@
-// Helpers for writing op definitions (OpDef, ops/op_registry.h), shared by the files that
-// register ops (standard_ops*.cc, volume_ops.cc). Internal to tessera_ops: not installed, and
-// nothing outside ops/ includes it.
+// Helpers for writing op definitions (OpDef, ops/op_registry.h): gradient rules, byte counts and
+// dtype checks, for the files that register Tessera's ops (standard_ops*.cc, volume_ops.cc) and
+// for plugins' (ops/plugin.h; installed with the SDK).
 #pragma once
 
 #include <string>

@@ -17,10 +17,28 @@ std::vector<TensorMeta> NamedInputs(const OpDef& def, const std::vector<TensorMe
 
 }  // namespace
 
+OpRegistry::OpRegistry(OpRegistry&& other) noexcept {
+  WriterLock lock(&other.mutex_);
+  ops_ = std::move(other.ops_);
+}
+
+OpRegistry& OpRegistry::operator=(OpRegistry&& other) noexcept {
+  if (this == &other) return *this;
+  std::map<std::string, Entry, std::less<>> moved;
+  {
+    WriterLock lock(&other.mutex_);
+    moved = std::move(other.ops_);
+  }
+  WriterLock lock(&mutex_);
+  ops_ = std::move(moved);
+  return *this;
+}
+
 Status OpRegistry::AddOp(OpDef def) {
   if (!(def.infer || def.nested_infer) || !(def.cost || def.nested_cost)) {
     return InvalidArgument("op '{}' needs both shape inference and a cost function", def.name);
   }
+  WriterLock lock(&mutex_);
   if (ops_.contains(def.name)) return AlreadyExists("op '{}' is already registered", def.name);
   std::string name = def.name;
   ops_.emplace(std::move(name), Entry{std::move(def), {}});
@@ -28,6 +46,7 @@ Status OpRegistry::AddOp(OpDef def) {
 }
 
 Status OpRegistry::AddKernel(std::string_view op, DeviceKind device, KernelFn kernel) {
+  WriterLock lock(&mutex_);
   auto it = ops_.find(op);
   if (it == ops_.end()) return NotFound("cannot add a kernel to unknown op '{}'", op);
   if (!it->second.kernels.emplace(device, std::move(kernel)).second) {
@@ -37,17 +56,20 @@ Status OpRegistry::AddKernel(std::string_view op, DeviceKind device, KernelFn ke
 }
 
 Result<const OpDef*> OpRegistry::Find(std::string_view op) const {
+  ReaderLock lock(&mutex_);
   auto it = ops_.find(op);
   if (it == ops_.end()) return NotFound("unknown op '{}'", op);
   return &it->second.def;
 }
 
 bool OpRegistry::Supports(std::string_view op, DeviceKind device) const {
+  ReaderLock lock(&mutex_);
   auto it = ops_.find(op);
   return it != ops_.end() && it->second.kernels.contains(device);
 }
 
 Result<const KernelFn*> OpRegistry::FindKernel(std::string_view op, DeviceKind device) const {
+  ReaderLock lock(&mutex_);
   auto it = ops_.find(op);
   if (it == ops_.end()) return NotFound("unknown op '{}'", op);
   auto kernel = it->second.kernels.find(device);
@@ -106,6 +128,7 @@ Result<int64_t> OpRegistry::Workspace(std::string_view op, const std::vector<Ten
 }
 
 std::vector<std::string> OpRegistry::OpNames() const {
+  ReaderLock lock(&mutex_);
   std::vector<std::string> names;
   names.reserve(ops_.size());
   for (const auto& [name, entry] : ops_) names.push_back(name);

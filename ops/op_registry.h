@@ -12,8 +12,10 @@
 // copy. Kernels therefore read and write such data through the output only.
 //
 // The registry is built explicitly at start-up (RegisterStandardOps, then e.g.
-// RegisterCpuKernels) and is read-only afterwards: concurrent lookups are safe, registration
-// is not.
+// RegisterCpuKernels). A worker may add a plugin's ops and kernels later (ops/plugin.h) while
+// its tasks look theirs up: every member is thread-safe (lookups share a lock, additions take it
+// alone), and what Find and FindKernel return stays valid as long as the registry (nothing is
+// ever removed).
 #pragma once
 
 #include <functional>
@@ -31,6 +33,7 @@
 #include "core/device_runtime.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_annotations.h"
 
 namespace tessera {
 
@@ -153,6 +156,14 @@ struct OpDef {
 
 class OpRegistry {
  public:
+  OpRegistry() = default;
+  // Moving is for building one (MakeCpuOpRegistry returns it): REQUIRES no other thread uses
+  // either registry.
+  OpRegistry(OpRegistry&& other) noexcept;
+  OpRegistry& operator=(OpRegistry&& other) noexcept;
+  OpRegistry(const OpRegistry&) = delete;
+  OpRegistry& operator=(const OpRegistry&) = delete;
+
   // AlreadyExists when the name is taken; InvalidArgument when infer or cost is missing.
   Status AddOp(OpDef def);
   // NotFound for an unknown op; AlreadyExists for a second kernel on the same device kind.
@@ -182,7 +193,9 @@ class OpRegistry {
     OpDef def;
     std::map<DeviceKind, KernelFn> kernels;
   };
-  std::map<std::string, Entry, std::less<>> ops_;
+  // Pointers into the map (std::map nodes) stay valid across insertions.
+  mutable SharedMutex mutex_;
+  std::map<std::string, Entry, std::less<>> ops_ GUARDED_BY(mutex_);
 };
 
 }  // namespace tessera

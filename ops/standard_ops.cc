@@ -6,6 +6,7 @@
 
 #include "ops/layer_program.h"
 #include "ops/op_def_util.h"
+#include "ops/plugin.h"
 #include "ops/standard_ops_internal.h"
 #include "ops/volume_ops.h"
 
@@ -77,7 +78,8 @@ Status RegisterStandardOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(detail::AddTransformerLayerOps(registry));
   TESSERA_RETURN_IF_ERROR(detail::AddTensorParallelOps(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeOps(registry));
-  return RegisterLayerProgramOps(registry);
+  TESSERA_RETURN_IF_ERROR(RegisterLayerProgramOps(registry));
+  return AddLoadedPluginOps(registry);
 }
 
 }  // namespace tessera

@@ -89,7 +89,8 @@ inline constexpr const char* kRingStepAttr = "ring_step";
 // the rank's own, every shard `keys` long). 0 when neither is given.
 int64_t AttentionBlockKeyOffset(const Attrs& attrs, int64_t keys);
 
-// Adds every built-in op definition. AlreadyExists if called twice on one registry.
+// Adds every built-in op definition, then the ops of every plugin this process loaded
+// (ops/plugin.h). AlreadyExists if called twice on one registry.
 Status RegisterStandardOps(OpRegistry& registry);
 
 }  // namespace tessera

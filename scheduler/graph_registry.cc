@@ -139,8 +139,11 @@ void AddToTemplate(Graph& graph, TaskSpec task, const std::vector<TensorMeta>& i
 }  // namespace
 
 GraphRegistry::GraphRegistry(Outbox* outbox, ParticipantTable* participants,
-                             CollectiveGroups* groups)
-    : outbox_(outbox), participants_(participants), groups_(groups) {}
+                             CollectiveGroups* groups, bool allow_plugins)
+    : outbox_(outbox),
+      participants_(participants),
+      groups_(groups),
+      plugins_(outbox, allow_plugins) {}
 
 Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
                                proto::RegisterGraph::Reader wire, const rpc::WireLimits& limits) {
@@ -158,6 +161,8 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
   }
   TESSERA_ASSIGN_OR_RETURN(Graph graph, GraphFromWire(id, wire, limits));
   if (graph.tasks().empty()) return refuse(InvalidArgument("graph {} has no tasks", id));
+  Result<std::vector<PluginRef>> plugins = plugins_.Check(id, wire.getPlugins());
+  if (!plugins.ok()) return refuse(plugins.status());
   PlacementView view;
   view.workers = participants_->WorkerLoads();
   std::erase_if(view.workers, [](const WorkerLoad& worker) { return !worker.alive; });
@@ -189,6 +194,7 @@ Status GraphRegistry::Register(WorkerId driver, uint64_t request_id,
   entry.tasks = graph.tasks();
   entry.task_worker = std::move(*placed);
   for (uint64_t output : wire.getOutputs()) entry.outputs.push_back(ObjectId(output));
+  entry.plugins = *std::move(plugins);
   const Status completed = Complete(entry);
   if (!completed.ok()) return refuse(completed);
   // Each involved worker gets its part once, now.
@@ -319,10 +325,13 @@ void GraphRegistry::SendPartsTo(PlacedGraph& graph, const std::vector<WorkerId>&
     if (graph.has_part.insert(worker).second) missing.push_back(worker);
   }
   if (missing.empty()) return;
-  GraphPart part{graph.id, graph.objects, graph.tasks, graph.task_worker, {}, graph.outputs};
+  GraphPart part{graph.id, graph.objects, graph.tasks,  graph.task_worker,
+                 {},       graph.outputs, graph.plugins};
   for (WorkerId worker : graph.workers) {
     part.worker_addresses.emplace_back(worker, participants_->DataAddress(worker));
   }
+  // Each plugin's library before the first part that names it: the worker loads it first.
+  for (WorkerId worker : missing) plugins_.SendTo(worker, graph.plugins);
   SendGraphPart(*outbox_, missing, part);
 }
 
@@ -360,6 +369,7 @@ void GraphRegistry::InstanceEnded(PlacedGraph& graph) {
 }
 
 void GraphRegistry::WorkerDied(WorkerId worker) {
+  plugins_.WorkerDied(worker);
   std::vector<PlacedGraph*> placed_on_it;
   for (auto& [id, graph] : graphs_) {
     graph.has_part.erase(worker);

@@ -28,6 +28,9 @@
 // driver that runs a retired graph of its own is told why (Unavailable: register it again); the
 // reasons of the latest kMaxRetired retired graphs are kept for that.
 //
+// Plugins: a registered graph may name plugins (ops/plugin.h) its driver sent before; each
+// worker gets a plugin's library before the first part naming it (plugin_store.h).
+//
 // Errors: a returned error from Register is a protocol violation by the driver (the core closes
 // its connection); a graph that cannot be placed is answered with a Reply carrying the reason.
 //
@@ -52,6 +55,7 @@
 #include "scheduler/outbox.h"
 #include "scheduler/participants.h"
 #include "scheduler/placement.h"
+#include "scheduler/plugin_store.h"
 
 namespace tessera {
 
@@ -76,10 +80,11 @@ struct PlacedGraph {
   std::set<uint64_t> groups;      // the collective groups its collectives use
   // Collective members per worker and channel.
   std::map<std::pair<WorkerId, int>, int64_t> members;
-  std::set<WorkerId> has_part;  // workers that received its part
-  uint64_t template_id = 0;     // the template it places (0: a driver's graph)
-  int running = 0;              // its instances running
-  std::string retired;          // why it can no longer run; empty while it can
+  std::vector<PluginRef> plugins;  // the plugins its tasks need (a registered graph's)
+  std::set<WorkerId> has_part;     // workers that received its part
+  uint64_t template_id = 0;        // the template it places (0: a driver's graph)
+  int running = 0;                 // its instances running
+  std::string retired;             // why it can no longer run; empty while it can
 };
 
 class GraphRegistry {
@@ -89,8 +94,10 @@ class GraphRegistry {
   // The reasons of at most this many retired registered graphs are kept.
   static constexpr size_t kMaxRetired = 1024;
 
-  // The parts must outlive the registry.
-  GraphRegistry(Outbox* outbox, ParticipantTable* participants, CollectiveGroups* groups);
+  // The parts must outlive the registry. `allow_plugins`: drivers' plugins are accepted
+  // (SchedulerOptions::allow_plugins).
+  GraphRegistry(Outbox* outbox, ParticipantTable* participants, CollectiveGroups* groups,
+                bool allow_plugins = true);
 
   // `driver` registers a graph (request `request_id`, answered with a Reply: OK, or why not: an
   // id in use or reserved, no alive worker, a placement that cannot work, a graph without
@@ -114,7 +121,11 @@ class GraphRegistry {
     return templates_.at(template_id).graph;
   }
 
-  // Sends `graph`'s part to those of `workers` that lack it.
+  // The plugins drivers sent (LoadPlugin), which registered graphs name.
+  PluginStore& plugins() { return plugins_; }
+
+  // Sends `graph`'s part to those of `workers` that lack it (and first each plugin the graph
+  // names that such a worker was not sent).
   void SendPartsTo(PlacedGraph& graph, const std::vector<WorkerId>& workers);
 
   // A placed graph (registered or placed template); null when unknown.
@@ -173,6 +184,7 @@ class GraphRegistry {
   Outbox* outbox_;
   ParticipantTable* participants_;
   CollectiveGroups* groups_;
+  PluginStore plugins_;
   std::unordered_map<uint64_t, PlacedGraph> graphs_;  // registered and placed templates
   std::unordered_map<uint64_t, Template> templates_;
   std::unordered_map<std::string, uint64_t> template_of_key_;

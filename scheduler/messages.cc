@@ -206,7 +206,23 @@ void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart
     addresses[i].setAddress(Text(part.worker_addresses[i].second));
   }
   SetIds(part.outputs, out.initOutputs(Size(part.outputs)));
+  auto plugins = out.initPlugins(Size(part.plugins));
+  for (unsigned i = 0; i < part.plugins.size(); ++i) {
+    plugins[i].setName(Text(part.plugins[i].name));
+    plugins[i].setSha256(Text(part.plugins[i].sha256));
+  }
   for (WorkerId worker : to) outbox.Send(worker, message);
+}
+
+void SendLoadPlugin(Outbox& outbox, WorkerId to, const PluginRef& plugin,
+                    std::string_view library) {
+  rpc::ScopedMessageBuilder message;
+  auto out = Body(message).initLoadPlugin();
+  out.setName(Text(plugin.name));
+  out.setSha256(Text(plugin.sha256));
+  out.setLibrary(
+      capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(library.data()), library.size()));
+  outbox.Send(to, message);
 }
 
 void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& run) {

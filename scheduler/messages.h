@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -69,6 +70,12 @@ struct StatusSummary {
 };
 
 // A placed graph (graph_registry.h), as every involved worker receives it.
+// A plugin as a graph names it (ops/plugin.h).
+struct PluginRef {
+  std::string name;
+  std::string sha256;
+};
+
 struct GraphPart {
   uint64_t graph_id = 0;
   std::span<const ObjectSpec> objects;  // graph-local ids, dense from 1
@@ -76,6 +83,7 @@ struct GraphPart {
   std::span<const WorkerId> task_workers;
   std::vector<std::pair<WorkerId, std::string_view>> worker_addresses;
   std::span<const ObjectId> outputs;
+  std::span<const PluginRef> plugins;  // the plugins the part's tasks need loaded
 };
 
 // Where an instance's collective members start in a worker's order of a channel's collectives.
@@ -121,5 +129,6 @@ void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& 
 void SendCancelInstance(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
                         const Status& error);
 void SendForgetGraphs(Outbox& outbox, WorkerId to, std::span<const uint64_t> graph_ids);
+void SendLoadPlugin(Outbox& outbox, WorkerId to, const PluginRef& plugin, std::string_view library);
 
 }  // namespace tessera

@@ -16,7 +16,7 @@ SchedulerCore::SchedulerCore(SchedulerOptions options, Outbox* outbox, Now now)
       participants_(options_.token, options_.session_dir),
       groups_(outbox, [this](WorkerId worker) { return participants_.Describe(worker); }),
       objects_(&tasks_),
-      graphs_(outbox, &participants_, &groups_),
+      graphs_(outbox, &participants_, &groups_, options_.allow_plugins),
       instances_(outbox, &objects_, &participants_, &groups_, &graphs_),
       tasks_(options_.max_task_attempts, &objects_, &participants_, &graphs_, &instances_),
       traces_(std::max(1, options_.trace_instances)) {}
@@ -106,6 +106,9 @@ Status SchedulerCore::Route(Participant& participant, proto::Envelope::Reader me
     case proto::Envelope::Body::COLLECTIVE_FAILED:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kWorker, "a collective failure"));
       return groups_.OnFailed(from, body.getCollectiveFailed(), now_());
+    case proto::Envelope::Body::LOAD_PLUGIN:
+      TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "a plugin"));
+      return graphs_.plugins().Add(from, body.getLoadPlugin());
     case proto::Envelope::Body::JOB_PROGRESS:
       TESSERA_RETURN_IF_ERROR(requires_role(ParticipantRole::kDriver, "job progress"));
       jobs_.Record(from, body.getJobProgress(), now_());

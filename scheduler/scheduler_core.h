@@ -78,8 +78,9 @@ struct SchedulerOptions {
   int64_t inline_object_bytes = int64_t{16} * 1024;
   int max_task_attempts = 3;
   std::string session_dir;
-  int trace_instances = 16;  // graph instances whose spans are kept (scheduler/trace_store.h)
-  rpc::WireLimits limits;    // what one message may hold (core/rpc/wire_limits.h)
+  int trace_instances = 16;   // graph instances whose spans are kept (scheduler/trace_store.h)
+  rpc::WireLimits limits;     // what one message may hold (core/rpc/wire_limits.h)
+  bool allow_plugins = true;  // drivers' plugins accepted (Settings::allow_plugins)
 };
 
 class SchedulerCore {

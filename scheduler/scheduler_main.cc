@@ -141,6 +141,7 @@ int RunSchedulerProcess(const SchedulerProcessFlags& flags) {
   options.core.heartbeat_timeout_ms = static_cast<uint32_t>(settings->heartbeat_timeout_ms);
   options.core.inline_object_bytes = settings->inline_object_bytes;
   options.core.trace_instances = static_cast<int>(settings->trace_instances);
+  options.core.allow_plugins = settings->allow_plugins;
   options.preauth = PendingLimits::FromSettings(*settings);
   options.idle_spin_us = settings->idle_spin_us;
   options.preauth_frame_bytes = static_cast<uint32_t>(

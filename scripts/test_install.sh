@@ -7,7 +7,11 @@
 #   3. configures examples/out_of_tree with nothing but -DCMAKE_PREFIX_PATH=P, builds it, and
 #      runs it: a local cluster of 2 workers trains a few steps, started from P/bin/tessera
 #      although neither PATH nor TESSERA_BIN_DIR names it;
-#   4. runs it with TESSERA_BIN_DIR pointing nowhere and checks the error names the place.
+#   4. runs it with TESSERA_BIN_DIR pointing nowhere and checks the error names the place;
+#   5. builds every other example the same way, each on its own (examples/mlp, gpt2, unet3d and
+#      the plugin examples/plugin), and runs them briefly: train_mlp with the plugin's op as its
+#      activation on a local cluster (the workers load the plugin the driver sends), train_gpt2
+#      on the text installed with the SDK, train_unet3d in process.
 # Usage: scripts/test_install.sh [BUILD_DIR]   (default: build; it must be built already)
 set -euo pipefail
 source_dir=$(cd "$(dirname "$0")/.." && pwd)
@@ -92,4 +96,34 @@ fi
 cat "$work/wrong.log"
 grep -q "TESSERA_BIN_DIR.*$work/nowhere/tessera" "$work/wrong.log" ||
   fail "the error does not name \$TESSERA_BIN_DIR and $work/nowhere/tessera"
+
+# Every example directory with a CMakeLists.txt of its own builds against the install alone.
+for example in mlp gpt2 unet3d plugin; do
+  echo "== configure and build examples/$example"
+  cmake -S "$source_dir/examples/$example" -B "$work/$example" "${generator[@]}" \
+    -DCMAKE_PREFIX_PATH="$prefix" > "$work/$example.log" 2>&1 ||
+    { cat "$work/$example.log"; fail "configuring examples/$example"; }
+  cmake --build "$work/$example" > "$work/$example.log" 2>&1 ||
+    { cat "$work/$example.log"; fail "building examples/$example"; }
+done
+
+echo "== train_mlp with the plugin's softsign on a local cluster"
+"$work/mlp/train_mlp" --plugin "$work/plugin/libmy_ops.so" --activation softsign_forward \
+  --temp-dir "$work/sessions" > "$work/mlp_run.log" 2>&1 ||
+  { cat "$work/mlp_run.log"; fail "train_mlp --plugin"; }
+cat "$work/mlp_run.log"
+grep -q "loaded plugin 'my_ops'" "$work/mlp_run.log" || fail "train_mlp did not load the plugin"
+grep -q '^step 100 loss ' "$work/mlp_run.log" || fail "train_mlp did not reach step 100"
+ls "$work/sessions/plugins/"*-my_ops.so > /dev/null 2>&1 ||
+  fail "no worker wrote the plugin it was sent under $work/sessions/plugins"
+
+echo "== train_gpt2 (the text installed with the SDK) and train_unet3d, two steps each"
+"$work/gpt2/train_gpt2" --preset tiny --steps 2 > "$work/gpt2_run.log" 2>&1 ||
+  { cat "$work/gpt2_run.log"; fail "train_gpt2"; }
+tail -n 3 "$work/gpt2_run.log"
+grep -q "$prefix/share/tessera/data/tinyshakespeare.txt" "$work/gpt2_run.log" ||
+  fail "train_gpt2 did not read the text installed under $prefix/share/tessera/data"
+"$work/unet3d/train_unet3d" --preset tiny --steps 2 > "$work/unet3d_run.log" 2>&1 ||
+  { cat "$work/unet3d_run.log"; fail "train_unet3d"; }
+tail -n 3 "$work/unet3d_run.log"
 echo "test_install: OK"

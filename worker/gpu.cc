@@ -7,6 +7,7 @@
 
 #include "core/collective_task.h"
 #include "core/cuda_device.h"
+#include "ops/plugin.h"
 #include "worker/simulated_gpu.h"
 #include "worker/task_runner.h"
 
@@ -42,7 +43,8 @@ Status AddGpuKernels(OpRegistry& registry) {
   // Collectives: members of a group larger than one run on the worker's collective engine,
   // which stages device buffers through host memory; a kernel is still what a worker needs to
   // prepare a graph with them, and what a one-member group runs (the CPU's, on host copies).
-  return AddKernelsOnHostCopies(registry, DeviceKind::kCuda, IsCollectiveOp);
+  TESSERA_RETURN_IF_ERROR(AddKernelsOnHostCopies(registry, DeviceKind::kCuda, IsCollectiveOp));
+  return AddLoadedPluginKernels(registry, DeviceKind::kCuda);  // ops/plugin.h
 #else
   (void)registry;
   return Unavailable("this build of Tessera has no CUDA backend");

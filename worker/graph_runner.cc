@@ -94,14 +94,16 @@ GraphRunner::~GraphRunner() {
 
 // ---- Parts ----
 
-void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire) {
+void GraphRunner::AddPart(uint64_t self, proto::GraphPart::Reader wire, Status prepared) {
   {
     MutexLock lock(&mutex_);
     self_ = self;
   }
   auto part = std::make_shared<Part>();
   part->id = wire.getGraphId();
-  Status status = part->Build(self, wire, executor_, rpc::WireLimits::FromSettings(settings_));
+  Status status = prepared.ok()
+                      ? part->Build(self, wire, executor_, rpc::WireLimits::FromSettings(settings_))
+                      : std::move(prepared);
   if (!status.ok()) {
     part->error = status.WithContext(fmt::format("preparing graph {}", part->id));
     GetLogger("worker")->warn("{}", part->error.ToString());

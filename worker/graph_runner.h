@@ -109,7 +109,9 @@ class GraphRunner {
 
   // A graph part for this worker (`self` is this worker's id). InvalidArgument for a part that
   // cannot be prepared (e.g. an op without a kernel): reported to the driver at its first run.
-  void AddPart(uint64_t self, proto::GraphPart::Reader part) EXCLUDES(mutex_);
+  // A `prepared` error (a plugin the part needs did not load) is the part's error as it is.
+  void AddPart(uint64_t self, proto::GraphPart::Reader part, Status prepared = Status::Ok())
+      EXCLUDES(mutex_);
   void Start(proto::RunGraph::Reader run) EXCLUDES(mutex_);
   void Cancel(uint64_t graph, uint64_t instance, const Status& reason) EXCLUDES(mutex_);
 

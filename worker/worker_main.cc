@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -18,6 +19,7 @@
 #include "launcher/session.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "worker/gpu.h"
+#include "worker/simulated_gpu.h"
 #include "worker/worker_service.h"
 
 namespace tessera {
@@ -57,6 +59,13 @@ int RunWorkerProcess(const WorkerProcessFlags& flags) {
   options.host_cap_bytes = static_cast<int64_t>(flags.host_cap_gib * double(int64_t{1} << 30));
   options.spill_dir = flags.spill_dir;
   options.settings = *settings;
+  // Plugins the scheduler sends are written under the session root (by content, so processes
+  // and sessions share them) and added to this process's registry: CPU kernels always, CUDA
+  // kernels on a (real) GPU worker.
+  std::vector<DeviceKind> plugin_devices{DeviceKind::kCpu};
+  if (flags.gpu >= 0 && !SimulatedGpuRequested()) plugin_devices.push_back(DeviceKind::kCuda);
+  options.load_plugin = PluginLoader(*registry, std::move(plugin_devices),
+                                     SessionRoot(settings->temp_dir) + "/plugins");
   options.data_host = settings->data_host;
   if (options.data_host.empty()) {
     Result<std::string> toward = rpc::LocalHostToward(*parsed);

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <optional>
+#include <set>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -19,6 +22,7 @@
 #include "core/rpc/wire_limits.h"
 #include "core/thread_annotations.h"
 #include "core/transport/data_plane.h"
+#include "ops/plugin.h"
 #include "worker/collective_engine.h"
 #include "worker/graph_runner.h"
 #include "worker/object_store.h"
@@ -62,6 +66,12 @@ class WorkerServiceImpl final : public WorkerService {
 
  private:
   Status OnMessage(rpc::ReceivedMessage& message);
+  // A plugin's library from the scheduler: loaded (options_.load_plugin), the outcome kept for
+  // the parts that name it.
+  void OnLoadPlugin(proto::Plugin::Reader plugin);
+  // OK when every plugin a part names is loaded here; else why not (the part then fails its
+  // instances with it).
+  Status PluginsLoaded(capnp::List<proto::Plugin>::Reader plugins) const;
   KernelContext KernelContextHere() const {
     return KernelContext{allocator_, options_.settings.gemm_split_min_flops, &registry_,
                          options_.device.get()};
@@ -76,6 +86,7 @@ class WorkerServiceImpl final : public WorkerService {
   const WorkerServiceOptions options_;
   const rpc::WireLimits limits_ = rpc::WireLimits::FromSettings(options_.settings);
   const OpRegistry& registry_;
+  std::map<std::string, Status> plugin_loads_;  // by sha256 (io thread)
   const int threads_;
   std::shared_ptr<Allocator> allocator_;
   ObjectStore store_;
@@ -206,9 +217,14 @@ Status WorkerServiceImpl::OnMessage(rpc::ReceivedMessage& message) {
         (void)store_.Delete(ObjectId(id));  // NotFound is fine: it may never have sealed here
       }
       break;
-    case proto::Envelope::Body::GRAPH_PART:
-      graph_runner_->AddPart(id_, body.getGraphPart());
+    case proto::Envelope::Body::LOAD_PLUGIN:
+      OnLoadPlugin(body.getLoadPlugin());
       break;
+    case proto::Envelope::Body::GRAPH_PART: {
+      const proto::GraphPart::Reader part = body.getGraphPart();
+      graph_runner_->AddPart(id_, part, PluginsLoaded(part.getPlugins()));
+      break;
+    }
     case proto::Envelope::Body::FORGET_GRAPHS:
       for (uint64_t graph : body.getForgetGraphs().getGraphIds()) graph_runner_->RemovePart(graph);
       break;
@@ -337,6 +353,42 @@ void WorkerServiceImpl::Stop(const Status& reason) {
   done_cv_.NotifyAll();
 }
 
+void WorkerServiceImpl::OnLoadPlugin(proto::Plugin::Reader plugin) {
+  const std::string name(plugin.getName().cStr());
+  const std::string sha256(plugin.getSha256().cStr());
+  const auto library = plugin.getLibrary();
+  Status loaded = Unavailable(
+      "this worker loads no plugins (a worker process started by `tessera worker` or `tessera "
+      "start` does; an in-process one does not)");
+  if (options_.load_plugin) {
+    loaded = options_.load_plugin(
+        name, sha256, std::string(reinterpret_cast<const char*>(library.begin()), library.size()));
+  }
+  if (loaded.ok()) {
+    GetLogger("worker")->info("loaded plugin '{}' (sha256 {})", name, sha256.substr(0, 12));
+  } else {
+    GetLogger("worker")->warn("plugin '{}' (sha256 {}): {}", name, sha256.substr(0, 12),
+                              loaded.ToString());
+  }
+  plugin_loads_[sha256] = std::move(loaded);
+}
+
+Status WorkerServiceImpl::PluginsLoaded(capnp::List<proto::Plugin>::Reader plugins) const {
+  for (proto::Plugin::Reader plugin : plugins) {
+    const std::string sha256(plugin.getSha256().cStr());
+    auto load = plugin_loads_.find(sha256);
+    if (load == plugin_loads_.end()) {
+      return NotFound("plugin '{}' (sha256 {}) was never sent to this worker",
+                      plugin.getName().cStr(), sha256.substr(0, 12));
+    }
+    if (!load->second.ok()) {
+      return load->second.WithContext(
+          fmt::format("plugin '{}' on worker{}", plugin.getName().cStr(), id_.load()));
+    }
+  }
+  return Status::Ok();
+}
+
 Status WorkerServiceImpl::Wait() {
   MutexLock lock(&done_mutex_);
   while (!done_) done_cv_.Wait(&done_mutex_);
@@ -344,6 +396,23 @@ Status WorkerServiceImpl::Wait() {
 }
 
 }  // namespace
+
+std::function<Status(std::string_view, std::string_view, std::string)> PluginLoader(
+    OpRegistry& registry, std::vector<DeviceKind> devices, std::string dir) {
+  // The plugins added to `registry`, by sha256: shared by the copies of the function.
+  auto added = std::make_shared<std::set<std::string>>();
+  auto mutex = std::make_shared<Mutex>();
+  return [&registry, devices = std::move(devices), dir = std::move(dir), added, mutex](
+             std::string_view name, std::string_view sha256, std::string library) -> Status {
+    MutexLock lock(mutex.get());
+    if (added->contains(std::string(sha256))) return Status::Ok();
+    TESSERA_ASSIGN_OR_RETURN(const LoadedPlugin* plugin,
+                             LoadPluginBytes(name, sha256, std::move(library), dir));
+    TESSERA_RETURN_IF_ERROR(AddPluginTo(*plugin, registry, devices));
+    added->insert(plugin->sha256);
+    return Status::Ok();
+  };
+}
 
 Result<std::unique_ptr<WorkerService>> WorkerService::Start(const WorkerServiceOptions& options,
                                                             const OpRegistry& registry) {

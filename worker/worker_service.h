@@ -19,8 +19,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "core/device_runtime.h"
 #include "core/rpc/address.h"
@@ -48,7 +51,19 @@ struct WorkerServiceOptions {
   // it stay there between instances (the store's device tier) and are copied to the host only
   // to leave the worker (served, pushed, reported inline) or to cross a host communicator.
   std::shared_ptr<DeviceRuntime> device;
+  // Loads a plugin the scheduler sent (ops/plugin.h; LoadPlugin: its name, sha256 and library)
+  // and adds its ops and kernels to the registry the worker runs with (worker_main: PluginLoader).
+  // Null: this worker loads none, and graphs naming one fail here, saying so.
+  std::function<Status(std::string_view name, std::string_view sha256, std::string library)>
+      load_plugin;
 };
+
+// A worker process's plugin loading (WorkerServiceOptions::load_plugin): writes the library into
+// `dir` and loads it (LoadPluginBytes), then adds it to `registry` for `devices`, once per plugin
+// however often it is sent (a worker that joins a restarted scheduler is sent them again).
+// `registry` must outlive the function.
+std::function<Status(std::string_view, std::string_view, std::string)> PluginLoader(
+    OpRegistry& registry, std::vector<DeviceKind> devices, std::string dir);
 
 class WorkerService {
  public:

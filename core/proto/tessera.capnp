@@ -192,6 +192,8 @@ struct RegisterGraph {
   objects @1 :List(ObjectDecl);   # every object of the graph, dense: index i has id i+1
   tasks @2 :List(Task);           # ids are graph-local (1-based)
   outputs @3 :List(UInt64);       # graph-local object ids returned to the driver
+  plugins @4 :List(Plugin);       # the plugins its workers must have loaded (name and sha256
+                                  # only; the driver sent each one's library before: LoadPlugin)
 }
 
 # The scheduler's placement of a registered graph, sent once to each worker that runs a part.
@@ -202,6 +204,17 @@ struct GraphPart {
   taskWorkers @3 :List(UInt64);   # per graph task: the worker that runs it
   workerAddresses @4 :List(Source);  # holder = worker id, address = its data plane
   outputs @5 :List(UInt64);
+  plugins @6 :List(Plugin);       # as RegisterGraph's: the worker runs the part only with each
+                                  # of them loaded (the scheduler sent their libraries before)
+}
+
+# A plugin (ops/plugin.h): a shared library of ops and kernels. As a LoadPlugin message, with its
+# library: driver -> scheduler before the first graph naming it, scheduler -> worker before the
+# first part naming it. In RegisterGraph and GraphPart: name and sha256 only.
+struct Plugin {
+  name @0 :Text;
+  sha256 @1 :Text;                # of the library's bytes, 64 lowercase hex digits
+  library @2 :Data;
 }
 
 struct Binding {
@@ -407,5 +420,6 @@ struct Envelope {
     timelineReply @28 :Timeline;
     jobProgress @29 :JobProgress;  # driver -> scheduler: a training step's figures
     forgetGraphs @30 :ForgetGraphs;
+    loadPlugin @31 :Plugin;  # driver -> scheduler -> worker: a plugin's library (one-way)
   }
 }

@@ -57,6 +57,8 @@ class Checker {
   Status Tasks(std::string_view field, capnp::List<proto::Task>::Reader tasks) const;
   Status Decls(std::string_view field, capnp::List<proto::ObjectDecl>::Reader decls) const;
   Status Hello(proto::Hello::Reader hello) const;
+  Status Plugin(std::string_view field, proto::Plugin::Reader plugin) const;
+  Status Plugins(std::string_view field, capnp::List<proto::Plugin>::Reader plugins) const;
 
  private:
   const WireLimits& limits_;
@@ -126,13 +128,30 @@ Status Checker::ObjectsReady(proto::ObjectsReady::Reader ready) const {
   return Status::Ok();
 }
 
+Status Checker::Plugin(std::string_view field, proto::Plugin::Reader plugin) const {
+  TESSERA_RETURN_IF_ERROR(Name(fmt::format("{}.name", field), plugin.getName()));
+  TESSERA_RETURN_IF_ERROR(Name(fmt::format("{}.sha256", field), plugin.getSha256()));
+  return Blob(fmt::format("{}.library", field), plugin.getLibrary().size());
+}
+
+Status Checker::Plugins(std::string_view field, capnp::List<proto::Plugin>::Reader plugins) const {
+  // A graph names a handful; a thousand is already absurd (each is a loaded shared library).
+  TESSERA_RETURN_IF_ERROR(CheckCount(field, plugins.size(), 1024));
+  for (proto::Plugin::Reader plugin : plugins) {
+    TESSERA_RETURN_IF_ERROR(Plugin(fmt::format("{}[]", field), plugin));
+  }
+  return Status::Ok();
+}
+
 Status Checker::RegisterGraph(proto::RegisterGraph::Reader graph) const {
+  TESSERA_RETURN_IF_ERROR(Plugins("RegisterGraph.plugins", graph.getPlugins()));
   TESSERA_RETURN_IF_ERROR(Decls("RegisterGraph.objects", graph.getObjects()));
   TESSERA_RETURN_IF_ERROR(Tasks("RegisterGraph.tasks", graph.getTasks()));
   return Objects("RegisterGraph.outputs", graph.getOutputs().size());
 }
 
 Status Checker::GraphPart(proto::GraphPart::Reader part) const {
+  TESSERA_RETURN_IF_ERROR(Plugins("GraphPart.plugins", part.getPlugins()));
   TESSERA_RETURN_IF_ERROR(Decls("GraphPart.objects", part.getObjects()));
   TESSERA_RETURN_IF_ERROR(Tasks("GraphPart.tasks", part.getTasks()));
   TESSERA_RETURN_IF_ERROR(Tasks("GraphPart.taskWorkers", part.getTaskWorkers().size()));
@@ -348,6 +367,8 @@ Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits) 
       return check.Name("JobProgress.plan", body.getJobProgress().getPlan());
     case Body::FORGET_GRAPHS:
       return check.Objects("ForgetGraphs.graphIds", body.getForgetGraphs().getGraphIds().size());
+    case Body::LOAD_PLUGIN:
+      return check.Plugin("LoadPlugin", body.getLoadPlugin());
     default:
       // Numbers only, or nothing (StatusRequest, Shutdown, Keepalive, TimelineRequest); retired
       // kinds nobody reads (DispatchTasks, TasksFinished); a kind newer than this build, which

@@ -11,6 +11,7 @@
 
 #include "core/flag_checks.h"
 #include "core/version.h"
+#include "ops/plugin.h"
 #include "training/layer_profile.h"
 
 namespace tessera::examples {
@@ -250,9 +251,28 @@ void AddPlacementFlag(CLI::App& app, CommonFlags& flags) {
       ->check(CLI::IsMember({"scheduler", "layers"}));
 }
 
+void AddPluginFlag(CLI::App& app, CommonFlags& flags) {
+  app.add_option("--plugin", flags.plugins,
+                 "Load this plugin (a shared library of ops and kernels built with the SDK's "
+                 "tessera_add_plugin) before building the model; the cluster's workers get it "
+                 "from the driver. Repeatable")
+      ->type_name("PATH");
+}
+
 std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program,
                               CommonFlags& flags) {
   std::optional<int> exit = ParseCommandLine(app, argc, argv, program, VersionLine(program));
+  if (exit) return exit;
+  for (const std::string& path : flags.plugins) {
+    Result<const LoadedPlugin*> plugin = LoadPlugin(path);
+    if (!plugin.ok()) {
+      std::fprintf(stderr, "%s: --plugin %s: %s\n", program, path.c_str(),
+                   plugin.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "%s: loaded plugin '%s' from %s\n", program, (*plugin)->name.c_str(),
+                 (*plugin)->path.c_str());
+  }
   const auto given = [&app](const char* name) {
     const CLI::Option* option = app.get_option_no_throw(name);
     return option != nullptr && option->count() > 0;

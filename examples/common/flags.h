@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -124,6 +125,8 @@ struct CommonFlags {
   // /tmp/tessera-<user>), and where the latest session is looked for.
   std::string temp_dir;
   std::string token_file;
+  // Plugins (ops/plugin.h) ParseFlags loads, in order, before anything builds a model.
+  std::vector<std::string> plugins;
   std::string placement = "scheduler";
   PipelineFlags pipeline;
   PlanSearchFlags search;
@@ -147,10 +150,13 @@ void AddClusterFlags(CLI::App& app, CommonFlags& flags);
 void AddRecoveryFlags(CLI::App& app, CommonFlags& flags);
 void AddTraceFlags(CLI::App& app, CommonFlags& flags);
 void AddPlacementFlag(CLI::App& app, CommonFlags& flags);
+// --plugin PATH (repeatable): a shared library of ops and kernels (ops/plugin.h).
+void AddPluginFlag(CLI::App& app, CommonFlags& flags);
 
 // Parses the command line. Returns the exit code when the program should stop: 0 after --help
-// (printed), 2 after a usage error (printed on stderr as "<program>: <error>", then the usage).
-// Records which plan flags were given (PlanSearchFlags).
+// (printed), 2 after a usage error (printed on stderr as "<program>: <error>", then the usage),
+// 1 when a --plugin does not load (the reason printed). Records which plan flags were given
+// (PlanSearchFlags) and loads the plugins.
 std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv, const char* program,
                               CommonFlags& flags);
 

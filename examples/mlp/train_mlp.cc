@@ -1,10 +1,13 @@
 // The smallest Tessera driver: define an MLP with the model API, train it with ZeRO-2 on a local
 // cluster of two worker processes, print the loss. Data: points around one centre per class.
-// The plan flags are the other examples' (examples/common): e.g. --workers 4 --zero-stage 3, or
-// --in-process.
+// The plan and cluster flags are the other examples' (examples/common): e.g. --workers 4
+// --zero-stage 3, --in-process, or --address HOST:PORT. The hidden layer's activation is any op of
+// one input (--activation), a plugin's too: --plugin libmy_ops.so --activation softsign_forward
+// (examples/plugin/).
 #include <cstdio>
 #include <exception>
 #include <random>
+#include <string>
 
 #include "core/run_main.h"
 #include "examples/common/flags.h"
@@ -17,16 +20,16 @@ using namespace tessera;
 
 namespace {
 
-Result<ModelSpec> Mlp(const OpRegistry& registry) {
+Result<ModelSpec> Mlp(const OpRegistry& registry, const std::string& activation) {
   ModelBuilder mlp("mlp", registry);
   ModelValue x = mlp.Input("x", DType::kF32, Shape{1, 32});
   ModelValue y = mlp.Input("y", DType::kI32, Shape{1}, /*label=*/true);
-  auto dense = [](int64_t in, int64_t out, bool gelu) {
+  auto dense = [&activation](int64_t in, int64_t out, bool activate) {
     return [=](LayerBuilder& l) {
       LayerValue w = l.Param("w", Shape{out, in}, ParamInit::Normal(0.1), /*decay=*/true);
       LayerValue b = l.Param("b", Shape{out}, ParamInit::Zeros());
       LayerValue h = l.Call("linear_forward", {l.input(0), w, b});
-      return gelu ? l.Call("gelu_forward", {h}) : h;
+      return activate ? l.Call(activation, {h}) : h;
     };
   };
   ModelValue h = mlp.Layer("fc1", {x}, dense(32, 64, true));
@@ -48,9 +51,10 @@ std::vector<Tensor> Points(std::mt19937& rng, std::normal_distribution<float>& n
   return {*Tensor::FromVector(Shape{64, 32}, points), *Tensor::FromVector(Shape{64}, labels)};
 }
 
-Status Train(const examples::CommonFlags& flags) {
+Status Train(const examples::CommonFlags& flags, const std::string& activation) {
+  // After ParseFlags, which loaded the plugins: the registry holds their ops too.
   TESSERA_ASSIGN_OR_RETURN(OpRegistry registry, MakeCpuOpRegistry());
-  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, Mlp(registry));
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, Mlp(registry, activation));
   // The plan and where it runs: the flags every example shares (examples/common).
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags));
   TrainingPlan plan{.batch = 64};
@@ -79,11 +83,18 @@ int Main(int argc, char** argv) {
   CLI::App app{"Train an MLP (the model API) with ZeRO-2 on a local cluster of two workers"};
   examples::AddThreadsFlag(app, flags);
   examples::AddPlanFlags(app, flags);
+  examples::AddClusterFlags(app, flags);
+  examples::AddPluginFlag(app, flags);
+  std::string activation = "gelu_forward";
+  app.add_option("--activation", activation,
+                 "The hidden layer's activation: an op of one input and output of its shape, "
+                 "built in (gelu_forward) or a --plugin's")
+      ->capture_default_str();
   if (std::optional<int> exit = examples::ParseFlags(app, argc, argv, "train_mlp", flags)) {
     return *exit;
   }
   if (flags.in_process) flags.workers = 0;  // the default here is a cluster
-  if (Status status = Train(flags); !status.ok()) {
+  if (Status status = Train(flags, activation); !status.ok()) {
     std::fprintf(stderr, "train_mlp: %s\n", status.ToString().c_str());
     return 1;
   }

@@ -24,6 +24,7 @@
 #include "ops/flat_layout.h"
 #include "ops/kernel_attrs.h"
 #include "ops/layer_program.h"
+#include "ops/plugin.h"
 #include "ops/standard_ops.h"
 
 namespace tessera {
@@ -602,7 +603,8 @@ Status RegisterCpuKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterTransformerLayerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterVolumeKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterTensorParallelKernels(registry));
-  return RegisterLayerProgramKernels(registry, DeviceKind::kCpu);
+  TESSERA_RETURN_IF_ERROR(RegisterLayerProgramKernels(registry, DeviceKind::kCpu));
+  return AddLoadedPluginKernels(registry, DeviceKind::kCpu);
 }
 
 Result<OpRegistry> MakeCpuOpRegistry() {

@@ -6,7 +6,9 @@
 
 namespace tessera {
 
-// REQUIRES: RegisterStandardOps(registry) ran first. AlreadyExists if called twice.
+// Every built-in op's CPU kernel, then the CPU kernels of every plugin this process loaded
+// (ops/plugin.h). REQUIRES: RegisterStandardOps(registry) ran first. AlreadyExists if called
+// twice.
 Status RegisterCpuKernels(OpRegistry& registry);
 
 // A registry with every built-in op and its CPU kernel: what a CPU worker uses.

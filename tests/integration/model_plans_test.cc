@@ -4,6 +4,7 @@
 // On a local cluster of real worker processes, data parallel, ZeRO 1-3, optimizer offload and
 // gradient accumulation compute the same training run as one worker in this process.
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -204,6 +205,71 @@ TEST(MlpExampleTest, TheHelloWorldDriverLearns) {
   }
   ASSERT_EQ(losses.size(), 10u) << run.output;
   EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
+}
+
+// The losses train_mlp printed ("step N loss L" every 10 steps).
+std::vector<float> MlpLosses(const std::string& output) {
+  std::vector<float> losses;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    float loss = 0;
+    if (std::sscanf(line.c_str(), "step %*d loss %f", &loss) == 1) losses.push_back(loss);
+  }
+  return losses;
+}
+
+// A plugin's op (examples/plugin: softsign) as the hidden activation, on a local cluster of two
+// worker processes: the driver loads the plugin and sends it; each worker writes it under its
+// session root, loads it and runs its kernels. The loss falls as with the built-in GELU.
+TEST(MlpExampleTest, APluginsOpRunsOnTheWorkers) {
+  const std::string temp = TempPath("plugin_cluster");
+  std::filesystem::remove_all(temp);
+  BoundedRun run =
+      RunBinaryWithin("train_mlp",
+                      fmt::format("--plugin {} --activation softsign_forward --temp-dir {}",
+                                  TESSERA_MY_OPS_PLUGIN, temp),
+                      std::chrono::minutes(3));
+  ASSERT_TRUE(run.exited && run.exit_code == 0) << run.output;
+  EXPECT_NE(run.output.find("loaded plugin 'my_ops'"), std::string::npos) << run.output;
+  const std::vector<float> losses = MlpLosses(run.output);
+  ASSERT_EQ(losses.size(), 10u) << run.output;
+  EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
+  // Each worker wrote the plugin it was sent under the session root, named by its digest.
+  int written = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(temp + "/plugins")) {
+    written += entry.path().string().ends_with("-my_ops.so");
+  }
+  EXPECT_EQ(written, 1);
+  std::filesystem::remove_all(temp);
+}
+
+TEST(MlpExampleTest, AClusterThatRefusesPluginsSaysSo) {
+  const std::string temp = TempPath("plugin_refused");
+  std::filesystem::remove_all(temp);
+  BoundedRun run =
+      RunBinaryWithin("train_mlp",
+                      fmt::format("--plugin {} --activation softsign_forward --temp-dir {}",
+                                  TESSERA_MY_OPS_PLUGIN, temp),
+                      std::chrono::minutes(2), "TESSERA_ALLOW_PLUGINS=0");
+  ASSERT_TRUE(run.exited) << run.output;
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("TESSERA_ALLOW_PLUGINS=0"), std::string::npos) << run.output;
+  std::filesystem::remove_all(temp);
+}
+
+TEST(MlpExampleTest, AnUnknownActivationOrPluginIsNamed) {
+  BoundedRun missing =
+      RunBinaryWithin("train_mlp", "--plugin /nonexistent/libx.so", std::chrono::seconds(30));
+  ASSERT_TRUE(missing.exited) << missing.output;
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("--plugin /nonexistent/libx.so"), std::string::npos)
+      << missing.output;
+  EXPECT_NE(missing.output.find("does not exist"), std::string::npos) << missing.output;
+  BoundedRun unknown = RunBinaryWithin("train_mlp", "--in-process --activation softsign_forward",
+                                       std::chrono::seconds(30));
+  ASSERT_TRUE(unknown.exited) << unknown.output;
+  EXPECT_EQ(unknown.exit_code, 1) << unknown.output;
+  EXPECT_NE(unknown.output.find("softsign_forward"), std::string::npos) << unknown.output;
 }
 
 }  // namespace
