@@ -160,6 +160,14 @@ Result<CommandOutcome> Launcher::Setup(const std::string& host, const std::strin
   return shell_.Run(host, user, script, "", static_cast<int>(options_.command_timeout_ms));
 }
 
+Result<CommandOutcome> Launcher::StartProcesses(const std::string& host, const std::string& user,
+                                                const std::string& start,
+                                                const std::string& input) {
+  const int timeout_ms = static_cast<int>(options_.command_timeout_ms);
+  if (!shell_.StartsBlock()) return shell_.Run(host, user, start, input, timeout_ms);
+  return shell_.StartBlocking(host, user, start + " --block", input, timeout_ms);
+}
+
 Result<std::string> Launcher::StartHead(ClusterState& state) {
   const std::string& host = spec_.head.address;
   Result<CommandOutcome> setup = Setup(host, spec_.ssh.user, {});
@@ -174,8 +182,7 @@ Result<std::string> Launcher::StartHead(ClusterState& state) {
       Environment({}) + FindTessera() + "mkdir -p " + ShellQuote(spec_.session_root) + " && " +
       kTessera + " start --head --host " + ShellQuote(host) + " --port " +
       std::to_string(spec_.head.port) + " --session-dir " + ShellQuote(state.head_session_dir);
-  Result<CommandOutcome> started =
-      shell_.Run(host, spec_.ssh.user, start, "", static_cast<int>(options_.command_timeout_ms));
+  Result<CommandOutcome> started = StartProcesses(host, spec_.ssh.user, start, "");
   if (!started.ok()) return started.status().WithContext("starting the head");
   if (started->exit_code != 0) {
     return Unavailable("`tessera start --head` failed on {} ({})", host, DescribeOutcome(*started));
@@ -245,8 +252,7 @@ HostReport Launcher::StartNode(const NodeSpec& node, int missing, const std::str
                      " --host-memory-mb " + std::to_string(node.host_memory_mb));
   }
   for (const std::string& start : starts) {
-    Result<CommandOutcome> outcome = shell_.Run(node.address, user, start, token + "\n",
-                                                static_cast<int>(options_.command_timeout_ms));
+    Result<CommandOutcome> outcome = StartProcesses(node.address, user, start, token + "\n");
     if (!outcome.ok()) return fail(outcome.status().message());
     if (outcome->exit_code != 0) {
       return fail("`tessera start` failed (" + DescribeOutcome(*outcome) + ")");

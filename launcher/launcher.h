@@ -3,7 +3,8 @@
 //
 // The orchestration is written over three injected side effects, so it is tested without ssh,
 // processes or sockets (launcher_test):
-//   RemoteShell   runs a shell command on a host (ssh; the local shell for a local head);
+//   RemoteShell   runs a shell command on a host (ssh; the local shell for a local head; srun
+//                 inside a Slurm allocation: launcher/slurm.h);
 //   ClusterProbe  asks the running scheduler how many workers of each node are alive;
 //   LauncherClock now and sleep, for the join deadline.
 //
@@ -58,6 +59,16 @@ class RemoteShell {
   virtual Result<CommandOutcome> Run(const std::string& host, const std::string& user,
                                      const std::string& command, const std::string& input,
                                      int timeout_ms) = 0;
+  // Whether the processes a command starts end with it (a Slurm step's do: launcher/slurm.h).
+  // Then the launcher runs `tessera start ... --block` through StartBlocking, which returns once
+  // they are up and leaves the command running; otherwise (ssh) `tessera start`, whose processes
+  // detach, through Run.
+  virtual bool StartsBlock() const { return false; }
+  virtual Result<CommandOutcome> StartBlocking(const std::string& host, const std::string& user,
+                                               const std::string& command, const std::string& input,
+                                               int timeout_ms) {
+    return Run(host, user, command, input, timeout_ms);
+  }
 };
 
 class ClusterProbe {
@@ -143,6 +154,9 @@ class Launcher {
   Result<ClusterState> ReadState() const;
 
  private:
+  // Runs a `tessera start` command on `host` (StartsBlock: with --block, through StartBlocking).
+  Result<CommandOutcome> StartProcesses(const std::string& host, const std::string& user,
+                                        const std::string& start, const std::string& input);
   Result<std::string> StartHead(ClusterState& state);
   HostReport StartNode(const NodeSpec& node, int missing, const std::string& address,
                        const std::string& token);

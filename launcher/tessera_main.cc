@@ -32,7 +32,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -65,6 +67,7 @@
 #include "launcher/process.h"
 #include "launcher/process_main.h"
 #include "launcher/session.h"
+#include "launcher/slurm.h"
 #include "launcher/ssh_shell.h"
 #include "ops/cpu/blas.h"
 #include "ops/cpu/cpu_kernels.h"
@@ -120,9 +123,60 @@ struct StartFlags {
   double gpu_memory_gib = 0;
   bool no_restart = false;
   int dashboard_port = kDashboardPortFromSettings;
+  // Stay in the foreground until the started processes exit (what a Slurm step needs:
+  // launcher/slurm.h); SIGTERM or SIGINT stops them.
+  bool block = false;
 };
 
-int StartHead(const StartFlags& flags) {
+// Set by SIGTERM or SIGINT while `start --block` holds.
+volatile std::sig_atomic_t stop_requested =
+    0;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
+
+// Whether process `pid` runs (exists and is no zombie).
+bool Runs(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const size_t close = text.rfind(')');
+  return close == std::string::npos || close + 2 >= text.size() || text[close + 2] != 'Z';
+}
+
+// `start --block`: says so (kBlockingStartedLine, which SrunShell waits for), then waits until
+// every process in `pids` exits. SIGTERM or SIGINT (a step cancelled, Ctrl-C) stops them: SIGTERM,
+// then SIGKILL to those left after 5 s. Exit 0.
+int HoldUntilExit(const std::vector<pid_t>& pids) {
+  struct sigaction action {};
+  action.sa_handler = [](int) { stop_requested = 1; };
+  ::sigemptyset(&action.sa_mask);
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
+  std::printf("%s until its %zu process(es) exit (--block; SIGTERM stops them)\n",
+              std::string(tessera::launcher::kBlockingStartedLine).c_str(), pids.size());
+  std::fflush(stdout);
+  const auto any_runs = [&pids] {
+    return std::any_of(pids.begin(), pids.end(), [](pid_t pid) { return Runs(pid); });
+  };
+  while (any_runs()) {
+    if (stop_requested != 0) {
+      for (pid_t pid : pids) ::kill(pid, SIGTERM);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (any_runs() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      for (pid_t pid : pids) {
+        if (Runs(pid)) ::kill(pid, SIGKILL);
+      }
+      std::printf("tessera start: stopped its processes (a signal)\n");
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::printf("tessera start: its processes exited\n");
+  return 0;
+}
+
+int StartHead(const StartFlags& flags, std::vector<pid_t>& started) {
   Result<tessera::LocalSession> session = tessera::LocalSession::Create(
       flags.session_dir, "session",
       {.binary = SelfBinary(), .detached = true, .temp_dir = temp_dir_setting});
@@ -141,6 +195,7 @@ int StartHead(const StartFlags& flags) {
       std::fprintf(stderr, "tessera: warning: %s\n", linked.status().message().c_str());
     }
   }
+  started.push_back(scheduler->pid);
   std::printf("Tessera scheduler started at %s (pid %d)\n", scheduler->address.c_str(),
               scheduler->pid);
   std::printf("  session:    %s (logs, token, address)\n", session->dir().c_str());
@@ -155,7 +210,7 @@ int StartHead(const StartFlags& flags) {
   return 0;
 }
 
-int StartWorkers(const StartFlags& flags) {
+int StartWorkers(const StartFlags& flags, std::vector<pid_t>& started) {
   std::vector<int> gpus;
   if (!flags.gpus.empty()) {
     Result<std::vector<int>> resolved = tessera::ResolveGpus(flags.gpus);
@@ -196,6 +251,7 @@ int StartWorkers(const StartFlags& flags) {
     if (!before.ok()) return Fail(before.status());
     Result<std::vector<pid_t>> pids = session->StartWorkers(launch);
     if (!pids.ok()) return Fail(pids.status());
+    started.insert(started.end(), pids->begin(), pids->end());
     int alive = 0;
     const Status joined = session->AwaitWorkers(
         [&]() -> Result<int> {
@@ -324,7 +380,15 @@ struct ClusterFileFlags {
   std::string ssh_key;
   std::string tessera_binary;
   bool status = false;  // attach: also show `tessera status`
+  // --slurm: the cluster is this Slurm allocation (launcher/slurm.h), not a file.
+  bool slurm = false;
+  tessera::launcher::SlurmClusterOptions slurm_options;
 };
+
+// What `up`, `down` and `attach` name the cluster by in messages and suggested commands.
+std::string ClusterArgument(const ClusterFileFlags& flags) {
+  return flags.slurm ? std::string("--slurm") : flags.file;
+}
 
 std::string DefaultStateDir() {
   const char* home = std::getenv("HOME");
@@ -346,7 +410,22 @@ int WithLauncher(const ClusterFileFlags& flags,
                  const std::function<int(tessera::launcher::Launcher&,
                                          const tessera::launcher::ClusterSpec&)>& action) {
   namespace launcher = tessera::launcher;
-  Result<launcher::ClusterSpec> spec = launcher::LoadClusterFile(flags.file);
+  Result<launcher::ClusterSpec> spec = tessera::InvalidArgument("no cluster");
+  if (flags.slurm) {
+    Result<launcher::SlurmAllocation> allocation = launcher::SlurmAllocationFromEnvironment(
+        [](const char* name) -> std::optional<std::string> {
+          const char* value = std::getenv(name);
+          return value != nullptr ? std::optional<std::string>(value) : std::nullopt;
+        });
+    if (!allocation.ok()) return Fail(allocation.status());
+    spec = launcher::SlurmClusterSpec(*allocation, flags.slurm_options);
+  } else if (flags.file.empty()) {
+    return Fail(tessera::InvalidArgument(
+        "name the cluster: a cluster file (.yaml, or a hostfile), or --slurm inside a Slurm "
+        "allocation"));
+  } else {
+    spec = launcher::LoadClusterFile(flags.file);
+  }
   if (!spec.ok()) return Fail(spec.status());
   if (!flags.ssh_user.empty()) spec->ssh.user = flags.ssh_user;
   if (!flags.ssh_key.empty()) spec->ssh.key = flags.ssh_key;
@@ -357,10 +436,12 @@ int WithLauncher(const ClusterFileFlags& flags,
   options.launcher_binary = std::filesystem::read_symlink("/proc/self/exe", no_path).string();
   std::error_code error;
   std::filesystem::create_directories(options.state_dir, error);
-  launcher::SshShell shell({.ssh = spec->ssh, .known_hosts = options.state_dir + "/known_hosts"});
+  launcher::SshShell ssh({.ssh = spec->ssh, .known_hosts = options.state_dir + "/known_hosts"});
+  launcher::SrunShell srun({.log_dir = options.state_dir});
   launcher::SchedulerProbe probe;
   std::unique_ptr<launcher::LauncherClock> clock = launcher::MakeSteadyClock();
-  launcher::Launcher runner(*spec, options, shell, probe, *clock);
+  launcher::Launcher runner(
+      *spec, options, flags.slurm ? static_cast<launcher::RemoteShell&>(srun) : ssh, probe, *clock);
   return action(runner, *spec);
 }
 
@@ -369,7 +450,9 @@ int Up(const ClusterFileFlags& flags) {
                                  const tessera::launcher::ClusterSpec& spec) {
     const auto started = std::chrono::steady_clock::now();
     Result<tessera::launcher::LaunchReport> report = launcher.Up();
-    if (!report.ok()) return Fail(report.status().WithContext("tessera up " + flags.file));
+    if (!report.ok()) {
+      return Fail(report.status().WithContext("tessera up " + ClusterArgument(flags)));
+    }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::printf("Tessera cluster '%s' at %s (%.1f s)\n%s", spec.name.c_str(),
@@ -380,7 +463,7 @@ int Up(const ClusterFileFlags& flags) {
       std::fprintf(stderr,
                    "tessera: error: some nodes did not come up (above); fix them and run "
                    "`tessera up %s` again: it starts only what is missing\n",
-                   flags.file.c_str());
+                   ClusterArgument(flags).c_str());
       return 1;
     }
     return 0;
@@ -391,13 +474,15 @@ int Down(const ClusterFileFlags& flags) {
   return WithLauncher(flags, [&](tessera::launcher::Launcher& launcher,
                                  const tessera::launcher::ClusterSpec& spec) {
     Result<tessera::launcher::LaunchReport> report = launcher.Down();
-    if (!report.ok()) return Fail(report.status().WithContext("tessera down " + flags.file));
+    if (!report.ok()) {
+      return Fail(report.status().WithContext("tessera down " + ClusterArgument(flags)));
+    }
     std::printf("Tessera cluster '%s' down\n%s", spec.name.c_str(), report->Table().c_str());
     if (!report->ok()) {
       std::fprintf(stderr,
                    "tessera: error: not every host is clean (above); `tessera down %s` again "
                    "retries\n",
-                   flags.file.c_str());
+                   ClusterArgument(flags).c_str());
       return 1;
     }
     return 0;
@@ -455,6 +540,9 @@ CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
   start_cmd->add_flag("--no-restart", start.no_restart,
                       "Scheduler: do not start it again when it dies (by default a supervisor "
                       "does, and workers rejoin it)");
+  start_cmd->add_flag("--block", start.block,
+                      "Stay in the foreground until the started processes exit (SIGTERM or "
+                      "SIGINT stops them): for a Slurm step or a container's main process");
   start_cmd->add_option("--address", start.address, "Workers: the scheduler's HOST:PORT");
   start_cmd->add_option("--cpu-workers", start.cpu_workers, "Workers: how many to start")
       ->check(tessera::AtLeast(1));
@@ -500,8 +588,31 @@ CLI::App* AddStopCommand(CLI::App& app, StopFlags& flags) {
 CLI::App* AddClusterFileCommand(CLI::App& app, const std::string& name,
                                 const std::string& description, ClusterFileFlags& flags) {
   CLI::App* command = app.add_subcommand(name, description);
-  command->add_option("file", flags.file, "The cluster file (.yaml/.yml, or a hostfile)")
-      ->required();
+  CLI::Option* file =
+      command->add_option("file", flags.file, "The cluster file (.yaml/.yml, or a hostfile)");
+  CLI::Option* slurm = command->add_flag(
+      "--slurm", flags.slurm,
+      "Instead of a file: the Slurm allocation this runs in (salloc, sbatch): the scheduler on "
+      "its first node, workers on every node, started with srun");
+  file->excludes(slurm);
+  tessera::launcher::SlurmClusterOptions& s = flags.slurm_options;
+  command->add_option("--port", s.port, "With --slurm: the scheduler's port")
+      ->capture_default_str()
+      ->check(tessera::Between(1, 65535));
+  command
+      ->add_option("--workers-per-node", s.workers_per_node,
+                   "With --slurm: CPU workers on each node")
+      ->capture_default_str()
+      ->check(tessera::AtLeast(1));
+  command
+      ->add_option("--threads", s.threads,
+                   "With --slurm: threads of each worker (0: the node's CPUs in the allocation "
+                   "over --workers-per-node)")
+      ->capture_default_str()
+      ->check(tessera::AtLeast(0));
+  command->add_option(
+      "--session-root", s.session_root,
+      "With --slurm: where each node's session directory goes (default /tmp/tessera)");
   command->add_option("--state-dir", flags.state_dir,
                       "Where the launcher keeps <cluster>.json, the token and known_hosts "
                       "(default ~/.tessera/clusters)");
@@ -530,7 +641,11 @@ CLI::App* AddTimelineCommand(CLI::App& app, TimelineFlags& flags) {
 // `start`, once parsed: the scheduler (--head) or workers (of --address, else of the latest
 // session).
 int Start(const CLI::App& start_cmd, StartFlags& start) {
-  if (start.head) return StartHead(start);
+  std::vector<pid_t> started;
+  if (start.head) {
+    const int code = StartHead(start, started);
+    return code == 0 && start.block ? HoldUntilExit(started) : code;
+  }
   std::error_code missing;
   if (start.address.empty() &&
       !std::filesystem::exists(tessera::LatestSession(temp_dir_setting) + "/scheduler.address",
@@ -540,7 +655,8 @@ int Start(const CLI::App& start_cmd, StartFlags& start) {
     return 2;
   }
   start.cpu_workers_given = start_cmd.count("--cpu-workers") > 0;
-  return StartWorkers(start);
+  const int code = StartWorkers(start, started);
+  return code == 0 && start.block ? HoldUntilExit(started) : code;
 }
 
 // `tessera doctor`: what this build and machine have, one line each (as DeepSpeed's ds_report):
@@ -611,11 +727,14 @@ int Main(int argc, char** argv) {
   ClusterFileFlags up, down, attach;
   CLI::App* up_cmd = AddClusterFileCommand(
       app, "up",
-      "Start the cluster a file describes: the head, then every node's workers over ssh; "
-      "idempotent (starts only what is missing); reports each node",
+      "Start the cluster a file describes (or, with --slurm, the Slurm allocation this runs in): "
+      "the head, then every node's workers, over ssh (srun steps with --slurm); idempotent "
+      "(starts only what is missing); reports each node",
       up);
   CLI::App* down_cmd = AddClusterFileCommand(
-      app, "down", "Stop the cluster a file describes and check that no process of it is left",
+      app, "down",
+      "Stop the cluster a file (or --slurm: this allocation) describes and check that no process "
+      "of it is left",
       down);
   CLI::App* attach_cmd = AddClusterFileCommand(
       app, "attach", "Print TESSERA_ADDRESS/TESSERA_TOKEN_FILE lines for a driver (eval them)",

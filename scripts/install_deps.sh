@@ -33,6 +33,7 @@ if [[ "$mode" != --main ]]; then
     libfuzzer-15-dev  # libFuzzer for the fuzz targets (scripts/fuzz.sh)
     libgtest-dev libgmock-dev libbenchmark-dev
     openssh-client openssh-server iproute2  # the launcher (ssh) and the multinode tests
+    slurmctld slurmd slurm-client munge  # a Slurm cluster for `tessera up --slurm` (multinode_slurm)
     chromium  # the dashboard's browser test (tests/browser)
   )
   # Node.js and npm for the same test, from Debian unless a node with its own npm is there

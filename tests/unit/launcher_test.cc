@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/atomic_file.h"
+#include "launcher/slurm.h"
 #include "launcher/ssh_shell.h"
 #include "test_util.h"
 
@@ -69,6 +70,18 @@ class FakeCluster final : public RemoteShell, public ClusterProbe, public Launch
     return CommandOutcome{0, ""};
   }
 
+  // As srun's shell (blocks): `tessera start` runs with --block through StartBlocking.
+  bool StartsBlock() const override { return blocks; }
+  Result<CommandOutcome> StartBlocking(const std::string& host, const std::string& user,
+                                       const std::string& command, const std::string& input,
+                                       int timeout_ms) override {
+    {
+      std::lock_guard lock(mutex_);
+      blocking.push_back({host, user, command, input});
+    }
+    return Run(host, user, command, input, timeout_ms);
+  }
+
   Result<std::map<std::string, int>> AliveWorkers(const std::string& address,
                                                   const std::string& given_token,
                                                   const std::vector<std::string>& nodes) override {
@@ -95,6 +108,8 @@ class FakeCluster final : public RemoteShell, public ClusterProbe, public Launch
 
   std::mutex mutex_;
   std::vector<Call> calls;
+  bool blocks = false;
+  std::vector<Call> blocking;  // the StartBlocking calls (also in `calls`)
   bool head_running = false;
   std::string token;
   std::string dashboard = "10.0.0.1:8265";  // what the head's dashboard.address holds
@@ -180,6 +195,26 @@ TEST_F(LauncherTest, UpStartsHeadThenEveryNodesWorkers) {
 }
 
 // A node with `gpus: N` gets one GPU worker on each of its first N GPUs, counted like workers.
+// A shell whose starts end with their command (srun's: launcher/slurm.h): the head's and the
+// nodes' `tessera start` run with --block through StartBlocking; everything else through Run.
+TEST_F(LauncherTest, AShellWhoseStartsBlockGetsTesseraStartBlock) {
+  fake_.blocks = true;
+  Launcher launcher = Make();
+  Result<LaunchReport> report = launcher.Up();
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_TRUE(report->ok()) << report->Table();
+  ASSERT_EQ(fake_.blocking.size(), 4u);  // the head, and three nodes' workers
+  for (const Call& call : fake_.blocking) {
+    EXPECT_NE(call.command.find(" start "), std::string::npos) << call.command;
+    EXPECT_TRUE(call.command.ends_with(" --block")) << call.command;
+  }
+  for (const Call& call : fake_.calls) {
+    const bool start = call.command.find(" start --") != std::string::npos;
+    EXPECT_EQ(start, call.command.ends_with(" --block")) << call.command;
+  }
+  EXPECT_EQ(fake_.CallsWith("--block").size(), 4u);
+}
+
 TEST_F(LauncherTest, UpStartsAGpuWorkerPerGpuOfANode) {
   Result<ClusterSpec> spec = ParseClusterYaml(R"(cluster_name: gpus
 head: {address: 10.0.0.1, port: 7000}
@@ -464,6 +499,153 @@ TEST(SshShellTest, RunCapturingGivesInputAndCollectsOutputAndStatus) {
   Result<CommandOutcome> missing = RunCapturing({"/nonexistent/ssh"}, "", 5'000);
   ASSERT_TRUE(missing.ok());
   EXPECT_EQ(missing->exit_code, 127);
+}
+
+}  // namespace
+}  // namespace tessera::launcher
+
+namespace tessera::launcher {
+namespace {
+
+TEST(SlurmTest, HostlistsExpandInOrderWithTheirPadding) {
+  const auto expand = [](std::string_view list) {
+    Result<std::vector<std::string>> hosts = ExpandHostlist(list);
+    EXPECT_TRUE(hosts.ok()) << list << ": " << hosts.status().ToString();
+    return hosts.ok() ? *hosts : std::vector<std::string>{};
+  };
+  EXPECT_EQ(expand("node1"), (std::vector<std::string>{"node1"}));
+  EXPECT_EQ(expand("ts5-h[1-3]"), (std::vector<std::string>{"ts5-h1", "ts5-h2", "ts5-h3"}));
+  EXPECT_EQ(expand("n[08-10,12],login"),
+            (std::vector<std::string>{"n08", "n09", "n10", "n12", "login"}));
+  EXPECT_EQ(expand("r[1-2]-n[01-02]"),
+            (std::vector<std::string>{"r1-n01", "r1-n02", "r2-n01", "r2-n02"}));
+  EXPECT_EQ(expand("gpu[3],cpu[001-002].cluster"),
+            (std::vector<std::string>{"gpu3", "cpu001.cluster", "cpu002.cluster"}));
+}
+
+TEST(SlurmTest, BadHostlistsAreNamed) {
+  for (const char* bad :
+       {"n[1-3", "n1-3]", "n[3-1]", "n[a-b]", "n1,,n2", "n[1-99999999999]", "n[0-70000]"}) {
+    Result<std::vector<std::string>> hosts = ExpandHostlist(bad);
+    ASSERT_FALSE(hosts.ok()) << bad;
+    EXPECT_EQ(hosts.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(hosts.status().message().find(bad), std::string::npos) << hosts.status().message();
+  }
+}
+
+TEST(SlurmTest, CpusPerNodeExpand) {
+  Result<std::vector<int>> cpus = ExpandCpusPerNode("16(x3),8", 4);
+  ASSERT_TRUE(cpus.ok()) << cpus.status().ToString();
+  EXPECT_EQ(*cpus, (std::vector<int>{16, 16, 16, 8}));
+  EXPECT_FALSE(ExpandCpusPerNode("16(x3)", 4).ok());  // too few nodes
+  EXPECT_FALSE(ExpandCpusPerNode("16(x3", 3).ok());   // unclosed
+  EXPECT_FALSE(ExpandCpusPerNode("x,8", 2).ok());     // not a number
+}
+
+TEST(SlurmTest, TheAllocationComesFromTheEnvironment) {
+  std::map<std::string, std::string> env = {{"SLURM_JOB_ID", "42"},
+                                            {"SLURM_JOB_NODELIST", "ts5-h[1-3]"},
+                                            {"SLURM_JOB_CPUS_PER_NODE", "2(x3)"}};
+  const auto getenv = [&env](const char* name) -> std::optional<std::string> {
+    auto it = env.find(name);
+    return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
+  };
+  Result<SlurmAllocation> allocation = SlurmAllocationFromEnvironment(getenv);
+  ASSERT_TRUE(allocation.ok()) << allocation.status().ToString();
+  EXPECT_EQ(allocation->job_id, "42");
+  EXPECT_EQ(allocation->nodes, (std::vector<std::string>{"ts5-h1", "ts5-h2", "ts5-h3"}));
+  EXPECT_EQ(allocation->cpus, (std::vector<int>{2, 2, 2}));
+
+  const ClusterSpec spec =
+      SlurmClusterSpec(*allocation, {.port = 7100, .workers_per_node = 2, .threads = 0});
+  EXPECT_EQ(spec.name, "slurm-42");
+  EXPECT_EQ(spec.head.address, "ts5-h1");
+  EXPECT_EQ(spec.head.port, 7100);
+  ASSERT_EQ(spec.nodes.size(), 3u);
+  for (const NodeSpec& node : spec.nodes) {
+    EXPECT_EQ(node.workers, 2);
+    EXPECT_EQ(node.threads, 1);  // 2 CPUs over 2 workers
+  }
+  EXPECT_EQ(spec.ExpectedWorkers(), 6);
+
+  env.erase("SLURM_JOB_NODELIST");
+  Result<SlurmAllocation> outside = SlurmAllocationFromEnvironment(getenv);
+  ASSERT_FALSE(outside.ok());
+  EXPECT_NE(outside.status().message().find("salloc"), std::string::npos);
+}
+
+TEST(SlurmTest, SrunArgvRunsOneOverlappingStepOnTheNode) {
+  const std::vector<std::string> argv = SrunArgv("srun", "ts5-h2", "echo hi");
+  ASSERT_GE(argv.size(), 4u);
+  EXPECT_EQ(argv.front(), "srun");
+  for (const char* flag : {"--overlap", "--nodes=1", "--ntasks=1", "--nodelist=ts5-h2"}) {
+    EXPECT_NE(std::find(argv.begin(), argv.end(), flag), argv.end()) << flag;
+  }
+  EXPECT_EQ((std::vector<std::string>(argv.end() - 3, argv.end())),
+            (std::vector<std::string>{"/bin/sh", "-c", "echo hi"}));
+}
+
+// A stand-in for srun: runs the step's command here (everything after /bin/sh), or fails as
+// srun does when its first argument after the options is "--nodelist=down".
+std::string FakeSrun(const std::string& dir) {
+  const std::string path = dir + "/srun";
+  EXPECT_TRUE(WriteFileAtomically(path, R"(#!/bin/sh
+for arg; do
+  case "$arg" in --nodelist=down) echo "srun: error: Unable to create step for job 7: Invalid node name specified" >&2; exit 1 ;; esac
+done
+while [ "$1" != /bin/sh ]; do shift; done
+exec "$@"
+)",
+                                  0755)
+                  .ok());
+  return path;
+}
+
+TEST(SlurmTest, SrunShellRunsAStepAndNamesSrunsErrors) {
+  const std::string dir = testing::TempPath("srun_shell");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  SrunShell shell({.srun_binary = FakeSrun(dir), .log_dir = dir});
+  Result<CommandOutcome> ran = shell.Run("ts5-h2", "", "cat; echo out; exit 3", "in\n", 10000);
+  ASSERT_TRUE(ran.ok()) << ran.status().ToString();
+  EXPECT_EQ(ran->exit_code, 3);
+  EXPECT_EQ(ran->output, "in\nout\n");
+  Result<CommandOutcome> down = shell.Run("down", "", "true", "", 10000);
+  ASSERT_FALSE(down.ok());
+  EXPECT_EQ(down.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(down.status().message().find("Invalid node name"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SlurmTest, StartBlockingReturnsOnceUpAndLeavesTheStepRunning) {
+  const std::string dir = testing::TempPath("srun_blocking");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  SrunShell shell({.srun_binary = FakeSrun(dir), .log_dir = dir});
+  // Reads its input (a token), says it is up, then holds until its marker file goes.
+  const std::string marker = dir + "/holding";
+  const std::string command = "read token; echo \"got $token\"; touch " + marker + "; echo '" +
+                              std::string(kBlockingStartedLine) + "'; while [ -e " + marker +
+                              " ]; do sleep 0.05; done; echo released";
+  Result<CommandOutcome> up = shell.StartBlocking("ts5-h3", "", command, "s3cret\n", 10000);
+  ASSERT_TRUE(up.ok()) << up.status().ToString();
+  EXPECT_EQ(up->exit_code, 0);
+  EXPECT_NE(up->output.find("got s3cret"), std::string::npos) << up->output;
+  EXPECT_TRUE(std::filesystem::exists(marker));  // still holding: the step was left running
+  std::filesystem::remove(marker);
+
+  // A command that ends before it is up: its status and output.
+  Result<CommandOutcome> failed =
+      shell.StartBlocking("ts5-h3", "", "echo 'no scheduler' >&2; exit 4", "", 10000);
+  ASSERT_TRUE(failed.ok()) << failed.status().ToString();
+  EXPECT_EQ(failed->exit_code, 4);
+  EXPECT_NE(failed->output.find("no scheduler"), std::string::npos);
+
+  // One that never says so is killed at the deadline.
+  Result<CommandOutcome> silent = shell.StartBlocking("ts5-h3", "", "sleep 30", "", 300);
+  ASSERT_FALSE(silent.ok());
+  EXPECT_EQ(silent.status().code(), StatusCode::kTimedOut);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
