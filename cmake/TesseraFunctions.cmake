@@ -7,7 +7,8 @@
 #     A driver program. Its sources compile as an object library that does not wait for the
 #     `tessera` binary, so in Tessera's tree they build beside the libraries and only the link
 #     waits for `tessera` (which --workers starts): a two-core build keeps both cores busy to the
-#     end (the README's first command). The program exports its symbols (-rdynamic), which the
+#     end (the README's first command). It links Tessera::tessera besides LIBS (installed, that
+#     says where the SDK's `tessera` binary is), and exports its symbols (-rdynamic), which the
 #     plugins it loads resolve Tessera's functions against (ops/plugin.h).
 #
 #   tessera_add_plugin(<name> SOURCES <src>...)
@@ -27,7 +28,9 @@ function(tessera_add_driver name)
     target_compile_definitions(${name}_objects PRIVATE ${ARG_DEFINITIONS})
   endif()
   add_executable(${name} $<TARGET_OBJECTS:${name}_objects>)
-  target_link_libraries(${name} PRIVATE ${ARG_LIBS})
+  # Tessera::tessera too: installed, it carries where the SDK's `tessera` binary is, which
+  # Cluster::StartLocal looks for (TesseraConfig.cmake).
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS} Tessera::tessera)
   set_target_properties(${name} PROPERTIES ENABLE_EXPORTS ON)
   if(TARGET tessera)  # in Tessera's tree: the binary --workers starts is built first
     add_dependencies(${name} tessera)

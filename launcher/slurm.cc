@@ -236,31 +236,17 @@ Result<CommandOutcome> SrunShell::StartBlocking(const std::string& host,
     ::close(log_fd);
     return Unavailable("pipe: {}", std::strerror(errno));
   }
-  const std::vector<std::string> argv = SrunArgv(options_.srun_binary, host, command);
-  std::vector<char*> args;
-  for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid < 0) return Unavailable("fork: {}", std::strerror(errno));
-  if (pid == 0) {  // only async-signal-safe calls until exec
-    ::setsid();    // outlives `tessera up`, and no terminal's signals reach it
-    ::dup2(in_pipe[0], STDIN_FILENO);
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
-    ::signal(SIGPIPE, SIG_DFL);
-    ::execvp(args[0], args.data());
-    const char message[] = "cannot execute the program\n";
-    [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
-    ::_exit(127);
-  }
+  // A session of its own: it outlives `tessera up`, and no terminal's signals reach it.
+  Result<pid_t> spawned = Spawn(SrunArgv(options_.srun_binary, host, command), in_pipe[0], log_fd,
+                                /*new_session=*/true);
   ::close(in_pipe[0]);
   ::close(log_fd);
-  for (size_t written = 0; written < input.size();) {
-    const ssize_t n = ::write(in_pipe[1], input.data() + written, input.size() - written);
-    if (n <= 0) break;
-    written += static_cast<size_t>(n);
+  if (!spawned.ok()) {
+    ::close(in_pipe[1]);
+    return spawned.status();
   }
-  ::close(in_pipe[1]);
+  const pid_t pid = *spawned;
+  WriteAllAndClose(in_pipe[1], input);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     int status = 0;

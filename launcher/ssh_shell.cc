@@ -67,6 +67,41 @@ bool IsLoopbackHost(const std::string& host) {
   return host == "localhost" || host.starts_with("127.");
 }
 
+Result<pid_t> Spawn(const std::vector<std::string>& argv, int input_fd, int output_fd,
+                    bool new_session) {
+  std::vector<char*> args;
+  args.reserve(argv.size() + 1);
+  for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return Unavailable("fork: {}", std::strerror(errno));
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    if (new_session) {
+      ::setsid();
+    } else {
+      ::setpgid(0, 0);
+    }
+    ::dup2(input_fd, STDIN_FILENO);
+    ::dup2(output_fd, STDOUT_FILENO);
+    ::dup2(output_fd, STDERR_FILENO);
+    ::signal(SIGPIPE, SIG_DFL);
+    ::execvp(args[0], args.data());
+    const char message[] = "cannot execute the program\n";
+    [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
+    ::_exit(127);
+  }
+  return pid;
+}
+
+void WriteAllAndClose(int fd, const std::string& text) {
+  for (size_t written = 0; written < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
+  }
+  ::close(fd);
+}
+
 Result<CommandOutcome> RunCapturing(const std::vector<std::string>& argv, const std::string& input,
                                     int timeout_ms) {
   int in_pipe[2], out_pipe[2];
@@ -76,33 +111,17 @@ Result<CommandOutcome> RunCapturing(const std::vector<std::string>& argv, const 
     ::close(in_pipe[1]);
     return Unavailable("pipe: {}", std::strerror(errno));
   }
-  std::vector<char*> args;
-  args.reserve(argv.size() + 1);
-  for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid < 0) return Unavailable("fork: {}", std::strerror(errno));
-  if (pid == 0) {  // only async-signal-safe calls until exec
-    ::setpgid(0, 0);
-    ::dup2(in_pipe[0], STDIN_FILENO);
-    ::dup2(out_pipe[1], STDOUT_FILENO);
-    ::dup2(out_pipe[1], STDERR_FILENO);
-    ::signal(SIGPIPE, SIG_DFL);
-    ::execvp(args[0], args.data());
-    const char message[] = "cannot execute the program\n";
-    [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
-    ::_exit(127);
-  }
+  Result<pid_t> pid = Spawn(argv, in_pipe[0], out_pipe[1], /*new_session=*/false);
   ::close(in_pipe[0]);
   ::close(out_pipe[1]);
+  if (!pid.ok()) {
+    ::close(in_pipe[1]);
+    ::close(out_pipe[0]);
+    return pid.status();
+  }
   // The input is small (a token): it fits the pipe, so writing it first cannot block for long.
   // A child that does not read it gets EPIPE here, which is not an error of ours.
-  for (size_t written = 0; written < input.size();) {
-    const ssize_t n = ::write(in_pipe[1], input.data() + written, input.size() - written);
-    if (n <= 0) break;
-    written += static_cast<size_t>(n);
-  }
-  ::close(in_pipe[1]);
+  WriteAllAndClose(in_pipe[1], input);
   CommandOutcome outcome;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   bool timed_out = false;
@@ -125,9 +144,9 @@ Result<CommandOutcome> RunCapturing(const std::vector<std::string>& argv, const 
     outcome.output.append(buffer, static_cast<size_t>(n));
   }
   ::close(out_pipe[0]);
-  if (timed_out) ::kill(-pid, SIGKILL);
+  if (timed_out) ::kill(-*pid, SIGKILL);
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (::waitpid(*pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (timed_out) {
     return TimedOut("`{}` ran past {} ms and was killed; its output: {}", argv[0], timeout_ms,

@@ -3,6 +3,8 @@
 // interfaces and the orchestration).
 #pragma once
 
+#include <sys/types.h>
+
 #include <string>
 #include <vector>
 
@@ -27,6 +29,15 @@ std::vector<std::string> SshArgv(const SshShellOptions& options, const std::stri
 // True for hosts that are this machine's loopback ("localhost", 127.x.x.x): the launcher runs
 // their commands with the local shell instead of ssh.
 bool IsLoopbackHost(const std::string& host);
+
+// Starts argv (looked up on PATH) with `input_fd` as its stdin and `output_fd` as its stdout and
+// stderr, in a process group of its own (`new_session`: a session of its own, so it outlives this
+// process's terminal). The caller closes its copies of the descriptors. A program that cannot be
+// executed exits 127 with "cannot execute the program". Unavailable when fork fails.
+Result<pid_t> Spawn(const std::vector<std::string>& argv, int input_fd, int output_fd,
+                    bool new_session);
+// Writes all of `text` to `fd` (stopping early if the reader is gone), then closes it.
+void WriteAllAndClose(int fd, const std::string& text);
 
 // Runs argv with `input` on stdin, stdout and stderr captured together. The child gets its own
 // process group, killed (SIGKILL) at the deadline: TimedOut naming argv[0]. Unavailable when it

@@ -130,8 +130,11 @@ Result<const LoadedPlugin*> LoadPlugin(const std::filesystem::path& path) {
   std::string sha256 = Sha256Hex(bytes);
   PluginSet& set = Plugins();
   MutexLock lock(&set.mutex);
-  // The absolute path: what the messages name, whatever the current directory becomes.
-  return Load(set, std::filesystem::absolute(path, error), std::move(bytes), std::move(sha256));
+  // The absolute path: what the messages name, whatever the current directory becomes (and
+  // dlopen never searches the library path for it).
+  std::filesystem::path absolute = std::filesystem::absolute(path, error);
+  if (error) absolute = path;
+  return Load(set, absolute, std::move(bytes), std::move(sha256));
 }
 
 Result<const LoadedPlugin*> LoadPluginBytes(std::string_view name, std::string_view sha256,
@@ -155,7 +158,9 @@ Result<const LoadedPlugin*> LoadPluginBytes(std::string_view name, std::string_v
   // process of the session loads the same file.
   const std::filesystem::path path =
       dir / fmt::format("{}-{}.so", digest.substr(0, 16), FileSafe(name));
-  if (!std::filesystem::exists(path, error)) {
+  // A file left there holds these bytes unless it was damaged: then it is written again.
+  Result<std::string> there = ReadWholeFile(path.string(), "plugin");
+  if (!there.ok() || Sha256Hex(*there) != digest) {
     TESSERA_RETURN_IF_ERROR(WriteFileAtomically(path.string(), bytes, 0700));
   }
   return Load(set, path, std::move(bytes), std::move(digest));

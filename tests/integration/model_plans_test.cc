@@ -193,20 +193,6 @@ TEST(ModelPlansGraphTest, ZeroThreeGathersASharedGroupForEachReader) {
   EXPECT_TRUE(step.graph.FindTask("rank1/block.grad_parts/sum1").ok());
 }
 
-// examples/mlp, the README's smallest driver: two workers, ZeRO-2, the loss falls.
-TEST(MlpExampleTest, TheHelloWorldDriverLearns) {
-  ProcessResult run = RunBinary("train_mlp", "");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  std::vector<float> losses;
-  std::istringstream lines(run.output);
-  for (std::string line; std::getline(lines, line);) {
-    float loss = 0;
-    if (std::sscanf(line.c_str(), "step %*d loss %f", &loss) == 1) losses.push_back(loss);
-  }
-  ASSERT_EQ(losses.size(), 10u) << run.output;
-  EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
-}
-
 // The losses train_mlp printed ("step N loss L" every 10 steps).
 std::vector<float> MlpLosses(const std::string& output) {
   std::vector<float> losses;
@@ -218,23 +204,37 @@ std::vector<float> MlpLosses(const std::string& output) {
   return losses;
 }
 
-// A plugin's op (examples/plugin: softsign) as the hidden activation, on a local cluster of two
-// worker processes: the driver loads the plugin and sends it; each worker writes it under its
-// session root, loads it and runs its kernels. The loss falls as with the built-in GELU.
+// examples/mlp, the README's smallest driver: two workers, ZeRO-2, the loss falls.
+TEST(MlpExampleTest, TheHelloWorldDriverLearns) {
+  ProcessResult run = RunBinary("train_mlp", "");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<float> losses = MlpLosses(run.output);
+  ASSERT_EQ(losses.size(), 10u) << run.output;
+  EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
+}
+
+// train_mlp with the plugin's softsign (examples/plugin) on a local cluster of two workers whose
+// sessions go under `temp` (emptied first), with `environment` added.
+BoundedRun TrainWithThePlugin(const std::string& temp, const std::string& environment = "") {
+  std::filesystem::remove_all(temp);
+  return RunBinaryWithin("train_mlp",
+                         fmt::format("--plugin {} --activation softsign_forward --temp-dir {}",
+                                     TESSERA_MY_OPS_PLUGIN, temp),
+                         std::chrono::minutes(3), environment);
+}
+
+// The plugin's op as the hidden activation on the cluster: the driver loads the plugin and
+// sends it; each worker writes it under its session root, loads it and runs its kernels. The
+// loss falls as with the built-in GELU.
 TEST(MlpExampleTest, APluginsOpRunsOnTheWorkers) {
   const std::string temp = TempPath("plugin_cluster");
-  std::filesystem::remove_all(temp);
-  BoundedRun run =
-      RunBinaryWithin("train_mlp",
-                      fmt::format("--plugin {} --activation softsign_forward --temp-dir {}",
-                                  TESSERA_MY_OPS_PLUGIN, temp),
-                      std::chrono::minutes(3));
+  BoundedRun run = TrainWithThePlugin(temp);
   ASSERT_TRUE(run.exited && run.exit_code == 0) << run.output;
   EXPECT_NE(run.output.find("loaded plugin 'my_ops'"), std::string::npos) << run.output;
   const std::vector<float> losses = MlpLosses(run.output);
   ASSERT_EQ(losses.size(), 10u) << run.output;
   EXPECT_LT(losses.back(), 0.5f * losses.front()) << run.output;
-  // Each worker wrote the plugin it was sent under the session root, named by its digest.
+  // The workers wrote the plugin they were sent under the session root, named by its digest.
   int written = 0;
   for (const auto& entry : std::filesystem::directory_iterator(temp + "/plugins")) {
     written += entry.path().string().ends_with("-my_ops.so");
@@ -245,12 +245,7 @@ TEST(MlpExampleTest, APluginsOpRunsOnTheWorkers) {
 
 TEST(MlpExampleTest, AClusterThatRefusesPluginsSaysSo) {
   const std::string temp = TempPath("plugin_refused");
-  std::filesystem::remove_all(temp);
-  BoundedRun run =
-      RunBinaryWithin("train_mlp",
-                      fmt::format("--plugin {} --activation softsign_forward --temp-dir {}",
-                                  TESSERA_MY_OPS_PLUGIN, temp),
-                      std::chrono::minutes(2), "TESSERA_ALLOW_PLUGINS=0");
+  BoundedRun run = TrainWithThePlugin(temp, "TESSERA_ALLOW_PLUGINS=0");
   ASSERT_TRUE(run.exited) << run.output;
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_NE(run.output.find("TESSERA_ALLOW_PLUGINS=0"), std::string::npos) << run.output;
