@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "core/atomic_file.h"
 #include "launcher/ssh_shell.h"
@@ -78,7 +79,10 @@ Status ExpandItem(std::string_view list, std::string_view item, std::vector<std:
   const std::string_view prefix = item.substr(0, open);
   for (const std::string& number : numbers) {
     for (const std::string& rest : rests) {
-      out.push_back(std::string(prefix) + number + rest);
+      std::string host(prefix);
+      host += number;
+      host += rest;
+      out.push_back(std::move(host));
     }
   }
   return Status::Ok();

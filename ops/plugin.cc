@@ -179,6 +179,7 @@ std::vector<const LoadedPlugin*> LoadedPlugins() {
   PluginSet& set = Plugins();
   MutexLock lock(&set.mutex);
   std::vector<const LoadedPlugin*> plugins;
+  plugins.reserve(set.plugins.size());
   for (const LoadedPlugin& loaded : set.plugins) plugins.push_back(&loaded);
   return plugins;
 }

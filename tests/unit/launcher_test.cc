@@ -588,7 +588,7 @@ TEST(SlurmTest, SrunArgvRunsOneOverlappingStepOnTheNode) {
 // A stand-in for srun: runs the step's command here (everything after /bin/sh), or fails as
 // srun does when its first argument after the options is "--nodelist=down".
 std::string FakeSrun(const std::string& dir) {
-  const std::string path = dir + "/srun";
+  std::string path = dir + "/srun";
   EXPECT_TRUE(WriteFileAtomically(path, R"(#!/bin/sh
 for arg; do
   case "$arg" in --nodelist=down) echo "srun: error: Unable to create step for job 7: Invalid node name specified" >&2; exit 1 ;; esac

@@ -103,7 +103,7 @@ TEST(PluginTest, AMissingFileIsNotFound) {
 
 // A fresh, empty directory of this test process.
 std::string FreshDir(const std::string& name) {
-  const std::string dir = testing::TempPath(name);
+  std::string dir = testing::TempPath(name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
@@ -226,6 +226,7 @@ TEST(PluginTest, LookupsRunWhileOpsAreAdded) {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> found{0};
   std::vector<std::thread> readers;
+  readers.reserve(3);
   for (int t = 0; t < 3; ++t) {
     readers.emplace_back([&] {
       while (!stop) {
