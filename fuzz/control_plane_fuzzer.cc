@@ -33,6 +33,7 @@
 #include <capnp/message.h>
 
 #include "core/collective_task.h"
+#include "core/crypto.h"
 #include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "fuzz/fuzz_util.h"
@@ -188,8 +189,19 @@ void FillError(FuzzedDataProvider& in, proto::Error::Builder error) {
   error.setMessage(Text(in));
 }
 
+// A plugin's library: the one the fuzzer's LoadPlugin often sends (so graphs can name a plugin
+// the scheduler holds), or other bytes.
+constexpr const char* kPluginLibrary =
+    "\x7f"
+    "ELF not really a library";
+
 void FillRegisterGraph(FuzzedDataProvider& in, proto::RegisterGraph::Builder graph) {
   graph.setGraphId(GraphId(in));
+  auto plugins = graph.initPlugins(in.ConsumeIntegralInRange<unsigned>(0, 2));
+  for (unsigned i = 0; i < plugins.size(); ++i) {
+    plugins[i].setName(Text(in));
+    plugins[i].setSha256(in.ConsumeBool() ? Sha256Hex(kPluginLibrary) : Text(in));
+  }
   auto objects = graph.initObjects(in.ConsumeIntegralInRange<unsigned>(0, 5));
   for (unsigned i = 0; i < objects.size(); ++i) FillDecl(in, objects[i], i + 1);
   auto tasks = graph.initTasks(in.ConsumeIntegralInRange<unsigned>(0, 4));
@@ -358,13 +370,21 @@ void FillBody(FuzzedDataProvider& in, int kind, Body::Builder body) {
       hello.setGpu(in.ConsumeBool() ? "" : "gpu");
       break;
     }
+    case 14: {  // a plugin's library: its digest right or wrong, the store's bounds, the setting
+      auto plugin = body.initLoadPlugin();
+      const std::string library = in.ConsumeBool() ? std::string(kPluginLibrary) : Text(in, 64);
+      plugin.setName(Text(in));
+      plugin.setSha256(in.ConsumeBool() ? Sha256Hex(library) : Text(in));
+      plugin.setLibrary(Bytes(library));
+      break;
+    }
     default:  // a kind the scheduler never accepts
       FillError(in, body.initReply());
       break;
   }
 }
 
-constexpr int kKinds = 15;
+constexpr int kKinds = 16;
 
 // One cluster per input: two workers, a driver holding object 1, a clock the script advances.
 class Harness {
