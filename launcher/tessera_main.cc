@@ -71,6 +71,7 @@
 #include "launcher/ssh_shell.h"
 #include "ops/cpu/blas.h"
 #include "ops/cpu/cpu_kernels.h"
+#include "ops/plugin.h"
 #include "scheduler/scheduler_main.h"
 #include "worker/gpu.h"
 #include "worker/worker_main.h"
@@ -660,8 +661,8 @@ int Start(const CLI::App& start_cmd, StartFlags& start) {
 }
 
 // `tessera doctor`: what this build and machine have, one line each (as DeepSpeed's ds_report):
-// the build, the processor and its memory, the BLAS kernels, the GPUs, NCCL and UCX. Exit 0;
-// a settings error is 1.
+// the build, the processor and its memory, the BLAS kernels, the GPUs, NCCL, UCX and what plugins
+// must match. Exit 0; a settings error is 1.
 int Doctor() {
   Result<tessera::Settings> settings = tessera::Settings::FromProcessEnvironment();
   if (!settings.ok()) {
@@ -702,6 +703,10 @@ int Doctor() {
   const std::string nccl_text = nccl.ok() ? *nccl : "not loaded: " + nccl.status().message();
   std::printf("  nccl:    %s\n", nccl_text.c_str());
   std::printf("  ucx:     %s\n", tessera::DescribeUcx().c_str());
+  // What a plugin must have been built with (ops/plugin.h): a mismatch is refused at load.
+  std::printf("  plugins: ABI version %u, type layout %016llx (TESSERA_ALLOW_PLUGINS=%d)\n",
+              tessera::kPluginAbiVersion, static_cast<unsigned long long>(tessera::PluginLayout()),
+              settings->allow_plugins ? 1 : 0);
   return 0;
 }
 

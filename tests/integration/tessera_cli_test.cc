@@ -506,7 +506,7 @@ TEST(TesseraCliTest, VersionAndDoctorDescribeTheBuildAndTheMachine) {
   ProcessResult doctor = Tessera("doctor");
   EXPECT_EQ(doctor.exit_code, 0) << doctor.output;
   for (const char* line : {"  build:   Tessera ", "  cpu:     ", "  memory:  ", "  blas:    ",
-                           "  nccl:    ", "  ucx:     UCX "}) {
+                           "  nccl:    ", "  ucx:     UCX ", "  plugins: ABI version "}) {
     EXPECT_NE(doctor.output.find(line), std::string::npos) << line << "\n" << doctor.output;
   }
   // A GPU line, or why there is none.
