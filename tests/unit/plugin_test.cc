@@ -164,7 +164,8 @@ TEST(PluginTest, AnotherBuildOfALoadedPluginIsRefused) {
 
 TEST(PluginTest, AnOpTwoPluginsDefineIsRefusedNamingBoth) {
   // In a child process: the clashing plugin stays loaded, and every registry made after it
-  // would fail.
+  // would fail. "threadsafe": the child starts afresh (this process may run threads by now).
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
         MyOps();
