@@ -77,6 +77,7 @@ cleanup() {
     local ns; ns=$(ns_of "$i")
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
     ip netns del "$ns" 2>/dev/null
+    ip link del "$ns-v" 2>/dev/null  # the root side of its veth may outlive the namespace
   done
   ip link del "$bridge" 2>/dev/null
   if [[ $code -ne 0 && $code -ne 77 ]]; then
@@ -101,6 +102,7 @@ ip link set "$bridge" up
 for i in "${hosts[@]}"; do
   ns=$(ns_of "$i")
   ip netns del "$ns" 2>/dev/null || true
+  ip link del "$ns-v" 2>/dev/null || true  # a veth left by a run killed with -9
   ip netns add "$ns"
   ip link add "$ns-v" type veth peer name eth0 netns "$ns"
   ip link set "$ns-v" master "$bridge" up
