@@ -23,22 +23,34 @@ namespace {
 
 constexpr size_t kMaxHosts = 65536;
 
+// The items of `text` between commas ("" is one empty item).
+std::vector<std::string_view> CommaItems(std::string_view text) {
+  std::vector<std::string_view> items;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    items.push_back(text.substr(begin, end - begin));
+    if (end == text.size()) return items;
+    begin = end + 1;
+  }
+}
+
+// `text`, all of it, as a number of at most 9 digits (from_chars: no sign for unsigned types).
+template <typename T>
+bool ParseWhole(std::string_view text, T& value) {
+  if (text.empty() || text.size() > 9) return false;
+  const auto [rest, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return error == std::errc() && rest == text.data() + text.size();
+}
+
 // "[lo-hi,n,...]"'s inside: each number with its zero padding, in order.
 Status ExpandRanges(std::string_view list, std::string_view ranges, std::vector<std::string>& out) {
-  size_t begin = 0;
-  while (begin <= ranges.size()) {
-    const size_t end = std::min(ranges.find(',', begin), ranges.size());
-    const std::string_view item = ranges.substr(begin, end - begin);
+  for (std::string_view item : CommaItems(ranges)) {
     const size_t dash = item.find('-');
     const std::string_view low = item.substr(0, dash);
     const std::string_view high = dash == std::string_view::npos ? low : item.substr(dash + 1);
     uint64_t from = 0, to = 0;
-    const auto parse = [](std::string_view text, uint64_t& value) {
-      if (text.empty() || text.size() > 9) return false;
-      const auto [rest, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-      return error == std::errc() && rest == text.data() + text.size();
-    };
-    if (!parse(low, from) || !parse(high, to) || to < from) {
+    if (!ParseWhole(low, from) || !ParseWhole(high, to) || to < from) {
       return InvalidArgument("hostlist '{}': '{}' is not a number or a range lo-hi of numbers",
                              list, item);
     }
@@ -50,7 +62,6 @@ Status ExpandRanges(std::string_view list, std::string_view ranges, std::vector<
       if (number.size() < low.size()) number.insert(0, low.size() - number.size(), '0');
       out.push_back(std::move(number));
     }
-    begin = end + 1;
   }
   return Status::Ok();
 }
@@ -116,28 +127,20 @@ Result<std::vector<std::string>> ExpandHostlist(std::string_view hostlist) {
 
 Result<std::vector<int>> ExpandCpusPerNode(std::string_view spec, size_t nodes) {
   std::vector<int> cpus;
-  size_t begin = 0;
-  while (begin <= spec.size()) {
-    const size_t end = std::min(spec.find(',', begin), spec.size());
-    const std::string_view item = spec.substr(begin, end - begin);
+  for (std::string_view item : CommaItems(spec)) {
     const size_t paren = item.find("(x");
-    const std::string_view count = item.substr(0, paren);
     int value = 0, repeat = 1;
-    auto [rest, error] = std::from_chars(count.data(), count.data() + count.size(), value);
-    bool ok = error == std::errc() && rest == count.data() + count.size() && value > 0;
+    bool ok = ParseWhole(item.substr(0, paren), value) && value > 0;
     if (ok && paren != std::string_view::npos) {
       const std::string_view times = item.substr(paren + 2);
-      auto [times_rest, times_error] =
-          std::from_chars(times.data(), times.data() + times.size(), repeat);
-      ok = times_error == std::errc() && times_rest == times.data() + times.size() - 1 &&
-           times.back() == ')' && repeat > 0 && static_cast<size_t>(repeat) <= nodes;
+      ok = times.ends_with(')') && ParseWhole(times.substr(0, times.size() - 1), repeat) &&
+           repeat > 0 && static_cast<size_t>(repeat) <= nodes;
     }
     if (!ok) {
       return InvalidArgument("SLURM_JOB_CPUS_PER_NODE '{}': '{}' is not N or N(xK)", spec, item);
     }
     cpus.insert(cpus.end(), static_cast<size_t>(repeat), value);
     if (cpus.size() > nodes) break;
-    begin = end + 1;
   }
   if (cpus.size() != nodes) {
     return InvalidArgument("SLURM_JOB_CPUS_PER_NODE '{}' describes {} nodes, the allocation has {}",

@@ -38,13 +38,32 @@ std::string FileSafe(std::string_view name) {
   return safe.empty() ? std::string("plugin") : safe;
 }
 
+// The plugin of the set loaded with `sha256`; null when none is.
+const LoadedPlugin* FindBySha256(const PluginSet& set, std::string_view sha256)
+    REQUIRES(set.mutex) {
+  for (const LoadedPlugin& loaded : set.plugins) {
+    if (loaded.sha256 == sha256) return &loaded;
+  }
+  return nullptr;
+}
+
+// A plugin's ops, then its kernels for `device`, added to `registry`; errors name the plugin.
+Status AddOpsOf(const LoadedPlugin& plugin, OpRegistry& registry) {
+  return plugin.info->add_ops(registry).WithContext(
+      fmt::format("plugin '{}' ({}) adding its ops", plugin.name, plugin.path));
+}
+Status AddKernelsOf(const LoadedPlugin& plugin, OpRegistry& registry, DeviceKind device) {
+  if (plugin.info->add_kernels == nullptr) return Status::Ok();
+  return plugin.info->add_kernels(registry, device)
+      .WithContext(fmt::format("plugin '{}' ({}) adding its {} kernels", plugin.name, plugin.path,
+                               DeviceKindName(device)));
+}
+
 // dlopens `path` (holding `bytes`, whose digest is `sha256`) and checks its entry point. Runs
 // under the set's lock, so one library is never loaded twice at once.
 Result<const LoadedPlugin*> Load(PluginSet& set, const std::filesystem::path& path,
                                  std::string bytes, std::string sha256) REQUIRES(set.mutex) {
-  for (const LoadedPlugin& loaded : set.plugins) {
-    if (loaded.sha256 == sha256) return &loaded;
-  }
+  if (const LoadedPlugin* loaded = FindBySha256(set, sha256)) return loaded;
   // RTLD_NOW: a symbol the process lacks is reported here, not as a crash in a kernel later.
   // RTLD_LOCAL: two plugins' own symbols never resolve against each other.
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -146,9 +165,7 @@ Result<const LoadedPlugin*> LoadPluginBytes(std::string_view name, std::string_v
   }
   PluginSet& set = Plugins();
   MutexLock lock(&set.mutex);
-  for (const LoadedPlugin& loaded : set.plugins) {
-    if (loaded.sha256 == digest) return &loaded;
-  }
+  if (const LoadedPlugin* loaded = FindBySha256(set, digest)) return loaded;
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
@@ -169,10 +186,7 @@ Result<const LoadedPlugin*> LoadPluginBytes(std::string_view name, std::string_v
 const LoadedPlugin* FindLoadedPlugin(std::string_view sha256) {
   PluginSet& set = Plugins();
   MutexLock lock(&set.mutex);
-  for (const LoadedPlugin& loaded : set.plugins) {
-    if (loaded.sha256 == sha256) return &loaded;
-  }
-  return nullptr;
+  return FindBySha256(set, sha256);
 }
 
 std::vector<const LoadedPlugin*> LoadedPlugins() {
@@ -186,34 +200,22 @@ std::vector<const LoadedPlugin*> LoadedPlugins() {
 
 Status AddLoadedPluginOps(OpRegistry& registry) {
   for (const LoadedPlugin* plugin : LoadedPlugins()) {
-    TESSERA_RETURN_IF_ERROR(plugin->info->add_ops(registry).WithContext(
-        fmt::format("plugin '{}' ({}) adding its ops", plugin->name, plugin->path)));
+    TESSERA_RETURN_IF_ERROR(AddOpsOf(*plugin, registry));
   }
   return Status::Ok();
 }
 
 Status AddLoadedPluginKernels(OpRegistry& registry, DeviceKind device) {
   for (const LoadedPlugin* plugin : LoadedPlugins()) {
-    if (plugin->info->add_kernels == nullptr) continue;
-    TESSERA_RETURN_IF_ERROR(
-        plugin->info->add_kernels(registry, device)
-            .WithContext(fmt::format("plugin '{}' ({}) adding its {} kernels", plugin->name,
-                                     plugin->path, DeviceKindName(device))));
+    TESSERA_RETURN_IF_ERROR(AddKernelsOf(*plugin, registry, device));
   }
   return Status::Ok();
 }
 
 Status AddPluginTo(const LoadedPlugin& plugin, OpRegistry& registry,
                    const std::vector<DeviceKind>& devices) {
-  TESSERA_RETURN_IF_ERROR(plugin.info->add_ops(registry).WithContext(
-      fmt::format("plugin '{}' ({}) adding its ops", plugin.name, plugin.path)));
-  if (plugin.info->add_kernels == nullptr) return Status::Ok();
-  for (DeviceKind device : devices) {
-    TESSERA_RETURN_IF_ERROR(
-        plugin.info->add_kernels(registry, device)
-            .WithContext(fmt::format("plugin '{}' ({}) adding its {} kernels", plugin.name,
-                                     plugin.path, DeviceKindName(device))));
-  }
+  TESSERA_RETURN_IF_ERROR(AddOpsOf(plugin, registry));
+  for (DeviceKind device : devices) TESSERA_RETURN_IF_ERROR(AddKernelsOf(plugin, registry, device));
   return Status::Ok();
 }
 

@@ -13,10 +13,11 @@
 // model: from then on every registry the process makes holds the plugin's ops (RegisterStandardOps)
 // and its CPU kernels (RegisterCpuKernels). Every graph the driver registers with a cluster names
 // the plugins of the driver's process; the driver sends each plugin's bytes once, the scheduler
-// sends them to each worker that receives a part of such a graph, and the worker writes them to
-// its session directory and loads them too (LoadPluginBytes, then AddPluginTo its registry), so
-// the library need not exist on the workers' hosts. A worker runs a graph's part only with every
-// plugin the graph names loaded, by content (SHA-256): never an older build of the same ops.
+// sends them to each worker that receives a part of such a graph, and the worker writes them under
+// its session root (<root>/plugins/, by digest) and loads them too (LoadPluginBytes, then
+// AddPluginTo its registry), so the library need not exist on the workers' hosts. A worker runs a
+// graph's part only with every plugin the graph names loaded, by content (SHA-256): never an older
+// build of the same ops.
 //
 // The ABI: the library and the process must agree on the layout of every type that crosses
 // between them (OpDef, Tensor, Status, std::string, std::function, ...). kPluginAbiVersion is

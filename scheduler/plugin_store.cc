@@ -37,7 +37,7 @@ Status PluginStore::Add(WorkerId driver, proto::Plugin::Reader plugin) {
     return InvalidArgument("LoadPlugin '{}': the library's sha256 is not the {} it was sent as",
                            name, sha256);
   }
-  if (plugins_.contains(sha256)) return Status::Ok();
+  if (libraries_.contains(sha256)) return Status::Ok();
   auto refuse = [&](Status reason) {
     GetLogger("scheduler")
         ->warn("driver {}: plugin '{}' refused: {}", driver.value(), name, reason.ToString());
@@ -50,15 +50,15 @@ Status PluginStore::Add(WorkerId driver, proto::Plugin::Reader plugin) {
         "this cluster refuses plugins: its scheduler runs with TESSERA_ALLOW_PLUGINS=0 (start it "
         "without that setting to load plugins, or train without --plugin)"));
   }
-  if (plugins_.size() >= kMaxPlugins || bytes_ + static_cast<int64_t>(bytes.size()) > kMaxBytes) {
+  if (libraries_.size() >= kMaxPlugins || bytes_ + static_cast<int64_t>(bytes.size()) > kMaxBytes) {
     return refuse(ResourceExhausted(
         "the scheduler holds {} plugins ({} MiB) already, its most: restart the cluster "
         "(tessera down and up) to clear them",
-        plugins_.size(), bytes_ >> 20));
+        libraries_.size(), bytes_ >> 20));
   }
   refused_.erase(sha256);
   bytes_ += static_cast<int64_t>(bytes.size());
-  plugins_.emplace(sha256, Held{std::string(name), std::string(bytes)});
+  libraries_.emplace(sha256, std::string(bytes));
   GetLogger("scheduler")
       ->info("driver {} sent plugin '{}' ({} KiB, sha256 {})", driver.value(), name,
              bytes.size() >> 10, sha256.substr(0, 12));
@@ -70,7 +70,7 @@ Result<std::vector<PluginRef>> PluginStore::Check(
   std::vector<PluginRef> refs;
   for (proto::Plugin::Reader plugin : plugins) {
     PluginRef ref{std::string(View(plugin.getName())), std::string(View(plugin.getSha256()))};
-    if (!plugins_.contains(ref.sha256)) {
+    if (!libraries_.contains(ref.sha256)) {
       if (auto refused = refused_.find(ref.sha256); refused != refused_.end()) {
         return refused->second.WithContext(
             fmt::format("graph {} needs plugin '{}'", graph_id, ref.name));
@@ -88,9 +88,9 @@ Result<std::vector<PluginRef>> PluginStore::Check(
 void PluginStore::SendTo(WorkerId worker, std::span<const PluginRef> plugins) {
   std::set<std::string>& sent = sent_[worker];
   for (const PluginRef& plugin : plugins) {
-    auto held = plugins_.find(plugin.sha256);
-    if (held == plugins_.end() || !sent.insert(plugin.sha256).second) continue;
-    SendLoadPlugin(*outbox_, worker, plugin, held->second.library);
+    auto held = libraries_.find(plugin.sha256);
+    if (held == libraries_.end() || !sent.insert(plugin.sha256).second) continue;
+    SendLoadPlugin(*outbox_, worker, plugin, held->second);
   }
 }
 

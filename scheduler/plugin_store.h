@@ -52,17 +52,10 @@ class PluginStore {
   // `worker` is gone: forget what it was sent.
   void WorkerDied(WorkerId worker) { sent_.erase(worker); }
 
-  size_t size() const { return plugins_.size(); }
-
  private:
-  struct Held {
-    std::string name;
-    std::string library;
-  };
-
   Outbox* outbox_;
   bool allowed_;
-  std::map<std::string, Held> plugins_;             // by sha256
+  std::map<std::string, std::string> libraries_;    // by sha256
   std::map<std::string, Status> refused_;           // by sha256: why it was not kept (bounded)
   std::map<WorkerId, std::set<std::string>> sent_;  // shas each worker was sent
   int64_t bytes_ = 0;

@@ -8,8 +8,8 @@
 #      runs it: a local cluster of 2 workers trains a few steps, started from P/bin/tessera
 #      although neither PATH nor TESSERA_BIN_DIR names it;
 #   4. runs it with TESSERA_BIN_DIR pointing nowhere and checks the error names the place;
-#   5. builds every other example the same way, each on its own (examples/mlp, gpt2, unet3d and
-#      the plugin examples/plugin), and runs them briefly: train_mlp with the plugin's op as its
+#   5. builds every other example the same way, each on its own and beside it before anything
+#      runs (examples/mlp, gpt2, unet3d and the plugin examples/plugin), and runs them briefly: train_mlp with the plugin's op as its
 #      activation on a local cluster (the workers load the plugin the driver sends), train_gpt2
 #      on the text installed with the SDK, train_unet3d in process.
 # Usage: scripts/test_install.sh [BUILD_DIR]   (default: build; it must be built already)
@@ -75,30 +75,8 @@ cmake -S "$work/headers" -B "$work/headers/build" "${generator[@]}" \
 cmake --build "$work/headers/build" --target headers > "$work/headers.log" 2>&1 ||
   { cat "$work/headers.log"; fail "a public header does not compile on its own"; }
 
-echo "== configure and build examples/out_of_tree"
-cmake -S "$source_dir/examples/out_of_tree" -B "$work/example" "${generator[@]}" \
-  -DCMAKE_PREFIX_PATH="$prefix" > "$work/example.log" 2>&1 ||
-  { cat "$work/example.log"; fail "configuring examples/out_of_tree"; }
-cmake --build "$work/example" > "$work/example.log" 2>&1 ||
-  { cat "$work/example.log"; fail "building examples/out_of_tree"; }
-
-echo "== run it"
-"$work/example/my_driver" 3 > "$work/run.log" 2>&1 || { cat "$work/run.log"; fail "my_driver"; }
-cat "$work/run.log"
-grep -q '^step 3 loss ' "$work/run.log" || fail "my_driver did not print step 3's loss"
-grep -qxF "scheduler: $prefix/bin/tessera" "$work/run.log" ||
-  fail "the cluster was not started from $prefix/bin/tessera"
-
-echo "== a wrong TESSERA_BIN_DIR is reported"
-if TESSERA_BIN_DIR=$work/nowhere "$work/example/my_driver" 1 > "$work/wrong.log" 2>&1; then
-  fail "my_driver ran with TESSERA_BIN_DIR=$work/nowhere"
-fi
-cat "$work/wrong.log"
-grep -q "TESSERA_BIN_DIR.*$work/nowhere/tessera" "$work/wrong.log" ||
-  fail "the error does not name \$TESSERA_BIN_DIR and $work/nowhere/tessera"
-
 # Every example directory with a CMakeLists.txt of its own builds against the install alone.
-for example in mlp gpt2 unet3d plugin; do
+for example in out_of_tree mlp gpt2 unet3d plugin; do
   echo "== configure and build examples/$example"
   cmake -S "$source_dir/examples/$example" -B "$work/$example" "${generator[@]}" \
     -DCMAKE_PREFIX_PATH="$prefix" > "$work/$example.log" 2>&1 ||
@@ -106,6 +84,21 @@ for example in mlp gpt2 unet3d plugin; do
   cmake --build "$work/$example" > "$work/$example.log" 2>&1 ||
     { cat "$work/$example.log"; fail "building examples/$example"; }
 done
+
+echo "== run examples/out_of_tree"
+"$work/out_of_tree/my_driver" 3 > "$work/run.log" 2>&1 || { cat "$work/run.log"; fail "my_driver"; }
+cat "$work/run.log"
+grep -q '^step 3 loss ' "$work/run.log" || fail "my_driver did not print step 3's loss"
+grep -qxF "scheduler: $prefix/bin/tessera" "$work/run.log" ||
+  fail "the cluster was not started from $prefix/bin/tessera"
+
+echo "== a wrong TESSERA_BIN_DIR is reported"
+if TESSERA_BIN_DIR=$work/nowhere "$work/out_of_tree/my_driver" 1 > "$work/wrong.log" 2>&1; then
+  fail "my_driver ran with TESSERA_BIN_DIR=$work/nowhere"
+fi
+cat "$work/wrong.log"
+grep -q "TESSERA_BIN_DIR.*$work/nowhere/tessera" "$work/wrong.log" ||
+  fail "the error does not name \$TESSERA_BIN_DIR and $work/nowhere/tessera"
 
 echo "== train_mlp with the plugin's softsign on a local cluster"
 "$work/mlp/train_mlp" --plugin "$work/plugin/libmy_ops.so" --activation softsign_forward \
