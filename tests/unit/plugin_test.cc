@@ -224,39 +224,54 @@ TEST(PluginTest, LookupsRunWhileOpsAreAdded) {
   OpRegistry registry;
   ASSERT_TRUE(RegisterStandardOps(registry).ok());
   ASSERT_TRUE(RegisterCpuKernels(registry).ok());
+  // The writer starts only once every reader is looking kernels up, so lookups and additions
+  // overlap however the threads are scheduled (on a busy machine the writer could otherwise finish
+  // before a reader first runs).
+  constexpr int kReaders = 3;
+  constexpr int kAdded = 200;
   std::atomic<bool> stop{false};
-  std::atomic<int64_t> found{0};
+  std::atomic<int> readers_started{0};
+  std::atomic<int64_t> missed_standard_kernel{0};
   std::vector<std::thread> readers;
-  readers.reserve(3);
-  for (int t = 0; t < 3; ++t) {
+  readers.reserve(kReaders);
+  for (int t = 0; t < kReaders; ++t) {
     readers.emplace_back([&] {
+      bool started = false;
       while (!stop) {
-        if (registry.FindKernel("gelu_forward", DeviceKind::kCpu).ok()) ++found;
+        if (!registry.FindKernel("gelu_forward", DeviceKind::kCpu).ok()) ++missed_standard_kernel;
         (void)registry.Supports("added_0", DeviceKind::kCpu);
+        if (!started) {
+          started = true;
+          ++readers_started;
+        }
       }
     });
   }
+  while (readers_started.load() < kReaders) std::this_thread::yield();
   const OpDef template_def = **registry.Find("gelu_forward");
-  for (int i = 0; i < 200; ++i) {
+  int added = 0;
+  for (; added < kAdded; ++added) {
     OpDef def = template_def;
-    def.name = fmt::format("added_{}", i);
+    def.name = fmt::format("added_{}", added);
     def.gradient.reset();
-    ASSERT_TRUE(registry.AddOp(std::move(def)).ok());
-    ASSERT_TRUE(
-        registry
-            .AddKernel(fmt::format("added_{}", i), DeviceKind::kCpu,
-                       [](const KernelContext&, const std::vector<Tensor>&,
-                          const std::vector<Tensor>&, const Attrs&) { return Status::Ok(); })
-            .ok());
+    if (!registry.AddOp(std::move(def)).ok()) break;
+    if (!registry
+             .AddKernel(fmt::format("added_{}", added), DeviceKind::kCpu,
+                        [](const KernelContext&, const std::vector<Tensor>&,
+                           const std::vector<Tensor>&, const Attrs&) { return Status::Ok(); })
+             .ok()) {
+      break;
+    }
   }
   stop = true;
   for (std::thread& reader : readers) reader.join();
-  EXPECT_GT(found.load(), 0);
-  EXPECT_TRUE(registry.Supports("added_199", DeviceKind::kCpu));
+  EXPECT_EQ(added, kAdded);
+  EXPECT_EQ(missed_standard_kernel.load(), 0);
+  EXPECT_TRUE(registry.Supports(fmt::format("added_{}", kAdded - 1), DeviceKind::kCpu));
   const std::vector<std::string> names = registry.OpNames();
   EXPECT_EQ(std::count_if(names.begin(), names.end(),
                           [](const std::string& name) { return name.starts_with("added_"); }),
-            200);
+            kAdded);
 }
 
 }  // namespace
