@@ -34,10 +34,12 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/attrs.h"
+#include "core/gpu_use.h"
 #include "core/graph.h"
 #include "core/ids.h"
 #include "core/status.h"
@@ -158,12 +160,13 @@ struct WorkerInfo {
   int64_t bytes_pulled = 0;         // data plane, cumulative
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
-  double cpu_seconds = 0;      // CPU time of the worker process so far
-  double cpu_utilization = 0;  // cores it kept busy over its last heartbeat interval
-  int64_t objects = 0;         // in its object store now
-  int64_t device_bytes = 0;    // of the store's, in the device tier
-  int64_t restores = 0;        // objects read back from disk so far
-  RunFigures last_run;         // the latest graph instance it finished
+  double cpu_seconds = 0;         // CPU time of the worker process so far
+  double cpu_utilization = 0;     // cores it kept busy over its last heartbeat interval
+  std::optional<GpuUse> gpu_use;  // its GPU's utilisation and memory (a GPU worker); none: unknown
+  int64_t objects = 0;            // in its object store now
+  int64_t device_bytes = 0;       // of the store's, in the device tier
+  int64_t restores = 0;           // objects read back from disk so far
+  RunFigures last_run;            // the latest graph instance it finished
   // What it runs or waits for, explained by the scheduler (see WorkerWait), and the workers it
   // waits for that are silent or absent.
   std::string waits;

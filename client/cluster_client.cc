@@ -35,6 +35,10 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
   w.bytes_served = worker.getHeartbeat().getBytesServed();
   w.cpu_seconds = worker.getHeartbeat().getCpuSeconds();
   w.cpu_utilization = worker.getHeartbeat().getCpuUtilization();
+  if (worker.getHeartbeat().hasGpu()) {
+    const auto gpu = worker.getHeartbeat().getGpu();
+    w.gpu_use = GpuUse{gpu.getUtilization(), gpu.getMemoryUsed(), gpu.getMemoryTotal()};
+  }
   w.objects = worker.getHeartbeat().getObjects();
   w.device_bytes = worker.getHeartbeat().getDeviceBytes();
   w.restores = worker.getHeartbeat().getRestores();

@@ -27,9 +27,11 @@ CudaDevices ProbeCudaDevices() {
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp properties{};
     if (cudaGetDeviceProperties(&properties, i) != cudaSuccess) continue;
-    result.devices.push_back(CudaDeviceInfo{i, properties.name,
-                                            static_cast<int64_t>(properties.totalGlobalMem),
-                                            properties.major, properties.minor});
+    result.devices.push_back(
+        CudaDeviceInfo{i, properties.name, static_cast<int64_t>(properties.totalGlobalMem),
+                       properties.major, properties.minor,
+                       fmt::format("{:08X}:{:02X}:{:02X}.0", properties.pciDomainID,
+                                   properties.pciBusID, properties.pciDeviceID)});
   }
   if (result.devices.empty()) result.reason = "no CUDA device answered a properties query";
 #else

@@ -17,6 +17,9 @@ struct CudaDeviceInfo {
   int64_t total_memory_bytes = 0;
   int compute_capability_major = 0;
   int compute_capability_minor = 0;
+  // "00000000:1B:00.0" (domain:bus:device.function): the same card in NVML, whatever index
+  // CUDA_VISIBLE_DEVICES gives it here.
+  std::string pci_bus_id;
 };
 
 struct CudaDevices {

@@ -49,6 +49,10 @@ std::string ClusterJson(const ClusterView& cluster) {
           {"spilled_total", w.spilled_total}}},
         {"store", {{"objects", w.objects}, {"restores", w.restores}}},
         {"cpu", {{"seconds", Number(w.cpu_seconds)}, {"utilization", Number(w.cpu_utilization)}}},
+        {"gpu_use", w.gpu_use ? json{{"utilization", Number(w.gpu_use->utilization)},
+                                     {"memory_used", w.gpu_use->memory_used},
+                                     {"memory_total", w.gpu_use->memory_total}}
+                              : json(nullptr)},
         {"tasks", {{"in_flight", w.tasks_in_flight}, {"done", w.tasks_done}}},
         {"bytes",
          {{"pulled", w.bytes_pulled},

@@ -14,9 +14,12 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/gpu_use.h"
 
 namespace tessera::dashboard {
 
@@ -55,6 +58,9 @@ struct WorkerView {
   // CPU: the process's CPU time so far, and the cores it kept busy over its last heartbeat.
   double cpu_seconds = 0;
   double cpu_utilization = 0;
+  // GPU: its device's utilisation and memory as of its last heartbeat (a GPU worker whose meter
+  // works); none otherwise.
+  std::optional<GpuUse> gpu_use;
   // Tasks: dispatched by the scheduler and not finished, and finished (the worker's count).
   int tasks_in_flight = 0;
   int64_t tasks_done = 0;

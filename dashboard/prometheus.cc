@@ -128,6 +128,18 @@ std::string PrometheusText(const ClusterView& cluster, const std::vector<JobView
   per_worker("tessera_worker_cpu_seconds_total", "counter",
              "CPU time of the worker process (user + system) in seconds.", "",
              [](const WorkerView& w) { return w.cpu_seconds; });
+  per_worker("tessera_worker_gpu_utilization_ratio", "gauge",
+             "Part of the last sample period a kernel ran on the worker's GPU (0-1; NVML's, every "
+             "process on the device).",
+             "", [](const WorkerView& w) { return w.gpu_use ? w.gpu_use->utilization : NAN; });
+  per_worker("tessera_worker_gpu_memory_used_bytes", "gauge",
+             "Bytes in use on the worker's GPU, every process's.", "", [](const WorkerView& w) {
+               return w.gpu_use ? static_cast<double>(w.gpu_use->memory_used) : NAN;
+             });
+  per_worker("tessera_worker_gpu_memory_total_bytes", "gauge",
+             "The worker's GPU's memory in bytes.", "", [](const WorkerView& w) {
+               return w.gpu_use ? static_cast<double>(w.gpu_use->memory_total) : NAN;
+             });
   per_worker("tessera_bytes_pulled_total", "counter", "Bytes the worker pulled from peers.", "",
              [](const WorkerView& w) { return static_cast<double>(w.bytes_pulled); });
   per_worker("tessera_bytes_served_total", "counter", "Bytes peers pulled from the worker.", "",

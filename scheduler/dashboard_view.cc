@@ -46,6 +46,7 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
     w.restores = p.restores;
     w.cpu_seconds = p.cpu_seconds;
     w.cpu_utilization = p.cpu_utilization;
+    w.gpu_use = p.gpu_use;
     w.tasks_in_flight = p.tasks_in_flight;
     w.tasks_done = p.tasks_done;
     w.bytes_pulled = p.bytes_pulled;

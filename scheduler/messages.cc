@@ -89,6 +89,12 @@ void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
   hb.setObjects(p.objects);
   hb.setDeviceBytes(p.device_bytes);
   hb.setRestores(p.restores);
+  if (p.gpu_use) {
+    auto gpu = hb.initGpu();
+    gpu.setUtilization(static_cast<float>(p.gpu_use->utilization));
+    gpu.setMemoryUsed(p.gpu_use->memory_used);
+    gpu.setMemoryTotal(p.gpu_use->memory_total);
+  }
   if (p.last_run != nullptr) out.setLastRun(p.last_run->getRoot<proto::RunReport>().asReader());
 }
 

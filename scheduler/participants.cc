@@ -1,5 +1,6 @@
 #include "scheduler/participants.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -92,6 +93,14 @@ void ParticipantTable::Heartbeat(Participant& worker, proto::Heartbeat::Reader h
   };
   worker.cpu_seconds = at_least_zero(heartbeat.getCpuSeconds());
   worker.cpu_utilization = at_least_zero(heartbeat.getCpuUtilization());
+  worker.gpu_use.reset();
+  if (heartbeat.hasGpu()) {
+    const proto::GpuUse::Reader gpu = heartbeat.getGpu();
+    GpuUse& use = worker.gpu_use.emplace();
+    use.utilization = std::min(at_least_zero(gpu.getUtilization()), 1.0);
+    use.memory_total = std::max<int64_t>(0, gpu.getMemoryTotal());
+    use.memory_used = std::clamp<int64_t>(gpu.getMemoryUsed(), 0, use.memory_total);
+  }
   worker.objects = std::max<int64_t>(0, heartbeat.getObjects());
   worker.device_bytes = std::max<int64_t>(0, heartbeat.getDeviceBytes());
   worker.restores = std::max<int64_t>(0, heartbeat.getRestores());

@@ -19,11 +19,13 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <capnp/message.h>
 
+#include "core/gpu_use.h"
 #include "core/ids.h"
 #include "core/proto/tessera.capnp.h"
 #include "core/status.h"
@@ -52,12 +54,13 @@ struct Participant {
   int64_t bytes_pulled = 0;
   int64_t pull_micros = 0;
   int64_t bytes_served = 0;
-  double cpu_seconds = 0;      // cumulative CPU time of the worker process
-  double cpu_utilization = 0;  // cores it kept busy over its last heartbeat interval
-  int64_t objects = 0;         // in its store now
-  int64_t device_bytes = 0;    // of its store's, in the device tier
-  int64_t restores = 0;        // objects its store read back from disk so far
-  ReportedWait waits;          // what it runs or waits for, as of its latest heartbeat
+  double cpu_seconds = 0;         // cumulative CPU time of the worker process
+  double cpu_utilization = 0;     // cores it kept busy over its last heartbeat interval
+  std::optional<GpuUse> gpu_use;  // its GPU's figures in its latest heartbeat; none: not reported
+  int64_t objects = 0;            // in its store now
+  int64_t device_bytes = 0;       // of its store's, in the device tier
+  int64_t restores = 0;           // objects its store read back from disk so far
+  ReportedWait waits;             // what it runs or waits for, as of its latest heartbeat
   // The scheduler's load on it: dispatched tasks and the memory estimates they were placed with.
   int tasks_in_flight = 0;
   int64_t committed_bytes = 0;

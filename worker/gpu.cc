@@ -8,6 +8,7 @@
 #include "core/collective_task.h"
 #include "core/cuda_device.h"
 #include "ops/plugin.h"
+#include "worker/nvml_meter.h"
 #include "worker/simulated_gpu.h"
 #include "worker/task_runner.h"
 
@@ -34,6 +35,19 @@ Result<std::shared_ptr<DeviceRuntime>> OpenGpu(int index, int64_t memory_cap_byt
       "this build of Tessera has no CUDA backend (configure with nvcc present and "
       "TESSERA_ENABLE_CUDA=ON)");
 #endif
+}
+
+Result<std::unique_ptr<GpuMeter>> OpenGpuMeter(int index, std::shared_ptr<DeviceRuntime> gpu) {
+  if (SimulatedGpuRequested()) return MakeSimulatedGpuMeter(std::move(gpu));
+  const CudaDevices probed = ProbeCudaDevices();
+  const auto device = std::find_if(probed.devices.begin(), probed.devices.end(),
+                                   [&](const CudaDeviceInfo& d) { return d.index == index; });
+  if (device == probed.devices.end()) {
+    return Unavailable("no CUDA device {} to read utilisation from{}{}", index,
+                       probed.reason.empty() ? "" : ": ", probed.reason);
+  }
+  TESSERA_ASSIGN_OR_RETURN(NvmlApi nvml, LoadNvml());
+  return MakeNvmlMeter(std::move(nvml), device->pci_bus_id);
 }
 
 Status AddGpuKernels(OpRegistry& registry) {

@@ -9,6 +9,7 @@
 
 #include "core/device_runtime.h"
 #include "core/dtype.h"
+#include "core/gpu_use.h"
 #include "core/status.h"
 #include "ops/op_registry.h"
 
@@ -18,6 +19,10 @@ namespace tessera {
 // build has no CUDA backend or the machine no usable device. With TESSERA_SIMULATED_GPU=1 these
 // functions give the simulated GPU instead (worker/simulated_gpu.h).
 Result<std::shared_ptr<DeviceRuntime>> OpenGpu(int index, int64_t memory_cap_bytes = 0);
+// The meter of the GPU `index` that `gpu` (OpenGpu's) runs on: NVML's figures for a CUDA device
+// (worker/nvml_meter.h), the simulated GPU's own for it. Unavailable naming why there is none (no
+// NVML library, no driver, a device NVML does not know).
+Result<std::unique_ptr<GpuMeter>> OpenGpuMeter(int index, std::shared_ptr<DeviceRuntime> gpu);
 // Adds the CUDA kernels (ops/cuda/cuda_op_kernels.h); Unavailable in a build without CUDA.
 Status AddGpuKernels(OpRegistry& registry);
 // The GPUs a spec names: "all" (every usable device), or a list "0,2". Unavailable naming why

@@ -9,13 +9,15 @@
 // copying it down — what a real GPU turns into a crash — reads garbage here, and a test that
 // compares numbers sees it. Kernels are the CPU kernels, run on unscrambled host copies of their
 // device operands (the results are scrambled back), so activations stay f32: the CPU kernels'
-// type (worker/gpu.h: GpuActivations).
+// type (worker/gpu.h: GpuActivations). The time its kernels run is its busy time, which its meter
+// reports as utilisation (MakeSimulatedGpuMeter).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "core/device_runtime.h"
+#include "core/gpu_use.h"
 #include "core/status.h"
 #include "ops/op_registry.h"
 
@@ -30,5 +32,10 @@ std::shared_ptr<DeviceRuntime> MakeSimulatedGpu(int64_t memory_cap_bytes = 0);
 // Registers, for every op that has a CPU kernel and no kCuda one, a kCuda kernel that runs the CPU
 // kernel on host copies of its device operands.
 Status AddSimulatedGpuKernels(OpRegistry& registry);
+
+// The simulated GPU's meter: utilisation is the part of each sample period in which at least one
+// of its kernels ran; memory is its allocator's reserved bytes of its cap. InvalidArgument for a
+// runtime that is not the simulated GPU.
+Result<std::unique_ptr<GpuMeter>> MakeSimulatedGpuMeter(std::shared_ptr<DeviceRuntime> runtime);
 
 }  // namespace tessera

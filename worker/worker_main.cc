@@ -50,6 +50,13 @@ int RunWorkerProcess(const WorkerProcessFlags& flags) {
       return FailWith(kProgram, gpu.status().WithContext(fmt::format("--gpu {}", flags.gpu)));
     if (Status added = AddGpuKernels(*registry); !added.ok()) return FailWith(kProgram, added);
     GetLogger("worker")->info("this worker owns {}", (*gpu)->Describe());
+    Result<std::unique_ptr<GpuMeter>> meter = OpenGpuMeter(flags.gpu, *gpu);
+    if (meter.ok()) {
+      options.gpu_meter = *std::move(meter);
+    } else {
+      GetLogger("worker")->warn("GPU utilisation will not be reported: {}",
+                                meter.status().ToString());
+    }
     options.device = *std::move(gpu);
   }
   options.scheduler = *parsed;

@@ -94,7 +94,8 @@ class WorkerServiceImpl final : public WorkerService {
   rpc::asio::executor_work_guard<io_context::executor_type> work_;
   std::thread io_thread_;
   std::unique_ptr<rpc::asio::steady_timer> heartbeat_timer_;
-  CpuMeter cpu_meter_;  // sampled with each heartbeat (io thread)
+  CpuMeter cpu_meter_;             // sampled with each heartbeat (io thread)
+  bool gpu_meter_failed_ = false;  // a GPU sample failed and was logged (io thread)
   // When the scheduler last sent anything (io thread writes, heartbeat timer reads).
   std::atomic<std::chrono::steady_clock::time_point> last_heard_{std::chrono::steady_clock::now()};
   std::shared_ptr<rpc::Connection> connection_;
@@ -328,6 +329,20 @@ void WorkerServiceImpl::ScheduleHeartbeat() {
   const CpuUse cpu = cpu_meter_.Sample();
   heartbeat.setCpuSeconds(cpu.seconds);
   heartbeat.setCpuUtilization(static_cast<float>(cpu.cores_busy));
+  if (options_.gpu_meter != nullptr) {
+    Result<GpuUse> gpu = options_.gpu_meter->Sample();
+    if (gpu.ok()) {
+      auto out = heartbeat.initGpu();
+      out.setUtilization(static_cast<float>(gpu->utilization));
+      out.setMemoryUsed(gpu->memory_used);
+      out.setMemoryTotal(gpu->memory_total);
+    } else if (!gpu_meter_failed_) {
+      gpu_meter_failed_ = true;
+      GetLogger("worker")->warn(
+          "a GPU sample failed; heartbeats leave out GPU figures while it does (logged once): {}",
+          gpu.status().ToString());
+    }
+  }
   const GraphRunnerStats runs = graph_runner_->stats();
   heartbeat.setTasksRunning(static_cast<int32_t>(runs.running));
   heartbeat.setTasksDone(runs.tasks_done);

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/device_runtime.h"
+#include "core/gpu_use.h"
 #include "core/rpc/address.h"
 #include "core/settings.h"
 #include "core/status.h"
@@ -51,6 +52,10 @@ struct WorkerServiceOptions {
   // it stay there between instances (the store's device tier) and are copied to the host only
   // to leave the worker (served, pushed, reported inline) or to cross a host communicator.
   std::shared_ptr<DeviceRuntime> device;
+  // Reads that GPU's utilisation and memory (worker/gpu.h's OpenGpuMeter) for each heartbeat;
+  // null: the heartbeat carries no GPU figures. A sample that fails is left out of its heartbeat
+  // (the first failure is logged).
+  std::shared_ptr<GpuMeter> gpu_meter;
   // Loads a plugin the scheduler sent (ops/plugin.h; LoadPlugin: its name, sha256 and library)
   // and adds its ops and kernels to the registry the worker runs with (worker_main: PluginLoader).
   // Null: this worker loads none, and graphs naming one fail here, saying so.

@@ -111,6 +111,13 @@ struct Heartbeat {
   objects @12 :Int64;        # objects in its store now
   deviceBytes @13 :Int64;    # bytes of them in the device tier (a GPU worker's)
   restores @14 :Int64;       # cumulative: objects its store read back from disk
+  gpu @15 :GpuUse;           # a GPU worker's device figures (core/gpu_use.h); unset: none
+}
+
+struct GpuUse {
+  utilization @0 :Float32;   # 0..1: the part of the last sample period a kernel was running
+  memoryUsed @1 :Int64;      # bytes in use on the device, every process's
+  memoryTotal @2 :Int64;
 }
 
 # A worker's own view of what it runs or waits for, as of its heartbeat (worker/wait_state.h).

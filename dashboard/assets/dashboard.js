@@ -83,6 +83,12 @@ function renderCluster(c) {
     const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') : '-', 'num cpu');
     cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far';
     tr.appendChild(cpu);
+    // The GPU's own figures (NVML: every process on the device), as of the last heartbeat.
+    const g = w.alive ? w.gpu_use : null;
+    const gpuUse = el('td', g ? Math.round(g.utilization * 100) + '%, ' + bytes(g.memory_used) +
+      ' / ' + bytes(g.memory_total) : '-', 'num gpu-use');
+    if (g) gpuUse.title = 'a kernel ran ' + num(g.utilization * 100, 1) + '% of the last sample period';
+    tr.appendChild(gpuUse);
     tr.appendChild(memoryCell(w.memory.host_used, w.memory.host_capacity));
     tr.appendChild(el('td', bytes(w.memory.spilled), 'num'));
     tr.appendChild(el('td', String(w.tasks.in_flight), 'num'));

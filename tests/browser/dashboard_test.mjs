@@ -193,6 +193,20 @@ async function main() {
   const missing = await page.evaluate(async () => (await fetch('/api/logs/worker999')).status);
   check(missing === 404, 'an unknown log is 404');
 
+  // GPU utilisation per worker: a GPU worker (the simulated GPU: this machine may have none)
+  // joins; its row shows its GPU busy and its memory used / total, the CPU workers' show '-'.
+  const gpuWorker = spawnSync(tessera, ['start', '--address', address, '--token-file', tokenFile,
+                                        '--gpus', '0', '--threads', '1'],
+                              { encoding: 'utf8', env: { ...process.env, TESSERA_SIMULATED_GPU: '1' } });
+  check(gpuWorker.status === 0, 'a GPU worker joined: ' + gpuWorker.stdout + gpuWorker.stderr);
+  await page.waitForFunction(
+    () => [...document.querySelectorAll('#workers td.gpu-use')].some(td => /%/.test(td.textContent)),
+    null, deadline);
+  const gpuCells = await page.$$eval('#workers td.gpu-use', tds => tds.map(td => td.textContent));
+  check(gpuCells.filter(t => /^\d+%, .+ \/ 64\.0 GiB$/.test(t)).length === 1 &&
+        gpuCells.filter(t => t === '-').length === gpuCells.length - 1,
+        'the GPU worker shows its GPU busy and memory, the CPU workers none: ' + gpuCells.join(' | '));
+
   const date = new Date().toISOString().slice(0, 10);
   const results = path.join(sourceDir, 'bench', 'results');
   fs.mkdirSync(results, { recursive: true });

@@ -66,7 +66,10 @@ class FakeSource : public dashboard::DashboardSource {
       w.bytes_pulled = 10;
       w.bytes_served = 20;
       w.bytes_pushed = 30;
-      if (id == 2) w.gpu = "NVIDIA H200 (cuda:0)";
+      if (id == 2) {
+        w.gpu = "NVIDIA H200 (cuda:0)";
+        w.gpu_use = GpuUse{0.25, int64_t{3} << 30, int64_t{140} << 30};
+      }
       w.collective_bytes_sent = 40;
       w.cpu_seconds = 7.5;
       w.cpu_utilization = 0.5;
@@ -223,6 +226,10 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_TRUE(cluster["workers"][1]["last_run"].is_null());
   EXPECT_DOUBLE_EQ(w["cpu"]["seconds"].get<double>(), 7.5);
   EXPECT_DOUBLE_EQ(w["cpu"]["utilization"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(w["gpu_use"]["utilization"].get<double>(), 0.25);
+  EXPECT_EQ(w["gpu_use"]["memory_used"], int64_t{3} << 30);
+  EXPECT_EQ(w["gpu_use"]["memory_total"], int64_t{140} << 30);
+  EXPECT_TRUE(cluster["workers"][1]["gpu_use"].is_null());  // a CPU worker reports none
   EXPECT_EQ(w["store"]["objects"], 9);
   EXPECT_EQ(w["store"]["restores"], 2);
   EXPECT_EQ(w["memory"]["device"], 8192);
@@ -521,6 +528,12 @@ TEST_F(DashboardHandlerTest, MetricsParseAsPrometheusText) {
   EXPECT_EQ(ValueOf(samples, "tessera_memory_spilled_bytes", {{"worker", "2"}}), 4096);
   EXPECT_EQ(ValueOf(samples, "tessera_worker_cpu_seconds_total", {{"worker", "3"}}), 7.5);
   EXPECT_EQ(ValueOf(samples, "tessera_worker_objects", {{"worker", "2"}}), 9);
+  EXPECT_DOUBLE_EQ(ValueOf(samples, "tessera_worker_gpu_utilization_ratio", {{"worker", "2"}}),
+                   0.25);
+  EXPECT_EQ(ValueOf(samples, "tessera_worker_gpu_memory_used_bytes", {{"worker", "2"}}),
+            double(int64_t{3} << 30));
+  EXPECT_EQ(ValueOf(samples, "tessera_worker_gpu_memory_total_bytes", {{"worker", "2"}}),
+            double(int64_t{140} << 30));
   EXPECT_EQ(ValueOf(samples, "tessera_worker_restores_total", {{"worker", "2"}}), 2);
   EXPECT_EQ(ValueOf(samples, "tessera_bytes_pulled_total", {{"worker", "2"}}), 10);
   EXPECT_EQ(ValueOf(samples, "tessera_bytes_served_total", {{"worker", "2"}}), 20);
@@ -548,6 +561,9 @@ TEST_F(DashboardHandlerTest, MetricsParseAsPrometheusText) {
             1);
   for (const Sample& s : samples) {
     EXPECT_NE(s.name, "tessera_job_samples_per_second") << "a figure not reported is left out";
+    if (s.name.starts_with("tessera_worker_gpu_")) {
+      EXPECT_EQ(s.labels.at("worker"), "2") << "a CPU worker has no GPU figures";
+    }
     if (s.name == "tessera_model_state_peak_bytes") {
       EXPECT_EQ(s.labels.at("worker"), "2");
     }

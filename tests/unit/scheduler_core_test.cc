@@ -319,6 +319,10 @@ TEST_F(SchedulerCoreTest, HeartbeatFiguresAreShownAndADepartedWorkerStaysListedD
     heartbeat.setObjects(42);
     heartbeat.setDeviceBytes(1 << 20);
     heartbeat.setRestores(3);
+    auto gpu = heartbeat.initGpu();
+    gpu.setUtilization(0.5f);
+    gpu.setMemoryUsed(int64_t{2} << 30);
+    gpu.setMemoryTotal(int64_t{80} << 30);
   }));
   ASSERT_OK(Deliver(other, [](proto::Envelope::Builder e) {
     auto heartbeat = e.initBody().initHeartbeat();
@@ -326,6 +330,10 @@ TEST_F(SchedulerCoreTest, HeartbeatFiguresAreShownAndADepartedWorkerStaysListedD
     heartbeat.setCpuUtilization(-1.0f);
     heartbeat.setObjects(-5);
     heartbeat.setRestores(-1);
+    auto gpu = heartbeat.initGpu();  // a utilisation past 1 and more memory used than there is
+    gpu.setUtilization(7.0f);
+    gpu.setMemoryUsed(int64_t{9} << 30);
+    gpu.setMemoryTotal(int64_t{8} << 30);
   }));
   CoreDashboardSource source(&core_, now_, [this] { return now_; });
   dashboard::ClusterView view = source.Cluster();
@@ -339,6 +347,16 @@ TEST_F(SchedulerCoreTest, HeartbeatFiguresAreShownAndADepartedWorkerStaysListedD
   EXPECT_EQ(view.workers[1].cpu_utilization, 0);
   EXPECT_EQ(view.workers[1].objects, 0);
   EXPECT_EQ(view.workers[1].restores, 0);
+  ASSERT_TRUE(view.workers[0].gpu_use.has_value());
+  EXPECT_DOUBLE_EQ(view.workers[0].gpu_use->utilization, 0.5);
+  EXPECT_EQ(view.workers[0].gpu_use->memory_used, int64_t{2} << 30);
+  EXPECT_EQ(view.workers[0].gpu_use->memory_total, int64_t{80} << 30);
+  ASSERT_TRUE(view.workers[1].gpu_use.has_value());
+  EXPECT_DOUBLE_EQ(view.workers[1].gpu_use->utilization, 1.0);
+  EXPECT_EQ(view.workers[1].gpu_use->memory_used, int64_t{8} << 30);
+  // A heartbeat without GPU figures clears the last ones (they would be stale).
+  ASSERT_OK(Deliver(other, [](proto::Envelope::Builder e) { e.initBody().initHeartbeat(); }));
+  EXPECT_FALSE(source.Cluster().workers[1].gpu_use.has_value());
 
   core_.Disconnected(worker, Unavailable("connection reset"));
   const WorkerId admin = Join(proto::Role::ADMIN);
@@ -353,6 +371,10 @@ TEST_F(SchedulerCoreTest, HeartbeatFiguresAreShownAndADepartedWorkerStaysListedD
   EXPECT_FALSE(workers[1].getAlive());
   EXPECT_EQ(workers[1].getHeartbeat().getObjects(), 42);
   EXPECT_DOUBLE_EQ(workers[1].getHeartbeat().getCpuSeconds(), 12.5);
+  ASSERT_TRUE(workers[1].getHeartbeat().hasGpu());  // what `tessera status` prints
+  EXPECT_FLOAT_EQ(workers[1].getHeartbeat().getGpu().getUtilization(), 0.5f);
+  EXPECT_EQ(workers[1].getHeartbeat().getGpu().getMemoryTotal(), int64_t{80} << 30);
+  EXPECT_FALSE(workers[0].getHeartbeat().hasGpu());
   view = source.Cluster();
   ASSERT_EQ(view.workers.size(), 2u);
   EXPECT_FALSE(view.workers[1].alive);

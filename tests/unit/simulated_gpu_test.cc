@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "core/cuda_device.h"
 #include "gpt2_test_util.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
@@ -46,10 +47,35 @@ TEST(SimulatedGpuTest, ItsKernelsAreTheCpuKernelsOnHostCopies) {
   EXPECT_EQ(ToVector(y), ToVector((*RunKernel("gelu_forward", {x}))[0]));
 }
 
+// Its meter reports the part of each sample period in which its kernels ran: some after kernels
+// ran, none over a period without one; its memory is its allocator's of its cap.
+TEST(SimulatedGpuTest, ItsMeterCountsTheTimeItsKernelsRan) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  ASSERT_OK(AddSimulatedGpuKernels(registry));
+  std::shared_ptr<DeviceRuntime> gpu = MakeSimulatedGpu(int64_t{1} << 30);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMeter> meter, MakeSimulatedGpuMeter(gpu));
+  const KernelContext context{TestAllocator(), 0, &registry, gpu.get()};
+  const TensorMeta on_gpu{Shape{1 << 16}, DType::kF32, Device::Cuda(0)};
+  ASSERT_OK_AND_ASSIGN(Tensor x_gpu, MoveTo(on_gpu, RandomTensor({1 << 16}, 3), context));
+  ASSERT_OK_AND_ASSIGN(Tensor y_gpu, AllocateOn(on_gpu, context));
+  ASSERT_OK_AND_ASSIGN(const KernelFn* kernel,
+                       registry.FindKernel("gelu_forward", DeviceKind::kCuda));
+  for (int i = 0; i < 20; ++i) ASSERT_OK((*kernel)(context, {x_gpu}, {y_gpu}, {}));
+  ASSERT_OK_AND_ASSIGN(GpuUse busy, meter->Sample());
+  EXPECT_GT(busy.utilization, 0);
+  EXPECT_LE(busy.utilization, 1);
+  EXPECT_GE(busy.memory_used, 2 * x_gpu.bytes());
+  EXPECT_EQ(busy.memory_total, int64_t{1} << 30);
+  ASSERT_OK_AND_ASSIGN(GpuUse idle, meter->Sample());
+  EXPECT_EQ(idle.utilization, 0);
+  EXPECT_EQ(MakeSimulatedGpuMeter(nullptr).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(SimulatedGpuTest, TheEnvironmentRoutesGpuRequestsToIt) {
   ::setenv("TESSERA_SIMULATED_GPU", "1", 1);
   ASSERT_OK_AND_ASSIGN(std::shared_ptr<DeviceRuntime> gpu, OpenGpu(0));
   EXPECT_NE(gpu->Describe().find("simulated"), std::string::npos);
+  EXPECT_OK(OpenGpuMeter(0, gpu).status());
   EXPECT_EQ(OpenGpu(1).status().code(), StatusCode::kInvalidArgument);
   ASSERT_OK_AND_ASSIGN(std::vector<int> all, ResolveGpus("all"));
   EXPECT_EQ(all, std::vector<int>{0});
@@ -57,6 +83,9 @@ TEST(SimulatedGpuTest, TheEnvironmentRoutesGpuRequestsToIt) {
   EXPECT_EQ(GpuActivations(), DType::kF32);
   ::unsetenv("TESSERA_SIMULATED_GPU");
   EXPECT_EQ(GpuActivations(), DType::kBF16);
+  if (ProbeCudaDevices().devices.empty()) {  // no GPU here: no meter, and the reason given
+    EXPECT_EQ(OpenGpuMeter(0, gpu).status().code(), StatusCode::kUnavailable);
+  }
   EXPECT_EQ(ResolveGpus("x").status().code(), StatusCode::kInvalidArgument);
 }
 
