@@ -85,6 +85,8 @@ function(tessera_install_sdk)
     DESTINATION ${TESSERA_INSTALL_CMAKEDIR})
   install(FILES ${PROJECT_SOURCE_DIR}/cmake/OpenBlas.cmake
     DESTINATION ${TESSERA_INSTALL_CMAKEDIR} RENAME TesseraOpenBlas.cmake)
+  install(FILES ${PROJECT_SOURCE_DIR}/cmake/Nifti.cmake
+    DESTINATION ${TESSERA_INSTALL_CMAKEDIR} RENAME TesseraNifti.cmake)
   install(FILES ${PROJECT_SOURCE_DIR}/cmake/TesseraFunctions.cmake
     DESTINATION ${TESSERA_INSTALL_CMAKEDIR})
   # The text train_gpt2 trains on by default, for the example built out of tree.

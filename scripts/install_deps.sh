@@ -20,6 +20,7 @@ packages=(
   capnproto libcapnp-dev libboost-dev libucx-dev libssl-dev
   libopenblas-dev libopenblas-pthread-dev
   libyaml-cpp-dev
+  libnifti2-dev  # NIfTI volumes for train_unet3d (data/nifti.h)
   procps  # pgrep/pkill: tessera stop and down
 )
 if [[ "$mode" != --main ]]; then
