@@ -79,7 +79,9 @@ function renderCluster(c) {
     tr.appendChild(el('td', w.hostname));
     tr.appendChild(el('td', String(w.pid)));
     tr.appendChild(el('td', w.alive ? 'alive' : 'dead', w.alive ? 'alive' : 'dead'));
-    tr.appendChild(el('td', w.gpu || '-'));
+    const gpuName = el('td', w.gpu || '-', 'gpu-name');
+    if (w.gpu) gpuName.title = w.gpu;  // the cell shows its start
+    tr.appendChild(gpuName);
     const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') : '-', 'num cpu');
     cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far';
     tr.appendChild(cpu);
