@@ -1,5 +1,6 @@
 #include "model/unet3d.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -49,12 +50,26 @@ struct BlockParams {
   }
 };
 
-// Group norm (`groups`) then SiLU over block `n`'s convolution output `y`.
+// How a layer's conv blocks run: the norm's groups, the activation op, and the stride of the
+// first convolution (2 where a level starts with a strided convolution).
+struct BlockStyle {
+  int64_t groups = 1;
+  std::string activation = "silu_forward";
+  int64_t first_stride = 1;
+};
+
+// Group norm (`groups`) then the activation over block `n`'s convolution output `y`.
 LayerValue NormAndActivate(LayerBuilder& l, int n, LayerValue y, LayerValue norm_w,
-                           LayerValue norm_b, int64_t groups) {
+                           LayerValue norm_b, int64_t groups, const std::string& activation) {
   y = l.Call("group_norm_forward", {y, norm_w, norm_b}, Attrs{{"groups", groups}},
              fmt::format("norm{}", n));
-  return l.Call("silu_forward", {y}, {}, fmt::format("act{}", n));
+  return l.Call(activation, {y}, {}, fmt::format("act{}", n));
+}
+
+Attrs FirstConvAttrs(const BlockStyle& style) {
+  Attrs attrs{{"padding", int64_t{1}}};
+  if (style.first_stride != 1) attrs.Set("stride", style.first_stride);
+  return attrs;
 }
 
 // The input of a layer of two conv blocks: with `skip`, its two inputs concatenated along
@@ -66,7 +81,7 @@ LayerValue BlocksInput(LayerBuilder& l, bool skip) {
 
 // A layer of two conv blocks, in -> out -> out channels. With `skip`, the layer reads two inputs
 // and concatenates them along channels first (in counts both).
-SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, int64_t groups, bool skip) {
+SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, const BlockStyle& style, bool skip) {
   return [=](LayerBuilder& l) {
     const BlockParams first{.n = 1, .in = in, .out = out}, second{.n = 2, .in = out, .out = out};
     // Every parameter before the first op.
@@ -75,10 +90,11 @@ SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, int64_t groups, bool skip
     const LayerValue w2 = second.ConvWeight(l), b2 = second.ConvBias(l);
     const LayerValue g2 = second.NormWeight(l), beta2 = second.NormBias(l);
     const Attrs padding{{"padding", int64_t{1}}};
-    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, padding, "conv1");
-    y = NormAndActivate(l, 1, y, g1, beta1, groups);
+    LayerValue y =
+        l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, FirstConvAttrs(style), "conv1");
+    y = NormAndActivate(l, 1, y, g1, beta1, style.groups, style.activation);
     y = l.Call("conv3d_forward", {y, w2, b2}, padding, "conv2");
-    return NormAndActivate(l, 2, y, g2, beta2, groups);
+    return NormAndActivate(l, 2, y, g2, beta2, style.groups, style.activation);
   };
 }
 
@@ -92,7 +108,7 @@ SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, int64_t groups, bool skip
 // `model_inputs`: the first layer reads the volume, a model input with no gradient.
 ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
                           const std::vector<ModelValue>& inputs, int64_t in, int64_t out,
-                          int64_t groups, int ranks, bool reads_model_input) {
+                          const BlockStyle& style, int ranks, bool reads_model_input) {
   const bool skip = inputs.size() == 2;
   const std::string convs = name + ".convs";
   const BlockParams first{.prefix = name + ".", .n = 1, .in = in, .out = out};
@@ -106,8 +122,9 @@ ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
       for (int i = 0; i < static_cast<int>(inputs.size()); ++i) l.PartialGradient(i);
     }
     const Attrs padding{{"padding", int64_t{1}}};
-    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, padding, "conv1");
-    y = NormAndActivate(l, 1, y, g1, beta1, groups / ranks);
+    LayerValue y =
+        l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, FirstConvAttrs(style), "conv1");
+    y = NormAndActivate(l, 1, y, g1, beta1, style.groups / ranks, style.activation);
     const LayerValue part = l.Call("conv3d_no_bias_forward", {y, w2}, padding, "conv2");
     l.PartialSum(part);
     return part;
@@ -116,7 +133,7 @@ ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
     const LayerValue b2 = second.ConvBias(l);
     const LayerValue g2 = second.NormWeight(l), beta2 = second.NormBias(l);
     const LayerValue y = l.Call("channel_bias_add_forward", {l.input(0), b2}, {}, "conv2_bias");
-    return NormAndActivate(l, 2, y, g2, beta2, groups);
+    return NormAndActivate(l, 2, y, g2, beta2, style.groups, style.activation);
   });
 }
 
@@ -135,10 +152,15 @@ Status UNet3dConfig::Validate() const {
   TESSERA_RETURN_IF_ERROR(at_least("depth", depth, 1));
   TESSERA_RETURN_IF_ERROR(at_least("groups", groups, 1));
   TESSERA_RETURN_IF_ERROR(at_least("volume", volume, 1));
+  if (max_channels != 0 && max_channels < base_channels) {
+    return InvalidArgument(
+        "unet3d: max_channels ({}) must be at least base_channels ({}), or 0 for no cap",
+        max_channels, base_channels);
+  }
   if (depth > kMaxDepth) {
     return InvalidArgument("unet3d: depth must be <= {}, got {}", kMaxDepth, depth);
   }
-  if (base_channels > (kMaxChannels >> depth)) {
+  if (base_channels > kMaxChannels || Channels(depth) > kMaxChannels) {
     return InvalidArgument(
         "unet3d: base_channels ({}) * 2^depth ({}) must be <= {}: the deepest level has that many "
         "channels",
@@ -151,7 +173,11 @@ Status UNet3dConfig::Validate() const {
         "use volume {} or a smaller depth",
         volume, factor, depth, (volume / factor + 1) * factor);
   }
-  if (base_channels % groups != 0) {
+  if (norm == UNetNorm::kGroup && max_channels != 0 && max_channels % groups != 0) {
+    return InvalidArgument("unet3d: groups ({}) must divide max_channels ({}) for group norm",
+                           groups, max_channels);
+  }
+  if (norm == UNetNorm::kGroup && base_channels % groups != 0) {
     return InvalidArgument(
         "unet3d: groups ({}) must divide base_channels ({}) so that group norm splits every "
         "level's channels evenly",
@@ -160,9 +186,21 @@ Status UNet3dConfig::Validate() const {
   return Status::Ok();
 }
 
+int64_t UNet3dConfig::Channels(int64_t level) const {
+  const int64_t doubled = base_channels << std::min<int64_t>(level, kMaxDepth);
+  return max_channels > 0 ? std::min(doubled, max_channels) : doubled;
+}
+
 std::string UNet3dConfig::ToString() const {
-  return fmt::format("in_channels={} classes={} base_channels={} depth={} groups={} volume={}",
-                     in_channels, classes, base_channels, depth, groups, volume);
+  // The default variant's description is what checkpoints were written with: unchanged.
+  std::string text =
+      fmt::format("in_channels={} classes={} base_channels={} depth={} groups={} volume={}",
+                  in_channels, classes, base_channels, depth, groups, volume);
+  if (max_channels != 0) text += fmt::format(" max_channels={}", max_channels);
+  if (norm == UNetNorm::kInstance) text += " norm=instance";
+  if (activation == UNetActivation::kLeakyRelu) text += " activation=leaky_relu";
+  if (downsample == UNetDownsample::kStridedConv) text += " downsample=strided_conv";
+  return text;
 }
 
 Result<UNet3dConfig> UNet3dConfig::Preset(std::string_view name) {
@@ -172,7 +210,16 @@ Result<UNet3dConfig> UNet3dConfig::Preset(std::string_view name) {
   if (name == "small") {
     return UNet3dConfig{.base_channels = 8, .depth = 2, .volume = 16};
   }
-  return NotFound("unknown unet3d preset '{}' (expected tiny or small)", name);
+  if (name == "nnunet") {
+    return UNet3dConfig{.base_channels = 32,
+                        .depth = 5,
+                        .volume = 128,
+                        .max_channels = 320,
+                        .norm = UNetNorm::kInstance,
+                        .activation = UNetActivation::kLeakyRelu,
+                        .downsample = UNetDownsample::kStridedConv};
+  }
+  return NotFound("unknown unet3d preset '{}' (expected tiny, small or nnunet)", name);
 }
 
 namespace {
@@ -183,14 +230,30 @@ namespace {
 Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registry, int ranks) {
   TESSERA_RETURN_IF_ERROR(config.Validate());
   const int64_t v = config.volume;
-  const int64_t groups = config.groups;
-  auto channels = [&](int64_t level) { return config.base_channels << level; };
-  if (ranks > 1 && groups % ranks != 0) {
+  auto channels = [&](int64_t level) { return config.Channels(level); };
+  // A layer's style: its norm's groups (instance norm: one per output channel), activation and
+  // first stride.
+  const std::string activation =
+      config.activation == UNetActivation::kLeakyRelu ? "leaky_relu_forward" : "silu_forward";
+  auto style = [&](int64_t out, int64_t first_stride) {
+    return BlockStyle{.groups = config.norm == UNetNorm::kInstance ? out : config.groups,
+                      .activation = activation,
+                      .first_stride = first_stride};
+  };
+  if (ranks > 1 && config.norm == UNetNorm::kGroup && config.groups % ranks != 0) {
     return InvalidArgument(
         "unet3d: its {} group-norm groups do not split over {} tensor-parallel ranks (each rank "
         "normalizes whole groups of its channels): use a degree that divides {}, or a config whose "
         "groups are a multiple of {}",
-        groups, ranks, groups, ranks);
+        config.groups, ranks, config.groups, ranks);
+  }
+  for (int64_t level = 0; ranks > 1 && level <= config.depth; ++level) {
+    if (config.norm == UNetNorm::kInstance && channels(level) % ranks != 0) {
+      return InvalidArgument(
+          "unet3d: level {}'s {} channels do not split over {} tensor-parallel ranks (each rank "
+          "normalizes whole channels): use a degree that divides every level's channels",
+          level, channels(level), ranks);
+    }
   }
   const bool split = ranks > 1;
   // A parameter's name: the layer's prefix adds the layer's name in the whole model; in the split
@@ -203,27 +266,33 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   ModelValue volume = model.Input("volume", DType::kF32, Shape{1, config.in_channels, v, v, v});
   ModelValue labels = model.Input("labels", DType::kI32, Shape{1, v, v, v}, /*label=*/true);
   auto blocks = [&](const std::string& name, std::vector<ModelValue> inputs, int64_t in,
-                    int64_t out) {
+                    int64_t out, int64_t first_stride = 1) {
     const bool skip = inputs.size() == 2;
     if (split) {
       const bool reads_volume = inputs.front().input >= 0;
-      return SplitTwoBlocks(model, name, inputs, in, out, groups, ranks, reads_volume);
+      return SplitTwoBlocks(model, name, inputs, in, out, style(out, first_stride), ranks,
+                            reads_volume);
     }
-    return model.Layer(name, std::move(inputs), TwoBlocks(in, out, groups, skip));
+    return model.Layer(name, std::move(inputs), TwoBlocks(in, out, style(out, first_stride), skip));
   };
 
-  // Encoder: enc{i} at full resolution of its level, down{i} halves it.
+  // Encoder: enc{i} at full resolution of its level; down{i} halves it (pooling), or the next
+  // level's first convolution does (stride 2).
+  const bool strided = config.downsample == UNetDownsample::kStridedConv;
   std::vector<ModelValue> encoded;
   ModelValue x = volume;
   int64_t in = config.in_channels;
   for (int64_t i = 0; i < config.depth; ++i) {
-    encoded.push_back(blocks(fmt::format("enc{}", i), {x}, in, channels(i)));
-    x = model.Layer(fmt::format("down{}", i), {encoded.back()}, [](LayerBuilder& l) {
-      return l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}}, "pool");
-    });
+    encoded.push_back(
+        blocks(fmt::format("enc{}", i), {x}, in, channels(i), strided && i > 0 ? 2 : 1));
+    x = strided ? encoded.back()
+                : model.Layer(fmt::format("down{}", i), {encoded.back()}, [](LayerBuilder& l) {
+                    return l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}},
+                                  "pool");
+                  });
     in = channels(i);
   }
-  x = blocks("bottleneck", {x}, in, channels(config.depth));
+  x = blocks("bottleneck", {x}, in, channels(config.depth), strided ? 2 : 1);
 
   // Decoder: up{i} doubles the resolution back, dec{i} joins it with enc{i}'s output.
   for (int64_t i = config.depth - 1; i >= 0; --i) {

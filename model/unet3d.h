@@ -19,7 +19,13 @@
 //   head        conv3d kernel 1 to `classes` channels: the logits [N, classes, V, V, V]
 //   loss        voxel_cross_entropy(logits, labels): mean over voxels
 //
-// A conv block is conv3d (kernel 3, padding 1) -> group_norm (`groups`) -> SiLU. Conv weights
+// A conv block is conv3d (kernel 3, padding 1) -> group_norm (`groups`) -> SiLU by default. The
+// nnU-Net-shaped variant (preset "nnunet", Isensee et al. 2021's 3d_fullres network) changes four
+// things: channels stop doubling at `max_channels` (320), the norm is instance norm (group norm
+// with a group per channel), the activation leaky ReLU (slope 0.01), and levels are reached by
+// strided convolutions instead of pooling: enc{i} for i >= 1 and the bottleneck start with a
+// stride-2 conv block reading the level above, and there are no down{i} layers. (nnU-Net's deep
+// supervision, extra heads at the coarser decoder levels, is not built.) Conv weights
 // start Normal(sqrt(2 / fan_in)) (Kaiming, for the rectifier-like SiLU) and are weight-decayed;
 // biases start at zero, group-norm gains at one. Parameters are named
 // "<layer>.<block>.<tensor>": "enc0.conv1.w", "dec0.norm2.b", "up0.w", "head.b".
@@ -44,6 +50,10 @@
 
 namespace tessera {
 
+enum class UNetNorm { kGroup, kInstance };
+enum class UNetActivation { kSilu, kLeakyRelu };
+enum class UNetDownsample { kMaxPool, kStridedConv };
+
 struct UNet3dConfig {
   int64_t in_channels = 1;
   int64_t classes = 3;        // including background (class 0)
@@ -51,14 +61,23 @@ struct UNet3dConfig {
   int64_t depth = 2;          // down-sampling levels
   int64_t groups = 4;         // group norm groups (divides base_channels, hence every level)
   int64_t volume = 16;        // D = H = W of the example shape; divisible by 2^depth
+  int64_t max_channels = 0;   // a level's channels stop doubling here (nnU-Net: 320); 0: never
+  UNetNorm norm = UNetNorm::kGroup;  // kInstance: one group per channel (`groups` unused)
+  UNetActivation activation = UNetActivation::kSilu;
+  UNetDownsample downsample = UNetDownsample::kMaxPool;
+
+  // Level i's channels: base_channels * 2^i, at most max_channels.
+  int64_t Channels(int64_t level) const;
 
   // InvalidArgument naming the field and what to change: non-positive sizes, fewer than two
   // classes, depth above 8, more than 65536 channels at the deepest level, a volume not
-  // divisible by 2^depth, groups not dividing base_channels.
+  // divisible by 2^depth, groups not dividing base_channels (group norm), max_channels below
+  // base_channels.
   Status Validate() const;
   std::string ToString() const;
-  // "tiny" (base 4, depth 1, volume 8) or "small" (base 8, depth 2, volume 16); NotFound
-  // listing the presets otherwise.
+  // "tiny" (base 4, depth 1, volume 8), "small" (base 8, depth 2, volume 16) or "nnunet" (6
+  // resolution stages: base 32, depth 5, at most 320 channels, instance norm, leaky ReLU, strided
+  // convolutions, patch 128); NotFound listing the presets otherwise.
   static Result<UNet3dConfig> Preset(std::string_view name);
 };
 

@@ -481,7 +481,8 @@ Status AddActivationOps(OpRegistry& r) {
     double flops;
   };
   for (const Activation& a :
-       {Activation{"relu", "y = max(x, 0)", 1.0}, Activation{"silu", "y = x * sigmoid(x)", 6.0}}) {
+       {Activation{"relu", "y = max(x, 0)", 1.0}, Activation{"silu", "y = x * sigmoid(x)", 6.0},
+        Activation{"leaky_relu", "y = x if x > 0 else 0.01 x (nnU-Net's slope)", 1.0}}) {
     const std::string name = a.name;
     const double flops = a.flops;
     TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{

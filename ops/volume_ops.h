@@ -35,6 +35,7 @@
 //   group_norm_backward       dy, x, weight, mean, rstd -> dx, dweight, dbias
 //   relu_forward, silu_forward    x (any shape) -> y
 //   relu_backward, silu_backward  dy, x -> dx
+//   leaky_relu_forward/_backward  the same; slope kLeakyReluSlope (0.01, nnU-Net's) below zero
 //   concat_forward            a [N,Ca,*], b [N,Cb,*] -> out [N,Ca+Cb,*] (channel dimension 1)
 //   concat_backward           dout, a -> da, db (a is read for its shape only)
 //   voxel_cross_entropy       logits [N,C,*], targets i32 [N,*] -> loss (f32 scalar, mean over

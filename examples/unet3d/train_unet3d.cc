@@ -59,10 +59,22 @@ struct Flags {
   double data_memory_gib = 4;  // the most the loaded volumes may take
   std::string write_volumes;   // write generated volumes here and exit
   int64_t cases = 8;           // ... this many
+  int64_t volume = 0;          // the patch's edge; 0: the preset's
   bool predict = false;        // whole-volume inference after training
   std::string predict_out;     // ... writing the predicted label maps here
   examples::CommonFlags common;
 };
+
+// The preset, with --volume in place of its patch size.
+Result<tessera::UNet3dConfig> ModelConfig(const Flags& flags) {
+  TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config,
+                           tessera::UNet3dConfig::Preset(flags.preset));
+  if (flags.volume > 0) config.volume = flags.volume;
+  TESSERA_RETURN_IF_ERROR(config.Validate().WithContext(
+      flags.volume > 0 ? fmt::format("--preset {} --volume {}", flags.preset, flags.volume)
+                       : fmt::format("--preset {}", flags.preset)));
+  return config;
+}
 
 // Where batches come from: generated volumes, or patches of NIfTI cases (the last case held out
 // for the final evaluation when there are several).
@@ -232,8 +244,7 @@ Status PredictWhole(const Flags& flags, const tessera::UNet3dConfig& config, con
 
 // --write-volumes DIR: `cases` generated volumes of the preset's size as a NIfTI dataset.
 Status WriteVolumes(const Flags& flags) {
-  TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config,
-                           tessera::UNet3dConfig::Preset(flags.preset));
+  TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config, ModelConfig(flags));
   TESSERA_ASSIGN_OR_RETURN(
       tessera::VolumeBatch volumes,
       tessera::GenerateVolumes(flags.cases, config.volume, config.in_channels, flags.seed));
@@ -290,8 +301,7 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const tessera::UNet3
 }
 
 Status Train(const Flags& flags) {
-  TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config,
-                           tessera::UNet3dConfig::Preset(flags.preset));
+  TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config, ModelConfig(flags));
   TESSERA_ASSIGN_OR_RETURN(tessera::OpRegistry registry, tessera::MakeCpuOpRegistry());
   TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildUNet3d(config, registry));
   TESSERA_ASSIGN_OR_RETURN(const Data data, LoadData(flags, config));
@@ -365,7 +375,13 @@ int Main(int argc, char** argv) {
   CLI::App app{
       "Train a 3D U-Net on generated segmentation volumes (spheres and boxes) or on NIfTI volumes "
       "(--data)"};
-  app.add_option("--preset", flags.preset, "Model preset: tiny, small");
+  app.add_option("--preset", flags.preset,
+                 "Model preset: tiny, small, or nnunet (nnU-Net's 3d_fullres shape: 6 stages of "
+                 "32-320 channels, instance norm, leaky ReLU, strided convolutions; 31 M "
+                 "parameters, 128^3 patches)");
+  app.add_option("--volume", flags.volume,
+                 "The patch's edge in voxels (a multiple of 2^depth; 0: the preset's)")
+      ->check(tessera::AtLeast(0));
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));
   app.add_option("--batch", flags.batch, "Volumes per step")->check(tessera::AtLeast(1));
   app.add_option("--lr", flags.lr, "Learning rate (AdamW, constant)")->check(tessera::AboveZero());

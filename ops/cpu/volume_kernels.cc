@@ -403,6 +403,18 @@ void ReluBackward(float* dx, const float* dy, const float* x, int64_t n) {
   });
 }
 
+void LeakyReluForward(float* y, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) y[i] = x[i] > 0.0f ? x[i] : kLeakyReluSlope * x[i];
+  });
+}
+
+void LeakyReluBackward(float* dx, const float* dy, const float* x, int64_t n) {
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dx[i] = x[i] > 0.0f ? dy[i] : kLeakyReluSlope * dy[i];
+  });
+}
+
 void SiluForward(float* y, const float* x, int64_t n) {
   ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));

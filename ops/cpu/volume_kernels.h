@@ -102,6 +102,10 @@ void GroupNormBackward(float* dx, float* dweight, float* dbias, const float* dy,
 void ReluForward(float* y, const float* x, int64_t n);
 // dx = dy where x > 0, else 0. dx may alias dy.
 void ReluBackward(float* dx, const float* dy, const float* x, int64_t n);
+// Leaky ReLU with slope kLeakyReluSlope below zero (PyTorch's default, and nnU-Net's).
+inline constexpr float kLeakyReluSlope = 0.01f;
+void LeakyReluForward(float* y, const float* x, int64_t n);
+void LeakyReluBackward(float* dx, const float* dy, const float* x, int64_t n);
 void SiluForward(float* y, const float* x, int64_t n);
 // dx = dy * s * (1 + x * (1 - s)), s = sigmoid(x). dx may alias dy.
 void SiluBackward(float* dx, const float* dy, const float* x, int64_t n);

@@ -220,8 +220,10 @@ Status RegisterOtherKernels(OpRegistry& r) {
     void (*forward)(float* y, const float* x, int64_t n);
     void (*backward)(float* dx, const float* dy, const float* x, int64_t n);
   };
-  for (const Activation& a : {Activation{"relu", cpu::ReluForward, cpu::ReluBackward},
-                              Activation{"silu", cpu::SiluForward, cpu::SiluBackward}}) {
+  for (const Activation& a :
+       {Activation{"relu", cpu::ReluForward, cpu::ReluBackward},
+        Activation{"silu", cpu::SiluForward, cpu::SiluBackward},
+        Activation{"leaky_relu", cpu::LeakyReluForward, cpu::LeakyReluBackward}}) {
     const std::string name = a.name;
     TESSERA_RETURN_IF_ERROR(Register(r, name + "_forward",
                                      [forward = a.forward](const KernelContext&, const Tensors& in,

@@ -443,6 +443,28 @@ TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
   std::filesystem::remove_all(dir);
 }
 
+// The nnU-Net-shaped preset (31.2 M parameters: six stages of 32-320 channels, instance norm,
+// leaky ReLU, strided convolutions) at a 32^3 patch on the CPU: it trains (the loss falls over
+// three steps), and a patch its five halvings do not divide is refused naming the fix.
+TEST(TrainUNet3dTest, TheNnUNetPresetTrainsAtASmallPatch) {
+  ProcessResult run = RunBinary(
+      "train_unet3d", "--preset nnunet --volume 32 --steps 3 --batch 1 --log-every 1 --threads 2");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("max_channels=320 norm=instance activation=leaky_relu "
+                            "downsample=strided_conv: 31194083 parameters, volumes 32^3"),
+            std::string::npos)
+      << run.output;
+  const Logged logged = ParseLog(run.output);
+  ASSERT_EQ(logged.losses.size(), 3u) << run.output;
+  EXPECT_LT(logged.losses[2], logged.losses[0]) << run.output;
+  ProcessResult refused = RunBinary("train_unet3d", "--preset nnunet --volume 48 --steps 1");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("--preset nnunet --volume 48: unet3d: volume (48) must be "
+                                "divisible by 2^depth = 32"),
+            std::string::npos)
+      << refused.output;
+}
+
 // NIfTI volumes on disk: generated 16^3 cases written in nnU-Net's layout, the tiny U-Net trained
 // on 8^3 crops of them with flips. The loss falls and the held-out case's Dice rises; every batch
 // after the first was made while the previous step ran; a resumed run continues the

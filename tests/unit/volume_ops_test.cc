@@ -192,7 +192,21 @@ TEST(VolumeGradientTest, GroupNorm) {
 TEST(VolumeGradientTest, ReluAndSilu) {
   CheckGradients({.forward = "relu_forward", .inputs = {AwayFromZero({2, 3, 4, 5}, 1, 0.05f)}});
   CheckGradients(
+      {.forward = "leaky_relu_forward", .inputs = {AwayFromZero({2, 3, 4, 5}, 2, 0.05f)}});
+  CheckGradients(
       {.forward = "silu_forward", .inputs = {RandomTensor({2, 3, 4, 5}, 1, 4.0f)}, .step = 1e-3f});
+}
+
+// Leaky ReLU against its formula (PyTorch's F.leaky_relu with negative_slope 0.01): x above
+// zero passes, at and below zero it is scaled by 0.01; so is the gradient.
+TEST(VolumeOpsTest, LeakyReluFollowsItsFormula) {
+  const std::vector<float> x = {-3.0f, -0.5f, 0.0f, 1e-6f, 2.5f};
+  const std::vector<float> dy = {1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
+  ASSERT_OK_AND_ASSIGN(Tensors y, RunKernel("leaky_relu_forward", {FloatTensor(Shape{5}, x)}));
+  EXPECT_EQ(ToVector(y[0]), (std::vector<float>{-0.03f, -0.005f, 0.0f, 1e-6f, 2.5f}));
+  ASSERT_OK_AND_ASSIGN(Tensors dx, RunKernel("leaky_relu_backward", {FloatTensor(Shape{5}, dy),
+                                                                     FloatTensor(Shape{5}, x)}));
+  EXPECT_EQ(ToVector(dx[0]), (std::vector<float>{0.01f, 0.02f, 0.03f, 4.0f, 5.0f}));
 }
 
 TEST(VolumeGradientTest, Concat) {
@@ -376,6 +390,8 @@ TEST(VolumeOpsTest, AnyThreadCountGivesTheSameBits) {
       {"silu_forward", {x}, {}},
       {"silu_backward", {dy, y[0]}, {}},
       {"relu_backward", {dy, y[0]}, {}},
+      {"leaky_relu_forward", {x}, {}},
+      {"leaky_relu_backward", {dy, y[0]}, {}},
       {"concat_forward", {x, y[0]}, {}},
       {"voxel_cross_entropy", {logits, targets}, {}},
       {"dice_score", {logits, targets}, {}},
@@ -581,6 +597,8 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "relu_backward",
                                         "silu_forward",
                                         "silu_backward",
+                                        "leaky_relu_forward",
+                                        "leaky_relu_backward",
                                         "concat_forward",
                                         "concat_backward",
                                         "voxel_cross_entropy",
