@@ -301,7 +301,8 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
   // Room enough: nothing spilled, and the summary says so.
   EXPECT_NE(run.output.find(" spilled_mb=0.0 "), std::string::npos) << run.output;
   EXPECT_EQ(run.output.find("the workers spilled"), std::string::npos) << run.output;
-  // Each worker's "done" column (the last but one of its row) grows with its heartbeats.
+  // Each worker's "done" column grows with its heartbeats: a CPU worker's row ends in done, then
+  // "-" for its GPU's busy share, memory and name.
   std::vector<long long> done;
   for (int tries = 0; tries < 100; ++tries) {
     ProcessResult status = Tessera("status" + target);
@@ -312,7 +313,9 @@ TEST(TesseraCliTest, ADriverOnAClusterUsesEveryWorker) {
       if (!std::regex_search(line, std::regex("^worker[0-9]+ "))) continue;
       std::istringstream fields(line);
       std::vector<std::string> words{std::istream_iterator<std::string>(fields), {}};
-      done.push_back(std::stoll(words[words.size() - 2]));
+      ASSERT_GE(words.size(), 4u) << line;
+      EXPECT_EQ(words[words.size() - 3], "-") << line;
+      done.push_back(std::stoll(words[words.size() - 4]));
     }
     if (done.size() == 2 && done[0] > 0 && done[1] > 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
