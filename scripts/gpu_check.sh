@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 gpu_binaries=(cuda_device_test cuda_context_test nccl_communicator_test cuda_kernels_test
-  cuda_attention_test cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
+  cuda_attention_test cuda_volume_test cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
 
 stage() {
   scripts/install_deps.sh >/dev/null
@@ -39,7 +39,8 @@ stage() {
   done
   # Shared libraries the GPU machine lacks: everything ldd names but the C/C++ runtime and
   # CUDA's own libraries (which come with the machine's driver and toolkit).
-  local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcublas|libcudart|libnccl)'
+  # (cuDNN is hundreds of MB: run() finds the one PyTorch's nvidia-cudnn package brings.)
+  local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcublas|libcudart|libnccl|libcudnn)'
   for binary in .gpu/bin/*; do
     ldd "$binary" | awk '$3 ~ /^\// {print $1, $3}'
   done | sort -u | while read -r name path; do
@@ -59,6 +60,10 @@ run() {
   mkdir -p "$out"
   if [[ -f .gpu/staged.tar.xz && ! -d .gpu/bin ]]; then xz -dc .gpu/staged.tar.xz | tar -C .gpu -xf -; fi
   export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
+  # cuDNN (the volume convolutions): PyTorch's nvidia-cudnn package, where the machine has it.
+  local cudnn_lib
+  cudnn_lib=$(python3 -c 'import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null || true)
+  if [[ -n "$cudnn_lib" && -d "$cudnn_lib" ]]; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cudnn_lib"; fi
   export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
   if [[ "$part" == all || "$part" == tests ]]; then
@@ -66,7 +71,7 @@ run() {
     # gpu_workers_test starts train_gpt2 and tessera (GPU worker processes) from .gpu/bin.
     export TESSERA_TEST_BIN_DIR="$PWD/.gpu/bin"
     for test in cuda_device_test cuda_context_test nccl_communicator_test cuda_kernels_test \
-      cuda_attention_test cuda_gpt2_test; do
+      cuda_attention_test cuda_volume_test cuda_gpt2_test; do
       echo "== $test"
       timeout 300 .gpu/bin/$test --gtest_brief=1 2>&1 | tee "$out/$test.txt" | tail -n 25 || true
     done

@@ -153,6 +153,10 @@ void CudaContext::DestroyLane(CopyLane& lane) {
 CudaContext::~CudaContext() {
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  {
+    MutexLock lock(&convolutions_mutex_);
+    convolutions_.reset();  // before the stream it runs on
+  }
   if (blas_ != nullptr) cublasLtDestroy(blas_);
   if (blas_workspace_ != nullptr) cudaFree(blas_workspace_);
   DestroyLane(to_device_);
@@ -262,6 +266,14 @@ Status CudaContext::Synchronize() {
 
 Result<std::shared_ptr<Buffer>> CudaContext::Scratch(int64_t bytes) const {
   return Buffer::Allocate(bytes, allocator_);
+}
+
+Result<CudnnConvolutions*> CudaContext::Convolutions() {
+  MutexLock lock(&convolutions_mutex_);
+  if (convolutions_ == nullptr) {
+    TESSERA_ASSIGN_OR_RETURN(convolutions_, CudnnConvolutions::Create(stream_));
+  }
+  return convolutions_.get();
 }
 
 }  // namespace tessera::cuda

@@ -38,6 +38,7 @@
 #include "core/device_runtime.h"
 #include "core/status.h"
 #include "core/thread_annotations.h"
+#include "ops/cuda/volume_kernels.h"
 
 namespace tessera::cuda {
 
@@ -80,6 +81,10 @@ class CudaContext final : public DeviceRuntime, public std::enable_shared_from_t
   // the last reference goes. ResourceExhausted past the cap.
   Result<std::shared_ptr<Buffer>> Scratch(int64_t bytes) const;
 
+  // cuDNN's convolutions on the compute stream (volume_kernels.h), made on first use.
+  // Unavailable when the build has no cuDNN or it cannot start (asked again on the next call).
+  Result<CudnnConvolutions*> Convolutions() EXCLUDES(convolutions_mutex_);
+
  private:
   CudaContext() = default;
 
@@ -111,6 +116,8 @@ class CudaContext final : public DeviceRuntime, public std::enable_shared_from_t
 
   CopyLane to_device_, to_host_;
   int64_t staging_bytes_ = 0;
+  Mutex convolutions_mutex_;
+  std::unique_ptr<CudnnConvolutions> convolutions_ GUARDED_BY(convolutions_mutex_);
 };
 
 }  // namespace tessera::cuda

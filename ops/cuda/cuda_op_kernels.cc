@@ -11,6 +11,7 @@
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/scalars.h"
 #include "ops/cuda/transformer_layers.h"
+#include "ops/cuda/volume_kernels.h"
 #include "ops/flat_layout.h"
 #include "ops/kernel_attrs.h"
 
@@ -233,6 +234,7 @@ Status RegisterPlanKernels(OpRegistry& r) {
 Status RegisterCudaKernels(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(RegisterTransformerLayerKernels(registry));
   TESSERA_RETURN_IF_ERROR(RegisterOptimizerKernels(registry));
+  TESSERA_RETURN_IF_ERROR(RegisterVolumeCudaKernels(registry));  // volume_kernels.h
   return RegisterPlanKernels(registry);
 }
 

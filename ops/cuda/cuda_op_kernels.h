@@ -5,8 +5,11 @@
 // transformer_block and tied_lm_head forward and backward, tied_lm_head_logits for sampling,
 // with activation_dtype = "bf16"), the optimizer and clipping ops (adamw, sum_of_squares,
 // clip_scale), the transfer op (copy, any direction between the host and the GPU), and the small
-// ops a plan adds around them (accumulate, sum_scalars, constant). Every kernel runs on the
-// DeviceRuntime in its KernelContext (FailedPrecondition-style Infeasible without one).
+// ops a plan adds around them (accumulate, sum_scalars, constant), and the volume ops of the 3D
+// U-Net (ops/volume_ops.h: convolutions on cuDNN, norms, activations, pooling, upsampling,
+// concatenation, the voxel loss and Dice; ops/cuda/volume_kernels.h), on f32 or bf16 activations.
+// Every kernel runs on the DeviceRuntime in its KernelContext (FailedPrecondition-style Infeasible
+// without one).
 #pragma once
 
 #include <memory>

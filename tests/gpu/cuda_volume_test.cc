@@ -1,0 +1,488 @@
+// The CUDA volume kernels (ops/cuda/volume_kernels.h) against their CPU counterparts
+// (ops/cpu/volume_kernels.h), in f32 and in bf16, at U-Net-like shapes with odd sizes: group and
+// instance norm forward and backward, the three activations, channel bias and its gradient,
+// concatenation, nearest upsampling, max pooling (NaN included), voxel cross-entropy and Dice
+// (bad targets reported), and cuDNN's convolutions (forward, input and weight gradients, stride 1
+// and 2, the transposed convolution as the input gradient); plus run-to-run determinism. Then the
+// ops' registered kCuda kernels, run as a GPU worker runs them (device tensors, in-place outputs
+// holding their input), against the CPU kernels.
+//
+// Both sides compute on the same numbers (inputs the GPU reads as bf16 are rounded to bf16 first).
+// Tolerances on ||gpu - cpu|| / ||cpu||:
+//   kF32Tolerance    fp32 math in another order (block trees, cuDNN's algorithms): 1e-5.
+//   kConvF32Tolerance  cuDNN's f32 convolutions accumulate in another order over up to ~8000
+//                    products (FFT and Winograd algorithms are excluded only if not ranked
+//                    first among the deterministic ones): 1e-4.
+//   kBf16Tolerance   a bf16 output rounded once from fp32 math: 4e-3 (as cuda_kernels_test).
+//   kBf16ConvTolerance  bf16 inputs and a bf16 output around fp32 accumulation: 1e-2.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_runtime.h>  // before gpu_test_util.h: cudaMalloc(T**) for its DeviceBuffer
+#include <gtest/gtest.h>
+
+#include "gpu/gpu_test_util.h"
+#include "ops/cpu/cpu_kernels.h"
+#include "ops/cpu/volume_kernels.h"
+#include "ops/cuda/cuda_op_kernels.h"
+#include "ops/cuda/volume_kernels.h"
+#include "test_util.h"
+#include "worker/task_runner.h"
+
+namespace tessera {
+namespace {
+
+using cuda::bf16;
+using testing::DeviceBuffer;
+using testing::RandomFloats;
+using testing::RandomInts;
+using testing::RandomTensor;
+using testing::RandomTokens;
+using testing::RelativeError;
+using testing::RoundToBf16;
+using testing::RunKernel;
+using testing::ToBf16;
+using testing::ToF32;
+using testing::ToVector;
+
+constexpr double kF32Tolerance = 1e-5;
+constexpr double kConvF32Tolerance = 1e-4;
+constexpr double kBf16Tolerance = 4e-3;
+constexpr double kBf16ConvTolerance = 1e-2;
+
+// A tensor on both sides: the host values (rounded to bf16 for a bf16 device copy) and the device
+// copy of type T.
+template <typename T>
+struct Both {
+  std::vector<float> host;
+  std::unique_ptr<DeviceBuffer<T>> device;
+
+  explicit Both(std::vector<float> values) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      host = RoundToBf16(values);
+      device = std::make_unique<DeviceBuffer<T>>(ToBf16(host));
+    } else {
+      host = std::move(values);
+      device = std::make_unique<DeviceBuffer<T>>(host);
+    }
+  }
+  T* get() const { return device->get(); }
+};
+
+// A device output of n elements of T, poisoned, downloaded as floats.
+template <typename T>
+struct Out {
+  explicit Out(int64_t n) : device(n) { device.Poison(); }
+  std::vector<float> Get() const {
+    if constexpr (std::is_same_v<T, bf16>) {
+      return ToF32(device.Download());
+    } else {
+      return device.Download();
+    }
+  }
+  T* get() const { return device.get(); }
+  DeviceBuffer<T> device;
+};
+
+template <typename T>
+double Tolerance() {
+  return std::is_same_v<T, bf16> ? kBf16Tolerance : kF32Tolerance;
+}
+
+template <typename T>
+class CudaVolumeTest : public ::testing::Test {
+ protected:
+  void SetUp() override { TESSERA_REQUIRE_GPU(); }
+};
+using ActivationTypes = ::testing::Types<float, bf16>;
+TYPED_TEST_SUITE(CudaVolumeTest, ActivationTypes);
+
+TYPED_TEST(CudaVolumeTest, GroupAndInstanceNormMatchTheCpu) {
+  using T = TypeParam;
+  const int64_t batch = 2, channels = 12, spatial = int64_t{5} * 6 * 7;
+  for (int64_t groups : {int64_t{4}, channels}) {  // group norm, instance norm
+    SCOPED_TRACE(groups);
+    const int64_t n = batch * channels * spatial;
+    Both<T> x(RandomFloats(n, 1, -2.0f, 3.0f)), dy(RandomFloats(n, 2));
+    const std::vector<float> w = RandomFloats(channels, 3, 0.5f, 1.5f);
+    const std::vector<float> b = RandomFloats(channels, 4);
+    DeviceBuffer<float> dw_in(w), db_in(b);
+    Out<T> y(n), dx(n);
+    Out<float> mean(batch * groups), rstd(batch * groups), dweight(channels), dbias(channels);
+    DeviceBuffer<float> scratch(cuda::GroupNormBackwardScratch(batch, channels, groups));
+    ASSERT_OK(cuda::GroupNormForward(y.get(), mean.get(), rstd.get(), x.get(), dw_in.get(),
+                                     db_in.get(), batch, channels, spatial, groups, 1e-5f,
+                                     nullptr));
+    ASSERT_OK(cuda::GroupNormBackward(dx.get(), dweight.get(), dbias.get(), scratch.get(), dy.get(),
+                                      x.get(), dw_in.get(), mean.get(), rstd.get(), batch, channels,
+                                      spatial, groups, nullptr));
+    std::vector<float> cy(n), cmean(batch * groups), crstd(batch * groups), cdx(n), cdw(channels),
+        cdb(channels);
+    cpu::GroupNormForward(cy.data(), cmean.data(), crstd.data(), x.host.data(), w.data(), b.data(),
+                          batch, channels, spatial, groups, 1e-5f);
+    cpu::GroupNormBackward(cdx.data(), cdw.data(), cdb.data(), dy.host.data(), x.host.data(),
+                           w.data(), cmean.data(), crstd.data(), batch, channels, spatial, groups);
+    EXPECT_LT(RelativeError(mean.Get(), cmean), kF32Tolerance);
+    EXPECT_LT(RelativeError(rstd.Get(), crstd), kF32Tolerance);
+    EXPECT_LT(RelativeError(y.Get(), cy), Tolerance<T>());
+    EXPECT_LT(RelativeError(dx.Get(), cdx), Tolerance<T>());
+    EXPECT_LT(RelativeError(dweight.Get(), cdw), kF32Tolerance);
+    EXPECT_LT(RelativeError(dbias.Get(), cdb), kF32Tolerance);
+  }
+}
+
+TYPED_TEST(CudaVolumeTest, ActivationsMatchTheCpu) {
+  using T = TypeParam;
+  const int64_t n = 1001;
+  Both<T> x(RandomFloats(n, 5, -4.0f, 4.0f)), dy(RandomFloats(n, 6));
+  struct Case {
+    cuda::VolumeActivation kind;
+    void (*forward)(float*, const float*, int64_t);
+    void (*backward)(float*, const float*, const float*, int64_t);
+  };
+  for (const Case& c :
+       {Case{cuda::VolumeActivation::kRelu, cpu::ReluForward, cpu::ReluBackward},
+        Case{cuda::VolumeActivation::kLeakyRelu, cpu::LeakyReluForward, cpu::LeakyReluBackward},
+        Case{cuda::VolumeActivation::kSilu, cpu::SiluForward, cpu::SiluBackward}}) {
+    SCOPED_TRACE(static_cast<int>(c.kind));
+    Out<T> y(n), dx(n);
+    ASSERT_OK(cuda::ActivationForward(c.kind, y.get(), x.get(), n, nullptr));
+    ASSERT_OK(cuda::ActivationBackward(c.kind, dx.get(), dy.get(), x.get(), n, nullptr));
+    std::vector<float> cy(n), cdx(n);
+    c.forward(cy.data(), x.host.data(), n);
+    c.backward(cdx.data(), dy.host.data(), x.host.data(), n);
+    EXPECT_LT(RelativeError(y.Get(), cy), Tolerance<T>());
+    EXPECT_LT(RelativeError(dx.Get(), cdx), Tolerance<T>());
+  }
+}
+
+TYPED_TEST(CudaVolumeTest, ChannelBiasConcatAndUpsamplingMatchTheCpu) {
+  using T = TypeParam;
+  const int64_t batch = 2, channels = 3, spatial = int64_t{4} * 5 * 3;
+  const int64_t n = batch * channels * spatial;
+  Both<T> x(RandomFloats(n, 7)), other(RandomFloats(batch * 2 * spatial, 8));
+  const std::vector<float> bias = RandomFloats(channels, 9);
+  DeviceBuffer<float> dbias_in(bias);
+  Out<T> y(n);
+  Out<float> sums(channels);
+  ASSERT_OK(
+      cuda::ChannelBiasAdd(y.get(), x.get(), dbias_in.get(), batch, channels, spatial, nullptr));
+  ASSERT_OK(cuda::ChannelSums(sums.get(), x.get(), batch, channels, spatial, nullptr));
+  std::vector<float> cy(n), csums(channels);
+  cpu::ChannelBiasAdd(cy.data(), x.host.data(), bias.data(), batch, channels, spatial);
+  cpu::ChannelSums(csums.data(), x.host.data(), batch, channels, spatial);
+  EXPECT_LT(RelativeError(y.Get(), cy), Tolerance<T>());
+  EXPECT_LT(RelativeError(sums.Get(), csums), kF32Tolerance);
+
+  // Concatenation: [batch, 3 + 2 channels]; its backward splits it back exactly.
+  const int64_t a_inner = channels * spatial, b_inner = 2 * spatial;
+  Out<T> joined(batch * (a_inner + b_inner)), da(n), db(batch * b_inner);
+  ASSERT_OK(
+      cuda::ConcatForward(joined.get(), x.get(), other.get(), batch, a_inner, b_inner, nullptr));
+  std::vector<float> cjoined(batch * (a_inner + b_inner));
+  cpu::ConcatForward(cjoined.data(), x.host.data(), other.host.data(), batch, a_inner, b_inner);
+  EXPECT_EQ(joined.Get(), cjoined);
+  ASSERT_OK(
+      cuda::ConcatBackward(da.get(), db.get(), joined.get(), batch, a_inner, b_inner, nullptr));
+  EXPECT_EQ(da.Get(), x.host);
+  EXPECT_EQ(db.Get(), other.host);
+
+  // Nearest upsampling by 2 of [6 planes, 3 x 2 x 4] and back (sums of 8 values).
+  const int64_t planes = 6, d = 3, h = 2, w = 4, scale = 2;
+  Both<T> small(RandomFloats(planes * d * h * w, 10));
+  Both<T> big_grad(RandomFloats(planes * d * h * w * 8, 11));
+  Out<T> up(planes * d * h * w * 8), down(planes * d * h * w);
+  ASSERT_OK(cuda::UpsampleNearest3dForward(up.get(), small.get(), planes, d, h, w, scale, nullptr));
+  ASSERT_OK(
+      cuda::UpsampleNearest3dBackward(down.get(), big_grad.get(), planes, d, h, w, scale, nullptr));
+  std::vector<float> cup(planes * d * h * w * 8), cdown(planes * d * h * w);
+  cpu::UpsampleNearest3dForward(cup.data(), small.host.data(), planes, d, h, w, scale);
+  cpu::UpsampleNearest3dBackward(cdown.data(), big_grad.host.data(), planes, d, h, w, scale);
+  EXPECT_EQ(up.Get(), cup);
+  EXPECT_LT(RelativeError(down.Get(), cdown), Tolerance<T>());
+}
+
+TYPED_TEST(CudaVolumeTest, MaxPoolingMatchesTheCpuNaNIncluded) {
+  using T = TypeParam;
+  const int64_t planes = 5, d = 5, h = 6, w = 7, k = 2;  // floor mode: 2 x 3 x 3 outputs
+  const int64_t volume = d * h * w, pooled = (d / k) * (h / k) * (w / k);
+  std::vector<float> values = RandomFloats(planes * volume, 12);
+  values[3] = std::numeric_limits<float>::quiet_NaN();  // NaN wins its window
+  Both<T> x(values), dy(RandomFloats(planes * pooled, 13));
+  Out<T> y(planes * pooled), dx(planes * volume);
+  Out<int32_t> indices(planes * pooled);
+  DeviceBuffer<int32_t> bad(std::vector<int32_t>{-1});
+  ASSERT_OK(cuda::MaxPool3dForward(y.get(), indices.get(), x.get(), planes, d, h, w, k, nullptr));
+  ASSERT_OK(cuda::MaxPool3dBackward(dx.get(), bad.get(), dy.get(), indices.get(), planes, volume,
+                                    pooled, nullptr));
+  std::vector<float> cy(planes * pooled), cdx(planes * volume);
+  std::vector<int32_t> cindices(planes * pooled);
+  cpu::MaxPool3dForward(cy.data(), cindices.data(), x.host.data(), planes, d, h, w, k);
+  ASSERT_OK(
+      cpu::MaxPool3dBackward(cdx.data(), dy.host.data(), cindices.data(), planes, volume, pooled));
+  EXPECT_EQ(indices.device.Download(), cindices);
+  const std::vector<float> got = y.Get();
+  EXPECT_TRUE(std::isnan(got[0]));
+  for (size_t i = 1; i < got.size(); ++i) EXPECT_EQ(got[i], cy[i]) << i;
+  EXPECT_EQ(dx.Get(), cdx);
+  EXPECT_EQ(bad.Download()[0], -1);
+  // An index outside its plane is skipped and reported.
+  std::vector<int32_t> broken = cindices;
+  broken[7] = static_cast<int32_t>(volume);
+  DeviceBuffer<int32_t> broken_indices(broken);
+  ASSERT_OK(cuda::MaxPool3dBackward(dx.get(), bad.get(), dy.get(), broken_indices.get(), planes,
+                                    volume, pooled, nullptr));
+  EXPECT_EQ(bad.Download()[0], 7);
+}
+
+TYPED_TEST(CudaVolumeTest, VoxelCrossEntropyAndDiceMatchTheCpu) {
+  using T = TypeParam;
+  const int64_t batch = 2, classes = 4, spatial = int64_t{9} * 10 * 11;
+  Both<T> logits(RandomFloats(batch * classes * spatial, 14, -3.0f, 3.0f));
+  std::vector<int32_t> targets = RandomInts(batch * spatial, 15, 0, classes);
+  DeviceBuffer<int32_t> dtargets(targets);
+  Out<float> loss(1), score(1);
+  Out<T> dlogits(batch * classes * spatial);
+  DeviceBuffer<float> scratch(cuda::VoxelCrossEntropyScratch(batch, spatial));
+  DeviceBuffer<unsigned long long> counts(cuda::DiceScoreCounts(classes));  // NOLINT
+  DeviceBuffer<int32_t> bad(std::vector<int32_t>{-1});
+  ASSERT_OK(cuda::VoxelCrossEntropy(loss.get(), dlogits.get(), scratch.get(), bad.get(),
+                                    logits.get(), dtargets.get(), batch, classes, spatial, 0.5f,
+                                    nullptr));
+  ASSERT_OK(cuda::DiceScore(score.get(), counts.get(), bad.get(), logits.get(), dtargets.get(),
+                            batch, classes, spatial, nullptr));
+  std::vector<float> cdlogits(batch * classes * spatial);
+  ASSERT_OK_AND_ASSIGN(float closs,
+                       cpu::VoxelCrossEntropy(cdlogits.data(), logits.host.data(), targets.data(),
+                                              batch, classes, spatial, 0.5f));
+  ASSERT_OK_AND_ASSIGN(float cscore,
+                       cpu::DiceScore(logits.host.data(), targets.data(), batch, classes, spatial));
+  EXPECT_NEAR(loss.Get()[0], closs, kF32Tolerance * closs);
+  EXPECT_LT(RelativeError(dlogits.Get(), cdlogits), Tolerance<T>());
+  EXPECT_EQ(score.Get()[0], cscore);  // integer counts, the same ratio
+  EXPECT_EQ(bad.Download()[0], -1);
+  // Reproducible: the loss again, bit for bit.
+  Out<float> again(1);
+  ASSERT_OK(cuda::VoxelCrossEntropy(again.get(), nullptr, scratch.get(), bad.get(), logits.get(),
+                                    dtargets.get(), batch, classes, spatial, 0.5f, nullptr));
+  EXPECT_EQ(again.Get()[0], loss.Get()[0]);
+  // A target outside [0, classes) is reported (the lowest voxel of those).
+  targets[100] = static_cast<int32_t>(classes);
+  targets[50] = -1;
+  dtargets.Upload(targets);
+  ASSERT_OK(cuda::DiceScore(score.get(), counts.get(), bad.get(), logits.get(), dtargets.get(),
+                            batch, classes, spatial, nullptr));
+  EXPECT_EQ(bad.Download()[0], 50);
+}
+
+// cuDNN's convolutions: conv3d forward and its two gradients at stride 1 (kernel 3, padding 1) and
+// stride 2 (nnU-Net's downsampling), and the transposed convolution (kernel 2, stride 2) as a
+// backward-data call with the roles swapped.
+TYPED_TEST(CudaVolumeTest, CudnnConvolutionsMatchTheCpu) {
+  using T = TypeParam;
+  Result<std::unique_ptr<cuda::CudnnConvolutions>> made = cuda::CudnnConvolutions::Create(nullptr);
+  if (!made.ok()) GTEST_SKIP() << made.status().ToString();
+  cuda::CudnnConvolutions& conv = **made;
+  const double tolerance = std::is_same_v<T, bf16> ? kBf16ConvTolerance : kConvF32Tolerance;
+  for (const auto& [stride, padding, k] : {std::tuple{1, 1, 3}, std::tuple{2, 1, 3}}) {
+    SCOPED_TRACE(stride);
+    cpu::Conv3dGeometry g{.batch = 2,
+                          .in_channels = 3,
+                          .in_d = 6,
+                          .in_h = 7,
+                          .in_w = 5,
+                          .out_channels = 4,
+                          .kd = k,
+                          .kh = k,
+                          .kw = k,
+                          .stride = stride,
+                          .padding = padding};
+    g.out_d = (g.in_d + int64_t{2} * padding - k) / stride + 1;
+    g.out_h = (g.in_h + int64_t{2} * padding - k) / stride + 1;
+    g.out_w = (g.in_w + int64_t{2} * padding - k) / stride + 1;
+    g.positions_per_chunk = cpu::DefaultPositionsPerChunk(g.ColumnRows(), g.OutVolume());
+    const cuda::VolumeConvShape s{.batch = g.batch,
+                                  .in_channels = g.in_channels,
+                                  .in_d = g.in_d,
+                                  .in_h = g.in_h,
+                                  .in_w = g.in_w,
+                                  .out_channels = g.out_channels,
+                                  .out_d = g.out_d,
+                                  .out_h = g.out_h,
+                                  .out_w = g.out_w,
+                                  .kd = k,
+                                  .kh = k,
+                                  .kw = k,
+                                  .stride = stride,
+                                  .padding = padding};
+    const int64_t nx = g.batch * g.in_channels * g.InVolume();
+    const int64_t ny = g.batch * g.out_channels * g.OutVolume();
+    const int64_t nw = g.out_channels * g.ColumnRows();
+    Both<T> x(RandomFloats(nx, 16)), w(RandomFloats(nw, 17, -0.3f, 0.3f)), dy(RandomFloats(ny, 18));
+    Out<T> y(ny), dx(nx), dw(nw);
+    ASSERT_OK(conv.Forward(y.get(), x.get(), w.get(), s));
+    ASSERT_OK(conv.BackwardData(dx.get(), dy.get(), w.get(), s));
+    ASSERT_OK(conv.BackwardFilter(dw.get(), x.get(), dy.get(), s));
+    std::vector<float> workspace(cpu::Conv3dWorkspaceFloats(g)), cy(ny), cdx(nx), cdw(nw);
+    cpu::Conv3dForward(cy.data(), x.host.data(), w.host.data(), nullptr, g, workspace.data(), 1);
+    cpu::Conv3dInputGradient(cdx.data(), dy.host.data(), w.host.data(), nullptr, g,
+                             workspace.data(), 1);
+    cpu::Conv3dWeightGradient(cdw.data(), dy.host.data(), x.host.data(), g, workspace.data(), 1);
+    EXPECT_LT(RelativeError(y.Get(), cy), tolerance);
+    EXPECT_LT(RelativeError(dx.Get(), cdx), tolerance);
+    EXPECT_LT(RelativeError(dw.Get(), cdw), tolerance);
+    // Deterministic algorithms: the weight gradient again, bit for bit.
+    Out<T> dw_again(nw);
+    ASSERT_OK(conv.BackwardFilter(dw_again.get(), x.get(), dy.get(), s));
+    EXPECT_EQ(dw_again.Get(), dw.Get());
+  }
+  // A shape whose output does not follow from its input is refused, naming the sizes.
+  const cuda::VolumeConvShape wrong{.batch = 1,
+                                    .in_channels = 1,
+                                    .in_d = 4,
+                                    .in_h = 4,
+                                    .in_w = 4,
+                                    .out_channels = 1,
+                                    .out_d = 3,
+                                    .out_h = 4,
+                                    .out_w = 4,
+                                    .kd = 3,
+                                    .kh = 3,
+                                    .kw = 3,
+                                    .stride = 1,
+                                    .padding = 1};
+  Out<T> y(64), x(64), w(27);
+  const Status refused = conv.Forward(y.get(), x.get(), w.get(), wrong);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("not the 3 x 4 x 4 given"), std::string::npos)
+      << refused.ToString();
+}
+
+// The registered kernels on a real device: each op's kCuda kernel on device copies of the inputs
+// (outputs allocated from the op's inferred metas; in-place outputs start as their input) against
+// the CPU kernel on the host ones. f32 activations, as the volume ops infer today.
+class CudaVolumeOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    TESSERA_REQUIRE_GPU();
+    Result<std::shared_ptr<DeviceRuntime>> device = cuda::OpenCudaDevice(0);
+    ASSERT_TRUE(device.ok()) << device.status().ToString();
+    device_ = *device;
+    Result<OpRegistry> registry = MakeCpuOpRegistry();
+    ASSERT_TRUE(registry.ok()) << registry.status().ToString();
+    registry_ = std::make_unique<OpRegistry>(*std::move(registry));
+    ASSERT_OK(cuda::RegisterCudaKernels(*registry_));
+  }
+
+  // The op's outputs computed on the GPU, copied back to the host.
+  Result<std::vector<Tensor>> OnGpu(const std::string& op, const std::vector<Tensor>& inputs,
+                                    const Attrs& attrs) {
+    const KernelContext context{device_->allocator(), 0, registry_.get(), device_.get()};
+    TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry_->Find(op));
+    std::vector<Tensor> on_device;
+    std::vector<TensorMeta> metas;
+    for (const Tensor& input : inputs) {
+      TensorMeta meta = input.meta();
+      meta.device = Device::Cuda(0);
+      TESSERA_ASSIGN_OR_RETURN(Tensor moved, MoveTo(meta, input, context));
+      on_device.push_back(moved);
+      metas.push_back(meta);
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::vector<TensorMeta> out_metas, def->infer(metas, attrs));
+    std::vector<Tensor> outputs;
+    for (size_t j = 0; j < out_metas.size(); ++j) {
+      TensorMeta meta = out_metas[j];
+      meta.device = Device::Cuda(0);
+      TESSERA_ASSIGN_OR_RETURN(Tensor out, AllocateOn(meta, context));
+      for (const auto& [input, output] : def->in_place) {
+        if (output == static_cast<int>(j)) {
+          TESSERA_RETURN_IF_ERROR(CopyTensor(out, on_device[static_cast<size_t>(input)], context));
+        }
+      }
+      outputs.push_back(out);
+    }
+    TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry_->FindKernel(op, DeviceKind::kCuda));
+    TESSERA_RETURN_IF_ERROR((*kernel)(context, on_device, outputs, attrs));
+    std::vector<Tensor> host;
+    for (const Tensor& out : outputs) {
+      TESSERA_ASSIGN_OR_RETURN(Tensor copy, HostCopyOf(out, context));
+      host.push_back(copy);
+    }
+    return host;
+  }
+
+  void ExpectSameAsCpu(const std::string& op, const std::vector<Tensor>& inputs, const Attrs& attrs,
+                       double tolerance) {
+    SCOPED_TRACE(op);
+    ASSERT_OK_AND_ASSIGN(std::vector<Tensor> gpu, OnGpu(op, inputs, attrs));
+    ASSERT_OK_AND_ASSIGN(std::vector<Tensor> cpu, RunKernel(op, inputs, attrs));
+    ASSERT_EQ(gpu.size(), cpu.size());
+    for (size_t j = 0; j < cpu.size(); ++j) {
+      SCOPED_TRACE(j);
+      if (cpu[j].dtype() == DType::kI32) {
+        const auto ints = [](const Tensor& t) {
+          return std::vector<int32_t>(t.data<int32_t>(), t.data<int32_t>() + t.numel());
+        };
+        EXPECT_EQ(ints(gpu[j]), ints(cpu[j]));
+      } else {
+        EXPECT_LT(RelativeError(ToVector(gpu[j]), ToVector(cpu[j])), tolerance);
+      }
+    }
+  }
+
+  std::shared_ptr<DeviceRuntime> device_;
+  std::unique_ptr<OpRegistry> registry_;
+};
+
+TEST_F(CudaVolumeOpsTest, TheRegisteredKernelsMatchTheCpuOnes) {
+  const Tensor x = RandomTensor({2, 3, 6, 5, 4}, 1);
+  const Tensor w = RandomTensor({4, 3, 3, 3, 3}, 2, 0.3f);
+  const Tensor b = RandomTensor({4}, 3);
+  const Attrs conv{{"padding", int64_t{1}}};
+  ExpectSameAsCpu("conv3d_forward", {x, w, b}, conv, kConvF32Tolerance);
+  const Tensor dy = RandomTensor({2, 4, 6, 5, 4}, 4);
+  ExpectSameAsCpu("conv3d_backward", {dy, x, w}, conv, kConvF32Tolerance);
+  const Attrs strided{{"padding", int64_t{1}}, {"stride", int64_t{2}}};
+  ExpectSameAsCpu("conv3d_forward", {x, w, b}, strided, kConvF32Tolerance);
+  // Transposed, kernel 2 stride 2: [2, 4, 3, 3, 2] -> [2, 3, 6, 6, 4].
+  const Tensor small = RandomTensor({2, 4, 3, 3, 2}, 5);
+  const Tensor tw = RandomTensor({4, 3, 2, 2, 2}, 6, 0.3f);
+  const Tensor tb = RandomTensor({3}, 7);
+  const Attrs up{{"stride", int64_t{2}}};
+  ExpectSameAsCpu("conv_transpose3d_forward", {small, tw, tb}, up, kConvF32Tolerance);
+  ExpectSameAsCpu("conv_transpose3d_backward", {RandomTensor({2, 3, 6, 6, 4}, 8), small, tw}, up,
+                  kConvF32Tolerance);
+  const Tensor gw = RandomTensor({3}, 9), gb = RandomTensor({3}, 10);
+  const Attrs instance{{"groups", int64_t{3}}};
+  ExpectSameAsCpu("group_norm_forward", {x, gw, gb}, instance, kF32Tolerance);
+  ASSERT_OK_AND_ASSIGN(std::vector<Tensor> stats,
+                       RunKernel("group_norm_forward", {x, gw, gb}, instance));
+  ExpectSameAsCpu("group_norm_backward", {RandomTensor(x.shape(), 11), x, gw, stats[1], stats[2]},
+                  instance, kF32Tolerance);
+  for (const char* op : {"leaky_relu_forward", "silu_forward", "relu_forward"}) {
+    ExpectSameAsCpu(op, {x}, {}, kF32Tolerance);
+  }
+  ExpectSameAsCpu("leaky_relu_backward", {RandomTensor(x.shape(), 12), x}, {}, kF32Tolerance);
+  ExpectSameAsCpu("max_pool3d_forward", {RandomTensor({2, 3, 6, 6, 4}, 13)},
+                  {{"kernel", int64_t{2}}}, kF32Tolerance);
+  ExpectSameAsCpu("concat_forward", {x, RandomTensor({2, 2, 6, 5, 4}, 14)}, {}, kF32Tolerance);
+  ExpectSameAsCpu("upsample_nearest3d_forward", {small}, {{"scale", int64_t{2}}}, kF32Tolerance);
+  ExpectSameAsCpu("channel_bias_add_backward", {dy}, {}, kF32Tolerance);
+  const Tensor logits = RandomTensor({2, 3, 6, 5, 4}, 15, 3.0f);
+  const Tensor targets = RandomTokens(Shape{2, 6, 5, 4}, 3, 16);
+  ExpectSameAsCpu("voxel_cross_entropy", {logits, targets}, {{"grad_scale", 0.5}}, kF32Tolerance);
+  ExpectSameAsCpu("dice_score", {logits, targets}, {}, kF32Tolerance);
+  // A target outside the classes: the GPU's loss names it, as the CPU's does.
+  const Tensor bad = RandomTokens(Shape{2, 6, 5, 4}, 4, 17);
+  const Status refused = OnGpu("voxel_cross_entropy", {logits, bad}, {}).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("outside [0, 3)"), std::string::npos) << refused.ToString();
+}
+
+}  // namespace
+}  // namespace tessera
