@@ -1,5 +1,11 @@
 // The kernels of layer_forward and layer_backward*: they run the program's ops with the
 // registry's kernels, summing gradients per value and stashing what the weight half needs.
+//
+// On the host or on a device: every value a kernel allocates, copies, zeroes or sets goes
+// through Memory, which touches host tensors directly and device tensors only through the
+// context's DeviceRuntime (its allocator and Copy), so the same code runs a program's ops on a GPU
+// (RegisterLayerProgramKernels(registry, kCuda)). Checked on the simulated GPU, whose scrambled
+// device memory turns a host access into wrong numbers.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -32,6 +38,71 @@ using detail::TakeStashEntries;
 
 using Tensors = std::vector<Tensor>;
 
+// Memory operations on tensors wherever they live: host tensors directly, device tensors through
+// the context's DeviceRuntime (stream-ordered there).
+class Memory {
+ public:
+  explicit Memory(const KernelContext& context) : context_(context) {}
+
+  Result<Tensor> Empty(const TensorMeta& meta) const {
+    if (meta.device.is_cpu()) return Tensor::Empty(meta, context_.allocator);
+    TESSERA_RETURN_IF_ERROR(NeedDevice(meta));
+    return Tensor::Empty(meta, context_.device->allocator());
+  }
+  Result<Tensor> Zeros(const TensorMeta& meta) const {
+    TESSERA_ASSIGN_OR_RETURN(Tensor zeros, Empty(meta));
+    TESSERA_RETURN_IF_ERROR(Zero(zeros));
+    return zeros;
+  }
+  Result<Tensor> Clone(const Tensor& t) const {
+    TESSERA_ASSIGN_OR_RETURN(Tensor copy, Empty(t.meta()));
+    TESSERA_RETURN_IF_ERROR(Copy(copy, t));
+    return copy;
+  }
+  // dst = src (the same size; a no-op when they are the same bytes).
+  Status Copy(const Tensor& dst, const Tensor& src) const {
+    if (dst.raw_data() == src.raw_data() || src.bytes() == 0) return Status::Ok();
+    if (dst.meta().device.is_cpu() && src.meta().device.is_cpu()) {
+      std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(src.bytes()));
+      return Status::Ok();
+    }
+    TESSERA_RETURN_IF_ERROR(NeedDevice(dst.meta().device.is_cpu() ? src.meta() : dst.meta()));
+    return context_.device->Copy(dst.raw_data(), dst.meta().device, src.raw_data(),
+                                 src.meta().device, src.bytes());
+  }
+  Status Zero(const Tensor& t) const {
+    if (t.meta().device.is_cpu()) {
+      std::memset(t.raw_data(), 0, static_cast<size_t>(t.bytes()));
+      return Status::Ok();
+    }
+    TESSERA_RETURN_IF_ERROR(NeedDevice(t.meta()));
+    const std::vector<char> zeros(static_cast<size_t>(t.bytes()), 0);
+    return context_.device->Copy(t.raw_data(), t.meta().device, zeros.data(), Device::Cpu(),
+                                 t.bytes());
+  }
+  // An f32 scalar tensor set to `value`.
+  Status Set(const Tensor& scalar, float value) const {
+    if (scalar.meta().device.is_cpu()) {
+      *scalar.data<float>() = value;
+      return Status::Ok();
+    }
+    TESSERA_RETURN_IF_ERROR(NeedDevice(scalar.meta()));
+    return context_.device->Copy(scalar.raw_data(), scalar.meta().device, &value, Device::Cpu(),
+                                 sizeof(float));
+  }
+
+ private:
+  Status NeedDevice(const TensorMeta& meta) const {
+    if (context_.device == nullptr) {
+      return Infeasible("a layer program holds a {} value in a process that opened no device",
+                        meta.ToString());
+    }
+    return Status::Ok();
+  }
+
+  const KernelContext& context_;
+};
+
 // Runs `op` from the registry on `inputs` into `outputs` (allocated when undefined); in-place
 // outputs start as a copy of their input.
 Status RunOp(const KernelContext& context, DeviceKind device, const std::string& op,
@@ -41,18 +112,16 @@ Status RunOp(const KernelContext& context, DeviceKind device, const std::string&
   for (const Tensor& t : inputs) metas.push_back(t.meta());
   TESSERA_ASSIGN_OR_RETURN(Metas out_metas, registry.InferShapes(op, metas, attrs));
   outputs.resize(out_metas.size());
+  const Memory memory(context);
   for (size_t i = 0; i < out_metas.size(); ++i) {
     if (!outputs[i].defined()) {
-      TESSERA_ASSIGN_OR_RETURN(outputs[i], Tensor::Empty(out_metas[i], context.allocator));
+      TESSERA_ASSIGN_OR_RETURN(outputs[i], memory.Empty(out_metas[i]));
     }
   }
   TESSERA_ASSIGN_OR_RETURN(const OpDef* def, registry.Find(op));
   for (const auto& [in, out] : def->in_place) {
-    const Tensor& source = inputs[static_cast<size_t>(in)];
-    const Tensor& target = outputs[static_cast<size_t>(out)];
-    if (target.raw_data() != source.raw_data()) {
-      std::memcpy(target.raw_data(), source.raw_data(), static_cast<size_t>(source.bytes()));
-    }
+    TESSERA_RETURN_IF_ERROR(
+        memory.Copy(outputs[static_cast<size_t>(out)], inputs[static_cast<size_t>(in)]));
   }
   TESSERA_ASSIGN_OR_RETURN(const KernelFn* kernel, registry.FindKernel(op, device));
   return (*kernel)(context, inputs, outputs, attrs);
@@ -133,8 +202,8 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
       if (root == v || values[static_cast<size_t>(v)].defined()) continue;
       Tensor& storage = values[static_cast<size_t>(root)];
       if (!storage.defined()) {
-        TESSERA_ASSIGN_OR_RETURN(
-            storage, Tensor::Empty(shapes.values[static_cast<size_t>(root)], context.allocator));
+        TESSERA_ASSIGN_OR_RETURN(storage,
+                                 Memory(context).Empty(shapes.values[static_cast<size_t>(root)]));
       }
       values[static_cast<size_t>(v)] =
           Tensor(shapes.values[static_cast<size_t>(v)], storage.buffer(), storage.byte_offset());
@@ -146,10 +215,9 @@ Status ForwardKernel(DeviceKind device, const KernelContext& context, const Tens
     for (int o = 0; o < op.outputs; ++o)
       values[first + static_cast<size_t>(o)] = outputs[static_cast<size_t>(o)];
   }
-  for (size_t o = 0; o < program.outputs.size(); ++o) {
-    const Tensor& value = values[static_cast<size_t>(program.outputs[o])];
-    if (value.raw_data() == out[o].raw_data()) continue;  // made in place
-    std::memcpy(out[o].raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
+  for (size_t o = 0; o < program.outputs.size(); ++o) {  // (a no-op for those made in place)
+    TESSERA_RETURN_IF_ERROR(
+        Memory(context).Copy(out[o], values[static_cast<size_t>(program.outputs[o])]));
   }
   return Status::Ok();
 }
@@ -170,7 +238,7 @@ class GradientSums {
       return Status::Ok();
     }
     if (!owned_[static_cast<size_t>(value)]) {
-      TESSERA_ASSIGN_OR_RETURN(sum, sum.Clone(context_.allocator));
+      TESSERA_ASSIGN_OR_RETURN(sum, Memory(context_).Clone(sum));
       owned_[static_cast<size_t>(value)] = true;
     }
     Tensors outputs{sum};
@@ -187,15 +255,16 @@ class GradientSums {
 
 // Writes the gradients of `values` (sums per value; missing ones are zero) into `group`, laid
 // out as `layout`, the rest (other slots, padding) zero.
-void WriteGroupGradient(const GradientSums& sums, const FlatLayout& layout,
-                        const std::vector<int>& slots, int first_value, const Tensor& group) {
-  std::memset(group.raw_data(), 0, static_cast<size_t>(group.bytes()));
+Status WriteGroupGradient(const Memory& memory, const GradientSums& sums, const FlatLayout& layout,
+                          const std::vector<int>& slots, int first_value, const Tensor& group) {
+  TESSERA_RETURN_IF_ERROR(memory.Zero(group));
   for (size_t i = 0; i < slots.size(); ++i) {
     const Tensor& sum = sums.of(first_value + static_cast<int>(i));
     if (!sum.defined()) continue;
-    const Tensor slice = ParamView(group, layout.slots()[static_cast<size_t>(slots[i])]);
-    std::memcpy(slice.raw_data(), sum.raw_data(), static_cast<size_t>(slice.bytes()));
+    TESSERA_RETURN_IF_ERROR(
+        memory.Copy(ParamView(group, layout.slots()[static_cast<size_t>(slots[i])]), sum));
   }
+  return Status::Ok();
 }
 
 // A stash entry's place in the stash.
@@ -209,10 +278,11 @@ Status SeedGradients(const KernelContext& context, const LayerProgram& program,
                      const ProgramShapes& shapes, const Tensors& in, size_t grads,
                      const Attrs& attrs, GradientSums& sums) {
   if (program.loss) {
-    TESSERA_ASSIGN_OR_RETURN(
-        Tensor seed,
-        Tensor::Empty(shapes.values[static_cast<size_t>(program.outputs[0])], context.allocator));
-    *seed.data<float>() = static_cast<float>(attrs.GetFloat("grad_scale", 1.0));
+    const Memory memory(context);
+    TESSERA_ASSIGN_OR_RETURN(Tensor seed,
+                             memory.Empty(shapes.values[static_cast<size_t>(program.outputs[0])]));
+    TESSERA_RETURN_IF_ERROR(
+        memory.Set(seed, static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
     TESSERA_RETURN_IF_ERROR(sums.Add(program.outputs[0], seed, true));
   }
   for (size_t o = 0; o < grads; ++o) {
@@ -240,8 +310,7 @@ Result<Tensors> RuleInputs(const KernelContext& context, const ProgramShapes& sh
           inputs.push_back(sums.of(value));
         } else {
           TESSERA_ASSIGN_OR_RETURN(
-              Tensor zeros,
-              Tensor::Zeros(shapes.values[static_cast<size_t>(value)], context.allocator));
+              Tensor zeros, Memory(context).Zeros(shapes.values[static_cast<size_t>(value)]));
           inputs.push_back(std::move(zeros));
         }
         break;
@@ -260,30 +329,29 @@ Result<Tensors> RuleInputs(const KernelContext& context, const ProgramShapes& sh
 // Writes a backward's outputs from the sums: the gradients of the layer's gradient_inputs
 // (unless `part` is the weight half), then (unless it is the input half) of its parameter group
 // and of each shared group.
-void WriteGradients(BackwardPart part, const LayerProgram& program, const GradientSums& sums,
-                    const Tensors& out) {
+Status WriteGradients(const Memory& memory, BackwardPart part, const LayerProgram& program,
+                      const GradientSums& sums, const Tensors& out) {
   size_t next = 0;
   if (part != BackwardPart::kWeight) {
     for (int i : program.gradient_inputs) {
       const Tensor& target = out[next++];
       const Tensor& sum = sums.of(i);
-      if (sum.defined()) {
-        std::memcpy(target.raw_data(), sum.raw_data(), static_cast<size_t>(target.bytes()));
-      } else {
-        std::memset(target.raw_data(), 0, static_cast<size_t>(target.bytes()));
-      }
+      TESSERA_RETURN_IF_ERROR(sum.defined() ? memory.Copy(target, sum) : memory.Zero(target));
     }
   }
-  if (part == BackwardPart::kInput) return;
+  if (part == BackwardPart::kInput) return Status::Ok();
   if (HasParams(program)) {
     std::vector<int> every(program.params.slots().size());
     for (size_t s = 0; s < every.size(); ++s) every[s] = static_cast<int>(s);
-    WriteGroupGradient(sums, program.params, every, program.first_param(), out[next++]);
+    TESSERA_RETURN_IF_ERROR(WriteGroupGradient(memory, sums, program.params, every,
+                                               program.first_param(), out[next++]));
   }
   for (size_t g = 0; g < program.shared.size(); ++g) {
     const SharedGroup& shared = program.shared[g];
-    WriteGroupGradient(sums, shared.params, shared.slots, program.first_shared(g), out[next++]);
+    TESSERA_RETURN_IF_ERROR(WriteGroupGradient(memory, sums, shared.params, shared.slots,
+                                               program.first_shared(g), out[next++]));
   }
+  return Status::Ok();
 }
 
 // The values a backward rebuilds (ProgramShapes::rebuilt): each made again, with its op's other
@@ -373,8 +441,9 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
                            ? out.back()
                            : (part == BackwardPart::kWeight ? in[0] : Tensor());
   const auto stashed = [&stash](const StashEntry& entry) { return Stashed(stash, entry); };
-  const auto keep = [&stashed](const StashEntry& entry, const Tensor& value) {
-    std::memcpy(stashed(entry).raw_data(), value.raw_data(), static_cast<size_t>(value.bytes()));
+  const Memory memory(context);
+  const auto keep = [&stashed, &memory](const StashEntry& entry, const Tensor& value) {
+    return memory.Copy(stashed(entry), value);
   };
 
   Rebuilder rebuilder(context, device, program, shapes, values);
@@ -435,7 +504,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
       size_t entry = entries;
       for (size_t a = 0; a < rule.inputs.size(); ++a) {
         if (rule.inputs[a].from == GradientRule::From::kOutputGradient) {
-          keep(plan.stash[entry++], inputs[a]);
+          TESSERA_RETURN_IF_ERROR(keep(plan.stash[entry++], inputs[a]));
         }
       }
       for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
@@ -451,7 +520,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
     for (int o = 0; o < op.outputs; ++o) sums.Drop(first + o);
     if (part == BackwardPart::kInput) {  // the parameter parts go to the stash, the rest on
       for (size_t e = entries; e < next_entry; ++e) {
-        keep(plan.stash[e], outputs[plan.stash[e].index]);
+        TESSERA_RETURN_IF_ERROR(keep(plan.stash[e], outputs[plan.stash[e].index]));
         outputs[plan.stash[e].index] = Tensor();
       }
     }
@@ -459,8 +528,7 @@ Status BackwardKernel(BackwardPart part, DeviceKind device, const KernelContext&
     rebuilder.PassedOp(i);
   }
 
-  WriteGradients(part, program, sums, out);
-  return Status::Ok();
+  return WriteGradients(memory, part, program, sums, out);
 }
 
 }  // namespace

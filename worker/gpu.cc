@@ -7,6 +7,7 @@
 
 #include "core/collective_task.h"
 #include "core/cuda_device.h"
+#include "ops/layer_program.h"
 #include "ops/plugin.h"
 #include "worker/nvml_meter.h"
 #include "worker/simulated_gpu.h"
@@ -54,6 +55,8 @@ Status AddGpuKernels(OpRegistry& registry) {
   if (SimulatedGpuRequested()) return AddSimulatedGpuKernels(registry);
 #if TESSERA_HAVE_CUDA
   TESSERA_RETURN_IF_ERROR(cuda::RegisterCudaKernels(registry));
+  // The model API's layers run their programs' ops with the CUDA kernels.
+  TESSERA_RETURN_IF_ERROR(RegisterLayerProgramKernels(registry, DeviceKind::kCuda));
   // Collectives: members of a group larger than one run on the worker's collective engine,
   // which stages device buffers through host memory; a kernel is still what a worker needs to
   // prepare a graph with them, and what a one-member group runs (the CPU's, on host copies).

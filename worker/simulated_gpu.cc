@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/thread_annotations.h"
+#include "ops/layer_program.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
@@ -153,6 +154,9 @@ std::shared_ptr<DeviceRuntime> MakeSimulatedGpu(int64_t memory_cap_bytes) {
 }
 
 Status AddSimulatedGpuKernels(OpRegistry& registry) {
+  // Layer programs run natively on the device (their ops' kernels are the simulated ones below),
+  // as on a real GPU: a host access to a device value inside them reads scrambled bytes.
+  TESSERA_RETURN_IF_ERROR(RegisterLayerProgramKernels(registry, DeviceKind::kCuda));
   for (const std::string& op : registry.OpNames()) {
     if (registry.Supports(op, DeviceKind::kCuda) || !registry.Supports(op, DeviceKind::kCpu)) {
       continue;

@@ -29,8 +29,9 @@ bool SimulatedGpuRequested();
 // A simulated cuda:0 with an allocator cap (0: 64 GiB).
 std::shared_ptr<DeviceRuntime> MakeSimulatedGpu(int64_t memory_cap_bytes = 0);
 
-// Registers, for every op that has a CPU kernel and no kCuda one, a kCuda kernel that runs the CPU
-// kernel on host copies of its device operands.
+// Registers the layer programs' kernels for the device (ops/layer_program.h: they run their ops
+// with the device's kernels), then, for every other op that has a CPU kernel and no kCuda one, a
+// kCuda kernel that runs the CPU kernel on host copies of its device operands.
 Status AddSimulatedGpuKernels(OpRegistry& registry);
 
 // The simulated GPU's meter: utilisation is the part of each sample period in which at least one

@@ -10,6 +10,7 @@
 //   train_unet3d                                   # tiny U-Net, this process
 //   train_unet3d --workers 4 --zero-stage 3        # a local cluster of 4 workers, ZeRO-3
 //   train_unet3d --checkpoint-dir ckpt --resume    # continue a run
+//   train_unet3d --device cuda                     # on this process's GPU (f32 activations)
 //   train_unet3d --write-volumes vols --cases 8    # generated volumes as NIfTI files, then
 //   train_unet3d --data vols                       # train on them
 //
@@ -272,6 +273,9 @@ Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const tessera::ModelS
   plan.batch = flags.batch;
   plan.optimizer.weight_decay = 0.0;
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags.common, kProgram, plan));
+  // --device cuda: the step on a GPU (this process's, or each worker's own). The volume ops take
+  // f32 activations (bf16 ones are future work), so the U-Net computes in f32 there too.
+  if (!runtime.device.is_cpu()) plan.device = tessera::Device::Cuda(0);
   TESSERA_RETURN_IF_ERROR(examples::CheckFlagCombinations(flags.common));
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
   TESSERA_RETURN_IF_ERROR(
@@ -403,6 +407,7 @@ int Main(int argc, char** argv) {
   app.add_option("--cases", flags.cases, "With --write-volumes: how many")
       ->check(tessera::AtLeast(1));
   examples::AddThreadsFlag(app, flags.common);
+  examples::AddDeviceFlags(app, flags.common);
   examples::AddPlanFlags(app, flags.common);
   examples::AddPipelineFlags(app, flags.common);
   examples::AddCheckpointFlags(app, flags.common);

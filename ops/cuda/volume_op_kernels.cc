@@ -1,4 +1,5 @@
-// The volume ops' kCuda kernels (ops/cuda/cuda_op_kernels.h: RegisterVolumeCudaKernels): the
+// The volume ops' kCuda kernels (ops/cuda/cuda_op_kernels.h: RegisterVolumeCudaKernels), and
+// loss_gradient, which their loss's gradient rule runs: the
 // launchers of volume_kernels.h bound to the registry with the same inputs, outputs and attributes
 // as the CPU kernels (ops/cpu/volume_registration.cc), for f32 or bf16 activations (parameters,
 // their gradients and norm statistics f32; a bf16 convolution's weights are cast to bf16 scratch
@@ -324,6 +325,13 @@ Status RegisterNormsAndActivations(OpRegistry& r) {
 }
 
 Status RegisterTheRest(OpRegistry& r) {
+  // The model API's loss layers end in it (voxel_cross_entropy's gradient rule): dx = dlogits *
+  // dloss, dloss a scalar on the device.
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(
+      r, "loss_gradient",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
+        return ScaleByScalar(F(out[0]), F(in[1]), F(in[0]), in[1].numel(), cuda.stream());
+      }));
   TESSERA_RETURN_IF_ERROR(RegisterVolume(
       r, "channel_bias_add_forward",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {

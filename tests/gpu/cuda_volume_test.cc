@@ -17,6 +17,7 @@
 //   kBf16ConvTolerance  bf16 inputs and a bf16 output around fp32 accumulation: 1e-2.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <tuple>
@@ -26,12 +27,16 @@
 #include <cuda_runtime.h>  // before gpu_test_util.h: cudaMalloc(T**) for its DeviceBuffer
 #include <gtest/gtest.h>
 
+#include "data/volumes.h"
 #include "gpu/gpu_test_util.h"
+#include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/cuda/cuda_op_kernels.h"
 #include "ops/cuda/volume_kernels.h"
 #include "test_util.h"
+#include "training/trainer.h"
+#include "worker/gpu.h"
 #include "worker/task_runner.h"
 
 namespace tessera {
@@ -477,11 +482,52 @@ TEST_F(CudaVolumeOpsTest, TheRegisteredKernelsMatchTheCpuOnes) {
   const Tensor targets = RandomTokens(Shape{2, 6, 5, 4}, 3, 16);
   ExpectSameAsCpu("voxel_cross_entropy", {logits, targets}, {{"grad_scale", 0.5}}, kF32Tolerance);
   ExpectSameAsCpu("dice_score", {logits, targets}, {}, kF32Tolerance);
+  ExpectSameAsCpu("loss_gradient", {testing::ScalarTensor(0.75f), logits}, {}, kF32Tolerance);
   // A target outside the classes: the GPU's loss names it, as the CPU's does.
   const Tensor bad = RandomTokens(Shape{2, 6, 5, 4}, 4, 17);
   const Status refused = OnGpu("voxel_cross_entropy", {logits, bad}, {}).status();
   EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("outside [0, 3)"), std::string::npos) << refused.ToString();
+}
+
+// Ten steps of the tiny 3D U-Net on the GPU (its layer programs running the volume ops' CUDA
+// kernels and cuDNN's convolutions, f32) follow the CPU's losses. Tolerance: fp32 sums in other
+// orders (cuDNN's algorithms, block trees) compound over ten AdamW steps; 1e-4 relative.
+TEST(CudaUNetTest, TenStepsFollowTheCpuLosses) {
+  TESSERA_REQUIRE_GPU();
+  const UNet3dConfig config = *UNet3dConfig::Preset("small");
+  const int64_t v = config.volume;
+  std::vector<std::vector<Tensor>> batches;
+  for (int step = 0; step < 10; ++step) {
+    ASSERT_OK_AND_ASSIGN(VolumeBatch made, GenerateVolumes(2, v, config.in_channels, 40 + step));
+    batches.push_back({testing::FloatTensor(Shape{2, config.in_channels, v, v, v}, made.volumes),
+                       testing::IntTensor(Shape{2, v, v, v}, made.labels)});
+  }
+  const auto train = [&](bool on_gpu) -> Result<std::vector<float>> {
+    TrainingPlan plan;
+    plan.batch = 2;
+    ExecutorOptions options;
+    if (on_gpu) {
+      plan.device = Device::Cuda(0);
+      TESSERA_ASSIGN_OR_RETURN(options.device, OpenGpu(0));
+    }
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildUNet3d(config, testing::CpuRegistry()));
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                             Trainer::Create(model, plan, options));
+    TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(1));
+    std::vector<float> losses;
+    for (const std::vector<Tensor>& batch : batches) {
+      TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 3e-3f));
+      losses.push_back(report.loss);
+    }
+    return losses;
+  };
+  ASSERT_OK_AND_ASSIGN(std::vector<float> on_cpu, train(false));
+  ASSERT_OK_AND_ASSIGN(std::vector<float> on_gpu, train(true));
+  for (size_t i = 0; i < on_cpu.size(); ++i) {
+    std::printf("step %zu: cpu %.7f gpu %.7f\n", i + 1, on_cpu[i], on_gpu[i]);
+    EXPECT_NEAR(on_gpu[i], on_cpu[i], 1e-4 * std::abs(on_cpu[i])) << "step " << i + 1;
+  }
 }
 
 }  // namespace

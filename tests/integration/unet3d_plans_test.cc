@@ -443,6 +443,32 @@ TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
   std::filesystem::remove_all(dir);
 }
 
+// --device cuda on the simulated GPU (scrambled device memory; its kernels the CPU's, run on host
+// copies, except the layer programs, which run natively on the device as on a real GPU): in this
+// process and on two GPU worker processes under ZeRO-2, the U-Net trains the CPU run's losses.
+TEST(TrainUNet3dTest, OnAGpuInProcessAndOnGpuWorkersItTrainsTheCpuLosses) {
+  const auto final_loss = [](const std::string& output) {
+    std::smatch match;
+    if (!std::regex_search(output, match, std::regex(R"(final_loss=([0-9.]+))"))) return -1.0;
+    return std::stod(match[1]);
+  };
+  ProcessResult cpu = RunBinary("train_unet3d", "--steps 6 --threads 1");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  const double expected = final_loss(cpu.output);
+  ASSERT_GT(expected, 0) << cpu.output;
+  for (const std::string flags : {"--device cuda", "--device cuda --workers 2 --zero-stage 2"}) {
+    SCOPED_TRACE(flags);
+    BoundedRun gpu = RunBinaryWithin("train_unet3d", "--steps 6 --threads 1 " + flags,
+                                     std::chrono::minutes(2), "TESSERA_SIMULATED_GPU=1");
+    ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+    EXPECT_NEAR(final_loss(gpu.output), expected, 1e-6 * expected) << gpu.output;
+  }
+  EXPECT_NE(RunBinaryWithin("train_unet3d", "--steps 1 --device cuda", std::chrono::minutes(1),
+                            "TESSERA_SIMULATED_GPU=1")
+                .output.find("gpu_peak_mb="),
+            std::string::npos);
+}
+
 // The nnU-Net-shaped preset (31.2 M parameters: six stages of 32-320 channels, instance norm,
 // leaky ReLU, strided convolutions) at a 32^3 patch on the CPU: it trains (the loss falls over
 // three steps), and a patch its five halvings do not divide is refused naming the fix.

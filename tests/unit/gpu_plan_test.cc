@@ -4,11 +4,16 @@
 // to run one.
 #include <gmock/gmock.h>
 
+#include <set>
+#include <string>
+
 #include "core/collective_task.h"
 #include "gpt2_test_util.h"
 #include "model/gpt2.h"
+#include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/flat_layout.h"
+#include "ops/layer_program.h"
 #include "ops/standard_ops.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
@@ -141,6 +146,49 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
     if (c.data_parallel > 1 || c.stages > 1) {
       EXPECT_GT(collectives, 0);
     }
+  }
+}
+
+// The 3D U-Net (the model API: layer programs of volume ops) on a GPU, alone and under ZeRO-2:
+// every task has a kernel for its device, and so does every op its layer programs run, forward
+// and backward (the volume ops' CUDA kernels, ops/cuda/volume_kernels.h).
+TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  const Status gpu = AddGpuKernels(registry);
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA backend in this build: " << gpu.ToString();
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("small"));
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, registry));
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(ranks);
+    TrainingPlan plan;
+    plan.batch = 4;
+    plan.device = Device::Cuda(0);
+    plan.parallel.data_parallel = ranks;
+    plan.parallel.zero_stage = ranks > 1 ? 2 : 0;
+    for (int w = 0; w < ranks; ++w) plan.parallel.workers.push_back(WorkerId(10 + w));
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, registry));
+    for (const TaskSpec& task : step.graph.tasks()) {
+      EXPECT_TRUE(registry.FindKernel(task.op, task.device_kind).ok())
+          << task.name << " (" << task.op << ") on " << DeviceKindName(task.device_kind);
+    }
+  }
+  std::set<std::string> layer_ops;
+  for (const LayerSpec& layer : model.layers) {
+    ASSERT_OK_AND_ASSIGN(const std::string text, layer.attrs.GetString(kProgramAttr));
+    ASSERT_OK_AND_ASSIGN(LayerProgram program, LayerProgram::Decode(text));
+    for (const ProgramOp& op : program.ops) {
+      layer_ops.insert(op.op);
+      ASSERT_OK_AND_ASSIGN(const OpDef* def, registry.Find(op.op));
+      if (!def->gradient.has_value()) continue;
+      for (const std::string& backward :
+           {def->gradient->op, def->gradient->input_op, def->gradient->weight_op}) {
+        if (!backward.empty()) layer_ops.insert(backward);
+      }
+    }
+  }
+  EXPECT_GE(layer_ops.size(), 10u);
+  for (const std::string& op : layer_ops) {
+    EXPECT_TRUE(registry.Supports(op, DeviceKind::kCuda)) << op << " has no CUDA kernel";
   }
 }
 
