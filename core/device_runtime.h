@@ -16,8 +16,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/allocator.h"
 #include "core/device.h"
@@ -50,6 +52,17 @@ class DeviceRuntime {
   // destinations are written in stream order.
   virtual Status Copy(void* dst, Device dst_device, const void* src, Device src_device,
                       int64_t bytes) = 0;
+  // Sets `bytes` at `data` (on `device`: the host or this device) to zero, in stream order on the
+  // device. The default copies zeros from the host; a GPU's runtime clears on its stream.
+  virtual Status Zero(void* data, Device device, int64_t bytes) {
+    if (bytes <= 0) return Status::Ok();
+    if (device.is_cpu()) {
+      std::memset(data, 0, static_cast<size_t>(bytes));
+      return Status::Ok();
+    }
+    const std::vector<char> zeros(static_cast<size_t>(bytes), 0);
+    return Copy(data, device, zeros.data(), Device::Cpu(), bytes);
+  }
   // Waits until everything enqueued so far has finished; the first asynchronous error of a
   // kernel surfaces here (or at the next host copy).
   virtual Status Synchronize() = 0;

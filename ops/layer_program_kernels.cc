@@ -3,9 +3,9 @@
 //
 // On the host or on a device: every value a kernel allocates, copies, zeroes or sets goes
 // through Memory, which touches host tensors directly and device tensors only through the
-// context's DeviceRuntime (its allocator and Copy), so the same code runs a program's ops on a GPU
-// (RegisterLayerProgramKernels(registry, kCuda)). Checked on the simulated GPU, whose scrambled
-// device memory turns a host access into wrong numbers.
+// context's DeviceRuntime (its allocator, Copy and Zero), so the same code runs a program's ops on
+// a GPU (RegisterLayerProgramKernels(registry, kCuda)). Checked on the simulated GPU, whose
+// scrambled device memory turns a host access into wrong numbers.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -76,9 +76,7 @@ class Memory {
       return Status::Ok();
     }
     TESSERA_RETURN_IF_ERROR(NeedDevice(t.meta()));
-    const std::vector<char> zeros(static_cast<size_t>(t.bytes()), 0);
-    return context_.device->Copy(t.raw_data(), t.meta().device, zeros.data(), Device::Cpu(),
-                                 t.bytes());
+    return context_.device->Zero(t.raw_data(), t.meta().device, t.bytes());
   }
   // An f32 scalar tensor set to `value`.
   Status Set(const Tensor& scalar, float value) const {

@@ -258,6 +258,13 @@ Status CudaContext::ToHost(char* dst, const char* src, int64_t bytes) {
   return Status::Ok();
 }
 
+Status CudaContext::Zero(void* data, Device device, int64_t bytes) {
+  if (bytes <= 0 || device.is_cpu()) return DeviceRuntime::Zero(data, device, bytes);
+  TESSERA_RETURN_IF_ERROR(Activate());
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(data, 0, static_cast<size_t>(bytes), stream_));
+  return Status::Ok();
+}
+
 Status CudaContext::Synchronize() {
   TESSERA_RETURN_IF_ERROR(Activate());
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));

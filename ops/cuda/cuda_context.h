@@ -66,6 +66,7 @@ class CudaContext final : public DeviceRuntime, public std::enable_shared_from_t
   DeviceMemoryStats memory() const override;
   Status Copy(void* dst, Device dst_device, const void* src, Device src_device,
               int64_t bytes) override;
+  Status Zero(void* data, Device device, int64_t bytes) override;
   Status Synchronize() override;
   void* native() override { return this; }
 
