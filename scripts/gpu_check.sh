@@ -10,10 +10,11 @@
 #                                     against the CPU, the speed race with PyTorch (eager and
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
-#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory|planner    one part
-#                                     only (planner, only by name: the memory plan's activation
-#                                     budgets next to torch.compile's, and parameter offload's
-#                                     largest model next to FSDP2 with CPU offload)
+#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory|planner|unet    one part
+#                                     only (planner and unet, only by name: the memory plan's
+#                                     activation budgets next to torch.compile's, and parameter
+#                                     offload's largest model next to FSDP2 with CPU offload; the
+#                                     nnU-Net-shaped U-Net's steps next to PyTorch's, fp32 and AMP)
 #
 # Knobs (environment): SPEED_BATCHES (default "16 32"), SPEED_VOCABS (default "50257 50304"),
 # SPEED_REPEATS (default 3: rounds of the speed race, its order rotated); CHECK_CPU=0 runs only the GPU side of
@@ -25,7 +26,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 gpu_binaries=(cuda_device_test cuda_context_test nccl_communicator_test cuda_kernels_test
-  cuda_attention_test cuda_volume_test cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2 tessera)
+  cuda_attention_test cuda_volume_test cuda_gpt2_test gpu_workers_test bench_gpt2_cuda bench_cuda_layers train_gpt2
+  train_unet3d tessera)
 
 stage() {
   scripts/install_deps.sh >/dev/null
@@ -47,7 +49,7 @@ stage() {
     if [[ ! "$name" =~ $skip ]]; then cp -L "$path" ".gpu/lib/$name"; fi
   done
   strip --strip-unneeded .gpu/lib/* 2>/dev/null || true
-  cp bench/torch_gpt2_cuda.py .gpu/
+  cp bench/torch_gpt2_cuda.py bench/torch_unet3d.py .gpu/
   echo "gpu_check: staged $(ls .gpu/bin | wc -l) binaries and $(ls .gpu/lib | wc -l) libraries"
   # OpenBLAS alone is 36 MB: the carry limit (64 MiB) takes them packed.
   tar -C .gpu -cf - bin lib | xz -T0 -3 >.gpu/staged.tar.xz
@@ -196,6 +198,23 @@ run() {
     timeout "${MEMORY_SECONDS:-600}" python3 .gpu/torch_gpt2_cuda.py max-model --batch 1 \
       --from-shape "${MAX_MODEL_FROM:-0}" --fsdp-cpu-offload 2>&1 |
       tee "$out/max_model_torch_fsdp_offload.txt" | tail -n 2 || true
+  fi
+  if [[ "$part" == unet ]]; then
+    # The nnU-Net-shaped U-Net (31.2 M parameters) on 128^3 patches, batch 2: Tessera (f32
+    # activations, cuDNN convolutions) beside PyTorch eager in fp32 and with bf16 AMP, the three
+    # alternated, two rounds.
+    for round in 1 2; do
+      for who in tessera torch_fp32 torch_amp; do
+        case "$who" in
+          tessera) timeout 600 .gpu/bin/train_unet3d --preset nnunet --device cuda --volume 128 \
+            --batch 2 --steps 20 --log-every 10 2>&1 | tee "$out/unet_${who}_r$round.txt" | tail -n 3 || true ;;
+          torch_fp32) timeout 600 python3 .gpu/torch_unet3d.py --preset nnunet --volume 128 \
+            --batch 2 --steps 20 2>&1 | tee "$out/unet_${who}_r$round.txt" | tail -n 1 || true ;;
+          torch_amp) timeout 600 python3 .gpu/torch_unet3d.py --preset nnunet --volume 128 \
+            --batch 2 --steps 20 --amp 2>&1 | tee "$out/unet_${who}_r$round.txt" | tail -n 1 || true ;;
+        esac
+      done
+    done
   fi
   summarize "$out"
 }
