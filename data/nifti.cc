@@ -248,11 +248,10 @@ Result<NiftiVolume> ReadNifti(const std::string& path) {
           "type)",
           path, nifti_datatype_string(image->datatype));
   }
-  volume.stored_name = image->datatype == DT_FLOAT32 || image->datatype == DT_UINT8 ||
-                               image->datatype == DT_INT16 || image->datatype == DT_INT32 ||
-                               image->datatype == DT_FLOAT64
+  // The other integer widths read as float32 and keep their own name.
+  volume.stored_name = DatatypeCode(volume.stored) == image->datatype
                            ? std::string(NiftiTypeName(volume.stored))
-                           : fmt::format("{}", nifti_datatype_string(image->datatype));
+                           : std::string(nifti_datatype_string(image->datatype));
   const int64_t data_bytes = voxels * image->nbyper;
   if (!nifti_is_gzfile(path.c_str()) && image->iname_offset >= 0 &&
       info.st_size < image->iname_offset + data_bytes) {
