@@ -27,4 +27,18 @@ if [[ "${picked,,}" != "${coretype,,}" ]]; then
   exit 77
 fi
 echo "OpenBLAS kernels: $picked"
+# A --gtest_filter of whole test names (tessera_add_coretype_runs' FILTER) must name tests that
+# exist: a renamed test would otherwise leave the rerun quietly running nothing.
+for arg in "${@:2}"; do
+  [[ "$arg" == --gtest_filter=* ]] || continue
+  filter=${arg#--gtest_filter=}
+  [[ "$filter" == *[*?-]* ]] && continue
+  IFS=: read -r -a wanted <<<"$filter"
+  listed=$("$1" "$arg" --gtest_list_tests | grep -c '^  ' || true)
+  if [[ "$listed" -ne ${#wanted[@]} ]]; then
+    echo "the filter names ${#wanted[@]} tests but $(basename "$1") has $listed of them:" \
+      "$filter (tests/CMakeLists.txt, tessera_add_coretype_runs)" >&2
+    exit 1
+  fi
+done
 exec "$@"
