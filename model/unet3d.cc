@@ -177,6 +177,12 @@ Status UNet3dConfig::Validate() const {
     return InvalidArgument("unet3d: groups ({}) must divide max_channels ({}) for group norm",
                            groups, max_channels);
   }
+  if (deep_supervision && depth < 3) {
+    return InvalidArgument(
+        "unet3d: deep supervision needs depth >= 3, got {} (it supervises decoder levels 1 to "
+        "depth - 2 beside the full-resolution head; nnU-Net leaves the coarsest unsupervised)",
+        depth);
+  }
   if (norm == UNetNorm::kGroup && base_channels % groups != 0) {
     return InvalidArgument(
         "unet3d: groups ({}) must divide base_channels ({}) so that group norm splits every "
@@ -200,7 +206,20 @@ std::string UNet3dConfig::ToString() const {
   if (norm == UNetNorm::kInstance) text += " norm=instance";
   if (activation == UNetActivation::kLeakyRelu) text += " activation=leaky_relu";
   if (downsample == UNetDownsample::kStridedConv) text += " downsample=strided_conv";
+  if (deep_supervision) text += " deep_supervision";
   return text;
+}
+
+std::vector<double> UNet3dConfig::DeepSupervisionWeights() const {
+  const int64_t levels = deep_supervision ? std::max<int64_t>(1, depth - 1) : 1;
+  std::vector<double> weights;
+  double sum = 0;
+  for (int64_t i = 0; i < levels; ++i) {
+    weights.push_back(std::ldexp(1.0, static_cast<int>(-i)));
+    sum += weights.back();
+  }
+  for (double& w : weights) w /= sum;
+  return weights;
 }
 
 Result<UNet3dConfig> UNet3dConfig::Preset(std::string_view name) {
@@ -295,6 +314,9 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   x = blocks("bottleneck", {x}, in, channels(config.depth), strided ? 2 : 1);
 
   // Decoder: up{i} doubles the resolution back, dec{i} joins it with enc{i}'s output.
+  const std::vector<double> weights = config.DeepSupervisionWeights();
+  std::vector<ModelValue> coarse_logits;  // deep supervision: head{i}'s, i = weights.size()-1..1
+  const int64_t classes = config.classes;
   for (int64_t i = config.depth - 1; i >= 0; --i) {
     const int64_t from = channels(i + 1), to = channels(i);
     const std::string up_name = fmt::format("up{}", i);
@@ -307,18 +329,47 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
                     "upconv");
     });
     x = blocks(fmt::format("dec{}", i), {up, encoded[static_cast<size_t>(i)]}, 2 * to, to);
+    if (i >= 1 && i < static_cast<int64_t>(weights.size())) {
+      const std::string head = fmt::format("head{}", i);
+      coarse_logits.push_back(model.Layer(head, {x}, [=](LayerBuilder& l) {
+        LayerValue w =
+            l.Param(named(head, "w"), Shape{classes, to, 1, 1, 1}, Kaiming(to), /*decay=*/true);
+        LayerValue b = l.Param(named(head, "b"), Shape{classes}, ParamInit::Zeros());
+        return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
+      }));
+    }
   }
 
-  const int64_t c0 = channels(0), classes = config.classes;
+  const int64_t c0 = channels(0);
   ModelValue logits = model.Layer("head", {x}, [=](LayerBuilder& l) {
     LayerValue w =
         l.Param(named("head", "w"), Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
     LayerValue b = l.Param(named("head", "b"), Shape{classes}, ParamInit::Zeros());
     return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
   });
-  model.Loss("loss", {logits, labels}, [](LayerBuilder& l) {
-    return l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, {}, "cross_entropy");
-  });
+  if (weights.size() == 1) {
+    model.Loss("loss", {logits, labels}, [](LayerBuilder& l) {
+      return l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, {}, "cross_entropy");
+    });
+  } else {
+    // Inputs: the full-resolution logits, the labels, then head{i}'s logits for i = 1, 2, ...
+    std::vector<ModelValue> inputs{logits, labels};
+    inputs.insert(inputs.end(), coarse_logits.rbegin(), coarse_logits.rend());
+    model.Loss("loss", std::move(inputs), [weights](LayerBuilder& l) {
+      LayerValue loss = l.Call("voxel_cross_entropy", {l.input(0), l.input(1)},
+                               Attrs{{"weight", weights[0]}}, "cross_entropy");
+      for (size_t i = 1; i < weights.size(); ++i) {
+        const LayerValue targets =
+            l.Call("downsample_labels", {l.input(1)}, Attrs{{"factor", int64_t{1} << i}},
+                   fmt::format("labels{}", i));
+        const LayerValue term =
+            l.Call("voxel_cross_entropy", {l.input(static_cast<int>(i) + 1), targets},
+                   Attrs{{"weight", weights[i]}}, fmt::format("cross_entropy{}", i));
+        loss = l.Call("add_forward", {loss, term}, {}, fmt::format("sum{}", i));
+      }
+      return loss;
+    });
+  }
   TESSERA_ASSIGN_OR_RETURN(ModelSpec built, model.Build());
   if (split) {
     for (LayerSpec& layer : built.layers) layer.param_prefix = "";

@@ -24,8 +24,11 @@
 // things: channels stop doubling at `max_channels` (320), the norm is instance norm (group norm
 // with a group per channel), the activation leaky ReLU (slope 0.01), and levels are reached by
 // strided convolutions instead of pooling: enc{i} for i >= 1 and the bottleneck start with a
-// stride-2 conv block reading the level above, and there are no down{i} layers. (nnU-Net's deep
-// supervision, extra heads at the coarser decoder levels, is not built.) Conv weights
+// stride-2 conv block reading the level above, and there are no down{i} layers. With
+// deep_supervision (nnU-Net's, off by default), head{i} layers on decoder levels 1 to depth - 2
+// give logits at coarser levels too, and the loss layer reads them after the labels: the sum of
+// each level's voxel_cross_entropy (attribute weight) against downsample_labels of the labels,
+// add_forward'ed. Conv weights
 // start Normal(sqrt(2 / fan_in)) (Kaiming, for the rectifier-like SiLU) and are weight-decayed;
 // biases start at zero, group-norm gains at one. Parameters are named
 // "<layer>.<block>.<tensor>": "enc0.conv1.w", "dec0.norm2.b", "up0.w", "head.b".
@@ -43,6 +46,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/status.h"
 #include "model/model_spec.h"
@@ -65,9 +69,18 @@ struct UNet3dConfig {
   UNetNorm norm = UNetNorm::kGroup;  // kInstance: one group per channel (`groups` unused)
   UNetActivation activation = UNetActivation::kSilu;
   UNetDownsample downsample = UNetDownsample::kMaxPool;
+  // Deep supervision (nnU-Net's): a kernel-1 head to `classes` on each decoder level i from 1 to
+  // depth - 2 as well ("head<i>"; the coarsest decoder level, depth - 1, unsupervised as
+  // nnU-Net's weight 0 leaves it), each level's cross-entropy against the label map sampled down
+  // 2^i (downsample_labels), the loss their sum weighted 2^-i, normalised to sum 1
+  // (DeepSupervisionWeights). Needs depth >= 3.
+  bool deep_supervision = false;
 
   // Level i's channels: base_channels * 2^i, at most max_channels.
   int64_t Channels(int64_t level) const;
+  // The loss's weight of decoder level i's cross-entropy, i = 0 (the full-resolution head) to
+  // depth - 2 with deep supervision (else only level 0, weight 1).
+  std::vector<double> DeepSupervisionWeights() const;
 
   // InvalidArgument naming the field and what to change: non-positive sizes, fewer than two
   // classes, depth above 8, more than 65536 channels at the deepest level, a volume not

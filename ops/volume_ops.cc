@@ -1,6 +1,7 @@
 #include "ops/volume_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -588,13 +589,24 @@ Status CheckSegmentation(const char* op, const TensorMeta& logits, const TensorM
 Status AddSegmentationOps(OpRegistry& r) {
   const InferFn loss_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     if (attrs.Has("grad_scale")) TESSERA_RETURN_IF_ERROR(attrs.GetFloat("grad_scale").status());
+    if (attrs.Has("weight")) {
+      TESSERA_ASSIGN_OR_RETURN(const double weight, attrs.GetFloat("weight"));
+      if (!(weight >= 0) || !std::isfinite(weight)) {
+        return InvalidArgument(
+            "attribute 'weight' of voxel_cross_entropy must be finite and >= 0, "
+            "got {}",
+            weight);
+      }
+    }
     TESSERA_RETURN_IF_ERROR(CheckSegmentation("voxel_cross_entropy", in[0], in[1]));
     return Metas{F32Like(in[0], Shape{}), in[0]};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "voxel_cross_entropy",
       .doc = "mean over voxels of the cross-entropy of softmax over channels against targets, "
-             "and its gradient (times grad_scale) computed in place over the logits",
+             "times attribute weight (default 1: a term of a weighted sum of losses, e.g. deep "
+             "supervision's), and its gradient (times weight and grad_scale) computed in place "
+             "over the logits",
       .input_names = {"logits", "targets"},
       .output_names = {"loss", "dlogits"},
       .in_place = {{0, 1}},
@@ -614,6 +626,36 @@ Status AddSegmentationOps(OpRegistry& r) {
     }
     return Metas{F32Like(in[0], Shape{})};
   };
+  // Label maps at a coarser level (deep supervision's targets): nearest-exact sampling, the voxel
+  // at factor * k + factor / 2 along each axis (what PyTorch's interpolate(mode="nearest-exact")
+  // picks for a scale of 1 / factor).
+  const InferFn downsample_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t factor, IntAttr(attrs, "factor", 2, 1));
+    const TensorMeta& targets = in[0];
+    if (targets.dtype != DType::kI32 || targets.shape.rank() != 4) {
+      return InvalidArgument("input 'targets' is {} but downsample_labels needs i32 [N, D, H, W]",
+                             targets.ToString());
+    }
+    std::vector<int64_t> dims = targets.shape.dims();
+    for (size_t axis = 1; axis < dims.size(); ++axis) {
+      if (dims[axis] % factor != 0) {
+        return InvalidArgument(
+            "input 'targets' has shape {} but its spatial extents must be multiples of factor {}",
+            targets.shape.ToString(), factor);
+      }
+      dims[axis] /= factor;
+    }
+    return Metas{TensorMeta{Shape(std::move(dims)), DType::kI32, targets.device}};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "downsample_labels",
+      .doc = "a label map [N, D, H, W] at 1/factor of each extent (attribute factor, default 2): "
+             "the voxel at factor * k + factor / 2 along each axis (nearest-exact)",
+      .input_names = {"targets"},
+      .output_names = {"coarse"},
+      .infer = downsample_infer,
+      .cost = CostOf(downsample_infer, [](const Metas&, const Metas&) { return 0.0; }),
+  }));
   return r.AddOp(OpDef{
       .name = "dice_score",
       .doc = "hard Dice of argmax over channels against targets: per foreground class 1..C-1 over "

@@ -56,13 +56,14 @@ struct Flags {
   int64_t batch = 4;
   double lr = 3e-3;
   uint64_t seed = 1;
-  std::string data_dir;        // NIfTI volumes; empty: generated ones
-  double data_memory_gib = 4;  // the most the loaded volumes may take
-  std::string write_volumes;   // write generated volumes here and exit
-  int64_t cases = 8;           // ... this many
-  int64_t volume = 0;          // the patch's edge; 0: the preset's
-  bool predict = false;        // whole-volume inference after training
-  std::string predict_out;     // ... writing the predicted label maps here
+  std::string data_dir;           // NIfTI volumes; empty: generated ones
+  double data_memory_gib = 4;     // the most the loaded volumes may take
+  std::string write_volumes;      // write generated volumes here and exit
+  int64_t cases = 8;              // ... this many
+  int64_t volume = 0;             // the patch's edge; 0: the preset's
+  bool deep_supervision = false;  // nnU-Net's extra heads at coarser decoder levels
+  bool predict = false;           // whole-volume inference after training
+  std::string predict_out;        // ... writing the predicted label maps here
   examples::CommonFlags common;
 };
 
@@ -71,6 +72,7 @@ Result<tessera::UNet3dConfig> ModelConfig(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config,
                            tessera::UNet3dConfig::Preset(flags.preset));
   if (flags.volume > 0) config.volume = flags.volume;
+  config.deep_supervision = flags.deep_supervision;
   TESSERA_RETURN_IF_ERROR(config.Validate().WithContext(
       flags.volume > 0 ? fmt::format("--preset {} --volume {}", flags.preset, flags.volume)
                        : fmt::format("--preset {}", flags.preset)));
@@ -386,6 +388,10 @@ int Main(int argc, char** argv) {
   app.add_option("--volume", flags.volume,
                  "The patch's edge in voxels (a multiple of 2^depth; 0: the preset's)")
       ->check(tessera::AtLeast(0));
+  app.add_flag("--deep-supervision", flags.deep_supervision,
+               "nnU-Net's deep supervision: heads at decoder levels 1 to depth - 2 as well, each "
+               "level's cross-entropy against the labels sampled down to it, weighted 2^-level "
+               "(normalised); the loss printed is that sum (needs depth >= 3: --preset nnunet)");
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));
   app.add_option("--batch", flags.batch, "Volumes per step")->check(tessera::AtLeast(1));
   app.add_option("--lr", flags.lr, "Learning rate (AdamW, constant)")->check(tessera::AboveZero());

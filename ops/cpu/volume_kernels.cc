@@ -535,6 +535,20 @@ Result<float> VoxelCrossEntropy(float* dlogits, const float* logits, const int32
   return static_cast<float>(total / static_cast<double>(voxels));
 }
 
+void DownsampleLabels(int32_t* coarse, const int32_t* targets, int64_t batch, int64_t d, int64_t h,
+                      int64_t w, int64_t factor) {
+  const int64_t cd = d / factor, ch = h / factor, cw = w / factor, half = factor / 2;
+  for (int64_t n = 0; n < batch; ++n) {
+    for (int64_t z = 0; z < cd; ++z) {
+      for (int64_t y = 0; y < ch; ++y) {
+        const int32_t* row = targets + ((n * d + z * factor + half) * h + y * factor + half) * w;
+        int32_t* out = coarse + ((n * cd + z) * ch + y) * cw;
+        for (int64_t x = 0; x < cw; ++x) out[x] = row[x * factor + half];
+      }
+    }
+  }
+}
+
 Result<float> DiceScore(const float* logits, const int32_t* targets, int64_t batch, int64_t classes,
                         int64_t spatial) {
   TESSERA_RETURN_IF_ERROR(CheckTargets(targets, batch * spatial, classes));

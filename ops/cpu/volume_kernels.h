@@ -123,6 +123,10 @@ void ConcatBackward(float* da, float* db, const float* dout, int64_t outer, int6
 // may alias logits. InvalidArgument names the first target outside [0, classes).
 Result<float> VoxelCrossEntropy(float* dlogits, const float* logits, const int32_t* targets,
                                 int64_t batch, int64_t classes, int64_t spatial, float grad_scale);
+// coarse [batch, d/f, h/f, w/f] = targets [batch, d, h, w] at f * k + f / 2 along each axis (the
+// extents multiples of f: ops/volume_ops.h's downsample_labels).
+void DownsampleLabels(int32_t* coarse, const int32_t* targets, int64_t batch, int64_t d, int64_t h,
+                      int64_t w, int64_t factor);
 // Hard Dice averaged over classes 1..classes-1 (see ops/volume_ops.h). InvalidArgument names the
 // first target outside [0, classes).
 Result<float> DiceScore(const float* logits, const int32_t* targets, int64_t batch, int64_t classes,

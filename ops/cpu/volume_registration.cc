@@ -269,19 +269,28 @@ Status RegisterOtherKernels(OpRegistry& r) {
                                      PerSample(out[0]), PerSample(out[1]));
                  return Status::Ok();
                }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "voxel_cross_entropy",
+      [](const KernelContext&, const Tensors& in, const Tensors& out,
+         const Attrs& attrs) -> Status {
+        // out[1] holds the logits (in place); the kernel overwrites them with their
+        // gradient.
+        const Shape& logits = out[1].shape();
+        const double weight = attrs.GetFloat("weight", 1.0);
+        TESSERA_ASSIGN_OR_RETURN(
+            const float loss,
+            cpu::VoxelCrossEntropy(F(out[1]), F(out[1]), I(in[1]), logits[0], logits[1],
+                                   Spatial(out[1]),
+                                   static_cast<float>(attrs.GetFloat("grad_scale", 1.0) * weight)));
+        *F(out[0]) = static_cast<float>(weight * loss);
+        return Status::Ok();
+      }));
   TESSERA_RETURN_IF_ERROR(
-      Register(r, "voxel_cross_entropy",
-               [](const KernelContext&, const Tensors& in, const Tensors& out,
-                  const Attrs& attrs) -> Status {
-                 // out[1] holds the logits (in place); the kernel overwrites them with their
-                 // gradient.
-                 const Shape& logits = out[1].shape();
-                 TESSERA_ASSIGN_OR_RETURN(
-                     const float loss,
-                     cpu::VoxelCrossEntropy(F(out[1]), F(out[1]), I(in[1]), logits[0], logits[1],
-                                            Spatial(out[1]),
-                                            static_cast<float>(attrs.GetFloat("grad_scale", 1.0))));
-                 *F(out[0]) = loss;
+      Register(r, "downsample_labels",
+               [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+                 const Shape& fine = in[0].shape();
+                 cpu::DownsampleLabels(out[0].data<int32_t>(), I(in[0]), fine[0], fine[1], fine[2],
+                                       fine[3], attrs.GetInt("factor", 2));
                  return Status::Ok();
                }));
   return Register(

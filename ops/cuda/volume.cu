@@ -368,6 +368,23 @@ __global__ void SumPartialsKernel(float* out, const float* partials, int64_t cou
   if (threadIdx.x == 0) *out = sum * scale;
 }
 
+// ---- deep supervision: coarse label maps, sums of loss terms ----
+
+__global__ void DownsampleLabelsKernel(int32_t* coarse, const int32_t* targets, int64_t d,
+                                       int64_t h, int64_t w, int64_t factor, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t cd = d / factor, ch = h / factor, cw = w / factor, half = factor / 2;
+  const int64_t x = i % cw, y = (i / cw) % ch, z = (i / (cw * ch)) % cd, b = i / (cw * ch * cd);
+  coarse[i] =
+      targets[((b * d + z * factor + half) * h + y * factor + half) * w + x * factor + half];
+}
+
+__global__ void AddF32Kernel(float* out, const float* a, const float* b, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = a[i] + b[i];
+}
+
 // ---- Dice ----
 
 template <typename T>
@@ -468,15 +485,15 @@ Status GroupNormBackwardT(T* dx, float* dweight, float* dbias, float* scratch, c
 template <typename T>
 Status VoxelCrossEntropyT(float* loss, T* dlogits, float* scratch, int32_t* bad_index,
                           const T* logits, const int32_t* targets, int64_t batch, int64_t classes,
-                          int64_t spatial, float grad_scale, cudaStream_t stream) {
+                          int64_t spatial, float grad_scale, float weight, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(CheckPositive({batch, classes, spatial}, "VoxelCrossEntropy"));
   const int64_t voxels = batch * spatial;
   const unsigned blocks = detail::GridSize(voxels, kBlock);
-  VoxelCrossEntropyKernel<<<blocks, kBlock, 0, stream>>>(scratch, dlogits, bad_index, logits,
-                                                         targets, classes, spatial, voxels,
-                                                         grad_scale / static_cast<float>(voxels));
+  VoxelCrossEntropyKernel<<<blocks, kBlock, 0, stream>>>(
+      scratch, dlogits, bad_index, logits, targets, classes, spatial, voxels,
+      grad_scale * weight / static_cast<float>(voxels));
   SumPartialsKernel<<<1, 1024, 0, stream>>>(loss, scratch, blocks,
-                                            1.0f / static_cast<float>(voxels));
+                                            weight / static_cast<float>(voxels));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
@@ -727,15 +744,34 @@ Status MaxPool3dBackward(bf16* dx, int32_t* bad_index, const bf16* dy, const int
 
 Status VoxelCrossEntropy(float* loss, float* dlogits, float* scratch, int32_t* bad_index,
                          const float* logits, const int32_t* targets, int64_t batch,
-                         int64_t classes, int64_t spatial, float grad_scale, cudaStream_t stream) {
+                         int64_t classes, int64_t spatial, float grad_scale, cudaStream_t stream,
+                         float weight) {
   return VoxelCrossEntropyT(loss, dlogits, scratch, bad_index, logits, targets, batch, classes,
-                            spatial, grad_scale, stream);
+                            spatial, grad_scale, weight, stream);
 }
 Status VoxelCrossEntropy(float* loss, bf16* dlogits, float* scratch, int32_t* bad_index,
                          const bf16* logits, const int32_t* targets, int64_t batch, int64_t classes,
-                         int64_t spatial, float grad_scale, cudaStream_t stream) {
+                         int64_t spatial, float grad_scale, cudaStream_t stream, float weight) {
   return VoxelCrossEntropyT(loss, dlogits, scratch, bad_index, logits, targets, batch, classes,
-                            spatial, grad_scale, stream);
+                            spatial, grad_scale, weight, stream);
+}
+
+Status DownsampleLabels(int32_t* coarse, const int32_t* targets, int64_t batch, int64_t d,
+                        int64_t h, int64_t w, int64_t factor, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(CheckPositive({batch, d, h, w, factor}, "DownsampleLabels"));
+  const int64_t n = batch * (d / factor) * (h / factor) * (w / factor);
+  if (n == 0) return Status::Ok();
+  DownsampleLabelsKernel<<<detail::GridSize(n, kBlock), kBlock, 0, stream>>>(coarse, targets, d, h,
+                                                                             w, factor, n);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status AddF32(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return Status::Ok();
+  AddF32Kernel<<<detail::GridSize(n, kBlock), kBlock, 0, stream>>>(out, a, b, n);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
 }
 int64_t VoxelCrossEntropyScratch(int64_t batch, int64_t spatial) {
   return detail::GridSize(batch * spatial, kBlock);

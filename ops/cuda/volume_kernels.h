@@ -119,14 +119,23 @@ Status MaxPool3dBackward(bf16* dx, int32_t* bad_index, const bf16* dy, const int
 // ---- segmentation: logits [batch, classes, spatial], targets [batch, spatial] ----
 // *loss (fp32) = the mean over batch*spatial voxels of logsumexp_c(logits) - logits[target];
 // dlogits = (softmax - onehot(target)) * grad_scale / (batch*spatial) (null: loss only; it may
-// alias logits). A target outside [0, classes) counts nothing and is reported in *bad_index.
+// alias logits), both times `weight` (a term of a weighted sum of losses). A target outside
+// [0, classes) counts nothing and is reported in *bad_index.
 // scratch: VoxelCrossEntropyScratch floats (per-block partial sums, added in block order).
 Status VoxelCrossEntropy(float* loss, float* dlogits, float* scratch, int32_t* bad_index,
                          const float* logits, const int32_t* targets, int64_t batch,
-                         int64_t classes, int64_t spatial, float grad_scale, cudaStream_t stream);
+                         int64_t classes, int64_t spatial, float grad_scale, cudaStream_t stream,
+                         float weight = 1.0f);
 Status VoxelCrossEntropy(float* loss, bf16* dlogits, float* scratch, int32_t* bad_index,
                          const bf16* logits, const int32_t* targets, int64_t batch, int64_t classes,
-                         int64_t spatial, float grad_scale, cudaStream_t stream);
+                         int64_t spatial, float grad_scale, cudaStream_t stream,
+                         float weight = 1.0f);
+// coarse [batch, d/f, h/f, w/f] = targets [batch, d, h, w] at f * k + f / 2 along each axis
+// (downsample_labels; the extents multiples of f).
+Status DownsampleLabels(int32_t* coarse, const int32_t* targets, int64_t batch, int64_t d,
+                        int64_t h, int64_t w, int64_t factor, cudaStream_t stream);
+// out = a + b over n floats (the model API's add_forward: a loss layer's sum of terms).
+Status AddF32(float* out, const float* a, const float* b, int64_t n, cudaStream_t stream);
 int64_t VoxelCrossEntropyScratch(int64_t batch, int64_t spatial);
 // *score (fp32): hard Dice of argmax_c logits against targets per foreground class 1..classes-1
 // over the whole batch, 2|P n T| / (|P| + |T|) (1 when the class is in neither), averaged.

@@ -430,17 +430,45 @@ Status RegisterTheRest(OpRegistry& r) {
         TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> flag, BadIndex(cuda));
         auto* bad = static_cast<int32_t*>(flag->data());
         const float grad_scale = static_cast<float>(attrs.GetFloat("grad_scale", 1.0));
+        const float weight = static_cast<float>(attrs.GetFloat("weight", 1.0));
         auto* partials = static_cast<float*>(scratch->data());
         if (IsBf16(out[1])) {
           TESSERA_RETURN_IF_ERROR(VoxelCrossEntropy(F(out[0]), B(out[1]), partials, bad, B(out[1]),
                                                     I(in[1]), logits[0], logits[1], spatial,
-                                                    grad_scale, cuda.stream()));
+                                                    grad_scale, cuda.stream(), weight));
         } else {
           TESSERA_RETURN_IF_ERROR(VoxelCrossEntropy(F(out[0]), F(out[1]), partials, bad, F(out[1]),
                                                     I(in[1]), logits[0], logits[1], spatial,
-                                                    grad_scale, cuda.stream()));
+                                                    grad_scale, cuda.stream(), weight));
         }
         return CheckTargets(cuda, *flag, in[1], logits[1], "voxel_cross_entropy");
+      }));
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(
+      r, "downsample_labels",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        const Shape& fine = in[0].shape();
+        return DownsampleLabels(out[0].data<int32_t>(), I(in[0]), fine[0], fine[1], fine[2],
+                                fine[3], attrs.GetInt("factor", 2), cuda.stream());
+      }));
+  // A loss layer's sum of terms (deep supervision's): f32, as the losses are.
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(
+      r, "add_forward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        if (in[0].dtype() != DType::kF32) {
+          return InvalidArgument("add_forward on a GPU adds f32 tensors, got {}",
+                                 DTypeName(in[0].dtype()));
+        }
+        return AddF32(F(out[0]), F(in[0]), F(in[1]), out[0].numel(), cuda.stream());
+      }));
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(
+      r, "add_backward",
+      [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
+        for (const Tensor& d : out) {
+          TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.raw_data(), in[0].raw_data(),
+                                                       static_cast<size_t>(in[0].bytes()),
+                                                       cudaMemcpyDeviceToDevice, cuda.stream()));
+        }
+        return Status::Ok();
       }));
   return RegisterVolume(
       r, "dice_score",

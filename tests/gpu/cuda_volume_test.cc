@@ -481,6 +481,12 @@ TEST_F(CudaVolumeOpsTest, TheRegisteredKernelsMatchTheCpuOnes) {
   const Tensor logits = RandomTensor({2, 3, 6, 5, 4}, 15, 3.0f);
   const Tensor targets = RandomTokens(Shape{2, 6, 5, 4}, 3, 16);
   ExpectSameAsCpu("voxel_cross_entropy", {logits, targets}, {{"grad_scale", 0.5}}, kF32Tolerance);
+  // Deep supervision's pieces: a weighted term, the labels sampled down, the terms' sum.
+  ExpectSameAsCpu("voxel_cross_entropy", {logits, targets}, {{"weight", 0.25}}, kF32Tolerance);
+  ExpectSameAsCpu("downsample_labels", {RandomTokens(Shape{2, 4, 6, 2}, 3, 18)},
+                  {{"factor", int64_t{2}}}, kF32Tolerance);
+  ExpectSameAsCpu("add_forward", {x, RandomTensor(x.shape(), 19)}, {}, kF32Tolerance);
+  ExpectSameAsCpu("add_backward", {dy}, {}, kF32Tolerance);
   ExpectSameAsCpu("dice_score", {logits, targets}, {}, kF32Tolerance);
   ExpectSameAsCpu("loss_gradient", {testing::ScalarTensor(0.75f), logits}, {}, kF32Tolerance);
   // A target outside the classes: the GPU's loss names it, as the CPU's does.

@@ -370,6 +370,13 @@ Logged ParseLog(const std::string& output) {
   return logged;
 }
 
+// The summary's final_loss (6 decimals), or -1 when the output has none.
+double FinalLoss(const std::string& output) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex(R"(final_loss=([0-9.]+))"))) return -1.0;
+  return std::stod(match[1]);
+}
+
 TEST(TrainUNet3dTest, TheLossFallsAndDiceRisesOver200Steps) {
   ProcessResult run = RunBinary("train_unet3d", "--steps 200 --log-every 50 --threads 1");
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -382,11 +389,7 @@ TEST(TrainUNet3dTest, TheLossFallsAndDiceRisesOver200Steps) {
 // train_unet3d --tensor-parallel 2 on two workers trains the run of one process, prints each
 // layer's split, and refuses a degree the group norm's groups do not divide, naming the fix.
 TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
-  const auto final_loss = [](const std::string& output) {
-    std::smatch match;
-    if (!std::regex_search(output, match, std::regex(R"(final_loss=([0-9.]+))"))) return -1.0;
-    return std::stod(match[1]);
-  };
+  const auto final_loss = FinalLoss;
   ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
   ProcessResult split =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2");
@@ -489,6 +492,30 @@ TEST(TrainUNet3dTest, TheNnUNetPresetTrainsAtASmallPatch) {
                                 "divisible by 2^depth = 32"),
             std::string::npos)
       << refused.output;
+}
+
+// --deep-supervision on the nnU-Net preset: heads on decoder levels 1-3 (classes x (64, 128, 256)
+// weights + biases: 1,353 parameters more), the loss their weighted sum; two data-parallel workers
+// train the run of one process, and a U-Net too shallow for it is refused with the reason.
+TEST(TrainUNet3dTest, DeepSupervisionTrainsOnWorkersLikeOneProcess) {
+  const std::string run =
+      "--preset nnunet --volume 32 --steps 2 --batch 2 --log-every 1 "
+      "--threads 1 --deep-supervision";
+  ProcessResult alone = RunBinary("train_unet3d", run);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_NE(alone.output.find("downsample=strided_conv deep_supervision: 31195436 parameters"),
+            std::string::npos)
+      << alone.output;
+  ProcessResult workers = RunBinary("train_unet3d", run + " --workers 2");
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  const double expected = FinalLoss(alone.output);
+  ASSERT_GT(expected, 0) << alone.output;
+  EXPECT_NEAR(FinalLoss(workers.output), expected, 1e-5 * expected) << workers.output;
+  ProcessResult shallow = RunBinary("train_unet3d", "--preset small --deep-supervision --steps 1");
+  EXPECT_NE(shallow.exit_code, 0) << shallow.output;
+  EXPECT_NE(shallow.output.find("--preset small: unet3d: deep supervision needs depth >= 3, got 2"),
+            std::string::npos)
+      << shallow.output;
 }
 
 // NIfTI volumes on disk: generated 16^3 cases written in nnU-Net's layout, the tiny U-Net trained

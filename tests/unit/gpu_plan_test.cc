@@ -149,14 +149,9 @@ TEST(GpuPlanTest, EveryTaskOfEveryGpuPlanHasAKernelForItsDevice) {
   }
 }
 
-// The 3D U-Net (the model API: layer programs of volume ops) on a GPU, alone and under ZeRO-2:
-// every task has a kernel for its device, and so does every op its layer programs run, forward
-// and backward (the volume ops' CUDA kernels, ops/cuda/volume_kernels.h).
-TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
-  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
-  const Status gpu = AddGpuKernels(registry);
-  if (!gpu.ok()) GTEST_SKIP() << "no CUDA backend in this build: " << gpu.ToString();
-  ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset("small"));
+// Every task of `config`'s U-Net on a GPU (alone and under ZeRO-2) and every op its layer
+// programs run, forward and backward, has a CUDA kernel.
+void ExpectEveryUNetOpHasAGpuKernel(const OpRegistry& registry, const UNet3dConfig& config) {
   ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, registry));
   for (int ranks : {1, 2}) {
     SCOPED_TRACE(ranks);
@@ -189,6 +184,22 @@ TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
   EXPECT_GE(layer_ops.size(), 10u);
   for (const std::string& op : layer_ops) {
     EXPECT_TRUE(registry.Supports(op, DeviceKind::kCuda)) << op << " has no CUDA kernel";
+  }
+}
+
+// The 3D U-Net (the model API: layer programs of volume ops) on a GPU, alone and under ZeRO-2:
+// every task has a kernel for its device, and so does every op its layer programs run, forward
+// and backward (the volume ops' CUDA kernels, ops/cuda/volume_kernels.h).
+TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
+  ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
+  const Status gpu = AddGpuKernels(registry);
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA backend in this build: " << gpu.ToString();
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig small, UNet3dConfig::Preset("small"));
+  // Deep supervision's loss adds the levels' terms (add_forward) and samples labels down.
+  const UNet3dConfig deep{.base_channels = 4, .depth = 3, .volume = 16, .deep_supervision = true};
+  for (const UNet3dConfig& config : {small, deep}) {
+    SCOPED_TRACE(config.ToString());
+    ExpectEveryUNetOpHasAGpuKernel(registry, config);
   }
 }
 

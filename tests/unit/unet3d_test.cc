@@ -16,6 +16,7 @@
 #include "data/volumes.h"
 #include "layer_gradient_check.h"
 #include "model/unet3d.h"
+#include "ops/cpu/volume_kernels.h"
 #include "ops/layer_program.h"
 #include "ops/standard_ops.h"
 #include "planner/step_graph.h"
@@ -92,6 +93,7 @@ TEST(UNet3dConfigTest, AWrongConfigIsRefusedNamingTheField) {
       {UNet3dConfig{.base_channels = 8, .max_channels = 4}, "max_channels (4) must be at least"},
       {UNet3dConfig{.base_channels = 8, .groups = 4, .max_channels = 10},
        "groups (4) must divide max_channels (10)"},
+      {UNet3dConfig{.depth = 2, .deep_supervision = true}, "deep supervision needs depth >= 3"},
   };
   for (const Case& c : cases) {
     const Status status = c.config.Validate();
@@ -368,6 +370,64 @@ TEST_F(UNet3dGradientTest, TheNnUNetVariantsLayersMatchFiniteDifferences) {
   EXPECT_EQ(output_shape[LayerIndex(model, "bottleneck")], (Shape{kBatch, 3, 2, 2, 2}));
   EXPECT_EQ(output_shape[LayerIndex(model, "up1")], (Shape{kBatch, 3, 4, 4, 4}));
   EXPECT_EQ(output_shape[LayerIndex(model, "head")], (Shape{kBatch, 3, 8, 8, 8}));
+}
+
+// Deep supervision (nnU-Net's): a head on each decoder level 1 to depth - 2, the loss the sum of
+// each level's cross-entropy against the labels sampled down to it, weighted 2^-level and
+// normalised. Three levels at 8^3: head1 on dec1 (4^3); the coarsest decoder level (dec2, 2^3)
+// has none. Every layer's gradients (the loss's three inputs among them) match central
+// differences, and the loss is its definition computed from the kernels directly.
+constexpr UNet3dConfig kDeepSupervisionConfig{.in_channels = 1,
+                                              .classes = 3,
+                                              .base_channels = 2,
+                                              .depth = 3,
+                                              .groups = 2,
+                                              .volume = 8,
+                                              .deep_supervision = true};
+
+TEST_F(UNet3dGradientTest, DeepSupervisionSumsTheWeightedLevelsAndTheirGradientsMatch) {
+  const std::vector<double> weights = kDeepSupervisionConfig.DeepSupervisionWeights();
+  ASSERT_EQ(weights.size(), 2u);
+  EXPECT_DOUBLE_EQ(weights[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(weights[1], 1.0 / 3);
+  EXPECT_EQ(UNet3dConfig{}.DeepSupervisionWeights(), std::vector<double>{1.0});
+  ASSERT_OK_AND_ASSIGN(UNet3dConfig nnunet, UNet3dConfig::Preset("nnunet"));
+  nnunet.deep_supervision = true;
+  const std::vector<double> five = nnunet.DeepSupervisionWeights();
+  ASSERT_EQ(five.size(), 4u);  // levels 0-3; level 4 (the coarsest decoder's) unsupervised
+  for (size_t i = 0; i < five.size(); ++i)
+    EXPECT_DOUBLE_EQ(five[i], std::ldexp(1.0, -int(i)) / 1.875);
+  EXPECT_NE(nnunet.ToString().find("deep_supervision"), std::string::npos);
+
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(kDeepSupervisionConfig, CpuRegistry()));
+  EXPECT_LT(LayerIndex(model, "dec1"), LayerIndex(model, "head1"));
+  for (const LayerSpec& layer : model.layers) EXPECT_NE(layer.name, "head2");
+  std::vector<Shape> output_shape;
+  const std::vector<Tensors> args = ArgsOfEveryLayer(model, &output_shape);
+  EXPECT_EQ(output_shape[LayerIndex(model, "head1")], (Shape{kBatch, 3, 4, 4, 4}));
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    SCOPED_TRACE(model.layers[l].name);
+    Check(model.layers[l], args[l]);
+  }
+
+  // The loss layer reads the full-resolution logits, the labels, then head1's logits.
+  const size_t loss = LayerIndex(model, "loss");
+  const Tensors& in = args[loss];
+  ASSERT_GE(in.size(), 3u);
+  constexpr int64_t kVoxels = int64_t{8} * 8 * 8, kCoarseVoxels = int64_t{4} * 4 * 4;
+  std::vector<int32_t> coarse(static_cast<size_t>(kBatch * kCoarseVoxels));
+  cpu::DownsampleLabels(coarse.data(), in[1].data<int32_t>(), kBatch, 8, 8, 8, 2);
+  ASSERT_OK_AND_ASSIGN(const float fine_loss,
+                       cpu::VoxelCrossEntropy(nullptr, in[0].data<float>(), in[1].data<int32_t>(),
+                                              kBatch, 3, kVoxels, 1.0f));
+  ASSERT_OK_AND_ASSIGN(const float coarse_loss,
+                       cpu::VoxelCrossEntropy(nullptr, in[2].data<float>(), coarse.data(), kBatch,
+                                              3, kCoarseVoxels, 1.0f));
+  const double expected = weights[0] * fine_loss + weights[1] * coarse_loss;
+  const Tensors out = Forward(model.layers[loss], in);
+  EXPECT_NEAR(*out[0].data<float>(), expected, 1e-6 * expected);
+  // The nearest-exact sample of each 2^3 block: voxel (1, 1, 1) of the first block.
+  EXPECT_EQ(coarse[0], in[1].data<int32_t>()[(1 * 8 + 1) * 8 + 1]);
 }
 
 // The preset's parameters by hand: per level two conv blocks (weights out*in*27, bias, and an

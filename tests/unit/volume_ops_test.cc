@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -234,6 +235,70 @@ TEST(VolumeOpsTest, VoxelCrossEntropyMatchesDirectFormula) {
   // dlogits of voxel 2 (column 1): (1/3 - 1, 1/3, 1/3) / 2 voxels.
   EXPECT_NEAR(out[1].data<float>()[1], (1.0 / 3 - 1) / 2, 1e-7);
   EXPECT_NEAR(out[1].data<float>()[3], 1.0 / 6, 1e-7);
+}
+
+// A weight (deep supervision's term weights) scales the loss and its gradient; weight 1 is the
+// unweighted op bit for bit, and a negative or infinite weight is refused.
+TEST(VolumeOpsTest, AWeightScalesTheCrossEntropyAndItsGradient) {
+  const Tensor logits = RandomTensor({2, 3, 2, 2, 2}, 5, 2.0f);
+  const Tensor targets = RandomTokens({2, 2, 2, 2}, 3, 6);
+  ASSERT_OK_AND_ASSIGN(Tensors plain, RunKernel("voxel_cross_entropy", {logits, targets}));
+  ASSERT_OK_AND_ASSIGN(Tensors one,
+                       RunKernel("voxel_cross_entropy", {logits, targets}, Attrs{{"weight", 1.0}}));
+  EXPECT_EQ(*one[0].data<float>(), *plain[0].data<float>());
+  EXPECT_EQ(std::memcmp(one[1].raw_data(), plain[1].raw_data(), plain[1].bytes()), 0);
+  ASSERT_OK_AND_ASSIGN(Tensors quarter, RunKernel("voxel_cross_entropy", {logits, targets},
+                                                  Attrs{{"weight", 0.25}, {"grad_scale", 2.0}}));
+  EXPECT_NEAR(*quarter[0].data<float>(), 0.25 * *plain[0].data<float>(),
+              1e-7 * std::abs(*plain[0].data<float>()));
+  for (int64_t i = 0; i < plain[1].numel(); ++i) {
+    EXPECT_NEAR(quarter[1].data<float>()[i], 0.5 * plain[1].data<float>()[i], 1e-8) << i;
+  }
+  for (const double bad : {-0.5, std::numeric_limits<double>::infinity()}) {
+    Result<Tensors> refused =
+        RunKernel("voxel_cross_entropy", {logits, targets}, Attrs{{"weight", bad}});
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("attribute 'weight'"), std::string::npos)
+        << refused.status().message();
+  }
+}
+
+// downsample_labels samples the voxel at factor * k + factor / 2 along each axis (what PyTorch's
+// interpolate(mode="nearest-exact") picks at a scale of 1 / factor), per sample.
+TEST(VolumeOpsTest, DownsampleLabelsSamplesTheNearestExactVoxel) {
+  constexpr int64_t kBatch = 2, kD = 4, kH = 8, kW = 4;
+  std::vector<int32_t> fine(static_cast<size_t>(kBatch * kD * kH * kW));
+  for (size_t i = 0; i < fine.size(); ++i) fine[i] = static_cast<int32_t>(i);
+  const Tensor targets = IntTensor({kBatch, kD, kH, kW}, fine);
+  for (const int64_t factor : {1, 2, 4}) {
+    SCOPED_TRACE(factor);
+    ASSERT_OK_AND_ASSIGN(Tensors out,
+                         RunKernel("downsample_labels", {targets}, Attrs{{"factor", factor}}));
+    const int64_t d = kD / factor, h = kH / factor, w = kW / factor;
+    ASSERT_EQ(out[0].shape(), (Shape{kBatch, d, h, w}));
+    ASSERT_EQ(out[0].dtype(), DType::kI32);
+    const int32_t* coarse = out[0].data<int32_t>();
+    for (int64_t n = 0; n < kBatch; ++n) {
+      for (int64_t z = 0; z < d; ++z) {
+        for (int64_t y = 0; y < h; ++y) {
+          for (int64_t x = 0; x < w; ++x) {
+            const int64_t fz = z * factor + factor / 2, fy = y * factor + factor / 2,
+                          fx = x * factor + factor / 2;
+            EXPECT_EQ(coarse[((n * d + z) * h + y) * w + x],
+                      fine[static_cast<size_t>(((n * kD + fz) * kH + fy) * kW + fx)]);
+          }
+        }
+      }
+    }
+  }
+  Result<Tensors> odd = RunKernel("downsample_labels", {targets}, Attrs{{"factor", int64_t{8}}});
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("multiples of factor 8"), std::string::npos)
+      << odd.status().message();
+  Result<Tensors> floats = RunKernel("downsample_labels", {RandomTensor({1, 2, 2, 2}, 1)});
+  ASSERT_FALSE(floats.ok());
+  EXPECT_NE(floats.status().message().find("i32 [N, D, H, W]"), std::string::npos)
+      << floats.status().message();
 }
 
 TEST(VolumeOpsTest, VoxelCrossEntropyRejectsATargetOutOfRange) {
@@ -602,8 +667,9 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "concat_forward",
                                         "concat_backward",
                                         "voxel_cross_entropy",
+                                        "downsample_labels",
                                         "dice_score"};
-  const std::set<std::string> no_gradient = {"dice_score"};
+  const std::set<std::string> no_gradient = {"dice_score", "downsample_labels"};
   for (const std::string& op : volume_only.OpNames()) {
     EXPECT_TRUE(tested.contains(op)) << "volume op '" << op << "' has no test";
     EXPECT_TRUE(CpuRegistry().Supports(op, DeviceKind::kCpu)) << op << " has no CPU kernel";
