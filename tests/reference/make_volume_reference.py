@@ -21,6 +21,9 @@ none) holds the op's integer attributes in the order the C++ test reads them.
   silu, relu                                              x dy -> y dx
   voxel_ce       cross-entropy over voxels, grad_scale 0.5 logits targets -> loss dlogits
   dice           hard Dice over classes 1..C-1 (on voxel_ce's logits and targets) -> score
+  deep_sup       deep supervision's loss on two levels: targets sampled down by
+                 interpolate(mode="nearest-exact") at 1/2 -> coarse; weights 2/3 and 1/3 of the
+                 two levels' cross-entropies: logits0 logits1 targets -> coarse loss dlogits0 dlogits1
 
 File format as make_gpt2_reference.py (little-endian): b"TSRF", u32 version (1), u32 count, then
 per tensor: u32 name length, name (utf-8), u8 dtype (0 = f32, 1 = i32), u8 rank, i64 dims[rank],
@@ -156,6 +159,29 @@ def main():
         total = p.sum().item() + t.sum().item()
         scores.append(1.0 if total == 0 else 2.0 * (p & t).sum().item() / total)
     tensors += [("dice.score", torch.tensor([sum(scores) / len(scores)], dtype=torch.float32))]
+
+    # Deep supervision: the full-resolution level and one at half resolution, the labels sampled
+    # down nearest-exact (what downsample_labels promises), the weighted sum of the two losses.
+    fine_targets = torch.randint(0, 3, (2, 8, 8, 8), generator=gen)
+    coarse = F.interpolate(fine_targets[:, None].double(), scale_factor=0.5,
+                           mode="nearest-exact")[:, 0].round().long()
+    logits0, logits1 = uniform(gen, 2, 3, 8, 8, 8, scale=3.0), uniform(gen, 2, 3, 4, 4, 4, scale=3.0)
+    weights = (2.0 / 3.0, 1.0 / 3.0)
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        l0 = logits0.to(dtype).clone().requires_grad_(True)
+        l1 = logits1.to(dtype).clone().requires_grad_(True)
+        loss = weights[0] * F.cross_entropy(l0, fine_targets) + weights[1] * F.cross_entropy(l1, coarse)
+        loss.backward()
+        results[dtype] = (loss.detach(), l0.grad, l1.grad)
+    for a, b in zip(results[torch.float32], results[torch.float64]):
+        if scaled_error(a, b) > AGREEMENT_LIMIT:
+            raise SystemExit("deep_sup: PyTorch fp32 and fp64 differ")
+    loss64, d0, d1 = results[torch.float64]
+    tensors += [("deep_sup.logits0", logits0), ("deep_sup.logits1", logits1),
+                ("deep_sup.targets", fine_targets.int()), ("deep_sup.coarse", coarse.int()),
+                ("deep_sup.loss", f32(loss64).reshape(1)), ("deep_sup.dlogits0", f32(d0)),
+                ("deep_sup.dlogits1", f32(d1))]
 
     out = bytearray(b"TSRF") + struct.pack("<II", 1, len(tensors))
     for name, tensor in tensors:

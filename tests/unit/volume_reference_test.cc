@@ -138,6 +138,30 @@ TEST_F(VolumeReferenceTest, VoxelCrossEntropy) {
   ExpectMatches(out[1], "voxel_ce.dlogits");
 }
 
+// Deep supervision's pieces against PyTorch: downsample_labels is interpolate(mode=
+// "nearest-exact") at 1/2 exactly, and two weighted voxel_cross_entropy terms (2/3 and 1/3) sum
+// to PyTorch's weighted loss, each term's dlogits its gradient.
+TEST_F(VolumeReferenceTest, DeepSupervisionLevels) {
+  ASSERT_OK_AND_ASSIGN(Tensors coarse, RunKernel("downsample_labels", {Int("deep_sup.targets")},
+                                                 Attrs{{"factor", int64_t{2}}}));
+  ASSERT_EQ(coarse[0].shape(), Ref("deep_sup.coarse").shape);
+  const std::vector<int32_t> sampled(coarse[0].data<int32_t>(),
+                                     coarse[0].data<int32_t>() + coarse[0].numel());
+  EXPECT_EQ(sampled, Ref("deep_sup.coarse").ints);
+  ASSERT_OK_AND_ASSIGN(Tensors fine, RunKernel("voxel_cross_entropy",
+                                               {Float("deep_sup.logits0"), Int("deep_sup.targets")},
+                                               Attrs{{"weight", 2.0 / 3.0}}));
+  ASSERT_OK_AND_ASSIGN(Tensors half,
+                       RunKernel("voxel_cross_entropy", {Float("deep_sup.logits1"), coarse[0]},
+                                 Attrs{{"weight", 1.0 / 3.0}}));
+  const double loss = static_cast<double>(*fine[0].data<float>()) + *half[0].data<float>();
+  const float expected = Ref("deep_sup.loss").floats[0];
+  std::printf("deep_sup loss %.8f vs PyTorch %.8f\n", loss, expected);
+  EXPECT_NEAR(loss, expected, kTolerance * std::abs(expected));
+  ExpectMatches(fine[1], "deep_sup.dlogits0");
+  ExpectMatches(half[1], "deep_sup.dlogits1");
+}
+
 TEST_F(VolumeReferenceTest, DiceScore) {
   ASSERT_OK_AND_ASSIGN(
       Tensors out, RunKernel("dice_score", {Float("voxel_ce.logits"), Int("voxel_ce.targets")}));
