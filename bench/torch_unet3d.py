@@ -50,7 +50,7 @@ class Blocks(nn.Module):
 
 
 class UNet3d(nn.Module):
-    def __init__(self, cfg, in_channels=1, classes=3):
+    def __init__(self, cfg, in_channels=1, classes=3, deep_supervision=False):
         super().__init__()
         self.cfg = cfg
 
@@ -71,6 +71,11 @@ class UNet3d(nn.Module):
             self.up.append(nn.ConvTranspose3d(channels(i + 1), channels(i), 2, stride=2))
             self.dec.append(Blocks(2 * channels(i), channels(i), cfg))
         self.head = nn.Conv3d(channels(0), classes, 1)
+        # Deep supervision (Tessera's UNet3dConfig::deep_supervision): heads on decoder levels
+        # 1 .. depth - 2 as well.
+        self.ds_levels = list(range(1, cfg["depth"] - 1)) if deep_supervision else []
+        self.ds_heads = nn.ModuleDict(
+            {str(i): nn.Conv3d(channels(i), classes, 1) for i in self.ds_levels})
 
     def forward(self, x):
         skips = []
@@ -80,9 +85,26 @@ class UNet3d(nn.Module):
             if self.cfg["down"] == "pool":
                 x = F.max_pool3d(x, 2)
         x = self.bottleneck(x)
-        for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
+        coarse = {}
+        for level, (up, dec, skip) in zip(reversed(range(self.cfg["depth"])),
+                                          zip(self.up, self.dec, reversed(skips))):
             x = dec(torch.cat([up(x), skip], dim=1))
-        return self.head(x)
+            if level in self.ds_levels:
+                coarse[level] = self.ds_heads[str(level)](x)
+        return [self.head(x)] + [coarse[i] for i in self.ds_levels]
+
+
+def segmentation_loss(outputs, y):
+    """Cross-entropy of the full-resolution logits, or with deep supervision the levels' sum
+    weighted 2^-i (normalised), each against the labels sampled down nearest-exact."""
+    weights = [2.0 ** -i for i in range(len(outputs))]
+    total = sum(weights)
+    loss = 0
+    for i, (logits, w) in enumerate(zip(outputs, weights)):
+        target = y if i == 0 else F.interpolate(
+            y[:, None].float(), scale_factor=0.5 ** i, mode="nearest-exact")[:, 0].long()
+        loss = loss + (w / total) * F.cross_entropy(logits.float(), target)
+    return loss
 
 
 def main():
@@ -98,13 +120,15 @@ def main():
                         help="torch.autograd.graph.save_on_cpu for saved activations")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's)")
+    parser.add_argument("--deep-supervision", action="store_true",
+                        help="heads on decoder levels 1 .. depth-2, the loss their weighted sum")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     cfg = dict(PRESETS[args.preset])
     volume = args.volume or cfg["volume"]
     torch.manual_seed(1)
-    model = UNet3d(cfg).to(args.device)
+    model = UNet3d(cfg, deep_supervision=args.deep_supervision).to(args.device)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     x = torch.randn(args.batch, 1, volume, volume, volume, device=args.device)
@@ -120,10 +144,10 @@ def main():
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.amp):
             if args.save_on_cpu:
                 with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    loss = F.cross_entropy(model(x).float(), y)
+                    loss = segmentation_loss(model(x), y)
                     loss.backward()
             else:
-                loss = F.cross_entropy(model(x).float(), y)
+                loss = segmentation_loss(model(x), y)
                 loss.backward()
         optimizer.step()
         return loss
@@ -148,6 +172,7 @@ def main():
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0
     print(f"summary: preset={args.preset} volume={volume} batch={args.batch} params={params} "
           f"amp={int(args.amp)} checkpoint={int(args.checkpoint)} save_on_cpu={int(args.save_on_cpu)} "
+          f"deep_supervision={int(args.deep_supervision)} "
           f"step_ms_median={median:.2f} voxels_per_s={voxels / (median / 1e3):.0f} "
           f"peak_gib={peak:.2f}")
 
