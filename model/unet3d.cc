@@ -347,29 +347,28 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
     LayerValue b = l.Param(named("head", "b"), Shape{classes}, ParamInit::Zeros());
     return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
   });
-  if (weights.size() == 1) {
-    model.Loss("loss", {logits, labels}, [](LayerBuilder& l) {
-      return l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, {}, "cross_entropy");
-    });
-  } else {
-    // Inputs: the full-resolution logits, the labels, then head{i}'s logits for i = 1, 2, ...
-    std::vector<ModelValue> inputs{logits, labels};
-    inputs.insert(inputs.end(), coarse_logits.rbegin(), coarse_logits.rend());
-    model.Loss("loss", std::move(inputs), [weights](LayerBuilder& l) {
-      LayerValue loss = l.Call("voxel_cross_entropy", {l.input(0), l.input(1)},
-                               Attrs{{"weight", weights[0]}}, "cross_entropy");
-      for (size_t i = 1; i < weights.size(); ++i) {
-        const LayerValue targets =
-            l.Call("downsample_labels", {l.input(1)}, Attrs{{"factor", int64_t{1} << i}},
-                   fmt::format("labels{}", i));
-        const LayerValue term =
-            l.Call("voxel_cross_entropy", {l.input(static_cast<int>(i) + 1), targets},
-                   Attrs{{"weight", weights[i]}}, fmt::format("cross_entropy{}", i));
-        loss = l.Call("add_forward", {loss, term}, {}, fmt::format("sum{}", i));
-      }
-      return loss;
-    });
-  }
+  // Inputs: the full-resolution logits, the labels, then head{i}'s logits for i = 1, 2, ...
+  std::vector<ModelValue> inputs{logits, labels};
+  inputs.insert(inputs.end(), coarse_logits.rbegin(), coarse_logits.rend());
+  model.Loss("loss", std::move(inputs), [weights](LayerBuilder& l) {
+    // One level (no deep supervision) is the plain cross-entropy: no weight attribute, so the
+    // program is the one checkpoints of that model were written with.
+    const auto weighted = [&weights](size_t i) {
+      return weights.size() == 1 ? Attrs{} : Attrs{{"weight", weights[i]}};
+    };
+    LayerValue loss =
+        l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, weighted(0), "cross_entropy");
+    for (size_t i = 1; i < weights.size(); ++i) {
+      const LayerValue targets =
+          l.Call("downsample_labels", {l.input(1)}, Attrs{{"factor", int64_t{1} << i}},
+                 fmt::format("labels{}", i));
+      const LayerValue term =
+          l.Call("voxel_cross_entropy", {l.input(static_cast<int>(i) + 1), targets}, weighted(i),
+                 fmt::format("cross_entropy{}", i));
+      loss = l.Call("add_forward", {loss, term}, {}, fmt::format("sum{}", i));
+    }
+    return loss;
+  });
   TESSERA_ASSIGN_OR_RETURN(ModelSpec built, model.Build());
   if (split) {
     for (LayerSpec& layer : built.layers) layer.param_prefix = "";

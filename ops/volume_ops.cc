@@ -591,11 +591,9 @@ Status AddSegmentationOps(OpRegistry& r) {
     if (attrs.Has("grad_scale")) TESSERA_RETURN_IF_ERROR(attrs.GetFloat("grad_scale").status());
     if (attrs.Has("weight")) {
       TESSERA_ASSIGN_OR_RETURN(const double weight, attrs.GetFloat("weight"));
-      if (!(weight >= 0) || !std::isfinite(weight)) {
+      if (!std::isfinite(weight) || weight < 0) {
         return InvalidArgument(
-            "attribute 'weight' of voxel_cross_entropy must be finite and >= 0, "
-            "got {}",
-            weight);
+            "attribute 'weight' of voxel_cross_entropy must be finite and >= 0, got {}", weight);
       }
     }
     TESSERA_RETURN_IF_ERROR(CheckSegmentation("voxel_cross_entropy", in[0], in[1]));

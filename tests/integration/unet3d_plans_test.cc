@@ -389,15 +389,14 @@ TEST(TrainUNet3dTest, TheLossFallsAndDiceRisesOver200Steps) {
 // train_unet3d --tensor-parallel 2 on two workers trains the run of one process, prints each
 // layer's split, and refuses a degree the group norm's groups do not divide, naming the fix.
 TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
-  const auto final_loss = FinalLoss;
   ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
   ProcessResult split =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2");
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
   ASSERT_EQ(split.exit_code, 0) << split.output;
-  const double expected = final_loss(alone.output);
+  const double expected = FinalLoss(alone.output);
   ASSERT_GT(expected, 0) << alone.output;
-  EXPECT_NEAR(final_loss(split.output), expected, 1e-5 * expected) << split.output;
+  EXPECT_NEAR(FinalLoss(split.output), expected, 1e-5 * expected) << split.output;
   EXPECT_NE(split.output.find("each layer over 2 tensor ranks"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("enc0.convs: enc0.conv1.w rows split"), std::string::npos)
       << split.output;
@@ -415,7 +414,7 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
       << searched.output;
   EXPECT_NE(searched.output.find("--plan auto chose D1 x T2 x P1"), std::string::npos)
       << searched.output;
-  EXPECT_NEAR(final_loss(searched.output), expected, 1e-5 * expected) << searched.output;
+  EXPECT_NEAR(FinalLoss(searched.output), expected, 1e-5 * expected) << searched.output;
   ProcessResult refused =
       RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --tensor-parallel 3");
   EXPECT_NE(refused.exit_code, 0);
@@ -450,21 +449,16 @@ TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
 // copies, except the layer programs, which run natively on the device as on a real GPU): in this
 // process and on two GPU worker processes under ZeRO-2, the U-Net trains the CPU run's losses.
 TEST(TrainUNet3dTest, OnAGpuInProcessAndOnGpuWorkersItTrainsTheCpuLosses) {
-  const auto final_loss = [](const std::string& output) {
-    std::smatch match;
-    if (!std::regex_search(output, match, std::regex(R"(final_loss=([0-9.]+))"))) return -1.0;
-    return std::stod(match[1]);
-  };
   ProcessResult cpu = RunBinary("train_unet3d", "--steps 6 --threads 1");
   ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
-  const double expected = final_loss(cpu.output);
+  const double expected = FinalLoss(cpu.output);
   ASSERT_GT(expected, 0) << cpu.output;
   for (const std::string flags : {"--device cuda", "--device cuda --workers 2 --zero-stage 2"}) {
     SCOPED_TRACE(flags);
     BoundedRun gpu = RunBinaryWithin("train_unet3d", "--steps 6 --threads 1 " + flags,
                                      std::chrono::minutes(2), "TESSERA_SIMULATED_GPU=1");
     ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
-    EXPECT_NEAR(final_loss(gpu.output), expected, 1e-6 * expected) << gpu.output;
+    EXPECT_NEAR(FinalLoss(gpu.output), expected, 1e-6 * expected) << gpu.output;
   }
   EXPECT_NE(RunBinaryWithin("train_unet3d", "--steps 1 --device cuda", std::chrono::minutes(1),
                             "TESSERA_SIMULATED_GPU=1")
