@@ -20,5 +20,13 @@ done
 for arg in "$@"; do
   case "$arg" in --zero-stage | --zero-stage=*) [[ ${#plan[@]} -gt 0 ]] && plan=(--workers 2) ;; esac
 done
-exec build/bin/train_gpt2 --preset tiny --steps 1000 --lr 3e-3 --log-every 50 --eval-every 200 \
-  --sample 300 "${plan[@]}" "$@"
+# The run's defaults, each left out where the arguments give that flag (train_gpt2 refuses a
+# flag given twice).
+defaults=()
+for pair in "--preset tiny" "--steps 1000" "--lr 3e-3" "--log-every 50" "--eval-every 200" \
+  "--sample 300"; do
+  flag=${pair%% *} given=0
+  for arg in "$@"; do [[ "$arg" == "$flag" || "$arg" == "$flag="* ]] && given=1; done
+  [[ $given -eq 0 ]] && defaults+=($pair)
+done
+exec build/bin/train_gpt2 "${defaults[@]}" "${plan[@]}" "$@"
