@@ -18,6 +18,10 @@ const char* ExchangeLayoutName(ExchangeLayout layout) {
       return "ring_next";
     case ExchangeLayout::kRingPrevious:
       return "ring_previous";
+    case ExchangeLayout::kHaloNext:
+      return "halo_next";
+    case ExchangeLayout::kHaloPrevious:
+      return "halo_previous";
   }
   return "?";
 }
@@ -27,12 +31,13 @@ Result<ExchangeLayout> ExchangeLayoutOf(const Attrs& attrs) {
   TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString(kLayoutAttr));
   for (ExchangeLayout layout :
        {ExchangeLayout::kBlocks, ExchangeLayout::kToSequence, ExchangeLayout::kFromSequence,
-        ExchangeLayout::kRingNext, ExchangeLayout::kRingPrevious}) {
+        ExchangeLayout::kRingNext, ExchangeLayout::kRingPrevious, ExchangeLayout::kHaloNext,
+        ExchangeLayout::kHaloPrevious}) {
     if (name == ExchangeLayoutName(layout)) return layout;
   }
   return InvalidArgument(
-      "attribute '{}' is '{}'; use blocks, to_sequence, from_sequence, ring_next or "
-      "ring_previous",
+      "attribute '{}' is '{}'; use blocks, to_sequence, from_sequence, ring_next, "
+      "ring_previous, halo_next or halo_previous",
       kLayoutAttr, name);
 }
 
@@ -41,11 +46,17 @@ ExchangeLayout AdjointExchange(ExchangeLayout layout) {
   if (layout == ExchangeLayout::kFromSequence) return ExchangeLayout::kToSequence;
   if (layout == ExchangeLayout::kRingNext) return ExchangeLayout::kRingPrevious;
   if (layout == ExchangeLayout::kRingPrevious) return ExchangeLayout::kRingNext;
+  if (layout == ExchangeLayout::kHaloNext) return ExchangeLayout::kHaloPrevious;
+  if (layout == ExchangeLayout::kHaloPrevious) return ExchangeLayout::kHaloNext;
   return layout;
 }
 
 bool RotatesRing(ExchangeLayout layout) {
   return layout == ExchangeLayout::kRingNext || layout == ExchangeLayout::kRingPrevious;
+}
+
+bool PassesHalo(ExchangeLayout layout) {
+  return layout == ExchangeLayout::kHaloNext || layout == ExchangeLayout::kHaloPrevious;
 }
 
 Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,

@@ -21,16 +21,22 @@ namespace tessera {
 //   kRingNext      ring attention's rotation: x goes whole to the next member (r + 1 mod P) and
 //                  out (x's shape) holds the previous member's x: one send and one receive each
 //   kRingPrevious  the other way round: x to r - 1, out from r + 1
+//   kHaloNext      spatial parallelism's halo (a volume's slabs, member r holding the r-th): x
+//                  whole to member r + 1, out (x's shape) the x of r - 1; the last member sends
+//                  nothing and the first receives zeros (the volume's zero padding)
+//   kHaloPrevious  the other way round: x to r - 1, out from r + 1 (zeros on the last member)
 // kToSequence and kFromSequence are each other's adjoint (what an output's gradient goes back
-// by), as are kRingNext and kRingPrevious; kBlocks is its own. kNone: no exchange (a LayerSpec's
-// outputs that are read as they are).
+// by), as are kRingNext and kRingPrevious, and kHaloNext and kHaloPrevious; kBlocks is its own.
+// kNone: no exchange (a LayerSpec's outputs that are read as they are).
 enum class ExchangeLayout : uint8_t {
   kNone,
   kBlocks,
   kToSequence,
   kFromSequence,
   kRingNext,
-  kRingPrevious
+  kRingPrevious,
+  kHaloNext,
+  kHaloPrevious
 };
 inline constexpr const char* kLayoutAttr = "layout";
 const char* ExchangeLayoutName(ExchangeLayout layout);  // "none", "blocks", ...
@@ -40,6 +46,9 @@ ExchangeLayout AdjointExchange(ExchangeLayout layout);
 // Whether `layout` rotates whole buffers around the ring (kRingNext, kRingPrevious) rather than
 // trading blocks between every pair.
 bool RotatesRing(ExchangeLayout layout);
+// Whether `layout` hands whole buffers to one neighbour along a line of members, the ends
+// sending nothing (kHaloNext, kHaloPrevious).
+bool PassesHalo(ExchangeLayout layout);
 // What an all-to-all of `group` members makes of x's dims under `layout`; InvalidArgument
 // naming the shape when it does not split so.
 Result<std::vector<int64_t>> ExchangedDims(const std::vector<int64_t>& dims, ExchangeLayout layout,

@@ -130,7 +130,15 @@ std::optional<ModelSpec::Rotated> ModelSpec::RotationOrigin(size_t l, size_t arg
 }
 
 const char* SequenceAttentionName(SequenceAttention attention) {
-  return attention == SequenceAttention::kRing ? "ring" : "ulysses";
+  switch (attention) {
+    case SequenceAttention::kRing:
+      return "ring";
+    case SequenceAttention::kHalo:
+      return "halo";
+    case SequenceAttention::kUlysses:
+      break;
+  }
+  return "ulysses";
 }
 
 Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks,
@@ -152,6 +160,20 @@ Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks,
                           "--sequence-parallel ulysses or none"}));
     if (ranks > 1 && split.sequence_attention != SequenceAttention::kRing) {
       return Internal("model '{}' split for ring attention says it attends by {}", name,
+                      SequenceAttentionName(split.sequence_attention));
+    }
+    return split;
+  }
+  if (attention == SequenceAttention::kHalo) {
+    TESSERA_ASSIGN_OR_RETURN(
+        ModelSpec split,
+        Rewritten(*this, ranks,
+                  Rewrite{"spatial", &ModelSpec::sequence_parallel, split_into_slabs,
+                          "does not say how its volumes split into slabs (ModelSpec::"
+                          "split_into_slabs), so it cannot run spatially parallel: use "
+                          "--spatial-parallel 1"}));
+    if (ranks > 1 && split.sequence_attention != SequenceAttention::kHalo) {
+      return Internal("model '{}' split into slabs says it attends by {}", name,
                       SequenceAttentionName(split.sequence_attention));
     }
     return split;
@@ -193,6 +215,7 @@ Result<ModelSpec> ModelSpec::OneRankView() const {
   view.split_sharding_sequence = nullptr;
   view.split_for_sequence_parallel = nullptr;
   view.split_for_ring_attention = nullptr;
+  view.split_into_slabs = nullptr;
   for (LayerSpec& layer : view.layers) layer.tensor_parallel.reset();
   return view;
 }
@@ -215,8 +238,8 @@ Status RefuseKeptOutputs(const LayerSpec& layer, const char* what,
 }
 
 // A sequence-parallel model's layer: its exchanged outputs are activations not kept for its
-// backward, rotated around the ring only in a model attending by ring attention, and exchanged
-// by blocks only in one attending by Ulysses.
+// backward, rotated around the ring only in a model attending by ring attention, passed as halos
+// only between slabs, and exchanged in the sequence orders only in one attending by Ulysses.
 Status ValidateSequenceLayer(const LayerSpec& layer, int ranks, SequenceAttention attention) {
   if (layer.hands_on_rotation &&
       (layer.activations != 1 || !layer.exchanges(0) ||
@@ -238,8 +261,15 @@ Status ValidateSequenceLayer(const LayerSpec& layer, int ranks, SequenceAttentio
   }
   for (size_t o = 0; o < layer.exchanged_outputs.size(); ++o) {
     const ExchangeLayout layout = layer.exchanged_outputs[o];
-    if (layout != ExchangeLayout::kNone &&
-        RotatesRing(layout) != (attention == SequenceAttention::kRing)) {
+    // Rings only under ring attention, halos only between slabs, the sequence orders only under
+    // Ulysses; blocks anywhere but a ring.
+    const bool fits = layout == ExchangeLayout::kNone ||
+                      (RotatesRing(layout)  ? attention == SequenceAttention::kRing
+                       : PassesHalo(layout) ? attention == SequenceAttention::kHalo
+                                            : (layout == ExchangeLayout::kBlocks
+                                                   ? attention != SequenceAttention::kRing
+                                                   : attention == SequenceAttention::kUlysses));
+    if (!fits) {
       return InvalidArgument(
           "layer '{}' exchanges output {} in layout {}, but the model attends by {} "
           "(ModelBuilder::SplitSequenceOver)",

@@ -58,6 +58,10 @@ struct ModelInput {
   // Dimension 1 is the plan's seq_len (token inputs), at most shape[1].
   bool sequence = false;
   bool label = false;  // read by the loss only: not fed when predicting
+  // In a model split into slabs (ModelSpec::split_into_slabs): the axis of which `shape` holds
+  // one rank's part, sequence rank r feeding the r-th 1/P of each row's extent along it (a
+  // volume's depth). -1: none (each rank reads whole rows, or a sequence input's 1/P of seq_len).
+  int split_axis = -1;
 
   // Its tensor for `rows` rows (and a sequence input's seq_len), on `device`.
   TensorMeta Meta(int64_t rows, int64_t seq_len, Device device = Device::Cpu()) const;
@@ -205,8 +209,13 @@ enum class SequenceAttention : uint8_t {
   // rotations, core/exchange_layout.h's kRingNext), each block attended by the rank's queries
   // and the partial results merged by their log-sum-exp.
   kRing,
+  // Spatial parallelism (a volume's slabs along its depth, one a rank; no attention): each
+  // convolution reads its neighbours' boundary planes (halos, core/exchange_layout.h's kHaloNext
+  // and kHaloPrevious) and each norm the statistics of every slab (all-to-alls of kBlocks).
+  kHalo,
 };
-const char* SequenceAttentionName(SequenceAttention attention);  // "ulysses", "ring"
+// "ulysses", "ring", "halo"
+const char* SequenceAttentionName(SequenceAttention attention);
 
 struct ModelSpec {
   std::string name;  // "gpt2", "unet3d", or another model API's name
@@ -238,14 +247,17 @@ struct ModelSpec {
   // (LayerSpec::exchanged_outputs in kRingNext) instead of exchanging heads.
   SequenceAttention sequence_attention = SequenceAttention::kUlysses;
   std::function<Result<ModelSpec>(int ranks)> split_for_ring_attention;
+  // Spatial parallelism (kHalo): set by a volume model that can, its description for P ranks,
+  // each running on 1/P of every volume's depth (its inputs' ModelInput::split_axis).
+  std::function<Result<ModelSpec>(int ranks)> split_into_slabs;
 
   // The description for `ranks` ranks: this one for 1, else split_for_tensor_parallel's
   // (split_sharding_sequence's when `shard_sequence`). InvalidArgument naming the model when it
   // cannot split, or not over that many ranks.
   Result<ModelSpec> SplitForTensorParallel(int ranks, bool shard_sequence = false) const;
   // The description for `ranks` sequence ranks: this one for 1, else
-  // split_for_sequence_parallel's (split_for_ring_attention's for kRing). InvalidArgument naming
-  // the model when it cannot.
+  // split_for_sequence_parallel's (split_for_ring_attention's for kRing, split_into_slabs' for
+  // kHalo). InvalidArgument naming the model when it cannot.
   Result<ModelSpec> SplitForSequenceParallel(
       int ranks, SequenceAttention attention = SequenceAttention::kUlysses) const;
   // What a plan of T tensor and P sequence ranks runs (at most one of them above 1), the tensor

@@ -8,6 +8,7 @@
 
 #include "model/model.h"
 #include "ops/standard_ops.h"
+#include "ops/volume_ops.h"
 
 namespace tessera {
 
@@ -135,6 +136,53 @@ ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
     const LayerValue y = l.Call("channel_bias_add_forward", {l.input(0), b2}, {}, "conv2_bias");
     return NormAndActivate(l, 2, y, g2, beta2, style.groups, style.activation);
   });
+}
+
+// up{i}: a kernel-2 stride-2 transposed convolution, from -> to channels, doubling each extent.
+// Parameters named `weight` and `bias`.
+SingleOutputLayerFn UpConvolution(int64_t from, int64_t to, std::string weight, std::string bias) {
+  return [=](LayerBuilder& l) {
+    // Each output voxel of a kernel-2 stride-2 transposed conv sums exactly `from` products.
+    LayerValue w = l.Param(weight, Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
+    LayerValue b = l.Param(bias, Shape{to}, ParamInit::Zeros());
+    return l.Call("conv_transpose3d_forward", {l.input(0), w, b}, Attrs{{"stride", int64_t{2}}},
+                  "upconv");
+  };
+}
+
+// A head: a kernel-1 convolution from `channels` to `classes` (the logits).
+SingleOutputLayerFn Classifier(int64_t channels, int64_t classes, std::string weight,
+                               std::string bias) {
+  return [=](LayerBuilder& l) {
+    LayerValue w =
+        l.Param(weight, Shape{classes, channels, 1, 1, 1}, Kaiming(channels), /*decay=*/true);
+    LayerValue b = l.Param(bias, Shape{classes}, ParamInit::Zeros());
+    return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
+  };
+}
+
+// The loss over inputs (the full-resolution logits, the labels, then head{i}'s logits for
+// i = 1, 2, ...): each level's cross-entropy, weighted as `weights` say.
+SingleOutputLayerFn SegmentationLoss(std::vector<double> weights) {
+  return [weights = std::move(weights)](LayerBuilder& l) {
+    // One level (no deep supervision) is the plain cross-entropy: no weight attribute, so the
+    // program is the one checkpoints of that model were written with.
+    const auto weighted = [&weights](size_t i) {
+      return weights.size() == 1 ? Attrs{} : Attrs{{"weight", weights[i]}};
+    };
+    LayerValue loss =
+        l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, weighted(0), "cross_entropy");
+    for (size_t i = 1; i < weights.size(); ++i) {
+      const LayerValue targets =
+          l.Call("downsample_labels", {l.input(1)}, Attrs{{"factor", int64_t{1} << i}},
+                 fmt::format("labels{}", i));
+      const LayerValue term =
+          l.Call("voxel_cross_entropy", {l.input(static_cast<int>(i) + 1), targets}, weighted(i),
+                 fmt::format("cross_entropy{}", i));
+      loss = l.Call("add_forward", {loss, term}, {}, fmt::format("sum{}", i));
+    }
+    return loss;
+  };
 }
 
 }  // namespace
@@ -320,55 +368,23 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   for (int64_t i = config.depth - 1; i >= 0; --i) {
     const int64_t from = channels(i + 1), to = channels(i);
     const std::string up_name = fmt::format("up{}", i);
-    ModelValue up = model.Layer(up_name, {x}, [=](LayerBuilder& l) {
-      // Each output voxel of a kernel-2 stride-2 transposed conv sums exactly `from` products.
-      LayerValue w =
-          l.Param(named(up_name, "w"), Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
-      LayerValue b = l.Param(named(up_name, "b"), Shape{to}, ParamInit::Zeros());
-      return l.Call("conv_transpose3d_forward", {l.input(0), w, b}, Attrs{{"stride", int64_t{2}}},
-                    "upconv");
-    });
+    ModelValue up = model.Layer(up_name, {x},
+                                UpConvolution(from, to, named(up_name, "w"), named(up_name, "b")));
     x = blocks(fmt::format("dec{}", i), {up, encoded[static_cast<size_t>(i)]}, 2 * to, to);
     if (i >= 1 && i < static_cast<int64_t>(weights.size())) {
       const std::string head = fmt::format("head{}", i);
-      coarse_logits.push_back(model.Layer(head, {x}, [=](LayerBuilder& l) {
-        LayerValue w =
-            l.Param(named(head, "w"), Shape{classes, to, 1, 1, 1}, Kaiming(to), /*decay=*/true);
-        LayerValue b = l.Param(named(head, "b"), Shape{classes}, ParamInit::Zeros());
-        return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
-      }));
+      coarse_logits.push_back(
+          model.Layer(head, {x}, Classifier(to, classes, named(head, "w"), named(head, "b"))));
     }
   }
 
   const int64_t c0 = channels(0);
-  ModelValue logits = model.Layer("head", {x}, [=](LayerBuilder& l) {
-    LayerValue w =
-        l.Param(named("head", "w"), Shape{classes, c0, 1, 1, 1}, Kaiming(c0), /*decay=*/true);
-    LayerValue b = l.Param(named("head", "b"), Shape{classes}, ParamInit::Zeros());
-    return l.Call("conv3d_forward", {l.input(0), w, b}, {}, "classifier");
-  });
+  ModelValue logits =
+      model.Layer("head", {x}, Classifier(c0, classes, named("head", "w"), named("head", "b")));
   // Inputs: the full-resolution logits, the labels, then head{i}'s logits for i = 1, 2, ...
   std::vector<ModelValue> inputs{logits, labels};
   inputs.insert(inputs.end(), coarse_logits.rbegin(), coarse_logits.rend());
-  model.Loss("loss", std::move(inputs), [weights](LayerBuilder& l) {
-    // One level (no deep supervision) is the plain cross-entropy: no weight attribute, so the
-    // program is the one checkpoints of that model were written with.
-    const auto weighted = [&weights](size_t i) {
-      return weights.size() == 1 ? Attrs{} : Attrs{{"weight", weights[i]}};
-    };
-    LayerValue loss =
-        l.Call("voxel_cross_entropy", {l.input(0), l.input(1)}, weighted(0), "cross_entropy");
-    for (size_t i = 1; i < weights.size(); ++i) {
-      const LayerValue targets =
-          l.Call("downsample_labels", {l.input(1)}, Attrs{{"factor", int64_t{1} << i}},
-                 fmt::format("labels{}", i));
-      const LayerValue term =
-          l.Call("voxel_cross_entropy", {l.input(static_cast<int>(i) + 1), targets}, weighted(i),
-                 fmt::format("cross_entropy{}", i));
-      loss = l.Call("add_forward", {loss, term}, {}, fmt::format("sum{}", i));
-    }
-    return loss;
-  });
+  model.Loss("loss", std::move(inputs), SegmentationLoss(weights));
   TESSERA_ASSIGN_OR_RETURN(ModelSpec built, model.Build());
   if (split) {
     for (LayerSpec& layer : built.layers) layer.param_prefix = "";
@@ -384,10 +400,195 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   return built;
 }
 
+// ---- spatial parallelism: the U-Net over P slabs of each volume's depth ----
+
+// A slab's activation as a convolution reads it: the layer making it outputs it (0), its first
+// D-plane passed to the rank before (1, kHaloPrevious) and its last to the rank after (2,
+// kHaloNext), so that a reader receives the plane above its slab (the previous rank's last) and
+// the one below (the next rank's first), zeros past the volume's ends.
+struct Haloed {
+  std::string layer;
+  std::vector<ModelValue> Reads() const {
+    return {ModelBuilder::LayerOutput(layer, 0), ModelBuilder::LayerOutput(layer, 2),
+            ModelBuilder::LayerOutput(layer, 1)};
+  }
+};
+
+// The outputs of a layer whose output `x` a convolution reads: x and its two planes, exchanged.
+std::vector<LayerValue> WithHalos(LayerBuilder& l, LayerValue x) {
+  std::vector<LayerValue> planes = l.CallAll("slab_planes_forward", {x}, {}, "planes");
+  l.Exchange(planes[0], ExchangeLayout::kHaloPrevious);
+  l.Exchange(planes[1], ExchangeLayout::kHaloNext);
+  return {x, planes[0], planes[1]};
+}
+
+// Inputs 3 k .. 3 k + 2 (a Haloed's reads): the slab joined with the planes above and below it.
+// With two haloed inputs (a decoder level: up{i}, then the skip) they are concatenated along
+// channels first, as the whole model's concat_forward does.
+LayerValue JoinedInput(LayerBuilder& l, int haloed) {
+  if (haloed == 1) {
+    return l.Call("halo_join_forward", {l.input(1), l.input(0), l.input(2)}, {}, "halo");
+  }
+  const auto concat = [&](int part, const char* label) {
+    return l.Call("concat_forward", {l.input(part), l.input(3 + part)}, {}, label);
+  };
+  const LayerValue x = concat(0, "skip"), above = concat(1, "skip_above");
+  const LayerValue below = concat(2, "skip_below");
+  return l.Call("halo_join_forward", {above, x, below}, {}, "halo");
+}
+
+// One conv block over slabs, as two layers (a layer boundary where the halos and where the norm's
+// statistics cross between ranks):
+//   <name>.conv<n>  the input joined with its halos, conv3d (depth_padding 0), and the output's
+//                   group-norm statistics over this slab, exchanged by blocks
+//   <out>           group norm with every slab's statistics, the activation; with `halos`, its
+//                   output's planes for the next convolution
+// Parameters keep the whole model's names ("<name>.conv<n>.w", "<name>.norm<n>.b", ...).
+std::string SlabConvBlock(ModelBuilder& model, const std::string& name, const std::string& out,
+                          const BlockParams& params, const std::vector<ModelValue>& inputs,
+                          const BlockStyle& style, int64_t first_stride, int ranks, bool halos) {
+  const std::string conv = fmt::format("{}.conv{}", name, params.n);
+  model.LayerWithOutputs(
+      conv, inputs, [=, haloed = static_cast<int>(inputs.size() / 3)](LayerBuilder& l) {
+        const LayerValue w = params.ConvWeight(l), b = params.ConvBias(l);
+        Attrs attrs{{"padding", int64_t{1}}, {kDepthPaddingAttr, int64_t{0}}};
+        if (first_stride != 1) attrs.Set("stride", first_stride);
+        const LayerValue y =
+            l.Call("conv3d_forward", {JoinedInput(l, haloed), w, b}, attrs, "conv");
+        const LayerValue stats =
+            l.Call("group_norm_stats_forward", {y},
+                   Attrs{{"groups", style.groups}, {"ranks", int64_t{ranks}}}, "stats");
+        l.Exchange(stats, ExchangeLayout::kBlocks);
+        return std::vector<LayerValue>{y, stats};
+      });
+  model.LayerWithOutputs(
+      out, {ModelBuilder::LayerOutput(conv, 0), ModelBuilder::LayerOutput(conv, 1)},
+      [=](LayerBuilder& l) {
+        const LayerValue g = params.NormWeight(l), beta = params.NormBias(l);
+        LayerValue y = l.Call("group_norm_slab_forward", {l.input(0), l.input(1), g, beta},
+                              Attrs{{"groups", style.groups}}, "norm");
+        y = l.Call(style.activation, {y}, {}, "act");
+        return halos ? WithHalos(l, y) : std::vector<LayerValue>{y};
+      });
+  return out;
+}
+
+// A whole-model layer of two conv blocks (`TwoBlocks`) over slabs: four layers, the last named
+// `name` (what readers read), its output with halos when `halos` says a convolution reads it.
+std::string SlabTwoBlocks(ModelBuilder& model, const std::string& name,
+                          const std::vector<Haloed>& inputs, int64_t in, int64_t out,
+                          const BlockStyle& style, int ranks, bool halos) {
+  std::vector<ModelValue> reads;
+  for (const Haloed& input : inputs) {
+    for (ModelValue& read : input.Reads()) reads.push_back(std::move(read));
+  }
+  const std::string prefix = name + ".";
+  const std::string first = SlabConvBlock(
+      model, name, name + ".block1", BlockParams{.prefix = prefix, .n = 1, .in = in, .out = out},
+      reads, style, style.first_stride, ranks, /*halos=*/true);
+  return SlabConvBlock(model, name, name,
+                       BlockParams{.prefix = prefix, .n = 2, .in = out, .out = out},
+                       Haloed{first}.Reads(), style, 1, ranks, halos);
+}
+
+// The U-Net for `ranks` slabs: what each rank runs on its 1/P of every volume's depth (inputs
+// split along it: ModelInput::split_axis), every parameter whole (named as in the whole model).
+// Convolutions read their neighbours' boundary planes and norms every slab's statistics through
+// the exchanges above; pooling, up-convolutions, heads and the loss (each rank's mean over its
+// voxels: the slabs are equal, so their mean is the volume's) stay within the slab.
+Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
+  TESSERA_RETURN_IF_ERROR(config.Validate());
+  const int64_t v = config.volume, factor = int64_t{1} << config.depth;
+  if (ranks < 2 || v % (factor * ranks) != 0) {
+    return InvalidArgument(
+        "unet3d: a volume of depth {} does not split into {} slabs that each level halves "
+        "evenly: --spatial-parallel must divide {} / 2^depth = {} (or use a volume that is a "
+        "multiple of {})",
+        v, ranks, v, v / factor, factor * ranks);
+  }
+  OpRegistry registry;
+  TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  const std::string activation =
+      config.activation == UNetActivation::kLeakyRelu ? "leaky_relu_forward" : "silu_forward";
+  auto style = [&](int64_t out, int64_t first_stride) {
+    return BlockStyle{.groups = config.norm == UNetNorm::kInstance ? out : config.groups,
+                      .activation = activation,
+                      .first_stride = first_stride};
+  };
+  auto channels = [&](int64_t level) { return config.Channels(level); };
+  ModelBuilder model("unet3d", registry);
+  model.SplitSequenceOver(ranks, SequenceAttention::kHalo);
+  const int64_t slab = v / ranks;
+  const ModelValue volume =
+      model.Input("volume", DType::kF32, Shape{1, config.in_channels, slab, v, v});
+  const ModelValue labels =
+      model.Input("labels", DType::kI32, Shape{1, slab, v, v}, /*label=*/true);
+  // The volume's own halos, for the first convolution.
+  model.LayerWithOutputs("volume.halo", {volume}, [](LayerBuilder& l) {
+    std::vector<LayerValue> outputs = WithHalos(l, l.Call("identity", {l.input(0)}, {}, "slab"));
+    return outputs;
+  });
+  const bool strided = config.downsample == UNetDownsample::kStridedConv;
+  std::vector<std::string> encoded;
+  Haloed x{"volume.halo"};
+  int64_t in = config.in_channels;
+  for (int64_t i = 0; i < config.depth; ++i) {
+    const std::string enc = fmt::format("enc{}", i);
+    // Its output is read by the next level's strided convolution, or by pooling; and by the
+    // decoder's first convolution either way (the skip).
+    encoded.push_back(SlabTwoBlocks(model, enc, {x}, in, channels(i),
+                                    style(channels(i), strided && i > 0 ? 2 : 1), ranks,
+                                    /*halos=*/true));
+    if (strided) {
+      x = Haloed{enc};
+    } else {
+      const std::string down = fmt::format("down{}", i);
+      model.LayerWithOutputs(down, {ModelBuilder::LayerOutput(enc)}, [](LayerBuilder& l) {
+        return WithHalos(
+            l, l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}}, "pool"));
+      });
+      x = Haloed{down};
+    }
+    in = channels(i);
+  }
+  std::string deepest = SlabTwoBlocks(model, "bottleneck", {x}, in, channels(config.depth),
+                                      style(channels(config.depth), strided ? 2 : 1), ranks,
+                                      /*halos=*/false);
+  const std::vector<double> weights = config.DeepSupervisionWeights();
+  std::vector<ModelValue> coarse_logits;
+  const int64_t classes = config.classes;
+  for (int64_t i = config.depth - 1; i >= 0; --i) {
+    const int64_t from = channels(i + 1), to = channels(i);
+    const std::string up = fmt::format("up{}", i), dec = fmt::format("dec{}", i);
+    const SingleOutputLayerFn upconv = UpConvolution(from, to, up + ".w", up + ".b");
+    model.LayerWithOutputs(up, {ModelBuilder::LayerOutput(deepest)},
+                           [upconv](LayerBuilder& l) { return WithHalos(l, upconv(l)); });
+    deepest = SlabTwoBlocks(model, dec, {Haloed{up}, Haloed{encoded[static_cast<size_t>(i)]}},
+                            2 * to, to, style(to, 1), ranks, /*halos=*/false);
+    if (i >= 1 && i < static_cast<int64_t>(weights.size())) {
+      const std::string head = fmt::format("head{}", i);
+      coarse_logits.push_back(model.Layer(head, {ModelBuilder::LayerOutput(deepest)},
+                                          Classifier(to, classes, head + ".w", head + ".b")));
+    }
+  }
+  const ModelValue logits = model.Layer("head", {ModelBuilder::LayerOutput(deepest)},
+                                        Classifier(channels(0), classes, "head.w", "head.b"));
+  std::vector<ModelValue> inputs{logits, labels};
+  inputs.insert(inputs.end(), coarse_logits.rbegin(), coarse_logits.rend());
+  model.Loss("loss", std::move(inputs), SegmentationLoss(weights));
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec built, model.Build());
+  for (LayerSpec& layer : built.layers) layer.param_prefix = "";
+  built.inputs[0].split_axis = 2;  // volume [N, C, D, H, W]
+  built.inputs[1].split_axis = 1;  // labels [N, D, H, W]
+  return built;
+}
+
 }  // namespace
 
 Result<ModelSpec> BuildUNet3d(const UNet3dConfig& config, const OpRegistry& registry) {
-  return BuildFor(config, registry, 1);
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildFor(config, registry, 1));
+  model.split_into_slabs = [config](int ranks) { return BuildSlabs(config, ranks); };
+  return model;
 }
 
 }  // namespace tessera

@@ -245,15 +245,17 @@ Status AddCollectiveOps(OpRegistry& r) {
              "exchange_layout.h): blocks (that), to_sequence ([P, B, S, ...] -> [B, P S, ...]: "
              "the received blocks joined along each row's sequence) or from_sequence (its "
              "adjoint), ring_next (x whole to member r + 1, out from r - 1) or ring_previous "
-             "(its adjoint). Sequence parallelism uses it to turn a sequence split into a head "
-             "split and back (Ulysses) and to rotate keys and values (ring attention)",
+             "(its adjoint), halo_next (x whole to member r + 1, out from r - 1, zeros on the "
+             "first member) or halo_previous (its adjoint). Sequence parallelism uses it to turn "
+             "a sequence split into a head split and back (Ulysses), to rotate keys and values "
+             "(ring attention) and to pass a volume's slabs their neighbours' boundary planes",
       .input_names = {"x"},
       .output_names = {"out"},
       .control_inputs = true,
       .infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckCollective(in[0], attrs, /*reduces=*/false));
         TESSERA_ASSIGN_OR_RETURN(ExchangeLayout layout, ExchangeLayoutOf(attrs));
-        if (RotatesRing(layout)) return Metas{in[0]};  // sent whole: no blocks
+        if (RotatesRing(layout) || PassesHalo(layout)) return Metas{in[0]};  // whole: no blocks
         TESSERA_ASSIGN_OR_RETURN(const int64_t size, BlockCount(in[0], attrs));
         TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> dims,
                                  ExchangedDims(in[0].shape.dims(), layout, size));
@@ -265,7 +267,7 @@ Status AddCollectiveOps(OpRegistry& r) {
       .cost =
           [](const Metas& in, const Attrs& attrs) {
             Result<ExchangeLayout> layout = ExchangeLayoutOf(attrs);
-            if (layout.ok() && RotatesRing(*layout)) {
+            if (layout.ok() && (RotatesRing(*layout) || PassesHalo(*layout))) {
               return OpCost{static_cast<double>(in[0].numel()), Bytes(in)};
             }
             return CollectiveCost(1)(in, attrs);

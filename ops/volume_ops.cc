@@ -24,6 +24,10 @@ int64_t Conv3dPositionsPerChunk(int64_t column_rows, int64_t out_volume) {
   return std::max<int64_t>(1, std::min(chunk, out_volume));
 }
 
+int64_t DepthPadding(const Attrs& attrs) {
+  return attrs.GetInt(kDepthPaddingAttr, attrs.GetInt("padding", 0));
+}
+
 int64_t Conv3dWorkspaceFloats(int64_t column_rows, int64_t out_volume) {
   return column_rows * std::min(Conv3dPositionsPerChunk(column_rows, out_volume), out_volume);
 }
@@ -104,6 +108,8 @@ Result<Shape> ConvOutputShape(const Metas& in, int x_index, const Attrs& attrs, 
   const TensorMeta& weight = in[x_index + 1];
   TESSERA_ASSIGN_OR_RETURN(const int64_t stride, IntAttr(attrs, "stride", 1, 1));
   TESSERA_ASSIGN_OR_RETURN(const int64_t padding, IntAttr(attrs, "padding", 0, 0));
+  TESSERA_ASSIGN_OR_RETURN(const int64_t depth_padding,
+                           IntAttr(attrs, kDepthPaddingAttr, padding, 0));
   TESSERA_RETURN_IF_ERROR(CheckVolume(op, "x", x));
   TESSERA_RETURN_IF_ERROR(CheckF32("weight", weight));
   const int64_t in_channels = x.shape[1];
@@ -121,16 +127,17 @@ Result<Shape> ConvOutputShape(const Metas& in, int x_index, const Attrs& attrs, 
   std::vector<int64_t> dims = {x.shape[0], out_channels};
   for (int axis = 2; axis < 5; ++axis) {
     const int64_t extent = x.shape[axis], kernel = weight.shape[axis];
+    const int64_t pad = axis == 2 ? depth_padding : padding;
     if (kernel < 1) {
       return InvalidArgument("input 'weight' has shape {}: kernel extents must be >= 1",
                              weight.shape.ToString());
     }
-    const int64_t out = transposed ? (extent - 1) * stride - 2 * padding + kernel
-                                   : (extent + 2 * padding - kernel) / stride + 1;
-    if (extent < 1 || out < 1 || (!transposed && extent + 2 * padding < kernel)) {
+    const int64_t out = transposed ? (extent - 1) * stride - 2 * pad + kernel
+                                   : (extent + 2 * pad - kernel) / stride + 1;
+    if (extent < 1 || out < 1 || (!transposed && extent + 2 * pad < kernel)) {
       return InvalidArgument(
           "{} of x {} with weight {}, stride {}, padding {} leaves no output along axis {}", op,
-          x.shape.ToString(), weight.shape.ToString(), stride, padding, axis);
+          x.shape.ToString(), weight.shape.ToString(), stride, pad, axis);
     }
     dims.push_back(out);
   }
@@ -464,6 +471,178 @@ Status AddGroupNormOps(OpRegistry& r) {
   });
 }
 
+// ---- slabs: a volume split along its depth over spatial-parallel ranks ----
+
+// [N, C, D, H, W] with D replaced by `depth`.
+Shape WithDepth(const Shape& shape, int64_t depth) {
+  std::vector<int64_t> dims = shape.dims();
+  dims[2] = depth;
+  return Shape(std::move(dims));
+}
+
+// Whether `plane` is one D-plane of `volume`: [N, C, 1, H, W] beside [N, C, D, H, W].
+Status CheckPlane(const char* name, const TensorMeta& plane, const TensorMeta& volume) {
+  return CheckMeta(name, plane, WithDepth(volume.shape, 1));
+}
+
+Status AddHaloOps(OpRegistry& r) {
+  const InferFn planes_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes", "x", in[0]));
+    const TensorMeta plane = F32Like(in[0], WithDepth(in[0].shape, 1));
+    return Metas{plane, plane};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "slab_planes_forward",
+      .doc = "first, last: x's first and last D-planes [N, C, 1, H, W] (a slab's halos, passed to "
+             "the ranks before and after it)",
+      .input_names = {"x"},
+      .output_names = {"first", "last"},
+      .infer = planes_infer,
+      .cost = CostOf(planes_infer, [](const Metas&, const Metas&) { return 0.0; }),
+      .gradient = Rule("slab_planes_backward", {OutGrad(0), OutGrad(1), In(0)}, {0}),
+  }));
+  const InferFn planes_backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes_backward", "x", in[2]));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("dfirst", in[0], in[2]));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("dlast", in[1], in[2]));
+    return Metas{in[2]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "slab_planes_backward",
+      .doc = "dx: zeros but for dfirst added at D-plane 0 and dlast at D-plane D - 1 (x is read "
+             "for its shape only)",
+      .input_names = {"dfirst", "dlast", "x"},
+      .output_names = {"dx"},
+      .infer = planes_backward_infer,
+      .cost = CostOf(planes_backward_infer, [](const Metas&, const Metas&) { return 0.0; }),
+  }));
+  const InferFn join_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckVolume("halo_join", "x", in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("above", in[0], in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("below", in[2], in[1]));
+    return Metas{F32Like(in[1], WithDepth(in[1].shape, in[1].shape[2] + 2))};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "halo_join_forward",
+      .doc = "out [N, C, D + 2, H, W] = [above; x; below] along D: a slab with the plane of the "
+             "slab before it and of the one after it (zeros past the volume's ends), which a "
+             "convolution with depth_padding 0 reads as the whole volume's would",
+      .input_names = {"above", "x", "below"},
+      .output_names = {"out"},
+      .infer = join_infer,
+      .cost = CostOf(join_infer, [](const Metas&, const Metas&) { return 0.0; }),
+      .gradient = Rule("halo_join_backward", {OutGrad(0)}, {0, 1, 2}),
+  }));
+  const InferFn join_backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckVolume("halo_join_backward", "dout", in[0]));
+    if (in[0].shape[2] < 3) {
+      return InvalidArgument("input 'dout' has shape {}: a joined slab has at least 3 D-planes",
+                             in[0].shape.ToString());
+    }
+    const TensorMeta plane = F32Like(in[0], WithDepth(in[0].shape, 1));
+    return Metas{plane, F32Like(in[0], WithDepth(in[0].shape, in[0].shape[2] - 2)), plane};
+  };
+  return r.AddOp(OpDef{
+      .name = "halo_join_backward",
+      .doc = "dabove, dx, dbelow: dout's first D-plane, the middle ones and its last",
+      .input_names = {"dout"},
+      .output_names = {"dabove", "dx", "dbelow"},
+      .infer = join_backward_infer,
+      .cost = CostOf(join_backward_infer, [](const Metas&, const Metas&) { return 0.0; }),
+  });
+}
+
+// The statistics group_norm_stats makes for `ranks` ranks of x [N, C, *]: [P, N, G, 4].
+Shape SlabStatsShape(int64_t ranks, const TensorMeta& x, int64_t groups) {
+  return Shape{ranks, x.shape[0], groups, kSlabStatsWidth};
+}
+
+Status AddSlabNormOps(OpRegistry& r) {
+  const InferFn stats_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t ranks, IntAttr(attrs, "ranks", 1, 1));
+    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t groups, attrs.GetInt("groups"));
+    if (in[0].shape.rank() < 2 || groups < 1 || in[0].shape[1] % groups != 0) {
+      return InvalidArgument(
+          "input 'x' {} must be [N, C, ...] with attribute 'groups' ({}) "
+          "dividing C",
+          in[0].shape.ToString(), groups);
+    }
+    return Metas{F32Like(in[0], SlabStatsShape(ranks, in[0], groups))};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "group_norm_stats_forward",
+      .doc = "stats [P, N, G, 4]: this slab's sum and sum of squares over each (sample, group) "
+             "of x [N, C, *] (attrs groups, ranks P), each as a high and a low f32 whose sum is "
+             "the double (hi(sum), lo(sum), hi(squares), lo(squares)), the same in each of the "
+             "P blocks: an all-to-all of blocks hands every rank every slab's",
+      .input_names = {"x"},
+      .output_names = {"stats"},
+      .infer = stats_infer,
+      .cost = CostOf(stats_infer, [](const Metas& in, const Metas&) { return 2.0 * Numel(in[0]); }),
+      .gradient = Rule("group_norm_stats_backward", {OutGrad(0), In(0)}, {0}),
+  }));
+  const InferFn stats_backward_infer = [stats_infer](const Metas& in,
+                                                     const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(Metas forward, stats_infer({in[1]}, attrs));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dstats", in[0], forward[0].shape));
+    return Metas{in[1]};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "group_norm_stats_backward",
+      .doc = "dx = sum over the P blocks of (dstats[.., 0] + 2 x dstats[.., 2]): the high parts "
+             "carry the gradient of each sum",
+      .input_names = {"dstats", "x"},
+      .output_names = {"dx"},
+      .infer = stats_backward_infer,
+      .cost = CostOf(stats_backward_infer,
+                     [](const Metas& in, const Metas&) { return 3.0 * Numel(in[1]); }),
+  }));
+  // x [N, C, *], stats [P, N, G, 4] (every slab's), weight, bias.
+  const InferFn slab_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[0], in[2], attrs));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[3], Shape{in[0].shape[1]}));
+    const int64_t ranks = in[1].shape.rank() == 4 ? in[1].shape[0] : 0;
+    TESSERA_RETURN_IF_ERROR(
+        CheckMeta("stats", in[1], SlabStatsShape(std::max<int64_t>(ranks, 1), in[0], groups)));
+    const Shape stats{in[0].shape[0], groups};
+    return Metas{F32Like(in[0], in[0].shape), F32Like(in[0], stats), F32Like(in[0], stats)};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "group_norm_slab_forward",
+      .doc = "group_norm_forward of a slab with the statistics of every slab of the volume "
+             "(stats [P, N, G, 4] from group_norm_stats, exchanged): mean and variance over all "
+             "P equal slabs (attrs groups, eps default 1e-5); y, mean and rstd [N, G] as "
+             "group_norm_forward's",
+      .input_names = {"x", "stats", "weight", "bias"},
+      .output_names = {"y", "mean", "rstd"},
+      .infer = slab_infer,
+      .cost = CostOf(slab_infer, [](const Metas& in, const Metas&) { return 4.0 * Numel(in[0]); }),
+      .gradient = Rule("group_norm_slab_backward",
+                       {OutGrad(0), In(0), In(1), In(2), Out(1), Out(2)}, {0, 1, 2, 3}),
+  }));
+  const InferFn slab_backward_infer = [slab_infer](const Metas& in,
+                                                   const Attrs& attrs) -> Result<Metas> {
+    // dy, x, stats, weight, mean, rstd.
+    TESSERA_ASSIGN_OR_RETURN(Metas forward, slab_infer({in[1], in[2], in[3], in[3]}, attrs));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("mean", in[4], forward[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("rstd", in[5], forward[2].shape));
+    return Metas{in[1], in[2], in[3], in[3]};
+  };
+  return r.AddOp(OpDef{
+      .name = "group_norm_slab_backward",
+      .doc = "dx (this slab's own term), dstats (the gradients of the volume's sum and sum of "
+             "squares, in each block's high parts: group_norm_stats_backward adds their term to "
+             "every slab's dx), dweight, dbias (this slab's sums)",
+      .input_names = {"dy", "x", "stats", "weight", "mean", "rstd"},
+      .output_names = {"dx", "dstats", "dweight", "dbias"},
+      .infer = slab_backward_infer,
+      .cost = CostOf(slab_backward_infer,
+                     [](const Metas& in, const Metas&) { return 8.0 * Numel(in[0]); }),
+  });
+}
+
 // ---- elementwise activations and channel concatenation ----
 
 Status AddActivationOps(OpRegistry& r) {
@@ -674,6 +853,8 @@ Status RegisterVolumeOps(OpRegistry& registry) {
   TESSERA_RETURN_IF_ERROR(AddChannelBiasOps(registry));
   TESSERA_RETURN_IF_ERROR(AddResamplingOps(registry));
   TESSERA_RETURN_IF_ERROR(AddGroupNormOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddHaloOps(registry));
+  TESSERA_RETURN_IF_ERROR(AddSlabNormOps(registry));
   TESSERA_RETURN_IF_ERROR(AddActivationOps(registry));
   TESSERA_RETURN_IF_ERROR(AddConcatOps(registry));
   return AddSegmentationOps(registry);

@@ -8,8 +8,9 @@
 //
 //   conv3d_forward            x [N,Cin,D,H,W], weight [Cout,Cin,kD,kH,kW], bias [Cout] -> y
 //                             attrs stride (default 1), padding (default 0), the same on every
-//                             spatial axis; y's extent per axis is
-//                             (in + 2*padding - k) / stride + 1
+//                             spatial axis but D's where attr depth_padding is given (a slab of
+//                             a volume joined with its neighbours' halo planes: 0); y's extent
+//                             per axis is (in + 2*padding - k) / stride + 1
 //   conv3d_backward           dy, x, weight -> dx, dweight, dbias
 //   conv3d_no_bias_forward    x, weight -> y: conv3d without a bias (the row-parallel half of a
 //                             tensor-parallel pair, whose partial sums are added before the
@@ -33,6 +34,22 @@
 //                             rstd are saved for the backward; gradients flowing into them are
 //                             ignored
 //   group_norm_backward       dy, x, weight, mean, rstd -> dx, dweight, dbias
+//   Spatial parallelism (a volume's slabs along D, one a rank; model/unet3d.h):
+//   slab_planes_forward       x [N,C,D,H,W] -> first, last [N,C,1,H,W]: its first and last
+//                             D-planes, the halos it passes to the slabs before and after it
+//   slab_planes_backward      dfirst, dlast, x -> dx (zeros but for the two planes)
+//   halo_join_forward         above, x, below -> out [N,C,D+2,H,W] = [above; x; below] along D
+//                             (what a convolution with depth_padding 0 reads)
+//   halo_join_backward        dout -> dabove, dx, dbelow
+//   group_norm_stats_forward  x [N,C,*] -> stats [P,N,G,4]: the slab's sum and sum of squares
+//                             per (sample, group), each a double as a high and a low f32, in
+//                             each of P blocks (attrs groups, ranks P): an all-to-all of blocks
+//                             hands every rank every slab's
+//   group_norm_stats_backward dstats, x -> dx (the high parts carry each sum's gradient)
+//   group_norm_slab_forward   x, stats [P,N,G,4] (every slab's), weight, bias -> y, mean, rstd:
+//                             group_norm_forward with the whole volume's mean and variance
+//   group_norm_slab_backward  dy, x, stats, weight, mean, rstd -> dx (the slab's own term),
+//                             dstats, dweight, dbias
 //   relu_forward, silu_forward    x (any shape) -> y
 //   relu_backward, silu_backward  dy, x -> dx
 //   leaky_relu_forward/_backward  the same; slope kLeakyReluSlope (0.01, nnU-Net's) below zero
@@ -65,6 +82,15 @@ namespace tessera {
 // function of the shape only).
 int64_t Conv3dPositionsPerChunk(int64_t column_rows, int64_t out_volume);
 int64_t Conv3dWorkspaceFloats(int64_t column_rows, int64_t out_volume);
+
+// The last dimension of group_norm_stats' statistics: hi(sum), lo(sum), hi(squares),
+// lo(squares).
+inline constexpr int64_t kSlabStatsWidth = 4;
+
+// A convolution's zero padding along D (axis 2 of x): attribute depth_padding, else padding (as
+// along H and W), else 0.
+inline constexpr const char* kDepthPaddingAttr = "depth_padding";
+int64_t DepthPadding(const Attrs& attrs);
 
 // Adds the volume ops above. Called by RegisterStandardOps; AlreadyExists if called twice.
 Status RegisterVolumeOps(OpRegistry& registry);

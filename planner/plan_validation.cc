@@ -78,12 +78,17 @@ Status CheckRanks(const TrainingPlan& plan) {
   }
   if (p.sequence_parallel > 1) {
     if (!plan.device.is_cpu()) {
+      const bool slabs = p.sequence_attention == SequenceAttention::kHalo;
       return InvalidArgument(
-          "sequence parallelism runs the model's split layer programs, which run on CPU workers: "
-          "use --sequence-parallel none on {}",
-          plan.device.ToString());
+          "{} parallelism runs the model's split layer programs, which run on CPU workers: use "
+          "{} on {}",
+          slabs ? "spatial" : "sequence",
+          slabs ? "--spatial-parallel 1" : "--sequence-parallel none", plan.device.ToString());
     }
-    TESSERA_RETURN_IF_ERROR(CheckSequenceSplits(plan.seq_len, p.sequence_parallel, "sequence"));
+    // Slabs split a volume's depth, which the model's split checks (ModelSpec::split_into_slabs).
+    if (p.sequence_attention != SequenceAttention::kHalo) {
+      TESSERA_RETURN_IF_ERROR(CheckSequenceSplits(plan.seq_len, p.sequence_parallel, "sequence"));
+    }
   }
   if (p.shard_sequence) {
     if (p.tensor_parallel < 2) {
@@ -225,13 +230,10 @@ Status CheckCostsAndWorkers(const ParallelConfig& p, const ModelSpec& model) {
 Status TrainingPlan::Validate(const ModelSpec& model) const {
   // A whole model is checked as the step will be planned on it: split for the tensor or
   // sequence ranks.
-  const bool rings =
-      parallel.sequence_parallel > 1 && parallel.sequence_attention == SequenceAttention::kRing;
   if (model.tensor_parallel != parallel.tensor_parallel ||
       model.sequence_parallel != parallel.sequence_parallel ||
       (model.rewritten() && model.shards_sequence != parallel.shard_sequence) ||
-      (model.sequence_parallel > 1 &&
-       (model.sequence_attention == SequenceAttention::kRing) != rings)) {
+      (model.sequence_parallel > 1 && model.sequence_attention != parallel.sequence_attention)) {
     if (model.rewritten()) {
       return InvalidArgument(
           "the plan splits layers over {} tensor-parallel and sequences over {} rank(s) ({}) but "

@@ -760,17 +760,20 @@ Status Trainer::CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64
   return Status::Ok();
 }
 
-Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows,
+Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t rows, int axis,
                                   int64_t first_position, int64_t positions) {
   std::vector<int64_t> dims = batch.shape().dims();
   const int64_t row_bytes = batch.bytes() / dims[0];
-  // Each row's part: all of it, or positions [first_position, + positions) of dimension 1.
-  int64_t offset = 0, part = row_bytes;
+  // Each row's part: all of it, or in each of its `runs` blocks along dimension `axis`,
+  // positions [first_position, + positions).
+  int64_t offset = 0, part = row_bytes, runs = 1, run_bytes = row_bytes;
   if (positions >= 0) {
-    const int64_t position_bytes = row_bytes / dims[1];
+    for (int d = 1; d < axis; ++d) runs *= dims[static_cast<size_t>(d)];
+    run_bytes = row_bytes / runs;
+    const int64_t position_bytes = run_bytes / dims[static_cast<size_t>(axis)];
     offset = first_position * position_bytes;
     part = positions * position_bytes;
-    dims[1] = positions;
+    dims[static_cast<size_t>(axis)] = positions;
   }
   dims[0] = rows;
   Result<Tensor> made = Tensor::Empty(
@@ -782,8 +785,8 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
   if (part == row_bytes) {
     std::memcpy(to, from, static_cast<size_t>(rows * row_bytes));
   } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(to + r * part, from + r * row_bytes, static_cast<size_t>(part));
+    for (int64_t r = 0; r < rows * runs; ++r) {
+      std::memcpy(to + r * part, from + r * run_bytes, static_cast<size_t>(part));
     }
   }
   return backend_->Upload(std::move(t));
@@ -910,15 +913,22 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t micro_batches = p.micro_batches;
   for (size_t input = 0; input < graph->inputs.size(); ++input) {
     const std::vector<ObjectId>& pieces = graph->inputs[input];
-    const int64_t positions = p.sequence_parallel > 1 && model_.inputs[input].sequence
-                                  ? p.RankSeqLen(plan_.seq_len)
-                                  : -1;  // all of each row
+    // All of each row, a sequence rank's 1/P of its positions, or a slab's of its depth.
+    const int split_axis = split_.inputs[input].split_axis;
+    int axis = 1;
+    int64_t positions = -1;
+    if (p.sequence_parallel > 1 && split_axis >= 1 && split_axis < batch[input].shape().rank()) {
+      axis = split_axis;
+      positions = batch[input].shape()[split_axis] / p.sequence_parallel;
+    } else if (p.sequence_parallel > 1 && model_.inputs[input].sequence) {
+      positions = p.RankSeqLen(plan_.seq_len);
+    }
     for (size_t i = 0; i < pieces.size(); ++i) {
       const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
       const int64_t slice =
           p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
       TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
-                               UploadRows(batch[input], slice * micro, micro,
+                               UploadRows(batch[input], slice * micro, micro, axis,
                                           p.SequenceRankOf(rank) * positions, positions));
     }
   }

@@ -192,8 +192,9 @@ class Trainer {
   Status CheckBatch(const std::vector<Tensor>& batch, int64_t rows, int64_t seq_len,
                     bool labels) const;
   // Rows [first, first + rows) of a batch tensor, uploaded; with `positions` >= 0, only their
-  // positions [first_position, + positions) (dimension 1: a sequence rank's part).
-  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows,
+  // positions [first_position, + positions) along dimension `axis` (a sequence rank's part of
+  // dimension 1, a slab's of a volume's depth).
+  Result<Value> UploadRows(const Tensor& batch, int64_t first, int64_t rows, int axis = 1,
                            int64_t first_position = 0, int64_t positions = -1);
   Status PrepareStepGraph();
 

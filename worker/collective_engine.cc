@@ -1,6 +1,7 @@
 #include "worker/collective_engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include "collectives/compressed.h"
@@ -50,6 +51,22 @@ Status AllToAllInLayout(Communicator& communicator, const Tensor& in, const Tens
     return communicator.SendRecv(in.raw_data(), in.numel(), forward ? next : previous,
                                  out.raw_data(), out.numel(), forward ? previous : next,
                                  in.dtype());
+  }
+  if (PassesHalo(layout)) {
+    // Along the line of members: to the next and from the previous (kHaloNext), or the other
+    // way round; an end without a sender receives zeros, one without a receiver sends nothing.
+    const int rank = communicator.rank();
+    const bool forward = layout == ExchangeLayout::kHaloNext;
+    const int to = forward ? rank + 1 : rank - 1, from = forward ? rank - 1 : rank + 1;
+    const bool sends = to >= 0 && to < size, receives = from >= 0 && from < size;
+    if (!receives) std::memset(out.raw_data(), 0, static_cast<size_t>(out.bytes()));
+    if (sends && receives) {
+      return communicator.SendRecv(in.raw_data(), in.numel(), to, out.raw_data(), out.numel(), from,
+                                   in.dtype());
+    }
+    if (sends) return communicator.Send(in.raw_data(), in.numel(), in.dtype(), to);
+    if (receives) return communicator.Recv(out.raw_data(), out.numel(), in.dtype(), from);
+    return Status::Ok();
   }
   if (in.numel() % size != 0) {
     return InvalidArgument(

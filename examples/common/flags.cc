@@ -571,6 +571,21 @@ std::string DescribeTensorParallel(const StepGraph& step, const ModelSpec& plann
 std::string DescribeSequenceParallel(const StepGraph& step, const ModelSpec& planned) {
   const ParallelConfig& p = step.parallel;
   if (p.sequence_parallel == 1) return "";
+  if (p.sequence_attention == SequenceAttention::kHalo) {
+    int halos = 0, statistics = 0;
+    for (const LayerSpec& layer : planned.layers) {
+      for (const ExchangeLayout layout : layer.exchanged_outputs) {
+        halos += PassesHalo(layout) ? 1 : 0;
+        statistics += layout == ExchangeLayout::kBlocks ? 1 : 0;
+      }
+    }
+    return fmt::format(
+        "each volume in {} slabs of its depth ({} group(s) of the {} data-parallel ranks, each "
+        "rank one slab of every volume); per forward, {} boundary planes passed to a neighbour "
+        "(halos for the convolutions) and {} norms' statistics exchanged by all-to-alls",
+        p.sequence_parallel, p.data_parallel / p.sequence_parallel, p.data_parallel, halos,
+        statistics);
+  }
   std::vector<std::string> exchanged;
   for (const LayerSpec& layer : planned.layers) {
     for (size_t o = 0; o < layer.exchanged_outputs.size(); ++o) {

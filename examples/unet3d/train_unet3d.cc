@@ -62,6 +62,7 @@ struct Flags {
   int64_t cases = 8;              // ... this many
   int64_t volume = 0;             // the patch's edge; 0: the preset's
   bool deep_supervision = false;  // nnU-Net's extra heads at coarser decoder levels
+  int spatial_parallel = 1;       // slabs each volume's depth splits into, one a worker
   bool predict = false;           // whole-volume inference after training
   std::string predict_out;        // ... writing the predicted label maps here
   examples::CommonFlags common;
@@ -269,12 +270,36 @@ Result<float> Dice(tessera::Trainer& trainer, const std::vector<tessera::Tensor>
                                  batch[1].shape()[0], config.classes, voxels);
 }
 
+// --spatial-parallel S: each volume's depth split into S slabs over groups of S of the
+// data-parallel workers (the plan's sequence ranks, splitting volumes instead of sequences).
+Status ApplySpatialParallel(const Flags& flags, tessera::TrainingPlan& plan) {
+  const int slabs = flags.spatial_parallel;
+  if (slabs == 1) return Status::Ok();
+  tessera::ParallelConfig& p = plan.parallel;
+  if (p.sequence_parallel > 1 || p.tensor_parallel > 1) {
+    return tessera::InvalidArgument(
+        "--spatial-parallel {} splits volumes into slabs; it does not combine with "
+        "--sequence-parallel or --tensor-parallel: use one of them",
+        slabs);
+  }
+  if (p.data_parallel % slabs != 0) {
+    return tessera::InvalidArgument(
+        "--spatial-parallel {} puts each slab of a volume on its own worker, but there are {} "
+        "data-parallel worker(s): use --workers {} (or a multiple of {})",
+        slabs, p.data_parallel, slabs, slabs);
+  }
+  p.sequence_parallel = slabs;
+  p.sequence_attention = tessera::SequenceAttention::kHalo;
+  return Status::Ok();
+}
+
 Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const tessera::ModelSpec& model,
                                        const examples::Runtime& runtime) {
   tessera::TrainingPlan plan;
   plan.batch = flags.batch;
   plan.optimizer.weight_decay = 0.0;
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags.common, kProgram, plan));
+  TESSERA_RETURN_IF_ERROR(ApplySpatialParallel(flags, plan));
   // --device cuda: the step on a GPU (this process's, or each worker's own). The volume ops take
   // f32 activations (bf16 ones are future work), so the U-Net computes in f32 there too.
   if (!runtime.device.is_cpu()) plan.device = tessera::Device::Cuda(0);
@@ -331,6 +356,12 @@ Status Train(const Flags& flags) {
           examples::DescribePipeline(trainer->step_graph(), trainer->planned_model());
       !pipeline.empty()) {
     std::printf("pipeline %s\n", pipeline.c_str());
+  }
+  // Under --spatial-parallel S: how the volumes split and what crosses between slabs.
+  if (std::string slabs =
+          examples::DescribeSequenceParallel(trainer->step_graph(), trainer->planned_model());
+      !slabs.empty()) {
+    std::printf("spatial parallel: %s\n", slabs.c_str());
   }
   // Under --tensor-parallel T: each layer's split (every pair of conv blocks Megatron-style).
   if (std::string tensor =
@@ -392,6 +423,12 @@ int Main(int argc, char** argv) {
                "nnU-Net's deep supervision: heads at decoder levels 1 to depth - 2 as well, each "
                "level's cross-entropy against the labels sampled down to it, weighted 2^-level "
                "(normalised); the loss printed is that sum (needs depth >= 3: --preset nnunet)");
+  app.add_option("--spatial-parallel", flags.spatial_parallel,
+                 "S: each volume split into S slabs of its depth, one on each of S workers "
+                 "(--workers a multiple of S), for volumes beyond one worker: convolutions read "
+                 "their neighbours' boundary planes (halos), norms every slab's statistics; the "
+                 "volume's depth / 2^depth must be a multiple of S (CPU workers)")
+      ->check(tessera::AtLeast(1));
   app.add_option("--steps", flags.steps, "Training steps")->check(tessera::AtLeast(0));
   app.add_option("--batch", flags.batch, "Volumes per step")->check(tessera::AtLeast(1));
   app.add_option("--lr", flags.lr, "Learning rate (AdamW, constant)")->check(tessera::AboveZero());

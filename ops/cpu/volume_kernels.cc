@@ -47,7 +47,7 @@ void Vol2Col(float* col, const float* vol, const Conv3dGeometry& g, int64_t p0, 
           float* out = col + r * cols;
           ForEachRun(g, p0, p1, [&](int64_t j, int64_t od, int64_t oh, int64_t ow0, int64_t ow1) {
             float* dst = out + j - ow0;
-            const int64_t id = od * g.stride - g.padding + a, ih = oh * g.stride - g.padding + b;
+            const int64_t id = od * g.stride - g.padding_d + a, ih = oh * g.stride - g.padding + b;
             if (id < 0 || id >= g.in_d || ih < 0 || ih >= g.in_h) {
               std::fill(dst + ow0, dst + ow1, 0.0f);
               return;
@@ -74,7 +74,7 @@ void Col2Vol(float* vol, const float* col, const Conv3dGeometry& g, int64_t p0, 
         const float* in = col + (c * taps + tap) * cols;
         ForEachRun(g, p0, p1, [&](int64_t j, int64_t od, int64_t oh, int64_t ow0, int64_t ow1) {
           const float* src = in + j - ow0;
-          const int64_t id = od * g.stride - g.padding + a, ih = oh * g.stride - g.padding + b;
+          const int64_t id = od * g.stride - g.padding_d + a, ih = oh * g.stride - g.padding + b;
           if (id < 0 || id >= g.in_d || ih < 0 || ih >= g.in_h) return;
           float* dst = v + (id * g.in_h + ih) * g.in_w;
           for (int64_t ow = ow0; ow < ow1; ++ow) {

@@ -37,13 +37,14 @@ namespace tessera::cpu {
 
 // A convolution from x [batch, in_channels, in_d, in_h, in_w] to
 // y [batch, out_channels, out_d, out_h, out_w] with weight [out_channels, in_channels, kd, kh, kw],
-// the same stride and zero padding on every axis: y position o reads x at o * stride - padding + k.
+// the same stride and zero padding on every axis but D's (padding_d): y position o reads x at
+// o * stride - padding + k.
 struct Conv3dGeometry {
   int64_t batch = 1;
   int64_t in_channels = 1, in_d = 1, in_h = 1, in_w = 1;
   int64_t out_channels = 1, out_d = 1, out_h = 1, out_w = 1;
   int64_t kd = 1, kh = 1, kw = 1;
-  int64_t stride = 1, padding = 0;
+  int64_t stride = 1, padding = 0, padding_d = 0;
   // Output positions unfolded at once (the column matrix is [ColumnRows(), this]).
   int64_t positions_per_chunk = 1;
 
@@ -97,6 +98,32 @@ void GroupNormForward(float* y, float* mean, float* rstd, const float* x, const 
 void GroupNormBackward(float* dx, float* dweight, float* dbias, const float* dy, const float* x,
                        const float* weight, const float* mean, const float* rstd, int64_t batch,
                        int64_t channels, int64_t spatial, int64_t groups);
+
+// ---- spatial parallelism (slab_kernels.cc): `rows` (n, c) rows of `depth` D-planes of `plane`
+// voxels ----
+void SlabPlanes(float* first, float* last, const float* x, int64_t rows, int64_t depth,
+                int64_t plane);
+void SlabPlanesBackward(float* dx, const float* dfirst, const float* dlast, int64_t rows,
+                        int64_t depth, int64_t plane);
+// out has depth + 2 planes a row: above's, x's, below's.
+void HaloJoin(float* out, const float* above, const float* x, const float* below, int64_t rows,
+              int64_t depth, int64_t plane);
+void HaloJoinBackward(float* dabove, float* dx, float* dbelow, const float* dout, int64_t rows,
+                      int64_t depth, int64_t plane);
+// Group norm over the `ranks` equal slabs of a volume: x [batch, channels, spatial] is this
+// rank's, stats [ranks, batch, groups, kSlabStatsWidth].
+struct SlabNormShape {
+  int64_t batch = 1, channels = 1, spatial = 1, groups = 1, ranks = 1;
+};
+void GroupNormSlabStats(float* stats, const float* x, const SlabNormShape& s);
+void GroupNormSlabStatsBackward(float* dx, const float* dstats, const float* x,
+                                const SlabNormShape& s);
+void GroupNormSlabForward(float* y, float* mean, float* rstd, const float* x, const float* stats,
+                          const float* weight, const float* bias, const SlabNormShape& s,
+                          float eps);
+void GroupNormSlabBackward(float* dx, float* dstats, float* dweight, float* dbias, const float* dy,
+                           const float* x, const float* weight, const float* mean,
+                           const float* rstd, const SlabNormShape& s);
 
 // ---- activations ----
 void ReluForward(float* y, const float* x, int64_t n);

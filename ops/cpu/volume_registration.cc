@@ -5,6 +5,7 @@
 
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/volume_kernels.h"
+#include "ops/volume_ops.h"
 
 namespace tessera {
 
@@ -44,9 +45,88 @@ cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const T
                         .kh = w[3],
                         .kw = w[4],
                         .stride = attrs.GetInt("stride", 1),
-                        .padding = attrs.GetInt("padding", 0)};
+                        .padding = attrs.GetInt("padding", 0),
+                        .padding_d = DepthPadding(attrs)};
   g.positions_per_chunk = cpu::DefaultPositionsPerChunk(g.ColumnRows(), g.OutVolume());
   return g;
+}
+
+// Spatial parallelism's kernels (slab_kernels.cc).
+Status RegisterSlabKernels(OpRegistry& r) {
+  // x [N, C, D, H, W]: its (n, c) rows, D-planes and voxels a plane.
+  struct Slab {
+    int64_t rows, depth, plane;
+  };
+  const auto slab = [](const Tensor& x) {
+    const Shape& s = x.shape();
+    return Slab{s[0] * s[1], s[2], s[3] * s[4]};
+  };
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "slab_planes_forward",
+               [slab](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const Slab s = slab(in[0]);
+                 cpu::SlabPlanes(F(out[0]), F(out[1]), F(in[0]), s.rows, s.depth, s.plane);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "slab_planes_backward",
+               [slab](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const Slab s = slab(out[0]);  // in: dfirst, dlast, x
+                 cpu::SlabPlanesBackward(F(out[0]), F(in[0]), F(in[1]), s.rows, s.depth, s.plane);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(
+      Register(r, "halo_join_forward",
+               [slab](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 const Slab s = slab(in[1]);  // in: above, x, below
+                 cpu::HaloJoin(F(out[0]), F(in[0]), F(in[1]), F(in[2]), s.rows, s.depth, s.plane);
+                 return Status::Ok();
+               }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "halo_join_backward",
+      [slab](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+        const Slab s = slab(out[1]);  // out: dabove, dx, dbelow
+        cpu::HaloJoinBackward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), s.rows, s.depth, s.plane);
+        return Status::Ok();
+      }));
+  // x [N, C, *] and the ranks (stats' leading dimension).
+  const auto norm = [](const Tensor& x, const Tensor& stats, const Attrs& attrs) {
+    return cpu::SlabNormShape{.batch = x.shape()[0],
+                              .channels = x.shape()[1],
+                              .spatial = Spatial(x),
+                              .groups = attrs.GetInt("groups", 1),
+                              .ranks = stats.shape()[0]};
+  };
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "group_norm_stats_forward",
+      [norm](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        cpu::GroupNormSlabStats(F(out[0]), F(in[0]), norm(in[0], out[0], attrs));
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "group_norm_stats_backward",
+      [norm](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        // in: dstats, x.
+        cpu::GroupNormSlabStatsBackward(F(out[0]), F(in[0]), F(in[1]), norm(in[1], in[0], attrs));
+        return Status::Ok();
+      }));
+  TESSERA_RETURN_IF_ERROR(Register(
+      r, "group_norm_slab_forward",
+      [norm](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        // in: x, stats, weight, bias.
+        cpu::GroupNormSlabForward(F(out[0]), F(out[1]), F(out[2]), F(in[0]), F(in[1]), F(in[2]),
+                                  F(in[3]), norm(in[0], in[1], attrs),
+                                  static_cast<float>(attrs.GetFloat("eps", 1e-5)));
+        return Status::Ok();
+      }));
+  return Register(
+      r, "group_norm_slab_backward",
+      [norm](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
+        // in: dy, x, stats, weight, mean, rstd; out: dx, dstats, dweight, dbias.
+        cpu::GroupNormSlabBackward(F(out[0]), F(out[1]), F(out[2]), F(out[3]), F(in[0]), F(in[1]),
+                                   F(in[3]), F(in[4]), F(in[5]), norm(in[1], in[2], attrs));
+        return Status::Ok();
+      });
 }
 
 // The column-matrix workspace (at least one float).
@@ -215,6 +295,7 @@ Status RegisterOtherKernels(OpRegistry& r) {
                                         attrs.GetInt("groups", 1));
                  return Status::Ok();
                }));
+  TESSERA_RETURN_IF_ERROR(RegisterSlabKernels(r));
   struct Activation {
     const char* name;
     void (*forward)(float* y, const float* x, int64_t n);

@@ -71,7 +71,9 @@ class Descriptors {
         return InvalidArgument("a volume convolution's sizes must be in [1, 2^31)");
       }
     }
-    if (s.padding < 0) return InvalidArgument("a volume convolution's padding must be >= 0");
+    if (s.padding < 0 || s.padding_d < 0) {
+      return InvalidArgument("a volume convolution's padding must be >= 0");
+    }
     if (!Packed5d(x, type, s.batch, s.in_channels, s.in_d, s.in_h, s.in_w) ||
         !Packed5d(y, type, s.batch, s.out_channels, s.out_d, s.out_h, s.out_w)) {
       return InvalidArgument("cuDNN refused a volume of {} x {} x {} x {} x {}", s.batch,
@@ -81,7 +83,7 @@ class Descriptors {
                            static_cast<int>(s.kd), static_cast<int>(s.kh), static_cast<int>(s.kw)};
     TESSERA_CUDNN_RETURN_IF_ERROR(
         cudnnSetFilterNdDescriptor(w, type, CUDNN_TENSOR_NCHW, 5, filter));
-    const int pads[3] = {static_cast<int>(s.padding), static_cast<int>(s.padding),
+    const int pads[3] = {static_cast<int>(s.padding_d), static_cast<int>(s.padding),
                          static_cast<int>(s.padding)};
     const int strides[3] = {static_cast<int>(s.stride), static_cast<int>(s.stride),
                             static_cast<int>(s.stride)};

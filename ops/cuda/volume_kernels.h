@@ -159,7 +159,7 @@ struct VolumeConvShape {
   int64_t in_channels = 1, in_d = 1, in_h = 1, in_w = 1;
   int64_t out_channels = 1, out_d = 1, out_h = 1, out_w = 1;
   int64_t kd = 1, kh = 1, kw = 1;
-  int64_t stride = 1, padding = 0;
+  int64_t stride = 1, padding = 0, padding_d = 0;  // padding_d: along D
 };
 // cuDNN's handle, bound to a stream, and a workspace it may grow. Thread-safe: calls from several
 // threads run one at a time (they enqueue on the one stream). Unavailable when the build has no

@@ -18,6 +18,7 @@
 #include "ops/cuda/cuda_op_kernels.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/volume_kernels.h"
+#include "ops/volume_ops.h"
 
 namespace tessera::cuda {
 
@@ -89,7 +90,8 @@ VolumeConvShape ConvShape(const Tensor& volume, const Tensor& weight, const Tens
           .kh = w[3],
           .kw = w[4],
           .stride = attrs.GetInt("stride", 1),
-          .padding = attrs.GetInt("padding", 0)};
+          .padding = attrs.GetInt("padding", 0),
+          .padding_d = DepthPadding(attrs)};
 }
 
 // A bf16 copy of an f32 weight, in scratch that lives as long as the result.
