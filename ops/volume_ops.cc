@@ -633,8 +633,8 @@ Status AddSlabNormOps(OpRegistry& r) {
   return r.AddOp(OpDef{
       .name = "group_norm_slab_backward",
       .doc = "dx (this slab's own term), dstats (the gradients of the volume's sum and sum of "
-             "squares, in each block's high parts: group_norm_stats_backward adds their term to "
-             "every slab's dx), dweight, dbias (this slab's sums)",
+             "squares, in both parts of every block: group_norm_stats_backward adds their term "
+             "to every slab's dx), dweight, dbias (this slab's sums)",
       .input_names = {"dy", "x", "stats", "weight", "mean", "rstd"},
       .output_names = {"dx", "dstats", "dweight", "dbias"},
       .infer = slab_backward_infer,

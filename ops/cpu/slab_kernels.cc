@@ -197,8 +197,8 @@ void GroupNormSlabBackward(float* dx, float* dstats, float* dweight, float* dbia
   // Per (n, g), with A = sum of dy * weight and B = sum of dy * weight * xhat over the slab:
   // dL/dmean (the variance held) = -rstd A, dL/dvariance = -rstd^2 B / 2, and through
   // mean = S / count and variance = Q / count - mean^2: dL/dS = (-rstd A + rstd^2 B mean) / count,
-  // dL/dQ = -rstd^2 B / (2 count). Every block gets them; group_norm_stats_backward reads the
-  // high parts.
+  // dL/dQ = -rstd^2 B / (2 count). Every block gets them, in both parts (each sum is its high
+  // part plus its low); group_norm_stats_backward reads the high parts.
   const int64_t block = s.batch * s.groups * kSlabStatsWidth;
   for (int64_t n = 0; n < s.batch; ++n) {
     for (int64_t g = 0; g < s.groups; ++g) {
@@ -209,9 +209,9 @@ void GroupNormSlabBackward(float* dx, float* dstats, float* dweight, float* dbia
       }
       const int64_t i = n * s.groups + g;
       const double sd = rstd[i], m = mean[i];
-      const float entry[kSlabStatsWidth] = {static_cast<float>((-sd * a + sd * sd * b * m) / count),
-                                            0.0f, static_cast<float>(-sd * sd * b / (2 * count)),
-                                            0.0f};
+      const auto d_sum = static_cast<float>((-sd * a + sd * sd * b * m) / count);
+      const auto d_square = static_cast<float>(-sd * sd * b / (2 * count));
+      const float entry[kSlabStatsWidth] = {d_sum, d_sum, d_square, d_square};
       for (int64_t p = 0; p < s.ranks; ++p) {
         std::memcpy(dstats + p * block + i * kSlabStatsWidth, entry, sizeof(entry));
       }

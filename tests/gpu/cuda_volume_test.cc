@@ -306,7 +306,8 @@ TYPED_TEST(CudaVolumeTest, CudnnConvolutionsMatchTheCpu) {
                           .kh = k,
                           .kw = k,
                           .stride = stride,
-                          .padding = padding};
+                          .padding = padding,
+                          .padding_d = padding};
     g.out_d = (g.in_d + int64_t{2} * padding - k) / stride + 1;
     g.out_h = (g.in_h + int64_t{2} * padding - k) / stride + 1;
     g.out_w = (g.in_w + int64_t{2} * padding - k) / stride + 1;

@@ -332,6 +332,128 @@ TEST_F(UNet3dPlansTest, TensorRanksSendTheirAllReducesAndHoldTheirSlices) {
   }
 }
 
+// Spatial parallelism (--spatial-parallel P): each volume's depth split into P slabs over P
+// workers trains the one worker's run (losses within 1e-6 relative at every step), and what
+// crosses between slabs is what the split says: per rank and step, the boundary planes of every
+// convolution's input to each neighbour (forward) and their gradients back (backward), and each
+// norm's statistics; measured as the bytes the rank sends beyond a data-parallel run's on as
+// many workers (the same gradient reduction, one bucket each).
+TrainingPlan SlabPlan(int slabs) {
+  TrainingPlan plan = Plan(slabs, 0);
+  plan.parallel.bucket_bytes = int64_t{64} << 20;  // one bucket: the same reduction in both runs
+  if (slabs > 1) {
+    plan.parallel.sequence_parallel = slabs;
+    plan.parallel.sequence_attention = SequenceAttention::kHalo;
+  }
+  return plan;
+}
+
+// The halo bytes one rank sends a step by the split's theory: a 3x3x3 convolution reads one
+// D-plane of its input from each neighbour, and sends each the gradient of the plane it read
+// from it; `neighbours` is 1 at the ends, 2 between.
+double HaloBytesInTheory(const UNet3dConfig& c, int neighbours) {
+  double planes = 0;  // floats of one D-plane of every convolution's input, summed
+  const auto plane = [&](int64_t channels, int64_t level) {
+    const double extent = static_cast<double>(c.volume >> level);
+    planes += static_cast<double>(kBatch * channels) * extent * extent;
+  };
+  for (int64_t i = 0; i < c.depth; ++i) {
+    plane(i == 0 ? c.in_channels : c.Channels(i - 1), i);  // enc{i}.conv1 (after pooling)
+    plane(c.Channels(i), i);                               // enc{i}.conv2
+    plane(2 * c.Channels(i), i);                           // dec{i}.conv1: up{i} and the skip
+    plane(c.Channels(i), i);                               // dec{i}.conv2
+  }
+  plane(c.Channels(c.depth - 1), c.depth);  // bottleneck.conv1
+  plane(c.Channels(c.depth), c.depth);      // bottleneck.conv2
+  return 2.0 * 4.0 * neighbours * planes;   // forward and backward, f32
+}
+
+TEST_F(UNet3dPlansTest, SlabsOnTwoAndFourWorkersTrainTheOneWorkerRunPassingTheirHalos) {
+  const UNet3dConfig c = Tiny();
+  const int norms = 2 * (2 * static_cast<int>(c.depth) + 1);  // two per pair of conv blocks
+  for (int slabs : {2, 4}) {
+    const std::string label = fmt::format("{} slabs", slabs);
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(SlabPlan(slabs)));
+    EXPECT_EQ(trainer->planned_model().sequence_attention, SequenceAttention::kHalo);
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    ASSERT_EQ(run.losses.size(), reference_->losses.size());
+    double worst = 0;
+    for (size_t i = 0; i < run.losses.size(); ++i) {
+      const double relative =
+          std::abs(run.losses[i] - reference_->losses[i]) / std::abs(reference_->losses[i]);
+      worst = std::max(worst, relative);
+      EXPECT_LE(relative, 1e-6) << label << " step " << i + 1 << ": " << run.losses[i]
+                                << " against " << reference_->losses[i];
+    }
+    RecordProperty(fmt::format("slabs{}_worst_relative_loss_difference", slabs),
+                   fmt::format("{:.3g}", worst));
+    // Bytes: the same steps as data parallelism over as many workers, the difference per rank.
+    TrainingPlan rows_plan = SlabPlan(1);
+    rows_plan.parallel.data_parallel = slabs;
+    ASSERT_OK_AND_ASSIGN(auto data_parallel, Distributed(rows_plan));
+    ASSERT_OK_AND_ASSIGN(TrainingRun rows, Train(*data_parallel, 2));
+    const StepReport& spatial = run.reports[1];
+    const StepReport& reference = rows.reports[1];
+    ASSERT_EQ(spatial.ranks.size(), static_cast<size_t>(slabs));
+    ASSERT_EQ(reference.ranks.size(), static_cast<size_t>(slabs));
+    // Each norm's statistics: the P - 1 blocks of [N, G, 4] f32 an all-to-all sends, forward
+    // and back.
+    const double statistics = 2.0 * norms * (slabs - 1) * kBatch * c.groups * 4 * 4;
+    for (int r = 0; r < slabs; ++r) {
+      const int neighbours = (r > 0 ? 1 : 0) + (r + 1 < slabs ? 1 : 0);
+      const double halos = static_cast<double>(spatial.ranks[r].figures.collective_bytes_sent -
+                                               reference.ranks[r].figures.collective_bytes_sent) -
+                           statistics;
+      const double theory = HaloBytesInTheory(c, neighbours);
+      std::printf(
+          "[ U-Net %d slabs rank %d ] halos sent %.0f bytes a step (theory %.0f, %+.3f%%)\n", slabs,
+          r, halos, theory, 100 * (halos / theory - 1));
+      EXPECT_NEAR(halos, theory, 0.01 * theory) << label << " rank " << r;
+    }
+  }
+}
+
+// The split into slabs: every parameter whole once, the inputs split along the depth, halos and
+// statistics exchanged as the layouts say; slab counts the levels cannot halve evenly, and a
+// model that cannot split, refused naming the fix.
+TEST(UNet3dSlabsTest, EveryParameterOnceInputsSplitAlongTheDepthBadCountsRefused) {
+  for (const char* preset : {"tiny", "small", "nnunet"}) {
+    ASSERT_OK_AND_ASSIGN(UNet3dConfig config, UNet3dConfig::Preset(preset));
+    ASSERT_OK_AND_ASSIGN(ModelSpec whole, BuildUNet3d(config, CpuRegistry()));
+    ASSERT_OK_AND_ASSIGN(ModelSpec slabs,
+                         whole.SplitForSequenceParallel(2, SequenceAttention::kHalo));
+    EXPECT_EQ(slabs.sequence_parallel, 2);
+    EXPECT_EQ(slabs.NumParameters(), whole.NumParameters()) << preset;
+    EXPECT_EQ(slabs.inputs[0].split_axis, 2);
+    EXPECT_EQ(slabs.inputs[1].split_axis, 1);
+    EXPECT_EQ(slabs.inputs[0].shape[2], config.volume / 2);
+    int halos = 0, statistics = 0;
+    for (const LayerSpec& layer : slabs.layers) {
+      for (ExchangeLayout layout : layer.exchanged_outputs) {
+        halos += PassesHalo(layout) ? 1 : 0;
+        statistics += layout == ExchangeLayout::kBlocks ? 1 : 0;
+      }
+    }
+    // The statistics of every norm (one a convolution); two planes of every convolution's
+    // input, a decoder's first reading two (its up-convolution's and the skip), and under
+    // pooling each encoder level's output passed twice (the skip, and pooled for the next level).
+    const int depth = static_cast<int>(config.depth);
+    const int convolutions = 2 * (2 * depth + 1);
+    const bool pooled = config.downsample == UNetDownsample::kMaxPool;
+    EXPECT_EQ(statistics, convolutions) << preset;
+    EXPECT_EQ(halos, 2 * (convolutions + (pooled ? depth : 0))) << preset;
+  }
+  ASSERT_OK_AND_ASSIGN(ModelSpec tiny, BuildUNet3d(Tiny(), CpuRegistry()));
+  Result<ModelSpec> refused = tiny.SplitForSequenceParallel(8, SequenceAttention::kHalo);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--spatial-parallel must divide"), std::string::npos)
+      << refused.status().ToString();
+  refused = tiny.SplitForSequenceParallel(2, SequenceAttention::kUlysses);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("cannot run sequence parallel"), std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST_F(UNet3dPlansTest, ATensorParallelCheckpointResumesAtAnyDegree) {
   const std::string dir = TempPath("unet3d_tp_checkpoint");
   std::filesystem::remove_all(dir);

@@ -417,11 +417,21 @@ TEST(OpGradientTest, AllToAllLayoutsShapeTheSequence) {
   EXPECT_EQ(exchange.bytes, 120.0 * 4 / 2);
   EXPECT_EQ(AdjointExchange(ExchangeLayout::kRingNext), ExchangeLayout::kRingPrevious);
   EXPECT_EQ(AdjointExchange(ExchangeLayout::kRingPrevious), ExchangeLayout::kRingNext);
+  // A halo (spatial parallelism's boundary plane) likewise: whole, to one neighbour.
+  Attrs halo = member;
+  halo.Set(kLayoutAttr, std::string("halo_next"));
+  ASSERT_OK_AND_ASSIGN(auto passed, CpuRegistry().InferShapes("all_to_all", {odd}, halo));
+  EXPECT_EQ(passed[0].shape, odd.shape);
+  ASSERT_OK_AND_ASSIGN(OpCost plane, CpuRegistry().Cost("all_to_all", {odd}, halo));
+  EXPECT_EQ(plane.bytes, 21.0 * 4);
+  EXPECT_EQ(AdjointExchange(ExchangeLayout::kHaloNext), ExchangeLayout::kHaloPrevious);
+  EXPECT_EQ(AdjointExchange(ExchangeLayout::kHaloPrevious), ExchangeLayout::kHaloNext);
   Attrs bad = member;
   bad.Set(kLayoutAttr, std::string("diagonal"));
   Result<std::vector<TensorMeta>> refused = CpuRegistry().InferShapes("all_to_all", {blocks}, bad);
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("ring_next or ring_previous"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("ring_previous, halo_next or halo_previous"),
+            std::string::npos)
       << refused.status().ToString();
 }
 

@@ -18,6 +18,8 @@
 #include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
+#include <fmt/format.h>
+
 #include "op_gradient_check.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/volume_ops.h"
@@ -190,6 +192,182 @@ TEST(VolumeGradientTest, GroupNorm) {
   }
 }
 
+// ---- spatial parallelism: slabs of a volume's depth ----
+
+// Planes [first, first + count) of x [N, C, D, H, W] along D.
+Tensor DepthSlab(const Tensor& x, int64_t first, int64_t count) {
+  const Shape& s = x.shape();
+  const int64_t rows = s[0] * s[1], plane = s[3] * s[4];
+  std::vector<float> out;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* from = x.data<float>() + (r * s[2] + first) * plane;
+    out.insert(out.end(), from, from + count * plane);
+  }
+  return FloatTensor(Shape{s[0], s[1], count, s[3], s[4]}, out);
+}
+
+// The slabs, joined back along D.
+Tensor JoinDepth(const Tensors& slabs) {
+  const Shape& s = slabs[0].shape();
+  const int64_t rows = s[0] * s[1], plane = s[3] * s[4];
+  std::vector<float> out;
+  int64_t depth = 0;
+  for (const Tensor& slab : slabs) depth += slab.shape()[2];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (const Tensor& slab : slabs) {
+      const int64_t d = slab.shape()[2];
+      const float* from = slab.data<float>() + r * d * plane;
+      out.insert(out.end(), from, from + d * plane);
+    }
+  }
+  return FloatTensor(Shape{s[0], s[1], depth, s[3], s[4]}, out);
+}
+
+void ExpectClose(const Tensor& got, const Tensor& expected, float tolerance,
+                 const std::string& what) {
+  ASSERT_EQ(got.shape(), expected.shape()) << what;
+  const std::vector<float> g = ToVector(got), e = ToVector(expected);
+  float worst = 0;
+  for (size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - e[i]));
+  EXPECT_LE(worst, tolerance) << what;
+}
+
+TEST(VolumeGradientTest, SlabPlanesAndHaloJoin) {
+  CheckGradients({.forward = "slab_planes_forward", .inputs = {RandomTensor({2, 3, 4, 3, 2}, 1)}});
+  // One plane deep: first and last are the same plane, its gradient their sum.
+  CheckGradients({.forward = "slab_planes_forward", .inputs = {RandomTensor({1, 2, 1, 3, 3}, 2)}});
+  CheckGradients({.forward = "halo_join_forward",
+                  .inputs = {RandomTensor({2, 3, 1, 3, 2}, 3), RandomTensor({2, 3, 4, 3, 2}, 4),
+                             RandomTensor({2, 3, 1, 3, 2}, 5)}});
+  Result<Tensors> wrong = RunKernel(
+      "halo_join_forward", {RandomTensor({2, 3, 1, 3, 3}, 3), RandomTensor({2, 3, 4, 3, 2}, 4),
+                            RandomTensor({2, 3, 1, 3, 2}, 5)});
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("input 'above'"), std::string::npos)
+      << wrong.status().ToString();
+}
+
+TEST(VolumeGradientTest, SlabGroupNormAndItsStatistics) {
+  const Tensor x = RandomTensor({2, 4, 3, 2, 3}, 1, 2.0f);
+  for (int64_t ranks : {int64_t{1}, int64_t{3}}) {
+    const Attrs attrs{{"groups", int64_t{2}}, {"ranks", ranks}};
+    CheckGradients({.forward = "group_norm_stats_forward", .forward_attrs = attrs, .inputs = {x}});
+    ASSERT_OK_AND_ASSIGN(Tensors stats, RunKernel("group_norm_stats_forward", {x}, attrs));
+    ASSERT_EQ(stats[0].shape(), (Shape{ranks, 2, 2, kSlabStatsWidth}));
+    // Statistics of other slabs: this one's, scaled, as if the volume were larger.
+    Tensor all = stats[0];
+    for (int64_t i = all.numel() / ranks; i < all.numel(); ++i) all.data<float>()[i] *= 1.5f;
+    CheckGradients({.forward = "group_norm_slab_forward",
+                    .forward_attrs = Attrs{{"groups", int64_t{2}}},
+                    .inputs = {x, all, RandomTensor({4}, 2), RandomTensor({4}, 3)}});
+  }
+}
+
+// P slabs of a volume, each with every slab's statistics (as the all-to-all of blocks hands
+// them), normalise as the whole volume does, forward and backward: the slabs' y and dx joined
+// are group_norm's, their dweight and dbias summed are its.
+TEST(VolumeOpsTest, SlabGroupNormOverEverySlabIsGroupNorm) {
+  const Tensor x = RandomTensor({2, 6, 8, 3, 5}, 1, 2.0f), weight = RandomTensor({6}, 2);
+  const Tensor bias = RandomTensor({6}, 3), dy = RandomTensor({2, 6, 8, 3, 5}, 4);
+  const Attrs norm{{"groups", int64_t{3}}};
+  ASSERT_OK_AND_ASSIGN(Tensors whole, RunKernel("group_norm_forward", {x, weight, bias}, norm));
+  ASSERT_OK_AND_ASSIGN(Tensors whole_grads,
+                       RunKernel("group_norm_backward", {dy, x, weight, whole[1], whole[2]}, norm));
+  for (int64_t ranks : {int64_t{2}, int64_t{4}}) {
+    const std::string what = fmt::format("{} slabs", ranks);
+    const int64_t depth = 8 / ranks;
+    Tensors slabs, stats;
+    for (int64_t p = 0; p < ranks; ++p) {
+      slabs.push_back(DepthSlab(x, p * depth, depth));
+      ASSERT_OK_AND_ASSIGN(Tensors made,
+                           RunKernel("group_norm_stats_forward", {slabs.back()},
+                                     Attrs{{"groups", int64_t{3}}, {"ranks", ranks}}));
+      stats.push_back(made[0]);
+    }
+    // The all-to-all of blocks: rank p's block q is rank q's statistics.
+    const int64_t block = stats[0].numel() / ranks;
+    const auto exchange = [&](const Tensors& sent) {
+      Tensors received;
+      for (int64_t p = 0; p < ranks; ++p) {
+        Tensor t = sent[static_cast<size_t>(p)];
+        std::vector<float> values = ToVector(t);
+        for (int64_t q = 0; q < ranks; ++q) {
+          const std::vector<float> from = ToVector(sent[static_cast<size_t>(q)]);
+          std::copy_n(from.begin() + p * block, block, values.begin() + q * block);
+        }
+        received.push_back(FloatTensor(t.shape(), values));
+      }
+      return received;
+    };
+    const Tensors gathered = exchange(stats);
+    Tensors ys, dxs, dstats;
+    std::vector<float> dweight(6, 0.0f), dbias(6, 0.0f);
+    for (int64_t p = 0; p < ranks; ++p) {
+      const auto i = static_cast<size_t>(p);
+      ASSERT_OK_AND_ASSIGN(Tensors y, RunKernel("group_norm_slab_forward",
+                                                {slabs[i], gathered[i], weight, bias}, norm));
+      // The mean and rstd are the whole volume's on every slab.
+      ExpectClose(y[1], whole[1], 1e-6f, what + " mean");
+      ExpectClose(y[2], whole[2], 1e-5f, what + " rstd");
+      ys.push_back(y[0]);
+      ASSERT_OK_AND_ASSIGN(Tensors grads, RunKernel("group_norm_slab_backward",
+                                                    {DepthSlab(dy, p * depth, depth), slabs[i],
+                                                     gathered[i], weight, y[1], y[2]},
+                                                    norm));
+      dxs.push_back(grads[0]);
+      dstats.push_back(grads[1]);
+      for (int c = 0; c < 6; ++c) {
+        dweight[static_cast<size_t>(c)] += grads[2].data<float>()[c];
+        dbias[static_cast<size_t>(c)] += grads[3].data<float>()[c];
+      }
+    }
+    ExpectClose(JoinDepth(ys), whole[0], 1e-5f, what + " y");
+    // The statistics' gradients go back by the adjoint all-to-all, and each slab adds their term.
+    const Tensors returned = exchange(dstats);
+    for (int64_t p = 0; p < ranks; ++p) {
+      const auto i = static_cast<size_t>(p);
+      ASSERT_OK_AND_ASSIGN(Tensors through,
+                           RunKernel("group_norm_stats_backward", {returned[i], slabs[i]},
+                                     Attrs{{"groups", int64_t{3}}, {"ranks", ranks}}));
+      for (int64_t k = 0; k < dxs[i].numel(); ++k)
+        dxs[i].data<float>()[k] += through[0].data<float>()[k];
+    }
+    ExpectClose(JoinDepth(dxs), whole_grads[0], 1e-5f, what + " dx");
+    ExpectClose(FloatTensor(Shape{6}, dweight), whole_grads[1], 1e-4f, what + " dweight");
+    ExpectClose(FloatTensor(Shape{6}, dbias), whole_grads[2], 1e-4f, what + " dbias");
+  }
+}
+
+// A slab joined with its neighbours' boundary planes (zeros past the ends), convolved with
+// depth_padding 0, is its part of the whole volume's convolution: stride 1 and the strided
+// convolutions of nnU-Net's encoder.
+TEST(VolumeOpsTest, AHaloJoinedSlabConvolvesAsItsPartOfTheVolume) {
+  const Tensor x = RandomTensor({2, 3, 8, 5, 6}, 1), w = RandomTensor({4, 3, 3, 3, 3}, 2);
+  const Tensor b = RandomTensor({4}, 3);
+  for (int64_t stride : {int64_t{1}, int64_t{2}}) {
+    ASSERT_OK_AND_ASSIGN(Tensors whole,
+                         RunKernel("conv3d_forward", {x, w, b}, ConvAttrs(stride, 1)));
+    for (int64_t ranks : {int64_t{2}, int64_t{4}}) {
+      const int64_t depth = 8 / ranks;
+      const Tensor zeros = FloatTensor(Shape{2, 3, 1, 5, 6}, std::vector<float>(2 * 3 * 5 * 6));
+      Tensors parts;
+      for (int64_t p = 0; p < ranks; ++p) {
+        const Tensor above = p == 0 ? zeros : DepthSlab(x, p * depth - 1, 1);
+        const Tensor below = p + 1 == ranks ? zeros : DepthSlab(x, (p + 1) * depth, 1);
+        ASSERT_OK_AND_ASSIGN(
+            Tensors joined,
+            RunKernel("halo_join_forward", {above, DepthSlab(x, p * depth, depth), below}));
+        Attrs attrs = ConvAttrs(stride, 1);
+        attrs.Set(kDepthPaddingAttr, int64_t{0});
+        ASSERT_OK_AND_ASSIGN(Tensors y, RunKernel("conv3d_forward", {joined[0], w, b}, attrs));
+        parts.push_back(y[0]);
+      }
+      ExpectClose(JoinDepth(parts), whole[0], 1e-5f,
+                  fmt::format("stride {}, {} slabs", stride, ranks));
+    }
+  }
+}
+
 TEST(VolumeGradientTest, ReluAndSilu) {
   CheckGradients({.forward = "relu_forward", .inputs = {AwayFromZero({2, 3, 4, 5}, 1, 0.05f)}});
   CheckGradients(
@@ -356,7 +534,8 @@ TEST(VolumeOpsTest, ChunkedConvolutionMatchesOneChunk) {
                         .kh = 2,
                         .kw = 3,
                         .stride = 2,
-                        .padding = 1};
+                        .padding = 1,
+                        .padding_d = 1};
   const std::vector<float> x = ToVector(RandomTensor({g.batch * g.in_channels * g.InVolume()}, 1));
   const std::vector<float> w = ToVector(RandomTensor({g.out_channels * g.ColumnRows()}, 2));
   const std::vector<float> b = ToVector(RandomTensor({g.out_channels}, 3));
@@ -658,6 +837,14 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "max_pool3d_backward",
                                         "group_norm_forward",
                                         "group_norm_backward",
+                                        "slab_planes_forward",
+                                        "slab_planes_backward",
+                                        "halo_join_forward",
+                                        "halo_join_backward",
+                                        "group_norm_stats_forward",
+                                        "group_norm_stats_backward",
+                                        "group_norm_slab_forward",
+                                        "group_norm_slab_backward",
                                         "relu_forward",
                                         "relu_backward",
                                         "silu_forward",
