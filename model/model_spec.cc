@@ -201,7 +201,8 @@ Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks, bo
 }
 
 Result<ModelSpec> ModelSpec::OneRankView() const {
-  if (shards_sequence || sequence_parallel > 1) {
+  const bool slabs = sequence_parallel > 1 && sequence_attention == SequenceAttention::kHalo;
+  if (shards_sequence || (sequence_parallel > 1 && !slabs)) {
     return InvalidArgument(
         "model '{}' split {}: its collectives change the shapes its layers read, so one rank "
         "does not run on its own; time its tensor split without sequence sharding",
@@ -211,12 +212,19 @@ Result<ModelSpec> ModelSpec::OneRankView() const {
   }
   ModelSpec view = *this;
   view.tensor_parallel = 1;
+  view.sequence_parallel = 1;
+  view.sequence_attention = SequenceAttention::kUlysses;
+  view.split_into_slabs = nullptr;
   view.split_for_tensor_parallel = nullptr;
   view.split_sharding_sequence = nullptr;
   view.split_for_sequence_parallel = nullptr;
   view.split_for_ring_attention = nullptr;
   view.split_into_slabs = nullptr;
-  for (LayerSpec& layer : view.layers) layer.tensor_parallel.reset();
+  for (LayerSpec& layer : view.layers) {
+    layer.tensor_parallel.reset();
+    layer.exchanged_outputs.clear();  // halos and statistics keep their shapes
+  }
+  for (ModelInput& input : view.inputs) input.split_axis = -1;
   return view;
 }
 

@@ -267,11 +267,12 @@ struct ModelSpec {
                                SequenceAttention attention = SequenceAttention::kUlysses) const;
   // Whether this is a whole model's rewrite for tensor or sequence ranks.
   bool rewritten() const { return tensor_parallel > 1 || sequence_parallel > 1; }
-  // What one rank of a tensor-parallel split (this model) computes, as a model of its own: the
-  // same layers, ops and shapes with the split's collectives left out (each partial sum read as
-  // it is), so one process can time a rank's kernels (the plan search's calibration). Its values
-  // are not the split's: it is for timing, not training. InvalidArgument for a split whose
-  // collectives change shapes (Megatron-LM's sequence sharding, sequence parallelism): time
+  // What one rank of a tensor-parallel split or of a split into slabs (this model) computes, as
+  // a model of its own: the same layers, ops and shapes with the split's collectives left out
+  // (each partial sum, halo and exchanged statistic read as it is), so one process can time a
+  // rank's kernels (the plan search's calibration). Its values are not the split's: it is for
+  // timing, not training. InvalidArgument for a split whose collectives change shapes
+  // (Megatron-LM's sequence sharding, Ulysses' and ring attention's sequence parallelism): time
   // the tensor split without sequence sharding instead.
   Result<ModelSpec> OneRankView() const;
   int64_t NumParameters() const;

@@ -64,9 +64,13 @@ std::vector<std::vector<int>> Cuts(const ModelSpec& model, const SearchSpace& sp
 TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   TrainingPlan plan = base;
   ParallelConfig& p = plan.parallel;
-  p.data_parallel = choice.data_parallel;
+  p.data_parallel = choice.data_parallel * choice.slabs;
   p.tensor_parallel = choice.tensor_parallel;
   p.shard_sequence = choice.shard_sequence;
+  if (choice.slabs > 1) {
+    p.sequence_parallel = choice.slabs;
+    p.sequence_attention = SequenceAttention::kHalo;
+  }
   p.pipeline_stages = choice.pipeline_stages;
   p.virtual_stages = choice.virtual_stages;
   p.micro_batches = choice.micro_batches;
@@ -265,9 +269,11 @@ std::vector<OpCosts> Interpolate(const std::vector<LayerTimesAtRows>& measured, 
 
 }  // namespace
 
-const TensorSplitTimes* Calibration::SplitTimes(int tensor_parallel) const {
+const TensorSplitTimes* Calibration::SplitTimes(int tensor_parallel, int slabs) const {
   for (const TensorSplitTimes& split : tensor_splits) {
-    if (split.tensor_parallel == tensor_parallel && !split.layers.empty()) return &split;
+    if (split.tensor_parallel == tensor_parallel && split.slabs == slabs && !split.layers.empty()) {
+      return &split;
+    }
   }
   return nullptr;
 }
@@ -283,20 +289,23 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
 Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
                                           int64_t rows) {
   const int t = model.tensor_parallel;
+  const int slabs =
+      model.sequence_parallel > 1 && model.sequence_attention == SequenceAttention::kHalo
+          ? model.sequence_parallel
+          : 1;
   std::vector<OpCosts> ms;
   // Sharding sequences: the sequence-sharded layers' times at rows / T of the tensor split's (a
   // rank's 1/T of each sequence is as many elements; per-row work, so per-op costs are kept).
   std::vector<OpCosts> on_shard;
-  if (t <= 1) {
+  if (t <= 1 && slabs == 1) {
     TESSERA_ASSIGN_OR_RETURN(ms, LayerTimesAt(calibration, rows));
   } else {
     if (rows < 1) return InvalidArgument("layer times at {} rows: rows must be at least 1", rows);
-    const TensorSplitTimes* split = calibration.SplitTimes(t);
+    const TensorSplitTimes* split = calibration.SplitTimes(t, slabs);
     if (split == nullptr) {
       return InvalidArgument(
-          "no layer times of a rank of {} tensor-parallel ranks were measured (calibrate with "
-          "that degree in the search)",
-          t);
+          "no layer times of a rank of {} were measured (calibrate with it in the search)",
+          slabs > 1 ? fmt::format("{} slabs", slabs) : fmt::format("{} tensor-parallel ranks", t));
     }
     ms = Interpolate(split->layers, static_cast<double>(rows));
     if (model.shards_sequence) on_shard = Interpolate(split->layers, static_cast<double>(rows) / t);
@@ -315,15 +324,16 @@ Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const 
 }
 
 std::string PlanChoice::Name() const {
-  std::string name = tensor_parallel > 1
-                         ? fmt::format("D{} x T{}{} x P{}", data_parallel, tensor_parallel,
-                                       shard_sequence ? " SP" : "", pipeline_stages)
-                         : fmt::format("D{} x P{}", data_parallel, pipeline_stages);
+  std::string name =
+      tensor_parallel > 1 ? fmt::format("D{} x T{}{} x P{}", data_parallel, tensor_parallel,
+                                        shard_sequence ? " SP" : "", pipeline_stages)
+      : slabs > 1         ? fmt::format("D{} x S{} x P{}", data_parallel, slabs, pipeline_stages)
+                          : fmt::format("D{} x P{}", data_parallel, pipeline_stages);
   if (pipeline_stages > 1) name += fmt::format(" {}", ScheduleName(schedule));
   if (virtual_stages > 1) name += fmt::format(" V{}", virtual_stages);
   name += fmt::format(" M{}", micro_batches);
   if (!chunk_layers.empty()) name += fmt::format(" cut {}", fmt::join(chunk_layers, "+"));
-  if (data_parallel > 1) name += fmt::format(" ZeRO-{}", zero_stage);
+  if (data_parallel * slabs > 1) name += fmt::format(" ZeRO-{}", zero_stage);
   if (offload != OffloadMode::kNone) name += fmt::format(" offload {}", OffloadModeName(offload));
   return name;
 }
@@ -338,10 +348,11 @@ std::string PlanChoice::Flags() const {
   if (virtual_stages > 1) flags += fmt::format(" --virtual-stages {}", virtual_stages);
   if (tensor_parallel > 1) flags += fmt::format(" --tensor-parallel {}", tensor_parallel);
   if (shard_sequence) flags += " --sequence-parallel megatron";
+  if (slabs > 1) flags += fmt::format(" --spatial-parallel {}", slabs);
   if (!chunk_layers.empty())
     flags += fmt::format(" --stage-layers {}", fmt::join(chunk_layers, ","));
   flags += fmt::format("{}--micro-batches {}", flags.empty() ? "" : " ", micro_batches);
-  if (data_parallel > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
+  if (data_parallel * slabs > 1) flags += fmt::format(" --zero-stage {}", zero_stage);
   if (offload != OffloadMode::kNone)
     flags += fmt::format(" --offload {}", OffloadModeName(offload));
   if (settle_reductions) flags += " --settle-reductions";
@@ -355,13 +366,13 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
                       const SearchSpace& space, const Calibration* calibration,
                       std::vector<PlanChoice>& candidates) {
   const ModelSpec& model = planned.model;
-  const int t = planned.tensor_parallel;
+  const int t = planned.tensor_parallel, s = planned.slabs;
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = AnyLayerSplits(model);
   // Workers that share a machine: each micro-batch's reductions settled before the next compute
   // (ParallelConfig::settle_reductions), where a plan reduces per micro-batch.
   const bool settle = calibration != nullptr && calibration->sharing.capacity > 0;
-  int max_stages = std::min(space.workers / t, layers);
+  int max_stages = std::min(space.workers / (t * s), layers);
   if (space.max_pipeline_stages > 0) max_stages = std::min(max_stages, space.max_pipeline_stages);
   const std::vector<OffloadMode> offloads =
       base.device.is_cpu() ? std::vector<OffloadMode>{OffloadMode::kNone}
@@ -373,8 +384,8 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
   };
   for (int stages = 1; stages <= max_stages; ++stages) {
     if (space.pipeline_stages > 0 && stages != space.pipeline_stages) continue;
-    for (int ranks = 1; ranks * t * stages <= space.workers; ++ranks) {
-      if (!space.fewer_workers && ranks * t * stages != space.workers) continue;
+    for (int ranks = 1; ranks * s * t * stages <= space.workers; ++ranks) {
+      if (!space.fewer_workers && ranks * s * t * stages != space.workers) continue;
       if (base.batch % ranks != 0) continue;
       const int64_t rank_rows = base.batch / ranks;
       const int max_micro = space.micro_batches > 0 ? space.micro_batches : space.max_micro_batches;
@@ -397,7 +408,7 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
             orders.emplace_back(PipelineSchedule::kZbH1, 1);
           }
         }
-        const std::vector<int> zeros = ranks == 1 ? std::vector<int>{0} : space.zero_stages;
+        const std::vector<int> zeros = ranks * s == 1 ? std::vector<int>{0} : space.zero_stages;
         for (const auto& [schedule, virtual_stages] : orders) {
           if (space.virtual_stages > 0 && virtual_stages != space.virtual_stages) continue;
           const std::vector<std::vector<int>> cuts =
@@ -405,9 +416,9 @@ void AppendCandidates(const PlannedModel& planned, const TrainingPlan& base,
           for (const std::vector<int>& cut : cuts) {
             for (int zero : zeros) {
               for (OffloadMode offload : offloads) {
-                candidates.push_back(PlanChoice{ranks, stages, virtual_stages, micro, zero,
-                                                schedule, offload, cut, t, planned.shard_sequence,
-                                                settle && ranks > 1 && zero >= 2 && micro > 1});
+                candidates.push_back(PlanChoice{
+                    ranks, stages, virtual_stages, micro, zero, schedule, offload, cut, t,
+                    planned.shard_sequence, settle && ranks * s > 1 && zero >= 2 && micro > 1, s});
               }
             }
           }
@@ -424,8 +435,9 @@ std::vector<PlanChoice> CandidatesOf(const std::vector<PlannedModel>& models,
                                      const Calibration* calibration) {
   std::vector<PlanChoice> candidates;
   for (const PlannedModel& planned : models) {
-    if (calibration != nullptr && space.tensor_parallel.empty() && planned.tensor_parallel > 1 &&
-        calibration->SplitTimes(planned.tensor_parallel) == nullptr) {
+    const bool given = planned.slabs > 1 ? !space.slabs.empty() : !space.tensor_parallel.empty();
+    if (calibration != nullptr && !given && (planned.tensor_parallel > 1 || planned.slabs > 1) &&
+        calibration->SplitTimes(planned.tensor_parallel, planned.slabs) == nullptr) {
       continue;
     }
     AppendCandidates(planned, base, space, calibration, candidates);
@@ -487,6 +499,40 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
       models.push_back(PlannedModel{t, shard, *std::move(split)});
     }
   }
+  // Slabs (spatial parallelism): the model's volumes split along their depth, on CPU workers.
+  const bool slabs_given = !space.slabs.empty();
+  std::vector<int> slab_counts = space.slabs;
+  if (!slabs_given && model.split_into_slabs && base.device.is_cpu()) {
+    for (int s = 2; s <= space.workers; ++s) {
+      if (space.fewer_workers || space.workers % s == 0) slab_counts.push_back(s);
+    }
+  }
+  for (int s : slab_counts) {
+    if (s == 1) continue;  // the whole model, above
+    if (s < 1 || s > std::max(space.workers, 1) ||
+        (!space.fewer_workers && space.workers % s != 0)) {
+      return InvalidArgument(
+          "{} slabs for a plan of {} worker(s): give a count from 1 to the workers that divides "
+          "them (D x S x P workers)",
+          s, space.workers);
+    }
+    if (!base.device.is_cpu()) {
+      return InvalidArgument(
+          "{} slabs: spatial parallelism runs on CPU workers only so far; plan GPU workers with "
+          "--spatial-parallel 1",
+          s);
+    }
+    Result<ModelSpec> split = model.PlannedFor(1, s, false, SequenceAttention::kHalo);
+    if (!split.ok()) {
+      if (slabs_given) return split.status().WithContext(fmt::format("planning S = {}", s));
+      continue;
+    }
+    models.push_back(PlannedModel{1, false, *std::move(split), s});
+  }
+  // Slab counts given without 1: only plans of those.
+  if (slabs_given && std::find(slab_counts.begin(), slab_counts.end(), 1) == slab_counts.end()) {
+    std::erase_if(models, [](const PlannedModel& planned) { return planned.slabs == 1; });
+  }
   return models;
 }
 
@@ -517,7 +563,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
   const auto planned_for = [&models](const PlanChoice& choice) -> const ModelSpec& {
     for (const PlannedModel& planned : models) {
       if (planned.tensor_parallel == choice.tensor_parallel &&
-          planned.shard_sequence == choice.shard_sequence) {
+          planned.shard_sequence == choice.shard_sequence && planned.slabs == choice.slabs) {
         return planned.model;
       }
     }

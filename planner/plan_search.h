@@ -54,16 +54,19 @@ struct LayerTimesAtRows {
   std::vector<OpCosts> layer_ms;
 };
 
-// One rank's layer times in a tensor split over `tensor_parallel` ranks (its own layers: the
-// split's, ModelSpec::PlannedFor).
+// One rank's layer times in a tensor split over `tensor_parallel` ranks, or (tensor_parallel 1)
+// in a split into `slabs` slabs of each volume (spatial parallelism): its own layers, the
+// split's (ModelSpec::PlannedFor).
 struct TensorSplitTimes {
   int tensor_parallel = 2;
   std::vector<LayerTimesAtRows> layers;  // as Calibration::layers
+  int slabs = 1;
 };
 
 struct Calibration {
-  std::vector<LayerTimesAtRows> layers;         // the whole model's; any order; distinct row counts
-  std::vector<TensorSplitTimes> tensor_splits;  // per degree T >= 2 searched; distinct degrees
+  std::vector<LayerTimesAtRows> layers;  // the whole model's; any order; distinct row counts
+  // Per tensor degree T >= 2 and per slab count S >= 2 searched; distinct (T, S).
+  std::vector<TensorSplitTimes> tensor_splits;
   // What a step spends per task beyond the tasks' own time on the workers (measured against a
   // step run there: training/plan_calibration.h), else in this process (StepProfile).
   double task_overhead_ms = 0;
@@ -80,9 +83,9 @@ struct Calibration {
   StepLinks links;
   ComputeSharing sharing;  // workers sharing one machine's compute
 
-  // The layer times of a rank of the split over `tensor_parallel` ranks; null when none were
-  // measured.
-  const TensorSplitTimes* SplitTimes(int tensor_parallel) const;
+  // The layer times of a rank of the split over `tensor_parallel` ranks, or into `slabs` slabs;
+  // null when none were measured.
+  const TensorSplitTimes* SplitTimes(int tensor_parallel, int slabs = 1) const;
 };
 
 // Per layer of the whole model, its times at `rows` micro-batch rows: a measured row count's,
@@ -123,6 +126,11 @@ struct SearchSpace {
   // With T >= 2: Megatron-LM's sequence sharding or not, where the model shards sequences and T
   // divides the sequence length.
   std::vector<bool> shard_sequence = {false, true};
+  // Slab counts S (spatial parallelism, a volume model's: ModelSpec::split_into_slabs; D x S x P
+  // workers, without tensor parallelism). Empty: 1 and every S >= 2 of the workers' count (with
+  // fewer_workers, up to it) into which the model's volumes split. A given count the model
+  // cannot split into is an error of the search.
+  std::vector<int> slabs;
   int threads = 1;  // planning threads (candidates are independent)
 };
 
@@ -140,13 +148,17 @@ struct PlanChoice {
   // machine and the plan reduces each micro-batch's gradients (ZeRO-2/3, several micro-batches
   // over several data-parallel ranks). Not part of the name.
   bool settle_reductions = false;
-  int workers() const { return data_parallel * tensor_parallel * pipeline_stages; }
+  // S: each volume in S slabs over S workers of each data-parallel rank (spatial parallelism;
+  // ParallelConfig's sequence ranks, attending by kHalo). data_parallel counts the row groups.
+  int slabs = 1;
+  int workers() const { return data_parallel * slabs * tensor_parallel * pipeline_stages; }
   // "D4 x P1 M2 ZeRO-1", "D1 x P4 zb-h1 M8", "D2 x P2 1f1b M4 cut 2+4 ZeRO-1",
-  // "D4 x T8 x P12 1f1b M384 ZeRO-1", "D4 x T8 SP x P12 1f1b M384 ZeRO-1" (sequence-sharded)
+  // "D4 x T8 x P12 1f1b M384 ZeRO-1", "D4 x T8 SP x P12 1f1b M384 ZeRO-1" (sequence-sharded),
+  // "D1 x S4 x P1 M1 ZeRO-0" (four slabs)
   std::string Name() const;
   // "--workers 4 --micro-batches 2 --zero-stage 1" (with --pipeline-stages, --schedule,
-  // --virtual-stages, --stage-layers, --tensor-parallel, --offload, --settle-reductions when
-  // they differ from the defaults; no --workers for one).
+  // --virtual-stages, --stage-layers, --tensor-parallel, --spatial-parallel, --offload,
+  // --settle-reductions when they differ from the defaults; no --workers for one).
   std::string Flags() const;
 };
 
@@ -209,14 +221,16 @@ std::vector<PlanChoice> EnumerateCandidates(const ModelSpec& model, const Traini
 
 // The models a search plans its candidates on: the whole model (T 1) and its splits
 // (ModelSpec::PlannedFor) for the space's tensor-parallel degrees, without and with sequence
-// sharding, in the search's order (T 1 alone on GPU workers: the split layers run on CPU workers
-// only). A degree the model does not split over is left out, unless
+// sharding, then its splits into the space's slab counts, in the search's order (T 1 alone on GPU
+// workers: the split layers run on CPU workers only). A degree or slab count the model does not
+// split over is left out, unless
 // the space gives it (then the split's error, naming the degree; of the sharded split only when
 // the space asks for sharding alone).
 struct PlannedModel {
   int tensor_parallel = 1;
   bool shard_sequence = false;
   ModelSpec model;
+  int slabs = 1;  // a split into slabs (spatial parallelism)
 };
 Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const TrainingPlan& base,
                                                 const SearchSpace& space);

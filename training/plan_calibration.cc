@@ -94,7 +94,7 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
                                    const SearchSpace& space) {
   std::set<int64_t> rows;
   for (const PlanChoice& c : EnumerateCandidates(model, base, space)) {
-    if (c.tensor_parallel > 1) continue;
+    if (c.tensor_parallel > 1 || c.slabs > 1) continue;
     rows.insert(base.batch / (int64_t{c.data_parallel} * c.micro_batches));
   }
   return {rows.begin(), rows.end()};
@@ -103,15 +103,16 @@ std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& b
 std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
                                                       const TrainingPlan& base,
                                                       const SearchSpace& space) {
-  std::map<int, std::set<int64_t>> rows;
+  std::map<std::pair<int, int>, std::set<int64_t>> rows;  // by (S, T): tensor splits first
   for (const PlanChoice& c : EnumerateCandidates(model, base, space)) {
-    if (c.tensor_parallel < 2) continue;
-    rows[c.tensor_parallel].insert(base.batch / (int64_t{c.data_parallel} * c.micro_batches));
+    if (c.tensor_parallel < 2 && c.slabs < 2) continue;
+    rows[{c.slabs, c.tensor_parallel}].insert(base.batch /
+                                              (int64_t{c.data_parallel} * c.micro_batches));
   }
   std::vector<TensorSplitRows> splits;
   splits.reserve(rows.size());
-  for (const auto& [t, counts] : rows) {
-    splits.push_back(TensorSplitRows{t, {counts.begin(), counts.end()}});
+  for (const auto& [split, counts] : rows) {
+    splits.push_back(TensorSplitRows{split.second, {counts.begin(), counts.end()}, split.first});
   }
   return splits;
 }
@@ -471,13 +472,16 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   };
   std::vector<ModelSpec> ranks;  // one rank of each split (ModelSpec::OneRankView)
   ranks.reserve(request.tensor_splits.size());
-  const auto split_label = [](int t) { return fmt::format("layers of one of {} tensor ranks", t); };
+  const auto split_label = [](const TensorSplitRows& split) {
+    return split.slabs > 1 ? fmt::format("layers of one of {} slabs", split.slabs)
+                           : fmt::format("layers of one of {} tensor ranks", split.tensor_parallel);
+  };
   for (const TensorSplitRows& split : request.tensor_splits) {
-    Result<ModelSpec> rank = model.PlannedFor(split.tensor_parallel, 1);
+    Result<ModelSpec> rank = split.slabs > 1
+                                 ? model.PlannedFor(1, split.slabs, false, SequenceAttention::kHalo)
+                                 : model.PlannedFor(split.tensor_parallel, 1);
     if (rank.ok()) rank = rank->OneRankView();
-    if (!rank.ok()) {
-      return rank.status().WithContext("calibrating the " + split_label(split.tensor_parallel));
-    }
+    if (!rank.ok()) return rank.status().WithContext("calibrating the " + split_label(split));
     ranks.push_back(*std::move(rank));
   }
   std::vector<ProfiledShape> shapes;
@@ -491,10 +495,8 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
     }
   }
   const auto label_of = [&](const ProfiledShape& shape) {
-    return shape.split < 0
-               ? std::string("layers")
-               : split_label(
-                     request.tensor_splits[static_cast<size_t>(shape.split)].tensor_parallel);
+    return shape.split < 0 ? std::string("layers")
+                           : split_label(request.tensor_splits[static_cast<size_t>(shape.split)]);
   };
   // In rounds (RoundOrder), each figure the median of its rounds': what moves the machine's speed
   // for a while moves one round of a shape, not the shape, nor one shape against the next.
@@ -518,6 +520,7 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   calibration.tensor_splits.resize(request.tensor_splits.size());
   for (size_t i = 0; i < request.tensor_splits.size(); ++i) {
     calibration.tensor_splits[i].tensor_parallel = request.tensor_splits[i].tensor_parallel;
+    calibration.tensor_splits[i].slabs = request.tensor_splits[i].slabs;
   }
   for (const ProfiledShape& shape : shapes) {
     LayerTimesAtRows times{shape.rows, shape.rounds.front().layer_ms};
@@ -601,7 +604,8 @@ std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
   for (int64_t r : request.rows) rows += fmt::format("{},", r);
   std::string splits;
   for (const TensorSplitRows& split : request.tensor_splits) {
-    splits += fmt::format(" T{} [", split.tensor_parallel);
+    splits += split.slabs > 1 ? fmt::format(" S{} [", split.slabs)
+                              : fmt::format(" T{} [", split.tensor_parallel);
     for (int64_t r : split.rows) splits += fmt::format("{},", r);
     splits += "]";
   }
@@ -632,8 +636,9 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                        const Calibration& calibration) {
   json splits = json::array();
   for (const TensorSplitTimes& split : calibration.tensor_splits) {
-    splits.push_back(
-        {{"tensor_parallel", split.tensor_parallel}, {"layers", LayersJson(split.layers)}});
+    splits.push_back({{"tensor_parallel", split.tensor_parallel},
+                      {"slabs", split.slabs},
+                      {"layers", LayersJson(split.layers)}});
   }
   const json file = {
       {"key", key},
@@ -673,8 +678,9 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     Calibration calibration;
     calibration.layers = LayersFrom(file.at("layers"));
     for (const json& split : file.at("tensor_splits")) {
-      calibration.tensor_splits.push_back(
-          TensorSplitTimes{split.at("tensor_parallel").get<int>(), LayersFrom(split.at("layers"))});
+      calibration.tensor_splits.push_back(TensorSplitTimes{split.at("tensor_parallel").get<int>(),
+                                                           LayersFrom(split.at("layers")),
+                                                           split.value("slabs", 1)});
     }
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
     calibration.other_ms_per_unit = file.at("other_ms_per_unit").get<double>();

@@ -62,16 +62,19 @@
 namespace tessera {
 
 // The distinct micro-batch row counts of EnumerateCandidates(model, base, space) without
-// tensor parallelism, ascending.
+// tensor parallelism or slabs, ascending.
 std::vector<int64_t> CandidateRows(const ModelSpec& model, const TrainingPlan& base,
                                    const SearchSpace& space);
 
-// A tensor split to profile: its degree and its candidates' micro-batch row counts (ascending).
+// A split to profile: its tensor degree (or 1 and its slab count) and its candidates'
+// micro-batch row counts (ascending).
 struct TensorSplitRows {
   int tensor_parallel = 2;
   std::vector<int64_t> rows;
+  int slabs = 1;
 };
-// Per degree T >= 2 among EnumerateCandidates(model, base, space), ascending.
+// Per degree T >= 2 and per slab count S >= 2 among EnumerateCandidates(model, base, space),
+// ascending.
 std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
                                                       const TrainingPlan& base,
                                                       const SearchSpace& space);

@@ -166,9 +166,8 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.plan != "auto") return Status::Ok();
   if (flags.placement == "layers") {
     return InvalidArgument(
-        "--plan auto chooses among data-parallel, tensor-parallel, pipeline and ZeRO plans; "
-        "--placement layers "
-        "is a placement of its own: drop one of them");
+        "--plan auto chooses among data-parallel, tensor-parallel, spatial, pipeline and ZeRO "
+        "plans; --placement layers is a placement of its own: drop one of them");
   }
   AutoPlanOptions options;
   SearchSpace& space = options.space;
@@ -189,6 +188,10 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.cut_given) space.chunk_layers = given.chunk_layers;
   if (search.tensor_given) space.tensor_parallel = {given.tensor_parallel};
   if (search.sequence_given) space.shard_sequence = {given.shard_sequence};
+  // A volume model's --spatial-parallel S (its driver's flag) fixes the slabs.
+  if (given.sequence_parallel > 1 && given.sequence_attention == SequenceAttention::kHalo) {
+    space.slabs = {given.sequence_parallel};
+  }
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
   options.calibration_rounds = search.calibration_rounds;

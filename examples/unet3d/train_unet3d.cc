@@ -300,6 +300,11 @@ Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const tessera::ModelS
   plan.optimizer.weight_decay = 0.0;
   TESSERA_RETURN_IF_ERROR(examples::ApplyPlanFlags(flags.common, kProgram, plan));
   TESSERA_RETURN_IF_ERROR(ApplySpatialParallel(flags, plan));
+  // --plan auto: --workers bounds the search, which fills in the ranks (a volume's batch of one
+  // need not split over them); checked here as one row group.
+  if (flags.common.search.plan == "auto") {
+    plan.parallel.data_parallel = plan.parallel.sequence_parallel;
+  }
   // --device cuda: the step on a GPU (this process's, or each worker's own). The volume ops take
   // f32 activations (bf16 ones are future work), so the U-Net computes in f32 there too.
   if (!runtime.device.is_cpu()) plan.device = tessera::Device::Cuda(0);

@@ -9,10 +9,13 @@
 #include <set>
 #include <tuple>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "model/gpt2.h"
+#include "model/unet3d.h"
+#include "planner/memory_model.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
 
@@ -263,6 +266,89 @@ TEST(PlanSearchTest, TensorParallelPlansRunOnTheirSplitsTimes) {
   Result<std::vector<PlannedModel>> sharded_only = PlannedModels(odd_vocab, Base(), space);
   ASSERT_FALSE(sharded_only.ok());
   EXPECT_THAT(sharded_only.status().ToString(), HasSubstr("use a --vocab that 2 divides"));
+}
+
+// Slabs (spatial parallelism) as a dimension, for a volume model: each count's plans are planned
+// on the model's split into slabs with its own layer times (D x S x P workers); a count without
+// times is searched only when given; a given count fixes the slabs; under a per-worker cap a
+// volume no one worker can train (batch 1: no rows to split) is planned on slabs.
+TEST(PlanSearchTest, SlabPlansRunOnTheirSplitsTimesAndFitWhereOneWorkerCannot) {
+  UNet3dConfig config = *UNet3dConfig::Preset("small");
+  config.volume = 32;
+  const ModelSpec model = *BuildUNet3d(config, CpuRegistry());
+  const TrainingPlan base{.batch = 1};
+  Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 4;
+  // No slabs measured: whole-model plans only (pipelines, with batch 1).
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult whole,
+                       PlanSearch(model, base, space, calibration, CpuRegistry()));
+  for (const RankedPlan& r : whole.ranked) EXPECT_EQ(r.choice.slabs, 1) << r.choice.Name();
+  space.slabs = {4};
+  Result<PlanSearchResult> missing = PlanSearch(model, base, space, calibration, CpuRegistry());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().ToString(), HasSubstr("no layer times of a rank of 4 slabs"));
+  space.slabs = {3};
+  Result<PlanSearchResult> uneven = PlanSearch(model, base, space, calibration, CpuRegistry());
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_THAT(uneven.status().ToString(), HasSubstr("D x S x P workers"));
+  space.slabs.clear();
+  // Each slab count's rank: its split's layers at a quarter / half of the whole one's times.
+  for (int s : {2, 4}) {
+    const ModelSpec split = *model.PlannedFor(1, s, false, SequenceAttention::kHalo);
+    TensorSplitTimes times{1, Proportional(split).layers, s};
+    for (LayerTimesAtRows& at : times.layers) {
+      for (OpCosts& c : at.layer_ms) c = OpCosts{c.forward / s, c.backward / s, c.weight / s};
+    }
+    calibration.tensor_splits.push_back(std::move(times));
+  }
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult result,
+                       PlanSearch(model, base, space, calibration, CpuRegistry()));
+  std::set<std::string> slab_plans;
+  for (const RankedPlan& r : result.ranked) {
+    if (r.choice.slabs == 1) continue;
+    slab_plans.insert(r.choice.Name());
+    EXPECT_EQ(r.parallel.sequence_parallel, r.choice.slabs);
+    EXPECT_EQ(r.parallel.sequence_attention, SequenceAttention::kHalo);
+    EXPECT_EQ(r.parallel.data_parallel, r.choice.data_parallel * r.choice.slabs);
+    EXPECT_THAT(r.choice.Flags(), HasSubstr(fmt::format("--spatial-parallel {}", r.choice.slabs)));
+    EXPECT_EQ(r.choice.workers(), r.choice.slabs * r.choice.pipeline_stages);
+  }
+  EXPECT_TRUE(slab_plans.count("D1 x S4 x P1 M1 ZeRO-0") == 1 &&
+              slab_plans.count("D1 x S2 x P2 gpipe M1 ZeRO-0") == 1)
+      << DescribeSearch(result, 100);
+  // A given count: its plans alone.
+  space.slabs = {2};
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult two,
+                       PlanSearch(model, base, space, calibration, CpuRegistry()));
+  for (const RankedPlan& r : two.ranked) EXPECT_EQ(r.choice.slabs, 2) << r.choice.Name();
+  space.slabs.clear();
+  // A cap under what one worker needs with every activation recomputed, over what a quarter of
+  // the volume needs: slabs, and each slab plan's peak under the cap.
+  TrainingPlan least = base;
+  least.memory.recompute_all = true;
+  ASSERT_OK_AND_ASSIGN(StepGraph alone, PlanTrainingStep(model, least, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile alone_memory, PredictMemory(alone.graph));
+  int64_t one_worker = 0;
+  for (const WorkerMemory& w : alone_memory.workers) {
+    one_worker = std::max(one_worker, w.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+  }
+  TrainingPlan capped = base;
+  capped.memory.host_bytes = one_worker * 9 / 10;
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult fits,
+                       PlanSearch(model, capped, space, calibration, CpuRegistry()));
+  EXPECT_EQ(fits.ranked.front().choice.slabs, 4) << DescribeSearch(fits, 10);
+  for (const RankedPlan& r : fits.ranked) {
+    EXPECT_LE(r.peak_bytes[static_cast<size_t>(MemoryTier::kHost)], capped.memory.host_bytes)
+        << r.choice.Name();
+  }
+  // GPU workers: no slabs (the split layers run on CPU workers only), a given count refused.
+  TrainingPlan gpu = base;
+  gpu.device = Device::Cuda(0);
+  ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> on_gpus, PlannedModels(model, gpu, space));
+  for (const PlannedModel& m : on_gpus) EXPECT_EQ(m.slabs, 1);
+  space.slabs = {2};
+  EXPECT_FALSE(PlannedModels(model, gpu, space).ok());
 }
 
 TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
