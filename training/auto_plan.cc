@@ -90,7 +90,8 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
         "measured: the layers at {} micro-batch shape(s){}{}", request.rows.size(),
         request.tensor_splits.empty()
             ? ""
-            : fmt::format(", one rank of {} split(s) (tensor ranks or slabs)", request.tensor_splits.size()),
+            : fmt::format(", one rank of {} split(s) (tensor ranks or slabs)",
+                          request.tensor_splits.size()),
         request.workers.empty() ? ""
                                 : fmt::format(", steps on {} worker(s)", request.workers.size()));
     if (!path.empty()) {
