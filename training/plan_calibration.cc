@@ -199,6 +199,50 @@ Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, doub
   return (lo + hi) / 2;
 }
 
+// When one rank of the whole model cannot run on one worker (a volume beyond a worker's cap), the
+// compute scale comes from the model in slabs over the most workers it splits into, every
+// worker computing at once: its step over its simulated step (no per-step constant; the
+// workers' sharing of the machine folded into the scale, which the slab plans of that many
+// workers see as measured). Leaves the defaults when the model has no such split or its probe
+// fails too.
+Status FitTheSlabProbe(const ModelSpec& model, const TrainingPlan& one,
+                       const CalibrationRequest& request, const BackendFactory& make_backend,
+                       const std::function<void(const std::string&)>& say,
+                       const OpRegistry& registry, Calibration& calibration) {
+  const auto n = static_cast<int>(request.workers.size());
+  int slabs = 1;
+  for (const TensorSplitTimes& split : calibration.tensor_splits) {
+    if (split.slabs > slabs && split.slabs <= n) slabs = split.slabs;
+  }
+  if (slabs < 2) return Status::Ok();
+  TrainingPlan plan = one;
+  plan.parallel.data_parallel = slabs;
+  plan.parallel.sequence_parallel = slabs;
+  plan.parallel.sequence_attention = SequenceAttention::kHalo;
+  plan.parallel.workers.assign(request.workers.begin(), request.workers.begin() + slabs);
+  plan.parallel.link = calibration.links.collective;
+  std::vector<ProbeStep> probes = {
+      {fmt::format("{} slabs on {} workers", slabs, slabs), plan, {}, {}}};
+  MeasureProbes(model, probes, std::max(1, request.rounds), request.probe_steps, make_backend);
+  if (!probes[0].ok()) {
+    say(fmt::format("{}: the probe step failed ({}); the compute scale stays 1", probes[0].what,
+                    probes[0].failed.ToString()));
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec split,
+                           model.PlannedFor(1, slabs, false, SequenceAttention::kHalo));
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated, Simulated(split, plan, calibration, registry));
+  const double measured = probes[0].median();
+  if (simulated.step_ms <= 0) return Status::Ok();
+  calibration.compute_scale = measured / simulated.step_ms;
+  say(fmt::format(
+      "{} at {} row(s): {:.2f} ms a step against {:.2f} ms of profiled work: the "
+      "workers compute at {:.2f}x the profile's times (one rank of the whole model "
+      "does not fit a worker, so this is what the scale is fitted on)",
+      probes[0].what, plan.batch, measured, simulated.step_ms, calibration.compute_scale));
+  return Status::Ok();
+}
+
 // The probe steps on the workers (see the header), measured together in rounds, and what each
 // fits: the compute scale and per-step overhead (one rank on one worker at two row counts), the
 // compute sharing (every worker a data-parallel rank) and the collective latency among workers
@@ -303,7 +347,9 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   };
   const ProbeStep* probed_one = measured(0);
   const ProbeStep* probed_other = measured(1);
-  if (probed_one == nullptr || probed_other == nullptr) return Status::Ok();
+  if (probed_one == nullptr || probed_other == nullptr) {
+    return FitTheSlabProbe(model, one, request, make_backend, say, registry, calibration);
+  }
   const double measured_one = probed_one->median(), measured_other = probed_other->median();
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_one,
                            Simulated(model, one, calibration, registry));
