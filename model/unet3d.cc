@@ -414,9 +414,11 @@ struct Haloed {
   }
 };
 
-// The outputs of a layer whose output `x` a convolution reads: x and its two planes, exchanged.
-std::vector<LayerValue> WithHalos(LayerBuilder& l, LayerValue x) {
-  std::vector<LayerValue> planes = l.CallAll("slab_planes_forward", {x}, {}, "planes");
+// The outputs of a layer whose output `x` (of `depth` D-planes) a convolution reads: x and its
+// two planes, exchanged.
+std::vector<LayerValue> WithHalos(LayerBuilder& l, LayerValue x, int64_t depth) {
+  std::vector<LayerValue> planes =
+      l.CallAll("slab_planes_forward", {x}, Attrs{{"depth", depth}}, "planes");
   l.Exchange(planes[0], ExchangeLayout::kHaloPrevious);
   l.Exchange(planes[1], ExchangeLayout::kHaloNext);
   return {x, planes[0], planes[1]};
@@ -437,47 +439,52 @@ LayerValue JoinedInput(LayerBuilder& l, int haloed) {
   return l.Call("halo_join_forward", {above, x, below}, {}, "halo");
 }
 
-// One conv block over slabs, as two layers (a layer boundary where the halos and where the norm's
-// statistics cross between ranks):
-//   <name>.conv<n>  the input joined with its halos, conv3d (depth_padding 0), and the output's
-//                   group-norm statistics over this slab, exchanged by blocks
-//   <out>           group norm with every slab's statistics, the activation; with `halos`, its
-//                   output's planes for the next convolution
+// One conv block over slabs, as three layers (a layer boundary where the halos and where the
+// norm's statistics cross between ranks):
+//   <name>.conv<n>   the input joined with its halos, conv3d (depth_padding 0)
+//   <name>.stats<n>  the convolution's group-norm statistics over this slab, exchanged by blocks
+//   <out>            group norm with every slab's statistics, the activation; with `halos`, its
+//                    output's planes for the next convolution
 // Parameters keep the whole model's names ("<name>.conv<n>.w", "<name>.norm<n>.b", ...).
 std::string SlabConvBlock(ModelBuilder& model, const std::string& name, const std::string& out,
                           const BlockParams& params, const std::vector<ModelValue>& inputs,
-                          const BlockStyle& style, int64_t first_stride, int ranks, bool halos) {
+                          const BlockStyle& style, int64_t first_stride, int ranks, bool halos,
+                          int64_t depth) {
   const std::string conv = fmt::format("{}.conv{}", name, params.n);
-  model.LayerWithOutputs(
-      conv, inputs, [=, haloed = static_cast<int>(inputs.size() / 3)](LayerBuilder& l) {
-        const LayerValue w = params.ConvWeight(l), b = params.ConvBias(l);
-        Attrs attrs{{"padding", int64_t{1}}, {kDepthPaddingAttr, int64_t{0}}};
-        if (first_stride != 1) attrs.Set("stride", first_stride);
-        const LayerValue y =
-            l.Call("conv3d_forward", {JoinedInput(l, haloed), w, b}, attrs, "conv");
-        const LayerValue stats =
-            l.Call("group_norm_stats_forward", {y},
-                   Attrs{{"groups", style.groups}, {"ranks", int64_t{ranks}}}, "stats");
-        l.Exchange(stats, ExchangeLayout::kBlocks);
-        return std::vector<LayerValue>{y, stats};
-      });
-  model.LayerWithOutputs(
-      out, {ModelBuilder::LayerOutput(conv, 0), ModelBuilder::LayerOutput(conv, 1)},
-      [=](LayerBuilder& l) {
-        const LayerValue g = params.NormWeight(l), beta = params.NormBias(l);
-        LayerValue y = l.Call("group_norm_slab_forward", {l.input(0), l.input(1), g, beta},
-                              Attrs{{"groups", style.groups}}, "norm");
-        y = l.Call(style.activation, {y}, {}, "act");
-        return halos ? WithHalos(l, y) : std::vector<LayerValue>{y};
-      });
+  const std::string stats = fmt::format("{}.stats{}", name, params.n);
+  model.Layer(conv, inputs, [=, haloed = static_cast<int>(inputs.size() / 3)](LayerBuilder& l) {
+    const LayerValue w = params.ConvWeight(l), b = params.ConvBias(l);
+    Attrs attrs{{"padding", int64_t{1}}, {kDepthPaddingAttr, int64_t{0}}};
+    if (first_stride != 1) attrs.Set("stride", first_stride);
+    return l.Call("conv3d_forward", {JoinedInput(l, haloed), w, b}, attrs, "conv");
+  });
+  // A layer of its own, reading the convolution's output as the norm layer does: the one object
+  // both backwards read (in the convolution's layer its backward would keep a copy of it).
+  model.Layer(stats, {ModelBuilder::LayerOutput(conv)}, [=](LayerBuilder& l) {
+    const LayerValue sums =
+        l.Call("group_norm_stats_forward", {l.input(0)},
+               Attrs{{"groups", style.groups}, {"ranks", int64_t{ranks}}}, "stats");
+    l.Exchange(sums, ExchangeLayout::kBlocks);
+    return sums;
+  });
+  model.LayerWithOutputs(out, {ModelBuilder::LayerOutput(conv), ModelBuilder::LayerOutput(stats)},
+                         [=](LayerBuilder& l) {
+                           const LayerValue g = params.NormWeight(l), beta = params.NormBias(l);
+                           LayerValue y =
+                               l.Call("group_norm_slab_forward", {l.input(0), l.input(1), g, beta},
+                                      Attrs{{"groups", style.groups}}, "norm");
+                           y = l.Call(style.activation, {y}, {}, "act");
+                           return halos ? WithHalos(l, y, depth) : std::vector<LayerValue>{y};
+                         });
   return out;
 }
 
-// A whole-model layer of two conv blocks (`TwoBlocks`) over slabs: four layers, the last named
-// `name` (what readers read), its output with halos when `halos` says a convolution reads it.
+// A whole-model layer of two conv blocks (`TwoBlocks`) over slabs: six layers, the last named
+// `name` (what readers read), its output (of `depth` D-planes a slab) with halos when `halos`
+// says a convolution reads it.
 std::string SlabTwoBlocks(ModelBuilder& model, const std::string& name,
                           const std::vector<Haloed>& inputs, int64_t in, int64_t out,
-                          const BlockStyle& style, int ranks, bool halos) {
+                          const BlockStyle& style, int ranks, bool halos, int64_t depth) {
   std::vector<ModelValue> reads;
   for (const Haloed& input : inputs) {
     for (ModelValue& read : input.Reads()) reads.push_back(std::move(read));
@@ -485,10 +492,10 @@ std::string SlabTwoBlocks(ModelBuilder& model, const std::string& name,
   const std::string prefix = name + ".";
   const std::string first = SlabConvBlock(
       model, name, name + ".block1", BlockParams{.prefix = prefix, .n = 1, .in = in, .out = out},
-      reads, style, style.first_stride, ranks, /*halos=*/true);
+      reads, style, style.first_stride, ranks, /*halos=*/true, depth);
   return SlabConvBlock(model, name, name,
                        BlockParams{.prefix = prefix, .n = 2, .in = out, .out = out},
-                       Haloed{first}.Reads(), style, 1, ranks, halos);
+                       Haloed{first}.Reads(), style, 1, ranks, halos, depth);
 }
 
 // The U-Net for `ranks` slabs: what each rank runs on its 1/P of every volume's depth (inputs
@@ -524,9 +531,8 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
   const ModelValue labels =
       model.Input("labels", DType::kI32, Shape{1, slab, v, v}, /*label=*/true);
   // The volume's own halos, for the first convolution.
-  model.LayerWithOutputs("volume.halo", {volume}, [](LayerBuilder& l) {
-    std::vector<LayerValue> outputs = WithHalos(l, l.Call("identity", {l.input(0)}, {}, "slab"));
-    return outputs;
+  model.LayerWithOutputs("volume.halo", {volume}, [slab](LayerBuilder& l) {
+    return WithHalos(l, l.Call("identity", {l.input(0)}, {}, "slab"), slab);
   });
   const bool strided = config.downsample == UNetDownsample::kStridedConv;
   std::vector<std::string> encoded;
@@ -538,14 +544,16 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
     // decoder's first convolution either way (the skip).
     encoded.push_back(SlabTwoBlocks(model, enc, {x}, in, channels(i),
                                     style(channels(i), strided && i > 0 ? 2 : 1), ranks,
-                                    /*halos=*/true));
+                                    /*halos=*/true, slab >> i));
     if (strided) {
       x = Haloed{enc};
     } else {
       const std::string down = fmt::format("down{}", i);
-      model.LayerWithOutputs(down, {ModelBuilder::LayerOutput(enc)}, [](LayerBuilder& l) {
+      const int64_t pooled = slab >> (i + 1);
+      model.LayerWithOutputs(down, {ModelBuilder::LayerOutput(enc)}, [pooled](LayerBuilder& l) {
         return WithHalos(
-            l, l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}}, "pool"));
+            l, l.Call("max_pool3d_forward", {l.input(0)}, Attrs{{"kernel", int64_t{2}}}, "pool"),
+            pooled);
       });
       x = Haloed{down};
     }
@@ -553,7 +561,7 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
   }
   std::string deepest = SlabTwoBlocks(model, "bottleneck", {x}, in, channels(config.depth),
                                       style(channels(config.depth), strided ? 2 : 1), ranks,
-                                      /*halos=*/false);
+                                      /*halos=*/false, slab >> config.depth);
   const std::vector<double> weights = config.DeepSupervisionWeights();
   std::vector<ModelValue> coarse_logits;
   const int64_t classes = config.classes;
@@ -561,10 +569,12 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
     const int64_t from = channels(i + 1), to = channels(i);
     const std::string up = fmt::format("up{}", i), dec = fmt::format("dec{}", i);
     const SingleOutputLayerFn upconv = UpConvolution(from, to, up + ".w", up + ".b");
-    model.LayerWithOutputs(up, {ModelBuilder::LayerOutput(deepest)},
-                           [upconv](LayerBuilder& l) { return WithHalos(l, upconv(l)); });
+    const int64_t planes = slab >> i;
+    model.LayerWithOutputs(
+        up, {ModelBuilder::LayerOutput(deepest)},
+        [upconv, planes](LayerBuilder& l) { return WithHalos(l, upconv(l), planes); });
     deepest = SlabTwoBlocks(model, dec, {Haloed{up}, Haloed{encoded[static_cast<size_t>(i)]}},
-                            2 * to, to, style(to, 1), ranks, /*halos=*/false);
+                            2 * to, to, style(to, 1), ranks, /*halos=*/false, planes);
     if (i >= 1 && i < static_cast<int64_t>(weights.size())) {
       const std::string head = fmt::format("head{}", i);
       coarse_logits.push_back(model.Layer(head, {ModelBuilder::LayerOutput(deepest)},

@@ -486,32 +486,40 @@ Status CheckPlane(const char* name, const TensorMeta& plane, const TensorMeta& v
 }
 
 Status AddHaloOps(OpRegistry& r) {
-  const InferFn planes_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+  const InferFn planes_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes", "x", in[0]));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t depth, IntAttr(attrs, "depth", 0, 1));
+    if (depth != in[0].shape[2]) {
+      return InvalidArgument("attribute 'depth' is {} but x {} has D = {}", depth,
+                             in[0].shape.ToString(), in[0].shape[2]);
+    }
     const TensorMeta plane = F32Like(in[0], WithDepth(in[0].shape, 1));
     return Metas{plane, plane};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "slab_planes_forward",
       .doc = "first, last: x's first and last D-planes [N, C, 1, H, W] (a slab's halos, passed to "
-             "the ranks before and after it)",
+             "the ranks before and after it); attribute depth (required): x's D, so that the "
+             "backward needs nothing of x",
       .input_names = {"x"},
       .output_names = {"first", "last"},
       .infer = planes_infer,
       .cost = CostOf(planes_infer, [](const Metas&, const Metas&) { return 0.0; }),
-      .gradient = Rule("slab_planes_backward", {OutGrad(0), OutGrad(1), In(0)}, {0}),
+      .gradient = Rule("slab_planes_backward", {OutGrad(0), OutGrad(1)}, {0}),
   }));
-  const InferFn planes_backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes_backward", "x", in[2]));
-    TESSERA_RETURN_IF_ERROR(CheckPlane("dfirst", in[0], in[2]));
-    TESSERA_RETURN_IF_ERROR(CheckPlane("dlast", in[1], in[2]));
-    return Metas{in[2]};
+  const InferFn planes_backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes_backward", "dfirst", in[0]));
+    TESSERA_ASSIGN_OR_RETURN(const int64_t depth, IntAttr(attrs, "depth", 0, 1));
+    const TensorMeta dx = F32Like(in[0], WithDepth(in[0].shape, depth));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("dfirst", in[0], dx));
+    TESSERA_RETURN_IF_ERROR(CheckPlane("dlast", in[1], dx));
+    return Metas{dx};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "slab_planes_backward",
-      .doc = "dx: zeros but for dfirst added at D-plane 0 and dlast at D-plane D - 1 (x is read "
-             "for its shape only)",
-      .input_names = {"dfirst", "dlast", "x"},
+      .doc = "dx [N, C, depth, H, W]: zeros but for dfirst added at D-plane 0 and dlast at "
+             "D-plane depth - 1 (attribute depth, the forward's)",
+      .input_names = {"dfirst", "dlast"},
       .output_names = {"dx"},
       .infer = planes_backward_infer,
       .cost = CostOf(planes_backward_infer, [](const Metas&, const Metas&) { return 0.0; }),

@@ -36,8 +36,9 @@
 //   group_norm_backward       dy, x, weight, mean, rstd -> dx, dweight, dbias
 //   Spatial parallelism (a volume's slabs along D, one a rank; model/unet3d.h):
 //   slab_planes_forward       x [N,C,D,H,W] -> first, last [N,C,1,H,W]: its first and last
-//                             D-planes, the halos it passes to the slabs before and after it
-//   slab_planes_backward      dfirst, dlast, x -> dx (zeros but for the two planes)
+//                             D-planes, the halos it passes to the slabs before and after it;
+//                             attr depth = D (required: the backward keeps nothing of x)
+//   slab_planes_backward      dfirst, dlast -> dx (zeros but for the two planes)
 //   halo_join_forward         above, x, below -> out [N,C,D+2,H,W] = [above; x; below] along D
 //                             (what a convolution with depth_padding 0 reads)
 //   halo_join_backward        dout -> dabove, dx, dbelow

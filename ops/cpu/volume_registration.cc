@@ -71,7 +71,7 @@ Status RegisterSlabKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
       Register(r, "slab_planes_backward",
                [slab](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
-                 const Slab s = slab(out[0]);  // in: dfirst, dlast, x
+                 const Slab s = slab(out[0]);  // in: dfirst, dlast
                  cpu::SlabPlanesBackward(F(out[0]), F(in[0]), F(in[1]), s.rows, s.depth, s.plane);
                  return Status::Ok();
                }));

@@ -233,9 +233,19 @@ void ExpectClose(const Tensor& got, const Tensor& expected, float tolerance,
 }
 
 TEST(VolumeGradientTest, SlabPlanesAndHaloJoin) {
-  CheckGradients({.forward = "slab_planes_forward", .inputs = {RandomTensor({2, 3, 4, 3, 2}, 1)}});
+  CheckGradients({.forward = "slab_planes_forward",
+                  .forward_attrs = Attrs{{"depth", int64_t{4}}},
+                  .inputs = {RandomTensor({2, 3, 4, 3, 2}, 1)}});
   // One plane deep: first and last are the same plane, its gradient their sum.
-  CheckGradients({.forward = "slab_planes_forward", .inputs = {RandomTensor({1, 2, 1, 3, 3}, 2)}});
+  CheckGradients({.forward = "slab_planes_forward",
+                  .forward_attrs = Attrs{{"depth", int64_t{1}}},
+                  .inputs = {RandomTensor({1, 2, 1, 3, 3}, 2)}});
+  // The depth is the forward's x's: another is refused naming it.
+  Result<Tensors> wrong_depth = RunKernel("slab_planes_forward", {RandomTensor({1, 2, 3, 2, 2}, 3)},
+                                          Attrs{{"depth", int64_t{2}}});
+  ASSERT_FALSE(wrong_depth.ok());
+  EXPECT_NE(wrong_depth.status().message().find("attribute 'depth' is 2"), std::string::npos)
+      << wrong_depth.status().ToString();
   CheckGradients({.forward = "halo_join_forward",
                   .inputs = {RandomTensor({2, 3, 1, 3, 2}, 3), RandomTensor({2, 3, 4, 3, 2}, 4),
                              RandomTensor({2, 3, 1, 3, 2}, 5)}});
