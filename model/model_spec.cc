@@ -149,31 +149,22 @@ Result<ModelSpec> ModelSpec::SplitForSequenceParallel(int ranks,
         "model",
         name, ranks, SequenceAttentionName(sequence_attention), SequenceAttentionName(attention));
   }
-  if (attention == SequenceAttention::kRing) {
-    TESSERA_ASSIGN_OR_RETURN(
-        ModelSpec split,
-        Rewritten(*this, ranks,
-                  Rewrite{"sequence", &ModelSpec::sequence_parallel, split_for_ring_attention,
-                          "does not say how its attention rotates keys and values around "
-                          "sequence ranks (model/model.h: ModelBuilder::SplitSequenceOver with "
-                          "SequenceAttention::kRing), so it cannot run ring attention: use "
-                          "--sequence-parallel ulysses or none"}));
-    if (ranks > 1 && split.sequence_attention != SequenceAttention::kRing) {
-      return Internal("model '{}' split for ring attention says it attends by {}", name,
-                      SequenceAttentionName(split.sequence_attention));
-    }
-    return split;
-  }
-  if (attention == SequenceAttention::kHalo) {
-    TESSERA_ASSIGN_OR_RETURN(
-        ModelSpec split,
-        Rewritten(*this, ranks,
-                  Rewrite{"spatial", &ModelSpec::sequence_parallel, split_into_slabs,
-                          "does not say how its volumes split into slabs (ModelSpec::"
-                          "split_into_slabs), so it cannot run spatially parallel: use "
-                          "--spatial-parallel 1"}));
-    if (ranks > 1 && split.sequence_attention != SequenceAttention::kHalo) {
-      return Internal("model '{}' split into slabs says it attends by {}", name,
+  if (attention == SequenceAttention::kRing || attention == SequenceAttention::kHalo) {
+    const Rewrite rewrite =
+        attention == SequenceAttention::kRing
+            ? Rewrite{"sequence", &ModelSpec::sequence_parallel, split_for_ring_attention,
+                      "does not say how its attention rotates keys and values around "
+                      "sequence ranks (model/model.h: ModelBuilder::SplitSequenceOver with "
+                      "SequenceAttention::kRing), so it cannot run ring attention: use "
+                      "--sequence-parallel ulysses or none"}
+            : Rewrite{"spatial", &ModelSpec::sequence_parallel, split_into_slabs,
+                      "does not say how its volumes split into slabs (ModelSpec::"
+                      "split_into_slabs), so it cannot run spatially parallel: use "
+                      "--spatial-parallel 1"};
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec split, Rewritten(*this, ranks, rewrite));
+    if (ranks > 1 && split.sequence_attention != attention) {
+      return Internal("model '{}' split for {} says it attends by {}", name,
+                      SequenceAttentionName(attention),
                       SequenceAttentionName(split.sequence_attention));
     }
     return split;

@@ -59,6 +59,16 @@ struct BlockStyle {
   int64_t first_stride = 1;
 };
 
+// A layer's style in `config`: its norm's groups (instance norm: one per output channel, `out`),
+// activation and first stride.
+BlockStyle StyleOf(const UNet3dConfig& config, int64_t out, int64_t first_stride) {
+  return BlockStyle{.groups = config.norm == UNetNorm::kInstance ? out : config.groups,
+                    .activation = config.activation == UNetActivation::kLeakyRelu
+                                      ? "leaky_relu_forward"
+                                      : "silu_forward",
+                    .first_stride = first_stride};
+}
+
 // Group norm (`groups`) then the activation over block `n`'s convolution output `y`.
 LayerValue NormAndActivate(LayerBuilder& l, int n, LayerValue y, LayerValue norm_w,
                            LayerValue norm_b, int64_t groups, const std::string& activation) {
@@ -298,14 +308,8 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   TESSERA_RETURN_IF_ERROR(config.Validate());
   const int64_t v = config.volume;
   auto channels = [&](int64_t level) { return config.Channels(level); };
-  // A layer's style: its norm's groups (instance norm: one per output channel), activation and
-  // first stride.
-  const std::string activation =
-      config.activation == UNetActivation::kLeakyRelu ? "leaky_relu_forward" : "silu_forward";
   auto style = [&](int64_t out, int64_t first_stride) {
-    return BlockStyle{.groups = config.norm == UNetNorm::kInstance ? out : config.groups,
-                      .activation = activation,
-                      .first_stride = first_stride};
+    return StyleOf(config, out, first_stride);
   };
   if (ranks > 1 && config.norm == UNetNorm::kGroup && config.groups % ranks != 0) {
     return InvalidArgument(
@@ -515,12 +519,8 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
   }
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
-  const std::string activation =
-      config.activation == UNetActivation::kLeakyRelu ? "leaky_relu_forward" : "silu_forward";
   auto style = [&](int64_t out, int64_t first_stride) {
-    return BlockStyle{.groups = config.norm == UNetNorm::kInstance ? out : config.groups,
-                      .activation = activation,
-                      .first_stride = first_stride};
+    return StyleOf(config, out, first_stride);
   };
   auto channels = [&](int64_t level) { return config.Channels(level); };
   ModelBuilder model("unet3d", registry);
