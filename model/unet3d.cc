@@ -150,7 +150,8 @@ ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
 
 // up{i}: a kernel-2 stride-2 transposed convolution, from -> to channels, doubling each extent.
 // Parameters named `weight` and `bias`.
-SingleOutputLayerFn UpConvolution(int64_t from, int64_t to, std::string weight, std::string bias) {
+SingleOutputLayerFn UpConvolution(int64_t from, int64_t to, const std::string& weight,
+                                  const std::string& bias) {
   return [=](LayerBuilder& l) {
     // Each output voxel of a kernel-2 stride-2 transposed conv sums exactly `from` products.
     LayerValue w = l.Param(weight, Shape{from, to, 2, 2, 2}, Kaiming(from), /*decay=*/true);
@@ -161,8 +162,8 @@ SingleOutputLayerFn UpConvolution(int64_t from, int64_t to, std::string weight, 
 }
 
 // A head: a kernel-1 convolution from `channels` to `classes` (the logits).
-SingleOutputLayerFn Classifier(int64_t channels, int64_t classes, std::string weight,
-                               std::string bias) {
+SingleOutputLayerFn Classifier(int64_t channels, int64_t classes, const std::string& weight,
+                               const std::string& bias) {
   return [=](LayerBuilder& l) {
     LayerValue w =
         l.Param(weight, Shape{classes, channels, 1, 1, 1}, Kaiming(channels), /*decay=*/true);

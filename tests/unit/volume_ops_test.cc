@@ -299,7 +299,7 @@ TEST(VolumeOpsTest, SlabGroupNormOverEverySlabIsGroupNorm) {
     const auto exchange = [&](const Tensors& sent) {
       Tensors received;
       for (int64_t p = 0; p < ranks; ++p) {
-        Tensor t = sent[static_cast<size_t>(p)];
+        const Tensor& t = sent[static_cast<size_t>(p)];
         std::vector<float> values = ToVector(t);
         for (int64_t q = 0; q < ranks; ++q) {
           const std::vector<float> from = ToVector(sent[static_cast<size_t>(q)]);
@@ -359,7 +359,8 @@ TEST(VolumeOpsTest, AHaloJoinedSlabConvolvesAsItsPartOfTheVolume) {
                          RunKernel("conv3d_forward", {x, w, b}, ConvAttrs(stride, 1)));
     for (int64_t ranks : {int64_t{2}, int64_t{4}}) {
       const int64_t depth = 8 / ranks;
-      const Tensor zeros = FloatTensor(Shape{2, 3, 1, 5, 6}, std::vector<float>(2 * 3 * 5 * 6));
+      const Tensor zeros =
+          FloatTensor(Shape{2, 3, 1, 5, 6}, std::vector<float>(size_t{2} * 3 * 5 * 6));
       Tensors parts;
       for (int64_t p = 0; p < ranks; ++p) {
         const Tensor above = p == 0 ? zeros : DepthSlab(x, p * depth - 1, 1);
