@@ -568,6 +568,33 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
       << refused.output;
 }
 
+// train_unet3d --spatial-parallel 2 on two workers trains the run of one process and says how the
+// volumes split; slab counts the workers or the volume cannot take are refused naming the fix.
+TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
+  ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
+  ProcessResult slabs =
+      RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --spatial-parallel 2");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(slabs.exit_code, 0) << slabs.output;
+  const double expected = FinalLoss(alone.output);
+  ASSERT_GT(expected, 0) << alone.output;
+  EXPECT_NEAR(FinalLoss(slabs.output), expected, 1e-6 * expected) << slabs.output;
+  EXPECT_NE(slabs.output.find("spatial parallel: each volume in 2 slabs of its depth"),
+            std::string::npos)
+      << slabs.output;
+  ProcessResult workers =
+      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --spatial-parallel 2");
+  EXPECT_NE(workers.exit_code, 0);
+  EXPECT_NE(workers.output.find("use --workers 2 (or a multiple of 2)"), std::string::npos)
+      << workers.output;
+  // The tiny preset's volume 8 halves once: 8 / 2 = 4 planes split into 2 or 4 slabs, not 3.
+  ProcessResult volume =
+      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --spatial-parallel 3");
+  EXPECT_NE(volume.exit_code, 0);
+  EXPECT_NE(volume.output.find("--spatial-parallel must divide"), std::string::npos)
+      << volume.output;
+}
+
 TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
   const std::string dir = TempPath("unet3d_checkpoints");
   std::filesystem::remove_all(dir);
