@@ -192,8 +192,7 @@ Result<ModelSpec> ModelSpec::PlannedFor(int tensor_ranks, int sequence_ranks, bo
 }
 
 Result<ModelSpec> ModelSpec::OneRankView() const {
-  const bool slabs = sequence_parallel > 1 && sequence_attention == SequenceAttention::kHalo;
-  if (shards_sequence || (sequence_parallel > 1 && !slabs)) {
+  if (shards_sequence || (sequence_parallel > 1 && slabs() == 1)) {
     return InvalidArgument(
         "model '{}' split {}: its collectives change the shapes its layers read, so one rank "
         "does not run on its own; time its tensor split without sequence sharding",
@@ -210,7 +209,6 @@ Result<ModelSpec> ModelSpec::OneRankView() const {
   view.split_sharding_sequence = nullptr;
   view.split_for_sequence_parallel = nullptr;
   view.split_for_ring_attention = nullptr;
-  view.split_into_slabs = nullptr;
   for (LayerSpec& layer : view.layers) {
     layer.tensor_parallel.reset();
     layer.exchanged_outputs.clear();  // halos and statistics keep their shapes

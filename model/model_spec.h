@@ -267,6 +267,10 @@ struct ModelSpec {
                                SequenceAttention attention = SequenceAttention::kUlysses) const;
   // Whether this is a whole model's rewrite for tensor or sequence ranks.
   bool rewritten() const { return tensor_parallel > 1 || sequence_parallel > 1; }
+  // The slabs each volume splits into (a split into slabs: kHalo), else 1.
+  int slabs() const {
+    return sequence_attention == SequenceAttention::kHalo ? sequence_parallel : 1;
+  }
   // What one rank of a tensor-parallel split or of a split into slabs (this model) computes, as
   // a model of its own: the same layers, ops and shapes with the split's collectives left out
   // (each partial sum, halo and exchanged statistic read as it is), so one process can time a

@@ -289,10 +289,7 @@ Result<std::vector<OpCosts>> LayerTimesAt(const Calibration& calibration, int64_
 Result<std::vector<OpCosts>> LayerTimesOf(const Calibration& calibration, const ModelSpec& model,
                                           int64_t rows) {
   const int t = model.tensor_parallel;
-  const int slabs =
-      model.sequence_parallel > 1 && model.sequence_attention == SequenceAttention::kHalo
-          ? model.sequence_parallel
-          : 1;
+  const int slabs = model.slabs();
   std::vector<OpCosts> ms;
   // Sharding sequences: the sequence-sharded layers' times at rows / T of the tensor split's (a
   // rank's 1/T of each sequence is as many elements; per-row work, so per-op costs are kept).

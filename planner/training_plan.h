@@ -197,6 +197,10 @@ struct ParallelConfig {
     return batch / (int64_t{data_parallel / sequence_parallel} * micro_batches);
   }
   int64_t RankSeqLen(int64_t seq_len) const { return seq_len / sequence_parallel; }
+  // The slabs each volume splits into (spatial parallelism: kHalo), else 1.
+  int slabs() const {
+    return sequence_attention == SequenceAttention::kHalo ? sequence_parallel : 1;
+  }
   // Whether ranks hold shards of the parameters (ZeRO-3), of the optimizer state (ZeRO >= 1);
   // the planner asks its ShardingPolicy instead, the trainer asks these.
   bool sharded_parameters() const { return zero_stage >= 3 && data_parallel > 1; }

@@ -189,9 +189,7 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
   if (search.tensor_given) space.tensor_parallel = {given.tensor_parallel};
   if (search.sequence_given) space.shard_sequence = {given.shard_sequence};
   // A volume model's --spatial-parallel S (its driver's flag) fixes the slabs.
-  if (given.sequence_parallel > 1 && given.sequence_attention == SequenceAttention::kHalo) {
-    space.slabs = {given.sequence_parallel};
-  }
+  if (given.slabs() > 1) space.slabs = {given.slabs()};
   options.cache_dir = DefaultCacheDir(runtime.settings.cache_dir);
   options.recalibrate = search.recalibrate;
   options.calibration_rounds = search.calibration_rounds;

@@ -119,7 +119,7 @@ void GroupNormSlabStatsBackward(float* dx, const float* dstats, const float* x,
   const int64_t block = s.batch * s.groups * kSlabStatsWidth;
   // Per (n, g): the gradients of the slab's sum and sum of squares, over the P blocks.
   std::vector<float> d_sum(static_cast<size_t>(s.batch * s.groups));
-  std::vector<float> d_square(d_sum.size());
+  std::vector<float> twice_d_square(d_sum.size());  // 2 dL/dQ: dQ/dx = 2 x
   for (int64_t i = 0; i < s.batch * s.groups; ++i) {
     double a = 0, b = 0;
     for (int64_t p = 0; p < s.ranks; ++p) {
@@ -127,13 +127,13 @@ void GroupNormSlabStatsBackward(float* dx, const float* dstats, const float* x,
       b += dstats[p * block + i * kSlabStatsWidth + 2];
     }
     d_sum[static_cast<size_t>(i)] = static_cast<float>(a);
-    d_square[static_cast<size_t>(i)] = static_cast<float>(2 * b);
+    twice_d_square[static_cast<size_t>(i)] = static_cast<float>(2 * b);
   }
   ParallelFor(rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const auto stat =
           static_cast<size_t>((r / s.channels) * s.groups + (r % s.channels) / per_group);
-      const float a = d_sum[stat], b = d_square[stat];
+      const float a = d_sum[stat], b = twice_d_square[stat];
       for (int64_t i = 0; i < s.spatial; ++i) dx[r * s.spatial + i] = a + b * x[r * s.spatial + i];
     }
   });

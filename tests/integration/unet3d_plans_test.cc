@@ -531,16 +531,31 @@ TEST(TrainUNet3dTest, TheLossFallsAndDiceRisesOver200Steps) {
   EXPECT_GT(logged.held_out_dice, logged.dice.front() + 0.15f) << run.output;
 }
 
+// The final loss of `train_unet3d --steps 8 --threads 1` in one process (run once a test binary).
+double OneProcessFinalLoss() {
+  static const double loss = [] {
+    ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
+    EXPECT_EQ(alone.exit_code, 0) << alone.output;
+    return FinalLoss(alone.output);
+  }();
+  return loss;
+}
+
+// `train_unet3d` with `flags` refused, its output holding `message`.
+void ExpectRefused(const std::string& flags, const std::string& message) {
+  ProcessResult refused = RunBinary("train_unet3d", flags);
+  EXPECT_NE(refused.exit_code, 0) << flags;
+  EXPECT_NE(refused.output.find(message), std::string::npos) << refused.output;
+}
+
 // train_unet3d --tensor-parallel 2 on two workers trains the run of one process, prints each
 // layer's split, and refuses a degree the group norm's groups do not divide, naming the fix.
 TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
-  ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
   ProcessResult split =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2");
-  ASSERT_EQ(alone.exit_code, 0) << alone.output;
   ASSERT_EQ(split.exit_code, 0) << split.output;
-  const double expected = FinalLoss(alone.output);
-  ASSERT_GT(expected, 0) << alone.output;
+  const double expected = OneProcessFinalLoss();
+  ASSERT_GT(expected, 0);
   EXPECT_NEAR(FinalLoss(split.output), expected, 1e-5 * expected) << split.output;
   EXPECT_NE(split.output.find("each layer over 2 tensor ranks"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("enc0.convs: enc0.conv1.w rows split"), std::string::npos)
@@ -560,39 +575,27 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
   EXPECT_NE(searched.output.find("--plan auto chose D1 x T2 x P1"), std::string::npos)
       << searched.output;
   EXPECT_NEAR(FinalLoss(searched.output), expected, 1e-5 * expected) << searched.output;
-  ProcessResult refused =
-      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --tensor-parallel 3");
-  EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.output.find("4 group-norm groups do not split over 3 tensor-parallel ranks"),
-            std::string::npos)
-      << refused.output;
+  ExpectRefused("--steps 1 --threads 1 --workers 3 --tensor-parallel 3",
+                "4 group-norm groups do not split over 3 tensor-parallel ranks");
 }
 
 // train_unet3d --spatial-parallel 2 on two workers trains the run of one process and says how the
 // volumes split; slab counts the workers or the volume cannot take are refused naming the fix.
 TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
-  ProcessResult alone = RunBinary("train_unet3d", "--steps 8 --threads 1");
   ProcessResult slabs =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --spatial-parallel 2");
-  ASSERT_EQ(alone.exit_code, 0) << alone.output;
   ASSERT_EQ(slabs.exit_code, 0) << slabs.output;
-  const double expected = FinalLoss(alone.output);
-  ASSERT_GT(expected, 0) << alone.output;
+  const double expected = OneProcessFinalLoss();
+  ASSERT_GT(expected, 0);
   EXPECT_NEAR(FinalLoss(slabs.output), expected, 1e-6 * expected) << slabs.output;
   EXPECT_NE(slabs.output.find("spatial parallel: each volume in 2 slabs of its depth"),
             std::string::npos)
       << slabs.output;
-  ProcessResult workers =
-      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --spatial-parallel 2");
-  EXPECT_NE(workers.exit_code, 0);
-  EXPECT_NE(workers.output.find("use --workers 2 (or a multiple of 2)"), std::string::npos)
-      << workers.output;
+  ExpectRefused("--steps 1 --threads 1 --workers 3 --spatial-parallel 2",
+                "use --workers 2 (or a multiple of 2)");
   // The tiny preset's volume 8 halves once: 8 / 2 = 4 planes split into 2 or 4 slabs, not 3.
-  ProcessResult volume =
-      RunBinary("train_unet3d", "--steps 1 --threads 1 --workers 3 --spatial-parallel 3");
-  EXPECT_NE(volume.exit_code, 0);
-  EXPECT_NE(volume.output.find("--spatial-parallel must divide"), std::string::npos)
-      << volume.output;
+  ExpectRefused("--steps 1 --threads 1 --workers 3 --spatial-parallel 3",
+                "--spatial-parallel must divide");
 }
 
 TEST(TrainUNet3dTest, AResumedRunContinuesTheUninterruptedOne) {
