@@ -168,6 +168,19 @@ class Expansion {
     return attrs;
   }
 
+  // StepGraph::predictions: what the loss layer l reads first (its arguments are in
+  // forward_args' order), for this micro-batch.
+  void RecordPrediction(const MicroBatch& mb, size_t l) {
+    const LayerSpec& loss = s_.model.layers[l];
+    for (size_t i = 0; i < loss.forward_args.size(); ++i) {
+      if (loss.forward_args[i].kind != Arg::kActivation) continue;
+      std::vector<ObjectId>& predictions = s_.step.predictions;
+      predictions.resize(static_cast<size_t>(s_.num_ranks * s_.num_micro_batches));
+      predictions[mb.index] = mb.args[l][i];
+      return;
+    }
+  }
+
   Status AddForward(MicroBatch& mb, size_t l) {
     const LayerSpec& layer = s_.model.layers[l];
     for (const LayerArg& arg : layer.forward_args) {
@@ -209,7 +222,10 @@ class Expansion {
             s_.On(mb.r, layer.name, kForwardPriority, std::move(names), std::move(roles))));
     const TaskId forward = s_.ProducerOf(mb.outputs[l][0]);
     Rank(mb).forward_task[l][static_cast<size_t>(mb.k)] = forward;
-    if (layer.loss) Rank(mb).losses.push_back(mb.outputs[l][0]);
+    if (layer.loss) {
+      Rank(mb).losses.push_back(mb.outputs[l][0]);
+      RecordPrediction(mb, l);
+    }
     TESSERA_RETURN_IF_ERROR(SumPartialOutputs(mb, l));
     TESSERA_RETURN_IF_ERROR(ExchangeOutputs(mb, l));
     // A swap out overlaps the next layer's forward, and is done before the one after starts

@@ -171,7 +171,11 @@ struct StepGraph {
   ObjectId step;    // i64 scalar, 1-based (AdamW bias correction)
   ObjectId lr_sum;  // f32 scalar: 0/1 Adam's sync step only, the interval's learning rates summed
   ObjectId loss;    // f32 scalar: mean cross-entropy over the global batch
-  ObjectId grad_norm;                // f32 scalar: global gradient norm before clipping
+  ObjectId grad_norm;  // f32 scalar: global gradient norm before clipping
+  // Per rank and micro-batch (as `inputs`), on the loss layer's stage: what the loss layer reads
+  // first, the model's prediction of those rows (a U-Net's logits; under spatial or sequence
+  // parallelism the rank's part of them). StepForward's prediction targets.
+  std::vector<ObjectId> predictions;
   std::vector<int64_t> group_numel;  // per layer: elements of a full (padded) group
   std::vector<StateObject> state;
   std::vector<GradientObject> grads;
@@ -190,6 +194,28 @@ Result<StepGraph> PlanTrainingStep(const ModelSpec& model, const TrainingPlan& p
                                    const OpRegistry& registry);
 
 // Pipeline cuts (EstimateLayerCosts, BalancedChunks, CutIntoChunks): planner/pipeline_cut.h.
+
+// The forward part of a training step on the step's own placement: evaluation and prediction of a
+// model as it trains (in slabs, split over tensor ranks, pipelined, its parameters sharded),
+// without gathering it onto one worker. Its tasks are the step's, on the same workers: those the
+// result needs (the step's loss, or StepGraph::predictions) with what they read, and every member
+// of each collective among them. The step's order among them stays (control edges through tasks
+// left out become edges from what those waited for), so a micro-batch's activations are live
+// when the step's would be and no longer. The result of a run equals the step's for the same
+// inputs and state, to the bit.
+struct StepForward {
+  Graph graph;
+  // As StepGraph::inputs (per model input, per rank and micro-batch): the input in `graph`,
+  // invalid where the forward part does not read it (the labels, when predicting).
+  std::vector<std::vector<ObjectId>> inputs;
+  // Per StepGraph::state object: its input in `graph`, invalid where unread (optimizer state).
+  std::vector<ObjectId> state;
+  ObjectId loss;                      // ForwardResult::kLoss: the step's loss
+  std::vector<ObjectId> predictions;  // kPredictions: per StepGraph::predictions entry
+};
+enum class ForwardResult : uint8_t { kLoss, kPredictions };
+// InvalidArgument for predictions of a model whose loss layer reads no layer.
+Result<StepForward> PlanStepForward(const StepGraph& step, ForwardResult result);
 
 // Forward-only graphs (evaluation and sampling).
 struct ForwardGraph {

@@ -144,12 +144,6 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(ModelSpec model, const Training
                                                std::move(registry), std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->MapSlices());
   TESSERA_RETURN_IF_ERROR(trainer->PrepareStepGraph());
-  TESSERA_ASSIGN_OR_RETURN(
-      trainer->eval_graph_,
-      PlanEvalLoss(trainer->model_, plan.batch, plan.seq_len, *trainer->registry_,
-                   trainer->ParamMultiple(), plan.device));
-  TESSERA_ASSIGN_OR_RETURN(trainer->eval_handle_,
-                           trainer->backend_->Register(trainer->eval_graph_.graph));
   TESSERA_RETURN_IF_ERROR(trainer->CheckHostMemory());
   if (const int64_t cap = trainer->plan_.memory.host_bytes; cap > 0) {
     // The plan fits the host tier under the cap; from here the allocator holds it there.
@@ -249,6 +243,7 @@ Status Trainer::PrepareStepGraph() {
     for (const GradientObject& grad : step_graph_.grads) step_graph_.graph.MarkOutput(grad.id);
   }
   TESSERA_ASSIGN_OR_RETURN(step_handle_, backend_->Register(step_graph_.graph));
+  placed_forwards_.clear();
   return Status::Ok();
 }
 
@@ -792,6 +787,47 @@ Result<Value> Trainer::UploadRows(const Tensor& batch, int64_t first, int64_t ro
   return backend_->Upload(std::move(t));
 }
 
+int Trainer::SplitAxisOf(size_t input) const {
+  if (plan_.parallel.sequence_parallel == 1) return 0;
+  const int split_axis = split_.inputs[input].split_axis;
+  if (split_axis >= 1) return split_axis;
+  return model_.inputs[input].sequence ? 1 : 0;
+}
+
+Status Trainer::UploadStepInputs(const StepGraph& graph, const std::vector<Tensor>& batch,
+                                 const std::vector<std::vector<ObjectId>>& targets,
+                                 ValueMap& inputs) {
+  // Rank r's micro-batch k takes rows [(g * micro_batches + k) * b, ... + b) of the global
+  // batch, g its row group: its data-parallel rank (a data-parallel rank's tensor ranks read the
+  // same rows), or under sequence parallelism its group of sequence ranks, each of which takes
+  // its 1/P of each sequence input's positions. The micro-batches are the step's: the memory
+  // plan may have split the batch into more than the plan asked for.
+  const ParallelConfig& p = graph.parallel;
+  const int64_t micro = graph.micro_batch_rows;
+  const int64_t micro_batches = p.micro_batches;
+  for (size_t input = 0; input < targets.size(); ++input) {
+    const std::vector<ObjectId>& pieces = targets[input];
+    // All of each row, a sequence rank's 1/P of its positions, or a slab's of its depth.
+    const int split_axis = SplitAxisOf(input);
+    int axis = 1;
+    int64_t positions = -1;
+    if (split_axis >= 1 && batch[input].defined() && split_axis < batch[input].shape().rank()) {
+      axis = split_axis;
+      positions = batch[input].shape()[split_axis] / p.sequence_parallel;
+    }
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (!pieces[i].valid()) continue;  // not read (a label, when predicting)
+      const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
+      const int64_t slice =
+          p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
+      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
+                               UploadRows(batch[input], slice * micro, micro, axis,
+                                          p.SequenceRankOf(rank) * positions, positions));
+    }
+  }
+  return Status::Ok();
+}
+
 Status Trainer::EnterCompressedPhase() {
   if (plan_.optimizer.kind != OptimizerConfig::Kind::kOneBitAdam ||
       plan_.optimizer.compressed_phase) {
@@ -903,35 +939,7 @@ Result<StepReport> Trainer::Step(const std::vector<Tensor>& batch, float lr) {
   const int64_t step_number = steps_taken_ + 1;
   const auto start = std::chrono::steady_clock::now();
   ValueMap inputs;
-  // Rank r's micro-batch k takes rows [(g * micro_batches + k) * b, ... + b) of the global
-  // batch, g its row group: its data-parallel rank (a data-parallel rank's tensor ranks read the
-  // same rows), or under sequence parallelism its group of sequence ranks, each of which takes
-  // its 1/P of each sequence input's positions. The micro-batches are the step's: the memory
-  // plan may have split the batch into more than the plan asked for.
-  const ParallelConfig& p = graph->parallel;
-  const int64_t micro = graph->micro_batch_rows;
-  const int64_t micro_batches = p.micro_batches;
-  for (size_t input = 0; input < graph->inputs.size(); ++input) {
-    const std::vector<ObjectId>& pieces = graph->inputs[input];
-    // All of each row, a sequence rank's 1/P of its positions, or a slab's of its depth.
-    const int split_axis = split_.inputs[input].split_axis;
-    int axis = 1;
-    int64_t positions = -1;
-    if (p.sequence_parallel > 1 && split_axis >= 1 && split_axis < batch[input].shape().rank()) {
-      axis = split_axis;
-      positions = batch[input].shape()[split_axis] / p.sequence_parallel;
-    } else if (p.sequence_parallel > 1 && model_.inputs[input].sequence) {
-      positions = p.RankSeqLen(plan_.seq_len);
-    }
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
-      const int64_t slice =
-          p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
-      TESSERA_ASSIGN_OR_RETURN(inputs[pieces[i]],
-                               UploadRows(batch[input], slice * micro, micro, axis,
-                                          p.SequenceRankOf(rank) * positions, positions));
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(UploadStepInputs(*graph, batch, graph->inputs, inputs));
   TESSERA_ASSIGN_OR_RETURN(inputs[graph->lr], Scalar(DType::kF32, lr));
   TESSERA_ASSIGN_OR_RETURN(inputs[graph->step],
                            Scalar(DType::kI64, static_cast<double>(step_number)));
@@ -1002,10 +1010,111 @@ Status Trainer::RecoverState(const Status& error, ValueMap& intact, const StepGr
       error.ToString(), lost.size(), lost.front());
 }
 
+Result<const Trainer::PlacedForward*> Trainer::PlacedForwardOf(ForwardResult result) {
+  auto it = placed_forwards_.find(result);
+  if (it == placed_forwards_.end()) {
+    PlacedForward placed;
+    TESSERA_ASSIGN_OR_RETURN(placed.forward, PlanStepForward(step_graph_, result));
+    TESSERA_ASSIGN_OR_RETURN(placed.handle, backend_->Register(placed.forward.graph));
+    it = placed_forwards_.emplace(result, std::move(placed)).first;
+  }
+  return &it->second;
+}
+
+Result<ValueMap> Trainer::RunPlaced(const PlacedForward& placed, const std::vector<Tensor>& batch) {
+  ValueMap inputs;
+  TESSERA_RETURN_IF_ERROR(UploadStepInputs(step_graph_, batch, placed.forward.inputs, inputs));
+  // The state is read, not moved: it stays the trainer's (PlanStepForward leaves no task that
+  // may take over its buffers).
+  for (size_t i = 0; i < placed.forward.state.size(); ++i) {
+    if (placed.forward.state[i].valid()) inputs[placed.forward.state[i]] = state_[i];
+  }
+  return backend_->Run(placed.handle, std::move(inputs));
+}
+
 Result<float> Trainer::EvalLoss(const std::vector<Tensor>& batch) {
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, plan_.batch, plan_.seq_len, /*labels=*/true));
-  TESSERA_ASSIGN_OR_RETURN(Tensor loss, RunForward(eval_graph_, eval_handle_, batch));
+  TESSERA_ASSIGN_OR_RETURN(const PlacedForward* placed, PlacedForwardOf(ForwardResult::kLoss));
+  TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, RunPlaced(*placed, batch));
+  TESSERA_ASSIGN_OR_RETURN(Tensor loss, backend_->Download(outputs[placed->forward.loss]));
   return *loss.data<float>();
+}
+
+Result<Tensor> Trainer::PredictPlaced(const std::vector<Tensor>& batch, int64_t rows) {
+  TESSERA_ASSIGN_OR_RETURN(const PlacedForward* placed,
+                           PlacedForwardOf(ForwardResult::kPredictions));
+  const ParallelConfig& p = step_graph_.parallel;
+  const int64_t micro = step_graph_.micro_batch_rows;
+  const int64_t micro_batches = p.micro_batches;
+  // The prediction splits along the axis of the first split input (a slab's depth, a sequence
+  // rank's positions): each rank's part is its rows and 1/S of that axis.
+  int axis = 0;
+  for (size_t i = 0; i < model_.inputs.size() && axis == 0; ++i) {
+    if (!model_.inputs[i].label) axis = SplitAxisOf(i);
+  }
+  Tensor whole;
+  // A piece's row: `runs` blocks of `run_bytes` (1/`parts` of the whole's run along `axis`).
+  int64_t run_bytes = 0, runs = 1, parts = 1;
+  for (int64_t first = 0; first < rows; first += plan_.batch) {
+    // This chunk's rows of every (non-label) input, zeros past the last row.
+    const int64_t taken = std::min(plan_.batch, rows - first);
+    std::vector<Tensor> chunk(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (model_.inputs[i].label || !batch[i].defined()) continue;
+      std::vector<int64_t> dims = batch[i].shape().dims();
+      const int64_t row_bytes = batch[i].bytes() / dims[0];
+      dims[0] = plan_.batch;
+      TESSERA_ASSIGN_OR_RETURN(chunk[i], Tensor::Empty(TensorMeta{Shape(std::move(dims)),
+                                                                  batch[i].dtype(), Device::Cpu()},
+                                                       SharedHostAllocator()));
+      auto* to = static_cast<char*>(chunk[i].raw_data());
+      std::memcpy(to, static_cast<const char*>(batch[i].raw_data()) + first * row_bytes,
+                  static_cast<size_t>(taken * row_bytes));
+      std::memset(to + taken * row_bytes, 0,
+                  static_cast<size_t>((plan_.batch - taken) * row_bytes));
+    }
+    TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, RunPlaced(*placed, chunk));
+    // Each rank's part (tensor rank 0's of a tensor group, which all hold the same) to its rows
+    // and its 1/S along `axis`.
+    for (size_t i = 0; i < placed->forward.predictions.size(); ++i) {
+      const auto rank = static_cast<int>(static_cast<int64_t>(i) / micro_batches);
+      if (p.TensorRankOf(rank) != 0) continue;
+      TESSERA_ASSIGN_OR_RETURN(Tensor part,
+                               backend_->Download(outputs[placed->forward.predictions[i]]));
+      const std::vector<int64_t>& dims = part.shape().dims();
+      if (!whole.defined()) {
+        std::vector<int64_t> whole_dims = dims;
+        whole_dims[0] = rows;
+        if (axis >= 1 && axis < static_cast<int>(dims.size())) {
+          parts = p.sequence_parallel;
+          whole_dims[static_cast<size_t>(axis)] *= parts;
+          for (int d = 1; d < axis; ++d) runs *= dims[static_cast<size_t>(d)];
+        }
+        TESSERA_ASSIGN_OR_RETURN(whole, Tensor::Empty(TensorMeta{Shape(std::move(whole_dims)),
+                                                                 part.dtype(), Device::Cpu()},
+                                                      SharedHostAllocator()));
+        run_bytes = part.bytes() / dims[0] / runs;
+      }
+      if (dims[0] != micro || part.bytes() != micro * runs * run_bytes) {
+        return Internal("rank {}'s prediction is {}; the step's micro-batches take {} rows", rank,
+                        part.meta().ToString(), micro);
+      }
+      // Rows [first + slice * micro, + micro) of the whole, those within `rows`.
+      const int64_t slice =
+          p.RowGroupOf(rank) * micro_batches + static_cast<int64_t>(i) % micro_batches;
+      const int64_t piece_first = first + slice * micro;
+      const int64_t piece_rows = std::min(micro, rows - piece_first);
+      const int64_t slab = parts > 1 ? p.SequenceRankOf(rank) : 0;
+      const int64_t whole_run = run_bytes * parts;
+      const auto* from = static_cast<const char*>(part.raw_data());
+      auto* to = static_cast<char*>(whole.raw_data());
+      for (int64_t r = 0; r < piece_rows * runs; ++r) {
+        std::memcpy(to + (piece_first * runs + r) * whole_run + slab * run_bytes,
+                    from + r * run_bytes, static_cast<size_t>(run_bytes));
+      }
+    }
+  }
+  return whole;
 }
 
 Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
@@ -1028,6 +1137,12 @@ Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {
   }
   if (rows < 1) rows = plan_.batch;  // CheckBatch names the missing input
   TESSERA_RETURN_IF_ERROR(CheckBatch(batch, rows, seq_len, /*labels=*/false));
+  // On the step's placement where the prediction is what the loss reads (not a predict_op of its
+  // own) and the positions are the step's.
+  TESSERA_ASSIGN_OR_RETURN(const size_t loss_layer, model_.LossLayer());
+  if (model_.layers[loss_layer].predict_op.empty() && seq_len == plan_.seq_len) {
+    return PredictPlaced(batch, rows);
+  }
   TESSERA_ASSIGN_OR_RETURN(const PlannedForward* graph, PredictionGraph(rows, seq_len));
   return RunForward(graph->graph, graph->handle, batch);
 }

@@ -100,13 +100,20 @@ class Trainer {
   // fails (e.g. a kernel refuses a token id), the model state is left as it was (or DataLoss
   // says what the optimizer had already updated).
   Result<StepReport> Step(const std::vector<Tensor>& batch, float lr);
-  // Mean loss of a batch of the plan's shape, without updating anything.
+  // Mean loss of a batch of the plan's shape, without updating anything: the step's forward part
+  // on the step's own workers and placement (PlanStepForward), so a model that trains split (in
+  // slabs, over tensor ranks, pipelined, sharded) evaluates split too. Equals the loss Step
+  // reports for the same batch and state, to the bit.
   Result<float> EvalLoss(const std::vector<Tensor>& batch);
-  // The model's prediction (PlanLogits: the loss layer's predict_op, e.g. a language model's
-  // logits, else what the loss reads first) for a batch of any number of rows (dimension 0 of
-  // its non-label inputs) and, for sequence inputs, any seq_len up to the model's (their
-  // dimension 1). Label inputs are not read (they may be undefined tensors). InvalidArgument
-  // naming the input when the tensors disagree; a graph is planned once per rows and seq_len.
+  // The model's prediction for a batch of any number of rows (dimension 0 of its non-label
+  // inputs) and, for sequence inputs, any seq_len up to the model's (their dimension 1). Label
+  // inputs are not read (they may be undefined tensors). InvalidArgument naming the input when
+  // the tensors disagree.
+  // A model whose loss layer has no predict_op (a U-Net: the prediction is what its loss reads
+  // first) predicts on the step's placement like EvalLoss, in chunks of the plan's batch (the
+  // last padded), each rank's part (its rows; its slab or positions) downloaded and joined.
+  // Otherwise (a language model's logits, a seq_len other than the plan's) the whole model runs
+  // on one worker (PlanLogits), a graph planned once per rows and seq_len.
   Result<Tensor> Predict(const std::vector<Tensor>& batch);
 
   // Keeps each step's parameter gradients readable through GetGradient (for tests and
@@ -235,8 +242,25 @@ class Trainer {
   Status StartIntervalsAtTheParameters();
   // Writes zeros to every state object of `kind` (0/1 Adam's error buffers).
   Status ZeroStateOf(StateKind kind);
-  ForwardGraph eval_graph_;
-  int eval_handle_ = -1;
+  // EvalLoss's and the placed Predict's forward parts of step_graph_, planned and registered
+  // when first run (again after the step graph is re-planned).
+  struct PlacedForward {
+    StepForward forward;
+    int handle = -1;
+  };
+  std::map<ForwardResult, PlacedForward> placed_forwards_;
+  Result<const PlacedForward*> PlacedForwardOf(ForwardResult result);
+  // Runs the forward part on `batch` (the plan's shape) and the state it reads.
+  Result<ValueMap> RunPlaced(const PlacedForward& placed, const std::vector<Tensor>& batch);
+  // Predict on the placement: `rows` rows of `batch`, in chunks of the plan's batch.
+  Result<Tensor> PredictPlaced(const std::vector<Tensor>& batch, int64_t rows);
+  // The axis along which the ranks of a row group split each input of the step (0: none):
+  // a spatial split's (ModelInput::split_axis), else a sequence input's positions (1).
+  int SplitAxisOf(size_t input) const;
+  // Uploads each rank's micro-batch of `batch` to what `targets` (StepGraph::inputs' layout, of
+  // `graph` or its forward part) names, skipping invalid ids.
+  Status UploadStepInputs(const StepGraph& graph, const std::vector<Tensor>& batch,
+                          const std::vector<std::vector<ObjectId>>& targets, ValueMap& inputs);
   // Prediction graphs by batch and seq_len, registered once each.
   struct PlannedForward {
     ForwardGraph graph;

@@ -262,30 +262,8 @@ Status WriteVolumes(const Flags& flags) {
   return Status::Ok();
 }
 
-// Whether `status` is a whole-model pass (Dice, the held-out evaluation) running out of a worker's
-// memory cap: evaluation and prediction run the whole model on one worker, which a volume
-// trained in slabs may not fit. Said once; the run goes on without it.
-bool WholeModelDoesNotFit(const Status& status) {
-  if (status.code() != tessera::StatusCode::kResourceExhausted) return false;
-  static bool said = false;
-  if (!said) {
-    std::fprintf(stderr,
-                 "%s: the Dice score and the held-out evaluation run the whole model on one "
-                 "worker, whose memory cap it does not fit at this volume (the training step "
-                 "runs in slabs): they are left out (n/a). %s\n",
-                 kProgram, status.ToString().c_str());
-    said = true;
-  }
-  return true;
-}
-
-// "%.4f" of `value`, or "n/a" when the whole model did not fit a worker to compute it.
-Result<std::string> OrNotAvailable(const Result<float>& value) {
-  if (value.ok()) return fmt::format("{:.4f}", *value);
-  if (WholeModelDoesNotFit(value.status())) return std::string("n/a");
-  return value.status();
-}
-
+// The batch's Dice score. The prediction runs on the training step's placement (in slabs under
+// --spatial-parallel), so whatever trains also evaluates.
 Result<float> Dice(tessera::Trainer& trainer, const std::vector<tessera::Tensor>& batch,
                    const tessera::UNet3dConfig& config) {
   TESSERA_ASSIGN_OR_RETURN(tessera::Tensor logits, trainer.Predict(batch));
@@ -351,11 +329,10 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const tessera::UNet3
                 if (step % flags.common.log_every != 0 && step != flags.steps && step != first) {
                   return Status::Ok();
                 }
-                TESSERA_ASSIGN_OR_RETURN(const std::string dice,
-                                         OrNotAvailable(Dice(trainer, batch, config)));
-                std::printf("step %lld/%lld loss %.4f dice %s  %.1f ms\n",
+                TESSERA_ASSIGN_OR_RETURN(const float dice, Dice(trainer, batch, config));
+                std::printf("step %lld/%lld loss %.4f dice %.4f  %.1f ms\n",
                             static_cast<long long>(step), static_cast<long long>(flags.steps),
-                            report.loss, dice.c_str(), report.step_ms);
+                            report.loss, dice, report.step_ms);
                 std::fflush(stdout);
                 return Status::Ok();
               }};
@@ -423,10 +400,9 @@ Status Train(const Flags& flags) {
   // Held out: volumes from another stream of the generator, or patches of the held-out case.
   TESSERA_ASSIGN_OR_RETURN(std::vector<tessera::Tensor> held_out,
                            HeldOutBatch(flags, config, data));
-  TESSERA_ASSIGN_OR_RETURN(const std::string loss, OrNotAvailable(trainer->EvalLoss(held_out)));
-  TESSERA_ASSIGN_OR_RETURN(const std::string dice,
-                           OrNotAvailable(Dice(*trainer, held_out, config)));
-  std::printf("held-out: loss %s dice %s\n", loss.c_str(), dice.c_str());
+  TESSERA_ASSIGN_OR_RETURN(const float loss, trainer->EvalLoss(held_out));
+  TESSERA_ASSIGN_OR_RETURN(const float dice, Dice(*trainer, held_out, config));
+  std::printf("held-out: loss %.4f dice %.4f\n", loss, dice);
   if (flags.predict) TESSERA_RETURN_IF_ERROR(PredictWhole(flags, config, data, *trainer));
   TESSERA_RETURN_IF_ERROR(examples::WriteStepTrace(*trainer, flags.common.trace, kProgram));
   loop.stats().PrintRanks();

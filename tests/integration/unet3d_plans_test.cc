@@ -436,6 +436,73 @@ TEST_F(UNet3dPlansTest, SlabsWithZero3AndWithPipelineStagesTrainTheOneWorkerRun)
   }
 }
 
+// The whole model's logits for `image` on one in-process executor (PlanLogits), with `trainer`'s
+// parameters: the reference a placed prediction is checked against.
+Result<std::vector<float>> WholeModelLogits(Trainer& trainer, const Tensor& image) {
+  const ModelSpec& model = trainer.model();
+  const int64_t rows = image.shape()[0];
+  TESSERA_ASSIGN_OR_RETURN(ForwardGraph forward, PlanLogits(model, rows, 1, CpuRegistry()));
+  ObjectMap inputs;
+  inputs[forward.inputs[0]] = image;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    if (!forward.params[l].valid()) continue;
+    TESSERA_ASSIGN_OR_RETURN(std::vector<float> group, trainer.ReadGroup(l, StateKind::kParameter));
+    const int64_t numel = forward.graph.object(forward.params[l]).meta.numel();
+    group.resize(static_cast<size_t>(numel));  // a ZeRO group's padding off
+    inputs[forward.params[l]] = FloatTensor(Shape{numel}, group);
+  }
+  InProcessExecutor local(CpuRegistry(), ExecutorOptions{});
+  TESSERA_ASSIGN_OR_RETURN(PreparedGraph prepared, local.Prepare(forward.graph));
+  TESSERA_ASSIGN_OR_RETURN(RunResult run, local.Run(prepared, std::move(inputs)));
+  return ToVector(run.outputs.at(forward.result));
+}
+
+// Evaluation and prediction run on the training step's own placement (PlanStepForward): in 2 and
+// 4 slabs, in slabs under ZeRO-3 and in a pipeline of slabs, over tensor ranks. After three steps
+// each plan's EvalLoss is the one worker's within 1e-6 relative, and is exactly the loss the
+// next step reports for that batch; Predict of 5 rows (two chunks of the plan's batch of 4, the
+// second padded) joins every rank's rows and slab into the whole model's logits (1e-5 of their
+// largest), and a model that never left its ranks for it.
+TEST_F(UNet3dPlansTest, EveryPlanEvaluatesAndPredictsOnItsOwnPlacement) {
+  TrainingPlan rows = SlabPlan(2);
+  rows.parallel.data_parallel = 4;
+  rows.parallel.zero_stage = 3;
+  TrainingPlan stages = SlabPlan(2);
+  stages.parallel.pipeline_stages = 2;
+  stages.parallel.micro_batches = 2;
+  const UNet3dConfig c = Tiny();
+  const int64_t v = c.volume;
+  ASSERT_OK_AND_ASSIGN(VolumeBatch five, GenerateVolumes(5, v, c.in_channels, 77));
+  const Tensor image = FloatTensor(Shape{5, c.in_channels, v, v, v}, five.volumes);
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(Tiny(), CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(auto one, Trainer::Create(model, Plan(1, 0), ExecutorOptions{}));
+  ASSERT_OK(Train(*one, 3).status());
+  ASSERT_OK_AND_ASSIGN(const float expected_eval, one->EvalLoss(Batch(40)));
+  for (const TrainingPlan& plan :
+       {SlabPlan(2), SlabPlan(4), rows, stages, TensorPlan(2, 2, 1), Plan(1, 0)}) {
+    const std::string label = plan.parallel.ToString();
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    ASSERT_OK(Train(*trainer, 3).status());
+    ASSERT_OK_AND_ASSIGN(const float eval, trainer->EvalLoss(Batch(40)));
+    EXPECT_NEAR(eval, expected_eval, 1e-6 * expected_eval) << label;
+    ASSERT_OK_AND_ASSIGN(std::vector<float> whole, WholeModelLogits(*trainer, image));
+    ASSERT_OK_AND_ASSIGN(Tensor predicted, trainer->Predict({image, Tensor()}));
+    EXPECT_EQ(predicted.shape(), (Shape{5, c.classes, v, v, v})) << label;
+    const std::vector<float> placed = ToVector(predicted);
+    ASSERT_EQ(placed.size(), whole.size()) << label;
+    double largest = 0, worst = 0;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      largest = std::max(largest, std::abs(static_cast<double>(whole[i])));
+      worst = std::max(worst, std::abs(static_cast<double>(placed[i]) - whole[i]));
+    }
+    EXPECT_LE(worst, 1e-5 * largest) << label;
+    // The evaluation is the step's forward: the next step's loss, to the bit.
+    ASSERT_OK_AND_ASSIGN(const float before, trainer->EvalLoss(Batch(4)));
+    ASSERT_OK_AND_ASSIGN(StepReport step, trainer->Step(Batch(4), 3e-3f));
+    EXPECT_EQ(before, step.loss) << label;
+  }
+}
+
 // The split into slabs: every parameter whole once, the inputs split along the depth, halos and
 // statistics exchanged as the layouts say; slab counts the levels cannot halve evenly, and a
 // model that cannot split, refused naming the fix.
@@ -580,7 +647,8 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
 }
 
 // train_unet3d --spatial-parallel 2 on two workers trains the run of one process and says how the
-// volumes split; slab counts the workers or the volume cannot take are refused naming the fix.
+// volumes split; slab counts the workers or the volume cannot take are refused naming the fix;
+// a volume only slabs fit under a cap trains and evaluates in them.
 TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
   ProcessResult slabs =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --spatial-parallel 2");
@@ -593,6 +661,27 @@ TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
       << slabs.output;
   ExpectRefused("--steps 1 --threads 1 --workers 3 --spatial-parallel 2",
                 "use --workers 2 (or a multiple of 2)");
+  // A volume no worker fits under the cap (the planner refuses one worker at 48^3 under 24.6 MiB,
+  // needing 29.3) trains in four slabs, and its Dice and held-out evaluation run in the slabs
+  // too: the one process's (uncapped) figures, to the digits printed.
+  const std::string volume = "--preset tiny --volume 48 --batch 1 --steps 3 --log-every 1";
+  ExpectRefused(volume + " --workers 1 --host-memory-gib 0.024",
+                "--host-memory-gib needs to be at least");
+  ProcessResult capped = RunBinary(
+      "train_unet3d", volume + " --workers 4 --spatial-parallel 4 --host-memory-gib 0.024");
+  ProcessResult alone = RunBinary("train_unet3d", volume + " --threads 1");
+  ASSERT_EQ(capped.exit_code, 0) << capped.output;
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const Logged in_slabs = ParseLog(capped.output), whole = ParseLog(alone.output);
+  ASSERT_EQ(in_slabs.dice.size(), 3u) << capped.output;
+  EXPECT_EQ(in_slabs.dice, whole.dice) << capped.output << alone.output;
+  EXPECT_GE(in_slabs.held_out_dice, 0) << capped.output;
+  EXPECT_EQ(in_slabs.held_out_dice, whole.held_out_dice) << capped.output << alone.output;
+  const std::regex held_out_loss(R"(held-out: loss ([0-9.]+))");
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(capped.output, a, held_out_loss)) << capped.output;
+  ASSERT_TRUE(std::regex_search(alone.output, b, held_out_loss)) << alone.output;
+  EXPECT_EQ(a[1], b[1]);
   // The tiny preset's volume 8 halves once: 8 / 2 = 4 planes split into 2 or 4 slabs, not 3.
   ExpectRefused("--steps 1 --threads 1 --workers 3 --spatial-parallel 3",
                 "--spatial-parallel must divide");

@@ -5,7 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "core/collective_task.h"
 #include "gpt2_test_util.h"
+#include "model/unet3d.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "test_util.h"
 #include "training/trainer.h"
@@ -271,6 +273,125 @@ TEST(StepGraphTest, BadPlansAreRefusedWithWhatToChange) {
   Status heads = odd.Validate();
   ASSERT_FALSE(heads.ok());
   EXPECT_NE(heads.message().find("divisible by heads"), std::string::npos);
+}
+
+// Per task of `g`, the tasks after it (through objects and control edges), as bit sets.
+std::vector<std::vector<bool>> Reachable(const Graph& g) {
+  const auto n = static_cast<size_t>(g.num_tasks());
+  std::vector<std::vector<bool>> after(n, std::vector<bool>(n, false));
+  const std::vector<TaskId> order = *g.TopologicalOrder();
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const TaskSpec& task = g.task(*it);
+    const auto mark = [&](TaskId before) {
+      std::vector<bool>& theirs = after[before.value() - 1];
+      theirs[task.id.value() - 1] = true;
+      const std::vector<bool>& mine = after[task.id.value() - 1];
+      for (size_t i = 0; i < n; ++i) theirs[i] = theirs[i] || mine[i];
+    };
+    for (ObjectId input : task.inputs) {
+      if (g.object(input).producer.valid()) mark(g.object(input).producer);
+    }
+    for (TaskId before : task.after) mark(before);
+  }
+  return after;
+}
+
+// The forward part of a step (PlanStepForward): its tasks are the step's forwards, on the same
+// workers, with every member of each collective, in the step's order; it reads the parameters and
+// model inputs and no optimizer state, and gives the step's loss.
+// `loss_layer`: the model's, none of whose tasks a prediction runs.
+void ExpectForwardPartOf(const StepGraph& step, ForwardResult result, const std::string& label,
+                         const std::string& loss_layer = "") {
+  ASSERT_OK_AND_ASSIGN(StepForward forward, PlanStepForward(step, result));
+  const Graph& part = forward.graph;
+  EXPECT_OK(part.Validate());
+  std::map<int64_t, int64_t> members, group_size;
+  for (const TaskSpec& task : part.tasks()) {
+    for (const char* phase : {"backward", "adamw", "grad_norm", "clip"}) {
+      EXPECT_EQ(task.name.find(phase), std::string::npos) << label << ": " << task.name;
+    }
+    if (result == ForwardResult::kPredictions) {
+      EXPECT_NE(task.layer, loss_layer) << task.name;
+    }
+    ASSERT_OK_AND_ASSIGN(TaskId same, step.graph.FindTask(task.name));
+    EXPECT_EQ(task.pinned_worker, step.graph.task(same).pinned_worker) << task.name;
+    if (task.attrs.Has(kCollectiveAttr)) {
+      const int64_t id = task.attrs.GetInt(kCollectiveAttr, 0);
+      ++members[id];
+      group_size[id] = task.attrs.GetInt(kGroupSizeAttr, 0);
+    }
+  }
+  EXPECT_EQ(members, group_size) << label << ": a collective lacks members";
+  // Each worker's order among the kept tasks holds: whatever ran after another of its worker in
+  // the step does.
+  const std::vector<std::vector<bool>> step_order = Reachable(step.graph),
+                                       part_order = Reachable(part);
+  std::vector<size_t> index;  // part's task -> step's
+  for (const TaskSpec& task : part.tasks()) {
+    index.push_back(static_cast<size_t>(step.graph.FindTask(task.name)->value() - 1));
+  }
+  int64_t ordered = 0;
+  for (size_t a = 0; a < index.size(); ++a) {
+    for (size_t b = 0; b < index.size(); ++b) {
+      if (!step_order[index[a]][index[b]] ||
+          part.tasks()[a].pinned_worker != part.tasks()[b].pinned_worker) {
+        continue;
+      }
+      ++ordered;
+      EXPECT_TRUE(part_order[a][b])
+          << label << ": " << part.tasks()[a].name << " before " << part.tasks()[b].name;
+    }
+  }
+  EXPECT_GT(ordered, 0) << label;
+  // What it reads: model inputs (no labels when predicting) and parameters, nothing else.
+  for (size_t i = 0; i < step.state.size(); ++i) {
+    const bool parameter = step.state[i].kind == StateKind::kParameter;
+    EXPECT_EQ(forward.state[i].valid(), parameter) << label << " state " << i;
+  }
+  if (result == ForwardResult::kLoss) {
+    EXPECT_EQ(part.OutputObjects(), std::vector<ObjectId>{forward.loss}) << label;
+    EXPECT_EQ(part.object(forward.loss).name, step.graph.object(step.loss).name) << label;
+  } else {
+    ASSERT_EQ(forward.predictions.size(), step.predictions.size()) << label;
+    for (size_t i = 0; i < step.predictions.size(); ++i) {
+      EXPECT_EQ(part.object(forward.predictions[i]).meta,
+                step.graph.object(step.predictions[i]).meta)
+          << label;
+    }
+  }
+}
+
+TEST(StepGraphTest, TheForwardPartOfAStepRunsOnItsPlacementInItsOrder) {
+  const ModelSpec gpt2 = *BuildGpt2(TinyConfig());
+  // ZeRO-3 over two ranks with two micro-batches: its gathers, the loss's all-reduce.
+  ASSERT_OK_AND_ASSIGN(StepGraph zero3, PlanTrainingStep(gpt2, ZeroPlan(2, 3, 2), CpuRegistry()));
+  ExpectForwardPartOf(zero3, ForwardResult::kLoss, "ZeRO-3");
+  // A 1F1B pipeline of two stages and four micro-batches: each stage's forwards in its order.
+  TrainingPlan pipeline = ZeroPlan(1, 0, 4);
+  pipeline.parallel.pipeline_stages = 2;
+  pipeline.parallel.schedule = PipelineSchedule::k1F1B;
+  pipeline.parallel.workers = {WorkerId(10), WorkerId(11)};
+  ASSERT_OK_AND_ASSIGN(StepGraph piped, PlanTrainingStep(gpt2, pipeline, CpuRegistry()));
+  ExpectForwardPartOf(piped, ForwardResult::kLoss, "1F1B");
+  // A U-Net in two slabs over two row groups: halos and the norms' statistics, its predictions
+  // each rank's slab of the logits.
+  const UNet3dConfig config = *UNet3dConfig::Preset("tiny");
+  const ModelSpec unet = *BuildUNet3d(config, CpuRegistry());
+  ASSERT_OK_AND_ASSIGN(ModelSpec slabs, unet.PlannedFor(1, 2, false, SequenceAttention::kHalo));
+  TrainingPlan plan;
+  plan.batch = 4;
+  plan.parallel.data_parallel = 4;
+  plan.parallel.sequence_parallel = 2;
+  plan.parallel.sequence_attention = SequenceAttention::kHalo;
+  for (int r = 0; r < 4; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
+  ASSERT_OK_AND_ASSIGN(StepGraph sliced, PlanTrainingStep(slabs, plan, CpuRegistry()));
+  ExpectForwardPartOf(sliced, ForwardResult::kLoss, "slabs");
+  ExpectForwardPartOf(sliced, ForwardResult::kPredictions, "slab predictions",
+                      slabs.layers.back().name);
+  const int64_t v = config.volume;
+  ASSERT_EQ(sliced.predictions.size(), 4u);
+  EXPECT_EQ(sliced.graph.object(sliced.predictions[3]).meta.shape,
+            (Shape{2, config.classes, v / 2, v, v}));
 }
 
 std::vector<int32_t> Batch(int64_t n, int32_t vocab, uint64_t seed) {
