@@ -134,6 +134,19 @@ void InstanceTable::Start(InstanceStart start) {
       message.inputs.emplace_back(local, SourceOf(*object, *participants_));
     } else {
       message.inline_inputs.push_back(InlineObject{local, object->inline_data});
+      // A small object one of the graph's workers holds (an output of the last step: this
+      // step's state) is bound to it as well: that worker reads its own copy instead of making a
+      // second one from the bytes (a second copy of every small piece of state each step,
+      // beyond the plan); the others read the bytes.
+      for (WorkerId holder : object->holders) {
+        if (std::find(graph.workers.begin(), graph.workers.end(), holder) == graph.workers.end()) {
+          continue;
+        }
+        message.inputs.emplace_back(local,
+                                    ObjectSource{object->spec.id, object->spec.meta.bytes(), holder,
+                                                 participants_->DataAddress(holder)});
+        break;
+      }
     }
   }
   message.collective_bases = TakeCollectiveBases(graph);

@@ -186,19 +186,12 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
       if (graph_local == 0 || graph_local > part->local_of.size()) return ObjectId();
       return part->local_of[graph_local - 1];
     };
+    // Inline inputs by local id: a small object bound as well is read from this worker's store
+    // when it holds it (no second copy), else from its bytes.
+    std::map<ObjectId, capnp::Data::Reader> inline_bytes;
     for (proto::SealedObject::Reader input : run.getInlineInputs()) {
       const ObjectId local = local_input(input.getId());
-      if (!local.valid()) continue;  // another worker's input
-      const TensorMeta& meta = part->local.object(local).meta;
-      const auto data = input.getInline();
-      Result<Tensor> tensor = Tensor::Empty(OnHost(meta), executor_.allocator());
-      if (!tensor.ok() || static_cast<int64_t>(data.size()) != meta.bytes()) {
-        instance->error =
-            InvalidArgument("inline input {} does not match {}", input.getId(), meta.ToString());
-        break;
-      }
-      std::memcpy(tensor->raw_data(), data.begin(), data.size());
-      instance->ready.emplace_back(local, *std::move(tensor));
+      if (local.valid()) inline_bytes.emplace(local, input.getInline());  // else another worker's
     }
     for (proto::Binding::Reader binding : run.getInputs()) {
       const ObjectId local = local_input(binding.getObject());
@@ -209,11 +202,28 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
         Result<PinnedObject> pinned = store_.Get(cluster);
         if (pinned.ok()) {
           instance->ready.emplace_back(local, pinned->tensor());
+          inline_bytes.erase(local);
           continue;
         }
       }
+      if (inline_bytes.contains(local)) continue;  // made from its bytes below
       instance->pulls.push_back(
           Instance::Pull{local, rpc::ToString(binding.getSource().getAddress()), cluster, meta});
+    }
+    for (const auto& [local, data] : inline_bytes) {
+      const TensorMeta& meta = part->local.object(local).meta;
+      if (static_cast<int64_t>(data.size()) != meta.bytes()) {
+        instance->error = InvalidArgument("inline input {} has {} bytes, not those of {}",
+                                          local.ToString(), data.size(), meta.ToString());
+        break;
+      }
+      Result<Tensor> tensor = Tensor::Empty(OnHost(meta), executor_.allocator());
+      if (!tensor.ok()) {
+        instance->error = tensor.status().WithContext("an inline input of the instance");
+        break;
+      }
+      std::memcpy(tensor->raw_data(), data.begin(), data.size());
+      instance->ready.emplace_back(local, *std::move(tensor));
     }
   }
   Admit(instance);

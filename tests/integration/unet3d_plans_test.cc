@@ -503,6 +503,27 @@ TEST_F(UNet3dPlansTest, EveryPlanEvaluatesAndPredictsOnItsOwnPlacement) {
   }
 }
 
+// Small state (every piece of this U-Net's is under the 16 KiB inline bound) is a step's output
+// the worker keeps and the next step's input: the worker reads its own copy, so from the second
+// step on its allocator peaks where the first step's did (a second copy of the state made from
+// the bytes each step was 57,588 bytes beyond the plan a worker, which failed a plan predicted 40
+// KB under its cap).
+TEST_F(UNet3dPlansTest, AWorkerReadsItsSmallStateFromItsStoreEachStep) {
+  ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(SlabPlan(2)));
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer, 4));
+  ASSERT_EQ(run.reports.size(), 4u);
+  for (size_t r = 0; r < 2; ++r) {
+    const int64_t first = run.reports[0].ranks.at(r).figures.allocator_peak;
+    std::printf("[ rank %zu ] allocator peak %lld bytes at step 1, %lld at step 4\n", r,
+                static_cast<long long>(first),
+                static_cast<long long>(run.reports.back().ranks.at(r).figures.allocator_peak));
+    for (size_t s = 1; s < run.reports.size(); ++s) {
+      EXPECT_LE(run.reports[s].ranks.at(r).figures.allocator_peak, first)
+          << "rank " << r << " step " << s + 1;
+    }
+  }
+}
+
 // The split into slabs: every parameter whole once, the inputs split along the depth, halos and
 // statistics exchanged as the layouts say; slab counts the levels cannot halve evenly, and a
 // model that cannot split, refused naming the fix.

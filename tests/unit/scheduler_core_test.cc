@@ -73,6 +73,40 @@ TEST_F(SchedulerCoreTest, RunsATaskAndTellsTheWatchingDriver) {
   EXPECT_EQ(core_.num_tasks(), 0u);
 }
 
+// A small output a worker sealed (its bytes in the report) and holds, read by the next task there:
+// the RunGraph carries its bytes and binds it to that worker too, which then reads its own copy
+// rather than make another from the bytes (a step's small state, every step). A driver's small
+// Put, which no worker holds, travels as bytes only.
+TEST_F(SchedulerCoreTest, ASmallObjectAWorkerHoldsIsBoundToItBesidesItsBytes) {
+  const WorkerId worker = Join(proto::Role::WORKER);
+  const WorkerId driver = Join(proto::Role::DRIVER);
+  Put(driver, 1, 1, /*inline_data=*/true);
+  Submit(driver, 10, 1, 2);
+  auto first = outbox_.Take(worker, Body::RUN_GRAPH);
+  ASSERT_EQ(first.size(), 1u);
+  graph_of_[10] = BodyOf(first[0]).getRunGraph().getGraphId();
+  EXPECT_EQ(BodyOf(first[0]).getRunGraph().getInlineInputs().size(), 1u);
+  EXPECT_EQ(BodyOf(first[0]).getRunGraph().getInputs().size(), 0u);
+  ASSERT_OK(Deliver(worker, [&](proto::Envelope::Builder e) {
+    auto finished = e.initBody().initInstanceFinished();
+    finished.setGraphId(graph_of_[10]);
+    finished.setInstance(10);
+    auto sealed = finished.initOutputs(1)[0];
+    sealed.setId(2);
+    sealed.setBytes(4);
+    sealed.setInline(capnp::Data::Reader(reinterpret_cast<const kj::byte*>("wxyz"), 4));
+  }));
+  Submit(driver, 11, 2, 3);
+  auto second = outbox_.Take(worker, Body::RUN_GRAPH);
+  ASSERT_EQ(second.size(), 1u);
+  auto run = BodyOf(second[0]).getRunGraph();
+  ASSERT_EQ(run.getInlineInputs().size(), 1u);
+  ASSERT_EQ(run.getInputs().size(), 1u);
+  EXPECT_EQ(run.getInputs()[0].getObject(), run.getInlineInputs()[0].getId());
+  EXPECT_EQ(run.getInputs()[0].getSource().getObject(), 2u);
+  EXPECT_EQ(run.getInputs()[0].getSource().getHolder(), worker.value());
+}
+
 TEST_F(SchedulerCoreTest, TasksGoWhereTheirInputsAre) {
   const WorkerId w1 = Join(proto::Role::WORKER);
   const WorkerId w2 = Join(proto::Role::WORKER);
