@@ -175,7 +175,8 @@ class Expansion {
     for (size_t i = 0; i < loss.forward_args.size(); ++i) {
       if (loss.forward_args[i].kind != Arg::kActivation) continue;
       std::vector<ObjectId>& predictions = s_.step.predictions;
-      predictions.resize(static_cast<size_t>(s_.num_ranks * s_.num_micro_batches));
+      predictions.resize(static_cast<size_t>(s_.num_ranks) *
+                         static_cast<size_t>(s_.num_micro_batches));
       predictions[mb.index] = mb.args[l][i];
       return;
     }

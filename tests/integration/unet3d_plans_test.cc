@@ -419,16 +419,26 @@ TEST_F(UNet3dPlansTest, SlabsOnTwoAndFourWorkersTrainTheOneWorkerRunPassingTheir
   }
 }
 
-// Slabs compose with the other placements: two row groups of two slabs under ZeRO-3, and two
-// slabs in each of two pipeline stages (two micro-batches), train the one worker's run.
+// Two row groups of two slabs under ZeRO-3.
+TrainingPlan SlabRowsUnderZero3() {
+  TrainingPlan plan = SlabPlan(2);
+  plan.parallel.data_parallel = 4;
+  plan.parallel.zero_stage = 3;
+  return plan;
+}
+
+// Two slabs in each of two pipeline stages, two micro-batches.
+TrainingPlan SlabsInPipelineStages() {
+  TrainingPlan plan = SlabPlan(2);
+  plan.parallel.pipeline_stages = 2;
+  plan.parallel.micro_batches = 2;
+  return plan;
+}
+
+// Slabs compose with the other placements: row groups under ZeRO-3 and pipeline stages train
+// the one worker's run.
 TEST_F(UNet3dPlansTest, SlabsWithZero3AndWithPipelineStagesTrainTheOneWorkerRun) {
-  TrainingPlan rows = SlabPlan(2);
-  rows.parallel.data_parallel = 4;
-  rows.parallel.zero_stage = 3;
-  TrainingPlan stages = SlabPlan(2);
-  stages.parallel.pipeline_stages = 2;
-  stages.parallel.micro_batches = 2;
-  for (const TrainingPlan& plan : {rows, stages}) {
+  for (const TrainingPlan& plan : {SlabRowsUnderZero3(), SlabsInPipelineStages()}) {
     const std::string label = plan.parallel.ToString();
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
@@ -462,14 +472,8 @@ Result<std::vector<float>> WholeModelLogits(Trainer& trainer, const Tensor& imag
 // each plan's EvalLoss is the one worker's within 1e-6 relative, and is exactly the loss the
 // next step reports for that batch; Predict of 5 rows (two chunks of the plan's batch of 4, the
 // second padded) joins every rank's rows and slab into the whole model's logits (1e-5 of their
-// largest), and a model that never left its ranks for it.
+// largest). One worker's plan, last, too.
 TEST_F(UNet3dPlansTest, EveryPlanEvaluatesAndPredictsOnItsOwnPlacement) {
-  TrainingPlan rows = SlabPlan(2);
-  rows.parallel.data_parallel = 4;
-  rows.parallel.zero_stage = 3;
-  TrainingPlan stages = SlabPlan(2);
-  stages.parallel.pipeline_stages = 2;
-  stages.parallel.micro_batches = 2;
   const UNet3dConfig c = Tiny();
   const int64_t v = c.volume;
   ASSERT_OK_AND_ASSIGN(VolumeBatch five, GenerateVolumes(5, v, c.in_channels, 77));
@@ -478,8 +482,8 @@ TEST_F(UNet3dPlansTest, EveryPlanEvaluatesAndPredictsOnItsOwnPlacement) {
   ASSERT_OK_AND_ASSIGN(auto one, Trainer::Create(model, Plan(1, 0), ExecutorOptions{}));
   ASSERT_OK(Train(*one, 3).status());
   ASSERT_OK_AND_ASSIGN(const float expected_eval, one->EvalLoss(Batch(40)));
-  for (const TrainingPlan& plan :
-       {SlabPlan(2), SlabPlan(4), rows, stages, TensorPlan(2, 2, 1), Plan(1, 0)}) {
+  for (const TrainingPlan& plan : {SlabPlan(2), SlabPlan(4), SlabRowsUnderZero3(),
+                                   SlabsInPipelineStages(), TensorPlan(2, 2, 1), Plan(1, 0)}) {
     const std::string label = plan.parallel.ToString();
     ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
     ASSERT_OK(Train(*trainer, 3).status());
