@@ -343,6 +343,18 @@ void ExpectForwardPartOf(const StepGraph& step, ForwardResult result, const std:
     }
   }
   EXPECT_GT(ordered, 0) << label;
+  // Wherever the step fits, its forward part does: no worker's predicted host peak above the
+  // step's.
+  ASSERT_OK_AND_ASSIGN(MemoryProfile step_memory, PredictMemory(step.graph));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile part_memory, PredictMemory(part));
+  std::map<WorkerId, int64_t> step_peak;
+  const auto host = static_cast<size_t>(MemoryTier::kHost);
+  for (const WorkerMemory& worker : step_memory.workers) {
+    step_peak[worker.order.worker] = worker.peaks[host].bytes;
+  }
+  for (const WorkerMemory& worker : part_memory.workers) {
+    EXPECT_LE(worker.peaks[host].bytes, step_peak.at(worker.order.worker)) << label;
+  }
   // What it reads: model inputs (no labels when predicting) and parameters, nothing else.
   for (size_t i = 0; i < step.state.size(); ++i) {
     const bool parameter = step.state[i].kind == StateKind::kParameter;
@@ -386,6 +398,21 @@ TEST(StepGraphTest, TheForwardPartOfAStepRunsOnItsPlacementInItsOrder) {
   for (int r = 0; r < 4; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
   ASSERT_OK_AND_ASSIGN(StepGraph sliced, PlanTrainingStep(slabs, plan, CpuRegistry()));
   ExpectForwardPartOf(sliced, ForwardResult::kLoss, "slabs");
+  // Under a cap at 97% of its peak (recomputing everything needs 96%) the memory plan recomputes
+  // or keeps part of some layers; the forward part keeps those layers' choices and stays under
+  // the step's peak.
+  TrainingPlan capped = plan;
+  ASSERT_OK_AND_ASSIGN(MemoryProfile uncapped, PredictMemory(sliced.graph));
+  int64_t peak = 0;
+  for (const WorkerMemory& worker : uncapped.workers) {
+    peak = std::max(peak, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+  }
+  capped.memory.host_bytes = peak * 97 / 100;
+  ASSERT_OK_AND_ASSIGN(StepGraph planned, PlanTrainingStep(slabs, capped, CpuRegistry()));
+  ASSERT_FALSE(planned.memory.activations.empty());
+  ExpectForwardPartOf(planned, ForwardResult::kLoss, "slabs under a cap");
+  ExpectForwardPartOf(planned, ForwardResult::kPredictions, "slab predictions under a cap",
+                      slabs.layers.back().name);
   ExpectForwardPartOf(sliced, ForwardResult::kPredictions, "slab predictions",
                       slabs.layers.back().name);
   const int64_t v = config.volume;
