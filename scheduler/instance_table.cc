@@ -138,14 +138,10 @@ void InstanceTable::Start(InstanceStart start) {
       // step's state) is bound to it as well: that worker reads its own copy instead of making a
       // second one from the bytes (a second copy of every small piece of state each step,
       // beyond the plan); the others read the bytes.
-      for (WorkerId holder : object->holders) {
-        if (std::find(graph.workers.begin(), graph.workers.end(), holder) == graph.workers.end()) {
-          continue;
-        }
-        message.inputs.emplace_back(local,
-                                    ObjectSource{object->spec.id, object->spec.meta.bytes(), holder,
-                                                 participants_->DataAddress(holder)});
-        break;
+      const auto held = std::find_first_of(object->holders.begin(), object->holders.end(),
+                                           graph.workers.begin(), graph.workers.end());
+      if (held != object->holders.end()) {
+        message.inputs.emplace_back(local, SourceOf(*object, *participants_, *held));
       }
     }
   }

@@ -106,12 +106,14 @@ void SetIds(std::span<const Id<Tag>> ids, capnp::List<uint64_t>::Builder out) {
 }  // namespace
 
 ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants) {
-  ObjectSource source{object.spec.id, object.spec.meta.bytes(), WorkerId(), {}};
-  if (!object.holders.empty()) {
-    source.holder = object.holders.front();
-    source.address = participants.DataAddress(source.holder);
-  }
-  return source;
+  if (object.holders.empty()) return ObjectSource{object.spec.id, object.spec.meta.bytes(), {}, {}};
+  return SourceOf(object, participants, object.holders.front());
+}
+
+ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants,
+                      WorkerId holder) {
+  return ObjectSource{object.spec.id, object.spec.meta.bytes(), holder,
+                      participants.DataAddress(holder)};
 }
 
 void SendRefused(Outbox& outbox, WorkerId to, uint64_t request_id, const Status& reason) {

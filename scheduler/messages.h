@@ -36,6 +36,9 @@ struct ObjectSource {
 // The source of a directory entry: its first holder, at that holder's address.
 // REQUIRES: every holder is a listed participant.
 ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants);
+// The same with `holder` (one of its holders, a listed participant) as the source.
+ObjectSource SourceOf(const ObjectEntry& object, const ParticipantTable& participants,
+                      WorkerId holder);
 
 // An object's bytes carried in the message (id: a cluster id, or graph-local for RunGraph).
 struct InlineObject {

@@ -1052,28 +1052,29 @@ Result<Tensor> Trainer::PredictPlaced(const std::vector<Tensor>& batch, int64_t 
   for (size_t i = 0; i < model_.inputs.size() && axis == 0; ++i) {
     if (!model_.inputs[i].label) axis = SplitAxisOf(i);
   }
-  Tensor whole;
-  // A piece's row: `runs` blocks of `run_bytes` (1/`parts` of the whole's run along `axis`).
-  int64_t run_bytes = 0, runs = 1, parts = 1;
-  for (int64_t first = 0; first < rows; first += plan_.batch) {
-    // This chunk's rows of every (non-label) input, zeros past the last row.
-    const int64_t taken = std::min(plan_.batch, rows - first);
-    std::vector<Tensor> chunk(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) {
-      if (model_.inputs[i].label || !batch[i].defined()) continue;
-      std::vector<int64_t> dims = batch[i].shape().dims();
-      const int64_t row_bytes = batch[i].bytes() / dims[0];
-      dims[0] = plan_.batch;
-      TESSERA_ASSIGN_OR_RETURN(chunk[i], Tensor::Empty(TensorMeta{Shape(std::move(dims)),
-                                                                  batch[i].dtype(), Device::Cpu()},
+  // Every rank's part has the shape the step planned: its micro-batch's rows, each `runs`
+  // blocks of `run_bytes`, each block 1/`parts` of the whole's along `axis`.
+  const TensorMeta& part_meta =
+      placed->forward.graph.object(placed->forward.predictions.front()).meta;
+  std::vector<int64_t> dims = part_meta.shape.dims();
+  int64_t runs = 1, parts = 1;
+  if (axis >= 1 && axis < static_cast<int>(dims.size())) {
+    parts = p.sequence_parallel;
+    for (int d = 1; d < axis; ++d) runs *= dims[static_cast<size_t>(d)];
+    dims[static_cast<size_t>(axis)] *= parts;
+  }
+  const int64_t run_bytes = part_meta.bytes() / micro / runs;
+  dims[0] = rows;
+  TESSERA_ASSIGN_OR_RETURN(Tensor whole, Tensor::Empty(TensorMeta{Shape(std::move(dims)),
+                                                                  part_meta.dtype, Device::Cpu()},
                                                        SharedHostAllocator()));
-      auto* to = static_cast<char*>(chunk[i].raw_data());
-      std::memcpy(to, static_cast<const char*>(batch[i].raw_data()) + first * row_bytes,
-                  static_cast<size_t>(taken * row_bytes));
-      std::memset(to + taken * row_bytes, 0,
-                  static_cast<size_t>((plan_.batch - taken) * row_bytes));
+  auto* to = static_cast<char*>(whole.raw_data());
+  for (int64_t first = 0; first < rows; first += plan_.batch) {
+    std::vector<Tensor> chunk;
+    if (first > 0 || rows != plan_.batch) {
+      TESSERA_ASSIGN_OR_RETURN(chunk, ChunkOfRows(batch, first, rows));
     }
-    TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, RunPlaced(*placed, chunk));
+    TESSERA_ASSIGN_OR_RETURN(ValueMap outputs, RunPlaced(*placed, chunk.empty() ? batch : chunk));
     // Each rank's part (tensor rank 0's of a tensor group, which all hold the same) to its rows
     // and its 1/S along `axis`.
     for (size_t i = 0; i < placed->forward.predictions.size(); ++i) {
@@ -1081,23 +1082,9 @@ Result<Tensor> Trainer::PredictPlaced(const std::vector<Tensor>& batch, int64_t 
       if (p.TensorRankOf(rank) != 0) continue;
       TESSERA_ASSIGN_OR_RETURN(Tensor part,
                                backend_->Download(outputs[placed->forward.predictions[i]]));
-      const std::vector<int64_t>& dims = part.shape().dims();
-      if (!whole.defined()) {
-        std::vector<int64_t> whole_dims = dims;
-        whole_dims[0] = rows;
-        if (axis >= 1 && axis < static_cast<int>(dims.size())) {
-          parts = p.sequence_parallel;
-          whole_dims[static_cast<size_t>(axis)] *= parts;
-          for (int d = 1; d < axis; ++d) runs *= dims[static_cast<size_t>(d)];
-        }
-        TESSERA_ASSIGN_OR_RETURN(whole, Tensor::Empty(TensorMeta{Shape(std::move(whole_dims)),
-                                                                 part.dtype(), Device::Cpu()},
-                                                      SharedHostAllocator()));
-        run_bytes = part.bytes() / dims[0] / runs;
-      }
-      if (dims[0] != micro || part.bytes() != micro * runs * run_bytes) {
-        return Internal("rank {}'s prediction is {}; the step's micro-batches take {} rows", rank,
-                        part.meta().ToString(), micro);
+      if (part.shape() != part_meta.shape) {
+        return Internal("rank {}'s prediction is {}; the step planned {}", rank,
+                        part.meta().ToString(), part_meta.ToString());
       }
       // Rows [first + slice * micro, + micro) of the whole, those within `rows`.
       const int64_t slice =
@@ -1105,16 +1092,34 @@ Result<Tensor> Trainer::PredictPlaced(const std::vector<Tensor>& batch, int64_t 
       const int64_t piece_first = first + slice * micro;
       const int64_t piece_rows = std::min(micro, rows - piece_first);
       const int64_t slab = parts > 1 ? p.SequenceRankOf(rank) : 0;
-      const int64_t whole_run = run_bytes * parts;
       const auto* from = static_cast<const char*>(part.raw_data());
-      auto* to = static_cast<char*>(whole.raw_data());
       for (int64_t r = 0; r < piece_rows * runs; ++r) {
-        std::memcpy(to + (piece_first * runs + r) * whole_run + slab * run_bytes,
+        std::memcpy(to + ((piece_first * runs + r) * parts + slab) * run_bytes,
                     from + r * run_bytes, static_cast<size_t>(run_bytes));
       }
     }
   }
   return whole;
+}
+
+Result<std::vector<Tensor>> Trainer::ChunkOfRows(const std::vector<Tensor>& batch, int64_t first,
+                                                 int64_t rows) const {
+  const int64_t taken = std::min(plan_.batch, rows - first);
+  std::vector<Tensor> chunk(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (model_.inputs[i].label || !batch[i].defined()) continue;
+    std::vector<int64_t> dims = batch[i].shape().dims();
+    const int64_t row_bytes = batch[i].bytes() / dims[0];
+    dims[0] = plan_.batch;
+    TESSERA_ASSIGN_OR_RETURN(
+        chunk[i], Tensor::Empty(TensorMeta{Shape(std::move(dims)), batch[i].dtype(), Device::Cpu()},
+                                SharedHostAllocator()));
+    auto* to = static_cast<char*>(chunk[i].raw_data());
+    std::memcpy(to, static_cast<const char*>(batch[i].raw_data()) + first * row_bytes,
+                static_cast<size_t>(taken * row_bytes));
+    std::memset(to + taken * row_bytes, 0, static_cast<size_t>((plan_.batch - taken) * row_bytes));
+  }
+  return chunk;
 }
 
 Result<Tensor> Trainer::Predict(const std::vector<Tensor>& batch) {

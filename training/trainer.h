@@ -254,6 +254,10 @@ class Trainer {
   Result<ValueMap> RunPlaced(const PlacedForward& placed, const std::vector<Tensor>& batch);
   // Predict on the placement: `rows` rows of `batch`, in chunks of the plan's batch.
   Result<Tensor> PredictPlaced(const std::vector<Tensor>& batch, int64_t rows);
+  // Rows [first, first + the plan's batch) of each non-label input of `batch` (of `rows` rows),
+  // zeros past its last row; label inputs left undefined.
+  Result<std::vector<Tensor>> ChunkOfRows(const std::vector<Tensor>& batch, int64_t first,
+                                          int64_t rows) const;
   // The axis along which the ranks of a row group split each input of the step (0: none):
   // a spatial split's (ModelInput::split_axis), else a sequence input's positions (1).
   int SplitAxisOf(size_t input) const;

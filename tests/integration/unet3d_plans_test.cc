@@ -633,6 +633,15 @@ double OneProcessFinalLoss() {
   return loss;
 }
 
+// `run` (train_unet3d's 8 steps, split some way) succeeded and ended with the one process's final
+// loss, within `tolerance` relative.
+void ExpectOneProcessFinalLoss(const ProcessResult& run, double tolerance) {
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const double expected = OneProcessFinalLoss();
+  ASSERT_GT(expected, 0);
+  EXPECT_NEAR(FinalLoss(run.output), expected, tolerance * expected) << run.output;
+}
+
 // `train_unet3d` with `flags` refused, its output holding `message`.
 void ExpectRefused(const std::string& flags, const std::string& message) {
   ProcessResult refused = RunBinary("train_unet3d", flags);
@@ -645,10 +654,7 @@ void ExpectRefused(const std::string& flags, const std::string& message) {
 TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
   ProcessResult split =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2");
-  ASSERT_EQ(split.exit_code, 0) << split.output;
-  const double expected = OneProcessFinalLoss();
-  ASSERT_GT(expected, 0);
-  EXPECT_NEAR(FinalLoss(split.output), expected, 1e-5 * expected) << split.output;
+  ExpectOneProcessFinalLoss(split, 1e-5);
   EXPECT_NE(split.output.find("each layer over 2 tensor ranks"), std::string::npos) << split.output;
   EXPECT_NE(split.output.find("enc0.convs: enc0.conv1.w rows split"), std::string::npos)
       << split.output;
@@ -661,12 +667,11 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
       "train_unet3d", "--steps 8 --threads 1 --workers 2 --tensor-parallel 2 --plan auto",
       std::chrono::minutes(3), "TESSERA_CACHE_DIR=" + cache);
   std::filesystem::remove_all(cache);
-  ASSERT_EQ(searched.exit_code, 0) << searched.output;
+  ExpectOneProcessFinalLoss(ProcessResult{searched.exit_code, searched.output}, 1e-5);
   EXPECT_NE(searched.output.find("layers of one of 2 tensor ranks"), std::string::npos)
       << searched.output;
   EXPECT_NE(searched.output.find("--plan auto chose D1 x T2 x P1"), std::string::npos)
       << searched.output;
-  EXPECT_NEAR(FinalLoss(searched.output), expected, 1e-5 * expected) << searched.output;
   ExpectRefused("--steps 1 --threads 1 --workers 3 --tensor-parallel 3",
                 "4 group-norm groups do not split over 3 tensor-parallel ranks");
 }
@@ -677,10 +682,7 @@ TEST(TrainUNet3dTest, TensorParallelWorkersTrainLikeOneProcess) {
 TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
   ProcessResult slabs =
       RunBinary("train_unet3d", "--steps 8 --threads 1 --workers 2 --spatial-parallel 2");
-  ASSERT_EQ(slabs.exit_code, 0) << slabs.output;
-  const double expected = OneProcessFinalLoss();
-  ASSERT_GT(expected, 0);
-  EXPECT_NEAR(FinalLoss(slabs.output), expected, 1e-6 * expected) << slabs.output;
+  ExpectOneProcessFinalLoss(slabs, 1e-6);
   EXPECT_NE(slabs.output.find("spatial parallel: each volume in 2 slabs of its depth"),
             std::string::npos)
       << slabs.output;
