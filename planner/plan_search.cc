@@ -496,10 +496,12 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
       models.push_back(PlannedModel{t, shard, *std::move(split)});
     }
   }
-  // Slabs (spatial parallelism): the model's volumes split along their depth, on CPU workers.
+  // Slabs (spatial parallelism): the model's volumes split along their depth, on CPU workers;
+  // not with tensor parallelism, so not searched when the degrees given leave out 1.
   const bool slabs_given = !space.slabs.empty();
+  const bool whole_model_searched = std::find(degrees.begin(), degrees.end(), 1) != degrees.end();
   std::vector<int> slab_counts = space.slabs;
-  if (!slabs_given && model.split_into_slabs && base.device.is_cpu()) {
+  if (!slabs_given && whole_model_searched && model.split_into_slabs && base.device.is_cpu()) {
     for (int s = 2; s <= space.workers; ++s) {
       if (space.fewer_workers || space.workers % s == 0) slab_counts.push_back(s);
     }

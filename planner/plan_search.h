@@ -128,8 +128,8 @@ struct SearchSpace {
   std::vector<bool> shard_sequence = {false, true};
   // Slab counts S (spatial parallelism, a volume model's: ModelSpec::split_into_slabs; D x S x P
   // workers, without tensor parallelism). Empty: 1 and every S >= 2 of the workers' count (with
-  // fewer_workers, up to it) into which the model's volumes split. A given count the model
-  // cannot split into is an error of the search.
+  // fewer_workers, up to it) into which the model's volumes split, unless tensor_parallel is
+  // given without 1. A given count the model cannot split into is an error of the search.
   std::vector<int> slabs;
   int threads = 1;  // planning threads (candidates are independent)
 };

@@ -323,6 +323,18 @@ TEST(PlanSearchTest, SlabPlansRunOnTheirSplitsTimesAndFitWhereOneWorkerCannot) {
                        PlanSearch(model, base, space, calibration, CpuRegistry()));
   for (const RankedPlan& r : two.ranked) EXPECT_EQ(r.choice.slabs, 2) << r.choice.Name();
   space.slabs.clear();
+  // A given tensor degree (its rank's times measured): slabs, which do not combine with it, are
+  // not searched.
+  calibration.tensor_splits.push_back(
+      TensorSplitTimes{2, Proportional(*model.PlannedFor(2, 1)).layers, 1});
+  space.tensor_parallel = {2};
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult tensor,
+                       PlanSearch(model, base, space, calibration, CpuRegistry()));
+  for (const RankedPlan& r : tensor.ranked) {
+    EXPECT_EQ(r.choice.slabs, 1) << r.choice.Name();
+    EXPECT_EQ(r.choice.tensor_parallel, 2) << r.choice.Name();
+  }
+  space.tensor_parallel.clear();
   // A cap under what one worker needs with every activation recomputed: no one-worker plan fits,
   // four slabs do (keeping every activation), and every plan ranked is under the cap.
   TrainingPlan least = base;
