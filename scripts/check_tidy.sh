@@ -59,14 +59,12 @@ command -v "$tidy" >/dev/null || {
 }
 build=${TESSERA_TIDY_BUILD_DIR:-build}
 # clang-tidy needs a compile command per source, which a unity build (TESSERA_UNITY, the
-# default) does not have: build-tidy/ is configured with the same options but without it (and
-# without the tests' GCC precompiled header, which Clang cannot read), and
+# default) does not have: build-tidy/ is configured with the same options but without it, and
 # only its generated headers (the Cap'n Proto schema) are built. build/'s dependency records
 # pick the sources to check (scripts/tidy_changed.py).
 database=${TESSERA_TIDY_DATABASE_DIR:-build-tidy}
 if [[ ! -f "$database/compile_commands.json" ]]; then
-  cmake -S . -B "$database" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTESSERA_UNITY=OFF \
-    -DTESSERA_TEST_PCH=OFF >/dev/null
+  cmake -S . -B "$database" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTESSERA_UNITY=OFF >/dev/null
 fi
 mapfile -t generated < <(ninja -C "$database" -t targets all |
   sed -n 's|^\(generated/[^:]*\.h\): .*|\1|p')

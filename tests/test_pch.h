@@ -3,7 +3,7 @@
 // the most test sources read (a trainer, a cluster, the GPT-2 and U-Net models, collectives, step
 // graphs). Parsing them was about 2.4 s of a test source's 6 s; each of ~120 sources now loads the
 // precompiled form instead. Every test source still includes what it uses: this header only makes
-// that cheaper, so a test builds the same with the option off (as clang-tidy reads it).
+// that cheaper, so a test builds the same with the option off (or under Clang, without a PCH).
 //
 // Keep it to headers that do not read a macro a test program defines (a PCH built without the
 // macro is then invalid for it; -Winvalid-pch makes that an error under TESSERA_WERROR).
