@@ -21,6 +21,7 @@ packages=(
   libopenblas-dev libopenblas-pthread-dev
   libyaml-cpp-dev
   libnifti2-dev  # NIfTI volumes for train_unet3d (data/nifti.h)
+  zlib1g-dev  # which cmake/Nifti.cmake links (libnifti2-dev does not depend on it)
   procps  # pgrep/pkill: tessera stop and down
 )
 if [[ "$mode" != --main ]]; then
