@@ -5,13 +5,19 @@
 #   scripts/install_deps.sh --main     only what building and running the drivers needs (the
 #                                      README's first command, scripts/train.sh)
 #   scripts/install_deps.sh --bench    also PyTorch (CPU) for the side-by-side benchmarks
+#   ... --list                         print the packages of that set, one a line, and install
+#                                      nothing (tests/main_packages_test.sh reads --main's)
 set -euo pipefail
 
-mode="${1:-}"
-case "$mode" in
-  "" | --main | --bench) ;;
-  *) echo "install_deps: unknown option '$mode' (--main or --bench)" >&2; exit 2 ;;
-esac
+mode=""
+list=0
+for argument in "$@"; do
+  case "$argument" in
+    --main | --bench) mode=$argument ;;
+    --list) list=1 ;;
+    *) echo "install_deps: unknown option '$argument' (--main, --bench, --list)" >&2; exit 2 ;;
+  esac
+done
 
 # What the library, the tessera binary and the example drivers build with.
 packages=(
@@ -46,6 +52,10 @@ if [[ "$mode" != --main ]]; then
 fi
 if [[ "$mode" == --bench ]]; then
   packages+=(python3-torch)
+fi
+if [[ $list -eq 1 ]]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
 fi
 
 missing=()
