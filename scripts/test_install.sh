@@ -96,7 +96,7 @@ for lane in "${lanes[@]}"; do
   lane_pids+=($!)
 done
 for pid in "${lane_pids[@]}"; do wait "$pid"; done
-for example in out_of_tree mlp gpt2 unet3d plugin; do
+for example in ${lanes[*]}; do
   if [[ -f "$work/$example.failed" ]]; then
     cat "$work/$example.log"
     fail "$(cat "$work/$example.failed") examples/$example"
