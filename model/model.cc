@@ -517,7 +517,10 @@ Status ModelBuilder::AddInputArgs(const DeclaredLayer& declared, const Resolved&
     layer.forward_args.push_back(
         LayerArg{LayerArg::Kind::kActivation, resolved.index_of[producer], input.output});
     metas.push_back(produced[static_cast<size_t>(input.output)]);
-    if (metas.back().dtype == DType::kF32) program.gradient_inputs.push_back(static_cast<int>(a));
+    // Activations carry gradients when they are floating point (f32, or bf16's mixed precision).
+    if (metas.back().dtype == DType::kF32 || metas.back().dtype == DType::kBF16) {
+      program.gradient_inputs.push_back(static_cast<int>(a));
+    }
   }
   return Status::Ok();
 }

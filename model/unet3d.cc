@@ -57,6 +57,8 @@ struct BlockStyle {
   int64_t groups = 1;
   std::string activation = "silu_forward";
   int64_t first_stride = 1;
+  // The layer reads the f32 volume into bf16 activations first (UNet3dConfig::activations).
+  bool casts_input = false;
 };
 
 // A layer's style in `config`: its norm's groups (instance norm: one per output channel, `out`),
@@ -84,10 +86,13 @@ Attrs FirstConvAttrs(const BlockStyle& style) {
 }
 
 // The input of a layer of two conv blocks: with `skip`, its two inputs concatenated along
-// channels.
-LayerValue BlocksInput(LayerBuilder& l, bool skip) {
-  if (!skip) return l.input(0);
-  return l.Call("concat_forward", {l.input(0), l.input(1)}, {}, "skip");
+// channels; the volume cast to bf16 where `style` says.
+LayerValue BlocksInput(LayerBuilder& l, bool skip, const BlockStyle& style) {
+  if (skip) return l.Call("concat_forward", {l.input(0), l.input(1)}, {}, "skip");
+  if (style.casts_input) {
+    return l.Call("cast_forward", {l.input(0)}, Attrs{{"dtype", std::string("bf16")}}, "cast");
+  }
+  return l.input(0);
 }
 
 // A layer of two conv blocks, in -> out -> out channels. With `skip`, the layer reads two inputs
@@ -101,8 +106,8 @@ SingleOutputLayerFn TwoBlocks(int64_t in, int64_t out, const BlockStyle& style, 
     const LayerValue w2 = second.ConvWeight(l), b2 = second.ConvBias(l);
     const LayerValue g2 = second.NormWeight(l), beta2 = second.NormBias(l);
     const Attrs padding{{"padding", int64_t{1}}};
-    LayerValue y =
-        l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, FirstConvAttrs(style), "conv1");
+    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip, style), w1, b1},
+                          FirstConvAttrs(style), "conv1");
     y = NormAndActivate(l, 1, y, g1, beta1, style.groups, style.activation);
     y = l.Call("conv3d_forward", {y, w2, b2}, padding, "conv2");
     return NormAndActivate(l, 2, y, g2, beta2, style.groups, style.activation);
@@ -133,8 +138,8 @@ ModelValue SplitTwoBlocks(ModelBuilder& model, const std::string& name,
       for (int i = 0; i < static_cast<int>(inputs.size()); ++i) l.PartialGradient(i);
     }
     const Attrs padding{{"padding", int64_t{1}}};
-    LayerValue y =
-        l.Call("conv3d_forward", {BlocksInput(l, skip), w1, b1}, FirstConvAttrs(style), "conv1");
+    LayerValue y = l.Call("conv3d_forward", {BlocksInput(l, skip, style), w1, b1},
+                          FirstConvAttrs(style), "conv1");
     y = NormAndActivate(l, 1, y, g1, beta1, style.groups / ranks, style.activation);
     const LayerValue part = l.Call("conv3d_no_bias_forward", {y, w2}, padding, "conv2");
     l.PartialSum(part);
@@ -205,6 +210,10 @@ Status UNet3dConfig::Validate() const {
     }
     return Status::Ok();
   };
+  if (activations != DType::kF32 && activations != DType::kBF16) {
+    return InvalidArgument("unet3d: activations must be f32 or bf16, got {}",
+                           DTypeName(activations));
+  }
   TESSERA_RETURN_IF_ERROR(at_least("in_channels", in_channels, 1));
   TESSERA_RETURN_IF_ERROR(at_least("classes", classes, 2));
   TESSERA_RETURN_IF_ERROR(at_least("base_channels", base_channels, 1));
@@ -340,12 +349,13 @@ Result<ModelSpec> BuildFor(const UNet3dConfig& config, const OpRegistry& registr
   auto blocks = [&](const std::string& name, std::vector<ModelValue> inputs, int64_t in,
                     int64_t out, int64_t first_stride = 1) {
     const bool skip = inputs.size() == 2;
+    const bool reads_volume = inputs.front().input >= 0;
+    BlockStyle layer_style = style(out, first_stride);
+    layer_style.casts_input = reads_volume && config.activations == DType::kBF16;
     if (split) {
-      const bool reads_volume = inputs.front().input >= 0;
-      return SplitTwoBlocks(model, name, inputs, in, out, style(out, first_stride), ranks,
-                            reads_volume);
+      return SplitTwoBlocks(model, name, inputs, in, out, layer_style, ranks, reads_volume);
     }
-    return model.Layer(name, std::move(inputs), TwoBlocks(in, out, style(out, first_stride), skip));
+    return model.Layer(name, std::move(inputs), TwoBlocks(in, out, layer_style, skip));
   };
 
   // Encoder: enc{i} at full resolution of its level; down{i} halves it (pooling), or the next
@@ -517,6 +527,12 @@ Result<ModelSpec> BuildSlabs(const UNet3dConfig& config, int ranks) {
         "evenly: --spatial-parallel must divide {} / 2^depth = {} (or use a volume that is a "
         "multiple of {})",
         v, ranks, v, v / factor, factor * ranks);
+  }
+  if (config.activations != DType::kF32) {
+    return InvalidArgument(
+        "unet3d: spatial parallelism (slabs) computes in f32 activations, not {}: use "
+        "--activations f32 with --spatial-parallel",
+        DTypeName(config.activations));
   }
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));

@@ -75,6 +75,12 @@ struct UNet3dConfig {
   // 2^i (downsample_labels), the loss their sum weighted 2^-i, normalised to sum 1
   // (DeepSupervisionWeights). Needs depth >= 3.
   bool deep_supervision = false;
+  // The activations' type: f32, or bf16 (mixed precision: parameters, their gradients, norm
+  // statistics and the loss stay f32; the first layer casts the f32 volume to bf16; the GPU's
+  // kernels compute in f32 from bf16 storage, the CPU's in f32 copies, rounding alike). Not part
+  // of ToString: parameters are f32 either way, so a checkpoint resumes in either. Spatial
+  // parallelism (split_into_slabs) takes f32 only.
+  DType activations = DType::kF32;
 
   // Level i's channels: base_channels * 2^i, at most max_channels.
   int64_t Channels(int64_t level) const;
@@ -82,10 +88,10 @@ struct UNet3dConfig {
   // depth - 2 with deep supervision (else only level 0, weight 1).
   std::vector<double> DeepSupervisionWeights() const;
 
-  // InvalidArgument naming the field and what to change: non-positive sizes, fewer than two
-  // classes, depth above 8, more than 65536 channels at the deepest level, a volume not
-  // divisible by 2^depth, groups not dividing base_channels (group norm), max_channels below
-  // base_channels.
+  // InvalidArgument naming the field and what to change: activations other than f32 or bf16,
+  // non-positive sizes, fewer than two classes, depth above 8, more than 65536 channels at the
+  // deepest level, a volume not divisible by 2^depth, groups not dividing base_channels (group
+  // norm), max_channels below base_channels.
   Status Validate() const;
   std::string ToString() const;
   // "tiny" (base 4, depth 1, volume 8), "small" (base 8, depth 2, volume 16) or "nnunet" (6

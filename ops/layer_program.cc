@@ -286,6 +286,11 @@ Result<LayerProgram> LayerProgram::Decode(std::string_view text) {
 namespace {
 
 bool IsFloat(const TensorMeta& meta) { return meta.dtype == DType::kF32; }
+// A value a gradient flows through: f32, or bf16 (mixed precision's activations; their
+// gradients are bf16 too, parameters' stay f32).
+bool IsDifferentiable(const TensorMeta& meta) {
+  return meta.dtype == DType::kF32 || meta.dtype == DType::kBF16;
+}
 
 }  // namespace
 
@@ -334,8 +339,8 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     shapes.needs_gradient.push_back(false);
   }
   for (int i : program.gradient_inputs) {
-    if (!IsFloat(inputs[static_cast<size_t>(i)])) {
-      return InvalidArgument("layer input {} is {}: only f32 inputs have gradients", i,
+    if (!IsDifferentiable(inputs[static_cast<size_t>(i)])) {
+      return InvalidArgument("layer input {} is {}: only f32 and bf16 inputs have gradients", i,
                              inputs[static_cast<size_t>(i)].ToString());
     }
     shapes.needs_gradient[static_cast<size_t>(i)] = true;
@@ -381,7 +386,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     const int first = static_cast<int>(shapes.values.size());
     for (const TensorMeta& meta : *outputs) {
       shapes.values.push_back(meta);
-      shapes.needs_gradient.push_back(on_path && IsFloat(meta));
+      shapes.needs_gradient.push_back(on_path && IsDifferentiable(meta));
     }
     if (!on_path) continue;
     if (!def->gradient) {

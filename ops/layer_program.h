@@ -78,8 +78,8 @@ struct LayerProgram {
   std::vector<ProgramOp> ops;
   std::vector<int> outputs;  // values
   bool loss = false;         // outputs[0] is a scalar loss; the backward starts from it
-  // The layer inputs (f32 activations) whose gradients the backward returns, in order; other
-  // inputs (model inputs, token ids) get none.
+  // The layer inputs (f32 or bf16 activations) whose gradients the backward returns, in order;
+  // other inputs (model inputs, token ids) get none.
   std::vector<int> gradient_inputs;
 
   int num_values() const;

@@ -10,8 +10,9 @@
 //   warm-up) and onebit_adam_momentum / onebit_adam_frozen (its compressed phase),
 //   zero_one_adam_compressed / zero_one_adam_local / zero_one_adam_sync (0/1 Adam's steps), sgd,
 //   scale (in place, by a scalar input), sum_of_squares, clip_scale, sum_scalars, accumulate
-//   (in-place add); noop (an empty task, for runtime overheads) and sleep (waits, then copies its
-//   input: for failure-handling tests).
+//   (in-place add; f32, or bf16 added in f32: a bf16 activation's gradients from its readers),
+//   loss_gradient (dlogits, f32 or bf16, times the loss's gradient); noop (an empty task, for
+//   runtime overheads) and sleep (waits, then copies its input: for failure-handling tests).
 // Collective members (attributes in core/collective_task.h; run by a worker's communicator, or
 // by the CPU kernels when the group has one member):
 //   all_reduce (attribute reduce = sum|avg|max|min), reduce_scatter (reduce), all_gather,

@@ -118,13 +118,22 @@ Status AddElementwiseOps(OpRegistry& r) {
               return Metas{TensorMeta{in[1].shape, in[0].dtype, in[0].device}};
             },
             .cost = ElementwiseCost(0)}));
-  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{.name = "accumulate",
-                                        .doc = "sum = sum + x, in place (gradient accumulation)",
-                                        .input_names = {"sum", "x"},
-                                        .output_names = {"sum"},
-                                        .in_place = {{0, 0}},
-                                        .infer = same_as_first,
-                                        .cost = ElementwiseCost(1)}));
+  // f32, or bf16 (a bf16 activation's gradient summed over its readers: read as f32, added,
+  // rounded once).
+  TESSERA_RETURN_IF_ERROR(r.AddOp(
+      OpDef{.name = "accumulate",
+            .doc = "sum = sum + x, in place (gradient accumulation); f32, or bf16 added in f32",
+            .input_names = {"sum", "x"},
+            .output_names = {"sum"},
+            .in_place = {{0, 0}},
+            .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+              if (in[0].dtype != DType::kBF16) {
+                TESSERA_RETURN_IF_ERROR(CheckDType("sum", in[0], DType::kF32));
+              }
+              TESSERA_RETURN_IF_ERROR(CheckSameShape("x", in[1], "sum", in[0]));
+              return Metas{in[0]};
+            },
+            .cost = ElementwiseCost(1)}));
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "identity",
       .doc = "out = x, a new value: what a layer hands on unchanged (ring attention's keys and "

@@ -64,12 +64,15 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "loss_gradient",
       .doc = "dlogits * dloss: the gradient a loss op computed in its forward (per unit of loss), "
-             "scaled by the loss's own gradient",
+             "scaled by the loss's own gradient (dlogits f32, or bf16 computed in f32)",
       .input_names = {"dloss", "dlogits"},
       .output_names = {"dx"},
       .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckShape("dloss", in[0], Shape{}));
-        TESSERA_RETURN_IF_ERROR(CheckDType("dlogits", in[1], DType::kF32));
+        // bf16: a volume loss's gradient over bf16 logits (ops/volume_ops.h).
+        if (in[1].dtype != DType::kBF16) {
+          TESSERA_RETURN_IF_ERROR(CheckDType("dlogits", in[1], DType::kF32));
+        }
         return Metas{in[1]};
       },
       .cost = ElementwiseCost(1),

@@ -46,9 +46,23 @@ using op_def::Split;
 TensorMeta F32Like(const TensorMeta& like, Shape shape) {
   return TensorMeta{std::move(shape), DType::kF32, like.device};
 }
+// An activation output: the dtype (f32 or bf16) and device of the activation it is made from.
+TensorMeta ActivationLike(const TensorMeta& like, Shape shape) {
+  return TensorMeta{std::move(shape), like.dtype, like.device};
+}
 
 Status CheckF32(const char* name, const TensorMeta& meta) {
   return op_def::CheckDType(name, meta, DType::kF32);
+}
+
+// Activations (volumes, their gradients, logits) are f32 or bf16; parameters, their gradients
+// and statistics are f32 (ops/volume_ops.h).
+Status CheckActivation(const char* name, const TensorMeta& meta) {
+  if (meta.dtype != DType::kF32 && meta.dtype != DType::kBF16) {
+    return InvalidArgument("input '{}' is {} but an activation must be f32 or bf16", name,
+                           meta.ToString());
+  }
+  return Status::Ok();
 }
 
 // Unlike standard_ops.cc's CheckShape (a dtype message, then a shape message), one message names
@@ -62,15 +76,49 @@ Status CheckMeta(const char* name, const TensorMeta& meta, const Shape& expected
   return Status::Ok();
 }
 
-// An NCDHW f32 volume.
+// An NCDHW volume of activations (f32 or bf16).
 Status CheckVolume(const char* op, const char* name, const TensorMeta& meta) {
-  TESSERA_RETURN_IF_ERROR(CheckF32(name, meta));
+  TESSERA_RETURN_IF_ERROR(CheckActivation(name, meta));
   if (meta.shape.rank() != 5) {
     return InvalidArgument("input '{}' has shape {} ({} dims) but {} needs [N, C, D, H, W]", name,
                            meta.shape.ToString(), meta.shape.rank(), op);
   }
   return Status::Ok();
 }
+
+// Adds the volume ops to a registry. Their CPU kernels take bf16 activations by computing in f32
+// copies of them (ops/cpu/volume_registration.cc: ThroughF32): scratch on the host, which each
+// op's workspace counts beside the kernel's own (an output computed in place over an input
+// shares its copy).
+class VolumeOpRegistry {
+ public:
+  explicit VolumeOpRegistry(OpRegistry& registry) : registry_(registry) {}
+
+  Status AddOp(OpDef def) {
+    def.workspace = [infer = def.infer, kernel_scratch = std::move(def.workspace),
+                     in_place = def.in_place](const Metas& in, const Attrs& attrs) -> int64_t {
+      int64_t bytes = kernel_scratch ? kernel_scratch(in, attrs) : 0;
+      for (const TensorMeta& meta : in) bytes += F32CopyBytes(meta);
+      Result<Metas> out = infer(in, attrs);
+      if (!out.ok()) return bytes;
+      for (size_t i = 0; i < out->size(); ++i) {
+        const bool shared = std::any_of(in_place.begin(), in_place.end(), [i](const auto& pair) {
+          return pair.second == static_cast<int>(i);
+        });
+        if (!shared) bytes += F32CopyBytes((*out)[i]);
+      }
+      return bytes;
+    };
+    return registry_.AddOp(std::move(def));
+  }
+
+ private:
+  static int64_t F32CopyBytes(const TensorMeta& meta) {
+    return meta.dtype == DType::kBF16 ? meta.numel() * int64_t{4} : int64_t{0};
+  }
+
+  OpRegistry& registry_;
+};
 
 // An integer attribute with a default, at least `minimum`.
 Result<int64_t> IntAttr(const Attrs& attrs, const char* name, int64_t fallback, int64_t minimum) {
@@ -165,14 +213,14 @@ struct ConvVariant {
   }
 };
 
-Status AddConvOps(OpRegistry& r, ConvVariant variant) {
+Status AddConvOps(VolumeOpRegistry& r, ConvVariant variant) {
   const bool transposed = variant.transposed, bias = variant.bias;
   const std::string name = variant.Name();
   const InferFn forward_infer = [transposed, bias](const Metas& in,
                                                    const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 0, attrs, transposed));
     if (bias) TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{y[1]}));
-    return Metas{F32Like(in[0], std::move(y))};
+    return Metas{ActivationLike(in[0], std::move(y))};
   };
   // One multiply-add per weight tap of each output of the underlying convolution: conv3d's y,
   // or for the transposed op (the adjoint, which maps its y back to its x) x. weight[0] is that
@@ -227,7 +275,7 @@ Status AddConvOps(OpRegistry& r, ConvVariant variant) {
   const InferFn backward_infer = [transposed, bias](const Metas& in,
                                                     const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Shape y, ConvOutputShape(in, 1, attrs, transposed));
-    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], y));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], y, in[1].dtype));
     if (!bias) return Metas{in[1], in[2]};
     return Metas{in[1], in[2], F32Like(in[1], Shape{y[1]})};
   };
@@ -286,9 +334,9 @@ Status AddConvOps(OpRegistry& r, ConvVariant variant) {
 
 // ---- the per-channel bias ----
 
-Status AddChannelBiasOps(OpRegistry& r) {
+Status AddChannelBiasOps(VolumeOpRegistry& r) {
   const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("x", in[0]));
     if (in[0].shape.rank() < 2) {
       return InvalidArgument("input 'x' has shape {} but channel_bias_add needs [N, C, ...]",
                              in[0].shape.ToString());
@@ -306,7 +354,7 @@ Status AddChannelBiasOps(OpRegistry& r) {
       .gradient = Rule("channel_bias_add_backward", {OutGrad(0)}, {0, 1}),
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckF32("dy", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("dy", in[0]));
     if (in[0].shape.rank() < 2) {
       return InvalidArgument("input 'dy' has shape {} but channel_bias_add needs [N, C, ...]",
                              in[0].shape.ToString());
@@ -325,12 +373,13 @@ Status AddChannelBiasOps(OpRegistry& r) {
 
 // ---- resampling: nearest upsampling and max pooling ----
 
-Status AddResamplingOps(OpRegistry& r) {
+Status AddResamplingOps(VolumeOpRegistry& r) {
   const InferFn upsample_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t scale, IntAttr(attrs, "scale", 2, 1));
     TESSERA_RETURN_IF_ERROR(CheckVolume("upsample_nearest3d", "x", in[0]));
     const Shape& x = in[0].shape;
-    return Metas{F32Like(in[0], Shape{x[0], x[1], x[2] * scale, x[3] * scale, x[4] * scale})};
+    return Metas{
+        ActivationLike(in[0], Shape{x[0], x[1], x[2] * scale, x[3] * scale, x[4] * scale})};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "upsample_nearest3d_forward",
@@ -352,7 +401,8 @@ Status AddResamplingOps(OpRegistry& r) {
             dy.ToString(), scale);
       }
     }
-    return Metas{F32Like(in[0], Shape{dy[0], dy[1], dy[2] / scale, dy[3] / scale, dy[4] / scale})};
+    return Metas{
+        ActivationLike(in[0], Shape{dy[0], dy[1], dy[2] / scale, dy[3] / scale, dy[4] / scale})};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "upsample_nearest3d_backward",
@@ -380,7 +430,7 @@ Status AddResamplingOps(OpRegistry& r) {
           x.ToString());
     }
     Shape y{x[0], x[1], x[2] / kernel, x[3] / kernel, x[4] / kernel};
-    return Metas{F32Like(in[0], y), TensorMeta{y, DType::kI32, in[0].device}};
+    return Metas{ActivationLike(in[0], y), TensorMeta{y, DType::kI32, in[0].device}};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "max_pool3d_forward",
@@ -395,7 +445,7 @@ Status AddResamplingOps(OpRegistry& r) {
   const InferFn pool_backward_infer = [pool_infer](const Metas& in,
                                                    const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(Metas forward, pool_infer(Metas{in[1]}, attrs));
-    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], forward[0].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], forward[0].shape, in[1].dtype));
     TESSERA_RETURN_IF_ERROR(CheckMeta("indices", in[2], forward[1].shape, DType::kI32));
     return Metas{in[1]};
   };
@@ -419,7 +469,7 @@ Result<int64_t> CheckGroupNorm(const TensorMeta& x, const TensorMeta& weight, co
     TESSERA_ASSIGN_OR_RETURN(const double eps, attrs.GetFloat("eps"));
     if (!(eps > 0)) return InvalidArgument("attribute 'eps' must be positive, got {}", eps);
   }
-  TESSERA_RETURN_IF_ERROR(CheckF32("x", x));
+  TESSERA_RETURN_IF_ERROR(CheckActivation("x", x));
   if (x.shape.rank() < 2) {
     return InvalidArgument("input 'x' has shape {} but group_norm needs [N, C, ...]",
                            x.shape.ToString());
@@ -433,12 +483,12 @@ Result<int64_t> CheckGroupNorm(const TensorMeta& x, const TensorMeta& weight, co
   return groups;
 }
 
-Status AddGroupNormOps(OpRegistry& r) {
+Status AddGroupNormOps(VolumeOpRegistry& r) {
   const InferFn forward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[0], in[1], attrs));
     TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[2], Shape{in[0].shape[1]}));
     const Shape stats{in[0].shape[0], groups};
-    return Metas{F32Like(in[0], in[0].shape), F32Like(in[0], stats), F32Like(in[0], stats)};
+    return Metas{ActivationLike(in[0], in[0].shape), F32Like(in[0], stats), F32Like(in[0], stats)};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "group_norm_forward",
@@ -454,7 +504,7 @@ Status AddGroupNormOps(OpRegistry& r) {
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[1], in[2], attrs));
-    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape, in[1].dtype));
     const Shape stats{in[1].shape[0], groups};
     TESSERA_RETURN_IF_ERROR(CheckMeta("mean", in[3], stats));
     TESSERA_RETURN_IF_ERROR(CheckMeta("rstd", in[4], stats));
@@ -480,14 +530,20 @@ Shape WithDepth(const Shape& shape, int64_t depth) {
   return Shape(std::move(dims));
 }
 
+// A slab's volume: spatial parallelism's ops take f32 activations only (model/unet3d.h).
+Status CheckSlab(const char* op, const char* name, const TensorMeta& meta) {
+  TESSERA_RETURN_IF_ERROR(CheckF32(name, meta));
+  return CheckVolume(op, name, meta);
+}
+
 // Whether `plane` is one D-plane of `volume`: [N, C, 1, H, W] beside [N, C, D, H, W].
 Status CheckPlane(const char* name, const TensorMeta& plane, const TensorMeta& volume) {
   return CheckMeta(name, plane, WithDepth(volume.shape, 1));
 }
 
-Status AddHaloOps(OpRegistry& r) {
+Status AddHaloOps(VolumeOpRegistry& r) {
   const InferFn planes_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes", "x", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckSlab("slab_planes", "x", in[0]));
     TESSERA_ASSIGN_OR_RETURN(const int64_t depth, IntAttr(attrs, "depth", 0, 1));
     if (depth != in[0].shape[2]) {
       return InvalidArgument("attribute 'depth' is {} but x {} has D = {}", depth,
@@ -508,7 +564,7 @@ Status AddHaloOps(OpRegistry& r) {
       .gradient = Rule("slab_planes_backward", {OutGrad(0), OutGrad(1)}, {0}),
   }));
   const InferFn planes_backward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckVolume("slab_planes_backward", "dfirst", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckSlab("slab_planes_backward", "dfirst", in[0]));
     TESSERA_ASSIGN_OR_RETURN(const int64_t depth, IntAttr(attrs, "depth", 0, 1));
     const TensorMeta dx = F32Like(in[0], WithDepth(in[0].shape, depth));
     TESSERA_RETURN_IF_ERROR(CheckPlane("dfirst", in[0], dx));
@@ -525,7 +581,7 @@ Status AddHaloOps(OpRegistry& r) {
       .cost = CostOf(planes_backward_infer, [](const Metas&, const Metas&) { return 0.0; }),
   }));
   const InferFn join_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckVolume("halo_join", "x", in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckSlab("halo_join", "x", in[1]));
     TESSERA_RETURN_IF_ERROR(CheckPlane("above", in[0], in[1]));
     TESSERA_RETURN_IF_ERROR(CheckPlane("below", in[2], in[1]));
     return Metas{F32Like(in[1], WithDepth(in[1].shape, in[1].shape[2] + 2))};
@@ -542,7 +598,7 @@ Status AddHaloOps(OpRegistry& r) {
       .gradient = Rule("halo_join_backward", {OutGrad(0)}, {0, 1, 2}),
   }));
   const InferFn join_backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckVolume("halo_join_backward", "dout", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckSlab("halo_join_backward", "dout", in[0]));
     if (in[0].shape[2] < 3) {
       return InvalidArgument("input 'dout' has shape {}: a joined slab has at least 3 D-planes",
                              in[0].shape.ToString());
@@ -565,7 +621,7 @@ Shape SlabStatsShape(int64_t ranks, const TensorMeta& x, int64_t groups) {
   return Shape{ranks, x.shape[0], groups, kSlabStatsWidth};
 }
 
-Status AddSlabNormOps(OpRegistry& r) {
+Status AddSlabNormOps(VolumeOpRegistry& r) {
   const InferFn stats_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     TESSERA_ASSIGN_OR_RETURN(const int64_t ranks, IntAttr(attrs, "ranks", 1, 1));
     TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
@@ -608,6 +664,7 @@ Status AddSlabNormOps(OpRegistry& r) {
   }));
   // x [N, C, *], stats [P, N, G, 4] (every slab's), weight, bias.
   const InferFn slab_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
     TESSERA_ASSIGN_OR_RETURN(const int64_t groups, CheckGroupNorm(in[0], in[2], attrs));
     TESSERA_RETURN_IF_ERROR(CheckMeta("bias", in[3], Shape{in[0].shape[1]}));
     const int64_t ranks = in[1].shape.rank() == 4 ? in[1].shape[0] : 0;
@@ -653,14 +710,14 @@ Status AddSlabNormOps(OpRegistry& r) {
 
 // ---- elementwise activations and channel concatenation ----
 
-Status AddActivationOps(OpRegistry& r) {
+Status AddActivationOps(VolumeOpRegistry& r) {
   const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("x", in[0]));
     return Metas{in[0]};
   };
   const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckF32("x", in[1]));
-    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("x", in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckMeta("dy", in[0], in[1].shape, in[1].dtype));
     return Metas{in[1]};
   };
   struct Activation {
@@ -706,8 +763,11 @@ bool SameExceptChannels(const Shape& a, const Shape& b) {
 }
 
 Status CheckConcatenable(const TensorMeta& a, const TensorMeta& b) {
-  TESSERA_RETURN_IF_ERROR(CheckF32("a", a));
-  TESSERA_RETURN_IF_ERROR(CheckF32("b", b));
+  TESSERA_RETURN_IF_ERROR(CheckActivation("a", a));
+  if (b.dtype != a.dtype) {
+    return InvalidArgument("input 'b' is {} but 'a' is {}: both must have one dtype", b.ToString(),
+                           a.ToString());
+  }
   if (!SameExceptChannels(a.shape, b.shape)) {
     return InvalidArgument(
         "inputs 'a' {} and 'b' {} cannot be concatenated along dimension 1: they must be "
@@ -723,10 +783,10 @@ Shape WithChannels(const Shape& shape, int64_t channels) {
   return Shape(std::move(dims));
 }
 
-Status AddConcatOps(OpRegistry& r) {
+Status AddConcatOps(VolumeOpRegistry& r) {
   const InferFn forward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
     TESSERA_RETURN_IF_ERROR(CheckConcatenable(in[0], in[1]));
-    return Metas{F32Like(in[0], WithChannels(in[0].shape, in[0].shape[1] + in[1].shape[1]))};
+    return Metas{ActivationLike(in[0], WithChannels(in[0].shape, in[0].shape[1] + in[1].shape[1]))};
   };
   TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
       .name = "concat_forward",
@@ -738,8 +798,11 @@ Status AddConcatOps(OpRegistry& r) {
       .gradient = Rule("concat_backward", {OutGrad(0), In(0)}, {0, 1}),
   }));
   const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-    TESSERA_RETURN_IF_ERROR(CheckF32("dout", in[0]));
-    TESSERA_RETURN_IF_ERROR(CheckF32("a", in[1]));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("dout", in[0]));
+    if (in[1].dtype != in[0].dtype) {
+      return InvalidArgument("input 'a' is {} but 'dout' is {}: both must have one dtype",
+                             in[1].ToString(), in[0].ToString());
+    }
     // a is dout's first channels, and at least one is left for b.
     if (!SameExceptChannels(in[0].shape, in[1].shape) || in[1].shape[1] >= in[0].shape[1]) {
       return InvalidArgument(
@@ -747,7 +810,8 @@ Status AddConcatOps(OpRegistry& r) {
           "one left for b",
           in[0].shape.ToString(), in[1].shape.ToString());
     }
-    return Metas{in[1], F32Like(in[1], WithChannels(in[0].shape, in[0].shape[1] - in[1].shape[1]))};
+    return Metas{in[1],
+                 ActivationLike(in[1], WithChannels(in[0].shape, in[0].shape[1] - in[1].shape[1]))};
   };
   return r.AddOp(OpDef{
       .name = "concat_backward",
@@ -759,11 +823,55 @@ Status AddConcatOps(OpRegistry& r) {
   });
 }
 
+// ---- casts between activation dtypes ----
+
+Result<DType> CastTarget(const Attrs& attrs) {
+  TESSERA_ASSIGN_OR_RETURN(std::string name, attrs.GetString("dtype"));
+  if (name == "f32") return DType::kF32;
+  if (name == "bf16") return DType::kBF16;
+  return InvalidArgument("attribute 'dtype' of cast is '{}' but must be f32 or bf16", name);
+}
+
+Status AddCastOps(OpRegistry& r) {
+  const InferFn forward_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
+    TESSERA_ASSIGN_OR_RETURN(const DType dtype, CastTarget(attrs));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("x", in[0]));
+    return Metas{TensorMeta{in[0].shape, dtype, in[0].device}};
+  };
+  TESSERA_RETURN_IF_ERROR(r.AddOp(OpDef{
+      .name = "cast_forward",
+      .doc = "y = x in attribute dtype's type (f32 or bf16; to bf16 rounds to nearest even): a "
+             "volume's voxels into the activations' type",
+      .input_names = {"x"},
+      .output_names = {"y"},
+      .infer = forward_infer,
+      .cost = CostOf(forward_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+      .gradient = Rule("cast_backward", {OutGrad(0), In(0)}, {0}),
+  }));
+  const InferFn backward_infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
+    TESSERA_RETURN_IF_ERROR(CheckActivation("dy", in[0]));
+    TESSERA_RETURN_IF_ERROR(CheckActivation("x", in[1]));
+    if (in[0].shape != in[1].shape) {
+      return InvalidArgument("input 'dy' has shape {} but x is {}", in[0].shape.ToString(),
+                             in[1].ToString());
+    }
+    return Metas{in[1]};
+  };
+  return r.AddOp(OpDef{
+      .name = "cast_backward",
+      .doc = "dx = dy in x's type (x is read for its type only)",
+      .input_names = {"dy", "x"},
+      .output_names = {"dx"},
+      .infer = backward_infer,
+      .cost = CostOf(backward_infer, [](const Metas& in, const Metas&) { return Numel(in[0]); }),
+  });
+}
+
 // ---- segmentation loss and metric ----
 
-// logits f32 [N, C, *] and targets i32 [N, *].
+// logits [N, C, *] (f32 or bf16) and targets i32 [N, *].
 Status CheckSegmentation(const char* op, const TensorMeta& logits, const TensorMeta& targets) {
-  TESSERA_RETURN_IF_ERROR(CheckF32("logits", logits));
+  TESSERA_RETURN_IF_ERROR(CheckActivation("logits", logits));
   if (logits.shape.rank() < 2) {
     return InvalidArgument("input 'logits' has shape {} but {} needs [N, C, ...]",
                            logits.shape.ToString(), op);
@@ -773,7 +881,7 @@ Status CheckSegmentation(const char* op, const TensorMeta& logits, const TensorM
   return CheckMeta("targets", targets, Shape(std::move(dims)), DType::kI32);
 }
 
-Status AddSegmentationOps(OpRegistry& r) {
+Status AddSegmentationOps(VolumeOpRegistry& r) {
   const InferFn loss_infer = [](const Metas& in, const Attrs& attrs) -> Result<Metas> {
     if (attrs.Has("grad_scale")) TESSERA_RETURN_IF_ERROR(attrs.GetFloat("grad_scale").status());
     if (attrs.Has("weight")) {
@@ -855,17 +963,19 @@ Status AddSegmentationOps(OpRegistry& r) {
 }  // namespace
 
 Status RegisterVolumeOps(OpRegistry& registry) {
-  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{}));
-  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{.bias = false}));
-  TESSERA_RETURN_IF_ERROR(AddConvOps(registry, ConvVariant{.transposed = true}));
-  TESSERA_RETURN_IF_ERROR(AddChannelBiasOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddResamplingOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddGroupNormOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddHaloOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddSlabNormOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddActivationOps(registry));
-  TESSERA_RETURN_IF_ERROR(AddConcatOps(registry));
-  return AddSegmentationOps(registry);
+  VolumeOpRegistry volume(registry);
+  TESSERA_RETURN_IF_ERROR(AddConvOps(volume, ConvVariant{}));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(volume, ConvVariant{.bias = false}));
+  TESSERA_RETURN_IF_ERROR(AddConvOps(volume, ConvVariant{.transposed = true}));
+  TESSERA_RETURN_IF_ERROR(AddChannelBiasOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddResamplingOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddGroupNormOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddHaloOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddSlabNormOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddActivationOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddConcatOps(volume));
+  TESSERA_RETURN_IF_ERROR(AddCastOps(registry));
+  return AddSegmentationOps(volume);
 }
 
 }  // namespace tessera

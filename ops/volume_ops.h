@@ -1,5 +1,13 @@
-// Definitions of the ops a 3D U-Net needs, on f32 volumes laid out NCDHW. Kernels are registered
+// Definitions of the ops a 3D U-Net needs, on volumes laid out NCDHW. Kernels are registered
 // separately (ops/cpu/volume_kernels.h).
+//
+// Activations (x, y, their gradients, logits) are f32 or bf16, all of one call alike, and an
+// op's activation outputs have its activation inputs' type; parameters, their gradients, norm
+// statistics, losses and scores are f32 (bf16 is mixed precision's storage: the GPU kernels read
+// it into f32 and accumulate in f32; the CPU kernels compute bf16 calls in f32 copies, rounding
+// the outputs as the GPU's do, a reference for them whose copies the ops' workspace counts).
+// Spatial parallelism's ops (slab_planes, halo_join, group_norm_stats, group_norm_slab) take f32
+// only.
 //
 // Every differentiable forward op carries a GradientRule (ops/op_registry.h) naming its
 // `<name>_backward` op. A backward op's inputs are the gradients of the forward's outputs, then
@@ -56,6 +64,9 @@
 //   leaky_relu_forward/_backward  the same; slope kLeakyReluSlope (0.01, nnU-Net's) below zero
 //   concat_forward            a [N,Ca,*], b [N,Cb,*] -> out [N,Ca+Cb,*] (channel dimension 1)
 //   concat_backward           dout, a -> da, db (a is read for its shape only)
+//   cast_forward              x -> y: x in attribute dtype's type ("f32" or "bf16"; rounding
+//                             to nearest even), e.g. the input volume into bf16 activations
+//   cast_backward             dy, x -> dx in x's type (x is read for its type only)
 //   voxel_cross_entropy       logits [N,C,*], targets i32 [N,*] -> loss (f32 scalar, mean over
 //                             the N*prod(*) voxels of -log softmax over C at the target class),
 //                             dlogits (its gradient times attr grad_scale, default 1, computed in

@@ -10,18 +10,23 @@
 #                                     against the CPU, the speed race with PyTorch (eager and
 #                                     torch.compile) and the memory limits; raw outputs in OUT
 #                                     (default bench/results/gpu_<date>), a summary last
-#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory|planner|unet    one part
-#                                     only (planner and unet, only by name: the memory plan's
-#                                     activation budgets next to torch.compile's, and parameter
-#                                     offload's largest model next to FSDP2 with CPU offload; the
-#                                     nnU-Net-shaped U-Net's steps next to PyTorch's, fp32 and AMP)
+#   scripts/gpu_check.sh run OUT tests|workers|check|speed|layers|memory|planner|unet|volume
+#                                     one part only (planner, unet and volume, only by name: the
+#                                     memory plan's activation budgets next to torch.compile's, and
+#                                     parameter offload's largest model next to FSDP2 with CPU
+#                                     offload; the nnU-Net-shaped U-Net's steps (bf16) next to
+#                                     PyTorch's, fp32 and AMP; whole 256^3 volumes against AMP's
+#                                     128^3 patches, and the largest cube each trains)
 #
 # Knobs (environment): SPEED_BATCHES (default "16 32"), SPEED_VOCABS (default "50257 50304"),
 # SPEED_REPEATS (default 3: rounds of the speed race, its order rotated); CHECK_CPU=0 runs only the GPU side of
 # the loss check (the CPU reference then comes from the same train_gpt2 command run elsewhere:
 # it is fp32 and takes minutes per step); MAX_MODEL_FROM=K starts both model-size searches at
 # shape K of their common list; MEMORY_SECONDS bounds each search (default 600); GPU_MEMORY_GIB
-# caps both sides' GPU allocators in the memory part (an 80 GiB H100's capacity on an H200).
+# caps both sides' GPU allocators in the memory part (an 80 GiB H100's capacity on an H200), and
+# is what the volume part gives Tessera's planner (default 70: cuDNN's workspaces are not in its
+# model yet); VOLUMES lists the cubes the volume part tries (default "256 320 384 448").
+# Parts by name only: a rerun of one part fits the device time left.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -200,9 +205,9 @@ run() {
       tee "$out/max_model_torch_fsdp_offload.txt" | tail -n 2 || true
   fi
   if [[ "$part" == unet ]]; then
-    # The nnU-Net-shaped U-Net (31.2 M parameters) on 128^3 patches, batch 2: Tessera (f32
-    # activations, cuDNN convolutions) beside PyTorch eager in fp32 and with bf16 AMP, the three
-    # alternated, two rounds.
+    # The nnU-Net-shaped U-Net (31.2 M parameters) on 128^3 patches, batch 2: Tessera (bf16
+    # activations, --device cuda's default; cuDNN convolutions) beside PyTorch eager in fp32 and
+    # with bf16 AMP, the three alternated, two rounds.
     for round in 1 2; do
       for who in tessera torch_fp32 torch_amp; do
         case "$who" in
@@ -215,6 +220,35 @@ run() {
         esac
       done
     done
+  fi
+  if [[ "$part" == volume ]]; then
+    # Issue 29's whole volumes on one GPU. (a) Whole 256^3 volumes, batch 1, Tessera in bf16 under
+    # its memory planner, against PyTorch eager + AMP on 128^3 patches, batch 2 (voxels/s;
+    # alternated, two rounds). (b) The largest cube each trains for two steps: Tessera (bf16,
+    # the planner under GPU_MEMORY_GIB) against PyTorch eager + AMP + checkpointing per level +
+    # save_on_cpu; each side stops at its first failure.
+    local cap="${GPU_MEMORY_GIB:-70}"
+    for round in 1 2; do
+      timeout 300 .gpu/bin/train_unet3d --preset nnunet --device cuda --volume 256 --batch 1 \
+        --steps 6 --log-every 1 --device-memory-gib "$cap" 2>&1 |
+        tee "$out/volume_tessera_whole256_r$round.txt" | tail -n 2 || true
+      timeout 300 python3 .gpu/torch_unet3d.py --preset nnunet --volume 128 --batch 2 --steps 6 \
+        --amp 2>&1 | tee "$out/volume_torch_amp_patch128_r$round.txt" | tail -n 1 || true
+    done
+    local tessera_ok=1 torch_ok=1
+    for v in ${VOLUMES:-256 320 384 448}; do
+      if ((tessera_ok)); then
+        timeout 300 .gpu/bin/train_unet3d --preset nnunet --device cuda --volume "$v" --batch 1 \
+          --steps 2 --log-every 1 --device-memory-gib "$cap" >"$out/volume_tessera_$v.txt" 2>&1 ||
+          tessera_ok=0
+        echo "tessera $v^3: $( ((tessera_ok)) && echo trains || echo fails) $(tail -n 1 "$out/volume_tessera_$v.txt")"
+      fi
+      if ((torch_ok)); then
+        timeout 300 python3 .gpu/torch_unet3d.py --preset nnunet --volume "$v" --batch 1 --steps 2 \
+          --amp --checkpoint --save-on-cpu >"$out/volume_torch_$v.txt" 2>&1 || torch_ok=0
+        echo "torch $v^3: $( ((torch_ok)) && echo trains || echo fails) $(tail -n 1 "$out/volume_torch_$v.txt")"
+      fi
+    done | tee "$out/volume_largest.txt"
   fi
   summarize "$out"
 }
@@ -260,6 +294,27 @@ for vocab, batch in sorted({(k[0], k[1]) for k in rows}, key=lambda k: (k[0], in
           f"compile={med(vocab, batch, 'compile', 'loss_timed'):.4f}")
 PY
   fi
+  if compgen -G "$out/volume_tessera_whole256_r*.txt" >/dev/null; then
+    # voxels/s: Tessera's samples_per_s x 256^3 (whole volumes), PyTorch's own figure (patches).
+    python3 - "$out" <<'PY'
+import glob, re, statistics, sys
+out = sys.argv[1]
+def figures(pattern, key):
+    values = []
+    for path in sorted(glob.glob(f"{out}/{pattern}")):
+        m = re.search(key + r"=([0-9.]+)", open(path).read())
+        if m:
+            values.append(float(m.group(1)))
+    return values
+whole = [s * 256 ** 3 for s in figures("volume_tessera_whole256_r*.txt", "samples_per_s")]
+patches = figures("volume_torch_amp_patch128_r*.txt", "voxels_per_s")
+if whole and patches:
+    t, p = statistics.median(whole), statistics.median(patches)
+    print(f"volume: tessera whole 256^3 b1 {t:.0f} voxels/s (median of {len(whole)}), torch amp "
+          f"128^3 b2 {p:.0f} (median of {len(patches)}); ratio {t / p:.3f} (issue 29: >= 0.8)")
+PY
+  fi
+  [[ -f "$out/volume_largest.txt" ]] && cat "$out/volume_largest.txt"
   if [[ -f "$out/planner_budgets.txt" ]]; then
     grep -E "^tessera .*summary|^torch " "$out/planner_budgets.txt" |
       sed -E 's/(tessera|torch) (L=[0-9]+ budget=[0-9.]+):.*(tokens_per_s|tok_s)=([0-9]+).*/\1 \2 tok_s=\4/'

@@ -10,7 +10,8 @@
 //   train_unet3d                                   # tiny U-Net, this process
 //   train_unet3d --workers 4 --zero-stage 3        # a local cluster of 4 workers, ZeRO-3
 //   train_unet3d --checkpoint-dir ckpt --resume    # continue a run
-//   train_unet3d --device cuda                     # on this process's GPU (f32 activations)
+//   train_unet3d --device cuda                     # on this process's GPU (bf16 activations)
+//   train_unet3d --activations bf16                # the GPU's mixed precision, on the CPU
 //   train_unet3d --write-volumes vols --cases 8    # generated volumes as NIfTI files, then
 //   train_unet3d --data vols                       # train on them
 //
@@ -27,6 +28,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/flag_checks.h"
+#include "core/half.h"
 #include "core/run_main.h"
 #include "data/nifti.h"
 #include "data/sliding_window.h"
@@ -41,6 +43,7 @@
 #include "ops/cpu/volume_kernels.h"
 #include "training/checkpoint.h"
 #include "training/trainer.h"
+#include "worker/gpu.h"
 
 namespace {
 
@@ -56,15 +59,16 @@ struct Flags {
   int64_t batch = 4;
   double lr = 3e-3;
   uint64_t seed = 1;
-  std::string data_dir;           // NIfTI volumes; empty: generated ones
-  double data_memory_gib = 4;     // the most the loaded volumes may take
-  std::string write_volumes;      // write generated volumes here and exit
-  int64_t cases = 8;              // ... this many
-  int64_t volume = 0;             // the patch's edge; 0: the preset's
-  bool deep_supervision = false;  // nnU-Net's extra heads at coarser decoder levels
-  int spatial_parallel = 1;       // slabs each volume's depth splits into, one a worker
-  bool predict = false;           // whole-volume inference after training
-  std::string predict_out;        // ... writing the predicted label maps here
+  std::string data_dir;              // NIfTI volumes; empty: generated ones
+  double data_memory_gib = 4;        // the most the loaded volumes may take
+  std::string write_volumes;         // write generated volumes here and exit
+  int64_t cases = 8;                 // ... this many
+  int64_t volume = 0;                // the patch's edge; 0: the preset's
+  bool deep_supervision = false;     // nnU-Net's extra heads at coarser decoder levels
+  int spatial_parallel = 1;          // slabs each volume's depth splits into, one a worker
+  std::string activations = "auto";  // f32, bf16, or auto: bf16 on a GPU, f32 on the CPU
+  bool predict = false;              // whole-volume inference after training
+  std::string predict_out;           // ... writing the predicted label maps here
   examples::CommonFlags common;
 };
 
@@ -74,10 +78,31 @@ Result<tessera::UNet3dConfig> ModelConfig(const Flags& flags) {
                            tessera::UNet3dConfig::Preset(flags.preset));
   if (flags.volume > 0) config.volume = flags.volume;
   config.deep_supervision = flags.deep_supervision;
+  if (flags.activations == "bf16") config.activations = tessera::DType::kBF16;
   TESSERA_RETURN_IF_ERROR(config.Validate().WithContext(
       flags.volume > 0 ? fmt::format("--preset {} --volume {}", flags.preset, flags.volume)
                        : fmt::format("--preset {}", flags.preset)));
   return config;
+}
+
+// --activations auto on `device`: bf16 on a GPU (mixed precision, as train_gpt2's; f32 on the
+// simulated GPU, whose kernels are the CPU's), f32 on the CPU.
+void ResolveActivations(const Flags& flags, const tessera::Device& device,
+                        tessera::UNet3dConfig& config) {
+  if (flags.activations == "auto" && !device.is_cpu())
+    config.activations = tessera::GpuActivations();
+}
+
+// A prediction's logits on the host as f32 (a bf16 model's are bf16).
+std::vector<float> LogitsF32(const tessera::Tensor& logits) {
+  std::vector<float> values(static_cast<size_t>(logits.numel()));
+  if (logits.dtype() == tessera::DType::kBF16) {
+    const auto* bits = static_cast<const uint16_t*>(logits.raw_data());
+    for (size_t i = 0; i < values.size(); ++i) values[i] = tessera::Bf16ToFloat(bits[i]);
+  } else {
+    std::copy_n(logits.data<float>(), values.size(), values.begin());
+  }
+  return values;
 }
 
 // Where batches come from: generated volumes, or patches of NIfTI cases (the last case held out
@@ -202,9 +227,10 @@ Status PredictWhole(const Flags& flags, const tessera::UNet3dConfig& config, con
           tessera::Tensor x,
           tessera::Tensor::FromVector(tessera::Shape{rows, c.channels, v, v, v}, image));
       TESSERA_ASSIGN_OR_RETURN(tessera::Tensor logits, trainer.Predict({x, tessera::Tensor()}));
+      const std::vector<float> values = LogitsF32(logits);
       for (int64_t r = 0; r < rows; ++r) {
         prediction.Add(tiles[first + static_cast<size_t>(r)],
-                       logits.data<float>() + r * config.classes * patch_voxels);
+                       values.data() + r * config.classes * patch_voxels);
       }
     }
     const std::vector<int32_t> predicted = prediction.Classes();
@@ -268,7 +294,7 @@ Result<float> Dice(tessera::Trainer& trainer, const std::vector<tessera::Tensor>
                    const tessera::UNet3dConfig& config) {
   TESSERA_ASSIGN_OR_RETURN(tessera::Tensor logits, trainer.Predict(batch));
   const int64_t voxels = config.volume * config.volume * config.volume;
-  return tessera::cpu::DiceScore(logits.data<float>(), batch[1].data<int32_t>(),
+  return tessera::cpu::DiceScore(LogitsF32(logits).data(), batch[1].data<int32_t>(),
                                  batch[1].shape()[0], config.classes, voxels);
 }
 
@@ -307,8 +333,8 @@ Result<tessera::TrainingPlan> MakePlan(const Flags& flags, const tessera::ModelS
   if (flags.common.search.plan == "auto") {
     plan.parallel.data_parallel = plan.parallel.sequence_parallel;
   }
-  // --device cuda: the step on a GPU (this process's, or each worker's own). The volume ops take
-  // f32 activations (bf16 ones are future work), so the U-Net computes in f32 there too.
+  // --device cuda: the step on a GPU (this process's, or each worker's own), in bf16 activations
+  // unless --activations f32 (ResolveActivations).
   if (!runtime.device.is_cpu()) plan.device = tessera::Device::Cuda(0);
   TESSERA_RETURN_IF_ERROR(examples::CheckFlagCombinations(flags.common));
   TESSERA_RETURN_IF_ERROR(plan.Validate(model));
@@ -341,9 +367,10 @@ examples::TrainingLoop::Hooks LoopHooks(const Flags& flags, const tessera::UNet3
 Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(tessera::UNet3dConfig config, ModelConfig(flags));
   TESSERA_ASSIGN_OR_RETURN(tessera::OpRegistry registry, tessera::MakeCpuOpRegistry());
-  TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildUNet3d(config, registry));
   TESSERA_ASSIGN_OR_RETURN(const Data data, LoadData(flags, config));
   TESSERA_ASSIGN_OR_RETURN(examples::Runtime runtime, examples::OpenRuntime(flags.common));
+  ResolveActivations(flags, runtime.device, config);
+  TESSERA_ASSIGN_OR_RETURN(tessera::ModelSpec model, tessera::BuildUNet3d(config, registry));
   TESSERA_ASSIGN_OR_RETURN(tessera::TrainingPlan plan, MakePlan(flags, model, runtime));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<examples::Session> session,
                            examples::Session::Open(flags.common, runtime, kProgram));
@@ -355,9 +382,10 @@ Status Train(const Flags& flags) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<tessera::Trainer> trainer,
                            tessera::Trainer::Create(model, plan, std::move(backend)));
   TESSERA_RETURN_IF_ERROR(trainer->InitializeParameters(flags.seed));
-  std::printf("U-Net 3D %s: %lld parameters, volumes %lld^3, batch %lld, %s\n",
+  std::printf("U-Net 3D %s: %lld parameters, volumes %lld^3, batch %lld, %s activations, %s\n",
               config.ToString().c_str(), static_cast<long long>(model.NumParameters()),
               static_cast<long long>(config.volume), static_cast<long long>(flags.batch),
+              std::string(tessera::DTypeName(config.activations)).c_str(),
               plan.parallel.ToString().c_str());
   if (std::string pipeline =
           examples::DescribePipeline(trainer->step_graph(), trainer->planned_model());
@@ -430,6 +458,12 @@ int Main(int argc, char** argv) {
                "nnU-Net's deep supervision: heads at decoder levels 1 to depth - 2 as well, each "
                "level's cross-entropy against the labels sampled down to it, weighted 2^-level "
                "(normalised); the loss printed is that sum (needs depth >= 3: --preset nnunet)");
+  app.add_option("--activations", flags.activations,
+                 "The activations' type: f32, bf16 (mixed precision: parameters, gradients, "
+                 "norm statistics and the loss stay f32; on the CPU computed in f32 and rounded "
+                 "as the GPU's kernels round, a reference for them), or auto: bf16 on a GPU, f32 "
+                 "on the CPU")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   app.add_option("--spatial-parallel", flags.spatial_parallel,
                  "S: each volume split into S slabs of its depth, one on each of S workers "
                  "(--workers a multiple of S), for volumes beyond one worker: convolutions read "

@@ -14,6 +14,7 @@
 #include "core/block_quantization.h"
 #include "core/checksum.h"
 #include "core/collective_task.h"
+#include "core/half.h"
 #include "core/sign_compression.h"
 #include "ops/bucket_copies.h"
 #include "ops/cpu/kernel_glue.h"
@@ -216,6 +217,14 @@ Status RegisterPrimitiveKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
       Register(r, "accumulate",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
+                 if (in[1].dtype() == DType::kBF16) {  // added in f32, rounded once
+                   auto* sum = static_cast<uint16_t*>(out[0].raw_data());
+                   const auto* x = static_cast<const uint16_t*>(in[1].raw_data());
+                   for (int64_t i = 0; i < in[1].numel(); ++i) {
+                     sum[i] = FloatToBf16(Bf16ToFloat(sum[i]) + Bf16ToFloat(x[i]));
+                   }
+                   return Status::Ok();
+                 }
                  cpu::Add(F(out[0]), F(out[0]), F(in[1]), in[0].numel());  // out[0] holds sum
                  return Status::Ok();
                }));
@@ -354,6 +363,14 @@ Status RegisterLossAndOptimizerKernels(OpRegistry& r) {
       Register(r, "loss_gradient",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs&) {
                  const float scale = *F(in[0]);
+                 if (in[1].dtype() == DType::kBF16) {  // a volume loss's over bf16 logits
+                   const auto* dlogits = static_cast<const uint16_t*>(in[1].raw_data());
+                   auto* dx = static_cast<uint16_t*>(out[0].raw_data());
+                   for (int64_t i = 0; i < in[1].numel(); ++i) {
+                     dx[i] = FloatToBf16(Bf16ToFloat(dlogits[i]) * scale);
+                   }
+                   return Status::Ok();
+                 }
                  const float* dlogits = F(in[1]);
                  float* dx = F(out[0]);
                  for (int64_t i = 0; i < in[1].numel(); ++i) dx[i] = dlogits[i] * scale;

@@ -1,7 +1,12 @@
 // RegisterVolumeKernels (volume_kernels.h): the volume ops' CPU kernels (volume_kernels.cc)
 // bound to the op registry, with the convolutions' geometry read from the tensors.
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "core/half.h"
 
 #include "ops/cpu/kernel_glue.h"
 #include "ops/cpu/volume_kernels.h"
@@ -51,7 +56,71 @@ cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const T
   return g;
 }
 
-// Spatial parallelism's kernels (slab_kernels.cc).
+// The kernel for bf16 activations too: each bf16 input copied into f32 scratch, the f32 kernel
+// run on the copies, each bf16 output rounded from its f32 result (to nearest even, as the GPU
+// kernels store) — the GPU's numerics (bf16 storage, f32 arithmetic) as a CPU reference. The
+// copies come from the executor's allocator (the op's workspace counts them: ops/volume_ops.cc
+// AddVolumeOp). `in_place`: (input, output) pairs whose output starts as the input (the kernel
+// works over it), which share the input's copy. f32 calls go straight to the kernel.
+KernelFn ThroughF32(KernelFn kernel, std::vector<std::pair<int, int>> in_place = {}) {
+  return [kernel = std::move(kernel), in_place = std::move(in_place)](
+             const KernelContext& context, const Tensors& in, const Tensors& out,
+             const Attrs& attrs) -> Status {
+    const auto bf16 = [](const Tensor& t) { return t.dtype() == DType::kBF16; };
+    if (std::none_of(in.begin(), in.end(), bf16) && std::none_of(out.begin(), out.end(), bf16)) {
+      return kernel(context, in, out, attrs);
+    }
+    const auto f32_copy = [&context](const Tensor& t) -> Result<Tensor> {
+      TESSERA_ASSIGN_OR_RETURN(
+          Tensor copy,
+          Tensor::Empty(TensorMeta{t.shape(), DType::kF32, Device::Cpu()}, context.allocator));
+      const auto* from = static_cast<const uint16_t*>(t.raw_data());
+      float* to = copy.data<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) to[i] = Bf16ToFloat(from[i]);
+      return copy;
+    };
+    Tensors in32 = in, out32 = out;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (bf16(in[i])) {
+        TESSERA_ASSIGN_OR_RETURN(in32[i], f32_copy(in[i]));
+      }
+    }
+    for (size_t o = 0; o < out.size(); ++o) {
+      if (!bf16(out[o])) continue;
+      const auto pair = std::find_if(in_place.begin(), in_place.end(), [o](const auto& p) {
+        return p.second == static_cast<int>(o);
+      });
+      if (pair != in_place.end()) {
+        out32[o] = in32[static_cast<size_t>(pair->first)];
+      } else {
+        TESSERA_ASSIGN_OR_RETURN(
+            out32[o], Tensor::Empty(TensorMeta{out[o].shape(), DType::kF32, Device::Cpu()},
+                                    context.allocator));
+      }
+    }
+    TESSERA_RETURN_IF_ERROR(kernel(context, in32, out32, attrs));
+    for (size_t o = 0; o < out.size(); ++o) {
+      if (!bf16(out[o])) continue;
+      const float* from = out32[o].data<float>();
+      auto* to = static_cast<uint16_t*>(out[o].raw_data());
+      for (int64_t i = 0; i < out[o].numel(); ++i) to[i] = FloatToBf16(from[i]);
+    }
+    return Status::Ok();
+  };
+}
+
+// The registry, for the volume ops' kernels: each registered through f32 for bf16 activations.
+struct VolumeKernelRegistry {
+  OpRegistry& registry;
+};
+
+// `in_place`: the op's (input, output) pairs whose output starts as the input (ThroughF32).
+Status Register(VolumeKernelRegistry& r, std::string_view op, KernelFn kernel,
+                std::vector<std::pair<int, int>> in_place = {}) {
+  return Register(r.registry, op, ThroughF32(std::move(kernel), std::move(in_place)));
+}
+
+// Spatial parallelism's kernels (slab_kernels.cc): f32 only (their ops refuse bf16).
 Status RegisterSlabKernels(OpRegistry& r) {
   // x [N, C, D, H, W]: its (n, c) rows, D-planes and voxels a plane.
   struct Slab {
@@ -174,7 +243,7 @@ Status ConvTranspose3dDw(const KernelContext& ctx, const Tensors& in, const Tens
   return Status::Ok();
 }
 
-Status RegisterConvKernels(OpRegistry& r) {
+Status RegisterConvKernels(VolumeKernelRegistry& r) {
   // conv3d_forward (in: x, weight, bias) and conv3d_no_bias_forward (in: x, weight).
   for (const char* op : {"conv3d_forward", "conv3d_no_bias_forward"}) {
     TESSERA_RETURN_IF_ERROR(Register(
@@ -243,7 +312,7 @@ Status RegisterConvKernels(OpRegistry& r) {
       });
 }
 
-Status RegisterOtherKernels(OpRegistry& r) {
+Status RegisterOtherKernels(VolumeKernelRegistry& r) {
   TESSERA_RETURN_IF_ERROR(
       Register(r, "upsample_nearest3d_forward",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
@@ -295,7 +364,7 @@ Status RegisterOtherKernels(OpRegistry& r) {
                                         attrs.GetInt("groups", 1));
                  return Status::Ok();
                }));
-  TESSERA_RETURN_IF_ERROR(RegisterSlabKernels(r));
+  TESSERA_RETURN_IF_ERROR(RegisterSlabKernels(r.registry));
   struct Activation {
     const char* name;
     void (*forward)(float* y, const float* x, int64_t n);
@@ -365,7 +434,8 @@ Status RegisterOtherKernels(OpRegistry& r) {
                                    static_cast<float>(attrs.GetFloat("grad_scale", 1.0) * weight)));
         *F(out[0]) = static_cast<float>(weight * loss);
         return Status::Ok();
-      }));
+      },
+      {{0, 1}}));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "downsample_labels",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
@@ -385,11 +455,40 @@ Status RegisterOtherKernels(OpRegistry& r) {
       });
 }
 
+// cast_forward and cast_backward: f32 <-> bf16 (or a copy where the types agree).
+Status CastInto(const Tensor& from, const Tensor& to) {
+  const int64_t n = from.numel();
+  if (from.dtype() == to.dtype()) {
+    std::memcpy(to.raw_data(), from.raw_data(), static_cast<size_t>(from.bytes()));
+  } else if (from.dtype() == DType::kF32 && to.dtype() == DType::kBF16) {
+    const float* x = F(from);
+    auto* y = static_cast<uint16_t*>(to.raw_data());
+    for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16(x[i]);
+  } else if (from.dtype() == DType::kBF16 && to.dtype() == DType::kF32) {
+    const auto* x = static_cast<const uint16_t*>(from.raw_data());
+    float* y = F(to);
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
+  } else {
+    return InvalidArgument("cast from {} to {} is not built: f32 and bf16 only",
+                           DTypeName(from.dtype()), DTypeName(to.dtype()));
+  }
+  return Status::Ok();
+}
+
+Status RegisterCastKernels(OpRegistry& r) {
+  const KernelFn cast = [](const KernelContext&, const Tensors& in, const Tensors& out,
+                           const Attrs&) { return CastInto(in[0], out[0]); };
+  TESSERA_RETURN_IF_ERROR(Register(r, "cast_forward", cast));
+  return Register(r, "cast_backward", cast);  // in: dy, x (read for its type only)
+}
+
 }  // namespace
 
 Status RegisterVolumeKernels(OpRegistry& registry) {
-  TESSERA_RETURN_IF_ERROR(RegisterConvKernels(registry));
-  return RegisterOtherKernels(registry);
+  VolumeKernelRegistry volume{registry};
+  TESSERA_RETURN_IF_ERROR(RegisterConvKernels(volume));
+  TESSERA_RETURN_IF_ERROR(RegisterCastKernels(registry));
+  return RegisterOtherKernels(volume);
 }
 
 }  // namespace tessera

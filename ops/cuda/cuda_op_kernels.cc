@@ -202,10 +202,16 @@ Status RegisterPlanKernels(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(Register(
       r, "accumulate",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) -> Status {
-        if (in[1].dtype() != DType::kF32) {
-          return InvalidArgument("accumulate on the GPU adds f32, got {}", in[1].meta().ToString());
+        // out[0] holds the sum so far (in place); bf16 is added in f32 and rounded once.
+        if (in[1].dtype() == DType::kBF16) {
+          return Accumulate(static_cast<__nv_bfloat16*>(out[0].raw_data()),
+                            static_cast<const __nv_bfloat16*>(in[1].raw_data()), in[1].numel(),
+                            cuda.stream());
         }
-        // out[0] holds the sum so far (in place).
+        if (in[1].dtype() != DType::kF32) {
+          return InvalidArgument("accumulate on the GPU adds f32 or bf16, got {}",
+                                 in[1].meta().ToString());
+        }
         return Accumulate(F(out[0]), F(in[1]), in[1].numel(), cuda.stream());
       }));
   TESSERA_RETURN_IF_ERROR(Register(

@@ -19,6 +19,13 @@ __global__ void AccumulateKernel(float* sum, const float* x, int64_t n) {
   }
 }
 
+__global__ void AccumulateBf16Kernel(__nv_bfloat16* sum, const __nv_bfloat16* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    sum[i] = __float2bfloat16_rn(__bfloat162float(sum[i]) + __bfloat162float(x[i]));
+  }
+}
+
 // One thread: adds the scalars in order (as the CPU kernel does), in double.
 __global__ void SumScalarsKernel(float* out, ScalarPointers inputs, float scale) {
   double sum = 0;
@@ -47,6 +54,15 @@ Status Accumulate(float* sum, const float* x, int64_t n, cudaStream_t stream) {
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
   AccumulateKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status Accumulate(__nv_bfloat16* sum, const __nv_bfloat16* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return Status::Ok();
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  AccumulateBf16Kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
   TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }

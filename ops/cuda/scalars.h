@@ -13,6 +13,8 @@ namespace tessera::cuda {
 
 // sum[i] += x[i] (gradient accumulation over micro-batches).
 Status Accumulate(float* sum, const float* x, int64_t n, cudaStream_t stream);
+// sum += x in bf16: each element read as f32, added, rounded to nearest even once.
+Status Accumulate(__nv_bfloat16* sum, const __nv_bfloat16* x, int64_t n, cudaStream_t stream);
 
 // Device pointers to fp32 scalars, passed by value to the kernel.
 inline constexpr int kMaxScalarInputs = 256;

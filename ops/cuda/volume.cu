@@ -191,9 +191,10 @@ __global__ void ActivationBackwardKernel(VolumeActivation kind, T* dx, const T* 
 
 // ---- scaling by a device scalar ----
 
-__global__ void ScaleByScalarKernel(float* y, const float* x, const float* scale, int64_t n) {
+template <typename T>
+__global__ void ScaleByScalarKernel(T* y, const T* x, const float* scale, int64_t n) {
   const float s = *scale;
-  TESSERA_FOR_EACH(i, n) { y[i] = x[i] * s; }
+  TESSERA_FOR_EACH(i, n) { Store(y, i, Load(x, i) * s); }
 }
 
 // ---- channel bias ----
@@ -666,11 +667,20 @@ Status ActivationBackward(VolumeActivation kind, bf16* dx, const bf16* dy, const
   return ActivationBackwardT(kind, dx, dy, x, n, stream);
 }
 
-Status ScaleByScalar(float* y, const float* x, const float* scale, int64_t n, cudaStream_t stream) {
+namespace {
+template <typename T>
+Status ScaleByScalarT(T* y, const T* x, const float* scale, int64_t n, cudaStream_t stream) {
   if (n < 1) return Status::Ok();
   ScaleByScalarKernel<<<detail::GridSize(n, kBlock), kBlock, 0, stream>>>(y, x, scale, n);
   TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
+}
+}  // namespace
+Status ScaleByScalar(float* y, const float* x, const float* scale, int64_t n, cudaStream_t stream) {
+  return ScaleByScalarT(y, x, scale, n, stream);
+}
+Status ScaleByScalar(bf16* y, const bf16* x, const float* scale, int64_t n, cudaStream_t stream) {
+  return ScaleByScalarT(y, x, scale, n, stream);
 }
 Status ChannelBiasAdd(float* y, const float* x, const float* bias, int64_t batch, int64_t channels,
                       int64_t spatial, cudaStream_t stream) {

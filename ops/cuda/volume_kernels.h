@@ -68,6 +68,7 @@ Status ActivationBackward(VolumeActivation kind, bf16* dx, const bf16* dy, const
 
 // ---- a loss's gradient: y = x * (*scale), scale a device scalar (loss_gradient) ----
 Status ScaleByScalar(float* y, const float* x, const float* scale, int64_t n, cudaStream_t stream);
+Status ScaleByScalar(bf16* y, const bf16* x, const float* scale, int64_t n, cudaStream_t stream);
 
 // ---- channel bias: y[n, c, s] = x[n, c, s] + bias[c] (y may be x); its gradient ----
 Status ChannelBiasAdd(float* y, const float* x, const float* bias, int64_t batch, int64_t channels,

@@ -332,8 +332,27 @@ Status RegisterTheRest(OpRegistry& r) {
   TESSERA_RETURN_IF_ERROR(RegisterVolume(
       r, "loss_gradient",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {
-        return ScaleByScalar(F(out[0]), F(in[1]), F(in[0]), in[1].numel(), cuda.stream());
+        TESSERA_RETURN_IF_ERROR(CheckActivations({&in[1], &out[0]}, "loss_gradient"));
+        return IsBf16(in[1])
+                   ? ScaleByScalar(B(out[0]), B(in[1]), F(in[0]), in[1].numel(), cuda.stream())
+                   : ScaleByScalar(F(out[0]), F(in[1]), F(in[0]), in[1].numel(), cuda.stream());
       }));
+  // cast_forward and cast_backward (in: dy, x, read for its type only): f32 <-> bf16.
+  const VolumeKernelFn cast = [](CudaContext& cuda, const Tensors& in, const Tensors& out,
+                                 const Attrs&) -> Status {
+    TESSERA_RETURN_IF_ERROR(CheckActivations({&in[0]}, "cast"));
+    TESSERA_RETURN_IF_ERROR(CheckActivations({&out[0]}, "cast"));
+    if (in[0].dtype() == out[0].dtype()) {
+      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out[0].raw_data(), in[0].raw_data(),
+                                                   static_cast<size_t>(in[0].bytes()),
+                                                   cudaMemcpyDeviceToDevice, cuda.stream()));
+      return Status::Ok();
+    }
+    return IsBf16(out[0]) ? CastF32ToBf16(B(out[0]), F(in[0]), in[0].numel(), cuda.stream())
+                          : CastBf16ToF32(F(out[0]), B(in[0]), in[0].numel(), cuda.stream());
+  };
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(r, "cast_forward", cast));
+  TESSERA_RETURN_IF_ERROR(RegisterVolume(r, "cast_backward", cast));
   TESSERA_RETURN_IF_ERROR(RegisterVolume(
       r, "channel_bias_add_forward",
       [](CudaContext& cuda, const Tensors& in, const Tensors& out, const Attrs&) {

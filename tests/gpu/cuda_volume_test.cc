@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>  // before gpu_test_util.h: cudaMalloc(T**) for its DeviceBuffer
 #include <gtest/gtest.h>
 
+#include "core/half.h"
 #include "data/volumes.h"
 #include "gpu/gpu_test_util.h"
 #include "model/unet3d.h"
@@ -422,6 +423,46 @@ class CudaVolumeOpsTest : public ::testing::Test {
     return host;
   }
 
+  // The op on bf16 activations (the inputs `activations` names, rounded to bf16) on the GPU
+  // against the CPU's bf16 path (f32 math on the same values, outputs rounded alike): within
+  // `tolerance` relative for every output, each output of the same type on both sides.
+  void ExpectSameAsCpuInBf16(const std::string& op, std::vector<Tensor> inputs,
+                             const std::vector<size_t>& activations, const Attrs& attrs,
+                             double tolerance) {
+    SCOPED_TRACE(op + " in bf16");
+    for (size_t i : activations) inputs[i] = AsBf16(inputs[i]);
+    ASSERT_OK_AND_ASSIGN(std::vector<Tensor> gpu, OnGpu(op, inputs, attrs));
+    ASSERT_OK_AND_ASSIGN(std::vector<Tensor> cpu, RunKernel(op, inputs, attrs));
+    ASSERT_EQ(gpu.size(), cpu.size());
+    int bf16_outputs = 0;
+    for (size_t j = 0; j < cpu.size(); ++j) {
+      SCOPED_TRACE(j);
+      ASSERT_EQ(gpu[j].dtype(), cpu[j].dtype());
+      bf16_outputs += cpu[j].dtype() == DType::kBF16;
+      EXPECT_LT(RelativeError(Values(gpu[j]), Values(cpu[j])), tolerance);
+    }
+    EXPECT_GT(bf16_outputs, 0);
+  }
+
+  // `t`'s values rounded to bf16, as a bf16 host tensor.
+  static Tensor AsBf16(const Tensor& t) {
+    Tensor out =
+        Tensor::Empty(TensorMeta{t.shape(), DType::kBF16, Device::Cpu()}, testing::TestAllocator())
+            .value();
+    auto* bits = static_cast<uint16_t*>(out.raw_data());
+    for (int64_t i = 0; i < t.numel(); ++i) bits[i] = FloatToBf16(t.data<float>()[i]);
+    return out;
+  }
+
+  // A host tensor's values as floats (f32 or bf16).
+  static std::vector<float> Values(const Tensor& t) {
+    if (t.dtype() != DType::kBF16) return ToVector(t);
+    std::vector<float> values(static_cast<size_t>(t.numel()));
+    const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+    for (size_t i = 0; i < values.size(); ++i) values[i] = Bf16ToFloat(bits[i]);
+    return values;
+  }
+
   void ExpectSameAsCpu(const std::string& op, const std::vector<Tensor>& inputs, const Attrs& attrs,
                        double tolerance) {
     SCOPED_TRACE(op);
@@ -497,16 +538,48 @@ TEST_F(CudaVolumeOpsTest, TheRegisteredKernelsMatchTheCpuOnes) {
   EXPECT_NE(refused.message().find("outside [0, 3)"), std::string::npos) << refused.ToString();
 }
 
-// Ten steps of the tiny 3D U-Net on the GPU (its layer programs running the volume ops' CUDA
-// kernels and cuDNN's convolutions, f32) follow the CPU's losses. Tolerance: fp32 sums in other
-// orders (cuDNN's algorithms, block trees) compound over ten AdamW steps; 1e-4 relative.
-TEST(CudaUNetTest, TenStepsFollowTheCpuLosses) {
-  TESSERA_REQUIRE_GPU();
-  const UNet3dConfig config = *UNet3dConfig::Preset("small");
+// The registered kernels on bf16 activations against the CPU's bf16 path (ops/volume_ops.h: f32
+// math on the bf16 values, each activation output rounded to bf16), which the U-Net's bf16 run
+// on the CPU uses: the GPU's bf16 steps are checked against it.
+TEST_F(CudaVolumeOpsTest, TheRegisteredKernelsInBf16MatchTheCpusBf16Path) {
+  const Tensor x = RandomTensor({2, 3, 6, 5, 4}, 1);
+  const Tensor w = RandomTensor({4, 3, 3, 3, 3}, 2, 0.3f), b = RandomTensor({4}, 3);
+  const Tensor dy = RandomTensor({2, 4, 6, 5, 4}, 4);
+  const Attrs conv{{"padding", int64_t{1}}};
+  ExpectSameAsCpuInBf16("conv3d_forward", {x, w, b}, {0}, conv, kBf16ConvTolerance);
+  ExpectSameAsCpuInBf16("conv3d_backward", {dy, x, w}, {0, 1}, conv, kBf16ConvTolerance);
+  const Tensor small = RandomTensor({2, 4, 3, 3, 2}, 5);
+  const Tensor tw = RandomTensor({4, 3, 2, 2, 2}, 6, 0.3f), tb = RandomTensor({3}, 7);
+  const Attrs up{{"stride", int64_t{2}}};
+  ExpectSameAsCpuInBf16("conv_transpose3d_forward", {small, tw, tb}, {0}, up, kBf16ConvTolerance);
+  const Tensor gw = RandomTensor({3}, 9), gb = RandomTensor({3}, 10);
+  const Attrs instance{{"groups", int64_t{3}}};
+  ExpectSameAsCpuInBf16("group_norm_forward", {x, gw, gb}, {0}, instance, kBf16Tolerance);
+  ExpectSameAsCpuInBf16("leaky_relu_forward", {x}, {0}, {}, kBf16Tolerance);
+  ExpectSameAsCpuInBf16("concat_forward", {x, RandomTensor({2, 2, 6, 5, 4}, 14)}, {0, 1}, {},
+                        kBf16Tolerance);
+  const Tensor logits = RandomTensor({2, 3, 6, 5, 4}, 15, 3.0f);
+  const Tensor targets = RandomTokens(Shape{2, 6, 5, 4}, 3, 16);
+  ExpectSameAsCpuInBf16("voxel_cross_entropy", {logits, targets}, {0}, {}, kBf16Tolerance);
+  ExpectSameAsCpuInBf16("loss_gradient", {testing::ScalarTensor(0.75f), logits}, {1}, {},
+                        kBf16Tolerance);
+  ExpectSameAsCpuInBf16("cast_forward", {x}, {}, {{"dtype", std::string("bf16")}}, kBf16Tolerance);
+}
+
+// Ten steps of a 3D U-Net on the GPU (its layer programs running the volume ops' CUDA kernels
+// and cuDNN's convolutions) in `activations` (UNet3dConfig::activations); the losses of each
+// step, on the GPU and, for `also_cpu`, on the CPU.
+struct UNetLosses {
+  std::vector<float> gpu, cpu;
+};
+Result<UNetLosses> TenUNetSteps(DType activations, bool also_cpu) {
+  UNet3dConfig config = *UNet3dConfig::Preset("small");
+  config.activations = activations;
   const int64_t v = config.volume;
   std::vector<std::vector<Tensor>> batches;
   for (int step = 0; step < 10; ++step) {
-    ASSERT_OK_AND_ASSIGN(VolumeBatch made, GenerateVolumes(2, v, config.in_channels, 40 + step));
+    TESSERA_ASSIGN_OR_RETURN(VolumeBatch made,
+                             GenerateVolumes(2, v, config.in_channels, 40 + step));
     batches.push_back({testing::FloatTensor(Shape{2, config.in_channels, v, v, v}, made.volumes),
                        testing::IntTensor(Shape{2, v, v, v}, made.labels)});
   }
@@ -529,11 +602,37 @@ TEST(CudaUNetTest, TenStepsFollowTheCpuLosses) {
     }
     return losses;
   };
-  ASSERT_OK_AND_ASSIGN(std::vector<float> on_cpu, train(false));
-  ASSERT_OK_AND_ASSIGN(std::vector<float> on_gpu, train(true));
-  for (size_t i = 0; i < on_cpu.size(); ++i) {
-    std::printf("step %zu: cpu %.7f gpu %.7f\n", i + 1, on_cpu[i], on_gpu[i]);
-    EXPECT_NEAR(on_gpu[i], on_cpu[i], 1e-4 * std::abs(on_cpu[i])) << "step " << i + 1;
+  UNetLosses losses;
+  TESSERA_ASSIGN_OR_RETURN(losses.gpu, train(true));
+  if (also_cpu) {
+    TESSERA_ASSIGN_OR_RETURN(losses.cpu, train(false));
+  }
+  return losses;
+}
+
+// f32: the CPU's losses within 1e-4 relative (fp32 sums in other orders, cuDNN's algorithms and
+// block trees, compound over ten AdamW steps).
+TEST(CudaUNetTest, TenStepsFollowTheCpuLosses) {
+  TESSERA_REQUIRE_GPU();
+  ASSERT_OK_AND_ASSIGN(UNetLosses f32, TenUNetSteps(DType::kF32, /*also_cpu=*/true));
+  for (size_t i = 0; i < f32.cpu.size(); ++i) {
+    std::printf("step %zu: cpu %.7f gpu %.7f\n", i + 1, f32.cpu[i], f32.gpu[i]);
+    EXPECT_NEAR(f32.gpu[i], f32.cpu[i], 1e-4 * std::abs(f32.cpu[i])) << "step " << i + 1;
+  }
+}
+
+// bf16 activations (what --device cuda trains in): within bf16's tolerance of the CPU's f32
+// losses (1%: 8 mantissa bits, 0.4% a rounding, over ten steps) and closer to the CPU's own bf16
+// path (0.5%: the same roundings but where fp32 sums in another order cross a bf16 boundary).
+TEST(CudaUNetTest, TenStepsInBf16FollowTheCpuLossesWithinBf16Tolerance) {
+  TESSERA_REQUIRE_GPU();
+  ASSERT_OK_AND_ASSIGN(UNetLosses f32, TenUNetSteps(DType::kF32, /*also_cpu=*/true));
+  ASSERT_OK_AND_ASSIGN(UNetLosses mixed, TenUNetSteps(DType::kBF16, /*also_cpu=*/true));
+  for (size_t i = 0; i < f32.cpu.size(); ++i) {
+    std::printf("step %zu: cpu f32 %.7f cpu bf16 %.7f gpu bf16 %.7f\n", i + 1, f32.cpu[i],
+                mixed.cpu[i], mixed.gpu[i]);
+    EXPECT_NEAR(mixed.gpu[i], f32.cpu[i], 1e-2 * std::abs(f32.cpu[i])) << "step " << i + 1;
+    EXPECT_NEAR(mixed.gpu[i], mixed.cpu[i], 5e-3 * std::abs(mixed.cpu[i])) << "step " << i + 1;
   }
 }
 

@@ -39,6 +39,11 @@ constexpr int kSteps = 20;
 constexpr int64_t kBatch = 4;
 
 UNet3dConfig Tiny() { return *UNet3dConfig::Preset("tiny"); }
+UNet3dConfig TinyBf16() {
+  UNet3dConfig config = Tiny();
+  config.activations = DType::kBF16;
+  return config;
+}
 
 std::vector<Tensor> Batch(int step) {
   const UNet3dConfig c = Tiny();
@@ -92,8 +97,9 @@ class UNet3dPlansTest : public ::testing::Test {
     reference_ = nullptr;
   }
 
-  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
-    TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildUNet3d(Tiny(), CpuRegistry()));
+  static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan,
+                                                      const UNet3dConfig& config = Tiny()) {
+    TESSERA_ASSIGN_OR_RETURN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
     TESSERA_ASSIGN_OR_RETURN(auto backend, MakeClusterBackend(*cluster_));
     return Trainer::Create(std::move(model), plan, std::move(backend));
   }
@@ -140,6 +146,76 @@ TEST_F(UNet3dPlansTest, HalfAndAQuarterOfItsActivationsUnderZero3MatchOneWorker)
     ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
     testing::ExpectSameRun(run, *reference_, what);
     ExpectActivationPeaksAsPredicted(*trainer, run, 0.03, 0);
+  }
+}
+
+// bf16 activations (mixed precision, as on a GPU; on the CPU each op computes in f32 and rounds
+// its activation outputs as the GPU's kernels do): every activation between layers is bf16 and
+// every parameter f32; the 20 steps stay within bf16's tolerance of the f32 run (each loss
+// within 1%; bf16 keeps 8 bits of mantissa, 0.4% a rounding); the memory model predicts each
+// worker's activation peak (about half of f32's); and data parallelism under ZeRO-2 and two
+// tensor ranks train the bf16 one-worker run (their sums in another order move a bf16
+// rounding now and then: within 0.1%).
+TEST_F(UNet3dPlansTest, Bf16ActivationsTrainWithinBf16ToleranceOfF32OnEveryPlan) {
+  ASSERT_NE(reference_, nullptr);
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(TinyBf16(), CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(auto alone, Trainer::Create(model, Plan(1, 0), ExecutorOptions{}));
+  int64_t bf16_objects = 0;
+  for (const ObjectSpec& object : alone->step_graph().graph.objects()) {
+    if (object.role == ObjectRole::kParameter || object.role == ObjectRole::kGradient ||
+        object.role == ObjectRole::kOptimizerState) {
+      EXPECT_EQ(object.meta.dtype, DType::kF32) << object.name;
+    }
+    bf16_objects += object.meta.dtype == DType::kBF16;
+  }
+  EXPECT_GT(bf16_objects, 10);
+  ASSERT_OK_AND_ASSIGN(TrainingRun bf16, Train(*alone));
+  ASSERT_EQ(bf16.losses.size(), reference_->losses.size());
+  double worst = 0;
+  for (size_t i = 0; i < bf16.losses.size(); ++i) {
+    const double f32 = reference_->losses[i];
+    worst = std::max(worst, std::abs(bf16.losses[i] - f32) / f32);
+    EXPECT_NEAR(bf16.losses[i], f32, 1e-2 * f32) << "step " << i + 1;
+  }
+  EXPECT_GT(worst, 0) << "bf16 activations gave the f32 losses bit for bit: were they used?";
+  EXPECT_LT(bf16.losses.back(), 0.9 * bf16.losses.front());
+  std::printf(
+      "[ bf16 ] 20 steps, worst loss difference from f32 %.3g relative; final %.6f "
+      "(f32 %.6f)\n",
+      worst, bf16.losses.back(), reference_->losses.back());
+
+  ASSERT_OK_AND_ASSIGN(ModelSpec f32_model, BuildUNet3d(Tiny(), CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(auto f32_alone, Trainer::Create(f32_model, Plan(1, 0), ExecutorOptions{}));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile f32_profile, PredictMemory(f32_alone->step_graph().graph));
+  ASSERT_OK_AND_ASSIGN(MemoryProfile bf16_profile, PredictMemory(alone->step_graph().graph));
+  const auto activations = [](const MemoryProfile& profile) {
+    return static_cast<double>(
+        profile.workers.at(0).role_peaks[static_cast<size_t>(ObjectRole::kActivation)]);
+  };
+  const double ratio = activations(bf16_profile) / activations(f32_profile);
+  EXPECT_GT(ratio, 0.45);
+  EXPECT_LT(ratio, 0.6);
+  std::printf("[ bf16 ] predicted activation peak %.0f bytes, f32 %.0f (%.3fx)\n",
+              activations(bf16_profile), activations(f32_profile), ratio);
+
+  for (const TrainingPlan& plan : {Plan(2, 2), TensorPlan(1, 2, 0)}) {
+    const std::string what = "bf16 " + plan.parallel.ToString();
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan, TinyBf16()));
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    ASSERT_EQ(run.losses.size(), bf16.losses.size());
+    double plan_worst = 0;
+    for (size_t i = 0; i < run.losses.size(); ++i) {
+      EXPECT_NEAR(run.losses[i], bf16.losses[i], 1e-3 * bf16.losses[i])
+          << what << " step " << i + 1;
+      plan_worst =
+          std::max<double>(plan_worst, std::abs(run.losses[i] - bf16.losses[i]) / bf16.losses[i]);
+    }
+    std::printf("[ %s ] worst loss difference from one bf16 worker %.3g relative\n", what.c_str(),
+                plan_worst);
+    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    for (const RankFigures& rank : run.reports.back().ranks) {
+      ExpectActivationPeakAsPredicted(profile, rank, what);
+    }
   }
 }
 

@@ -187,9 +187,11 @@ void ExpectEveryUNetOpHasAGpuKernel(const OpRegistry& registry, const UNet3dConf
   }
 }
 
-// The 3D U-Net (the model API: layer programs of volume ops) on a GPU, alone and under ZeRO-2:
-// every task has a kernel for its device, and so does every op its layer programs run, forward
-// and backward (the volume ops' CUDA kernels, ops/cuda/volume_kernels.h).
+// The 3D U-Net (the model API: layer programs of volume ops) on a GPU, alone and under ZeRO-2,
+// in f32 and in bf16 activations (what --device cuda trains in: the volume cast, gradients of
+// bf16 activations summed in bf16): every task has a kernel for its device, and so does every op
+// its layer programs run, forward and backward (the volume ops' CUDA kernels,
+// ops/cuda/volume_kernels.h).
 TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
   ASSERT_OK_AND_ASSIGN(OpRegistry registry, MakeCpuOpRegistry());
   const Status gpu = AddGpuKernels(registry);
@@ -197,9 +199,12 @@ TEST(GpuPlanTest, EveryUNetTaskAndEveryOpItsLayersRunHaveAGpuKernel) {
   ASSERT_OK_AND_ASSIGN(UNet3dConfig small, UNet3dConfig::Preset("small"));
   // Deep supervision's loss adds the levels' terms (add_forward) and samples labels down.
   const UNet3dConfig deep{.base_channels = 4, .depth = 3, .volume = 16, .deep_supervision = true};
-  for (const UNet3dConfig& config : {small, deep}) {
-    SCOPED_TRACE(config.ToString());
-    ExpectEveryUNetOpHasAGpuKernel(registry, config);
+  for (UNet3dConfig config : {small, deep}) {
+    for (const DType activations : {DType::kF32, DType::kBF16}) {
+      config.activations = activations;
+      SCOPED_TRACE(config.ToString() + " " + std::string(DTypeName(activations)));
+      ExpectEveryUNetOpHasAGpuKernel(registry, config);
+    }
   }
 }
 

@@ -94,6 +94,7 @@ TEST(UNet3dConfigTest, AWrongConfigIsRefusedNamingTheField) {
       {UNet3dConfig{.base_channels = 8, .groups = 4, .max_channels = 10},
        "groups (4) must divide max_channels (10)"},
       {UNet3dConfig{.depth = 2, .deep_supervision = true}, "deep supervision needs depth >= 3"},
+      {UNet3dConfig{.activations = DType::kI32}, "activations must be f32 or bf16, got i32"},
   };
   for (const Case& c : cases) {
     const Status status = c.config.Validate();
@@ -105,6 +106,26 @@ TEST(UNet3dConfigTest, AWrongConfigIsRefusedNamingTheField) {
     ASSERT_FALSE(built.ok());
     EXPECT_EQ(built.status().ToString(), status.ToString());
   }
+}
+
+// bf16 activations: the volume stays an f32 input and the first layer casts it; a split into
+// slabs (f32 only) is refused naming the fix, while a tensor-parallel split keeps bf16.
+TEST(UNet3dTest, Bf16ActivationsCastTheVolumeAndSlabsAreRefused) {
+  UNet3dConfig config = *UNet3dConfig::Preset("tiny");
+  config.activations = DType::kBF16;
+  EXPECT_EQ(config.ToString(), UNet3dConfig::Preset("tiny")->ToString());  // checkpoints alike
+  ASSERT_OK_AND_ASSIGN(ModelSpec model, BuildUNet3d(config, CpuRegistry()));
+  ASSERT_EQ(model.inputs.size(), 2u);
+  EXPECT_EQ(model.inputs[0].dtype, DType::kF32);
+  ASSERT_OK_AND_ASSIGN(ModelSpec f32_model,
+                       BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry()));
+  EXPECT_EQ(model.NumParameters(), f32_model.NumParameters());
+  Result<ModelSpec> slabs = model.SplitForSequenceParallel(2, SequenceAttention::kHalo);
+  ASSERT_FALSE(slabs.ok());
+  EXPECT_NE(slabs.status().message().find("use --activations f32 with --spatial-parallel"),
+            std::string::npos)
+      << slabs.status().ToString();
+  EXPECT_OK(model.SplitForTensorParallel(2).status());
 }
 
 TEST(UNet3dTest, TheTinyUNetBuildsInTopologicalOrderWithSkipConnections) {

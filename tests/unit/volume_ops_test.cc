@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "core/half.h"
 #include "op_gradient_check.h"
 #include "ops/cpu/volume_kernels.h"
 #include "ops/volume_ops.h"
@@ -824,6 +825,180 @@ TEST(VolumeOpsTest, ShapesAndCostsOfAUNetLevel) {
   }
 }
 
+// ---- bf16 activations ----
+
+// A zero tensor of `meta`.
+Tensor Zeros(const TensorMeta& meta) { return Tensor::Zeros(meta, TestAllocator()).value(); }
+
+// `values` rounded to bf16, as a bf16 tensor.
+Tensor Bf16Tensor(const Tensor& values) {
+  Tensor out = Zeros(TensorMeta{values.shape(), DType::kBF16, Device::Cpu()});
+  auto* bits = static_cast<uint16_t*>(out.raw_data());
+  for (int64_t i = 0; i < values.numel(); ++i) bits[i] = FloatToBf16(values.data<float>()[i]);
+  return out;
+}
+
+// `values` rounded to bf16, kept in an f32 tensor (what a bf16 tensor holds, exactly).
+Tensor RoundedToBf16(const Tensor& values) {
+  Tensor out = Zeros(values.meta());
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    out.data<float>()[i] = Bf16ToFloat(FloatToBf16(values.data<float>()[i]));
+  }
+  return out;
+}
+
+// A bf16 tensor's values.
+std::vector<float> Bf16Values(const Tensor& t) {
+  std::vector<float> values(static_cast<size_t>(t.numel()));
+  const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+  for (size_t i = 0; i < values.size(); ++i) values[i] = Bf16ToFloat(bits[i]);
+  return values;
+}
+
+// What the GPU's kernels do with bf16 activations (ops/volume_ops.h): read them into f32,
+// compute in f32, round each activation output to bf16. On the CPU each volume op on bf16
+// activations is exactly its f32 op on the same values with the activation outputs rounded;
+// parameter gradients, norm statistics, losses and scores come out f32 and equal the f32 op's.
+// (RunKernel also holds each kernel's scratch, the f32 copies included, to what the op
+// declares: the memory model's figure.)
+TEST(VolumeBf16Test, EachOpOnBf16ActivationsIsItsF32OpRounded) {
+  struct Case {
+    std::string op;
+    Tensors inputs;
+    std::set<size_t> activations;  // which inputs are activations (bf16 in the bf16 call)
+    Attrs attrs;
+  };
+  const Tensor x = RandomTensor({2, 4, 4, 3, 4}, 1, 2.0f);
+  const Tensor w = RandomTensor({3, 4, 3, 3, 3}, 2, 0.3f), b = RandomTensor({3}, 3);
+  const Tensor dy = RandomTensor({2, 3, 4, 3, 4}, 4);
+  const Tensor gamma = RandomTensor({4}, 5), beta = RandomTensor({4}, 6);
+  const Attrs padded = ConvAttrs(1, 1), groups{{"groups", int64_t{2}}};
+  const Tensor up_w = RandomTensor({4, 2, 2, 2, 2}, 7, 0.5f), up_b = RandomTensor({2}, 8);
+  ASSERT_OK_AND_ASSIGN(Tensors norm,
+                       RunKernel("group_norm_forward", {RoundedToBf16(x), gamma, beta}, groups));
+  const Tensor pooled = DistinctValues({2, 4, 4, 2, 4}, 9);
+  ASSERT_OK_AND_ASSIGN(Tensors pool, RunKernel("max_pool3d_forward", {RoundedToBf16(pooled)}));
+  const Tensor targets = RandomTokens({2, 4, 3, 4}, 3, 10);
+  const std::vector<Case> cases = {
+      {"conv3d_forward", {x, w, b}, {0}, padded},
+      {"conv3d_backward", {dy, x, w}, {0, 1}, padded},
+      {"conv3d_backward_input", {dy, x, w}, {0, 1}, padded},
+      {"conv3d_backward_weight", {dy, x, w}, {0, 1}, padded},
+      {"conv3d_no_bias_forward", {x, w}, {0}, padded},
+      {"conv3d_no_bias_backward", {dy, x, w}, {0, 1}, padded},
+      {"conv_transpose3d_forward", {x, up_w, up_b}, {0}, Attrs{{"stride", int64_t{2}}}},
+      {"channel_bias_add_forward", {dy, b}, {0}, {}},
+      {"channel_bias_add_backward", {dy}, {0}, {}},
+      {"upsample_nearest3d_forward", {x}, {0}, {}},
+      {"max_pool3d_forward", {pooled}, {0}, {}},
+      {"max_pool3d_backward", {pool[0], pooled, pool[1]}, {0, 1}, {}},
+      {"group_norm_forward", {x, gamma, beta}, {0}, groups},
+      {"group_norm_backward",
+       {RandomTensor(x.shape(), 11), x, gamma, norm[1], norm[2]},
+       {0, 1},
+       groups},
+      {"silu_forward", {x}, {0}, {}},
+      {"silu_backward", {RandomTensor(x.shape(), 12), x}, {0, 1}, {}},
+      {"leaky_relu_backward", {RandomTensor(x.shape(), 13), x}, {0, 1}, {}},
+      {"concat_forward", {x, dy}, {0, 1}, {}},
+      {"concat_backward", {RandomTensor({2, 7, 4, 3, 4}, 14), x}, {0, 1}, {}},
+      {"voxel_cross_entropy", {RandomTensor({2, 3, 4, 3, 4}, 15, 3.0f), targets}, {0}, {}},
+      {"dice_score", {RandomTensor({2, 3, 4, 3, 4}, 16, 3.0f), targets}, {0}, {}},
+      {"loss_gradient", {ScalarTensor(0.75f), dy}, {1}, {}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.op);
+    Tensors f32 = c.inputs, bf16 = c.inputs;
+    for (size_t i : c.activations) {
+      f32[i] = RoundedToBf16(c.inputs[i]);
+      bf16[i] = Bf16Tensor(c.inputs[i]);
+    }
+    ASSERT_OK_AND_ASSIGN(Tensors expected, RunKernel(c.op, f32, c.attrs));
+    ASSERT_OK_AND_ASSIGN(Tensors got, RunKernel(c.op, bf16, c.attrs));
+    ASSERT_EQ(got.size(), expected.size());
+    int rounded = 0;
+    for (size_t o = 0; o < got.size(); ++o) {
+      ASSERT_EQ(got[o].shape(), expected[o].shape()) << "output " << o;
+      if (got[o].dtype() == DType::kBF16) {
+        ++rounded;
+        EXPECT_EQ(Bf16Values(got[o]), ToVector(RoundedToBf16(expected[o]))) << "output " << o;
+      } else {
+        ASSERT_EQ(got[o].dtype(), expected[o].dtype()) << "output " << o;
+        EXPECT_EQ(std::memcmp(got[o].raw_data(), expected[o].raw_data(),
+                              static_cast<size_t>(got[o].bytes())),
+                  0)
+            << "output " << o;
+      }
+    }
+    // Every op with an activation output makes it bf16.
+    const bool has_activation_output = c.op != "dice_score" && c.op != "conv3d_backward_weight";
+    EXPECT_EQ(rounded > 0, has_activation_output);
+  }
+}
+
+// Activation outputs take the activations' type, the rest stay f32; mixed types, integer
+// activations and bf16 slabs are refused by name.
+TEST(VolumeBf16Test, OutputsTakeTheActivationsTypeAndMixedTypesAreRefused) {
+  const OpRegistry& r = CpuRegistry();
+  const TensorMeta x{Shape{1, 4, 4, 4, 4}, DType::kBF16, Device::Cpu()};
+  const TensorMeta w{Shape{2, 4, 3, 3, 3}, DType::kF32, Device::Cpu()};
+  const TensorMeta bias{Shape{2}, DType::kF32, Device::Cpu()};
+  const TensorMeta dy{Shape{1, 2, 4, 4, 4}, DType::kBF16, Device::Cpu()};
+  const auto dtypes = [](const std::vector<TensorMeta>& metas) {
+    std::vector<DType> out;
+    for (const TensorMeta& m : metas) out.push_back(m.dtype);
+    return out;
+  };
+  ASSERT_OK_AND_ASSIGN(auto conv, r.InferShapes("conv3d_forward", {x, w, bias}, ConvAttrs(1, 1)));
+  EXPECT_EQ(dtypes(conv), std::vector<DType>{DType::kBF16});
+  ASSERT_OK_AND_ASSIGN(auto grads, r.InferShapes("conv3d_backward", {dy, x, w}, ConvAttrs(1, 1)));
+  EXPECT_EQ(dtypes(grads), (std::vector<DType>{DType::kBF16, DType::kF32, DType::kF32}));
+  const TensorMeta gamma{Shape{4}, DType::kF32, Device::Cpu()};
+  ASSERT_OK_AND_ASSIGN(auto norm, r.InferShapes("group_norm_forward", {x, gamma, gamma},
+                                                Attrs{{"groups", int64_t{2}}}));
+  EXPECT_EQ(dtypes(norm), (std::vector<DType>{DType::kBF16, DType::kF32, DType::kF32}));
+  const TensorMeta labels{Shape{1, 4, 4, 4}, DType::kI32, Device::Cpu()};
+  ASSERT_OK_AND_ASSIGN(auto loss, r.InferShapes("voxel_cross_entropy", {x, labels}, {}));
+  EXPECT_EQ(dtypes(loss), (std::vector<DType>{DType::kF32, DType::kBF16}));
+
+  const auto expect_refused = [&r](const std::string& op, const std::vector<TensorMeta>& in,
+                                   const Attrs& attrs, const std::string& says) {
+    Result<std::vector<TensorMeta>> out = r.InferShapes(op, in, attrs);
+    ASSERT_FALSE(out.ok()) << op;
+    EXPECT_NE(out.status().message().find(says), std::string::npos)
+        << op << ": " << out.status().message();
+  };
+  const TensorMeta x32{x.shape, DType::kF32, Device::Cpu()};
+  expect_refused("concat_forward", {x, x32}, {}, "both must have one dtype");
+  expect_refused("conv3d_backward", {TensorMeta{dy.shape, DType::kF32, Device::Cpu()}, x, w},
+                 ConvAttrs(1, 1), "input 'dy'");
+  expect_refused("silu_forward", {TensorMeta{x.shape, DType::kI32, Device::Cpu()}}, {},
+                 "an activation must be f32 or bf16");
+  const TensorMeta plane{Shape{1, 4, 1, 4, 4}, DType::kBF16, Device::Cpu()};
+  expect_refused("halo_join_forward", {plane, x, plane}, {}, "f32");
+  expect_refused("cast_forward", {x32}, Attrs{{"dtype", std::string("f16")}}, "f32 or bf16");
+}
+
+// cast_forward rounds to nearest even (ties included), as the GPU's cast does; back to f32 is
+// exact; cast_backward gives dy in x's type.
+TEST(VolumeBf16Test, CastRoundsToNearestEvenAndBack) {
+  // 1 + 2^-8 lies halfway between two bf16 values (1 and 1 + 2^-7): ties go to the even, 1;
+  // 1 + 3 * 2^-8 goes up to 1 + 2^-6 (even); 1 + 2^-8 + 2^-12 is above the tie: up.
+  const std::vector<float> values = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-12f,
+                                     -2.5f, 0.0f};
+  const std::vector<float> rounded = {1.0f, 1.0f + 0x1p-6f, 1.0f + 0x1p-7f, -2.5f, 0.0f};
+  const Tensor x = FloatTensor({1, 1, 1, 1, 5}, values);
+  const Attrs to_bf16{{"dtype", std::string("bf16")}}, to_f32{{"dtype", std::string("f32")}};
+  ASSERT_OK_AND_ASSIGN(Tensors half, RunKernel("cast_forward", {x}, to_bf16));
+  ASSERT_EQ(half[0].dtype(), DType::kBF16);
+  ASSERT_OK_AND_ASSIGN(Tensors back, RunKernel("cast_forward", {half[0]}, to_f32));
+  ASSERT_EQ(back[0].dtype(), DType::kF32);
+  EXPECT_EQ(ToVector(back[0]), rounded);
+  ASSERT_OK_AND_ASSIGN(Tensors dx, RunKernel("cast_backward", {half[0], x}, to_bf16));
+  ASSERT_EQ(dx[0].dtype(), DType::kF32);
+  EXPECT_EQ(ToVector(dx[0]), rounded);
+}
+
 // ---- every op is defined, has a kernel, a rule where it is differentiable, and a test ----
 
 TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
@@ -864,6 +1039,8 @@ TEST(VolumeOpsTest, EveryVolumeOpHasAKernelARuleAndATest) {
                                         "leaky_relu_backward",
                                         "concat_forward",
                                         "concat_backward",
+                                        "cast_forward",
+                                        "cast_backward",
                                         "voxel_cross_entropy",
                                         "downsample_labels",
                                         "dice_score"};
