@@ -4,6 +4,7 @@
 // workspace that grows to the largest an algorithm asked for.
 #include "ops/cuda/volume_kernels.h"
 
+#include <array>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -73,6 +74,20 @@ class Descriptors {
     }
     if (s.padding < 0 || s.padding_d < 0) {
       return InvalidArgument("a volume convolution's padding must be >= 0");
+    }
+    // cuDNN's tensor descriptors take 32-bit strides: a tensor's elements must number fewer
+    // than 2^31 (a batch's stride would overflow otherwise).
+    for (const auto& [what, dims] :
+         {std::pair{"input", std::array{s.batch, s.in_channels, s.in_d, s.in_h, s.in_w}},
+          std::pair{"output", std::array{s.batch, s.out_channels, s.out_d, s.out_h, s.out_w}}}) {
+      double elements = 1;
+      for (const int64_t size : dims) elements *= static_cast<double>(size);
+      if (elements > static_cast<double>(INT32_MAX)) {
+        return InvalidArgument(
+            "a volume convolution's {} of {} x {} x {} x {} x {} holds {:.3g} elements, beyond "
+            "the 2^31 cuDNN's 32-bit strides address: use a smaller volume or batch",
+            what, dims[0], dims[1], dims[2], dims[3], dims[4], elements);
+      }
     }
     if (!Packed5d(x, type, s.batch, s.in_channels, s.in_d, s.in_h, s.in_w) ||
         !Packed5d(y, type, s.batch, s.out_channels, s.out_d, s.out_h, s.out_w)) {

@@ -286,6 +286,37 @@ TYPED_TEST(CudaVolumeTest, VoxelCrossEntropyAndDiceMatchTheCpu) {
   EXPECT_EQ(bad.Download()[0], 50);
 }
 
+// A volume beyond cuDNN's 32-bit strides (32 channels of 448^3: 2.9e9 elements) is refused by
+// name before any memory is touched, in each direction (the strides overflowed before).
+TEST(CudaVolumeConvTest, ATensorBeyond2To31ElementsIsRefusedNamingIt) {
+  Result<std::unique_ptr<cuda::CudnnConvolutions>> made = cuda::CudnnConvolutions::Create(nullptr);
+  if (!made.ok()) GTEST_SKIP() << made.status().ToString();
+  const cuda::VolumeConvShape s{.batch = 1,
+                                .in_channels = 32,
+                                .in_d = 448,
+                                .in_h = 448,
+                                .in_w = 448,
+                                .out_channels = 32,
+                                .out_d = 448,
+                                .out_h = 448,
+                                .out_w = 448,
+                                .kd = 3,
+                                .kh = 3,
+                                .kw = 3,
+                                .stride = 1,
+                                .padding = 1,
+                                .padding_d = 1};
+  for (const Status& status :
+       {(*made)->Forward(static_cast<bf16*>(nullptr), nullptr, nullptr, s),
+        (*made)->BackwardData(static_cast<bf16*>(nullptr), nullptr, nullptr, s),
+        (*made)->BackwardFilter(static_cast<bf16*>(nullptr), nullptr, nullptr, s)}) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+    EXPECT_NE(status.message().find("beyond the 2^31 cuDNN's 32-bit strides address"),
+              std::string::npos)
+        << status.ToString();
+  }
+}
+
 // cuDNN's convolutions: conv3d forward and its two gradients at stride 1 (kernel 3, padding 1) and
 // stride 2 (nnU-Net's downsampling), and the transposed convolution (kernel 2, stride 2) as a
 // backward-data call with the roles swapped.

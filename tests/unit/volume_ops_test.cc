@@ -945,8 +945,9 @@ TEST(VolumeBf16Test, OutputsTakeTheActivationsTypeAndMixedTypesAreRefused) {
   const TensorMeta bias{Shape{2}, DType::kF32, Device::Cpu()};
   const TensorMeta dy{Shape{1, 2, 4, 4, 4}, DType::kBF16, Device::Cpu()};
   const auto dtypes = [](const std::vector<TensorMeta>& metas) {
-    std::vector<DType> out;
-    for (const TensorMeta& m : metas) out.push_back(m.dtype);
+    std::vector<DType> out(metas.size());
+    std::transform(metas.begin(), metas.end(), out.begin(),
+                   [](const TensorMeta& m) { return m.dtype; });
     return out;
   };
   ASSERT_OK_AND_ASSIGN(auto conv, r.InferShapes("conv3d_forward", {x, w, bias}, ConvAttrs(1, 1)));
