@@ -12,18 +12,28 @@ namespace tessera::cuda {
 
 namespace {
 
-__global__ void AccumulateKernel(float* sum, const float* x, int64_t n) {
+__device__ __forceinline__ float AsFloat(float v) { return v; }
+__device__ __forceinline__ float AsFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void StoreAs(float* p, float v) { *p = v; }
+__device__ __forceinline__ void StoreAs(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// sum += x, in f32 (bf16: read as f32, added, rounded once).
+template <typename T>
+__global__ void AccumulateKernel(T* sum, const T* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    sum[i] += x[i];
+    StoreAs(sum + i, AsFloat(sum[i]) + AsFloat(x[i]));
   }
 }
 
-__global__ void AccumulateBf16Kernel(__nv_bfloat16* sum, const __nv_bfloat16* x, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    sum[i] = __float2bfloat16_rn(__bfloat162float(sum[i]) + __bfloat162float(x[i]));
-  }
+template <typename T>
+Status AccumulateT(T* sum, const T* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return Status::Ok();
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  AccumulateKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
 }
 
 // One thread: adds the scalars in order (as the CPU kernel does), in double.
@@ -50,21 +60,11 @@ __global__ void CastRowsKernel(float* out, const __nv_bfloat16* in, int64_t rows
 // ---- launchers ----
 
 Status Accumulate(float* sum, const float* x, int64_t n, cudaStream_t stream) {
-  if (n == 0) return Status::Ok();
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
-  AccumulateKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
-  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return Status::Ok();
+  return AccumulateT(sum, x, n, stream);
 }
 
 Status Accumulate(__nv_bfloat16* sum, const __nv_bfloat16* x, int64_t n, cudaStream_t stream) {
-  if (n == 0) return Status::Ok();
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
-  AccumulateBf16Kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sum, x, n);
-  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return Status::Ok();
+  return AccumulateT(sum, x, n, stream);
 }
 
 Status SumScalars(float* out, const ScalarPointers& inputs, float scale, cudaStream_t stream) {
