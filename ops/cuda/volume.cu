@@ -799,4 +799,76 @@ Status DiceScore(float* score, unsigned long long* counts, int32_t* bad_index,  
 }
 int64_t DiceScoreCounts(int64_t classes) { return 3 * classes; }
 
+// ---- depth windows: the convolutions' split along D (volume_conv.cc) ----
+
+namespace {
+
+// dst [rows, depth, plane] = planes first .. first + depth - 1 of src [rows, src_depth, plane],
+// zeros for planes outside [0, src_depth).
+template <typename T>
+__global__ void CopyDepthWindowKernel(T* dst, const T* src, int64_t rows, int64_t src_depth,
+                                      int64_t plane, int64_t first, int64_t depth) {
+  TESSERA_FOR_EACH(i, rows * depth * plane) {
+    const int64_t p = i % plane, j = (i / plane) % depth, r = i / (plane * depth);
+    const int64_t d = first + j;
+    Store(dst, i, d >= 0 && d < src_depth ? Load(src, (r * src_depth + d) * plane + p) : 0.0f);
+  }
+}
+
+// Planes first .. first + depth - 1 of dst [rows, dst_depth, plane] (those inside it) set to
+// (`add`: increased by) src [rows, depth, plane]'s.
+template <typename T>
+__global__ void PlaceDepthWindowKernel(T* dst, const T* src, int64_t rows, int64_t dst_depth,
+                                       int64_t plane, int64_t first, int64_t depth, bool add) {
+  TESSERA_FOR_EACH(i, rows * depth * plane) {
+    const int64_t p = i % plane, j = (i / plane) % depth, r = i / (plane * depth);
+    const int64_t d = first + j;
+    if (d < 0 || d >= dst_depth) continue;
+    const int64_t at = (r * dst_depth + d) * plane + p;
+    Store(dst, at, add ? Load(dst, at) + Load(src, i) : Load(src, i));
+  }
+}
+
+template <typename T>
+Status CopyDepthWindowT(T* dst, const T* src, int64_t rows, int64_t src_depth, int64_t plane,
+                        int64_t first, int64_t depth, cudaStream_t stream) {
+  const int64_t n = rows * depth * plane;
+  if (n < 1) return Status::Ok();
+  CopyDepthWindowKernel<<<detail::GridSize(n, kBlock), kBlock, 0, stream>>>(
+      dst, src, rows, src_depth, plane, first, depth);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename T>
+Status PlaceDepthWindowT(T* dst, const T* src, int64_t rows, int64_t dst_depth, int64_t plane,
+                         int64_t first, int64_t depth, bool add, cudaStream_t stream) {
+  const int64_t n = rows * depth * plane;
+  if (n < 1) return Status::Ok();
+  PlaceDepthWindowKernel<<<detail::GridSize(n, kBlock), kBlock, 0, stream>>>(
+      dst, src, rows, dst_depth, plane, first, depth, add);
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CopyDepthWindow(float* dst, const float* src, int64_t rows, int64_t src_depth, int64_t plane,
+                       int64_t first, int64_t depth, cudaStream_t stream) {
+  return CopyDepthWindowT(dst, src, rows, src_depth, plane, first, depth, stream);
+}
+Status CopyDepthWindow(bf16* dst, const bf16* src, int64_t rows, int64_t src_depth, int64_t plane,
+                       int64_t first, int64_t depth, cudaStream_t stream) {
+  return CopyDepthWindowT(dst, src, rows, src_depth, plane, first, depth, stream);
+}
+Status PlaceDepthWindow(float* dst, const float* src, int64_t rows, int64_t dst_depth,
+                        int64_t plane, int64_t first, int64_t depth, bool add,
+                        cudaStream_t stream) {
+  return PlaceDepthWindowT(dst, src, rows, dst_depth, plane, first, depth, add, stream);
+}
+Status PlaceDepthWindow(bf16* dst, const bf16* src, int64_t rows, int64_t dst_depth, int64_t plane,
+                        int64_t first, int64_t depth, bool add, cudaStream_t stream) {
+  return PlaceDepthWindowT(dst, src, rows, dst_depth, plane, first, depth, add, stream);
+}
+
 }  // namespace tessera::cuda

@@ -4,7 +4,9 @@
 // workspace that grows to the largest an algorithm asked for.
 #include "ops/cuda/volume_kernels.h"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -144,10 +146,66 @@ Result<Perf> Choose(const std::vector<Perf>& ranked, int returned, cudnnDataType
   return Unavailable("cuDNN offers no deterministic algorithm for this {}", what);
 }
 
+// A stream-ordered device allocation, freed (stream-ordered) when it goes.
+class StreamBuffer {
+ public:
+  StreamBuffer() = default;
+  StreamBuffer(void* data, cudaStream_t stream) : data_(data), stream_(stream) {}
+  ~StreamBuffer() {
+    if (data_ != nullptr) cudaFreeAsync(data_, stream_);
+  }
+  StreamBuffer(StreamBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), stream_(other.stream_) {}
+  StreamBuffer& operator=(StreamBuffer&&) = delete;
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+
+  template <typename T>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+// The split of a convolution along D (CudnnConvolutions): chunks of `planes` output planes, each
+// reading a window of input planes (its depth padding explicit) as a convolution of its own.
+struct DepthSplit {
+  struct Chunk {
+    int64_t first_out = 0, outs = 0;   // output planes [first_out, first_out + outs)
+    int64_t first_in = 0, window = 0;  // the input planes they read (some maybe padding)
+    VolumeConvShape shape;             // the chunk's convolution: the window to the chunk
+  };
+
+  const VolumeConvShape& s;
+  int64_t planes = 1;
+
+  Chunk At(int64_t first_out) const {
+    Chunk c;
+    c.first_out = first_out;
+    c.outs = std::min(planes, s.out_d - first_out);
+    c.first_in = first_out * s.stride - s.padding_d;
+    c.window = (c.outs - 1) * s.stride + s.kd;
+    c.shape = s;
+    c.shape.in_d = c.window;
+    c.shape.out_d = c.outs;
+    c.shape.padding_d = 0;
+    return c;
+  }
+  int64_t InRows() const { return s.batch * s.in_channels; }
+  int64_t OutRows() const { return s.batch * s.out_channels; }
+  int64_t InPlane() const { return s.in_h * s.in_w; }
+  int64_t OutPlane() const { return s.out_h * s.out_w; }
+  int64_t WindowElements() const { return InRows() * ((planes - 1) * s.stride + s.kd) * InPlane(); }
+  int64_t ChunkElements() const { return OutRows() * planes * OutPlane(); }
+};
+
 class CudnnConvolutionsImpl final : public CudnnConvolutions {
  public:
-  CudnnConvolutionsImpl(cudnnHandle_t handle, cudaStream_t stream)
-      : handle_(handle), stream_(stream) {}
+  CudnnConvolutionsImpl(cudnnHandle_t handle, cudaStream_t stream, int64_t max_elements)
+      : handle_(handle), stream_(stream), max_elements_(max_elements) {}
   ~CudnnConvolutionsImpl() override {
     if (workspace_ != nullptr) {
       cudaStreamSynchronize(stream_);
@@ -216,8 +274,110 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
     return std::pair{chosen.algo, bytes};
   }
 
+  // ---- the split along D ----
+
+  static double Elements(int64_t n, int64_t c, int64_t d, int64_t h, int64_t w) {
+    return static_cast<double>(n) * static_cast<double>(c) * static_cast<double>(d) *
+           static_cast<double>(h) * static_cast<double>(w);
+  }
+  // Whether one call takes the convolution (its input and output within the limit).
+  bool OneCall(const VolumeConvShape& s) const {
+    const auto limit = static_cast<double>(max_elements_);
+    return Elements(s.batch, s.in_channels, s.in_d, s.in_h, s.in_w) <= limit &&
+           Elements(s.batch, s.out_channels, s.out_d, s.out_h, s.out_w) <= limit;
+  }
+  // The split: the most output planes a chunk whose window and output each hold at most
+  // min(max_elements_, 2^28) elements; InvalidArgument when not one plane fits.
+  Result<DepthSplit> Split(const VolumeConvShape& s) const {
+    const double limit = std::min<double>(static_cast<double>(max_elements_), 268435456.0);
+    const double in_plane = Elements(s.batch, s.in_channels, 1, s.in_h, s.in_w);
+    const double out_plane = Elements(s.batch, s.out_channels, 1, s.out_h, s.out_w);
+    double planes = std::floor(limit / out_plane);
+    const double window_planes = std::floor(limit / in_plane);  // (planes - 1) * stride + kd
+    planes = std::min(planes, window_planes < static_cast<double>(s.kd)
+                                  ? 0.0
+                                  : std::floor((window_planes - static_cast<double>(s.kd)) /
+                                               static_cast<double>(s.stride)) +
+                                        1);
+    if (planes < 1) {
+      return InvalidArgument(
+          "a volume convolution of {} x {} x {} x {} x {} to {} x {} x {} x {} x {} cannot split "
+          "along D into calls cuDNN's 32-bit strides address: one output plane reads {:.3g} "
+          "input elements, beyond {:.3g}",
+          s.batch, s.in_channels, s.in_d, s.in_h, s.in_w, s.batch, s.out_channels, s.out_d, s.out_h,
+          s.out_w, in_plane * static_cast<double>(s.kd), limit);
+    }
+    return DepthSplit{.s = s, .planes = std::min<int64_t>(static_cast<int64_t>(planes), s.out_d)};
+  }
+  template <typename T>
+  Result<StreamBuffer> Allocate(int64_t elements) {
+    void* data = nullptr;
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMallocAsync(&data, static_cast<size_t>(elements) * sizeof(T), stream_));
+    return StreamBuffer(data, stream_);
+  }
+
   template <typename T>
   Status ForwardT(T* y, const T* x, const T* w, const VolumeConvShape& s) {
+    if (OneCall(s)) return ForwardOnce(y, x, w, s);
+    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
+    for (int64_t first = 0; first < s.out_d; first += split.planes) {
+      const DepthSplit::Chunk c = split.At(first);
+      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(window.get<T>(), x, split.InRows(), s.in_d,
+                                              split.InPlane(), c.first_in, c.window, stream_));
+      TESSERA_RETURN_IF_ERROR(ForwardOnce(chunk.get<T>(), window.get<T>(), w, c.shape));
+      TESSERA_RETURN_IF_ERROR(PlaceDepthWindow(y, chunk.get<T>(), split.OutRows(), s.out_d,
+                                               split.OutPlane(), c.first_out, c.outs,
+                                               /*add=*/false, stream_));
+    }
+    return Status::Ok();
+  }
+
+  template <typename T>
+  Status BackwardDataT(T* dx, const T* dy, const T* w, const VolumeConvShape& s) {
+    if (OneCall(s)) return BackwardDataOnce(dx, dy, w, s);
+    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+        dx, 0, static_cast<size_t>(split.InRows() * s.in_d * split.InPlane()) * sizeof(T),
+        stream_));  // zeros in both types
+    for (int64_t first = 0; first < s.out_d; first += split.planes) {
+      const DepthSplit::Chunk c = split.At(first);
+      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(chunk.get<T>(), dy, split.OutRows(), s.out_d,
+                                              split.OutPlane(), c.first_out, c.outs, stream_));
+      TESSERA_RETURN_IF_ERROR(BackwardDataOnce(window.get<T>(), chunk.get<T>(), w, c.shape));
+      TESSERA_RETURN_IF_ERROR(PlaceDepthWindow(dx, window.get<T>(), split.InRows(), s.in_d,
+                                               split.InPlane(), c.first_in, c.window,
+                                               /*add=*/true, stream_));
+    }
+    return Status::Ok();
+  }
+
+  template <typename T>
+  Status BackwardFilterT(T* dw, const T* x, const T* dy, const VolumeConvShape& s) {
+    if (OneCall(s)) return BackwardFilterOnce(dw, x, dy, s, /*beta=*/0.0f);
+    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
+    for (int64_t first = 0; first < s.out_d; first += split.planes) {
+      const DepthSplit::Chunk c = split.At(first);
+      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(window.get<T>(), x, split.InRows(), s.in_d,
+                                              split.InPlane(), c.first_in, c.window, stream_));
+      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(chunk.get<T>(), dy, split.OutRows(), s.out_d,
+                                              split.OutPlane(), c.first_out, c.outs, stream_));
+      TESSERA_RETURN_IF_ERROR(BackwardFilterOnce(dw, window.get<T>(), chunk.get<T>(), c.shape,
+                                                 /*beta=*/first == 0 ? 0.0f : 1.0f));
+    }
+    return Status::Ok();
+  }
+
+  // ---- one call ----
+
+  template <typename T>
+  Status ForwardOnce(T* y, const T* x, const T* w, const VolumeConvShape& s) {
     Descriptors d;
     TESSERA_RETURN_IF_ERROR(d.Set(s, DataType<T>()));
     int count = 0;
@@ -241,7 +401,7 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
   }
 
   template <typename T>
-  Status BackwardDataT(T* dx, const T* dy, const T* w, const VolumeConvShape& s) {
+  Status BackwardDataOnce(T* dx, const T* dy, const T* w, const VolumeConvShape& s) {
     Descriptors d;
     TESSERA_RETURN_IF_ERROR(d.Set(s, DataType<T>()));
     int count = 0;
@@ -266,8 +426,9 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
     return Status::Ok();
   }
 
+  // dw = beta * dw + the gradient (beta 1: the split's chunks after the first).
   template <typename T>
-  Status BackwardFilterT(T* dw, const T* x, const T* dy, const VolumeConvShape& s) {
+  Status BackwardFilterOnce(T* dw, const T* x, const T* dy, const VolumeConvShape& s, float beta) {
     Descriptors d;
     TESSERA_RETURN_IF_ERROR(d.Set(s, DataType<T>()));
     int count = 0;
@@ -285,10 +446,10 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
                              handle_, d.x, d.y, d.conv, d.w, algo, bytes);
                        },
                        DataType<T>(), "convolution's weight gradient"));
-    const float one = 1.0f, zero = 0.0f;
+    const float one = 1.0f;
     TESSERA_CUDNN_RETURN_IF_ERROR(cudnnConvolutionBackwardFilter(handle_, &one, d.x, x, d.y, dy,
                                                                  d.conv, plan.first, workspace_,
-                                                                 plan.second, &zero, d.w, dw));
+                                                                 plan.second, &beta, d.w, dw));
     return Status::Ok();
   }
 
@@ -297,11 +458,16 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
   cudaStream_t stream_;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  const int64_t max_elements_;  // per tensor of one call (beyond: the split along D)
 };
 
 }  // namespace
 
-Result<std::unique_ptr<CudnnConvolutions>> CudnnConvolutions::Create(cudaStream_t stream) {
+Result<std::unique_ptr<CudnnConvolutions>> CudnnConvolutions::Create(cudaStream_t stream,
+                                                                     int64_t max_elements) {
+  if (max_elements < 1 || max_elements > INT32_MAX) {
+    return InvalidArgument("max_elements {} must be in [1, 2^31)", max_elements);
+  }
   cudnnHandle_t handle = nullptr;
   TESSERA_CUDNN_RETURN_IF_ERROR(cudnnCreate(&handle));
   if (const cudnnStatus_t status = cudnnSetStream(handle, stream); status != CUDNN_STATUS_SUCCESS) {
@@ -309,12 +475,12 @@ Result<std::unique_ptr<CudnnConvolutions>> CudnnConvolutions::Create(cudaStream_
     return CudnnError(status, "cudnnSetStream");
   }
   return std::unique_ptr<CudnnConvolutions>(
-      std::make_unique<CudnnConvolutionsImpl>(handle, stream));
+      std::make_unique<CudnnConvolutionsImpl>(handle, stream, max_elements));
 }
 
 #else  // !TESSERA_HAVE_CUDNN
 
-Result<std::unique_ptr<CudnnConvolutions>> CudnnConvolutions::Create(cudaStream_t) {
+Result<std::unique_ptr<CudnnConvolutions>> CudnnConvolutions::Create(cudaStream_t, int64_t) {
   return Unavailable(
       "this build has no cuDNN (it was not found next to the CUDA toolkit at configure time): "
       "volume convolutions cannot run on the GPU");

@@ -153,6 +153,20 @@ int64_t DiceScoreCounts(int64_t classes);
 // The volume ops' kCuda kernels (volume_op_kernels.cc), as RegisterCudaKernels adds them.
 Status RegisterVolumeCudaKernels(OpRegistry& registry);
 
+// ---- depth windows (the convolutions' split along D): tensors viewed as [rows, depth, plane] ----
+// dst [rows, depth, plane] = src's planes first .. first + depth - 1, zeros outside
+// [0, src_depth) (a window with its padding planes made explicit).
+Status CopyDepthWindow(float* dst, const float* src, int64_t rows, int64_t src_depth, int64_t plane,
+                       int64_t first, int64_t depth, cudaStream_t stream);
+Status CopyDepthWindow(bf16* dst, const bf16* src, int64_t rows, int64_t src_depth, int64_t plane,
+                       int64_t first, int64_t depth, cudaStream_t stream);
+// dst's planes first .. first + depth - 1 that lie in [0, dst_depth) set to src
+// [rows, depth, plane]'s, or with `add` increased by them (in f32, bf16 rounded once).
+Status PlaceDepthWindow(float* dst, const float* src, int64_t rows, int64_t dst_depth,
+                        int64_t plane, int64_t first, int64_t depth, bool add, cudaStream_t stream);
+Status PlaceDepthWindow(bf16* dst, const bf16* src, int64_t rows, int64_t dst_depth, int64_t plane,
+                        int64_t first, int64_t depth, bool add, cudaStream_t stream);
+
 // ---- convolutions (cuDNN): x [N, Cin, D, H, W], weight [Cout, Cin, kd, kh, kw], the same stride
 // and zero padding on every axis, y [N, Cout, Do, Ho, Wo] as ops/volume_ops.h computes it ----
 struct VolumeConvShape {
@@ -165,9 +179,20 @@ struct VolumeConvShape {
 // cuDNN's handle, bound to a stream, and a workspace it may grow. Thread-safe: calls from several
 // threads run one at a time (they enqueue on the one stream). Unavailable when the build has no
 // cuDNN or cuDNN cannot start.
+//
+// cuDNN's descriptors take 32-bit strides: a call's tensors hold fewer than 2^31 elements. A
+// convolution whose input or output holds more than `max_elements` (default 2^31 - 1) runs split
+// along D: chunks of output planes, each with the input planes it reads copied into a packed
+// window with its depth padding made explicit (CopyDepthWindow), of at most min(max_elements,
+// 2^28) elements each; the forward places each chunk's output, the input gradient adds each
+// window's (planes read by two chunks get both), the weight gradient accumulates over the chunks
+// (cuDNN's beta = 1; a bf16 one is rounded after each chunk). The windows are stream-ordered
+// allocations freed after the call (scratch the memory model does not count). A single output
+// plane whose window is beyond the limit is refused.
 class CudnnConvolutions {
  public:
-  static Result<std::unique_ptr<CudnnConvolutions>> Create(cudaStream_t stream);
+  static Result<std::unique_ptr<CudnnConvolutions>> Create(cudaStream_t stream,
+                                                           int64_t max_elements = INT32_MAX);
   virtual ~CudnnConvolutions() = default;
   // y = conv(x, w) (no bias).
   virtual Status Forward(float* y, const float* x, const float* w, const VolumeConvShape& s) = 0;
