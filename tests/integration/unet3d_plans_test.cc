@@ -833,6 +833,31 @@ TEST(TrainUNet3dTest, OnAGpuInProcessAndOnGpuWorkersItTrainsTheCpuLosses) {
             std::string::npos);
 }
 
+// bf16 activations on the simulated GPU (--activations bf16: what a real GPU trains in by
+// default; the simulated GPU's own default is f32): its layer programs on bf16 device objects
+// train the CPU's bf16 losses, in this process exactly (the same kernels), and on two GPU worker
+// processes under ZeRO-2 and as two pipeline stages (bf16 activations pushed between them)
+// within 1e-3 (sums in another order, micro-batches, move a bf16 rounding now and then).
+TEST(TrainUNet3dTest, OnTheSimulatedGpuBf16ActivationsTrainTheCpusBf16Losses) {
+  ProcessResult cpu = RunBinary("train_unet3d", "--steps 6 --threads 1 --activations bf16");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  EXPECT_NE(cpu.output.find("bf16 activations"), std::string::npos) << cpu.output;
+  const double expected = FinalLoss(cpu.output);
+  ASSERT_GT(expected, 0) << cpu.output;
+  for (const auto& [flags, tolerance] :
+       {std::pair{"--device cuda", 1e-6},
+        std::pair{"--device cuda --workers 2 --zero-stage 2", 1e-3},
+        std::pair{"--device cuda --workers 2 --pipeline-stages 2 --micro-batches 2", 1e-3}}) {
+    SCOPED_TRACE(flags);
+    BoundedRun gpu = RunBinaryWithin(
+        "train_unet3d", std::string("--steps 6 --threads 1 --activations bf16 ") + flags,
+        std::chrono::minutes(2), "TESSERA_SIMULATED_GPU=1");
+    ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+    EXPECT_NE(gpu.output.find("bf16 activations"), std::string::npos) << gpu.output;
+    EXPECT_NEAR(FinalLoss(gpu.output), expected, tolerance * expected) << gpu.output;
+  }
+}
+
 // The nnU-Net-shaped preset (31.2 M parameters: six stages of 32-320 channels, instance norm,
 // leaky ReLU, strided convolutions) at a 32^3 patch on the CPU: it trains (the loss falls over
 // three steps), and a patch its five halvings do not divide is refused naming the fix.
