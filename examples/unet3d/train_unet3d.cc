@@ -89,8 +89,9 @@ Result<tessera::UNet3dConfig> ModelConfig(const Flags& flags) {
 // simulated GPU, whose kernels are the CPU's), f32 on the CPU.
 void ResolveActivations(const Flags& flags, const tessera::Device& device,
                         tessera::UNet3dConfig& config) {
-  if (flags.activations == "auto" && !device.is_cpu())
+  if (flags.activations == "auto" && !device.is_cpu()) {
     config.activations = tessera::GpuActivations();
+  }
 }
 
 // A prediction's logits on the host as f32 (a bf16 model's are bf16).
