@@ -31,6 +31,12 @@ constexpr int64_t DTypeSize(DType dtype) {
   return 0;
 }
 
+// The types activations carry gradients in: f32, and bf16 (mixed precision: the gradients of
+// bf16 activations are bf16, parameters' stay f32).
+constexpr bool CarriesGradients(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kBF16;
+}
+
 // "f32", "bf16", "f16", "i32", "i64", "u16".
 std::string_view DTypeName(DType dtype);
 // Inverse of DTypeName; InvalidArgument naming the accepted names otherwise.

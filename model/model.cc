@@ -517,8 +517,7 @@ Status ModelBuilder::AddInputArgs(const DeclaredLayer& declared, const Resolved&
     layer.forward_args.push_back(
         LayerArg{LayerArg::Kind::kActivation, resolved.index_of[producer], input.output});
     metas.push_back(produced[static_cast<size_t>(input.output)]);
-    // Activations carry gradients when they are floating point (f32, or bf16's mixed precision).
-    if (metas.back().dtype == DType::kF32 || metas.back().dtype == DType::kBF16) {
+    if (CarriesGradients(metas.back().dtype)) {
       program.gradient_inputs.push_back(static_cast<int>(a));
     }
   }

@@ -286,11 +286,6 @@ Result<LayerProgram> LayerProgram::Decode(std::string_view text) {
 namespace {
 
 bool IsFloat(const TensorMeta& meta) { return meta.dtype == DType::kF32; }
-// A value a gradient flows through: f32, or bf16 (mixed precision's activations; their
-// gradients are bf16 too, parameters' stay f32).
-bool IsDifferentiable(const TensorMeta& meta) {
-  return meta.dtype == DType::kF32 || meta.dtype == DType::kBF16;
-}
 
 }  // namespace
 
@@ -339,7 +334,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     shapes.needs_gradient.push_back(false);
   }
   for (int i : program.gradient_inputs) {
-    if (!IsDifferentiable(inputs[static_cast<size_t>(i)])) {
+    if (!CarriesGradients(inputs[static_cast<size_t>(i)].dtype)) {
       return InvalidArgument("layer input {} is {}: only f32 and bf16 inputs have gradients", i,
                              inputs[static_cast<size_t>(i)].ToString());
     }
@@ -386,7 +381,7 @@ Result<ProgramShapes> InferProgram(const OpRegistry& registry, const LayerProgra
     const int first = static_cast<int>(shapes.values.size());
     for (const TensorMeta& meta : *outputs) {
       shapes.values.push_back(meta);
-      shapes.needs_gradient.push_back(on_path && IsDifferentiable(meta));
+      shapes.needs_gradient.push_back(on_path && CarriesGradients(meta.dtype));
     }
     if (!on_path) continue;
     if (!def->gradient) {

@@ -127,8 +127,9 @@ Status AddElementwiseOps(OpRegistry& r) {
             .output_names = {"sum"},
             .in_place = {{0, 0}},
             .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
-              if (in[0].dtype != DType::kBF16) {
-                TESSERA_RETURN_IF_ERROR(CheckDType("sum", in[0], DType::kF32));
+              if (!CarriesGradients(in[0].dtype)) {
+                return InvalidArgument("input 'sum' is {} but accumulate adds f32 or bf16",
+                                       in[0].ToString());
               }
               TESSERA_RETURN_IF_ERROR(CheckSameShape("x", in[1], "sum", in[0]));
               return Metas{in[0]};

@@ -70,8 +70,8 @@ Status AddLossAndOptimizerOps(OpRegistry& r) {
       .infer = [](const Metas& in, const Attrs&) -> Result<Metas> {
         TESSERA_RETURN_IF_ERROR(CheckShape("dloss", in[0], Shape{}));
         // bf16: a volume loss's gradient over bf16 logits (ops/volume_ops.h).
-        if (in[1].dtype != DType::kBF16) {
-          TESSERA_RETURN_IF_ERROR(CheckDType("dlogits", in[1], DType::kF32));
+        if (!CarriesGradients(in[1].dtype)) {
+          return InvalidArgument("input 'dlogits' is {} but must be f32 or bf16", in[1].ToString());
         }
         return Metas{in[1]};
       },

@@ -58,7 +58,7 @@ Status CheckF32(const char* name, const TensorMeta& meta) {
 // Activations (volumes, their gradients, logits) are f32 or bf16; parameters, their gradients
 // and statistics are f32 (ops/volume_ops.h).
 Status CheckActivation(const char* name, const TensorMeta& meta) {
-  if (meta.dtype != DType::kF32 && meta.dtype != DType::kBF16) {
+  if (!CarriesGradients(meta.dtype)) {
     return InvalidArgument("input '{}' is {} but an activation must be f32 or bf16", name,
                            meta.ToString());
   }

@@ -56,13 +56,34 @@ cpu::Conv3dGeometry Geometry(const Tensor& volume, const Tensor& weight, const T
   return g;
 }
 
+// `from` into `to` of the same shape: f32 <-> bf16 (to bf16 rounding to nearest even), or a copy
+// where the types agree (cast_forward and cast_backward, and ThroughF32's copies).
+Status CastInto(const Tensor& from, const Tensor& to) {
+  const int64_t n = from.numel();
+  if (from.dtype() == to.dtype()) {
+    std::memcpy(to.raw_data(), from.raw_data(), static_cast<size_t>(from.bytes()));
+  } else if (from.dtype() == DType::kF32 && to.dtype() == DType::kBF16) {
+    const float* x = F(from);
+    auto* y = static_cast<uint16_t*>(to.raw_data());
+    for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16(x[i]);
+  } else if (from.dtype() == DType::kBF16 && to.dtype() == DType::kF32) {
+    const auto* x = static_cast<const uint16_t*>(from.raw_data());
+    float* y = F(to);
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
+  } else {
+    return InvalidArgument("cast from {} to {} is not built: f32 and bf16 only",
+                           DTypeName(from.dtype()), DTypeName(to.dtype()));
+  }
+  return Status::Ok();
+}
+
 // The kernel for bf16 activations too: each bf16 input copied into f32 scratch, the f32 kernel
 // run on the copies, each bf16 output rounded from its f32 result (to nearest even, as the GPU
 // kernels store) — the GPU's numerics (bf16 storage, f32 arithmetic) as a CPU reference. The
 // copies come from the executor's allocator (the op's workspace counts them: ops/volume_ops.cc
-// AddVolumeOp). `in_place`: (input, output) pairs whose output starts as the input (the kernel
-// works over it), which share the input's copy. f32 calls go straight to the kernel.
-KernelFn ThroughF32(KernelFn kernel, std::vector<std::pair<int, int>> in_place = {}) {
+// VolumeOpRegistry). `in_place`: the op's (input, output) pairs whose output starts as the input
+// (the kernel works over it), which share the input's copy. f32 calls go straight to the kernel.
+KernelFn ThroughF32(KernelFn kernel, std::vector<std::pair<int, int>> in_place) {
   return [kernel = std::move(kernel), in_place = std::move(in_place)](
              const KernelContext& context, const Tensors& in, const Tensors& out,
              const Attrs& attrs) -> Status {
@@ -70,20 +91,14 @@ KernelFn ThroughF32(KernelFn kernel, std::vector<std::pair<int, int>> in_place =
     if (std::none_of(in.begin(), in.end(), bf16) && std::none_of(out.begin(), out.end(), bf16)) {
       return kernel(context, in, out, attrs);
     }
-    const auto f32_copy = [&context](const Tensor& t) -> Result<Tensor> {
-      TESSERA_ASSIGN_OR_RETURN(
-          Tensor copy,
-          Tensor::Empty(TensorMeta{t.shape(), DType::kF32, Device::Cpu()}, context.allocator));
-      const auto* from = static_cast<const uint16_t*>(t.raw_data());
-      float* to = copy.data<float>();
-      for (int64_t i = 0; i < t.numel(); ++i) to[i] = Bf16ToFloat(from[i]);
-      return copy;
+    const auto f32_scratch = [&context](const Tensor& t) {
+      return Tensor::Empty(TensorMeta{t.shape(), DType::kF32, Device::Cpu()}, context.allocator);
     };
     Tensors in32 = in, out32 = out;
     for (size_t i = 0; i < in.size(); ++i) {
-      if (bf16(in[i])) {
-        TESSERA_ASSIGN_OR_RETURN(in32[i], f32_copy(in[i]));
-      }
+      if (!bf16(in[i])) continue;
+      TESSERA_ASSIGN_OR_RETURN(in32[i], f32_scratch(in[i]));
+      TESSERA_RETURN_IF_ERROR(CastInto(in[i], in32[i]));
     }
     for (size_t o = 0; o < out.size(); ++o) {
       if (!bf16(out[o])) continue;
@@ -93,17 +108,12 @@ KernelFn ThroughF32(KernelFn kernel, std::vector<std::pair<int, int>> in_place =
       if (pair != in_place.end()) {
         out32[o] = in32[static_cast<size_t>(pair->first)];
       } else {
-        TESSERA_ASSIGN_OR_RETURN(
-            out32[o], Tensor::Empty(TensorMeta{out[o].shape(), DType::kF32, Device::Cpu()},
-                                    context.allocator));
+        TESSERA_ASSIGN_OR_RETURN(out32[o], f32_scratch(out[o]));
       }
     }
     TESSERA_RETURN_IF_ERROR(kernel(context, in32, out32, attrs));
     for (size_t o = 0; o < out.size(); ++o) {
-      if (!bf16(out[o])) continue;
-      const float* from = out32[o].data<float>();
-      auto* to = static_cast<uint16_t*>(out[o].raw_data());
-      for (int64_t i = 0; i < out[o].numel(); ++i) to[i] = FloatToBf16(from[i]);
+      if (bf16(out[o])) TESSERA_RETURN_IF_ERROR(CastInto(out32[o], out[o]));
     }
     return Status::Ok();
   };
@@ -114,10 +124,10 @@ struct VolumeKernelRegistry {
   OpRegistry& registry;
 };
 
-// `in_place`: the op's (input, output) pairs whose output starts as the input (ThroughF32).
-Status Register(VolumeKernelRegistry& r, std::string_view op, KernelFn kernel,
-                std::vector<std::pair<int, int>> in_place = {}) {
-  return Register(r.registry, op, ThroughF32(std::move(kernel), std::move(in_place)));
+// The op's in-place pairs come from its definition (ThroughF32 shares their copies).
+Status Register(VolumeKernelRegistry& r, std::string_view op, KernelFn kernel) {
+  TESSERA_ASSIGN_OR_RETURN(const OpDef* def, r.registry.Find(op));
+  return Register(r.registry, op, ThroughF32(std::move(kernel), def->in_place));
 }
 
 // Spatial parallelism's kernels (slab_kernels.cc): f32 only (their ops refuse bf16).
@@ -434,8 +444,7 @@ Status RegisterOtherKernels(VolumeKernelRegistry& r) {
                                    static_cast<float>(attrs.GetFloat("grad_scale", 1.0) * weight)));
         *F(out[0]) = static_cast<float>(weight * loss);
         return Status::Ok();
-      },
-      {{0, 1}}));
+      }));
   TESSERA_RETURN_IF_ERROR(
       Register(r, "downsample_labels",
                [](const KernelContext&, const Tensors& in, const Tensors& out, const Attrs& attrs) {
@@ -453,26 +462,6 @@ Status RegisterOtherKernels(VolumeKernelRegistry& r) {
         *F(out[0]) = score;
         return Status::Ok();
       });
-}
-
-// cast_forward and cast_backward: f32 <-> bf16 (or a copy where the types agree).
-Status CastInto(const Tensor& from, const Tensor& to) {
-  const int64_t n = from.numel();
-  if (from.dtype() == to.dtype()) {
-    std::memcpy(to.raw_data(), from.raw_data(), static_cast<size_t>(from.bytes()));
-  } else if (from.dtype() == DType::kF32 && to.dtype() == DType::kBF16) {
-    const float* x = F(from);
-    auto* y = static_cast<uint16_t*>(to.raw_data());
-    for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16(x[i]);
-  } else if (from.dtype() == DType::kBF16 && to.dtype() == DType::kF32) {
-    const auto* x = static_cast<const uint16_t*>(from.raw_data());
-    float* y = F(to);
-    for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
-  } else {
-    return InvalidArgument("cast from {} to {} is not built: f32 and bf16 only",
-                           DTypeName(from.dtype()), DTypeName(to.dtype()));
-  }
-  return Status::Ok();
 }
 
 Status RegisterCastKernels(OpRegistry& r) {

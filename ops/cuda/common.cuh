@@ -1,5 +1,6 @@
 // Device helpers shared by the memory-bound kernels of ops/cuda (casts, embedding, layernorm,
-// elementwise, classifier, optimizer): warp and block reductions, 16-byte vector access to bf16
+// elementwise, classifier, optimizer, the volume ops, the scalars): warp and block reductions,
+// one element of f32 or bf16 read as float and stored rounded, 16-byte vector access to bf16
 // and fp32 rows, an elementwise "map" launcher with a vector body and a scalar fallback, and the
 // fixed-order reduction of per-block column partials.
 //
@@ -76,6 +77,17 @@ __device__ T BlockSum(T v, T* warp_sums) {
   __syncthreads();
   v = lane < warps ? warp_sums[lane] : T(0);
   return WarpSum(v);  // each warp sums the same values in the same order
+}
+
+// ---- one element of f32 or bf16, read as float and stored rounded (nearest even) ----
+
+__device__ __forceinline__ float Load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float Load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void Store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void Store(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
 }
 
 // ---- 16-byte vector access ----

@@ -1,5 +1,6 @@
-// Small fp32 kernels a plan places around the layers on a GPU: gradient accumulation (sum += x)
-// and the sum of scalar objects (the mean loss over micro-batches). See scalars.h.
+// Small kernels a plan places around the layers on a GPU: gradient accumulation (sum += x, f32 or
+// bf16) and the sum of fp32 scalar objects (the mean loss over micro-batches). See scalars.h.
+#include "ops/cuda/common.cuh"  // first: see there
 #include "ops/cuda/scalars.h"
 
 #include <algorithm>
@@ -12,17 +13,12 @@ namespace tessera::cuda {
 
 namespace {
 
-__device__ __forceinline__ float AsFloat(float v) { return v; }
-__device__ __forceinline__ float AsFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ void StoreAs(float* p, float v) { *p = v; }
-__device__ __forceinline__ void StoreAs(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
 // sum += x, in f32 (bf16: read as f32, added, rounded once).
 template <typename T>
 __global__ void AccumulateKernel(T* sum, const T* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    StoreAs(sum + i, AsFloat(sum[i]) + AsFloat(x[i]));
+    detail::Store(sum, i, detail::Load(sum, i) + detail::Load(x, i));
   }
 }
 

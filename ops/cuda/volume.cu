@@ -22,12 +22,8 @@ namespace {
 constexpr int kBlock = 256;
 constexpr float kLeakySlope = 0.01f;  // ops/cpu/volume_kernels.h: kLeakyReluSlope
 
-__device__ __forceinline__ float Load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float Load(const bf16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void Store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void Store(bf16* p, int64_t i, float v) {
-  p[i] = __float2bfloat16_rn(v);
-}
+using detail::Load;
+using detail::Store;
 
 // Reports `index` as the first bad one (the lowest index wins, whatever the order threads run).
 __device__ __forceinline__ void ReportBad(int32_t* bad_index, int64_t index) {

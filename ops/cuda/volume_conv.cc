@@ -200,6 +200,29 @@ struct DepthSplit {
   int64_t OutPlane() const { return s.out_h * s.out_w; }
   int64_t WindowElements() const { return InRows() * ((planes - 1) * s.stride + s.kd) * InPlane(); }
   int64_t ChunkElements() const { return OutRows() * planes * OutPlane(); }
+
+  // The chunk's input window of x, zeros past the volume's ends (its depth padding).
+  template <typename T>
+  Status CopyWindow(T* window, const T* x, const Chunk& c, cudaStream_t stream) const {
+    return CopyDepthWindow(window, x, InRows(), s.in_d, InPlane(), c.first_in, c.window, stream);
+  }
+  // The chunk's output planes of y, packed.
+  template <typename T>
+  Status CopyOutputs(T* out, const T* y, const Chunk& c, cudaStream_t stream) const {
+    return CopyDepthWindow(out, y, OutRows(), s.out_d, OutPlane(), c.first_out, c.outs, stream);
+  }
+  // y's planes of the chunk set to `out`'s.
+  template <typename T>
+  Status PlaceOutputs(T* y, const T* out, const Chunk& c, cudaStream_t stream) const {
+    return PlaceDepthWindow(y, out, OutRows(), s.out_d, OutPlane(), c.first_out, c.outs,
+                            /*add=*/false, stream);
+  }
+  // dx's planes of the chunk's window (those inside the volume) increased by `window`'s.
+  template <typename T>
+  Status AddWindow(T* dx, const T* window, const Chunk& c, cudaStream_t stream) const {
+    return PlaceDepthWindow(dx, window, InRows(), s.in_d, InPlane(), c.first_in, c.window,
+                            /*add=*/true, stream);
+  }
 };
 
 class CudnnConvolutionsImpl final : public CudnnConvolutions {
@@ -317,61 +340,55 @@ class CudnnConvolutionsImpl final : public CudnnConvolutions {
     return StreamBuffer(data, stream_);
   }
 
+  // Runs `body(split, chunk, window, out)` for each chunk of `s`'s split along D: `window` and
+  // `out` device buffers of T for the chunk's input window and its output planes.
+  template <typename T, typename Body>
+  Status ForEachChunk(const VolumeConvShape& s, Body body) {
+    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
+    TESSERA_ASSIGN_OR_RETURN(StreamBuffer out, Allocate<T>(split.ChunkElements()));
+    for (int64_t first = 0; first < s.out_d; first += split.planes) {
+      TESSERA_RETURN_IF_ERROR(body(split, split.At(first), window.get<T>(), out.get<T>()));
+    }
+    return Status::Ok();
+  }
+
   template <typename T>
   Status ForwardT(T* y, const T* x, const T* w, const VolumeConvShape& s) {
     if (OneCall(s)) return ForwardOnce(y, x, w, s);
-    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
-    for (int64_t first = 0; first < s.out_d; first += split.planes) {
-      const DepthSplit::Chunk c = split.At(first);
-      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(window.get<T>(), x, split.InRows(), s.in_d,
-                                              split.InPlane(), c.first_in, c.window, stream_));
-      TESSERA_RETURN_IF_ERROR(ForwardOnce(chunk.get<T>(), window.get<T>(), w, c.shape));
-      TESSERA_RETURN_IF_ERROR(PlaceDepthWindow(y, chunk.get<T>(), split.OutRows(), s.out_d,
-                                               split.OutPlane(), c.first_out, c.outs,
-                                               /*add=*/false, stream_));
-    }
-    return Status::Ok();
+    return ForEachChunk<T>(
+        s, [&](const DepthSplit& split, const DepthSplit::Chunk& c, T* window, T* out) -> Status {
+          TESSERA_RETURN_IF_ERROR(split.CopyWindow(window, x, c, stream_));
+          TESSERA_RETURN_IF_ERROR(ForwardOnce(out, window, w, c.shape));
+          return split.PlaceOutputs(y, out, c, stream_);
+        });
   }
 
   template <typename T>
   Status BackwardDataT(T* dx, const T* dy, const T* w, const VolumeConvShape& s) {
     if (OneCall(s)) return BackwardDataOnce(dx, dy, w, s);
-    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
-    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-        dx, 0, static_cast<size_t>(split.InRows() * s.in_d * split.InPlane()) * sizeof(T),
-        stream_));  // zeros in both types
-    for (int64_t first = 0; first < s.out_d; first += split.planes) {
-      const DepthSplit::Chunk c = split.At(first);
-      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(chunk.get<T>(), dy, split.OutRows(), s.out_d,
-                                              split.OutPlane(), c.first_out, c.outs, stream_));
-      TESSERA_RETURN_IF_ERROR(BackwardDataOnce(window.get<T>(), chunk.get<T>(), w, c.shape));
-      TESSERA_RETURN_IF_ERROR(PlaceDepthWindow(dx, window.get<T>(), split.InRows(), s.in_d,
-                                               split.InPlane(), c.first_in, c.window,
-                                               /*add=*/true, stream_));
-    }
-    return Status::Ok();
+    // Every window adds into dx (planes two chunks read get both parts): zeros first.
+    const int64_t elements = s.batch * s.in_channels * s.in_d * s.in_h * s.in_w;
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dx, 0, static_cast<size_t>(elements) * sizeof(T),
+                                                 stream_));  // zeros in both types
+    return ForEachChunk<T>(
+        s, [&](const DepthSplit& split, const DepthSplit::Chunk& c, T* window, T* out) -> Status {
+          TESSERA_RETURN_IF_ERROR(split.CopyOutputs(out, dy, c, stream_));
+          TESSERA_RETURN_IF_ERROR(BackwardDataOnce(window, out, w, c.shape));
+          return split.AddWindow(dx, window, c, stream_);
+        });
   }
 
   template <typename T>
   Status BackwardFilterT(T* dw, const T* x, const T* dy, const VolumeConvShape& s) {
     if (OneCall(s)) return BackwardFilterOnce(dw, x, dy, s, /*beta=*/0.0f);
-    TESSERA_ASSIGN_OR_RETURN(const DepthSplit split, Split(s));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer window, Allocate<T>(split.WindowElements()));
-    TESSERA_ASSIGN_OR_RETURN(StreamBuffer chunk, Allocate<T>(split.ChunkElements()));
-    for (int64_t first = 0; first < s.out_d; first += split.planes) {
-      const DepthSplit::Chunk c = split.At(first);
-      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(window.get<T>(), x, split.InRows(), s.in_d,
-                                              split.InPlane(), c.first_in, c.window, stream_));
-      TESSERA_RETURN_IF_ERROR(CopyDepthWindow(chunk.get<T>(), dy, split.OutRows(), s.out_d,
-                                              split.OutPlane(), c.first_out, c.outs, stream_));
-      TESSERA_RETURN_IF_ERROR(BackwardFilterOnce(dw, window.get<T>(), chunk.get<T>(), c.shape,
-                                                 /*beta=*/first == 0 ? 0.0f : 1.0f));
-    }
-    return Status::Ok();
+    return ForEachChunk<T>(
+        s, [&](const DepthSplit& split, const DepthSplit::Chunk& c, T* window, T* out) -> Status {
+          TESSERA_RETURN_IF_ERROR(split.CopyWindow(window, x, c, stream_));
+          TESSERA_RETURN_IF_ERROR(split.CopyOutputs(out, dy, c, stream_));
+          // The first chunk's gradient overwrites dw; the others add to it.
+          return BackwardFilterOnce(dw, window, out, c.shape, c.first_out == 0 ? 0.0f : 1.0f);
+        });
   }
 
   // ---- one call ----
