@@ -72,13 +72,28 @@ double Epsilon(DType dtype) {
   }
 }
 
-// A buffer of `count` elements holding rank `rank`'s inputs from element `offset` on.
-std::vector<char> Inputs(int rank, int64_t count, DType dtype, int64_t offset = 0) {
-  std::vector<char> buffer(static_cast<size_t>(count * DTypeSize(dtype)));
+// The two buffers every collective of a suite uses, kept between collectives: at the large
+// sizes a fresh buffer per collective cost more (zeroing and page faults) than the collective.
+struct Buffers {
+  std::vector<char> send, recv;
+};
+
+// `buffer` grown to `count` elements holding rank `rank`'s inputs from element 0 on.
+char* Inputs(std::vector<char>& buffer, int rank, int64_t count, DType dtype) {
+  const auto bytes = static_cast<size_t>(count * DTypeSize(dtype));
+  if (buffer.size() < bytes) buffer.resize(bytes);
   for (int64_t i = 0; i < count; ++i) {
-    Store(buffer.data(), i, dtype, CollectiveInput(rank, offset + i, dtype));
+    Store(buffer.data(), i, dtype, CollectiveInput(rank, i, dtype));
   }
-  return buffer;
+  return buffer.data();
+}
+
+// `buffer` grown to `bytes` and filled with 0x7F bytes, a value no input or result takes in any
+// dtype, so an element a collective never wrote is caught (and not left from the one before).
+char* Poisoned(std::vector<char>& buffer, int64_t bytes) {
+  if (buffer.size() < static_cast<size_t>(bytes)) buffer.resize(static_cast<size_t>(bytes));
+  std::memset(buffer.data(), 0x7F, static_cast<size_t>(bytes));
+  return buffer.data();
 }
 
 std::string Describe(std::string_view what, DType dtype, int64_t count) {
@@ -140,96 +155,94 @@ Status CheckCopied(const char* actual, int64_t count, DType dtype, int rank, int
 
 // All-to-all of `block` elements per pair: rank r sends its inputs 0 .. n*block-1, so block j
 // of what it receives must be rank j's inputs from element r*block on. The receive buffer starts
-// as 0x7F bytes (a value no input takes), so a block never written is caught.
-Status CheckAllToAll(Communicator& comm, DType dtype, int64_t block) {
+// poisoned (Poisoned), so a block never written is caught.
+Status CheckAllToAll(Communicator& comm, Buffers& buffers, DType dtype, int64_t block) {
   const int rank = comm.rank(), n = comm.size();
   const int64_t element = DTypeSize(dtype);
-  std::vector<char> send = Inputs(rank, block * n, dtype);
-  std::vector<char> recv(static_cast<size_t>(block * n * element), 0x7F);
-  TESSERA_RETURN_IF_ERROR(
-      comm.AllToAll(send.data(), recv.data(), block, dtype).WithContext("all-to-all"));
+  const char* send = Inputs(buffers.send, rank, block * n, dtype);
+  char* recv = Poisoned(buffers.recv, block * n * element);
+  TESSERA_RETURN_IF_ERROR(comm.AllToAll(send, recv, block, dtype).WithContext("all-to-all"));
   for (int source = 0; source < n; ++source) {
-    TESSERA_RETURN_IF_ERROR(CheckCopied(recv.data() + source * block * element, block, dtype,
-                                        source, rank * block,
+    TESSERA_RETURN_IF_ERROR(CheckCopied(recv + source * block * element, block, dtype, source,
+                                        rank * block,
                                         fmt::format("all-to-all block from rank {}", source)));
   }
   return Status::Ok();
 }
 
-Status RunOne(Communicator& comm, DType dtype, int64_t count, bool all_ops, bool everything) {
+Status RunOne(Communicator& comm, Buffers& buffers, DType dtype, int64_t count, bool all_ops,
+              bool everything) {
   const int rank = comm.rank(), n = comm.size();
   const int64_t element = DTypeSize(dtype);
   for (ReduceOp op : kOps) {
     if (!all_ops && op != ReduceOp::kSum) continue;
-    std::vector<char> buffer = Inputs(rank, count, dtype);
+    char* buffer = Inputs(buffers.send, rank, count, dtype);
     const std::string what = fmt::format("all-reduce {}", ReduceOpName(op));
-    TESSERA_RETURN_IF_ERROR(comm.AllReduce(buffer.data(), count, dtype, op).WithContext(what));
-    TESSERA_RETURN_IF_ERROR(CheckReduced(buffer.data(), count, dtype, op, n, 0, "all-reduce"));
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(buffer, count, dtype, op).WithContext(what));
+    TESSERA_RETURN_IF_ERROR(CheckReduced(buffer, count, dtype, op, n, 0, "all-reduce"));
   }
   // Reduce-scatter, all-gather and all-to-all take `count` as the whole buffer when it is large.
   const int64_t block = all_ops ? count : count / n;
   // All-to-all copies: cheap enough to run on every dtype at the large size too.
-  TESSERA_RETURN_IF_ERROR(CheckAllToAll(comm, dtype, block));
+  TESSERA_RETURN_IF_ERROR(CheckAllToAll(comm, buffers, dtype, block));
   if (!everything) return Status::Ok();
   for (ReduceOp op : kOps) {
     if (!all_ops && op != ReduceOp::kSum) continue;
-    std::vector<char> send = Inputs(rank, block * n, dtype);
-    std::vector<char> recv(static_cast<size_t>(block * element));
-    TESSERA_RETURN_IF_ERROR(comm.ReduceScatter(send.data(), recv.data(), block, dtype, op)
-                                .WithContext("reduce-scatter"));
+    const char* send = Inputs(buffers.send, rank, block * n, dtype);
+    char* recv = Poisoned(buffers.recv, block * element);
     TESSERA_RETURN_IF_ERROR(
-        CheckReduced(recv.data(), block, dtype, op, n, rank * block, "reduce-scatter"));
+        comm.ReduceScatter(send, recv, block, dtype, op).WithContext("reduce-scatter"));
+    TESSERA_RETURN_IF_ERROR(
+        CheckReduced(recv, block, dtype, op, n, rank * block, "reduce-scatter"));
   }
   {
-    std::vector<char> send = Inputs(rank, block, dtype);
-    std::vector<char> recv(static_cast<size_t>(block * n * element));
-    TESSERA_RETURN_IF_ERROR(
-        comm.AllGather(send.data(), recv.data(), block, dtype).WithContext("all-gather"));
+    const char* send = Inputs(buffers.send, rank, block, dtype);
+    char* recv = Poisoned(buffers.recv, block * n * element);
+    TESSERA_RETURN_IF_ERROR(comm.AllGather(send, recv, block, dtype).WithContext("all-gather"));
     for (int r = 0; r < n; ++r) {
       TESSERA_RETURN_IF_ERROR(
-          CheckCopied(recv.data() + r * block * element, block, dtype, r, 0, "all-gather"));
+          CheckCopied(recv + r * block * element, block, dtype, r, 0, "all-gather"));
     }
   }
   for (int root : {0, n - 1}) {
     // Non-roots start with their own inputs, which the broadcast must overwrite.
-    std::vector<char> buffer = Inputs(rank, count, dtype);
+    char* buffer = Inputs(buffers.send, rank, count, dtype);
+    TESSERA_RETURN_IF_ERROR(comm.Broadcast(buffer, count, dtype, root).WithContext("broadcast"));
     TESSERA_RETURN_IF_ERROR(
-        comm.Broadcast(buffer.data(), count, dtype, root).WithContext("broadcast"));
-    TESSERA_RETURN_IF_ERROR(CheckCopied(buffer.data(), count, dtype, root, 0,
-                                        fmt::format("broadcast from rank {}", root)));
+        CheckCopied(buffer, count, dtype, root, 0, fmt::format("broadcast from rank {}", root)));
   }
   for (size_t k = 0; k < std::size(kOps); ++k) {
     const ReduceOp op = kOps[k];
     if (!all_ops && op != ReduceOp::kSum) continue;
     const int root = static_cast<int>(k) % n;
-    std::vector<char> send = Inputs(rank, count, dtype);
-    std::vector<char> recv(static_cast<size_t>(count * element));
-    TESSERA_RETURN_IF_ERROR(
-        comm.Reduce(send.data(), recv.data(), count, dtype, op, root).WithContext("reduce"));
+    const char* send = Inputs(buffers.send, rank, count, dtype);
+    char* recv = Poisoned(buffers.recv, count * element);
+    TESSERA_RETURN_IF_ERROR(comm.Reduce(send, recv, count, dtype, op, root).WithContext("reduce"));
     if (rank == root) {
-      TESSERA_RETURN_IF_ERROR(CheckReduced(recv.data(), count, dtype, op, n, 0,
-                                           fmt::format("reduce to rank {}", root)));
+      TESSERA_RETURN_IF_ERROR(
+          CheckReduced(recv, count, dtype, op, n, 0, fmt::format("reduce to rank {}", root)));
     }
   }
   if (n > 1) {
     // A ring shift: every rank sends to its right and receives from its left at once.
-    std::vector<char> send = Inputs(rank, count, dtype);
-    std::vector<char> recv(static_cast<size_t>(count * element));
+    const char* send = Inputs(buffers.send, rank, count, dtype);
+    char* recv = Poisoned(buffers.recv, count * element);
     const int left = (rank + n - 1) % n;
-    TESSERA_RETURN_IF_ERROR(
-        comm.SendRecv(send.data(), count, (rank + 1) % n, recv.data(), count, left, dtype)
-            .WithContext("send-recv"));
-    TESSERA_RETURN_IF_ERROR(CheckCopied(recv.data(), count, dtype, left, 0, "ring shift"));
+    TESSERA_RETURN_IF_ERROR(comm.SendRecv(send, count, (rank + 1) % n, recv, count, left, dtype)
+                                .WithContext("send-recv"));
+    TESSERA_RETURN_IF_ERROR(CheckCopied(recv, count, dtype, left, 0, "ring shift"));
   }
   if (n > 1) {
-    // A chain: rank 0's inputs travel 0 -> 1 -> ... -> n-1 by send/recv.
-    std::vector<char> buffer = Inputs(rank, count, dtype);
+    // A chain: rank 0's inputs travel 0 -> 1 -> ... -> n-1 by send/recv; the others receive
+    // into a poisoned buffer.
+    char* buffer = rank == 0 ? Inputs(buffers.send, rank, count, dtype)
+                             : Poisoned(buffers.send, count * element);
     if (rank > 0) {
-      TESSERA_RETURN_IF_ERROR(comm.Recv(buffer.data(), count, dtype, rank - 1).WithContext("recv"));
-      TESSERA_RETURN_IF_ERROR(CheckCopied(buffer.data(), count, dtype, 0, 0, "send/recv chain"));
+      TESSERA_RETURN_IF_ERROR(comm.Recv(buffer, count, dtype, rank - 1).WithContext("recv"));
+      TESSERA_RETURN_IF_ERROR(CheckCopied(buffer, count, dtype, 0, 0, "send/recv chain"));
     }
     if (rank < n - 1) {
-      TESSERA_RETURN_IF_ERROR(comm.Send(buffer.data(), count, dtype, rank + 1).WithContext("send"));
+      TESSERA_RETURN_IF_ERROR(comm.Send(buffer, count, dtype, rank + 1).WithContext("send"));
     }
   }
   return Status::Ok();
@@ -247,15 +260,17 @@ double CollectiveInput(int rank, int64_t index, DType dtype) {
 }
 
 Status RunCollectiveSuite(Communicator& communicator, const CollectiveSuiteOptions& options) {
+  Buffers buffers;
   for (DType dtype : options.dtypes) {
     for (int64_t size : options.sizes) {
-      TESSERA_RETURN_IF_ERROR(RunOne(communicator, dtype, size, /*all_ops=*/true,
+      TESSERA_RETURN_IF_ERROR(RunOne(communicator, buffers, dtype, size, /*all_ops=*/true,
                                      /*everything=*/true));
     }
   }
   if (options.large_bytes > 0) {
     for (DType dtype : options.dtypes) {
-      TESSERA_RETURN_IF_ERROR(RunOne(communicator, dtype, options.large_bytes / DTypeSize(dtype),
+      TESSERA_RETURN_IF_ERROR(RunOne(communicator, buffers, dtype,
+                                     options.large_bytes / DTypeSize(dtype),
                                      /*all_ops=*/false, /*everything=*/dtype == DType::kF32));
     }
   }
@@ -263,10 +278,10 @@ Status RunCollectiveSuite(Communicator& communicator, const CollectiveSuiteOptio
 }
 
 Status CheckedAllReduce(Communicator& communicator, int64_t count) {
-  std::vector<char> buffer = Inputs(communicator.rank(), count, DType::kF32);
-  TESSERA_RETURN_IF_ERROR(
-      communicator.AllReduce(buffer.data(), count, DType::kF32, ReduceOp::kSum));
-  return CheckReduced(buffer.data(), count, DType::kF32, ReduceOp::kSum, communicator.size(), 0,
+  std::vector<char> storage;
+  char* buffer = Inputs(storage, communicator.rank(), count, DType::kF32);
+  TESSERA_RETURN_IF_ERROR(communicator.AllReduce(buffer, count, DType::kF32, ReduceOp::kSum));
+  return CheckReduced(buffer, count, DType::kF32, ReduceOp::kSum, communicator.size(), 0,
                       "all-reduce");
 }
 
