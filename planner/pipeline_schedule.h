@@ -97,6 +97,12 @@ Result<ScheduleSimulation> SimulateSchedule(const std::vector<std::vector<Pipeli
                                             int stages, int virtual_stages, int micro_batches,
                                             const std::vector<OpCosts>& chunk_costs);
 
+// Per stage, the most micro-batches whose activations it holds at once (ScheduleSimulation's
+// peak_in_flight): from F until B reads them, or W with `split_backward`. A property of the order
+// alone, whatever the costs.
+std::vector<int> PeakInFlight(const std::vector<std::vector<PipelineOp>>& orders,
+                              bool split_backward);
+
 // The textbook bubble: (P-1)/(M+P-1) for GPipe and 1F1B, that over V for interleaved, and
 // (P-1)/(3M+P-1) for ZB-H1 (F = B = W: a third of 1F1B's bubble time).
 double TheoreticalBubble(PipelineSchedule schedule, int stages, int micro_batches,

@@ -86,29 +86,57 @@ class Evaluator {
   LayerOps Layer(int b, int t, bool sequence_sharded, double all_reduce_ms) const;
   double ModelStateBytes(const PlanChoice& choice, double stage_params, double layer_params) const;
 
-  // The schedule's order for these dimensions and stage costs: zb-h1's list schedule is the
-  // search's most expensive step, and candidates that differ only in what does not change the
-  // costs (offload, the layout on one link, ZeRO-0 and 1) share it.
-  const std::vector<std::vector<PipelineOp>>& Order(const PlanChoice& choice, OpCosts costs) const;
+  // The schedule's order for these dimensions and stage costs, and the micro-batches each stage
+  // holds in it: zb-h1's list schedule is the search's most expensive step, and candidates that
+  // differ only in what does not change the costs (offload, the layout on one link, ZeRO-0 and
+  // 1) share it.
+  struct Order {
+    std::vector<std::vector<PipelineOp>> ops;  // per stage
+    std::vector<int> peak_in_flight;           // per stage
+    // Its simulations by chunk costs (F, B, W of each chunk in turn): candidates that differ in
+    // what leaves the chunks' costs alone (ZeRO-0 and 1 or offload when nothing is recomputed)
+    // share one.
+    std::map<std::vector<double>, ScheduleSimulation> simulations;
+  };
+  Order& OrderFor(const PlanChoice& choice, OpCosts costs) const;
+  // The simulation of `order` with these chunk costs.
+  static Result<ScheduleSimulation> Simulate(Order& order, const PlanChoice& choice,
+                                             const std::vector<OpCosts>& costs);
 
   const DescribedCluster& cluster_;
   const TransformerShape& shape_;
   const ScaleTraining& training_;
   using OrderKey = std::tuple<PipelineSchedule, int, int, int, double, double, double>;
-  mutable std::map<OrderKey, std::vector<std::vector<PipelineOp>>> orders_;
+  mutable std::map<OrderKey, Order> orders_;
 };
 
-const std::vector<std::vector<PipelineOp>>& Evaluator::Order(const PlanChoice& choice,
-                                                             OpCosts costs) const {
+Evaluator::Order& Evaluator::OrderFor(const PlanChoice& choice, OpCosts costs) const {
   const OrderKey key{choice.schedule,       choice.pipeline_stages, choice.micro_batches,
                      choice.virtual_stages, costs.forward,          costs.backward,
                      costs.weight};
   auto it = orders_.find(key);
   if (it == orders_.end()) {
-    it = orders_
-             .emplace(key, ScheduleOrder(choice.schedule, choice.pipeline_stages,
-                                         choice.micro_batches, choice.virtual_stages, costs))
-             .first;
+    Order order;
+    order.ops = ScheduleOrder(choice.schedule, choice.pipeline_stages, choice.micro_batches,
+                              choice.virtual_stages, costs);
+    order.peak_in_flight = PeakInFlight(order.ops, SplitsBackward(choice.schedule));
+    it = orders_.emplace(key, std::move(order)).first;
+  }
+  return it->second;
+}
+
+Result<ScheduleSimulation> Evaluator::Simulate(Order& order, const PlanChoice& choice,
+                                               const std::vector<OpCosts>& costs) {
+  std::vector<double> key;
+  key.reserve(3 * costs.size());
+  for (const OpCosts& cost : costs)
+    key.insert(key.end(), {cost.forward, cost.backward, cost.weight});
+  auto it = order.simulations.find(key);
+  if (it == order.simulations.end()) {
+    TESSERA_ASSIGN_OR_RETURN(ScheduleSimulation sim,
+                             SimulateSchedule(order.ops, choice.pipeline_stages,
+                                              choice.virtual_stages, choice.micro_batches, costs));
+    it = order.simulations.emplace(std::move(key), std::move(sim)).first;
   }
   return it->second;
 }
@@ -289,9 +317,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
     stage_costs.backward += plain[static_cast<size_t>(c) * static_cast<size_t>(p)].backward;
     stage_costs.weight += plain[static_cast<size_t>(c) * static_cast<size_t>(p)].weight;
   }
-  const std::vector<std::vector<PipelineOp>>& orders =
-      Order(choice, split ? stage_costs : OpCosts{1, 1, 1});
-  TESSERA_ASSIGN_OR_RETURN(ScheduleSimulation order_sim, SimulateSchedule(orders, p, v, m, plain));
+  Order& order = OrderFor(choice, split ? stage_costs : OpCosts{1, 1, 1});
 
   // Memory per stage; the fewest recomputed layers that fit.
   const double cap = (cluster_.gpu_memory_gib - cluster_.reserved_gib) * kGiB;
@@ -308,7 +334,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
     const size_t i = static_cast<size_t>(st);
     const double n = stage_layers[i];
     // Chunk-micro-batches in flight x layers per chunk: the stage's layer activations held.
-    const double held = order_sim.peak_in_flight[i] * n / v;
+    const double held = order.peak_in_flight[i] * n / v;
     const double state = ModelStateBytes(choice, stage_params[i], layer_params);
     double working = act_layer;  // the layer being rebuilt or differentiated
     if (st == p - 1) working += 2 * kLogitBytes * s * vocab * b * vocab_share;
@@ -331,7 +357,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
       plan.costs.model_state_gib = state / kGiB;
       plan.costs.activation_gib = (used - fixed) / kGiB;
       plan.costs.working_gib = working / kGiB;
-      plan.costs.peak_in_flight = order_sim.peak_in_flight[i];
+      plan.costs.peak_in_flight = order.peak_in_flight[i];
     }
     plan.layers_per_stage = std::max(plan.layers_per_stage, static_cast<int>(n));
     plan.recomputed_layers =
@@ -365,7 +391,7 @@ Result<ScalePlan> Evaluator::Evaluate(const Candidate& candidate, double* shortf
 
   // Time: the pipeline with the recompute, then what follows the last backward.
   const std::vector<OpCosts> costs = chunk_costs(recompute);
-  TESSERA_ASSIGN_OR_RETURN(ScheduleSimulation sim, SimulateSchedule(orders, p, v, m, costs));
+  TESSERA_ASSIGN_OR_RETURN(ScheduleSimulation sim, Simulate(order, choice, costs));
   plan.costs.pipeline_ms = sim.makespan;
   plan.costs.bubble = sim.bubble;
   plan.costs.p2p_ms = p2p_ms;
