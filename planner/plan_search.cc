@@ -445,7 +445,11 @@ std::vector<PlanChoice> CandidatesOf(const std::vector<PlannedModel>& models,
 }  // namespace
 
 Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const TrainingPlan& base,
-                                                const SearchSpace& space) {
+                                                const SearchSpace& space,
+                                                std::vector<std::string>* left_out) {
+  const auto leave_out = [left_out](const std::string& split, std::string_view why) {
+    if (left_out != nullptr) left_out->push_back(fmt::format("{}: {}", split, why));
+  };
   const bool given = !space.tensor_parallel.empty();
   std::vector<int> degrees = space.tensor_parallel;
   if (!given) {
@@ -474,6 +478,7 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
             "GPU workers with --tensor-parallel 1",
             t);
       }
+      leave_out(fmt::format("T{}", t), "tensor parallelism runs on CPU workers only so far");
       continue;
     }
     for (bool shard : {false, true}) {
@@ -491,6 +496,7 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
         if (given && (!shard || only_sharded)) {
           return split.status().WithContext(fmt::format("planning T = {}", t));
         }
+        leave_out(fmt::format("T{}{}", t, shard ? " SP" : ""), split.status().message());
         continue;
       }
       models.push_back(PlannedModel{t, shard, *std::move(split)});
@@ -501,8 +507,11 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
   const bool slabs_given = !space.slabs.empty();
   const bool whole_model_searched = std::find(degrees.begin(), degrees.end(), 1) != degrees.end();
   std::vector<int> slab_counts = space.slabs;
-  if (!slabs_given && whole_model_searched && model.split_into_slabs && base.device.is_cpu()) {
-    for (int s = 2; s <= space.workers; ++s) {
+  if (!slabs_given && whole_model_searched && model.split_into_slabs) {
+    if (!base.device.is_cpu() && space.workers > 1) {
+      leave_out("slabs", "spatial parallelism runs on CPU workers only so far");
+    }
+    for (int s = 2; s <= space.workers && base.device.is_cpu(); ++s) {
       if (space.fewer_workers || space.workers % s == 0) slab_counts.push_back(s);
     }
   }
@@ -524,6 +533,7 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
     Result<ModelSpec> split = model.PlannedFor(1, s, false, SequenceAttention::kHalo);
     if (!split.ok()) {
       if (slabs_given) return split.status().WithContext(fmt::format("planning S = {}", s));
+      leave_out(fmt::format("S{}", s), split.status().message());
       continue;
     }
     models.push_back(PlannedModel{1, false, *std::move(split), s});
@@ -554,8 +564,9 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
         "plan search: the calibration holds no layer times (profile the layers first)");
   }
   const auto started = std::chrono::steady_clock::now();
+  std::vector<std::string> left_out;
   TESSERA_ASSIGN_OR_RETURN(const std::vector<PlannedModel> models,
-                           PlannedModels(model, base, space));
+                           PlannedModels(model, base, space, &left_out));
   const std::vector<PlanChoice> candidates = CandidatesOf(models, base, space, &calibration);
   std::vector<Result<Outcome>> outcomes(candidates.size(),
                                         Result<Outcome>(Internal("the candidate was not planned")));
@@ -583,6 +594,7 @@ Result<PlanSearchResult> PlanSearch(const ModelSpec& model, const TrainingPlan& 
   for (std::thread& thread : pool) thread.join();
 
   PlanSearchResult result;
+  result.left_out = std::move(left_out);
   result.considered = static_cast<int>(candidates.size());
   std::vector<size_t> order;  // enumeration index of each ranked plan
   for (size_t i = 0; i < outcomes.size(); ++i) {
@@ -648,6 +660,7 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
       "{} plans considered: {} fit and were timed, {} refused ({} over the memory cap); searched "
       "in {:.0f} ms\n",
       result.considered, result.ranked.size(), result.refused.size(), by_memory, result.search_ms);
+  for (const std::string& why : result.left_out) text += fmt::format("not searched: {}\n", why);
   return text;
 }
 

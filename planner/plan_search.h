@@ -190,6 +190,8 @@ struct RefusedPlan {
 struct PlanSearchResult {
   std::vector<RankedPlan> ranked;  // best first
   std::vector<RefusedPlan> refused;
+  // The splits not searched, each "T3: why" or "S2: why" (PlannedModels' left_out).
+  std::vector<std::string> left_out;
   int considered = 0;
   double search_ms = 0;
 };
@@ -232,11 +234,14 @@ struct PlannedModel {
   ModelSpec model;
   int slabs = 1;  // a split into slabs (spatial parallelism)
 };
+// `left_out` (if given) gets why each split the space would hold was not planned: "T3: ..." (the
+// split's error, or GPU workers), "S2: ..." (the same for slabs).
 Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const TrainingPlan& base,
-                                                const SearchSpace& space);
+                                                const SearchSpace& space,
+                                                std::vector<std::string>* left_out = nullptr);
 
 // The table `tessera plan` and `--plan auto` print: the top `top` plans with their predicted step
-// time, peak per tier and bottleneck, and the refusals' count.
+// time, peak per tier and bottleneck, the refusals' count, and the splits not searched, why.
 std::string DescribeSearch(const PlanSearchResult& result, int top);
 
 }  // namespace tessera

@@ -361,13 +361,32 @@ TEST(PlanSearchTest, SlabPlansRunOnTheirSplitsTimesAndFitWhereOneWorkerCannot) {
     }
   }
   EXPECT_TRUE(four_slabs) << DescribeSearch(fits, 10);
-  // GPU workers: no slabs (the split layers run on CPU workers only), a given count refused.
+  // GPU workers: no slabs (the split layers run on CPU workers only), which the search says; a
+  // given count refused.
   TrainingPlan gpu = base;
   gpu.device = Device::Cuda(0);
-  ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> on_gpus, PlannedModels(model, gpu, space));
+  std::vector<std::string> left_out;
+  ASSERT_OK_AND_ASSIGN(std::vector<PlannedModel> on_gpus,
+                       PlannedModels(model, gpu, space, &left_out));
   for (const PlannedModel& m : on_gpus) EXPECT_EQ(m.slabs, 1);
+  EXPECT_THAT(left_out,
+              ::testing::Contains("slabs: spatial parallelism runs on CPU workers only so far"));
   space.slabs = {2};
   EXPECT_FALSE(PlannedModels(model, gpu, space).ok());
+  space.slabs.clear();
+  // bf16 activations: slabs compute in f32, so their plans are left out, and the search's table
+  // says why and what to change.
+  UNet3dConfig bf16_config = config;
+  bf16_config.activations = DType::kBF16;
+  const ModelSpec bf16_model = *BuildUNet3d(bf16_config, CpuRegistry());
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult bf16,
+                       PlanSearch(bf16_model, base, space, calibration, CpuRegistry()));
+  for (const RankedPlan& r : bf16.ranked) EXPECT_EQ(r.choice.slabs, 1) << r.choice.Name();
+  ASSERT_EQ(bf16.left_out.size(), 2u) << DescribeSearch(bf16, 1);  // S2 and S4
+  EXPECT_THAT(bf16.left_out.front(), HasSubstr("S2: unet3d: spatial parallelism (slabs) computes "
+                                               "in f32 activations, not bf16: use --activations "
+                                               "f32"));
+  EXPECT_THAT(DescribeSearch(bf16, 1), HasSubstr("\nnot searched: S2: unet3d: spatial"));
 }
 
 TEST(PlanSearchTest, PlansAreRankedBySimulatedStepTimeTheSameWhateverTheThreads) {
