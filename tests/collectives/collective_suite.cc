@@ -92,7 +92,8 @@ char* Inputs(std::vector<char>& buffer, int rank, int64_t count, DType dtype) {
 // dtype, so an element a collective never wrote is caught (and not left from the one before).
 char* Poisoned(std::vector<char>& buffer, int64_t bytes) {
   if (buffer.size() < static_cast<size_t>(bytes)) buffer.resize(static_cast<size_t>(bytes));
-  std::memset(buffer.data(), 0x7F, static_cast<size_t>(bytes));
+  // An empty vector's data() may be null, which memset must not get even for 0 bytes.
+  if (bytes > 0) std::memset(buffer.data(), 0x7F, static_cast<size_t>(bytes));
   return buffer.data();
 }
 
