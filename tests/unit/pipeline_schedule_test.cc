@@ -348,6 +348,7 @@ TEST(PipelineScheduleTest, SimulationsAreTheDirectSweepsBitForBit) {
     if (schedule == PipelineSchedule::kInterleaved && stages == 1) continue;
     ASSERT_OK(CheckSchedule(schedule, stages, micro, v));
     std::vector<OpCosts> costs;
+    costs.reserve(static_cast<size_t>(stages) * static_cast<size_t>(v));
     for (int c = 0; c < stages * v; ++c) {
       costs.push_back(RandomCosts(random, trial % 3 == 0, SplitsBackward(schedule)));
     }
