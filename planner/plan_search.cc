@@ -508,11 +508,14 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
   const bool whole_model_searched = std::find(degrees.begin(), degrees.end(), 1) != degrees.end();
   std::vector<int> slab_counts = space.slabs;
   if (!slabs_given && whole_model_searched && model.split_into_slabs) {
-    if (!base.device.is_cpu() && space.workers > 1) {
-      leave_out("slabs", "spatial parallelism runs on CPU workers only so far");
-    }
-    for (int s = 2; s <= space.workers && base.device.is_cpu(); ++s) {
-      if (space.fewer_workers || space.workers % s == 0) slab_counts.push_back(s);
+    if (!base.device.is_cpu()) {
+      if (space.workers > 1) {
+        leave_out("slabs", "spatial parallelism runs on CPU workers only so far");
+      }
+    } else {
+      for (int s = 2; s <= space.workers; ++s) {
+        if (space.fewer_workers || space.workers % s == 0) slab_counts.push_back(s);
+      }
     }
   }
   for (int s : slab_counts) {

@@ -129,8 +129,9 @@ Result<ScheduleSimulation> Evaluator::Simulate(Order& order, const PlanChoice& c
                                                const std::vector<OpCosts>& costs) {
   std::vector<double> key;
   key.reserve(3 * costs.size());
-  for (const OpCosts& cost : costs)
+  for (const OpCosts& cost : costs) {
     key.insert(key.end(), {cost.forward, cost.backward, cost.weight});
+  }
   auto it = order.simulations.find(key);
   if (it == order.simulations.end()) {
     TESSERA_ASSIGN_OR_RETURN(ScheduleSimulation sim,
