@@ -14,9 +14,10 @@
 //      every cap's points alike;
 //   3. print, per plan, the predicted and measured step time (the median) and largest worker's
 //      peak (all objects with the running kernels' scratch: RoleMeter's total_with_scratch_peak,
-//      the memory model's figure), and per model and cap: the search's choice measured against
-//      the best and the median grid point, and how many grid points the prediction was within
-//      10% (time) and 3% (peak) of.
+//      the memory model's figure; predicted: the simulated step's, RankedPlan::
+//      expected_peak_bytes, with both orders' beside it), and per model and cap: the search's
+//      choice measured against the best and the median grid point, and how many grid points the
+//      prediction was within 10% (time) and 3% (peak) of.
 // --out DIR writes every grid point as a TSV line (plan_search.tsv) for bench/results.
 #include <algorithm>
 #include <chrono>
@@ -29,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -514,7 +516,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     double cap = 0;
     tessera::TrainingPlan base;
     tessera::PlanSearchResult search;
-    std::vector<size_t> picks;  // ranks (0-based) of the grid points
+    std::vector<size_t> picks;           // ranks (0-based) of the grid points
+    std::vector<std::string> unmatched;  // --plans names no ranked plan of the search has
   };
   std::vector<Capped> capped;
   struct Point {
@@ -534,11 +537,16 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       const size_t at = grid == 1 ? 0 : (i * (n - 1) + (grid - 1) / 2) / (grid - 1);
       if (c.picks.empty() || c.picks.back() != at) c.picks.push_back(at);
     }
+    std::set<std::string> matched;
     for (size_t at = 0; at < n; ++at) {
       const std::string plan_name = c.search.ranked[at].choice.Name();
       if (std::find(f.plans.begin(), f.plans.end(), plan_name) != f.plans.end()) {
         c.picks.push_back(at);
+        matched.insert(plan_name);
       }
+    }
+    for (const std::string& wanted : f.plans) {
+      if (!matched.contains(wanted)) c.unmatched.push_back(wanted);
     }
     for (size_t i = 0; i < c.picks.size(); ++i) points.push_back({capped.size() - 1, i});
   }
@@ -583,10 +591,13 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                               .c_str()
                         : "none",
                 search.considered, search.ranked.size(), search.refused.size(), search.search_ms);
-    if (c.picks.empty()) {
-      std::printf("no plan of the search is named by --plans\n");
-      continue;
+    if (!c.unmatched.empty()) {
+      std::printf(
+          "--plans names no plan this search ranked (refused under the cap, or not a name it "
+          "gives: `tessera plan --top N` lists them): %s\n",
+          fmt::format("{}", fmt::join(c.unmatched, ", ")).c_str());
     }
+    if (c.picks.empty()) continue;
     std::printf("%-4s %-44s %10s %10s %7s %10s %10s %7s  %s%s\n", "rank", "plan", "pred_ms",
                 "meas_ms", "err", "pred_MiB", "meas_MiB", "err", "bottleneck",
                 f.calibrate_each_round ? "; then each round's calibration's prediction" : "");
@@ -609,7 +620,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       m.round_predicted_ms = f.calibrate_each_round ? Median(round_predictions) : 0;
       const double round_err = m.round_predicted_ms / m.step_ms - 1;
       round_within += f.calibrate_each_round && std::abs(round_err) <= 0.10 ? 1 : 0;
-      const auto predicted_peak = r.peak_bytes[1];
+      const auto predicted_peak = r.expected_peak_bytes[1];
       const double time_err = r.step_ms / m.step_ms - 1;
       const double peak_err = static_cast<double>(predicted_peak) /
                                   static_cast<double>(std::max<int64_t>(m.peak_bytes, 1)) -

@@ -134,13 +134,14 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   // larger of the two.
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
+  std::array<int64_t, kMemoryTiers> expected = peaks;
   const auto tier = static_cast<size_t>(TierOf(plan.device));
   const int64_t untimed_peak = peaks[tier];
   int64_t timed_peak = 0;
   if (Result<MemoryProfile> timed = PredictTimedMemory(step->graph, simulated); timed.ok()) {
-    const std::array<int64_t, kMemoryTiers> timed_peaks = LargestPeaks(*timed);
-    timed_peak = timed_peaks[tier];
-    for (size_t t = 0; t < kMemoryTiers; ++t) peaks[t] = std::max(peaks[t], timed_peaks[t]);
+    expected = LargestPeaks(*timed);
+    timed_peak = expected[tier];
+    for (size_t t = 0; t < kMemoryTiers; ++t) peaks[t] = std::max(peaks[t], expected[t]);
   }
   const int64_t cap = CapOf(plan);
   if (cap > 0 && peaks[tier] > cap) {
@@ -159,6 +160,7 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   ranked.critical = simulated.workers[simulated.critical];
   ranked.bottleneck = simulated.bottleneck;
   ranked.peak_bytes = peaks;
+  ranked.expected_peak_bytes = expected;
   ranked.untimed_peak_bytes = untimed_peak;
   ranked.timed_peak_bytes = timed_peak;
   const std::vector<ActivationDecision>& decisions = step->memory.activations;
@@ -650,7 +652,7 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
                            r.swapped_layers, r.partly_kept_layers);
     }
     const auto peak = [&r](MemoryTier tier) {
-      const int64_t bytes = r.peak_bytes[static_cast<size_t>(tier)];
+      const int64_t bytes = r.expected_peak_bytes[static_cast<size_t>(tier)];
       return bytes == 0 ? std::string("-") : MibText(bytes);
     };
     text += fmt::format("{:>3}  {:<44} {:>10.2f}  {:<40} {:>11} {:>11} {:>10}  {}\n", i + 1,
@@ -663,6 +665,9 @@ std::string DescribeSearch(const PlanSearchResult& result, int top) {
       "{} plans considered: {} fit and were timed, {} refused ({} over the memory cap); searched "
       "in {:.0f} ms\n",
       result.considered, result.ranked.size(), result.refused.size(), by_memory, result.search_ms);
+  text +=
+      "peaks: as the simulated step holds them; a plan also fits its cap in the executor's "
+      "untimed order (every task a unit of time), which can hold more\n";
   for (const std::string& why : result.left_out) text += fmt::format("not searched: {}\n", why);
   return text;
 }

@@ -168,11 +168,19 @@ struct RankedPlan {
   double step_ms = 0;
   SimulatedWorker critical;  // the worker that ends last: its compute and waits
   Bottleneck bottleneck = Bottleneck::kCompute;
-  // The largest worker's predicted peak per tier (MemoryTier order), and what the memory plan
-  // chose (empty: kept everything).
+  // The largest worker's peak per tier (MemoryTier order) the plan was fitted and checked by:
+  // the larger of two orders' (below), so that a plan under a cap stays under it whichever of
+  // them a run follows.
   std::array<int64_t, kMemoryTiers> peak_bytes{};
-  // Of the compute tier, the two orders peak_bytes is the larger of: the executor's untimed
-  // order and the simulated step's (PredictTimedMemory: its order and its times of arrival).
+  // The largest worker's expected peak per tier: the simulated step's (PredictTimedMemory: its
+  // order, what other workers send arriving at its simulated time), what a run is predicted to
+  // show; the executor's untimed order's where the timed prediction failed. The untimed order
+  // (every task a unit of time) runs a stage's neighbours as fast as the stage itself, so what
+  // they send can pile up there beyond what a run sees (a GPipe stage of tensor-parallel pairs
+  // receives the next stage's backward gradients faster than it consumes them).
+  std::array<int64_t, kMemoryTiers> expected_peak_bytes{};
+  // Of the compute tier, the two orders' peaks: the executor's untimed order's and the simulated
+  // step's (0: not predicted).
   int64_t untimed_peak_bytes = 0, timed_peak_bytes = 0;
   int recomputed_layers = 0, swapped_layers = 0, partly_kept_layers = 0;
   std::string memory_reason;
@@ -241,7 +249,8 @@ Result<std::vector<PlannedModel>> PlannedModels(const ModelSpec& model, const Tr
                                                 std::vector<std::string>* left_out = nullptr);
 
 // The table `tessera plan` and `--plan auto` print: the top `top` plans with their predicted step
-// time, peak per tier and bottleneck, the refusals' count, and the splits not searched, why.
+// time, expected peak per tier (RankedPlan::expected_peak_bytes) and bottleneck, the refusals'
+// count, and the splits not searched, why.
 std::string DescribeSearch(const PlanSearchResult& result, int top);
 
 }  // namespace tessera

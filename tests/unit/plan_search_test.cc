@@ -539,6 +539,56 @@ TEST(PlanSearchTest, CollectivesTakingTheirTimeKeepTheirInputsLonger) {
   }
 }
 
+// The largest worker's peak on `tier`.
+int64_t LargestPeak(const MemoryProfile& profile, MemoryTier tier) {
+  int64_t largest = 0;
+  for (const WorkerMemory& w : profile.workers) {
+    largest = std::max(largest, w.peaks[static_cast<size_t>(tier)].bytes);
+  }
+  return largest;
+}
+
+// A search reports as each plan's expected peak what its simulated step holds, and fits it by
+// the larger of that and the executor's untimed order's. The untimed order (every task a unit of
+// time) paces a pipeline's stages by their counts of tasks, not their times, so what one stage
+// sends another can pile up there as it does not in the simulated step: in a GPipe pipeline of 8
+// micro-batches at least one plan's untimed peak is the larger.
+TEST(PlanSearchTest, ExpectedPeaksAreTheSimulatedStepsAndTheFittedOnesBoundThem) {
+  const ModelSpec model = SixBlocks();
+  const Calibration calibration = Proportional(model);
+  SearchSpace space;
+  space.workers = 2;
+  space.pipeline_stages = 2;
+  space.micro_batches = 8;
+  space.zero_stages = {0};
+  space.schedules = {PipelineSchedule::kGPipe};
+  ASSERT_OK_AND_ASSIGN(PlanSearchResult search,
+                       PlanSearch(model, Base(), space, calibration, CpuRegistry()));
+  ASSERT_FALSE(search.ranked.empty());
+  int untimed_holds_more = 0;
+  for (const RankedPlan& r : search.ranked) {
+    TrainingPlan plan = Base();
+    plan.parallel = r.parallel;
+    plan.parallel.workers = {WorkerId(1), WorkerId(2)};
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    ASSERT_OK_AND_ASSIGN(SimulatedStep simulated,
+                         SimulatePlannedStep(step, model, plan.memory, calibration, CpuRegistry()));
+    ASSERT_OK_AND_ASSIGN(MemoryProfile timed, PredictTimedMemory(step.graph, simulated));
+    ASSERT_OK_AND_ASSIGN(MemoryProfile untimed, PredictMemory(step.graph));
+    for (size_t t = 0; t < kMemoryTiers; ++t) {
+      const auto tier = static_cast<MemoryTier>(t);
+      EXPECT_EQ(r.expected_peak_bytes[t], LargestPeak(timed, tier)) << r.choice.Name();
+      EXPECT_EQ(r.peak_bytes[t], std::max(LargestPeak(timed, tier), LargestPeak(untimed, tier)))
+          << r.choice.Name();
+    }
+    const auto host = static_cast<size_t>(MemoryTier::kHost);
+    EXPECT_EQ(r.timed_peak_bytes, r.expected_peak_bytes[host]);
+    untimed_holds_more += r.untimed_peak_bytes > r.expected_peak_bytes[host] ? 1 : 0;
+  }
+  EXPECT_GT(untimed_holds_more, 0) << DescribeSearch(search, 10);
+  EXPECT_THAT(DescribeSearch(search, 10), HasSubstr("peaks: as the simulated step holds them"));
+}
+
 TEST(PlanSearchTest, WhenNothingFitsTheClosestPlanAndTheFixAreNamed) {
   const ModelSpec model = SixBlocks();
   SearchSpace space;
