@@ -98,8 +98,9 @@ int RunWorkerProcess(const WorkerProcessFlags& flags) {
     if (!started.ok()) {
       if (!joined) return FailWith(kProgram, started.status());
       if (std::chrono::steady_clock::now() >= deadline) {
-        GetLogger("worker")->warn("exiting: no scheduler at {} within {} ms ({})", *address,
-                                  grace.count(), lost.ToString());
+        GetLogger("worker")->warn("exiting: no scheduler at {} within {} ms ({}); the last try: {}",
+                                  *address, grace.count(), lost.ToString(),
+                                  started.status().ToString());
         return 1;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(250));

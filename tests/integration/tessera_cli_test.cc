@@ -236,6 +236,12 @@ TEST_F(SchedulerLossTest, WithoutRestartTheDriverAndWorkersExitWhenTheSchedulerD
   ASSERT_NE(CommandLine(PidFile()).find(" scheduler "), std::string::npos);
   ASSERT_EQ(::kill(PidFile(), SIGKILL), 0);
   ExpectDriverAndWorkersGone("lost the connection to the scheduler");
+  // Each worker's last line says why it left: the loss, and what its last try to rejoin got.
+  const std::string logs = SessionLogs();
+  EXPECT_NE(logs.find("exiting: no scheduler at " + address_), std::string::npos) << logs;
+  EXPECT_NE(logs.find("the last try: Unavailable: cannot connect to " + address_),
+            std::string::npos)
+      << logs;
 }
 
 // A stopped scheduler (SIGSTOP) closes no connection: the driver and the workers notice its
