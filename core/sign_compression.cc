@@ -25,28 +25,16 @@ inline float Signed(float scale, uint32_t word, int64_t k) {
   return ((word >> k) & 1u) != 0 ? scale : -scale;
 }
 
-// The root mean square of n values: each square exact in double (a float's 24-bit significand
-// squared fits in 53 bits), summed in double in kSquareLanes partial sums (element i into
-// partial i % kSquareLanes, the partials then added in order), so that the sum is the same on
-// every CPU and compiler that follows IEEE double arithmetic (it is not the serial sum's bits).
-// With kAdd, values[i] = addend[i] + values[i] first (the worker's error feedback, fused into
-// the same pass).
+// The root mean square of n values, their squares summed in lanes (core/lane_sum.h: the same
+// bits on every CPU that follows IEEE double arithmetic). With kAdd, values[i] = addend[i] +
+// values[i] first (the worker's error feedback, fused into the same pass).
 template <bool kAdd>
 float RootMeanSquare(float* values, const float* addend, int64_t n) {
   if (n <= 0) return 0.f;
-  std::array<double, kSquareLanes> partial{};
-  const auto add_square = [&](int64_t i, int64_t l) {
+  const double squares = LaneSumOfSquares(n, [&](int64_t i) {
     if constexpr (kAdd) values[i] = addend[i] + values[i];
-    const auto v = static_cast<double>(values[i]);
-    partial[static_cast<size_t>(l)] += v * v;
-  };
-  int64_t i = 0;
-  for (; i + kSquareLanes <= n; i += kSquareLanes) {
-    for (int64_t l = 0; l < kSquareLanes; ++l) add_square(i + l, l);
-  }
-  for (int64_t l = 0; i < n; ++i, ++l) add_square(i, l);
-  double squares = 0;
-  for (double p : partial) squares += p;
+    return values[i];
+  });
   return static_cast<float>(std::sqrt(squares / static_cast<double>(n)));
 }
 

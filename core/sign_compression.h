@@ -23,10 +23,9 @@
 
 #include <cstdint>
 
-namespace tessera {
+#include "core/lane_sum.h"  // kSquareLanes: the partial sums of a chunk's squares (above)
 
-// The partial sums of a chunk's squares (above).
-inline constexpr int64_t kSquareLanes = 8;
+namespace tessera {
 
 // count / size rounded up to a whole number of 32-bit words of signs; 0 for no elements.
 int64_t SignChunkElements(int64_t count, int size);

@@ -164,8 +164,8 @@ void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weigh
                float grad_scale);
 
 // Sum of squares, accumulated in double over fixed chunks (2^16 elements; within each, eight
-// interleaved partial sums added in order), the chunks' sums added in order: the same bits for
-// any thread count and CPU.
+// interleaved partial sums added in order: core/lane_sum.h), the chunks' sums added in order:
+// the same bits for any thread count and CPU.
 double SumOfSquares(const float* x, int64_t n);
 // The clipping factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (norm + 1e-6)).
 // max_norm <= 0 disables clipping (returns 1).

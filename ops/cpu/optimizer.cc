@@ -1,6 +1,5 @@
 // AdamW, 1-bit Adam and SGD on flat parameter groups, gradient norms and the clipping factor.
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string_view>
 #include <vector>
@@ -9,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include "core/lane_sum.h"
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/parallel.h"
 
@@ -364,22 +364,9 @@ void SgdUpdate(float* param, const float* grad, int64_t n, float lr, float weigh
 double SumOfSquares(const float* x, int64_t n) {
   std::vector<double> partial(static_cast<size_t>((n + kNormChunk - 1) / kNormChunk));
   detail::ParallelChunks(n, kNormChunk, [&](int64_t chunk, int64_t begin, int64_t end) {
-    // Eight interleaved partial sums (element i of the chunk into partial i % 8, then added in
-    // order): independent additions the compiler vectorises, not one chain of dependent ones.
-    constexpr int64_t kLanes = 8;
-    std::array<double, kLanes> lanes{};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        lanes[static_cast<size_t>(l)] += static_cast<double>(x[i + l]) * x[i + l];
-      }
-    }
-    for (int64_t l = 0; i < end; ++i, ++l) {
-      lanes[static_cast<size_t>(l)] += static_cast<double>(x[i]) * x[i];
-    }
-    double sum = 0.0;
-    for (double lane : lanes) sum += lane;
-    partial[static_cast<size_t>(chunk)] = sum;
+    const float* chunk_x = x + begin;
+    partial[static_cast<size_t>(chunk)] =
+        LaneSumOfSquares(end - begin, [chunk_x](int64_t i) { return chunk_x[i]; });
   });
   double total = 0.0;
   for (double p : partial) total += p;
