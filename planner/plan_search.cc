@@ -130,8 +130,8 @@ Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
   // The peaks in the order the simulated step ends its tasks: collectives and copies on the
   // lanes beside the compute keep their inputs while they take their time (the executor's
   // untimed order, which the memory plan fits by, finishes them at once), and what another worker
-  // sends arrives at its time (a stage whose neighbour runs ahead holds what piles up). The
-  // larger of the two.
+  // sends arrives at its time (a stage whose neighbour runs ahead holds what piles up): the
+  // expected peaks. The plan is checked against the cap by the larger of the two orders'.
   TESSERA_ASSIGN_OR_RETURN(MemoryProfile memory, PredictMemory(step->graph));
   std::array<int64_t, kMemoryTiers> peaks = LargestPeaks(memory);
   std::array<int64_t, kMemoryTiers> expected = peaks;

@@ -256,9 +256,9 @@ TEST_F(SchedulerLossTest, ASilentSchedulerIsLeftByTheDriverAndWorkers) {
 // Under its supervisor (the default) a killed scheduler comes back on the same port and the
 // workers rejoin it; one that keeps dying is given up on after 5 restarts in a minute, and then
 // the workers exit. The workers wait 5 s for it (the default is 30 s): the new scheduler listens
-// 0.4 s after a death on an idle machine, 300 ms of it the supervisor's pause; on a loaded one it
-// took over the 1 s the other tests give, and the workers that had given up were not there to be
-// counted (a 1.5 s pause reproduces it: "1 of 1 workers alive").
+// 0.4 s after a death on an idle machine, 300 ms of it the supervisor's pause, too close to the
+// 1 s the other tests give on a loaded one: workers that had given up were not there to be
+// counted (a 1.5 s pause reproduces the failure CI saw once: "1 of 1 workers alive").
 TEST_F(SchedulerLossTest, ASupervisedSchedulerComesBackAndIsGivenUpOnIfItKeepsDying) {
   StartCluster("tessera_cli_scheduler_restart", "", 5000);
   const int supervisor = PidFile();
