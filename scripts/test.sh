@@ -12,6 +12,20 @@ built=$(date +%s)
 status=0
 (cd build && ctest --output-on-failure -j "$(nproc)" "$@") || status=$?
 finished=$(date +%s)
+# A failed test's assertions again, last, where a reader of the log's tail sees them (its whole
+# output is above, in ctest's order): each failure's line and the 5 after it, cut to 160
+# characters, for the first 3 failed tests.
+failures=build/Testing/Temporary/LastTestsFailed.log
+if [[ $status != 0 && -f $failures && -f build/Testing/Temporary/LastTest.log ]]; then
+  echo "test.sh: the failed tests' assertions (their whole output is above):"
+  awk -F: 'FNR == NR { if (++failed <= 3) wanted[$2] = 1; next }
+    /^[0-9]+\/[0-9]+ Test: / { name = $0; sub(/^[^:]*: /, "", name); shown = 0 }
+    !(name in wanted) { next }
+    /^<end of output>$/ { after = 0 }
+    /: Failure$/ { after = 6; if (!shown++) print "  " name ":" }
+    after > 0 { print "    " substr($0, 1, 160); --after }' \
+    "$failures" build/Testing/Temporary/LastTest.log | head -n 60
+fi
 echo "test.sh: packages $((installed - started)) s, build $((built - installed)) s," \
   "tests $((finished - built)) s: $((finished - started)) s in all (ctest exit $status)"
 exit "$status"
