@@ -123,8 +123,9 @@ struct OpDef {
   // As many outputs as inference returns; past output_names, each is named after the last.
   bool variadic_outputs = false;
   // Inputs after the named ones are control inputs: they only order the task after their
-  // producers (a ZeRO-3 gather waiting for an earlier layer's forward, bounding memory); the op
-  // ignores them, and inference and cost see the named inputs only.
+  // producers; the op ignores them, and inference and cost see the named inputs only. Like any
+  // input, one stays live until the task ends (a collective's: until every member has come), so
+  // the planner orders its tasks by control edges (TaskSpec::after) instead, which hold nothing.
   bool control_inputs = false;
   // A transfer: inputs may live on any device (copies between a worker's GPU and its host tier).
   // Every other op reads only objects on the device its task runs on (GraphBuilder checks).

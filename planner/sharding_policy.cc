@@ -422,24 +422,26 @@ class Zero3Policy final : public ShardingPolicy {
     const int r = use.rank;
     const size_t l = use.group;
     TESSERA_ASSIGN_OR_RETURN(ObjectId held, UsableParams(state, use, when));
-    std::vector<ObjectId> inputs{held};
-    // Prefetch order only among tasks of the layer's own stage: an activation of another stage
-    // would be pushed here just to order the gather, and would tie this stage's collective
-    // order to another stage's progress.
-    if (use.after.valid() && state.ProducedOnStage(use.after, state.StageOf(l))) {
-      inputs.push_back(use.after);
-    }
     const std::string name = fmt::format("{}/gather_{}", state.LayerName(l), when);
     // On a channel of their own: a gather never waits behind a gradient's reduce-scatter, so the
     // backward pass's gathers are prefetched like the forward's (core/collective_task.h).
     TESSERA_ASSIGN_OR_RETURN(
         auto gathered,
         state.builder.AddTask(
-            state.Name(r, name), "all_gather", std::move(inputs),
+            state.Name(r, name), "all_gather", {held},
             QuantizedWhenAsked(
                 state, state.DataCollective(name, r).Set(kChannelAttr, int64_t{kGatherChannel})),
             state.On(r, state.LayerName(l), kForwardPriority + 1, {state.Name(r, name + ":params")},
                      {ObjectRole::kGatheredParameter})));
+    // Prefetched once `use.after` is made, by a control edge, not by reading it: a collective
+    // holds what it reads until every member has come, so an activation read only to order the
+    // gather would stay live past its last real reader, which then could not take its buffer
+    // over (an in-place backward copies instead, one activation more than the memory model
+    // counts). Only among tasks of the layer's own stage: one of another stage would tie this
+    // stage's collective order to that stage's progress.
+    if (use.after.valid() && state.ProducedOnStage(use.after, state.StageOf(l))) {
+      state.builder.AddControlEdge(state.ProducerOf(use.after), state.ProducerOf(gathered[0]));
+    }
     return gathered[0];
   }
 

@@ -226,6 +226,40 @@ TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
   EXPECT_EQ(info.alive_workers(), 2);
 }
 
+// ZeRO-3 prefetches a layer's gather once the layer before it in the pass has run: a control
+// edge, not an input, so the gather (a collective, out until its peer comes) holds no activation
+// past its last reader. (Read as an input, the gradient entering the last block's backward stayed
+// live while the next layer's gather waited for its peer, so the backward could not take its
+// buffer over and copied it: one activation over the predicted peak, which workers capped there
+// refused.) Workers capped at the predicted host peak of ZeRO-3 over two ranks train the one
+// worker's run with every allocator peak under the cap.
+TEST_F(ZeroPlansTest, Zero3StepFitsWorkersCappedAtItsPredictedPeak) {
+  TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
+  plan.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
+  int64_t peak = 0;
+  {
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    for (const WorkerMemory& worker : profile.workers) {
+      peak = std::max(peak, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+    }
+  }
+  ASSERT_GT(peak, 0);
+  const double cap_gib = static_cast<double>(peak) / (1 << 30);
+  plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(2, cap_gib));
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan,
+                                                     std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "ZeRO-3 on workers capped at its predicted peak");
+  ASSERT_EQ(run.reports.back().ranks.size(), 2u);
+  for (const RankFigures& rank : run.reports.back().ranks) {
+    EXPECT_GT(rank.figures.allocator_peak, 0);
+    EXPECT_LE(rank.figures.allocator_peak, plan.memory.host_bytes) << rank.worker.ToString();
+  }
+}
+
 // A 1F1B pipeline (two stages, four micro-batches) with half and a quarter of its activations
 // (recomputing every layer, keeping the least part, reaches 34%: each stage keeps its in-flight
 // micro-batches' layer inputs; at a quarter the plan splits the batch into eight micro-batches

@@ -95,7 +95,8 @@ TEST(ShardingPolicyTest, OneBitAdamShardsAreCompressionChunks) {
 }
 
 // ZeRO-3 gathers a group's shards before each use, on the group's stage and rank's worker,
-// waiting (a second input) for the activation entering the layer prefetch_layers back.
+// after (a control edge, holding no object) the task making the activation entering the layer
+// prefetch_layers back.
 TEST(ShardingPolicyTest, ZeroThreeGathersBeforeEachUsePrefetchedOneLayerAhead) {
   const ModelSpec model = TinyGpt2();
   const TrainingPlan plan = MakeTinyPlan({.ranks = 2, .zero = 3});
@@ -104,8 +105,8 @@ TEST(ShardingPolicyTest, ZeroThreeGathersBeforeEachUsePrefetchedOneLayerAhead) {
   const TaskSpec* gather = FindTask(state, "rank1/h.1/gather_forward");
   ASSERT_NE(gather, nullptr);
   EXPECT_EQ(gather->op, "all_gather");
-  EXPECT_THAT(NamesOf(state, gather->inputs),
-              ElementsAre("rank1/h.1.params[shard]", "rank1/embedding/forward:x"));
+  EXPECT_THAT(NamesOf(state, gather->inputs), ElementsAre("rank1/h.1.params[shard]"));
+  EXPECT_THAT(gather->after, ElementsAre(FindTask(state, "rank1/embedding/forward")->id));
   EXPECT_EQ(gather->pinned_worker, WorkerId(101));
   EXPECT_EQ(gather->priority, kForwardPriority + 1);
   EXPECT_EQ(state.builder.graph().object(gather->outputs[0]).role, ObjectRole::kGatheredParameter);
