@@ -22,7 +22,7 @@ const char* TesseraVersion() { return TESSERA_VERSION_STRING; }
 
 std::string BuildDescription() {
   const std::string_view build_type = TESSERA_BUILD_TYPE;
-#if defined(TESSERA_HAVE_CUDA)
+#if TESSERA_HAVE_CUDA  // defined in every build: 1 or 0
   const std::string cuda = fmt::format("CUDA backend for sm_{}", TESSERA_CUDA_ARCHITECTURES);
 #else
   const std::string cuda = "no CUDA backend";

@@ -540,6 +540,14 @@ TEST(TesseraCliTest, VersionAndDoctorDescribeTheBuildAndTheMachine) {
               doctor.output.find("  gpu 0:   ") != std::string::npos)
       << doctor.output;
   EXPECT_NE(doctor.output.find("executor threads: "), std::string::npos) << doctor.output;
+  // The build line names the CUDA backend exactly where the build has one (it named "sm_" with
+  // no architecture in a build without one).
+  const bool no_cuda = doctor.output.find("this build has no CUDA backend") != std::string::npos;
+  EXPECT_EQ(version.output.find(", no CUDA backend)") != std::string::npos, no_cuda)
+      << version.output;
+  EXPECT_EQ(std::regex_search(version.output, std::regex(R"(, CUDA backend for sm_[0-9]+)")),
+            !no_cuda)
+      << version.output;
 }
 
 // `tessera plan`: calibrated on a local cluster it starts for the probes, it lists the best plans
