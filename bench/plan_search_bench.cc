@@ -15,7 +15,9 @@
 //   3. print, per plan, the predicted and measured step time (the median) and largest worker's
 //      peak (all objects with the running kernels' scratch: RoleMeter's total_with_scratch_peak,
 //      the memory model's figure; predicted: the simulated step's, RankedPlan::
-//      expected_peak_bytes, with both orders' beside it), and per model and cap: the search's
+//      expected_peak_bytes, with both orders' beside it) and the largest worker allocator's peak
+//      in a step (what a worker's cap holds: RoleMeter counts an in-place update the executor
+//      had to copy once, the allocator twice), and per model and cap: the search's
 //      choice measured against the best and the median grid point, and how many grid points the
 //      prediction was within 10% (time) and 3% (peak) of.
 // --out DIR writes every grid point as a TSV line (plan_search.tsv) for bench/results.
@@ -117,8 +119,9 @@ Model MakeModel(const Flags& f, const std::string& name) {
 
 struct Measured {
   double step_ms = 0;
-  int64_t peak_bytes = 0;         // the largest worker's, with kernel scratch
-  double round_predicted_ms = 0;  // simulated on the round's calibration (0: none)
+  int64_t peak_bytes = 0;            // the largest worker's, with kernel scratch
+  int64_t allocator_peak_bytes = 0;  // the largest worker allocator's in a step
+  double round_predicted_ms = 0;     // simulated on the round's calibration (0: none)
 };
 
 double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -440,6 +443,8 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
     ms.push_back(report.step_ms);
     for (const tessera::RankFigures& rank : report.ranks) {
       measured.peak_bytes = std::max(measured.peak_bytes, rank.figures.total_with_scratch_peak);
+      measured.allocator_peak_bytes =
+          std::max(measured.allocator_peak_bytes, rank.figures.allocator_peak);
     }
     last = std::move(report);
   }
@@ -613,6 +618,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
         times.push_back(round.step_ms);
         round_predictions.push_back(round.round_predicted_ms);
         m.peak_bytes = std::max(m.peak_bytes, round.peak_bytes);
+        m.allocator_peak_bytes = std::max(m.allocator_peak_bytes, round.allocator_peak_bytes);
       }
       m.step_ms = Median(times);
       // Predicted with each round's calibration: the median of those predictions against the
@@ -638,16 +644,16 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
               : "";
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
-          "executor's order %.2f MiB, in the simulated order %.2f)%s\n",
+          "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f)%s\n",
           at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
           Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
           tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes), Mib(r.timed_peak_bytes),
-          round_figures.c_str());
+          Mib(m.allocator_peak_bytes), round_figures.c_str());
       if (tsv != nullptr) {
-        *tsv << fmt::format("{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\n", name,
-                            cap, at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
-                            predicted_peak, m.peak_bytes, tessera::BottleneckName(r.bottleneck),
-                            m.round_predicted_ms);
+        *tsv << fmt::format(
+            "{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\t{}\n", name, cap, at + 1,
+            r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms, predicted_peak, m.peak_bytes,
+            tessera::BottleneckName(r.bottleneck), m.round_predicted_ms, m.allocator_peak_bytes);
       }
       std::fflush(stdout);
     }
@@ -718,7 +724,7 @@ int Main(int argc, char** argv) {
     std::filesystem::create_directories(f.out);
     tsv = std::make_unique<std::ofstream>(f.out + "/plan_search.tsv");
     *tsv << "model\tcap\trank\tplan\tflags\tpredicted_ms\tmeasured_ms\tpredicted_peak_bytes\t"
-            "measured_peak_bytes\tbottleneck\tround_predicted_ms\n";
+            "measured_peak_bytes\tbottleneck\tround_predicted_ms\tallocator_peak_bytes\n";
   }
   std::printf("# %s, %s\n", kProgram, tessera::VersionLine(kProgram).c_str());
   for (const std::string& name : f.models) {
