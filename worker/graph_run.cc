@@ -213,7 +213,7 @@ void GraphExecution::Offload(int t) {
       [&](int input_index) { return TakeDonation(task, in, input_index); }, &counters, NameOf(t));
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
-  if (!outputs.ok()) return Fail(outputs.status());
+  if (!outputs.ok()) return FailTask(outputs.status());
   {
     MutexLock lock(&mutex_);
     ++offloads_;
@@ -286,7 +286,7 @@ void GraphExecution::RunTask(int t, std::vector<int>* ready) {
   donations_taken_ += counters.donations_taken;
   donations_copied_ += counters.donations_copied;
   in.clear();  // drop our references before releasing inputs
-  if (!ran.ok()) return Fail(ran.status());
+  if (!ran.ok()) return FailTask(ran.status());
   FinishTask(t, *ran, ready, counters.scratch_peak_bytes);
 }
 
@@ -430,6 +430,20 @@ void GraphExecution::Fail(Status status) {
   // Its queued tasks will not run: they no longer keep the run busy. (The caller's count keeps
   // it above zero.)
   busy_.fetch_sub(executor_.Unqueue(this));
+}
+
+void GraphExecution::FailTask(Status status) {
+  if (status.code() != StatusCode::kResourceExhausted) return Fail(std::move(status));
+  // The allocator counts every buffer; the role meter the step's objects as its plan does (at
+  // task ends, an in-place update the worker had to copy once): what is over the plan's figure
+  // shows in the difference.
+  Fail(Status(status.code(),
+              fmt::format("{} (when refused, this step's objects held {} bytes as its plan counts "
+                          "them after its last finished task; the rest of what was live: the "
+                          "running tasks' outputs and scratch, objects in flight between "
+                          "workers, copies where an in-place update could not take its input's "
+                          "buffer, and what other runs and the object store hold)",
+                          status.message(), meter_.live_total())));
 }
 
 RunActivity GraphExecution::Activity() const {

@@ -250,6 +250,8 @@ class GraphExecution : public std::enable_shared_from_this<GraphExecution> {
   // Records the first error and stops the run starting tasks (its queued ones leave the
   // executor's queue). REQUIRES: the caller holds a busy count.
   void Fail(Status status) EXCLUDES(mutex_);
+  // A task's failure; a refused allocation also says what the step's objects held then.
+  void FailTask(Status status) EXCLUDES(mutex_);
 
   // Step 6. Enter takes a busy count unless the run has ended; Leave returns it, and the last
   // one out decides whether the run waits (late inputs, offloaded tasks), has failed (then

@@ -67,6 +67,13 @@ class RoleMeter {
     MutexLock lock(&mutex_);
     return bytes_;
   }
+  // What is live now, every role together (as of the last event).
+  int64_t live_total() const {
+    MutexLock lock(&mutex_);
+    int64_t total = 0;
+    for (int64_t bytes : live_) total += bytes;
+    return total;
+  }
 
   static bool IsModelState(ObjectRole role) {
     return role == ObjectRole::kParameter || role == ObjectRole::kGradient ||

@@ -178,8 +178,9 @@ TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
 // same figure fits: ZeRO-1 on two workers capped at 85% of a worker's uncapped host peak, the
 // plan capped alike (the planner recomputes to fit), trains the one worker's run with every
 // worker's allocator peak under the cap, and again after the state is initialised anew. The
-// uncapped plan's step is refused, naming the cap, and the workers live on. (A trainer's state
-// is the workers' memory while the trainer lives: this one's counts against the next plan's.)
+// uncapped plan's step is refused, naming the cap and what the step's objects held, and the
+// workers live on. (A trainer's state is the workers' memory while the trainer lives: this one's
+// counts against the next plan's.)
 TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
   TrainingPlan uncapped = Plan(2, 1, OffloadMode::kNone, 1);
   uncapped.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
@@ -222,6 +223,8 @@ TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("would pass its cap"));
   EXPECT_THAT(refused.status().message(), HasSubstr("this worker's --host-cap-gib"));
+  // ... and what of it the step's objects held, as its plan counts them.
+  EXPECT_THAT(refused.status().message(), HasSubstr("this step's objects held "));
   ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
   EXPECT_EQ(info.alive_workers(), 2);
 }
