@@ -79,9 +79,22 @@ class ZeroPlansTest : public ::testing::Test {
   }
 
   static Result<std::unique_ptr<Trainer>> Distributed(const TrainingPlan& plan) {
+    return OnCluster(*cluster_, plan);
+  }
+  static Result<std::unique_ptr<Trainer>> OnCluster(Cluster& cluster, const TrainingPlan& plan) {
     TESSERA_ASSIGN_OR_RETURN(auto backend,
-                             MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
+                             MakeClusterBackend(cluster, ClusterPlacement::kScheduler));
     return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
+  }
+  // The largest host peak the memory model predicts for a worker of `plan`'s step.
+  static Result<int64_t> PredictedHostPeak(const TrainingPlan& plan) {
+    TESSERA_ASSIGN_OR_RETURN(auto trainer, Distributed(plan));
+    TESSERA_ASSIGN_OR_RETURN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
+    int64_t peak = 0;
+    for (const WorkerMemory& worker : profile.workers) {
+      peak = std::max(peak, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
+    }
+    return peak;
   }
 
   // The two-stage pipeline under an activation budget (below).
@@ -184,23 +197,12 @@ TEST_F(ZeroPlansTest, AnActivationBudgetUnderZero3MatchesOneWorker) {
 TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
   TrainingPlan uncapped = Plan(2, 1, OffloadMode::kNone, 1);
   uncapped.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
-  int64_t peak = 0;
-  {
-    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(uncapped));
-    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
-    for (const WorkerMemory& worker : profile.workers) {
-      peak = std::max(peak, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
-    }
-  }
+  ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(uncapped));
   const double cap_gib = static_cast<double>(peak) * 0.85 / (1 << 30);
   TrainingPlan capped = uncapped;
   capped.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(2, cap_gib));
-  const auto on_cluster = [&](const TrainingPlan& plan) -> Result<std::unique_ptr<Trainer>> {
-    TESSERA_ASSIGN_OR_RETURN(auto backend,
-                             MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
-    return Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan, std::move(backend));
-  };
+  const auto on_cluster = [&](const TrainingPlan& plan) { return OnCluster(*cluster, plan); };
 
   ASSERT_OK_AND_ASSIGN(auto trainer, on_cluster(capped));
   EXPECT_THAT(trainer->step_graph().memory.reason, HasSubstr("recompute"));
@@ -239,21 +241,12 @@ TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
 TEST_F(ZeroPlansTest, Zero3StepFitsWorkersCappedAtItsPredictedPeak) {
   TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
   plan.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
-  int64_t peak = 0;
-  {
-    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
-    ASSERT_OK_AND_ASSIGN(MemoryProfile profile, PredictMemory(trainer->step_graph().graph));
-    for (const WorkerMemory& worker : profile.workers) {
-      peak = std::max(peak, worker.peaks[static_cast<size_t>(MemoryTier::kHost)].bytes);
-    }
-  }
+  ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(plan));
   ASSERT_GT(peak, 0);
   const double cap_gib = static_cast<double>(peak) / (1 << 30);
   plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(2, cap_gib));
-  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
-  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(*BuildGpt2(*Gpt2Config::Preset("tiny")), plan,
-                                                     std::move(backend)));
+  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(*cluster, plan));
   ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
   testing::ExpectSameRun(run, *reference_, "ZeRO-3 on workers capped at its predicted peak");
   ASSERT_EQ(run.reports.back().ranks.size(), 2u);
