@@ -357,7 +357,7 @@ class CompressedMomentumPolicy final : public ShardedUpdatePolicy {
 };
 
 // ZeRO-3: parameters sharded too. Each use of a group's parameters all-gathers the shards first
-// (prefetch_layers ahead of the use, through a second input), per micro-batch or once per step
+// (prefetch_layers ahead of the use, by a control edge), per micro-batch or once per step
 // (GatherPolicy); gradients as ZeRO-2; each rank's update writes its shard, nothing to gather.
 class Zero3Policy final : public ShardingPolicy {
  public:
