@@ -12,6 +12,7 @@
 
 #include "core/collective_task.h"
 #include "core/disk_tasks.h"
+#include "core/exchange_layout.h"
 #include "planner/channel_order.h"
 
 namespace tessera {
@@ -27,6 +28,12 @@ double RingTraffic(const TaskSpec& task, int members) {
   const double share = static_cast<double>(members - 1) / members;
   if (op == "all_reduce") return 2 * share;
   if (op == "broadcast") return 1;
+  if (op == "all_to_all") {
+    // A halo or a ring's rotation sends x whole to one neighbour; blocks go (N-1)/N to the others.
+    const Result<ExchangeLayout> layout = ExchangeLayoutOf(task.attrs);
+    if (layout.ok() && (PassesHalo(*layout) || RotatesRing(*layout))) return 1;
+    return share;
+  }
   if (op == "compressed_all_reduce") return 2 * share / 32;  // a bit an f32 element
   // reduce_scatter, all_gather, all_gather_in_place
   return share * static_cast<double>(task.attrs.GetInt(kQuantizeBitsAttr, 32)) / 32;
@@ -249,11 +256,14 @@ class Simulator {
     const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
-      const bool sequence_shard =
-          collective.channel == kTensorChannel &&
-          (first.op == "reduce_scatter" || first.op.starts_with("all_gather"));
-      const double latency =
-          sequence_shard ? links_.SequenceShardLatencyUs(members) : links_.LatencyUs(members);
+      const bool on_tensor_channel = collective.channel == kTensorChannel;
+      double latency = links_.LatencyUs(members);
+      if (on_tensor_channel && first.op == "all_to_all") {
+        latency = links_.ExchangeLatencyUs(members);
+      } else if (on_tensor_channel &&
+                 (first.op == "reduce_scatter" || first.op.starts_with("all_gather"))) {
+        latency = links_.SequenceShardLatencyUs(members);
+      }
       transfer = (latency + RingTraffic(first, members) * bytes / bus) / 1e3;
     }
     return compute + overhead_ + transfer;
@@ -534,6 +544,10 @@ double StepLinks::LatencyUs(int members) const {
 
 double StepLinks::SequenceShardLatencyUs(int members) const {
   return LatencyAtOrBelow(sequence_shard_latency, members, LatencyUs(members));
+}
+
+double StepLinks::ExchangeLatencyUs(int members) const {
+  return LatencyAtOrBelow(exchange_latency, members, LatencyUs(members));
 }
 
 const char* BottleneckName(Bottleneck bottleneck) {

@@ -14,9 +14,10 @@
 //               workers, and every member's channel is free, and its
 //               members end together after its reduction's compute (the op cost model's) plus
 //               the link's latency and its bytes over the link's bandwidth, scaled by the
-//               ring's traffic (all-reduce 2(N-1)/N of the tensor, reduce-scatter and
-//               all-gather (N-1)/N, broadcast the whole) relative to the all-reduce the link was
-//               measured with;
+//               ring's traffic (all-reduce 2(N-1)/N of the tensor, reduce-scatter,
+//               all-gather and an all-to-all of blocks (N-1)/N, broadcast and an all-to-all
+//               passing whole buffers to a neighbour, a halo or a ring's rotation, the whole)
+//               relative to the all-reduce the link was measured with;
 //   I/O         a CPU worker's swap-file copies (core/disk_tasks.h), one at a time, their bytes
 //               over the disk link, each taking its share of compute (TaskTime::ms) from the
 //               next compute task.
@@ -72,8 +73,15 @@ struct StepLinks {
   // member count, ascending, looked up alike; none listed at or below the count:
   // LatencyUs(members).
   std::vector<GroupLatency> sequence_shard_latency;
+  // What an all-to-all on tensor parallelism's channel (spatial parallelism's halo passes and
+  // exchanged norm statistics: a chain of small exchanges, each member sending to one or every
+  // neighbour, with a convolution's or a norm's compute between) waits in place of
+  // LatencyUs(members) while the workers share a machine (calibrated on a probe of slabs of that
+  // many members); looked up alike; none listed at or below the count: LatencyUs(members).
+  std::vector<GroupLatency> exchange_latency;
   double LatencyUs(int members) const;
   double SequenceShardLatencyUs(int members) const;
+  double ExchangeLatencyUs(int members) const;
   // An object pushed from one worker to another; unmeasured: the collective link's latency and
   // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
   CollectiveLink point_to_point;

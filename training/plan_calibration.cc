@@ -32,8 +32,8 @@ using nlohmann::json;
 // again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
-// one sharding sequences).
-constexpr int kCalibrationMethod = 6;
+// one sharding sequences; 7: and one per slab count).
+constexpr int kCalibrationMethod = 7;
 
 std::string HostName() {
   char name[256] = {};
@@ -289,16 +289,46 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // time fits (T = 2: the link's latency; more: StepLinks::group_latency).
   // Where the model shards sequences (Megatron-LM's sequence parallelism), the same groups
   // sharding them: what their reduce-scatters and all-gathers wait
-  // (StepLinks::sequence_shard_latency), fitted with the all-reduces' latency fixed.
+  // (StepLinks::sequence_shard_latency), fitted with the all-reduces' latency fixed. Per slab
+  // count S calibrated that divides the workers, every worker a slab of n/S volumes split into S
+  // at once, at one row a micro-batch: what their halo passes and exchanged statistics wait
+  // (StepLinks::exchange_latency; a convolution's or a norm's compute between exchanges that
+  // pass to one neighbour, where a tensor rank's all-reduce waits for every peer).
+  enum class Waiter : uint8_t { kAllReduce, kSequenceShard, kExchange };
   struct GroupProbe {
     int members = 0;
-    bool sequence_shard = false;
+    Waiter waiter = Waiter::kAllReduce;
     size_t at = kNone;
     ModelSpec split;
   };
   std::vector<GroupProbe> groups;
+  const auto one_row_micro_batches = [&one] {
+    auto micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
+    while (one.batch % micro_batches != 0) --micro_batches;
+    return micro_batches;
+  };
   if (calibration.links.collective.measured()) {
     for (const TensorSplitTimes& times : calibration.tensor_splits) {
+      const int s = times.slabs;
+      if (s >= 2 && n % s == 0) {
+        Result<ModelSpec> split = model.PlannedFor(1, s, false, SequenceAttention::kHalo);
+        if (!split.ok()) continue;
+        TrainingPlan slabs = one;
+        slabs.batch = one.batch * (n / s);
+        slabs.parallel.data_parallel = n;
+        slabs.parallel.sequence_parallel = s;
+        slabs.parallel.sequence_attention = SequenceAttention::kHalo;
+        slabs.parallel.micro_batches = one_row_micro_batches();
+        slabs.parallel.workers = request.workers;
+        slabs.parallel.link = calibration.links.collective;
+        groups.push_back(GroupProbe{s, Waiter::kExchange, probes.size(), *std::move(split)});
+        probes.push_back({fmt::format("{} volume(s) in {} slabs at once, {} micro-batches", n / s,
+                                      s, slabs.parallel.micro_batches),
+                          slabs,
+                          {},
+                          {}});
+        continue;
+      }
       const int t = times.tensor_parallel;
       if (t < 2 || n % t != 0) continue;
       for (const bool shard : {false, true}) {
@@ -310,11 +340,11 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
         group.parallel.data_parallel = n / t;
         group.parallel.tensor_parallel = t;
         group.parallel.shard_sequence = shard;
-        group.parallel.micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
-        while (one.batch % group.parallel.micro_batches != 0) --group.parallel.micro_batches;
+        group.parallel.micro_batches = one_row_micro_batches();
         group.parallel.workers = request.workers;
         group.parallel.link = calibration.links.collective;
-        groups.push_back(GroupProbe{t, shard, probes.size(), *std::move(split)});
+        groups.push_back(GroupProbe{t, shard ? Waiter::kSequenceShard : Waiter::kAllReduce,
+                                    probes.size(), *std::move(split)});
         probes.push_back(
             {fmt::format("{}{}, {} micro-batches",
                          t == 2 ? fmt::format("{} tensor-parallel pairs at once", n / t)
@@ -326,7 +356,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
       }
     }
     std::sort(groups.begin(), groups.end(), [](const GroupProbe& a, const GroupProbe& b) {
-      return std::tie(a.members, a.sequence_shard) < std::tie(b.members, b.sequence_shard);
+      return std::tie(a.members, a.waiter) < std::tie(b.members, b.waiter);
     });
   }
   const int rounds = std::max(1, request.rounds);
@@ -384,21 +414,28 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   std::vector<Fitted> fitted;
   calibration.links.group_latency.clear();
   calibration.links.sequence_shard_latency.clear();
+  calibration.links.exchange_latency.clear();
+  const auto entries_of = [&](const GroupProbe& group) -> std::vector<StepLinks::GroupLatency>& {
+    switch (group.waiter) {
+      case Waiter::kSequenceShard:
+        return calibration.links.sequence_shard_latency;
+      case Waiter::kExchange:
+        return calibration.links.exchange_latency;
+      case Waiter::kAllReduce:
+        break;
+    }
+    return calibration.links.group_latency;
+  };
   for (const GroupProbe& group : groups) {
     const ProbeStep* probe = measured(group.at);
     if (probe == nullptr) continue;
     fitted.push_back({&group, probe});
-    if (group.sequence_shard) {
-      calibration.links.sequence_shard_latency.push_back({group.members, idle});
-    } else if (group.members > 2) {
-      calibration.links.group_latency.push_back({group.members, idle});
+    if (group.waiter != Waiter::kAllReduce || group.members > 2) {
+      entries_of(group).push_back({group.members, idle});
     }
   }
   const auto latency_of = [&](const GroupProbe& group) -> double& {
-    std::vector<StepLinks::GroupLatency>& entries = group.sequence_shard
-                                                        ? calibration.links.sequence_shard_latency
-                                                        : calibration.links.group_latency;
-    for (StepLinks::GroupLatency& entry : entries) {
+    for (StepLinks::GroupLatency& entry : entries_of(group)) {
       if (entry.members == group.members) return entry.latency_us;
     }
     return calibration.links.collective.latency_us;  // pairs' all-reduces: the link's
@@ -476,7 +513,9 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     const GroupProbe& group = *fitted[i].group;
     const ProbeStep& probe = *fitted[i].probe;
     const double latency = latency_of(group);
-    const char* waiter = group.sequence_shard ? "a reduce-scatter or all-gather" : "a collective";
+    const char* waiter = "a collective";
+    if (group.waiter == Waiter::kSequenceShard) waiter = "a reduce-scatter or all-gather";
+    if (group.waiter == Waiter::kExchange) waiter = "a halo or statistics exchange";
     if (latency == idle) {
       say(fmt::format(
           "{}: {:.2f} ms a step, within the simulated {:.2f} ms: {} of {} waits its idle "
@@ -699,6 +738,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"point_to_point", LinkJson(calibration.links.point_to_point)},
       {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
       {"sequence_shard_latency", GroupLatencyJson(calibration.links.sequence_shard_latency)},
+      {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
@@ -737,6 +777,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
     calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
     calibration.links.sequence_shard_latency = GroupLatencyFrom(file.at("sequence_shard_latency"));
+    calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);

@@ -28,8 +28,10 @@
 //     idle link says; where the model shards sequences (Megatron-LM's sequence parallelism), the
 //     same groups sharding them: what their reduce-scatters and all-gathers wait
 //     (StepLinks::sequence_shard_latency; peers arrive closer together after the little compute
-//     between such a pair). The capacity and the latencies are fitted in turn until none moves
-//     (each probe's step depends on all).
+//     between such a pair); for each slab count S calibrated that divides the workers, every
+//     worker a slab of n/S volumes split into S at once, at one row a micro-batch: what their
+//     halo passes and exchanged norm statistics wait (StepLinks::exchange_latency). The capacity
+//     and the latencies are fitted in turn until none moves (each probe's step depends on all).
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

@@ -762,6 +762,21 @@ TEST(TrainUNet3dTest, SlabWorkersTrainLikeOneProcessAndBadCountsAreRefused) {
   EXPECT_NE(slabs.output.find("spatial parallel: each volume in 2 slabs of its depth"),
             std::string::npos)
       << slabs.output;
+  // --plan auto with the slabs given: one slab's layers calibrated, the slabs probed on the
+  // workers for what their halos and statistics wait, a D1 x S2 plan chosen, the same losses (a
+  // cache of its own, so the run measures).
+  const std::string cache = TempPath("unet3d_auto_slabs");
+  std::filesystem::remove_all(cache);
+  BoundedRun searched = RunBinaryWithin(
+      "train_unet3d", "--steps 8 --threads 1 --workers 2 --spatial-parallel 2 --plan auto",
+      std::chrono::minutes(3), "TESSERA_CACHE_DIR=" + cache);
+  std::filesystem::remove_all(cache);
+  ExpectOneProcessFinalLoss(ProcessResult{searched.exit_code, searched.output}, 1e-5);
+  EXPECT_NE(searched.output.find("layers of one of 2 slabs"), std::string::npos) << searched.output;
+  EXPECT_NE(searched.output.find("1 volume(s) in 2 slabs at once, "), std::string::npos)
+      << searched.output;
+  EXPECT_NE(searched.output.find("--plan auto chose D1 x S2 x P1"), std::string::npos)
+      << searched.output;
   ExpectRefused("--steps 1 --threads 1 --workers 3 --spatial-parallel 2",
                 "use --workers 2 (or a multiple of 2)");
   // A volume no worker fits under the cap (the planner refuses one worker at 48^3 under 24.6 MiB,

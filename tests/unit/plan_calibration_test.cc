@@ -76,6 +76,7 @@ Calibration EveryFigure() {
   calibration.links.point_to_point = CollectiveLink{67, 8230};
   calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
   calibration.links.sequence_shard_latency = {{2, 96.5}};
+  calibration.links.exchange_latency = {{4, 61.75}};
   calibration.sharing.capacity = 1.35;
   return calibration;
 }
@@ -124,6 +125,9 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   ASSERT_EQ(read.links.sequence_shard_latency.size(), 1u);
   EXPECT_EQ(read.links.sequence_shard_latency[0].members, 2);
   EXPECT_EQ(read.links.sequence_shard_latency[0].latency_us, 96.5);
+  ASSERT_EQ(read.links.exchange_latency.size(), 1u);
+  EXPECT_EQ(read.links.exchange_latency[0].members, 4);
+  EXPECT_EQ(read.links.exchange_latency[0].latency_us, 61.75);
   EXPECT_EQ(read.sharing.capacity, 1.35);
 
   // Another setup (here: more rounds) has another key: this file is not its calibration.

@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include "core/collective_task.h"
+#include "core/exchange_layout.h"
 #include "model/gpt2.h"
+#include "model/unet3d.h"
 #include "planner/step_graph.h"
 #include "test_util.h"
 
@@ -231,6 +233,66 @@ TEST(StepSimulationTest, SequenceShardingsCollectivesWaitTheirOwnLatency) {
     ++(shard ? sharded : others);
   }
   EXPECT_GT(sharded, 0);
+  EXPECT_GT(others, 0);
+  ExpectPartsAddUp(simulated);
+}
+
+// Spatial parallelism's exchanges (all-to-alls on tensor parallelism's channel: halos passed to
+// a neighbour, norm statistics traded in blocks) wait the exchanges' calibrated latency; a halo
+// moves its whole buffer, the statistics (N-1)/N of theirs.
+TEST(StepSimulationTest, SlabExchangesWaitTheirOwnLatency) {
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
+  links.group_latency = {{4, 150}};
+  EXPECT_EQ(links.ExchangeLatencyUs(2), 40);  // none calibrated: LatencyUs'
+  EXPECT_EQ(links.ExchangeLatencyUs(4), 150);
+  links.exchange_latency = {{4, 70}};
+  EXPECT_EQ(links.ExchangeLatencyUs(2), 40);
+  EXPECT_EQ(links.ExchangeLatencyUs(4), 70);
+  EXPECT_EQ(links.LatencyUs(4), 150);  // the all-reduces' are their own
+  EXPECT_EQ(links.SequenceShardLatencyUs(4), 150);
+
+  // One volume in four slabs: every collective of the step has four members.
+  const ModelSpec unet = *BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry());
+  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs,
+                       unet.PlannedFor(1, 4, false, SequenceAttention::kHalo));
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.parallel.data_parallel = 4;
+  plan.parallel.sequence_parallel = 4;
+  plan.parallel.sequence_attention = SequenceAttention::kHalo;
+  for (int r = 0; r < 4; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(slabs, plan, CpuRegistry()));
+  const std::vector<TaskTime> times(step.graph.tasks().size());
+  links.collective_group = 4;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
+  int halos = 0, statistics = 0, others = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+    if (!member.has_value()) continue;
+    ASSERT_EQ(member->group_size, 4) << task.name;
+    const double bytes =
+        static_cast<double>(std::max(step.graph.object(task.inputs[0]).meta.bytes(),
+                                     step.graph.object(task.outputs[0]).meta.bytes()));
+    double latency = 150, traffic = 2 * 3.0 / 4;  // an all-reduce of the gradients
+    int* counted = &others;
+    if (task.op == "all_to_all") {
+      ASSERT_EQ(member->channel, kTensorChannel) << task.name;
+      ASSERT_OK_AND_ASSIGN(const ExchangeLayout layout, ExchangeLayoutOf(task.attrs));
+      const bool halo = PassesHalo(layout);
+      latency = 70;
+      traffic = halo ? 1.0 : 3.0 / 4;
+      counted = halo ? &halos : &statistics;
+    }
+    // The bus bandwidth is the link's at an all-reduce's traffic of four: 50 x 2 x 3/4.
+    const size_t t = task.id.value() - 1;
+    EXPECT_NEAR(simulated.end_ms[t] - simulated.start_ms[t],
+                (latency + traffic * bytes / (50 * 2 * 3.0 / 4)) / 1e3, 1e-9)
+        << task.name;
+    ++*counted;
+  }
+  EXPECT_GT(halos, 0);
+  EXPECT_GT(statistics, 0);
   EXPECT_GT(others, 0);
   ExpectPartsAddUp(simulated);
 }
