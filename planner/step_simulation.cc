@@ -240,8 +240,11 @@ class Simulator {
   // The time an object of `bytes` takes from its producer's end to a reader on another worker.
   double PushMs(int64_t bytes) const {
     const CollectiveLink& p2p = links_.point_to_point;
-    if (p2p.measured())
-      return (p2p.latency_us + static_cast<double>(bytes) / p2p.bytes_per_us) / 1e3;
+    if (p2p.measured()) {
+      const double latency =
+          links_.shared_push_latency_us > 0 ? links_.shared_push_latency_us : p2p.latency_us;
+      return (latency + static_cast<double>(bytes) / p2p.bytes_per_us) / 1e3;
+    }
     const double bus = BusBandwidth();
     if (bus <= 0) return 0;
     return (links_.collective.latency_us + static_cast<double>(bytes) / bus) / 1e3;

@@ -85,6 +85,10 @@ struct StepLinks {
   // An object pushed from one worker to another; unmeasured: the collective link's latency and
   // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
   CollectiveLink point_to_point;
+  // What such an object waits in place of point_to_point's latency while the workers share a
+  // machine (calibrated on a pipeline over every worker: its reader must be scheduled before it
+  // starts, and a pipeline's stages hand over objects at every micro-batch); 0: point_to_point's.
+  double shared_push_latency_us = 0;
   double disk_bytes_per_us = 0;  // the swap file's, each way; 0: copies take no time
 };
 

@@ -32,8 +32,8 @@ using nlohmann::json;
 // again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
-// one sharding sequences; 7: and one per slab count).
-constexpr int kCalibrationMethod = 7;
+// one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker).
+constexpr int kCalibrationMethod = 8;
 
 std::string HostName() {
   char name[256] = {};
@@ -282,6 +282,30 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     all_at = probes.size();
     probes.push_back({fmt::format("{} ranks at once", n), all, {}, {}});
   }
+  // Every worker a stage of one pipeline (1F1B, micro-batches of one row, up to 16): each stage
+  // hands objects to the next at every micro-batch, and its reader must be scheduled before it
+  // starts, so the step fits what a pushed object waits while the workers share the machine
+  // (StepLinks::shared_push_latency_us).
+  size_t pipeline_at = kNone;
+  if (n >= 2 && calibration.links.point_to_point.measured() &&
+      model.layers.size() >= static_cast<size_t>(n)) {
+    TrainingPlan pipeline = one;
+    pipeline.batch = rows * n;
+    pipeline.parallel.pipeline_stages = n;
+    pipeline.parallel.schedule = PipelineSchedule::k1F1B;
+    pipeline.parallel.micro_batches = static_cast<int>(std::min<int64_t>(pipeline.batch, 16));
+    while (pipeline.batch % pipeline.parallel.micro_batches != 0) {
+      --pipeline.parallel.micro_batches;
+    }
+    pipeline.parallel.workers = request.workers;
+    pipeline.parallel.link = calibration.links.collective;
+    pipeline_at = probes.size();
+    probes.push_back({fmt::format("a pipeline of {} stages, {} micro-batches", n,
+                                  pipeline.parallel.micro_batches),
+                      pipeline,
+                      {},
+                      {}});
+  }
   // Per tensor degree T calibrated that divides the workers: every worker a rank of n/T groups
   // of T tensor ranks at once, whose step waits on two all-reduces a layer pair each way, at one
   // row a micro-batch (up to 16 micro-batches): the most collectives a step's compute, so that
@@ -484,12 +508,41 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     latency = fit;
     return Status::Ok();
   };
+  // What a pushed object waits while the workers share the machine (a reader to be scheduled),
+  // bisected so the simulation gives the pipeline probe's step; point_to_point's (0) when that
+  // step is no slower than simulated with it.
+  const ProbeStep* probed_pipeline = measured(pipeline_at);
+  calibration.links.shared_push_latency_us = 0;
+  double pipeline_at_idle_ms = 0;
+  const auto fit_push = [&]() -> Status {
+    double& latency = calibration.links.shared_push_latency_us;
+    const double idle_push = calibration.links.point_to_point.latency_us;
+    const auto simulated_at = [&](double latency_us) -> Result<double> {
+      latency = latency_us;
+      TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
+                               Simulated(model, probed_pipeline->plan, calibration, registry));
+      return step.step_ms;
+    };
+    TESSERA_ASSIGN_OR_RETURN(pipeline_at_idle_ms, simulated_at(idle_push));
+    if (probed_pipeline->median() <= pipeline_at_idle_ms) {
+      latency = 0;
+      return Status::Ok();
+    }
+    TESSERA_ASSIGN_OR_RETURN(const double fit,
+                             FitByBisection(idle_push, 1e5, 40, /*grows=*/true,
+                                            probed_pipeline->median(), simulated_at));
+    latency = fit;
+    return Status::Ok();
+  };
   for (int turn = 0; turn < 6; ++turn) {
-    std::vector<double> before = {calibration.sharing.capacity};
+    std::vector<double> before = {calibration.sharing.capacity,
+                                  calibration.links.shared_push_latency_us};
     for (const Fitted& f : fitted) before.push_back(latency_of(*f.group));
     if (probed_all != nullptr) TESSERA_RETURN_IF_ERROR(fit_sharing());
     for (size_t i = 0; i < fitted.size(); ++i) TESSERA_RETURN_IF_ERROR(fit_latency(i));
-    std::vector<double> after = {calibration.sharing.capacity};
+    if (probed_pipeline != nullptr) TESSERA_RETURN_IF_ERROR(fit_push());
+    std::vector<double> after = {calibration.sharing.capacity,
+                                 calibration.links.shared_push_latency_us};
     for (const Fitted& f : fitted) after.push_back(latency_of(*f.group));
     bool moved = false;
     for (size_t i = 0; i < before.size(); ++i) {
@@ -507,6 +560,22 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
           "{}: {:.2f} ms a step against {:.2f} ms with a worker's compute to itself: "
           "the workers share a machine, room for {:.2f} of them at full speed",
           probed_all->what, probed_all->median(), alone_ms, calibration.sharing.capacity));
+    }
+  }
+  if (probed_pipeline != nullptr) {
+    const double idle_push = calibration.links.point_to_point.latency_us;
+    if (calibration.links.shared_push_latency_us <= 0) {
+      say(fmt::format(
+          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: an object pushed between "
+          "workers waits the idle link's latency, {:.0f} us",
+          probed_pipeline->what, probed_pipeline->median(), pipeline_at_idle_ms, idle_push));
+    } else {
+      say(fmt::format(
+          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: an object "
+          "pushed between workers waits {:.0f} us for its reader when the workers share the "
+          "machine ({:.0f} us idle)",
+          probed_pipeline->what, probed_pipeline->median(), pipeline_at_idle_ms,
+          calibration.links.shared_push_latency_us, idle_push));
     }
   }
   for (size_t i = 0; i < fitted.size(); ++i) {
@@ -736,6 +805,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"collective", LinkJson(calibration.links.collective)},
       {"collective_group", calibration.links.collective_group},
       {"point_to_point", LinkJson(calibration.links.point_to_point)},
+      {"shared_push_latency_us", calibration.links.shared_push_latency_us},
       {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
       {"sequence_shard_latency", GroupLatencyJson(calibration.links.sequence_shard_latency)},
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
@@ -775,6 +845,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
+    calibration.links.shared_push_latency_us = file.at("shared_push_latency_us").get<double>();
     calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
     calibration.links.sequence_shard_latency = GroupLatencyFrom(file.at("sequence_shard_latency"));
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));

@@ -20,6 +20,9 @@
 //     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
+//     every worker a stage of one pipeline (1F1B, micro-batches of one row): what an object
+//     pushed between workers waits while they share the machine (its reader must be scheduled:
+//     StepLinks::shared_push_latency_us), bisected alike;
 //     for each tensor split of T calibrated that divides the workers, every worker a tensor
 //     rank of n/T groups of T at once, at one row a micro-batch (the most collectives a step's
 //     compute): what a collective of T members waits for its peers while the workers share the

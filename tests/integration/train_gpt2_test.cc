@@ -627,6 +627,9 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   // ... and probed pairs of tensor ranks on the workers for what a collective waits there.
   EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once, "), std::string::npos)
       << first.output;
+  // ... and a pipeline over the four, for what an object pushed between stages waits there.
+  EXPECT_NE(first.output.find("calibrating: a pipeline of 4 stages, "), std::string::npos)
+      << first.output;
   // ... and the same sharding sequences, for what their reduce-scatters and all-gathers wait.
   EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once sharding sequences, "),
             std::string::npos)

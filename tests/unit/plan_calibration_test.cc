@@ -74,6 +74,7 @@ Calibration EveryFigure() {
   calibration.links.collective = CollectiveLink{42, 750};
   calibration.links.collective_group = 4;
   calibration.links.point_to_point = CollectiveLink{67, 8230};
+  calibration.links.shared_push_latency_us = 912.5;
   calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
   calibration.links.sequence_shard_latency = {{2, 96.5}};
   calibration.links.exchange_latency = {{4, 61.75}};
@@ -117,6 +118,7 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(read.links.collective_group, 4);
   EXPECT_EQ(read.links.point_to_point.latency_us, 67);
   EXPECT_EQ(read.links.point_to_point.bytes_per_us, 8230);
+  EXPECT_EQ(read.links.shared_push_latency_us, 912.5);
   ASSERT_EQ(read.links.group_latency.size(), 2u);
   EXPECT_EQ(read.links.group_latency[0].members, 4);
   EXPECT_EQ(read.links.group_latency[0].latency_us, 175.5);

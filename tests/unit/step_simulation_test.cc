@@ -371,6 +371,16 @@ TEST(StepSimulationTest, PushingActivationsBetweenStagesDelaysTheNextStage) {
   for (const SimulatedWorker& w : pushed.workers) communication += w.communication_ms;
   EXPECT_GT(communication, 0);
   ExpectPartsAddUp(pushed);
+  // Calibrated while the workers share a machine, a push waits that latency in place of the
+  // link's: the step of a link 2 ms slow, to the task.
+  links.shared_push_latency_us = 2000;
+  ASSERT_OK_AND_ASSIGN(SimulatedStep shared, SimulateStep(step.graph, times, links));
+  StepLinks slow;
+  slow.point_to_point = CollectiveLink{.latency_us = 2000, .bytes_per_us = 1e9};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep as_slow, SimulateStep(step.graph, times, slow));
+  EXPECT_GE(shared.step_ms, pushed.step_ms + 2 * 1.5);
+  EXPECT_EQ(shared.step_ms, as_slow.step_ms);
+  EXPECT_EQ(shared.end_ms, as_slow.end_ms);
 }
 
 // Workers sharing one machine: four ranks computing the same tasks at once on room for one take
