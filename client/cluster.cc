@@ -262,7 +262,16 @@ Result<GraphHandle> Cluster::RegisterGraph(const Graph& graph) {
 
 Result<std::map<ObjectId, ObjectRef>> Cluster::RunGraph(
     const GraphHandle& graph, const std::map<ObjectId, ObjectRef>& inputs) {
-  return client_->RunGraph(graph, inputs);
+  return client_->RunGraph(graph, inputs, nullptr);
+}
+
+Result<std::map<ObjectId, ObjectRef>> Cluster::RunGraphHandingOver(
+    const GraphHandle& graph, const std::map<ObjectId, ObjectRef>& inputs,
+    std::vector<ObjectId>* handed_over) {
+  std::vector<ObjectId> ids;
+  TESSERA_ASSIGN_OR_RETURN(auto outputs, client_->RunGraph(graph, inputs, &ids));
+  if (handed_over != nullptr) *handed_over = std::move(ids);
+  return outputs;
 }
 
 Status Cluster::Shutdown() { return client_->Shutdown(); }

@@ -242,6 +242,15 @@ class Cluster {
   // on them). An error of the run shows up on the outputs.
   Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
                                                  const std::map<ObjectId, ObjectRef>& inputs);
+  // The same, handing the instance every input that `inputs` holds this driver's only
+  // reference to: the driver lets go of it with the run, so that a worker holding it may let the
+  // run update it in place (a model's state: the optimizer's update then needs no second copy).
+  // Such an input is gone once the run ends, whether the run succeeds or fails; the others stay
+  // as they were. `handed_over` (may be null) receives the graph ids of the inputs handed over.
+  // Nothing is handed over when this returns an error.
+  Result<std::map<ObjectId, ObjectRef>> RunGraphHandingOver(
+      const GraphHandle& graph, const std::map<ObjectId, ObjectRef>& inputs,
+      std::vector<ObjectId>* handed_over);
 
   Result<ClusterInfo> Info();
   // Every worker's wait, explained (WorkerWait), in id order. Answered from the scheduler's

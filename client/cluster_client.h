@@ -33,6 +33,9 @@ struct ObjectRef::State {
   ObjectId id;
   TensorMeta meta;
   std::weak_ptr<detail::ClusterClient> owner;
+  // Handed to a graph instance with its run (RunGraph's takeOver): the scheduler released this
+  // driver's reference then, so the last holder here sends no Release.
+  std::atomic<bool> handed_over{false};
   ~State();
 };
 
@@ -58,8 +61,11 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   Result<ClusterInfo> Info(int timeout_ms);
   Result<Timeline> GetTimeline(int last_instances, uint64_t graph, int timeout_ms);
   Result<GraphHandle> RegisterGraph(const Graph& graph);
+  // With `handed_over`, every input `inputs` holds this driver's only reference to is handed
+  // to the instance (Cluster::RunGraphHandingOver) and its graph id added there.
   Result<std::map<ObjectId, ObjectRef>> RunGraph(const GraphHandle& graph,
-                                                 const std::map<ObjectId, ObjectRef>& inputs);
+                                                 const std::map<ObjectId, ObjectRef>& inputs,
+                                                 std::vector<ObjectId>* handed_over);
   Status Shutdown();
   Status ReportProgress(const JobProgress& progress);
   void Release(ObjectId id);

@@ -3,6 +3,7 @@
 // registered graphs.
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "client/cluster_client.h"
 #include "core/rpc/frame.h"
@@ -12,6 +13,7 @@
 namespace tessera {
 
 ObjectRef::State::~State() {
+  if (handed_over.load()) return;  // the scheduler let go of it with the run it was handed to
   if (auto owner_client = owner.lock()) owner_client->Release(id);
 }
 
@@ -255,11 +257,15 @@ Result<GraphHandle> ClusterClient::RegisterGraph(const Graph& graph) {
 }
 
 Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
-    const GraphHandle& handle, const std::map<ObjectId, ObjectRef>& inputs) {
+    const GraphHandle& handle, const std::map<ObjectId, ObjectRef>& inputs,
+    std::vector<ObjectId>* handed_over) {
   if (closed_) return close_reason_;
   if (!handle.valid()) return InvalidArgument("RunGraph of an unregistered graph");
   const Graph& graph = handle.graph();
   std::vector<ObjectRef> bound;
+  // Inputs whose only reference in this driver is the one in `inputs` (no other copy of the
+  // ObjectRef anywhere: a caller that keeps one keeps the object), when handing over.
+  std::set<ObjectId> sole;
   for (ObjectId input : graph.InputObjects()) {
     auto it = inputs.find(input);
     const ObjectSpec& spec = graph.object(input);
@@ -270,6 +276,7 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
       return InvalidArgument("graph input '{}' expects {} but is bound to {}", spec.name,
                              spec.meta.ToString(), it->second.meta().ToString());
     }
+    if (handed_over != nullptr && it->second.state_.use_count() == 1) sole.insert(input);
     bound.push_back(it->second);
   }
   // The scheduler binds only finished objects: wait for them here (usually already done).
@@ -284,6 +291,7 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   for (unsigned i = 0; i < input_ids.size(); ++i) {
     bindings[i].setObject(input_ids[i].value());
     bindings[i].initSource().setObject(inputs.at(input_ids[i]).id().value());
+    bindings[i].setTakeOver(sole.contains(input_ids[i]));
   }
   const std::vector<ObjectId>& graph_outputs = graph.OutputObjects();
   auto ids = run.initOutputIds(static_cast<unsigned>(graph_outputs.size()));
@@ -294,6 +302,10 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   }
   // Queued batches (a Put of an input, a Release) must reach the scheduler first.
   Flush();
+  for (ObjectId input : sole) {
+    inputs.at(input).state_->handed_over.store(true);
+    handed_over->push_back(input);
+  }
   connection_->Send(message);
   return outputs;
 }

@@ -188,12 +188,19 @@ class ClusterBackend final : public GraphBackend {
   }
 
   Result<ValueMap> Run(int graph, ValueMap inputs, ValueMap* intact) override {
+    // Inputs moved in are handed to the instance where this driver holds them nowhere else (a
+    // trainer's state), so that the workers update them in place as the plan counts; the rest
+    // (held elsewhere too) are read as they are.
     std::map<ObjectId, ObjectRef> refs;
-    for (const auto& [id, value] : inputs) refs.emplace(id, value.ref);
+    for (auto& [id, value] : inputs) refs.emplace(id, std::move(value.ref));
+    std::vector<ObjectId> handed_over;
     Result<std::map<ObjectId, ObjectRef>> run =
-        cluster_.RunGraph(handles_.at(static_cast<size_t>(graph)), refs);
-    if (!run.ok()) {
-      if (intact != nullptr) *intact = std::move(inputs);  // nothing was consumed
+        cluster_.RunGraphHandingOver(handles_.at(static_cast<size_t>(graph)), refs, &handed_over);
+    if (!run.ok()) {  // nothing was handed over
+      if (intact != nullptr) {
+        for (auto& [id, ref] : refs) inputs[id].ref = std::move(ref);
+        *intact = std::move(inputs);
+      }
       return run.status();
     }
     // Wait for the instance, so errors come back from Run (and intact inputs with them).
@@ -201,7 +208,13 @@ class ClusterBackend final : public GraphBackend {
     for (const auto& [id, ref] : *run) outputs.push_back(ref);
     Status done = cluster_.Wait(outputs, -1);
     if (!done.ok()) {
-      if (intact != nullptr) *intact = std::move(inputs);  // cluster objects are immutable
+      // Those handed over are gone (a worker may have updated them in place before the error);
+      // the others are as they were (cluster objects are immutable).
+      if (intact != nullptr) {
+        for (ObjectId id : handed_over) refs.erase(id);
+        intact->clear();
+        for (auto& [id, ref] : refs) (*intact)[id].ref = std::move(ref);
+      }
       return done;
     }
     ValueMap result;

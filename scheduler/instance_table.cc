@@ -54,6 +54,41 @@ Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> InstanceTable::Bind
 
 Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
                                    proto::RunGraph::Reader run) {
+  const Status started = StartForDriver(driver, request_id, run);
+  // The driver handed these over with the run, whatever became of it (a started instance holds
+  // uses of its own; a refused run's objects are freed unless something else holds them).
+  for (proto::Binding::Reader binding : run.getInputs()) {
+    if (binding.getTakeOver()) objects_->Release(driver, ObjectId(binding.getSource().getObject()));
+  }
+  return started;
+}
+
+bool InstanceTable::MayTakeOver(const PlacedGraph& graph, uint64_t local, const ObjectEntry& object,
+                                WorkerId driver, int bound_times) const {
+  if (bound_times != 1 || !object.sealed || !object.error.ok() || object.driver_refs != 1 ||
+      objects_->DriverRefs(driver, object.spec.id) != 1 || object.pending_uses != 0 ||
+      !object.waiting_tasks.empty() || !object.watchers.empty() || object.holders.size() != 1) {
+    return false;
+  }
+  const WorkerId holder = object.holders.front();
+  if (std::find(graph.workers.begin(), graph.workers.end(), holder) == graph.workers.end()) {
+    return false;
+  }
+  // A small object travels inline to the other readers; a large one is pulled from its holder,
+  // so then the holder must be its only reader.
+  if (!object.inline_data.empty()) return true;
+  for (size_t t = 0; t < graph.tasks.size(); ++t) {
+    const std::vector<ObjectId>& inputs = graph.tasks[t].inputs;
+    if (graph.task_worker[t] != holder &&
+        std::find(inputs.begin(), inputs.end(), ObjectId(local)) != inputs.end()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status InstanceTable::StartForDriver(WorkerId driver, uint64_t request_id,
+                                     proto::RunGraph::Reader run) {
   PlacedGraph* graph = graphs_->Find(run.getGraphId());
   if (const std::string* retired = graphs_->RetiredReason(driver, run.getGraphId())) {
     SendReply(*outbox_, driver, request_id,
@@ -99,6 +134,9 @@ Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
     return Status::Ok();
   }
   start.bindings = *std::move(bindings);
+  for (proto::Binding::Reader binding : run.getInputs()) {
+    if (binding.getTakeOver()) start.handed_over.emplace_back(binding.getSource().getObject());
+  }
   Start(std::move(start));
   return Status::Ok();
 }
@@ -125,6 +163,16 @@ void InstanceTable::Start(InstanceStart start) {
   GraphRun message{graph.id, instance.instance, instance.outputs, {}, {}};
   message.task_names = start.task_names;
   message.collective_ids = start.collective_ids;
+  std::map<ObjectId, int> bound_times;
+  for (const auto& [local, object] : start.bindings) ++bound_times[object->spec.id];
+  for (const auto& [local, object] : start.bindings) {
+    const ObjectId id = object->spec.id;
+    if (std::find(start.handed_over.begin(), start.handed_over.end(), id) !=
+            start.handed_over.end() &&
+        MayTakeOver(graph, local, *object, instance.driver, bound_times[id])) {
+      message.take_over.push_back(local);
+    }
+  }
   for (const auto& [local, object] : start.bindings) {
     if (instance.observer == nullptr) {  // an observer holds its inputs' uses itself
       instance.bound.push_back(object->spec.id);

@@ -24,6 +24,14 @@
 //     decides (run the work again, wait for rebuilt inputs, or fail the outputs). A worker's
 //     death is the owner's to handle (it knows which of its instances ran there: Abandon).
 //
+// Handing over: a driver may hand bound objects to its run (RunGraph's takeOver: a trainer's
+// state, which the optimizer updates). The driver's reference is released once the run is
+// started or refused, whatever becomes of it. A handed-over object that only this driver's
+// reference kept, that nothing else uses, watches or waits for, and that one worker of the graph
+// holds and alone reads, is taken over by that worker (its binding's takeOver): the worker moves
+// it out of its store, so the run holds its only copy and may update it in place; otherwise the
+// run reads it as any other (and the object is freed when the run ends).
+//
 // Errors: a returned error is a protocol violation by the driver or worker (the core closes its
 // connection); a run whose bindings are wrong fails its outputs.
 //
@@ -68,6 +76,11 @@ struct InstanceStart {
   std::vector<std::string> task_names;   // per graph task; empty: the graph's own names
   std::vector<int64_t> collective_ids;   // per graph task; empty: the graph's own
   InstanceObserver* observer = nullptr;  // null: the driver's (see above)
+  // Cluster objects the driver hands to the instance with its run (RunGraph's takeOver): its
+  // reference goes once the instance is started. Where the instance is then the object's only
+  // user and the one worker holding it its only reader, that worker is told to move it out of
+  // its store (so the run may update it in place).
+  std::vector<ObjectId> handed_over;
 };
 
 class InstanceTable {
@@ -118,6 +131,13 @@ class InstanceTable {
   // the bound object's error) when a binding is unknown, not ready, of another meta, or missing.
   Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> Bind(
       const PlacedGraph& graph, proto::RunGraph::Reader run) const;
+  // RunForDriver up to the start (the driver's handed-over references are released after it).
+  Status StartForDriver(WorkerId driver, uint64_t request_id, proto::RunGraph::Reader run);
+  // Whether `object`, bound to graph-local input `local` and handed over by `driver`, may be
+  // taken over by the worker holding it (see the file comment); `bound_times`: how often the
+  // run binds it.
+  bool MayTakeOver(const PlacedGraph& graph, uint64_t local, const ObjectEntry& object,
+                   WorkerId driver, int bound_times) const;
   // Records the instance's first failure, tells the other workers still running to cancel and
   // aborts its groups.
   void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);

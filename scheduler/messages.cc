@@ -1,5 +1,7 @@
 #include "scheduler/messages.h"
 
+#include <algorithm>
+
 #include <capnp/message.h>
 
 #include "core/rpc/frame.h"
@@ -243,6 +245,8 @@ void SendRunGraph(Outbox& outbox, std::span<const WorkerId> to, const GraphRun& 
   for (unsigned i = 0; i < run.inputs.size(); ++i) {
     inputs[i].setObject(run.inputs[i].first);
     ToWire(run.inputs[i].second, inputs[i].initSource());
+    inputs[i].setTakeOver(std::find(run.take_over.begin(), run.take_over.end(),
+                                    run.inputs[i].first) != run.take_over.end());
   }
   FillList<InlineObject>(run.inline_inputs, out.initInlineInputs(Size(run.inline_inputs)));
   if (!run.task_names.empty()) {

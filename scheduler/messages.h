@@ -103,8 +103,9 @@ struct GraphRun {
   std::span<const ObjectId> output_ids;  // cluster ids for the graph's outputs, in order
   std::vector<std::pair<uint64_t, ObjectSource>> inputs;  // graph-local id, bound object
   std::vector<InlineObject> inline_inputs;                // graph-local id, bytes
-  std::span<const std::string> task_names;                // per graph task; empty: the part's names
-  std::span<const int64_t> collective_ids;                // per graph task; empty: the part's
+  std::vector<uint64_t> take_over;  // graph-local ids whose holder moves them out of its store
+  std::span<const std::string> task_names;  // per graph task; empty: the part's names
+  std::span<const int64_t> collective_ids;  // per graph task; empty: the part's
   // Per worker and channel with members: where the instance's members start there.
   std::vector<CollectiveBase> collective_bases;
 };

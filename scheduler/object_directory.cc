@@ -125,6 +125,13 @@ void ObjectDirectory::MaybeFree(ObjectId id) {
   waiters_->ObjectFreed(id);
 }
 
+int ObjectDirectory::DriverRefs(WorkerId driver, ObjectId id) const {
+  auto refs = driver_refs_.find(driver);
+  if (refs == driver_refs_.end()) return 0;
+  auto ref = refs->second.find(id.value());
+  return ref == refs->second.end() ? 0 : ref->second;
+}
+
 void ObjectDirectory::Release(WorkerId driver, ObjectId id) {
   auto refs = driver_refs_.find(driver);
   if (refs == driver_refs_.end()) return;

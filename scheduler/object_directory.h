@@ -102,6 +102,8 @@ class ObjectDirectory {
   void AddWaiter(ObjectId id, TaskId task);
   void RemoveWaiter(ObjectId id, TaskId task);
 
+  // How many references `driver` holds to the object (0 for an unknown one).
+  int DriverRefs(WorkerId driver, ObjectId id) const;
   // The driver drops one reference. A release the driver does not hold is ignored.
   void Release(WorkerId driver, ObjectId id);
   // The driver wants to hear when the object is finished: queued at once when it already is (or

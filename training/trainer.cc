@@ -1005,8 +1005,8 @@ Status Trainer::RecoverState(const Status& error, ValueMap& intact, const StepGr
   }
   if (lost.empty()) return error;  // state unchanged; the step can be retried
   return DataLoss(
-      "{}; the step failed after the optimizer had updated {} object(s) in place "
-      "(e.g. '{}'): restore the model from a checkpoint",
+      "{}; the step failed after {} state object(s) were handed to it to update in place "
+      "(e.g. '{}'), so they are lost: restore the model from a checkpoint",
       error.ToString(), lost.size(), lost.front());
 }
 

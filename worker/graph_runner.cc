@@ -203,6 +203,9 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
         if (pinned.ok()) {
           instance->ready.emplace_back(local, pinned->tensor());
           inline_bytes.erase(local);
+          // Taken over (the run is its last user here): out of the store, so the run holds its
+          // only copy and may update it in place. The scheduler frees it once the run ends.
+          if (binding.getTakeOver()) (void)store_.Delete(cluster);
           continue;
         }
       }

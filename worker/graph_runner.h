@@ -8,6 +8,9 @@
 // Each instance (RunGraph from the scheduler) then runs the prepared local graph on the worker's
 // executor:
 //   - bound inputs come inline, from the local object store, or are pulled from their holder;
+//     one the scheduler says the instance takes over (a driver's state handed to its step, the
+//     run its last user) leaves the store as it is bound, so the run holds its only copy and
+//     its in-place updates (the optimizer's) need no second one;
 //   - objects from other workers are pushed here by their producers and delivered to the run
 //     as they arrive (late inputs); pushes that come before the instance starts wait for it;
 //   - each export is pushed to its consumers as soon as it is produced;

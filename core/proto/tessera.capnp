@@ -227,6 +227,11 @@ struct Plugin {
 struct Binding {
   object @0 :UInt64;     # graph-local object id of a graph input
   source @1 :Source;     # the cluster object bound to it and where it lives
+  takeOver @2 :Bool;     # driver -> scheduler: the driver hands its reference to the instance
+                         # (it releases it with the run, whatever becomes of the run);
+                         # scheduler -> worker: the instance is the object's last user here:
+                         # the worker moves it out of its store, so the run may update it in
+                         # place
 }
 
 struct RunGraph {

@@ -256,6 +256,57 @@ TEST_F(ZeroPlansTest, Zero3StepFitsWorkersCappedAtItsPredictedPeak) {
   }
 }
 
+// A step takes over the state its driver hands it (the driver's only references): the worker
+// moves it out of its store, so the optimizer updates it in place, as the memory model counts.
+// (Kept in the store until the step ended, every parameter and moment was written a second
+// time beside its old copy.) Four ranks of ZeRO-0, each holding every parameter and moment,
+// with a quarter of their activations: workers capped at the predicted host peak train the one
+// worker's run with every allocator peak under the cap (with the state kept in the store, the
+// first layer's update was refused there, 2.38 MiB live of its 2.55). A driver that keeps a
+// reference of its own to an object keeps the object.
+TEST_F(ZeroPlansTest, StateHandedToAStepIsUpdatedInPlaceUnderThePredictedPeak) {
+  TrainingPlan plan = Plan(4, 0, OffloadMode::kNone, 1);
+  plan.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
+  plan.memory.activation_budget = 0.25;           // little activation: the update nears the peak
+  ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(plan));
+  const double cap_gib = static_cast<double>(peak) / (1 << 30);
+  plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(4, cap_gib));
+  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(*cluster, plan));
+  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+  testing::ExpectSameRun(run, *reference_, "ZeRO-0 on workers capped at its predicted peak");
+  ASSERT_EQ(run.reports.back().ranks.size(), 4u);
+  for (const RankFigures& rank : run.reports.back().ranks) {
+    EXPECT_GT(rank.figures.allocator_peak, 0);
+    EXPECT_LE(rank.figures.allocator_peak, plan.memory.host_bytes) << rank.worker.ToString();
+  }
+
+  // A run of a graph whose input the driver also keeps: read, not taken; the kept one stays.
+  Graph graph;
+  const TensorMeta meta{Shape{64, 64}, DType::kF32, Device::Cpu()};
+  const ObjectId x = graph.AddObject("x", meta, ObjectRole::kInput);
+  const ObjectId y = graph.AddObject("y", meta, ObjectRole::kActivation);
+  TaskSpec twice;
+  twice.name = "twice";
+  twice.op = "add_forward";
+  twice.inputs = {x, x};
+  twice.outputs = {y};
+  graph.AddTask(std::move(twice));
+  graph.MarkOutput(y);
+  ASSERT_OK_AND_ASSIGN(Tensor ones,
+                       Tensor::FromVector(Shape{64, 64}, std::vector<float>(64 * 64, 1.0f)));
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
+  ASSERT_OK_AND_ASSIGN(int handle, backend->Register(graph));
+  ASSERT_OK_AND_ASSIGN(Value uploaded, backend->Upload(ones));
+  ASSERT_OK_AND_ASSIGN(ValueMap first, backend->Run(handle, ValueMap{{x, std::move(uploaded)}}));
+  const Value kept = first.at(y);  // held by a worker; this driver keeps a second reference
+  ASSERT_OK_AND_ASSIGN(ValueMap second, backend->Run(handle, ValueMap{{x, first.at(y)}}));
+  ASSERT_OK_AND_ASSIGN(Tensor still, backend->Download(kept));
+  ASSERT_OK_AND_ASSIGN(Tensor doubled, backend->Download(second.at(y)));
+  EXPECT_EQ(still.data<float>()[0], 2.0f);
+  EXPECT_EQ(doubled.data<float>()[0], 4.0f);
+}
+
 // A 1F1B pipeline (two stages, four micro-batches) with half and a quarter of its activations
 // (recomputing every layer, keeping the least part, reaches 34%: each stage keeps its in-flight
 // micro-batches' layer inputs; at a quarter the plan splits the batch into eight micro-batches

@@ -39,9 +39,10 @@ class RegisteredGraphTest : public SchedulerCoreTest {
     return task_workers;
   }
 
+  // `take_over`: the driver hands every bound object over with the run (RunGraph's takeOver).
   Status Run(WorkerId driver, uint64_t graph_id, uint64_t instance,
              const std::vector<std::pair<uint64_t, uint64_t>>& bindings,
-             const std::vector<uint64_t>& output_ids) {
+             const std::vector<uint64_t>& output_ids, bool take_over = false) {
     return Deliver(driver, [&](proto::Envelope::Builder e) {
       auto run = e.initBody().initRunGraph();
       run.setGraphId(graph_id);
@@ -50,6 +51,7 @@ class RegisteredGraphTest : public SchedulerCoreTest {
       for (unsigned i = 0; i < bindings.size(); ++i) {
         inputs[i].setObject(bindings[i].first);
         inputs[i].initSource().setObject(bindings[i].second);
+        inputs[i].setTakeOver(take_over);
       }
       auto ids = run.initOutputIds(static_cast<unsigned>(output_ids.size()));
       for (unsigned i = 0; i < output_ids.size(); ++i) ids.set(i, output_ids[i]);
@@ -108,6 +110,85 @@ TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeast
   EXPECT_EQ(ReadyError(driver), "");
   Release(driver, 50);
   Release(driver, 1);
+  EXPECT_EQ(core_.num_objects(), 0u);
+}
+
+// A driver hands a run the objects it binds (a trainer's state): its references go with the
+// run. The one worker holding such an object, when it alone reads it and nothing else uses it,
+// is told to take it over (move it out of its store, so the run may update it in place); an
+// object another worker reads too (it pulls from the holder), or that something else still
+// uses (a run in flight), is read as any other. Either way it is freed once the run ends, without
+// a Release; a refused run takes the reference too.
+TEST_F(RegisteredGraphTest, AnObjectHandedToARunIsTakenOverByItsOnlyHolderAndReader) {
+  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  // Graph 3 makes a large object on w1; graph 4 reads its input on w1 alone, graph 5 on both.
+  Graph make, read_here, read_both;
+  const ObjectId x = make.AddObject("x", Floats(1), ObjectRole::kInput);
+  make.MarkOutput(AddGelu(make, "make", {x}, 1000, w1));
+  const ObjectId in4 = read_here.AddObject("in", Floats(1000), ObjectRole::kInput);
+  read_here.MarkOutput(AddGelu(read_here, "update", {in4}, 1000, w1));
+  const ObjectId in5 = read_both.AddObject("in", Floats(1000), ObjectRole::kInput);
+  read_both.MarkOutput(AddGelu(read_both, "a", {in5}, 1, w1));
+  read_both.MarkOutput(AddGelu(read_both, "b", {in5}, 1, w2));
+  ASSERT_OK(Register(driver, 3, make, 7));
+  EXPECT_OK(TakeReply(driver, 7));
+  ASSERT_OK(Register(driver, 4, read_here, 8));
+  EXPECT_OK(TakeReply(driver, 8));
+  ASSERT_OK(Register(driver, 5, read_both, 9));
+  EXPECT_OK(TakeReply(driver, 9));
+  outbox_.Take(w1, Body::GRAPH_PART);
+  outbox_.Take(w2, Body::GRAPH_PART);
+  Put(driver, 1, 1, /*inline_data=*/true);
+  const auto made_on_w1 = [&](uint64_t instance, uint64_t id) {
+    ASSERT_OK(Run(driver, 3, instance, {{x.value(), 1}}, {id}));
+    ASSERT_OK(InstanceDone(w1, 3, instance, {id}));
+    outbox_.Take(w1, Body::RUN_GRAPH);
+  };
+  const auto take_over_flags = [&](WorkerId worker) {
+    std::vector<bool> flags;
+    for (const auto& message : outbox_.Take(worker, Body::RUN_GRAPH)) {
+      for (auto binding : BodyOf(message).getRunGraph().getInputs()) {
+        flags.push_back(binding.getTakeOver());
+      }
+    }
+    return flags;
+  };
+
+  // Held and read on w1 alone: taken over there.
+  made_on_w1(1, 50);
+  const size_t objects = core_.num_objects();
+  ASSERT_OK(Run(driver, 4, 1, {{in4.value(), 50}}, {60}, /*take_over=*/true));
+  EXPECT_EQ(take_over_flags(w1), std::vector<bool>{true});
+  ASSERT_OK(InstanceDone(w1, 4, 1, {60}));
+  EXPECT_EQ(core_.num_objects(), objects);  // 50 freed with the run (no Release), 60 made
+  outbox_.Take(w1, Body::FREE_OBJECTS);
+
+  // Read on both workers (w2 pulls it from w1): read as any other, freed after the run.
+  made_on_w1(2, 51);
+  ASSERT_OK(Run(driver, 5, 1, {{in5.value(), 51}}, {70, 71}, /*take_over=*/true));
+  EXPECT_EQ(take_over_flags(w1), std::vector<bool>{false});
+  EXPECT_EQ(take_over_flags(w2), std::vector<bool>{false});
+  ASSERT_OK(InstanceDone(w1, 5, 1, {70}));
+  ASSERT_OK(InstanceDone(w2, 5, 1, {71}));
+  EXPECT_EQ(core_.num_objects(), objects + 2);  // 51 freed; 70 and 71 made
+
+  // Still read by a run in flight: read as any other.
+  made_on_w1(3, 52);
+  ASSERT_OK(Run(driver, 4, 2, {{in4.value(), 52}}, {61}));
+  ASSERT_OK(Run(driver, 4, 3, {{in4.value(), 52}}, {63}, /*take_over=*/true));
+  EXPECT_EQ(take_over_flags(w1), (std::vector<bool>{false, false}));
+  ASSERT_OK(InstanceDone(w1, 4, 2, {61}));
+  ASSERT_OK(InstanceDone(w1, 4, 3, {63}));
+
+  // A run refused (bound to an object not made yet) still takes the driver's reference.
+  ASSERT_OK(Run(driver, 3, 4, {{x.value(), 1}}, {53}));
+  outbox_.Take(w1, Body::RUN_GRAPH);
+  ASSERT_OK(Run(driver, 4, 4, {{in4.value(), 53}}, {62}, /*take_over=*/true));
+  EXPECT_TRUE(take_over_flags(w1).empty());
+  Watch(driver, 62);
+  EXPECT_THAT(ReadyError(driver), ::testing::HasSubstr("not ready"));
+  ASSERT_OK(InstanceDone(w1, 3, 4, {53}));
+  for (uint64_t id : {60, 70, 71, 61, 63, 62, 1}) Release(driver, id);
   EXPECT_EQ(core_.num_objects(), 0u);
 }
 
