@@ -54,7 +54,7 @@ Result<std::vector<std::pair<uint64_t, const ObjectEntry*>>> InstanceTable::Bind
 
 Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
                                    proto::RunGraph::Reader run) {
-  const Status started = StartForDriver(driver, request_id, run);
+  Status started = StartForDriver(driver, request_id, run);
   // The driver handed these over with the run, whatever became of it (a started instance holds
   // uses of its own; a refused run's objects are freed unless something else holds them).
   for (proto::Binding::Reader binding : run.getInputs()) {

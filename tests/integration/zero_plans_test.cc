@@ -97,6 +97,26 @@ class ZeroPlansTest : public ::testing::Test {
     return peak;
   }
 
+  // Workers capped at `plan`'s predicted host peak train the one worker's run, every worker
+  // allocator's peak under the cap (`plan`'s ranks, one a worker).
+  static void ExpectTrainsUnderItsPredictedPeak(TrainingPlan plan, const std::string& what) {
+    ASSERT_NE(reference_, nullptr);
+    ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(plan));
+    ASSERT_GT(peak, 0);
+    const double cap_gib = static_cast<double>(peak) / (1 << 30);
+    plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
+    const int workers = plan.parallel.data_parallel;
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(workers, cap_gib));
+    ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(*cluster, plan));
+    ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
+    testing::ExpectSameRun(run, *reference_, what);
+    ASSERT_EQ(run.reports.back().ranks.size(), static_cast<size_t>(workers));
+    for (const RankFigures& rank : run.reports.back().ranks) {
+      EXPECT_GT(rank.figures.allocator_peak, 0);
+      EXPECT_LE(rank.figures.allocator_peak, plan.memory.host_bytes) << rank.worker.ToString();
+    }
+  }
+
   // The two-stage pipeline under an activation budget (below).
   static void ExpectPipelineUnderBudget(PipelineSchedule schedule, double budget);
   static void ExpectSameRun(const TrainingPlan& plan) {
@@ -241,19 +261,7 @@ TEST_F(ZeroPlansTest, WorkersHoldTheirHostMemoryUnderTheirCap) {
 TEST_F(ZeroPlansTest, Zero3StepFitsWorkersCappedAtItsPredictedPeak) {
   TrainingPlan plan = Plan(2, 3, OffloadMode::kNone, 1);
   plan.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
-  ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(plan));
-  ASSERT_GT(peak, 0);
-  const double cap_gib = static_cast<double>(peak) / (1 << 30);
-  plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(2, cap_gib));
-  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(*cluster, plan));
-  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-  testing::ExpectSameRun(run, *reference_, "ZeRO-3 on workers capped at its predicted peak");
-  ASSERT_EQ(run.reports.back().ranks.size(), 2u);
-  for (const RankFigures& rank : run.reports.back().ranks) {
-    EXPECT_GT(rank.figures.allocator_peak, 0);
-    EXPECT_LE(rank.figures.allocator_peak, plan.memory.host_bytes) << rank.worker.ToString();
-  }
+  ExpectTrainsUnderItsPredictedPeak(plan, "ZeRO-3 on workers capped at its predicted peak");
 }
 
 // A step takes over the state its driver hands it (the driver's only references): the worker
@@ -268,18 +276,7 @@ TEST_F(ZeroPlansTest, StateHandedToAStepIsUpdatedInPlaceUnderThePredictedPeak) {
   TrainingPlan plan = Plan(4, 0, OffloadMode::kNone, 1);
   plan.parallel.bucket_bytes = int64_t{1} << 20;  // no link measurement on the capped workers
   plan.memory.activation_budget = 0.25;           // little activation: the update nears the peak
-  ASSERT_OK_AND_ASSIGN(const int64_t peak, PredictedHostPeak(plan));
-  const double cap_gib = static_cast<double>(peak) / (1 << 30);
-  plan.memory.host_bytes = static_cast<int64_t>(cap_gib * (1 << 30));  // as the flags read it
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, StartTestCluster(4, cap_gib));
-  ASSERT_OK_AND_ASSIGN(auto trainer, OnCluster(*cluster, plan));
-  ASSERT_OK_AND_ASSIGN(TrainingRun run, Train(*trainer));
-  testing::ExpectSameRun(run, *reference_, "ZeRO-0 on workers capped at its predicted peak");
-  ASSERT_EQ(run.reports.back().ranks.size(), 4u);
-  for (const RankFigures& rank : run.reports.back().ranks) {
-    EXPECT_GT(rank.figures.allocator_peak, 0);
-    EXPECT_LE(rank.figures.allocator_peak, plan.memory.host_bytes) << rank.worker.ToString();
-  }
+  ExpectTrainsUnderItsPredictedPeak(plan, "ZeRO-0 on workers capped at its predicted peak");
 
   // A run of a graph whose input the driver also keeps: read, not taken; the kept one stays.
   Graph graph;
@@ -293,9 +290,9 @@ TEST_F(ZeroPlansTest, StateHandedToAStepIsUpdatedInPlaceUnderThePredictedPeak) {
   twice.outputs = {y};
   graph.AddTask(std::move(twice));
   graph.MarkOutput(y);
-  ASSERT_OK_AND_ASSIGN(Tensor ones,
-                       Tensor::FromVector(Shape{64, 64}, std::vector<float>(64 * 64, 1.0f)));
-  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster, ClusterPlacement::kScheduler));
+  ASSERT_OK_AND_ASSIGN(
+      Tensor ones, Tensor::FromVector(Shape{64, 64}, std::vector<float>(size_t{64} * 64, 1.0f)));
+  ASSERT_OK_AND_ASSIGN(auto backend, MakeClusterBackend(*cluster_, ClusterPlacement::kScheduler));
   ASSERT_OK_AND_ASSIGN(int handle, backend->Register(graph));
   ASSERT_OK_AND_ASSIGN(Value uploaded, backend->Upload(ones));
   ASSERT_OK_AND_ASSIGN(ValueMap first, backend->Run(handle, ValueMap{{x, std::move(uploaded)}}));

@@ -120,7 +120,8 @@ TEST_F(RegisteredGraphTest, TasksGoBesideTheirLargestProducedInputElseToTheLeast
 // uses (a run in flight), is read as any other. Either way it is freed once the run ends, without
 // a Release; a refused run takes the reference too.
 TEST_F(RegisteredGraphTest, AnObjectHandedToARunIsTakenOverByItsOnlyHolderAndReader) {
-  const auto [w1, w2, driver] = JoinTwoWorkersAndADriver();
+  const Cluster joined = JoinTwoWorkersAndADriver();
+  const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
   // Graph 3 makes a large object on w1; graph 4 reads its input on w1 alone, graph 5 on both.
   Graph make, read_here, read_both;
   const ObjectId x = make.AddObject("x", Floats(1), ObjectRole::kInput);
