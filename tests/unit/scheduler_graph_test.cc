@@ -4,6 +4,8 @@
 #include <utility>
 #include <vector>
 
+#include <gmock/gmock.h>
+
 #include "core/collective_task.h"
 #include "unit/scheduler_core_fixture.h"
 #include "unit/scheduler_test_graphs.h"
