@@ -63,8 +63,9 @@ Status InstanceTable::RunForDriver(WorkerId driver, uint64_t request_id,
   return started;
 }
 
-bool InstanceTable::MayTakeOver(const PlacedGraph& graph, uint64_t local, const ObjectEntry& object,
-                                WorkerId driver, int bound_times) const {
+bool InstanceTable::MayTakeOver(const PlacedGraph& graph, const ObjectEntry& object,
+                                WorkerId driver, int bound_times,
+                                const std::set<WorkerId>& readers) const {
   if (bound_times != 1 || !object.sealed || !object.error.ok() || object.driver_refs != 1 ||
       objects_->DriverRefs(driver, object.spec.id) != 1 || object.pending_uses != 0 ||
       !object.waiting_tasks.empty() || !object.watchers.empty() || object.holders.size() != 1) {
@@ -77,14 +78,7 @@ bool InstanceTable::MayTakeOver(const PlacedGraph& graph, uint64_t local, const 
   // A small object travels inline to the other readers; a large one is pulled from its holder,
   // so then the holder must be its only reader.
   if (!object.inline_data.empty()) return true;
-  for (size_t t = 0; t < graph.tasks.size(); ++t) {
-    const std::vector<ObjectId>& inputs = graph.tasks[t].inputs;
-    if (graph.task_worker[t] != holder &&
-        std::find(inputs.begin(), inputs.end(), ObjectId(local)) != inputs.end()) {
-      return false;
-    }
-  }
-  return true;
+  return readers.size() == 1 && *readers.begin() == holder;
 }
 
 Status InstanceTable::StartForDriver(WorkerId driver, uint64_t request_id,
@@ -163,14 +157,22 @@ void InstanceTable::Start(InstanceStart start) {
   GraphRun message{graph.id, instance.instance, instance.outputs, {}, {}};
   message.task_names = start.task_names;
   message.collective_ids = start.collective_ids;
-  std::map<ObjectId, int> bound_times;
-  for (const auto& [local, object] : start.bindings) ++bound_times[object->spec.id];
-  for (const auto& [local, object] : start.bindings) {
-    const ObjectId id = object->spec.id;
-    if (std::find(start.handed_over.begin(), start.handed_over.end(), id) !=
-            start.handed_over.end() &&
-        MayTakeOver(graph, local, *object, instance.driver, bound_times[id])) {
-      message.take_over.push_back(local);
+  if (!start.handed_over.empty()) {
+    // One pass over the tasks: which workers read each graph input.
+    std::map<uint64_t, std::set<WorkerId>> readers;
+    for (size_t t = 0; t < graph.tasks.size(); ++t) {
+      for (ObjectId input : graph.tasks[t].inputs)
+        readers[input.value()].insert(graph.task_worker[t]);
+    }
+    const std::set<ObjectId> handed_over(start.handed_over.begin(), start.handed_over.end());
+    std::map<ObjectId, int> bound_times;
+    for (const auto& [local, object] : start.bindings) ++bound_times[object->spec.id];
+    for (const auto& [local, object] : start.bindings) {
+      const ObjectId id = object->spec.id;
+      if (handed_over.contains(id) &&
+          MayTakeOver(graph, *object, instance.driver, bound_times[id], readers[local])) {
+        message.take_over.push_back(local);
+      }
     }
   }
   for (const auto& [local, object] : start.bindings) {

@@ -40,6 +40,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -133,11 +134,11 @@ class InstanceTable {
       const PlacedGraph& graph, proto::RunGraph::Reader run) const;
   // RunForDriver up to the start (the driver's handed-over references are released after it).
   Status StartForDriver(WorkerId driver, uint64_t request_id, proto::RunGraph::Reader run);
-  // Whether `object`, bound to graph-local input `local` and handed over by `driver`, may be
-  // taken over by the worker holding it (see the file comment); `bound_times`: how often the
-  // run binds it.
-  bool MayTakeOver(const PlacedGraph& graph, uint64_t local, const ObjectEntry& object,
-                   WorkerId driver, int bound_times) const;
+  // Whether `object`, handed over by `driver`, may be taken over by the worker holding it (see
+  // the file comment); `bound_times`: how often the run binds it; `readers`: the workers whose
+  // tasks read the input it is bound to.
+  bool MayTakeOver(const PlacedGraph& graph, const ObjectEntry& object, WorkerId driver,
+                   int bound_times, const std::set<WorkerId>& readers) const;
   // Records the instance's first failure, tells the other workers still running to cancel and
   // aborts its groups.
   void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);
