@@ -199,6 +199,34 @@ Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, doub
   return (lo + hi) / 2;
 }
 
+// What a probe's collectives or pushes wait while the workers share the machine: `latency`
+// (which `simulated_ms` reads) bisected from `idle` up until the simulated step gives
+// `measured`; set to `otherwise` when the step simulated at `idle` is no faster than measured.
+// Returns the step simulated at `idle`.
+Result<double> FitWaitAboveIdle(double idle, double otherwise, double measured, double& latency,
+                                const std::function<Result<double>()>& simulated_ms) {
+  const auto simulated_at = [&](double latency_us) -> Result<double> {
+    latency = latency_us;
+    return simulated_ms();
+  };
+  TESSERA_ASSIGN_OR_RETURN(const double at_idle, simulated_at(idle));
+  if (measured <= at_idle) {
+    latency = otherwise;
+    return at_idle;
+  }
+  TESSERA_ASSIGN_OR_RETURN(const double fit,
+                           FitByBisection(idle, 1e5, 40, /*grows=*/true, measured, simulated_at));
+  latency = fit;
+  return at_idle;
+}
+
+// Micro-batches of one row each for a batch of `rows`, at most 16 (the most that divides).
+int OneRowMicroBatches(int64_t rows) {
+  auto micro_batches = static_cast<int>(std::min<int64_t>(rows, 16));
+  while (rows % micro_batches != 0) --micro_batches;
+  return micro_batches;
+}
+
 // When one rank of the whole model cannot run on one worker (a volume beyond a worker's cap), the
 // compute scale comes from the model in slabs over the most workers it splits into, every
 // worker computing at once: its step over its simulated step (no per-step constant; the
@@ -293,10 +321,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     pipeline.batch = rows * n;
     pipeline.parallel.pipeline_stages = n;
     pipeline.parallel.schedule = PipelineSchedule::k1F1B;
-    pipeline.parallel.micro_batches = static_cast<int>(std::min<int64_t>(pipeline.batch, 16));
-    while (pipeline.batch % pipeline.parallel.micro_batches != 0) {
-      --pipeline.parallel.micro_batches;
-    }
+    pipeline.parallel.micro_batches = OneRowMicroBatches(pipeline.batch);
     pipeline.parallel.workers = request.workers;
     pipeline.parallel.link = calibration.links.collective;
     pipeline_at = probes.size();
@@ -326,11 +351,6 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     ModelSpec split;
   };
   std::vector<GroupProbe> groups;
-  const auto one_row_micro_batches = [&one] {
-    auto micro_batches = static_cast<int>(std::min<int64_t>(one.batch, 16));
-    while (one.batch % micro_batches != 0) --micro_batches;
-    return micro_batches;
-  };
   if (calibration.links.collective.measured()) {
     for (const TensorSplitTimes& times : calibration.tensor_splits) {
       const int s = times.slabs;
@@ -342,7 +362,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
         slabs.parallel.data_parallel = n;
         slabs.parallel.sequence_parallel = s;
         slabs.parallel.sequence_attention = SequenceAttention::kHalo;
-        slabs.parallel.micro_batches = one_row_micro_batches();
+        slabs.parallel.micro_batches = OneRowMicroBatches(one.batch);
         slabs.parallel.workers = request.workers;
         slabs.parallel.link = calibration.links.collective;
         groups.push_back(GroupProbe{s, Waiter::kExchange, probes.size(), *std::move(split)});
@@ -364,7 +384,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
         group.parallel.data_parallel = n / t;
         group.parallel.tensor_parallel = t;
         group.parallel.shard_sequence = shard;
-        group.parallel.micro_batches = one_row_micro_batches();
+        group.parallel.micro_batches = OneRowMicroBatches(one.batch);
         group.parallel.workers = request.workers;
         group.parallel.link = calibration.links.collective;
         groups.push_back(GroupProbe{t, shard ? Waiter::kSequenceShard : Waiter::kAllReduce,
@@ -491,21 +511,13 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   const auto fit_latency = [&](size_t i) -> Status {
     const GroupProbe& group = *fitted[i].group;
     const ProbeStep& probe = *fitted[i].probe;
-    double& latency = latency_of(group);
-    const auto simulated_at = [&](double latency_us) -> Result<double> {
-      latency = latency_us;
-      TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
-                               Simulated(group.split, probe.plan, calibration, registry));
-      return step.step_ms;
-    };
-    TESSERA_ASSIGN_OR_RETURN(at_idle_ms[i], simulated_at(idle));
-    if (probe.median() <= at_idle_ms[i]) {
-      latency = idle;
-      return Status::Ok();
-    }
-    TESSERA_ASSIGN_OR_RETURN(const double fit, FitByBisection(idle, 1e5, 40, /*grows=*/true,
-                                                              probe.median(), simulated_at));
-    latency = fit;
+    TESSERA_ASSIGN_OR_RETURN(
+        at_idle_ms[i],
+        FitWaitAboveIdle(idle, idle, probe.median(), latency_of(group), [&]() -> Result<double> {
+          TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
+                                   Simulated(group.split, probe.plan, calibration, registry));
+          return step.step_ms;
+        }));
     return Status::Ok();
   };
   // What a pushed object waits while the workers share the machine (a reader to be scheduled),
@@ -515,23 +527,15 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   calibration.links.shared_push_latency_us = 0;
   double pipeline_at_idle_ms = 0;
   const auto fit_push = [&]() -> Status {
-    double& latency = calibration.links.shared_push_latency_us;
-    const double idle_push = calibration.links.point_to_point.latency_us;
-    const auto simulated_at = [&](double latency_us) -> Result<double> {
-      latency = latency_us;
-      TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
+    TESSERA_ASSIGN_OR_RETURN(
+        pipeline_at_idle_ms,
+        FitWaitAboveIdle(calibration.links.point_to_point.latency_us, 0, probed_pipeline->median(),
+                         calibration.links.shared_push_latency_us, [&]() -> Result<double> {
+                           TESSERA_ASSIGN_OR_RETURN(
+                               SimulatedStep step,
                                Simulated(model, probed_pipeline->plan, calibration, registry));
-      return step.step_ms;
-    };
-    TESSERA_ASSIGN_OR_RETURN(pipeline_at_idle_ms, simulated_at(idle_push));
-    if (probed_pipeline->median() <= pipeline_at_idle_ms) {
-      latency = 0;
-      return Status::Ok();
-    }
-    TESSERA_ASSIGN_OR_RETURN(const double fit,
-                             FitByBisection(idle_push, 1e5, 40, /*grows=*/true,
-                                            probed_pipeline->median(), simulated_at));
-    latency = fit;
+                           return step.step_ms;
+                         }));
     return Status::Ok();
   };
   for (int turn = 0; turn < 6; ++turn) {
