@@ -287,7 +287,7 @@ CollectiveEngine::~CollectiveEngine() {
     }
   }
   for (std::thread* thread : threads) thread->join();
-  for (Queued& queued : left) queued.done(Cancelled("the worker is stopping"));
+  for (Queued& queued : left) queued.Finish(Cancelled("the worker is stopping"));
 }
 
 void CollectiveEngine::Submit(const InstanceId& instance, CollectivePlace place,
@@ -311,7 +311,7 @@ void CollectiveEngine::Submit(const InstanceId& instance, CollectivePlace place,
       return;
     }
   }
-  done(refused);
+  Queued{instance, std::move(member), std::move(done)}.Finish(refused);
 }
 
 void CollectiveEngine::EndInstance(const InstanceId& instance,
@@ -350,7 +350,7 @@ void CollectiveEngine::EndInstance(const InstanceId& instance,
   for (const auto& rendezvous : forming) rendezvous->Fail(reason);
   const Status why =
       reason.ok() ? Cancelled("the instance ended before this collective ran") : reason;
-  for (Queued& queued : ended) queued.done(why);
+  for (Queued& queued : ended) queued.Finish(why);
 }
 
 void CollectiveEngine::OnPeers(proto::CollectivePeers::Reader peers) {
@@ -418,6 +418,12 @@ CollectiveInProgress CollectiveEngine::InProgress() const {
   return longest;
 }
 
+void CollectiveEngine::Queued::Finish(const Status& status) {
+  member.inputs.clear();
+  member.outputs.clear();
+  done(status);
+}
+
 void CollectiveEngine::Loop(Lane& lane) {
   while (true) {
     Queued next;
@@ -433,7 +439,7 @@ void CollectiveEngine::Loop(Lane& lane) {
       if (auto failed = failed_.find(next.instance); failed != failed_.end()) {
         const Status why = failed->second;
         lock.Unlock();
-        next.done(why);
+        next.Finish(why);
         continue;
       }
       lane.running_instance = next.instance;
@@ -463,7 +469,7 @@ void CollectiveEngine::Loop(Lane& lane) {
     if (next.member.on_ran && !next.member.op.empty()) {
       next.member.on_ran(started_us, ended_us, sent);
     }
-    next.done(status);
+    next.Finish(status);
   }
 }
 

@@ -134,6 +134,10 @@ class CollectiveEngine {
     InstanceId instance;
     CollectiveMember member;
     Done done;
+    // Drops the member's references to its buffers, then calls `done`: the run's dependents may
+    // start (and allocate) as soon as `done` returns, and an input whose last reader this member
+    // was must be freed by then, as the plan counts it (not whenever this thread gets to it).
+    void Finish(const Status& status);
   };
   struct Group {
     uint32_t epoch = 0;

@@ -401,6 +401,57 @@ TEST_F(CollectiveEngineTest, AMemberOnAnUnknownChannelIsRefused) {
   ExpectSummed(1);
 }
 
+// An input whose last reader is a member is freed before the member's `done` says it ran (or was
+// refused): the run's next task may allocate as soon as `done` returns, and the plan counts the
+// input gone by then (the engine's thread once dropped it a moment later, so a step's peak rose
+// by one exchanged buffer now and then on a loaded machine).
+TEST_F(CollectiveEngineTest, AMembersOnlyReferenceToItsInputIsDroppedBeforeItsDone) {
+  const auto allocator = std::make_shared<AlignedHostAllocator>();
+  const auto block = [&](int64_t n, float value) {
+    Result<Tensor> made = Tensor::Empty(TensorMeta{Shape{n}, DType::kF32}, allocator);
+    EXPECT_OK(made.status());
+    std::fill_n(made->data<float>(), n, value);
+    return *made;
+  };
+  std::vector<Tensor> gathered;
+  std::vector<std::promise<int64_t>> live_at_done(2);
+  CollectiveEngine* engines[] = {&first_, &second_};
+  for (int rank = 0; rank < 2; ++rank) {
+    gathered.push_back(block(2000, 0.0f));
+    CollectiveMember member = MemberOf("gather", "all_gather", rank, {});
+    member.inputs = {block(1000, static_cast<float>(rank + 1))};  // its only reference
+    member.outputs = {gathered.back()};
+    engines[rank]->Submit({7, 1}, CollectivePlace{0, 0}, std::move(member),
+                          [&, rank](const Status& status) {
+                            EXPECT_OK(status);
+                            live_at_done[rank].set_value(allocator->stats().live_bytes);
+                          });
+  }
+  // Both outputs live, and whichever input the other engine has not finished with yet.
+  const int64_t outputs = 2 * 2000 * 4, input = 1000 * 4;
+  const int64_t first = live_at_done[0].get_future().get();
+  const int64_t second = live_at_done[1].get_future().get();
+  EXPECT_LE(first, outputs + input);
+  EXPECT_LE(second, outputs + input);
+  EXPECT_EQ(std::min(first, second), outputs) << "the later member's done saw both inputs freed";
+  for (CollectiveEngine* engine : engines) engine->EndInstance({7, 1}, {{0, 0}}, {});
+  std::vector<float> expected(2000, 1.0f);
+  std::fill(expected.begin() + 1000, expected.end(), 2.0f);
+  for (const Tensor& out : gathered) EXPECT_EQ(ToVector(out), expected);
+
+  // A member refused at once lets go of its input before its `done` as well.
+  std::promise<int64_t> refused_live;
+  CollectiveMember refused = MemberOf("refused", "all_gather", 0, {});
+  refused.inputs = {block(1000, 1.0f)};
+  refused.outputs = {gathered[0]};
+  first_.Submit({7, 2}, CollectivePlace{kCollectiveChannels, 0}, std::move(refused),
+                [&](const Status& status) {
+                  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+                  refused_live.set_value(allocator->stats().live_bytes);
+                });
+  EXPECT_EQ(refused_live.get_future().get(), outputs);
+}
+
 // A stopping worker cancels its instances, which wait for their members: ending an instance
 // fails its queued members at once even after Stop (a worker once hung at exit waiting for a
 // member that only the engine's destructor, after the instances, would have failed).
