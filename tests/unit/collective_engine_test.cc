@@ -428,7 +428,7 @@ TEST_F(CollectiveEngineTest, AMembersOnlyReferenceToItsInputIsDroppedBeforeItsDo
                           });
   }
   // Both outputs live, and whichever input the other engine has not finished with yet.
-  const int64_t outputs = 2 * 2000 * 4, input = 1000 * 4;
+  const int64_t outputs = int64_t{2} * 2000 * 4, input = int64_t{1000} * 4;
   const int64_t first = live_at_done[0].get_future().get();
   const int64_t second = live_at_done[1].get_future().get();
   EXPECT_LE(first, outputs + input);
