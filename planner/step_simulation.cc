@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <queue>
 #include <tuple>
 #include <unordered_map>
@@ -63,7 +64,8 @@ struct ReadyCause {
 struct Collective {
   std::vector<size_t> members;
   int channel = 0;
-  int64_t id = 0;  // its `collective` attribute
+  int64_t id = 0;       // its `collective` attribute
+  bool staged = false;  // on tensor parallelism's channel, its group a stage of a pipeline
 };
 
 class Simulator {
@@ -204,6 +206,7 @@ class Simulator {
         lane_[t] = Lane::kIo;
       }
     }
+    MarkStagedGroups();
     pending_.assign(n, 0);
     dependents_.resize(n);
     for (size_t t = 0; t < n; ++t) {
@@ -227,6 +230,41 @@ class Simulator {
     arrived_.assign(collectives_.size(), 0);
     TESSERA_ASSIGN_OR_RETURN(channels_, ChannelQueues::Of(graph_));
     return Status::Ok();
+  }
+
+  // The groups of workers that run collectives on tensor parallelism's channel together (tensor
+  // ranks, slabs) which are a pipeline's stages: a compute task of one reads an object a worker
+  // outside the group made. Their collectives are marked staged (StepLinks::staged_latency).
+  void MarkStagedGroups() {
+    std::vector<size_t> group(workers_.size());
+    std::iota(group.begin(), group.end(), size_t{0});
+    const auto root = [&group](size_t w) {
+      while (group[w] != w) w = group[w] = group[group[w]];
+      return w;
+    };
+    std::vector<bool> grouped(workers_.size(), false);
+    for (const Collective& collective : collectives_) {
+      if (collective.channel != kTensorChannel) continue;
+      const size_t first = root(worker_of_[collective.members.front()]);
+      for (size_t member : collective.members) {
+        grouped[worker_of_[member]] = true;
+        group[root(worker_of_[member])] = first;
+      }
+    }
+    std::vector<bool> staged(workers_.size(), false);
+    for (size_t t = 0; t < graph_.tasks().size(); ++t) {
+      if (lane_[t] != Lane::kCompute || !grouped[worker_of_[t]]) continue;
+      for (ObjectId input : graph_.tasks()[t].inputs) {
+        const TaskId producer = graph_.object(input).producer;
+        if (!producer.valid()) continue;
+        const size_t from = worker_of_[producer.value() - 1];
+        if (root(from) != root(worker_of_[t])) staged[root(worker_of_[t])] = true;
+      }
+    }
+    for (Collective& collective : collectives_) {
+      collective.staged = collective.channel == kTensorChannel &&
+                          staged[root(worker_of_[collective.members.front()])];
+    }
   }
 
   double BusBandwidth() const {
@@ -259,13 +297,16 @@ class Simulator {
     const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
-      const bool on_tensor_channel = collective.channel == kTensorChannel;
       double latency = links_.LatencyUs(members);
-      if (on_tensor_channel && first.op == "all_to_all") {
-        latency = links_.ExchangeLatencyUs(members);
-      } else if (on_tensor_channel &&
-                 (first.op == "reduce_scatter" || first.op.starts_with("all_gather"))) {
-        latency = links_.SequenceShardLatencyUs(members);
+      if (collective.channel == kTensorChannel) {
+        using Wait = StepLinks::GroupWait;
+        Wait wait = Wait::kAllReduce;
+        if (first.op == "all_to_all") {
+          wait = Wait::kExchange;
+        } else if (first.op == "reduce_scatter" || first.op.starts_with("all_gather")) {
+          wait = Wait::kSequenceShard;
+        }
+        latency = links_.GroupWaitUs(wait, members, collective.staged);
       }
       transfer = (latency + RingTraffic(first, members) * bytes / bus) / 1e3;
     }
@@ -551,6 +592,18 @@ double StepLinks::SequenceShardLatencyUs(int members) const {
 
 double StepLinks::ExchangeLatencyUs(int members) const {
   return LatencyAtOrBelow(exchange_latency, members, LatencyUs(members));
+}
+
+double StepLinks::GroupWaitUs(GroupWait wait, int members, bool staged) const {
+  double latency = LatencyUs(members);
+  if (wait == GroupWait::kSequenceShard) latency = SequenceShardLatencyUs(members);
+  if (wait == GroupWait::kExchange) latency = ExchangeLatencyUs(members);
+  if (!staged) return latency;
+  for (const StagedLatency& entry : staged_latency) {
+    if (entry.wait != wait || entry.members > members) continue;
+    latency = entry.latency_us;
+  }
+  return latency;
 }
 
 const char* BottleneckName(Bottleneck bottleneck) {

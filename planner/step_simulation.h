@@ -13,7 +13,9 @@
 //               order (the runtime's: planner/channel_order.h) have started on its members'
 //               workers, and every member's channel is free, and its
 //               members end together after its reduction's compute (the op cost model's) plus
-//               the link's latency and its bytes over the link's bandwidth, scaled by the
+//               the link's latency (on tensor parallelism's channel, the wait calibrated for
+//               its kind of group and size, inside a pipeline where the group is a stage of
+//               one: StepLinks::GroupWaitUs) and its bytes over the link's bandwidth, scaled by the
 //               ring's traffic (all-reduce 2(N-1)/N of the tensor, reduce-scatter,
 //               all-gather and an all-to-all of blocks (N-1)/N, broadcast and an all-to-all
 //               passing whole buffers to a neighbour, a halo or a ring's rotation, the whole)
@@ -82,6 +84,26 @@ struct StepLinks {
   double LatencyUs(int members) const;
   double SequenceShardLatencyUs(int members) const;
   double ExchangeLatencyUs(int members) const;
+  // Which of those three figures a collective on tensor parallelism's channel waits (by its op:
+  // an all-to-all an exchange's, a reduce-scatter or all-gather a sequence shard's, else an
+  // all-reduce's).
+  enum class GroupWait : uint8_t { kAllReduce, kSequenceShard, kExchange };
+  // What such a collective waits in place of its kind's figure when its group is a stage of a
+  // pipeline (its members read what another stage's workers push them, and push theirs on, each
+  // micro-batch) while the workers share a machine: calibrated on a pipeline whose every stage is
+  // such a group. A group's peers arrive further apart inside a pipeline than side by side with
+  // other groups, where its kind's figure was fitted: priced at that figure, GPT-2 D1 x T2 x P2
+  // plans of 4-16 micro-batches ran 10-20% slower than predicted, the U-Net's D1 x S2 x P2 alike.
+  // By kind and member count, looked up as above; none at or below the count: the kind's.
+  struct StagedLatency {
+    GroupWait wait = GroupWait::kAllReduce;
+    int members = 0;
+    double latency_us = 0;
+  };
+  std::vector<StagedLatency> staged_latency;  // ascending by members within a kind
+  // The figure a collective of `wait`'s kind and `members` waits, its group a pipeline's stage
+  // or not.
+  double GroupWaitUs(GroupWait wait, int members, bool staged) const;
   // An object pushed from one worker to another; unmeasured: the collective link's latency and
   // bandwidth (an all-reduce moves about twice a push's bytes per link), else free.
   CollectiveLink point_to_point;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -10,7 +11,10 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <system_error>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -32,8 +36,9 @@ using nlohmann::json;
 // again (2: in rounds, the push link measured directly; 3: the rate of the tasks that are no
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
-// one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker).
-constexpr int kCalibrationMethod = 8;
+// one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker; 9: and
+// a pipeline of each kind of group).
+constexpr int kCalibrationMethod = 9;
 
 std::string HostName() {
   char name[256] = {};
@@ -63,6 +68,40 @@ std::vector<StepLinks::GroupLatency> GroupLatencyFrom(const json& array) {
     groups.push_back({group.at("members").get<int>(), group.at("latency_us").get<double>()});
   }
   return groups;
+}
+
+// A kind of group's wait by its name in the cache ("all_reduce", "sequence_shard", "exchange").
+constexpr std::array<std::pair<StepLinks::GroupWait, const char*>, 3> kGroupWaitNames = {{
+    {StepLinks::GroupWait::kAllReduce, "all_reduce"},
+    {StepLinks::GroupWait::kSequenceShard, "sequence_shard"},
+    {StepLinks::GroupWait::kExchange, "exchange"},
+}};
+
+json StagedLatencyJson(const std::vector<StepLinks::StagedLatency>& entries) {
+  json array = json::array();
+  for (const StepLinks::StagedLatency& entry : entries) {
+    const char* wait = "all_reduce";
+    for (const auto& [kind, name] : kGroupWaitNames) {
+      if (kind == entry.wait) wait = name;
+    }
+    array.push_back({{"wait", wait}, {"members", entry.members}, {"latency_us", entry.latency_us}});
+  }
+  return array;
+}
+
+std::vector<StepLinks::StagedLatency> StagedLatencyFrom(const json& array) {
+  std::vector<StepLinks::StagedLatency> entries;
+  for (const json& entry : array) {
+    const std::string wait = entry.at("wait").get<std::string>();
+    const auto* kind = std::find_if(kGroupWaitNames.begin(), kGroupWaitNames.end(),
+                                    [&wait](const auto& named) { return wait == named.second; });
+    if (kind == kGroupWaitNames.end()) {
+      throw std::invalid_argument("staged_latency: unknown wait '" + wait + "'");
+    }
+    entries.push_back(
+        {kind->first, entry.at("members").get<int>(), entry.at("latency_us").get<double>()});
+  }
+  return entries;
 }
 
 json LayersJson(const std::vector<LayerTimesAtRows>& layers) {
@@ -343,14 +382,42 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   // at once, at one row a micro-batch: what their halo passes and exchanged statistics wait
   // (StepLinks::exchange_latency; a convolution's or a norm's compute between exchanges that
   // pass to one neighbour, where a tensor rank's all-reduce waits for every peer).
-  enum class Waiter : uint8_t { kAllReduce, kSequenceShard, kExchange };
+  // Where the workers make two stages or more of such groups, the same groups as the stages of
+  // one pipeline (1F1B, micro-batches of one row): what their collectives wait inside a
+  // pipeline (StepLinks::staged_latency), fitted with the groups' own figures fixed; for tensor
+  // ranks and slabs, not for groups sharding sequences (whose pipelines of one-row micro-batches
+  // fitted a wait that put sequence-sharded pipelines of 4-row micro-batches 40% slow, where
+  // their groups' own figure is within 12%).
+  using Waiter = StepLinks::GroupWait;
   struct GroupProbe {
     int members = 0;
     Waiter waiter = Waiter::kAllReduce;
     size_t at = kNone;
     ModelSpec split;
+    size_t staged_at = kNone;  // the pipeline of such groups, where there is one
   };
   std::vector<GroupProbe> groups;
+  // The pipeline of `n / members` stages, each a group as `side_by_side` (the group probe's plan)
+  // has them, for the group probe just added.
+  const auto add_staged = [&](const TrainingPlan& side_by_side, const std::string& groups_are) {
+    GroupProbe& group = groups.back();
+    const int stages = n / group.members;
+    if (stages < 2 || model.layers.size() < static_cast<size_t>(stages) ||
+        !calibration.links.point_to_point.measured()) {
+      return;
+    }
+    TrainingPlan staged = side_by_side;
+    staged.parallel.data_parallel = side_by_side.parallel.data_parallel / stages;
+    staged.parallel.pipeline_stages = stages;
+    staged.parallel.schedule = PipelineSchedule::k1F1B;
+    staged.parallel.micro_batches = OneRowMicroBatches(staged.batch);
+    group.staged_at = probes.size();
+    probes.push_back({fmt::format("a pipeline of {} stages of {}, {} micro-batches", stages,
+                                  groups_are, staged.parallel.micro_batches),
+                      staged,
+                      {},
+                      {}});
+  };
   if (calibration.links.collective.measured()) {
     for (const TensorSplitTimes& times : calibration.tensor_splits) {
       const int s = times.slabs;
@@ -371,6 +438,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                           slabs,
                           {},
                           {}});
+        add_staged(slabs, fmt::format("{} slabs", s));
         continue;
       }
       const int t = times.tensor_parallel;
@@ -397,6 +465,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
              group,
              {},
              {}});
+        if (!shard) add_staged(group, fmt::format("{} tensor ranks", t));
       }
     }
     std::sort(groups.begin(), groups.end(), [](const GroupProbe& a, const GroupProbe& b) {
@@ -454,11 +523,13 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   struct Fitted {
     const GroupProbe* group;
     const ProbeStep* probe;
+    const ProbeStep* staged;  // its pipeline of such groups, where one was measured
   };
   std::vector<Fitted> fitted;
   calibration.links.group_latency.clear();
   calibration.links.sequence_shard_latency.clear();
   calibration.links.exchange_latency.clear();
+  calibration.links.staged_latency.clear();
   const auto entries_of = [&](const GroupProbe& group) -> std::vector<StepLinks::GroupLatency>& {
     switch (group.waiter) {
       case Waiter::kSequenceShard:
@@ -473,11 +544,22 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   for (const GroupProbe& group : groups) {
     const ProbeStep* probe = measured(group.at);
     if (probe == nullptr) continue;
-    fitted.push_back({&group, probe});
+    const ProbeStep* staged = measured(group.staged_at);
+    fitted.push_back({&group, probe, staged});
     if (group.waiter != Waiter::kAllReduce || group.members > 2) {
       entries_of(group).push_back({group.members, idle});
     }
+    if (staged != nullptr) {
+      calibration.links.staged_latency.push_back({group.waiter, group.members, idle});
+    }
   }
+  const auto staged_latency_of = [&](const GroupProbe& group) -> double& {
+    for (StepLinks::StagedLatency& entry : calibration.links.staged_latency) {
+      if (entry.wait == group.waiter && entry.members == group.members) return entry.latency_us;
+    }
+    TESSERA_CHECK(false, "no staged latency entry for a group of {}", group.members);
+    return calibration.links.staged_latency.front().latency_us;
+  };
   const auto latency_of = [&](const GroupProbe& group) -> double& {
     for (StepLinks::GroupLatency& entry : entries_of(group)) {
       if (entry.members == group.members) return entry.latency_us;
@@ -554,6 +636,25 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     }
     if (turn > 0 && !moved) break;
   }
+  // Inside a pipeline, with every other figure fixed: what each kind of group's collectives wait
+  // there, bisected from the figure the groups side by side gave (which it keeps when the
+  // pipeline's step is no slower than simulated with it). No other probe has such a group.
+  std::vector<double> staged_at_side_ms(fitted.size(), 0);
+  for (size_t i = 0; i < fitted.size(); ++i) {
+    if (fitted[i].staged == nullptr) continue;
+    const GroupProbe& group = *fitted[i].group;
+    const ProbeStep& staged = *fitted[i].staged;
+    const double side_by_side = latency_of(group);
+    TESSERA_ASSIGN_OR_RETURN(
+        staged_at_side_ms[i],
+        FitWaitAboveIdle(side_by_side, side_by_side, staged.median(), staged_latency_of(group),
+                         [&]() -> Result<double> {
+                           TESSERA_ASSIGN_OR_RETURN(
+                               SimulatedStep step,
+                               Simulated(group.split, staged.plan, calibration, registry));
+                           return step.step_ms;
+                         }));
+  }
   if (probed_all != nullptr) {
     if (calibration.sharing.capacity <= 0) {
       say(fmt::format(
@@ -599,6 +700,21 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
           "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: {} of {} "
           "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
           probe.what, probe.median(), at_idle_ms[i], waiter, group.members, latency, idle));
+    }
+    if (fitted[i].staged == nullptr) continue;
+    const ProbeStep& staged = *fitted[i].staged;
+    const double inside = staged_latency_of(group);
+    if (inside == latency) {
+      say(fmt::format(
+          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: inside a pipeline {} of {} "
+          "waits as its groups side by side do, {:.0f} us",
+          staged.what, staged.median(), staged_at_side_ms[i], waiter, group.members, latency));
+    } else {
+      say(fmt::format(
+          "{}: {:.2f} ms a step against {:.2f} ms simulated with the groups' side by side: "
+          "inside a pipeline {} of {} waits {:.0f} us for its peers ({:.0f} us side by side)",
+          staged.what, staged.median(), staged_at_side_ms[i], waiter, group.members, inside,
+          latency));
     }
   }
   return Status::Ok();
@@ -813,6 +929,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
       {"sequence_shard_latency", GroupLatencyJson(calibration.links.sequence_shard_latency)},
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
+      {"staged_latency", StagedLatencyJson(calibration.links.staged_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
@@ -853,11 +970,12 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
     calibration.links.sequence_shard_latency = GroupLatencyFrom(file.at("sequence_shard_latency"));
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
+    calibration.links.staged_latency = StagedLatencyFrom(file.at("staged_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);
     return calibration;
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // json's, or an unknown kind of wait
     return DataLoss("the calibration at {} cannot be read ({}); delete it to measure again", path,
                     e.what());
   }

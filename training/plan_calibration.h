@@ -35,6 +35,10 @@
 //     worker a slab of n/S volumes split into S at once, at one row a micro-batch: what their
 //     halo passes and exchanged norm statistics wait (StepLinks::exchange_latency). The capacity
 //     and the latencies are fitted in turn until none moves (each probe's step depends on all).
+//     Then, where the workers make two stages or more of tensor pairs (or groups) or of slabs,
+//     the same groups as the stages of one pipeline (1F1B, micro-batches of one row): what their
+//     collectives wait inside a pipeline (StepLinks::staged_latency), bisected from the groups'
+//     own figure with every other figure fixed.
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

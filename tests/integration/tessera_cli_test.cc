@@ -570,6 +570,12 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
             std::string::npos)
       << first.output;
   EXPECT_NE(first.output.find("3 round(s) each"), std::string::npos) << first.output;
+  // Tensor pairs side by side, and as the stages of one pipeline.
+  EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once"), std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("calibrating: a pipeline of 2 stages of 2 tensor ranks"),
+            std::string::npos)
+      << first.output;
   EXPECT_NE(first.output.find("plans considered"), std::string::npos) << first.output;
   std::smatch best;
   ASSERT_TRUE(std::regex_search(

@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -78,6 +80,8 @@ Calibration EveryFigure() {
   calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
   calibration.links.sequence_shard_latency = {{2, 96.5}};
   calibration.links.exchange_latency = {{4, 61.75}};
+  calibration.links.staged_latency = {{StepLinks::GroupWait::kAllReduce, 2, 262.5},
+                                      {StepLinks::GroupWait::kExchange, 2, 86.25}};
   calibration.sharing.capacity = 1.35;
   return calibration;
 }
@@ -130,6 +134,12 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   ASSERT_EQ(read.links.exchange_latency.size(), 1u);
   EXPECT_EQ(read.links.exchange_latency[0].members, 4);
   EXPECT_EQ(read.links.exchange_latency[0].latency_us, 61.75);
+  ASSERT_EQ(read.links.staged_latency.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(read.links.staged_latency[i].wait, written.links.staged_latency[i].wait);
+    EXPECT_EQ(read.links.staged_latency[i].members, 2);
+    EXPECT_EQ(read.links.staged_latency[i].latency_us, written.links.staged_latency[i].latency_us);
+  }
   EXPECT_EQ(read.sharing.capacity, 1.35);
 
   // Another setup (here: more rounds) has another key: this file is not its calibration.
@@ -141,7 +151,16 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(other.status().message(), HasSubstr("another setup"));
 
-  // A damaged file is named, with what to do.
+  // A damaged file is named, with what to do: cut short, or a kind of wait it cannot know.
+  std::ifstream saved(path);
+  std::string text((std::istreambuf_iterator<char>(saved)), std::istreambuf_iterator<char>());
+  const size_t exchange = text.find("\"exchange\"", text.find("staged_latency"));
+  ASSERT_NE(exchange, std::string::npos) << text;
+  text.replace(exchange, 10, "\"gossip\"");
+  std::ofstream(path, std::ios::trunc) << text;
+  const Result<Calibration> unknown = LoadCalibration(path, key);
+  EXPECT_EQ(unknown.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("unknown wait 'gossip'"));
   std::ofstream(path, std::ios::trunc) << "{\"key\": ";
   const Result<Calibration> damaged = LoadCalibration(path, key);
   EXPECT_EQ(damaged.status().code(), StatusCode::kDataLoss);

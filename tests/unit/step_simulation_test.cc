@@ -297,6 +297,60 @@ TEST(StepSimulationTest, SlabExchangesWaitTheirOwnLatency) {
   ExpectPartsAddUp(simulated);
 }
 
+// A group of workers that runs collectives on tensor parallelism's channel together waits the
+// figure calibrated inside a pipeline where the group is a pipeline's stage (its compute reads
+// objects another stage's workers made), its kind's own figure where the groups stand side by
+// side; kinds and counts with nothing calibrated inside a pipeline keep their own.
+TEST(StepSimulationTest, AGroupThatIsAPipelinesStageWaitsItsStagedLatency) {
+  using Wait = StepLinks::GroupWait;
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
+  links.sequence_shard_latency = {{2, 90}};
+  links.staged_latency = {{Wait::kAllReduce, 2, 300}, {Wait::kExchange, 4, 500}};
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 2, false), 40);
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 2, true), 300);
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 4, true), 300);     // the largest count below
+  EXPECT_EQ(links.GroupWaitUs(Wait::kSequenceShard, 2, true), 90);  // none for its kind
+  EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 2, true), 40);       // none at or below 2
+  EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 4, true), 500);
+  EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 4, false), 40);
+
+  // Tensor pairs on four workers, two side by side (D2 x T2) or two stages of one pipeline
+  // (D1 x T2 x P2): every all-reduce of a pair waits 40 us beside the other pair, 300 us in the
+  // pipeline; the collectives on other channels (the ranks' gradients, the norm) the link's.
+  ASSERT_OK_AND_ASSIGN(const ModelSpec model, SixBlocks().PlannedFor(2, 1, false));
+  for (const int stages : {1, 2}) {
+    TrainingPlan plan = Plan(stages, 2 / stages, 2, PipelineSchedule::k1F1B);
+    plan.parallel.tensor_parallel = 2;
+    plan.parallel.layer_costs.clear();  // the split has layers of its own
+    plan.parallel.workers = {WorkerId(100), WorkerId(101), WorkerId(102), WorkerId(103)};
+    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+    const std::vector<TaskTime> times(step.graph.tasks().size());
+    ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
+    int pairs = 0, others = 0;
+    for (const TaskSpec& task : step.graph.tasks()) {
+      ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+      if (!member.has_value()) continue;
+      const size_t t = task.id.value() - 1;
+      const double took_us = (simulated.end_ms[t] - simulated.start_ms[t]) * 1e3;
+      const double bytes = static_cast<double>(step.graph.object(task.inputs[0]).meta.bytes());
+      if (member->channel != kTensorChannel) {
+        EXPECT_LT(took_us, 40 + 2 * bytes / 50 + 1e-6) << task.name;
+        ++others;
+        continue;
+      }
+      ASSERT_EQ(task.op, "all_reduce") << task.name;
+      ASSERT_EQ(member->group_size, 2) << task.name;
+      EXPECT_NEAR(took_us, (stages == 2 ? 300 : 40) + bytes / 50, 1e-6)
+          << task.name << " in " << stages << " stage(s)";
+      ++pairs;
+    }
+    EXPECT_GT(pairs, 0) << stages;
+    EXPECT_GT(others, 0) << stages;
+    ExpectPartsAddUp(simulated);
+  }
+}
+
 TEST(StepSimulationTest, ACompressedAllReduceMovesABitAnElement) {
   // The same 1 Mi f32 elements over a pair, all-reduced and compressed: the ring moves
   // 2(N-1)/N of the bytes, the compressed collective 1/32 of that.
