@@ -310,6 +310,20 @@ Status FitTheSlabProbe(const ModelSpec& model, const TrainingPlan& one,
   return Status::Ok();
 }
 
+// A fitted wait's line: "<probe>: <its step>, within the simulated <at the base figure>:
+// <kept>" where the probe's step was no slower than simulated at the base figure (which it then
+// keeps), else "<probe>: <its step> against <at the base figure> simulated <with>: <fitted>".
+std::string FittedWaitLine(const ProbeStep& probe, double simulated_ms, bool kept,
+                           const std::string& with, const std::string& kept_text,
+                           const std::string& fitted_text) {
+  if (kept) {
+    return fmt::format("{}: {:.2f} ms a step, within the simulated {:.2f} ms: {}", probe.what,
+                       probe.median(), simulated_ms, kept_text);
+  }
+  return fmt::format("{}: {:.2f} ms a step against {:.2f} ms simulated {}: {}", probe.what,
+                     probe.median(), simulated_ms, with, fitted_text);
+}
+
 // The probe steps on the workers (see the header), measured together in rounds, and what each
 // fits: the compute scale and per-step overhead (one rank on one worker at two row counts), the
 // compute sharing (every worker a data-parallel rank) and the collective latency among workers
@@ -669,19 +683,14 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   }
   if (probed_pipeline != nullptr) {
     const double idle_push = calibration.links.point_to_point.latency_us;
-    if (calibration.links.shared_push_latency_us <= 0) {
-      say(fmt::format(
-          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: an object pushed between "
-          "workers waits the idle link's latency, {:.0f} us",
-          probed_pipeline->what, probed_pipeline->median(), pipeline_at_idle_ms, idle_push));
-    } else {
-      say(fmt::format(
-          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: an object "
-          "pushed between workers waits {:.0f} us for its reader when the workers share the "
-          "machine ({:.0f} us idle)",
-          probed_pipeline->what, probed_pipeline->median(), pipeline_at_idle_ms,
-          calibration.links.shared_push_latency_us, idle_push));
-    }
+    say(FittedWaitLine(
+        *probed_pipeline, pipeline_at_idle_ms, calibration.links.shared_push_latency_us <= 0,
+        "with the idle link",
+        fmt::format("an object pushed between workers waits the idle link's latency, {:.0f} us",
+                    idle_push),
+        fmt::format("an object pushed between workers waits {:.0f} us for its reader when the "
+                    "workers share the machine ({:.0f} us idle)",
+                    calibration.links.shared_push_latency_us, idle_push)));
   }
   for (size_t i = 0; i < fitted.size(); ++i) {
     const GroupProbe& group = *fitted[i].group;
@@ -690,32 +699,21 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     const char* waiter = "a collective";
     if (group.waiter == Waiter::kSequenceShard) waiter = "a reduce-scatter or all-gather";
     if (group.waiter == Waiter::kExchange) waiter = "a halo or statistics exchange";
-    if (latency == idle) {
-      say(fmt::format(
-          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: {} of {} waits its idle "
-          "latency, {:.0f} us",
-          probe.what, probe.median(), at_idle_ms[i], waiter, group.members, idle));
-    } else {
-      say(fmt::format(
-          "{}: {:.2f} ms a step against {:.2f} ms simulated with the idle link: {} of {} "
-          "waits {:.0f} us for its peers when the workers share the machine ({:.0f} us idle)",
-          probe.what, probe.median(), at_idle_ms[i], waiter, group.members, latency, idle));
-    }
+    say(FittedWaitLine(
+        probe, at_idle_ms[i], latency == idle, "with the idle link",
+        fmt::format("{} of {} waits its idle latency, {:.0f} us", waiter, group.members, idle),
+        fmt::format("{} of {} waits {:.0f} us for its peers when the workers share the machine "
+                    "({:.0f} us idle)",
+                    waiter, group.members, latency, idle)));
     if (fitted[i].staged == nullptr) continue;
-    const ProbeStep& staged = *fitted[i].staged;
     const double inside = staged_latency_of(group);
-    if (inside == latency) {
-      say(fmt::format(
-          "{}: {:.2f} ms a step, within the simulated {:.2f} ms: inside a pipeline {} of {} "
-          "waits as its groups side by side do, {:.0f} us",
-          staged.what, staged.median(), staged_at_side_ms[i], waiter, group.members, latency));
-    } else {
-      say(fmt::format(
-          "{}: {:.2f} ms a step against {:.2f} ms simulated with the groups' side by side: "
-          "inside a pipeline {} of {} waits {:.0f} us for its peers ({:.0f} us side by side)",
-          staged.what, staged.median(), staged_at_side_ms[i], waiter, group.members, inside,
-          latency));
-    }
+    say(FittedWaitLine(
+        *fitted[i].staged, staged_at_side_ms[i], inside == latency, "with the groups' side by side",
+        fmt::format("inside a pipeline {} of {} waits as its groups side by side do, {:.0f} us",
+                    waiter, group.members, latency),
+        fmt::format("inside a pipeline {} of {} waits {:.0f} us for its peers ({:.0f} us side "
+                    "by side)",
+                    waiter, group.members, inside, latency)));
   }
   return Status::Ok();
 }
