@@ -82,6 +82,10 @@ struct Calibration {
   double compute_scale = 1;
   StepLinks links;
   ComputeSharing sharing;  // workers sharing one machine's compute
+  // Probe steps the workers could not run (a worker's cap below the probe's step), whose figures
+  // stay at their defaults: such a calibration holds for these caps only, and is not cached
+  // (training/auto_plan.h). Not part of the cache file (a cached calibration has none).
+  int probes_failed = 0;
 
   // The layer times of a rank of the split over `tensor_parallel` ranks, or into `slabs` slabs;
   // null when none were measured.

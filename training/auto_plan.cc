@@ -94,7 +94,13 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
                           request.tensor_splits.size()),
         request.workers.empty() ? ""
                                 : fmt::format(", steps on {} worker(s)", request.workers.size()));
-    if (!path.empty()) {
+    if (!path.empty() && plan.calibration.probes_failed > 0) {
+      // Its figures hold under these caps only (the cache's key has none): measured again.
+      plan.calibration_source += fmt::format(
+          ", not cached: {} probe step(s) failed under the workers' caps, their figures left at "
+          "the defaults",
+          plan.calibration.probes_failed);
+    } else if (!path.empty()) {
       const Status saved = SaveCalibration(path, key, plan.calibration);
       if (saved.ok()) {
         plan.calibration_source += ", saved to " + path;

@@ -6,7 +6,9 @@
 // loads the cached calibration of the same model, shape and cluster), searches, and returns the
 // best plan with the search and a sentence on why it was chosen. The chosen plan carries the
 // calibrated layer times, overhead and link, so the trainer plans exactly the step the search
-// timed (the same memory decisions).
+// timed (the same memory decisions). A calibration whose probe steps could not all run (a
+// worker's cap below a probe's step: Calibration::probes_failed) holds for these caps only, so it
+// is not cached (the key holds no caps) and a run under other caps measures its own.
 //
 // Thread safety: uses the backend like any caller of it (one call at a time).
 #pragma once

@@ -292,6 +292,7 @@ Status FitTheSlabProbe(const ModelSpec& model, const TrainingPlan& one,
       {fmt::format("{} slabs on {} workers", slabs, slabs), plan, {}, {}}};
   MeasureProbes(model, probes, std::max(1, request.rounds), request.probe_steps, make_backend);
   if (!probes[0].ok()) {
+    ++calibration.probes_failed;
     say(fmt::format("{}: the probe step failed ({}); the compute scale stays 1", probes[0].what,
                     probes[0].failed.ToString()));
     return Status::Ok();
@@ -488,6 +489,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   }
   const int rounds = std::max(1, request.rounds);
   MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
+  for (const ProbeStep& probe : probes) calibration.probes_failed += probe.ok() ? 0 : 1;
   say(
       fmt::format("{} probe steps on the workers, {} round(s) each (a step's time: the median of "
                   "its rounds')",

@@ -604,6 +604,23 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
   EXPECT_NE(cached.output.find("calibration cached in " + cache), std::string::npos)
       << cached.output;
 
+  // Probes that cannot run under the workers' caps (one U-Net rank needs 1.18 MiB at 4 rows)
+  // leave their figures at the defaults: that calibration is not cached, and the run without
+  // the cap measures its own (it had reused the capped one).
+  const std::string small = "--model unet3d --batch 8 --workers 2 --top 1 --calibration-rounds 1";
+  BoundedRun capped = plan(small + " --host-memory-gib 0.0004");
+  ASSERT_EQ(capped.exit_code, 0) << capped.output;
+  EXPECT_NE(capped.output.find("one rank on one worker: the probe step failed"), std::string::npos)
+      << capped.output;
+  EXPECT_NE(capped.output.find("not cached: "), std::string::npos) << capped.output;
+  EXPECT_NE(capped.output.find("failed under the workers' caps"), std::string::npos)
+      << capped.output;
+  BoundedRun uncapped = plan(small);
+  ASSERT_EQ(uncapped.exit_code, 0) << uncapped.output;
+  EXPECT_EQ(uncapped.output.find("calibration cached in"), std::string::npos) << uncapped.output;
+  EXPECT_EQ(uncapped.output.find("the probe step failed"), std::string::npos) << uncapped.output;
+  EXPECT_NE(uncapped.output.find(", saved to " + cache), std::string::npos) << uncapped.output;
+
   BoundedRun refused =
       plan("--model unet3d --batch 8 --workers 2 --no-probe --host-memory-gib 0.0001");
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
