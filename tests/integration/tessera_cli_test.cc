@@ -615,6 +615,13 @@ TEST(TesseraCliTest, PlanListsTheBestPlansAndRefusesWhatCannotFit) {
   EXPECT_NE(capped.output.find("not cached: "), std::string::npos) << capped.output;
   EXPECT_NE(capped.output.find("failed under the workers' caps"), std::string::npos)
       << capped.output;
+  // The compute scale then comes from the model in slabs over the workers (FitTheSlabProbe).
+  EXPECT_NE(capped.output.find("calibrating: 2 slabs on 2 workers at 4 row(s): "),
+            std::string::npos)
+      << capped.output;
+  EXPECT_NE(capped.output.find("does not fit a worker, so this is what the scale is fitted on"),
+            std::string::npos)
+      << capped.output;
   BoundedRun uncapped = plan(small);
   ASSERT_EQ(uncapped.exit_code, 0) << uncapped.output;
   EXPECT_EQ(uncapped.output.find("calibration cached in"), std::string::npos) << uncapped.output;
