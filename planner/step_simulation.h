@@ -91,9 +91,9 @@ struct StepLinks {
   // What such a collective waits in place of its kind's figure when its group is a stage of a
   // pipeline (its members read what another stage's workers push them, and push theirs on, each
   // micro-batch) while the workers share a machine: calibrated on a pipeline whose every stage is
-  // such a group. A group's peers arrive further apart inside a pipeline than side by side with
-  // other groups, where its kind's figure was fitted: priced at that figure, GPT-2 D1 x T2 x P2
-  // plans of 4-16 micro-batches ran 10-20% slower than predicted, the U-Net's D1 x S2 x P2 alike.
+  // such a group. The wait fitted there is longer than the one fitted on the same groups side by
+  // side, where its kind's figure comes from: priced at that figure, GPT-2 D1 x T2 x P2 plans of
+  // 4-16 micro-batches ran 10-20% slower than predicted, the U-Net's D1 x S2 x P2 alike.
   // By kind and member count, looked up as above; none at or below the count: the kind's.
   struct StagedLatency {
     GroupWait wait = GroupWait::kAllReduce;
