@@ -226,6 +226,13 @@ Result<SimulatedStep> Simulated(const ModelSpec& model, const TrainingPlan& plan
   return SimulatePlannedStep(step, model, plan.memory, calibration, registry);
 }
 
+// Its simulated step's time (what the fits bisect on).
+Result<double> SimulatedMs(const ModelSpec& model, const TrainingPlan& plan,
+                           const Calibration& calibration, const OpRegistry& registry) {
+  TESSERA_ASSIGN_OR_RETURN(SimulatedStep step, Simulated(model, plan, calibration, registry));
+  return step.step_ms;
+}
+
 // The value in [lo, hi] at which `simulated(value)`, a simulated step in ms that grows with the
 // value (`grows`) or shrinks with it, gives `measured`: bisected `rounds` times.
 Result<double> FitByBisection(double lo, double hi, int rounds, bool grows, double measured,
@@ -593,13 +600,10 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     // The simulated step shrinks as the capacity grows: bisect for the measured one.
     TESSERA_ASSIGN_OR_RETURN(
         const double capacity,
-        FitByBisection(
-            0.05, n, 30, /*grows=*/false, probed_all->median(), [&](double room) -> Result<double> {
-              calibration.sharing = ComputeSharing{room};
-              TESSERA_ASSIGN_OR_RETURN(SimulatedStep shared,
-                                       Simulated(model, probed_all->plan, calibration, registry));
-              return shared.step_ms;
-            }));
+        FitByBisection(0.05, n, 30, /*grows=*/false, probed_all->median(), [&](double room) {
+          calibration.sharing = ComputeSharing{room};
+          return SimulatedMs(model, probed_all->plan, calibration, registry);
+        }));
     calibration.sharing = ComputeSharing{capacity};
     return Status::Ok();
   };
@@ -609,13 +613,10 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   const auto fit_latency = [&](size_t i) -> Status {
     const GroupProbe& group = *fitted[i].group;
     const ProbeStep& probe = *fitted[i].probe;
-    TESSERA_ASSIGN_OR_RETURN(
-        at_idle_ms[i],
-        FitWaitAboveIdle(idle, idle, probe.median(), latency_of(group), [&]() -> Result<double> {
-          TESSERA_ASSIGN_OR_RETURN(SimulatedStep step,
-                                   Simulated(group.split, probe.plan, calibration, registry));
-          return step.step_ms;
-        }));
+    TESSERA_ASSIGN_OR_RETURN(at_idle_ms[i],
+                             FitWaitAboveIdle(idle, idle, probe.median(), latency_of(group), [&] {
+                               return SimulatedMs(group.split, probe.plan, calibration, registry);
+                             }));
     return Status::Ok();
   };
   // What a pushed object waits while the workers share the machine (a reader to be scheduled),
@@ -628,11 +629,8 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     TESSERA_ASSIGN_OR_RETURN(
         pipeline_at_idle_ms,
         FitWaitAboveIdle(calibration.links.point_to_point.latency_us, 0, probed_pipeline->median(),
-                         calibration.links.shared_push_latency_us, [&]() -> Result<double> {
-                           TESSERA_ASSIGN_OR_RETURN(
-                               SimulatedStep step,
-                               Simulated(model, probed_pipeline->plan, calibration, registry));
-                           return step.step_ms;
+                         calibration.links.shared_push_latency_us, [&] {
+                           return SimulatedMs(model, probed_pipeline->plan, calibration, registry);
                          }));
     return Status::Ok();
   };
@@ -663,13 +661,9 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     const double side_by_side = latency_of(group);
     TESSERA_ASSIGN_OR_RETURN(
         staged_at_side_ms[i],
-        FitWaitAboveIdle(side_by_side, side_by_side, staged.median(), staged_latency_of(group),
-                         [&]() -> Result<double> {
-                           TESSERA_ASSIGN_OR_RETURN(
-                               SimulatedStep step,
-                               Simulated(group.split, staged.plan, calibration, registry));
-                           return step.step_ms;
-                         }));
+        FitWaitAboveIdle(
+            side_by_side, side_by_side, staged.median(), staged_latency_of(group),
+            [&] { return SimulatedMs(group.split, staged.plan, calibration, registry); }));
   }
   if (probed_all != nullptr) {
     if (calibration.sharing.capacity <= 0) {
