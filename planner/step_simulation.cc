@@ -599,11 +599,14 @@ double StepLinks::GroupWaitUs(GroupWait wait, int members, bool staged) const {
   if (wait == GroupWait::kSequenceShard) latency = SequenceShardLatencyUs(members);
   if (wait == GroupWait::kExchange) latency = ExchangeLatencyUs(members);
   if (!staged) return latency;
+  // A group inside a pipeline waits at least what it waits side by side: a smaller group's staged
+  // figure (the only one at or below a count the calibration did not probe) can be below it.
+  double staged_wait = latency;
   for (const StagedLatency& entry : staged_latency) {
     if (entry.wait != wait || entry.members > members) continue;
-    latency = entry.latency_us;
+    staged_wait = entry.latency_us;
   }
-  return latency;
+  return std::max(staged_wait, latency);
 }
 
 const char* BottleneckName(Bottleneck bottleneck) {

@@ -94,7 +94,8 @@ struct StepLinks {
   // such a group. The wait fitted there is longer than the one fitted on the same groups side by
   // side, where its kind's figure comes from: priced at that figure, GPT-2 D1 x T2 x P2 plans of
   // 4-16 micro-batches ran 10-20% slower than predicted, the U-Net's D1 x S2 x P2 alike.
-  // By kind and member count, looked up as above; none at or below the count: the kind's.
+  // By kind and member count, looked up as above, never below the kind's own figure at that count
+  // (a smaller group's staged wait can be); none at or below the count: the kind's.
   struct StagedLatency {
     GroupWait wait = GroupWait::kAllReduce;
     int members = 0;

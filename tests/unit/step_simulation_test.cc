@@ -314,6 +314,12 @@ TEST(StepSimulationTest, AGroupThatIsAPipelinesStageWaitsItsStagedLatency) {
   EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 2, true), 40);       // none at or below 2
   EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 4, true), 500);
   EXPECT_EQ(links.GroupWaitUs(Wait::kExchange, 4, false), 40);
+  // A group of 8 at or above its own side-by-side figure: a staged pair's 300 below 8's 600.
+  links.group_latency = {{8, 600}};
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 8, false), 600);
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 8, true), 600);
+  EXPECT_EQ(links.GroupWaitUs(Wait::kAllReduce, 4, true), 300);
+  links.group_latency.clear();
 
   // Tensor pairs on four workers, two side by side (D2 x T2) or two stages of one pipeline
   // (D1 x T2 x P2): every all-reduce of a pair waits 40 us beside the other pair, 300 us in the
