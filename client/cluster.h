@@ -60,6 +60,9 @@ class ObjectRef {
   ObjectId id() const;
   const TensorMeta& meta() const;
   bool valid() const { return state_ != nullptr; }
+  // Whether this reference was handed to a run (Cluster::RunGraphHandingOver) and has not come
+  // back: the driver no longer holds the object it names.
+  bool handed_over() const;
 
  private:
   friend class detail::ClusterClient;
@@ -245,9 +248,11 @@ class Cluster {
   // The same, handing the instance every input that `inputs` holds this driver's only
   // reference to: the driver lets go of it with the run, so that a worker holding it may let the
   // run update it in place (a model's state: the optimizer's update then needs no second copy).
-  // Such an input is gone once the run ends, whether the run succeeds or fails; the others stay
-  // as they were. `handed_over` (may be null) receives the graph ids of the inputs handed over.
-  // Nothing is handed over when this returns an error.
+  // Such an input is gone once the run succeeds, or fails after a task updated it in place; one
+  // that a failed run left unchanged comes back to this driver before the outputs fail (its
+  // ObjectRef::handed_over() is false again once a Wait on them has returned the error). The
+  // others stay as they were. `handed_over` (may be null) receives the graph ids of the inputs
+  // handed over. Nothing is handed over when this returns an error.
   Result<std::map<ObjectId, ObjectRef>> RunGraphHandingOver(
       const GraphHandle& graph, const std::map<ObjectId, ObjectRef>& inputs,
       std::vector<ObjectId>* handed_over);

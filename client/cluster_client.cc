@@ -263,6 +263,9 @@ Status ClusterClient::OnMessage(rpc::ReceivedMessage& message) {
     case proto::Envelope::Body::OBJECTS_READY:
       OnObjectsReady(body.getObjectsReady());
       break;
+    case proto::Envelope::Body::HANDED_BACK:
+      OnHandedBack(body.getHandedBack());
+      break;
     case proto::Envelope::Body::FREE_OBJECTS: {
       MutexLock lock(&held_mutex_);
       for (uint64_t id : body.getFreeObjects().getIds()) held_.erase(id);

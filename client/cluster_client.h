@@ -82,6 +82,9 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   uint64_t NextId() { return (driver_id_ << kIdSequenceBits) | next_sequence_++; }
   Status OnMessage(rpc::ReceivedMessage& message);  // io thread
   void OnObjectsReady(proto::ObjectsReady::Reader ready);
+  // Objects this driver handed to a failed run came back unchanged: their references hold them
+  // again (a reference already dropped here releases its object).
+  void OnHandedBack(proto::HandedBack::Reader back) EXCLUDES(handed_mutex_);
   // When the queued batches go out:
   //   kAwaited  a caller blocks on the answer (a Watch): now.
   //   kSoon     now if nothing was sent for kCoalesceWindow, else at the window's end, so a
@@ -130,6 +133,11 @@ class ClusterClient : public std::enable_shared_from_this<ClusterClient> {
   Mutex held_mutex_;
   // This driver's Puts, served to workers.
   std::unordered_map<uint64_t, Tensor> held_ GUARDED_BY(held_mutex_);
+
+  Mutex handed_mutex_;
+  // References handed to runs (RunGraph's takeOver), by object id, until they come back or go:
+  // a failed run may hand them back (OnHandedBack). Expired ones are pruned at each RunGraph.
+  std::unordered_map<uint64_t, std::weak_ptr<ObjectRef::State>> handed_ GUARDED_BY(handed_mutex_);
 
   // Held through a whole Flush, so that batches go out in the order they were taken (a Watch
   // never overtakes the Submit of what it watches) whichever thread flushes.

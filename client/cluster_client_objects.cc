@@ -17,7 +17,37 @@ ObjectRef::State::~State() {
   if (auto owner_client = owner.lock()) owner_client->Release(id);
 }
 
+bool ObjectRef::handed_over() const { return state_ != nullptr && state_->handed_over.load(); }
+
 namespace detail {
+
+void ClusterClient::OnHandedBack(proto::HandedBack::Reader back) {
+  std::vector<std::shared_ptr<ObjectRef::State>> kept;  // dropped outside the lock
+  std::vector<ObjectId> unheld;
+  {
+    MutexLock lock(&handed_mutex_);
+    for (uint64_t id : back.getIds()) {
+      auto it = handed_.find(id);
+      std::shared_ptr<ObjectRef::State> state;
+      if (it != handed_.end()) {
+        state = it->second.lock();
+        handed_.erase(it);
+      }
+      if (state == nullptr) {
+        unheld.emplace_back(id);
+        continue;
+      }
+      state->handed_over.store(false);  // its last holder releases it, as any other
+      kept.push_back(std::move(state));
+    }
+  }
+  // Nothing here holds these any more (or never did): the reference the scheduler gave back goes
+  // at once.
+  for (ObjectId id : unheld) Release(id);
+  kept.clear();
+  GetLogger("driver")->info("graph {} instance {} failed; {} object(s) handed to it came back",
+                            back.getGraphId(), back.getInstance(), back.getIds().size());
+}
 
 ObjectRef ClusterClient::MakeRef(ObjectId id, const TensorMeta& meta) {
   auto state = std::make_shared<ObjectRef::State>();
@@ -302,9 +332,15 @@ Result<std::map<ObjectId, ObjectRef>> ClusterClient::RunGraph(
   }
   // Queued batches (a Put of an input, a Release) must reach the scheduler first.
   Flush();
-  for (ObjectId input : sole) {
-    inputs.at(input).state_->handed_over.store(true);
-    handed_over->push_back(input);
+  {
+    MutexLock lock(&handed_mutex_);
+    std::erase_if(handed_, [](const auto& entry) { return entry.second.expired(); });
+    for (ObjectId input : sole) {
+      const std::shared_ptr<ObjectRef::State>& state = inputs.at(input).state_;
+      state->handed_over.store(true);
+      handed_[state->id.value()] = state;
+      handed_over->push_back(input);
+    }
   }
   connection_->Send(message);
   return outputs;

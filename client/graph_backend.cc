@@ -208,10 +208,12 @@ class ClusterBackend final : public GraphBackend {
     for (const auto& [id, ref] : *run) outputs.push_back(ref);
     Status done = cluster_.Wait(outputs, -1);
     if (!done.ok()) {
-      // Those handed over are gone (a worker may have updated them in place before the error);
-      // the others are as they were (cluster objects are immutable).
+      // Those handed over that did not come back are gone (a worker updated them in place
+      // before the error); the others are as they were (cluster objects are immutable).
       if (intact != nullptr) {
-        for (ObjectId id : handed_over) refs.erase(id);
+        for (ObjectId id : handed_over) {
+          if (refs.at(id).handed_over()) refs.erase(id);
+        }
         intact->clear();
         for (auto& [id, ref] : refs) (*intact)[id].ref = std::move(ref);
       }

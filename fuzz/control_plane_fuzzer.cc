@@ -217,6 +217,7 @@ void FillRunGraph(FuzzedDataProvider& in, proto::RunGraph::Builder run) {
   for (unsigned i = 0; i < inputs.size(); ++i) {
     inputs[i].setObject(Id(in));
     inputs[i].initSource().setObject(Id(in));
+    inputs[i].setTakeOver(in.ConsumeBool());
   }
   auto outputs = run.initOutputIds(in.ConsumeIntegralInRange<unsigned>(0, 3));
   for (unsigned i = 0; i < outputs.size(); ++i) outputs.set(i, 200 + Id(in));
@@ -232,6 +233,9 @@ void FillInstanceFinished(FuzzedDataProvider& in, proto::InstanceFinished::Build
     outputs[i].setBytes(in.ConsumeBool() ? 4 : Int(in));
     outputs[i].setInline(Bytes(Text(in, 8)));
   }
+  // Put back after a failure: objects it may or may not have been told to take over.
+  auto restored = finished.initRestored(in.ConsumeIntegralInRange<unsigned>(0, 2));
+  for (unsigned i = 0; i < restored.size(); ++i) restored.set(i, Id(in));
   if (in.ConsumeBool()) {
     auto report = finished.initReport();
     report.setGraphId(finished.getGraphId());

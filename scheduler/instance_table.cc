@@ -172,6 +172,7 @@ void InstanceTable::Start(InstanceStart start) {
       if (handed_over.contains(id) &&
           MayTakeOver(graph, *object, instance.driver, bound_times[id], readers[local])) {
         message.take_over.push_back(local);
+        instance.taken_over[object->holders.front()].insert(id);
       }
     }
   }
@@ -210,11 +211,38 @@ Status InstanceTable::Finished(WorkerId worker, proto::InstanceFinished::Reader 
   InstanceEntry& instance = it->second;
   auto& pending = instance.pending;
   if (std::find(pending.begin(), pending.end(), worker) == pending.end()) return Status::Ok();
+  // What this worker took over is settled by its report: put back (listed, after a failure) or
+  // lost. Checked before anything changes.
+  std::set<ObjectId> taken;
+  if (auto it_taken = instance.taken_over.find(worker); it_taken != instance.taken_over.end()) {
+    taken = it_taken->second;
+  }
+  if (!finished.hasError() && finished.getRestored().size() > 0) {
+    return InvalidArgument("{} put objects back after graph {} instance {}, which it finished",
+                           worker.ToString(), key.first, key.second);
+  }
+  std::vector<ObjectId> restored;
+  for (uint64_t raw : finished.getRestored()) {
+    const ObjectId id(raw);
+    if (taken.erase(id) == 0) {
+      return InvalidArgument(
+          "{} put back {} after graph {} instance {} failed, but it was not told to take it "
+          "over there (or put it back twice)",
+          worker.ToString(), id.ToString(), key.first, key.second);
+    }
+    restored.push_back(id);
+  }
   pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
+  instance.taken_over.erase(worker);
   if (finished.hasError()) {
+    instance.restored.insert(instance.restored.end(), restored.begin(), restored.end());
+    if (instance.error.ok()) instance.failed_on = worker;
     FailInstance(instance, worker,
                  rpc::FromWire(finished.getError()).WithContext(participants_->Describe(worker)));
-    instance.failed_on = worker;
+    MaybeFinish(key);
+    return Status::Ok();
+  }
+  if (!instance.error.ok()) {  // failed elsewhere: its outputs fail with the instance
     MaybeFinish(key);
     return Status::Ok();
   }
@@ -261,10 +289,21 @@ void InstanceTable::FailInstance(InstanceEntry& instance, WorkerId skip, const S
 void InstanceTable::MaybeFinish(const Key& key) {
   auto it = instances_.find(key);
   if (it == instances_.end()) return;
-  if (!it->second.pending.empty() && it->second.error.ok()) return;
+  const InstanceEntry& entry = it->second;
+  if (!entry.pending.empty()) {
+    if (entry.error.ok()) return;
+    // Failed: still waiting for a worker to say which handed-over objects it put back?
+    for (const auto& [worker, objects] : entry.taken_over) {
+      if (!objects.empty() &&
+          std::find(entry.pending.begin(), entry.pending.end(), worker) != entry.pending.end()) {
+        return;
+      }
+    }
+  }
   const InstanceEntry done = std::move(it->second);
   Erase(it);
   const uint64_t graph_id = done.graph->id;
+  HandBack(done);
   graphs_->InstanceEnded(*done.graph);  // may forget a retired graph: done.graph is not used after
   for (ObjectId id : done.bound) objects_->ReleaseUse(id);
   if (done.observer != nullptr && !done.error.ok()) {
@@ -281,6 +320,23 @@ void InstanceTable::MaybeFinish(const Key& key) {
                            : done.error);
   }
   if (done.observer != nullptr) done.observer->InstanceEnded(done.instance, WorkerId(), done.error);
+}
+
+void InstanceTable::HandBack(const InstanceEntry& done) {
+  if (done.restored.empty() || done.error.ok()) return;
+  const Participant* driver = participants_->Find(done.driver);
+  if (driver == nullptr || !driver->alive) return;  // its references went with it
+  std::vector<ObjectId> kept;
+  for (ObjectId id : done.restored) {
+    if (objects_->Find(id) == nullptr) continue;
+    objects_->AddDriverRef(done.driver, id);
+    kept.push_back(id);
+  }
+  if (kept.empty()) return;
+  GetLogger("scheduler")
+      ->info("graph {} instance {} failed; {} object(s) handed to it came back unchanged",
+             done.graph->id, done.instance, kept.size());
+  SendHandedBack(*outbox_, done.driver, done.graph->id, done.instance, kept);
 }
 
 void InstanceTable::Abandon(uint64_t graph, uint64_t instance, const Status& error) {
@@ -313,6 +369,7 @@ void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const St
     InstanceEntry& instance = instances_.at(key);
     auto& pending = instance.pending;
     pending.erase(std::remove(pending.begin(), pending.end(), worker), pending.end());
+    instance.taken_over.erase(worker);  // what it took over died with it
     FailInstance(instance, worker,
                  Unavailable("{} died while running its part of graph {} (instance {}): {}", who,
                              key.first, key.second, reason.message()));

@@ -18,7 +18,10 @@
 // Two owners:
 //   - a driver's RunGraph (RunForDriver): the instance ends when every involved worker reported,
 //     or at its first failure (a worker's error, or its death): the others are told to cancel,
-//     its groups are aborted, and the outputs not sealed fail with that error;
+//     its groups are aborted, and the outputs not sealed fail with that error. A failed instance
+//     whose workers took over handed-over objects (below) ends once each of those workers has
+//     reported (or died): the objects they put back unchanged are the driver's again (a
+//     HandedBack message, sent before the outputs fail), the rest are lost;
 //   - the task table, for submitted tasks and dynamic collectives (Start with an observer): on
 //     success the outputs are sealed and the observer told; on a failure the observer is told and
 //     decides (run the work again, wait for rebuilt inputs, or fail the outputs). A worker's
@@ -122,6 +125,10 @@ class InstanceTable {
     InstanceObserver* observer = nullptr;
     Status error;
     WorkerId failed_on;
+    // Handed-over objects each worker was told to take over, until it reports: after a failure
+    // the instance waits for those workers, to hand back what they put back (`restored`).
+    std::map<WorkerId, std::set<ObjectId>> taken_over;
+    std::vector<ObjectId> restored;
   };
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
   // Hashed: a stream of submitted tasks keeps tens of thousands in flight, and every report
@@ -144,6 +151,9 @@ class InstanceTable {
   void FailInstance(InstanceEntry& instance, WorkerId skip, const Status& error);
   // Ends the instance once every involved worker reported (or it failed).
   void MaybeFinish(const Key& key);
+  // A failed driver's instance that closes: the objects its workers put back are the driver's
+  // again (a reference each, and a HandedBack message), unless the driver is gone.
+  void HandBack(const InstanceEntry& done);
   // Takes an entry out of instances_ (and its graph's count).
   void Erase(Instances::iterator it);
   // Each involved worker's collective base for a new instance of `graph` (advances the counts).

@@ -195,6 +195,16 @@ void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids)
   outbox.Send(to, message);
 }
 
+void SendHandedBack(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
+                    std::span<const ObjectId> ids) {
+  rpc::ScopedMessageBuilder message;
+  auto out = Body(message).initHandedBack();
+  out.setGraphId(graph_id);
+  out.setInstance(instance);
+  SetIds(ids, out.initIds(Size(ids)));
+  outbox.Send(to, message);
+}
+
 void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part) {
   rpc::ScopedMessageBuilder message;
   auto out = Body(message).initGraphPart();

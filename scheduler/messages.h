@@ -126,6 +126,10 @@ void SendKeepalive(Outbox& outbox, WorkerId to);
 // Objects.
 void SendObjectsReady(Outbox& outbox, WorkerId to, std::span<const ObjectReport> objects);
 void SendFreeObjects(Outbox& outbox, WorkerId to, std::span<const ObjectId> ids);
+// Objects a driver handed to a failed run (graph `graph_id`, instance `instance`) that came
+// back unchanged: the driver holds them again.
+void SendHandedBack(Outbox& outbox, WorkerId to, uint64_t graph_id, uint64_t instance,
+                    std::span<const ObjectId> ids);
 
 // Placed graphs and their instances: the same message to each of `to`.
 void SendGraphPart(Outbox& outbox, std::span<const WorkerId> to, const GraphPart& part);

@@ -144,6 +144,11 @@ void ObjectDirectory::Release(WorkerId driver, ObjectId id) {
   MaybeFree(id);
 }
 
+void ObjectDirectory::AddDriverRef(WorkerId driver, ObjectId id) {
+  ++Get(id).driver_refs;
+  ++driver_refs_[driver][id.value()];
+}
+
 void ObjectDirectory::Watch(WorkerId driver, ObjectId id) {
   ObjectEntry* object = Find(id);
   if (object == nullptr || object->finished()) {

@@ -106,6 +106,9 @@ class ObjectDirectory {
   int DriverRefs(WorkerId driver, ObjectId id) const;
   // The driver drops one reference. A release the driver does not hold is ignored.
   void Release(WorkerId driver, ObjectId id);
+  // The driver holds one more reference (an object it handed to a run came back). REQUIRES:
+  // known, and the driver connected (DriverGone not called for it).
+  void AddDriverRef(WorkerId driver, ObjectId id);
   // The driver wants to hear when the object is finished: queued at once when it already is (or
   // is unknown: the driver is told so), else when it is settled.
   void Watch(WorkerId driver, ObjectId id);

@@ -43,6 +43,9 @@ struct GraphRunner::Instance {
   // submitted collective's); empty: the part's.
   std::vector<std::string> task_names;
   std::vector<int64_t> collective_ids;
+  // Bound inputs this worker took over (RunGraph's takeOver: moved out of its store), local id ->
+  // cluster id: put back into the store when the run fails without having updated them.
+  std::map<ObjectId, ObjectId> taken_over;
   uint64_t sequence = 0;  // arrival order
   // Once started on the executor. Under the runner's mutex_ (which the analysis cannot name
   // from here): set once by Begin, read by those that find the instance in in_flight_.
@@ -59,6 +62,7 @@ struct GraphRunner::Outcome {
   bool run_done GUARDED_BY(mutex) = false;
   Status error GUARDED_BY(mutex);
   std::vector<std::pair<ObjectId, Tensor>> sealed GUARDED_BY(mutex);
+  std::vector<ObjectId> restored GUARDED_BY(mutex);  // taken-over inputs put back (a failure)
   InstanceFigures figures GUARDED_BY(mutex);
   // Local task -> when it ran on the engine.
   std::map<TaskId, WorkerSpans::Task> collectives GUARDED_BY(mutex);
@@ -205,7 +209,9 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
           inline_bytes.erase(local);
           // Taken over (the run is its last user here): out of the store, so the run holds its
           // only copy and may update it in place. The scheduler frees it once the run ends.
-          if (binding.getTakeOver()) (void)store_.Delete(cluster);
+          if (binding.getTakeOver() && store_.Delete(cluster).ok()) {
+            instance->taken_over.emplace(local, cluster);
+          }
           continue;
         }
       }
@@ -253,8 +259,27 @@ void GraphRunner::Launch(const std::shared_ptr<Instance>& instance) {
   // Its collectives never come: the worker's order moves past them.
   if (engine_ != nullptr) engine_->EndInstance(instance->key, instance->places, instance->error);
   CountDone(0);
-  Report(instance->key, instance->error, {});
+  ObjectMap unused;
+  for (auto& [local, tensor] : instance->ready) unused.emplace(local, std::move(tensor));
+  instance->ready.clear();
+  Report(instance->key, instance->error, {}, {}, PutBack(*instance, unused));
   Retire(*instance);
+}
+
+std::vector<ObjectId> GraphRunner::PutBack(const Instance& instance, const ObjectMap& intact) {
+  std::vector<ObjectId> restored;
+  for (const auto& [local, cluster] : instance.taken_over) {
+    auto it = intact.find(local);
+    if (it == intact.end()) continue;  // updated in place (or never read): lost
+    Status put = store_.Put(cluster, it->second);
+    if (put.ok()) {
+      restored.push_back(cluster);
+    } else {
+      GetLogger("worker")->warn("could not put {} back into the store after a failed run: {}",
+                                cluster.ToString(), put.ToString());
+    }
+  }
+  return restored;
 }
 
 std::vector<GraphRunActivity> GraphRunner::Activity() {
@@ -410,11 +435,14 @@ Status GraphRunner::Begin(const std::shared_ptr<Instance>& instance) {
   for (ObjectId external : part.external) {
     if (!inputs.contains(external)) hooks.late_inputs.push_back(external);
   }
-  TESSERA_RETURN_IF_ERROR(StartPulls(*instance));
+  if (Status pulls = StartPulls(*instance); !pulls.ok()) {
+    for (auto& [local, tensor] : inputs) instance->ready.emplace_back(local, std::move(tensor));
+    return pulls;  // Launch reports it, putting back what was taken over
+  }
   std::shared_ptr<GraphExecution> run =
       executor_.Start(*part.prepared, std::move(inputs), std::move(hooks),
-                      [this, instance](Result<RunResult> result, const ObjectMap&) {
-                        Ended(instance, std::move(result));
+                      [this, instance](Result<RunResult> result, const ObjectMap& intact) {
+                        Ended(instance, std::move(result), intact);
                       });
   // From now on pushes go to the run; those that came while it started are handed over here.
   std::vector<std::pair<ObjectId, Tensor>> buffered;
@@ -523,6 +551,7 @@ void GraphRunner::PushExport(const Key& key, const Part& part,
 void GraphRunner::ReportWhenPushed(const Key& key, Outcome& outcome) {
   Status error;
   std::vector<std::pair<ObjectId, Tensor>> sealed;
+  std::vector<ObjectId> restored;
   InstanceFigures figures;
   {
     MutexLock lock(&outcome.mutex);
@@ -530,9 +559,10 @@ void GraphRunner::ReportWhenPushed(const Key& key, Outcome& outcome) {
     outcome.run_done = false;  // report once
     error = outcome.error;
     sealed = std::move(outcome.sealed);
+    restored = std::move(outcome.restored);
     figures = outcome.figures;
   }
-  Report(key, error, std::move(sealed), figures);
+  Report(key, error, std::move(sealed), figures, restored);
 }
 
 Status GraphRunner::StartPulls(const Instance& instance) {
@@ -554,7 +584,8 @@ Status GraphRunner::StartPulls(const Instance& instance) {
   return Status::Ok();
 }
 
-void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) {
+void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result,
+                        const ObjectMap& intact) {
   const Key key = instance->key;
   if (engine_ != nullptr) engine_->EndInstance(key, instance->places, result.status());
   Outcome& outcome = *instance->outcome;
@@ -571,11 +602,14 @@ void GraphRunner::Ended(const std::shared_ptr<Instance>& instance, Result<RunRes
   } else if (key.first < kFirstSchedulerGraphId) {  // a submitted task's error names the task
     error = error.WithContext(fmt::format("graph {} instance {}", key.first, key.second));
   }
+  std::vector<ObjectId> restored;
+  if (!error.ok()) restored = PutBack(*instance, intact);
   {
     MutexLock lock(&outcome.mutex);
     outcome.run_done = true;
     if (!error.ok() && outcome.error.ok()) outcome.error = error;
     outcome.sealed = std::move(sealed);
+    outcome.restored = std::move(restored);
   }
   CountDone(result.ok() ? result->stats.tasks_run : 0);
   ReportWhenPushed(key, outcome);
@@ -658,7 +692,7 @@ GraphRunnerStats GraphRunner::stats() {
 
 void GraphRunner::Report(const Key& key, const Status& error,
                          std::vector<std::pair<ObjectId, Tensor>> sealed,
-                         const InstanceFigures& figures) {
+                         const InstanceFigures& figures, const std::vector<ObjectId>& restored) {
   rpc::ScopedMessageBuilder message;
   auto finished = message.initRoot<proto::Envelope>().initBody().initInstanceFinished();
   finished.setGraphId(key.first);
@@ -709,6 +743,8 @@ void GraphRunner::Report(const Key& key, const Status& error,
   }
   if (!status.ok()) {
     rpc::ToWire(status, finished.initError());
+    auto put_back = finished.initRestored(static_cast<unsigned>(restored.size()));
+    for (unsigned i = 0; i < restored.size(); ++i) put_back.set(i, restored[i].value());
   } else {
     auto outputs = finished.initOutputs(static_cast<unsigned>(reported.size()));
     for (unsigned i = 0; i < reported.size(); ++i) {

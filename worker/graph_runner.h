@@ -19,7 +19,9 @@
 //   - the graph outputs produced here are sealed into the object store under the cluster ids the
 //     scheduler assigned, and InstanceFinished reports them (once every push has completed).
 // A failure anywhere (a kernel, a pull, a push, or a cancel from the scheduler) ends the
-// instance with an error.
+// instance with an error; the inputs it took over that no task had updated in place go back into
+// the store under their cluster ids, and the report says which (InstanceFinished's restored), so
+// the driver keeps them (a failed step's state is not lost).
 //
 // Every instance runs here: a driver's step, a submitted task's one-task graph, a submitted
 // collective's graph of members. Instances start as they arrive (Start returns at once: the
@@ -147,7 +149,12 @@ class GraphRunner {
   void PushExport(const Key& key, const Part& part, const std::shared_ptr<Outcome>& outcome,
                   ObjectId local, const Tensor& tensor);
   // The run of an instance ended: figures, sealed outputs, the report (after the pushes).
-  void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result) EXCLUDES(mutex_);
+  // `intact`: on a failure, the inputs no task updated in place.
+  void Ended(const std::shared_ptr<Instance>& instance, Result<RunResult> result,
+             const ObjectMap& intact) EXCLUDES(mutex_);
+  // After a failed run: puts the inputs the instance took over that are in `intact` back into
+  // the store under their cluster ids; returns those ids (the report's `restored`).
+  std::vector<ObjectId> PutBack(const Instance& instance, const ObjectMap& intact);
   // Reports the instance when its run has ended and no push is out (once).
   void ReportWhenPushed(const Key& key, Outcome& outcome) EXCLUDES(mutex_);
   // Counts an ended instance in stats().done, and the tasks it ran here in stats().tasks_done:
@@ -159,7 +166,8 @@ class GraphRunner {
   // the run starts.
   void Arrive(const Key& key, ObjectId local, Tensor tensor) EXCLUDES(mutex_);
   void Report(const Key& key, const Status& error, std::vector<std::pair<ObjectId, Tensor>> sealed,
-              const InstanceFigures& figures = {}) EXCLUDES(mutex_);
+              const InstanceFigures& figures = {}, const std::vector<ObjectId>& restored = {})
+      EXCLUDES(mutex_);
 
   // Hands the pushes that came before graph `graph`'s part to their runs.
   void DeliverEarlyPushes(uint64_t graph) EXCLUDES(mutex_);

@@ -263,6 +263,17 @@ struct InstanceFinished {
   outputs @3 :List(SealedObject);  # graph outputs this worker produced, as cluster objects
   report @4 :RunReport;
   spans @5 :InstanceSpans;         # where this worker's time went (absent on failure)
+  # On failure: the objects this worker took over from the run's bindings (RunGraph's takeOver)
+  # that no task had updated in place, put back into its store under their cluster ids.
+  restored @6 :List(UInt64);
+}
+
+# scheduler -> driver, before the failure of a run's outputs: objects the driver handed to the
+# run (RunGraph's takeOver) that came back unchanged; the driver holds a reference to each again.
+struct HandedBack {
+  graphId @0 :UInt64;
+  instance @1 :UInt64;
+  ids @2 :List(UInt64);
 }
 
 # scheduler -> worker: these placed graphs will not run again here; drop their parts.
@@ -433,5 +444,6 @@ struct Envelope {
     jobProgress @29 :JobProgress;  # driver -> scheduler: a training step's figures
     forgetGraphs @30 :ForgetGraphs;
     loadPlugin @31 :Plugin;  # driver -> scheduler -> worker: a plugin's library (one-way)
+    handedBack @32 :HandedBack;  # scheduler -> driver: handed-over objects a failed run kept
   }
 }

@@ -24,7 +24,7 @@
 namespace tessera::rpc {
 
 // Bumped on incompatible changes to the schema or the protocol.
-inline constexpr uint32_t kProtocolVersion = 4;
+inline constexpr uint32_t kProtocolVersion = 5;
 
 void ToWire(const TensorMeta& meta, proto::TensorMeta::Builder out);
 // InvalidArgument for a rank above limits.max_tensor_rank, a negative dimension, an unknown dtype

@@ -180,6 +180,7 @@ Status Checker::RunGraph(proto::RunGraph::Reader run) const {
 Status Checker::InstanceFinished(proto::InstanceFinished::Reader finished) const {
   TESSERA_RETURN_IF_ERROR(Error("InstanceFinished.error.message", finished.getError()));
   TESSERA_RETURN_IF_ERROR(Objects("InstanceFinished.outputs", finished.getOutputs().size()));
+  TESSERA_RETURN_IF_ERROR(Objects("InstanceFinished.restored", finished.getRestored().size()));
   TESSERA_RETURN_IF_ERROR(CheckCount("InstanceFinished.report.rolePeaks",
                                      finished.getReport().getRolePeaks().size(),
                                      limits_.max_role_peaks));
@@ -369,6 +370,8 @@ Status CheckEnvelope(proto::Envelope::Reader message, const WireLimits& limits) 
       return check.Objects("ForgetGraphs.graphIds", body.getForgetGraphs().getGraphIds().size());
     case Body::LOAD_PLUGIN:
       return check.Plugin("LoadPlugin", body.getLoadPlugin());
+    case Body::HANDED_BACK:
+      return check.Objects("HandedBack.ids", body.getHandedBack().getIds().size());
     default:
       // Numbers only, or nothing (StatusRequest, Shutdown, Keepalive, TimelineRequest); retired
       // kinds nobody reads (DispatchTasks, TasksFinished); a kind newer than this build, which

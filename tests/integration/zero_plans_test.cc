@@ -304,6 +304,48 @@ TEST_F(ZeroPlansTest, StateHandedToAStepIsUpdatedInPlaceUnderThePredictedPeak) {
   EXPECT_EQ(doubled.data<float>()[0], 4.0f);
 }
 
+// A step that fails before its optimizer ran (a target outside the vocabulary: one rank's loss
+// refuses it, the other rank is cancelled) loses none of the state handed to it: the workers put
+// what they took over back, the trainer says the step failed (not that state was lost), and the
+// same trainer, the step retried on the good batch, trains the one worker's run. ZeRO-0 (each
+// rank its whole copy) and ZeRO-2 (each its shard of the optimizer state and gradients).
+TEST_F(ZeroPlansTest, AStepThatFailsBeforeItsOptimizerLosesNoStateAndCanBeRetried) {
+  ASSERT_NE(reference_, nullptr);
+  for (int stage : {0, 2}) {
+    const TrainingPlan plan = Plan(2, stage, OffloadMode::kNone, 1);
+    ASSERT_OK_AND_ASSIGN(auto trainer, Distributed(plan));
+    TokenDataset data = TokenDataset::Synthetic(20'000, 256, 9);
+    ASSERT_OK_AND_ASSIGN(BatchSampler sampler, BatchSampler::Create(data, kBatch, kSeqLen, 3));
+    std::vector<int32_t> tokens(kBatch * kSeqLen), targets(kBatch * kSeqLen);
+    int failures = 0;
+    Result<TrainingRun> run = RecordRun(
+        *trainer, 5, kSteps,
+        [&](Trainer& t, int step) -> Result<StepReport> {
+          sampler.Next(tokens.data(), targets.data());
+          if (step == 3) {
+            // Built here: Gpt2Batch would refuse the id before anything ran.
+            std::vector<int32_t> bad = targets;
+            bad[5] = 256;  // rank 0's rows; the tiny GPT-2's vocabulary is [0, 256)
+            const Shape shape{kBatch, kSeqLen};
+            TESSERA_ASSIGN_OR_RETURN(Tensor x, Tensor::FromVector(shape, tokens));
+            TESSERA_ASSIGN_OR_RETURN(Tensor y, Tensor::FromVector(shape, bad));
+            Result<StepReport> failed = t.Step({x, y}, 3e-3f);
+            EXPECT_FALSE(failed.ok());
+            EXPECT_NE(failed.status().code(), StatusCode::kDataLoss) << failed.status().ToString();
+            EXPECT_THAT(failed.status().message(), HasSubstr("outside the vocabulary"));
+            EXPECT_EQ(t.steps_taken(), 3);
+            ++failures;
+          }
+          return Gpt2Step(t, tokens, targets, 3e-3f);
+        },
+        "h.1.fc_w");
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    EXPECT_EQ(failures, 1);
+    testing::ExpectSameRun(*run, *reference_,
+                           fmt::format("ZeRO-{} with a failed step retried", stage));
+  }
+}
+
 // A 1F1B pipeline (two stages, four micro-batches) with half and a quarter of its activations
 // (recomputing every layer, keeping the least part, reaches 34%: each stage keeps its in-flight
 // micro-batches' layer inputs; at a quarter the plan splits the batch into eight micro-batches

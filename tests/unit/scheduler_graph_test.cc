@@ -1,5 +1,6 @@
 // The scheduler's registered graphs (scheduler_core_fixture.h): placement, refusals, instances
 // and their failures, collective members inside graphs.
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,14 +61,18 @@ class RegisteredGraphTest : public SchedulerCoreTest {
     });
   }
 
-  // `worker` finished its part of the instance, sealing `sealed` (or failed with `error`).
+  // `worker` finished its part of the instance, sealing `sealed` (or failed with `error`,
+  // putting back `restored`).
   Status InstanceDone(WorkerId worker, uint64_t graph_id, uint64_t instance,
-                      const std::vector<uint64_t>& sealed, const Status& error = Status::Ok()) {
+                      const std::vector<uint64_t>& sealed, const Status& error = Status::Ok(),
+                      const std::vector<uint64_t>& restored = {}) {
     return Deliver(worker, [&](proto::Envelope::Builder e) {
       auto done = e.initBody().initInstanceFinished();
       done.setGraphId(graph_id);
       done.setInstance(instance);
       if (!error.ok()) rpc::ToWire(error, done.initError());
+      auto put_back = done.initRestored(static_cast<unsigned>(restored.size()));
+      for (unsigned i = 0; i < restored.size(); ++i) put_back.set(i, restored[i]);
       auto outputs = done.initOutputs(static_cast<unsigned>(sealed.size()));
       for (unsigned i = 0; i < sealed.size(); ++i) {
         outputs[i].setId(sealed[i]);
@@ -193,6 +198,101 @@ TEST_F(RegisteredGraphTest, AnObjectHandedToARunIsTakenOverByItsOnlyHolderAndRea
   ASSERT_OK(InstanceDone(w1, 3, 4, {53}));
   for (uint64_t id : {60, 70, 71, 61, 63, 62, 1}) Release(driver, id);
   EXPECT_EQ(core_.num_objects(), 0u);
+}
+
+// A failed run whose workers took over handed-over objects ends once each of those workers has
+// said which it put back unchanged: those are the driver's again (a HandedBack, sent before the
+// outputs fail; the driver releases them as any other), the rest are lost. A worker putting back
+// what it was not told to take over breaks the protocol; one that dies loses what it took.
+TEST_F(RegisteredGraphTest, AFailedRunHandsBackWhatItsWorkersPutBack) {
+  const Cluster joined = JoinTwoWorkersAndADriver();
+  const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
+  // Graphs 3 and 4 make a large object on w1 and on w2; graph 6 reads one on each (each its
+  // holder's only reader, so each is taken over there).
+  Graph make1, make2, update;
+  const ObjectId x1 = make1.AddObject("x", Floats(1), ObjectRole::kInput);
+  make1.MarkOutput(AddGelu(make1, "make", {x1}, 1000, w1));
+  const ObjectId x2 = make2.AddObject("x", Floats(1), ObjectRole::kInput);
+  make2.MarkOutput(AddGelu(make2, "make", {x2}, 1000, w2));
+  const ObjectId a = update.AddObject("a", Floats(1000), ObjectRole::kInput);
+  const ObjectId b = update.AddObject("b", Floats(1000), ObjectRole::kInput);
+  update.MarkOutput(AddGelu(update, "update_a", {a}, 1000, w1));
+  update.MarkOutput(AddGelu(update, "update_b", {b}, 1000, w2));
+  ASSERT_OK(Register(driver, 3, make1, 7));
+  EXPECT_OK(TakeReply(driver, 7));
+  ASSERT_OK(Register(driver, 4, make2, 8));
+  EXPECT_OK(TakeReply(driver, 8));
+  ASSERT_OK(Register(driver, 6, update, 9));
+  EXPECT_OK(TakeReply(driver, 9));
+  Put(driver, 1, 1, /*inline_data=*/true);
+  const auto make = [&](uint64_t instance, uint64_t on_w1, uint64_t on_w2) {
+    ASSERT_OK(Run(driver, 3, instance, {{x1.value(), 1}}, {on_w1}));
+    ASSERT_OK(InstanceDone(w1, 3, instance, {on_w1}));
+    ASSERT_OK(Run(driver, 4, instance, {{x2.value(), 1}}, {on_w2}));
+    ASSERT_OK(InstanceDone(w2, 4, instance, {on_w2}));
+  };
+  const auto ids_of = [](proto::HandedBack::Reader back) {
+    std::vector<uint64_t> ids;
+    for (uint64_t id : back.getIds()) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  const auto driver_kinds = [&] {
+    std::vector<Body::Which> kinds;
+    for (const auto& message : outbox_.sent[driver]) kinds.push_back(BodyOf(message).which());
+    outbox_.sent[driver].clear();
+    return kinds;
+  };
+
+  // w2 fails first, putting back 51; the run waits for w1, which took 50 over.
+  make(1, 50, 51);
+  const size_t before = core_.num_objects();
+  ASSERT_OK(Run(driver, 6, 1, {{a.value(), 50}, {b.value(), 51}}, {60, 61}, true));
+  Watch(driver, 60);
+  driver_kinds();
+  ASSERT_OK(InstanceDone(w2, 6, 1, {}, Internal("a kernel failed"), {51}));
+  EXPECT_EQ(outbox_.Take(w1, Body::CANCEL_INSTANCE).size(), 1u);
+  EXPECT_TRUE(driver_kinds().empty()) << "the run ended before w1 said what it put back";
+  ASSERT_OK(InstanceDone(w1, 6, 1, {}, Cancelled("cancelled"), {50}));
+  auto sent = std::move(outbox_.sent[driver]);
+  ASSERT_EQ(sent.size(), 2u);
+  ASSERT_EQ(BodyOf(sent[0]).which(), Body::HANDED_BACK);
+  auto back = BodyOf(sent[0]).getHandedBack();
+  EXPECT_EQ(back.getGraphId(), 6u);
+  EXPECT_EQ(back.getInstance(), 1u);
+  EXPECT_EQ(ids_of(back), (std::vector<uint64_t>{50, 51}));
+  ASSERT_EQ(BodyOf(sent[1]).which(), Body::OBJECTS_READY);  // then the output fails
+  EXPECT_TRUE(BodyOf(sent[1]).getObjectsReady().getObjects()[0].hasError());
+  outbox_.sent[driver].clear();
+  // 50 and 51 are held by the driver again; 60 and 61 failed (60 watched, both referenced).
+  EXPECT_EQ(core_.num_objects(), before + 2);
+  for (uint64_t id : {50, 51, 60, 61}) Release(driver, id);
+  EXPECT_EQ(core_.num_objects(), before - 2);
+  EXPECT_EQ(outbox_.Take(w1, Body::FREE_OBJECTS).size(), 1u);  // 50 freed where it was put back
+
+  // w1 updated 52 before failing (nothing put back): lost; w2's 53 comes back.
+  make(2, 52, 53);
+  ASSERT_OK(Run(driver, 6, 2, {{a.value(), 52}, {b.value(), 53}}, {62, 63}, true));
+  ASSERT_OK(InstanceDone(w1, 6, 2, {}, Internal("the optimizer failed")));
+  ASSERT_OK(InstanceDone(w2, 6, 2, {}, Cancelled("cancelled"), {53}));
+  auto handed = outbox_.Take(driver, Body::HANDED_BACK);
+  ASSERT_EQ(handed.size(), 1u);
+  EXPECT_EQ(ids_of(BodyOf(handed[0]).getHandedBack()), std::vector<uint64_t>{53});
+  for (uint64_t id : {53, 62, 63}) Release(driver, id);
+  EXPECT_EQ(core_.num_objects(), before - 2);
+
+  // Putting back what it was not told to take over (w1 was told 54, not 55): refused.
+  make(3, 54, 55);
+  ASSERT_OK(Run(driver, 6, 3, {{a.value(), 54}, {b.value(), 55}}, {64, 65}, true));
+  EXPECT_THAT(InstanceDone(w1, 6, 3, {}, Internal("failed"), {55}).ToString(),
+              ::testing::HasSubstr("it was not told to take it over"));
+  // A taker that dies loses what it took: the run ends with the other's put back.
+  ASSERT_OK(InstanceDone(w2, 6, 3, {}, Internal("failed"), {55}));
+  EXPECT_TRUE(outbox_.Take(driver, Body::HANDED_BACK).empty());
+  core_.Disconnected(w1, Unavailable("killed"));
+  handed = outbox_.Take(driver, Body::HANDED_BACK);
+  ASSERT_EQ(handed.size(), 1u);
+  EXPECT_EQ(BodyOf(handed[0]).getHandedBack().getIds()[0], 55u);
 }
 
 TEST_F(RegisteredGraphTest, TimelineWaitsForTheInstanceAndNamesItsSpans) {
