@@ -207,7 +207,15 @@ void InstanceTable::Start(InstanceStart start) {
 Status InstanceTable::Finished(WorkerId worker, proto::InstanceFinished::Reader finished) {
   const Key key(finished.getGraphId(), finished.getInstance());
   auto it = instances_.find(key);
-  if (it == instances_.end()) return Status::Ok();  // already failed and closed
+  if (it == instances_.end()) {  // already failed and closed
+    // Put back after the instance gave up on this worker (Tick): nobody holds them any more.
+    std::vector<ObjectId> orphans;
+    for (uint64_t raw : finished.getRestored()) {
+      if (objects_->Find(ObjectId(raw)) == nullptr) orphans.emplace_back(raw);
+    }
+    if (!orphans.empty()) SendFreeObjects(*outbox_, worker, orphans);
+    return Status::Ok();
+  }
   InstanceEntry& instance = it->second;
   auto& pending = instance.pending;
   if (std::find(pending.begin(), pending.end(), worker) == pending.end()) return Status::Ok();
@@ -376,6 +384,34 @@ void InstanceTable::WorkerDied(WorkerId worker, const std::string& who, const St
     MaybeFinish(key);
   }
   std::erase_if(next_position_, [&](const auto& entry) { return entry.first.first == worker; });
+}
+
+void InstanceTable::Tick(std::chrono::steady_clock::time_point now,
+                         std::chrono::steady_clock::duration limit) {
+  std::vector<Key> overdue;
+  for (auto& [key, instance] : instances_) {
+    if (instance.error.ok()) continue;
+    if (!instance.waiting_since.has_value()) instance.waiting_since = now;
+    if (now - *instance.waiting_since >= limit) overdue.push_back(key);
+  }
+  std::sort(overdue.begin(), overdue.end());
+  for (const Key& key : overdue) {
+    InstanceEntry& instance = instances_.at(key);
+    std::string silent;
+    for (WorkerId worker : instance.pending) {
+      if (instance.taken_over.erase(worker) == 0) continue;
+      silent += (silent.empty() ? "" : ", ") + participants_->Describe(worker);
+    }
+    if (!silent.empty()) {
+      GetLogger("scheduler")
+          ->warn(
+              "graph {} instance {} failed and {} did not say what it put back within {} ms: "
+              "what it took over is lost",
+              key.first, key.second, silent,
+              std::chrono::duration_cast<std::chrono::milliseconds>(limit).count());
+    }
+    MaybeFinish(key);
+  }
 }
 
 bool InstanceTable::Running(uint64_t graph, uint64_t instance) const {

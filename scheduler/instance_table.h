@@ -21,7 +21,9 @@
 //     its groups are aborted, and the outputs not sealed fail with that error. A failed instance
 //     whose workers took over handed-over objects (below) ends once each of those workers has
 //     reported (or died): the objects they put back unchanged are the driver's again (a
-//     HandedBack message, sent before the outputs fail), the rest are lost;
+//     HandedBack message, sent before the outputs fail), the rest are lost. Such a worker that
+//     has not reported a heartbeat timeout after the failure (Tick) is given up on: what it took
+//     is lost, and a late report's put-back objects are freed on it;
 //   - the task table, for submitted tasks and dynamic collectives (Start with an observer): on
 //     success the outputs are sealed and the observer told; on a failure the observer is told and
 //     decides (run the work again, wait for rebuilt inputs, or fail the outputs). A worker's
@@ -41,8 +43,10 @@
 // Thread safety: none; the scheduler's io thread drives it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -109,6 +113,10 @@ class InstanceTable {
   // (observed ones are their owner's to handle).
   void WorkerDied(WorkerId worker, const std::string& who, const Status& reason);
 
+  // Failed instances still waiting for a worker to say what it put back (see the file comment)
+  // end once they have waited `limit` since the first Tick that saw them failed.
+  void Tick(std::chrono::steady_clock::time_point now, std::chrono::steady_clock::duration limit);
+
   // Whether an instance is still running (some involved worker has not reported); with
   // instance 0, whether any instance of `graph` is.
   bool Running(uint64_t graph, uint64_t instance) const;
@@ -129,6 +137,8 @@ class InstanceTable {
     // the instance waits for those workers, to hand back what they put back (`restored`).
     std::map<WorkerId, std::set<ObjectId>> taken_over;
     std::vector<ObjectId> restored;
+    // Failed and still open: since when (the first Tick that saw it so).
+    std::optional<std::chrono::steady_clock::time_point> waiting_since;
   };
   using Key = std::pair<uint64_t, uint64_t>;  // graph, instance
   // Hashed: a stream of submitted tasks keeps tens of thousands in flight, and every report

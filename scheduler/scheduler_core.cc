@@ -297,6 +297,7 @@ void SchedulerCore::Tick() {
     outbox_->Disconnect(id, reason);
   }
   groups_.Tick(now);
+  instances_.Tick(now, timeout);
   if (now - last_keepalive_ >= std::chrono::milliseconds(options_.heartbeat_interval_ms)) {
     last_keepalive_ = now;
     for (const auto& [id, participant] : participants_.all()) {

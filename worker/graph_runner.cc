@@ -555,7 +555,10 @@ void GraphRunner::ReportWhenPushed(const Key& key, Outcome& outcome) {
   InstanceFigures figures;
   {
     MutexLock lock(&outcome.mutex);
-    if (!outcome.run_done || outcome.pushes > 0) return;
+    // A failed run reports at once: a push still out may be to a worker that died, and fail
+    // only at the transport's timeout (30 s), while the scheduler waits for this report to hand
+    // the driver back what this worker put back. Pushes ending later find it reported.
+    if (!outcome.run_done || (outcome.pushes > 0 && outcome.error.ok())) return;
     outcome.run_done = false;  // report once
     error = outcome.error;
     sealed = std::move(outcome.sealed);

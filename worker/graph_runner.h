@@ -155,7 +155,8 @@ class GraphRunner {
   // After a failed run: puts the inputs the instance took over that are in `intact` back into
   // the store under their cluster ids; returns those ids (the report's `restored`).
   std::vector<ObjectId> PutBack(const Instance& instance, const ObjectMap& intact);
-  // Reports the instance when its run has ended and no push is out (once).
+  // Reports the instance when its run has ended and no push is out, or at once when the run
+  // failed (once).
   void ReportWhenPushed(const Key& key, Outcome& outcome) EXCLUDES(mutex_);
   // Counts an ended instance in stats().done, and the tasks it ran here in stats().tasks_done:
   // before its report, so that whoever the report wakes sees it counted.

@@ -33,6 +33,15 @@ class RegisteredGraphTest : public SchedulerCoreTest {
     return reply.hasMessage() || reply.getCode() != 0 ? rpc::FromWire(reply) : Status::Ok();
   }
 
+  // Registers each graph under its id (request ids 7, 8, ...), each accepted.
+  void RegisterEach(WorkerId driver, const std::vector<std::pair<uint64_t, const Graph*>>& graphs) {
+    uint64_t request_id = 7;
+    for (const auto& [graph_id, graph] : graphs) {
+      ASSERT_OK(Register(driver, graph_id, *graph, request_id));
+      EXPECT_OK(TakeReply(driver, request_id++));
+    }
+  }
+
   // The task workers of the one GraphPart sent to `worker` (empty when none).
   std::vector<uint64_t> PartOn(WorkerId worker) {
     auto parts = outbox_.Take(worker, Body::GRAPH_PART);
@@ -138,12 +147,7 @@ TEST_F(RegisteredGraphTest, AnObjectHandedToARunIsTakenOverByItsOnlyHolderAndRea
   const ObjectId in5 = read_both.AddObject("in", Floats(1000), ObjectRole::kInput);
   read_both.MarkOutput(AddGelu(read_both, "a", {in5}, 1, w1));
   read_both.MarkOutput(AddGelu(read_both, "b", {in5}, 1, w2));
-  ASSERT_OK(Register(driver, 3, make, 7));
-  EXPECT_OK(TakeReply(driver, 7));
-  ASSERT_OK(Register(driver, 4, read_here, 8));
-  EXPECT_OK(TakeReply(driver, 8));
-  ASSERT_OK(Register(driver, 5, read_both, 9));
-  EXPECT_OK(TakeReply(driver, 9));
+  RegisterEach(driver, {{3, &make}, {4, &read_here}, {5, &read_both}});
   outbox_.Take(w1, Body::GRAPH_PART);
   outbox_.Take(w2, Body::GRAPH_PART);
   Put(driver, 1, 1, /*inline_data=*/true);
@@ -218,12 +222,7 @@ TEST_F(RegisteredGraphTest, AFailedRunHandsBackWhatItsWorkersPutBack) {
   const ObjectId b = update.AddObject("b", Floats(1000), ObjectRole::kInput);
   update.MarkOutput(AddGelu(update, "update_a", {a}, 1000, w1));
   update.MarkOutput(AddGelu(update, "update_b", {b}, 1000, w2));
-  ASSERT_OK(Register(driver, 3, make1, 7));
-  EXPECT_OK(TakeReply(driver, 7));
-  ASSERT_OK(Register(driver, 4, make2, 8));
-  EXPECT_OK(TakeReply(driver, 8));
-  ASSERT_OK(Register(driver, 6, update, 9));
-  EXPECT_OK(TakeReply(driver, 9));
+  RegisterEach(driver, {{3, &make1}, {4, &make2}, {6, &update}});
   Put(driver, 1, 1, /*inline_data=*/true);
   const auto make = [&](uint64_t instance, uint64_t on_w1, uint64_t on_w2) {
     ASSERT_OK(Run(driver, 3, instance, {{x1.value(), 1}}, {on_w1}));
@@ -293,6 +292,49 @@ TEST_F(RegisteredGraphTest, AFailedRunHandsBackWhatItsWorkersPutBack) {
   handed = outbox_.Take(driver, Body::HANDED_BACK);
   ASSERT_EQ(handed.size(), 1u);
   EXPECT_EQ(BodyOf(handed[0]).getHandedBack().getIds()[0], 55u);
+}
+
+// A failed run does not wait for ever on a worker that took something over and says nothing: a
+// heartbeat timeout after the failure (3 s here) the run ends, what that worker took is lost, and
+// what it puts back in a late report is freed on it.
+TEST_F(RegisteredGraphTest, AFailedRunGivesUpOnATakerThatDoesNotReport) {
+  const Cluster joined = JoinTwoWorkersAndADriver();
+  const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
+  Graph make, update;
+  const ObjectId x = make.AddObject("x", Floats(1), ObjectRole::kInput);
+  make.MarkOutput(AddGelu(make, "make", {x}, 1000, w1));
+  const ObjectId a = update.AddObject("a", Floats(1000), ObjectRole::kInput);
+  const ObjectId y = update.AddObject("y", Floats(1), ObjectRole::kInput);
+  update.MarkOutput(AddGelu(update, "update_a", {a}, 1000, w1));
+  update.MarkOutput(AddGelu(update, "side", {y}, 1, w2));
+  RegisterEach(driver, {{3, &make}, {6, &update}});
+  Put(driver, 1, 1, /*inline_data=*/true);
+  ASSERT_OK(Run(driver, 3, 1, {{x.value(), 1}}, {50}));
+  ASSERT_OK(InstanceDone(w1, 3, 1, {50}));
+  ASSERT_OK(Run(driver, 6, 1, {{a.value(), 50}, {y.value(), 1}}, {60, 61}, true));
+  Watch(driver, 60);
+  // w2 dies: the run fails, and waits for w1, which took 50 over.
+  core_.Disconnected(w2, Unavailable("killed"));
+  outbox_.sent[driver].clear();
+  // w1 stays alive (its heartbeats come) but does not report the run.
+  const auto tick_after = [&](int ms) {
+    now_ += std::chrono::milliseconds(ms);
+    ASSERT_OK(Deliver(w1, [](proto::Envelope::Builder e) { e.initBody().initHeartbeat(); }));
+    core_.Tick();
+    core_.Flush();
+  };
+  tick_after(0);
+  tick_after(2000);
+  EXPECT_TRUE(outbox_.Take(driver, Body::OBJECTS_READY).empty()) << "gave up too early";
+  tick_after(1500);
+  EXPECT_TRUE(outbox_.Take(driver, Body::HANDED_BACK).empty());
+  EXPECT_THAT(ReadyError(driver), ::testing::HasSubstr("died"));
+  // w1 reports at last, putting 50 back: nothing holds it, so it is freed there.
+  outbox_.Take(w1, Body::FREE_OBJECTS);
+  ASSERT_OK(InstanceDone(w1, 6, 1, {}, Cancelled("cancelled"), {50}));
+  auto frees = outbox_.Take(w1, Body::FREE_OBJECTS);
+  ASSERT_EQ(frees.size(), 1u);
+  EXPECT_EQ(BodyOf(frees[0]).getFreeObjects().getIds()[0], 50u);
 }
 
 TEST_F(RegisteredGraphTest, TimelineWaitsForTheInstanceAndNamesItsSpans) {
