@@ -6,6 +6,7 @@
 #include <set>
 
 #include "client/cluster_client.h"
+#include "core/logging.h"
 #include "core/rpc/frame.h"
 #include "core/rpc/wire.h"
 #include "worker/task_runner.h"

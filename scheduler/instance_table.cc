@@ -391,8 +391,9 @@ void InstanceTable::Tick(std::chrono::steady_clock::time_point now,
   std::vector<Key> overdue;
   for (auto& [key, instance] : instances_) {
     if (instance.error.ok()) continue;
-    if (!instance.waiting_since.has_value()) instance.waiting_since = now;
-    if (now - *instance.waiting_since >= limit) overdue.push_back(key);
+    const std::chrono::steady_clock::time_point since = instance.waiting_since.value_or(now);
+    instance.waiting_since = since;
+    if (now - since >= limit) overdue.push_back(key);
   }
   std::sort(overdue.begin(), overdue.end());
   for (const Key& key : overdue) {
