@@ -33,6 +33,15 @@ class RegisteredGraphTest : public SchedulerCoreTest {
     return reply.hasMessage() || reply.getCode() != 0 ? rpc::FromWire(reply) : Status::Ok();
   }
 
+  // A graph of one task on `worker` making a large object (1000 floats) from its one input, a
+  // scalar (`*input`).
+  static Graph MakerOn(WorkerId worker, ObjectId* input) {
+    Graph graph;
+    *input = graph.AddObject("x", Floats(1), ObjectRole::kInput);
+    graph.MarkOutput(AddGelu(graph, "make", {*input}, 1000, worker));
+    return graph;
+  }
+
   // Registers each graph under its id (request ids 7, 8, ...), each accepted.
   void RegisterEach(WorkerId driver, const std::vector<std::pair<uint64_t, const Graph*>>& graphs) {
     uint64_t request_id = 7;
@@ -139,9 +148,9 @@ TEST_F(RegisteredGraphTest, AnObjectHandedToARunIsTakenOverByItsOnlyHolderAndRea
   const Cluster joined = JoinTwoWorkersAndADriver();
   const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
   // Graph 3 makes a large object on w1; graph 4 reads its input on w1 alone, graph 5 on both.
-  Graph make, read_here, read_both;
-  const ObjectId x = make.AddObject("x", Floats(1), ObjectRole::kInput);
-  make.MarkOutput(AddGelu(make, "make", {x}, 1000, w1));
+  ObjectId x;
+  const Graph make = MakerOn(w1, &x);
+  Graph read_here, read_both;
   const ObjectId in4 = read_here.AddObject("in", Floats(1000), ObjectRole::kInput);
   read_here.MarkOutput(AddGelu(read_here, "update", {in4}, 1000, w1));
   const ObjectId in5 = read_both.AddObject("in", Floats(1000), ObjectRole::kInput);
@@ -213,11 +222,9 @@ TEST_F(RegisteredGraphTest, AFailedRunHandsBackWhatItsWorkersPutBack) {
   const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
   // Graphs 3 and 4 make a large object on w1 and on w2; graph 6 reads one on each (each its
   // holder's only reader, so each is taken over there).
-  Graph make1, make2, update;
-  const ObjectId x1 = make1.AddObject("x", Floats(1), ObjectRole::kInput);
-  make1.MarkOutput(AddGelu(make1, "make", {x1}, 1000, w1));
-  const ObjectId x2 = make2.AddObject("x", Floats(1), ObjectRole::kInput);
-  make2.MarkOutput(AddGelu(make2, "make", {x2}, 1000, w2));
+  ObjectId x1, x2;
+  const Graph make1 = MakerOn(w1, &x1), make2 = MakerOn(w2, &x2);
+  Graph update;
   const ObjectId a = update.AddObject("a", Floats(1000), ObjectRole::kInput);
   const ObjectId b = update.AddObject("b", Floats(1000), ObjectRole::kInput);
   update.MarkOutput(AddGelu(update, "update_a", {a}, 1000, w1));
@@ -300,9 +307,9 @@ TEST_F(RegisteredGraphTest, AFailedRunHandsBackWhatItsWorkersPutBack) {
 TEST_F(RegisteredGraphTest, AFailedRunGivesUpOnATakerThatDoesNotReport) {
   const Cluster joined = JoinTwoWorkersAndADriver();
   const WorkerId w1 = joined.w1, w2 = joined.w2, driver = joined.driver;
-  Graph make, update;
-  const ObjectId x = make.AddObject("x", Floats(1), ObjectRole::kInput);
-  make.MarkOutput(AddGelu(make, "make", {x}, 1000, w1));
+  ObjectId x;
+  const Graph make = MakerOn(w1, &x);
+  Graph update;
   const ObjectId a = update.AddObject("a", Floats(1000), ObjectRole::kInput);
   const ObjectId y = update.AddObject("y", Floats(1), ObjectRole::kInput);
   update.MarkOutput(AddGelu(update, "update_a", {a}, 1000, w1));
