@@ -104,7 +104,9 @@ class InstanceTable {
   // graph input with a sealed object; the outputs are declared; the key is not running.
   void Start(InstanceStart start);
   // `worker` finished (or failed) its part of an instance. InvalidArgument when it seals an
-  // object that is not an output of the instance. Reports for closed instances are ignored.
+  // object that is not an output of the instance, or puts back one it was not told to take over
+  // (or after a success). Reports for closed instances are ignored, but for the objects they put
+  // back that nothing holds any more: those are freed on the worker.
   Status Finished(WorkerId worker, proto::InstanceFinished::Reader finished);
   // The owner ends its instance (a member failed, a worker died): the workers still running it
   // are told to cancel and its collective groups are aborted. The observer is not told.

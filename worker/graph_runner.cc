@@ -208,7 +208,8 @@ void GraphRunner::Start(proto::RunGraph::Reader run) {
           instance->ready.emplace_back(local, pinned->tensor());
           inline_bytes.erase(local);
           // Taken over (the run is its last user here): out of the store, so the run holds its
-          // only copy and may update it in place. The scheduler frees it once the run ends.
+          // only copy and may update it in place. The scheduler frees it once the run ends,
+          // unless the run fails without having updated it (PutBack).
           if (binding.getTakeOver() && store_.Delete(cluster).ok()) {
             instance->taken_over.emplace(local, cluster);
           }
