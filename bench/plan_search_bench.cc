@@ -182,8 +182,10 @@ void ExplainPeaks(tessera::Trainer& trainer, const tessera::StepReport& report,
   }
 }
 
-// The simulated step of a trainer's step graph (SimulatePlannedStep on the calibrated costs).
-using Simulate = std::function<tessera::Result<tessera::SimulatedStep>(const tessera::StepGraph&)>;
+// The simulated step of a trainer's step graph (SimulatePlannedStep on the calibrated costs), with
+// the model its trainer planned (the whole model, or one rank's of a tensor or slab split).
+using Simulate = std::function<tessera::Result<tessera::SimulatedStep>(const tessera::StepGraph&,
+                                                                       const tessera::ModelSpec&)>;
 
 // A push's span ("push <object> to worker <id>"): the object's name and the receiving worker;
 // nullopt for any other span.
@@ -307,7 +309,7 @@ void ExplainPushes(const tessera::Graph& graph, const tessera::Timeline& timelin
 void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
   const tessera::StepGraph& step = trainer.step_graph();
   const tessera::Graph& graph = step.graph;
-  const tessera::SimulatedStep simulated = Check(simulate(step), what);
+  const tessera::SimulatedStep simulated = Check(simulate(step, trainer.planned_model()), what);
   const tessera::Result<tessera::Timeline> timeline = trainer.StepTimeline(1);
   if (!timeline.ok()) {
     std::printf("  %s: no timeline (%s)\n", what.c_str(), timeline.status().ToString().c_str());
@@ -450,7 +452,8 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
   }
   measured.step_ms = Median(ms);
   if (f.calibrate_each_round) {
-    measured.round_predicted_ms = Check(simulate(trainer->step_graph()), what).step_ms;
+    measured.round_predicted_ms =
+        Check(simulate(trainer->step_graph(), trainer->planned_model()), what).step_ms;
   }
   if (f.explain) {
     std::string steps;
@@ -571,13 +574,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       tessera::TrainingPlan plan = c.base;
       plan.parallel = r.parallel;
       plan.parallel.workers.assign(workers.begin(), workers.begin() + r.choice.workers());
-      const Simulate simulate = [&](const tessera::StepGraph& step) {
-        tessera::ModelSpec planned = model.spec;
-        if (r.choice.tensor_parallel > 1) {
-          planned =
-              Check(model.spec.PlannedFor(r.choice.tensor_parallel, 1, r.choice.shard_sequence),
-                    "the split");
-        }
+      const Simulate simulate = [&](const tessera::StepGraph& step,
+                                    const tessera::ModelSpec& planned) {
         return tessera::SimulatePlannedStep(
             step, planned, plan.memory, f.calibrate_each_round ? round_calibration : calibration,
             registry);
