@@ -87,8 +87,6 @@ struct Flags {
   // Each round calibrated again (one round of every measurement) before its points, and each
   // point also predicted with its round's calibration (--calibrate-each-round).
   bool calibrate_each_round = false;
-  // Experiment: each point also predicted with the probes fitted under ComputeSharing::idle_waits.
-  bool compare_idle_waits = false;
 };
 
 struct Model {
@@ -488,7 +486,6 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
   request.workers = workers;
   request.rounds = f.calibration_rounds;
-  request.also_idle_waits = f.compare_idle_waits;
   tessera::ExecutorOptions executor;
   executor.threads = f.threads_per_worker;
   const auto calibrate = [&](const tessera::CalibrationRequest& asked, const std::string& label) {
@@ -527,9 +524,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     double cap = 0;
     tessera::TrainingPlan base;
     tessera::PlanSearchResult search;
-    tessera::PlanSearchResult idle_waits_search;  // --compare-idle-waits
-    std::vector<size_t> picks;                    // ranks (0-based) of the grid points
-    std::vector<std::string> unmatched;           // --plans names no ranked plan of the search has
+    std::vector<size_t> picks;           // ranks (0-based) of the grid points
+    std::vector<std::string> unmatched;  // --plans names no ranked plan of the search has
   };
   std::vector<Capped> capped;
   struct Point {
@@ -543,11 +539,6 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     c.base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
     c.search =
         Check(tessera::PlanSearch(model.spec, c.base, space, calibration, registry), "search");
-    if (calibration.idle_waits_fit != nullptr) {
-      c.idle_waits_search = Check(
-          tessera::PlanSearch(model.spec, c.base, space, *calibration.idle_waits_fit, registry),
-          "search (idle waits)");
-    }
     const size_t n = c.search.ranked.size();
     const size_t grid = std::min<size_t>(static_cast<size_t>(f.grid), n);
     for (size_t i = 0; i < grid && f.plans.empty(); ++i) {
@@ -615,7 +606,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                 f.calibrate_each_round ? "; then each round's calibration's prediction" : "");
     std::vector<double> measured_ms;
     double auto_ms = 0;
-    int time_within = 0, peak_within = 0, round_within = 0, idle_within = 0;
+    int time_within = 0, peak_within = 0, round_within = 0;
     for (size_t i = 0; i < c.picks.size(); ++i) {
       const size_t at = c.picks[i];
       const tessera::RankedPlan& r = search.ranked[at];
@@ -649,20 +640,13 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
               ? fmt::format("; {:.2f} ms {:+.0f}% (rounds' {:.2f}-{:.2f})", m.round_predicted_ms,
                             100 * round_err, *fewest, *most)
               : "";
-      std::string idle_figures;
-      for (const tessera::RankedPlan& other : c.idle_waits_search.ranked) {
-        if (other.choice.Name() != r.choice.Name()) continue;
-        const double err = other.step_ms / m.step_ms - 1;
-        idle_within += std::abs(err) <= 0.10 ? 1 : 0;
-        idle_figures = fmt::format("; idle waits {:.2f} ms {:+.0f}%", other.step_ms, 100 * err);
-      }
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
-          "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f)%s%s\n",
+          "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f)%s\n",
           at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
           Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
           tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes), Mib(r.timed_peak_bytes),
-          Mib(m.allocator_peak_bytes), round_figures.c_str(), idle_figures.c_str());
+          Mib(m.allocator_peak_bytes), round_figures.c_str());
       if (tsv != nullptr) {
         *tsv << fmt::format(
             "{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\t{}\n", name, cap, at + 1,
@@ -686,15 +670,11 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
         f.calibrate_each_round ? fmt::format("; with each round's calibration {} of {} (time)",
                                              round_within, c.picks.size())
                                : "";
-    const std::string idle_count =
-        c.idle_waits_search.ranked.empty()
-            ? ""
-            : fmt::format("; with idle waits {} of {} (time)", idle_within, c.picks.size());
     std::printf(
         "%s, cap %.2f: %s; predictions within 10%%: %d of %zu (time), within 3%%: %d of %zu "
-        "(peak)%s%s\n",
+        "(peak)%s\n",
         name.c_str(), cap, choice.c_str(), time_within, c.picks.size(), peak_within, c.picks.size(),
-        round_count.c_str(), idle_count.c_str());
+        round_count.c_str());
     first_point += c.picks.size();
   }
 }
@@ -732,9 +712,6 @@ int Main(int argc, char** argv) {
                "Calibrate again before every round (one round of each measurement) and predict "
                "its points with that calibration too: the prediction error without the "
                "machine's drift between the calibration and the runs");
-  app.add_flag("--compare-idle-waits", f.compare_idle_waits,
-               "Also predict each point with the probes fitted as if collectives off the tensor "
-               "channel waited without cores (an experiment)");
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
                "measured");

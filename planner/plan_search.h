@@ -35,7 +35,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -87,9 +86,6 @@ struct Calibration {
   // stay at their defaults: such a calibration holds for these caps only, and is not cached
   // (training/auto_plan.h). Not part of the cache file (a cached calibration has none).
   int probes_failed = 0;
-  // Experiment: the same probes fitted with ComputeSharing::idle_waits (CalibrationRequest::
-  // also_idle_waits); null otherwise.
-  std::shared_ptr<const Calibration> idle_waits_fit;
 
   // The layer times of a rank of the split over `tensor_parallel` ranks, or into `slabs` slabs;
   // null when none were measured.

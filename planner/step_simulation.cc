@@ -87,19 +87,15 @@ class Simulator {
     while (true) {
       // The next moment something happens: an event, or (sharing the compute) the first of the
       // running compute tasks to finish at the rate they share.
-      const double rate = SharedRate(clock);
+      const double rate = SharedRate();
       double finish = kNever, least = kNever;
       for (size_t w : running_) least = std::min(least, workers_[w].remaining);
-      for (const RunningCollective& c : running_collectives_) {
-        if (c.working_from <= clock) least = std::min(least, c.remaining);
-      }
+      for (const RunningCollective& c : running_collectives_) least = std::min(least, c.remaining);
       if (least < kNever) finish = clock + least / rate;
       const double next = std::min(events_.empty() ? kNever : events_.top().first, finish);
       if (next == kNever) break;
       for (size_t w : running_) workers_[w].remaining -= (next - clock) * rate;
-      for (RunningCollective& c : running_collectives_) {
-        if (c.working_from <= clock) c.remaining -= (next - clock) * rate;
-      }
+      for (RunningCollective& c : running_collectives_) c.remaining -= (next - clock) * rate;
       clock = next;
       if (finish <= next) {
         const double done = 1e-12 + 1e-9 * least;  // among the first to finish
@@ -120,7 +116,7 @@ class Simulator {
           ++ended;
         }
         for (auto it = running_collectives_.begin(); it != running_collectives_.end();) {
-          if (it->working_from > clock || it->remaining > done) {
+          if (it->remaining > done) {
             ++it;
             continue;
           }
@@ -292,18 +288,12 @@ class Simulator {
     return (links_.collective.latency_us + static_cast<double>(bytes) / bus) / 1e3;
   }
 
-  // A collective's time once its members are all ready: its work (the reduction's compute, the
-  // task overhead, its bytes over the link) and what its members wait on one another (the
-  // link's latency, or the calibrated wait of its kind of group).
-  struct CollectiveCost {
-    double work_ms = 0, wait_ms = 0;
-  };
-  CollectiveCost CostOf(const Collective& collective) const {
+  double CollectiveMs(const Collective& collective) const {
     const TaskSpec& first = graph_.tasks()[collective.members.front()];
     double compute = 0;
     for (size_t m : collective.members) compute = std::max(compute, times_[m].ms);
     const double bus = BusBandwidth();
-    CollectiveCost cost{compute + overhead_, 0};
+    double transfer = 0;
     const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
@@ -318,10 +308,9 @@ class Simulator {
         }
         latency = links_.GroupWaitUs(wait, members, collective.staged);
       }
-      cost.work_ms += RingTraffic(first, members) * bytes / bus / 1e3;
-      cost.wait_ms = latency / 1e3;
+      transfer = (latency + RingTraffic(first, members) * bytes / bus) / 1e3;
     }
-    return cost;
+    return compute + overhead_ + transfer;
   }
 
   void Ready(size_t task, double at, const ReadyCause& cause) {
@@ -473,21 +462,13 @@ class Simulator {
         continue;
       }
       channels_.Pop(collective.id);
-      const CollectiveCost cost = CostOf(collective);
-      const double duration = cost.work_ms + cost.wait_ms;
+      const double duration = CollectiveMs(collective);
       if (sharing_.capacity > 0) {  // its members take the machine's cores too
         for (size_t m : collective.members) {
           start_[m] = now;
           workers_[worker_of_[m]].channel_free[channel] = std::numeric_limits<double>::infinity();
         }
-        // Off tensor parallelism's channel, where the wait is the idle link's latency, not one
-        // calibrated among busy workers, its members wait without cores (ComputeSharing).
-        if (sharing_.idle_waits && collective.channel != kTensorChannel && cost.wait_ms > 0) {
-          running_collectives_.push_back(RunningCollective{*it, cost.work_ms, now + cost.wait_ms});
-          events_.emplace(now + cost.wait_ms, kWake);
-        } else {
-          running_collectives_.push_back(RunningCollective{*it, duration, now});
-        }
+        running_collectives_.push_back(RunningCollective{*it, duration});
       } else {
         for (size_t m : collective.members) {
           Start(m, now, duration);
@@ -502,10 +483,9 @@ class Simulator {
 
   // The rate each running compute task and collective member progresses at: all at full speed
   // up to the capacity, then the capacity shared evenly.
-  double SharedRate(double now) const {
+  double SharedRate() const {
     double running = static_cast<double>(running_.size());
     for (const RunningCollective& c : running_collectives_) {
-      if (c.working_from > now) continue;
       running += static_cast<double>(collectives_[c.collective].members.size());
     }
     if (sharing_.capacity <= 0 || running == 0) return 1;
@@ -567,8 +547,7 @@ class Simulator {
   // Sharing: the collectives running, each member a user of the machine's cores.
   struct RunningCollective {
     size_t collective = 0;
-    double remaining = 0;     // ms at the full rate
-    double working_from = 0;  // before then its members wait for one another, taking no core
+    double remaining = 0;  // ms at the full rate
   };
   std::vector<RunningCollective> running_collectives_;
   std::vector<size_t> worker_of_;

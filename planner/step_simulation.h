@@ -121,13 +121,8 @@ struct StepLinks {
 // each runs at capacity / running of its speed (processor sharing). A running collective counts
 // each member as one more user (CPU workers' collectives copy and reduce on their cores). 0:
 // every worker has its own hardware (GPU workers, one worker per machine).
-//
-// `idle_waits`: a collective off tensor parallelism's channel (gradient reductions, ZeRO-3's
-// gathers: their wait the idle link's measured latency) takes cores only for its work (its
-// reduction and its bytes); its members wait for one another without them.
 struct ComputeSharing {
   double capacity = 0;
-  bool idle_waits = false;
 };
 
 enum class Bottleneck : uint8_t { kCompute, kBubble, kCommunication, kSwap };

@@ -10,7 +10,6 @@
 #include <functional>
 #include <limits>
 #include <map>
-#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -340,8 +339,7 @@ std::string FittedWaitLine(const ProbeStep& probe, double simulated_ms, bool kep
 // cap below an uncapped probe step) leaves its figures at their defaults, and says so.
 Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                     const CalibrationRequest& request, const BackendFactory& make_backend,
-                    const std::function<void(const std::string&)>& say, Calibration& calibration,
-                    std::vector<std::vector<double>>& measured_ms) {
+                    const std::function<void(const std::string&)>& say, Calibration& calibration) {
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
   const auto n = static_cast<int>(request.workers.size());
@@ -497,14 +495,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     });
   }
   const int rounds = std::max(1, request.rounds);
-  if (measured_ms.size() == probes.size()) {  // measured before: fitted again
-    for (size_t i = 0; i < probes.size(); ++i) probes[i].ms = measured_ms[i];
-  } else {
-    MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
-    measured_ms.clear();
-    for (const ProbeStep& probe : probes)
-      measured_ms.push_back(probe.ok() ? probe.ms : std::vector<double>{});
-  }
+  MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
   for (const ProbeStep& probe : probes) calibration.probes_failed += probe.ok() ? 0 : 1;
   say(
       fmt::format("{} probe steps on the workers, {} round(s) each (a step's time: the median of "
@@ -601,7 +592,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   double alone_ms = 0;
   std::vector<double> at_idle_ms(fitted.size(), 0);
   const auto fit_sharing = [&]() -> Status {
-    calibration.sharing.capacity = 0;
+    calibration.sharing = ComputeSharing{};
     TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone,
                              Simulated(model, probed_all->plan, calibration, registry));
     alone_ms = alone.step_ms;
@@ -610,10 +601,10 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     TESSERA_ASSIGN_OR_RETURN(
         const double capacity,
         FitByBisection(0.05, n, 30, /*grows=*/false, probed_all->median(), [&](double room) {
-          calibration.sharing.capacity = room;
+          calibration.sharing = ComputeSharing{room};
           return SimulatedMs(model, probed_all->plan, calibration, registry);
         }));
-    calibration.sharing.capacity = capacity;
+    calibration.sharing = ComputeSharing{capacity};
     return Status::Ok();
   };
   // What a collective of the group's members waits beyond its bytes while the workers share the
@@ -866,21 +857,8 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
                     calibration.links.point_to_point.latency_us,
                     calibration.links.point_to_point.bytes_per_us / 1e3));
   }
-  const Calibration unfitted = calibration;
-  std::vector<std::vector<double>> measured_ms;
-  TESSERA_RETURN_IF_ERROR(
-      FitTheProbes(model, base, request, make_backend, say, calibration, measured_ms)
-          .WithContext("calibrating the workers' steps"));
-  if (request.also_idle_waits) {
-    auto other = std::make_shared<Calibration>(unfitted);
-    other->sharing.idle_waits = true;
-    TESSERA_RETURN_IF_ERROR(FitTheProbes(
-                                model, base, request, make_backend,
-                                [&say](const std::string& line) { say("(idle waits) " + line); },
-                                *other, measured_ms)
-                                .WithContext("calibrating the workers' steps with idle waits"));
-    calibration.idle_waits_fit = std::move(other);
-  }
+  TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, request, make_backend, say, calibration)
+                              .WithContext("calibrating the workers' steps"));
   return calibration;
 }
 

@@ -97,7 +97,6 @@ struct CalibrationRequest {
   // Every measurement (each shape's layer profile, the collective link, each probe step) is made
   // in this many rounds, each round in another order; a figure is the median of its rounds'.
   int rounds = 3;
-  bool also_idle_waits = false;  // experiment: Calibration::idle_waits_fit
 };
 
 // A new backend on the cluster (each probe's trainer owns one).

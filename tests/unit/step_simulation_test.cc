@@ -469,56 +469,6 @@ TEST(StepSimulationTest, WorkersSharingAMachineComputeAtTheirShareOfIt) {
   ExpectPartsAddUp(one);
 }
 
-// A pair's all-reduce beside a 4 ms compute task on one core: the all-reduce waits 1 ms for
-// its peer and has no work. Its members waiting take cores (the default), so the compute runs
-// at a third of its speed until the all-reduce ends at 3 ms and finishes at 6; waiting without
-// cores (idle_waits), it runs alone and ends at 4, the all-reduce at 1. On tensor parallelism's
-// channel (whose wait is calibrated among busy workers) the wait keeps its cores either way.
-TEST(StepSimulationTest, ACollectivesMembersCanWaitWithoutCores) {
-  for (const int channel : {0, kTensorChannel}) {
-    Graph graph;
-    for (int r = 0; r < 2; ++r) {
-      const ObjectId x =
-          graph.AddObject(fmt::format("x{}", r), TensorMeta{Shape{1}, DType::kF32, Device::Cpu()},
-                          ObjectRole::kGradient);
-      TaskSpec task;
-      task.name = fmt::format("all_reduce.{}", r);
-      task.op = "all_reduce";
-      task.inputs = {x};
-      task.outputs = {
-          graph.AddObject(fmt::format("out{}", r), graph.object(x).meta, ObjectRole::kGradient)};
-      task.pinned_worker = WorkerId(static_cast<uint64_t>(r + 1));
-      task.attrs.Set(kCollectiveAttr, int64_t{1});
-      task.attrs.Set(kRankAttr, int64_t{r});
-      task.attrs.Set(kGroupSizeAttr, int64_t{2});
-      task.attrs.Set(kChannelAttr, int64_t{channel});
-      graph.MarkOutput(task.outputs[0]);
-      graph.AddTask(std::move(task));
-    }
-    TaskSpec compute;
-    compute.name = "compute";
-    compute.op = "relu";
-    compute.outputs = {graph.AddObject("y", TensorMeta{Shape{1}, DType::kF32, Device::Cpu()},
-                                       ObjectRole::kActivation)};
-    compute.pinned_worker = WorkerId(1);
-    graph.MarkOutput(compute.outputs[0]);
-    graph.AddTask(std::move(compute));
-    std::vector<TaskTime> times(graph.tasks().size());
-    times[2].ms = 4;
-    StepLinks links;
-    links.collective = CollectiveLink{.latency_us = 1000, .bytes_per_us = 1e12};
-    for (const bool idle_waits : {false, true}) {
-      ASSERT_OK_AND_ASSIGN(SimulatedStep simulated,
-                           SimulateStep(graph, times, links, 0, ComputeSharing{1, idle_waits}));
-      const bool without_cores = idle_waits && channel != kTensorChannel;
-      EXPECT_NEAR(simulated.end_ms[0], without_cores ? 1 : 3, 1e-6) << channel << idle_waits;
-      EXPECT_NEAR(simulated.end_ms[1], simulated.end_ms[0], 1e-9);
-      EXPECT_NEAR(simulated.end_ms[2], without_cores ? 4 : 6, 1e-6) << channel << idle_waits;
-      ExpectPartsAddUp(simulated);
-    }
-  }
-}
-
 TEST(StepSimulationTest, ARunIsTheSameEveryTime) {
   const ModelSpec model = SixBlocks();
   const TrainingPlan plan = Plan(2, 2, 4, PipelineSchedule::kZbH1);
