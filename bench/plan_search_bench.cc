@@ -20,7 +20,12 @@
 //      had to copy once, the allocator twice), and per model and cap: the search's
 //      choice measured against the best and the median grid point, and how many grid points the
 //      prediction was within 10% (time) and 3% (peak) of.
-// --out DIR writes every grid point as a TSV line (plan_search.tsv) for bench/results.
+// --out DIR writes every grid point as a TSV line (plan_search.tsv) for bench/results, and each
+// model's calibration with the probe steps it measured (calibration_<model>.json).
+// --replay DIR runs nothing: each model's recorded calibration is fitted again on its recorded
+// probe steps (RefitCalibration) with the simulation as built, the search run under each cap
+// recorded, and every recorded grid point's new prediction set against its recorded measurement:
+// a change to the simulation judged on runs already made, the machine's noise held fixed.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -87,6 +92,7 @@ struct Flags {
   // Each round calibrated again (one round of every measurement) before its points, and each
   // point also predicted with its round's calibration (--calibrate-each-round).
   bool calibrate_each_round = false;
+  std::string replay;  // a directory an earlier --out wrote
 };
 
 struct Model {
@@ -504,6 +510,12 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   const tessera::Calibration calibration = calibrate(request, "calibration");
   const double calibrate_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (!f.out.empty()) {
+    const std::string path = fmt::format("{}/calibration_{}.json", f.out, name);
+    if (tessera::Status s = tessera::SaveCalibration(path, "", calibration); !s.ok()) {
+      tessera::bench::Die(kProgram, s, "saving " + path);
+    }
+  }
   tessera::OpRegistry registry;
   if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
     tessera::bench::Die(kProgram, s, "ops");
@@ -606,7 +618,9 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                 f.calibrate_each_round ? "; then each round's calibration's prediction" : "");
     std::vector<double> measured_ms;
     double auto_ms = 0;
-    int time_within = 0, peak_within = 0, round_within = 0;
+    // Points whose every round's time is within 10% of their median: how far the machine lets
+    // one run's measurement be trusted, next to the predictions' count.
+    int time_within = 0, peak_within = 0, round_within = 0, steady = 0;
     for (size_t i = 0; i < c.picks.size(); ++i) {
       const size_t at = c.picks[i];
       const tessera::RankedPlan& r = search.ranked[at];
@@ -619,6 +633,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
         m.allocator_peak_bytes = std::max(m.allocator_peak_bytes, round.allocator_peak_bytes);
       }
       m.step_ms = Median(times);
+      const auto [quickest, slowest] = std::minmax_element(times.begin(), times.end());
+      steady += *quickest >= 0.9 * m.step_ms && *slowest <= 1.1 * m.step_ms ? 1 : 0;
       // Predicted with each round's calibration: the median of those predictions against the
       // median of the rounds' times.
       m.round_predicted_ms = f.calibrate_each_round ? Median(round_predictions) : 0;
@@ -642,16 +658,18 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
               : "";
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
-          "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f)%s\n",
+          "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f); "
+          "measured %.2f-%.2f ms by round%s\n",
           at + 1, r.choice.Name().c_str(), r.step_ms, m.step_ms, 100 * time_err,
           Mib(predicted_peak), Mib(m.peak_bytes), 100 * peak_err,
           tessera::BottleneckName(r.bottleneck), Mib(r.untimed_peak_bytes), Mib(r.timed_peak_bytes),
-          Mib(m.allocator_peak_bytes), round_figures.c_str());
+          Mib(m.allocator_peak_bytes), *quickest, *slowest, round_figures.c_str());
       if (tsv != nullptr) {
         *tsv << fmt::format(
-            "{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\t{}\n", name, cap, at + 1,
-            r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms, predicted_peak, m.peak_bytes,
-            tessera::BottleneckName(r.bottleneck), m.round_predicted_ms, m.allocator_peak_bytes);
+            "{}\t{:.3f}\t{}\t{}\t{}\t{:.4f}\t{:.4f}\t{}\t{}\t{}\t{:.4f}\t{}\t{:.4f}\t{:.4f}\n",
+            name, cap, at + 1, r.choice.Name(), r.choice.Flags(), r.step_ms, m.step_ms,
+            predicted_peak, m.peak_bytes, tessera::BottleneckName(r.bottleneck),
+            m.round_predicted_ms, m.allocator_peak_bytes, *quickest, *slowest);
       }
       std::fflush(stdout);
     }
@@ -672,10 +690,99 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                                : "";
     std::printf(
         "%s, cap %.2f: %s; predictions within 10%%: %d of %zu (time), within 3%%: %d of %zu "
-        "(peak)%s\n",
+        "(peak)%s; every round within 10%% of the point's median time: %d of %zu\n",
         name.c_str(), cap, choice.c_str(), time_within, c.picks.size(), peak_within, c.picks.size(),
-        round_count.c_str());
+        round_count.c_str(), steady, c.picks.size());
     first_point += c.picks.size();
+  }
+}
+
+// One recorded grid point (a line of plan_search.tsv).
+struct RecordedPoint {
+  double cap = 0;
+  std::string plan;
+  double measured_ms = 0;
+};
+
+std::vector<RecordedPoint> ReadRecordedPoints(const std::string& dir, const std::string& model) {
+  const std::string path = dir + "/plan_search.tsv";
+  std::ifstream in(path);
+  if (!in) {
+    tessera::bench::Die(kProgram, tessera::NotFound("cannot open {}", path), "--replay");
+  }
+  std::vector<RecordedPoint> points;
+  std::string line;
+  std::getline(in, line);  // the header
+  while (std::getline(in, line)) {
+    std::vector<std::string> fields;
+    for (size_t from = 0;;) {
+      const size_t tab = line.find('\t', from);
+      fields.push_back(line.substr(from, tab == std::string::npos ? tab : tab - from));
+      if (tab == std::string::npos) break;
+      from = tab + 1;
+    }
+    if (fields.size() < 7 || fields[0] != model) continue;
+    points.push_back({std::stod(fields[1]), fields[3], std::stod(fields[6])});
+  }
+  return points;
+}
+
+void ReplayModel(const Flags& f, const std::string& name) {
+  const Model model = MakeModel(f, name);
+  const std::string path = fmt::format("{}/calibration_{}.json", f.replay, name);
+  tessera::Calibration recorded = Check(tessera::LoadCalibration(path, ""), "--replay");
+  tessera::SearchSpace space;
+  space.workers = f.workers;
+  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  tessera::CalibrationRequest request;
+  request.rows = tessera::CandidateRows(model.spec, model.base, space);
+  request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
+  for (int w = 0; w < f.workers; ++w) request.workers.emplace_back(static_cast<uint64_t>(w + 1));
+  request.rounds = f.calibration_rounds;
+  const tessera::Calibration calibration =
+      Check(tessera::RefitCalibration(model.spec, model.base, request, std::move(recorded),
+                                      [&](const std::string& line) {
+                                        std::printf("# %s refit: %s\n", name.c_str(), line.c_str());
+                                      }),
+            "refitting " + path);
+  tessera::OpRegistry registry;
+  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "ops");
+  }
+  const tessera::PlanSearchResult uncapped =
+      Check(tessera::PlanSearch(model.spec, model.base, space, calibration, registry), "search");
+  int64_t largest = 0;
+  for (const tessera::RankedPlan& r : uncapped.ranked) largest = std::max(largest, r.peak_bytes[1]);
+  const std::vector<RecordedPoint> points = ReadRecordedPoints(f.replay, name);
+  std::vector<double> caps;
+  for (const RecordedPoint& p : points) {
+    if (std::find(caps.begin(), caps.end(), p.cap) == caps.end()) caps.push_back(p.cap);
+  }
+  for (const double cap : caps) {
+    tessera::TrainingPlan base = model.base;
+    base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
+    const tessera::PlanSearchResult search =
+        Check(tessera::PlanSearch(model.spec, base, space, calibration, registry), "search");
+    std::printf("\n## %s, cap %.2f, replayed\n%-44s %10s %10s %7s  %s\n", name.c_str(), cap, "plan",
+                "pred_ms", "meas_ms", "err", "bottleneck");
+    int within = 0, count = 0;
+    for (const RecordedPoint& p : points) {
+      if (p.cap != cap) continue;
+      ++count;
+      const auto ranked =
+          std::find_if(search.ranked.begin(), search.ranked.end(),
+                       [&](const tessera::RankedPlan& r) { return r.choice.Name() == p.plan; });
+      if (ranked == search.ranked.end()) {
+        std::printf("%-44s not ranked by this search\n", p.plan.c_str());
+        continue;
+      }
+      const double err = ranked->step_ms / p.measured_ms - 1;
+      within += std::abs(err) <= 0.10 ? 1 : 0;
+      std::printf("%-44s %10.2f %10.2f %+6.0f%%  %s\n", p.plan.c_str(), ranked->step_ms,
+                  p.measured_ms, 100 * err, tessera::BottleneckName(ranked->bottleneck));
+    }
+    std::printf("%s, cap %.2f, replayed: predictions within 10%%: %d of %d (time)\n", name.c_str(),
+                cap, within, count);
   }
 }
 
@@ -712,17 +819,22 @@ int Main(int argc, char** argv) {
                "Calibrate again before every round (one round of each measurement) and predict "
                "its points with that calibration too: the prediction error without the "
                "machine's drift between the calibration and the runs");
+  app.add_option("--replay", f.replay,
+                 "Run nothing: fit a directory's recorded calibrations again (their probe steps) "
+                 "and predict its recorded grid points with the simulation as built")
+      ->check(CLI::ExistingDirectory);
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
                "measured");
   app.set_version_flag("--version", tessera::VersionLine(kProgram));
   CLI11_PARSE(app, argc, argv);
   std::unique_ptr<std::ofstream> tsv;
-  if (!f.out.empty()) {
+  if (!f.out.empty() && f.replay.empty()) {
     std::filesystem::create_directories(f.out);
     tsv = std::make_unique<std::ofstream>(f.out + "/plan_search.tsv");
     *tsv << "model\tcap\trank\tplan\tflags\tpredicted_ms\tmeasured_ms\tpredicted_peak_bytes\t"
-            "measured_peak_bytes\tbottleneck\tround_predicted_ms\tallocator_peak_bytes\n";
+            "measured_peak_bytes\tbottleneck\tround_predicted_ms\tallocator_peak_bytes\t"
+            "measured_fastest_round_ms\tmeasured_slowest_round_ms\n";
   }
   std::printf("# %s, %s\n", kProgram, tessera::VersionLine(kProgram).c_str());
   for (const std::string& name : f.models) {
@@ -731,7 +843,11 @@ int Main(int argc, char** argv) {
                    name.c_str());
       return 2;
     }
-    RunModel(f, name, tsv.get());
+    if (!f.replay.empty()) {
+      ReplayModel(f, name);
+    } else {
+      RunModel(f, name, tsv.get());
+    }
   }
   return 0;
 }

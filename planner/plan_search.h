@@ -86,6 +86,15 @@ struct Calibration {
   // stay at their defaults: such a calibration holds for these caps only, and is not cached
   // (training/auto_plan.h). Not part of the cache file (a cached calibration has none).
   int probes_failed = 0;
+  // The probe steps on the workers the figures above were fitted on, as measured (each round's
+  // step time; none: the probe failed), in the order the calibration made them: kept so that the
+  // same measurements can be fitted again when the simulation changes
+  // (training/plan_calibration.h: RefitCalibration). Empty without workers.
+  struct ProbeRecord {
+    std::string what;
+    std::vector<double> ms;
+  };
+  std::vector<ProbeRecord> probe_steps;
 
   // The layer times of a rank of the split over `tensor_parallel` ranks, or into `slabs` slabs;
   // null when none were measured.

@@ -495,7 +495,30 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     });
   }
   const int rounds = std::max(1, request.rounds);
-  MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
+  if (calibration.probe_steps.empty()) {
+    MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
+    for (const ProbeStep& probe : probes) {
+      calibration.probe_steps.push_back(
+          {probe.what, probe.ok() ? probe.ms : std::vector<double>{}});
+    }
+  } else {  // fitted again on what was measured before (RefitCalibration)
+    if (calibration.probe_steps.size() != probes.size()) {
+      return InvalidArgument(
+          "refitting: the calibration recorded {} probe steps where this model and request make "
+          "{}; calibrate again",
+          calibration.probe_steps.size(), probes.size());
+    }
+    for (size_t i = 0; i < probes.size(); ++i) {
+      const Calibration::ProbeRecord& recorded = calibration.probe_steps[i];
+      if (recorded.what != probes[i].what) {
+        return InvalidArgument(
+            "refitting: probe {} was '{}' when measured, '{}' now; calibrate again", i + 1,
+            recorded.what, probes[i].what);
+      }
+      probes[i].ms = recorded.ms;
+      if (recorded.ms.empty()) probes[i].failed = Unavailable("it failed when measured");
+    }
+  }
   for (const ProbeStep& probe : probes) calibration.probes_failed += probe.ok() ? 0 : 1;
   say(
       fmt::format("{} probe steps on the workers, {} round(s) each (a step's time: the median of "
@@ -514,6 +537,11 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   const ProbeStep* probed_one = measured(0);
   const ProbeStep* probed_other = measured(1);
   if (probed_one == nullptr || probed_other == nullptr) {
+    if (!make_backend) {
+      return InvalidArgument(
+          "refitting: one rank's probes failed when measured, and their slab fallback is not "
+          "recorded; calibrate again");
+    }
     return FitTheSlabProbe(model, one, request, make_backend, say, registry, calibration);
   }
   const double measured_one = probed_one->median(), measured_other = probed_other->median();
@@ -862,6 +890,36 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
   return calibration;
 }
 
+Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan& base,
+                                     const CalibrationRequest& request, Calibration recorded,
+                                     const std::function<void(const std::string&)>& progress) {
+  if (recorded.probe_steps.empty()) {
+    return InvalidArgument("refitting a calibration that recorded no probe steps");
+  }
+  if (request.workers.size() < 2) {
+    return InvalidArgument("refitting: the request names {} worker(s); probes need two or more",
+                           request.workers.size());
+  }
+  // Back to the figures as measured, before the probes were fitted.
+  const Calibration measured;
+  recorded.compute_scale = measured.compute_scale;
+  recorded.step_overhead_ms = measured.step_overhead_ms;
+  recorded.sharing = measured.sharing;
+  recorded.probes_failed = 0;
+  StepLinks& links = recorded.links;
+  links.shared_push_latency_us = 0;
+  links.group_latency.clear();
+  links.sequence_shard_latency.clear();
+  links.exchange_latency.clear();
+  links.staged_latency.clear();
+  const auto say = [&progress](const std::string& line) {
+    if (progress) progress(line);
+  };
+  TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, request, nullptr, say, recorded)
+                              .WithContext("refitting the workers' steps"));
+  return recorded;
+}
+
 std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
                            const CalibrationRequest& request, int threads) {
   std::string layers;
@@ -908,7 +966,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
                       {"slabs", split.slabs},
                       {"layers", LayersJson(split.layers)}});
   }
-  const json file = {
+  json file = {
       {"key", key},
       {"layers", LayersJson(calibration.layers)},
       {"tensor_splits", splits},
@@ -925,6 +983,10 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
       {"staged_latency", StagedLatencyJson(calibration.links.staged_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
+  file["probe_steps"] = json::array();
+  for (const Calibration::ProbeRecord& probe : calibration.probe_steps) {
+    file["probe_steps"].push_back({{"what", probe.what}, {"ms", probe.ms}});
+  }
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
   if (error) {
@@ -942,7 +1004,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
   TESSERA_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path, "calibration file"));
   try {
     const json file = json::parse(text);
-    if (file.at("key").get<std::string>() != key) {
+    if (!key.empty() && file.at("key").get<std::string>() != key) {
       return InvalidArgument("the calibration at {} is for another setup ({}), not this one", path,
                              file.at("key").get<std::string>());
     }
@@ -966,6 +1028,10 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
     calibration.links.staged_latency = StagedLatencyFrom(file.at("staged_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
+    for (const json& probe : file.value("probe_steps", json::array())) {
+      calibration.probe_steps.push_back(
+          {probe.at("what").get<std::string>(), probe.at("ms").get<std::vector<double>>()});
+    }
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);
     return calibration;

@@ -110,6 +110,15 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
                               const BackendFactory& make_backend,
                               const std::function<void(const std::string&)>& progress = nullptr);
 
+// The calibration's figures fitted again on the probe steps it recorded (Calibration::
+// probe_steps), with no worker: for when the simulation, or the way it is fitted, changes and the
+// same measurements should decide. `request` must make the same probes (the same workers' count,
+// splits and rows; the workers' ids need not be the cluster's). InvalidArgument when it records
+// none or other probes.
+Result<Calibration> RefitCalibration(
+    const ModelSpec& model, const TrainingPlan& base, const CalibrationRequest& request,
+    Calibration recorded, const std::function<void(const std::string&)>& progress = nullptr);
+
 // What a calibration depends on, as text (the cache file holds it) and as a file name.
 std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
                            const CalibrationRequest& request, int threads);
@@ -122,7 +131,8 @@ std::string DefaultCacheDir(const std::string& setting);
 Status SaveCalibration(const std::string& path, const std::string& key,
                        const Calibration& calibration);
 // NotFound when there is no file; DataLoss naming the path when it cannot be parsed;
-// InvalidArgument when it holds another key (the cluster, model or shape changed).
+// InvalidArgument when it holds another key (the cluster, model or shape changed); an empty
+// `key` takes any.
 Result<Calibration> LoadCalibration(const std::string& path, const std::string& key);
 
 }  // namespace tessera

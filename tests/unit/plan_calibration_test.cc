@@ -1,8 +1,9 @@
 // Calibrating for the plan search (training/plan_calibration.h) in this process: the row counts
 // it profiles, the figures a calibration without workers measures (every layer's times, the
-// per-task overhead, the rate of the tasks that are no layer's), and the cache: every figure
-// read back as written, another setup's file refused, a damaged one named. (On a cluster, with
-// the links and the probes: the `--plan auto` and `tessera plan` integration tests.)
+// per-task overhead, the rate of the tasks that are no layer's), the cache (every figure read
+// back as written, another setup's file refused, a damaged one named), and a refit on recorded
+// probe steps against the simulation it fits. (On a cluster, with the links and the probes: the
+// `--plan auto` and `tessera plan` integration tests.)
 #include "training/plan_calibration.h"
 
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "model/gpt2.h"
+#include "planner/step_graph.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -83,6 +85,8 @@ Calibration EveryFigure() {
   calibration.links.staged_latency = {{StepLinks::GroupWait::kAllReduce, 2, 262.5},
                                       {StepLinks::GroupWait::kExchange, 2, 86.25}};
   calibration.sharing.capacity = 1.35;
+  calibration.probe_steps = {{"one rank on one worker", {20.5, 21.25, 20.75}},
+                             {"4 ranks at once", {}}};
   return calibration;
 }
 
@@ -141,6 +145,13 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
     EXPECT_EQ(read.links.staged_latency[i].latency_us, written.links.staged_latency[i].latency_us);
   }
   EXPECT_EQ(read.sharing.capacity, 1.35);
+  ASSERT_EQ(read.probe_steps.size(), 2u);
+  EXPECT_EQ(read.probe_steps[0].what, "one rank on one worker");
+  EXPECT_EQ(read.probe_steps[0].ms, written.probe_steps[0].ms);
+  EXPECT_EQ(read.probe_steps[1].what, "4 ranks at once");
+  EXPECT_TRUE(read.probe_steps[1].ms.empty());
+  // No key given: whichever setup the file holds (bench_plan_search --replay reads its own).
+  EXPECT_OK(LoadCalibration(path, "").status());
 
   // Another setup (here: more rounds) has another key: this file is not its calibration.
   CalibrationRequest more = request;
@@ -167,6 +178,83 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_THAT(damaged.status().message(), HasSubstr(path));
   EXPECT_THAT(damaged.status().message(), HasSubstr("delete it"));
   std::filesystem::remove_all(dir);
+}
+
+// The simulated step of `plan` on `calibration` (what the calibration's fits bisect on).
+double SimulatedMs(const ModelSpec& model, const TrainingPlan& plan,
+                   const Calibration& calibration) {
+  const Result<StepGraph> step = PlanTrainingStep(model, plan, CpuRegistry());
+  EXPECT_OK(step.status());
+  if (!step.ok()) return 0;
+  const Result<SimulatedStep> simulated =
+      SimulatePlannedStep(*step, model, plan.memory, calibration, CpuRegistry());
+  EXPECT_OK(simulated.status());
+  return simulated.ok() ? simulated->step_ms : 0;
+}
+
+// Fitted again on the probe steps a calibration recorded, with no worker: two workers without
+// measured links make three probes (one rank on one worker at 4 and 8 rows, both ranks at
+// once). Recorded as 1.2x their simulated steps plus 0.5 ms, the one rank's give back that scale
+// and constant exactly; the ranks at once, recorded at twice their simulated step, a sharing of
+// the machine that puts the simulation on it. A second refit gives the same figures; probes
+// another request would make, or none, are refused.
+TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
+  const ModelSpec model = TwoBlocks();
+  CalibrationRequest request;
+  request.rows = {4, 8};
+  request.profile_steps = 1;
+  request.rounds = 1;
+  ASSERT_OK_AND_ASSIGN(Calibration measured,
+                       Calibrate(model, Base(), request, ExecutorOptions{}, nullptr));
+  request.workers = {WorkerId(1), WorkerId(2)};
+  TrainingPlan one = Base();
+  one.batch = 4;
+  one.parallel.workers = {WorkerId(1)};
+  TrainingPlan other = one;
+  other.batch = 8;
+  TrainingPlan both = one;
+  both.batch = 8;
+  both.parallel.data_parallel = 2;
+  both.parallel.workers = request.workers;
+  const double one_ms = SimulatedMs(model, one, measured);
+  const double other_ms = SimulatedMs(model, other, measured);
+  ASSERT_GT(other_ms, one_ms);
+  Calibration recorded = measured;
+  recorded.probe_steps = {{"one rank on one worker", {1.2 * one_ms + 0.5}},
+                          {"one rank on one worker", {1.2 * other_ms + 0.5}},
+                          {"2 ranks at once", {}}};
+  Calibration scaled = measured;
+  scaled.compute_scale = 1.2;
+  scaled.step_overhead_ms = 0.5;
+  const double both_ms = 2 * SimulatedMs(model, both, scaled);
+  recorded.probe_steps[2].ms = {both_ms};
+  std::vector<std::string> said;
+  ASSERT_OK_AND_ASSIGN(const Calibration refit, RefitCalibration(model, Base(), request, recorded,
+                                                                 [&said](const std::string& line) {
+                                                                   said.push_back(line);
+                                                                 }));
+  EXPECT_NEAR(refit.compute_scale, 1.2, 1e-9);
+  EXPECT_NEAR(refit.step_overhead_ms, 0.5, 1e-9);
+  EXPECT_GT(refit.sharing.capacity, 0);
+  EXPECT_LT(refit.sharing.capacity, 2);
+  EXPECT_NEAR(SimulatedMs(model, both, refit), both_ms, 1e-3 * both_ms);
+  EXPECT_EQ(refit.probe_steps.size(), 3u);
+  ASSERT_FALSE(said.empty());
+  EXPECT_THAT(said.back(), HasSubstr("room for"));
+  // The fitted figures go back to their measured state first: refitting a refit changes nothing.
+  ASSERT_OK_AND_ASSIGN(const Calibration again, RefitCalibration(model, Base(), request, refit));
+  EXPECT_EQ(again.compute_scale, refit.compute_scale);
+  EXPECT_EQ(again.step_overhead_ms, refit.step_overhead_ms);
+  EXPECT_EQ(again.sharing.capacity, refit.sharing.capacity);
+
+  CalibrationRequest three = request;
+  three.workers.push_back(WorkerId(3));
+  const Result<Calibration> other_probes = RefitCalibration(model, Base(), three, recorded);
+  EXPECT_EQ(other_probes.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(other_probes.status().message(), HasSubstr("calibrate again"));
+  const Result<Calibration> none = RefitCalibration(model, Base(), request, measured);
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(none.status().message(), HasSubstr("recorded no probe steps"));
 }
 
 }  // namespace
