@@ -737,8 +737,12 @@ void ReplayModel(const Flags& f, const std::string& name) {
   tessera::CalibrationRequest request;
   request.rows = tessera::CandidateRows(model.spec, model.base, space);
   request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
-  for (int w = 0; w < f.workers; ++w) request.workers.emplace_back(static_cast<uint64_t>(w + 1));
-  request.rounds = f.calibration_rounds;
+  if (recorded.probe_workers.empty()) {  // an older file: the ids may order ties otherwise
+    for (int w = 0; w < f.workers; ++w) request.workers.emplace_back(static_cast<uint64_t>(w + 1));
+  }
+  for (const tessera::Calibration::ProbeRecord& probe : recorded.probe_steps) {
+    request.rounds = std::max(request.rounds, static_cast<int>(probe.ms.size()));
+  }
   const tessera::Calibration calibration =
       Check(tessera::RefitCalibration(model.spec, model.base, request, std::move(recorded),
                                       [&](const std::string& line) {

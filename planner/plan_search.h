@@ -95,6 +95,9 @@ struct Calibration {
     std::vector<double> ms;
   };
   std::vector<ProbeRecord> probe_steps;
+  std::vector<WorkerId> probe_workers;  // the workers they ran on (a plan's ids order ties)
+  // links.collective as measured, before the probes fitted a pair's wait into its latency.
+  CollectiveLink measured_collective;
 
   // The layer times of a rank of the split over `tensor_parallel` ranks, or into `slabs` slabs;
   // null when none were measured.

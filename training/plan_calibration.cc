@@ -497,6 +497,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   const int rounds = std::max(1, request.rounds);
   if (calibration.probe_steps.empty()) {
     MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
+    calibration.probe_workers = request.workers;
     for (const ProbeStep& probe : probes) {
       calibration.probe_steps.push_back(
           {probe.what, probe.ok() ? probe.ms : std::vector<double>{}});
@@ -873,6 +874,7 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
                                return MeasureCollectiveLink(*backend, request.workers, base.device);
                              }));
     calibration.links.collective = link;
+    calibration.measured_collective = link;
     calibration.links.collective_group = static_cast<int>(request.workers.size());
     say(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
                     request.workers.size(), link.latency_us, link.bytes_per_us / 1e3));
@@ -896,9 +898,11 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   if (recorded.probe_steps.empty()) {
     return InvalidArgument("refitting a calibration that recorded no probe steps");
   }
-  if (request.workers.size() < 2) {
+  CalibrationRequest asked = request;
+  if (asked.workers.empty()) asked.workers = recorded.probe_workers;
+  if (asked.workers.size() < 2) {
     return InvalidArgument("refitting: the request names {} worker(s); probes need two or more",
-                           request.workers.size());
+                           asked.workers.size());
   }
   // Back to the figures as measured, before the probes were fitted.
   const Calibration measured;
@@ -907,6 +911,7 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   recorded.sharing = measured.sharing;
   recorded.probes_failed = 0;
   StepLinks& links = recorded.links;
+  if (recorded.measured_collective.measured()) links.collective = recorded.measured_collective;
   links.shared_push_latency_us = 0;
   links.group_latency.clear();
   links.sequence_shard_latency.clear();
@@ -915,7 +920,7 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   const auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
   };
-  TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, request, nullptr, say, recorded)
+  TESSERA_RETURN_IF_ERROR(FitTheProbes(model, base, asked, nullptr, say, recorded)
                               .WithContext("refitting the workers' steps"));
   return recorded;
 }
@@ -975,6 +980,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"step_overhead_ms", calibration.step_overhead_ms},
       {"compute_scale", calibration.compute_scale},
       {"collective", LinkJson(calibration.links.collective)},
+      {"measured_collective", LinkJson(calibration.measured_collective)},
       {"collective_group", calibration.links.collective_group},
       {"point_to_point", LinkJson(calibration.links.point_to_point)},
       {"shared_push_latency_us", calibration.links.shared_push_latency_us},
@@ -983,6 +989,10 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
       {"staged_latency", StagedLatencyJson(calibration.links.staged_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
+  file["probe_workers"] = json::array();
+  for (const WorkerId worker : calibration.probe_workers) {
+    file["probe_workers"].push_back(worker.value());
+  }
   file["probe_steps"] = json::array();
   for (const Calibration::ProbeRecord& probe : calibration.probe_steps) {
     file["probe_steps"].push_back({{"what", probe.what}, {"ms", probe.ms}});
@@ -1021,6 +1031,9 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.compute_scale = file.at("compute_scale").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
+    if (file.contains("measured_collective")) {
+      calibration.measured_collective = LinkFrom(file.at("measured_collective"));
+    }
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
     calibration.links.shared_push_latency_us = file.at("shared_push_latency_us").get<double>();
     calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
@@ -1028,6 +1041,9 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
     calibration.links.staged_latency = StagedLatencyFrom(file.at("staged_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
+    for (const json& worker : file.value("probe_workers", json::array())) {
+      calibration.probe_workers.emplace_back(worker.get<uint64_t>());
+    }
     for (const json& probe : file.value("probe_steps", json::array())) {
       calibration.probe_steps.push_back(
           {probe.at("what").get<std::string>(), probe.at("ms").get<std::vector<double>>()});

@@ -112,9 +112,9 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
 
 // The calibration's figures fitted again on the probe steps it recorded (Calibration::
 // probe_steps), with no worker: for when the simulation, or the way it is fitted, changes and the
-// same measurements should decide. `request` must make the same probes (the same workers' count,
-// splits and rows; the workers' ids need not be the cluster's). InvalidArgument when it records
-// none or other probes.
+// same measurements should decide. `request` must make the same probes (the same splits and
+// rows; its workers, when it names none, the recorded Calibration::probe_workers, whose ids order
+// a simulated step's ties as they did). InvalidArgument when it records none or other probes.
 Result<Calibration> RefitCalibration(
     const ModelSpec& model, const TrainingPlan& base, const CalibrationRequest& request,
     Calibration recorded, const std::function<void(const std::string&)>& progress = nullptr);

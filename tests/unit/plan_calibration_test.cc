@@ -87,6 +87,8 @@ Calibration EveryFigure() {
   calibration.sharing.capacity = 1.35;
   calibration.probe_steps = {{"one rank on one worker", {20.5, 21.25, 20.75}},
                              {"4 ranks at once", {}}};
+  calibration.probe_workers = {WorkerId(1), WorkerId(3), WorkerId(4), WorkerId(5)};
+  calibration.measured_collective = CollectiveLink{38, 760};
   return calibration;
 }
 
@@ -149,6 +151,9 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(read.probe_steps[0].what, "one rank on one worker");
   EXPECT_EQ(read.probe_steps[0].ms, written.probe_steps[0].ms);
   EXPECT_EQ(read.probe_steps[1].what, "4 ranks at once");
+  EXPECT_EQ(read.probe_workers, written.probe_workers);
+  EXPECT_EQ(read.measured_collective.latency_us, 38);
+  EXPECT_EQ(read.measured_collective.bytes_per_us, 760);
   EXPECT_TRUE(read.probe_steps[1].ms.empty());
   // No key given: whichever setup the file holds (bench_plan_search --replay reads its own).
   EXPECT_OK(LoadCalibration(path, "").status());
@@ -246,6 +251,15 @@ TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
   EXPECT_EQ(again.compute_scale, refit.compute_scale);
   EXPECT_EQ(again.step_overhead_ms, refit.step_overhead_ms);
   EXPECT_EQ(again.sharing.capacity, refit.sharing.capacity);
+
+  // A pair's fitted wait is kept as the collective link's latency: a refit starts from the link
+  // as measured (no pair is probed here, so it stays so).
+  Calibration linked = recorded;
+  linked.measured_collective = CollectiveLink{44, 1000};
+  linked.links.collective = CollectiveLink{158, 1000};
+  ASSERT_OK_AND_ASSIGN(const Calibration relinked,
+                       RefitCalibration(model, Base(), request, linked));
+  EXPECT_EQ(relinked.links.collective.latency_us, 44);
 
   CalibrationRequest three = request;
   three.workers.push_back(WorkerId(3));
