@@ -93,6 +93,11 @@ struct Flags {
   // point also predicted with its round's calibration (--calibrate-each-round).
   bool calibrate_each_round = false;
   std::string replay;  // a directory an earlier --out wrote
+  // With --replay: other such directories whose probe steps' rounds join the replayed ones.
+  std::vector<std::string> pool_probes;
+  // Calibrate again after the grid's rounds and also predict each point on both calibrations'
+  // probe rounds pooled.
+  bool calibrate_after = false;
 };
 
 struct Model {
@@ -471,6 +476,24 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
   return measured;
 }
 
+// Joins `from`'s probe rounds to `into`'s (the same probes, in the same order, else dies naming
+// `what`): a fit on both calibrations' measurements.
+void PoolProbeRounds(tessera::Calibration& into, const tessera::Calibration& from,
+                     const std::string& what) {
+  bool same = from.probe_steps.size() == into.probe_steps.size();
+  for (size_t i = 0; same && i < from.probe_steps.size(); ++i) {
+    same = from.probe_steps[i].what == into.probe_steps[i].what;
+  }
+  if (!same) {
+    tessera::bench::Die(kProgram, tessera::InvalidArgument("{} recorded other probes", what),
+                        "pooling probe rounds");
+  }
+  for (size_t i = 0; i < from.probe_steps.size(); ++i) {
+    std::vector<double>& ms = into.probe_steps[i].ms;
+    ms.insert(ms.end(), from.probe_steps[i].ms.begin(), from.probe_steps[i].ms.end());
+  }
+}
+
 void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   const Model model = MakeModel(f, name);
   tessera::LocalClusterOptions options;
@@ -595,6 +618,31 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       rounds[p].push_back(RunPlan(f, *cluster, model, plan, r.choice.Name(), simulate));
     }
   }
+  // The probe rounds of a second calibration, after the grid, pooled with the first's: the
+  // machine as it was over the whole grid, each point predicted on it too.
+  std::vector<tessera::PlanSearchResult> pooled_searches;
+  if (f.calibrate_after) {
+    const tessera::Calibration after = calibrate(request, "calibration after the grid");
+    if (!f.out.empty()) {
+      const std::string path = fmt::format("{}/calibration_{}_after.json", f.out, name);
+      if (tessera::Status s = tessera::SaveCalibration(path, "", after); !s.ok()) {
+        tessera::bench::Die(kProgram, s, "saving " + path);
+      }
+    }
+    tessera::Calibration pooled = calibration;
+    PoolProbeRounds(pooled, after, "the calibration after the grid");
+    const tessera::Calibration refit =
+        Check(tessera::RefitCalibration(model.spec, model.base, request, std::move(pooled),
+                                        [&](const std::string& line) {
+                                          std::printf("# %s pooled calibrations: %s\n",
+                                                      name.c_str(), line.c_str());
+                                        }),
+              "refitting the pooled calibrations");
+    for (const Capped& c : capped) {
+      pooled_searches.push_back(
+          Check(tessera::PlanSearch(model.spec, c.base, space, refit, registry), "search"));
+    }
+  }
   size_t first_point = 0;
   for (const Capped& c : capped) {
     const double cap = c.cap;
@@ -620,7 +668,10 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     double auto_ms = 0;
     // Points whose every round's time is within 10% of their median: how far the machine lets
     // one run's measurement be trusted, next to the predictions' count.
-    int time_within = 0, peak_within = 0, round_within = 0, steady = 0;
+    int time_within = 0, peak_within = 0, round_within = 0, steady = 0, pooled_within = 0;
+    const tessera::PlanSearchResult* pooled =
+        pooled_searches.empty() ? nullptr
+                                : &pooled_searches[static_cast<size_t>(&c - capped.data())];
     for (size_t i = 0; i < c.picks.size(); ++i) {
       const size_t at = c.picks[i];
       const tessera::RankedPlan& r = search.ranked[at];
@@ -651,11 +702,21 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       if (at == 0) auto_ms = m.step_ms;
       const auto [fewest, most] =
           std::minmax_element(round_predictions.begin(), round_predictions.end());
-      const std::string round_figures =
+      std::string round_figures =
           f.calibrate_each_round
               ? fmt::format("; {:.2f} ms {:+.0f}% (rounds' {:.2f}-{:.2f})", m.round_predicted_ms,
                             100 * round_err, *fewest, *most)
               : "";
+      std::string pooled_figures;
+      for (size_t k = 0; pooled != nullptr && k < pooled->ranked.size(); ++k) {
+        const tessera::RankedPlan& other = pooled->ranked[k];
+        if (other.choice.Name() != r.choice.Name()) continue;
+        const double err = other.step_ms / m.step_ms - 1;
+        pooled_within += std::abs(err) <= 0.10 ? 1 : 0;
+        pooled_figures =
+            fmt::format("; pooled calibrations {:.2f} ms {:+.0f}%", other.step_ms, 100 * err);
+      }
+      round_figures += pooled_figures;
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
           "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f); "
@@ -684,10 +745,14 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
                           auto_ms, best / auto_ms, best, median / auto_ms, median)
                     : fmt::format("the search's choice ({}) was not run (not among --plans)",
                                   search.ranked.front().choice.Name());
-    const std::string round_count =
-        f.calibrate_each_round ? fmt::format("; with each round's calibration {} of {} (time)",
-                                             round_within, c.picks.size())
-                               : "";
+    std::string round_count = f.calibrate_each_round
+                                  ? fmt::format("; with each round's calibration {} of {} (time)",
+                                                round_within, c.picks.size())
+                                  : "";
+    if (pooled != nullptr) {
+      round_count += fmt::format("; on the pooled calibrations {} of {} (time)", pooled_within,
+                                 c.picks.size());
+    }
     std::printf(
         "%s, cap %.2f: %s; predictions within 10%%: %d of %zu (time), within 3%%: %d of %zu "
         "(peak)%s; every round within 10%% of the point's median time: %d of %zu\n",
@@ -731,6 +796,10 @@ void ReplayModel(const Flags& f, const std::string& name) {
   const Model model = MakeModel(f, name);
   const std::string path = fmt::format("{}/calibration_{}.json", f.replay, name);
   tessera::Calibration recorded = Check(tessera::LoadCalibration(path, ""), "--replay");
+  for (const std::string& dir : f.pool_probes) {
+    const std::string other = fmt::format("{}/calibration_{}.json", dir, name);
+    PoolProbeRounds(recorded, Check(tessera::LoadCalibration(other, ""), "--pool-probes"), other);
+  }
   tessera::SearchSpace space;
   space.workers = f.workers;
   space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -826,6 +895,13 @@ int Main(int argc, char** argv) {
   app.add_option("--replay", f.replay,
                  "Run nothing: fit a directory's recorded calibrations again (their probe steps) "
                  "and predict its recorded grid points with the simulation as built")
+      ->check(CLI::ExistingDirectory);
+  app.add_flag("--calibrate-after", f.calibrate_after,
+               "Calibrate again after the grid and also predict every point on both "
+               "calibrations' probe rounds pooled (how much of a miss is one calibration's noise)");
+  app.add_option("--pool-probes", f.pool_probes,
+                 "With --replay: fit on these directories' recorded probe rounds too (the same "
+                 "model, workers and probes)")
       ->check(CLI::ExistingDirectory);
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
