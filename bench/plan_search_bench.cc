@@ -476,6 +476,41 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
   return measured;
 }
 
+// The search space of --workers local workers, and the calibration request for its candidates
+// (workers and rounds left to the caller).
+tessera::SearchSpace SpaceOf(const Flags& f) {
+  tessera::SearchSpace space;
+  space.workers = f.workers;
+  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return space;
+}
+tessera::CalibrationRequest RequestFor(const Model& model, const tessera::SearchSpace& space) {
+  tessera::CalibrationRequest request;
+  request.rows = tessera::CandidateRows(model.spec, model.base, space);
+  request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
+  return request;
+}
+
+// The standard ops, which every plan here runs.
+tessera::OpRegistry StandardRegistry() {
+  tessera::OpRegistry registry;
+  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "ops");
+  }
+  return registry;
+}
+
+// The largest host peak an uncapped plan predicts: the caps are fractions of it.
+int64_t LargestUncappedPeak(const Model& model, const tessera::SearchSpace& space,
+                            const tessera::Calibration& calibration,
+                            const tessera::OpRegistry& registry) {
+  const tessera::PlanSearchResult uncapped =
+      Check(tessera::PlanSearch(model.spec, model.base, space, calibration, registry), "search");
+  int64_t largest = 0;
+  for (const tessera::RankedPlan& r : uncapped.ranked) largest = std::max(largest, r.peak_bytes[1]);
+  return largest;
+}
+
 // Joins `from`'s probe rounds to `into`'s (the same probes, in the same order, else dies naming
 // `what`): a fit on both calibrations' measurements.
 void PoolProbeRounds(tessera::Calibration& into, const tessera::Calibration& from,
@@ -507,12 +542,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
     workers = backend->workers();
     workers.resize(static_cast<size_t>(f.workers));
   }
-  tessera::SearchSpace space;
-  space.workers = f.workers;
-  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  tessera::CalibrationRequest request;
-  request.rows = tessera::CandidateRows(model.spec, model.base, space);
-  request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
+  const tessera::SearchSpace space = SpaceOf(f);
+  tessera::CalibrationRequest request = RequestFor(model, space);
   request.workers = workers;
   request.rounds = f.calibration_rounds;
   tessera::ExecutorOptions executor;
@@ -539,15 +570,8 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       tessera::bench::Die(kProgram, s, "saving " + path);
     }
   }
-  tessera::OpRegistry registry;
-  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
-    tessera::bench::Die(kProgram, s, "ops");
-  }
-  // The largest host peak an uncapped plan predicts: the caps are fractions of it.
-  const tessera::PlanSearchResult uncapped =
-      Check(tessera::PlanSearch(model.spec, model.base, space, calibration, registry), "search");
-  int64_t largest = 0;
-  for (const tessera::RankedPlan& r : uncapped.ranked) largest = std::max(largest, r.peak_bytes[1]);
+  const tessera::OpRegistry registry = StandardRegistry();
+  const int64_t largest = LargestUncappedPeak(model, space, calibration, registry);
   std::printf("# %s: %zu layers, batch %lld, %d workers x %d thread(s); calibrated in %.1f s\n",
               name.c_str(), model.spec.layers.size(), static_cast<long long>(model.base.batch),
               f.workers, f.threads_per_worker, calibrate_s);
@@ -800,12 +824,8 @@ void ReplayModel(const Flags& f, const std::string& name) {
     const std::string other = fmt::format("{}/calibration_{}.json", dir, name);
     PoolProbeRounds(recorded, Check(tessera::LoadCalibration(other, ""), "--pool-probes"), other);
   }
-  tessera::SearchSpace space;
-  space.workers = f.workers;
-  space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  tessera::CalibrationRequest request;
-  request.rows = tessera::CandidateRows(model.spec, model.base, space);
-  request.tensor_splits = tessera::CandidateTensorSplitRows(model.spec, model.base, space);
+  const tessera::SearchSpace space = SpaceOf(f);
+  tessera::CalibrationRequest request = RequestFor(model, space);
   if (recorded.probe_workers.empty()) {  // an older file: the ids may order ties otherwise
     for (int w = 0; w < f.workers; ++w) request.workers.emplace_back(static_cast<uint64_t>(w + 1));
   }
@@ -818,14 +838,8 @@ void ReplayModel(const Flags& f, const std::string& name) {
                                         std::printf("# %s refit: %s\n", name.c_str(), line.c_str());
                                       }),
             "refitting " + path);
-  tessera::OpRegistry registry;
-  if (tessera::Status s = tessera::RegisterStandardOps(registry); !s.ok()) {
-    tessera::bench::Die(kProgram, s, "ops");
-  }
-  const tessera::PlanSearchResult uncapped =
-      Check(tessera::PlanSearch(model.spec, model.base, space, calibration, registry), "search");
-  int64_t largest = 0;
-  for (const tessera::RankedPlan& r : uncapped.ranked) largest = std::max(largest, r.peak_bytes[1]);
+  const tessera::OpRegistry registry = StandardRegistry();
+  const int64_t largest = LargestUncappedPeak(model, space, calibration, registry);
   const std::vector<RecordedPoint> points = ReadRecordedPoints(f.replay, name);
   std::vector<double> caps;
   for (const RecordedPoint& p : points) {
