@@ -511,6 +511,25 @@ int64_t LargestUncappedPeak(const Model& model, const tessera::SearchSpace& spac
   return largest;
 }
 
+// The plan of that name among a search's ranked ones; null when the search did not rank it.
+const tessera::RankedPlan* RankedNamed(const tessera::PlanSearchResult& search,
+                                       const std::string& name) {
+  const auto found =
+      std::find_if(search.ranked.begin(), search.ranked.end(),
+                   [&](const tessera::RankedPlan& r) { return r.choice.Name() == name; });
+  return found == search.ranked.end() ? nullptr : &*found;
+}
+
+// With --out, a model's calibration as calibration_<model><suffix>.json (what --replay reads).
+void SaveRecordedCalibration(const Flags& f, const std::string& name, const std::string& suffix,
+                             const tessera::Calibration& calibration) {
+  if (f.out.empty()) return;
+  const std::string path = fmt::format("{}/calibration_{}{}.json", f.out, name, suffix);
+  if (tessera::Status s = tessera::SaveCalibration(path, "", calibration); !s.ok()) {
+    tessera::bench::Die(kProgram, s, "saving " + path);
+  }
+}
+
 // Joins `from`'s probe rounds to `into`'s (the same probes, in the same order, else dies naming
 // `what`): a fit on both calibrations' measurements.
 void PoolProbeRounds(tessera::Calibration& into, const tessera::Calibration& from,
@@ -564,12 +583,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   const tessera::Calibration calibration = calibrate(request, "calibration");
   const double calibrate_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (!f.out.empty()) {
-    const std::string path = fmt::format("{}/calibration_{}.json", f.out, name);
-    if (tessera::Status s = tessera::SaveCalibration(path, "", calibration); !s.ok()) {
-      tessera::bench::Die(kProgram, s, "saving " + path);
-    }
-  }
+  SaveRecordedCalibration(f, name, "", calibration);
   const tessera::OpRegistry registry = StandardRegistry();
   const int64_t largest = LargestUncappedPeak(model, space, calibration, registry);
   std::printf("# %s: %zu layers, batch %lld, %d workers x %d thread(s); calibrated in %.1f s\n",
@@ -647,12 +661,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   std::vector<tessera::PlanSearchResult> pooled_searches;
   if (f.calibrate_after) {
     const tessera::Calibration after = calibrate(request, "calibration after the grid");
-    if (!f.out.empty()) {
-      const std::string path = fmt::format("{}/calibration_{}_after.json", f.out, name);
-      if (tessera::Status s = tessera::SaveCalibration(path, "", after); !s.ok()) {
-        tessera::bench::Die(kProgram, s, "saving " + path);
-      }
-    }
+    SaveRecordedCalibration(f, name, "_after", after);
     tessera::Calibration pooled = calibration;
     PoolProbeRounds(pooled, after, "the calibration after the grid");
     const tessera::Calibration refit =
@@ -731,16 +740,14 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
               ? fmt::format("; {:.2f} ms {:+.0f}% (rounds' {:.2f}-{:.2f})", m.round_predicted_ms,
                             100 * round_err, *fewest, *most)
               : "";
-      std::string pooled_figures;
-      for (size_t k = 0; pooled != nullptr && k < pooled->ranked.size(); ++k) {
-        const tessera::RankedPlan& other = pooled->ranked[k];
-        if (other.choice.Name() != r.choice.Name()) continue;
-        const double err = other.step_ms / m.step_ms - 1;
+      const tessera::RankedPlan* other =
+          pooled != nullptr ? RankedNamed(*pooled, r.choice.Name()) : nullptr;
+      if (other != nullptr) {
+        const double err = other->step_ms / m.step_ms - 1;
         pooled_within += std::abs(err) <= 0.10 ? 1 : 0;
-        pooled_figures =
-            fmt::format("; pooled calibrations {:.2f} ms {:+.0f}%", other.step_ms, 100 * err);
+        round_figures +=
+            fmt::format("; pooled calibrations {:.2f} ms {:+.0f}%", other->step_ms, 100 * err);
       }
-      round_figures += pooled_figures;
       std::printf(
           "%-4zu %-44s %10.2f %10.2f %+6.0f%% %10.2f %10.2f %+6.1f%%  %s (peak in the "
           "executor's order %.2f MiB, in the simulated order %.2f; the allocator's %.2f); "
@@ -856,10 +863,8 @@ void ReplayModel(const Flags& f, const std::string& name) {
     for (const RecordedPoint& p : points) {
       if (p.cap != cap) continue;
       ++count;
-      const auto ranked =
-          std::find_if(search.ranked.begin(), search.ranked.end(),
-                       [&](const tessera::RankedPlan& r) { return r.choice.Name() == p.plan; });
-      if (ranked == search.ranked.end()) {
+      const tessera::RankedPlan* ranked = RankedNamed(search, p.plan);
+      if (ranked == nullptr) {
         std::printf("%-44s not ranked by this search\n", p.plan.c_str());
         continue;
       }
@@ -906,17 +911,20 @@ int Main(int argc, char** argv) {
                "Calibrate again before every round (one round of each measurement) and predict "
                "its points with that calibration too: the prediction error without the "
                "machine's drift between the calibration and the runs");
-  app.add_option("--replay", f.replay,
-                 "Run nothing: fit a directory's recorded calibrations again (their probe steps) "
-                 "and predict its recorded grid points with the simulation as built")
-      ->check(CLI::ExistingDirectory);
+  CLI::Option* replay =
+      app.add_option("--replay", f.replay,
+                     "Run nothing: fit a directory's recorded calibrations again (their probe "
+                     "steps) and predict its recorded grid points with the simulation as built")
+          ->check(CLI::ExistingDirectory);
   app.add_flag("--calibrate-after", f.calibrate_after,
                "Calibrate again after the grid and also predict every point on both "
-               "calibrations' probe rounds pooled (how much of a miss is one calibration's noise)");
+               "calibrations' probe rounds pooled (how much of a miss is one calibration's noise)")
+      ->excludes(replay);
   app.add_option("--pool-probes", f.pool_probes,
                  "With --replay: fit on these directories' recorded probe rounds too (the same "
                  "model, workers and probes)")
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingDirectory)
+      ->needs(replay);
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
                "measured");

@@ -904,19 +904,17 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
     return InvalidArgument("refitting: the request names {} worker(s); probes need two or more",
                            asked.workers.size());
   }
-  // Back to the figures as measured, before the probes were fitted.
+  // Back to the figures as measured where FitTheProbes reads them before fitting them (the
+  // one rank's steps are simulated at the default scale and sharing, the groups' at the
+  // measured link); the waits it fits it starts from scratch itself.
   const Calibration measured;
   recorded.compute_scale = measured.compute_scale;
   recorded.step_overhead_ms = measured.step_overhead_ms;
   recorded.sharing = measured.sharing;
   recorded.probes_failed = 0;
-  StepLinks& links = recorded.links;
-  if (recorded.measured_collective.measured()) links.collective = recorded.measured_collective;
-  links.shared_push_latency_us = 0;
-  links.group_latency.clear();
-  links.sequence_shard_latency.clear();
-  links.exchange_latency.clear();
-  links.staged_latency.clear();
+  if (recorded.measured_collective.measured()) {
+    recorded.links.collective = recorded.measured_collective;
+  }
   const auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
   };
