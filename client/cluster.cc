@@ -13,6 +13,7 @@
 
 #include "client/cluster_client.h"
 #include "core/atomic_file.h"
+#include "core/cpu_set.h"
 #include "core/logging.h"
 #include "core/transport/ucx_peer_transport.h"
 #include "launcher/process.h"
@@ -76,9 +77,11 @@ int LocalWorkers(const LocalClusterOptions& options) {
   return options.gpu_workers > 0 ? options.gpu_workers : options.cpu_workers;
 }
 
-// `count` more workers of a local cluster like the first ones (GPU workers on `gpus`).
-WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<int>& gpus,
-                         const std::string& scheduler, int count, std::string tag) {
+// `count` more workers of a local cluster like the first ones (GPU workers on `gpus`), `first`
+// of them started before (bound to cores: the next ones in AssignCores's order).
+Result<WorkerLaunch> LocalLaunch(const LocalClusterOptions& options, const std::vector<int>& gpus,
+                                 const std::string& scheduler, int first, int count,
+                                 std::string tag) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = options.threads_per_worker > 0
                           ? options.threads_per_worker
@@ -91,6 +94,15 @@ WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<i
   if (int64_t{LocalWorkers(options)} * threads > cores && std::getenv(kSingleCopy) == nullptr) {
     environment.emplace_back(kSingleCopy, std::to_string(kOversubscribedSingleCopyBytes));
   }
+  std::vector<std::string> cpus;
+  if (options.bind_cores) {
+    TESSERA_ASSIGN_OR_RETURN(const std::vector<int> available, ProcessCpus());
+    TESSERA_ASSIGN_OR_RETURN(const std::vector<std::vector<int>> sets,
+                             AssignCores(available, first + count, threads));
+    for (int i = first; i < first + count; ++i) {
+      cpus.push_back(FormatCpuList(sets[static_cast<size_t>(i)]));
+    }
+  }
   return WorkerLaunch{
       .scheduler = scheduler,
       .count = count,
@@ -100,6 +112,7 @@ WorkerLaunch LocalLaunch(const LocalClusterOptions& options, const std::vector<i
       .tag = std::move(tag),
       .gpus = gpus,
       .gpu_memory_gib = options.gpu_memory_gib,
+      .cpus = std::move(cpus),
       .environment = std::move(environment),
   };
 }
@@ -153,7 +166,8 @@ Result<std::unique_ptr<Cluster>> Cluster::StartLocal(const LocalClusterOptions& 
   }
 
   // Everything here is on this machine: workers and this driver join over the Unix socket.
-  const WorkerLaunch workers = LocalLaunch(options, gpus, scheduler.local_address, count, "");
+  TESSERA_ASSIGN_OR_RETURN(const WorkerLaunch workers,
+                           LocalLaunch(options, gpus, scheduler.local_address, 0, count, ""));
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
   for (pid_t pid : pids) cluster->children_->Add(pid);
   cluster->local_address_ = scheduler.local_address;
@@ -190,8 +204,10 @@ Status Cluster::AddLocalWorkers(int count) {
       LocalSession::Open(session_dir_, SessionProcesses{.binary = local_options_.tessera_binary,
                                                         .detached = false}));
   TESSERA_ASSIGN_OR_RETURN(ClusterInfo before, client_->Info(5000));
-  const WorkerLaunch workers = LocalLaunch(local_options_, local_gpus_, local_address_, count,
-                                           fmt::format("added{}", started_workers_));
+  TESSERA_ASSIGN_OR_RETURN(
+      const WorkerLaunch workers,
+      LocalLaunch(local_options_, local_gpus_, local_address_, started_workers_, count,
+                  fmt::format("added{}", started_workers_)));
   started_workers_ += count;
   TESSERA_ASSIGN_OR_RETURN(std::vector<pid_t> pids, session.StartWorkers(workers));
   for (pid_t pid : pids) children_->Add(pid);

@@ -109,6 +109,10 @@ struct LocalClusterOptions {
   std::string gpus = "all";
   double gpu_memory_gib = 0;
   int threads_per_worker = 0;  // 0: the machine's cores divided among the workers
+  // Each worker bound to cores of its own (core/cpu_set.h AssignCores: worker i the threads'
+  // worth of CPUs from position i * threads of this process's CPUs, wrapping around when the
+  // workers outnumber them), as DeepSpeed's --bind_cores_to_rank; else the system moves them.
+  bool bind_cores = false;
   int64_t host_capacity_bytes = int64_t{4} << 30;  // per worker; beyond it objects spill to disk
   // Per worker, the allocator's cap on its host memory (tasks and objects together: `tessera
   // worker --host-cap-gib`); 0: none. Plans for these workers fit with --host-memory-gib below it.
@@ -154,6 +158,9 @@ struct WorkerInfo {
   bool alive = false;
   std::string data_address;
   std::string gpu;  // the GPU it owns (a GPU worker); empty for a CPU worker
+  // The CPUs it may run on ("0-3,8": core/cpu_set.h); empty: it did not say. Workers on one host
+  // whose sets overlap share those cores (CoreGroupsOf, training/plan_calibration.h).
+  std::string cpus;
   int64_t host_used_bytes = 0;
   int64_t host_capacity_bytes = 0;
   int64_t spilled_bytes = 0;        // on disk now

@@ -24,6 +24,7 @@ WorkerInfo WorkerFromWire(proto::WorkerStatus::Reader worker) {
   w.alive = worker.getAlive();
   w.data_address = rpc::ToString(worker.getDataAddress());
   w.gpu = rpc::ToString(worker.getGpu());
+  w.cpus = rpc::ToString(worker.getCpus());
   w.host_used_bytes = worker.getHeartbeat().getHostUsed();
   w.host_capacity_bytes = worker.getHeartbeat().getHostCapacity();
   w.spilled_bytes = worker.getHeartbeat().getSpilledBytes();

@@ -270,6 +270,10 @@ Result<std::vector<pid_t>> LocalSession::StartWorkers(const WorkerLaunch& launch
     if (launch.host_cap_gib > 0) {
       command.insert(command.end(), {"--host-cap-gib", fmt::format("{}", launch.host_cap_gib)});
     }
+    if (!launch.cpus.empty()) {
+      command.insert(command.end(),
+                     {"--cpus", launch.cpus[static_cast<size_t>(i) % launch.cpus.size()]});
+    }
     if (!launch.gpus.empty()) {
       command.insert(
           command.end(),

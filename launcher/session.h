@@ -132,6 +132,9 @@ struct WorkerLaunch {
   // workers. Several workers may share one GPU (each its own context and allocator cap).
   std::vector<int> gpus;
   double gpu_memory_gib = 0;  // each GPU worker's allocator cap; 0: the GPU's free memory
+  // Worker i runs on CPUs cpus[i % cpus.size()] (`tessera worker --cpus`, a list such as "0-3");
+  // empty: wherever the system puts it.
+  std::vector<std::string> cpus;
   // Variables set in each worker's environment (settings: core/settings_def.h).
   std::vector<std::pair<std::string, std::string>> environment;
 };

@@ -307,11 +307,12 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
   for (const auto& [host, counts] : nodes) {
     std::printf("node %s: %d of %d workers alive\n", host.c_str(), counts.first, counts.second);
   }
-  // cpu: the cores the worker kept busy over its last heartbeat interval; gpu%: the part of the
-  // GPU's last sample period a kernel ran, and its memory (NVML's: every process on the device).
-  std::printf("%-10s %-16s %-8s %-6s %-22s %12s %12s %10s %8s %5s %8s %10s %5s %21s  %s\n",
+  // cpu: the cores the worker kept busy over its last heartbeat interval; cpus: the CPUs it may
+  // run on (a list; bound to cores: its own); gpu%: the part of the GPU's last sample period a
+  // kernel ran, and its memory (NVML's: every process on the device).
+  std::printf("%-10s %-16s %-8s %-6s %-22s %12s %12s %10s %8s %5s %-9s %8s %10s %5s %21s  %s\n",
               "worker", "host", "pid", "alive", "data plane", "host used", "capacity", "spilled",
-              "objects", "cpu", "running", "done", "gpu%", "gpu memory", "gpu");
+              "objects", "cpu", "cpus", "running", "done", "gpu%", "gpu memory", "gpu");
   for (const tessera::WorkerInfo& w : info->workers) {
     std::string gpu_busy = "-", gpu_memory = "-";
     if (w.gpu_use && w.alive) {
@@ -321,14 +322,15 @@ int ShowStatus(const std::string& address_flag, const std::string& token_file) {
                                static_cast<double>(w.gpu_use->memory_total) / (1 << 30));
     }
     std::printf(
-        "%-10s %-16s %-8d %-6s %-22s %9.1f MiB %9.1f MiB %6.1f MiB %8lld %5.2f %8d %10lld %5s "
-        "%21s  %s\n",
+        "%-10s %-16s %-8d %-6s %-22s %9.1f MiB %9.1f MiB %6.1f MiB %8lld %5.2f %-9s %8d %10lld "
+        "%5s %21s  %s\n",
         w.id.ToString().c_str(), w.hostname.c_str(), w.pid, w.alive ? "yes" : "dead",
         w.data_address.c_str(), static_cast<double>(w.host_used_bytes) / (1 << 20),
         static_cast<double>(w.host_capacity_bytes) / (1 << 20),
         static_cast<double>(w.spilled_bytes) / (1 << 20), static_cast<long long>(w.objects),
-        w.cpu_utilization, w.tasks_running, static_cast<long long>(w.tasks_done), gpu_busy.c_str(),
-        gpu_memory.c_str(), w.gpu.empty() ? "-" : w.gpu.c_str());
+        w.cpu_utilization, w.cpus.empty() ? "-" : w.cpus.c_str(), w.tasks_running,
+        static_cast<long long>(w.tasks_done), gpu_busy.c_str(), gpu_memory.c_str(),
+        w.gpu.empty() ? "-" : w.gpu.c_str());
   }
   return 0;
 }

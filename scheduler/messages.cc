@@ -75,6 +75,7 @@ void ToWire(const Participant* worker, proto::WorkerStatus::Builder out) {
   out.setAlive(p.alive);
   out.setDataAddress(p.data_address);
   out.setGpu(p.gpu);
+  out.setCpus(p.cpus);
   out.setTasksQueued(p.tasks_in_flight);
   auto hb = out.initHeartbeat();
   hb.setHostUsed(p.host_used);

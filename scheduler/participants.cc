@@ -74,6 +74,7 @@ Status ParticipantTable::Hello(Participant& from, proto::Hello::Reader hello) {
   from.data_address = rpc::ToString(hello.getDataAddress());
   from.cpu_threads = hello.getCpuThreads();
   from.gpu = rpc::ToString(hello.getGpu());
+  from.cpus = rpc::ToString(hello.getCpus());
   from.host_capacity = hello.getHostCapacity();
   from.alive = true;
   return Status::Ok();

@@ -44,7 +44,8 @@ struct Participant {
   int pid = 0;
   std::string data_address;
   int cpu_threads = 0;
-  std::string gpu;  // the GPU a worker owns; empty for a CPU worker
+  std::string gpu;   // the GPU a worker owns; empty for a CPU worker
+  std::string cpus;  // the CPUs it may run on, as it said ("0-3"; core/cpu_set.h); empty: unknown
   // Heartbeat figures (a worker's own view of itself).
   int64_t host_capacity = 0;
   int64_t host_used = 0;

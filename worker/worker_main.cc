@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/atomic_file.h"
+#include "core/cpu_set.h"
 #include "core/flag_checks.h"
 #include "core/logging.h"
 #include "core/rpc/address.h"
@@ -29,6 +30,12 @@ constexpr const char* kProgram = "tessera";
 }  // namespace
 
 int RunWorkerProcess(const WorkerProcessFlags& flags) {
+  if (!flags.cpus.empty()) {
+    // First, so every thread the worker starts runs there too.
+    Result<std::vector<int>> cpus = ParseCpuList(flags.cpus);
+    Status bound = cpus.ok() ? BindProcessTo(*cpus) : cpus.status();
+    if (!bound.ok()) return FailWith(kProgram, bound.WithContext("--cpus"));
+  }
   Result<Settings> settings = LoadProcessSettings();
   if (!settings.ok()) return FailWith(kProgram, settings.status());
   Result<std::string> address = SchedulerAddressOrLatest(flags.address, settings->temp_dir);
@@ -130,6 +137,9 @@ CLI::App* AddWorkerCommand(CLI::App& app, WorkerProcessFlags& flags) {
   command->add_option("--address", flags.address);
   command->add_option("--token-file", flags.token_file);
   command->add_option("--threads", flags.threads)->check(tessera::AtLeast(0));
+  command->add_option("--cpus", flags.cpus,
+                      "Run only on these CPUs (a list such as 0-3,8; its threads too); default: "
+                      "wherever the process may");
   command->add_option("--host-memory-mb", flags.host_memory_mb)->check(tessera::AtLeast(1));
   command
       ->add_option("--host-cap-gib", flags.host_cap_gib,

@@ -22,6 +22,7 @@ struct WorkerProcessFlags {
   std::string address;     // the scheduler's HOST:PORT; empty: the latest session's
   std::string token_file;  // empty: the latest session's
   int threads = 0;         // 0: one per core
+  std::string cpus;        // --cpus: the CPUs it runs on ("0-3,8"); empty: wherever it may
   int64_t host_memory_mb = 4096;
   double host_cap_gib = 0;  // the allocator's cap on the worker's host memory; 0: none
   std::string spill_dir;

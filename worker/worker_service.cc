@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "core/collective_task.h"
+#include "core/cpu_set.h"
 #include "core/cpu_use.h"
 #include "core/logging.h"
 #include "core/rpc/connection.h"
@@ -182,6 +183,7 @@ Status WorkerServiceImpl::Init() {
   hello.data_address = data_plane_->address();
   hello.cpu_threads = threads_;
   if (options_.device != nullptr) hello.gpu = options_.device->Describe();
+  if (Result<std::vector<int>> cpus = ProcessCpus(); cpus.ok()) hello.cpus = FormatCpuList(*cpus);
   hello.host_capacity = options_.host_capacity_bytes;
   TESSERA_ASSIGN_OR_RETURN(
       rpc::Joined joined,

@@ -87,6 +87,7 @@ struct Hello {
   cpuThreads @6 :Int32;
   hostCapacity @7 :Int64; # bytes of the host tier
   gpu @8 :Text;           # the GPU a worker owns (its description); empty for a CPU worker
+  cpus @9 :Text;          # the CPUs the process may run on ("0-3,8": core/cpu_set.h); empty: unknown
 }
 
 struct Welcome {
@@ -351,6 +352,7 @@ struct WorkerStatus {
   waits @8 :Text;                  # what it runs or waits for, explained (scheduler/waits.h)
   blockedOn @9 :List(UInt64);      # the workers it waits for that have not answered
   gpu @10 :Text;                   # the GPU it owns; empty for a CPU worker
+  cpus @11 :Text;                  # the CPUs it may run on (Hello.cpus)
 }
 
 struct ClusterStatus {

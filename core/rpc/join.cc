@@ -58,6 +58,7 @@ Result<Joined> Join(asio::io_context& io, const Address& address, const HelloFie
   body.setDataAddress(hello.data_address);
   body.setCpuThreads(hello.cpu_threads);
   body.setGpu(hello.gpu);
+  body.setCpus(hello.cpus);
   body.setHostCapacity(hello.host_capacity);
   joined.connection->Send(message);
 

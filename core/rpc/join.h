@@ -23,7 +23,8 @@ struct HelloFields {
   std::string data_address;  // where peers pull this process's objects ("" for none)
   int cpu_threads = 0;
   int64_t host_capacity = 0;
-  std::string gpu;  // a worker's GPU (DeviceRuntime::Describe); empty for a CPU worker
+  std::string gpu;   // a worker's GPU (DeviceRuntime::Describe); empty for a CPU worker
+  std::string cpus;  // the CPUs the process may run on (core/cpu_set.h); empty: not said
 };
 
 struct Joined {

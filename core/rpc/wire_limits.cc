@@ -70,7 +70,8 @@ Status Checker::Hello(proto::Hello::Reader hello) const {
   TESSERA_RETURN_IF_ERROR(Name("Hello.dataAddress", hello.getDataAddress()));
   TESSERA_RETURN_IF_ERROR(
       CheckByteFigure("Hello.hostCapacity", hello.getHostCapacity(), limits_.max_host_bytes));
-  return Name("Hello.gpu", hello.getGpu());
+  TESSERA_RETURN_IF_ERROR(Name("Hello.gpu", hello.getGpu()));
+  return Name("Hello.cpus", hello.getCpus());
 }
 
 Status Checker::Heartbeat(proto::Heartbeat::Reader heartbeat) const {
@@ -197,6 +198,7 @@ Status Checker::StatusReply(proto::ClusterStatus::Reader status) const {
     TESSERA_RETURN_IF_ERROR(Name("ClusterStatus.workers[].hostname", worker.getHostname()));
     TESSERA_RETURN_IF_ERROR(Name("ClusterStatus.workers[].dataAddress", worker.getDataAddress()));
     TESSERA_RETURN_IF_ERROR(Name("ClusterStatus.workers[].gpu", worker.getGpu()));
+    TESSERA_RETURN_IF_ERROR(Name("ClusterStatus.workers[].cpus", worker.getCpus()));
     TESSERA_RETURN_IF_ERROR(Blob("ClusterStatus.workers[].waits", worker.getWaits().size()));
     TESSERA_RETURN_IF_ERROR(
         Objects("ClusterStatus.workers[].blockedOn", worker.getBlockedOn().size()));

@@ -722,6 +722,16 @@ TEST(TesseraCliTest, NonsenseIsExplained) {
   ProcessResult unreachable = Tessera("status --address 127.0.0.1:1 --token-file /etc/hostname");
   EXPECT_EQ(unreachable.exit_code, 1);
   EXPECT_NE(unreachable.output.find("127.0.0.1:1"), std::string::npos) << unreachable.output;
+  // A worker told CPUs it may not run on, or a list that is no list, exits before joining.
+  ProcessResult far = Tessera("worker --cpus 4095");
+  EXPECT_EQ(far.exit_code, 1);
+  EXPECT_NE(far.output.find("--cpus: binding to CPUs 4095: not every one is a CPU"),
+            std::string::npos)
+      << far.output;
+  ProcessResult garbled = Tessera("worker --cpus 2-1");
+  EXPECT_EQ(garbled.exit_code, 1);
+  EXPECT_NE(garbled.output.find("the range 2-1 runs backwards"), std::string::npos)
+      << garbled.output;
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "core/atomic_file.h"
 #include "core/attrs.h"
 #include "core/checks.h"
+#include "core/cpu_set.h"
 #include "core/cpu_use.h"
 #include "core/crypto.h"
 #include "core/device.h"
@@ -516,6 +517,63 @@ TEST(FunctionRefTest, CallsTheReferencedCallableItselfNotACopy) {
   const FunctionRef<int(int)> copy = ref;  // a copy refers to the same callable
   EXPECT_EQ(copy(4), 40);
   EXPECT_EQ(calls, 3);
+}
+
+// CPU lists as Linux writes them, both ways, and what a wrong one is told.
+TEST(CpuSetTest, ListsParseAndFormatAsLinuxWritesThem) {
+  ASSERT_OK_AND_ASSIGN(std::vector<int> cpus, ParseCpuList("8,0-3,2,10-11"));
+  EXPECT_EQ(cpus, (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
+  EXPECT_EQ(FormatCpuList(cpus), "0-3,8,10-11");
+  EXPECT_EQ(FormatCpuList({5}), "5");
+  EXPECT_EQ(FormatCpuList({}), "");
+  for (const auto& [bad, why] :
+       std::vector<std::pair<std::string, std::string>>{{"", "a CPU is missing"},
+                                                        {"3-1", "the range 3-1 runs backwards"},
+                                                        {"0-", "a range has no end"},
+                                                        {"1,", "a CPU is missing"},
+                                                        {"a", "expected a CPU number"},
+                                                        {"1;2", "unexpected ';'"},
+                                                        {"99999", "CPUs end at 4095"}}) {
+    const Result<std::vector<int>> parsed = ParseCpuList(bad);
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(why)) << bad;
+    EXPECT_THAT(parsed.status().message(), HasSubstr("'" + bad + "'"));
+  }
+}
+
+// Workers get cores in order, wrapping around evenly when they outnumber them.
+TEST(CpuSetTest, CoresAreAssignedInOrderAndSharedEvenly) {
+  ASSERT_OK_AND_ASSIGN(auto two_of_one, AssignCores({0, 1}, 4, 1));
+  EXPECT_EQ(two_of_one, (std::vector<std::vector<int>>{{0}, {1}, {0}, {1}}));
+  ASSERT_OK_AND_ASSIGN(auto pairs, AssignCores({2, 3, 6, 7}, 2, 2));
+  EXPECT_EQ(pairs, (std::vector<std::vector<int>>{{2, 3}, {6, 7}}));
+  ASSERT_OK_AND_ASSIGN(auto wide, AssignCores({0, 1, 2}, 2, 2));
+  EXPECT_EQ(wide, (std::vector<std::vector<int>>{{0, 1}, {0, 2}}));
+  EXPECT_EQ(AssignCores({}, 2, 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AssignCores({0}, 0, 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AssignCores({0}, 1, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Binding this process: to one of its CPUs it runs there, threads started afterwards too; a CPU
+// it may not use is refused naming the ones it may; then it is put back.
+TEST(CpuSetTest, AProcessBindsToItsOwnCpusOnly) {
+  ASSERT_OK_AND_ASSIGN(const std::vector<int> before, ProcessCpus());
+  ASSERT_FALSE(before.empty());
+  ASSERT_OK(BindProcessTo({before.back()}));
+  ASSERT_OK_AND_ASSIGN(std::vector<int> now, ProcessCpus());
+  EXPECT_EQ(now, std::vector<int>{before.back()});
+  std::vector<int> in_thread;
+  std::thread([&] { in_thread = ProcessCpus().value(); }).join();
+  EXPECT_EQ(in_thread, std::vector<int>{before.back()});
+  const Status refused = BindProcessTo({4095});
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("4095: not every one is a CPU this process may run on"));
+  EXPECT_THAT(refused.message(), HasSubstr(fmt::format("still runs on {}", before.back())));
+  EXPECT_EQ(BindProcessTo({}).code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(BindProcessTo(before));
+  ASSERT_OK_AND_ASSIGN(now, ProcessCpus());
+  EXPECT_EQ(now, before);
 }
 
 }  // namespace
