@@ -72,6 +72,7 @@ struct Flags {
   std::vector<std::string> models = {"gpt2", "unet3d"};
   int workers = 4;
   int threads_per_worker = 1;
+  bool bind_cores = false;  // each worker on cores of its own (LocalClusterOptions::bind_cores)
   std::vector<double> caps = {0, 0.6};
   int grid = 10;
   int steps = 5, warmup = 2;
@@ -553,6 +554,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   tessera::LocalClusterOptions options;
   options.cpu_workers = f.workers;
   options.threads_per_worker = f.threads_per_worker;
+  options.bind_cores = f.bind_cores;
   auto cluster = Check(tessera::Cluster::StartLocal(options), "cluster");
   std::vector<tessera::WorkerId> workers;
   {
@@ -563,6 +565,12 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
   }
   const tessera::SearchSpace space = SpaceOf(f);
   tessera::CalibrationRequest request = RequestFor(model, space);
+  {
+    // Bound to cores: neighbouring ranks on different cores, whatever order the workers joined.
+    const auto info = Check(cluster->Info(), "the cluster's workers");
+    workers = tessera::InterleaveCoreGroups(workers, tessera::CoreGroupsOf(info.workers, workers));
+    request.core_groups = tessera::CoreGroupsOf(info.workers, workers);
+  }
   request.workers = workers;
   request.rounds = f.calibration_rounds;
   tessera::ExecutorOptions executor;
@@ -884,6 +892,9 @@ int Main(int argc, char** argv) {
   app.add_option("--models", f.models, "gpt2 and/or unet3d");
   app.add_option("--workers", f.workers, "Local CPU workers");
   app.add_option("--threads-per-worker", f.threads_per_worker, "Threads each worker computes on");
+  app.add_flag("--bind-cores", f.bind_cores,
+               "Bind each worker to cores of its own (the simulation shares each core among "
+               "its workers only)");
   app.add_option("--caps", f.caps,
                  "Host caps as fractions of the largest uncapped plan's predicted peak (0: none)");
   app.add_option("--grid", f.grid, "Grid points per model and cap (evenly spaced by rank)");

@@ -155,6 +155,7 @@ Status Plan(const PlanCommandFlags& flags) {
     local.cpu_workers = flags.workers;
     if (!device.is_cpu()) local.gpu_workers = flags.workers;
     local.threads_per_worker = executor.threads;
+    local.bind_cores = flags.bind_cores;
     std::fprintf(stderr, "tessera plan: starting %d local workers for the calibration probes\n",
                  flags.workers);
     TESSERA_ASSIGN_OR_RETURN(cluster, Cluster::StartLocal(local));
@@ -167,6 +168,8 @@ Status Plan(const PlanCommandFlags& flags) {
     };
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
     workers = backend->workers();
+    TESSERA_ASSIGN_OR_RETURN(const ClusterInfo info, cluster->Info());
+    options.cluster = info.workers;
     if (static_cast<int>(workers.size()) < flags.workers) {
       return InvalidArgument(
           "--workers {}: the cluster at {} has {} worker(s); start more or plan for fewer",
@@ -257,6 +260,9 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanCommandFlags& flags) {
       ->add_option("--threads", flags.threads,
                    "Threads per worker (0: the machine's cores over the workers)")
       ->check(AtLeast(0));
+  command->add_flag("--bind-cores", flags.bind_cores,
+                    "The probes' local workers each bound to cores of their own (as train_gpt2 "
+                    "--bind-cores): plan for workers that will run so");
   command->add_option("--cluster", flags.cluster,
                       "A described cluster (YAML: nodes, GPUs, memory, FLOP/s, links; see "
                       "examples/clusters/): search at scale by simulation, nothing is probed");

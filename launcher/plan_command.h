@@ -44,6 +44,7 @@ struct PlanCommandFlags {
   int calibration_rounds = 3;
   bool fewer_workers = false;
   int threads = 0;  // per worker (0: the machine's cores over the workers, as a local cluster's)
+  bool bind_cores = false;  // the probes' local workers each on cores of their own
   // The search at scale: a described cluster, the GPU counts (empty: all of it), whether the
   // collectives overlap the compute.
   std::string cluster;

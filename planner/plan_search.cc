@@ -61,7 +61,10 @@ std::vector<std::vector<int>> Cuts(const ModelSpec& model, const SearchSpace& sp
   return cuts;
 }
 
-TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
+// Its ranks on `workers` in order where there are enough of them (the calibrated workers, whose
+// ids the groups of shared cores name), else on placeholder ids 1, 2, ...
+TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice,
+                           const std::vector<WorkerId>& workers) {
   TrainingPlan plan = base;
   ParallelConfig& p = plan.parallel;
   p.data_parallel = choice.data_parallel * choice.slabs;
@@ -86,7 +89,11 @@ TrainingPlan CandidatePlan(const TrainingPlan& base, const PlanChoice& choice) {
   p.split_backwards = false;
   p.workers.clear();
   plan.memory.fixed_dimensions = true;
-  for (int w = 0; w < choice.workers(); ++w) p.workers.emplace_back(static_cast<uint64_t>(w + 1));
+  const bool named = static_cast<int>(workers.size()) >= choice.workers();
+  for (int w = 0; w < choice.workers(); ++w) {
+    p.workers.push_back(named ? workers[static_cast<size_t>(w)]
+                              : WorkerId(static_cast<uint64_t>(w + 1)));
+  }
   return plan;
 }
 
@@ -108,7 +115,11 @@ int64_t Shortfall(const ModelSpec& model, const TrainingPlan& plan, const OpRegi
 Result<Outcome> Evaluate(const ModelSpec& model, const TrainingPlan& base,
                          const Calibration& calibration, const PlanChoice& choice,
                          const OpRegistry& registry) {
-  TrainingPlan plan = CandidatePlan(base, choice);
+  // Workers bound to cores: the simulation shares each group's cores among the ranks on its
+  // workers, so the ranks go where the calibration's probes ran, as the plan will run.
+  static const std::vector<WorkerId> kPlaceholders;
+  TrainingPlan plan = CandidatePlan(
+      base, choice, calibration.sharing.groups.empty() ? kPlaceholders : calibration.probe_workers);
   ParallelConfig& p = plan.parallel;
   const int64_t rows = p.MicroBatchRows(plan.batch);
   TESSERA_ASSIGN_OR_RETURN(p.layer_op_costs, LayerTimesOf(calibration, model, rows));

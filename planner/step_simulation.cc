@@ -87,15 +87,24 @@ class Simulator {
     while (true) {
       // The next moment something happens: an event, or (sharing the compute) the first of the
       // running compute tasks to finish at the rate they share.
-      const double rate = SharedRate();
+      SharedRates();
       double finish = kNever, least = kNever;
-      for (size_t w : running_) least = std::min(least, workers_[w].remaining);
-      for (const RunningCollective& c : running_collectives_) least = std::min(least, c.remaining);
-      if (least < kNever) finish = clock + least / rate;
+      for (size_t w : running_) {
+        least = std::min(least, workers_[w].remaining);
+        finish = std::min(finish, clock + workers_[w].remaining / group_rate_[workers_[w].group]);
+      }
+      for (const RunningCollective& c : running_collectives_) {
+        least = std::min(least, c.remaining);
+        finish = std::min(finish, clock + c.remaining / CollectiveRate(c.collective));
+      }
       const double next = std::min(events_.empty() ? kNever : events_.top().first, finish);
       if (next == kNever) break;
-      for (size_t w : running_) workers_[w].remaining -= (next - clock) * rate;
-      for (RunningCollective& c : running_collectives_) c.remaining -= (next - clock) * rate;
+      for (size_t w : running_) {
+        workers_[w].remaining -= (next - clock) * group_rate_[workers_[w].group];
+      }
+      for (RunningCollective& c : running_collectives_) {
+        c.remaining -= (next - clock) * CollectiveRate(c.collective);
+      }
       clock = next;
       if (finish <= next) {
         const double done = 1e-12 + 1e-9 * least;  // among the first to finish
@@ -166,6 +175,7 @@ class Simulator {
     // full rate).
     size_t running = 0;
     double remaining = 0;
+    size_t group = 0;                             // the cores it shares (group_capacity_)
     std::vector<size_t> ready_compute, ready_io;  // ready (possibly in the future) tasks
     double last_compute_end = 0;
     double end = 0;
@@ -207,6 +217,7 @@ class Simulator {
       }
     }
     MarkStagedGroups();
+    GroupWorkers();
     pending_.assign(n, 0);
     dependents_.resize(n);
     for (size_t t = 0; t < n; ++t) {
@@ -481,15 +492,50 @@ class Simulator {
     }
   }
 
-  // The rate each running compute task and collective member progresses at: all at full speed
-  // up to the capacity, then the capacity shared evenly.
-  double SharedRate() const {
-    double running = static_cast<double>(running_.size());
-    for (const RunningCollective& c : running_collectives_) {
-      running += static_cast<double>(collectives_[c.collective].members.size());
+  // Each worker's group of shared cores and each group's capacity: ComputeSharing::groups, the
+  // workers in none together in one more group of the whole capacity.
+  void GroupWorkers() {
+    const size_t rest = sharing_.groups.size();
+    group_capacity_.assign(rest + 1, sharing_.capacity);
+    for (size_t g = 0; g < rest; ++g) {
+      group_capacity_[g] = sharing_.capacity * sharing_.groups[g].share;
     }
-    if (sharing_.capacity <= 0 || running == 0) return 1;
-    return std::min(1.0, sharing_.capacity / running);
+    for (Worker& worker : workers_) {
+      worker.group = rest;
+      for (size_t g = 0; g < rest; ++g) {
+        const std::vector<WorkerId>& members = sharing_.groups[g].workers;
+        if (std::find(members.begin(), members.end(), worker.figures.worker) != members.end()) {
+          worker.group = g;
+          break;
+        }
+      }
+    }
+    group_rate_.assign(group_capacity_.size(), 1);
+  }
+
+  // The rate each group's running compute tasks and collective members progress at
+  // (group_rate_): all at full speed up to the group's capacity, then the capacity shared evenly.
+  void SharedRates() {
+    std::vector<double> running(group_capacity_.size(), 0);
+    for (size_t w : running_) running[workers_[w].group] += 1;
+    for (const RunningCollective& c : running_collectives_) {
+      for (size_t m : collectives_[c.collective].members)
+        running[workers_[worker_of_[m]].group] += 1;
+    }
+    for (size_t g = 0; g < running.size(); ++g) {
+      group_rate_[g] = sharing_.capacity <= 0 || running[g] == 0
+                           ? 1
+                           : std::min(1.0, group_capacity_[g] / running[g]);
+    }
+  }
+
+  // A running collective progresses at its slowest member's group's rate.
+  double CollectiveRate(size_t collective) const {
+    double rate = 1;
+    for (size_t m : collectives_[collective].members) {
+      rate = std::min(rate, group_rate_[workers_[worker_of_[m]].group]);
+    }
+    return rate;
   }
 
   // Ready compute tasks: higher priority first, then the one ready first, then graph order.
@@ -550,6 +596,7 @@ class Simulator {
     double remaining = 0;  // ms at the full rate
   };
   std::vector<RunningCollective> running_collectives_;
+  std::vector<double> group_capacity_, group_rate_;  // per group of shared cores (GroupWorkers)
   std::vector<size_t> worker_of_;
   std::vector<Lane> lane_;
   std::vector<int64_t> collective_of_;

@@ -121,8 +121,19 @@ struct StepLinks {
 // each runs at capacity / running of its speed (processor sharing). A running collective counts
 // each member as one more user (CPU workers' collectives copy and reduce on their cores). 0:
 // every worker has its own hardware (GPU workers, one worker per machine).
+//
+// Workers bound to cores of their own (core/cpu_set.h) share only those: `groups` lists the
+// workers that share cores with each other, each group's workers sharing capacity * share (its
+// cores over all the groups' cores) among themselves, whatever the other groups run. A worker in
+// no group shares the whole capacity with the other such workers. Empty: one group of every
+// worker (workers the system moves between all the machine's cores).
+struct CoreGroup {
+  std::vector<WorkerId> workers;
+  double share = 1;
+};
 struct ComputeSharing {
   double capacity = 0;
+  std::vector<CoreGroup> groups;
 };
 
 enum class Bottleneck : uint8_t { kCompute, kBubble, kCommunication, kSwap };

@@ -67,7 +67,11 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
   request.profile_steps = options.profile_steps;
   request.rounds = options.calibration_rounds;
   const size_t n = std::min(workers.size(), static_cast<size_t>(options.space.workers));
-  request.workers.assign(workers.begin(), workers.begin() + static_cast<long>(n));
+  // Workers bound to cores: neighbouring ranks on different cores (InterleaveCoreGroups).
+  const std::vector<WorkerId> ordered =
+      InterleaveCoreGroups(workers, CoreGroupsOf(options.cluster, workers));
+  request.workers.assign(ordered.begin(), ordered.begin() + static_cast<long>(n));
+  request.core_groups = CoreGroupsOf(options.cluster, request.workers);
   AutoPlan plan;
   const std::string key = CalibrationKey(model, base, request, options.threads);
   const std::string path =
@@ -77,6 +81,7 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
     Result<Calibration> cached = LoadCalibration(path, key);
     if (cached.ok()) {
       plan.calibration = std::move(*cached);
+      plan.calibration.sharing.groups = request.core_groups;  // this cluster's ids (the key: shape)
       plan.calibration_source = "cached in " + path;
       measured = false;
     } else if (cached.status().code() != StatusCode::kNotFound) {
@@ -115,6 +120,11 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
                            PlanSearch(model, base, options.space, plan.calibration, registry));
   plan.chosen = base;
   plan.chosen.parallel = plan.search.ranked.front().parallel;
+  if (!request.core_groups.empty()) {  // on the workers it was simulated on, in that order
+    plan.chosen.parallel.workers.assign(
+        request.workers.begin(),
+        request.workers.begin() + plan.search.ranked.front().choice.workers());
+  }
   plan.why = Why(plan.search);
   return plan;
 }

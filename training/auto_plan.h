@@ -32,6 +32,9 @@ struct AutoPlanOptions {
   int profile_steps = 2;
   int calibration_rounds = 3;  // CalibrationRequest::rounds
   int threads = 0;             // this process's compute threads (part of the cache key)
+  // The cluster's workers as its status reports them: those bound to cores of their own are
+  // simulated sharing only their cores (CoreGroupsOf); empty: they share the whole machine.
+  std::vector<WorkerInfo> cluster;
 };
 
 struct AutoPlan {

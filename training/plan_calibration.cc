@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
+#include "core/cpu_set.h"
 #include "core/statistics.h"
 #include "ops/standard_ops.h"
 #include "planner/step_graph.h"
@@ -342,6 +343,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                     const std::function<void(const std::string&)>& say, Calibration& calibration) {
   OpRegistry registry;
   TESSERA_RETURN_IF_ERROR(RegisterStandardOps(registry));
+  calibration.sharing.groups = request.core_groups;  // the capacity fitted below is theirs
   const auto n = static_cast<int>(request.workers.size());
   // Rows of one rank of the widest data-parallel plan (the base batch over the workers, when it
   // splits), else the fewest profiled.
@@ -621,7 +623,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   double alone_ms = 0;
   std::vector<double> at_idle_ms(fitted.size(), 0);
   const auto fit_sharing = [&]() -> Status {
-    calibration.sharing = ComputeSharing{};
+    calibration.sharing.capacity = 0;
     TESSERA_ASSIGN_OR_RETURN(SimulatedStep alone,
                              Simulated(model, probed_all->plan, calibration, registry));
     alone_ms = alone.step_ms;
@@ -630,10 +632,10 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     TESSERA_ASSIGN_OR_RETURN(
         const double capacity,
         FitByBisection(0.05, n, 30, /*grows=*/false, probed_all->median(), [&](double room) {
-          calibration.sharing = ComputeSharing{room};
+          calibration.sharing.capacity = room;
           return SimulatedMs(model, probed_all->plan, calibration, registry);
         }));
-    calibration.sharing = ComputeSharing{capacity};
+    calibration.sharing.capacity = capacity;
     return Status::Ok();
   };
   // What a collective of the group's members waits beyond its bytes while the workers share the
@@ -900,6 +902,7 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   }
   CalibrationRequest asked = request;
   if (asked.workers.empty()) asked.workers = recorded.probe_workers;
+  if (asked.core_groups.empty()) asked.core_groups = recorded.sharing.groups;
   if (asked.workers.size() < 2) {
     return InvalidArgument("refitting: the request names {} worker(s); probes need two or more",
                            asked.workers.size());
@@ -923,6 +926,77 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   return recorded;
 }
 
+std::vector<CoreGroup> CoreGroupsOf(const std::vector<WorkerInfo>& cluster,
+                                    const std::vector<WorkerId>& workers) {
+  // Each worker's host and CPUs; then groups joined while two on one host share a CPU.
+  struct Placed {
+    WorkerId id;
+    std::string host;
+    std::set<int> cpus;
+  };
+  std::vector<Placed> placed;
+  for (const WorkerId id : workers) {
+    const auto info = std::find_if(cluster.begin(), cluster.end(),
+                                   [&](const WorkerInfo& w) { return w.id == id; });
+    if (info == cluster.end() || info->cpus.empty()) return {};
+    Result<std::vector<int>> cpus = ParseCpuList(info->cpus);
+    if (!cpus.ok()) return {};
+    placed.push_back({id, info->hostname, {cpus->begin(), cpus->end()}});
+  }
+  std::vector<size_t> group(placed.size());
+  for (size_t i = 0; i < placed.size(); ++i) group[i] = i;
+  const auto root = [&](size_t i) {
+    while (group[i] != i) i = group[i];
+    return i;
+  };
+  for (size_t i = 0; i < placed.size(); ++i) {
+    for (size_t j = i + 1; j < placed.size(); ++j) {
+      if (placed[i].host != placed[j].host) continue;
+      const bool overlap = std::any_of(placed[i].cpus.begin(), placed[i].cpus.end(),
+                                       [&](int cpu) { return placed[j].cpus.count(cpu) > 0; });
+      if (overlap) group[root(j)] = root(i);
+    }
+  }
+  std::map<size_t, std::pair<CoreGroup, std::set<int>>> by_root;  // ordered: deterministic
+  for (size_t i = 0; i < placed.size(); ++i) {
+    auto& [core_group, cpus] = by_root[root(i)];
+    core_group.workers.push_back(placed[i].id);
+    cpus.insert(placed[i].cpus.begin(), placed[i].cpus.end());
+  }
+  if (by_root.size() < 2) return {};
+  double all_cores = 0;
+  for (const auto& [r, entry] : by_root) all_cores += static_cast<double>(entry.second.size());
+  std::vector<CoreGroup> groups;
+  for (auto& [r, entry] : by_root) {
+    entry.first.share = static_cast<double>(entry.second.size()) / all_cores;
+    groups.push_back(std::move(entry.first));
+  }
+  return groups;
+}
+
+std::vector<WorkerId> InterleaveCoreGroups(const std::vector<WorkerId>& workers,
+                                           const std::vector<CoreGroup>& groups) {
+  if (groups.empty()) return workers;
+  std::vector<std::vector<WorkerId>> members(groups.size());
+  std::vector<WorkerId> rest;  // in no group: after the interleaved ones
+  for (const WorkerId worker : workers) {
+    size_t g = 0;
+    while (g < groups.size() && std::find(groups[g].workers.begin(), groups[g].workers.end(),
+                                          worker) == groups[g].workers.end()) {
+      ++g;
+    }
+    (g < groups.size() ? members[g] : rest).push_back(worker);
+  }
+  std::vector<WorkerId> interleaved;
+  for (size_t i = 0; interleaved.size() + rest.size() < workers.size(); ++i) {
+    for (const std::vector<WorkerId>& group : members) {
+      if (i < group.size()) interleaved.push_back(group[i]);
+    }
+  }
+  interleaved.insert(interleaved.end(), rest.begin(), rest.end());
+  return interleaved;
+}
+
 std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
                            const CalibrationRequest& request, int threads) {
   std::string layers;
@@ -938,11 +1012,17 @@ std::string CalibrationKey(const ModelSpec& model, const TrainingPlan& base,
     for (int64_t r : split.rows) splits += fmt::format("{},", r);
     splits += "]";
   }
+  // Workers bound to cores: how many share each group's cores (not which: ids change).
+  std::string cores;
+  for (const CoreGroup& group : request.core_groups) {
+    cores += fmt::format("{}{}@{:.3f}", cores.empty() ? " cores " : ",", group.workers.size(),
+                         group.share);
+  }
   return fmt::format(
-      "model {:016x} ({} layers) seq {} device {} rows [{}]{} workers {} host {} threads {} "
+      "model {:016x} ({} layers) seq {} device {} rows [{}]{} workers {} host {} threads {}{} "
       "method {} rounds {}",
       std::hash<std::string>()(layers), model.layers.size(), base.seq_len, base.device.ToString(),
-      rows, splits, request.workers.size(), HostName(), threads, kCalibrationMethod,
+      rows, splits, request.workers.size(), HostName(), threads, cores, kCalibrationMethod,
       request.rounds);
 }
 
@@ -987,6 +1067,12 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
       {"staged_latency", StagedLatencyJson(calibration.links.staged_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
+  file["core_groups"] = json::array();
+  for (const CoreGroup& group : calibration.sharing.groups) {
+    json workers = json::array();
+    for (const WorkerId worker : group.workers) workers.push_back(worker.value());
+    file["core_groups"].push_back({{"workers", workers}, {"share", group.share}});
+  }
   file["probe_workers"] = json::array();
   for (const WorkerId worker : calibration.probe_workers) {
     file["probe_workers"].push_back(worker.value());
@@ -1039,6 +1125,12 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
     calibration.links.staged_latency = StagedLatencyFrom(file.at("staged_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
+    for (const json& group : file.value("core_groups", json::array())) {
+      CoreGroup& read = calibration.sharing.groups.emplace_back();
+      for (const json& worker : group.at("workers"))
+        read.workers.emplace_back(worker.get<uint64_t>());
+      read.share = group.at("share").get<double>();
+    }
     for (const json& worker : file.value("probe_workers", json::array())) {
       calibration.probe_workers.emplace_back(worker.get<uint64_t>());
     }

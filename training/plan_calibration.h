@@ -61,6 +61,7 @@
 #include <string>
 #include <vector>
 
+#include "client/cluster.h"
 #include "client/graph_backend.h"
 #include "core/ids.h"
 #include "core/status.h"
@@ -92,12 +93,29 @@ struct CalibrationRequest {
   std::vector<int64_t> rows;                   // the row counts to profile the layers at
   std::vector<TensorSplitRows> tensor_splits;  // one rank of each split, at its row counts
   std::vector<WorkerId> workers;  // the cluster's workers the plans use (empty: this process)
-  int profile_steps = 4;          // timed steps per row count (after one untimed)
-  int probe_steps = 5;            // timed steps per probe on the workers (after two untimed)
+  // Which of them share cores when they are bound to cores of their own (CoreGroupsOf); empty:
+  // they share the whole machine. The probes fit the capacity of ComputeSharing with these groups.
+  std::vector<CoreGroup> core_groups;
+  int profile_steps = 4;  // timed steps per row count (after one untimed)
+  int probe_steps = 5;    // timed steps per probe on the workers (after two untimed)
   // Every measurement (each shape's layer profile, the collective link, each probe step) is made
   // in this many rounds, each round in another order; a figure is the median of its rounds'.
   int rounds = 3;
 };
+
+// The groups of `workers` that share cores (ComputeSharing::groups): workers on one host whose
+// CPU sets (WorkerInfo::cpus) overlap are one group, its share its cores over all the groups'.
+// Empty (one group of all) when every worker may run on the same CPUs, when a worker's set is
+// unknown or unreadable, or when a worker is not in `cluster`.
+std::vector<CoreGroup> CoreGroupsOf(const std::vector<WorkerInfo>& cluster,
+                                    const std::vector<WorkerId>& workers);
+
+// `workers` reordered so that consecutive ones are on different groups of cores (the first of
+// each group in turn, then the second of each, ...): a plan's neighbouring ranks (a tensor pair,
+// a stage's ranks) then run side by side rather than taking turns on one core, whichever order
+// the workers joined in. `workers` as given when `groups` is empty.
+std::vector<WorkerId> InterleaveCoreGroups(const std::vector<WorkerId>& workers,
+                                           const std::vector<CoreGroup>& groups);
 
 // A new backend on the cluster (each probe's trainer owns one).
 using BackendFactory = std::function<Result<std::unique_ptr<GraphBackend>>()>;

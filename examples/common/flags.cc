@@ -33,6 +33,12 @@ void AddPlanFlags(CLI::App& app, CommonFlags& flags) {
                      "workers of --address (0: in this process; with --address, every worker "
                      "there that the batch splits across)")
           ->check(tessera::AtLeast(0));
+  app.add_flag("--bind-cores", flags.bind_cores,
+               "With --workers: bind each local worker to cores of its own (worker i the "
+               "--threads CPUs from the i * threads-th; more workers than cores share them "
+               "evenly), as DeepSpeed's --bind_cores_to_rank; the default lets the system move "
+               "them")
+      ->needs(workers);
   app.add_flag("--in-process", flags.in_process,
                "Train in this process: no scheduler or worker processes (the default when "
                "neither --workers nor --address is given)")

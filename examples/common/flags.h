@@ -90,7 +90,8 @@ struct CommonFlags {
   int threads = 0;
   int64_t log_every = 1;
   // The parallel plan and where it runs.
-  int workers = 0;  // 0: this process
+  int workers = 0;          // 0: this process
+  bool bind_cores = false;  // --bind-cores: a local cluster's workers on cores of their own
   bool in_process = false;
   int zero_stage = 0;
   // ZeRO-3's gathers and reduce-scatters block-quantized: none, int8 or int4 (ZeRO++).

@@ -80,6 +80,7 @@ Status Session::Start() {
     local.gpu_memory_gib = flags_.gpu_memory_gib;
   }
   local.threads_per_worker = flags_.threads;
+  local.bind_cores = flags_.bind_cores;
   // The plan's host cap is each worker's: their allocators hold the step under it.
   local.host_cap_gib = flags_.host_memory_gib;
   local.temp_dir = runtime_.settings.temp_dir;
@@ -177,6 +178,8 @@ Status ChooseThePlan(const CommonFlags& flags, Session& session, const ModelSpec
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, session.MakeBackend());
     workers = backend->workers();
     if (flags.workers == 0) space.workers = std::max<int>(1, static_cast<int>(workers.size()));
+    TESSERA_ASSIGN_OR_RETURN(const ClusterInfo info, session.cluster()->Info());
+    options.cluster = info.workers;
   }
   space.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const ParallelConfig& given = plan.parallel;

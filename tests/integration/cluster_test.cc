@@ -7,16 +7,20 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "client/cluster.h"
 #include "client/graph_backend.h"
+#include "core/cpu_set.h"
 #include "core/rpc/connection.h"
 #include "core/rpc/wire.h"
 #include "gpt2_test_util.h"
 #include "ops/graph_builder.h"
 #include "test_util.h"
+#include "training/plan_calibration.h"
 #include "training/token_dataset.h"
 #include "training/trainer.h"
 #include "worker/in_process_executor.h"
@@ -51,6 +55,42 @@ TEST(ClusterTest, PutSubmitGetThroughTheDataPlane) {
   ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
   EXPECT_EQ(info.workers.size(), 2u);
   EXPECT_GE(info.tasks_done, 51);
+}
+
+// bind_cores: each worker runs on the cores AssignCores gives it and says so when it joins; the
+// simulation's groups of shared cores follow (CoreGroupsOf).
+TEST(ClusterTest, WorkersBoundToCoresRunThereAndSaySo) {
+  ASSERT_OK_AND_ASSIGN(const std::vector<int> cpus, ProcessCpus());
+  LocalClusterOptions options = Local(3);
+  options.bind_cores = true;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::StartLocal(options));
+  ASSERT_OK_AND_ASSIGN(ClusterInfo info, cluster->Info());
+  ASSERT_EQ(info.workers.size(), 3u);
+  ASSERT_OK_AND_ASSIGN(auto expected, AssignCores(cpus, 3, 1));
+  std::multiset<std::string> said, assigned;
+  std::vector<WorkerId> ids;
+  for (const WorkerInfo& worker : info.workers) {
+    said.insert(worker.cpus);
+    ids.push_back(worker.id);
+    // The kernel's own word on the worker's process.
+    std::ifstream status(fmt::format("/proc/{}/status", worker.pid));
+    std::string line, allowed;
+    while (std::getline(status, line)) {
+      if (line.rfind("Cpus_allowed_list:", 0) == 0) {
+        allowed = line.substr(line.find_last_of(" \t") + 1);
+      }
+    }
+    EXPECT_EQ(allowed, worker.cpus) << worker.id.value();
+  }
+  for (const std::vector<int>& set : expected) assigned.insert(FormatCpuList(set));
+  EXPECT_EQ(said, assigned);
+  const std::vector<CoreGroup> groups = CoreGroupsOf(info.workers, ids);
+  if (cpus.size() >= 2) {
+    // Three workers on 2+ CPUs: on 2, the first and third share one; on more, each its own.
+    EXPECT_EQ(groups.size(), cpus.size() == 2 ? 2u : 3u);
+  } else {
+    EXPECT_TRUE(groups.empty());  // all on the one CPU: the whole machine's sharing
+  }
 }
 
 TEST(ClusterTest, SubmitReportsShapeErrorsAtOnce) {

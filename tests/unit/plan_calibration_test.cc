@@ -85,6 +85,8 @@ Calibration EveryFigure() {
   calibration.links.staged_latency = {{StepLinks::GroupWait::kAllReduce, 2, 262.5},
                                       {StepLinks::GroupWait::kExchange, 2, 86.25}};
   calibration.sharing.capacity = 1.35;
+  calibration.sharing.groups = {CoreGroup{{WorkerId(3), WorkerId(5)}, 0.25},
+                                CoreGroup{{WorkerId(4)}, 0.75}};
   calibration.probe_steps = {{"one rank on one worker", {20.5, 21.25, 20.75}},
                              {"4 ranks at once", {}}};
   calibration.probe_workers = {WorkerId(1), WorkerId(3), WorkerId(4), WorkerId(5)};
@@ -147,6 +149,11 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
     EXPECT_EQ(read.links.staged_latency[i].latency_us, written.links.staged_latency[i].latency_us);
   }
   EXPECT_EQ(read.sharing.capacity, 1.35);
+  ASSERT_EQ(read.sharing.groups.size(), 2u);
+  EXPECT_EQ(read.sharing.groups[0].workers, (std::vector<WorkerId>{WorkerId(3), WorkerId(5)}));
+  EXPECT_EQ(read.sharing.groups[0].share, 0.25);
+  EXPECT_EQ(read.sharing.groups[1].workers, std::vector<WorkerId>{WorkerId(4)});
+  EXPECT_EQ(read.sharing.groups[1].share, 0.75);
   ASSERT_EQ(read.probe_steps.size(), 2u);
   EXPECT_EQ(read.probe_steps[0].what, "one rank on one worker");
   EXPECT_EQ(read.probe_steps[0].ms, written.probe_steps[0].ms);
@@ -166,6 +173,15 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   const Result<Calibration> other = LoadCalibration(path, other_key);
   EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(other.status().message(), HasSubstr("another setup"));
+  // Workers bound to cores are another setup too (how many share each group, not which ids).
+  CalibrationRequest bound = request;
+  bound.core_groups = {CoreGroup{{WorkerId(1), WorkerId(3)}, 0.5},
+                       CoreGroup{{WorkerId(2), WorkerId(4)}, 0.5}};
+  CalibrationRequest bound_again = request;
+  bound_again.core_groups = {CoreGroup{{WorkerId(7), WorkerId(8)}, 0.5},
+                             CoreGroup{{WorkerId(9), WorkerId(6)}, 0.5}};
+  EXPECT_NE(CalibrationKey(model, Base(), bound, 1), key);
+  EXPECT_EQ(CalibrationKey(model, Base(), bound, 1), CalibrationKey(model, Base(), bound_again, 1));
 
   // A damaged file is named, with what to do: cut short, or a kind of wait it cannot know.
   std::ifstream saved(path);
@@ -269,6 +285,50 @@ TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
   const Result<Calibration> none = RefitCalibration(model, Base(), request, measured);
   EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(none.status().message(), HasSubstr("recorded no probe steps"));
+}
+
+WorkerInfo Placed(uint64_t id, const std::string& host, const std::string& cpus) {
+  WorkerInfo worker;
+  worker.id = WorkerId(id);
+  worker.hostname = host;
+  worker.cpus = cpus;
+  return worker;
+}
+
+// Which workers share cores: on one host, those whose CPU sets overlap (through others too),
+// each group's share its cores over all; none when they all share one set or a set is unknown.
+TEST(PlanCalibrationTest, WorkersShareTheCoresTheirSetsOverlapOn) {
+  const std::vector<WorkerInfo> pinned = {Placed(2, "a", "0"), Placed(3, "a", "1"),
+                                          Placed(4, "a", "0"), Placed(5, "a", "1")};
+  const std::vector<WorkerId> ids = {WorkerId(2), WorkerId(3), WorkerId(4), WorkerId(5)};
+  std::vector<CoreGroup> groups = CoreGroupsOf(pinned, ids);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].workers, (std::vector<WorkerId>{WorkerId(2), WorkerId(4)}));
+  EXPECT_EQ(groups[1].workers, (std::vector<WorkerId>{WorkerId(3), WorkerId(5)}));
+  EXPECT_EQ(groups[0].share, 0.5);
+  // Consecutive workers on different cores, whatever order they joined in.
+  EXPECT_EQ(InterleaveCoreGroups(ids, groups),
+            (std::vector<WorkerId>{WorkerId(2), WorkerId(3), WorkerId(4), WorkerId(5)}));
+  const std::vector<WorkerId> joined = {WorkerId(2), WorkerId(4), WorkerId(3), WorkerId(5)};
+  EXPECT_EQ(InterleaveCoreGroups(joined, CoreGroupsOf(pinned, joined)),
+            (std::vector<WorkerId>{WorkerId(2), WorkerId(3), WorkerId(4), WorkerId(5)}));
+  EXPECT_EQ(InterleaveCoreGroups(joined, {}), joined);
+
+  // Overlaps chain (0-1 with 1-2), other hosts never share; shares by cores: 3 of 5 and 2 of 5.
+  groups = CoreGroupsOf({Placed(1, "a", "0-1"), Placed(2, "a", "1-2"), Placed(3, "b", "0-1")},
+                        {WorkerId(1), WorkerId(2), WorkerId(3)});
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].workers, (std::vector<WorkerId>{WorkerId(1), WorkerId(2)}));
+  EXPECT_DOUBLE_EQ(groups[0].share, 0.6);
+  EXPECT_DOUBLE_EQ(groups[1].share, 0.4);
+
+  // One set for all (the system moves them), an unknown set, a worker not there: no groups.
+  EXPECT_TRUE(
+      CoreGroupsOf({Placed(1, "a", "0-1"), Placed(2, "a", "0-1")}, {WorkerId(1), WorkerId(2)})
+          .empty());
+  EXPECT_TRUE(
+      CoreGroupsOf({Placed(1, "a", "0"), Placed(2, "a", "")}, {WorkerId(1), WorkerId(2)}).empty());
+  EXPECT_TRUE(CoreGroupsOf(pinned, {WorkerId(2), WorkerId(9)}).empty());
 }
 
 }  // namespace

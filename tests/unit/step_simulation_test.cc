@@ -469,6 +469,35 @@ TEST(StepSimulationTest, WorkersSharingAMachineComputeAtTheirShareOfIt) {
   ExpectPartsAddUp(one);
 }
 
+// Workers bound to cores of their own share only their group's: four ranks on room for two, in
+// two groups of one core each, take twice as long with two ranks on each core; with all four on
+// one core's group and nothing on the other, four times; and groups that split the ranks as the
+// whole machine would give its step exactly (the same rates).
+TEST(StepSimulationTest, WorkersBoundToCoresShareOnlyTheirGroupsCores) {
+  const ModelSpec model = SixBlocks();
+  const TrainingPlan ranks = Plan(1, 4, 1, PipelineSchedule::k1F1B);
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, ranks, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep own, SimulateStep(step.graph, times, {}));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep whole,
+                       SimulateStep(step.graph, times, {}, 0, ComputeSharing{2}));
+  const WorkerId a(100), b(101), c(102), d(103);
+  ComputeSharing pairs{2, {CoreGroup{{a, c}, 0.5}, CoreGroup{{b, d}, 0.5}}};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep split, SimulateStep(step.graph, times, {}, 0, pairs));
+  EXPECT_NEAR(split.step_ms, 2 * own.step_ms, 1e-9);
+  EXPECT_EQ(split.step_ms, whole.step_ms);
+  ExpectPartsAddUp(split);
+  ComputeSharing lopsided{2, {CoreGroup{{a, b, c, d}, 0.5}, CoreGroup{{}, 0.5}}};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep crowded, SimulateStep(step.graph, times, {}, 0, lopsided));
+  EXPECT_NEAR(crowded.step_ms, 4 * own.step_ms, 1e-9);
+  // Three on one core and one alone on the other: the lone rank at full speed, the three at a
+  // third; the step waits for the three.
+  ComputeSharing three{2, {CoreGroup{{a, b, c}, 0.5}, CoreGroup{{d}, 0.5}}};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep uneven, SimulateStep(step.graph, times, {}, 0, three));
+  EXPECT_NEAR(uneven.step_ms, 3 * own.step_ms, 1e-9);
+  ExpectPartsAddUp(uneven);
+}
+
 TEST(StepSimulationTest, ARunIsTheSameEveryTime) {
   const ModelSpec model = SixBlocks();
   const TrainingPlan plan = Plan(2, 2, 4, PipelineSchedule::kZbH1);
