@@ -514,7 +514,9 @@ class Simulator {
   }
 
   // The rate each group's running compute tasks and collective members progress at
-  // (group_rate_): all at full speed up to the group's capacity, then the capacity shared evenly.
+  // (group_rate_): all at full speed up to the group's capacity, then the capacity shared evenly;
+  // one alone on its group's cores at full speed whatever the capacity (a group of one core's
+  // share of it is below one: what two lose taking turns on that core, not what one loses).
   void SharedRates() {
     std::vector<double> running(group_capacity_.size(), 0);
     for (size_t w : running_) running[workers_[w].group] += 1;
@@ -523,7 +525,7 @@ class Simulator {
         running[workers_[worker_of_[m]].group] += 1;
     }
     for (size_t g = 0; g < running.size(); ++g) {
-      group_rate_[g] = sharing_.capacity <= 0 || running[g] == 0
+      group_rate_[g] = sharing_.capacity <= 0 || running[g] <= 1
                            ? 1
                            : std::min(1.0, group_capacity_[g] / running[g]);
     }

@@ -124,9 +124,11 @@ struct StepLinks {
 //
 // Workers bound to cores of their own (core/cpu_set.h) share only those: `groups` lists the
 // workers that share cores with each other, each group's workers sharing capacity * share (its
-// cores over all the groups' cores) among themselves, whatever the other groups run. A worker in
-// no group shares the whole capacity with the other such workers. Empty: one group of every
-// worker (workers the system moves between all the machine's cores).
+// cores over all the groups' cores) among themselves, whatever the other groups run; one running
+// alone on its group's cores runs at full speed (a one-core group's share is below one worker's:
+// what two lose taking turns on the core). A worker in no group shares the whole capacity with
+// the other such workers. Empty: one group of every worker (workers the system moves between all
+// the machine's cores).
 struct CoreGroup {
   std::vector<WorkerId> workers;
   double share = 1;

@@ -496,6 +496,18 @@ TEST(StepSimulationTest, WorkersBoundToCoresShareOnlyTheirGroupsCores) {
   ASSERT_OK_AND_ASSIGN(SimulatedStep uneven, SimulateStep(step.graph, times, {}, 0, three));
   EXPECT_NEAR(uneven.step_ms, 3 * own.step_ms, 1e-9);
   ExpectPartsAddUp(uneven);
+  // A rank alone on its group's cores runs at full speed even where the group's share of the
+  // capacity is below one worker's: two ranks (the others idle) on groups of 0.4 each.
+  const TrainingPlan pair = Plan(1, 2, 1, PipelineSchedule::k1F1B);
+  ASSERT_OK_AND_ASSIGN(StepGraph two, PlanTrainingStep(model, pair, CpuRegistry()));
+  const std::vector<TaskTime> two_times = LayerTimesOnly(two, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep two_own, SimulateStep(two.graph, two_times, {}));
+  ComputeSharing small{0.8, {CoreGroup{{a}, 0.5}, CoreGroup{{b}, 0.5}}};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep alone, SimulateStep(two.graph, two_times, {}, 0, small));
+  EXPECT_EQ(alone.step_ms, two_own.step_ms);
+  ComputeSharing together{0.8, {CoreGroup{{a, b}, 0.5}, CoreGroup{{}, 0.5}}};
+  ASSERT_OK_AND_ASSIGN(SimulatedStep turns, SimulateStep(two.graph, two_times, {}, 0, together));
+  EXPECT_NEAR(turns.step_ms, two_own.step_ms * 2 / 0.4, 1e-9);
 }
 
 TEST(StepSimulationTest, ARunIsTheSameEveryTime) {
