@@ -71,7 +71,7 @@ struct Collective {
 class Simulator {
  public:
   Simulator(const Graph& graph, const std::vector<TaskTime>& times, const StepLinks& links,
-            double overhead, ComputeSharing sharing)
+            double overhead, const ComputeSharing& sharing)
       : graph_(graph), times_(times), links_(links), overhead_(overhead), sharing_(sharing) {}
 
   Result<SimulatedStep> Run() {
@@ -589,7 +589,7 @@ class Simulator {
   const std::vector<TaskTime>& times_;
   const StepLinks& links_;
   const double overhead_;
-  const ComputeSharing sharing_;
+  const ComputeSharing& sharing_;
   std::vector<Worker> workers_;
   std::vector<size_t> running_;  // sharing: the workers whose compute lane runs a task
   // Sharing: the collectives running, each member a user of the machine's cores.
@@ -698,7 +698,7 @@ Result<MemoryProfile> PredictTimedMemory(const Graph& graph, const SimulatedStep
 
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
                                    const StepLinks& links, double task_overhead_ms,
-                                   ComputeSharing sharing) {
+                                   const ComputeSharing& sharing) {
   return Simulator(graph, times, links, task_overhead_ms, sharing).Run();
 }
 

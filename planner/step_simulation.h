@@ -161,7 +161,7 @@ struct SimulatedStep {
 // finish (a cycle; a collective with inconsistent attributes, named).
 Result<SimulatedStep> SimulateStep(const Graph& graph, const std::vector<TaskTime>& times,
                                    const StepLinks& links, double task_overhead_ms = 0,
-                                   ComputeSharing sharing = {});
+                                   const ComputeSharing& sharing = {});
 
 // Each worker's tasks in the order the simulated step ended them (then by start, then graph
 // order): the order the memory model (PredictMemory) takes to count what lives while the
