@@ -52,6 +52,7 @@
 #include "collectives/nccl_communicator.h"
 #include "core/allocator.h"
 #include "core/atomic_file.h"
+#include "core/cpu_set.h"
 #include "core/cuda_device.h"
 #include "core/flag_checks.h"
 #include "core/logging.h"
@@ -116,6 +117,7 @@ struct StartFlags {
   std::string address;
   int cpu_workers = 1;
   int threads = 0;
+  bool bind_cores = false;  // CPU workers each on cores of their own (core/cpu_set.h)
   int64_t host_memory_mb = 4096;
   double host_cap_gib = 0;
   std::string token_file;
@@ -236,6 +238,21 @@ int StartWorkers(const StartFlags& flags, std::vector<pid_t>& started) {
                         .host_memory_mb = flags.host_memory_mb,
                         .host_cap_gib = flags.host_cap_gib,
                         .tag = tag});
+    if (flags.bind_cores) {
+      // Each its --threads CPUs (0: this host's CPUs over the workers) in AssignCores's order.
+      Result<std::vector<int>> cpus = tessera::ProcessCpus();
+      if (!cpus.ok()) return Fail(cpus.status());
+      const int each =
+          flags.threads > 0
+              ? flags.threads
+              : std::max(1, static_cast<int>(cpus->size()) / std::max(1, flags.cpu_workers));
+      Result<std::vector<std::vector<int>>> sets =
+          tessera::AssignCores(*cpus, flags.cpu_workers, each);
+      if (!sets.ok()) return Fail(sets.status());
+      for (const std::vector<int>& set : *sets) {
+        launches.back().cpus.push_back(tessera::FormatCpuList(set));
+      }
+    }
   }
   if (!gpus.empty()) {
     launches.push_back({.scheduler = *address,
@@ -560,6 +577,9 @@ CLI::App* AddStartCommand(CLI::App& app, StartFlags& start) {
       ->check(tessera::AtLeast(1));
   start_cmd->add_option("--threads", start.threads, "Workers: threads each (0: all cores)")
       ->check(tessera::AtLeast(0));
+  start_cmd->add_flag("--bind-cores", start.bind_cores,
+                      "CPU workers: each bound to cores of its own (its --threads CPUs in turn, "
+                      "shared evenly when they outnumber the cores; `tessera status` shows them)");
   start_cmd
       ->add_option("--host-memory-mb", start.host_memory_mb,
                    "Workers: host-tier capacity each, beyond which objects spill to disk")

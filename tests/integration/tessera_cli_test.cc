@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -17,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "client/cluster.h"
+#include "core/cpu_set.h"
 #include "core/cuda_device.h"
 #include "core/version.h"
 #include "test_util.h"
@@ -66,7 +68,7 @@ TEST(TesseraCliTest, StartStatusStop) {
 
   const std::string target = " --address " + address + " --token-file " + token;
   ProcessResult workers =
-      Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 256" + target);
+      Tessera("start --cpu-workers 2 --threads 1 --host-memory-mb 256 --bind-cores" + target);
   EXPECT_EQ(workers.exit_code, 0) << workers.output;
   EXPECT_NE(workers.output.find("2 alive in total"), std::string::npos) << workers.output;
 
@@ -74,6 +76,21 @@ TEST(TesseraCliTest, StartStatusStop) {
   EXPECT_EQ(status.exit_code, 0) << status.output;
   EXPECT_NE(status.output.find("2 of 2 workers alive"), std::string::npos) << status.output;
   EXPECT_NE(status.output.find("256.0 MiB"), std::string::npos) << status.output;
+  // --bind-cores: each worker on the CPUs AssignCores gives it, as status's cpus column says.
+  std::multiset<std::string> shown, assigned;
+  std::istringstream lines(status.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("worker", 0) != 0 || line.rfind("worker ", 0) == 0) continue;
+    std::istringstream fields(line);
+    const std::vector<std::string> words{std::istream_iterator<std::string>(fields), {}};
+    ASSERT_GT(words.size(), 13u) << line;
+    shown.insert(
+        words[13]);  // id host pid alive plane used MiB capacity MiB spilled MiB objects cpu cpus
+  }
+  const Result<std::vector<std::vector<int>>> sets = AssignCores(ProcessCpus().value(), 2, 1);
+  ASSERT_OK(sets.status());
+  for (const std::vector<int>& set : *sets) assigned.insert(FormatCpuList(set));
+  EXPECT_EQ(shown, assigned) << status.output;
 
   // GPU workers: refused with the reason where there is no GPU (this build without CUDA, or a
   // machine without a driver or device); started where there is one.
