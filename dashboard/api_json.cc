@@ -40,6 +40,7 @@ std::string ClusterJson(const ClusterView& cluster) {
         {"data_address", w.data_address},
         {"gpu", w.gpu},
         {"cpu_threads", w.cpu_threads},
+        {"cpus", w.cpus},
         {"memory",
          {{"host_used", w.host_used},
           {"host_capacity", w.host_capacity},

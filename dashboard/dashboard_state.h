@@ -45,6 +45,7 @@ struct WorkerView {
   std::string data_address;
   std::string gpu;  // empty for a CPU worker
   int cpu_threads = 0;
+  std::string cpus;  // the CPUs it may run on ("0-3"; core/cpu_set.h); empty: not said
   // Memory tiers: the host tier (used of capacity) and what was spilled to disk.
   int64_t host_used = 0;
   int64_t host_capacity = 0;

@@ -36,6 +36,7 @@ dashboard::ClusterView CoreDashboardSource::Cluster() {
     w.data_address = p.data_address;
     w.gpu = p.gpu;
     w.cpu_threads = p.cpu_threads;
+    w.cpus = p.cpus;
     w.host_used = p.host_used;
     w.host_capacity = p.host_capacity;
     w.spilled = p.spilled_bytes;

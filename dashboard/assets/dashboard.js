@@ -83,7 +83,7 @@ function renderCluster(c) {
     if (w.gpu) gpuName.title = w.gpu;  // the cell shows its start
     tr.appendChild(gpuName);
     const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') : '-', 'num cpu');
-    cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far';
+    cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far' + (w.cpus ? '; runs on CPUs ' + w.cpus : '');
     tr.appendChild(cpu);
     // The GPU's own figures (NVML: every process on the device), as of the last heartbeat.
     const g = w.alive ? w.gpu_use : null;

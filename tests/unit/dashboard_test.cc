@@ -68,6 +68,7 @@ class FakeSource : public dashboard::DashboardSource {
       w.bytes_pushed = 30;
       if (id == 2) {
         w.gpu = "NVIDIA H200 (cuda:0)";
+        w.cpus = "0-3";
         w.gpu_use = GpuUse{0.25, int64_t{3} << 30, int64_t{140} << 30};
       }
       w.collective_bytes_sent = 40;
@@ -221,6 +222,8 @@ TEST_F(DashboardHandlerTest, ClusterJobAndTimelineJsonHaveTheDocumentedShape) {
   EXPECT_EQ(w["bytes"]["pushed"], 30);
   EXPECT_EQ(w["gpu"], "NVIDIA H200 (cuda:0)");
   EXPECT_EQ(cluster["workers"][1]["gpu"], "");  // a CPU worker
+  EXPECT_EQ(w["cpus"], "0-3");
+  EXPECT_EQ(cluster["workers"][1]["cpus"], "");  // not said
   EXPECT_EQ(w["last_run"]["model_state_peak"], 123456);
   EXPECT_EQ(w["last_run"]["role_peaks"]["gradient"], 2000);
   EXPECT_TRUE(cluster["workers"][1]["last_run"].is_null());
