@@ -81,7 +81,10 @@ Result<AutoPlan> ChooseAutoPlan(const ModelSpec& model, const TrainingPlan& base
     Result<Calibration> cached = LoadCalibration(path, key);
     if (cached.ok()) {
       plan.calibration = std::move(*cached);
-      plan.calibration.sharing.groups = request.core_groups;  // this cluster's ids (the key: shape)
+      // This cluster's ids (the key holds only the shape): the search places its candidates on
+      // the probed workers, whose groups these are.
+      plan.calibration.sharing.groups = request.core_groups;
+      if (!request.workers.empty()) plan.calibration.probe_workers = request.workers;
       plan.calibration_source = "cached in " + path;
       measured = false;
     } else if (cached.status().code() != StatusCode::kNotFound) {

@@ -634,6 +634,26 @@ TEST(TrainGpt2Test, PlanAutoChoosesAPlanAndTrainsLikeOneProcess) {
   EXPECT_NE(first.output.find("calibrating: 2 tensor-parallel pairs at once sharding sequences, "),
             std::string::npos)
       << first.output;
+  // Workers bound to cores: another calibration (its own cache entry); the one read back from the
+  // cache makes the same choice with the same predicted step as the measured one (its groups of
+  // shared cores put on this cluster's workers), and both train the same losses.
+  BoundedRun bound = run(common + " --workers 4 --bind-cores --plan auto");
+  ASSERT_EQ(bound.exit_code, 0) << bound.output;
+  EXPECT_NE(bound.output.find("calibration measured"), std::string::npos) << bound.output;
+  BoundedRun bound_cached = run(common + " --workers 4 --bind-cores --plan auto");
+  ASSERT_EQ(bound_cached.exit_code, 0) << bound_cached.output;
+  EXPECT_NE(bound_cached.output.find("calibration cached in " + cache), std::string::npos)
+      << bound_cached.output;
+  const std::regex chosen_line(R"(--plan auto chose [^\n]*)");
+  std::smatch measured_choice, cached_choice;
+  ASSERT_TRUE(std::regex_search(bound.output, measured_choice, chosen_line)) << bound.output;
+  ASSERT_TRUE(std::regex_search(bound_cached.output, cached_choice, chosen_line))
+      << bound_cached.output;
+  EXPECT_EQ(measured_choice.str(), cached_choice.str());
+  for (const BoundedRun* r : {&bound, &bound_cached}) {
+    EXPECT_NEAR(FirstMatch(r->output, R"(final_loss=([0-9.]+))"), expected, 1e-5 * expected)
+        << r->output;
+  }
   BoundedRun tensor = run(common + " --workers 2 --plan auto --tensor-parallel 2");
   ASSERT_EQ(tensor.exit_code, 0) << tensor.output;
   EXPECT_NE(tensor.output.find("--plan auto chose D1 x T2"), std::string::npos) << tensor.output;
