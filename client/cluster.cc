@@ -96,12 +96,7 @@ Result<WorkerLaunch> LocalLaunch(const LocalClusterOptions& options, const std::
   }
   std::vector<std::string> cpus;
   if (options.bind_cores) {
-    TESSERA_ASSIGN_OR_RETURN(const std::vector<int> available, ProcessCpus());
-    TESSERA_ASSIGN_OR_RETURN(const std::vector<std::vector<int>> sets,
-                             AssignCores(available, first + count, threads));
-    for (int i = first; i < first + count; ++i) {
-      cpus.push_back(FormatCpuList(sets[static_cast<size_t>(i)]));
-    }
+    TESSERA_ASSIGN_OR_RETURN(cpus, WorkerCpuLists(first, count, threads));
   }
   return WorkerLaunch{
       .scheduler = scheduler,

@@ -135,4 +135,15 @@ Result<std::vector<std::vector<int>>> AssignCores(const std::vector<int>& availa
   return sets;
 }
 
+Result<std::vector<std::string>> WorkerCpuLists(int first, int count, int threads) {
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<int> available, ProcessCpus());
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<std::vector<int>> sets,
+                           AssignCores(available, first + count, threads));
+  std::vector<std::string> lists;
+  for (size_t i = static_cast<size_t>(first); i < sets.size(); ++i) {
+    lists.push_back(FormatCpuList(sets[i]));
+  }
+  return lists;
+}
+
 }  // namespace tessera

@@ -39,4 +39,9 @@ Status BindProcessTo(const std::vector<int>& cpus);
 Result<std::vector<std::vector<int>>> AssignCores(const std::vector<int>& available, int workers,
                                                   int threads);
 
+// The `tessera worker --cpus` lists of workers first .. first + count - 1 of a host's workers
+// bound to cores: AssignCores over this process's CPUs, each set written as a list. Errors:
+// ProcessCpus's and AssignCores's.
+Result<std::vector<std::string>> WorkerCpuLists(int first, int count, int threads);
+
 }  // namespace tessera

@@ -246,12 +246,9 @@ int StartWorkers(const StartFlags& flags, std::vector<pid_t>& started) {
           flags.threads > 0
               ? flags.threads
               : std::max(1, static_cast<int>(cpus->size()) / std::max(1, flags.cpu_workers));
-      Result<std::vector<std::vector<int>>> sets =
-          tessera::AssignCores(*cpus, flags.cpu_workers, each);
-      if (!sets.ok()) return Fail(sets.status());
-      for (const std::vector<int>& set : *sets) {
-        launches.back().cpus.push_back(tessera::FormatCpuList(set));
-      }
+      Result<std::vector<std::string>> lists = tessera::WorkerCpuLists(0, flags.cpu_workers, each);
+      if (!lists.ok()) return Fail(lists.status());
+      launches.back().cpus = *std::move(lists);
     }
   }
   if (!gpus.empty()) {

@@ -93,18 +93,17 @@ class Simulator {
         least = std::min(least, workers_[w].remaining);
         finish = std::min(finish, clock + workers_[w].remaining / group_rate_[workers_[w].group]);
       }
-      for (const RunningCollective& c : running_collectives_) {
+      for (RunningCollective& c : running_collectives_) {
+        c.rate = CollectiveRate(c.collective);
         least = std::min(least, c.remaining);
-        finish = std::min(finish, clock + c.remaining / CollectiveRate(c.collective));
+        finish = std::min(finish, clock + c.remaining / c.rate);
       }
       const double next = std::min(events_.empty() ? kNever : events_.top().first, finish);
       if (next == kNever) break;
       for (size_t w : running_) {
         workers_[w].remaining -= (next - clock) * group_rate_[workers_[w].group];
       }
-      for (RunningCollective& c : running_collectives_) {
-        c.remaining -= (next - clock) * CollectiveRate(c.collective);
-      }
+      for (RunningCollective& c : running_collectives_) c.remaining -= (next - clock) * c.rate;
       clock = next;
       if (finish <= next) {
         const double done = 1e-12 + 1e-9 * least;  // among the first to finish
@@ -511,6 +510,7 @@ class Simulator {
       }
     }
     group_rate_.assign(group_capacity_.size(), 1);
+    group_running_.assign(group_capacity_.size(), 0);
   }
 
   // The rate each group's running compute tasks and collective members progress at
@@ -518,16 +518,16 @@ class Simulator {
   // one alone on its group's cores at full speed whatever the capacity (a group of one core's
   // share of it is below one: what two lose taking turns on that core, not what one loses).
   void SharedRates() {
-    std::vector<double> running(group_capacity_.size(), 0);
+    if (sharing_.capacity <= 0) return;  // every rate stays 1
+    std::vector<double>& running = group_running_;
+    std::fill(running.begin(), running.end(), 0);
     for (size_t w : running_) running[workers_[w].group] += 1;
     for (const RunningCollective& c : running_collectives_) {
       for (size_t m : collectives_[c.collective].members)
         running[workers_[worker_of_[m]].group] += 1;
     }
     for (size_t g = 0; g < running.size(); ++g) {
-      group_rate_[g] = sharing_.capacity <= 0 || running[g] <= 1
-                           ? 1
-                           : std::min(1.0, group_capacity_[g] / running[g]);
+      group_rate_[g] = running[g] <= 1 ? 1 : std::min(1.0, group_capacity_[g] / running[g]);
     }
   }
 
@@ -596,9 +596,12 @@ class Simulator {
   struct RunningCollective {
     size_t collective = 0;
     double remaining = 0;  // ms at the full rate
+    double rate = 1;       // its members' slowest group's, as of the last SharedRates
   };
   std::vector<RunningCollective> running_collectives_;
-  std::vector<double> group_capacity_, group_rate_;  // per group of shared cores (GroupWorkers)
+  // Per group of shared cores (GroupWorkers): its capacity, its rate and (SharedRates' scratch)
+  // how many run on it.
+  std::vector<double> group_capacity_, group_rate_, group_running_;
   std::vector<size_t> worker_of_;
   std::vector<Lane> lane_;
   std::vector<int64_t> collective_of_;

@@ -553,6 +553,11 @@ TEST(CpuSetTest, CoresAreAssignedInOrderAndSharedEvenly) {
   EXPECT_EQ(AssignCores({}, 2, 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(AssignCores({0}, 0, 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(AssignCores({0}, 1, 0).status().code(), StatusCode::kInvalidArgument);
+  // The lists workers are started with: the later ones of a host continue the order.
+  ASSERT_OK_AND_ASSIGN(const std::vector<int> cpus, ProcessCpus());
+  ASSERT_OK_AND_ASSIGN(auto all, AssignCores(cpus, 5, 1));
+  ASSERT_OK_AND_ASSIGN(std::vector<std::string> later, WorkerCpuLists(3, 2, 1));
+  EXPECT_EQ(later, (std::vector<std::string>{FormatCpuList(all[3]), FormatCpuList(all[4])}));
 }
 
 // Binding this process: to one of its CPUs it runs there, threads started afterwards too; a CPU
