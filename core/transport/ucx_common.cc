@@ -1,18 +1,70 @@
 #include "core/transport/ucx_common.h"
 
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
+#include <ucs/debug/log_def.h>
 
+#include "core/logging.h"
 #include "core/transport/ucx_info.h"
 
 namespace tessera::detail {
+namespace {
+
+// The "ucx" logger, taken once and never released: UCX may log while the process exits, after
+// spdlog's registry is gone.
+spdlog::logger* ucx_logger = nullptr;
+
+// UCX's own log lines (those UCX_LOG_LEVEL lets through: warnings and errors by default) go to
+// the "ucx" logger, stamped and filtered like the process's other lines rather than printed by
+// UCX in its own format. An error or warning stays one. Demoted to debug: the lines a flush (a
+// graceful close's) writes when the peer's endpoint is already gone ("error during flush:
+// Endpoint timeout", one per lane): every worker's log had four per endpoint at every cluster's
+// end, where the workers close towards each other at once; a peer that dies mid-run is reported
+// by the runtime itself (the failed pull or collective names it). Fatal lines also go on to
+// UCX's own handler (which then aborts).
+ucs_log_func_rc_t RouteUcxLog(const char* file, unsigned line, const char* /*function*/,
+                              ucs_log_level_t level,
+                              const ucs_log_component_config_t* /*component*/, const char* format,
+                              va_list arguments) {
+  char text[1024];
+  va_list copy;
+  va_copy(copy, arguments);
+  std::vsnprintf(text, sizeof(text), format, copy);  // NOLINT(cert-err33-c): truncation is fine
+  va_end(copy);
+  const std::string_view message(text);
+  spdlog::level::level_enum as = spdlog::level::debug;
+  if (level <= UCS_LOG_LEVEL_ERROR) as = spdlog::level::err;
+  if (level == UCS_LOG_LEVEL_WARN) as = spdlog::level::warn;
+  if (as != spdlog::level::debug && message.find("error during flush") != std::string_view::npos) {
+    as = spdlog::level::debug;
+  }
+  ucx_logger->log(as, "{} ({}:{})", message, file, line);
+  return level == UCS_LOG_LEVEL_FATAL ? UCS_LOG_FUNC_RC_CONTINUE : UCS_LOG_FUNC_RC_STOP;
+}
+
+}  // namespace
+
+void RouteUcxLogging() {
+  static std::once_flag routed;
+  std::call_once(routed, [] {
+    // Kept to the end of the process on purpose (see ucx_logger).
+    const auto* kept = new std::shared_ptr<spdlog::logger>(GetLogger("ucx"));  // NOLINT
+    ucx_logger = kept->get();
+    ucs_log_push_handler(&RouteUcxLog);
+  });
+}
 
 Result<UcxHandles> CreateUcxWorker(uint64_t features, const char* name, const char* transports,
                                    bool indirect_ids) {
+  RouteUcxLogging();
   ucp_config_t* config = nullptr;
   TESSERA_UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config), "config read");
   // Endpoint ids on the wire go through UCX's table, not raw pointers: a message that arrives

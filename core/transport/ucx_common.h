@@ -24,6 +24,10 @@ inline Status UcxError(std::string_view what, ucs_status_t status,
     if (ucx_status_ != UCS_OK) return ::tessera::detail::UcxError(what, ucx_status_); \
   } while (0)
 
+// UCX's log lines into the "ucx" logger (core/logging.h), once per process; CreateUcxWorker
+// calls it.
+void RouteUcxLogging();
+
 // A UCX context and a single-threaded worker with a wakeup fd.
 struct UcxHandles {
   ucp_context_h context = nullptr;

@@ -2,10 +2,18 @@
 // peers that disappear.
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <ucs/config/global_opts.h>
+#include <ucs/debug/log_def.h>
+
+#include "core/logging.h"
 #include "core/transport/data_plane.h"
+#include "core/transport/ucx_common.h"
 #include "test_util.h"
 
 namespace tessera::testing {
@@ -58,6 +66,32 @@ bool PatternMatches(const std::vector<uint8_t>& data, uint64_t id) {
     if (data[i] != static_cast<uint8_t>(i * 7 + id)) return false;
   }
   return true;
+}
+
+// UCX's own log lines go to the "ucx" logger: an error as an error, a warning as a warning; the
+// lines a flush writes when the peer's endpoint is already gone as debug.
+TEST(UcxLogTest, UcxLinesGoToTheUcxLoggerAndAGoneEndpointsFlushLinesAreDebug) {
+  detail::RouteUcxLogging();
+  std::ostringstream captured;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
+  sink->set_pattern("%l|%v");
+  const std::shared_ptr<spdlog::logger> logger = GetLogger("ucx");
+  const spdlog::level::level_enum level = logger->level();
+  logger->sinks().push_back(sink);
+  logger->set_level(spdlog::level::debug);
+  ucs_log_component_config_t* component = &ucs_global_opts.log_component;
+  ucs_log_dispatch("made.c", 7, "f", UCS_LOG_LEVEL_ERROR, component, "no route to %s", "peer");
+  ucs_log_dispatch("made.c", 8, "f", UCS_LOG_LEVEL_WARN, component, "slow %d", 3);
+  ucs_log_dispatch("flush.c", 26, "f", UCS_LOG_LEVEL_ERROR, component,
+                   "req %s: error during flush: %s, flush comp count reduced to %d", "0x10",
+                   "Endpoint timeout", 0);
+  logger->sinks().pop_back();
+  logger->set_level(level);
+  const std::string text = captured.str();
+  EXPECT_NE(text.find("error|no route to peer (made.c:7)"), std::string::npos) << text;
+  EXPECT_NE(text.find("warning|slow 3 (made.c:8)"), std::string::npos) << text;
+  EXPECT_NE(text.find("debug|req 0x10: error during flush: Endpoint timeout"), std::string::npos)
+      << text;
 }
 
 TEST(DataPlaneTest, PullsObjectsOfEverySizeIntact) {
