@@ -82,7 +82,9 @@ function renderCluster(c) {
     const gpuName = el('td', w.gpu || '-', 'gpu-name');
     if (w.gpu) gpuName.title = w.gpu;  // the cell shows its start
     tr.appendChild(gpuName);
-    const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') : '-', 'num cpu');
+    // Busy cores over threads, then the CPUs it may run on (one of its own when bound to cores).
+    const cpu = el('td', w.alive ? num(w.cpu.utilization, 2) + ' / ' + (w.cpu_threads || '-') +
+      (w.cpus ? ' on ' + w.cpus : '') : '-', 'num cpu');
     cpu.title = num(w.cpu.seconds, 1) + ' CPU seconds so far' + (w.cpus ? '; runs on CPUs ' + w.cpus : '');
     tr.appendChild(cpu);
     // The GPU's own figures (NVML: every process on the device), as of the last heartbeat.

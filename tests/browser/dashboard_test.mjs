@@ -2,7 +2,8 @@
 //
 // Starts a cluster with `tessera start --head` (2 workers) in a fresh session, runs a short
 // train_gpt2 on it, opens the URL the head printed in headless Chromium (playwright-core), and
-// checks that workers, memory, the loss plot and timeline entries appear and then change, that
+// checks that workers (bound to cores: each shows the CPUs it runs on), memory, the loss plot and
+// timeline entries appear and then change, that
 // the job history keeps a finished job beside the running one (plan, validation loss), that a
 // timeline span names its task on hover, and that the logs view shows a worker's log by its id;
 // saves
@@ -66,7 +67,7 @@ async function main() {
   address = fs.readFileSync(path.join(session, 'scheduler.address'), 'utf8').trim();
   const tokenFile = path.join(session, 'token');
   const workers = spawnSync(tessera, ['start', '--address', address, '--token-file', tokenFile,
-                                      '--cpu-workers', '2', '--threads', '1'],
+                                      '--cpu-workers', '2', '--threads', '1', '--bind-cores'],
                             { encoding: 'utf8' });
   check(workers.status === 0, '2 workers joined: ' + workers.stdout + workers.stderr);
 
@@ -111,6 +112,14 @@ async function main() {
   check(true, 'workers are listed');
   const memory = await page.locator('#workers tbody tr td.memory').first().textContent();
   check(/\d.* \/ \d/.test(memory), 'a worker shows host memory used / capacity: ' + memory);
+  // Bound to cores: each worker's CPU cell names its own CPUs (different ones where the machine
+  // has two or more).
+  const cpuCells = await page.locator('#workers tbody tr td.cpu').allTextContents();
+  const cpuSets = cpuCells.map(text => (text.match(/ on ([0-9,-]+)$/) || [])[1]);
+  check(cpuSets.every(set => set !== undefined), 'every worker shows the CPUs it runs on: ' +
+        cpuCells.join(' | '));
+  check(os.availableParallelism() < 2 || new Set(cpuSets).size === cpuSets.length,
+        'workers bound to cores run on CPUs of their own: ' + cpuCells.join(' | '));
   await page.waitForFunction(() => Number(document.getElementById('plot-loss').dataset.points || 0) >= 2, null, deadline);
   await page.waitForFunction(() => Number(document.getElementById('timeline').dataset.spans || 0) >= 1, null, deadline);
   await page.waitForFunction(() => document.querySelectorAll('#ranks tbody tr').length >= 1, null, deadline);
