@@ -18,9 +18,9 @@
 namespace tessera::detail {
 namespace {
 
-// The "ucx" logger, taken once and never released: UCX may log while the process exits, after
-// spdlog's registry is gone.
-spdlog::logger* ucx_logger = nullptr;
+// The "ucx" logger, taken once and never released (a global, so reachable: not a leak): UCX
+// may log while the process exits, after spdlog's registry is gone.
+const std::shared_ptr<spdlog::logger>* ucx_logger = nullptr;
 
 // UCX's own log lines (those UCX_LOG_LEVEL lets through: warnings and errors by default) go to
 // the "ucx" logger, stamped and filtered like the process's other lines rather than printed by
@@ -46,7 +46,7 @@ ucs_log_func_rc_t RouteUcxLog(const char* file, unsigned line, const char* /*fun
   if (as != spdlog::level::debug && message.find("error during flush") != std::string_view::npos) {
     as = spdlog::level::debug;
   }
-  ucx_logger->log(as, "{} ({}:{})", message, file, line);
+  (*ucx_logger)->log(as, "{} ({}:{})", message, file, line);
   return level == UCS_LOG_LEVEL_FATAL ? UCS_LOG_FUNC_RC_CONTINUE : UCS_LOG_FUNC_RC_STOP;
 }
 
@@ -55,9 +55,7 @@ ucs_log_func_rc_t RouteUcxLog(const char* file, unsigned line, const char* /*fun
 void RouteUcxLogging() {
   static std::once_flag routed;
   std::call_once(routed, [] {
-    // Kept to the end of the process on purpose (see ucx_logger).
-    const auto* kept = new std::shared_ptr<spdlog::logger>(GetLogger("ucx"));  // NOLINT
-    ucx_logger = kept->get();
+    ucx_logger = new std::shared_ptr<spdlog::logger>(GetLogger("ucx"));  // NOLINT: kept
     ucs_log_push_handler(&RouteUcxLog);
   });
 }
