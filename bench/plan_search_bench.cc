@@ -24,8 +24,9 @@
 // model's calibration with the probe steps it measured (calibration_<model>.json).
 // --replay DIR runs nothing: each model's recorded calibration is fitted again on its recorded
 // probe steps (RefitCalibration) with the simulation as built, the search run under each cap
-// recorded, and every recorded grid point's new prediction set against its recorded measurement:
-// a change to the simulation judged on runs already made, the machine's noise held fixed.
+// recorded, and every recorded grid point's new prediction (step time and peak) set against its
+// recorded measurement: a change to the simulation judged on runs already made, the machine's
+// noise held fixed.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -806,6 +807,7 @@ struct RecordedPoint {
   double cap = 0;
   std::string plan;
   double measured_ms = 0;
+  int64_t measured_peak_bytes = 0;  // 0 in a file that has none
 };
 
 std::vector<RecordedPoint> ReadRecordedPoints(const std::string& dir, const std::string& model) {
@@ -826,7 +828,8 @@ std::vector<RecordedPoint> ReadRecordedPoints(const std::string& dir, const std:
       from = tab + 1;
     }
     if (fields.size() < 7 || fields[0] != model) continue;
-    points.push_back({std::stod(fields[1]), fields[3], std::stod(fields[6])});
+    points.push_back({std::stod(fields[1]), fields[3], std::stod(fields[6]),
+                      fields.size() > 8 ? std::stoll(fields[8]) : 0});
   }
   return points;
 }
@@ -865,9 +868,10 @@ void ReplayModel(const Flags& f, const std::string& name) {
     base.memory.host_bytes = static_cast<int64_t>(cap * static_cast<double>(largest));
     const tessera::PlanSearchResult search =
         Check(tessera::PlanSearch(model.spec, base, space, calibration, registry), "search");
-    std::printf("\n## %s, cap %.2f, replayed\n%-44s %10s %10s %7s  %s\n", name.c_str(), cap, "plan",
-                "pred_ms", "meas_ms", "err", "bottleneck");
-    int within = 0, count = 0;
+    std::printf("\n## %s, cap %.2f, replayed\n%-44s %10s %10s %7s %10s %10s %7s  %s\n",
+                name.c_str(), cap, "plan", "pred_ms", "meas_ms", "err", "pred_MiB", "meas_MiB",
+                "err", "bottleneck");
+    int within = 0, count = 0, peaks_within = 0, peaks = 0;
     for (const RecordedPoint& p : points) {
       if (p.cap != cap) continue;
       ++count;
@@ -878,11 +882,25 @@ void ReplayModel(const Flags& f, const std::string& name) {
       }
       const double err = ranked->step_ms / p.measured_ms - 1;
       within += std::abs(err) <= 0.10 ? 1 : 0;
-      std::printf("%-44s %10.2f %10.2f %+6.0f%%  %s\n", p.plan.c_str(), ranked->step_ms,
-                  p.measured_ms, 100 * err, tessera::BottleneckName(ranked->bottleneck));
+      // The peak as the live run printed it: the simulated step's (expected_peak_bytes).
+      const int64_t predicted_peak = ranked->expected_peak_bytes[1];
+      std::string peak = fmt::format("{:>10} {:>10} {:>7}", "-", "-", "-");
+      if (p.measured_peak_bytes > 0) {
+        const double peak_err =
+            static_cast<double>(predicted_peak) / static_cast<double>(p.measured_peak_bytes) - 1;
+        ++peaks;
+        peaks_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
+        peak = fmt::format("{:10.2f} {:10.2f} {:+6.1f}%", Mib(predicted_peak),
+                           Mib(p.measured_peak_bytes), 100 * peak_err);
+      }
+      std::printf("%-44s %10.2f %10.2f %+6.0f%% %s  %s\n", p.plan.c_str(), ranked->step_ms,
+                  p.measured_ms, 100 * err, peak.c_str(),
+                  tessera::BottleneckName(ranked->bottleneck));
     }
-    std::printf("%s, cap %.2f, replayed: predictions within 10%%: %d of %d (time)\n", name.c_str(),
-                cap, within, count);
+    std::printf(
+        "%s, cap %.2f, replayed: predictions within 10%%: %d of %d (time), within 3%%: %d of %d "
+        "(peak)\n",
+        name.c_str(), cap, within, count, peaks_within, peaks);
   }
 }
 
