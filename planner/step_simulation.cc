@@ -302,11 +302,9 @@ class Simulator {
     const TaskSpec& first = graph_.tasks()[collective.members.front()];
     double compute = 0;
     for (size_t m : collective.members) compute = std::max(compute, times_[m].ms);
-    const int members = static_cast<int>(collective.members.size());
-    // A pair's all-reduce moves the whole tensor each way: its bus bandwidth is the pair link's.
-    const bool pair = members == 2 && links_.pair.bytes_per_us > 0 && BusBandwidth() > 0;
-    const double bus = pair ? links_.pair.bytes_per_us : BusBandwidth();
+    const double bus = BusBandwidth();
     double transfer = 0;
+    const int members = static_cast<int>(collective.members.size());
     if (bus > 0 && members > 1) {
       const auto bytes = static_cast<double>(LargestTensorBytes(graph_, first));
       double latency = links_.LatencyUs(members);

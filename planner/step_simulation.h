@@ -59,14 +59,6 @@ struct StepLinks {
   // bytes / bandwidth (training/collective_link.h measures it).
   CollectiveLink collective;
   int collective_group = 0;
-  // A collective of two members moves its bytes over this link where it was measured (an
-  // all-reduce between two workers, on different cores where they are bound, the others idle):
-  // a pair's transfer is one copy each way, where the ring of collective_group passes each chunk
-  // through every member, each to be scheduled in turn on shared cores (CPU workers of one
-  // machine: GPT-2's pair reduce-scatters ran in a third to a quarter of the time the ring of
-  // four's bandwidth gives). Its latency is unused: a pair waits `collective`'s (or its group
-  // kind's figure). Unmeasured: `collective`'s bandwidth.
-  CollectiveLink pair;
   // What a collective of more members than a pair waits in place of the link's latency while
   // the workers share a machine (calibrated on a probe of that many tensor ranks: a member waits
   // for more peers to be scheduled), by member count, ascending; a count not listed waits the

@@ -38,8 +38,8 @@ using nlohmann::json;
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
 // one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker; 9: and
-// a pipeline of each kind of group; 10: the pairs' link).
-constexpr int kCalibrationMethod = 10;
+// a pipeline of each kind of group).
+constexpr int kCalibrationMethod = 9;
 
 std::string HostName() {
   char name[256] = {};
@@ -880,17 +880,6 @@ Result<Calibration> Calibrate(const ModelSpec& model, const TrainingPlan& base,
     calibration.links.collective_group = static_cast<int>(request.workers.size());
     say(fmt::format("collectives among {} workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
                     request.workers.size(), link.latency_us, link.bytes_per_us / 1e3));
-    // A pair's collectives (StepLinks::pair): the first two workers, on different cores where
-    // they are bound (the request's order interleaves the groups).
-    if (request.workers.size() > 2) {
-      const std::vector<WorkerId> two = {request.workers[0], request.workers[1]};
-      TESSERA_ASSIGN_OR_RETURN(calibration.links.pair, median_link([&] {
-                                 return MeasureCollectiveLink(*backend, two, base.device);
-                               }));
-      say(fmt::format("collectives between two workers: {:.0f} us + {:.2f} GB/s (all-reduce)",
-                      calibration.links.pair.latency_us,
-                      calibration.links.pair.bytes_per_us / 1e3));
-    }
     // The push link between the first two workers: what a pipeline's objects take.
     TESSERA_ASSIGN_OR_RETURN(calibration.links.point_to_point, median_link([&] {
                                return MeasurePushLink(*backend, request.workers[0],
@@ -1071,7 +1060,6 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"collective", LinkJson(calibration.links.collective)},
       {"measured_collective", LinkJson(calibration.measured_collective)},
       {"collective_group", calibration.links.collective_group},
-      {"pair_collective", LinkJson(calibration.links.pair)},
       {"point_to_point", LinkJson(calibration.links.point_to_point)},
       {"shared_push_latency_us", calibration.links.shared_push_latency_us},
       {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
@@ -1129,9 +1117,6 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.collective_group = file.at("collective_group").get<int>();
     if (file.contains("measured_collective")) {
       calibration.measured_collective = LinkFrom(file.at("measured_collective"));
-    }
-    if (file.contains("pair_collective")) {
-      calibration.links.pair = LinkFrom(file.at("pair_collective"));
     }
     calibration.links.point_to_point = LinkFrom(file.at("point_to_point"));
     calibration.links.shared_push_latency_us = file.at("shared_push_latency_us").get<double>();

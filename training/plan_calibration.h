@@ -11,10 +11,9 @@
 //     tasks that are no layer's (optimizer updates, gradient norms: StepProfile::
 //     other_ms_per_unit, the median over the profiles), which move bytes where layers multiply;
 //   * the collective link among the workers (MeasureCollectiveLink over up to the plan's
-//     workers: its latency and all-reduce bandwidth), with more than two the same between the
-//     first two (StepLinks::pair: what a pair's collectives move their bytes at), and the push
-//     link between the first two (MeasurePushLink: what a pipeline's objects take;
-//     StepLinks::point_to_point). One worker: none;
+//     workers: its latency and all-reduce bandwidth), and the push link between the first two
+//     (MeasurePushLink: what a pipeline's objects take; StepLinks::point_to_point). One worker:
+//     none;
 //   * on a cluster, probe steps that fit what the profile in this process cannot see: one rank
 //     on one worker at two row counts (one rank's of the widest data-parallel plan, and twice
 //     that): the worker's step as a scale of the profiled work plus a constant per step

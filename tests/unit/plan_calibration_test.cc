@@ -77,7 +77,6 @@ Calibration EveryFigure() {
   calibration.compute_scale = 1.07;
   calibration.links.collective = CollectiveLink{42, 750};
   calibration.links.collective_group = 4;
-  calibration.links.pair = CollectiveLink{9, 3125};
   calibration.links.point_to_point = CollectiveLink{67, 8230};
   calibration.links.shared_push_latency_us = 912.5;
   calibration.links.group_latency = {{4, 175.5}, {8, 310.25}};
@@ -129,8 +128,6 @@ TEST(PlanCalibrationTest, TheCacheReadsBackEveryFigureForItsOwnKeyOnly) {
   EXPECT_EQ(read.links.collective.latency_us, 42);
   EXPECT_EQ(read.links.collective.bytes_per_us, 750);
   EXPECT_EQ(read.links.collective_group, 4);
-  EXPECT_EQ(read.links.pair.latency_us, 9);
-  EXPECT_EQ(read.links.pair.bytes_per_us, 3125);
   EXPECT_EQ(read.links.point_to_point.latency_us, 67);
   EXPECT_EQ(read.links.point_to_point.bytes_per_us, 8230);
   EXPECT_EQ(read.links.shared_push_latency_us, 912.5);

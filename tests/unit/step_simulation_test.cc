@@ -191,37 +191,6 @@ TEST(StepSimulationTest, ALargerGroupWaitsItsOwnLatency) {
   ExpectPartsAddUp(simulated);
 }
 
-// A pair's collectives move their bytes over the pair link where one was measured (one copy
-// each way); a group of four keeps the group link's bandwidth; the latency is the same either way.
-TEST(StepSimulationTest, APairMovesItsBytesOverThePairLink) {
-  const ModelSpec model = SixBlocks();
-  StepLinks links;
-  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
-  links.collective_group = 4;
-  links.pair = CollectiveLink{.latency_us = 7, .bytes_per_us = 300};
-  for (const int ranks : {2, 4}) {
-    TrainingPlan plan = Plan(1, ranks, 1, PipelineSchedule::k1F1B);
-    plan.parallel.bucket_bytes = 0;  // one all-reduce per group
-    ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
-    const std::vector<TaskTime> times = LayerTimesOnly(step, model);
-    ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
-    int checked = 0;
-    for (const TaskSpec& task : step.graph.tasks()) {
-      if (task.op != "all_reduce") continue;
-      const double bytes = static_cast<double>(step.graph.object(task.inputs[0]).meta.bytes());
-      // A pair: the whole tensor over the pair link's 300 bytes a microsecond. Four: 2 * 3/4 of
-      // it over the group link's bus bandwidth (50 * 2 * 3/4), i.e. bytes / 50.
-      const double expected_us = ranks == 2 ? 40 + bytes / 300 : 40 + bytes / 50;
-      const size_t t = task.id.value() - 1;
-      EXPECT_NEAR(simulated.end_ms[t] - simulated.start_ms[t], expected_us / 1e3, 1e-9)
-          << ranks << " ranks: " << task.name;
-      ++checked;
-    }
-    EXPECT_GT(checked, 0) << ranks;
-    ExpectPartsAddUp(simulated);
-  }
-}
-
 TEST(StepSimulationTest, SequenceShardingsCollectivesWaitTheirOwnLatency) {
   StepLinks links;
   links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
