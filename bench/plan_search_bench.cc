@@ -139,6 +139,17 @@ struct Measured {
 
 double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
+// Issue 26's bounds on a grid point: its predicted step time within 10% of its measured median,
+// its predicted peak within 3% of the measured one.
+constexpr double kTimeBound = 0.10;
+constexpr double kPeakBound = 0.03;
+bool WithinTime(double err) { return std::abs(err) <= kTimeBound; }
+bool WithinPeak(double err) { return std::abs(err) <= kPeakBound; }
+// A predicted peak's error against a measured one (a measured 0 taken as a byte).
+double PeakError(int64_t predicted, int64_t measured) {
+  return static_cast<double>(predicted) / static_cast<double>(std::max<int64_t>(measured, 1)) - 1;
+}
+
 // Per worker of `trainer`'s step: each role's peak and the total with scratch, predicted in the
 // executor's untimed order (planner/memory_model.h) and measured in `report`'s step; then, for
 // the worker measured furthest above that prediction, its tasks and the objects pushed to it, in
@@ -732,14 +743,12 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
       // median of the rounds' times.
       m.round_predicted_ms = f.calibrate_each_round ? Median(round_predictions) : 0;
       const double round_err = m.round_predicted_ms / m.step_ms - 1;
-      round_within += f.calibrate_each_round && std::abs(round_err) <= 0.10 ? 1 : 0;
+      round_within += f.calibrate_each_round && WithinTime(round_err) ? 1 : 0;
       const auto predicted_peak = r.expected_peak_bytes[1];
       const double time_err = r.step_ms / m.step_ms - 1;
-      const double peak_err = static_cast<double>(predicted_peak) /
-                                  static_cast<double>(std::max<int64_t>(m.peak_bytes, 1)) -
-                              1;
-      time_within += std::abs(time_err) <= 0.10 ? 1 : 0;
-      peak_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
+      const double peak_err = PeakError(predicted_peak, m.peak_bytes);
+      time_within += WithinTime(time_err) ? 1 : 0;
+      peak_within += WithinPeak(peak_err) ? 1 : 0;
       measured_ms.push_back(m.step_ms);
       if (at == 0) auto_ms = m.step_ms;
       const auto [fewest, most] =
@@ -753,7 +762,7 @@ void RunModel(const Flags& f, const std::string& name, std::ofstream* tsv) {
           pooled != nullptr ? RankedNamed(*pooled, r.choice.Name()) : nullptr;
       if (other != nullptr) {
         const double err = other->step_ms / m.step_ms - 1;
-        pooled_within += std::abs(err) <= 0.10 ? 1 : 0;
+        pooled_within += WithinTime(err) ? 1 : 0;
         round_figures +=
             fmt::format("; pooled calibrations {:.2f} ms {:+.0f}%", other->step_ms, 100 * err);
       }
@@ -881,15 +890,14 @@ void ReplayModel(const Flags& f, const std::string& name) {
         continue;
       }
       const double err = ranked->step_ms / p.measured_ms - 1;
-      within += std::abs(err) <= 0.10 ? 1 : 0;
+      within += WithinTime(err) ? 1 : 0;
       // The peak as the live run printed it: the simulated step's (expected_peak_bytes).
       const int64_t predicted_peak = ranked->expected_peak_bytes[1];
       std::string peak = fmt::format("{:>10} {:>10} {:>7}", "-", "-", "-");
       if (p.measured_peak_bytes > 0) {
-        const double peak_err =
-            static_cast<double>(predicted_peak) / static_cast<double>(p.measured_peak_bytes) - 1;
+        const double peak_err = PeakError(predicted_peak, p.measured_peak_bytes);
         ++peaks;
-        peaks_within += std::abs(peak_err) <= 0.03 ? 1 : 0;
+        peaks_within += WithinPeak(peak_err) ? 1 : 0;
         peak = fmt::format("{:10.2f} {:10.2f} {:+6.1f}%", Mib(predicted_peak),
                            Mib(p.measured_peak_bytes), 100 * peak_err);
       }
