@@ -118,7 +118,10 @@ async function main() {
   const cpuSets = cpuCells.map(text => (text.match(/ on ([0-9,-]+)$/) || [])[1]);
   check(cpuSets.every(set => set !== undefined), 'every worker shows the CPUs it runs on: ' +
         cpuCells.join(' | '));
-  check(os.availableParallelism() < 2 || new Set(cpuSets).size === cpuSets.length,
+  // os.availableParallelism (the CPUs this process may use) is Node 18.14's; Debian 12's first
+  // nodejs (18.13) has only os.cpus.
+  const usable = os.availableParallelism ? os.availableParallelism() : os.cpus().length;
+  check(usable < 2 || new Set(cpuSets).size === cpuSets.length,
         'workers bound to cores run on CPUs of their own: ' + cpuCells.join(' | '));
   await page.waitForFunction(() => Number(document.getElementById('plot-loss').dataset.points || 0) >= 2, null, deadline);
   await page.waitForFunction(() => Number(document.getElementById('timeline').dataset.spans || 0) >= 1, null, deadline);
