@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test (CTest; GPU tests skip without a GPU).
 # Extra arguments go to ctest, e.g. scripts/test.sh -L unit
-# Ends with how long each part took (15-30 minutes in all on 2 cores, docs/benchmarks.md).
+# Ends with how long each part took (12-21 minutes in all on the 2-core VM, docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
