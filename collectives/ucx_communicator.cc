@@ -35,6 +35,7 @@ Result<std::unique_ptr<Communicator>> ConnectUcxCommunicator(Rendezvous& rendezv
       !ucx.network_only &&
       std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts[0]; });
   transport_options.network_only = ucx.network_only;
+  transport_options.spin_microseconds = ucx.spin_microseconds;
   transport_options.single_copy_bytes =
       SingleCopyBytesFor(ucx, hosts, rendezvous.rank(),
                          static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));

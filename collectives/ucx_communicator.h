@@ -9,6 +9,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/rendezvous.h"
+#include "core/transport/ucx_peer_transport.h"
 
 namespace tessera {
 
@@ -26,6 +27,8 @@ struct UcxCommunicatorOptions {
   // Messages from this size to ranks on this host: single copy. 0: 64 KiB, or
   // kOversubscribedSingleCopyBytes where the group's ranks on this host outnumber its cores.
   int64_t single_copy_bytes = 0;
+  // How long a wait polls, yielding between polls, before it sleeps (UcxPeerTransportOptions).
+  int spin_microseconds = UcxPeerTransportOptions{}.spin_microseconds;
 };
 // The single-copy threshold of rank `rank` of a group whose ranks run on `hosts` (one name per
 // rank), on a host of `cores` cores: the options' when set; else, where more of the group's ranks

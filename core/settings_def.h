@@ -108,6 +108,14 @@ TESSERA_INT_SETTING(
     "same bits whatever the segmentation) instead of the ring: lower latency, more bytes.")
 
 TESSERA_INT_SETTING(
+    collective_spin_us, 500, 0, 100000, "us",
+    "How long a worker's collective, waiting for its peers' messages, keeps polling (yielding "
+    "its core to any other runnable thread between polls) before it sleeps. Saves a wake-up "
+    "on each step of a collective whose peers come within it (tens of microseconds each where "
+    "idle cores halt, as in virtual machines); costs up to this much otherwise idle CPU per "
+    "wait. 0: sleep at once.")
+
+TESSERA_INT_SETTING(
     collective_single_copy_bytes, 0, 0, int64_t{1} << 40, "bytes",
     "Collective messages from this size to ranks on the same host are read once straight "
     "out of the sender's memory instead of passing through UCX's shared memory, whose "

@@ -499,6 +499,7 @@ Result<Communicator*> CollectiveEngine::CommunicatorFor(Lane& lane, uint64_t key
   options.small_bytes = settings_.collective_small_bytes;
   UcxCommunicatorOptions ucx;
   ucx.single_copy_bytes = settings_.collective_single_copy_bytes;
+  ucx.spin_microseconds = static_cast<int>(settings_.collective_spin_us);
   Result<std::unique_ptr<Communicator>> formed = ConnectUcxCommunicator(*rendezvous, options, ucx);
   MutexLock lock(&mutex_);
   lane.in_progress.forming = false;

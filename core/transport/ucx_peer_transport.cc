@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include <ucp/api/ucp.h>
@@ -528,6 +529,10 @@ Status UcxPeerTransportImpl::Wait(const std::vector<RequestId>& requests,
     if (now - last_event > std::chrono::microseconds(options_.spin_microseconds)) {
       Sleep(static_cast<int>(std::clamp<int64_t>(MillisecondsBetween(now, deadline) + 1, 1, 100)));
       last_event = Clock::now();  // spin again after waking
+    } else {
+      // Between polls the core goes to whoever else can run on it: where ranks outnumber the
+      // cores, that is often the peer this wait is for (UcxPeerTransportOptions).
+      std::this_thread::yield();
     }
   }
 }
@@ -569,7 +574,7 @@ Status UcxPeerTransportImpl::Break(const Status& reason) {
 
 void UcxPeerTransportImpl::Release(void* request, Clock::time_point deadline) {
   while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) {
-    Progress();
+    if (!Progress()) std::this_thread::yield();
   }
 }
 

@@ -54,7 +54,14 @@ namespace tessera {
 inline constexpr int64_t kOversubscribedSingleCopyBytes = int64_t{8} * 1024 + 1;
 
 struct UcxPeerTransportOptions {
-  int spin_microseconds = 50;  // busy-poll this long without events before sleeping on the fd
+  // A wait polls this long without events, yielding its core between polls, before it sleeps
+  // on the event fd (Settings::collective_spin_us, which sets it for the workers' groups). Polls
+  // that yield keep a rank's wake-up off a collective's path without taking the core from the
+  // rank it waits for, where ranks take turns on cores. Measured (bench_plan_search's
+  // calibration, 4 workers on 2 cores, 2026-12-07): a group of 4 tensor ranks' step 69-74 ms
+  // polling 50 us without yielding, 42-44 ms yielding at 50-5000 us; polling 1 ms without
+  // yielding, 418 ms.
+  int spin_microseconds = 500;
   // Messages this large to local peers: single copy (kOversubscribedSingleCopyBytes where the
   // ranks take turns on the cores).
   int64_t single_copy_bytes = int64_t{64} * 1024;

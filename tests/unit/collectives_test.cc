@@ -402,6 +402,17 @@ TEST(UcxCommunicatorTest, TheSuiteHoldsWithSingleCopiesAboveEightKiB) {
   RunUcxSuiteInThreads("ucx8k", ucx);
 }
 
+TEST(UcxCommunicatorTest, TheSuiteHoldsWhenEveryWaitSleepsAtOnceOrPollsLong) {
+  // collective_spin_us 0: no poll before a wait sleeps on UCX's event fd, so every message that
+  // is not there yet arrives through a wake-up; a long poll: nearly none does.
+  UcxCommunicatorOptions sleeping;
+  sleeping.spin_microseconds = 0;
+  RunUcxSuiteInThreads("ucxsleep", sleeping);
+  UcxCommunicatorOptions polling;
+  polling.spin_microseconds = 100'000;
+  RunUcxSuiteInThreads("ucxpoll", polling);
+}
+
 TEST(UcxCommunicatorTest, RanksThatOutnumberTheirCoresCopyOnceFromASmallerSize) {
   const int64_t standard = UcxPeerTransportOptions{}.single_copy_bytes;
   const std::vector<std::string> hosts = {"a", "a", "a", "b"};
