@@ -513,8 +513,9 @@ class Simulator {
     group_running_.assign(group_capacity_.size(), 0);
   }
 
-  // The rate each group's running compute tasks and collective members progress at
-  // (group_rate_): all at full speed up to the group's capacity, then the capacity shared evenly;
+  // The rate each group's running compute tasks and collectives progress at (group_rate_): all
+  // at full speed up to the group's capacity (its users: compute tasks and tensor-parallel
+  // collectives' members), then the capacity shared evenly;
   // one alone on its group's cores at full speed whatever the capacity (a group of one core's
   // share of it is below one: what two lose taking turns on that core, not what one loses).
   void SharedRates() {
@@ -522,9 +523,16 @@ class Simulator {
     std::vector<double>& running = group_running_;
     std::fill(running.begin(), running.end(), 0);
     for (size_t w : running_) running[workers_[w].group] += 1;
+    // Only tensor parallelism's collectives take cores from the compute: a member waits for its
+    // peers polling and yielding its core (core/transport/ucx_peer_transport.h), so a collective
+    // beside the compute (a data-parallel all-reduce, ZeRO's gathers and reduce-scatters) leaves
+    // the compute its cores; a tensor group's sits on its ranks' path between two of their
+    // compute tasks, and its calibrated wait (StepLinks::GroupWaitUs) was fitted counting its
+    // members as users.
     for (const RunningCollective& c : running_collectives_) {
-      for (size_t m : collectives_[c.collective].members)
-        running[workers_[worker_of_[m]].group] += 1;
+      const Collective& collective = collectives_[c.collective];
+      if (collective.channel != kTensorChannel) continue;
+      for (size_t m : collective.members) running[workers_[worker_of_[m]].group] += 1;
     }
     for (size_t g = 0; g < running.size(); ++g) {
       group_rate_[g] = running[g] <= 1 ? 1 : std::min(1.0, group_capacity_[g] / running[g]);

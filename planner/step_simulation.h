@@ -118,9 +118,15 @@ struct StepLinks {
 // Workers that share one machine's cores (a local cluster of CPU workers) compute slower when
 // several compute at once: `capacity` is how many can compute at full speed together (the cores
 // over each worker's threads, as calibrated: training/plan_calibration.h); with more running,
-// each runs at capacity / running of its speed (processor sharing). A running collective counts
-// each member as one more user (CPU workers' collectives copy and reduce on their cores). 0:
-// every worker has its own hardware (GPU workers, one worker per machine).
+// each runs at capacity / running of its speed (processor sharing). A running collective on
+// tensor parallelism's channel counts each member as one more user (it sits on its ranks' path
+// between their compute tasks, and its calibrated wait was fitted so); any other collective (a
+// data-parallel all-reduce, ZeRO's gathers and reduce-scatters, beside the compute) counts none,
+// its members waiting for their peers with their cores yielded, and progresses at its slowest
+// member's group's rate (its copies need the cores). Counting those as users too had the GPT-2
+// D4 x P1 M4 ZeRO-3 plan's forward pass 3x the measured and the U-Net's D1 x S4 x P1 M8 ZeRO-3
+// step +47-51% (docs/benchmarks.md, 2026-12-07, seventh). 0: every worker has its own hardware
+// (GPU workers, one worker per machine).
 //
 // Workers bound to cores of their own (core/cpu_set.h) share only those: `groups` lists the
 // workers that share cores with each other, each group's workers sharing capacity * share (its

@@ -469,6 +469,54 @@ TEST(StepSimulationTest, WorkersSharingAMachineComputeAtTheirShareOfIt) {
   ExpectPartsAddUp(one);
 }
 
+// Collectives beside the compute (ZeRO-3's gathers and reduce-scatters) wait with their cores
+// yielded: four ZeRO-3 ranks on room for four run as on machines of their own, their gathers
+// overlapping the compute included. A tensor group's members do take cores: two tensor pairs
+// on room for two are slower than on machines of their own, by more than their compute alone
+// would make them (each pair's collectives share the cores with the other pair's compute).
+TEST(StepSimulationTest, OnlyTensorParallelCollectivesTakeTheComputesCores) {
+  const ModelSpec model = SixBlocks();
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 30, .bytes_per_us = 800};
+  TrainingPlan zero3 = Plan(1, 4, 2, PipelineSchedule::k1F1B);
+  zero3.parallel.zero_stage = 3;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, zero3, CpuRegistry()));
+  const std::vector<TaskTime> times = LayerTimesOnly(step, model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep own, SimulateStep(step.graph, times, links));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep shared,
+                       SimulateStep(step.graph, times, links, 0, ComputeSharing{4}));
+  EXPECT_NEAR(shared.step_ms, own.step_ms, 1e-9);
+  ExpectPartsAddUp(shared);
+  // The gathers did run beside the compute (else the rule is not exercised): some gather starts
+  // before a compute task of its worker ends and ends after that task starts.
+  bool overlapped = false;
+  for (const TaskSpec& gather : step.graph.tasks()) {
+    if (gather.op != "all_gather") continue;
+    const size_t g = gather.id.value() - 1;
+    for (const TaskSpec& task : step.graph.tasks()) {
+      const size_t t = task.id.value() - 1;
+      if (task.pinned_worker != gather.pinned_worker || times[t].ms <= 0) continue;
+      overlapped |= own.start_ms[g] < own.end_ms[t] && own.start_ms[t] < own.end_ms[g];
+    }
+  }
+  EXPECT_TRUE(overlapped);
+
+  ASSERT_OK_AND_ASSIGN(const ModelSpec tensor_model, SixBlocks().PlannedFor(2, 1, false));
+  TrainingPlan pairs = Plan(1, 2, 2, PipelineSchedule::k1F1B);
+  pairs.parallel.tensor_parallel = 2;
+  pairs.parallel.layer_costs.clear();
+  pairs.parallel.workers = {WorkerId(100), WorkerId(101), WorkerId(102), WorkerId(103)};
+  ASSERT_OK_AND_ASSIGN(StepGraph tensor, PlanTrainingStep(tensor_model, pairs, CpuRegistry()));
+  const std::vector<TaskTime> tensor_times = LayerTimesOnly(tensor, tensor_model);
+  ASSERT_OK_AND_ASSIGN(SimulatedStep apart, SimulateStep(tensor.graph, tensor_times, links));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep crowded,
+                       SimulateStep(tensor.graph, tensor_times, links, 0, ComputeSharing{2}));
+  double compute = 0;
+  for (const SimulatedWorker& w : apart.workers) compute = std::max(compute, w.compute_ms);
+  EXPECT_GT(crowded.step_ms, apart.step_ms + compute + 1e-6);
+  ExpectPartsAddUp(crowded);
+}
+
 // Workers bound to cores of their own share only their group's: four ranks on room for two, in
 // two groups of one core each, take twice as long with two ranks on each core; with all four on
 // one core's group and nothing on the other, four times; and groups that split the ranks as the
