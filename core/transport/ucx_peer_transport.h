@@ -50,7 +50,9 @@ namespace tessera {
 // 2 cores, a 96 KiB all-reduce (a ring of 24 KiB segments): 1.7-1.9 ms at the default threshold,
 // 0.6 at 8 KiB; 2 ranks on 2 cores are 25-35% faster through shared memory at 32-96 KiB, so the
 // default stays for ranks with cores of their own. From 8 KiB itself, a sequence-parallel GPT-2
-// step of 8 KiB blocks ran 11% slower than through shared memory; above it, as fast.
+// step of 8 KiB blocks ran 11% slower than through shared memory; above it, as fast. Those
+// figures predate the waits that yield their core (spin_microseconds below): since, the same
+// all-reduce takes 0.07 ms at 8 KiB and 0.08-0.09 at the default (bench_collectives, 2026-12-07).
 inline constexpr int64_t kOversubscribedSingleCopyBytes = int64_t{8} * 1024 + 1;
 
 struct UcxPeerTransportOptions {
