@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "core/settings.h"
 #include "core/transport/peer_transport.h"
 
 namespace tessera {
@@ -57,13 +58,13 @@ inline constexpr int64_t kOversubscribedSingleCopyBytes = int64_t{8} * 1024 + 1;
 
 struct UcxPeerTransportOptions {
   // A wait polls this long without events, yielding its core between polls, before it sleeps
-  // on the event fd (Settings::collective_spin_us, which sets it for the workers' groups). Polls
-  // that yield keep a rank's wake-up off a collective's path without taking the core from the
-  // rank it waits for, where ranks take turns on cores. Measured (bench_plan_search's
-  // calibration, 4 workers on 2 cores, 2026-12-07): a group of 4 tensor ranks' step 69-74 ms
-  // polling 50 us without yielding, 42-44 ms yielding at 50-5000 us; polling 1 ms without
-  // yielding, 418 ms.
-  int spin_microseconds = 500;
+  // on the event fd (the collective_spin_us setting's default; the workers' groups take the
+  // setting). Polls that yield keep a rank's wake-up off a collective's path without taking the
+  // core from the rank it waits for, where ranks take turns on cores. Measured
+  // (bench_plan_search's calibration, 4 workers on 2 cores, 2026-12-07): a group of 4 tensor
+  // ranks' step 65-76 ms polling 50 us without yielding, 37-44 ms yielding at 50-5000 us;
+  // polling 1 ms without yielding, 418 ms.
+  int spin_microseconds = static_cast<int>(Settings{}.collective_spin_us);
   // Messages this large to local peers: single copy (kOversubscribedSingleCopyBytes where the
   // ranks take turns on the cores).
   int64_t single_copy_bytes = int64_t{64} * 1024;
