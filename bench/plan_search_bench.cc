@@ -91,6 +91,8 @@ struct Flags {
   bool explain = false;
   // Per worker of each run, where the step's time went as simulated and as measured.
   bool explain_time = false;
+  // With it, every task of each worker, simulated and measured (--explain-tasks).
+  bool explain_tasks = false;
   // Each round calibrated again (one round of every measurement) before its points, and each
   // point also predicted with its round's calibration (--calibrate-each-round).
   bool calibrate_each_round = false;
@@ -330,7 +332,8 @@ void ExplainPushes(const tessera::Graph& graph, const tessera::Timeline& timelin
 // ended (from the step's first start), as simulated and as measured in its timeline; its idle
 // time; the step's collectives and pushes; then the tasks whose measured time is furthest above
 // their simulated time.
-void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what) {
+void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std::string& what,
+                 double last_step_ms, bool every_task) {
   const tessera::StepGraph& step = trainer.step_graph();
   const tessera::Graph& graph = step.graph;
   const tessera::SimulatedStep simulated = Check(simulate(step, trainer.planned_model()), what);
@@ -372,8 +375,11 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
                         fmt::format("{} on worker {}: {:.2f} ms simulated, {:.2f} measured",
                                     task.name, task.pinned_worker.value(), sim_ms, meas_ms));
   }
-  std::printf("  %s: simulated %.2f ms; per worker, simulated / measured ms\n", what.c_str(),
-              simulated.step_ms);
+  const double tasks_ms = tessera::TaskSpanMs(*timeline);
+  std::printf(
+      "  %s: simulated %.2f ms; per worker, simulated / measured ms (this step %.2f ms, its "
+      "tasks' first start to last end %.2f: %.2f outside them)\n",
+      what.c_str(), simulated.step_ms, last_step_ms, tasks_ms, last_step_ms - tasks_ms);
   for (const auto& [worker, w] : workers) {
     std::string line = fmt::format("  worker {} ({} tasks): ends {:.2f} / {:.2f}", worker, w.tasks,
                                    w.simulated_end, w.measured_end);
@@ -445,6 +451,23 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
   for (size_t i = 0; i < std::min<size_t>(slower.size(), 6); ++i) {
     std::printf("    %s\n", slower[i].second.c_str());
   }
+  if (!every_task) return;
+  // (worker, measured start, task): each worker's tasks in the order they started.
+  std::vector<std::tuple<uint64_t, double, size_t>> order;
+  for (size_t t = 0; t < graph.tasks().size(); ++t) {
+    const auto found = spans.find(graph.tasks()[t].name);
+    if (found == spans.end()) continue;
+    order.emplace_back(graph.tasks()[t].pinned_worker.value(),
+                       static_cast<double>(found->second->start_us - first_us) / 1e3, t);
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [worker, start, t] : order) {
+    const tessera::TimelineSpan& span = *spans.at(graph.tasks()[t].name);
+    std::printf("      worker %llu %-48s simulated %8.2f-%8.2f  measured %8.2f-%8.2f ms\n",
+                static_cast<unsigned long long>(worker), graph.tasks()[t].name.c_str(),
+                simulated.start_ms[t], simulated.end_ms[t], start,
+                static_cast<double>(span.end_us - first_us) / 1e3);
+  }
 }
 
 Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
@@ -485,7 +508,7 @@ Measured RunPlan(const Flags& f, tessera::Cluster& cluster, const Model& model,
     std::printf("  %s: steps (ms):%s\n", what.c_str(), steps.c_str());
     ExplainPeaks(*trainer, last, what);
   }
-  if (f.explain_time) ExplainTime(*trainer, simulate, what);
+  if (f.explain_time) ExplainTime(*trainer, simulate, what, last.step_ms, f.explain_tasks);
   return measured;
 }
 
@@ -556,8 +579,16 @@ void PoolProbeRounds(tessera::Calibration& into, const tessera::Calibration& fro
                         "pooling probe rounds");
   }
   for (size_t i = 0; i < from.probe_steps.size(); ++i) {
-    std::vector<double>& ms = into.probe_steps[i].ms;
-    ms.insert(ms.end(), from.probe_steps[i].ms.begin(), from.probe_steps[i].ms.end());
+    tessera::Calibration::ProbeRecord& probe = into.probe_steps[i];
+    const tessera::Calibration::ProbeRecord& more = from.probe_steps[i];
+    // What the steps took outside their tasks, where both recorded it for every round.
+    if (probe.outside_ms.size() == probe.ms.size() && more.outside_ms.size() == more.ms.size()) {
+      probe.outside_ms.insert(probe.outside_ms.end(), more.outside_ms.begin(),
+                              more.outside_ms.end());
+    } else {
+      probe.outside_ms.clear();
+    }
+    probe.ms.insert(probe.ms.end(), more.ms.begin(), more.ms.end());
   }
 }
 
@@ -965,6 +996,10 @@ int Main(int argc, char** argv) {
   app.add_flag("--explain-time", f.explain_time,
                "Per worker of each run, its tasks' time by kind and its end, simulated and "
                "measured");
+  app.add_flag("--explain-tasks", f.explain_tasks,
+               "With --explain-time: every task of each worker, when it started and ended, "
+               "simulated and measured (from the step's first task)")
+      ->needs("--explain-time");
   app.set_version_flag("--version", tessera::VersionLine(kProgram));
   CLI11_PARSE(app, argc, argv);
   std::unique_ptr<std::ofstream> tsv;

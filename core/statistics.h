@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace tessera {
@@ -17,6 +18,35 @@ inline double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+// A line y = intercept + slope * x through measured (x, y) points, by the median of the pairwise
+// slopes (Theil-Sen: one disturbed point moves it little, as a median) and the median of
+// y - slope * x; both held non-negative (a falling line: the median y, flat; a negative
+// intercept: through the origin, at the median of y / x). Points of equal x give no slope of
+// their own. 0, 0 for no points.
+struct Line {
+  double intercept = 0, slope = 0;
+  double At(double x) const { return intercept + slope * x; }
+};
+inline Line FitNonNegativeLine(const std::vector<std::pair<double, double>>& points) {
+  if (points.empty()) return {};
+  std::vector<double> slopes;
+  for (size_t i = 0; i < points.size(); ++i) {
+    for (size_t j = i + 1; j < points.size(); ++j) {
+      const double dx = points[j].first - points[i].first;
+      if (dx != 0) slopes.push_back((points[j].second - points[i].second) / dx);
+    }
+  }
+  const double slope = std::max(0.0, Median(std::move(slopes)));
+  std::vector<double> intercepts, through_origin;
+  for (const auto& [x, y] : points) {
+    intercepts.push_back(y - slope * x);
+    if (x > 0) through_origin.push_back(y / x);
+  }
+  const double intercept = Median(std::move(intercepts));
+  if (intercept >= 0) return {intercept, slope};
+  return {0, std::max(0.0, Median(std::move(through_origin)))};
 }
 
 }  // namespace tessera

@@ -6,6 +6,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <map>
 
 #include <fmt/format.h>
@@ -327,6 +328,16 @@ Result<PackedSpanCounts> CountPackedSpans(std::string_view packed) {
 Status CheckPackedSpans(std::string_view packed) {
   return ReadPackedSpans(
       packed, [](const WorkerSpans::Task&) {}, [](const WorkerSpans::Push&) {});
+}
+
+double TaskSpanMs(const Timeline& timeline) {
+  int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
+  for (const TimelineSpan& span : timeline.spans) {
+    if (span.stream == kTransferStream) continue;
+    first = std::min(first, span.start_us);
+    last = std::max(last, span.end_us);
+  }
+  return last > first ? static_cast<double>(last - first) / 1e3 : 0.0;
 }
 
 OverlapFigures HiddenUnderCompute(const Timeline& timeline,

@@ -144,6 +144,12 @@ struct Timeline {
 // Microseconds of the system clock now (the time base of every span).
 int64_t SystemMicrosNow();
 
+// From the first task's start to the last task's end on any worker, in milliseconds (the spans of
+// pushes between workers, kTransferStream, aside): the part of a step its tasks take, the rest
+// being the step's start and end (inputs sent, instances started, reports collected). 0 when
+// no task ran.
+double TaskSpanMs(const Timeline& timeline);
+
 // How much of some spans' time their worker spent computing too: the overlap figure of a trace
 // (e.g. how much of ZeRO-3's gathers the compute hid). Compute is every span on a compute slot
 // (stream >= 0) of a kind other than collective and transfer.

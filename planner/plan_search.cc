@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <thread>
 #include <tuple>
 #include <variant>
@@ -241,8 +242,21 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
   TESSERA_ASSIGN_OR_RETURN(
       SimulatedStep simulated,
       SimulateStep(step.graph, times, links, calibration.task_overhead_ms, calibration.sharing));
-  simulated.step_ms += calibration.step_overhead_ms;
+  simulated.step_ms += StepOverheadMs(calibration, step.graph);
   return simulated;
+}
+
+int64_t MostTasksOnAWorker(const Graph& graph) {
+  std::map<WorkerId, int64_t> tasks;
+  int64_t most = 0;
+  for (const TaskSpec& task : graph.tasks()) most = std::max(most, ++tasks[task.pinned_worker]);
+  return most;
+}
+
+double StepOverheadMs(const Calibration& calibration, const Graph& graph) {
+  if (calibration.step_overhead_per_task_ms <= 0) return calibration.step_overhead_ms;
+  return calibration.step_overhead_ms +
+         calibration.step_overhead_per_task_ms * static_cast<double>(MostTasksOnAWorker(graph));
 }
 
 namespace {

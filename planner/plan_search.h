@@ -74,9 +74,13 @@ struct Calibration {
   // unit of the op cost model's estimate (StepProfile::other_ms_per_unit); 0: the layers'
   // forwards' rate (EstimateTaskTimes).
   double other_ms_per_unit = 0;
-  // What a step on the workers takes beyond its tasks (starting the instance on every worker,
-  // collecting their reports): measured against a step run there; 0: in this process.
+  // What a step on the workers takes beyond its tasks (its inputs sent, the instance started on
+  // every worker, their reports collected): step_overhead_ms plus step_overhead_per_task_ms for
+  // each task of the worker that runs the most (StepOverheadMs: a worker readies and retires
+  // each of its tasks), fitted on the probe steps' timelines (training/plan_calibration.h); 0:
+  // in this process.
   double step_overhead_ms = 0;
+  double step_overhead_per_task_ms = 0;
   // The workers' compute time over the profile's (this process's): every task's time is
   // scaled by it; 1: the same.
   double compute_scale = 1;
@@ -93,6 +97,7 @@ struct Calibration {
   struct ProbeRecord {
     std::string what;
     std::vector<double> ms;
+    std::vector<double> outside_ms;  // per round, what its steps took outside their tasks
   };
   std::vector<ProbeRecord> probe_steps;
   std::vector<WorkerId> probe_workers;  // the workers they ran on (a plan's ids order ties)
@@ -103,6 +108,12 @@ struct Calibration {
   // null when none were measured.
   const TensorSplitTimes* SplitTimes(int tensor_parallel, int slabs = 1) const;
 };
+
+// The most tasks one worker of `graph` runs (its tasks pinned to no worker counted as one
+// worker's).
+int64_t MostTasksOnAWorker(const Graph& graph);
+// What a step of `graph` takes beyond its tasks by `calibration` (Calibration::step_overhead_ms).
+double StepOverheadMs(const Calibration& calibration, const Graph& graph);
 
 // Per layer of the whole model, its times at `rows` micro-batch rows: a measured row count's,
 // else interpolated linearly between the nearest measured counts below and above, else the

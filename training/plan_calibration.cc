@@ -38,8 +38,9 @@ using nlohmann::json;
 // layer's measured; 4: the push link after the sender's work, and the probes' collectives copying
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
 // one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker; 9: and
-// a pipeline of each kind of group).
-constexpr int kCalibrationMethod = 9;
+// a pipeline of each kind of group; 10: what a step takes outside its tasks measured on each
+// probe's timeline, a constant plus a cost per task).
+constexpr int kCalibrationMethod = 10;
 
 std::string HostName() {
   char name[256] = {};
@@ -159,10 +160,17 @@ std::vector<TensorSplitRows> CandidateTensorSplitRows(const ModelSpec& model,
 
 namespace {
 
-// The median step time of `plan` (its workers bound) on a new backend: zeros at a zero
-// learning rate, two untimed steps then `steps`.
-Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
-                           const BackendFactory& make_backend, int steps) {
+// A probe's steps: the median step time, and the median of what each step took outside its tasks
+// (its time less its timeline's TaskSpanMs; negative when the backend keeps no timeline).
+struct ProbeMeasure {
+  double ms = 0;
+  double outside_ms = -1;
+};
+
+// The steps of `plan` (its workers bound) on a new backend: zeros at a zero learning rate, two
+// untimed steps then `steps`.
+Result<ProbeMeasure> MeasureProbeSteps(const ModelSpec& model, const TrainingPlan& plan,
+                                       const BackendFactory& make_backend, int steps) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<GraphBackend> backend, make_backend());
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                            Trainer::Create(model, plan, std::move(backend)));
@@ -174,12 +182,21 @@ Result<double> ProbeStepMs(const ModelSpec& model, const TrainingPlan& plan,
     batch.push_back(std::move(zeros));
   }
   // Two untimed steps (communicators, the allocators' caches), then the median of the rest.
-  std::vector<double> ms;
+  std::vector<double> ms, outside;
+  bool timed = true;
   for (int step = 0; step < 2 + steps; ++step) {
     TESSERA_ASSIGN_OR_RETURN(StepReport report, trainer->Step(batch, 0.0f));
-    if (step >= 2) ms.push_back(report.step_ms);
+    if (step < 2) continue;
+    ms.push_back(report.step_ms);
+    if (!timed) continue;
+    const Result<Timeline> timeline = trainer->StepTimeline(1);
+    const double span = timeline.ok() ? TaskSpanMs(*timeline) : 0;
+    timed = span > 0;
+    if (timed) outside.push_back(std::max(0.0, report.step_ms - span));
   }
-  return Median(std::move(ms));
+  ProbeMeasure measure{Median(std::move(ms))};
+  if (timed && !outside.empty()) measure.outside_ms = Median(std::move(outside));
+  return measure;
 }
 
 // The order round `round` of `rounds` takes `count` measurements in: rotated by its share of
@@ -191,14 +208,17 @@ std::vector<size_t> RoundOrder(size_t count, int round, int rounds) {
   return order;
 }
 
-// A probe step: its plan, and the median of its rounds' step times (failed: the first error).
+// A probe step: its plan, its rounds' step times (failed: the first error) and what their steps
+// took outside their tasks (ProbeMeasure; empty when a round's backend kept no timeline).
 struct ProbeStep {
   std::string what;
   TrainingPlan plan;
   std::vector<double> ms;
   Status failed;
+  std::vector<double> outside_ms;
   bool ok() const { return failed.ok() && !ms.empty(); }
   double median() const { return Median(ms); }
+  bool timed() const { return ok() && outside_ms.size() == ms.size(); }
 };
 
 // Every probe in `rounds` rounds (each in RoundOrder), so that what moves a machine's speed for
@@ -210,11 +230,12 @@ void MeasureProbes(const ModelSpec& model, std::vector<ProbeStep>& probes, int r
     for (size_t i : RoundOrder(probes.size(), q, rounds)) {
       ProbeStep& probe = probes[i];
       if (!probe.failed.ok()) continue;
-      Result<double> ms = ProbeStepMs(model, probe.plan, make_backend, steps);
-      if (ms.ok()) {
-        probe.ms.push_back(*ms);
+      Result<ProbeMeasure> measure = MeasureProbeSteps(model, probe.plan, make_backend, steps);
+      if (measure.ok()) {
+        probe.ms.push_back(measure->ms);
+        if (measure->outside_ms >= 0) probe.outside_ms.push_back(measure->outside_ms);
       } else {
-        probe.failed = ms.status();
+        probe.failed = measure.status();
       }
     }
   }
@@ -501,8 +522,8 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
     calibration.probe_workers = request.workers;
     for (const ProbeStep& probe : probes) {
-      calibration.probe_steps.push_back(
-          {probe.what, probe.ok() ? probe.ms : std::vector<double>{}});
+      calibration.probe_steps.push_back({probe.what, probe.ok() ? probe.ms : std::vector<double>{},
+                                         probe.timed() ? probe.outside_ms : std::vector<double>{}});
     }
   } else {  // fitted again on what was measured before (RefitCalibration)
     if (calibration.probe_steps.size() != probes.size()) {
@@ -519,6 +540,7 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
             recorded.what, probes[i].what);
       }
       probes[i].ms = recorded.ms;
+      probes[i].outside_ms = recorded.outside_ms;
       if (recorded.ms.empty()) probes[i].failed = Unavailable("it failed when measured");
     }
   }
@@ -553,19 +575,63 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_other,
                            Simulated(model, other, calibration, registry));
   const double a = simulated_one.step_ms, b = simulated_other.step_ms;
-  double scale = b != a ? (measured_other - measured_one) / (b - a) : 0;
-  double constant = measured_one - scale * a;
-  if (scale <= 0 || constant < 0) {  // noise: no constant, the scale of both together
-    scale = (measured_one + measured_other) / (a + b);
-    constant = 0;
+  // What a step takes outside its tasks (its inputs sent, the instance started on each worker,
+  // their reports collected), as the probes' timelines measured it: a constant and a cost per
+  // task of the worker that runs the most (a worker readies and retires each), fitted over every
+  // probe's median. The one rank's steps less theirs are then its work: the scale. Without
+  // timelines (a recording made before they were kept), the one rank's two steps fit a scale and
+  // a constant.
+  std::vector<std::pair<double, double>> outside;  // (most tasks on a worker, ms)
+  if (probed_one->timed() && probed_other->timed()) {
+    const auto model_of = [&](size_t at) -> const ModelSpec& {
+      for (const GroupProbe& group : groups) {
+        if (group.at == at || group.staged_at == at) return group.split;
+      }
+      return model;
+    };
+    for (size_t i = 0; i < probes.size(); ++i) {
+      if (!probes[i].timed()) continue;
+      TESSERA_ASSIGN_OR_RETURN(StepGraph step,
+                               PlanTrainingStep(model_of(i), probes[i].plan, registry));
+      outside.emplace_back(static_cast<double>(MostTasksOnAWorker(step.graph)),
+                           Median(probes[i].outside_ms));
+    }
   }
-  calibration.compute_scale = scale;
-  calibration.step_overhead_ms = constant;
-  say(
-      fmt::format("one rank on one worker at {} and {} rows: {:.2f} and {:.2f} ms a step against "
-                  "{:.2f} and {:.2f} ms of profiled work: the worker computes at {:.2f}x the "
-                  "profile's times, plus {:.2f} ms a step",
-                  one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
+  if (!outside.empty()) {
+    const Line line = FitNonNegativeLine(outside);
+    calibration.step_overhead_ms = line.intercept;
+    calibration.step_overhead_per_task_ms = line.slope;
+    const double one_outside = Median(probed_one->outside_ms);
+    const double other_outside = Median(probed_other->outside_ms);
+    calibration.compute_scale =
+        (measured_one - one_outside + measured_other - other_outside) / (a + b);
+    const auto [fewest, most] = std::minmax_element(outside.begin(), outside.end());
+    say(fmt::format(
+        "outside its tasks a step takes {:.2f} ms + {:.2f} us a task of the worker running the "
+        "most ({} probes' timelines: {:.2f} ms at {:.0f} tasks to {:.2f} ms at {:.0f})",
+        line.intercept, 1e3 * line.slope, outside.size(), fewest->second, fewest->first,
+        most->second, most->first));
+    say(fmt::format(
+        "one rank on one worker at {} and {} rows: {:.2f} and {:.2f} ms a step, {:.2f} "
+        "and {:.2f} of it its tasks', against {:.2f} and {:.2f} ms of profiled work: "
+        "the worker computes at {:.2f}x the profile's times",
+        one.batch, other.batch, measured_one, measured_other, measured_one - one_outside,
+        measured_other - other_outside, a, b, calibration.compute_scale));
+  } else {
+    double scale = b != a ? (measured_other - measured_one) / (b - a) : 0;
+    double constant = measured_one - scale * a;
+    if (scale <= 0 || constant < 0) {  // noise: no constant, the scale of both together
+      scale = (measured_one + measured_other) / (a + b);
+      constant = 0;
+    }
+    calibration.compute_scale = scale;
+    calibration.step_overhead_ms = constant;
+    say(fmt::format(
+        "one rank on one worker at {} and {} rows: {:.2f} and {:.2f} ms a step against {:.2f} and "
+        "{:.2f} ms of profiled work: the worker computes at {:.2f}x the profile's times, plus "
+        "{:.2f} ms a step",
+        one.batch, other.batch, measured_one, measured_other, a, b, scale, constant));
+  }
   // The sharing (all ranks) and what a collective waits among busy workers (each group probe) are
   // fitted in turn until none moves: each probe's step depends on all (the ranks' all-reduces
   // wait the latency; the groups compute while sharing the machine). A group's step depends on
@@ -913,6 +979,7 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   const Calibration measured;
   recorded.compute_scale = measured.compute_scale;
   recorded.step_overhead_ms = measured.step_overhead_ms;
+  recorded.step_overhead_per_task_ms = measured.step_overhead_per_task_ms;
   recorded.sharing = measured.sharing;
   recorded.probes_failed = 0;
   if (recorded.measured_collective.measured()) {
@@ -1056,6 +1123,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"task_overhead_ms", calibration.task_overhead_ms},
       {"other_ms_per_unit", calibration.other_ms_per_unit},
       {"step_overhead_ms", calibration.step_overhead_ms},
+      {"step_overhead_per_task_ms", calibration.step_overhead_per_task_ms},
       {"compute_scale", calibration.compute_scale},
       {"collective", LinkJson(calibration.links.collective)},
       {"measured_collective", LinkJson(calibration.measured_collective)},
@@ -1079,7 +1147,8 @@ Status SaveCalibration(const std::string& path, const std::string& key,
   }
   file["probe_steps"] = json::array();
   for (const Calibration::ProbeRecord& probe : calibration.probe_steps) {
-    file["probe_steps"].push_back({{"what", probe.what}, {"ms", probe.ms}});
+    file["probe_steps"].push_back(
+        {{"what", probe.what}, {"ms", probe.ms}, {"outside_ms", probe.outside_ms}});
   }
   std::error_code error;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
@@ -1112,6 +1181,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.task_overhead_ms = file.at("task_overhead_ms").get<double>();
     calibration.other_ms_per_unit = file.at("other_ms_per_unit").get<double>();
     calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();
+    calibration.step_overhead_per_task_ms = file.value("step_overhead_per_task_ms", 0.0);
     calibration.compute_scale = file.at("compute_scale").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();
@@ -1135,8 +1205,9 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
       calibration.probe_workers.emplace_back(worker.get<uint64_t>());
     }
     for (const json& probe : file.value("probe_steps", json::array())) {
-      calibration.probe_steps.push_back(
-          {probe.at("what").get<std::string>(), probe.at("ms").get<std::vector<double>>()});
+      calibration.probe_steps.push_back({probe.at("what").get<std::string>(),
+                                         probe.at("ms").get<std::vector<double>>(),
+                                         probe.value("outside_ms", std::vector<double>{})});
     }
     if (calibration.layers.empty())
       return DataLoss("the calibration at {} holds no layer times", path);

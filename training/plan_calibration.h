@@ -14,10 +14,14 @@
 //     workers: its latency and all-reduce bandwidth), and the push link between the first two
 //     (MeasurePushLink: what a pipeline's objects take; StepLinks::point_to_point). One worker:
 //     none;
-//   * on a cluster, probe steps that fit what the profile in this process cannot see: one rank
-//     on one worker at two row counts (one rank's of the widest data-parallel plan, and twice
-//     that): the worker's step as a scale of the profiled work plus a constant per step
-//     (Calibration::compute_scale, step_overhead_ms); every worker a data-parallel rank at once:
+//   * on a cluster, probe steps that fit what the profile in this process cannot see: what each
+//     probe's steps take outside their tasks (its timeline: the step less the span of its tasks),
+//     over every probe a constant plus a cost per task of the worker that runs the most
+//     (Calibration::step_overhead_ms, step_overhead_per_task_ms); one rank on one worker at two
+//     row counts (one rank's of the widest data-parallel plan, and twice that): the worker's
+//     steps less that as a scale of the profiled work (Calibration::compute_scale; without
+//     timelines, a recording made before they were kept, the two steps fit the scale and a
+//     constant per step); every worker a data-parallel rank at once:
 //     when that step is slower than the simulation says, the workers share a machine's compute,
 //     and the capacity (ComputeSharing) is bisected so the simulation gives the measured step;
 //     every worker a stage of one pipeline (1F1B, micro-batches of one row): what an object

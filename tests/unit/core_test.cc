@@ -330,6 +330,30 @@ TEST(StatisticsTest, TheMedianIsTheMiddleOrTheMeanOfTheMiddleTwo) {
   EXPECT_EQ(Median({10, 11, 1000}), 11);
 }
 
+// A line through points by the median of pairwise slopes: exact on a line, one disturbed point
+// leaves it so; a falling line is flat at the median, a negative intercept goes through the origin.
+TEST(StatisticsTest, ALineByMediansHeldNonNegative) {
+  const Line exact = FitNonNegativeLine({{10, 1.5}, {20, 2.5}, {40, 4.5}, {80, 8.5}});
+  EXPECT_DOUBLE_EQ(exact.intercept, 0.5);
+  EXPECT_DOUBLE_EQ(exact.slope, 0.1);
+  EXPECT_DOUBLE_EQ(exact.At(100), 10.5);
+  const Line disturbed =
+      FitNonNegativeLine({{10, 1.5}, {20, 2.5}, {40, 40}, {80, 8.5}, {160, 16.5}});
+  EXPECT_DOUBLE_EQ(disturbed.slope, 0.1);
+  EXPECT_DOUBLE_EQ(disturbed.intercept, 0.5);
+  const Line falling = FitNonNegativeLine({{10, 3}, {20, 2}, {30, 1}});
+  EXPECT_EQ(falling.slope, 0);
+  EXPECT_EQ(falling.intercept, 2);
+  const Line origin = FitNonNegativeLine({{10, 0.5}, {20, 2}, {30, 3.5}});
+  EXPECT_EQ(origin.intercept, 0);
+  EXPECT_DOUBLE_EQ(origin.slope, 0.1);
+  // Equal x give no slope: flat at their median.
+  const Line same = FitNonNegativeLine({{5, 1}, {5, 2}, {5, 4}});
+  EXPECT_EQ(same.slope, 0);
+  EXPECT_EQ(same.intercept, 2);
+  EXPECT_EQ(FitNonNegativeLine({}).At(7), 0);
+}
+
 TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {
   std::map<std::string, std::string> env = {{"TESSERA_CPU_THREADS", "3"},
                                             {"TESSERA_CACHE_HOST_ALLOCATIONS", "off"}};

@@ -219,34 +219,48 @@ double SimulatedMs(const ModelSpec& model, const TrainingPlan& plan,
 // and constant exactly; the ranks at once, recorded at twice their simulated step, a sharing of
 // the machine that puts the simulation on it. A second refit gives the same figures; probes
 // another request would make, or none, are refused.
-TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
-  const ModelSpec model = TwoBlocks();
+// What a refit works on: a calibration measured in this process whose layers at 8 rows take twice
+// their time at 4 (whatever one profile step measured: beside other tests, the 8-row profile once
+// came out the faster), a request for two workers, and the three probes' plans it makes.
+struct Probed {
+  ModelSpec model = TwoBlocks();
+  Calibration measured;
   CalibrationRequest request;
-  request.rows = {4, 8};
-  request.profile_steps = 1;
-  request.rounds = 1;
-  ASSERT_OK_AND_ASSIGN(Calibration measured,
-                       Calibrate(model, Base(), request, ExecutorOptions{}, nullptr));
-  // The layers at 8 rows take twice their time at 4, whatever one profile step measured (beside
-  // other tests, the 8-row profile once came out the faster).
-  ASSERT_EQ(measured.layers.size(), 2u);
-  ASSERT_EQ(measured.layers[1].rows, 8);
-  measured.layers[1].layer_ms = measured.layers[0].layer_ms;
-  for (OpCosts& costs : measured.layers[1].layer_ms) {
+  TrainingPlan one, other, both;
+};
+void MeasureForARefit(Probed& probed) {
+  probed.request.rows = {4, 8};
+  probed.request.profile_steps = 1;
+  probed.request.rounds = 1;
+  ASSERT_OK_AND_ASSIGN(probed.measured,
+                       Calibrate(probed.model, Base(), probed.request, ExecutorOptions{}, nullptr));
+  ASSERT_EQ(probed.measured.layers.size(), 2u);
+  ASSERT_EQ(probed.measured.layers[1].rows, 8);
+  probed.measured.layers[1].layer_ms = probed.measured.layers[0].layer_ms;
+  for (OpCosts& costs : probed.measured.layers[1].layer_ms) {
     costs.forward *= 2;
     costs.backward *= 2;
     costs.weight *= 2;
   }
-  request.workers = {WorkerId(1), WorkerId(2)};
-  TrainingPlan one = Base();
-  one.batch = 4;
-  one.parallel.workers = {WorkerId(1)};
-  TrainingPlan other = one;
-  other.batch = 8;
-  TrainingPlan both = one;
-  both.batch = 8;
-  both.parallel.data_parallel = 2;
-  both.parallel.workers = request.workers;
+  probed.request.workers = {WorkerId(1), WorkerId(2)};
+  probed.one = Base();
+  probed.one.batch = 4;
+  probed.one.parallel.workers = {WorkerId(1)};
+  probed.other = probed.one;
+  probed.other.batch = 8;
+  probed.both = probed.one;
+  probed.both.batch = 8;
+  probed.both.parallel.data_parallel = 2;
+  probed.both.parallel.workers = probed.request.workers;
+}
+
+TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
+  Probed probed;
+  ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
+  const ModelSpec& model = probed.model;
+  const Calibration& measured = probed.measured;
+  const CalibrationRequest& request = probed.request;
+  const TrainingPlan &one = probed.one, &other = probed.other, &both = probed.both;
   const double one_ms = SimulatedMs(model, one, measured);
   const double other_ms = SimulatedMs(model, other, measured);
   ASSERT_GT(other_ms, one_ms);
@@ -295,6 +309,66 @@ TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
   const Result<Calibration> none = RefitCalibration(model, Base(), request, measured);
   EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(none.status().message(), HasSubstr("recorded no probe steps"));
+}
+
+// Probes recorded with what their steps took outside their tasks (their timelines): that is
+// fitted as a constant plus a cost per task of the worker that runs the most, over every probe,
+// and the one rank's steps less it give the scale. Recorded as 1.2x the simulated steps plus
+// 0.3 ms + 2 us a task, the refit gives back all three, and the simulation of a plan adds the
+// overhead its busiest worker's tasks make.
+TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadPerTaskOnTheProbesTimelines) {
+  Probed probed;
+  ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
+  const ModelSpec& model = probed.model;
+  const auto tasks = [&](const TrainingPlan& plan) {
+    const Result<StepGraph> step = PlanTrainingStep(model, plan, CpuRegistry());
+    EXPECT_OK(step.status());
+    return step.ok() ? static_cast<double>(MostTasksOnAWorker(step->graph)) : 0.0;
+  };
+  const auto overhead = [](double busiest) { return 0.3 + 0.002 * busiest; };
+  // The ranks' all-reduces make the data-parallel step's workers busier than one rank's alone.
+  ASSERT_GT(tasks(probed.both), tasks(probed.one));
+  const double one_ms = SimulatedMs(model, probed.one, probed.measured);
+  const double other_ms = SimulatedMs(model, probed.other, probed.measured);
+  Calibration recorded = probed.measured;
+  recorded.probe_steps = {{"one rank on one worker",
+                           {1.2 * one_ms + overhead(tasks(probed.one))},
+                           {overhead(tasks(probed.one))}},
+                          {"one rank on one worker",
+                           {1.2 * other_ms + overhead(tasks(probed.other))},
+                           {overhead(tasks(probed.other))}},
+                          {"2 ranks at once", {}, {overhead(tasks(probed.both))}}};
+  Calibration scaled = probed.measured;
+  scaled.compute_scale = 1.2;
+  scaled.step_overhead_ms = 0.3;
+  scaled.step_overhead_per_task_ms = 0.002;
+  const double both_ms = 2 * SimulatedMs(model, probed.both, scaled);
+  recorded.probe_steps[2].ms = {both_ms};
+  std::vector<std::string> said;
+  ASSERT_OK_AND_ASSIGN(
+      const Calibration refit,
+      RefitCalibration(model, Base(), probed.request, recorded,
+                       [&said](const std::string& line) { said.push_back(line); }));
+  EXPECT_NEAR(refit.compute_scale, 1.2, 1e-9);
+  EXPECT_NEAR(refit.step_overhead_ms, 0.3, 1e-9);
+  EXPECT_NEAR(refit.step_overhead_per_task_ms, 0.002, 1e-12);
+  const Result<StepGraph> step = PlanTrainingStep(model, probed.both, CpuRegistry());
+  ASSERT_OK(step.status());
+  EXPECT_NEAR(StepOverheadMs(refit, step->graph), overhead(tasks(probed.both)), 1e-9);
+  EXPECT_NEAR(SimulatedMs(model, probed.both, refit), both_ms, 1e-3 * both_ms);
+  EXPECT_THAT(said, ::testing::Contains(HasSubstr("a task of the worker running the most")));
+  // Refitting a refit changes nothing; the figures survive the cache file.
+  ASSERT_OK_AND_ASSIGN(const Calibration again,
+                       RefitCalibration(model, Base(), probed.request, refit));
+  EXPECT_EQ(again.step_overhead_per_task_ms, refit.step_overhead_per_task_ms);
+  EXPECT_EQ(again.compute_scale, refit.compute_scale);
+  const std::string path = ::testing::TempDir() + "/tessera_refit_timed.json";
+  ASSERT_OK(SaveCalibration(path, "key", refit));
+  ASSERT_OK_AND_ASSIGN(const Calibration loaded, LoadCalibration(path, "key"));
+  EXPECT_EQ(loaded.step_overhead_per_task_ms, refit.step_overhead_per_task_ms);
+  ASSERT_EQ(loaded.probe_steps.size(), 3u);
+  EXPECT_EQ(loaded.probe_steps[2].outside_ms, refit.probe_steps[2].outside_ms);
+  std::filesystem::remove(path);
 }
 
 WorkerInfo Placed(uint64_t id, const std::string& host, const std::string& cpus) {

@@ -236,6 +236,28 @@ TEST(OverlapTest, HiddenUnderComputeCountsEachWorkersOwnComputeOnce) {
   EXPECT_EQ(none.hidden(), 0.0);
 }
 
+// A step's tasks span from the first start to the last end on any worker, collectives included,
+// pushes between workers (which may start before and end after them) not.
+TEST(TaskSpanTest, FromTheFirstTasksStartToTheLastsEndPushesAside) {
+  Timeline timeline;
+  EXPECT_EQ(TaskSpanMs(timeline), 0.0);
+  const auto add = [&](uint64_t worker, int stream, int64_t start, int64_t end) {
+    TimelineSpan span;
+    span.worker = WorkerId(worker);
+    span.stream = stream;
+    span.start_us = start;
+    span.end_us = end;
+    timeline.spans.push_back(span);
+  };
+  add(1, kTransferStream, 0, 100);
+  EXPECT_EQ(TaskSpanMs(timeline), 0.0);
+  add(1, 0, 1000, 1500);
+  add(2, 0, 1200, 2000);
+  add(2, kCollectiveStream, 1900, 2750);
+  add(2, kTransferStream, 2000, 9000);
+  EXPECT_DOUBLE_EQ(TaskSpanMs(timeline), 1.75);
+}
+
 TEST(TimelineWireTest, TimelineRoundTrip) {
   Timeline timeline;
   timeline.processes.push_back({WorkerId(2), "host-a", 1234});
