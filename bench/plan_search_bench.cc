@@ -352,6 +352,8 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
   struct PerWorker {
     std::array<double, tessera::kSpanKinds> simulated_ms{}, measured_ms{};
     double simulated_end = 0, measured_end = 0;
+    double simulated_start = std::numeric_limits<double>::infinity();
+    double measured_start = std::numeric_limits<double>::infinity();
     int tasks = 0;
   };
   std::map<uint64_t, PerWorker> workers;
@@ -363,6 +365,7 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
     const double sim_ms = simulated.end_ms[t] - simulated.start_ms[t];
     w.simulated_ms[kind] += sim_ms;
     w.simulated_end = std::max(w.simulated_end, simulated.end_ms[t]);
+    w.simulated_start = std::min(w.simulated_start, simulated.start_ms[t]);
     ++w.tasks;
     const auto found = spans.find(task.name);
     if (found == spans.end()) continue;
@@ -371,6 +374,8 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
     w.measured_ms[kind] += meas_ms;
     w.measured_end =
         std::max(w.measured_end, static_cast<double>(found->second->end_us - first_us) / 1e3);
+    w.measured_start =
+        std::min(w.measured_start, static_cast<double>(found->second->start_us - first_us) / 1e3);
     slower.emplace_back(meas_ms - sim_ms,
                         fmt::format("{} on worker {}: {:.2f} ms simulated, {:.2f} measured",
                                     task.name, task.pinned_worker.value(), sim_ms, meas_ms));
@@ -381,8 +386,9 @@ void ExplainTime(tessera::Trainer& trainer, const Simulate& simulate, const std:
       "tasks' first start to last end %.2f: %.2f outside them)\n",
       what.c_str(), simulated.step_ms, last_step_ms, tasks_ms, last_step_ms - tasks_ms);
   for (const auto& [worker, w] : workers) {
-    std::string line = fmt::format("  worker {} ({} tasks): ends {:.2f} / {:.2f}", worker, w.tasks,
-                                   w.simulated_end, w.measured_end);
+    std::string line =
+        fmt::format("  worker {} ({} tasks): starts {:.2f} / {:.2f}, ends {:.2f} / {:.2f}", worker,
+                    w.tasks, w.simulated_start, w.measured_start, w.simulated_end, w.measured_end);
     double sim_busy = 0, meas_busy = 0;
     for (size_t k = 0; k < tessera::kSpanKinds; ++k) {
       if (w.simulated_ms[k] == 0 && w.measured_ms[k] == 0) continue;
