@@ -66,6 +66,10 @@ struct Collective {
   int channel = 0;
   int64_t id = 0;       // its `collective` attribute
   bool staged = false;  // on tensor parallelism's channel, its group a stage of a pipeline
+  // A parameter gather (kGatherChannel) whose members' workers all run collectives on tensor
+  // parallelism's channel (tensor ranks, slabs): they meet at every layer, so its members arrive
+  // together, and it waits what any collective of its size does, not StepLinks::gather_latency.
+  bool aligned = false;
 };
 
 class Simulator {
@@ -244,7 +248,8 @@ class Simulator {
 
   // The groups of workers that run collectives on tensor parallelism's channel together (tensor
   // ranks, slabs) which are a pipeline's stages: a compute task of one reads an object a worker
-  // outside the group made. Their collectives are marked staged (StepLinks::staged_latency).
+  // outside the group made. Their collectives are marked staged (StepLinks::staged_latency), and
+  // parameter gathers among such workers aligned.
   void MarkStagedGroups() {
     std::vector<size_t> group(workers_.size());
     std::iota(group.begin(), group.end(), size_t{0});
@@ -274,6 +279,9 @@ class Simulator {
     for (Collective& collective : collectives_) {
       collective.staged = collective.channel == kTensorChannel &&
                           staged[root(worker_of_[collective.members.front()])];
+      collective.aligned = collective.channel == kGatherChannel &&
+                           std::all_of(collective.members.begin(), collective.members.end(),
+                                       [&](size_t member) { return grouped[worker_of_[member]]; });
     }
   }
 
@@ -317,6 +325,8 @@ class Simulator {
           wait = Wait::kSequenceShard;
         }
         latency = links_.GroupWaitUs(wait, members, collective.staged);
+      } else if (collective.channel == kGatherChannel && !collective.aligned) {
+        latency = links_.GatherLatencyUs(members);
       }
       transfer = (latency + RingTraffic(first, members) * bytes / bus) / 1e3;
     }
@@ -648,6 +658,10 @@ double StepLinks::LatencyUs(int members) const {
 
 double StepLinks::SequenceShardLatencyUs(int members) const {
   return LatencyAtOrBelow(sequence_shard_latency, members, LatencyUs(members));
+}
+
+double StepLinks::GatherLatencyUs(int members) const {
+  return LatencyAtOrBelow(gather_latency, members, LatencyUs(members));
 }
 
 double StepLinks::ExchangeLatencyUs(int members) const {

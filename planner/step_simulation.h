@@ -81,7 +81,18 @@ struct StepLinks {
   // LatencyUs(members) while the workers share a machine (calibrated on a probe of slabs of that
   // many members); looked up alike; none listed at or below the count: LatencyUs(members).
   std::vector<GroupLatency> exchange_latency;
+  // What a ZeRO-3 parameter gather (core/collective_task.h: kGatherChannel) waits in place of
+  // LatencyUs(members) while the workers share a machine: its members gather beside their
+  // compute, and where two workers share a core they compute in turns at full speed rather
+  // than side by side at half, so a gather's members arrive a turn apart and its copies wait
+  // for theirs (calibrated on every worker a ZeRO-3 rank at once: GPT-2's D4 x P1 M4 ZeRO-3
+  // had run 16-22% slower than simulated at the link's latency). Not where every member's
+  // worker also runs tensor parallelism's collectives (tensor ranks, slabs: they meet at every
+  // layer, so a gather's members arrive together; priced so, the U-Net's D1 x S4 x P1 M8 ZeRO-3
+  // came out 22% slow). Looked up alike; none at or below the count: LatencyUs(members).
+  std::vector<GroupLatency> gather_latency;
   double LatencyUs(int members) const;
+  double GatherLatencyUs(int members) const;
   double SequenceShardLatencyUs(int members) const;
   double ExchangeLatencyUs(int members) const;
   // Which of those three figures a collective on tensor parallelism's channel waits (by its op:

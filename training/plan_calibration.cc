@@ -39,8 +39,8 @@ using nlohmann::json;
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
 // one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker; 9: and
 // a pipeline of each kind of group; 10: what a step takes outside its tasks measured on each
-// probe's timeline, a constant plus a cost per task).
-constexpr int kCalibrationMethod = 10;
+// probe's timeline, a constant plus a cost per task; 11: and a probe of ZeRO-3 ranks).
+constexpr int kCalibrationMethod = 11;
 
 std::string HostName() {
   char name[256] = {};
@@ -517,6 +517,31 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
       return std::tie(a.members, a.waiter) < std::tie(b.members, b.waiter);
     });
   }
+  // Every worker a ZeRO-3 rank at once, at one row a micro-batch (each layer's parameters
+  // gathered before its forward and its backward of every micro-batch, beside the compute of the
+  // layer before): what a gather of n waits while the workers share the machine (StepLinks::
+  // gather_latency), fitted last with every other figure fixed. Last in the list, so that a
+  // recording made before it was probed refits without it.
+  size_t gather_at = kNone;
+  if (n >= 2 && calibration.links.collective.measured()) {
+    TrainingPlan zero = one;
+    zero.batch = rows * n;
+    zero.parallel.data_parallel = n;
+    zero.parallel.zero_stage = 3;
+    zero.parallel.micro_batches = OneRowMicroBatches(rows);
+    // As the search plans ZeRO-3 where workers share cores (EnumerateCandidates settles each
+    // micro-batch's reductions on a machine whose workers share it; bound in groups, they do).
+    zero.parallel.settle_reductions =
+        zero.parallel.micro_batches > 1 && !request.core_groups.empty();
+    zero.parallel.workers = request.workers;
+    zero.parallel.link = calibration.links.collective;
+    gather_at = probes.size();
+    probes.push_back(
+        {fmt::format("{} ZeRO-3 ranks at once, {} micro-batches", n, zero.parallel.micro_batches),
+         zero,
+         {},
+         {}});
+  }
   const int rounds = std::max(1, request.rounds);
   if (calibration.probe_steps.empty()) {
     MeasureProbes(model, probes, rounds, request.probe_steps, make_backend);
@@ -526,6 +551,10 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
                                          probe.timed() ? probe.outside_ms : std::vector<double>{}});
     }
   } else {  // fitted again on what was measured before (RefitCalibration)
+    if (gather_at == probes.size() - 1 && calibration.probe_steps.size() == gather_at) {
+      probes.pop_back();  // recorded before the gathers were probed: their wait stays the link's
+      gather_at = kNone;
+    }
     if (calibration.probe_steps.size() != probes.size()) {
       return InvalidArgument(
           "refitting: the calibration recorded {} probe steps where this model and request make "
@@ -762,6 +791,22 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
             side_by_side, side_by_side, staged.median(), staged_latency_of(group),
             [&] { return SimulatedMs(group.split, staged.plan, calibration, registry); }));
   }
+  // With every other figure fixed: what a ZeRO-3 gather of n waits, bisected from what a
+  // collective of n waits otherwise (kept when the probe's step is no slower than simulated
+  // with that). No other probe gathers parameters.
+  const ProbeStep* probed_gather = measured(gather_at);
+  calibration.links.gather_latency.clear();
+  double gather_base = 0, gather_at_base_ms = 0;
+  if (probed_gather != nullptr) {
+    gather_base = calibration.links.LatencyUs(n);
+    calibration.links.gather_latency.push_back({n, gather_base});
+    TESSERA_ASSIGN_OR_RETURN(
+        gather_at_base_ms,
+        FitWaitAboveIdle(gather_base, gather_base, probed_gather->median(),
+                         calibration.links.gather_latency.back().latency_us, [&] {
+                           return SimulatedMs(model, probed_gather->plan, calibration, registry);
+                         }));
+  }
   if (probed_all != nullptr) {
     if (calibration.sharing.capacity <= 0) {
       say(fmt::format(
@@ -807,6 +852,17 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
         fmt::format("inside a pipeline {} of {} waits {:.0f} us for its peers ({:.0f} us side "
                     "by side)",
                     waiter, group.members, inside, latency)));
+  }
+  if (probed_gather != nullptr) {
+    const double gather = calibration.links.gather_latency.back().latency_us;
+    say(FittedWaitLine(
+        *probed_gather, gather_at_base_ms, gather == gather_base, "with a collective's wait",
+        fmt::format("a parameter gather of {} waits as any collective of {}, {:.0f} us", n, n,
+                    gather_base),
+        fmt::format("a parameter gather of {} waits {:.0f} us for its peers beside the compute "
+                    "when the workers share the machine ({:.0f} us otherwise)",
+                    n, gather, gather_base)));
+    if (gather == gather_base) calibration.links.gather_latency.clear();
   }
   return Status::Ok();
 }
@@ -1133,6 +1189,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"group_latency", GroupLatencyJson(calibration.links.group_latency)},
       {"sequence_shard_latency", GroupLatencyJson(calibration.links.sequence_shard_latency)},
       {"exchange_latency", GroupLatencyJson(calibration.links.exchange_latency)},
+      {"gather_latency", GroupLatencyJson(calibration.links.gather_latency)},
       {"staged_latency", StagedLatencyJson(calibration.links.staged_latency)},
       {"sharing_capacity", calibration.sharing.capacity}};
   file["core_groups"] = json::array();
@@ -1193,6 +1250,8 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.links.group_latency = GroupLatencyFrom(file.at("group_latency"));
     calibration.links.sequence_shard_latency = GroupLatencyFrom(file.at("sequence_shard_latency"));
     calibration.links.exchange_latency = GroupLatencyFrom(file.at("exchange_latency"));
+    calibration.links.gather_latency =
+        GroupLatencyFrom(file.value("gather_latency", json::array()));
     calibration.links.staged_latency = StagedLatencyFrom(file.at("staged_latency"));
     calibration.sharing.capacity = file.at("sharing_capacity").get<double>();
     for (const json& group : file.value("core_groups", json::array())) {

@@ -42,7 +42,11 @@
 //     Then, where the workers make two stages or more of tensor pairs (or groups) or of slabs,
 //     the same groups as the stages of one pipeline (1F1B, micro-batches of one row): what their
 //     collectives wait inside a pipeline (StepLinks::staged_latency), bisected from the groups'
-//     own figure with every other figure fixed.
+//     own figure with every other figure fixed. Last, every worker a ZeRO-3 rank at once, at one
+//     row a micro-batch: what a parameter gather of n waits beside the compute while the workers
+//     share the machine (StepLinks::gather_latency: where two share a core they compute in
+//     turns, and a gather's members arrive a turn apart), bisected with every other figure
+//     fixed.
 // Probes run zeros at a zero learning rate (training/layer_profile.h's way). Every measurement is
 // made in CalibrationRequest::rounds rounds, each round in another order (the shapes and the
 // probes rotated), and a figure is the median of its rounds': a machine whose speed moves for a

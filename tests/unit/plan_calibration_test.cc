@@ -371,6 +371,59 @@ TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadPerTaskOnTheProbesTimelines)
   std::filesystem::remove(path);
 }
 
+// With the collective link measured, one more probe: both workers ZeRO-3 ranks at once, at one
+// row a micro-batch. Recorded at its step simulated with parameter gathers waiting 500 us, the
+// refit finds that wait; a recording made before the probe existed refits without it, its
+// gathers at what any collective of two waits.
+TEST(PlanCalibrationTest, AZeroThreeProbeFitsWhatAParameterGatherWaits) {
+  Probed probed;
+  ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
+  const ModelSpec& model = probed.model;
+  Calibration recorded = probed.measured;
+  recorded.measured_collective = CollectiveLink{.latency_us = 20, .bytes_per_us = 1000};
+  recorded.links.collective = recorded.measured_collective;
+  recorded.links.collective_group = 2;
+  TrainingPlan zero = probed.one;
+  zero.batch = 8;
+  zero.parallel.data_parallel = 2;
+  zero.parallel.zero_stage = 3;
+  zero.parallel.micro_batches = 4;
+  zero.parallel.workers = probed.request.workers;
+  zero.parallel.link = recorded.links.collective;
+  Calibration gathering = recorded;
+  gathering.links.gather_latency = {{2, 500}};
+  const double zero_ms = SimulatedMs(model, zero, gathering);
+  ASSERT_GT(zero_ms, SimulatedMs(model, zero, recorded));
+  // The one rank's steps as simulated (scale 1, nothing a step), both ranks' too (no sharing).
+  recorded.probe_steps = {{"one rank on one worker", {SimulatedMs(model, probed.one, recorded)}},
+                          {"one rank on one worker", {SimulatedMs(model, probed.other, recorded)}},
+                          {"2 ranks at once", {SimulatedMs(model, probed.both, recorded)}},
+                          {"2 ZeRO-3 ranks at once, 4 micro-batches", {zero_ms}}};
+  std::vector<std::string> said;
+  ASSERT_OK_AND_ASSIGN(
+      const Calibration refit,
+      RefitCalibration(model, Base(), probed.request, recorded,
+                       [&said](const std::string& line) { said.push_back(line); }));
+  ASSERT_EQ(refit.links.gather_latency.size(), 1u);
+  EXPECT_EQ(refit.links.gather_latency[0].members, 2);
+  EXPECT_NEAR(refit.links.gather_latency[0].latency_us, 500, 1);
+  EXPECT_NEAR(SimulatedMs(model, zero, refit), zero_ms, 1e-3 * zero_ms);
+  EXPECT_THAT(said, ::testing::Contains(HasSubstr("a parameter gather of 2 waits")));
+  const std::string path = ::testing::TempDir() + "/tessera_refit_gathers.json";
+  ASSERT_OK(SaveCalibration(path, "key", refit));
+  ASSERT_OK_AND_ASSIGN(const Calibration loaded, LoadCalibration(path, "key"));
+  ASSERT_EQ(loaded.links.gather_latency.size(), 1u);
+  EXPECT_EQ(loaded.links.gather_latency[0].latency_us, refit.links.gather_latency[0].latency_us);
+  std::filesystem::remove(path);
+
+  Calibration before_the_probe = recorded;
+  before_the_probe.probe_steps.pop_back();
+  ASSERT_OK_AND_ASSIGN(const Calibration without,
+                       RefitCalibration(model, Base(), probed.request, before_the_probe));
+  EXPECT_TRUE(without.links.gather_latency.empty());
+  EXPECT_EQ(without.probe_steps.size(), 3u);
+}
+
 WorkerInfo Placed(uint64_t id, const std::string& host, const std::string& cpus) {
   WorkerInfo worker;
   worker.id = WorkerId(id);

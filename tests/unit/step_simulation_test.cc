@@ -297,6 +297,78 @@ TEST(StepSimulationTest, SlabExchangesWaitTheirOwnLatency) {
   ExpectPartsAddUp(simulated);
 }
 
+// ZeRO-3's parameter gathers (their own channel) wait the figure calibrated for them, looked up
+// at or below their member count, else LatencyUs'; every other collective of the step keeps its
+// own: a step of four ZeRO-3 ranks simulated with and without it differs by the difference in
+// each gather and nowhere else.
+TEST(StepSimulationTest, ZeroThreesParameterGathersWaitTheirOwnLatency) {
+  StepLinks links;
+  links.collective = CollectiveLink{.latency_us = 40, .bytes_per_us = 50};
+  links.collective_group = 4;
+  links.group_latency = {{4, 150}};
+  EXPECT_EQ(links.GatherLatencyUs(4), 150);  // none calibrated: LatencyUs'
+  StepLinks gathering = links;
+  gathering.gather_latency = {{4, 900}};
+  EXPECT_EQ(gathering.GatherLatencyUs(2), 40);
+  EXPECT_EQ(gathering.GatherLatencyUs(4), 900);
+  EXPECT_EQ(gathering.GatherLatencyUs(8), 900);
+  EXPECT_EQ(gathering.LatencyUs(4), 150);
+
+  const ModelSpec model = SixBlocks();
+  TrainingPlan plan = Plan(1, 4, 2, PipelineSchedule::kGPipe);
+  plan.parallel.zero_stage = 3;
+  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(model, plan, CpuRegistry()));
+  const std::vector<TaskTime> times(step.graph.tasks().size());
+  ASSERT_OK_AND_ASSIGN(SimulatedStep at_link, SimulateStep(step.graph, times, links));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep calibrated, SimulateStep(step.graph, times, gathering));
+  int gathers = 0, others = 0;
+  for (const TaskSpec& task : step.graph.tasks()) {
+    ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+    if (!member.has_value()) continue;
+    const size_t t = task.id.value() - 1;
+    const double before = at_link.end_ms[t] - at_link.start_ms[t];
+    const double after = calibrated.end_ms[t] - calibrated.start_ms[t];
+    if (member->channel == kGatherChannel) {
+      EXPECT_NEAR(after - before, (900 - 150) / 1e3, 1e-9) << task.name;
+      ++gathers;
+    } else {
+      EXPECT_NEAR(after, before, 1e-9) << task.name;
+      ++others;
+    }
+  }
+  EXPECT_GT(gathers, 0);
+  EXPECT_GT(others, 0);
+  EXPECT_GT(calibrated.step_ms, at_link.step_ms);
+  ExpectPartsAddUp(calibrated);
+
+  // Slabs of one volume meet at every layer (their halo passes and statistics): the gathers of
+  // their parameters keep what any collective of four waits.
+  const ModelSpec unet = *BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry());
+  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs,
+                       unet.PlannedFor(1, 4, false, SequenceAttention::kHalo));
+  TrainingPlan sliced;
+  sliced.batch = 2;
+  sliced.parallel.data_parallel = 4;
+  sliced.parallel.sequence_parallel = 4;
+  sliced.parallel.sequence_attention = SequenceAttention::kHalo;
+  sliced.parallel.zero_stage = 3;
+  for (int r = 0; r < 4; ++r) sliced.parallel.workers.push_back(WorkerId(10 + r));
+  ASSERT_OK_AND_ASSIGN(StepGraph slab_step, PlanTrainingStep(slabs, sliced, CpuRegistry()));
+  const std::vector<TaskTime> slab_times(slab_step.graph.tasks().size());
+  ASSERT_OK_AND_ASSIGN(SimulatedStep slabs_at_link,
+                       SimulateStep(slab_step.graph, slab_times, links));
+  ASSERT_OK_AND_ASSIGN(SimulatedStep slabs_calibrated,
+                       SimulateStep(slab_step.graph, slab_times, gathering));
+  int slab_gathers = 0;
+  for (const TaskSpec& task : slab_step.graph.tasks()) {
+    ASSERT_OK_AND_ASSIGN(std::optional<CollectiveMembership> member, CollectiveOf(task));
+    if (!member.has_value() || member->channel != kGatherChannel) continue;
+    ++slab_gathers;
+  }
+  EXPECT_GT(slab_gathers, 0);
+  EXPECT_EQ(slabs_calibrated.end_ms, slabs_at_link.end_ms);
+}
+
 // A group of workers that runs collectives on tensor parallelism's channel together waits the
 // figure calibrated inside a pipeline where the group is a pipeline's stage (its compute reads
 // objects another stage's workers made), its kind's own figure where the groups stand side by
