@@ -54,6 +54,23 @@ std::vector<TaskTime> LayerTimesOnly(const StepGraph& step, const ModelSpec& mod
   return times;
 }
 
+// The tiny U-Net split into four slabs of each volume, and a plan of one volume over four
+// workers so split.
+Result<ModelSpec> TinyUNetInFourSlabs() {
+  TESSERA_ASSIGN_OR_RETURN(ModelSpec unet,
+                           BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry()));
+  return unet.PlannedFor(1, 4, false, SequenceAttention::kHalo);
+}
+TrainingPlan OneVolumeInFourSlabs() {
+  TrainingPlan plan;
+  plan.batch = 2;
+  plan.parallel.data_parallel = 4;
+  plan.parallel.sequence_parallel = 4;
+  plan.parallel.sequence_attention = SequenceAttention::kHalo;
+  for (int r = 0; r < 4; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
+  return plan;
+}
+
 void ExpectPartsAddUp(const SimulatedStep& simulated) {
   for (const SimulatedWorker& w : simulated.workers) {
     EXPECT_NEAR(w.compute_ms + w.bubble_ms + w.communication_ms + w.swap_ms, w.end_ms, 1e-9)
@@ -253,16 +270,9 @@ TEST(StepSimulationTest, SlabExchangesWaitTheirOwnLatency) {
   EXPECT_EQ(links.SequenceShardLatencyUs(4), 150);
 
   // One volume in four slabs: every collective of the step has four members.
-  const ModelSpec unet = *BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry());
-  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs,
-                       unet.PlannedFor(1, 4, false, SequenceAttention::kHalo));
-  TrainingPlan plan;
-  plan.batch = 2;
-  plan.parallel.data_parallel = 4;
-  plan.parallel.sequence_parallel = 4;
-  plan.parallel.sequence_attention = SequenceAttention::kHalo;
-  for (int r = 0; r < 4; ++r) plan.parallel.workers.push_back(WorkerId(10 + r));
-  ASSERT_OK_AND_ASSIGN(StepGraph step, PlanTrainingStep(slabs, plan, CpuRegistry()));
+  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs, TinyUNetInFourSlabs());
+  ASSERT_OK_AND_ASSIGN(StepGraph step,
+                       PlanTrainingStep(slabs, OneVolumeInFourSlabs(), CpuRegistry()));
   const std::vector<TaskTime> times(step.graph.tasks().size());
   links.collective_group = 4;
   ASSERT_OK_AND_ASSIGN(SimulatedStep simulated, SimulateStep(step.graph, times, links));
@@ -343,16 +353,9 @@ TEST(StepSimulationTest, ZeroThreesParameterGathersWaitTheirOwnLatency) {
 
   // Slabs of one volume meet at every layer (their halo passes and statistics): the gathers of
   // their parameters keep what any collective of four waits.
-  const ModelSpec unet = *BuildUNet3d(*UNet3dConfig::Preset("tiny"), CpuRegistry());
-  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs,
-                       unet.PlannedFor(1, 4, false, SequenceAttention::kHalo));
-  TrainingPlan sliced;
-  sliced.batch = 2;
-  sliced.parallel.data_parallel = 4;
-  sliced.parallel.sequence_parallel = 4;
-  sliced.parallel.sequence_attention = SequenceAttention::kHalo;
+  ASSERT_OK_AND_ASSIGN(const ModelSpec slabs, TinyUNetInFourSlabs());
+  TrainingPlan sliced = OneVolumeInFourSlabs();
   sliced.parallel.zero_stage = 3;
-  for (int r = 0; r < 4; ++r) sliced.parallel.workers.push_back(WorkerId(10 + r));
   ASSERT_OK_AND_ASSIGN(StepGraph slab_step, PlanTrainingStep(slabs, sliced, CpuRegistry()));
   const std::vector<TaskTime> slab_times(slab_step.graph.tasks().size());
   ASSERT_OK_AND_ASSIGN(SimulatedStep slabs_at_link,
