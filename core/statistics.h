@@ -6,7 +6,7 @@
 #pragma once
 
 #include <algorithm>
-#include <utility>
+#include <map>
 #include <vector>
 
 namespace tessera {
@@ -20,33 +20,37 @@ inline double Median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
-// A line y = intercept + slope * x through measured (x, y) points, by the median of the pairwise
-// slopes (Theil-Sen: one disturbed point moves it little, as a median) and the median of
-// y - slope * x; both held non-negative (a falling line: the median y, flat; a negative
-// intercept: through the origin, at the median of y / x). Points of equal x give no slope of
-// their own. 0, 0 for no points.
-struct Line {
-  double intercept = 0, slope = 0;
-  double At(double x) const { return intercept + slope * x; }
+// Lines of one slope through groups of measured (x, y) points, each group its own intercept
+// (y = intercept[group] + slope * x): the slope the median of the slopes between points of one
+// group (Theil-Sen: one disturbed point moves it little, as a median), held non-negative; each
+// intercept the median of its group's y - slope * x. Points of equal x give no slope of their
+// own; no slope at all: 0. Groups keyed by any ordered value.
+struct SharedSlope {
+  double slope = 0;
+  std::map<int, double> intercepts;  // by group
 };
-inline Line FitNonNegativeLine(const std::vector<std::pair<double, double>>& points) {
-  if (points.empty()) return {};
+struct GroupedPoint {
+  int group = 0;
+  double x = 0, y = 0;
+};
+inline SharedSlope FitSharedSlope(const std::vector<GroupedPoint>& points) {
   std::vector<double> slopes;
   for (size_t i = 0; i < points.size(); ++i) {
     for (size_t j = i + 1; j < points.size(); ++j) {
-      const double dx = points[j].first - points[i].first;
-      if (dx != 0) slopes.push_back((points[j].second - points[i].second) / dx);
+      const double dx = points[j].x - points[i].x;
+      if (points[i].group == points[j].group && dx != 0) {
+        slopes.push_back((points[j].y - points[i].y) / dx);
+      }
     }
   }
-  const double slope = std::max(0.0, Median(std::move(slopes)));
-  std::vector<double> intercepts, through_origin;
-  for (const auto& [x, y] : points) {
-    intercepts.push_back(y - slope * x);
-    if (x > 0) through_origin.push_back(y / x);
+  SharedSlope fit;
+  fit.slope = std::max(0.0, Median(std::move(slopes)));
+  std::map<int, std::vector<double>> intercepts;
+  for (const GroupedPoint& point : points) {
+    intercepts[point.group].push_back(point.y - fit.slope * point.x);
   }
-  const double intercept = Median(std::move(intercepts));
-  if (intercept >= 0) return {intercept, slope};
-  return {0, std::max(0.0, Median(std::move(through_origin)))};
+  for (auto& [group, values] : intercepts) fit.intercepts[group] = Median(std::move(values));
+  return fit;
 }
 
 }  // namespace tessera

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <variant>
@@ -253,10 +254,22 @@ int64_t MostTasksOnAWorker(const Graph& graph) {
   return most;
 }
 
+int64_t WorkersOf(const Graph& graph) {
+  std::set<WorkerId> workers;
+  for (const TaskSpec& task : graph.tasks()) workers.insert(task.pinned_worker);
+  return static_cast<int64_t>(workers.size());
+}
+
 double StepOverheadMs(const Calibration& calibration, const Graph& graph) {
-  if (calibration.step_overhead_per_task_ms <= 0) return calibration.step_overhead_ms;
-  return calibration.step_overhead_ms +
-         calibration.step_overhead_per_task_ms * static_cast<double>(MostTasksOnAWorker(graph));
+  double ms = calibration.step_overhead_ms;
+  if (calibration.step_overhead_per_worker_ms > 0) {
+    ms += calibration.step_overhead_per_worker_ms *
+          static_cast<double>(std::max<int64_t>(0, WorkersOf(graph) - 1));
+  }
+  if (calibration.step_overhead_per_task_ms > 0) {
+    ms += calibration.step_overhead_per_task_ms * static_cast<double>(MostTasksOnAWorker(graph));
+  }
+  return ms;
 }
 
 namespace {

@@ -75,11 +75,13 @@ struct Calibration {
   // forwards' rate (EstimateTaskTimes).
   double other_ms_per_unit = 0;
   // What a step on the workers takes beyond its tasks (its inputs sent, the instance started on
-  // every worker, their reports collected): step_overhead_ms plus step_overhead_per_task_ms for
-  // each task of the worker that runs the most (StepOverheadMs: a worker readies and retires
-  // each of its tasks), fitted on the probe steps' timelines (training/plan_calibration.h); 0:
-  // in this process.
+  // every worker, their reports collected): step_overhead_ms, plus step_overhead_per_worker_ms
+  // for each worker past the first (each is started and reports), plus
+  // step_overhead_per_task_ms for each task of the worker that runs the most (a worker readies
+  // and retires each of its tasks): StepOverheadMs. Fitted on the probe steps' timelines
+  // (training/plan_calibration.h); 0: in this process.
   double step_overhead_ms = 0;
+  double step_overhead_per_worker_ms = 0;
   double step_overhead_per_task_ms = 0;
   // The workers' compute time over the profile's (this process's): every task's time is
   // scaled by it; 1: the same.
@@ -109,9 +111,10 @@ struct Calibration {
   const TensorSplitTimes* SplitTimes(int tensor_parallel, int slabs = 1) const;
 };
 
-// The most tasks one worker of `graph` runs (its tasks pinned to no worker counted as one
-// worker's).
+// The most tasks one worker of `graph` runs, and how many workers run its tasks (tasks pinned to
+// no worker counted as one worker's).
 int64_t MostTasksOnAWorker(const Graph& graph);
+int64_t WorkersOf(const Graph& graph);
 // What a step of `graph` takes beyond its tasks by `calibration` (Calibration::step_overhead_ms).
 double StepOverheadMs(const Calibration& calibration, const Graph& graph);
 

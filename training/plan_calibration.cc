@@ -39,8 +39,9 @@ using nlohmann::json;
 // once above 8 KiB where workers outnumber the cores; 5: a probe per tensor group size; 6: and
 // one sharding sequences; 7: and one per slab count; 8: and a pipeline over every worker; 9: and
 // a pipeline of each kind of group; 10: what a step takes outside its tasks measured on each
-// probe's timeline, a constant plus a cost per task; 11: and a probe of ZeRO-3 ranks).
-constexpr int kCalibrationMethod = 11;
+// probe's timeline, a constant plus a cost per task; 11: and a probe of ZeRO-3 ranks; 12: and a
+// cost per worker).
+constexpr int kCalibrationMethod = 12;
 
 std::string HostName() {
   char name[256] = {};
@@ -604,13 +605,27 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_other,
                            Simulated(model, other, calibration, registry));
   const double a = simulated_one.step_ms, b = simulated_other.step_ms;
+  // Of those, what the tasks' overhead takes (every task at no time, nothing a step yet): the
+  // compute scale is the rest's.
+  const double unscaled = calibration.compute_scale;
+  calibration.compute_scale = 0;
+  TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_one,
+                           Simulated(model, one, calibration, registry));
+  TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_other,
+                           Simulated(model, other, calibration, registry));
+  calibration.compute_scale = unscaled;
+  const double per_task = overhead_one.step_ms + overhead_other.step_ms;
   // What a step takes outside its tasks (its inputs sent, the instance started on each worker,
-  // their reports collected), as the probes' timelines measured it: a constant and a cost per
-  // task of the worker that runs the most (a worker readies and retires each), fitted over every
-  // probe's median. The one rank's steps less theirs are then its work: the scale. Without
-  // timelines (a recording made before they were kept), the one rank's two steps fit a scale and
-  // a constant.
-  std::vector<std::pair<double, double>> outside;  // (most tasks on a worker, ms)
+  // their reports collected), as the probes' timelines measured it: a constant, a cost per
+  // worker past the first (each is started and reports) and a cost per task of the worker that
+  // runs the most (a worker readies and retires each), fitted over every probe's median: the
+  // cost per task the median slope between probes on as many workers (FitSharedSlope), the
+  // constant the one-worker probes' intercept, the cost per worker from the intercept of the
+  // probes on the most workers (on 2 cores the U-Net's probes of 4 workers and ~30 tasks took
+  // 1.2-1.3 ms outside them, one worker's 0.5-0.6). The one rank's steps less theirs are then its
+  // work: the scale. Without timelines (a recording made before they were kept), the one rank's
+  // two steps fit a scale and a constant.
+  std::vector<GroupedPoint> outside;  // by workers: (most tasks on a worker, ms)
   if (probed_one->timed() && probed_other->timed()) {
     const auto model_of = [&](size_t at) -> const ModelSpec& {
       for (const GroupProbe& group : groups) {
@@ -622,24 +637,39 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
       if (!probes[i].timed()) continue;
       TESSERA_ASSIGN_OR_RETURN(StepGraph step,
                                PlanTrainingStep(model_of(i), probes[i].plan, registry));
-      outside.emplace_back(static_cast<double>(MostTasksOnAWorker(step.graph)),
-                           Median(probes[i].outside_ms));
+      outside.push_back({static_cast<int>(WorkersOf(step.graph)),
+                         static_cast<double>(MostTasksOnAWorker(step.graph)),
+                         Median(probes[i].outside_ms)});
     }
   }
   if (!outside.empty()) {
-    const Line line = FitNonNegativeLine(outside);
-    calibration.step_overhead_ms = line.intercept;
-    calibration.step_overhead_per_task_ms = line.slope;
+    const SharedSlope fit = FitSharedSlope(outside);
+    const auto& [fewest_workers, alone] = *fit.intercepts.begin();
+    const auto& [most_workers, together] = *fit.intercepts.rbegin();
+    const double per_worker =
+        most_workers > fewest_workers
+            ? std::max(0.0, (together - alone) / static_cast<double>(most_workers - fewest_workers))
+            : 0.0;
+    calibration.step_overhead_per_worker_ms = per_worker;
+    // The constant is one worker's (the fewest probed are one, unless their probes failed).
+    calibration.step_overhead_ms =
+        std::max(0.0, alone - per_worker * static_cast<double>(fewest_workers - 1));
+    calibration.step_overhead_per_task_ms = fit.slope;
     const double one_outside = Median(probed_one->outside_ms);
     const double other_outside = Median(probed_other->outside_ms);
     calibration.compute_scale =
-        (measured_one - one_outside + measured_other - other_outside) / (a + b);
-    const auto [fewest, most] = std::minmax_element(outside.begin(), outside.end());
+        (measured_one - one_outside + measured_other - other_outside - per_task) /
+        (a + b - per_task);
+    const auto [fewest, most] =
+        std::minmax_element(outside.begin(), outside.end(),
+                            [](const GroupedPoint& p, const GroupedPoint& q) { return p.x < q.x; });
     say(fmt::format(
-        "outside its tasks a step takes {:.2f} ms + {:.2f} us a task of the worker running the "
-        "most ({} probes' timelines: {:.2f} ms at {:.0f} tasks to {:.2f} ms at {:.0f})",
-        line.intercept, 1e3 * line.slope, outside.size(), fewest->second, fewest->first,
-        most->second, most->first));
+        "outside its tasks a step takes {:.2f} ms + {:.2f} ms a worker past the first + {:.2f} us "
+        "a task of the worker running the most ({} probes' timelines: {:.2f} ms at {:.0f} tasks "
+        "to {:.2f} ms at {:.0f})",
+        calibration.step_overhead_ms, calibration.step_overhead_per_worker_ms,
+        1e3 * calibration.step_overhead_per_task_ms, outside.size(), fewest->y, fewest->x, most->y,
+        most->x));
     say(fmt::format(
         "one rank on one worker at {} and {} rows: {:.2f} and {:.2f} ms a step, {:.2f} "
         "and {:.2f} of it its tasks', against {:.2f} and {:.2f} ms of profiled work: "
@@ -1036,6 +1066,7 @@ Result<Calibration> RefitCalibration(const ModelSpec& model, const TrainingPlan&
   recorded.compute_scale = measured.compute_scale;
   recorded.step_overhead_ms = measured.step_overhead_ms;
   recorded.step_overhead_per_task_ms = measured.step_overhead_per_task_ms;
+  recorded.step_overhead_per_worker_ms = measured.step_overhead_per_worker_ms;
   recorded.sharing = measured.sharing;
   recorded.probes_failed = 0;
   if (recorded.measured_collective.measured()) {
@@ -1180,6 +1211,7 @@ Status SaveCalibration(const std::string& path, const std::string& key,
       {"other_ms_per_unit", calibration.other_ms_per_unit},
       {"step_overhead_ms", calibration.step_overhead_ms},
       {"step_overhead_per_task_ms", calibration.step_overhead_per_task_ms},
+      {"step_overhead_per_worker_ms", calibration.step_overhead_per_worker_ms},
       {"compute_scale", calibration.compute_scale},
       {"collective", LinkJson(calibration.links.collective)},
       {"measured_collective", LinkJson(calibration.measured_collective)},
@@ -1239,6 +1271,7 @@ Result<Calibration> LoadCalibration(const std::string& path, const std::string& 
     calibration.other_ms_per_unit = file.at("other_ms_per_unit").get<double>();
     calibration.step_overhead_ms = file.at("step_overhead_ms").get<double>();
     calibration.step_overhead_per_task_ms = file.value("step_overhead_per_task_ms", 0.0);
+    calibration.step_overhead_per_worker_ms = file.value("step_overhead_per_worker_ms", 0.0);
     calibration.compute_scale = file.at("compute_scale").get<double>();
     calibration.links.collective = LinkFrom(file.at("collective"));
     calibration.links.collective_group = file.at("collective_group").get<int>();

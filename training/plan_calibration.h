@@ -16,8 +16,9 @@
 //     none;
 //   * on a cluster, probe steps that fit what the profile in this process cannot see: what each
 //     probe's steps take outside their tasks (its timeline: the step less the span of its tasks),
-//     over every probe a constant plus a cost per task of the worker that runs the most
-//     (Calibration::step_overhead_ms, step_overhead_per_task_ms); one rank on one worker at two
+//     over every probe a constant, a cost per worker past the first and a cost per task of the
+//     worker that runs the most (Calibration::step_overhead_ms, step_overhead_per_worker_ms,
+//     step_overhead_per_task_ms); one rank on one worker at two
 //     row counts (one rank's of the widest data-parallel plan, and twice that): the worker's
 //     steps less that as a scale of the profiled work (Calibration::compute_scale; without
 //     timelines, a recording made before they were kept, the two steps fit the scale and a

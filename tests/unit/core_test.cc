@@ -330,28 +330,27 @@ TEST(StatisticsTest, TheMedianIsTheMiddleOrTheMeanOfTheMiddleTwo) {
   EXPECT_EQ(Median({10, 11, 1000}), 11);
 }
 
-// A line through points by the median of pairwise slopes: exact on a line, one disturbed point
-// leaves it so; a falling line is flat at the median, a negative intercept goes through the origin.
-TEST(StatisticsTest, ALineByMediansHeldNonNegative) {
-  const Line exact = FitNonNegativeLine({{10, 1.5}, {20, 2.5}, {40, 4.5}, {80, 8.5}});
-  EXPECT_DOUBLE_EQ(exact.intercept, 0.5);
+// Lines of one slope through groups of points, by the median of the slopes within each group:
+// exact on such lines, one disturbed point leaves them so; points of another group, or of equal
+// x, give no slope; a falling slope is held at 0, each intercept then its group's median.
+TEST(StatisticsTest, LinesOfOneSlopeByMedians) {
+  SharedSlope exact = FitSharedSlope({{1, 10, 1.5}, {1, 20, 2.5}, {4, 40, 6.0}, {4, 80, 10.0}});
   EXPECT_DOUBLE_EQ(exact.slope, 0.1);
-  EXPECT_DOUBLE_EQ(exact.At(100), 10.5);
-  const Line disturbed =
-      FitNonNegativeLine({{10, 1.5}, {20, 2.5}, {40, 40}, {80, 8.5}, {160, 16.5}});
+  EXPECT_DOUBLE_EQ(exact.intercepts[1], 0.5);
+  EXPECT_DOUBLE_EQ(exact.intercepts[4], 2.0);
+  // Across the groups the pairs would give other slopes (4.5 / 60): not counted.
+  const SharedSlope disturbed =
+      FitSharedSlope({{4, 10, 1.5}, {4, 20, 2.5}, {4, 40, 40}, {4, 80, 8.5}, {4, 160, 16.5}});
   EXPECT_DOUBLE_EQ(disturbed.slope, 0.1);
-  EXPECT_DOUBLE_EQ(disturbed.intercept, 0.5);
-  const Line falling = FitNonNegativeLine({{10, 3}, {20, 2}, {30, 1}});
+  EXPECT_DOUBLE_EQ(disturbed.intercepts.at(4), 0.5);
+  const SharedSlope falling = FitSharedSlope({{1, 10, 3}, {1, 20, 2}, {1, 30, 1}});
   EXPECT_EQ(falling.slope, 0);
-  EXPECT_EQ(falling.intercept, 2);
-  const Line origin = FitNonNegativeLine({{10, 0.5}, {20, 2}, {30, 3.5}});
-  EXPECT_EQ(origin.intercept, 0);
-  EXPECT_DOUBLE_EQ(origin.slope, 0.1);
-  // Equal x give no slope: flat at their median.
-  const Line same = FitNonNegativeLine({{5, 1}, {5, 2}, {5, 4}});
+  EXPECT_EQ(falling.intercepts.at(1), 2);
+  const SharedSlope same = FitSharedSlope({{1, 5, 1}, {1, 5, 2}, {2, 9, 4}});
   EXPECT_EQ(same.slope, 0);
-  EXPECT_EQ(same.intercept, 2);
-  EXPECT_EQ(FitNonNegativeLine({}).At(7), 0);
+  EXPECT_EQ(same.intercepts.at(1), 1.5);
+  EXPECT_EQ(same.intercepts.at(2), 4);
+  EXPECT_TRUE(FitSharedSlope({}).intercepts.empty());
 }
 
 TEST(SettingsTest, DefaultsAndEnvironmentOverrides) {

@@ -227,6 +227,7 @@ struct Probed {
   Calibration measured;
   CalibrationRequest request;
   TrainingPlan one, other, both;
+  TrainingPlan zero;  // both ZeRO-3 ranks at once, 4 micro-batches (probed where the link is)
 };
 void MeasureForARefit(Probed& probed) {
   probed.request.rows = {4, 8};
@@ -252,6 +253,17 @@ void MeasureForARefit(Probed& probed) {
   probed.both.batch = 8;
   probed.both.parallel.data_parallel = 2;
   probed.both.parallel.workers = probed.request.workers;
+  probed.zero = probed.both;
+  probed.zero.parallel.zero_stage = 3;
+  probed.zero.parallel.micro_batches = 4;
+}
+
+// A link measured between the probes' workers: with it, the probes include the ZeRO-3 ranks'.
+void MeasureTheLink(Probed& probed, Calibration& calibration) {
+  calibration.measured_collective = CollectiveLink{.latency_us = 20, .bytes_per_us = 1000};
+  calibration.links.collective = calibration.measured_collective;
+  calibration.links.collective_group = 2;
+  probed.zero.parallel.link = calibration.links.collective;
 }
 
 TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
@@ -312,38 +324,42 @@ TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
 }
 
 // Probes recorded with what their steps took outside their tasks (their timelines): that is
-// fitted as a constant plus a cost per task of the worker that runs the most, over every probe,
-// and the one rank's steps less it give the scale. Recorded as 1.2x the simulated steps plus
-// 0.3 ms + 2 us a task, the refit gives back all three, and the simulation of a plan adds the
-// overhead its busiest worker's tasks make.
-TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadPerTaskOnTheProbesTimelines) {
+// fitted as a constant, a cost per worker past the first and a cost per task of the worker that
+// runs the most, over every probe (the slope between the two-worker probes, which run different
+// counts of tasks), and the one rank's steps less it give the scale. Recorded as 1.2x the
+// simulated steps plus 0.3 ms + 0.1 ms a worker past the first + 2 us a task, the refit gives
+// back all four, and the simulation of a plan adds the overhead its workers and its busiest
+// worker's tasks make.
+TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadOnTheProbesTimelines) {
   Probed probed;
   ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
   const ModelSpec& model = probed.model;
-  const auto tasks = [&](const TrainingPlan& plan) {
+  Calibration recorded = probed.measured;
+  MeasureTheLink(probed, recorded);
+  const auto overhead = [&](const TrainingPlan& plan) {
     const Result<StepGraph> step = PlanTrainingStep(model, plan, CpuRegistry());
     EXPECT_OK(step.status());
-    return step.ok() ? static_cast<double>(MostTasksOnAWorker(step->graph)) : 0.0;
+    if (!step.ok()) return 0.0;
+    return 0.3 + 0.1 * static_cast<double>(WorkersOf(step->graph) - 1) +
+           0.002 * static_cast<double>(MostTasksOnAWorker(step->graph));
   };
-  const auto overhead = [](double busiest) { return 0.3 + 0.002 * busiest; };
-  // The ranks' all-reduces make the data-parallel step's workers busier than one rank's alone.
-  ASSERT_GT(tasks(probed.both), tasks(probed.one));
-  const double one_ms = SimulatedMs(model, probed.one, probed.measured);
-  const double other_ms = SimulatedMs(model, probed.other, probed.measured);
-  Calibration recorded = probed.measured;
-  recorded.probe_steps = {{"one rank on one worker",
-                           {1.2 * one_ms + overhead(tasks(probed.one))},
-                           {overhead(tasks(probed.one))}},
-                          {"one rank on one worker",
-                           {1.2 * other_ms + overhead(tasks(probed.other))},
-                           {overhead(tasks(probed.other))}},
-                          {"2 ranks at once", {}, {overhead(tasks(probed.both))}}};
-  Calibration scaled = probed.measured;
+  // ZeRO-3's gathers make its workers busier than the ranks' all-reduces do theirs.
+  ASSERT_GT(overhead(probed.zero), overhead(probed.both));
+  ASSERT_GT(overhead(probed.both), overhead(probed.one) + 0.1);
+  Calibration scaled = recorded;
   scaled.compute_scale = 1.2;
   scaled.step_overhead_ms = 0.3;
+  scaled.step_overhead_per_worker_ms = 0.1;
   scaled.step_overhead_per_task_ms = 0.002;
-  const double both_ms = 2 * SimulatedMs(model, probed.both, scaled);
-  recorded.probe_steps[2].ms = {both_ms};
+  const auto step = [&](const TrainingPlan& plan, double times) {
+    return Calibration::ProbeRecord{
+        "", {times * SimulatedMs(model, plan, scaled)}, {overhead(plan)}};
+  };
+  recorded.probe_steps = {step(probed.one, 1), step(probed.other, 1), step(probed.both, 2),
+                          step(probed.zero, 1)};
+  recorded.probe_steps[0].what = recorded.probe_steps[1].what = "one rank on one worker";
+  recorded.probe_steps[2].what = "2 ranks at once";
+  recorded.probe_steps[3].what = "2 ZeRO-3 ranks at once, 4 micro-batches";
   std::vector<std::string> said;
   ASSERT_OK_AND_ASSIGN(
       const Calibration refit,
@@ -351,22 +367,28 @@ TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadPerTaskOnTheProbesTimelines)
                        [&said](const std::string& line) { said.push_back(line); }));
   EXPECT_NEAR(refit.compute_scale, 1.2, 1e-9);
   EXPECT_NEAR(refit.step_overhead_ms, 0.3, 1e-9);
+  EXPECT_NEAR(refit.step_overhead_per_worker_ms, 0.1, 1e-9);
   EXPECT_NEAR(refit.step_overhead_per_task_ms, 0.002, 1e-12);
-  const Result<StepGraph> step = PlanTrainingStep(model, probed.both, CpuRegistry());
-  ASSERT_OK(step.status());
-  EXPECT_NEAR(StepOverheadMs(refit, step->graph), overhead(tasks(probed.both)), 1e-9);
-  EXPECT_NEAR(SimulatedMs(model, probed.both, refit), both_ms, 1e-3 * both_ms);
-  EXPECT_THAT(said, ::testing::Contains(HasSubstr("a task of the worker running the most")));
+  for (const TrainingPlan& plan : {probed.one, probed.both, probed.zero}) {
+    const Result<StepGraph> planned = PlanTrainingStep(model, plan, CpuRegistry());
+    ASSERT_OK(planned.status());
+    EXPECT_NEAR(StepOverheadMs(refit, planned->graph), overhead(plan), 1e-9);
+  }
+  EXPECT_NEAR(SimulatedMs(model, probed.both, refit), 2 * SimulatedMs(model, probed.both, scaled),
+              2e-3 * SimulatedMs(model, probed.both, scaled));
+  EXPECT_THAT(said, ::testing::Contains(HasSubstr("a worker past the first")));
   // Refitting a refit changes nothing; the figures survive the cache file.
   ASSERT_OK_AND_ASSIGN(const Calibration again,
                        RefitCalibration(model, Base(), probed.request, refit));
   EXPECT_EQ(again.step_overhead_per_task_ms, refit.step_overhead_per_task_ms);
+  EXPECT_EQ(again.step_overhead_per_worker_ms, refit.step_overhead_per_worker_ms);
   EXPECT_EQ(again.compute_scale, refit.compute_scale);
   const std::string path = ::testing::TempDir() + "/tessera_refit_timed.json";
   ASSERT_OK(SaveCalibration(path, "key", refit));
   ASSERT_OK_AND_ASSIGN(const Calibration loaded, LoadCalibration(path, "key"));
   EXPECT_EQ(loaded.step_overhead_per_task_ms, refit.step_overhead_per_task_ms);
-  ASSERT_EQ(loaded.probe_steps.size(), 3u);
+  EXPECT_EQ(loaded.step_overhead_per_worker_ms, refit.step_overhead_per_worker_ms);
+  ASSERT_EQ(loaded.probe_steps.size(), 4u);
   EXPECT_EQ(loaded.probe_steps[2].outside_ms, refit.probe_steps[2].outside_ms);
   std::filesystem::remove(path);
 }
@@ -380,16 +402,8 @@ TEST(PlanCalibrationTest, AZeroThreeProbeFitsWhatAParameterGatherWaits) {
   ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
   const ModelSpec& model = probed.model;
   Calibration recorded = probed.measured;
-  recorded.measured_collective = CollectiveLink{.latency_us = 20, .bytes_per_us = 1000};
-  recorded.links.collective = recorded.measured_collective;
-  recorded.links.collective_group = 2;
-  TrainingPlan zero = probed.one;
-  zero.batch = 8;
-  zero.parallel.data_parallel = 2;
-  zero.parallel.zero_stage = 3;
-  zero.parallel.micro_batches = 4;
-  zero.parallel.workers = probed.request.workers;
-  zero.parallel.link = recorded.links.collective;
+  MeasureTheLink(probed, recorded);
+  const TrainingPlan& zero = probed.zero;
   Calibration gathering = recorded;
   gathering.links.gather_latency = {{2, 500}};
   const double zero_ms = SimulatedMs(model, zero, gathering);
