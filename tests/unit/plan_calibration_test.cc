@@ -258,12 +258,15 @@ void MeasureForARefit(Probed& probed) {
   probed.zero.parallel.micro_batches = 4;
 }
 
-// A link measured between the probes' workers: with it, the probes include the ZeRO-3 ranks'.
-void MeasureTheLink(Probed& probed, Calibration& calibration) {
+// The measured calibration with a link measured between the probes' workers: with it, the
+// probes include the ZeRO-3 ranks' (whose plan takes the link).
+Calibration WithTheLink(Probed& probed) {
+  Calibration calibration = probed.measured;
   calibration.measured_collective = CollectiveLink{.latency_us = 20, .bytes_per_us = 1000};
   calibration.links.collective = calibration.measured_collective;
   calibration.links.collective_group = 2;
   probed.zero.parallel.link = calibration.links.collective;
+  return calibration;
 }
 
 TEST(PlanCalibrationTest, ARefitPutsTheSimulationOnTheRecordedProbeSteps) {
@@ -334,8 +337,7 @@ TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadOnTheProbesTimelines) {
   Probed probed;
   ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
   const ModelSpec& model = probed.model;
-  Calibration recorded = probed.measured;
-  MeasureTheLink(probed, recorded);
+  Calibration recorded = WithTheLink(probed);
   const auto overhead = [&](const TrainingPlan& plan) {
     const Result<StepGraph> step = PlanTrainingStep(model, plan, CpuRegistry());
     EXPECT_OK(step.status());
@@ -401,8 +403,7 @@ TEST(PlanCalibrationTest, AZeroThreeProbeFitsWhatAParameterGatherWaits) {
   Probed probed;
   ASSERT_NO_FATAL_FAILURE(MeasureForARefit(probed));
   const ModelSpec& model = probed.model;
-  Calibration recorded = probed.measured;
-  MeasureTheLink(probed, recorded);
+  Calibration recorded = WithTheLink(probed);
   const TrainingPlan& zero = probed.zero;
   Calibration gathering = recorded;
   gathering.links.gather_latency = {{2, 500}};
