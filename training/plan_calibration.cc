@@ -657,9 +657,11 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
     calibration.step_overhead_per_task_ms = fit.slope;
     const double one_outside = Median(probed_one->outside_ms);
     const double other_outside = Median(probed_other->outside_ms);
-    calibration.compute_scale =
-        (measured_one - one_outside + measured_other - other_outside - per_task) /
-        (a + b - per_task);
+    const double work = a + b - per_task;  // the profiled work, > 0 (the layers take time)
+    const double measured_work = measured_one - one_outside + measured_other - other_outside;
+    if (work > 0 && measured_work > per_task) {
+      calibration.compute_scale = (measured_work - per_task) / work;
+    }
     const auto [fewest, most] =
         std::minmax_element(outside.begin(), outside.end(),
                             [](const GroupedPoint& p, const GroupedPoint& q) { return p.x < q.x; });
