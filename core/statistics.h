@@ -24,7 +24,7 @@ inline double Median(std::vector<double> values) {
 // (y = intercept[group] + slope * x): the slope the median of the slopes between points of one
 // group (Theil-Sen: one disturbed point moves it little, as a median), held non-negative; each
 // intercept the median of its group's y - slope * x. Points of equal x give no slope of their
-// own; no slope at all: 0. Groups keyed by any ordered value.
+// own; no slope at all: 0. Groups keyed by an int (the calibration's: worker counts).
 struct SharedSlope {
   double slope = 0;
   std::map<int, double> intercepts;  // by group

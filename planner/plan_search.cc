@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <map>
-#include <set>
 #include <thread>
 #include <tuple>
 #include <variant>
@@ -247,29 +246,25 @@ Result<SimulatedStep> SimulatePlannedStep(const StepGraph& step, const ModelSpec
   return simulated;
 }
 
-int64_t MostTasksOnAWorker(const Graph& graph) {
+WorkerLoad WorkerLoadOf(const Graph& graph) {
   std::map<WorkerId, int64_t> tasks;
-  int64_t most = 0;
-  for (const TaskSpec& task : graph.tasks()) most = std::max(most, ++tasks[task.pinned_worker]);
-  return most;
-}
-
-int64_t WorkersOf(const Graph& graph) {
-  std::set<WorkerId> workers;
-  for (const TaskSpec& task : graph.tasks()) workers.insert(task.pinned_worker);
-  return static_cast<int64_t>(workers.size());
+  WorkerLoad load;
+  for (const TaskSpec& task : graph.tasks()) {
+    load.most_tasks = std::max(load.most_tasks, ++tasks[task.pinned_worker]);
+  }
+  load.workers = static_cast<int64_t>(tasks.size());
+  return load;
 }
 
 double StepOverheadMs(const Calibration& calibration, const Graph& graph) {
-  double ms = calibration.step_overhead_ms;
-  if (calibration.step_overhead_per_worker_ms > 0) {
-    ms += calibration.step_overhead_per_worker_ms *
-          static_cast<double>(std::max<int64_t>(0, WorkersOf(graph) - 1));
+  if (calibration.step_overhead_per_worker_ms <= 0 && calibration.step_overhead_per_task_ms <= 0) {
+    return calibration.step_overhead_ms;
   }
-  if (calibration.step_overhead_per_task_ms > 0) {
-    ms += calibration.step_overhead_per_task_ms * static_cast<double>(MostTasksOnAWorker(graph));
-  }
-  return ms;
+  const WorkerLoad load = WorkerLoadOf(graph);
+  return calibration.step_overhead_ms +
+         calibration.step_overhead_per_worker_ms *
+             static_cast<double>(std::max<int64_t>(0, load.workers - 1)) +
+         calibration.step_overhead_per_task_ms * static_cast<double>(load.most_tasks);
 }
 
 namespace {

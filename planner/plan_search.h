@@ -111,10 +111,12 @@ struct Calibration {
   const TensorSplitTimes* SplitTimes(int tensor_parallel, int slabs = 1) const;
 };
 
-// The most tasks one worker of `graph` runs, and how many workers run its tasks (tasks pinned to
-// no worker counted as one worker's).
-int64_t MostTasksOnAWorker(const Graph& graph);
-int64_t WorkersOf(const Graph& graph);
+// How many workers run `graph`'s tasks and the most tasks one of them runs (tasks pinned to no
+// worker counted as one worker's).
+struct WorkerLoad {
+  int64_t workers = 0, most_tasks = 0;
+};
+WorkerLoad WorkerLoadOf(const Graph& graph);
 // What a step of `graph` takes beyond its tasks by `calibration` (Calibration::step_overhead_ms).
 double StepOverheadMs(const Calibration& calibration, const Graph& graph);
 

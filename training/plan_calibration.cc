@@ -605,16 +605,6 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
   TESSERA_ASSIGN_OR_RETURN(SimulatedStep simulated_other,
                            Simulated(model, other, calibration, registry));
   const double a = simulated_one.step_ms, b = simulated_other.step_ms;
-  // Of those, what the tasks' overhead takes (every task at no time, nothing a step yet): the
-  // compute scale is the rest's.
-  const double unscaled = calibration.compute_scale;
-  calibration.compute_scale = 0;
-  TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_one,
-                           Simulated(model, one, calibration, registry));
-  TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_other,
-                           Simulated(model, other, calibration, registry));
-  calibration.compute_scale = unscaled;
-  const double per_task = overhead_one.step_ms + overhead_other.step_ms;
   // What a step takes outside its tasks (its inputs sent, the instance started on each worker,
   // their reports collected), as the probes' timelines measured it: a constant, a cost per
   // worker past the first (each is started and reports) and a cost per task of the worker that
@@ -637,12 +627,22 @@ Status FitTheProbes(const ModelSpec& model, const TrainingPlan& base,
       if (!probes[i].timed()) continue;
       TESSERA_ASSIGN_OR_RETURN(StepGraph step,
                                PlanTrainingStep(model_of(i), probes[i].plan, registry));
-      outside.push_back({static_cast<int>(WorkersOf(step.graph)),
-                         static_cast<double>(MostTasksOnAWorker(step.graph)),
+      const WorkerLoad load = WorkerLoadOf(step.graph);
+      outside.push_back({static_cast<int>(load.workers), static_cast<double>(load.most_tasks),
                          Median(probes[i].outside_ms)});
     }
   }
   if (!outside.empty()) {
+    // Of the one rank's simulated steps, what the tasks' overhead takes (every task at no time,
+    // nothing a step yet): the compute scale is the rest's.
+    const double unscaled = calibration.compute_scale;
+    calibration.compute_scale = 0;
+    TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_one,
+                             Simulated(model, one, calibration, registry));
+    TESSERA_ASSIGN_OR_RETURN(const SimulatedStep overhead_other,
+                             Simulated(model, other, calibration, registry));
+    calibration.compute_scale = unscaled;
+    const double per_task = overhead_one.step_ms + overhead_other.step_ms;
     const SharedSlope fit = FitSharedSlope(outside);
     const auto& [fewest_workers, alone] = *fit.intercepts.begin();
     const auto& [most_workers, together] = *fit.intercepts.rbegin();

@@ -342,8 +342,9 @@ TEST(PlanCalibrationTest, ARefitFitsTheStepsOverheadOnTheProbesTimelines) {
     const Result<StepGraph> step = PlanTrainingStep(model, plan, CpuRegistry());
     EXPECT_OK(step.status());
     if (!step.ok()) return 0.0;
-    return 0.3 + 0.1 * static_cast<double>(WorkersOf(step->graph) - 1) +
-           0.002 * static_cast<double>(MostTasksOnAWorker(step->graph));
+    const WorkerLoad load = WorkerLoadOf(step->graph);
+    return 0.3 + 0.1 * static_cast<double>(load.workers - 1) +
+           0.002 * static_cast<double>(load.most_tasks);
   };
   // ZeRO-3's gathers make its workers busier than the ranks' all-reduces do theirs.
   ASSERT_GT(overhead(probed.zero), overhead(probed.both));
